@@ -1,0 +1,108 @@
+"""The ``lora-cache`` command line. Options come from the components' config dataclasses."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from lora_cache.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.cliargs import add_config_args, config_from_args
+from lora_cache.errors import LoraCacheError
+from lora_cache.peft import read_adapter
+from lora_cache.roots import AdapterRoots
+from lora_cache.shapes import resolve_model
+from lora_cache.shards import shard_layout
+from lora_cache.synth import SynthConfig, make_adapters
+
+
+def cmd_make_adapters(ns: argparse.Namespace) -> int:
+    paths = make_adapters(ns.out, config_from_args(SynthConfig, ns))
+    for p in paths:
+        print(p)
+    return 0
+
+
+def inspect_adapter(directory: str, model: str, tp: int, max_rank: int) -> dict[str, object]:
+    shape = resolve_model(model)
+    path = AdapterRoots((Path(directory).resolve().parent,)).resolve(Path(directory).resolve())
+    spec = read_adapter(path.name, path, shape, max_rank)
+    ranks = sorted({m.rank for m in spec.modules})
+    layouts = [shard_layout(spec, shape, tp, k, getattr(torch, spec.dtype)) for k in range(tp)]
+    return {
+        "name": spec.name, "path": str(spec.path), "version": spec.version, "model": shape.name,
+        "dtype": spec.dtype, "rank": spec.config.r, "ranks": ranks, "lora_alpha": spec.config.lora_alpha,
+        "use_rslora": spec.config.use_rslora, "scaling": sorted({round(m.scaling, 6) for m in spec.modules}),
+        "modules": sorted({m.module for m in spec.modules}), "layers": len({m.layer for m in spec.modules}),
+        "file_bytes": spec.file_bytes, "tp": tp, "shard_bytes": [lay.nbytes for lay in layouts],
+    }
+
+
+def cmd_inspect(ns: argparse.Namespace) -> int:
+    info = inspect_adapter(ns.dir, ns.model, ns.tp, ns.max_rank)
+    if ns.json:
+        print(json.dumps(info, indent=2))
+    else:
+        for k, v in info.items():
+            print(f"{k:12} {v}")
+    return 0
+
+
+def cmd_demo(ns: argparse.Namespace) -> int:
+    from lora_cache.demo import run_demo
+    from workers.cache import WorkerConfig
+
+    out = Path(ns.out or tempfile.mkdtemp(prefix="lora-cache-demo-"))
+    synth = SynthConfig(model=ns.model or "tiny", count=ns.count, rank=ns.rank)
+    run_demo(out, synth, config_from_args(WorkerConfig, ns), steps=ns.steps, seed=ns.seed)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lora-cache", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-adapters", help="write random PEFT-layout LoRA adapters")
+    p.add_argument("out", help="output directory")
+    add_config_args(p, SynthConfig)
+    p.set_defaults(func=cmd_make_adapters)
+
+    p = sub.add_parser("inspect", help="rank, scaling, modules, version and per-TP-rank shard bytes of an adapter")
+    p.add_argument("dir", help="adapter directory (adapter_config.json + adapter_model.safetensors)")
+    p.add_argument("--model", default="llama-3.1-8b", help="named model shape or path to its config.json")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--max-rank", type=int, default=1024, help="reject adapters above this rank")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_inspect)
+
+    from workers.cache import WorkerConfig
+
+    p = sub.add_parser("demo", help="make demo adapters and load them through one worker cache")
+    p.add_argument("--out", help="directory for the demo adapters (default: a new temporary directory)")
+    p.add_argument("--model", default="tiny", help="named model shape or path to its config.json")
+    p.add_argument("--count", type=int, default=12, help="adapters to make (more than slots)")
+    p.add_argument("--rank", default="8,16", help="ranks, used in turn")
+    p.add_argument("--steps", type=int, default=24, help="engine steps to run")
+    p.add_argument("--seed", type=int, default=0, help="seed of adapters and batches")
+    add_config_args(p, WorkerConfig)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = ns.func
+    try:
+        return func(ns)
+    except LoraCacheError as e:
+        print(f"lora-cache {ns.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Generate argparse options from frozen config dataclasses: one source of truth for every option."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """``--field-name`` for each field of ``cls`` (nested config dataclasses are flattened)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if f.name in skip:
+            continue
+        if dataclasses.is_dataclass(kind):
+            add_config_args(parser, kind, skip)  # type: ignore[arg-type]
+            continue
+        flag, help_ = "--" + f.name.replace("_", "-"), f.metadata.get("help", "")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"{help_} (default: {default})")
+        elif typing.get_origin(kind) is tuple:
+            parser.add_argument(flag, nargs="+", default=None, help=f"{help_} (default: {default})")
+        else:
+            parser.add_argument(flag, type=kind, default=None, help=f"{help_} (default: {default})")
+
+
+def config_from_args(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> T:
+    """Build ``cls`` from parsed options; options left unset keep the dataclass defaults."""
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        kind = hints[f.name]
+        if f.name in overrides:
+            kwargs[f.name] = overrides[f.name]
+        elif dataclasses.is_dataclass(kind):
+            kwargs[f.name] = config_from_args(kind, ns)  # type: ignore[arg-type]
+        elif getattr(ns, f.name, None) is not None:
+            value = getattr(ns, f.name)
+            kwargs[f.name] = tuple(value) if typing.get_origin(kind) is tuple else value
+    return cls(**kwargs)

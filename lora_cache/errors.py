@@ -1,0 +1,42 @@
+"""Domain errors. Each names the thing, the value and the fix; only the gRPC servicer maps them to codes."""
+
+from __future__ import annotations
+
+
+class LoraCacheError(Exception):
+    """Base of every error lora-cache raises on purpose."""
+
+
+class ConfigError(LoraCacheError, ValueError):
+    """A configuration value is invalid."""
+
+
+class AdapterError(LoraCacheError, ValueError):
+    """An adapter on disk is malformed or does not fit the model."""
+
+
+class AdapterFormatError(AdapterError):
+    """adapter_config.json or adapter_model.safetensors is missing, corrupt or inconsistent."""
+
+
+class UnsupportedAdapterError(AdapterError):
+    """A valid PEFT adapter that uses a feature lora-cache does not serve (DoRA, modules_to_save)."""
+
+
+class AdapterPathError(AdapterError):
+    """A path outside the configured adapter roots, or a pickle file."""
+
+
+class ShardError(AdapterError):
+    """A tensor that cannot be split across the tensor-parallel ranks."""
+
+
+class NotFoundError(LoraCacheError, KeyError):
+    """An unknown adapter, replica or worker."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class CapacityError(LoraCacheError, RuntimeError):
+    """A bounded resource (GPU slots, pinned host bytes) cannot take more right now."""

@@ -1,0 +1,61 @@
+"""The planner's one config dataclass (the CLI is generated from its fields and their help)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from lora_cache.planner.errors import ConfigError, known_names
+from lora_cache.planner.policies import POLICIES
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """How the controller decides what each worker should hold."""
+
+    policy: str = field(default="global", metadata={"help": "placement policy: global | queue | none"})
+    half_life_s: float = field(default=60.0, metadata={"help": "half-life of the decayed popularity counts"})
+    local_weight: float = field(default=0.5, metadata={
+        "help": "weight of a replica's own counts against the fleet's (per replica) in an adapter's value"})
+    hysteresis: float = field(default=0.25, metadata={
+        "help": "a popularity prefetch evicts a resident only if its value per byte is more than "
+                "(1 + hysteresis) times the resident's"})
+    max_prefetches_per_plan: int = field(default=4, metadata={
+        "help": "popularity prefetches per replica per plan (queued and hinted adapters are not limited)"})
+    max_candidates_scanned: int = field(default=256, metadata={
+        "help": "popular adapters examined per replica per plan before giving up on filling room"})
+    hint_ttl_s: float = field(default=30.0, metadata={
+        "help": "a hint not fulfilled by a queued request this long after its expected time is dropped"})
+    max_hints_per_replica: int = field(default=1024, metadata={"help": "active hints kept per replica"})
+    max_tracked_per_replica: int = field(default=4096, metadata={
+        "help": "adapters whose per-replica counts are kept (the least popular are forgotten)"})
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy {self.policy!r} is not registered; choose one of {known_names(POLICIES)}")
+        _positive_seconds("half_life_s", self.half_life_s, "60.0")
+        _positive_seconds("hint_ttl_s", self.hint_ttl_s, "30.0")
+        if not _finite(self.local_weight) or not 0.0 <= self.local_weight <= 1.0:
+            raise ConfigError(f"local_weight is {self.local_weight!r}; give a weight in [0, 1] "
+                              "(0: fleet-wide counts only, 1: the replica's own counts only)")
+        if not _finite(self.hysteresis) or self.hysteresis < 0:
+            raise ConfigError(f"hysteresis is {self.hysteresis!r}; give a margin >= 0, e.g. 0.25 (a popular "
+                              "adapter must be worth 25% more per byte than the resident it would evict)")
+        _count("max_prefetches_per_plan", self.max_prefetches_per_plan, 0, "4 (0 disables popularity prefetch)")
+        _count("max_candidates_scanned", self.max_candidates_scanned, 1, "256")
+        _count("max_hints_per_replica", self.max_hints_per_replica, 1, "1024")
+        _count("max_tracked_per_replica", self.max_tracked_per_replica, 1, "4096")
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _positive_seconds(name: str, value: object, example: str) -> None:
+    if not _finite(value) or value <= 0:  # type: ignore[operator]
+        raise ConfigError(f"{name} is {value!r}; give a positive, finite number of seconds, e.g. {example}")
+
+
+def _count(name: str, value: object, least: int, example: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ConfigError(f"{name} is {value!r}; give an int >= {least}, e.g. {example}")

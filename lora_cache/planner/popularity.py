@@ -1,0 +1,185 @@
+"""Exponentially decayed request counts, fleet-wide and per replica (lifecycle step 3).
+
+Counts are kept *scaled* to a landmark time t0 shared by every counter: an event at time t adds
+2**((t - t0) / half_life), and the decayed count at `now` is scaled * 2**(-(now - t0) / half_life).
+So nothing decays in place, comparing scaled values compares decayed counts, and an adapter's rank
+only changes when its own count grows. When the exponent gets large every count is rescaled and t0
+moves to `now` (same order, no overflow). Time is always passed in; the core reads no clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left, insort
+from collections.abc import Iterator, Mapping
+
+from lora_cache.planner.records import AdapterInfo
+
+_RESCALE_EXPONENT = 256.0  # 2**256 is far from float overflow (2**1024), far enough from denormals
+
+
+class RankedCounts:
+    """Counts by key, with `order` kept sorted most-popular first ((-count, key), ties by key).
+
+    With `limit`, only the `limit` largest counts are kept; a count pushed out is forgotten.
+    """
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.values: dict[str, float] = {}
+        self.order: list[tuple[float, str]] = []  # (-count, key), ascending
+        self.limit = limit
+
+    def get(self, key: str) -> float:
+        return self.values.get(key, 0.0)
+
+    def add(self, key: str, amount: float) -> None:
+        old = self.values.get(key)
+        if old is not None:
+            del self.order[bisect_left(self.order, (-old, key))]
+        new = (old or 0.0) + amount
+        self.values[key] = new
+        insort(self.order, (-new, key))
+        if self.limit is not None and len(self.order) > self.limit:
+            _, dropped = self.order.pop()
+            del self.values[dropped]
+
+    def discard(self, key: str) -> None:
+        old = self.values.pop(key, None)
+        if old is not None:
+            del self.order[bisect_left(self.order, (-old, key))]
+
+    def rescale(self, factor: float) -> None:
+        """Multiply every count by `factor` (counts that underflow to zero are forgotten)."""
+        scaled = ((-neg * factor, key) for neg, key in self.order)
+        self.order = sorted((-value, key) for value, key in scaled if value > 0.0)
+        self.values = {key: -neg for neg, key in self.order}
+
+    def check_integrity(self) -> None:
+        assert self.order == sorted(self.order), "order is not sorted"
+        assert len(self.order) == len(self.values), "order and values disagree in size"
+        for neg, key in self.order:
+            assert self.values.get(key) == -neg > 0.0, f"count of {key!r} is inconsistent or not positive"
+        assert self.limit is None or len(self.order) <= self.limit, "more counts than the limit"
+
+
+class Popularity:
+    """Decayed counts of requests per adapter: one fleet-wide counter and one per replica."""
+
+    def __init__(self, half_life_s: float, max_tracked_per_replica: int) -> None:
+        self.half_life_s = half_life_s
+        self.max_tracked_per_replica = max_tracked_per_replica
+        self.landmark_s: float | None = None  # t0; None until the first call that passes a time
+        self.fleet = RankedCounts()
+        self.local: dict[str, RankedCounts] = {}
+
+    def advance(self, now: float) -> None:
+        """Move to `now` (the caller guarantees time never goes back); rescale if counts grew large."""
+        if self.landmark_s is None:
+            self.landmark_s = now
+        elif self._exponent(now) > _RESCALE_EXPONENT:
+            factor = 2.0 ** -self._exponent(now)
+            for counts in (self.fleet, *self.local.values()):
+                counts.rescale(factor)
+            self.landmark_s = now
+
+    def observe(self, adapter: str, replica: str, now: float, weight: float = 1.0) -> None:
+        """Count one request (or `weight` requests) for `adapter` at `replica`, at `now`."""
+        self.advance(now)
+        amount = weight * 2.0 ** self._exponent(now)
+        self.fleet.add(adapter, amount)
+        local = self.local.get(replica)
+        if local is None:
+            local = self.local[replica] = RankedCounts(self.max_tracked_per_replica)
+        local.add(adapter, amount)
+
+    def decayed(self, adapter: str, now: float, replica: str | None = None) -> float:
+        """The decayed count at `now` (>= the last time given): fleet-wide, or at one replica."""
+        counts = self.fleet if replica is None else self.local.get(replica)
+        if counts is None or self.landmark_s is None:
+            return 0.0
+        return counts.get(adapter) * 2.0 ** -self._exponent(now)
+
+    def forget(self, adapter: str) -> None:
+        for counts in (self.fleet, *self.local.values()):
+            counts.discard(adapter)
+
+    def drop_replica(self, replica: str) -> None:
+        self.local.pop(replica, None)
+
+    def scorer(self, replica: str, n_replicas: int, local_weight: float,
+               catalog: Mapping[str, AdapterInfo], min_bytes: int) -> ReplicaScorer:
+        fleet_weight = (1.0 - local_weight) / max(1, n_replicas)
+        return ReplicaScorer(self.fleet, self.local.get(replica), fleet_weight, local_weight, catalog, min_bytes)
+
+    def check_integrity(self) -> None:
+        self.fleet.check_integrity()
+        for replica, counts in self.local.items():
+            counts.check_integrity()
+            for key in counts.values:
+                assert key in self.fleet.values, f"{key!r} counted at {replica!r} but not fleet-wide"
+
+    def _exponent(self, now: float) -> float:
+        assert self.landmark_s is not None
+        return (now - self.landmark_s) / self.half_life_s
+
+
+class ReplicaScorer:
+    """An adapter's expected value on one replica, per byte of its shard.
+
+    value = fleet_weight * fleet count + local_weight * the replica's count (scaled counts: only
+    ratios and order are meaningful, and both are the same at every time).
+    """
+
+    def __init__(self, fleet: RankedCounts, local: RankedCounts | None, fleet_weight: float,
+                 local_weight: float, catalog: Mapping[str, AdapterInfo], min_bytes: int) -> None:
+        self._fleet, self._local = fleet, local
+        self._fleet_weight, self._local_weight = fleet_weight, local_weight
+        self._catalog = catalog
+        self._min_bytes = min_bytes
+
+    def value(self, adapter: str) -> float:
+        local = self._local.get(adapter) if self._local is not None else 0.0
+        return self._fleet_weight * self._fleet.get(adapter) + self._local_weight * local
+
+    def score(self, adapter: str) -> float:
+        return self.value(adapter) / self._catalog[adapter].bytes_per_rank
+
+    def ranked(self) -> Iterator[tuple[float, str]]:
+        """(score, adapter) for every adapter with a positive score, best first, ties by name.
+
+        Fagin's threshold algorithm over the two sorted counters: an adapter not yet seen in either
+        list scores at most `_bound`, so anything in the heap above the bound can be yielded. Lazy:
+        a caller that needs the top few reads only a little deeper than them.
+        """
+        fleet = self._fleet.order
+        local = self._local.order if self._local is not None else []
+        seen: set[str] = set()
+        heap: list[tuple[float, str]] = []
+        i = j = 0
+        while i < len(fleet) or j < len(local):
+            if i < len(fleet):
+                self._see(fleet[i][1], seen, heap)
+                i += 1
+            if j < len(local):
+                self._see(local[j][1], seen, heap)
+                j += 1
+            bound = self._bound(fleet, i, local, j)
+            while heap and -heap[0][0] > bound:
+                neg, adapter = heapq.heappop(heap)
+                yield -neg, adapter
+        while heap:
+            neg, adapter = heapq.heappop(heap)
+            yield -neg, adapter
+
+    def _see(self, adapter: str, seen: set[str], heap: list[tuple[float, str]]) -> None:
+        if adapter in seen or adapter not in self._catalog:
+            return
+        seen.add(adapter)
+        score = self.score(adapter)
+        if score > 0.0:
+            heapq.heappush(heap, (-score, adapter))
+
+    def _bound(self, fleet: list[tuple[float, str]], i: int, local: list[tuple[float, str]], j: int) -> float:
+        next_fleet = -fleet[i][0] if i < len(fleet) else 0.0
+        next_local = -local[j][0] if j < len(local) else 0.0
+        return (self._fleet_weight * next_fleet + self._local_weight * next_local) / self._min_bytes

@@ -1,0 +1,154 @@
+"""What the planner is told: catalog entries, replicas, queues, hints and residency reports.
+
+Specs (`AdapterInfo`, `ReplicaSpec`, `Hint`) validate their own values; whether the names they carry
+exist is checked by the planner, which knows the fleet.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import NamedTuple
+
+from lora_cache.planner.errors import PlannerInputError
+
+
+class AdapterKey(NamedTuple):
+    """One version of one adapter (equal, as a tuple, to `workers.host_tier.AdapterKey`)."""
+
+    name: str
+    version: str
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+class Capacity(NamedTuple):
+    """What one worker may hold: a number of slots and, if set, a byte budget for all of them."""
+
+    slots: int
+    bytes: int | None = None
+
+
+class SlotState(Enum):
+    LOADING = "loading"
+    READY = "ready"
+    IN_USE = "in_use"
+
+
+class Residency(NamedTuple):
+    """The state of one adapter version on one worker, as the worker last reported it."""
+
+    state: SlotState
+    refcount: int = 0
+
+    @property
+    def pinned(self) -> bool:
+        """A batch may be using it: never evicted."""
+        return self.state is SlotState.IN_USE or self.refcount > 0
+
+
+class ResidencyEntry(NamedTuple):
+    """One line of a worker's residency report."""
+
+    adapter: str
+    version: str
+    state: SlotState
+    refcount: int = 0
+
+
+class QueueEntry(NamedTuple):
+    """A waiting request of a replica: its adapter and when it arrived (identifies new arrivals)."""
+
+    adapter: str
+    arrival_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    """The catalog as the planner needs it: every TP rank's shard of `name` takes `bytes_per_rank`."""
+
+    name: str
+    version: str
+    bytes_per_rank: int
+
+    def __post_init__(self) -> None:
+        check_id("adapter name", self.name)
+        check_id(f"version of adapter {self.name!r}", self.version)
+        if not _is_int(self.bytes_per_rank) or self.bytes_per_rank < 1:
+            raise PlannerInputError(f"bytes_per_rank of adapter {self.name!r} is {self.bytes_per_rank!r}; "
+                                    "give the size in bytes of one rank's shard (an int >= 1)")
+
+    @property
+    def key(self) -> AdapterKey:
+        return AdapterKey(self.name, self.version)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    """A replica: its TP workers in rank order and what each may hold."""
+
+    replica_id: str
+    worker_ids: tuple[str, ...]
+    slots_per_worker: int
+    bytes_per_worker: int | None = None
+
+    def __post_init__(self) -> None:
+        check_id("replica id", self.replica_id)
+        if not isinstance(self.worker_ids, tuple) or not self.worker_ids:
+            raise PlannerInputError(f"replica {self.replica_id!r} has worker_ids {self.worker_ids!r}; "
+                                    "give a non-empty tuple of worker ids in rank order")
+        for worker in self.worker_ids:
+            check_id(f"worker id of replica {self.replica_id!r}", worker)
+        if len(set(self.worker_ids)) != len(self.worker_ids):
+            raise PlannerInputError(f"replica {self.replica_id!r} lists a worker twice in {self.worker_ids!r}; "
+                                    "each TP rank is a distinct worker")
+        check_capacity(f"replica {self.replica_id!r}", Capacity(self.slots_per_worker, self.bytes_per_worker))
+
+    @property
+    def capacity(self) -> Capacity:
+        return Capacity(self.slots_per_worker, self.bytes_per_worker)
+
+
+@dataclass(frozen=True, slots=True)
+class Hint:
+    """A router's forecast: a request for `adapter` is heading to `replica`, expected at `expected_s`.
+
+    `hint_id` makes hints idempotent: a second hint with a known id (active, fulfilled or cancelled)
+    is ignored, whatever it says.
+    """
+
+    hint_id: str
+    adapter: str
+    replica: str
+    expected_s: float
+
+    def __post_init__(self) -> None:
+        check_id("hint id", self.hint_id)
+        check_id(f"adapter of hint {self.hint_id!r}", self.adapter)
+        check_id(f"replica of hint {self.hint_id!r}", self.replica)
+        check_time(f"expected_s of hint {self.hint_id!r}", self.expected_s)
+
+
+def check_id(what: str, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise PlannerInputError(f"{what} is {value!r}; give a non-empty string")
+
+
+def check_time(what: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise PlannerInputError(f"{what} is {value!r}; give a finite time in seconds (the controller's clock)")
+
+
+def check_capacity(what: str, capacity: Capacity) -> None:
+    slots, budget = capacity
+    if not _is_int(slots) or slots < 0:
+        raise PlannerInputError(f"slots of {what} is {slots!r}; give the number of adapter slots (an int >= 0)")
+    if budget is not None and (not _is_int(budget) or budget < 0):
+        raise PlannerInputError(f"bytes of {what} is {budget!r}; give a byte budget (an int >= 0) "
+                                "or None to count slots only")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,77 @@
+"""Write real PEFT-layout adapters with random weights (``lora-cache make-adapters``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from lora_cache.errors import ConfigError
+from lora_cache.peft import CONFIG_FILE, WEIGHTS_FILE, peft_key
+from lora_cache.shapes import MODULE_ORDER, ModelShape, resolve_model
+
+
+@dataclass(frozen=True)
+class SynthConfig:
+    """How many adapters to write and of what shape."""
+
+    model: str = field(default="tiny", metadata={"help": "named model shape or path to its config.json"})
+    count: int = field(default=4, metadata={"help": "number of adapters"})
+    rank: str = field(default="16", metadata={"help": "rank, or comma-separated ranks used in turn (mixed ranks)"})
+    alpha: float = field(default=32.0, metadata={"help": "lora_alpha"})
+    targets: str = field(default=",".join(MODULE_ORDER), metadata={"help": "comma-separated target modules"})
+    dtype: str = field(default="bfloat16", metadata={"help": "float16, bfloat16 or float32"})
+    seed: int = field(default=0, metadata={"help": "random seed"})
+    prefix: str = field(default="adapter", metadata={"help": "directory name prefix"})
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise ConfigError(f"count must be >= 1, got {self.count}")
+        if not self.ranks() or min(self.ranks()) < 1:
+            raise ConfigError(f"rank must be positive integers like '16' or '8,16,64', got {self.rank!r}")
+        bad = [t for t in self.target_list() if t not in MODULE_ORDER]
+        if bad:
+            raise ConfigError(f"unknown target modules {bad}; choose from {list(MODULE_ORDER)}")
+        if self.dtype not in ("float16", "bfloat16", "float32"):
+            raise ConfigError(f"dtype must be float16, bfloat16 or float32, got {self.dtype!r}")
+
+    def ranks(self) -> list[int]:
+        try:
+            return [int(r) for r in self.rank.split(",") if r.strip()]
+        except ValueError as e:
+            raise ConfigError(f"rank must be integers like '16' or '8,16,64', got {self.rank!r}") from e
+
+    def target_list(self) -> list[str]:
+        return [t.strip() for t in self.targets.split(",") if t.strip()]
+
+
+def write_adapter(out: Path, shape: ModelShape, rank: int, alpha: float, targets: list[str],
+                  dtype: torch.dtype, gen: torch.Generator) -> Path:
+    """One adapter directory: adapter_config.json + adapter_model.safetensors, PEFT key names."""
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for layer in range(shape.num_layers):
+        for module in targets:
+            d_in, d_out = shape.dims(module)
+            a = torch.randn(rank, d_in, generator=gen) / d_in**0.5
+            b = torch.randn(d_out, rank, generator=gen) / rank**0.5  # nonzero, so every slot's content is distinct
+            tensors[peft_key(layer, module, "A")] = a.to(dtype)
+            tensors[peft_key(layer, module, "B")] = b.to(dtype)
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": targets,
+              "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "use_dora": False,
+              "fan_in_fan_out": False, "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
+              "task_type": "CAUSAL_LM", "base_model_name_or_path": shape.name}
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    return out
+
+
+def make_adapters(out: str | Path, config: SynthConfig) -> list[Path]:
+    shape, ranks = resolve_model(config.model), config.ranks()
+    gen = torch.Generator().manual_seed(config.seed)
+    dtype = getattr(torch, config.dtype)
+    return [write_adapter(Path(out) / f"{config.prefix}-{i:03d}", shape, ranks[i % len(ranks)], config.alpha,
+                          config.target_list(), dtype, gen) for i in range(config.count)]

@@ -1,0 +1,1 @@
+"""The data plane on each GPU: pinned host tier, GPU slot pool, side-stream loads, readiness reports."""

@@ -1,0 +1,68 @@
+"""A bounded arena of (pinned) host memory, allocated once; first-fit blocks with coalescing.
+
+Pinning per load is slow (ARCHITECTURE: keep pinned buffers in an arena), so the host tier allocates
+one buffer at start and hands out aligned byte ranges of it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import NamedTuple
+
+import torch
+
+ALIGN = 128
+
+
+class Block(NamedTuple):
+    offset: int
+    nbytes: int
+
+
+class HostArena:
+    """Byte ranges of one host buffer. Not thread-safe: the host tier's lock guards it."""
+
+    def __init__(self, capacity: int, pin: bool) -> None:
+        self.capacity = capacity
+        self.pinned = pin and torch.cuda.is_available()
+        self.buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pinned)
+        self._free: list[tuple[int, int]] = [(0, capacity)]  # sorted (offset, size) of free ranges
+        self._used: dict[int, int] = {}  # offset -> size of handed-out blocks
+
+    def alloc(self, nbytes: int) -> Block | None:
+        """First fit, or None if no free range is large enough."""
+        size = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        for i, (off, free) in enumerate(self._free):
+            if free >= size:
+                if free == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (off + size, free - size)
+                self._used[off] = size
+                return Block(off, size)
+        return None
+
+    def free(self, block: Block) -> None:
+        size = self._used.pop(block.offset)
+        i = bisect.bisect(self._free, (block.offset, 0))
+        self._free.insert(i, (block.offset, size))
+        if i + 1 < len(self._free) and block.offset + size == self._free[i + 1][0]:  # merge the next range
+            self._free[i : i + 2] = [(block.offset, size + self._free[i + 1][1])]
+        if i > 0 and sum(self._free[i - 1]) == self._free[i][0]:  # merge into the previous range
+            (a, sa), (_, sb) = self._free[i - 1], self._free[i]
+            self._free[i - 1 : i + 1] = [(a, sa + sb)]
+
+    def view(self, block: Block, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        return self.buffer[block.offset : block.offset + numel * dtype.itemsize].view(dtype)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self._used.values())
+
+    def check_integrity(self) -> None:
+        spans = sorted([*self._free, *self._used.items()])
+        assert sum(s for _, s in spans) == self.capacity, "free + used bytes != capacity"
+        for (a, sa), (b, _) in zip(spans, spans[1:]):
+            assert a + sa == b, f"gap or overlap at {a + sa} vs {b}"
+        for (a, sa), (b, _) in zip(self._free, self._free[1:]):
+            assert a + sa < b, f"free ranges at {a} and {b} were not coalesced"

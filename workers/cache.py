@@ -1,0 +1,289 @@
+"""The worker cache: one TP rank's adapters in GPU slots, loaded on a side stream (lifecycle steps 5-9).
+
+It composes the catalog, the host tier, the slot table and the completion watcher, and holds no
+allocation or eviction logic of its own. The engine calls ``acquire`` / ``release`` each step; the
+controller (or a local caller) calls ``prefetch`` / ``evict``.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from lora_cache.catalog import AdapterCatalog
+from lora_cache.errors import CapacityError, ConfigError, NotFoundError
+from lora_cache.peft import AdapterSpec
+from lora_cache.shards import ShardLayout, max_shard_numel, shard_layout
+from workers.host_tier import AdapterKey, HostEntry, HostTier, HostTierConfig
+from workers.index import IndexUploader
+from workers.loader import CompletionWatcher, ReadinessRecord, SlotLoad
+from workers.metrics import CacheCounters
+from workers.slots import SlotState, SlotTable
+from workers.streams import make_streams, resolve_device
+
+ON_MISS = ("load", "error")  # acquire of a non-resident adapter: load it on demand, or refuse
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One TP rank's cache: slots, dtype, device and its host tier."""
+
+    num_slots: int = field(default=8, metadata={"help": "GPU slots, each holding one adapter's shard"})
+    tp: int = field(default=1, metadata={"help": "tensor-parallel size of the replica"})
+    tp_rank: int = field(default=0, metadata={"help": "this worker's TP rank"})
+    dtype: str = field(default="bfloat16", metadata={"help": "slot dtype: bfloat16, float16 or float32"})
+    device: str = field(default="auto", metadata={"help": "cuda, cuda:N, cpu or auto"})
+    max_batch: int = field(default=256, metadata={"help": "most adapters one acquire() may name"})
+    on_miss: str = field(default="load", metadata={"help": "acquire of a non-resident adapter: load or error"})
+    host: HostTierConfig = field(default_factory=HostTierConfig)
+
+    def __post_init__(self) -> None:
+        if self.num_slots < 1:
+            raise ConfigError(f"num_slots must be >= 1, got {self.num_slots}")
+        if self.tp < 1 or not 0 <= self.tp_rank < self.tp:
+            raise ConfigError(f"tp_rank {self.tp_rank} must be in 0..{self.tp - 1} for tp {self.tp}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ConfigError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.on_miss not in ON_MISS:
+            raise ConfigError(f"on_miss must be one of {ON_MISS}, got {self.on_miss!r}")
+        if self.max_batch < 1:
+            raise ConfigError(f"max_batch must be >= 1, got {self.max_batch}")
+
+
+class Batch(NamedTuple):
+    """What ``acquire`` hands the engine: per-request slot indices, on the host and on the device."""
+
+    adapters: tuple[str, ...]
+    slots: tuple[int, ...]  # slot of each request, in batch order
+    slot_index: torch.Tensor  # the same, int32 on the device (valid until the ring wraps)
+    held: tuple[int, ...]  # distinct slots referenced by this batch
+    token: list[bool]  # [released?], guards double release
+
+
+class WorkerCache:
+    """One TP rank's adapter cache."""
+
+    def __init__(self, config: WorkerConfig, catalog: AdapterCatalog,
+                 on_ready: Callable[[ReadinessRecord], None] | None = None, compute_stream: Any = None) -> None:
+        self.config, self.catalog, self.on_ready = config, catalog, on_ready
+        self.device = resolve_device(config.device)
+        self.dtype: torch.dtype = getattr(torch, config.dtype)
+        self.slot_numel = max_shard_numel(catalog.shape, config.tp, catalog.config.max_rank, self.dtype)
+        slot_bytes = self.slot_numel * self.dtype.itemsize
+        if config.host.host_bytes < slot_bytes:
+            raise ConfigError(f"host_bytes ({config.host.host_bytes / 2**20:.1f} MiB) must hold at least one slot "
+                              f"({slot_bytes / 2**20:.1f} MiB for {catalog.shape.name}, rank {catalog.config.max_rank}"
+                              f", TP {config.tp}); raise host_bytes or lower max_rank")
+        self.streams = make_streams(self.device, compute_stream)
+        self.pool = torch.empty((config.num_slots, self.slot_numel), dtype=self.dtype, device=self.device)
+        self.table = SlotTable(config.num_slots)
+        self.host = HostTier(config.host)
+        self.counters = CacheCounters()
+        self._lock = threading.Lock()  # protects table, _loads, _pending, _last_use, counters
+        self._loads: dict[int, SlotLoad] = {}  # slot -> its load (LOADING or READY)
+        self._pending: dict[AdapterKey, SlotLoad] = {}  # staging on the host, no slot yet
+        self._last_use: list[Any] = [None] * config.num_slots  # compute-done event of the slot's last batch
+        self._index = IndexUploader(self.streams, config.max_batch, self.device)
+        self._watcher = CompletionWatcher(self.streams, self._finish)
+
+    # -- control: prefetch / evict (lifecycle steps 4-7) ------------------------------------------
+    def prefetch(self, name: str, version: str | None = None) -> Future[ReadinessRecord]:
+        """Start loading ``name`` (idempotent). The future resolves when this rank's shard is READY."""
+        spec = self.catalog.get(name, version)
+        key = AdapterKey(name, spec.version)
+        layout = self._layout(spec)  # bad shapes fail here, before anything is reserved
+        with self._lock:
+            slot = self.table.lookup(key)
+            if slot is not None:
+                return self._loads[slot.index].future
+            if key in self._pending:
+                return self._pending[key].future
+            load = SlotLoad(key, layout)
+            self._pending[key] = load
+            self.counters.prefetches += 1
+        try:
+            staged, load.host_hit = self.host.fetch(spec, layout)
+        except Exception as e:
+            self._fail(load, e)
+            raise
+        staged.add_done_callback(functools.partial(self._issue, load))
+        return load.future
+
+    def evict(self, name: str, version: str | None = None) -> bool:
+        """Free the adapter's slot if it is READY and unused; False if absent, loading or in use."""
+        version = version or self.catalog.get(name).version
+        with self._lock:
+            key = AdapterKey(name, version)
+            slot = self.table.lookup(key)
+            if slot is None or not self.table.evict(key):
+                return False
+            self._loads.pop(slot.index)
+            self.counters.evictions += 1
+            return True
+
+    # -- engine: acquire / release (lifecycle step 9) ---------------------------------------------
+    def acquire(self, adapters: Sequence[str]) -> Batch:
+        """Slots for a batch's adapters; the compute stream waits (on the GPU) for loads in flight."""
+        if not 0 < len(adapters) <= self.config.max_batch:
+            raise ValueError(f"acquire takes 1..{self.config.max_batch} adapters (max_batch), got {len(adapters)}")
+        held: list[int] = []
+        try:
+            for name in dict.fromkeys(adapters):
+                held.append(self._hold(name))
+        except BaseException:
+            self._drop_refs(held, None)
+            raise
+        slot_of = dict(zip(dict.fromkeys(adapters), held))
+        with self._lock:
+            waits = [self._loads[i].ready_event for i in held if self.table.slots[i].state is SlotState.LOADING]
+        for event in waits:
+            self.streams.compute_wait(event)
+        slots = tuple(slot_of[a] for a in adapters)
+        return Batch(tuple(adapters), slots, self._index.upload(slots), tuple(held), [False])
+
+    def release(self, batch: Batch) -> None:
+        """The batch's kernels are enqueued: record their completion as the slots' last use."""
+        if batch.token[0]:
+            raise ValueError("batch released twice; release each acquired batch exactly once")
+        batch.token[0] = True
+        self._drop_refs(list(batch.held), self.streams.record_compute())
+
+    def _drop_refs(self, held: list[int], last_use: Any) -> None:
+        with self._lock:
+            for index in held:
+                if last_use is not None:
+                    self._last_use[index] = last_use
+                self.table.decref(index)
+
+    def _hold(self, name: str) -> int:
+        spec = self.catalog.get(name)
+        key, first = AdapterKey(name, spec.version), True
+        while True:
+            with self._lock:
+                slot = self.table.lookup(key)
+                if slot is not None:
+                    self.table.incref(slot.index)
+                    if first:
+                        self.counters.gpu_hits += 1
+                    return slot.index
+                load = self._pending.get(key)
+                if first:
+                    self.counters.gpu_misses += 1
+                    first = False
+            if load is None:
+                if self.config.on_miss == "error":
+                    raise NotFoundError(f"adapter {key} is not resident on TP rank {self.config.tp_rank} and "
+                                        "on_miss is 'error'; prefetch it first or set on_miss='load'")
+                self.prefetch(name, spec.version)
+                continue
+            load.issued.wait()  # on-demand: the host waits for the disk read, the GPU for the copy
+            if load.future.done() and load.future.exception() is not None:
+                raise load.future.exception()  # type: ignore[misc]
+
+    # -- the load path ------------------------------------------------------------------------------
+    def _issue(self, load: SlotLoad, staged: Future[HostEntry]) -> None:
+        """Host staging done (reader thread): take a slot and issue the one H2D copy (step 6)."""
+        try:
+            entry = staged.result()
+        except BaseException as e:
+            self._fail(load, e)
+            return
+        load.disk_ms = 0.0 if load.host_hit else entry.read_ms
+        with self._lock:
+            try:
+                load.slot, evicted = self.table.reserve(load.key)
+            except CapacityError as e:  # every slot is loading or in use: this load fails, nothing else changes
+                self._pending.pop(load.key)
+                error: CapacityError | None = e
+            else:
+                error = None
+                if evicted is not None:
+                    self._loads.pop(load.slot)
+                    self.counters.evictions += 1
+                dst = self.pool[load.slot, : load.layout.numel]
+                load.start_event, load.ready_event = self.streams.copy_into_slot(dst, entry.tensor,
+                                                                                 self._last_use[load.slot])
+                self._loads[load.slot] = self._pending.pop(load.key)
+        if error is not None:
+            self.host.release(load.key)
+            return self._reject(load, error)
+        load.issued.set()
+        self._watcher.add(load)
+
+    def _finish(self, load: SlotLoad) -> None:
+        """The copy's ready event completed (watcher thread): READY, report (step 7)."""
+        record = ReadinessRecord(load.key.name, load.key.version, self.config.tp_rank, load.slot, load.disk_ms,
+                                 self.streams.elapsed_ms(load.start_event, load.ready_event),
+                                 (time.perf_counter() - load.t0) * 1e3, load.layout.nbytes, load.host_hit)
+        with self._lock:
+            self.table.mark_ready(load.slot)
+            self.counters.loads += 1
+            self.counters.bytes_host_to_gpu += record.nbytes
+            if not record.host_hit:
+                self.counters.disk_ms.add(record.disk_ms)
+            self.counters.h2d_ms.add(record.h2d_ms)
+            self.counters.ready_ms.add(record.ready_ms)
+        self.host.release(load.key)
+        try:
+            if self.on_ready is not None:
+                self.on_ready(record)
+        finally:
+            load.future.set_result(record)
+
+    def _fail(self, load: SlotLoad, error: BaseException) -> None:
+        with self._lock:
+            self._pending.pop(load.key, None)
+        self._reject(load, error)
+
+    def _reject(self, load: SlotLoad, error: BaseException) -> None:
+        with self._lock:
+            self.counters.load_failures += 1
+        load.future.set_exception(error)
+        load.issued.set()
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 - specs are immutable; bounded
+    def _layout(self, spec: AdapterSpec) -> ShardLayout:
+        return shard_layout(spec, self.catalog.shape, self.config.tp, self.config.tp_rank, self.dtype)
+
+    # -- introspection ------------------------------------------------------------------------------
+    def residency(self) -> list[dict[str, object]]:
+        with self._lock:
+            return [{"adapter": s.key.name, "version": s.key.version, "slot": s.index, "state": s.state.value,
+                     "refs": s.refs} for s in self.table.slots if s.key is not None]
+
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            snap = self.counters.snapshot()
+            snap.update(host_hits=self.host.hits, host_misses=self.host.misses,
+                        bytes_disk_to_host=self.host.bytes_read, slots_ready=self.table.count(SlotState.READY),
+                        slots_loading=self.table.count(SlotState.LOADING), host_bytes_used=self.host.arena.used_bytes)
+        return snap
+
+    def slot_view(self, slot: int, layout: ShardLayout, layer: int, module: str, ab: str) -> torch.Tensor:
+        """One matrix of a resident shard, as a view of the pool (for engines and tests)."""
+        e = layout.entry(layer, module, ab)
+        return self.pool[slot, e.offset : e.offset + e.numel].view(e.shape)
+
+    def layout_of(self, name: str, version: str | None = None) -> ShardLayout:
+        return self._layout(self.catalog.get(name, version))
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            self.table.check_integrity()
+            for s in self.table.slots:
+                assert (s.key is not None) == (s.index in self._loads), f"slot {s.index} and its load disagree"
+                if s.key is not None:
+                    assert self._loads[s.index].key == s.key, f"slot {s.index} load is for another adapter"
+            assert not set(self._pending) & {s.key for s in self.table.slots}, "a pending load already has a slot"
+        self.host.check_integrity()
+
+    def close(self) -> None:
+        self.host.close()
+        self._watcher.close()

@@ -1,0 +1,134 @@
+"""The pinned host tier: packed shards staged in a bounded arena, LRU by bytes, single-flight reads.
+
+Reads run on a thread pool (blocking file I/O off the caller's thread). Concurrent fetches of one
+adapter share one read. An entry is pinned by references while a host-to-GPU copy may still read it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from lora_cache.errors import CapacityError, ConfigError
+from lora_cache.peft import AdapterSpec
+from lora_cache.shards import ShardLayout
+from workers.arena import Block, HostArena
+from workers.reader import read_shard
+
+
+class AdapterKey(NamedTuple):
+    name: str
+    version: str
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+@dataclass(frozen=True)
+class HostTierConfig:
+    """Size of the host tier and its reader pool."""
+
+    host_bytes: int = field(default=2 << 30, metadata={"help": "bytes of (pinned) host memory for staged shards"})
+    read_threads: int = field(default=4, metadata={"help": "threads reading adapter files"})
+    pin: bool = field(default=True, metadata={"help": "pin host memory when a GPU is present"})
+
+    def __post_init__(self) -> None:
+        if self.host_bytes < 1 << 20:
+            raise ConfigError(f"host_bytes ({self.host_bytes}) must be at least 1 MiB")
+        if not 1 <= self.read_threads <= 64:
+            raise ConfigError(f"read_threads must be in 1..64, got {self.read_threads}")
+
+
+@dataclass
+class HostEntry:
+    key: AdapterKey
+    layout: ShardLayout
+    block: Block
+    tensor: torch.Tensor  # 1-D view of the arena, layout.dtype, layout.numel elements
+    ready: Future[HostEntry]
+    refs: int = 0
+    read_ms: float = 0.0
+    bytes_read: int = 0
+
+
+class HostTier:
+    """Staged shards by adapter key. ``fetch`` takes a reference; ``release`` drops it."""
+
+    def __init__(self, config: HostTierConfig) -> None:
+        self.config = config
+        self.arena = HostArena(config.host_bytes, config.pin)
+        self._pool = ThreadPoolExecutor(config.read_threads, thread_name_prefix="lora-read")
+        self._lock = threading.Lock()  # protects _entries and the arena
+        self._entries: OrderedDict[AdapterKey, HostEntry] = OrderedDict()  # LRU order, oldest first
+        self.hits = self.misses = self.bytes_read = 0
+
+    def fetch(self, spec: AdapterSpec, layout: ShardLayout) -> tuple[Future[HostEntry], bool]:
+        """The staged shard (a future: reads are asynchronous) and whether it was a host-tier hit."""
+        key = AdapterKey(spec.name, spec.version)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:  # hit, or a read already in flight (single flight)
+                self._entries.move_to_end(key)
+                entry.refs += 1
+                self.hits += 1
+                return entry.ready, True
+            block = self._allocate(layout.nbytes, key)
+            entry = HostEntry(key, layout, block, self.arena.view(block, layout.dtype, layout.numel), Future(), refs=1)
+            self._entries[key] = entry
+            self.misses += 1
+        self._pool.submit(self._read, spec, entry)
+        return entry.ready, False
+
+    def release(self, key: AdapterKey) -> None:
+        with self._lock:
+            entry = self._entries[key]
+            assert entry.refs > 0, f"host entry {key} released more often than fetched"
+            entry.refs -= 1
+
+    def contains(self, key: AdapterKey) -> bool:
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry is not None and entry.ready.done() and entry.ready.exception() is None
+
+    def _allocate(self, nbytes: int, key: AdapterKey) -> Block:
+        while (block := self.arena.alloc(nbytes)) is None:
+            victim = next((k for k, e in self._entries.items() if e.refs == 0 and e.ready.done()), None)
+            if victim is None:
+                held = sum(e.block.nbytes for e in self._entries.values())
+                raise CapacityError(f"host tier ({self.config.host_bytes} bytes) cannot stage {key} "
+                                    f"({nbytes} bytes): {held} bytes are held by loads in flight; "
+                                    "raise host_bytes or load fewer adapters at once")
+            self.arena.free(self._entries.pop(victim).block)
+        return block
+
+    def _read(self, spec: AdapterSpec, entry: HostEntry) -> None:
+        t0 = time.perf_counter()
+        try:
+            entry.bytes_read = read_shard(spec, entry.layout, entry.tensor)
+        except BaseException as e:  # a failed read leaves the tier as it was, and tells every waiter
+            with self._lock:
+                del self._entries[entry.key]
+                self.arena.free(entry.block)
+            entry.ready.set_exception(e)
+            return
+        entry.read_ms = (time.perf_counter() - t0) * 1e3
+        with self._lock:
+            self.bytes_read += entry.bytes_read
+        entry.ready.set_result(entry)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=False)
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            self.arena.check_integrity()
+            assert self.arena.used_bytes == sum(e.block.nbytes for e in self._entries.values()), \
+                "arena blocks and host entries disagree"
+            assert all(e.refs >= 0 for e in self._entries.values()), "negative host reference count"
+            assert self.arena.used_bytes <= self.config.host_bytes

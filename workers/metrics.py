@@ -1,0 +1,42 @@
+"""Counters of the worker cache: hits and misses per tier, bytes moved, load and readiness times."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+class Reservoir:
+    """The last ``maxlen`` samples (bounded), summarised as count / mean / p50 / p99."""
+
+    def __init__(self, maxlen: int = 4096) -> None:
+        self.samples: deque[float] = deque(maxlen=maxlen)
+        self.count = 0
+
+    def add(self, value: float) -> None:
+        self.samples.append(value)
+        self.count += 1
+
+    def summary(self) -> dict[str, float]:
+        if not self.samples:
+            return {"count": 0}
+        s = sorted(self.samples)
+        pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
+        return {"count": self.count, "mean": sum(s) / len(s), "p50": pick(0.5), "p99": pick(0.99)}
+
+
+@dataclass
+class CacheCounters:
+    gpu_hits: int = 0  # acquire found the adapter resident (ready or loading)
+    gpu_misses: int = 0  # acquire had to start a load
+    prefetches: int = 0  # loads started by prefetch()
+    loads: int = 0  # copies that completed
+    load_failures: int = 0
+    evictions: int = 0
+    bytes_host_to_gpu: int = 0
+    disk_ms: Reservoir = field(default_factory=Reservoir)  # disk -> host staging, per load that read the disk
+    h2d_ms: Reservoir = field(default_factory=Reservoir)  # one packed copy, measured by events
+    ready_ms: Reservoir = field(default_factory=Reservoir)  # prefetch/miss -> READY
+
+    def snapshot(self) -> dict[str, object]:
+        return {k: (v.summary() if isinstance(v, Reservoir) else v) for k, v in vars(self).items()}
