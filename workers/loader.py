@@ -53,8 +53,11 @@ class SlotLoad:
 class CompletionWatcher:
     """Polls the ready events of issued copies; calls ``on_done(load)`` for each that completed."""
 
-    def __init__(self, streams: CpuStreams, on_done: Callable[[SlotLoad], None], poll_s: float = 50e-6) -> None:
-        self.streams, self.on_done, self.poll_s = streams, on_done, poll_s
+    def __init__(self, streams: CpuStreams, on_done: Callable[[SlotLoad], None], poll_s: float = 50e-6,
+                 max_poll_s: float = 500e-6) -> None:
+        # Polling backs off from poll_s to max_poll_s while nothing completes: each wake-up takes the GIL
+        # from the engine's launching thread, and a load lasts 0.5-6 ms anyway.
+        self.streams, self.on_done, self.poll_s, self.max_poll_s = streams, on_done, poll_s, max_poll_s
         self._cond = threading.Condition()  # protects _pending and _closed
         self._pending: list[SlotLoad] = []
         self._closed = False
@@ -67,6 +70,7 @@ class CompletionWatcher:
             self._cond.notify()
 
     def _run(self) -> None:
+        pause = self.poll_s
         while True:
             with self._cond:
                 while not self._pending and not self._closed:
@@ -77,8 +81,9 @@ class CompletionWatcher:
                 self._pending = [ld for ld in self._pending if ld not in done]
             for load in done:
                 self._deliver(load)
+            pause = self.poll_s if done else min(pause * 2, self.max_poll_s)
             if not done:
-                time.sleep(self.poll_s)
+                time.sleep(pause)
 
     def _deliver(self, load: SlotLoad) -> None:
         try:

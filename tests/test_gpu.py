@@ -1,0 +1,124 @@
+"""GPU tests of the worker data path: side-stream loads, no host syncs, stream-ordered slot reuse."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from lora_cache.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.synth import SynthConfig, make_adapters
+from workers.cache import WorkerCache, WorkerConfig
+from workers.host_tier import AdapterKey, HostTierConfig
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _catalog(root: Path, count: int, rank: str = "8,16", model: str = "tiny") -> AdapterCatalog:
+    make_adapters(root, SynthConfig(model=model, count=count, rank=rank))
+    catalog = AdapterCatalog(CatalogConfig(adapter_roots=(str(root),), model=model, max_rank=64))
+    catalog.register_dir(root)
+    return catalog
+
+
+def _cache(catalog: AdapterCatalog, slots: int, **kw: object) -> WorkerCache:
+    return WorkerCache(WorkerConfig(num_slots=slots, device="cuda", host=HostTierConfig(host_bytes=64 << 20), **kw),
+                       catalog)
+
+
+def _file_shard(cache: WorkerCache, name: str) -> torch.Tensor:
+    """The packed shard as it must appear in a slot, built from the file on the CPU."""
+    layout = cache.layout_of(name)
+    out = torch.zeros(layout.numel, dtype=cache.dtype)
+    with safe_open(str(cache.catalog.get(name).weights), framework="pt") as f:
+        for e in layout.entries:
+            out[e.offset : e.offset + e.numel].view(e.shape).copy_(f.get_slice(e.key)[e.rows, e.cols])
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_side_stream_load_matches_file(tmp_path: Path, tp: int) -> None:
+    catalog = _catalog(tmp_path, 4)
+    caches = [_cache(catalog, 2, tp=tp, tp_rank=k) for k in range(tp)]
+    try:
+        for cache in caches:
+            record = cache.prefetch("adapter-001").result(timeout=30)
+            assert record.h2d_ms > 0 and record.tp_rank == cache.config.tp_rank
+            layout = cache.layout_of("adapter-001")
+            got = cache.pool[record.slot, : layout.numel].cpu()
+            assert torch.equal(got, _file_shard(cache, "adapter-001"))
+            cache.check_integrity()
+    finally:
+        for cache in caches:
+            cache.close()
+
+
+def test_acquire_and_step_make_no_host_sync(tmp_path: Path) -> None:
+    catalog = _catalog(tmp_path, 6)
+    cache = _cache(catalog, 4)
+    try:
+        for name in ("adapter-000", "adapter-001"):
+            cache.prefetch(name).result(timeout=30)
+        x = torch.randn(8, cache.slot_numel // 64, device="cuda", dtype=cache.dtype)
+        cache.host.fetch(catalog.get("adapter-002"), cache.layout_of("adapter-002"))[0].result(timeout=30)
+        cache.host.release(AdapterKey("adapter-002", catalog.get("adapter-002").version))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for names in (["adapter-000", "adapter-001"], ["adapter-001", "adapter-002", "adapter-003"]):
+                batch = cache.acquire(names)  # adapter-002: host hit, copy in flight; -003: on-demand miss
+                rows = cache.pool.index_select(0, batch.slot_index.long())[:, : x.shape[1]]
+                y = x[: len(names)] * rows  # a "step" reading the slots through the device index
+                cache.release(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        assert y.isfinite().all()
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
+def _race_once(cache: WorkerCache, delay_cycles: int, wait_for_last_use: bool) -> bool:
+    """A slow batch reads slot 0 while a prefetch wants it; True if the batch saw only its own weights."""
+    own = cache.pool[0].clone()
+    batch = cache.acquire(["adapter-000"])
+    seen = torch.empty_like(own)
+    torch.cuda._sleep(delay_cycles)  # the batch is slow: its read of the slot happens late
+    seen.copy_(cache.pool.index_select(0, batch.slot_index.long())[0])
+    cache.release(batch)
+    if not wait_for_last_use:  # the control: what a loader without last-use events would do
+        cache._last_use[0] = None
+    cache.prefetch("adapter-001").result(timeout=60)  # host hit: the copy is issued at once, into slot 0
+    torch.cuda.synchronize()
+    ok = torch.equal(seen, own)
+    cache.prefetch("adapter-000").result(timeout=60)  # back to the starting state
+    torch.cuda.synchronize()
+    return ok
+
+
+@pytest.mark.parametrize("delay_cycles", [0, 10_000, 1_000_000, 20_000_000, 200_000_000])
+def test_stream_race_batch_sees_its_own_adapter(tmp_path: Path, delay_cycles: int) -> None:
+    catalog = _catalog(tmp_path, 2, rank="16")
+    cache = _cache(catalog, 1)
+    try:
+        for name in ("adapter-001", "adapter-000"):  # both staged on the host; adapter-000 in the only slot
+            cache.prefetch(name).result(timeout=30)
+        assert all(_race_once(cache, delay_cycles, wait_for_last_use=True) for _ in range(3))
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
+def test_stream_race_is_real_without_last_use_event(tmp_path: Path) -> None:
+    """The control: skipping the last-use wait lets the copy overwrite the slot under a slow batch."""
+    catalog = _catalog(tmp_path, 2, rank="16")
+    cache = _cache(catalog, 1)
+    try:
+        for name in ("adapter-001", "adapter-000"):
+            cache.prefetch(name).result(timeout=30)
+        assert not _race_once(cache, 500_000_000, wait_for_last_use=False)
+    finally:
+        cache.close()
