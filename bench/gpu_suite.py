@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from lora_cache.catalog import AdapterCatalog, CatalogConfig
-from lora_cache.shapes import MODULE_ORDER, resolve_model
+from lora_cache.shapes import MODULE_ORDER
 from lora_cache.synth import SynthConfig, make_adapters
 from workers.cache import WorkerCache, WorkerConfig
 from workers.host_tier import HostTierConfig
@@ -164,7 +164,7 @@ def bench_overlap(catalog: AdapterCatalog, rank: int, iters: int, trials: int) -
         del keep
         stop, started = threading.Event(), threading.Event()
 
-        def churn() -> None:
+        def churn(stop: threading.Event = stop, started: threading.Event = started) -> None:
             while not stop.is_set():
                 for n in names:
                     cache.evict(n)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from lora_cache.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.cliargs import add_config_args, config_from_args
 from lora_cache.errors import LoraCacheError
 from lora_cache.peft import read_adapter

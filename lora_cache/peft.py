@@ -62,7 +62,7 @@ class AdapterConfig:
         if raw.get("modules_to_save"):
             raise UnsupportedAdapterError(f"{where}: modules_to_save={raw['modules_to_save']!r} is not supported "
                                           "(fully fine-tuned modules are not LoRA); save the adapter without them")
-        r, alpha = raw.get("r"), raw.get("lora_alpha", raw.get("r"))
+        r, alpha = raw.get("r"), raw.get("lora_alpha", 8)  # PEFT's default lora_alpha is 8
         if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
             raise AdapterFormatError(f"{where}: 'r' must be a positive integer, got {r!r}")
         if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
@@ -94,7 +94,8 @@ class AdapterConfig:
     def targets(self, module: str, layer: int) -> bool:
         if isinstance(self.target_modules, str):
             return re.fullmatch(self.target_modules, module_path(layer, module)) is not None
-        return module in self.target_modules or module_path(layer, module) in self.target_modules
+        path = module_path(layer, module)  # like PEFT: a name matches itself or any dotted suffix of the path
+        return any(path == t or path.endswith("." + t) for t in self.target_modules)
 
 
 def _pattern(raw: Any, kind: type, where: Path, name: str) -> tuple[tuple[str, Any], ...]:
@@ -188,7 +189,7 @@ def _read_header(weights: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     try:
         with safe_open(str(weights), framework="pt") as f:
             header = {}
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 sl = f.get_slice(key)
                 header[key] = (sl.get_dtype(), tuple(sl.get_shape()))
     except Exception as e:  # safetensors raises its own SafetensorError / OSError kinds
@@ -228,7 +229,7 @@ def _order(module: str) -> int:
 def _check_module(layer: int, module: str, ab: dict[str, tuple[int, ...]], config: AdapterConfig,
                   shape: ModelShape, max_rank: int, weights: Path) -> LoraModule:
     where = f"{weights}: layer {layer} {module}"
-    for missing in {"A", "B"} - ab.keys():
+    for missing in sorted({"A", "B"} - set(ab)):  # report the first missing one
         raise AdapterFormatError(f"{where} has no lora_{missing} tensor ({peft_key(layer, module, missing)!r}); "
                                  "every adapted module needs both lora_A and lora_B")
     if not config.targets(module, layer):

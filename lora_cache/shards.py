@@ -92,7 +92,8 @@ def _entries(m: LoraModule, shape: ModelShape, tp: int, rank: int) -> list[tuple
         axis = SPLIT_AXIS[(parallel, ab)]
         spans = [slice(0, dims[0]), slice(0, dims[1])]
         if axis is not None:
-            spans[axis] = split(dims[axis], tp, rank, f"layer {m.layer} {m.module}.lora_{ab} ({parallel.value}-parallel)")
+            what = f"layer {m.layer} {m.module}.lora_{ab} ({parallel.value}-parallel)"
+            spans[axis] = split(dims[axis], tp, rank, what)
         out.append((ab, spans[0], spans[1], (spans[0].stop - spans[0].start, spans[1].stop - spans[1].start)))
     return out
 

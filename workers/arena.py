@@ -7,6 +7,7 @@ one buffer at start and hands out aligned byte ranges of it.
 from __future__ import annotations
 
 import bisect
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -62,7 +63,7 @@ class HostArena:
     def check_integrity(self) -> None:
         spans = sorted([*self._free, *self._used.items()])
         assert sum(s for _, s in spans) == self.capacity, "free + used bytes != capacity"
-        for (a, sa), (b, _) in zip(spans, spans[1:]):
+        for (a, sa), (b, _) in itertools.pairwise(spans):
             assert a + sa == b, f"gap or overlap at {a + sa} vs {b}"
         for (a, sa), (b, _) in zip(self._free, self._free[1:]):
             assert a + sa < b, f"free ranges at {a} and {b} were not coalesced"

@@ -89,6 +89,7 @@ class WorkerCache:
         self._lock = threading.Lock()  # protects table, _loads, _pending, _last_use, counters
         self._loads: dict[int, SlotLoad] = {}  # slot -> its load (LOADING or READY)
         self._pending: dict[AdapterKey, SlotLoad] = {}  # staging on the host, no slot yet
+        self._slot_waiters: list[tuple[SlotLoad, HostEntry]] = []  # staged, waiting for a load to finish
         self._last_use: list[Any] = [None] * config.num_slots  # compute-done event of the slot's last batch
         self._index = IndexUploader(self.streams, config.max_batch, self.device)
         self._watcher = CompletionWatcher(self.streams, self._finish)
@@ -165,6 +166,7 @@ class WorkerCache:
     def _hold(self, name: str) -> int:
         spec = self.catalog.get(name)
         key, first = AdapterKey(name, spec.version), True
+        started: Future[ReadinessRecord] | None = None  # the load this call started, if any
         while True:
             with self._lock:
                 slot = self.table.lookup(key)
@@ -178,10 +180,12 @@ class WorkerCache:
                     self.counters.gpu_misses += 1
                     first = False
             if load is None:
+                if started is not None and started.exception() is not None:  # ours failed: no retry loop
+                    raise started.exception()  # type: ignore[misc]
                 if self.config.on_miss == "error":
                     raise NotFoundError(f"adapter {key} is not resident on TP rank {self.config.tp_rank} and "
                                         "on_miss is 'error'; prefetch it first or set on_miss='load'")
-                self.prefetch(name, spec.version)
+                started = self.prefetch(name, spec.version)
                 continue
             load.issued.wait()  # on-demand: the host waits for the disk read, the GPU for the copy
             if load.future.done() and load.future.exception() is not None:
@@ -196,11 +200,18 @@ class WorkerCache:
             self._fail(load, e)
             return
         load.disk_ms = 0.0 if load.host_hit else entry.read_ms
+        self._place(load, entry)
+
+    def _place(self, load: SlotLoad, entry: HostEntry) -> None:
+        """Reserve a slot and copy; if only loads in flight stand in the way, wait for one to finish."""
         with self._lock:
             try:
                 load.slot, evicted = self.table.reserve(load.key)
-            except CapacityError as e:  # every slot is loading or in use: this load fails, nothing else changes
-                self._pending.pop(load.key)
+            except CapacityError as e:
+                if any(s.state is SlotState.LOADING and s.refs == 0 for s in self.table.slots):
+                    self._slot_waiters.append((load, entry))  # retried by _finish: a hint costs latency only
+                    return
+                self._pending.pop(load.key)  # every slot is in use: this load fails, nothing else changes
                 error: CapacityError | None = e
             else:
                 error = None
@@ -216,6 +227,12 @@ class WorkerCache:
             return self._reject(load, error)
         load.issued.set()
         self._watcher.add(load)
+
+    def _retry_waiters(self) -> None:
+        with self._lock:
+            waiters, self._slot_waiters = self._slot_waiters, []
+        for load, entry in waiters:
+            self._place(load, entry)
 
     def _finish(self, load: SlotLoad) -> None:
         """The copy's ready event completed (watcher thread): READY, report (step 7)."""
@@ -236,6 +253,7 @@ class WorkerCache:
                 self.on_ready(record)
         finally:
             load.future.set_result(record)
+            self._retry_waiters()
 
     def _fail(self, load: SlotLoad, error: BaseException) -> None:
         with self._lock:

@@ -8,9 +8,12 @@ loads wait for a slot's ``last_use`` event on the GPU (lifecycle step 6), never 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
+
+from lora_cache.errors import ConfigError
 
 
 class HostEvent:
@@ -101,9 +104,12 @@ def resolve_device(name: str) -> torch.device:
     """``auto`` is the current CUDA device when there is one, else the CPU."""
     if name == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:  # torch's own parse error: not a LoraCacheError, so the CLI would die on it
+        raise ConfigError(f"device {name!r} is not a device name; use cpu, cuda, cuda:N or auto") from e
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {name!r} asked for, but this machine has no CUDA GPU; use --device cpu or auto")
+        raise ConfigError(f"device {name!r} asked for, but this machine has no CUDA GPU; use --device cpu or auto")
     if device.type not in BACKENDS:
-        raise ValueError(f"device {name!r} is not supported; use cpu, cuda, cuda:N or auto")
+        raise ConfigError(f"device {name!r} is not supported; use cpu, cuda, cuda:N or auto")
     return device

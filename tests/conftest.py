@@ -1,0 +1,145 @@
+"""Shared fixtures of the CPU tests: tiny adapters on disk, catalogs and worker caches over them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from lora_cache.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec, peft_key
+from lora_cache.shapes import MODULE_ORDER, SHAPES
+from lora_cache.shards import ShardLayout
+from lora_cache.synth import SynthConfig, make_adapters
+from workers.cache import WorkerCache, WorkerConfig
+from workers.host_tier import HostTierConfig
+
+TINY = SHAPES["tiny"]
+
+
+@pytest.fixture
+def tiny_adapters(tmp_path: Path) -> Callable[..., list[Path]]:
+    """``tiny_adapters(count, rank="8,16", root=None, **synth)``: PEFT dirs written by make_adapters."""
+
+    def make(count: int = 4, rank: str = "8,16", root: Path | None = None, **kw: Any) -> list[Path]:
+        return make_adapters(
+            root or tmp_path / "adapters", SynthConfig(model="tiny", count=count, rank=rank, **kw)
+        )
+
+    return make
+
+
+@pytest.fixture
+def make_catalog() -> Callable[..., AdapterCatalog]:
+    """``make_catalog(root, max_rank=16, model="tiny", register=True)``: a catalog over ``root``."""
+
+    def make(root: Path, max_rank: int = 16, model: str = "tiny", register: bool = True) -> AdapterCatalog:
+        catalog = AdapterCatalog(CatalogConfig(adapter_roots=(str(root),), model=model, max_rank=max_rank))
+        if register:
+            catalog.register_dir(root)
+        return catalog
+
+    return make
+
+
+def lora_tensors(
+    rank: int | dict[tuple[int, str], int] = 8,
+    modules: tuple[str, ...] = MODULE_ORDER,
+    layers: tuple[int, ...] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Valid tiny-model LoRA tensors under PEFT keys; ``rank`` may be per (layer, module)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(TINY.num_layers) if layers is None else layers:
+        for module in modules:
+            r = rank if isinstance(rank, int) else rank.get((layer, module), 8)
+            d_in, d_out = TINY.dims(module)
+            out[peft_key(layer, module, "A")] = torch.randn(r, d_in, generator=gen).to(dtype)
+            out[peft_key(layer, module, "B")] = torch.randn(d_out, r, generator=gen).to(dtype)
+    return out
+
+
+def write_peft(directory: Path, tensors: dict[str, torch.Tensor] | None = None, **config: Any) -> Path:
+    """A hand-written PEFT adapter dir; ``config`` overrides the adapter_config.json fields."""
+    directory.mkdir(parents=True, exist_ok=True)
+    raw = {
+        "peft_type": "LORA",
+        "r": 8,
+        "lora_alpha": 16,
+        "target_modules": list(MODULE_ORDER),
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": "tiny",
+    }
+    raw.update(config)
+    save_file(lora_tensors() if tensors is None else tensors, str(directory / WEIGHTS_FILE))
+    (directory / CONFIG_FILE).write_text(json.dumps(raw))
+    return directory
+
+
+@pytest.fixture
+def peft_writer() -> Callable[..., Path]:
+    """``peft_writer(dir, tensors=None, **config)``: see :func:`write_peft`."""
+    return write_peft
+
+
+@pytest.fixture
+def tensors_for() -> Callable[..., dict[str, torch.Tensor]]:
+    """``tensors_for(rank, modules, layers, dtype, seed)``: see :func:`lora_tensors`."""
+    return lora_tensors
+
+
+def file_tensors(spec: AdapterSpec) -> dict[str, torch.Tensor]:
+    """Every tensor of an adapter's weights file, read in full."""
+    with safe_open(str(spec.weights), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
+
+
+def expected_entries(spec: AdapterSpec, layout: ShardLayout) -> dict[tuple[int, str, str], torch.Tensor]:
+    """(layer, module, A/B) -> the slice this layout's rank must hold, cut from the full file tensors."""
+    full = file_tensors(spec)
+    return {(e.layer, e.module, e.ab): full[e.key][e.rows, e.cols].to(layout.dtype) for e in layout.entries}
+
+
+@pytest.fixture
+def file_slices() -> Callable[[AdapterSpec, ShardLayout], dict[tuple[int, str, str], torch.Tensor]]:
+    return expected_entries
+
+
+@pytest.fixture
+def make_cache() -> Iterator[Callable[..., WorkerCache]]:
+    """``make_cache(catalog, num_slots=3, **worker_config)``: a CPU WorkerCache, closed after the test."""
+    caches: list[WorkerCache] = []
+
+    def make(
+        catalog: AdapterCatalog,
+        num_slots: int = 3,
+        host_bytes: int = 1 << 20,
+        on_ready: Callable[..., None] | None = None,
+        **kw: Any,
+    ) -> WorkerCache:
+        config = WorkerConfig(
+            num_slots=num_slots,
+            device="cpu",
+            host=HostTierConfig(host_bytes=host_bytes, read_threads=2, pin=False),
+            **kw,
+        )
+        cache = WorkerCache(config, catalog, on_ready=on_ready)
+        caches.append(cache)
+        return cache
+
+    yield make
+    for cache in caches:
+        cache.close()

@@ -1,0 +1,225 @@
+"""The lora-cache command line: make-adapters, inspect (plain and JSON), demo, and errors as exit code 2."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from lora_cache.cli import main
+from lora_cache.peft import CONFIG_FILE, WEIGHTS_FILE, content_version
+from lora_cache.shapes import MODULE_ORDER, SHAPES
+from lora_cache.shards import shard_layout
+from lora_cache.synth import SynthConfig
+
+TINY_HF_CONFIG = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "head_dim": 16,
+}
+
+
+@pytest.fixture
+def made(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> list[Path]:
+    out = tmp_path / "adapters"
+    assert (
+        main(["make-adapters", str(out), "--model", "tiny", "--count", "3", "--rank", "8,16", "--seed", "7"])
+        == 0
+    )
+    printed = capsys.readouterr().out.split()
+    return [Path(p) for p in printed]
+
+
+def inspect_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, object]:
+    assert main(["inspect", *argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    return json.loads(captured.out)
+
+
+def test_make_adapters_with_mixed_ranks(made: list[Path], tmp_path: Path) -> None:
+    assert [p.name for p in made] == ["adapter-000", "adapter-001", "adapter-002"]
+    ranks = []
+    for p in made:
+        assert (p / WEIGHTS_FILE).is_file()
+        cfg = json.loads((p / CONFIG_FILE).read_text())
+        assert (
+            cfg["peft_type"] == "LORA"
+            and cfg["target_modules"] == list(MODULE_ORDER)
+            and cfg["lora_alpha"] == 32
+        )
+        ranks.append(cfg["r"])
+    assert ranks == [8, 16, 8]  # ranks used in turn
+    again = tmp_path / "again"
+    assert main(["make-adapters", str(again), "--count", "3", "--rank", "8,16", "--seed", "7"]) == 0
+    assert [content_version(again / p.name) for p in made] == [content_version(p) for p in made]  # seeded
+
+
+def test_inspect_json(made: list[Path], capsys: pytest.CaptureFixture[str]) -> None:
+    info = inspect_json(capsys, str(made[1]), "--model", "tiny", "--tp", "2")
+    assert info["name"] == "adapter-001" and info["path"] == str(made[1].resolve())
+    assert (
+        info["version"] == content_version(made[1])
+        and info["model"] == "tiny"
+        and info["dtype"] == "bfloat16"
+    )
+    assert info["rank"] == 16 and info["ranks"] == [16] and info["lora_alpha"] == 32.0
+    assert info["use_rslora"] is False and info["scaling"] == [2.0]
+    assert info["modules"] == sorted(MODULE_ORDER) and info["layers"] == 2
+    assert info["file_bytes"] == (made[1] / WEIGHTS_FILE).stat().st_size and info["tp"] == 2
+    shard_bytes = info["shard_bytes"]
+    assert isinstance(shard_bytes, list) and len(shard_bytes) == 2 and shard_bytes[0] == shard_bytes[1]
+    from lora_cache.peft import read_adapter
+
+    spec = read_adapter("adapter-001", made[1], SHAPES["tiny"], 16)
+    assert shard_bytes == [shard_layout(spec, SHAPES["tiny"], 2, k, torch.bfloat16).nbytes for k in range(2)]
+    whole = inspect_json(capsys, str(made[1]), "--model", "tiny")["shard_bytes"]
+    assert isinstance(whole, list) and len(whole) == 1 and shard_bytes[0] < whole[0] < 2 * shard_bytes[0]
+    assert inspect_json(capsys, str(made[0]), "--model", "tiny", "--tp", "4")["scaling"] == [4.0]
+
+
+def test_inspect_plain(made: list[Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(made[0]), "--model", "tiny", "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    fields = dict(re.split(r"\s+", line, maxsplit=1) for line in out.strip().splitlines())
+    assert fields["name"] == "adapter-000" and fields["rank"] == "8" and fields["scaling"] == "[4.0]"
+    assert fields["version"] == content_version(made[0]) and fields["tp"] == "2"
+    assert fields["modules"] == str(sorted(MODULE_ORDER))
+    assert re.fullmatch(r"\[\d+, \d+\]", fields["shard_bytes"])
+
+
+def test_inspect_with_hf_config_json(
+    made: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "base" / "config.json"
+    model.parent.mkdir()
+    model.write_text(json.dumps(TINY_HF_CONFIG))
+    by_path = inspect_json(capsys, str(made[1]), "--model", str(model), "--tp", "2")
+    by_name = inspect_json(capsys, str(made[1]), "--model", "tiny", "--tp", "2")
+    assert by_path["model"] == "base"
+    assert {k: v for k, v in by_path.items() if k != "model"} == {
+        k: v for k, v in by_name.items() if k != "model"
+    }
+
+
+def expect_error(capsys: pytest.CaptureFixture[str], argv: list[str], *parts: str) -> str:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"lora-cache {argv[0]}: error: ")
+    for part in parts:
+        assert part in captured.err, (part, captured.err)
+    return captured.err
+
+
+def test_inspect_pickle_only_dir(made: list[Path], capsys: pytest.CaptureFixture[str]) -> None:
+    (made[0] / WEIGHTS_FILE).rename(made[0] / "adapter_model.bin")
+    expect_error(
+        capsys,
+        ["inspect", str(made[0]), "--model", "tiny"],
+        "pickle weights ['adapter_model.bin']",
+        "arbitrary code",
+        "safetensors",
+    )
+
+
+def test_inspect_errors(made: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    expect_error(
+        capsys,
+        ["inspect", str(made[0]), "--model", "tiny", "--tp", "3"],
+        "layer 0 q_proj.lora_B",
+        "does not divide by TP size 3",
+    )
+    expect_error(
+        capsys,
+        ["inspect", str(made[1]), "--model", "tiny", "--max-rank", "8"],
+        "rank 16, above the configured maximum 8",
+        "--max-rank",
+    )
+    expect_error(
+        capsys,
+        ["inspect", str(made[0]), "--model", "llama-3.1-8b"],
+        "lora_A has shape [8, 64], expected [8, 4096]",
+    )
+    expect_error(capsys, ["inspect", str(made[0]), "--model", "gpt-5"], "unknown model 'gpt-5'")
+    expect_error(capsys, ["inspect", str(tmp_path / "nope"), "--model", "tiny"], "does not exist")
+    (made[2] / WEIGHTS_FILE).write_bytes((made[2] / WEIGHTS_FILE).read_bytes()[:1000])
+    expect_error(capsys, ["inspect", str(made[2]), "--model", "tiny"], "truncated or corrupt")
+
+
+def test_make_adapters_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    expect_error(capsys, ["make-adapters", str(tmp_path), "--rank", "8,x"], "rank must be integers", "'8,x'")
+    expect_error(
+        capsys, ["make-adapters", str(tmp_path), "--targets", "q_proj,fc1"], "unknown target modules ['fc1']"
+    )
+    expect_error(capsys, ["make-adapters", str(tmp_path), "--count", "0"], "count must be >= 1, got 0")
+    expect_error(capsys, ["make-adapters", str(tmp_path), "--dtype", "int8"], "float16, bfloat16 or float32")
+    assert not list(tmp_path.iterdir())  # nothing was written
+
+
+def test_synth_config_defaults_match_the_cli() -> None:
+    cfg = SynthConfig()
+    assert cfg.ranks() == [16] and cfg.target_list() == list(MODULE_ORDER)
+
+
+def test_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "demo"
+    argv = [
+        "demo",
+        "--out",
+        str(out),
+        "--count",
+        "5",
+        "--num-slots",
+        "3",
+        "--steps",
+        "5",
+        "--device",
+        "cpu",
+        "--host-bytes",
+        str(1 << 20),
+    ]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == [f"adapter-{i:03d}" for i in range(5)]
+    assert "3 slots" in text and "5 adapters registered" in text and text.count("READY adapter-") >= 2
+    m = re.search(r"max \|delta error\| (\S+)\)", text)
+    assert m is not None and float(m.group(1)) < 1e-3  # every request computed with its own weights
+    counts = {
+        k: int(v) for k, v in re.findall(r"^\s+(gpu_hits|gpu_misses|loads|host_misses)\s+(\d+)$", text, re.M)
+    }
+    assert counts["gpu_hits"] + counts["gpu_misses"] >= 5 and counts["loads"] >= counts["host_misses"] >= 1
+
+
+def test_demo_bad_device_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "demo",
+        "--out",
+        str(tmp_path / "d"),
+        "--count",
+        "2",
+        "--steps",
+        "1",
+        "--device",
+        "tpu",
+        "--host-bytes",
+        str(1 << 20),
+    ]
+    assert main(argv) == 2  # not a traceback
+    err = capsys.readouterr().err
+    assert err.startswith("lora-cache demo: error: device 'tpu'") and "use cpu, cuda, cuda:N or auto" in err
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["frobnicate"])
+    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--num-slots", "three"])
+    assert e.value.code == 2 and "--num-slots" in capsys.readouterr().err

@@ -1,0 +1,281 @@
+"""The host tier: hits/misses, LRU-by-bytes eviction, references, capacity, single-flight reads, failures."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+
+import workers.host_tier as host_tier_module
+from lora_cache.catalog import AdapterCatalog
+from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError
+from lora_cache.peft import AdapterSpec
+from lora_cache.shapes import SHAPES
+from lora_cache.shards import ShardLayout, shard_layout
+from workers.host_tier import AdapterKey, HostEntry, HostTier, HostTierConfig
+
+TINY = SHAPES["tiny"]
+MiB = 1 << 20
+F32 = torch.float32  # rank 16 in float32: 128 KiB per shard, 8 fill the 1 MiB tier; rank 8: 64 KiB
+
+
+@pytest.fixture
+def catalog(
+    tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog]
+) -> AdapterCatalog:
+    paths = tiny_adapters(count=10, rank="16", prefix="big")
+    tiny_adapters(count=16, rank="8", prefix="small", seed=1)
+    return make_catalog(paths[0].parent)
+
+
+@pytest.fixture
+def tier() -> Iterator[HostTier]:
+    tier = HostTier(HostTierConfig(host_bytes=MiB, read_threads=4, pin=False))
+    yield tier
+    tier.close()
+
+
+def big(catalog: AdapterCatalog, i: int) -> AdapterSpec:
+    return catalog.get(f"big-{i:03d}")
+
+
+def small(catalog: AdapterCatalog, i: int) -> AdapterSpec:
+    return catalog.get(f"small-{i:03d}")
+
+
+def layout(spec: AdapterSpec, dtype: torch.dtype = F32) -> ShardLayout:
+    return shard_layout(spec, TINY, 1, 0, dtype)
+
+
+def key(spec: AdapterSpec) -> AdapterKey:
+    return AdapterKey(spec.name, spec.version)
+
+
+def staged(tier: HostTier, spec: AdapterSpec, release: bool = True) -> HostEntry:
+    future, _ = tier.fetch(spec, layout(spec))
+    entry = future.result(timeout=10)
+    if release:
+        tier.release(key(spec))
+    return entry
+
+
+def assert_holds(entry: HostEntry, spec: AdapterSpec, file_slices: Callable) -> None:
+    for e in entry.layout.entries:
+        got = entry.tensor[e.offset : e.offset + e.numel].view(e.shape)
+        assert torch.equal(got, file_slices(spec, entry.layout)[(e.layer, e.module, e.ab)]), e.key
+
+
+def resident(tier: HostTier) -> list[str]:
+    return [k.name for k in tier._entries]
+
+
+def test_miss_then_hit(catalog: AdapterCatalog, tier: HostTier, file_slices: Callable) -> None:
+    spec = big(catalog, 0)
+    future, hit = tier.fetch(spec, layout(spec))
+    assert not hit
+    entry = future.result(timeout=10)
+    assert entry.key == key(spec) and entry.refs == 1 and entry.tensor.numel() == layout(spec).numel
+    assert entry.tensor.dtype == F32 and entry.bytes_read == sum(e.numel for e in entry.layout.entries) * 2
+    assert (tier.hits, tier.misses, tier.bytes_read) == (0, 1, entry.bytes_read)
+    assert tier.contains(key(spec)) and not tier.contains(key(big(catalog, 1)))
+    assert_holds(entry, spec, file_slices)
+    tier.release(key(spec))
+    assert entry.refs == 0
+    again, hit = tier.fetch(spec, layout(spec))
+    assert hit and again.result(timeout=10) is entry and entry.refs == 1
+    assert (tier.hits, tier.misses, tier.bytes_read) == (1, 1, entry.bytes_read)  # a hit reads nothing
+    assert tier.arena.used_bytes == entry.block.nbytes == 128 << 10
+    tier.check_integrity()
+
+
+def test_lru_eviction_order(catalog: AdapterCatalog, tier: HostTier) -> None:
+    for i in range(8):
+        staged(tier, big(catalog, i))
+    assert tier.arena.used_bytes == MiB
+    staged(tier, big(catalog, 0))  # a hit makes big-000 the most recently used
+    assert resident(tier) == [f"big-{i:03d}" for i in (1, 2, 3, 4, 5, 6, 7, 0)]
+    staged(tier, big(catalog, 8))
+    assert resident(tier) == [f"big-{i:03d}" for i in (2, 3, 4, 5, 6, 7, 0, 8)]  # big-001, the LRU, went
+    staged(tier, big(catalog, 9))
+    assert not tier.contains(key(big(catalog, 2))) and tier.contains(key(big(catalog, 0)))
+    assert (tier.misses, tier.hits) == (10, 1)
+    tier.check_integrity()
+
+
+def test_eviction_is_by_bytes(catalog: AdapterCatalog, tier: HostTier) -> None:
+    """A 128 KiB shard into a full tier of 64 KiB shards evicts LRU entries until a range fits."""
+    for i in range(16):
+        staged(tier, small(catalog, i))
+    assert tier.arena.used_bytes == MiB
+    staged(tier, small(catalog, 0))  # small-000 (offset 0) is now the most recent
+    entry = staged(tier, big(catalog, 0))
+    gone = [f"small-{i:03d}" for i in range(16) if not tier.contains(key(small(catalog, i)))]
+    assert gone == ["small-001", "small-002"]  # exactly the two oldest, adjacent: 128 KiB
+    assert entry.block.offset == 64 << 10 and tier.arena.used_bytes == MiB
+    staged(tier, small(catalog, 4))  # LRU now small-003, small-005, small-006, ...
+    entry = staged(tier, big(catalog, 1))
+    gone = [f"small-{i:03d}" for i in range(16) if not tier.contains(key(small(catalog, i)))]
+    # small-003 alone leaves a 64 KiB hole between small-004 and small-005: LRU order goes on to 005 and 006
+    assert gone == ["small-001", "small-002", "small-003", "small-005", "small-006"]
+    assert entry.block.offset == 5 * (64 << 10) and tier.arena.used_bytes == MiB - (64 << 10)
+    tier.check_integrity()
+
+
+def test_referenced_entries_are_never_evicted(
+    catalog: AdapterCatalog, tier: HostTier, file_slices: Callable
+) -> None:
+    held = [staged(tier, big(catalog, i), release=False) for i in range(4)]  # the oldest four keep refs
+    for i in range(4, 8):
+        staged(tier, big(catalog, i))
+    staged(tier, big(catalog, 8))
+    staged(tier, big(catalog, 9))
+    assert resident(tier) == [
+        "big-000",
+        "big-001",
+        "big-002",
+        "big-003",
+        "big-006",
+        "big-007",
+        "big-008",
+        "big-009",
+    ]
+    for i, entry in enumerate(held):
+        assert entry.refs == 1
+        assert_holds(entry, big(catalog, i), file_slices)  # their bytes were not reused
+    tier.check_integrity()
+
+
+def test_capacity_error_when_everything_is_referenced(catalog: AdapterCatalog, tier: HostTier) -> None:
+    for i in range(8):
+        staged(tier, big(catalog, i), release=False)
+    before = (resident(tier), list(tier.arena._free), dict(tier.arena._used), tier.misses, tier.hits)
+    spec = big(catalog, 8)
+    with pytest.raises(CapacityError) as e:
+        tier.fetch(spec, layout(spec))
+    msg = str(e.value)
+    assert f"host tier ({MiB} bytes)" in msg and str(key(spec)) in msg and "(131072 bytes)" in msg
+    assert f"{MiB} bytes are held" in msg and "raise host_bytes" in msg
+    assert (resident(tier), list(tier.arena._free), dict(tier.arena._used), tier.misses, tier.hits) == before
+    tier.release(key(big(catalog, 3)))  # one reference dropped: now it fits, evicting exactly that one
+    staged(tier, spec)
+    assert not tier.contains(key(big(catalog, 3))) and tier.contains(key(spec))
+    tier.check_integrity()
+
+
+@pytest.fixture
+def gated_reads(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[str]]:
+    """read_shard blocks until the returned event is set; the list records every read."""
+    gate, reads, real = threading.Event(), [], host_tier_module.read_shard
+
+    def read(spec: AdapterSpec, lay: ShardLayout, dest: torch.Tensor) -> int:
+        reads.append(spec.name)
+        assert gate.wait(timeout=10), "test gate never opened"
+        return real(spec, lay, dest)
+
+    monkeypatch.setattr(host_tier_module, "read_shard", read)
+    return gate, reads
+
+
+@pytest.mark.parametrize("threads", [2, 8])
+def test_single_flight(
+    catalog: AdapterCatalog, tier: HostTier, gated_reads: tuple[threading.Event, list[str]], threads: int
+) -> None:
+    gate, reads = gated_reads
+    spec = big(catalog, 0)
+    barrier = threading.Barrier(threads)
+    results: list[tuple[Future[HostEntry], bool]] = []
+    lock = threading.Lock()
+
+    def fetch() -> None:
+        barrier.wait(timeout=10)
+        got = tier.fetch(spec, layout(spec))
+        with lock:
+            results.append(got)
+
+    workers = [threading.Thread(target=fetch) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=10)
+    assert len(results) == threads
+    assert not tier.contains(key(spec))  # the read is still in flight
+    gate.set()
+    entries = {id(f.result(timeout=10)) for f, _ in results}
+    assert len({id(f) for f, _ in results}) == 1 and len(entries) == 1  # one future, one entry
+    assert sorted(hit for _, hit in results) == [False] + [True] * (threads - 1)
+    assert reads == [spec.name]  # exactly one read
+    assert (tier.misses, tier.hits) == (1, threads - 1)
+    entry = results[0][0].result()
+    assert tier.bytes_read == entry.bytes_read == sum(e.numel for e in entry.layout.entries) * 2
+    assert entry.refs == threads
+    for _ in range(threads):
+        tier.release(key(spec))
+    assert entry.refs == 0 and tier.contains(key(spec))
+    tier.check_integrity()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "same-size", "delete"])
+def test_failed_read_leaves_the_arena_as_it_was(catalog: AdapterCatalog, tier: HostTier, damage: str) -> None:
+    for i in range(3):
+        staged(tier, big(catalog, i))
+    staged(tier, big(catalog, 1), release=False)
+    spec = big(catalog, 5)
+    data = spec.weights.read_bytes()
+    if damage == "truncate":
+        spec.weights.write_bytes(data[: len(data) // 2])
+    elif damage == "same-size":
+        spec.weights.write_bytes(b"\xff" * len(data))
+    else:
+        spec.weights.unlink()
+    before = (resident(tier), list(tier.arena._free), dict(tier.arena._used), tier.bytes_read)
+    future, hit = tier.fetch(spec, layout(spec))
+    assert not hit
+    with pytest.raises(AdapterFormatError) as e:
+        future.result(timeout=10)
+    assert str(spec.weights) in str(e.value)
+    assert {"truncate": "changed size", "same-size": "reading the TP 0/1 shard failed", "delete": "is gone"}[
+        damage
+    ] in str(e.value)
+    assert (resident(tier), list(tier.arena._free), dict(tier.arena._used), tier.bytes_read) == before
+    assert not tier.contains(key(spec)) and tier.misses == 4
+    tier.check_integrity()
+    spec.weights.write_bytes(data)  # repaired: the next fetch is a fresh miss and succeeds
+    assert staged(tier, spec).bytes_read > 0 and tier.contains(key(spec)) and tier.misses == 5
+    tier.check_integrity()
+
+
+def test_failed_read_fails_every_waiter(
+    catalog: AdapterCatalog, tier: HostTier, gated_reads: tuple[threading.Event, list[str]]
+) -> None:
+    gate, reads = gated_reads
+    spec = big(catalog, 0)
+    used = tier.arena.used_bytes
+    futures = [tier.fetch(spec, layout(spec))[0] for _ in range(3)]
+    spec.weights.write_bytes(b"")  # the file shrinks while the read is queued
+    gate.set()
+    for f in futures:
+        with pytest.raises(AdapterFormatError, match="changed size"):
+            f.result(timeout=10)
+    assert reads == [spec.name] and tier.arena.used_bytes == used and not tier._entries
+    tier.check_integrity()
+
+
+def test_release_errors(catalog: AdapterCatalog, tier: HostTier) -> None:
+    spec = big(catalog, 0)
+    staged(tier, spec)
+    with pytest.raises(AssertionError, match="released more often than fetched"):
+        tier.release(key(spec))
+    with pytest.raises(KeyError):
+        tier.release(AdapterKey("nope", "0"))
+    assert tier._entries[key(spec)].refs == 0
+
+
+def test_host_tier_config_errors() -> None:
+    with pytest.raises(ConfigError, match=r"host_bytes \(1000\) must be at least 1 MiB"):
+        HostTierConfig(host_bytes=1000)
+    with pytest.raises(ConfigError, match=r"read_threads must be in 1\.\.64, got 0"):
+        HostTierConfig(read_threads=0)

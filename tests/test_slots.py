@@ -1,0 +1,242 @@
+"""The slot table: FREE / LOADING / READY, references, LRU of idle slots, capacity; a state machine."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from lora_cache.errors import CapacityError
+from workers.host_tier import AdapterKey
+from workers.slots import SlotState, SlotTable
+
+
+def k(name: str) -> AdapterKey:
+    return AdapterKey(name, "v1")
+
+
+def ready(table: SlotTable, name: str) -> int:
+    index, _ = table.reserve(k(name))
+    table.mark_ready(index)
+    return index
+
+
+def test_free_loading_ready() -> None:
+    table = SlotTable(2)
+    assert table.count(SlotState.FREE) == 2 and table.lookup(k("a")) is None
+    index, evicted = table.reserve(k("a"))
+    assert (index, evicted) == (0, None)
+    slot = table.lookup(k("a"))
+    assert (
+        slot is table.slots[0] and slot.state is SlotState.LOADING and slot.key == k("a") and slot.refs == 0
+    )
+    assert not table.evict(k("a"))  # a loading slot is never evicted
+    table.mark_ready(0)
+    assert (
+        slot.state is SlotState.READY
+        and table.count(SlotState.READY) == 1
+        and table.count(SlotState.FREE) == 1
+    )
+    table.check_integrity()
+    assert table.evict(k("a"))
+    assert slot.state is SlotState.FREE and slot.key is None and table.lookup(k("a")) is None
+    table.check_integrity()
+
+
+def test_fail_frees_the_slot() -> None:
+    table = SlotTable(1)
+    index, _ = table.reserve(k("a"))
+    table.fail(index)
+    assert table.slots[0].state is SlotState.FREE and table.lookup(k("a")) is None
+    table.check_integrity()
+    assert table.reserve(k("b")) == (0, None)  # the failed slot is usable again
+    table.incref(0)
+    with pytest.raises(AssertionError, match="cannot fail slot 0"):
+        table.fail(0)  # a load with waiters holding references is not failed under them
+    table.decref(0)
+    table.mark_ready(0)
+    with pytest.raises(AssertionError, match="cannot fail slot 0"):
+        table.fail(0)
+
+
+def test_references() -> None:
+    table = SlotTable(2)
+    index, _ = table.reserve(k("a"))
+    table.incref(index)  # acquire of a loading adapter: the batch waits for the copy on the GPU
+    table.mark_ready(index)
+    assert index not in table._idle  # ready but referenced: not idle
+    table.incref(index)
+    assert table.slots[index].refs == 2 and not table.evict(k("a"))
+    table.decref(index)
+    assert not table.evict(k("a"))
+    table.decref(index)
+    assert table.slots[index].refs == 0 and index in table._idle
+    with pytest.raises(AssertionError, match="released more often than acquired"):
+        table.decref(index)
+    assert table.slots[index].refs == 0
+    with pytest.raises(AssertionError, match="slot 1 is free"):
+        table.incref(1)
+    table.check_integrity()
+
+
+def test_evict_absent_is_false() -> None:
+    table = SlotTable(1)
+    assert not table.evict(k("nope"))
+    ready(table, "a")
+    assert not table.evict(AdapterKey("a", "v2"))  # another version of the same adapter is absent
+
+
+def test_lru_order_of_idle_slots() -> None:
+    table = SlotTable(3)
+    a, b, c = ready(table, "a"), ready(table, "b"), ready(table, "c")
+    table.incref(a)
+    table.decref(a)  # using a makes it the most recent
+    index, evicted = table.reserve(k("d"))
+    assert (index, evicted) == (b, k("b"))
+    table.mark_ready(index)
+    assert table.reserve(k("e")) == (c, k("c"))
+    table.mark_ready(c)
+    assert table.reserve(k("f")) == (a, k("a"))
+    table.check_integrity()
+
+
+def test_free_slots_before_eviction() -> None:
+    table = SlotTable(3)
+    a = ready(table, "a")
+    b = ready(table, "b")
+    assert table.evict(k("a"))
+    c, evicted_c = table.reserve(k("c"))
+    d, evicted_d = table.reserve(k("d"))
+    assert evicted_c is evicted_d is None and {c, d} == {0, 1, 2} - {b}  # the unused slot and a's freed one
+    assert a in (c, d)
+    assert table.reserve(k("e")) == (b, k("b"))  # only now is an idle slot evicted
+
+
+def test_capacity_error_when_all_busy() -> None:
+    table = SlotTable(3)
+    table.reserve(k("loading"))
+    table.incref(ready(table, "held"))
+    ready(table, "idle")
+    assert table.reserve(k("x"))[1] == k("idle")  # the one idle slot goes
+    with pytest.raises(CapacityError) as e:
+        table.reserve(k("y"))
+    msg = str(e.value)
+    assert str(k("y")) in msg and "all 3 slots are loading or in use" in msg and "configure more slots" in msg
+    assert table.lookup(k("y")) is None and table.lookup(k("held")) is not None
+    table.check_integrity()
+
+
+def test_misuse_asserts() -> None:
+    table = SlotTable(2)
+    ready(table, "a")
+    with pytest.raises(AssertionError, match="already has slot"):
+        table.reserve(k("a"))
+    with pytest.raises(AssertionError, match="is ready, not loading"):
+        table.mark_ready(0)
+    with pytest.raises(AssertionError, match="is free, not loading"):
+        table.mark_ready(1)
+
+
+NAMES = tuple("abcdef")
+
+
+class SlotMachine(RuleBasedStateMachine):
+    """The table against a plain model: key -> (state, refs), and the LRU list of idle keys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 3
+        self.table = SlotTable(self.n)
+        self.state: dict[str, str] = {}  # name -> "loading" / "ready"
+        self.refs: dict[str, int] = {}
+        self.lru: list[str] = []  # idle (ready, no refs), least recent first
+        self.slot_of: dict[str, int] = {}
+
+    def idle(self, name: str) -> None:
+        if self.state[name] == "ready" and self.refs[name] == 0:
+            self.lru.append(name)
+
+    def drop(self, name: str) -> None:
+        del self.state[name], self.refs[name], self.slot_of[name]
+        if name in self.lru:
+            self.lru.remove(name)
+
+    @rule(name=st.sampled_from(NAMES))
+    def reserve(self, name: str) -> None:
+        if name in self.state:
+            return
+        if len(self.state) < self.n:
+            index, evicted = self.table.reserve(k(name))
+            assert evicted is None and index not in self.slot_of.values()
+        elif self.lru:
+            victim = self.lru[0]
+            assert self.refs[victim] == 0
+            index, evicted = self.table.reserve(k(name))
+            assert evicted == k(victim) and index == self.slot_of[victim]
+            self.drop(victim)
+        else:
+            with pytest.raises(CapacityError):
+                self.table.reserve(k(name))
+            return
+        self.state[name], self.refs[name], self.slot_of[name] = "loading", 0, index
+
+    @rule(name=st.sampled_from(NAMES))
+    def mark_ready(self, name: str) -> None:
+        if self.state.get(name) != "loading":
+            return
+        self.table.mark_ready(self.slot_of[name])
+        self.state[name] = "ready"
+        self.idle(name)
+
+    @rule(name=st.sampled_from(NAMES))
+    def fail(self, name: str) -> None:
+        if self.state.get(name) != "loading" or self.refs[name]:
+            return
+        self.table.fail(self.slot_of[name])
+        self.drop(name)
+
+    @rule(name=st.sampled_from(NAMES))
+    def incref(self, name: str) -> None:
+        if name not in self.state:
+            return
+        self.table.incref(self.slot_of[name])
+        self.refs[name] += 1
+        if name in self.lru:
+            self.lru.remove(name)
+
+    @rule(name=st.sampled_from(NAMES))
+    def decref(self, name: str) -> None:
+        if name not in self.state:
+            return
+        if self.refs[name] == 0:  # a release without an acquire is refused, refs stay at zero
+            with pytest.raises(AssertionError):
+                self.table.decref(self.slot_of[name])
+            return
+        self.table.decref(self.slot_of[name])
+        self.refs[name] -= 1
+        self.idle(name)
+
+    @rule(name=st.sampled_from(NAMES))
+    def evict(self, name: str) -> None:
+        expected = self.state.get(name) == "ready" and self.refs[name] == 0
+        assert self.table.evict(k(name)) == expected
+        if expected:
+            self.drop(name)
+
+    @invariant()
+    def matches_the_model(self) -> None:
+        self.table.check_integrity()
+        assert all(s.refs >= 0 for s in self.table.slots)
+        for name, state in self.state.items():
+            slot = self.table.lookup(k(name))
+            assert (
+                slot is not None and slot.index == self.slot_of[name]
+            )  # referenced slots keep their adapter
+            assert slot.state.value == state and slot.refs == self.refs[name]
+        assert sum(s.key is not None for s in self.table.slots) == len(self.state)
+        assert list(self.table._idle) == [self.slot_of[n] for n in self.lru]  # LRU order of idle slots
+
+
+SlotMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
+TestSlotMachine = SlotMachine.TestCase

@@ -1,0 +1,721 @@
+"""The worker cache on the CPU path (the same code as on the GPU): prefetch, acquire, release, evict."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from safetensors import safe_open
+
+from lora_cache.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, NotFoundError, ShardError
+from lora_cache.shapes import MODULE_ORDER, SHAPES
+from lora_cache.shards import ShardLayout
+from lora_cache.synth import SynthConfig, make_adapters, write_adapter
+from workers.cache import Batch, WorkerCache, WorkerConfig
+from workers.host_tier import AdapterKey, HostTierConfig
+from workers.loader import ReadinessRecord
+from workers.slots import SlotState
+from workers.streams import CpuStreams
+
+TINY = SHAPES["tiny"]
+Entries = dict[tuple[int, str, str], torch.Tensor]
+
+
+def names(*idx: int) -> list[str]:
+    return [f"adapter-{i:03d}" for i in idx]
+
+
+A, B, C, D, E, F = names(0, 1, 2, 3, 4, 5)
+
+
+@pytest.fixture
+def catalog(
+    tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog]
+) -> AdapterCatalog:
+    return make_catalog(tiny_adapters(count=6, rank="8,16")[0].parent)
+
+
+def file_entries(spec_weights: Path, layout: ShardLayout) -> Entries:
+    with safe_open(str(spec_weights), framework="pt") as f:
+        return {
+            (e.layer, e.module, e.ab): f.get_slice(e.key)[e.rows, e.cols].to(layout.dtype)
+            for e in layout.entries
+        }
+
+
+def current(cache: WorkerCache, name: str) -> tuple[ShardLayout, Entries]:
+    layout = cache.layout_of(name)
+    return layout, file_entries(cache.catalog.get(name).weights, layout)
+
+
+def assert_slot_holds(cache: WorkerCache, slot: int, layout: ShardLayout, want: Entries) -> None:
+    for (layer, module, ab), tensor in want.items():
+        assert torch.equal(cache.slot_view(slot, layout, layer, module, ab), tensor), (
+            f"slot {slot} {layout.adapter}@{layout.version} layer {layer} {module}.lora_{ab}"
+        )
+
+
+def assert_serves(cache: WorkerCache, name: str, slot: int) -> None:
+    assert_slot_holds(cache, slot, *current(cache, name))
+
+
+def refs(cache: WorkerCache) -> dict[str, int]:
+    return {r["adapter"]: r["refs"] for r in cache.residency()}  # type: ignore[misc]
+
+
+def slot_of(cache: WorkerCache, name: str) -> int | None:
+    version = cache.catalog.get(name).version
+    return next(
+        (r["slot"] for r in cache.residency() if (r["adapter"], r["version"]) == (name, version)), None
+    )
+
+
+def in_thread(fn: Callable[[], Any]) -> Future[Any]:
+    """Run ``fn`` on a daemon thread: a hang shows as a timeout of ``result``, not a stuck test run."""
+    future: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as e:
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
+
+
+def settle(cache: WorkerCache) -> None:
+    """Wait for every load in flight (READY or failed); no sleeps."""
+    with cache._lock:
+        futures = [ld.future for ld in (*cache._loads.values(), *cache._pending.values())]
+    for f in futures:
+        f.exception(timeout=10)
+
+
+# -- prefetch ---------------------------------------------------------------------------------------------
+
+
+def test_prefetch_readiness_record(catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]) -> None:
+    records: list[ReadinessRecord] = []
+    cache = make_cache(catalog, on_ready=records.append)
+    spec, layout = catalog.get(B), cache.layout_of(B)
+    rec = cache.prefetch(B).result(timeout=10)
+    assert isinstance(rec, ReadinessRecord) and records == [rec]
+    assert (rec.adapter, rec.version, rec.tp_rank, rec.nbytes, rec.host_hit) == (
+        B,
+        spec.version,
+        0,
+        layout.nbytes,
+        False,
+    )
+    assert 0 <= rec.slot < 3 and rec.disk_ms > 0 and rec.h2d_ms >= 0 and rec.ready_ms >= rec.disk_ms
+    assert cache.residency() == [
+        {"adapter": B, "version": spec.version, "slot": rec.slot, "state": "ready", "refs": 0}
+    ]
+    assert_serves(cache, B, rec.slot)
+    stats = cache.stats()
+    assert (stats["prefetches"], stats["loads"], stats["host_misses"], stats["host_hits"]) == (1, 1, 1, 0)
+    assert stats["bytes_host_to_gpu"] == layout.nbytes
+    assert stats["bytes_disk_to_host"] == sum(e.numel for e in layout.entries) * 2
+    assert stats["slots_ready"] == 1 and stats["slots_loading"] == 0
+    assert cache.evict(B)
+    again = cache.prefetch(B).result(timeout=10)  # the host tier still holds the shard
+    assert again.host_hit and again.disk_ms == 0.0 and again.version == spec.version
+    assert_serves(cache, B, again.slot)
+    stats = cache.stats()
+    assert (stats["host_hits"], stats["host_misses"], stats["loads"], stats["evictions"]) == (1, 1, 2, 1)
+    assert stats["bytes_disk_to_host"] == sum(e.numel for e in layout.entries) * 2  # no second disk read
+    cache.check_integrity()
+
+
+def test_prefetch_is_idempotent(catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]) -> None:
+    cache = make_cache(catalog)
+    first = cache.prefetch(A)
+    assert cache.prefetch(A) is first  # while staging or copying
+    first.result(timeout=10)
+    assert cache.prefetch(A) is first  # and once READY
+    barrier, futures = threading.Barrier(6), []
+
+    def go() -> None:
+        barrier.wait(timeout=10)
+        futures.append(cache.prefetch(B))
+
+    threads = [threading.Thread(target=go) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert len(futures) == 6 and len({id(f) for f in futures}) == 1
+    futures[0].result(timeout=10)
+    stats = cache.stats()
+    assert (stats["prefetches"], stats["loads"], stats["host_misses"]) == (2, 2, 2)
+    assert len(cache.residency()) == 2
+    cache.check_integrity()
+
+
+def test_prefetch_unknown_adapter_or_version(
+    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]
+) -> None:
+    cache = make_cache(catalog)
+    with pytest.raises(NotFoundError, match="'nope' is not registered"):
+        cache.prefetch("nope")
+    with pytest.raises(NotFoundError, match="re-registered"):
+        cache.prefetch(A, "0123456789abcdef")
+    assert cache.stats()["prefetches"] == 0 and cache.residency() == []
+
+
+# -- acquire / release ------------------------------------------------------------------------------------
+
+
+def test_acquire_maps_requests_to_slots_in_batch_order(
+    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]
+) -> None:
+    cache = make_cache(catalog)
+    for name in (A, B):
+        cache.prefetch(name).result(timeout=10)
+    batch = cache.acquire([B, A, C, B, A])  # C: loaded on demand
+    assert isinstance(batch, Batch) and batch.adapters == (B, A, C, B, A)
+    s = batch.slots
+    assert s[0] == s[3] and s[1] == s[4] and len({s[0], s[1], s[2]}) == 3
+    assert batch.held == (s[0], s[1], s[2])  # distinct slots, first appearance order
+    assert batch.slot_index.dtype == torch.int32 and batch.slot_index.tolist() == list(s)
+    assert refs(cache) == {A: 1, B: 1, C: 1}
+    settle(cache)
+    for name, slot in zip(batch.adapters, batch.slots, strict=True):
+        assert_serves(cache, name, slot)
+    stats = cache.stats()
+    assert (stats["gpu_hits"], stats["gpu_misses"]) == (2, 1)
+    cache.release(batch)
+    assert refs(cache) == {A: 0, B: 0, C: 0}
+    again = cache.acquire([C])
+    assert again.slots == (s[2],) and cache.stats()["gpu_hits"] == 3
+    cache.release(again)
+    cache.check_integrity()
+
+
+def test_acquire_loads_on_demand(catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]) -> None:
+    cache = make_cache(catalog, num_slots=2)
+    batch = cache.acquire([D, E, D])
+    settle(cache)
+    assert_serves(cache, D, batch.slots[0])
+    assert_serves(cache, E, batch.slots[1])
+    stats = cache.stats()
+    assert (stats["gpu_misses"], stats["gpu_hits"], stats["loads"], stats["prefetches"]) == (2, 0, 2, 2)
+    cache.release(batch)
+    cache.check_integrity()
+
+
+def test_on_miss_error(catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]) -> None:
+    cache = make_cache(catalog, on_miss="error")
+    cache.prefetch(A).result(timeout=10)
+    with pytest.raises(NotFoundError) as e:
+        cache.acquire([A, B])
+    msg = str(e.value)
+    assert f"adapter {B}@{catalog.get(B).version} is not resident on TP rank 0" in msg
+    assert "prefetch it first or set on_miss='load'" in msg
+    assert refs(cache) == {A: 0}  # A's reference was dropped with the failed acquire
+    assert cache.stats()["loads"] == 1  # and nothing was loaded for B
+    batch = cache.acquire([A])
+    assert_serves(cache, A, batch.slots[0])
+    cache.release(batch)
+    pending = cache.prefetch(C)  # a load in flight is waited for, not refused
+    batch = cache.acquire([C])
+    pending.result(timeout=10)
+    assert_serves(cache, C, batch.slots[0])
+    cache.release(batch)
+    cache.check_integrity()
+
+
+def test_release_twice_raises(catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]) -> None:
+    cache = make_cache(catalog)
+    batch = cache.acquire([A, A])
+    cache.release(batch)
+    with pytest.raises(ValueError, match="batch released twice"):
+        cache.release(batch)
+    assert refs(cache) == {A: 0}
+    cache.check_integrity()
+
+
+def test_acquire_argument_errors(catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]) -> None:
+    cache = make_cache(catalog, max_batch=4)
+    with pytest.raises(ValueError, match=r"acquire takes 1\.\.4 adapters \(max_batch\), got 0"):
+        cache.acquire([])
+    with pytest.raises(ValueError, match="got 5"):
+        cache.acquire([A] * 5)
+    cache.prefetch(A).result(timeout=10)
+    with pytest.raises(NotFoundError, match="'nope' is not registered"):
+        cache.acquire([A, "nope"])
+    assert refs(cache) == {A: 0}
+    cache.check_integrity()
+
+
+# -- capacity and eviction --------------------------------------------------------------------------------
+
+
+def test_eviction_never_touches_a_held_slot(
+    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]
+) -> None:
+    cache = make_cache(catalog, num_slots=3)
+    held = cache.acquire([A])
+    settle(cache)
+    for name in (B, C, D, E, F):  # each prefetch evicts the least recently used idle adapter, never A
+        rec = cache.prefetch(name).result(timeout=10)
+        assert rec.slot != held.slots[0]
+        assert refs(cache)[A] == 1
+        assert_serves(cache, A, held.slots[0])
+        cache.check_integrity()
+    assert set(refs(cache)) == {A, E, F}
+    assert cache.stats()["evictions"] == 3
+    cache.release(held)
+
+
+def test_full_cache_fails_the_load_not_the_holders(
+    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]
+) -> None:
+    cache = make_cache(catalog, num_slots=3)
+    batch = cache.acquire([A, B, C])
+    settle(cache)
+    before = cache.residency()
+    with pytest.raises(CapacityError) as e:
+        cache.prefetch(D).result(timeout=10)
+    assert f"no GPU slot for {D}@" in str(e.value) and "all 3 slots are loading or in use" in str(e.value)
+    assert cache.residency() == before and cache.stats()["load_failures"] == 1
+    for name, slot in zip(batch.adapters, batch.slots, strict=True):
+        assert_serves(cache, name, slot)
+    cache.check_integrity()
+    assert cache.host.contains(AdapterKey(D, catalog.get(D).version))  # staged: the next try is a host hit
+    cache.release(batch)
+    rec = cache.prefetch(D).result(timeout=10)
+    assert rec.host_hit and rec.slot == batch.slots[0]  # A was the least recently used
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_acquire_with_every_slot_held_raises_promptly(
+    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache], staged: bool
+) -> None:
+    """Regression: an on-demand load whose shard was already on the host retried forever (one new load
+    per pass of acquire's loop) instead of raising CapacityError when every slot was held."""
+    cache = make_cache(catalog, num_slots=1)
+    if staged:
+        cache.prefetch(B).result(timeout=10)
+    cache.prefetch(A).result(timeout=10)
+    held = cache.acquire([A])
+    failures = cache.stats()["load_failures"]
+    with pytest.raises(CapacityError, match=f"no GPU slot for {B}@"):
+        in_thread(lambda: cache.acquire([B])).result(timeout=10)
+    assert cache.stats()["load_failures"] == failures + 1  # one attempt, not a retry loop
+    with pytest.raises(CapacityError):
+        in_thread(lambda: cache.acquire([A, B])).result(timeout=10)
+    assert refs(cache) == {A: 1}  # only the held batch's reference is left
+    assert_serves(cache, A, held.slots[0])
+    cache.release(held)
+    batch = cache.acquire([B])
+    settle(cache)
+    assert_serves(cache, B, batch.slots[0])
+    cache.release(batch)
+    cache.check_integrity()
+
+
+def test_evict(catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]) -> None:
+    cache = make_cache(catalog)
+    for name in (A, B):
+        cache.prefetch(name).result(timeout=10)
+    batch = cache.acquire([A])
+    assert not cache.evict(A)  # in use
+    assert not cache.evict(C)  # registered, not resident
+    assert not cache.evict("nope", "0123")  # unknown adapter at an explicit version
+    assert cache.evict(B)
+    assert not cache.evict(B)  # idempotent
+    assert set(refs(cache)) == {A} and cache.stats()["evictions"] == 1
+    cache.release(batch)
+    assert cache.evict(A) and cache.residency() == []
+    cache.check_integrity()
+
+
+# -- failures ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["truncate", "replace"])
+def test_failed_load_leaves_everything_as_it_was(
+    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache], damage: str
+) -> None:
+    cache = make_cache(catalog, num_slots=3)
+    for name in (A, B, C):
+        cache.prefetch(name).result(timeout=10)
+    root = catalog.roots.roots[0]
+    shutil.copytree(root / D, root / "bad")
+    bad = catalog.register("bad", "bad")
+    data = bad.weights.read_bytes()
+    if damage == "truncate":
+        bad.weights.write_bytes(data[: len(data) // 2])
+    else:
+        bad.weights.write_bytes(b"\x00" * len(data))
+    before = (cache.residency(), cache.host.arena.used_bytes, list(cache.host._entries), cache.stats())
+    with pytest.raises(AdapterFormatError) as e:
+        cache.prefetch("bad").result(timeout=10)
+    msg = str(e.value)
+    assert str(bad.weights) in msg
+    if damage == "truncate":
+        assert (
+            "changed size since it was registered" in msg
+            and bad.version in msg
+            and "register it again" in msg
+        )
+    else:
+        assert "reading the TP 0/1 shard failed" in msg and "re-copy it and register again" in msg
+    with pytest.raises(AdapterFormatError):  # on demand: the same clear error, no hang, no retry loop
+        in_thread(lambda: cache.acquire([A, "bad"])).result(timeout=10)
+    after = cache.stats()
+    assert cache.residency() == before[0]
+    assert cache.host.arena.used_bytes == before[1] and list(cache.host._entries) == before[2]
+    assert after["load_failures"] == before[3]["load_failures"] + 2  # type: ignore[operator]
+    assert after["loads"] == before[3]["loads"] and after["evictions"] == before[3]["evictions"]
+    cache.check_integrity()
+    batch = cache.acquire([A, B, C])  # the good adapters are still served, from their slots
+    assert dict(zip(batch.adapters, batch.slots, strict=True)) == {r["adapter"]: r["slot"] for r in before[0]}
+    for name, slot in zip(batch.adapters, batch.slots, strict=True):
+        assert_serves(cache, name, slot)
+    cache.release(batch)
+    assert cache.stats()["gpu_hits"] == 4  # A in the failed batch, then A, B, C
+
+
+def test_readiness_callback_errors_do_not_break_loads(
+    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache], caplog: pytest.LogCaptureFixture
+) -> None:
+    seen: list[str] = []
+
+    def broken(record: ReadinessRecord) -> None:
+        seen.append(record.adapter)
+        raise RuntimeError("consumer is down")
+
+    cache = make_cache(catalog, on_ready=broken)
+    with caplog.at_level(logging.ERROR, logger="workers.loader"):
+        for name in (A, B, C, D):
+            rec = cache.prefetch(name).result(timeout=10)
+            assert rec.adapter == name
+        assert seen == [A, B, C, D] and cache.stats()["loads"] == 4
+        batch = cache.acquire([C, D])  # both resident: no fifth load
+        assert_serves(cache, D, batch.slots[1])
+        cache.release(batch)
+        cache.check_integrity()
+        cache.close()  # joins the watcher: every handler error has been logged
+    assert sum("readiness handler failed" in r.getMessage() for r in caplog.records) == 4
+
+
+# -- versions ---------------------------------------------------------------------------------------------
+
+
+def test_reregistered_adapter_serves_the_new_weights(
+    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]
+) -> None:
+    cache = make_cache(catalog, num_slots=3)
+    old = catalog.get(A)
+    old_layout, old_weights = current(cache, A)
+    held_old = cache.acquire([A])
+    settle(cache)
+    write_adapter(
+        old.path, TINY, 8, 32.0, list(MODULE_ORDER), torch.bfloat16, torch.Generator().manual_seed(99)
+    )
+    new = catalog.register(A, old.path)
+    assert new.version != old.version and new.file_bytes == old.file_bytes
+    new_layout, new_weights = current(cache, A)
+    assert any(not torch.equal(new_weights[k], old_weights[k]) for k in new_weights)
+    batch = cache.acquire([A])
+    settle(cache)
+    assert batch.slots != held_old.slots
+    assert_slot_holds(cache, batch.slots[0], new_layout, new_weights)  # the new version...
+    assert_slot_holds(cache, held_old.slots[0], old_layout, old_weights)  # ...beside the old one still in use
+    versions = {r["version"]: r["refs"] for r in cache.residency()}
+    assert versions == {old.version: 1, new.version: 1}
+    with pytest.raises(NotFoundError, match="re-registered"):
+        cache.prefetch(A, old.version)
+    cache.release(held_old)
+    cache.release(batch)
+    assert cache.evict(A, old.version) and [r["version"] for r in cache.residency()] == [new.version]
+    again = cache.acquire([A])  # never the stale weights again
+    assert_slot_holds(cache, again.slots[0], new_layout, new_weights)
+    cache.release(again)
+    cache.check_integrity()
+
+
+# -- counters, TP and config ------------------------------------------------------------------------------
+
+
+def test_counters_are_consistent_and_refs_return_to_zero(
+    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]
+) -> None:
+    records: list[ReadinessRecord] = []
+    cache = make_cache(catalog, num_slots=2, on_ready=records.append)
+    distinct = 0
+    for batch_names in ([A], [A, B], [C], [A, C, C], [D], [B, D], [A]):
+        batch = cache.acquire(batch_names)
+        distinct += len(set(batch_names))
+        settle(cache)
+        cache.release(batch)
+    cache.prefetch(E).result(timeout=10)
+    s = cache.stats()
+    assert s["gpu_hits"] + s["gpu_misses"] == distinct  # type: ignore[operator]
+    assert s["host_hits"] + s["host_misses"] == s["prefetches"]  # type: ignore[operator]
+    assert s["loads"] == len(records) == s["prefetches"] and s["load_failures"] == 0
+    assert s["bytes_host_to_gpu"] == sum(r.nbytes for r in records)
+    misses = [r for r in records if not r.host_hit]
+    assert len(misses) == s["host_misses"] and s["host_hits"] == len(records) - len(misses)
+    assert s["bytes_disk_to_host"] == sum(r.nbytes for r in misses)  # tiny: no padding, bf16 file = bf16 slot
+    assert s["disk_ms"]["count"] == len(misses) and s["h2d_ms"]["count"] == s["ready_ms"]["count"] == len(
+        records
+    )
+    assert s["evictions"] == s["loads"] - 2  # type: ignore[operator]  # two slots, always full after the second
+    assert all(r["refs"] == 0 and r["state"] == "ready" for r in cache.residency())
+    assert all(e.refs == 0 for e in cache.host._entries.values())
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize(("tp", "rank"), [(2, 0), (2, 1), (4, 3)])
+def test_tp_rank_cache_holds_its_slices(
+    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache], tp: int, rank: int
+) -> None:
+    cache = make_cache(catalog, tp=tp, tp_rank=rank)
+    rec = cache.prefetch(B).result(timeout=10)
+    layout = cache.layout_of(B)
+    assert (layout.tp, layout.rank, rec.tp_rank) == (tp, rank, rank)
+    assert_serves(cache, B, rec.slot)
+    assert cache.slot_view(rec.slot, layout, 0, "q_proj", "B").shape == (64 // tp, 16)
+    assert cache.slot_view(rec.slot, layout, 1, "down_proj", "A").shape == (16, 128 // tp)
+    assert cache.slot_numel >= layout.numel and cache.pool.shape == (3, cache.slot_numel)
+
+
+def test_worker_config_errors(tmp_path: Path, catalog: AdapterCatalog) -> None:
+    for kw, msg in (
+        ({"num_slots": 0}, "num_slots must be >= 1, got 0"),
+        ({"tp": 2, "tp_rank": 2}, "tp_rank 2 must be in 0..1 for tp 2"),
+        ({"dtype": "int8"}, "dtype must be bfloat16, float16 or float32, got 'int8'"),
+        ({"on_miss": "wait"}, "on_miss must be one of ('load', 'error'), got 'wait'"),
+        ({"max_batch": 0}, "max_batch must be >= 1, got 0"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            WorkerConfig(**kw)  # type: ignore[arg-type]
+        assert msg in str(e.value)
+    big = AdapterCatalog(CatalogConfig(adapter_roots=(str(tmp_path),), model="llama-3.1-8b", max_rank=64))
+    with pytest.raises(ConfigError) as e:
+        WorkerCache(WorkerConfig(device="cpu", host=HostTierConfig(host_bytes=1 << 20)), big)
+    assert "host_bytes (1.0 MiB) must hold at least one slot" in str(e.value) and "llama-3.1-8b" in str(
+        e.value
+    )
+    assert "raise host_bytes or lower max_rank" in str(e.value)
+    with pytest.raises(ShardError, match=r"q_proj\.lora_B"):
+        WorkerCache(WorkerConfig(device="cpu", tp=3, host=HostTierConfig(host_bytes=1 << 20)), catalog)
+    devices = [
+        ("tpu", "device 'tpu' is not a device name; use cpu, cuda, cuda:N or auto"),
+        ("meta", "device 'meta' is not supported; use cpu, cuda, cuda:N or auto"),
+    ]
+    if not torch.cuda.is_available():
+        devices.append(("cuda", "this machine has no CUDA GPU; use --device cpu or auto"))
+    for device, msg in devices:
+        with pytest.raises(ConfigError) as e:
+            WorkerCache(WorkerConfig(device=device, host=HostTierConfig(host_bytes=1 << 20)), catalog)
+        assert msg in str(e.value)
+
+
+# -- random steps against a model ---------------------------------------------------------------------------
+
+NAMES = tuple(names(*range(6)))
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Random acquire / release / prefetch / evict / re-register with more adapters than slots.
+
+    The model: the batches held (each request's slot, layout and expected weights), the current weights of
+    every adapter. After every step: integrity, every held request still sees its own adapter's weights,
+    references equal the held batches, counters add up.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.root = Path(tempfile.mkdtemp(prefix="lora-cache-sm-"))
+        make_adapters(self.root, SynthConfig(model="tiny", count=len(NAMES), rank="8,16"))
+        self.catalog = AdapterCatalog(
+            CatalogConfig(adapter_roots=(str(self.root),), model="tiny", max_rank=16)
+        )
+        self.catalog.register_dir(self.root)
+        self.records: list[ReadinessRecord] = []
+        self.n = 3
+        self.cache = WorkerCache(
+            WorkerConfig(
+                num_slots=self.n,
+                device="cpu",
+                host=HostTierConfig(host_bytes=1 << 20, read_threads=2, pin=False),
+            ),
+            self.catalog,
+            on_ready=self.records.append,
+        )
+        self.weights = {n: current(self.cache, n) for n in NAMES}
+        self.held: list[tuple[Batch, list[tuple[AdapterKey, ShardLayout, Entries]]]] = []
+        self.lookups = 0
+        self.rewrites = 0
+
+    def key(self, name: str) -> AdapterKey:
+        return AdapterKey(name, self.catalog.get(name).version)
+
+    def held_keys(self) -> set[AdapterKey]:
+        return {k for _, reqs in self.held for k, _, _ in reqs}
+
+    @rule(batch=st.lists(st.sampled_from(NAMES), min_size=1, max_size=4))
+    def acquire(self, batch: list[str]) -> None:
+        held, counted = self.held_keys(), 0
+        fails = False
+        for name in dict.fromkeys(batch):  # predict: the first adapter needing a slot when all are held fails
+            counted += 1
+            if self.key(name) not in held:
+                if len(held) == self.n:
+                    fails = True
+                    break
+                held.add(self.key(name))
+        self.lookups += counted
+        event(f"acquire: {'capacity error' if fails else 'ok'}")
+        if fails:
+            with pytest.raises(CapacityError):
+                in_thread(lambda: self.cache.acquire(batch)).result(timeout=10)
+            settle(self.cache)
+            return
+        got = in_thread(lambda: self.cache.acquire(batch)).result(timeout=10)
+        settle(self.cache)
+        assert got.adapters == tuple(batch) and got.slot_index.tolist() == list(got.slots)
+        assert len(set(got.slots)) == len(set(batch)) == len(got.held)
+        reqs = [(self.key(n), *self.weights[n]) for n in batch]
+        for (_, layout, want), slot in zip(reqs, got.slots, strict=True):
+            assert_slot_holds(self.cache, slot, layout, want)
+        self.held.append((got, reqs))
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        batch, _ = self.held.pop(data.draw(st.integers(0, len(self.held) - 1)))
+        self.cache.release(batch)
+
+    @rule(name=st.sampled_from(NAMES))
+    def prefetch(self, name: str) -> None:
+        resident = slot_of(self.cache, name) is not None
+        future = self.cache.prefetch(name)
+        event(f"prefetch: {'resident' if resident else 'load'}")
+        if not resident and len(self.held_keys()) == self.n:
+            event("prefetch: capacity error")
+            with pytest.raises(CapacityError):
+                future.result(timeout=10)
+        else:
+            rec = future.result(timeout=10)
+            assert (rec.adapter, rec.version) == tuple(self.key(name))
+            assert_slot_holds(self.cache, rec.slot, *self.weights[name])
+        settle(self.cache)
+
+    @rule(name=st.sampled_from(NAMES))
+    def evict(self, name: str) -> None:
+        expected = slot_of(self.cache, name) is not None and self.key(name) not in self.held_keys()
+        assert self.cache.evict(name) == expected
+        event(f"evict: {expected}")
+        assert slot_of(self.cache, name) is None or self.key(name) in self.held_keys()
+
+    @rule(name=st.sampled_from(NAMES))
+    def reregister(self, name: str) -> None:
+        self.rewrites += 1
+        spec = self.catalog.get(name)
+        if AdapterKey(name, spec.version) in self.held_keys():
+            event("reregister: old version held")
+        write_adapter(
+            spec.path,
+            TINY,
+            spec.config.r,
+            32.0,
+            list(MODULE_ORDER),
+            torch.bfloat16,
+            torch.Generator().manual_seed(1000 + self.rewrites),
+        )
+        assert self.catalog.register(name, spec.path).version != spec.version
+        self.weights[name] = current(self.cache, name)
+
+    @invariant()
+    def consistent(self) -> None:
+        cache = self.cache
+        cache.check_integrity()
+        for batch, reqs in self.held:  # every held request still sees its own adapter's weights
+            for (_, layout, want), slot in zip(reqs, batch.slots, strict=True):
+                assert_slot_holds(cache, slot, layout, want)
+        want_refs: dict[AdapterKey, int] = {}
+        for _, reqs in self.held:
+            for k in {k for k, _, _ in reqs}:
+                want_refs[k] = want_refs.get(k, 0) + 1
+        got_refs = {AdapterKey(r["adapter"], r["version"]): r["refs"] for r in cache.residency()}  # type: ignore
+        assert all(v >= 0 for v in got_refs.values())
+        assert {k: v for k, v in got_refs.items() if v} == want_refs
+        s = cache.stats()
+        assert s["slots_loading"] == 0
+        assert s["gpu_hits"] + s["gpu_misses"] == self.lookups  # type: ignore[operator]
+        assert s["loads"] + s["load_failures"] == s["prefetches"]  # type: ignore[operator]
+        assert s["host_hits"] + s["host_misses"] == s["prefetches"]  # type: ignore[operator]
+        assert s["loads"] == len(self.records) and s["bytes_host_to_gpu"] == sum(
+            r.nbytes for r in self.records
+        )
+
+    def teardown(self) -> None:
+        try:
+            for batch, _ in self.held:
+                self.cache.release(batch)
+            assert all(r["refs"] == 0 for r in self.cache.residency())  # refcounts return to zero when idle
+            assert all(e.refs == 0 for e in self.cache.host._entries.values())
+            self.cache.check_integrity()
+        finally:
+            self.cache.close()
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+CacheMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
+TestCacheMachine = CacheMachine.TestCase
+
+
+class _GatedStreams(CpuStreams):
+    """CPU streams whose copies 'complete' only when the test opens the gate."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.gate = threading.Event()
+
+    def done(self, event: object) -> bool:
+        return self.gate.is_set()
+
+
+def test_load_waits_for_a_slot_held_by_loads_in_flight(tiny_adapters, make_catalog, make_cache) -> None:
+    """Invariant 7: prefetches in flight cost a later load latency, never a CapacityError."""
+    root = tiny_adapters(3)[0].parent
+    cache = make_cache(make_catalog(root), num_slots=2)
+    gated = _GatedStreams(cache.device)
+    cache.streams = cache._watcher.streams = gated
+    first = [cache.prefetch(n) for n in ("adapter-000", "adapter-001")]
+    _wait_for(lambda: cache.table.count(SlotState.LOADING) == 2)  # two copies issued, neither complete
+    third = cache.prefetch("adapter-002")
+    _wait_for(lambda: len(cache._slot_waiters) == 1)  # staged, waiting for a slot instead of failing
+    assert not third.done() and cache.counters.load_failures == 0
+    gated.gate.set()
+    record = third.result(timeout=30)
+    assert all(f.result(timeout=30) for f in first)
+    assert record.adapter == "adapter-002" and cache.counters.load_failures == 0
+    cache.check_integrity()
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.001)
