@@ -1,0 +1,122 @@
+"""Replica-level readiness from per-rank reports (lifecycle steps 7-8), plain Python.
+
+A replica is ready for ``adapter@version`` only when every one of its TP ranks reported it READY
+(invariant 4). The index answers "where is A ready or loading?" and keeps a bounded, sequenced log of
+replica-level events that subscribers read from a cursor.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import NamedTuple
+
+from lora_cache.errors import NotFoundError
+
+
+class RankState(Enum):
+    LOADING = "loading"
+    READY = "ready"
+
+
+class ReadinessEvent(NamedTuple):
+    seq: int
+    replica: str
+    adapter: str
+    version: str
+    ready: bool  # True: every rank ready; False: the replica stopped being ready (evicted, rank lost)
+
+
+class Lookup(NamedTuple):
+    adapter: str
+    ready: tuple[str, ...]  # replicas where every rank has it READY
+    loading: tuple[str, ...]  # replicas where some rank has it, not all READY
+
+
+@dataclass
+class ReadinessIndex:
+    """Per (replica, adapter@version): which ranks hold it and in what state."""
+
+    max_events: int = 10_000
+    _tp: dict[str, int] = field(default_factory=dict)  # replica -> TP size
+    _ranks: dict[tuple[str, str, str], dict[int, RankState]] = field(default_factory=dict)
+    _ready: set[tuple[str, str, str]] = field(default_factory=set)  # (replica, adapter, version) all ready
+    _events: deque[ReadinessEvent] = field(default_factory=deque)
+    _seq: int = 0
+
+    def add_replica(self, replica: str, tp: int) -> None:
+        self._tp[replica] = tp
+
+    def remove_replica(self, replica: str) -> list[ReadinessEvent]:
+        events = [e for r in range(self._tp.get(replica, 0)) for e in self.drop_rank(replica, r)]
+        self._tp.pop(replica, None)
+        return events
+
+    def report(self, replica: str, rank: int, adapter: str, version: str,
+               state: RankState | None) -> list[ReadinessEvent]:
+        """Rank ``rank`` of ``replica`` now holds ``adapter@version`` in ``state`` (None: not at all)."""
+        tp = self._tp.get(replica)
+        if tp is None:
+            raise NotFoundError(f"replica {replica!r} is not known; known replicas: {sorted(self._tp)}")
+        if not 0 <= rank < tp:
+            raise NotFoundError(f"replica {replica!r} has ranks 0..{tp - 1}, not {rank}")
+        key = (replica, adapter, version)
+        ranks = self._ranks.setdefault(key, {})
+        if state is None:
+            ranks.pop(rank, None)
+        else:
+            ranks[rank] = state
+        if not ranks:
+            del self._ranks[key]
+        return self._update(key, tp)
+
+    def drop_rank(self, replica: str, rank: int) -> list[ReadinessEvent]:
+        """A worker was lost or restarted empty: forget everything it held."""
+        keys = [k for k, ranks in self._ranks.items() if k[0] == replica and rank in ranks]
+        return [e for k in keys for e in self.report(replica, rank, k[1], k[2], None)]
+
+    def _update(self, key: tuple[str, str, str], tp: int) -> list[ReadinessEvent]:
+        ranks = self._ranks.get(key, {})
+        now = len(ranks) == tp and all(s is RankState.READY for s in ranks.values())
+        if now == (key in self._ready):
+            return []
+        (self._ready.add if now else self._ready.discard)(key)
+        self._seq += 1
+        event = ReadinessEvent(self._seq, key[0], key[1], key[2], now)
+        self._events.append(event)
+        if len(self._events) > self.max_events:
+            self._events.popleft()
+        return [event]
+
+    def is_ready(self, replica: str, adapter: str, version: str) -> bool:
+        return (replica, adapter, version) in self._ready
+
+    def lookup(self, adapter: str) -> Lookup:
+        ready = sorted({r for r, a, _ in self._ready if a == adapter})
+        loading = sorted({r for r, a, _ in self._ranks if a == adapter} - set(ready))
+        return Lookup(adapter, tuple(ready), tuple(loading))
+
+    def events_after(self, seq: int, replica: str | None = None, adapter: str | None = None,
+                     limit: int = 1000) -> list[ReadinessEvent]:
+        """Events with a sequence number above ``seq`` (the subscriber's cursor), optionally filtered."""
+        out = [e for e in self._events if e.seq > seq and replica in (None, e.replica) and adapter in (None, e.adapter)]
+        return out[:limit]
+
+    @property
+    def last_seq(self) -> int:
+        return self._seq
+
+    def counts(self) -> dict[str, int]:
+        return {"replicas": len(self._tp), "ready": len(self._ready), "held": len(self._ranks)}
+
+    def check_integrity(self) -> None:
+        for (replica, _, _), ranks in self._ranks.items():
+            assert replica in self._tp, f"residency for unknown replica {replica}"
+            assert ranks, "empty rank map kept"
+            assert all(0 <= r < self._tp[replica] for r in ranks), f"rank out of range in {replica}"
+        for key in self._ready:
+            ranks = self._ranks.get(key, {})
+            assert len(ranks) == self._tp[key[0]] and all(s is RankState.READY for s in ranks.values()), \
+                f"{key} marked ready but not every rank is READY"
+        assert len(self._events) <= self.max_events
