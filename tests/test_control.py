@@ -1,0 +1,133 @@
+"""Controller core + worker command gate, wired without Ray: queue -> plan -> loads -> readiness."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from lora_cache.catalog import CatalogConfig
+from lora_cache.control import ControllerConfig, ControllerCore, WorkerId
+from lora_cache.errors import NotFoundError
+from lora_cache.planner import Evict, Prefetch
+from lora_cache.synth import SynthConfig, make_adapters
+from workers.cache import WorkerCache, WorkerConfig
+from workers.commands import CommandGate, Delta
+from workers.host_tier import HostTierConfig
+
+
+class Outbox:
+    """Collects a worker's deltas; ``wait(n)`` blocks until n arrived (no sleeps)."""
+
+    def __init__(self) -> None:
+        self.deltas: list[Delta] = []
+        self.cond = threading.Condition()
+
+    def push(self, delta: Delta) -> None:
+        with self.cond:
+            self.deltas.append(delta)
+            self.cond.notify_all()
+
+    def drain(self, states: tuple[str, ...], count: int) -> list[Delta]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: sum(d.state in states for d in self.deltas) >= count, timeout=30)
+            out, self.deltas = self.deltas, []
+        return out
+
+
+@pytest.fixture
+def fleet(tmp_path: Path):
+    make_adapters(tmp_path, SynthConfig(model="tiny", count=6, rank="8,16"))
+    catalog = CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny", max_rank=16)
+    core = ControllerCore(ControllerConfig(catalog=catalog), epoch=5)
+    for d in sorted(tmp_path.iterdir()):
+        core.register_adapter(d.name, str(d))
+    core.add_replica("r0", tp=2, slots=2)
+    workers = {}
+    for rank in range(2):
+        cache = WorkerCache(WorkerConfig(num_slots=2, tp=2, tp_rank=rank, device="cpu",
+                                         host=HostTierConfig(host_bytes=1 << 20, pin=False)), core.catalog)
+        outbox = Outbox()
+        workers[WorkerId("r0", rank)] = (cache, CommandGate(cache, outbox.push), outbox)
+    try:
+        yield core, workers
+    finally:
+        for cache, _, _ in workers.values():
+            cache.close()
+
+
+def _deliver(core: ControllerCore, workers, ready: int):
+    events = []
+    for wid, (_, _, outbox) in workers.items():
+        deltas = outbox.drain(("ready", "failed"), ready)
+        events += core.worker_report(wid, [(d.adapter, d.version, d.state) for d in deltas])
+    return events
+
+
+def test_queue_report_to_replica_readiness(fleet) -> None:
+    core, workers = fleet
+    core.report_queue("r0", [("adapter-000", 0.0), ("adapter-001", 0.5)], now=1.0)
+    plan = core.plan(now=1.0)
+    assert set(plan) == set(workers)
+    for wid, commands in plan.items():
+        assert [c.adapter for c in commands if isinstance(c, Prefetch)] == ["adapter-000", "adapter-001"]
+        assert all(c.epoch == 5 for c in commands)
+        result = workers[wid][1].apply(commands)
+        assert result.accepted == 2 and not result.errors
+    events = _deliver(core, workers, ready=2)
+    assert sorted((e.adapter, e.ready) for e in events) == [("adapter-000", True), ("adapter-001", True)]
+    assert core.readiness.lookup("adapter-000").ready == ("r0",)
+    core.check_integrity()
+
+
+def test_replica_not_ready_until_every_rank(fleet) -> None:
+    core, workers = fleet
+    core.report_queue("r0", [("adapter-002", 0.0)], now=1.0)
+    plan = core.plan(now=1.0)
+    rank0 = WorkerId("r0", 0)
+    workers[rank0][1].apply(plan[rank0])
+    deltas = workers[rank0][2].drain(("ready",), 1)
+    assert core.worker_report(rank0, [(d.adapter, d.version, d.state) for d in deltas]) == []
+    assert core.readiness.lookup("adapter-002").loading == ("r0",)
+
+
+def test_stale_epoch_commands_are_rejected(fleet) -> None:
+    core, workers = fleet
+    _, gate, _ = workers[WorkerId("r0", 0)]
+    version = core.catalog.get("adapter-000").version
+    assert gate.apply([Prefetch("adapter-000", version, 0, epoch=7)]).accepted == 1
+    result = gate.apply([Prefetch("adapter-001", core.catalog.get("adapter-001").version, 0, epoch=6),
+                         Evict("adapter-000", version, epoch=6)])
+    assert result.rejected_stale == 2 and result.accepted == 0
+    assert gate.apply([Prefetch("adapter-000", version, 0, epoch=7)]).accepted == 1  # idempotent repeat
+
+
+def test_bad_inputs_are_clear_errors_and_change_nothing(fleet) -> None:
+    core, workers = fleet
+    before = core.status()
+    with pytest.raises(NotFoundError, match="replica 'nope' is not known"):
+        core.report_queue("nope", [("adapter-000", 0.0)], now=1.0)
+    with pytest.raises(NotFoundError, match="adapter 'ghost' is not registered"):
+        core.report_queue("r0", [("adapter-000", 0.0), ("ghost", 0.1)], now=1.0)
+    with pytest.raises(NotFoundError, match="adapter 'ghost' is not registered"):
+        core.hint("h1", "ghost", "r0", 2.0, now=1.0)
+    with pytest.raises(NotFoundError, match="worker r0/5 is not part"):
+        core.worker_report(WorkerId("r0", 5), [])
+    assert core.status() == before and core.plan(now=1.0) == {}
+    _, gate, _ = workers[WorkerId("r0", 0)]
+    result = gate.apply([Prefetch("ghost", "v", 0, epoch=5)])  # a bad command costs only itself
+    assert result.accepted == 0 and "ghost" in result.errors[0]
+    core.check_integrity()
+
+
+def test_lost_worker_makes_replica_not_ready(fleet) -> None:
+    core, workers = fleet
+    core.report_queue("r0", [("adapter-000", 0.0)], now=1.0)
+    for wid, commands in core.plan(now=1.0).items():
+        workers[wid][1].apply(commands)
+    _deliver(core, workers, ready=1)
+    (event,) = core.worker_lost(WorkerId("r0", 1))
+    assert not event.ready and core.readiness.lookup("adapter-000").ready == ()
+    replan = core.plan(now=2.0)  # the queued adapter is planned again for the lost rank
+    assert [c.adapter for c in replan[WorkerId("r0", 1)]] == ["adapter-000"]
