@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from lora_cache.catalog import AdapterCatalog, CatalogConfig
-from lora_cache.errors import NotFoundError
+from lora_cache.errors import ConfigError, NotFoundError
 from lora_cache.planner import (
     AdapterInfo,
     Command,
@@ -68,28 +68,34 @@ class ControllerCore:
         return spec.version
 
     def add_replica(self, replica: str, tp: int, slots: int) -> list[WorkerId]:
+        """Idempotent: a replica already adopted from its workers' reports is kept as it is."""
         workers = [WorkerId(replica, k) for k in range(tp)]
+        if replica in self.planner.replicas():
+            if self.planner.workers(replica) != tuple(map(str, workers)):
+                raise ConfigError(f"replica {replica!r} already exists with workers "
+                                  f"{self.planner.workers(replica)}; remove it before changing its TP size")
+            return workers
         self.planner.add_replica(ReplicaSpec(replica, tuple(map(str, workers)), slots))
         self.readiness.add_replica(replica, tp)
         return workers
 
     def worker_lost(self, worker: WorkerId) -> list[ReadinessEvent]:
         """A worker died or restarted empty: drop what it held, the replica is replanned."""
-        self._check_worker(worker)
+        self.check_worker(worker)
         self.planner.report_residency(str(worker), [])
         return self.readiness.drop_rank(worker.replica, worker.rank)
 
     # -- inputs (steps 1-3) ---------------------------------------------------------------------
     def report_queue(self, replica: str, adapters: Iterable[tuple[str, float]], now: float) -> None:
         entries = [QueueEntry(a, t) for a, t in adapters]
-        self._check_replica(replica)
+        self.check_replica(replica)
         for e in entries:
-            self._check_adapter(e.adapter)
+            self.check_adapter(e.adapter)
         self.planner.report_queue(replica, entries, now)
 
     def hint(self, hint_id: str, adapter: str, replica: str, expected_s: float, now: float) -> bool:
-        self._check_replica(replica)
-        self._check_adapter(adapter)
+        self.check_replica(replica)
+        self.check_adapter(adapter)
         return self.planner.add_hint(Hint(hint_id, adapter, replica, expected_s), now)
 
     def cancel_hint(self, hint_id: str, now: float) -> bool:
@@ -97,7 +103,7 @@ class ControllerCore:
 
     def worker_report(self, worker: WorkerId, deltas: Iterable[tuple[str, str, str]]) -> list[ReadinessEvent]:
         """(adapter, version, state) changes from one worker; returns replica-level events (step 8)."""
-        self._check_worker(worker)
+        self.check_worker(worker)
         events: list[ReadinessEvent] = []
         for adapter, version, state in deltas:
             rank_state, slot_state = _STATE.get(state, (None, None))
@@ -134,17 +140,17 @@ class ControllerCore:
                 "queue_depths": {r: len(self.planner.queue(r)) for r in self.planner.replicas()}}
 
     # -- checks -------------------------------------------------------------------------------------
-    def _check_replica(self, replica: str) -> None:
+    def check_replica(self, replica: str) -> None:
         if replica not in self.planner.replicas():
             raise NotFoundError(f"replica {replica!r} is not known; known replicas: {list(self.planner.replicas())}")
 
-    def _check_adapter(self, adapter: str) -> None:
+    def check_adapter(self, adapter: str) -> None:
         if adapter not in self.catalog:
             raise NotFoundError(f"adapter {adapter!r} is not registered; register it first "
                                 "(lora-cache register NAME PATH)")
 
-    def _check_worker(self, worker: WorkerId) -> None:
-        self._check_replica(worker.replica)
+    def check_worker(self, worker: WorkerId) -> None:
+        self.check_replica(worker.replica)
         if str(worker) not in self.planner.workers(worker.replica):
             raise NotFoundError(f"worker {worker} is not part of replica {worker.replica!r}")
 

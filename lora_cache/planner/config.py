@@ -22,7 +22,7 @@ class PlannerConfig:
                 "(1 + hysteresis) times the resident's"})
     max_prefetches_per_plan: int = field(default=4, metadata={
         "help": "popularity prefetches per replica per plan (queued and hinted adapters are not limited)"})
-    max_candidates_scanned: int = field(default=256, metadata={
+    max_candidates_scanned: int = field(default=64, metadata={
         "help": "popular adapters examined per replica per plan before giving up on filling room"})
     hint_ttl_s: float = field(default=30.0, metadata={
         "help": "a hint not fulfilled by a queued request this long after its expected time is dropped"})
@@ -32,7 +32,8 @@ class PlannerConfig:
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
-            raise ConfigError(f"policy {self.policy!r} is not registered; choose one of {known_names(POLICIES)}")
+            raise ConfigError(f"policy {self.policy!r} is not registered; "
+                              f"choose one of {known_names(POLICIES)}")
         _positive_seconds("half_life_s", self.half_life_s, "60.0")
         _positive_seconds("hint_ttl_s", self.hint_ttl_s, "30.0")
         if not _finite(self.local_weight) or not 0.0 <= self.local_weight <= 1.0:
@@ -41,8 +42,8 @@ class PlannerConfig:
         if not _finite(self.hysteresis) or self.hysteresis < 0:
             raise ConfigError(f"hysteresis is {self.hysteresis!r}; give a margin >= 0, e.g. 0.25 (a popular "
                               "adapter must be worth 25% more per byte than the resident it would evict)")
-        _count("max_prefetches_per_plan", self.max_prefetches_per_plan, 0, "4 (0 disables popularity prefetch)")
-        _count("max_candidates_scanned", self.max_candidates_scanned, 1, "256")
+        _count("max_prefetches_per_plan", self.max_prefetches_per_plan, 0, "4 (0: no popularity prefetch)")
+        _count("max_candidates_scanned", self.max_candidates_scanned, 1, "64")
         _count("max_hints_per_replica", self.max_hints_per_replica, 1, "1024")
         _count("max_tracked_per_replica", self.max_tracked_per_replica, 1, "4096")
 

@@ -81,7 +81,7 @@ class HintBook:
         for replica, hints in self.by_replica.items():
             assert hints, f"empty hint table kept for {replica!r}"
             assert len(hints) <= self.max_per_replica, f"{replica!r} holds more hints than the limit"
-            assert all(h.replica == replica for h in hints.values()), f"a hint filed under the wrong replica"
+            assert all(h.replica == replica for h in hints.values()), "a hint filed under the wrong replica"
         assert not self.active.keys() & self.tombstones.keys(), "a hint is both active and a tombstone"
         pending = set(self._deadlines)
         for hint in self.active.values():

@@ -43,11 +43,6 @@ class RankedCounts:
             _, dropped = self.order.pop()
             del self.values[dropped]
 
-    def discard(self, key: str) -> None:
-        old = self.values.pop(key, None)
-        if old is not None:
-            del self.order[bisect_left(self.order, (-old, key))]
-
     def rescale(self, factor: float) -> None:
         """Multiply every count by `factor` (counts that underflow to zero are forgotten)."""
         scaled = ((-neg * factor, key) for neg, key in self.order)
@@ -99,17 +94,14 @@ class Popularity:
             return 0.0
         return counts.get(adapter) * 2.0 ** -self._exponent(now)
 
-    def forget(self, adapter: str) -> None:
-        for counts in (self.fleet, *self.local.values()):
-            counts.discard(adapter)
-
     def drop_replica(self, replica: str) -> None:
         self.local.pop(replica, None)
 
     def scorer(self, replica: str, n_replicas: int, local_weight: float,
                catalog: Mapping[str, AdapterInfo], min_bytes: int) -> ReplicaScorer:
         fleet_weight = (1.0 - local_weight) / max(1, n_replicas)
-        return ReplicaScorer(self.fleet, self.local.get(replica), fleet_weight, local_weight, catalog, min_bytes)
+        local = self.local.get(replica)
+        return ReplicaScorer(self.fleet, local, fleet_weight, local_weight, catalog, min_bytes)
 
     def check_integrity(self) -> None:
         self.fleet.check_integrity()
@@ -138,8 +130,8 @@ class ReplicaScorer:
         self._min_bytes = min_bytes
 
     def value(self, adapter: str) -> float:
-        local = self._local.get(adapter) if self._local is not None else 0.0
-        return self._fleet_weight * self._fleet.get(adapter) + self._local_weight * local
+        local = self._local.values.get(adapter, 0.0) if self._local is not None else 0.0
+        return self._fleet_weight * self._fleet.values.get(adapter, 0.0) + self._local_weight * local
 
     def score(self, adapter: str) -> float:
         return self.value(adapter) / self._catalog[adapter].bytes_per_rank
@@ -147,23 +139,23 @@ class ReplicaScorer:
     def ranked(self) -> Iterator[tuple[float, str]]:
         """(score, adapter) for every adapter with a positive score, best first, ties by name.
 
-        Fagin's threshold algorithm over the two sorted counters: an adapter not yet seen in either
-        list scores at most `_bound`, so anything in the heap above the bound can be yielded. Lazy:
-        a caller that needs the top few reads only a little deeper than them.
+        Fagin's threshold algorithm over the two sorted counters: read both lists one row at a time;
+        an adapter in neither list's read part scores at most the bound (next rows' counts over the
+        smallest shard), so anything in the heap above the bound is final. Lazy: a caller that needs
+        the top few reads only a little deeper than them.
         """
         fleet = self._fleet.order
         local = self._local.order if self._local is not None else []
+        fleet_w, local_w, min_bytes = self._fleet_weight, self._local_weight, self._min_bytes
         seen: set[str] = set()
         heap: list[tuple[float, str]] = []
-        i = j = 0
-        while i < len(fleet) or j < len(local):
-            if i < len(fleet):
-                self._see(fleet[i][1], seen, heap)
-                i += 1
-            if j < len(local):
-                self._see(local[j][1], seen, heap)
-                j += 1
-            bound = self._bound(fleet, i, local, j)
+        for depth in range(max(len(fleet), len(local))):
+            for order in (fleet, local):
+                if depth < len(order) and order[depth][1] not in seen:
+                    self._push(order[depth][1], seen, heap)
+            next_fleet = -fleet[depth + 1][0] if depth + 1 < len(fleet) else 0.0
+            next_local = -local[depth + 1][0] if depth + 1 < len(local) else 0.0
+            bound = (fleet_w * next_fleet + local_w * next_local) / min_bytes
             while heap and -heap[0][0] > bound:
                 neg, adapter = heapq.heappop(heap)
                 yield -neg, adapter
@@ -171,15 +163,10 @@ class ReplicaScorer:
             neg, adapter = heapq.heappop(heap)
             yield -neg, adapter
 
-    def _see(self, adapter: str, seen: set[str], heap: list[tuple[float, str]]) -> None:
-        if adapter in seen or adapter not in self._catalog:
-            return
+    def _push(self, adapter: str, seen: set[str], heap: list[tuple[float, str]]) -> None:
         seen.add(adapter)
-        score = self.score(adapter)
-        if score > 0.0:
-            heapq.heappush(heap, (-score, adapter))
-
-    def _bound(self, fleet: list[tuple[float, str]], i: int, local: list[tuple[float, str]], j: int) -> float:
-        next_fleet = -fleet[i][0] if i < len(fleet) else 0.0
-        next_local = -local[j][0] if j < len(local) else 0.0
-        return (self._fleet_weight * next_fleet + self._local_weight * next_local) / self._min_bytes
+        info = self._catalog.get(adapter)
+        if info is not None:
+            score = self.value(adapter) / info.bytes_per_rank
+            if score > 0.0:
+                heapq.heappush(heap, (-score, adapter))

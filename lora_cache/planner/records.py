@@ -7,7 +7,7 @@ exist is checked by the planner, which knows the fleet.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
@@ -72,6 +72,7 @@ class AdapterInfo:
     name: str
     version: str
     bytes_per_rank: int
+    key: AdapterKey = field(init=False, repr=False, compare=False)  # (name, version), made once
 
     def __post_init__(self) -> None:
         check_id("adapter name", self.name)
@@ -79,10 +80,7 @@ class AdapterInfo:
         if not _is_int(self.bytes_per_rank) or self.bytes_per_rank < 1:
             raise PlannerInputError(f"bytes_per_rank of adapter {self.name!r} is {self.bytes_per_rank!r}; "
                                     "give the size in bytes of one rank's shard (an int >= 1)")
-
-    @property
-    def key(self) -> AdapterKey:
-        return AdapterKey(self.name, self.version)
+        object.__setattr__(self, "key", AdapterKey(self.name, self.version))
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +100,8 @@ class ReplicaSpec:
         for worker in self.worker_ids:
             check_id(f"worker id of replica {self.replica_id!r}", worker)
         if len(set(self.worker_ids)) != len(self.worker_ids):
-            raise PlannerInputError(f"replica {self.replica_id!r} lists a worker twice in {self.worker_ids!r}; "
-                                    "each TP rank is a distinct worker")
+            raise PlannerInputError(f"replica {self.replica_id!r} lists a worker twice in "
+                                    f"{self.worker_ids!r}; each TP rank is a distinct worker")
         check_capacity(f"replica {self.replica_id!r}", Capacity(self.slots_per_worker, self.bytes_per_worker))
 
     @property
@@ -138,13 +136,15 @@ def check_id(what: str, value: object) -> None:
 
 def check_time(what: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise PlannerInputError(f"{what} is {value!r}; give a finite time in seconds (the controller's clock)")
+        raise PlannerInputError(f"{what} is {value!r}; give a finite time in seconds "
+                                "(the controller's clock)")
 
 
 def check_capacity(what: str, capacity: Capacity) -> None:
     slots, budget = capacity
     if not _is_int(slots) or slots < 0:
-        raise PlannerInputError(f"slots of {what} is {slots!r}; give the number of adapter slots (an int >= 0)")
+        raise PlannerInputError(f"slots of {what} is {slots!r}; "
+                                "give the number of adapter slots (an int >= 0)")
     if budget is not None and (not _is_int(budget) or budget < 0):
         raise PlannerInputError(f"bytes of {what} is {budget!r}; give a byte budget (an int >= 0) "
                                 "or None to count slots only")

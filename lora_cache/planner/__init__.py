@@ -1,0 +1,56 @@
+"""The fleet-wide placement planner: plain Python, no Ray, no torch (lifecycle steps 1-4).
+
+Module map: `records` (inputs), `commands` (outputs), `config`, `state` (fleet bookkeeping),
+`popularity` (decayed counts), `hints` (router hints), `policies` (the registry and the rules),
+`planner` (the incremental orchestrator).
+"""
+
+from lora_cache.planner.commands import Command, Evict, Plan, Prefetch, WorkerCommands
+from lora_cache.planner.config import PlannerConfig
+from lora_cache.planner.errors import (
+    PlannerInputError,
+    UnknownAdapterError,
+    UnknownReplicaError,
+    UnknownWorkerError,
+)
+from lora_cache.planner.planner import Planner, PlannerStats
+from lora_cache.planner.policies import POLICIES, PlacementPolicy, ReplicaView, Target
+from lora_cache.planner.records import (
+    AdapterInfo,
+    AdapterKey,
+    Capacity,
+    Hint,
+    QueueEntry,
+    ReplicaSpec,
+    Residency,
+    ResidencyEntry,
+    SlotState,
+)
+
+__all__ = [
+    "POLICIES",
+    "AdapterInfo",
+    "AdapterKey",
+    "Capacity",
+    "Command",
+    "Evict",
+    "Hint",
+    "PlacementPolicy",
+    "Plan",
+    "Planner",
+    "PlannerConfig",
+    "PlannerInputError",
+    "PlannerStats",
+    "Prefetch",
+    "QueueEntry",
+    "ReplicaSpec",
+    "ReplicaView",
+    "Residency",
+    "ResidencyEntry",
+    "SlotState",
+    "Target",
+    "UnknownAdapterError",
+    "UnknownReplicaError",
+    "UnknownWorkerError",
+    "WorkerCommands",
+]

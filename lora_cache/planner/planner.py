@@ -1,0 +1,397 @@
+"""The incremental fleet-wide planner (lifecycle steps 1-4): inputs in, per-worker commands out.
+
+Every input names its replica, and a replica whose plan inputs changed is marked dirty; `plan(now)`
+replans only dirty replicas, so one queue report costs one replica's plan. Popularity changes alone
+do not dirty anything: `plan_all(now)` replans every replica against current popularity (the
+controller calls it on a timer). The same inputs always give the same plan: ties sort by name, and
+nothing depends on set or hash order. Time is passed in (`now`, seconds of a monotonic clock).
+
+Not thread-safe: the controller actor serialises calls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from lora_cache.planner.commands import Evict, Plan, Prefetch, WorkerCommands
+from lora_cache.planner.config import PlannerConfig
+from lora_cache.planner.errors import PlannerInputError
+from lora_cache.planner.hints import HintBook
+from lora_cache.planner.policies import POLICIES, ReplicaView, Room, Target
+from lora_cache.planner.popularity import Popularity
+from lora_cache.planner.records import (
+    AdapterInfo,
+    AdapterKey,
+    Capacity,
+    Hint,
+    QueueEntry,
+    ReplicaSpec,
+    Residency,
+    ResidencyEntry,
+    SlotState,
+    check_capacity,
+    check_id,
+    check_time,
+)
+from lora_cache.planner.state import FleetState
+
+_LOADED = (SlotState.READY, SlotState.IN_USE)
+
+
+@dataclass
+class PlannerStats:
+    """Running totals for metrics."""
+
+    plans: int = 0
+    replicas_planned: int = 0
+    prefetches: int = 0
+    evicts: int = 0
+    hints_ignored: int = 0  # duplicates, stale, cancelled before arrival, or over the per-replica limit
+
+
+class Planner:
+    """Decides what every TP worker of the fleet should prefetch and evict."""
+
+    def __init__(self, config: PlannerConfig, epoch: int, adapters: Iterable[AdapterInfo] = (),
+                 replicas: Iterable[ReplicaSpec] = ()) -> None:
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise PlannerInputError(f"epoch is {epoch!r}; give the controller's epoch, an int >= 0 that "
+                                    "grows at every restart (workers reject commands from older epochs)")
+        self.config = config
+        self.epoch = epoch
+        self.stats = PlannerStats()
+        self._policy = POLICIES[config.policy]()
+        self._fleet = FleetState()
+        self._hints = HintBook(config.hint_ttl_s, config.max_hints_per_replica)
+        self._popularity = Popularity(config.half_life_s, config.max_tracked_per_replica)
+        self._dirty: set[str] = set()  # replicas whose plan inputs changed since they were last planned
+        self._now: float | None = None  # the latest time given
+        for info in adapters:
+            self.register_adapter(info)
+        for spec in replicas:
+            self.add_replica(spec)
+
+    # -- catalog and topology ---------------------------------------------------------------------
+    def register_adapter(self, info: AdapterInfo) -> None:
+        """Add an adapter, or make `info` its current version (older versions get evicted)."""
+        if not isinstance(info, AdapterInfo):
+            raise PlannerInputError(f"register_adapter got {info!r}; "
+                                    "pass an AdapterInfo(name, version, bytes_per_rank)")
+        old = self._fleet.register(info)
+        if old is not None and old != info:
+            self._dirty |= self._replicas_touching(info.name)
+
+    def add_replica(self, spec: ReplicaSpec) -> None:
+        if not isinstance(spec, ReplicaSpec):
+            raise PlannerInputError(f"add_replica got {spec!r}; "
+                                    "pass a ReplicaSpec(replica_id, worker_ids, slots_per_worker)")
+        self._fleet.add_replica(spec)
+        self._dirty.add(spec.replica_id)
+
+    def remove_replica(self, replica: str) -> None:
+        self._fleet.require_replica(replica, "remove_replica")
+        self._fleet.remove_replica(replica)
+        self._hints.drop_replica(replica)
+        self._popularity.drop_replica(replica)
+        self._dirty.discard(replica)
+
+    def add_worker(self, replica: str, worker: str, slots: int, bytes_per_worker: int | None = None) -> None:
+        """A new (or replacement) TP rank of `replica`, holding nothing yet."""
+        check_id("worker id", worker)
+        capacity = Capacity(slots, bytes_per_worker)
+        check_capacity(f"worker {worker!r}", capacity)
+        self._fleet.require_replica(replica, "add_worker")
+        self._fleet.add_worker(replica, worker, capacity)
+        self._dirty.add(replica)
+
+    def remove_worker(self, worker: str) -> None:
+        """A lost worker: its residency is dropped and its replica replanned."""
+        self._fleet.require_worker(worker, "remove_worker")
+        self._dirty.add(self._fleet.remove_worker(worker))
+
+    def set_capacity(self, worker: str, slots: int, bytes_per_worker: int | None = None) -> None:
+        capacity = Capacity(slots, bytes_per_worker)
+        check_capacity(f"worker {worker!r}", capacity)
+        replica = self._fleet.require_worker(worker, "set_capacity")
+        if self._fleet.capacity[worker] != capacity:
+            self._fleet.capacity[worker] = capacity
+            self._dirty.add(replica)
+
+    # -- inputs -----------------------------------------------------------------------------------
+    def report_queue(self, replica: str, entries: Iterable[QueueEntry], now: float) -> None:
+        """A replica's waiting requests in queue order; new arrivals count towards popularity."""
+        self._advance(now)
+        self._fleet.require_replica(replica, "report_queue")
+        queue = tuple(self._queue_entry(replica, entry) for entry in entries)
+        old = self._fleet.queues.get(replica, ())
+        if queue == old:
+            return
+        if queue:
+            self._fleet.queues[replica] = queue
+        else:
+            del self._fleet.queues[replica]
+        self._dirty.add(replica)
+        for entry in _arrivals(old, queue):
+            if self._hints.fulfil(replica, entry.adapter, now) is None:  # a hinted request counted already
+                self._popularity.observe(entry.adapter, replica, now)
+
+    def add_hint(self, hint: Hint, now: float) -> bool:
+        """A router's hint; False if ignored (a known id, stale, or the replica's hint table is full)."""
+        self._advance(now)
+        if not isinstance(hint, Hint):
+            raise PlannerInputError(f"add_hint got {hint!r}; "
+                                    "pass a Hint(hint_id, adapter, replica, expected_s)")
+        self._fleet.require_replica(hint.replica, f"hint {hint.hint_id!r}")
+        self._fleet.require_adapter(hint.adapter, f"hint {hint.hint_id!r}")
+        if not self._hints.add(hint, now):
+            self.stats.hints_ignored += 1
+            return False
+        self._popularity.observe(hint.adapter, hint.replica, now)
+        if self._policy.uses_hints:
+            self._dirty.add(hint.replica)
+        return True
+
+    def cancel_hint(self, hint_id: str, now: float) -> bool:
+        """Withdraw a hint (its request went elsewhere or was dropped); False if it was not active."""
+        self._advance(now)
+        check_id("hint id", hint_id)
+        hint = self._hints.cancel(hint_id, now)
+        if hint is not None and self._policy.uses_hints:
+            self._dirty.add(hint.replica)
+        return hint is not None
+
+    def record_request(self, adapter: str, replica: str, now: float, weight: float = 1.0) -> None:
+        """Count requests seen elsewhere (e.g. served without queueing); replanned lazily."""
+        self._advance(now)
+        self._fleet.require_replica(replica, "record_request")
+        self._fleet.require_adapter(adapter, "record_request")
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf:
+            raise PlannerInputError(f"weight of a request for {adapter!r} is {weight!r}; "
+                                    "give a positive number")
+        self._popularity.observe(adapter, replica, now, weight)
+
+    def report_residency(self, worker: str, entries: Iterable[ResidencyEntry]) -> None:
+        """Everything a worker holds now (replaces its previous report and the commands assumed since)."""
+        replica = self._fleet.require_worker(worker, "report_residency")
+        held: dict[AdapterKey, Residency] = {}
+        for entry in entries:
+            key, residency = self._residency_entry(worker, entry)
+            if key in held:
+                raise PlannerInputError(f"worker {worker!r} reported {key} twice in one residency report; "
+                                        "send one entry per adapter version")
+            held[key] = residency
+        if self._fleet.set_residency(worker, held):
+            self._dirty.add(replica)
+
+    def update_residency(self, worker: str, entry: ResidencyEntry) -> None:
+        """One adapter version changed state on a worker (loaded, ready, acquired, released)."""
+        replica = self._fleet.require_worker(worker, "update_residency")
+        key, residency = self._residency_entry(worker, entry)
+        if self._fleet.put_residency(worker, key, residency):
+            self._dirty.add(replica)
+
+    def drop_residency(self, worker: str, adapter: str, version: str) -> None:
+        """A worker no longer holds `adapter@version` (evicted); a no-op if it did not."""
+        replica = self._fleet.require_worker(worker, "drop_residency")
+        if self._fleet.put_residency(worker, AdapterKey(adapter, version), None):
+            self._dirty.add(replica)
+
+    def advance(self, now: float) -> None:
+        """Move the planner's clock: expire hints (dirtying their replicas) and rescale counts."""
+        self._advance(now)
+
+    # -- planning ---------------------------------------------------------------------------------
+    def plan(self, now: float) -> Plan:
+        """Replan the replicas whose inputs changed since their last plan."""
+        self._advance(now)
+        return self._plan(sorted(self._dirty))
+
+    def plan_all(self, now: float) -> Plan:
+        """Replan every replica (picks up popularity changes)."""
+        self._advance(now)
+        return self._plan(sorted(self._fleet.workers))
+
+    # -- queries ----------------------------------------------------------------------------------
+    def replicas(self) -> tuple[str, ...]:
+        return tuple(sorted(self._fleet.workers))
+
+    def workers(self, replica: str) -> tuple[str, ...]:
+        return tuple(self._fleet.require_replica(replica, "workers"))
+
+    def replica_of(self, worker: str) -> str:
+        return self._fleet.require_worker(worker, "replica_of")
+
+    def capacity(self, worker: str) -> Capacity:
+        self._fleet.require_worker(worker, "capacity")
+        return self._fleet.capacity[worker]
+
+    def adapter(self, name: str) -> AdapterInfo:
+        return self._fleet.require_adapter(name, "adapter")
+
+    def residency(self, worker: str) -> dict[AdapterKey, Residency]:
+        """What the planner believes `worker` holds (its last report plus commands sent since)."""
+        self._fleet.require_worker(worker, "residency")
+        return dict(self._fleet.residency[worker])
+
+    def queue(self, replica: str) -> tuple[QueueEntry, ...]:
+        self._fleet.require_replica(replica, "queue")
+        return self._fleet.queues.get(replica, ())
+
+    def hints(self, replica: str) -> tuple[Hint, ...]:
+        self._fleet.require_replica(replica, "hints")
+        return tuple(self._hints.for_replica(replica))
+
+    def needed_adapters(self, replica: str) -> tuple[str, ...]:
+        """What the policy treats as needed soon at `replica` (never evicted there), most urgent first."""
+        self._fleet.require_replica(replica, "needed_adapters")
+        view = self._view(replica)
+        return view.queued + view.hinted
+
+    def dirty_replicas(self) -> tuple[str, ...]:
+        return tuple(sorted(self._dirty))
+
+    def ready_replicas(self, adapter: str) -> tuple[str, ...]:
+        """Replicas where every rank holds the current version of `adapter`, loaded (routing affinity)."""
+        key = self._fleet.require_adapter(adapter, "ready_replicas").key
+        candidates = {self._fleet.replica_of[w] for w in self._fleet.holders.get(adapter, ())}
+        return tuple(sorted(r for r in candidates if self._loaded_everywhere(r, key)))
+
+    def popularity(self, adapter: str, now: float, replica: str | None = None) -> float:
+        """Decayed request count of `adapter` at `now`: fleet-wide, or at one replica."""
+        check_time("now", now)
+        self._fleet.require_adapter(adapter, "popularity")
+        if replica is not None:
+            self._fleet.require_replica(replica, "popularity")
+        return self._popularity.decayed(adapter, now, replica)
+
+    def check_integrity(self) -> None:
+        self._fleet.check_integrity()
+        self._hints.check_integrity()
+        self._popularity.check_integrity()
+        replicas = self._fleet.workers.keys()
+        assert self._dirty <= replicas, f"dirty flags for unknown replicas {self._dirty - replicas}"
+        assert self._hints.by_replica.keys() <= replicas, "hints kept for an unknown replica"
+        assert self._popularity.local.keys() <= replicas, "counts kept for an unknown replica"
+        catalog = self._fleet.catalog
+        assert all(h.adapter in catalog for h in self._hints.active.values()), "hint for an unknown adapter"
+        assert self._popularity.fleet.values.keys() <= catalog.keys(), "counts for unknown adapters"
+
+    # -- internals --------------------------------------------------------------------------------
+    def _advance(self, now: float) -> None:
+        check_time("now", now)
+        if self._now is not None and now < self._now:
+            raise PlannerInputError(f"now ({now}) is earlier than a time already given ({self._now}); pass "
+                                    "one monotonic clock (e.g. time.monotonic()) to every planner call")
+        self._now = now
+        self._popularity.advance(now)
+        touched = self._hints.expire(now)
+        if self._policy.uses_hints:
+            self._dirty |= touched & self._fleet.workers.keys()
+
+    def _plan(self, replicas: list[str]) -> Plan:
+        out: list[WorkerCommands] = []
+        for replica in replicas:
+            out += self._plan_replica(replica)
+            self._dirty.discard(replica)
+        self.stats.plans += 1
+        self.stats.replicas_planned += len(replicas)
+        return Plan(self.epoch, tuple(replicas), tuple(out))
+
+    def _plan_replica(self, replica: str) -> list[WorkerCommands]:
+        fleet = self._fleet
+        scorer = self._popularity.scorer(replica, len(fleet.workers), self.config.local_weight,
+                                          fleet.catalog, fleet.min_bytes())
+        target = self._policy.target(self._view(replica), scorer, self.config)
+        if target is None:
+            return []
+        diffs = (self._diff(worker, replica, target) for worker in fleet.workers[replica])
+        return [commands for commands in diffs if commands is not None]
+
+    def _view(self, replica: str) -> ReplicaView:
+        resident: set[AdapterKey] = set()
+        pinned: set[AdapterKey] = set()
+        for worker in self._fleet.workers[replica]:
+            for key, residency in self._fleet.residency[worker].items():
+                resident.add(key)
+                if residency.pinned:
+                    pinned.add(key)
+        queued = _unique(e.adapter for e in self._fleet.queues.get(replica, ()))
+        hinted: tuple[str, ...] = ()
+        if self._policy.uses_hints:
+            waiting = set(queued)
+            hinted = _unique(h.adapter for h in self._hints.for_replica(replica) if h.adapter not in waiting)
+        return ReplicaView(replica, self._fleet.replica_capacity(replica), frozenset(resident),
+                           frozenset(pinned), queued, hinted, self._fleet.catalog, self._fleet.min_bytes())
+
+    def _diff(self, worker: str, replica: str, target: Target) -> WorkerCommands | None:
+        """One worker's commands to move from what it holds to `target`, within its own capacity."""
+        held = self._fleet.residency[worker]
+        wanted = set(target.keys)
+        evicts = sorted(k for k, r in held.items() if k not in wanted and not r.pinned)
+        room = Room(self._fleet.capacity[worker])
+        for key in held.keys() - set(evicts):
+            room.take(self._fleet.bytes_of(key))
+        prefetches: list[tuple[int, AdapterKey]] = []
+        for priority, key in enumerate(target.keys):
+            if key not in held and room.fits(self._fleet.bytes_of(key)):
+                room.take(self._fleet.bytes_of(key))
+                prefetches.append((priority, key))
+        if not evicts and not prefetches:
+            return None
+        self._fleet.apply(worker, evicts, [key for _, key in prefetches])
+        self.stats.evicts += len(evicts)
+        self.stats.prefetches += len(prefetches)
+        return WorkerCommands(
+            worker, replica,
+            tuple(Evict(k.name, k.version, self.epoch) for k in evicts),
+            tuple(Prefetch(k.name, k.version, p, self.epoch) for p, k in prefetches))
+
+    def _queue_entry(self, replica: str, entry: QueueEntry) -> QueueEntry:
+        adapter, arrival_s = entry
+        self._fleet.require_adapter(adapter, f"the queue of replica {replica!r}")
+        check_time(f"arrival_s of a queued request for {adapter!r} at {replica!r}", arrival_s)
+        return QueueEntry(adapter, arrival_s)
+
+    def _residency_entry(self, worker: str, entry: ResidencyEntry) -> tuple[AdapterKey, Residency]:
+        adapter, version, state, refcount = entry
+        where = f"the residency report of worker {worker!r}"
+        self._fleet.require_adapter(adapter, where)
+        check_id(f"version of {adapter!r} in {where}", version)
+        if not isinstance(state, SlotState):
+            raise PlannerInputError(f"state of {adapter}@{version} in {where} is {state!r}; give a SlotState "
+                                    f"({', '.join(s.name for s in SlotState)})")
+        if isinstance(refcount, bool) or not isinstance(refcount, int) or refcount < 0:
+            raise PlannerInputError(f"refcount of {adapter}@{version} in {where} is {refcount!r}; "
+                                    "give the number of running batches using it (an int >= 0)")
+        return AdapterKey(adapter, version), Residency(state, refcount)
+
+    def _replicas_touching(self, adapter: str) -> set[str]:
+        """Replicas that hold, queue or are hinted `adapter` (replanned when its version changes)."""
+        touched = {self._fleet.replica_of[w] for w in self._fleet.holders.get(adapter, ())}
+        touched |= {r for r, q in self._fleet.queues.items() if any(e.adapter == adapter for e in q)}
+        touched |= {h.replica for h in self._hints.active.values() if h.adapter == adapter}
+        return touched
+
+    def _loaded_everywhere(self, replica: str, key: AdapterKey) -> bool:
+        workers = self._fleet.workers[replica]
+        return bool(workers) and all(
+            (r := self._fleet.residency[w].get(key)) is not None and r.state in _LOADED for w in workers)
+
+
+def _unique(names: Iterable[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(names))
+
+
+def _arrivals(old: tuple[QueueEntry, ...], new: tuple[QueueEntry, ...]) -> list[QueueEntry]:
+    """Entries of `new` that were not in `old` (as a multiset), in queue order."""
+    before = Counter(old)
+    arrived = []
+    for entry in new:
+        if before[entry] > 0:
+            before[entry] -= 1
+        else:
+            arrived.append(entry)
+    return arrived

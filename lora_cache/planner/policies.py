@@ -1,0 +1,241 @@
+"""Placement policies (lifecycle step 3): what one replica's workers should hold, in priority order.
+
+A policy turns a `ReplicaView` into a `Target`: the adapter versions every rank of the replica should
+hold, most urgent first. The planner diffs the target against each worker's residency into commands.
+Policies are picked by name from `POLICIES`; the rules they share are small functions here:
+
+1. pinned: whatever any rank has in use stays, and ranks missing it load it first;
+2. needed (queued, then hinted): resident ones are never evicted; the others are admitted in order
+   while they fit, displacing anything that is neither pinned nor needed, lowest value per byte first;
+3. incumbents: other residents of the current version stay while there is room, else the lowest
+   value per byte go first; stale versions always go;
+4. speculation (`global` only): popular adapters fill free room, and may evict an incumbent only if
+   worth more than (1 + hysteresis) times as much per byte; at most `max_prefetches_per_plan` load
+   per plan, the rest are deferred (their room kept free) to the next plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+from lora_cache.planner.records import AdapterInfo, AdapterKey, Capacity
+
+if TYPE_CHECKING:
+    from lora_cache.planner.config import PlannerConfig
+    from lora_cache.planner.popularity import ReplicaScorer
+
+
+Scored = tuple[float, AdapterKey]  # (value per byte, key)
+
+
+class ReplicaView(NamedTuple):
+    """One replica's planning inputs, merged over its ranks."""
+
+    replica: str
+    capacity: Capacity  # the smallest among its workers
+    resident: frozenset[AdapterKey]  # held by at least one rank (loading counts)
+    pinned: frozenset[AdapterKey]  # in use on at least one rank
+    queued: tuple[str, ...]  # adapters of the waiting queue, in queue order, no repeats
+    hinted: tuple[str, ...]  # adapters of active hints by expected time, no repeats, none queued
+    catalog: Mapping[str, AdapterInfo]
+    min_bytes: int  # the smallest shard in the catalog
+
+
+class Target(NamedTuple):
+    """What every rank of a replica should hold, most urgent first (a key's index is its priority)."""
+
+    keys: tuple[AdapterKey, ...]
+    speculative: frozenset[AdapterKey]  # admitted for popularity alone (not pinned, queued or hinted)
+
+
+class Room:
+    """Free slots and bytes while a target is built; may go negative while over capacity."""
+
+    __slots__ = ("bytes", "slots")
+
+    def __init__(self, capacity: Capacity) -> None:
+        self.slots = capacity.slots
+        self.bytes = capacity.bytes
+
+    def fits(self, size: int) -> bool:
+        return self.slots >= 1 and (self.bytes is None or self.bytes >= size)
+
+    def over(self) -> bool:
+        return self.slots < 0 or (self.bytes is not None and self.bytes < 0)
+
+    def take(self, size: int, sign: int = 1) -> None:
+        self.slots -= sign
+        if self.bytes is not None:
+            self.bytes -= sign * size
+
+    def give(self, size: int) -> None:
+        self.take(size, -1)
+
+
+class PlacementPolicy(Protocol):
+    uses_hints: bool
+
+    def target(self, view: ReplicaView, scorer: ReplicaScorer, config: PlannerConfig) -> Target | None:
+        """The replica's target, or None to leave its workers alone."""
+        ...
+
+
+class NonePolicy:
+    """On-demand only: the planner sends nothing; engines load what they need when they need it."""
+
+    uses_hints = False
+
+    def target(self, view: ReplicaView, scorer: ReplicaScorer, config: PlannerConfig) -> Target | None:
+        return None
+
+
+class QueuePolicy:
+    """S-LoRA: each replica prefetches the adapters of its own waiting queue, in order; no hints."""
+
+    uses_hints = False
+
+    def target(self, view: ReplicaView, scorer: ReplicaScorer, config: PlannerConfig) -> Target | None:
+        return build_target(view, scorer, view.queued, config, speculate=False)
+
+
+class GlobalPolicy:
+    """This project: queue, then hints, then fleet-wide popularity into free room (with hysteresis)."""
+
+    uses_hints = True
+
+    def target(self, view: ReplicaView, scorer: ReplicaScorer, config: PlannerConfig) -> Target | None:
+        return build_target(view, scorer, view.queued + view.hinted, config, speculate=True)
+
+
+POLICIES: dict[str, type[PlacementPolicy]] = {
+    "global": GlobalPolicy,
+    "queue": QueuePolicy,
+    "none": NonePolicy,
+}
+
+
+def build_target(view: ReplicaView, scorer: ReplicaScorer, needed: tuple[str, ...],
+                 config: PlannerConfig, speculate: bool) -> Target:
+    room = Room(view.capacity)
+    keys = sorted(view.pinned)
+    for key in keys:
+        room.take(_size(view, key))
+    keys += _admit_needed(view, _needed_keys(view, needed, set(keys)), room)
+    chosen = set(keys)
+    kept = _trim(_incumbents(view, chosen, scorer), room, view)
+    admitted = _speculate(view, scorer, chosen, kept, room, config) if speculate else []
+    popular = sorted(kept + admitted, key=lambda sk: (-sk[0], sk[1]))
+    return Target(tuple(keys) + tuple(k for _, k in popular), frozenset(k for _, k in admitted))
+
+
+def _needed_keys(view: ReplicaView, needed: Iterable[str], pinned: set[AdapterKey]) -> list[AdapterKey]:
+    """Current versions of the needed adapters that one rank could hold at all, minus pinned ones."""
+    keys = []
+    for name in needed:
+        info = view.catalog[name]
+        if info.key not in pinned and _placeable(view, info.bytes_per_rank):
+            keys.append(info.key)
+    return keys
+
+
+def _admit_needed(view: ReplicaView, needed: list[AdapterKey], room: Room) -> list[AdapterKey]:
+    """Resident needed keys all stay; the others are admitted in order while they fit."""
+    for key in needed:
+        if key in view.resident:
+            room.take(_size(view, key))
+    admitted = []
+    for key in needed:
+        if key in view.resident:
+            admitted.append(key)
+        elif room.fits(_size(view, key)):
+            room.take(_size(view, key))
+            admitted.append(key)
+    return admitted
+
+
+def _incumbents(view: ReplicaView, chosen: set[AdapterKey], scorer: ReplicaScorer) -> list[Scored]:
+    """Residents neither pinned nor needed, of the current version and placeable; lowest score first."""
+    found = []
+    for key in view.resident - chosen:
+        info = view.catalog[key.name]
+        if info.version == key.version and _placeable(view, info.bytes_per_rank):
+            found.append((scorer.score(key.name), key))
+    return sorted(found)
+
+
+def _trim(incumbents: list[Scored], room: Room, view: ReplicaView) -> list[Scored]:
+    """Keep the most valuable incumbents that fit; the list stays lowest first."""
+    for _, key in incumbents:
+        room.take(_size(view, key))
+    dropped = 0
+    while room.over() and dropped < len(incumbents):
+        room.give(_size(view, incumbents[dropped][1]))
+        dropped += 1
+    return incumbents[dropped:]
+
+
+def _speculate(view: ReplicaView, scorer: ReplicaScorer, chosen: set[AdapterKey],
+               kept: list[Scored], room: Room, config: PlannerConfig) -> list[Scored]:
+    """Popular adapters into free room, or in place of incumbents worth clearly less per byte.
+
+    `kept` (lowest first) loses the incumbents that are displaced. Past `max_prefetches_per_plan`,
+    candidates are deferred, not dropped: they still claim room and displace incumbents as they would
+    without the limit, and a later plan loads them into the room left free. So eviction never depends
+    on the limit, and the next plan only fills room: it cannot evict what this plan loaded.
+    """
+    admitted: list[Scored] = []
+    if config.max_prefetches_per_plan == 0:
+        return admitted
+    scanned = 0
+    for score, name in scorer.ranked():
+        deferring = len(admitted) >= config.max_prefetches_per_plan
+        if scanned >= config.max_candidates_scanned or (deferring and not kept):
+            break  # nothing left that a deferred candidate could displace
+        info = view.catalog[name]
+        if info.key in chosen or info.key in view.resident or not _placeable(view, info.bytes_per_rank):
+            continue
+        scanned += 1
+        if not room.fits(info.bytes_per_rank):
+            victims = _victims(kept, score, info.bytes_per_rank, room, view, config.hysteresis)
+            if victims == 0:
+                if not _beats(score, kept, config.hysteresis) and not _has_room(room, view.min_bytes):
+                    break  # later (lower) scores beat no incumbent either, and nothing fits the free room
+                continue
+            for _, key in kept[:victims]:
+                room.give(_size(view, key))
+            del kept[:victims]
+        room.take(info.bytes_per_rank)
+        if not deferring:
+            admitted.append((score, info.key))
+    return admitted
+
+
+def _victims(kept: list[Scored], score: float, size: int, room: Room, view: ReplicaView,
+             hysteresis: float) -> int:
+    """How many of the weakest incumbents must go for `size` to fit, each beaten by `score`; 0: no way."""
+    trial = Room(Capacity(room.slots, room.bytes))
+    for count, (resident_score, key) in enumerate(kept, start=1):
+        if not score > resident_score * (1.0 + hysteresis):
+            return 0
+        trial.give(_size(view, key))
+        if trial.fits(size):
+            return count
+    return 0
+
+
+def _has_room(room: Room, min_bytes: int) -> bool:
+    return room.slots >= 1 and (room.bytes is None or room.bytes >= min_bytes)
+
+
+def _beats(score: float, kept: list[Scored], hysteresis: float) -> bool:
+    return bool(kept) and score > kept[0][0] * (1.0 + hysteresis)
+
+
+def _placeable(view: ReplicaView, size: int) -> bool:
+    budget = view.capacity.bytes
+    return view.capacity.slots >= 1 and (budget is None or size <= budget)
+
+
+def _size(view: ReplicaView, key: AdapterKey) -> int:
+    return view.catalog[key.name].bytes_per_rank

@@ -1,0 +1,139 @@
+"""``lora-cache serve``: embedded local Ray (or ``--address``), the controller, and the replicas.
+
+Each replica is a placement group of TP bundles (STRICT_PACK by default; a group that cannot be
+placed is an error after ``placement_timeout_s``, not a hang) holding one worker actor per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from lora_cache.catalog import CatalogConfig
+from lora_cache.control import ControllerConfig, WorkerId
+from lora_cache.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor, worker_name
+from lora_cache.errors import ConfigError
+from lora_cache.planner import PlannerConfig
+from workers.actor import WorkerActor
+from workers.cache import WorkerConfig
+
+STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Where the service runs and how many replicas of what TP size it starts."""
+
+    address: str = field(default="", metadata={"help": "Ray cluster to join ('auto' or host:port); empty: embedded"})
+    adapters: str = field(default="", metadata={"help": "register every adapter directory under this one"})
+    replicas: int = field(default=1, metadata={"help": "replicas to start"})
+    tp: int = field(default=1, metadata={"help": "tensor-parallel size of each replica (workers per replica)"})
+    placement: str = field(default="STRICT_PACK", metadata={"help": f"placement strategy: {'|'.join(STRATEGIES)}"})
+    placement_timeout_s: float = field(default=60.0, metadata={"help": "give up placing a replica after this"})
+    worker_cpus: float = field(default=0.25, metadata={"help": "CPUs reserved per worker"})
+    gpus: bool = field(default=False, metadata={"help": "one GPU per worker (default: CPU workers)"})
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or self.tp < 1:
+            raise ConfigError(f"replicas ({self.replicas}) and tp ({self.tp}) must be >= 1")
+        if self.placement not in STRATEGIES:
+            raise ConfigError(f"placement {self.placement!r} is not one of {STRATEGIES}")
+
+
+@dataclass
+class Service:
+    controller: Any
+    workers: dict[WorkerId, Any]
+    groups: list[Any]
+    owns_ray: bool
+
+    def stop(self) -> None:
+        for handle in self.workers.values():
+            ray.kill(handle, no_restart=True)
+        ray.kill(self.controller, no_restart=True)
+        for pg in self.groups:
+            remove_placement_group(pg)
+        if self.owns_ray:
+            ray.shutdown()
+
+
+def _bundle(serve: ServeConfig) -> dict[str, float]:
+    return {"CPU": serve.worker_cpus, **({"GPU": 1.0} if serve.gpus else {})}
+
+
+def start(serve: ServeConfig, catalog: CatalogConfig, planner: PlannerConfig, worker: WorkerConfig) -> Service:
+    owns = not ray.is_initialized()
+    if owns:
+        ray.init(address=serve.address or None, namespace=NAMESPACE, log_to_driver=False)
+    if serve.adapters and not catalog.adapter_roots:
+        catalog = dataclasses.replace(catalog, adapter_roots=(serve.adapters,))
+    controller = ControllerActor.options(name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached",
+                                         get_if_exists=True).remote(ControllerConfig(catalog, planner))
+    service = Service(controller, {}, [], owns)
+    try:
+        for i in range(serve.replicas):
+            _start_replica(service, f"replica-{i}", serve, catalog, worker)
+        if serve.adapters:
+            for d in sorted(Path(serve.adapters).iterdir()):
+                if (d / "adapter_config.json").is_file():
+                    ray.get(controller.register_adapter.remote(d.name, str(d)))
+    except BaseException:
+        service.stop()
+        raise
+    return service
+
+
+def _start_replica(service: Service, replica: str, serve: ServeConfig, catalog: CatalogConfig,
+                   worker: WorkerConfig) -> None:
+    pg = placement_group([_bundle(serve)] * serve.tp, strategy=serve.placement, name=f"lora-cache-{replica}",
+                         lifetime="detached")
+    service.groups.append(pg)
+    ready, _ = ray.wait([pg.ready()], timeout=serve.placement_timeout_s)
+    if not ready:
+        raise ConfigError(f"replica {replica}: {serve.tp} bundles of {_bundle(serve)} could not be placed with "
+                          f"{serve.placement} within {serve.placement_timeout_s:.0f} s; the cluster has "
+                          f"{ray.available_resources()} free: add nodes, lower --tp or --worker-cpus, or change "
+                          "--placement")
+    for rank in range(serve.tp):
+        wid = WorkerId(replica, rank)
+        config = dataclasses.replace(worker, tp=serve.tp, tp_rank=rank, device="auto" if serve.gpus else "cpu")
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+        service.workers[wid] = WorkerActor.options(
+            name=worker_name(wid), namespace=NAMESPACE, lifetime="detached", num_cpus=serve.worker_cpus,
+            num_gpus=1 if serve.gpus else 0, scheduling_strategy=strategy,
+        ).remote(worker_name(wid), replica, config, catalog)
+    ray.get([h.ping.remote() for h in service.workers.values()])
+    ray.get(service.controller.add_replica.remote(replica, serve.tp, worker.num_slots))
+
+
+def serve_forever(service: Service) -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    status = ray.get(service.controller.status.remote())
+    print(f"lora-cache serving: {len(service.workers)} workers in {status['replicas']}, {status['adapters']} "
+          f"adapters, epoch {status['epoch']}; Ctrl-C to stop", flush=True)
+    while not stop.wait(1.0):
+        pass
+    print("lora-cache: shutting down", flush=True)
+    service.stop()
+
+
+def wait_ready(controller: Any, adapter: str, replica: str, timeout_s: float = 60.0) -> float:
+    """Block until ``replica`` is ready for ``adapter``; returns seconds waited."""
+    t0, cursor = time.monotonic(), 0
+    while time.monotonic() - t0 < timeout_s:
+        if replica in ray.get(controller.lookup.remote(adapter))["ready"]:
+            return time.monotonic() - t0
+        events = ray.get(controller.wait_events.remote(cursor, replica, adapter, 1.0))
+        cursor = max([cursor, *(e.seq for e in events)])
+    raise TimeoutError(f"replica {replica} not ready for {adapter} within {timeout_s} s")

@@ -1,0 +1,555 @@
+"""Unit tests of the fleet planner's rules (CPU, no Ray): one rule per test, invariants checked after each."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lora_cache.errors import ConfigError
+from lora_cache.planner import (
+    POLICIES,
+    AdapterInfo,
+    AdapterKey,
+    Evict,
+    Hint,
+    Plan,
+    Planner,
+    PlannerConfig,
+    PlannerInputError,
+    Prefetch,
+    QueueEntry,
+    ReplicaSpec,
+    ResidencyEntry,
+    SlotState,
+    UnknownAdapterError,
+    UnknownReplicaError,
+    UnknownWorkerError,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+READY, IN_USE, LOADING = SlotState.READY, SlotState.IN_USE, SlotState.LOADING
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+def make(policy: str = "global", replicas: int = 1, tp: int = 2, slots: int = 2, adapters: int = 8,
+         bytes_per_rank: int = 100, bytes_per_worker: int | None = None, epoch: int = 7,
+         **config: object) -> Planner:
+    """r0..rN, each with workers rK/w0..; adapters a0..aM at version v1."""
+    specs = [ReplicaSpec(f"r{r}", tuple(f"r{r}/w{k}" for k in range(tp)), slots, bytes_per_worker)
+             for r in range(replicas)]
+    infos = [AdapterInfo(f"a{i}", "v1", bytes_per_rank) for i in range(adapters)]
+    planner = Planner(PlannerConfig(policy=policy, **config), epoch, infos, specs)  # type: ignore[arg-type]
+    planner.plan(0.0)  # nothing held, nothing queued: clears the dirty flags of a new fleet
+    return planner
+
+
+def queue(planner: Planner, replica: str, *adapters: str, now: float = 1.0) -> None:
+    planner.report_queue(replica, [QueueEntry(a, float(i)) for i, a in enumerate(adapters)], now)
+
+
+def hold(planner: Planner, replica: str, *adapters: str, state: SlotState = READY, refcount: int = 0) -> None:
+    """Every rank of `replica` reports holding exactly `adapters` (version v1)."""
+    for worker in planner.workers(replica):
+        planner.report_residency(worker, [ResidencyEntry(a, "v1", state, refcount) for a in adapters])
+
+
+def prefetched(plan: Plan, worker: str) -> list[str]:
+    commands = plan.for_worker(worker)
+    return [c.adapter for c in commands.prefetches] if commands else []
+
+
+def evicted(plan: Plan, worker: str) -> list[str]:
+    commands = plan.for_worker(worker)
+    return sorted(c.adapter for c in commands.evicts) if commands else []
+
+
+def held(planner: Planner, worker: str) -> set[str]:
+    return {key.name for key in planner.residency(worker)}
+
+
+def popular(planner: Planner, replica: str, counts: dict[str, int], now: float = 1.0) -> None:
+    for adapter, count in counts.items():
+        planner.record_request(adapter, replica, now, weight=count)
+
+
+@pytest.fixture(autouse=True)
+def _no_wall_clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The core takes time as an argument; reading a clock inside it would break determinism."""
+    import time
+
+    def forbidden() -> float:
+        raise AssertionError("the planner read the wall clock")
+
+    for name in ("time", "monotonic", "perf_counter", "time_ns", "monotonic_ns"):
+        monkeypatch.setattr(time, name, forbidden)
+    yield
+
+
+# -- config and specs -------------------------------------------------------------------------------
+def test_config_unknown_policy_lists_registered_ones() -> None:
+    registered = "choose one of 'global', 'none', 'queue'"
+    with pytest.raises(ConfigError, match=f"policy 'lru' is not registered; {registered}"):
+        PlannerConfig(policy="lru")
+    assert set(POLICIES) >= {"global", "queue", "none"}
+
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("half_life_s", 0.0, "half_life_s is 0.0; give a positive"),
+    ("half_life_s", float("inf"), "half_life_s is inf"),
+    ("hysteresis", -0.1, "hysteresis is -0.1; give a margin >= 0"),
+    ("local_weight", 1.5, "local_weight is 1.5; give a weight in [0, 1]"),
+    ("max_prefetches_per_plan", -1, "max_prefetches_per_plan is -1; give an int >= 0"),
+    ("max_prefetches_per_plan", True, "max_prefetches_per_plan is True"),
+    ("hint_ttl_s", -5, "hint_ttl_s is -5"),
+    ("max_hints_per_replica", 0, "max_hints_per_replica is 0; give an int >= 1"),
+])
+def test_config_rejects_bad_values_quoting_value_and_fix(field: str, value: object, words: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        PlannerConfig(**{field: value})  # type: ignore[arg-type]
+    assert words in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_config_is_frozen() -> None:
+    config = PlannerConfig()
+    with pytest.raises(AttributeError):
+        config.policy = "none"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("build", "words"), [
+    (lambda: AdapterInfo("a", "v1", 0), "bytes_per_rank of adapter 'a' is 0"),
+    (lambda: AdapterInfo("", "v1", 10), "adapter name is ''"),
+    (lambda: ReplicaSpec("r", (), 2), "replica 'r' has worker_ids ()"),
+    (lambda: ReplicaSpec("r", ("w", "w"), 2), "lists a worker twice"),
+    (lambda: ReplicaSpec("r", ("w",), -1), "slots of replica 'r' is -1"),
+    (lambda: Hint("h", "a", "r", float("nan")), "expected_s of hint 'h' is nan"),
+])
+def test_specs_validate_their_values(build: object, words: str) -> None:
+    with pytest.raises(PlannerInputError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        build()  # type: ignore[operator]
+
+
+def test_epoch_must_be_a_non_negative_int() -> None:
+    with pytest.raises(PlannerInputError, match="epoch is -1"):
+        Planner(PlannerConfig(), -1)
+
+
+# -- unknown names ----------------------------------------------------------------------------------
+def test_unknown_replica_names_it_and_the_fix() -> None:
+    planner = make()
+    with pytest.raises(UnknownReplicaError) as info:
+        queue(planner, "r9", "a0")
+    message = str(info.value)
+    assert "unknown replica 'r9' in report_queue" in message
+    assert "known replicas: 'r0'" in message and "add_replica" in message
+    assert isinstance(info.value, KeyError) and not message.startswith('"')
+
+
+def test_unknown_adapter_in_queue_hint_and_residency() -> None:
+    planner = make()
+    in_queue = r"unknown adapter 'zz' in the queue of replica 'r0'.*register_adapter"
+    with pytest.raises(UnknownAdapterError, match=in_queue):
+        queue(planner, "r0", "a0", "zz")
+    with pytest.raises(UnknownAdapterError, match="unknown adapter 'zz' in hint 'h1'"):
+        planner.add_hint(Hint("h1", "zz", "r0", 2.0), 1.0)
+    with pytest.raises(UnknownReplicaError, match="unknown replica 'r5' in hint 'h1'"):
+        planner.add_hint(Hint("h1", "a0", "r5", 2.0), 1.0)
+    with pytest.raises(UnknownAdapterError, match="residency report of worker 'r0/w0'"):
+        planner.report_residency("r0/w0", [ResidencyEntry("zz", "v1", READY)])
+    assert planner.queue("r0") == ()  # a rejected report changes nothing
+    planner.check_integrity()
+
+
+def test_unknown_worker_and_bad_residency_values() -> None:
+    planner = make()
+    with pytest.raises(UnknownWorkerError, match=r"unknown worker 'w9' in report_residency.*add_worker"):
+        planner.report_residency("w9", [])
+    with pytest.raises(PlannerInputError, match=r"refcount of a0@v1 .* is -1"):
+        planner.report_residency("r0/w0", [ResidencyEntry("a0", "v1", READY, -1)])
+    with pytest.raises(PlannerInputError, match=r"state of a0@v1 .* is 'ready'; give a SlotState"):
+        planner.report_residency("r0/w0", [ResidencyEntry("a0", "v1", "ready")])  # type: ignore[arg-type]
+    with pytest.raises(PlannerInputError, match="reported a0@v1 twice"):
+        planner.report_residency("r0/w0", [ResidencyEntry("a0", "v1", READY)] * 2)
+
+
+def test_time_must_not_go_back() -> None:
+    planner = make()
+    queue(planner, "r0", "a0", now=5.0)
+    with pytest.raises(PlannerInputError, match=r"now \(4.0\) is earlier than a time already given \(5.0\)"):
+        planner.plan(4.0)
+
+
+# -- policies -------------------------------------------------------------------------------------
+def test_queue_policy_prefetches_the_queue_in_order_on_every_rank() -> None:
+    planner = make("queue", slots=3)
+    queue(planner, "r0", "a5", "a2", "a5", "a7", "a1")
+    plan = planner.plan(1.0)
+    for worker in planner.workers("r0"):
+        commands = plan.for_worker(worker)
+        assert commands is not None
+        assert commands.prefetches == (Prefetch("a5", "v1", 0, 7), Prefetch("a2", "v1", 1, 7),
+                                       Prefetch("a7", "v1", 2, 7))
+    planner.check_integrity()
+
+
+def test_queue_policy_ignores_hints_and_popularity() -> None:
+    planner = make("queue", slots=4)
+    popular(planner, "r0", {"a3": 100})
+    assert planner.add_hint(Hint("h", "a4", "r0", 2.0), 1.0)
+    queue(planner, "r0", "a1")
+    plan = planner.plan_all(1.0)
+    assert prefetched(plan, "r0/w0") == ["a1"]
+
+
+def test_none_policy_plans_nothing() -> None:
+    planner = make("none")
+    hold(planner, "r0", "a0", "a1")
+    queue(planner, "r0", "a2", "a3")
+    popular(planner, "r0", {"a4": 10})
+    assert planner.plan_all(1.0).is_empty
+
+
+def test_global_orders_queue_then_hints_by_expected_time_then_popularity() -> None:
+    planner = make(slots=5)
+    popular(planner, "r0", {"a6": 50, "a7": 80})
+    planner.add_hint(Hint("late", "a3", "r0", 9.0), 1.0)
+    planner.add_hint(Hint("soon", "a4", "r0", 3.0), 1.0)
+    planner.add_hint(Hint("dup-of-queued", "a1", "r0", 2.0), 1.0)
+    queue(planner, "r0", "a1", "a0")
+    plan = planner.plan(1.0)
+    assert prefetched(plan, "r0/w0") == ["a1", "a0", "a4", "a3", "a7"]
+    assert [c.priority for c in plan.workers[0].prefetches] == [0, 1, 2, 3, 4]
+    assert plan.for_worker("r0/w0") == plan.for_worker("r0/w1")._replace(worker="r0/w0")  # type: ignore[union-attr]
+
+
+def test_queued_adapters_fill_room_before_any_popularity_prefetch() -> None:
+    planner = make(slots=2)
+    popular(planner, "r0", {"a6": 1000})
+    queue(planner, "r0", "a1", "a2", "a3")
+    plan = planner.plan_all(1.0)
+    assert prefetched(plan, "r0/w0") == ["a1", "a2"]
+
+
+# -- eviction rules ---------------------------------------------------------------------------------
+def test_never_evicts_an_adapter_in_use() -> None:
+    planner = make(slots=2)
+    for worker in planner.workers("r0"):
+        planner.report_residency(worker, [ResidencyEntry("a0", "v1", IN_USE, 1),
+                                          ResidencyEntry("a1", "v1", READY, 2)])
+    queue(planner, "r0", "a2", "a3")
+    assert planner.plan(1.0).is_empty
+    hold(planner, "r0", "a0", "a1")  # released
+    assert prefetched(planner.plan(1.0), "r0/w0") == ["a2", "a3"]
+
+
+def test_in_use_on_one_rank_is_kept_and_loaded_on_the_others_first() -> None:
+    planner = make(slots=2)
+    planner.report_residency("r0/w0", [ResidencyEntry("a4", "v1", IN_USE, 1)])
+    queue(planner, "r0", "a1", "a2")
+    plan = planner.plan(1.0)
+    assert prefetched(plan, "r0/w0") == ["a1"]
+    assert prefetched(plan, "r0/w1") == ["a4", "a1"]  # same target, same priorities on every rank
+    assert [c.priority for c in plan.for_worker("r0/w1").prefetches] == [0, 1]  # type: ignore[union-attr]
+
+
+def test_never_evicts_a_queued_resident_even_when_the_queue_overflows() -> None:
+    planner = make(slots=2)
+    hold(planner, "r0", "a3")
+    queue(planner, "r0", "a0", "a1", "a2", "a3")
+    plan = planner.plan(1.0)
+    assert evicted(plan, "r0/w0") == []
+    assert prefetched(plan, "r0/w0") == ["a0"]  # the one free slot goes to the head of the queue
+
+
+def test_queued_adapter_displaces_the_lowest_value_per_byte_resident() -> None:
+    planner = make(slots=2, hysteresis=10.0)
+    hold(planner, "r0", "a5", "a6")
+    popular(planner, "r0", {"a5": 3, "a6": 2})
+    queue(planner, "r0", "a1")
+    plan = planner.plan(1.0)
+    assert (evicted(plan, "r0/w0"), prefetched(plan, "r0/w0")) == (["a6"], ["a1"])
+
+
+def test_eviction_uses_value_per_byte() -> None:
+    planner = Planner(PlannerConfig(), 0, [AdapterInfo("big", "v1", 400), AdapterInfo("small", "v1", 100),
+                                           AdapterInfo("q", "v1", 100)], [ReplicaSpec("r", ("w",), 2)])
+    planner.report_residency("w", [ResidencyEntry("big", "v1", READY), ResidencyEntry("small", "v1", READY)])
+    popular(planner, "r", {"big": 3, "small": 1})  # big: 3/400 per byte < small: 1/100
+    planner.report_queue("r", [QueueEntry("q", 0.0)], 1.0)
+    assert evicted(planner.plan(1.0), "w") == ["big"]
+
+
+def test_popularity_prefetch_fills_free_room_only_up_to_the_limit() -> None:
+    planner = make(slots=6, max_prefetches_per_plan=2)
+    popular(planner, "r0", {"a1": 5, "a2": 4, "a3": 3, "a4": 2})
+    queue(planner, "r0", "a7")
+    plan = planner.plan_all(1.0)
+    assert prefetched(plan, "r0/w0") == ["a7", "a1", "a2"]  # the queue is not limited, speculation is
+    assert prefetched(planner.plan_all(1.0), "r0/w0") == ["a3", "a4"]
+
+
+@pytest.mark.parametrize(("challenger", "swaps"), [(12, False), (13, True)])
+def test_hysteresis_margin_guards_popularity_evictions(challenger: int, swaps: bool) -> None:
+    planner = make(slots=1, hysteresis=0.25)
+    hold(planner, "r0", "a1")
+    popular(planner, "r0", {"a1": 10, "a2": challenger})  # 12 <= 10 * 1.25 < 13
+    plan = planner.plan_all(1.0)
+    assert (evicted(plan, "r0/w0"), prefetched(plan, "r0/w0")) == ((["a1"], ["a2"]) if swaps else ([], []))
+
+
+def test_a_just_prefetched_adapter_is_not_evicted_by_the_next_plan() -> None:
+    planner = make(slots=2, max_prefetches_per_plan=1)
+    popular(planner, "r0", {"a1": 10, "a2": 9, "a3": 8})
+    first = planner.plan_all(1.0)
+    second = planner.plan_all(1.0)
+    assert prefetched(first, "r0/w0") == ["a1"] and prefetched(second, "r0/w0") == ["a2"]
+    assert evicted(second, "r0/w0") == [] and planner.plan_all(1.0).is_empty
+
+
+def test_deferred_candidates_still_displace_so_the_next_plan_only_fills_room() -> None:
+    planner = make(slots=2, tp=1, max_prefetches_per_plan=1, hysteresis=0.0)
+    hold(planner, "r0", "a5")
+    planner.add_worker("r0", "r0/new", slots=2)  # a replacement rank: a5 is on one rank only
+    popular(planner, "r0", {"a0": 4, "a1": 3, "a5": 1})
+    first = planner.plan_all(1.0)
+    assert evicted(first, "r0/w0") == ["a5"] and prefetched(first, "r0/new") == ["a0"]  # a5 not spread
+    second = planner.plan_all(1.0)
+    assert prefetched(second, "r0/w0") == prefetched(second, "r0/new") == ["a1"]
+    assert evicted(second, "r0/w0") == evicted(second, "r0/new") == []
+
+
+def test_stale_version_is_evicted_and_the_new_one_loaded() -> None:
+    planner = make(slots=2)
+    queue(planner, "r0", "a1")
+    planner.plan(1.0)
+    assert planner.dirty_replicas() == ()
+    planner.register_adapter(AdapterInfo("a1", "v2", 100))
+    assert planner.dirty_replicas() == ("r0",)
+    plan = planner.plan(1.0)
+    commands = plan.for_worker("r0/w0")
+    assert commands is not None
+    assert commands.evicts == (Evict("a1", "v1", 7),) and commands.prefetches == (Prefetch("a1", "v2", 0, 7),)
+
+
+def test_stale_version_in_use_stays_until_released() -> None:
+    planner = make(slots=2)
+    planner.register_adapter(AdapterInfo("a1", "v2", 100))
+    planner.report_residency("r0/w0", [ResidencyEntry("a1", "v1", IN_USE, 1)])
+    plan = planner.plan(1.0)
+    assert evicted(plan, "r0/w0") == []
+
+
+def test_byte_budget_is_checked_besides_slots() -> None:
+    infos = [AdapterInfo("huge", "v1", 500), AdapterInfo("mid", "v1", 300), AdapterInfo("tiny", "v1", 100)]
+    planner = Planner(PlannerConfig(), 0, infos, [ReplicaSpec("r", ("w",), 4, 400)])
+    planner.report_queue("r", [QueueEntry(a, float(i)) for i, a in enumerate(["huge", "mid", "tiny"])], 1.0)
+    plan = planner.plan(1.0)
+    assert prefetched(plan, "w") == ["mid", "tiny"]  # huge never fits one worker; mid + tiny = 400 bytes
+
+
+# -- hints ------------------------------------------------------------------------------------------
+def test_duplicate_hint_is_idempotent() -> None:
+    planner = make(slots=4)
+    assert planner.add_hint(Hint("h1", "a2", "r0", 5.0), 1.0)
+    assert not planner.add_hint(Hint("h1", "a3", "r0", 2.0), 1.5)  # same id, whatever it says
+    assert [h.adapter for h in planner.hints("r0")] == ["a2"]
+    assert planner.popularity("a2", 1.0) == pytest.approx(1.0) and planner.popularity("a3", 1.5) == 0.0
+    assert planner.stats.hints_ignored == 1
+
+
+def test_cancelled_hint_is_dropped_and_a_late_duplicate_ignored() -> None:
+    planner = make(slots=4, max_prefetches_per_plan=0)
+    planner.add_hint(Hint("h1", "a2", "r0", 5.0), 1.0)
+    assert prefetched(planner.plan(1.0), "r0/w0") == ["a2"]
+    assert planner.cancel_hint("h1", 2.0)
+    assert planner.dirty_replicas() == ("r0",) and planner.hints("r0") == ()
+    assert not planner.add_hint(Hint("h1", "a2", "r0", 5.0), 2.0)
+    assert not planner.cancel_hint("h1", 2.0)
+
+
+def test_cancel_before_hint_leaves_a_tombstone() -> None:
+    planner = make()
+    assert not planner.cancel_hint("early", 1.0)
+    assert not planner.add_hint(Hint("early", "a1", "r0", 3.0), 1.1)
+    assert planner.hints("r0") == ()
+    planner.check_integrity()
+
+
+def test_hint_is_fulfilled_by_its_queued_request_and_counted_once() -> None:
+    planner = make(slots=4)
+    planner.add_hint(Hint("h1", "a2", "r0", 2.0), 1.0)
+    queue(planner, "r0", "a2", now=1.5)
+    assert planner.hints("r0") == ()
+    assert planner.popularity("a2", 1.5) == pytest.approx(2 ** (-0.5 / 60))  # one count, at t=1.0
+
+
+def test_hint_expires_after_ttl() -> None:
+    planner = make(slots=4, hint_ttl_s=10.0, max_prefetches_per_plan=0)
+    planner.add_hint(Hint("h1", "a2", "r0", 5.0), 1.0)
+    planner.plan(1.0)
+    planner.plan(15.0)
+    assert len(planner.hints("r0")) == 1
+    assert planner.plan(15.5).replicas == ("r0",)  # expiry dirties the replica
+    assert planner.hints("r0") == ()
+    assert not planner.add_hint(Hint("h2", "a2", "r0", 1.0), 16.0)  # stale on arrival
+    planner.check_integrity()
+
+
+def test_hints_per_replica_are_bounded() -> None:
+    planner = make(max_hints_per_replica=2)
+    assert planner.add_hint(Hint("h1", "a1", "r0", 2.0), 1.0)
+    assert planner.add_hint(Hint("h2", "a2", "r0", 2.0), 1.0)
+    assert not planner.add_hint(Hint("h3", "a3", "r0", 2.0), 1.0)
+
+
+# -- popularity -------------------------------------------------------------------------------------
+def test_popularity_halves_every_half_life_fleet_wide_and_per_replica() -> None:
+    planner = make(replicas=2, half_life_s=10.0)
+    planner.record_request("a1", "r0", 0.0, weight=8)
+    planner.record_request("a1", "r1", 10.0, weight=4)
+    assert planner.popularity("a1", 20.0) == pytest.approx(8 / 4 + 4 / 2)
+    assert planner.popularity("a1", 20.0, "r0") == pytest.approx(2.0)
+    assert planner.popularity("a1", 20.0, "r1") == pytest.approx(2.0)
+
+
+def test_popularity_survives_many_half_lives_without_overflow() -> None:
+    planner = make(half_life_s=1.0)
+    for step in range(2000):
+        planner.record_request("a1" if step % 3 else "a2", "r0", float(step))
+    # a2 at steps 0, 3, ..., 1998; a1 at the others (1999, 1997, 1996, ...): geometric sums
+    assert planner.popularity("a2", 1999.0) == pytest.approx(0.5 * 8 / 7, rel=1e-9)
+    assert planner.popularity("a1", 1999.0) == pytest.approx(1.25 * 8 / 7, rel=1e-9)
+    planner.check_integrity()
+
+
+def test_replica_counts_blend_with_fleet_counts() -> None:
+    planner = make(replicas=2, slots=1, local_weight=1.0)
+    popular(planner, "r1", {"a1": 100})
+    popular(planner, "r0", {"a2": 1})
+    plan = planner.plan_all(1.0)
+    assert prefetched(plan, "r0/w0") == ["a2"] and prefetched(plan, "r1/w0") == ["a1"]
+
+
+# -- incremental planning ---------------------------------------------------------------------------
+def test_a_queue_update_replans_only_its_replica() -> None:
+    planner = make(replicas=3)
+    planner.plan_all(1.0)
+    queue(planner, "r1", "a3")
+    assert planner.dirty_replicas() == ("r1",)
+    plan = planner.plan(1.0)
+    assert plan.replicas == ("r1",) and {w.replica for w in plan.workers} == {"r1"}
+    assert planner.plan(1.0).replicas == ()
+    queue(planner, "r1", "a3")  # the same queue again: nothing to do
+    assert planner.dirty_replicas() == ()
+
+
+def test_popularity_alone_is_replanned_lazily() -> None:
+    planner = make(replicas=2)
+    popular(planner, "r0", {"a4": 5})
+    assert planner.plan(1.0).is_empty
+    assert prefetched(planner.plan_all(1.0), "r0/w0") == ["a4"]
+
+
+def test_readiness_does_not_dirty_but_a_release_does() -> None:
+    planner = make()
+    queue(planner, "r0", "a1")
+    planner.plan(1.0)
+    for worker in planner.workers("r0"):
+        planner.update_residency(worker, ResidencyEntry("a1", "v1", READY))
+    assert planner.dirty_replicas() == ()
+    planner.update_residency("r0/w0", ResidencyEntry("a1", "v1", IN_USE, 1))
+    assert planner.dirty_replicas() == ("r0",)
+
+
+def test_sent_commands_are_assumed_done_so_replanning_is_a_fixpoint() -> None:
+    planner = make(slots=3)
+    popular(planner, "r0", {"a5": 3, "a6": 2})
+    hold(planner, "r0", "a0", "a1")
+    queue(planner, "r0", "a2", "a3")
+    first = planner.plan_all(1.0)
+    assert held(planner, "r0/w0") == {"a2", "a3", "a5"} and not first.is_empty
+    assert planner.residency("r0/w0")[AdapterKey("a2", "v1")].state is LOADING
+    assert planner.plan_all(1.0).is_empty
+
+
+def test_lost_worker_drops_its_residency_and_dirties_its_replica() -> None:
+    planner = make()
+    queue(planner, "r0", "a1")
+    planner.plan(1.0)
+    planner.remove_worker("r0/w1")
+    assert planner.dirty_replicas() == ("r0",) and planner.workers("r0") == ("r0/w0",)
+    with pytest.raises(UnknownWorkerError):
+        planner.residency("r0/w1")
+    planner.add_worker("r0", "r0/w9", slots=2)
+    plan = planner.plan(1.0)
+    assert [w.worker for w in plan.workers] == ["r0/w9"] and prefetched(plan, "r0/w9") == ["a1"]
+    planner.check_integrity()
+
+
+def test_capacity_shrink_evicts_the_least_valuable_first() -> None:
+    planner = make(slots=3)
+    hold(planner, "r0", "a1", "a2", "a3")
+    popular(planner, "r0", {"a1": 3, "a2": 1, "a3": 2})
+    planner.set_capacity("r0/w0", 1)
+    plan = planner.plan(1.0)
+    # the replica plans for its smallest rank
+    assert evicted(plan, "r0/w0") == evicted(plan, "r0/w1") == ["a2", "a3"]
+    planner.set_capacity("r0/w0", 0)
+    assert evicted(planner.plan(1.0), "r0/w0") == ["a1"]
+
+
+def test_ready_replicas_needs_every_rank_loaded() -> None:
+    planner = make(replicas=2)
+    hold(planner, "r0", "a1")
+    planner.report_residency("r1/w0", [ResidencyEntry("a1", "v1", READY)])
+    planner.report_residency("r1/w1", [ResidencyEntry("a1", "v1", LOADING)])
+    assert planner.ready_replicas("a1") == ("r0",)
+
+
+def test_remove_replica_forgets_its_queue_hints_and_counts() -> None:
+    planner = make(replicas=2)
+    queue(planner, "r1", "a1")
+    planner.add_hint(Hint("h", "a2", "r1", 3.0), 1.0)
+    planner.remove_replica("r1")
+    assert planner.replicas() == ("r0",)
+    planner.check_integrity()
+    with pytest.raises(UnknownReplicaError):
+        queue(planner, "r1", "a1")
+
+
+# -- determinism ------------------------------------------------------------------------------------
+_SCENARIO = """
+import json
+from lora_cache.planner import *
+infos = [AdapterInfo(f"a{i}", "v1", 100 + (i % 3) * 50) for i in range(40)]
+specs = [ReplicaSpec(f"r{r}", (f"r{r}/w0", f"r{r}/w1"), 4) for r in range(6)]
+planner = Planner(PlannerConfig(max_prefetches_per_plan=3), 1, infos, specs)
+plans = []
+for step in range(60):
+    now = step * 0.5
+    replica = f"r{step % 6}"
+    for j in range(3):
+        planner.record_request(f"a{(step * 7 + j * 5) % 40}", replica, now)
+    planner.report_queue(replica, [QueueEntry(f"a{(step + k) % 40}", now + k) for k in range(step % 4)], now)
+    if step % 5 == 0:
+        planner.add_hint(Hint(f"h{step}", f"a{step % 13}", f"r{(step + 1) % 6}", now + 2), now)
+    plans.append(planner.plan(now) if step % 7 else planner.plan_all(now))
+print(json.dumps([[str(c) for c in p.commands()] for p in plans]))
+"""
+
+
+def test_plans_do_not_depend_on_hash_order() -> None:
+    outputs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(ROOT)}
+        run = subprocess.run([sys.executable, "-c", _SCENARIO], env=env, capture_output=True, text=True,
+                             check=True, cwd=ROOT)
+        outputs.append(json.loads(run.stdout))
+    assert outputs[0] == outputs[1]
+    assert sum(len(p) for p in outputs[0]) > 20  # the scenario does plan something

@@ -1,0 +1,120 @@
+"""The control plane on a real local Ray: queue -> plan -> loads -> readiness, faults, epochs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from lora_cache.catalog import CatalogConfig  # noqa: E402
+from lora_cache.control import WorkerId  # noqa: E402
+from lora_cache.planner import PlannerConfig, Prefetch  # noqa: E402
+from lora_cache.serve import ServeConfig, start, wait_ready  # noqa: E402
+from lora_cache.synth import SynthConfig, make_adapters  # noqa: E402
+from workers.cache import WorkerConfig  # noqa: E402
+from workers.host_tier import HostTierConfig  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+
+def wait_for(condition, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout} s"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    root: Path = tmp_path_factory.mktemp("adapters")
+    make_adapters(root, SynthConfig(model="tiny", count=8, rank="8,16"))
+    ray.init(num_cpus=2, namespace="lora-cache", include_dashboard=False)
+    try:
+        svc = start(ServeConfig(adapters=str(root), replicas=2, tp=2),
+                    CatalogConfig(model="tiny", max_rank=16), PlannerConfig(policy="global"),
+                    WorkerConfig(num_slots=3, host=HostTierConfig(host_bytes=1 << 22, pin=False)))
+        yield svc
+        svc.stop()
+    finally:
+        ray.shutdown()
+
+
+def test_queue_report_reaches_readiness_and_subscriber(service) -> None:
+    ctl = service.controller
+    cursor = 0
+    ray.get(ctl.report_queue.remote("replica-0", [("adapter-000", time.time()), ("adapter-001", time.time())]))
+    wait_ready(ctl, "adapter-001", "replica-0", 30)
+    events = ray.get(ctl.wait_events.remote(cursor, "replica-0", "adapter-001", 5.0))
+    assert events and events[-1].ready and events[-1].replica == "replica-0"
+    assert "replica-0" in ray.get(ctl.lookup.remote("adapter-000"))["ready"]
+    for rank in (0, 1):  # each rank loaded its own shard; the replica became ready only after both
+        residency = ray.get(service.workers[WorkerId("replica-0", rank)].describe.remote())["residency"]
+        assert {("adapter-000", "ready"), ("adapter-001", "ready")} <= {(a, s) for a, _, s, _ in residency}
+    assert ray.get(ctl.check_integrity.remote())
+
+
+def test_hint_drives_a_prefetch(service) -> None:
+    ctl = service.controller
+    assert ray.get(ctl.hint.remote([("hint-1", "adapter-005", "replica-1", 0.5)])) == 1
+    assert ray.get(ctl.hint.remote([("hint-1", "adapter-005", "replica-1", 0.5)])) == 0  # idempotent by id
+    wait_ready(ctl, "adapter-005", "replica-1", 30)
+
+
+def test_stale_epoch_commands_are_rejected(service) -> None:
+    worker = service.workers[WorkerId("replica-1", 0)]
+    epoch = ray.get(worker.describe.remote())["epoch"]
+    result = ray.get(worker.apply.remote([Prefetch("adapter-007", "any", 0, epoch=epoch - 1)]))
+    assert result.rejected_stale == 1 and result.accepted == 0
+
+
+def test_bad_inputs_are_clear_errors_and_change_nothing(service) -> None:
+    ctl = service.controller
+    before = ray.get(ctl.status.remote())
+    with pytest.raises(ray.exceptions.RayTaskError, match="replica 'nope' is not known"):
+        ray.get(ctl.report_queue.remote("nope", [("adapter-000", 0.0)]))
+    with pytest.raises(ray.exceptions.RayTaskError, match="adapter 'ghost' is not registered"):
+        ray.get(ctl.hint.remote([("h-ok", "adapter-002", "replica-0", 1.0), ("h-bad", "ghost", "replica-0", 1.0)]))
+    after = ray.get(ctl.status.remote())
+    assert after["queue_depths"] == before["queue_depths"] and after["commands_sent"] == before["commands_sent"]
+
+
+def test_worker_killed_is_dropped_then_reloaded(service) -> None:
+    ctl = service.controller
+    ray.get(ctl.report_queue.remote("replica-1", [("adapter-004", time.time())]))
+    wait_ready(ctl, "adapter-004", "replica-1", 30)
+    victim = service.workers[WorkerId("replica-1", 1)]
+    pid = ray.get(victim.describe.remote())
+    ray.kill(victim, no_restart=False)  # Ray restarts it, empty; it tells the controller so
+    wait_for(lambda: ("adapter-004", "ready") in _residency_or_empty(victim), 60, "reload after restart")
+    assert pid is not None and ray.get(victim.stats.remote())["loads"] >= 1  # the new process loaded it
+    wait_ready(ctl, "adapter-004", "replica-1", 30)
+    assert ray.get(ctl.check_integrity.remote())
+
+
+def test_controller_restart_rebuilds_from_workers(service) -> None:
+    ctl = service.controller
+    ray.get(ctl.report_queue.remote("replica-0", [("adapter-006", time.time())]))
+    wait_ready(ctl, "adapter-006", "replica-0", 30)
+    epoch = ray.get(ctl.status.remote())["epoch"]
+    ray.kill(ctl, no_restart=False)
+    wait_for(lambda: _status_or_none(ctl) is not None, 60, "controller restart")
+    status = ray.get(ctl.status.remote())
+    assert status["epoch"] > epoch and status["workers"] == 4 and status["adapters"] == 8
+    assert "replica-0" in ray.get(ctl.lookup.remote("adapter-006"))["ready"]  # rebuilt from reports
+
+
+def _status_or_none(ctl):
+    try:
+        return ray.get(ctl.status.remote(), timeout=5)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return None
+
+
+def _residency_or_empty(worker) -> set[tuple[str, str]]:
+    try:
+        return {(a, st) for a, _, st, _ in ray.get(worker.describe.remote(), timeout=5)["residency"]}
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
+        return set()
