@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from lora_cache.catalog import CatalogConfig
 from lora_cache.cliargs import add_config_args, config_from_args
 from lora_cache.errors import LoraCacheError
 from lora_cache.peft import read_adapter
@@ -62,6 +63,17 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from lora_cache.planner import PlannerConfig
+    from lora_cache.serve import ServeConfig, serve_forever, start
+    from workers.cache import WorkerConfig
+
+    service = start(config_from_args(ServeConfig, ns), config_from_args(CatalogConfig, ns),
+                    config_from_args(PlannerConfig, ns), config_from_args(WorkerConfig, ns))
+    serve_forever(service, ns.duration)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lora-cache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of adapters and batches")
     add_config_args(p, WorkerConfig)
     p.set_defaults(func=cmd_demo)
+
+    from lora_cache.planner import PlannerConfig
+    from lora_cache.serve import ServeConfig
+
+    p = sub.add_parser("serve", help="start the controller and the replicas' workers on Ray (embedded by default)")
+    add_config_args(p, ServeConfig)
+    add_config_args(p, CatalogConfig)
+    add_config_args(p, PlannerConfig)
+    add_config_args(p, WorkerConfig, skip=("tp", "tp_rank", "device"))
+    p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: until Ctrl-C)")
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

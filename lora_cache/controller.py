@@ -8,6 +8,7 @@ readiness (step 8), answers lookups and long-polls for readiness subscribers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -177,10 +178,8 @@ class ControllerActor:
             return self.core.readiness.events_after(after, replica, adapter)
 
         async with self._events:
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._events.wait_for(lambda: bool(pending())), timeout_s)
-            except asyncio.TimeoutError:
-                pass
         return pending()
 
     async def status(self) -> dict[str, object]:

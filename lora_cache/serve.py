@@ -115,14 +115,16 @@ def _start_replica(service: Service, replica: str, serve: ServeConfig, catalog: 
     ray.get(service.controller.add_replica.remote(replica, serve.tp, worker.num_slots))
 
 
-def serve_forever(service: Service) -> None:
+def serve_forever(service: Service, duration_s: float = 0.0) -> None:
+    """Serve until SIGINT/SIGTERM (or for ``duration_s`` seconds, if set), then shut down cleanly."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     status = ray.get(service.controller.status.remote())
     print(f"lora-cache serving: {len(service.workers)} workers in {status['replicas']}, {status['adapters']} "
           f"adapters, epoch {status['epoch']}; Ctrl-C to stop", flush=True)
-    while not stop.wait(1.0):
+    deadline = time.monotonic() + duration_s if duration_s > 0 else float("inf")
+    while not stop.wait(min(1.0, max(0.0, deadline - time.monotonic()))) and time.monotonic() < deadline:
         pass
     print("lora-cache: shutting down", flush=True)
     service.stop()

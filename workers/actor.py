@@ -6,6 +6,7 @@ residency report is answered on demand (``describe``), which is how a restarted 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any
@@ -73,10 +74,10 @@ class WorkerActor:
         self.outbox = Outbox(name, flush_s)
         self.gate = CommandGate(self.cache, self.outbox.push)
         self.paths: dict[str, str] = {}
-        try:  # a restarted worker holds nothing: say so, so the controller forgets its predecessor
+        # A restarted worker holds nothing: say so, so the controller forgets its predecessor. ValueError:
+        # no controller yet (it adopts this worker from describe() when it starts).
+        with contextlib.suppress(ValueError):
             ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE).worker_started.remote(name)
-        except ValueError:
-            pass  # the controller does not exist yet
 
     def register_adapter(self, name: str, path: str) -> str:
         version = self.catalog.register(name, path).version

@@ -7,6 +7,7 @@ flight, a repeated evict of an absent adapter does nothing (invariant 7).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -71,7 +72,7 @@ class CommandGate:
         future = self.cache.prefetch(command.adapter, command.version)
         if not future.done():
             self.push(Delta(command.adapter, command.version, "loading"))
-        future.add_done_callback(lambda f, c=command: self._on_done(c, f))
+        future.add_done_callback(functools.partial(self._on_done, command))
 
     def _on_done(self, command: Prefetch, future: Future[ReadinessRecord]) -> None:
         error = future.exception()
