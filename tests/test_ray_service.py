@@ -87,10 +87,9 @@ def test_worker_killed_is_dropped_then_reloaded(service) -> None:
     ray.get(ctl.report_queue.remote("replica-1", [("adapter-004", time.time())]))
     wait_ready(ctl, "adapter-004", "replica-1", 30)
     victim = service.workers[WorkerId("replica-1", 1)]
-    pid = ray.get(victim.describe.remote())
     ray.kill(victim, no_restart=False)  # Ray restarts it, empty; it tells the controller so
+    # the new process holds the queued adapter again only if the controller dropped and replanned it
     wait_for(lambda: ("adapter-004", "ready") in _residency_or_empty(victim), 60, "reload after restart")
-    assert pid is not None and ray.get(victim.stats.remote())["loads"] >= 1  # the new process loaded it
     wait_ready(ctl, "adapter-004", "replica-1", 30)
     assert ray.get(ctl.check_integrity.remote())
 

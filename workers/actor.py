@@ -90,6 +90,7 @@ class WorkerActor:
     def describe(self) -> dict[str, object]:
         """Who this worker is and everything it holds: the controller rebuilds from this."""
         return {"replica": self.replica, "rank": self.config.tp_rank, "tp": self.config.tp,
+                "node": ray.get_runtime_context().get_node_id(),
                 "slots": self.config.num_slots, "adapters": dict(self.paths), "epoch": self.gate.epoch,
                 "residency": [(r["adapter"], r["version"], r["state"], r["refs"]) for r in self.cache.residency()]}
 
