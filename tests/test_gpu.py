@@ -9,9 +9,10 @@ import torch
 from safetensors import safe_open
 
 from lora_cache.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.planner.records import AdapterKey
 from lora_cache.synth import SynthConfig, make_adapters
 from workers.cache import WorkerCache, WorkerConfig
-from workers.host_tier import AdapterKey, HostTierConfig
+from workers.host_tier import HostTierConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

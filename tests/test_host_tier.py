@@ -14,9 +14,10 @@ import workers.host_tier as host_tier_module
 from lora_cache.catalog import AdapterCatalog
 from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError
 from lora_cache.peft import AdapterSpec
+from lora_cache.planner.records import AdapterKey
 from lora_cache.shapes import SHAPES
 from lora_cache.shards import ShardLayout, shard_layout
-from workers.host_tier import AdapterKey, HostEntry, HostTier, HostTierConfig
+from workers.host_tier import HostEntry, HostTier, HostTierConfig
 
 TINY = SHAPES["tiny"]
 MiB = 1 << 20

@@ -21,11 +21,12 @@ from safetensors import safe_open
 
 from lora_cache.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, NotFoundError, ShardError
+from lora_cache.planner.records import AdapterKey
 from lora_cache.shapes import MODULE_ORDER, SHAPES
 from lora_cache.shards import ShardLayout
 from lora_cache.synth import SynthConfig, make_adapters, write_adapter
 from workers.cache import Batch, WorkerCache, WorkerConfig
-from workers.host_tier import AdapterKey, HostTierConfig
+from workers.host_tier import HostTierConfig
 from workers.loader import ReadinessRecord
 from workers.slots import SlotState
 from workers.streams import CpuStreams

@@ -20,8 +20,9 @@ import torch
 from lora_cache.catalog import AdapterCatalog
 from lora_cache.errors import CapacityError, ConfigError, NotFoundError
 from lora_cache.peft import AdapterSpec
+from lora_cache.planner.records import AdapterKey
 from lora_cache.shards import ShardLayout, max_shard_numel, shard_layout
-from workers.host_tier import AdapterKey, HostEntry, HostTier, HostTierConfig
+from workers.host_tier import HostEntry, HostTier, HostTierConfig
 from workers.index import IndexUploader
 from workers.loader import CompletionWatcher, ReadinessRecord, SlotLoad
 from workers.metrics import CacheCounters

@@ -11,23 +11,15 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
 from lora_cache.errors import CapacityError, ConfigError
 from lora_cache.peft import AdapterSpec
+from lora_cache.planner.records import AdapterKey  # one name@version key for planner and workers
 from lora_cache.shards import ShardLayout
 from workers.arena import Block, HostArena
 from workers.reader import read_shard
-
-
-class AdapterKey(NamedTuple):
-    name: str
-    version: str
-
-    def __str__(self) -> str:
-        return f"{self.name}@{self.version}"
 
 
 @dataclass(frozen=True)

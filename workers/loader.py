@@ -14,8 +14,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from lora_cache.planner.records import AdapterKey
 from lora_cache.shards import ShardLayout
-from workers.host_tier import AdapterKey
 from workers.streams import CpuStreams
 
 log = logging.getLogger(__name__)

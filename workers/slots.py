@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from lora_cache.errors import CapacityError
-from workers.host_tier import AdapterKey
+from lora_cache.planner.records import AdapterKey
 
 
 class SlotState(Enum):

@@ -15,7 +15,7 @@ from lora_cache.planner.errors import PlannerInputError
 
 
 class AdapterKey(NamedTuple):
-    """One version of one adapter (equal, as a tuple, to `workers.host_tier.AdapterKey`)."""
+    """One version of one adapter: the key of the planner, the host tier and the slot table."""
 
     name: str
     version: str
