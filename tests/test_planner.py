@@ -312,6 +312,19 @@ def test_a_just_prefetched_adapter_is_not_evicted_by_the_next_plan() -> None:
     assert evicted(second, "r0/w0") == [] and planner.plan_all(1.0).is_empty
 
 
+def test_a_resident_trimmed_for_room_competes_again_so_the_next_plan_keeps_what_this_one_loads() -> None:
+    """Over capacity (a big adapter reported on top), trimming drops the weakest incumbents first; one
+    of them may still be worth more than any outsider. It must compete like a candidate: skipping it let
+    this plan load a weaker outsider that the next plan evicted to take the trimmed one back (thrash)."""
+    planner = make(slots=2, tp=1, bytes_per_worker=300, max_prefetches_per_plan=1, hysteresis=0.0)
+    planner.register_adapter(AdapterInfo("big", "v1", 300))
+    popular(planner, "r0", {"a0": 3, "a2": 1, "big": 4, "a1": 0.25})  # per byte: a0 > big > a2 > a1
+    planner.report_residency("r0/w0", [ResidencyEntry(a, "v1", READY) for a in ("a0", "a2", "big")])
+    first = planner.plan(1.0)
+    assert evicted(first, "r0/w0") == ["big"] and prefetched(first, "r0/w0") == []
+    assert planner.plan_all(1.0).is_empty
+
+
 def test_deferred_candidates_still_displace_so_the_next_plan_only_fills_room() -> None:
     planner = make(slots=2, tp=1, max_prefetches_per_plan=1, hysteresis=0.0)
     hold(planner, "r0", "a5")

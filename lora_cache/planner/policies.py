@@ -187,13 +187,16 @@ def _speculate(view: ReplicaView, scorer: ReplicaScorer, chosen: set[AdapterKey]
     admitted: list[Scored] = []
     if config.max_prefetches_per_plan == 0:
         return admitted
-    scanned = 0
+    holding = {key for _, key in kept}  # what the target keeps so far (incumbents and admitted)
+    loads = scanned = 0
     for score, name in scorer.ranked():
-        deferring = len(admitted) >= config.max_prefetches_per_plan
+        deferring = loads >= config.max_prefetches_per_plan
         if scanned >= config.max_candidates_scanned or (deferring and not kept):
             break  # nothing left that a deferred candidate could displace
         info = view.catalog[name]
-        if info.key in chosen or info.key in view.resident or not _placeable(view, info.bytes_per_rank):
+        # A resident trimmed for room (or displaced above) competes again like any candidate: the next
+        # plan would see it as one, so skipping it here would let that plan evict what this one loads.
+        if info.key in chosen or info.key in holding or not _placeable(view, info.bytes_per_rank):
             continue
         scanned += 1
         if not room.fits(info.bytes_per_rank):
@@ -204,10 +207,14 @@ def _speculate(view: ReplicaView, scorer: ReplicaScorer, chosen: set[AdapterKey]
                 continue
             for _, key in kept[:victims]:
                 room.give(_size(view, key))
+                holding.discard(key)
             del kept[:victims]
         room.take(info.bytes_per_rank)
-        if not deferring:
+        resident = info.key in view.resident  # taking it back costs no load on the ranks that hold it
+        if not deferring or resident:
             admitted.append((score, info.key))
+            holding.add(info.key)
+            loads += not resident
     return admitted
 
 
