@@ -6,6 +6,7 @@ is checked here first, so a bad report or hint is a clear error and changes noth
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -13,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from lora_cache.catalog import AdapterCatalog, CatalogConfig
-from lora_cache.errors import ConfigError, NotFoundError
+from lora_cache.errors import ConfigError, LoraCacheError, NotFoundError
 from lora_cache.planner import (
     AdapterInfo,
     Command,
@@ -37,6 +38,23 @@ class WorkerId(NamedTuple):
         return f"{self.replica}/{self.rank}"
 
 
+class Failure(NamedTuple):
+    """A load that failed on a worker: how often in a row, when to try again, and why."""
+
+    times: int  # failures in a row
+    retry_at: float
+    error: str
+    released: bool = False  # retry_failed let the planner plan it again
+
+
+class HintOutcome(NamedTuple):
+    """What became of one caller's hint batch: taken all or nothing (``error`` says why not)."""
+
+    accepted: int
+    ignored: int  # known ids, stale, or the replica's hint table full
+    error: LoraCacheError | None = None
+
+
 @dataclass(frozen=True)
 class ControllerConfig:
     """The controller: its catalog, its planner and how it batches."""
@@ -58,6 +76,10 @@ class ControllerCore:
         self.readiness = ReadinessIndex()
         self.paths: dict[str, str] = {}  # adapter -> registered path, replayed to new workers
         self.commands_sent = 0
+        self.failures: dict[tuple[WorkerId, str, str], Failure] = {}  # (worker, adapter, version) -> last failure
+        self.load_failures = 0
+        self.recent_failures: deque[str] = deque(maxlen=20)
+        self.hints_received = self.hints_accepted = 0  # hints given / taken (the rest ignored)
 
     # -- adapters and topology ------------------------------------------------------------------
     def register_adapter(self, name: str, path: str) -> str:
@@ -65,6 +87,13 @@ class ControllerCore:
         layout = shard_layout(spec, self.catalog.shape, 1, 0, torch.bfloat16)
         self.planner.register_adapter(AdapterInfo(name, spec.version, layout.nbytes))
         self.paths[name] = path
+        return spec.version
+
+    def unregister_adapter(self, name: str, now: float) -> str:
+        """Stop all new use of ``name`` (hints, queues, plans); its version. The caller drains the workers."""
+        spec = self.catalog.unregister(name)
+        self.planner.remove_adapter(name, now)
+        self.paths.pop(name, None)
         return spec.version
 
     def add_replica(self, replica: str, tp: int, slots: int) -> list[WorkerId]:
@@ -83,6 +112,7 @@ class ControllerCore:
         """A worker died or restarted empty: drop what it held, the replica is replanned."""
         self.check_worker(worker)
         self.planner.report_residency(str(worker), [])
+        self.failures = {k: f for k, f in self.failures.items() if k[0] != worker}
         return self.readiness.drop_rank(worker.replica, worker.rank)
 
     # -- inputs (steps 1-3) ---------------------------------------------------------------------
@@ -96,33 +126,91 @@ class ControllerCore:
     def hint(self, hint_id: str, adapter: str, replica: str, expected_s: float, now: float) -> bool:
         self.check_replica(replica)
         self.check_adapter(adapter)
-        return self.planner.add_hint(Hint(hint_id, adapter, replica, expected_s), now)
+        taken = self.planner.add_hint(Hint(hint_id, adapter, replica, expected_s), now)
+        self.hints_received += 1
+        self.hints_accepted += taken
+        return taken
+
+    def hint_batches(self, batches: Iterable[list[tuple[str, str, str, float]]], now: float) -> list[HintOutcome]:
+        """Many callers' batches of (hint id, adapter, replica, expected in s) at once, each all or nothing."""
+        return [self._hint_batch(batch, now) for batch in batches]
+
+    def _hint_batch(self, batch: list[tuple[str, str, str, float]], now: float) -> HintOutcome:
+        try:
+            for replica in sorted({r for _, _, r, _ in batch}):
+                self.check_replica(replica)
+            for adapter in sorted({a for _, a, _, _ in batch}):
+                self.check_adapter(adapter)
+            hints = [Hint(h, a, r, now + max(0.0, dt)) for h, a, r, dt in batch]
+        except LoraCacheError as e:
+            return HintOutcome(0, 0, e)
+        taken = sum(self.planner.add_hint(hint, now) for hint in hints)
+        self.hints_received += len(hints)
+        self.hints_accepted += taken
+        return HintOutcome(taken, len(hints) - taken)
 
     def cancel_hint(self, hint_id: str, now: float) -> bool:
         return self.planner.cancel_hint(hint_id, now)
 
-    def worker_report(self, worker: WorkerId, deltas: Iterable[tuple[str, str, str]]) -> list[ReadinessEvent]:
-        """(adapter, version, state) changes from one worker; returns replica-level events (step 8)."""
+    def worker_report(self, worker: WorkerId, deltas: Iterable[tuple[str, str, str, str]],
+                      now: float) -> list[ReadinessEvent]:
+        """(adapter, version, state, error) changes from one worker; returns replica-level events (step 8).
+
+        A failed load is not replanned at once (a broken file would be retried in a tight loop): the
+        planner keeps counting it as loading until ``retry_failed`` releases it, after a backoff that
+        doubles with every failure of the same adapter version on the same worker (up to a minute).
+        """
         self.check_worker(worker)
         events: list[ReadinessEvent] = []
-        for adapter, version, state in deltas:
+        for adapter, version, state, error in deltas:
             rank_state, slot_state = _STATE.get(state, (None, None))
-            if slot_state is None:
+            key = (worker, adapter, version)
+            if state == "failed":
+                times = self.failures[key].times + 1 if key in self.failures else 1
+                self.failures[key] = Failure(times, now + min(60.0, 0.5 * 2 ** (times - 1)), error)
+                self.load_failures += 1
+                self.recent_failures.append(f"{worker} {adapter}@{version}: {error}")
+            elif state == "ready":
+                self.failures.pop(key, None)
+            if state == "gone":
                 self.planner.drop_residency(str(worker), adapter, version)
-            else:
+            elif slot_state is not None and adapter in self.catalog:  # an unregistered one is drained, not planned
                 self.planner.update_residency(str(worker), ResidencyEntry(adapter, version, slot_state))
             events += self.readiness.report(worker.replica, worker.rank, adapter, version, rank_state)
         return events
 
-    def rebuild_worker(self, worker: WorkerId, entries: Iterable[tuple[str, str, str, int]]) -> list[ReadinessEvent]:
-        """A full residency report (controller restart): replaces what was known of the worker."""
-        entries = list(entries)
-        self.planner.report_residency(str(worker), [
-            ResidencyEntry(a, v, SlotState.IN_USE if refs else _STATE[s][1], refs) for a, v, s, refs in entries])
-        events = self.readiness.drop_rank(worker.replica, worker.rank)
-        for a, v, s, _ in entries:
-            events += self.readiness.report(worker.replica, worker.rank, a, v, _STATE[s][0])
+    def sync_worker(self, worker: WorkerId, entries: Iterable[tuple[str, str, str, int]]) -> list[ReadinessEvent]:
+        """A full residency report (controller restart, or a resync after lost deltas): it replaces what
+        was known of the worker, including commands assumed done. Readiness changes only where the
+        report differs, so a resync that finds nothing new publishes nothing."""
+        self.check_worker(worker)
+        entries = [(a, v, s, refs) for a, v, s, refs in entries if s in _STATE]
+        planned = [ResidencyEntry(a, v, SlotState.IN_USE if refs else _STATE[s][1], refs)
+                   for a, v, s, refs in entries if a in self.catalog]
+        held = {(e.adapter, e.version) for e in planned}
+        planned += [ResidencyEntry(a, v, SlotState.LOADING) for (w, a, v), f in sorted(self.failures.items())
+                    if w == worker and not f.released and (a, v) not in held and a in self.catalog]  # backing off
+        self.planner.report_residency(str(worker), planned)
+        now = {(a, v): _STATE[s][0] for a, v, s, _ in entries}
+        before = self.readiness.holdings(worker.replica, worker.rank)
+        events: list[ReadinessEvent] = []
+        for (a, v) in sorted(before.keys() - now.keys()):
+            events += self.readiness.report(worker.replica, worker.rank, a, v, None)
+        for (a, v), state in sorted(now.items(), key=lambda kv: kv[0]):
+            if before.get((a, v)) is not state:
+                events += self.readiness.report(worker.replica, worker.rank, a, v, state)
         return events
+
+    def retry_failed(self, now: float) -> None:
+        """Failed loads whose backoff has passed are no longer counted as loading: the next plan retries."""
+        for key, failure in list(self.failures.items()):
+            worker, adapter, version = key
+            if failure.retry_at <= now and not failure.released:
+                self.failures[key] = failure._replace(released=True)
+                if worker.replica in self.planner.replicas() and str(worker) in self.planner.workers(worker.replica):
+                    self.planner.drop_residency(str(worker), adapter, version)
+                else:
+                    del self.failures[key]
 
     # -- decisions (steps 3-4) ------------------------------------------------------------------
     def plan(self, now: float, full: bool = False) -> dict[WorkerId, list[Command]]:
@@ -137,7 +225,9 @@ class ControllerCore:
     def status(self) -> dict[str, object]:
         return {"epoch": self.epoch, "adapters": len(self.catalog), "replicas": list(self.planner.replicas()),
                 "readiness": self.readiness.counts(), "commands_sent": self.commands_sent,
-                "queue_depths": {r: len(self.planner.queue(r)) for r in self.planner.replicas()}}
+                "queue_depths": {r: len(self.planner.queue(r)) for r in self.planner.replicas()},
+                "hints_received": self.hints_received, "hints_accepted": self.hints_accepted,
+                "load_failures": self.load_failures, "recent_failures": list(self.recent_failures)}
 
     # -- checks -------------------------------------------------------------------------------------
     def check_replica(self, replica: str) -> None:

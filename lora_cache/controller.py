@@ -11,11 +11,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 
-from lora_cache.control import ControllerConfig, ControllerCore, WorkerId
+from lora_cache.control import ControllerConfig, ControllerCore, HintOutcome, WorkerId
+from lora_cache.errors import ConfigError
+from lora_cache.planner import Evict
 from lora_cache.readiness import ReadinessEvent
 
 log = logging.getLogger(__name__)
@@ -23,6 +25,13 @@ log = logging.getLogger(__name__)
 NAMESPACE = "lora-cache"
 CONTROLLER_NAME = "lora-cache-controller"
 WORKER_PREFIX = "lora-cache-worker:"
+
+
+class Link(NamedTuple):
+    """Where the controller stands with one worker's stream of deltas."""
+
+    incarnation: int  # the worker process's start time (ns): a larger one is a restart
+    applied: int  # the last delta sequence number applied (or covered by a full report)
 
 
 def worker_name(worker: WorkerId) -> str:
@@ -36,14 +45,16 @@ def parse_worker_name(name: str) -> WorkerId:
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
 class ControllerActor:
-    def __init__(self, config: ControllerConfig, health_s: float = 0.5) -> None:
+    def __init__(self, config: ControllerConfig, health_s: float = 0.5, sync_s: float = 5.0) -> None:
         self.core = ControllerCore(config, epoch=time.time_ns() // 1000)  # grows across restarts
         self.handles: dict[WorkerId, Any] = {}
-        self.health_s = health_s
+        self.links: dict[WorkerId, Link] = {}  # each worker's incarnation and the last delta applied
+        self.health_s, self.sync_s = health_s, sync_s
         self._started = False
         self._start_lock = asyncio.Lock()
         self._events = asyncio.Condition()
         self.rejected = 0
+        self.draining: set[str] = set()  # unregistered adapters that workers may still hold
 
     async def _start(self) -> None:
         async with self._start_lock:
@@ -73,11 +84,31 @@ class ControllerActor:
             if info["replica"] not in self.core.planner.replicas():
                 self.core.add_replica(info["replica"], info["tp"], info["slots"])
             self.handles[wid] = handle
-            self._publish(self.core.rebuild_worker(wid, info["residency"]))
+            self.links[wid] = Link(info["incarnation"], info["seq"])
+            self._publish(self.core.sync_worker(wid, info["residency"]))
+
+    async def _resync(self, wid: WorkerId) -> None:
+        """Repair lost deltas (or commands): replace what is known of a worker by its full report."""
+        try:
+            info = await self.handles[wid].describe.remote()
+        except Exception as e:  # lost: the health loop deals with it
+            log.info("resync of %s failed: %s", wid, e)
+            return
+        link = self.links.get(wid)
+        if link is not None and (info["incarnation"], info["seq"]) < (link.incarnation, link.applied):
+            return  # older than deltas already applied: the next resync repairs any gap
+        self.links[wid] = Link(info["incarnation"], info["seq"])
+        self._publish(self.core.sync_worker(wid, info["residency"]))
+        await self._plan()
 
     async def _health_loop(self) -> None:
+        last_sync = time.monotonic()
         while True:
             await asyncio.sleep(self.health_s)
+            self.core.retry_failed(time.time())
+            if time.monotonic() - last_sync >= self.sync_s:  # anti-entropy: whatever was lost is repaired
+                last_sync = time.monotonic()
+                await asyncio.gather(*(self._resync(wid) for wid in list(self.handles)))
             for wid, handle in list(self.handles.items()):
                 try:
                     await asyncio.wait_for(handle.ping.remote(), timeout=10 * self.health_s)
@@ -102,12 +133,66 @@ class ControllerActor:
         await asyncio.gather(*(h.register_adapter.remote(name, path) for h in self.handles.values()))
         return version
 
-    async def worker_started(self, name: str) -> None:
+    async def register_adapter_info(self, name: str, path: str) -> tuple[str, str]:
+        """``register_adapter``, answering (its version, the version it replaced or "")."""
+        await self._start()
+        if name in self.draining:
+            raise ConfigError(f"adapter {name!r} is being unregistered (waiting for in-use references to "
+                              "drain); register it again once UnregisterAdapter has returned")
+        previous = self.core.catalog.get(name).version if name in self.core.catalog else ""
+        return await self.register_adapter(name, path), previous
+
+    async def unregister_adapter(self, name: str, timeout_s: float = 30.0) -> list[str]:
+        """Stop all new use of ``name``, then wait until no worker holds it; the versions evicted.
+
+        A worker does not evict a slot that running batches still reference, so this waits for those
+        references to drain, up to ``timeout_s`` (TimeoutError; calling again resumes the wait).
+        """
+        await self._start()
+        if name not in self.draining:
+            self.core.unregister_adapter(name, time.time())  # NotFoundError if it is not registered
+            self.draining.add(name)
+            await self._plan()
+        evicted = await self._drain(name, timeout_s)
+        self.draining.discard(name)
+        return evicted
+
+    async def _drain(self, name: str, timeout_s: float) -> list[str]:
+        deadline, evicted = time.monotonic() + timeout_s, set()
+        while held := await self._holders(name):
+            if name in self.core.catalog:
+                raise ConfigError(f"adapter {name!r} was registered again while it was being unregistered; "
+                                  "unregister it again if that was not intended")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"adapter {name!r} is unregistered (nothing new uses it), but workers "
+                                   f"{sorted(map(str, held))} still hold it after {timeout_s:.0f} s, in use by "
+                                   "running batches; call UnregisterAdapter again to keep waiting")
+            evicted |= {v for versions in held.values() for v in versions}
+            await asyncio.gather(*(self.handles[w].apply.remote([Evict(name, v, self.core.epoch) for v in sorted(vs)])
+                                   for w, vs in held.items()))
+            await asyncio.sleep(0.05)
+        return sorted(evicted)
+
+    async def _holders(self, name: str) -> dict[WorkerId, set[str]]:
+        """The versions of ``name`` that each worker holds, from the workers' own full reports."""
+        wids = list(self.handles)
+        reports = await asyncio.gather(*(self.handles[w].describe.remote() for w in wids), return_exceptions=True)
+        held: dict[WorkerId, set[str]] = {}
+        for wid, report in zip(wids, reports):
+            if isinstance(report, BaseException):  # lost: it comes back empty (worker_started)
+                log.warning("worker %s did not report while draining %s: %s", wid, name, report)
+                continue
+            versions = {v for a, v, _, _ in report["residency"] if a == name}
+            if versions:
+                held[wid] = versions
+        return held
+
+    async def worker_started(self, name: str, incarnation: int) -> None:
         """A (re)started worker holds nothing: forget what its predecessor held."""
         await self._start()
         wid = parse_worker_name(name)
         if wid in self.handles:
-            self._publish(self.core.worker_lost(wid))
+            self._new_incarnation(wid, incarnation)
             handle = self.handles[wid]  # its catalog is empty too: replay the registrations first
             await asyncio.gather(*(handle.register_adapter.remote(a, p) for a, p in self.core.paths.items()))
             await self._plan()
@@ -129,15 +214,56 @@ class ControllerActor:
         await self._plan()
         return taken
 
+    async def hint_batches(self, batches: list[list[tuple[str, str, str, float]]]) -> list[HintOutcome]:
+        """Many callers' hint batches at once (the gateway coalesces them), each all or nothing; one plan."""
+        await self._start()
+        outcomes = self.core.hint_batches(batches, time.time())
+        await self._plan()
+        return outcomes
+
     async def cancel_hint(self, hint_id: str) -> bool:
         await self._start()
         return self.core.cancel_hint(hint_id, time.time())
 
-    async def report(self, name: str, deltas: list[tuple[str, str, str]]) -> None:
-        """Residency changes pushed by a worker (step 7), in batches."""
+    async def cancel_hints(self, hint_ids: list[str]) -> int:
+        """Withdraw many hints; how many were active."""
         await self._start()
-        self._publish(self.core.worker_report(parse_worker_name(name), deltas))
+        now = time.time()
+        cancelled = sum(self.core.cancel_hint(h, now) for h in hint_ids)
         await self._plan()
+        return cancelled
+
+    async def report(self, name: str, incarnation: int, deltas: list[tuple[int, str, str, str, str]]) -> None:
+        """Residency changes pushed by a worker (step 7), in batches of (seq, adapter, version, state,
+        error). Deltas already applied (a resync covered them) are skipped; a gap triggers a resync."""
+        await self._start()
+        wid = parse_worker_name(name)
+        if wid not in self.handles:
+            return  # not adopted yet: the rebuild reads its full report
+        if not self._new_incarnation(wid, incarnation):
+            return  # from a predecessor that has since restarted
+        link = self.links[wid]
+        fresh = [d for d in deltas if d[0] > link.applied]
+        if not fresh:
+            return
+        gap = fresh[0][0] > link.applied + 1
+        self.links[wid] = Link(incarnation, fresh[-1][0])
+        self._publish(self.core.worker_report(wid, [d[1:] for d in fresh], time.time()))
+        if gap:
+            log.info("deltas from %s were lost (seq %d after %d): resyncing", wid, fresh[0][0], link.applied)
+            asyncio.get_running_loop().create_task(self._resync(wid))
+        await self._plan()
+
+    def _new_incarnation(self, wid: WorkerId, incarnation: int) -> bool:
+        """Note a worker's incarnation; a newer one starts empty. False: an older one (ignore it)."""
+        link = self.links.get(wid)
+        if link is not None and incarnation < link.incarnation:
+            return False
+        if link is None or incarnation > link.incarnation:
+            if link is not None:
+                self._publish(self.core.worker_lost(wid))
+            self.links[wid] = Link(incarnation, 0)
+        return True
 
     # -- decisions --------------------------------------------------------------------------------
     async def _plan(self, full: bool = False) -> None:
@@ -169,6 +295,23 @@ class ControllerActor:
         found = self.core.readiness.lookup(adapter)
         return {"ready": list(found.ready), "loading": list(found.loading)}
 
+    async def lookup_adapter(self, adapter: str) -> dict[str, object]:
+        """Where the current version of a registered adapter is ready or loading (NotFoundError if unknown)."""
+        await self._start()
+        version = self.core.catalog.get(adapter).version
+        found = self.core.readiness.lookup(adapter)
+        ready = [r for r in found.ready if self.core.readiness.is_ready(r, adapter, version)]
+        return {"adapter": adapter, "version": version, "ready": ready, "loading": list(found.loading)}
+
+    async def begin_watch(self, replica: str | None = None, adapter: str | None = None) -> int:
+        """Check a readiness subscriber's filters (NotFoundError for unknown names); the current cursor."""
+        await self._start()
+        if replica:
+            self.core.check_replica(replica)
+        if adapter:
+            self.core.check_adapter(adapter)
+        return self.core.readiness.last_seq
+
     async def wait_events(self, after: int, replica: str | None = None, adapter: str | None = None,
                           timeout_s: float = 10.0) -> list[ReadinessEvent]:
         """Readiness events after the cursor ``after``; waits up to ``timeout_s`` for one."""
@@ -185,6 +328,22 @@ class ControllerActor:
     async def status(self) -> dict[str, object]:
         await self._start()
         return {**self.core.status(), "workers": len(self.handles), "rejected_commands": self.rejected}
+
+    async def worker_stats(self, timeout_s: float = 2.0) -> list[dict[str, object]]:
+        """Each worker's cache counters (``stats`` None if it did not answer in time) and slot count."""
+        await self._start()
+        wids = sorted(self.handles)
+
+        async def one(wid: WorkerId) -> dict[str, object] | None:
+            try:
+                return await asyncio.wait_for(self.handles[wid].stats.remote(), timeout_s)
+            except Exception as e:  # reported as unreachable
+                log.info("worker %s gave no stats: %s", wid, e)
+                return None
+
+        stats = await asyncio.gather(*(one(w) for w in wids))
+        return [{"worker": worker_name(w), "replica": w.replica, "rank": w.rank,
+                 "slots": self.core.planner.capacity(str(w)).slots, "stats": s} for w, s in zip(wids, stats)]
 
     async def check_integrity(self) -> bool:
         self.core.check_integrity()

@@ -76,6 +76,10 @@ class ReadinessIndex:
         keys = [k for k, ranks in self._ranks.items() if k[0] == replica and rank in ranks]
         return [e for k in keys for e in self.report(replica, rank, k[1], k[2], None)]
 
+    def holdings(self, replica: str, rank: int) -> dict[tuple[str, str], RankState]:
+        """What rank ``rank`` of ``replica`` holds, as last reported: (adapter, version) -> state."""
+        return {(a, v): ranks[rank] for (r, a, v), ranks in self._ranks.items() if r == replica and rank in ranks}
+
     def _update(self, key: tuple[str, str, str], tp: int) -> list[ReadinessEvent]:
         ranks = self._ranks.get(key, {})
         now = len(ranks) == tp and all(s is RankState.READY for s in ranks.values())

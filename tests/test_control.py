@@ -61,7 +61,7 @@ def _deliver(core: ControllerCore, workers, ready: int):
     events = []
     for wid, (_, _, outbox) in workers.items():
         deltas = outbox.drain(("ready", "failed"), ready)
-        events += core.worker_report(wid, [(d.adapter, d.version, d.state) for d in deltas])
+        events += core.worker_report(wid, [(d.adapter, d.version, d.state, d.error) for d in deltas], now=1.0)
     return events
 
 
@@ -88,7 +88,7 @@ def test_replica_not_ready_until_every_rank(fleet) -> None:
     rank0 = WorkerId("r0", 0)
     workers[rank0][1].apply(plan[rank0])
     deltas = workers[rank0][2].drain(("ready",), 1)
-    assert core.worker_report(rank0, [(d.adapter, d.version, d.state) for d in deltas]) == []
+    assert core.worker_report(rank0, [(d.adapter, d.version, d.state, d.error) for d in deltas], now=1.0) == []
     assert core.readiness.lookup("adapter-002").loading == ("r0",)
 
 
@@ -113,7 +113,7 @@ def test_bad_inputs_are_clear_errors_and_change_nothing(fleet) -> None:
     with pytest.raises(NotFoundError, match="adapter 'ghost' is not registered"):
         core.hint("h1", "ghost", "r0", 2.0, now=1.0)
     with pytest.raises(NotFoundError, match="worker r0/5 is not part"):
-        core.worker_report(WorkerId("r0", 5), [])
+        core.worker_report(WorkerId("r0", 5), [], now=1.0)
     assert core.status() == before and core.plan(now=1.0) == {}
     _, gate, _ = workers[WorkerId("r0", 0)]
     result = gate.apply([Prefetch("ghost", "v", 0, epoch=5)])  # a bad command costs only itself
@@ -131,3 +131,52 @@ def test_lost_worker_makes_replica_not_ready(fleet) -> None:
     assert not event.ready and core.readiness.lookup("adapter-000").ready == ()
     replan = core.plan(now=2.0)  # the queued adapter is planned again for the lost rank
     assert [c.adapter for c in replan[WorkerId("r0", 1)]] == ["adapter-000"]
+
+
+def test_a_failed_load_is_retried_after_a_backoff_not_in_a_loop(fleet) -> None:
+    """A prefetch the worker refuses at once still reports 'failed'; the planner keeps it counted as
+    loading (no tight retry loop) until the backoff passes, then plans it again; success clears it."""
+    core, workers = fleet
+    rank0 = WorkerId("r0", 0)
+    cache, gate, outbox = workers[rank0]
+    core.report_queue("r0", [("adapter-000", 0.0)], now=1.0)
+    commands = core.plan(now=1.0)[rank0]
+    cache.catalog.unregister("adapter-000")  # the worker cannot load it now: refused synchronously
+    assert gate.apply(commands).errors
+    (failed,) = outbox.drain(("failed",), 1)
+    assert "adapter-000" in failed.error
+    core.worker_report(rank0, [(failed.adapter, failed.version, failed.state, failed.error)], now=1.0)
+    assert core.status()["load_failures"] == 1 and "adapter-000" in core.status()["recent_failures"][0]
+    core.retry_failed(now=1.2)
+    assert rank0 not in core.plan(now=1.2)  # backing off: nothing re-sent
+    assert rank0 not in core.plan(now=1.3, full=True)
+    core.retry_failed(now=1.6)  # 0.5 s after the first failure
+    retried = core.plan(now=1.6)[rank0]
+    assert [c.adapter for c in retried] == ["adapter-000"]
+    cache.catalog.register("adapter-000", core.paths["adapter-000"])
+    assert not gate.apply(retried).errors
+    ready = [d for d in outbox.drain(("ready",), 1) if d.state == "ready"]
+    core.worker_report(rank0, [(d.adapter, d.version, d.state, d.error) for d in ready], now=2.0)
+    assert not core.failures
+    core.check_integrity()
+
+
+def test_resync_repairs_a_lost_ready_and_publishes_nothing_when_nothing_changed(fleet) -> None:
+    core, workers = fleet
+    core.report_queue("r0", [("adapter-001", 0.0)], now=1.0)
+    for wid, commands in core.plan(now=1.0).items():
+        workers[wid][1].apply(commands)
+    for _, _, outbox in workers.values():
+        outbox.drain(("ready",), 1)  # the deltas are lost on the way
+    assert core.readiness.lookup("adapter-001").ready == ()
+    events = []
+    for wid, (cache, _, _) in workers.items():
+        full = [(r["adapter"], r["version"], r["state"], r["refs"]) for r in cache.residency()]
+        events += core.sync_worker(wid, full)
+    assert [(e.adapter, e.ready) for e in events] == [("adapter-001", True)]
+    assert core.readiness.lookup("adapter-001").ready == ("r0",)
+    for wid, (cache, _, _) in workers.items():  # a second resync finds nothing new
+        full = [(r["adapter"], r["version"], r["state"], r["refs"]) for r in cache.residency()]
+        assert core.sync_worker(wid, full) == []
+    assert core.plan(now=2.0) == {}
+    core.check_integrity()

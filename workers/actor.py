@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from typing import Any
 
 import ray
@@ -23,40 +24,56 @@ log = logging.getLogger(__name__)
 
 
 class Outbox:
-    """Deltas waiting to be pushed to the controller; a thread flushes them every ``flush_s``."""
+    """Deltas waiting to be pushed to the controller, numbered; a thread sends them in batches.
+
+    Every delta carries this worker's incarnation (its start time) and a sequence number, so the
+    controller can tell a restarted worker from its predecessor and notice lost deltas (a gap), which
+    it repairs from a full ``describe()``. One batch is in flight at a time: while the controller
+    answers, the next batch gathers. A batch the controller did not take is sent again.
+    """
 
     def __init__(self, name: str, flush_s: float, max_pending: int = 100_000) -> None:
         self.name, self.flush_s, self.max_pending = name, flush_s, max_pending
-        self._cond = threading.Condition()  # protects _pending and _closed
-        self._pending: list[tuple[str, str, str]] = []
+        self.incarnation = time.time_ns()
+        self._cond = threading.Condition()  # protects _pending, seq and _closed
+        self._pending: list[tuple[int, str, str, str, str]] = []
+        self.seq = 0  # the last number given to a delta
         self._closed = False
         self._controller: Any = None
         threading.Thread(target=self._run, name="lora-outbox", daemon=True).start()
 
     def push(self, delta: Delta) -> None:
         with self._cond:
-            if len(self._pending) < self.max_pending:  # bounded: a full report rebuilds the rest
-                self._pending.append((delta.adapter, delta.version, delta.state))
+            self.seq += 1
+            if len(self._pending) < self.max_pending:  # bounded: past it, the controller sees a gap
+                self._pending.append((self.seq, delta.adapter, delta.version, delta.state, delta.error))
             self._cond.notify()
 
     def _run(self) -> None:
+        backoff = self.flush_s
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._pending or self._closed)
                 if self._closed:
                     return
                 batch, self._pending = self._pending, []
-            self._send(batch)
+            sent = self._send(batch)
             with self._cond:
-                self._cond.wait(self.flush_s)  # gather the next batch
+                if not sent:  # keep it, ahead of what came meanwhile, within the bound
+                    self._pending = (batch + self._pending)[-self.max_pending:]
+                backoff = self.flush_s if sent else min(1.0, max(0.05, 2 * backoff))
+                self._cond.wait(backoff)  # gather the next batch (or wait before retrying)
 
-    def _send(self, batch: list[tuple[str, str, str]]) -> None:
+    def _send(self, batch: list[tuple[int, str, str, str, str]]) -> bool:
         try:
             if self._controller is None:
                 self._controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
-            self._controller.report.remote(self.name, batch)
-        except Exception as e:  # no controller yet: it rebuilds from describe() when it starts
-            log.info("readiness for %d adapters not pushed (%s)", len(batch), e)
+            ray.get(self._controller.report.remote(self.name, self.incarnation, batch), timeout=30)
+            return True
+        except Exception as e:  # no controller (yet, or restarting): keep the batch and retry
+            log.info("readiness for %d adapters not pushed yet (%s)", len(batch), e)
+            self._controller = None
+            return False
 
     def close(self) -> None:
         with self._cond:
@@ -77,7 +94,7 @@ class WorkerActor:
         # A restarted worker holds nothing: say so, so the controller forgets its predecessor. ValueError:
         # no controller yet (it adopts this worker from describe() when it starts).
         with contextlib.suppress(ValueError):
-            ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE).worker_started.remote(name)
+            ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE).worker_started.remote(name, self.outbox.incarnation)
 
     def register_adapter(self, name: str, path: str) -> str:
         version = self.catalog.register(name, path).version
@@ -89,7 +106,9 @@ class WorkerActor:
 
     def describe(self) -> dict[str, object]:
         """Who this worker is and everything it holds: the controller rebuilds from this."""
+        seq = self.outbox.seq  # first: every delta up to it is reflected in the residency read after it
         return {"replica": self.replica, "rank": self.config.tp_rank, "tp": self.config.tp,
+                "incarnation": self.outbox.incarnation, "seq": seq,
                 "node": ray.get_runtime_context().get_node_id(),
                 "slots": self.config.num_slots, "adapters": dict(self.paths), "epoch": self.gate.epoch,
                 "residency": [(r["adapter"], r["version"], r["state"], r["refs"]) for r in self.cache.residency()]}

@@ -58,6 +58,8 @@ class CommandGate:
                 accepted += 1
             except LoraCacheError as e:  # a bad command costs that command only
                 errors.append(f"{type(command).__name__} {command.adapter}@{command.version}: {e}")
+                if isinstance(command, Prefetch):  # the controller assumed it loading: say it is not
+                    self.push(Delta(command.adapter, command.version, "failed", error=str(e)))
         with self._lock:
             self.accepted += accepted
             self.rejected += rejected
