@@ -17,7 +17,8 @@ import ray
 
 from lora_cache.control import ControllerConfig, ControllerCore, HintOutcome, WorkerId
 from lora_cache.errors import ConfigError
-from lora_cache.planner import Evict
+from lora_cache.metrics import ControllerMetrics
+from lora_cache.planner import Evict, Prefetch
 from lora_cache.readiness import ReadinessEvent
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class ControllerActor:
         self.handles: dict[WorkerId, Any] = {}
         self.links: dict[WorkerId, Link] = {}  # each worker's incarnation and the last delta applied
         self.health_s, self.sync_s = health_s, sync_s
+        self.metrics = ControllerMetrics(config.planner.policy)
         self._started = False
         self._start_lock = asyncio.Lock()
         self._events = asyncio.Condition()
@@ -106,6 +108,7 @@ class ControllerActor:
         while True:
             await asyncio.sleep(self.health_s)
             self.core.retry_failed(time.time())
+            self.metrics.ready_counts(self.core.readiness.ready_per_replica())
             if time.monotonic() - last_sync >= self.sync_s:  # anti-entropy: whatever was lost is repaired
                 last_sync = time.monotonic()
                 await asyncio.gather(*(self._resync(wid) for wid in list(self.handles)))
@@ -201,6 +204,7 @@ class ControllerActor:
     async def report_queue(self, replica: str, adapters: list[tuple[str, float]]) -> None:
         await self._start()
         self.core.report_queue(replica, adapters, time.time())
+        self.metrics.queues({replica: len(adapters)})
         await self._plan()
 
     async def hint(self, hints: list[tuple[str, str, str, float]]) -> int:
@@ -211,6 +215,7 @@ class ControllerActor:
             self.core.check_replica(replica)
             self.core.check_adapter(adapter)
         taken = sum(self.core.hint(h, a, r, now + max(0.0, dt), now) for h, a, r, dt in hints)
+        self.metrics.hint_outcome(taken, len(hints) - taken)
         await self._plan()
         return taken
 
@@ -218,6 +223,7 @@ class ControllerActor:
         """Many callers' hint batches at once (the gateway coalesces them), each all or nothing; one plan."""
         await self._start()
         outcomes = self.core.hint_batches(batches, time.time())
+        self.metrics.hint_outcome(sum(o.accepted for o in outcomes), sum(o.ignored for o in outcomes))
         await self._plan()
         return outcomes
 
@@ -249,6 +255,8 @@ class ControllerActor:
         gap = fresh[0][0] > link.applied + 1
         self.links[wid] = Link(incarnation, fresh[-1][0])
         self._publish(self.core.worker_report(wid, [d[1:] for d in fresh], time.time()))
+        if failed := sum(d[3] == "failed" for d in fresh):
+            self.metrics.load_failures.inc(failed)
         if gap:
             log.info("deltas from %s were lost (seq %d after %d): resyncing", wid, fresh[0][0], link.applied)
             asyncio.get_running_loop().create_task(self._resync(wid))
@@ -267,7 +275,10 @@ class ControllerActor:
 
     # -- decisions --------------------------------------------------------------------------------
     async def _plan(self, full: bool = False) -> None:
+        t0 = time.perf_counter()
         plan = self.core.plan(time.time(), full=full)
+        prefetches = sum(isinstance(c, Prefetch) for cmds in plan.values() for c in cmds)
+        self.metrics.plan(time.perf_counter() - t0, full, prefetches, sum(map(len, plan.values())) - prefetches)
         sends = [(wid, self.handles[wid].apply.remote(cmds)) for wid, cmds in plan.items() if wid in self.handles]
         for wid, ref in sends:
             asyncio.get_running_loop().create_task(self._collect(wid, ref))
@@ -276,10 +287,12 @@ class ControllerActor:
         try:
             result = await ref
             self.rejected += result.rejected_stale
+            self.metrics.rejected_commands(result.rejected_stale, len(result.errors))
             for error in result.errors:
                 log.warning("worker %s: %s", wid, error)
-        except Exception as e:
-            log.warning("commands to %s were lost (%s); the next plan repeats them", wid, e)
+        except Exception as e:  # the planner assumed them applied: ask the worker what it holds
+            log.warning("commands to %s were lost (%s); resyncing it", wid, e)
+            await self._resync(wid)
 
     def _publish(self, events: list[ReadinessEvent]) -> None:
         if events:

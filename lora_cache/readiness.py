@@ -111,6 +111,13 @@ class ReadinessIndex:
     def last_seq(self) -> int:
         return self._seq
 
+    def ready_per_replica(self) -> dict[str, int]:
+        """Adapter versions every rank has ready, per replica (0 for a replica with none)."""
+        out = dict.fromkeys(self._tp, 0)
+        for replica, _, _ in self._ready:
+            out[replica] += 1
+        return out
+
     def counts(self) -> dict[str, int]:
         return {"replicas": len(self._tp), "ready": len(self._ready), "held": len(self._ranks)}
 

@@ -214,8 +214,26 @@ def test_acquire_loads_on_demand(catalog: AdapterCatalog, make_cache: Callable[.
     assert_serves(cache, D, batch.slots[0])
     assert_serves(cache, E, batch.slots[1])
     stats = cache.stats()
-    assert (stats["gpu_misses"], stats["gpu_hits"], stats["loads"], stats["prefetches"]) == (2, 0, 2, 2)
+    assert (stats["gpu_misses"], stats["gpu_hits"], stats["loads"], stats["prefetches"], stats["demand_loads"]) == (
+        2, 0, 2, 0, 2)
     cache.release(batch)
+    cache.check_integrity()
+
+
+def test_prefetch_accuracy_counts_prefetches_used_before_eviction(
+        catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]) -> None:
+    """A prefetched adapter counts as used if a batch acquired it before its slot was freed; loads
+    started by a miss are not prefetches and do not count either way."""
+    cache = make_cache(catalog, num_slots=2)
+    cache.prefetch(A).result(timeout=10)
+    cache.prefetch(B).result(timeout=10)
+    cache.release(cache.acquire([A]))
+    assert cache.evict(A) and cache.evict(B)
+    cache.release(cache.acquire([C]))  # on demand
+    settle(cache)
+    assert cache.evict(C)
+    stats = cache.stats()
+    assert (stats["prefetches"], stats["prefetch_used"], stats["prefetch_unused"], stats["evictions"]) == (2, 1, 1, 3)
     cache.check_integrity()
 
 
@@ -470,8 +488,9 @@ def test_counters_are_consistent_and_refs_return_to_zero(
     cache.prefetch(E).result(timeout=10)
     s = cache.stats()
     assert s["gpu_hits"] + s["gpu_misses"] == distinct  # type: ignore[operator]
-    assert s["host_hits"] + s["host_misses"] == s["prefetches"]  # type: ignore[operator]
-    assert s["loads"] == len(records) == s["prefetches"] and s["load_failures"] == 0
+    started = s["prefetches"] + s["demand_loads"]  # type: ignore[operator]
+    assert s["host_hits"] + s["host_misses"] == started and s["prefetches"] == 1  # type: ignore[operator]
+    assert s["loads"] == len(records) == started and s["load_failures"] == 0
     assert s["bytes_host_to_gpu"] == sum(r.nbytes for r in records)
     misses = [r for r in records if not r.host_hit]
     assert len(misses) == s["host_misses"] and s["host_hits"] == len(records) - len(misses)
@@ -664,8 +683,10 @@ class CacheMachine(RuleBasedStateMachine):
         s = cache.stats()
         assert s["slots_loading"] == 0
         assert s["gpu_hits"] + s["gpu_misses"] == self.lookups  # type: ignore[operator]
-        assert s["loads"] + s["load_failures"] == s["prefetches"]  # type: ignore[operator]
-        assert s["host_hits"] + s["host_misses"] == s["prefetches"]  # type: ignore[operator]
+        started = s["prefetches"] + s["demand_loads"]  # type: ignore[operator]
+        assert s["loads"] + s["load_failures"] == started  # type: ignore[operator]
+        assert s["host_hits"] + s["host_misses"] == started  # type: ignore[operator]
+        assert s["prefetch_used"] + s["prefetch_unused"] <= s["prefetches"]  # type: ignore[operator]
         assert s["loads"] == len(self.records) and s["bytes_host_to_gpu"] == sum(
             r.nbytes for r in self.records
         )

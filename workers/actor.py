@@ -16,9 +16,11 @@ import ray
 
 from lora_cache.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.controller import CONTROLLER_NAME, NAMESPACE
+from lora_cache.metrics import WorkerMetrics
 from lora_cache.planner import Command
 from workers.cache import WorkerCache, WorkerConfig
 from workers.commands import ApplyResult, CommandGate, Delta
+from workers.loader import ReadinessRecord
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +89,9 @@ class WorkerActor:
                  flush_s: float = 0.005) -> None:
         self.name, self.replica, self.config = name, replica, config
         self.catalog = AdapterCatalog(catalog)
-        self.cache = WorkerCache(config, self.catalog)
+        self.cache = WorkerCache(config, self.catalog, on_ready=self._loaded)
+        self.metrics = WorkerMetrics(replica, config.tp_rank, self.cache.stats)
+        self.metrics.start()
         self.outbox = Outbox(name, flush_s)
         self.gate = CommandGate(self.cache, self.outbox.push)
         self.paths: dict[str, str] = {}
@@ -95,6 +99,9 @@ class WorkerActor:
         # no controller yet (it adopts this worker from describe() when it starts).
         with contextlib.suppress(ValueError):
             ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE).worker_started.remote(name, self.outbox.incarnation)
+
+    def _loaded(self, record: ReadinessRecord) -> None:
+        self.metrics.loaded(record.ready_ms, record.h2d_ms, record.host_hit)
 
     def register_adapter(self, name: str, path: str) -> str:
         version = self.catalog.register(name, path).version
@@ -127,5 +134,6 @@ class WorkerActor:
         return True
 
     def shutdown(self) -> None:
+        self.metrics.stop()
         self.outbox.close()
         self.cache.close()

@@ -49,6 +49,8 @@ class SlotLoad:
     disk_ms: float = 0.0
     start_event: Any = None
     ready_event: Any = None
+    prefetched: bool = True  # started ahead of need (prefetch), not by an acquire that missed
+    used: bool = False  # some batch acquired it (prefetch accuracy: used before eviction)
 
 
 class CompletionWatcher:

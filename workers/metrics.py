@@ -29,10 +29,13 @@ class Reservoir:
 class CacheCounters:
     gpu_hits: int = 0  # acquire found the adapter resident (ready or loading)
     gpu_misses: int = 0  # acquire had to start a load
-    prefetches: int = 0  # loads started by prefetch()
+    prefetches: int = 0  # loads started ahead of need, by prefetch()
+    demand_loads: int = 0  # loads started by an acquire that missed
     loads: int = 0  # copies that completed
     load_failures: int = 0
     evictions: int = 0
+    prefetch_used: int = 0  # prefetched loads a batch acquired before their eviction
+    prefetch_unused: int = 0  # prefetched loads evicted without ever being acquired
     bytes_host_to_gpu: int = 0
     disk_ms: Reservoir = field(default_factory=Reservoir)  # disk -> host staging, per load that read the disk
     h2d_ms: Reservoir = field(default_factory=Reservoir)  # one packed copy, measured by events

@@ -1,0 +1,141 @@
+"""Prometheus metrics through ``ray.util.metrics``: Ray's metrics agent exports them on every node
+(``ray_lora_cache_*`` on the node's metrics export port), so a Ray cluster's Prometheus scrapes them
+with no extra server.
+
+Only the Ray actors use this module (the plain cores keep plain counters): the controller records
+planning, commands, hints and queue depths as they happen; each worker exports its cache counters
+(per rank and tier) on a short timer, as increments since the last export, plus time-to-ready per
+load. Every figure is tagged with its replica (and rank), so per-rank and per-replica views are
+label selections.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+MS_BUCKETS = [0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 10000]
+RANK_TAGS = ("replica", "rank")
+
+
+class ControllerMetrics:
+    """The controller's decisions and inputs."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self.planner_ms = Histogram("lora_cache_planner_latency_ms", "time to compute one plan (ms)",
+                                    boundaries=MS_BUCKETS, tag_keys=("policy", "scope"))
+        self.commands = Counter("lora_cache_commands_sent", "commands sent to workers", tag_keys=("kind",))
+        self.rejected = Counter("lora_cache_commands_rejected", "commands a worker refused",
+                                tag_keys=("reason",))
+        self.queue_depth = Gauge("lora_cache_queue_depth", "requests waiting at a replica", tag_keys=("replica",))
+        self.hints = Counter("lora_cache_hints", "router hints received", tag_keys=("outcome",))
+        self.ready = Gauge("lora_cache_ready_adapters", "adapter versions every rank of a replica has ready",
+                           tag_keys=("replica",))
+        self.load_failures = Counter("lora_cache_load_failures_reported", "failed loads workers reported")
+
+    def plan(self, seconds: float, full: bool, prefetches: int, evicts: int) -> None:
+        self.planner_ms.observe(seconds * 1e3, tags={"policy": self.policy, "scope": "full" if full else "dirty"})
+        if prefetches:
+            self.commands.inc(prefetches, tags={"kind": "prefetch"})
+        if evicts:
+            self.commands.inc(evicts, tags={"kind": "evict"})
+
+    def rejected_commands(self, stale: int, errors: int) -> None:
+        if stale:
+            self.rejected.inc(stale, tags={"reason": "stale_epoch"})
+        if errors:
+            self.rejected.inc(errors, tags={"reason": "error"})
+
+    def hint_outcome(self, accepted: int, ignored: int) -> None:
+        if accepted:
+            self.hints.inc(accepted, tags={"outcome": "accepted"})
+        if ignored:
+            self.hints.inc(ignored, tags={"outcome": "ignored"})
+
+    def queues(self, depths: Mapping[str, int]) -> None:
+        for replica, depth in depths.items():
+            self.queue_depth.set(depth, tags={"replica": replica})
+
+    def ready_counts(self, counts: Mapping[str, int]) -> None:
+        for replica, count in counts.items():
+            self.ready.set(count, tags={"replica": replica})
+
+
+# cache counter -> (metric, tags added); exported as increments since the last export
+_COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
+    "gpu_hits": ("hits", {"tier": "gpu"}),
+    "gpu_misses": ("misses", {"tier": "gpu"}),
+    "host_hits": ("hits", {"tier": "host"}),
+    "host_misses": ("misses", {"tier": "host"}),
+    "prefetch_used": ("prefetch_outcomes", {"outcome": "used"}),
+    "prefetch_unused": ("prefetch_outcomes", {"outcome": "unused"}),
+    "bytes_host_to_gpu": ("bytes", {"path": "host_to_gpu"}),
+    "bytes_disk_to_host": ("bytes", {"path": "disk_to_host"}),
+    "load_failures": ("load_failures", {}),
+    "evictions": ("evictions", {}),
+}
+
+
+class WorkerMetrics:
+    """One TP rank's cache figures; ``start`` exports the counters every ``every_s`` seconds."""
+
+    def __init__(self, replica: str, rank: int, stats: Callable[[], Mapping[str, object]],
+                 every_s: float = 1.0) -> None:
+        self.tags = {"replica": replica, "rank": str(rank)}
+        self.stats, self.every_s = stats, every_s
+        tier = (*RANK_TAGS, "tier")
+        self.counters = {
+            "hits": Counter("lora_cache_hits", "lookups that found the adapter in the tier", tag_keys=tier),
+            "misses": Counter("lora_cache_misses", "lookups that did not", tag_keys=tier),
+            "prefetch_outcomes": Counter("lora_cache_prefetches_retired",
+                                         "prefetched adapters freed, by whether a batch used them first",
+                                         tag_keys=(*RANK_TAGS, "outcome")),
+            "bytes": Counter("lora_cache_bytes_moved", "bytes copied, by path", tag_keys=(*RANK_TAGS, "path")),
+            "load_failures": Counter("lora_cache_load_failures", "loads that failed", tag_keys=RANK_TAGS),
+            "evictions": Counter("lora_cache_evictions", "slots freed", tag_keys=RANK_TAGS),
+        }
+        self.accuracy = Gauge("lora_cache_prefetch_accuracy",
+                              "prefetched adapters used before eviction / prefetched adapters freed",
+                              tag_keys=RANK_TAGS)
+        self.slots = Gauge("lora_cache_slots", "GPU slots by state", tag_keys=(*RANK_TAGS, "state"))
+        self.ready_ms = Histogram("lora_cache_time_to_ready_ms", "prefetch or miss to READY on this rank (ms)",
+                                  boundaries=MS_BUCKETS, tag_keys=(*RANK_TAGS, "source"))
+        self.h2d_ms = Histogram("lora_cache_h2d_copy_ms", "the one host-to-GPU copy of a shard (ms)",
+                                boundaries=MS_BUCKETS, tag_keys=RANK_TAGS)
+        self._last: dict[str, int] = {}
+        self._stop = threading.Event()
+
+    def loaded(self, ready_ms: float, h2d_ms: float, host_hit: bool) -> None:
+        self.ready_ms.observe(ready_ms, tags={**self.tags, "source": "host" if host_hit else "disk"})
+        self.h2d_ms.observe(h2d_ms, tags=self.tags)
+
+    def export(self) -> None:
+        """Push the counters' increments since the last export, and the gauges."""
+        stats = self.stats()
+        for name, (metric, extra) in _COUNTERS.items():
+            value = int(stats.get(name, 0))  # type: ignore[call-overload]
+            delta = value - self._last.get(name, 0)
+            if delta > 0:
+                self.counters[metric].inc(delta, tags={**self.tags, **extra})
+            self._last[name] = value
+        used, unused = int(stats.get("prefetch_used", 0)), int(stats.get("prefetch_unused", 0))  # type: ignore[call-overload]
+        if used + unused:
+            self.accuracy.set(used / (used + unused), tags=self.tags)
+        for state in ("ready", "loading"):
+            self.slots.set(int(stats.get(f"slots_{state}", 0)), tags={**self.tags, "state": state})  # type: ignore[call-overload]
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="lora-metrics", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.export()
+            except Exception:  # metrics never take a worker down
+                continue
+
+    def stop(self) -> None:
+        self._stop.set()

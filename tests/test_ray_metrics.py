@@ -1,0 +1,110 @@
+"""The control plane's metrics, read back from Ray's Prometheus endpoint (real local cluster)."""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("prometheus_client", reason="Ray's metrics agent needs ray[default]")
+
+from lora_cache.catalog import CatalogConfig  # noqa: E402
+from lora_cache.control import WorkerId  # noqa: E402
+from lora_cache.planner import PlannerConfig  # noqa: E402
+from lora_cache.serve import ServeConfig, start, wait_ready  # noqa: E402
+from lora_cache.synth import SynthConfig, make_adapters  # noqa: E402
+from workers.cache import WorkerConfig  # noqa: E402
+from workers.host_tier import HostTierConfig  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$')
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(port: int) -> list[tuple[str, dict[str, str], float]]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = []
+    for line in body.splitlines():
+        m = SAMPLE.match(line)
+        if m and m["name"].startswith("ray_lora_cache_"):
+            out.append((m["name"], dict(LABEL.findall(m["labels"] or "")), float(m["value"])))
+    return out
+
+
+def total(samples, name: str, **labels: str) -> float:
+    return sum(v for n, ls, v in samples if n == name and all(ls.get(k) == x for k, x in labels.items()))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root: Path = tmp_path_factory.mktemp("adapters")
+    make_adapters(root, SynthConfig(model="tiny", count=4, rank="8"))
+    port = free_port()
+    ray.init(num_cpus=2, namespace="lora-cache", include_dashboard=False, _metrics_export_port=port,
+             _system_config={"metrics_report_interval_ms": 500})
+    try:
+        svc = start(ServeConfig(adapters=str(root), replicas=1, tp=2),
+                    CatalogConfig(model="tiny", max_rank=8), PlannerConfig(policy="queue"),
+                    WorkerConfig(num_slots=2, host=HostTierConfig(host_bytes=1 << 22, pin=False)))
+        yield svc, port
+        svc.stop()
+    finally:
+        ray.shutdown()
+
+
+def test_metrics_reach_the_prometheus_endpoint(cluster) -> None:
+    svc, port = cluster
+    ctl = svc.controller
+    ray.get(ctl.report_queue.remote("replica-0", [("adapter-000", time.time()), ("adapter-001", time.time())]))
+    wait_ready(ctl, "adapter-001", "replica-0", 30)
+    wait_ready(ctl, "adapter-000", "replica-0", 30)
+    for rank in (0, 1):  # an engine step on every rank uses adapter-000 (a GPU-tier hit)
+        ray.get(svc.workers[WorkerId("replica-0", rank)].step.remote(["adapter-000"]))
+    # the queue moves on: adapter-000 (used) and adapter-001 (never used) are evicted for the new ones
+    ray.get(ctl.report_queue.remote("replica-0", [("adapter-002", time.time()), ("adapter-003", time.time())]))
+    wait_ready(ctl, "adapter-003", "replica-0", 30)
+    wait_ready(ctl, "adapter-002", "replica-0", 30)
+
+    want = {
+        "ray_lora_cache_hits_total": {"tier": "gpu", "replica": "replica-0", "rank": "1"},
+        "ray_lora_cache_misses_total": {"tier": "host", "rank": "0"},
+        "ray_lora_cache_bytes_moved_total": {"path": "host_to_gpu", "rank": "1"},
+        "ray_lora_cache_prefetches_retired_total": {"outcome": "unused"},
+        "ray_lora_cache_time_to_ready_ms_count": {"rank": "0"},
+        "ray_lora_cache_planner_latency_ms_count": {"policy": "queue"},
+        "ray_lora_cache_commands_sent_total": {"kind": "evict"},
+        "ray_lora_cache_queue_depth": {"replica": "replica-0"},
+    }
+    deadline, samples = time.monotonic() + 60, []
+    while time.monotonic() < deadline:
+        samples = scrape(port)
+        if all(total(samples, name, **labels) > 0 for name, labels in want.items()):
+            break
+        time.sleep(0.5)
+    missing = [name for name, labels in want.items() if total(samples, name, **labels) <= 0]
+    assert not missing, f"not exported: {missing}; got {sorted({n for n, _, _ in samples})}"
+
+    # the figures agree with what happened: 4 loads of a shard per rank, 2 prefetches retired per rank,
+    # one used (adapter-000), one not (adapter-001): accuracy 0.5
+    for rank in ("0", "1"):
+        assert total(samples, "ray_lora_cache_prefetches_retired_total", rank=rank, outcome="used") == 1
+        assert total(samples, "ray_lora_cache_prefetches_retired_total", rank=rank, outcome="unused") == 1
+        assert total(samples, "ray_lora_cache_prefetch_accuracy", rank=rank) == 0.5
+        assert total(samples, "ray_lora_cache_time_to_ready_ms_count", rank=rank) == 4
+        assert total(samples, "ray_lora_cache_hits_total", rank=rank, tier="gpu") == 1
+    stats = ray.get(svc.workers[WorkerId("replica-0", 0)].stats.remote())
+    assert total(samples, "ray_lora_cache_bytes_moved_total", rank="0", path="host_to_gpu") == \
+        stats["bytes_host_to_gpu"] > 0
+    assert total(samples, "ray_lora_cache_queue_depth", replica="replica-0") == 2
