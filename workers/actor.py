@@ -10,17 +10,21 @@ import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import ray
+import torch
 
 from lora_cache.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.controller import CONTROLLER_NAME, NAMESPACE
+from lora_cache.errors import NotFoundError
 from lora_cache.metrics import WorkerMetrics
 from lora_cache.planner import Command
 from workers.cache import WorkerCache, WorkerConfig
 from workers.commands import ApplyResult, CommandGate, Delta
 from workers.loader import ReadinessRecord
+from workers.reader import read_shard
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +95,7 @@ class WorkerActor:
         self.catalog = AdapterCatalog(catalog)
         self.cache = WorkerCache(config, self.catalog, on_ready=self._loaded)
         self.metrics = WorkerMetrics(replica, config.tp_rank, self.cache.stats)
+        self.loads: deque[tuple[float, ReadinessRecord]] = deque(maxlen=4096)
         self.metrics.start()
         self.outbox = Outbox(name, flush_s)
         self.gate = CommandGate(self.cache, self.outbox.push)
@@ -102,6 +107,47 @@ class WorkerActor:
 
     def _loaded(self, record: ReadinessRecord) -> None:
         self.metrics.loaded(record.ready_ms, record.h2d_ms, record.host_hit)
+        self.loads.append((time.time(), record))  # wall clock: comparable across a node's processes
+
+    def load_log(self) -> list[tuple[float, ReadinessRecord]]:
+        """(wall time READY, record) of this rank's recent loads, oldest first."""
+        return list(self.loads)
+
+    def copy_probe(self, nbytes: int, repeats: int = 5) -> float:
+        """Median ms of a plain pinned-host -> device copy of ``nbytes`` on this worker's device: the
+        reference a shard load is measured against, in the same process and run."""
+        device = self.cache.device
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times)[len(times) // 2]
+
+    def verify(self, name: str) -> dict[str, object]:
+        """Compare the resident shard of ``name`` with this rank's slices of its file: bytes and max |diff|."""
+        layout = self.cache.layout_of(name)
+        slot = next((r["slot"] for r in self.cache.residency()
+                     if (r["adapter"], r["version"]) == (name, layout.version) and r["state"] == "ready"), None)
+        if slot is None:
+            raise NotFoundError(f"adapter {name}@{layout.version} is not READY on {self.name}; prefetch it first")
+        staged = torch.empty(layout.numel, dtype=layout.dtype)
+        read_shard(self.catalog.get(name), layout, staged)
+        resident = self.cache.pool[int(slot), : layout.numel].cpu()  # type: ignore[call-overload]
+        worst = max(float((resident[e.offset:e.offset + e.numel].float()
+                           - staged[e.offset:e.offset + e.numel].float()).abs().max()) for e in layout.entries)
+        return {"adapter": name, "rank": self.config.tp_rank, "slot": slot, "nbytes": layout.nbytes,
+                "entries": len(layout.entries), "max_abs_diff": worst}
 
     def register_adapter(self, name: str, path: str) -> str:
         version = self.catalog.register(name, path).version
