@@ -20,15 +20,16 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str,
         if dataclasses.is_dataclass(kind):
             add_config_args(parser, kind, skip)  # type: ignore[arg-type]
             continue
-        flag, help_ = "--" + f.name.replace("_", "-"), f.metadata.get("help", "")
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+        help_ = f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else None
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None,
                                 help=f"{help_} (default: {default})")
         elif typing.get_origin(kind) is tuple:
-            parser.add_argument(flag, nargs="+", default=None, help=f"{help_} (default: {default})")
+            parser.add_argument(*flags, nargs="+", default=None, help=f"{help_} (default: {default})")
         else:
-            parser.add_argument(flag, type=kind, default=None, help=f"{help_} (default: {default})")
+            parser.add_argument(*flags, type=kind, dest=f.name, default=None, help=f"{help_} (default: {default})")
 
 
 def config_from_args(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> T:
