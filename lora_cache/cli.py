@@ -64,13 +64,39 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    from lora_cache.gateway import GatewayConfig, start_gateway_thread
     from lora_cache.planner import PlannerConfig
     from lora_cache.serve import ServeConfig, serve_forever, start
     from workers.cache import WorkerConfig
 
+    gateway_config = config_from_args(GatewayConfig, ns)  # checked before anything starts
+    if ns.demo:  # demo adapters of a small shape, unless the caller named their own
+        ns.model = ns.model or "tiny"
+        ns.max_rank = ns.max_rank or 16
+        if not ns.adapters:
+            ns.adapters = tempfile.mkdtemp(prefix="lora-cache-demo-")
+            make_adapters(ns.adapters, SynthConfig(model=ns.model, count=ns.demo, rank="8,16"))
+            print(f"made {ns.demo} demo adapters ({ns.model}) in {ns.adapters}", flush=True)
     service = start(config_from_args(ServeConfig, ns), config_from_args(CatalogConfig, ns),
                     config_from_args(PlannerConfig, ns), config_from_args(WorkerConfig, ns))
-    serve_forever(service, ns.duration)
+    try:
+        gateway = start_gateway_thread(gateway_config, service.controller)
+    except BaseException:
+        service.stop()
+        raise
+    print(f"lora-cache gRPC gateway on {gateway.target} (lora_cache.v1.LoraCacheService, health, reflection)",
+          flush=True)
+    if ns.demo:
+        from lora_cache.serve_demo import run_router_demo
+
+        try:
+            names = sorted(p.name for p in Path(ns.adapters).iterdir() if (p / "adapter_config.json").is_file())
+            run_router_demo(gateway.target, gateway_config.bearer_token(), names, requests=2 * ns.demo)
+        except BaseException:
+            gateway.stop()
+            service.stop()
+            raise
+    serve_forever(service, ns.duration, before_stop=gateway.stop)
     return 0
 
 
@@ -111,8 +137,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p, CatalogConfig)
     add_config_args(p, PlannerConfig)
     add_config_args(p, WorkerConfig, skip=("tp", "tp_rank", "device"))
+    from lora_cache.gateway import GatewayConfig
+
+    add_config_args(p, GatewayConfig)
     p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: until Ctrl-C)")
+    p.add_argument("--demo", type=int, default=0, metavar="N",
+                   help="make N demo adapters (tiny shape unless --model; into a temporary directory unless "
+                        "--adapters) and drive a router's traffic through the gRPC gateway before serving on")
     p.set_defaults(func=cmd_serve)
+
+    from lora_cache.client_cli import add_client_commands
+
+    add_client_commands(sub)
     return parser
 
 

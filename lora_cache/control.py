@@ -73,7 +73,7 @@ class ControllerCore:
         self.config, self.epoch = config, epoch
         self.catalog = AdapterCatalog(config.catalog)
         self.planner = Planner(config.planner, epoch)
-        self.readiness = ReadinessIndex()
+        self.readiness = ReadinessIndex(start_seq=epoch)
         self.paths: dict[str, str] = {}  # adapter -> registered path, replayed to new workers
         self.commands_sent = 0
         self.failures: dict[tuple[WorkerId, str, str], Failure] = {}  # (worker, adapter, version) -> last failure

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import ray
 
 from lora_cache.control import ControllerConfig, ControllerCore, HintOutcome, WorkerId
-from lora_cache.errors import ConfigError
+from lora_cache.errors import ConflictError
 from lora_cache.metrics import ControllerMetrics
 from lora_cache.planner import Evict, Prefetch
 from lora_cache.readiness import ReadinessEvent
@@ -140,7 +140,7 @@ class ControllerActor:
         """``register_adapter``, answering (its version, the version it replaced or "")."""
         await self._start()
         if name in self.draining:
-            raise ConfigError(f"adapter {name!r} is being unregistered (waiting for in-use references to "
+            raise ConflictError(f"adapter {name!r} is being unregistered (waiting for in-use references to "
                               "drain); register it again once UnregisterAdapter has returned")
         previous = self.core.catalog.get(name).version if name in self.core.catalog else ""
         return await self.register_adapter(name, path), previous
@@ -157,6 +157,12 @@ class ControllerActor:
             self.draining.add(name)
             await self._plan()
         evicted = await self._drain(name, timeout_s)
+        # the workers forget it too, or a restarted controller would adopt it again from their reports
+        for wid, outcome in zip(self.handles, await asyncio.gather(
+                *(h.unregister_adapter.remote(name) for h in self.handles.values()), return_exceptions=True)):
+            if isinstance(outcome, BaseException):
+                log.warning("worker %s did not unregister %s: %s (a restarted controller may adopt it again)",
+                            wid, name, outcome)
         self.draining.discard(name)
         return evicted
 
@@ -164,7 +170,7 @@ class ControllerActor:
         deadline, evicted = time.monotonic() + timeout_s, set()
         while held := await self._holders(name):
             if name in self.core.catalog:
-                raise ConfigError(f"adapter {name!r} was registered again while it was being unregistered; "
+                raise ConflictError(f"adapter {name!r} was registered again while it was being unregistered; "
                                   "unregister it again if that was not intended")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"adapter {name!r} is unregistered (nothing new uses it), but workers "

@@ -40,3 +40,7 @@ class NotFoundError(LoraCacheError, KeyError):
 
 class CapacityError(LoraCacheError, RuntimeError):
     """A bounded resource (GPU slots, pinned host bytes) cannot take more right now."""
+
+
+class ConflictError(LoraCacheError):
+    """The request is valid but conflicts with an operation in progress (e.g. an adapter draining)."""

@@ -43,7 +43,11 @@ class ReadinessIndex:
     _ranks: dict[tuple[str, str, str], dict[int, RankState]] = field(default_factory=dict)
     _ready: set[tuple[str, str, str]] = field(default_factory=set)  # (replica, adapter, version) all ready
     _events: deque[ReadinessEvent] = field(default_factory=deque)
+    start_seq: int = 0  # the controller passes its epoch, so sequence numbers grow across restarts
     _seq: int = 0
+
+    def __post_init__(self) -> None:
+        self._seq = max(self._seq, self.start_seq)
 
     def add_replica(self, replica: str, tp: int) -> None:
         self._tp[replica] = tp

@@ -10,6 +10,7 @@ import dataclasses
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,8 +116,9 @@ def _start_replica(service: Service, replica: str, serve: ServeConfig, catalog: 
     ray.get(service.controller.add_replica.remote(replica, serve.tp, worker.num_slots))
 
 
-def serve_forever(service: Service, duration_s: float = 0.0) -> None:
-    """Serve until SIGINT/SIGTERM (or for ``duration_s`` seconds, if set), then shut down cleanly."""
+def serve_forever(service: Service, duration_s: float = 0.0, before_stop: Callable[[], None] = lambda: None) -> None:
+    """Serve until SIGINT/SIGTERM (or for ``duration_s`` seconds, if set), then shut down cleanly
+    (``before_stop`` first: the gateway drains its calls before the controller goes)."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -127,7 +129,10 @@ def serve_forever(service: Service, duration_s: float = 0.0) -> None:
     while not stop.wait(min(1.0, max(0.0, deadline - time.monotonic()))) and time.monotonic() < deadline:
         pass
     print("lora-cache: shutting down", flush=True)
-    service.stop()
+    try:
+        before_stop()
+    finally:
+        service.stop()
 
 
 def wait_ready(controller: Any, adapter: str, replica: str, timeout_s: float = 60.0) -> float:

@@ -566,3 +566,21 @@ def test_plans_do_not_depend_on_hash_order() -> None:
         outputs.append(json.loads(run.stdout))
     assert outputs[0] == outputs[1]
     assert sum(len(p) for p in outputs[0]) > 20  # the scenario does plan something
+
+
+def test_remove_adapter_forgets_it_everywhere_and_replans_who_used_it() -> None:
+    planner = make(replicas=2, slots=3)
+    queue(planner, "r0", "a1", "a2")
+    planner.add_hint(Hint("h1", "a1", "r1", 2.0), 1.0)
+    popular(planner, "r1", {"a1": 5})
+    hold(planner, "r1", "a1", "a3")
+    planner.plan_all(1.0)
+    planner.remove_adapter("a1", 1.5)
+    assert set(planner.dirty_replicas()) == {"r0", "r1"}
+    assert [e.adapter for e in planner.queue("r0")] == ["a2"] and planner.hints("r1") == ()
+    assert all("a1" not in held(planner, w) for r in ("r0", "r1") for w in planner.workers(r))
+    plan = planner.plan(1.5)
+    assert all(c.adapter != "a1" for w in plan.workers for c in w.commands)
+    with pytest.raises(UnknownAdapterError, match="unknown adapter 'a1'"):
+        planner.popularity("a1", 1.5)
+    planner.check_integrity()

@@ -16,11 +16,24 @@ pytestmark = pytest.mark.ray
 def test_serve_starts_and_stops_cleanly(tmp_path: Path) -> None:
     make_adapters(tmp_path, SynthConfig(model="tiny", count=3, rank="8"))
     cmd = [sys.executable, "-m", "lora_cache.cli", "serve", "--adapters", str(tmp_path), "--model", "tiny",
-           "--max-rank", "8", "--tp", "2", "--num-slots", "2", "--host-bytes", str(4 << 20), "--duration", "2"]
+           "--max-rank", "8", "--tp", "2", "--slots", "2", "--host-bytes", str(4 << 20), "--duration", "2",
+           "--grpc-port", "0"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "lora-cache serving: 2 workers in ['replica-0'], 3 adapters" in done.stdout
+    assert "lora-cache gRPC gateway on 127.0.0.1:" in done.stdout
     assert "shutting down" in done.stdout
+
+
+def test_serve_demo_is_the_main_job_a_router_over_grpc_until_ready(tmp_path: Path) -> None:
+    """The README's main job: demo adapters, the service, and a router's hints/queues/watch over gRPC."""
+    cmd = [sys.executable, "-m", "lora_cache.cli", "serve", "--demo", "6", "--replicas", "2", "--tp", "2",
+           "--grpc-port", "0", "--duration", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "made 6 demo adapters (tiny)" in done.stdout
+    assert "every hinted (replica, adapter) became ready" in done.stdout
+    assert done.stdout.count("  READY adapter-") >= 2 and "shutting down" in done.stdout
 
 
 def test_serve_with_a_bad_option_fails_fast_with_the_fix(tmp_path: Path) -> None:

@@ -105,6 +105,14 @@ class WorkerActor:
         with contextlib.suppress(ValueError):
             ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE).worker_started.remote(name, self.outbox.incarnation)
 
+    def unregister_adapter(self, name: str) -> bool:
+        """Forget ``name`` (the controller drained it first); False if it was not registered here."""
+        self.paths.pop(name, None)
+        if name not in self.catalog:
+            return False
+        self.catalog.unregister(name)
+        return True
+
     def _loaded(self, record: ReadinessRecord) -> None:
         self.metrics.loaded(record.ready_ms, record.h2d_ms, record.host_hit)
         self.loads.append((time.time(), record))  # wall clock: comparable across a node's processes

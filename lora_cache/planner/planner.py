@@ -84,6 +84,19 @@ class Planner:
         if old is not None and old != info:
             self._dirty |= self._replicas_touching(info.name)
 
+    def remove_adapter(self, name: str, now: float) -> None:
+        """Forget an unregistered adapter: its hints are cancelled, its queue entries, counts and
+        residency dropped, and the replicas that held, queued or were hinted it replanned. The planner
+        sends no command for it any more: the caller evicts it from the workers.
+        """
+        self._advance(now)
+        self._fleet.require_adapter(name, "remove_adapter")
+        self._dirty |= self._replicas_touching(name)
+        for hint_id in [i for i, h in self._hints.active.items() if h.adapter == name]:
+            self._hints.cancel(hint_id, now)
+        self._fleet.unregister(name)
+        self._popularity.forget(name)
+
     def add_replica(self, spec: ReplicaSpec) -> None:
         if not isinstance(spec, ReplicaSpec):
             raise PlannerInputError(f"add_replica got {spec!r}; "

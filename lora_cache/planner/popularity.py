@@ -43,6 +43,12 @@ class RankedCounts:
             _, dropped = self.order.pop()
             del self.values[dropped]
 
+    def forget(self, key: str) -> None:
+        """Drop `key`'s count (an unregistered adapter); a no-op if it has none."""
+        old = self.values.pop(key, None)
+        if old is not None:
+            del self.order[bisect_left(self.order, (-old, key))]
+
     def rescale(self, factor: float) -> None:
         """Multiply every count by `factor` (counts that underflow to zero are forgotten)."""
         scaled = ((-neg * factor, key) for neg, key in self.order)
@@ -96,6 +102,11 @@ class Popularity:
 
     def drop_replica(self, replica: str) -> None:
         self.local.pop(replica, None)
+
+    def forget(self, adapter: str) -> None:
+        """An unregistered adapter: its counts go, fleet-wide and at every replica."""
+        for counts in (self.fleet, *self.local.values()):
+            counts.forget(adapter)
 
     def scorer(self, replica: str, n_replicas: int, local_weight: float,
                catalog: Mapping[str, AdapterInfo], min_bytes: int) -> ReplicaScorer:

@@ -85,6 +85,19 @@ class FleetState:
             self._min_bytes = None
         return old
 
+    def unregister(self, name: str) -> None:
+        """Forget an adapter: its catalog entry, every queue entry and every worker's residency of it."""
+        for replica, queue in list(self.queues.items()):
+            kept = tuple(e for e in queue if e.adapter != name)
+            if kept:
+                self.queues[replica] = kept
+            else:
+                del self.queues[replica]
+        for worker in sorted(self.holders.get(name, ())):
+            self.set_residency(worker, {k: r for k, r in self.residency[worker].items() if k.name != name})
+        del self.catalog[name]
+        self._min_bytes = None  # recomputed on demand
+
     def add_replica(self, spec: ReplicaSpec) -> None:
         if spec.replica_id in self.workers:
             raise PlannerInputError(f"replica {spec.replica_id!r} is already known; remove_replica() it "

@@ -1,0 +1,200 @@
+"""The LoraCacheService servicer: each RPC -> checked inputs -> controller calls (lifecycle steps 1-2, 8).
+
+A thin shell: it forwards to the controller actor and awaits its ObjectRefs (the event loop never
+blocks on Ray); hints go through the coalescing ingest. This is the only place that knows gRPC
+status codes: ``status_for`` maps domain errors to them, and ``generic_handler`` decodes request
+bodies itself, so bytes that are not the request message are INVALID_ARGUMENT, not a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import ray
+
+from lora_cache.api import validate
+from lora_cache.api.ingest import HintIngest
+from lora_cache.api.v1 import lora_cache_service_pb2 as pb
+from lora_cache.errors import CapacityError, ConflictError, LoraCacheError, NotFoundError
+from lora_cache.readiness import ReadinessEvent
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LoraCacheService"].full_name
+WATCH_POLL_S = 5.0  # one long-poll of the controller per watcher at least this often
+
+_UNAVAILABLE = "the controller is not reachable ({}); it restarts by itself: retry shortly"
+# First match wins; the controller's own errors arrive wrapped in RayTaskError (unwrapped first).
+_CODES: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], grpc.StatusCode], ...] = (
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ((ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError,
+      ConnectionError), grpc.StatusCode.UNAVAILABLE),
+    (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (ConflictError, grpc.StatusCode.FAILED_PRECONDITION),
+    (LoraCacheError, grpc.StatusCode.INVALID_ARGUMENT),  # RequestError, ConfigError, AdapterError, ...
+)
+
+
+def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a domain error is answered with."""
+    if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None:
+        error = error.cause
+    for kinds, code in _CODES:
+        if isinstance(error, kinds):
+            if code is grpc.StatusCode.UNAVAILABLE and not isinstance(error, ConnectionError):
+                return code, _UNAVAILABLE.format(type(error).__name__)
+            return code, str(error)
+    log.exception("internal error in the gateway", exc_info=error)
+    return grpc.StatusCode.INTERNAL, (f"internal error ({type(error).__name__}: {error}); this is a bug in "
+                                      "lora-cache: please report it with the gateway's log")
+
+
+def _counters(stats: list[dict[str, Any]]) -> pb.CacheCounters:
+    total = {k: sum(int(s.get(k, 0)) for s in stats) for k in ("gpu_hits", "gpu_misses", "host_hits", "host_misses")}
+    gpu, host = total["gpu_hits"] + total["gpu_misses"], total["host_hits"] + total["host_misses"]
+    return pb.CacheCounters(**total, gpu_hit_rate=total["gpu_hits"] / gpu if gpu else 0.0,
+                            host_hit_rate=total["host_hits"] / host if host else 0.0)
+
+
+def _worker_status(w: dict[str, Any]) -> pb.WorkerStatus:
+    s = w["stats"]
+    if s is None:
+        return pb.WorkerStatus(worker=w["worker"], rank=w["rank"], reachable=False, slots=w["slots"])
+    return pb.WorkerStatus(worker=w["worker"], rank=w["rank"], reachable=True, slots=w["slots"],
+                           slots_ready=s.get("slots_ready", 0), slots_loading=s.get("slots_loading", 0),
+                           counters=_counters([s]))
+
+
+def _event(e: ReadinessEvent) -> pb.ReadinessEvent:
+    state = pb.READINESS_STATE_READY if e.ready else pb.READINESS_STATE_NOT_READY
+    return pb.ReadinessEvent(seq=e.seq, replica=e.replica, adapter=e.adapter, version=e.version, state=state)
+
+
+class Servicer:
+    """LoraCacheService over a controller actor handle (or anything with the same ``.remote`` methods)."""
+
+    def __init__(self, controller: Any, ingest: HintIngest, max_items: int, watch_poll_s: float = WATCH_POLL_S):
+        self.controller, self.ingest = controller, ingest
+        self.max_items, self.watch_poll_s = max_items, watch_poll_s
+
+    async def hint(self, request: pb.HintRequest) -> pb.HintResponse:
+        outcome = await self.ingest.submit(validate.hints(request.hints, self.max_items))
+        if outcome.error is not None:
+            raise outcome.error
+        return pb.HintResponse(accepted=outcome.accepted, ignored=outcome.ignored)
+
+    async def cancel_hint(self, request: pb.CancelHintRequest) -> pb.CancelHintResponse:
+        ids = validate.hint_ids(request.hint_ids, self.max_items)
+        return pb.CancelHintResponse(cancelled=await self.controller.cancel_hints.remote(ids))
+
+    async def report_queue(self, request: pb.ReportQueueRequest) -> pb.ReportQueueResponse:
+        replica, entries = validate.queue(request, self.max_items)
+        await self.controller.report_queue.remote(replica, entries)
+        return pb.ReportQueueResponse(queue_depth=len(entries))
+
+    async def lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
+        found = await self.controller.lookup_adapter.remote(validate.name("adapter", request.adapter))
+        return pb.LookupResponse(adapter=found["adapter"], version=found["version"],
+                                 ready_replicas=found["ready"], loading_replicas=found["loading"])
+
+    async def watch_readiness(self, request: pb.WatchReadinessRequest) -> AsyncIterator[pb.WatchReadinessResponse]:
+        replica, adapter, after = validate.watch(request)
+        newest = await self.controller.begin_watch.remote(replica, adapter)
+        cursor = newest if after is None else after if after <= newest else 0  # beyond: a pre-restart cursor
+        while True:
+            events = await self.controller.wait_events.remote(cursor, replica, adapter, self.watch_poll_s)
+            if events:
+                cursor = events[-1].seq
+                yield pb.WatchReadinessResponse(events=[_event(e) for e in events])
+
+    async def register_adapter(self, request: pb.RegisterAdapterRequest) -> pb.RegisterAdapterResponse:
+        name, path = validate.register(request)
+        version, previous = await self.controller.register_adapter_info.remote(name, path)
+        return pb.RegisterAdapterResponse(name=name, version=version, previous_version=previous)
+
+    async def unregister_adapter(self, request: pb.UnregisterAdapterRequest) -> pb.UnregisterAdapterResponse:
+        name = validate.name("name", request.name)
+        evicted = await self.controller.unregister_adapter.remote(name, validate.drain_timeout(request))
+        return pb.UnregisterAdapterResponse(name=name, evicted_versions=evicted)
+
+    async def status(self, request: pb.StatusRequest) -> pb.StatusResponse:
+        status, workers = await asyncio.gather(self.controller.status.remote(), self.controller.worker_stats.remote())
+        reached = [w["stats"] for w in workers if w["stats"] is not None]
+        readiness, depths = status.get("readiness", {}), status.get("queue_depths", {})
+        replicas = [pb.ReplicaStatus(replica=r, queue_depth=depths.get(r, 0),
+                                     workers=[_worker_status(w) for w in workers if w["replica"] == r],
+                                     counters=_counters([w["stats"] for w in workers
+                                                         if w["replica"] == r and w["stats"] is not None]))
+                    for r in sorted(status.get("replicas", []))]
+        return pb.StatusResponse(
+            epoch=status["epoch"], adapters=status["adapters"], workers=status.get("workers", len(workers)),
+            replicas=replicas, ready_residencies=readiness.get("ready", 0), held_residencies=readiness.get("held", 0),
+            commands_sent=status.get("commands_sent", 0), hints_received=status.get("hints_received", 0),
+            hints_accepted=status.get("hints_accepted", 0), counters=_counters(reached),
+            ingest_queued_hints=self.ingest.queued, ingest_queue_capacity=self.ingest.capacity,
+            ingest_rejected_calls=self.ingest.rejected)
+
+
+# -- the generic handler: bodies decoded here, errors answered with codes ---------------------------------
+Unary = Callable[[Any], Awaitable[Any]]
+Streaming = Callable[[Any], AsyncIterator[Any]]
+
+RPCS: dict[str, tuple[type[Any], str]] = {  # rpc name -> (request message, Servicer method)
+    "Hint": (pb.HintRequest, "hint"),
+    "CancelHint": (pb.CancelHintRequest, "cancel_hint"),
+    "ReportQueue": (pb.ReportQueueRequest, "report_queue"),
+    "Lookup": (pb.LookupRequest, "lookup"),
+    "WatchReadiness": (pb.WatchReadinessRequest, "watch_readiness"),
+    "RegisterAdapter": (pb.RegisterAdapterRequest, "register_adapter"),
+    "UnregisterAdapter": (pb.UnregisterAdapterRequest, "unregister_adapter"),
+    "Status": (pb.StatusRequest, "status"),
+}
+
+
+def _serialize(message: Any) -> bytes:
+    return bytes(message.SerializeToString())
+
+
+def _unary(method: Unary, request_cls: type[Any]) -> Callable[..., Awaitable[Any]]:
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(validate.parse(request_cls, raw))
+        except Exception as e:  # every error is answered with its code; none escapes into grpc
+            code, message = status_for(e)
+        await context.abort(code, message)
+
+    return handle
+
+
+def _streaming(method: Streaming, request_cls: type[Any]) -> Callable[..., AsyncIterator[Any]]:
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for response in method(validate.parse(request_cls, raw)):
+                yield response
+        except Exception as e:
+            code, message = status_for(e)
+        else:
+            return
+        await context.abort(code, message)
+
+    return handle
+
+
+def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
+    """Every RPC of LoraCacheService, with raw request bodies (decoded by the handlers themselves)."""
+    service = pb.DESCRIPTOR.services_by_name["LoraCacheService"]
+    handlers = {}
+    for rpc, (request_cls, attr) in RPCS.items():
+        method = getattr(servicer, attr)
+        if service.methods_by_name[rpc].server_streaming:
+            handlers[rpc] = grpc.unary_stream_rpc_method_handler(_streaming(method, request_cls),
+                                                                 response_serializer=_serialize)
+        else:
+            handlers[rpc] = grpc.unary_unary_rpc_method_handler(_unary(method, request_cls),
+                                                                response_serializer=_serialize)
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

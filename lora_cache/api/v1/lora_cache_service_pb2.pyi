@@ -1,0 +1,254 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class HintPriority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HINT_PRIORITY_UNSPECIFIED: _ClassVar[HintPriority]
+    HINT_PRIORITY_NORMAL: _ClassVar[HintPriority]
+    HINT_PRIORITY_HIGH: _ClassVar[HintPriority]
+
+class ReadinessState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    READINESS_STATE_UNSPECIFIED: _ClassVar[ReadinessState]
+    READINESS_STATE_READY: _ClassVar[ReadinessState]
+    READINESS_STATE_NOT_READY: _ClassVar[ReadinessState]
+HINT_PRIORITY_UNSPECIFIED: HintPriority
+HINT_PRIORITY_NORMAL: HintPriority
+HINT_PRIORITY_HIGH: HintPriority
+READINESS_STATE_UNSPECIFIED: ReadinessState
+READINESS_STATE_READY: ReadinessState
+READINESS_STATE_NOT_READY: ReadinessState
+
+class PrefetchHint(_message.Message):
+    __slots__ = ("hint_id", "adapter", "replica", "expected_in", "priority")
+    HINT_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_IN_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    hint_id: str
+    adapter: str
+    replica: str
+    expected_in: _duration_pb2.Duration
+    priority: HintPriority
+    def __init__(self, hint_id: _Optional[str] = ..., adapter: _Optional[str] = ..., replica: _Optional[str] = ..., expected_in: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., priority: _Optional[_Union[HintPriority, str]] = ...) -> None: ...
+
+class HintRequest(_message.Message):
+    __slots__ = ("hints",)
+    HINTS_FIELD_NUMBER: _ClassVar[int]
+    hints: _containers.RepeatedCompositeFieldContainer[PrefetchHint]
+    def __init__(self, hints: _Optional[_Iterable[_Union[PrefetchHint, _Mapping]]] = ...) -> None: ...
+
+class HintResponse(_message.Message):
+    __slots__ = ("accepted", "ignored")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    IGNORED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    ignored: int
+    def __init__(self, accepted: _Optional[int] = ..., ignored: _Optional[int] = ...) -> None: ...
+
+class CancelHintRequest(_message.Message):
+    __slots__ = ("hint_ids",)
+    HINT_IDS_FIELD_NUMBER: _ClassVar[int]
+    hint_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, hint_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CancelHintResponse(_message.Message):
+    __slots__ = ("cancelled",)
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    cancelled: int
+    def __init__(self, cancelled: _Optional[int] = ...) -> None: ...
+
+class QueuedRequest(_message.Message):
+    __slots__ = ("adapter", "arrival_time")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    arrival_time: _timestamp_pb2.Timestamp
+    def __init__(self, adapter: _Optional[str] = ..., arrival_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class ReportQueueRequest(_message.Message):
+    __slots__ = ("replica", "requests")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    requests: _containers.RepeatedCompositeFieldContainer[QueuedRequest]
+    def __init__(self, replica: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[QueuedRequest, _Mapping]]] = ...) -> None: ...
+
+class ReportQueueResponse(_message.Message):
+    __slots__ = ("queue_depth",)
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    queue_depth: int
+    def __init__(self, queue_depth: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    def __init__(self, adapter: _Optional[str] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("adapter", "version", "ready_replicas", "loading_replicas")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    READY_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    LOADING_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    version: str
+    ready_replicas: _containers.RepeatedScalarFieldContainer[str]
+    loading_replicas: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, adapter: _Optional[str] = ..., version: _Optional[str] = ..., ready_replicas: _Optional[_Iterable[str]] = ..., loading_replicas: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WatchReadinessRequest(_message.Message):
+    __slots__ = ("replica", "adapter", "after_seq")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    adapter: str
+    after_seq: int
+    def __init__(self, replica: _Optional[str] = ..., adapter: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+
+class ReadinessEvent(_message.Message):
+    __slots__ = ("seq", "replica", "adapter", "version", "state")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    replica: str
+    adapter: str
+    version: str
+    state: ReadinessState
+    def __init__(self, seq: _Optional[int] = ..., replica: _Optional[str] = ..., adapter: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[ReadinessState, str]] = ...) -> None: ...
+
+class WatchReadinessResponse(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[ReadinessEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[ReadinessEvent, _Mapping]]] = ...) -> None: ...
+
+class RegisterAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class RegisterAdapterResponse(_message.Message):
+    __slots__ = ("name", "version", "previous_version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    previous_version: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., previous_version: _Optional[str] = ...) -> None: ...
+
+class UnregisterAdapterRequest(_message.Message):
+    __slots__ = ("name", "drain_timeout")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    drain_timeout: _duration_pb2.Duration
+    def __init__(self, name: _Optional[str] = ..., drain_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class UnregisterAdapterResponse(_message.Message):
+    __slots__ = ("name", "evicted_versions")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    evicted_versions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., evicted_versions: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CacheCounters(_message.Message):
+    __slots__ = ("gpu_hits", "gpu_misses", "host_hits", "host_misses", "gpu_hit_rate", "host_hit_rate")
+    GPU_HITS_FIELD_NUMBER: _ClassVar[int]
+    GPU_MISSES_FIELD_NUMBER: _ClassVar[int]
+    HOST_HITS_FIELD_NUMBER: _ClassVar[int]
+    HOST_MISSES_FIELD_NUMBER: _ClassVar[int]
+    GPU_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    HOST_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    gpu_hits: int
+    gpu_misses: int
+    host_hits: int
+    host_misses: int
+    gpu_hit_rate: float
+    host_hit_rate: float
+    def __init__(self, gpu_hits: _Optional[int] = ..., gpu_misses: _Optional[int] = ..., host_hits: _Optional[int] = ..., host_misses: _Optional[int] = ..., gpu_hit_rate: _Optional[float] = ..., host_hit_rate: _Optional[float] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker", "rank", "reachable", "slots", "slots_ready", "slots_loading", "counters")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_READY_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_LOADING_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    rank: int
+    reachable: bool
+    slots: int
+    slots_ready: int
+    slots_loading: int
+    counters: CacheCounters
+    def __init__(self, worker: _Optional[str] = ..., rank: _Optional[int] = ..., reachable: _Optional[bool] = ..., slots: _Optional[int] = ..., slots_ready: _Optional[int] = ..., slots_loading: _Optional[int] = ..., counters: _Optional[_Union[CacheCounters, _Mapping]] = ...) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("replica", "queue_depth", "workers", "counters")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    queue_depth: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    counters: CacheCounters
+    def __init__(self, replica: _Optional[str] = ..., queue_depth: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., counters: _Optional[_Union[CacheCounters, _Mapping]] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("epoch", "adapters", "workers", "replicas", "ready_residencies", "held_residencies", "commands_sent", "hints_received", "hints_accepted", "counters", "ingest_queued_hints", "ingest_queue_capacity", "ingest_rejected_calls")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    READY_RESIDENCIES_FIELD_NUMBER: _ClassVar[int]
+    HELD_RESIDENCIES_FIELD_NUMBER: _ClassVar[int]
+    COMMANDS_SENT_FIELD_NUMBER: _ClassVar[int]
+    HINTS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    HINTS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    INGEST_QUEUED_HINTS_FIELD_NUMBER: _ClassVar[int]
+    INGEST_QUEUE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    INGEST_REJECTED_CALLS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    adapters: int
+    workers: int
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
+    ready_residencies: int
+    held_residencies: int
+    commands_sent: int
+    hints_received: int
+    hints_accepted: int
+    counters: CacheCounters
+    ingest_queued_hints: int
+    ingest_queue_capacity: int
+    ingest_rejected_calls: int
+    def __init__(self, epoch: _Optional[int] = ..., adapters: _Optional[int] = ..., workers: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., ready_residencies: _Optional[int] = ..., held_residencies: _Optional[int] = ..., commands_sent: _Optional[int] = ..., hints_received: _Optional[int] = ..., hints_accepted: _Optional[int] = ..., counters: _Optional[_Union[CacheCounters, _Mapping]] = ..., ingest_queued_hints: _Optional[int] = ..., ingest_queue_capacity: _Optional[int] = ..., ingest_rejected_calls: _Optional[int] = ...) -> None: ...

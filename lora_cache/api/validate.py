@@ -1,0 +1,144 @@
+"""Request messages -> checked controller inputs (lifecycle step 2). Plain functions, no gRPC server.
+
+Every check raises RequestError (a malformed request; the servicer answers INVALID_ARGUMENT) with
+a message that names the field, the value and the fix. Whether a well-formed name exists is the
+controller's business (NotFoundError).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+from google.protobuf.message import DecodeError, Message
+
+from lora_cache.api.v1 import lora_cache_service_pb2 as pb
+from lora_cache.catalog import NAME_RE
+from lora_cache.errors import LoraCacheError
+
+HintTuple = tuple[str, str, str, float]  # (hint id, adapter, replica, expected in seconds from now)
+M = TypeVar("M", bound=Message)
+
+HINT_ID_RE = re.compile(r"[!-~]{1,128}")  # printable ASCII, no spaces
+MAX_EXPECTED_S = 3600.0
+DEFAULT_DRAIN_S, MAX_DRAIN_S = 30.0, 600.0
+NAME_FORM = "1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+HINT_ID_FORM = "1-128 printable ASCII characters without spaces (a request id works)"
+PRIORITIES = frozenset(pb.HintPriority.values())
+
+_name_ok = NAME_RE.match
+_hint_id_ok = HINT_ID_RE.fullmatch
+
+
+class RequestError(LoraCacheError, ValueError):
+    """A malformed request: a bad id, an empty or oversized batch, a bad time, an undecodable body."""
+
+
+def parse(cls: type[M], raw: bytes) -> M:
+    """Decode a request body; bytes that are not a ``cls`` are a RequestError, not a crash."""
+    try:
+        return cls.FromString(raw)
+    except DecodeError as e:
+        raise RequestError(f"the request body ({len(raw)} bytes) is not a valid {cls.DESCRIPTOR.full_name}: {e}; "
+                           "send the serialized request message (use stubs generated from lora_cache.v1)") from e
+
+
+def name(field: str, value: str, where: str = "") -> str:
+    if not _name_ok(value):
+        raise RequestError(f"{field} {value!r}{where} is malformed: use {NAME_FORM}")
+    return value
+
+
+def optional_name(field: str, value: str) -> str | None:
+    """An empty filter means 'any'."""
+    return name(field, value) if value else None
+
+
+def count(what: str, n: int, limit: int) -> None:
+    if n == 0:
+        raise RequestError(f"the batch of {what} is empty; send 1 to {limit} {what} per call")
+    if n > limit:
+        raise RequestError(f"the batch has {n} {what}, more than this server's max_hints_per_call ({limit}); "
+                           f"split it into calls of at most {limit}")
+
+
+def hints(items: Sequence[pb.PrefetchHint], limit: int) -> list[HintTuple]:
+    """A Hint batch as (hint id, adapter, replica, expected in s) tuples; HIGH priority is due now."""
+    count("hints", len(items), limit)
+    out: list[HintTuple] = []
+    for i, h in enumerate(items):
+        hint_id, adapter, replica, priority = h.hint_id, h.adapter, h.replica, h.priority
+        if not (_hint_id_ok(hint_id) and _name_ok(adapter) and _name_ok(replica)) or priority not in PRIORITIES:
+            raise RequestError(_bad_hint(i, h))
+        expected = 0.0
+        if h.HasField("expected_in"):
+            expected = _seconds(h.expected_in)
+            if not 0.0 <= expected <= MAX_EXPECTED_S:
+                raise RequestError(f"hint {i} ({hint_id!r}): expected_in is {expected:g} s; give 0 to "
+                                   f"{MAX_EXPECTED_S:g} s from now (leave it unset for 'now')")
+        out.append((hint_id, adapter, replica, 0.0 if priority == pb.HINT_PRIORITY_HIGH else expected))
+    return out
+
+
+def _bad_hint(i: int, h: pb.PrefetchHint) -> str:
+    where = f"hint {i} of the batch"
+    if not _hint_id_ok(h.hint_id):
+        return f"{where}: hint_id {h.hint_id!r} is malformed: use {HINT_ID_FORM}"
+    where = f"{where} ({h.hint_id!r})"
+    for field in ("adapter", "replica"):
+        if not _name_ok(getattr(h, field)):
+            return f"{where}: {field} {getattr(h, field)!r} is malformed: use {NAME_FORM}"
+    return (f"{where}: priority {h.priority} is not a HintPriority; use HINT_PRIORITY_NORMAL or "
+            "HINT_PRIORITY_HIGH")
+
+
+def hint_ids(items: Sequence[str], limit: int) -> list[str]:
+    count("hint ids", len(items), limit)
+    for i, hint_id in enumerate(items):
+        if not _hint_id_ok(hint_id):
+            raise RequestError(f"hint id {i} of the batch, {hint_id!r}, is malformed: use {HINT_ID_FORM}")
+    return list(items)
+
+
+def queue(request: pb.ReportQueueRequest, limit: int) -> tuple[str, list[tuple[str, float]]]:
+    """(replica, [(adapter, arrival in s since the epoch)]) in queue order; an empty queue is valid."""
+    replica = name("replica", request.replica)
+    if len(request.requests) > limit:
+        raise RequestError(f"the queue of {replica!r} has {len(request.requests)} requests, more than this "
+                           f"server's max_hints_per_call ({limit}); report the first {limit} (the head matters most)")
+    entries = []
+    for i, r in enumerate(request.requests):
+        name("adapter", r.adapter, f" (queue position {i})")
+        if not r.HasField("arrival_time"):
+            raise RequestError(f"queue position {i} ({r.adapter!r}) has no arrival_time; set it to when the "
+                               "request arrived (it tells new arrivals from ones already reported)")
+        entries.append((r.adapter, _seconds(r.arrival_time)))
+    return replica, entries
+
+
+def watch(request: pb.WatchReadinessRequest) -> tuple[str | None, str | None, int | None]:
+    """(replica filter, adapter filter, cursor or None for 'from now')."""
+    after = request.after_seq if request.HasField("after_seq") else None
+    return optional_name("replica", request.replica), optional_name("adapter", request.adapter), after
+
+
+def register(request: pb.RegisterAdapterRequest) -> tuple[str, str]:
+    if not request.path:
+        raise RequestError(f"path is empty; give the directory of adapter {request.name!r} under an adapter root")
+    return name("name", request.name), request.path
+
+
+def drain_timeout(request: pb.UnregisterAdapterRequest) -> float:
+    if not request.HasField("drain_timeout"):
+        return DEFAULT_DRAIN_S
+    seconds = _seconds(request.drain_timeout)
+    if not 0.0 < seconds <= MAX_DRAIN_S:
+        raise RequestError(f"drain_timeout is {seconds:g} s; give more than 0 and at most {MAX_DRAIN_S:g} s "
+                           f"(unset: {DEFAULT_DRAIN_S:g} s)")
+    return seconds
+
+
+def _seconds(value: Any) -> float:
+    """A Duration or Timestamp in seconds."""
+    return float(value.seconds + value.nanos * 1e-9)

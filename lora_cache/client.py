@@ -1,0 +1,307 @@
+"""A small Python client of the gateway for routers: ``LoraCacheClient`` (sync) and ``AsyncLoraCacheClient``.
+
+    with LoraCacheClient("127.0.0.1:50051", token="...") as lc:
+        lc.hint([Hint("req-17", "adapter-003", "replica-1", expected_in_s=0.2)])
+        lc.lookup("adapter-003").ready          # ('replica-1',) once loaded
+        for event in lc.watch(replica="replica-1"): ...
+
+Errors come back as ClientError with the gRPC status code name and the server's message.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple, TypeVar
+
+import grpc
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from lora_cache.api.v1 import lora_cache_service_pb2 as pb
+from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc
+from lora_cache.errors import ConfigError, LoraCacheError
+
+TOKEN_ENV = "LORA_CACHE_TOKEN"
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How to reach a lora-cache gateway."""
+
+    server: str = field(default="127.0.0.1:50051", metadata={"help": "gateway address host:port"})
+    token_file: str = field(default="", metadata={
+        "help": f"file holding the bearer token (default: ${TOKEN_ENV} if set, else none)"})
+    tls_ca: str = field(default="", metadata={"help": "PEM file of the CA that signed the gateway's certificate "
+                                                      "(uses TLS)"})
+    tls: bool = field(default=False, metadata={"help": "use TLS with the system's root certificates"})
+    timeout_s: float = field(default=10.0, metadata={"help": "deadline of each call, in seconds"})
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s is {self.timeout_s}; give a positive number of seconds, e.g. 10")
+        if self.tls_ca and not Path(self.tls_ca).is_file():
+            raise ConfigError(f"tls_ca {self.tls_ca!r} is not a file; give the CA's PEM certificate file")
+
+    def token(self) -> str | None:
+        if self.token_file:
+            return Path(self.token_file).read_text().strip() or None
+        return os.environ.get(TOKEN_ENV) or None
+
+
+class ClientError(LoraCacheError):
+    """A call failed: ``code`` is the gRPC status code name (NOT_FOUND, INVALID_ARGUMENT, ...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+    @classmethod
+    def from_rpc(cls, error: grpc.RpcError) -> ClientError:
+        code, details = error.code(), error.details()  # type: ignore[attr-defined]
+        return cls(code.name if code is not None else "UNKNOWN", details or "")
+
+
+class Hint(NamedTuple):
+    """A request for ``adapter`` is heading to ``replica`` (``expected_in_s`` from now; None: now)."""
+
+    hint_id: str
+    adapter: str
+    replica: str
+    expected_in_s: float | None = None
+    high_priority: bool = False
+
+
+class HintResult(NamedTuple):
+    accepted: int
+    ignored: int
+
+
+class Lookup(NamedTuple):
+    adapter: str
+    version: str
+    ready: tuple[str, ...]
+    loading: tuple[str, ...]
+
+
+class ReadinessEvent(NamedTuple):
+    seq: int
+    replica: str
+    adapter: str
+    version: str
+    ready: bool
+
+
+class Registered(NamedTuple):
+    name: str
+    version: str
+    previous_version: str  # "" if the name was new
+
+
+# -- messages <-> Python values, shared by both clients ---------------------------------------------------
+def _duration(seconds: float) -> Duration:
+    d = Duration()
+    d.FromNanoseconds(round(seconds * 1e9))
+    return d
+
+
+def _hint_request(hints: Iterable[Hint | tuple[Any, ...]]) -> pb.HintRequest:
+    out = []
+    for h in (Hint(*x) for x in hints):
+        msg = pb.PrefetchHint(hint_id=h.hint_id, adapter=h.adapter, replica=h.replica,
+                              priority=pb.HINT_PRIORITY_HIGH if h.high_priority else pb.HINT_PRIORITY_NORMAL)
+        if h.expected_in_s is not None:
+            msg.expected_in.CopyFrom(_duration(h.expected_in_s))
+        out.append(msg)
+    return pb.HintRequest(hints=out)
+
+
+def _queue_request(replica: str, queue: Iterable[tuple[str, float]]) -> pb.ReportQueueRequest:
+    entries = []
+    for adapter, arrival_s in queue:
+        ts = Timestamp()
+        ts.FromNanoseconds(round(arrival_s * 1e9))
+        entries.append(pb.QueuedRequest(adapter=adapter, arrival_time=ts))
+    return pb.ReportQueueRequest(replica=replica, requests=entries)
+
+
+def _watch_request(replica: str | None, adapter: str | None, after_seq: int | None) -> pb.WatchReadinessRequest:
+    request = pb.WatchReadinessRequest(replica=replica or "", adapter=adapter or "")
+    if after_seq is not None:
+        request.after_seq = after_seq
+    return request
+
+
+def _events(response: pb.WatchReadinessResponse) -> list[ReadinessEvent]:
+    return [ReadinessEvent(e.seq, e.replica, e.adapter, e.version, e.state == pb.READINESS_STATE_READY)
+            for e in response.events]
+
+
+def _lookup(r: pb.LookupResponse) -> Lookup:
+    return Lookup(r.adapter, r.version, tuple(r.ready_replicas), tuple(r.loading_replicas))
+
+
+def _unregister_request(name: str, drain_timeout_s: float | None) -> pb.UnregisterAdapterRequest:
+    request = pb.UnregisterAdapterRequest(name=name)
+    if drain_timeout_s is not None:
+        request.drain_timeout.CopyFrom(_duration(drain_timeout_s))
+    return request
+
+
+def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+C = TypeVar("C", bound="_Base")
+
+
+class _Base:
+    def __init__(self, server: str = "127.0.0.1:50051", *, token: str | None = None, tls: bool = False,
+                 root_certificates: bytes | None = None, timeout_s: float = 10.0) -> None:
+        self.server, self.timeout_s = server, timeout_s
+        self._metadata = _metadata(token)
+        self._options = [("grpc.max_receive_message_length", 64 << 20)]
+        self._credentials = grpc.ssl_channel_credentials(root_certificates) if tls or root_certificates else None
+
+    @classmethod
+    def from_config(cls: type[C], config: ClientConfig) -> C:
+        root = Path(config.tls_ca).read_bytes() if config.tls_ca else None
+        return cls(config.server, token=config.token(), tls=config.tls, root_certificates=root,
+                   timeout_s=config.timeout_s)
+
+
+class LoraCacheClient(_Base):
+    """Blocking client; one channel, closed by ``close()`` or the ``with`` block."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        creds, server = self._credentials, self.server
+        self.channel = (grpc.secure_channel(server, creds, self._options) if creds
+                        else grpc.insecure_channel(server, self._options))
+        self.stub = pb_grpc.LoraCacheServiceStub(self.channel)
+
+    def _call(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
+        try:
+            return method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise ClientError.from_rpc(e) from e
+
+    def hint(self, hints: Iterable[Hint | tuple[Any, ...]]) -> HintResult:
+        r = self._call(self.stub.Hint, _hint_request(hints))
+        return HintResult(r.accepted, r.ignored)
+
+    def cancel_hint(self, *hint_ids: str) -> int:
+        return int(self._call(self.stub.CancelHint, pb.CancelHintRequest(hint_ids=hint_ids)).cancelled)
+
+    def report_queue(self, replica: str, queue: Iterable[tuple[str, float]]) -> int:
+        """``queue``: (adapter, arrival time in seconds since the epoch), in queue order."""
+        return int(self._call(self.stub.ReportQueue, _queue_request(replica, queue)).queue_depth)
+
+    def lookup(self, adapter: str) -> Lookup:
+        return _lookup(self._call(self.stub.Lookup, pb.LookupRequest(adapter=adapter)))
+
+    def watch(self, replica: str | None = None, adapter: str | None = None,
+              after_seq: int | None = None) -> Iterator[ReadinessEvent]:
+        """Readiness events until the caller stops iterating (the stream is then cancelled)."""
+        stream = self.stub.WatchReadiness(_watch_request(replica, adapter, after_seq), metadata=self._metadata)
+        try:
+            for response in stream:
+                yield from _events(response)
+        except grpc.RpcError as e:
+            raise ClientError.from_rpc(e) from e
+        finally:
+            stream.cancel()
+
+    def status(self) -> pb.StatusResponse:
+        return self._call(self.stub.Status, pb.StatusRequest())
+
+    def register(self, name: str, path: str) -> Registered:
+        r = self._call(self.stub.RegisterAdapter, pb.RegisterAdapterRequest(name=name, path=path))
+        return Registered(r.name, r.version, r.previous_version)
+
+    def unregister(self, name: str, drain_timeout_s: float | None = None) -> list[str]:
+        """Remove ``name`` once no running batch uses it; the versions evicted."""
+        wait = (drain_timeout_s or 30.0) + self.timeout_s
+        r = self._call(self.stub.UnregisterAdapter, _unregister_request(name, drain_timeout_s), wait)
+        return list(r.evicted_versions)
+
+    def health(self, service: str = "") -> str:
+        """The health service's answer (SERVING, NOT_SERVING, ...); needs no token."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        r = self._call(stub.Check, health_pb2.HealthCheckRequest(service=service))
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> LoraCacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncLoraCacheClient(_Base):
+    """The same calls for asyncio routers (grpc.aio); ``await client.close()`` or ``async with``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        creds, server = self._credentials, self.server
+        self.channel = (grpc.aio.secure_channel(server, creds, self._options) if creds
+                        else grpc.aio.insecure_channel(server, self._options))
+        self.stub = pb_grpc.LoraCacheServiceStub(self.channel)
+
+    async def _call(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
+        try:
+            return await method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise ClientError.from_rpc(e) from e
+
+    async def hint(self, hints: Iterable[Hint | tuple[Any, ...]]) -> HintResult:
+        r = await self._call(self.stub.Hint, _hint_request(hints))
+        return HintResult(r.accepted, r.ignored)
+
+    async def cancel_hint(self, *hint_ids: str) -> int:
+        return int((await self._call(self.stub.CancelHint, pb.CancelHintRequest(hint_ids=hint_ids))).cancelled)
+
+    async def report_queue(self, replica: str, queue: Iterable[tuple[str, float]]) -> int:
+        return int((await self._call(self.stub.ReportQueue, _queue_request(replica, queue))).queue_depth)
+
+    async def lookup(self, adapter: str) -> Lookup:
+        return _lookup(await self._call(self.stub.Lookup, pb.LookupRequest(adapter=adapter)))
+
+    async def watch(self, replica: str | None = None, adapter: str | None = None,
+                    after_seq: int | None = None) -> AsyncIterator[ReadinessEvent]:
+        stream = self.stub.WatchReadiness(_watch_request(replica, adapter, after_seq), metadata=self._metadata)
+        try:
+            async for response in stream:
+                for event in _events(response):
+                    yield event
+        except grpc.RpcError as e:
+            raise ClientError.from_rpc(e) from e
+        finally:
+            stream.cancel()
+
+    async def status(self) -> pb.StatusResponse:
+        return await self._call(self.stub.Status, pb.StatusRequest())
+
+    async def register(self, name: str, path: str) -> Registered:
+        r = await self._call(self.stub.RegisterAdapter, pb.RegisterAdapterRequest(name=name, path=path))
+        return Registered(r.name, r.version, r.previous_version)
+
+    async def unregister(self, name: str, drain_timeout_s: float | None = None) -> list[str]:
+        wait = (drain_timeout_s or 30.0) + self.timeout_s
+        r = await self._call(self.stub.UnregisterAdapter, _unregister_request(name, drain_timeout_s), wait)
+        return list(r.evicted_versions)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncLoraCacheClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,121 @@
+"""``lora-cache hint | cancel-hint | lookup | watch | status | register | unregister``: the client on the command line.
+
+``cli.build_parser`` adds these with ``add_client_commands(sub)``. Connection options come from
+``ClientConfig`` (``--server``, ``--token-file``, ``--tls-ca``, ``--tls``, ``--timeout-s``); failures are
+ClientErrors, which ``cli.main`` prints with the server's message (exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import uuid
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+
+from lora_cache.cliargs import add_config_args, config_from_args
+from lora_cache.client import ClientConfig, Hint, LoraCacheClient
+
+
+def _client(ns: argparse.Namespace) -> LoraCacheClient:
+    return LoraCacheClient.from_config(config_from_args(ClientConfig, ns))
+
+
+def _print(value: Any) -> None:
+    print(json.dumps(value, indent=2, sort_keys=True))
+
+
+def cmd_hint(ns: argparse.Namespace) -> int:
+    with _client(ns) as lc:
+        result = lc.hint([Hint(ns.hint_id or uuid.uuid4().hex, ns.adapter, ns.replica, ns.expected_in_s,
+                               ns.high_priority)])
+    print(f"accepted {result.accepted}, ignored {result.ignored}")
+    return 0
+
+
+def cmd_cancel_hint(ns: argparse.Namespace) -> int:
+    with _client(ns) as lc:
+        print(f"cancelled {lc.cancel_hint(*ns.hint_ids)}")
+    return 0
+
+
+def cmd_lookup(ns: argparse.Namespace) -> int:
+    with _client(ns) as lc:
+        found = lc.lookup(ns.adapter)
+    _print(found._asdict())
+    return 0
+
+
+def cmd_watch(ns: argparse.Namespace) -> int:
+    with _client(ns) as lc, contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends the watch
+        for n, event in enumerate(lc.watch(ns.replica, ns.adapter, ns.after_seq), start=1):
+            print(json.dumps(event._asdict()), flush=True)
+            if n == ns.count:
+                break
+    return 0
+
+
+def cmd_status(ns: argparse.Namespace) -> int:
+    with _client(ns) as lc:
+        _print(MessageToDict(lc.status(), always_print_fields_with_no_presence=True))
+    return 0
+
+
+def cmd_register(ns: argparse.Namespace) -> int:
+    with _client(ns) as lc:
+        _print(lc.register(ns.name, ns.path)._asdict())
+    return 0
+
+
+def cmd_unregister(ns: argparse.Namespace) -> int:
+    with _client(ns) as lc:
+        _print({"name": ns.name, "evicted_versions": lc.unregister(ns.name, ns.drain_timeout_s)})
+    return 0
+
+
+def add_client_commands(sub: Any) -> None:
+    """Add the client subcommands to ``sub`` (the parser's ``add_subparsers()`` object)."""
+    p = sub.add_parser("hint", help="tell the gateway a request for ADAPTER is heading to a replica")
+    p.add_argument("adapter")
+    p.add_argument("--replica", required=True, help="replica the request was routed to")
+    p.add_argument("--hint-id", help="idempotency id (default: a random one)")
+    p.add_argument("--expected-in-s", type=float, help="when the request needs the adapter, from now (default: now)")
+    p.add_argument("--high-priority", action="store_true", help="plan it as due now, ahead of normal hints")
+    p.set_defaults(func=cmd_hint)
+
+    p = sub.add_parser("cancel-hint", help="withdraw hints by id")
+    p.add_argument("hint_ids", nargs="+")
+    p.set_defaults(func=cmd_cancel_hint)
+
+    p = sub.add_parser("lookup", help="replicas where ADAPTER is ready or loading (JSON)")
+    p.add_argument("adapter")
+    p.set_defaults(func=cmd_lookup)
+
+    p = sub.add_parser("watch", help="stream readiness events, one JSON object per line")
+    p.add_argument("--replica", help="only this replica's events")
+    p.add_argument("--adapter", help="only this adapter's events")
+    p.add_argument("--after-seq", type=int, help="resume after this event sequence number (default: from now)")
+    p.add_argument("--count", type=int, default=0, help="stop after this many events (0: until Ctrl-C)")
+    p.set_defaults(func=cmd_watch)
+
+    p = sub.add_parser("status", help="replicas, workers, residency counts, hit rates, queue depths (JSON)")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("register", help="register (or re-register: new content, new version) an adapter")
+    p.add_argument("name")
+    p.add_argument("path", help="adapter directory under one of the server's adapter roots")
+    p.set_defaults(func=cmd_register)
+
+    p = sub.add_parser("unregister", help="remove an adapter once no running batch uses it")
+    p.add_argument("name")
+    p.add_argument("--drain-timeout-s", type=float, help="wait this long for in-use references (default: 30)")
+    p.set_defaults(func=cmd_unregister)
+
+    for parser in sub.choices.values():
+        if parser.get_default("func") in _COMMANDS:
+            add_config_args(parser, ClientConfig)
+
+
+_COMMANDS = (cmd_hint, cmd_cancel_hint, cmd_lookup, cmd_watch, cmd_status, cmd_register, cmd_unregister)

@@ -1,0 +1,213 @@
+"""The gRPC gateway (lifecycle step 2): a grpc.aio server in front of the controller actor.
+
+It serves ``lora_cache.v1.LoraCacheService`` (lora_cache/api/servicer.py), the standard health
+service (grpc.health.v1) and server reflection. Limits: message size, concurrent RPCs (beyond it
+gRPC answers RESOURCE_EXHAUSTED), hints per call, and the bounded hint ingest queue. With a bearer
+token configured, every call but health checks needs ``authorization: Bearer <token>``; with a
+certificate and key, the port speaks TLS.
+
+``start_gateway`` runs on the caller's event loop; ``start_gateway_thread`` gives synchronous
+callers (``lora-cache serve``) a gateway on its own loop in a daemon thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from lora_cache.api.ingest import HintIngest
+from lora_cache.api.servicer import SERVICE_NAME, Servicer, generic_handler
+from lora_cache.errors import ConfigError
+
+OPEN_METHODS = ("/grpc.health.v1.Health/",)  # served without a token: load balancers probe them
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The router-facing gRPC server: where it listens, its limits, and who may call it."""
+
+    grpc_host: str = field(default="127.0.0.1", metadata={
+        "help": "address the gRPC gateway listens on (0.0.0.0 or [::] to expose it beyond this machine)"})
+    grpc_port: int = field(default=50051, metadata={"help": "gRPC gateway port (0: any free port)"})
+    max_message_bytes: int = field(default=4 * MiB, metadata={"help": "largest gRPC message received or sent"})
+    max_concurrent_rpcs: int = field(default=1024, metadata={
+        "help": "RPCs served at once (streams included); beyond it calls get RESOURCE_EXHAUSTED"})
+    max_hints_per_call: int = field(default=4096, metadata={
+        "help": "most hints, hint ids or queue entries in one call"})
+    ingest_queue_hints: int = field(default=65536, metadata={
+        "help": "hints waiting for the controller at most; a Hint call beyond it gets RESOURCE_EXHAUSTED"})
+    token_file: str = field(default="", metadata={
+        "help": "file holding the bearer token every call but health checks must send (empty: no auth)"})
+    token: str = field(default="", metadata={"help": "the bearer token itself (prefer --token-file: "
+                                                     "command lines are visible to other users)"})
+    tls_cert: str = field(default="", metadata={"help": "PEM certificate chain file: serve TLS (with --tls-key)"})
+    tls_key: str = field(default="", metadata={"help": "PEM private key file of --tls-cert"})
+
+    def __post_init__(self) -> None:
+        if not self.grpc_host:
+            raise ConfigError("grpc_host is empty; give an address to listen on, e.g. 127.0.0.1 or 0.0.0.0")
+        if not 0 <= self.grpc_port <= 65535:
+            raise ConfigError(f"grpc_port is {self.grpc_port}; give a port in 0..65535 (0: any free port)")
+        if not 64 * 1024 <= self.max_message_bytes < 2**31:
+            raise ConfigError(f"max_message_bytes is {self.max_message_bytes}; give 64 KiB to 2 GiB - 1, "
+                              f"e.g. {4 * MiB} (4 MiB)")
+        for name in ("max_concurrent_rpcs", "max_hints_per_call"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} is {getattr(self, name)}; give at least 1")
+        if self.ingest_queue_hints < self.max_hints_per_call:
+            raise ConfigError(f"ingest_queue_hints ({self.ingest_queue_hints}) must hold at least one full call "
+                              f"(max_hints_per_call, {self.max_hints_per_call}); raise it or lower "
+                              "max_hints_per_call")
+        if self.token and self.token_file:
+            raise ConfigError("both token and token_file are set; give one (token_file keeps it off the command line)")
+        token = self.bearer_token()
+        if token is not None and not (token.isascii() and token.isprintable() and " " not in token):
+            raise ConfigError("the bearer token must be printable ASCII without spaces (it travels in a header)")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError(f"tls_cert ({self.tls_cert!r}) and tls_key ({self.tls_key!r}) go together; "
+                              "give both to serve TLS, or neither")
+        for name in ("tls_cert", "tls_key"):
+            if getattr(self, name) and not Path(getattr(self, name)).is_file():
+                raise ConfigError(f"{name} {getattr(self, name)!r} is not a file; give a PEM file path")
+
+    def bearer_token(self) -> str | None:
+        """The token calls must carry, or None when auth is off."""
+        if self.token_file:
+            path = Path(self.token_file)
+            if not path.is_file():
+                raise ConfigError(f"token_file {self.token_file!r} is not a file; write the token into it")
+            token = path.read_text().strip()
+            if not token:
+                raise ConfigError(f"token_file {self.token_file!r} is empty; write the token into it")
+            return token
+        return self.token or None
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Calls without ``authorization: Bearer <token>`` get UNAUTHENTICATED (health checks excepted)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_METHODS):
+            return handler
+        sent = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
+        if sent is not None and hmac.compare_digest(sent.encode() if isinstance(sent, str) else sent, self._expected):
+            return handler
+        why = ("the call has no bearer token" if sent is None else "the bearer token is wrong") + (
+            "; this server requires metadata 'authorization: Bearer <token>' (lora_cache.client: token=...; "
+            "CLI: --token-file)")
+        return _denied(handler, why)
+
+
+def _denied(handler: Any, why: str) -> Any:
+    """A handler of the same kind as ``handler`` that answers UNAUTHENTICATED."""
+
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+
+    kind = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    return kind[handler.request_streaming, handler.response_streaming](deny)
+
+
+@dataclass
+class Gateway:
+    """A running gateway: its server, the port it got, and its hint ingest."""
+
+    config: GatewayConfig
+    server: grpc.aio.Server
+    port: int
+    ingest: HintIngest
+    health: Any
+
+    @property
+    def target(self) -> str:
+        return f"{self.config.grpc_host}:{self.port}"
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Stop taking calls, let calls in progress finish for ``grace_s``, then flush the ingest."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        await self.ingest.close()
+
+
+def _credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
+    if not config.tls_cert:
+        return None
+    return grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
+
+
+async def start_gateway(config: GatewayConfig, controller: Any) -> Gateway:
+    """Serve LoraCacheService (+ health, reflection) for ``controller`` on the running event loop."""
+    token = config.bearer_token()
+    ingest = HintIngest(controller.hint_batches.remote, config.ingest_queue_hints)
+    options = [("grpc.max_receive_message_length", config.max_message_bytes),
+               ("grpc.max_send_message_length", config.max_message_bytes),
+               ("grpc.so_reuseport", 0)]
+    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+                             interceptors=[BearerTokenInterceptor(token)] if token else None)
+    server.add_generic_rpc_handlers((generic_handler(Servicer(controller, ingest, config.max_hints_per_call)),))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"{config.grpc_host}:{config.grpc_port}"
+    credentials = _credentials(config)
+    try:
+        port = (server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address))
+    except RuntimeError as e:
+        raise ConfigError(f"cannot listen on {address} ({e}); is the port taken? choose another --grpc-port") from e
+    await server.start()
+    ingest.start()
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return Gateway(config, server, port, ingest, health_servicer)
+
+
+class GatewayThread:
+    """A gateway on its own event loop in a daemon thread, for synchronous callers."""
+
+    def __init__(self, config: GatewayConfig, controller: Any, start_timeout_s: float = 30.0) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="lora-cache-gateway", daemon=True)
+        self._thread.start()
+        try:
+            self.gateway = asyncio.run_coroutine_threadsafe(start_gateway(config, controller),
+                                                            self._loop).result(start_timeout_s)
+        except BaseException:
+            self._shutdown_loop()
+            raise
+
+    @property
+    def port(self) -> int:
+        return self.gateway.port
+
+    @property
+    def target(self) -> str:
+        return self.gateway.target
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        asyncio.run_coroutine_threadsafe(self.gateway.stop(grace_s), self._loop).result(grace_s + 30.0)
+        self._shutdown_loop()
+
+    def _shutdown_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+
+def start_gateway_thread(config: GatewayConfig, controller: Any) -> GatewayThread:
+    """``start_gateway`` on a background thread; ``.stop()`` it when done."""
+    return GatewayThread(config, controller)
