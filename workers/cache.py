@@ -21,9 +21,11 @@ from lora_cache.catalog import AdapterCatalog
 from lora_cache.errors import CapacityError, ConfigError, NotFoundError
 from lora_cache.peft import AdapterSpec
 from lora_cache.planner.records import AdapterKey
+from lora_cache.shapes import MODULE_ORDER
 from lora_cache.shards import ShardLayout, max_shard_numel, shard_layout
 from workers.host_tier import HostEntry, HostTier, HostTierConfig
 from workers.index import IndexUploader
+from workers.kernels.meta import SlotMeta, shard_dims
 from workers.loader import CompletionWatcher, ReadinessRecord, SlotLoad
 from workers.metrics import CacheCounters
 from workers.slots import SlotState, SlotTable
@@ -36,7 +38,8 @@ ON_MISS = ("load", "error")  # acquire of a non-resident adapter: load it on dem
 class WorkerConfig:
     """One TP rank's cache: slots, dtype, device and its host tier."""
 
-    num_slots: int = field(default=8, metadata={"help": "GPU slots, each holding one adapter's shard"})
+    num_slots: int = field(default=8, metadata={"help": "GPU slots, each holding one adapter's shard",
+                                                "aliases": ("--slots",)})
     tp: int = field(default=1, metadata={"help": "tensor-parallel size of the replica"})
     tp_rank: int = field(default=0, metadata={"help": "this worker's TP rank"})
     dtype: str = field(default="bfloat16", metadata={"help": "slot dtype: bfloat16, float16 or float32"})
@@ -84,6 +87,10 @@ class WorkerCache:
                               f", TP {config.tp}); raise host_bytes or lower max_rank")
         self.streams = make_streams(self.device, compute_stream)
         self.pool = torch.empty((config.num_slots, self.slot_numel), dtype=self.dtype, device=self.device)
+        # the kernels' per-slot offsets / ranks / scalings; a reused slot's row is overwritten by its next load
+        self.meta = SlotMeta(config.num_slots, catalog.shape.num_layers, MODULE_ORDER, self.device,
+                             max_rank=catalog.config.max_rank, dims=shard_dims(catalog.shape, config.tp),
+                             slot_numel=self.slot_numel)
         self.table = SlotTable(config.num_slots)
         self.host = HostTier(config.host)
         self.counters = CacheCounters()
@@ -96,8 +103,10 @@ class WorkerCache:
         self._watcher = CompletionWatcher(self.streams, self._finish)
 
     # -- control: prefetch / evict (lifecycle steps 4-7) ------------------------------------------
-    def prefetch(self, name: str, version: str | None = None) -> Future[ReadinessRecord]:
-        """Start loading ``name`` (idempotent). The future resolves when this rank's shard is READY."""
+    def prefetch(self, name: str, version: str | None = None, *, on_demand: bool = False) -> Future[ReadinessRecord]:
+        """Start loading ``name`` (idempotent). The future resolves when this rank's shard is READY.
+
+        ``on_demand``: started by an acquire that missed (not counted as a prefetch)."""
         spec = self.catalog.get(name, version)
         key = AdapterKey(name, spec.version)
         layout = self._layout(spec)  # bad shapes fail here, before anything is reserved
@@ -107,9 +116,10 @@ class WorkerCache:
                 return self._loads[slot.index].future
             if key in self._pending:
                 return self._pending[key].future
-            load = SlotLoad(key, layout)
+            load = SlotLoad(key, layout, prefetched=not on_demand)
             self._pending[key] = load
-            self.counters.prefetches += 1
+            self.counters.prefetches += not on_demand
+            self.counters.demand_loads += on_demand
         try:
             staged, load.host_hit = self.host.fetch(spec, layout)
         except Exception as e:
@@ -126,8 +136,7 @@ class WorkerCache:
             slot = self.table.lookup(key)
             if slot is None or not self.table.evict(key):
                 return False
-            self._loads.pop(slot.index)
-            self.counters.evictions += 1
+            self._retire(self._loads.pop(slot.index))
             return True
 
     # -- engine: acquire / release (lifecycle step 9) ---------------------------------------------
@@ -173,6 +182,7 @@ class WorkerCache:
                 slot = self.table.lookup(key)
                 if slot is not None:
                     self.table.incref(slot.index)
+                    self._loads[slot.index].used = True
                     if first:
                         self.counters.gpu_hits += 1
                     return slot.index
@@ -186,7 +196,7 @@ class WorkerCache:
                 if self.config.on_miss == "error":
                     raise NotFoundError(f"adapter {key} is not resident on TP rank {self.config.tp_rank} and "
                                         "on_miss is 'error'; prefetch it first or set on_miss='load'")
-                started = self.prefetch(name, spec.version)
+                started = self.prefetch(name, spec.version, on_demand=True)
                 continue
             load.issued.wait()  # on-demand: the host waits for the disk read, the GPU for the copy
             if load.future.done() and load.future.exception() is not None:
@@ -217,17 +227,26 @@ class WorkerCache:
             else:
                 error = None
                 if evicted is not None:
-                    self._loads.pop(load.slot)
-                    self.counters.evictions += 1
+                    self._retire(self._loads.pop(load.slot))
                 dst = self.pool[load.slot, : load.layout.numel]
-                load.start_event, load.ready_event = self.streams.copy_into_slot(dst, entry.tensor,
-                                                                                 self._last_use[load.slot])
+                write_meta = functools.partial(self.meta.write, load.slot, load.layout, None)
+                load.start_event, load.ready_event = self.streams.copy_into_slot(
+                    dst, entry.tensor, self._last_use[load.slot], then=write_meta)
                 self._loads[load.slot] = self._pending.pop(load.key)
         if error is not None:
             self.host.release(load.key)
             return self._reject(load, error)
         load.issued.set()
         self._watcher.add(load)
+
+    def _retire(self, load: SlotLoad) -> None:
+        """A load's slot was freed (caller holds the lock): count it for prefetch accuracy."""
+        self.counters.evictions += 1
+        if load.prefetched:
+            if load.used:
+                self.counters.prefetch_used += 1
+            else:
+                self.counters.prefetch_unused += 1
 
     def _retry_waiters(self) -> None:
         with self._lock:

@@ -33,9 +33,13 @@ class CpuStreams:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def copy_into_slot(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> tuple[Any, Any]:
+    def copy_into_slot(self, dst: torch.Tensor, src: torch.Tensor, after: Any,
+                       then: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
+        """Copy ``src`` into the slot ``dst``; ``then(copy_stream)`` runs next, before the ready event."""
         start = HostEvent()
         dst.copy_(src)
+        if then is not None:
+            then(None)
         return start, HostEvent()
 
     def record_compute(self) -> Any:
@@ -62,13 +66,16 @@ class CudaStreams(CpuStreams):
         self.copy_stream = torch.cuda.Stream(device)
         self.compute_stream = compute_stream or torch.cuda.current_stream(device)
 
-    def copy_into_slot(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> tuple[Any, Any]:
+    def copy_into_slot(self, dst: torch.Tensor, src: torch.Tensor, after: Any,
+                       then: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
         start, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.copy_stream):
             if after is not None:  # the previous adapter's last batch must be done with this slot
                 self.copy_stream.wait_event(after)
             start.record(self.copy_stream)
             dst.copy_(src, non_blocking=True)  # one H2D copy of the packed shard, from pinned memory
+            if then is not None:  # e.g. the slot's kernel metadata: valid exactly when the slot is
+                then(self.copy_stream)
             ready.record(self.copy_stream)
         return start, ready
 

@@ -1,0 +1,62 @@
+"""Admission rules: may a waiting request whose bounds fit be prefilled now? A registry, open to users.
+
+``ondemand``: always (the step blocks on loading a cold adapter: engines' default).
+``overlap``: only once its adapter is READY on every rank; loads for waiting requests start at once on
+the copy stream and run beside the steps of requests whose adapters are ready (SGLang's overlap loading).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from enum import IntEnum
+from typing import ClassVar, TypeVar
+
+from workers.engine.workload import Request
+
+
+class Readiness(IntEnum):
+    """An adapter's state on the replica: the minimum over its ranks."""
+
+    FAILED = -1  # its load failed on some rank
+    NOT_READY = 0  # not resident, or still loading, on some rank
+    READY = 1  # READY (and held for the engine) on every rank
+
+
+class AdmissionRule(ABC):
+    """A rule's class attributes tell the engine what it needs; ``admits`` decides per request."""
+
+    name: ClassVar[str]
+    prefetch: ClassVar[bool] = False  # start loads for waiting requests' adapters and report readiness
+
+    @abstractmethod
+    def admits(self, request: Request, ready: Readiness) -> bool:
+        """Whether ``request`` may join the next prefill batch (bounds are checked elsewhere)."""
+
+
+ADMISSION: dict[str, type[AdmissionRule]] = {}
+R = TypeVar("R", bound=type[AdmissionRule])
+
+
+def register_admission(cls: R) -> R:
+    """Class decorator: make a rule selectable as ``--admission NAME``."""
+    if cls.name in ADMISSION and ADMISSION[cls.name] is not cls:
+        raise ValueError(f"admission rule {cls.name!r} is already registered by {ADMISSION[cls.name].__qualname__}")
+    ADMISSION[cls.name] = cls
+    return cls
+
+
+@register_admission
+class OnDemand(AdmissionRule):
+    name = "ondemand"
+
+    def admits(self, request: Request, ready: Readiness) -> bool:
+        return True
+
+
+@register_admission
+class Overlap(AdmissionRule):
+    name = "overlap"
+    prefetch = True
+
+    def admits(self, request: Request, ready: Readiness) -> bool:
+        return request.adapter is None or ready is Readiness.READY

@@ -1,0 +1,99 @@
+"""The engine's one frozen config (options of ``python -m workers.engine`` are generated from it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lora_cache.errors import ConfigError
+from lora_cache.shapes import ModelShape, resolve_model
+from workers.engine.admission import ADMISSION
+from workers.host_tier import HostTierConfig
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One replica: its model shape, TP size, batching bounds, admission rule and cache."""
+
+    adapters: str = field(default="", metadata={"help": "directory of PEFT adapter directories (name = dir name)"})
+    model: str = field(default="llama-3.1-8b", metadata={"help": "named model shape or path to its config.json"})
+    num_layers: int = field(default=0, metadata={"help": "layers to run (0: all of the model's)"})
+    tp: int = field(default=1, metadata={"help": "tensor-parallel size (one process per rank)"})
+    device: str = field(default="auto", metadata={"help": "cpu, cuda (rank k on cuda:k) or auto"})
+    dtype: str = field(default="auto", metadata={"help": "compute and slot dtype (auto: bfloat16 on cuda, "
+                                                         "float32 on cpu)"})
+    num_slots: int = field(default=8, metadata={"help": "GPU adapter slots per rank"})
+    max_rank: int = field(default=64, metadata={"help": "largest LoRA rank served (sizes the slots)"})
+    max_running: int = field(default=32, metadata={"help": "most requests running (prefilled, decoding) at once"})
+    max_adapters: int = field(default=4, metadata={"help": "most distinct adapters among running requests"})
+    max_prefill_tokens: int = field(default=4096, metadata={"help": "prompt tokens per prefill step"})
+    max_seq_len: int = field(default=2048, metadata={"help": "longest input + output of a request (KV rows)"})
+    admission: str = field(default="ondemand", metadata={"help": f"admission rule: {'|'.join(ADMISSION)}"})
+    rope: bool = field(default=True, metadata={"help": "rotary position embeddings on q and k"})
+    rope_theta: float = field(default=500000.0, metadata={"help": "RoPE base"})
+    share_weights: bool = field(default=False, metadata={"help": "one set of base weights for every layer"})
+    seed: int = field(default=0, metadata={"help": "seed of base weights and prompts"})
+    record_outputs: bool = field(default=False, metadata={"help": "keep each token's output hidden state "
+                                                                  "(a device-to-host copy per step)"})
+    host: HostTierConfig = field(default_factory=HostTierConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "num_slots", "max_rank", "max_running", "max_adapters", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_seq_len < 2:
+            raise ConfigError(f"max_seq_len must be >= 2 (one prompt and one output token), got {self.max_seq_len}")
+        if self.max_adapters > self.num_slots:
+            raise ConfigError(f"max_adapters ({self.max_adapters}) must not exceed num_slots ({self.num_slots}): "
+                              "a batch's adapters must all fit in the slots; lower max_adapters or add slots")
+        if self.admission not in ADMISSION:
+            raise ConfigError(f"admission {self.admission!r} is not a registered rule; use one of {sorted(ADMISSION)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        self._check_shape(self.shape())
+        self._check_device()
+
+    def _check_shape(self, shape: ModelShape) -> None:
+        if not 0 <= self.num_layers <= shape.num_layers:
+            raise ConfigError(f"num_layers ({self.num_layers}) must be in 0..{shape.num_layers} for {shape.name} "
+                              "(0 runs every layer)")
+        for what, size in (("num_heads", shape.num_heads), ("num_kv_heads", shape.num_kv_heads),
+                           ("intermediate_size", shape.intermediate_size)):
+            if size % self.tp:
+                raise ConfigError(f"tp ({self.tp}) must divide {shape.name}'s {what} ({size}); "
+                                  f"use a TP size that divides {size}")
+        if self.rope and shape.head_dim % 2:
+            raise ConfigError(f"rope needs an even head_dim, {shape.name} has {shape.head_dim}; pass --no-rope")
+
+    def _check_device(self) -> None:
+        kind = self.device.split(":")[0]
+        if kind not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be cpu, cuda or auto, got {self.device!r}")
+        if ":" in self.device:
+            raise ConfigError(f"device {self.device!r}: name the kind only (cuda); rank k runs on cuda:k")
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if kind == "cuda" and gpus < self.tp:
+            raise ConfigError(f"device cuda with tp {self.tp} needs {self.tp} GPUs, this machine has {gpus}; "
+                              "lower --tp or use --device cpu")
+
+    def shape(self) -> ModelShape:
+        return resolve_model(self.model)
+
+    @property
+    def layers(self) -> int:
+        return self.num_layers or self.shape().num_layers
+
+    def device_kind(self) -> str:
+        """cpu or cuda: ``auto`` takes the GPUs when there are enough for every rank."""
+        if self.device != "auto":
+            return self.device
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return "cuda" if gpus >= self.tp else "cpu"
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device_kind() == "cuda" else torch.float32
+        return getattr(torch, self.dtype)

@@ -1,0 +1,73 @@
+"""The replica's serving loop and ``run_engine``: requests in, per-request timings out.
+
+One round, on every rank (rank 0's clock times arrivals and tokens):
+  1. rules that prefetch (overlap): each rank pins (acquires) the wanted adapters READY on it, so no
+     load can evict them, and reports them; the element-wise minimum over ranks is the replica's view;
+  2. rank 0's scheduler turns the clock and that view into a StepPlan; a gloo broadcast hands it to all;
+  3. every rank runs it: prefill or decode (acquire, prefetch, layers with the LoRA kernels and the
+     all-reduce, release, wait for the tokens), or a wait for the next load or arrival.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from workers.engine.admission import ADMISSION, AdmissionRule, Readiness
+from workers.engine.batching import STOP, Scheduler, StepPlan, check_requests
+from workers.engine.config import EngineConfig
+from workers.engine.rank import RankEngine, RankStats, load_catalog
+from workers.engine.timings import RequestRecord, summarize
+from workers.engine.tp import Comm, spawn
+from workers.engine.workload import Request
+
+
+class EngineResult(NamedTuple):
+    records: list[RequestRecord]  # one per request, by rid
+    ranks: list[RankStats]  # one per TP rank
+
+    def summary(self) -> dict[str, float]:
+        return summarize(self.records)
+
+
+def run_engine(config: EngineConfig, requests: Sequence[Request]) -> EngineResult:
+    """Serve ``requests`` on one replica of ``config.tp`` ranks (processes when tp > 1)."""
+    check_requests(requests, config, load_catalog(config).names())
+    rule = ADMISSION[config.admission]()  # made here: ranks get it pickled (a rule class must be importable)
+    serve = functools.partial(serve_rank, config, rule, tuple(requests))
+    if config.tp == 1:
+        return serve(Comm())
+    return spawn(serve, config.tp, config.device_kind())
+
+
+def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Request, ...], comm: Comm) -> EngineResult:
+    """One rank's whole run (rank 0 also schedules and records)."""
+    engine = RankEngine(config, comm)
+    scheduler = Scheduler(config, rule, requests) if comm.rank == 0 else None
+    try:
+        comm.barrier()  # every rank built: the clock starts now
+        t0 = time.perf_counter()
+        plan = StepPlan(STOP)
+        while True:
+            vec = comm.min_control(engine.readiness(plan.wanted)) if rule.prefetch else None
+            plan = comm.broadcast(_plan(scheduler, time.perf_counter() - t0, engine.names, vec))
+            if plan.kind == STOP:
+                break
+            step = engine.execute(plan)
+            if scheduler is not None and step is not None:
+                scheduler.finish_step(plan, step.end_s - t0, step.load_wait_s, step.outputs)
+    finally:
+        stats = engine.close()
+    ranks = comm.gather(stats)
+    return EngineResult(scheduler.records() if scheduler is not None else [], ranks)
+
+
+def _plan(scheduler: Scheduler | None, now: float, names: list[str], vec: torch.Tensor | None) -> StepPlan | None:
+    if scheduler is None:
+        return None
+    ready = {} if vec is None else {n: Readiness(int(v)) for n, v in zip(names, vec.tolist()) if v}
+    return scheduler.plan(now, ready)

@@ -1,0 +1,226 @@
+"""One TP rank of a replica: its worker cache, model shard, KV cache and LoRA op; runs the planned steps.
+
+Every rank runs the same plan (rank 0 schedules). A step: ``acquire`` the batch's adapters (and the
+running requests', so a load never evicts them), start the plan's prefetches, run the layers on the
+compute stream, ``release`` (lifecycle step 9), then wait for the step's tokens like an engine that
+samples them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from lora_cache.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.errors import ConfigError, LoraCacheError
+from workers.cache import Batch, WorkerCache, WorkerConfig
+from workers.engine.admission import Readiness
+from workers.engine.batching import PREFILL, WAIT, Item, StepPlan
+from workers.engine.config import EngineConfig
+from workers.engine.lora import LoraOp
+from workers.engine.model import KVCache, Rope, ShardedModel, StepInputs, build_model, prompt_states
+from workers.engine.tp import Comm
+from workers.loader import ReadinessRecord
+from workers.slots import SlotState
+
+
+def load_catalog(config: EngineConfig) -> AdapterCatalog:
+    """Every adapter directory under ``config.adapters``, registered by its directory name."""
+    if not config.adapters:
+        raise ConfigError("adapters: no directory given; pass --adapters DIR (make some with "
+                          f"`lora-cache make-adapters DIR --model {config.model}`)")
+    catalog = AdapterCatalog(CatalogConfig(adapter_roots=(config.adapters,), model=config.model,
+                                           max_rank=config.max_rank), config.shape())
+    if not catalog.register_dir(config.adapters):
+        raise ConfigError(f"adapters: {config.adapters} holds no adapter directories (with adapter_config.json); "
+                          f"make some with `lora-cache make-adapters {config.adapters} --model {config.model}`")
+    return catalog
+
+
+class StepResult(NamedTuple):
+    start_s: float  # perf_counter when the step began
+    end_s: float  # perf_counter when its tokens were ready
+    load_wait_s: float  # of it, blocked in acquire on adapters not ready on this rank
+    outputs: dict[int, torch.Tensor] | None  # rid -> output hidden state (record_outputs)
+
+
+@dataclass
+class RankStats:
+    """What one rank saw; ``unready_items`` counts items run while their adapter was not READY here."""
+
+    rank: int
+    steps: int = 0
+    prefill_steps: int = 0
+    unready_items: int = 0
+    cache: dict[str, Any] = field(default_factory=dict)  # WorkerCache.stats() at the end
+
+
+class RankEngine:
+    """Everything one TP rank owns."""
+
+    def __init__(self, config: EngineConfig, comm: Comm) -> None:
+        self.config, self.comm = config, comm
+        cuda = config.device_kind() == "cuda"
+        self.device = torch.device("cuda", comm.rank) if cuda else torch.device("cpu")
+        self.dtype = config.torch_dtype()
+        self.stream: Any = torch.cuda.Stream(self.device) if cuda else None  # the compute stream
+        self.catalog = load_catalog(config)
+        self.names = self.catalog.names()
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.cache = self._make_cache()
+        self.lora = LoraOp(self.cache, max(config.max_prefill_tokens, config.max_running), config.max_running)
+        with self._on_stream():
+            self.model = self._make_model()
+            self.last = torch.zeros(config.max_running, self.model.shape.hidden_size, dtype=self.dtype,
+                                    device=self.device)  # each running request's last output: its next input
+        self._sync()
+        self.stats = RankStats(comm.rank)
+        self._pinned: Batch | None = None  # adapters kept resident for admission (overlap): READY, held
+        self._loads: dict[str, Future[ReadinessRecord]] = {}  # last prefetch per adapter (failures reported once)
+
+    def _make_cache(self) -> WorkerCache:
+        c = self.config
+        worker = WorkerConfig(num_slots=c.num_slots, tp=c.tp, tp_rank=self.comm.rank,
+                              dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
+                              max_batch=c.max_running + c.max_adapters, host=c.host)
+        return WorkerCache(worker, self.catalog, compute_stream=self.stream)
+
+    def _make_model(self) -> ShardedModel:
+        c, shape = self.config, self.config.shape()
+        kv = KVCache(c.layers, c.max_running, shape.num_kv_heads // c.tp, c.max_seq_len, shape.head_dim, self.dtype,
+                     self.device)
+        rope = Rope(shape.head_dim, c.max_seq_len, c.rope_theta, self.device) if c.rope else None
+        return build_model(shape, c.layers, tp=c.tp, rank=self.comm.rank, seed=c.seed, share=c.share_weights,
+                           dtype=self.dtype, device=self.device, kv=kv, lora=self.lora,
+                           all_reduce=self.comm.all_reduce, rope=rope)
+
+    # -- readiness (rules that prefetch) ---------------------------------------------------------------
+    def readiness(self, wanted: tuple[str, ...]) -> torch.Tensor:
+        """Pin the wanted adapters READY here, report them: int8 per catalog adapter (Readiness values)."""
+        vec = torch.zeros(len(self.names), dtype=torch.int8)
+        for name in self.pin(wanted):
+            vec[self.index[name]] = Readiness.READY
+        for name, load in list(self._loads.items()):
+            if load.done() and load.exception() is not None:
+                vec[self.index[name]] = Readiness.FAILED
+                del self._loads[name]
+        return vec
+
+    def pin(self, wanted: tuple[str, ...]) -> list[str]:
+        """Hold the wanted adapters that are READY here (held, they stay READY); returns them."""
+        ready = self._ready_here(wanted)
+        pinned = self.cache.acquire(ready) if ready else None
+        if self._pinned is not None:
+            self.cache.release(self._pinned)
+        self._pinned = pinned
+        return self._ready_here(ready)  # in the rare race where one was evicted before acquire, it reloads
+
+    def unpin(self) -> None:
+        if self._pinned is not None:
+            self.cache.release(self._pinned)
+            self._pinned = None
+
+    def _ready_here(self, names: tuple[str, ...] | list[str]) -> list[str]:
+        states = {r["adapter"]: r["state"] for r in self.cache.residency()}
+        return [n for n in names if states.get(n) == SlotState.READY.value]
+
+    # -- one round ---------------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult | None:
+        if plan.wanted or self._pinned is not None:
+            self.pin(plan.wanted)  # what the prefetches below may not evict
+        if plan.kind == WAIT:
+            self._prefetch(plan.prefetch)
+            self._wait(plan)
+            return None
+        return self._step(plan)
+
+    def _prefetch(self, names: tuple[str, ...]) -> None:
+        for name in names:
+            try:
+                self._loads[name] = self.cache.prefetch(name)
+            except LoraCacheError as e:  # e.g. the host tier is full of staged shards right now
+                failed: Future[ReadinessRecord] = Future()
+                failed.set_exception(e)
+                self._loads[name] = failed
+
+    def _wait(self, plan: StepPlan) -> None:
+        """Until a load of a held-back adapter finishes here, or the next arrival (the plan's timeout).
+
+        Loads already done here are skipped: this rank then returns at once and the next round's
+        collective waits for the others, so no rank spins while another is still loading.
+        """
+        loads = [f for a in plan.wait_for if (f := self._loads.get(a)) is not None and not f.done()]
+        timeout = None if plan.timeout_s is None else max(0.0, plan.timeout_s)
+        if loads:
+            wait(loads, timeout=timeout, return_when=FIRST_COMPLETED)
+        elif not plan.wait_for:
+            time.sleep(1e-3 if timeout is None else timeout)  # nothing loading: the next arrival
+
+    def _step(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
+        named = [it.adapter for it in plan.items if it.adapter is not None]
+        unready = set(named) - set(self._ready_here(sorted(set(named))))
+        batch = self.cache.acquire(named + list(plan.hold)) if named or plan.hold else None
+        load_wait = time.perf_counter() - start if unready else 0.0
+        self._prefetch(plan.prefetch)  # after acquire: a load cannot evict what this step holds
+        slot_of = dict(zip(batch.adapters, batch.slots)) if batch is not None else {}
+        items = list(plan.items)  # rank 0's order on every rank: the all-reduce adds row i to row i
+        with self._on_stream():
+            out = self._forward(plan.kind == PREFILL, items, slot_of)
+            if batch is not None:
+                self.cache.release(batch)
+            outputs = ({it.rid: row for it, row in zip(items, out.float().cpu())}
+                       if self.config.record_outputs else None)
+        self._sync()
+        self.stats.steps += 1
+        self.stats.prefill_steps += plan.kind == PREFILL
+        self.stats.unready_items += sum(it.adapter in unready for it in plan.items)
+        return StepResult(start, time.perf_counter(), load_wait, outputs)
+
+    def _forward(self, prefill: bool, items: list[Item], slot_of: dict[str, int]) -> torch.Tensor:
+        hidden = self.model.shape.hidden_size
+        if prefill:
+            x = torch.cat([prompt_states(self.config.seed, it.rid, it.length, hidden, self.device) for it in items])
+            x = x.to(self.dtype)
+        rows = torch.tensor([it.row for it in items], dtype=torch.int64).to(self.device, non_blocking=True)
+        if not prefill:
+            x = self.last.index_select(0, rows)
+        step = self._inputs(prefill, items, rows)
+        slots = [slot_of[it.adapter] if it.adapter is not None else -1 for it in items]
+        self.lora.begin(slots, [it.length for it in items], prefill, self.stream)
+        out = self.model.forward(x, step)
+        self.last.index_copy_(0, rows, out)
+        return out
+
+    def _inputs(self, prefill: bool, items: list[Item], rows: torch.Tensor) -> StepInputs:
+        spans: list[tuple[int, int, int]] = []
+        positions: list[int] = []
+        last: list[int] = []
+        for it in items:
+            spans.append((it.row, len(positions), it.length))
+            positions.extend(range(it.start, it.start + it.length))
+            last.append(len(positions) - 1)
+        dev = lambda v: torch.tensor(v, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
+        return StepInputs(prefill, tuple(spans), dev(positions), rows, dev(last),
+                          max(it.start + it.length for it in items))
+
+    # -- streams ---------------------------------------------------------------------------------------
+    def _on_stream(self) -> Any:
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def _sync(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()  # the step's tokens are ready: what an engine's sampling waits for
+
+    def close(self) -> RankStats:
+        self.unpin()
+        self.stats.cache = self.cache.stats()
+        self.cache.check_integrity()
+        self.cache.close()
+        return self.stats
+

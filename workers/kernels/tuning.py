@@ -1,0 +1,115 @@
+"""Block sizes and grid splits of the LoRA kernels, chosen from shapes only (never from batch contents).
+
+Only shapes decide a launch's grid and constants, so a CUDA graph captured for a shape stays valid when
+the metadata is refilled between replays. Splits aim at a few waves of programs on the GPU; under
+``TRITON_INTERPRET`` every program and loop step runs in Python, so there programs are few and wide.
+The knobs are frozen dataclasses; ``bench/kernels.py --sweep`` tries others through ``tuned``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import triton
+
+
+@dataclass(frozen=True)
+class BgmvKnobs:
+    block_r: int = 16  # ranks per inner tile (LoRA ranks are multiples of 8: 16 wastes little)
+    block_k: int = 256  # input features per shrink tile (16 rows x 256 bf16 = 8 KiB per load)
+    block_n: int = 128  # output features per expand program
+    num_warps: int = 4
+    waves: int = 4  # aim for this many programs per SM when splitting K
+
+
+@dataclass(frozen=True)
+class SgmvKnobs:
+    block_k: int = 64  # input features per shrink tile
+    block_n: int = 64  # output features per expand tile
+    waves: int = 2  # aim for this many programs per SM when splitting the output columns
+
+
+KNOBS: dict[str, BgmvKnobs | SgmvKnobs] = {"bgmv": BgmvKnobs(), "sgmv": SgmvKnobs()}
+
+
+@contextlib.contextmanager
+def tuned(kernel: str, **knobs: int) -> Iterator[None]:
+    """Run with other knobs for ``kernel`` ("bgmv" or "sgmv"), e.g. ``tuned("bgmv", block_k=512)``."""
+    old: Any = KNOBS[kernel]
+    KNOBS[kernel] = dataclasses.replace(old, **knobs)
+    try:
+        yield
+    finally:
+        KNOBS[kernel] = old
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@functools.lru_cache(maxsize=16)
+def _sms(device: torch.device) -> int:
+    """Streaming multiprocessors of the device; 0 on the CPU or when interpreting (no splits)."""
+    if device.type != "cuda" or interpreting():
+        return 0
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+class BgmvConfig(NamedTuple):
+    block_t: int  # tokens per program (grid axis 0)
+    split_k: int  # K splits of the shrink (grid axis 2)
+    k_per_split: int  # input features per split, a multiple of block_k
+    block_k: int  # input features per shrink tile
+    block_n: int  # output features per expand program
+    block_r: int  # ranks per tile
+    r_pad: int  # workspace rank padding: max_rank rounded up to block_r
+    num_warps: int
+
+
+def bgmv_config(tokens: int, fused: int, d_in: int, max_rank: int, device: torch.device) -> BgmvConfig:
+    knobs = KNOBS["bgmv"]
+    assert isinstance(knobs, BgmvKnobs)
+    block_k = min(knobs.block_k, triton.next_power_of_2(d_in))
+    k_blocks = triton.cdiv(d_in, block_k)
+    split_k = max(1, min(k_blocks, knobs.waves * _sms(device) // (tokens * fused)))
+    split_k = 1 << (split_k.bit_length() - 1)  # a power of two: few compiled variants
+    k_per_split = triton.cdiv(k_blocks, split_k) * block_k
+    split_k = triton.cdiv(d_in, k_per_split)  # no empty splits
+    if interpreting():
+        block_t, block_r = min(16, triton.next_power_of_2(tokens)), triton.next_power_of_2(max(max_rank, 16))
+    else:
+        block_t, block_r = 1, knobs.block_r
+    r_pad = triton.cdiv(max_rank, block_r) * block_r
+    return BgmvConfig(block_t, split_k, k_per_split, block_k, knobs.block_n, block_r, r_pad, knobs.num_warps)
+
+
+class SgmvConfig(NamedTuple):
+    block_t: int  # tokens per program (grid axis 0)
+    block_k: int  # input features per shrink tile
+    block_n: int  # output features per expand tile
+    block_r: int  # the whole rank in one tile: max_rank rounded up to a power of two >= 16
+    n_splits: int  # programs sharing one module's output columns (grid axis 2)
+    n_per_split: int  # output features per split, a multiple of block_n
+    num_warps: int
+
+
+def sgmv_config(tokens: int, fused: int, d_in: int, max_out: int, max_rank: int,
+                device: torch.device) -> SgmvConfig:
+    knobs = KNOBS["sgmv"]
+    assert isinstance(knobs, SgmvKnobs)
+    block_t = 16 if tokens <= 16 else 32 if tokens <= 64 else 64
+    block_r = max(16, triton.next_power_of_2(max_rank))
+    block_k = max(16, min(knobs.block_k, triton.next_power_of_2(d_in)))
+    tiles, n_blocks = triton.cdiv(tokens, block_t), triton.cdiv(max_out, knobs.block_n)
+    n_splits = max(1, min(n_blocks, knobs.waves * _sms(device) // (tiles * fused)))
+    n_per_split = triton.cdiv(n_blocks, n_splits) * knobs.block_n
+    n_splits = triton.cdiv(max_out, n_per_split)  # no empty splits
+    return SgmvConfig(block_t, block_k, knobs.block_n, block_r, n_splits, n_per_split, 4 if block_t <= 32 else 8)
