@@ -51,6 +51,15 @@ def _is_cuda(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+
+def concrete(device: torch.device | str) -> torch.device:
+    """``cuda`` as the ``cuda:N`` it means now, so devices compare equal to the tensors' own."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class SlotMeta:
     """Per-slot device tables of offsets, ranks and scalings; see the module docstring.
 
@@ -70,7 +79,7 @@ class SlotMeta:
         if max_rank < 1:
             raise ValueError(f"SlotMeta max_rank must be >= 1, got {max_rank}")
         self.num_slots, self.num_layers, self.modules = num_slots, num_layers, tuple(modules)
-        self.device, self.max_rank, self.slot_numel = torch.device(device), max_rank, slot_numel
+        self.device, self.max_rank, self.slot_numel = concrete(device), max_rank, slot_numel
         self.dims: dict[str, tuple[int, int]] = dict(dims or {})  # module -> shard (in, out); learned if not given
         self.dtype: torch.dtype | None = None  # dtype of the layouts written (the pool's dtype)
         self.numel = [0] * num_slots  # elements of the slot each row's offsets reach
@@ -202,7 +211,7 @@ class BatchMeta:
             raise ValueError(f"BatchMeta needs max_tokens >= 1 and max_segments >= 1, got {max_tokens}, "
                              f"{max_segments}")
         self.max_tokens, self.max_segments, self.num_slots = max_tokens, max_segments, num_slots
-        self.device = torch.device(device)
+        self.device = concrete(device)
         n = max_tokens + 2 * max_segments + 1
         self._dev = torch.full((n,), -1, dtype=torch.int32, device=self.device)
         self.token_slot, self.seg_start, self.seg_slot = self._split(self._dev)
