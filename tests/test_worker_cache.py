@@ -741,3 +741,21 @@ def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.001)
+
+
+def test_acquire_ready_pins_only_ready_adapters_atomically(
+        catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]) -> None:
+    """An engine's pin: references on what is READY, nothing loaded, no hit counted; held, it stays."""
+    cache = make_cache(catalog, num_slots=2)
+    cache.prefetch(A).result(timeout=10)
+    before = cache.stats()
+    pinned = cache.acquire_ready([B, A, A])
+    assert pinned is not None and pinned.adapters == (A,)
+    after = cache.stats()
+    assert (after["gpu_hits"], after["loads"], after["demand_loads"]) == (
+        before["gpu_hits"], before["loads"], before["demand_loads"])
+    assert refs(cache) == {A: 1} and not cache.evict(A)  # held: it cannot be evicted
+    assert cache.acquire_ready([B]) is None
+    cache.release(pinned)
+    assert cache.evict(A)
+    cache.check_integrity()

@@ -159,6 +159,26 @@ class WorkerCache:
         slots = tuple(slot_of[a] for a in adapters)
         return Batch(tuple(adapters), slots, self._index.upload(slots), tuple(held), [False])
 
+    def acquire_ready(self, adapters: Sequence[str]) -> Batch | None:
+        """References on those of ``adapters`` whose current version is READY here, taken atomically
+        under the cache lock (no load started, no hit counted): what an engine pins before it schedules.
+        None if none is ready. Release it like any batch."""
+        names: list[str] = []
+        slots: list[int] = []
+        with self._lock:
+            for name in dict.fromkeys(adapters):
+                if len(names) == self.config.max_batch or name not in self.catalog:
+                    continue
+                slot = self.table.lookup(AdapterKey(name, self.catalog.get(name).version))
+                if slot is not None and slot.state is SlotState.READY:
+                    self.table.incref(slot.index)
+                    self._loads[slot.index].used = True
+                    names.append(name)
+                    slots.append(slot.index)
+        if not names:
+            return None
+        return Batch(tuple(names), tuple(slots), self._index.upload(slots), tuple(slots), [False])
+
     def release(self, batch: Batch) -> None:
         """The batch's kernels are enqueued: record their completion as the slots' last use."""
         if batch.token[0]:

@@ -113,12 +113,11 @@ class RankEngine:
 
     def pin(self, wanted: tuple[str, ...]) -> list[str]:
         """Hold the wanted adapters that are READY here (held, they stay READY); returns them."""
-        ready = self._ready_here(wanted)
-        pinned = self.cache.acquire(ready) if ready else None
+        pinned = self.cache.acquire_ready(wanted)  # atomic: nothing is evicted between check and hold
         if self._pinned is not None:
             self.cache.release(self._pinned)
         self._pinned = pinned
-        return self._ready_here(ready)  # in the rare race where one was evicted before acquire, it reloads
+        return list(pinned.adapters) if pinned is not None else []
 
     def unpin(self) -> None:
         if self._pinned is not None:
