@@ -126,9 +126,12 @@ class ControllerActor:
         workers = self.core.add_replica(replica, tp, slots)
         for wid in workers:
             self.handles[wid] = ray.get_actor(worker_name(wid), namespace=NAMESPACE)
-        await asyncio.gather(*(self.handles[w].register_adapter.remote(a, p)
-                               for w in workers for a, p in self.core.paths.items()))
+        await self._replay_registrations([self.handles[w] for w in workers])
         return [worker_name(w) for w in workers]
+
+    async def _replay_registrations(self, handles: list[Any]) -> None:
+        """Workers new to the controller (or restarted, catalog empty) learn every registered adapter."""
+        await asyncio.gather(*(h.register_adapter.remote(a, p) for h in handles for a, p in self.core.paths.items()))
 
     async def register_adapter(self, name: str, path: str) -> str:
         await self._start()
@@ -203,7 +206,7 @@ class ControllerActor:
         if wid in self.handles:
             self._new_incarnation(wid, incarnation)
             handle = self.handles[wid]  # its catalog is empty too: replay the registrations first
-            await asyncio.gather(*(handle.register_adapter.remote(a, p) for a, p in self.core.paths.items()))
+            await self._replay_registrations([handle])
             await self._plan()
 
     # -- inputs ---------------------------------------------------------------------------------
@@ -215,15 +218,10 @@ class ControllerActor:
 
     async def hint(self, hints: list[tuple[str, str, str, float]]) -> int:
         """(hint id, adapter, replica, expected in seconds from now); all checked before any is taken."""
-        await self._start()
-        now = time.time()
-        for _, adapter, replica, _ in hints:
-            self.core.check_replica(replica)
-            self.core.check_adapter(adapter)
-        taken = sum(self.core.hint(h, a, r, now + max(0.0, dt), now) for h, a, r, dt in hints)
-        self.metrics.hint_outcome(taken, len(hints) - taken)
-        await self._plan()
-        return taken
+        (outcome,) = await self.hint_batches([hints])
+        if outcome.error is not None:
+            raise outcome.error
+        return outcome.accepted
 
     async def hint_batches(self, batches: list[list[tuple[str, str, str, float]]]) -> list[HintOutcome]:
         """Many callers' hint batches at once (the gateway coalesces them), each all or nothing; one plan."""

@@ -55,6 +55,14 @@ def split(size: int, tp: int, rank: int, what: str) -> slice:
     return slice(rank * part, (rank + 1) * part)
 
 
+def base_slices(module: str, d_in: int, d_out: int, tp: int, rank: int) -> tuple[slice, slice]:
+    """(in, out) features of ``module``'s base linear layer that TP rank ``rank`` computes (Megatron):
+    column-parallel modules split their outputs, row-parallel ones their inputs."""
+    if MODULES[module][1] is Parallel.COLUMN:
+        return slice(0, d_in), split(d_out, tp, rank, f"{module} out features (column-parallel)")
+    return split(d_in, tp, rank, f"{module} in features (row-parallel)"), slice(0, d_out)
+
+
 def _align(elems: int, elem_bytes: int) -> int:
     step = max(1, ALIGN_BYTES // elem_bytes)
     return -(-elems // step) * step

@@ -16,8 +16,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from lora_cache.shapes import MODULE_ORDER, MODULES, ModelShape, Parallel
-from lora_cache.shards import split
+from lora_cache.shapes import MODULE_ORDER, ModelShape
+from lora_cache.shards import base_slices
 
 # the fused module groups: one base GEMM and one LoRA call each
 QKV, OUT, GATE_UP, DOWN = ("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)
@@ -53,11 +53,9 @@ def shard_weights(full: dict[str, torch.Tensor], tp: int, rank: int, dtype: torc
     """Megatron split: column-parallel modules keep rows of [out, in], row-parallel ones columns."""
     part = {}
     for module in MODULE_ORDER:
-        w = full[module]
-        if MODULES[module][1] is Parallel.COLUMN:
-            part[module] = w[split(w.shape[0], tp, rank, f"{module} out features (column-parallel)")]
-        else:
-            part[module] = w[:, split(w.shape[1], tp, rank, f"{module} in features (row-parallel)")]
+        w = full[module]  # [out, in]
+        ins, outs = base_slices(module, w.shape[1], w.shape[0], tp, rank)
+        part[module] = w[outs, ins]
     cast = lambda t: t.to(dtype).contiguous()  # noqa: E731
     return LayerWeights(cast(full["in_norm"]), cast(torch.cat([part[m] for m in QKV])), cast(part["o_proj"]),
                         cast(full["post_norm"]), cast(torch.cat([part[m] for m in GATE_UP])), cast(part["down_proj"]))

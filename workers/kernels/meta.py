@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from lora_cache.peft import AdapterSpec, LoraModule
-from lora_cache.shapes import MODULES, ModelShape, Parallel
-from lora_cache.shards import ShardEntry, ShardLayout, split
+from lora_cache.shapes import MODULES, ModelShape
+from lora_cache.shards import ShardEntry, ShardLayout, base_slices
 
 # bytes per (layer, module) in a SlotMeta row: a_off int64, b_off int64, rank int32, scale float32
 _ENTRY_BYTES = 8 + 8 + 4 + 4
@@ -34,12 +34,8 @@ def shard_dims(shape: ModelShape, tp: int, modules: Sequence[str] | None = None)
     """module -> (in, out) features of one TP rank's shard: what x and y of ``lora_apply`` hold."""
     dims = {}
     for module in modules or MODULES:
-        d_in, d_out = shape.dims(module)
-        if MODULES[module][1] is Parallel.COLUMN:
-            d_out = _width(split(d_out, tp, 0, f"{module} out features (column-parallel)"))
-        else:
-            d_in = _width(split(d_in, tp, 0, f"{module} in features (row-parallel)"))
-        dims[module] = (d_in, d_out)
+        ins, outs = base_slices(module, *shape.dims(module), tp, 0)
+        dims[module] = (_width(ins), _width(outs))
     return dims
 
 
@@ -49,7 +45,6 @@ def _width(s: slice) -> int:
 
 def _is_cuda(device: torch.device) -> bool:
     return device.type == "cuda"
-
 
 
 def concrete(device: torch.device | str) -> torch.device:
