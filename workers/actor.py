@@ -23,8 +23,13 @@ from lora_cache.metrics import WorkerMetrics
 from lora_cache.planner import Command
 from workers.cache import WorkerCache, WorkerConfig
 from workers.commands import ApplyResult, CommandGate, Delta
+from workers.engine.config import EngineConfig
+from workers.engine.engine import EngineResult
+from workers.engine.hosted import HostedEngine, Rendezvous, rendezvous
+from workers.engine.workload import Request
 from workers.loader import ReadinessRecord
 from workers.reader import read_shard
+from workers.streams import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +92,19 @@ class Outbox:
             self._cond.notify()
 
 
-@ray.remote(max_restarts=-1)
+@ray.remote(max_restarts=-1, concurrency_groups={"engine": 1})
 class WorkerActor:
+    """Control calls (apply, describe, ...) run one at a time in the default group, in order; an engine
+    hosted here (the benchmark's real path) runs its loop in the ``engine`` group beside them."""
+
     def __init__(self, name: str, replica: str, config: WorkerConfig, catalog: CatalogConfig,
                  flush_s: float = 0.005) -> None:
         self.name, self.replica, self.config = name, replica, config
         self.catalog = AdapterCatalog(catalog)
-        self.cache = WorkerCache(config, self.catalog, on_ready=self._loaded)
+        device = resolve_device(config.device)
+        compute = torch.cuda.Stream(device) if device.type == "cuda" else None  # a hosted engine's steps run here
+        self.cache = WorkerCache(config, self.catalog, on_ready=self._loaded, compute_stream=compute)
+        self.engine = HostedEngine(self.cache)
         self.metrics = WorkerMetrics(replica, config.tp_rank, self.cache.stats)
         self.loads: deque[tuple[float, ReadinessRecord]] = deque(maxlen=4096)
         self.metrics.start()
@@ -186,6 +197,33 @@ class WorkerActor:
 
     def ping(self) -> bool:
         return True
+
+    # -- a hosted engine (bench.run --engine real) --------------------------------------------------
+    def preload(self, names: list[str], timeout_s: float = 600.0) -> list[ReadinessRecord]:
+        """Load every named adapter and wait until READY here (the oracle's infinite cache)."""
+        futures = [self.cache.prefetch(n) for n in names]
+        return [f.result(timeout=timeout_s) for f in futures]
+
+    @ray.method(concurrency_group="engine")
+    def engine_rendezvous(self, world: int) -> Rendezvous:
+        return rendezvous(world)
+
+    @ray.method(concurrency_group="engine")
+    def engine_build(self, config: EngineConfig, meet: Rendezvous) -> None:
+        self.engine.build(config, meet, self.config.tp_rank)
+
+    @ray.method(concurrency_group="engine")
+    def engine_run(self, requests: list[Request], start_wall: float, inflight: int = 0,
+                   report_queue: bool = False) -> EngineResult:
+        """Serve ``requests`` from ``start_wall`` (time.time()); rank 0 reports its queue if asked."""
+        report = None
+        if report_queue:
+            controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+            report = lambda q: ray.get(controller.report_queue.remote(self.replica, q), timeout=30)  # noqa: E731
+        try:
+            return HostedEngine.strip(self.engine.run(requests, start_wall, inflight, report))
+        finally:
+            self.engine.close()
 
     def shutdown(self) -> None:
         self.metrics.stop()

@@ -97,13 +97,20 @@ def check_requests(requests: Sequence[Request], config: EngineConfig, adapters: 
 class Scheduler:
     """Rank 0's view of every request; ``plan`` then ``finish_step`` once per round."""
 
-    def __init__(self, config: EngineConfig, rule: AdmissionRule, requests: Sequence[Request]) -> None:
-        self.config, self.rule = config, rule
+    def __init__(self, config: EngineConfig, rule: AdmissionRule, requests: Sequence[Request],
+                 inflight: int = 0) -> None:
+        """``inflight`` > 0: a closed loop; requests arrive in ``requests`` order (their ``arrival_s`` is
+        replaced by the time they arrive) whenever fewer than ``inflight`` are waiting or running."""
+        if inflight < 0:
+            raise ConfigError(f"inflight must be >= 0 (0: open loop, arrivals as given), got {inflight}")
+        self.config, self.rule, self.inflight = config, rule, inflight
         self.live = {r.rid: _Live(r) for r in requests}
-        self.pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.rid)))  # not arrived yet
+        order = (lambda r: r.rid) if inflight else (lambda r: (r.arrival_s, r.rid))
+        self.pending = deque(sorted(requests, key=order))  # not arrived yet
         self.waiting: list[_Live] = []  # arrived, not admitted, in arrival order
         self.running: dict[int, _Live] = {}  # admitted, in admission order
         self.free_rows = deque(range(config.max_running))  # KV rows
+        self._blocked: dict[str, None] = {}  # adapters of requests that fit now but wait for their load
 
     # -- one round -----------------------------------------------------------------------------------
     def plan(self, now: float, ready: Mapping[str, Readiness]) -> StepPlan:
@@ -120,7 +127,7 @@ class Scheduler:
                           for rid, lv in self.running.items())
             return StepPlan(DECODE, items, self._hold(), prefetch, wanted)
         if self.waiting or self.pending:
-            timeout = self.pending[0].arrival_s - now if self.pending else None
+            timeout = self.pending[0].arrival_s - now if self.pending and not self.inflight else None
             blocked = {lv.request.adapter: None for lv in self.waiting if lv.blocked_since is not None}
             return StepPlan(WAIT, (), (), prefetch, wanted, tuple(a for a in blocked if a in wanted), timeout)
         return StepPlan(STOP)
@@ -141,8 +148,19 @@ class Scheduler:
     def records(self) -> list[RequestRecord]:
         return [self.live[rid].record() for rid in sorted(self.live)]
 
+    def queue(self) -> list[tuple[str, float]]:
+        """(adapter, arrival) of every waiting request with an adapter, in queue order: what an engine
+        reports to the controller (lifecycle step 1; new arrivals count towards popularity there)."""
+        return [(lv.request.adapter, lv.request.arrival_s) for lv in self.waiting if lv.request.adapter is not None]
+
     # -- helpers -------------------------------------------------------------------------------------
     def _arrive(self, now: float) -> None:
+        if self.inflight:
+            while self.pending and len(self.waiting) + len(self.running) < self.inflight:
+                live = self.live[self.pending.popleft().rid]
+                live.request = live.request._replace(arrival_s=now)
+                self.waiting.append(live)
+            return
         while self.pending and self.pending[0].arrival_s <= now:
             self.waiting.append(self.live[self.pending.popleft().rid])
 
@@ -155,19 +173,23 @@ class Scheduler:
         return {lv.request.adapter: None for lv in self.running.values() if lv.request.adapter is not None}
 
     def _wanted(self) -> tuple[str, ...]:
-        """Adapters to keep resident: the running requests', then the waiting ones' in queue order."""
+        """Adapters to keep resident: the running requests', then those of waiting requests that the
+        admission pass would have taken but for their load ("load on first use"), in queue order.
+
+        The rest of the waiting queue is not loaded here: prefetching a replica's whole queue is the
+        controller's ``queue`` policy, so the two stay separate baselines."""
         wanted = self._running_adapters()
-        for live in self.waiting:
+        for adapter in self._blocked:
             if len(wanted) >= self.config.num_slots:
                 break
-            if live.request.adapter is not None:
-                wanted[live.request.adapter] = None
+            wanted[adapter] = None
         return tuple(wanted)
 
     def _admit(self, now: float, ready: Mapping[str, Readiness]) -> list[_Live]:
         """Waiting requests for the next prefill batch, in queue order, skipping those that do not fit."""
         adapters, tokens = self._running_adapters(), 0
         new: list[_Live] = []
+        self._blocked = {}
         for live in self.waiting:
             r = live.request
             room = len(self.running) + len(new) < self.config.max_running
@@ -179,6 +201,8 @@ class Scheduler:
             state = Readiness.READY if r.adapter is None else ready.get(r.adapter, Readiness.NOT_READY)
             if not self.rule.admits(r, state):
                 live.blocked_since = now if live.blocked_since is None else live.blocked_since
+                if r.adapter is not None:
+                    self._blocked[r.adapter] = None
                 continue
             live.unblock(now)
             new.append(live)

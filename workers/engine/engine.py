@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -34,6 +34,15 @@ class EngineResult(NamedTuple):
         return summarize(self.records)
 
 
+class Hooks(NamedTuple):
+    """How a replica run meets the outside world (the benchmark sets these; defaults: alone)."""
+
+    start_wall: float | None = None  # time.time() at which the clock starts (None: once every rank is built)
+    on_queue: Callable[[list[tuple[str, float]]], None] | None = None  # rank 0: the waiting queue changed
+    # (adapter, arrival as time.time()) per waiting request, in queue order
+    inflight: int = 0  # closed loop: this many requests waiting or running (0: arrivals as given)
+
+
 def run_engine(config: EngineConfig, requests: Sequence[Request]) -> EngineResult:
     """Serve ``requests`` on one replica of ``config.tp`` ranks (processes when tp > 1)."""
     check_requests(requests, config, load_catalog(config).names())
@@ -44,17 +53,27 @@ def run_engine(config: EngineConfig, requests: Sequence[Request]) -> EngineResul
     return spawn(serve, config.tp, config.device_kind())
 
 
-def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Request, ...], comm: Comm) -> EngineResult:
-    """One rank's whole run (rank 0 also schedules and records)."""
-    engine = RankEngine(config, comm)
-    scheduler = Scheduler(config, rule, requests) if comm.rank == 0 else None
+def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Request, ...], comm: Comm,
+               engine: RankEngine | None = None, hooks: Hooks | None = None) -> EngineResult:
+    """One rank's whole run (rank 0 also schedules and records); ``engine``: built already (over a worker's
+    cache, see ``RankEngine``), or None to build one here. The engine is closed at the end."""
+    engine = engine if engine is not None else RankEngine(config, comm)
+    hooks = hooks or Hooks()
+    scheduler = Scheduler(config, rule, requests, hooks.inflight) if comm.rank == 0 else None
     try:
-        comm.barrier()  # every rank built: the clock starts now
+        comm.barrier()  # every rank built: the clock starts now (or at hooks.start_wall)
         t0 = time.perf_counter()
-        plan = StepPlan(STOP)
+        if hooks.start_wall is not None:
+            t0 += hooks.start_wall - time.time()
+            time.sleep(max(0.0, t0 - time.perf_counter()))
+        wall0 = time.time() - (time.perf_counter() - t0)
+        plan, queue = StepPlan(STOP), None
         while True:
             vec = comm.min_control(engine.readiness(plan.wanted)) if rule.prefetch else None
             plan = comm.broadcast(_plan(scheduler, time.perf_counter() - t0, engine.names, vec))
+            if scheduler is not None and hooks.on_queue is not None and (now := scheduler.queue()) != queue:
+                queue = now
+                hooks.on_queue([(a, wall0 + t) for a, t in now])
             if plan.kind == STOP:
                 break
             step = engine.execute(plan)

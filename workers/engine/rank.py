@@ -49,6 +49,17 @@ class StepResult(NamedTuple):
     outputs: dict[int, torch.Tensor] | None  # rid -> output hidden state (record_outputs)
 
 
+class StepLog(NamedTuple):
+    """One executed step, for calibrating the simulator (``bench.sim``): its shape and wall time."""
+
+    kind: str  # prefill or decode
+    items: int  # requests in the step
+    tokens: int  # tokens computed (prompt tokens in a prefill, one per request in a decode)
+    adapters: int  # distinct adapters among the items
+    ms: float  # start to tokens ready, including any wait on a load
+    load_wait_ms: float  # of it, blocked in acquire on loads
+
+
 @dataclass
 class RankStats:
     """What one rank saw; ``unready_items`` counts items run while their adapter was not READY here."""
@@ -58,21 +69,37 @@ class RankStats:
     prefill_steps: int = 0
     unready_items: int = 0
     cache: dict[str, Any] = field(default_factory=dict)  # WorkerCache.stats() at the end
+    step_log: list[StepLog] = field(default_factory=list)
 
 
 class RankEngine:
     """Everything one TP rank owns."""
 
-    def __init__(self, config: EngineConfig, comm: Comm) -> None:
+    def __init__(self, config: EngineConfig, comm: Comm, cache: WorkerCache | None = None) -> None:
+        """``cache``: run over an existing worker cache (a worker actor's, which the controller also
+        drives) and its catalog and compute stream; None: make one from ``config``."""
         self.config, self.comm = config, comm
-        cuda = config.device_kind() == "cuda"
-        self.device = torch.device("cuda", comm.rank) if cuda else torch.device("cpu")
-        self.dtype = config.torch_dtype()
-        self.stream: Any = torch.cuda.Stream(self.device) if cuda else None  # the compute stream
-        self.catalog = load_catalog(config)
+        self.owns_cache = cache is None
+        if cache is None:
+            cuda = config.device_kind() == "cuda"
+            self.device = torch.device("cuda", comm.rank) if cuda else torch.device("cpu")
+            self.dtype = config.torch_dtype()
+            self.stream: Any = torch.cuda.Stream(self.device) if cuda else None  # the compute stream
+            self.catalog = load_catalog(config)
+            self.cache = self._make_cache()
+        else:
+            self.device, self.dtype, self.catalog, self.cache = cache.device, cache.dtype, cache.catalog, cache
+            self.stream = getattr(cache.streams, "compute_stream", None)
+            if cache.config.max_batch < config.max_running + config.max_adapters:
+                raise ConfigError(f"the worker cache's max_batch ({cache.config.max_batch}) is below the engine's "
+                                  f"max_running + max_adapters ({config.max_running + config.max_adapters}); "
+                                  "start the workers with a larger max_batch")
+            if cache.config.tp != config.tp or cache.config.tp_rank != comm.rank:
+                raise ConfigError(f"engine TP {config.tp} rank {comm.rank} does not match its worker cache's "
+                                  f"TP {cache.config.tp} rank {cache.config.tp_rank}; start the engine on the "
+                                  "replica's own workers, rank k on worker k")
         self.names = self.catalog.names()
         self.index = {n: i for i, n in enumerate(self.names)}
-        self.cache = self._make_cache()
         self.lora = LoraOp(self.cache, max(config.max_prefill_tokens, config.max_running), config.max_running)
         with self._on_stream():
             self.model = self._make_model()
@@ -101,8 +128,15 @@ class RankEngine:
 
     # -- readiness (rules that prefetch) ---------------------------------------------------------------
     def readiness(self, wanted: tuple[str, ...]) -> torch.Tensor:
-        """Pin the wanted adapters READY here, report them: int8 per catalog adapter (Readiness values)."""
+        """Pin the wanted adapters READY here, report every READY one: int8 per catalog adapter.
+
+        The wanted ones stay READY until the step that uses them (pinned). Others READY now (e.g. a new
+        arrival's, prefetched by the controller) are reported too, so a request is not held back a
+        round for its adapter not being wanted yet; should one be evicted before the step acquires it,
+        the acquire loads it again and the step counts the wait."""
         vec = torch.zeros(len(self.names), dtype=torch.int8)
+        for name in self._ready_here(self.names):
+            vec[self.index[name]] = Readiness.READY
         for name in self.pin(wanted):
             vec[self.index[name]] = Readiness.READY
         for name, load in list(self._loads.items()):
@@ -125,8 +159,8 @@ class RankEngine:
             self._pinned = None
 
     def _ready_here(self, names: tuple[str, ...] | list[str]) -> list[str]:
-        states = {r["adapter"]: r["state"] for r in self.cache.residency()}
-        return [n for n in names if states.get(n) == SlotState.READY.value]
+        ready = {r["adapter"] for r in self.cache.residency() if r["state"] == SlotState.READY.value}
+        return [n for n in names if n in ready]
 
     # -- one round ---------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult | None:
@@ -176,10 +210,13 @@ class RankEngine:
             outputs = ({it.rid: row for it, row in zip(items, out.float().cpu())}
                        if self.config.record_outputs else None)
         self._sync()
+        end = time.perf_counter()
         self.stats.steps += 1
         self.stats.prefill_steps += plan.kind == PREFILL
         self.stats.unready_items += sum(it.adapter in unready for it in plan.items)
-        return StepResult(start, time.perf_counter(), load_wait, outputs)
+        self.stats.step_log.append(StepLog(plan.kind, len(items), sum(it.length for it in items), len(set(named)),
+                                           (end - start) * 1e3, load_wait * 1e3))
+        return StepResult(start, end, load_wait, outputs)
 
     def _forward(self, prefill: bool, items: list[Item], slot_of: dict[str, int]) -> torch.Tensor:
         hidden = self.model.shape.hidden_size
@@ -220,6 +257,7 @@ class RankEngine:
         self.unpin()
         self.stats.cache = self.cache.stats()
         self.cache.check_integrity()
-        self.cache.close()
+        if self.owns_cache:
+            self.cache.close()
         return self.stats
 

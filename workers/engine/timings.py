@@ -47,7 +47,10 @@ class RequestRecord:
         return [b - a for a, b in zip(self.token_s, self.token_s[1:])]
 
 
-def _stats(prefix: str, values_s: Sequence[float], percentiles: tuple[int, ...] = (99,)) -> dict[str, float]:
+PERCENTILES = (90, 99)
+
+
+def _stats(prefix: str, values_s: Sequence[float], percentiles: tuple[int, ...] = PERCENTILES) -> dict[str, float]:
     ms = np.asarray(values_s, dtype=np.float64) * 1e3
     if not len(ms):
         ms = np.zeros(1)
@@ -58,7 +61,10 @@ def _stats(prefix: str, values_s: Sequence[float], percentiles: tuple[int, ...] 
 
 
 def summarize(records: Sequence[RequestRecord]) -> dict[str, float]:
-    """bench_serving's summary of completed requests (duration: first arrival to last token)."""
+    """bench_serving's summary of completed requests (duration: first arrival to last token).
+
+    Latencies as ``{mean,median,std,p90,p99}_{ttft,tpot,itl,e2el,load_wait}_ms`` (``e2el``: end-to-end
+    latency, as bench_serving and vLLM name it); ``load_wait`` is the adapter stall per request."""
     done = [r for r in records if r.ok]
     start = min((r.arrival_s for r in records), default=0.0)
     duration = max((r.token_s[-1] for r in done), default=start) - start
@@ -72,8 +78,8 @@ def summarize(records: Sequence[RequestRecord]) -> dict[str, float]:
     }
     summary |= _stats("ttft", [r.ttft_s for r in done])
     summary |= _stats("tpot", [t for r in done if (t := r.tpot_s) is not None])
-    summary |= _stats("itl", [x for r in done for x in r.itl_s], (95, 99))
-    summary |= _stats("e2e_latency", [r.e2e_s for r in done], (90, 99))
+    summary |= _stats("itl", [x for r in done for x in r.itl_s], (90, 95, 99))
+    summary |= _stats("e2el", [r.e2e_s for r in done])
     summary |= _stats("load_wait", [r.load_wait_s for r in done])
     return summary
 

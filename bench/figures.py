@@ -1,0 +1,102 @@
+"""Every figure of one policy's run, from what either engine returns (the real one or the simulator).
+
+Request latencies use SGLang bench_serving's names (``{mean,median,std,p90,p99}_{ttft,tpot,itl,e2el}_ms``,
+request and token throughput; ``workers.engine.timings.summarize``). Cache figures:
+
+- ``gpu_hit_rate``: requests that never stalled on an adapter load (their ``load_wait`` is 0);
+- ``host_hit_rate``: loads whose shard was already staged in the pinned host tier;
+- ``prefetch_accuracy``: prefetched loads used by a batch before their eviction, over all prefetched
+  loads that were used or evicted (None when nothing was prefetched);
+- ``{mean,p99}_load_wait_ms``: adapter stall per request; ``{median,p99}_time_to_ready_ms``: load
+  request to READY per load (one per rank);
+- ``bytes_disk_to_host`` / ``bytes_host_to_gpu``: bytes moved per tier, all ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from workers.engine.timings import RequestRecord, summarize
+
+
+@dataclass
+class PolicyRun:
+    """One policy's run on either engine; times in seconds since its clock started."""
+
+    policy: str
+    engine: str  # real or sim
+    records: list[RequestRecord]
+    ranks: list[dict[str, Any]]  # per worker: replica, rank and its cache counters (WorkerCache.stats() keys)
+    loads: list[dict[str, Any]]  # per load: t_s (READY), replica, rank, nbytes, ready_ms, h2d_ms, host_hit
+    steps: list[dict[str, Any]] = field(default_factory=list)  # per step (rank 0): kind, items, tokens, ms, ...
+    wall_s: float = 0.0  # how long the run took on the host running it
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else 0.0
+
+
+def _sum(ranks: list[dict[str, Any]], key: str) -> int:
+    return int(sum(int(r.get(key, 0) or 0) for r in ranks))
+
+
+def figures(run: PolicyRun) -> dict[str, Any]:
+    """Every figure of ``run`` as a flat dict (JSON-ready)."""
+    out: dict[str, Any] = dict(summarize(run.records))
+    done = [r for r in run.records if r.ok]
+    out["gpu_hit_rate"] = sum(r.load_wait_s == 0 for r in done) / len(done) if done else 0.0
+    host_hits, host_misses = _sum(run.ranks, "host_hits"), _sum(run.ranks, "host_misses")
+    out["host_hit_rate"] = host_hits / (host_hits + host_misses) if host_hits + host_misses else 0.0
+    used, unused = _sum(run.ranks, "prefetch_used"), _sum(run.ranks, "prefetch_unused")
+    out["prefetch_accuracy"] = used / (used + unused) if used + unused else None
+    for key in ("loads", "prefetches", "demand_loads", "evictions", "load_failures", "bytes_host_to_gpu",
+                "bytes_disk_to_host"):
+        out[key] = _sum(run.ranks, key)
+    ready = [float(x["ready_ms"]) for x in run.loads]
+    out["median_time_to_ready_ms"] = _percentile(ready, 50)
+    out["p99_time_to_ready_ms"] = _percentile(ready, 99)
+    out["wall_s"] = run.wall_s
+    return out
+
+
+def timeline(run: PolicyRun, bins: int = 40) -> dict[str, list[float]]:
+    """Per time bin: GPU hit rate of the requests arriving in it and bytes moved host -> GPU in it."""
+    end = max([r.token_s[-1] for r in run.records if r.token_s] + [x["t_s"] for x in run.loads] + [1e-9])
+    width = end / bins
+    hits, counts, moved = np.zeros(bins), np.zeros(bins), np.zeros(bins)
+    for r in run.records:
+        if r.ok:
+            b = min(bins - 1, int(r.arrival_s / width))
+            counts[b] += 1
+            hits[b] += r.load_wait_s == 0
+    for x in run.loads:
+        moved[min(bins - 1, max(0, int(x["t_s"] / width)))] += x["nbytes"]
+    rate = np.divide(hits, counts, out=np.full(bins, np.nan), where=counts > 0)
+    return {"t_s": [(i + 0.5) * width for i in range(bins)], "gpu_hit_rate": rate.tolist(),
+            "bytes_host_to_gpu": moved.tolist()}
+
+
+GOALS = (  # (label, policy, figure, reference policy, at most this ratio, workloads it applies to or None: all)
+    ("global mean TTFT <= 0.40x ondemand", "global", "mean_ttft_ms", "ondemand", 0.40, None),
+    ("global p99 TTFT <= 0.20x ondemand", "global", "p99_ttft_ms", "ondemand", 0.20, None),
+    ("global p99 TTFT <= 1.15x oracle", "global", "p99_ttft_ms", "oracle", 1.15, None),
+    ("global p99 TTFT <= 0.8x queue", "global", "p99_ttft_ms", "queue", 0.80, ("bursty", "zipf")),
+)
+
+
+def goals(by_policy: dict[str, dict[str, Any]], workload: str) -> list[dict[str, Any]]:
+    """The issue's goals that this run's policies let us check: ratio, limit and whether it was met."""
+    out = []
+    for label, policy, key, ref, limit, kinds in GOALS:
+        if policy not in by_policy or ref not in by_policy:
+            continue
+        if kinds is not None and not any(workload.startswith(k) for k in kinds):
+            continue
+        denominator = by_policy[ref][key]
+        ratio = by_policy[policy][key] / denominator if denominator else float("inf")
+        out.append({"goal": label, "ratio": ratio, "limit": limit, "met": ratio <= limit})
+    return out

@@ -1,0 +1,219 @@
+"""``--engine real``: one policy through the real path, on the embedded Ray or the cluster a job runs on.
+
+Per policy, a fresh service (controller, one placement group of TP worker actors per replica, the gRPC
+gateway) so no policy inherits another's cache. Every worker hosts one rank of the reference engine
+(``workers.engine.hosted``) over its own ``WorkerCache``, which the controller drives too. Then:
+
+- the router (a thread here) routes request i to replica i mod R and, for policies with hints, sends a
+  gRPC ``Hint`` ``hint_lead_s`` before the request reaches the replica (lifecycle step 1);
+- each replica's rank 0 reports its waiting queue to the controller as it changes (policies that plan);
+- every engine serves its requests from one shared wall-clock start.
+
+The oracle preloads every adapter (slots for all of them) before the clock starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from bench.figures import PolicyRun
+from bench.policies import BenchPolicy
+from lora_cache.catalog import CatalogConfig
+from lora_cache.client import Hint, LoraCacheClient
+from lora_cache.errors import ConfigError
+from lora_cache.gateway import GatewayConfig, start_gateway_thread
+from lora_cache.planner import PlannerConfig
+from lora_cache.serve import ServeConfig, Service, start
+from workers.cache import WorkerConfig
+from workers.engine.config import EngineConfig
+from workers.engine.workload import Request
+from workers.host_tier import HostTierConfig
+
+if TYPE_CHECKING:
+    from bench.workloads import Workload
+
+
+@dataclass(frozen=True)
+class RealConfig:
+    """The fleet of a real run: replicas of TP workers, each hosting an engine rank."""
+
+    model: str = "tiny"
+    num_layers: int = 0  # 0: all of the model's
+    replicas: int = 1
+    tp: int = 1
+    slots: int = 8  # GPU slots per rank (equal for every policy but the oracle)
+    max_rank: int = 64
+    max_running: int = 32
+    max_adapters: int = 4
+    max_prefill_tokens: int = 4096
+    max_seq_len: int = 2048
+    hint_lead_s: float = 0.5
+    gpus: bool = False
+    dtype: str = "float32"  # slots and compute; bfloat16 on GPUs
+    worker_cpus: float = 0.25
+    host_bytes: int = 2 << 30
+    timeout_s: float = 900.0  # one policy's whole run
+    engine: dict[str, Any] = field(default_factory=dict)  # further EngineConfig fields (e.g. share_weights)
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or self.tp < 1 or self.slots < 1:
+            raise ConfigError(f"replicas ({self.replicas}), tp ({self.tp}) and slots ({self.slots}) must be >= 1")
+        if self.hint_lead_s < 0:
+            raise ConfigError(f"hint_lead_s must be >= 0 seconds, got {self.hint_lead_s}")
+
+
+def route(requests: list[Request], replicas: int) -> list[list[Request]]:
+    """Request i to replica i mod R (in arrival order): the router's rule, the same for every policy."""
+    ordered = sorted(requests, key=lambda r: (r.arrival_s, r.rid))
+    return [ordered[i::replicas] for i in range(replicas)]
+
+
+def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names: list[str], workload: Workload,
+               tick: Callable[[float], None] = lambda _: None) -> PolicyRun:
+    """Serve ``workload`` under ``policy``; ``tick(fraction of the stream's time elapsed)`` for progress."""
+    slots = len(names) if policy.oracle else config.slots
+    worker = WorkerConfig(num_slots=slots, dtype=config.dtype,
+                          max_batch=max(256, config.max_running + config.max_adapters),
+                          host=HostTierConfig(host_bytes=config.host_bytes))
+    serve = ServeConfig(adapters=adapters_dir, replicas=config.replicas, tp=config.tp, gpus=config.gpus,
+                        worker_cpus=config.worker_cpus)
+    catalog = CatalogConfig(adapter_roots=(adapters_dir,), model=config.model, max_rank=config.max_rank)
+    engine = EngineConfig(model=config.model, num_layers=config.num_layers, tp=config.tp, num_slots=slots,
+                          max_rank=config.max_rank, max_running=config.max_running,
+                          max_adapters=min(config.max_adapters, slots), max_prefill_tokens=config.max_prefill_tokens,
+                          max_seq_len=config.max_seq_len, admission=policy.admission, **config.engine)
+    t_begin = time.perf_counter()
+    service = start(serve, catalog, PlannerConfig(policy=policy.planner), worker)
+    gateway = None
+    try:
+        gateway = start_gateway_thread(GatewayConfig(grpc_port=0), service.controller)
+        replicas = [f"replica-{i}" for i in range(config.replicas)]
+        ranks = {r: [service.workers[w] for w in sorted(service.workers) if w.replica == r] for r in replicas}
+        if policy.oracle:
+            ray.get([h.preload.remote(names) for hs in ranks.values() for h in hs], timeout=config.timeout_s)
+        _build(ranks, engine, config.timeout_s)
+        before = {(r, k): ray.get(h.stats.remote(), timeout=60) for r, hs in ranks.items() for k, h in enumerate(hs)}
+        routed = route(workload.requests, config.replicas)
+        inflight = -(-workload.inflight // config.replicas) if workload.inflight else 0
+        start_wall = time.time() + 1.0
+        router = Router(gateway.target, replicas, routed, start_wall, config.hint_lead_s, policy) if (
+            policy.hints and not inflight) else None
+        refs = [hs[0].engine_run.remote(reqs, start_wall, inflight, policy.planner != "none") for hs, reqs in
+                zip(ranks.values(), routed)]
+        refs += [h.engine_run.remote(reqs, start_wall, inflight) for hs, reqs in zip(ranks.values(), routed)
+                 for h in hs[1:]]
+        results = _wait(refs, start_wall, workload, config.timeout_s, tick)
+        if router is not None:
+            router.stop()
+        run = _collect(policy, ranks, results[: config.replicas], start_wall, before)
+        run.wall_s = time.perf_counter() - t_begin
+        if router is not None and router.errors:
+            raise RuntimeError(f"router: {router.errors} hint calls failed; first: {router.first_error}")
+        return run
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        _stop(service)
+
+
+def _build(ranks: dict[str, list[Any]], engine: EngineConfig, timeout_s: float) -> None:
+    refs = []
+    for handles in ranks.values():
+        meet = ray.get(handles[0].engine_rendezvous.remote(len(handles)), timeout=60)
+        refs += [h.engine_build.remote(engine, meet) for h in handles]
+    ray.get(refs, timeout=timeout_s)
+
+
+def _wait(refs: list[Any], start_wall: float, workload: Workload, timeout_s: float,
+          tick: Callable[[float], None]) -> list[Any]:
+    span = max((r.arrival_s for r in workload.requests), default=0.0) or 1.0
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+        tick(min(1.0, max(0.0, (time.time() - start_wall) / span)))
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the engines did not finish within {timeout_s:.0f} s; raise --timeout-s or send "
+                               "fewer requests")
+    return ray.get(refs)
+
+
+def _collect(policy: BenchPolicy, ranks: dict[str, list[Any]], results: list[Any], start_wall: float,
+             before: dict[tuple[str, int], dict[str, Any]]) -> PolicyRun:
+    """Records, each rank's counters since the clock started (the oracle's preload is not counted),
+    its loads after the start, and rank 0's step log."""
+    records = sorted((r for res in results for r in res.records), key=lambda r: r.rid)
+    stats, loads, steps = [], [], []
+    for (replica, handles), res in zip(ranks.items(), results):
+        for rank, handle in enumerate(handles):
+            now, then = ray.get(handle.stats.remote(), timeout=60), before[(replica, rank)]
+            since = {k: v - then.get(k, 0) if isinstance(v, int) and k.startswith(COUNTED) else v
+                     for k, v in now.items()}
+            stats.append({"replica": replica, "rank": rank, **since})
+            for t, rec in ray.get(handle.load_log.remote(), timeout=60):
+                if t >= start_wall:
+                    loads.append({"t_s": t - start_wall, "replica": replica, "rank": rank, "adapter": rec.adapter,
+                                  "nbytes": rec.nbytes, "ready_ms": rec.ready_ms, "h2d_ms": rec.h2d_ms,
+                                  "disk_ms": rec.disk_ms, "host_hit": rec.host_hit})
+        steps += [{"replica": replica, **s._asdict()} for s in res.ranks[0].step_log]
+    for s in stats:
+        s.pop("disk_ms", None), s.pop("h2d_ms", None), s.pop("ready_ms", None)  # reservoir summaries: see loads
+    return PolicyRun(policy.name, "real", records, stats, sorted(loads, key=lambda x: x["t_s"]), steps)
+
+
+COUNTED = ("gpu_", "prefetch", "demand_", "loads", "load_", "evictions", "bytes_", "host_hits", "host_misses")
+
+
+def _stop(service: Service) -> None:
+    for handle in service.workers.values():
+        with contextlib.suppress(Exception):  # killed below either way
+            ray.get(handle.shutdown.remote(), timeout=30)
+    service.stop()
+
+
+class Router(threading.Thread):
+    """Sends each request's hint ``lead_s`` before it reaches its replica, over the gRPC API."""
+
+    def __init__(self, target: str, replicas: list[str], routed: list[list[Request]], start_wall: float,
+                 lead_s: float, policy: BenchPolicy) -> None:
+        super().__init__(name="bench-router", daemon=True)
+        self.client = LoraCacheClient(target)
+        self.due = sorted((r.arrival_s - lead_s, r.rid, r.adapter, replica)
+                          for replica, reqs in zip(replicas, routed) for r in reqs if r.adapter is not None)
+        self.start_wall, self.lead_s, self.policy = start_wall, lead_s, policy.name
+        self.sent = self.errors = 0
+        self.first_error: Exception | None = None
+        self._halt = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        i = 0
+        while i < len(self.due) and not self._halt.is_set():
+            now = time.time() - self.start_wall
+            batch = []
+            while i < len(self.due) and self.due[i][0] <= now:
+                at, rid, adapter, replica = self.due[i]
+                batch.append(Hint(f"{self.policy}-{rid}", adapter, replica, max(0.0, at + self.lead_s - now)))
+                i += 1
+            if batch:
+                try:
+                    self.client.hint(batch)
+                    self.sent += len(batch)
+                except Exception as e:  # counted and reported: a lost hint costs latency, not correctness
+                    self.errors += 1
+                    self.first_error = self.first_error or e
+            elif i < len(self.due):
+                self._halt.wait(min(0.05, max(0.0, self.due[i][0] - now)))
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=30)
+        self.client.close()
+

@@ -1,0 +1,109 @@
+"""The benchmark's outputs: a markdown table on stdout, one JSON file with every figure and the whole
+configuration, and PNG plots (TTFT CDF per policy; GPU hit rate and bytes moved over time)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.figures import PolicyRun, figures, goals, timeline
+
+COLUMNS = (  # (figure, header, scale)
+    ("mean_ttft_ms", "mean TTFT ms", 1), ("p99_ttft_ms", "p99 TTFT ms", 1), ("median_e2el_ms", "median E2EL ms", 1),
+    ("mean_tpot_ms", "mean TPOT ms", 1), ("request_throughput", "req/s", 1), ("gpu_hit_rate", "GPU hit", 1),
+    ("prefetch_accuracy", "prefetch acc.", 1), ("mean_load_wait_ms", "stall ms/req", 1),
+    ("median_time_to_ready_ms", "ready ms p50", 1), ("loads", "loads", 1), ("bytes_host_to_gpu", "GB to GPU", 1e-9),
+)
+
+
+def _cell(value: Any, scale: float) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, int) and scale == 1:
+        return str(value)
+    v = float(value) * scale
+    return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+
+
+def table(by_policy: dict[str, dict[str, Any]], checked: list[dict[str, Any]]) -> str:
+    lines = ["| policy | " + " | ".join(h for _, h, _ in COLUMNS) + " |",
+             "| --- |" + " ---: |" * len(COLUMNS)]
+    for name, figs in by_policy.items():
+        lines.append(f"| {name} | " + " | ".join(_cell(figs.get(k), s) for k, _, s in COLUMNS) + " |")
+    if checked:
+        lines += ["", "| goal | ratio | met |", "| --- | ---: | :---: |"]
+        lines += [f"| {g['goal']} | {g['ratio']:.3f} | {'yes' if g['met'] else 'no'} |" for g in checked]
+    return "\n".join(lines)
+
+
+def write(out: Path, config: dict[str, Any], runs: list[PolicyRun], plots: bool = True) -> dict[str, Any]:
+    """Write ``results.json`` (and the plots) under ``out``; returns the JSON document."""
+    out.mkdir(parents=True, exist_ok=True)
+    by_policy = {run.policy: figures(run) for run in runs}
+    checked = goals(by_policy, str(config.get("workload", {}).get("adapters", "")))
+    doc = {"config": config, "figures": by_policy, "goals": checked,
+           "timeline": {run.policy: timeline(run) for run in runs},
+           "requests": {run.policy: [_record(r) for r in run.records] for run in runs},
+           "ranks": {run.policy: run.ranks for run in runs},
+           "loads": {run.policy: run.loads for run in runs},
+           "steps": {run.policy: run.steps for run in runs},
+           "table": table(by_policy, checked)}
+    (out / "results.json").write_text(json.dumps(doc, indent=1, default=_json_default))
+    if plots:
+        plot(out, runs, doc["timeline"], str(config.get("title", "")))
+    return doc
+
+
+def _record(r: Any) -> dict[str, Any]:
+    return {"rid": r.rid, "adapter": r.adapter, "input_len": r.input_len, "output_len": r.output_len,
+            "arrival_s": r.arrival_s, "prefill_s": r.prefill_s, "first_token_s": r.token_s[0] if r.token_s else None,
+            "finish_s": r.token_s[-1] if r.token_s else None, "load_wait_s": r.load_wait_s, "error": r.error}
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if hasattr(value, "_asdict"):
+        return value._asdict()
+    return str(value)
+
+
+def plot(out: Path, runs: list[PolicyRun], lines: dict[str, dict[str, list[float]]], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        ttft = np.sort([r.ttft_s * 1e3 for r in run.records if r.ok])
+        if len(ttft):
+            ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=run.policy)
+    ax.set_xscale("symlog", linthresh=10)
+    ax.set_xlabel("TTFT (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"TTFT CDF {title}".strip())
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ttft_cdf.png", dpi=120)
+    plt.close(fig)
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    for name, series in lines.items():
+        top.plot(series["t_s"], series["gpu_hit_rate"], label=name)
+        bottom.plot(series["t_s"], np.asarray(series["bytes_host_to_gpu"]) / 2**20, label=name)
+    top.set_ylabel("GPU hit rate (requests)")
+    bottom.set_ylabel("MiB host -> GPU per bin")
+    bottom.set_xlabel("time (s)")
+    top.set_title(f"hit rate and bytes moved over time {title}".strip())
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    top.legend()
+    fig.tight_layout()
+    fig.savefig(out / "cache_over_time.png", dpi=120)
+    plt.close(fig)

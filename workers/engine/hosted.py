@@ -1,0 +1,148 @@
+"""The reference engine inside a worker actor: one TP rank over the worker's own cache.
+
+The benchmark's real path: the controller prefetches into the same ``WorkerCache`` the engine acquires
+from, so its plans (queue, hints, popularity) meet the engine's steps. A replica's ranks meet in a
+``torch.distributed`` group over TCP (rank 0's address); NCCL on GPUs, gloo on the CPU, control
+messages over gloo. Rank 0 reports its waiting queue to the controller (lifecycle step 1) from a
+sender thread that always sends the latest queue and never blocks a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from lora_cache.errors import ConfigError
+from workers.cache import WorkerCache
+from workers.engine.admission import ADMISSION
+from workers.engine.config import EngineConfig
+from workers.engine.engine import EngineResult, Hooks, serve_rank
+from workers.engine.rank import RankEngine
+from workers.engine.tp import Comm
+from workers.engine.workload import Request
+
+
+class Rendezvous(NamedTuple):
+    """Where a replica's ranks meet: rank 0's host and a free TCP port there."""
+
+    host: str
+    port: int
+    world: int
+
+
+def rendezvous(world: int) -> Rendezvous:
+    """Called on rank 0's worker: its node address and a port free now."""
+    host = _node_ip()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return Rendezvous(host, s.getsockname()[1], world)
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+    except Exception:  # outside Ray (tests of this module alone)
+        return "127.0.0.1"
+
+
+class QueueSender:
+    """Sends the latest waiting queue with ``send(entries)`` on its own thread; stale ones are skipped."""
+
+    def __init__(self, send: Callable[[list[tuple[str, float]]], None]) -> None:
+        self._send = send
+        self._cond = threading.Condition()
+        self._latest: list[tuple[str, float]] | None = None
+        self._closed = False
+        self.sent = self.errors = 0
+        self._thread = threading.Thread(target=self._run, name="lora-queue-report", daemon=True)
+        self._thread.start()
+
+    def push(self, entries: list[tuple[str, float]]) -> None:
+        with self._cond:
+            self._latest = entries
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._latest is not None or self._closed)
+                if self._latest is None:
+                    return
+                entries, self._latest = self._latest, None
+            try:
+                self._send(entries)
+                self.sent += 1
+            except Exception:  # the controller restarting: the next report carries the whole queue again
+                self.errors += 1
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+
+class HostedEngine:
+    """``build`` (every rank at once: they meet), then ``run`` once per request stream, then ``close``."""
+
+    def __init__(self, cache: WorkerCache) -> None:
+        self.cache = cache
+        self.config: EngineConfig | None = None
+        self.comm: Comm | None = None
+        self.engine: RankEngine | None = None
+
+    def build(self, config: EngineConfig, meet: Rendezvous, rank: int) -> None:
+        if config.shape().name != self.cache.catalog.shape.name:
+            raise ConfigError(f"engine model {config.model!r} ({config.shape().name}) differs from the workers' "
+                              f"{self.cache.catalog.shape.name}; start the engine with the service's --model")
+        if meet.world != config.tp:
+            raise ConfigError(f"rendezvous for {meet.world} ranks but the engine's tp is {config.tp}")
+        if self.cache.device.type == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (2 * config.tp)))
+        self.comm = Comm()
+        if config.tp > 1:
+            backend = "nccl" if self.cache.device.type == "cuda" else "gloo"
+            if self.cache.device.type == "cuda":
+                torch.cuda.set_device(self.cache.device)
+            dist.init_process_group(backend, init_method=f"tcp://{meet.host}:{meet.port}", rank=rank,
+                                    world_size=meet.world)
+            control = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+            self.comm = Comm(rank, meet.world, control)
+        self.config = config
+        self.engine = RankEngine(config, self.comm, self.cache)  # model and KV cache built before the clock
+
+    def run(self, requests: Sequence[Request], start_wall: float, inflight: int = 0,
+            report: Callable[[list[tuple[str, float]]], None] | None = None) -> EngineResult:
+        if self.config is None or self.comm is None or self.engine is None:
+            raise ConfigError("the hosted engine is not built (or already ran); call build on every rank first")
+        rule = ADMISSION[self.config.admission]()
+        sender = QueueSender(report) if report is not None and self.comm.rank == 0 else None
+        try:
+            hooks = Hooks(start_wall, sender.push if sender is not None else None, inflight)
+            engine, self.engine = self.engine, None
+            result = serve_rank(self.config, rule, tuple(requests), self.comm, engine, hooks)
+        finally:
+            if sender is not None:
+                sender.close()
+        return result
+
+    def close(self) -> None:
+        if self.comm is not None and self.comm.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+        self.comm = self.config = self.engine = None
+
+    @staticmethod
+    def strip(result: EngineResult) -> EngineResult:
+        """Without recorded outputs (tensors stay in the worker)."""
+        return EngineResult([dataclasses.replace(r, outputs=None) for r in result.records], result.ranks)
+
+
