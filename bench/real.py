@@ -99,6 +99,7 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
         if policy.oracle:
             ray.get([h.preload.remote(names) for hs in ranks.values() for h in hs], timeout=config.timeout_s)
         _build(ranks, engine, config.timeout_s)
+        since_wall = time.time()  # counters and the load log from here: hinted loads may precede the clock
         before = {(r, k): ray.get(h.stats.remote(), timeout=60) for r, hs in ranks.items() for k, h in enumerate(hs)}
         routed = route(workload.requests, config.replicas)
         inflight = -(-workload.inflight // config.replicas) if workload.inflight else 0
@@ -112,7 +113,7 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
         results = _wait(refs, start_wall, workload, config.timeout_s, tick)
         if router is not None:
             router.stop()
-        run = _collect(policy, ranks, results[: config.replicas], start_wall, before)
+        run = _collect(policy, ranks, results[: config.replicas], start_wall, since_wall, before)
         run.wall_s = time.perf_counter() - t_begin
         if router is not None and router.errors:
             raise RuntimeError(f"router: {router.errors} hint calls failed; first: {router.first_error}")
@@ -146,9 +147,10 @@ def _wait(refs: list[Any], start_wall: float, workload: Workload, timeout_s: flo
 
 
 def _collect(policy: BenchPolicy, ranks: dict[str, list[Any]], results: list[Any], start_wall: float,
-             before: dict[tuple[str, int], dict[str, Any]]) -> PolicyRun:
-    """Records, each rank's counters since the clock started (the oracle's preload is not counted),
-    its loads after the start, and rank 0's step log."""
+             since_wall: float, before: dict[tuple[str, int], dict[str, Any]]) -> PolicyRun:
+    """Records, each rank's counters and loads since the engines were built (so the oracle's preload is
+    not counted; a load a hint started just before the clock is, with a negative ``t_s``), and rank 0's
+    step log."""
     records = sorted((r for res in results for r in res.records), key=lambda r: r.rid)
     stats, loads, steps = [], [], []
     for (replica, handles), res in zip(ranks.items(), results):
@@ -158,7 +160,7 @@ def _collect(policy: BenchPolicy, ranks: dict[str, list[Any]], results: list[Any
                      for k, v in now.items()}
             stats.append({"replica": replica, "rank": rank, **since})
             for t, rec in ray.get(handle.load_log.remote(), timeout=60):
-                if t >= start_wall:
+                if t >= since_wall:
                     loads.append({"t_s": t - start_wall, "replica": replica, "rank": rank, "adapter": rec.adapter,
                                   "nbytes": rec.nbytes, "ready_ms": rec.ready_ms, "h2d_ms": rec.h2d_ms,
                                   "disk_ms": rec.disk_ms, "host_hit": rec.host_hit})

@@ -44,7 +44,7 @@ def write(out: Path, config: dict[str, Any], runs: list[PolicyRun], plots: bool 
     """Write ``results.json`` (and the plots) under ``out``; returns the JSON document."""
     out.mkdir(parents=True, exist_ok=True)
     by_policy = {run.policy: figures(run) for run in runs}
-    checked = goals(by_policy, str(config.get("workload", {}).get("adapters", "")))
+    checked = goals(by_policy, str(config.get("workload", {}).get("popularity", "")))
     doc = {"config": config, "figures": by_policy, "goals": checked,
            "timeline": {run.policy: timeline(run) for run in runs},
            "requests": {run.policy: [_record(r) for r in run.records] for run in runs},
@@ -54,7 +54,7 @@ def write(out: Path, config: dict[str, Any], runs: list[PolicyRun], plots: bool 
            "table": table(by_policy, checked)}
     (out / "results.json").write_text(json.dumps(doc, indent=1, default=_json_default))
     if plots:
-        plot(out, runs, doc["timeline"], str(config.get("title", "")))
+        plot(out, doc)
     return doc
 
 
@@ -72,17 +72,24 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-def plot(out: Path, runs: list[PolicyRun], lines: dict[str, dict[str, list[float]]], title: str) -> None:
+def _ttft_ms(requests: list[dict[str, Any]]) -> list[float]:
+    return [(r["first_token_s"] - r["arrival_s"]) * 1e3 for r in requests
+            if r["error"] is None and r["first_token_s"] is not None]
+
+
+def plot(out: Path, doc: dict[str, Any]) -> None:
+    """The two PNGs from a results document (``python -m bench.report results.json`` redraws them)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
+    title = str(doc["config"].get("title", ""))
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run in runs:
-        ttft = np.sort([r.ttft_s * 1e3 for r in run.records if r.ok])
+    for name, requests in doc["requests"].items():
+        ttft = np.sort(_ttft_ms(requests))
         if len(ttft):
-            ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=run.policy)
+            ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=name)
     ax.set_xscale("symlog", linthresh=10)
     ax.set_xlabel("TTFT (ms)")
     ax.set_ylabel("fraction of requests")
@@ -94,7 +101,7 @@ def plot(out: Path, runs: list[PolicyRun], lines: dict[str, dict[str, list[float
     plt.close(fig)
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    for name, series in lines.items():
+    for name, series in doc["timeline"].items():
         top.plot(series["t_s"], series["gpu_hit_rate"], label=name)
         bottom.plot(series["t_s"], np.asarray(series["bytes_host_to_gpu"]) / 2**20, label=name)
     top.set_ylabel("GPU hit rate (requests)")
@@ -107,3 +114,22 @@ def plot(out: Path, runs: list[PolicyRun], lines: dict[str, dict[str, list[float
     fig.tight_layout()
     fig.savefig(out / "cache_over_time.png", dpi=120)
     plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.report DIR/results.json``: print its table and redraw its plots beside it."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=main.__doc__)
+    parser.add_argument("results", type=Path, help="a results.json written by bench.run")
+    parser.add_argument("--no-plots", action="store_true", help="only print the table")
+    ns = parser.parse_args(argv)
+    doc = json.loads(ns.results.read_text())
+    print(doc["table"])
+    if not ns.no_plots:
+        plot(ns.results.parent, doc)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -124,7 +124,15 @@ def main() -> None:
             "median_rank_spread_ms": statistics.median(
                 r["last_rank_ready_ms"] - r["first_rank_ready_ms"] for r in rows),
             "events_after_every_rank": all(r["replica_ready_ms"] >= r["last_rank_ready_ms"] for r in rows),
+            # all ranks' shards of one adapter move at once: their bytes over the slowest rank's copy, against
+            # every rank's plain pinned copy of the largest shard at once (same run, same GPUs)
+            "aggregate_load_GBps": statistics.median(
+                sum(x["nbytes"] for x in r["ranks"]) / max(x["h2d_ms"] for x in r["ranks"]) / 1e6 for r in rows[1:])
+            if len(rows) > 1 else None,
+            "aggregate_memcpy_GBps": args.tp * biggest / max(together) / 1e6,
         }
+        if summary["aggregate_load_GBps"] is not None:
+            summary["aggregate_load_over_memcpy"] = summary["aggregate_load_GBps"] / summary["aggregate_memcpy_GBps"]
         out = {"tp": args.tp, "model": args.model, "cpu": args.cpu, "nodes": devices,
                "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
                "host": platform.node(), "date": time.strftime("%Y-%m-%d"), "rows": rows, "summary": summary}

@@ -146,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--adapters) and drive a router's traffic through the gRPC gateway before serving on")
     p.set_defaults(func=cmd_serve)
 
+    sub.add_parser("bench", add_help=False, help="the benchmark job (python -m bench.run; `lora-cache bench --help`)")
+
     from lora_cache.client_cli import add_client_commands
 
     add_client_commands(sub)
@@ -153,7 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["bench"]:  # its options are bench.run's own
+        from bench.run import main as bench_main
+
+        return bench_main(args[1:])
+    ns = build_parser().parse_args(args)
     func: Callable[[argparse.Namespace], int] = ns.func
     try:
         return func(ns)

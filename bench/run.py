@@ -1,0 +1,289 @@
+"""The benchmark job: every policy on one workload, at equal GPU memory, on the real engine or the simulator.
+
+    python -m bench.run --scenario zipf --engine real --out results/zipf        # embedded Ray, here
+    ray job submit --working-dir . --runtime-env deploy/runtime_env.yaml -- python -m bench.run --scenario zipf
+    python -m bench.run --quick                                                 # the small CI run
+    lora-cache bench ...                                                        # the same
+
+It makes its adapters (``make-adapters``, in the model's shape) or takes ``--adapters DIR``, runs each
+policy of ``--policies`` (``bench.policies``) on the same drawn requests, and writes ``results.json``
+(every figure, the whole configuration, per-request timings), ``ttft_cdf.png`` and
+``cache_over_time.png`` under ``--out``; a markdown table goes to stdout, a progress bar to stderr.
+
+``--engine real``: the service and the reference engine through the real path (``bench.real``).
+``--engine sim``: the discrete-event simulator (``bench.sim``), calibrated by ``--calibration``.
+``--check-sim`` (with ``--engine real``): also simulates the same configuration with costs fitted from
+this run's own step and load logs, and reports how far the simulated TTFT mean and p99 are from the
+real ones (the simulator's check: within 15%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.figures import PolicyRun
+from bench.policies import BenchPolicy, parse_policies
+from bench.report import write
+from bench.workloads import Workload, WorkloadSpec, make_workload
+from lora_cache.cliargs import add_config_args, config_from_args
+from lora_cache.errors import ConfigError, LoraCacheError
+
+ENGINES = ("real", "sim")
+
+# Named scenarios: values for options left unset on the command line.
+SCENARIOS: dict[str, dict[str, Any]] = {
+    # The seed reviewers' scenario: 16 adapters over 8 slots, Poisson 4 req/s.
+    "seed": {"num_adapters": 16, "slots": 8, "arrivals": "poisson:4", "popularity": "uniform", "requests": 200},
+    # The reviewers' scenarios: 4x adapters per slot.
+    "uniform": {"popularity": "uniform", "arrivals": "poisson:4", "requests": 200},
+    "zipf": {"popularity": "zipf:1.5", "arrivals": "poisson:4", "requests": 200},
+    "bursty": {"popularity": "bursty:10,20,20", "arrivals": "poisson:4", "requests": 300, "num_adapters": 50},
+    # CI: small, on the CPU, through the real path.
+    "quick": {"model": "tiny", "replicas": 2, "tp": 1, "slots": 4, "popularity": "zipf:1.5", "arrivals": "poisson:20",
+              "requests": 48, "random_input_len": 64, "random_output_len": 8, "random_range_ratio": 0.5,
+              "max_seq_len": 256, "max_prefill_tokens": 512, "max_running": 8, "max_adapters": 2,
+              "adapter_ranks": "8,16", "hint_lead_s": 0.2},
+}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark run: which engine, which policies, the fleet, and where results go."""
+
+    engine: str = field(default="real", metadata={"help": f"engine: {' | '.join(ENGINES)}"})
+    policies: str = field(default="all", metadata={"help": "comma list of ondemand,overlap,queue,global,oracle or all"})
+    scenario: str = field(default="", metadata={"help": f"named scenario: {', '.join(SCENARIOS)} (sets the options "
+                                                        "you leave unset)"})
+    quick: bool = field(default=False, metadata={"help": "the small CI run (same as --scenario quick)"})
+    out: str = field(default="bench-results", metadata={"help": "directory for results.json and the plots"})
+    adapters: str = field(default="", metadata={"help": "directory of PEFT adapters (empty: make them under --out)"})
+    adapter_ranks: str = field(default="16,64", metadata={"help": "ranks of the adapters made (used in turn)"})
+    model: str = field(default="llama-3.1-8b", metadata={"help": "named model shape or path to its config.json"})
+    num_layers: int = field(default=0, metadata={"help": "layers the real engine runs (0: all)"})
+    replicas: int = field(default=1, metadata={"help": "replicas"})
+    tp: int = field(default=1, metadata={"help": "tensor-parallel size of each replica"})
+    slots: int = field(default=8, metadata={"help": "GPU adapter slots per rank, equal for every policy but the "
+                                                    "oracle (which has one per adapter)"})
+    max_rank: int = field(default=64, metadata={"help": "largest LoRA rank (sizes the slots)"})
+    max_running: int = field(default=32, metadata={"help": "most requests running per replica"})
+    max_adapters: int = field(default=4, metadata={"help": "most distinct adapters per batch"})
+    max_prefill_tokens: int = field(default=4096, metadata={"help": "prompt tokens per prefill step"})
+    max_seq_len: int = field(default=2048, metadata={"help": "longest input + output"})
+    hint_lead_s: float = field(default=0.5, metadata={"help": "the router hints a request's adapter this long "
+                                                               "before the request reaches its replica"})
+    gpus: str = field(default="auto", metadata={"help": "real engine on GPUs: auto | yes | no"})
+    calibration: str = field(default="h200-llama8b", metadata={"help": "sim costs: a name under bench/calibration "
+                                                                        "or a JSON file"})
+    check_sim: bool = field(default=False, metadata={"help": "real engine: also simulate this run with costs fitted "
+                                                             "from it and compare TTFT"})
+    timeout_s: float = field(default=1800.0, metadata={"help": "give up on one policy's run after this long"})
+    plots: bool = field(default=True, metadata={"help": "write the PNG plots"})
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine {self.engine!r} is not one of {ENGINES}")
+        if self.scenario and self.scenario not in SCENARIOS:
+            raise ConfigError(f"scenario {self.scenario!r} is not one of {', '.join(SCENARIOS)}")
+        if self.gpus not in ("auto", "yes", "no"):
+            raise ConfigError(f"gpus must be auto, yes or no, got {self.gpus!r}")
+        for name in ("replicas", "tp", "slots", "max_rank", "max_running", "max_adapters"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        parse_policies(self.policies)
+
+    def use_gpus(self) -> bool:
+        if self.gpus != "auto":
+            return self.gpus == "yes"
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.device_count() >= self.tp
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(parser, BenchConfig)
+    add_config_args(parser, WorkloadSpec)
+    return parser
+
+
+def configs(ns: argparse.Namespace) -> tuple[BenchConfig, WorkloadSpec]:
+    """Both configs from the options, a scenario filling what was left unset."""
+    name = "quick" if ns.quick else (ns.scenario or "")
+    if name and name not in SCENARIOS:
+        raise ConfigError(f"scenario {name!r} is not one of {', '.join(SCENARIOS)}")
+    preset = {k: v for k, v in SCENARIOS.get(name, {}).items() if getattr(ns, k, None) is None}
+    names = {f.name for f in dataclasses.fields(BenchConfig)}
+    bench = config_from_args(BenchConfig, ns, **{k: v for k, v in preset.items() if k in names},
+                             **({"scenario": name} if name else {}))
+    spec = config_from_args(WorkloadSpec, ns, **{k: v for k, v in preset.items() if k not in names})
+    return bench, spec
+
+
+def adapter_dir(bench: BenchConfig, needed: int) -> tuple[str, list[str]]:
+    """The adapters to serve: ``--adapters`` or ``needed`` made under ``--out`` (reused when present)."""
+    from lora_cache.synth import SynthConfig, make_adapters
+
+    root = Path(bench.adapters or Path(bench.out) / "adapters")
+    found = sorted(p.name for p in root.glob("*") if (p / "adapter_config.json").is_file()) if root.is_dir() else []
+    if not found and not bench.adapters:
+        make_adapters(str(root), SynthConfig(model=bench.model, count=needed, rank=bench.adapter_ranks))
+        found = sorted(p.name for p in root.glob("*") if (p / "adapter_config.json").is_file())
+    if len(found) < needed:
+        raise ConfigError(f"adapters: {root} holds {len(found)} adapters but the workload needs {needed}; point "
+                          "--adapters at a larger directory, or leave it empty to make them")
+    return str(root), found[:needed]
+
+
+def run(bench: BenchConfig, spec: WorkloadSpec) -> dict[str, Any]:
+    policies = parse_policies(bench.policies)
+    slots_for_names = bench.slots
+    names = spec.adapter_names(slots_for_names)
+    if bench.engine == "real":
+        root, names = adapter_dir(bench, len(names))
+    workload = make_workload(spec, names)
+    config = {"bench": dataclasses.asdict(bench), "workload": workload.describe(), "adapters": len(names),
+              "policies": [dataclasses.asdict(p) for p in policies], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "host": _host(), "title": f"({bench.scenario or spec.popularity}, {bench.engine})"}
+    runs = (_run_real(bench, policies, root, names, workload, config) if bench.engine == "real"
+            else _run_sim(bench, policies, workload, config))
+    doc = write(Path(bench.out), config, runs, plots=bench.plots)
+    if bench.engine == "real" and bench.check_sim:
+        doc["sim_check"] = _check_sim(bench, policies, workload, runs)
+        (Path(bench.out) / "results.json").write_text(json.dumps(doc, indent=1, default=str))
+    return doc
+
+
+def _run_real(bench: BenchConfig, policies: Sequence[BenchPolicy], root: str, names: list[str], workload: Workload,
+              config: dict[str, Any]) -> list[PolicyRun]:
+    import ray
+
+    from bench.real import RealConfig, run_policy
+    from lora_cache.controller import NAMESPACE
+
+    gpus = bench.use_gpus()
+    real = RealConfig(model=bench.model, num_layers=bench.num_layers, replicas=bench.replicas, tp=bench.tp,
+                      slots=bench.slots, max_rank=bench.max_rank, max_running=bench.max_running,
+                      max_adapters=bench.max_adapters, max_prefill_tokens=bench.max_prefill_tokens,
+                      max_seq_len=bench.max_seq_len, hint_lead_s=bench.hint_lead_s, gpus=gpus,
+                      dtype="bfloat16" if gpus else "float32", timeout_s=bench.timeout_s)
+    config["real"] = dataclasses.asdict(real)
+    owns = not ray.is_initialized()
+    if owns:  # inside `ray job submit` this joins the job's cluster; alone, it starts an embedded one
+        ray.init(namespace=NAMESPACE, log_to_driver=False)
+    runs = []
+    try:
+        for policy in policies:
+            with _progress(policy.name) as tick:
+                runs.append(run_policy(real, policy, root, names, workload, tick))
+    finally:
+        if owns:
+            ray.shutdown()
+    return runs
+
+
+def _run_sim(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workload,
+             config: dict[str, Any], calibration: Any = None) -> list[PolicyRun]:
+    from bench.sim import SimConfig, simulate
+    from bench.sim.calibration import load_calibration
+
+    calib = calibration if calibration is not None else load_calibration(bench.calibration)
+    sim = SimConfig(model=bench.model, replicas=bench.replicas, tp=bench.tp, slots=bench.slots,
+                    max_rank=bench.max_rank, adapter_ranks=bench.adapter_ranks, max_running=bench.max_running,
+                    max_adapters=bench.max_adapters, max_prefill_tokens=bench.max_prefill_tokens,
+                    hint_lead_s=bench.hint_lead_s)
+    config["sim"] = dataclasses.asdict(sim)
+    config["calibration"] = dataclasses.asdict(calib)
+    runs = []
+    for policy in policies:
+        with _progress(policy.name) as tick:
+            t0 = time.perf_counter()
+            result = simulate(sim, policy, workload, calib)
+            tick(1.0)
+        runs.append(result.as_policy_run(policy.name, time.perf_counter() - t0))
+    return runs
+
+
+def _check_sim(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workload,
+               runs: list[PolicyRun]) -> dict[str, Any]:
+    """The simulator on this run's configuration, with costs fitted from this run's logs."""
+    from bench.figures import figures
+    from bench.sim.calibration import fit_calibration
+
+    steps = [s for run in runs for s in run.steps]
+    loads = [x for run in runs for x in run.loads]
+    calib = fit_calibration(steps, loads, name=f"fitted-{bench.model}", source="this run's step and load logs")
+    sims = _run_sim(bench, policies, workload, {}, calib)
+    out: dict[str, Any] = {"calibration": dataclasses.asdict(calib), "policies": {}}
+    for real, sim in zip(runs, sims):
+        fr, fs = figures(real), figures(sim)
+        out["policies"][real.policy] = {
+            key: {"real": fr[key], "sim": fs[key], "error": fs[key] / fr[key] - 1 if fr[key] else math.inf}
+            for key in ("mean_ttft_ms", "p99_ttft_ms")}
+    out["within_15pct"] = all(abs(v["error"]) <= 0.15 for p in out["policies"].values() for v in p.values())
+    return out
+
+
+class _progress:
+    """A tqdm bar per policy (to stderr), fed the fraction of the request stream's time elapsed."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> Any:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=100, desc=f"{self.name:>8}", unit="%", file=sys.stderr, leave=True,
+                        bar_format="{desc} {bar} {n:.0f}% [{elapsed}]")
+
+        def tick(fraction: float) -> None:
+            self.bar.n = round(100 * fraction)
+            self.bar.refresh()
+
+        return tick
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.n = 100 if exc[0] is None else self.bar.n
+        self.bar.close()
+
+
+def _host() -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"hostname": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+            "gpu": gpu, "gpus": torch.cuda.device_count() if gpu else 0}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        bench, spec = configs(ns)
+        doc = run(bench, spec)
+    except LoraCacheError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(doc["table"])
+    if "sim_check" in doc:
+        print("\nsimulator vs real (TTFT):", json.dumps(doc["sim_check"]["policies"], indent=1))
+    print(f"\nresults: {Path(bench.out) / 'results.json'}")
+    failed = {name: f["failed"] for name, f in doc["figures"].items() if f["failed"]}
+    if failed:
+        print(f"error: requests failed: {failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

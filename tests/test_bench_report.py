@@ -1,0 +1,86 @@
+"""The benchmark's plain parts on the CPU: policy registry, scenarios and options, figures, goals, outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.figures import PolicyRun, figures, goals, timeline
+from bench.policies import BENCH_POLICIES, parse_policies
+from bench.report import main as report_main
+from bench.report import write
+from bench.run import build_parser, configs
+from lora_cache.errors import ConfigError
+from workers.engine.timings import RequestRecord
+
+
+def _record(rid: int, arrival: float, first: float, tokens: int = 3, wait: float = 0.0) -> RequestRecord:
+    token_s = tuple(first + 0.01 * i for i in range(tokens))
+    return RequestRecord(rid, f"a{rid % 2}", 8, tokens, arrival, arrival, token_s, wait)
+
+
+def _run(policy: str = "global") -> PolicyRun:
+    records = [_record(i, 0.1 * i, 0.1 * i + 0.02 * (i + 1), wait=0.005 * (i % 2)) for i in range(10)]
+    ranks = [{"replica": "replica-0", "rank": 0, "host_hits": 3, "host_misses": 1, "prefetch_used": 2,
+              "prefetch_unused": 1, "loads": 2, "bytes_host_to_gpu": 300, "bytes_disk_to_host": 100}]
+    loads = [{"t_s": 0.05, "nbytes": 100, "ready_ms": 2.0}, {"t_s": 0.5, "nbytes": 200, "ready_ms": 4.0}]
+    return PolicyRun(policy, "sim", records, ranks, loads)
+
+
+def test_policy_registry_and_parsing() -> None:
+    assert [p.name for p in parse_policies("all")] == ["ondemand", "overlap", "queue", "global", "oracle"]
+    assert [p.name for p in parse_policies("global, ondemand")] == ["global", "ondemand"]
+    assert BENCH_POLICIES["oracle"].oracle and BENCH_POLICIES["global"].hints
+    for bad, word in (("", "none given"), ("fifo", "not registered"), ("global,global", "twice")):
+        with pytest.raises(ConfigError, match=word):
+            parse_policies(bad)
+
+
+def test_figures_follow_their_definitions() -> None:
+    f = figures(_run())
+    assert f["completed"] == 10 and f["failed"] == 0
+    assert f["gpu_hit_rate"] == pytest.approx(0.5)  # half the requests waited on a load
+    assert f["host_hit_rate"] == pytest.approx(0.75)
+    assert f["prefetch_accuracy"] == pytest.approx(2 / 3)
+    assert f["median_time_to_ready_ms"] == pytest.approx(3.0)
+    assert f["mean_load_wait_ms"] == pytest.approx(2.5)
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        assert f[f"median_{m}_ms"] <= f[f"p90_{m}_ms"] <= f[f"p99_{m}_ms"]
+    no_prefetch = _run()
+    no_prefetch.ranks[0].update(prefetch_used=0, prefetch_unused=0)
+    assert figures(no_prefetch)["prefetch_accuracy"] is None
+    line = timeline(_run(), bins=4)
+    assert sum(line["bytes_host_to_gpu"]) == 300 and len(line["t_s"]) == 4
+
+
+def test_goals_compare_against_the_named_references() -> None:
+    by = {"ondemand": {"mean_ttft_ms": 100.0, "p99_ttft_ms": 1000.0}, "global": {"mean_ttft_ms": 30.0,
+          "p99_ttft_ms": 150.0}, "oracle": {"mean_ttft_ms": 20.0, "p99_ttft_ms": 140.0},
+          "queue": {"mean_ttft_ms": 60.0, "p99_ttft_ms": 200.0}}
+    checked = {g["goal"]: g for g in goals(by, "zipf:1.5")}
+    assert checked["global mean TTFT <= 0.40x ondemand"]["ratio"] == pytest.approx(0.3)
+    assert checked["global p99 TTFT <= 0.20x ondemand"]["met"]
+    assert checked["global p99 TTFT <= 1.15x oracle"]["ratio"] == pytest.approx(150 / 140)
+    assert checked["global p99 TTFT <= 0.8x queue"]["met"]
+    assert not any("queue" in g["goal"] for g in goals(by, "uniform"))  # that goal is for bursty and zipf
+
+
+def test_scenarios_fill_only_unset_options() -> None:
+    bench, spec = configs(build_parser().parse_args(["--scenario", "seed", "--slots", "4"]))
+    assert bench.slots == 4 and spec.num_adapters == 16 and spec.arrivals == "poisson:4"
+    bench, spec = configs(build_parser().parse_args(["--quick"]))
+    assert bench.scenario == "quick" and bench.model == "tiny" and spec.popularity == "zipf:1.5"
+    with pytest.raises(ConfigError, match="scenario 'nope'"):
+        configs(build_parser().parse_args(["--scenario", "nope"]))
+    with pytest.raises(ConfigError, match="engine"):
+        configs(build_parser().parse_args(["--engine", "gpu"]))
+
+
+def test_write_and_redraw(tmp_path, capsys) -> None:
+    doc = write(tmp_path, {"workload": {"popularity": "zipf:1.5"}, "title": "t"}, [_run("ondemand"), _run("global")])
+    assert json.loads((tmp_path / "results.json").read_text())["figures"]["global"]["completed"] == 10
+    assert "| global |" in doc["table"] and "0.40x ondemand" in doc["table"]
+    (tmp_path / "ttft_cdf.png").unlink()
+    assert report_main([str(tmp_path / "results.json")]) == 0
+    assert (tmp_path / "ttft_cdf.png").exists() and "| ondemand |" in capsys.readouterr().out
