@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -130,18 +131,26 @@ def configs(ns: argparse.Namespace) -> tuple[BenchConfig, WorkloadSpec]:
 
 
 def adapter_dir(bench: BenchConfig, needed: int) -> tuple[str, list[str]]:
-    """The adapters to serve: ``--adapters`` or ``needed`` made under ``--out`` (reused when present)."""
+    """The adapters to serve, from ``--adapters`` (default: under ``--out``). A directory that is empty, or
+    holds only adapters this job made (``adapter-NNN``), is topped up to ``needed`` (same seed: the
+    ones already there are rewritten identical); any other directory must hold enough already."""
     from lora_cache.synth import SynthConfig, make_adapters
 
     root = Path(bench.adapters or Path(bench.out) / "adapters")
-    found = sorted(p.name for p in root.glob("*") if (p / "adapter_config.json").is_file()) if root.is_dir() else []
-    if not found and not bench.adapters:
+
+    def found() -> list[str]:
+        return sorted(p.name for p in root.glob("*") if (p / "adapter_config.json").is_file()) if root.is_dir() else []
+
+    have = found()
+    ours = all(re.fullmatch(r"adapter-\d{3,}", n) for n in have)
+    if len(have) < needed and ours:
         make_adapters(str(root), SynthConfig(model=bench.model, count=needed, rank=bench.adapter_ranks))
-        found = sorted(p.name for p in root.glob("*") if (p / "adapter_config.json").is_file())
-    if len(found) < needed:
-        raise ConfigError(f"adapters: {root} holds {len(found)} adapters but the workload needs {needed}; point "
-                          "--adapters at a larger directory, or leave it empty to make them")
-    return str(root), found[:needed]
+        have = found()
+    found_names = have
+    if len(found_names) < needed:
+        raise ConfigError(f"adapters: {root} holds {len(found_names)} adapters but the workload needs {needed}; "
+                          "point --adapters at a larger directory, or at an empty one to make them")
+    return str(root), found_names[:needed]
 
 
 def run(bench: BenchConfig, spec: WorkloadSpec) -> dict[str, Any]:
@@ -175,7 +184,10 @@ def _run_real(bench: BenchConfig, policies: Sequence[BenchPolicy], root: str, na
                       slots=bench.slots, max_rank=bench.max_rank, max_running=bench.max_running,
                       max_adapters=bench.max_adapters, max_prefill_tokens=bench.max_prefill_tokens,
                       max_seq_len=bench.max_seq_len, hint_lead_s=bench.hint_lead_s, gpus=gpus,
-                      dtype="bfloat16" if gpus else "float32", timeout_s=bench.timeout_s)
+                      dtype="bfloat16" if gpus else "float32", timeout_s=bench.timeout_s,
+                      # one set of random base weights for every layer: the same math and bytes read per
+                      # layer (far beyond any cache), a fraction of the start-up time and memory
+                      engine={"share_weights": True})
     config["real"] = dataclasses.asdict(real)
     owns = not ray.is_initialized()
     if owns:  # inside `ray job submit` this joins the job's cluster; alone, it starts an embedded one

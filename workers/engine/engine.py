@@ -57,7 +57,9 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
                engine: RankEngine | None = None, hooks: Hooks | None = None) -> EngineResult:
     """One rank's whole run (rank 0 also schedules and records); ``engine``: built already (over a worker's
     cache, see ``RankEngine``), or None to build one here. The engine is closed at the end."""
-    engine = engine if engine is not None else RankEngine(config, comm)
+    if engine is None:
+        engine = RankEngine(config, comm)
+        engine.warm_up()
     hooks = hooks or Hooks()
     scheduler = Scheduler(config, rule, requests, hooks.inflight) if comm.rank == 0 else None
     try:

@@ -119,6 +119,7 @@ class HostedEngine:
             self.comm = Comm(rank, meet.world, control)
         self.config = config
         self.engine = RankEngine(config, self.comm, self.cache)  # model and KV cache built before the clock
+        self.engine.warm_up()
 
     def run(self, requests: Sequence[Request], start_wall: float, inflight: int = 0,
             report: Callable[[list[tuple[str, float]]], None] | None = None) -> EngineResult:

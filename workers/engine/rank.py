@@ -245,6 +245,22 @@ class RankEngine:
         return StepInputs(prefill, tuple(spans), dev(positions), rows, dev(last),
                           max(it.start + it.length for it in items))
 
+    # -- warm-up ---------------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Run the step shapes once before the clock starts, so no request pays for compiling kernels
+        (Triton JIT, attention back ends): prefills and decodes of a few sizes, LoRA on slot 0 (its rank
+        is 0 while empty, so the kernels run and add nothing), through the all-reduce. Every rank calls
+        this at once; the KV rows it writes are overwritten by the next prefill of each row."""
+        c = self.config
+        sizes = sorted({1, 3, min(16, c.max_running), c.max_running})
+        with self._on_stream():
+            for n in sizes:
+                prompt = max(1, min(17, c.max_prefill_tokens // n, c.max_seq_len - 1))
+                prefill = [Item(-1 - i, "warm", i, 0, prompt) for i in range(n)]
+                self._forward(True, prefill, {"warm": 0})
+                self._forward(False, [Item(it.rid, "warm", it.row, prompt, 1) for it in prefill], {"warm": 0})
+        self._sync()
+
     # -- streams ---------------------------------------------------------------------------------------
     def _on_stream(self) -> Any:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
