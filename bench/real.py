@@ -27,6 +27,7 @@ from bench.figures import PolicyRun
 from bench.policies import BenchPolicy
 from lora_cache.catalog import CatalogConfig
 from lora_cache.client import Hint, LoraCacheClient
+from lora_cache.controller import CONTROLLER_NAME, NAMESPACE
 from lora_cache.errors import ConfigError
 from lora_cache.gateway import GatewayConfig, start_gateway_thread
 from lora_cache.planner import PlannerConfig
@@ -90,6 +91,7 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
                           max_adapters=min(config.max_adapters, slots), max_prefill_tokens=config.max_prefill_tokens,
                           max_seq_len=config.max_seq_len, admission=policy.admission, **config.engine)
     t_begin = time.perf_counter()
+    _refuse_running_service()
     service = start(serve, catalog, PlannerConfig(policy=policy.planner), worker)
     gateway = None
     try:
@@ -122,6 +124,18 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
         if gateway is not None:
             gateway.stop()
         _stop(service)
+
+
+def _refuse_running_service() -> None:
+    """The benchmark starts its own controller under the service's name; on a cluster where
+    ``lora-cache serve`` runs it would attach to that one and measure (and disturb) production."""
+    try:
+        ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return
+    raise ConfigError(f"a lora-cache controller ({CONTROLLER_NAME!r} in namespace {NAMESPACE!r}) is already running "
+                      "on this Ray cluster; stop the service first (deploy/start-service.sh stop, or Ctrl-C its "
+                      "`lora-cache serve`), or run the benchmark on a cluster of its own")
 
 
 def _build(ranks: dict[str, list[Any]], engine: EngineConfig, timeout_s: float) -> None:

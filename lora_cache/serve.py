@@ -20,6 +20,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from lora_cache.catalog import CatalogConfig
+from lora_cache.cluster import connect
 from lora_cache.control import ControllerConfig, WorkerId
 from lora_cache.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor, worker_name
 from lora_cache.errors import ConfigError
@@ -73,8 +74,8 @@ def _bundle(serve: ServeConfig) -> dict[str, float]:
 
 def start(serve: ServeConfig, catalog: CatalogConfig, planner: PlannerConfig, worker: WorkerConfig) -> Service:
     owns = not ray.is_initialized()
-    if owns:
-        ray.init(address=serve.address or None, namespace=NAMESPACE, log_to_driver=False)
+    if owns:  # embedded, or join --address; unreachable or token-refused clusters fail fast (cluster.py)
+        connect(serve.address, NAMESPACE)
     if serve.adapters and not catalog.adapter_roots:
         catalog = dataclasses.replace(catalog, adapter_roots=(serve.adapters,))
     controller = ControllerActor.options(name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached",

@@ -1,0 +1,182 @@
+"""Joining a Ray cluster (``lora-cache serve --address``): fail fast, and say which failure and its fix.
+
+On its own, ``ray.init(address=...)`` waits 20 s and says only "Failed to connect" when the cluster
+wants a token this process lacks or does not match, and waits minutes on an address nobody answers.
+``connect`` checks first, in order, each failure with its own message:
+
+1. the address: ``auto`` means ``RAY_ADDRESS`` or the cluster ``ray start`` last started on this machine;
+2. this process's token settings: ``RAY_AUTH_MODE``, and the token Ray would read (``RAY_AUTH_TOKEN``,
+   else the file ``RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``); a set but unreadable or empty
+   ``RAY_AUTH_TOKEN_PATH`` would abort the process inside Ray;
+3. a TCP connection to the GCS port (refused or timed out: unreachable);
+4. one GCS call with those token settings (refused: the mode is off, or the token is not the cluster's).
+
+Token auth (Ray >= 2.52; 2.60 turns it on by itself for clusters it starts locally) is chosen by the
+``RAY_AUTH_MODE`` environment variable, which must be the same on every node and client. Ray turns
+it on by itself when joining ``auto`` with a token on disk, never for an explicit ``host:port``: there,
+``RAY_AUTH_MODE=token`` must be set (deploy/ does it on every node; see the README's deploy section).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+from typing import NamedTuple
+
+import ray
+
+from lora_cache.errors import LoraCacheError
+
+CONNECT_TIMEOUT_S = 5.0  # TCP connect to the GCS port
+GCS_ANSWER_TIMEOUT_S = 15.0  # the first GCS call; Ray alone would wait 40 s
+DEFAULT_TOKEN_PATH = Path("~/.ray/auth_token")
+TOKEN_FIX = ("put the cluster's token (print it on the head node with `ray get-auth-token`) in ~/.ray/auth_token, "
+             "or in a file named by RAY_AUTH_TOKEN_PATH, or in RAY_AUTH_TOKEN")
+
+
+class ClusterConnectError(LoraCacheError, ConnectionError):
+    """The Ray cluster to join cannot be reached, or refused this process."""
+
+
+class ClusterUnreachableError(ClusterConnectError):
+    """No Ray cluster answers at the address."""
+
+
+class ClusterAuthError(ClusterConnectError):
+    """The cluster wants a token this process does not send, or sends wrongly."""
+
+
+class Joined(NamedTuple):
+    address: str  # host:port of the GCS ("" for an embedded Ray)
+    nodes: int  # nodes alive when joined
+    token_auth: bool
+
+
+def auth_mode() -> str:
+    """This process's ``RAY_AUTH_MODE`` as Ray reads it ("" if unset)."""
+    return os.environ.get("RAY_AUTH_MODE", "").strip().lower()
+
+
+def _holds_token(path: Path) -> bool:
+    try:
+        return bool(path.expanduser().read_text().strip())
+    except OSError:  # missing, a directory, not readable
+        return False
+
+
+def token_source() -> str | None:
+    """Where Ray would read this process's token from, in Ray's order of precedence; None: nowhere."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "the RAY_AUTH_TOKEN environment variable"
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return f"RAY_AUTH_TOKEN_PATH={os.environ['RAY_AUTH_TOKEN_PATH']}"
+    return str(DEFAULT_TOKEN_PATH.expanduser()) if _holds_token(DEFAULT_TOKEN_PATH) else None
+
+
+def check_token_settings(address: str) -> None:
+    """Step 2: refuse settings that Ray would abort on or reject, before Ray reads them."""
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if path and not os.environ.get("RAY_AUTH_TOKEN") and not _holds_token(Path(path)):
+        raise ClusterAuthError(f"RAY_AUTH_TOKEN_PATH={path} is not a readable file holding a token; {TOKEN_FIX}")
+    if auth_mode() == "token" and token_source() is None:
+        raise ClusterAuthError(f"RAY_AUTH_MODE=token but this process has no Ray token to join {address} "
+                               f"with; {TOKEN_FIX}")
+
+
+def resolve_address(address: str) -> str:
+    """Step 1: the GCS ``host:port`` that ``ray.init(address)`` would join."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    if address.startswith(("ray://", "http://", "https://")):
+        raise ClusterUnreachableError(
+            f"--address {address!r} is a Ray Client or dashboard address; lora-cache serve joins the cluster "
+            "itself: run it on a node of the cluster with --address auto, or give the GCS host:port "
+            "(`ray start --head --port`, 6379 by default)")
+    try:
+        resolved = canonicalize_bootstrap_address(address)
+    except (ConnectionError, ValueError) as e:
+        hint = ("no RAY_ADDRESS and no cluster started with `ray start` on this machine; start one (`ray start "
+                "--head`, or `ray up deploy/<cluster>.yaml`) or give --address host:port of its GCS"
+                if address == "auto" else "give host:port of the head node's GCS, e.g. 10.0.0.1:6379")
+        raise ClusterUnreachableError(f"--address {address!r}: {e}; {hint}") from e
+    if resolved is None:
+        raise ClusterUnreachableError(f"--address {address!r} names no cluster; give auto or host:port")
+    return str(resolved)
+
+
+def check_reachable(gcs: str, address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Step 3: something accepts TCP connections at the GCS port."""
+    host, _, port = gcs.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        why = f"no answer within {timeout_s:.0f} s" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+        raise ClusterUnreachableError(
+            f"no Ray cluster answers at {gcs} (--address {address}): {why.lower()}; "
+            "check that the head node is up (`ray status` on it), that this host can reach it (firewall, "
+            "security group), and that the port is the GCS port (`ray start --head --port`, 6379 by "
+            "default; not the dashboard's 8265 or Ray Client's 10001)") from e
+
+
+def _auth_refused(gcs: str) -> ClusterAuthError:
+    mode, source = auth_mode(), token_source()
+    if mode != "token":
+        then = (f"; it would then send the token in {source} (the cluster's own: `ray get-auth-token` on the head "
+                "node)" if source else f", and {TOKEN_FIX}")
+        return ClusterAuthError(f"the Ray cluster at {gcs} requires token authentication, but RAY_AUTH_MODE is "
+                                f"{mode or 'unset'} in this process: set RAY_AUTH_MODE=token{then}")
+    return ClusterAuthError(f"the Ray cluster at {gcs} refused this process's token, from {source}: it is not the "
+                            f"cluster's token; {TOKEN_FIX}")
+
+
+def check_gcs(gcs: str, timeout_s: float = GCS_ANSWER_TIMEOUT_S) -> None:
+    """Step 4: one GCS call with this process's token settings, bounded in time."""
+    from ray._raylet import GcsClient  # type: ignore[attr-defined]  # Cython, no stub
+    from ray.exceptions import AuthenticationError
+
+    outcome: list[BaseException | None] = []
+
+    def probe() -> None:
+        try:
+            GcsClient(address=gcs)
+            outcome.append(None)
+        except BaseException as e:  # handed to the caller's thread below
+            outcome.append(e)
+
+    thread = threading.Thread(target=probe, name="lora-cache-gcs-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not outcome:
+        raise ClusterUnreachableError(
+            f"{gcs} accepts connections but no Ray GCS answered within {timeout_s:.0f} s: check that the port is "
+            "the GCS port (`ray start --head --port`, 6379 by default), and that the head node is healthy")
+    error = outcome[0]
+    if isinstance(error, AuthenticationError):
+        raise _auth_refused(gcs) from None
+    if error is not None:
+        raise ClusterUnreachableError(f"the Ray GCS at {gcs} did not answer: {error}") from error
+
+
+def connect(address: str, namespace: str) -> Joined:
+    """``ray.init`` on an embedded local Ray (``address`` empty) or on the cluster at ``address``."""
+    if not address:
+        ray.init(namespace=namespace, log_to_driver=False)
+        return Joined("", 1, auth_mode() == "token")
+    if address == "auto":  # what ray.init("auto") does: token mode when a token is on disk and the mode is unset
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    gcs = resolve_address(address)
+    check_token_settings(gcs)
+    check_reachable(gcs, address)
+    check_gcs(gcs)
+    ray.init(address=gcs, namespace=namespace, log_to_driver=False)
+    joined = Joined(gcs, sum(1 for n in ray.nodes() if n["Alive"]), auth_mode() == "token")
+    print(f"lora-cache: joined the Ray cluster at {gcs} ({joined.nodes} nodes alive, token auth "
+          f"{'on' if joined.token_auth else 'off'})", flush=True)
+    return joined

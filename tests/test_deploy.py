@@ -1,0 +1,271 @@
+"""deploy/: the cluster configs pass Ray's own checks, the way `ray up` runs them before it touches a machine
+(a typo'd key or a wrong type fails with Ray's message); their start commands pass options lora-cache
+accepts, after Ray is up; Ray's token goes to every node on purpose; the benchmark's runtime env is valid
+and uploads only the sources. And `lora-cache serve` fails fast, with the fix, where it cannot join."""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import ray
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+from lora_cache.cli import build_parser
+from lora_cache.cliargs import config_from_args
+from lora_cache.cluster import ClusterAuthError, ClusterUnreachableError, connect
+from lora_cache.serve import ServeConfig
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+CLUSTER_CONFIGS = sorted(p.name for p in DEPLOY.glob("*.yaml") if "provider" in yaml.safe_load(p.read_text()))
+SERVICE = "start-service.sh start"
+
+
+def load(name: str) -> dict[str, Any]:
+    return dict(yaml.safe_load((DEPLOY / name).read_text()))
+
+
+def ray_up_checks(config: dict[str, Any]) -> dict[str, Any]:
+    """What `ray up` checks before any cloud or SSH call (commands._bootstrap_config): the provider's defaults
+    and node types filled in (prepare_config; the local provider's head_ip/worker_ips), then ray-schema.json
+    (validate_config). It raises Ray's own errors."""
+    prepared = prepare_config(copy.deepcopy(config))
+    validate_config(prepared)
+    return prepared
+
+
+def test_both_fleets_ship_a_config() -> None:
+    assert {"onprem.yaml", "aws-gpu.yaml"} <= set(CLUSTER_CONFIGS)
+    assert load("onprem.yaml")["provider"]["type"] == "local" and load("aws-gpu.yaml")["provider"]["type"] == "aws"
+
+
+@pytest.mark.parametrize("name", CLUSTER_CONFIGS)
+def test_config_passes_rays_own_validation(name: str) -> None:
+    prepared = ray_up_checks(load(name))
+    assert prepared["head_node_type"] in prepared["available_node_types"]
+
+
+def test_onprem_config_names_head_workers_and_ssh_user() -> None:
+    config = load("onprem.yaml")
+    assert config["provider"]["head_ip"] and config["provider"]["worker_ips"] and config["auth"]["ssh_user"]
+    node_type = ray_up_checks(config)["available_node_types"]["local.cluster.node"]
+    assert node_type["max_workers"] == len(config["provider"]["worker_ips"])  # every listed machine joins
+
+
+def test_aws_config_autoscales_gpu_node_types() -> None:
+    types = ray_up_checks(load("aws-gpu.yaml"))["available_node_types"]
+    gpu = {k: v for k, v in types.items() if k != "head"}
+    assert gpu and all(v["max_workers"] >= max(1, v["min_workers"]) for v in gpu.values())
+    assert sum(v["min_workers"] for v in gpu.values()) >= 1  # the service's replicas have somewhere to go
+
+
+def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(config: dict[str, Any]) -> None:
+        *parents, key = path.split(".")
+        node = config
+        for p in parents:
+            node = node[p]
+        node[key] = value
+
+    return mutate
+
+
+def _drop(path: str) -> Callable[[dict[str, Any]], None]:
+    def mutate(config: dict[str, Any]) -> None:
+        *parents, key = path.split(".")
+        node = config
+        for p in parents:
+            node = node[p]
+        del node[key]
+
+    return mutate
+
+
+BROKEN = [  # (config, change, Ray's message)
+    ("onprem.yaml", _set("file_mount", {}), "Additional properties are not allowed ('file_mount' was unexpected)"),
+    ("onprem.yaml", _set("auth.ssh_usr", "ubuntu"), "Additional properties are not allowed ('ssh_usr' was unexpected)"),
+    ("onprem.yaml", _set("idle_timeout_minutes", "five"), "'five' is not of type 'number'"),
+    ("onprem.yaml", _set("provider.worker_ips", "10.0.0.11"), "'10.0.0.11' is not of type 'array'"),
+    ("onprem.yaml", _set("worker_start_ray_commands", "ray start"), "'ray start' is not of type 'array'"),
+    ("aws-gpu.yaml", _set("max_worker", 4), "Additional properties are not allowed ('max_worker' was unexpected)"),
+    ("aws-gpu.yaml", _set("available_node_types.gpu-4x-l40s.min_worker", 1),
+     "Additional properties are not allowed ('min_worker' was unexpected)"),
+    ("aws-gpu.yaml", _set("available_node_types.gpu-4x-l40s.max_workers", "four"), "'four' is not of type 'integer'"),
+    ("aws-gpu.yaml", _drop("available_node_types.head.resources"), "'resources' is a required property"),
+    ("aws-gpu.yaml", _set("provider.security_group.IpRules", []),
+     "Additional properties are not allowed ('IpRules' was unexpected)"),
+]
+
+
+@pytest.mark.parametrize(("name", "change", "message"), BROKEN, ids=[m for _, _, m in BROKEN])
+def test_a_typo_or_a_wrong_type_fails_with_rays_message(name: str, change: Callable[[dict[str, Any]], None],
+                                                       message: str) -> None:
+    config = load(name)
+    change(config)
+    with pytest.raises(jsonschema.ValidationError) as raised:
+        ray_up_checks(config)
+    assert message in str(raised.value)
+
+
+def test_onprem_without_head_ip_fails_with_rays_message() -> None:
+    import click
+
+    config = load("onprem.yaml")
+    del config["provider"]["head_ip"]
+    with pytest.raises(click.ClickException, match="Please supply a `head_ip` and list of `worker_ips`"):
+        ray_up_checks(config)
+
+
+@pytest.mark.parametrize("name", CLUSTER_CONFIGS)
+def test_ray_token_auth_is_on_for_every_node_and_the_token_goes_to_each(name: str) -> None:
+    config = load(name)
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    # setup_commands run on every node (head and workers) before its `ray start`; Ray's SSH runner sources
+    # ~/.bashrc before each later command, so every Ray process there runs with RAY_AUTH_MODE=token
+    assert "echo 'export RAY_AUTH_MODE=token' >> ~/.bashrc" in config["setup_commands"][0]
+
+
+@pytest.mark.parametrize("name", CLUSTER_CONFIGS)
+def test_nodes_install_the_ray_version_tested_here(name: str) -> None:
+    pins = set(re.findall(r"ray\[default\]==([\w.]+)", " ".join(load(name)["setup_commands"])))
+    assert pins == {ray.__version__}, f"{name} installs Ray {pins}; this checkout tests {ray.__version__}"
+
+
+def _service_args(config: dict[str, Any]) -> list[str]:
+    (command,) = [c for c in config["head_start_ray_commands"] if SERVICE in c]
+    return shlex.split(command.split(SERVICE, 1)[1])
+
+
+@pytest.mark.parametrize("name", CLUSTER_CONFIGS)
+def test_the_service_starts_on_the_head_after_ray_with_options_lora_cache_accepts(name: str) -> None:
+    config = load(name)
+    commands = config["head_start_ray_commands"]
+    order = [next(i for i, c in enumerate(commands) if text in c)
+             for text in ("start-service.sh stop", "ray stop", "ray start --head", SERVICE)]
+    assert order == sorted(order), commands  # old service stopped first; the new one once Ray is up
+    head_port = re.search(r"ray start --head --port=(\d+)", " ".join(commands))
+    assert head_port and f"--address=$RAY_HEAD_IP:{head_port[1]}" in " ".join(config["worker_start_ray_commands"])
+
+    ns = build_parser().parse_args(["serve", *_service_args(config)])  # an unknown option exits here
+    serve = config_from_args(ServeConfig, ns)
+    assert serve.gpus and serve.placement_timeout_s >= 600  # GPU workers; placed as GPU nodes join
+    assert ns.grpc_host == "0.0.0.0" and ns.token_file == "~/.lora-cache/grpc_token"  # routers reach it, with a token
+    assert config["file_mounts"][ns.token_file] == ns.token_file
+    if config["provider"]["type"] == "aws":  # the gRPC port is open to routers, and only it beyond Ray's defaults
+        rules = config["provider"]["security_group"]["IpPermissions"]
+        assert [(r["FromPort"], r["ToPort"]) for r in rules] == [(ns.grpc_port, ns.grpc_port)]
+
+
+def test_start_service_script_is_executable_bash() -> None:
+    script = DEPLOY / "start-service.sh"
+    assert os.access(script, os.X_OK)
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True, timeout=10).returncode == 0
+    usage = subprocess.run([str(script)], capture_output=True, text=True, timeout=10)
+    assert usage.returncode == 2 and "usage:" in usage.stderr
+
+
+def test_start_service_fails_with_serves_message_when_serve_exits(tmp_path: Path) -> None:
+    """`ray up` shows the reason: the service's own error, not a silent background failure."""
+    env = {**_no_ray_env(), "LORA_CACHE_HOME": str(tmp_path),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    done = subprocess.run([str(DEPLOY / "start-service.sh"), "start", "--placement", "DIAGONAL"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "lora-cache serve exited before joining the Ray cluster" in done.stderr
+    assert "placement 'DIAGONAL' is not one of" in done.stderr
+    assert not (tmp_path / "serve.pid").exists()
+
+
+def test_runtime_env_is_valid_and_uploads_only_the_sources() -> None:
+    from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
+    from ray.runtime_env import RuntimeEnv
+
+    env = yaml.safe_load((DEPLOY / "runtime_env.yaml").read_text())
+    assert set(env) <= RuntimeEnv.known_fields
+    RuntimeEnv(**env)  # Ray's type checks of each field
+    for pattern in (".git", ".device", "__pycache__", "*.egg-info"):
+        assert pattern in env["excludes"]
+    files: list[Path] = []  # what Ray would zip, by these excludes alone (.gitignore not counted)
+    _dir_travel(REPO, [_get_excludes(REPO, env["excludes"])], lambda p: files.append(p) if p.is_file() else None,
+                include_gitignore=False)
+    parts = {part for f in files for part in f.relative_to(REPO).parts}
+    assert not parts & {".git", ".device", "__pycache__", ".mypy_cache"}, sorted(parts)[:20]
+    assert not any(p.endswith(".egg-info") for p in parts)
+    assert {"bench", "lora_cache", "workers", "pyproject.toml"} <= parts
+    assert sum(f.stat().st_size for f in files) < 32 << 20
+
+
+def test_readme_submit_command_uses_the_runtime_env() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert "--runtime-env deploy/runtime_env.yaml -- python -m bench.run --quick" in readme
+
+
+# -- lora-cache serve where it cannot join: fails fast, says which failure and its fix ---------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _no_ray_env() -> dict[str, str]:
+    """This environment without RAY_* (RAY_ADDRESS, RAY_AUTH_MODE, ...): the test sets what it needs."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+
+
+def test_serve_against_an_unreachable_cluster_fails_fast_with_the_fix() -> None:
+    env = _no_ray_env()
+    address = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "lora_cache.cli", "serve", "--address", address],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert time.monotonic() - t0 < 20  # Ray alone keeps trying for minutes
+    assert "lora-cache serve: error: no Ray cluster answers at" in done.stderr
+    assert "connection refused" in done.stderr and "the GCS port" in done.stderr
+
+
+@pytest.mark.parametrize("address", ["ray://10.0.0.10:10001", "http://10.0.0.10:8265"])
+def test_a_ray_client_or_dashboard_address_is_refused_with_the_fix(address: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ClusterUnreachableError, match="give the GCS host:port"):
+        connect(address, "lora-cache")
+
+
+def test_an_unreadable_token_path_is_refused_before_ray_reads_it(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "missing"))  # Ray would abort the process on it
+    with pytest.raises(ClusterAuthError, match=r"is not a readable file holding a token.*ray get-auth-token"):
+        connect(f"127.0.0.1:{_free_port()}", "lora-cache")
+    assert not ray.is_initialized()
+
+
+def test_a_port_that_is_not_a_ray_gcs_is_named_within_the_bound() -> None:
+    """Something listens, nothing answers as a GCS (Ray alone waits 40 s): the check gives up at its bound.
+    In a child process: the abandoned probe thread stays blocked in Ray's client until that process exits."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        gcs = f"127.0.0.1:{listener.getsockname()[1]}"
+        code = f"from lora_cache.cluster import check_gcs; check_gcs({gcs!r}, timeout_s=1.0)"
+        t0 = time.monotonic()
+        done = subprocess.run([sys.executable, "-c", code], env=_no_ray_env(), capture_output=True, text=True,
+                              timeout=60)
+    assert time.monotonic() - t0 < 15
+    assert done.returncode == 1 and "ClusterUnreachableError" in done.stderr
+    assert f"{gcs} accepts connections but no Ray GCS answered within 1 s" in done.stderr
