@@ -102,7 +102,7 @@ def bench_disk(catalog: AdapterCatalog, rank: int, tp: int, reps: int) -> dict[s
                 _drop_cache(spec.weights)
             t0 = time.perf_counter()
             with open(spec.weights, "rb", buffering=0) as f:
-                f.readinto(raw.numpy())  # type: ignore[attr-defined]
+                f.readinto(raw.numpy())  # type: ignore[attr-defined,arg-type]
             seq.append(time.perf_counter() - t0)
         out[f"{mode}_shard_ms"] = statistics.median(shard) * 1e3
         out[f"{mode}_seq_ms"] = statistics.median(seq) * 1e3

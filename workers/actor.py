@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -216,10 +217,12 @@ class WorkerActor:
     def engine_run(self, requests: list[Request], start_wall: float, inflight: int = 0,
                    report_queue: bool = False) -> EngineResult:
         """Serve ``requests`` from ``start_wall`` (time.time()); rank 0 reports its queue if asked."""
-        report = None
+        report: Callable[[list[tuple[str, float]]], None] | None = None
         if report_queue:
             controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
-            report = lambda q: ray.get(controller.report_queue.remote(self.replica, q), timeout=30)  # noqa: E731
+
+            def report(queue: list[tuple[str, float]]) -> None:
+                ray.get(controller.report_queue.remote(self.replica, queue), timeout=30)
         try:
             return HostedEngine.strip(self.engine.run(requests, start_wall, inflight, report))
         finally:
