@@ -4,7 +4,10 @@
 
 Runs one rank (TP 1) of ``llama-3.1-8b``: one prefill of ``--batch`` requests, then decode steps with
 and without LoRA adapters, and a ``torch.profiler`` trace of a few decode steps (top ops by self CPU
-and by CUDA time), so step overheads (launches, syncs) can be told from the math.
+and by CUDA time, kernel launches per step), so step overheads (launches, syncs) can be told from the
+math. Items run grouped by adapter (as the scheduler orders them) and, ``decode_lora_row_order_ms``,
+in KV-row order. ``lora_call_us``: host time of one call of the engine's LoRA op (q/k/v at the decode batch, real
+launches, nothing synced), the per-call cost the 4 x layers calls of a step pay.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -19,6 +23,7 @@ import torch
 from lora_cache.synth import SynthConfig, make_adapters
 from workers.engine.batching import DECODE, PREFILL, Item, StepPlan
 from workers.engine.config import EngineConfig
+from workers.engine.model import QKV
 from workers.engine.rank import RankEngine
 from workers.engine.tp import Comm
 
@@ -29,6 +34,25 @@ def _decode(engine: RankEngine, items: list[Item], step: int, adapters: bool) ->
     res = engine.execute(StepPlan(DECODE, its, hold))
     assert res is not None
     return (res.end_s - res.start_s) * 1e3
+
+
+def lora_call_us(engine: RankEngine, items: list[Item], calls: int = 256) -> float:
+    """Host time per call of the engine's LoRA op at the decode batch (best of 5 loops, no sync inside)."""
+    num_slots = engine.cache.config.num_slots  # any slots will do: this times the host side only
+    slots = [engine.index[it.adapter] % num_slots if it.adapter else -1 for it in items]
+    engine.lora.begin(slots, [1] * len(items), prefill=False)
+    d_in, width = engine.model.shape.hidden_size, sum(engine.cache.meta.dims[m][1] for m in QKV)
+    x = torch.randn(len(items), d_in, device=engine.device).to(engine.dtype)
+    y = torch.zeros(len(items), width, device=engine.device, dtype=engine.dtype)
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(calls):
+            engine.lora(x, y, i % len(engine.model.layers), QKV)
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    torch.cuda.synchronize()
+    return best
 
 
 def main() -> None:
@@ -52,19 +76,24 @@ def main() -> None:
     assert res is not None
     out: dict[str, object] = {"prefill_ms": (res.end_s - res.start_s) * 1e3}
     steps = 0
-    for label, adapters in (("decode_lora_ms", True), ("decode_base_ms", False)):
+    by_row = sorted(items, key=lambda it: it.row)  # KV rows in order: attention reads the cache in place
+    for label, order, adapters in (("decode_lora_ms", items, True), ("decode_base_ms", items, False),
+                                   ("decode_lora_row_order_ms", by_row, True)):
         times = []
         for _ in range(12):
             steps += 1
-            times.append(_decode(engine, items, steps, adapters))
+            times.append(_decode(engine, order, steps, adapters))
         out[label] = statistics.median(times[2:])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             steps += 1
             _decode(engine, items, steps, True)
-    table_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-    table_cuda = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20)
+    averages = prof.key_averages()
+    out["launches_per_step"] = sum(e.count for e in averages if "LaunchKernel" in e.key) / 3
+    out["lora_call_us"] = lora_call_us(engine, items)
+    table_cpu = averages.table(sort_by="self_cpu_time_total", row_limit=30)
+    table_cuda = averages.table(sort_by="self_cuda_time_total", row_limit=20)
     (ns.out / "profile_cpu.txt").write_text(table_cpu)
     (ns.out / "profile_cuda.txt").write_text(table_cuda)
     print(table_cpu)

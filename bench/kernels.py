@@ -1,26 +1,38 @@
-"""LoRA kernel measurements (issue 5): decode-shape bandwidth vs a device copy, and time vs the torch reference.
+"""LoRA kernel measurements (issue 5): decode-shape bandwidth vs a device copy, time vs the torch reference,
+and the wrappers' Python cost per call.
 
-    python -m bench.kernels --out FILE [--model llama-3.1-8b] [--tokens 1,2,4,...,256] [--ranks 16,64]
-                            [--mixes distinct,uniform8] [--modes bgmv] [--sweep]
+    python -m bench.kernels --out FILE [--model llama-3.1-8b] [--tokens 1,16,64,128,256] [--ranks 16,64]
+                            [--mixes identical,distinct,uniform8,zipf] [--modes bgmv] [--knobs reduce=0,block_k=64]
+                            [--sweep] [--only-overhead]
     python -m bench.kernels --smoke --out FILE     # tiny shapes on the CPU: the script runs end to end
 
 For each (mode, rank, adapter mix, tokens): one layer's fused q/k/v LoRA of the model shape in bf16, each
-adapter in its own slot of a pool, one ``lora_apply`` per step. Time per call is measured from CUDA-graph
-replays (what a decode engine runs; launch overhead excluded) and eagerly. Bytes touched = A and B of
-every distinct adapter in the batch + x + y read and written; bandwidth = bytes / time, as a fraction
-of a device-to-device copy's bandwidth measured in the same run (goal >= 0.7 at large decode batches).
-``--sweep`` also tries other BGMV block sizes at the largest batch. Prints a markdown table, writes JSON.
+adapter in its own slot of a pool, one ``lora_apply`` per step. Mixes: ``identical`` (one adapter),
+``distinct`` (one per token), ``uniformN`` (N adapters, uniform), ``zipf``/``zipfN`` (N adapters, 16 if
+not given, Zipf 1.5). Time per call comes from CUDA-graph replays (what a decode engine runs; launch
+overhead excluded) and eagerly. Bytes that must move = A and B of every *distinct* adapter of the batch
+(once, however many tokens share it) + x read + y read and written; bandwidth = bytes / time, as a
+fraction of a device-to-device copy of the same number of bytes timed the same way in the same run
+(``of_copy``; goal >= 0.7 at decode batches) and of a 1 GiB copy (``of_peak``).
+
+Overhead: at the engine's decode shape (32 tokens on 4 adapters, q/k/v, rank 64) the Python cost of one
+call: ``wrapper_us`` with the Triton launches replaced by no-ops (**launch stubbed**: the wrapper alone),
+``full_check_us`` for validating every argument (what each call paid before launch plans were cached),
+and on a GPU ``call_us`` with the real launches (CPU time to enqueue a call, no sync).
+``--sweep`` also tries other BGMV tile and block sizes at the largest batch. Prints markdown, writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -33,25 +45,28 @@ from lora_cache.peft import AdapterConfig, AdapterSpec, LoraModule
 from lora_cache.shapes import MODULE_ORDER, ModelShape, resolve_model
 from lora_cache.shards import shard_layout
 from workers.kernels import BatchMeta, SlotMeta, lora_apply, lora_apply_ref, shard_dims
+from workers.kernels.args import check_launch
 from workers.kernels.tuning import tuned
 
-GOAL = 0.7  # fraction of the copy bandwidth the decode kernels should reach at large batches
+GOAL = 0.7  # fraction of the copy bandwidth the decode kernels should reach at decode batches
 
 
 @dataclass(frozen=True)
 class KernelBenchConfig:
     model: str = field(default="llama-3.1-8b", metadata={"help": "named model shape or config.json"})
-    tokens: str = field(default="1,2,4,8,16,32,64,128,256", metadata={"help": "decode batch sizes"})
+    tokens: str = field(default="1,16,64,128,256", metadata={"help": "decode batch sizes"})
     ranks: str = field(default="16,64", metadata={"help": "LoRA ranks"})
-    mixes: str = field(default="distinct,uniform8", metadata={"help": "distinct (one adapter per token) or "
-                                                                       "uniformN (tokens share N adapters)"})
+    mixes: str = field(default="identical,distinct,uniform8,zipf",
+                       metadata={"help": "identical, distinct, uniformN (N adapters), zipf or zipfN (Zipf 1.5)"})
     modes: str = field(default="bgmv", metadata={"help": "kernels: bgmv (decode) and/or sgmv (prefill)"})
     modules: str = field(default="q_proj,k_proj,v_proj", metadata={"help": "fused modules of one call"})
     dtype: str = field(default="bfloat16", metadata={"help": "pool and activation dtype"})
     reps: int = field(default=30, metadata={"help": "timed repetitions (graph replays of 10 calls each)"})
     ref_reps: int = field(default=3, metadata={"help": "timed repetitions of the torch reference"})
-    copy_mib: int = field(default=1024, metadata={"help": "size of the device copy measured for the roofline"})
-    sweep: bool = field(default=False, metadata={"help": "also try other BGMV block sizes at the largest batch"})
+    copy_mib: int = field(default=1024, metadata={"help": "size of the device copy measured for the peak"})
+    knobs: str = field(default="", metadata={"help": "BGMV knobs for the whole run, e.g. reduce=0,block_k=64"})
+    sweep: bool = field(default=False, metadata={"help": "also try other BGMV tile/block sizes at the largest batch"})
+    only_overhead: bool = field(default=False, metadata={"help": "measure only the wrappers' Python cost"})
     smoke: bool = field(default=False, metadata={"help": "tiny shapes on the CPU (checks the script runs)"})
 
     def ints(self, name: str) -> list[int]:
@@ -61,8 +76,8 @@ class KernelBenchConfig:
         return [v.strip() for v in getattr(self, name).split(",") if v.strip()]
 
 
-SMOKE: dict[str, Any] = dict(model="tiny", tokens="1,3", ranks="8", mixes="distinct,uniform2", modes="bgmv,sgmv",
-                             dtype="float32", reps=2, ref_reps=1, copy_mib=4)
+SMOKE: dict[str, Any] = dict(model="tiny", tokens="1,3", ranks="8", mixes="identical,distinct,uniform2,zipf4",
+                             modes="bgmv,sgmv", dtype="float32", reps=2, ref_reps=1, copy_mib=4)
 
 
 # -- timing ------------------------------------------------------------------------------------------------
@@ -85,7 +100,7 @@ def _median_ms(fn: Callable[[], object], reps: int, device: torch.device) -> flo
     return statistics.median(samples)
 
 
-def graph_ms(step: Callable[[], None], reps: int, device: torch.device, inner: int = 10) -> float:
+def graph_ms(step: Callable[[], object], reps: int, device: torch.device, inner: int = 10) -> float:
     """Median time of one ``step`` from replays of a CUDA graph of ``inner`` steps (eager on the CPU)."""
     if device.type != "cuda":
         return _median_ms(step, reps, device)
@@ -103,12 +118,19 @@ def graph_ms(step: Callable[[], None], reps: int, device: torch.device, inner: i
 
 
 def copy_gbps(device: torch.device, mib: int, reps: int) -> float:
-    """Device-to-device copy bandwidth (bytes read + written per second), the roofline of this run."""
+    """Device-to-device copy bandwidth (bytes read + written per second) of a large copy: the peak."""
     src = torch.empty(mib << 20, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
     ms = _median_ms(lambda: dst.copy_(src), max(reps, 5), device)
     return 2 * src.numel() / ms / 1e6
+
+
+def copy_same_ms(nbytes: int, reps: int, device: torch.device) -> float:
+    """Time of a device copy that reads and writes ``nbytes`` in all, from graph replays like the kernels."""
+    src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return graph_ms(lambda: dst.copy_(src), reps, device)
 
 
 # -- one measured case ---------------------------------------------------------------------------------------
@@ -118,16 +140,30 @@ class Case(NamedTuple):
     batch: BatchMeta
     x: torch.Tensor
     y: torch.Tensor
-    bytes_touched: int
+    bytes_touched: int  # distinct adapters' A and B once + x + y read and written
+    adapters: int  # distinct adapters of the batch
+
+
+def mix_slots(mix: str, tokens: int, rng: np.random.Generator) -> tuple[int, np.ndarray]:
+    """(adapters, slot of each token) for a mix name; see the module docstring."""
+    if mix == "identical":
+        return 1, np.zeros(tokens, dtype=np.int64)
+    if mix == "distinct":
+        return tokens, rng.permutation(tokens)
+    if mix.startswith("uniform"):
+        n = int(mix.removeprefix("uniform"))
+        return n, rng.integers(0, n, tokens)
+    if mix.startswith("zipf"):
+        n = int(mix.removeprefix("zipf") or 16)
+        return n, np.minimum(rng.zipf(1.5, tokens), n) - 1
+    raise ValueError(f"unknown mix {mix!r}: identical, distinct, uniformN, zipf or zipfN")
 
 
 def build_case(shape: ModelShape, modules: list[str], rank: int, tokens: int, mix: str, mode: str,
-               dtype: torch.dtype, device: torch.device, seed: int = 0) -> Case:
+               dtype: torch.dtype, device: torch.device, seed: int = 0, chunk: int | None = None) -> Case:
     """One layer's adapters, one per slot, and a batch of ``tokens`` using them as ``mix`` says."""
     one_layer = dataclasses.replace(shape, num_layers=1)
-    rng = np.random.default_rng(seed)
-    num_slots = tokens if mix == "distinct" else int(mix.removeprefix("uniform"))
-    token_slots = rng.permutation(tokens) if mix == "distinct" else rng.integers(0, num_slots, tokens)
+    num_slots, token_slots = mix_slots(mix, tokens, np.random.default_rng(seed))
     spec = AdapterSpec("bench", Path("bench"), AdapterConfig(r=rank, lora_alpha=rank, target_modules=tuple(modules)),
                        tuple(LoraModule(0, m, rank, 1.0) for m in modules), str(dtype)[6:], "v0", 0)
     layout = shard_layout(spec, one_layer, 1, 0, dtype)
@@ -136,7 +172,7 @@ def build_case(shape: ModelShape, modules: list[str], rank: int, tokens: int, mi
                     slot_numel=layout.numel)
     for slot in range(num_slots):
         meta.write(slot, layout, spec)
-    batch = BatchMeta(tokens, tokens, device, num_slots=num_slots)
+    batch = BatchMeta(tokens, tokens, device, num_slots=num_slots, chunk_tokens=chunk)
     if mode == "sgmv":
         grouped = np.sort(token_slots)
         starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])
@@ -147,11 +183,12 @@ def build_case(shape: ModelShape, modules: list[str], rank: int, tokens: int, mi
     x = torch.randn(tokens, d_in, device=device).to(dtype)
     y = torch.zeros(tokens, width, device=device, dtype=dtype)
     adapter_bytes = sum(rank * (d_in + shape.dims(m)[1]) for m in modules) * dtype.itemsize
-    touched = len(set(token_slots.tolist())) * adapter_bytes + (x.numel() + 2 * y.numel()) * dtype.itemsize
-    return Case(pool, meta, batch, x, y, touched)
+    adapters = len(set(token_slots.tolist()))
+    touched = adapters * adapter_bytes + (x.numel() + 2 * y.numel()) * dtype.itemsize
+    return Case(pool, meta, batch, x, y, touched, adapters)
 
 
-def measure(case: Case, modules: list[str], mode: str, cfg: KernelBenchConfig, copy: float,
+def measure(case: Case, modules: list[str], mode: str, cfg: KernelBenchConfig, peak: float,
             with_ref: bool = True) -> dict[str, Any]:
     device = case.x.device
 
@@ -159,9 +196,11 @@ def measure(case: Case, modules: list[str], mode: str, cfg: KernelBenchConfig, c
         fn(case.x, case.y, case.pool, case.meta, case.batch, 0, modules, mode)
 
     kernel_ms = graph_ms(step, cfg.reps, device)
-    row = {"kernel_ms": kernel_ms, "eager_ms": _median_ms(step, cfg.reps, device),
-           "bytes": case.bytes_touched, "GBps": case.bytes_touched / kernel_ms / 1e6}
-    row["of_copy"] = row["GBps"] / copy
+    copy_ms = copy_same_ms(case.bytes_touched, cfg.reps, device)
+    row = {"adapters": case.adapters, "kernel_ms": kernel_ms, "eager_ms": _median_ms(step, cfg.reps, device),
+           "bytes": case.bytes_touched, "GBps": case.bytes_touched / kernel_ms / 1e6, "copy_ms": copy_ms}
+    row["of_copy"] = copy_ms / kernel_ms  # = kernel bandwidth / copy bandwidth, same bytes
+    row["of_peak"] = row["GBps"] / peak
     if with_ref:
         row["ref_ms"] = _median_ms(lambda: step(lora_apply_ref), cfg.ref_reps, device)
         row["speedup_vs_ref"] = row["ref_ms"] / kernel_ms
@@ -169,41 +208,125 @@ def measure(case: Case, modules: list[str], mode: str, cfg: KernelBenchConfig, c
 
 
 def sweep(shape: ModelShape, modules: list[str], cfg: KernelBenchConfig, dtype: torch.dtype,
-          device: torch.device, copy: float) -> list[dict[str, Any]]:
-    """BGMV block sizes at the largest distinct batch, for each rank: which knobs reach the roofline."""
+          device: torch.device, peak: float) -> list[dict[str, Any]]:
+    """BGMV tile (chunk) and block sizes at the largest batch, rank 64 (or the largest), three mixes."""
     rows = []
-    tokens = max(cfg.ints("tokens"))
-    for rank in cfg.ints("ranks"):
-        case = build_case(shape, modules, rank, tokens, "distinct", "bgmv", dtype, device)
-        grid = itertools.product((16, 64), (128, 256, 512), (64, 128, 256), (4, 8))
-        for block_r, block_k, block_n, num_warps in grid:
-            knobs = dict(block_r=block_r, block_k=block_k, block_n=block_n, num_warps=num_warps)
+    tokens, rank = max(cfg.ints("tokens")), max(cfg.ints("ranks"))
+    for mix, chunk in itertools.product(("identical", "uniform8", "distinct"), (16, 64)):
+        case = build_case(shape, modules, rank, tokens, mix, "bgmv", dtype, device, chunk=chunk)
+        for block_k, reduce in itertools.product((64, 128), (1, 0)):
+            knobs = dict(block_k=block_k, reduce=reduce)
             with tuned("bgmv", **knobs):
-                row = measure(case, modules, "bgmv", cfg, copy, with_ref=False)
-            rows.append({"rank": rank, "tokens": tokens, **knobs, **row})
-            print(f"sweep rank {rank} {knobs}: {row['kernel_ms'] * 1e3:.1f} us, {row['of_copy']:.2f} of copy",
+                row = measure(case, modules, "bgmv", cfg, peak, with_ref=False)
+            rows.append({"rank": rank, "tokens": tokens, "mix": mix, "chunk": chunk, **knobs, **row})
+            print(f"sweep {mix} chunk {chunk} {knobs}: {row['kernel_ms'] * 1e3:.1f} us, {row['of_copy']:.2f} of copy",
                   flush=True)
+        del case
+    return rows
+
+
+# -- the wrappers' Python cost per call ------------------------------------------------------------------------
+class _NoLaunch:
+    """Stands in for a @triton.jit kernel and for its compiled form: every launch does nothing."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.fn = kernel.fn  # KernelCall reads the parameter names
+
+    def __getitem__(self, grid: Any) -> Callable[..., _NoLaunch]:
+        return self._launch
+
+    def _launch(self, *args: Any, **kwargs: Any) -> _NoLaunch:
+        return self  # "compiled": KernelCall keeps ``self[grid]`` as its direct launcher
+
+    def run(self) -> None:
+        raise AssertionError("not called: present so KernelCall takes this for a compiled kernel")
+
+
+@contextlib.contextmanager
+def stubbed_launches(meta: SlotMeta) -> Iterator[None]:
+    """Every LoRA kernel replaced by a no-op (``meta``'s launch plans rebuilt around the stubs, then dropped):
+    what remains of a call is the wrapper's own Python. For the overhead measurement only."""
+    from workers.kernels import bgmv, sgmv
+
+    names = [(bgmv, "_bgmv_shrink_kernel"), (bgmv, "_bgmv_expand_kernel"), (sgmv, "_sgmv_kernel")]
+    saved = [getattr(module, name) for module, name in names]
+    meta.plans.clear()
+    try:
+        for (module, name), kernel in zip(names, saved):
+            setattr(module, name, _NoLaunch(kernel))
+        yield
+    finally:
+        for (module, name), kernel in zip(names, saved):
+            setattr(module, name, kernel)
+        meta.plans.clear()
+
+
+def per_call_us(fn: Callable[[], object], device: torch.device, calls: int = 1000, repeats: int = 5) -> float:
+    """Host time per call of ``fn`` (best of ``repeats`` loops; on a GPU the work is only enqueued)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return best
+
+
+def overhead(cfg: KernelBenchConfig, dtype: torch.dtype, device: torch.device) -> list[dict[str, Any]]:
+    """Python cost of one call at the engine's decode shape (32 tokens, 4 adapters), per kernel."""
+    from workers.kernels.lora import KERNELS
+
+    shape, modules = resolve_model(cfg.model), tuple(cfg.names("modules"))
+    tokens, rank = (3, max(cfg.ints("ranks"))) if cfg.smoke else (32, 64)
+    rows = []
+    for mode in cfg.names("modes"):
+        case = build_case(shape, list(modules), rank, tokens, "uniform4", mode, dtype, device)
+        args = (case.x, case.y, case.pool, case.meta, case.batch, 0, modules)
+        kernel = KERNELS[mode]
+        row: dict[str, Any] = {"mode": mode, "tokens": tokens, "rank": rank}
+        if device.type == "cuda":
+            lora_apply(*args)  # compile
+            row["call_us"] = per_call_us(functools.partial(lora_apply, *args), device, calls=300)
+        with stubbed_launches(case.meta):
+            row["wrapper_us"] = per_call_us(functools.partial(kernel, *args), device)
+        row["full_check_us"] = per_call_us(functools.partial(check_launch, *args), device)
+        rows.append(row)
+        print(f"overhead {mode}: wrapper {row['wrapper_us']:.1f} us/call (launch stubbed), full check "
+              f"{row['full_check_us']:.1f} us" + (f", real call {row['call_us']:.1f} us" if "call_us" in row else ""),
+              flush=True)
     return rows
 
 
 # -- the run -----------------------------------------------------------------------------------------------
-def run(cfg: KernelBenchConfig) -> dict[str, Any]:
+def run(cfg: KernelBenchConfig, progress: Path | None = None) -> dict[str, Any]:
+    """Every measurement; ``progress``: rewrite the JSON there after each row (a killed run keeps its rows)."""
     device = torch.device("cpu" if cfg.smoke or not torch.cuda.is_available() else "cuda")
     shape, modules, dtype = resolve_model(cfg.model), cfg.names("modules"), getattr(torch, cfg.dtype)
-    copy = copy_gbps(device, cfg.copy_mib, cfg.reps)
-    rows = []
+    result: dict[str, Any] = {"config": dataclasses.asdict(cfg), "device": _device_name(device),
+                              "torch": torch.__version__, "triton": _triton_version(),
+                              "shape": dataclasses.asdict(shape), "goal": GOAL,
+                              "overhead": overhead(cfg, dtype, device), "rows": [], "sweep": []}
+    if cfg.only_overhead:
+        return result
+    peak = result["copy_GBps"] = copy_gbps(device, cfg.copy_mib, cfg.reps)
+    rows = result["rows"]
     for mode, rank, mix, tokens in itertools.product(cfg.names("modes"), cfg.ints("ranks"), cfg.names("mixes"),
                                                      cfg.ints("tokens")):
         case = build_case(shape, modules, rank, tokens, mix, mode, dtype, device)
         rows.append({"mode": mode, "rank": rank, "mix": mix, "tokens": tokens,
-                     **measure(case, modules, mode, cfg, copy)})
+                     **measure(case, modules, mode, cfg, peak)})
         print(_line(rows[-1]), flush=True)
+        if progress is not None:
+            progress.write_text(json.dumps(result, indent=2))
         del case
-    large = [r["of_copy"] for r in rows if r["mix"] == "distinct" and r["tokens"] >= 64]
-    return {"config": dataclasses.asdict(cfg), "device": _device_name(device), "torch": torch.__version__,
-            "triton": _triton_version(), "shape": dataclasses.asdict(shape), "copy_GBps": copy, "goal": GOAL,
-            "best_of_copy_distinct_T>=64": max(large, default=None), "rows": rows,
-            "sweep": sweep(shape, modules, cfg, dtype, device, copy) if cfg.sweep else []}
+    for mix in cfg.names("mixes"):
+        decode = [r["of_copy"] for r in rows if r["mix"] == mix and r["tokens"] >= 16]
+        result[f"min_of_copy_{mix}_T>=16"] = min(decode, default=None)
+    if cfg.sweep:
+        result["sweep"] = sweep(shape, modules, cfg, dtype, device, peak)
+    return result
 
 
 def _device_name(device: torch.device) -> str:
@@ -217,17 +340,27 @@ def _triton_version() -> str:
 
 
 def _line(r: dict[str, Any]) -> str:
-    return (f"| {r['mode']} | {r['rank']} | {r['mix']} | {r['tokens']} | {r['kernel_ms'] * 1e3:.1f} | "
-            f"{r['eager_ms'] * 1e3:.1f} | {r['GBps']:.0f} | {r['of_copy']:.2f} | {r['ref_ms'] * 1e3:.0f} | "
-            f"{r['speedup_vs_ref']:.1f}x |")
+    return (f"| {r['mode']} | {r['rank']} | {r['mix']} | {r['tokens']} | {r['adapters']} | "
+            f"{r['kernel_ms'] * 1e3:.1f} | {r['eager_ms'] * 1e3:.1f} | {r['ref_ms'] * 1e3:.0f} | "
+            f"{r['speedup_vs_ref']:.1f}x | {r['bytes'] / 1e6:.2f} | {r['GBps']:.0f} | {r['copy_ms'] * 1e3:.1f} | "
+            f"**{r['of_copy']:.2f}** | {r['of_peak']:.2f} |")
 
 
 def table(result: dict[str, Any]) -> str:
-    head = (f"LoRA kernels on {result['device']} ({result['shape']['name']}, {result['config']['dtype']}, "
-            f"{result['config']['modules']}); copy bandwidth {result['copy_GBps']:.0f} GB/s, goal {GOAL} of it\n\n"
-            "| kernel | rank | mix | tokens | graph us | eager us | GB/s | of copy | ref us | vs ref |\n"
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    return "\n".join([head, *(_line(r) for r in result["rows"])])
+    lines = [f"LoRA kernels on {result['device']} ({result['shape']['name']}, {result['config']['dtype']}, "
+             f"{result['config']['modules']})", "",
+             "| kernel | tokens | rank | wrapper us/call (launch stubbed) | full check us | real call us |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {o['mode']} | {o['tokens']} | {o['rank']} | {o['wrapper_us']:.1f} | {o['full_check_us']:.1f} | "
+              f"{o.get('call_us', float('nan')):.1f} |" for o in result["overhead"]]
+    if result["rows"]:
+        lines += ["", f"Copy peak {result['copy_GBps']:.0f} GB/s; of copy = copy of the same bytes (graph-timed) / "
+                  f"kernel time, goal {GOAL}", "",
+                  "| kernel | rank | mix | tokens | adapters | graph us | eager us | ref us | vs ref | MB | GB/s | "
+                  "copy us | of copy | of peak |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [_line(r) for r in result["rows"]]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -238,9 +371,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = config_from_args(KernelBenchConfig, args)
     if cfg.smoke:
         cfg = dataclasses.replace(cfg, **{k: v for k, v in SMOKE.items() if getattr(args, k) is None})
-    result = run(cfg)
-    print(table(result))
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    knobs = {k: int(v) for k, v in (kv.split("=") for kv in cfg.knobs.split(",") if kv)}
+    with tuned("bgmv", **knobs):
+        result = run(cfg, progress=args.out)
+    print(table(result))
     args.out.write_text(json.dumps(result, indent=2))
     return result
 

@@ -54,6 +54,7 @@ from lora_cache.shards import shard_layout  # noqa: E402
 from workers.cache import WorkerCache, WorkerConfig  # noqa: E402
 from workers.host_tier import HostTierConfig  # noqa: E402
 from workers.kernels import BatchMeta, SlotMeta, lora_apply, lora_apply_ref, shard_dims  # noqa: E402
+from workers.kernels.tuning import tuned  # noqa: E402
 
 SHAPE = ModelShape("kernel-test", num_layers=2, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
                    head_dim=16)
@@ -184,14 +185,17 @@ def ranks_for(slot: int, ranks: str, modules: Sequence[str] = MODULE_ORDER) -> d
 
 
 def run_case(device: str, dtype: torch.dtype, mode: str, tokens: int, mix: str, ranks: str = "mixed",
-             modules: Sequence[str] = QKV, seed: int = 0) -> None:
-    """Kernel and reference against the oracle; tokens without an adapter stay bit-identical."""
+             modules: Sequence[str] = QKV, seed: int = 0, chunk: int | None = None, setter: str | None = None) -> None:
+    """Kernel and reference against the oracle; tokens without an adapter stay bit-identical.
+
+    ``chunk``: BatchMeta's decode tile size (default: by batch size); ``setter``: fill the batch the
+    way the other kernel's engine would ("sgmv": segments, "bgmv": per token; default: ``mode``'s)."""
     gen = torch.Generator().manual_seed(seed)
     num_slots = tokens if mix == "distinct" else 8
     adapters = [make_adapter(f"a{s}", ranks_for(s, ranks, modules), SHAPE, gen) for s in range(num_slots)]
     pool = make_pool(adapters, SHAPE, 1, 0, dtype, device)
-    batch = BatchMeta(256, 256, torch.device(device), num_slots=num_slots)
-    order = fill_batch(batch, mode, mix_slots(mix, tokens, num_slots, seed))
+    batch = BatchMeta(256, 256, torch.device(device), num_slots=num_slots, chunk_tokens=chunk)
+    order = fill_batch(batch, setter or mode, mix_slots(mix, tokens, num_slots, seed))
     d_in, width = SHAPE.dims(modules[0])[0], sum(SHAPE.dims(m)[1] for m in modules)
     x = torch.randn(tokens, d_in, generator=gen).to(dtype).to(device)
     y0 = torch.randn(tokens, width, generator=gen).to(dtype).to(device)
@@ -240,6 +244,51 @@ def test_ranks_match_oracle(device: str, dtype: torch.dtype, mode: str, ranks: s
 @pytest.mark.parametrize("device", [CPU, CUDA])
 def test_every_module_group(device: str, mode: str, modules: tuple[str, ...]) -> None:
     run_case(device, torch.float32, mode, 9, "uniform", modules=modules, seed=3)
+
+
+# -- grouped decode: a slot's run of tokens spans several tiles, partial tiles, unadapted tokens between --
+@pytest.mark.parametrize("chunk", [16, 32])
+@pytest.mark.parametrize("mix", ["identical", "uniform", "zipf"])
+@pytest.mark.parametrize(("device", "dtype"), dev_dtypes([torch.float32], [torch.float32, torch.bfloat16]))
+def test_decode_tiles_match_oracle(device: str, dtype: torch.dtype, mix: str, chunk: int) -> None:
+    run_case(device, dtype, "bgmv", 75, mix, chunk=chunk, seed=9)
+
+
+@pytest.mark.parametrize("reduce", [True, False])
+@pytest.mark.parametrize("device", [CPU, CUDA])
+def test_decode_k_splits_match_oracle(device: str, reduce: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """K split into 4 (forced on the CPU): the shrink's last split sums them, or each expand program does."""
+    from workers.kernels import tuning
+
+    monkeypatch.setattr(tuning, "_sms", lambda device: 100)  # the interpreter has no SMs: no splits otherwise
+    with tuned("bgmv", block_k=16, reduce=reduce):
+        run_case(device, torch.float32, "bgmv", 75, "uniform", chunk=16, seed=13)
+        run_case(device, torch.float32, "bgmv", 20, "identical", seed=14)
+
+
+@pytest.mark.parametrize(("device", "dtype"), dev_dtypes([torch.float32], [torch.bfloat16]))
+def test_either_kernel_reads_either_setter(device: str, dtype: torch.dtype) -> None:
+    run_case(device, dtype, "bgmv", 40, "zipf", setter="sgmv", seed=10)  # segments, then grouped decode tiles
+    run_case(device, dtype, "sgmv", 40, "zipf", setter="bgmv", seed=10)
+
+
+@pytest.mark.parametrize("mode", ["sgmv", "bgmv"])
+@pytest.mark.parametrize("device", [CPU, CUDA])
+def test_repeated_and_unaligned_calls_match_oracle(device: str, mode: str) -> None:
+    """Later calls of a plan launch the compiled kernel directly (GPU); unaligned views go through Triton."""
+    gen = torch.Generator().manual_seed(12)
+    adapters = [make_adapter(f"a{s}", ranks_for(s, "mixed"), SHAPE, gen) for s in range(4)]
+    pool = make_pool(adapters, SHAPE, 1, 0, torch.float32, device)
+    batch = BatchMeta(32, 32, torch.device(device), num_slots=4)
+    order = fill_batch(batch, mode, mix_slots("uniform", 21, 4, 12))
+    store = torch.randn(21 * 64 + 1, generator=gen).to(device)
+    aligned, unaligned = store[:-1].view(21, 64), store[1:].view(21, 64)  # the second starts 4 bytes in
+    y0 = torch.randn(21, 128, generator=gen).to(device)
+    for x in (aligned, unaligned, aligned, unaligned, aligned):
+        y = y0.clone()
+        lora_apply(x, y, pool.pool, pool.meta, batch, LAYER, QKV, mode)
+        want = oracle(y0, x, adapters, order, QKV, torch.float32)
+        assert_close(y, want, torch.float32, f"{mode} at pointer offset {x.data_ptr() % 16}")
 
 
 # -- tensor parallelism: two ranks' shards combine to the TP 1 result ------------------------------------
@@ -293,6 +342,125 @@ def test_batch_meta_segments_and_tokens() -> None:
     batch.set_tokens([2, -1, 7])
     assert (batch.mode, batch.num_tokens, batch.max_slot) == ("bgmv", 3, 7)
     assert batch.token_slot[:3].tolist() == [2, -1, 7] and batch.token_slot.data_ptr() == buffer  # in place
+
+
+def test_batch_meta_groups_tokens_by_slot_into_tiles() -> None:
+    batch = BatchMeta(64, 4, torch.device("cpu"), num_slots=8, chunk_tokens=16)
+    slots = [3, -1, 1] + [5] * 35 + [1, -1, 3]
+    batch.set_tokens(slots)
+    tiles = batch.chunks[: batch.num_chunks].tolist()
+    perm = batch.token_perm[: len(slots) - 2].tolist()
+    assert [slots[t] for t in perm] == sorted(s for s in slots if s >= 0)  # grouped by slot, no unadapted token
+    assert perm[:4] == [2, 38, 0, 40]  # token order kept within a slot
+    assert tiles == [[0, 2, 1], [2, 2, 3], [4, 16, 5], [20, 16, 5], [36, 3, 5]]  # (first, tokens, slot)
+    assert batch.num_chunks <= batch.chunk_grid(8) <= batch.max_chunks  # the launch bound covers every tile
+    buffers = (batch.chunks.data_ptr(), batch.token_perm.data_ptr())
+    batch.set_tokens([-1, 6, 6])  # a smaller batch: the tiles of the last one must not linger
+    assert batch.chunks[:, 1].tolist() == [2] + [0] * (batch.max_chunks - 1)
+    assert (batch.chunks.data_ptr(), batch.token_perm.data_ptr()) == buffers  # filled in place
+    batch.set_tokens([-1, -1])  # nothing adapted: no tiles at all
+    assert batch.num_chunks == 0 and not batch.chunks[:, 1].any()
+    with pytest.raises(ValueError, match=r"chunk_tokens must be a power of two >= 16"):
+        BatchMeta(8, 4, torch.device("cpu"), chunk_tokens=24)
+
+
+def test_set_tokens_is_host_work_and_one_copy() -> None:
+    """No host sync (CUDA-graph safe): set_tokens never reads a device tensor, its one torch op is the copy."""
+    batch = BatchMeta(64, 8, torch.device("cpu"), num_slots=8)
+    batch.set_tokens([0, 1])  # warm: the ring's numpy views exist
+
+    class Record(torch.overrides.TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[tuple[str, bool]] = []
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.calls.append((getattr(func, "__name__", str(func)), bool(args) and args[0] is batch._dev))
+            return func(*args, **(kwargs or {}))
+
+    with Record() as record:
+        batch.set_tokens([5, -1, 2, 5, 5, 7, 2])
+    assert record.calls == [("copy_", True)], record.calls  # one copy into the device buffer, nothing read back
+
+
+def test_launch_does_not_depend_on_the_mix(small: Any) -> None:
+    """One launch plan per batch size: refilled metadata of any mix replays the same grid (CUDA graphs)."""
+    pool, _, x, y = small
+    batch = BatchMeta(8, 4, torch.device("cpu"), num_slots=4)
+    for slots in ([0, 0, 0, 0, 0], [0, 1, 2, 3, -1], [-1, -1, -1, -1, -1], [3, 3, 1, 1, 3]):
+        batch.set_tokens(slots)
+        for apply in APPLIES:
+            y_mix = y.clone()
+            apply(x, y_mix, pool.pool, pool.meta, batch, LAYER, QKV)
+            want = oracle(y, x, pool.adapters, slots, QKV, torch.float32)
+            assert_close(y_mix, want, torch.float32, f"{apply.__name__} {slots}")
+    assert len(pool.meta.plans) == 1  # the four mixes shared one plan: same grid, block sizes, arguments
+
+
+def test_kernel_call_dispatches_once_then_launches_the_compiled_kernel() -> None:
+    """Triton's dispatcher for the first aligned call (it compiles), its compiled kernel for later ones."""
+    from workers.kernels.launch import KernelCall
+
+    calls: list[tuple[Any, ...]] = []
+
+    class Compiled:  # what kernel[grid](...) returns on a GPU
+        run = None
+
+        def __getitem__(self, grid: Any) -> Callable[..., None]:
+            return lambda *args: calls.append(("direct", grid, args[1:]))
+
+    class Kernel:
+        @staticmethod
+        def fn(t: Any, n: Any, a: Any, B: Any) -> None: ...  # the parameters KernelCall orders the tail by
+
+        def __getitem__(self, grid: Any) -> Callable[..., Compiled]:
+            return lambda *args, **options: calls.append(("dispatch", grid, args[1:], options)) or Compiled()
+
+    call = KernelCall(Kernel(), (2, 1, 1), 2, {"B": 16, "a": 5}, {"num_warps": 4})
+    t = torch.zeros(8)
+    for tensor, n in ((t, 3), (t, 4), (t[1:], 5), (t, 6)):  # t[1:] starts 4 bytes in: not 16-byte aligned
+        call(tensor, n)
+    assert calls == [("dispatch", (2, 1, 1), (3, 5, 16), {"num_warps": 4}), ("direct", (2, 1, 1), (4, 5, 16)),
+                     ("dispatch", (2, 1, 1), (5, 5, 16), {"num_warps": 4}), ("direct", (2, 1, 1), (6, 5, 16))]
+    with pytest.raises(TypeError, match=r"do not match its parameters"):
+        KernelCall(Kernel(), (1, 1, 1), 2, {"a": 5}, {})
+
+
+def test_cached_plans_still_refuse_bad_calls(small: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The full check runs once per signature; what changes between calls is still checked on every call."""
+    from workers.kernels import args
+
+    pool, batch, x, y = small
+    checks, check_launch = [], args.check_launch
+
+    def counted(*call: Any) -> args.Launch:
+        checks.append(call[5])  # the layer
+        return check_launch(*call)
+
+    monkeypatch.setattr(args, "check_launch", counted)
+    for layer in (0, 1, 1, 0):
+        lora_apply(x, y, pool.pool, pool.meta, batch, layer, QKV)
+    assert checks == [0], "one full check for four calls of one signature"
+    monkeypatch.undo()
+    with pytest.raises(IndexError, match=r"layer 2 is out of range"):
+        lora_apply(x, y, pool.pool, pool.meta, batch, 2, QKV)
+    batch.set_tokens([0, 1, 9, 3, -1])  # the same sizes, a slot out of range for the pool
+    with pytest.raises(IndexError, match=r"slot 9, out of range for 4 slots"):
+        lora_apply(x, y, pool.pool, pool.meta, batch, LAYER, QKV)
+    batch.set_tokens([0, 1, 2, 3, -1])
+    with pytest.raises(TypeError, match=r"share one dtype"):  # another signature: checked in full
+        lora_apply(x.half(), y, pool.pool, pool.meta, batch, LAYER, QKV)
+    qkv_only = make_adapter("qkv", dict.fromkeys(QKV, 16), SHAPE, torch.Generator().manual_seed(11))
+    for slot in range(4):
+        pool.meta.clear(slot)
+    pool.meta.write(0, shard_layout(qkv_only.spec, SHAPE, 1, 0, torch.float32), qkv_only.spec)
+    short_pool = pool.pool[:, : pool.meta.max_numel]  # enough for what is written now
+    lora_apply(x, y, short_pool, pool.meta, batch, LAYER, QKV)
+    full = pool.adapters[1]  # all seven modules: a larger shard, so plans validated for short_pool are dropped
+    pool.meta.write(1, shard_layout(full.spec, SHAPE, 1, 0, torch.float32), full.spec)
+    with pytest.raises(ValueError, match=r"a written shard needs"):
+        lora_apply(x, y, short_pool, pool.meta, batch, LAYER, QKV)
+
 
 
 def test_slot_meta_rows_follow_layouts() -> None:
@@ -440,8 +608,14 @@ def test_cpu_tensors_without_interpreter_use_the_reference(small: Any, monkeypat
 # -- CUDA graphs and host syncs --------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("mode", ["sgmv", "bgmv"])
-def test_cuda_graph_replay_equals_eager_with_refilled_metadata(mode: str) -> None:
+@pytest.mark.parametrize(("mode", "block_k"), [("sgmv", None), ("bgmv", None), ("bgmv", 16)])
+def test_cuda_graph_replay_equals_eager_with_refilled_metadata(mode: str, block_k: int | None) -> None:
+    """block_k 16: the K splits (4) are summed by the shrink's last split, its counters reset for every replay."""
+    with tuned("bgmv", **({} if block_k is None else {"block_k": block_k})):
+        _graph_replay_case(mode)
+
+
+def _graph_replay_case(mode: str) -> None:
     gen = torch.Generator().manual_seed(8)
     tokens, num_slots = 48, 6
     adapters = [make_adapter(f"a{s}", ranks_for(s, "mixed"), SHAPE, gen) for s in range(num_slots)]
@@ -583,10 +757,11 @@ def _tp_delta(caches: list[WorkerCache], slots: dict[str, list[int]], token_adap
 
 
 def test_dataclass_knobs_are_frozen() -> None:
-    from workers.kernels.tuning import KNOBS, tuned
+    from workers.kernels.tuning import KNOBS
 
     with pytest.raises(dataclasses.FrozenInstanceError):
         KNOBS["bgmv"].block_k = 1  # type: ignore[misc]
-    with tuned("bgmv", block_k=64):
-        assert KNOBS["bgmv"].block_k == 64  # type: ignore[union-attr]
-    assert KNOBS["bgmv"].block_k == 256  # type: ignore[union-attr]
+    default = KNOBS["bgmv"].block_k  # type: ignore[union-attr]
+    with tuned("bgmv", block_k=default // 2):
+        assert KNOBS["bgmv"].block_k == default // 2  # type: ignore[union-attr]
+    assert KNOBS["bgmv"].block_k == default  # type: ignore[union-attr]

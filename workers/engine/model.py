@@ -5,6 +5,11 @@ o (row-parallel) + all-reduce, RMSNorm, fused gate/up (column-parallel), SiLU ga
 + all-reduce. The LoRA op adds each target module's delta to the base projection's output in place.
 The weights are pure functions of (seed, layer) sliced per rank (``tp.py``-style, gpt-fast), so every
 TP size computes the same model.
+
+Host cost matters as much as GPU time at decode (a step launches every op of every layer from Python),
+so what is the same for every layer of a step is computed once per step (``StepTables``: the RoPE rows
+of the step's positions, the decode attention bias, whether the items' KV rows can be read in place),
+RoPE rotates q and k in one pass, and SDPA never uses cuDNN (see ``SDPA_BACKENDS``).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lora_cache.shapes import MODULE_ORDER, ModelShape
 from lora_cache.shards import base_slices
@@ -24,6 +30,11 @@ QKV, OUT, GATE_UP, DOWN = ("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_pr
 LoraFn = Callable[[torch.Tensor, torch.Tensor, int, tuple[str, ...]], None]  # (x, y, layer, modules): y += delta
 AllReduce = Callable[[torch.Tensor], None]
 EPS = 1e-5
+# cuDNN's SDPA builds (and caches) an execution plan per shape; a decode step's KV length is new at every
+# step, so each call planned afresh: ~2 ms of CPU per call on an H200 (192 ms of 3 steps' 32 layers).
+# The flash and memory-efficient kernels need no plan (math is the fallback, and the CPU's choice).
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+BIAS_ALIGN = 16  # decode bias rows padded to this many keys: the memory-efficient kernel then reads it as is
 
 
 class LayerWeights(NamedTuple):
@@ -68,8 +79,10 @@ def prompt_states(seed: int, rid: int, length: int, hidden: int, device: torch.d
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()).to(x.dtype)
+    """``x * rsqrt(mean(x^2) + EPS) * weight`` in float32, rounded once to x's dtype (weight: x's dtype).
+
+    One op: torch's rms_norm upcasts half inputs itself (one fused kernel on CUDA)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, EPS)
 
 
 class Rope:
@@ -81,11 +94,23 @@ class Rope:
         emb = torch.cat([freqs, freqs], -1)
         self.cos, self.sin = emb.cos().float().to(device), emb.sin().float().to(device)
 
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [T, 1, head_dim] of positions [T]: gathered once per step, used by every layer.
+
+        rotate_half(x) * sin = roll(x, head_dim / 2) * (sin with its first half negated)."""
+        half = self.cos.shape[-1] // 2
+        sin = self.sin[positions]
+        return self.cos[positions][:, None], torch.cat([-sin[:, :half], sin[:, half:]], -1)[:, None]
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated by the rows of ``rows``: x * cos + rotate_half(x) * sin, in float32."""
+        xf = x.float()
+        return (xf * cos).addcmul_(xf.roll(x.shape[-1] // 2, -1), signed_sin).to(x.dtype)
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim] at positions [T]."""
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        x1, x2 = x.float().chunk(2, -1)
-        return (x.float() * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+        return self.rotate(x, *self.rows(positions))
 
 
 class StepInputs(NamedTuple):
@@ -99,6 +124,34 @@ class StepInputs(NamedTuple):
     kv_len: int  # decode: the longest item's length after this token
 
 
+class StepTables(NamedTuple):
+    """What every layer of one step shares, computed once per step (``step_tables``)."""
+
+    rope: tuple[torch.Tensor, torch.Tensor] | None  # cos, signed sin [T, 1, head_dim] of the step's positions
+    bias: torch.Tensor | None  # decode: [items, 1, 1, kv_len] 0 up to each item's position, -inf after
+    kv_rows: slice | None  # decode: the items' KV rows when they are consecutive, in order: read in place
+
+
+def step_tables(step: StepInputs, rope: Rope | None, dtype: torch.dtype) -> StepTables:
+    rows = [row for row, _, _ in step.spans]
+    consecutive = not step.prefill and rows == list(range(rows[0], rows[0] + len(rows)))
+    return StepTables(rope.rows(step.positions) if rope is not None else None,
+                      None if step.prefill else decode_bias(step, dtype),
+                      slice(rows[0], rows[0] + len(rows)) if consecutive else None)
+
+
+def decode_bias(step: StepInputs, dtype: torch.dtype) -> torch.Tensor:
+    """[items, 1, 1, kv_len] additive attention bias: key j is visible to an item at position p iff j <= p.
+
+    Rows are padded to BIAS_ALIGN keys and sliced, so the memory-efficient SDPA kernel takes the bias as
+    it is (an unaligned one is padded into a copy per call)."""
+    padded = -(-step.kv_len // BIAS_ALIGN) * BIAS_ALIGN
+    keys = torch.arange(padded, device=step.positions.device)
+    hidden = keys[None] > step.positions[:, None]  # [items, padded]
+    bias = torch.zeros(hidden.shape, dtype=dtype, device=keys.device).masked_fill_(hidden, float("-inf"))
+    return bias[:, None, None, : step.kv_len]
+
+
 class KVCache:
     """Per layer [rows, kv_heads / tp, max_len, head_dim] keys and values; one row per running request."""
 
@@ -108,7 +161,8 @@ class KVCache:
         self.k = [torch.zeros(size, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(size, dtype=dtype, device=device) for _ in range(layers)]
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs,
+               tables: StepTables) -> torch.Tensor:
         """Store k, v [T, kv_heads, hd] at the step's positions; causal attention of q [T, heads, hd]."""
         kc, vc = self.k[layer], self.v[layer]
         if step.prefill:
@@ -121,11 +175,17 @@ class KVCache:
                 outs.append(o[0].transpose(0, 1))
             return torch.cat(outs).flatten(1)
         kc[step.rows, :, step.positions], vc[step.rows, :, step.positions] = k, v
-        keys = kc[:, :, : step.kv_len].index_select(0, step.rows)  # [items, kv_heads, kv_len, hd]
-        values = vc[:, :, : step.kv_len].index_select(0, step.rows)
-        mask = torch.arange(step.kv_len, device=q.device)[None] <= step.positions[:, None]
-        o = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask[:, None, None], enable_gqa=True)
-        return o[:, :, 0].flatten(1)
+        if tables.kv_rows is not None:  # the items' rows in order: attend over a view of the cache, no copy
+            keys, values = kc[tables.kv_rows, :, : step.kv_len], vc[tables.kv_rows, :, : step.kv_len]
+        else:  # [items, kv_heads, kv_len, hd]
+            keys = kc[:, :, : step.kv_len].index_select(0, step.rows)
+            values = vc[:, :, : step.kv_len].index_select(0, step.rows)
+        # one query per item: the `group` query heads of a KV head (h // group, as enable_gqa maps them) are
+        # that head's query rows, so plain SDPA does grouped-query attention without repeating K and V
+        items, kv_heads = keys.shape[:2]
+        o = F.scaled_dot_product_attention(q.reshape(items, kv_heads, -1, q.shape[-1]), keys, values,
+                                           attn_mask=tables.bias)
+        return o.flatten(1)  # [items, heads * hd]
 
 
 class ShardedModel:
@@ -141,19 +201,23 @@ class ShardedModel:
 
     def forward(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
         """x [T, hidden] -> the final-normed hidden state of each item's last token [items, hidden]."""
-        for i, w in enumerate(self.layers):
-            x = x + self._attention(i, w, rms_norm(x, w.in_norm), step)
-            x = x + self._mlp(i, w, rms_norm(x, w.post_norm))
+        tables = step_tables(step, self.rope, x.dtype)
+        with sdpa_kernel(SDPA_BACKENDS):  # once per step: entering it costs a few microseconds
+            for i, w in enumerate(self.layers):
+                x = x + self._attention(i, w, rms_norm(x, w.in_norm), step, tables)
+                x = x + self._mlp(i, w, rms_norm(x, w.post_norm))
         return rms_norm(x.index_select(0, step.last), self.final_norm)
 
-    def _attention(self, i: int, w: LayerWeights, h: torch.Tensor, step: StepInputs) -> torch.Tensor:
+    def _attention(self, i: int, w: LayerWeights, h: torch.Tensor, step: StepInputs,
+                   tables: StepTables) -> torch.Tensor:
         qkv = F.linear(h, w.qkv)  # [T, (heads + 2 kv_heads) * hd] of this rank
         self.lora(h, qkv, i, QKV)
-        hd = self.shape.head_dim
-        q, k, v = (t.reshape(t.shape[0], -1, hd) for t in qkv.split(self.qkv_split, -1))
-        if self.rope is not None:
-            q, k = self.rope(q, step.positions), self.rope(k, step.positions)
-        a = self.kv.attend(i, q, k, v.contiguous(), step)  # [T, heads * hd]
+        hd, n_q = self.shape.head_dim, self.qkv_split[0] // self.shape.head_dim
+        qk = qkv[:, : self.qkv_split[0] + self.qkv_split[1]].reshape(qkv.shape[0], -1, hd)  # [T, heads + kv_heads, hd]
+        if tables.rope is not None:
+            qk = Rope.rotate(qk, *tables.rope)  # q and k in one pass
+        v = qkv[:, self.qkv_split[0] + self.qkv_split[1] :].reshape(qkv.shape[0], -1, hd)  # a view: stored as is
+        a = self.kv.attend(i, qk[:, :n_q], qk[:, n_q:], v, step, tables)  # [T, heads * hd]
         o = F.linear(a, w.o)  # partial sum over this rank's heads
         self.lora(a, o, i, OUT)
         self.all_reduce(o)

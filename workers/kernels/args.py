@@ -1,20 +1,25 @@
 """Argument checks shared by the LoRA kernel wrappers and the reference: one place, clear errors.
 
 Everything checked here is host state (shapes, dtypes, strides, the metadata's host mirrors), so a
-launch stays free of host syncs.
+launch stays free of host syncs. ``cached_plan`` runs the full ``check_launch`` once per distinct
+argument signature (shapes, strides, dtypes, devices, batch size, SlotMeta version) and keeps the
+kernel's launch plan (grid, block sizes, constant arguments) on the SlotMeta; a call with a known
+signature checks only what changes between calls of one step (the layer, the batch's largest slot).
+An engine makes 4 such calls per layer, so this is what keeps a decode step's Python cost down.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, TypeVar
 
 import torch
 
-from workers.kernels.meta import BatchMeta, SlotMeta
+from workers.kernels.meta import MAX_FUSED, MAX_PLANS, BatchMeta, SlotMeta
+
+P = TypeVar("P")
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_FUSED = 4  # modules fused into one launch (q/k/v is 3)
 
 
 class Launch(NamedTuple):
@@ -31,6 +36,11 @@ class Launch(NamedTuple):
     @property
     def max_out(self) -> int:
         return max(self.outs)
+
+    def per_module(self) -> dict[str, int]:
+        """The kernels' per-module arguments by name: out0..3, col0..3, midx0..3."""
+        return {f"{name}{i}": v for name, values in (("out", self.outs), ("col", self.cols), ("midx", self.midx))
+                for i, v in enumerate(values)}
 
 
 def check_launch(x: torch.Tensor, y: torch.Tensor, pool: torch.Tensor, slot_meta: SlotMeta, batch: BatchMeta,
@@ -55,6 +65,35 @@ def check_launch(x: torch.Tensor, y: torch.Tensor, pool: torch.Tensor, slot_meta
                   tuple(cols) + (0,) * pad, len(outs), layer * len(slot_meta.modules))
 
 
+def cached_plan(kernel: str, x: torch.Tensor, y: torch.Tensor, pool: torch.Tensor, slot_meta: SlotMeta,
+                batch: BatchMeta, layer: int, modules: Sequence[str], build: Callable[[Launch], P]) -> P:
+    """``build(check_launch(...))``, computed once per argument signature and kept in ``slot_meta.plans``.
+
+    The key holds every fact ``check_launch`` reads except the layer and the batch's slots, which are
+    checked on every call; anything that is not a tensor (or unhashable) misses and gets the full check.
+    """
+    try:
+        key = (kernel, modules if isinstance(modules, (tuple, str)) else tuple(modules),
+               x.shape, x.stride(), x.dtype, x.get_device(), y.shape, y.stride(), y.dtype, y.get_device(),
+               pool.shape, pool.stride(), pool.dtype, pool.get_device(), batch.device, batch.num_tokens,
+               batch.chunk, batch.max_chunks, slot_meta.version)
+        plan: P | None = slot_meta.plans.get(key)
+    except (AttributeError, TypeError):
+        key, plan = None, None
+    if plan is None:
+        plan = build(check_launch(x, y, pool, slot_meta, batch, layer, modules))
+        if key is not None:
+            if len(slot_meta.plans) >= MAX_PLANS:  # bounded; one clear is safe beside a loader thread's
+                slot_meta.plans.clear()
+            slot_meta.plans[key] = plan
+        return plan
+    if not isinstance(layer, int) or not 0 <= layer < slot_meta.num_layers:
+        raise IndexError(f"layer {layer!r} is out of range: SlotMeta has layers 0..{slot_meta.num_layers - 1}")
+    if batch.max_slot >= slot_meta.num_slots:
+        raise IndexError(f"the batch uses slot {batch.max_slot}, out of range for {slot_meta.num_slots} slots")
+    return plan
+
+
 def _check_tensors(x: torch.Tensor, y: torch.Tensor, pool: torch.Tensor, slot_meta: SlotMeta,
                    batch: BatchMeta) -> None:
     for name, t in (("x", x), ("y", y), ("pool", pool)):
@@ -77,8 +116,8 @@ def _check_tensors(x: torch.Tensor, y: torch.Tensor, pool: torch.Tensor, slot_me
         raise TypeError(f"pool has dtype {pool.dtype} but the SlotMeta offsets were written for {slot_meta.dtype}")
     if pool.shape[0] != slot_meta.num_slots:
         raise ValueError(f"pool has {pool.shape[0]} slots but SlotMeta describes {slot_meta.num_slots}")
-    if pool.shape[1] < max(slot_meta.numel):
-        raise ValueError(f"pool slots hold {pool.shape[1]} elements but a written shard needs {max(slot_meta.numel)}")
+    if pool.shape[1] < slot_meta.max_numel:
+        raise ValueError(f"pool slots hold {pool.shape[1]} elements but a written shard needs {slot_meta.max_numel}")
     if batch.mode is None:
         raise ValueError("BatchMeta is empty: call set_segments (prefill) or set_tokens (decode) first")
     if x.shape[0] != batch.num_tokens or y.shape[0] != batch.num_tokens:

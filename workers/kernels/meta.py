@@ -8,8 +8,10 @@ inside the slot, the rank (0 = module not adapted) and the scaling. A row is wri
 copy stream right after the slot's data, so it is valid exactly when the slot is.
 
 ``BatchMeta``: which slot each token of a batch uses, given as segments (SGMV, prefill: tokens grouped
-by adapter) or per token (BGMV, decode). The kernels read ``token_slot``; ``seg_start``/``seg_slot``
-are kept for engines that want the segment view.
+by adapter) or per token (BGMV, decode). Either setter also groups the batch's adapted tokens by slot on
+the host: ``token_perm`` lists them slot by slot and ``chunks`` cuts each slot's run into tiles of at
+most ``chunk`` tokens, so the decode kernel reads each adapter once per tile instead of once per token.
+SGMV reads ``token_slot``; ``seg_start``/``seg_slot`` are kept for engines that want the segment view.
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ from lora_cache.shards import ShardEntry, ShardLayout, base_slices
 _ENTRY_BYTES = 8 + 8 + 4 + 4
 MODES = ("sgmv", "bgmv")
 OFFSET_ALIGN = 16  # kernels assume every matrix offset is a multiple of this (shards align to 128 bytes)
+MAX_FUSED = 4  # modules fused into one launch (q/k/v is 3)
+MIN_CHUNK = 16  # fewest tokens a grouped-decode tile is sized for (tl.dot takes 16 rows at least)
+MAX_PLANS = 512  # launch plans kept per SlotMeta (args.py); all dropped when full
+
+
+def decode_chunk(tokens: int) -> int:
+    """Tokens per grouped-decode tile for a batch of ``tokens``: from the size only, so CUDA graphs stay valid."""
+    return 16 if tokens <= 64 else 32 if tokens <= 128 else 64
 
 
 def shard_dims(shape: ModelShape, tp: int, modules: Sequence[str] | None = None) -> dict[str, tuple[int, int]]:
@@ -78,6 +88,11 @@ class SlotMeta:
         self.dims: dict[str, tuple[int, int]] = dict(dims or {})  # module -> shard (in, out); learned if not given
         self.dtype: torch.dtype | None = None  # dtype of the layouts written (the pool's dtype)
         self.numel = [0] * num_slots  # elements of the slot each row's offsets reach
+        self.max_numel = 0  # the largest of them: what a pool's slots must hold
+        # bumped whenever something the kernel wrappers check changes (dims, dtype, a larger max_numel), so
+        # their validated launch plans (``plans``: args.py, at most MAX_PLANS) are keyed by it and never stale
+        self.version = 0
+        self.plans: dict[tuple[Any, ...], Any] = {}
         self._index = {m: i for i, m in enumerate(self.modules)}
         self._row_bytes = _ENTRY_BYTES * num_layers * len(self.modules)
         pin = _is_cuda(self.device)
@@ -113,7 +128,7 @@ class SlotMeta:
         b_off[slot, layers, cols] = [entries[(m.layer, m.module, "B")].offset for m in modules]
         rank[slot, layers, cols] = [m.rank for m in modules]
         scale[slot, layers, cols] = [m.scaling for m in modules]
-        self.numel[slot] = layout.numel
+        self._set_numel(slot, layout.numel)
         self._upload(slot, stream)
 
     def clear(self, slot: int, stream: Any = None) -> None:
@@ -121,8 +136,19 @@ class SlotMeta:
         self._check_slot(slot)
         self._wait_row(slot)
         self._host[slot].zero_()
-        self.numel[slot] = 0
+        self._set_numel(slot, 0)
         self._upload(slot, stream)
+
+    def _set_numel(self, slot: int, numel: int) -> None:
+        self.numel[slot] = numel
+        if numel > self.max_numel:
+            self._changed()  # a pool validated for the old largest shard may be too small now
+        self.max_numel = max(self.numel)
+
+    def _changed(self) -> None:
+        """What launches were validated against changed: drop their plans (the key's version guards races)."""
+        self.version += 1
+        self.plans.clear()
 
     # -- checks -----------------------------------------------------------------------------------
     def _check_slot(self, slot: int) -> None:
@@ -148,6 +174,8 @@ class SlotMeta:
             if got != want:
                 raise ValueError(f"{where}: layer {m.layer} {m.module} shard is (in, out) = {got}, but this "
                                  f"SlotMeta serves {want} (another model shape or TP size?)")
+        if self.dtype != layout.dtype or any(m not in self.dims for m in learned):
+            self._changed()  # launches validated against the old dims or dtype must be checked again
         self.dims.update(learned)
         self.dtype = layout.dtype
         return modules
@@ -196,32 +224,63 @@ class SlotMeta:
 class BatchMeta:
     """Per-batch token -> slot indices on the device, refilled in place for every batch.
 
-    ``token_slot[:num_tokens]`` (int32, -1 = no adapter) is what the kernels read; ``seg_start``
-    (``num_segments + 1`` entries) and ``seg_slot`` describe the segments when ``set_segments`` was used.
+    Device views (int32), all in one buffer that one ``non_blocking`` copy fills:
+    ``token_slot[:num_tokens]`` (-1 = no adapter), read by SGMV; ``seg_start`` (``num_segments + 1``
+    entries) and ``seg_slot``, the segments when ``set_segments`` was used; ``token_perm``, the adapted
+    tokens grouped by slot (ascending slot, token order within a slot); ``chunks`` ``[max_chunks, 3]``,
+    rows ``(first position in token_perm, tokens, slot)``: each slot's run cut into tiles of at most
+    ``chunk`` tokens, read by the decode kernel; rows past ``num_chunks`` have 0 tokens. ``tile_locks``
+    ``[max_chunks * MAX_FUSED]``: the decode kernel's split counters, 0 at rest (every copy rewrites 0).
+    ``chunk`` depends on the batch size only (``decode_chunk``, or ``chunk_tokens`` if given), and
+    ``chunk_grid`` bounds the tiles from sizes only, so a captured CUDA graph stays valid for any mix.
     """
 
     def __init__(self, max_tokens: int, max_segments: int, device: torch.device, *,
-                 num_slots: int | None = None, ring: int = 4) -> None:
+                 num_slots: int | None = None, ring: int = 4, chunk_tokens: int | None = None) -> None:
         if max_tokens < 1 or max_segments < 1:
             raise ValueError(f"BatchMeta needs max_tokens >= 1 and max_segments >= 1, got {max_tokens}, "
                              f"{max_segments}")
+        if chunk_tokens is not None and (chunk_tokens < MIN_CHUNK or chunk_tokens & (chunk_tokens - 1)):
+            raise ValueError(f"chunk_tokens must be a power of two >= {MIN_CHUNK}, got {chunk_tokens}")
         self.max_tokens, self.max_segments, self.num_slots = max_tokens, max_segments, num_slots
+        self.chunk_tokens = chunk_tokens
         self.device = concrete(device)
-        n = max_tokens + 2 * max_segments + 1
+        # tiles: each slot's run adds at most one partial tile to the full ones
+        self.max_chunks = -(-max_tokens // MIN_CHUNK) + min(max_tokens, num_slots or max_tokens)
+        n = sum(-(-n // 4) * 4 for n in self._sizes())
         self._dev = torch.full((n,), -1, dtype=torch.int32, device=self.device)
-        self.token_slot, self.seg_start, self.seg_slot = self._split(self._dev)
+        self.token_slot, self.seg_start, self.seg_slot, self.token_perm, self.chunks, self.tile_locks = (
+            self._split(self._dev))
         pin = _is_cuda(self.device)
         self._ring = [torch.full((n,), -1, dtype=torch.int32, pin_memory=pin) for _ in range(ring)]
+        for buf in [self._dev, *self._ring]:
+            self._split(buf)[5].zero_()  # counters rest at 0
+        self._host_views = [tuple(v.numpy() for v in self._split(buf)) for buf in self._ring]
         self._copied: list[Any] = [None] * ring  # event after each host buffer's last copy (CUDA)
         self._next = 0
-        self.num_tokens = self.num_segments = 0
+        self.num_tokens = self.num_segments = self.num_chunks = 0
+        self.chunk = MIN_CHUNK  # tokens per tile of this batch
         self.mode: str | None = None  # "sgmv" or "bgmv": which setter ran last
         self.max_slot = -1  # largest slot index of the batch (checked against the pool at launch)
         self.host_token_slot = np.full(0, -1, dtype=np.int32)  # this batch's token_slot, on the host
 
-    def _split(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _sizes(self) -> list[int]:
+        """Entries of token_slot, seg_start, seg_slot, token_perm, chunks, tile_locks."""
         t, s = self.max_tokens, self.max_segments
-        return buf[:t], buf[t : t + s + 1], buf[t + s + 1 :]
+        return [t, s + 1, s, t, 3 * self.max_chunks, MAX_FUSED * self.max_chunks]
+
+    def _split(self, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The regions of ``buf``, each starting 16-byte aligned (vector loads; launch.py's direct launches)."""
+        views, start = [], 0
+        for n in self._sizes():
+            views.append(buf[start : start + n])
+            start += -(-n // 4) * 4
+        return (*views[:4], views[4].view(self.max_chunks, 3), views[5])
+
+    def chunk_grid(self, num_slots: int) -> int:
+        """Tiles the decode kernel launches for this batch size over a pool of ``num_slots``: sizes only."""
+        t = self.num_tokens
+        return min(-(-t // self.chunk) + min(t, num_slots), self.max_chunks)
 
     def set_segments(self, seg_lens: Sequence[int], seg_slots: Sequence[int], stream: Any = None) -> None:
         """Tokens ``[start_i, start_i + seg_lens[i])`` use slot ``seg_slots[i]`` (-1 = no adapter)."""
@@ -236,20 +295,17 @@ class BatchMeta:
             raise ValueError(f"seg_lens must be >= 0, got {lens.min()} in segment {int(lens.argmin())}")
         tokens = np.repeat(slots, lens)
         self._check(tokens, slots)
-        i, host = self._take()
-        t_host, s_host, slot_host = self._split(host)
-        t_host.numpy()[: len(tokens)] = tokens
-        s_host.numpy()[: len(lens) + 1] = np.concatenate(([0], np.cumsum(lens)))
-        slot_host.numpy()[: len(slots)] = slots
+        i = self._take()
+        _, s_host, slot_host, _, _, _ = self._host_views[i]
+        s_host[: len(lens) + 1] = np.concatenate(([0], np.cumsum(lens)))
+        slot_host[: len(slots)] = slots
         self._publish(i, tokens, len(lens), "sgmv", stream)
 
     def set_tokens(self, token_slots: Sequence[int], stream: Any = None) -> None:
-        """Token ``i`` uses slot ``token_slots[i]`` (-1 = no adapter)."""
+        """Token ``i`` uses slot ``token_slots[i]`` (-1 = no adapter). Host work and one copy: no sync."""
         tokens = _ints(token_slots, "token_slots")
         self._check(tokens, tokens)
-        i, host = self._take()
-        self._split(host)[0].numpy()[: len(tokens)] = tokens
-        self._publish(i, tokens, 0, "bgmv", stream)
+        self._publish(self._take(), tokens, 0, "bgmv", stream)
 
     def _check(self, tokens: np.ndarray, slots: np.ndarray) -> None:
         if not 0 < len(tokens) <= self.max_tokens:
@@ -261,16 +317,23 @@ class BatchMeta:
             raise IndexError(f"slot index {slots.max()} is out of range: the pool has slots "
                              f"0..{self.num_slots - 1}")
 
-    def _take(self) -> tuple[int, torch.Tensor]:
+    def _take(self) -> int:
         """The next pinned host buffer; waits only if the GPU is a whole ring of batches behind."""
         i = self._next
         self._next = (i + 1) % len(self._ring)
         event = self._copied[i]
         if event is not None and not event.query():
             event.synchronize()
-        return i, self._ring[i]
+        return i
 
     def _publish(self, i: int, tokens: np.ndarray, segments: int, mode: str, stream: Any) -> None:
+        chunk = self.chunk_tokens or decode_chunk(len(tokens))
+        t_host, _, _, perm_host, chunk_host, _ = self._host_views[i]
+        t_host[: len(tokens)] = tokens
+        perm, table = group_by_slot(tokens, chunk)
+        perm_host[: len(perm)] = perm
+        chunk_host[: len(table)] = table
+        chunk_host[len(table) :, 1] = 0  # no tokens: tiles past the batch's own do nothing
         if _is_cuda(self.device):
             stream = stream or torch.cuda.current_stream(self.device)
             with torch.cuda.stream(stream):
@@ -280,9 +343,29 @@ class BatchMeta:
             self._copied[i] = event
         else:
             self._dev.copy_(self._ring[i])
-        self.num_tokens, self.num_segments, self.mode = len(tokens), segments, mode
+        self.num_tokens, self.num_segments, self.num_chunks, self.chunk = len(tokens), segments, len(table), chunk
+        self.mode = mode
         self.max_slot = int(tokens.max())
         self.host_token_slot = tokens.astype(np.int32)
+
+
+def group_by_slot(tokens: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host side of grouped decode: ``(perm, tiles)`` for the tokens' slots (-1 = no adapter).
+
+    ``perm`` lists the adapted tokens slot by slot (stable: token order within a slot); ``tiles`` has
+    one row ``(first position in perm, tokens, slot)`` per run of at most ``chunk`` tokens of one slot.
+    """
+    adapted = np.flatnonzero(tokens >= 0)
+    perm = adapted[np.argsort(tokens[adapted], kind="stable")]
+    if not len(perm):
+        return perm, np.zeros((0, 3), dtype=np.int64)
+    slots = tokens[perm]
+    starts = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]])
+    ends = np.r_[starts[1:], len(perm)]
+    per = -(-(ends - starts) // chunk)  # tiles of each slot's run
+    run = np.repeat(np.arange(len(starts)), per)
+    first = starts[run] + (np.arange(len(run)) - np.repeat(np.cumsum(per) - per, per)) * chunk
+    return perm, np.stack([first, np.minimum(chunk, ends[run] - first), slots[starts][run]], axis=1)
 
 
 def _ints(values: Sequence[int], what: str) -> np.ndarray:

@@ -10,13 +10,15 @@ number of tokens only, so the launch is CUDA-graph safe; no atomics, so results 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from workers.kernels.args import Launch, check_launch
+from workers.kernels.args import Launch, cached_plan
 from workers.kernels.bgmv import MIN
+from workers.kernels.launch import KernelCall
 from workers.kernels.meta import OFFSET_ALIGN, BatchMeta, SlotMeta
 from workers.kernels.tuning import interpreting, sgmv_config
 
@@ -42,12 +44,13 @@ def _expand_tile(scaled, b_ptr, rank, y_ptr, rows, sel, stride_y, col_f, n_lo, n
         tl.store(y_ptrs, (old + delta).to(y_ptr.dtype.element_ty), mask=ymask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["meta_layer"])
 def _sgmv_kernel(
     x_ptr,  # [T, d_in] activations, row stride stride_x, column stride 1
     y_ptr,  # [T, sum(out)] output, updated in place; row stride stride_y, column stride 1
     pool_ptr,  # [num_slots, slot_numel] slot pool; A is [rank, d_in] at a_off, B is [out_m, rank] at b_off
     tok_slot_ptr,  # [>= T] int32 slot of each token, -1 = no adapter (segments expanded per token)
+    meta_layer,  # index of this layer's first entry within a slot's table
     a_off_ptr,  # SlotMeta.a_off [num_slots, L, M] int64
     b_off_ptr,  # SlotMeta.b_off [num_slots, L, M] int64
     rank_ptr,  # SlotMeta.rank [num_slots, L, M] int32, 0 = module not adapted
@@ -59,7 +62,6 @@ def _sgmv_kernel(
     stride_pool,  # row stride of the pool
     stride_off,  # slot stride of SlotMeta.a_off / b_off (int64 entries)
     stride_rank,  # slot stride of SlotMeta.rank / scale (32-bit entries)
-    meta_layer,  # index of this layer's first entry within a slot's table
     n_per_split,  # output columns per program along grid axis 2, a multiple of BLOCK_N
     out0, out1, out2, out3,  # output features of fused modules 0..3
     col0, col1, col2, col3,  # first column of y of fused modules 0..3
@@ -126,18 +128,25 @@ def sgmv(x: torch.Tensor, y: torch.Tensor, pool: torch.Tensor, slot_meta: SlotMe
     the segments into, so tokens in any order are correct (contiguous segments are what makes it fast).
     The intermediate ``x @ A.T`` is rounded to the pool dtype before the expand (as in Punica and vLLM).
     """
-    launch = check_launch(x, y, pool, slot_meta, batch, layer, modules)
-    _launch(x, y, pool, slot_meta, batch, launch)
+    plan = cached_plan("sgmv", x, y, pool, slot_meta, batch, layer, modules,
+                       lambda launch: _plan(x, y, pool, slot_meta, launch))
+    plan.kernel(x, y, pool, batch.token_slot, layer * plan.modules_per_layer)
 
 
-def _launch(x: torch.Tensor, y: torch.Tensor, pool: torch.Tensor, slot_meta: SlotMeta, batch: BatchMeta,
-            launch: Launch) -> None:
+class SgmvPlan(NamedTuple):
+    """Everything of a call that one argument signature fixes (``args.cached_plan``)."""
+
+    kernel: KernelCall  # takes (x, y, pool, token_slot, meta_layer)
+    modules_per_layer: int  # SlotMeta entries per layer: meta_layer = layer * this
+
+
+def _plan(x: torch.Tensor, y: torch.Tensor, pool: torch.Tensor, slot_meta: SlotMeta, launch: Launch) -> SgmvPlan:
     cfg = sgmv_config(launch.tokens, launch.fused, launch.d_in, launch.max_out, slot_meta.max_rank, x.device)
+    fixed = dict(a_off_ptr=slot_meta.a_off, b_off_ptr=slot_meta.b_off, rank_ptr=slot_meta.rank,
+                 scale_ptr=slot_meta.scale, T=launch.tokens, d_in=launch.d_in, stride_x=x.stride(0),
+                 stride_y=y.stride(0), stride_pool=pool.stride(0), stride_off=slot_meta.a_off.stride(0),
+                 stride_rank=slot_meta.rank.stride(0), n_per_split=cfg.n_per_split, **launch.per_module(),
+                 BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
+                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32", NO_SLOT=NO_SLOT, ALIGN=OFFSET_ALIGN)
     grid = (triton.cdiv(launch.tokens, cfg.block_t), launch.fused, cfg.n_splits)
-    _sgmv_kernel[grid](
-        x, y, pool, batch.token_slot, slot_meta.a_off, slot_meta.b_off, slot_meta.rank, slot_meta.scale,
-        launch.tokens, launch.d_in, x.stride(0), y.stride(0), pool.stride(0), slot_meta.a_off.stride(0),
-        slot_meta.rank.stride(0), launch.meta_layer, cfg.n_per_split, *launch.outs, *launch.cols, *launch.midx,
-        BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", NO_SLOT=NO_SLOT, ALIGN=OFFSET_ALIGN,
-        num_warps=cfg.num_warps)
+    return SgmvPlan(KernelCall(_sgmv_kernel, grid, 5, fixed, dict(num_warps=cfg.num_warps)), len(slot_meta.modules))

@@ -22,11 +22,12 @@ import triton
 
 @dataclass(frozen=True)
 class BgmvKnobs:
-    block_r: int = 16  # ranks per inner tile (LoRA ranks are multiples of 8: 16 wastes little)
-    block_k: int = 256  # input features per shrink tile (16 rows x 256 bf16 = 8 KiB per load)
+    block_k: int = 128  # input features per shrink tile (A^T tile: 128 x 64 ranks bf16 = 16 KiB)
     block_n: int = 128  # output features per expand program
     num_warps: int = 4
+    num_stages: int = 3  # software pipelining depth of the K loop
     waves: int = 4  # aim for this many programs per SM when splitting K
+    reduce: bool = True  # the shrink's last split sums the splits (else every expand program sums them)
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ KNOBS: dict[str, BgmvKnobs | SgmvKnobs] = {"bgmv": BgmvKnobs(), "sgmv": SgmvKnob
 
 
 @contextlib.contextmanager
-def tuned(kernel: str, **knobs: int) -> Iterator[None]:
+def tuned(kernel: str, **knobs: int | bool) -> Iterator[None]:
     """Run with other knobs for ``kernel`` ("bgmv" or "sgmv"), e.g. ``tuned("bgmv", block_k=512)``."""
     old: Any = KNOBS[kernel]
     KNOBS[kernel] = dataclasses.replace(old, **knobs)
@@ -64,31 +65,31 @@ def _sms(device: torch.device) -> int:
 
 
 class BgmvConfig(NamedTuple):
-    block_t: int  # tokens per program (grid axis 0)
     split_k: int  # K splits of the shrink (grid axis 2)
     k_per_split: int  # input features per split, a multiple of block_k
     block_k: int  # input features per shrink tile
     block_n: int  # output features per expand program
-    block_r: int  # ranks per tile
-    r_pad: int  # workspace rank padding: max_rank rounded up to block_r
+    block_r: int  # the whole rank in one tile: max_rank rounded up to a power of two >= 16
     num_warps: int
+    num_stages: int
+    reduce: bool  # the shrink sums the K splits (only when there are several)
 
 
-def bgmv_config(tokens: int, fused: int, d_in: int, max_rank: int, device: torch.device) -> BgmvConfig:
+def bgmv_config(fused: int, d_in: int, max_out: int, max_rank: int, tiles: int, device: torch.device) -> BgmvConfig:
+    """Block sizes and K splits for a grid of ``tiles`` token tiles (``BatchMeta.chunk_grid``): sizes only."""
     knobs = KNOBS["bgmv"]
     assert isinstance(knobs, BgmvKnobs)
-    block_k = min(knobs.block_k, triton.next_power_of_2(d_in))
+    block_r = max(16, triton.next_power_of_2(max_rank))
+    block_k = max(16, min(knobs.block_k, triton.next_power_of_2(d_in)))
+    # under the interpreter every program is Python: one column block (and no K splits: no SMs)
+    block_n = max(16, triton.next_power_of_2(max_out)) if interpreting() else knobs.block_n
     k_blocks = triton.cdiv(d_in, block_k)
-    split_k = max(1, min(k_blocks, knobs.waves * _sms(device) // (tokens * fused)))
+    split_k = max(1, min(k_blocks, knobs.waves * _sms(device) // (tiles * fused)))
     split_k = 1 << (split_k.bit_length() - 1)  # a power of two: few compiled variants
     k_per_split = triton.cdiv(k_blocks, split_k) * block_k
     split_k = triton.cdiv(d_in, k_per_split)  # no empty splits
-    if interpreting():
-        block_t, block_r = min(16, triton.next_power_of_2(tokens)), triton.next_power_of_2(max(max_rank, 16))
-    else:
-        block_t, block_r = 1, knobs.block_r
-    r_pad = triton.cdiv(max_rank, block_r) * block_r
-    return BgmvConfig(block_t, split_k, k_per_split, block_k, knobs.block_n, block_r, r_pad, knobs.num_warps)
+    return BgmvConfig(split_k, k_per_split, block_k, block_n, block_r, knobs.num_warps, knobs.num_stages,
+                      bool(knobs.reduce) and split_k > 1)
 
 
 class SgmvConfig(NamedTuple):
