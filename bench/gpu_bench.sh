@@ -12,10 +12,10 @@ nvidia-smi -L
 for what in "$@"; do
   case $what in
     smoke)   run smoke "${common[@]}" --scenario zipf --policies ondemand,global --requests 24 ;;
-    seed)    run seed "${common[@]}" --scenario seed --requests 120 --check-sim ;;
-    uniform) run uniform "${common[@]}" --scenario uniform --requests 120 --check-sim ;;
-    zipf)    run zipf "${common[@]}" --scenario zipf --requests 120 --check-sim ;;
-    bursty)  run bursty "${common[@]}" --scenario bursty --requests 150 --check-sim ;;
+    seed)    run seed "${common[@]}" --scenario seed --requests 100 ;;
+    uniform) run uniform "${common[@]}" --scenario uniform --requests 100 ;;
+    zipf)    run zipf "${common[@]}" --scenario zipf --requests 100 ;;
+    bursty)  run bursty "${common[@]}" --scenario bursty --requests 120 --policies global,queue,ondemand,oracle,overlap ;;
     fleet2)  run fleet2 "${common[@]}" --scenario zipf --replicas 2 --requests 160 --arrivals poisson:8 ;;
     tp4)     python -m bench.tp_ready --tp 4 --model llama-3.1-70b --out "$out/tp4-ready.json" > "$out/tp4-ready.log" 2>&1
              echo "=== tp4-ready rc=$?"; tail -n 25 "$out/tp4-ready.log"

@@ -192,11 +192,16 @@ def _run_real(bench: BenchConfig, policies: Sequence[BenchPolicy], root: str, na
     owns = not ray.is_initialized()
     if owns:  # inside `ray job submit` this joins the job's cluster; alone, it starts an embedded one
         ray.init(namespace=NAMESPACE, log_to_driver=False)
-    runs = []
+    runs: list[PolicyRun] = []
     try:
         for policy in policies:
-            with _progress(policy.name) as tick:
-                runs.append(run_policy(real, policy, root, names, workload, tick))
+            try:
+                with _progress(policy.name) as tick:
+                    runs.append(run_policy(real, policy, root, names, workload, tick))
+            except Exception as e:  # the other policies still run; the error is in results.json
+                config.setdefault("errors", {})[policy.name] = f"{type(e).__name__}: {e}"
+                print(f"error: policy {policy.name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            write(Path(bench.out), config, runs, plots=False)  # what is done so far survives a later failure
     finally:
         if owns:
             ray.shutdown()
@@ -293,8 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = {name: f["failed"] for name, f in doc["figures"].items() if f["failed"]}
     if failed:
         print(f"error: requests failed: {failed}", file=sys.stderr)
-        return 1
-    return 0
+    errors = doc["config"].get("errors", {})
+    return 1 if failed or errors else 0
 
 
 if __name__ == "__main__":

@@ -201,9 +201,9 @@ class WorkerActor:
 
     # -- a hosted engine (bench.run --engine real) --------------------------------------------------
     def preload(self, names: list[str], timeout_s: float = 600.0) -> list[ReadinessRecord]:
-        """Load every named adapter and wait until READY here (the oracle's infinite cache)."""
-        futures = [self.cache.prefetch(n) for n in names]
-        return [f.result(timeout=timeout_s) for f in futures]
+        """Load every named adapter, one at a time (the host tier stages a bounded number of shards at
+        once), and wait until each is READY here: the oracle's infinite cache."""
+        return [self.cache.prefetch(n).result(timeout=timeout_s) for n in names]
 
     @ray.method(concurrency_group="engine")
     def engine_rendezvous(self, world: int) -> Rendezvous:
