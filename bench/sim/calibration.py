@@ -1,0 +1,192 @@
+"""What the simulator charges for each thing the fleet does, fitted from a real engine's logs.
+
+A ``Calibration`` is a frozen dataclass read from JSON (``bench/calibration/*.json``; the README there
+says how each file was measured). Costs are linear models, in milliseconds:
+
+==========  ====================================================================================
+prefill     ``prefill_base_ms + prefill_per_token_ms * prompt tokens + prefill_per_item_ms * prompts``
+decode      ``decode_base_ms + decode_per_item_ms * batch + decode_per_adapter_ms * distinct adapters``
+host->GPU   a copy holds the rank's copy stream for ``nbytes / h2d_gbps``; the shard is READY
+            ``load_fixed_ms`` after the copy ends (launch, completion polling: off the stream)
+disk->host  a read holds one of the rank's reader threads for ``disk_fixed_ms + nbytes / disk_gbps``
+control     ``report_latency_ms``: an engine's queue report, a router's hint or a worker's residency
+            deltas reach the controller this long after they happen (the worker outbox gathers
+            deltas over this window); ``command_latency_ms``: commands reach a worker this long after
+            the controller planned them
+==========  ====================================================================================
+
+``fit_calibration(steps, loads)`` fits the step and load models by least squares (coefficients kept
+>= 0) from the logs of a real run: steps as ``{kind, items, tokens, adapters, ms}`` and loads as
+``{nbytes, ready_ms, h2d_ms, disk_ms, host_hit}``, the fields of ``workers.loader.ReadinessRecord``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lora_cache.errors import ConfigError
+
+CALIBRATION_DIR = Path(__file__).resolve().parent.parent / "calibration"
+SLOT_DTYPES = ("bfloat16", "float16", "float32")
+GB = 1e9  # bandwidths are in GB/s: 1e9 bytes per second
+
+
+def _cost(default: float, text: str) -> Any:
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Simulated costs of one engine on one machine (ms; bandwidths in GB/s, inf: free)."""
+
+    name: str = field(default="unnamed", metadata={"help": "what this calibration is, e.g. h200-llama8b"})
+    source: str = field(default="", metadata={"help": "how and from what it was measured"})
+    provisional: bool = field(default=False, metadata={"help": "not yet fitted from a run of the engine it models"})
+    slot_dtype: str = field(default="bfloat16", metadata={"help": "dtype of the slots (decides shard bytes)"})
+    prefill_base_ms: float = _cost(0.0, "prefill step: fixed cost")
+    prefill_per_token_ms: float = _cost(0.0, "prefill step: per prompt token")
+    prefill_per_item_ms: float = _cost(0.0, "prefill step: per prompt in the batch")
+    decode_base_ms: float = _cost(0.0, "decode step: fixed cost")
+    decode_per_item_ms: float = _cost(0.0, "decode step: per request in the batch")
+    decode_per_adapter_ms: float = _cost(0.0, "decode step: per distinct adapter in the batch")
+    load_fixed_ms: float = _cost(0.0, "a load: from the copy's end to READY (off the copy stream)")
+    h2d_gbps: float = _cost(math.inf, "host -> GPU copy bandwidth of one rank, GB/s")
+    disk_fixed_ms: float = _cost(0.0, "a disk -> host read: fixed cost")
+    disk_gbps: float = _cost(math.inf, "disk -> host read bandwidth of one reader thread, GB/s")
+    report_latency_ms: float = _cost(0.0, "engine/router/worker -> controller message latency")
+    command_latency_ms: float = _cost(0.0, "controller plan -> worker command latency")
+
+    def __post_init__(self) -> None:
+        if self.slot_dtype not in SLOT_DTYPES:
+            raise ConfigError(f"calibration {self.name!r}: slot_dtype is {self.slot_dtype!r}; use one of {SLOT_DTYPES}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_ms") and (isinstance(value, bool) or not isinstance(value, int | float)
+                                           or not math.isfinite(value) or value < 0):
+                raise ConfigError(f"calibration {self.name!r}: {f.name} is {value!r}; give milliseconds >= 0")
+            if f.name.endswith("_gbps") and (isinstance(value, bool) or not isinstance(value, int | float)
+                                             or math.isnan(value) or value <= 0):
+                raise ConfigError(f"calibration {self.name!r}: {f.name} is {value!r}; give GB/s > 0 "
+                                  "(Infinity: a free transfer)")
+
+    # -- costs, in seconds -------------------------------------------------------------------------
+    def prefill_s(self, tokens: int, items: int) -> float:
+        return (self.prefill_base_ms + self.prefill_per_token_ms * tokens + self.prefill_per_item_ms * items) / 1e3
+
+    def decode_s(self, items: int, adapters: int) -> float:
+        return (self.decode_base_ms + self.decode_per_item_ms * items + self.decode_per_adapter_ms * adapters) / 1e3
+
+    def h2d_s(self, nbytes: int) -> float:
+        return nbytes / (self.h2d_gbps * GB)
+
+    def disk_s(self, nbytes: int) -> float:
+        return self.disk_fixed_ms / 1e3 + nbytes / (self.disk_gbps * GB)
+
+    # -- files ---------------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], where: str) -> Calibration:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known - {"comment"})
+        if unknown:
+            raise ConfigError(f"{where}: unknown fields {unknown}; a calibration has {sorted(known)} "
+                              "(and an optional 'comment')")
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+def load_calibration(name_or_path: str) -> Calibration:
+    """A calibration by file path, or by name from ``bench/calibration`` (``h200-llama8b``, ``cpu-tiny``)."""
+    path = Path(name_or_path)
+    if not path.suffix and not path.exists():
+        path = CALIBRATION_DIR / f"{name_or_path}.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        shipped = sorted(p.stem for p in CALIBRATION_DIR.glob("*.json"))
+        raise ConfigError(f"calibration {name_or_path!r}: no file {path}; pass a JSON file or one of {shipped}") from e
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"calibration {path}: not valid JSON ({e}); see bench/calibration/README.md") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"calibration {path}: expected a JSON object of fields, got {type(raw).__name__}")
+    return Calibration.from_dict(raw, str(path))
+
+
+# -- fitting ---------------------------------------------------------------------------------------
+def fit_calibration(steps: Iterable[Mapping[str, Any]], loads: Iterable[Mapping[str, Any]], *,
+                    name: str = "fitted", source: str = "", base: Calibration | None = None) -> Calibration:
+    """Step and load costs fitted from a real run's logs; what the logs cannot tell comes from ``base``.
+
+    ``steps``: ``{kind: 'prefill'|'decode', items, tokens, adapters, ms}`` (steps with ``load_wait_ms`` > 0
+    are left out: their time includes waiting for a load). ``loads``: ``{nbytes, ready_ms, h2d_ms,
+    disk_ms, host_hit}``. The copy bandwidth is total bytes over total copy time; the fixed load
+    latency is the copy's fitted intercept plus the 25th percentile of ``ready - h2d - disk`` (queueing
+    behind other loads only adds to it). Disk figures need loads that missed the host tier; without
+    any they come from ``base``, like the slot dtype and the control latencies.
+    """
+    base = base or Calibration()
+    steps = [s for s in steps if not s.get("load_wait_ms")]
+    prefill = _fit([s for s in steps if s["kind"] == "prefill"], ("tokens", "items"), "prefill")
+    decode = _fit([s for s in steps if s["kind"] == "decode"], ("items", "adapters"), "decode")
+    loads = list(loads)
+    if not loads:
+        raise ConfigError("fit_calibration: no loads in the log; a run must load at least one adapter")
+    nbytes = np.array([ld["nbytes"] for ld in loads], dtype=np.float64)
+    h2d = np.array([ld["h2d_ms"] for ld in loads], dtype=np.float64)
+    copy_fixed, h2d_gbps = _fit_rate(nbytes, h2d)
+    residual = np.array([ld["ready_ms"] - ld["h2d_ms"] - ld["disk_ms"] for ld in loads])
+    missed = [ld for ld in loads if not ld["host_hit"]]
+    disk_fixed, disk_gbps = base.disk_fixed_ms, base.disk_gbps
+    if missed:
+        disk_fixed, disk_gbps = _fit_rate(np.array([ld["nbytes"] for ld in missed], dtype=np.float64),
+                                          np.array([ld["disk_ms"] for ld in missed], dtype=np.float64))
+    return dataclasses.replace(
+        base, name=name, source=source, provisional=False,
+        prefill_base_ms=prefill["1"], prefill_per_token_ms=prefill["tokens"], prefill_per_item_ms=prefill["items"],
+        decode_base_ms=decode["1"], decode_per_item_ms=decode["items"], decode_per_adapter_ms=decode["adapters"],
+        load_fixed_ms=copy_fixed + max(0.0, float(np.percentile(residual, 25))), h2d_gbps=h2d_gbps,
+        disk_fixed_ms=disk_fixed, disk_gbps=disk_gbps)
+
+
+def _fit(rows: Sequence[Mapping[str, Any]], columns: tuple[str, ...], kind: str) -> dict[str, float]:
+    """Least squares of ``ms`` on an intercept ("1") and ``columns``, every coefficient >= 0.
+
+    A column with no spread cannot be told from the intercept: it is left out (coefficient 0). A
+    negative coefficient is not a cost: the most negative column is left out and the rest refitted.
+    """
+    if len(rows) < 2:
+        raise ConfigError(f"fit_calibration: {len(rows)} {kind} steps in the log; a fit needs at least 2 "
+                          f"(run more requests, or several batch sizes)")
+    y = np.array([r["ms"] for r in rows], dtype=np.float64)
+    data = {c: np.array([r[c] for r in rows], dtype=np.float64) for c in columns}
+    active = ["1", *(c for c in columns if np.ptp(data[c]) > 0)]
+    data["1"] = np.ones(len(rows))
+    while True:
+        coef, *_ = np.linalg.lstsq(np.column_stack([data[c] for c in active]), y, rcond=None)
+        worst = int(np.argmin(coef))
+        if coef[worst] >= 0 or len(active) == 1:
+            break
+        del active[worst]
+    fitted = dict.fromkeys(("1", *columns), 0.0)
+    fitted.update({c: max(0.0, float(v)) for c, v in zip(active, coef)})
+    return fitted
+
+
+def _fit_rate(nbytes: np.ndarray, ms: np.ndarray) -> tuple[float, float]:
+    """(fixed ms, GB/s) of ``ms = fixed + nbytes / rate``. Several sizes: least squares (no growth with
+    size: a fixed cost at infinite rate); one size cannot tell the two apart: a rate through the origin."""
+    if np.ptp(nbytes) > 0:
+        fitted = _fit([{"nbytes": b, "ms": t} for b, t in zip(nbytes, ms)], ("nbytes",), "load")
+        slope = fitted["nbytes"]
+        return fitted["1"], 1.0 / (slope * GB / 1e3) if slope > 0 else math.inf
+    total = float(ms.sum())
+    return 0.0, (float(nbytes.sum()) / (total / 1e3) / GB) if total > 0 else math.inf

@@ -1,0 +1,334 @@
+"""``--engine sim``: the fleet (router, replicas of TP ranks, controller) in simulated time.
+
+``simulate(config, policy, workload, calibration)`` runs one benchmark policy over one workload and
+returns the same per-request ``RequestRecord``s the real engine returns, each rank's cache counters
+(``WorkerCache.stats()`` keys), every load, every step and a time series. Only costs are simulated
+(from the calibration); the planner and controller core, the scheduler and admission rules, the slot
+table and the counters are the real code. No wall clock and no randomness of its own: the workload's
+seed decides everything, so the same inputs give identical records.
+
+The router sees a request ``hint_lead_s`` before it dispatches it (open loop): it routes it then (the
+same rule for every policy), and a policy with hints sends the hint at that moment. Half a second
+(the default) stands for the time a request spends upstream of the engine once its adapter is known:
+the router's own queue, tokenization and prompt assembly, an agent's previous step; it is long enough
+to read a rank-64 Llama-8B shard from disk (about 170 ms at 2 GB/s) and copy it, so hints can help,
+and short against the popularity half-life, so they do not just restate popularity. In closed-loop
+mode (``inflight``: N requests in flight over the fleet, the next released when one finishes) a
+request is known only when it is released: no hint (one with no lead says nothing the queue does not).
+``round_robin`` routing sends request i to replica i mod R, as the real path's router does.
+
+Adapter i gets LoRA rank ``adapter_ranks[i % len]`` (``make-adapters --rank 16,64``); every policy has
+``slots`` slots per rank sized for the largest rank (equal GPU memory), except the oracle: a slot
+per adapter, all READY before t=0 (an infinite cache with zero load cost).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from bench.figures import PolicyRun
+from bench.policies import BenchPolicy
+from bench.sim.calibration import Calibration
+from bench.sim.control import SimController, SyntheticCatalog
+from bench.sim.events import Loop
+from bench.sim.replica import ReplicaHooks, SimReplica, StepRecord
+from bench.sim.worker import LoadRecord, SimHostTier, SimWorker
+from bench.workloads import Workload
+from lora_cache.control import WorkerId
+from lora_cache.errors import ConfigError
+from lora_cache.planner.records import AdapterKey
+from lora_cache.shapes import resolve_model
+from lora_cache.shards import shard_layout
+from lora_cache.synth import SynthConfig
+from workers.engine.admission import ADMISSION
+from workers.engine.batching import check_requests
+from workers.engine.config import EngineConfig
+from workers.engine.timings import RequestRecord, summarize
+from workers.engine.workload import Request
+
+COUNTERS = ("gpu_hits", "gpu_misses", "prefetches", "demand_loads", "loads", "load_failures", "evictions",
+            "prefetch_used", "prefetch_unused", "bytes_host_to_gpu", "host_hits", "host_misses", "bytes_disk_to_host")
+
+RESERVOIRS = ("disk_ms", "h2d_ms", "ready_ms")  # latency summaries in stats(): the load records have them all
+
+
+class Router(Protocol):
+    def pick(self, outstanding: list[int]) -> int:
+        """The replica for the next request, from each replica's requests routed and not finished."""
+        ...
+
+
+class LeastLoaded:
+    """The replica with the fewest outstanding requests (queued, running or on their way); ties: lowest index."""
+
+    def pick(self, outstanding: list[int]) -> int:
+        return outstanding.index(min(outstanding))
+
+
+class RoundRobin:
+    def __init__(self) -> None:
+        self.next = 0
+
+    def pick(self, outstanding: list[int]) -> int:
+        self.next = (self.next + 1) % len(outstanding)
+        return (self.next - 1) % len(outstanding)
+
+
+ROUTERS: dict[str, type[Router]] = {"least_loaded": LeastLoaded, "round_robin": RoundRobin}
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The simulated fleet: replicas of TP ranks, their slots and batching bounds, router and controller."""
+
+    replicas: int = field(default=2, metadata={"help": "replicas (TP groups)"})
+    tp: int = field(default=1, metadata={"help": "tensor-parallel ranks per replica"})
+    slots: int = field(default=8, metadata={"help": "GPU adapter slots per rank (the oracle gets one per adapter)"})
+    max_running: int = field(default=32, metadata={"help": "most requests running per replica"})
+    max_adapters: int = field(default=4, metadata={"help": "most distinct adapters among a replica's running requests"})
+    max_prefill_tokens: int = field(default=4096, metadata={"help": "prompt tokens per prefill step"})
+    hint_lead_s: float = field(default=0.5, metadata={
+        "help": "the router knows (routes, hints) a request this long before it dispatches it"})
+    routing: str = field(default="least_loaded", metadata={"help": f"router: {' | '.join(ROUTERS)}"})
+    plan_interval_s: float = field(default=0.5, metadata={
+        "help": "the controller's timer: retry failed loads and replan the whole fleet"})
+    sync_s: float = field(default=5.0, metadata={"help": "the controller resyncs every worker's residency this often"})
+    model: str = field(default="llama-3.1-8b", metadata={"help": "model shape (decides adapter shard bytes)"})
+    max_rank: int = field(default=64, metadata={"help": "largest LoRA rank (sizes the slots)"})
+    adapter_ranks: str = field(default="16,64", metadata={"help": "LoRA ranks given to the adapters in turn"})
+    host_bytes: int = field(default=2 << 30, metadata={"help": "pinned host tier bytes per rank"})
+    read_threads: int = field(default=4, metadata={"help": "disk reader threads per rank"})
+    series_s: float = field(default=1.0, metadata={"help": "time-series bucket, simulated seconds"})
+
+    def __post_init__(self) -> None:
+        for name in ("replicas", "tp", "slots", "max_running", "max_adapters", "max_prefill_tokens", "read_threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} is {getattr(self, name)}; give an integer >= 1")
+        if self.max_adapters > self.slots:
+            raise ConfigError(f"max_adapters ({self.max_adapters}) exceeds slots ({self.slots}): a batch's adapters "
+                              "must fit in the slots; lower max_adapters or add slots")
+        if self.routing not in ROUTERS:
+            raise ConfigError(f"routing {self.routing!r} is not registered; choose one of {', '.join(ROUTERS)}")
+        if not 0 <= self.hint_lead_s < float("inf"):
+            raise ConfigError(f"hint_lead_s is {self.hint_lead_s}; give seconds >= 0, e.g. 0.5")
+        for name in ("plan_interval_s", "sync_s", "series_s"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ConfigError(f"{name} is {getattr(self, name)}; give a positive number of seconds")
+        if max(self.lora_ranks()) > self.max_rank:  # the model resolves, the ranks parse
+            raise ConfigError(f"adapter_ranks {self.adapter_ranks!r} exceed max_rank ({self.max_rank}), which sizes "
+                              "the slots; raise max_rank or use smaller ranks")
+
+    def lora_ranks(self) -> list[int]:
+        return SynthConfig(model=self.model, rank=self.adapter_ranks).ranks()
+
+
+@dataclass
+class SimResult:
+    """What one simulated run gives: the real engine's records plus the fleet's counters and logs."""
+
+    policy: str
+    records: list[RequestRecord]  # by rid
+    ranks: list[dict[str, object]]  # per rank: replica, rank, slots and WorkerCache.stats() keys
+    loads: list[LoadRecord]  # every completed load, in completion order
+    steps: list[StepRecord]  # every step, in completion order
+    series: list[dict[str, float | None]]  # per series_s bucket of simulated time
+    controller: dict[str, object]
+    ready_on_arrival: list[bool]  # by rid: the adapter was READY on every rank of its replica when it arrived
+    end_s: float  # simulated time of the last token
+    events: int
+
+    def totals(self) -> dict[str, int]:
+        return {k: sum(int(r[k]) for r in self.ranks) for k in COUNTERS}  # type: ignore[call-overload]
+
+    def summary(self) -> dict[str, float]:
+        """bench_serving's summary of the records, the fleet's cache totals and the hit rate at arrival."""
+        ready = [ok for ok, r in zip(self.ready_on_arrival, self.records) if r.adapter is not None]
+        ttr = sorted(ld.ready_s - ld.start_s for ld in self.loads)
+        return {**summarize(self.records), **self.totals(),
+                "ready_on_arrival": sum(ready) / len(ready) if ready else 1.0,
+                "median_time_to_ready_ms": ttr[len(ttr) // 2] * 1e3 if ttr else 0.0}
+
+    def as_policy_run(self, policy: str, wall_s: float) -> PolicyRun:
+        """The benchmark's per-policy result, in the real path's shapes (``bench.real``)."""
+        ranks = [{k: v for k, v in r.items() if k not in RESERVOIRS} for r in self.ranks]
+        loads = [{"t_s": ld.ready_s, "replica": ld.replica, "rank": ld.rank, "adapter": ld.adapter,
+                  **ld.as_log()} for ld in self.loads]
+        return PolicyRun(policy, "sim", self.records, ranks, loads, [s.as_log() for s in self.steps], wall_s)
+
+    def describe(self) -> dict[str, object]:
+        """For the results JSON (records and logs are left to the caller)."""
+        return {"policy": self.policy, "summary": self.summary(), "controller": self.controller, "ranks": self.ranks,
+                "series": self.series, "end_s": self.end_s, "events": self.events}
+
+
+def simulate(config: SimConfig, policy: BenchPolicy, workload: Workload, calibration: Calibration, *,
+             check: bool = False) -> SimResult:
+    """Run ``workload`` on the simulated fleet under ``policy``; ``check``: integrity checks as it goes."""
+    return _Fleet(config, policy, workload, calibration, check).run()
+
+
+class _Fleet:
+    """Builds the fleet, drives the router and collects results (one run)."""
+
+    def __init__(self, config: SimConfig, policy: BenchPolicy, workload: Workload, calibration: Calibration,
+                 check: bool) -> None:
+        self.config, self.policy, self.workload, self.check = config, policy, workload, check
+        self.loop = loop = Loop()
+        names = list(workload.adapters)
+        self.requests: list[Request] = list(workload.requests)
+        ranks = config.lora_ranks()
+        catalog = SyntheticCatalog(resolve_model(config.model), {n: ranks[i % len(ranks)] for i, n in enumerate(names)},
+                                   calibration.slot_dtype)
+        self.controller = SimController(loop, calibration, policy.planner, catalog, config.plan_interval_s,
+                                        config.sync_s)
+        for name in names:
+            self.controller.core.register_adapter(name, f"simulated/{name}")
+        keys = {n: AdapterKey(n, catalog.get(n).version) for n in names}
+        nbytes = _shard_bytes(catalog, config.tp, calibration.slot_dtype)
+        if config.host_bytes < max(nbytes.values()):
+            raise ConfigError(f"host_bytes ({config.host_bytes}) must hold one shard ({max(nbytes.values())} bytes "
+                              f"at rank {max(ranks)}, TP {config.tp}); raise host_bytes")
+        slots = len(names) if policy.oracle else config.slots
+        engine = EngineConfig(model=config.model, tp=config.tp, device="cpu", num_slots=slots, max_rank=config.max_rank,
+                              max_running=config.max_running, max_adapters=config.max_adapters,
+                              max_prefill_tokens=config.max_prefill_tokens, admission=policy.admission,
+                              max_seq_len=max(2, *(r.input_len + r.output_len for r in self.requests)))
+        check_requests(self.requests, engine, names)
+        self.loads: list[LoadRecord] = []
+        self.hooks = ReplicaHooks(self._done, self.controller.queue)
+        self.replicas: list[SimReplica] = []
+        self.workers: list[SimWorker] = []
+        for i in range(config.replicas):
+            self._add_replica(f"replica-{i}", engine, calibration, keys, nbytes)
+        self.router = ROUTERS[config.routing]()
+        self.outstanding = [0] * config.replicas
+        self.replica_of = [-1] * len(self.requests)
+        self.ready_on_arrival = [False] * len(self.requests)
+        self.finished = 0
+        self.released = 0  # closed loop: requests released so far
+        self.series: list[dict[str, float | None]] = []
+        self.counts = {"arrived": 0, "ready_on_arrival": 0}  # requests with an adapter: arrived, of them READY
+        self._last = dict.fromkeys((*COUNTERS, "done", "tokens", "arrived", "ready_on_arrival"), 0)
+        self._steps_seen = self._tokens = 0
+
+    def _add_replica(self, name: str, engine: EngineConfig, calibration: Calibration, keys: dict[str, AdapterKey],
+                     nbytes: dict[str, int]) -> None:
+        """A replica's TP workers (the oracle's with every adapter READY), known to the controller."""
+        config = self.config
+        self.controller.core.add_replica(name, config.tp, engine.num_slots)
+        ranks = []
+        for k in range(config.tp):
+            host = SimHostTier(self.loop, calibration, config.host_bytes, config.read_threads)
+            worker = SimWorker(name, k, engine.num_slots, self.loop, calibration, keys, nbytes, host,
+                               config.max_running + config.max_adapters,
+                               functools.partial(self.controller.push, WorkerId(name, k)), self.loads.append)
+            if self.policy.oracle:
+                worker.preload(self.workload.adapters)
+            self.controller.add_worker(WorkerId(name, k), worker)
+            ranks.append(worker)
+        self.workers += ranks
+        self.replicas.append(SimReplica(name, engine, ADMISSION[self.policy.admission](), ranks, self.loop,
+                                        calibration, self.hooks))
+
+    # -- the run -------------------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        loop, n = self.loop, len(self.requests)
+        self.controller.start()
+        if self.workload.inflight:
+            for _ in range(min(self.workload.inflight, n)):
+                self._release()
+        else:
+            for r in self.requests:
+                loop.at(max(0.0, r.arrival_s - self.config.hint_lead_s), self._route, r.rid)
+        loop.after(self.config.series_s, self._sample)
+        loop.run(lambda: self.finished == n)
+        if self.finished < n:
+            raise RuntimeError(f"simulation stalled at t={loop.now:.3f} s with {n - self.finished} of {n} requests "
+                               "unfinished: a bug in the simulator or the engine's scheduler")
+        self._sample(final=True)
+        if self.check:
+            self._check_integrity()
+        records = sorted((rec for r in self.replicas for rec in r.scheduler.records()), key=lambda rec: rec.rid)
+        ranks = [{"replica": w.replica, "rank": w.rank, "slots": len(w.table.slots), **w.stats()}
+                 for w in self.workers]
+        return SimResult(self.policy.name, records, ranks, self.loads, self.hooks.steps, self.series,
+                         self.controller.stats(), self.ready_on_arrival, loop.now, loop.events)
+
+    def _release(self) -> None:
+        """Closed loop: the next request arrives now (no hint: nothing is known ahead of it)."""
+        rid = self.released
+        self.released += 1
+        self.requests[rid] = self.requests[rid]._replace(arrival_s=self.loop.now)
+        self._route(rid)
+
+    def _route(self, rid: int) -> None:
+        """The router learns of request ``rid``: picks its replica, hints it, dispatches it at its arrival."""
+        request, now = self.requests[rid], self.loop.now
+        index = self.router.pick(self.outstanding)
+        self.outstanding[index] += 1
+        self.replica_of[rid] = index
+        if self.policy.hints and request.adapter is not None and not self.workload.inflight:
+            self.controller.hint(f"hint-{rid}", request.adapter, self.replicas[index].name, request.arrival_s - now)
+        if request.arrival_s > now:
+            self.loop.at(request.arrival_s, self._dispatch, rid)
+        else:
+            self._dispatch(rid)
+
+    def _dispatch(self, rid: int) -> None:
+        request, replica = self.requests[rid], self.replicas[self.replica_of[rid]]
+        self.ready_on_arrival[rid] = request.adapter is None or all(w.is_ready(request.adapter)
+                                                                    for w in replica.workers)
+        if request.adapter is not None:
+            self.counts["arrived"] += 1
+            self.counts["ready_on_arrival"] += self.ready_on_arrival[rid]
+        replica.submit(request)
+
+    def _done(self, rid: int, t: float) -> None:
+        self.outstanding[self.replica_of[rid]] -= 1
+        self.finished += 1
+        if self.workload.inflight and self.released < len(self.requests):
+            self._release()
+
+    # -- time series -----------------------------------------------------------------------------------
+    def _sample(self, final: bool = False) -> None:
+        """One bucket: what happened since the last sample (counters summed over every rank)."""
+        steps = self.hooks.steps
+        self._tokens += sum(s.items for s in steps[self._steps_seen:])
+        self._steps_seen = len(steps)
+        now = dict.fromkeys(COUNTERS, 0)
+        for w in self.workers:
+            for k, v in w.counts().items():
+                now[k] += v
+        now |= {"done": self.finished, "tokens": self._tokens, **self.counts}
+        delta = {k: v - self._last[k] for k, v in now.items()}
+        self._last = now
+        lookups = delta["gpu_hits"] + delta["gpu_misses"]
+        self.series.append({"t_s": self.loop.now, **delta,
+                            "gpu_hit_rate": delta["gpu_hits"] / lookups if lookups else None,
+                            "ready_on_arrival_rate": delta["ready_on_arrival"] / delta["arrived"]
+                            if delta["arrived"] else None})
+        if not final and self.finished < len(self.requests):
+            self.loop.after(self.config.series_s, self._sample)
+        if self.check:
+            self._check_integrity()
+
+    def _check_integrity(self) -> None:
+        for w in self.workers:
+            w.check_integrity()
+        self.controller.core.check_integrity()
+
+
+def _shard_bytes(catalog: SyntheticCatalog, tp: int, dtype: str) -> dict[str, int]:
+    """Bytes of one rank's shard of every adapter (every rank's shard has the same size: even TP splits)."""
+    by_rank: dict[int, int] = {}
+    out = {}
+    for name in catalog.names():
+        spec = catalog.get(name)
+        if spec.max_rank not in by_rank:
+            by_rank[spec.max_rank] = shard_layout(spec, catalog.shape, tp, 0, getattr(torch, dtype)).nbytes
+        out[name] = by_rank[spec.max_rank]
+    return out

@@ -1,0 +1,244 @@
+"""One replica's serving loop in simulated time: ``workers.engine.engine.serve_rank`` over its TP ranks.
+
+The scheduler is the real ``workers.engine.batching.Scheduler`` with the real admission rule; this
+module replays what the engine loop does around it, round after round:
+
+1. rules that prefetch (overlap): each rank pins the *previous* round's wanted adapters that are READY
+   on it and reports them (and loads it started that failed); the minimum over ranks is the view;
+2. ``scheduler.plan(now, view)``;
+3. the plan runs on every rank: a step (``acquire`` the batch's and the running requests' adapters,
+   adapter by adapter, waiting until each missing one's load is issued; start the plan's prefetches;
+   compute once every held load is READY on every rank; release), or a wait (start the prefetches;
+   until a held-back adapter's load finishes on every rank, or a request arrives), or idle.
+
+A step's compute time comes from the calibration; a rank's compute starts when its held loads are
+READY, and the step (all-reduces in every layer) ends ``duration`` after the last rank starts. The
+replica reports its waiting queue (``Scheduler.queue()``) to the controller after a round that changed
+it, as ``serve_rank`` does: a request admitted in the round it arrived is never reported.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from bench.sim.calibration import Calibration
+from bench.sim.events import Loop, Signal
+from bench.sim.worker import SimLoad, SimWorker
+from workers.engine.admission import AdmissionRule, Readiness
+from workers.engine.batching import PREFILL, STOP, WAIT, Scheduler, StepPlan, _Live
+from workers.engine.config import EngineConfig
+from workers.engine.workload import Request
+
+WAIT_POLL_S = 1e-3  # the engine's sleep when a wait has no load to wait for
+
+
+class StepRecord(NamedTuple):
+    """One step of one replica: when it started, when its compute started (after loads) and ended."""
+
+    replica: str
+    kind: str
+    items: int
+    tokens: int
+    adapters: int  # distinct adapters in the batch
+    start_s: float
+    compute_s: float
+    end_s: float
+
+    def as_log(self) -> dict[str, object]:
+        """The real engine's step log (``workers.engine.rank.StepLog``): ``ms`` from start to tokens ready,
+        ``load_wait_ms`` of it waiting on loads; what ``fit_calibration`` reads."""
+        return {"replica": self.replica, "kind": self.kind, "items": self.items, "tokens": self.tokens,
+                "adapters": self.adapters, "ms": (self.end_s - self.start_s) * 1e3,
+                "load_wait_ms": (self.compute_s - self.start_s) * 1e3}
+
+
+@dataclass(eq=False)
+class _Step:
+    plan: StepPlan
+    start_s: float
+    held: list[list[int]]  # per rank: slots referenced by the step's acquire
+    ranks_left: int
+    compute_s: float = 0.0
+
+
+@dataclass
+class ReplicaHooks:
+    """What a replica tells the rest of the fleet."""
+
+    done: Callable[[int, float], None]  # (rid, time): a request finished (or failed)
+    queue: Callable[[str, list[tuple[str, float]]], None]  # the waiting queue changed
+    steps: list[StepRecord] = field(default_factory=list)
+
+
+class SimReplica:
+    """The engine loop of one replica (rank 0 schedules; every rank runs the plan)."""
+
+    def __init__(self, name: str, config: EngineConfig, rule: AdmissionRule, workers: list[SimWorker], loop: Loop,
+                 calibration: Calibration, hooks: ReplicaHooks) -> None:
+        self.name, self.rule, self.workers, self.loop = name, rule, workers, loop
+        self.calibration, self.hooks = calibration, hooks
+        self.scheduler = Scheduler(config, rule, [])
+        self.plan = StepPlan(STOP)
+        self.state = "idle"  # idle | busy (a round or step under way) | wait
+        self._wait_token = 0  # a wait that a later event ended is ignored when its loads finish
+        self._engine_loads: list[dict[str, SimLoad]] = [{} for _ in workers]  # per rank: its own prefetches
+        self._failed: list[dict[str, SimLoad]] = [{} for _ in workers]  # per rank: those that failed, not reported
+        self._reported: list[tuple[str, float]] = []
+
+    # -- arrivals -------------------------------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        """A routed request reaches the engine: queued; a waiting or idle loop wakes for it."""
+        self.scheduler.live[request.rid] = _Live(request)  # the Scheduler takes requests up front only
+        self.scheduler.pending.append(request)
+        if self.state != "busy":
+            self._wait_token += 1
+            self.state = "busy"
+            self.loop.at(self.loop.now, self._round)
+
+    # -- one round ------------------------------------------------------------------------------------
+    def _round(self) -> None:
+        now = self.loop.now
+        previous = self.plan
+        ready = self._readiness(previous.wanted) if self.rule.prefetch else {}
+        s = self.scheduler
+        queued = [s.live[r.rid] for r in s.pending] + s.waiting if Readiness.FAILED in ready.values() else []
+        self.plan = plan = s.plan(now, ready)
+        for live in queued:  # requests whose adapter failed to load leave with an error
+            if live.error is not None:
+                self.hooks.done(live.request.rid, now)
+        queue = s.queue()
+        if queue != self._reported:  # rank 0 reports its waiting queue when it changes (serve_rank)
+            self._reported = queue
+            self.hooks.queue(self.name, queue)
+        if plan.kind == STOP:
+            for w in self.workers:  # the engine loop ends and closes its ranks: pins released
+                w.pin(())
+            self.state = "idle"
+            return
+        if self.rule.prefetch and plan.wanted != previous.wanted:  # same wanted, same instant: pinned already
+            for w in self.workers:
+                w.pin(plan.wanted)
+        if plan.kind == WAIT:
+            self._prefetch(plan)
+            self._wait(plan)
+            return
+        self._step(plan)
+
+    def _readiness(self, wanted: tuple[str, ...]) -> dict[str, Readiness]:
+        """Each rank pins ``wanted`` READY there; failed loads of its own are reported once; min over ranks."""
+        views: list[dict[str, int]] = []
+        for w, loads, failed in zip(self.workers, self._engine_loads, self._failed):
+            view = dict.fromkeys(w.pin(wanted), int(Readiness.READY))
+            for name, load in failed.items():
+                if loads.get(name) is load:  # its latest prefetch (a newer one replaces it unreported)
+                    view[name] = int(Readiness.FAILED)
+                    del loads[name]
+            failed.clear()
+            views.append(view)
+        if len(views) == 1:
+            return {n: Readiness(v) for n, v in views[0].items()}
+        names = dict.fromkeys(n for view in views for n in view)
+        out = {n: Readiness(min(view.get(n, 0) for view in views)) for n in names}
+        return {n: r for n, r in out.items() if r is not Readiness.NOT_READY}
+
+    def _prefetch(self, plan: StepPlan) -> None:
+        for rank in range(len(self.workers)):
+            self._prefetch_on(rank, plan.prefetch)
+
+    def _prefetch_on(self, rank: int, names: tuple[str, ...]) -> None:
+        """The engine's own prefetches on one rank; a failure is reported by the next readiness."""
+        w, loads, failed = self.workers[rank], self._engine_loads[rank], self._failed[rank]
+        for name in names:
+            load = loads[name] = w.prefetch(name)
+            if not (load.ready.done and load.ready.ok):
+                load.ready.then(functools.partial(_note_failure, failed, name, load))
+
+    # -- waits ----------------------------------------------------------------------------------------
+    def _wait(self, plan: StepPlan) -> None:
+        """Until, on every rank, one of its held-back adapters' loads finishes (or at once if none is in flight
+        there); a rank with nothing to wait for polls. A new arrival ends the wait early (``submit``)."""
+        self._wait_token += 1
+        self.state = "wait"
+        token, left = self._wait_token, [len(self.workers)]
+        for loads in self._engine_loads:
+            flying = [ld for a in plan.wait_for if (ld := loads.get(a)) is not None and not ld.ready.done]
+            done = functools.partial(self._rank_waited, token, left, [False])
+            if flying:
+                for load in flying:
+                    load.ready.then(done)
+            elif plan.wait_for:
+                done(None)
+            else:
+                self.loop.after(WAIT_POLL_S, done, None)
+
+    def _rank_waited(self, token: int, left: list[int], fired: list[bool], _: Signal | None) -> None:
+        if token != self._wait_token or fired[0]:
+            return
+        fired[0] = True
+        left[0] -= 1
+        if left[0] == 0:
+            self.state = "busy"
+            self.loop.at(self.loop.now, self._round)
+
+    # -- steps ----------------------------------------------------------------------------------------
+    def _step(self, plan: StepPlan) -> None:
+        named = [it.adapter for it in plan.items if it.adapter is not None]
+        names = list(dict.fromkeys(named + list(plan.hold)))
+        step = _Step(plan, self.loop.now, [[] for _ in self.workers], len(self.workers), self.loop.now)
+        for rank in range(len(self.workers)):
+            self._acquire(step, rank, names, 0, True)
+
+    def _acquire(self, step: _Step, rank: int, names: list[str], i: int, first: bool, _: Signal | None = None) -> None:
+        """Hold ``names[i:]`` in order; a miss waits (host side) until its load is issued, then holds it."""
+        w = self.workers[rank]
+        while i < len(names):
+            got = w.hold(names[i], first)
+            if isinstance(got, SimLoad):
+                got.issued.then(functools.partial(self._acquire, step, rank, names, i, False))
+                return
+            step.held[rank].append(got)
+            i, first = i + 1, True
+        self._prefetch_on(rank, step.plan.prefetch)  # after acquire: a load cannot evict what this step holds
+        flying = [ld for index in step.held[rank] if (ld := w.loading(index)) is not None]
+        done = functools.partial(self._rank_ready, step, [max(1, len(flying))])
+        if not flying:
+            done(None)
+        for load in flying:
+            load.ready.then(done)
+
+    def _rank_ready(self, step: _Step, left: list[int], _: Signal | None) -> None:
+        """One of a rank's held loads is READY; when all are, the rank computes; when all ranks do, the step."""
+        left[0] -= 1
+        if left[0]:
+            return
+        step.compute_s = max(step.compute_s, self.loop.now)
+        step.ranks_left -= 1
+        if step.ranks_left == 0:
+            plan = step.plan
+            if plan.kind == PREFILL:
+                duration = self.calibration.prefill_s(sum(it.length for it in plan.items), len(plan.items))
+            else:
+                duration = self.calibration.decode_s(len(plan.items), len({it.adapter for it in plan.items} - {None}))
+            self.loop.at(step.compute_s + duration, self._finish_step, step)
+
+    def _finish_step(self, step: _Step) -> None:
+        now, plan = self.loop.now, step.plan
+        for w, held in zip(self.workers, step.held):
+            w.release(held)
+        self.scheduler.finish_step(plan, now, step.compute_s - step.start_s)
+        running = self.scheduler.running
+        for it in plan.items:
+            if it.rid not in running:
+                self.hooks.done(it.rid, now)
+        adapters = len({it.adapter for it in plan.items} - {None})
+        self.hooks.steps.append(StepRecord(self.name, plan.kind, len(plan.items), sum(it.length for it in plan.items),
+                                           adapters, step.start_s, step.compute_s, now))
+        self._round()
+
+
+def _note_failure(failed: dict[str, SimLoad], name: str, load: SimLoad, ready: Signal) -> None:
+    if not ready.ok:
+        failed[name] = load

@@ -1,0 +1,353 @@
+"""One TP rank's adapter cache in simulated time: ``workers.cache.WorkerCache``'s behaviour, step by step.
+
+The slot bookkeeping is the real ``workers.slots.SlotTable`` and the counters the real
+``workers.metrics.CacheCounters``; what this module adds is time. It follows the worker cache's rules
+(lifecycle steps 5-7, 9) and the command gate's (step 4):
+
+- a load stages the shard in the host tier (a hit, or a read on one of ``read_threads`` reader
+  threads), and only then takes a slot: a FREE one, else the least recently used idle READY one
+  (evicted); if every slot is loading or in use it waits for a load to finish when one could free
+  a slot, and fails otherwise;
+- the copy holds the rank's one copy stream (copies queue in order); READY ``load_fixed_ms`` later;
+- ``hold`` is one adapter of ``acquire``: a hit if the adapter has a slot (ready or loading), else a
+  miss that starts an on-demand load; the engine waits until that load is issued, then holds it;
+- ``pin`` is ``acquire_ready`` (the overlap rule's pins); ``evict`` frees only idle READY slots;
+- ``apply`` is ``CommandGate.apply``: residency deltas (loading, ready, gone, failed) go to the
+  controller only for commanded prefetches and evicts, exactly as the worker actor pushes them: the
+  engine's own loads and LRU evictions reach the controller at its periodic resync.
+
+The host tier is counted in bytes (LRU of unreferenced staged shards); the real arena's fragmentation
+is not modelled. Every rank of a replica holds shards of one size (TP splits are even).
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from bench.sim.calibration import Calibration
+from bench.sim.events import Loop, Signal
+from lora_cache.errors import CapacityError
+from lora_cache.planner import Command, Evict
+from lora_cache.planner.records import AdapterKey
+from workers.metrics import CacheCounters
+from workers.slots import SlotState, SlotTable
+
+Delta = tuple[str, str, str, str]  # (adapter, version, loading|ready|gone|failed, error): what the controller takes
+
+
+class LoadRecord(NamedTuple):
+    """One completed load on one rank (time-to-ready is ``ready_s - start_s``)."""
+
+    replica: str
+    rank: int
+    adapter: str
+    start_s: float  # prefetch or miss
+    ready_s: float
+    nbytes: int
+    host_hit: bool
+    disk_ms: float  # the read alone (0 on a host-tier hit)
+    h2d_ms: float  # the copy alone
+    prefetched: bool  # False: started by an acquire that missed
+
+    def as_log(self) -> dict[str, object]:
+        """The fields ``fit_calibration`` reads (those of ``workers.loader.ReadinessRecord``)."""
+        return {"nbytes": self.nbytes, "ready_ms": (self.ready_s - self.start_s) * 1e3, "h2d_ms": self.h2d_ms,
+                "disk_ms": self.disk_ms, "host_hit": self.host_hit}
+
+
+@dataclass(eq=False)
+class SimLoad:
+    """One adapter's load on one rank: staged on the host, then copied into ``slot``."""
+
+    key: AdapterKey
+    nbytes: int
+    start_s: float
+    prefetched: bool
+    issued: Signal = field(default_factory=Signal)  # a slot is reserved and the copy issued (or the load failed)
+    ready: Signal = field(default_factory=Signal)  # READY (ok) or failed
+    host_hit: bool = False
+    slot: int = -1
+    disk_ms: float = 0.0
+    h2d_ms: float = 0.0
+    used: bool = False  # some batch acquired (or pinned) it: prefetch accuracy
+
+
+@dataclass(eq=False)
+class _Staged:
+    nbytes: int
+    staged: Signal
+    refs: int = 1
+    read_ms: float = 0.0
+
+
+class SimHostTier:
+    """The pinned host tier of one rank: staged shards, LRU by bytes, single-flight reads, references."""
+
+    def __init__(self, loop: Loop, calibration: Calibration, capacity: int, read_threads: int) -> None:
+        self.loop, self.calibration, self.capacity = loop, calibration, capacity
+        self.entries: OrderedDict[AdapterKey, _Staged] = OrderedDict()  # oldest first
+        self.used = 0
+        self.hits = self.misses = self.bytes_read = 0
+        self._readers = [0.0] * read_threads  # heap: when each reader thread is free (FIFO pool)
+
+    def fetch(self, key: AdapterKey, nbytes: int) -> tuple[_Staged, bool]:
+        """The staged entry (referenced) and whether it was a hit; CapacityError if it cannot be staged."""
+        entry = self.entries.get(key)
+        if entry is not None:  # staged, or a read in flight (single flight)
+            self.entries.move_to_end(key)
+            entry.refs += 1
+            self.hits += 1
+            return entry, True
+        self._make_room(key, nbytes)
+        entry = self.entries[key] = _Staged(nbytes, Signal())
+        self.used += nbytes
+        self.misses += 1
+        now = self.loop.now
+        start = max(now, heapq.heappop(self._readers))
+        end = start + self.calibration.disk_s(nbytes)
+        heapq.heappush(self._readers, end)
+        entry.read_ms = (end - start) * 1e3
+        self.loop.at(end, self._read_done, entry)
+        return entry, False
+
+    def release(self, key: AdapterKey) -> None:
+        entry = self.entries[key]
+        assert entry.refs > 0, f"host entry {key} released more often than fetched"
+        entry.refs -= 1
+
+    def _read_done(self, entry: _Staged) -> None:
+        self.bytes_read += entry.nbytes
+        entry.staged.fire(self.loop.now)
+
+    def _make_room(self, key: AdapterKey, nbytes: int) -> None:
+        while self.used + nbytes > self.capacity:
+            victim = next((k for k, e in self.entries.items() if e.refs == 0 and e.staged.done), None)
+            if victim is None:
+                raise CapacityError(f"host tier ({self.capacity} bytes) cannot stage {key} ({nbytes} bytes): "
+                                    "the rest is held by loads in flight")
+            self.used -= self.entries.pop(victim).nbytes
+
+
+class SimWorker:
+    """One TP rank: slot table, host tier, copy stream, counters; deltas for commanded loads go to ``push``."""
+
+    def __init__(self, replica: str, rank: int, slots: int, loop: Loop, calibration: Calibration,
+                 keys: Mapping[str, AdapterKey], nbytes: Mapping[str, int], host: SimHostTier, max_batch: int,
+                 push: Callable[[Delta], None], on_load: Callable[[LoadRecord], None]) -> None:
+        self.replica, self.rank = replica, rank
+        self.loop, self.calibration, self.keys, self.nbytes, self.host = loop, calibration, keys, nbytes, host
+        self.max_batch, self.push, self.on_load = max_batch, push, on_load
+        self.table = SlotTable(slots)
+        self.counters = CacheCounters()
+        self._loads: dict[int, SimLoad] = {}  # slot -> its load (LOADING or READY)
+        self._pending: dict[AdapterKey, SimLoad] = {}  # staging on the host, no slot yet
+        self._waiters: list[SimLoad] = []  # staged, waiting for a load to finish to free a slot
+        self._loading = 0  # slots in LOADING state
+        self._pinned: dict[str, int] = {}  # the engine's pins (acquire_ready): adapter -> slot
+        self._copy_free = 0.0  # when the copy stream is idle
+
+    # -- state --------------------------------------------------------------------------------------
+    def preload(self, names: Sequence[str]) -> None:
+        """The oracle: every adapter READY before t=0 (no load, no counter)."""
+        for name in names:
+            index, evicted = self.table.reserve(self.keys[name])
+            assert evicted is None, "preload needs a slot per adapter"
+            self.table.mark_ready(index)
+            load = self._loads[index] = SimLoad(self.keys[name], self.nbytes[name], 0.0, prefetched=False)
+            load.issued.fire(0.0)
+            load.ready.fire(0.0)
+
+    def is_ready(self, name: str) -> bool:
+        slot = self.table.lookup(self.keys[name])
+        return slot is not None and slot.state is SlotState.READY
+
+    def describe(self) -> list[tuple[str, str, str, int]]:
+        """The worker's full residency report (``WorkerActor.describe()['residency']``)."""
+        return [(s.key.name, s.key.version, s.state.value, s.refs) for s in self.table.slots if s.key is not None]
+
+    def counts(self) -> dict[str, int]:
+        """The integer counters of ``stats()`` (cheap: no latency summaries)."""
+        c = self.counters
+        return {"gpu_hits": c.gpu_hits, "gpu_misses": c.gpu_misses, "prefetches": c.prefetches,
+                "demand_loads": c.demand_loads, "loads": c.loads, "load_failures": c.load_failures,
+                "evictions": c.evictions, "prefetch_used": c.prefetch_used, "prefetch_unused": c.prefetch_unused,
+                "bytes_host_to_gpu": c.bytes_host_to_gpu, "host_hits": self.host.hits,
+                "host_misses": self.host.misses, "bytes_disk_to_host": self.host.bytes_read}
+
+    def stats(self) -> dict[str, object]:
+        """``WorkerCache.stats()``'s keys."""
+        snap = self.counters.snapshot()
+        snap.update(host_hits=self.host.hits, host_misses=self.host.misses, bytes_disk_to_host=self.host.bytes_read,
+                    slots_ready=self.table.count(SlotState.READY), slots_loading=self.table.count(SlotState.LOADING),
+                    host_bytes_used=self.host.used)
+        return snap
+
+    # -- control: commands (step 4), prefetch / evict ------------------------------------------------
+    def apply(self, commands: Sequence[Command]) -> None:
+        """``CommandGate.apply``: evicts, then prefetches in priority order; deltas for each."""
+        for command in commands:
+            if isinstance(command, Evict):
+                if self.evict(command.adapter):
+                    self.push((command.adapter, command.version, "gone", ""))
+                continue
+            load = self.prefetch(command.adapter)
+            if not load.ready.done:
+                self.push((command.adapter, command.version, "loading", ""))
+            load.ready.then(functools.partial(self._report_done, command.adapter, command.version))
+
+    def _report_done(self, adapter: str, version: str, ready: Signal) -> None:
+        self.push((adapter, version, "ready", "") if ready.ok else (adapter, version, "failed", "no slot"))
+
+    def prefetch(self, name: str, on_demand: bool = False) -> SimLoad:
+        """Start loading ``name`` (idempotent): the load in flight or done, or a new one."""
+        key = self.keys[name]
+        slot = self.table.lookup(key)
+        if slot is not None:
+            return self._loads[slot.index]
+        if key in self._pending:
+            return self._pending[key]
+        load = self._pending[key] = SimLoad(key, self.nbytes[name], self.loop.now, prefetched=not on_demand)
+        self.counters.prefetches += not on_demand
+        self.counters.demand_loads += on_demand
+        try:
+            entry, load.host_hit = self.host.fetch(key, load.nbytes)
+        except CapacityError:
+            del self._pending[key]
+            self._reject(load)
+            return load
+        entry.staged.then(functools.partial(self._staged, load, entry))
+        return load
+
+    def evict(self, name: str) -> bool:
+        """Free the adapter's slot if it is READY and idle; False if absent, loading or in use."""
+        key = self.keys[name]
+        slot = self.table.lookup(key)
+        if slot is None or not self.table.evict(key):
+            return False
+        self._retire(self._loads.pop(slot.index))
+        return True
+
+    # -- engine: hold (one adapter of acquire), release, pin (step 9) --------------------------------
+    def hold(self, name: str, first: bool) -> int | SimLoad:
+        """A reference on ``name``'s slot (its index), or the load to wait for until it is issued.
+
+        ``first``: the acquire's first look at this adapter (hits and misses are counted once)."""
+        key = self.keys[name]
+        slot = self.table.lookup(key)
+        if slot is None:
+            if first:
+                self.counters.gpu_misses += 1
+            load = self._pending.get(key) or self.prefetch(name, on_demand=True)
+            slot = self.table.lookup(key)  # a host-tier hit is placed at once
+            if slot is None:
+                if load.ready.done:
+                    raise RuntimeError(f"{self.replica}/{self.rank}: on-demand load of {key} failed: no GPU slot or "
+                                       "host-tier room (the real engine's acquire raises here too)")
+                return load
+        elif first:
+            self.counters.gpu_hits += 1
+        self.table.incref(slot.index)
+        self._loads[slot.index].used = True
+        return slot.index
+
+    def loading(self, index: int) -> SimLoad | None:
+        """The load of a held slot if it is still in flight (the compute stream waits for it)."""
+        return self._loads[index] if self.table.slots[index].state is SlotState.LOADING else None
+
+    def release(self, held: Sequence[int]) -> None:
+        for index in held:
+            self.table.decref(index)
+
+    def pin(self, wanted: Sequence[str]) -> list[str]:
+        """``acquire_ready`` then release of the previous pins: hold the wanted adapters READY here."""
+        new: dict[str, int] = {}
+        for name in dict.fromkeys(wanted):
+            if len(new) == self.max_batch:
+                break
+            slot = self.table.lookup(self.keys[name])
+            if slot is not None and slot.state is SlotState.READY:
+                new[name] = slot.index
+        for name, index in new.items():
+            if name not in self._pinned:
+                self.table.incref(index)
+            self._loads[index].used = True
+        for name, index in self._pinned.items():
+            if name not in new:
+                self.table.decref(index)
+        self._pinned = new
+        return list(new)
+
+    # -- the load path -----------------------------------------------------------------------------
+    def _staged(self, load: SimLoad, entry: _Staged, staged: Signal) -> None:
+        load.disk_ms = 0.0 if load.host_hit else entry.read_ms
+        self._place(load)
+
+    def _place(self, load: SimLoad) -> None:
+        """Reserve a slot and issue the copy; if only loads in flight stand in the way, wait for one."""
+        try:
+            index, evicted = self.table.reserve(load.key)
+        except CapacityError:
+            if self._loading and any(s.state is SlotState.LOADING and s.refs == 0 for s in self.table.slots):
+                self._waiters.append(load)
+                return
+            del self._pending[load.key]
+            self.host.release(load.key)
+            self._reject(load)
+            return
+        if evicted is not None:
+            self._retire(self._loads.pop(index))
+        load.slot = index
+        self._loads[index] = self._pending.pop(load.key)
+        self._loading += 1
+        now = self.loop.now
+        start = max(now, self._copy_free)
+        self._copy_free = start + self.calibration.h2d_s(load.nbytes)
+        load.h2d_ms = (self._copy_free - start) * 1e3
+        load.issued.fire(now)
+        self.loop.at(self._copy_free + self.calibration.load_fixed_ms / 1e3, self._finish, load)
+
+    def _finish(self, load: SimLoad) -> None:
+        """The copy completed: READY (step 7), counters, the record; waiters try again."""
+        now = self.loop.now
+        self.table.mark_ready(load.slot)
+        self._loading -= 1
+        c = self.counters
+        c.loads += 1
+        c.bytes_host_to_gpu += load.nbytes
+        if not load.host_hit:
+            c.disk_ms.add(load.disk_ms)
+        c.h2d_ms.add(load.h2d_ms)
+        c.ready_ms.add((now - load.start_s) * 1e3)
+        self.host.release(load.key)
+        self.on_load(LoadRecord(self.replica, self.rank, load.key.name, load.start_s, now, load.nbytes,
+                                load.host_hit, load.disk_ms, load.h2d_ms, load.prefetched))
+        load.ready.fire(now)
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            self._place(waiter)
+
+    def _reject(self, load: SimLoad) -> None:
+        self.counters.load_failures += 1
+        load.issued.fire(self.loop.now, ok=False)
+        load.ready.fire(self.loop.now, ok=False)
+
+    def _retire(self, load: SimLoad) -> None:
+        """A load's slot was freed: count it for prefetch accuracy."""
+        self.counters.evictions += 1
+        if load.prefetched:
+            if load.used:
+                self.counters.prefetch_used += 1
+            else:
+                self.counters.prefetch_unused += 1
+
+    def check_integrity(self) -> None:
+        self.table.check_integrity()
+        assert self._loading == self.table.count(SlotState.LOADING), "loading count drifted"
+        for s in self.table.slots:
+            assert (s.key is not None) == (s.index in self._loads), f"slot {s.index} and its load disagree"
+        assert not set(self._pending) & {s.key for s in self.table.slots}, "a pending load already has a slot"

@@ -1,0 +1,268 @@
+"""The fleet simulator (bench/sim): the policies' ordering, invariants, determinism, calibration fitting."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from functools import cache
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bench.policies import BENCH_POLICIES, BenchPolicy
+from bench.sim import Calibration, SimConfig, SimResult, fit_calibration, load_calibration, simulate
+from bench.workloads import Workload, WorkloadSpec, make_workload
+from lora_cache.errors import ConfigError
+from workers.engine.workload import Request
+
+H200 = load_calibration("h200-llama8b")
+SMALL = SimConfig(replicas=2, tp=1, slots=4, max_adapters=4)
+
+
+@cache
+def workload(arrivals: str = "poisson:6", requests: int = 240, seed: int = 0, output: int = 64) -> Workload:
+    spec = WorkloadSpec(arrivals=arrivals, popularity="zipf:1.5", requests=requests, random_input_len=512,
+                        random_output_len=output, workload_seed=seed)
+    return make_workload(spec, spec.adapter_names(SMALL.slots))
+
+
+@cache
+def run(policy: str, config: SimConfig = SMALL) -> SimResult:
+    """``workload()`` under ``policy``, with integrity checks as it runs (cached: several tests read one run)."""
+    return simulate(config, BENCH_POLICIES[policy], workload(), H200, check=True)
+
+
+# -- the ordering the benchmark must show ------------------------------------------------------------
+# Two replicas of 8 slots (max_adapters 8, one batch's adapters fill the slots, as SGLang and vLLM size
+# the pool), 32 adapters (4 per slot), Zipf 1.5, 8 requests/s: a loaded fleet where loads, not queueing,
+# decide the tail. The ordering held for every workload seed 0-9 when this was written. It does not hold
+# as a rule: at light load (4/s here) queue and ondemand tie (there is no queue to prefetch); with
+# max_adapters < slots, p99 TTFT is set by head-of-line blocking on max_adapters, not by the cache.
+ORDERING = SimConfig(replicas=2, tp=1, slots=8, max_adapters=8)
+
+
+def ordering_p99(seed: int, policies: tuple[str, ...]) -> dict[str, float]:
+    spec = WorkloadSpec(arrivals="poisson:8", popularity="zipf:1.5", requests=600, random_input_len=512,
+                        random_output_len=128, workload_seed=seed)
+    wl = make_workload(spec, spec.adapter_names(ORDERING.slots))
+    return {name: simulate(ORDERING, BENCH_POLICIES[name], wl, H200).summary()["p99_ttft_ms"] for name in policies}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_p99_ttft_ordering_for_zipf_with_four_adapters_per_slot(seed: int) -> None:
+    """oracle <= global <= queue <= ondemand on p99 TTFT."""
+    p99 = ordering_p99(seed, ("oracle", "global", "queue", "ondemand"))
+    assert p99["oracle"] <= p99["global"] <= p99["queue"] <= p99["ondemand"], p99
+
+
+@pytest.mark.xfail(strict=True, reason="global p99 is 1.2-2.0x the oracle's here (seeds 0-9): hints of requests "
+                   "admitted without queueing are never fulfilled and crowd out fresh ones for hint_ttl_s, and "
+                   "engine loads and LRU evictions reach the controller only at its 5 s resync (bench/sim/README.md)")
+def test_global_p99_ttft_meets_the_goals_against_oracle_and_queue() -> None:
+    """bench.figures.GOALS: global p99 TTFT <= 1.15x the oracle's and <= 0.8x queue's (Zipf)."""
+    p99 = ordering_p99(0, ("oracle", "global", "queue"))
+    assert p99["global"] <= 1.15 * p99["oracle"] and p99["global"] <= 0.8 * p99["queue"], p99
+
+
+# -- invariants ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", list(BENCH_POLICIES))
+def test_every_request_completes_with_consistent_records(policy: str) -> None:
+    result = run(policy)
+    assert [r.rid for r in result.records] == list(range(len(workload().requests)))
+    for r, req in zip(result.records, workload().requests):
+        assert r.ok and r.error is None, r
+        assert (r.adapter, r.input_len, r.output_len, r.arrival_s) == (req.adapter, req.input_len, req.output_len,
+                                                                       req.arrival_s)
+        assert r.prefill_s is not None and r.arrival_s <= r.prefill_s < r.token_s[0]
+        assert list(r.token_s) == sorted(r.token_s) and len(r.token_s) == r.output_len
+        assert 0.0 <= r.load_wait_s <= r.ttft_s
+    assert result.end_s == max(r.token_s[-1] for r in result.records)
+
+
+@pytest.mark.parametrize("policy", ["ondemand", "queue", "global"])
+def test_slots_bytes_and_counters_add_up(policy: str) -> None:
+    config = dataclasses.replace(SMALL, tp=2)
+    result = run(policy, config)  # check=True: every rank's slot table and the controller checked as it ran
+    totals = result.totals()
+    assert len(result.ranks) == config.replicas * config.tp
+    for rank in result.ranks:
+        assert int(rank["slots_ready"]) + int(rank["slots_loading"]) <= config.slots  # type: ignore[call-overload]
+    assert totals["loads"] == len(result.loads) > 0
+    assert totals["bytes_host_to_gpu"] == sum(ld.nbytes for ld in result.loads)
+    shard_mb = {16: 56.6, 64: 226.5}  # Llama-3.1-8B, 7 modules, bf16, TP 2: one rank's shard (bench/RESULTS.md)
+    ranks = SMALL.lora_ranks()
+    index = {name: i for i, name in enumerate(workload().adapters)}
+    for ld in result.loads:
+        assert ld.nbytes / 1e6 == pytest.approx(shard_mb[ranks[index[ld.adapter] % len(ranks)]], abs=0.05)
+    assert totals["host_hits"] + totals["host_misses"] == totals["prefetches"] + totals["demand_loads"]
+    assert totals["prefetch_used"] + totals["prefetch_unused"] <= totals["evictions"]
+    assert all(ld.ready_s >= ld.start_s for ld in result.loads)
+    series = result.series
+    assert sum(int(b["loads"] or 0) for b in series) == totals["loads"]
+    assert sum(int(b["done"] or 0) for b in series) == len(result.records)
+    assert sum(int(b["tokens"] or 0) for b in series) == sum(r.output_len for r in result.records)
+
+
+def test_the_same_seed_gives_identical_records() -> None:
+    a = simulate(SMALL, BENCH_POLICIES["global"], workload(), H200)
+    b = simulate(SMALL, BENCH_POLICIES["global"], workload(), H200)
+    assert a.records == b.records and a.loads == b.loads and a.steps == b.steps and a.series == b.series
+    other = simulate(SMALL, BENCH_POLICIES["global"], workload(seed=1), H200)
+    assert [r.token_s for r in other.records] != [r.token_s for r in a.records]
+
+
+def test_the_oracle_never_loads() -> None:
+    result = run("oracle")
+    assert result.loads == [] and result.totals()["loads"] == 0 and result.totals()["evictions"] == 0
+    assert all(result.ready_on_arrival) and result.summary()["ready_on_arrival"] == 1.0
+    # the scheduler counts a request held back by admission as waiting on a load: under overlap that is
+    # also the one-round readiness lag (see below), never more than one step here
+    longest_step = max(s.end_s - s.start_s for s in result.steps)
+    assert all(r.load_wait_s <= longest_step for r in result.records)
+
+
+def test_ondemand_with_infinite_slots_and_free_loads_equals_the_oracle() -> None:
+    """With a slot per adapter and free loads, loading on first use costs nothing: the oracle's records
+    (the oracle run with the same admission rule: see the next test for why)."""
+    free = dataclasses.replace(H200, load_fixed_ms=0.0, h2d_gbps=math.inf, disk_fixed_ms=0.0, disk_gbps=math.inf)
+    infinite = dataclasses.replace(SMALL, slots=len(workload().adapters))
+    ondemand = simulate(infinite, BENCH_POLICIES["ondemand"], workload(), free, check=True)
+    oracle = simulate(SMALL, dataclasses.replace(BENCH_POLICIES["oracle"], admission="ondemand"), workload(), H200)
+    assert ondemand.records == oracle.records
+    assert 0 < ondemand.totals()["loads"] <= len(workload().adapters) * SMALL.replicas
+    assert ondemand.totals()["evictions"] == 0
+
+
+def test_overlap_admits_an_arrival_one_step_later_than_ondemand() -> None:
+    """The engine loop builds the readiness view from the previous round's wanted adapters, so a request
+    that arrives during a step is admitted one round later under overlap admission, even when its
+    adapter is resident: the oracle (overlap) is not quite the floor of ondemand with every adapter
+    resident. (A property of workers/engine/engine.py that the simulator keeps.)"""
+    requests = [Request(0, "adapter-000", 16, 40, 0.0), Request(1, "adapter-001", 16, 2, 0.1)]
+    wl = Workload(WorkloadSpec(requests=2), [f"adapter-{i:03d}" for i in range(8)], requests, 0)
+    one = dataclasses.replace(SMALL, replicas=1)
+    oracle = BENCH_POLICIES["oracle"]
+    late = simulate(one, oracle, wl, H200).records[1]
+    early = simulate(one, dataclasses.replace(oracle, admission="ondemand"), wl, H200).records[1]
+    decode = H200.decode_s(1, 1)
+    assert late.prefill_s == pytest.approx(early.prefill_s + decode)
+
+
+def test_closed_loop_keeps_exactly_n_in_flight() -> None:
+    n = 6
+    wl = workload(arrivals=f"inflight:{n}", requests=60, output=16)
+    records = simulate(SMALL, BENCH_POLICIES["global"], wl, H200, check=True).records
+    assert sum(r.arrival_s == 0.0 for r in records) == n
+    last_release = max(r.arrival_s for r in records)
+    for t in sorted({r.arrival_s for r in records} | {r.token_s[-1] for r in records}):
+        if t < last_release:
+            assert sum(r.arrival_s <= t < r.token_s[-1] for r in records) == n, t
+    ends = sorted(r.token_s[-1] for r in records)[: len(records) - n]
+    assert sorted(r.arrival_s for r in records)[n:] == ends, "each release is a completion"
+
+
+def test_the_controller_acts_only_for_policies_that_plan() -> None:
+    assert run("ondemand").controller["prefetch_commands"] == 0
+    assert run("overlap").controller["prefetch_commands"] == 0
+    queue, glob = run("queue").controller, run("global").controller
+    assert int(queue["prefetch_commands"]) > 0 and queue["hints_received"] == 0  # type: ignore[call-overload]
+    assert glob["hints_accepted"] == len(workload().requests)
+    assert run("global").summary()["ready_on_arrival"] > run("overlap").summary()["ready_on_arrival"]
+
+
+def test_least_loaded_routing_spreads_requests() -> None:
+    result = run("ondemand")
+    steps = {s.replica for s in result.steps}
+    assert steps == {"replica-0", "replica-1"}
+    rr = simulate(dataclasses.replace(SMALL, routing="round_robin"), BENCH_POLICIES["ondemand"], workload(), H200)
+    assert len(rr.records) == len(workload().requests)
+
+
+# -- calibration -------------------------------------------------------------------------------------
+def test_fitting_the_simulators_own_logs_recovers_its_calibration() -> None:
+    result = run("ondemand")
+    fitted = fit_calibration([s.as_log() for s in result.steps], [ld.as_log() for ld in result.loads], base=H200)
+    assert fitted.prefill_per_token_ms == pytest.approx(H200.prefill_per_token_ms, rel=1e-6)
+    assert fitted.prefill_base_ms == pytest.approx(H200.prefill_base_ms, rel=1e-6)
+    assert fitted.decode_per_item_ms == pytest.approx(H200.decode_per_item_ms, rel=1e-6)
+    assert fitted.decode_base_ms == pytest.approx(H200.decode_base_ms, rel=1e-6)
+    assert fitted.h2d_gbps == pytest.approx(H200.h2d_gbps, rel=1e-6)
+    assert fitted.disk_gbps == pytest.approx(H200.disk_gbps, rel=1e-6)
+    assert fitted.load_fixed_ms == pytest.approx(H200.load_fixed_ms, abs=0.05)
+    assert not fitted.provisional and fitted.report_latency_ms == H200.report_latency_ms
+
+
+def test_fit_keeps_costs_non_negative_and_needs_data() -> None:
+    steps = [{"kind": k, "items": i, "tokens": 10 * i, "adapters": 1, "ms": 5.0 - 0.1 * i}
+             for k in ("prefill", "decode") for i in (1, 2, 3)]
+    loads = [{"nbytes": 1000, "ready_ms": 2.0, "h2d_ms": 1.0, "disk_ms": 0.0, "host_hit": True}] * 2
+    fitted = fit_calibration(steps, loads, base=H200)
+    assert fitted.decode_per_item_ms == 0.0 and fitted.decode_base_ms == pytest.approx(4.8)
+    assert fitted.disk_gbps == H200.disk_gbps, "no host-tier miss: disk figures come from the base"
+    assert fitted.h2d_gbps == pytest.approx(1000 / 1e-3 / 1e9)
+    with pytest.raises(ConfigError, match="0 prefill steps"):
+        fit_calibration([s for s in steps if s["kind"] == "decode"], loads)
+    with pytest.raises(ConfigError, match="no loads"):
+        fit_calibration(steps, [])
+
+
+def test_shipped_calibrations_load_and_say_what_they_are() -> None:
+    cpu = load_calibration("cpu-tiny")
+    assert H200.provisional
+    assert H200.slot_dtype == "bfloat16" and "provisional" in H200.source
+    assert cpu.slot_dtype == "float32" and not cpu.provisional
+    assert Calibration.from_dict(json.loads(H200.to_json()), "round trip") == H200
+    assert H200.decode_s(1, 1) == pytest.approx(0.010) and H200.decode_s(32, 4) == pytest.approx(0.015)
+    assert H200.prefill_s(1000, 1) == pytest.approx(0.155)
+
+
+def test_bad_calibrations_and_configs_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cpu-tiny"):
+        load_calibration("no-such-machine")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"name": "x", "decode_ms": 3}))
+    with pytest.raises(ConfigError, match="unknown fields"):
+        load_calibration(str(bad))
+    with pytest.raises(ConfigError, match="decode_base_ms is -1"):
+        Calibration(decode_base_ms=-1)
+    with pytest.raises(ConfigError, match="h2d_gbps is 0"):
+        Calibration(h2d_gbps=0)
+    with pytest.raises(ConfigError, match="max_adapters"):
+        SimConfig(slots=2, max_adapters=4)
+    with pytest.raises(ConfigError, match="routing"):
+        SimConfig(routing="random")
+    with pytest.raises(ConfigError, match="rank"):
+        SimConfig(adapter_ranks="16,x")
+    with pytest.raises(ConfigError, match="host_bytes"):
+        simulate(dataclasses.replace(SMALL, host_bytes=1 << 20), BENCH_POLICIES["ondemand"], workload(), H200)
+    unknown = BenchPolicy("x", planner="lru", admission="overlap", hints=False)
+    with pytest.raises(ConfigError, match="policy 'lru'"):
+        simulate(SMALL, unknown, workload(), H200)
+
+
+@settings(max_examples=25, deadline=None)
+@given(policy=st.sampled_from(list(BENCH_POLICIES)), tp=st.sampled_from([1, 2]), slots=st.integers(1, 4),
+       replicas=st.integers(1, 3), arrivals=st.sampled_from(["poisson:4", "poisson:40", "inflight:3"]),
+       popularity=st.sampled_from(["uniform", "zipf:1.5", "bursty:2,3", "distinct"]),
+       host_shards=st.sampled_from([2, 100]), seed=st.integers(0, 1000))
+def test_any_small_fleet_finishes_every_request_with_its_books_balanced(
+        policy: str, tp: int, slots: int, replicas: int, arrivals: str, popularity: str, host_shards: int,
+        seed: int) -> None:
+    """Every request leaves (served, or failed with an error when its load found no room), nothing stalls,
+    and the slot tables, host tiers and controller stay consistent (``check``) whatever the fleet. (The
+    host tier holds at least max_adapters shards: with fewer, an ondemand acquire of two cold adapters
+    finds no host room for the second while the first is in flight, and raises, as the real one does.)"""
+    config = SimConfig(replicas=replicas, tp=tp, slots=slots, max_adapters=min(slots, 2), max_running=4,
+                       host_bytes=host_shards * (320 << 20))
+    spec = WorkloadSpec(arrivals=arrivals, popularity=popularity, requests=24, random_input_len=64,
+                        random_output_len=6, workload_seed=seed)
+    wl = make_workload(spec, spec.adapter_names(slots))
+    result = simulate(config, BENCH_POLICIES[policy], wl, H200, check=True)
+    assert len(result.records) == 24
+    for r in result.records:
+        assert r.ok or (r.error is not None and not r.token_s), r
+    if host_shards == 100:
+        assert all(r.ok for r in result.records), "with room in the host tier, no load fails"
