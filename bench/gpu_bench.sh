@@ -16,7 +16,7 @@ for what in "$@"; do
     uniform) run uniform "${common[@]}" --scenario uniform --requests 100 ;;
     zipf)    run zipf "${common[@]}" --scenario zipf --requests 100 ;;
     bursty)  run bursty "${common[@]}" --scenario bursty --requests 120 --policies global,queue,ondemand,oracle,overlap ;;
-    fleet2)  run fleet2 "${common[@]}" --scenario zipf --replicas 2 --requests 160 --arrivals poisson:8 ;;
+    fleet2)  run fleet2 "${common[@]}" --scenario zipf --replicas 2 --requests 100 --arrivals poisson:4 --policies ondemand,queue,global ;;
     tp4)     python -m bench.tp_ready --tp 4 --model llama-3.1-70b --out "$out/tp4-ready.json" > "$out/tp4-ready.log" 2>&1
              echo "=== tp4-ready rc=$?"; tail -n 25 "$out/tp4-ready.log"
              run tp4-zipf --engine real --model llama-3.1-70b --adapter-ranks 16,64 --no-plots \

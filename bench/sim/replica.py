@@ -31,6 +31,7 @@ from workers.engine.admission import AdmissionRule, Readiness
 from workers.engine.batching import PREFILL, STOP, WAIT, Scheduler, StepPlan, _Live
 from workers.engine.config import EngineConfig
 from workers.engine.workload import Request
+from workers.slots import SlotState
 
 WAIT_POLL_S = 1e-3  # the engine's sleep when a wait has no load to wait for
 
@@ -85,7 +86,6 @@ class SimReplica:
         self.state = "idle"  # idle | busy (a round or step under way) | wait
         self._wait_token = 0  # a wait that a later event ended is ignored when its loads finish
         self._engine_loads: list[dict[str, SimLoad]] = [{} for _ in workers]  # per rank: its own prefetches
-        self._failed: list[dict[str, SimLoad]] = [{} for _ in workers]  # per rank: those that failed, not reported
         self._reported: list[tuple[str, float]] = []
 
     # -- arrivals -------------------------------------------------------------------------------------
@@ -109,7 +109,7 @@ class SimReplica:
         for live in queued:  # requests whose adapter failed to load leave with an error
             if live.error is not None:
                 self.hooks.done(live.request.rid, now)
-        queue = s.queue()
+        queue = s.queue(plan)
         if queue != self._reported:  # rank 0 reports its waiting queue when it changes (serve_rank)
             self._reported = queue
             self.hooks.queue(self.name, queue)
@@ -128,15 +128,14 @@ class SimReplica:
         self._step(plan)
 
     def _readiness(self, wanted: tuple[str, ...]) -> dict[str, Readiness]:
-        """Each rank pins ``wanted`` READY there; failed loads of its own are reported once; min over ranks."""
+        """Each rank reports every adapter READY there and pins ``wanted`` (``RankEngine.readiness``); min over
+        ranks. Every simulated refusal is for lack of room (no reusable slot, host tier full), which the engine
+        does not report as a failure: the adapter stays wanted and is prefetched again next round."""
         views: list[dict[str, int]] = []
-        for w, loads, failed in zip(self.workers, self._engine_loads, self._failed):
-            view = dict.fromkeys(w.pin(wanted), int(Readiness.READY))
-            for name, load in failed.items():
-                if loads.get(name) is load:  # its latest prefetch (a newer one replaces it unreported)
-                    view[name] = int(Readiness.FAILED)
-                    del loads[name]
-            failed.clear()
+        for w in self.workers:
+            view = {slot.key.name: int(Readiness.READY) for slot in w.table.slots
+                    if slot.key is not None and slot.state is SlotState.READY}
+            view.update(dict.fromkeys(w.pin(wanted), int(Readiness.READY)))
             views.append(view)
         if len(views) == 1:
             return {n: Readiness(v) for n, v in views[0].items()}
@@ -149,12 +148,10 @@ class SimReplica:
             self._prefetch_on(rank, plan.prefetch)
 
     def _prefetch_on(self, rank: int, names: tuple[str, ...]) -> None:
-        """The engine's own prefetches on one rank; a failure is reported by the next readiness."""
-        w, loads, failed = self.workers[rank], self._engine_loads[rank], self._failed[rank]
+        """The engine's own prefetches on one rank."""
+        w, loads = self.workers[rank], self._engine_loads[rank]
         for name in names:
-            load = loads[name] = w.prefetch(name)
-            if not (load.ready.done and load.ready.ok):
-                load.ready.then(functools.partial(_note_failure, failed, name, load))
+            loads[name] = w.prefetch(name)
 
     # -- waits ----------------------------------------------------------------------------------------
     def _wait(self, plan: StepPlan) -> None:
@@ -239,6 +236,3 @@ class SimReplica:
         self._round()
 
 
-def _note_failure(failed: dict[str, SimLoad], name: str, load: SimLoad, ready: Signal) -> None:
-    if not ready.ok:
-        failed[name] = load

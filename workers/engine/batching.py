@@ -148,10 +148,17 @@ class Scheduler:
     def records(self) -> list[RequestRecord]:
         return [self.live[rid].record() for rid in sorted(self.live)]
 
-    def queue(self) -> list[tuple[str, float]]:
+    def queue(self, plan: StepPlan | None = None) -> list[tuple[str, float]]:
         """(adapter, arrival) of every waiting request with an adapter, in queue order: what an engine
-        reports to the controller (lifecycle step 1; new arrivals count towards popularity there)."""
-        return [(lv.request.adapter, lv.request.arrival_s) for lv in self.waiting if lv.request.adapter is not None]
+        reports to the controller (lifecycle step 1; new arrivals count towards popularity there).
+
+        ``plan``: the requests it admits lead the report, so a request admitted in the round it arrived
+        is still seen once: the controller counts it and fulfils its hint (else the hint would linger
+        as pending, crowding out fresh ones, until it expires)."""
+        admitted = [(it.adapter, self.live[it.rid].request.arrival_s) for it in (plan.items if plan else ())
+                    if plan is not None and plan.kind == PREFILL and it.adapter is not None]
+        return admitted + [(lv.request.adapter, lv.request.arrival_s) for lv in self.waiting
+                           if lv.request.adapter is not None]
 
     # -- helpers -------------------------------------------------------------------------------------
     def _arrive(self, now: float) -> None:

@@ -73,7 +73,7 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
         while True:
             vec = comm.min_control(engine.readiness(plan.wanted)) if rule.prefetch else None
             plan = comm.broadcast(_plan(scheduler, time.perf_counter() - t0, engine.names, vec))
-            if scheduler is not None and hooks.on_queue is not None and (now := scheduler.queue()) != queue:
+            if scheduler is not None and hooks.on_queue is not None and (now := scheduler.queue(plan)) != queue:
                 queue = now
                 hooks.on_queue([(a, wall0 + t) for a, t in now])
             if plan.kind == STOP:

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from lora_cache.catalog import AdapterCatalog, CatalogConfig
-from lora_cache.errors import ConfigError, LoraCacheError
+from lora_cache.errors import CapacityError, ConfigError, LoraCacheError
 from workers.cache import Batch, WorkerCache, WorkerConfig
 from workers.engine.admission import Readiness
 from workers.engine.batching import PREFILL, WAIT, Item, StepPlan
@@ -140,8 +140,11 @@ class RankEngine:
         for name in self.pin(wanted):
             vec[self.index[name]] = Readiness.READY
         for name, load in list(self._loads.items()):
-            if load.done() and load.exception() is not None:
-                vec[self.index[name]] = Readiness.FAILED
+            if load.done() and (error := load.exception()) is not None:
+                # no room right now (every slot held, or the host tier full of loads in flight) is not the
+                # adapter's failure: it stays wanted and is prefetched again next round
+                if not isinstance(error, CapacityError):
+                    vec[self.index[name]] = Readiness.FAILED
                 del self._loads[name]
         return vec
 
