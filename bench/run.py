@@ -217,7 +217,7 @@ def _run_sim(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Work
     sim = SimConfig(model=bench.model, replicas=bench.replicas, tp=bench.tp, slots=bench.slots,
                     max_rank=bench.max_rank, adapter_ranks=bench.adapter_ranks, max_running=bench.max_running,
                     max_adapters=bench.max_adapters, max_prefill_tokens=bench.max_prefill_tokens,
-                    hint_lead_s=bench.hint_lead_s)
+                    hint_lead_s=bench.hint_lead_s, routing="round_robin")  # the real path's router rule
     config["sim"] = dataclasses.asdict(sim)
     config["calibration"] = dataclasses.asdict(calib)
     runs = []
