@@ -15,6 +15,7 @@ The oracle preloads every adapter (slots for all of them) before the clock start
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from workers.cache import WorkerConfig
 from workers.engine.config import EngineConfig
 from workers.engine.workload import Request
 from workers.host_tier import HostTierConfig
+from workers.metrics import CacheCounters
 
 if TYPE_CHECKING:
     from bench.workloads import Workload
@@ -102,7 +104,7 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
             ray.get([h.preload.remote(names) for hs in ranks.values() for h in hs], timeout=config.timeout_s)
         _build(ranks, engine, config.timeout_s)
         since_wall = time.time()  # counters and the load log from here: hinted loads may precede the clock
-        before = {(r, k): ray.get(h.stats.remote(), timeout=60) for r, hs in ranks.items() for k, h in enumerate(hs)}
+        before = _stats(ranks)
         routed = route(workload.requests, config.replicas)
         inflight = -(-workload.inflight // config.replicas) if workload.inflight else 0
         start_wall = time.time() + 1.0
@@ -160,31 +162,37 @@ def _wait(refs: list[Any], start_wall: float, workload: Workload, timeout_s: flo
     return ray.get(refs)
 
 
+def _stats(ranks: dict[str, list[Any]]) -> dict[tuple[str, int], dict[str, Any]]:
+    """Every worker's ``stats()``, by (replica, rank), in one round trip."""
+    keys = [(replica, rank) for replica, handles in ranks.items() for rank in range(len(handles))]
+    return dict(zip(keys, ray.get([h.stats.remote() for hs in ranks.values() for h in hs], timeout=60)))
+
+
+# What WorkerCache.stats() counts (rather than reports as a level or a latency summary): reported as the
+# increase over the run. Latency summaries are dropped: the load log has every load's timings.
+COUNTERS = frozenset(f.name for f in dataclasses.fields(CacheCounters) if f.type in (int, "int")) | {
+    "host_hits", "host_misses", "bytes_disk_to_host"}
+SUMMARIES = frozenset(f.name for f in dataclasses.fields(CacheCounters)) - COUNTERS
+
+
 def _collect(policy: BenchPolicy, ranks: dict[str, list[Any]], results: list[Any], start_wall: float,
              since_wall: float, before: dict[tuple[str, int], dict[str, Any]]) -> PolicyRun:
     """Records, each rank's counters and loads since the engines were built (so the oracle's preload is
     not counted; a load a hint started just before the clock is, with a negative ``t_s``), and rank 0's
     step log."""
     records = sorted((r for res in results for r in res.records), key=lambda r: r.rid)
-    stats, loads, steps = [], [], []
-    for (replica, handles), res in zip(ranks.items(), results):
-        for rank, handle in enumerate(handles):
-            now, then = ray.get(handle.stats.remote(), timeout=60), before[(replica, rank)]
-            since = {k: v - then.get(k, 0) if isinstance(v, int) and k.startswith(COUNTED) else v
-                     for k, v in now.items()}
-            stats.append({"replica": replica, "rank": rank, **since})
-            for t, rec in ray.get(handle.load_log.remote(), timeout=60):
-                if t >= since_wall:
-                    loads.append({"t_s": t - start_wall, "replica": replica, "rank": rank, "adapter": rec.adapter,
-                                  "nbytes": rec.nbytes, "ready_ms": rec.ready_ms, "h2d_ms": rec.h2d_ms,
-                                  "disk_ms": rec.disk_ms, "host_hit": rec.host_hit})
-        steps += [{"replica": replica, **s._asdict()} for s in res.ranks[0].step_log]
-    for s in stats:
-        s.pop("disk_ms", None), s.pop("h2d_ms", None), s.pop("ready_ms", None)  # reservoir summaries: see loads
+    after = _stats(ranks)
+    logs = dict(zip(after, ray.get([h.load_log.remote() for hs in ranks.values() for h in hs], timeout=60)))
+    stats, loads = [], []
+    for (replica, rank), now in after.items():
+        then = before[(replica, rank)]
+        stats.append({"replica": replica, "rank": rank, **{k: v - then[k] if k in COUNTERS else v
+                                                           for k, v in now.items() if k not in SUMMARIES}})
+        loads += [{"t_s": t - start_wall, "replica": replica, "rank": rank, "adapter": rec.adapter,
+                   "nbytes": rec.nbytes, "ready_ms": rec.ready_ms, "h2d_ms": rec.h2d_ms, "disk_ms": rec.disk_ms,
+                   "host_hit": rec.host_hit} for t, rec in logs[(replica, rank)] if t >= since_wall]
+    steps = [{"replica": replica, **s._asdict()} for replica, res in zip(ranks, results) for s in res.ranks[0].step_log]
     return PolicyRun(policy.name, "real", records, stats, sorted(loads, key=lambda x: x["t_s"]), steps)
-
-
-COUNTED = ("gpu_", "prefetch", "demand_", "loads", "load_", "evictions", "bytes_", "host_hits", "host_misses")
 
 
 def _stop(service: Service) -> None:

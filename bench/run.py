@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import re
 import sys
 import time
@@ -146,11 +145,10 @@ def adapter_dir(bench: BenchConfig, needed: int) -> tuple[str, list[str]]:
     if len(have) < needed and ours:
         make_adapters(str(root), SynthConfig(model=bench.model, count=needed, rank=bench.adapter_ranks))
         have = found()
-    found_names = have
-    if len(found_names) < needed:
-        raise ConfigError(f"adapters: {root} holds {len(found_names)} adapters but the workload needs {needed}; "
+    if len(have) < needed:
+        raise ConfigError(f"adapters: {root} holds {len(have)} adapters but the workload needs {needed}; "
                           "point --adapters at a larger directory, or at an empty one to make them")
-    return str(root), found_names[:needed]
+    return str(root), have[:needed]
 
 
 def run(bench: BenchConfig, spec: WorkloadSpec) -> dict[str, Any]:
@@ -234,20 +232,10 @@ def _check_sim(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Wo
                runs: list[PolicyRun]) -> dict[str, Any]:
     """The simulator on this run's configuration, with costs fitted from this run's logs."""
     from bench.figures import figures
-    from bench.sim.calibration import fit_calibration
+    from bench.sim_check import compare
 
-    steps = [s for run in runs for s in run.steps]
-    loads = [x for run in runs for x in run.loads]
-    calib = fit_calibration(steps, loads, name=f"fitted-{bench.model}", source="this run's step and load logs")
-    sims = _run_sim(bench, policies, workload, {}, calib)
-    out: dict[str, Any] = {"calibration": dataclasses.asdict(calib), "policies": {}}
-    for real, sim in zip(runs, sims):
-        fr, fs = figures(real), figures(sim)
-        out["policies"][real.policy] = {
-            key: {"real": fr[key], "sim": fs[key], "error": fs[key] / fr[key] - 1 if fr[key] else math.inf}
-            for key in ("mean_ttft_ms", "p99_ttft_ms")}
-    out["within_15pct"] = all(abs(v["error"]) <= 0.15 for p in out["policies"].values() for v in p.values())
-    return out
+    return compare(bench, policies, workload, {run.policy: figures(run) for run in runs},
+                   [s for run in runs for s in run.steps], [x for run in runs for x in run.loads])
 
 
 class _progress:
@@ -293,7 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(doc["table"])
     if "sim_check" in doc:
-        print("\nsimulator vs real (TTFT):", json.dumps(doc["sim_check"]["policies"], indent=1))
+        from bench.sim_check import format_comparison
+
+        print("\nsimulator vs real (TTFT):\n" + format_comparison(doc["sim_check"]))
     print(f"\nresults: {Path(bench.out) / 'results.json'}")
     failed = {name: f["failed"] for name, f in doc["figures"].items() if f["failed"]}
     if failed:

@@ -261,12 +261,7 @@ class WorkerCache:
 
     def _retire(self, load: SlotLoad) -> None:
         """A load's slot was freed (caller holds the lock): count it for prefetch accuracy."""
-        self.counters.evictions += 1
-        if load.prefetched:
-            if load.used:
-                self.counters.prefetch_used += 1
-            else:
-                self.counters.prefetch_unused += 1
+        self.counters.retired(load.prefetched, load.used)
 
     def _retry_waiters(self) -> None:
         with self._lock:

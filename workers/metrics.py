@@ -41,5 +41,12 @@ class CacheCounters:
     h2d_ms: Reservoir = field(default_factory=Reservoir)  # one packed copy, measured by events
     ready_ms: Reservoir = field(default_factory=Reservoir)  # prefetch/miss -> READY
 
+    def retired(self, prefetched: bool, used: bool) -> None:
+        """A load's slot was freed: an eviction, and for a prefetched load, whether a batch used it first."""
+        self.evictions += 1
+        if prefetched:
+            self.prefetch_used += used
+            self.prefetch_unused += not used
+
     def snapshot(self) -> dict[str, object]:
         return {k: (v.summary() if isinstance(v, Reservoir) else v) for k, v in vars(self).items()}

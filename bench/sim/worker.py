@@ -338,12 +338,7 @@ class SimWorker:
 
     def _retire(self, load: SimLoad) -> None:
         """A load's slot was freed: count it for prefetch accuracy."""
-        self.counters.evictions += 1
-        if load.prefetched:
-            if load.used:
-                self.counters.prefetch_used += 1
-            else:
-                self.counters.prefetch_unused += 1
+        self.counters.retired(load.prefetched, load.used)
 
     def check_integrity(self) -> None:
         self.table.check_integrity()

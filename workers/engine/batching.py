@@ -155,8 +155,8 @@ class Scheduler:
         ``plan``: the requests it admits lead the report, so a request admitted in the round it arrived
         is still seen once: the controller counts it and fulfils its hint (else the hint would linger
         as pending, crowding out fresh ones, until it expires)."""
-        admitted = [(it.adapter, self.live[it.rid].request.arrival_s) for it in (plan.items if plan else ())
-                    if plan is not None and plan.kind == PREFILL and it.adapter is not None]
+        items = plan.items if plan is not None and plan.kind == PREFILL else ()
+        admitted = [(it.adapter, self.live[it.rid].request.arrival_s) for it in items if it.adapter is not None]
         return admitted + [(lv.request.adapter, lv.request.arrival_s) for lv in self.waiting
                            if lv.request.adapter is not None]
 
