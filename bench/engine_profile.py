@@ -3,7 +3,8 @@
     python -m bench.engine_profile --adapters /tmp/ad8b --out OUT [--layers 32] [--batch 32]
 
 Runs one rank (TP 1) of ``llama-3.1-8b``: one prefill of ``--batch`` requests, then decode steps with
-and without LoRA adapters, and a ``torch.profiler`` trace of a few decode steps (top ops by self CPU
+and without LoRA adapters, replayed as CUDA graphs (the default) and eager (``*_eager_ms``), and a
+``torch.profiler`` trace of a few eager decode steps (top ops by self CPU
 and by CUDA time, kernel launches per step), so step overheads (launches, syncs) can be told from the
 math. Items run grouped by adapter (as the scheduler orders them) and, ``decode_lora_row_order_ms``,
 in KV-row order. ``lora_call_us``: host time of one call of the engine's LoRA op (q/k/v at the decode batch, real
@@ -69,21 +70,32 @@ def main() -> None:
     config = EngineConfig(adapters=ns.adapters, model="llama-3.1-8b", num_layers=ns.layers, device="cuda",
                           num_slots=8, max_running=ns.batch, max_adapters=ns.distinct)
     engine = RankEngine(config, Comm())
+    t0 = time.perf_counter()
+    engine.warm_up()  # compiles the kernels and captures the decode graphs
+    out: dict[str, object] = {"warm_up_s": time.perf_counter() - t0,
+                              "graphs": len(engine.graphs.graphs) if engine.graphs is not None else 0}
     names = engine.names[: ns.distinct]
     items = [Item(i, names[i % len(names)], i, 0, 128) for i in range(ns.batch)]
     items.sort(key=lambda it: it.adapter or "")
     res = engine.execute(StepPlan(PREFILL, tuple(items), tuple(names)))
     assert res is not None
-    out: dict[str, object] = {"prefill_ms": (res.end_s - res.start_s) * 1e3}
+    out["prefill_ms"] = (res.end_s - res.start_s) * 1e3
     steps = 0
     by_row = sorted(items, key=lambda it: it.row)  # KV rows in order: attention reads the cache in place
-    for label, order, adapters in (("decode_lora_ms", items, True), ("decode_base_ms", items, False),
-                                   ("decode_lora_row_order_ms", by_row, True)):
-        times = []
-        for _ in range(12):
-            steps += 1
-            times.append(_decode(engine, order, steps, adapters))
-        out[label] = statistics.median(times[2:])
+    eighth = items[: max(1, len(items) // 4)]
+    graphs = engine.graphs
+    # graph replays (the engine's default on the GPU), then the same steps eager
+    for suffix, use in (("", graphs), ("_eager", None)):
+        engine.graphs = use
+        for label, order, adapters in (("decode_lora", items, True), ("decode_base", items, False),
+                                       ("decode_lora_row_order", by_row, True),
+                                       (f"decode_lora_batch{len(eighth)}", eighth, True)):
+            times = []
+            for _ in range(12):
+                steps += 1
+                times.append(_decode(engine, order, steps, adapters))
+            out[f"{label}{suffix}_ms"] = statistics.median(times[2:])
+    engine.graphs = None  # the profile below shows the eager step's launches
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):

@@ -38,10 +38,14 @@ class EngineConfig:
     seed: int = field(default=0, metadata={"help": "seed of base weights and prompts"})
     record_outputs: bool = field(default=False, metadata={"help": "keep each token's output hidden state "
                                                                   "(a device-to-host copy per step)"})
+    cuda_graphs: bool = field(default=True, metadata={"help": "replay decode steps as CUDA graphs (GPU only; "
+                                                              "captured at warm-up, one per batch and KV bucket)"})
+    graph_kv_block: int = field(default=256, metadata={"help": "KV-length bucket of the decode graphs (keys)"})
     host: HostTierConfig = field(default_factory=HostTierConfig)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "num_slots", "max_rank", "max_running", "max_adapters", "max_prefill_tokens"):
+        for name in ("tp", "num_slots", "max_rank", "max_running", "max_adapters", "max_prefill_tokens",
+                     "graph_kv_block"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_seq_len < 2:

@@ -29,9 +29,12 @@ class LoraOp:
         self.batch = BatchMeta(max_tokens, max_items, cache.device, num_slots=cache.config.num_slots)
         self.active = False  # False: no item of this step has an adapter, the op adds nothing
 
-    def begin(self, slots: Sequence[int], lengths: Sequence[int], prefill: bool, stream: object = None) -> None:
-        """Each item's slot (-1: no adapter) and token count, in the order of the step's rows."""
-        self.active = any(s >= 0 for s in slots)
+    def begin(self, slots: Sequence[int], lengths: Sequence[int], prefill: bool, stream: object = None,
+              always: bool = False) -> None:
+        """Each item's slot (-1: no adapter) and token count, in the order of the step's rows.
+        ``always``: launch the kernels even if no item has an adapter (a CUDA graph's step: the
+        captured launches must be there whatever the next batch holds; the kernels skip empty tiles)."""
+        self.active = always or any(s >= 0 for s in slots)
         if not self.active:
             return
         if prefill:  # SGMV: one segment per run of items with one slot (the plan groups items by adapter)

@@ -133,8 +133,8 @@ class StepTables(NamedTuple):
 
 
 def step_tables(step: StepInputs, rope: Rope | None, dtype: torch.dtype) -> StepTables:
-    rows = [row for row, _, _ in step.spans]
-    consecutive = not step.prefill and rows == list(range(rows[0], rows[0] + len(rows)))
+    rows = [row for row, _, _ in step.spans]  # none given (a captured decode step): rows are read by index
+    consecutive = bool(rows) and not step.prefill and rows == list(range(rows[0], rows[0] + len(rows)))
     return StepTables(rope.rows(step.positions) if rope is not None else None,
                       None if step.prefill else decode_bias(step, dtype),
                       slice(rows[0], rows[0] + len(rows)) if consecutive else None)

@@ -22,6 +22,7 @@ from workers.cache import Batch, WorkerCache, WorkerConfig
 from workers.engine.admission import Readiness
 from workers.engine.batching import PREFILL, WAIT, Item, StepPlan
 from workers.engine.config import EngineConfig
+from workers.engine.graphs import DecodeGraphs
 from workers.engine.lora import LoraOp
 from workers.engine.model import KVCache, Rope, ShardedModel, StepInputs, build_model, prompt_states
 from workers.engine.tp import Comm
@@ -101,10 +102,15 @@ class RankEngine:
         self.names = self.catalog.names()
         self.index = {n: i for i, n in enumerate(self.names)}
         self.lora = LoraOp(self.cache, max(config.max_prefill_tokens, config.max_running), config.max_running)
+        self.pad_row = config.max_running  # one KV row past the scheduler's: the decode graphs' padding
         with self._on_stream():
             self.model = self._make_model()
-            self.last = torch.zeros(config.max_running, self.model.shape.hidden_size, dtype=self.dtype,
-                                    device=self.device)  # each running request's last output: its next input
+            self.last = torch.zeros(config.max_running + 1, self.model.shape.hidden_size, dtype=self.dtype,
+                                    device=self.device)  # each KV row's last output: its request's next input
+        self.graphs = (DecodeGraphs(self.model, self.lora, self.last, self.stream, max_running=config.max_running,
+                                    max_seq_len=config.max_seq_len, kv_block=config.graph_kv_block,
+                                    pad_row=self.pad_row)
+                       if config.cuda_graphs and self.stream is not None else None)
         self._sync()
         self.stats = RankStats(comm.rank)
         self._pinned: Batch | None = None  # adapters kept resident for admission (overlap): READY, held
@@ -119,7 +125,7 @@ class RankEngine:
 
     def _make_model(self) -> ShardedModel:
         c, shape = self.config, self.config.shape()
-        kv = KVCache(c.layers, c.max_running, shape.num_kv_heads // c.tp, c.max_seq_len, shape.head_dim, self.dtype,
+        kv = KVCache(c.layers, c.max_running + 1, shape.num_kv_heads // c.tp, c.max_seq_len, shape.head_dim, self.dtype,
                      self.device)
         rope = Rope(shape.head_dim, c.max_seq_len, c.rope_theta, self.device) if c.rope else None
         return build_model(shape, c.layers, tp=c.tp, rank=self.comm.rank, seed=c.seed, share=c.share_weights,
@@ -222,6 +228,9 @@ class RankEngine:
         return StepResult(start, end, load_wait, outputs)
 
     def _forward(self, prefill: bool, items: list[Item], slot_of: dict[str, int]) -> torch.Tensor:
+        slots = [slot_of[it.adapter] if it.adapter is not None else -1 for it in items]
+        if not prefill and self.graphs is not None:
+            return self.graphs.run([it.row for it in items], [it.start for it in items], slots)
         hidden = self.model.shape.hidden_size
         if prefill:
             x = torch.cat([prompt_states(self.config.seed, it.rid, it.length, hidden, self.device) for it in items])
@@ -230,7 +239,6 @@ class RankEngine:
         if not prefill:
             x = self.last.index_select(0, rows)
         step = self._inputs(prefill, items, rows)
-        slots = [slot_of[it.adapter] if it.adapter is not None else -1 for it in items]
         self.lora.begin(slots, [it.length for it in items], prefill, self.stream)
         out = self.model.forward(x, step)
         self.last.index_copy_(0, rows, out)
@@ -252,8 +260,9 @@ class RankEngine:
     def warm_up(self) -> None:
         """Run the step shapes once before the clock starts, so no request pays for compiling kernels
         (Triton JIT, attention back ends): prefills and decodes of a few sizes, LoRA on slot 0 (its rank
-        is 0 while empty, so the kernels run and add nothing), through the all-reduce. Every rank calls
-        this at once; the KV rows it writes are overwritten by the next prefill of each row."""
+        is 0 while empty, so the kernels run and add nothing), through the all-reduce; on the GPU it then
+        captures every decode graph (``graphs.py``). Every rank calls this at once; the KV rows it writes
+        are overwritten by the next prefill of each row."""
         c = self.config
         sizes = sorted({1, 3, min(16, c.max_running), c.max_running})
         with self._on_stream():
@@ -262,6 +271,8 @@ class RankEngine:
                 prefill = [Item(-1 - i, "warm", i, 0, prompt) for i in range(n)]
                 self._forward(True, prefill, {"warm": 0})
                 self._forward(False, [Item(it.rid, "warm", it.row, prompt, 1) for it in prefill], {"warm": 0})
+            if self.graphs is not None:
+                self.graphs.capture_all()
         self._sync()
 
     # -- streams ---------------------------------------------------------------------------------------
