@@ -19,7 +19,7 @@ Overhead: at the engine's decode shape (32 tokens on 4 adapters, q/k/v, rank 64)
 call: ``wrapper_us`` with the Triton launches replaced by no-ops (**launch stubbed**: the wrapper alone),
 ``full_check_us`` for validating every argument (what each call paid before launch plans were cached),
 and on a GPU ``call_us`` with the real launches (CPU time to enqueue a call, no sync).
-``--sweep`` also tries other BGMV tile and block sizes at the largest batch. Prints markdown, writes JSON.
+``--sweep`` also tries every combination of ``--sweep-grid`` BGMV knobs at each shape. Prints markdown, writes JSON.
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ class KernelBenchConfig:
     ref_reps: int = field(default=3, metadata={"help": "timed repetitions of the torch reference"})
     copy_mib: int = field(default=1024, metadata={"help": "size of the device copy measured for the peak"})
     knobs: str = field(default="", metadata={"help": "BGMV knobs for the whole run, e.g. reduce=0,block_k=64"})
-    sweep: bool = field(default=False, metadata={"help": "also try other BGMV tile/block sizes at the largest batch"})
+    sweep: bool = field(default=False, metadata={"help": "also try the BGMV knobs of --sweep-grid at every shape"})
+    sweep_grid: str = field(default="block_k=128,256,512;num_warps=4,8;waves=4,8",
+                            metadata={"help": "BGMV knob values to combine: NAME=V1,V2;NAME=..."})
     only_overhead: bool = field(default=False, metadata={"help": "measure only the wrappers' Python cost"})
     smoke: bool = field(default=False, metadata={"help": "tiny shapes on the CPU (checks the script runs)"})
 
@@ -207,20 +209,28 @@ def measure(case: Case, modules: list[str], mode: str, cfg: KernelBenchConfig, p
     return row
 
 
+def sweep_grid(spec: str) -> list[dict[str, int]]:
+    """``"block_k=128,256;num_warps=4,8"`` -> every combination, as knob dicts for ``tuned("bgmv", ...)``."""
+    axes = [(name.strip(), [int(v) for v in values.split(",")])
+            for name, values in (part.split("=", 1) for part in spec.split(";") if part.strip())]
+    return [dict(zip([a for a, _ in axes], combo)) for combo in itertools.product(*(v for _, v in axes))]
+
+
 def sweep(shape: ModelShape, modules: list[str], cfg: KernelBenchConfig, dtype: torch.dtype,
           device: torch.device, peak: float) -> list[dict[str, Any]]:
-    """BGMV tile (chunk) and block sizes at the largest batch, rank 64 (or the largest), three mixes."""
+    """BGMV knobs (``--sweep-grid``) at every (rank, mix, tokens >= 16) of the run; one case built per shape."""
     rows = []
-    tokens, rank = max(cfg.ints("tokens")), max(cfg.ints("ranks"))
-    for mix, chunk in itertools.product(("identical", "uniform8", "distinct"), (16, 64)):
-        case = build_case(shape, modules, rank, tokens, mix, "bgmv", dtype, device, chunk=chunk)
-        for block_k, reduce in itertools.product((64, 128), (1, 0)):
-            knobs = dict(block_k=block_k, reduce=reduce)
+    grid = sweep_grid(cfg.sweep_grid)
+    for rank, mix, tokens in itertools.product(cfg.ints("ranks"), cfg.names("mixes"), cfg.ints("tokens")):
+        if tokens < 16:
+            continue
+        case = build_case(shape, modules, rank, tokens, mix, "bgmv", dtype, device)
+        for knobs in grid:
             with tuned("bgmv", **knobs):
                 row = measure(case, modules, "bgmv", cfg, peak, with_ref=False)
-            rows.append({"rank": rank, "tokens": tokens, "mix": mix, "chunk": chunk, **knobs, **row})
-            print(f"sweep {mix} chunk {chunk} {knobs}: {row['kernel_ms'] * 1e3:.1f} us, {row['of_copy']:.2f} of copy",
-                  flush=True)
+            rows.append({"rank": rank, "tokens": tokens, "mix": mix, **knobs, **row})
+            print(f"sweep rank {rank} {mix} T={tokens} {knobs}: {row['kernel_ms'] * 1e3:.1f} us, "
+                  f"{row['of_copy']:.2f} of copy", flush=True)
         del case
     return rows
 
