@@ -15,6 +15,7 @@ from typing import NamedTuple, TypeVar
 
 import torch
 
+from workers.kernels.knobs import KNOBS
 from workers.kernels.meta import MAX_FUSED, MAX_PLANS, BatchMeta, SlotMeta
 
 P = TypeVar("P")
@@ -70,13 +71,14 @@ def cached_plan(kernel: str, x: torch.Tensor, y: torch.Tensor, pool: torch.Tenso
     """``build(check_launch(...))``, computed once per argument signature and kept in ``slot_meta.plans``.
 
     The key holds every fact ``check_launch`` reads except the layer and the batch's slots, which are
-    checked on every call; anything that is not a tensor (or unhashable) misses and gets the full check.
+    checked on every call, and the kernel's tuning knobs (``tuning.tuned`` changes them); anything that is
+    not a tensor (or unhashable) misses and gets the full check.
     """
     try:
         key = (kernel, modules if isinstance(modules, (tuple, str)) else tuple(modules),
                x.shape, x.stride(), x.dtype, x.get_device(), y.shape, y.stride(), y.dtype, y.get_device(),
                pool.shape, pool.stride(), pool.dtype, pool.get_device(), batch.device, batch.num_tokens,
-               batch.chunk, batch.max_chunks, slot_meta.version)
+               batch.chunk, batch.max_chunks, slot_meta.version, KNOBS.get(kernel))  # knobs: tuned() runs
         plan: P | None = slot_meta.plans.get(key)
     except (AttributeError, TypeError):
         key, plan = None, None
