@@ -16,7 +16,7 @@ class BgmvKnobs:
     block_n: int = 128  # output features per expand program
     num_warps: int = 4
     num_stages: int = 3  # software pipelining depth of the K loop
-    waves: int = 4  # aim for this many programs per SM when splitting K
+    waves: int = 2  # aim for this many programs per SM when splitting K (2: best of 2/4/8 in the H200 sweep)
     reduce: bool = True  # the shrink's last split sums the splits (else every expand program sums them)
 
 
