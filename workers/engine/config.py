@@ -40,7 +40,7 @@ class EngineConfig:
                                                                   "(a device-to-host copy per step)"})
     cuda_graphs: bool = field(default=True, metadata={"help": "replay decode steps as CUDA graphs (GPU only; "
                                                               "captured at warm-up, one per batch and KV bucket)"})
-    graph_kv_block: int = field(default=256, metadata={"help": "KV-length bucket of the decode graphs (keys)"})
+    graph_kv_block: int = field(default=512, metadata={"help": "KV-length bucket of the decode graphs (keys)"})
     host: HostTierConfig = field(default_factory=HostTierConfig)
 
     def __post_init__(self) -> None:
