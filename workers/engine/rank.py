@@ -43,6 +43,10 @@ def load_catalog(config: EngineConfig) -> AdapterCatalog:
     return catalog
 
 
+# one-prompt prefill lengths run at warm-up: 1, odd and multiple-of-16 lengths in every token tile size
+WARM_PROMPTS = (1, 7, 16, 31, 32, 48, 63, 64, 65, 127, 128, 255, 256, 500, 1024)
+
+
 class StepResult(NamedTuple):
     start_s: float  # perf_counter when the step began
     end_s: float  # perf_counter when its tokens were ready
@@ -259,8 +263,10 @@ class RankEngine:
     # -- warm-up ---------------------------------------------------------------------------------------
     def warm_up(self) -> None:
         """Run the step shapes once before the clock starts, so no request pays for compiling kernels
-        (Triton JIT, attention back ends): prefills and decodes of a few sizes, LoRA on slot 0 (its rank
-        is 0 while empty, so the kernels run and add nothing), through the all-reduce; on the GPU it then
+        (Triton JIT, attention back ends): prefills and decodes of a few batch sizes, one-prompt prefills
+        of ``WARM_PROMPTS`` lengths (every token tile of the prefill kernel; Triton specializes integer
+        arguments equal to 1 or divisible by 16), LoRA on slot 0 (its rank is 0 while empty, so the
+        kernels run and add nothing), through the all-reduce; on the GPU it then
         captures every decode graph (``graphs.py``). Every rank calls this at once; the KV rows it writes
         are overwritten by the next prefill of each row."""
         c = self.config
@@ -271,6 +277,9 @@ class RankEngine:
                 prefill = [Item(-1 - i, "warm", i, 0, prompt) for i in range(n)]
                 self._forward(True, prefill, {"warm": 0})
                 self._forward(False, [Item(it.rid, "warm", it.row, prompt, 1) for it in prefill], {"warm": 0})
+            for prompt in WARM_PROMPTS:
+                if prompt <= min(c.max_prefill_tokens, c.max_seq_len - 1):
+                    self._forward(True, [Item(-1, "warm", 0, 0, prompt)], {"warm": 0})
             if self.graphs is not None:
                 self.graphs.capture_all()
         self._sync()
