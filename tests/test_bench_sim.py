@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 from functools import cache
 from pathlib import Path
 
@@ -205,6 +206,95 @@ def test_fit_keeps_costs_non_negative_and_needs_data() -> None:
         fit_calibration([s for s in steps if s["kind"] == "decode"], loads)
     with pytest.raises(ConfigError, match="no loads"):
         fit_calibration(steps, [])
+
+
+def _synthetic_logs(truth: Calibration, seed: int, waited_prefills: bool = False) -> tuple[list, list]:
+    """Step and load logs as the real engine writes them, from known costs: multiplicative noise of mean 1
+    on every step, load waits added to some steps' ``ms`` (all prefills' with ``waited_prefills``), three
+    JIT-compile stalls; loads of two shard sizes, host hits and misses, queueing on some."""
+    rng = random.Random(seed)
+    steps: list[dict[str, object]] = []
+    for i in range(6000):
+        if i % 5 == 0:
+            items = rng.choice((1, 1, 1, 2, 3, 5))
+            tokens = sum(rng.randint(8, 1024) for _ in range(items))
+            kind, adapters, cost = "prefill", min(items, 4), truth.prefill_s(tokens, items) * 1e3
+        else:
+            items = rng.randint(1, 24)
+            tokens, adapters = items, min(items, rng.randint(1, 4))
+            kind, cost = "decode", truth.decode_s(items, adapters) * 1e3
+        wait = rng.uniform(20.0, 300.0) if (kind == "prefill" and waited_prefills) or i % 13 == 0 else 0.0
+        steps.append({"replica": "replica-0", "kind": kind, "items": items, "tokens": tokens, "adapters": adapters,
+                      "ms": cost * rng.uniform(0.85, 1.15) + wait, "load_wait_ms": wait})
+    for tokens in (143, 8, 16):  # first prefills on a fresh machine: 1.4-2.0 s of JIT compiles
+        steps.append({"replica": "replica-1", "kind": "prefill", "items": 1, "tokens": tokens, "adapters": 1,
+                      "ms": rng.uniform(1400.0, 2000.0), "load_wait_ms": 0.0})
+    loads: list[dict[str, object]] = []
+    for i in range(400):
+        nbytes = (80 << 20) if i % 2 else (320 << 20)
+        hit = i % 5 == 0
+        h2d = truth.h2d_s(nbytes) * 1e3 * rng.uniform(0.95, 1.05)
+        disk = 0.0 if hit else truth.disk_s(nbytes) * 1e3 * rng.uniform(0.8, 1.2)
+        queued = rng.expovariate(0.5) if i % 3 == 0 else 0.0  # a reader, a slot or the copy stream was busy
+        loads.append({"nbytes": nbytes, "ready_ms": disk + h2d + truth.load_fixed_ms + queued, "h2d_ms": h2d,
+                      "disk_ms": disk, "host_hit": hit})
+    return steps, loads
+
+
+@pytest.mark.parametrize("waited_prefills", [False, True])
+def test_fit_recovers_known_costs_through_load_waits_noise_and_stalls(waited_prefills: bool) -> None:
+    """Synthetic logs from known costs: step times include load waits (subtracted, or such steps left out),
+    noise (fitted for its mean) and compile stalls (dropped); the costs come back within a few %."""
+    truth = dataclasses.replace(H200, prefill_base_ms=20.0, prefill_per_token_ms=0.01, prefill_per_item_ms=9.0,
+                                decode_base_ms=22.0, decode_per_item_ms=0.3, decode_per_adapter_ms=0.5,
+                                load_fixed_ms=0.8, h2d_gbps=55.0, disk_fixed_ms=15.0, disk_gbps=3.7)
+    steps, loads = _synthetic_logs(truth, seed=1, waited_prefills=waited_prefills)
+    info: dict[str, dict[str, float]] = {}
+    fitted = fit_calibration(steps, loads, base=H200, info=info)
+    for name in ("prefill_base_ms", "prefill_per_item_ms", "decode_base_ms", "h2d_gbps", "disk_gbps",
+                 "load_fixed_ms"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.06), name
+    for nbytes in (80 << 20, 320 << 20):  # reads vary +-20%: their intercept alone is loose, their costs are not
+        assert fitted.disk_s(nbytes) == pytest.approx(truth.disk_s(nbytes), rel=0.03)
+        assert fitted.h2d_s(nbytes) == pytest.approx(truth.h2d_s(nbytes), rel=0.02)
+    for name in ("prefill_per_token_ms", "decode_per_item_ms", "decode_per_adapter_ms"):  # small terms: loosely;
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.25), name  # the costs below: 2%
+    for tokens, items in ((64, 1), (1000, 1), (3000, 4)):
+        assert fitted.prefill_s(tokens, items) == pytest.approx(truth.prefill_s(tokens, items), rel=0.02)
+    for items, adapters in ((1, 1), (8, 4), (24, 4)):
+        assert fitted.decode_s(items, adapters) == pytest.approx(truth.decode_s(items, adapters), rel=0.02)
+    assert info["prefill"]["dropped"] == 3 and info["prefill"]["dropped_excess_ms"] > 3 * 1300
+    assert info["decode"]["dropped"] == 0 and info["decode"]["waited_left_out"] > 0
+    if waited_prefills:  # too few prefills without a wait: all of them, their waits subtracted
+        assert info["prefill"]["waited_left_out"] == 0
+        raw = fit_calibration([{**s, "load_wait_ms": 0.0} for s in steps], loads, base=H200)
+        assert raw.prefill_s(500, 1) > 2 * truth.prefill_s(500, 1), "not subtracted, the waits would be compute"
+
+
+def test_sim_check_recovers_a_simulated_run_from_its_own_logs() -> None:
+    """``bench.sim_check.compare`` on a run of the simulator itself: fitted from that run's logs, the
+    simulation reproduces its TTFT; the noisy runs' band holds it; no stalls."""
+    from bench.figures import figures
+    from bench.run import BenchConfig, _run_sim
+    from bench.sim_check import NoisyCalibration, compare, step_ratios
+
+    bench = BenchConfig(engine="sim", replicas=SMALL.replicas, slots=SMALL.slots, max_adapters=SMALL.max_adapters)
+    policy = BENCH_POLICIES["ondemand"]
+    (run_,) = _run_sim(bench, [policy], workload(), {}, H200)
+    out = compare(bench, [policy], workload(), {"ondemand": figures(run_)}, {"ondemand": run_.steps},
+                  {"ondemand": run_.loads}, fit="per-policy", noise=2)
+    entry = out["policies"]["ondemand"]
+    assert out["within_15pct"] and "stalls" not in out
+    for key in ("mean_ttft_ms", "p99_ttft_ms"):
+        assert abs(entry[key]["error"]) < 0.01, entry
+        assert entry[key]["real_in_band"], entry
+    ratios = step_ratios(run_.steps, H200)
+    assert ratios and all(r == pytest.approx(1.0) for r in ratios), "the sim's own steps cost exactly their fit"
+    noisy = NoisyCalibration.wrap(H200, [0.5, 2.0], seed=3)
+    again = NoisyCalibration.wrap(H200, [0.5, 2.0], seed=3)
+    draws = [noisy.decode_s(4, 2) for _ in range(200)]
+    assert draws == [again.decode_s(4, 2) for _ in range(200)], "seeded: deterministic"
+    assert set(draws) == {0.5 * H200.decode_s(4, 2), 2.0 * H200.decode_s(4, 2)}
 
 
 def test_shipped_calibrations_load_and_say_what_they_are() -> None:

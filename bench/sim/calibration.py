@@ -15,9 +15,32 @@ control     ``report_latency_ms``: an engine's queue report, a router's hint or 
             the controller planned them
 ==========  ====================================================================================
 
-``fit_calibration(steps, loads)`` fits the step and load models by least squares (coefficients kept
->= 0) from the logs of a real run: steps as ``{kind, items, tokens, adapters, ms}`` and loads as
-``{nbytes, ready_ms, h2d_ms, disk_ms, host_hit}``, the fields of ``workers.loader.ReadinessRecord``.
+``fit_calibration(steps, loads)`` fits these models from the logs of a real run (the engine's
+``workers.engine.rank.StepLog`` per step and ``workers.loader.ReadinessRecord`` per load); what the logs
+cannot tell (slot dtype, control latencies, disk costs without a host-tier miss) comes from ``base``:
+
+- Step compute: a step's ``ms`` runs from its start to its tokens, *including* ``load_wait_ms``
+  blocked on adapter loads; the simulator charges load waits itself, so the compute time fitted is
+  ``ms - load_wait_ms``. Steps that waited are left out when a kind has enough steps without a wait
+  (``MIN_CLEAN_STEPS``): on a GPU the wait ends when the copy is issued and the compute then waits on
+  the copy, so their remainder still holds the copy. Each kind is fitted by least squares on a fixed
+  per-step cost plus its per-token / per-item / per-adapter terms, every coefficient >= 0 (a negative
+  one is dropped and the rest refitted; a column with no spread is left to the fixed cost).
+- Robust to stalls: a step that took more than ``OUTLIER_FACTOR`` times its fitted cost is not a cost
+  of its shape but a stall (a JIT compile on a fresh machine: 1.4-2.0 s for a 35 ms prefill; a GC
+  pause): it is dropped and the rest refitted until none is. What stays is fitted for its *mean*, not
+  its median: queueing depends on the mean service time, and the engine's step times are noisy and
+  skewed (an eager, launch-bound H200 decode step takes 18-45 ms at any batch of 1-16, 15-20 ms more
+  while a disk read runs in the same process), so a median fit, or trimming by a robust deviation,
+  would make the simulated engine faster than the real one on average.
+- Loads: host->GPU from every load (``h2d_ms`` on ``nbytes``: the slope gives ``h2d_gbps``);
+  disk->host from the loads that missed the host tier (``disk_ms`` on ``nbytes``: ``disk_fixed_ms``
+  and ``disk_gbps``); both by the same least squares (slow reads, beside other reads or steps, are
+  costs of that run, not stalls: only rows over ``OUTLIER_FACTOR`` times their fit are dropped).
+  ``load_fixed_ms`` is the copy's fitted intercept plus the 25th percentile of ``ready - h2d - disk``
+  (waits for a reader, a slot or the copy stream only add to it).
+
+``fit_calibration(..., info=dict)`` fills ``info`` with what each fit used and dropped.
 """
 
 from __future__ import annotations
@@ -122,33 +145,40 @@ def load_calibration(name_or_path: str) -> Calibration:
 
 
 # -- fitting ---------------------------------------------------------------------------------------
+OUTLIER_FACTOR = 10.0  # a step (or load) taking this many times its fitted cost is a stall: dropped
+MIN_CLEAN_STEPS = 10  # steps of a kind without a load wait needed to fit on those alone
+STEP_COLUMNS = {"prefill": ("tokens", "items"), "decode": ("items", "adapters")}
+
+
 def fit_calibration(steps: Iterable[Mapping[str, Any]], loads: Iterable[Mapping[str, Any]], *,
-                    name: str = "fitted", source: str = "", base: Calibration | None = None) -> Calibration:
+                    name: str = "fitted", source: str = "", base: Calibration | None = None,
+                    info: dict[str, Any] | None = None) -> Calibration:
     """Step and load costs fitted from a real run's logs; what the logs cannot tell comes from ``base``.
 
-    ``steps``: ``{kind: 'prefill'|'decode', items, tokens, adapters, ms}`` (steps with ``load_wait_ms`` > 0
-    are left out: their time includes waiting for a load). ``loads``: ``{nbytes, ready_ms, h2d_ms,
-    disk_ms, host_hit}``. The copy bandwidth is total bytes over total copy time; the fixed load
-    latency is the copy's fitted intercept plus the 25th percentile of ``ready - h2d - disk`` (queueing
-    behind other loads only adds to it). Disk figures need loads that missed the host tier; without
-    any they come from ``base``, like the slot dtype and the control latencies.
+    ``steps``: ``{kind: 'prefill'|'decode', items, tokens, adapters, ms, load_wait_ms}`` (``ms`` includes
+    ``load_wait_ms``, which is subtracted). ``loads``: ``{nbytes, ready_ms, h2d_ms, disk_ms, host_hit}``.
+    The module docstring says how each cost is fitted. ``info``: filled per fit (``prefill``, ``decode``,
+    ``h2d``, ``disk``) with ``rows`` given, ``used``, ``dropped`` and ``dropped_excess_ms`` (the time of
+    the dropped rows above their fit) and, for steps,
+    ``waited_left_out`` (steps left out for their load wait).
     """
     base = base or Calibration()
-    steps = [s for s in steps if not s.get("load_wait_ms")]
-    prefill = _fit([s for s in steps if s["kind"] == "prefill"], ("tokens", "items"), "prefill")
-    decode = _fit([s for s in steps if s["kind"] == "decode"], ("items", "adapters"), "decode")
+    info = info if info is not None else {}
+    steps = list(steps)
+    fitted = {kind: _fit_steps([s for s in steps if s["kind"] == kind], kind, info) for kind in STEP_COLUMNS}
+    prefill, decode = fitted["prefill"], fitted["decode"]
     loads = list(loads)
     if not loads:
         raise ConfigError("fit_calibration: no loads in the log; a run must load at least one adapter")
     nbytes = np.array([ld["nbytes"] for ld in loads], dtype=np.float64)
     h2d = np.array([ld["h2d_ms"] for ld in loads], dtype=np.float64)
-    copy_fixed, h2d_gbps = _fit_rate(nbytes, h2d)
+    copy_fixed, h2d_gbps = _fit_rate(nbytes, h2d, "h2d", info)
     residual = np.array([ld["ready_ms"] - ld["h2d_ms"] - ld["disk_ms"] for ld in loads])
     missed = [ld for ld in loads if not ld["host_hit"]]
     disk_fixed, disk_gbps = base.disk_fixed_ms, base.disk_gbps
     if missed:
         disk_fixed, disk_gbps = _fit_rate(np.array([ld["nbytes"] for ld in missed], dtype=np.float64),
-                                          np.array([ld["disk_ms"] for ld in missed], dtype=np.float64))
+                                          np.array([ld["disk_ms"] for ld in missed], dtype=np.float64), "disk", info)
     return dataclasses.replace(
         base, name=name, source=source, provisional=False,
         prefill_base_ms=prefill["1"], prefill_per_token_ms=prefill["tokens"], prefill_per_item_ms=prefill["items"],
@@ -157,36 +187,70 @@ def fit_calibration(steps: Iterable[Mapping[str, Any]], loads: Iterable[Mapping[
         disk_fixed_ms=disk_fixed, disk_gbps=disk_gbps)
 
 
-def _fit(rows: Sequence[Mapping[str, Any]], columns: tuple[str, ...], kind: str) -> dict[str, float]:
-    """Least squares of ``ms`` on an intercept ("1") and ``columns``, every coefficient >= 0.
+def _fit_steps(steps: Sequence[Mapping[str, Any]], kind: str, info: dict[str, Any]) -> dict[str, float]:
+    """One kind's compute model from its steps: ``ms - load_wait_ms``, on the steps without a wait if
+    there are ``MIN_CLEAN_STEPS`` of them (else on all)."""
+    clean = [s for s in steps if not s.get("load_wait_ms")]
+    rows = clean if len(clean) >= MIN_CLEAN_STEPS else steps
+    rows = [{**s, "ms": s["ms"] - (s.get("load_wait_ms") or 0.0)} for s in rows]
+    out = _fit(rows, STEP_COLUMNS[kind], kind, info)
+    info[kind]["rows"] = len(steps)
+    info[kind]["waited_left_out"] = len(steps) - len(rows)
+    return out
+
+
+def _fit(rows: Sequence[Mapping[str, Any]], columns: tuple[str, ...], kind: str,
+         info: dict[str, Any] | None = None) -> dict[str, float]:
+    """Least squares of ``ms`` on an intercept ("1") and ``columns``, every coefficient >= 0, robust to stalls.
 
     A column with no spread cannot be told from the intercept: it is left out (coefficient 0). A
     negative coefficient is not a cost: the most negative column is left out and the rest refitted.
+    Rows that took more than ``OUTLIER_FACTOR`` times their fitted ``ms`` are dropped and the rest
+    refitted, until none is.
     """
     if len(rows) < 2:
         raise ConfigError(f"fit_calibration: {len(rows)} {kind} steps in the log; a fit needs at least 2 "
                           f"(run more requests, or several batch sizes)")
     y = np.array([r["ms"] for r in rows], dtype=np.float64)
     data = {c: np.array([r[c] for r in rows], dtype=np.float64) for c in columns}
-    active = ["1", *(c for c in columns if np.ptp(data[c]) > 0)]
     data["1"] = np.ones(len(rows))
+    keep = np.ones(len(rows), dtype=bool)
     while True:
-        coef, *_ = np.linalg.lstsq(np.column_stack([data[c] for c in active]), y, rcond=None)
-        worst = int(np.argmin(coef))
-        if coef[worst] >= 0 or len(active) == 1:
+        coef, active = _nonneg_lstsq(data, y, keep, columns)
+        predicted = np.column_stack([data[c] for c in active]) @ coef
+        off = keep & (y > OUTLIER_FACTOR * np.maximum(predicted, 0.0)) & (y > 0)
+        if not off.any() or keep.sum() - off.sum() < 2:
             break
-        del active[worst]
+        keep &= ~off
+    if info is not None:
+        info[kind] = {"rows": len(rows), "used": int(keep.sum()), "dropped": int((~keep).sum()),
+                      "dropped_excess_ms": float((y - predicted)[~keep].sum())}
     fitted = dict.fromkeys(("1", *columns), 0.0)
     fitted.update({c: max(0.0, float(v)) for c, v in zip(active, coef)})
     return fitted
 
 
-def _fit_rate(nbytes: np.ndarray, ms: np.ndarray) -> tuple[float, float]:
-    """(fixed ms, GB/s) of ``ms = fixed + nbytes / rate``. Several sizes: least squares (no growth with
-    size: a fixed cost at infinite rate); one size cannot tell the two apart: a rate through the origin."""
+def _nonneg_lstsq(data: Mapping[str, np.ndarray], y: np.ndarray, keep: np.ndarray,
+                  columns: tuple[str, ...]) -> tuple[np.ndarray, list[str]]:
+    """Least squares over the kept rows, dropping the most negative column until none is negative."""
+    active = ["1", *(c for c in columns if np.ptp(data[c][keep]) > 0)]
+    while True:
+        coef, *_ = np.linalg.lstsq(np.column_stack([data[c][keep] for c in active]), y[keep], rcond=None)
+        worst = int(np.argmin(coef))
+        if coef[worst] >= 0 or len(active) == 1:
+            return coef, active
+        del active[worst]
+
+
+def _fit_rate(nbytes: np.ndarray, ms: np.ndarray, kind: str = "load",
+              info: dict[str, Any] | None = None) -> tuple[float, float]:
+    """(fixed ms, GB/s) of ``ms = fixed + nbytes / rate``. Several sizes: robust least squares (no growth
+    with size: a fixed cost at infinite rate); one size cannot tell the two apart: a rate through the origin."""
     if np.ptp(nbytes) > 0:
-        fitted = _fit([{"nbytes": b, "ms": t} for b, t in zip(nbytes, ms)], ("nbytes",), "load")
+        fitted = _fit([{"nbytes": b, "ms": t} for b, t in zip(nbytes, ms)], ("nbytes",), kind, info)
         slope = fitted["nbytes"]
         return fitted["1"], 1.0 / (slope * GB / 1e3) if slope > 0 else math.inf
     total = float(ms.sum())
+    if info is not None:
+        info[kind] = {"rows": len(ms), "used": len(ms), "dropped": 0, "dropped_excess_ms": 0.0}
     return 0.0, (float(nbytes.sum()) / (total / 1e3) / GB) if total > 0 else math.inf
