@@ -63,7 +63,8 @@ class ControllerConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
 
 
-_STATE = {"loading": (RankState.LOADING, SlotState.LOADING), "ready": (RankState.READY, SlotState.READY)}
+_STATE = {"loading": (RankState.LOADING, SlotState.LOADING), "ready": (RankState.READY, SlotState.READY),
+          "in_use": (RankState.READY, SlotState.IN_USE)}  # a refused evict: held by a running batch
 
 
 class ControllerCore:
@@ -155,6 +156,9 @@ class ControllerCore:
     def worker_report(self, worker: WorkerId, deltas: Iterable[tuple[str, str, str, str]],
                       now: float) -> list[ReadinessEvent]:
         """(adapter, version, state, error) changes from one worker; returns replica-level events (step 8).
+
+        A worker that refused an evict (the adapter is loading or in use) says so with its state,
+        "in_use" for a running batch's: the planner counts it pinned until the worker's next report.
 
         A failed load is not replanned at once (a broken file would be retried in a tight loop): the
         planner keeps counting it as loading until ``retry_failed`` releases it, after a backoff that

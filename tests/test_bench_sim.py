@@ -42,6 +42,8 @@ def run(policy: str, config: SimConfig = SMALL) -> SimResult:
 # decide the tail. The ordering held for every workload seed 0-9 when this was written. It does not hold
 # as a rule: at light load (4/s here) queue and ondemand tie (there is no queue to prefetch); with
 # max_adapters < slots, p99 TTFT is set by head-of-line blocking on max_adapters, not by the cache.
+# Since workers report every residency change, global's mean TTFT is the oracle's and its p99 (the
+# sixth worst of 600 requests) falls either side of the oracle's: 0.93-1.13x for seeds 0-9.
 ORDERING = SimConfig(replicas=2, tp=1, slots=8, max_adapters=8)
 
 
@@ -54,13 +56,12 @@ def ordering_p99(seed: int, policies: tuple[str, ...]) -> dict[str, float]:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_p99_ttft_ordering_for_zipf_with_four_adapters_per_slot(seed: int) -> None:
-    """oracle <= global <= queue <= ondemand on p99 TTFT."""
+    """oracle ~ global <= queue <= ondemand on p99 TTFT (global within the goal's 1.15x of the oracle)."""
     p99 = ordering_p99(seed, ("oracle", "global", "queue", "ondemand"))
-    assert p99["oracle"] <= p99["global"] <= p99["queue"] <= p99["ondemand"], p99
+    assert p99["global"] <= 1.15 * p99["oracle"] and p99["oracle"] <= p99["queue"], p99
+    assert p99["global"] <= p99["queue"] <= p99["ondemand"], p99
 
 
-@pytest.mark.xfail(strict=True, reason="global p99 is above 1.15x the oracle's here: engine-initiated loads and LRU "
-                   "evictions reach the controller only at its 5 s resync (docs/known-issues.md)")
 def test_global_p99_ttft_meets_the_goals_against_oracle_and_queue() -> None:
     """bench.figures.GOALS: global p99 TTFT <= 1.15x the oracle's and <= 0.8x queue's (Zipf)."""
     p99 = ordering_p99(0, ("oracle", "global", "queue"))

@@ -42,6 +42,20 @@ def service(tmp_path_factory):
         ray.shutdown()
 
 
+def test_an_engine_load_reaches_the_controller_before_its_resync(service) -> None:
+    """An adapter the engine loads itself (an acquire that missed, on every rank) is ready in the
+    controller's view at once (~15 ms here): deltas carry it. Without them only the resync, every 5 s,
+    does, which lands within the bound below about one time in five. (First: the fleet is still empty,
+    so no plan competes for the slot.)"""
+    ctl = service.controller
+    cursor = ray.get(ctl.begin_watch.remote("replica-1", "adapter-003"))
+    ray.get([service.workers[WorkerId("replica-1", rank)].step.remote(["adapter-003"]) for rank in (0, 1)])
+    t0 = time.monotonic()
+    while not any(e.ready for e in ray.get(ctl.wait_events.remote(cursor, "replica-1", "adapter-003", 0.5))):
+        assert time.monotonic() - t0 < 1.0, "the controller did not see the engine's load (its resync is every 5 s)"
+    assert "replica-1" in ray.get(ctl.lookup.remote("adapter-003"))["ready"]
+
+
 def test_queue_report_reaches_readiness_and_subscriber(service) -> None:
     ctl = service.controller
     cursor = 0

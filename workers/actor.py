@@ -1,7 +1,9 @@
 """The worker as a Ray actor: a thin shell around WorkerCache + CommandGate, one per GPU (TP rank).
 
-Residency changes are pushed to the controller in batches by a flusher thread (step 7); a full
-residency report is answered on demand (``describe``), which is how a restarted controller rebuilds.
+Every residency change of the cache, whether a command or the hosted engine made it (its on-demand
+loads, the LRU evictions they cause), is pushed to the controller in batches by a flusher thread
+(step 7); a full residency report is answered on demand (``describe``), which is how a restarted
+controller rebuilds.
 """
 
 from __future__ import annotations
@@ -104,12 +106,13 @@ class WorkerActor:
         self.catalog = AdapterCatalog(catalog)
         device = resolve_device(config.device)
         compute = torch.cuda.Stream(device) if device.type == "cuda" else None  # a hosted engine's steps run here
-        self.cache = WorkerCache(config, self.catalog, on_ready=self._loaded, compute_stream=compute)
+        self.outbox = Outbox(name, flush_s)
+        self.cache = WorkerCache(config, self.catalog, on_ready=self._loaded, compute_stream=compute,
+                                 on_change=self.outbox.push)  # every change, whoever made it
         self.engine = HostedEngine(self.cache)
         self.metrics = WorkerMetrics(replica, config.tp_rank, self.cache.stats)
         self.loads: deque[tuple[float, ReadinessRecord]] = deque(maxlen=4096)
         self.metrics.start()
-        self.outbox = Outbox(name, flush_s)
         self.gate = CommandGate(self.cache, self.outbox.push)
         self.paths: dict[str, str] = {}
         # A restarted worker holds nothing: say so, so the controller forgets its predecessor. ValueError:

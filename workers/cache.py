@@ -3,13 +3,18 @@
 It composes the catalog, the host tier, the slot table and the completion watcher, and holds no
 allocation or eviction logic of its own. The engine calls ``acquire`` / ``release`` each step; the
 controller (or a local caller) calls ``prefetch`` / ``evict``.
+
+Every residency change, whoever caused it (a command, an engine's on-demand load, the LRU eviction a
+load makes), is handed to ``on_change`` as one ``Delta``, in the order the changes happened (step 7).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -30,6 +35,8 @@ from workers.loader import CompletionWatcher, ReadinessRecord, SlotLoad
 from workers.metrics import CacheCounters
 from workers.slots import SlotState, SlotTable
 from workers.streams import make_streams, resolve_device
+
+log = logging.getLogger(__name__)
 
 ON_MISS = ("load", "error")  # acquire of a non-resident adapter: load it on demand, or refuse
 
@@ -71,12 +78,32 @@ class Batch(NamedTuple):
     token: list[bool]  # [released?], guards double release
 
 
+class Delta(NamedTuple):
+    """A change of this worker's residency, pushed to the controller (step 7)."""
+
+    adapter: str
+    version: str
+    state: str  # "loading" (a slot was taken) | "ready" | "gone" (slot freed) | "failed" (no slot) | "in_use"
+    record: ReadinessRecord | None = None
+    error: str = ""
+
+
 class WorkerCache:
-    """One TP rank's adapter cache."""
+    """One TP rank's adapter cache.
+
+    ``on_change``: called with one ``Delta`` per residency change, in the order of the changes, never
+    under the cache's lock (it may read the cache; it must not wait for a load): a slot taken for a load
+    ("loading", after "gone" for the adapter that slot's LRU eviction removed), READY ("ready"), freed by
+    ``evict`` ("gone"), or a started load that failed before it had a slot ("failed"). A change is
+    reported before the call that made it returns and before the load's future resolves; the residency
+    those changes add up to is ``residency()``. ``restate`` reports an adapter's state again ("in_use"
+    if a batch holds it), in order with those changes.
+    """
 
     def __init__(self, config: WorkerConfig, catalog: AdapterCatalog,
-                 on_ready: Callable[[ReadinessRecord], None] | None = None, compute_stream: Any = None) -> None:
-        self.config, self.catalog, self.on_ready = config, catalog, on_ready
+                 on_ready: Callable[[ReadinessRecord], None] | None = None, compute_stream: Any = None,
+                 on_change: Callable[[Delta], None] | None = None) -> None:
+        self.config, self.catalog, self.on_ready, self.on_change = config, catalog, on_ready, on_change
         self.device = resolve_device(config.device)
         self.dtype: torch.dtype = getattr(torch, config.dtype)
         self.slot_numel = max_shard_numel(catalog.shape, config.tp, catalog.config.max_rank, self.dtype)
@@ -99,6 +126,8 @@ class WorkerCache:
         self._pending: dict[AdapterKey, SlotLoad] = {}  # staging on the host, no slot yet
         self._slot_waiters: list[tuple[SlotLoad, HostEntry]] = []  # staged, waiting for a load to finish
         self._last_use: list[Any] = [None] * config.num_slots  # compute-done event of the slot's last batch
+        self._changes: deque[Delta] = deque()  # residency changes not yet handed to on_change, oldest first
+        self._reporting = threading.RLock()  # one thread hands changes over at a time (keeps their order)
         self._index = IndexUploader(self.streams, config.max_batch, self.device)
         self._watcher = CompletionWatcher(self.streams, self._finish)
 
@@ -106,6 +135,8 @@ class WorkerCache:
     def prefetch(self, name: str, version: str | None = None, *, on_demand: bool = False) -> Future[ReadinessRecord]:
         """Start loading ``name`` (idempotent). The future resolves when this rank's shard is READY.
 
+        Raises only when no load is started (unknown adapter or version, bad shapes); a started load that
+        fails (no host-tier or GPU room, a bad read) fails its future and is reported "failed".
         ``on_demand``: started by an acquire that missed (not counted as a prefetch)."""
         spec = self.catalog.get(name, version)
         key = AdapterKey(name, spec.version)
@@ -122,9 +153,9 @@ class WorkerCache:
             self.counters.demand_loads += on_demand
         try:
             staged, load.host_hit = self.host.fetch(spec, layout)
-        except Exception as e:
+        except Exception as e:  # e.g. the host tier is full of shards in flight
             self._fail(load, e)
-            raise
+            return load.future
         staged.add_done_callback(functools.partial(self._issue, load))
         return load.future
 
@@ -137,7 +168,19 @@ class WorkerCache:
             if slot is None or not self.table.evict(key):
                 return False
             self._retire(self._loads.pop(slot.index))
-            return True
+            self._changed(key, "gone")
+        self._report()
+        return True
+
+    def restate(self, name: str, version: str) -> None:
+        """Report an adapter's state again, in order with its changes ("loading", "ready" or "in_use"; nothing
+        if absent): after a refused evict, whose sender assumed it gone."""
+        key = AdapterKey(name, version)
+        with self._lock:
+            slot = self.table.lookup(key)
+            if slot is not None:
+                self._changed(key, "in_use" if slot.refs else slot.state.value)
+        self._report()
 
     # -- engine: acquire / release (lifecycle step 9) ---------------------------------------------
     def acquire(self, adapters: Sequence[str]) -> Batch:
@@ -242,12 +285,14 @@ class WorkerCache:
                 if any(s.state is SlotState.LOADING and s.refs == 0 for s in self.table.slots):
                     self._slot_waiters.append((load, entry))  # retried by _finish: a hint costs latency only
                     return
-                self._pending.pop(load.key)  # every slot is in use: this load fails, nothing else changes
+                self._drop(load, e)  # every slot is in use: this load fails, nothing else changes
                 error: CapacityError | None = e
             else:
                 error = None
                 if evicted is not None:
                     self._retire(self._loads.pop(load.slot))
+                    self._changed(evicted, "gone")
+                self._changed(load.key, "loading")
                 dst = self.pool[load.slot, : load.layout.numel]
                 write_meta = functools.partial(self.meta.write, load.slot, load.layout, None)
                 load.start_event, load.ready_event = self.streams.copy_into_slot(
@@ -256,6 +301,7 @@ class WorkerCache:
         if error is not None:
             self.host.release(load.key)
             return self._reject(load, error)
+        self._report()
         load.issued.set()
         self._watcher.add(load)
 
@@ -282,6 +328,8 @@ class WorkerCache:
                 self.counters.disk_ms.add(record.disk_ms)
             self.counters.h2d_ms.add(record.h2d_ms)
             self.counters.ready_ms.add(record.ready_ms)
+            self._changed(load.key, "ready", record)
+        self._report()
         self.host.release(load.key)
         try:
             if self.on_ready is not None:
@@ -292,14 +340,41 @@ class WorkerCache:
 
     def _fail(self, load: SlotLoad, error: BaseException) -> None:
         with self._lock:
-            self._pending.pop(load.key, None)
+            self._drop(load, error)
         self._reject(load, error)
 
+    def _drop(self, load: SlotLoad, error: BaseException) -> None:
+        """Give up a load that has no slot (caller holds the lock, so its "failed" is queued before the
+        changes of a new load of the adapter, which may start as soon as the lock is released)."""
+        self._pending.pop(load.key, None)
+        self.counters.load_failures += 1
+        self._changed(load.key, "failed", error=str(error))
+
     def _reject(self, load: SlotLoad, error: BaseException) -> None:
-        with self._lock:
-            self.counters.load_failures += 1
+        """A dropped load: report it, then wake its waiters."""
+        self._report()
         load.future.set_exception(error)
         load.issued.set()
+
+    # -- residency changes (step 7) -----------------------------------------------------------------
+    def _changed(self, key: AdapterKey, state: str, record: ReadinessRecord | None = None, error: str = "") -> None:
+        """Queue one residency change (caller holds the lock, so the queue is in the order of the changes)."""
+        if self.on_change is not None:
+            self._changes.append(Delta(key.name, key.version, state, record, error))
+
+    def _report(self) -> None:
+        """Hand the queued changes to ``on_change``, oldest first (caller does not hold the lock).
+
+        Whoever queued a change calls this after releasing the lock; one thread hands over at a time, so
+        a change is never reported before one that happened earlier, and none waits for a later call."""
+        with self._reporting:
+            while self._changes:
+                delta = self._changes.popleft()
+                try:
+                    if self.on_change is not None:
+                        self.on_change(delta)
+                except Exception:  # a broken consumer must not break loads; the controller's resync repairs
+                    log.exception("residency change %s not reported", delta)
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 - specs are immutable; bounded
     def _layout(self, spec: AdapterSpec) -> ShardLayout:

@@ -3,20 +3,26 @@
 Every command carries the controller's epoch; a worker remembers the newest epoch it has seen and
 rejects older ones (invariant 6). Commands are idempotent: a repeated prefetch returns the load in
 flight, a repeated evict of an absent adapter does nothing (invariant 7).
+
+The residency changes a command makes are reported by the cache (``WorkerCache.on_change``), like
+those an engine makes. The controller assumes its commands took effect, so the gate corrects it where
+one did not: a prefetch refused before any load started ("failed"), and an evict refused because the
+adapter is loading or in use (its state again, "in_use" for a running batch's, so that the planner
+neither evicts it again nor counts its slot as free: a prefetch into that slot would evict another
+adapter, which the planner would load again, and so on).
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
 from typing import NamedTuple
 
 from lora_cache.errors import LoraCacheError
 from lora_cache.planner import Command, Evict, Prefetch
-from workers.cache import WorkerCache
-from workers.loader import ReadinessRecord
+from workers.cache import Delta, WorkerCache
+
+__all__ = ["ApplyResult", "CommandGate", "Delta"]
 
 
 class ApplyResult(NamedTuple):
@@ -25,21 +31,16 @@ class ApplyResult(NamedTuple):
     errors: tuple[str, ...]  # commands that named something this worker cannot load, with why
 
 
-class Delta(NamedTuple):
-    """A change of this worker's residency, pushed to the controller (step 7)."""
-
-    adapter: str
-    version: str
-    state: str  # "loading" | "ready" | "gone" | "failed"
-    record: ReadinessRecord | None = None
-    error: str = ""
-
-
 class CommandGate:
-    """Epoch check + idempotent application of commands to a WorkerCache."""
+    """Epoch check + idempotent application of commands to a WorkerCache.
+
+    ``push`` takes the deltas: a cache built without ``on_change`` reports its changes there too, so
+    every residency change reaches ``push`` exactly once, whoever made it."""
 
     def __init__(self, cache: WorkerCache, push: Callable[[Delta], None]) -> None:
         self.cache, self.push = cache, push
+        if cache.on_change is None:
+            cache.on_change = push
         self.epoch = 0
         self._lock = threading.Lock()  # protects epoch and the counters
         self.accepted = self.rejected = 0
@@ -54,31 +55,27 @@ class CommandGate:
                     continue
                 self.epoch = command.epoch
             try:
-                self._apply_one(command)
-                accepted += 1
-            except LoraCacheError as e:  # a bad command costs that command only
-                errors.append(f"{type(command).__name__} {command.adapter}@{command.version}: {e}")
+                error = self._apply_one(command)
+            except LoraCacheError as e:  # refused before any load started; a bad command costs that command only
+                error = str(e)
                 if isinstance(command, Prefetch):  # the controller assumed it loading: say it is not
-                    self.push(Delta(command.adapter, command.version, "failed", error=str(e)))
+                    self.push(Delta(command.adapter, command.version, "failed", error=error))
+            if error is None:
+                accepted += 1
+            else:
+                errors.append(f"{type(command).__name__} {command.adapter}@{command.version}: {error}")
         with self._lock:
             self.accepted += accepted
             self.rejected += rejected
         return ApplyResult(accepted, rejected, tuple(errors))
 
-    def _apply_one(self, command: Command) -> None:
+    def _apply_one(self, command: Command) -> str | None:
+        """Why the command failed at once, or None; the cache reports the changes it makes."""
         if isinstance(command, Evict):
-            if self.cache.evict(command.adapter, command.version):
-                self.push(Delta(command.adapter, command.version, "gone"))
-            return
+            if not self.cache.evict(command.adapter, command.version):
+                self.cache.restate(command.adapter, command.version)  # absent: nothing to say
+            return None
         assert isinstance(command, Prefetch)
         future = self.cache.prefetch(command.adapter, command.version)
-        if not future.done():
-            self.push(Delta(command.adapter, command.version, "loading"))
-        future.add_done_callback(functools.partial(self._on_done, command))
-
-    def _on_done(self, command: Prefetch, future: Future[ReadinessRecord]) -> None:
-        error = future.exception()
-        if error is None:
-            self.push(Delta(command.adapter, command.version, "ready", future.result()))
-        else:
-            self.push(Delta(command.adapter, command.version, "failed", error=str(error)))
+        failed = future.exception() if future.done() else None  # e.g. no host-tier room: reported "failed"
+        return None if failed is None else str(failed)

@@ -12,9 +12,13 @@ The slot bookkeeping is the real ``workers.slots.SlotTable`` and the counters th
 - ``hold`` is one adapter of ``acquire``: a hit if the adapter has a slot (ready or loading), else a
   miss that starts an on-demand load; the engine waits until that load is issued, then holds it;
 - ``pin`` is ``acquire_ready`` (the overlap rule's pins); ``evict`` frees only idle READY slots;
-- ``apply`` is ``CommandGate.apply``: residency deltas (loading, ready, gone, failed) go to the
-  controller only for commanded prefetches and evicts, exactly as the worker actor pushes them: the
-  engine's own loads and LRU evictions reach the controller at its periodic resync.
+- every residency change goes to the controller as one delta, whoever made it, as ``WorkerCache``
+  reports them to the worker actor's outbox (``on_change``): "gone" for the slot ``SlotTable.reserve``
+  evicts, then "loading" when a load takes a slot, "ready", "gone" for ``evict``, "failed" for a
+  started load that found no host-tier or GPU room;
+- ``apply`` is ``CommandGate.apply``: evicts, then prefetches; an evict refused because the adapter is
+  loading or in use reports its state again (``WorkerCache.restate``: "in_use" if a batch holds it).
+  A simulated command always names a known adapter, so no prefetch is refused.
 
 The host tier is counted in bytes (LRU of unreferenced staged shards); the real arena's fragmentation
 is not modelled. Every rank of a replica holds shards of one size (TP splits are even).
@@ -134,7 +138,7 @@ class SimHostTier:
 
 
 class SimWorker:
-    """One TP rank: slot table, host tier, copy stream, counters; deltas for commanded loads go to ``push``."""
+    """One TP rank: slot table, host tier, copy stream, counters; every residency change goes to ``push``."""
 
     def __init__(self, replica: str, rank: int, slots: int, loop: Loop, calibration: Calibration,
                  keys: Mapping[str, AdapterKey], nbytes: Mapping[str, int], host: SimHostTier, max_batch: int,
@@ -189,19 +193,23 @@ class SimWorker:
 
     # -- control: commands (step 4), prefetch / evict ------------------------------------------------
     def apply(self, commands: Sequence[Command]) -> None:
-        """``CommandGate.apply``: evicts, then prefetches in priority order; deltas for each."""
+        """``CommandGate.apply``: evicts, then prefetches in priority order (their changes push deltas)."""
         for command in commands:
             if isinstance(command, Evict):
-                if self.evict(command.adapter):
-                    self.push((command.adapter, command.version, "gone", ""))
-                continue
-            load = self.prefetch(command.adapter)
-            if not load.ready.done:
-                self.push((command.adapter, command.version, "loading", ""))
-            load.ready.then(functools.partial(self._report_done, command.adapter, command.version))
+                if not self.evict(command.adapter):
+                    self._restate(self.keys[command.adapter])
+            else:
+                self.prefetch(command.adapter)
 
-    def _report_done(self, adapter: str, version: str, ready: Signal) -> None:
-        self.push((adapter, version, "ready", "") if ready.ok else (adapter, version, "failed", "no slot"))
+    def _restate(self, key: AdapterKey) -> None:
+        """``WorkerCache.restate``: the state of a held adapter again (nothing if absent)."""
+        slot = self.table.lookup(key)
+        if slot is not None:
+            self._changed(key, "in_use" if slot.refs else slot.state.value)
+
+    def _changed(self, key: AdapterKey, state: str, error: str = "") -> None:
+        """One residency change, reported at once (``WorkerCache.on_change``)."""
+        self.push((key.name, key.version, state, error))
 
     def prefetch(self, name: str, on_demand: bool = False) -> SimLoad:
         """Start loading ``name`` (idempotent): the load in flight or done, or a new one."""
@@ -218,7 +226,7 @@ class SimWorker:
             entry, load.host_hit = self.host.fetch(key, load.nbytes)
         except CapacityError:
             del self._pending[key]
-            self._reject(load)
+            self._reject(load, "no host-tier room")
             return load
         entry.staged.then(functools.partial(self._staged, load, entry))
         return load
@@ -230,6 +238,7 @@ class SimWorker:
         if slot is None or not self.table.evict(key):
             return False
         self._retire(self._loads.pop(slot.index))
+        self._changed(key, "gone")
         return True
 
     # -- engine: hold (one adapter of acquire), release, pin (step 9) --------------------------------
@@ -297,10 +306,12 @@ class SimWorker:
                 return
             del self._pending[load.key]
             self.host.release(load.key)
-            self._reject(load)
+            self._reject(load, "no slot")
             return
         if evicted is not None:
             self._retire(self._loads.pop(index))
+            self._changed(evicted, "gone")
+        self._changed(load.key, "loading")
         load.slot = index
         self._loads[index] = self._pending.pop(load.key)
         self._loading += 1
@@ -315,6 +326,7 @@ class SimWorker:
         """The copy completed: READY (step 7), counters, the record; waiters try again."""
         now = self.loop.now
         self.table.mark_ready(load.slot)
+        self._changed(load.key, "ready")
         self._loading -= 1
         c = self.counters
         c.loads += 1
@@ -331,8 +343,9 @@ class SimWorker:
         for waiter in waiters:
             self._place(waiter)
 
-    def _reject(self, load: SimLoad) -> None:
+    def _reject(self, load: SimLoad, error: str) -> None:
         self.counters.load_failures += 1
+        self._changed(load.key, "failed", error)
         load.issued.fire(self.loop.now, ok=False)
         load.ready.fire(self.loop.now, ok=False)
 

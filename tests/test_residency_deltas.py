@@ -1,0 +1,325 @@
+"""Every residency change of a worker cache reaches the controller as exactly one delta, in order,
+whoever made it: a command, an engine's on-demand load, or the LRU eviction such a load makes."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from lora_cache.catalog import AdapterCatalog
+from lora_cache.control import ControllerConfig, ControllerCore, WorkerId
+from lora_cache.errors import CapacityError, LoraCacheError
+from lora_cache.planner import Evict, Prefetch
+from lora_cache.planner.records import AdapterKey
+from workers.cache import Delta, WorkerCache
+from workers.commands import CommandGate
+
+A, B, C, D = (f"adapter-{i:03d}" for i in range(4))
+
+
+class Deltas:
+    """A thread-safe ``on_change`` / ``push`` that keeps every delta."""
+
+    def __init__(self) -> None:
+        self.items: list[Delta] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, delta: Delta) -> None:
+        with self._lock:
+            self.items.append(delta)
+
+    def take(self) -> list[tuple[str, str]]:
+        """(adapter, state) of the deltas so far, oldest first; forgets them."""
+        with self._lock:
+            out, self.items = self.items, []
+        return [(d.adapter, d.state) for d in out]
+
+
+@pytest.fixture
+def catalog(tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog]) -> AdapterCatalog:
+    return make_catalog(tiny_adapters(count=6, rank="8,16")[0].parent)
+
+
+@pytest.fixture
+def reported(catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]) -> Iterator[tuple[WorkerCache, Deltas]]:
+    """A 2-slot CPU cache whose changes go to a ``Deltas``."""
+    deltas = Deltas()
+    cache = make_cache(catalog, num_slots=2)
+    cache.on_change = deltas
+    yield cache, deltas
+
+
+def settle(cache: WorkerCache) -> None:
+    """Wait for every load in flight (READY or failed); their deltas are reported before they resolve."""
+    with cache._lock:
+        futures = [ld.future for ld in (*cache._loads.values(), *cache._pending.values())]
+    for f in futures:
+        f.exception(timeout=10)
+
+
+def engine_step(cache: WorkerCache, names: list[str]) -> None:
+    cache.release(cache.acquire(names))
+    settle(cache)
+
+
+def replay(deltas: list[tuple[str, str]]) -> dict[str, str]:
+    """What the deltas add up to (adapter -> loading | ready), checking each adapter's transitions."""
+    state: dict[str, str] = {}
+    allowed = {None: {"loading", "failed"}, "loading": {"ready"}, "ready": {"gone"}}  # no restates here
+    for adapter, new in deltas:
+        assert new in allowed[state.get(adapter)], f"{adapter}: {state.get(adapter)} -> {new} in {deltas}"
+        if new in ("gone", "failed"):
+            state.pop(adapter, None)
+        else:
+            state[adapter] = new
+    return state
+
+
+def residency(cache: WorkerCache) -> dict[str, str]:
+    return {str(r["adapter"]): str(r["state"]) for r in cache.residency()}
+
+
+def test_an_engine_load_reports_loading_then_ready_and_its_lru_eviction_gone(reported) -> None:
+    cache, deltas = reported
+    engine_step(cache, [A])
+    engine_step(cache, [B])
+    assert deltas.take() == [(A, "loading"), (A, "ready"), (B, "loading"), (B, "ready")]
+    engine_step(cache, [C])  # a miss with both slots READY and idle: the LRU one (A) is evicted for it
+    assert deltas.take() == [(A, "gone"), (C, "loading"), (C, "ready")]
+    engine_step(cache, [B, C])  # hits change nothing
+    assert deltas.take() == []
+    assert cache.stats()["demand_loads"] == 3 and cache.stats()["evictions"] == 1
+    cache.check_integrity()
+
+
+def test_the_ready_delta_carries_the_record_and_arrives_before_the_future(reported) -> None:
+    cache, deltas = reported
+    record = cache.prefetch(A).result(timeout=10)  # an engine's own prefetch (overlap's first use)
+    assert [(d.adapter, d.state) for d in deltas.items] == [(A, "loading"), (A, "ready")]
+    ready = deltas.items[-1]
+    assert ready.record == record and ready.version == record.version and ready.error == ""
+
+
+def test_a_load_that_finds_every_slot_in_use_reports_failed_once(
+    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]
+) -> None:
+    deltas = Deltas()
+    cache = make_cache(catalog, num_slots=1)
+    cache.on_change = deltas
+    held = cache.acquire([A])
+    settle(cache)
+    with pytest.raises(CapacityError):
+        cache.prefetch(B).result(timeout=10)
+    assert deltas.take() == [(A, "loading"), (A, "ready"), (B, "failed")]
+    cache.release(held)
+    cache.check_integrity()
+
+
+def test_a_broken_consumer_does_not_break_loads(reported, caplog: pytest.LogCaptureFixture) -> None:
+    cache, _ = reported
+
+    def broken(delta: Delta) -> None:
+        raise RuntimeError("controller gone")
+
+    cache.on_change = broken
+    engine_step(cache, [A, B])
+    assert residency(cache) == {A: "ready", B: "ready"}
+    assert "residency change" in caplog.text
+
+
+def test_concurrent_engines_and_evicts_report_changes_in_order(reported) -> None:
+    """Threads acquire, prefetch and evict at once: each adapter's deltas follow its transitions, and
+    all of them add up to the residency the cache reports."""
+    cache, deltas = reported
+    names = [A, B, C, D]
+    barrier = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        rng = random.Random(seed)
+        barrier.wait()
+        try:
+            for _ in range(60):
+                op, name = rng.random(), rng.choice(names)
+                if op < 0.5:
+                    with contextlib.suppress(CapacityError):  # every slot held by the other threads' batches
+                        cache.release(cache.acquire([name]))
+                elif op < 0.8:
+                    cache.prefetch(name)
+                else:
+                    cache.evict(name)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    settle(cache)
+    assert not errors and not any(t.is_alive() for t in threads)
+    taken = deltas.take()
+    assert replay(taken) == residency(cache)
+    assert {"loading", "ready", "gone"} <= {state for _, state in taken}
+    cache.check_integrity()
+
+
+# -- the command gate: no delta twice -------------------------------------------------------------------
+@pytest.mark.parametrize("wiring", ["actor", "gate"])
+def test_commanded_prefetch_and_evict_report_each_change_once(
+    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache], wiring: str
+) -> None:
+    """``actor``: the cache reports to the outbox itself (WorkerActor); ``gate``: a cache built without
+    ``on_change`` reports through the gate's ``push``. Either way one delta per change."""
+    deltas = Deltas()
+    cache = make_cache(catalog, num_slots=2)
+    if wiring == "actor":
+        cache.on_change = deltas
+    gate = CommandGate(cache, deltas)
+    assert cache.on_change is deltas
+    v = {n: catalog.get(n).version for n in (A, B, C)}
+    result = gate.apply([Prefetch(A, v[A], 0, epoch=1)])
+    settle(cache)
+    result = gate.apply([Prefetch(B, v[B], 0, epoch=1), Prefetch(A, v[A], 0, epoch=1)])  # A again: idempotent
+    settle(cache)
+    assert result.accepted == 2 and not result.errors
+    assert deltas.take() == [(A, "loading"), (A, "ready"), (B, "loading"), (B, "ready")]
+    gate.apply([Evict(A, v[A], epoch=1), Evict(A, v[A], epoch=1), Prefetch(C, v[C], 0, epoch=1)])
+    settle(cache)
+    assert deltas.take() == [(A, "gone"), (C, "loading"), (C, "ready")]
+    engine_step(cache, [A])  # the engine's own load, through the same path: B was least recently used
+    assert deltas.take() == [(B, "gone"), (A, "loading"), (A, "ready")]
+    cache.check_integrity()
+
+
+def test_refused_and_failed_prefetches_report_failed_once(
+    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]
+) -> None:
+    deltas = Deltas()
+    cache = make_cache(catalog, num_slots=2)
+    gate = CommandGate(cache, deltas)
+    # refused before any load started (unknown): the gate says so, the cache has nothing to say
+    result = gate.apply([Prefetch("ghost", "v1", 0, epoch=1)])
+    assert result.accepted == 0 and "ghost" in result.errors[0]
+    assert deltas.take() == [("ghost", "failed")]
+    # started, then the read failed: the cache says so, the gate adds nothing
+    root = catalog.roots.roots[0]
+    shutil.copytree(root / D, root / "bad")
+    bad = catalog.register("bad", "bad")
+    bad.weights.write_bytes(bad.weights.read_bytes()[:100])
+    gate.apply([Prefetch("bad", bad.version, 0, epoch=1)])
+    settle(cache)
+    (failed,) = deltas.items
+    assert (failed.adapter, failed.state) == ("bad", "failed") and "changed size" in failed.error
+    cache.check_integrity()
+
+
+def test_a_refused_evict_restates_the_adapter_in_order(
+    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]
+) -> None:
+    """The controller assumes an evict done: if the adapter is in use or loading, the gate says what it is,
+    once; an evict of an absent adapter says nothing (nothing changed, and the controller is right)."""
+    deltas = Deltas()
+    cache = make_cache(catalog, num_slots=2)
+    gate = CommandGate(cache, deltas)
+    v = {n: catalog.get(n).version for n in (A, B)}
+    held = cache.acquire([A])
+    settle(cache)
+    deltas.take()
+    result = gate.apply([Evict(A, v[A], epoch=1), Evict(B, v[B], epoch=1)])
+    assert result.accepted == 2 and not result.errors
+    assert [(d.adapter, d.state) for d in deltas.items] == [(A, "in_use")]
+    deltas.take()
+    cache.release(held)
+    gate.apply([Evict(A, v[A], epoch=1)])  # idle now: evicted
+    assert deltas.take() == [(A, "gone")]
+    cache.restate(B, v[B])  # absent
+    assert deltas.take() == []
+    cache.prefetch(B).result(timeout=10)
+    cache.restate(B, v[B])
+    assert deltas.take() == [(B, "loading"), (B, "ready"), (B, "ready")]
+
+
+# -- the controller's view --------------------------------------------------------------------------------
+def test_the_controller_sees_engine_loads_without_a_resync(
+    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]
+) -> None:
+    """Deltas of engine loads and LRU evictions bring the controller's view to what a full report says:
+    a resync afterwards changes nothing."""
+    core = ControllerCore(ControllerConfig(catalog=catalog.config), epoch=1)
+    for name in (A, B, C):
+        core.register_adapter(name, str(catalog.get(name).path))
+    core.add_replica("r0", tp=1, slots=2)
+    wid = WorkerId("r0", 0)
+    deltas = Deltas()
+    cache = make_cache(catalog, num_slots=2)
+    cache.on_change = deltas
+
+    def deliver() -> None:
+        with deltas._lock:
+            batch, deltas.items = deltas.items, []
+        core.worker_report(wid, [(d.adapter, d.version, d.state, d.error) for d in batch], now=1.0)
+
+    for name in (A, B, C):  # C evicts A
+        engine_step(cache, [name])
+        deliver()
+    assert core.readiness.lookup(A).ready == () and core.readiness.lookup(C).ready == ("r0",)
+    held = core.planner._fleet.residency[str(wid)]
+    assert {k.name for k in held} == {B, C}
+    full = [(str(r["adapter"]), str(r["version"]), str(r["state"]), int(r["refs"]))  # type: ignore[call-overload]
+            for r in cache.residency()]
+    assert core.sync_worker(wid, full) == []  # nothing new to publish
+    assert {k.name for k in core.planner._fleet.residency[str(wid)]} == {B, C}
+    assert AdapterKey(C, catalog.get(C).version) in held
+    core.check_integrity()
+
+
+def test_a_refused_evict_keeps_the_adapter_pinned_in_the_planner(
+    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]
+) -> None:
+    """The planner evicts an adapter a batch still holds: the worker refuses and restates it "in_use", so
+    the planner counts it pinned and does not evict it again. (Before, it counted the slot free until the
+    resync, and each prefetch into it evicted another adapter it wanted, which it then reloaded.)"""
+    core = ControllerCore(ControllerConfig(catalog=catalog.config), epoch=1)
+    for name in (A, B, C):
+        core.register_adapter(name, str(catalog.get(name).path))
+    core.add_replica("r0", tp=1, slots=2)
+    wid = WorkerId("r0", 0)
+    deltas = Deltas()
+    cache = make_cache(catalog, num_slots=2)
+    gate = CommandGate(cache, deltas)
+
+    def deliver() -> None:
+        with deltas._lock:
+            batch, deltas.items = deltas.items, []
+        core.worker_report(wid, [(d.adapter, d.version, d.state, d.error) for d in batch], now=1.0)
+
+    held = cache.acquire([A])  # an engine's batch, not yet released
+    settle(cache)
+    deliver()
+    core.report_queue("r0", [(B, 0.0), (C, 0.5)], now=1.0)
+    plan = core.plan(now=1.0)[wid]
+    key_a = AdapterKey(A, catalog.get(A).version)
+    assert Evict(A, key_a.version, epoch=1) in plan
+    gate.apply(plan)
+    settle(cache)
+    assert (A, "in_use") in [(d.adapter, d.state) for d in deltas.items]
+    deliver()
+    assert core.planner._fleet.residency[str(wid)][key_a].pinned
+    assert core.readiness.lookup(A).ready == ("r0",)
+    assert not any(c.adapter == A for c in core.plan(now=1.1).get(wid, []))
+    cache.release(held)
+    core.check_integrity()
+
+
+def test_prefetch_raises_only_when_no_load_started(reported) -> None:
+    cache, deltas = reported
+    with pytest.raises(LoraCacheError, match="not registered"):
+        cache.prefetch("ghost")
+    assert deltas.take() == []
