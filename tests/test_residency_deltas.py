@@ -247,16 +247,21 @@ def test_a_refused_evict_restates_the_adapter_in_order(
 
 
 # -- the controller's view --------------------------------------------------------------------------------
+def one_worker_core(catalog: AdapterCatalog) -> tuple[ControllerCore, WorkerId]:
+    """A controller core with adapters A, B, C and one TP-1 replica of two slots."""
+    core = ControllerCore(ControllerConfig(catalog=catalog.config), epoch=1)
+    for name in (A, B, C):
+        core.register_adapter(name, str(catalog.get(name).path))
+    core.add_replica("r0", tp=1, slots=2)
+    return core, WorkerId("r0", 0)
+
+
 def test_the_controller_sees_engine_loads_without_a_resync(
     catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]
 ) -> None:
     """Deltas of engine loads and LRU evictions bring the controller's view to what a full report says:
     a resync afterwards changes nothing."""
-    core = ControllerCore(ControllerConfig(catalog=catalog.config), epoch=1)
-    for name in (A, B, C):
-        core.register_adapter(name, str(catalog.get(name).path))
-    core.add_replica("r0", tp=1, slots=2)
-    wid = WorkerId("r0", 0)
+    core, wid = one_worker_core(catalog)
     deltas = Deltas()
     cache = make_cache(catalog, num_slots=2)
     cache.on_change = deltas
@@ -286,11 +291,7 @@ def test_a_refused_evict_keeps_the_adapter_pinned_in_the_planner(
     """The planner evicts an adapter a batch still holds: the worker refuses and restates it "in_use", so
     the planner counts it pinned and does not evict it again. (Before, it counted the slot free until the
     resync, and each prefetch into it evicted another adapter it wanted, which it then reloaded.)"""
-    core = ControllerCore(ControllerConfig(catalog=catalog.config), epoch=1)
-    for name in (A, B, C):
-        core.register_adapter(name, str(catalog.get(name).path))
-    core.add_replica("r0", tp=1, slots=2)
-    wid = WorkerId("r0", 0)
+    core, wid = one_worker_core(catalog)
     deltas = Deltas()
     cache = make_cache(catalog, num_slots=2)
     gate = CommandGate(cache, deltas)
