@@ -21,6 +21,12 @@ Stalls: steps whose compute took more than ``OUTLIER_FACTOR`` times its fit (JIT
 machine, GC pauses) are left out of the fit and listed per policy: the real TTFT includes them, the
 simulated one cannot.
 
+Rounds: the engine's host time between steps (``Calibration.round_ms``, ``readiness_ms``) is fitted
+from the steps' ``gap_ms`` and ``readiness_ms``. Runs logged before the engine recorded them
+(2026-11-22) get an estimate (``estimate_gaps``): per policy, the time its replicas held a request
+(the union of arrival-to-finish intervals) minus the time in steps, over its steps; the readiness
+exchange is what a prefetching policy's estimate adds to that of the policies without one.
+
 Noise (``--noise N``): the engine's step times are noisy and the noise comes in slow stretches of a
 second or so (18-45 ms decode steps at the same batch size); with 100 requests, p99 is the second
 worst request, and one slow stretch behind a head-of-line wait (``max_adapters``) moves it by 2x.
@@ -49,6 +55,7 @@ from bench.run import BenchConfig, _run_sim
 from bench.sim import SimConfig, simulate
 from bench.sim.calibration import OUTLIER_FACTOR, Calibration, fit_calibration, load_calibration
 from bench.workloads import Workload, WorkloadSpec, make_workload
+from workers.engine.admission import ADMISSION
 
 KEYS = ("mean_ttft_ms", "p99_ttft_ms")
 FITS = ("pooled", "per-policy")
@@ -174,6 +181,36 @@ class NoisyCalibration(Calibration):
         return super().decode_s(items, adapters) * self._factor()
 
 
+def estimate_gaps(requests: Mapping[str, Sequence[Mapping[str, Any]]],
+                  steps: Mapping[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """``steps`` with ``gap_ms``/``readiness_ms`` estimated per policy (see the module docstring); logs that
+    have them are returned as they are."""
+    if any(s.get("gap_ms") is not None for run in steps.values() for s in run):
+        return dict(steps)
+    gap = {p: _host_ms_per_step(requests[p], run) for p, run in steps.items() if run}
+    plain = [g for p, g in gap.items() if not ADMISSION[BENCH_POLICIES[p].admission].prefetch]
+    round_ms = min(plain) if plain else 0.0
+    out = {}
+    for p, run in steps.items():
+        readiness = max(0.0, gap.get(p, 0.0) - round_ms) if ADMISSION[BENCH_POLICIES[p].admission].prefetch else 0.0
+        out[p] = [{**s, "gap_ms": None if i == 0 else gap[p], "readiness_ms": readiness} for i, s in enumerate(run)]
+    return out
+
+
+def _host_ms_per_step(requests: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str, Any]]) -> float:
+    replicas = max(1, len({s.get("replica") for s in steps}))
+    by_replica: dict[int, list[tuple[float, float]]] = {}
+    for i, r in enumerate(sorted(requests, key=lambda r: (r["arrival_s"], r["rid"]))):  # bench.real.route
+        by_replica.setdefault(i % replicas, []).append((r["arrival_s"], r["finish_s"]))
+    held = 0.0
+    for spans in by_replica.values():  # union of each replica's request intervals
+        end = -math.inf
+        for a, f in sorted(spans):
+            held += max(0.0, f - max(a, end))
+            end = max(end, f)
+    return max(0.0, (held * 1e3 - sum(s["ms"] for s in steps)) / len(steps))
+
+
 def check(doc: dict[str, Any], fit: str = "pooled", noise: int = 0) -> dict[str, Any]:
     """``compare`` for a results.json document of a ``--engine real`` run."""
     bench = BenchConfig(**doc["config"]["bench"])
@@ -184,7 +221,7 @@ def check(doc: dict[str, Any], fit: str = "pooled", noise: int = 0) -> dict[str,
                         num_adapters=doc["config"]["adapters"])
     workload = make_workload(spec, spec.adapter_names(bench.slots))
     return compare(bench, [BENCH_POLICIES[p] for p in doc["figures"]], workload, doc["figures"],
-                   doc["steps"], doc["loads"], fit=fit, noise=noise)
+                   estimate_gaps(doc["requests"], doc["steps"]), doc["loads"], fit=fit, noise=noise)
 
 
 def format_comparison(out: Mapping[str, Any]) -> str:

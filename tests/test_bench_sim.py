@@ -195,6 +195,42 @@ def test_fitting_the_simulators_own_logs_recovers_its_calibration() -> None:
     assert not fitted.provisional and fitted.report_latency_ms == H200.report_latency_ms
 
 
+def test_round_costs_are_charged_between_steps_and_fitted_back() -> None:
+    """The engine loop's host time between steps (``round_ms``, plus ``readiness_ms`` for rules that
+    prefetch) separates every two steps back to back; the sim logs it as the engine does (``gap_ms``)
+    and the fit recovers it."""
+    costly = dataclasses.replace(H200, round_ms=0.3, readiness_ms=0.7)
+    for policy, per_round in (("ondemand", 0.3), ("overlap", 1.0)):
+        slow = simulate(SMALL, BENCH_POLICIES[policy], workload(), costly, check=True)
+        gaps = [s.gap_ms for s in slow.steps if s.gap_ms is not None]
+        assert gaps and all(g == pytest.approx(per_round) for g in gaps), policy
+        assert slow.steps[0].gap_ms is None, "the first step has no step before it"
+        fitted = fit_calibration([s.as_log() for s in slow.steps], [ld.as_log() for ld in slow.loads], base=H200)
+        assert fitted.round_ms == pytest.approx(0.3, rel=1e-6), policy
+        assert fitted.readiness_ms == pytest.approx(0.7 if policy == "overlap" else H200.readiness_ms), policy
+    older = fit_calibration([{k: v for k, v in s.as_log().items() if k not in ("gap_ms", "readiness_ms")}
+                             for s in slow.steps], [ld.as_log() for ld in slow.loads], base=costly)
+    assert (older.round_ms, older.readiness_ms) == (0.3, 0.7), "logs without gaps keep the base's"
+
+
+def test_gaps_of_runs_logged_without_them_are_estimated_from_request_intervals() -> None:
+    """``estimate_gaps``: the time a replica held a request minus its steps' time, per step; the readiness
+    exchange is what a prefetching policy adds to the others' estimate."""
+    from bench.sim_check import estimate_gaps
+
+    def log(ms: float, n: int) -> list[dict[str, object]]:
+        return [{"replica": "replica-0", "kind": "decode", "ms": ms} for _ in range(n)]
+    requests = {p: [{"rid": 0, "arrival_s": 0.0, "finish_s": 1.0}, {"rid": 1, "arrival_s": 0.5, "finish_s": 1.2},
+                    {"rid": 2, "arrival_s": 2.0, "finish_s": 2.3}] for p in ("ondemand", "overlap")}
+    steps = {"ondemand": log(14.0, 100), "overlap": log(13.0, 100)}  # held 1.5 s: gaps 1.0 and 2.0 ms per step
+    out = estimate_gaps(requests, steps)
+    assert out["ondemand"][0]["gap_ms"] is None and out["ondemand"][1]["gap_ms"] == pytest.approx(1.0)
+    assert out["overlap"][1]["gap_ms"] == pytest.approx(2.0) and out["overlap"][1]["readiness_ms"] == pytest.approx(1.0)
+    assert out["ondemand"][1]["readiness_ms"] == 0.0
+    measured = {p: [{**s, "gap_ms": 0.5, "readiness_ms": 0.0} for s in run] for p, run in steps.items()}
+    assert estimate_gaps(requests, measured) == measured, "measured gaps are kept as they are"
+
+
 def test_fit_keeps_costs_non_negative_and_needs_data() -> None:
     steps = [{"kind": k, "items": i, "tokens": 10 * i, "adapters": 1, "ms": 5.0 - 0.1 * i}
              for k in ("prefill", "decode") for i in (1, 2, 3)]

@@ -216,6 +216,20 @@ def test_overlap_never_runs_a_request_before_its_adapter_is_ready(tp2_overlap: E
     assert any(r.load_wait_s > 0 for r in tp2_overlap.records), "cold adapters held their requests back"
 
 
+def test_step_logs_time_the_host_work_between_steps(tp1_ondemand: EngineResult, tp2_overlap: EngineResult) -> None:
+    """Each step logs the loop's host time since the previous step (``gap_ms``, what the simulator charges
+    as ``round_ms``) and, for rules that prefetch, the readiness exchange's share of it."""
+    for result, exchanges in ((tp1_ondemand, False), (tp2_overlap, True)):
+        for stats in result.ranks:
+            log = stats.step_log
+            assert log[0].gap_ms is None, "no step before the first"
+            gaps = [s for s in log if s.gap_ms is not None]
+            assert gaps, "back-to-back steps were run"
+            for s in gaps:
+                assert s.gap_ms >= 0 and 0 <= s.readiness_ms <= s.gap_ms + 1e-9
+                assert (s.readiness_ms > 0) == exchanges
+
+
 def test_overlap_serves_ready_adapters_while_one_loads(adapters: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The slow adapter's read is held until every other request has finished: overlap must get there."""
     slow, others_done = FULL[3], threading.Event()

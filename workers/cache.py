@@ -73,7 +73,8 @@ class Batch(NamedTuple):
 
     adapters: tuple[str, ...]
     slots: tuple[int, ...]  # slot of each request, in batch order
-    slot_index: torch.Tensor  # the same, int32 on the device (valid until the ring wraps)
+    slot_index: torch.Tensor | None  # the same, int32 on the device (valid until the ring wraps); None for
+    # a pin (``acquire_ready``): nothing is computed with it
     held: tuple[int, ...]  # distinct slots referenced by this batch
     token: list[bool]  # [released?], guards double release
 
@@ -205,7 +206,8 @@ class WorkerCache:
     def acquire_ready(self, adapters: Sequence[str]) -> Batch | None:
         """References on those of ``adapters`` whose current version is READY here, taken atomically
         under the cache lock (no load started, no hit counted): what an engine pins before it schedules.
-        None if none is ready. Release it like any batch."""
+        None if none is ready. Release it like any batch. A pin runs no kernel: it has no device index,
+        and its release leaves the slots' last use (the step that last read them) as it was."""
         names: list[str] = []
         slots: list[int] = []
         with self._lock:
@@ -220,14 +222,14 @@ class WorkerCache:
                     slots.append(slot.index)
         if not names:
             return None
-        return Batch(tuple(names), tuple(slots), self._index.upload(slots), tuple(slots), [False])
+        return Batch(tuple(names), tuple(slots), None, tuple(slots), [False])
 
     def release(self, batch: Batch) -> None:
         """The batch's kernels are enqueued: record their completion as the slots' last use."""
         if batch.token[0]:
             raise ValueError("batch released twice; release each acquired batch exactly once")
         batch.token[0] = True
-        self._drop_refs(list(batch.held), self.streams.record_compute())
+        self._drop_refs(list(batch.held), None if batch.slot_index is None else self.streams.record_compute())
 
     def _drop_refs(self, held: list[int], last_use: Any) -> None:
         with self._lock:
@@ -381,6 +383,11 @@ class WorkerCache:
         return shard_layout(spec, self.catalog.shape, self.config.tp, self.config.tp_rank, self.dtype)
 
     # -- introspection ------------------------------------------------------------------------------
+    def ready_names(self) -> set[str]:
+        """Adapters READY here (any version): the engine's readiness report, without ``residency``'s rows."""
+        with self._lock:
+            return {s.key.name for s in self.table.slots if s.key is not None and s.state is SlotState.READY}
+
     def residency(self) -> list[dict[str, object]]:
         with self._lock:
             return [{"adapter": s.key.name, "version": s.key.version, "slot": s.index, "state": s.state.value,

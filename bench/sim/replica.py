@@ -6,10 +6,12 @@ module replays what the engine loop does around it, round after round:
 1. rules that prefetch (overlap): each rank pins the *previous* round's wanted adapters that are READY
    on it and reports them (and loads it started that failed); the minimum over ranks is the view;
 2. ``scheduler.plan(now, view)``;
-3. the plan runs on every rank: a step (``acquire`` the batch's and the running requests' adapters,
-   adapter by adapter, waiting until each missing one's load is issued; start the plan's prefetches;
-   compute once every held load is READY on every rank; release), or a wait (start the prefetches;
-   until a held-back adapter's load finishes on every rank, or a request arrives), or idle.
+3. after the round's host time (``Calibration.round_s``: scheduling and reports, plus the readiness
+   exchange for rules that prefetch), the plan runs on every rank: a step (``acquire`` the batch's and
+   the running requests' adapters, adapter by adapter, waiting until each missing one's load is
+   issued; start the plan's prefetches; compute once every held load is READY on every rank;
+   release), or a wait (start the prefetches; until a held-back adapter's load finishes on every
+   rank, or a request arrives), or idle.
 
 A step's compute time comes from the calibration; a rank's compute starts when its held loads are
 READY, and the step (all-reduces in every layer) ends ``duration`` after the last rank starts. The
@@ -47,13 +49,16 @@ class StepRecord(NamedTuple):
     start_s: float
     compute_s: float
     end_s: float
+    gap_ms: float | None = None  # host time since the previous step's end, rounds back to back
+    readiness_ms: float = 0.0  # of it, the readiness exchange
 
     def as_log(self) -> dict[str, object]:
         """The real engine's step log (``workers.engine.rank.StepLog``): ``ms`` from start to tokens ready,
         ``load_wait_ms`` of it waiting on loads; what ``fit_calibration`` reads."""
         return {"replica": self.replica, "kind": self.kind, "items": self.items, "tokens": self.tokens,
                 "adapters": self.adapters, "ms": (self.end_s - self.start_s) * 1e3,
-                "load_wait_ms": (self.compute_s - self.start_s) * 1e3}
+                "load_wait_ms": (self.compute_s - self.start_s) * 1e3, "gap_ms": self.gap_ms,
+                "readiness_ms": self.readiness_ms}
 
 
 @dataclass(eq=False)
@@ -87,6 +92,7 @@ class SimReplica:
         self._wait_token = 0  # a wait that a later event ended is ignored when its loads finish
         self._engine_loads: list[dict[str, SimLoad]] = [{} for _ in workers]  # per rank: its own prefetches
         self._reported: list[tuple[str, float]] = []
+        self._last_end: float | None = None  # the last step's end, None after a wait (as RankEngine logs gaps)
 
     # -- arrivals -------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -116,16 +122,21 @@ class SimReplica:
         if plan.kind == STOP:
             for w in self.workers:  # the engine loop ends and closes its ranks: pins released
                 w.pin(())
-            self.state = "idle"
+            self.state, self._last_end = "idle", None
             return
         if self.rule.prefetch and plan.wanted != previous.wanted:  # same wanted, same instant: pinned already
             for w in self.workers:
                 w.pin(plan.wanted)
         if plan.kind == WAIT:
+            self._last_end = None
             self._prefetch(plan)
             self._wait(plan)
             return
-        self._step(plan)
+        host_s = self.calibration.round_s(self.rule.prefetch)
+        if host_s > 0:
+            self.loop.after(host_s, self._step, plan)
+        else:
+            self._step(plan)
 
     def _readiness(self, wanted: tuple[str, ...]) -> dict[str, Readiness]:
         """Each rank reports every adapter READY there and pins ``wanted`` (``RankEngine.readiness``); min over
@@ -231,8 +242,11 @@ class SimReplica:
             if it.rid not in running:
                 self.hooks.done(it.rid, now)
         adapters = len({it.adapter for it in plan.items} - {None})
+        gap_ms = None if self._last_end is None else (step.start_s - self._last_end) * 1e3
+        readiness_ms = self.calibration.readiness_ms if self.rule.prefetch and gap_ms is not None else 0.0
         self.hooks.steps.append(StepRecord(self.name, plan.kind, len(plan.items), sum(it.length for it in plan.items),
-                                           adapters, step.start_s, step.compute_s, now))
+                                           adapters, step.start_s, step.compute_s, now, gap_ms, readiness_ms))
+        self._last_end = now
         self._round()
 
 

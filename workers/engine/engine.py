@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from workers.engine.admission import ADMISSION, AdmissionRule, Readiness
@@ -90,5 +91,9 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
 def _plan(scheduler: Scheduler | None, now: float, names: list[str], vec: torch.Tensor | None) -> StepPlan | None:
     if scheduler is None:
         return None
-    ready = {} if vec is None else {n: Readiness(int(v)) for n, v in zip(names, vec.tolist()) if v}
+    if vec is None:
+        ready = {}
+    else:  # only the adapters some state was reported for (the vector has one entry per catalog adapter)
+        flags = vec.numpy()
+        ready = {names[i]: Readiness(int(flags[i])) for i in np.flatnonzero(flags)}
     return scheduler.plan(now, ready)

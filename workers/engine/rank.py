@@ -27,7 +27,6 @@ from workers.engine.lora import LoraOp
 from workers.engine.model import KVCache, Rope, ShardedModel, StepInputs, build_model, prompt_states
 from workers.engine.tp import Comm
 from workers.loader import ReadinessRecord
-from workers.slots import SlotState
 
 
 def load_catalog(config: EngineConfig) -> AdapterCatalog:
@@ -63,6 +62,9 @@ class StepLog(NamedTuple):
     adapters: int  # distinct adapters among the items
     ms: float  # start to tokens ready, including any wait on a load
     load_wait_ms: float  # of it, blocked in acquire on loads
+    gap_ms: float | None  # the previous step's end to this one's start, rounds back to back (None: a WAIT
+    # round or none before): the engine loop's host work between steps (scheduling, reports, readiness)
+    readiness_ms: float  # of the gap, in the readiness exchange (0: the admission rule does not prefetch)
 
 
 @dataclass
@@ -119,6 +121,8 @@ class RankEngine:
         self.stats = RankStats(comm.rank)
         self._pinned: Batch | None = None  # adapters kept resident for admission (overlap): READY, held
         self._loads: dict[str, Future[ReadinessRecord]] = {}  # last prefetch per adapter (failures reported once)
+        self._last_end: float | None = None  # perf_counter at the last step's end (None: a WAIT round since)
+        self._readiness_s = 0.0  # time in readiness() since the last step
 
     def _make_cache(self) -> WorkerCache:
         c = self.config
@@ -144,17 +148,24 @@ class RankEngine:
         arrival's, prefetched by the controller) are reported too, so a request is not held back a
         round for its adapter not being wanted yet; should one be evicted before the step acquires it,
         the acquire loads it again and the step counts the wait."""
+        start = time.perf_counter()
+        try:
+            return self._readiness(wanted)
+        finally:
+            self._readiness_s += time.perf_counter() - start
+
+    def _readiness(self, wanted: tuple[str, ...]) -> torch.Tensor:
         vec = torch.zeros(len(self.names), dtype=torch.int8)
-        for name in self._ready_here(self.names):
-            vec[self.index[name]] = Readiness.READY
-        for name in self.pin(wanted):
-            vec[self.index[name]] = Readiness.READY
+        flags = vec.numpy()  # shares vec's memory: index assignment without a tensor op per adapter
+        ready = self.cache.ready_names()
+        ready.update(self.pin(wanted))  # pinned: READY until the step (may have turned READY just now)
+        flags[[self.index[n] for n in ready if n in self.index]] = Readiness.READY
         for name, load in list(self._loads.items()):
             if load.done() and (error := load.exception()) is not None:
                 # no room right now (every slot held, or the host tier full of loads in flight) is not the
                 # adapter's failure: it stays wanted and is prefetched again next round
                 if not isinstance(error, CapacityError):
-                    vec[self.index[name]] = Readiness.FAILED
+                    flags[self.index[name]] = Readiness.FAILED
                 del self._loads[name]
         return vec
 
@@ -172,7 +183,7 @@ class RankEngine:
             self._pinned = None
 
     def _ready_here(self, names: tuple[str, ...] | list[str]) -> list[str]:
-        ready = {r["adapter"] for r in self.cache.residency() if r["state"] == SlotState.READY.value}
+        ready = self.cache.ready_names()
         return [n for n in names if n in ready]
 
     # -- one round ---------------------------------------------------------------------------------------
@@ -182,6 +193,7 @@ class RankEngine:
         if plan.kind == WAIT:
             self._prefetch(plan.prefetch)
             self._wait(plan)
+            self._last_end, self._readiness_s = None, 0.0  # the next step's gap is not back to back
             return None
         return self._step(plan)
 
@@ -227,8 +239,10 @@ class RankEngine:
         self.stats.steps += 1
         self.stats.prefill_steps += plan.kind == PREFILL
         self.stats.unready_items += sum(it.adapter in unready for it in plan.items)
+        gap = None if self._last_end is None else (start - self._last_end) * 1e3
         self.stats.step_log.append(StepLog(plan.kind, len(items), sum(it.length for it in items), len(set(named)),
-                                           (end - start) * 1e3, load_wait * 1e3))
+                                           (end - start) * 1e3, load_wait * 1e3, gap, self._readiness_s * 1e3))
+        self._last_end, self._readiness_s = end, 0.0
         return StepResult(start, end, load_wait, outputs)
 
     def _forward(self, prefill: bool, items: list[Item], slot_of: dict[str, int]) -> torch.Tensor:
