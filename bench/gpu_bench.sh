@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The benchmark job's H200 runs (real engine, Llama-3.1-8B shapes, rank 16/64 adapters), one device call each.
-#   bash bench/gpu_bench.sh OUT smoke|seed|uniform|zipf|bursty|fleet2|tp4 ...
+#   bash bench/gpu_bench.sh OUT smoke|seed|uniform|zipf|bursty|seed4|bursty4|fleet2|tp4 ...
+# (bench/gpu_parallel.sh runs several at once, each on its own GPUs.)
 # Each run writes OUT/NAME/results.json (plots are redrawn off the device: python -m bench.report).
 set -u
 out=${1:?output directory}; shift
@@ -12,11 +13,15 @@ nvidia-smi -L
 for what in "$@"; do
   case $what in
     smoke)   run smoke "${common[@]}" --scenario zipf --policies ondemand,global --requests 24 ;;
-    seed)    run seed "${common[@]}" --scenario seed --requests 100 ;;
-    uniform) run uniform "${common[@]}" --scenario uniform --requests 100 ;;
-    zipf)    run zipf "${common[@]}" --scenario zipf --requests 100 ;;
-    bursty)  run bursty "${common[@]}" --scenario bursty --requests 120 --policies global,queue,ondemand,oracle,overlap ;;
-    fleet2)  run fleet2 "${common[@]}" --scenario zipf --replicas 2 --requests 100 --arrivals poisson:4 --policies ondemand,queue,global ;;
+    seed)    run seed "${common[@]}" --scenario seed --requests 150 ;;
+    uniform) run uniform "${common[@]}" --scenario uniform --requests 150 ;;
+    zipf)    run zipf "${common[@]}" --scenario zipf --requests 150 ;;
+    bursty)  run bursty "${common[@]}" --scenario bursty --requests 180 ;;
+    # the scenarios as first run (2026-11-22 morning), at the engine's default of 4 adapters per batch
+    seed4)   run seed4 "${common[@]}" --scenario seed --requests 150 --max-adapters 4 ;;
+    bursty4) run bursty4 "${common[@]}" --scenario bursty --requests 120 --max-adapters 4 --policies oracle,overlap ;;
+    # two replicas (2 GPUs), each at the one-replica scenarios' load
+    fleet2)  run fleet2 "${common[@]}" --scenario zipf --replicas 2 --requests 200 --arrivals poisson:8 ;;
     tp4)     python -m bench.tp_ready --tp 4 --model llama-3.1-70b --out "$out/tp4-ready.json" > "$out/tp4-ready.log" 2>&1
              echo "=== tp4-ready rc=$?"; tail -n 25 "$out/tp4-ready.log"
              run tp4-zipf --engine real --model llama-3.1-70b --adapter-ranks 16,64 --no-plots \

@@ -41,12 +41,17 @@ ENGINES = ("real", "sim")
 
 # Named scenarios: values for options left unset on the command line.
 SCENARIOS: dict[str, dict[str, Any]] = {
-    # The seed reviewers' scenario: 16 adapters over 8 slots, Poisson 4 req/s.
-    "seed": {"num_adapters": 16, "slots": 8, "arrivals": "poisson:4", "popularity": "uniform", "requests": 200},
+    # The seed reviewers' scenario: 16 adapters over 8 slots, Poisson 4 req/s. Every slot may serve a batch
+    # (max_adapters = slots), as SGLang (max_loras_per_batch) and vLLM (max_loras) size their pools; with
+    # fewer (the engine's default of 4), head-of-line waits for a batch place set every policy's tail, the
+    # oracle's too (bench/RESULTS.md, 2026-11-22).
+    "seed": {"num_adapters": 16, "slots": 8, "max_adapters": 8, "arrivals": "poisson:4", "popularity": "uniform",
+             "requests": 200},
     # The reviewers' scenarios: 4x adapters per slot.
-    "uniform": {"popularity": "uniform", "arrivals": "poisson:4", "requests": 200},
-    "zipf": {"popularity": "zipf:1.5", "arrivals": "poisson:4", "requests": 200},
-    "bursty": {"popularity": "bursty:10,20,20", "arrivals": "poisson:4", "requests": 300, "num_adapters": 50},
+    "uniform": {"popularity": "uniform", "arrivals": "poisson:4", "requests": 200, "max_adapters": 8},
+    "zipf": {"popularity": "zipf:1.5", "arrivals": "poisson:4", "requests": 200, "max_adapters": 8},
+    "bursty": {"popularity": "bursty:10,20,20", "arrivals": "poisson:4", "requests": 300, "num_adapters": 50,
+               "max_adapters": 8},
     # CI: small, on the CPU, through the real path.
     "quick": {"model": "tiny", "replicas": 2, "tp": 1, "slots": 4, "popularity": "zipf:1.5", "arrivals": "poisson:20",
               "requests": 48, "random_input_len": 64, "random_output_len": 8, "random_range_ratio": 0.5,
