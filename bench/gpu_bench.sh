@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The benchmark job's H200 runs (real engine, Llama-3.1-8B shapes, rank 16/64 adapters), one device call each.
 #   bash bench/gpu_bench.sh OUT smoke|seed|uniform|zipf|bursty|seed4|bursty4|fleet2|tp4 ...
-# (bench/gpu_parallel.sh runs several at once, each on its own GPUs.)
+# (bench/gpu_parallel.sh runs several at once, each on its own GPUs.) Logs go to $LOGDIR (default OUT):
+# a device call brings back at most 8 files, so there keep them off $OUT (LOGDIR=/tmp/logs).
 # Each run writes OUT/NAME/results.json (plots are redrawn off the device: python -m bench.report).
 set -u
 out=${1:?output directory}; shift
-mkdir -p "$out"
+logs=${LOGDIR:-$out}
+mkdir -p "$out" "$logs"
 common=(--engine real --model llama-3.1-8b --adapter-ranks 16,64 --no-plots --adapters /tmp/bench-adapters)
-run() { local name=$1; shift; echo "=== $name: $*"; python -m bench.run --out "$out/$name" "$@" > "$out/$name.log" 2>&1;
-        echo "=== $name rc=$?"; grep -v '%|' "$out/$name.log" | tail -n 30; }
+run() { local name=$1; shift; echo "=== $name: $*"; python -m bench.run --out "$out/$name" "$@" > "$logs/$name.log" 2>&1;
+        echo "=== $name rc=$?"; tr '\r' '\n' < "$logs/$name.log" | grep -v '%\|logging.cc\|^ *@' | tail -n 30; }
 nvidia-smi -L
 for what in "$@"; do
   case $what in
@@ -20,10 +22,15 @@ for what in "$@"; do
     # the scenarios as first run (2026-11-22 morning), at the engine's default of 4 adapters per batch
     seed4)   run seed4 "${common[@]}" --scenario seed --requests 150 --max-adapters 4 ;;
     bursty4) run bursty4 "${common[@]}" --scenario bursty --requests 120 --max-adapters 4 --policies oracle,overlap ;;
+    # shorter streams of the same scenarios, to fit a device call
+    seed-s)  run seed "${common[@]}" --scenario seed --requests 100 ;;
+    zipf-s)  run zipf "${common[@]}" --scenario zipf --requests 100 ;;
+    bursty-s) run bursty "${common[@]}" --scenario bursty --requests 120 ;;
     # two replicas (2 GPUs), each at the one-replica scenarios' load
     fleet2)  run fleet2 "${common[@]}" --scenario zipf --replicas 2 --requests 200 --arrivals poisson:8 ;;
-    tp4)     python -m bench.tp_ready --tp 4 --model llama-3.1-70b --out "$out/tp4-ready.json" > "$out/tp4-ready.log" 2>&1
-             echo "=== tp4-ready rc=$?"; tail -n 25 "$out/tp4-ready.log"
+    fleet2-s) run fleet2 "${common[@]}" --scenario zipf --replicas 2 --requests 160 --arrivals poisson:8 ;;
+    tp4)     python -m bench.tp_ready --tp 4 --model llama-3.1-70b --out "$out/tp4-ready.json" > "$logs/tp4-ready.log" 2>&1
+             echo "=== tp4-ready rc=$?"; tail -n 25 "$logs/tp4-ready.log"
              run tp4-zipf --engine real --model llama-3.1-70b --adapter-ranks 16,64 --no-plots \
                  --adapters /tmp/bench-adapters-70b --scenario zipf --tp 4 --policies ondemand,global --requests 60 ;;
     *) echo "unknown run $what"; exit 2 ;;

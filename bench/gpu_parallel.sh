@@ -5,14 +5,15 @@
 # so two making them at once would race).
 set -u
 out=${1:?output directory}; shift
-mkdir -p "$out"
+logs=${LOGDIR:-$out}
+mkdir -p "$out" "$logs"
 python -c "from lora_cache.synth import SynthConfig, make_adapters
 make_adapters('/tmp/bench-adapters', SynthConfig(model='llama-3.1-8b', count=50, rank='16,64'))" || exit 1
 names=()
 for spec in "$@"; do
   name=${spec%@*}; gpus=${spec#*@}
-  CUDA_VISIBLE_DEVICES=$gpus bash bench/gpu_bench.sh "$out" "$name" > "$out/$name.console" 2>&1 &
+  CUDA_VISIBLE_DEVICES=$gpus bash bench/gpu_bench.sh "$out" "$name" > "$logs/$name.console" 2>&1 &
   names+=("$name")
 done
 wait
-for name in "${names[@]}"; do echo "##### $name"; cat "$out/$name.console"; done
+for name in "${names[@]}"; do echo "##### $name"; cat "$logs/$name.console"; done
