@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench.figures import PolicyRun, figures, goals, timeline
+from lora_cache.errors import ConfigError
 
 COLUMNS = (  # (figure, header, scale)
     ("mean_ttft_ms", "mean TTFT ms", 1), ("p99_ttft_ms", "p99 TTFT ms", 1), ("median_e2el_ms", "median E2EL ms", 1),
@@ -116,18 +118,64 @@ def plot(out: Path, doc: dict[str, Any]) -> None:
     plt.close(fig)
 
 
+PER_POLICY = ("figures", "timeline", "requests", "ranks", "loads", "steps")
+RUN_ONLY = ("policies", "out", "check_sim", "timeout_s", "plots")  # bench options that may differ between parts
+
+
+def merge(docs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """One results document from runs of the same configuration that each ran some of the policies (say,
+    across device calls); goals and the table are recomputed. A policy in two parts, or parts whose
+    workload or fleet differ, are refused: their figures would not be comparable."""
+    if not docs:
+        raise ConfigError("merge: no results given")
+    first = docs[0]["config"]
+
+    def fixed(config: dict[str, Any]) -> tuple[Any, Any]:
+        return ({k: v for k, v in config["bench"].items() if k not in RUN_ONLY}, config["workload"])
+    merged: dict[str, Any] = {k: {} for k in PER_POLICY}
+    for doc, name in zip(docs, names):
+        if fixed(doc["config"]) != fixed(first):
+            a, b = fixed(first), fixed(doc["config"])
+            diff = sorted(k for part in (0, 1) for k in set(a[part]) | set(b[part]) if a[part].get(k) != b[part].get(k))
+            raise ConfigError(f"merge: {name} ran another configuration than {names[0]} (differs in {diff}); "
+                              "merge only parts of one run configuration")
+        for policy in doc["figures"]:
+            if policy in merged["figures"]:
+                raise ConfigError(f"merge: policy {policy!r} is in more than one part ({name} too); "
+                                  "give each policy's run once")
+            for k in PER_POLICY:
+                merged[k][policy] = doc[k][policy]
+    config = {**first, "merged_from": names, "policies": [p for d in docs for p in d["config"]["policies"]]}
+    config.pop("errors", None)
+    checked = goals(merged["figures"], str(config.get("workload", {}).get("popularity", "")))
+    return {"config": config, **merged, "goals": checked, "table": table(merged["figures"], checked)}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m bench.report DIR/results.json``: print its table and redraw its plots beside it."""
+    """``python -m bench.report DIR/results.json``: print its table and redraw its plots beside it.
+    ``python -m bench.report A.json B.json --merge OUT.json``: merge runs of one configuration that each ran
+    some policies, write OUT.json and draw its plots beside it."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m bench.report", description=main.__doc__)
-    parser.add_argument("results", type=Path, help="a results.json written by bench.run")
+    parser.add_argument("results", type=Path, nargs="+", help="results.json written by bench.run")
+    parser.add_argument("--merge", type=Path, help="merge the given results into this file")
     parser.add_argument("--no-plots", action="store_true", help="only print the table")
     ns = parser.parse_args(argv)
-    doc = json.loads(ns.results.read_text())
+    try:
+        docs = [json.loads(p.read_text()) for p in ns.results]
+        if ns.merge is None and len(docs) > 1:
+            raise ConfigError("several results given: pass --merge OUT.json to merge them, or give one")
+        doc = docs[0] if ns.merge is None else merge(docs, [str(p) for p in ns.results])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    where = ns.results[0] if ns.merge is None else ns.merge
+    if ns.merge is not None:
+        ns.merge.write_text(json.dumps(doc, indent=1, default=_json_default))
     print(doc["table"])
     if not ns.no_plots:
-        plot(ns.results.parent, doc)
+        plot(where.parent, doc)
     return 0
 
 

@@ -31,8 +31,11 @@ Noise (``--noise N``): the engine's step times are noisy and the noise comes in 
 second or so (18-45 ms decode steps at the same batch size); with 100 requests, p99 is the second
 worst request, and one slow stretch behind a head-of-line wait (``max_adapters``) moves it by 2x.
 ``--noise N`` runs each simulation N more times, each step's cost multiplied by the ratio of a real
-step's time to its fit, drawn in blocks of ``NOISE_BLOCK`` consecutive steps of the run's own log
-(stalls left out), and reports the 5th-95th percentile band of the simulated figures.
+step of the same kind to its fit, drawn in blocks of ``NOISE_BLOCK`` consecutive steps of that kind in
+the run's own log (stalls left out), and reports the 5th-95th percentile band of the simulated
+figures. Per kind, because the two kinds' noise differs: a decode step is one CUDA graph launch, a
+prefill a thousand eager launches that slow down 3-6x while the process's loader threads read a
+shard (global's worst TTFT on the two-replica run: a 263-token prefill of 169 ms).
 """
 
 from __future__ import annotations
@@ -100,7 +103,8 @@ def compare(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workl
             if stalls["steps"]:
                 out.setdefault("stalls", {})[policy.name] = stalls
         if noise:
-            ratios = step_ratios(own_steps if fit == "per-policy" else all_steps, calib)
+            ratios = {kind: step_ratios([s for s in (own_steps if fit == "per-policy" else all_steps)
+                                         if s["kind"] == kind], calib) for kind in ("prefill", "decode")}
             sim_config = SimConfig(**config["sim"])  # as _run_sim made it, without a progress bar per run
             runs = [figures(simulate(sim_config, policy, workload, NoisyCalibration.wrap(calib, ratios, seed + i))
                             .as_policy_run(policy.name, 0.0)) for i in range(noise)]
@@ -151,34 +155,36 @@ def step_ratios(steps: Sequence[Mapping[str, Any]], calib: Calibration) -> list[
 
 @dataclass(frozen=True)
 class NoisyCalibration(Calibration):
-    """``Calibration`` whose step costs are scaled by real ratios, drawn ``NOISE_BLOCK`` at a time from a
-    random start in ``ratios`` (a block bootstrap: slow stretches stay together). Seeded: deterministic."""
+    """``Calibration`` whose step costs are scaled by real ratios of the same kind of step, drawn
+    ``NOISE_BLOCK`` at a time from a random start in that kind's ``ratios`` (a block bootstrap: slow
+    stretches stay together). Seeded: deterministic."""
 
-    ratios: tuple[float, ...] = ()
+    ratios: tuple[tuple[str, tuple[float, ...]], ...] = ()  # (kind, its ratios in log order)
     seed: int = 0
     _state: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def wrap(cls, calib: Calibration, ratios: Sequence[float], seed: int) -> NoisyCalibration:
+    def wrap(cls, calib: Calibration, ratios: Mapping[str, Sequence[float]], seed: int) -> NoisyCalibration:
         fields = {f.name: getattr(calib, f.name) for f in dataclasses.fields(Calibration)}
-        return cls(**fields, ratios=tuple(ratios), seed=seed)
+        return cls(**fields, ratios=tuple((k, tuple(v)) for k, v in ratios.items()), seed=seed)
 
-    def _factor(self) -> float:
-        if not self.ratios:
+    def _factor(self, kind: str) -> float:
+        ratios = dict(self.ratios).get(kind, ())
+        if not ratios:
             return 1.0
-        st = self._state
-        if not st.get("left"):
-            st.setdefault("rng", random.Random(self.seed))
-            st["at"], st["left"] = st["rng"].randrange(len(self.ratios)), NOISE_BLOCK
+        rng = self._state.setdefault("rng", random.Random(self.seed))
+        st = self._state.setdefault(kind, {"at": 0, "left": 0})
+        if not st["left"]:
+            st["at"], st["left"] = rng.randrange(len(ratios)), NOISE_BLOCK
         st["left"] -= 1
-        st["at"] = (st["at"] + 1) % len(self.ratios)
-        return self.ratios[st["at"]]
+        st["at"] = (st["at"] + 1) % len(ratios)
+        return ratios[st["at"]]
 
     def prefill_s(self, tokens: int, items: int) -> float:
-        return super().prefill_s(tokens, items) * self._factor()
+        return super().prefill_s(tokens, items) * self._factor("prefill")
 
     def decode_s(self, items: int, adapters: int) -> float:
-        return super().decode_s(items, adapters) * self._factor()
+        return super().decode_s(items, adapters) * self._factor("decode")
 
 
 def estimate_gaps(requests: Mapping[str, Sequence[Mapping[str, Any]]],

@@ -327,11 +327,12 @@ def test_sim_check_recovers_a_simulated_run_from_its_own_logs() -> None:
         assert entry[key]["real_in_band"], entry
     ratios = step_ratios(run_.steps, H200)
     assert ratios and all(r == pytest.approx(1.0) for r in ratios), "the sim's own steps cost exactly their fit"
-    noisy = NoisyCalibration.wrap(H200, [0.5, 2.0], seed=3)
-    again = NoisyCalibration.wrap(H200, [0.5, 2.0], seed=3)
+    noisy = NoisyCalibration.wrap(H200, {"decode": [0.5, 2.0], "prefill": [3.0]}, seed=3)
+    again = NoisyCalibration.wrap(H200, {"decode": [0.5, 2.0], "prefill": [3.0]}, seed=3)
     draws = [noisy.decode_s(4, 2) for _ in range(200)]
     assert draws == [again.decode_s(4, 2) for _ in range(200)], "seeded: deterministic"
     assert set(draws) == {0.5 * H200.decode_s(4, 2), 2.0 * H200.decode_s(4, 2)}
+    assert noisy.prefill_s(100, 1) == pytest.approx(3.0 * H200.prefill_s(100, 1)), "each kind its own ratios"
 
 
 def test_shipped_calibrations_load_and_say_what_they_are() -> None:
