@@ -1,7 +1,7 @@
 """The simulator against a real run: ``python -m bench.sim_check DIR/results.json`` after the fact, or
 ``python -m bench.run --engine real --check-sim`` in the same job.
 
-Fits the simulator's costs from the run's own step and load logs (``fit_calibration``, the provisional
+Fits the simulator's costs from the run's own step and load logs (``fit_calibration``, the shipped
 H200 calibration filling what the logs cannot fit), simulates the same workload, fleet and policies
 (round-robin routing, as the real router), and compares mean and p99 TTFT per policy (the benchmark
 issue's check: within 15%).
