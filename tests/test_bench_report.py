@@ -84,3 +84,29 @@ def test_write_and_redraw(tmp_path, capsys) -> None:
     (tmp_path / "ttft_cdf.png").unlink()
     assert report_main([str(tmp_path / "results.json")]) == 0
     assert (tmp_path / "ttft_cdf.png").exists() and "| ondemand |" in capsys.readouterr().out
+
+
+def test_runs_of_one_configuration_merge_and_others_are_refused(tmp_path, capsys) -> None:
+    """Parts of one run configuration that each ran some policies (say, across device calls) merge into
+    one document with its goals recomputed; a policy given twice, or another configuration, is refused."""
+    config = {"workload": {"popularity": "zipf:1.5", "requests": 10}, "bench": {"slots": 8, "out": "a"},
+              "policies": [], "title": "t"}
+    parts = []
+    for name, runs in (("a", [_run("ondemand")]), ("b", [_run("global"), _run("oracle")])):
+        write(tmp_path / name, {**config, "bench": {"slots": 8, "out": name}}, runs, plots=False)
+        parts.append(str(tmp_path / name / "results.json"))
+    out = tmp_path / "merged" / "results.json"
+    out.parent.mkdir()
+    assert report_main([*parts, "--merge", str(out), "--no-plots"]) == 0
+    doc = json.loads(out.read_text())
+    assert list(doc["figures"]) == ["ondemand", "global", "oracle"] and doc["config"]["merged_from"] == parts
+    assert {g["goal"] for g in doc["goals"]} >= {"global mean TTFT <= 0.40x ondemand",
+                                                 "global p99 TTFT <= 1.15x oracle"}
+    assert set(doc["steps"]) == set(doc["requests"]) == set(doc["figures"])
+    assert report_main([parts[0], parts[0], "--merge", str(out)]) == 2
+    assert "in more than one part" in capsys.readouterr().err
+    write(tmp_path / "c", {**config, "bench": {"slots": 4, "out": "c"}}, [_run("queue")], plots=False)
+    assert report_main([parts[0], str(tmp_path / "c" / "results.json"), "--merge", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "another configuration" in err and "slots" in err, err
+    assert report_main(parts) == 2, "several results without --merge"
