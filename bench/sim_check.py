@@ -34,8 +34,8 @@ worst request, and one slow stretch behind a head-of-line wait (``max_adapters``
 step of the same kind to its fit, drawn in blocks of ``NOISE_BLOCK`` consecutive steps of that kind in
 the run's own log (stalls left out), and reports the 5th-95th percentile band of the simulated
 figures. Per kind, because the two kinds' noise differs: a decode step is one CUDA graph launch, a
-prefill a thousand eager launches that slow down 3-6x while the process's loader threads read a
-shard (global's worst TTFT on the two-replica run: a 263-token prefill of 169 ms).
+prefill a thousand eager launches whose rare slow ones (a 263-token prefill of 169 ms, ~30 ms
+normally, was global's worst TTFT on the two-replica run) a block of decode ratios never draws.
 """
 
 from __future__ import annotations
