@@ -191,7 +191,8 @@ def _collect(policy: BenchPolicy, ranks: dict[str, list[Any]], results: list[Any
         loads += [{"t_s": t - start_wall, "replica": replica, "rank": rank, "adapter": rec.adapter,
                    "nbytes": rec.nbytes, "ready_ms": rec.ready_ms, "h2d_ms": rec.h2d_ms, "disk_ms": rec.disk_ms,
                    "host_hit": rec.host_hit} for t, rec in logs[(replica, rank)] if t >= since_wall]
-    steps = [{"replica": replica, **s._asdict()} for replica, res in zip(ranks, results) for s in res.ranks[0].step_log]
+    steps = [{"replica": replica, "t_s": s.wall_s - start_wall, **s._asdict()}  # t_s: the loads' clock
+             for replica, res in zip(ranks, results) for s in res.ranks[0].step_log]
     return PolicyRun(policy.name, "real", records, stats, sorted(loads, key=lambda x: x["t_s"]), steps)
 
 

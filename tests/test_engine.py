@@ -218,7 +218,8 @@ def test_overlap_never_runs_a_request_before_its_adapter_is_ready(tp2_overlap: E
 
 def test_step_logs_time_the_host_work_between_steps(tp1_ondemand: EngineResult, tp2_overlap: EngineResult) -> None:
     """Each step logs the loop's host time since the previous step (``gap_ms``, what the simulator charges
-    as ``round_ms``) and, for rules that prefetch, the readiness exchange's share of it."""
+    as ``round_ms``), for rules that prefetch the readiness exchange's share of it, and its wall-clock
+    start (to line steps up with the loads beside them)."""
     for result, exchanges in ((tp1_ondemand, False), (tp2_overlap, True)):
         for stats in result.ranks:
             log = stats.step_log
@@ -228,6 +229,8 @@ def test_step_logs_time_the_host_work_between_steps(tp1_ondemand: EngineResult, 
             for s in gaps:
                 assert s.gap_ms >= 0 and 0 <= s.readiness_ms <= s.gap_ms + 1e-9
                 assert (s.readiness_ms > 0) == exchanges
+            starts = [s.wall_s for s in log]
+            assert starts == sorted(starts), "start times (the loads' clock) in step order"
 
 
 def test_overlap_serves_ready_adapters_while_one_loads(adapters: Path, monkeypatch: pytest.MonkeyPatch) -> None:

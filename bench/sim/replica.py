@@ -58,7 +58,7 @@ class StepRecord(NamedTuple):
         return {"replica": self.replica, "kind": self.kind, "items": self.items, "tokens": self.tokens,
                 "adapters": self.adapters, "ms": (self.end_s - self.start_s) * 1e3,
                 "load_wait_ms": (self.compute_s - self.start_s) * 1e3, "gap_ms": self.gap_ms,
-                "readiness_ms": self.readiness_ms}
+                "readiness_ms": self.readiness_ms, "t_s": self.start_s}
 
 
 @dataclass(eq=False)

@@ -65,6 +65,7 @@ class StepLog(NamedTuple):
     gap_ms: float | None  # the previous step's end to this one's start, rounds back to back (None: a WAIT
     # round or none before): the engine loop's host work between steps (scheduling, reports, readiness)
     readiness_ms: float  # of the gap, in the readiness exchange (0: the admission rule does not prefetch)
+    wall_s: float  # time.time() at its start: to line steps up with loads (ReadinessRecord times) across ranks
 
 
 @dataclass
@@ -220,7 +221,7 @@ class RankEngine:
             time.sleep(1e-3 if timeout is None else timeout)  # nothing loading: the next arrival
 
     def _step(self, plan: StepPlan) -> StepResult:
-        start = time.perf_counter()
+        wall, start = time.time(), time.perf_counter()
         named = [it.adapter for it in plan.items if it.adapter is not None]
         unready = set(named) - set(self._ready_here(sorted(set(named))))
         batch = self.cache.acquire(named + list(plan.hold)) if named or plan.hold else None
@@ -241,7 +242,8 @@ class RankEngine:
         self.stats.unready_items += sum(it.adapter in unready for it in plan.items)
         gap = None if self._last_end is None else (start - self._last_end) * 1e3
         self.stats.step_log.append(StepLog(plan.kind, len(items), sum(it.length for it in items), len(set(named)),
-                                           (end - start) * 1e3, load_wait * 1e3, gap, self._readiness_s * 1e3))
+                                           (end - start) * 1e3, load_wait * 1e3, gap, self._readiness_s * 1e3,
+                                           wall))
         self._last_end, self._readiness_s = end, 0.0
         return StepResult(start, end, load_wait, outputs)
 
