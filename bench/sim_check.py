@@ -33,7 +33,8 @@ worst request, and one slow stretch behind a head-of-line wait (``max_adapters``
 ``--noise N`` runs each simulation N more times, each step's cost multiplied by the ratio of a real
 step of the same kind to its fit, drawn in blocks of ``NOISE_BLOCK`` consecutive steps of that kind in
 the run's own log (stalls left out), and reports the 5th-95th percentile band of the simulated
-figures. Per kind, because the two kinds' noise differs: a decode step is one CUDA graph launch, a
+figures; loads likewise draw their disk reads' and copies' ratios to their fits. Per kind, because
+the two kinds of step differ: a decode step is one CUDA graph launch, a
 prefill a thousand eager launches whose rare slow ones (a 263-token prefill of 169 ms, ~30 ms
 normally, was global's worst TTFT on the two-replica run) a block of decode ratios never draws.
 """
@@ -105,6 +106,8 @@ def compare(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workl
         if noise:
             ratios = {kind: step_ratios([s for s in (own_steps if fit == "per-policy" else all_steps)
                                          if s["kind"] == kind], calib) for kind in ("prefill", "decode")}
+            own_loads = loads[policy.name] if fit == "per-policy" and isinstance(loads, Mapping) else all_loads
+            ratios.update(load_ratios(own_loads, calib))
             sim_config = SimConfig(**config["sim"])  # as _run_sim made it, without a progress bar per run
             runs = [figures(simulate(sim_config, policy, workload, NoisyCalibration.wrap(calib, ratios, seed + i))
                             .as_policy_run(policy.name, 0.0)) for i in range(noise)]
@@ -153,11 +156,24 @@ def step_ratios(steps: Sequence[Mapping[str, Any]], calib: Calibration) -> list[
     return out
 
 
+def load_ratios(loads: Sequence[Mapping[str, Any]], calib: Calibration) -> dict[str, list[float]]:
+    """Each load's disk read (host-tier misses) and host -> GPU copy over their fitted costs, in log order."""
+    out: dict[str, list[float]] = {"disk": [], "h2d": []}
+    for ld in loads:
+        for kind, ms, fitted in (("h2d", ld["h2d_ms"], calib.h2d_s(ld["nbytes"]) * 1e3),
+                                 ("disk", ld["disk_ms"], calib.disk_s(ld["nbytes"]) * 1e3)):
+            if kind == "disk" and ld["host_hit"]:
+                continue
+            if fitted > 0 and 0 < ms <= OUTLIER_FACTOR * fitted:
+                out[kind].append(ms / fitted)
+    return out
+
+
 @dataclass(frozen=True)
 class NoisyCalibration(Calibration):
-    """``Calibration`` whose step costs are scaled by real ratios of the same kind of step, drawn
-    ``NOISE_BLOCK`` at a time from a random start in that kind's ``ratios`` (a block bootstrap: slow
-    stretches stay together). Seeded: deterministic."""
+    """``Calibration`` whose step, read and copy costs are scaled by real ratios of the same kind
+    (``prefill``, ``decode``, ``disk``, ``h2d``), drawn ``NOISE_BLOCK`` at a time from a random start in
+    that kind's ``ratios`` (a block bootstrap: slow stretches stay together). Seeded: deterministic."""
 
     ratios: tuple[tuple[str, tuple[float, ...]], ...] = ()  # (kind, its ratios in log order)
     seed: int = 0
@@ -185,6 +201,12 @@ class NoisyCalibration(Calibration):
 
     def decode_s(self, items: int, adapters: int) -> float:
         return super().decode_s(items, adapters) * self._factor("decode")
+
+    def disk_s(self, nbytes: int) -> float:
+        return super().disk_s(nbytes) * self._factor("disk")
+
+    def h2d_s(self, nbytes: int) -> float:
+        return super().h2d_s(nbytes) * self._factor("h2d")
 
 
 def estimate_gaps(requests: Mapping[str, Sequence[Mapping[str, Any]]],

@@ -337,6 +337,10 @@ def test_sim_check_recovers_a_simulated_run_from_its_own_logs() -> None:
     assert draws == [again.decode_s(4, 2) for _ in range(200)], "seeded: deterministic"
     assert set(draws) == {0.5 * H200.decode_s(4, 2), 2.0 * H200.decode_s(4, 2)}
     assert noisy.prefill_s(100, 1) == pytest.approx(3.0 * H200.prefill_s(100, 1)), "each kind its own ratios"
+    assert noisy.disk_s(1 << 20) == H200.disk_s(1 << 20), "no ratios of a kind: its fitted cost"
+    slow = NoisyCalibration.wrap(H200, {"disk": [2.0], "h2d": [1.5]}, seed=0)
+    assert slow.disk_s(1 << 20) == pytest.approx(2.0 * H200.disk_s(1 << 20))
+    assert slow.h2d_s(1 << 20) == pytest.approx(1.5 * H200.h2d_s(1 << 20))
 
 
 def test_shipped_calibrations_load_and_say_what_they_are() -> None:
