@@ -15,7 +15,6 @@ The oracle preloads every adapter (slots for all of them) before the clock start
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +36,7 @@ from workers.cache import WorkerConfig
 from workers.engine.config import EngineConfig
 from workers.engine.workload import Request
 from workers.host_tier import HostTierConfig
-from workers.metrics import CacheCounters
+from workers.metrics import STATS_COUNTERS, STATS_SUMMARIES
 
 if TYPE_CHECKING:
     from bench.workloads import Workload
@@ -168,11 +167,9 @@ def _stats(ranks: dict[str, list[Any]]) -> dict[tuple[str, int], dict[str, Any]]
     return dict(zip(keys, ray.get([h.stats.remote() for hs in ranks.values() for h in hs], timeout=60)))
 
 
-# What WorkerCache.stats() counts (rather than reports as a level or a latency summary): reported as the
-# increase over the run. Latency summaries are dropped: the load log has every load's timings.
-COUNTERS = frozenset(f.name for f in dataclasses.fields(CacheCounters) if f.type in (int, "int")) | {
-    "host_hits", "host_misses", "bytes_disk_to_host"}
-SUMMARIES = frozenset(f.name for f in dataclasses.fields(CacheCounters)) - COUNTERS
+# WorkerCache.stats()'s counts are reported as the increase over the run; its latency summaries are
+# dropped: the load log has every load's timings.
+COUNTERS, SUMMARIES = frozenset(STATS_COUNTERS), frozenset(STATS_SUMMARIES)
 
 
 def _collect(policy: BenchPolicy, ranks: dict[str, list[Any]], results: list[Any], start_wall: float,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,22 +43,28 @@ def table(by_policy: dict[str, dict[str, Any]], checked: list[dict[str, Any]]) -
     return "\n".join(lines)
 
 
+# The document's sections, each by policy: how each is taken from a policy's run.
+SECTIONS: dict[str, Callable[[PolicyRun], Any]] = {
+    "figures": figures, "timeline": timeline, "requests": lambda run: [_record(r) for r in run.records],
+    "ranks": lambda run: run.ranks, "loads": lambda run: run.loads, "steps": lambda run: run.steps}
+
+
 def write(out: Path, config: dict[str, Any], runs: list[PolicyRun], plots: bool = True) -> dict[str, Any]:
     """Write ``results.json`` (and the plots) under ``out``; returns the JSON document."""
     out.mkdir(parents=True, exist_ok=True)
-    by_policy = {run.policy: figures(run) for run in runs}
-    checked = goals(by_policy, str(config.get("workload", {}).get("popularity", "")))
-    doc = {"config": config, "figures": by_policy, "goals": checked,
-           "timeline": {run.policy: timeline(run) for run in runs},
-           "requests": {run.policy: [_record(r) for r in run.records] for run in runs},
-           "ranks": {run.policy: run.ranks for run in runs},
-           "loads": {run.policy: run.loads for run in runs},
-           "steps": {run.policy: run.steps for run in runs},
-           "table": table(by_policy, checked)}
+    doc = _document(config, {key: {run.policy: of(run) for run in runs} for key, of in SECTIONS.items()})
     (out / "results.json").write_text(json.dumps(doc, indent=1, default=_json_default))
     if plots:
         plot(out, doc)
     return doc
+
+
+def _document(config: dict[str, Any], sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The results document: ``config``, each of ``SECTIONS`` by policy, and the goals and table."""
+    by_policy = sections["figures"]
+    checked = goals(by_policy, str(config.get("workload", {}).get("popularity", "")))
+    return {"config": config, "figures": by_policy, "goals": checked,
+            **{k: v for k, v in sections.items() if k != "figures"}, "table": table(by_policy, checked)}
 
 
 def _record(r: Any) -> dict[str, Any]:
@@ -118,7 +125,6 @@ def plot(out: Path, doc: dict[str, Any]) -> None:
     plt.close(fig)
 
 
-PER_POLICY = ("figures", "timeline", "requests", "ranks", "loads", "steps")
 RUN_ONLY = ("policies", "out", "check_sim", "timeout_s", "plots")  # bench options that may differ between parts
 
 
@@ -132,7 +138,7 @@ def merge(docs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
 
     def fixed(config: dict[str, Any]) -> tuple[Any, Any]:
         return ({k: v for k, v in config["bench"].items() if k not in RUN_ONLY}, config["workload"])
-    merged: dict[str, Any] = {k: {} for k in PER_POLICY}
+    merged: dict[str, dict[str, Any]] = {k: {} for k in SECTIONS}
     for doc, name in zip(docs, names):
         if fixed(doc["config"]) != fixed(first):
             a, b = fixed(first), fixed(doc["config"])
@@ -143,12 +149,11 @@ def merge(docs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
             if policy in merged["figures"]:
                 raise ConfigError(f"merge: policy {policy!r} is in more than one part ({name} too); "
                                   "give each policy's run once")
-            for k in PER_POLICY:
+            for k in SECTIONS:
                 merged[k][policy] = doc[k][policy]
     config = {**first, "merged_from": names, "policies": [p for d in docs for p in d["config"]["policies"]]}
     config.pop("errors", None)
-    checked = goals(merged["figures"], str(config.get("workload", {}).get("popularity", "")))
-    return {"config": config, **merged, "goals": checked, "table": table(merged["figures"], checked)}
+    return _document(config, merged)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -170,7 +170,7 @@ def run(bench: BenchConfig, spec: WorkloadSpec) -> dict[str, Any]:
             else _run_sim(bench, policies, workload, config))
     doc = write(Path(bench.out), config, runs, plots=bench.plots)
     if bench.engine == "real" and bench.check_sim:
-        doc["sim_check"] = _check_sim(bench, policies, workload, runs)
+        doc["sim_check"] = _check_sim(bench, policies, workload, runs, doc["figures"])
         (Path(bench.out) / "results.json").write_text(json.dumps(doc, indent=1, default=str))
     return doc
 
@@ -234,12 +234,12 @@ def _run_sim(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Work
 
 
 def _check_sim(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workload,
-               runs: list[PolicyRun]) -> dict[str, Any]:
-    """The simulator on this run's configuration, with costs fitted from this run's logs."""
-    from bench.figures import figures
+               runs: list[PolicyRun], real: dict[str, Any]) -> dict[str, Any]:
+    """The simulator on this run's configuration, with costs fitted from this run's logs; ``real``: the
+    run's figures by policy (as written)."""
     from bench.sim_check import compare
 
-    return compare(bench, policies, workload, {run.policy: figures(run) for run in runs},
+    return compare(bench, policies, workload, real,
                    [s for run in runs for s in run.steps], [x for run in runs for x in run.loads])
 
 

@@ -88,9 +88,9 @@ def compare(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workl
     workload = _shift(workload, bench.hint_lead_s)
     for policy in policies:
         own_steps = steps[policy.name] if isinstance(steps, Mapping) else all_steps
-        calib = pooled
-        if fit == "per-policy":
-            own_loads = loads[policy.name] if isinstance(loads, Mapping) and len(loads[policy.name]) >= 2 else all_loads
+        calib, own_loads = pooled, all_loads
+        if fit == "per-policy" and isinstance(loads, Mapping):  # (checked above) its own loads, unless it
+            own_loads = loads[policy.name] if len(loads[policy.name]) >= 2 else all_loads  # made too few to fit
             calib = fit_calibration(own_steps, own_loads, name=f"fitted-{bench.model}-{policy.name}",
                                     source=f"{source} of {policy.name}", base=pooled)  # e.g. disk: no miss
             out.setdefault("calibrations", {})[policy.name] = dataclasses.asdict(calib)
@@ -106,7 +106,6 @@ def compare(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workl
         if noise:
             ratios = {kind: step_ratios([s for s in (own_steps if fit == "per-policy" else all_steps)
                                          if s["kind"] == kind], calib) for kind in ("prefill", "decode")}
-            own_loads = loads[policy.name] if fit == "per-policy" and isinstance(loads, Mapping) else all_loads
             ratios.update(load_ratios(own_loads, calib))
             sim_config = SimConfig(**config["sim"])  # as _run_sim made it, without a progress bar per run
             runs = [figures(simulate(sim_config, policy, workload, NoisyCalibration.wrap(calib, ratios, seed + i))
@@ -130,9 +129,7 @@ def _shift(workload: Workload, lead_s: float) -> Workload:
 
 
 def _fitted_ms(step: Mapping[str, Any], calib: Calibration) -> float:
-    if step["kind"] == "prefill":
-        return calib.prefill_s(step["tokens"], step["items"]) * 1e3
-    return calib.decode_s(step["items"], step["adapters"]) * 1e3
+    return calib.step_s(step["kind"], step["items"], step["tokens"], step["adapters"]) * 1e3
 
 
 def step_stalls(steps: Sequence[Mapping[str, Any]], calib: Calibration) -> dict[str, Any]:
@@ -185,7 +182,7 @@ class NoisyCalibration(Calibration):
         return cls(**fields, ratios=tuple((k, tuple(v)) for k, v in ratios.items()), seed=seed)
 
     def _factor(self, kind: str) -> float:
-        ratios = dict(self.ratios).get(kind, ())
+        ratios = self._state.setdefault("by_kind", dict(self.ratios)).get(kind, ())
         if not ratios:
             return 1.0
         rng = self._state.setdefault("rng", random.Random(self.seed))

@@ -124,7 +124,7 @@ class WorkloadSpec:
         """
         popularity = self.parsed_popularity()
         if popularity.kind == "trace":
-            names = sorted({line.adapter for line in self.trace_lines() if line.adapter is not None})
+            names = sorted({line.adapter for line in self.trace_lines if line.adapter is not None})
         else:
             count = self.num_adapters or max(math.ceil(self.adapters_per_slot * slots), self._needed(popularity))
             width = max(3, len(str(count - 1)))
@@ -139,13 +139,14 @@ class WorkloadSpec:
             return self.requests
         return sum(popularity.phases)
 
-    def trace_lines(self) -> list[TraceLine]:
-        """The replayed lines of a ``trace:FILE`` popularity (the first ``requests``, or all)."""
+    @functools.cached_property
+    def trace_lines(self) -> tuple[TraceLine, ...]:
+        """The replayed lines of a ``trace:FILE`` popularity (the first ``requests``, or all), read once."""
         lines = read_trace(self.parsed_popularity().path)
         if self.requests > len(lines):
             raise ConfigError(f"requests is {self.requests} but trace {self.parsed_popularity().path} has "
                               f"{len(lines)} lines; pass --requests {len(lines)} or fewer (0: all)")
-        return lines[: self.requests or len(lines)]
+        return tuple(lines[: self.requests or len(lines)])
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,7 @@ def make_workload(spec: WorkloadSpec, adapter_names: Sequence[str]) -> Workload:
         raise ConfigError("adapter_names lists a name twice; give each adapter once")
     arrivals, popularity = spec.parsed_arrivals(), spec.parsed_popularity()
     rng = functools.partial(_stream, spec.workload_seed)
-    lines = spec.trace_lines() if popularity.kind == "trace" else []
+    lines = spec.trace_lines if popularity.kind == "trace" else ()
     if lines:
         _check_trace_adapters(lines, adapter_names, popularity.path)
         adapters = [line.adapter for line in lines]
@@ -289,7 +290,7 @@ def _trace_line(raw: str, where: str, previous: float) -> TraceLine:
     return TraceLine(float(time), adapter, obj["input_len"], obj["output_len"])
 
 
-def _check_trace_adapters(lines: list[TraceLine], names: Sequence[str], path: str) -> None:
+def _check_trace_adapters(lines: Sequence[TraceLine], names: Sequence[str], path: str) -> None:
     known = set(names)
     for number, line in enumerate(lines, start=1):
         if line.adapter is not None and line.adapter not in known:

@@ -23,7 +23,6 @@ import os
 import socket
 import threading
 from pathlib import Path
-from typing import NamedTuple
 
 import ray
 
@@ -46,12 +45,6 @@ class ClusterUnreachableError(ClusterConnectError):
 
 class ClusterAuthError(ClusterConnectError):
     """The cluster wants a token this process does not send, or sends wrongly."""
-
-
-class Joined(NamedTuple):
-    address: str  # host:port of the GCS ("" for an embedded Ray)
-    nodes: int  # nodes alive when joined
-    token_auth: bool
 
 
 def auth_mode() -> str:
@@ -160,11 +153,11 @@ def check_gcs(gcs: str, timeout_s: float = GCS_ANSWER_TIMEOUT_S) -> None:
         raise ClusterUnreachableError(f"the Ray GCS at {gcs} did not answer: {error}") from error
 
 
-def connect(address: str, namespace: str) -> Joined:
+def connect(address: str, namespace: str) -> None:
     """``ray.init`` on an embedded local Ray (``address`` empty) or on the cluster at ``address``."""
     if not address:
         ray.init(namespace=namespace, log_to_driver=False)
-        return Joined("", 1, auth_mode() == "token")
+        return
     if address == "auto":  # what ray.init("auto") does: token mode when a token is on disk and the mode is unset
         from ray._private.authentication.authentication_token_setup import (
             maybe_enable_token_auth_if_token_available,
@@ -176,7 +169,6 @@ def connect(address: str, namespace: str) -> Joined:
     check_reachable(gcs, address)
     check_gcs(gcs)
     ray.init(address=gcs, namespace=namespace, log_to_driver=False)
-    joined = Joined(gcs, sum(1 for n in ray.nodes() if n["Alive"]), auth_mode() == "token")
-    print(f"lora-cache: joined the Ray cluster at {gcs} ({joined.nodes} nodes alive, token auth "
-          f"{'on' if joined.token_auth else 'off'})", flush=True)
-    return joined
+    alive = sum(1 for n in ray.nodes() if n["Alive"])
+    print(f"lora-cache: joined the Ray cluster at {gcs} ({alive} nodes alive, token auth "
+          f"{'on' if auth_mode() == 'token' else 'off'})", flush=True)

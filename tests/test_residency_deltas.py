@@ -34,11 +34,15 @@ class Deltas:
         with self._lock:
             self.items.append(delta)
 
-    def take(self) -> list[tuple[str, str]]:
-        """(adapter, state) of the deltas so far, oldest first; forgets them."""
+    def drain(self) -> list[Delta]:
+        """The deltas so far, oldest first; forgets them."""
         with self._lock:
             out, self.items = self.items, []
-        return [(d.adapter, d.state) for d in out]
+        return out
+
+    def take(self) -> list[tuple[str, str]]:
+        """(adapter, state) of the deltas so far, oldest first; forgets them."""
+        return [(d.adapter, d.state) for d in self.drain()]
 
 
 @pytest.fixture
@@ -55,17 +59,9 @@ def reported(catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]) ->
     yield cache, deltas
 
 
-def settle(cache: WorkerCache) -> None:
-    """Wait for every load in flight (READY or failed); their deltas are reported before they resolve."""
-    with cache._lock:
-        futures = [ld.future for ld in (*cache._loads.values(), *cache._pending.values())]
-    for f in futures:
-        f.exception(timeout=10)
-
-
 def engine_step(cache: WorkerCache, names: list[str]) -> None:
     cache.release(cache.acquire(names))
-    settle(cache)
+    cache.settle()
 
 
 def replay(deltas: list[tuple[str, str]]) -> dict[str, str]:
@@ -113,7 +109,7 @@ def test_a_load_that_finds_every_slot_in_use_reports_failed_once(
     cache = make_cache(catalog, num_slots=1)
     cache.on_change = deltas
     held = cache.acquire([A])
-    settle(cache)
+    cache.settle()
     with pytest.raises(CapacityError):
         cache.prefetch(B).result(timeout=10)
     assert deltas.take() == [(A, "loading"), (A, "ready"), (B, "failed")]
@@ -162,7 +158,7 @@ def test_concurrent_engines_and_evicts_report_changes_in_order(reported) -> None
         t.start()
     for t in threads:
         t.join(timeout=60)
-    settle(cache)
+    cache.settle()
     assert not errors and not any(t.is_alive() for t in threads)
     taken = deltas.take()
     assert replay(taken) == residency(cache)
@@ -185,13 +181,13 @@ def test_commanded_prefetch_and_evict_report_each_change_once(
     assert cache.on_change is deltas
     v = {n: catalog.get(n).version for n in (A, B, C)}
     result = gate.apply([Prefetch(A, v[A], 0, epoch=1)])
-    settle(cache)
+    cache.settle()
     result = gate.apply([Prefetch(B, v[B], 0, epoch=1), Prefetch(A, v[A], 0, epoch=1)])  # A again: idempotent
-    settle(cache)
+    cache.settle()
     assert result.accepted == 2 and not result.errors
     assert deltas.take() == [(A, "loading"), (A, "ready"), (B, "loading"), (B, "ready")]
     gate.apply([Evict(A, v[A], epoch=1), Evict(A, v[A], epoch=1), Prefetch(C, v[C], 0, epoch=1)])
-    settle(cache)
+    cache.settle()
     assert deltas.take() == [(A, "gone"), (C, "loading"), (C, "ready")]
     engine_step(cache, [A])  # the engine's own load, through the same path: B was least recently used
     assert deltas.take() == [(B, "gone"), (A, "loading"), (A, "ready")]
@@ -214,7 +210,7 @@ def test_refused_and_failed_prefetches_report_failed_once(
     bad = catalog.register("bad", "bad")
     bad.weights.write_bytes(bad.weights.read_bytes()[:100])
     gate.apply([Prefetch("bad", bad.version, 0, epoch=1)])
-    settle(cache)
+    cache.settle()
     (failed,) = deltas.items
     assert (failed.adapter, failed.state) == ("bad", "failed") and "changed size" in failed.error
     cache.check_integrity()
@@ -230,7 +226,7 @@ def test_a_refused_evict_restates_the_adapter_in_order(
     gate = CommandGate(cache, deltas)
     v = {n: catalog.get(n).version for n in (A, B)}
     held = cache.acquire([A])
-    settle(cache)
+    cache.settle()
     deltas.take()
     result = gate.apply([Evict(A, v[A], epoch=1), Evict(B, v[B], epoch=1)])
     assert result.accepted == 2 and not result.errors
@@ -256,24 +252,21 @@ def one_worker_core(catalog: AdapterCatalog) -> tuple[ControllerCore, WorkerId]:
     return core, WorkerId("r0", 0)
 
 
+def deliver(core: ControllerCore, wid: WorkerId, deltas: Deltas) -> None:
+    """The worker's deltas so far, reported to the controller as its outbox would."""
+    core.worker_report(wid, [(d.adapter, d.version, d.state, d.error) for d in deltas.drain()], now=1.0)
+
+
 def test_the_controller_sees_engine_loads_without_a_resync(
-    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]
+    catalog: AdapterCatalog, reported: tuple[WorkerCache, Deltas]
 ) -> None:
     """Deltas of engine loads and LRU evictions bring the controller's view to what a full report says:
     a resync afterwards changes nothing."""
     core, wid = one_worker_core(catalog)
-    deltas = Deltas()
-    cache = make_cache(catalog, num_slots=2)
-    cache.on_change = deltas
-
-    def deliver() -> None:
-        with deltas._lock:
-            batch, deltas.items = deltas.items, []
-        core.worker_report(wid, [(d.adapter, d.version, d.state, d.error) for d in batch], now=1.0)
-
+    cache, deltas = reported
     for name in (A, B, C):  # C evicts A
         engine_step(cache, [name])
-        deliver()
+        deliver(core, wid, deltas)
     assert core.readiness.lookup(A).ready == () and core.readiness.lookup(C).ready == ("r0",)
     held = core.planner._fleet.residency[str(wid)]
     assert {k.name for k in held} == {B, C}
@@ -295,23 +288,17 @@ def test_a_refused_evict_keeps_the_adapter_pinned_in_the_planner(
     deltas = Deltas()
     cache = make_cache(catalog, num_slots=2)
     gate = CommandGate(cache, deltas)
-
-    def deliver() -> None:
-        with deltas._lock:
-            batch, deltas.items = deltas.items, []
-        core.worker_report(wid, [(d.adapter, d.version, d.state, d.error) for d in batch], now=1.0)
-
     held = cache.acquire([A])  # an engine's batch, not yet released
-    settle(cache)
-    deliver()
+    cache.settle()
+    deliver(core, wid, deltas)
     core.report_queue("r0", [(B, 0.0), (C, 0.5)], now=1.0)
     plan = core.plan(now=1.0)[wid]
     key_a = AdapterKey(A, catalog.get(A).version)
     assert Evict(A, key_a.version, epoch=1) in plan
     gate.apply(plan)
-    settle(cache)
+    cache.settle()
     assert (A, "in_use") in [(d.adapter, d.state) for d in deltas.items]
-    deliver()
+    deliver(core, wid, deltas)
     assert core.planner._fleet.residency[str(wid)][key_a].pinned
     assert core.readiness.lookup(A).ready == ("r0",)
     assert not any(c.adapter == A for c in core.plan(now=1.1).get(wid, []))

@@ -98,14 +98,6 @@ def in_thread(fn: Callable[[], Any]) -> Future[Any]:
     return future
 
 
-def settle(cache: WorkerCache) -> None:
-    """Wait for every load in flight (READY or failed); no sleeps."""
-    with cache._lock:
-        futures = [ld.future for ld in (*cache._loads.values(), *cache._pending.values())]
-    for f in futures:
-        f.exception(timeout=10)
-
-
 # -- prefetch ---------------------------------------------------------------------------------------------
 
 
@@ -194,7 +186,7 @@ def test_acquire_maps_requests_to_slots_in_batch_order(
     assert batch.held == (s[0], s[1], s[2])  # distinct slots, first appearance order
     assert batch.slot_index.dtype == torch.int32 and batch.slot_index.tolist() == list(s)
     assert refs(cache) == {A: 1, B: 1, C: 1}
-    settle(cache)
+    cache.settle()
     for name, slot in zip(batch.adapters, batch.slots, strict=True):
         assert_serves(cache, name, slot)
     stats = cache.stats()
@@ -210,7 +202,7 @@ def test_acquire_maps_requests_to_slots_in_batch_order(
 def test_acquire_loads_on_demand(catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]) -> None:
     cache = make_cache(catalog, num_slots=2)
     batch = cache.acquire([D, E, D])
-    settle(cache)
+    cache.settle()
     assert_serves(cache, D, batch.slots[0])
     assert_serves(cache, E, batch.slots[1])
     stats = cache.stats()
@@ -230,7 +222,7 @@ def test_prefetch_accuracy_counts_prefetches_used_before_eviction(
     cache.release(cache.acquire([A]))
     assert cache.evict(A) and cache.evict(B)
     cache.release(cache.acquire([C]))  # on demand
-    settle(cache)
+    cache.settle()
     assert cache.evict(C)
     stats = cache.stats()
     assert (stats["prefetches"], stats["prefetch_used"], stats["prefetch_unused"], stats["evictions"]) == (2, 1, 1, 3)
@@ -289,7 +281,7 @@ def test_eviction_never_touches_a_held_slot(
 ) -> None:
     cache = make_cache(catalog, num_slots=3)
     held = cache.acquire([A])
-    settle(cache)
+    cache.settle()
     for name in (B, C, D, E, F):  # each prefetch evicts the least recently used idle adapter, never A
         rec = cache.prefetch(name).result(timeout=10)
         assert rec.slot != held.slots[0]
@@ -306,7 +298,7 @@ def test_full_cache_fails_the_load_not_the_holders(
 ) -> None:
     cache = make_cache(catalog, num_slots=3)
     batch = cache.acquire([A, B, C])
-    settle(cache)
+    cache.settle()
     before = cache.residency()
     with pytest.raises(CapacityError) as e:
         cache.prefetch(D).result(timeout=10)
@@ -343,7 +335,7 @@ def test_acquire_with_every_slot_held_raises_promptly(
     assert_serves(cache, A, held.slots[0])
     cache.release(held)
     batch = cache.acquire([B])
-    settle(cache)
+    cache.settle()
     assert_serves(cache, B, batch.slots[0])
     cache.release(batch)
     cache.check_integrity()
@@ -445,7 +437,7 @@ def test_reregistered_adapter_serves_the_new_weights(
     old = catalog.get(A)
     old_layout, old_weights = current(cache, A)
     held_old = cache.acquire([A])
-    settle(cache)
+    cache.settle()
     write_adapter(
         old.path, TINY, 8, 32.0, list(MODULE_ORDER), torch.bfloat16, torch.Generator().manual_seed(99)
     )
@@ -454,7 +446,7 @@ def test_reregistered_adapter_serves_the_new_weights(
     new_layout, new_weights = current(cache, A)
     assert any(not torch.equal(new_weights[k], old_weights[k]) for k in new_weights)
     batch = cache.acquire([A])
-    settle(cache)
+    cache.settle()
     assert batch.slots != held_old.slots
     assert_slot_holds(cache, batch.slots[0], new_layout, new_weights)  # the new version...
     assert_slot_holds(cache, held_old.slots[0], old_layout, old_weights)  # ...beside the old one still in use
@@ -483,7 +475,7 @@ def test_counters_are_consistent_and_refs_return_to_zero(
     for batch_names in ([A], [A, B], [C], [A, C, C], [D], [B, D], [A]):
         batch = cache.acquire(batch_names)
         distinct += len(set(batch_names))
-        settle(cache)
+        cache.settle()
         cache.release(batch)
     cache.prefetch(E).result(timeout=10)
     s = cache.stats()
@@ -609,10 +601,10 @@ class CacheMachine(RuleBasedStateMachine):
         if fails:
             with pytest.raises(CapacityError):
                 in_thread(lambda: self.cache.acquire(batch)).result(timeout=10)
-            settle(self.cache)
+            self.cache.settle()
             return
         got = in_thread(lambda: self.cache.acquire(batch)).result(timeout=10)
-        settle(self.cache)
+        self.cache.settle()
         assert got.adapters == tuple(batch) and got.slot_index.tolist() == list(got.slots)
         assert len(set(got.slots)) == len(set(batch)) == len(got.held)
         reqs = [(self.key(n), *self.weights[n]) for n in batch]
@@ -639,7 +631,7 @@ class CacheMachine(RuleBasedStateMachine):
             rec = future.result(timeout=10)
             assert (rec.adapter, rec.version) == tuple(self.key(name))
             assert_slot_holds(self.cache, rec.slot, *self.weights[name])
-        settle(self.cache)
+        self.cache.settle()
 
     @rule(name=st.sampled_from(NAMES))
     def evict(self, name: str) -> None:

@@ -409,6 +409,14 @@ class WorkerCache:
     def layout_of(self, name: str, version: str | None = None) -> ShardLayout:
         return self._layout(self.catalog.get(name, version))
 
+    def settle(self, timeout: float = 10.0) -> None:
+        """Wait until every load now in flight has ended (READY or failed; its residency change reported
+        before its future resolves): for tests, and callers that want a quiet cache. No sleeps."""
+        with self._lock:
+            futures = [ld.future for ld in (*self._loads.values(), *self._pending.values())]
+        for f in futures:
+            f.exception(timeout=timeout)
+
     def check_integrity(self) -> None:
         with self._lock:
             self.table.check_integrity()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 class Reservoir:
@@ -50,3 +50,10 @@ class CacheCounters:
 
     def snapshot(self) -> dict[str, object]:
         return {k: (v.summary() if isinstance(v, Reservoir) else v) for k, v in vars(self).items()}
+
+
+# What WorkerCache.stats() counts (rather than reports as a level): CacheCounters' counts plus the host
+# tier's, in that order; and its latency summaries (the load records have every load's timings).
+STATS_COUNTERS = (*(f.name for f in fields(CacheCounters) if f.type in (int, "int")),
+                  "host_hits", "host_misses", "bytes_disk_to_host")
+STATS_SUMMARIES = tuple(f.name for f in fields(CacheCounters) if f.name not in STATS_COUNTERS)

@@ -118,6 +118,10 @@ class Calibration:
     def decode_s(self, items: int, adapters: int) -> float:
         return (self.decode_base_ms + self.decode_per_item_ms * items + self.decode_per_adapter_ms * adapters) / 1e3
 
+    def step_s(self, kind: str, items: int, tokens: int, adapters: int) -> float:
+        """A step's compute: ``prefill_s`` for a prefill, else ``decode_s``."""
+        return self.prefill_s(tokens, items) if kind == "prefill" else self.decode_s(items, adapters)
+
     def round_s(self, readiness: bool) -> float:
         """The host time of a round before its step; ``readiness``: the rule prefetches (pins, reports)."""
         return (self.round_ms + (self.readiness_ms if readiness else 0.0)) / 1e3

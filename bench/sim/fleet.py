@@ -49,11 +49,9 @@ from workers.engine.batching import check_requests
 from workers.engine.config import EngineConfig
 from workers.engine.timings import RequestRecord, summarize
 from workers.engine.workload import Request
+from workers.metrics import STATS_COUNTERS, STATS_SUMMARIES
 
-COUNTERS = ("gpu_hits", "gpu_misses", "prefetches", "demand_loads", "loads", "load_failures", "evictions",
-            "prefetch_used", "prefetch_unused", "bytes_host_to_gpu", "host_hits", "host_misses", "bytes_disk_to_host")
-
-RESERVOIRS = ("disk_ms", "h2d_ms", "ready_ms")  # latency summaries in stats(): the load records have them all
+COUNTERS, RESERVOIRS = STATS_COUNTERS, STATS_SUMMARIES  # as WorkerCache.stats(); the load records have the latencies
 
 
 class Router(Protocol):

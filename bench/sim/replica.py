@@ -30,7 +30,7 @@ from bench.sim.calibration import Calibration
 from bench.sim.events import Loop, Signal
 from bench.sim.worker import SimLoad, SimWorker
 from workers.engine.admission import AdmissionRule, Readiness
-from workers.engine.batching import PREFILL, STOP, WAIT, Scheduler, StepPlan, _Live
+from workers.engine.batching import STOP, WAIT, Scheduler, StepPlan, _Live
 from workers.engine.config import EngineConfig
 from workers.engine.workload import Request
 from workers.slots import SlotState
@@ -68,6 +68,8 @@ class _Step:
     held: list[list[int]]  # per rank: slots referenced by the step's acquire
     ranks_left: int
     compute_s: float = 0.0
+    tokens: int = 0  # the items' lengths summed (a prefill's prompt tokens)
+    adapters: int = 0  # distinct adapters among the items
 
 
 @dataclass
@@ -110,11 +112,7 @@ class SimReplica:
         previous = self.plan
         ready = self._readiness(previous.wanted) if self.rule.prefetch else {}
         s = self.scheduler
-        queued = [s.live[r.rid] for r in s.pending] + s.waiting if Readiness.FAILED in ready.values() else []
         self.plan = plan = s.plan(now, ready)
-        for live in queued:  # requests whose adapter failed to load leave with an error
-            if live.error is not None:
-                self.hooks.done(live.request.rid, now)
         queue = s.queue(plan)
         if queue != self._reported:  # rank 0 reports its waiting queue when it changes (serve_rank)
             self._reported = queue
@@ -139,20 +137,17 @@ class SimReplica:
             self._step(plan)
 
     def _readiness(self, wanted: tuple[str, ...]) -> dict[str, Readiness]:
-        """Each rank reports every adapter READY there and pins ``wanted`` (``RankEngine.readiness``); min over
-        ranks. Every simulated refusal is for lack of room (no reusable slot, host tier full), which the engine
-        does not report as a failure: the adapter stays wanted and is prefetched again next round."""
-        views: list[dict[str, int]] = []
+        """Each rank pins ``wanted`` and reports every adapter READY there (``RankEngine.readiness``); the
+        minimum over ranks: READY where every rank is. Every simulated refusal is for lack of room (no
+        reusable slot, host tier full), which the engine does not report as FAILED: the adapter stays
+        wanted and is prefetched again next round (so no request leaves with a load error here)."""
+        views = []
         for w in self.workers:
-            view = {slot.key.name: int(Readiness.READY) for slot in w.table.slots
-                    if slot.key is not None and slot.state is SlotState.READY}
-            view.update(dict.fromkeys(w.pin(wanted), int(Readiness.READY)))
-            views.append(view)
-        if len(views) == 1:
-            return {n: Readiness(v) for n, v in views[0].items()}
-        names = dict.fromkeys(n for view in views for n in view)
-        out = {n: Readiness(min(view.get(n, 0) for view in views)) for n in names}
-        return {n: r for n, r in out.items() if r is not Readiness.NOT_READY}
+            w.pin(wanted)  # pins only adapters READY there: nothing to add to the view
+            views.append([slot.key.name for slot in w.table.slots
+                          if slot.key is not None and slot.state is SlotState.READY])
+        everywhere = set.intersection(*map(set, views[1:])) if len(views) > 1 else None
+        return {n: Readiness.READY for n in views[0] if everywhere is None or n in everywhere}
 
     def _prefetch(self, plan: StepPlan) -> None:
         for rank in range(len(self.workers)):
@@ -195,7 +190,8 @@ class SimReplica:
     def _step(self, plan: StepPlan) -> None:
         named = [it.adapter for it in plan.items if it.adapter is not None]
         names = list(dict.fromkeys(named + list(plan.hold)))
-        step = _Step(plan, self.loop.now, [[] for _ in self.workers], len(self.workers), self.loop.now)
+        step = _Step(plan, self.loop.now, [[] for _ in self.workers], len(self.workers), self.loop.now,
+                     tokens=sum(it.length for it in plan.items), adapters=len(set(named)))
         for rank in range(len(self.workers)):
             self._acquire(step, rank, names, 0, True)
 
@@ -225,11 +221,7 @@ class SimReplica:
         step.compute_s = max(step.compute_s, self.loop.now)
         step.ranks_left -= 1
         if step.ranks_left == 0:
-            plan = step.plan
-            if plan.kind == PREFILL:
-                duration = self.calibration.prefill_s(sum(it.length for it in plan.items), len(plan.items))
-            else:
-                duration = self.calibration.decode_s(len(plan.items), len({it.adapter for it in plan.items} - {None}))
+            duration = self.calibration.step_s(step.plan.kind, len(step.plan.items), step.tokens, step.adapters)
             self.loop.at(step.compute_s + duration, self._finish_step, step)
 
     def _finish_step(self, step: _Step) -> None:
@@ -241,11 +233,10 @@ class SimReplica:
         for it in plan.items:
             if it.rid not in running:
                 self.hooks.done(it.rid, now)
-        adapters = len({it.adapter for it in plan.items} - {None})
         gap_ms = None if self._last_end is None else (step.start_s - self._last_end) * 1e3
         readiness_ms = self.calibration.readiness_ms if self.rule.prefetch and gap_ms is not None else 0.0
-        self.hooks.steps.append(StepRecord(self.name, plan.kind, len(plan.items), sum(it.length for it in plan.items),
-                                           adapters, step.start_s, step.compute_s, now, gap_ms, readiness_ms))
+        self.hooks.steps.append(StepRecord(self.name, plan.kind, len(plan.items), step.tokens, step.adapters,
+                                           step.start_s, step.compute_s, now, gap_ms, readiness_ms))
         self._last_end = now
         self._round()
 

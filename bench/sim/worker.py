@@ -38,7 +38,7 @@ from bench.sim.events import Loop, Signal
 from lora_cache.errors import CapacityError
 from lora_cache.planner import Command, Evict
 from lora_cache.planner.records import AdapterKey
-from workers.metrics import CacheCounters
+from workers.metrics import STATS_COUNTERS, CacheCounters
 from workers.slots import SlotState, SlotTable
 
 Delta = tuple[str, str, str, str]  # (adapter, version, loading|ready|gone|failed, error): what the controller takes
@@ -151,7 +151,6 @@ class SimWorker:
         self._loads: dict[int, SimLoad] = {}  # slot -> its load (LOADING or READY)
         self._pending: dict[AdapterKey, SimLoad] = {}  # staging on the host, no slot yet
         self._waiters: list[SimLoad] = []  # staged, waiting for a load to finish to free a slot
-        self._loading = 0  # slots in LOADING state
         self._pinned: dict[str, int] = {}  # the engine's pins (acquire_ready): adapter -> slot
         self._copy_free = 0.0  # when the copy stream is idle
 
@@ -176,12 +175,9 @@ class SimWorker:
 
     def counts(self) -> dict[str, int]:
         """The integer counters of ``stats()`` (cheap: no latency summaries)."""
-        c = self.counters
-        return {"gpu_hits": c.gpu_hits, "gpu_misses": c.gpu_misses, "prefetches": c.prefetches,
-                "demand_loads": c.demand_loads, "loads": c.loads, "load_failures": c.load_failures,
-                "evictions": c.evictions, "prefetch_used": c.prefetch_used, "prefetch_unused": c.prefetch_unused,
-                "bytes_host_to_gpu": c.bytes_host_to_gpu, "host_hits": self.host.hits,
-                "host_misses": self.host.misses, "bytes_disk_to_host": self.host.bytes_read}
+        host = {"host_hits": self.host.hits, "host_misses": self.host.misses,
+                "bytes_disk_to_host": self.host.bytes_read}
+        return {k: host[k] if k in host else getattr(self.counters, k) for k in STATS_COUNTERS}
 
     def stats(self) -> dict[str, object]:
         """``WorkerCache.stats()``'s keys."""
@@ -251,7 +247,7 @@ class SimWorker:
         if slot is None:
             if first:
                 self.counters.gpu_misses += 1
-            load = self._pending.get(key) or self.prefetch(name, on_demand=True)
+            load = self.prefetch(name, on_demand=True)  # the pending load, if one is in flight
             slot = self.table.lookup(key)  # a host-tier hit is placed at once
             if slot is None:
                 if load.ready.done:
@@ -301,7 +297,7 @@ class SimWorker:
         try:
             index, evicted = self.table.reserve(load.key)
         except CapacityError:
-            if self._loading and any(s.state is SlotState.LOADING and s.refs == 0 for s in self.table.slots):
+            if any(s.state is SlotState.LOADING and s.refs == 0 for s in self.table.slots):
                 self._waiters.append(load)
                 return
             del self._pending[load.key]
@@ -314,7 +310,6 @@ class SimWorker:
         self._changed(load.key, "loading")
         load.slot = index
         self._loads[index] = self._pending.pop(load.key)
-        self._loading += 1
         now = self.loop.now
         start = max(now, self._copy_free)
         self._copy_free = start + self.calibration.h2d_s(load.nbytes)
@@ -327,7 +322,6 @@ class SimWorker:
         now = self.loop.now
         self.table.mark_ready(load.slot)
         self._changed(load.key, "ready")
-        self._loading -= 1
         c = self.counters
         c.loads += 1
         c.bytes_host_to_gpu += load.nbytes
@@ -355,7 +349,6 @@ class SimWorker:
 
     def check_integrity(self) -> None:
         self.table.check_integrity()
-        assert self._loading == self.table.count(SlotState.LOADING), "loading count drifted"
         for s in self.table.slots:
             assert (s.key is not None) == (s.index in self._loads), f"slot {s.index} and its load disagree"
         assert not set(self._pending) & {s.key for s in self.table.slots}, "a pending load already has a slot"

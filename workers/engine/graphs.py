@@ -5,7 +5,7 @@ An eager decode step launches every op of every layer from Python: ~1,000 launch
 A graph replays the same launches in one call. What varies between steps lives in static device
 buffers that the graph reads and that each step refills before the replay:
 
-- ``rows`` / ``positions``: each item's KV row and position (one pinned host buffer, one copy);
+- ``rows`` / ``positions``: each item's KV row and position (one pinned host buffer, copied each step);
 - the LoRA op's ``BatchMeta`` (slot of each token, grouped tiles), refilled by ``LoraOp.begin``;
 - the slot pool and ``SlotMeta`` the kernels read, written by the cache's loads as they always are.
 
@@ -79,8 +79,7 @@ class DecodeGraphs:
         graph's output (valid until the next step); ``last`` holds them too, as after an eager step."""
         n = len(rows)
         b, kv = self.shape_of(n, max(positions) + 1)
-        self._fill(rows, positions, b)
-        self.lora.begin(list(slots) + [-1] * (b - n), [1] * b, prefill=False, stream=self.stream, always=True)
+        self._prepare(rows, positions, slots, b)
         graph, out = self.graphs.get((b, kv)) or self._capture(b, kv)
         graph.replay()
         return out[:n]
@@ -90,12 +89,12 @@ class DecodeGraphs:
         for b in self.batch_sizes:
             for kv in self.kv_lens:
                 if (b, kv) not in self.graphs:
-                    self._fill([], [], b)
-                    self.lora.begin([-1] * b, [1] * b, prefill=False, stream=self.stream, always=True)
+                    self._prepare([], [], [], b)
                     self._capture(b, kv)
 
-    def _fill(self, rows: Sequence[int], positions: Sequence[int], b: int) -> None:
-        """Items' rows and positions, pads (scratch row, position 0) after them, with one copy."""
+    def _prepare(self, rows: Sequence[int], positions: Sequence[int], slots: Sequence[int], b: int) -> None:
+        """A ``b``-bucket's inputs: the items' rows and positions (pads: scratch row, position 0) from one
+        pinned buffer, and their LoRA slots (pads: no adapter)."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the pinned buffer (it has by now)
         n = len(rows)
@@ -107,6 +106,7 @@ class DecodeGraphs:
             self.positions[:b].copy_(self._host[1, :b], non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record(self.stream)
+        self.lora.begin(list(slots) + [-1] * (b - n), [1] * b, prefill=False, stream=self.stream, always=True)
 
     def _capture(self, b: int, kv: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         with torch.cuda.stream(self.stream):

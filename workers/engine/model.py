@@ -108,10 +108,6 @@ class Rope:
         xf = x.float()
         return (xf * cos).addcmul_(xf.roll(x.shape[-1] // 2, -1), signed_sin).to(x.dtype)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] at positions [T]."""
-        return self.rotate(x, *self.rows(positions))
-
 
 class StepInputs(NamedTuple):
     """Where each item's tokens sit in the step's rows and in the KV cache."""

@@ -183,10 +183,6 @@ class RankEngine:
             self.cache.release(self._pinned)
             self._pinned = None
 
-    def _ready_here(self, names: tuple[str, ...] | list[str]) -> list[str]:
-        ready = self.cache.ready_names()
-        return [n for n in names if n in ready]
-
     # -- one round ---------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult | None:
         if plan.wanted or self._pinned is not None:
@@ -223,7 +219,7 @@ class RankEngine:
     def _step(self, plan: StepPlan) -> StepResult:
         wall, start = time.time(), time.perf_counter()
         named = [it.adapter for it in plan.items if it.adapter is not None]
-        unready = set(named) - set(self._ready_here(sorted(set(named))))
+        unready = set(named) - self.cache.ready_names()
         batch = self.cache.acquire(named + list(plan.hold)) if named or plan.hold else None
         load_wait = time.perf_counter() - start if unready else 0.0
         self._prefetch(plan.prefetch)  # after acquire: a load cannot evict what this step holds
