@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from workers.kernels.args import Launch, cached_plan
-from workers.kernels.bgmv import MIN
+from workers.kernels.bgmv import MIN, _expand_block
 from workers.kernels.launch import KernelCall
 from workers.kernels.meta import OFFSET_ALIGN, BatchMeta, SlotMeta
 from workers.kernels.tuning import interpreting, sgmv_config
@@ -31,17 +31,10 @@ BUILT_FOR_INTERPRETER = interpreting()  # @triton.jit decides at import: interpr
 def _expand_tile(scaled, b_ptr, rank, y_ptr, rows, sel, stride_y, col_f, n_lo, n_hi, BLOCK_N: tl.constexpr,
                  BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
     """y[rows where sel, col_f + n_lo : col_f + n_hi] += scaled @ B[n_lo:n_hi]^T, B = [out, rank] at b_ptr."""
-    offs_r = tl.arange(0, BLOCK_R)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        nmask = offs_n < n_hi
-        bt = tl.load(b_ptr + offs_n[None, :] * rank + offs_r[:, None],
-                     mask=(offs_r < rank)[:, None] & nmask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-        delta = tl.dot(scaled, bt, input_precision=PRECISION)
-        y_ptrs = y_ptr + rows[:, None] * stride_y + (col_f + offs_n)[None, :]
-        ymask = sel[:, None] & nmask[None, :]
-        old = tl.load(y_ptrs, mask=ymask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, (old + delta).to(y_ptr.dtype.element_ty), mask=ymask)
+        _expand_block(scaled, b_ptr, rank, y_ptr, rows, sel, stride_y, col_f, offs_n, offs_n < n_hi, BLOCK_R,
+                      PRECISION)
 
 
 @triton.jit(do_not_specialize=["meta_layer"])
