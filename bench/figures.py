@@ -59,6 +59,7 @@ def figures(run: PolicyRun) -> dict[str, Any]:
     ready = [float(x["ready_ms"]) for x in run.loads]
     out["median_time_to_ready_ms"] = _percentile(ready, 50)
     out["p99_time_to_ready_ms"] = _percentile(ready, 99)
+    out["gc_longest_ms"] = max((float(r.get("gc_longest_ms", 0.0)) for r in run.ranks), default=0.0)  # real runs
     out["wall_s"] = run.wall_s
     return out
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmark job's H200 runs (real engine, Llama-3.1-8B shapes, rank 16/64 adapters), one device call each.
-#   bash bench/gpu_bench.sh OUT smoke|seed|uniform|zipf|bursty|seed4|bursty4|fleet2|tp4 ...
+#   bash bench/gpu_bench.sh OUT smoke|seed|uniform|zipf|bursty|seed-s|uniform-s|zipf-s|bursty-s|seed4|bursty4|fleet2|fleet2-s|tp4 ...
 # (bench/gpu_parallel.sh runs several at once, each on its own GPUs.) Logs go to $LOGDIR (default OUT):
 # a device call brings back at most 8 files, so there keep them off $OUT (LOGDIR=/tmp/logs).
 # Each run writes OUT/NAME/results.json (plots are redrawn off the device: python -m bench.report).
@@ -24,6 +24,7 @@ for what in "$@"; do
     bursty4) run bursty4 "${common[@]}" --scenario bursty --requests 120 --max-adapters 4 --policies oracle,overlap ;;
     # shorter streams of the same scenarios, to fit a device call
     seed-s)  run seed "${common[@]}" --scenario seed --requests 100 ;;
+    uniform-s) run uniform "${common[@]}" --scenario uniform --requests 100 ;;
     zipf-s)  run zipf "${common[@]}" --scenario zipf --requests 100 ;;
     bursty-s) run bursty "${common[@]}" --scenario bursty --requests 120 ;;
     # two replicas (2 GPUs), each at the one-replica scenarios' load

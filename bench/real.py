@@ -25,6 +25,7 @@ import ray
 
 from bench.figures import PolicyRun
 from bench.policies import BenchPolicy
+from lora_cache import heap
 from lora_cache.catalog import CatalogConfig
 from lora_cache.client import Hint, LoraCacheClient
 from lora_cache.controller import CONTROLLER_NAME, NAMESPACE
@@ -103,6 +104,7 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
             ray.get([h.preload.remote(names) for hs in ranks.values() for h in hs], timeout=config.timeout_s)
         _build(ranks, engine, config.timeout_s)
         since_wall = time.time()  # counters and the load log from here: hinted loads may precede the clock
+        heap.freeze()  # the router's hints and the gateway are not stalled by full collections (thawed below)
         before = _stats(ranks)
         routed = route(workload.requests, config.replicas)
         inflight = -(-workload.inflight // config.replicas) if workload.inflight else 0
@@ -122,6 +124,7 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
             raise RuntimeError(f"router: {router.errors} hint calls failed; first: {router.first_error}")
         return run
     finally:
+        heap.thaw()
         if gateway is not None:
             gateway.stop()
         _stop(service)
@@ -181,10 +184,12 @@ def _collect(policy: BenchPolicy, ranks: dict[str, list[Any]], results: list[Any
     after = _stats(ranks)
     logs = dict(zip(after, ray.get([h.load_log.remote() for hs in ranks.values() for h in hs], timeout=60)))
     stats, loads = [], []
+    engines = {(replica, s.rank): s for replica, res in zip(ranks, results) for s in res.ranks}
     for (replica, rank), now in after.items():
         then = before[(replica, rank)]
         stats.append({"replica": replica, "rank": rank, **{k: v - then[k] if k in COUNTERS else v
-                                                           for k, v in now.items() if k not in SUMMARIES}})
+                                                           for k, v in now.items() if k not in SUMMARIES},
+                      **engines[(replica, rank)].gc})  # the engine process's collector pauses
         loads += [{"t_s": t - start_wall, "replica": replica, "rank": rank, "adapter": rec.adapter,
                    "nbytes": rec.nbytes, "ready_ms": rec.ready_ms, "h2d_ms": rec.h2d_ms, "disk_ms": rec.disk_ms,
                    "host_hit": rec.host_hit} for t, rec in logs[(replica, rank)] if t >= since_wall]

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import ray
 
+from lora_cache import heap
 from lora_cache.control import ControllerConfig, ControllerCore, HintOutcome, WorkerId
 from lora_cache.errors import ConflictError
 from lora_cache.metrics import ControllerMetrics
@@ -57,6 +58,7 @@ class ControllerActor:
         self._events = asyncio.Condition()
         self.rejected = 0
         self.draining: set[str] = set()  # unregistered adapters that workers may still hold
+        heap.freeze()  # plans and hints are not stalled by full collections walking Ray's objects
 
     async def _start(self) -> None:
         async with self._start_lock:

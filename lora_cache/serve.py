@@ -19,6 +19,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from lora_cache import heap
 from lora_cache.catalog import CatalogConfig
 from lora_cache.cluster import connect
 from lora_cache.control import ControllerConfig, WorkerId
@@ -127,6 +128,7 @@ def serve_forever(service: Service, duration_s: float = 0.0, before_stop: Callab
     print(f"lora-cache serving: {len(service.workers)} workers in {status['replicas']}, {status['adapters']} "
           f"adapters, epoch {status['epoch']}; Ctrl-C to stop", flush=True)
     deadline = time.monotonic() + duration_s if duration_s > 0 else float("inf")
+    heap.freeze()  # the gateway's calls (hints, lookups) are not stalled by full collections of this process
     while not stop.wait(min(1.0, max(0.0, deadline - time.monotonic()))) and time.monotonic() < deadline:
         pass
     print("lora-cache: shutting down", flush=True)

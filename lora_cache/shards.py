@@ -9,6 +9,7 @@ is one host-to-device copy. Offsets follow each adapter's own ranks: mixed ranks
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -110,12 +111,23 @@ def shard_layout(spec: AdapterSpec, shape: ModelShape, tp: int, rank: int, dtype
     """The packed layout of TP rank ``rank`` of ``tp`` for ``spec``'s adapter."""
     if tp < 1 or not 0 <= rank < tp:
         raise ConfigError(f"TP rank {rank} of size {tp} is invalid: need tp >= 1 and 0 <= rank < tp")
+    entries, numel = _packed(tuple((m.layer, m.module, m.rank) for m in spec.modules), shape, tp, rank, dtype)
+    return ShardLayout(spec.name, spec.version, tp, rank, dtype, entries, spec.modules, numel)
+
+
+@functools.lru_cache(maxsize=1024)
+def _packed(modules: tuple[tuple[int, str, int], ...], shape: ModelShape, tp: int, rank: int,
+            dtype: torch.dtype) -> tuple[tuple[ShardEntry, ...], int]:
+    """The entries and size of a shard of adapters with these (layer, module, rank)s. Adapters that adapt
+    the same modules at the same ranks share one (a fleet's thousands of adapters have a few such
+    patterns): building one is ~2 ms of Python for an 8B model, which a demand load would otherwise pay
+    before its read starts."""
     entries, offset = [], 0
-    for m in spec.modules:
-        for ab, rows, cols, sub in _entries(m, shape, tp, rank):
-            entries.append(ShardEntry(m.layer, m.module, ab, peft_key(m.layer, m.module, ab), rows, cols, sub, offset))
+    for layer, module, r in modules:
+        for ab, rows, cols, sub in _entries(LoraModule(layer, module, r, 1.0), shape, tp, rank):
+            entries.append(ShardEntry(layer, module, ab, peft_key(layer, module, ab), rows, cols, sub, offset))
             offset += _align(sub[0] * sub[1], dtype.itemsize)
-    return ShardLayout(spec.name, spec.version, tp, rank, dtype, tuple(entries), spec.modules, offset)
+    return tuple(entries), offset
 
 
 def max_shard_numel(shape: ModelShape, tp: int, max_rank: int, dtype: torch.dtype,

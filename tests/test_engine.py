@@ -7,6 +7,7 @@ and equal to an explicit torch computation of base + LoRA.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import threading
@@ -219,7 +220,7 @@ def test_overlap_never_runs_a_request_before_its_adapter_is_ready(tp2_overlap: E
 def test_step_logs_time_the_host_work_between_steps(tp1_ondemand: EngineResult, tp2_overlap: EngineResult) -> None:
     """Each step logs the loop's host time since the previous step (``gap_ms``, what the simulator charges
     as ``round_ms``), for rules that prefetch the readiness exchange's share of it, and its wall-clock
-    start (to line steps up with the loads beside them)."""
+    start (to line steps up with the loads beside them), and how long the garbage collector stopped it."""
     for result, exchanges in ((tp1_ondemand, False), (tp2_overlap, True)):
         for stats in result.ranks:
             log = stats.step_log
@@ -231,6 +232,23 @@ def test_step_logs_time_the_host_work_between_steps(tp1_ondemand: EngineResult, 
                 assert (s.readiness_ms > 0) == exchanges
             starts = [s.wall_s for s in log]
             assert starts == sorted(starts), "start times (the loads' clock) in step order"
+            assert all(0 <= s.gc_ms <= s.ms for s in log), "a step's collector stall is part of its time"
+            assert sum(s.gc_ms for s in log) <= stats.gc["gc_total_ms"] + 1e-9 and stats.gc["gc_collections"] > 0
+
+
+def test_the_heap_is_frozen_while_serving_and_thawed_after(adapters: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No full collection walks the built engine mid-run (lora_cache/heap.py), and nothing stays frozen."""
+    frozen: list[int] = []
+    plan = Scheduler.plan
+
+    def recording(self: Scheduler, *args: Any, **kwargs: Any) -> Any:
+        frozen.append(gc.get_freeze_count())
+        return plan(self, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "plan", recording)
+    run_engine(engine_config(adapters, admission="ondemand"), REQUESTS[:3])
+    assert frozen and min(frozen) > 1000
+    assert gc.get_freeze_count() == 0
 
 
 def test_overlap_serves_ready_adapters_while_one_loads(adapters: Path, monkeypatch: pytest.MonkeyPatch) -> None:

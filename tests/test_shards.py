@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -109,6 +110,19 @@ def test_mixed_ranks_are_not_padded(catalog: AdapterCatalog) -> None:
         assert n16 == max_shard_numel(TINY, tp, 16, BF16)  # a full rank-16 adapter fills a max_rank-16 slot
         assert n8 == max_shard_numel(TINY, tp, 8, BF16)
         assert n8 < max_shard_numel(TINY, tp, 16, BF16)
+
+
+def test_adapters_of_one_rank_pattern_share_one_packed_layout(catalog: AdapterCatalog) -> None:
+    """A layout is built once per (modules, ranks) pattern: a demand load of a new adapter builds none."""
+    r8 = catalog.get("adapter-000")
+    twin = dataclasses.replace(r8, name="twin", version="v2")
+    for tp in TPS:
+        for k in range(tp):
+            a, b = shard_layout(r8, TINY, tp, k, BF16), shard_layout(twin, TINY, tp, k, BF16)
+            assert a.entries is b.entries and a.numel == b.numel
+            assert (b.adapter, b.version, b.modules) == ("twin", "v2", r8.modules)
+    other = shard_layout(catalog.get("adapter-001"), TINY, 2, 0, BF16)
+    assert other.entries is not shard_layout(r8, TINY, 2, 0, BF16).entries  # rank 16, not 8
 
 
 def test_per_module_ranks_follow_the_spec(

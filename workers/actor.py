@@ -19,6 +19,7 @@ from typing import Any
 import ray
 import torch
 
+from lora_cache import heap
 from lora_cache.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.controller import CONTROLLER_NAME, NAMESPACE
 from lora_cache.errors import NotFoundError
@@ -119,6 +120,7 @@ class WorkerActor:
         # no controller yet (it adopts this worker from describe() when it starts).
         with contextlib.suppress(ValueError):
             ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE).worker_started.remote(name, self.outbox.incarnation)
+        heap.freeze()  # loads and reports are not stalled by full collections walking the built actor
 
     def unregister_adapter(self, name: str) -> bool:
         """Forget ``name`` (the controller drained it first); False if it was not registered here."""
@@ -230,6 +232,7 @@ class WorkerActor:
             return HostedEngine.strip(self.engine.run(requests, start_wall, inflight, report))
         finally:
             self.engine.close()
+            heap.freeze()  # the run thawed the heap: collect what the engine left, freeze the rest again
 
     def shutdown(self) -> None:
         self.metrics.stop()

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lora_cache import heap
 from lora_cache.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.errors import CapacityError, ConfigError, LoraCacheError
 from workers.cache import Batch, WorkerCache, WorkerConfig
@@ -66,6 +67,7 @@ class StepLog(NamedTuple):
     # round or none before): the engine loop's host work between steps (scheduling, reports, readiness)
     readiness_ms: float  # of the gap, in the readiness exchange (0: the admission rule does not prefetch)
     wall_s: float  # time.time() at its start: to line steps up with loads (ReadinessRecord times) across ranks
+    gc_ms: float = 0.0  # of ``ms``, stopped for the cyclic garbage collector (lora_cache/heap.py)
 
 
 @dataclass
@@ -77,6 +79,7 @@ class RankStats:
     prefill_steps: int = 0
     unready_items: int = 0
     cache: dict[str, Any] = field(default_factory=dict)  # WorkerCache.stats() at the end
+    gc: dict[str, float] = field(default_factory=dict)  # heap.Pauses.summary() over the engine's life
     step_log: list[StepLog] = field(default_factory=list)
 
 
@@ -124,6 +127,8 @@ class RankEngine:
         self._loads: dict[str, Future[ReadinessRecord]] = {}  # last prefetch per adapter (failures reported once)
         self._last_end: float | None = None  # perf_counter at the last step's end (None: a WAIT round since)
         self._readiness_s = 0.0  # time in readiness() since the last step
+        self.pauses = heap.Pauses()  # the collector's stalls, per step in the log (stopped by close)
+        self.pauses.start()
 
     def _make_cache(self) -> WorkerCache:
         c = self.config
@@ -217,7 +222,7 @@ class RankEngine:
             time.sleep(1e-3 if timeout is None else timeout)  # nothing loading: the next arrival
 
     def _step(self, plan: StepPlan) -> StepResult:
-        wall, start = time.time(), time.perf_counter()
+        wall, start, gc_ms = time.time(), time.perf_counter(), self.pauses.total_ms
         named = [it.adapter for it in plan.items if it.adapter is not None]
         unready = set(named) - self.cache.ready_names()
         batch = self.cache.acquire(named + list(plan.hold)) if named or plan.hold else None
@@ -239,7 +244,7 @@ class RankEngine:
         gap = None if self._last_end is None else (start - self._last_end) * 1e3
         self.stats.step_log.append(StepLog(plan.kind, len(items), sum(it.length for it in items), len(set(named)),
                                            (end - start) * 1e3, load_wait * 1e3, gap, self._readiness_s * 1e3,
-                                           wall))
+                                           wall, self.pauses.total_ms - gc_ms))
         self._last_end, self._readiness_s = end, 0.0
         return StepResult(start, end, load_wait, outputs)
 
@@ -305,6 +310,8 @@ class RankEngine:
             self.stream.synchronize()  # the step's tokens are ready: what an engine's sampling waits for
 
     def close(self) -> RankStats:
+        self.pauses.stop()
+        self.stats.gc = self.pauses.summary()
         self.unpin()
         self.stats.cache = self.cache.stats()
         self.cache.check_integrity()
