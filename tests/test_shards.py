@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -123,6 +124,31 @@ def test_adapters_of_one_rank_pattern_share_one_packed_layout(catalog: AdapterCa
             assert (b.adapter, b.version, b.modules) == ("twin", "v2", r8.modules)
     other = shard_layout(catalog.get("adapter-001"), TINY, 2, 0, BF16)
     assert other.entries is not shard_layout(r8, TINY, 2, 0, BF16).entries  # rank 16, not 8
+
+
+@pytest.mark.parametrize("tp", (1, 2))
+def test_unaligned_and_other_dtype_files_read_exactly(
+    tmp_path: Path, tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog], tp: int
+) -> None:
+    """An fp32 file read into a bf16 slot is converted; a header padded by one byte (every tensor then
+    starts off its element alignment) reads the same values."""
+    src = tiny_adapters(count=1, rank="8", dtype="float32")[0]
+    data = (src / "adapter_model.safetensors").read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    shutil.copytree(src, src.parent / "shifted")
+    (src.parent / "shifted" / "adapter_model.safetensors").write_bytes(
+        (n + 1).to_bytes(8, "little") + data[8 : 8 + n] + b" " + data[8 + n :])
+    catalog = make_catalog(src.parent)
+    for name in (src.name, "shifted"):
+        spec = catalog.get(name)
+        full = full_tensors(spec)
+        for k in range(tp):
+            lay = shard_layout(spec, TINY, tp, k, BF16)
+            buf, read = packed(spec, lay)
+            assert read == sum(e.numel for e in lay.entries) * 4  # fp32 bytes of this rank's slices only
+            for e in lay.entries:
+                want = full[e.key][e.rows, e.cols].to(BF16)
+                assert torch.equal(buf[e.offset : e.offset + e.numel].view(e.shape), want), (name, e.key)
 
 
 def test_per_module_ranks_follow_the_spec(

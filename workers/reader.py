@@ -1,32 +1,105 @@
-"""Read only this rank's slices of an adapter file into a packed staging buffer (lifecycle step 5)."""
+"""Read only this rank's slices of an adapter file into a packed staging buffer (lifecycle step 5).
+
+The file is memory-mapped and every slice is copied in one ``torch._foreach_copy_`` call, which runs with
+the GIL released: a load reads beside an engine's steps in the same process, and each of the engine's
+kernel launches releases and retakes the GIL. A reader that takes the GIL once per matrix (safetensors'
+``get_slice``, 2x slower steps per read in flight on the H200; ``os.preadv`` per matrix, 1.3x) makes
+those launches wait; this one takes it for the ~1 ms that building the views costs (bench/RESULTS.md,
+``python -m bench.reader_probe``). The safetensors header is parsed once per file version.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
+import math
+import mmap
+from typing import NamedTuple
+
 import torch
-from safetensors import safe_open
 
 from lora_cache.errors import AdapterFormatError
 from lora_cache.peft import AdapterSpec
 from lora_cache.shards import ShardLayout
 
+# safetensors dtype names an adapter file may use
+DTYPES: dict[str, torch.dtype] = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+                                  "F64": torch.float64}
+
+
+class FileTensor(NamedTuple):
+    """Where one tensor's bytes are in the file (row-major)."""
+
+    dtype: str  # safetensors name
+    shape: tuple[int, ...]
+    start: int  # byte offset of its first element in the file
+
 
 def read_shard(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor) -> int:
     """Fill ``dest`` (1-D, ``layout.dtype``, >= ``layout.numel``) with the shard; returns bytes read.
 
-    Each matrix is read with ``get_slice`` so a rank never reads the other ranks' parts of the file.
+    A rank reads only its parts of each matrix (strided views of the mapped file); a file tensor of
+    another dtype is converted as it is copied.
     """
     _check_unchanged(spec)
-    read = 0
     try:
-        with safe_open(str(spec.weights), framework="pt") as f:
-            for e in layout.entries:
-                part = f.get_slice(e.key)[e.rows, e.cols]
-                dest[e.offset : e.offset + e.numel].view(e.shape).copy_(part)
-                read += part.numel() * part.element_size()
-    except Exception as e:  # safetensors reports truncation and I/O errors with its own types
-        raise AdapterFormatError(f"{spec.weights}: reading the TP {layout.rank}/{layout.tp} shard failed ({e}); "
+        index = tensor_index(str(spec.weights), spec.version, spec.file_bytes)
+        with open(spec.weights, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: nothing is written back
+        try:
+            return _copy_slices(mapped, index, layout, dest)
+        finally:
+            with contextlib.suppress(BufferError):  # a view still alive in a traceback: unmapped when it dies
+                mapped.close()
+    except (AdapterFormatError, OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
+        why = str(e) if isinstance(e, AdapterFormatError) else f"{type(e).__name__}: {e}"
+        raise AdapterFormatError(f"{spec.weights}: reading the TP {layout.rank}/{layout.tp} shard failed ({why}); "
                                  "the file may be truncated or corrupt: re-copy it and register again") from e
+
+
+def _copy_slices(mapped: mmap.mmap, index: dict[str, FileTensor], layout: ShardLayout, dest: torch.Tensor) -> int:
+    file = torch.frombuffer(mapped, dtype=torch.uint8)
+    sources, targets, read = [], [], 0
+    for e in layout.entries:
+        t = index[e.key]
+        if t.dtype not in DTYPES:
+            raise AdapterFormatError(f"tensor {e.key!r} is {t.dtype}, not one of {sorted(DTYPES)}")
+        dtype = DTYPES[t.dtype]
+        numel = math.prod(t.shape)
+        if t.start % dtype.itemsize:  # not aligned to its element: a view of its own
+            whole = torch.frombuffer(mapped, dtype=dtype, count=numel, offset=t.start)
+        else:
+            whole = file[t.start : t.start + numel * dtype.itemsize].view(dtype)
+        sources.append(whole.view(t.shape)[e.rows, e.cols])
+        targets.append(dest[e.offset : e.offset + e.numel].view(e.shape))
+        read += e.numel * dtype.itemsize
+    torch._foreach_copy_(targets, sources)  # one call, the GIL released for every copy
     return read
+
+
+@functools.lru_cache(maxsize=4096)
+def tensor_index(path: str, version: str, size: int) -> dict[str, FileTensor]:
+    """key -> where its bytes are, from the safetensors header of ``path`` (``version`` and ``size`` key the
+    cache: a new version of the file is parsed again). Every tensor must lie inside the file."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if not 0 < n <= size - 8:
+            raise AdapterFormatError(f"its safetensors header length {n} does not fit the {size}-byte file")
+        header = json.loads(f.read(n))
+    index = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        shape = tuple(int(d) for d in info["shape"])
+        itemsize = DTYPES[info["dtype"]].itemsize if info["dtype"] in DTYPES else None
+        mismatched = itemsize is not None and end - begin != math.prod(shape) * itemsize
+        if mismatched or not 0 <= begin <= end <= size - 8 - n:
+            raise AdapterFormatError(f"tensor {key!r} ({info['dtype']} {list(shape)}) has byte range [{begin}, {end}) "
+                                     "that does not match its shape or the file")
+        index[key] = FileTensor(info["dtype"], shape, 8 + n + begin)
+    return index
 
 
 def _check_unchanged(spec: AdapterSpec) -> None:
