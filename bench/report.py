@@ -3,6 +3,7 @@ configuration, and PNG plots (TTFT CDF per policy; GPU hit rate and bytes moved 
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import sys
@@ -53,7 +54,7 @@ def write(out: Path, config: dict[str, Any], runs: list[PolicyRun], plots: bool 
     """Write ``results.json`` (and the plots) under ``out``; returns the JSON document."""
     out.mkdir(parents=True, exist_ok=True)
     doc = _document(config, {key: {run.policy: of(run) for run in runs} for key, of in SECTIONS.items()})
-    (out / "results.json").write_text(json.dumps(doc, indent=1, default=_json_default))
+    write_results(out / "results.json", doc)
     if plots:
         plot(out, doc)
     return doc
@@ -71,6 +72,26 @@ def _record(r: Any) -> dict[str, Any]:
     return {"rid": r.rid, "adapter": r.adapter, "input_len": r.input_len, "output_len": r.output_len,
             "arrival_s": r.arrival_s, "prefill_s": r.prefill_s, "first_token_s": r.token_s[0] if r.token_s else None,
             "finish_s": r.token_s[-1] if r.token_s else None, "load_wait_s": r.load_wait_s, "error": r.error}
+
+
+def read_results(path: Path) -> dict[str, Any]:
+    """A results file as bench.run wrote it, or gzipped (``results.json.gz``: how the repository keeps them)."""
+    try:
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+        return dict(json.loads(text))
+    except FileNotFoundError as e:
+        raise ConfigError(f"results {path}: no such file; give a results.json (.gz) that bench.run wrote") from e
+    except (json.JSONDecodeError, gzip.BadGzipFile, EOFError, UnicodeDecodeError) as e:
+        raise ConfigError(f"results {path}: not a results JSON ({e}); give a results.json that bench.run wrote") from e
+
+
+def write_results(path: Path, doc: dict[str, Any]) -> None:
+    """Write ``doc`` as JSON, gzipped if ``path`` ends in .gz."""
+    text = json.dumps(doc, indent=1, default=_json_default)
+    if path.suffix == ".gz":
+        path.write_bytes(gzip.compress(text.encode(), mtime=0))
+    else:
+        path.write_text(text)
 
 
 def _json_default(value: Any) -> Any:
@@ -163,12 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m bench.report", description=main.__doc__)
-    parser.add_argument("results", type=Path, nargs="+", help="results.json written by bench.run")
+    parser.add_argument("results", type=Path, nargs="+", help="results.json written by bench.run (or .json.gz)")
     parser.add_argument("--merge", type=Path, help="merge the given results into this file")
     parser.add_argument("--no-plots", action="store_true", help="only print the table")
     ns = parser.parse_args(argv)
     try:
-        docs = [json.loads(p.read_text()) for p in ns.results]
+        docs = [read_results(p) for p in ns.results]
         if ns.merge is None and len(docs) > 1:
             raise ConfigError("several results given: pass --merge OUT.json to merge them, or give one")
         doc = docs[0] if ns.merge is None else merge(docs, [str(p) for p in ns.results])
@@ -177,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     where = ns.results[0] if ns.merge is None else ns.merge
     if ns.merge is not None:
-        ns.merge.write_text(json.dumps(doc, indent=1, default=_json_default))
+        write_results(ns.merge, doc)
     print(doc["table"])
     if not ns.no_plots:
         plot(where.parent, doc)

@@ -9,7 +9,7 @@ import pytest
 from bench.figures import PolicyRun, figures, goals, timeline
 from bench.policies import BENCH_POLICIES, parse_policies
 from bench.report import main as report_main
-from bench.report import write
+from bench.report import read_results, write, write_results
 from bench.run import build_parser, configs
 from lora_cache.errors import ConfigError
 from workers.engine.timings import RequestRecord
@@ -110,3 +110,15 @@ def test_runs_of_one_configuration_merge_and_others_are_refused(tmp_path, capsys
     err = capsys.readouterr().err
     assert "another configuration" in err and "slots" in err, err
     assert report_main(parts) == 2, "several results without --merge"
+
+
+def test_results_are_read_plain_or_gzipped_and_bad_files_are_named(tmp_path, capsys) -> None:
+    doc = write(tmp_path, {"workload": {"popularity": "zipf:1.5"}, "title": "t"}, [_run("ondemand")], plots=False)
+    write_results(tmp_path / "results.json.gz", doc)
+    assert read_results(tmp_path / "results.json.gz") == read_results(tmp_path / "results.json")
+    assert report_main([str(tmp_path / "results.json.gz"), "--no-plots"]) == 0
+    assert "ondemand" in capsys.readouterr().out
+    (tmp_path / "bad.json.gz").write_bytes(b"not gzip")
+    for bad in ("bad.json.gz", "missing.json"):
+        with pytest.raises(ConfigError, match=bad):
+            read_results(tmp_path / bad)
