@@ -59,7 +59,7 @@ from bench.policies import BENCH_POLICIES, BenchPolicy
 from bench.report import read_results
 from bench.run import BenchConfig, _run_sim
 from bench.sim import SimConfig, simulate
-from bench.sim.calibration import OUTLIER_FACTOR, Calibration, fit_calibration, load_calibration
+from bench.sim.calibration import OUTLIER_FACTOR, Calibration, fit_calibration, load_calibration, read_overlaps
 from bench.workloads import Workload, WorkloadSpec, make_workload
 from lora_cache.errors import ConfigError
 from workers.engine.admission import ADMISSION
@@ -86,7 +86,11 @@ def compare(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workl
     all_loads = [x for run in loads.values() for x in run] if isinstance(loads, Mapping) else list(loads)
     base = load_calibration("h200-llama8b")
     source = "the real run's step and load logs"
-    pooled = fit_calibration(all_steps, all_loads, name=f"fitted-{bench.model}", source=source, base=base)
+    reads = ({p: read_overlaps(run, loads[p]) for p, run in steps.items()}  # each policy's run: its own clock
+             if isinstance(steps, Mapping) and isinstance(loads, Mapping) else None)
+    all_reads = [r for run in reads.values() for r in run] if reads is not None else read_overlaps(all_steps, all_loads)
+    pooled = fit_calibration(all_steps, all_loads, name=f"fitted-{bench.model}", source=source, base=base,
+                             reads=all_reads)
     out: dict[str, Any] = {"fit": fit, "calibration": dataclasses.asdict(pooled), "policies": {}}
     workload = _shift(workload, bench.hint_lead_s)
     for policy in policies:
@@ -95,7 +99,8 @@ def compare(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workl
         if fit == "per-policy" and isinstance(loads, Mapping):  # (checked above) its own loads, unless it
             own_loads = loads[policy.name] if len(loads[policy.name]) >= 2 else all_loads  # made too few to fit
             calib = fit_calibration(own_steps, own_loads, name=f"fitted-{bench.model}-{policy.name}",
-                                    source=f"{source} of {policy.name}", base=pooled)  # e.g. disk: no miss
+                                    source=f"{source} of {policy.name}", base=pooled,  # e.g. disk: no miss
+                                    reads=reads[policy.name] if reads is not None else None)
             out.setdefault("calibrations", {})[policy.name] = dataclasses.asdict(calib)
         config: dict[str, Any] = {}
         (sim,) = _run_sim(bench, [policy], workload, config, calib)
@@ -107,8 +112,11 @@ def compare(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workl
             if stalls["steps"]:
                 out.setdefault("stalls", {})[policy.name] = stalls
         if noise:
-            ratios = {kind: step_ratios([s for s in (own_steps if fit == "per-policy" else all_steps)
-                                         if s["kind"] == kind], calib) for kind in ("prefill", "decode")}
+            logged, beside = ((own_steps, reads[policy.name]) if fit == "per-policy" and reads is not None
+                              else (all_steps, all_reads))
+            ratios = {kind: step_ratios([s for s in logged if s["kind"] == kind], calib,
+                                        [r for s, r in zip(logged, beside) if s["kind"] == kind])
+                      for kind in ("prefill", "decode")}
             ratios.update(load_ratios(own_loads, calib))
             sim_config = SimConfig(**config["sim"])  # as _run_sim made it, without a progress bar per run
             runs = [figures(simulate(sim_config, policy, workload, NoisyCalibration.wrap(calib, ratios, seed + i))
@@ -131,8 +139,8 @@ def _shift(workload: Workload, lead_s: float) -> Workload:
                                                   for r in workload.requests])
 
 
-def _fitted_ms(step: Mapping[str, Any], calib: Calibration) -> float:
-    return calib.step_s(step["kind"], step["items"], step["tokens"], step["adapters"]) * 1e3
+def _fitted_ms(step: Mapping[str, Any], calib: Calibration, reads: float = 0.0) -> float:
+    return calib.step_s(step["kind"], step["items"], step["tokens"], step["adapters"], reads) * 1e3
 
 
 def step_stalls(steps: Sequence[Mapping[str, Any]], calib: Calibration) -> dict[str, Any]:
@@ -144,13 +152,15 @@ def step_stalls(steps: Sequence[Mapping[str, Any]], calib: Calibration) -> dict[
                          "ms": ms} for s, ms, _ in sorted(found, key=lambda x: -x[1])[:5]]}
 
 
-def step_ratios(steps: Sequence[Mapping[str, Any]], calib: Calibration) -> list[float]:
-    """Each step's compute over its fitted cost, in log order (stalls and steps that waited left out)."""
+def step_ratios(steps: Sequence[Mapping[str, Any]], calib: Calibration,
+                reads: Sequence[float] | None = None) -> list[float]:
+    """Each step's compute over its fitted cost with the disk reads beside it (``reads``, aligned with
+    ``steps``; none if not given), in log order (stalls and steps that waited left out)."""
     out = []
-    for s in steps:
+    for s, beside in zip(steps, reads if reads is not None else [0.0] * len(steps)):
         if s.get("load_wait_ms"):
             continue
-        fit = _fitted_ms(s, calib)
+        fit = _fitted_ms(s, calib, beside)
         if fit > 0 and s["ms"] <= OUTLIER_FACTOR * fit:
             out.append(s["ms"] / fit)
     return out

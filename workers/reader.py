@@ -4,8 +4,10 @@ The file is memory-mapped and every slice is copied in one ``torch._foreach_copy
 the GIL released: a load reads beside an engine's steps in the same process, and each of the engine's
 kernel launches releases and retakes the GIL. A reader that takes the GIL once per matrix (safetensors'
 ``get_slice``, 2x slower steps per read in flight on the H200; ``os.preadv`` per matrix, 1.3x) makes
-those launches wait; this one takes it for the ~1 ms that building the views costs (bench/RESULTS.md,
-``python -m bench.reader_probe``). The safetensors header is parsed once per file version.
+those launches wait; this one holds it only while it builds the views (~1 ms), though a step beside one
+read still runs ~1.4x slower, for a cause not yet separated (bench/RESULTS.md, ``python -m
+bench.reader_probe``). The safetensors header is parsed once per file version. A file cut short while
+it is being read, after the size check, faults the process, as safetensors' own mapping did.
 """
 
 from __future__ import annotations

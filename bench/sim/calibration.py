@@ -42,6 +42,13 @@ cannot tell (slot dtype, control latencies, disk costs without a host-tier miss)
   ``OUTLIER_FACTOR`` times the median dropped first). On the H200 these were 0.05 ms and 0.4-0.9 ms:
   at the ~92% busy engine of the benchmark scenarios, leaving them out made every simulated TTFT of a
   prefetching policy 10-40% low. Logs without them (older runs) keep ``base``'s.
+- Reads beside steps: a worker's disk reads run in the engine's process, and a step with reads in
+  flight runs slower (H200, two replicas: prefills ~1.4x beside one read, decode steps ~1.03x).
+  ``read_overlaps`` counts, per step, the reads on its replica's rank 0 weighted by the share of the
+  step they overlapped; the step models are fitted on the steps with none (when there are
+  ``MIN_CLEAN_STEPS``), and each kind's ``*_read_slowdown`` is then the least-squares fraction of its
+  fitted cost that one read adds. The simulator charges it for the reads in flight on rank 0 when a
+  step starts.
 - Loads: host->GPU from every load (``h2d_ms`` on ``nbytes``: the slope gives ``h2d_gbps``);
   disk->host from the loads that missed the host tier (``disk_ms`` on ``nbytes``: ``disk_fixed_ms``
   and ``disk_gbps``); both by the same least squares (slow reads, beside other reads or steps, are
@@ -95,6 +102,8 @@ class Calibration:
     h2d_gbps: float = _cost(math.inf, "host -> GPU copy bandwidth of one rank, GB/s")
     disk_fixed_ms: float = _cost(0.0, "a disk -> host read: fixed cost")
     disk_gbps: float = _cost(math.inf, "disk -> host read bandwidth of one reader thread, GB/s")
+    prefill_read_slowdown: float = _cost(0.0, "prefill step: extra cost, as a fraction, per disk read beside it")
+    decode_read_slowdown: float = _cost(0.0, "decode step: extra cost, as a fraction, per disk read beside it")
     report_latency_ms: float = _cost(0.0, "engine/router/worker -> controller message latency")
     command_latency_ms: float = _cost(0.0, "controller plan -> worker command latency")
 
@@ -103,9 +112,10 @@ class Calibration:
             raise ConfigError(f"calibration {self.name!r}: slot_dtype is {self.slot_dtype!r}; use one of {SLOT_DTYPES}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name.endswith("_ms") and (isinstance(value, bool) or not isinstance(value, int | float)
+            if f.name.endswith(("_ms", "_slowdown")) and (isinstance(value, bool) or not isinstance(value, int | float)
                                            or not math.isfinite(value) or value < 0):
-                raise ConfigError(f"calibration {self.name!r}: {f.name} is {value!r}; give milliseconds >= 0")
+                raise ConfigError(f"calibration {self.name!r}: {f.name} is {value!r}; give a finite number >= 0 "
+                                  "(milliseconds, or a fraction for a slowdown)")
             if f.name.endswith("_gbps") and (isinstance(value, bool) or not isinstance(value, int | float)
                                              or math.isnan(value) or value <= 0):
                 raise ConfigError(f"calibration {self.name!r}: {f.name} is {value!r}; give GB/s > 0 "
@@ -118,9 +128,12 @@ class Calibration:
     def decode_s(self, items: int, adapters: int) -> float:
         return (self.decode_base_ms + self.decode_per_item_ms * items + self.decode_per_adapter_ms * adapters) / 1e3
 
-    def step_s(self, kind: str, items: int, tokens: int, adapters: int) -> float:
-        """A step's compute: ``prefill_s`` for a prefill, else ``decode_s``."""
-        return self.prefill_s(tokens, items) if kind == "prefill" else self.decode_s(items, adapters)
+    def step_s(self, kind: str, items: int, tokens: int, adapters: int, reads: float = 0.0) -> float:
+        """A step's compute: ``prefill_s`` for a prefill, else ``decode_s``, slower by its kind's
+        ``*_read_slowdown`` per disk read in flight beside it (``reads``) in the same process."""
+        if kind == "prefill":
+            return self.prefill_s(tokens, items) * (1.0 + self.prefill_read_slowdown * reads)
+        return self.decode_s(items, adapters) * (1.0 + self.decode_read_slowdown * reads)
 
     def round_s(self, readiness: bool) -> float:
         """The host time of a round before its step; ``readiness``: the rule prefetches (pins, reports)."""
@@ -171,7 +184,7 @@ STEP_COLUMNS = {"prefill": ("tokens", "items"), "decode": ("items", "adapters")}
 
 def fit_calibration(steps: Iterable[Mapping[str, Any]], loads: Iterable[Mapping[str, Any]], *,
                     name: str = "fitted", source: str = "", base: Calibration | None = None,
-                    info: dict[str, Any] | None = None) -> Calibration:
+                    info: dict[str, Any] | None = None, reads: Sequence[float] | None = None) -> Calibration:
     """Step and load costs fitted from a real run's logs; what the logs cannot tell comes from ``base``.
 
     ``steps``: ``{kind: 'prefill'|'decode', items, tokens, adapters, ms, load_wait_ms[, gap_ms,
@@ -181,14 +194,18 @@ def fit_calibration(steps: Iterable[Mapping[str, Any]], loads: Iterable[Mapping[
     ``h2d``, ``disk``) with ``rows`` given, ``used``, ``dropped`` and ``dropped_excess_ms`` (the time of
     the dropped rows above their fit) and, for steps,
     ``waited_left_out`` (steps left out for their load wait).
+    ``reads``: the disk reads in flight beside each step (``read_overlaps``); by default computed from
+    ``steps`` and ``loads`` as one run's logs (one clock): pass them when pooling several runs.
     """
     base = base or Calibration()
     info = info if info is not None else {}
-    steps = list(steps)
-    fitted = {kind: _fit_steps([s for s in steps if s["kind"] == kind], kind, info) for kind in STEP_COLUMNS}
+    steps, loads = list(steps), list(loads)
+    beside = list(reads) if reads is not None else read_overlaps(steps, loads)
+    fitted = {kind: _fit_steps([s for s in steps if s["kind"] == kind],
+                               [r for s, r in zip(steps, beside) if s["kind"] == kind], kind, info,
+                               getattr(base, f"{kind}_read_slowdown")) for kind in STEP_COLUMNS}
     prefill, decode = fitted["prefill"], fitted["decode"]
     round_ms, readiness_ms = _fit_rounds(steps, base, info)
-    loads = list(loads)
     if not loads:
         raise ConfigError("fit_calibration: no loads in the log; a run must load at least one adapter")
     nbytes = np.array([ld["nbytes"] for ld in loads], dtype=np.float64)
@@ -204,6 +221,7 @@ def fit_calibration(steps: Iterable[Mapping[str, Any]], loads: Iterable[Mapping[
         base, name=name, source=source, provisional=False,
         prefill_base_ms=prefill["1"], prefill_per_token_ms=prefill["tokens"], prefill_per_item_ms=prefill["items"],
         decode_base_ms=decode["1"], decode_per_item_ms=decode["items"], decode_per_adapter_ms=decode["adapters"],
+        prefill_read_slowdown=prefill["read_slowdown"], decode_read_slowdown=decode["read_slowdown"],
         round_ms=round_ms, readiness_ms=readiness_ms, h2d_gbps=h2d_gbps,
         load_fixed_ms=copy_fixed + max(0.0, float(np.percentile(residual, 25))),
         disk_fixed_ms=disk_fixed, disk_gbps=disk_gbps)
@@ -227,16 +245,53 @@ def _fit_rounds(steps: Sequence[Mapping[str, Any]], base: Calibration, info: dic
     return max(0.0, float((gaps - exchange).mean())), readiness
 
 
-def _fit_steps(steps: Sequence[Mapping[str, Any]], kind: str, info: dict[str, Any]) -> dict[str, float]:
+def read_overlaps(steps: Sequence[Mapping[str, Any]], loads: Sequence[Mapping[str, Any]]) -> list[float]:
+    """Per step, the disk reads in flight beside it on its replica's rank 0 (the process whose steps are
+    logged), each counted by the share of the step it overlapped. A read runs from its load's start
+    (``t_s - ready_ms``, ``t_s`` being READY) for ``disk_ms``. Steps without a start time (logs older
+    than ``t_s``) get 0. One run's logs: one clock."""
+    reads: dict[Any, list[tuple[float, float]]] = {}
+    for ld in loads:
+        if not ld.get("host_hit", True) and ld.get("rank", 0) == 0 and "t_s" in ld:
+            start = ld["t_s"] - ld["ready_ms"] / 1e3
+            reads.setdefault(ld.get("replica"), []).append((start, start + ld["disk_ms"] / 1e3))
+    spans = {k: np.array(v, dtype=np.float64) for k, v in reads.items()}
+    out = []
+    for s in steps:
+        span = spans.get(s.get("replica"))
+        if span is None or s.get("t_s") is None or s["ms"] <= 0:
+            out.append(0.0)
+            continue
+        a, b = s["t_s"], s["t_s"] + s["ms"] / 1e3
+        out.append(float(np.clip(np.minimum(b, span[:, 1]) - np.maximum(a, span[:, 0]), 0.0, None).sum() / (b - a)))
+    return out
+
+
+def _fit_steps(steps: Sequence[Mapping[str, Any]], reads: Sequence[float], kind: str, info: dict[str, Any],
+               base_slowdown: float) -> dict[str, float]:
     """One kind's compute model from its steps: ``ms - load_wait_ms``, on the steps without a wait if
-    there are ``MIN_CLEAN_STEPS`` of them (else on all)."""
-    clean = [s for s in steps if not s.get("load_wait_ms")]
-    rows = clean if len(clean) >= MIN_CLEAN_STEPS else steps
-    rows = [{**s, "ms": s["ms"] - (s.get("load_wait_ms") or 0.0)} for s in rows]
-    out = _fit(rows, STEP_COLUMNS[kind], kind, info)
+    there are ``MIN_CLEAN_STEPS`` of them (else on all), and of those on the steps with no disk read
+    beside them if there are as many. Then ``read_slowdown``: the least-squares fraction of the fitted
+    cost that each read in flight adds, from the steps that had reads beside them (``base_slowdown``
+    if none did)."""
+    clean = [(s, r) for s, r in zip(steps, reads) if not s.get("load_wait_ms")]
+    rows = clean if len(clean) >= MIN_CLEAN_STEPS else list(zip(steps, reads))
+    rows = [({**s, "ms": s["ms"] - (s.get("load_wait_ms") or 0.0)}, r) for s, r in rows]
+    quiet = [s for s, r in rows if r == 0]
+    out = _fit(quiet if len(quiet) >= MIN_CLEAN_STEPS else [s for s, _ in rows], STEP_COLUMNS[kind], kind, info)
     info[kind]["rows"] = len(steps)
     info[kind]["waited_left_out"] = len(steps) - len(rows)
+    beside = [(s["ms"], _predict(out, s, kind), r) for s, r in rows if r > 0]
+    beside = [(ms, fit, r) for ms, fit, r in beside if fit > 0 and ms <= OUTLIER_FACTOR * fit]
+    x = np.array([fit * r for _, fit, r in beside])
+    y = np.array([ms - fit for ms, fit, _ in beside])
+    out["read_slowdown"] = max(0.0, float(x @ y / (x @ x))) if len(beside) and x @ x > 0 else base_slowdown
+    info[kind]["beside_reads"] = len(beside)
     return out
+
+
+def _predict(fitted: Mapping[str, float], step: Mapping[str, Any], kind: str) -> float:
+    return fitted["1"] + sum(fitted[c] * step[c] for c in STEP_COLUMNS[kind])
 
 
 def _fit(rows: Sequence[Mapping[str, Any]], columns: tuple[str, ...], kind: str,

@@ -153,8 +153,7 @@ class SimResult:
     def as_policy_run(self, policy: str, wall_s: float) -> PolicyRun:
         """The benchmark's per-policy result, in the real path's shapes (``bench.real``)."""
         ranks = [{k: v for k, v in r.items() if k not in RESERVOIRS} for r in self.ranks]
-        loads = [{"t_s": ld.ready_s, "replica": ld.replica, "rank": ld.rank, "adapter": ld.adapter,
-                  **ld.as_log()} for ld in self.loads]
+        loads = [{"adapter": ld.adapter, **ld.as_log()} for ld in self.loads]
         return PolicyRun(policy, "sim", self.records, ranks, loads, [s.as_log() for s in self.steps], wall_s)
 
     def describe(self) -> dict[str, object]:

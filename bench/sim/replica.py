@@ -221,7 +221,9 @@ class SimReplica:
         step.compute_s = max(step.compute_s, self.loop.now)
         step.ranks_left -= 1
         if step.ranks_left == 0:
-            duration = self.calibration.step_s(step.plan.kind, len(step.plan.items), step.tokens, step.adapters)
+            reads = self.workers[0].host.reads_in_flight(self.loop.now)  # rank 0's process: the logged one
+            duration = self.calibration.step_s(step.plan.kind, len(step.plan.items), step.tokens, step.adapters,
+                                               reads)
             self.loop.at(step.compute_s + duration, self._finish_step, step)
 
     def _finish_step(self, step: _Step) -> None:

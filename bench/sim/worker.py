@@ -59,9 +59,11 @@ class LoadRecord(NamedTuple):
     prefetched: bool  # False: started by an acquire that missed
 
     def as_log(self) -> dict[str, object]:
-        """The fields ``fit_calibration`` reads (those of ``workers.loader.ReadinessRecord``)."""
+        """The fields ``fit_calibration`` reads (those of ``workers.loader.ReadinessRecord``, and the real
+        load log's READY time ``t_s``, replica and rank)."""
         return {"nbytes": self.nbytes, "ready_ms": (self.ready_s - self.start_s) * 1e3, "h2d_ms": self.h2d_ms,
-                "disk_ms": self.disk_ms, "host_hit": self.host_hit}
+                "disk_ms": self.disk_ms, "host_hit": self.host_hit, "t_s": self.ready_s, "replica": self.replica,
+                "rank": self.rank}
 
 
 @dataclass(eq=False)
@@ -98,6 +100,7 @@ class SimHostTier:
         self.used = 0
         self.hits = self.misses = self.bytes_read = 0
         self._readers = [0.0] * read_threads  # heap: when each reader thread is free (FIFO pool)
+        self._reads: list[tuple[float, float]] = []  # (start, end) of reads not yet known to be over
 
     def fetch(self, key: AdapterKey, nbytes: int) -> tuple[_Staged, bool]:
         """The staged entry (referenced) and whether it was a hit; CapacityError if it cannot be staged."""
@@ -115,9 +118,15 @@ class SimHostTier:
         start = max(now, heapq.heappop(self._readers))
         end = start + self.calibration.disk_s(nbytes)
         heapq.heappush(self._readers, end)
+        self._reads.append((start, end))
         entry.read_ms = (end - start) * 1e3
         self.loop.at(end, self._read_done, entry)
         return entry, False
+
+    def reads_in_flight(self, now: float) -> int:
+        """Reads running at ``now``: what slows a step of the engine in the same process."""
+        self._reads = [(a, b) for a, b in self._reads if b > now]
+        return sum(a <= now for a, _ in self._reads)
 
     def release(self, key: AdapterKey) -> None:
         entry = self.entries[key]
