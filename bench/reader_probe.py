@@ -30,7 +30,7 @@ from lora_cache.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.peft import AdapterSpec
 from lora_cache.shards import ShardLayout, shard_layout
 from lora_cache.synth import SynthConfig, make_adapters
-from workers.reader import DTYPES, read_shard, tensor_index
+from workers.reader import read_shard, tensor_index
 
 
 def get_slice_read(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor) -> int:
@@ -52,7 +52,7 @@ def preadv_read(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor) -> i
         for e in layout.entries:
             t = index[e.key]
             raw = dest[e.offset : e.offset + e.numel].view(torch.uint8).numpy()
-            size, cols = DTYPES[t.dtype].itemsize, t.shape[1]
+            size, cols = t.dtype.itemsize, t.shape[1]
             first, width = t.start + (e.rows.start * cols + e.cols.start) * size, e.shape[1] * size
             spans = [(raw, first)] if e.shape[1] == cols else [
                 (raw[i * width : (i + 1) * width], first + i * cols * size) for i in range(e.shape[0])]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import re
 import sys
 import time
@@ -32,7 +31,7 @@ from typing import Any
 
 from bench.figures import PolicyRun
 from bench.policies import BenchPolicy, parse_policies
-from bench.report import write
+from bench.report import write, write_results
 from bench.workloads import Workload, WorkloadSpec, make_workload
 from lora_cache.cliargs import add_config_args, config_from_args
 from lora_cache.errors import ConfigError, LoraCacheError
@@ -171,7 +170,7 @@ def run(bench: BenchConfig, spec: WorkloadSpec) -> dict[str, Any]:
     doc = write(Path(bench.out), config, runs, plots=bench.plots)
     if bench.engine == "real" and bench.check_sim:
         doc["sim_check"] = _check_sim(bench, policies, workload, runs, doc["figures"])
-        (Path(bench.out) / "results.json").write_text(json.dumps(doc, indent=1, default=str))
+        write_results(Path(bench.out) / "results.json", doc)
     return doc
 
 

@@ -22,18 +22,14 @@ from typing import NamedTuple
 import torch
 
 from lora_cache.errors import AdapterFormatError
-from lora_cache.peft import AdapterSpec
+from lora_cache.peft import FLOAT_DTYPES, AdapterSpec
 from lora_cache.shards import ShardLayout
-
-# safetensors dtype names an adapter file may use
-DTYPES: dict[str, torch.dtype] = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-                                  "F64": torch.float64}
 
 
 class FileTensor(NamedTuple):
     """Where one tensor's bytes are in the file (row-major)."""
 
-    dtype: str  # safetensors name
+    dtype: torch.dtype
     shape: tuple[int, ...]
     start: int  # byte offset of its first element in the file
 
@@ -65,17 +61,14 @@ def _copy_slices(mapped: mmap.mmap, index: dict[str, FileTensor], layout: ShardL
     sources, targets, read = [], [], 0
     for e in layout.entries:
         t = index[e.key]
-        if t.dtype not in DTYPES:
-            raise AdapterFormatError(f"tensor {e.key!r} is {t.dtype}, not one of {sorted(DTYPES)}")
-        dtype = DTYPES[t.dtype]
         numel = math.prod(t.shape)
-        if t.start % dtype.itemsize:  # not aligned to its element: a view of its own
-            whole = torch.frombuffer(mapped, dtype=dtype, count=numel, offset=t.start)
+        if t.start % t.dtype.itemsize:  # not aligned to its element: a view of its own
+            whole = torch.frombuffer(mapped, dtype=t.dtype, count=numel, offset=t.start)
         else:
-            whole = file[t.start : t.start + numel * dtype.itemsize].view(dtype)
+            whole = file[t.start : t.start + numel * t.dtype.itemsize].view(t.dtype)
         sources.append(whole.view(t.shape)[e.rows, e.cols])
         targets.append(dest[e.offset : e.offset + e.numel].view(e.shape))
-        read += e.numel * dtype.itemsize
+        read += e.numel * t.dtype.itemsize
     torch._foreach_copy_(targets, sources)  # one call, the GIL released for every copy
     return read
 
@@ -93,14 +86,15 @@ def tensor_index(path: str, version: str, size: int) -> dict[str, FileTensor]:
     for key, info in header.items():
         if key == "__metadata__":
             continue
+        if info["dtype"] not in FLOAT_DTYPES:  # registration refuses these; the file changed since
+            raise AdapterFormatError(f"tensor {key!r} is {info['dtype']}, not one of {sorted(FLOAT_DTYPES)}")
+        dtype = getattr(torch, FLOAT_DTYPES[info["dtype"]])
         begin, end = info["data_offsets"]
         shape = tuple(int(d) for d in info["shape"])
-        itemsize = DTYPES[info["dtype"]].itemsize if info["dtype"] in DTYPES else None
-        mismatched = itemsize is not None and end - begin != math.prod(shape) * itemsize
-        if mismatched or not 0 <= begin <= end <= size - 8 - n:
+        if end - begin != math.prod(shape) * dtype.itemsize or not 0 <= begin <= end <= size - 8 - n:
             raise AdapterFormatError(f"tensor {key!r} ({info['dtype']} {list(shape)}) has byte range [{begin}, {end}) "
                                      "that does not match its shape or the file")
-        index[key] = FileTensor(info["dtype"], shape, 8 + n + begin)
+        index[key] = FileTensor(dtype, shape, 8 + n + begin)
     return index
 
 
