@@ -11,6 +11,8 @@ from bench.policies import BENCH_POLICIES, parse_policies
 from bench.report import main as report_main
 from bench.report import read_results, write, write_results
 from bench.run import build_parser, configs
+from bench.stalls import main as stalls_main
+from bench.stalls import stalls
 from lora_cache.errors import ConfigError
 from workers.engine.timings import RequestRecord
 
@@ -122,3 +124,24 @@ def test_results_are_read_plain_or_gzipped_and_bad_files_are_named(tmp_path, cap
     for bad in ("bad.json.gz", "missing.json"):
         with pytest.raises(ConfigError, match=bad):
             read_results(tmp_path / bad)
+
+
+def test_stalls_find_the_wait_before_a_load_the_slow_prefill_and_the_collector(tmp_path, capsys) -> None:
+    def prefill(tokens: int, ms: float, **kw) -> dict:
+        return {"kind": "prefill", "tokens": tokens, "ms": ms, "load_wait_ms": 0.0, **kw}
+
+    steps = [prefill(t, 5 + 0.1 * t) for t in (100, 200, 300, 400)]
+    requests = [{"adapter": "a", "prefill_s": 1.0, "load_wait_s": 0.3},  # waited: its load began 200 ms late
+                {"adapter": "a", "prefill_s": 0.1, "load_wait_s": 0.0}]
+    loads = [{"adapter": "a", "t_s": 1.3, "ready_ms": 100.0}]
+    doc = {"figures": {"quiet": {}, "stalled": {}}, "requests": {"quiet": [], "stalled": requests},
+           "loads": {"quiet": [], "stalled": loads},
+           "steps": {"quiet": steps, "stalled": [*steps, prefill(250, 90.0, gc_ms=4.0)]}}
+    found = stalls(doc)
+    assert found["quiet"] == {"wait_before_load_ms": 0.0, "worst_prefill_ratio": pytest.approx(1.0),
+                              "longest_step_gc_ms": 0.0}
+    assert found["stalled"]["wait_before_load_ms"] == pytest.approx(200.0)
+    assert found["stalled"]["worst_prefill_ratio"] > 2 and found["stalled"]["longest_step_gc_ms"] == 4.0
+    write_results(tmp_path / "r.json.gz", doc)
+    assert stalls_main([str(tmp_path / "r.json.gz")]) == 0 and "| stalled | 200.0 |" in capsys.readouterr().out
+    assert stalls_main([str(tmp_path / "missing.json")]) == 2
