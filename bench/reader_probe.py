@@ -7,19 +7,31 @@ eager prefill is on the H200) alone and beside 1..N back-to-back reads of a Llam
 for three readers: ``mmap`` (workers.reader.read_shard: the mapped file's slices copied in one call with
 the GIL released), ``preadv`` (one ``os.preadv`` per matrix or row, the GIL released during each) and
 ``get_slice`` (safetensors' sliced reads, the reader before 2026-11-22), the last two kept as references.
+Three more separate the causes of what is left: ``views`` (the mmap reader's Python alone: the views
+built, nothing copied: its share of the GIL), ``mmap-h2d`` (the read, then its copy to the GPU on a side
+stream, waited for by event: a whole load) and ``mmap-proc`` (the mmap reader in a child process: no
+GIL shared, only the cores, memory and page cache), and ``process`` (what a GPU worker now runs:
+``workers.reader_proc`` processes reading into a shared, pinned arena, each reader thread waiting on one). ``--threads`` repeats the set at each torch
+intra-op thread count (a copy on the host is split over that many OpenMP threads; Ray workers run with 1).
 
     python -m bench.reader_probe --out reader_probe.json [--adapters DIR] [--tp 1,2] [--readers 1,2]
+        [--threads 1,16] [--kinds mmap,views,...]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import queue
+import mmap
+import multiprocessing as mp
 import os
 import statistics
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +40,11 @@ from safetensors import safe_open
 
 from lora_cache.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.peft import AdapterSpec
+from lora_cache.planner.records import AdapterKey
 from lora_cache.shards import ShardLayout, shard_layout
 from lora_cache.synth import SynthConfig, make_adapters
+from workers.arena import ALIGN, Block, HostArena
+from workers.host_tier import HostEntry, ProcessReads
 from workers.reader import read_shard, tensor_index
 
 
@@ -63,8 +78,82 @@ def preadv_read(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor) -> i
     return read
 
 
+def views_only(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor) -> int:
+    """The mmap reader's Python without its copy: the header lookup and every slice's view, built and dropped."""
+    index = tensor_index(str(spec.weights), spec.version, spec.file_bytes)
+    with open(spec.weights, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    file = torch.frombuffer(mapped, dtype=torch.uint8)
+    views = []
+    for e in layout.entries:
+        t = index[e.key]
+        whole = file[t.start : t.start + math.prod(t.shape) * t.dtype.itemsize].view(t.dtype)
+        views.append((whole.view(t.shape)[e.rows, e.cols], dest[e.offset : e.offset + e.numel].view(e.shape)))
+    del views, file
+    mapped.close()
+    return 0
+
+
+_SIDE: dict[tuple[int, int], Any] = {}
+
+
+def mmap_h2d(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor) -> int:
+    """A whole load: the mmap read into pinned memory, then one copy to the GPU on a side stream, waited
+    for by its event (the synchronize releases the GIL)."""
+    read = read_shard(spec, layout, dest)
+    key = (threading.get_ident(), dest.numel())
+    if key not in _SIDE:
+        _SIDE[key] = (torch.cuda.Stream(), torch.empty_like(dest, device="cuda"))
+    stream, gpu = _SIDE[key]
+    with torch.cuda.stream(stream):
+        gpu.copy_(dest, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    done.synchronize()
+    return read
+
+
+def _child_reads(path: str, adapters: str, tp: int, threads: int, stop: Any, times: Any) -> None:
+    """A child process: the mmap reader, back to back, until ``stop`` is set; each read's seconds to ``times``."""
+    torch.set_num_threads(threads)
+    catalog = AdapterCatalog(CatalogConfig(adapter_roots=(adapters,), model="llama-3.1-8b", max_rank=64))
+    spec = next(s for s in catalog.register_dir(Path(adapters)) if str(s.weights) == path)
+    layout = shard_layout(spec, catalog.shape, tp, 0, torch.bfloat16)
+    dest = torch.empty(layout.numel, dtype=torch.bfloat16)
+    times.put(None)  # ready
+    while not stop.is_set():
+        t = time.perf_counter()
+        read_shard(spec, layout, dest)
+        times.put(time.perf_counter() - t)
+
+
+def process_reads(count: int, nbytes: int) -> Callable[[AdapterSpec, ShardLayout, torch.Tensor], int]:
+    """``count`` reader processes over a shared arena of ``count`` blocks of ``nbytes``; the returned reader
+    takes an idle process and its block (a worker's ``ProcessReads``); ``dest`` is not used."""
+    arena = HostArena(count * -(-nbytes // ALIGN) * ALIGN, pin=torch.cuda.is_available(), shared=True)
+    reads = ProcessReads(arena, count)
+    blocks: queue.SimpleQueue[Block] = queue.SimpleQueue()
+    for _ in range(count):
+        block = arena.alloc(nbytes)
+        assert block is not None
+        blocks.put(block)
+
+    def read(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor) -> int:
+        block = blocks.get()
+        try:
+            entry = HostEntry(AdapterKey(spec.name, spec.version), layout, block, dest, Future())
+            return reads.read(spec, entry)
+        finally:
+            blocks.put(block)
+
+    read.close = lambda: (reads.close(), arena.close())  # type: ignore[attr-defined]
+    return read
+
+
 READERS: dict[str, Callable[[AdapterSpec, ShardLayout, torch.Tensor], int]] = {
-    "mmap": read_shard, "preadv": preadv_read, "get_slice": get_slice_read}
+    "process": read_shard,  # replaced per probe by process_reads
+    "mmap": read_shard, "preadv": preadv_read, "get_slice": get_slice_read, "views": views_only,
+    "mmap-h2d": mmap_h2d, "mmap-proc": read_shard}
 
 
 def launch_step(device: torch.device, ops: int) -> Callable[[], float]:
@@ -82,11 +171,28 @@ def launch_step(device: torch.device, ops: int) -> Callable[[], float]:
 
 
 def probe(specs: list[AdapterSpec], catalog: AdapterCatalog, reader: str, tp: int, readers: int,
-          step: Callable[[], float], steps: int) -> dict[str, Any]:
+          step: Callable[[], float], steps: int, adapters: str = "") -> dict[str, Any]:
+    if reader == "mmap-proc":
+        return probe_process(specs, catalog, tp, readers, step, steps, adapters)
     fn = READERS[reader]
+    if reader == "process":
+        fn = process_reads(readers, shard_layout(specs[0], catalog.shape, tp, 0, torch.bfloat16).nbytes)
+        try:
+            return _probe(specs, catalog, reader, tp, readers, step, steps, fn)
+        finally:
+            fn.close()  # type: ignore[attr-defined]
+    return _probe(specs, catalog, reader, tp, readers, step, steps, fn)
+
+
+def _probe(specs: list[AdapterSpec], catalog: AdapterCatalog, reader: str, tp: int, readers: int,
+           step: Callable[[], float], steps: int, fn: Callable[[AdapterSpec, ShardLayout, torch.Tensor], int]
+           ) -> dict[str, Any]:
     pin = torch.cuda.is_available()
     layout = shard_layout(specs[0], catalog.shape, tp, 0, torch.bfloat16)
     dests = [torch.empty(layout.numel, dtype=torch.bfloat16, pin_memory=pin) for _ in range(readers)]
+    if reader == "process":  # each reader process started (FIFO: one read each) before the clock
+        for _ in range(readers):
+            fn(specs[0], layout, dests[0])
     t0 = time.perf_counter()
     fn(specs[0], layout, dests[0])
     alone_ms = (time.perf_counter() - t0) * 1e3
@@ -117,7 +223,44 @@ def probe(specs: list[AdapterSpec], catalog: AdapterCatalog, reader: str, tp: in
             "read_beside_ms": statistics.median(reads) * 1e3 if reads else 0.0,
             "step_idle_ms": statistics.median(idle) * 1e3, "step_beside_ms": statistics.median(busy) * 1e3,
             "step_beside_p90_ms": busy[int(0.9 * (len(busy) - 1))] * 1e3,
-            "slowdown": statistics.median(busy) / statistics.median(idle)}
+            "slowdown": statistics.median(busy) / statistics.median(idle), "threads": torch.get_num_threads()}
+
+
+def probe_process(specs: list[AdapterSpec], catalog: AdapterCatalog, tp: int, readers: int,
+                  step: Callable[[], float], steps: int, adapters: str) -> dict[str, Any]:
+    """As ``probe``, with each reader in a child process of its own (spawned: no CUDA state is forked)."""
+    ctx = mp.get_context("spawn")
+    layout = shard_layout(specs[0], catalog.shape, tp, 0, torch.bfloat16)
+    dest = torch.empty(layout.numel, dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    read_shard(specs[0], layout, dest)
+    alone_ms = (time.perf_counter() - t0) * 1e3
+    idle = [step() for _ in range(steps)]
+    stop, times = ctx.Event(), ctx.Queue()
+    children = [ctx.Process(target=_child_reads, args=(str(specs[i % len(specs)].weights), adapters, tp,
+                                                               torch.get_num_threads(), stop, times),
+                            daemon=True) for i in range(readers)]
+    for c in children:
+        c.start()
+    for _ in children:
+        times.get(timeout=120)  # each child ready: its imports and catalog done before the clock
+    time.sleep(0.05)
+    busy = []
+    for _ in range(steps):
+        busy.append(step())
+        time.sleep(0.002)
+    stop.set()
+    reads = []
+    for c in children:
+        c.join(timeout=60)
+    while not times.empty():
+        reads.append(times.get())
+    busy.sort()
+    return {"reader": "mmap-proc", "tp": tp, "readers": readers, "read_alone_ms": alone_ms,
+            "read_beside_ms": statistics.median(reads) * 1e3 if reads else 0.0,
+            "step_idle_ms": statistics.median(idle) * 1e3, "step_beside_ms": statistics.median(busy) * 1e3,
+            "step_beside_p90_ms": busy[int(0.9 * (len(busy) - 1))] * 1e3,
+            "slowdown": statistics.median(busy) / statistics.median(idle), "threads": torch.get_num_threads()}
 
 
 def main() -> None:
@@ -128,7 +271,15 @@ def main() -> None:
     ap.add_argument("--readers", default="1,2")
     ap.add_argument("--ops", type=int, default=3000)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--threads", default="", help="torch intra-op thread counts to repeat the set at (default: as is)")
+    ap.add_argument("--kinds", default=",".join(READERS), help=f"readers to probe, from {', '.join(READERS)}")
     args = ap.parse_args()
+    kinds = [k for k in args.kinds.split(",") if k]
+    unknown = [k for k in kinds if k not in READERS]
+    if unknown:
+        raise SystemExit(f"--kinds: {unknown} unknown; choose from {', '.join(READERS)}")
+    if not torch.cuda.is_available():
+        kinds = [k for k in kinds if k != "mmap-h2d"]
     root = Path(args.adapters)
     if not root.exists():
         make_adapters(root, SynthConfig(model="llama-3.1-8b", count=2, rank="64"))
@@ -137,13 +288,17 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     step = launch_step(device, args.ops)
     step()
-    rows = [probe(specs, catalog, reader, tp, n, step, args.steps)
-            for tp in map(int, args.tp.split(",")) for n in map(int, args.readers.split(","))
-            for reader in READERS]
-    for r in rows:
-        print(f"tp {r['tp']} x{r['readers']} {r['reader']:9s} read {r['read_alone_ms']:6.1f} ms alone, "
+    rows = []
+    for threads in [int(t) for t in args.threads.split(",") if t] or [torch.get_num_threads()]:
+        torch.set_num_threads(threads)
+        for tp in map(int, args.tp.split(",")):
+            for n in map(int, args.readers.split(",")):
+                for reader in kinds:
+                    r = probe(specs, catalog, reader, tp, n, step, args.steps, str(root))
+                    rows.append(r)
+                    print(f"threads {r['threads']} tp {r['tp']} x{r['readers']} {r['reader']:9s} read {r['read_alone_ms']:6.1f} ms alone, "
               f"{r['read_beside_ms']:6.1f} beside; step {r['step_idle_ms']:5.1f} ms idle, {r['step_beside_ms']:5.1f} "
-              f"beside (p90 {r['step_beside_p90_ms']:5.1f}): {r['slowdown']:.2f}x", flush=True)
+                          f"beside (p90 {r['step_beside_p90_ms']:5.1f}): {r['slowdown']:.2f}x", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"device": str(torch.cuda.get_device_name() if device.type == "cuda"
                                                          else "cpu"), "ops": args.ops, "rows": rows}, indent=1))

@@ -44,7 +44,8 @@ def test_side_stream_load_matches_file(tmp_path: Path, tp: int) -> None:
     catalog = _catalog(tmp_path, 4)
     caches = [_cache(catalog, 2, tp=tp, tp_rank=k) for k in range(tp)]
     try:
-        for cache in caches:
+        for cache in caches:  # read in reader processes into the shared arena, pinned in place
+            assert cache.host.reads == "process" and cache.host.arena.buffer.is_pinned()
             record = cache.prefetch("adapter-001").result(timeout=30)
             assert record.h2d_ms > 0 and record.tp_rank == cache.config.tp_rank
             layout = cache.layout_of("adapter-001")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -33,11 +35,26 @@ def catalog(
     return make_catalog(paths[0].parent)
 
 
+@pytest.fixture(params=["thread", "process"])
+def tier(request: pytest.FixtureRequest) -> Iterator[HostTier]:
+    """A 1 MiB tier reading on its threads, or in reader processes that share its arena."""
+    tier = HostTier(HostTierConfig(host_bytes=MiB, read_threads=4 if request.param == "thread" else 2, pin=False,
+                                   reads=request.param))
+    assert tier.reads == request.param
+    try:
+        yield tier
+    finally:
+        tier.close()
+
+
 @pytest.fixture
-def tier() -> Iterator[HostTier]:
-    tier = HostTier(HostTierConfig(host_bytes=MiB, read_threads=4, pin=False))
-    yield tier
-    tier.close()
+def thread_tier() -> Iterator[HostTier]:
+    """For the tests that gate ``read_shard`` in this process."""
+    tier = HostTier(HostTierConfig(host_bytes=MiB, read_threads=4, pin=False, reads="thread"))
+    try:
+        yield tier
+    finally:
+        tier.close()
 
 
 def big(catalog: AdapterCatalog, i: int) -> AdapterSpec:
@@ -183,8 +200,9 @@ def gated_reads(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[
 
 @pytest.mark.parametrize("threads", [2, 8])
 def test_single_flight(
-    catalog: AdapterCatalog, tier: HostTier, gated_reads: tuple[threading.Event, list[str]], threads: int
+    catalog: AdapterCatalog, thread_tier: HostTier, gated_reads: tuple[threading.Event, list[str]], threads: int
 ) -> None:
+    tier = thread_tier
     gate, reads = gated_reads
     spec = big(catalog, 0)
     barrier = threading.Barrier(threads)
@@ -250,8 +268,9 @@ def test_failed_read_leaves_the_arena_as_it_was(catalog: AdapterCatalog, tier: H
 
 
 def test_failed_read_fails_every_waiter(
-    catalog: AdapterCatalog, tier: HostTier, gated_reads: tuple[threading.Event, list[str]]
+    catalog: AdapterCatalog, thread_tier: HostTier, gated_reads: tuple[threading.Event, list[str]]
 ) -> None:
+    tier = thread_tier
     gate, reads = gated_reads
     spec = big(catalog, 0)
     used = tier.arena.used_bytes
@@ -265,7 +284,8 @@ def test_failed_read_fails_every_waiter(
     tier.check_integrity()
 
 
-def test_release_errors(catalog: AdapterCatalog, tier: HostTier) -> None:
+def test_release_errors(catalog: AdapterCatalog, thread_tier: HostTier) -> None:
+    tier = thread_tier
     spec = big(catalog, 0)
     staged(tier, spec)
     with pytest.raises(AssertionError, match="released more often than fetched"):
@@ -280,3 +300,104 @@ def test_host_tier_config_errors() -> None:
         HostTierConfig(host_bytes=1000)
     with pytest.raises(ConfigError, match=r"read_threads must be in 1\.\.64, got 0"):
         HostTierConfig(read_threads=0)
+    with pytest.raises(ConfigError, match=r"reads 'fork' is not one of auto, thread, process"):
+        HostTierConfig(reads="fork")
+    assert HostTierConfig().reads_for(pinned=True) == "process" and HostTierConfig().reads_for(pinned=False) == "thread"
+    assert HostTierConfig(reads="thread").reads_for(pinned=True) == "thread"
+
+
+# -- reader processes ------------------------------------------------------------------------------
+@pytest.fixture
+def process_tier() -> Iterator[HostTier]:
+    tier = HostTier(HostTierConfig(host_bytes=MiB, read_threads=1, pin=False, reads="process"))
+    try:
+        yield tier
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_process_reads_convert_and_slice_like_thread_reads(
+    catalog: AdapterCatalog, process_tier: HostTier, file_slices: Callable, tp: int
+) -> None:
+    """A reader process writes into the arena the worker maps: the same values a thread reads, at each TP
+    rank, the bf16 file converted to an fp32 shard, and only this rank's slices counted as read."""
+    spec = big(catalog, 0)
+    for rank in range(tp):
+        lay = shard_layout(spec, TINY, tp, rank, F32)
+        tier = HostTier(HostTierConfig(host_bytes=MiB, read_threads=1, pin=False, reads="process"))
+        try:
+            entry = tier.fetch(spec, lay)[0].result(timeout=120)
+            expected = torch.zeros(lay.numel, dtype=F32)
+            assert host_tier_module.read_shard(spec, lay, expected) == entry.bytes_read
+            assert torch.equal(entry.tensor, expected)
+            assert entry.bytes_read == sum(e.numel for e in lay.entries) * 2  # a bf16 file
+            for e in lay.entries:
+                want = file_slices(spec, lay)[(e.layer, e.module, e.ab)]
+                assert torch.equal(entry.tensor[e.offset : e.offset + e.numel].view(e.shape), want), e.key
+            tier.check_integrity()
+        finally:
+            tier.close()
+
+
+def test_a_reader_process_that_dies_mid_read_fails_only_that_read(
+    catalog: AdapterCatalog, process_tier: HostTier
+) -> None:
+    """The process is stopped, the job sent (a barrier on the send), then it is killed: the read fails
+    with an error naming the file and the signal, the tier is as it was, and the next read starts a
+    new process and succeeds."""
+    tier = process_tier
+    staged(tier, big(catalog, 0))  # the process is up
+    (proc,) = tier._reader._all
+    pid = proc.pid
+    assert pid is not None
+    before = (resident(tier), list(tier.arena._free), dict(tier.arena._used), tier.bytes_read)
+    sent = threading.Event()
+    conn = proc._conn
+    assert conn is not None
+    real_send = conn.send
+
+    def send(obj: object) -> None:
+        real_send(obj)
+        sent.set()
+
+    conn.send = send  # type: ignore[method-assign]
+    os.kill(pid, signal.SIGSTOP)
+    spec = big(catalog, 1)
+    future, hit = tier.fetch(spec, layout(spec))
+    assert not hit and sent.wait(timeout=10)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(AdapterFormatError) as e:
+        future.result(timeout=30)
+    assert str(spec.weights) in str(e.value) and "killed by SIGKILL" in str(e.value)
+    assert "re-copy it and register again" in str(e.value)
+    assert (resident(tier), list(tier.arena._free), dict(tier.arena._used), tier.bytes_read) == before
+    tier.check_integrity()
+    assert staged(tier, spec).bytes_read > 0 and proc.pid not in (None, pid) and proc.restarts == 1
+    tier.check_integrity()
+
+
+def test_a_reader_process_that_died_idle_is_replaced_without_an_error(
+    catalog: AdapterCatalog, process_tier: HostTier, file_slices: Callable
+) -> None:
+    tier = process_tier
+    staged(tier, big(catalog, 0))
+    (proc,) = tier._reader._all
+    pid = proc.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    assert proc._proc is not None and proc._proc.wait(timeout=10) == -signal.SIGKILL  # dead before the next read
+    entry = staged(tier, big(catalog, 1))
+    assert_holds(entry, big(catalog, 1), file_slices)
+    assert proc.restarts == 1 and proc.pid != pid
+
+
+def test_closing_the_tier_ends_its_reader_processes(catalog: AdapterCatalog) -> None:
+    tier = HostTier(HostTierConfig(host_bytes=MiB, read_threads=2, pin=False, reads="process"))
+    try:
+        staged(tier, big(catalog, 0))
+        procs = [p._proc for p in tier._reader._all]
+    finally:
+        tier.close()
+    assert all(p is not None and p.poll() is not None for p in procs)
+    assert tier.arena.fd is None

@@ -428,5 +428,5 @@ class WorkerCache:
         self.host.check_integrity()
 
     def close(self) -> None:
+        self._watcher.close()  # every issued copy done before the host arena is unpinned
         self.host.close()
-        self._watcher.close()

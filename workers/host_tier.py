@@ -1,11 +1,14 @@
 """The pinned host tier: packed shards staged in a bounded arena, LRU by bytes, single-flight reads.
 
-Reads run on a thread pool (blocking file I/O off the caller's thread). Concurrent fetches of one
-adapter share one read. An entry is pinned by references while a host-to-GPU copy may still read it.
+Reads are dispatched on a thread pool (blocking file I/O off the caller's thread) and run where the
+config's ``reads`` strategy says (``READS``): in reader processes that share the arena (a GPU worker: no
+GIL shared with the engine that launches beside them), or on the threads themselves. Concurrent fetches
+of one adapter share one read. An entry is pinned by references while a host-to-GPU copy may still read it.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -20,6 +23,7 @@ from lora_cache.planner.records import AdapterKey  # one name@version key for pl
 from lora_cache.shards import ShardLayout
 from workers.arena import Block, HostArena
 from workers.reader import read_shard
+from workers.reader_proc import ReaderProcess
 
 
 @dataclass(frozen=True)
@@ -29,12 +33,64 @@ class HostTierConfig:
     host_bytes: int = field(default=2 << 30, metadata={"help": "bytes of (pinned) host memory for staged shards"})
     read_threads: int = field(default=4, metadata={"help": "threads reading adapter files"})
     pin: bool = field(default=True, metadata={"help": "pin host memory when a GPU is present"})
+    reads: str = field(default="auto", metadata={
+        "help": "where reads run: process (reader processes sharing the arena), thread (the reader threads), "
+                "auto (process when the arena is pinned for a GPU, else thread)"})
 
     def __post_init__(self) -> None:
         if self.host_bytes < 1 << 20:
             raise ConfigError(f"host_bytes ({self.host_bytes}) must be at least 1 MiB")
         if not 1 <= self.read_threads <= 64:
             raise ConfigError(f"read_threads must be in 1..64, got {self.read_threads}")
+        if self.reads not in ("auto", *READS):
+            raise ConfigError(f"reads {self.reads!r} is not one of auto, {', '.join(READS)}; pick one of them")
+
+    def reads_for(self, pinned: bool) -> str:
+        """The strategy ``auto`` stands for: processes when the arena is pinned (a GPU), else threads."""
+        return ("process" if pinned else "thread") if self.reads == "auto" else self.reads
+
+
+class ThreadReads:
+    """Reads in this process, on the tier's threads: where nothing launches GPU work beside them."""
+
+    def __init__(self, arena: HostArena, count: int) -> None:
+        pass
+
+    def read(self, spec: AdapterSpec, entry: HostEntry) -> int:
+        return read_shard(spec, entry.layout, entry.tensor)
+
+    def close(self) -> None:
+        pass
+
+
+class ProcessReads:
+    """Reads in ``count`` reader processes that map the (shared) arena: each tier thread takes an idle one."""
+
+    def __init__(self, arena: HostArena, count: int) -> None:
+        if arena.fd is None:
+            raise ConfigError("process reads need a shared arena (HostArena(shared=True))")
+        self._all = [ReaderProcess(arena.fd, arena.capacity) for _ in range(count)]
+        self._idle: queue.SimpleQueue[ReaderProcess] = queue.SimpleQueue()
+        for proc in self._all:
+            self._idle.put(proc)
+
+    def read(self, spec: AdapterSpec, entry: HostEntry) -> int:
+        proc = self._idle.get()
+        try:
+            return proc.read(spec, entry.layout, entry.block.offset)
+        finally:
+            self._idle.put(proc)
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [p.pid for p in self._all]
+
+    def close(self) -> None:
+        for proc in self._all:
+            proc.close()
+
+
+READS: dict[str, type[ThreadReads] | type[ProcessReads]] = {"thread": ThreadReads, "process": ProcessReads}
 
 
 @dataclass
@@ -54,7 +110,9 @@ class HostTier:
 
     def __init__(self, config: HostTierConfig) -> None:
         self.config = config
-        self.arena = HostArena(config.host_bytes, config.pin)
+        self.reads = config.reads_for(config.pin and torch.cuda.is_available())
+        self.arena = HostArena(config.host_bytes, config.pin, shared=self.reads == "process")
+        self._reader = READS[self.reads](self.arena, config.read_threads)
         self._pool = ThreadPoolExecutor(config.read_threads, thread_name_prefix="lora-read")
         self._lock = threading.Lock()  # protects _entries and the arena
         self._entries: OrderedDict[AdapterKey, HostEntry] = OrderedDict()  # LRU order, oldest first
@@ -102,7 +160,7 @@ class HostTier:
     def _read(self, spec: AdapterSpec, entry: HostEntry) -> None:
         t0 = time.perf_counter()
         try:
-            entry.bytes_read = read_shard(spec, entry.layout, entry.tensor)
+            entry.bytes_read = self._reader.read(spec, entry)
         except BaseException as e:  # a failed read leaves the tier as it was, and tells every waiter
             with self._lock:
                 del self._entries[entry.key]
@@ -116,6 +174,8 @@ class HostTier:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)
+        self._reader.close()
+        self.arena.close()
 
     def check_integrity(self) -> None:
         with self._lock:

@@ -1,13 +1,12 @@
 """Read only this rank's slices of an adapter file into a packed staging buffer (lifecycle step 5).
 
 The file is memory-mapped and every slice is copied in one ``torch._foreach_copy_`` call, which runs with
-the GIL released: a load reads beside an engine's steps in the same process, and each of the engine's
-kernel launches releases and retakes the GIL. A reader that takes the GIL once per matrix (safetensors'
-``get_slice``, 2x slower steps per read in flight on the H200; ``os.preadv`` per matrix, 1.3x) makes
-those launches wait; this one holds it only while it builds the views (~1 ms), though a step beside one
-read still runs ~1.4x slower, for a cause not yet separated (bench/RESULTS.md, ``python -m
-bench.reader_probe``). The safetensors header is parsed once per file version. A file cut short while
-it is being read, after the size check, faults the process, as safetensors' own mapping did.
+the GIL released; the header is parsed once per file version. What is left under the GIL is building
+the views, 5-8 ms per Llama-3.1-8B shard on the H200's host: a step launched from Python beside it
+waits for the GIL at every kernel. So a GPU worker runs this in reader processes
+(``workers.reader_proc``), and threads run it only where there is no GPU (bench/RESULTS.md, ``python
+-m bench.reader_probe``). A file cut short while it is read, after the size check, raises SIGBUS in the
+process that maps it: a reader process dies and the read fails; a reader thread faults its process.
 """
 
 from __future__ import annotations
@@ -17,13 +16,14 @@ import functools
 import json
 import math
 import mmap
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from lora_cache.errors import AdapterFormatError
 from lora_cache.peft import FLOAT_DTYPES, AdapterSpec
-from lora_cache.shards import ShardLayout
+from lora_cache.shards import ShardEntry, ShardLayout
 
 
 class FileTensor(NamedTuple):
@@ -40,26 +40,35 @@ def read_shard(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor) -> in
     A rank reads only its parts of each matrix (strided views of the mapped file); a file tensor of
     another dtype is converted as it is copied.
     """
-    _check_unchanged(spec)
+    return read_slices(spec.weights, spec.version, spec.file_bytes, layout.entries, dest,
+                       f"TP {layout.rank}/{layout.tp}")
+
+
+def read_slices(weights: Path, version: str, file_bytes: int, entries: tuple[ShardEntry, ...], dest: torch.Tensor,
+                shard: str) -> int:
+    """``read_shard`` from what a reader process is sent: the file, its registered version and size, the
+    layout's entries; ``shard`` names the shard in errors."""
+    _check_unchanged(weights, version, file_bytes)
     try:
-        index = tensor_index(str(spec.weights), spec.version, spec.file_bytes)
-        with open(spec.weights, "rb") as f:
+        index = tensor_index(str(weights), version, file_bytes)
+        with open(weights, "rb") as f:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: nothing is written back
         try:
-            return _copy_slices(mapped, index, layout, dest)
+            return _copy_slices(mapped, index, entries, dest)
         finally:
             with contextlib.suppress(BufferError):  # a view still alive in a traceback: unmapped when it dies
                 mapped.close()
     except (AdapterFormatError, OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
         why = str(e) if isinstance(e, AdapterFormatError) else f"{type(e).__name__}: {e}"
-        raise AdapterFormatError(f"{spec.weights}: reading the TP {layout.rank}/{layout.tp} shard failed ({why}); "
+        raise AdapterFormatError(f"{weights}: reading the {shard} shard failed ({why}); "
                                  "the file may be truncated or corrupt: re-copy it and register again") from e
 
 
-def _copy_slices(mapped: mmap.mmap, index: dict[str, FileTensor], layout: ShardLayout, dest: torch.Tensor) -> int:
+def _copy_slices(mapped: mmap.mmap, index: dict[str, FileTensor], entries: tuple[ShardEntry, ...],
+                 dest: torch.Tensor) -> int:
     file = torch.frombuffer(mapped, dtype=torch.uint8)
     sources, targets, read = [], [], 0
-    for e in layout.entries:
+    for e in entries:
         t = index[e.key]
         numel = math.prod(t.shape)
         if t.start % t.dtype.itemsize:  # not aligned to its element: a view of its own
@@ -98,11 +107,11 @@ def tensor_index(path: str, version: str, size: int) -> dict[str, FileTensor]:
     return index
 
 
-def _check_unchanged(spec: AdapterSpec) -> None:
+def _check_unchanged(weights: Path, version: str, file_bytes: int) -> None:
     try:
-        size = spec.weights.stat().st_size
+        size = weights.stat().st_size
     except OSError as e:
-        raise AdapterFormatError(f"{spec.weights} is gone ({e}); register the adapter again") from e
-    if size != spec.file_bytes:
-        raise AdapterFormatError(f"{spec.weights} changed size since it was registered as version {spec.version} "
-                                 f"({spec.file_bytes} -> {size} bytes); register it again for a new version")
+        raise AdapterFormatError(f"{weights} is gone ({e}); register the adapter again") from e
+    if size != file_bytes:
+        raise AdapterFormatError(f"{weights} changed size since it was registered as version {version} "
+                                 f"({file_bytes} -> {size} bytes); register it again for a new version")

@@ -1,0 +1,153 @@
+"""Reads in child processes, into a host arena they share with the worker (lifecycle step 5).
+
+A worker's engine launches a step's kernels from Python on one thread; a reader thread in the same
+process takes the GIL to build its views of the file (5-8 ms per Llama-3.1-8B shard on the H200's host),
+and every launch then waits for the GIL behind it: a launch-bound step ran 2.0x slower beside three
+such reads in flight and 17x beside three readers doing nothing but build views (``python -m
+bench.reader_probe``, bench/RESULTS.md). A reader process shares no GIL with the engine. The arena is
+one ``memfd`` mapped by the worker and by every reader process (pinned in the worker with
+``cudaHostRegister``), so a read lands where the host-to-GPU copy reads it: no second copy.
+
+Protocol, one job at a time per process over a socket: the worker sends the file, its registered version
+and size, the layout's entries (once per process for each rank pattern, then by id: adapters of one
+pattern share them), a name for the shard and where in the arena it goes; it gets back ``("ok",
+bytes)`` or ``("error", message)``. A process that dies mid-read (a file cut short under its mapping raises SIGBUS
+there) fails only that read, with an error naming the file; the next read starts a new process.
+
+    python -m workers.reader_proc CONN_FD ARENA_FD ARENA_BYTES     (started by ReaderProcess only)
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from lora_cache.errors import AdapterFormatError
+from lora_cache.peft import AdapterSpec
+from lora_cache.shards import ShardEntry, ShardLayout
+
+STARTUP_TIMEOUT_S = 120.0  # importing torch on a loaded machine
+ROOT = Path(__file__).resolve().parent.parent  # the directory that holds the workers package
+
+
+class ReaderProcess:
+    """One child process that reads shards into the shared arena; used by one thread at a time."""
+
+    def __init__(self, arena_fd: int, arena_bytes: int) -> None:
+        self.arena_fd, self.arena_bytes = arena_fd, arena_bytes
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._conn: Connection | None = None
+        self._ready = False
+        self._sent: dict[int, tuple[ShardEntry, ...]] = {}  # entries this process holds, by id (kept: ids stay unique)
+        self.restarts = -1
+        self._start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def _start(self) -> None:
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "workers.reader_proc", str(theirs.fileno()), str(self.arena_fd),
+             str(self.arena_bytes)], pass_fds=(theirs.fileno(), self.arena_fd), env=env, cwd=str(ROOT),
+            stdin=subprocess.DEVNULL)
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._ready, self._sent = False, {}
+        self.restarts += 1
+
+    def read(self, spec: AdapterSpec, layout: ShardLayout, offset: int) -> int:
+        """Read ``spec``'s shard of ``layout`` into the arena at byte ``offset``; returns bytes read."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+        assert self._conn is not None
+        try:
+            if not self._ready:
+                if not self._conn.poll(STARTUP_TIMEOUT_S):
+                    raise TimeoutError(f"no word from reader process {self.pid} in {STARTUP_TIMEOUT_S:.0f} s")
+                self._conn.recv()
+                self._ready = True
+            key = id(layout.entries)
+            self._conn.send((str(spec.weights), spec.version, spec.file_bytes, key,
+                             None if key in self._sent else layout.entries, f"TP {layout.rank}/{layout.tp}",
+                             str(layout.dtype).removeprefix("torch."), layout.numel, offset))
+            self._sent[key] = layout.entries
+            status, value = self._conn.recv()
+        except (EOFError, OSError, TimeoutError) as e:
+            code = self._stop()
+            how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+            raise AdapterFormatError(
+                f"{spec.weights}: the reader process died reading the TP {layout.rank}/{layout.tp} shard ({how}; "
+                f"{type(e).__name__}); a file cut short while it is read does this: re-copy it and register again"
+            ) from e
+        if status != "ok":
+            raise AdapterFormatError(value)
+        return int(value)
+
+    def _stop(self) -> int | None:
+        """End the process (it exits when its socket closes); its exit code, None if it had to be killed."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        try:
+            return proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return None
+
+    def close(self) -> None:
+        self._stop()
+
+
+def _serve(conn: Connection, arena: Any) -> None:
+    import torch  # after the environment pins one intra-op thread
+
+    from workers.reader import read_slices
+
+    torch.set_num_threads(1)
+    held: dict[int, tuple[ShardEntry, ...]] = {}
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            weights, version, size, key, entries, shard, dtype, numel, offset = conn.recv()
+        except (EOFError, ConnectionResetError):
+            return
+        if entries is not None:
+            held[key] = entries
+        try:
+            width = getattr(torch, dtype).itemsize
+            dest = arena[offset : offset + numel * width].view(getattr(torch, dtype))
+            conn.send(("ok", read_slices(Path(weights), version, size, held[key], dest, shard)))
+        except AdapterFormatError as e:
+            conn.send(("error", str(e)))
+        except Exception as e:  # noqa: BLE001 - any failure is this read's, told to the worker
+            conn.send(("error", f"{weights}: reading the {shard} shard failed ({type(e).__name__}: {e})"))
+
+
+def main(argv: list[str]) -> None:
+    conn_fd, arena_fd, arena_bytes = (int(a) for a in argv)
+    import torch
+
+    mapped = mmap.mmap(arena_fd, arena_bytes)  # MAP_SHARED: the worker sees every byte written
+    arena = torch.frombuffer(mapped, dtype=torch.uint8)
+    with Connection(conn_fd) as conn:
+        _serve(conn, arena)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the worker; it closes the socket
+    main(sys.argv[1:])
