@@ -67,19 +67,19 @@ def _ordering_p99(seed: int, policy: str) -> float:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_p99_ttft_ordering_for_zipf_with_four_adapters_per_slot(seed: int) -> None:
-    """oracle ~ global <= queue ~ ondemand on p99 TTFT.
+    """oracle ~ global <= queue ~ ondemand on p99 TTFT, and global within the goal's 1.15x of the oracle.
 
-    global stays within 1.25x of the oracle on every seed (seed 2: 1.20x, its prefills slowed by the
-    prefetches' reads beside them, as on the H200); seed 0 meets the goal's 1.15x (the next test).
-    queue and ondemand tie within a tenth: at this load no queue forms, so a request whose
-    adapter is cold finds no lead time to prefetch in, and queue's ready-first admission then adds up to
-    a step to its wait that ondemand's blocking load does not. The H200 runs since the engines stopped
-    stalling for the garbage collector show the same (queue 0.98-1.21x ondemand, bench/RESULTS.md);
-    before, ondemand's stalls had put it above queue. Here: 0.96-1.03x."""
+    With reads in reader processes (calibration from bench/results/h200-bench/proc/fleet2: prefills
+    +6% per read in flight, where the in-process reader cost +46%), global is 1.00-1.05x the oracle on
+    seeds 0-5. queue and ondemand tie: at this load no queue forms, so a request whose adapter is cold
+    finds no lead time to prefetch in, and both wait for its load; queue is 0.91-1.04x ondemand on
+    seeds 0-5 (seed 2: 1.04x). The H200 runs of the same scenarios show the same tie at zipf's load
+    (queue 1.10x ondemand on zipf and two replicas) and queue far below ondemand where loads queue up
+    (seed 0.58x, bursty 0.28x, uniform 0.16x; bench/RESULTS.md, fourth pass)."""
     p99 = ordering_p99(seed, ("oracle", "global", "queue", "ondemand"))
     assert p99["global"] <= p99["queue"] and p99["global"] <= p99["ondemand"] and p99["oracle"] <= p99["queue"], p99
-    assert p99["global"] <= 1.25 * p99["oracle"], p99  # the goal's 1.15x: test_global_p99_ttft_meets_the_goals
-    assert p99["queue"] <= 1.10 * p99["ondemand"], p99
+    assert p99["global"] <= 1.15 * p99["oracle"], p99
+    assert p99["queue"] <= 1.05 * p99["ondemand"], p99
 
 
 def test_global_p99_ttft_meets_the_goals_against_oracle_and_queue() -> None:
@@ -378,7 +378,7 @@ def test_sim_check_recovers_a_simulated_run_from_its_own_logs() -> None:
 
 def test_shipped_calibrations_load_and_say_what_they_are() -> None:
     cpu = load_calibration("cpu-tiny")
-    assert not H200.provisional and "fitted" in H200.source and "final/fleet2" in H200.source
+    assert not H200.provisional and "fitted" in H200.source and "proc/fleet2" in H200.source
     assert H200.slot_dtype == "bfloat16" and cpu.slot_dtype == "float32" and not cpu.provisional
     assert Calibration.from_dict(json.loads(H200.to_json()), "round trip") == H200
     # the two-replica H200 run's shapes (bench/RESULTS.md): a decode step of a few requests ~10 ms, a
