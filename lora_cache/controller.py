@@ -132,8 +132,17 @@ class ControllerActor:
         return [worker_name(w) for w in workers]
 
     async def _replay_registrations(self, handles: list[Any]) -> None:
-        """Workers new to the controller (or restarted, catalog empty) learn every registered adapter."""
-        await asyncio.gather(*(h.register_adapter.remote(a, p) for h in handles for a, p in self.core.paths.items()))
+        """Workers new to the controller (or restarted, catalog empty) learn every registered adapter. A
+        restarted worker says so from its constructor, so it may still be starting: retried for ~30 s."""
+        for attempt in range(30):
+            try:
+                await asyncio.gather(*(h.register_adapter.remote(a, p) for h in handles
+                                       for a, p in self.core.paths.items()))
+                return
+            except ray.exceptions.ActorUnavailableError:
+                if attempt == 29:
+                    raise
+                await asyncio.sleep(1.0)
 
     async def register_adapter(self, name: str, path: str) -> str:
         await self._start()
