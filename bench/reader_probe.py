@@ -9,10 +9,11 @@ the GIL released), ``preadv`` (one ``os.preadv`` per matrix or row, the GIL rele
 ``get_slice`` (safetensors' sliced reads, the reader before 2026-11-22), the last two kept as references.
 Three more separate the causes of what is left: ``views`` (the mmap reader's Python alone: the views
 built, nothing copied: its share of the GIL), ``mmap-h2d`` (the read, then its copy to the GPU on a side
-stream, waited for by event: a whole load) and ``mmap-proc`` (the mmap reader in a child process: no
-GIL shared, only the cores, memory and page cache), and ``process`` (what a GPU worker now runs:
-``workers.reader_proc`` processes reading into a shared, pinned arena, each reader thread waiting on one). ``--threads`` repeats the set at each torch
-intra-op thread count (a copy on the host is split over that many OpenMP threads; Ray workers run with 1).
+stream, waited for by event: a whole load) and ``mmap-proc`` (the mmap reader in a bare child process:
+no GIL shared, only the cores, memory and page cache). ``process`` is what a GPU worker now runs:
+``workers.reader_proc`` processes reading into a shared, pinned arena, each reader thread waiting on
+one. ``--threads`` repeats the set at each torch intra-op thread count (a copy on the host is split
+over that many OpenMP threads; Ray workers run with 1).
 
     python -m bench.reader_probe --out reader_probe.json [--adapters DIR] [--tp 1,2] [--readers 1,2]
         [--threads 1,16] [--kinds mmap,views,...]
@@ -21,16 +22,17 @@ intra-op thread count (a copy on the host is split over that many OpenMP threads
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
-import queue
 import mmap
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -113,21 +115,20 @@ def mmap_h2d(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor) -> int:
     return read
 
 
-def _child_reads(path: str, adapters: str, tp: int, threads: int, stop: Any, times: Any) -> None:
+def _child_reads(path: str, adapters: str, tp: int, threads: int, stop: Any, ready: Any, times: Any) -> None:
     """A child process: the mmap reader, back to back, until ``stop`` is set; each read's seconds to ``times``."""
     torch.set_num_threads(threads)
     catalog = AdapterCatalog(CatalogConfig(adapter_roots=(adapters,), model="llama-3.1-8b", max_rank=64))
     spec = next(s for s in catalog.register_dir(Path(adapters)) if str(s.weights) == path)
     layout = shard_layout(spec, catalog.shape, tp, 0, torch.bfloat16)
     dest = torch.empty(layout.numel, dtype=torch.bfloat16)
-    times.put(None)  # ready
+    ready.put(os.getpid())
     while not stop.is_set():
-        t = time.perf_counter()
-        read_shard(spec, layout, dest)
-        times.put(time.perf_counter() - t)
+        times.put(_timed(lambda: read_shard(spec, layout, dest)))
 
 
-def process_reads(count: int, nbytes: int) -> Callable[[AdapterSpec, ShardLayout, torch.Tensor], int]:
+@contextlib.contextmanager
+def process_reads(count: int, nbytes: int) -> Iterator[Callable[[AdapterSpec, ShardLayout, torch.Tensor], int]]:
     """``count`` reader processes over a shared arena of ``count`` blocks of ``nbytes``; the returned reader
     takes an idle process and its block (a worker's ``ProcessReads``); ``dest`` is not used."""
     arena = HostArena(count * -(-nbytes // ALIGN) * ALIGN, pin=torch.cuda.is_available(), shared=True)
@@ -146,14 +147,17 @@ def process_reads(count: int, nbytes: int) -> Callable[[AdapterSpec, ShardLayout
         finally:
             blocks.put(block)
 
-    read.close = lambda: (reads.close(), arena.close())  # type: ignore[attr-defined]
-    return read
+    try:
+        yield read
+    finally:
+        reads.close()
+        arena.close()
 
 
 READERS: dict[str, Callable[[AdapterSpec, ShardLayout, torch.Tensor], int]] = {
-    "process": read_shard,  # replaced per probe by process_reads
     "mmap": read_shard, "preadv": preadv_read, "get_slice": get_slice_read, "views": views_only,
-    "mmap-h2d": mmap_h2d, "mmap-proc": read_shard}
+    "mmap-h2d": mmap_h2d}
+KINDS = ("process", *READERS, "mmap-proc")  # process: workers' ProcessReads; mmap-proc: a bare child process
 
 
 def launch_step(device: torch.device, ops: int) -> Callable[[], float]:
@@ -170,93 +174,107 @@ def launch_step(device: torch.device, ops: int) -> Callable[[], float]:
     return step
 
 
-def probe(specs: list[AdapterSpec], catalog: AdapterCatalog, reader: str, tp: int, readers: int,
+def probe(specs: list[AdapterSpec], catalog: AdapterCatalog, kind: str, tp: int, readers: int,
           step: Callable[[], float], steps: int, adapters: str = "") -> dict[str, Any]:
-    if reader == "mmap-proc":
-        return probe_process(specs, catalog, tp, readers, step, steps, adapters)
-    fn = READERS[reader]
-    if reader == "process":
-        fn = process_reads(readers, shard_layout(specs[0], catalog.shape, tp, 0, torch.bfloat16).nbytes)
-        try:
-            return _probe(specs, catalog, reader, tp, readers, step, steps, fn)
-        finally:
-            fn.close()  # type: ignore[attr-defined]
-    return _probe(specs, catalog, reader, tp, readers, step, steps, fn)
+    """One row: ``step`` alone, then beside ``readers`` back-to-back reads of ``kind``."""
+    if kind == "mmap-proc":
+        return probe_children(specs, catalog, tp, readers, step, steps, adapters)
+    if kind != "process":
+        return probe_threads(specs, catalog, kind, tp, readers, step, steps, READERS[kind])
+    with process_reads(readers, shard_layout(specs[0], catalog.shape, tp, 0, torch.bfloat16).nbytes) as fn:
+        return probe_threads(specs, catalog, kind, tp, readers, step, steps, fn)
 
 
-def _probe(specs: list[AdapterSpec], catalog: AdapterCatalog, reader: str, tp: int, readers: int,
-           step: Callable[[], float], steps: int, fn: Callable[[AdapterSpec, ShardLayout, torch.Tensor], int]
-           ) -> dict[str, Any]:
+def probe_threads(specs: list[AdapterSpec], catalog: AdapterCatalog, kind: str, tp: int, readers: int,
+                  step: Callable[[], float], steps: int,
+                  fn: Callable[[AdapterSpec, ShardLayout, torch.Tensor], int]) -> dict[str, Any]:
+    """Reads by ``fn``, each reader on a thread of this process."""
     pin = torch.cuda.is_available()
     layout = shard_layout(specs[0], catalog.shape, tp, 0, torch.bfloat16)
     dests = [torch.empty(layout.numel, dtype=torch.bfloat16, pin_memory=pin) for _ in range(readers)]
-    if reader == "process":  # each reader process started (FIFO: one read each) before the clock
+    if kind == "process":  # each reader process started (FIFO: one read each) before the clock
         for _ in range(readers):
             fn(specs[0], layout, dests[0])
-    t0 = time.perf_counter()
-    fn(specs[0], layout, dests[0])
-    alone_ms = (time.perf_counter() - t0) * 1e3
-    idle = [step() for _ in range(steps)]
+    alone_ms = _timed(lambda: fn(specs[0], layout, dests[0]))
     stop, reads = threading.Event(), []
 
     def loop(i: int) -> None:
         spec = specs[i % len(specs)]
         lay = shard_layout(spec, catalog.shape, tp, 0, torch.bfloat16)
         while not stop.is_set():
-            t = time.perf_counter()
-            fn(spec, lay, dests[i])
-            reads.append(time.perf_counter() - t)
+            reads.append(_timed(lambda: fn(spec, lay, dests[i])))
 
     threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(readers)]
-    for t in threads:
-        t.start()
-    time.sleep(0.05)
-    busy = []
-    for _ in range(steps):
-        busy.append(step())
-        time.sleep(0.002)
-    stop.set()
-    for t in threads:
-        t.join()
-    busy.sort()
-    return {"reader": reader, "tp": tp, "readers": readers, "read_alone_ms": alone_ms,
-            "read_beside_ms": statistics.median(reads) * 1e3 if reads else 0.0,
-            "step_idle_ms": statistics.median(idle) * 1e3, "step_beside_ms": statistics.median(busy) * 1e3,
-            "step_beside_p90_ms": busy[int(0.9 * (len(busy) - 1))] * 1e3,
-            "slowdown": statistics.median(busy) / statistics.median(idle), "threads": torch.get_num_threads()}
+
+    def start() -> None:
+        for t in threads:
+            t.start()
+
+    def end() -> None:
+        stop.set()
+        for t in threads:
+            t.join()
+
+    idle, busy = _beside(step, steps, start, end)
+    return _row(kind, tp, readers, alone_ms, reads, idle, busy)
 
 
-def probe_process(specs: list[AdapterSpec], catalog: AdapterCatalog, tp: int, readers: int,
-                  step: Callable[[], float], steps: int, adapters: str) -> dict[str, Any]:
-    """As ``probe``, with each reader in a child process of its own (spawned: no CUDA state is forked)."""
+def probe_children(specs: list[AdapterSpec], catalog: AdapterCatalog, tp: int, readers: int,
+                   step: Callable[[], float], steps: int, adapters: str) -> dict[str, Any]:
+    """The mmap reader in bare child processes (spawned: no CUDA state is forked), at this process's
+    intra-op thread count."""
     ctx = mp.get_context("spawn")
     layout = shard_layout(specs[0], catalog.shape, tp, 0, torch.bfloat16)
     dest = torch.empty(layout.numel, dtype=torch.bfloat16)
-    t0 = time.perf_counter()
-    read_shard(specs[0], layout, dest)
-    alone_ms = (time.perf_counter() - t0) * 1e3
-    idle = [step() for _ in range(steps)]
-    stop, times = ctx.Event(), ctx.Queue()
+    alone_ms = _timed(lambda: read_shard(specs[0], layout, dest))
+    stop, ready, times = ctx.Event(), ctx.Queue(), ctx.Queue()
     children = [ctx.Process(target=_child_reads, args=(str(specs[i % len(specs)].weights), adapters, tp,
-                                                               torch.get_num_threads(), stop, times),
-                            daemon=True) for i in range(readers)]
-    for c in children:
-        c.start()
-    for _ in children:
-        times.get(timeout=120)  # each child ready: its imports and catalog done before the clock
+                                                       torch.get_num_threads(), stop, ready, times), daemon=True)
+                for i in range(readers)]
+
+    def start() -> None:
+        for c in children:
+            c.start()
+        for _ in children:
+            ready.get(timeout=120)  # each child's imports and catalog done before the clock
+
+    def end() -> None:
+        stop.set()
+        for c in children:
+            c.join(timeout=60)
+
+    idle, busy = _beside(step, steps, start, end)
+    reads = []
+    while not times.empty():
+        reads.append(times.get())
+    return _row("mmap-proc", tp, readers, alone_ms, reads, idle, busy)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    """Seconds ``fn`` took."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _beside(step: Callable[[], float], steps: int, start: Callable[[], None],
+            end: Callable[[], None]) -> tuple[list[float], list[float]]:
+    """``steps`` steps alone, then ``steps`` more between ``start`` and ``end`` of the reads."""
+    idle = [step() for _ in range(steps)]
+    start()
     time.sleep(0.05)
     busy = []
     for _ in range(steps):
         busy.append(step())
         time.sleep(0.002)
-    stop.set()
-    reads = []
-    for c in children:
-        c.join(timeout=60)
-    while not times.empty():
-        reads.append(times.get())
-    busy.sort()
-    return {"reader": "mmap-proc", "tp": tp, "readers": readers, "read_alone_ms": alone_ms,
+    end()
+    return idle, busy
+
+
+def _row(kind: str, tp: int, readers: int, alone_s: float, reads: list[float], idle: list[float],
+         busy: list[float]) -> dict[str, Any]:
+    busy = sorted(busy)
+    return {"reader": kind, "tp": tp, "readers": readers, "read_alone_ms": alone_s * 1e3,
             "read_beside_ms": statistics.median(reads) * 1e3 if reads else 0.0,
             "step_idle_ms": statistics.median(idle) * 1e3, "step_beside_ms": statistics.median(busy) * 1e3,
             "step_beside_p90_ms": busy[int(0.9 * (len(busy) - 1))] * 1e3,
@@ -272,12 +290,12 @@ def main() -> None:
     ap.add_argument("--ops", type=int, default=3000)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", default="", help="torch intra-op thread counts to repeat the set at (default: as is)")
-    ap.add_argument("--kinds", default=",".join(READERS), help=f"readers to probe, from {', '.join(READERS)}")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"readers to probe, from {', '.join(KINDS)}")
     args = ap.parse_args()
     kinds = [k for k in args.kinds.split(",") if k]
-    unknown = [k for k in kinds if k not in READERS]
+    unknown = [k for k in kinds if k not in KINDS]
     if unknown:
-        raise SystemExit(f"--kinds: {unknown} unknown; choose from {', '.join(READERS)}")
+        raise SystemExit(f"--kinds: {unknown} unknown; choose from {', '.join(KINDS)}")
     if not torch.cuda.is_available():
         kinds = [k for k in kinds if k != "mmap-h2d"]
     root = Path(args.adapters)
@@ -296,9 +314,10 @@ def main() -> None:
                 for reader in kinds:
                     r = probe(specs, catalog, reader, tp, n, step, args.steps, str(root))
                     rows.append(r)
-                    print(f"threads {r['threads']} tp {r['tp']} x{r['readers']} {r['reader']:9s} read {r['read_alone_ms']:6.1f} ms alone, "
-              f"{r['read_beside_ms']:6.1f} beside; step {r['step_idle_ms']:5.1f} ms idle, {r['step_beside_ms']:5.1f} "
-                          f"beside (p90 {r['step_beside_p90_ms']:5.1f}): {r['slowdown']:.2f}x", flush=True)
+                    print(f"threads {r['threads']} tp {r['tp']} x{r['readers']} {r['reader']:9s} "
+                          f"read {r['read_alone_ms']:6.1f} ms alone, {r['read_beside_ms']:6.1f} beside; "
+                          f"step {r['step_idle_ms']:5.1f} ms idle, {r['step_beside_ms']:5.1f} beside "
+                          f"(p90 {r['step_beside_p90_ms']:5.1f}): {r['slowdown']:.2f}x", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"device": str(torch.cuda.get_device_name() if device.type == "cuda"
                                                          else "cpu"), "ops": args.ops, "rows": rows}, indent=1))

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 NAMESPACE = "lora-cache"
 CONTROLLER_NAME = "lora-cache-controller"
 WORKER_PREFIX = "lora-cache-worker:"
+REPLAY_ATTEMPTS = 30  # a second apart: a restarted worker may still be in its constructor
 
 
 class Link(NamedTuple):
@@ -134,13 +135,13 @@ class ControllerActor:
     async def _replay_registrations(self, handles: list[Any]) -> None:
         """Workers new to the controller (or restarted, catalog empty) learn every registered adapter. A
         restarted worker says so from its constructor, so it may still be starting: retried for ~30 s."""
-        for attempt in range(30):
+        for attempt in range(REPLAY_ATTEMPTS):
             try:
                 await asyncio.gather(*(h.register_adapter.remote(a, p) for h in handles
                                        for a, p in self.core.paths.items()))
                 return
             except ray.exceptions.ActorUnavailableError:
-                if attempt == 29:
+                if attempt + 1 == REPLAY_ATTEMPTS:
                     raise
                 await asyncio.sleep(1.0)
 

@@ -35,12 +35,16 @@ def catalog(
     return make_catalog(paths[0].parent)
 
 
+def make_tier(reads: str, threads: int) -> HostTier:
+    """A 1 MiB unpinned tier reading on its threads or in reader processes that share its arena."""
+    tier = HostTier(HostTierConfig(host_bytes=MiB, read_threads=threads, pin=False, reads=reads))
+    assert tier.reads == reads
+    return tier
+
+
 @pytest.fixture(params=["thread", "process"])
 def tier(request: pytest.FixtureRequest) -> Iterator[HostTier]:
-    """A 1 MiB tier reading on its threads, or in reader processes that share its arena."""
-    tier = HostTier(HostTierConfig(host_bytes=MiB, read_threads=4 if request.param == "thread" else 2, pin=False,
-                                   reads=request.param))
-    assert tier.reads == request.param
+    tier = make_tier(request.param, 4 if request.param == "thread" else 2)
     try:
         yield tier
     finally:
@@ -50,7 +54,7 @@ def tier(request: pytest.FixtureRequest) -> Iterator[HostTier]:
 @pytest.fixture
 def thread_tier() -> Iterator[HostTier]:
     """For the tests that gate ``read_shard`` in this process."""
-    tier = HostTier(HostTierConfig(host_bytes=MiB, read_threads=4, pin=False, reads="thread"))
+    tier = make_tier("thread", 4)
     try:
         yield tier
     finally:
@@ -309,7 +313,7 @@ def test_host_tier_config_errors() -> None:
 # -- reader processes ------------------------------------------------------------------------------
 @pytest.fixture
 def process_tier() -> Iterator[HostTier]:
-    tier = HostTier(HostTierConfig(host_bytes=MiB, read_threads=1, pin=False, reads="process"))
+    tier = make_tier("process", 1)
     try:
         yield tier
     finally:
@@ -325,7 +329,7 @@ def test_process_reads_convert_and_slice_like_thread_reads(
     spec = big(catalog, 0)
     for rank in range(tp):
         lay = shard_layout(spec, TINY, tp, rank, F32)
-        tier = HostTier(HostTierConfig(host_bytes=MiB, read_threads=1, pin=False, reads="process"))
+        tier = make_tier("process", 1)
         try:
             entry = tier.fetch(spec, lay)[0].result(timeout=120)
             expected = torch.zeros(lay.numel, dtype=F32)
@@ -393,7 +397,7 @@ def test_a_reader_process_that_died_idle_is_replaced_without_an_error(
 
 
 def test_closing_the_tier_ends_its_reader_processes(catalog: AdapterCatalog) -> None:
-    tier = HostTier(HostTierConfig(host_bytes=MiB, read_threads=2, pin=False, reads="process"))
+    tier = make_tier("process", 2)
     try:
         staged(tier, big(catalog, 0))
         procs = [p._proc for p in tier._reader._all]

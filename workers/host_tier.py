@@ -81,10 +81,6 @@ class ProcessReads:
         finally:
             self._idle.put(proc)
 
-    @property
-    def pids(self) -> list[int | None]:
-        return [p.pid for p in self._all]
-
     def close(self) -> None:
         for proc in self._all:
             proc.close()

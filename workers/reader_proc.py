@@ -27,11 +27,13 @@ import subprocess
 import sys
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+
+import torch
 
 from lora_cache.errors import AdapterFormatError
 from lora_cache.peft import AdapterSpec
 from lora_cache.shards import ShardEntry, ShardLayout
+from workers.reader import read_slices
 
 STARTUP_TIMEOUT_S = 120.0  # importing torch on a loaded machine
 ROOT = Path(__file__).resolve().parent.parent  # the directory that holds the workers package
@@ -46,7 +48,7 @@ class ReaderProcess:
         self._conn: Connection | None = None
         self._ready = False
         self._sent: dict[int, tuple[ShardEntry, ...]] = {}  # entries this process holds, by id (kept: ids stay unique)
-        self.restarts = -1
+        self.restarts = 0  # processes started after the first
         self._start()
 
     @property
@@ -64,11 +66,11 @@ class ReaderProcess:
         theirs.close()
         self._conn = Connection(ours.detach())
         self._ready, self._sent = False, {}
-        self.restarts += 1
 
     def read(self, spec: AdapterSpec, layout: ShardLayout, offset: int) -> int:
         """Read ``spec``'s shard of ``layout`` into the arena at byte ``offset``; returns bytes read."""
         if self._proc is None or self._proc.poll() is not None:
+            self.restarts += 1
             self._start()
         assert self._conn is not None
         try:
@@ -113,11 +115,7 @@ class ReaderProcess:
         self._stop()
 
 
-def _serve(conn: Connection, arena: Any) -> None:
-    import torch  # after the environment pins one intra-op thread
-
-    from workers.reader import read_slices
-
+def _serve(conn: Connection, arena: torch.Tensor) -> None:
     torch.set_num_threads(1)
     held: dict[int, tuple[ShardEntry, ...]] = {}
     conn.send(("ready", os.getpid()))
@@ -134,7 +132,7 @@ def _serve(conn: Connection, arena: Any) -> None:
             conn.send(("ok", read_slices(Path(weights), version, size, held[key], dest, shard)))
         except AdapterFormatError as e:
             conn.send(("error", str(e)))
-        except Exception as e:  # noqa: BLE001 - any failure is this read's, told to the worker
+        except Exception as e:
             conn.send(("error", f"{weights}: reading the {shard} shard failed ({type(e).__name__}: {e})"))
 
 
