@@ -11,7 +11,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any, NamedTuple
+from collections.abc import Awaitable, Callable
+from typing import Any, NamedTuple, TypeVar
 
 import ray
 
@@ -27,7 +28,8 @@ log = logging.getLogger(__name__)
 NAMESPACE = "lora-cache"
 CONTROLLER_NAME = "lora-cache-controller"
 WORKER_PREFIX = "lora-cache-worker:"
-REPLAY_ATTEMPTS = 30  # a second apart: a restarted worker may still be in its constructor
+T = TypeVar("T")
+WORKER_ATTEMPTS = 30  # a second apart: a restarted worker may still be in its constructor
 
 
 class Link(NamedTuple):
@@ -44,6 +46,20 @@ def worker_name(worker: WorkerId) -> str:
 def parse_worker_name(name: str) -> WorkerId:
     replica, rank = name[len(WORKER_PREFIX):].rsplit(":", 1)
     return WorkerId(replica, int(rank))
+
+
+async def _while_restarting(call: Callable[[], Awaitable[T]]) -> T:
+    """``await call()``, called again while the worker is restarting (``ActorUnavailableError``: Ray
+    refuses calls until its constructor returns), a second apart, ``WORKER_ATTEMPTS`` times at most.
+    A worker that is gone (``RayActorError``) fails at once."""
+    for attempt in range(WORKER_ATTEMPTS):
+        try:
+            return await call()
+        except ray.exceptions.ActorUnavailableError:
+            if attempt + 1 == WORKER_ATTEMPTS:
+                raise
+            await asyncio.sleep(1.0)
+    raise AssertionError("unreachable")
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
@@ -73,11 +89,11 @@ class ControllerActor:
         """Adopt the workers that already exist (after a controller restart) from their reports."""
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                  if a["namespace"] == NAMESPACE and a["name"].startswith(WORKER_PREFIX)]
-        infos = []
+        infos: list[tuple[Any, Any]] = []
         for name in names:
             try:
                 handle = ray.get_actor(name, namespace=NAMESPACE)
-                infos.append((handle, await handle.describe.remote()))
+                infos.append((handle, await _while_restarting(handle.describe.remote)))
             except Exception as e:  # a worker that died meanwhile is simply not adopted
                 log.warning("could not adopt %s: %s", name, e)
         for _, info in infos:
@@ -134,16 +150,9 @@ class ControllerActor:
 
     async def _replay_registrations(self, handles: list[Any]) -> None:
         """Workers new to the controller (or restarted, catalog empty) learn every registered adapter. A
-        restarted worker says so from its constructor, so it may still be starting: retried for ~30 s."""
-        for attempt in range(REPLAY_ATTEMPTS):
-            try:
-                await asyncio.gather(*(h.register_adapter.remote(a, p) for h in handles
-                                       for a, p in self.core.paths.items()))
-                return
-            except ray.exceptions.ActorUnavailableError:
-                if attempt + 1 == REPLAY_ATTEMPTS:
-                    raise
-                await asyncio.sleep(1.0)
+        restarted worker says so from its constructor, so it may still be starting."""
+        await _while_restarting(lambda: asyncio.gather(*(h.register_adapter.remote(a, p) for h in handles
+                                                         for a, p in self.core.paths.items())))
 
     async def register_adapter(self, name: str, path: str) -> str:
         await self._start()
