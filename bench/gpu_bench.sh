@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmark job's H200 runs (real engine, Llama-3.1-8B shapes, rank 16/64 adapters), one device call each.
-#   bash bench/gpu_bench.sh OUT smoke|seed|uniform|zipf|bursty|seed-s|uniform-s|zipf-s|bursty-s|seed4|bursty4|fleet2|fleet2-s|tp4 ...
+#   bash bench/gpu_bench.sh OUT smoke|seed|uniform|zipf|bursty|seed-s|uniform-s|zipf-s|bursty-s|seed-l|uniform-l|zipf-l|bursty-l|seed4|bursty4|fleet2|fleet2-s|tp4 ...
 # (bench/gpu_parallel.sh runs several at once, each on its own GPUs.) Logs go to $LOGDIR (default OUT):
 # a device call brings back at most 8 files, so there keep them off $OUT (LOGDIR=/tmp/logs).
 # Each run writes OUT/NAME/results.json (plots are redrawn off the device: python -m bench.report).
@@ -8,6 +8,7 @@ set -u
 out=${1:?output directory}; shift
 logs=${LOGDIR:-$out}
 mkdir -p "$out" "$logs"
+first=global,oracle,ondemand,queue,overlap  # a run cut short by the device's time limit keeps these
 common=(--engine real --model llama-3.1-8b --adapter-ranks 16,64 --no-plots --adapters /tmp/bench-adapters)
 run() { local name=$1; shift; echo "=== $name: $*"; python -m bench.run --out "$out/$name" "$@" > "$logs/$name.log" 2>&1;
         echo "=== $name rc=$?"; tr '\r' '\n' < "$logs/$name.log" | grep -v '%\|logging.cc\|^ *@' | tail -n 30; }
@@ -27,6 +28,11 @@ for what in "$@"; do
     uniform-s) run uniform "${common[@]}" --scenario uniform --requests 100 ;;
     zipf-s)  run zipf "${common[@]}" --scenario zipf --requests 100 ;;
     bursty-s) run bursty "${common[@]}" --scenario bursty --requests 120 ;;
+    # the fifth pass (staging): 200 requests (p99 is the third worst), global and the oracle first
+    seed-l)  run seed "${common[@]}" --scenario seed --requests 200 --policies "$first" ;;
+    uniform-l) run uniform "${common[@]}" --scenario uniform --requests 200 --policies "$first" ;;
+    zipf-l)  run zipf "${common[@]}" --scenario zipf --requests 200 --policies "$first" ;;
+    bursty-l) run bursty "${common[@]}" --scenario bursty --requests 200 --policies "$first" ;;
     # two replicas (2 GPUs), each at the one-replica scenarios' load
     fleet2)  run fleet2 "${common[@]}" --scenario zipf --replicas 2 --requests 200 --arrivals poisson:8 ;;
     fleet2-s) run fleet2 "${common[@]}" --scenario zipf --replicas 2 --requests 160 --arrivals poisson:8 ;;

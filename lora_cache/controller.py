@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
 
@@ -20,7 +21,7 @@ from lora_cache import heap
 from lora_cache.control import ControllerConfig, ControllerCore, HintOutcome, WorkerId
 from lora_cache.errors import ConflictError
 from lora_cache.metrics import ControllerMetrics
-from lora_cache.planner import Evict, Prefetch
+from lora_cache.planner import Evict
 from lora_cache.readiness import ReadinessEvent
 
 log = logging.getLogger(__name__)
@@ -302,8 +303,8 @@ class ControllerActor:
     async def _plan(self, full: bool = False) -> None:
         t0 = time.perf_counter()
         plan = self.core.plan(time.time(), full=full)
-        prefetches = sum(isinstance(c, Prefetch) for cmds in plan.values() for c in cmds)
-        self.metrics.plan(time.perf_counter() - t0, full, prefetches, sum(map(len, plan.values())) - prefetches)
+        kinds = Counter(type(c).__name__.lower() for cmds in plan.values() for c in cmds)
+        self.metrics.plan(time.perf_counter() - t0, full, kinds)
         sends = [(wid, self.handles[wid].apply.remote(cmds)) for wid, cmds in plan.items() if wid in self.handles]
         for wid, ref in sends:
             asyncio.get_running_loop().create_task(self._collect(wid, ref))

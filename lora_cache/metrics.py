@@ -36,12 +36,11 @@ class ControllerMetrics:
                            tag_keys=("replica",))
         self.load_failures = Counter("lora_cache_load_failures_reported", "failed loads workers reported")
 
-    def plan(self, seconds: float, full: bool, prefetches: int, evicts: int) -> None:
+    def plan(self, seconds: float, full: bool, kinds: Mapping[str, int]) -> None:
+        """One planning pass and the commands it sent, by kind ("prefetch", "evict", "stage")."""
         self.planner_ms.observe(seconds * 1e3, tags={"policy": self.policy, "scope": "full" if full else "dirty"})
-        if prefetches:
-            self.commands.inc(prefetches, tags={"kind": "prefetch"})
-        if evicts:
-            self.commands.inc(evicts, tags={"kind": "evict"})
+        for kind, count in sorted(kinds.items()):
+            self.commands.inc(count, tags={"kind": kind})
 
     def rejected_commands(self, stale: int, errors: int) -> None:
         if stale:

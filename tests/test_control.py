@@ -10,7 +10,7 @@ import pytest
 from lora_cache.catalog import CatalogConfig
 from lora_cache.control import ControllerConfig, ControllerCore, WorkerId
 from lora_cache.errors import NotFoundError
-from lora_cache.planner import Evict, Prefetch
+from lora_cache.planner import AdapterKey, Evict, Prefetch, Stage
 from lora_cache.synth import SynthConfig, make_adapters
 from workers.cache import WorkerCache, WorkerConfig
 from workers.commands import CommandGate, Delta
@@ -101,6 +101,59 @@ def test_stale_epoch_commands_are_rejected(fleet) -> None:
                          Evict("adapter-000", version, epoch=6)])
     assert result.rejected_stale == 2 and result.accepted == 0
     assert gate.apply([Prefetch("adapter-000", version, 0, epoch=7)]).accepted == 1  # idempotent repeat
+
+
+def _sync_all(core: ControllerCore, workers) -> None:
+    """Every worker's full residency report (running batches' references included), as after a resync."""
+    for wid, (cache, _, outbox) in workers.items():
+        with outbox.cond:
+            outbox.deltas = []
+        core.sync_worker(wid, [(r["adapter"], r["version"], r["state"], r["refs"]) for r in cache.residency()])
+
+
+def test_a_queued_adapter_without_gpu_room_is_staged_then_loads_from_the_host_tier(fleet) -> None:
+    """Both slots run batches: the controller stages the queued adapter on every rank (its shard read into
+    the host tier, no slot touched); once a batch ends, the prefetch that follows is a host-tier hit."""
+    core, workers = fleet
+    running = {}
+    for wid, (cache, _, _) in workers.items():
+        running[wid] = cache.acquire(["adapter-000", "adapter-001"])
+        cache.settle()
+    _sync_all(core, workers)
+    core.report_queue("r0", [("adapter-002", 0.5)], now=1.0)
+    plan = core.plan(now=1.0)
+    version = core.catalog.get("adapter-002").version
+    for wid, (cache, gate, _) in workers.items():
+        assert plan[wid] == [Stage("adapter-002", version, 2, epoch=5)]  # after the two pinned slots
+        before = cache.residency()
+        assert gate.apply(plan[wid]).accepted == 1
+        staged = cache.stage("adapter-002")  # the read the command started (a repeat starts none)
+        assert staged is not None and staged.result(timeout=30).key == AdapterKey("adapter-002", version)
+        assert cache.residency() == before and cache.stats()["stages"] == 1
+    assert core.plan(now=1.0) == {}  # sent once while it stays wanted
+    for wid, (cache, _, _) in workers.items():
+        cache.release(running[wid])
+    _sync_all(core, workers)
+    plan = core.plan(now=1.1)
+    for wid, (cache, gate, _) in workers.items():
+        loads = [c for c in plan[wid] if isinstance(c, Prefetch)]
+        assert [c.adapter for c in loads] == ["adapter-002"]
+        gate.apply(plan[wid])
+        record = cache.prefetch("adapter-002").result(timeout=30)
+        assert record.host_hit and record.disk_ms == 0.0
+        cache.check_integrity()
+    core.check_integrity()
+
+
+def test_stage_commands_are_epoch_checked_and_a_bad_one_costs_only_itself(fleet) -> None:
+    core, workers = fleet
+    cache, gate, outbox = workers[WorkerId("r0", 0)]
+    version = core.catalog.get("adapter-003").version
+    result = gate.apply([Stage("adapter-003", version, 0, epoch=7), Stage("adapter-004", version, 0, epoch=6),
+                         Stage("ghost", "v", 1, epoch=7)])
+    assert (result.accepted, result.rejected_stale) == (1, 1) and "ghost" in result.errors[0]
+    assert outbox.deltas == [] and cache.residency() == []  # a stage changes no slot: nothing to report
+    cache.check_integrity()
 
 
 def test_bad_inputs_are_clear_errors_and_change_nothing(fleet) -> None:

@@ -57,6 +57,24 @@ def test_side_stream_load_matches_file(tmp_path: Path, tp: int) -> None:
             cache.close()
 
 
+def test_staged_shard_loads_as_a_host_hit_into_a_slot_that_matches_the_file(tmp_path: Path) -> None:
+    """A stage reads the shard in a reader process into the pinned shared arena, with no slot; the load
+    after it copies from there (a host hit) and the slot holds exactly the file's slices."""
+    catalog = _catalog(tmp_path, 4)
+    cache = _cache(catalog, 2)
+    try:
+        staged = cache.stage("adapter-002")
+        assert staged is not None and staged.result(timeout=30).key.name == "adapter-002"
+        assert cache.residency() == [] and cache.stats()["stages"] == 1
+        record = cache.prefetch("adapter-002").result(timeout=30)
+        assert record.host_hit and record.disk_ms == 0.0 and record.h2d_ms > 0
+        layout = cache.layout_of("adapter-002")
+        assert torch.equal(cache.pool[record.slot, : layout.numel].cpu(), _file_shard(cache, "adapter-002"))
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
 def test_acquire_and_step_make_no_host_sync(tmp_path: Path) -> None:
     catalog = _catalog(tmp_path, 6)
     cache = _cache(catalog, 4)

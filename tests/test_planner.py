@@ -64,6 +64,11 @@ def prefetched(plan: Plan, worker: str) -> list[str]:
     return [c.adapter for c in commands.prefetches] if commands else []
 
 
+def staged(plan: Plan, worker: str) -> list[str]:
+    commands = plan.for_worker(worker)
+    return [c.adapter for c in commands.stages] if commands else []
+
+
 def evicted(plan: Plan, worker: str) -> list[str]:
     commands = plan.for_worker(worker)
     return sorted(c.adapter for c in commands.evicts) if commands else []
@@ -108,6 +113,7 @@ def test_config_unknown_policy_lists_registered_ones() -> None:
     ("max_prefetches_per_plan", True, "max_prefetches_per_plan is True"),
     ("hint_ttl_s", -5, "hint_ttl_s is -5"),
     ("max_hints_per_replica", 0, "max_hints_per_replica is 0; give an int >= 1"),
+    ("max_staged_per_replica", -2, "max_staged_per_replica is -2; give an int >= 0, e.g. 4 (0: no host-tier"),
 ])
 def test_config_rejects_bad_values_quoting_value_and_fix(field: str, value: object, words: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -243,7 +249,8 @@ def test_never_evicts_an_adapter_in_use() -> None:
         planner.report_residency(worker, [ResidencyEntry("a0", "v1", IN_USE, 1),
                                           ResidencyEntry("a1", "v1", READY, 2)])
     queue(planner, "r0", "a2", "a3")
-    assert planner.plan(1.0).is_empty
+    plan = planner.plan(1.0)
+    assert all(not c.evicts and not c.prefetches for c in plan.workers)  # only stages (next section)
     hold(planner, "r0", "a0", "a1")  # released
     assert prefetched(planner.plan(1.0), "r0/w0") == ["a2", "a3"]
 
@@ -419,6 +426,86 @@ def test_hints_per_replica_are_bounded() -> None:
     assert planner.add_hint(Hint("h1", "a1", "r0", 2.0), 1.0)
     assert planner.add_hint(Hint("h2", "a2", "r0", 2.0), 1.0)
     assert not planner.add_hint(Hint("h3", "a3", "r0", 2.0), 1.0)
+
+
+# -- staging: needed adapters without GPU room go to the host tiers ---------------------------------
+def pin_all(planner: Planner, replica: str, *adapters: str) -> None:
+    """Every rank of `replica` runs batches on exactly `adapters` (its slots, all in use)."""
+    hold(planner, replica, *adapters, state=IN_USE, refcount=1)
+
+
+def test_needed_adapters_without_gpu_room_are_staged_in_need_order_on_every_rank() -> None:
+    planner = make(slots=2, max_prefetches_per_plan=0)
+    pin_all(planner, "r0", "a0", "a1")
+    queue(planner, "r0", "a4")
+    planner.add_hint(Hint("h1", "a2", "r0", 3.0), 1.0)
+    planner.add_hint(Hint("h2", "a3", "r0", 2.0), 1.0)
+    plan = planner.plan(1.0)
+    for worker in planner.workers("r0"):
+        assert staged(plan, worker) == ["a4", "a3", "a2"]  # queued first, then hints by expected time
+        assert prefetched(plan, worker) == [] and evicted(plan, worker) == []
+        assert [c.priority for c in plan.for_worker(worker).stages] == [2, 3, 4]  # type: ignore[union-attr]
+    assert planner.stats.stages == 6
+    assert planner.residency("r0/w0").keys() == {AdapterKey("a0", "v1"), AdapterKey("a1", "v1")}  # not resident
+    planner.check_integrity()
+
+
+def test_a_stage_is_sent_once_while_wanted_and_again_after_it_was_dropped() -> None:
+    planner = make(slots=2, max_prefetches_per_plan=0)
+    pin_all(planner, "r0", "a0", "a1")
+    queue(planner, "r0", "a2")
+    assert staged(planner.plan(1.0), "r0/w0") == ["a2"]
+    queue(planner, "r0", "a2", "a3", now=1.1)  # replanned: a2 is still wanted, so only a3 goes
+    assert staged(planner.plan(1.1), "r0/w0") == ["a3"]
+    queue(planner, "r0", "a3", now=1.2)  # a2 left (served elsewhere, say)
+    assert planner.plan(1.2).is_empty
+    queue(planner, "r0", "a3", "a2", now=1.3)  # back: its host copy may be gone, stage it again
+    assert staged(planner.plan(1.3), "r0/w0") == ["a2"]
+    pin_all(planner, "r0", "a0", "a1")  # a full report (the worker may have restarted): its next plan stages
+    assert staged(planner.plan_all(1.4), "r0/w0") == ["a3", "a2"]  # what is wanted, again
+    planner.check_integrity()
+
+
+def test_a_needed_adapter_that_gets_room_is_prefetched_not_staged() -> None:
+    planner = make(slots=2, max_prefetches_per_plan=0)
+    pin_all(planner, "r0", "a0", "a1")
+    queue(planner, "r0", "a2", "a3")
+    planner.plan(1.0)
+    hold(planner, "r0", "a0", "a1")  # released: both slots may be reused
+    plan = planner.plan(1.1)
+    assert prefetched(plan, "r0/w0") == ["a2", "a3"] and staged(plan, "r0/w0") == []
+    assert "r0/w0" not in planner._fleet.staged  # nothing stays staged that the target no longer stages
+    planner.check_integrity()
+
+
+def test_stages_are_bounded_per_replica_and_off_at_zero() -> None:
+    planner = make(slots=1, max_prefetches_per_plan=0, max_staged_per_replica=2)
+    pin_all(planner, "r0", "a0")
+    queue(planner, "r0", "a1", "a2", "a3", "a4")
+    assert staged(planner.plan(1.0), "r0/w0") == ["a1", "a2"]
+    planner = make(slots=1, max_prefetches_per_plan=0, max_staged_per_replica=0)
+    pin_all(planner, "r0", "a0")
+    queue(planner, "r0", "a1")
+    assert planner.plan(1.0).is_empty
+
+
+def test_only_the_global_policy_stages() -> None:
+    planner = make(policy="queue", slots=1)
+    pin_all(planner, "r0", "a0")
+    queue(planner, "r0", "a1")
+    assert planner.plan(1.0).is_empty  # S-LoRA's queue prefetch loads into GPU slots only
+
+
+def test_removing_an_adapter_or_worker_forgets_its_stages() -> None:
+    planner = make(slots=1, max_prefetches_per_plan=0)
+    pin_all(planner, "r0", "a0")
+    queue(planner, "r0", "a1", "a2")
+    planner.plan(1.0)
+    planner.remove_adapter("a1", 1.1)
+    assert {k.name for k in planner._fleet.staged["r0/w0"]} == {"a2"}
+    planner.remove_worker("r0/w1")
+    assert "r0/w1" not in planner._fleet.staged
+    planner.check_integrity()
 
 
 # -- popularity -------------------------------------------------------------------------------------

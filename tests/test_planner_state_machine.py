@@ -64,14 +64,15 @@ class PlannerMachine(RuleBasedStateMachine):
                 budgets=st.lists(BUDGETS, min_size=3, max_size=3),
                 sizes=st.lists(st.sampled_from(SIZES), min_size=len(ADAPTERS), max_size=len(ADAPTERS)),
                 hysteresis=st.sampled_from([0.0, 0.25, 2.0]), max_prefetches=st.integers(0, 3),
-                local_weight=st.sampled_from([0.0, 0.5, 1.0]))
+                local_weight=st.sampled_from([0.0, 0.5, 1.0]), max_staged=st.integers(0, 3))
     def setup(self, tps: list[int], slots: list[int], budgets: list[int | None], sizes: list[int],
-              hysteresis: float, max_prefetches: int, local_weight: float) -> None:
+              hysteresis: float, max_prefetches: int, local_weight: float, max_staged: int) -> None:
         specs = [ReplicaSpec(r, tuple(f"{r}/w{k}" for k in range(tp)), s, b)
                  for r, tp, s, b in zip(REPLICAS, tps, slots, budgets, strict=True)]
         infos = [AdapterInfo(a, "v1", size) for a, size in zip(ADAPTERS, sizes, strict=True)]
         config = PlannerConfig(policy=self.POLICY, half_life_s=10.0, hint_ttl_s=8.0, hysteresis=hysteresis,
-                               max_prefetches_per_plan=max_prefetches, local_weight=local_weight)
+                               max_prefetches_per_plan=max_prefetches, local_weight=local_weight,
+                               max_staged_per_replica=max_staged)
         self.planner = Planner(config, EPOCH, infos, specs)
         self.shadow = Planner(config, EPOCH, infos[::-1], specs[::-1])  # same inputs, another order
         self.now = 0.0
@@ -239,6 +240,13 @@ class PlannerMachine(RuleBasedStateMachine):
                 assert key not in held[worker], f"{worker} prefetches {key}, which it holds"
                 size.setdefault(key, snap.catalog[key.name].bytes_per_rank)
                 assert priorities.setdefault(key, priority) == priority, f"ranks disagree on {key}'s priority"
+            stages = [AdapterKey(c.adapter, c.version) for c in (commands.stages if commands else ())]
+            assert len(stages) <= self.planner.config.max_staged_per_replica, f"{worker} staged {stages}: too many"
+            assert not stages or self.POLICY == "global", f"policy {self.POLICY!r} staged {stages}"
+            for key in stages:
+                assert key in needed, f"{worker} stages {key}, which no queued or hinted request needs"
+                assert key not in held[worker] and key not in {k for _, k in prefetches}, (
+                    f"{worker} stages {key}, which it holds or is told to load")
             after[worker] = (held[worker].keys() - evicts) | {k for _, k in prefetches}
             cap = snap.capacity[worker]
             within = len(after[worker]) <= cap.slots and (

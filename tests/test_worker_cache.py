@@ -357,6 +357,87 @@ def test_evict(catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]) 
     cache.check_integrity()
 
 
+# -- stage: a shard into the host tier, no slot -----------------------------------------------------------
+
+
+def test_stage_reads_into_the_host_tier_and_the_load_after_it_is_a_host_hit(
+    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]
+) -> None:
+    cache = make_cache(catalog)
+    deltas: list[object] = []
+    cache.on_change = deltas.append
+    layout, key = cache.layout_of(B), AdapterKey(B, catalog.get(B).version)
+    staged = cache.stage(B)
+    assert staged is not None and staged.result(timeout=10).key == key and cache.host.contains(key)
+    assert cache.residency() == [] and deltas == []  # no slot touched, nothing to report
+    stats = cache.stats()
+    assert (stats["stages"], stats["host_hits"], stats["host_misses"], stats["loads"]) == (1, 0, 0, 0)
+    assert stats["bytes_disk_to_host"] == layout.nbytes
+    assert cache.host._entries[key].refs == 0  # the LRU's, like any idle entry
+    again = cache.stage(B)  # idempotent: the staged entry, no second read
+    assert again is not None and again.result(timeout=10).key == key and cache.stats()["stages"] == 1
+    rec = cache.prefetch(B).result(timeout=10)
+    assert rec.host_hit and rec.disk_ms == 0.0
+    assert_serves(cache, B, rec.slot)
+    stats = cache.stats()
+    assert (stats["host_hits"], stats["host_misses"], stats["bytes_disk_to_host"]) == (1, 0, layout.nbytes)
+    assert cache.stage(B) is None  # resident: nothing to stage
+    with pytest.raises(NotFoundError):
+        cache.stage("nope")
+    cache.check_integrity()
+
+
+def test_stage_without_host_room_changes_nothing(
+    tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog],
+    make_cache: Callable[..., WorkerCache]
+) -> None:
+    """Every host byte held by loads in flight (references taken as ``prefetch`` takes them): the stage is
+    refused and counted, the tier and the slots are as they were."""
+    catalog = make_catalog(tiny_adapters(count=40, rank="16")[0].parent)
+    cache = make_cache(catalog)  # 1 MiB of host tier: about 16 tiny rank-16 shards
+    held: list[AdapterKey] = []
+    for name in sorted(catalog.names()):
+        try:
+            future, _ = cache.host.fetch(catalog.get(name), cache.layout_of(name))
+        except CapacityError:
+            break
+        future.result(timeout=10)
+        held.append(AdapterKey(name, catalog.get(name).version))
+    assert 0 < len(held) < 40, "the host tier should fill before the catalog runs out"
+    spare = next(n for n in sorted(catalog.names()) if n not in {k.name for k in held})
+    before = (list(cache.host._entries), cache.host.arena.used_bytes, cache.residency())
+    assert cache.stage(spare) is None
+    assert (list(cache.host._entries), cache.host.arena.used_bytes, cache.residency()) == before
+    assert cache.stats()["stage_failures"] == 1 and cache.stats()["stages"] == 0
+    cache.host.release(held[0])
+    staged = cache.stage(spare)  # an idle entry now: the LRU gives its room up
+    assert staged is not None and staged.result(timeout=10).key.name == spare
+    assert not cache.host.contains(held[0])
+    for key in held[1:]:
+        cache.host.release(key)
+    cache.check_integrity()
+
+
+def test_stage_of_a_damaged_file_is_counted_and_leaves_the_tier_as_it_was(
+    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]
+) -> None:
+    cache = make_cache(catalog)
+    cache.prefetch(A).result(timeout=10)
+    root = catalog.roots.roots[0]
+    shutil.copytree(root / D, root / "bad")
+    bad = catalog.register("bad", "bad")
+    bad.weights.write_bytes(b"\x00" * len(bad.weights.read_bytes()))
+    before = (cache.residency(), cache.host.arena.used_bytes, list(cache.host._entries))
+    staged = cache.stage("bad")
+    assert staged is not None
+    with pytest.raises(AdapterFormatError, match="reading the TP 0/1 shard failed"):
+        staged.result(timeout=10)
+    _wait_for(lambda: cache.stats()["stage_failures"] == 1)  # counted by the read's done callback
+    assert (cache.residency(), cache.host.arena.used_bytes, list(cache.host._entries)) == before
+    assert cache.acquire([A]).slots == (slot_of(cache, A),)  # good traffic unaffected
+    cache.check_integrity()
+
+
 # -- failures ---------------------------------------------------------------------------------------------
 
 

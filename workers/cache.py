@@ -160,6 +160,40 @@ class WorkerCache:
         staged.add_done_callback(functools.partial(self._issue, load))
         return load.future
 
+    def stage(self, name: str, version: str | None = None) -> Future[HostEntry] | None:
+        """Read this rank's shard of ``name`` into the host tier, with no slot (idempotent): what the planner
+        sends for a needed adapter that found no GPU room, so that its load, when a slot frees, is one copy.
+
+        The staged shard's future (done when it is on the host; the read in flight, or the entry, if it was
+        staged already), or None when nothing is staged: the adapter has a slot or a load on its way to
+        one, or the host tier has no room (every byte held by loads in flight; counted in
+        ``stage_failures``). Raises only for an unknown adapter or version, or bad shapes. A failed read
+        is counted there too and leaves the tier as it was. The entry keeps no reference: it is the
+        LRU's like any other, and ``stages`` counts the reads a stage started."""
+        spec = self.catalog.get(name, version)
+        key = AdapterKey(name, spec.version)
+        layout = self._layout(spec)
+        with self._lock:
+            if self.table.lookup(key) is not None or key in self._pending:
+                return None
+        try:
+            staged, hit = self.host.fetch(spec, layout, count=False)
+        except CapacityError:
+            with self._lock:
+                self.counters.stage_failures += 1
+            return None
+        with self._lock:
+            self.counters.stages += not hit
+        staged.add_done_callback(functools.partial(self._staged, key))
+        return staged
+
+    def _staged(self, key: AdapterKey, staged: Future[HostEntry]) -> None:
+        if staged.exception() is None:
+            self.host.release(key)
+        else:  # the tier dropped the entry and its references
+            with self._lock:
+                self.counters.stage_failures += 1
+
     def evict(self, name: str, version: str | None = None) -> bool:
         """Free the adapter's slot if it is READY and unused; False if absent, loading or in use."""
         version = version or self.catalog.get(name).version

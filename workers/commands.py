@@ -2,7 +2,8 @@
 
 Every command carries the controller's epoch; a worker remembers the newest epoch it has seen and
 rejects older ones (invariant 6). Commands are idempotent: a repeated prefetch returns the load in
-flight, a repeated evict of an absent adapter does nothing (invariant 7).
+flight, a repeated evict of an absent adapter does nothing, a repeated stage finds the shard staged
+(invariant 7). A stage changes no slot, so it has no delta; its outcome is in the cache's counters.
 
 The residency changes a command makes are reported by the cache (``WorkerCache.on_change``), like
 those an engine makes. The controller assumes its commands took effect, so the gate corrects it where
@@ -19,7 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from lora_cache.errors import LoraCacheError
-from lora_cache.planner import Command, Evict, Prefetch
+from lora_cache.planner import Command, Evict, Prefetch, Stage
 from workers.cache import Delta, WorkerCache
 
 __all__ = ["ApplyResult", "CommandGate", "Delta"]
@@ -74,6 +75,9 @@ class CommandGate:
         if isinstance(command, Evict):
             if not self.cache.evict(command.adapter, command.version):
                 self.cache.restate(command.adapter, command.version)  # absent: nothing to say
+            return None
+        if isinstance(command, Stage):
+            self.cache.stage(command.adapter, command.version)  # no room or a failed read: counted there
             return None
         assert isinstance(command, Prefetch)
         future = self.cache.prefetch(command.adapter, command.version)

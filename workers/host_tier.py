@@ -114,20 +114,22 @@ class HostTier:
         self._entries: OrderedDict[AdapterKey, HostEntry] = OrderedDict()  # LRU order, oldest first
         self.hits = self.misses = self.bytes_read = 0
 
-    def fetch(self, spec: AdapterSpec, layout: ShardLayout) -> tuple[Future[HostEntry], bool]:
-        """The staged shard (a future: reads are asynchronous) and whether it was a host-tier hit."""
+    def fetch(self, spec: AdapterSpec, layout: ShardLayout, count: bool = True) -> tuple[Future[HostEntry], bool]:
+        """The staged shard (a future: reads are asynchronous) and whether it was a host-tier hit.
+
+        ``count``: a lookup for a GPU load, counted in ``hits``/``misses`` (a stage ahead of one is not)."""
         key = AdapterKey(spec.name, spec.version)
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:  # hit, or a read already in flight (single flight)
                 self._entries.move_to_end(key)
                 entry.refs += 1
-                self.hits += 1
+                self.hits += count
                 return entry.ready, True
             block = self._allocate(layout.nbytes, key)
             entry = HostEntry(key, layout, block, self.arena.view(block, layout.dtype, layout.numel), Future(), refs=1)
             self._entries[key] = entry
-            self.misses += 1
+            self.misses += count
         self._pool.submit(self._read, spec, entry)
         return entry.ready, False
 

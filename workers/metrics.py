@@ -37,6 +37,8 @@ class CacheCounters:
     prefetch_used: int = 0  # prefetched loads a batch acquired before their eviction
     prefetch_unused: int = 0  # prefetched loads evicted without ever being acquired
     bytes_host_to_gpu: int = 0
+    stages: int = 0  # host-tier reads started by stage(): a needed adapter's shard read ahead of its slot
+    stage_failures: int = 0  # stages refused for host-tier room, or whose read failed
     disk_ms: Reservoir = field(default_factory=Reservoir)  # disk -> host staging, per load that read the disk
     h2d_ms: Reservoir = field(default_factory=Reservoir)  # one packed copy, measured by events
     ready_ms: Reservoir = field(default_factory=Reservoir)  # prefetch/miss -> READY

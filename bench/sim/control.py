@@ -25,7 +25,7 @@ from lora_cache.catalog import AdapterCatalog, CatalogConfig, check_name
 from lora_cache.control import ControllerConfig, ControllerCore, WorkerId
 from lora_cache.errors import NotFoundError
 from lora_cache.peft import AdapterConfig, AdapterSpec, LoraModule
-from lora_cache.planner import PlannerConfig, Prefetch
+from lora_cache.planner import Evict, PlannerConfig, Prefetch, Stage
 from lora_cache.shapes import MODULE_ORDER, ModelShape
 
 LORA_ALPHA = 32.0  # make-adapters' default; scaling does not change bytes
@@ -61,17 +61,17 @@ class SyntheticCatalog(AdapterCatalog):
 class SimController:
     """The controller actor's event handling around the real ``ControllerCore``."""
 
-    def __init__(self, loop: Loop, calibration: Calibration, policy: str, catalog: SyntheticCatalog,
+    def __init__(self, loop: Loop, calibration: Calibration, planner: PlannerConfig, catalog: SyntheticCatalog,
                  plan_interval_s: float, sync_s: float) -> None:
         self.loop, self.calibration = loop, calibration
-        config = ControllerConfig(catalog=catalog.config, planner=PlannerConfig(policy=policy))
+        config = ControllerConfig(catalog=catalog.config, planner=planner)
         self.core = ControllerCore(config, epoch=1)
         self.core.catalog = catalog  # the actor's catalog reads adapter files; the simulated one is in memory
         self.plan_interval_s, self.sync_s = plan_interval_s, sync_s
         self.workers: dict[WorkerId, SimWorker] = {}
         self._outbox: dict[WorkerId, list[Delta]] = {}  # deltas gathering until their batch is sent
         self._next_sync = sync_s
-        self.messages = self.prefetches = self.evicts = 0
+        self.messages = self.prefetches = self.evicts = self.stages = 0
 
     @property
     def report_s(self) -> float:
@@ -130,9 +130,9 @@ class SimController:
         self.messages += 1
         for wid, commands in self.core.plan(self.loop.now, full=full).items():
             if commands:
-                prefetches = sum(isinstance(c, Prefetch) for c in commands)
-                self.prefetches += prefetches
-                self.evicts += len(commands) - prefetches
+                self.prefetches += sum(isinstance(c, Prefetch) for c in commands)
+                self.evicts += sum(isinstance(c, Evict) for c in commands)
+                self.stages += sum(isinstance(c, Stage) for c in commands)
                 self.loop.after(self.calibration.command_latency_ms / 1e3, self.workers[wid].apply, commands)
 
     def stats(self) -> dict[str, object]:
@@ -141,5 +141,6 @@ class SimController:
         return {"policy": self.core.planner.config.policy, "plans": planner.plans,
                 "replicas_planned": planner.replicas_planned, "messages": self.messages,
                 "prefetch_commands": self.prefetches, "evict_commands": self.evicts,
+                "stage_commands": self.stages,
                 "hints_received": status["hints_received"], "hints_accepted": status["hints_accepted"],
                 "load_failures": status["load_failures"]}

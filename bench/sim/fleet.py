@@ -40,6 +40,7 @@ from bench.sim.worker import LoadRecord, SimHostTier, SimWorker
 from bench.workloads import Workload
 from lora_cache.control import WorkerId
 from lora_cache.errors import ConfigError
+from lora_cache.planner import PlannerConfig
 from lora_cache.planner.records import AdapterKey
 from lora_cache.shapes import resolve_model
 from lora_cache.shards import shard_layout
@@ -95,6 +96,8 @@ class SimConfig:
     plan_interval_s: float = field(default=0.5, metadata={
         "help": "the controller's timer: retry failed loads and replan the whole fleet"})
     sync_s: float = field(default=5.0, metadata={"help": "the controller resyncs every worker's residency this often"})
+    max_staged: int = field(default=PlannerConfig.max_staged_per_replica, metadata={
+        "help": "the planner's max_staged_per_replica (global: needed adapters without GPU room staged on the host)"})
     model: str = field(default="llama-3.1-8b", metadata={"help": "model shape (decides adapter shard bytes)"})
     max_rank: int = field(default=64, metadata={"help": "largest LoRA rank (sizes the slots)"})
     adapter_ranks: str = field(default="16,64", metadata={"help": "LoRA ranks given to the adapters in turn"})
@@ -109,6 +112,8 @@ class SimConfig:
         if self.max_adapters > self.slots:
             raise ConfigError(f"max_adapters ({self.max_adapters}) exceeds slots ({self.slots}): a batch's adapters "
                               "must fit in the slots; lower max_adapters or add slots")
+        if isinstance(self.max_staged, bool) or not isinstance(self.max_staged, int) or self.max_staged < 0:
+            raise ConfigError(f"max_staged is {self.max_staged!r}; give an int >= 0 (0: no host-tier staging)")
         if self.routing not in ROUTERS:
             raise ConfigError(f"routing {self.routing!r} is not registered; choose one of {', '.join(ROUTERS)}")
         if not 0 <= self.hint_lead_s < float("inf"):
@@ -180,8 +185,8 @@ class _Fleet:
         ranks = config.lora_ranks()
         catalog = SyntheticCatalog(resolve_model(config.model), {n: ranks[i % len(ranks)] for i, n in enumerate(names)},
                                    calibration.slot_dtype)
-        self.controller = SimController(loop, calibration, policy.planner, catalog, config.plan_interval_s,
-                                        config.sync_s)
+        planner = PlannerConfig(policy=policy.planner, max_staged_per_replica=config.max_staged)
+        self.controller = SimController(loop, calibration, planner, catalog, config.plan_interval_s, config.sync_s)
         for name in names:
             self.controller.core.register_adapter(name, f"simulated/{name}")
         keys = {n: AdapterKey(n, catalog.get(n).version) for n in names}

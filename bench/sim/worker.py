@@ -36,7 +36,7 @@ from typing import NamedTuple
 from bench.sim.calibration import Calibration
 from bench.sim.events import Loop, Signal
 from lora_cache.errors import CapacityError
-from lora_cache.planner import Command, Evict
+from lora_cache.planner import Command, Evict, Stage
 from lora_cache.planner.records import AdapterKey
 from workers.metrics import STATS_COUNTERS, CacheCounters
 from workers.slots import SlotState, SlotTable
@@ -102,18 +102,19 @@ class SimHostTier:
         self._readers = [0.0] * read_threads  # heap: when each reader thread is free (FIFO pool)
         self._reads: list[tuple[float, float]] = []  # (start, end) of reads not yet known to be over
 
-    def fetch(self, key: AdapterKey, nbytes: int) -> tuple[_Staged, bool]:
-        """The staged entry (referenced) and whether it was a hit; CapacityError if it cannot be staged."""
+    def fetch(self, key: AdapterKey, nbytes: int, count: bool = True) -> tuple[_Staged, bool]:
+        """The staged entry (referenced) and whether it was a hit; CapacityError if it cannot be staged.
+        ``count``: a lookup for a GPU load (``HostTier.fetch``), not a stage ahead of one."""
         entry = self.entries.get(key)
         if entry is not None:  # staged, or a read in flight (single flight)
             self.entries.move_to_end(key)
             entry.refs += 1
-            self.hits += 1
+            self.hits += count
             return entry, True
         self._make_room(key, nbytes)
         entry = self.entries[key] = _Staged(nbytes, Signal())
         self.used += nbytes
-        self.misses += 1
+        self.misses += count
         now = self.loop.now
         start = max(now, heapq.heappop(self._readers))
         end = start + self.calibration.disk_s(nbytes)
@@ -198,11 +199,13 @@ class SimWorker:
 
     # -- control: commands (step 4), prefetch / evict ------------------------------------------------
     def apply(self, commands: Sequence[Command]) -> None:
-        """``CommandGate.apply``: evicts, then prefetches in priority order (their changes push deltas)."""
+        """``CommandGate.apply``: evicts, prefetches in priority order, stages (their changes push deltas)."""
         for command in commands:
             if isinstance(command, Evict):
                 if not self.evict(command.adapter):
                     self._restate(self.keys[command.adapter])
+            elif isinstance(command, Stage):
+                self.stage(command.adapter)
             else:
                 self.prefetch(command.adapter)
 
@@ -235,6 +238,20 @@ class SimWorker:
             return load
         entry.staged.then(functools.partial(self._staged, load, entry))
         return load
+
+    def stage(self, name: str) -> bool:
+        """``WorkerCache.stage``: read the shard into the host tier with no slot; whether a read started."""
+        key = self.keys[name]
+        if self.table.lookup(key) is not None or key in self._pending:
+            return False
+        try:
+            entry, hit = self.host.fetch(key, self.nbytes[name], count=False)
+        except CapacityError:
+            self.counters.stage_failures += 1
+            return False
+        self.counters.stages += not hit
+        entry.staged.then(lambda _: self.host.release(key))
+        return not hit
 
     def evict(self, name: str) -> bool:
         """Free the adapter's slot if it is READY and idle; False if absent, loading or in use."""

@@ -5,7 +5,7 @@ Module map: `records` (inputs), `commands` (outputs), `config`, `state` (fleet b
 `planner` (the incremental orchestrator).
 """
 
-from lora_cache.planner.commands import Command, Evict, Plan, Prefetch, WorkerCommands
+from lora_cache.planner.commands import Command, Evict, Plan, Prefetch, Stage, WorkerCommands
 from lora_cache.planner.config import PlannerConfig
 from lora_cache.planner.errors import (
     PlannerInputError,
@@ -48,6 +48,7 @@ __all__ = [
     "Residency",
     "ResidencyEntry",
     "SlotState",
+    "Stage",
     "Target",
     "UnknownAdapterError",
     "UnknownReplicaError",

@@ -1,8 +1,8 @@
 """What the planner sends to each TP worker (lifecycle step 4), and the plan that groups it.
 
 Commands are idempotent and carry the planner's epoch, so a worker can drop commands from an older
-controller (invariants 6 and 7). A worker applies its evicts before its prefetches, and loads
-prefetches in priority order (0 first). Every rank of a replica is planned from the same target, so
+controller (invariants 6 and 7). A worker applies its evicts before its prefetches, loads prefetches
+in priority order (0 first), and stages last. Every rank of a replica is planned from the same target, so
 one adapter has the same priority on every rank; each rank loads only its own shard.
 """
 
@@ -31,20 +31,35 @@ class Evict:
     epoch: int
 
 
-Command = Prefetch | Evict
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """Read `adapter@version`'s shard into this worker's pinned host tier, with no GPU slot (step 5 alone).
+
+    For a needed (queued or hinted) adapter that found no GPU room: when a slot frees, its load is one
+    host-to-GPU copy instead of a disk read and a copy. A staged shard is an ordinary host-tier entry
+    (LRU, evictable), so a stage never changes what the planner counts as resident."""
+
+    adapter: str
+    version: str
+    priority: int
+    epoch: int
+
+
+Command = Prefetch | Evict | Stage
 
 
 class WorkerCommands(NamedTuple):
-    """One worker's share of a plan: evicts first, then prefetches by priority."""
+    """One worker's share of a plan: evicts first, then prefetches by priority, then stages."""
 
     worker: str
     replica: str
     evicts: tuple[Evict, ...]
     prefetches: tuple[Prefetch, ...]
+    stages: tuple[Stage, ...] = ()
 
     @property
     def commands(self) -> tuple[Command, ...]:
-        return self.evicts + self.prefetches
+        return self.evicts + self.prefetches + self.stages
 
 
 class Plan(NamedTuple):

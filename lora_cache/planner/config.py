@@ -22,6 +22,9 @@ class PlannerConfig:
                 "(1 + hysteresis) times the resident's"})
     max_prefetches_per_plan: int = field(default=4, metadata={
         "help": "popularity prefetches per replica per plan (queued and hinted adapters are not limited)"})
+    max_staged_per_replica: int = field(default=4, metadata={
+        "help": "needed (queued or hinted) adapters that find no GPU room whose shards each worker of the replica "
+                "reads into its host tier ahead, in need order (global policy; 0: none)"})
     max_candidates_scanned: int = field(default=64, metadata={
         "help": "popular adapters examined per replica per plan before giving up on filling room"})
     hint_ttl_s: float = field(default=30.0, metadata={
@@ -43,6 +46,7 @@ class PlannerConfig:
             raise ConfigError(f"hysteresis is {self.hysteresis!r}; give a margin >= 0, e.g. 0.25 (a popular "
                               "adapter must be worth 25% more per byte than the resident it would evict)")
         _count("max_prefetches_per_plan", self.max_prefetches_per_plan, 0, "4 (0: no popularity prefetch)")
+        _count("max_staged_per_replica", self.max_staged_per_replica, 0, "4 (0: no host-tier staging)")
         _count("max_candidates_scanned", self.max_candidates_scanned, 1, "64")
         _count("max_hints_per_replica", self.max_hints_per_replica, 1, "1024")
         _count("max_tracked_per_replica", self.max_tracked_per_replica, 1, "4096")

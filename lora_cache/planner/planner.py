@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from lora_cache.planner.commands import Evict, Plan, Prefetch, WorkerCommands
+from lora_cache.planner.commands import Evict, Plan, Prefetch, Stage, WorkerCommands
 from lora_cache.planner.config import PlannerConfig
 from lora_cache.planner.errors import PlannerInputError
 from lora_cache.planner.hints import HintBook
@@ -49,6 +49,7 @@ class PlannerStats:
     replicas_planned: int = 0
     prefetches: int = 0
     evicts: int = 0
+    stages: int = 0
     hints_ignored: int = 0  # duplicates, stale, cancelled before arrival, or over the per-replica limit
 
 
@@ -196,6 +197,7 @@ class Planner:
                 raise PlannerInputError(f"worker {worker!r} reported {key} twice in one residency report; "
                                         "send one entry per adapter version")
             held[key] = residency
+        self._fleet.set_staged(worker, ())  # a restarted worker's host tier is empty: stage again if needed
         if self._fleet.set_residency(worker, held):
             self._dirty.add(replica)
 
@@ -340,7 +342,10 @@ class Planner:
                            frozenset(pinned), queued, hinted, self._fleet.catalog, self._fleet.min_bytes())
 
     def _diff(self, worker: str, replica: str, target: Target) -> WorkerCommands | None:
-        """One worker's commands to move from what it holds to `target`, within its own capacity."""
+        """One worker's commands to move from what it holds to `target`, within its own capacity.
+
+        Stages go once per stretch of time that the target wants them: a key is staged again only after
+        it has left the target's stages (loaded, or no longer needed) and come back."""
         held = self._fleet.residency[worker]
         wanted = set(target.keys)
         evicts = sorted(k for k, r in held.items() if k not in wanted and not r.pinned)
@@ -352,15 +357,21 @@ class Planner:
             if key not in held and room.fits(self._fleet.bytes_of(key)):
                 room.take(self._fleet.bytes_of(key))
                 prefetches.append((priority, key))
-        if not evicts and not prefetches:
+        sent = self._fleet.staged.get(worker, frozenset())
+        staging = [key for key in target.staged if key not in held]
+        stages = [(len(target.keys) + i, key) for i, key in enumerate(staging) if key not in sent]
+        self._fleet.set_staged(worker, staging)
+        if not evicts and not prefetches and not stages:
             return None
         self._fleet.apply(worker, evicts, [key for _, key in prefetches])
         self.stats.evicts += len(evicts)
         self.stats.prefetches += len(prefetches)
+        self.stats.stages += len(stages)
         return WorkerCommands(
             worker, replica,
             tuple(Evict(k.name, k.version, self.epoch) for k in evicts),
-            tuple(Prefetch(k.name, k.version, p, self.epoch) for p, k in prefetches))
+            tuple(Prefetch(k.name, k.version, p, self.epoch) for p, k in prefetches),
+            tuple(Stage(k.name, k.version, p, self.epoch) for p, k in stages))
 
     def _queue_entry(self, replica: str, entry: QueueEntry) -> QueueEntry:
         adapter, arrival_s = entry

@@ -11,7 +11,10 @@ Policies are picked by name from `POLICIES`; the rules they share are small func
    value per byte go first; stale versions always go;
 4. speculation (`global` only): popular adapters fill free room, and may evict an incumbent only if
    worth more than (1 + hysteresis) times as much per byte; at most `max_prefetches_per_plan` load
-   per plan, the rest are deferred (their room kept free) to the next plan.
+   per plan, the rest are deferred (their room kept free) to the next plan;
+5. staging (`global` only): the first `max_staged_per_replica` needed adapters that found no GPU room
+   (every slot pinned or holding another needed adapter) are read into the workers' host tiers, so
+   the load that follows when a slot frees is one host-to-GPU copy, not a disk read and a copy.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Target(NamedTuple):
 
     keys: tuple[AdapterKey, ...]
     speculative: frozenset[AdapterKey]  # admitted for popularity alone (not pinned, queued or hinted)
+    staged: tuple[AdapterKey, ...] = ()  # needed, given no GPU room: into the host tiers, in need order
 
 
 class Room:
@@ -96,16 +100,17 @@ class QueuePolicy:
     uses_hints = False
 
     def target(self, view: ReplicaView, scorer: ReplicaScorer, config: PlannerConfig) -> Target | None:
-        return build_target(view, scorer, view.queued, config, speculate=False)
+        return build_target(view, scorer, view.queued, config, speculate=False, stage=False)
 
 
 class GlobalPolicy:
-    """This project: queue, then hints, then fleet-wide popularity into free room (with hysteresis)."""
+    """This project: queue, then hints, then fleet-wide popularity into free room (with hysteresis);
+    needed adapters left without GPU room are staged in the host tiers."""
 
     uses_hints = True
 
     def target(self, view: ReplicaView, scorer: ReplicaScorer, config: PlannerConfig) -> Target | None:
-        return build_target(view, scorer, view.queued + view.hinted, config, speculate=True)
+        return build_target(view, scorer, view.queued + view.hinted, config, speculate=True, stage=True)
 
 
 POLICIES: dict[str, type[PlacementPolicy]] = {
@@ -116,17 +121,19 @@ POLICIES: dict[str, type[PlacementPolicy]] = {
 
 
 def build_target(view: ReplicaView, scorer: ReplicaScorer, needed: tuple[str, ...],
-                 config: PlannerConfig, speculate: bool) -> Target:
+                 config: PlannerConfig, speculate: bool, stage: bool) -> Target:
     room = Room(view.capacity)
     keys = sorted(view.pinned)
     for key in keys:
         room.take(_size(view, key))
-    keys += _admit_needed(view, _needed_keys(view, needed, set(keys)), room)
+    wanted = _needed_keys(view, needed, set(keys))
+    keys += _admit_needed(view, wanted, room)
     chosen = set(keys)
     kept = _trim(_incumbents(view, chosen, scorer), room, view)
     admitted = _speculate(view, scorer, chosen, kept, room, config) if speculate else []
     popular = sorted(kept + admitted, key=lambda sk: (-sk[0], sk[1]))
-    return Target(tuple(keys) + tuple(k for _, k in popular), frozenset(k for _, k in admitted))
+    staged = tuple(k for k in wanted if k not in chosen)[:config.max_staged_per_replica] if stage else ()
+    return Target(tuple(keys) + tuple(k for _, k in popular), frozenset(k for _, k in admitted), staged)
 
 
 def _needed_keys(view: ReplicaView, needed: Iterable[str], pinned: set[AdapterKey]) -> list[AdapterKey]:

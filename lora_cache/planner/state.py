@@ -7,7 +7,7 @@ the worker's next report replaces it. Names are checked here, with errors that s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from lora_cache.planner.errors import (
     PlannerInputError,
@@ -38,6 +38,7 @@ class FleetState:
         self.residency: dict[str, dict[AdapterKey, Residency]] = {}  # worker -> what it holds
         self.holders: dict[str, set[str]] = {}  # adapter name -> workers holding any version of it
         self.queues: dict[str, tuple[QueueEntry, ...]] = {}  # replica -> waiting requests (non-empty)
+        self.staged: dict[str, frozenset[AdapterKey]] = {}  # worker -> stages sent and still wanted (non-empty)
         self._min_bytes: int | None = None  # smallest bytes_per_rank in the catalog; None: recompute
 
     # -- lookups that fail with a fix -------------------------------------------------------------
@@ -95,6 +96,8 @@ class FleetState:
                 del self.queues[replica]
         for worker in sorted(self.holders.get(name, ())):
             self.set_residency(worker, {k: r for k, r in self.residency[worker].items() if k.name != name})
+        for worker, keys in list(self.staged.items()):
+            self.set_staged(worker, [k for k in keys if k.name != name])
         del self.catalog[name]
         self._min_bytes = None  # recomputed on demand
 
@@ -124,6 +127,7 @@ class FleetState:
     def remove_worker(self, worker: str) -> str:
         """Forget a worker and all it held; its replica."""
         self.set_residency(worker, {})
+        self.staged.pop(worker, None)
         replica = self.replica_of.pop(worker)
         self.workers[replica].remove(worker)
         del self.capacity[worker], self.residency[worker]
@@ -170,6 +174,14 @@ class FleetState:
             held[key] = Residency(SlotState.LOADING)
         self.set_residency(worker, held)
 
+    def set_staged(self, worker: str, keys: Iterable[AdapterKey]) -> None:
+        """The stages sent to `worker` that its replica's target still wants (not sent again while it does)."""
+        kept = frozenset(keys)
+        if kept:
+            self.staged[worker] = kept
+        else:
+            self.staged.pop(worker, None)
+
     def check_integrity(self) -> None:
         known = self.replica_of.keys()
         assert known == self.capacity.keys() == self.residency.keys(), "worker tables disagree"
@@ -185,6 +197,9 @@ class FleetState:
                 assert residency.refcount >= 0, f"{worker!r} holds {key} with refcount {residency.refcount}"
                 index.setdefault(key.name, set()).add(worker)
         assert index == self.holders, "holders index does not match residency"
+        for worker, keys in self.staged.items():
+            assert worker in known and keys, f"stages kept for {worker!r} (unknown or none)"
+            assert all(k.name in self.catalog for k in keys), f"{worker!r} was staged an adapter not in the catalog"
         for replica, queue in self.queues.items():
             assert replica in self.workers and queue, f"queue kept for {replica!r} (unknown or empty)"
             assert all(e.adapter in self.catalog for e in queue), f"{replica!r} queues an unknown adapter"
