@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmark job's H200 runs (real engine, Llama-3.1-8B shapes, rank 16/64 adapters), one device call each.
-#   bash bench/gpu_bench.sh OUT smoke|seed|uniform|zipf|bursty|seed-s|uniform-s|zipf-s|bursty-s|seed-l|uniform-l|zipf-l|bursty-l|seed4|bursty4|fleet2|fleet2-s|tp4 ...
+#   bash bench/gpu_bench.sh OUT smoke|seed|uniform|zipf|bursty|seed-s|uniform-s|zipf-s|bursty-s|seed-l|uniform-l|zipf-l|bursty-l|seed-q|uniform-q|zipf-q|bursty-q|fleet2-l|seed4|bursty4|fleet2|fleet2-s|tp4 ...
 # (bench/gpu_parallel.sh runs several at once, each on its own GPUs.) Logs go to $LOGDIR (default OUT):
 # a device call brings back at most 8 files, so there keep them off $OUT (LOGDIR=/tmp/logs).
 # Each run writes OUT/NAME/results.json (plots are redrawn off the device: python -m bench.report).
@@ -33,6 +33,13 @@ for what in "$@"; do
     uniform-l) run uniform "${common[@]}" --scenario uniform --requests 200 --policies "$first" ;;
     zipf-l)  run zipf "${common[@]}" --scenario zipf --requests 200 --policies "$first" ;;
     bursty-l) run bursty "${common[@]}" --scenario bursty --requests 200 --policies "$first" ;;
+    # ... and the other two policies of the same workloads, in a second call (merge with bench.report --merge)
+    seed-q)  run seed-q "${common[@]}" --scenario seed --requests 200 --policies queue,overlap ;;
+    uniform-q) run uniform-q "${common[@]}" --scenario uniform --requests 200 --policies queue,overlap ;;
+    zipf-q)  run zipf-q "${common[@]}" --scenario zipf --requests 200 --policies queue,overlap ;;
+    bursty-q) run bursty-q "${common[@]}" --scenario bursty --requests 200 --policies queue,overlap ;;
+    fleet2-l) run fleet2 "${common[@]}" --scenario zipf --replicas 2 --requests 160 --arrivals poisson:8 \
+                  --policies global,oracle,ondemand,queue ;;
     # two replicas (2 GPUs), each at the one-replica scenarios' load
     fleet2)  run fleet2 "${common[@]}" --scenario zipf --replicas 2 --requests 200 --arrivals poisson:8 ;;
     fleet2-s) run fleet2 "${common[@]}" --scenario zipf --replicas 2 --requests 160 --arrivals poisson:8 ;;
