@@ -3,6 +3,7 @@ configuration, and PNG plots (TTFT CDF per policy; GPU hit rate and bytes moved 
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import math
@@ -83,6 +84,23 @@ def read_results(path: Path) -> dict[str, Any]:
         raise ConfigError(f"results {path}: no such file; give a results.json (.gz) that bench.run wrote") from e
     except (json.JSONDecodeError, gzip.BadGzipFile, EOFError, UnicodeDecodeError) as e:
         raise ConfigError(f"results {path}: not a results JSON ({e}); give a results.json that bench.run wrote") from e
+
+
+def results_parser(prog: str, description: str | None) -> argparse.ArgumentParser:
+    """The parser of a tool that reads one real run's results file (its first argument, ``results``)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", type=Path, help="results.json (or .json.gz) of a --engine real run")
+    return parser
+
+
+def read_results_or_say(path: Path) -> dict[str, Any] | None:
+    """``read_results`` for a command line: None after printing why it failed (the tool then exits 2)."""
+    try:
+        return read_results(path)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
 
 
 def write_results(path: Path, doc: dict[str, Any]) -> None:
@@ -181,8 +199,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m bench.report DIR/results.json``: print its table and redraw its plots beside it.
     ``python -m bench.report A.json B.json --merge OUT.json``: merge runs of one configuration that each ran
     some policies, write OUT.json and draw its plots beside it."""
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m bench.report", description=main.__doc__)
     parser.add_argument("results", type=Path, nargs="+", help="results.json written by bench.run (or .json.gz)")
     parser.add_argument("--merge", type=Path, help="merge the given results into this file")

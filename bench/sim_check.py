@@ -41,12 +41,10 @@ normally, was global's worst TTFT on the two-replica run) a block of decode rati
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import random
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,12 +54,11 @@ import numpy as np
 
 from bench.figures import figures
 from bench.policies import BENCH_POLICIES, BenchPolicy
-from bench.report import read_results
+from bench.report import read_results_or_say, results_parser
 from bench.run import BenchConfig, _run_sim
 from bench.sim import SimConfig, simulate
 from bench.sim.calibration import OUTLIER_FACTOR, Calibration, fit_calibration, load_calibration, read_overlaps
 from bench.workloads import Workload, WorkloadSpec, make_workload
-from lora_cache.errors import ConfigError
 from workers.engine.admission import ADMISSION
 
 KEYS = ("mean_ttft_ms", "p99_ttft_ms")
@@ -281,19 +278,15 @@ def format_comparison(out: Mapping[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.sim_check", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", type=Path, help="results.json (or .json.gz) of a --engine real run")
+    parser = results_parser("python -m bench.sim_check", __doc__)
     parser.add_argument("--fit", choices=(*FITS, "both"), default="both",
                         help="one calibration for all policies, each policy's own, or both (default)")
     parser.add_argument("--noise", type=int, default=0, metavar="N",
                         help="also N simulations per policy with the run's own step noise (a 5-95%% band)")
     parser.add_argument("--json", type=Path, help="also write the comparison(s) here")
     ns = parser.parse_args(argv)
-    try:
-        doc = read_results(ns.results)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    doc = read_results_or_say(ns.results)
+    if doc is None:
         return 2
     outs = {fit: check(doc, fit, ns.noise) for fit in (FITS if ns.fit == "both" else (ns.fit,))}
     print("\n".join(format_comparison(out) for out in outs.values()))

@@ -15,16 +15,12 @@
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.report import read_results
-from lora_cache.errors import ConfigError
+from bench.report import read_results_or_say, results_parser
 
 MATCH_S = 0.5  # a load is matched to a request whose step began at most this long before it
 
@@ -58,14 +54,9 @@ def stalls(doc: Mapping[str, Any]) -> dict[str, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.stalls", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", type=Path, help="results.json (or .json.gz) of a --engine real run")
-    ns = parser.parse_args(argv)
-    try:
-        doc = read_results(ns.results)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    ns = results_parser("python -m bench.stalls", __doc__).parse_args(argv)
+    doc = read_results_or_say(ns.results)
+    if doc is None:
         return 2
     print("| policy | wait before load ms | worst prefill / fit | longest step gc ms |\n| --- | ---: | ---: | ---: |")
     for policy, s in stalls(doc).items():

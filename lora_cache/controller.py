@@ -53,14 +53,12 @@ async def _while_restarting(call: Callable[[], Awaitable[T]]) -> T:
     """``await call()``, called again while the worker is restarting (``ActorUnavailableError``: Ray
     refuses calls until its constructor returns), a second apart, ``WORKER_ATTEMPTS`` times at most.
     A worker that is gone (``RayActorError``) fails at once."""
-    for attempt in range(WORKER_ATTEMPTS):
+    for _ in range(WORKER_ATTEMPTS - 1):
         try:
             return await call()
         except ray.exceptions.ActorUnavailableError:
-            if attempt + 1 == WORKER_ATTEMPTS:
-                raise
             await asyncio.sleep(1.0)
-    raise AssertionError("unreachable")
+    return await call()
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -35,30 +36,29 @@ def catalog(
     return make_catalog(paths[0].parent)
 
 
-def make_tier(reads: str, threads: int) -> HostTier:
-    """A 1 MiB unpinned tier reading on its threads or in reader processes that share its arena."""
+@contextlib.contextmanager
+def open_tier(reads: str, threads: int) -> Iterator[HostTier]:
+    """A 1 MiB unpinned tier reading on its threads or in reader processes that share its arena; closed
+    on the way out."""
     tier = HostTier(HostTierConfig(host_bytes=MiB, read_threads=threads, pin=False, reads=reads))
-    assert tier.reads == reads
-    return tier
+    try:
+        assert tier.reads == reads
+        yield tier
+    finally:
+        tier.close()
 
 
 @pytest.fixture(params=["thread", "process"])
 def tier(request: pytest.FixtureRequest) -> Iterator[HostTier]:
-    tier = make_tier(request.param, 4 if request.param == "thread" else 2)
-    try:
+    with open_tier(request.param, 4 if request.param == "thread" else 2) as tier:
         yield tier
-    finally:
-        tier.close()
 
 
 @pytest.fixture
 def thread_tier() -> Iterator[HostTier]:
     """For the tests that gate ``read_shard`` in this process."""
-    tier = make_tier("thread", 4)
-    try:
+    with open_tier("thread", 4) as tier:
         yield tier
-    finally:
-        tier.close()
 
 
 def big(catalog: AdapterCatalog, i: int) -> AdapterSpec:
@@ -313,11 +313,8 @@ def test_host_tier_config_errors() -> None:
 # -- reader processes ------------------------------------------------------------------------------
 @pytest.fixture
 def process_tier() -> Iterator[HostTier]:
-    tier = make_tier("process", 1)
-    try:
+    with open_tier("process", 1) as tier:
         yield tier
-    finally:
-        tier.close()
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -329,8 +326,7 @@ def test_process_reads_convert_and_slice_like_thread_reads(
     spec = big(catalog, 0)
     for rank in range(tp):
         lay = shard_layout(spec, TINY, tp, rank, F32)
-        tier = make_tier("process", 1)
-        try:
+        with open_tier("process", 1) as tier:
             entry = tier.fetch(spec, lay)[0].result(timeout=120)
             expected = torch.zeros(lay.numel, dtype=F32)
             assert host_tier_module.read_shard(spec, lay, expected) == entry.bytes_read
@@ -340,8 +336,6 @@ def test_process_reads_convert_and_slice_like_thread_reads(
                 want = file_slices(spec, lay)[(e.layer, e.module, e.ab)]
                 assert torch.equal(entry.tensor[e.offset : e.offset + e.numel].view(e.shape), want), e.key
             tier.check_integrity()
-        finally:
-            tier.close()
 
 
 def test_a_reader_process_that_dies_mid_read_fails_only_that_read(
@@ -397,11 +391,8 @@ def test_a_reader_process_that_died_idle_is_replaced_without_an_error(
 
 
 def test_closing_the_tier_ends_its_reader_processes(catalog: AdapterCatalog) -> None:
-    tier = make_tier("process", 2)
-    try:
+    with open_tier("process", 2) as tier:
         staged(tier, big(catalog, 0))
         procs = [p._proc for p in tier._reader._all]
-    finally:
-        tier.close()
     assert all(p is not None and p.poll() is not None for p in procs)
     assert tier.arena.fd is None

@@ -138,8 +138,6 @@ def _serve(conn: Connection, arena: torch.Tensor) -> None:
 
 def main(argv: list[str]) -> None:
     conn_fd, arena_fd, arena_bytes = (int(a) for a in argv)
-    import torch
-
     # MAP_SHARED: the worker sees every byte written. MAP_POPULATE maps every page now: a process's first
     # write to a page of its own mapping faults, which on the H200 host made each read ~10 ms slower
     # (a shard is ~20k pages) until every block of the arena had been written once by every process.
