@@ -99,6 +99,12 @@ def test_staging_cuts_global_load_waits_on_the_loaded_fleet() -> None:
         assert run(policy).controller["stage_commands"] == 0 and run(policy).totals()["stages"] == 0
 
 
+@pytest.mark.parametrize("value", [-1, True, 1.5])
+def test_max_staged_must_be_a_count(value: object) -> None:
+    with pytest.raises(ConfigError, match=f"max_staged is {value!r}; give an int >= 0"):
+        SimConfig(max_staged=value)  # type: ignore[arg-type]
+
+
 def test_global_p99_ttft_meets_the_goals_against_oracle_and_queue() -> None:
     """bench.figures.GOALS: global p99 TTFT <= 1.15x the oracle's and <= 0.8x queue's (Zipf)."""
     p99 = ordering_p99(0, ("oracle", "global", "queue"))
