@@ -8,7 +8,7 @@ out=${1:?output directory}; shift
 logs=${LOGDIR:-$out}
 mkdir -p "$out" "$logs"
 python -c "from bench.run import BenchConfig, adapter_dir
-adapter_dir(BenchConfig(model='llama-3.1-8b', adapter_ranks='16,64', adapters='/tmp/bench-adapters'), 50)" || exit 1
+adapter_dir(BenchConfig(model='llama-3.1-8b', adapter_ranks='16,64', adapters='/tmp/bench-adapters'), [f'adapter-{i:03d}' for i in range(50)])" || exit 1
 names=()
 for spec in "$@"; do
   name=${spec%@*}; gpus=${spec#*@}

@@ -53,7 +53,8 @@ GOAL = 0.7  # fraction of the copy bandwidth the decode kernels should reach at 
 
 @dataclass(frozen=True)
 class KernelBenchConfig:
-    model: str = field(default="llama-3.1-8b", metadata={"help": "named model shape or config.json"})
+    model: str = field(default="llama-3.1-8b", metadata={
+        "path": "name_or_file", "help": "named model shape or config.json"})
     tokens: str = field(default="1,16,64,128,256", metadata={"help": "decode batch sizes"})
     ranks: str = field(default="16,64", metadata={"help": "LoRA ranks"})
     mixes: str = field(default="identical,distinct,uniform8,zipf",

@@ -68,10 +68,13 @@ class BenchConfig:
     scenario: str = field(default="", metadata={"help": f"named scenario: {', '.join(SCENARIOS)} (sets the options "
                                                         "you leave unset)"})
     quick: bool = field(default=False, metadata={"help": "the small CI run (same as --scenario quick)"})
-    out: str = field(default="bench-results", metadata={"help": "directory for results.json and the plots"})
-    adapters: str = field(default="", metadata={"help": "directory of PEFT adapters (empty: make them under --out)"})
+    out: str = field(default="bench-results", metadata={
+        "path": True, "help": "directory for results.json and the plots"})
+    adapters: str = field(default="", metadata={
+        "path": True, "help": "directory of PEFT adapters (empty: make them under --out)"})
     adapter_ranks: str = field(default="16,64", metadata={"help": "ranks of the adapters made (used in turn)"})
-    model: str = field(default="llama-3.1-8b", metadata={"help": "named model shape or path to its config.json"})
+    model: str = field(default="llama-3.1-8b", metadata={
+        "path": "name_or_file", "help": "named model shape or path to its config.json"})
     num_layers: int = field(default=0, metadata={"help": "layers the real engine runs (0: all)"})
     replicas: int = field(default=1, metadata={"help": "replicas"})
     tp: int = field(default=1, metadata={"help": "tensor-parallel size of each replica"})
@@ -85,7 +88,8 @@ class BenchConfig:
     hint_lead_s: float = field(default=0.5, metadata={"help": "the router hints a request's adapter this long "
                                                                "before the request reaches its replica"})
     gpus: str = field(default="auto", metadata={"help": "real engine on GPUs: auto | yes | no"})
-    calibration: str = field(default="h200-llama8b", metadata={"help": "sim costs: a name under bench/calibration "
+    calibration: str = field(default="h200-llama8b", metadata={
+        "path": "name_or_file", "help": "sim costs: a name under bench/calibration "
                                                                         "or a JSON file"})
     check_sim: bool = field(default=False, metadata={"help": "real engine: also simulate this run with costs fitted "
                                                              "from it and compare TTFT"})
@@ -133,26 +137,31 @@ def configs(ns: argparse.Namespace) -> tuple[BenchConfig, WorkloadSpec]:
     return bench, spec
 
 
-def adapter_dir(bench: BenchConfig, needed: int) -> tuple[str, list[str]]:
-    """The adapters to serve, from ``--adapters`` (default: under ``--out``). A directory that is empty, or
-    holds only adapters this job made (``adapter-NNN``), is topped up to ``needed`` (same seed: the
-    ones already there are rewritten identical); any other directory must hold enough already."""
-    from lora_cache.synth import SynthConfig, make_adapters
+MADE_HERE = ".made-by-lora-cache-bench"  # in an adapter directory: the job may add adapters to it
+
+
+def adapter_dir(bench: BenchConfig, names: Sequence[str]) -> str:
+    """The directory of the adapters to serve, from ``--adapters`` (default: under ``--out``), holding every
+    adapter in ``names`` (the workload's: ``adapter-NNN``, or a trace's own names). A directory that is
+    empty, or holds only adapters this job made, gets the missing ones made (each seeded by its name: one
+    made again is rewritten identical); any other directory must hold them all already."""
+    from lora_cache.synth import SynthConfig, make_named_adapters
 
     root = Path(bench.adapters or Path(bench.out) / "adapters")
-
-    def found() -> list[str]:
-        return sorted(p.name for p in root.glob("*") if (p / "adapter_config.json").is_file()) if root.is_dir() else []
-
-    have = found()
-    ours = all(re.fullmatch(r"adapter-\d{3,}", n) for n in have)
-    if len(have) < needed and ours:
-        make_adapters(str(root), SynthConfig(model=bench.model, count=needed, rank=bench.adapter_ranks))
-        have = found()
-    if len(have) < needed:
-        raise ConfigError(f"adapters: {root} holds {len(have)} adapters but the workload needs {needed}; "
-                          "point --adapters at a larger directory, or at an empty one to make them")
-    return str(root), have[:needed]
+    have = {p.name for p in root.glob("*") if (p / "adapter_config.json").is_file()} if root.is_dir() else set()
+    missing = [n for n in names if n not in have]
+    ours = (root / MADE_HERE).is_file() or all(re.fullmatch(r"adapter-\d{3,}", n) for n in have)
+    if missing and ours:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / MADE_HERE).touch()
+        make_named_adapters(root, SynthConfig(model=bench.model, count=len(missing), rank=bench.adapter_ranks),
+                            missing)
+    elif missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ConfigError(f"adapters: {root} lacks {len(missing)} of the workload's {len(names)} adapters "
+                          f"({shown}); point --adapters at a directory that holds them, or at an empty one to "
+                          "make them")
+    return str(root)
 
 
 def run(bench: BenchConfig, spec: WorkloadSpec) -> dict[str, Any]:
@@ -160,7 +169,7 @@ def run(bench: BenchConfig, spec: WorkloadSpec) -> dict[str, Any]:
     slots_for_names = bench.slots
     names = spec.adapter_names(slots_for_names)
     if bench.engine == "real":
-        root, names = adapter_dir(bench, len(names))
+        root = adapter_dir(bench, names)
     workload = make_workload(spec, names)
     config = {"bench": dataclasses.asdict(bench), "workload": workload.describe(), "adapters": len(names),
               "policies": [dataclasses.asdict(p) for p in policies], "started": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -19,8 +19,10 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 class CatalogConfig:
     """Where adapters may come from and what they must fit."""
 
-    adapter_roots: tuple[str, ...] = field(default=(), metadata={"help": "directories adapters may be read from"})
-    model: str = field(default="llama-3.1-8b", metadata={"help": "named model shape or path to its config.json"})
+    adapter_roots: tuple[str, ...] = field(default=(), metadata={
+        "path": True, "help": "directories adapters may be read from"})
+    model: str = field(default="", metadata={"path": "name_or_file", "help": (
+        "named model shape or path to its config.json (empty: the adapters' base_model_name_or_path)")})
     max_rank: int = field(default=64, metadata={"help": "largest LoRA rank served (sizes the GPU slots)"})
 
     def __post_init__(self) -> None:

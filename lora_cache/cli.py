@@ -1,27 +1,30 @@
-"""The ``lora-cache`` command line. Options come from the components' config dataclasses."""
+"""The ``lora-cache`` command line. Options come from the components' config dataclasses.
+
+The router commands (``hint``, ``lookup``, ``watch``, ``status``, ``register``, ...) are what routers and
+operators run in scripts: ``main`` parses them with a parser of their own, from ``client_cli`` (grpc and
+the generated stubs only), so they start without importing torch or Ray. Every other command's module
+is imported when its parser is built.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-import torch
-
-from lora_cache.catalog import CatalogConfig
-from lora_cache.cliargs import add_config_args, config_from_args
+from lora_cache.cliargs import add_config_args, config_from_args, shell_path, shell_paths
+from lora_cache.client_cli import CLIENT_COMMANDS, add_client_commands
 from lora_cache.errors import LoraCacheError
-from lora_cache.peft import read_adapter
-from lora_cache.roots import AdapterRoots
-from lora_cache.shapes import resolve_model
-from lora_cache.shards import shard_layout
-from lora_cache.synth import SynthConfig, make_adapters
 
 
 def cmd_make_adapters(ns: argparse.Namespace) -> int:
+    from lora_cache.synth import SynthConfig, make_adapters
+
     paths = make_adapters(ns.out, config_from_args(SynthConfig, ns))
     for p in paths:
         print(p)
@@ -29,8 +32,18 @@ def cmd_make_adapters(ns: argparse.Namespace) -> int:
 
 
 def inspect_adapter(directory: str, model: str, tp: int, max_rank: int) -> dict[str, object]:
-    shape = resolve_model(model)
+    import torch
+
+    from lora_cache.base_model import choose_model
+    from lora_cache.peft import read_adapter
+    from lora_cache.roots import AdapterRoots
+    from lora_cache.shapes import resolve_model
+    from lora_cache.shards import shard_layout
+
     path = AdapterRoots((Path(directory).resolve().parent,)).resolve(Path(directory).resolve())
+    if not model:  # the adapter's own base model; read_adapter reports a directory that is not an adapter
+        model = choose_model("", path.parent, only=path.name) if (path / "adapter_config.json").is_file() else "tiny"
+    shape = resolve_model(model)
     spec = read_adapter(path.name, path, shape, max_rank)
     ranks = sorted({m.rank for m in spec.modules})
     layouts = [shard_layout(spec, shape, tp, k, getattr(torch, spec.dtype)) for k in range(tp)]
@@ -55,18 +68,22 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
 
 def cmd_demo(ns: argparse.Namespace) -> int:
     from lora_cache.demo import run_demo
+    from lora_cache.synth import SynthConfig
     from workers.cache import WorkerConfig
 
-    out = Path(ns.out or tempfile.mkdtemp(prefix="lora-cache-demo-"))
+    out = Path(shell_path(ns.out) if ns.out else tempfile.mkdtemp(prefix="lora-cache-demo-"))
     synth = SynthConfig(model=ns.model or "tiny", count=ns.count, rank=ns.rank)
     run_demo(out, synth, config_from_args(WorkerConfig, ns), steps=ns.steps, seed=ns.seed)
     return 0
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    from lora_cache.base_model import choose_model
+    from lora_cache.catalog import CatalogConfig
     from lora_cache.gateway import GatewayConfig, start_gateway_thread
     from lora_cache.planner import PlannerConfig
     from lora_cache.serve import ServeConfig, serve_forever, start
+    from lora_cache.synth import SynthConfig, make_adapters
     from workers.cache import WorkerConfig
 
     gateway_config = config_from_args(GatewayConfig, ns)  # checked before anything starts
@@ -77,8 +94,14 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             ns.adapters = tempfile.mkdtemp(prefix="lora-cache-demo-")
             make_adapters(ns.adapters, SynthConfig(model=ns.model, count=ns.demo, rank="8,16"))
             print(f"made {ns.demo} demo adapters ({ns.model}) in {ns.adapters}", flush=True)
-    service = start(config_from_args(ServeConfig, ns), config_from_args(CatalogConfig, ns),
-                    config_from_args(PlannerConfig, ns), config_from_args(WorkerConfig, ns))
+    serve_config = config_from_args(ServeConfig, ns)
+    catalog = config_from_args(CatalogConfig, ns)
+    model = choose_model(catalog.model, serve_config.adapters or None)
+    if model != catalog.model:
+        print(f"serving base model {model} (from the adapters' base_model_name_or_path; --model to override)",
+              flush=True)
+        catalog = dataclasses.replace(catalog, model=shell_paths(model, "name_or_file"))
+    service = start(serve_config, catalog, config_from_args(PlannerConfig, ns), config_from_args(WorkerConfig, ns))
     try:
         gateway = start_gateway_thread(gateway_config, service.controller)
     except BaseException:
@@ -100,24 +123,29 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lora-cache", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_service_commands(sub: Any) -> None:
+    """The commands that build caches and services (they import torch, and ``serve`` Ray)."""
+    from lora_cache.catalog import CatalogConfig
+    from lora_cache.gateway import GatewayConfig
+    from lora_cache.planner import PlannerConfig
+    from lora_cache.serve import ServeConfig
+    from lora_cache.synth import SynthConfig
+    from workers.cache import WorkerConfig
 
     p = sub.add_parser("make-adapters", help="write random PEFT-layout LoRA adapters")
-    p.add_argument("out", help="output directory")
+    p.add_argument("out", type=shell_path, help="output directory")
     add_config_args(p, SynthConfig)
     p.set_defaults(func=cmd_make_adapters)
 
     p = sub.add_parser("inspect", help="rank, scaling, modules, version and per-TP-rank shard bytes of an adapter")
-    p.add_argument("dir", help="adapter directory (adapter_config.json + adapter_model.safetensors)")
-    p.add_argument("--model", default="llama-3.1-8b", help="named model shape or path to its config.json")
+    p.add_argument("dir", type=shell_path, help="adapter directory (adapter_config.json + adapter_model.safetensors)")
+    p.add_argument("--model", default="", type=lambda v: shell_paths(v, "name_or_file"),
+                   help="named model shape or path to its config.json (default: the adapter's "
+                        "base_model_name_or_path)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--max-rank", type=int, default=1024, help="reject adapters above this rank")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_inspect)
-
-    from workers.cache import WorkerConfig
 
     p = sub.add_parser("demo", help="make demo adapters and load them through one worker cache")
     p.add_argument("--out", help="directory for the demo adapters (default: a new temporary directory)")
@@ -129,16 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p, WorkerConfig)
     p.set_defaults(func=cmd_demo)
 
-    from lora_cache.planner import PlannerConfig
-    from lora_cache.serve import ServeConfig
-
     p = sub.add_parser("serve", help="start the controller and the replicas' workers on Ray (embedded by default)")
     add_config_args(p, ServeConfig)
     add_config_args(p, CatalogConfig)
     add_config_args(p, PlannerConfig)
     add_config_args(p, WorkerConfig, skip=("tp", "tp_rank", "device"))
-    from lora_cache.gateway import GatewayConfig
-
     add_config_args(p, GatewayConfig)
     p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: until Ctrl-C)")
     p.add_argument("--demo", type=int, default=0, metavar="N",
@@ -148,8 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("bench", add_help=False, help="the benchmark job (python -m bench.run; `lora-cache bench --help`)")
 
-    from lora_cache.client_cli import add_client_commands
 
+def build_parser(service_commands: bool = True) -> argparse.ArgumentParser:
+    """Every command's parser; ``service_commands=False``: the router commands' alone (no torch, no Ray)."""
+    parser = argparse.ArgumentParser(prog="lora-cache", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    if service_commands:
+        _add_service_commands(sub)
     add_client_commands(sub)
     return parser
 
@@ -160,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.run import main as bench_main
 
         return bench_main(args[1:])
-    ns = build_parser().parse_args(args)
+    ns = build_parser(service_commands=args[:1] != [] and args[0] not in CLIENT_COMMANDS).parse_args(args)
     func: Callable[[argparse.Namespace], int] = ns.func
     try:
         return func(ns)

@@ -1,9 +1,17 @@
-"""Generate argparse options from frozen config dataclasses: one source of truth for every option."""
+"""Generate argparse options from frozen config dataclasses: one source of truth for every option.
+
+A field whose metadata has ``"path": True`` is a filesystem path: ``config_from_args`` makes a relative
+one absolute from the directory the command runs in (and expands ``~``), as a shell user means it, before
+it reaches a process with another working directory (a Ray actor) or is joined to a root. ``"path":
+"name_or_file"`` marks an option that is a name or a file (``--model``, ``--calibration``): a path only
+when it is not a named shape and ends in ``.json`` or names a directory (``shapes.is_model_path``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import typing
 from typing import Any, TypeVar
 
@@ -44,5 +52,22 @@ def config_from_args(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> 
             kwargs[f.name] = config_from_args(kind, ns)  # type: ignore[arg-type]
         elif getattr(ns, f.name, None) is not None:
             value = getattr(ns, f.name)
-            kwargs[f.name] = tuple(value) if typing.get_origin(kind) is tuple else value
+            value = tuple(value) if typing.get_origin(kind) is tuple else value
+            kwargs[f.name] = shell_paths(value, f.metadata.get("path", False))
     return cls(**kwargs)
+
+
+def shell_path(value: str) -> str:
+    """``value`` as a shell user means it: ``~`` expanded, relative to this process's working directory."""
+    return os.path.abspath(os.path.expanduser(value)) if value else value
+
+
+def shell_paths(value: Any, kind: bool | str) -> Any:
+    """Apply ``shell_path`` to a path field's value (a string or a tuple of them); others pass through."""
+    if kind == "name_or_file":
+        from lora_cache.shapes import is_model_path
+
+        return shell_path(value) if is_model_path(value) else value
+    if kind is True:
+        return tuple(shell_path(v) for v in value) if isinstance(value, tuple) else shell_path(value)
+    return value

@@ -33,10 +33,10 @@ class ClientConfig:
     """How to reach a lora-cache gateway."""
 
     server: str = field(default="127.0.0.1:50051", metadata={"help": "gateway address host:port"})
-    token_file: str = field(default="", metadata={
+    token_file: str = field(default="", metadata={"path": True,
         "help": f"file holding the bearer token (default: ${TOKEN_ENV} if set, else none)"})
-    tls_ca: str = field(default="", metadata={"help": "PEM file of the CA that signed the gateway's certificate "
-                                                      "(uses TLS)"})
+    tls_ca: str = field(default="", metadata={
+        "path": True, "help": "PEM file of the CA that signed the gateway's certificate (uses TLS)"})
     tls: bool = field(default=False, metadata={"help": "use TLS with the system's root certificates"})
     timeout_s: float = field(default=10.0, metadata={"help": "deadline of each call, in seconds"})
 

@@ -3,6 +3,10 @@
 ``cli.build_parser`` adds these with ``add_client_commands(sub)``. Connection options come from
 ``ClientConfig`` (``--server``, ``--token-file``, ``--tls-ca``, ``--tls``, ``--timeout-s``); failures are
 ClientErrors, which ``cli.main`` prints with the server's message (exit status 2).
+
+This module imports grpc and the generated stubs only, never torch or Ray: ``cli.main`` parses these
+commands with a parser of their own, so a router's script starts them in a fraction of a second
+(``bench/cli_startup.py`` measures it; ``tests/test_cli.py`` checks ``sys.modules``).
 """
 
 from __future__ import annotations
@@ -11,11 +15,12 @@ import argparse
 import contextlib
 import json
 import uuid
+from pathlib import Path
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
-from lora_cache.cliargs import add_config_args, config_from_args
+from lora_cache.cliargs import add_config_args, config_from_args, shell_path
 from lora_cache.client import ClientConfig, Hint, LoraCacheClient
 
 
@@ -65,7 +70,7 @@ def cmd_status(ns: argparse.Namespace) -> int:
 
 def cmd_register(ns: argparse.Namespace) -> int:
     with _client(ns) as lc:
-        _print(lc.register(ns.name, ns.path)._asdict())
+        _print(lc.register(ns.name, register_path(ns.path))._asdict())
     return 0
 
 
@@ -73,6 +78,13 @@ def cmd_unregister(ns: argparse.Namespace) -> int:
     with _client(ns) as lc:
         _print({"name": ns.name, "evicted_versions": lc.unregister(ns.name, ns.drain_timeout_s)})
     return 0
+
+
+def register_path(path: str) -> str:
+    """The path ``register`` sends: one that exists from here, as the shell user means it (absolute), else
+    as given (the server takes a relative path from its first adapter root)."""
+    local = shell_path(path)
+    return local if Path(local).exists() else path
 
 
 def add_client_commands(sub: Any) -> None:
@@ -119,3 +131,4 @@ def add_client_commands(sub: Any) -> None:
 
 
 _COMMANDS = (cmd_hint, cmd_cancel_hint, cmd_lookup, cmd_watch, cmd_status, cmd_register, cmd_unregister)
+CLIENT_COMMANDS = ("hint", "cancel-hint", "lookup", "watch", "status", "register", "unregister")

@@ -46,12 +46,13 @@ class GatewayConfig:
         "help": "most hints, hint ids or queue entries in one call"})
     ingest_queue_hints: int = field(default=65536, metadata={
         "help": "hints waiting for the controller at most; a Hint call beyond it gets RESOURCE_EXHAUSTED"})
-    token_file: str = field(default="", metadata={
+    token_file: str = field(default="", metadata={"path": True,
         "help": "file holding the bearer token every call but health checks must send (empty: no auth)"})
     token: str = field(default="", metadata={"help": "the bearer token itself (prefer --token-file: "
                                                      "command lines are visible to other users)"})
-    tls_cert: str = field(default="", metadata={"help": "PEM certificate chain file: serve TLS (with --tls-key)"})
-    tls_key: str = field(default="", metadata={"help": "PEM private key file of --tls-cert"})
+    tls_cert: str = field(default="", metadata={
+        "path": True, "help": "PEM certificate chain file: serve TLS (with --tls-key)"})
+    tls_key: str = field(default="", metadata={"path": True, "help": "PEM private key file of --tls-cert"})
 
     def __post_init__(self) -> None:
         if not self.grpc_host:

@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from lora_cache import heap
 from lora_cache.catalog import CatalogConfig
+from lora_cache.cliargs import shell_path
 from lora_cache.cluster import connect
 from lora_cache.control import ControllerConfig, WorkerId
 from lora_cache.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor, worker_name
@@ -37,7 +38,8 @@ class ServeConfig:
     """Where the service runs and how many replicas of what TP size it starts."""
 
     address: str = field(default="", metadata={"help": "Ray cluster to join ('auto' or host:port); empty: embedded"})
-    adapters: str = field(default="", metadata={"help": "register every adapter directory under this one"})
+    adapters: str = field(default="", metadata={
+        "path": True, "help": "register every adapter directory under this one"})
     replicas: int = field(default=1, metadata={"help": "replicas to start"})
     tp: int = field(default=1, metadata={"help": "tensor-parallel size of each replica (workers per replica)"})
     placement: str = field(default="STRICT_PACK", metadata={"help": f"placement strategy: {'|'.join(STRATEGIES)}"})
@@ -77,16 +79,17 @@ def start(serve: ServeConfig, catalog: CatalogConfig, planner: PlannerConfig, wo
     owns = not ray.is_initialized()
     if owns:  # embedded, or join --address; unreachable or token-refused clusters fail fast (cluster.py)
         connect(serve.address, NAMESPACE)
-    if serve.adapters and not catalog.adapter_roots:
-        catalog = dataclasses.replace(catalog, adapter_roots=(serve.adapters,))
+    adapters = Path(shell_path(serve.adapters)) if serve.adapters else None  # the actors run elsewhere
+    if adapters and not catalog.adapter_roots:
+        catalog = dataclasses.replace(catalog, adapter_roots=(str(adapters),))
     controller = ControllerActor.options(name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached",
                                          get_if_exists=True).remote(ControllerConfig(catalog, planner))
     service = Service(controller, {}, [], owns)
     try:
         for i in range(serve.replicas):
             _start_replica(service, f"replica-{i}", serve, catalog, worker)
-        if serve.adapters:
-            for d in sorted(Path(serve.adapters).iterdir()):
+        if adapters:
+            for d in sorted(adapters.iterdir()):
                 if (d / "adapter_config.json").is_file():
                     ray.get(controller.register_adapter.remote(d.name, str(d)))
     except BaseException:

@@ -82,6 +82,10 @@ SHAPES: dict[str, ModelShape] = {
     )
 }
 
+DEFAULT_MODEL = "tiny"
+"""What ``make-adapters`` makes and ``demo`` runs when ``--model`` is left out. ``serve`` and ``inspect`` have
+no default of their own: they take the adapters' ``base_model_name_or_path`` (``base_model.py``)."""
+
 
 def from_hf_config(path: str | Path) -> ModelShape:
     """Read a Hugging Face ``config.json`` (or a directory holding one) into a ModelShape."""
@@ -111,10 +115,18 @@ def from_hf_config(path: str | Path) -> ModelShape:
     )
 
 
+def is_model_path(spec: str) -> bool:
+    """Whether a model option names a file or directory (a config.json) rather than a named shape."""
+    return bool(spec) and spec.lower() not in SHAPES and (spec.endswith(".json") or Path(spec).expanduser().is_dir())
+
+
 def resolve_model(spec: str | ModelShape) -> ModelShape:
     """A named shape (``llama-3.1-8b``) or a path to a Hugging Face config.json / model directory."""
     if isinstance(spec, ModelShape):
         return spec
+    if not spec:
+        raise ConfigError(f"no base model given: pass --model with one of {sorted(SHAPES)} or the path of the base "
+                          "model's config.json")
     if spec.lower() in SHAPES:
         return SHAPES[spec.lower()]
     if spec.endswith(".json") or Path(spec).is_dir():

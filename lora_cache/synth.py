@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,14 +12,15 @@ from safetensors.torch import save_file
 
 from lora_cache.errors import ConfigError
 from lora_cache.peft import CONFIG_FILE, WEIGHTS_FILE, peft_key
-from lora_cache.shapes import MODULE_ORDER, ModelShape, resolve_model
+from lora_cache.shapes import DEFAULT_MODEL, MODULE_ORDER, ModelShape, resolve_model
 
 
 @dataclass(frozen=True)
 class SynthConfig:
     """How many adapters to write and of what shape."""
 
-    model: str = field(default="tiny", metadata={"help": "named model shape or path to its config.json"})
+    model: str = field(default=DEFAULT_MODEL, metadata={
+        "path": "name_or_file", "help": "named model shape or path to its config.json"})
     count: int = field(default=4, metadata={"help": "number of adapters"})
     rank: str = field(default="16", metadata={"help": "rank, or comma-separated ranks used in turn (mixed ranks)"})
     alpha: float = field(default=32.0, metadata={"help": "lora_alpha"})
@@ -75,3 +77,17 @@ def make_adapters(out: str | Path, config: SynthConfig) -> list[Path]:
     dtype = getattr(torch, config.dtype)
     return [write_adapter(Path(out) / f"{config.prefix}-{i:03d}", shape, ranks[i % len(ranks)], config.alpha,
                           config.target_list(), dtype, gen) for i in range(config.count)]
+
+
+def make_named_adapters(out: str | Path, config: SynthConfig, names: list[str]) -> list[Path]:
+    """Adapters under ``out`` named ``names`` (whatever they are: a trace's own), ranks used in turn in the
+    order given. Each adapter's weights are seeded by ``config.seed`` and its name alone, so making one
+    again, or among other names, writes the same bytes (the same version)."""
+    shape, ranks = resolve_model(config.model), config.ranks()
+    dtype = getattr(torch, config.dtype)
+    paths = []
+    for i, name in enumerate(names):
+        gen = torch.Generator().manual_seed(config.seed * 1_000_003 + zlib.crc32(name.encode()))
+        paths.append(write_adapter(Path(out) / name, shape, ranks[i % len(ranks)], config.alpha,
+                                   config.target_list(), dtype, gen))
+    return paths

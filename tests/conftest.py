@@ -30,6 +30,17 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 TINY = SHAPES["tiny"]
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    """A test module skipped because an import failed is an error, not a skip: every package the tests
+    import is a declared dependency (pyproject's main or ``test`` extra), so a skip would only hide one
+    that the declaration forgot, on a machine that has it installed by hand."""
+    if report.skipped and isinstance(report.longrepr, tuple) and "could not import" in str(report.longrepr[2]):
+        report.outcome = "failed"
+        report.longrepr = (f"{report.nodeid}: {report.longrepr[2]}; declare the package in pyproject.toml "
+                           "(dependencies, or the test extra) instead of skipping")
+
+
 @pytest.fixture
 def tiny_adapters(tmp_path: Path) -> Callable[..., list[Path]]:
     """``tiny_adapters(count, rank="8,16", root=None, **synth)``: PEFT dirs written by make_adapters."""

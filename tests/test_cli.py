@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from lora_cache.cli import main
+from lora_cache.errors import ConfigError
 from lora_cache.peft import CONFIG_FILE, WEIGHTS_FILE, content_version
-from lora_cache.shapes import MODULE_ORDER, SHAPES
+from lora_cache.shapes import DEFAULT_MODEL, MODULE_ORDER, SHAPES
 from lora_cache.shards import shard_layout
 from lora_cache.synth import SynthConfig
 
@@ -223,3 +226,116 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         main(["demo", "--num-slots", "three"])
     assert e.value.code == 2 and "--num-slots" in capsys.readouterr().err
+
+
+ROUTER_COMMANDS = [["hint", "adapter-000", "--replica", "replica-0"], ["cancel-hint", "h1"], ["lookup", "adapter-000"],
+                   ["watch", "--count", "1"], ["status"], ["register", "a", "some/dir"], ["unregister", "a"]]
+
+
+@pytest.mark.parametrize("argv", ROUTER_COMMANDS, ids=lambda a: a[0])
+def test_router_commands_import_neither_torch_nor_ray(argv: list[str]) -> None:
+    """Routers run these in scripts: they load grpc and the stubs only (bench/cli_startup.py times them)."""
+    code = ("import sys; from lora_cache.cli import main\n"
+            f"rc = main({argv!r} + ['--server', '127.0.0.1:9', '--timeout-s', '0.5'])\n"
+            "heavy = sorted(m for m in ('torch', 'ray', 'triton', 'safetensors', 'numpy') if m in sys.modules)\n"
+            "print(rc, heavy)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-2] == "2 []", done.stdout + done.stderr  # unreachable: exit 2, nothing heavy
+    assert "UNAVAILABLE" in done.stderr  # the client's error, with the gRPC code
+
+
+def test_make_adapters_then_inspect_agree_on_the_model_without_flags(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["make-adapters", "rt/ad", "--count", "2"]) == 0  # a relative path, the default model
+    made = [Path(p) for p in capsys.readouterr().out.split()]
+    assert made == [tmp_path / "rt" / "ad" / f"adapter-00{i}" for i in range(2)]
+    info = inspect_json(capsys, "rt/ad/adapter-001")  # no --model: the adapter's base_model_name_or_path
+    assert info["model"] == DEFAULT_MODEL and info["path"] == str(made[1])
+
+
+def test_path_options_are_taken_from_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lora_cache.catalog import CatalogConfig
+    from lora_cache.cli import build_parser
+    from lora_cache.cliargs import config_from_args
+    from lora_cache.gateway import GatewayConfig
+    from lora_cache.serve import ServeConfig
+
+    (tmp_path / "rt" / "ad").mkdir(parents=True)
+    (tmp_path / "token").write_text("secret")
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text(json.dumps(TINY_HF_CONFIG))
+    monkeypatch.chdir(tmp_path)
+    ns = build_parser().parse_args(["serve", "--adapters", "rt/ad", "--adapter-roots", "rt", "rt/ad", "--model",
+                                    "base", "--token-file", "token"])
+    assert config_from_args(ServeConfig, ns).adapters == str(tmp_path / "rt" / "ad")
+    catalog = config_from_args(CatalogConfig, ns)
+    assert catalog.adapter_roots == (str(tmp_path / "rt"), str(tmp_path / "rt" / "ad"))
+    assert catalog.model == str(tmp_path / "base") and catalog.shape().hidden_size == 64
+    assert config_from_args(GatewayConfig, ns).bearer_token() == "secret"
+    named = build_parser().parse_args(["serve", "--model", "tiny"])
+    assert config_from_args(CatalogConfig, named).model == "tiny"  # a named shape is not a path
+
+
+def test_serve_takes_the_model_from_the_adapters_and_names_the_flag_on_a_mismatch(tmp_path: Path) -> None:
+    from lora_cache.base_model import choose_model, shape_of_base
+    from lora_cache.synth import make_adapters
+
+    make_adapters(tmp_path / "tiny", SynthConfig(count=2))
+    assert choose_model("", tmp_path / "tiny") == "tiny"
+    assert choose_model("tiny", tmp_path / "tiny") == "tiny"
+    with pytest.raises(ConfigError, match=r"trained on 'tiny'.*differs from --model 'llama-3.1-8b'; pass --model tiny"):
+        choose_model("llama-3.1-8b", tmp_path / "tiny")
+    with pytest.raises(ConfigError, match="no adapters to take it from: pass --model"):
+        choose_model("", None)
+    for hf_id in ("meta-llama/Llama-3.1-8B", "meta-llama/Meta-Llama-3.1-8B-Instruct", "llama-3.1-8b"):
+        assert shape_of_base(hf_id) == SHAPES["llama-3.1-8b"], hf_id
+    assert shape_of_base("Qwen/Qwen2.5-7B-Instruct") == SHAPES["qwen2.5-7b"]
+    assert shape_of_base("some-org/unknown-13b") is None
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps(TINY_HF_CONFIG))
+    config = json.loads((tmp_path / "tiny" / "adapter-001" / CONFIG_FILE).read_text())
+    (tmp_path / "tiny" / "adapter-001" / CONFIG_FILE).write_text(json.dumps({**config, "base_model_name_or_path":
+                                                                               str(base)}))
+    assert choose_model("", tmp_path / "tiny") == "tiny"  # a config.json of the same shape agrees with 'tiny'
+    make_adapters(tmp_path / "tiny", SynthConfig(model="qwen2.5-7b", count=1, rank="1", prefix="big",
+                                                 targets="k_proj"))
+    with pytest.raises(ConfigError, match=r"trained on different base models.*pass --model"):
+        choose_model("", tmp_path / "tiny")
+    for d in (tmp_path / "tiny").iterdir():
+        config = json.loads((d / CONFIG_FILE).read_text())
+        (d / CONFIG_FILE).write_text(json.dumps({**config, "base_model_name_or_path": "some-org/unknown-13b"}))
+    with pytest.raises(ConfigError, match=r"name no base model we know \(\['some-org/unknown-13b'\]\): pass --model"):
+        choose_model("", tmp_path / "tiny")
+    assert choose_model("tiny", tmp_path / "tiny") == "tiny"  # an unknown base cannot contradict --model
+
+
+def test_the_benchmark_makes_the_adapters_a_trace_names(tmp_path: Path) -> None:
+    """A trace's own adapter names (sparse, or not adapter-NNN at all) are made, then served as named."""
+    from bench.run import BenchConfig, adapter_dir
+    from bench.workloads import WorkloadSpec, make_workload
+    from lora_cache.catalog import AdapterCatalog, CatalogConfig
+
+    trace = tmp_path / "trace.jsonl"
+    names = ["adapter-085", "adapter-007", "tenant-a", "adapter-085", "zeta"]
+    trace.write_text("".join(json.dumps({"time": i / 10, "adapter": n, "input_len": 8, "output_len": 2}) + "\n"
+                             for i, n in enumerate(names)))
+    spec = WorkloadSpec(arrivals="trace", popularity=f"trace:{trace}", requests=0)
+    wanted = spec.adapter_names(slots=2)
+    assert wanted == sorted(set(names))
+    bench = BenchConfig(model="tiny", adapter_ranks="8", out=str(tmp_path / "out"))
+    root = adapter_dir(bench, wanted)
+    catalog = AdapterCatalog(CatalogConfig(adapter_roots=(root,), model="tiny", max_rank=8))
+    versions = {n: catalog.register(n, Path(root) / n).version for n in wanted}
+    assert [r.adapter for r in make_workload(spec, wanted).requests] == names
+    assert adapter_dir(bench, wanted) == root  # made again: the same bytes, the same versions
+    assert {n: catalog.register(n, Path(root) / n).version for n in wanted} == versions
+    from lora_cache.synth import make_adapters
+
+    theirs = tmp_path / "theirs"  # a directory the job did not make is never written to
+    make_adapters(theirs, SynthConfig(count=1, prefix="mine"))
+    with pytest.raises(ConfigError, match=r"lacks 4 of the workload's 4 adapters \(adapter-007, adapter-085"):
+        adapter_dir(BenchConfig(model="tiny", adapters=str(theirs)), wanted)
+    assert sorted(p.name for p in theirs.iterdir()) == ["mine-000"]

@@ -229,7 +229,7 @@ def test_serve_against_an_unreachable_cluster_fails_fast_with_the_fix() -> None:
     env = _no_ray_env()
     address = f"127.0.0.1:{_free_port()}"  # nothing listens there
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "lora_cache.cli", "serve", "--address", address],
+    done = subprocess.run([sys.executable, "-m", "lora_cache.cli", "serve", "--address", address, "--model", "tiny"],
                           env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr[-2000:]
     assert time.monotonic() - t0 < 20  # Ray alone keeps trying for minutes

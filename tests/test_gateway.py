@@ -265,7 +265,8 @@ class Served(NamedTuple):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    ray = pytest.importorskip("ray")
+    import ray
+
     from lora_cache.planner import PlannerConfig
     from lora_cache.serve import ServeConfig, start
     from lora_cache.synth import SynthConfig, make_adapters

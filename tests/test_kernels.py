@@ -656,8 +656,9 @@ def peft_adapters(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[
     """Two adapters saved by PEFT's save_pretrained on a tiny Llama, and PEFT's own deltas for fixed inputs.
 
     Returns (root, {adapter: {"x": {in features: input}, "delta": {(layer, module): output delta}}})."""
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
+    import peft
+    import transformers
+
     tiny = SHAPES["tiny"]
     config = transformers.LlamaConfig(vocab_size=32, hidden_size=tiny.hidden_size, num_hidden_layers=tiny.num_layers,
                                       intermediate_size=tiny.intermediate_size, num_attention_heads=tiny.num_heads,

@@ -6,17 +6,16 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
+from ray.cluster_utils import Cluster
 
-ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
-
-from lora_cache.catalog import CatalogConfig  # noqa: E402
-from lora_cache.control import WorkerId  # noqa: E402
-from lora_cache.planner import PlannerConfig  # noqa: E402
-from lora_cache.serve import ServeConfig, start, wait_ready  # noqa: E402
-from lora_cache.synth import SynthConfig, make_adapters  # noqa: E402
-from workers.cache import WorkerConfig  # noqa: E402
-from workers.host_tier import HostTierConfig  # noqa: E402
+from lora_cache.catalog import CatalogConfig
+from lora_cache.control import WorkerId
+from lora_cache.planner import PlannerConfig
+from lora_cache.serve import ServeConfig, start, wait_ready
+from lora_cache.synth import SynthConfig, make_adapters
+from workers.cache import WorkerConfig
+from workers.host_tier import HostTierConfig
 
 pytestmark = pytest.mark.ray
 

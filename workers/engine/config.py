@@ -18,8 +18,10 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 class EngineConfig:
     """One replica: its model shape, TP size, batching bounds, admission rule and cache."""
 
-    adapters: str = field(default="", metadata={"help": "directory of PEFT adapter directories (name = dir name)"})
-    model: str = field(default="llama-3.1-8b", metadata={"help": "named model shape or path to its config.json"})
+    adapters: str = field(default="", metadata={
+        "path": True, "help": "directory of PEFT adapter directories (name = dir name)"})
+    model: str = field(default="llama-3.1-8b", metadata={
+        "path": "name_or_file", "help": "named model shape or path to its config.json"})
     num_layers: int = field(default=0, metadata={"help": "layers to run (0: all of the model's)"})
     tp: int = field(default=1, metadata={"help": "tensor-parallel size (one process per rank)"})
     device: str = field(default="auto", metadata={"help": "cpu, cuda (rank k on cuda:k) or auto"})
