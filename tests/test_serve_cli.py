@@ -8,18 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from lora_cache.synth import SynthConfig, make_adapters
-
 pytestmark = pytest.mark.ray
 
 
 def test_serve_starts_and_stops_cleanly(tmp_path: Path) -> None:
-    make_adapters(tmp_path, SynthConfig(model="tiny", count=3, rank="8"))
-    cmd = [sys.executable, "-m", "lora_cache.cli", "serve", "--adapters", str(tmp_path), "--model", "tiny",
-           "--max-rank", "8", "--tp", "2", "--slots", "2", "--host-bytes", str(4 << 20), "--duration", "2",
-           "--grpc-port", "0"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    """As a shell user runs it: adapters made with make-adapters' defaults under a relative path, served
+    from the directory that holds it, without --model (the adapters name their base model)."""
+    made = subprocess.run([sys.executable, "-m", "lora_cache.cli", "make-adapters", "rt/ad", "--count", "3",
+                           "--rank", "8"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr[-2000:]
+    cmd = [sys.executable, "-m", "lora_cache.cli", "serve", "--adapters", "rt/ad", "--max-rank", "8", "--tp", "2",
+           "--slots", "2", "--host-bytes", str(4 << 20), "--duration", "2", "--grpc-port", "0"]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert "serving base model tiny (from the adapters' base_model_name_or_path" in done.stdout
     assert "lora-cache serving: 2 workers in ['replica-0'], 3 adapters" in done.stdout
     assert "lora-cache gRPC gateway on 127.0.0.1:" in done.stdout
     assert "shutting down" in done.stdout
