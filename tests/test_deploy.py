@@ -196,13 +196,13 @@ def test_runtime_env_is_valid_and_uploads_only_the_sources() -> None:
     env = yaml.safe_load((DEPLOY / "runtime_env.yaml").read_text())
     assert set(env) <= RuntimeEnv.known_fields
     RuntimeEnv(**env)  # Ray's type checks of each field
-    for pattern in (".git", ".device", "__pycache__", "*.egg-info"):
+    for pattern in (".git", ".device", ".ci-venv", "__pycache__", "*.egg-info"):  # .ci-venv: CI's virtualenv
         assert pattern in env["excludes"]
     files: list[Path] = []  # what Ray would zip, by these excludes alone (.gitignore not counted)
     _dir_travel(REPO, [_get_excludes(REPO, env["excludes"])], lambda p: files.append(p) if p.is_file() else None,
                 include_gitignore=False)
     parts = {part for f in files for part in f.relative_to(REPO).parts}
-    assert not parts & {".git", ".device", "__pycache__", ".mypy_cache"}, sorted(parts)[:20]
+    assert not parts & {".git", ".device", ".ci-venv", "__pycache__", ".mypy_cache"}, sorted(parts)[:20]
     assert not any(p.endswith(".egg-info") for p in parts)
     assert {"bench", "lora_cache", "workers", "pyproject.toml"} <= parts
     assert sum(f.stat().st_size for f in files) < 32 << 20
