@@ -30,8 +30,9 @@ def cmd_make_adapters(ns: argparse.Namespace) -> int:
 
 def inspect_adapter(directory: str, model: str, tp: int, max_rank: int) -> dict[str, object]:
     shape = resolve_model(model)
-    path = AdapterRoots((Path(directory).resolve().parent,)).resolve(Path(directory).resolve())
-    spec = read_adapter(path.name, path, shape, max_rank)
+    roots = AdapterRoots((Path(directory).resolve().parent,))
+    path = roots.resolve(Path(directory).resolve())
+    spec = read_adapter(path.name, path, shape, max_rank, roots)
     ranks = sorted({m.rank for m in spec.modules})
     layouts = [shard_layout(spec, shape, tp, k, getattr(torch, spec.dtype)) for k in range(tp)]
     return {
