@@ -25,9 +25,11 @@ import math
 import mmap
 import os
 import random
+import stat
 import threading
 import time
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -74,7 +76,7 @@ def read_slices(source: WeightsSource, entries: tuple[ShardEntry, ...], dest: to
     """``read_shard`` from what a reader process is sent: the registered weights file, the layout's entries;
     ``shard`` names the shard in errors."""
     weights = Path(source.path)
-    fd = _open_unchanged(source)
+    fd, source = _open_unchanged(source)
     try:
         index = _checked_index(fd, source)
         with _mapped(fd) as mapped:
@@ -92,22 +94,61 @@ def read_slices(source: WeightsSource, entries: tuple[ShardEntry, ...], dest: to
         os.close(fd)
 
 
-def _open_unchanged(source: WeightsSource) -> int:
-    """An fd of the registered file, proven the same file before the open (so a FIFO, a device or another file
-    put in its place is never opened) and after it (so one renamed over it in between is not read)."""
-    weights = Path(source.path)
+_ACCEPTED_LOCK = threading.Lock()  # protects _ACCEPTED
+_ACCEPTED: collections.OrderedDict[tuple[str, str], WeightsSource] = collections.OrderedDict()  # LRU, bounded
+_ACCEPTED_VERSIONS = 1024
+
+
+def _open_unchanged(registered: WeightsSource) -> tuple[int, WeightsSource]:
+    """An fd of the registered file and the identity it is checked against from now on.
+
+    The path is stat'ed before the open (a FIFO, a device or a file of another size put in its place is never
+    opened) and the fd after it (so a file renamed over it in between is not read). A file of the registered
+    size whose identity changed (copied back, touched, re-synced) is checked in full against the registered
+    CRCs: the same bytes are accepted under their new identity, other bytes refused."""
+    weights, key = Path(registered.path), (registered.path, registered.version)
+    with _ACCEPTED_LOCK:
+        source = _ACCEPTED.get(key, registered)
     try:
-        same_file(weights, source.identity, FileIdentity.of(os.stat(weights)), "since", source.version)
+        st = os.stat(weights)
+        if source.identity.changes(now := FileIdentity.of(st)) and (
+                now.size != registered.identity.size or not stat.S_ISREG(st.st_mode)):
+            same_file(weights, source.identity, now, "since", source.version)
         fd = os.open(weights, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except FileNotFoundError as e:
-        raise AdapterChangedError(f"{weights} is gone ({e}); it was registered as version {source.version}: "
+        raise AdapterChangedError(f"{weights} is gone ({e}); it was registered as version {registered.version}: "
                                   "register the adapter again") from e
     try:
-        same_file(weights, source.identity, FileIdentity.of(os.fstat(fd)), "since", source.version)
+        fst = os.fstat(fd)
+        now = FileIdentity.of(fst)
+        if source.identity.changes(now):
+            if now.size != registered.identity.size or not stat.S_ISREG(fst.st_mode):
+                same_file(weights, source.identity, now, "since", source.version)
+            source = _revalidated(fd, registered, now)
+        return fd, source
     except BaseException:
         os.close(fd)
         raise
-    return fd
+
+
+def _revalidated(fd: int, registered: WeightsSource, now: FileIdentity) -> WeightsSource:
+    """``registered`` under the file's new identity ``now``, if every block still has its registered CRC."""
+    checked_at = time.time_ns()
+    change = registered.identity.changes(now)
+    with _mapped(fd) as mapped:
+        bad = _bad_block(mapped, registered, range(len(registered.block_crcs)))
+    if bad is not None or zlib.crc32(os.pread(fd, registered.header_bytes, 0)) != registered.header_crc:
+        raise AdapterChangedError(f"{registered.path} changed since it was registered as version "
+                                  f"{registered.version}: {change}, and its bytes are not the ones registered "
+                                  f"(block {bad} of {BLOCK_BYTES} bytes differs); a read under that version would "
+                                  "return other bytes, so it is refused: register it again for a new version "
+                                  "(lora-cache register NAME PATH)")
+    source = registered._replace(identity=now, registered_ns=checked_at)  # racy again if ``now`` is recent
+    with _ACCEPTED_LOCK:
+        _ACCEPTED[(registered.path, registered.version)] = source
+        while len(_ACCEPTED) > _ACCEPTED_VERSIONS:
+            _ACCEPTED.popitem(last=False)
+    return source
 
 
 def _checked_index(fd: int, source: WeightsSource) -> dict[str, FileTensor]:
@@ -116,7 +157,7 @@ def _checked_index(fd: int, source: WeightsSource) -> dict[str, FileTensor]:
     if zlib.crc32(head) != source.header_crc:
         raise AdapterChangedError(f"{source.path} changed since it was registered as version {source.version}: its "
                                   "header is not the one registered (rewritten in place, same size and stat "
-                                  "times); the read is refused: register the adapter again for a new version")
+                                  "times); the read is refused: register it again for a new version")
     return _parse_index(head, source.identity.size)
 
 
@@ -179,16 +220,21 @@ def _blocks_to_check(source: WeightsSource, index: dict[str, FileTensor], entrie
     return sorted({b for e in entries for b in _span(index[e.key], e)})
 
 
+def _bad_block(mapped: mmap.mmap, source: WeightsSource, blocks: Iterable[int]) -> int | None:
+    """The first of ``blocks`` whose CRC is not the registered one, or None."""
+    with memoryview(mapped) as view:
+        return next((b for b in blocks
+                     if zlib.crc32(view[b * BLOCK_BYTES : (b + 1) * BLOCK_BYTES]) != source.block_crcs[b]), None)
+
+
 def _check_blocks(mapped: mmap.mmap, source: WeightsSource, blocks: list[int]) -> None:
     checked_at = time.time_ns()  # before the check: the bytes seen are at least this recent
-    with memoryview(mapped) as view:
-        for b in blocks:
-            if zlib.crc32(view[b * BLOCK_BYTES : (b + 1) * BLOCK_BYTES]) != source.block_crcs[b]:
-                raise AdapterChangedError(
-                    f"{source.path} changed since it was registered as version {source.version}: bytes "
-                    f"{b * BLOCK_BYTES}-{(b + 1) * BLOCK_BYTES} are not the ones registered (rewritten in place "
-                    "with the same size and stat times); the read is refused: register the adapter again for a "
-                    "new version")
+    bad = _bad_block(mapped, source, blocks)
+    if bad is not None:
+        raise AdapterChangedError(
+            f"{source.path} changed since it was registered as version {source.version}: bytes "
+            f"{bad * BLOCK_BYTES}-{(bad + 1) * BLOCK_BYTES} are not the ones registered (rewritten in place with "
+            "the same size and stat times); the read is refused: register it again for a new version")
     if source.racy and blocks and source.settled(checked_at):  # later writes must show in stat: remember them
         with _SETTLED_LOCK:
             _SETTLED.setdefault((source.path, source.version), set()).update(blocks)
