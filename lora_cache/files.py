@@ -120,6 +120,9 @@ def open_adapter_file(roots: AdapterRoots, path: Path, missing: str) -> Iterator
         check_regular(path, real, fst.st_mode)
         if (opened.dev, opened.ino) != (st.st_dev, st.st_ino):
             raise AdapterChangedError(f"{path} was replaced while it was opened; register it again")
+        if opened.size == 0 and os.pread(fd, 1, 0):
+            raise AdapterPathError(f"{path} ({real}) says it is empty but holds bytes: a /proc or /sys file, not "
+                                   "an adapter file; point the adapter at the real file")
         yield OpenFile(fd, real, opened)
     finally:
         os.close(fd)
@@ -153,7 +156,8 @@ def _chunks(fd: int, size: int, what: Path, chunk: int = BLOCK_BYTES) -> Iterato
         got = os.pread(fd, want, offset)
         if len(got) != want:
             raise AdapterChangedError(f"{what} shrank while it was read (stat gave {size} bytes, it ended at "
-                                      f"{offset + len(got)}); wait until it is written completely and register again")
+                                      f"{offset + len(got)}: a file being written, or a /proc or /sys file); wait "
+                                      "until it is written completely and register again")
         yield got
 
 

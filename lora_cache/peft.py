@@ -174,6 +174,7 @@ def read_adapter(name: str, directory: Path, shape: ModelShape, max_rank: int,
         header_bytes = _header_bytes(f, weights)
         digest = hashlib.blake2b(config_bytes, digest_size=8)
         header_crc, block_crcs = digest_weights(f.fd, f.identity, weights, digest, header_bytes)
+        unchanged_since_open(f.fd, weights, f.identity)  # the bytes hashed are the file's, as opened
         header = _read_header(Path(f"/proc/self/fd/{f.fd}"), weights)  # the file this fd holds, not the path's
         unchanged_since_open(f.fd, weights, f.identity)
         if not header_matches(f.fd, header_bytes, header_crc):  # validated another header than the one hashed

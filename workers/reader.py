@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 
 from lora_cache.errors import AdapterChangedError, AdapterFormatError
-from lora_cache.files import BLOCK_BYTES, FileIdentity, WeightsSource, same_file
+from lora_cache.files import BLOCK_BYTES, FileIdentity, WeightsSource, file_kind, same_file
 from lora_cache.peft import FLOAT_DTYPES, AdapterSpec
 from lora_cache.shards import ShardEntry, ShardLayout
 
@@ -111,8 +111,8 @@ def _open_unchanged(registered: WeightsSource) -> tuple[int, WeightsSource]:
         source = _ACCEPTED.get(key, registered)
     try:
         st = os.stat(weights)
-        if source.identity.changes(now := FileIdentity.of(st)) and (
-                now.size != registered.identity.size or not stat.S_ISREG(st.st_mode)):
+        _regular(weights, st, registered.version)
+        if source.identity.changes(now := FileIdentity.of(st)) and now.size != registered.identity.size:
             same_file(weights, source.identity, now, "since", source.version)
         fd = os.open(weights, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except FileNotFoundError as e:
@@ -120,15 +120,23 @@ def _open_unchanged(registered: WeightsSource) -> tuple[int, WeightsSource]:
                                   "register the adapter again") from e
     try:
         fst = os.fstat(fd)
+        _regular(weights, fst, registered.version)
         now = FileIdentity.of(fst)
         if source.identity.changes(now):
-            if now.size != registered.identity.size or not stat.S_ISREG(fst.st_mode):
+            if now.size != registered.identity.size:
                 same_file(weights, source.identity, now, "since", source.version)
             source = _revalidated(fd, registered, now)
         return fd, source
     except BaseException:
         os.close(fd)
         raise
+
+
+def _regular(weights: Path, st: os.stat_result, version: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise AdapterChangedError(f"{weights} is now a {file_kind(st.st_mode)}, not the regular file registered as "
+                                  f"version {version}: refused without reading it; put the adapter file back and "
+                                  "register it again")
 
 
 def _revalidated(fd: int, registered: WeightsSource, now: FileIdentity) -> WeightsSource:
