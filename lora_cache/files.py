@@ -171,7 +171,7 @@ def _check_ends(fd: int, size: int, what: Path) -> None:
                               "wait until it is written completely and register again")
 
 
-def digest_weights(fd: int, identity: FileIdentity, what: Path, version_digest: hashlib._Hash,
+def digest_weights(fd: int, identity: FileIdentity, what: Path, version_digest: hashlib.blake2b,
                    header_bytes: int) -> tuple[int, tuple[int, ...]]:
     """One pass over the weights: feeds ``version_digest``; returns the header's CRC and every block's."""
     crcs, header_crc, head = [], 0, b""

@@ -200,7 +200,7 @@ def _copy_slices(mapped: mmap.mmap, index: dict[str, FileTensor], entries: tuple
 # -- the content check ------------------------------------------------------------------------------------
 
 _SETTLED_LOCK = threading.Lock()  # protects _SETTLED
-_SETTLED: collections.OrderedDict[tuple[str, str], set[int]] = collections.OrderedDict()  # racy versions' blocks
+_SETTLED: collections.OrderedDict[tuple[str, str, FileIdentity], set[int]] = collections.OrderedDict()  # racy blocks
 _SETTLED_VERSIONS = 1024  # proven after their racy window: LRU-bounded
 
 
@@ -218,7 +218,7 @@ def _blocks_to_check(source: WeightsSource, index: dict[str, FileTensor], entrie
         raise AdapterFormatError(f"verify {verify!r} is not one of {', '.join(VERIFY)}")
     if source.racy and verify != "content":
         with _SETTLED_LOCK:
-            done = _SETTLED.get((source.path, source.version), set())
+            done = _SETTLED.get((source.path, source.version, source.identity), set())
         return sorted({b for e in entries for b in _span(index[e.key], e)} - done)
     if verify == "identity" or not entries:
         return []
@@ -245,8 +245,9 @@ def _check_blocks(mapped: mmap.mmap, source: WeightsSource, blocks: list[int]) -
             "the same size and stat times); the read is refused: register it again for a new version")
     if source.racy and blocks and source.settled(checked_at):  # later writes must show in stat: remember them
         with _SETTLED_LOCK:
-            _SETTLED.setdefault((source.path, source.version), set()).update(blocks)
-            _SETTLED.move_to_end((source.path, source.version))
+            key = (source.path, source.version, source.identity)  # proofs hold for this identity only
+            _SETTLED.setdefault(key, set()).update(blocks)
+            _SETTLED.move_to_end(key)
             while len(_SETTLED) > _SETTLED_VERSIONS:
                 _SETTLED.popitem(last=False)
 
