@@ -499,6 +499,7 @@ def test_a_read_returns_its_versions_bytes_or_refuses(tmp_path_factory: pytest.T
     versions = [catalog.register("a", target)]
     held = {versions[0].version: 0}
     weights = target / WEIGHTS_FILE
+    assert versions[0].version == truth[0].version and torch.equal(read(versions[0]), shards[0])
     for op, k, verify in steps:
         if op == "in-place":
             with open(weights, "r+b") as f:
