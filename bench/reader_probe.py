@@ -132,7 +132,7 @@ def process_reads(count: int, nbytes: int) -> Iterator[Callable[[AdapterSpec, Sh
     """``count`` reader processes over a shared arena of ``count`` blocks of ``nbytes``; the returned reader
     takes an idle process and its block (a worker's ``ProcessReads``); ``dest`` is not used."""
     arena = HostArena(count * -(-nbytes // ALIGN) * ALIGN, pin=torch.cuda.is_available(), shared=True)
-    reads = ProcessReads(arena, count)
+    reads = ProcessReads(arena, count, "sample")
     blocks: queue.SimpleQueue[Block] = queue.SimpleQueue()
     for _ in range(count):
         block = arena.alloc(nbytes)

@@ -53,7 +53,7 @@ class AdapterCatalog:
     def register(self, name: str, path: str | Path) -> AdapterSpec:
         """Validate the adapter at ``path`` (under a root) and make it the current version of ``name``."""
         directory = self.roots.resolve(path)
-        spec = read_adapter(check_name(name), directory, self.shape, self.config.max_rank)
+        spec = read_adapter(check_name(name), directory, self.shape, self.config.max_rank, self.roots)
         with self._lock:
             self._specs[name] = spec
         return spec

@@ -40,11 +40,12 @@ def inspect_adapter(directory: str, model: str, tp: int, max_rank: int) -> dict[
     from lora_cache.shapes import resolve_model
     from lora_cache.shards import shard_layout
 
-    path = AdapterRoots((Path(directory).resolve().parent,)).resolve(Path(directory).resolve())
+    roots = AdapterRoots((Path(directory).resolve().parent,))
+    path = roots.resolve(Path(directory).resolve())
     if not model:  # the adapter's own base model; read_adapter reports a directory that is not an adapter
         model = choose_model("", path.parent, only=path.name) if (path / "adapter_config.json").is_file() else "tiny"
     shape = resolve_model(model)
-    spec = read_adapter(path.name, path, shape, max_rank)
+    spec = read_adapter(path.name, path, shape, max_rank, roots)
     ranks = sorted({m.rank for m in spec.modules})
     layouts = [shard_layout(spec, shape, tp, k, getattr(torch, spec.dtype)) for k in range(tp)]
     return {

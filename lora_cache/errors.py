@@ -24,7 +24,13 @@ class UnsupportedAdapterError(AdapterError):
 
 
 class AdapterPathError(AdapterError):
-    """A path outside the configured adapter roots, or a pickle file."""
+    """A path outside the configured adapter roots (a symlink that leaves them included), a file that is
+    not a regular file (a FIFO, a device, a directory), or a pickle file."""
+
+
+class AdapterChangedError(AdapterFormatError):
+    """An adapter file changed since (or while) its version was registered: a read under that version
+    would return other bytes, so it is refused; registering the adapter again makes a new version."""
 
 
 class ShardError(AdapterError):

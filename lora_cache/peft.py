@@ -1,8 +1,10 @@
 """PEFT LoRA adapters on disk: ``adapter_config.json`` + ``adapter_model.safetensors`` (lifecycle step 5).
 
-Reading an adapter validates it completely from the config and the safetensors header (no tensor data
-is read): every tensor's key, dtype and shape against the model shape, ranks against the configured
-maximum. The version is a hash of the content, so a same-name update never serves stale weights.
+Reading an adapter validates it completely from the config and the safetensors header: every tensor's
+key, dtype and shape against the model shape, ranks against the configured maximum. Each file is opened
+once, confined to the adapter roots and refused unless a regular file (``lora_cache.files``), and read
+once: the version is a hash of exactly those bytes, and the spec carries what every later read checks
+(the file's identity, CRCs of its header and blocks), so a read never returns other bytes under it.
 """
 
 from __future__ import annotations
@@ -10,15 +12,27 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from safetensors import safe_open
 
-from lora_cache.errors import AdapterFormatError, AdapterPathError, UnsupportedAdapterError
-from lora_cache.roots import PICKLE_SUFFIXES
+from lora_cache.errors import AdapterChangedError, AdapterFormatError, AdapterPathError, UnsupportedAdapterError
+from lora_cache.files import (
+    MAX_CONFIG_BYTES,
+    OpenFile,
+    WeightsSource,
+    digest_weights,
+    header_matches,
+    open_adapter_file,
+    read_exact,
+    unchanged_since_open,
+)
+from lora_cache.roots import PICKLE_SUFFIXES, AdapterRoots
 from lora_cache.shapes import MODULES, ModelShape
 
 CONFIG_FILE = "adapter_config.json"
@@ -133,6 +147,7 @@ class AdapterSpec:
     dtype: str  # torch dtype name of the tensors in the file
     version: str
     file_bytes: int
+    source: WeightsSource | None = None  # what reads check; None for specs not read from disk (simulators)
 
     @property
     def weights(self) -> Path:
@@ -143,28 +158,50 @@ class AdapterSpec:
         return max(m.rank for m in self.modules)
 
 
-def read_adapter(name: str, directory: Path, shape: ModelShape, max_rank: int) -> AdapterSpec:
-    """Validate a PEFT adapter directory against ``shape`` from its config and safetensors header."""
-    config = _read_config(directory)
+def read_adapter(name: str, directory: Path, shape: ModelShape, max_rank: int,
+                 roots: AdapterRoots | None = None) -> AdapterSpec:
+    """Validate a PEFT adapter directory against ``shape`` from its config and safetensors header.
+
+    Its files must resolve under ``roots`` (by default the directory itself)."""
+    if not directory.is_dir():
+        raise AdapterFormatError(f"adapter directory {directory} does not exist; check the path")
+    roots = roots or AdapterRoots((directory,))
+    config_bytes = _read_config_bytes(roots, directory)
+    config = _parse_config(config_bytes, directory / CONFIG_FILE)
     weights = _weights_file(directory)
-    header = _read_header(weights)
+    registered_ns = time.time_ns()  # before the open: the earliest moment, for the racy check
+    with open_adapter_file(roots, weights, f"{weights} is missing; save the adapter with safe_serialization=True") as f:
+        header_bytes = _header_bytes(f, weights)
+        digest = hashlib.blake2b(config_bytes, digest_size=8)
+        header_crc, block_crcs = digest_weights(f.fd, f.identity, weights, digest, header_bytes)
+        unchanged_since_open(f.fd, weights, f.identity)  # the bytes hashed are the file's, as opened
+        header = _read_header(Path(f"/proc/self/fd/{f.fd}"), weights)  # the file this fd holds, not the path's
+        unchanged_since_open(f.fd, weights, f.identity)
+        if not header_matches(f.fd, header_bytes, header_crc):  # validated another header than the one hashed
+            raise AdapterChangedError(f"{weights} changed while it was being registered (its header); wait until "
+                                      "it is written completely and register it again")
     modules = _validate(header, config, shape, max_rank, weights)
     dtypes = {dtype for dtype, _ in header.values()}
     if len(dtypes) != 1:
         raise AdapterFormatError(f"{weights}: tensors mix dtypes {sorted(dtypes)}; save the adapter in one dtype")
-    return AdapterSpec(name, directory, config, modules, FLOAT_DTYPES[dtypes.pop()],
-                       content_version(directory), weights.stat().st_size)
+    version = digest.hexdigest()
+    source = WeightsSource(str(f.real), version, f.identity, header_bytes, header_crc, block_crcs, registered_ns)
+    return AdapterSpec(name, directory, config, modules, FLOAT_DTYPES[dtypes.pop()], version, f.identity.size,
+                       source)
 
 
-def _read_config(directory: Path) -> AdapterConfig:
+def _read_config_bytes(roots: AdapterRoots, directory: Path) -> bytes:
     where = directory / CONFIG_FILE
-    if not directory.is_dir():
-        raise AdapterFormatError(f"adapter directory {directory} does not exist; check the path")
+    with open_adapter_file(roots, where, f"{where} is missing; a PEFT adapter directory holds adapter_config.json "
+                             "(written by save_pretrained or `lora-cache make-adapters`)") as f:
+        data = read_exact(f.fd, f.identity, where, MAX_CONFIG_BYTES)
+        unchanged_since_open(f.fd, where, f.identity)
+    return data
+
+
+def _parse_config(data: bytes, where: Path) -> AdapterConfig:
     try:
-        raw = json.loads(where.read_text())
-    except FileNotFoundError as e:
-        raise AdapterFormatError(f"{where} is missing; a PEFT adapter directory holds adapter_config.json "
-                                 "(written by save_pretrained or `lora-cache make-adapters`)") from e
+        raw = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise AdapterFormatError(f"{where} is not valid JSON ({e}); re-save the adapter") from e
     if not isinstance(raw, dict):
@@ -174,7 +211,7 @@ def _read_config(directory: Path) -> AdapterConfig:
 
 def _weights_file(directory: Path) -> Path:
     weights = directory / WEIGHTS_FILE
-    if weights.is_file():
+    if weights.exists() or weights.is_symlink():  # whatever it is: the open says if it may be read
         return weights
     pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
@@ -184,10 +221,22 @@ def _weights_file(directory: Path) -> Path:
     raise AdapterFormatError(f"{weights} is missing; save the adapter with safe_serialization=True")
 
 
-def _read_header(weights: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """key -> (safetensors dtype, shape), without reading tensor data. Truncation is caught here."""
+def _header_bytes(f: OpenFile, weights: Path) -> int:
+    """8 + the safetensors header's length, if it fits the file (else the file is not safetensors)."""
+    head = os.pread(f.fd, 8, 0)
+    n = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if not 0 < n <= f.identity.size - 8:
+        raise AdapterFormatError(f"{weights} is not a readable safetensors file (its header length {n} does not "
+                                 f"fit its {f.identity.size} bytes); it may be truncated or corrupt: re-copy or "
+                                 "re-save it")
+    return 8 + n
+
+
+def _read_header(opened: Path, weights: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """key -> (safetensors dtype, shape) of the file at ``opened``, named ``weights`` in errors, without reading
+    tensor data. Truncation is caught here."""
     try:
-        with safe_open(str(weights), framework="pt") as f:
+        with safe_open(str(opened), framework="pt") as f:
             header = {}
             for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 sl = f.get_slice(key)
@@ -247,11 +296,12 @@ def _check_module(layer: int, module: str, ab: dict[str, tuple[int, ...]], confi
     return LoraModule(layer, module, rank, config.scaling(rank, alpha))
 
 
-def content_version(directory: Path, chunk: int = 8 << 20) -> str:
-    """A short hash of adapter_config.json and the weights: the adapter's version."""
-    digest = hashlib.blake2b(digest_size=8)
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        with open(directory / name, "rb") as f:
-            while block := f.read(chunk):
-                digest.update(block)
+def content_version(directory: Path) -> str:
+    """A short hash of adapter_config.json and the weights: the adapter's version (as ``read_adapter`` finds it,
+    confined to the directory)."""
+    roots = AdapterRoots((directory,))
+    digest = hashlib.blake2b(_read_config_bytes(roots, directory), digest_size=8)
+    weights = directory / WEIGHTS_FILE
+    with open_adapter_file(roots, weights, f"{weights} is missing") as f:
+        digest_weights(f.fd, f.identity, weights, digest, 0)
     return digest.hexdigest()

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from lora_cache.errors import AdapterPathError, ConfigError
+from lora_cache.errors import AdapterChangedError, AdapterPathError, ConfigError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 
 @dataclass(frozen=True)
 class AdapterRoots:
-    """Directories adapters may be read from. Symlinks are resolved before the check."""
+    """Directories adapters may be read from. Symlinks are resolved before the check, for the adapter's
+    directory and for every file read from it (a link to a blob under a root, as the Hugging Face cache
+    makes, is fine; one that leaves every root is refused)."""
 
     roots: tuple[Path, ...]
 
@@ -36,3 +40,40 @@ class AdapterRoots:
             raise AdapterPathError(f"adapter path {str(path)!r} resolves to {real}, outside the adapter roots "
                                    f"({', '.join(map(str, self.roots))}); move it under a root or add one")
         return real
+
+    def root_of(self, real: Path) -> Path | None:
+        """The root that holds the real path ``real``, or None."""
+        return next((r for r in self.roots if real == r or r in real.parents), None)
+
+    def confine_file(self, path: Path) -> Path:
+        """The real path of the adapter file ``path``: every symlink on the way (the file's own, a chain of
+        them, a linked directory) resolved, and the result under a root."""
+        real = Path(os.path.realpath(path))
+        if self.root_of(real) is None:
+            hop = f"a symlink to {os.readlink(path)!r}, " if path.is_symlink() else "through a linked directory, "
+            raise AdapterPathError(f"{path} is {hop}which resolves to {real}, outside the adapter roots "
+                                   f"({', '.join(map(str, self.roots))}): refused, a file of an adapter is read only "
+                                   f"from under a root; copy the file into {path.parent} or add a root that holds it")
+        return real
+
+    def open_file(self, real: Path) -> int:
+        """A read-only fd of ``real`` (a resolved path under a root), opened by walking from its root with no
+        symlink followed: a directory swapped for a link after :meth:`confine_file` is refused, not followed.
+        Non-blocking, so a FIFO swapped in cannot hang the open; the caller checks what it opened."""
+        root = self.root_of(real)
+        assert root is not None and real != root, f"{real} was not confined to a root"
+        *dirs, name = real.relative_to(root).parts
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for part in dirs:
+                inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                os.close(fd)
+                fd = inner
+            return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=fd)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise AdapterChangedError(f"{real} changed while it was opened: a part of its path became a symlink "
+                                          f"({e.strerror}); refused, not followed: register it again") from e
+            raise
+        finally:
+            os.close(fd)

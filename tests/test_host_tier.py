@@ -15,7 +15,7 @@ import torch
 
 import workers.host_tier as host_tier_module
 from lora_cache.catalog import AdapterCatalog
-from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError
+from lora_cache.errors import AdapterChangedError, AdapterFormatError, CapacityError, ConfigError
 from lora_cache.peft import AdapterSpec
 from lora_cache.planner.records import AdapterKey
 from lora_cache.shapes import SHAPES
@@ -193,10 +193,10 @@ def gated_reads(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[
     """read_shard blocks until the returned event is set; the list records every read."""
     gate, reads, real = threading.Event(), [], host_tier_module.read_shard
 
-    def read(spec: AdapterSpec, lay: ShardLayout, dest: torch.Tensor) -> int:
+    def read(spec: AdapterSpec, lay: ShardLayout, dest: torch.Tensor, verify: str) -> int:
         reads.append(spec.name)
         assert gate.wait(timeout=10), "test gate never opened"
-        return real(spec, lay, dest)
+        return real(spec, lay, dest, verify)
 
     monkeypatch.setattr(host_tier_module, "read_shard", read)
     return gate, reads
@@ -257,16 +257,16 @@ def test_failed_read_leaves_the_arena_as_it_was(catalog: AdapterCatalog, tier: H
     before = (resident(tier), list(tier.arena._free), dict(tier.arena._used), tier.bytes_read)
     future, hit = tier.fetch(spec, layout(spec))
     assert not hit
-    with pytest.raises(AdapterFormatError) as e:
+    with pytest.raises(AdapterChangedError) as e:  # the class survives the reader process's boundary
         future.result(timeout=10)
     assert str(spec.weights) in str(e.value)
-    assert {"truncate": "changed size", "same-size": "reading the TP 0/1 shard failed", "delete": "is gone"}[
+    assert {"truncate": "changed size", "same-size": "its bytes are not the ones registered", "delete": "is gone"}[
         damage
     ] in str(e.value)
     assert (resident(tier), list(tier.arena._free), dict(tier.arena._used), tier.bytes_read) == before
     assert not tier.contains(key(spec)) and tier.misses == 4
     tier.check_integrity()
-    spec.weights.write_bytes(data)  # repaired: the next fetch is a fresh miss and succeeds
+    spec.weights.write_bytes(data)  # repaired (same bytes, a new mtime): the next fetch is a fresh miss and succeeds
     assert staged(tier, spec).bytes_read > 0 and tier.contains(key(spec)) and tier.misses == 5
     tier.check_integrity()
 

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from lora_cache.catalog import AdapterCatalog
-from lora_cache.errors import AdapterFormatError, ConfigError, ShardError
+from lora_cache.errors import AdapterChangedError, AdapterFormatError, ConfigError, ShardError
 from lora_cache.peft import AdapterSpec, LoraModule, peft_key
 from lora_cache.shapes import MODULE_ORDER, MODULES, SHAPES, ModelShape, Parallel
 from lora_cache.shards import ALIGN_BYTES, ShardLayout, max_shard_numel, shard_layout, split
@@ -232,9 +232,9 @@ def test_read_shard_of_a_changed_file(catalog: AdapterCatalog) -> None:
     assert "changed size" in msg and spec.version in msg and f"{len(data)} -> {len(data) + 16}" in msg
     assert "register it again" in msg
     spec.weights.write_bytes(data[:100] + bytes(len(data) - 100))  # same size, header destroyed
-    with pytest.raises(AdapterFormatError) as e:
+    with pytest.raises(AdapterChangedError) as e:
         packed(spec, lay)
-    assert "reading the TP 1/2 shard failed" in str(e.value) and "truncated or corrupt" in str(e.value)
+    assert "written in place" in str(e.value) and spec.version in str(e.value) and "register it again" in str(e.value)
     spec.weights.unlink()
     with pytest.raises(AdapterFormatError, match="is gone"):
         packed(spec, lay)

@@ -430,7 +430,7 @@ def test_stage_of_a_damaged_file_is_counted_and_leaves_the_tier_as_it_was(
     before = (cache.residency(), cache.host.arena.used_bytes, list(cache.host._entries))
     staged = cache.stage("bad")
     assert staged is not None
-    with pytest.raises(AdapterFormatError, match="reading the TP 0/1 shard failed"):
+    with pytest.raises(AdapterFormatError, match="its bytes are not the ones registered"):
         staged.result(timeout=10)
     _wait_for(lambda: cache.stats()["stage_failures"] == 1)  # counted by the read's done callback
     assert (cache.residency(), cache.host.arena.used_bytes, list(cache.host._entries)) == before
@@ -468,7 +468,7 @@ def test_failed_load_leaves_everything_as_it_was(
             and "register it again" in msg
         )
     else:
-        assert "reading the TP 0/1 shard failed" in msg and "re-copy it and register again" in msg
+        assert "its bytes are not the ones registered" in msg and "register it again for a new version" in msg
     with pytest.raises(AdapterFormatError):  # on demand: the same clear error, no hang, no retry loop
         in_thread(lambda: cache.acquire([A, "bad"])).result(timeout=10)
     after = cache.stats()

@@ -22,7 +22,7 @@ from lora_cache.peft import AdapterSpec
 from lora_cache.planner.records import AdapterKey  # one name@version key for planner and workers
 from lora_cache.shards import ShardLayout
 from workers.arena import Block, HostArena
-from workers.reader import read_shard
+from workers.reader import VERIFY, read_shard
 from workers.reader_proc import ReaderProcess
 
 
@@ -36,6 +36,9 @@ class HostTierConfig:
     reads: str = field(default="auto", metadata={
         "help": "where reads run: process (reader processes sharing the arena), thread (the reader threads), "
                 "auto (process when the arena is pinned for a GPU, else thread)"})
+    verify: str = field(default="sample", metadata={
+        "help": "how much of each read is checked against the CRCs taken at registration, beyond the file's "
+                "identity and header: " + "; ".join(f"{k} ({v})" for k, v in VERIFY.items())})
 
     def __post_init__(self) -> None:
         if self.host_bytes < 1 << 20:
@@ -44,6 +47,9 @@ class HostTierConfig:
             raise ConfigError(f"read_threads must be in 1..64, got {self.read_threads}")
         if self.reads not in ("auto", *READS):
             raise ConfigError(f"reads {self.reads!r} is not one of auto, {', '.join(READS)}; pick one of them")
+        if self.verify not in VERIFY:
+            raise ConfigError(f"verify {self.verify!r} is not one of {', '.join(VERIFY)}; pick one of them "
+                              "(sample is the default)")
 
     def reads_for(self, pinned: bool) -> str:
         """The strategy ``auto`` stands for: processes when the arena is pinned (a GPU), else threads."""
@@ -53,11 +59,11 @@ class HostTierConfig:
 class ThreadReads:
     """Reads in this process, on the tier's threads: where nothing launches GPU work beside them."""
 
-    def __init__(self, arena: HostArena, count: int) -> None:
-        pass
+    def __init__(self, arena: HostArena, count: int, verify: str) -> None:
+        self.verify = verify
 
     def read(self, spec: AdapterSpec, entry: HostEntry) -> int:
-        return read_shard(spec, entry.layout, entry.tensor)
+        return read_shard(spec, entry.layout, entry.tensor, self.verify)
 
     def close(self) -> None:
         pass
@@ -66,7 +72,8 @@ class ThreadReads:
 class ProcessReads:
     """Reads in ``count`` reader processes that map the (shared) arena: each tier thread takes an idle one."""
 
-    def __init__(self, arena: HostArena, count: int) -> None:
+    def __init__(self, arena: HostArena, count: int, verify: str) -> None:
+        self.verify = verify
         if arena.fd is None:
             raise ConfigError("process reads need a shared arena (HostArena(shared=True))")
         self._all = [ReaderProcess(arena.fd, arena.capacity) for _ in range(count)]
@@ -77,7 +84,7 @@ class ProcessReads:
     def read(self, spec: AdapterSpec, entry: HostEntry) -> int:
         proc = self._idle.get()
         try:
-            return proc.read(spec, entry.layout, entry.block.offset)
+            return proc.read(spec, entry.layout, entry.block.offset, self.verify)
         finally:
             self._idle.put(proc)
 
@@ -108,7 +115,7 @@ class HostTier:
         self.config = config
         self.reads = config.reads_for(config.pin and torch.cuda.is_available())
         self.arena = HostArena(config.host_bytes, config.pin, shared=self.reads == "process")
-        self._reader = READS[self.reads](self.arena, config.read_threads)
+        self._reader = READS[self.reads](self.arena, config.read_threads, config.verify)
         self._pool = ThreadPoolExecutor(config.read_threads, thread_name_prefix="lora-read")
         self._lock = threading.Lock()  # protects _entries and the arena
         self._entries: OrderedDict[AdapterKey, HostEntry] = OrderedDict()  # LRU order, oldest first

@@ -7,23 +7,48 @@ waits for the GIL at every kernel. So a GPU worker runs this in reader processes
 (``workers.reader_proc``), and threads run it only where there is no GPU (bench/RESULTS.md, ``python
 -m bench.reader_probe``). A file cut short while it is read, after the size check, raises SIGBUS in the
 process that maps it: a reader process dies and the read fails; a reader thread faults its process.
+
+A read returns only the bytes its version was registered with (``lora_cache.files``), or refuses with
+``AdapterChangedError``: the file is stat'ed and compared with the registered identity before it is
+opened (a FIFO or device swapped in is never opened), read through one fd that is ``fstat``'ed against it
+(a rename-over between the two is caught), its header's CRC is compared, the blocks it read are CRC-checked
+as ``verify`` says, and the fd is ``fstat``'ed again after the copy (a write during the read is caught).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import json
 import math
 import mmap
+import os
+import random
+import stat
+import threading
+import time
+import zlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from lora_cache.errors import AdapterFormatError
+from lora_cache.errors import AdapterChangedError, AdapterFormatError
+from lora_cache.files import BLOCK_BYTES, FileIdentity, WeightsSource, file_kind, same_file
 from lora_cache.peft import FLOAT_DTYPES, AdapterSpec
 from lora_cache.shards import ShardEntry, ShardLayout
+
+# How much of what a read copied it checks against the registered CRCs, on top of the identity and header
+# checks every read makes (bench/RESULTS.md, "What the content check costs"). A racy version (changed
+# within RACY_NS of its registration) is checked in full whatever the mode, until a check after its window.
+VERIFY = {
+    "identity": "identity and header only: catches any change a file system records in stat",
+    "sample": "plus one of the blocks read, at random: catches an overwrite by other content even where "
+              "stat does not show it (a coarse or lying file system) for one 1 MiB CRC (under 0.5 ms)",
+    "content": "plus every block read: no change of the bytes read goes unseen; costs a CRC of the shard",
+}
 
 
 class FileTensor(NamedTuple):
@@ -34,34 +59,124 @@ class FileTensor(NamedTuple):
     start: int  # byte offset of its first element in the file
 
 
-def read_shard(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor) -> int:
+def read_shard(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor, verify: str = "sample") -> int:
     """Fill ``dest`` (1-D, ``layout.dtype``, >= ``layout.numel``) with the shard; returns bytes read.
 
     A rank reads only its parts of each matrix (strided views of the mapped file); a file tensor of
     another dtype is converted as it is copied.
     """
-    return read_slices(spec.weights, spec.version, spec.file_bytes, layout.entries, dest,
-                       f"TP {layout.rank}/{layout.tp}")
+    if spec.source is None:
+        raise AdapterFormatError(f"adapter {spec.name}@{spec.version} was not registered from a file; "
+                                 "register it from its directory to read it")
+    return read_slices(spec.source, layout.entries, dest, f"TP {layout.rank}/{layout.tp}", verify)
 
 
-def read_slices(weights: Path, version: str, file_bytes: int, entries: tuple[ShardEntry, ...], dest: torch.Tensor,
-                shard: str) -> int:
-    """``read_shard`` from what a reader process is sent: the file, its registered version and size, the
-    layout's entries; ``shard`` names the shard in errors."""
-    _check_unchanged(weights, version, file_bytes)
+def read_slices(source: WeightsSource, entries: tuple[ShardEntry, ...], dest: torch.Tensor, shard: str,
+                verify: str = "sample") -> int:
+    """``read_shard`` from what a reader process is sent: the registered weights file, the layout's entries;
+    ``shard`` names the shard in errors."""
+    weights = Path(source.path)
+    fd, source = _open_unchanged(source)
     try:
-        index = tensor_index(str(weights), version, file_bytes)
-        with open(weights, "rb") as f:
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: nothing is written back
-        try:
-            return _copy_slices(mapped, index, entries, dest)
-        finally:
-            with contextlib.suppress(BufferError):  # a view still alive in a traceback: unmapped when it dies
-                mapped.close()
+        index = _checked_index(fd, source)
+        with _mapped(fd) as mapped:
+            read = _copy_slices(mapped, index, entries, dest)
+            _check_blocks(mapped, source, _blocks_to_check(source, index, entries, verify))
+        same_file(weights, source.identity, FileIdentity.of(os.fstat(fd)), "while it was read, after", source.version)
+        return read
+    except AdapterChangedError:
+        raise
     except (AdapterFormatError, OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
         why = str(e) if isinstance(e, AdapterFormatError) else f"{type(e).__name__}: {e}"
         raise AdapterFormatError(f"{weights}: reading the {shard} shard failed ({why}); "
                                  "the file may be truncated or corrupt: re-copy it and register again") from e
+    finally:
+        os.close(fd)
+
+
+_ACCEPTED_LOCK = threading.Lock()  # protects _ACCEPTED
+_ACCEPTED: collections.OrderedDict[tuple[str, str], WeightsSource] = collections.OrderedDict()  # LRU, bounded
+_ACCEPTED_VERSIONS = 1024
+
+
+def _open_unchanged(registered: WeightsSource) -> tuple[int, WeightsSource]:
+    """An fd of the registered file and the identity it is checked against from now on.
+
+    The path is stat'ed before the open (a FIFO, a device or a file of another size put in its place is never
+    opened) and the fd after it (so a file renamed over it in between is not read). A file of the registered
+    size whose identity changed (copied back, touched, re-synced) is checked in full against the registered
+    CRCs: the same bytes are accepted under their new identity, other bytes refused."""
+    weights, key = Path(registered.path), (registered.path, registered.version)
+    with _ACCEPTED_LOCK:
+        source = _ACCEPTED.get(key, registered)
+    try:
+        st = os.stat(weights)
+        _regular(weights, st, registered.version)
+        if source.identity.changes(now := FileIdentity.of(st)) and now.size != registered.identity.size:
+            same_file(weights, source.identity, now, "since", source.version)
+        fd = os.open(weights, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError as e:
+        raise AdapterChangedError(f"{weights} is gone ({e}); it was registered as version {registered.version}: "
+                                  "register the adapter again") from e
+    try:
+        fst = os.fstat(fd)
+        _regular(weights, fst, registered.version)
+        now = FileIdentity.of(fst)
+        if source.identity.changes(now):
+            if now.size != registered.identity.size:
+                same_file(weights, source.identity, now, "since", source.version)
+            source = _revalidated(fd, registered, now)
+        return fd, source
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _regular(weights: Path, st: os.stat_result, version: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise AdapterChangedError(f"{weights} is now a {file_kind(st.st_mode)}, not the regular file registered as "
+                                  f"version {version}: refused without reading it; put the adapter file back and "
+                                  "register it again")
+
+
+def _revalidated(fd: int, registered: WeightsSource, now: FileIdentity) -> WeightsSource:
+    """``registered`` under the file's new identity ``now``, if every block still has its registered CRC."""
+    checked_at = time.time_ns()
+    change = registered.identity.changes(now)
+    with _mapped(fd) as mapped:
+        bad = _bad_block(mapped, registered, range(len(registered.block_crcs)))
+    if bad is not None or zlib.crc32(os.pread(fd, registered.header_bytes, 0)) != registered.header_crc:
+        raise AdapterChangedError(f"{registered.path} changed since it was registered as version "
+                                  f"{registered.version}: {change}, and its bytes are not the ones registered "
+                                  f"(block {bad} of {BLOCK_BYTES} bytes differs); a read under that version would "
+                                  "return other bytes, so it is refused: register it again for a new version "
+                                  "(lora-cache register NAME PATH)")
+    source = registered._replace(identity=now, registered_ns=checked_at)  # racy again if ``now`` is recent
+    with _ACCEPTED_LOCK:
+        _ACCEPTED[(registered.path, registered.version)] = source
+        while len(_ACCEPTED) > _ACCEPTED_VERSIONS:
+            _ACCEPTED.popitem(last=False)
+    return source
+
+
+def _checked_index(fd: int, source: WeightsSource) -> dict[str, FileTensor]:
+    """Where every tensor is, from the header this fd holds now, if it is the one registered."""
+    head = os.pread(fd, source.header_bytes, 0)
+    if zlib.crc32(head) != source.header_crc:
+        raise AdapterChangedError(f"{source.path} changed since it was registered as version {source.version}: its "
+                                  "header is not the one registered (rewritten in place, same size and stat "
+                                  "times); the read is refused: register it again for a new version")
+    return _parse_index(head, source.identity.size)
+
+
+@contextlib.contextmanager
+def _mapped(fd: int):  # type: ignore[no-untyped-def]
+    mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)  # private: nothing is written back
+    try:
+        yield mapped
+    finally:
+        with contextlib.suppress(BufferError):  # a view still alive in a traceback: unmapped when it dies
+            mapped.close()
 
 
 def _copy_slices(mapped: mmap.mmap, index: dict[str, FileTensor], entries: tuple[ShardEntry, ...],
@@ -82,15 +197,80 @@ def _copy_slices(mapped: mmap.mmap, index: dict[str, FileTensor], entries: tuple
     return read
 
 
-@functools.lru_cache(maxsize=4096)
+# -- the content check ------------------------------------------------------------------------------------
+
+_SETTLED_LOCK = threading.Lock()  # protects _SETTLED
+_SETTLED: collections.OrderedDict[tuple[str, str, FileIdentity], set[int]] = collections.OrderedDict()  # racy blocks
+_SETTLED_VERSIONS = 1024  # proven after their racy window: LRU-bounded
+
+
+def _span(t: FileTensor, e: ShardEntry) -> range:
+    """The blocks holding the bytes ``e`` reads of ``t`` (from its first byte read to its last)."""
+    row = t.shape[-1] * t.dtype.itemsize
+    first = t.start + e.rows.start * row + e.cols.start * t.dtype.itemsize
+    end = t.start + (e.rows.stop - 1) * row + e.cols.stop * t.dtype.itemsize
+    return range(first // BLOCK_BYTES, (end - 1) // BLOCK_BYTES + 1)
+
+
+def _blocks_to_check(source: WeightsSource, index: dict[str, FileTensor], entries: tuple[ShardEntry, ...],
+                     verify: str) -> list[int]:
+    if verify not in VERIFY:
+        raise AdapterFormatError(f"verify {verify!r} is not one of {', '.join(VERIFY)}")
+    if source.racy and verify != "content":
+        with _SETTLED_LOCK:
+            done = _SETTLED.get((source.path, source.version, source.identity), set())
+        return sorted({b for e in entries for b in _span(index[e.key], e)} - done)
+    if verify == "identity" or not entries:
+        return []
+    if verify == "sample":
+        e = random.choice(entries)
+        return [random.choice(_span(index[e.key], e))]
+    return sorted({b for e in entries for b in _span(index[e.key], e)})
+
+
+def _bad_block(mapped: mmap.mmap, source: WeightsSource, blocks: Iterable[int]) -> int | None:
+    """The first of ``blocks`` whose CRC is not the registered one, or None."""
+    with memoryview(mapped) as view:
+        return next((b for b in blocks
+                     if zlib.crc32(view[b * BLOCK_BYTES : (b + 1) * BLOCK_BYTES]) != source.block_crcs[b]), None)
+
+
+def _check_blocks(mapped: mmap.mmap, source: WeightsSource, blocks: list[int]) -> None:
+    checked_at = time.time_ns()  # before the check: the bytes seen are at least this recent
+    bad = _bad_block(mapped, source, blocks)
+    if bad is not None:
+        raise AdapterChangedError(
+            f"{source.path} changed since it was registered as version {source.version}: bytes "
+            f"{bad * BLOCK_BYTES}-{(bad + 1) * BLOCK_BYTES} are not the ones registered (rewritten in place with "
+            "the same size and stat times); the read is refused: register it again for a new version")
+    if source.racy and blocks and source.settled(checked_at):  # later writes must show in stat: remember them
+        with _SETTLED_LOCK:
+            key = (source.path, source.version, source.identity)  # proofs hold for this identity only
+            _SETTLED.setdefault(key, set()).update(blocks)
+            _SETTLED.move_to_end(key)
+            while len(_SETTLED) > _SETTLED_VERSIONS:
+                _SETTLED.popitem(last=False)
+
+
+# -- the header ------------------------------------------------------------------------------------------
+
+
 def tensor_index(path: str, version: str, size: int) -> dict[str, FileTensor]:
-    """key -> where its bytes are, from the safetensors header of ``path`` (``version`` and ``size`` key the
-    cache: a new version of the file is parsed again). Every tensor must lie inside the file."""
+    """key -> where its bytes are, from the safetensors header of ``path`` (of ``version``, ``size`` bytes)."""
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         if not 0 < n <= size - 8:
             raise AdapterFormatError(f"its safetensors header length {n} does not fit the {size}-byte file")
-        header = json.loads(f.read(n))
+        f.seek(0)
+        return _parse_index(f.read(8 + n), size)
+
+
+@functools.lru_cache(maxsize=512)  # ~50 KiB of header and its index per 8B adapter
+def _parse_index(head: bytes, size: int) -> dict[str, FileTensor]:
+    """key -> where its bytes are, from a safetensors header (its 8-byte length and its JSON), parsed once per
+    header. Every tensor must lie inside the ``size``-byte file."""
+    n = len(head) - 8
+    header = json.loads(head[8:])
     index = {}
     for key, info in header.items():
         if key == "__metadata__":
@@ -105,13 +285,3 @@ def tensor_index(path: str, version: str, size: int) -> dict[str, FileTensor]:
                                      "that does not match its shape or the file")
         index[key] = FileTensor(dtype, shape, 8 + n + begin)
     return index
-
-
-def _check_unchanged(weights: Path, version: str, file_bytes: int) -> None:
-    try:
-        size = weights.stat().st_size
-    except OSError as e:
-        raise AdapterFormatError(f"{weights} is gone ({e}); register the adapter again") from e
-    if size != file_bytes:
-        raise AdapterFormatError(f"{weights} changed size since it was registered as version {version} "
-                                 f"({file_bytes} -> {size} bytes); register it again for a new version")

@@ -8,11 +8,13 @@ bench.reader_probe``, bench/RESULTS.md). A reader process shares no GIL with the
 one ``memfd`` mapped by the worker and by every reader process (pinned in the worker with
 ``cudaHostRegister``), so a read lands where the host-to-GPU copy reads it: no second copy.
 
-Protocol, one job at a time per process over a socket: the worker sends the file, its registered version
-and size, the layout's entries (once per process for each rank pattern, then by id: adapters of one
-pattern share them), a name for the shard and where in the arena it goes; it gets back ``("ok",
-bytes)`` or ``("error", message)``. A process that dies mid-read (a file cut short under its mapping raises SIGBUS
-there) fails only that read, with an error naming the file; the next read starts a new process.
+Protocol, one job at a time per process over a socket: the worker sends the registered weights file
+(``WeightsSource``: path, version, identity, CRCs), how much to verify, the layout's entries (once per
+process for each rank pattern, then by id: adapters of one pattern share them), a name for the shard and
+where in the arena it goes; it gets back ``("ok", bytes)`` or ``("error", kind, message)``, ``kind`` one
+of ``ERRORS`` (a changed file stays an ``AdapterChangedError`` across the process boundary). A process
+that dies mid-read (a file cut short under its mapping raises SIGBUS there) fails only that read, with
+an error naming the file; the next read starts a new process.
 
     python -m workers.reader_proc CONN_FD ARENA_FD ARENA_BYTES     (started by ReaderProcess only)
 """
@@ -30,13 +32,14 @@ from pathlib import Path
 
 import torch
 
-from lora_cache.errors import AdapterFormatError
+from lora_cache.errors import AdapterChangedError, AdapterFormatError
 from lora_cache.peft import AdapterSpec
 from lora_cache.shards import ShardEntry, ShardLayout
 from workers.reader import read_slices
 
 STARTUP_TIMEOUT_S = 120.0  # importing torch on a loaded machine
 ROOT = Path(__file__).resolve().parent.parent  # the directory that holds the workers package
+ERRORS: dict[str, type[AdapterFormatError]] = {e.__name__: e for e in (AdapterFormatError, AdapterChangedError)}
 
 
 class ReaderProcess:
@@ -67,8 +70,11 @@ class ReaderProcess:
         self._conn = Connection(ours.detach())
         self._ready, self._sent = False, {}
 
-    def read(self, spec: AdapterSpec, layout: ShardLayout, offset: int) -> int:
+    def read(self, spec: AdapterSpec, layout: ShardLayout, offset: int, verify: str = "sample") -> int:
         """Read ``spec``'s shard of ``layout`` into the arena at byte ``offset``; returns bytes read."""
+        if spec.source is None:
+            raise AdapterFormatError(f"adapter {spec.name}@{spec.version} was not registered from a file; "
+                                   "register it from its directory to read it")
         if self._proc is None or self._proc.poll() is not None:
             self.restarts += 1
             self._start()
@@ -80,11 +86,11 @@ class ReaderProcess:
                 self._conn.recv()
                 self._ready = True
             key = id(layout.entries)
-            self._conn.send((str(spec.weights), spec.version, spec.file_bytes, key,
-                             None if key in self._sent else layout.entries, f"TP {layout.rank}/{layout.tp}",
-                             str(layout.dtype).removeprefix("torch."), layout.numel, offset))
+            self._conn.send((spec.source, verify, key, None if key in self._sent else layout.entries,
+                             f"TP {layout.rank}/{layout.tp}", str(layout.dtype).removeprefix("torch."), layout.numel,
+                             offset))
             self._sent[key] = layout.entries
-            status, value = self._conn.recv()
+            status, *value = self._conn.recv()
         except (EOFError, OSError, TimeoutError) as e:
             code = self._stop()
             how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
@@ -93,8 +99,9 @@ class ReaderProcess:
                 f"{type(e).__name__}); a file cut short while it is read does this: re-copy it and register again"
             ) from e
         if status != "ok":
-            raise AdapterFormatError(value)
-        return int(value)
+            kind, message = value
+            raise ERRORS[kind](message)
+        return int(value[0])
 
     def _stop(self) -> int | None:
         """End the process (it exits when its socket closes); its exit code, None if it had to be killed."""
@@ -121,7 +128,7 @@ def _serve(conn: Connection, arena: torch.Tensor) -> None:
     conn.send(("ready", os.getpid()))
     while True:
         try:
-            weights, version, size, key, entries, shard, dtype, numel, offset = conn.recv()
+            source, verify, key, entries, shard, dtype, numel, offset = conn.recv()
         except (EOFError, ConnectionResetError):
             return
         if entries is not None:
@@ -129,11 +136,12 @@ def _serve(conn: Connection, arena: torch.Tensor) -> None:
         try:
             width = getattr(torch, dtype).itemsize
             dest = arena[offset : offset + numel * width].view(getattr(torch, dtype))
-            conn.send(("ok", read_slices(Path(weights), version, size, held[key], dest, shard)))
+            conn.send(("ok", read_slices(source, held[key], dest, shard, verify)))
         except AdapterFormatError as e:
-            conn.send(("error", str(e)))
+            conn.send(("error", type(e).__name__ if type(e).__name__ in ERRORS else "AdapterFormatError", str(e)))
         except Exception as e:
-            conn.send(("error", f"{weights}: reading the {shard} shard failed ({type(e).__name__}: {e})"))
+            conn.send(("error", "AdapterFormatError",
+                       f"{source.path}: reading the {shard} shard failed ({type(e).__name__}: {e})"))
 
 
 def main(argv: list[str]) -> None:

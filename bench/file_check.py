@@ -1,0 +1,77 @@
+"""What a read's proof of its version costs: one rank's shard of a rank-16 Llama-3.1-8B adapter, read warm
+from the page cache, with each ``verify`` mode against the copy alone (no check at all), and what
+registration pays to take the CRCs (docs/architecture.md, "A version is the bytes it hashed").
+
+    python -m bench.file_check --dir /tmp/filecheck --trials 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from lora_cache.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.peft import AdapterSpec
+from lora_cache.shards import ShardLayout, shard_layout
+from lora_cache.synth import SynthConfig, make_adapters
+from workers.reader import _copy_slices, _mapped, read_shard, tensor_index
+
+
+def unchecked(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor) -> int:
+    """The copy alone: the mapped file's slices into ``dest``, no stat, no header or block check."""
+    assert spec.source is not None
+    index = tensor_index(spec.source.path, spec.version, spec.file_bytes)
+    with open(spec.source.path, "rb") as f, _mapped(f.fileno()) as mapped:
+        return _copy_slices(mapped, index, layout.entries, dest)
+
+
+def _reader(kind: str, spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor) -> object:
+    if kind == "unchecked":
+        return lambda: unchecked(spec, layout, dest)
+    return lambda: read_shard(spec, layout, dest, kind)
+
+
+def timed_ms(fn: object) -> float:
+    t0 = time.perf_counter()
+    fn()  # type: ignore[operator]
+    return (time.perf_counter() - t0) * 1e3
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default="/tmp/lora-cache-filecheck", help="where the adapter is written")
+    ap.add_argument("--trials", type=int, default=15)
+    ap.add_argument("--rank", type=int, default=16)
+    args = ap.parse_args(argv)
+    root = Path(args.dir)
+    if not (root / "adapter-000").is_dir():
+        make_adapters(root, SynthConfig(model="llama-3.1-8b", count=1, rank=str(args.rank)))
+    catalog = AdapterCatalog(CatalogConfig(adapter_roots=(str(root),), model="llama-3.1-8b", max_rank=64))
+    register_ms = statistics.median(timed_ms(lambda: catalog.register("a", "adapter-000")) for _ in range(3))
+    spec = catalog.get("a")
+    assert spec.source is not None
+    rows: list[dict[str, float]] = []
+    out: dict[str, object] = {"file_mb": spec.file_bytes / 1e6, "register_ms": register_ms,
+                              "racy": spec.source.racy, "rows": rows}
+    for tp in (1, 2):
+        layout = shard_layout(spec, catalog.shape, tp, 0, torch.bfloat16)
+        dest = torch.empty(layout.numel, dtype=torch.bfloat16)
+        unchecked(spec, layout, dest)  # warm: page cache, the header parsed
+        row: dict[str, float] = {"tp": tp, "shard_mb": layout.nbytes / 1e6}
+        times: dict[str, list[float]] = {k: [] for k in ("unchecked", "identity", "sample", "content")}
+        for _ in range(args.trials):  # interleaved: drift on a shared machine hits every kind alike
+            for kind, ms in times.items():
+                ms.append(timed_ms(_reader(kind, spec, layout, dest)))
+        row.update({k: statistics.median(ms) for k, ms in times.items()})
+        rows.append(row)
+    print(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()

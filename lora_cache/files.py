@@ -1,0 +1,198 @@
+"""Adapter files on disk: opened confined and regular, read whole once, and pinned to what was read (step 5).
+
+Registration opens each file of an adapter through :meth:`AdapterRoots.open_file` (every symlink resolved
+and confined to the roots, the open walking from the root with no link followed, non-blocking so that a
+FIFO cannot hang it, refused unless a regular file), reads it exactly once, and records what it read:
+
+- the file's identity ``(st_dev, st_ino, size, mtime_ns, ctime_ns)`` before and after the read, which must
+  agree (a file changed while registered is refused);
+- the content version (a hash of the config's and the weights' bytes, ``peft.content_version``);
+- a CRC-32 of the safetensors header and of every ``BLOCK_BYTES`` block of the weights.
+
+A read under that version (``workers.reader``) then proves it reads those bytes: the identity must still
+match (a rename-over, an in-place write, a truncation all change it), the header's CRC must match, and the
+blocks it reads are checked as the ``verify`` mode says. A file whose last change was less than
+``RACY_NS`` before its registration is *racy* (like git's racily clean index entries): a later write in
+the same timestamp tick would leave its identity unchanged, so its blocks are checked in full until a
+check made after the racy window has passed (docs/architecture.md, "A version is the bytes it hashed").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import stat
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+from lora_cache.errors import AdapterChangedError, AdapterFormatError, AdapterPathError
+from lora_cache.roots import AdapterRoots
+
+BLOCK_BYTES = 1 << 20  # CRC granularity of the weights: a read checks whole blocks
+RACY_NS = 2_000_000_000  # a change this close to registration may share its timestamp tick (FAT: 2 s)
+MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json is a few hundred bytes; refuse to read a huge one
+
+
+class FileIdentity(NamedTuple):
+    """What ``stat`` says about a file; any write, truncation, rename-over or replacement changes it."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileIdentity:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def changes(self, now: FileIdentity) -> str:
+        """How ``now`` differs from this identity, in words ("" if it does not)."""
+        if (self.dev, self.ino) != (now.dev, now.ino):
+            return f"it was replaced by another file (device/inode {self.dev}/{self.ino} -> {now.dev}/{now.ino})"
+        if self.size != now.size:
+            return f"its size changed ({self.size} -> {now.size} bytes)"
+        if (self.mtime_ns, self.ctime_ns) != (now.mtime_ns, now.ctime_ns):
+            return f"it was written in place (mtime {self.mtime_ns} -> {now.mtime_ns} ns, same size)"
+        return ""
+
+
+class WeightsSource(NamedTuple):
+    """The weights file of one registered version, as registration read it: what every read checks."""
+
+    path: str  # the real path (symlinks resolved, under a root)
+    version: str
+    identity: FileIdentity
+    header_bytes: int  # 8 + the safetensors header's length: where the tensor data starts
+    header_crc: int
+    block_crcs: tuple[int, ...]  # CRC-32 of each BLOCK_BYTES block of the file
+    registered_ns: int  # wall clock (time.time_ns) when it was registered
+
+    @property
+    def racy(self) -> bool:
+        """Changed so shortly before registration that a later same-tick write could keep its identity."""
+        return self.registered_ns - self.identity.ctime_ns < RACY_NS
+
+    def settled(self, now_ns: int) -> bool:
+        """Whether a write after ``now_ns`` must show in the identity (the racy window is over)."""
+        return now_ns - self.identity.ctime_ns >= RACY_NS
+
+
+def file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO (named pipe)"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return kind
+    return "special file"
+
+
+def check_regular(path: Path, real: Path, mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        where = f" ({real})" if real != path else ""
+        raise AdapterPathError(f"{path}{where} is a {file_kind(mode)}, not a regular file: adapter files must be "
+                               "regular files under an adapter root; replace it with the file itself")
+
+
+class OpenFile(NamedTuple):
+    fd: int
+    real: Path  # symlinks resolved, under a root
+    identity: FileIdentity  # as opened
+
+
+@contextlib.contextmanager
+def open_adapter_file(roots: AdapterRoots, path: Path, missing: str) -> Iterator[OpenFile]:
+    """``path`` opened for reading: confined to ``roots`` (every symlink followed and checked), a regular file
+    (checked on the path before the open, so a FIFO or a device is never opened, and on the fd after it),
+    and the same file both times. ``missing`` is the error if there is no such file."""
+    real = roots.confine_file(path)
+    try:
+        st = os.stat(real)
+    except FileNotFoundError as e:
+        raise AdapterFormatError(missing) from e
+    check_regular(path, real, st.st_mode)
+    fd = roots.open_file(real)
+    try:
+        opened = FileIdentity.of(fst := os.fstat(fd))
+        check_regular(path, real, fst.st_mode)
+        if (opened.dev, opened.ino) != (st.st_dev, st.st_ino):
+            raise AdapterChangedError(f"{path} was replaced while it was opened; register it again")
+        if opened.size == 0 and os.pread(fd, 1, 0):
+            raise AdapterPathError(f"{path} ({real}) says it is empty but holds bytes: a /proc or /sys file, not "
+                                   "an adapter file; point the adapter at the real file")
+        yield OpenFile(fd, real, opened)
+    finally:
+        os.close(fd)
+
+
+def same_file(what: Path, registered: FileIdentity, now: FileIdentity, when: str, version: str) -> None:
+    """Refuse if ``now`` is not the identity registered for ``version``; ``when`` says when it was seen."""
+    change = registered.changes(now)
+    if change:
+        size = "changed size" if registered.size != now.size else "changed"
+        raise AdapterChangedError(f"{what} {size} {when} it was registered as version {version}: {change}; a read "
+                                  "under that version would return other bytes, so it is refused: register it "
+                                  "again for a new version (lora-cache register NAME PATH)")
+
+
+def read_exact(fd: int, identity: FileIdentity, what: Path, limit: int) -> bytes:
+    """All ``identity.size`` bytes of an open regular file; refused if larger than ``limit``, or if it grows
+    or shrinks while read (a /proc or /sys file claims 0 or 4096 bytes and holds something else)."""
+    if identity.size > limit:
+        raise AdapterFormatError(f"{what} is {identity.size} bytes, more than the {limit} such a file can be: "
+                                 "is it the right file?")
+    data = b"".join(_chunks(fd, identity.size, what))
+    _check_ends(fd, identity.size, what)
+    return data
+
+
+def _chunks(fd: int, size: int, what: Path, chunk: int = BLOCK_BYTES) -> Iterator[bytes]:
+    """``size`` bytes of ``fd`` in ``chunk``-byte pieces (positioned reads: the fd's offset is not used)."""
+    for offset in range(0, size, chunk):
+        want = min(chunk, size - offset)
+        got = os.pread(fd, want, offset)
+        if len(got) != want:
+            raise AdapterChangedError(f"{what} shrank while it was read (stat gave {size} bytes, it ended at "
+                                      f"{offset + len(got)}: a file being written, or a /proc or /sys file); wait "
+                                      "until it is written completely and register again")
+        yield got
+
+
+def _check_ends(fd: int, size: int, what: Path) -> None:
+    if not os.pread(fd, 1, size):
+        return
+    if size == 0:
+        raise AdapterPathError(f"{what} says it is empty but holds bytes: a /proc or /sys file, not an adapter "
+                               "file; point the adapter at the real file")
+    raise AdapterChangedError(f"{what} grew while it was read (it held more than the {size} bytes stat gave); "
+                              "wait until it is written completely and register again")
+
+
+def digest_weights(fd: int, identity: FileIdentity, what: Path, version_digest: hashlib.blake2b,
+                   header_bytes: int) -> tuple[int, tuple[int, ...]]:
+    """One pass over the weights: feeds ``version_digest``; returns the header's CRC and every block's."""
+    crcs, header_crc, head = [], 0, b""
+    for block in _chunks(fd, identity.size, what):
+        version_digest.update(block)
+        crcs.append(zlib.crc32(block))
+        if len(head) < header_bytes:
+            head += block[: header_bytes - len(head)]
+    _check_ends(fd, identity.size, what)
+    header_crc = zlib.crc32(head)
+    return header_crc, tuple(crcs)
+
+
+def header_matches(fd: int, header_bytes: int, header_crc: int) -> bool:
+    """Whether the file's safetensors header is still the one registered (a few KiB: cheap on every read)."""
+    return zlib.crc32(os.pread(fd, header_bytes, 0)) == header_crc
+
+
+def unchanged_since_open(fd: int, what: Path, before: FileIdentity) -> None:
+    """Refuse a file that changed while it was registered (its bytes were read at different moments)."""
+    change = before.changes(FileIdentity.of(os.fstat(fd)))
+    if change:
+        raise AdapterChangedError(f"{what} changed while it was being registered ({change}); wait until it is "
+                                  "written completely and register it again")
