@@ -28,6 +28,7 @@ from lora_cache.peft import AdapterSpec
 from lora_cache.planner.records import AdapterKey
 from lora_cache.shapes import MODULE_ORDER
 from lora_cache.shards import ShardLayout, max_shard_numel, shard_layout
+from workers import faults
 from workers.host_tier import HostEntry, HostTier, HostTierConfig
 from workers.index import IndexUploader
 from workers.kernels.meta import SlotMeta, shard_dims
@@ -344,6 +345,7 @@ class WorkerCache:
             self._fail(load, e)
             return
         load.disk_ms = 0.0 if load.host_hit else entry.read_ms
+        faults.hit("before_copy", load.key)  # a test may stop (or kill) the worker here
         self._place(load, entry)
 
     def _place(self, load: SlotLoad, entry: HostEntry) -> None:
