@@ -79,6 +79,7 @@ class VersionsMachine(RuleBasedStateMachine):
     """Rounds of a two-rank replica while adapters are re-registered one rank at a time."""
 
     admission = "ondemand"
+    record = staticmethod(event)  # hypothesis' event counter (a test outside hypothesis sets its own)
 
     def __init__(self) -> None:
         super().__init__()
@@ -152,9 +153,9 @@ class VersionsMachine(RuleBasedStateMachine):
         view = ReplicaView(reduce_min(reports), NAMES, self.reports[0].codes)
         if failed := view.step_failures():
             self.scheduler.fail_step(failed)
-            event("a rank could not hold a version: its requests failed")
+            self.record("a rank could not hold a version: its requests failed")
         self.plan = plan = self.scheduler.plan(self.now, view.readiness(), view.versions())
-        event(f"plan {plan.kind}")
+        self.record(f"plan {plan.kind}")
         if plan.kind in (WAIT, STOP):
             for cache in self.caches:
                 for ref in plan.prefetch:
@@ -176,7 +177,7 @@ class VersionsMachine(RuleBasedStateMachine):
                 v = view.versions()[it.adapter]
                 if view.readiness().get(it.adapter) is Readiness.READY:  # served: READY on every rank
                     assert v.serve == it.version
-                event("admitted at the current version" if v.current == it.version else
+                self.record("admitted at the current version" if v.current == it.version else
                       "admitted at an older version (the current one not READY everywhere)"
                       if v.current is not None else "admitted while the ranks' catalogs disagree")
             assert self.admitted[it.rid] == it.version, "a request changed version mid-flight"
@@ -193,13 +194,13 @@ class VersionsMachine(RuleBasedStateMachine):
                 assert got == self._expected(key, k), f"rank {k} slot {slot} does not hold {key}'s bytes"
                 held.append(k)
                 self.checked += 1
-            event(f"item held on {len(held)} of {TP} ranks")
+            self.record(f"item held on {len(held)} of {TP} ranks")
         for cache, batch in zip(self.caches, batches):
             for ref in plan.prefetch:
                 try:
                     cache.prefetch(ref.name, ref.version) if isinstance(ref, AdapterKey) else cache.prefetch(ref)
                 except NotFoundError:
-                    event("prefetch of a version this rank does not know")
+                    self.record("prefetch of a version this rank does not know")
             cache.release(batch)
             cache.settle()
         self.scheduler.finish_step(plan, self.now, 0.0)
@@ -237,3 +238,32 @@ TestVersionsOnDemand = VersionsMachine.TestCase
 TestVersionsOnDemand.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
 TestVersionsOverlap = OverlapVersionsMachine.TestCase
 TestVersionsOverlap.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+
+
+def test_a_rank_that_cannot_hold_the_admitted_version_fails_the_request_never_uses_another() -> None:
+    """Rank 1 learns of two re-registrations (keep_versions=1: the admitted version is no longer loadable
+    there) and loses the admitted version's slot between two steps: its next step holds nothing for the
+    request (slot -1, never the current version), and the request fails at the next round."""
+    m = VersionsMachine()
+    m.record = lambda _: None  # type: ignore[method-assign,assignment]
+    try:
+        m.arrive("a", 2, 3)
+        m.round()
+        assert m.plan.kind == PREFILL
+        (admitted,) = [it.ref for it in m.plan.items]
+        m.reregister("a", 1, rank=1)
+        m.reregister("a", 2, rank=1)
+        with pytest.raises(NotFoundError):
+            m.catalogs[1].get("a", admitted.version)
+        m.evict("a", rank=1)
+        assert all(r["adapter"] != "a" for r in m.caches[1].residency())
+        m.round()  # a decode step: rank 1 holds nothing for the request
+        assert m.plan.kind != PREFILL and m.step_failed[1] == {"a"} and not m.step_failed[0]
+        assert all(r["version"] != m.catalogs[1].get("a").version for r in m.caches[1].residency()
+                   if r["adapter"] == "a"), "rank 1 loaded its current version instead"
+        m.round()
+        (record,) = m.scheduler.records()
+        assert record.error is not None and "could not be held on every TP rank" in record.error and not record.ok
+        assert record.version == admitted.version and not m.scheduler.running
+    finally:
+        m.teardown()
