@@ -71,14 +71,15 @@ def expected_digest(directory: Path, name: str, rank: int) -> str:
     return slot_digest(staged)
 
 
-def test_reregistration_under_traffic_keeps_one_version_per_step_on_every_rank(service) -> None:
+@pytest.mark.parametrize("admission", ["ondemand", "overlap"])
+def test_reregistration_under_traffic_keeps_one_version_per_step_on_every_rank(service, admission: str) -> None:
     ctl, replica = service.controller, "replica-0"
     ranks = [service.workers[WorkerId(replica, k)] for k in (0, 1)]
     dirs = {content_version(service.root / HOT): service.root / HOT}
     dirs |= {content_version(service.versions_dir / f"{HOT}-v{v}"): service.versions_dir / f"{HOT}-v{v}"
              for v in range(VERSIONS)}
     engine = EngineConfig(adapters=str(service.root), model="tiny", device="cpu", tp=2, num_slots=3, max_adapters=2,
-                          max_running=4, max_prefill_tokens=24, max_seq_len=32, max_rank=16, admission="ondemand",
+                          max_running=4, max_prefill_tokens=24, max_seq_len=32, max_rank=16, admission=admission,
                           audit_steps=True, host=HostTierConfig(host_bytes=1 << 22, pin=False))
     meet = ray.get(ranks[0].engine_rendezvous.remote(2), timeout=60)
     ray.get([h.engine_build.remote(engine, meet) for h in ranks], timeout=300)

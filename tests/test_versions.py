@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import event, settings
@@ -32,7 +33,20 @@ from workers.engine.admission import ADMISSION, Readiness
 from workers.engine.batching import PREFILL, STOP, WAIT, Scheduler, _Live
 from workers.engine.config import EngineConfig
 from workers.engine.rank import slot_digest
-from workers.engine.versions import RankVersions, ReplicaView, reduce_min, version_code
+from workers.engine.versions import (
+    COLUMNS,
+    CUR,
+    CUR_NEG,
+    FAILED,
+    RDY,
+    RDY_NEG,
+    STEP,
+    AdapterVersions,
+    RankVersions,
+    ReplicaView,
+    reduce_min,
+    version_code,
+)
 from workers.engine.workload import Request
 from workers.host_tier import HostTierConfig
 from workers.reader import read_shard
@@ -73,6 +87,42 @@ def test_the_catalog_keeps_older_versions_only_from_their_own_files(tmp_path: Pa
     assert catalog.generation == generation + 1
     with pytest.raises(NotFoundError):
         catalog.get("a", v1)
+
+
+def view_of(*ranks: dict[str, tuple[str | None, str | None]], failed: str = "", step: str = "") -> ReplicaView:
+    """The replica view of ranks that each name, per adapter, (current version, READY version); an adapter a
+    rank does not name is not registered there."""
+    names = ("a", "b")
+    reports = []
+    for k, rank in enumerate(ranks):
+        codes = np.zeros((len(names), COLUMNS), dtype=np.int64)
+        for i, name in enumerate(names):
+            cur, rdy = (version_code(v) if v else 0 for v in rank.get(name, (None, None)))
+            codes[i, [CUR, CUR_NEG, RDY, RDY_NEG]] = cur, -cur, rdy, -rdy
+            codes[i, FAILED] = -(k == 0 and name == failed)
+            codes[i, STEP] = -(k == 1 and name == step)
+        reports.append(torch.from_numpy(codes))
+    known = {version_code(v): v for v in ("v0", "v1", "v2")}
+    return ReplicaView(reduce_min(reports), names, known)
+
+
+def test_the_replica_serves_a_version_only_when_every_rank_agrees() -> None:
+    both = view_of({"a": ("v1", "v1"), "b": ("v0", None)}, {"a": ("v1", "v1"), "b": ("v0", None)})
+    assert both.readiness() == {"a": Readiness.READY}
+    assert both.versions()["a"] == AdapterVersions("v1", "v1")
+    assert both.versions()["b"] == AdapterVersions("v0", "v0"), "cold: served at the agreed current version"
+    # rank 1 has the new version current and READY, rank 0 not yet: the old one, READY on both, is served
+    moving = view_of({"a": ("v0", "v0")}, {"a": ("v1", "v1")})
+    assert "a" not in moving.readiness() and moving.versions()["a"] == AdapterVersions(None, None)
+    upgrading = view_of({"a": ("v1", "v0")}, {"a": ("v1", "v0")})
+    assert upgrading.readiness()["a"] is Readiness.READY
+    assert upgrading.versions()["a"] == AdapterVersions("v0", "v1")
+    failed = view_of({"a": ("v1", None)}, {"a": ("v1", "v1")}, failed="a", step="b")
+    assert failed.readiness()["a"] is Readiness.FAILED and failed.step_failures() == {"b"}
+    upgrade_failed = view_of({"a": ("v1", "v0")}, {"a": ("v1", "v0")}, failed="a")
+    assert upgrade_failed.readiness()["a"] is Readiness.READY, "a version READY everywhere is still served"
+    gone = view_of({"a": ("v1", "v1")}, {})  # unregistered on rank 1 (b: on both)
+    assert gone.readiness() == {"a": Readiness.FAILED, "b": Readiness.FAILED}
 
 
 class VersionsMachine(RuleBasedStateMachine):
