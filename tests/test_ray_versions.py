@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from lora_cache.catalog import CatalogConfig  # noqa: E402
 from lora_cache.control import WorkerId  # noqa: E402
 from lora_cache.peft import content_version, read_adapter  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
-from lora_cache.serve import ServeConfig, start, wait_ready  # noqa: E402
+from lora_cache.serve import ServeConfig, Service, start, wait_ready  # noqa: E402
 from lora_cache.shapes import MODULE_ORDER, SHAPES  # noqa: E402
 from lora_cache.shards import shard_layout  # noqa: E402
 from lora_cache.synth import SynthConfig, make_adapters, write_adapter  # noqa: E402
@@ -42,8 +43,14 @@ HOT = "adapter-000"  # re-registered under traffic
 VERSIONS = 4
 
 
+class Fleet(NamedTuple):
+    svc: Service
+    root: Path  # the adapters registered at start (by directory name)
+    versions: Path  # HOT's other versions, each in its own directory
+
+
 @pytest.fixture(scope="module")
-def service(tmp_path_factory):
+def fleet(tmp_path_factory):
     root: Path = tmp_path_factory.mktemp("adapters")
     versions: Path = tmp_path_factory.mktemp("versions")  # not under root: not registered at start
     make_adapters(root, SynthConfig(model="tiny", count=6, rank="8,16"))
@@ -56,8 +63,7 @@ def service(tmp_path_factory):
                     CatalogConfig(adapter_roots=(str(root), str(versions)), model="tiny", max_rank=16),
                     PlannerConfig(policy="global"),
                     WorkerConfig(num_slots=3, host=HostTierConfig(host_bytes=1 << 22, pin=False)))
-        svc.versions_dir, svc.root = versions, root
-        yield svc
+        yield Fleet(svc, root, versions)
         svc.stop()
     finally:
         ray.shutdown()
@@ -72,13 +78,13 @@ def expected_digest(directory: Path, name: str, rank: int) -> str:
 
 
 @pytest.mark.parametrize("admission", ["ondemand", "overlap"])
-def test_reregistration_under_traffic_keeps_one_version_per_step_on_every_rank(service, admission: str) -> None:
-    ctl, replica = service.controller, "replica-0"
+def test_reregistration_under_traffic_keeps_one_version_per_step_on_every_rank(fleet: Fleet, admission: str) -> None:
+    service, ctl, replica = fleet.svc, fleet.svc.controller, "replica-0"
     ranks = [service.workers[WorkerId(replica, k)] for k in (0, 1)]
-    dirs = {content_version(service.root / HOT): service.root / HOT}
-    dirs |= {content_version(service.versions_dir / f"{HOT}-v{v}"): service.versions_dir / f"{HOT}-v{v}"
+    dirs = {content_version(fleet.root / HOT): fleet.root / HOT}
+    dirs |= {content_version(fleet.versions / f"{HOT}-v{v}"): fleet.versions / f"{HOT}-v{v}"
              for v in range(VERSIONS)}
-    engine = EngineConfig(adapters=str(service.root), model="tiny", device="cpu", tp=2, num_slots=3, max_adapters=2,
+    engine = EngineConfig(adapters=str(fleet.root), model="tiny", device="cpu", tp=2, num_slots=3, max_adapters=2,
                           max_running=4, max_prefill_tokens=24, max_seq_len=32, max_rank=16, admission=admission,
                           audit_steps=True, host=HostTierConfig(host_bytes=1 << 22, pin=False))
     meet = ray.get(ranks[0].engine_rendezvous.remote(2), timeout=60)
@@ -88,7 +94,7 @@ def test_reregistration_under_traffic_keeps_one_version_per_step_on_every_rank(s
     runs = [ranks[0].engine_run.remote(requests, start_wall, 0, True), ranks[1].engine_run.remote(requests, start_wall)]
     registered = 0
     while ray.wait(runs, num_returns=2, timeout=0.0)[1]:  # re-register while the engine serves
-        path = service.versions_dir / f"{HOT}-v{registered % VERSIONS}"
+        path = fleet.versions / f"{HOT}-v{registered % VERSIONS}"
         version, previous = ray.get(ctl.register_adapter_info.remote(HOT, str(path)))
         assert version != previous
         registered += 1
@@ -112,15 +118,15 @@ def test_reregistration_under_traffic_keeps_one_version_per_step_on_every_rank(s
         for rank, step in enumerate((step0, step1)):
             for key, digest in step.digests.items():
                 name, version = key.split("@")
-                directory = dirs[version] if name == HOT else service.root / name
+                directory = dirs[version] if name == HOT else fleet.root / name
                 assert digest == expected_digest(directory, name, rank), f"rank {rank} computed {key} with other bytes"
                 checked += 1
     assert checked > 0
     assert ray.get(ctl.check_integrity.remote())
 
 
-def test_a_rank_killed_mid_load_keeps_its_replica_unready_for_that_adapter_only(service) -> None:
-    ctl, replica = service.controller, "replica-1"
+def test_a_rank_killed_mid_load_keeps_its_replica_unready_for_that_adapter_only(fleet: Fleet) -> None:
+    service, ctl, replica = fleet.svc, fleet.svc.controller, "replica-1"
     target, others = "adapter-004", ["adapter-002", "adapter-003"]
     ray.get(ctl.report_queue.remote(replica, [(a, time.time()) for a in others]))
     for a in others:
