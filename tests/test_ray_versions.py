@@ -122,6 +122,8 @@ def test_reregistration_under_traffic_keeps_one_version_per_step_on_every_rank(f
                 assert digest == expected_digest(directory, name, rank), f"rank {rank} computed {key} with other bytes"
                 checked += 1
     assert checked > 0
+    print(f"{admission}: {registered} re-registrations under traffic, {len(audits[0])} steps on 2 ranks, "
+          f"{checked} slot digests checked, versions served {len(served)}")
     assert ray.get(ctl.check_integrity.remote())
 
 
