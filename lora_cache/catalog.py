@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,10 +25,16 @@ class CatalogConfig:
     model: str = field(default="", metadata={"path": "name_or_file", "help": (
         "named model shape or path to its config.json (empty: the adapters' base_model_name_or_path)")})
     max_rank: int = field(default=64, metadata={"help": "largest LoRA rank served (sizes the GPU slots)"})
+    keep_versions: int = field(default=4, metadata={
+        "help": "older versions of a re-registered adapter kept loadable (from their own files) for the "
+                "requests admitted on them"})
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_rank <= 1024:
             raise ConfigError(f"max_rank must be in 1..1024, got {self.max_rank}; typical LoRA ranks are 8-128")
+        if not 0 <= self.keep_versions <= 64:
+            raise ConfigError(f"keep_versions must be in 0..64, got {self.keep_versions}; 0 keeps only the "
+                              "current version of each adapter")
 
     def shape(self) -> ModelShape:
         return resolve_model(self.model)
@@ -41,38 +48,71 @@ def check_name(name: str) -> str:
 
 
 class AdapterCatalog:
-    """Registered adapters by name. Thread-safe; re-registering new content yields a new version."""
+    """Registered adapters by name. Thread-safe; re-registering new content yields a new version.
+
+    Each name has one current version (what new work gets) and up to ``keep_versions`` older ones that
+    stay loadable by exact version, for requests admitted on them before a re-registration (invariant
+    1: a request keeps its version to the end). An older version is kept only if it lives in other
+    files than the new one: a re-registration from the same directory means its files were rewritten,
+    and their old bytes are gone. ``generation`` grows with every change, so callers can cache what
+    they derive from the current versions."""
 
     def __init__(self, config: CatalogConfig, shape: ModelShape | None = None) -> None:
         self.config = config
         self.shape = shape or config.shape()
         self.roots = AdapterRoots(tuple(Path(r) for r in config.adapter_roots))
-        self._lock = threading.Lock()  # protects _specs
-        self._specs: dict[str, AdapterSpec] = {}
+        self._lock = threading.Lock()  # protects _specs, _older and generation
+        self._specs: dict[str, AdapterSpec] = {}  # name -> current version
+        self._older: dict[str, OrderedDict[str, AdapterSpec]] = {}  # name -> version -> spec, oldest first
+        self.generation = 0
 
     def register(self, name: str, path: str | Path) -> AdapterSpec:
         """Validate the adapter at ``path`` (under a root) and make it the current version of ``name``."""
         directory = self.roots.resolve(path)
         spec = read_adapter(check_name(name), directory, self.shape, self.config.max_rank, self.roots)
         with self._lock:
+            previous = self._specs.get(name)
             self._specs[name] = spec
+            older = self._older.setdefault(name, OrderedDict())
+            older.pop(spec.version, None)
+            if previous is not None and previous.version != spec.version:
+                older[previous.version] = previous
+            for version in [v for v, s in older.items() if s.weights == spec.weights]:
+                del older[version]  # rewritten in place: that version's bytes are gone
+            while len(older) > self.config.keep_versions:
+                older.popitem(last=False)
+            self.generation += 1
         return spec
 
     def unregister(self, name: str) -> AdapterSpec:
         with self._lock:
             if name not in self._specs:
                 raise NotFoundError(self._unknown(name))
+            self._older.pop(name, None)
+            self.generation += 1
             return self._specs.pop(name)
 
     def get(self, name: str, version: str | None = None) -> AdapterSpec:
+        """The current version of ``name``, or exactly ``version`` (current or kept)."""
         with self._lock:
             spec = self._specs.get(name)
+            kept = self._older[name].get(version) if version is not None and name in self._older else None
         if spec is None:
             raise NotFoundError(self._unknown(name))
-        if version is not None and version != spec.version:
-            raise NotFoundError(f"adapter {name!r} is at version {spec.version}, not {version}; "
-                                "it was re-registered with new content: plan with the current version")
-        return spec
+        if version is None or version == spec.version:
+            return spec
+        if kept is None:
+            raise NotFoundError(f"adapter {name!r} is at version {spec.version}, not {version}; it was "
+                                "re-registered with new content and that version's files are gone or no longer "
+                                "kept (keep_versions): plan with the current version")
+        return kept
+
+    def versions(self, name: str) -> list[str]:
+        """Loadable versions of ``name``, oldest first; the last is the current one."""
+        with self._lock:
+            if name not in self._specs:
+                raise NotFoundError(self._unknown(name))
+            return [*self._older.get(name, {}), self._specs[name].version]
 
     def names(self) -> list[str]:
         with self._lock:

@@ -219,9 +219,10 @@ def test_overlap_never_runs_a_request_before_its_adapter_is_ready(tp2_overlap: E
 
 def test_step_logs_time_the_host_work_between_steps(tp1_ondemand: EngineResult, tp2_overlap: EngineResult) -> None:
     """Each step logs the loop's host time since the previous step (``gap_ms``, what the simulator charges
-    as ``round_ms``), for rules that prefetch the readiness exchange's share of it, and its wall-clock
-    start (to line steps up with the loads beside them), and how long the garbage collector stopped it."""
-    for result, exchanges in ((tp1_ondemand, False), (tp2_overlap, True)):
+    as ``round_ms``), the readiness exchange's share of it (every rule exchanges: the ranks agree on each
+    adapter's version, workers/engine/versions.py), and its wall-clock start (to line steps up with the
+    loads beside them), and how long the garbage collector stopped it."""
+    for result, exchanges in ((tp1_ondemand, True), (tp2_overlap, True)):
         for stats in result.ranks:
             log = stats.step_log
             assert log[0].gap_ms is None, "no step before the first"

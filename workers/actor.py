@@ -25,6 +25,7 @@ from lora_cache.controller import CONTROLLER_NAME, NAMESPACE
 from lora_cache.errors import NotFoundError
 from lora_cache.metrics import WorkerMetrics
 from lora_cache.planner import Command
+from workers import faults
 from workers.cache import WorkerCache, WorkerConfig
 from workers.commands import ApplyResult, CommandGate, Delta
 from workers.engine.config import EngineConfig
@@ -159,20 +160,32 @@ class WorkerActor:
                 times.append((time.perf_counter() - t0) * 1e3)
         return sorted(times)[len(times) // 2]
 
-    def verify(self, name: str) -> dict[str, object]:
-        """Compare the resident shard of ``name`` with this rank's slices of its file: bytes and max |diff|."""
-        layout = self.cache.layout_of(name)
+    def verify(self, name: str, version: str | None = None) -> dict[str, object]:
+        """Compare the resident shard of ``name`` (its current version, or ``version``) with this rank's slices
+        of that version's file: bytes and max |diff|."""
+        layout = self.cache.layout_of(name, version)
         slot = next((r["slot"] for r in self.cache.residency()
                      if (r["adapter"], r["version"]) == (name, layout.version) and r["state"] == "ready"), None)
         if slot is None:
             raise NotFoundError(f"adapter {name}@{layout.version} is not READY on {self.name}; prefetch it first")
         staged = torch.empty(layout.numel, dtype=layout.dtype)
-        read_shard(self.catalog.get(name), layout, staged)
+        read_shard(self.catalog.get(name, layout.version), layout, staged)
         resident = self.cache.pool[int(slot), : layout.numel].cpu()  # type: ignore[call-overload]
         worst = max(float((resident[e.offset:e.offset + e.numel].float()
                            - staged[e.offset:e.offset + e.numel].float()).abs().max()) for e in layout.entries)
         return {"adapter": name, "rank": self.config.tp_rank, "slot": slot, "nbytes": layout.nbytes,
                 "entries": len(layout.entries), "max_abs_diff": worst}
+
+    def arm_fault(self, point: str, adapter: str, gate: Any) -> None:
+        """Stop the next load of ``adapter`` at fault ``point`` (``workers.faults``): it tells ``gate`` (a
+        ``Gate`` actor) it arrived, then waits for the gate's release. For tests that kill a worker at an
+        exact moment of a load."""
+
+        def hook(key: Any) -> None:
+            ray.get(gate.arrive.remote(str(key)))
+            ray.get(gate.wait_released.remote())
+
+        faults.arm(point, adapter, hook)
 
     def register_adapter(self, name: str, path: str) -> str:
         version = self.catalog.register(name, path).version

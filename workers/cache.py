@@ -23,11 +23,12 @@ from typing import Any, NamedTuple
 import torch
 
 from lora_cache.catalog import AdapterCatalog
-from lora_cache.errors import CapacityError, ConfigError, NotFoundError
+from lora_cache.errors import CapacityError, ConfigError, LoraCacheError, NotFoundError
 from lora_cache.peft import AdapterSpec
 from lora_cache.planner.records import AdapterKey
 from lora_cache.shapes import MODULE_ORDER
 from lora_cache.shards import ShardLayout, max_shard_numel, shard_layout
+from workers import faults
 from workers.host_tier import HostEntry, HostTier, HostTierConfig
 from workers.index import IndexUploader
 from workers.kernels.meta import SlotMeta, shard_dims
@@ -68,15 +69,30 @@ class WorkerConfig:
             raise ConfigError(f"max_batch must be >= 1, got {self.max_batch}")
 
 
+AdapterRef = str | AdapterKey  # a name (its current version, looked up when acquired) or one exact version
+
+
+def resolve(catalog: AdapterCatalog, ref: AdapterRef) -> AdapterKey:
+    """The exact version ``ref`` stands for: itself, or the current version of a name."""
+    return ref if isinstance(ref, AdapterKey) else AdapterKey(ref, catalog.get(ref).version)
+
+
 class Batch(NamedTuple):
     """What ``acquire`` hands the engine: per-request slot indices, on the host and on the device."""
 
-    adapters: tuple[str, ...]
-    slots: tuple[int, ...]  # slot of each request, in batch order
+    adapters: tuple[AdapterRef, ...]  # as the caller named them, in batch order
+    slots: tuple[int, ...]  # slot of each request, in batch order (-1: not held, see ``failed``)
     slot_index: torch.Tensor | None  # the same, int32 on the device (valid until the ring wraps); None for
     # a pin (``acquire_ready``): nothing is computed with it
     held: tuple[int, ...]  # distinct slots referenced by this batch
     token: list[bool]  # [released?], guards double release
+    keys: tuple[AdapterKey, ...] = ()  # the exact version each request computes with, in batch order
+    failed: tuple[tuple[AdapterRef, str], ...] = ()  # ``partial`` acquire: (ref, why) of each not held
+
+
+def _unresolved(ref: AdapterRef) -> AdapterKey:
+    """The key of a ref that could not be resolved (a name no longer registered): no version."""
+    return ref if isinstance(ref, AdapterKey) else AdapterKey(ref, "")
 
 
 class Delta(NamedTuple):
@@ -218,45 +234,63 @@ class WorkerCache:
         self._report()
 
     # -- engine: acquire / release (lifecycle step 9) ---------------------------------------------
-    def acquire(self, adapters: Sequence[str]) -> Batch:
-        """Slots for a batch's adapters; the compute stream waits (on the GPU) for loads in flight."""
+    def acquire(self, adapters: Sequence[AdapterRef], *, partial: bool = False) -> Batch:
+        """Slots for a batch's adapters; the compute stream waits (on the GPU) for loads in flight.
+
+        Each adapter is a name (its current version) or an ``AdapterKey``: exactly that version, loaded if
+        it is not resident (invariant 1: a TP rank never computes a request with another version than
+        the one it was admitted with). ``partial``: an adapter that cannot be held (unknown version, a
+        failed load, no slot) gets slot -1 and is listed in ``failed`` instead of failing the batch."""
         if not 0 < len(adapters) <= self.config.max_batch:
             raise ValueError(f"acquire takes 1..{self.config.max_batch} adapters (max_batch), got {len(adapters)}")
-        held: list[int] = []
+        held: dict[AdapterRef, int] = {}
+        keys: dict[AdapterRef, AdapterKey] = {}
+        failed: dict[AdapterRef, str] = {}
         try:
-            for name in dict.fromkeys(adapters):
-                held.append(self._hold(name))
+            for ref in dict.fromkeys(adapters):
+                try:
+                    keys[ref] = resolve(self.catalog, ref)
+                    held[ref] = self._hold(keys[ref])
+                except LoraCacheError as e:
+                    if not partial:
+                        raise
+                    failed[ref] = str(e)
         except BaseException:
-            self._drop_refs(held, None)
+            self._drop_refs(list(held.values()), None)
             raise
-        slot_of = dict(zip(dict.fromkeys(adapters), held))
         with self._lock:
-            waits = [self._loads[i].ready_event for i in held if self.table.slots[i].state is SlotState.LOADING]
+            waits = [self._loads[i].ready_event for i in held.values()
+                     if self.table.slots[i].state is SlotState.LOADING]
         for event in waits:
             self.streams.compute_wait(event)
-        slots = tuple(slot_of[a] for a in adapters)
-        return Batch(tuple(adapters), slots, self._index.upload(slots), tuple(held), [False])
+        slots = tuple(held.get(a, -1) for a in adapters)
+        return Batch(tuple(adapters), slots, self._index.upload(slots), tuple(held.values()), [False],
+                     tuple(keys.get(a, _unresolved(a)) for a in adapters), tuple(failed.items()))
 
-    def acquire_ready(self, adapters: Sequence[str]) -> Batch | None:
-        """References on those of ``adapters`` whose current version is READY here, taken atomically
-        under the cache lock (no load started, no hit counted): what an engine pins before it schedules.
-        None if none is ready. Release it like any batch. A pin runs no kernel: it has no device index,
-        and its release leaves the slots' last use (the step that last read them) as it was."""
-        names: list[str] = []
+    def acquire_ready(self, adapters: Sequence[AdapterRef]) -> Batch | None:
+        """References on those of ``adapters`` READY here (a name: its current version; a key: exactly that
+        version), taken atomically under the cache lock (no load started, no hit counted): what an engine
+        pins before it schedules. None if none is ready. Release it like any batch. A pin runs no kernel:
+        it has no device index, and its release leaves the slots' last use (the step that last read them)
+        as it was."""
+        refs: list[AdapterRef] = []
+        keys: list[AdapterKey] = []
         slots: list[int] = []
         with self._lock:
-            for name in dict.fromkeys(adapters):
-                if len(names) == self.config.max_batch or name not in self.catalog:
+            for ref in dict.fromkeys(adapters):
+                if len(refs) == self.config.max_batch or (isinstance(ref, str) and ref not in self.catalog):
                     continue
-                slot = self.table.lookup(AdapterKey(name, self.catalog.get(name).version))
+                key = resolve(self.catalog, ref)
+                slot = self.table.lookup(key)
                 if slot is not None and slot.state is SlotState.READY:
                     self.table.incref(slot.index)
                     self._loads[slot.index].used = True
-                    names.append(name)
+                    refs.append(ref)
+                    keys.append(key)
                     slots.append(slot.index)
-        if not names:
+        if not refs:
             return None
-        return Batch(tuple(names), tuple(slots), None, tuple(slots), [False])
+        return Batch(tuple(refs), tuple(slots), None, tuple(slots), [False], tuple(keys))
 
     def release(self, batch: Batch) -> None:
         """The batch's kernels are enqueued: record their completion as the slots' last use."""
@@ -272,9 +306,10 @@ class WorkerCache:
                     self._last_use[index] = last_use
                 self.table.decref(index)
 
-    def _hold(self, name: str) -> int:
-        spec = self.catalog.get(name)
-        key, first = AdapterKey(name, spec.version), True
+    def _hold(self, key: AdapterKey) -> int:
+        """A reference on ``key``'s slot, loading it first if it is not resident (its spec is needed only then:
+        a resident version is held even if the catalog no longer keeps it)."""
+        first = True
         started: Future[ReadinessRecord] | None = None  # the load this call started, if any
         while True:
             with self._lock:
@@ -295,7 +330,7 @@ class WorkerCache:
                 if self.config.on_miss == "error":
                     raise NotFoundError(f"adapter {key} is not resident on TP rank {self.config.tp_rank} and "
                                         "on_miss is 'error'; prefetch it first or set on_miss='load'")
-                started = self.prefetch(name, spec.version, on_demand=True)
+                started = self.prefetch(key.name, key.version, on_demand=True)
                 continue
             load.issued.wait()  # on-demand: the host waits for the disk read, the GPU for the copy
             if load.future.done() and load.future.exception() is not None:
@@ -310,6 +345,7 @@ class WorkerCache:
             self._fail(load, e)
             return
         load.disk_ms = 0.0 if load.host_hit else entry.read_ms
+        faults.hit("before_copy", load.key)  # a test may stop (or kill) the worker here
         self._place(load, entry)
 
     def _place(self, load: SlotLoad, entry: HostEntry) -> None:
@@ -417,6 +453,11 @@ class WorkerCache:
         return shard_layout(spec, self.catalog.shape, self.config.tp, self.config.tp_rank, self.dtype)
 
     # -- introspection ------------------------------------------------------------------------------
+    def ready_keys(self) -> set[AdapterKey]:
+        """Adapter versions READY here."""
+        with self._lock:
+            return {s.key for s in self.table.slots if s.key is not None and s.state is SlotState.READY}
+
     def ready_names(self) -> set[str]:
         """Adapters READY here (any version): the engine's readiness report, without ``residency``'s rows."""
         with self._lock:
@@ -439,6 +480,11 @@ class WorkerCache:
         """One matrix of a resident shard, as a view of the pool (for engines and tests)."""
         e = layout.entry(layer, module, ab)
         return self.pool[slot, e.offset : e.offset + e.numel].view(e.shape)
+
+    def layout_in(self, slot: int) -> ShardLayout:
+        """The layout of the shard loaded (or loading) in ``slot``."""
+        with self._lock:
+            return self._loads[slot].layout
 
     def layout_of(self, name: str, version: str | None = None) -> ShardLayout:
         return self._layout(self.catalog.get(name, version))

@@ -10,16 +10,19 @@ are checked here. Time is passed in, never read, so the scheduler is testable wi
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from lora_cache.errors import ConfigError
+from lora_cache.planner.records import AdapterKey
+from workers.cache import AdapterRef
 from workers.engine.admission import AdmissionRule, Readiness
 from workers.engine.config import EngineConfig
 from workers.engine.timings import RequestRecord
+from workers.engine.versions import AdapterVersions
 from workers.engine.workload import Request
 
 PREFILL, DECODE, WAIT, STOP = "prefill", "decode", "wait", "stop"
@@ -33,6 +36,18 @@ class Item(NamedTuple):
     row: int
     start: int
     length: int
+    version: str | None = None  # the adapter version the request was admitted with (None: unversioned)
+
+    @property
+    def ref(self) -> AdapterRef | None:
+        """What every rank acquires for it: exactly its version (or, unversioned, the adapter's current one)."""
+        return _ref(self.adapter, self.version)
+
+
+def _ref(adapter: str | None, version: str | None) -> AdapterRef | None:
+    if adapter is None or version is None:
+        return adapter
+    return AdapterKey(adapter, version)
 
 
 class StepPlan(NamedTuple):
@@ -40,10 +55,10 @@ class StepPlan(NamedTuple):
 
     kind: str  # PREFILL, DECODE, WAIT or STOP
     items: tuple[Item, ...] = ()
-    hold: tuple[str, ...] = ()  # adapters held for the step: the batch's and the running requests'
-    prefetch: tuple[str, ...] = ()  # loads to start (after the step's acquire, so they evict none of it)
-    wanted: tuple[str, ...] = ()  # adapters the ranks keep resident (pinned) from the next round on
-    wait_for: tuple[str, ...] = ()  # WAIT: the held-back requests' adapters; the first load done ends it
+    hold: tuple[AdapterRef, ...] = ()  # adapters held for the step: the batch's and the running requests'
+    prefetch: tuple[AdapterRef, ...] = ()  # loads to start (after the step's acquire, so they evict none of it)
+    wanted: tuple[AdapterRef, ...] = ()  # adapters the ranks keep resident (pinned) from the next round on
+    wait_for: tuple[AdapterRef, ...] = ()  # WAIT: the held-back requests' adapters; the first load done ends it
     timeout_s: float | None = None  # WAIT: at most this long (the next arrival); None: until a load is done
 
 
@@ -53,6 +68,7 @@ class _Live:
 
     request: Request
     row: int = -1
+    version: str | None = None  # its adapter's version, fixed at admission
     prefill_s: float | None = None
     token_s: list[float] = field(default_factory=list)
     load_wait_s: float = 0.0
@@ -69,7 +85,11 @@ class _Live:
         r = self.request
         return RequestRecord(r.rid, r.adapter, r.input_len, r.output_len, r.arrival_s, self.prefill_s,
                              tuple(self.token_s), self.load_wait_s, self.error,
-                             torch.stack(self.outputs) if self.outputs else None)
+                             torch.stack(self.outputs) if self.outputs else None, self.version)
+
+    @property
+    def ref(self) -> AdapterRef | None:
+        return _ref(self.request.adapter, self.version)
 
 
 def check_requests(requests: Sequence[Request], config: EngineConfig, adapters: Sequence[str]) -> None:
@@ -110,31 +130,38 @@ class Scheduler:
         self.waiting: list[_Live] = []  # arrived, not admitted, in arrival order
         self.running: dict[int, _Live] = {}  # admitted, in admission order
         self.free_rows = deque(range(config.max_running))  # KV rows
-        self._blocked: dict[str, None] = {}  # adapters of requests that fit now but wait for their load
+        self._blocked: dict[AdapterRef, None] = {}  # adapters of requests that fit now but wait for their load
+        self._last_items: tuple[Item, ...] = ()  # the last step's items (a rank's failure there fails them)
+        self._upgraded: set[AdapterKey] = set()  # re-registered versions prefetched once already
 
     # -- one round -----------------------------------------------------------------------------------
-    def plan(self, now: float, ready: Mapping[str, Readiness]) -> StepPlan:
+    def plan(self, now: float, ready: Mapping[str, Readiness],
+             versions: Mapping[str, AdapterVersions] | None = None) -> StepPlan:
+        """``ready``: each adapter's state on the replica (of the version it serves); ``versions``: which
+        version it serves (``workers.engine.versions``), or None to run unversioned (names only: the
+        simulator, a single catalog)."""
         self._arrive(now)
-        if self.rule.prefetch:
+        if self.rule.prefetch or versions is not None:
             self._fail_broken(ready)
-        new = tuple(self._start(live, now) for live in self._admit(now, ready))
-        wanted = self._wanted() if self.rule.prefetch else ()  # after admission: the batch's adapters first
-        prefetch = tuple(a for a in wanted if ready.get(a, Readiness.NOT_READY) is not Readiness.READY)
+        new = tuple(self._start(live, now) for live in self._admit(now, ready, versions))
+        wanted = self._wanted(versions)  # after admission: the batch's adapters first
+        prefetch = tuple(a for a in wanted if not _is_ready(a, ready, versions)) if self.rule.prefetch else ()
+        prefetch += self._upgrades(versions, prefetch)
         if new:
             return StepPlan(PREFILL, new, self._hold(), prefetch, wanted)
         if self.running:
-            items = tuple(Item(rid, lv.request.adapter, lv.row, lv.request.input_len + len(lv.token_s) - 1, 1)
-                          for rid, lv in self.running.items())
+            items = tuple(Item(rid, lv.request.adapter, lv.row, lv.request.input_len + len(lv.token_s) - 1, 1,
+                               lv.version) for rid, lv in self.running.items())
             return StepPlan(DECODE, items, self._hold(), prefetch, wanted)
         if self.waiting or self.pending:
             timeout = self.pending[0].arrival_s - now if self.pending and not self.inflight else None
-            blocked = {lv.request.adapter: None for lv in self.waiting if lv.blocked_since is not None}
-            return StepPlan(WAIT, (), (), prefetch, wanted, tuple(a for a in blocked if a in wanted), timeout)
+            return StepPlan(WAIT, (), (), prefetch, wanted, tuple(a for a in self._blocked if a in wanted), timeout)
         return StepPlan(STOP)
 
     def finish_step(self, plan: StepPlan, end_s: float, load_wait_s: float,
                     outputs: Mapping[int, torch.Tensor] | None = None) -> None:
         """The step's tokens were ready at ``end_s``; ``load_wait_s`` of it was spent blocked on loads."""
+        self._last_items = plan.items
         for item in plan.items:
             live = self.live[item.rid]
             live.token_s.append(end_s)
@@ -144,6 +171,19 @@ class Scheduler:
             if len(live.token_s) == live.request.output_len:
                 del self.running[item.rid]
                 self.free_rows.append(live.row)
+
+    def fail_step(self, adapters: Collection[str]) -> None:
+        """Some rank could not hold these adapters in the last step (their version could not be loaded
+        there): it computed their items without them, so those requests fail, finished or not, rather
+        than return tokens that mixed versions (invariant 1)."""
+        for item in self._last_items:
+            if item.adapter in adapters:
+                live = self.live[item.rid]
+                live.error = (f"adapter {item.adapter}@{item.version} could not be held on every TP rank "
+                              "(its version is no longer loadable there); the request was stopped")
+                if self.running.pop(item.rid, None) is not None:
+                    self.free_rows.append(live.row)
+        self._last_items = ()
 
     def records(self) -> list[RequestRecord]:
         return [self.live[rid].record() for rid in sorted(self.live)]
@@ -176,15 +216,22 @@ class Scheduler:
             live.error = f"adapter {live.request.adapter!r} failed to load on at least one TP rank"
             self.waiting.remove(live)
 
-    def _running_adapters(self) -> dict[str, None]:
-        return {lv.request.adapter: None for lv in self.running.values() if lv.request.adapter is not None}
+    def _running_adapters(self) -> dict[AdapterRef, None]:
+        return {lv.ref: None for lv in self.running.values() if lv.ref is not None}
 
-    def _wanted(self) -> tuple[str, ...]:
+    def _wanted(self, versions: Mapping[str, AdapterVersions] | None) -> tuple[AdapterRef, ...]:
         """Adapters to keep resident: the running requests', then those of waiting requests that the
         admission pass would have taken but for their load ("load on first use"), in queue order.
+        Rules that do not prefetch keep only running requests' versions that are no longer current (an
+        old version may not be loadable again: its requests keep its slot until they end).
 
         The rest of the waiting queue is not loaded here: prefetching a replica's whole queue is the
         controller's ``queue`` policy, so the two stay separate baselines."""
+        if not self.rule.prefetch:
+            if versions is None:
+                return ()
+            return tuple(ref for ref in self._running_adapters() if isinstance(ref, AdapterKey)
+                         and ref.version != versions[ref.name].current)
         wanted = self._running_adapters()
         for adapter in self._blocked:
             if len(wanted) >= self.config.num_slots:
@@ -192,30 +239,36 @@ class Scheduler:
             wanted[adapter] = None
         return tuple(wanted)
 
-    def _admit(self, now: float, ready: Mapping[str, Readiness]) -> list[_Live]:
-        """Waiting requests for the next prefill batch, in queue order, skipping those that do not fit."""
+    def _admit(self, now: float, ready: Mapping[str, Readiness],
+               versions: Mapping[str, AdapterVersions] | None) -> list[_Live]:
+        """Waiting requests for the next prefill batch, in queue order, skipping those that do not fit.
+        Each is admitted with the version its adapter is served at (``versions``); one whose ranks do not
+        agree on any version yet waits."""
         adapters, tokens = self._running_adapters(), 0
         new: list[_Live] = []
         self._blocked = {}
         for live in self.waiting:
             r = live.request
+            version = versions[r.adapter].serve if versions is not None and r.adapter is not None else None
+            ref = _ref(r.adapter, version)
             room = len(self.running) + len(new) < self.config.max_running
             fits = (room and tokens + r.input_len <= self.config.max_prefill_tokens
-                    and (r.adapter is None or r.adapter in adapters or len(adapters) < self.config.max_adapters))
+                    and (ref is None or ref in adapters or len(adapters) < self.config.max_adapters))
             if not fits:
                 live.unblock(now)  # held back by bounds now, not by its adapter
                 continue
             state = Readiness.READY if r.adapter is None else ready.get(r.adapter, Readiness.NOT_READY)
-            if not self.rule.admits(r, state):
+            if (versions is not None and r.adapter is not None and version is None) or not self.rule.admits(r, state):
                 live.blocked_since = now if live.blocked_since is None else live.blocked_since
-                if r.adapter is not None:
-                    self._blocked[r.adapter] = None
+                if ref is not None and (versions is None or version is not None):
+                    self._blocked[ref] = None
                 continue
             live.unblock(now)
+            live.version = version
             new.append(live)
             tokens += r.input_len
-            if r.adapter is not None:
-                adapters[r.adapter] = None
+            if ref is not None:
+                adapters[ref] = None
         for live in new:
             self.waiting.remove(live)
         group: dict[str | None, int] = {}  # one adapter's prompts side by side: one SGMV segment
@@ -226,7 +279,32 @@ class Scheduler:
     def _start(self, live: _Live, now: float) -> Item:
         live.row, live.prefill_s = self.free_rows.popleft(), now
         self.running[live.request.rid] = live
-        return Item(live.request.rid, live.request.adapter, live.row, 0, live.request.input_len)
+        return Item(live.request.rid, live.request.adapter, live.row, 0, live.request.input_len, live.version)
 
-    def _hold(self) -> tuple[str, ...]:
+    def _hold(self) -> tuple[AdapterRef, ...]:
         return tuple(self._running_adapters())
+
+    def _upgrades(self, versions: Mapping[str, AdapterVersions] | None,
+                  planned: tuple[AdapterRef, ...]) -> tuple[AdapterRef, ...]:
+        """Re-registered versions to load once (each): for adapters of requests here that are still served
+        at an older version (READY on every rank) while the current one is not yet."""
+        if versions is None:
+            return ()
+        out: list[AdapterRef] = []
+        names = {lv.request.adapter for lv in (*self.running.values(), *self.waiting) if lv.request.adapter}
+        for name in sorted(names):
+            v = versions[name]
+            if v.current is not None and v.serve is not None and v.serve != v.current:
+                key = AdapterKey(name, v.current)
+                if key not in self._upgraded and key not in planned:
+                    self._upgraded.add(key)
+                    out.append(key)
+        return tuple(out)
+
+
+def _is_ready(ref: AdapterRef, ready: Mapping[str, Readiness], versions: Mapping[str, AdapterVersions] | None) -> bool:
+    """Whether ``ref`` is READY on every rank: its adapter is, at that very version."""
+    name = ref.name if isinstance(ref, AdapterKey) else ref
+    if ready.get(name, Readiness.NOT_READY) is not Readiness.READY:
+        return False
+    return versions is None or not isinstance(ref, AdapterKey) or versions[name].serve == ref.version

@@ -42,6 +42,9 @@ class EngineConfig:
                                                                   "(a device-to-host copy per step)"})
     cuda_graphs: bool = field(default=True, metadata={"help": "replay decode steps as CUDA graphs (GPU only; "
                                                               "captured at warm-up, one per batch and KV bucket)"})
+    audit_steps: bool = field(default=False, metadata={"help": "log, per step and rank, the adapter version of "
+                                                               "every item and a digest of its slot's bytes "
+                                                               "(tests; a device-to-host copy per adapter)"})
     graph_kv_block: int = field(default=512, metadata={"help": "KV-length bucket of the decode graphs (keys)"})
     host: HostTierConfig = field(default_factory=HostTierConfig)
 

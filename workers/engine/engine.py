@@ -15,16 +15,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from lora_cache import heap
-from workers.engine.admission import ADMISSION, AdmissionRule, Readiness
+from workers.engine.admission import ADMISSION, AdmissionRule
 from workers.engine.batching import STOP, Scheduler, StepPlan, check_requests
 from workers.engine.config import EngineConfig
 from workers.engine.rank import RankEngine, RankStats, load_catalog
 from workers.engine.timings import RequestRecord, summarize
 from workers.engine.tp import Comm, spawn
+from workers.engine.versions import ReplicaView
 from workers.engine.workload import Request
 
 
@@ -74,8 +74,8 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
         wall0 = time.time() - (time.perf_counter() - t0)
         plan, queue = StepPlan(STOP), None
         while True:
-            vec = comm.min_control(engine.readiness(plan.wanted)) if rule.prefetch else None
-            plan = comm.broadcast(_plan(scheduler, time.perf_counter() - t0, engine.names, vec))
+            vec = comm.min_control(engine.readiness(plan.wanted))  # every rule: the versions (invariant 1)
+            plan = comm.broadcast(_plan(scheduler, time.perf_counter() - t0, engine, vec))
             if scheduler is not None and hooks.on_queue is not None and (now := scheduler.queue(plan)) != queue:
                 queue = now
                 hooks.on_queue([(a, wall0 + t) for a, t in now])
@@ -91,12 +91,11 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
     return EngineResult(scheduler.records() if scheduler is not None else [], ranks)
 
 
-def _plan(scheduler: Scheduler | None, now: float, names: list[str], vec: torch.Tensor | None) -> StepPlan | None:
+def _plan(scheduler: Scheduler | None, now: float, engine: RankEngine, reduced: torch.Tensor) -> StepPlan | None:
+    """Rank 0: the ranks' reduced reports -> failures of the last step, then the next plan."""
     if scheduler is None:
         return None
-    if vec is None:
-        ready = {}
-    else:  # only the adapters some state was reported for (the vector has one entry per catalog adapter)
-        flags = vec.numpy()
-        ready = {names[i]: Readiness(int(flags[i])) for i in np.flatnonzero(flags)}
-    return scheduler.plan(now, ready)
+    view = ReplicaView(reduced, engine.names, engine.versions.codes)
+    if failed := view.step_failures():
+        scheduler.fail_step(failed)
+    return scheduler.plan(now, view.readiness(), view.versions())

@@ -9,6 +9,7 @@ samples them.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
@@ -19,15 +20,23 @@ import torch
 from lora_cache import heap
 from lora_cache.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.errors import CapacityError, ConfigError, LoraCacheError
-from workers.cache import Batch, WorkerCache, WorkerConfig
-from workers.engine.admission import Readiness
+from lora_cache.planner.records import AdapterKey
+from workers.cache import AdapterRef, Batch, WorkerCache, WorkerConfig, resolve
 from workers.engine.batching import PREFILL, WAIT, Item, StepPlan
 from workers.engine.config import EngineConfig
 from workers.engine.graphs import DecodeGraphs
 from workers.engine.lora import LoraOp
 from workers.engine.model import KVCache, Rope, ShardedModel, StepInputs, build_model, prompt_states
 from workers.engine.tp import Comm
+from workers.engine.versions import RankVersions
 from workers.loader import ReadinessRecord
+
+
+def _key_or_none(catalog: AdapterCatalog, ref: AdapterRef) -> AdapterKey | None:
+    try:
+        return resolve(catalog, ref)
+    except LoraCacheError:
+        return None
 
 
 def load_catalog(config: EngineConfig) -> AdapterCatalog:
@@ -45,6 +54,22 @@ def load_catalog(config: EngineConfig) -> AdapterCatalog:
 
 # one-prompt prefill lengths run at warm-up: 1, odd and multiple-of-16 lengths in every token tile size
 WARM_PROMPTS = (1, 7, 16, 31, 32, 48, 63, 64, 65, 127, 128, 255, 256, 500, 1024)
+
+
+class StepAudit(NamedTuple):
+    """What one step computed with on this rank (``EngineConfig.audit_steps``): per item, in the step's
+    order, the adapter version it acquired, and a digest of each such slot's bytes while the step held it."""
+
+    kind: str
+    rids: tuple[int, ...]
+    keys: tuple[str, ...]  # "name@version" per item ("" for the base model, "!" + ref if not held here)
+    digests: dict[str, str]  # "name@version" -> blake2b of the slot's shard bytes (see ``slot_digest``)
+
+
+def slot_digest(pool_row: torch.Tensor) -> str:
+    """A digest of a shard's bytes (a slot's first ``layout.numel`` elements, or a staged shard)."""
+    return hashlib.blake2b(pool_row.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes(),
+                           digest_size=16).hexdigest()
 
 
 class StepResult(NamedTuple):
@@ -81,6 +106,7 @@ class RankStats:
     cache: dict[str, Any] = field(default_factory=dict)  # WorkerCache.stats() at the end
     gc: dict[str, float] = field(default_factory=dict)  # heap.Pauses.summary() over the engine's life
     step_log: list[StepLog] = field(default_factory=list)
+    audit: list[StepAudit] = field(default_factory=list)  # per step, if the config audits steps
 
 
 class RankEngine:
@@ -124,7 +150,9 @@ class RankEngine:
         self._sync()
         self.stats = RankStats(comm.rank)
         self._pinned: Batch | None = None  # adapters kept resident for admission (overlap): READY, held
-        self._loads: dict[str, Future[ReadinessRecord]] = {}  # last prefetch per adapter (failures reported once)
+        self._loads: dict[AdapterRef, Future[ReadinessRecord]] = {}  # last prefetch per adapter (failures: once)
+        self.versions = RankVersions(self.catalog, self.names)  # this rank's part of the version exchange
+        self._step_failed: set[str] = set()  # adapters the last step could not hold here (reported next round)
         self._last_end: float | None = None  # perf_counter at the last step's end (None: a WAIT round since)
         self._readiness_s = 0.0  # time in readiness() since the last step
         self.pauses = heap.Pauses()  # the collector's stalls, per step in the log (stopped by close)
@@ -146,36 +174,37 @@ class RankEngine:
                            dtype=self.dtype, device=self.device, kv=kv, lora=self.lora,
                            all_reduce=self.comm.all_reduce, rope=rope)
 
-    # -- readiness (rules that prefetch) ---------------------------------------------------------------
-    def readiness(self, wanted: tuple[str, ...]) -> torch.Tensor:
-        """Pin the wanted adapters READY here, report every READY one: int8 per catalog adapter.
+    # -- readiness and versions (every round) -------------------------------------------------------------
+    def readiness(self, wanted: tuple[AdapterRef, ...]) -> torch.Tensor:
+        """Pin the wanted adapters READY here, report every READY version: this rank's rows of the version
+        exchange (``workers.engine.versions``), reduced over the ranks by the caller.
 
         The wanted ones stay READY until the step that uses them (pinned). Others READY now (e.g. a new
         arrival's, prefetched by the controller) are reported too, so a request is not held back a
         round for its adapter not being wanted yet; should one be evicted before the step acquires it,
-        the acquire loads it again and the step counts the wait."""
+        the acquire loads it again (that very version) and the step counts the wait."""
         start = time.perf_counter()
         try:
             return self._readiness(wanted)
         finally:
             self._readiness_s += time.perf_counter() - start
 
-    def _readiness(self, wanted: tuple[str, ...]) -> torch.Tensor:
-        vec = torch.zeros(len(self.names), dtype=torch.int8)
-        flags = vec.numpy()  # shares vec's memory: index assignment without a tensor op per adapter
-        ready = self.cache.ready_names()
-        ready.update(self.pin(wanted))  # pinned: READY until the step (may have turned READY just now)
-        flags[[self.index[n] for n in ready if n in self.index]] = Readiness.READY
-        for name, load in list(self._loads.items()):
+    def _readiness(self, wanted: tuple[AdapterRef, ...]) -> torch.Tensor:
+        if wanted or self._pinned is not None:
+            self.pin(wanted)  # pinned: READY until the step (may have turned READY just now)
+        failed: list[str] = []
+        for ref, load in list(self._loads.items()):
             if load.done() and (error := load.exception()) is not None:
                 # no room right now (every slot held, or the host tier full of loads in flight) is not the
                 # adapter's failure: it stays wanted and is prefetched again next round
                 if not isinstance(error, CapacityError):
-                    flags[self.index[name]] = Readiness.FAILED
-                del self._loads[name]
-        return vec
+                    failed.append(ref.name if isinstance(ref, AdapterKey) else ref)
+                del self._loads[ref]
+        rows = self.versions.rows(self.cache.ready_keys(), failed, self._step_failed)
+        self._step_failed = set()
+        return rows
 
-    def pin(self, wanted: tuple[str, ...]) -> list[str]:
+    def pin(self, wanted: tuple[AdapterRef, ...]) -> list[AdapterRef]:
         """Hold the wanted adapters that are READY here (held, they stay READY); returns them."""
         pinned = self.cache.acquire_ready(wanted)  # atomic: nothing is evicted between check and hold
         if self._pinned is not None:
@@ -199,14 +228,15 @@ class RankEngine:
             return None
         return self._step(plan)
 
-    def _prefetch(self, names: tuple[str, ...]) -> None:
-        for name in names:
+    def _prefetch(self, refs: tuple[AdapterRef, ...]) -> None:
+        for ref in refs:
             try:
-                self._loads[name] = self.cache.prefetch(name)
+                key = resolve(self.catalog, ref)
+                self._loads[ref] = self.cache.prefetch(key.name, key.version)
             except LoraCacheError as e:  # e.g. the host tier is full of staged shards right now
                 failed: Future[ReadinessRecord] = Future()
                 failed.set_exception(e)
-                self._loads[name] = failed
+                self._loads[ref] = failed
 
     def _wait(self, plan: StepPlan) -> None:
         """Until a load of a held-back adapter finishes here, or the next arrival (the plan's timeout).
@@ -223,15 +253,21 @@ class RankEngine:
 
     def _step(self, plan: StepPlan) -> StepResult:
         wall, start, gc_ms = time.time(), time.perf_counter(), self.pauses.total_ms
-        named = [it.adapter for it in plan.items if it.adapter is not None]
-        unready = set(named) - self.cache.ready_names()
-        batch = self.cache.acquire(named + list(plan.hold)) if named or plan.hold else None
+        named = [it.ref for it in plan.items if it.ref is not None]
+        ready = self.cache.ready_keys()
+        unready = {ref for ref in named if _key_or_none(self.catalog, ref) not in ready}
+        # exactly the admitted versions; one this rank cannot hold fails its requests, never another version
+        batch = self.cache.acquire(named + list(plan.hold), partial=True) if named or plan.hold else None
         load_wait = time.perf_counter() - start if unready else 0.0
         self._prefetch(plan.prefetch)  # after acquire: a load cannot evict what this step holds
         slot_of = dict(zip(batch.adapters, batch.slots)) if batch is not None else {}
+        if batch is not None and batch.failed:
+            self._step_failed |= {ref.name if isinstance(ref, AdapterKey) else ref for ref, _ in batch.failed}
         items = list(plan.items)  # rank 0's order on every rank: the all-reduce adds row i to row i
         with self._on_stream():
             out = self._forward(plan.kind == PREFILL, items, slot_of)
+            if self.config.audit_steps:
+                self.stats.audit.append(self._audit(plan.kind, items, batch))
             if batch is not None:
                 self.cache.release(batch)
             outputs = ({it.rid: row for it, row in zip(items, out.float().cpu())}
@@ -240,7 +276,7 @@ class RankEngine:
         end = time.perf_counter()
         self.stats.steps += 1
         self.stats.prefill_steps += plan.kind == PREFILL
-        self.stats.unready_items += sum(it.adapter in unready for it in plan.items)
+        self.stats.unready_items += sum(it.ref in unready for it in plan.items)
         gap = None if self._last_end is None else (start - self._last_end) * 1e3
         self.stats.step_log.append(StepLog(plan.kind, len(items), sum(it.length for it in items), len(set(named)),
                                            (end - start) * 1e3, load_wait * 1e3, gap, self._readiness_s * 1e3,
@@ -248,8 +284,26 @@ class RankEngine:
         self._last_end, self._readiness_s = end, 0.0
         return StepResult(start, end, load_wait, outputs)
 
-    def _forward(self, prefill: bool, items: list[Item], slot_of: dict[str, int]) -> torch.Tensor:
-        slots = [slot_of[it.adapter] if it.adapter is not None else -1 for it in items]
+    def _audit(self, kind: str, items: list[Item], batch: Batch | None) -> StepAudit:
+        """The versions and slot bytes this step computed with (the batch still holds its slots)."""
+        key_of = dict(zip(batch.adapters, zip(batch.keys, batch.slots))) if batch is not None else {}
+        keys: list[str] = []
+        digests: dict[str, str] = {}
+        for it in items:
+            if it.ref is None:
+                keys.append("")
+                continue
+            key, slot = key_of[it.ref]
+            if slot < 0:
+                keys.append(f"!{it.ref}")
+                continue
+            keys.append(str(key))
+            if str(key) not in digests:
+                digests[str(key)] = slot_digest(self.cache.pool[slot, : self.cache.layout_in(slot).numel])
+        return StepAudit(kind, tuple(it.rid for it in items), tuple(keys), digests)
+
+    def _forward(self, prefill: bool, items: list[Item], slot_of: dict[AdapterRef, int]) -> torch.Tensor:
+        slots = [slot_of[it.ref] if it.ref is not None else -1 for it in items]
         if not prefill and self.graphs is not None:
             return self.graphs.run([it.row for it in items], [it.start for it in items], slots)
         hidden = self.model.shape.hidden_size

@@ -23,6 +23,7 @@ class RequestRecord:
     load_wait_s: float  # time it spent waiting on adapter loads (in blocked steps, or held back by admission)
     error: str | None = None
     outputs: torch.Tensor | None = field(default=None, repr=False)  # [tokens, hidden] float32, if recorded
+    version: str | None = None  # the adapter version it was admitted with, on every rank (None: unversioned)
 
     @property
     def ok(self) -> bool:

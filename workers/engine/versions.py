@@ -1,0 +1,161 @@
+"""One version per request on every rank: the replica's view of adapter versions (invariant 1).
+
+Re-registering an adapter reaches a replica's TP ranks one at a time, and each rank's catalog names its
+own current version; so the engine never lets a rank pick a version. Every round each rank reports, per
+adapter of the engine (``names``), one row of int64 codes; the element-wise minimum over the ranks (the
+one all-reduce of the readiness exchange) tells rank 0 whether the ranks agree:
+
+  FAILED        -1 if a load this rank started for the adapter failed (not for lack of room), else 0
+  CUR, -CUR     the code of the version its catalog calls current (0: not registered here)
+  RDY, -RDY     the code of a version READY here: the current one if it is, else the newest other
+  STEP          -1 if this rank could not hold the adapter in the last step, else 0
+
+Rank 0 then admits each request with one ``adapter@version`` (``serve``), which every rank acquires
+exactly. A version is served to new requests only when it is READY on every rank; until the re-registered
+(current) version is, new requests get the old one if that is READY everywhere, and the new one is
+prefetched. A request keeps its version to its end: its rank holds the old slot until it is released.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from lora_cache.catalog import AdapterCatalog
+from lora_cache.errors import NotFoundError
+from lora_cache.planner.records import AdapterKey
+from workers.engine.admission import Readiness
+
+FAILED, CUR, CUR_NEG, RDY, RDY_NEG, STEP = range(6)
+COLUMNS = 6
+
+
+def version_code(version: str) -> int:
+    """A non-zero int64 code of a version string (56 bits of its hash: distinct versions of one adapter
+    collide with odds of about 2**-56)."""
+    return int.from_bytes(hashlib.blake2b(version.encode(), digest_size=7).digest(), "little") + 1
+
+
+class AdapterVersions(NamedTuple):
+    """What the replica does with one adapter now."""
+
+    serve: str | None  # the version new requests get: READY on every rank, else the agreed current one;
+    # None: none (the ranks' catalogs disagree, a registration on its way, and none is READY everywhere)
+    current: str | None  # the version every rank's catalog calls current (None: they disagree)
+
+
+class RankVersions:
+    """One rank's report (``rows``); it also remembers which version each code stands for (``codes``)."""
+
+    def __init__(self, catalog: AdapterCatalog, names: Sequence[str]) -> None:
+        self.catalog, self.names = catalog, list(names)
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self._generation = -1  # the catalog generation ``_cur`` was computed at
+        self._cur = np.zeros(len(self.names), dtype=np.int64)
+        self._code_of: dict[str, int] = {}  # version -> code (cached: hashing per round costs)
+        self.codes: dict[int, str] = {}  # code -> version, of the versions this rank knows
+
+    def rows(self, ready: Iterable[AdapterKey], failed_loads: Iterable[str] = (),
+             failed_steps: Iterable[str] = ()) -> torch.Tensor:
+        """This rank's report: [len(names), COLUMNS] int64 (``ready``: the versions READY here)."""
+        self._refresh()
+        out = np.zeros((len(self.names), COLUMNS), dtype=np.int64)
+        cur = self._cur
+        rdy = np.zeros_like(cur)
+        for key in ready:
+            i = self.index.get(key.name)
+            if i is None:
+                continue
+            code = self._code(key.version)
+            if rdy[i] != cur[i] and (code == cur[i] or code > rdy[i]):  # the current version wins
+                rdy[i] = code
+        out[:, CUR], out[:, CUR_NEG], out[:, RDY], out[:, RDY_NEG] = cur, -cur, rdy, -rdy
+        out[[self.index[n] for n in failed_loads if n in self.index], FAILED] = -1
+        out[[self.index[n] for n in failed_steps if n in self.index], STEP] = -1
+        return torch.from_numpy(out)
+
+    def _code(self, version: str) -> int:
+        code = self._code_of.get(version)
+        if code is None:
+            code = self._code_of[version] = version_code(version)
+            self.codes[code] = version
+        return code
+
+    def _refresh(self) -> None:
+        """Recompute the current versions' codes when the catalog changed (a registration)."""
+        generation = self.catalog.generation
+        if generation == self._generation:
+            return
+        self._code_of, self.codes = {}, {}  # bounded: what the catalog keeps, plus resident versions
+        for i, name in enumerate(self.names):
+            try:
+                versions = self.catalog.versions(name)
+            except NotFoundError:  # unregistered here
+                self._cur[i] = 0
+                continue
+            for version in versions:
+                self._code(version)
+            self._cur[i] = self._code(versions[-1])
+        self._generation = generation
+
+
+class ReplicaView:
+    """Rank 0's reading of the reduced report: readiness, versions and last step's failures per adapter."""
+
+    def __init__(self, reduced: torch.Tensor, names: Sequence[str], codes: Mapping[int, str]) -> None:
+        a = reduced.numpy()
+        self.names, self.codes = names, codes
+        self.cur = a[:, CUR]
+        agreed = (a[:, CUR] == -a[:, CUR_NEG]) & (a[:, CUR] > 0)
+        self.ready = (a[:, RDY] == -a[:, RDY_NEG]) & (a[:, RDY] > 0)
+        self.rdy = a[:, RDY]
+        self.agreed = agreed
+        gone = a[:, CUR] == 0  # unregistered on some rank: no new use
+        failed = (a[:, FAILED] < 0) & ~self.ready  # a version READY everywhere is served despite a failed upgrade
+        self.state = np.where(gone | failed, int(Readiness.FAILED),
+                              np.where(self.ready, int(Readiness.READY), int(Readiness.NOT_READY)))
+        self.step_failed = a[:, STEP] < 0
+
+    def readiness(self) -> dict[str, Readiness]:
+        """The adapters with a state other than NOT_READY (the scheduler's default)."""
+        return {self.names[int(i)]: Readiness(int(self.state[i])) for i in np.flatnonzero(self.state)}
+
+    def versions(self) -> Mapping[str, AdapterVersions]:
+        """name -> ``AdapterVersions``, decoded when asked (the scheduler asks only for its requests')."""
+        return _Versions(self)
+
+    def step_failures(self) -> set[str]:
+        return {self.names[int(i)] for i in np.flatnonzero(self.step_failed)}
+
+    def decode(self, i: int) -> AdapterVersions:
+        current = self.codes.get(int(self.cur[i])) if self.agreed[i] else None
+        serve = self.codes.get(int(self.rdy[i])) if self.ready[i] else current
+        return AdapterVersions(serve, current)
+
+
+class _Versions(Mapping[str, AdapterVersions]):
+    def __init__(self, view: ReplicaView) -> None:
+        self._view = view
+        self._index = {n: i for i, n in enumerate(view.names)}
+
+    def __getitem__(self, name: str) -> AdapterVersions:
+        return self._view.decode(self._index[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._view.names)
+
+    def __len__(self) -> int:
+        return len(self._view.names)
+
+
+def reduce_min(reports: Sequence[torch.Tensor]) -> torch.Tensor:
+    """What the all-reduce (MIN) makes of the ranks' reports: for callers that hold every rank in one
+    process (tests, the simulator)."""
+    out = reports[0].clone()
+    for r in reports[1:]:
+        torch.minimum(out, r, out=out)
+    return out
