@@ -16,6 +16,7 @@ import functools
 import json
 import math
 import mmap
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -34,18 +35,22 @@ class FileTensor(NamedTuple):
     start: int  # byte offset of its first element in the file
 
 
-def read_shard(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor) -> int:
+def read_shard(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor, chunks: Sequence[slice] | None = None,
+               on_chunk: Callable[[int], None] | None = None) -> int:
     """Fill ``dest`` (1-D, ``layout.dtype``, >= ``layout.numel``) with the shard; returns bytes read.
 
     A rank reads only its parts of each matrix (strided views of the mapped file); a file tensor of
-    another dtype is converted as it is copied.
+    another dtype is converted as it is copied. ``chunks``: ranges of the layout's entries read one
+    after another (default: one); ``on_chunk(k)`` runs once the first ``k`` are in ``dest``, so their
+    host-to-GPU copies can start while the rest is read (``lora_cache.chunks``).
     """
     return read_slices(spec.weights, spec.version, spec.file_bytes, layout.entries, dest,
-                       f"TP {layout.rank}/{layout.tp}")
+                       f"TP {layout.rank}/{layout.tp}", chunks, on_chunk)
 
 
 def read_slices(weights: Path, version: str, file_bytes: int, entries: tuple[ShardEntry, ...], dest: torch.Tensor,
-                shard: str) -> int:
+                shard: str, chunks: Sequence[slice] | None = None,
+                on_chunk: Callable[[int], None] | None = None) -> int:
     """``read_shard`` from what a reader process is sent: the file, its registered version and size, the
     layout's entries; ``shard`` names the shard in errors."""
     _check_unchanged(weights, version, file_bytes)
@@ -54,7 +59,12 @@ def read_slices(weights: Path, version: str, file_bytes: int, entries: tuple[Sha
         with open(weights, "rb") as f:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: nothing is written back
         try:
-            return _copy_slices(mapped, index, entries, dest)
+            read = 0
+            for k, span in enumerate(chunks or (slice(0, len(entries)),)):
+                read += _copy_slices(mapped, index, entries[span], dest)
+                if on_chunk is not None:
+                    on_chunk(k + 1)
+            return read
         finally:
             with contextlib.suppress(BufferError):  # a view still alive in a traceback: unmapped when it dies
                 mapped.close()
@@ -66,6 +76,8 @@ def read_slices(weights: Path, version: str, file_bytes: int, entries: tuple[Sha
 
 def _copy_slices(mapped: mmap.mmap, index: dict[str, FileTensor], entries: tuple[ShardEntry, ...],
                  dest: torch.Tensor) -> int:
+    if not entries:
+        return 0
     file = torch.frombuffer(mapped, dtype=torch.uint8)
     sources, targets, read = [], [], 0
     for e in entries:

@@ -10,9 +10,11 @@ one ``memfd`` mapped by the worker and by every reader process (pinned in the wo
 
 Protocol, one job at a time per process over a socket: the worker sends the file, its registered version
 and size, the layout's entries (once per process for each rank pattern, then by id: adapters of one
-pattern share them), a name for the shard and where in the arena it goes; it gets back ``("ok",
-bytes)`` or ``("error", message)``. A process that dies mid-read (a file cut short under its mapping raises SIGBUS
-there) fails only that read, with an error naming the file; the next read starts a new process.
+pattern share them), a name for the shard, where in the arena it goes and the chunks (ranges of the
+entries) to read one after another; it gets back ``("chunk", k)`` each time the first ``k`` chunks are in
+the arena (their copies to the GPU may start), then ``("ok", bytes)`` or ``("error", message)``. A
+process that dies mid-read (a file cut short under its mapping raises SIGBUS there) fails only that
+read, with an error naming the file; the next read starts a new process.
 
     python -m workers.reader_proc CONN_FD ARENA_FD ARENA_BYTES     (started by ReaderProcess only)
 """
@@ -25,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -67,8 +70,10 @@ class ReaderProcess:
         self._conn = Connection(ours.detach())
         self._ready, self._sent = False, {}
 
-    def read(self, spec: AdapterSpec, layout: ShardLayout, offset: int) -> int:
-        """Read ``spec``'s shard of ``layout`` into the arena at byte ``offset``; returns bytes read."""
+    def read(self, spec: AdapterSpec, layout: ShardLayout, offset: int, chunks: Sequence[slice] | None = None,
+             on_chunk: Callable[[int], None] | None = None) -> int:
+        """Read ``spec``'s shard of ``layout`` into the arena at byte ``offset``; returns bytes read.
+        ``chunks`` / ``on_chunk``: as ``reader.read_shard``'s (called here, as the process reports them)."""
         if self._proc is None or self._proc.poll() is not None:
             self.restarts += 1
             self._start()
@@ -82,9 +87,13 @@ class ReaderProcess:
             key = id(layout.entries)
             self._conn.send((str(spec.weights), spec.version, spec.file_bytes, key,
                              None if key in self._sent else layout.entries, f"TP {layout.rank}/{layout.tp}",
-                             str(layout.dtype).removeprefix("torch."), layout.numel, offset))
+                             str(layout.dtype).removeprefix("torch."), layout.numel, offset,
+                             [(c.start, c.stop) for c in chunks or ()]))
             self._sent[key] = layout.entries
-            status, value = self._conn.recv()
+            while (reply := self._conn.recv())[0] == "chunk":
+                if on_chunk is not None:
+                    on_chunk(int(reply[1]))
+            status, value = reply
         except (EOFError, OSError, TimeoutError) as e:
             code = self._stop()
             how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
@@ -121,7 +130,7 @@ def _serve(conn: Connection, arena: torch.Tensor) -> None:
     conn.send(("ready", os.getpid()))
     while True:
         try:
-            weights, version, size, key, entries, shard, dtype, numel, offset = conn.recv()
+            weights, version, size, key, entries, shard, dtype, numel, offset, spans = conn.recv()
         except (EOFError, ConnectionResetError):
             return
         if entries is not None:
@@ -129,7 +138,10 @@ def _serve(conn: Connection, arena: torch.Tensor) -> None:
         try:
             width = getattr(torch, dtype).itemsize
             dest = arena[offset : offset + numel * width].view(getattr(torch, dtype))
-            conn.send(("ok", read_slices(Path(weights), version, size, held[key], dest, shard)))
+            chunks = [slice(a, b) for a, b in spans] or None
+            read = read_slices(Path(weights), version, size, held[key], dest, shard, chunks,
+                               lambda k: conn.send(("chunk", k)))
+            conn.send(("ok", read))
         except AdapterFormatError as e:
             conn.send(("error", str(e)))
         except Exception as e:
