@@ -20,7 +20,7 @@ from lora_cache import heap
 from lora_cache.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.errors import CapacityError, ConfigError, LoraCacheError
 from workers.cache import Batch, WorkerCache, WorkerConfig
-from workers.engine.admission import Readiness
+from workers.engine.admission import ADMISSION, Readiness
 from workers.engine.batching import PREFILL, WAIT, Item, StepPlan
 from workers.engine.config import EngineConfig
 from workers.engine.graphs import DecodeGraphs
@@ -28,6 +28,7 @@ from workers.engine.lora import LoraOp
 from workers.engine.model import KVCache, Rope, ShardedModel, StepInputs, build_model, prompt_states
 from workers.engine.tp import Comm
 from workers.loader import ReadinessRecord
+from workers.pipeline import ChunkWaits
 
 
 def load_catalog(config: EngineConfig) -> AdapterCatalog:
@@ -109,6 +110,7 @@ class RankEngine:
                 raise ConfigError(f"engine TP {config.tp} rank {comm.rank} does not match its worker cache's "
                                   f"TP {cache.config.tp} rank {cache.config.tp_rank}; start the engine on the "
                                   "replica's own workers, rank k on worker k")
+        self.pipelined = ADMISSION[config.admission].pipelined  # steps wait per layer on chunks of loads
         self.names = self.catalog.names()
         self.index = {n: i for i, n in enumerate(self.names)}
         self.lora = LoraOp(self.cache, max(config.max_prefill_tokens, config.max_running), config.max_running)
@@ -134,7 +136,7 @@ class RankEngine:
         c = self.config
         worker = WorkerConfig(num_slots=c.num_slots, tp=c.tp, tp_rank=self.comm.rank,
                               dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
-                              max_batch=c.max_running + c.max_adapters, host=c.host)
+                              max_batch=c.max_running + c.max_adapters, host=c.host, chunk_bytes=c.chunk_bytes)
         return WorkerCache(worker, self.catalog, compute_stream=self.stream)
 
     def _make_model(self) -> ShardedModel:
@@ -225,14 +227,16 @@ class RankEngine:
         wall, start, gc_ms = time.time(), time.perf_counter(), self.pauses.total_ms
         named = [it.adapter for it in plan.items if it.adapter is not None]
         unready = set(named) - self.cache.ready_names()
-        batch = self.cache.acquire(named + list(plan.hold)) if named or plan.hold else None
+        batch = self.cache.acquire(named + list(plan.hold), pipelined=self.pipelined) if named or plan.hold else None
         load_wait = time.perf_counter() - start if unready else 0.0
         self._prefetch(plan.prefetch)  # after acquire: a load cannot evict what this step holds
         slot_of = dict(zip(batch.adapters, batch.slots)) if batch is not None else {}
         items = list(plan.items)  # rank 0's order on every rank: the all-reduce adds row i to row i
         with self._on_stream():
-            out = self._forward(plan.kind == PREFILL, items, slot_of)
+            out = self._forward(plan.kind == PREFILL, items, slot_of, batch.waits if batch is not None else None)
             if batch is not None:
+                if batch.waits is not None:
+                    batch.waits.finish()  # the adapters are whole after the step: before any decode graph
                 self.cache.release(batch)
             outputs = ({it.rid: row for it, row in zip(items, out.float().cpu())}
                        if self.config.record_outputs else None)
@@ -248,9 +252,12 @@ class RankEngine:
         self._last_end, self._readiness_s = end, 0.0
         return StepResult(start, end, load_wait, outputs)
 
-    def _forward(self, prefill: bool, items: list[Item], slot_of: dict[str, int]) -> torch.Tensor:
+    def _forward(self, prefill: bool, items: list[Item], slot_of: dict[str, int],
+                 waits: ChunkWaits | None = None) -> torch.Tensor:
         slots = [slot_of[it.adapter] if it.adapter is not None else -1 for it in items]
         if not prefill and self.graphs is not None:
+            if waits is not None:  # a graph waits on no event: the stream waits for whole adapters first
+                waits.finish()
             return self.graphs.run([it.row for it in items], [it.start for it in items], slots)
         hidden = self.model.shape.hidden_size
         if prefill:
@@ -260,7 +267,7 @@ class RankEngine:
         if not prefill:
             x = self.last.index_select(0, rows)
         step = self._inputs(prefill, items, rows)
-        self.lora.begin(slots, [it.length for it in items], prefill, self.stream)
+        self.lora.begin(slots, [it.length for it in items], prefill, self.stream, waits=waits)
         out = self.model.forward(x, step)
         self.last.index_copy_(0, rows, out)
         return out
