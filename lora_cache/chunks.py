@@ -21,7 +21,7 @@ MIN_CHUNK_BYTES = 4 << 20  # a pinned H2D copy of >= 4 MB runs at 53-55 GB/s on 
 class Chunk(NamedTuple):
     """Consecutive whole layers of a shard: elements ``start:stop``, entries ``first:last`` of the layout."""
 
-    index: int
+    seq: int  # its place in the plan, from 0
     layers: range  # the layers whose matrices it holds
     start: int  # element offset in the packed shard
     stop: int  # exclusive; the next chunk's start (alignment padding included), or the shard's numel

@@ -12,7 +12,6 @@ load copies the first chunk to the GPU while the last one is still being read.
 
 from __future__ import annotations
 
-import functools
 import logging
 import queue
 import threading
@@ -189,7 +188,7 @@ class HostTier:
                 self.misses += count
                 hit = False
         if on_chunk is not None:
-            entry.listen(functools.partial(on_chunk, hit=hit))
+            entry.listen(lambda e, n: on_chunk(e, n, hit))
         if not hit:
             self._pool.submit(self._read, spec, entry)
         return entry.ready, hit

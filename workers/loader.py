@@ -110,10 +110,10 @@ class SlotLoad:
         before, total = len(self.events), len(self.plan.chunks)
         while len(self.events) < min(self.staged_chunks, total):
             c = self.plan.chunks[len(self.events)]
-            first = c.index == 0
+            first = c.seq == 0
             start, event = streams.copy_chunk(dst[c.start : c.stop], src[c.start : c.stop],
                                               after if first else None, then if first else None,
-                                              label=(self.slot, c.index))
+                                              label=(self.slot, c.seq))
             if first:
                 self.start_event = start
             self.events.append(event)
