@@ -1,5 +1,8 @@
 """The benchmark's five policies, at equal GPU memory, as a registry (``--policies`` picks from it).
 
+``pipelined`` is compared with ``overlap`` and ``ondemand`` (issue 21); the simulator (``bench.sim``) runs
+its admission rule but models a step's loads as whole-adapter waits, so only GPU runs show its gain.
+
 A policy is what the fleet does about adapters, end to end: which placement policy the controller's
 planner runs (``lora_cache.planner.POLICIES``), which admission rule the engines use
 (``workers.engine.admission.ADMISSION``), whether the router sends prefetch hints, and whether every
@@ -13,6 +16,7 @@ overlap    none       overlap    no     SGLang's overlap loading: loads run besi
 queue      queue      overlap    no     S-LoRA: each replica prefetches its own waiting queue
 global     global     overlap    yes    lora-cache: queue + router hints + fleet-wide popularity
 oracle     none       overlap    no     every adapter resident from the start (slots = adapters)
+pipelined  none       pipelined  no     layer-pipelined loads: a step waits per layer on chunks
 =========  =========  =========  =====  ========================================================
 """
 
@@ -38,6 +42,7 @@ BENCH_POLICIES: dict[str, BenchPolicy] = {p.name: p for p in (
     BenchPolicy("queue", planner="queue", admission="overlap", hints=False),
     BenchPolicy("global", planner="global", admission="overlap", hints=True),
     BenchPolicy("oracle", planner="none", admission="overlap", hints=False, oracle=True),
+    BenchPolicy("pipelined", planner="none", admission="pipelined", hints=False),
 )}
 
 

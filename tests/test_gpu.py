@@ -142,3 +142,52 @@ def test_stream_race_is_real_without_last_use_event(tmp_path: Path) -> None:
         assert not _race_once(cache, 500_000_000, wait_for_last_use=False)
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("delay_cycles", [0, 1_000_000, 200_000_000])
+def test_stream_race_chunked_loads_wait_on_every_chunks_last_use(tmp_path: Path, delay_cycles: int) -> None:
+    """The sweep with a chunk per layer: a slow batch's read of the slot (every chunk) finishes before any
+    chunk of the next load lands there."""
+    catalog = _catalog(tmp_path, 2, rank="16")
+    cache = _cache(catalog, 1, chunk_bytes=0)
+    try:
+        assert len(cache.plan_of("adapter-000").chunks) == catalog.shape.num_layers > 1
+        for name in ("adapter-001", "adapter-000"):
+            cache.prefetch(name).result(timeout=30)
+        assert all(_race_once(cache, delay_cycles, wait_for_last_use=True) for _ in range(3))
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_pipelined_layer_reads_its_chunk_after_a_slow_copy(tmp_path: Path, wait: bool) -> None:
+    """A pipelined batch's read of the last layer's chunk, behind a slow copy stream, sees the new adapter
+    when it waited on that chunk's event (a stream wait, no host sync); the control without it does not."""
+    catalog = _catalog(tmp_path, 2, rank="16")
+    cache = _cache(catalog, 1, chunk_bytes=0)
+    try:
+        cache.prefetch("adapter-001").result(timeout=30)
+        cache.prefetch("adapter-000").result(timeout=30)  # adapter-001 stays staged: a host hit next
+        want = _file_shard(cache, "adapter-001").cuda()
+        last = cache.plan_of("adapter-001").chunks[-1]
+        torch.cuda.synchronize()
+        with torch.cuda.stream(cache.streams.copy_stream):
+            torch.cuda._sleep(200_000_000)  # the copy stream is busy: the chunks land late
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            batch = cache.acquire(["adapter-001"], pipelined=True)
+            assert batch.waits is not None
+            if wait:
+                batch.waits.before(catalog.shape.num_layers - 1)
+            seen = cache.pool[batch.slots[0], last.start : last.stop].clone()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        batch.waits.finish()
+        cache.release(batch)
+        torch.cuda.synchronize()
+        assert torch.equal(seen, want[last.start : last.stop]) == wait
+        cache.settle()
+        cache.check_integrity()
+    finally:
+        cache.close()

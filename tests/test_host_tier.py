@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -193,10 +194,10 @@ def gated_reads(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[
     """read_shard blocks until the returned event is set; the list records every read."""
     gate, reads, real = threading.Event(), [], host_tier_module.read_shard
 
-    def read(spec: AdapterSpec, lay: ShardLayout, dest: torch.Tensor, verify: str) -> int:
+    def read(spec: AdapterSpec, lay: ShardLayout, dest: torch.Tensor, *rest: Any) -> int:
         reads.append(spec.name)
         assert gate.wait(timeout=10), "test gate never opened"
-        return real(spec, lay, dest, verify)
+        return real(spec, lay, dest, *rest)
 
     monkeypatch.setattr(host_tier_module, "read_shard", read)
     return gate, reads

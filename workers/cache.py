@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from lora_cache.catalog import AdapterCatalog
+from lora_cache.chunks import MIN_CHUNK_BYTES, ChunkPlan, chunk_plan
 from lora_cache.errors import CapacityError, ConfigError, LoraCacheError, NotFoundError
 from lora_cache.peft import AdapterSpec
 from lora_cache.planner.records import AdapterKey
@@ -32,8 +33,9 @@ from workers import faults
 from workers.host_tier import HostEntry, HostTier, HostTierConfig
 from workers.index import IndexUploader
 from workers.kernels.meta import SlotMeta, shard_dims
-from workers.loader import CompletionWatcher, ReadinessRecord, SlotLoad
+from workers.loader import CompletionWatcher, LoadFailed, ReadinessRecord, SlotLoad
 from workers.metrics import CacheCounters
+from workers.pipeline import ChunkWaits
 from workers.slots import SlotState, SlotTable
 from workers.streams import make_streams, resolve_device
 
@@ -54,6 +56,9 @@ class WorkerConfig:
     device: str = field(default="auto", metadata={"help": "cuda, cuda:N, cpu or auto"})
     max_batch: int = field(default=256, metadata={"help": "most adapters one acquire() may name"})
     on_miss: str = field(default="load", metadata={"help": "acquire of a non-resident adapter: load or error"})
+    chunk_bytes: int = field(default=MIN_CHUNK_BYTES, metadata={
+        "help": "least bytes of a load's layer-ordered chunks (each read, copied and waited on by itself); "
+                "0: a chunk per layer"})
     host: HostTierConfig = field(default_factory=HostTierConfig)
 
     def __post_init__(self) -> None:
@@ -67,6 +72,9 @@ class WorkerConfig:
             raise ConfigError(f"on_miss must be one of {ON_MISS}, got {self.on_miss!r}")
         if self.max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.chunk_bytes < 0:
+            raise ConfigError(f"chunk_bytes must be >= 0 (0: a chunk per layer; default {MIN_CHUNK_BYTES}), "
+                              f"got {self.chunk_bytes}")
 
 
 AdapterRef = str | AdapterKey  # a name (its current version, looked up when acquired) or one exact version
@@ -88,6 +96,7 @@ class Batch(NamedTuple):
     token: list[bool]  # [released?], guards double release
     keys: tuple[AdapterKey, ...] = ()  # the exact version each request computes with, in batch order
     failed: tuple[tuple[AdapterRef, str], ...] = ()  # ``partial`` acquire: (ref, why) of each not held
+    waits: ChunkWaits | None = None  # pipelined: the per-layer chunk waits of its loads in flight
 
 
 def _unresolved(ref: AdapterRef) -> AdapterKey:
@@ -143,6 +152,7 @@ class WorkerCache:
         self._pending: dict[AdapterKey, SlotLoad] = {}  # staging on the host, no slot yet
         self._slot_waiters: list[tuple[SlotLoad, HostEntry]] = []  # staged, waiting for a load to finish
         self._last_use: list[Any] = [None] * config.num_slots  # compute-done event of the slot's last batch
+        self._broken: set[int] = set()  # slots whose load failed mid-way while a batch held them: freed at 0 refs
         self._changes: deque[Delta] = deque()  # residency changes not yet handed to on_change, oldest first
         self._reporting = threading.RLock()  # one thread hands changes over at a time (keeps their order)
         self._index = IndexUploader(self.streams, config.max_batch, self.device)
@@ -164,16 +174,17 @@ class WorkerCache:
                 return self._loads[slot.index].future
             if key in self._pending:
                 return self._pending[key].future
-            load = SlotLoad(key, layout, prefetched=not on_demand)
+            load = SlotLoad(key, layout, self._plan(spec), prefetched=not on_demand)
             self._pending[key] = load
             self.counters.prefetches += not on_demand
             self.counters.demand_loads += on_demand
         try:
-            staged, load.host_hit = self.host.fetch(spec, layout)
+            staged, load.host_hit = self.host.fetch(spec, layout, chunks=load.plan.entry_spans,
+                                                    on_chunk=functools.partial(self._chunk_staged, load))
         except Exception as e:  # e.g. the host tier is full of shards in flight
             self._fail(load, e)
             return load.future
-        staged.add_done_callback(functools.partial(self._issue, load))
+        staged.add_done_callback(functools.partial(self._read_done, load))
         return load.future
 
     def stage(self, name: str, version: str | None = None) -> Future[HostEntry] | None:
@@ -193,7 +204,7 @@ class WorkerCache:
             if self.table.lookup(key) is not None or key in self._pending:
                 return None
         try:
-            staged, hit = self.host.fetch(spec, layout, count=False)
+            staged, hit = self.host.fetch(spec, layout, count=False, chunks=self._plan(spec).entry_spans)
         except CapacityError:
             with self._lock:
                 self.counters.stage_failures += 1
@@ -234,8 +245,10 @@ class WorkerCache:
         self._report()
 
     # -- engine: acquire / release (lifecycle step 9) ---------------------------------------------
-    def acquire(self, adapters: Sequence[AdapterRef], *, partial: bool = False) -> Batch:
-        """Slots for a batch's adapters; the compute stream waits (on the GPU) for loads in flight.
+    def acquire(self, adapters: Sequence[AdapterRef], *, partial: bool = False, pipelined: bool = False) -> Batch:
+        """Slots for a batch's adapters; the compute stream waits (on the GPU) for loads in flight: for
+        all of each (the host waiting until its last chunk's copy is issued), or, ``pipelined``, layer by
+        layer through the batch's ``waits`` (``workers.pipeline``; the host waits only for a slot).
 
         Each adapter is a name (its current version) or an ``AdapterKey``: exactly that version, loaded if
         it is not resident (invariant 1: a TP rank never computes a request with another version than
@@ -250,22 +263,38 @@ class WorkerCache:
             for ref in dict.fromkeys(adapters):
                 try:
                     keys[ref] = resolve(self.catalog, ref)
-                    held[ref] = self._hold(keys[ref])
+                    held[ref] = self._hold(keys[ref], pipelined)
                 except LoraCacheError as e:
                     if not partial:
                         raise
                     failed[ref] = str(e)
+            with self._lock:
+                loading = {ref: self._loads[i] for ref, i in held.items()
+                           if self.table.slots[i].state is SlotState.LOADING}
+            waits = ChunkWaits(self.streams, list(loading.values())) if pipelined and loading else None
+            if not pipelined:
+                for ref, load in loading.items():
+                    try:
+                        self.streams.compute_wait(self._whole(load))
+                    except LoadFailed as e:
+                        if not partial:
+                            raise
+                        failed[ref] = str(e)
+                        self._drop_refs([held.pop(ref)], None)
         except BaseException:
             self._drop_refs(list(held.values()), None)
             raise
-        with self._lock:
-            waits = [self._loads[i].ready_event for i in held.values()
-                     if self.table.slots[i].state is SlotState.LOADING]
-        for event in waits:
-            self.streams.compute_wait(event)
         slots = tuple(held.get(a, -1) for a in adapters)
         return Batch(tuple(adapters), slots, self._index.upload(slots), tuple(held.values()), [False],
-                     tuple(keys.get(a, _unresolved(a)) for a in adapters), tuple(failed.items()))
+                     tuple(keys.get(a, _unresolved(a)) for a in adapters), tuple(failed.items()), waits)
+
+    @staticmethod
+    def _whole(load: SlotLoad) -> Any:
+        """A held load's last event, once every chunk's copy is issued (the host waits for its read)."""
+        load.issued.wait()
+        if load.error is not None:
+            raise LoadFailed(f"{load.key}: its load failed ({load.error})") from load.error
+        return load.ready_event
 
     def acquire_ready(self, adapters: Sequence[AdapterRef]) -> Batch | None:
         """References on those of ``adapters`` READY here (a name: its current version; a key: exactly that
@@ -305,8 +334,12 @@ class WorkerCache:
                 if last_use is not None:
                     self._last_use[index] = last_use
                 self.table.decref(index)
+                if index in self._broken and self.table.slots[index].refs == 0:
+                    self._broken.discard(index)
+                    self._loads.pop(index)
+                    self.table.fail(index)
 
-    def _hold(self, key: AdapterKey) -> int:
+    def _hold(self, key: AdapterKey, pipelined: bool = False) -> int:
         """A reference on ``key``'s slot, loading it first if it is not resident (its spec is needed only then:
         a resident version is held even if the catalog no longer keeps it)."""
         first = True
@@ -332,25 +365,67 @@ class WorkerCache:
                                         "on_miss is 'error'; prefetch it first or set on_miss='load'")
                 started = self.prefetch(key.name, key.version, on_demand=True)
                 continue
-            load.issued.wait()  # on-demand: the host waits for the disk read, the GPU for the copy
+            # on-demand: the host waits for the disk read (pipelined: its first chunk), the GPU for the copies
+            (load.placed if pipelined else load.issued).wait()
             if load.future.done() and load.future.exception() is not None:
                 raise load.future.exception()  # type: ignore[misc]
 
     # -- the load path ------------------------------------------------------------------------------
-    def _issue(self, load: SlotLoad, staged: Future[HostEntry]) -> None:
-        """Host staging done (reader thread): take a slot and issue the one H2D copy (step 6)."""
-        try:
-            entry = staged.result()
-        except BaseException as e:
-            self._fail(load, e)
+    def _chunk_staged(self, load: SlotLoad, entry: HostEntry, count: int, hit: bool) -> None:
+        """``count`` chunks of the load's shard are on the host (reader thread, or the fetching one on a hit):
+        the first takes a slot, each is copied as it lands (step 6)."""
+        total = len(load.plan.chunks)
+        staged = total if count >= entry.num_chunks else min(count, total)  # an entry read in other chunks
+        load.host_hit = hit
+        if staged == total and not hit:
+            load.disk_ms = (time.perf_counter() - load.t0) * 1e3
+        load.entry = entry
+        load.staged(staged)
+        if load.claim():
+            faults.hit("before_copy", load.key)  # a test may stop (or kill) the worker here
+            self._place(load, entry)
+
+    def _read_done(self, load: SlotLoad, staged: Future[HostEntry]) -> None:
+        """The read ended (reader thread): nothing to do if it succeeded (its chunks went their way)."""
+        error = staged.exception()
+        if error is None or load.error is not None:  # succeeded, or rejected for want of a slot (_reject_staged)
             return
-        load.disk_ms = 0.0 if load.host_hit else entry.read_ms
-        faults.hit("before_copy", load.key)  # a test may stop (or kill) the worker here
-        self._place(load, entry)
+        load.fail(error)
+        with self._lock:
+            waiting = next((w for w in self._slot_waiters if w[0] is load), None)
+            if waiting is not None:
+                self._slot_waiters.remove(waiting)
+            if load.slot >= 0:
+                self._abandon(load, error)
+            else:
+                self._drop(load, error)
+        if load.entry is not None:  # chunks were staged: let the copies issued from them finish first
+            for event in load.events:
+                self.streams.host_wait(event)
+            self.host.release_failed(load.entry)
+        if load.slot >= 0:
+            self._report()
+            load.future.set_exception(error)
+        else:
+            self._reject(load, error)
+
+    def _abandon(self, load: SlotLoad, error: BaseException) -> None:
+        """A load that failed after it took its slot (caller holds the lock): the slot frees once no
+        batch holds it (its chunk waiters raise ``LoadFailed``)."""
+        self.counters.load_failures += 1
+        self._changed(load.key, "failed", error=str(error))
+        if self.table.slots[load.slot].refs == 0:
+            self._loads.pop(load.slot)
+            self.table.fail(load.slot)
+        else:
+            self._broken.add(load.slot)
 
     def _place(self, load: SlotLoad, entry: HostEntry) -> None:
-        """Reserve a slot and copy; if only loads in flight stand in the way, wait for one to finish."""
+        """Reserve a slot and copy the staged chunks; if only loads in flight stand in the way, wait for
+        one to finish."""
         with self._lock:
+            if load.error is not None:  # its read failed first: _read_done dropped it
+                return
             try:
                 load.slot, evicted = self.table.reserve(load.key)
             except CapacityError as e:
@@ -365,17 +440,29 @@ class WorkerCache:
                     self._retire(self._loads.pop(load.slot))
                     self._changed(evicted, "gone")
                 self._changed(load.key, "loading")
-                dst = self.pool[load.slot, : load.layout.numel]
-                write_meta = functools.partial(self.meta.write, load.slot, load.layout, None)
-                load.start_event, load.ready_event = self.streams.copy_into_slot(
-                    dst, entry.tensor, self._last_use[load.slot], then=write_meta)
                 self._loads[load.slot] = self._pending.pop(load.key)
-        if error is not None:
-            self.host.release(load.key)
-            return self._reject(load, error)
+        if error is not None:  # failed once its read has ended: the tier holds the shard (a host hit next time)
+            load.fail(error)
+            entry.ready.add_done_callback(functools.partial(self._reject_staged, load, entry, error))
+            return None
         self._report()
+        write_meta = functools.partial(self.meta.write, load.slot, load.layout, None)
+        load.place(self.streams, self.pool[load.slot, : load.layout.numel], entry.tensor, self._last_use[load.slot],
+                   write_meta, self._issued)
+        load.placed.set()
+
+    def _reject_staged(self, load: SlotLoad, entry: HostEntry, error: BaseException, read: Future[HostEntry]) -> None:
+        if read.exception() is None:
+            self.host.release(load.key)
+        else:
+            self.host.release_failed(entry)
+        self._reject(load, error)
+
+    def _issued(self, load: SlotLoad) -> None:
+        """Every chunk's copy is issued: once the read has also ended (its counts taken), watch the last
+        chunk's event (READY when it completes)."""
         load.issued.set()
-        self._watcher.add(load)
+        load.entry.ready.add_done_callback(lambda read: self._watcher.add(load) if read.exception() is None else None)
 
     def _retire(self, load: SlotLoad) -> None:
         """A load's slot was freed (caller holds the lock): count it for prefetch accuracy."""
@@ -425,8 +512,9 @@ class WorkerCache:
     def _reject(self, load: SlotLoad, error: BaseException) -> None:
         """A dropped load: report it, then wake its waiters."""
         self._report()
+        load.fail(error)
         load.future.set_exception(error)
-        load.issued.set()
+        load.placed.set()
 
     # -- residency changes (step 7) -----------------------------------------------------------------
     def _changed(self, key: AdapterKey, state: str, record: ReadinessRecord | None = None, error: str = "") -> None:
@@ -451,6 +539,16 @@ class WorkerCache:
     @functools.lru_cache(maxsize=4096)  # noqa: B019 - specs are immutable; bounded
     def _layout(self, spec: AdapterSpec) -> ShardLayout:
         return shard_layout(spec, self.catalog.shape, self.config.tp, self.config.tp_rank, self.dtype)
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 - specs are immutable; bounded
+    def _plan(self, spec: AdapterSpec) -> ChunkPlan:
+        layout = self._layout(spec)
+        return chunk_plan(layout.entries, layout.numel, self.catalog.shape.num_layers, self.dtype.itemsize,
+                          self.config.chunk_bytes)
+
+    def plan_of(self, name: str, version: str | None = None) -> ChunkPlan:
+        """The chunk plan of ``name``'s shard here (how its loads are read, copied and waited on)."""
+        return self._plan(self.catalog.get(name, version))
 
     # -- introspection ------------------------------------------------------------------------------
     def ready_keys(self) -> set[AdapterKey]:
@@ -504,6 +602,11 @@ class WorkerCache:
                 assert (s.key is not None) == (s.index in self._loads), f"slot {s.index} and its load disagree"
                 if s.key is not None:
                     assert self._loads[s.index].key == s.key, f"slot {s.index} load is for another adapter"
+                    load = self._loads[s.index]
+                    if s.state is SlotState.READY:  # invariant 4: READY only once every chunk's copy completed
+                        assert load.ready_event is not None and self.streams.done(load.ready_event), \
+                            f"slot {s.index} READY before its last chunk's copy completed"
+            assert all(self.table.slots[i].refs > 0 for i in self._broken), "a failed slot is held by no batch"
             assert not set(self._pending) & {s.key for s in self.table.slots}, "a pending load already has a slot"
         self.host.check_integrity()
 

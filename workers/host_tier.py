@@ -4,14 +4,20 @@ Reads are dispatched on a thread pool (blocking file I/O off the caller's thread
 config's ``reads`` strategy says (``READS``): in reader processes that share the arena (a GPU worker: no
 GIL shared with the engine that launches beside them), or on the threads themselves. Concurrent fetches
 of one adapter share one read. An entry is pinned by references while a host-to-GPU copy may still read it.
+
+A read fills its entry chunk by chunk (``lora_cache.chunks``: the entry's ``chunks``, ranges of the
+layout's entries) and tells each fetcher's ``on_chunk`` how many chunks are in place as they land, so a
+load copies the first chunk to the GPU while the last one is still being read.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -24,6 +30,9 @@ from lora_cache.shards import ShardLayout
 from workers.arena import Block, HostArena
 from workers.reader import VERIFY, read_shard
 from workers.reader_proc import ReaderProcess
+
+log = logging.getLogger(__name__)
+ChunkListener = Callable[["HostEntry", int], None]  # told how many chunks of an entry are staged so far
 
 
 @dataclass(frozen=True)
@@ -63,7 +72,7 @@ class ThreadReads:
         self.verify = verify
 
     def read(self, spec: AdapterSpec, entry: HostEntry) -> int:
-        return read_shard(spec, entry.layout, entry.tensor, self.verify)
+        return read_shard(spec, entry.layout, entry.tensor, self.verify, entry.chunks, entry.progress)
 
     def close(self) -> None:
         pass
@@ -84,7 +93,7 @@ class ProcessReads:
     def read(self, spec: AdapterSpec, entry: HostEntry) -> int:
         proc = self._idle.get()
         try:
-            return proc.read(spec, entry.layout, entry.block.offset, self.verify)
+            return proc.read(spec, entry.layout, entry.block.offset, self.verify, entry.chunks, entry.progress)
         finally:
             self._idle.put(proc)
 
@@ -106,6 +115,45 @@ class HostEntry:
     refs: int = 0
     read_ms: float = 0.0
     bytes_read: int = 0
+    chunks: tuple[slice, ...] = ()  # ranges of layout.entries read one after another (empty: one chunk)
+    staged: int = 0  # chunks in place so far
+    listeners: list[ChunkListener] = field(default_factory=list)  # fetchers told of each chunk, until done
+    lock: threading.Lock = field(default_factory=threading.Lock)  # protects staged and listeners
+
+    @property
+    def num_chunks(self) -> int:
+        return max(1, len(self.chunks))
+
+    def listen(self, on_chunk: ChunkListener) -> None:
+        """Tell ``on_chunk`` how many chunks are staged now (if any) and as more land."""
+        with self.lock:
+            staged = self.staged
+            if staged < self.num_chunks:
+                self.listeners.append(on_chunk)
+        if staged:
+            _tell(on_chunk, self, staged)
+
+    def progress(self, count: int) -> None:
+        """The read has put the first ``count`` chunks in place (reader thread)."""
+        with self.lock:
+            self.staged = max(self.staged, count)
+            listeners = list(self.listeners)
+            if self.staged >= self.num_chunks:
+                self.listeners.clear()
+        for on_chunk in listeners:
+            _tell(on_chunk, self, count)
+
+    def forget(self) -> None:
+        """A failed read: nobody is told of more chunks (the entry's future carries the error)."""
+        with self.lock:
+            self.listeners.clear()
+
+
+def _tell(on_chunk: ChunkListener, entry: HostEntry, count: int) -> None:
+    try:
+        on_chunk(entry, count)
+    except Exception:  # a broken listener must not fail the read that other fetchers share
+        log.exception("chunk listener of %s failed", entry.key)
 
 
 class HostTier:
@@ -119,12 +167,18 @@ class HostTier:
         self._pool = ThreadPoolExecutor(config.read_threads, thread_name_prefix="lora-read")
         self._lock = threading.Lock()  # protects _entries and the arena
         self._entries: OrderedDict[AdapterKey, HostEntry] = OrderedDict()  # LRU order, oldest first
+        self._orphans: list[HostEntry] = []  # failed reads whose staged chunks loads may still be copying
         self.hits = self.misses = self.bytes_read = 0
 
-    def fetch(self, spec: AdapterSpec, layout: ShardLayout, count: bool = True) -> tuple[Future[HostEntry], bool]:
+    def fetch(self, spec: AdapterSpec, layout: ShardLayout, count: bool = True, chunks: Sequence[slice] = (),
+              on_chunk: Callable[[HostEntry, int, bool], None] | None = None) -> tuple[Future[HostEntry], bool]:
         """The staged shard (a future: reads are asynchronous) and whether it was a host-tier hit.
 
-        ``count``: a lookup for a GPU load, counted in ``hits``/``misses`` (a stage ahead of one is not)."""
+        ``count``: a lookup for a GPU load, counted in ``hits``/``misses`` (a stage ahead of one is not).
+        ``chunks``: how a new read splits the shard (ranges of ``layout.entries``; a read in flight or
+        done keeps its own); ``on_chunk(entry, count, hit)``: told how many chunks are in place, at once
+        for those staged already (a hit: all of them, before this returns) and from the reader as the
+        others land."""
         key = AdapterKey(spec.name, spec.version)
         with self._lock:
             entry = self._entries.get(key)
@@ -132,19 +186,44 @@ class HostTier:
                 self._entries.move_to_end(key)
                 entry.refs += 1
                 self.hits += count
-                return entry.ready, True
-            block = self._allocate(layout.nbytes, key)
-            entry = HostEntry(key, layout, block, self.arena.view(block, layout.dtype, layout.numel), Future(), refs=1)
-            self._entries[key] = entry
-            self.misses += count
-        self._pool.submit(self._read, spec, entry)
-        return entry.ready, False
+                hit = True
+            else:
+                block = self._allocate(layout.nbytes, key)
+                entry = HostEntry(key, layout, block, self.arena.view(block, layout.dtype, layout.numel), Future(),
+                                  refs=1, chunks=tuple(chunks))
+                self._entries[key] = entry
+                self.misses += count
+                hit = False
+        if on_chunk is not None:
+            entry.listen(lambda e, n: on_chunk(e, n, hit))
+        if not hit:
+            self._pool.submit(self._read, spec, entry)
+        return entry.ready, hit
 
     def release(self, key: AdapterKey) -> None:
         with self._lock:
             entry = self._entries[key]
             assert entry.refs > 0, f"host entry {key} released more often than fetched"
             entry.refs -= 1
+
+    def release_failed(self, entry: HostEntry) -> None:
+        """Drop a reference on an entry whose read failed, once no copy reads its staged chunks any more;
+        the last one frees its block."""
+        with self._lock:
+            entry.refs -= 1
+            assert entry.refs >= 0, f"host entry {entry.key} released more often than fetched"
+            if entry.refs == 0 and any(o is entry for o in self._orphans):
+                self._orphans = [o for o in self._orphans if o is not entry]
+                self.arena.free(entry.block)
+
+    def drop(self, key: AdapterKey) -> bool:
+        """Free an unreferenced, staged shard now (benchmarks: the next fetch reads the file again)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.refs or not entry.ready.done():
+                return False
+            self.arena.free(self._entries.pop(key).block)
+            return True
 
     def contains(self, key: AdapterKey) -> bool:
         with self._lock:
@@ -167,12 +246,17 @@ class HostTier:
         try:
             entry.bytes_read = self._reader.read(spec, entry)
         except BaseException as e:  # a failed read leaves the tier as it was, and tells every waiter
+            entry.forget()
             with self._lock:
                 del self._entries[entry.key]
-                self.arena.free(entry.block)
+                if entry.staged:  # chunks may be on their way to a GPU: each fetcher releases (release_failed)
+                    self._orphans.append(entry)
+                else:
+                    self.arena.free(entry.block)
             entry.ready.set_exception(e)
             return
         entry.read_ms = (time.perf_counter() - t0) * 1e3
+        entry.progress(entry.num_chunks)  # a reader that reports no chunks: all of them at once
         with self._lock:
             self.bytes_read += entry.bytes_read
         entry.ready.set_result(entry)
@@ -185,7 +269,8 @@ class HostTier:
     def check_integrity(self) -> None:
         with self._lock:
             self.arena.check_integrity()
-            assert self.arena.used_bytes == sum(e.block.nbytes for e in self._entries.values()), \
+            held = [*self._entries.values(), *self._orphans]
+            assert self.arena.used_bytes == sum(e.block.nbytes for e in held), \
                 "arena blocks and host entries disagree"
             assert all(e.refs >= 0 for e in self._entries.values()), "negative host reference count"
             assert self.arena.used_bytes <= self.config.host_bytes

@@ -1,6 +1,9 @@
 """Slot loads in flight and the completion watcher that turns finished copies into readiness records.
 
-Lifecycle step 7: a slot becomes READY only when its copy's ``ready_event`` has completed; the watcher
+Lifecycle step 6: a load is issued as layer-ordered chunks (``lora_cache.chunks``), each chunk's copy as
+soon as it is staged on the host and the load has a slot (``SlotLoad.staged`` / ``place``), with an
+event per chunk; its ``ready_event`` is the last chunk's. Lifecycle step 7: a slot becomes READY only
+when every chunk's copy has completed (the last event: one copy stream runs them in order); the watcher
 polls events (``query()``, never a blocking sync) on its own thread and hands each finished load back.
 """
 
@@ -14,6 +17,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import torch
+
+from lora_cache.chunks import ChunkPlan
 from lora_cache.planner.records import AdapterKey
 from lora_cache.shards import ShardLayout
 from workers.streams import CpuStreams
@@ -29,28 +35,108 @@ class ReadinessRecord(NamedTuple):
     tp_rank: int
     slot: int
     disk_ms: float  # disk -> pinned host staging (0 on a host-tier hit)
-    h2d_ms: float  # the one host -> GPU copy, by events
+    h2d_ms: float  # the host -> GPU copies, by events: the first chunk's start to the last one's end
     ready_ms: float  # from the request to load until READY
     nbytes: int
     host_hit: bool
 
 
+class LoadFailed(RuntimeError):
+    """Raised to a waiter on a chunk of a load that failed; ``__cause__`` is the load's own error."""
+
+
 @dataclass(eq=False)
 class SlotLoad:
-    """One adapter's load: staged on the host, then copied into ``slot``."""
+    """One adapter's load: staged on the host chunk by chunk, each chunk copied into ``slot`` once both it
+    is staged and the load has a slot (in chunk order, on one copy stream)."""
 
     key: AdapterKey
     layout: ShardLayout
+    plan: ChunkPlan
     t0: float = field(default_factory=time.perf_counter)
     future: Future[ReadinessRecord] = field(default_factory=Future)
-    issued: threading.Event = field(default_factory=threading.Event)  # set once the copy is issued or failed
+    issued: threading.Event = field(default_factory=threading.Event)  # set once every copy is issued, or failed
+    placed: threading.Event = field(default_factory=threading.Event)  # set once it has a slot, or failed
     slot: int = -1
     host_hit: bool = False
     disk_ms: float = 0.0
     start_event: Any = None
-    ready_event: Any = None
+    events: list[Any] = field(default_factory=list)  # one per chunk issued, in chunk order
+    error: BaseException | None = None  # the load failed (chunks not issued yet never will be)
     prefetched: bool = True  # started ahead of need (prefetch), not by an acquire that missed
     used: bool = False  # some batch acquired it (prefetch accuracy: used before eviction)
+    staged_chunks: int = 0  # chunks on the host so far
+    _copy: tuple[Any, ...] | None = None  # (streams, dst, src, after, then, on_issued) once it has a slot
+    _claimed: bool = False  # someone is placing it (takes its slot)
+    entry: Any = None  # the host entry its chunks are copied from (once one is staged)
+    _cond: threading.Condition = field(default_factory=threading.Condition)  # protects the fields above it
+
+    @property
+    def ready_event(self) -> Any:
+        """The last chunk's event (None until every chunk is issued): READY when it completes."""
+        return self.events[-1] if len(self.events) == len(self.plan.chunks) else None
+
+    def claim(self) -> bool:
+        """True once: to the first caller, which then places the load."""
+        with self._cond:
+            first, self._claimed = not self._claimed, True
+        return first
+
+    def staged(self, count: int) -> None:
+        """``count`` chunks are on the host (reader thread): copy those the slot may take now."""
+        with self._cond:
+            self.staged_chunks = max(self.staged_chunks, count)
+            on_issued = self._pump()
+        if on_issued is not None:
+            on_issued(self)
+
+    def place(self, streams: CpuStreams, dst: torch.Tensor, src: torch.Tensor, after: Any,
+              then: Callable[[Any], None], on_issued: Callable[[SlotLoad], None]) -> None:
+        """The load has its slot ``dst``: issue every chunk staged so far; the first waits for ``after``
+        (the slot's last use) and runs ``then`` (its kernel metadata) before its copy. ``on_issued``
+        runs once, after the last chunk's copy is issued, outside this load's lock."""
+        with self._cond:
+            self._copy = (streams, dst, src, after, then, on_issued)
+            done = self._pump()
+        if done is not None:
+            done(self)
+
+    def _pump(self) -> Callable[[SlotLoad], None] | None:
+        """Issue the staged chunks not yet copied (caller holds the lock); the ``on_issued`` callback if
+        this issued the last one."""
+        if self._copy is None or self.error is not None:
+            return None
+        streams, dst, src, after, then, on_issued = self._copy
+        before, total = len(self.events), len(self.plan.chunks)
+        while len(self.events) < min(self.staged_chunks, total):
+            c = self.plan.chunks[len(self.events)]
+            first = c.seq == 0
+            start, event = streams.copy_chunk(dst[c.start : c.stop], src[c.start : c.stop],
+                                              after if first else None, then if first else None,
+                                              label=(self.slot, c.seq))
+            if first:
+                self.start_event = start
+            self.events.append(event)
+            self._cond.notify_all()
+        return on_issued if before < total == len(self.events) else None
+
+    def chunk_event(self, index: int) -> Any:
+        """Chunk ``index``'s event, waiting on the host until its copy is issued (its bytes staged, the
+        slot taken): never a wait for a copy, only for the read that precedes it."""
+        with self._cond:
+            while len(self.events) <= index and self.error is None:
+                self._cond.wait()
+            if len(self.events) <= index:
+                raise LoadFailed(f"{self.key}: chunk {index} of {len(self.plan.chunks)} never reached its slot "
+                                 f"({self.error})") from self.error
+            return self.events[index]
+
+    def fail(self, error: BaseException) -> None:
+        """No further chunk will be issued: wake every waiter with the error."""
+        with self._cond:
+            self.error = self.error or error
+            self._cond.notify_all()
+        self.issued.set()
 
 
 class CompletionWatcher:

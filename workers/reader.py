@@ -29,7 +29,7 @@ import stat
 import threading
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -59,30 +59,45 @@ class FileTensor(NamedTuple):
     start: int  # byte offset of its first element in the file
 
 
-def read_shard(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor, verify: str = "sample") -> int:
+def read_shard(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor, verify: str = "sample",
+               chunks: Sequence[slice] | None = None, on_chunk: Callable[[int], None] | None = None) -> int:
     """Fill ``dest`` (1-D, ``layout.dtype``, >= ``layout.numel``) with the shard; returns bytes read.
 
     A rank reads only its parts of each matrix (strided views of the mapped file); a file tensor of
-    another dtype is converted as it is copied.
+    another dtype is converted as it is copied. ``chunks``: ranges of the layout's entries read one
+    after another (default: one); ``on_chunk(k)`` runs once the first ``k`` are in ``dest``, so their
+    host-to-GPU copies can start while the rest is read (``lora_cache.chunks``).
     """
     if spec.source is None:
         raise AdapterFormatError(f"adapter {spec.name}@{spec.version} was not registered from a file; "
                                  "register it from its directory to read it")
-    return read_slices(spec.source, layout.entries, dest, f"TP {layout.rank}/{layout.tp}", verify)
+    return read_slices(spec.source, layout.entries, dest, f"TP {layout.rank}/{layout.tp}", verify, chunks, on_chunk)
 
 
 def read_slices(source: WeightsSource, entries: tuple[ShardEntry, ...], dest: torch.Tensor, shard: str,
-                verify: str = "sample") -> int:
+                verify: str = "sample", chunks: Sequence[slice] | None = None,
+                on_chunk: Callable[[int], None] | None = None) -> int:
     """``read_shard`` from what a reader process is sent: the registered weights file, the layout's entries;
-    ``shard`` names the shard in errors."""
+    ``shard`` names the shard in errors.
+
+    A chunk is published (``on_chunk``: its copy to the GPU may start, and a ``pipelined`` step may read it)
+    only once it is proven as the whole read would be: its blocks checked as ``verify`` says and the file's
+    identity unchanged since the open. A change found later fails the read before READY; what was published
+    was the registered version's bytes."""
     weights = Path(source.path)
     fd, source = _open_unchanged(source)
     try:
         index = _checked_index(fd, source)
         with _mapped(fd) as mapped:
-            read = _copy_slices(mapped, index, entries, dest)
-            _check_blocks(mapped, source, _blocks_to_check(source, index, entries, verify))
-        same_file(weights, source.identity, FileIdentity.of(os.fstat(fd)), "while it was read, after", source.version)
+            read = 0
+            for k, span in enumerate(chunks or (slice(0, len(entries)),)):
+                part = entries[span]
+                read += _copy_slices(mapped, index, part, dest)
+                _check_blocks(mapped, source, _blocks_to_check(source, index, part, verify))
+                same_file(weights, source.identity, FileIdentity.of(os.fstat(fd)), "while it was read, after",
+                          source.version)
+                if on_chunk is not None:
+                    on_chunk(k + 1)
         return read
     except AdapterChangedError:
         raise
@@ -181,6 +196,8 @@ def _mapped(fd: int):  # type: ignore[no-untyped-def]
 
 def _copy_slices(mapped: mmap.mmap, index: dict[str, FileTensor], entries: tuple[ShardEntry, ...],
                  dest: torch.Tensor) -> int:
+    if not entries:
+        return 0
     file = torch.frombuffer(mapped, dtype=torch.uint8)
     sources, targets, read = [], [], 0
     for e in entries:

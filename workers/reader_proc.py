@@ -10,11 +10,13 @@ one ``memfd`` mapped by the worker and by every reader process (pinned in the wo
 
 Protocol, one job at a time per process over a socket: the worker sends the registered weights file
 (``WeightsSource``: path, version, identity, CRCs), how much to verify, the layout's entries (once per
-process for each rank pattern, then by id: adapters of one pattern share them), a name for the shard and
-where in the arena it goes; it gets back ``("ok", bytes)`` or ``("error", kind, message)``, ``kind`` one
-of ``ERRORS`` (a changed file stays an ``AdapterChangedError`` across the process boundary). A process
-that dies mid-read (a file cut short under its mapping raises SIGBUS there) fails only that read, with
-an error naming the file; the next read starts a new process.
+process for each rank pattern, then by id: adapters of one pattern share them), a name for the shard,
+where in the arena it goes and the chunks (ranges of the entries) to read one after another; it gets
+back ``("chunk", k)`` each time the first ``k`` chunks are in the arena and proven (their copies to the
+GPU may start), then ``("ok", bytes)`` or ``("error", kind, message)``, ``kind`` one of ``ERRORS`` (a
+changed file stays an ``AdapterChangedError`` across the process boundary). A process that dies
+mid-read (a file cut short under its mapping raises SIGBUS there) fails only that read, with an error
+naming the file; the next read starts a new process.
 
     python -m workers.reader_proc CONN_FD ARENA_FD ARENA_BYTES     (started by ReaderProcess only)
 """
@@ -27,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -70,11 +73,13 @@ class ReaderProcess:
         self._conn = Connection(ours.detach())
         self._ready, self._sent = False, {}
 
-    def read(self, spec: AdapterSpec, layout: ShardLayout, offset: int, verify: str = "sample") -> int:
-        """Read ``spec``'s shard of ``layout`` into the arena at byte ``offset``; returns bytes read."""
+    def read(self, spec: AdapterSpec, layout: ShardLayout, offset: int, verify: str = "sample",
+             chunks: Sequence[slice] | None = None, on_chunk: Callable[[int], None] | None = None) -> int:
+        """Read ``spec``'s shard of ``layout`` into the arena at byte ``offset``; returns bytes read.
+        ``chunks`` / ``on_chunk``: as ``reader.read_shard``'s (called here, as the process reports them)."""
         if spec.source is None:
             raise AdapterFormatError(f"adapter {spec.name}@{spec.version} was not registered from a file; "
-                                   "register it from its directory to read it")
+                                     "register it from its directory to read it")
         if self._proc is None or self._proc.poll() is not None:
             self.restarts += 1
             self._start()
@@ -88,9 +93,12 @@ class ReaderProcess:
             key = id(layout.entries)
             self._conn.send((spec.source, verify, key, None if key in self._sent else layout.entries,
                              f"TP {layout.rank}/{layout.tp}", str(layout.dtype).removeprefix("torch."), layout.numel,
-                             offset))
+                             offset, [(c.start, c.stop) for c in chunks or ()]))
             self._sent[key] = layout.entries
-            status, *value = self._conn.recv()
+            while (reply := self._conn.recv())[0] == "chunk":
+                if on_chunk is not None:
+                    on_chunk(int(reply[1]))
+            status, *value = reply
         except (EOFError, OSError, TimeoutError) as e:
             code = self._stop()
             how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
@@ -128,7 +136,7 @@ def _serve(conn: Connection, arena: torch.Tensor) -> None:
     conn.send(("ready", os.getpid()))
     while True:
         try:
-            source, verify, key, entries, shard, dtype, numel, offset = conn.recv()
+            source, verify, key, entries, shard, dtype, numel, offset, spans = conn.recv()
         except (EOFError, ConnectionResetError):
             return
         if entries is not None:
@@ -136,7 +144,9 @@ def _serve(conn: Connection, arena: torch.Tensor) -> None:
         try:
             width = getattr(torch, dtype).itemsize
             dest = arena[offset : offset + numel * width].view(getattr(torch, dtype))
-            conn.send(("ok", read_slices(source, held[key], dest, shard, verify)))
+            chunks = [slice(a, b) for a, b in spans] or None
+            read = read_slices(source, held[key], dest, shard, verify, chunks, lambda k: conn.send(("chunk", k)))
+            conn.send(("ok", read))
         except AdapterFormatError as e:
             conn.send(("error", type(e).__name__ if type(e).__name__ in ERRORS else "AdapterFormatError", str(e)))
         except Exception as e:

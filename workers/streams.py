@@ -2,12 +2,22 @@
 
 ``CudaStreams``: a dedicated ``copy_stream`` for slot loads beside the engine's ``compute_stream``;
 loads wait for a slot's ``last_use`` event on the GPU (lifecycle step 6), never on the host.
-``CpuStreams``: copies are synchronous and every event is complete when recorded.
+``CpuStreams``: the same calls on the CPU. By default copies are synchronous and every event is complete
+when recorded; ``deferred=True`` models the copy stream: copies queue in issue order and run only when
+the compute side waits on one of their events (``compute_wait``) or a test drains them (``run_copies``),
+so a read that skipped its wait sees the slot's old bytes, as on a GPU. ``trace`` (off unless set)
+logs copy-stream waits, chunk copies, compute events and compute waits in issue order, for tests of the
+ordering invariants (chunk events, last-use events: invariant 2).
+
+A load is issued as layer-ordered chunks (``lora_cache.chunks``): ``copy_chunk`` once per chunk, the
+first one after the slot's ``last_use`` event, each recording its own event on ``copy_stream``.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -17,39 +27,80 @@ from lora_cache.errors import ConfigError
 
 
 class HostEvent:
-    """A completed 'event' for the CPU backend: it only remembers when it was recorded."""
+    """An 'event' of the CPU backend: done once its copy ran; ``t`` is when (or when recorded, if no copy)."""
 
-    __slots__ = ("t",)
+    __slots__ = ("done", "label", "t")
 
-    def __init__(self) -> None:
-        self.t = time.perf_counter()
+    def __init__(self, label: object = None, done: bool = True) -> None:
+        self.t, self.label, self.done = time.perf_counter(), label, done
+
+
+TRACE_LEN = 4096  # ops a trace keeps (the oldest drop first)
 
 
 class CpuStreams:
-    """Synchronous stand-in: same calls as CudaStreams, no streams."""
+    """CPU stand-in with the same calls as CudaStreams; see the module docstring for ``deferred``."""
 
     device: torch.device
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, deferred: bool = False) -> None:
+        self.device, self.deferred = device, deferred
+        self._lock = threading.Lock()  # protects _queue (copies issued from reader threads, run by waiters)
+        self._queue: deque[tuple[Callable[[], None], HostEvent]] = deque()  # deferred copies, issue order
+        self.trace: deque[tuple[Any, ...]] | None = None  # set to a deque to log ops (tests)
+
+    def copy_chunk(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None,
+                   then: Callable[[Any], None] | None = None, label: object = None) -> tuple[Any, Any]:
+        """On the copy stream: wait for ``after`` (a slot's last use), ``then(copy_stream)`` (e.g. the
+        slot's kernel metadata), copy ``src`` into ``dst``; returns (start, done) events."""
+        start, end = HostEvent(), HostEvent(label, done=not self.deferred)
+
+        def run() -> None:
+            if then is not None:
+                then(None)
+            dst.copy_(src)
+            end.t, end.done = time.perf_counter(), True
+
+        with self._lock:
+            self._log("copy", label, after, end)
+            if self.deferred:
+                self._queue.append((run, end))
+                return start, end
+        run()
+        return start, end
 
     def copy_into_slot(self, dst: torch.Tensor, src: torch.Tensor, after: Any,
                        then: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
-        """Copy ``src`` into the slot ``dst``; ``then(copy_stream)`` runs next, before the ready event."""
-        start = HostEvent()
-        dst.copy_(src)
-        if then is not None:
-            then(None)
-        return start, HostEvent()
+        """The whole shard as one chunk."""
+        return self.copy_chunk(dst, src, after, then)
 
-    def record_compute(self) -> Any:
-        return HostEvent()
+    def run_copies(self, until: Any = None) -> None:
+        """Deferred mode: run queued copies in order, up to ``until`` (all of them if None)."""
+        while True:
+            with self._lock:
+                if not self._queue or (until is not None and until.done):
+                    return
+                run, _ = self._queue.popleft()
+            run()
+
+    def record_compute(self, label: object = None) -> Any:
+        event = HostEvent(label)
+        with self._lock:
+            self._log("compute", label, event)
+        return event
 
     def compute_wait(self, event: Any) -> None:
-        return None
+        with self._lock:
+            self._log("compute_wait", event)
+        if self.deferred:
+            self.run_copies(until=event)
 
     def done(self, event: Any) -> bool:
-        return True
+        return bool(event.done)
+
+    def host_wait(self, event: Any) -> None:
+        """Block the host until ``event`` completed: only off the hot path (a failed load's cleanup)."""
+        self.run_copies(until=event)
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
         return (end.t - start.t) * 1e3
@@ -57,29 +108,33 @@ class CpuStreams:
     def upload(self, host: torch.Tensor, dev: torch.Tensor) -> None:
         dev.copy_(host)
 
+    def _log(self, *op: Any) -> None:
+        if self.trace is not None:
+            self.trace.append(op)
+
 
 class CudaStreams(CpuStreams):
     """A named copy stream beside the engine's compute stream; all ordering is done on the GPU."""
 
     def __init__(self, device: torch.device, compute_stream: torch.cuda.Stream | None = None) -> None:
-        super().__init__(device)
+        super().__init__(device, deferred=False)
         self.copy_stream = torch.cuda.Stream(device)
         self.compute_stream = compute_stream or torch.cuda.current_stream(device)
 
-    def copy_into_slot(self, dst: torch.Tensor, src: torch.Tensor, after: Any,
-                       then: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
+    def copy_chunk(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None,
+                   then: Callable[[Any], None] | None = None, label: object = None) -> tuple[Any, Any]:
         start, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.copy_stream):
             if after is not None:  # the previous adapter's last batch must be done with this slot
                 self.copy_stream.wait_event(after)
             start.record(self.copy_stream)
-            dst.copy_(src, non_blocking=True)  # one H2D copy of the packed shard, from pinned memory
-            if then is not None:  # e.g. the slot's kernel metadata: valid exactly when the slot is
+            if then is not None:  # e.g. the slot's kernel metadata: valid once the first chunk's event is
                 then(self.copy_stream)
+            dst.copy_(src, non_blocking=True)  # one H2D copy of a chunk of the packed shard, from pinned memory
             ready.record(self.copy_stream)
         return start, ready
 
-    def record_compute(self) -> Any:
+    def record_compute(self, label: object = None) -> Any:
         event = torch.cuda.Event()
         event.record(self.compute_stream)
         return event
@@ -89,6 +144,9 @@ class CudaStreams(CpuStreams):
 
     def done(self, event: Any) -> bool:
         return bool(event.query())
+
+    def host_wait(self, event: Any) -> None:
+        event.synchronize()
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
         return float(start.elapsed_time(end))

@@ -3,6 +3,9 @@
 ``ondemand``: always (the step blocks on loading a cold adapter: engines' default).
 ``overlap``: only once its adapter is READY on every rank; loads for waiting requests start at once on
 the copy stream and run beside the steps of requests whose adapters are ready (SGLang's overlap loading).
+``pipelined``: always, on a partially loaded adapter too: the step does not wait for whole adapters; the
+LoRA op of layer l waits (on the GPU) only for the chunk of the load that holds layer l
+(``workers.pipeline``), so a load's copies (and reads) run under the step's earlier layers.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class AdmissionRule(ABC):
 
     name: ClassVar[str]
     prefetch: ClassVar[bool] = False  # start loads for waiting requests' adapters and report readiness
+    pipelined: ClassVar[bool] = False  # steps wait per layer on load chunks, not on whole adapters
 
     @abstractmethod
     def admits(self, request: Request, ready: Readiness) -> bool:
@@ -60,3 +64,13 @@ class Overlap(AdmissionRule):
 
     def admits(self, request: Request, ready: Readiness) -> bool:
         return request.adapter is None or ready is Readiness.READY
+
+
+@register_admission
+class Pipelined(AdmissionRule):
+    name = "pipelined"
+    prefetch = True  # readiness is still reported (READY means every chunk) and running adapters pinned
+    pipelined = True
+
+    def admits(self, request: Request, ready: Readiness) -> bool:
+        return ready is not Readiness.FAILED

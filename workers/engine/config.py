@@ -28,6 +28,8 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata={"help": "compute and slot dtype (auto: bfloat16 on cuda, "
                                                          "float32 on cpu)"})
     num_slots: int = field(default=8, metadata={"help": "GPU adapter slots per rank"})
+    chunk_bytes: int = field(default=4 << 20, metadata={
+        "help": "least bytes of a load's layer-ordered chunks (0: a chunk per layer); see WorkerConfig"})
     max_rank: int = field(default=64, metadata={"help": "largest LoRA rank served (sizes the slots)"})
     max_running: int = field(default=32, metadata={"help": "most requests running (prefilled, decoding) at once"})
     max_adapters: int = field(default=4, metadata={"help": "most distinct adapters among running requests"})
@@ -55,6 +57,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_seq_len < 2:
             raise ConfigError(f"max_seq_len must be >= 2 (one prompt and one output token), got {self.max_seq_len}")
+        if self.chunk_bytes < 0:
+            raise ConfigError(f"chunk_bytes must be >= 0 (0: a chunk per layer), got {self.chunk_bytes}")
         if self.max_adapters > self.num_slots:
             raise ConfigError(f"max_adapters ({self.max_adapters}) must not exceed num_slots ({self.num_slots}): "
                               "a batch's adapters must all fit in the slots; lower max_adapters or add slots")

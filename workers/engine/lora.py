@@ -14,6 +14,7 @@ import torch
 
 from workers.cache import WorkerCache
 from workers.kernels import BatchMeta, lora_apply_ref
+from workers.pipeline import ChunkWaits
 
 
 class LoraOp:
@@ -28,12 +29,16 @@ class LoraOp:
             self.apply = lora_apply
         self.batch = BatchMeta(max_tokens, max_items, cache.device, num_slots=cache.config.num_slots)
         self.active = False  # False: no item of this step has an adapter, the op adds nothing
+        self.waits: ChunkWaits | None = None  # this step's per-layer waits on loads in flight (pipelined)
 
     def begin(self, slots: Sequence[int], lengths: Sequence[int], prefill: bool, stream: object = None,
-              always: bool = False) -> None:
+              always: bool = False, waits: ChunkWaits | None = None) -> None:
         """Each item's slot (-1: no adapter) and token count, in the order of the step's rows.
         ``always``: launch the kernels even if no item has an adapter (a CUDA graph's step: the
-        captured launches must be there whatever the next batch holds; the kernels skip empty tiles)."""
+        captured launches must be there whatever the next batch holds; the kernels skip empty tiles).
+        ``waits``: the batch's loads in flight (``WorkerCache.acquire(pipelined=True)``): each layer's
+        op first makes the compute stream wait on the chunk that holds that layer."""
+        self.waits = waits
         self.active = always or any(s >= 0 for s in slots)
         if not self.active:
             return
@@ -44,6 +49,8 @@ class LoraOp:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, layer: int, modules: tuple[str, ...]) -> None:
         """y [T, sum(out)] += the LoRA delta of ``modules`` for x [T, in] (this rank's shards)."""
+        if self.waits is not None:
+            self.waits.before(layer)
         if self.active:
             self.apply(x, y, self.cache.pool, self.cache.meta, self.batch, layer, modules)
 

@@ -22,6 +22,7 @@ from lora_cache.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.errors import CapacityError, ConfigError, LoraCacheError
 from lora_cache.planner.records import AdapterKey
 from workers.cache import AdapterRef, Batch, WorkerCache, WorkerConfig, resolve
+from workers.engine.admission import ADMISSION
 from workers.engine.batching import PREFILL, WAIT, Item, StepPlan
 from workers.engine.config import EngineConfig
 from workers.engine.graphs import DecodeGraphs
@@ -30,6 +31,7 @@ from workers.engine.model import KVCache, Rope, ShardedModel, StepInputs, build_
 from workers.engine.tp import Comm
 from workers.engine.versions import RankVersions
 from workers.loader import ReadinessRecord
+from workers.pipeline import ChunkWaits
 
 
 def _key_or_none(catalog: AdapterCatalog, ref: AdapterRef) -> AdapterKey | None:
@@ -135,6 +137,7 @@ class RankEngine:
                 raise ConfigError(f"engine TP {config.tp} rank {comm.rank} does not match its worker cache's "
                                   f"TP {cache.config.tp} rank {cache.config.tp_rank}; start the engine on the "
                                   "replica's own workers, rank k on worker k")
+        self.pipelined = ADMISSION[config.admission].pipelined  # steps wait per layer on chunks of loads
         self.names = self.catalog.names()
         self.index = {n: i for i, n in enumerate(self.names)}
         self.lora = LoraOp(self.cache, max(config.max_prefill_tokens, config.max_running), config.max_running)
@@ -162,7 +165,7 @@ class RankEngine:
         c = self.config
         worker = WorkerConfig(num_slots=c.num_slots, tp=c.tp, tp_rank=self.comm.rank,
                               dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
-                              max_batch=c.max_running + c.max_adapters, host=c.host)
+                              max_batch=c.max_running + c.max_adapters, host=c.host, chunk_bytes=c.chunk_bytes)
         return WorkerCache(worker, self.catalog, compute_stream=self.stream)
 
     def _make_model(self) -> ShardedModel:
@@ -257,7 +260,8 @@ class RankEngine:
         ready = self.cache.ready_keys()
         unready = {ref for ref in named if _key_or_none(self.catalog, ref) not in ready}
         # exactly the admitted versions; one this rank cannot hold fails its requests, never another version
-        batch = self.cache.acquire(named + list(plan.hold), partial=True) if named or plan.hold else None
+        batch = (self.cache.acquire(named + list(plan.hold), partial=True, pipelined=self.pipelined)
+                 if named or plan.hold else None)
         load_wait = time.perf_counter() - start if unready else 0.0
         self._prefetch(plan.prefetch)  # after acquire: a load cannot evict what this step holds
         slot_of = dict(zip(batch.adapters, batch.slots)) if batch is not None else {}
@@ -265,8 +269,10 @@ class RankEngine:
             self._step_failed |= {ref.name if isinstance(ref, AdapterKey) else ref for ref, _ in batch.failed}
         items = list(plan.items)  # rank 0's order on every rank: the all-reduce adds row i to row i
         with self._on_stream():
-            out = self._forward(plan.kind == PREFILL, items, slot_of)
-            if self.config.audit_steps:
+            out = self._forward(plan.kind == PREFILL, items, slot_of, batch.waits if batch is not None else None)
+            if batch is not None and batch.waits is not None:
+                batch.waits.finish()  # the adapters are whole after the step: before any decode graph
+            if self.config.audit_steps:  # after finish: every chunk of what the step read has landed
                 self.stats.audit.append(self._audit(plan.kind, items, batch))
             if batch is not None:
                 self.cache.release(batch)
@@ -302,9 +308,12 @@ class RankEngine:
                 digests[str(key)] = slot_digest(self.cache.pool[slot, : self.cache.layout_in(slot).numel])
         return StepAudit(kind, tuple(it.rid for it in items), tuple(keys), digests)
 
-    def _forward(self, prefill: bool, items: list[Item], slot_of: dict[AdapterRef, int]) -> torch.Tensor:
+    def _forward(self, prefill: bool, items: list[Item], slot_of: dict[AdapterRef, int],
+                 waits: ChunkWaits | None = None) -> torch.Tensor:
         slots = [slot_of[it.ref] if it.ref is not None else -1 for it in items]
         if not prefill and self.graphs is not None:
+            if waits is not None:  # a graph waits on no event: the stream waits for whole adapters first
+                waits.finish()
             return self.graphs.run([it.row for it in items], [it.start for it in items], slots)
         hidden = self.model.shape.hidden_size
         if prefill:
@@ -314,7 +323,7 @@ class RankEngine:
         if not prefill:
             x = self.last.index_select(0, rows)
         step = self._inputs(prefill, items, rows)
-        self.lora.begin(slots, [it.length for it in items], prefill, self.stream)
+        self.lora.begin(slots, [it.length for it in items], prefill, self.stream, waits=waits)
         out = self.model.forward(x, step)
         self.last.index_copy_(0, rows, out)
         return out
