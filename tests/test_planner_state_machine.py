@@ -281,7 +281,7 @@ class PlannerMachine(RuleBasedStateMachine):
             assert within or not prefetches, f"{worker} is planned over capacity {cap}: {after[worker]}"
             assert within or after[worker] <= must_keep, (
                 f"{worker} keeps {after[worker] - must_keep} over capacity")
-            for key in placeable - after[worker]:
+            for key in placeable - after[worker] if after[worker] & far else ():
                 assert not _fits(replica_cap, sorted(after[worker] - far - _spec(after[worker], resident, needed)),
                                  key, size), f"{worker}: needed {key} is left out while far hints {far} hold room"
         speculative = {k for c in planned for p in c.prefetches

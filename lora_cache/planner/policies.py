@@ -16,9 +16,9 @@ Policies are picked by name from `POLICIES`; the rules they share are small func
    (every slot pinned or holding another needed adapter) are read into the workers' host tiers, so
    the load that follows when a slot frees is one host-to-GPU copy, not a disk read and a copy.
    Hints beyond the horizon (`far_hinted`, see `horizon.py`) are not needs: resident ones are kept like
-   incumbents (needs displace them; speculation does not, or it would evict what it let in), the others
-   only take room that rules 1-4 left free (never evicting), ranked before speculation's loads, and
-   are staged after the near needs.
+   incumbents (needs displace them; speculation does not, or it would evict what it let in); the others
+   compete in speculation on their popularity alone, and otherwise only take room that rules 1-4 left
+   free (never evicting), ranked before speculation's loads; they are staged after the near needs.
 """
 
 from __future__ import annotations
@@ -138,8 +138,10 @@ def build_target(view: ReplicaView, scorer: ReplicaScorer, needed: tuple[str, ..
     far = _needed_keys(view, view.far_hinted, chosen)
     far_held = [sk for sk in kept if sk[1] in far]  # speculation may not displace these (no thrash)
     kept = [sk for sk in kept if sk[1] not in far]
-    admitted = _speculate(view, scorer, chosen | set(far), kept, room, config) if speculate else []
-    far_in = _free_room(view, [k for k in far if k not in view.resident], room)  # what nothing else wants
+    held = chosen | {k for _, k in far_held}
+    admitted = _speculate(view, scorer, held, kept, room, config) if speculate else []
+    held |= {k for _, k in admitted}
+    far_in = _free_room(view, [k for k in far if k not in held and k not in view.resident], room)
     popular = sorted(kept + far_held + admitted, key=lambda sk: (-sk[0], sk[1]))
     target = tuple(keys) + tuple(far_in) + tuple(k for _, k in popular)
     homeless = [k for k in wanted if k not in chosen] + [k for k in far if k not in target]
