@@ -43,15 +43,27 @@ def test_a_far_hint_never_evicts_and_is_staged_instead() -> None:
     planner.check_integrity()
 
 
-def test_far_hints_rank_after_queued_and_near_ones_and_before_popularity() -> None:
+def test_far_hints_rank_after_queued_and_near_ones() -> None:
     planner = make(slots=5)
     popular(planner, "r0", {"a7": 80})
     planner.add_hint(Hint("far", "a3", "r0", 60.0), 1.0)
     planner.add_hint(Hint("near", "a4", "r0", 2.5), 1.0)
     queue(planner, "r0", "a1")
     plan = planner.plan(1.0)
-    assert prefetched(plan, "r0/w0") == ["a1", "a4", "a3", "a7"]
+    assert prefetched(plan, "r0/w0") == ["a1", "a4", "a7", "a3"]  # a3 counts as one request: below a7
     assert planner.needed_adapters("r0") == ("a1", "a4")
+
+
+def test_a_resident_far_hinted_adapter_is_not_displaced_by_speculation() -> None:
+    """Speculation could evict it for a more popular adapter, but the far hint would load it back once
+    room frees: kept until a need (queued or near) displaces it."""
+    planner = make(slots=1, tp=1, hysteresis=0.0)
+    planner.add_hint(Hint("far", "a3", "r0", 60.0), 1.0)
+    hold(planner, "r0", "a3")
+    popular(planner, "r0", {"a7": 80})
+    assert planner.plan_all(1.0).is_empty
+    queue(planner, "r0", "a5", now=1.5)
+    assert evicted(planner.plan(1.5), "r0/w0") == ["a3"]
 
 
 def test_a_far_hint_becomes_a_need_when_time_brings_it_within_the_horizon() -> None:
