@@ -22,7 +22,7 @@ from lora_cache.control import ControllerConfig, ControllerCore, HintOutcome, Wo
 from lora_cache.errors import ConflictError
 from lora_cache.metrics import ControllerMetrics
 from lora_cache.planner import Evict
-from lora_cache.readiness import ReadinessEvent
+from lora_cache.readiness import EventsLost, ReadinessEvent, WatchBatch
 
 log = logging.getLogger(__name__)
 
@@ -349,18 +349,27 @@ class ControllerActor:
             self.core.check_adapter(adapter)
         return self.core.readiness.last_seq
 
-    async def wait_events(self, after: int, replica: str | None = None, adapter: str | None = None,
-                          timeout_s: float = 10.0) -> list[ReadinessEvent]:
-        """Readiness events after the cursor ``after``; waits up to ``timeout_s`` for one."""
+    async def poll_events(self, after: int, replica: str | None = None, adapter: str | None = None,
+                          timeout_s: float = 10.0) -> WatchBatch:
+        """Readiness events after the cursor ``after``, waiting up to ``timeout_s`` for one; or at once a
+        resync (the current ready set and the cursor to resume from) if some of them are gone."""
         await self._start()
 
-        def pending() -> list[ReadinessEvent]:
-            return self.core.readiness.events_after(after, replica, adapter)
+        def pending() -> WatchBatch:
+            return self.core.readiness.read(after, replica, adapter)
 
         async with self._events:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._events.wait_for(lambda: bool(pending())), timeout_s)
+                await asyncio.wait_for(self._events.wait_for(lambda: any(pending())), timeout_s)
         return pending()
+
+    async def wait_events(self, after: int, replica: str | None = None, adapter: str | None = None,
+                          timeout_s: float = 10.0) -> list[ReadinessEvent]:
+        """``poll_events`` for readers that cannot take a resync: a gap raises ``EventsLost``."""
+        batch = await self.poll_events(after, replica, adapter, timeout_s)
+        if batch.resync is not None:
+            raise EventsLost(batch.resync)
+        return batch.events
 
     async def status(self) -> dict[str, object]:
         await self._start()
