@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from lora_cache.planner.commands import Evict, Plan, Prefetch, Stage, WorkerCommands
 from lora_cache.planner.config import PlannerConfig
+from lora_cache.planner.durable import Restored, export_state, restore_state
 from lora_cache.planner.errors import PlannerInputError
 from lora_cache.planner.hints import HintBook
 from lora_cache.planner.horizon import Horizon
@@ -285,6 +286,22 @@ class Planner:
         if replica is not None:
             self._fleet.require_replica(replica, "popularity")
         return self._popularity.decayed(adapter, now, replica)
+
+    # -- surviving a controller restart (durable.py) -------------------------------------------------
+    def export_state(self, max_counts: int = 4096) -> dict[str, object]:
+        """Active hints, queues and popularity as plain data (residency comes from the workers)."""
+        return export_state(self._hints, self._fleet.queues, self._popularity, max_counts)
+
+    def restore_state(self, state: dict[str, object], now: float) -> Restored:
+        """Merge what `export_state` gave (before a restart); the replicas it touched are replanned."""
+        self._advance(now)
+        restored = restore_state(state, now, self._hints, self._horizon, self._fleet.queues, self._popularity,
+                                 self._fleet.catalog, self._fleet.workers)
+        if self._policy.uses_hints:
+            self._dirty |= restored.replicas
+        else:
+            self._dirty |= {r for r in restored.replicas if r in self._fleet.queues}
+        return restored
 
     def check_integrity(self) -> None:
         self._fleet.check_integrity()
