@@ -4,6 +4,7 @@ popularity exported from one planner and restored into a fresh one (CPU, no Ray)
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,7 @@ def fill(planner: Planner) -> None:
     planner.record_request("a5", "r1", 1.0, weight=7)
 
 
-def restarted(planner: Planner, now: float, **config: object) -> tuple[Planner, object]:
+def restarted(planner: Planner, now: float, **config: Any) -> tuple[Planner, Any]:
     fresh = make(replicas=2, **config)
     return fresh, fresh.restore_state(decode(encode(planner, DurableConfig())), now)
 
