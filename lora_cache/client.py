@@ -3,7 +3,7 @@
     with LoraCacheClient("127.0.0.1:50051", token="...") as lc:
         lc.hint([Hint("req-17", "adapter-003", "replica-1", expected_in_s=0.2)])
         lc.lookup("adapter-003").ready          # ('replica-1',) once loaded
-        for event in lc.watch(replica="replica-1"): ...
+        for event in lc.watch(replica="replica-1"): ...   # ReadinessEvent, or a Resync if events were lost
 
 Errors come back as ClientError with the gRPC status code name and the server's message.
 """
@@ -95,6 +95,17 @@ class ReadinessEvent(NamedTuple):
     ready: bool
 
 
+class Resync(NamedTuple):
+    """The watch fell behind (or its cursor was from before a controller restart): events after
+    ``lost_after`` may be missing. ``ready`` is the whole ready set now, (replica, adapter, version);
+    the stream goes on with the events after ``seq``."""
+
+    seq: int
+    lost_after: int
+    ready: tuple[tuple[str, str, str], ...]
+    reason: str
+
+
 class Registered(NamedTuple):
     name: str
     version: str
@@ -135,7 +146,11 @@ def _watch_request(replica: str | None, adapter: str | None, after_seq: int | No
     return request
 
 
-def _events(response: pb.WatchReadinessResponse) -> list[ReadinessEvent]:
+def _events(response: pb.WatchReadinessResponse) -> list[ReadinessEvent | Resync]:
+    if response.HasField("resync"):
+        r = response.resync
+        ready = tuple((x.replica, x.adapter, x.version) for x in r.ready_residencies)
+        return [Resync(r.resume_after_seq, r.lost_after_seq, ready, r.reason)]
     return [ReadinessEvent(e.seq, e.replica, e.adapter, e.version, e.state == pb.READINESS_STATE_READY)
             for e in response.events]
 
@@ -204,8 +219,9 @@ class LoraCacheClient(_Base):
         return _lookup(self._call(self.stub.Lookup, pb.LookupRequest(adapter=adapter)))
 
     def watch(self, replica: str | None = None, adapter: str | None = None,
-              after_seq: int | None = None) -> Iterator[ReadinessEvent]:
-        """Readiness events until the caller stops iterating (the stream is then cancelled)."""
+              after_seq: int | None = None) -> Iterator[ReadinessEvent | Resync]:
+        """Readiness events until the caller stops iterating (the stream is then cancelled). A ``Resync``
+        in the stream says events were lost: take its ``ready`` set as the state, then go on."""
         stream = self.stub.WatchReadiness(_watch_request(replica, adapter, after_seq), metadata=self._metadata)
         try:
             for response in stream:
@@ -274,7 +290,7 @@ class AsyncLoraCacheClient(_Base):
         return _lookup(await self._call(self.stub.Lookup, pb.LookupRequest(adapter=adapter)))
 
     async def watch(self, replica: str | None = None, adapter: str | None = None,
-                    after_seq: int | None = None) -> AsyncIterator[ReadinessEvent]:
+                    after_seq: int | None = None) -> AsyncIterator[ReadinessEvent | Resync]:
         stream = self.stub.WatchReadiness(_watch_request(replica, adapter, after_seq), metadata=self._metadata)
         try:
             async for response in stream:

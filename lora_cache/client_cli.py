@@ -21,7 +21,7 @@ from typing import Any
 from google.protobuf.json_format import MessageToDict
 
 from lora_cache.cliargs import add_config_args, config_from_args, shell_path
-from lora_cache.client import ClientConfig, Hint, LoraCacheClient
+from lora_cache.client import ClientConfig, Hint, LoraCacheClient, Resync
 
 
 def _client(ns: argparse.Namespace) -> LoraCacheClient:
@@ -56,7 +56,8 @@ def cmd_lookup(ns: argparse.Namespace) -> int:
 def cmd_watch(ns: argparse.Namespace) -> int:
     with _client(ns) as lc, contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends the watch
         for n, event in enumerate(lc.watch(ns.replica, ns.adapter, ns.after_seq), start=1):
-            print(json.dumps(event._asdict()), flush=True)
+            line = {"resync": event._asdict()} if isinstance(event, Resync) else event._asdict()
+            print(json.dumps(line), flush=True)  # a resync: events were lost, "ready" is the state now
             if n == ns.count:
                 break
     return 0
@@ -108,7 +109,8 @@ def add_client_commands(sub: Any) -> None:
     p = sub.add_parser("watch", help="stream readiness events, one JSON object per line")
     p.add_argument("--replica", help="only this replica's events")
     p.add_argument("--adapter", help="only this adapter's events")
-    p.add_argument("--after-seq", type=int, help="resume after this event sequence number (default: from now)")
+    p.add_argument("--after-seq", type=int, help="resume after this event sequence number (default: from now); "
+                   "if events after it are gone, the first line is {\"resync\": ...} with the state now")
     p.add_argument("--count", type=int, default=0, help="stop after this many events (0: until Ctrl-C)")
     p.set_defaults(func=cmd_watch)
 

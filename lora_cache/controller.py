@@ -1,7 +1,8 @@
 """The controller as a named, detached, restartable Ray actor: it only forwards to ControllerCore.
 
 After a (re)start it first rebuilds its view from the workers' own residency reports (invariant 6),
-with a new, larger epoch; only then does it plan. It sends each worker its commands, aggregates
+with a new, larger epoch, and restores the hints, queue reports and popularity it kept in Ray's GCS
+key-value store (``durable.py``); only then does it plan. It sends each worker its commands, aggregates
 readiness (step 8), answers lookups and long-polls for readiness subscribers.
 """
 
@@ -19,10 +20,11 @@ import ray
 
 from lora_cache import heap
 from lora_cache.control import ControllerConfig, ControllerCore, HintOutcome, WorkerId
+from lora_cache.durable import DurableConfig, KvStore, Snapshots, decode
 from lora_cache.errors import ConflictError
 from lora_cache.metrics import ControllerMetrics
 from lora_cache.planner import Evict
-from lora_cache.readiness import ReadinessEvent
+from lora_cache.readiness import EventsLost, ReadinessEvent, WatchBatch
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +65,14 @@ async def _while_restarting(call: Callable[[], Awaitable[T]]) -> T:
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
 class ControllerActor:
-    def __init__(self, config: ControllerConfig, health_s: float = 0.5, sync_s: float = 5.0) -> None:
+    def __init__(self, config: ControllerConfig, health_s: float = 0.5, sync_s: float = 5.0,
+                 durable: DurableConfig | None = None) -> None:
+        self.started_at = time.time()
+        self.first_plan_at: float | None = None  # the restart blip ends here
         self.core = ControllerCore(config, epoch=time.time_ns() // 1000)  # grows across restarts
+        self.snapshots = Snapshots(durable or DurableConfig())
+        self.store = KvStore(self.snapshots.config.key, NAMESPACE)
+        self.restored: dict[str, int] = {}
         self.handles: dict[WorkerId, Any] = {}
         self.links: dict[WorkerId, Link] = {}  # each worker's incarnation and the last delta applied
         self.health_s, self.sync_s = health_s, sync_s
@@ -81,6 +89,7 @@ class ControllerActor:
             if self._started:
                 return
             await self._rebuild()
+            await self._restore()
             self._started = True
             asyncio.get_running_loop().create_task(self._health_loop())
 
@@ -106,6 +115,28 @@ class ControllerActor:
             self.handles[wid] = handle
             self.links[wid] = Link(info["incarnation"], info["seq"])
             self._publish(self.core.sync_worker(wid, info["residency"]))
+
+    async def _restore(self) -> None:
+        """Hints, queues and popularity from the last snapshot a predecessor wrote (none on a first start)."""
+        try:
+            data = await asyncio.to_thread(self.store.get)
+            if data:
+                restored = self.core.planner.restore_state(decode(data), time.time())
+                self.restored = {k: v for k, v in restored._asdict().items() if isinstance(v, int)}
+                log.info("restored controller state: %s", self.restored)
+        except Exception as e:  # a bad or unreadable snapshot: start without it (hints are re-sent, queues re-reported)
+            log.warning("could not restore the controller's state (%s: %s); starting without it", type(e).__name__, e)
+
+    async def _persist(self) -> None:
+        """A snapshot of what only the controller knows, if due and changed (the write runs on a thread)."""
+        data = self.snapshots.take(self.core.planner, time.monotonic())
+        if data is None:
+            return
+        try:
+            await asyncio.to_thread(self.store.put, data)
+            self.snapshots.written(data)
+        except Exception as e:  # GCS unreachable: the next period tries again
+            log.warning("could not save the controller's state: %s", e)
 
     async def _resync(self, wid: WorkerId) -> None:
         """Repair lost deltas (or commands): replace what is known of a worker by its full report."""
@@ -137,6 +168,7 @@ class ControllerActor:
                     log.warning("worker %s is not answering: dropping its residency", wid)
                     self._publish(self.core.worker_lost(wid))
             await self._plan(full=True)
+            await self._persist()
 
     # -- topology and adapters ------------------------------------------------------------------
     async def add_replica(self, replica: str, tp: int, slots: int) -> list[str]:
@@ -301,6 +333,8 @@ class ControllerActor:
     async def _plan(self, full: bool = False) -> None:
         t0 = time.perf_counter()
         plan = self.core.plan(time.time(), full=full)
+        if self.first_plan_at is None:
+            self.first_plan_at = time.time()
         kinds = Counter(type(c).__name__.lower() for cmds in plan.values() for c in cmds)
         self.metrics.plan(time.perf_counter() - t0, full, kinds)
         sends = [(wid, self.handles[wid].apply.remote(cmds)) for wid, cmds in plan.items() if wid in self.handles]
@@ -349,22 +383,33 @@ class ControllerActor:
             self.core.check_adapter(adapter)
         return self.core.readiness.last_seq
 
-    async def wait_events(self, after: int, replica: str | None = None, adapter: str | None = None,
-                          timeout_s: float = 10.0) -> list[ReadinessEvent]:
-        """Readiness events after the cursor ``after``; waits up to ``timeout_s`` for one."""
+    async def poll_events(self, after: int, replica: str | None = None, adapter: str | None = None,
+                          timeout_s: float = 10.0) -> WatchBatch:
+        """Readiness events after the cursor ``after``, waiting up to ``timeout_s`` for one; or at once a
+        resync (the current ready set and the cursor to resume from) if some of them are gone."""
         await self._start()
 
-        def pending() -> list[ReadinessEvent]:
-            return self.core.readiness.events_after(after, replica, adapter)
+        def pending() -> WatchBatch:
+            return self.core.readiness.read(after, replica, adapter)
 
         async with self._events:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._events.wait_for(lambda: bool(pending())), timeout_s)
+                await asyncio.wait_for(self._events.wait_for(lambda: any(pending())), timeout_s)
         return pending()
+
+    async def wait_events(self, after: int, replica: str | None = None, adapter: str | None = None,
+                          timeout_s: float = 10.0) -> list[ReadinessEvent]:
+        """``poll_events`` for readers that cannot take a resync: a gap raises ``EventsLost``."""
+        batch = await self.poll_events(after, replica, adapter, timeout_s)
+        if batch.resync is not None:
+            raise EventsLost(batch.resync)
+        return batch.events
 
     async def status(self) -> dict[str, object]:
         await self._start()
-        return {**self.core.status(), "workers": len(self.handles), "rejected_commands": self.rejected}
+        return {**self.core.status(), "workers": len(self.handles), "rejected_commands": self.rejected,
+                "started_at": self.started_at, "first_plan_at": self.first_plan_at, "restored": self.restored,
+                "snapshots_written": self.snapshots.writes}
 
     async def worker_stats(self, timeout_s: float = 2.0) -> list[dict[str, object]]:
         """Each worker's cache counters (``stats`` None if it did not answer in time) and slot count."""

@@ -2,7 +2,10 @@
 
 A replica is ready for ``adapter@version`` only when every one of its TP ranks reported it READY
 (invariant 4). The index answers "where is A ready or loading?" and keeps a bounded, sequenced log of
-replica-level events that subscribers read from a cursor.
+replica-level events that subscribers read from a cursor. A subscriber whose cursor points before what
+the log still holds (it fell behind ``max_events``, or the cursor is from before a controller restart)
+or past its newest event gets a ``Resync`` instead of a silent gap: the current ready set and the cursor
+to resume from.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
-from lora_cache.errors import NotFoundError
+from lora_cache.errors import ConflictError, NotFoundError
 
 
 class RankState(Enum):
@@ -26,6 +29,31 @@ class ReadinessEvent(NamedTuple):
     adapter: str
     version: str
     ready: bool  # True: every rank ready; False: the replica stopped being ready (evicted, rank lost)
+
+
+class Resync(NamedTuple):
+    """Events after a subscriber's cursor are gone: here is the state instead, and where to go on from."""
+
+    resume_after: int  # the cursor to continue from: no event after it is lost
+    lost_after: int  # the subscriber's cursor: events after it (up to resume_after) may have been missed
+    ready: tuple[tuple[str, str, str], ...]  # (replica, adapter, version) ready now, filtered like the watch
+    reason: str
+
+
+class WatchBatch(NamedTuple):
+    """One read of the log: events after the cursor, or a resync (then no events)."""
+
+    events: list[ReadinessEvent]
+    resync: Resync | None = None
+
+
+class EventsLost(ConflictError):
+    """Raised by readers that cannot take a resync: the events after the cursor are gone."""
+
+    def __init__(self, resync: Resync) -> None:
+        super().__init__(f"readiness events after {resync.lost_after} are gone ({resync.reason}); resume after "
+                         f"{resync.resume_after} from the current state ({len(resync.ready)} ready residencies)")
+        self.resync = resync
 
 
 class Lookup(NamedTuple):
@@ -45,9 +73,11 @@ class ReadinessIndex:
     _events: deque[ReadinessEvent] = field(default_factory=deque)
     start_seq: int = 0  # the controller passes its epoch, so sequence numbers grow across restarts
     _seq: int = 0
+    _floor: int = 0  # the newest sequence number whose event is no longer in the log (start_seq at first)
 
     def __post_init__(self) -> None:
         self._seq = max(self._seq, self.start_seq)
+        self._floor = max(self._floor, self.start_seq)
 
     def add_replica(self, replica: str, tp: int) -> None:
         self._tp[replica] = tp
@@ -94,7 +124,7 @@ class ReadinessIndex:
         event = ReadinessEvent(self._seq, key[0], key[1], key[2], now)
         self._events.append(event)
         if len(self._events) > self.max_events:
-            self._events.popleft()
+            self._floor = self._events.popleft().seq
         return [event]
 
     def is_ready(self, replica: str, adapter: str, version: str) -> bool:
@@ -110,6 +140,26 @@ class ReadinessIndex:
         """Events with a sequence number above ``seq`` (the subscriber's cursor), optionally filtered."""
         out = [e for e in self._events if e.seq > seq and replica in (None, e.replica) and adapter in (None, e.adapter)]
         return out[:limit]
+
+    def read(self, after: int, replica: str | None = None, adapter: str | None = None,
+             limit: int = 1000) -> WatchBatch:
+        """What a subscriber at cursor ``after`` (0: from the oldest event of this controller) reads next:
+        the events after it, or a ``Resync`` when some of them are gone or the cursor is foreign."""
+        reason = self._gap(after)
+        if reason is None:
+            return WatchBatch(self.events_after(after or self.start_seq, replica, adapter, limit))
+        ready = tuple(sorted(k for k in self._ready if replica in (None, k[0]) and adapter in (None, k[1])))
+        return WatchBatch([], Resync(self._seq, after, ready, reason))
+
+    def _gap(self, after: int) -> str | None:
+        if after > self._seq:
+            return f"cursor {after} is past the newest event {self._seq} (from another controller or cluster)"
+        if 0 < after < self.start_seq:
+            return f"cursor {after} is from before the controller restarted (its events start after {self.start_seq})"
+        if (after or self.start_seq) < self._floor:
+            return (f"the subscriber fell behind: the event log keeps the last {self.max_events} events, "
+                    f"the oldest kept is {self._floor + 1}")
+        return None
 
     @property
     def last_seq(self) -> int:
@@ -135,3 +185,5 @@ class ReadinessIndex:
             assert len(ranks) == self._tp[key[0]] and all(s is RankState.READY for s in ranks.values()), \
                 f"{key} marked ready but not every rank is READY"
         assert len(self._events) <= self.max_events
+        assert self.start_seq <= self._floor <= self._seq, "event log floor out of range"
+        assert not self._events or self._events[0].seq == self._floor + 1, "a gap below the oldest kept event"

@@ -147,6 +147,6 @@ def wait_ready(controller: Any, adapter: str, replica: str, timeout_s: float = 6
     while time.monotonic() - t0 < timeout_s:
         if replica in ray.get(controller.lookup.remote(adapter))["ready"]:
             return time.monotonic() - t0
-        events = ray.get(controller.wait_events.remote(cursor, replica, adapter, 1.0))
-        cursor = max([cursor, *(e.seq for e in events)])
+        batch = ray.get(controller.poll_events.remote(cursor, replica, adapter, 1.0))
+        cursor = batch.resync.resume_after if batch.resync else max([cursor, *(e.seq for e in batch.events)])
     raise TimeoutError(f"replica {replica} not ready for {adapter} within {timeout_s} s")

@@ -224,8 +224,8 @@ def test_none_policy_plans_nothing() -> None:
 def test_global_orders_queue_then_hints_by_expected_time_then_popularity() -> None:
     planner = make(slots=5)
     popular(planner, "r0", {"a6": 50, "a7": 80})
-    planner.add_hint(Hint("late", "a3", "r0", 9.0), 1.0)
-    planner.add_hint(Hint("soon", "a4", "r0", 3.0), 1.0)
+    planner.add_hint(Hint("late", "a3", "r0", 3.0), 1.0)  # within the horizon (2 s ahead by default)
+    planner.add_hint(Hint("soon", "a4", "r0", 2.5), 1.0)
     planner.add_hint(Hint("dup-of-queued", "a1", "r0", 2.0), 1.0)
     queue(planner, "r0", "a1", "a0")
     plan = planner.plan(1.0)

@@ -6,6 +6,9 @@ after every plan:
 - no worker is planned over capacity (held - evicts + prefetches, loading included), unless what it
   keeps is all pinned or needed and nothing is prefetched;
 - every needed adapter that fits is planned before any popularity prefetch (and at a lower priority);
+- hints beyond the horizon are not needs: they hold no slot that a needed (queued or near-hinted)
+  adapter could use, and a prefetch for one never comes with an eviction that the rest of the plan
+  does not need (far hints only fill free room); they are staged only after the needs;
 - the plan is deterministic: a second planner fed the same inputs in another order (catalog, replicas,
   residency lines) gives the same commands;
 - a second plan at the same time never evicts what the first prefetched (no thrash);
@@ -14,6 +17,7 @@ after every plan:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -53,6 +57,7 @@ class Snapshot(NamedTuple):
     capacity: dict[str, Capacity]
     residency: dict[str, dict[AdapterKey, Residency]]
     needed: dict[str, tuple[str, ...]]
+    far: dict[str, tuple[str, ...]]  # adapters hinted beyond the horizon only (not queued, no near hint)
     catalog: dict[str, AdapterInfo]
 
 
@@ -64,15 +69,17 @@ class PlannerMachine(RuleBasedStateMachine):
                 budgets=st.lists(BUDGETS, min_size=3, max_size=3),
                 sizes=st.lists(st.sampled_from(SIZES), min_size=len(ADAPTERS), max_size=len(ADAPTERS)),
                 hysteresis=st.sampled_from([0.0, 0.25, 2.0]), max_prefetches=st.integers(0, 3),
-                local_weight=st.sampled_from([0.0, 0.5, 1.0]), max_staged=st.integers(0, 3))
+                local_weight=st.sampled_from([0.0, 0.5, 1.0]), max_staged=st.integers(0, 3),
+                horizon=st.sampled_from([0.0, 2.0, 5.0]))
     def setup(self, tps: list[int], slots: list[int], budgets: list[int | None], sizes: list[int],
-              hysteresis: float, max_prefetches: int, local_weight: float, max_staged: int) -> None:
+              hysteresis: float, max_prefetches: int, local_weight: float, max_staged: int,
+              horizon: float) -> None:
         specs = [ReplicaSpec(r, tuple(f"{r}/w{k}" for k in range(tp)), s, b)
                  for r, tp, s, b in zip(REPLICAS, tps, slots, budgets, strict=True)]
         infos = [AdapterInfo(a, "v1", size) for a, size in zip(ADAPTERS, sizes, strict=True)]
         config = PlannerConfig(policy=self.POLICY, half_life_s=10.0, hint_ttl_s=8.0, hysteresis=hysteresis,
                                max_prefetches_per_plan=max_prefetches, local_weight=local_weight,
-                               max_staged_per_replica=max_staged)
+                               max_staged_per_replica=max_staged, hint_horizon_s=horizon)
         self.planner = Planner(config, EPOCH, infos, specs)
         self.shadow = Planner(config, EPOCH, infos[::-1], specs[::-1])  # same inputs, another order
         self.now = 0.0
@@ -186,8 +193,13 @@ class PlannerMachine(RuleBasedStateMachine):
     def _plan_twice(self, first_call: Callable[[Planner], Plan]) -> None:
         self._both(lambda p: p.advance(self.now))  # expire hints first: the snapshot must see what plan sees
         before = self._snapshot()
+        counterfactual = self._without_far_loads(before)
         first = self._both(first_call)[1]
         self._check_plan(first, before)
+        for worker in (w for r in first.replicas for w in before.workers[r]):  # far loads never change evicts
+            with_far, without = (_evicts(p, worker) for p in (first, counterfactual))
+            assert with_far == without, (f"{worker} evicts {with_far} with far hints {before.far}, "
+                                         f"{without} without them: far hints changed what is evicted")
         after = self._snapshot()
         second = self._both(lambda p: p.plan_all(self.now))[1]
         self._check_plan(second, after)
@@ -196,6 +208,17 @@ class PlannerMachine(RuleBasedStateMachine):
             loaded = {(c.adapter, c.version) for c in earlier.prefetches} if earlier else set()
             thrash = loaded & {(c.adapter, c.version) for c in commands.evicts}
             assert not thrash, f"{commands.worker} evicts {thrash} right after prefetching it"
+
+    def _without_far_loads(self, snap: Snapshot) -> Plan:
+        """The plan of a copy of the planner whose far hints for adapters its replica does not hold are
+        cancelled (resident ones stay: they are kept, and kept the same way, either way)."""
+        other = copy.deepcopy(self.planner)
+        for replica, far in snap.far.items():
+            resident = {k.name for w in snap.workers[replica] for k in snap.residency[w]}
+            for hint in other.hints(replica):
+                if hint.adapter in far and hint.adapter not in resident:
+                    other.cancel_hint(hint.hint_id, self.now)
+        return other.plan_all(self.now)
 
     def _check_plan(self, plan: Plan, snap: Snapshot) -> None:
         assert plan.epoch == EPOCH and len(set(plan.replicas)) == len(plan.replicas)
@@ -221,6 +244,8 @@ class PlannerMachine(RuleBasedStateMachine):
         needed = [snap.catalog[a].key for a in snap.needed[replica]]
         size.update({k: snap.catalog[k.name].bytes_per_rank for k in needed})
         placeable = {k for k in needed if _fits(replica_cap, [], k, size)}
+        far = {snap.catalog[a].key for a in snap.far[replica]} - pinned
+        size.update({k: snap.catalog[k.name].bytes_per_rank for k in far})
         must_keep = pinned | (set(needed) & resident)
         by_worker = {c.worker: c for c in planned}
         after: dict[str, set[AdapterKey]] = {}
@@ -244,9 +269,11 @@ class PlannerMachine(RuleBasedStateMachine):
             assert len(stages) <= self.planner.config.max_staged_per_replica, f"{worker} staged {stages}: too many"
             assert not stages or self.POLICY == "global", f"policy {self.POLICY!r} staged {stages}"
             for key in stages:
-                assert key in needed, f"{worker} stages {key}, which no queued or hinted request needs"
+                assert key in needed or key in far, f"{worker} stages {key}, which no queued or hinted request needs"
                 assert key not in held[worker] and key not in {k for _, k in prefetches}, (
                     f"{worker} stages {key}, which it holds or is told to load")
+            far_stages = [i for i, k in enumerate(stages) if k in far and k not in needed]
+            assert all(i >= len(stages) - len(far_stages) for i in far_stages), f"{worker}: far hints staged first"
             after[worker] = (held[worker].keys() - evicts) | {k for _, k in prefetches}
             cap = snap.capacity[worker]
             within = len(after[worker]) <= cap.slots and (
@@ -254,6 +281,9 @@ class PlannerMachine(RuleBasedStateMachine):
             assert within or not prefetches, f"{worker} is planned over capacity {cap}: {after[worker]}"
             assert within or after[worker] <= must_keep, (
                 f"{worker} keeps {after[worker] - must_keep} over capacity")
+            for key in placeable - after[worker] if after[worker] & far else ():
+                assert not _fits(replica_cap, sorted(after[worker] - far - _spec(after[worker], resident, needed)),
+                                 key, size), f"{worker}: needed {key} is left out while far hints {far} hold room"
         speculative = {k for c in planned for p in c.prefetches
                        if (k := AdapterKey(p.adapter, p.version)) not in resident | set(needed)}
         if not speculative:
@@ -287,8 +317,12 @@ class PlannerMachine(RuleBasedStateMachine):
         p = self.planner
         workers = {r: p.workers(r) for r in p.replicas()}
         every = [w for ws in workers.values() for w in ws]
+        needed = {r: p.needed_adapters(r) for r in workers}
+        horizon = p.config.hint_horizon_s
+        far = {r: tuple(dict.fromkeys(h.adapter for h in p.hints(r) if h.expected_s - horizon > self.now
+                                      and h.adapter not in needed[r])) for r in workers}
         return Snapshot(workers, {w: p.capacity(w) for w in every}, {w: p.residency(w) for w in every},
-                        {r: p.needed_adapters(r) for r in workers}, {a: p.adapter(a) for a in ADAPTERS})
+                        needed, far, {a: p.adapter(a) for a in ADAPTERS})
 
     def _workers(self) -> list[str]:
         return sorted(w for r in self.planner.replicas() for w in self.planner.workers(r))
@@ -309,6 +343,16 @@ class PlannerMachine(RuleBasedStateMachine):
             "release": (SlotState.READY, 0),
         }[action]
         return ResidencyEntry(key.name, key.version, state, refcount)
+
+
+def _evicts(plan: Plan, worker: str) -> tuple[Any, ...]:
+    commands = plan.for_worker(worker)
+    return commands.evicts if commands else ()
+
+
+def _spec(after: set[AdapterKey], resident: set[AdapterKey], needed: list[AdapterKey]) -> set[AdapterKey]:
+    """Keys loaded for popularity alone: planned, neither resident before nor needed."""
+    return after - resident - set(needed)
 
 
 def _fits(cap: Capacity, base: list[AdapterKey], key: AdapterKey, size: dict[AdapterKey, int]) -> bool:

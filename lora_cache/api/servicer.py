@@ -20,7 +20,7 @@ from lora_cache.api import validate
 from lora_cache.api.ingest import HintIngest
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.errors import CapacityError, ConflictError, LoraCacheError, NotFoundError
-from lora_cache.readiness import ReadinessEvent
+from lora_cache.readiness import ReadinessEvent, Resync
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,12 @@ def _worker_status(w: dict[str, Any]) -> pb.WorkerStatus:
                            counters=_counters([s]))
 
 
+def _resync(r: Resync) -> pb.ReadinessResync:
+    ready = [pb.ReadyResidency(replica=replica, adapter=a, version=v) for replica, a, v in r.ready]
+    return pb.ReadinessResync(resume_after_seq=r.resume_after, lost_after_seq=r.lost_after, reason=r.reason,
+                              ready_residencies=ready)
+
+
 def _event(e: ReadinessEvent) -> pb.ReadinessEvent:
     state = pb.READINESS_STATE_READY if e.ready else pb.READINESS_STATE_NOT_READY
     return pb.ReadinessEvent(seq=e.seq, replica=e.replica, adapter=e.adapter, version=e.version, state=state)
@@ -105,12 +111,15 @@ class Servicer:
     async def watch_readiness(self, request: pb.WatchReadinessRequest) -> AsyncIterator[pb.WatchReadinessResponse]:
         replica, adapter, after = validate.watch(request)
         newest = await self.controller.begin_watch.remote(replica, adapter)
-        cursor = newest if after is None else after if after <= newest else 0  # beyond: a pre-restart cursor
+        cursor = newest if after is None else after  # a lost or foreign cursor gets a resync, never a gap
         while True:
-            events = await self.controller.wait_events.remote(cursor, replica, adapter, self.watch_poll_s)
-            if events:
-                cursor = events[-1].seq
-                yield pb.WatchReadinessResponse(events=[_event(e) for e in events])
+            batch = await self.controller.poll_events.remote(cursor, replica, adapter, self.watch_poll_s)
+            if batch.resync is not None:
+                cursor = batch.resync.resume_after
+                yield pb.WatchReadinessResponse(resync=_resync(batch.resync))
+            elif batch.events:
+                cursor = batch.events[-1].seq
+                yield pb.WatchReadinessResponse(events=[_event(e) for e in batch.events])
 
     async def register_adapter(self, request: pb.RegisterAdapterRequest) -> pb.RegisterAdapterResponse:
         name, path = validate.register(request)

@@ -29,6 +29,9 @@ class PlannerConfig:
         "help": "popular adapters examined per replica per plan before giving up on filling room"})
     hint_ttl_s: float = field(default=30.0, metadata={
         "help": "a hint not fulfilled by a queued request this long after its expected time is dropped"})
+    hint_horizon_s: float = field(default=2.0, metadata={
+        "help": "hints expected further ahead than this are far: they only fill free GPU room (or are staged), "
+                "after queued requests and nearer hints, and never evict; within it they are ordinary hints"})
     max_hints_per_replica: int = field(default=1024, metadata={"help": "active hints kept per replica"})
     max_tracked_per_replica: int = field(default=4096, metadata={
         "help": "adapters whose per-replica counts are kept (the least popular are forgotten)"})
@@ -39,6 +42,10 @@ class PlannerConfig:
                               f"choose one of {known_names(POLICIES)}")
         _positive_seconds("half_life_s", self.half_life_s, "60.0")
         _positive_seconds("hint_ttl_s", self.hint_ttl_s, "30.0")
+        if not _finite(self.hint_horizon_s) or self.hint_horizon_s < 0:
+            raise ConfigError(f"hint_horizon_s is {self.hint_horizon_s!r}; give a finite number of seconds >= 0, "
+                              "e.g. 2.0 (hints expected further ahead only fill free room; 0: only hints due now "
+                              "may evict)")
         if not _finite(self.local_weight) or not 0.0 <= self.local_weight <= 1.0:
             raise ConfigError(f"local_weight is {self.local_weight!r}; give a weight in [0, 1] "
                               "(0: fleet-wide counts only, 1: the replica's own counts only)")

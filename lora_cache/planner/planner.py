@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 from lora_cache.planner.commands import Evict, Plan, Prefetch, Stage, WorkerCommands
 from lora_cache.planner.config import PlannerConfig
+from lora_cache.planner.durable import Restored, export_state, restore_state
 from lora_cache.planner.errors import PlannerInputError
 from lora_cache.planner.hints import HintBook
+from lora_cache.planner.horizon import Horizon
 from lora_cache.planner.policies import POLICIES, ReplicaView, Room, Target
 from lora_cache.planner.popularity import Popularity
 from lora_cache.planner.records import (
@@ -67,6 +69,7 @@ class Planner:
         self._policy = POLICIES[config.policy]()
         self._fleet = FleetState()
         self._hints = HintBook(config.hint_ttl_s, config.max_hints_per_replica)
+        self._horizon = Horizon(config.hint_horizon_s)  # far hints only fill free room
         self._popularity = Popularity(config.half_life_s, config.max_tracked_per_replica)
         self._dirty: set[str] = set()  # replicas whose plan inputs changed since they were last planned
         self._now: float | None = None  # the latest time given
@@ -164,6 +167,7 @@ class Planner:
             self.stats.hints_ignored += 1
             return False
         self._popularity.observe(hint.adapter, hint.replica, now)
+        self._horizon.watch(hint, now, self._hints.active)
         if self._policy.uses_hints:
             self._dirty.add(hint.replica)
         return True
@@ -260,7 +264,8 @@ class Planner:
         return tuple(self._hints.for_replica(replica))
 
     def needed_adapters(self, replica: str) -> tuple[str, ...]:
-        """What the policy treats as needed soon at `replica` (never evicted there), most urgent first."""
+        """What the policy treats as needed soon at `replica` (never evicted there), most urgent first:
+        the queue, then hints within the horizon (far hints are not needs: they only fill free room)."""
         self._fleet.require_replica(replica, "needed_adapters")
         view = self._view(replica)
         return view.queued + view.hinted
@@ -282,10 +287,27 @@ class Planner:
             self._fleet.require_replica(replica, "popularity")
         return self._popularity.decayed(adapter, now, replica)
 
+    # -- surviving a controller restart (durable.py) -------------------------------------------------
+    def export_state(self, max_counts: int = 4096) -> dict[str, object]:
+        """Active hints, queues and popularity as plain data (residency comes from the workers)."""
+        return export_state(self._hints, self._fleet.queues, self._popularity, max_counts)
+
+    def restore_state(self, state: dict[str, object], now: float) -> Restored:
+        """Merge what `export_state` gave (before a restart); the replicas it touched are replanned."""
+        self._advance(now)
+        restored = restore_state(state, now, self._hints, self._horizon, self._fleet.queues, self._popularity,
+                                 self._fleet.catalog, self._fleet.workers)
+        if self._policy.uses_hints:
+            self._dirty |= restored.replicas
+        else:
+            self._dirty |= {r for r in restored.replicas if r in self._fleet.queues}
+        return restored
+
     def check_integrity(self) -> None:
         self._fleet.check_integrity()
         self._hints.check_integrity()
         self._popularity.check_integrity()
+        self._horizon.check_integrity(self._hints.active, self._now)
         replicas = self._fleet.workers.keys()
         assert self._dirty <= replicas, f"dirty flags for unknown replicas {self._dirty - replicas}"
         assert self._hints.by_replica.keys() <= replicas, "hints kept for an unknown replica"
@@ -302,7 +324,7 @@ class Planner:
                                     "one monotonic clock (e.g. time.monotonic()) to every planner call")
         self._now = now
         self._popularity.advance(now)
-        touched = self._hints.expire(now)
+        touched = self._hints.expire(now) | self._horizon.due(now, self._hints.active)
         if self._policy.uses_hints:
             self._dirty |= touched & self._fleet.workers.keys()
 
@@ -335,11 +357,13 @@ class Planner:
                     pinned.add(key)
         queued = _unique(e.adapter for e in self._fleet.queues.get(replica, ()))
         hinted: tuple[str, ...] = ()
+        far: tuple[str, ...] = ()
         if self._policy.uses_hints:
-            waiting = set(queued)
-            hinted = _unique(h.adapter for h in self._hints.for_replica(replica) if h.adapter not in waiting)
+            near_hints, far_hints = self._horizon.split(self._hints.for_replica(replica), self._now or 0.0)
+            hinted = _unique(h.adapter for h in near_hints if h.adapter not in set(queued))
+            far = _unique(h.adapter for h in far_hints if h.adapter not in set(queued) | set(hinted))
         return ReplicaView(replica, self._fleet.replica_capacity(replica), frozenset(resident),
-                           frozenset(pinned), queued, hinted, self._fleet.catalog, self._fleet.min_bytes())
+                           frozenset(pinned), queued, hinted, self._fleet.catalog, self._fleet.min_bytes(), far)
 
     def _diff(self, worker: str, replica: str, target: Target) -> WorkerCommands | None:
         """One worker's commands to move from what it holds to `target`, within its own capacity.

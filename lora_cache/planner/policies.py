@@ -15,6 +15,10 @@ Policies are picked by name from `POLICIES`; the rules they share are small func
 5. staging (`global` only): the first `max_staged_per_replica` needed adapters that found no GPU room
    (every slot pinned or holding another needed adapter) are read into the workers' host tiers, so
    the load that follows when a slot frees is one host-to-GPU copy, not a disk read and a copy.
+   Hints beyond the horizon (`far_hinted`, see `horizon.py`) are not needs: resident ones are kept like
+   incumbents (needs displace them; speculation does not, or it would evict what it let in); the others
+   compete in speculation on their popularity alone, and otherwise only take room that rules 1-4 left
+   free (never evicting), ranked before speculation's loads; they are staged after the near needs.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class ReplicaView(NamedTuple):
     hinted: tuple[str, ...]  # adapters of active hints by expected time, no repeats, none queued
     catalog: Mapping[str, AdapterInfo]
     min_bytes: int  # the smallest shard in the catalog
+    far_hinted: tuple[str, ...] = ()  # hints beyond the horizon (none queued or near): free room only (horizon.py)
 
 
 class Target(NamedTuple):
@@ -130,10 +135,28 @@ def build_target(view: ReplicaView, scorer: ReplicaScorer, needed: tuple[str, ..
     keys += _admit_needed(view, wanted, room)
     chosen = set(keys)
     kept = _trim(_incumbents(view, chosen, scorer), room, view)
-    admitted = _speculate(view, scorer, chosen, kept, room, config) if speculate else []
-    popular = sorted(kept + admitted, key=lambda sk: (-sk[0], sk[1]))
-    staged = tuple(k for k in wanted if k not in chosen)[:config.max_staged_per_replica] if stage else ()
-    return Target(tuple(keys) + tuple(k for _, k in popular), frozenset(k for _, k in admitted), staged)
+    far = _needed_keys(view, view.far_hinted, chosen)
+    far_held = [sk for sk in kept if sk[1] in far]  # speculation may not displace these (no thrash)
+    kept = [sk for sk in kept if sk[1] not in far]
+    held = chosen | {k for _, k in far_held}
+    admitted = _speculate(view, scorer, held, kept, room, config) if speculate else []
+    held |= {k for _, k in admitted}
+    far_in = _free_room(view, [k for k in far if k not in held and k not in view.resident], room)
+    popular = sorted(kept + far_held + admitted, key=lambda sk: (-sk[0], sk[1]))
+    target = tuple(keys) + tuple(far_in) + tuple(k for _, k in popular)
+    homeless = [k for k in wanted if k not in chosen] + [k for k in far if k not in target]
+    staged = tuple(homeless)[:config.max_staged_per_replica] if stage else ()
+    return Target(target, frozenset(k for _, k in admitted), staged)
+
+
+def _free_room(view: ReplicaView, keys: list[AdapterKey], room: Room) -> list[AdapterKey]:
+    """The keys that fit the room left free, in order; nothing is displaced for them."""
+    admitted = []
+    for key in keys:
+        if room.fits(_size(view, key)):
+            room.take(_size(view, key))
+            admitted.append(key)
+    return admitted
 
 
 def _needed_keys(view: ReplicaView, needed: Iterable[str], pinned: set[AdapterKey]) -> list[AdapterKey]:

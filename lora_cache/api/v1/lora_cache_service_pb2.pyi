@@ -133,11 +133,35 @@ class ReadinessEvent(_message.Message):
     state: ReadinessState
     def __init__(self, seq: _Optional[int] = ..., replica: _Optional[str] = ..., adapter: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[ReadinessState, str]] = ...) -> None: ...
 
+class ReadyResidency(_message.Message):
+    __slots__ = ("replica", "adapter", "version")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    adapter: str
+    version: str
+    def __init__(self, replica: _Optional[str] = ..., adapter: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+
+class ReadinessResync(_message.Message):
+    __slots__ = ("resume_after_seq", "lost_after_seq", "ready_residencies", "reason")
+    RESUME_AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LOST_AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    READY_RESIDENCIES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    resume_after_seq: int
+    lost_after_seq: int
+    ready_residencies: _containers.RepeatedCompositeFieldContainer[ReadyResidency]
+    reason: str
+    def __init__(self, resume_after_seq: _Optional[int] = ..., lost_after_seq: _Optional[int] = ..., ready_residencies: _Optional[_Iterable[_Union[ReadyResidency, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class WatchReadinessResponse(_message.Message):
-    __slots__ = ("events",)
+    __slots__ = ("events", "resync")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[ReadinessEvent]
-    def __init__(self, events: _Optional[_Iterable[_Union[ReadinessEvent, _Mapping]]] = ...) -> None: ...
+    resync: ReadinessResync
+    def __init__(self, events: _Optional[_Iterable[_Union[ReadinessEvent, _Mapping]]] = ..., resync: _Optional[_Union[ReadinessResync, _Mapping]] = ...) -> None: ...
 
 class RegisterAdapterRequest(_message.Message):
     __slots__ = ("name", "path")

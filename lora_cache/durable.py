@@ -1,0 +1,102 @@
+"""Controller state that survives a controller restart: hints, queue reports, popularity (issue 19).
+
+Residency is rebuilt from the workers' reports (invariant 6); what only the controller knew is kept in
+Ray's GCS key-value store (``ray.experimental.internal_kv``, what Ray itself keeps its own metadata in):
+the health loop takes a bounded snapshot at most every ``period_s``, and only when it changed, and the
+write runs on a thread, off the event loop that serves hints. A restarted controller restores it after
+the rebuild and before its first plan. What happened in the last period before a crash is lost: routers
+re-send hints and engines re-report queues, and a lost hint costs latency, never correctness
+(invariant 7).
+
+``Snapshots`` is the plain core (encoding, the bound, the throttle); ``KvStore`` is the thin Ray shell.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from lora_cache.errors import ConfigError
+from lora_cache.planner import Planner
+
+
+@dataclass(frozen=True)
+class DurableConfig:
+    """How the controller keeps its state across restarts."""
+
+    period_s: float = field(default=1.0, metadata={"help": "at most one state snapshot per this many seconds"})
+    max_bytes: int = field(default=4 << 20, metadata={"help": "bound of one snapshot; popularity is cut to fit"})
+    max_counts: int = field(default=4096, metadata={"help": "popularity counts kept per counter in a snapshot"})
+    key: str = field(default="controller-state/v1", metadata={"help": "key in Ray's GCS key-value store"})
+
+    def __post_init__(self) -> None:
+        if isinstance(self.period_s, bool) or not isinstance(self.period_s, int | float) \
+                or not math.isfinite(self.period_s) or self.period_s <= 0:
+            raise ConfigError(f"period_s is {self.period_s!r}; give a positive number of seconds, e.g. 1.0")
+        for name, least in (("max_bytes", 1024), ("max_counts", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"{name} is {value!r}; give an int >= {least}")
+        if not self.key:
+            raise ConfigError("key is empty; give the GCS key of the snapshot, e.g. 'controller-state/v1'")
+
+
+def encode(planner: Planner, config: DurableConfig) -> bytes:
+    """The planner's durable state in at most ``max_bytes``: popularity keeps fewer counts until it fits."""
+    counts = config.max_counts
+    while True:
+        data = json.dumps(planner.export_state(counts), separators=(",", ":")).encode()
+        if len(data) <= config.max_bytes:
+            return data
+        if counts == 0:
+            raise ConfigError(f"the controller's hints and queues alone take {len(data)} bytes, over max_bytes "
+                              f"({config.max_bytes}); raise max_bytes")
+        counts //= 2
+
+
+def decode(data: bytes) -> dict[str, Any]:
+    state = json.loads(data)
+    if not isinstance(state, dict):
+        raise ValueError(f"controller state is a {type(state).__name__}, not an object")
+    return state
+
+
+class Snapshots:
+    """When to take a snapshot: at most once per period, and only when it differs from the last saved."""
+
+    def __init__(self, config: DurableConfig) -> None:
+        self.config = config
+        self.saved: bytes | None = None  # the last snapshot written
+        self.taken_at = -math.inf
+        self.writes = 0
+
+    def take(self, planner: Planner, now: float) -> bytes | None:
+        """A snapshot to write now, or None (too soon, or nothing changed)."""
+        if now - self.taken_at < self.config.period_s:
+            return None
+        self.taken_at = now
+        data = encode(planner, self.config)
+        return None if data == self.saved else data
+
+    def written(self, data: bytes) -> None:
+        self.saved = data
+        self.writes += 1
+
+
+class KvStore:
+    """The snapshot in Ray's GCS key-value store (blocking calls: run them on a thread)."""
+
+    def __init__(self, key: str, namespace: str) -> None:
+        self.key, self.namespace = key, namespace
+
+    def get(self) -> bytes | None:
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        return _internal_kv_get(self.key, namespace=self.namespace)
+
+    def put(self, data: bytes) -> None:
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        _internal_kv_put(self.key, data, overwrite=True, namespace=self.namespace)

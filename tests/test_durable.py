@@ -1,0 +1,128 @@
+"""Controller state across a restart, the plain core (issue 19, item 5): hints, queue reports and
+popularity exported from one planner and restored into a fresh one (CPU, no Ray)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from lora_cache.durable import DurableConfig, Snapshots, decode, encode
+from lora_cache.errors import ConfigError
+from lora_cache.planner import AdapterKey, Hint, Planner
+from tests.test_planner import make, prefetched, queue
+
+
+def fill(planner: Planner) -> None:
+    planner.add_hint(Hint("near", "a3", "r0", 1.5), 1.0)
+    planner.add_hint(Hint("far", "a4", "r1", 500.0), 1.0)
+    queue(planner, "r0", "a1", "a2", now=1.0)
+    planner.record_request("a5", "r1", 1.0, weight=7)
+
+
+def restarted(planner: Planner, now: float, **config: Any) -> tuple[Planner, Any]:
+    fresh = make(replicas=2, **config)
+    return fresh, fresh.restore_state(decode(encode(planner, DurableConfig())), now)
+
+
+def test_hints_queues_and_popularity_come_back_and_nothing_is_counted_twice() -> None:
+    before = make(replicas=2)
+    fill(before)
+    after, restored = restarted(before, 2.0)
+    assert restored == restored._replace(hints=2, queues=1, skipped=0)  # type: ignore[attr-defined]
+    for replica in ("r0", "r1"):
+        assert after.hints(replica) == before.hints(replica) and after.queue(replica) == before.queue(replica)
+        for adapter in ("a1", "a2", "a3", "a4", "a5"):
+            assert after.popularity(adapter, 2.0, replica) == pytest.approx(before.popularity(adapter, 2.0, replica))
+    assert after.popularity("a5", 2.0) == pytest.approx(before.popularity("a5", 2.0))
+    after.check_integrity()
+    plan = after.plan(2.0)  # the restored needs are planned at once, like before the restart
+    assert prefetched(plan, "r0/w0") == ["a1", "a2"]
+    assert after.needed_adapters("r0") == ("a1", "a2", "a3") and staged_or_held(after, plan, "r0", "a3")
+    queue(after, "r0", "a1", "a2", now=2.5)  # the engine re-reports the same queue: no new arrivals
+    assert after.popularity("a1", 2.5) == pytest.approx(before.popularity("a1", 2.5))
+
+
+def staged_or_held(planner: Planner, plan: object, replica: str, adapter: str) -> bool:
+    commands = plan.for_worker(f"{replica}/w0")  # type: ignore[attr-defined]
+    return any(c.adapter == adapter for c in commands.stages + commands.prefetches) or \
+        AdapterKey(adapter, "v1") in planner.residency(f"{replica}/w0")
+
+
+def test_a_far_hint_restored_still_turns_near_on_time() -> None:
+    before = make(replicas=2, slots=1, tp=1)
+    before.add_hint(Hint("far", "a4", "r1", 10.0), 1.0)
+    after, _ = restarted(before, 2.0, slots=1, tp=1)
+    after.plan(2.0)
+    after.advance(8.0)
+    assert "r1" in after.dirty_replicas()
+    after.check_integrity()
+
+
+def test_unknown_names_stale_hints_and_fresher_queues_are_skipped() -> None:
+    before = make(replicas=2, adapters=9)
+    fill(before)
+    before.add_hint(Hint("gone", "a8", "r0", 1.2), 1.0)
+    before.add_hint(Hint("old", "a2", "r0", -40.0), 1.0)  # expired by the time of the restore
+    after = make(replicas=1, adapters=8)  # r1 and a8 are gone
+    queue(after, "r0", "a7", now=1.5)  # the engine re-reported before the restore: it wins
+    before.advance(1.0)
+    restored = after.restore_state(decode(encode(before, DurableConfig())), 20.0)
+    assert restored.hints == 1 and restored.queues == 0 and restored.skipped >= 4
+    assert [h.hint_id for h in after.hints("r0")] == ["near"]  # "far" was for r1, "gone" for a8
+    assert after.queue("r0")[0].adapter == "a7"
+    after.check_integrity()
+
+
+def test_restore_into_a_planner_whose_clock_already_moved_rescales_counts() -> None:
+    before = make(replicas=2, half_life_s=10.0)
+    before.record_request("a5", "r0", 1.0, weight=8)
+    after = make(replicas=2, half_life_s=10.0)
+    after.record_request("a6", "r0", 21.0)  # its own landmark is 21.0
+    after.restore_state(decode(encode(before, DurableConfig())), 21.0)
+    assert after.popularity("a5", 21.0) == pytest.approx(2.0)  # 8 halved twice
+    assert after.popularity("a6", 21.0) == pytest.approx(1.0)
+    after.check_integrity()
+
+
+def test_snapshots_are_bounded_throttled_and_skipped_when_unchanged() -> None:
+    planner = make(replicas=2, adapters=60)
+    for i in range(60):
+        planner.record_request(f"a{i}", "r0", 1.0, weight=i + 1)
+    planner.add_hint(Hint("h", "a1", "r0", 1.5), 1.0)
+    small = DurableConfig(max_bytes=1024)
+    data = encode(planner, small)
+    state = json.loads(data)
+    assert len(data) <= 1024 and state["hints"] == [["h", "a1", "r0", 1.5]]
+    assert 0 < len(state["popularity"]["fleet"]) < 60 and "a59" in state["popularity"]["fleet"]  # the top kept
+    snaps = Snapshots(DurableConfig(period_s=1.0))
+    first = snaps.take(planner, 10.0)
+    assert first is not None
+    snaps.written(first)
+    planner.add_hint(Hint("h2", "a2", "r0", 1.5), 1.0)
+    assert snaps.take(planner, 10.5) is None  # too soon
+    second = snaps.take(planner, 11.0)
+    assert second is not None and second != first
+    snaps.written(second)
+    assert snaps.take(planner, 12.0) is None and snaps.writes == 2  # unchanged
+
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("period_s", 0, "period_s is 0; give a positive number of seconds"),
+    ("period_s", float("nan"), "period_s is nan"),
+    ("max_bytes", 10, "max_bytes is 10; give an int >= 1024"),
+    ("max_counts", True, "max_counts is True"),
+    ("key", "", "key is empty"),
+])
+def test_durable_config_is_validated(field: str, value: object, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        DurableConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_a_snapshot_of_another_format_is_refused() -> None:
+    planner = make()
+    with pytest.raises(ValueError, match="format 0, this controller reads 1"):
+        planner.restore_state({"format": 0, "hints": [], "queues": {}, "popularity": {}}, 1.0)
+    with pytest.raises(ValueError, match="not an object"):
+        decode(b"[1, 2]")
