@@ -31,7 +31,7 @@ def _run(policy: str = "global") -> PolicyRun:
 
 
 def test_policy_registry_and_parsing() -> None:
-    assert [p.name for p in parse_policies("all")] == ["ondemand", "overlap", "queue", "global", "oracle"]
+    assert [p.name for p in parse_policies("all")] == ["ondemand", "overlap", "queue", "global", "oracle", "pipelined"]
     assert [p.name for p in parse_policies("global, ondemand")] == ["global", "ondemand"]
     assert BENCH_POLICIES["oracle"].oracle and BENCH_POLICIES["global"].hints
     for bad, word in (("", "none given"), ("fifo", "not registered"), ("global,global", "twice")):

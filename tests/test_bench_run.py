@@ -16,7 +16,7 @@ import pytest
 pytestmark = pytest.mark.ray
 
 ROOT = Path(__file__).resolve().parents[1]
-POLICIES = ("ondemand", "overlap", "queue", "global", "oracle")
+POLICIES = ("ondemand", "overlap", "queue", "global", "oracle", "pipelined")
 LATENCY = [f"{s}_{m}_ms" for s in ("mean", "median", "p90", "p99") for m in ("ttft", "tpot", "itl", "e2el")]
 CACHE = ("gpu_hit_rate", "host_hit_rate", "prefetch_accuracy", "mean_load_wait_ms", "p99_load_wait_ms",
          "median_time_to_ready_ms", "p99_time_to_ready_ms", "loads", "evictions", "bytes_host_to_gpu",
@@ -69,6 +69,7 @@ def test_policies_behave_as_defined(quick) -> None:
     assert f["oracle"]["mean_load_wait_ms"] == 0
     assert f["ondemand"]["prefetches"] == 0  # on first use only, in the step
     assert f["ondemand"]["demand_loads"] > 0
+    assert f["pipelined"]["prefetches"] == 0 and f["pipelined"]["demand_loads"] > 0  # on use, layer by layer
     assert f["global"]["prefetches"] > 0  # hints and queue reports reached the planner, which prefetched
     ranks = doc["ranks"]["ondemand"]
     assert {(r["replica"], r["rank"]) for r in ranks} == {("replica-0", 0), ("replica-1", 0)}
