@@ -2,7 +2,10 @@
 
 Per policy, a fresh service (controller, one placement group of TP worker actors per replica, the gRPC
 gateway) so no policy inherits another's cache. Every worker hosts one rank of the reference engine
-(``workers.engine.hosted``) over its own ``WorkerCache``, which the controller drives too. Then:
+(``workers.engine.hosted``) over its own ``WorkerCache``, which the controller drives too. With
+``attach``, the service runs the controller alone and every engine rank runs in a process of its own
+that attaches to it through the engine seam (``workers/attach.py``, ``bench.attached``), as an external
+engine would; the engine code, the cache and the controller's commands are the same. Then:
 
 - the router (a thread here) routes request i to replica i mod R and, for policies with hints, sends a
   gRPC ``Hint`` ``hint_lead_s`` before the request reaches the replica (lifecycle step 1);
@@ -18,11 +21,14 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import ray
 
+from bench.attached import ProcessFleet
 from bench.figures import PolicyRun
 from bench.policies import BenchPolicy
 from lora_cache import heap
@@ -37,6 +43,7 @@ from workers.cache import WorkerConfig
 from workers.engine.config import EngineConfig
 from workers.engine.workload import Request
 from workers.host_tier import HostTierConfig
+from workers.loader import ReadinessRecord
 from workers.metrics import STATS_COUNTERS, STATS_SUMMARIES
 
 if TYPE_CHECKING:
@@ -64,6 +71,7 @@ class RealConfig:
     host_bytes: int = 2 << 30
     timeout_s: float = 900.0  # one policy's whole run
     engine: dict[str, Any] = field(default_factory=dict)  # further EngineConfig fields (e.g. share_weights)
+    attach: bool = False  # engine ranks in processes of their own, attached through the seam
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.tp < 1 or self.slots < 1:
@@ -85,8 +93,8 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
     worker = WorkerConfig(num_slots=slots, dtype=config.dtype,
                           max_batch=max(256, config.max_running + config.max_adapters),
                           host=HostTierConfig(host_bytes=config.host_bytes))
-    serve = ServeConfig(adapters=adapters_dir, replicas=config.replicas, tp=config.tp, gpus=config.gpus,
-                        worker_cpus=config.worker_cpus)
+    serve = ServeConfig(adapters=adapters_dir, replicas=0 if config.attach else config.replicas, tp=config.tp,
+                        gpus=config.gpus, worker_cpus=config.worker_cpus)
     catalog = CatalogConfig(adapter_roots=(adapters_dir,), model=config.model, max_rank=config.max_rank)
     engine = EngineConfig(model=config.model, num_layers=config.num_layers, tp=config.tp, num_slots=slots,
                           max_rank=config.max_rank, max_running=config.max_running,
@@ -96,29 +104,28 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
     _refuse_running_service()
     service = start(serve, catalog, PlannerConfig(policy=policy.planner), worker)
     gateway = None
+    replicas = [f"replica-{i}" for i in range(config.replicas)]
+    fleet: Fleet | None = None
     try:
         gateway = start_gateway_thread(GatewayConfig(grpc_port=0), service.controller)
-        replicas = [f"replica-{i}" for i in range(config.replicas)]
-        ranks = {r: [service.workers[w] for w in sorted(service.workers) if w.replica == r] for r in replicas}
+        fleet = (ProcessFleet.start(replicas, worker, config.tp, config.gpus) if config.attach
+                 else ActorFleet(service, replicas))
         if policy.oracle:
-            ray.get([h.preload.remote(names) for hs in ranks.values() for h in hs], timeout=config.timeout_s)
-        _build(ranks, engine, config.timeout_s)
+            fleet.preload(names, config.timeout_s)
+        fleet.build(engine, config.timeout_s)
         since_wall = time.time()  # counters and the load log from here: hinted loads may precede the clock
         heap.freeze()  # the router's hints and the gateway are not stalled by full collections (thawed below)
-        before = _stats(ranks)
+        before = fleet.stats()
         routed = route(workload.requests, config.replicas)
         inflight = -(-workload.inflight // config.replicas) if workload.inflight else 0
         start_wall = time.time() + 1.0
         router = Router(gateway.target, replicas, routed, start_wall, config.hint_lead_s, policy) if (
             policy.hints and not inflight) else None
-        refs = [hs[0].engine_run.remote(reqs, start_wall, inflight, policy.planner != "none") for hs, reqs in
-                zip(ranks.values(), routed)]
-        refs += [h.engine_run.remote(reqs, start_wall, inflight) for hs, reqs in zip(ranks.values(), routed)
-                 for h in hs[1:]]
-        results = _wait(refs, start_wall, workload, config.timeout_s, tick)
+        runs = fleet.run(routed, start_wall, inflight, policy.planner != "none")
+        results = _wait(runs, start_wall, workload, config.timeout_s, tick)
         if router is not None:
             router.stop()
-        run = _collect(policy, ranks, results[: config.replicas], start_wall, since_wall, before)
+        run = _collect(policy, fleet, results[: config.replicas], start_wall, since_wall, before)
         run.wall_s = time.perf_counter() - t_begin
         if router is not None and router.errors:
             raise RuntimeError(f"router: {router.errors} hint calls failed; first: {router.first_error}")
@@ -127,7 +134,9 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
         heap.thaw()
         if gateway is not None:
             gateway.stop()
-        _stop(service)
+        if fleet is not None:
+            fleet.stop()
+        service.stop()
 
 
 def _refuse_running_service() -> None:
@@ -142,32 +151,61 @@ def _refuse_running_service() -> None:
                       "`lora-cache serve`), or run the benchmark on a cluster of its own")
 
 
-def _build(ranks: dict[str, list[Any]], engine: EngineConfig, timeout_s: float) -> None:
-    refs = []
-    for handles in ranks.values():
-        meet = ray.get(handles[0].engine_rendezvous.remote(len(handles)), timeout=60)
-        refs += [h.engine_build.remote(engine, meet) for h in handles]
-    ray.get(refs, timeout=timeout_s)
+class ActorFleet:
+    """The engine ranks hosted in the service's worker actors (``workers/engine/hosted.py``)."""
+
+    def __init__(self, service: Service, replicas: list[str]) -> None:
+        self.service = service
+        self.ranks = {r: [service.workers[w] for w in sorted(service.workers) if w.replica == r] for r in replicas}
+        self.keys = [(replica, rank) for replica, hs in self.ranks.items() for rank in range(len(hs))]
+
+    def preload(self, names: list[str], timeout_s: float) -> None:
+        ray.get([h.preload.remote(names) for hs in self.ranks.values() for h in hs], timeout=timeout_s)
+
+    def build(self, engine: EngineConfig, timeout_s: float) -> None:
+        refs = []
+        for handles in self.ranks.values():
+            meet = ray.get(handles[0].engine_rendezvous.remote(len(handles)), timeout=60)
+            refs += [h.engine_build.remote(engine, meet) for h in handles]
+        ray.get(refs, timeout=timeout_s)
+
+    def run(self, routed: list[list[Request]], start_wall: float, inflight: int, report: bool) -> list[Future[Any]]:
+        """Every rank's run, the replicas' rank 0 first (they report the queue, if ``report``)."""
+        refs = [hs[0].engine_run.remote(reqs, start_wall, inflight, report) for hs, reqs in
+                zip(self.ranks.values(), routed)]
+        refs += [h.engine_run.remote(reqs, start_wall, inflight) for hs, reqs in zip(self.ranks.values(), routed)
+                 for h in hs[1:]]
+        return [ref.future() for ref in refs]
+
+    def stats(self) -> dict[tuple[str, int], dict[str, Any]]:
+        """Every worker's ``stats()``, by (replica, rank), in one round trip."""
+        return dict(zip(self.keys, ray.get([h.stats.remote() for hs in self.ranks.values() for h in hs], timeout=60)))
+
+    def load_logs(self) -> dict[tuple[str, int], list[tuple[float, ReadinessRecord]]]:
+        return dict(zip(self.keys, ray.get([h.load_log.remote() for hs in self.ranks.values() for h in hs],
+                                           timeout=60)))
+
+    def stop(self) -> None:
+        for handle in self.service.workers.values():
+            with contextlib.suppress(Exception):  # killed by the service's stop either way
+                ray.get(handle.shutdown.remote(), timeout=30)
 
 
-def _wait(refs: list[Any], start_wall: float, workload: Workload, timeout_s: float,
+Fleet = ActorFleet | ProcessFleet
+
+
+def _wait(runs: list[Future[Any]], start_wall: float, workload: Workload, timeout_s: float,
           tick: Callable[[float], None]) -> list[Any]:
     span = max((r.arrival_s for r in workload.requests), default=0.0) or 1.0
     deadline = time.monotonic() + timeout_s
-    pending = list(refs)
+    pending = set(runs)
     while pending:
-        _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+        _, pending = futures.wait(pending, timeout=0.5)
         tick(min(1.0, max(0.0, (time.time() - start_wall) / span)))
         if time.monotonic() > deadline:
             raise TimeoutError(f"the engines did not finish within {timeout_s:.0f} s; raise --timeout-s or send "
                                "fewer requests")
-    return ray.get(refs)
-
-
-def _stats(ranks: dict[str, list[Any]]) -> dict[tuple[str, int], dict[str, Any]]:
-    """Every worker's ``stats()``, by (replica, rank), in one round trip."""
-    keys = [(replica, rank) for replica, handles in ranks.items() for rank in range(len(handles))]
-    return dict(zip(keys, ray.get([h.stats.remote() for hs in ranks.values() for h in hs], timeout=60)))
+    return [f.result() for f in runs]
 
 
 # WorkerCache.stats()'s counts are reported as the increase over the run; its latency summaries are
@@ -175,16 +213,16 @@ def _stats(ranks: dict[str, list[Any]]) -> dict[tuple[str, int], dict[str, Any]]
 COUNTERS, SUMMARIES = frozenset(STATS_COUNTERS), frozenset(STATS_SUMMARIES)
 
 
-def _collect(policy: BenchPolicy, ranks: dict[str, list[Any]], results: list[Any], start_wall: float,
+def _collect(policy: BenchPolicy, fleet: Fleet, results: list[Any], start_wall: float,
              since_wall: float, before: dict[tuple[str, int], dict[str, Any]]) -> PolicyRun:
     """Records, each rank's counters and loads since the engines were built (so the oracle's preload is
     not counted; a load a hint started just before the clock is, with a negative ``t_s``), and rank 0's
     step log."""
     records = sorted((r for res in results for r in res.records), key=lambda r: r.rid)
-    after = _stats(ranks)
-    logs = dict(zip(after, ray.get([h.load_log.remote() for hs in ranks.values() for h in hs], timeout=60)))
+    after, logs = fleet.stats(), fleet.load_logs()
     stats, loads = [], []
-    engines = {(replica, s.rank): s for replica, res in zip(ranks, results) for s in res.ranks}
+    replicas = list(dict.fromkeys(replica for replica, _ in after))
+    engines = {(replica, s.rank): s for replica, res in zip(replicas, results) for s in res.ranks}
     for (replica, rank), now in after.items():
         then = before[(replica, rank)]
         stats.append({"replica": replica, "rank": rank, **{k: v - then[k] if k in COUNTERS else v
@@ -194,15 +232,8 @@ def _collect(policy: BenchPolicy, ranks: dict[str, list[Any]], results: list[Any
                    "nbytes": rec.nbytes, "ready_ms": rec.ready_ms, "h2d_ms": rec.h2d_ms, "disk_ms": rec.disk_ms,
                    "host_hit": rec.host_hit} for t, rec in logs[(replica, rank)] if t >= since_wall]
     steps = [{"replica": replica, "t_s": s.wall_s - start_wall, **s._asdict()}  # t_s: the loads' clock
-             for replica, res in zip(ranks, results) for s in res.ranks[0].step_log]
+             for replica, res in zip(replicas, results) for s in res.ranks[0].step_log]
     return PolicyRun(policy.name, "real", records, stats, sorted(loads, key=lambda x: x["t_s"]), steps)
-
-
-def _stop(service: Service) -> None:
-    for handle in service.workers.values():
-        with contextlib.suppress(Exception):  # killed below either way
-            ray.get(handle.shutdown.remote(), timeout=30)
-    service.stop()
 
 
 class Router(threading.Thread):

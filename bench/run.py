@@ -11,6 +11,8 @@ policy of ``--policies`` (``bench.policies``) on the same drawn requests, and wr
 ``cache_over_time.png`` under ``--out``; a markdown table goes to stdout, a progress bar to stderr.
 
 ``--engine real``: the service and the reference engine through the real path (``bench.real``).
+``--attach`` (with ``--engine real``): the engine ranks in processes of their own, attached through the
+engine seam as an external engine would (``bench.attached``), instead of inside the worker actors.
 ``--engine sim``: the discrete-event simulator (``bench.sim``), calibrated by ``--calibration``.
 ``--check-sim`` (with ``--engine real``): also simulates the same configuration with costs fitted from
 this run's own step and load logs, and reports how far the simulated TTFT mean and p99 are from the
@@ -91,6 +93,9 @@ class BenchConfig:
     calibration: str = field(default="h200-llama8b", metadata={
         "path": "name_or_file", "help": "sim costs: a name under bench/calibration "
                                                                         "or a JSON file"})
+    attach: bool = field(default=False, metadata={"help": "real engine: run every engine rank in a process of its "
+                                                          "own, attached through the engine seam (workers/attach.py) "
+                                                          "instead of inside the service's worker actors"})
     check_sim: bool = field(default=False, metadata={"help": "real engine: also simulate this run with costs fitted "
                                                              "from it and compare TTFT"})
     timeout_s: float = field(default=1800.0, metadata={"help": "give up on one policy's run after this long"})
@@ -107,6 +112,9 @@ class BenchConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         parse_policies(self.policies)
+        if self.attach and self.engine != "real":
+            raise ConfigError(f"--attach runs the real engine's ranks in their own processes; it needs --engine real, "
+                              f"not {self.engine!r}")
 
     def use_gpus(self) -> bool:
         if self.gpus != "auto":
@@ -198,7 +206,7 @@ def _run_real(bench: BenchConfig, policies: Sequence[BenchPolicy], root: str, na
                       dtype="bfloat16" if gpus else "float32", timeout_s=bench.timeout_s,
                       # one set of random base weights for every layer: the same math and bytes read per
                       # layer (far beyond any cache), a fraction of the start-up time and memory
-                      engine={"share_weights": True})
+                      engine={"share_weights": True}, attach=bench.attach)
     config["real"] = dataclasses.asdict(real)
     owns = not ray.is_initialized()
     if owns:  # inside `ray job submit` this joins the job's cluster; alone, it starts an embedded one

@@ -5,3 +5,13 @@ the data plane on each GPU lives in the sibling package ``workers``. See docs/ar
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``lora_cache.attach`` (and ``AttachConfig``, ``Attachment``): the engine seam, ``workers/attach.py``,
+    imported on first use (it brings torch and the data plane; the control plane does not need them)."""
+    if name in ("attach", "AttachConfig", "Attachment"):
+        import workers.attach
+
+        return getattr(workers.attach, name)
+    raise AttributeError(f"module 'lora_cache' has no attribute {name!r}")

@@ -104,6 +104,9 @@ class ControllerCore:
             if self.planner.workers(replica) != tuple(map(str, workers)):
                 raise ConfigError(f"replica {replica!r} already exists with workers "
                                   f"{self.planner.workers(replica)}; remove it before changing its TP size")
+            if (have := self.planner.capacity(str(workers[0])).slots) != slots:
+                raise ConfigError(f"replica {replica!r} already exists with {have} slots per worker, not {slots}; "
+                                  f"give every rank of a replica the same num_slots ({have})")
             return workers
         self.planner.add_replica(ReplicaSpec(replica, tuple(map(str, workers)), slots))
         self.readiness.add_replica(replica, tp)

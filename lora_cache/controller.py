@@ -19,9 +19,10 @@ from typing import Any, NamedTuple, TypeVar
 import ray
 
 from lora_cache import heap
+from lora_cache.catalog import CatalogConfig
 from lora_cache.control import ControllerConfig, ControllerCore, HintOutcome, WorkerId
 from lora_cache.durable import DurableConfig, KvStore, Snapshots, decode
-from lora_cache.errors import ConflictError
+from lora_cache.errors import ConfigError, ConflictError
 from lora_cache.metrics import ControllerMetrics
 from lora_cache.planner import Evict
 from lora_cache.readiness import EventsLost, ReadinessEvent, WatchBatch
@@ -105,16 +106,24 @@ class ControllerActor:
             except Exception as e:  # a worker that died meanwhile is simply not adopted
                 log.warning("could not adopt %s: %s", name, e)
         for _, info in infos:
-            for adapter, path in info["adapters"].items():
-                if adapter not in self.core.catalog:
-                    self.core.register_adapter(adapter, path)
+            self._learn_adapters(info)
         for handle, info in infos:
-            wid = WorkerId(info["replica"], info["rank"])
-            if info["replica"] not in self.core.planner.replicas():
-                self.core.add_replica(info["replica"], info["tp"], info["slots"])
-            self.handles[wid] = handle
-            self.links[wid] = Link(info["incarnation"], info["seq"])
-            self._publish(self.core.sync_worker(wid, info["residency"]))
+            self._adopt(handle, info)
+
+    def _learn_adapters(self, info: dict[str, Any]) -> None:
+        for adapter, path in info["adapters"].items():
+            if adapter not in self.core.catalog:
+                self.core.register_adapter(adapter, path)
+
+    def _adopt(self, handle: Any, info: dict[str, Any]) -> WorkerId:
+        """Take a worker's full report as the truth about it (its replica is added if new: ConfigError if
+        the replica exists with another TP size or slot count)."""
+        wid = WorkerId(info["replica"], info["rank"])
+        self.core.add_replica(info["replica"], info["tp"], info["slots"])
+        self.handles[wid] = handle
+        self.links[wid] = Link(info["incarnation"], info["seq"])
+        self._publish(self.core.sync_worker(wid, info["residency"]))
+        return wid
 
     async def _restore(self) -> None:
         """Hints, queues and popularity from the last snapshot a predecessor wrote (none on a first start)."""
@@ -165,6 +174,8 @@ class ControllerActor:
                 try:
                     await asyncio.wait_for(handle.ping.remote(), timeout=10 * self.health_s)
                 except Exception:  # dead, restarting or hung: what it held is gone (fault handling)
+                    if self.handles.get(wid) is not handle:
+                        continue  # re-attached meanwhile (a new process under the name): that one is not lost
                     log.warning("worker %s is not answering: dropping its residency", wid)
                     self._publish(self.core.worker_lost(wid))
             await self._plan(full=True)
@@ -251,15 +262,45 @@ class ControllerActor:
                 held[wid] = versions
         return held
 
-    async def worker_started(self, name: str, incarnation: int) -> None:
-        """A (re)started worker holds nothing: forget what its predecessor held."""
+    async def worker_started(self, name: str, incarnation: int, adopt: bool = False) -> None:
+        """A (re)started worker holds nothing: forget what its predecessor held.
+
+        ``adopt``: a rank that an engine's own process attached (``workers/attach.py``) under this name, a new
+        actor each time: take its handle and its full report now (its replica is added if new), as a
+        restarted controller adopts the workers it finds."""
         await self._start()
         wid = parse_worker_name(name)
-        if wid in self.handles:
+        if adopt:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+            info = await handle.describe.remote()
+            if (info["incarnation"], info["replica"], info["rank"]) != (incarnation, wid.replica, wid.rank):
+                raise ConflictError(f"{name} answered as rank {info['rank']} of {info['replica']!r}, incarnation "
+                                    f"{info['incarnation']} (not {incarnation}): another process holds that name")
+            if info["model"] != self.core.catalog.shape.name:
+                raise ConfigError(f"{name} serves model {info['model']!r} but the controller plans for "
+                                  f"{self.core.catalog.shape.name!r}; attach with the service's model")
+            if wid in self.handles:
+                self._new_incarnation(wid, incarnation)  # drops what the predecessor held
+            self._learn_adapters(info)
+            self._adopt(handle, info)
+        elif wid in self.handles:
             self._new_incarnation(wid, incarnation)
+        if wid in self.handles:
             handle = self.handles[wid]  # its catalog is empty too: replay the registrations first
             await self._replay_registrations([handle])
             await self._plan()
+
+    async def worker_detached(self, name: str, incarnation: int) -> bool:
+        """An attached rank is leaving (``workers/attach.py``): drop what it held now rather than at the next
+        failed health check (which still follows, once its endpoint is gone). False if that incarnation
+        of the rank is not the one adopted here."""
+        await self._start()
+        wid = parse_worker_name(name)
+        link = self.links.get(wid)
+        if wid not in self.handles or link is None or link.incarnation != incarnation:
+            return False
+        self._publish(self.core.worker_lost(wid))
+        return True
 
     # -- inputs ---------------------------------------------------------------------------------
     async def report_queue(self, replica: str, adapters: list[tuple[str, float]]) -> None:
@@ -426,6 +467,11 @@ class ControllerActor:
         stats = await asyncio.gather(*(one(w) for w in wids))
         return [{"worker": worker_name(w), "replica": w.replica, "rank": w.rank,
                  "slots": self.core.planner.capacity(str(w)).slots, "stats": s} for w, s in zip(wids, stats)]
+
+    async def catalog_config(self) -> CatalogConfig:
+        """The catalog every worker must share (model shape, largest rank, adapter roots): an attached
+        engine's rank builds its own from it."""
+        return self.core.config.catalog
 
     async def check_integrity(self) -> bool:
         self.core.check_integrity()

@@ -54,7 +54,8 @@ def run_demo(out: Path, synth: SynthConfig, config: WorkerConfig, steps: int, se
     print(f"running {steps} engine steps of 4 requests (zipf-like adapter choice):")
     for _ in range(steps):
         batch = cache.acquire([names[min(int(rng.paretovariate(1.2)) - 1, len(names) - 1)] for _ in range(4)])
-        worst = max(worst, *(_check_delta(cache, n, s) for n, s in zip(batch.adapters, batch.slots)))
+        worst = max(worst, *(_check_delta(cache, n if isinstance(n, str) else n.name, s)
+                                for n, s in zip(batch.adapters, batch.slots)))
         cache.release(batch)
         cache.check_integrity()
     stats = cache.stats()

@@ -40,7 +40,8 @@ class ServeConfig:
     address: str = field(default="", metadata={"help": "Ray cluster to join ('auto' or host:port); empty: embedded"})
     adapters: str = field(default="", metadata={
         "path": True, "help": "register every adapter directory under this one"})
-    replicas: int = field(default=1, metadata={"help": "replicas to start"})
+    replicas: int = field(default=1, metadata={"help": "replicas to start (0: only the controller; engines attach "
+                                                       "their own ranks, workers/attach.py)"})
     tp: int = field(default=1, metadata={"help": "tensor-parallel size of each replica (workers per replica)"})
     placement: str = field(default="STRICT_PACK", metadata={"help": f"placement strategy: {'|'.join(STRATEGIES)}"})
     placement_timeout_s: float = field(default=60.0, metadata={"help": "give up placing a replica after this"})
@@ -48,8 +49,8 @@ class ServeConfig:
     gpus: bool = field(default=False, metadata={"help": "one GPU per worker (default: CPU workers)"})
 
     def __post_init__(self) -> None:
-        if self.replicas < 1 or self.tp < 1:
-            raise ConfigError(f"replicas ({self.replicas}) and tp ({self.tp}) must be >= 1")
+        if self.replicas < 0 or self.tp < 1:
+            raise ConfigError(f"replicas ({self.replicas}) must be >= 0 and tp ({self.tp}) >= 1")
         if self.placement not in STRATEGIES:
             raise ConfigError(f"placement {self.placement!r} is not one of {STRATEGIES}")
 

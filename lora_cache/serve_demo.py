@@ -15,7 +15,7 @@ import threading
 import time
 from collections import defaultdict
 
-from lora_cache.client import ClientError, Hint, LoraCacheClient, ReadinessEvent
+from lora_cache.client import ClientError, Hint, LoraCacheClient, Resync
 from lora_cache.errors import LoraCacheError
 
 
@@ -76,10 +76,14 @@ def run_router_demo(target: str, token: str | None, adapters: list[str], request
 
 
 def _watch(client: LoraCacheClient, ready_at: dict[tuple[str, str], float], cond: threading.Condition) -> None:
-    event: ReadinessEvent
     try:
         for event in client.watch():
-            if event.ready:
+            if isinstance(event, Resync):  # fell behind: the ready set now stands for the events missed
+                with cond:
+                    for replica, adapter, _version in event.ready:
+                        ready_at.setdefault((replica, adapter), time.time())
+                    cond.notify_all()
+            elif event.ready:
                 with cond:
                     ready_at.setdefault((event.replica, event.adapter), time.time())
                     cond.notify_all()

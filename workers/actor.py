@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -27,74 +26,18 @@ from lora_cache.metrics import WorkerMetrics
 from lora_cache.planner import Command
 from workers import faults
 from workers.cache import WorkerCache, WorkerConfig
-from workers.commands import ApplyResult, CommandGate, Delta
+from workers.commands import ApplyResult
+from workers.control import WorkerControl
 from workers.engine.config import EngineConfig
 from workers.engine.engine import EngineResult
 from workers.engine.hosted import HostedEngine, Rendezvous, rendezvous
 from workers.engine.workload import Request
 from workers.loader import ReadinessRecord
+from workers.outbox import Outbox
 from workers.reader import read_shard
 from workers.streams import resolve_device
 
 log = logging.getLogger(__name__)
-
-
-class Outbox:
-    """Deltas waiting to be pushed to the controller, numbered; a thread sends them in batches.
-
-    Every delta carries this worker's incarnation (its start time) and a sequence number, so the
-    controller can tell a restarted worker from its predecessor and notice lost deltas (a gap), which
-    it repairs from a full ``describe()``. One batch is in flight at a time: while the controller
-    answers, the next batch gathers. A batch the controller did not take is sent again.
-    """
-
-    def __init__(self, name: str, flush_s: float, max_pending: int = 100_000) -> None:
-        self.name, self.flush_s, self.max_pending = name, flush_s, max_pending
-        self.incarnation = time.time_ns()
-        self._cond = threading.Condition()  # protects _pending, seq and _closed
-        self._pending: list[tuple[int, str, str, str, str]] = []
-        self.seq = 0  # the last number given to a delta
-        self._closed = False
-        self._controller: Any = None
-        threading.Thread(target=self._run, name="lora-outbox", daemon=True).start()
-
-    def push(self, delta: Delta) -> None:
-        with self._cond:
-            self.seq += 1
-            if len(self._pending) < self.max_pending:  # bounded: past it, the controller sees a gap
-                self._pending.append((self.seq, delta.adapter, delta.version, delta.state, delta.error))
-            self._cond.notify()
-
-    def _run(self) -> None:
-        backoff = self.flush_s
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._pending or self._closed)
-                if self._closed:
-                    return
-                batch, self._pending = self._pending, []
-            sent = self._send(batch)
-            with self._cond:
-                if not sent:  # keep it, ahead of what came meanwhile, within the bound
-                    self._pending = (batch + self._pending)[-self.max_pending:]
-                backoff = self.flush_s if sent else min(1.0, max(0.05, 2 * backoff))
-                self._cond.wait(backoff)  # gather the next batch (or wait before retrying)
-
-    def _send(self, batch: list[tuple[int, str, str, str, str]]) -> bool:
-        try:
-            if self._controller is None:
-                self._controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
-            ray.get(self._controller.report.remote(self.name, self.incarnation, batch), timeout=30)
-            return True
-        except Exception as e:  # no controller (yet, or restarting): keep the batch and retry
-            log.info("readiness for %d adapters not pushed yet (%s)", len(batch), e)
-            self._controller = None
-            return False
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
 
 
 @ray.remote(max_restarts=-1, concurrency_groups={"engine": 1})
@@ -115,8 +58,7 @@ class WorkerActor:
         self.metrics = WorkerMetrics(replica, config.tp_rank, self.cache.stats)
         self.loads: deque[tuple[float, ReadinessRecord]] = deque(maxlen=4096)
         self.metrics.start()
-        self.gate = CommandGate(self.cache, self.outbox.push)
-        self.paths: dict[str, str] = {}
+        self.control = WorkerControl(replica, self.catalog, self.cache, self.outbox)
         # A restarted worker holds nothing: say so, so the controller forgets its predecessor. ValueError:
         # no controller yet (it adopts this worker from describe() when it starts).
         with contextlib.suppress(ValueError):
@@ -125,11 +67,7 @@ class WorkerActor:
 
     def unregister_adapter(self, name: str) -> bool:
         """Forget ``name`` (the controller drained it first); False if it was not registered here."""
-        self.paths.pop(name, None)
-        if name not in self.catalog:
-            return False
-        self.catalog.unregister(name)
-        return True
+        return self.control.unregister_adapter(name)
 
     def _loaded(self, record: ReadinessRecord) -> None:
         self.metrics.loaded(record.ready_ms, record.h2d_ms, record.host_hit)
@@ -188,21 +126,14 @@ class WorkerActor:
         faults.arm(point, adapter, hook)
 
     def register_adapter(self, name: str, path: str) -> str:
-        version = self.catalog.register(name, path).version
-        self.paths[name] = path
-        return version
+        return self.control.register_adapter(name, path)
 
     def apply(self, commands: list[Command]) -> ApplyResult:
-        return self.gate.apply(commands)
+        return self.control.apply(commands)
 
     def describe(self) -> dict[str, object]:
         """Who this worker is and everything it holds: the controller rebuilds from this."""
-        seq = self.outbox.seq  # first: every delta up to it is reflected in the residency read after it
-        return {"replica": self.replica, "rank": self.config.tp_rank, "tp": self.config.tp,
-                "incarnation": self.outbox.incarnation, "seq": seq,
-                "node": ray.get_runtime_context().get_node_id(),
-                "slots": self.config.num_slots, "adapters": dict(self.paths), "epoch": self.gate.epoch,
-                "residency": [(r["adapter"], r["version"], r["state"], r["refs"]) for r in self.cache.residency()]}
+        return self.control.describe(ray.get_runtime_context().get_node_id())
 
     def step(self, adapters: list[str]) -> list[int]:
         """An engine step's cache calls (acquire, then release): the slots the batch ran on."""
@@ -211,8 +142,7 @@ class WorkerActor:
         return list(batch.slots)
 
     def stats(self) -> dict[str, object]:
-        return {**self.cache.stats(), "epoch": self.gate.epoch, "commands_accepted": self.gate.accepted,
-                "commands_rejected": self.gate.rejected}
+        return self.control.stats()
 
     def ping(self) -> bool:
         return True

@@ -22,13 +22,14 @@ it, as ``serve_rank`` does: a request admitted in the round it arrived is never 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from bench.sim.calibration import Calibration
 from bench.sim.events import Loop, Signal
 from bench.sim.worker import SimLoad, SimWorker
+from workers.cache import AdapterRef
 from workers.engine.admission import AdmissionRule, Readiness
 from workers.engine.batching import STOP, WAIT, Scheduler, StepPlan, _Live
 from workers.engine.config import EngineConfig
@@ -124,7 +125,7 @@ class SimReplica:
             return
         if self.rule.prefetch and plan.wanted != previous.wanted:  # same wanted, same instant: pinned already
             for w in self.workers:
-                w.pin(plan.wanted)
+                w.pin(_names(plan.wanted))
         if plan.kind == WAIT:
             self._last_end = None
             self._prefetch(plan)
@@ -136,14 +137,14 @@ class SimReplica:
         else:
             self._step(plan)
 
-    def _readiness(self, wanted: tuple[str, ...]) -> dict[str, Readiness]:
+    def _readiness(self, wanted: tuple[AdapterRef, ...]) -> dict[str, Readiness]:
         """Each rank pins ``wanted`` and reports every adapter READY there (``RankEngine.readiness``); the
         minimum over ranks: READY where every rank is. Every simulated refusal is for lack of room (no
         reusable slot, host tier full), which the engine does not report as FAILED: the adapter stays
         wanted and is prefetched again next round (so no request leaves with a load error here)."""
         views = []
         for w in self.workers:
-            w.pin(wanted)  # pins only adapters READY there: nothing to add to the view
+            w.pin(_names(wanted))  # pins only adapters READY there: nothing to add to the view
             views.append([slot.key.name for slot in w.table.slots
                           if slot.key is not None and slot.state is SlotState.READY])
         everywhere = set.intersection(*map(set, views[1:])) if len(views) > 1 else None
@@ -153,10 +154,10 @@ class SimReplica:
         for rank in range(len(self.workers)):
             self._prefetch_on(rank, plan.prefetch)
 
-    def _prefetch_on(self, rank: int, names: tuple[str, ...]) -> None:
+    def _prefetch_on(self, rank: int, refs: tuple[AdapterRef, ...]) -> None:
         """The engine's own prefetches on one rank."""
         w, loads = self.workers[rank], self._engine_loads[rank]
-        for name in names:
+        for name in _names(refs):
             loads[name] = w.prefetch(name)
 
     # -- waits ----------------------------------------------------------------------------------------
@@ -167,7 +168,7 @@ class SimReplica:
         self.state = "wait"
         token, left = self._wait_token, [len(self.workers)]
         for loads in self._engine_loads:
-            flying = [ld for a in plan.wait_for if (ld := loads.get(a)) is not None and not ld.ready.done]
+            flying = [ld for a in _names(plan.wait_for) if (ld := loads.get(a)) is not None and not ld.ready.done]
             done = functools.partial(self._rank_waited, token, left, [False])
             if flying:
                 for load in flying:
@@ -189,7 +190,7 @@ class SimReplica:
     # -- steps ----------------------------------------------------------------------------------------
     def _step(self, plan: StepPlan) -> None:
         named = [it.adapter for it in plan.items if it.adapter is not None]
-        names = list(dict.fromkeys(named + list(plan.hold)))
+        names = list(dict.fromkeys(_names(named) + _names(plan.hold)))
         step = _Step(plan, self.loop.now, [[] for _ in self.workers], len(self.workers), self.loop.now,
                      tokens=sum(it.length for it in plan.items), adapters=len(set(named)))
         for rank in range(len(self.workers)):
@@ -243,3 +244,6 @@ class SimReplica:
         self._round()
 
 
+def _names(refs: Sequence[AdapterRef]) -> list[str]:
+    """The simulator keeps one version per adapter: a reference by exact version is its name's."""
+    return [r if isinstance(r, str) else r.name for r in refs]

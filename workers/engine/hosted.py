@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-import threading
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -27,6 +26,7 @@ from workers.engine.engine import EngineResult, Hooks, serve_rank
 from workers.engine.rank import RankEngine
 from workers.engine.tp import Comm
 from workers.engine.workload import Request
+from workers.outbox import QueueSender
 
 
 class Rendezvous(NamedTuple):
@@ -52,43 +52,6 @@ def _node_ip() -> str:
         return str(ray.util.get_node_ip_address())
     except Exception:  # outside Ray (tests of this module alone)
         return "127.0.0.1"
-
-
-class QueueSender:
-    """Sends the latest waiting queue with ``send(entries)`` on its own thread; stale ones are skipped."""
-
-    def __init__(self, send: Callable[[list[tuple[str, float]]], None]) -> None:
-        self._send = send
-        self._cond = threading.Condition()
-        self._latest: list[tuple[str, float]] | None = None
-        self._closed = False
-        self.sent = self.errors = 0
-        self._thread = threading.Thread(target=self._run, name="lora-queue-report", daemon=True)
-        self._thread.start()
-
-    def push(self, entries: list[tuple[str, float]]) -> None:
-        with self._cond:
-            self._latest = entries
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._latest is not None or self._closed)
-                if self._latest is None:
-                    return
-                entries, self._latest = self._latest, None
-            try:
-                self._send(entries)
-                self.sent += 1
-            except Exception:  # the controller restarting: the next report carries the whole queue again
-                self.errors += 1
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(timeout=30)
 
 
 class HostedEngine:

@@ -1,0 +1,230 @@
+"""The engine seam on a real local Ray: engine processes of their own attach as the ranks of a replica.
+
+Two spawned processes (not actors of ``lora-cache serve``, which here runs the controller alone) attach
+as ranks 0 and 1 of ``replica-0``; the controller prefetches into them from hints; the reference engine
+steps through them; a killed rank and a detached rank leave the replica ready for nothing, and attaching
+again restores it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from lora_cache.catalog import CatalogConfig  # noqa: E402
+from lora_cache.errors import ConfigError, ConflictError  # noqa: E402
+from lora_cache.planner import PlannerConfig  # noqa: E402
+from lora_cache.serve import ServeConfig, start  # noqa: E402
+from lora_cache.serve import wait_ready as serve_wait_ready  # noqa: E402
+from lora_cache.synth import SynthConfig, make_adapters  # noqa: E402
+from workers.attach import AttachConfig, EndpointStaleError, attach  # noqa: E402
+from workers.cache import WorkerConfig  # noqa: E402
+from workers.engine.attached import EngineProcess, start_ranks  # noqa: E402
+from workers.engine.config import EngineConfig  # noqa: E402
+from workers.engine.hosted import Rendezvous  # noqa: E402
+from workers.engine.workload import Request  # noqa: E402
+from workers.host_tier import HostTierConfig  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+CATALOG = CatalogConfig(model="tiny", max_rank=16)  # the controller's; ranks take it from there
+HOST = HostTierConfig(host_bytes=1 << 22, pin=False)
+
+
+def worker(rank: int, tp: int = 2, slots: int = 3) -> WorkerConfig:
+    return WorkerConfig(num_slots=slots, tp=tp, tp_rank=rank, device="cpu", dtype="float32", host=HOST)
+
+
+def wait_for(condition, timeout: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout} s; {_controller_view()}"
+        time.sleep(0.05)
+
+
+def wait_ready(controller, adapter: str, replica: str, timeout_s: float = 60.0) -> None:
+    """``serve.wait_ready``, saying what the controller saw if it times out."""
+    try:
+        serve_wait_ready(controller, adapter, replica, timeout_s)
+    except TimeoutError as e:
+        raise AssertionError(f"{e}; {_controller_view()}") from e
+
+
+def _controller_view() -> str:
+    ctl = ray.get_actor("lora-cache-controller", namespace="lora-cache")
+    status = ray.get(ctl.status.remote(), timeout=30)
+    return f"controller status: {status}"
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """The controller alone (``serve --replicas 0``) and the Ray cluster's address for engine processes."""
+    root: Path = tmp_path_factory.mktemp("adapters")
+    make_adapters(root, SynthConfig(model="tiny", count=6, rank="8,16"))
+    ray.init(num_cpus=2, namespace="lora-cache", include_dashboard=False)
+    try:
+        service = start(ServeConfig(adapters=str(root), replicas=0), CATALOG, PlannerConfig(policy="global"),
+                        worker(0, tp=1))
+        try:
+            yield service, ray.get_runtime_context().gcs_address, root
+        finally:
+            service.stop()
+    finally:
+        ray.shutdown()
+
+
+def ready_on(controller, adapter: str) -> list[str]:
+    return ray.get(controller.lookup.remote(adapter))["ready"]
+
+
+def test_engine_processes_attach_serve_and_recover(fleet) -> None:
+    service, gcs, _ = fleet
+    ctl = service.controller
+
+    def config(rank: int) -> AttachConfig:
+        return AttachConfig(replica="replica-0", address=gcs, poll_s=0.5, liveness_s=3.0)
+
+    ranks = start_ranks(config, [worker(0), worker(1)])
+    try:
+        status = ray.get(ctl.status.remote())
+        assert status["replicas"] == ["replica-0"] and status["workers"] == 2
+        # the controller prefetches into both processes from a hint; the replica is ready only once both are
+        assert ray.get(ctl.hint.remote([("h-1", "adapter-001", "replica-0", 0.5)])) == 1
+        wait_ready(ctl, "adapter-001", "replica-0", 60)
+        for proc in ranks:
+            assert ("adapter-001", "ready") in {(r["adapter"], r["state"]) for r in proc.call("residency")}
+            assert len(proc.call("step", ["adapter-001", "adapter-001"])) == 2  # acquire + release, a hit
+            stats = proc.call("stats")
+            assert stats["gpu_hits"] == 1 and stats["gpu_misses"] == 0 and stats["commands_accepted"] >= 1
+            assert stats["prefetches"] >= 1
+            seam = proc.call("seam")  # describe, the registrations replayed, the commands
+            assert seam["calls"] >= 3 and seam["errors"] == 0 and seam["lost"] is None
+
+        # the reference engine (TP 2 over gloo) runs through the seam; rank 0 reports its queue
+        engine = EngineConfig(model="tiny", tp=2, device="cpu", dtype="float32", num_slots=3, max_rank=16,
+                              max_adapters=2, max_running=4, max_prefill_tokens=32, max_seq_len=32, host=HOST)
+        requests = [Request(i, f"adapter-00{i % 4}", 4 + i % 3, 2, 0.01 * i) for i in range(6)]
+        meet = Rendezvous("127.0.0.1", _free_port(), 2)
+        for f in [p.submit("build", engine, meet) for p in ranks]:
+            f.result(timeout=300)
+        start_wall = time.time() + 0.5
+        runs = [ranks[0].submit("run", requests, start_wall, 0, True), ranks[1].submit("run", requests, start_wall)]
+        result = runs[0].result(timeout=300)
+        runs[1].result(timeout=300)
+        assert sorted(r.rid for r in result.records) == list(range(6))
+        assert all(r.error is None and len(r.token_s) == r.output_len for r in result.records)
+        assert ray.get(ctl.status.remote())["queue_depths"]["replica-0"] == 0  # its last report: nothing waits
+        assert ray.get(ctl.check_integrity.remote())
+
+        # a killed rank: the replica is ready for nothing, though rank 0 still holds its shards
+        wait_ready(ctl, "adapter-001", "replica-0", 60)
+        ranks[1].kill()
+        wait_for(lambda: "replica-0" not in ready_on(ctl, "adapter-001"), what="the killed rank dropped")
+        wait_for(lambda: not _named("lora-cache-worker:replica-0:1"), what="the endpoint dead with its owner")
+        assert ("adapter-001", "ready") in {(r["adapter"], r["state"]) for r in ranks[0].call("residency")}
+        assert all("replica-0" not in ready_on(ctl, f"adapter-00{i}") for i in range(6))
+
+        # attaching again restores it: the new process is adopted, registrations replayed, the hint replanned
+        ranks[1] = EngineProcess(config(1), worker(1))
+        assert ray.get(ctl.hint.remote([("h-2", "adapter-001", "replica-0", 0.5)])) == 1
+        wait_ready(ctl, "adapter-001", "replica-0", 60)
+        assert ranks[1].call("stats")["loads"] >= 1
+
+        # a detached rank is handled the same way
+        ranks[0].close()
+        wait_for(lambda: "replica-0" not in ready_on(ctl, "adapter-001"), what="the detached rank dropped")
+        ranks[0] = EngineProcess(config(0), worker(0))
+        assert ray.get(ctl.hint.remote([("h-3", "adapter-001", "replica-0", 0.5)])) == 1
+        wait_ready(ctl, "adapter-001", "replica-0", 60)
+        assert ray.get(ctl.check_integrity.remote())
+    finally:
+        for proc in ranks:
+            proc.close()
+
+
+def test_attach_refuses_a_taken_rank_and_a_mismatched_replica(fleet) -> None:
+    """The test process itself attaches (any Ray driver may): a second attach of its rank is a conflict; a
+    rank that disagrees with its replica's TP size or slot count is refused, and leaves nothing behind."""
+    service, gcs, _ = fleet
+    config = AttachConfig(replica="replica-x", address=gcs, poll_s=0.5, liveness_s=3.0, name_wait_s=0)
+    with attach(config, worker(0, tp=1, slots=2)) as rank:
+        with pytest.raises(ConflictError, match=r"rank 0 of replica 'replica-x' is already attached"):
+            attach(config, worker(0, tp=1, slots=2))
+        batch = rank.acquire(["adapter-002"])  # a miss loads on demand; the controller hears of it (held meanwhile:
+        # the planner may evict it for the adapters an earlier test made popular once it is released)
+        wait_for(lambda: "replica-x" in ready_on(service.controller, "adapter-002"), what="the demand load seen")
+        rank.release(batch)
+        rank.cache.check_integrity()
+    with pytest.raises(ConfigError, match=r"replica 'replica-x' already exists with workers"):
+        attach(config, worker(1, tp=2, slots=2))
+    with pytest.raises(ConfigError, match=r"2 slots per worker, not 5"):
+        attach(config, worker(0, tp=1, slots=5))
+    with pytest.raises(ValueError):  # nothing named after a refused rank is left behind
+        ray.get_actor("lora-cache-worker:replica-x:0", namespace="lora-cache")
+    wait_for(lambda: "replica-x" not in ready_on(service.controller, "adapter-002"), what="the detach seen")
+
+
+def test_a_process_that_stops_serving_is_a_dead_rank(fleet) -> None:
+    """A process alive but no longer polling its endpoint (a wedged serve thread): the controller's calls
+    fail instead of waiting forever (its health loop resyncs through them), its ping fails, and the rank
+    is dropped like a dead worker."""
+    service, gcs, _ = fleet
+    rank = attach(AttachConfig(replica="replica-w", address=gcs, poll_s=0.2, liveness_s=1.0), worker(0, tp=1, slots=2))
+    try:
+        batch = rank.acquire(["adapter-003"])
+        wait_for(lambda: "replica-w" in ready_on(service.controller, "adapter-003"), what="the load seen")
+        rank.release(batch)
+        rank._detached.set()  # stands in for a wedged serve thread: it stops polling, the endpoint stays
+        rank._serving.join(timeout=30)
+        endpoint = ray.get_actor(rank.name, namespace="lora-cache")
+        with pytest.raises(EndpointStaleError, match="has not polled for calls"):
+            ray.get(endpoint.describe.remote(), timeout=30)
+        wait_for(lambda: "replica-w" not in ready_on(service.controller, "adapter-003"), what="the rank dropped")
+    finally:
+        rank._detached.clear()
+        rank.detach()
+
+
+def _named(name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace="lora-cache")
+        return True
+    except ValueError:
+        return False
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_benchmark_runs_its_engine_ranks_attached(tmp_path: Path) -> None:
+    """``bench.run --quick --attach``: the quick real run (here one replica of TP 2) with every engine rank
+    in its own attached process (its own Ray cluster, in a subprocess); every request is served, under a
+    planning policy and under the oracle's preload."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "bench.run", "--quick", "--attach", "--policies", "global,oracle",
+                           "--tp", "2", "--replicas", "1", "--out", str(tmp_path), "--no-plots"], cwd=root,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["config"]["bench"]["attach"] and doc["config"]["real"]["attach"] and doc["config"]["real"]["tp"] == 2
+    ranks = doc["ranks"]["global"]  # both processes served and took the controller's commands
+    assert {(r["replica"], r["rank"]) for r in ranks} == {("replica-0", 0), ("replica-0", 1)}
+    assert all(r["commands_accepted"] > 0 for r in ranks)
+    requests = doc["config"]["workload"]["requests"]
+    for name in ("global", "oracle"):
+        assert (doc["figures"][name]["completed"], doc["figures"][name]["failed"]) == (requests, 0), name
+    assert doc["figures"]["global"]["prefetch_accuracy"] is not None  # the controller prefetched into them
+    assert doc["figures"]["oracle"]["loads"] == 0  # every adapter preloaded into the processes before the clock

@@ -1,0 +1,185 @@
+"""The reference engine in a process of its own, attached to lora-cache through the seam (``workers/attach.py``).
+
+This is how an external engine runs with lora-cache: the process is started by whoever runs the engine
+(here ``EngineProcess``, a ``spawn``ed child; vLLM or SGLang would start their own), joins the Ray
+cluster, attaches as rank k of a replica, and steps the reference engine (``HostedEngine``, the very
+code a worker actor hosts) over the attachment's cache. The parent drives it over a pipe: one call at a
+time, in order (``build``, ``run``, ``step``, ``stats``, ``load_log``, ``preload``, ``detach``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from lora_cache import heap
+from lora_cache.catalog import CatalogConfig
+from lora_cache.errors import LoraCacheError
+from workers.attach import AttachConfig, attach
+from workers.cache import WorkerConfig
+from workers.engine.config import EngineConfig
+from workers.engine.engine import EngineResult
+from workers.engine.hosted import HostedEngine, Rendezvous
+from workers.engine.workload import Request
+from workers.streams import resolve_device
+
+START_TIMEOUT_S = 300.0  # import torch and Ray, join the cluster, attach
+
+
+class EngineProcessError(LoraCacheError, RuntimeError):
+    """The engine process failed a call (its traceback is in the message) or died."""
+
+
+class _Rank:
+    """The child's side: one attached rank and the reference engine over its cache."""
+
+    def __init__(self, attach_config: AttachConfig, worker: WorkerConfig, catalog: CatalogConfig | None = None) -> None:
+        self.loads: deque[tuple[float, Any]] = deque(maxlen=4096)
+        device = resolve_device(worker.device)
+        compute = None
+        if device.type == "cuda":  # this process's device, and the stream its steps run on (the engine's)
+            torch.cuda.set_device(device)
+            compute = torch.cuda.Stream(device)
+        self.rank = attach(attach_config, worker, catalog, compute_stream=compute,
+                           on_ready=lambda r: self.loads.append((time.time(), r)))  # wall clock: across processes
+        self.engine = HostedEngine(self.rank.cache)
+        heap.freeze()
+
+    def build(self, config: EngineConfig, meet: Rendezvous) -> None:
+        self.engine.build(config, meet, self.rank.worker.tp_rank)
+
+    def run(self, requests: list[Request], start_wall: float, inflight: int = 0, report_queue: bool = False,
+            ) -> EngineResult:
+        try:
+            send = self.rank.report_queue if report_queue else None
+            return HostedEngine.strip(self.engine.run(requests, start_wall, inflight, send))
+        finally:
+            self.engine.close()
+            heap.freeze()
+
+    def step(self, adapters: list[str]) -> list[int]:
+        """An engine step's cache calls alone (acquire, then release): the slots the batch ran on."""
+        batch = self.rank.acquire(adapters)
+        self.rank.release(batch)
+        self.rank.cache.check_integrity()
+        return list(batch.slots)
+
+    def preload(self, names: list[str], timeout_s: float = 600.0) -> int:
+        for name in names:
+            self.rank.cache.prefetch(name).result(timeout=timeout_s)
+        return len(names)
+
+    def stats(self) -> dict[str, object]:
+        return self.rank.control.stats()
+
+    def seam(self) -> dict[str, object]:
+        """The attachment's own figures: controller calls served (and failed), and why it was lost, if it was."""
+        return {"calls": self.rank.calls, "errors": self.rank.errors,
+                "lost": None if self.rank.lost is None else str(self.rank.lost)}
+
+    def residency(self) -> list[dict[str, object]]:
+        return self.rank.cache.residency()
+
+    def load_log(self) -> list[tuple[float, Any]]:
+        return list(self.loads)
+
+    def detach(self) -> None:
+        self.rank.detach()
+
+
+def _child(conn: Connection, attach_config: AttachConfig, worker: WorkerConfig, catalog: CatalogConfig | None,
+           ) -> None:
+    try:
+        rank = _Rank(attach_config, worker, catalog)
+    except BaseException as e:
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return
+    conn.send(("ok", os.getpid()))
+    while True:
+        try:
+            op, args = conn.recv()
+        except EOFError:  # the parent is gone: leave like a detach
+            rank.detach()
+            return
+        try:
+            conn.send(("ok", getattr(rank, op)(*args)))
+        except BaseException as e:
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        if op == "detach":
+            return
+
+
+class EngineProcess:
+    """The parent's handle on one engine rank running in its own process (``spawn``: a fresh interpreter,
+    its own device context). ``call`` blocks; ``submit`` runs a call on this process's own thread, so
+    the parent can drive every rank at once (a replica's ranks build and run together)."""
+
+    def __init__(self, attach_config: AttachConfig, worker: WorkerConfig, catalog: CatalogConfig | None = None,
+                 timeout_s: float = START_TIMEOUT_S) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.name = f"{attach_config.replica}/{worker.tp_rank}"
+        self.process = ctx.Process(target=_child, args=(child, attach_config, worker, catalog),
+                                   name=f"lora-engine-{self.name}", daemon=True)
+        self.process.start()
+        child.close()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{self.name}")
+        self.pid = self._answer(timeout_s)
+
+    def _answer(self, timeout_s: float) -> Any:
+        if not self._conn.poll(timeout_s):
+            raise EngineProcessError(f"engine {self.name} did not answer within {timeout_s:.0f} s")
+        try:
+            status, value = self._conn.recv()
+        except EOFError as e:
+            raise EngineProcessError(f"engine {self.name} died (exit code {self.process.exitcode})") from e
+        if status == "error":
+            raise EngineProcessError(f"engine {self.name}: {value}")
+        return value
+
+    def call(self, op: str, *args: Any, timeout_s: float = 600.0) -> Any:
+        self._conn.send((op, args))
+        return self._answer(timeout_s)
+
+    def submit(self, op: str, *args: Any, timeout_s: float = 3600.0) -> Future[Any]:
+        return self._thread.submit(self.call, op, *args, timeout_s=timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL: the process dies without detaching (what a crash looks like to lora-cache)."""
+        if self.process.pid is not None and self.process.is_alive():
+            os.kill(self.process.pid, signal.SIGKILL)
+        self.process.join(timeout=30)
+        self._thread.shutdown(wait=False)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Detach, then let the process end (killed if it does not)."""
+        if self.process.is_alive():
+            with contextlib.suppress(EngineProcessError, OSError, BrokenPipeError):
+                self.call("detach", timeout_s=timeout_s)
+            self.process.join(timeout=timeout_s)
+        self.kill()
+
+
+def start_ranks(attach_config: Callable[[int], AttachConfig], workers: list[WorkerConfig],
+                catalog: CatalogConfig | None = None, timeout_s: float = START_TIMEOUT_S) -> list[EngineProcess]:
+    """Start one engine process per ``workers`` entry at once (``attach_config(rank)`` for each); all or none."""
+    with ThreadPoolExecutor(len(workers)) as pool:
+        futures = [pool.submit(EngineProcess, attach_config(w.tp_rank), w, catalog, timeout_s) for w in workers]
+    started = [f.result() for f in futures if f.exception() is None]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for proc in started:
+            proc.close()
+        raise failed[0]  # type: ignore[misc]
+    return started

@@ -1,0 +1,116 @@
+"""What a worker sends the controller on its own (lifecycle steps 1 and 7), shared by the worker actor
+and an attached engine process (``workers/attach.py``).
+
+``Outbox``: numbered residency deltas, pushed in batches by a thread, resent until the controller takes
+them. ``QueueSender``: the latest waiting queue of an engine, sent from a thread that never blocks a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from lora_cache.controller import CONTROLLER_NAME, NAMESPACE
+from workers.commands import Delta
+
+log = logging.getLogger(__name__)
+
+
+class Outbox:
+    """Deltas waiting to be pushed to the controller, numbered; a thread sends them in batches.
+
+    Every delta carries this worker's incarnation (its start time) and a sequence number, so the
+    controller can tell a restarted worker from its predecessor and notice lost deltas (a gap), which
+    it repairs from a full ``describe()``. One batch is in flight at a time: while the controller
+    answers, the next batch gathers. A batch the controller did not take is sent again.
+    """
+
+    def __init__(self, name: str, flush_s: float, max_pending: int = 100_000) -> None:
+        self.name, self.flush_s, self.max_pending = name, flush_s, max_pending
+        self.incarnation = time.time_ns()
+        self._cond = threading.Condition()  # protects _pending, seq and _closed
+        self._pending: list[tuple[int, str, str, str, str]] = []
+        self.seq = 0  # the last number given to a delta
+        self._closed = False
+        self._controller: Any = None
+        threading.Thread(target=self._run, name="lora-outbox", daemon=True).start()
+
+    def push(self, delta: Delta) -> None:
+        with self._cond:
+            self.seq += 1
+            if len(self._pending) < self.max_pending:  # bounded: past it, the controller sees a gap
+                self._pending.append((self.seq, delta.adapter, delta.version, delta.state, delta.error))
+            self._cond.notify()
+
+    def _run(self) -> None:
+        backoff = self.flush_s
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._closed)
+                if self._closed:
+                    return
+                batch, self._pending = self._pending, []
+            sent = self._send(batch)
+            with self._cond:
+                if not sent:  # keep it, ahead of what came meanwhile, within the bound
+                    self._pending = (batch + self._pending)[-self.max_pending:]
+                backoff = self.flush_s if sent else min(1.0, max(0.05, 2 * backoff))
+                self._cond.wait(backoff)  # gather the next batch (or wait before retrying)
+
+    def _send(self, batch: list[tuple[int, str, str, str, str]]) -> bool:
+        try:
+            if self._controller is None:
+                self._controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+            ray.get(self._controller.report.remote(self.name, self.incarnation, batch), timeout=30)
+            return True
+        except Exception as e:  # no controller (yet, or restarting): keep the batch and retry
+            log.info("readiness for %d adapters not pushed yet (%s)", len(batch), e)
+            self._controller = None
+            return False
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+
+class QueueSender:
+    """Sends the latest waiting queue with ``send(entries)`` on its own thread; stale ones are skipped."""
+
+    def __init__(self, send: Callable[[list[tuple[str, float]]], None]) -> None:
+        self._send = send
+        self._cond = threading.Condition()
+        self._latest: list[tuple[str, float]] | None = None
+        self._closed = False
+        self.sent = self.errors = 0
+        self._thread = threading.Thread(target=self._run, name="lora-queue-report", daemon=True)
+        self._thread.start()
+
+    def push(self, entries: list[tuple[str, float]]) -> None:
+        with self._cond:
+            self._latest = entries
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._latest is not None or self._closed)
+                if self._latest is None:
+                    return
+                entries, self._latest = self._latest, None
+            try:
+                self._send(entries)
+                self.sent += 1
+            except Exception:  # the controller restarting: the next report carries the whole queue again
+                self.errors += 1
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
