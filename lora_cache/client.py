@@ -193,7 +193,7 @@ _REASONS = {pb.ROUTE_REASON_READY: "ready", pb.ROUTE_REASON_LOADING: "loading", 
 def _route_request(items: Iterable[str | RouteItem | tuple[Any, ...]], outstanding: dict[str, int] | None,
                    max_replicas: int) -> pb.RouteRequest:
     out = [RouteItem(x) if isinstance(x, str) else RouteItem(*x) for x in items]
-    return pb.RouteRequest(items=[pb.RouteItem(**i._asdict()) for i in out], outstanding=outstanding or {},
+    return pb.RouteRequest(items=[pb.RouteItem(**i._asdict()) for i in out], outstanding_requests=outstanding or {},
                            max_replicas=max_replicas)
 
 

@@ -131,8 +131,8 @@ class RouteCall(NamedTuple):
 def route(request: pb.RouteRequest, limit: int) -> RouteCall:
     """A Route batch: its size and the outstanding map fail the call; a malformed item fails only itself."""
     count("route items", len(request.items), limit)
-    outstanding = {name("replica", r, " (a key of outstanding)"): float(n)
-                   for r, n in sorted(request.outstanding.items())}
+    outstanding = {name("replica", r, " (a key of outstanding_requests)"): float(n)
+                   for r, n in sorted(request.outstanding_requests.items())}
     call = RouteCall([], {}, [], outstanding, request.max_replicas)
     for i, item in enumerate(request.items):
         call.request_ids.append(item.request_id)

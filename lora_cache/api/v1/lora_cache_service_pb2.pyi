@@ -135,8 +135,8 @@ class RouteItem(_message.Message):
     def __init__(self, adapter: _Optional[str] = ..., version: _Optional[str] = ..., request_id: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("items", "outstanding", "max_replicas")
-    class OutstandingEntry(_message.Message):
+    __slots__ = ("items", "outstanding_requests", "max_replicas")
+    class OutstandingRequestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -144,12 +144,12 @@ class RouteRequest(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     ITEMS_FIELD_NUMBER: _ClassVar[int]
-    OUTSTANDING_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[RouteItem]
-    outstanding: _containers.ScalarMap[str, int]
+    outstanding_requests: _containers.ScalarMap[str, int]
     max_replicas: int
-    def __init__(self, items: _Optional[_Iterable[_Union[RouteItem, _Mapping]]] = ..., outstanding: _Optional[_Mapping[str, int]] = ..., max_replicas: _Optional[int] = ...) -> None: ...
+    def __init__(self, items: _Optional[_Iterable[_Union[RouteItem, _Mapping]]] = ..., outstanding_requests: _Optional[_Mapping[str, int]] = ..., max_replicas: _Optional[int] = ...) -> None: ...
 
 class RankedReplica(_message.Message):
     __slots__ = ("replica", "reason", "expected_wait", "within_bound")
