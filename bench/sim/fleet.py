@@ -44,6 +44,7 @@ from lora_cache.control import ControllerCore, WorkerId
 from lora_cache.errors import ConfigError
 from lora_cache.planner import PlannerConfig
 from lora_cache.planner.records import AdapterKey
+from lora_cache.routing import RouterConfig
 from lora_cache.shapes import resolve_model
 from lora_cache.shards import shard_layout
 from lora_cache.synth import SynthConfig
@@ -210,16 +211,17 @@ class SimResult:
 
 
 def simulate(config: SimConfig, policy: BenchPolicy, workload: Workload, calibration: Calibration, *,
-             check: bool = False) -> SimResult:
-    """Run ``workload`` on the simulated fleet under ``policy``; ``check``: integrity checks as it goes."""
-    return _Fleet(config, policy, workload, calibration, check).run()
+             check: bool = False, router: RouterConfig | None = None) -> SimResult:
+    """Run ``workload`` on the simulated fleet under ``policy``; ``check``: integrity checks as it goes;
+    ``router``: the controller's routing-advice settings (the ``lora-cache`` router's), default RouterConfig()."""
+    return _Fleet(config, policy, workload, calibration, check, router).run()
 
 
 class _Fleet:
     """Builds the fleet, drives the router and collects results (one run)."""
 
     def __init__(self, config: SimConfig, policy: BenchPolicy, workload: Workload, calibration: Calibration,
-                 check: bool) -> None:
+                 check: bool, router: RouterConfig | None = None) -> None:
         self.config, self.policy, self.workload, self.check = config, policy, workload, check
         self.loop = loop = Loop()
         names = list(workload.adapters)
@@ -228,7 +230,8 @@ class _Fleet:
         catalog = SyntheticCatalog(resolve_model(config.model), {n: ranks[i % len(ranks)] for i, n in enumerate(names)},
                                    calibration.slot_dtype)
         planner = PlannerConfig(policy=policy.planner, max_staged_per_replica=config.max_staged)
-        self.controller = SimController(loop, calibration, planner, catalog, config.plan_interval_s, config.sync_s)
+        self.controller = SimController(loop, calibration, planner, catalog, config.plan_interval_s, config.sync_s,
+                                        router or RouterConfig())
         for name in names:
             self.controller.core.register_adapter(name, f"simulated/{name}")
         keys = {n: AdapterKey(n, catalog.get(n).version) for n in names}
