@@ -36,8 +36,10 @@ class RouteAdvice(NamedTuple):
 
 def residence(planner: Planner, replica: str, key: AdapterKey) -> Residence:
     """READY on every rank; else LOADING if every rank holds or loads it; else STAGED if every rank that
-    does not hold it has it staged; else COLD."""
+    does not hold it has it staged; else COLD (also for a replica without workers)."""
     held = [planner.holding(w, key) for w in planner.workers(replica)]
+    if not held:
+        return Residence.COLD
     states = [r.state for r, _ in held if r is not None]
     if len(states) == len(held) and all(s is not SlotState.LOADING for s in states):
         return Residence.READY

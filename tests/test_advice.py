@@ -52,6 +52,13 @@ def test_residence_reads_every_rank_and_the_stages() -> None:
     assert got == {"r0": Residence.READY, "r1": Residence.LOADING, "r2": Residence.STAGED, "r3": Residence.COLD}
 
 
+def test_a_replica_without_workers_is_cold() -> None:
+    planner = fleet(2)
+    planner.remove_worker("r1/w0")
+    planner.remove_worker("r1/w1")
+    assert residence(planner, "r1", AdapterKey("a0", "v1")) is Residence.COLD
+
+
 def test_advice_ranks_by_residence_and_counts_queues_and_hints_as_load() -> None:
     planner = fleet()
     for w in ("r0/w0", "r0/w1"):
