@@ -24,10 +24,12 @@ def zipf(requests: int = 300, seed: int = 0) -> Workload:
     return make_workload(spec, spec.adapter_names(FLEET.slots))
 
 
+@pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("router", sorted(ROUTERS))
-def test_every_router_routes_every_request(router: str) -> None:
+def test_every_router_routes_every_request(router: str, tp: int) -> None:
     wl = zipf(120)
-    result = simulate(dataclasses.replace(FLEET, routing=router), BENCH_POLICIES["global"], wl, H200, check=True)
+    config = dataclasses.replace(FLEET, routing=router, tp=tp)
+    result = simulate(config, BENCH_POLICIES["global"], wl, H200, check=True)
     assert [r.rid for r in result.records] == [r.rid for r in wl.requests]
     assert all(r.token_s for r in result.records)
 
