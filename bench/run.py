@@ -89,6 +89,10 @@ class BenchConfig:
     max_seq_len: int = field(default=2048, metadata={"help": "longest input + output"})
     hint_lead_s: float = field(default=0.5, metadata={"help": "the router hints a request's adapter this long "
                                                                "before the request reaches its replica"})
+    router: str = field(default="round-robin", metadata={
+        "help": "the benchmark router: round-robin (request i to replica i mod R, the real path's rule, the "
+                "default) | least-loaded | affinity (resident replica, else least loaded) | lora-cache (the "
+                "controller's routing advice); only round-robin on --engine real"})
     gpus: str = field(default="auto", metadata={"help": "real engine on GPUs: auto | yes | no"})
     calibration: str = field(default="h200-llama8b", metadata={
         "path": "name_or_file", "help": "sim costs: a name under bench/calibration "
@@ -112,6 +116,13 @@ class BenchConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         parse_policies(self.policies)
+        from bench.sim.fleet import ROUTERS
+
+        if self.router not in ROUTERS:
+            raise ConfigError(f"router {self.router!r} is not registered; choose one of {', '.join(ROUTERS)}")
+        if self.router != "round-robin" and self.engine == "real":
+            raise ConfigError(f"--router {self.router} runs in the simulator only (the real path's router sends "
+                              "request i to replica i mod R); use --engine sim, or --router round-robin")
         if self.attach and self.engine != "real":
             raise ConfigError(f"--attach runs the real engine's ranks in their own processes; it needs --engine real, "
                               f"not {self.engine!r}")
@@ -236,7 +247,7 @@ def _run_sim(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Work
     sim = SimConfig(model=bench.model, replicas=bench.replicas, tp=bench.tp, slots=bench.slots,
                     max_rank=bench.max_rank, adapter_ranks=bench.adapter_ranks, max_running=bench.max_running,
                     max_adapters=bench.max_adapters, max_prefill_tokens=bench.max_prefill_tokens,
-                    hint_lead_s=bench.hint_lead_s, routing="round_robin")  # the real path's router rule
+                    hint_lead_s=bench.hint_lead_s, routing=bench.router)
     config["sim"] = dataclasses.asdict(sim)
     config["calibration"] = dataclasses.asdict(calib)
     runs = []

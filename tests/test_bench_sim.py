@@ -220,7 +220,7 @@ def test_least_loaded_routing_spreads_requests() -> None:
     result = run("ondemand")
     steps = {s.replica for s in result.steps}
     assert steps == {"replica-0", "replica-1"}
-    rr = simulate(dataclasses.replace(SMALL, routing="round_robin"), BENCH_POLICIES["ondemand"], workload(), H200)
+    rr = simulate(dataclasses.replace(SMALL, routing="round-robin"), BENCH_POLICIES["ondemand"], workload(), H200)
     assert len(rr.records) == len(workload().requests)
 
 
