@@ -87,8 +87,9 @@ class BenchConfig:
     max_adapters: int = field(default=4, metadata={"help": "most distinct adapters per batch"})
     max_prefill_tokens: int = field(default=4096, metadata={"help": "prompt tokens per prefill step"})
     max_seq_len: int = field(default=2048, metadata={"help": "longest input + output"})
-    hint_lead_s: float = field(default=0.5, metadata={"help": "the router hints a request's adapter this long "
-                                                               "before the request reaches its replica"})
+    hint_lead_s: float = field(default=0.05, metadata={
+        "help": "the router hints a request's adapter this long before the request reaches its replica (0.05: a "
+                "router that forwards within milliseconds; 0.5: a router that queues requests)"})
     router: str = field(default="round-robin", metadata={
         "help": "the benchmark router: round-robin (request i to replica i mod R, the real path's rule, the "
                 "default) | least-loaded | affinity (resident replica, else least loaded) | lora-cache (the "

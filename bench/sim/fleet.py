@@ -133,8 +133,9 @@ class SimConfig:
     max_running: int = field(default=32, metadata={"help": "most requests running per replica"})
     max_adapters: int = field(default=4, metadata={"help": "most distinct adapters among a replica's running requests"})
     max_prefill_tokens: int = field(default=4096, metadata={"help": "prompt tokens per prefill step"})
-    hint_lead_s: float = field(default=0.5, metadata={
-        "help": "the router knows (routes, hints) a request this long before it dispatches it"})
+    hint_lead_s: float = field(default=0.05, metadata={
+        "help": "the router knows (routes, hints) a request this long before it dispatches it (0.05: forwards "
+                "within milliseconds; 0.5: a router that queues requests)"})
     routing: str = field(default="least-loaded", metadata={"help": f"router: {' | '.join(ROUTERS)}"})
     plan_interval_s: float = field(default=0.5, metadata={
         "help": "the controller's timer: retry failed loads and replan the whole fleet"})
