@@ -12,10 +12,16 @@ from collections.abc import Callable
 from typing import Any
 
 
-class Loop:
-    """The event heap and the simulated clock ``now`` (seconds)."""
+class SimulationStuck(RuntimeError):
+    """Simulated time stopped: events keep running at one instant (a livelock), so the run would never end."""
 
-    def __init__(self) -> None:
+
+class Loop:
+    """The event heap and the simulated clock ``now`` (seconds). ``max_same_instant``: events that may run
+    at one simulated time before the run is declared stuck (``SimulationStuck``) instead of spinning forever."""
+
+    def __init__(self, max_same_instant: int = 1_000_000) -> None:
+        self.max_same_instant = max_same_instant
         self.now = 0.0
         self.events = 0  # events run so far
         self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
@@ -31,9 +37,13 @@ class Loop:
 
     def run(self, done: Callable[[], bool]) -> None:
         """Run events in time order until ``done()`` or none are left."""
-        heap = self._heap
+        heap, same = self._heap, 0
         while heap and not done():
             t, _, fn, args = heapq.heappop(heap)
+            same = same + 1 if t == self.now else 0
+            if same > self.max_same_instant:
+                raise SimulationStuck(f"{same} events at t={t:.6f} s without time moving on (the last: "
+                                      f"{getattr(fn, '__qualname__', fn)}): a livelock in the simulated fleet")
             self.now = t
             self.events += 1
             fn(*args)

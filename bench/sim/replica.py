@@ -167,16 +167,17 @@ class SimReplica:
         self._wait_token += 1
         self.state = "wait"
         token, left = self._wait_token, [len(self.workers)]
-        for loads in self._engine_loads:
-            flying = [ld for a in _names(plan.wait_for) if (ld := loads.get(a)) is not None and not ld.ready.done]
+        waited = _names(plan.wait_for)
+        for w, loads in zip(self.workers, self._engine_loads):
+            flying = [ld for a in waited if (ld := loads.get(a)) is not None and not ld.ready.done]
             done = functools.partial(self._rank_waited, token, left, [False])
             if flying:
                 for load in flying:
                     load.ready.then(done)
-            elif plan.wait_for:
+            elif any(w.is_ready(a) for a in waited):  # its load is done here: the next round can admit
                 done(None)
-            else:
-                self.loop.after(WAIT_POLL_S, done, None)
+            else:  # nothing to wait for, or nothing loading for it here (a prefetch refused for room): poll;
+                self.loop.after(WAIT_POLL_S, done, None)  # a round at the same instant would see the same state
 
     def _rank_waited(self, token: int, left: list[int], fired: list[bool], _: Signal | None) -> None:
         if token != self._wait_token or fired[0]:

@@ -253,6 +253,9 @@ class RankEngine:
             wait(loads, timeout=timeout, return_when=FIRST_COMPLETED)
         elif not plan.wait_for:
             time.sleep(1e-3 if timeout is None else timeout)  # nothing loading: the next arrival
+        elif not any(_key_or_none(self.catalog, a) in self.cache.ready_keys() for a in plan.wait_for):
+            # nothing loading for them here (a prefetch refused for room, a failed load): poll, never spin
+            time.sleep(min(1e-3, timeout) if timeout is not None else 1e-3)
 
     def _step(self, plan: StepPlan) -> StepResult:
         wall, start, gc_ms = time.time(), time.perf_counter(), self.pauses.total_ms
