@@ -221,7 +221,7 @@ class _Fleet:
                      nbytes: dict[str, int]) -> None:
         """A replica's TP workers (the oracle's with every adapter READY), known to the controller."""
         config = self.config
-        self.controller.core.add_replica(name, config.tp, engine.num_slots)
+        self.controller.core.add_replica(name, config.tp, engine.num_slots, config.host_bytes)
         ranks = []
         for k in range(config.tp):
             host = SimHostTier(self.loop, calibration, config.host_bytes, config.read_threads)
