@@ -40,7 +40,9 @@ READY, IN_USE, LOADING = SlotState.READY, SlotState.IN_USE, SlotState.LOADING
 def make(policy: str = "global", replicas: int = 1, tp: int = 2, slots: int = 2, adapters: int = 8,
          bytes_per_rank: int = 100, bytes_per_worker: int | None = None, epoch: int = 7,
          host_bytes: int | None = None, **config: object) -> Planner:
-    """r0..rN, each with workers rK/w0..; adapters a0..aM at version v1."""
+    """r0..rN, each with workers rK/w0..; adapters a0..aM at version v1. Speculation's rules are tested
+    without its rate gate (the small counts here stand for well under 0.5 requests per second)."""
+    config.setdefault("speculate_min_rate", 0.0)
     specs = [ReplicaSpec(f"r{r}", tuple(f"r{r}/w{k}" for k in range(tp)), slots, bytes_per_worker, host_bytes)
              for r in range(replicas)]
     infos = [AdapterInfo(f"a{i}", "v1", bytes_per_rank) for i in range(adapters)]

@@ -25,10 +25,11 @@ class PlannerConfig:
     max_staged_per_replica: int = field(default=4, metadata={
         "help": "needed (queued or hinted) adapters that find no GPU room whose shards each worker of the replica "
                 "reads into its host tier ahead, in need order (global policy; 0: none)"})
-    speculate_min_rate: float = field(default=0.0, metadata={
+    speculate_min_rate: float = field(default=0.5, metadata={
         "help": "requests per second a popular (unqueued, unhinted) adapter must be expected to get at a replica to "
-                "be loaded into a GPU slot there; below it, it is at most staged in the host tier (0: no gate)"})
-    stage_host_share: float = field(default=0.75, metadata={
+                "be loaded into a GPU slot there (0.5: one within 2 s); below it, it is at most staged in the host "
+                "tier (0: no gate)"})
+    stage_host_share: float = field(default=0.4, metadata={
         "help": "share of each worker's reported host tier that the target's adapters, needed stages and popularity "
                 "stages may fill, most demanded per byte first (global policy; the rest is left to the LRU of "
                 "recently evicted shards; 0: no popularity staging)"})
@@ -63,7 +64,7 @@ class PlannerConfig:
             raise ConfigError(f"speculate_min_rate is {self.speculate_min_rate!r}; give requests per second >= 0, "
                               "e.g. 0.5 (0: every popular adapter that wins a slot is loaded)")
         if not _finite(self.stage_host_share) or not 0.0 <= self.stage_host_share <= 1.0:
-            raise ConfigError(f"stage_host_share is {self.stage_host_share!r}; give a share in [0, 1], e.g. 0.75 "
+            raise ConfigError(f"stage_host_share is {self.stage_host_share!r}; give a share in [0, 1], e.g. 0.4 "
                               "(0: no popularity staging)")
         _count("max_prefetches_per_plan", self.max_prefetches_per_plan, 0, "4 (0: no popularity prefetch)")
         _count("max_staged_per_replica", self.max_staged_per_replica, 0, "4 (0: no host-tier staging)")

@@ -10,9 +10,10 @@ host-to-GPU copy. The stages of a replica's target are, in order:
    most demanded per byte first, that the target does not place in a GPU slot and no rank holds,
    while their bytes fit `stage_host_share` of the host tier the workers report (the smallest rank's),
    less the bytes of the target's adapters (a load passes through the host tier and its shard stays
-   there, LRU) and of the needed stages. So a host tier no larger than the GPU working set (2 GiB
-   against 8 slots of 335 MB in the benchmark) gets no predicted stages: they would only push out
-   shards of recently evicted adapters, which the LRU already keeps (measured: +45% disk bytes);
+   there, LRU) and of the needed stages. So a host tier not much larger than the GPU working set
+   (2 GiB against 8 slots of up to 335 MB in the benchmark) gets no predicted stages: they would only
+   push out shards of recently evicted adapters, which the LRU already keeps (simulated: up to +20%
+   disk bytes for no TTFT gain); a 16 GiB tier gets about 5 GiB of them (bench/RESULTS.md);
    needed stages themselves fit the whole host tier less those loads.
 
 So a stage never exceeds the reported host capacity, never names what a rank holds or the target loads,
