@@ -546,6 +546,21 @@ def test_a_popular_adapter_below_the_min_rate_is_staged_not_loaded() -> None:
     planner.check_integrity()
 
 
+def test_speculative_copies_follow_routed_load_across_replicas() -> None:
+    """Replica-aware speculation (issue 20 item 3): a replica loads a popular adapter only where its expected
+    rate there (the replica's routed counts blended with the fleet's per replica) reaches the gate. An adapter
+    routed to r0 alone is held at r0 only; one routed to both replicas, or so hot that its fleet share alone
+    reaches the gate, is held at both: copies grow with routed load, not top-k everywhere."""
+    planner = make(replicas=2, slots=3, tp=1, speculate_min_rate=0.5, local_weight=0.5)
+    popular(planner, "r0", {"a1": 100, "a3": 300})  # rates at r0: 0.87 and 2.6/s; at r1 (fleet share): 0.29, 0.87
+    popular(planner, "r1", {"a2": 100})
+    popular(planner, "r0", {"a2": 100})  # a2: 1.2/s at both
+    plan = planner.plan_all(1.0)
+    assert sorted(prefetched(plan, "r0/w0")) == ["a1", "a2", "a3"]
+    assert sorted(prefetched(plan, "r1/w0")) == ["a2", "a3"]  # not a1: its load goes to r0
+    planner.check_integrity()
+
+
 def test_removing_an_adapter_or_worker_forgets_its_stages() -> None:
     planner = make(slots=1, max_prefetches_per_plan=0)
     pin_all(planner, "r0", "a0")
