@@ -86,7 +86,35 @@ GOALS = (  # (label, policy, figure, reference policy, at most this ratio, workl
     ("global p99 TTFT <= 0.20x ondemand", "global", "p99_ttft_ms", "ondemand", 0.20, None),
     ("global p99 TTFT <= 1.15x oracle", "global", "p99_ttft_ms", "oracle", 1.15, None),
     ("global p99 TTFT <= 0.8x queue", "global", "p99_ttft_ms", "queue", 0.80, ("bursty", "zipf")),
+    ("global p99 TTFT <= 0.75x queue", "global", "p99_ttft_ms", "queue", 0.75, None),  # issue 20, lead 0.05
+    ("global p99 TTFT <= 0.75x overlap", "global", "p99_ttft_ms", "overlap", 0.75, None),
 )
+
+GAPS = (  # (name, the gap's upper end): the share of the gap from that baseline to the oracle a policy closes
+    ("adapter_gap_closed", "ondemand"), ("queue_gap_closed", "queue"))
+
+
+def gaps(by_policy: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per policy, for mean and p99 TTFT: ``(baseline - policy) / (baseline - oracle)`` for each of ``GAPS``
+    whose baseline and the oracle ran (1: as good as an infinite cache; 0: no better than the baseline;
+    negative: worse). A gap the oracle does not open (baseline <= oracle) has no share and is left out."""
+    out: dict[str, dict[str, float]] = {}
+    if "oracle" not in by_policy:
+        return out
+    for policy, figs in by_policy.items():
+        if policy == "oracle":
+            continue
+        row = {}
+        for name, base in GAPS:
+            if base not in by_policy or base == policy:
+                continue
+            for key, short in (("mean_ttft_ms", "mean"), ("p99_ttft_ms", "p99")):
+                top, bottom = by_policy[base][key], by_policy["oracle"][key]
+                if top > bottom:
+                    row[f"{name}_{short}"] = (top - figs[key]) / (top - bottom)
+        if row:
+            out[policy] = row
+    return out
 
 
 def goals(by_policy: dict[str, dict[str, Any]], workload: str) -> list[dict[str, Any]]:

@@ -64,7 +64,7 @@ class RealConfig:
     max_adapters: int = 4
     max_prefill_tokens: int = 4096
     max_seq_len: int = 2048
-    hint_lead_s: float = 0.5
+    hint_lead_s: float = 0.05  # a router that forwards within milliseconds (0.5: one that queues)
     gpus: bool = False
     dtype: str = "float32"  # slots and compute; bfloat16 on GPUs
     worker_cpus: float = 0.25

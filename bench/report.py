@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.figures import PolicyRun, figures, goals, timeline
+from bench.figures import PolicyRun, figures, gaps, goals, timeline
 from lora_cache.errors import ConfigError
 
 COLUMNS = (  # (figure, header, scale)
@@ -39,6 +39,12 @@ def table(by_policy: dict[str, dict[str, Any]], checked: list[dict[str, Any]]) -
              "| --- |" + " ---: |" * len(COLUMNS)]
     for name, figs in by_policy.items():
         lines.append(f"| {name} | " + " | ".join(_cell(figs.get(k), s) for k, _, s in COLUMNS) + " |")
+    shares = gaps(by_policy)
+    if shares:
+        keys = [k for k in ("adapter_gap_closed_mean", "adapter_gap_closed_p99", "queue_gap_closed_mean",
+                            "queue_gap_closed_p99") if any(k in row for row in shares.values())]
+        lines += ["", "| gap to the oracle closed | " + " | ".join(keys) + " |", "| --- |" + " ---: |" * len(keys)]
+        lines += [f"| {p} | " + " | ".join(_cell(row.get(k), 1) for k in keys) + " |" for p, row in shares.items()]
     if checked:
         lines += ["", "| goal | ratio | met |", "| --- | ---: | :---: |"]
         lines += [f"| {g['goal']} | {g['ratio']:.3f} | {'yes' if g['met'] else 'no'} |" for g in checked]
@@ -65,7 +71,7 @@ def _document(config: dict[str, Any], sections: dict[str, dict[str, Any]]) -> di
     """The results document: ``config``, each of ``SECTIONS`` by policy, and the goals and table."""
     by_policy = sections["figures"]
     checked = goals(by_policy, str(config.get("workload", {}).get("popularity", "")))
-    return {"config": config, "figures": by_policy, "goals": checked,
+    return {"config": config, "figures": by_policy, "goals": checked, "gaps": gaps(by_policy),
             **{k: v for k, v in sections.items() if k != "figures"}, "table": table(by_policy, checked)}
 
 

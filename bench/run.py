@@ -87,8 +87,13 @@ class BenchConfig:
     max_adapters: int = field(default=4, metadata={"help": "most distinct adapters per batch"})
     max_prefill_tokens: int = field(default=4096, metadata={"help": "prompt tokens per prefill step"})
     max_seq_len: int = field(default=2048, metadata={"help": "longest input + output"})
-    hint_lead_s: float = field(default=0.5, metadata={"help": "the router hints a request's adapter this long "
-                                                               "before the request reaches its replica"})
+    hint_lead_s: float = field(default=0.05, metadata={
+        "help": "the router hints a request's adapter this long before the request reaches its replica (0.05: a "
+                "router that forwards within milliseconds; 0.5: a router that queues requests)"})
+    router: str = field(default="round-robin", metadata={
+        "help": "the benchmark router: round-robin (request i to replica i mod R, the real path's rule, the "
+                "default) | least-loaded | affinity (resident replica, else least loaded) | lora-cache (the "
+                "controller's routing advice); only round-robin on --engine real"})
     host_bytes: int = field(default=2 << 30, metadata={"help": "pinned host tier bytes per rank (bounds staging)"})
     gpus: str = field(default="auto", metadata={"help": "real engine on GPUs: auto | yes | no"})
     calibration: str = field(default="h200-llama8b", metadata={
@@ -113,6 +118,13 @@ class BenchConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         parse_policies(self.policies)
+        from bench.sim.fleet import ROUTERS
+
+        if self.router not in ROUTERS:
+            raise ConfigError(f"router {self.router!r} is not registered; choose one of {', '.join(ROUTERS)}")
+        if self.router != "round-robin" and self.engine == "real":
+            raise ConfigError(f"--router {self.router} runs in the simulator only (the real path's router sends "
+                              "request i to replica i mod R); use --engine sim, or --router round-robin")
         if self.attach and self.engine != "real":
             raise ConfigError(f"--attach runs the real engine's ranks in their own processes; it needs --engine real, "
                               f"not {self.engine!r}")
@@ -238,8 +250,7 @@ def _run_sim(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Work
     sim = SimConfig(model=bench.model, replicas=bench.replicas, tp=bench.tp, slots=bench.slots,
                     max_rank=bench.max_rank, adapter_ranks=bench.adapter_ranks, max_running=bench.max_running,
                     max_adapters=bench.max_adapters, max_prefill_tokens=bench.max_prefill_tokens,
-                    hint_lead_s=bench.hint_lead_s, host_bytes=bench.host_bytes,
-                    routing="round_robin")  # the real path's router rule
+                    hint_lead_s=bench.hint_lead_s, host_bytes=bench.host_bytes, routing=bench.router)
     config["sim"] = dataclasses.asdict(sim)
     config["calibration"] = dataclasses.asdict(calib)
     runs = []

@@ -83,6 +83,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from lora_cache.catalog import CatalogConfig
     from lora_cache.gateway import GatewayConfig, start_gateway_thread
     from lora_cache.planner import PlannerConfig
+    from lora_cache.routing import RouterConfig
     from lora_cache.serve import ServeConfig, serve_forever, start
     from lora_cache.synth import SynthConfig, make_adapters
     from workers.cache import WorkerConfig
@@ -102,7 +103,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         print(f"serving base model {model} (from the adapters' base_model_name_or_path; --model to override)",
               flush=True)
         catalog = dataclasses.replace(catalog, model=shell_paths(model, "name_or_file"))
-    service = start(serve_config, catalog, config_from_args(PlannerConfig, ns), config_from_args(WorkerConfig, ns))
+    service = start(serve_config, catalog, config_from_args(PlannerConfig, ns), config_from_args(WorkerConfig, ns),
+                    config_from_args(RouterConfig, ns))
     try:
         gateway = start_gateway_thread(gateway_config, service.controller)
     except BaseException:
@@ -129,6 +131,7 @@ def _add_service_commands(sub: Any) -> None:
     from lora_cache.catalog import CatalogConfig
     from lora_cache.gateway import GatewayConfig
     from lora_cache.planner import PlannerConfig
+    from lora_cache.routing import RouterConfig
     from lora_cache.serve import ServeConfig
     from lora_cache.synth import SynthConfig
     from workers.cache import WorkerConfig
@@ -162,6 +165,7 @@ def _add_service_commands(sub: Any) -> None:
     add_config_args(p, ServeConfig)
     add_config_args(p, CatalogConfig)
     add_config_args(p, PlannerConfig)
+    add_config_args(p, RouterConfig)
     add_config_args(p, WorkerConfig, skip=("tp", "tp_rank", "device"))
     add_config_args(p, GatewayConfig)
     p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: until Ctrl-C)")

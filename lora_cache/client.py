@@ -3,6 +3,7 @@
     with LoraCacheClient("127.0.0.1:50051", token="...") as lc:
         lc.hint([Hint("req-17", "adapter-003", "replica-1", expected_in_s=0.2)])
         lc.lookup("adapter-003").ready          # ('replica-1',) once loaded
+        lc.route(["adapter-003"])[0].replicas[0]   # RoutedReplica('replica-1', 'ready', 0.0, True)
         for event in lc.watch(replica="replica-1"): ...   # ReadinessEvent, or a Resync if events were lost
 
 Errors come back as ClientError with the gRPC status code name and the server's message.
@@ -87,6 +88,32 @@ class Lookup(NamedTuple):
     loading: tuple[str, ...]
 
 
+class RouteItem(NamedTuple):
+    """One request to route (``version`` empty: the current one; ``request_id`` is echoed back)."""
+
+    adapter: str
+    version: str = ""
+    request_id: str = ""
+    tokens: int = 0
+
+
+class RoutedReplica(NamedTuple):
+    replica: str
+    reason: str  # ready | loading | staged | cold
+    expected_wait_s: float
+    within_bound: bool  # False: over the load bound (ranked after every replica with room)
+
+
+class Route(NamedTuple):
+    """The advice for one item: replicas best first, or this item's own error (the others are routed)."""
+
+    adapter: str
+    version: str
+    request_id: str
+    replicas: tuple[RoutedReplica, ...]
+    error: ClientError | None = None
+
+
 class ReadinessEvent(NamedTuple):
     seq: int
     replica: str
@@ -159,6 +186,31 @@ def _lookup(r: pb.LookupResponse) -> Lookup:
     return Lookup(r.adapter, r.version, tuple(r.ready_replicas), tuple(r.loading_replicas))
 
 
+_REASONS = {pb.ROUTE_REASON_READY: "ready", pb.ROUTE_REASON_LOADING: "loading", pb.ROUTE_REASON_STAGED: "staged",
+            pb.ROUTE_REASON_COLD: "cold"}
+
+
+def _route_request(items: Iterable[str | RouteItem | tuple[Any, ...]], outstanding: dict[str, int] | None,
+                   max_replicas: int) -> pb.RouteRequest:
+    out = [RouteItem(x) if isinstance(x, str) else RouteItem(*x) for x in items]
+    return pb.RouteRequest(items=[pb.RouteItem(**i._asdict()) for i in out], outstanding_requests=outstanding or {},
+                           max_replicas=max_replicas)
+
+
+def _routes(r: pb.RouteResponse) -> list[Route]:
+    out = []
+    for a in r.items:
+        code = _CODE_NAMES.get(a.error.code, "UNKNOWN")
+        error = ClientError(code, a.error.message) if a.HasField("error") else None
+        replicas = tuple(RoutedReplica(x.replica, _REASONS.get(x.reason, "unspecified"),
+                                       x.expected_wait.ToNanoseconds() / 1e9, x.within_bound) for x in a.replicas)
+        out.append(Route(a.adapter, a.version, a.request_id, replicas, error))
+    return out
+
+
+_CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+
+
 def _unregister_request(name: str, drain_timeout_s: float | None) -> pb.UnregisterAdapterRequest:
     request = pb.UnregisterAdapterRequest(name=name)
     if drain_timeout_s is not None:
@@ -217,6 +269,12 @@ class LoraCacheClient(_Base):
 
     def lookup(self, adapter: str) -> Lookup:
         return _lookup(self._call(self.stub.Lookup, pb.LookupRequest(adapter=adapter)))
+
+    def route(self, items: Iterable[str | RouteItem | tuple[Any, ...]], outstanding: dict[str, int] | None = None,
+              max_replicas: int = 0) -> list[Route]:
+        """Replicas ranked for each request's adapter (an adapter name or a ``RouteItem``), in order;
+        ``outstanding``: your own in-flight count per replica; ``max_replicas``: per item (0: all)."""
+        return _routes(self._call(self.stub.Route, _route_request(items, outstanding, max_replicas)))
 
     def watch(self, replica: str | None = None, adapter: str | None = None,
               after_seq: int | None = None) -> Iterator[ReadinessEvent | Resync]:

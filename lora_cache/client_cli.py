@@ -1,4 +1,5 @@
-"""``lora-cache hint | cancel-hint | lookup | watch | status | register | unregister``: the client on the command line.
+"""``lora-cache hint | cancel-hint | lookup | route | watch | status | register | unregister``: the client
+on the command line.
 
 ``cli.build_parser`` adds these with ``add_client_commands(sub)``. Connection options come from
 ``ClientConfig`` (``--server``, ``--token-file``, ``--tls-ca``, ``--tls``, ``--timeout-s``); failures are
@@ -21,7 +22,7 @@ from typing import Any
 from google.protobuf.json_format import MessageToDict
 
 from lora_cache.cliargs import add_config_args, config_from_args, shell_path
-from lora_cache.client import ClientConfig, Hint, LoraCacheClient, Resync
+from lora_cache.client import ClientConfig, Hint, LoraCacheClient, Resync, RouteItem
 
 
 def _client(ns: argparse.Namespace) -> LoraCacheClient:
@@ -51,6 +52,23 @@ def cmd_lookup(ns: argparse.Namespace) -> int:
         found = lc.lookup(ns.adapter)
     _print(found._asdict())
     return 0
+
+
+def cmd_route(ns: argparse.Namespace) -> int:
+    """Ranked replicas per adapter (JSON); exit 2 if any item could not be routed (its error is printed)."""
+    outstanding = {}
+    for pair in ns.outstanding:
+        replica, sep, n = pair.partition("=")
+        if not sep or not n.isdigit():
+            raise SystemExit(f"lora-cache route: --outstanding {pair!r} is malformed; give REPLICA=N, e.g. replica-0=3")
+        outstanding[replica] = int(n)
+    items = [RouteItem(a, ns.version, ns.request_id, ns.tokens) for a in ns.adapters]
+    with _client(ns) as lc:
+        routes = lc.route(items, outstanding, ns.max_replicas)
+    _print([{**r._asdict(), "replicas": [x._asdict() for x in r.replicas],
+             "error": None if r.error is None else {"code": r.error.code, "message": r.error.message}}
+            for r in routes])
+    return 2 if any(r.error is not None for r in routes) else 0
 
 
 def cmd_watch(ns: argparse.Namespace) -> int:
@@ -106,6 +124,17 @@ def add_client_commands(sub: Any) -> None:
     p.add_argument("adapter")
     p.set_defaults(func=cmd_lookup)
 
+    p = sub.add_parser("route", help="replicas ranked for requests of ADAPTER (ready, loading, staged, cold; "
+                       "expected wait; bounded load), one JSON entry per adapter given")
+    p.add_argument("adapters", nargs="+", metavar="ADAPTER", help="routed in order, each taking load before the next")
+    p.add_argument("--version", default="", help="the version the request was admitted with (default: current)")
+    p.add_argument("--request-id", default="", help="your request id, echoed back")
+    p.add_argument("--tokens", type=int, default=0, help="prompt tokens of each request")
+    p.add_argument("--max-replicas", type=int, default=0, help="replicas per adapter (0: all)")
+    p.add_argument("--outstanding", action="append", default=[], metavar="REPLICA=N",
+                   help="your own count of requests in flight at a replica (repeat per replica)")
+    p.set_defaults(func=cmd_route)
+
     p = sub.add_parser("watch", help="stream readiness events, one JSON object per line")
     p.add_argument("--replica", help="only this replica's events")
     p.add_argument("--adapter", help="only this adapter's events")
@@ -132,5 +161,5 @@ def add_client_commands(sub: Any) -> None:
             add_config_args(parser, ClientConfig)
 
 
-_COMMANDS = (cmd_hint, cmd_cancel_hint, cmd_lookup, cmd_watch, cmd_status, cmd_register, cmd_unregister)
-CLIENT_COMMANDS = ("hint", "cancel-hint", "lookup", "watch", "status", "register", "unregister")
+_COMMANDS = (cmd_hint, cmd_cancel_hint, cmd_lookup, cmd_route, cmd_watch, cmd_status, cmd_register, cmd_unregister)
+CLIENT_COMMANDS = ("hint", "cancel-hint", "lookup", "route", "watch", "status", "register", "unregister")

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from lora_cache.advice import RouteAdvice, RouteRequest, advise
 from lora_cache.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.errors import ConfigError, LoraCacheError, NotFoundError
 from lora_cache.planner import (
@@ -27,6 +28,7 @@ from lora_cache.planner import (
     SlotState,
 )
 from lora_cache.readiness import RankState, ReadinessEvent, ReadinessIndex
+from lora_cache.routing import RouterConfig
 from lora_cache.shards import shard_layout
 
 
@@ -61,6 +63,7 @@ class ControllerConfig:
 
     catalog: CatalogConfig = field(default_factory=CatalogConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
 
 
 _STATE = {"loading": (RankState.LOADING, SlotState.LOADING), "ready": (RankState.READY, SlotState.READY),
@@ -81,6 +84,7 @@ class ControllerCore:
         self.load_failures = 0
         self.recent_failures: deque[str] = deque(maxlen=20)
         self.hints_received = self.hints_accepted = 0  # hints given / taken (the rest ignored)
+        self.routes_asked = 0  # requests routing advice was asked for
 
     # -- adapters and topology ------------------------------------------------------------------
     def register_adapter(self, name: str, path: str) -> str:
@@ -230,6 +234,12 @@ class ControllerCore:
             out[WorkerId(replica, int(rank))] = list(w.commands)
             self.commands_sent += len(w.commands)
         return out
+
+    def route(self, items: list[RouteRequest], loads: dict[str, float] | None = None) -> list[RouteAdvice]:
+        """Routing advice (step 1): replicas ranked for each request's adapter, from residency, the plan in
+        flight, queues and hints (``lora_cache.advice``); ``loads``: the router's own in-flight counts."""
+        self.routes_asked += len(items)
+        return advise(self.planner, items, self.config.router, loads)
 
     def status(self) -> dict[str, object]:
         return {"epoch": self.epoch, "adapters": len(self.catalog), "replicas": list(self.planner.replicas()),

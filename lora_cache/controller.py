@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, TypeVar
 import ray
 
 from lora_cache import heap
+from lora_cache.advice import RouteAdvice, RouteRequest
 from lora_cache.catalog import CatalogConfig
 from lora_cache.control import ControllerConfig, ControllerCore, HintOutcome, WorkerId
 from lora_cache.durable import DurableConfig, KvStore, Snapshots, decode
@@ -414,6 +415,11 @@ class ControllerActor:
         found = self.core.readiness.lookup(adapter)
         ready = [r for r in found.ready if self.core.readiness.is_ready(r, adapter, version)]
         return {"adapter": adapter, "version": version, "ready": ready, "loading": list(found.loading)}
+
+    async def route(self, items: list[RouteRequest], outstanding: dict[str, float] | None = None) -> list[RouteAdvice]:
+        """Routing advice for a batch (ControllerCore.route); per-item errors ride in the advice."""
+        await self._start()
+        return self.core.route(items, outstanding)
 
     async def begin_watch(self, replica: str | None = None, adapter: str | None = None) -> int:
         """Check a readiness subscriber's filters (NotFoundError for unknown names); the current cursor."""

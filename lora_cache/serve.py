@@ -27,6 +27,7 @@ from lora_cache.control import ControllerConfig, WorkerId
 from lora_cache.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor, worker_name
 from lora_cache.errors import ConfigError
 from lora_cache.planner import PlannerConfig
+from lora_cache.routing import RouterConfig
 from workers.actor import WorkerActor
 from workers.cache import WorkerConfig
 
@@ -76,7 +77,8 @@ def _bundle(serve: ServeConfig) -> dict[str, float]:
     return {"CPU": serve.worker_cpus, **({"GPU": 1.0} if serve.gpus else {})}
 
 
-def start(serve: ServeConfig, catalog: CatalogConfig, planner: PlannerConfig, worker: WorkerConfig) -> Service:
+def start(serve: ServeConfig, catalog: CatalogConfig, planner: PlannerConfig, worker: WorkerConfig,
+          router: RouterConfig | None = None) -> Service:
     owns = not ray.is_initialized()
     if owns:  # embedded, or join --address; unreachable or token-refused clusters fail fast (cluster.py)
         connect(serve.address, NAMESPACE)
@@ -84,7 +86,8 @@ def start(serve: ServeConfig, catalog: CatalogConfig, planner: PlannerConfig, wo
     if adapters and not catalog.adapter_roots:
         catalog = dataclasses.replace(catalog, adapter_roots=(str(adapters),))
     controller = ControllerActor.options(name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached",
-                                         get_if_exists=True).remote(ControllerConfig(catalog, planner))
+                                         get_if_exists=True).remote(ControllerConfig(catalog, planner,
+                                                                                   router or RouterConfig()))
     service = Service(controller, {}, [], owns)
     try:
         for i in range(serve.replicas):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.figures import PolicyRun, figures, goals, timeline
+from bench.figures import PolicyRun, figures, gaps, goals, timeline
 from bench.policies import BENCH_POLICIES, parse_policies
 from bench.report import main as report_main
 from bench.report import read_results, write, write_results
@@ -65,7 +65,29 @@ def test_goals_compare_against_the_named_references() -> None:
     assert checked["global p99 TTFT <= 0.20x ondemand"]["met"]
     assert checked["global p99 TTFT <= 1.15x oracle"]["ratio"] == pytest.approx(150 / 140)
     assert checked["global p99 TTFT <= 0.8x queue"]["met"]
-    assert not any("queue" in g["goal"] for g in goals(by, "uniform"))  # that goal is for bursty and zipf
+    assert not any("0.8x queue" in g["goal"] for g in goals(by, "uniform"))  # that goal is for bursty and zipf
+    assert any("0.75x queue" in g["goal"] for g in goals(by, "uniform"))  # issue 20's: every workload
+
+
+def test_gap_shares_run_from_the_baseline_to_the_oracle() -> None:
+    """(baseline - policy) / (baseline - oracle): 1 at the oracle, 0 at the baseline, negative when worse;
+    no share for the oracle itself, for a baseline against itself, or for a gap the oracle does not open."""
+    by = {"ondemand": {"mean_ttft_ms": 100.0, "p99_ttft_ms": 1000.0}, "global": {"mean_ttft_ms": 30.0,
+          "p99_ttft_ms": 150.0}, "oracle": {"mean_ttft_ms": 20.0, "p99_ttft_ms": 140.0},
+          "queue": {"mean_ttft_ms": 60.0, "p99_ttft_ms": 200.0}, "worse": {"mean_ttft_ms": 80.0, "p99_ttft_ms": 260.0}}
+    shares = gaps(by)
+    assert "oracle" not in shares
+    assert shares["global"]["adapter_gap_closed_mean"] == pytest.approx(70 / 80)
+    assert shares["global"]["adapter_gap_closed_p99"] == pytest.approx(850 / 860)
+    assert shares["global"]["queue_gap_closed_mean"] == pytest.approx(30 / 40)
+    assert shares["global"]["queue_gap_closed_p99"] == pytest.approx(50 / 60)
+    assert shares["queue"] == {"adapter_gap_closed_mean": pytest.approx(0.5),
+                               "adapter_gap_closed_p99": pytest.approx(800 / 860)}
+    assert shares["ondemand"]["queue_gap_closed_mean"] == pytest.approx(-1.0)
+    assert shares["worse"]["queue_gap_closed_p99"] == pytest.approx(-1.0)
+    by["oracle"]["p99_ttft_ms"] = 1000.0  # the oracle no better than ondemand on p99: no adapter-gap p99 share
+    assert "adapter_gap_closed_p99" not in gaps(by)["global"]
+    assert gaps({k: v for k, v in by.items() if k != "oracle"}) == {}
 
 
 def test_scenarios_fill_only_unset_options() -> None:

@@ -48,7 +48,10 @@ def run(policy: str, config: SimConfig = SMALL) -> SimResult:
 # has nothing to act on and ties ondemand (0.91-1.04x on seeds 0-5); at 16/s the fleet is overloaded
 # (the oracle's own p99 is 0.6-1.2 s). With max_adapters < slots, p99 TTFT is set by head-of-line
 # blocking on max_adapters, not by the cache.
-ORDERING = SimConfig(replicas=2, tp=1, slots=8, max_adapters=8)
+# The router here hints 0.5 s ahead (a router that queues requests): this ordering and its goals were set
+# at that lead; at 0.05 s (the benchmark's default since issue 20) the order holds but global's p99 is
+# 1.7x the oracle's on seed 0 (bench/RESULTS.md, issue 20).
+ORDERING = SimConfig(replicas=2, tp=1, slots=8, max_adapters=8, hint_lead_s=0.5)
 
 
 def ordering_p99(seed: int, policies: tuple[str, ...]) -> dict[str, float]:
@@ -77,6 +80,21 @@ def test_p99_ttft_ordering_for_zipf_with_four_adapters_per_slot(seed: int) -> No
     p99 = ordering_p99(seed, ("oracle", "global", "queue", "ondemand"))
     assert 0.95 * p99["oracle"] <= p99["global"] <= p99["queue"] <= p99["ondemand"], p99
     assert p99["global"] <= 1.15 * p99["oracle"], p99
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_at_a_realistic_lead_global_beats_the_engine_baselines(seed: int) -> None:
+    """At a 50 ms router lead (the default: a router that forwards within milliseconds) the order holds and
+    global's p99 is <= 0.75x queue's and overlap's (issue 20's goal). Seeds 0-3: 0.59-0.67x queue; the
+    oracle's gap stays open (global 1.47-1.73x the oracle: cold adapters have no lead to load in)."""
+    config = dataclasses.replace(ORDERING, hint_lead_s=0.05)
+    spec = WorkloadSpec(arrivals="poisson:12", popularity="zipf:1.5", requests=600, random_input_len=512,
+                        random_output_len=128, workload_seed=seed)
+    wl = make_workload(spec, spec.adapter_names(config.slots))
+    p99 = {p: float(simulate(config, BENCH_POLICIES[p], wl, H200).summary()["p99_ttft_ms"])
+           for p in ("oracle", "global", "queue", "overlap", "ondemand")}
+    assert p99["oracle"] <= p99["global"] <= p99["queue"] <= p99["ondemand"], p99
+    assert p99["global"] <= 0.75 * min(p99["queue"], p99["overlap"]), p99
 
 
 def test_staging_cuts_global_load_waits_on_the_loaded_fleet() -> None:
@@ -222,7 +240,7 @@ def test_least_loaded_routing_spreads_requests() -> None:
     result = run("ondemand")
     steps = {s.replica for s in result.steps}
     assert steps == {"replica-0", "replica-1"}
-    rr = simulate(dataclasses.replace(SMALL, routing="round_robin"), BENCH_POLICIES["ondemand"], workload(), H200)
+    rr = simulate(dataclasses.replace(SMALL, routing="round-robin"), BENCH_POLICIES["ondemand"], workload(), H200)
     assert len(rr.records) == len(workload().requests)
 
 
@@ -242,13 +260,13 @@ def test_fitting_the_simulators_own_logs_recovers_its_calibration() -> None:
 
 def test_steps_beside_disk_reads_are_slower_and_the_slowdown_is_fitted_back() -> None:
     """A step runs slower per disk read in flight in its process (``*_read_slowdown``); fitting the
-    simulator's own logs recovers the fractions, and none where there was none. Only 3-5 prefill steps start
-    beside a read in this workload, so the prefill fraction is recovered within 30% (0.62 for 0.5 with queue),
-    the decode one (about 95 steps) within 20%. The queue rule's logs: global's (since its speculative loads
-    need 0.5 requests/s, 2026-11-24) leave the prefill base 0.2 ms off with 5 such steps."""
+    simulator's own logs recovers the fractions, and none where there was none. The queue rule's logs at 12
+    requests/s: 11 prefill steps start beside a read (at 6/s, 1; global, whose speculative loads need 0.5
+    requests/s since 2026-11-24, loads too little to identify the fraction), and the fit, which takes the
+    share of a step a read overlapped, recovers 0.61 for 0.5 (within 30%), the decode one within 20%."""
     for prefill, decode in ((0.5, 0.1), (0.0, 0.0)):
         calib = dataclasses.replace(EXACT, prefill_read_slowdown=prefill, decode_read_slowdown=decode)
-        result = simulate(SMALL, BENCH_POLICIES["queue"], workload(), calib, check=True)
+        result = simulate(SMALL, BENCH_POLICIES["queue"], workload(arrivals="poisson:12"), calib, check=True)
         info: dict[str, Any] = {}
         fitted = fit_calibration([s.as_log() for s in result.steps], [ld.as_log() for ld in result.loads],
                                  base=EXACT, info=info)

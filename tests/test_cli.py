@@ -229,7 +229,8 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 ROUTER_COMMANDS = [["hint", "adapter-000", "--replica", "replica-0"], ["cancel-hint", "h1"], ["lookup", "adapter-000"],
-                   ["watch", "--count", "1"], ["status"], ["register", "a", "some/dir"], ["unregister", "a"]]
+                   ["route", "adapter-000", "adapter-001"], ["watch", "--count", "1"], ["status"],
+                   ["register", "a", "some/dir"], ["unregister", "a"]]
 
 
 @pytest.mark.parametrize("argv", ROUTER_COMMANDS, ids=lambda a: a[0])

@@ -315,6 +315,23 @@ def test_a_router_on_the_generated_stubs_alone_drives_hint_to_readiness(served: 
     assert replica in found.ready_replicas and ready.version == found.version and ready.seq > 0
 
 
+@pytest.mark.ray
+def test_route_through_the_actor_ranks_the_replica_where_the_adapter_became_ready(served: Served) -> None:
+    stub, adapter, replica = served.stub, "adapter-006", "replica-0"  # nothing else touches this pair
+    stream = stub.WatchReadiness(pb.WatchReadinessRequest(replica=replica, adapter=adapter, after_seq=0),
+                                 metadata=AUTH, timeout=60)
+    hint = pb.PrefetchHint(hint_id="route-1", adapter=adapter, replica=replica, priority=pb.HINT_PRIORITY_HIGH)
+    assert stub.Hint(pb.HintRequest(hints=[hint]), metadata=AUTH).accepted == 1
+    first_event(stream, pb.READINESS_STATE_READY, adapter, replica)
+    reply = stub.Route(pb.RouteRequest(items=[pb.RouteItem(adapter=adapter, request_id="q1"),
+                                              pb.RouteItem(adapter="ghost")]), metadata=AUTH, timeout=30)
+    good, bad = reply.items
+    assert (good.request_id, good.replicas[0].replica, good.replicas[0].reason) == ("q1", replica,
+                                                                                  pb.ROUTE_REASON_READY)
+    assert {r.replica for r in good.replicas} == {"replica-0", "replica-1"}
+    assert bad.error.code == grpc.StatusCode.NOT_FOUND.value[0] and "'ghost' is not registered" in bad.error.message
+
+
 class GoodTraffic(threading.Thread):
     """A well-behaved router: Hint, Lookup and Status calls in a loop; every error is recorded."""
 

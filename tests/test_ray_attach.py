@@ -8,6 +8,7 @@ again restores it.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -186,6 +187,39 @@ def test_a_process_that_stops_serving_is_a_dead_rank(fleet) -> None:
         wait_for(lambda: "replica-w" not in ready_on(service.controller, "adapter-003"), what="the rank dropped")
     finally:
         rank._detached.clear()
+        rank.detach()
+
+
+def test_a_call_longer_than_liveness_is_not_a_dead_process(fleet) -> None:
+    """A controller call that runs past ``liveness_s`` (on a GPU, registering dozens of 8B adapters took 9.7 s
+    in one batch and every call failed as stale) keeps its process alive: the heartbeat covers it, the call
+    answers, and the rank stays in the fleet; a batch of calls is answered call by call."""
+    service, gcs, _ = fleet
+    rank = attach(AttachConfig(replica="replica-s", address=gcs, poll_s=0.2, liveness_s=1.0), worker(0, tp=1, slots=2))
+    gate, entered = threading.Event(), threading.Event()
+    real = rank.control.describe
+
+    def held(node):  # the call runs until the test lets it go
+        entered.set()
+        assert gate.wait(60)
+        return real(node)
+
+    try:
+        endpoint = ray.get_actor(rank.name, namespace="lora-cache")
+        rank.control.describe = held
+        slow = endpoint.describe.remote()
+        assert entered.wait(30)
+        done, _ = ray.wait([slow], timeout=3 * rank.config.liveness_s)  # three liveness periods inside the call
+        assert not done, "the call ended while it was held: " + repr(ray.get(slow))
+        assert ray.get(endpoint.ping.remote(), timeout=30)  # alive while busy
+        rank.control.describe = real
+        gate.set()
+        assert ray.get(slow, timeout=30) is not None
+        batch = rank.acquire(["adapter-004"])
+        wait_for(lambda: "replica-s" in ready_on(service.controller, "adapter-004"), what="the rank still serving")
+        rank.release(batch)
+    finally:
+        gate.set()
         rank.detach()
 
 

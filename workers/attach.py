@@ -67,6 +67,8 @@ class AttachConfig:
     liveness_s: float = field(default=5.0, metadata={"help": "the endpoint fails the controller's ping when the "
                                                              "process has not polled for this long"})
     name_wait_s: float = field(default=30.0, metadata={"help": "wait this long for a dead predecessor's name"})
+    max_call_s: float = field(default=300.0, metadata={"help": "a controller call still running after this long "
+                                                             "no longer keeps the process alive (a wedged call)"})
 
     def __post_init__(self) -> None:
         if not self.replica or ":" in self.replica or "/" in self.replica:
@@ -77,6 +79,9 @@ class AttachConfig:
         if not 0 < self.poll_s < self.liveness_s:
             raise ConfigError(f"poll_s ({self.poll_s}) must be > 0 and below liveness_s ({self.liveness_s}): "
                               "the endpoint counts a process that has not polled for liveness_s as dead")
+        if self.max_call_s < self.liveness_s:
+            raise ConfigError(f"max_call_s ({self.max_call_s}) must be >= liveness_s ({self.liveness_s}): a call may "
+                              "run at least as long as an idle process may go without polling")
         if self.flush_s <= 0 or self.name_wait_s < 0:
             raise ConfigError(f"flush_s ({self.flush_s}) must be > 0 and name_wait_s ({self.name_wait_s}) >= 0")
 
@@ -216,6 +221,8 @@ class Attachment:
         self.endpoint: Any = None
         self._queue = QueueSender(self._send_queue)
         self._serving = threading.Thread(target=self._serve, name=f"lora-attach-{self.wid}", daemon=True)
+        self._running_since: float | None = None  # monotonic start of the controller call being run, if any
+        self._beating = threading.Thread(target=self._heartbeat, name=f"lora-attach-beat-{self.wid}", daemon=True)
 
     # -- the engine's calls (lifecycle step 9) ------------------------------------------------------
     @property
@@ -251,6 +258,7 @@ class Attachment:
     def _start(self) -> None:
         self.endpoint = self._create_endpoint()
         self._serving.start()
+        self._beating.start()
         # a refusal (ConfigError, ConflictError) arrives as a RayTaskError that is also an instance of it
         ray.get(self._controller_handle().worker_started.remote(self.name, self.outbox.incarnation, True),
                 timeout=120)
@@ -288,17 +296,32 @@ class Attachment:
                     log.warning("%s: endpoint lost (%s); this rank no longer receives commands", self.name, e)
                     self.lost = e
                 return
-            if calls:
-                self.endpoint.answer.remote([self._run(handlers, call) for call in calls])
+            for call in calls:  # each answered as it finishes: a batch of slow calls (registering many
+                self.endpoint.answer.remote([self._run(handlers, call)])  # adapters) is not a silent process
+
+    def _heartbeat(self) -> None:
+        """While a controller call runs (a registration hashing a large adapter, a describe of thousands of
+        slots), tell the endpoint the process is alive every ``poll_s``; not when idle (then not polling is
+        the sign of a dead serve thread) and not past ``max_call_s`` into one call (a wedged call)."""
+        while not self._detached.wait(self.config.poll_s):
+            since = self._running_since
+            if since is not None and time.monotonic() - since < self.config.max_call_s:
+                try:
+                    self.endpoint.answer.remote([])  # an empty answer: only a sign of life
+                except Exception:  # the endpoint is gone: the serve thread notices and stops
+                    return
 
     def _run(self, handlers: dict[str, Callable[..., Any]], call: Call) -> tuple[int, bool, Any]:
         ident, method, args = call
         self.calls += 1
+        self._running_since = time.monotonic()
         try:
             return ident, True, handlers[method](*args)
         except Exception as e:  # the controller's call fails with it, as a worker actor's would
             self.errors += 1
             return ident, False, e
+        finally:
+            self._running_since = None
 
     def _send_queue(self, entries: list[tuple[str, float]]) -> None:
         ray.get(self._controller_handle().report_queue.remote(self.config.replica, entries), timeout=30)
@@ -321,6 +344,8 @@ class Attachment:
             ray.kill(self.endpoint, no_restart=True)
         if self._serving.is_alive():
             self._serving.join(timeout=self.config.poll_s + 60)
+        if self._beating.is_alive():
+            self._beating.join(timeout=self.config.poll_s + 5)
         self.cache.close()
 
     def __enter__(self) -> Attachment:

@@ -26,6 +26,7 @@ from lora_cache.control import ControllerConfig, ControllerCore, WorkerId
 from lora_cache.errors import NotFoundError
 from lora_cache.peft import AdapterConfig, AdapterSpec, LoraModule
 from lora_cache.planner import Evict, PlannerConfig, Prefetch, Stage
+from lora_cache.routing import RouterConfig
 from lora_cache.shapes import MODULE_ORDER, ModelShape
 
 LORA_ALPHA = 32.0  # make-adapters' default; scaling does not change bytes
@@ -62,9 +63,9 @@ class SimController:
     """The controller actor's event handling around the real ``ControllerCore``."""
 
     def __init__(self, loop: Loop, calibration: Calibration, planner: PlannerConfig, catalog: SyntheticCatalog,
-                 plan_interval_s: float, sync_s: float) -> None:
+                 plan_interval_s: float, sync_s: float, router: RouterConfig | None = None) -> None:
         self.loop, self.calibration = loop, calibration
-        config = ControllerConfig(catalog=catalog.config, planner=planner)
+        config = ControllerConfig(catalog=catalog.config, planner=planner, router=router or RouterConfig())
         self.core = ControllerCore(config, epoch=1)
         self.core.catalog = catalog  # the actor's catalog reads adapter files; the simulated one is in memory
         self.plan_interval_s, self.sync_s = plan_interval_s, sync_s

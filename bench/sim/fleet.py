@@ -15,7 +15,7 @@ to read a rank-64 Llama-8B shard from disk (about 170 ms at 2 GB/s) and copy it,
 and short against the popularity half-life, so they do not just restate popularity. In closed-loop
 mode (``inflight``: N requests in flight over the fleet, the next released when one finishes) a
 request is known only when it is released: no hint (one with no lead says nothing the queue does not).
-``round_robin`` routing sends request i to replica i mod R, as the real path's router does.
+``round-robin`` routing sends request i to replica i mod R, as the real path's router does.
 
 Adapter i gets LoRA rank ``adapter_ranks[i % len]`` (``make-adapters --rank 16,64``); every policy has
 ``slots`` slots per rank sized for the largest rank (equal GPU memory), except the oracle: a slot
@@ -25,8 +25,9 @@ per adapter, all READY before t=0 (an infinite cache with zero load cost).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -38,10 +39,12 @@ from bench.sim.events import Loop
 from bench.sim.replica import ReplicaHooks, SimReplica, StepRecord
 from bench.sim.worker import LoadRecord, SimHostTier, SimWorker
 from bench.workloads import Workload
-from lora_cache.control import WorkerId
+from lora_cache.advice import RouteRequest
+from lora_cache.control import ControllerCore, WorkerId
 from lora_cache.errors import ConfigError
 from lora_cache.planner import PlannerConfig
 from lora_cache.planner.records import AdapterKey
+from lora_cache.routing import RouterConfig
 from lora_cache.shapes import resolve_model
 from lora_cache.shards import shard_layout
 from lora_cache.synth import SynthConfig
@@ -55,29 +58,69 @@ from workers.metrics import STATS_COUNTERS, STATS_SUMMARIES
 COUNTERS, RESERVOIRS = STATS_COUNTERS, STATS_SUMMARIES  # as WorkerCache.stats(); the load records have the latencies
 
 
+class RouteContext(NamedTuple):
+    """What a router may read when it routes a request: its own counts, the engines' residency, the controller."""
+
+    names: list[str]  # replica names, by index
+    outstanding: list[int]  # per replica: requests routed there and not finished
+    resident: Callable[[str, int], bool]  # the adapter is READY on every rank of replica i (the engines' report)
+    controller: ControllerCore
+
+
 class Router(Protocol):
-    def pick(self, outstanding: list[int]) -> int:
-        """The replica for the next request, from each replica's requests routed and not finished."""
+    def pick(self, adapter: str | None, ctx: RouteContext) -> int:
+        """The replica (index) for the next request, which needs ``adapter`` (None: the base model)."""
         ...
+
+
+def _least_loaded(outstanding: list[int], among: Iterable[int]) -> int:
+    return min(among, key=lambda i: (outstanding[i], i))
 
 
 class LeastLoaded:
     """The replica with the fewest outstanding requests (queued, running or on their way); ties: lowest index."""
 
-    def pick(self, outstanding: list[int]) -> int:
-        return outstanding.index(min(outstanding))
+    def pick(self, adapter: str | None, ctx: RouteContext) -> int:
+        return _least_loaded(ctx.outstanding, range(len(ctx.outstanding)))
 
 
 class RoundRobin:
+    """Request i to replica i mod R, as ``bench.real``'s router does."""
+
     def __init__(self) -> None:
         self.next = 0
 
-    def pick(self, outstanding: list[int]) -> int:
-        self.next = (self.next + 1) % len(outstanding)
-        return (self.next - 1) % len(outstanding)
+    def pick(self, adapter: str | None, ctx: RouteContext) -> int:
+        self.next = (self.next + 1) % len(ctx.outstanding)
+        return (self.next - 1) % len(ctx.outstanding)
 
 
-ROUTERS: dict[str, type[Router]] = {"least_loaded": LeastLoaded, "round_robin": RoundRobin}
+class Affinity:
+    """Residency only, as llm-d's lora-affinity scorer and Ray Serve's model multiplexing: the least-loaded
+    replica where the adapter is READY on every rank (the engines' own report), else the least-loaded one."""
+
+    def pick(self, adapter: str | None, ctx: RouteContext) -> int:
+        everyone = range(len(ctx.outstanding))
+        resident = [i for i in everyone if adapter is not None and ctx.resident(adapter, i)]
+        return _least_loaded(ctx.outstanding, resident or everyone)
+
+
+class LoraCacheRouter:
+    """The controller's routing advice (``ControllerCore.route``: residency and the plan in flight as the
+    controller knows them, bounded loads), with the router's own outstanding counts as the loads."""
+
+    def pick(self, adapter: str | None, ctx: RouteContext) -> int:
+        if adapter is None:
+            return _least_loaded(ctx.outstanding, range(len(ctx.outstanding)))
+        loads = {name: float(n) for name, n in zip(ctx.names, ctx.outstanding)}
+        (advice,) = ctx.controller.route([RouteRequest(adapter)], loads)
+        if advice.error is not None:
+            raise advice.error
+        return ctx.names.index(advice.ranked[0].replica)
+
+
+ROUTERS: dict[str, type[Router]] = {"round-robin": RoundRobin, "least-loaded": LeastLoaded, "affinity": Affinity,
+                                    "lora-cache": LoraCacheRouter}
 
 
 @dataclass(frozen=True)
@@ -90,9 +133,10 @@ class SimConfig:
     max_running: int = field(default=32, metadata={"help": "most requests running per replica"})
     max_adapters: int = field(default=4, metadata={"help": "most distinct adapters among a replica's running requests"})
     max_prefill_tokens: int = field(default=4096, metadata={"help": "prompt tokens per prefill step"})
-    hint_lead_s: float = field(default=0.5, metadata={
-        "help": "the router knows (routes, hints) a request this long before it dispatches it"})
-    routing: str = field(default="least_loaded", metadata={"help": f"router: {' | '.join(ROUTERS)}"})
+    hint_lead_s: float = field(default=0.05, metadata={
+        "help": "the router knows (routes, hints) a request this long before it dispatches it (0.05: forwards "
+                "within milliseconds; 0.5: a router that queues requests)"})
+    routing: str = field(default="least-loaded", metadata={"help": f"router: {' | '.join(ROUTERS)}"})
     plan_interval_s: float = field(default=0.5, metadata={
         "help": "the controller's timer: retry failed loads and replan the whole fleet"})
     sync_s: float = field(default=5.0, metadata={"help": "the controller resyncs every worker's residency this often"})
@@ -170,16 +214,17 @@ class SimResult:
 
 
 def simulate(config: SimConfig, policy: BenchPolicy, workload: Workload, calibration: Calibration, *,
-             check: bool = False) -> SimResult:
-    """Run ``workload`` on the simulated fleet under ``policy``; ``check``: integrity checks as it goes."""
-    return _Fleet(config, policy, workload, calibration, check).run()
+             check: bool = False, router: RouterConfig | None = None) -> SimResult:
+    """Run ``workload`` on the simulated fleet under ``policy``; ``check``: integrity checks as it goes;
+    ``router``: the controller's routing-advice settings (the ``lora-cache`` router's), default RouterConfig()."""
+    return _Fleet(config, policy, workload, calibration, check, router).run()
 
 
 class _Fleet:
     """Builds the fleet, drives the router and collects results (one run)."""
 
     def __init__(self, config: SimConfig, policy: BenchPolicy, workload: Workload, calibration: Calibration,
-                 check: bool) -> None:
+                 check: bool, router: RouterConfig | None = None) -> None:
         self.config, self.policy, self.workload, self.check = config, policy, workload, check
         self.loop = loop = Loop()
         names = list(workload.adapters)
@@ -189,7 +234,8 @@ class _Fleet:
                                    calibration.slot_dtype)
         planner = PlannerConfig(policy=policy.planner, max_staged_per_replica=config.max_staged,
                                 stage_host_share=config.stage_share)
-        self.controller = SimController(loop, calibration, planner, catalog, config.plan_interval_s, config.sync_s)
+        self.controller = SimController(loop, calibration, planner, catalog, config.plan_interval_s, config.sync_s,
+                                        router or RouterConfig())
         for name in names:
             self.controller.core.register_adapter(name, f"simulated/{name}")
         keys = {n: AdapterKey(n, catalog.get(n).version) for n in names}
@@ -211,6 +257,8 @@ class _Fleet:
             self._add_replica(f"replica-{i}", engine, calibration, keys, nbytes)
         self.router = ROUTERS[config.routing]()
         self.outstanding = [0] * config.replicas
+        self.route_context = RouteContext([r.name for r in self.replicas], self.outstanding, self._resident,
+                                          self.controller.core)
         self.replica_of = [-1] * len(self.requests)
         self.ready_on_arrival = [False] * len(self.requests)
         self.finished = 0
@@ -273,7 +321,7 @@ class _Fleet:
     def _route(self, rid: int) -> None:
         """The router learns of request ``rid``: picks its replica, hints it, dispatches it at its arrival."""
         request, now = self.requests[rid], self.loop.now
-        index = self.router.pick(self.outstanding)
+        index = self.router.pick(request.adapter, self.route_context)
         self.outstanding[index] += 1
         self.replica_of[rid] = index
         if self.policy.hints and request.adapter is not None and not self.workload.inflight:
@@ -282,6 +330,9 @@ class _Fleet:
             self.loop.at(request.arrival_s, self._dispatch, rid)
         else:
             self._dispatch(rid)
+
+    def _resident(self, adapter: str, index: int) -> bool:
+        return all(w.is_ready(adapter) for w in self.replicas[index].workers)
 
     def _dispatch(self, rid: int) -> None:
         request, replica = self.requests[rid], self.replicas[self.replica_of[rid]]

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import ray
 
+from lora_cache.advice import RouteAdvice
 from lora_cache.api import validate
 from lora_cache.api.ingest import HintIngest
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
@@ -81,6 +82,26 @@ def _event(e: ReadinessEvent) -> pb.ReadinessEvent:
     return pb.ReadinessEvent(seq=e.seq, replica=e.replica, adapter=e.adapter, version=e.version, state=state)
 
 
+_REASONS = {"ready": pb.ROUTE_REASON_READY, "loading": pb.ROUTE_REASON_LOADING, "staged": pb.ROUTE_REASON_STAGED,
+            "cold": pb.ROUTE_REASON_COLD}
+
+
+def _route_error(error: BaseException) -> pb.RouteError:
+    code, message = status_for(error)
+    return pb.RouteError(code=code.value[0], message=message)
+
+
+def _advice(a: RouteAdvice, request_id: str, max_replicas: int) -> pb.RouteAdvice:
+    if a.error is not None:
+        return pb.RouteAdvice(adapter=a.adapter, version=a.version, request_id=request_id, error=_route_error(a.error))
+    ranked = a.ranked[:max_replicas] if max_replicas else a.ranked
+    replicas = [pb.RankedReplica(replica=r.replica, reason=_REASONS[r.reason.value], within_bound=r.within_bound)
+                for r in ranked]
+    for out, r in zip(replicas, ranked):
+        out.expected_wait.FromNanoseconds(round(r.wait_s * 1e9))
+    return pb.RouteAdvice(adapter=a.adapter, version=a.version, request_id=request_id, replicas=replicas)
+
+
 class Servicer:
     """LoraCacheService over a controller actor handle (or anything with the same ``.remote`` methods)."""
 
@@ -107,6 +128,17 @@ class Servicer:
         found = await self.controller.lookup_adapter.remote(validate.name("adapter", request.adapter))
         return pb.LookupResponse(adapter=found["adapter"], version=found["version"],
                                  ready_replicas=found["ready"], loading_replicas=found["loading"])
+
+    async def route(self, request: pb.RouteRequest) -> pb.RouteResponse:
+        call = validate.route(request, self.max_items)
+        advice = await self.controller.route.remote([item for _, item in call.items], call.outstanding)
+        answers: dict[int, pb.RouteAdvice] = {i: pb.RouteAdvice(adapter=request.items[i].adapter,
+                                                                version=request.items[i].version,
+                                                                request_id=call.request_ids[i], error=_route_error(e))
+                                              for i, e in call.malformed.items()}
+        for (i, _), a in zip(call.items, advice):
+            answers[i] = _advice(a, call.request_ids[i], call.max_replicas)
+        return pb.RouteResponse(items=[answers[i] for i in range(len(request.items))])
 
     async def watch_readiness(self, request: pb.WatchReadinessRequest) -> AsyncIterator[pb.WatchReadinessResponse]:
         replica, adapter, after = validate.watch(request)
@@ -158,6 +190,7 @@ RPCS: dict[str, tuple[type[Any], str]] = {  # rpc name -> (request message, Serv
     "CancelHint": (pb.CancelHintRequest, "cancel_hint"),
     "ReportQueue": (pb.ReportQueueRequest, "report_queue"),
     "Lookup": (pb.LookupRequest, "lookup"),
+    "Route": (pb.RouteRequest, "route"),
     "WatchReadiness": (pb.WatchReadinessRequest, "watch_readiness"),
     "RegisterAdapter": (pb.RegisterAdapterRequest, "register_adapter"),
     "UnregisterAdapter": (pb.UnregisterAdapterRequest, "unregister_adapter"),

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
+from lora_cache.advice import RouteRequest
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.catalog import NAME_RE
 from lora_cache.errors import LoraCacheError
@@ -115,6 +116,41 @@ def queue(request: pb.ReportQueueRequest, limit: int) -> tuple[str, list[tuple[s
                                "request arrived (it tells new arrivals from ones already reported)")
         entries.append((r.adapter, _seconds(r.arrival_time)))
     return replica, entries
+
+
+class RouteCall(NamedTuple):
+    """A checked Route call: the well-formed items (with their positions), the malformed ones' errors."""
+
+    items: list[tuple[int, RouteRequest]]  # (position in the batch, item)
+    malformed: dict[int, RequestError]  # position -> why (answered for that item alone)
+    request_ids: list[str]  # by position
+    outstanding: dict[str, float]  # the router's in-flight counts per replica
+    max_replicas: int  # 0: all
+
+
+def route(request: pb.RouteRequest, limit: int) -> RouteCall:
+    """A Route batch: its size and the outstanding map fail the call; a malformed item fails only itself."""
+    count("route items", len(request.items), limit)
+    outstanding = {name("replica", r, " (a key of outstanding_requests)"): float(n)
+                   for r, n in sorted(request.outstanding_requests.items())}
+    call = RouteCall([], {}, [], outstanding, request.max_replicas)
+    for i, item in enumerate(request.items):
+        call.request_ids.append(item.request_id)
+        try:
+            call.items.append((i, _route_item(i, item)))
+        except RequestError as e:
+            call.malformed[i] = e
+    return call
+
+
+def _route_item(i: int, item: pb.RouteItem) -> RouteRequest:
+    where = f" (item {i})"
+    name("adapter", item.adapter, where)
+    if item.version:
+        name("version", item.version, where)
+    if item.request_id and not _hint_id_ok(item.request_id):
+        raise RequestError(f"request_id {item.request_id!r}{where} is malformed: use {HINT_ID_FORM}, or leave it empty")
+    return RouteRequest(item.adapter, item.version, item.tokens)
 
 
 def watch(request: pb.WatchReadinessRequest) -> tuple[str | None, str | None, int | None]:

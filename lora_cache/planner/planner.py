@@ -257,6 +257,12 @@ class Planner:
         self._fleet.require_worker(worker, "residency")
         return dict(self._fleet.residency[worker])
 
+    def holding(self, worker: str, key: AdapterKey) -> tuple[Residency | None, bool]:
+        """Routing's view of one adapter version on `worker`: its residency (None: not held) and whether a
+        stage into the host tier was sent and is still wanted (no copy of the residency map)."""
+        self._fleet.require_worker(worker, "holding")
+        return self._fleet.residency[worker].get(key), key in self._fleet.staged.get(worker, ())
+
     def queue(self, replica: str) -> tuple[QueueEntry, ...]:
         self._fleet.require_replica(replica, "queue")
         return self._fleet.queues.get(replica, ())

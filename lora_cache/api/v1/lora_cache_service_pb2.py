@@ -26,17 +26,21 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&lora_cache/v1/lora_cache_service.proto\x12\rlora_cache.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa0\x01\n\x0cPrefetchHint\x12\x0f\n\x07hint_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x0f\n\x07replica\x18\x03 \x01(\t\x12.\n\x0b\x65xpected_in\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12-\n\x08priority\x18\x05 \x01(\x0e\x32\x1b.lora_cache.v1.HintPriority\"9\n\x0bHintRequest\x12*\n\x05hints\x18\x01 \x03(\x0b\x32\x1b.lora_cache.v1.PrefetchHint\"1\n\x0cHintResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x0f\n\x07ignored\x18\x02 \x01(\r\"%\n\x11\x43\x61ncelHintRequest\x12\x10\n\x08hint_ids\x18\x01 \x03(\t\"\'\n\x12\x43\x61ncelHintResponse\x12\x11\n\tcancelled\x18\x01 \x01(\r\"R\n\rQueuedRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x30\n\x0c\x61rrival_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"U\n\x12ReportQueueRequest\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12.\n\x08requests\x18\x02 \x03(\x0b\x32\x1c.lora_cache.v1.QueuedRequest\"*\n\x13ReportQueueResponse\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\r\" \n\rLookupRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\"d\n\x0eLookupResponse\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x16\n\x0eready_replicas\x18\x03 \x03(\t\x12\x18\n\x10loading_replicas\x18\x04 \x03(\t\"_\n\x15WatchReadinessRequest\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x16\n\tafter_seq\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x0c\n\n_after_seq\"~\n\x0eReadinessEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12,\n\x05state\x18\x05 \x01(\x0e\x32\x1d.lora_cache.v1.ReadinessState\"C\n\x0eReadyResidency\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\"\x8d\x01\n\x0fReadinessResync\x12\x18\n\x10resume_after_seq\x18\x01 \x01(\x04\x12\x16\n\x0elost_after_seq\x18\x02 \x01(\x04\x12\x38\n\x11ready_residencies\x18\x03 \x03(\x0b\x32\x1d.lora_cache.v1.ReadyResidency\x12\x0e\n\x06reason\x18\x04 \x01(\t\"w\n\x16WatchReadinessResponse\x12-\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1d.lora_cache.v1.ReadinessEvent\x12.\n\x06resync\x18\x02 \x01(\x0b\x32\x1e.lora_cache.v1.ReadinessResync\"4\n\x16RegisterAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"R\n\x17RegisterAdapterResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x18\n\x10previous_version\x18\x03 \x01(\t\"Z\n\x18UnregisterAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x30\n\rdrain_timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"C\n\x19UnregisterAdapterResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10\x65victed_versions\x18\x02 \x03(\t\"\x0f\n\rStatusRequest\"\x8a\x01\n\rCacheCounters\x12\x10\n\x08gpu_hits\x18\x01 \x01(\x04\x12\x12\n\ngpu_misses\x18\x02 \x01(\x04\x12\x11\n\thost_hits\x18\x03 \x01(\x04\x12\x13\n\x0bhost_misses\x18\x04 \x01(\x04\x12\x14\n\x0cgpu_hit_rate\x18\x05 \x01(\x01\x12\x15\n\rhost_hit_rate\x18\x06 \x01(\x01\"\xaa\x01\n\x0cWorkerStatus\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x11\n\treachable\x18\x03 \x01(\x08\x12\r\n\x05slots\x18\x04 \x01(\r\x12\x13\n\x0bslots_ready\x18\x05 \x01(\r\x12\x15\n\rslots_loading\x18\x06 \x01(\r\x12.\n\x08\x63ounters\x18\x07 \x01(\x0b\x32\x1c.lora_cache.v1.CacheCounters\"\x93\x01\n\rReplicaStatus\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x13\n\x0bqueue_depth\x18\x02 \x01(\r\x12,\n\x07workers\x18\x03 \x03(\x0b\x32\x1b.lora_cache.v1.WorkerStatus\x12.\n\x08\x63ounters\x18\x04 \x01(\x0b\x32\x1c.lora_cache.v1.CacheCounters\"\xf9\x02\n\x0eStatusResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x64\x61pters\x18\x02 \x01(\r\x12\x0f\n\x07workers\x18\x03 \x01(\r\x12.\n\x08replicas\x18\x04 \x03(\x0b\x32\x1c.lora_cache.v1.ReplicaStatus\x12\x19\n\x11ready_residencies\x18\x05 \x01(\r\x12\x18\n\x10held_residencies\x18\x06 \x01(\r\x12\x15\n\rcommands_sent\x18\x07 \x01(\x04\x12\x16\n\x0ehints_received\x18\x08 \x01(\x04\x12\x16\n\x0ehints_accepted\x18\t \x01(\x04\x12.\n\x08\x63ounters\x18\n \x01(\x0b\x32\x1c.lora_cache.v1.CacheCounters\x12\x1b\n\x13ingest_queued_hints\x18\x0b \x01(\r\x12\x1d\n\x15ingest_queue_capacity\x18\x0c \x01(\r\x12\x1d\n\x15ingest_rejected_calls\x18\r \x01(\x04*_\n\x0cHintPriority\x12\x1d\n\x19HINT_PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14HINT_PRIORITY_NORMAL\x10\x01\x12\x16\n\x12HINT_PRIORITY_HIGH\x10\x02*k\n\x0eReadinessState\x12\x1f\n\x1bREADINESS_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15READINESS_STATE_READY\x10\x01\x12\x1d\n\x19READINESS_STATE_NOT_READY\x10\x02\x32\xb5\x05\n\x10LoraCacheService\x12?\n\x04Hint\x12\x1a.lora_cache.v1.HintRequest\x1a\x1b.lora_cache.v1.HintResponse\x12Q\n\nCancelHint\x12 .lora_cache.v1.CancelHintRequest\x1a!.lora_cache.v1.CancelHintResponse\x12T\n\x0bReportQueue\x12!.lora_cache.v1.ReportQueueRequest\x1a\".lora_cache.v1.ReportQueueResponse\x12\x45\n\x06Lookup\x12\x1c.lora_cache.v1.LookupRequest\x1a\x1d.lora_cache.v1.LookupResponse\x12_\n\x0eWatchReadiness\x12$.lora_cache.v1.WatchReadinessRequest\x1a%.lora_cache.v1.WatchReadinessResponse0\x01\x12`\n\x0fRegisterAdapter\x12%.lora_cache.v1.RegisterAdapterRequest\x1a&.lora_cache.v1.RegisterAdapterResponse\x12\x66\n\x11UnregisterAdapter\x12\'.lora_cache.v1.UnregisterAdapterRequest\x1a(.lora_cache.v1.UnregisterAdapterResponse\x12\x45\n\x06Status\x12\x1c.lora_cache.v1.StatusRequest\x1a\x1d.lora_cache.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&lora_cache/v1/lora_cache_service.proto\x12\rlora_cache.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa0\x01\n\x0cPrefetchHint\x12\x0f\n\x07hint_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x0f\n\x07replica\x18\x03 \x01(\t\x12.\n\x0b\x65xpected_in\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12-\n\x08priority\x18\x05 \x01(\x0e\x32\x1b.lora_cache.v1.HintPriority\"9\n\x0bHintRequest\x12*\n\x05hints\x18\x01 \x03(\x0b\x32\x1b.lora_cache.v1.PrefetchHint\"1\n\x0cHintResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x0f\n\x07ignored\x18\x02 \x01(\r\"%\n\x11\x43\x61ncelHintRequest\x12\x10\n\x08hint_ids\x18\x01 \x03(\t\"\'\n\x12\x43\x61ncelHintResponse\x12\x11\n\tcancelled\x18\x01 \x01(\r\"R\n\rQueuedRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x30\n\x0c\x61rrival_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"U\n\x12ReportQueueRequest\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12.\n\x08requests\x18\x02 \x03(\x0b\x32\x1c.lora_cache.v1.QueuedRequest\"*\n\x13ReportQueueResponse\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\r\" \n\rLookupRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\"d\n\x0eLookupResponse\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x16\n\x0eready_replicas\x18\x03 \x03(\t\x12\x18\n\x10loading_replicas\x18\x04 \x03(\t\"Q\n\tRouteItem\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0e\n\x06tokens\x18\x04 \x01(\r\"\xdd\x01\n\x0cRouteRequest\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.lora_cache.v1.RouteItem\x12R\n\x14outstanding_requests\x18\x02 \x03(\x0b\x32\x34.lora_cache.v1.RouteRequest.OutstandingRequestsEntry\x12\x14\n\x0cmax_replicas\x18\x03 \x01(\r\x1a:\n\x18OutstandingRequestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x94\x01\n\rRankedReplica\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12*\n\x06reason\x18\x02 \x01(\x0e\x32\x1a.lora_cache.v1.RouteReason\x12\x30\n\rexpected_wait\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0cwithin_bound\x18\x04 \x01(\x08\"+\n\nRouteError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x9d\x01\n\x0bRouteAdvice\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12.\n\x08replicas\x18\x04 \x03(\x0b\x32\x1c.lora_cache.v1.RankedReplica\x12(\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x19.lora_cache.v1.RouteError\":\n\rRouteResponse\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.lora_cache.v1.RouteAdvice\"_\n\x15WatchReadinessRequest\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x16\n\tafter_seq\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x0c\n\n_after_seq\"~\n\x0eReadinessEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12,\n\x05state\x18\x05 \x01(\x0e\x32\x1d.lora_cache.v1.ReadinessState\"C\n\x0eReadyResidency\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\"\x8d\x01\n\x0fReadinessResync\x12\x18\n\x10resume_after_seq\x18\x01 \x01(\x04\x12\x16\n\x0elost_after_seq\x18\x02 \x01(\x04\x12\x38\n\x11ready_residencies\x18\x03 \x03(\x0b\x32\x1d.lora_cache.v1.ReadyResidency\x12\x0e\n\x06reason\x18\x04 \x01(\t\"w\n\x16WatchReadinessResponse\x12-\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1d.lora_cache.v1.ReadinessEvent\x12.\n\x06resync\x18\x02 \x01(\x0b\x32\x1e.lora_cache.v1.ReadinessResync\"4\n\x16RegisterAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"R\n\x17RegisterAdapterResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x18\n\x10previous_version\x18\x03 \x01(\t\"Z\n\x18UnregisterAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x30\n\rdrain_timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"C\n\x19UnregisterAdapterResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10\x65victed_versions\x18\x02 \x03(\t\"\x0f\n\rStatusRequest\"\x8a\x01\n\rCacheCounters\x12\x10\n\x08gpu_hits\x18\x01 \x01(\x04\x12\x12\n\ngpu_misses\x18\x02 \x01(\x04\x12\x11\n\thost_hits\x18\x03 \x01(\x04\x12\x13\n\x0bhost_misses\x18\x04 \x01(\x04\x12\x14\n\x0cgpu_hit_rate\x18\x05 \x01(\x01\x12\x15\n\rhost_hit_rate\x18\x06 \x01(\x01\"\xaa\x01\n\x0cWorkerStatus\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x11\n\treachable\x18\x03 \x01(\x08\x12\r\n\x05slots\x18\x04 \x01(\r\x12\x13\n\x0bslots_ready\x18\x05 \x01(\r\x12\x15\n\rslots_loading\x18\x06 \x01(\r\x12.\n\x08\x63ounters\x18\x07 \x01(\x0b\x32\x1c.lora_cache.v1.CacheCounters\"\x93\x01\n\rReplicaStatus\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x13\n\x0bqueue_depth\x18\x02 \x01(\r\x12,\n\x07workers\x18\x03 \x03(\x0b\x32\x1b.lora_cache.v1.WorkerStatus\x12.\n\x08\x63ounters\x18\x04 \x01(\x0b\x32\x1c.lora_cache.v1.CacheCounters\"\xf9\x02\n\x0eStatusResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x64\x61pters\x18\x02 \x01(\r\x12\x0f\n\x07workers\x18\x03 \x01(\r\x12.\n\x08replicas\x18\x04 \x03(\x0b\x32\x1c.lora_cache.v1.ReplicaStatus\x12\x19\n\x11ready_residencies\x18\x05 \x01(\r\x12\x18\n\x10held_residencies\x18\x06 \x01(\r\x12\x15\n\rcommands_sent\x18\x07 \x01(\x04\x12\x16\n\x0ehints_received\x18\x08 \x01(\x04\x12\x16\n\x0ehints_accepted\x18\t \x01(\x04\x12.\n\x08\x63ounters\x18\n \x01(\x0b\x32\x1c.lora_cache.v1.CacheCounters\x12\x1b\n\x13ingest_queued_hints\x18\x0b \x01(\r\x12\x1d\n\x15ingest_queue_capacity\x18\x0c \x01(\r\x12\x1d\n\x15ingest_rejected_calls\x18\r \x01(\x04*_\n\x0cHintPriority\x12\x1d\n\x19HINT_PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14HINT_PRIORITY_NORMAL\x10\x01\x12\x16\n\x12HINT_PRIORITY_HIGH\x10\x02*\x8d\x01\n\x0bRouteReason\x12\x1c\n\x18ROUTE_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12ROUTE_REASON_READY\x10\x01\x12\x18\n\x14ROUTE_REASON_LOADING\x10\x02\x12\x17\n\x13ROUTE_REASON_STAGED\x10\x03\x12\x15\n\x11ROUTE_REASON_COLD\x10\x04*k\n\x0eReadinessState\x12\x1f\n\x1bREADINESS_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15READINESS_STATE_READY\x10\x01\x12\x1d\n\x19READINESS_STATE_NOT_READY\x10\x02\x32\xf9\x05\n\x10LoraCacheService\x12?\n\x04Hint\x12\x1a.lora_cache.v1.HintRequest\x1a\x1b.lora_cache.v1.HintResponse\x12Q\n\nCancelHint\x12 .lora_cache.v1.CancelHintRequest\x1a!.lora_cache.v1.CancelHintResponse\x12T\n\x0bReportQueue\x12!.lora_cache.v1.ReportQueueRequest\x1a\".lora_cache.v1.ReportQueueResponse\x12\x45\n\x06Lookup\x12\x1c.lora_cache.v1.LookupRequest\x1a\x1d.lora_cache.v1.LookupResponse\x12\x42\n\x05Route\x12\x1b.lora_cache.v1.RouteRequest\x1a\x1c.lora_cache.v1.RouteResponse\x12_\n\x0eWatchReadiness\x12$.lora_cache.v1.WatchReadinessRequest\x1a%.lora_cache.v1.WatchReadinessResponse0\x01\x12`\n\x0fRegisterAdapter\x12%.lora_cache.v1.RegisterAdapterRequest\x1a&.lora_cache.v1.RegisterAdapterResponse\x12\x66\n\x11UnregisterAdapter\x12\'.lora_cache.v1.UnregisterAdapterRequest\x1a(.lora_cache.v1.UnregisterAdapterResponse\x12\x45\n\x06Status\x12\x1c.lora_cache.v1.StatusRequest\x1a\x1d.lora_cache.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lora_cache.api.v1.lora_cache_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_HINTPRIORITY']._serialized_start=2545
-  _globals['_HINTPRIORITY']._serialized_end=2640
-  _globals['_READINESSSTATE']._serialized_start=2642
-  _globals['_READINESSSTATE']._serialized_end=2749
+  _globals['_ROUTEREQUEST_OUTSTANDINGREQUESTSENTRY']._loaded_options = None
+  _globals['_ROUTEREQUEST_OUTSTANDINGREQUESTSENTRY']._serialized_options = b'8\001'
+  _globals['_HINTPRIORITY']._serialized_start=3268
+  _globals['_HINTPRIORITY']._serialized_end=3363
+  _globals['_ROUTEREASON']._serialized_start=3366
+  _globals['_ROUTEREASON']._serialized_end=3507
+  _globals['_READINESSSTATE']._serialized_start=3509
+  _globals['_READINESSSTATE']._serialized_end=3616
   _globals['_PREFETCHHINT']._serialized_start=123
   _globals['_PREFETCHHINT']._serialized_end=283
   _globals['_HINTREQUEST']._serialized_start=285
@@ -57,34 +61,48 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPREQUEST']._serialized_end=722
   _globals['_LOOKUPRESPONSE']._serialized_start=724
   _globals['_LOOKUPRESPONSE']._serialized_end=824
-  _globals['_WATCHREADINESSREQUEST']._serialized_start=826
-  _globals['_WATCHREADINESSREQUEST']._serialized_end=921
-  _globals['_READINESSEVENT']._serialized_start=923
-  _globals['_READINESSEVENT']._serialized_end=1049
-  _globals['_READYRESIDENCY']._serialized_start=1051
-  _globals['_READYRESIDENCY']._serialized_end=1118
-  _globals['_READINESSRESYNC']._serialized_start=1121
-  _globals['_READINESSRESYNC']._serialized_end=1262
-  _globals['_WATCHREADINESSRESPONSE']._serialized_start=1264
-  _globals['_WATCHREADINESSRESPONSE']._serialized_end=1383
-  _globals['_REGISTERADAPTERREQUEST']._serialized_start=1385
-  _globals['_REGISTERADAPTERREQUEST']._serialized_end=1437
-  _globals['_REGISTERADAPTERRESPONSE']._serialized_start=1439
-  _globals['_REGISTERADAPTERRESPONSE']._serialized_end=1521
-  _globals['_UNREGISTERADAPTERREQUEST']._serialized_start=1523
-  _globals['_UNREGISTERADAPTERREQUEST']._serialized_end=1613
-  _globals['_UNREGISTERADAPTERRESPONSE']._serialized_start=1615
-  _globals['_UNREGISTERADAPTERRESPONSE']._serialized_end=1682
-  _globals['_STATUSREQUEST']._serialized_start=1684
-  _globals['_STATUSREQUEST']._serialized_end=1699
-  _globals['_CACHECOUNTERS']._serialized_start=1702
-  _globals['_CACHECOUNTERS']._serialized_end=1840
-  _globals['_WORKERSTATUS']._serialized_start=1843
-  _globals['_WORKERSTATUS']._serialized_end=2013
-  _globals['_REPLICASTATUS']._serialized_start=2016
-  _globals['_REPLICASTATUS']._serialized_end=2163
-  _globals['_STATUSRESPONSE']._serialized_start=2166
-  _globals['_STATUSRESPONSE']._serialized_end=2543
-  _globals['_LORACACHESERVICE']._serialized_start=2752
-  _globals['_LORACACHESERVICE']._serialized_end=3445
+  _globals['_ROUTEITEM']._serialized_start=826
+  _globals['_ROUTEITEM']._serialized_end=907
+  _globals['_ROUTEREQUEST']._serialized_start=910
+  _globals['_ROUTEREQUEST']._serialized_end=1131
+  _globals['_ROUTEREQUEST_OUTSTANDINGREQUESTSENTRY']._serialized_start=1073
+  _globals['_ROUTEREQUEST_OUTSTANDINGREQUESTSENTRY']._serialized_end=1131
+  _globals['_RANKEDREPLICA']._serialized_start=1134
+  _globals['_RANKEDREPLICA']._serialized_end=1282
+  _globals['_ROUTEERROR']._serialized_start=1284
+  _globals['_ROUTEERROR']._serialized_end=1327
+  _globals['_ROUTEADVICE']._serialized_start=1330
+  _globals['_ROUTEADVICE']._serialized_end=1487
+  _globals['_ROUTERESPONSE']._serialized_start=1489
+  _globals['_ROUTERESPONSE']._serialized_end=1547
+  _globals['_WATCHREADINESSREQUEST']._serialized_start=1549
+  _globals['_WATCHREADINESSREQUEST']._serialized_end=1644
+  _globals['_READINESSEVENT']._serialized_start=1646
+  _globals['_READINESSEVENT']._serialized_end=1772
+  _globals['_READYRESIDENCY']._serialized_start=1774
+  _globals['_READYRESIDENCY']._serialized_end=1841
+  _globals['_READINESSRESYNC']._serialized_start=1844
+  _globals['_READINESSRESYNC']._serialized_end=1985
+  _globals['_WATCHREADINESSRESPONSE']._serialized_start=1987
+  _globals['_WATCHREADINESSRESPONSE']._serialized_end=2106
+  _globals['_REGISTERADAPTERREQUEST']._serialized_start=2108
+  _globals['_REGISTERADAPTERREQUEST']._serialized_end=2160
+  _globals['_REGISTERADAPTERRESPONSE']._serialized_start=2162
+  _globals['_REGISTERADAPTERRESPONSE']._serialized_end=2244
+  _globals['_UNREGISTERADAPTERREQUEST']._serialized_start=2246
+  _globals['_UNREGISTERADAPTERREQUEST']._serialized_end=2336
+  _globals['_UNREGISTERADAPTERRESPONSE']._serialized_start=2338
+  _globals['_UNREGISTERADAPTERRESPONSE']._serialized_end=2405
+  _globals['_STATUSREQUEST']._serialized_start=2407
+  _globals['_STATUSREQUEST']._serialized_end=2422
+  _globals['_CACHECOUNTERS']._serialized_start=2425
+  _globals['_CACHECOUNTERS']._serialized_end=2563
+  _globals['_WORKERSTATUS']._serialized_start=2566
+  _globals['_WORKERSTATUS']._serialized_end=2736
+  _globals['_REPLICASTATUS']._serialized_start=2739
+  _globals['_REPLICASTATUS']._serialized_end=2886
+  _globals['_STATUSRESPONSE']._serialized_start=2889
+  _globals['_STATUSRESPONSE']._serialized_end=3266
+  _globals['_LORACACHESERVICE']._serialized_start=3619
+  _globals['_LORACACHESERVICE']._serialized_end=4380
 # @@protoc_insertion_point(module_scope)

@@ -17,6 +17,14 @@ class HintPriority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HINT_PRIORITY_NORMAL: _ClassVar[HintPriority]
     HINT_PRIORITY_HIGH: _ClassVar[HintPriority]
 
+class RouteReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROUTE_REASON_UNSPECIFIED: _ClassVar[RouteReason]
+    ROUTE_REASON_READY: _ClassVar[RouteReason]
+    ROUTE_REASON_LOADING: _ClassVar[RouteReason]
+    ROUTE_REASON_STAGED: _ClassVar[RouteReason]
+    ROUTE_REASON_COLD: _ClassVar[RouteReason]
+
 class ReadinessState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     READINESS_STATE_UNSPECIFIED: _ClassVar[ReadinessState]
@@ -25,6 +33,11 @@ class ReadinessState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 HINT_PRIORITY_UNSPECIFIED: HintPriority
 HINT_PRIORITY_NORMAL: HintPriority
 HINT_PRIORITY_HIGH: HintPriority
+ROUTE_REASON_UNSPECIFIED: RouteReason
+ROUTE_REASON_READY: RouteReason
+ROUTE_REASON_LOADING: RouteReason
+ROUTE_REASON_STAGED: RouteReason
+ROUTE_REASON_COLD: RouteReason
 READINESS_STATE_UNSPECIFIED: ReadinessState
 READINESS_STATE_READY: ReadinessState
 READINESS_STATE_NOT_READY: ReadinessState
@@ -108,6 +121,75 @@ class LookupResponse(_message.Message):
     ready_replicas: _containers.RepeatedScalarFieldContainer[str]
     loading_replicas: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, adapter: _Optional[str] = ..., version: _Optional[str] = ..., ready_replicas: _Optional[_Iterable[str]] = ..., loading_replicas: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RouteItem(_message.Message):
+    __slots__ = ("adapter", "version", "request_id", "tokens")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    version: str
+    request_id: str
+    tokens: int
+    def __init__(self, adapter: _Optional[str] = ..., version: _Optional[str] = ..., request_id: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("items", "outstanding_requests", "max_replicas")
+    class OutstandingRequestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[RouteItem]
+    outstanding_requests: _containers.ScalarMap[str, int]
+    max_replicas: int
+    def __init__(self, items: _Optional[_Iterable[_Union[RouteItem, _Mapping]]] = ..., outstanding_requests: _Optional[_Mapping[str, int]] = ..., max_replicas: _Optional[int] = ...) -> None: ...
+
+class RankedReplica(_message.Message):
+    __slots__ = ("replica", "reason", "expected_wait", "within_bound")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_WAIT_FIELD_NUMBER: _ClassVar[int]
+    WITHIN_BOUND_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    reason: RouteReason
+    expected_wait: _duration_pb2.Duration
+    within_bound: bool
+    def __init__(self, replica: _Optional[str] = ..., reason: _Optional[_Union[RouteReason, str]] = ..., expected_wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., within_bound: _Optional[bool] = ...) -> None: ...
+
+class RouteError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class RouteAdvice(_message.Message):
+    __slots__ = ("adapter", "version", "request_id", "replicas", "error")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    version: str
+    request_id: str
+    replicas: _containers.RepeatedCompositeFieldContainer[RankedReplica]
+    error: RouteError
+    def __init__(self, adapter: _Optional[str] = ..., version: _Optional[str] = ..., request_id: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[RankedReplica, _Mapping]]] = ..., error: _Optional[_Union[RouteError, _Mapping]] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[RouteAdvice]
+    def __init__(self, items: _Optional[_Iterable[_Union[RouteAdvice, _Mapping]]] = ...) -> None: ...
 
 class WatchReadinessRequest(_message.Message):
     __slots__ = ("replica", "adapter", "after_seq")

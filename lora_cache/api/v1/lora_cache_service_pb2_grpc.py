@@ -56,6 +56,11 @@ class LoraCacheServiceStub:
                 request_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.LookupRequest.SerializeToString,
                 response_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.LookupResponse.FromString,
                 _registered_method=True)
+        self.Route = channel.unary_unary(
+                '/lora_cache.v1.LoraCacheService/Route',
+                request_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.RouteRequest.SerializeToString,
+                response_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.RouteResponse.FromString,
+                _registered_method=True)
         self.WatchReadiness = channel.unary_stream(
                 '/lora_cache.v1.LoraCacheService/WatchReadiness',
                 request_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.WatchReadinessRequest.SerializeToString,
@@ -111,6 +116,20 @@ class LoraCacheServiceServicer:
 
     def Lookup(self, request, context):
         """Lookup answers where an adapter is ready or loading, for affinity routing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Route(self, request, context):
+        """Route ranks the replicas for each request's adapter (step 1), from what the controller knows:
+        where the adapter is ready on every TP rank, loading (the plan in flight) or staged in host
+        memory, each replica's queue and active hints, under a bounded load (an adapter's traffic
+        spreads over more replicas as it grows; no replica is preferred above (1 + epsilon) x the fleet
+        mean while another has room). Batched: items are routed in order, each item's first replica
+        taking its load before the next, so a burst of one adapter spreads. Read-only: it sends no
+        hint (send Hint for the replica you choose). An item naming an unknown adapter or an old
+        version gets its own error; the other items are routed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -172,6 +191,11 @@ def add_LoraCacheServiceServicer_to_server(servicer, server):
                     servicer.Lookup,
                     request_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.LookupRequest.FromString,
                     response_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.LookupResponse.SerializeToString,
+            ),
+            'Route': grpc.unary_unary_rpc_method_handler(
+                    servicer.Route,
+                    request_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.RouteRequest.FromString,
+                    response_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.RouteResponse.SerializeToString,
             ),
             'WatchReadiness': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchReadiness,
@@ -304,6 +328,33 @@ class LoraCacheService:
             '/lora_cache.v1.LoraCacheService/Lookup',
             lora__cache_dot_v1_dot_lora__cache__service__pb2.LookupRequest.SerializeToString,
             lora__cache_dot_v1_dot_lora__cache__service__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Route(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lora_cache.v1.LoraCacheService/Route',
+            lora__cache_dot_v1_dot_lora__cache__service__pb2.RouteRequest.SerializeToString,
+            lora__cache_dot_v1_dot_lora__cache__service__pb2.RouteResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,96 @@
+"""Routing advice from the controller's view (lifecycle step 1): the planner's fleet -> lora_cache.routing.
+
+Plain Python (no torch, no Ray). The controller knows, per replica, what every TP rank holds (reported,
+plus the prefetches it has sent since: the plan in flight), what it staged in host tiers, the waiting
+queue and the active hints (requests routed there and not yet queued). A router may also give its own
+count of requests in flight per replica (it alone sees requests that run without queueing); where it
+does, that count is the replica's load, else the queue depth plus the active hints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+from lora_cache.errors import ConflictError, LoraCacheError, NotFoundError
+from lora_cache.planner import AdapterKey, Planner, SlotState
+from lora_cache.routing import Ranked, ReplicaLoad, Residence, RouteItem, RouterConfig, route_batch
+
+
+class RouteRequest(NamedTuple):
+    """One request to route: its adapter, the version it was admitted with ('' = current), its tokens."""
+
+    adapter: str
+    version: str = ""
+    tokens: int = 0
+
+
+class RouteAdvice(NamedTuple):
+    """The ranking for one request, or why there is none (this item only: the rest of the batch is routed)."""
+
+    adapter: str
+    version: str
+    ranked: list[Ranked]
+    error: LoraCacheError | None = None
+
+
+def residence(planner: Planner, replica: str, key: AdapterKey) -> Residence:
+    """READY on every rank; else LOADING if every rank holds or loads it; else STAGED if every rank that
+    does not hold it has it staged; else COLD (also for a replica without workers)."""
+    held = [planner.holding(w, key) for w in planner.workers(replica)]
+    if not held:
+        return Residence.COLD
+    states = [r.state for r, _ in held if r is not None]
+    if len(states) == len(held) and all(s is not SlotState.LOADING for s in states):
+        return Residence.READY
+    if len(states) == len(held):
+        return Residence.LOADING
+    if all(r is not None or staged for r, staged in held):
+        return Residence.STAGED
+    return Residence.COLD
+
+
+def replica_loads(planner: Planner, key: AdapterKey, loads: Mapping[str, float]) -> list[ReplicaLoad]:
+    out = []
+    for replica in planner.replicas():
+        load = loads.get(replica)
+        if load is None:
+            load = float(len(planner.queue(replica)) + len(planner.hints(replica)))
+        out.append(ReplicaLoad(replica, residence(planner, replica, key), load))
+    return out
+
+
+def advise(planner: Planner, items: Sequence[RouteRequest], config: RouterConfig,
+           loads: Mapping[str, float] | None = None) -> list[RouteAdvice]:
+    """Ranked replicas for every item, in order (``lora_cache.routing.route_batch``); an item naming an
+    unknown adapter or a version that is not current gets its own error and takes no load."""
+    loads = dict(loads or {})
+    if not planner.replicas():
+        raise ConflictError("no replicas to route to; start some (lora-cache serve --replicas N) or wait for "
+                            "their workers to register")
+    unknown = sorted(set(loads) - set(planner.replicas()))
+    if unknown:
+        raise NotFoundError(f"loads name unknown replicas {unknown}; known replicas: {list(planner.replicas())}")
+    views: dict[str, list[ReplicaLoad]] = {}
+    errors: list[LoraCacheError | None] = []
+    for item in items:
+        errors.append(_check(planner, item))
+        if errors[-1] is None and item.adapter not in views:
+            views[item.adapter] = replica_loads(planner, planner.adapter(item.adapter).key, loads)
+    good = [RouteItem(i.adapter, i.tokens) for i, e in zip(items, errors) if e is None]
+    ranked = iter(route_batch(good, views, config))
+    return [RouteAdvice(i.adapter, planner.adapter(i.adapter).version, next(ranked)) if e is None
+            else RouteAdvice(i.adapter, i.version, [], e) for i, e in zip(items, errors)]
+
+
+def _check(planner: Planner, item: RouteRequest) -> LoraCacheError | None:
+    try:
+        current = planner.adapter(item.adapter).version
+    except LoraCacheError:
+        return NotFoundError(f"adapter {item.adapter!r} is not registered; register it first (lora-cache register "
+                             "NAME PATH) or route the request without an adapter")
+    if item.version and item.version != current:
+        return ConflictError(f"version {item.version!r} of adapter {item.adapter!r} is not current ({current!r}); "
+                             "route with the current version or an empty one (a request admitted with an old "
+                             "version finishes where it runs)")
+    return None

@@ -1,0 +1,150 @@
+"""Routing advice's plain core (lora_cache.routing): invariants of the bounded-load ranking."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lora_cache.errors import ConfigError, ConflictError
+from lora_cache.routing import (
+    ReplicaLoad,
+    Residence,
+    RouteItem,
+    RouterConfig,
+    bound,
+    rank,
+    route_batch,
+)
+
+CONFIG = RouterConfig(min_bound=0.0, sticky=False)  # strict bounded loads, least-loaded cold picks
+residences = st.sampled_from(list(Residence))
+fleets = st.lists(st.tuples(residences, st.integers(0, 40)), min_size=1, max_size=12).map(
+    lambda rows: [ReplicaLoad(f"replica-{i}", res, float(load)) for i, (res, load) in enumerate(rows)])
+
+
+def test_the_core_imports_neither_torch_nor_ray() -> None:
+    import subprocess
+
+    code = "import sys, lora_cache.routing; print(sorted({'torch', 'ray'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+@given(fleets, st.floats(0, 2))
+def test_every_replica_ranked_once_and_within_bound_first(fleet: list[ReplicaLoad], eps: float) -> None:
+    ranked = rank("a", fleet, RouterConfig(epsilon=eps, min_bound=0.0))
+    assert sorted(r.replica for r in ranked) == sorted(r.replica for r in fleet)
+    flags = [r.within_bound for r in ranked]
+    assert flags == sorted(flags, reverse=True)  # every replica with room before every one without
+    assert flags[0]  # at least one replica always has room
+
+
+@given(fleets, st.sampled_from([CONFIG, RouterConfig()]))
+def test_a_ready_replica_under_the_bound_ranks_before_a_non_resident_one(fleet: list[ReplicaLoad],
+                                                                         config: RouterConfig) -> None:
+    ranked = rank("a", fleet, config)
+    pos = {r.replica: i for i, r in enumerate(ranked)}
+    for r in ranked:
+        if r.reason is Residence.READY and r.within_bound:
+            for other in ranked:
+                if other.reason is Residence.COLD:
+                    assert pos[r.replica] < pos[other.replica]
+
+
+@given(fleets, st.floats(0, 1), st.sampled_from([0.0, 4.0, 8.0]), st.booleans())
+def test_the_top_pick_stays_under_the_bound(fleet: list[ReplicaLoad], eps: float, floor: float, sticky: bool) -> None:
+    top = rank("a", fleet, RouterConfig(epsilon=eps, min_bound=floor, sticky=sticky))[0]
+    load = {r.replica: r.load for r in fleet}[top.replica]
+    assert load + 1 <= bound([r.load for r in fleet], eps, floor=floor)
+
+
+@given(st.integers(1, 16), st.integers(1, 300), st.floats(0, 1))
+def test_a_hot_adapter_spreads_and_no_replica_exceeds_the_bound(n: int, requests: int, eps: float) -> None:
+    """All requests for one adapter, resident on replica-0 only: routed loads stay within the bound of
+    the fleet's load at every step, so the traffic spreads over more replicas as it grows."""
+    fleet = [ReplicaLoad(f"replica-{i}", Residence.READY if i == 0 else Residence.COLD, 0.0) for i in range(n)]
+    config = RouterConfig(epsilon=eps, min_bound=0.0)
+    picks = route_batch([RouteItem("hot")] * requests, {"hot": fleet}, config)
+    loads = dict.fromkeys((r.replica for r in fleet), 0)
+    for i, ranked in enumerate(picks):
+        cap = bound(list(loads.values()), eps)
+        loads[ranked[0].replica] += 1
+        assert max(loads.values()) <= cap, (i, loads, cap)
+    assert max(loads.values()) <= (1 + eps) * requests / n + 1
+    if requests > (1 + eps) * requests / n + 1:
+        assert sum(1 for v in loads.values() if v) > 1
+
+
+def test_the_resident_replica_takes_the_adapter_until_its_bound() -> None:
+    fleet = [ReplicaLoad("r0", Residence.COLD, 2.0), ReplicaLoad("r1", Residence.READY, 3.0),
+             ReplicaLoad("r2", Residence.STAGED, 2.0), ReplicaLoad("r3", Residence.LOADING, 2.0)]
+    ranked = rank("a", fleet, CONFIG)  # cap = ceil(1.25 * 10 / 4) = 4: r1 has room
+    assert [r.replica for r in ranked] == ["r1", "r3", "r2", "r0"]
+    assert [r.reason for r in ranked] == [Residence.READY, Residence.LOADING, Residence.STAGED, Residence.COLD]
+    over = rank("a", [r._replace(load=8.0) if r.replica == "r1" else r for r in fleet], CONFIG)
+    assert over[-1].replica == "r1" and not over[-1].within_bound  # 9 > ceil(1.25 * 15 / 4) = 5
+
+
+@given(st.lists(st.integers(0, 30), min_size=1, max_size=12))
+def test_an_adapter_resident_nowhere_gets_the_least_loaded_replica(loads: list[int]) -> None:
+    fleet = [ReplicaLoad(f"replica-{i}", Residence.COLD, float(x)) for i, x in enumerate(loads)]
+    assert {r.replica: r.load for r in fleet}[rank("new", fleet, CONFIG)[0].replica] == min(loads)
+
+
+@given(fleets, st.sampled_from([CONFIG, RouterConfig()]))
+def test_deterministic_and_independent_of_input_order(fleet: list[ReplicaLoad], config: RouterConfig) -> None:
+    a = rank("a", fleet, config)
+    assert a == rank("a", list(reversed(fleet)), config)
+
+
+@given(st.lists(st.integers(0, 6), min_size=2, max_size=12), st.sampled_from(["a", "b", "adapter-017"]))
+def test_sticky_cold_picks_are_the_same_replica_while_it_has_room(loads: list[int], adapter: str) -> None:
+    """Sticky: an adapter resident nowhere goes to its hash-preferred replica whatever the (bounded) loads."""
+    config = RouterConfig(min_bound=8.0)
+    fleet = [ReplicaLoad(f"replica-{i}", Residence.COLD, float(x)) for i, x in enumerate(loads)]
+    idle = [r._replace(load=0.0) for r in fleet]
+    assert rank(adapter, fleet, config)[0].replica == rank(adapter, idle, config)[0].replica
+    others = {rank(name, idle, config)[0].replica for name in (f"adapter-{i:03d}" for i in range(64))}
+    assert len(others) > 1  # different adapters prefer different replicas
+
+
+def test_expected_wait_counts_the_queue_and_the_adapter_load() -> None:
+    config = RouterConfig(request_s=0.1, cold_s=0.3, min_bound=0.0)
+    (ranked,) = rank("a", [ReplicaLoad("r0", Residence.COLD, 2.0)], config)
+    assert ranked.wait_s == pytest.approx(0.5)
+
+
+@settings(max_examples=50)
+@given(st.integers(1, 8), st.lists(st.sampled_from(["a", "b", "c"]), min_size=1, max_size=60))
+def test_a_batch_routes_every_item_and_spreads_like_a_stream(n: int, adapters: list[str]) -> None:
+    fleet = [ReplicaLoad(f"replica-{i}", Residence.COLD, 0.0) for i in range(n)]
+    picks = route_batch([RouteItem(a) for a in adapters], dict.fromkeys(adapters, fleet), CONFIG)
+    assert len(picks) == len(adapters) and all(len(p) == n for p in picks)
+    loads = [sum(1 for p in picks if p[0].replica == r.replica) for r in fleet]
+    assert max(loads) - min(loads) <= 1 + CONFIG.epsilon * len(adapters) / n + 1
+
+
+def test_token_weight_makes_long_prompts_weigh_more() -> None:
+    fleet = [ReplicaLoad("r0", Residence.READY, 0.0), ReplicaLoad("r1", Residence.COLD, 0.0)]
+    config = RouterConfig(epsilon=0.0, token_weight=0.01, min_bound=0.0)
+    first, second = route_batch([RouteItem("a", 200), RouteItem("a", 0)], {"a": fleet}, config)
+    assert first[0].replica == "r0" and second[0].replica == "r1"  # r0 carries 3 units, the bound is 2
+
+
+@pytest.mark.parametrize(("field", "value", "fix"), [
+    ("epsilon", -0.1, "give a number >= 0"), ("epsilon", float("inf"), "give a number >= 0"),
+    ("cold_s", -1.0, "finite number >= 0"), ("min_bound", -1.0, "finite number >= 0"),
+    ("request_s", float("nan"), "finite number >= 0"),
+])
+def test_config_errors_name_the_field_value_and_fix(field: str, value: object, fix: str) -> None:
+    with pytest.raises(ConfigError, match=field) as e:
+        RouterConfig(**{field: value})  # type: ignore[arg-type]
+    assert fix in str(e.value)
+
+
+def test_no_replicas_is_a_clear_error() -> None:
+    with pytest.raises(ConflictError, match="no replicas to route adapter 'a'"):
+        rank("a", [], CONFIG)
