@@ -43,6 +43,7 @@ def make(policy: str = "global", replicas: int = 1, tp: int = 2, slots: int = 2,
     """r0..rN, each with workers rK/w0..; adapters a0..aM at version v1. Speculation's rules are tested
     without its rate gate (the small counts here stand for well under 0.5 requests per second)."""
     config.setdefault("speculate_min_rate", 0.0)
+    config.setdefault("stage_min_rate", 0.0)
     specs = [ReplicaSpec(f"r{r}", tuple(f"r{r}/w{k}" for k in range(tp)), slots, bytes_per_worker, host_bytes)
              for r in range(replicas)]
     infos = [AdapterInfo(f"a{i}", "v1", bytes_per_rank) for i in range(adapters)]
@@ -118,6 +119,7 @@ def test_config_unknown_policy_lists_registered_ones() -> None:
     ("max_staged_per_replica", -2, "max_staged_per_replica is -2; give an int >= 0, e.g. 4 (0: no host-tier"),
     ("speculate_min_rate", -1.0, "speculate_min_rate is -1.0; give requests per second >= 0"),
     ("stage_host_share", 1.5, "stage_host_share is 1.5; give a share in [0, 1]"),
+    ("stage_min_rate", float("nan"), "stage_min_rate is nan; give requests per second >= 0"),
 ])
 def test_config_rejects_bad_values_quoting_value_and_fix(field: str, value: object, words: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -522,6 +524,15 @@ def test_popular_adapters_are_staged_in_demand_order_within_the_host_tier(
         kept = planner._fleet.staged.get(worker, frozenset())
         assert sum(planner.adapter(k.name).bytes_per_rank for k in kept) <= (host or 0)
     assert planner.plan_all(1.1).is_empty  # sent once while wanted
+    planner.check_integrity()
+
+
+def test_a_popular_adapter_below_the_stage_rate_is_not_staged() -> None:
+    """Counts of 10 down to 3 with a 60 s half-life: 0.12 down to 0.035 requests per second."""
+    planner = make(slots=2, max_prefetches_per_plan=0, host_bytes=10_000, stage_host_share=1.0, stage_min_rate=0.05)
+    hold(planner, "r0", "a0", "a1")
+    popular(planner, "r0", POPULAR)
+    assert staged(planner.plan_all(1.0), "r0/w0") == ["a2", "a3", "a4", "a5"]  # not a6 (0.046/s) nor a7
     planner.check_integrity()
 
 

@@ -7,6 +7,8 @@ host-to-GPU copy. The stages of a replica's target are, in order:
    `max_staged_per_replica` of them (hard needs: the request is known);
 2. predicted ones: the replica's popular adapters (fleet-wide and routed-here counts, `ReplicaScorer`;
    none queued or hinted: those are bounded by step 1),
+   expected at the replica at `stage_min_rate` or more (with a router that follows residency, the fleet's
+   popular adapters mostly go elsewhere: staging them all read 5x the disk bytes at 32 replicas),
    most demanded per byte first, that the target does not place in a GPU slot and no rank holds,
    while their bytes fit `stage_host_share` of the host tier the workers report (the smallest rank's),
    less the bytes of the target's adapters (a load passes through the host tier and its shard stays
@@ -47,18 +49,20 @@ def plan_stages(view: ReplicaView, scorer: ReplicaScorer, homeless: Iterable[Ada
     budget = int(host * config.stage_host_share) - held - loads - _bytes(view, needed)
     taken = set(target) | set(homeless)  # needed ones past the bound are not staged for popularity either
     taken |= {view.catalog[name].key for name in (*view.queued, *view.hinted, *view.far_hinted)}
-    return needed + predicted_stages(view, scorer, taken, budget, config.max_candidates_scanned)
+    return needed + predicted_stages(view, scorer, taken, budget, config.max_candidates_scanned,
+                                     config.stage_min_rate)
 
 
 def predicted_stages(view: ReplicaView, scorer: ReplicaScorer, taken: set[AdapterKey], budget: int,
-                     scan: int) -> tuple[AdapterKey, ...]:
-    """Popular adapters neither held nor taken, best per byte first, while their bytes fit `budget`."""
+                     scan: int, min_rate: float = 0.0) -> tuple[AdapterKey, ...]:
+    """Popular adapters neither held nor taken, expected here at `min_rate` or more, best per byte first,
+    while their bytes fit `budget`."""
     staged: list[AdapterKey] = []
     for _, name in scorer.ranked():
         if scan <= 0 or budget < view.min_bytes:
             break
         info = view.catalog[name]
-        if info.key in taken or info.key in view.resident:
+        if info.key in taken or info.key in view.resident or scorer.rate(name) < min_rate:
             continue
         scan -= 1
         if info.bytes_per_rank <= budget:
