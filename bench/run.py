@@ -94,6 +94,7 @@ class BenchConfig:
         "help": "the benchmark router: round-robin (request i to replica i mod R, the real path's rule, the "
                 "default) | least-loaded | affinity (resident replica, else least loaded) | lora-cache (the "
                 "controller's routing advice); only round-robin on --engine real"})
+    host_bytes: int = field(default=2 << 30, metadata={"help": "pinned host tier bytes per rank (bounds staging)"})
     gpus: str = field(default="auto", metadata={"help": "real engine on GPUs: auto | yes | no"})
     calibration: str = field(default="h200-llama8b", metadata={
         "path": "name_or_file", "help": "sim costs: a name under bench/calibration "
@@ -215,6 +216,7 @@ def _run_real(bench: BenchConfig, policies: Sequence[BenchPolicy], root: str, na
                       slots=bench.slots, max_rank=bench.max_rank, max_running=bench.max_running,
                       max_adapters=bench.max_adapters, max_prefill_tokens=bench.max_prefill_tokens,
                       max_seq_len=bench.max_seq_len, hint_lead_s=bench.hint_lead_s, gpus=gpus,
+                      host_bytes=bench.host_bytes,
                       dtype="bfloat16" if gpus else "float32", timeout_s=bench.timeout_s,
                       # one set of random base weights for every layer: the same math and bytes read per
                       # layer (far beyond any cache), a fraction of the start-up time and memory
@@ -248,7 +250,7 @@ def _run_sim(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Work
     sim = SimConfig(model=bench.model, replicas=bench.replicas, tp=bench.tp, slots=bench.slots,
                     max_rank=bench.max_rank, adapter_ranks=bench.adapter_ranks, max_running=bench.max_running,
                     max_adapters=bench.max_adapters, max_prefill_tokens=bench.max_prefill_tokens,
-                    hint_lead_s=bench.hint_lead_s, routing=bench.router)
+                    hint_lead_s=bench.hint_lead_s, host_bytes=bench.host_bytes, routing=bench.router)
     config["sim"] = dataclasses.asdict(sim)
     config["calibration"] = dataclasses.asdict(calib)
     runs = []

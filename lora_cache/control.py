@@ -101,8 +101,9 @@ class ControllerCore:
         self.paths.pop(name, None)
         return spec.version
 
-    def add_replica(self, replica: str, tp: int, slots: int) -> list[WorkerId]:
-        """Idempotent: a replica already adopted from its workers' reports is kept as it is."""
+    def add_replica(self, replica: str, tp: int, slots: int, host_bytes: int | None = None) -> list[WorkerId]:
+        """Idempotent: a replica already adopted from its workers' reports is kept as it is.
+        ``host_bytes``: each rank's host tier as the workers report it (bounds predictive staging)."""
         workers = [WorkerId(replica, k) for k in range(tp)]
         if replica in self.planner.replicas():
             if self.planner.workers(replica) != tuple(map(str, workers)):
@@ -112,7 +113,8 @@ class ControllerCore:
                 raise ConfigError(f"replica {replica!r} already exists with {have} slots per worker, not {slots}; "
                                   f"give every rank of a replica the same num_slots ({have})")
             return workers
-        self.planner.add_replica(ReplicaSpec(replica, tuple(map(str, workers)), slots))
+        self.planner.add_replica(ReplicaSpec(replica, tuple(map(str, workers)), slots,
+                                             host_bytes_per_worker=host_bytes))
         self.readiness.add_replica(replica, tp)
         return workers
 

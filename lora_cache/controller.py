@@ -120,7 +120,7 @@ class ControllerActor:
         """Take a worker's full report as the truth about it (its replica is added if new: ConfigError if
         the replica exists with another TP size or slot count)."""
         wid = WorkerId(info["replica"], info["rank"])
-        self.core.add_replica(info["replica"], info["tp"], info["slots"])
+        self.core.add_replica(info["replica"], info["tp"], info["slots"], info.get("host_bytes"))
         self.handles[wid] = handle
         self.links[wid] = Link(info["incarnation"], info["seq"])
         self._publish(self.core.sync_worker(wid, info["residency"]))

@@ -233,3 +233,39 @@ def test_resync_repairs_a_lost_ready_and_publishes_nothing_when_nothing_changed(
         assert core.sync_worker(wid, full) == []
     assert core.plan(now=2.0) == {}
     core.check_integrity()
+
+
+def test_popular_adapters_are_staged_into_the_host_tier_the_worker_reports(tmp_path: Path) -> None:
+    """Issue 20 item 4 end to end on CPU: a replica added with its workers' host tier (as ``describe`` reports
+    it) gets Stage commands for its popular adapters, most requested first, within that tier; the worker's
+    gate reads them into its host tier with no slot, so a later miss is one copy."""
+    make_adapters(tmp_path, SynthConfig(model="tiny", count=6, rank="8,16"))
+    catalog = CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny", max_rank=16)
+    core = ControllerCore(ControllerConfig(catalog=catalog), epoch=5)
+    names = [d.name for d in sorted(tmp_path.iterdir())]
+    for name in names:
+        core.register_adapter(name, str(tmp_path / name))
+    host_bytes = 1 << 20
+    core.add_replica("r0", tp=1, slots=2, host_bytes=host_bytes)
+    assert core.planner.capacity("r0/0").host_bytes == host_bytes
+    cache = WorkerCache(WorkerConfig(num_slots=2, device="cpu", host=HostTierConfig(host_bytes=host_bytes, pin=False)),
+                        core.catalog)
+    try:
+        gate = CommandGate(cache, Outbox().push)
+        arrivals = [(name, float(t)) for t, name in enumerate(n for i, n in enumerate(names) for _ in range(6 - i))]
+        core.report_queue("r0", arrivals, now=1.0)  # adapter i requested 6 - i times
+        core.report_queue("r0", [], now=1.1)  # all served
+        commands = core.plan(1.2, full=True).get(WorkerId("r0", 0), [])
+        stages = [c.adapter for c in commands if isinstance(c, Stage)]
+        assert stages and not [c for c in commands if isinstance(c, Prefetch)]  # well under 0.5 requests/s
+        assert stages == sorted(stages, key=lambda n: core.planner.popularity(n, 1.2) /
+                                core.planner.adapter(n).bytes_per_rank, reverse=True)
+        assert sum(core.planner.adapter(n).bytes_per_rank for n in stages) <= host_bytes
+        gate.apply(commands)
+        for name in stages:
+            entry = cache.stage(name)  # idempotent: the read the command started, or its entry
+            assert entry is not None and entry.result(timeout=30) is not None
+            assert cache.host.contains(AdapterKey(name, core.planner.adapter(name).version))
+        assert cache.stats()["host_bytes_used"] <= host_bytes and cache.residency() == []  # no slot taken
+    finally:
+        cache.close()

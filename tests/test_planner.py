@@ -39,9 +39,12 @@ READY, IN_USE, LOADING = SlotState.READY, SlotState.IN_USE, SlotState.LOADING
 # -- helpers ----------------------------------------------------------------------------------------
 def make(policy: str = "global", replicas: int = 1, tp: int = 2, slots: int = 2, adapters: int = 8,
          bytes_per_rank: int = 100, bytes_per_worker: int | None = None, epoch: int = 7,
-         **config: object) -> Planner:
-    """r0..rN, each with workers rK/w0..; adapters a0..aM at version v1."""
-    specs = [ReplicaSpec(f"r{r}", tuple(f"r{r}/w{k}" for k in range(tp)), slots, bytes_per_worker)
+         host_bytes: int | None = None, **config: object) -> Planner:
+    """r0..rN, each with workers rK/w0..; adapters a0..aM at version v1. Speculation's rules are tested
+    without its rate gate (the small counts here stand for well under 0.5 requests per second)."""
+    config.setdefault("speculate_min_rate", 0.0)
+    config.setdefault("stage_min_rate", 0.0)
+    specs = [ReplicaSpec(f"r{r}", tuple(f"r{r}/w{k}" for k in range(tp)), slots, bytes_per_worker, host_bytes)
              for r in range(replicas)]
     infos = [AdapterInfo(f"a{i}", "v1", bytes_per_rank) for i in range(adapters)]
     planner = Planner(PlannerConfig(policy=policy, **config), epoch, infos, specs)  # type: ignore[arg-type]
@@ -114,6 +117,9 @@ def test_config_unknown_policy_lists_registered_ones() -> None:
     ("hint_ttl_s", -5, "hint_ttl_s is -5"),
     ("max_hints_per_replica", 0, "max_hints_per_replica is 0; give an int >= 1"),
     ("max_staged_per_replica", -2, "max_staged_per_replica is -2; give an int >= 0, e.g. 4 (0: no host-tier"),
+    ("speculate_min_rate", -1.0, "speculate_min_rate is -1.0; give requests per second >= 0"),
+    ("stage_host_share", 1.5, "stage_host_share is 1.5; give a share in [0, 1]"),
+    ("stage_min_rate", float("nan"), "stage_min_rate is nan; give requests per second >= 0"),
 ])
 def test_config_rejects_bad_values_quoting_value_and_fix(field: str, value: object, words: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -494,6 +500,76 @@ def test_only_the_global_policy_stages() -> None:
     pin_all(planner, "r0", "a0")
     queue(planner, "r0", "a1")
     assert planner.plan(1.0).is_empty  # S-LoRA's queue prefetch loads into GPU slots only
+
+
+# -- predictive staging: popular adapters into the reported host tier (staging.py) --------------------
+POPULAR = {"a0": 10, "a1": 9, "a2": 8, "a3": 7, "a4": 6, "a5": 5, "a6": 4, "a7": 3}
+
+
+@pytest.mark.parametrize(("host", "share", "expected"), [
+    (700, 1.0, ["a2", "a3", "a4", "a5", "a6"]),  # 700 - the 200 bytes the two held adapters also take there
+    (700, 0.5, ["a2"]),  # 350 - 200
+    (150, 1.0, []),  # no room left beside the held shards
+    (None, 1.0, []),  # no host tier reported: nothing staged ahead
+])
+def test_popular_adapters_are_staged_in_demand_order_within_the_host_tier(
+        host: int | None, share: float, expected: list[str]) -> None:
+    planner = make(slots=2, max_prefetches_per_plan=0, host_bytes=host, stage_host_share=share)
+    hold(planner, "r0", "a0", "a1")
+    popular(planner, "r0", POPULAR)
+    plan = planner.plan_all(1.0)
+    for worker in planner.workers("r0"):
+        assert staged(plan, worker) == expected  # most demanded first, never a0/a1 (held)
+        assert not set(staged(plan, worker)) & held(planner, worker)
+        kept = planner._fleet.staged.get(worker, frozenset())
+        assert sum(planner.adapter(k.name).bytes_per_rank for k in kept) <= (host or 0)
+    assert planner.plan_all(1.1).is_empty  # sent once while wanted
+    planner.check_integrity()
+
+
+def test_a_popular_adapter_below_the_stage_rate_is_not_staged() -> None:
+    """Counts of 10 down to 3 with a 60 s half-life: 0.12 down to 0.035 requests per second."""
+    planner = make(slots=2, max_prefetches_per_plan=0, host_bytes=10_000, stage_host_share=1.0, stage_min_rate=0.05)
+    hold(planner, "r0", "a0", "a1")
+    popular(planner, "r0", POPULAR)
+    assert staged(planner.plan_all(1.0), "r0/w0") == ["a2", "a3", "a4", "a5"]  # not a6 (0.046/s) nor a7
+    planner.check_integrity()
+
+
+def test_popular_stages_come_after_needed_ones_and_skip_queued_adapters() -> None:
+    planner = make(slots=2, max_prefetches_per_plan=0, host_bytes=1000, stage_host_share=1.0)
+    pin_all(planner, "r0", "a0", "a1")
+    popular(planner, "r0", POPULAR)
+    queue(planner, "r0", "a6", "a7")
+    plan = planner.plan(1.0)
+    assert staged(plan, "r0/w0")[:2] == ["a6", "a7"]  # the needed ones, in need order
+    assert staged(plan, "r0/w0")[2:] == ["a2", "a3", "a4", "a5"]  # then by popularity, up to 1000 - 400 bytes
+    planner.check_integrity()
+
+
+def test_a_popular_adapter_below_the_min_rate_is_staged_not_loaded() -> None:
+    """Rates: a decayed count c with a 60 s half-life stands for c * ln 2 / 60 requests per second."""
+    planner = make(slots=4, host_bytes=1000, speculate_min_rate=0.5)
+    popular(planner, "r0", {"a1": 100, "a2": 10})  # about 1.2 and 0.12 requests per second
+    plan = planner.plan_all(1.0)
+    assert prefetched(plan, "r0/w0") == ["a1"]
+    assert staged(plan, "r0/w0") == ["a2"]
+    planner.check_integrity()
+
+
+def test_speculative_copies_follow_routed_load_across_replicas() -> None:
+    """Replica-aware speculation (issue 20 item 3): a replica loads a popular adapter only where its expected
+    rate there (the replica's routed counts blended with the fleet's per replica) reaches the gate. An adapter
+    routed to r0 alone is held at r0 only; one routed to both replicas, or so hot that its fleet share alone
+    reaches the gate, is held at both: copies grow with routed load, not top-k everywhere."""
+    planner = make(replicas=2, slots=3, tp=1, speculate_min_rate=0.5, local_weight=0.5)
+    popular(planner, "r0", {"a1": 100, "a3": 300})  # rates at r0: 0.87 and 2.6/s; at r1 (fleet share): 0.29, 0.87
+    popular(planner, "r1", {"a2": 100})
+    popular(planner, "r0", {"a2": 100})  # a2: 1.2/s at both
+    plan = planner.plan_all(1.0)
+    assert sorted(prefetched(plan, "r0/w0")) == ["a1", "a2", "a3"]
+    assert sorted(prefetched(plan, "r1/w0")) == ["a2", "a3"]  # not a1: its load goes to r0
+    planner.check_integrity()
 
 
 def test_removing_an_adapter_or_worker_forgets_its_stages() -> None:

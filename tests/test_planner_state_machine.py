@@ -6,6 +6,9 @@ after every plan:
 - no worker is planned over capacity (held - evicts + prefetches, loading included), unless what it
   keeps is all pinned or needed and nothing is prefetched;
 - every needed adapter that fits is planned before any popularity prefetch (and at a lower priority);
+- stages: needed ones first (at most max_staged_per_replica), then popularity stages only where the workers
+  report a host tier, never of an adapter a rank holds, best per byte first, and what a worker is told to
+  keep staged never exceeds its reported host tier;
 - hints beyond the horizon are not needs: they hold no slot that a needed (queued or near-hinted)
   adapter could use, and a prefetch for one never comes with an eviction that the rest of the plan
   does not need (far hints only fill free room); they are staged only after the needs;
@@ -48,6 +51,7 @@ REPLICAS = ["r0", "r1", "r2"]
 HINT_IDS = [f"h{i}" for i in range(6)]
 SIZES = [100, 200, 300]
 BUDGETS = st.none() | st.sampled_from([200, 300, 500, 800])
+HOSTS = st.none() | st.sampled_from([0, 300, 800, 2000])  # the host tier a worker reports (None: unknown)
 
 
 class Snapshot(NamedTuple):
@@ -70,16 +74,19 @@ class PlannerMachine(RuleBasedStateMachine):
                 sizes=st.lists(st.sampled_from(SIZES), min_size=len(ADAPTERS), max_size=len(ADAPTERS)),
                 hysteresis=st.sampled_from([0.0, 0.25, 2.0]), max_prefetches=st.integers(0, 3),
                 local_weight=st.sampled_from([0.0, 0.5, 1.0]), max_staged=st.integers(0, 3),
-                horizon=st.sampled_from([0.0, 2.0, 5.0]))
+                horizon=st.sampled_from([0.0, 2.0, 5.0]),
+                hosts=st.lists(HOSTS, min_size=3, max_size=3), stage_share=st.sampled_from([0.0, 0.75, 1.0]),
+                min_rate=st.sampled_from([0.0, 0.05, 1.0]))
     def setup(self, tps: list[int], slots: list[int], budgets: list[int | None], sizes: list[int],
               hysteresis: float, max_prefetches: int, local_weight: float, max_staged: int,
-              horizon: float) -> None:
-        specs = [ReplicaSpec(r, tuple(f"{r}/w{k}" for k in range(tp)), s, b)
-                 for r, tp, s, b in zip(REPLICAS, tps, slots, budgets, strict=True)]
+              horizon: float, hosts: list[int | None], stage_share: float, min_rate: float) -> None:
+        specs = [ReplicaSpec(r, tuple(f"{r}/w{k}" for k in range(tp)), s, b, h)
+                 for r, tp, s, b, h in zip(REPLICAS, tps, slots, budgets, hosts, strict=True)]
         infos = [AdapterInfo(a, "v1", size) for a, size in zip(ADAPTERS, sizes, strict=True)]
         config = PlannerConfig(policy=self.POLICY, half_life_s=10.0, hint_ttl_s=8.0, hysteresis=hysteresis,
                                max_prefetches_per_plan=max_prefetches, local_weight=local_weight,
-                               max_staged_per_replica=max_staged, hint_horizon_s=horizon)
+                               max_staged_per_replica=max_staged, hint_horizon_s=horizon,
+                               stage_host_share=stage_share, speculate_min_rate=min_rate)
         self.planner = Planner(config, EPOCH, infos, specs)
         self.shadow = Planner(config, EPOCH, infos[::-1], specs[::-1])  # same inputs, another order
         self.now = 0.0
@@ -146,17 +153,17 @@ class PlannerMachine(RuleBasedStateMachine):
         worker = data.draw(st.sampled_from(self._workers()))
         self._both(lambda p: p.remove_worker(worker))
 
-    @rule(replica=st.sampled_from(REPLICAS), slots=st.integers(0, 4), budget=BUDGETS)
-    def add_worker(self, replica: str, slots: int, budget: int | None) -> None:
+    @rule(replica=st.sampled_from(REPLICAS), slots=st.integers(0, 4), budget=BUDGETS, host=HOSTS)
+    def add_worker(self, replica: str, slots: int, budget: int | None, host: int | None) -> None:
         self.new_workers += 1
         worker = f"{replica}/n{self.new_workers}"
-        self._both(lambda p: p.add_worker(replica, worker, slots, budget))
+        self._both(lambda p: p.add_worker(replica, worker, slots, budget, host))
 
     @precondition(lambda self: self._workers())
-    @rule(data=st.data(), slots=st.integers(0, 4), budget=BUDGETS)
-    def set_capacity(self, data: st.DataObject, slots: int, budget: int | None) -> None:
+    @rule(data=st.data(), slots=st.integers(0, 4), budget=BUDGETS, host=HOSTS)
+    def set_capacity(self, data: st.DataObject, slots: int, budget: int | None, host: int | None) -> None:
         worker = data.draw(st.sampled_from(self._workers()))
-        self._both(lambda p: p.set_capacity(worker, slots, budget))
+        self._both(lambda p: p.set_capacity(worker, slots, budget, host))
 
     @rule(adapter=st.sampled_from(ADAPTERS), size=st.sampled_from(SIZES))
     def new_version(self, adapter: str, size: int) -> None:
@@ -266,14 +273,17 @@ class PlannerMachine(RuleBasedStateMachine):
                 size.setdefault(key, snap.catalog[key.name].bytes_per_rank)
                 assert priorities.setdefault(key, priority) == priority, f"ranks disagree on {key}'s priority"
             stages = [AdapterKey(c.adapter, c.version) for c in (commands.stages if commands else ())]
-            assert len(stages) <= self.planner.config.max_staged_per_replica, f"{worker} staged {stages}: too many"
+            wanted = [k for k in stages if k in needed or k in far]
+            predicted = stages[len(wanted):]  # popularity stages (staging.py) come after every needed one
+            assert stages[:len(wanted)] == wanted, f"{worker} stages {predicted} before needed {wanted}"
+            assert len(wanted) <= self.planner.config.max_staged_per_replica, f"{worker} staged {stages}: too many"
             assert not stages or self.POLICY == "global", f"policy {self.POLICY!r} staged {stages}"
             for key in stages:
-                assert key in needed or key in far, f"{worker} stages {key}, which no queued or hinted request needs"
                 assert key not in held[worker] and key not in {k for _, k in prefetches}, (
                     f"{worker} stages {key}, which it holds or is told to load")
-            far_stages = [i for i, k in enumerate(stages) if k in far and k not in needed]
-            assert all(i >= len(stages) - len(far_stages) for i in far_stages), f"{worker}: far hints staged first"
+            far_stages = [i for i, k in enumerate(wanted) if k in far and k not in needed]
+            assert all(i >= len(wanted) - len(far_stages) for i in far_stages), f"{worker}: far hints staged first"
+            self._check_predicted(worker, replica, predicted, resident, snap)
             after[worker] = (held[worker].keys() - evicts) | {k for _, k in prefetches}
             cap = snap.capacity[worker]
             within = len(after[worker]) <= cap.slots and (
@@ -300,6 +310,28 @@ class PlannerMachine(RuleBasedStateMachine):
             speculative_priorities = [p.priority for p in commands.prefetches
                                       if AdapterKey(p.adapter, p.version) in speculative]
             assert max(needed_priorities, default=-1) < min(speculative_priorities, default=1 << 30)
+
+    def _check_predicted(self, worker: str, replica: str, predicted: list[AdapterKey], resident: set[AdapterKey],
+                         snap: Snapshot) -> None:
+        """Popularity stages: only with a reported host tier, never of what a rank holds, best per byte
+        first; and what the worker is told to keep staged never exceeds its reported host tier."""
+        hosts = [snap.capacity[w].host_bytes for w in snap.workers[replica]]
+        host = min((h for h in hosts if h is not None), default=None)
+        assert not predicted or host is not None, f"{worker} stages {predicted} with no host tier reported"
+        assert not set(predicted) & resident, f"{worker} stages {set(predicted) & resident}, which a rank holds"
+        scores = [self._score(k.name, replica) for k in predicted]
+        assert scores == sorted(scores, reverse=True), f"{worker} stages {predicted} out of demand order {scores}"
+        if host is not None:
+            kept = self.planner._fleet.staged.get(worker, frozenset())
+            total = sum(snap.catalog[k.name].bytes_per_rank for k in kept if k.name in snap.catalog)
+            assert total <= host, f"{worker} is told to keep {total} bytes staged, over its host tier ({host})"
+
+    def _score(self, adapter: str, replica: str) -> float:
+        """The scorer's value per byte, from the planner's decayed counts (the same order as its scaled ones)."""
+        p, weight = self.planner, self.planner.config.local_weight
+        value = ((1.0 - weight) / len(p.replicas()) * p.popularity(adapter, self.now)
+                 + weight * p.popularity(adapter, self.now, replica))
+        return value / p.adapter(adapter).bytes_per_rank
 
     # -- helpers --------------------------------------------------------------------------------------
     def _both(self, call: Callable[[Planner], Any]) -> tuple[str, Any]:

@@ -45,7 +45,8 @@ class WorkerControl:
         config = self.cache.config
         return {"replica": self.replica, "rank": config.tp_rank, "tp": config.tp, "model": self.catalog.shape.name,
                 "incarnation": self.outbox.incarnation, "seq": seq, "node": node,
-                "slots": config.num_slots, "adapters": dict(self.paths), "epoch": self.gate.epoch,
+                "slots": config.num_slots, "host_bytes": config.host.host_bytes, "adapters": dict(self.paths),
+                "epoch": self.gate.epoch,
                 "residency": [(r["adapter"], r["version"], r["state"], r["refs"]) for r in self.cache.residency()]}
 
     def stats(self) -> dict[str, object]:

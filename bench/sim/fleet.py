@@ -142,6 +142,8 @@ class SimConfig:
     sync_s: float = field(default=5.0, metadata={"help": "the controller resyncs every worker's residency this often"})
     max_staged: int = field(default=PlannerConfig.max_staged_per_replica, metadata={
         "help": "the planner's max_staged_per_replica (global: needed adapters without GPU room staged on the host)"})
+    stage_share: float = field(default=PlannerConfig.stage_host_share, metadata={
+        "help": "the planner's stage_host_share (global: popular adapters staged within this share of the host tier)"})
     model: str = field(default="llama-3.1-8b", metadata={"help": "model shape (decides adapter shard bytes)"})
     max_rank: int = field(default=64, metadata={"help": "largest LoRA rank (sizes the slots)"})
     adapter_ranks: str = field(default="16,64", metadata={"help": "LoRA ranks given to the adapters in turn"})
@@ -230,7 +232,8 @@ class _Fleet:
         ranks = config.lora_ranks()
         catalog = SyntheticCatalog(resolve_model(config.model), {n: ranks[i % len(ranks)] for i, n in enumerate(names)},
                                    calibration.slot_dtype)
-        planner = PlannerConfig(policy=policy.planner, max_staged_per_replica=config.max_staged)
+        planner = PlannerConfig(policy=policy.planner, max_staged_per_replica=config.max_staged,
+                                stage_host_share=config.stage_share)
         self.controller = SimController(loop, calibration, planner, catalog, config.plan_interval_s, config.sync_s,
                                         router or RouterConfig())
         for name in names:
@@ -269,7 +272,7 @@ class _Fleet:
                      nbytes: dict[str, int]) -> None:
         """A replica's TP workers (the oracle's with every adapter READY), known to the controller."""
         config = self.config
-        self.controller.core.add_replica(name, config.tp, engine.num_slots)
+        self.controller.core.add_replica(name, config.tp, engine.num_slots, config.host_bytes)
         ranks = []
         for k in range(config.tp):
             host = SimHostTier(self.loop, calibration, config.host_bytes, config.read_threads)

@@ -25,6 +25,17 @@ class PlannerConfig:
     max_staged_per_replica: int = field(default=4, metadata={
         "help": "needed (queued or hinted) adapters that find no GPU room whose shards each worker of the replica "
                 "reads into its host tier ahead, in need order (global policy; 0: none)"})
+    speculate_min_rate: float = field(default=0.5, metadata={
+        "help": "requests per second a popular (unqueued, unhinted) adapter must be expected to get at a replica to "
+                "be loaded into a GPU slot there (0.5: one within 2 s); below it, it is at most staged in the host "
+                "tier (0: no gate)"})
+    stage_host_share: float = field(default=0.4, metadata={
+        "help": "share of each worker's reported host tier that the target's adapters, needed stages and popularity "
+                "stages may fill, most demanded per byte first (global policy; the rest is left to the LRU of "
+                "recently evicted shards; 0: no popularity staging)"})
+    stage_min_rate: float = field(default=0.05, metadata={
+        "help": "requests per second a popular adapter must be expected to get at a replica to be staged in its "
+                "host tier ahead of need (0.05: one within 20 s; 0: any popular adapter)"})
     max_candidates_scanned: int = field(default=64, metadata={
         "help": "popular adapters examined per replica per plan before giving up on filling room"})
     hint_ttl_s: float = field(default=30.0, metadata={
@@ -52,6 +63,15 @@ class PlannerConfig:
         if not _finite(self.hysteresis) or self.hysteresis < 0:
             raise ConfigError(f"hysteresis is {self.hysteresis!r}; give a margin >= 0, e.g. 0.25 (a popular "
                               "adapter must be worth 25% more per byte than the resident it would evict)")
+        if not _finite(self.speculate_min_rate) or self.speculate_min_rate < 0:
+            raise ConfigError(f"speculate_min_rate is {self.speculate_min_rate!r}; give requests per second >= 0, "
+                              "e.g. 0.5 (0: every popular adapter that wins a slot is loaded)")
+        if not _finite(self.stage_host_share) or not 0.0 <= self.stage_host_share <= 1.0:
+            raise ConfigError(f"stage_host_share is {self.stage_host_share!r}; give a share in [0, 1], e.g. 0.4 "
+                              "(0: no popularity staging)")
+        if not _finite(self.stage_min_rate) or self.stage_min_rate < 0:
+            raise ConfigError(f"stage_min_rate is {self.stage_min_rate!r}; give requests per second >= 0, e.g. 0.05 "
+                              "(0: stage any popular adapter that fits)")
         _count("max_prefetches_per_plan", self.max_prefetches_per_plan, 0, "4 (0: no popularity prefetch)")
         _count("max_staged_per_replica", self.max_staged_per_replica, 0, "4 (0: no host-tier staging)")
         _count("max_candidates_scanned", self.max_candidates_scanned, 1, "64")

@@ -115,10 +115,11 @@ class Planner:
         self._popularity.drop_replica(replica)
         self._dirty.discard(replica)
 
-    def add_worker(self, replica: str, worker: str, slots: int, bytes_per_worker: int | None = None) -> None:
+    def add_worker(self, replica: str, worker: str, slots: int, bytes_per_worker: int | None = None,
+                   host_bytes: int | None = None) -> None:
         """A new (or replacement) TP rank of `replica`, holding nothing yet."""
         check_id("worker id", worker)
-        capacity = Capacity(slots, bytes_per_worker)
+        capacity = Capacity(slots, bytes_per_worker, host_bytes)
         check_capacity(f"worker {worker!r}", capacity)
         self._fleet.require_replica(replica, "add_worker")
         self._fleet.add_worker(replica, worker, capacity)
@@ -129,8 +130,9 @@ class Planner:
         self._fleet.require_worker(worker, "remove_worker")
         self._dirty.add(self._fleet.remove_worker(worker))
 
-    def set_capacity(self, worker: str, slots: int, bytes_per_worker: int | None = None) -> None:
-        capacity = Capacity(slots, bytes_per_worker)
+    def set_capacity(self, worker: str, slots: int, bytes_per_worker: int | None = None,
+                     host_bytes: int | None = None) -> None:
+        capacity = Capacity(slots, bytes_per_worker, host_bytes)
         check_capacity(f"worker {worker!r}", capacity)
         replica = self._fleet.require_worker(worker, "set_capacity")
         if self._fleet.capacity[worker] != capacity:
@@ -346,7 +348,7 @@ class Planner:
     def _plan_replica(self, replica: str) -> list[WorkerCommands]:
         fleet = self._fleet
         scorer = self._popularity.scorer(replica, len(fleet.workers), self.config.local_weight,
-                                          fleet.catalog, fleet.min_bytes())
+                                          fleet.catalog, fleet.min_bytes(), self._now)
         target = self._policy.target(self._view(replica), scorer, self.config)
         if target is None:
             return []

@@ -12,9 +12,12 @@ Policies are picked by name from `POLICIES`; the rules they share are small func
 4. speculation (`global` only): popular adapters fill free room, and may evict an incumbent only if
    worth more than (1 + hysteresis) times as much per byte; at most `max_prefetches_per_plan` load
    per plan, the rest are deferred (their room kept free) to the next plan;
-5. staging (`global` only): the first `max_staged_per_replica` needed adapters that found no GPU room
-   (every slot pinned or holding another needed adapter) are read into the workers' host tiers, so
-   the load that follows when a slot frees is one host-to-GPU copy, not a disk read and a copy.
+   A popular adapter not resident is loaded only if expected at the replica at `speculate_min_rate`
+   requests per second or more (a load that is evicted unused wastes disk and PCIe bandwidth);
+5. staging (`global` only, `staging.py`): the first `max_staged_per_replica` needed adapters that found
+   no GPU room (every slot pinned or holding another needed adapter) are read into the workers' host
+   tiers, so the load that follows when a slot frees is one host-to-GPU copy, not a disk read and a
+   copy; then popular adapters the target leaves out, within a share of the reported host tier.
    Hints beyond the horizon (`far_hinted`, see `horizon.py`) are not needs: resident ones are kept like
    incumbents (needs displace them; speculation does not, or it would evict what it let in); the others
    compete in speculation on their popularity alone, and otherwise only take room that rules 1-4 left
@@ -27,6 +30,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from lora_cache.planner.records import AdapterInfo, AdapterKey, Capacity
+from lora_cache.planner.staging import plan_stages
 
 if TYPE_CHECKING:
     from lora_cache.planner.config import PlannerConfig
@@ -145,7 +149,7 @@ def build_target(view: ReplicaView, scorer: ReplicaScorer, needed: tuple[str, ..
     popular = sorted(kept + far_held + admitted, key=lambda sk: (-sk[0], sk[1]))
     target = tuple(keys) + tuple(far_in) + tuple(k for _, k in popular)
     homeless = [k for k in wanted if k not in chosen] + [k for k in far if k not in target]
-    staged = tuple(homeless)[:config.max_staged_per_replica] if stage else ()
+    staged = plan_stages(view, scorer, homeless, target, config) if stage else ()
     return Target(target, frozenset(k for _, k in admitted), staged)
 
 
@@ -228,6 +232,9 @@ def _speculate(view: ReplicaView, scorer: ReplicaScorer, chosen: set[AdapterKey]
         # plan would see it as one, so skipping it here would let that plan evict what this one loads.
         if info.key in chosen or info.key in holding or not _placeable(view, info.bytes_per_rank):
             continue
+        resident = info.key in view.resident  # taking it back costs no load on the ranks that hold it
+        if not resident and scorer.rate(name) < config.speculate_min_rate:
+            continue  # not expected soon enough to be worth a load: staging may take it (staging.py)
         scanned += 1
         if not room.fits(info.bytes_per_rank):
             victims = _victims(kept, score, info.bytes_per_rank, room, view, config.hysteresis)
@@ -240,7 +247,6 @@ def _speculate(view: ReplicaView, scorer: ReplicaScorer, chosen: set[AdapterKey]
                 holding.discard(key)
             del kept[:victims]
         room.take(info.bytes_per_rank)
-        resident = info.key in view.resident  # taking it back costs no load on the ranks that hold it
         if not deferring or resident:
             admitted.append((score, info.key))
             holding.add(info.key)

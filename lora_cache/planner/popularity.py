@@ -10,6 +10,7 @@ moves to `now` (same order, no overflow). Time is always passed in; the core rea
 from __future__ import annotations
 
 import heapq
+import math
 from bisect import bisect_left, insort
 from collections.abc import Iterator, Mapping
 
@@ -109,10 +110,18 @@ class Popularity:
             counts.forget(adapter)
 
     def scorer(self, replica: str, n_replicas: int, local_weight: float,
-               catalog: Mapping[str, AdapterInfo], min_bytes: int) -> ReplicaScorer:
+               catalog: Mapping[str, AdapterInfo], min_bytes: int, now: float | None = None) -> ReplicaScorer:
         fleet_weight = (1.0 - local_weight) / max(1, n_replicas)
         local = self.local.get(replica)
-        return ReplicaScorer(self.fleet, local, fleet_weight, local_weight, catalog, min_bytes)
+        return ReplicaScorer(self.fleet, local, fleet_weight, local_weight, catalog, min_bytes,
+                             self._per_second(now))
+
+    def _per_second(self, now: float | None) -> float:
+        """Scaled count -> requests per second at `now`: a decayed count of a steady rate r converges to
+        r * half_life / ln 2 (an underestimate for the first half-lives of a run or of a new adapter)."""
+        if now is None or self.landmark_s is None:
+            return 0.0
+        return 2.0 ** -self._exponent(now) * math.log(2.0) / self.half_life_s
 
     def check_integrity(self) -> None:
         self.fleet.check_integrity()
@@ -134,15 +143,21 @@ class ReplicaScorer:
     """
 
     def __init__(self, fleet: RankedCounts, local: RankedCounts | None, fleet_weight: float,
-                 local_weight: float, catalog: Mapping[str, AdapterInfo], min_bytes: int) -> None:
+                 local_weight: float, catalog: Mapping[str, AdapterInfo], min_bytes: int,
+                 per_second: float = 0.0) -> None:
         self._fleet, self._local = fleet, local
         self._fleet_weight, self._local_weight = fleet_weight, local_weight
         self._catalog = catalog
         self._min_bytes = min_bytes
+        self._per_second = per_second  # scaled value -> requests per second at the plan's time
 
     def value(self, adapter: str) -> float:
         local = self._local.values.get(adapter, 0.0) if self._local is not None else 0.0
         return self._fleet_weight * self._fleet.values.get(adapter, 0.0) + self._local_weight * local
+
+    def rate(self, adapter: str) -> float:
+        """Expected requests per second for `adapter` at this replica (the blend of `value`, decayed)."""
+        return self.value(adapter) * self._per_second
 
     def score(self, adapter: str) -> float:
         return self.value(adapter) / self._catalog[adapter].bytes_per_rank

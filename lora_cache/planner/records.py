@@ -25,10 +25,12 @@ class AdapterKey(NamedTuple):
 
 
 class Capacity(NamedTuple):
-    """What one worker may hold: a number of slots and, if set, a byte budget for all of them."""
+    """What one worker may hold: a number of slots and, if set, a byte budget for all of them; and the
+    bytes of its pinned host tier as the worker reports them (None: unknown, nothing is staged ahead)."""
 
     slots: int
     bytes: int | None = None
+    host_bytes: int | None = None
 
 
 class SlotState(Enum):
@@ -91,6 +93,7 @@ class ReplicaSpec:
     worker_ids: tuple[str, ...]
     slots_per_worker: int
     bytes_per_worker: int | None = None
+    host_bytes_per_worker: int | None = None  # each rank's host tier (predictive staging's bound)
 
     def __post_init__(self) -> None:
         check_id("replica id", self.replica_id)
@@ -102,11 +105,11 @@ class ReplicaSpec:
         if len(set(self.worker_ids)) != len(self.worker_ids):
             raise PlannerInputError(f"replica {self.replica_id!r} lists a worker twice in "
                                     f"{self.worker_ids!r}; each TP rank is a distinct worker")
-        check_capacity(f"replica {self.replica_id!r}", Capacity(self.slots_per_worker, self.bytes_per_worker))
+        check_capacity(f"replica {self.replica_id!r}", self.capacity)
 
     @property
     def capacity(self) -> Capacity:
-        return Capacity(self.slots_per_worker, self.bytes_per_worker)
+        return Capacity(self.slots_per_worker, self.bytes_per_worker, self.host_bytes_per_worker)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,13 +144,16 @@ def check_time(what: str, value: object) -> None:
 
 
 def check_capacity(what: str, capacity: Capacity) -> None:
-    slots, budget = capacity
+    slots, budget, host = capacity
     if not _is_int(slots) or slots < 0:
         raise PlannerInputError(f"slots of {what} is {slots!r}; "
                                 "give the number of adapter slots (an int >= 0)")
     if budget is not None and (not _is_int(budget) or budget < 0):
         raise PlannerInputError(f"bytes of {what} is {budget!r}; give a byte budget (an int >= 0) "
                                 "or None to count slots only")
+    if host is not None and (not _is_int(host) or host < 0):
+        raise PlannerInputError(f"host_bytes of {what} is {host!r}; give the bytes of the worker's host tier "
+                                "(an int >= 0) or None if unknown (no predictive staging)")
 
 
 def _is_int(value: object) -> bool:

@@ -139,7 +139,8 @@ class FleetState:
         if not caps:
             return Capacity(0, 0)
         budgets = [c.bytes for c in caps if c.bytes is not None]
-        return Capacity(min(c.slots for c in caps), min(budgets) if budgets else None)
+        hosts = [c.host_bytes for c in caps if c.host_bytes is not None]
+        return Capacity(min(c.slots for c in caps), min(budgets) if budgets else None, min(hosts) if hosts else None)
 
     # -- residency --------------------------------------------------------------------------------
     def set_residency(self, worker: str, held: dict[AdapterKey, Residency]) -> bool:
