@@ -124,6 +124,26 @@ def test_the_relay_delivers_each_answer_to_its_own_caller_in_call_order() -> Non
     asyncio.run(scenario())
 
 
+def test_the_relay_gives_a_starting_process_its_grace_then_the_usual_liveness() -> None:
+    """Before its first poll a process has ``start_s`` (its serve thread may start late on a loaded host,
+    while the controller already calls it); after it, ``liveness_s`` as always."""
+    from workers.attach import EndpointStaleError, Relay
+
+    clock = Clock()
+    relay = Relay("lora-cache-worker:r:0", liveness_s=1.0, clock=clock, start_s=30.0)
+    clock.now += 25.0
+    relay.check_live()  # not polled yet, inside the grace
+    clock.now += 10.0
+    with pytest.raises(EndpointStaleError, match=r"has not polled for calls for 35\.0 s since the endpoint was made"):
+        relay.check_live()
+    relay.answer([])
+    clock.now += 0.5
+    relay.check_live()
+    clock.now += 1.0
+    with pytest.raises(EndpointStaleError):
+        relay.check_live()
+
+
 def test_the_relay_fails_waiting_calls_and_pings_once_the_process_stops_polling() -> None:
     import asyncio
 

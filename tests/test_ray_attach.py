@@ -87,7 +87,7 @@ def test_engine_processes_attach_serve_and_recover(fleet) -> None:
     ctl = service.controller
 
     def config(rank: int) -> AttachConfig:
-        return AttachConfig(replica="replica-0", address=gcs, poll_s=0.5, liveness_s=3.0)
+        return AttachConfig(replica="replica-0", address=gcs, poll_s=0.5, liveness_s=10.0)  # a loaded 2-core CI machine
 
     ranks = start_ranks(config, [worker(0), worker(1)])
     try:
@@ -151,7 +151,7 @@ def test_attach_refuses_a_taken_rank_and_a_mismatched_replica(fleet) -> None:
     """The test process itself attaches (any Ray driver may): a second attach of its rank is a conflict; a
     rank that disagrees with its replica's TP size or slot count is refused, and leaves nothing behind."""
     service, gcs, _ = fleet
-    config = AttachConfig(replica="replica-x", address=gcs, poll_s=0.5, liveness_s=3.0, name_wait_s=0)
+    config = AttachConfig(replica="replica-x", address=gcs, poll_s=0.5, liveness_s=10.0, name_wait_s=0)
     with attach(config, worker(0, tp=1, slots=2)) as rank:
         with pytest.raises(ConflictError, match=r"rank 0 of replica 'replica-x' is already attached"):
             attach(config, worker(0, tp=1, slots=2))

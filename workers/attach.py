@@ -67,6 +67,8 @@ class AttachConfig:
     liveness_s: float = field(default=5.0, metadata={"help": "the endpoint fails the controller's ping when the "
                                                              "process has not polled for this long"})
     name_wait_s: float = field(default=30.0, metadata={"help": "wait this long for a dead predecessor's name"})
+    start_s: float = field(default=60.0, metadata={"help": "the endpoint waits this long for the process's first "
+                                                       "poll (a loaded host can be slow to start its serve thread)"})
     max_call_s: float = field(default=300.0, metadata={"help": "a controller call still running after this long "
                                                              "no longer keeps the process alive (a wedged call)"})
 
@@ -79,6 +81,9 @@ class AttachConfig:
         if not 0 < self.poll_s < self.liveness_s:
             raise ConfigError(f"poll_s ({self.poll_s}) must be > 0 and below liveness_s ({self.liveness_s}): "
                               "the endpoint counts a process that has not polled for liveness_s as dead")
+        if self.start_s < self.liveness_s:
+            raise ConfigError(f"start_s ({self.start_s}) must be >= liveness_s ({self.liveness_s}): the first poll "
+                              "gets at least the time any later one does")
         if self.max_call_s < self.liveness_s:
             raise ConfigError(f"max_call_s ({self.max_call_s}) must be >= liveness_s ({self.liveness_s}): a call may "
                               "run at least as long as an idle process may go without polling")
@@ -107,12 +112,15 @@ class Relay:
     """Calls queued for a process that polls for them, and their answers: the endpoint's core, plain asyncio
     (one event loop, so the queue and the waiting calls need no lock). ``clock``: monotonic seconds."""
 
-    def __init__(self, name: str, liveness_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, name: str, liveness_s: float, clock: Callable[[], float] = time.monotonic,
+                 start_s: float | None = None) -> None:
         self.name, self.liveness_s, self.clock = name, liveness_s, clock
         self._calls: asyncio.Queue[Call] = asyncio.Queue()
         self._waiting: dict[int, asyncio.Future[Any]] = {}  # call id -> its caller's answer
         self._ids = itertools.count()
-        self._polled = clock()  # the process's last sign of life (take or answer)
+        self.start_s = liveness_s if start_s is None else start_s  # the grace before the process's first poll
+        self._created = clock()
+        self._polled: float | None = None  # the process's last sign of life (take or answer); None: none yet
 
     async def call(self, method: str, *args: Any) -> Any:
         """Queue the call for the process and wait for its answer; fail it (``EndpointStaleError``) once the
@@ -131,6 +139,12 @@ class Relay:
             self._waiting.pop(ident, None)
 
     def check_live(self) -> None:
+        if self._polled is None:
+            idle = self.clock() - self._created
+            if idle > self.start_s:
+                raise EndpointStaleError(f"{self.name}: its engine process has not polled for calls for {idle:.1f} s "
+                                         "since the endpoint was made (it never started serving)")
+            return
         idle = self.clock() - self._polled
         if idle > self.liveness_s:
             raise EndpointStaleError(f"{self.name}: its engine process has not polled for calls for {idle:.1f} s")
@@ -170,8 +184,8 @@ class Endpoint:
     makes on a worker actor, relayed to the process (``Relay``), which takes them with ``take`` and
     answers with ``answer``. ``ping`` is answered here, while the process keeps polling."""
 
-    def __init__(self, name: str, liveness_s: float) -> None:
-        self.relay = Relay(name, liveness_s)
+    def __init__(self, name: str, liveness_s: float, start_s: float | None = None) -> None:
+        self.relay = Relay(name, liveness_s, start_s=start_s)
 
     async def apply(self, commands: list[Any]) -> Any:
         return await self.relay.call("apply", commands)
@@ -268,7 +282,7 @@ class Attachment:
         while True:
             try:
                 return Endpoint.options(name=self.name, namespace=NAMESPACE, max_concurrency=1000).remote(
-                    self.name, self.config.liveness_s)
+                    self.name, self.config.liveness_s, self.config.start_s)
             except ValueError as e:  # the name is taken: a live rank, or a dead one Ray has not released yet
                 if time.monotonic() > deadline:
                     raise ConflictError(f"rank {self.wid.rank} of replica {self.wid.replica!r} is already attached "
