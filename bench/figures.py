@@ -92,6 +92,7 @@ GOALS = (  # (label, policy, figure, reference policy, at most this ratio, workl
 
 GAPS = (  # (name, the gap's upper end): the share of the gap from that baseline to the oracle a policy closes
     ("adapter_gap_closed", "ondemand"), ("queue_gap_closed", "queue"))
+GAP_KEYS = tuple(f"{name}_{stat}" for name, _ in GAPS for stat in ("mean", "p99"))  # the figures ``gaps`` gives
 
 
 def gaps(by_policy: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:

@@ -19,14 +19,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.report import _cell
+from bench.figures import GAP_KEYS
+from bench.report import cell
 from bench.run import build_parser, configs, run
 from lora_cache.errors import ConfigError, LoraCacheError
 
 DEFAULT_LEADS = (0.0, 0.05, 0.5)
 COLUMNS = (("mean_ttft_ms", "mean TTFT ms", 1), ("p99_ttft_ms", "p99 TTFT ms", 1), ("gpu_hit_rate", "GPU hit", 1),
            ("prefetch_accuracy", "prefetch acc.", 1), ("bytes_host_to_gpu", "GB to GPU", 1e-9))
-SHARES = ("adapter_gap_closed_mean", "adapter_gap_closed_p99", "queue_gap_closed_mean", "queue_gap_closed_p99")
 
 
 def parse_leads(text: str) -> tuple[float, ...]:
@@ -41,7 +41,7 @@ def parse_leads(text: str) -> tuple[float, ...]:
 
 def table(docs: dict[float, dict[str, Any]]) -> str:
     """Policies down, leads within each policy; gap shares from each lead's own run."""
-    head = ["policy", "hint lead s"] + [h for _, h, _ in COLUMNS] + list(SHARES)
+    head = ["policy", "hint lead s"] + [h for _, h, _ in COLUMNS] + list(GAP_KEYS)
     lines = ["| " + " | ".join(head) + " |", "| --- | ---: |" + " ---: |" * (len(head) - 2)]
     policies = list(dict.fromkeys(p for doc in docs.values() for p in doc["figures"]))
     for policy in policies:
@@ -50,7 +50,7 @@ def table(docs: dict[float, dict[str, Any]]) -> str:
             if figs is None:
                 continue
             shares = doc.get("gaps", {}).get(policy, {})
-            cells = [_cell(figs.get(k), s) for k, _, s in COLUMNS] + [_cell(shares.get(k), 1) for k in SHARES]
+            cells = [cell(figs.get(k), s) for k, _, s in COLUMNS] + [cell(shares.get(k), 1) for k in GAP_KEYS]
             lines.append(f"| {policy} | {lead:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.figures import PolicyRun, figures, gaps, goals, timeline
+from bench.figures import GAP_KEYS, PolicyRun, figures, gaps, goals, timeline
 from lora_cache.errors import ConfigError
 
 COLUMNS = (  # (figure, header, scale)
@@ -25,7 +25,7 @@ COLUMNS = (  # (figure, header, scale)
 )
 
 
-def _cell(value: Any, scale: float) -> str:
+def cell(value: Any, scale: float) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     if isinstance(value, int) and scale == 1:
@@ -38,13 +38,12 @@ def table(by_policy: dict[str, dict[str, Any]], checked: list[dict[str, Any]]) -
     lines = ["| policy | " + " | ".join(h for _, h, _ in COLUMNS) + " |",
              "| --- |" + " ---: |" * len(COLUMNS)]
     for name, figs in by_policy.items():
-        lines.append(f"| {name} | " + " | ".join(_cell(figs.get(k), s) for k, _, s in COLUMNS) + " |")
+        lines.append(f"| {name} | " + " | ".join(cell(figs.get(k), s) for k, _, s in COLUMNS) + " |")
     shares = gaps(by_policy)
     if shares:
-        keys = [k for k in ("adapter_gap_closed_mean", "adapter_gap_closed_p99", "queue_gap_closed_mean",
-                            "queue_gap_closed_p99") if any(k in row for row in shares.values())]
+        keys = [k for k in GAP_KEYS if any(k in row for row in shares.values())]
         lines += ["", "| gap to the oracle closed | " + " | ".join(keys) + " |", "| --- |" + " ---: |" * len(keys)]
-        lines += [f"| {p} | " + " | ".join(_cell(row.get(k), 1) for k in keys) + " |" for p, row in shares.items()]
+        lines += [f"| {p} | " + " | ".join(cell(row.get(k), 1) for k in keys) + " |" for p, row in shares.items()]
     if checked:
         lines += ["", "| goal | ratio | met |", "| --- | ---: | :---: |"]
         lines += [f"| {g['goal']} | {g['ratio']:.3f} | {'yes' if g['met'] else 'no'} |" for g in checked]

@@ -253,7 +253,7 @@ class RankEngine:
             wait(loads, timeout=timeout, return_when=FIRST_COMPLETED)
         elif not plan.wait_for:
             time.sleep(1e-3 if timeout is None else timeout)  # nothing loading: the next arrival
-        elif not any(_key_or_none(self.catalog, a) in self.cache.ready_keys() for a in plan.wait_for):
+        elif self.cache.ready_keys().isdisjoint(_key_or_none(self.catalog, a) for a in plan.wait_for):
             # nothing loading for them here (a prefetch refused for room, a failed load): poll, never spin
             time.sleep(min(1e-3, timeout) if timeout is not None else 1e-3)
 
