@@ -5,8 +5,9 @@ request and token throughput; ``workers.engine.timings.summarize``). Cache figur
 
 - ``gpu_hit_rate``: requests that never stalled on an adapter load (their ``load_wait`` is 0);
 - ``host_hit_rate``: loads whose shard was already staged in the pinned host tier;
-- ``prefetch_accuracy``: prefetched loads used by a batch before their eviction, over all prefetched
-  loads that were used or evicted (None when nothing was prefetched);
+- ``prefetch_accuracy``: prefetched loads used by a batch before their eviction or the run's end, over
+  all prefetched loads evicted or resident at the end (one resident and never used counts as wasted;
+  before 2026-11-25 only evicted loads were counted; None when nothing was prefetched);
 - ``{mean,p99}_load_wait_ms``: adapter stall per request; ``{median,p99}_time_to_ready_ms``: load
   request to READY per load (one per rank);
 - ``bytes_disk_to_host`` / ``bytes_host_to_gpu``: bytes moved per tier, all ranks.
@@ -52,6 +53,8 @@ def figures(run: PolicyRun) -> dict[str, Any]:
     host_hits, host_misses = _sum(run.ranks, "host_hits"), _sum(run.ranks, "host_misses")
     out["host_hit_rate"] = host_hits / (host_hits + host_misses) if host_hits + host_misses else 0.0
     used, unused = _sum(run.ranks, "prefetch_used"), _sum(run.ranks, "prefetch_unused")
+    used += _sum(run.ranks, "prefetch_resident_used")  # still in their slots at the end: unused ones count
+    unused += _sum(run.ranks, "prefetch_resident_unused")  # as wasted (conservative)
     out["prefetch_accuracy"] = used / (used + unused) if used + unused else None
     for key in ("loads", "prefetches", "demand_loads", "evictions", "load_failures", "bytes_host_to_gpu",
                 "bytes_disk_to_host"):

@@ -160,6 +160,13 @@ def route_batch(items: Iterable[RouteItem], views: Mapping[str, Sequence[Replica
     return out
 
 
+def preference(adapter: str, replicas: Iterable[str]) -> list[str]:
+    """``adapter``'s rendezvous order over ``replicas``: the order in which ``rank`` (``sticky``) takes cold
+    replicas with room, so where its first request goes and where its overflow goes next (the planner's
+    homes, ``lora_cache.planner.homes``, follow it)."""
+    return sorted(replicas, key=lambda r: (_hash(adapter, r), r))
+
+
 def _hash(adapter: str, replica: str) -> int:
     """A stable per-(adapter, replica) order (rendezvous hashing): ties go the same way on every call."""
     return int.from_bytes(hashlib.blake2b(f"{adapter}\0{replica}".encode(), digest_size=8).digest(), "big")

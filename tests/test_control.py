@@ -10,7 +10,7 @@ import pytest
 from lora_cache.catalog import CatalogConfig
 from lora_cache.control import ControllerConfig, ControllerCore, WorkerId
 from lora_cache.errors import NotFoundError
-from lora_cache.planner import AdapterKey, Evict, Prefetch, Stage
+from lora_cache.planner import AdapterKey, Evict, PlannerConfig, Prefetch, Stage
 from lora_cache.synth import SynthConfig, make_adapters
 from workers.cache import WorkerCache, WorkerConfig
 from workers.commands import CommandGate, Delta
@@ -241,7 +241,8 @@ def test_popular_adapters_are_staged_into_the_host_tier_the_worker_reports(tmp_p
     gate reads them into its host tier with no slot, so a later miss is one copy."""
     make_adapters(tmp_path, SynthConfig(model="tiny", count=6, rank="8,16"))
     catalog = CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny", max_rank=16)
-    core = ControllerCore(ControllerConfig(catalog=catalog), epoch=5)
+    # homes off: with them, the top two would fill the free slots (test_homes.py); here staging is the subject
+    core = ControllerCore(ControllerConfig(catalog=catalog, planner=PlannerConfig(place_homes=False)), epoch=5)
     names = [d.name for d in sorted(tmp_path.iterdir())]
     for name in names:
         core.register_adapter(name, str(tmp_path / name))

@@ -549,7 +549,7 @@ def test_popular_stages_come_after_needed_ones_and_skip_queued_adapters() -> Non
 
 def test_a_popular_adapter_below_the_min_rate_is_staged_not_loaded() -> None:
     """Rates: a decayed count c with a 60 s half-life stands for c * ln 2 / 60 requests per second."""
-    planner = make(slots=4, host_bytes=1000, speculate_min_rate=0.5)
+    planner = make(slots=4, host_bytes=1000, speculate_min_rate=0.5, place_homes=False)  # homes: test_homes.py
     popular(planner, "r0", {"a1": 100, "a2": 10})  # about 1.2 and 0.12 requests per second
     plan = planner.plan_all(1.0)
     assert prefetched(plan, "r0/w0") == ["a1"]

@@ -34,7 +34,7 @@ from workers.host_tier import HostEntry, HostTier, HostTierConfig
 from workers.index import IndexUploader
 from workers.kernels.meta import SlotMeta, shard_dims
 from workers.loader import CompletionWatcher, LoadFailed, ReadinessRecord, SlotLoad
-from workers.metrics import CacheCounters
+from workers.metrics import CacheCounters, resident_prefetches
 from workers.pipeline import ChunkWaits
 from workers.slots import SlotState, SlotTable
 from workers.streams import make_streams, resolve_device
@@ -571,7 +571,8 @@ class WorkerCache:
             snap = self.counters.snapshot()
             snap.update(host_hits=self.host.hits, host_misses=self.host.misses,
                         bytes_disk_to_host=self.host.bytes_read, slots_ready=self.table.count(SlotState.READY),
-                        slots_loading=self.table.count(SlotState.LOADING), host_bytes_used=self.host.arena.used_bytes)
+                        slots_loading=self.table.count(SlotState.LOADING), host_bytes_used=self.host.arena.used_bytes,
+                        **resident_prefetches(self._loads.values()))
         return snap
 
     def slot_view(self, slot: int, layout: ShardLayout, layer: int, module: str, ab: str) -> torch.Tensor:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
+from typing import Protocol
 
 
 class Reservoir:
@@ -52,6 +54,23 @@ class CacheCounters:
 
     def snapshot(self) -> dict[str, object]:
         return {k: (v.summary() if isinstance(v, Reservoir) else v) for k, v in vars(self).items()}
+
+
+class _Load(Protocol):
+    prefetched: bool
+    used: bool
+
+
+def resident_prefetches(loads: Iterable[_Load]) -> dict[str, int]:
+    """Prefetched loads still in their slots, used by a batch or not: with the retired ones
+    (``prefetch_used`` / ``prefetch_unused``) they give a prefetch accuracy that also counts loads the run
+    ended on (a fleet that places its catalog once evicts almost nothing)."""
+    used = unused = 0
+    for load in loads:
+        if load.prefetched:
+            used += load.used
+            unused += not load.used
+    return {"prefetch_resident_used": used, "prefetch_resident_unused": unused}
 
 
 # What WorkerCache.stats() counts (rather than reports as a level): CacheCounters' counts plus the host

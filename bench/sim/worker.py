@@ -38,7 +38,7 @@ from bench.sim.events import Loop, Signal
 from lora_cache.errors import CapacityError
 from lora_cache.planner import Command, Evict, Stage
 from lora_cache.planner.records import AdapterKey
-from workers.metrics import STATS_COUNTERS, CacheCounters
+from workers.metrics import STATS_COUNTERS, CacheCounters, resident_prefetches
 from workers.slots import SlotState, SlotTable
 
 Delta = tuple[str, str, str, str]  # (adapter, version, loading|ready|gone|failed, error): what the controller takes
@@ -194,7 +194,7 @@ class SimWorker:
         snap = self.counters.snapshot()
         snap.update(host_hits=self.host.hits, host_misses=self.host.misses, bytes_disk_to_host=self.host.bytes_read,
                     slots_ready=self.table.count(SlotState.READY), slots_loading=self.table.count(SlotState.LOADING),
-                    host_bytes_used=self.host.used)
+                    host_bytes_used=self.host.used, **resident_prefetches(self._loads.values()))
         return snap
 
     # -- control: commands (step 4), prefetch / evict ------------------------------------------------

@@ -36,6 +36,13 @@ class PlannerConfig:
     stage_min_rate: float = field(default=0.05, metadata={
         "help": "requests per second a popular adapter must be expected to get at a replica to be staged in its "
                 "host tier ahead of need (0.05: one within 20 s; 0: any popular adapter)"})
+    place_homes: bool = field(default=True, metadata={
+        "help": "global policy: a replica's free GPU room takes the adapters that call it home (the first replicas "
+                "of their rendezvous order, as many as their share of the fleet's traffic: homes.py), never "
+                "evicting; when the fleet's slots hold the catalog, adapters with no requests yet too"})
+    home_min_rate: float = field(default=0.05, metadata={
+        "help": "requests per second per home an adapter must get fleet-wide to be placed at its homes (0.05: "
+                "one within 20 s; those below count as having no history)"})
     max_candidates_scanned: int = field(default=64, metadata={
         "help": "popular adapters examined per replica per plan before giving up on filling room"})
     hint_ttl_s: float = field(default=30.0, metadata={
@@ -72,6 +79,12 @@ class PlannerConfig:
         if not _finite(self.stage_min_rate) or self.stage_min_rate < 0:
             raise ConfigError(f"stage_min_rate is {self.stage_min_rate!r}; give requests per second >= 0, e.g. 0.05 "
                               "(0: stage any popular adapter that fits)")
+        if not isinstance(self.place_homes, bool):
+            raise ConfigError(f"place_homes is {self.place_homes!r}; give True (spread adapters over the fleet's "
+                              "free slots at their homes) or False")
+        if not _finite(self.home_min_rate) or self.home_min_rate <= 0:
+            raise ConfigError(f"home_min_rate is {self.home_min_rate!r}; give requests per second > 0, e.g. 0.05 "
+                              "(to place no adapter at its homes, set place_homes to False)")
         _count("max_prefetches_per_plan", self.max_prefetches_per_plan, 0, "4 (0: no popularity prefetch)")
         _count("max_staged_per_replica", self.max_staged_per_replica, 0, "4 (0: no host-tier staging)")
         _count("max_candidates_scanned", self.max_candidates_scanned, 1, "64")

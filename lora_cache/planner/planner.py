@@ -21,6 +21,7 @@ from lora_cache.planner.config import PlannerConfig
 from lora_cache.planner.durable import Restored, export_state, restore_state
 from lora_cache.planner.errors import PlannerInputError
 from lora_cache.planner.hints import HintBook
+from lora_cache.planner.homes import HomeBook, Preferences
 from lora_cache.planner.horizon import Horizon
 from lora_cache.planner.policies import POLICIES, ReplicaView, Room, Target
 from lora_cache.planner.popularity import Popularity
@@ -71,6 +72,7 @@ class Planner:
         self._hints = HintBook(config.hint_ttl_s, config.max_hints_per_replica)
         self._horizon = Horizon(config.hint_horizon_s)  # far hints only fill free room
         self._popularity = Popularity(config.half_life_s, config.max_tracked_per_replica)
+        self._preferences = Preferences()  # each adapter's rendezvous order over the replicas (homes.py)
         self._dirty: set[str] = set()  # replicas whose plan inputs changed since they were last planned
         self._now: float | None = None  # the latest time given
         for info in adapters:
@@ -100,6 +102,7 @@ class Planner:
             self._hints.cancel(hint_id, now)
         self._fleet.unregister(name)
         self._popularity.forget(name)
+        self._preferences.forget(name)
 
     def add_replica(self, spec: ReplicaSpec) -> None:
         if not isinstance(spec, ReplicaSpec):
@@ -338,18 +341,33 @@ class Planner:
 
     def _plan(self, replicas: list[str]) -> Plan:
         out: list[WorkerCommands] = []
+        homes = self._home_book() if replicas else None
         for replica in replicas:
-            out += self._plan_replica(replica)
+            out += self._plan_replica(replica, homes)
             self._dirty.discard(replica)
         self.stats.plans += 1
         self.stats.replicas_planned += len(replicas)
         return Plan(self.epoch, tuple(replicas), tuple(out))
 
-    def _plan_replica(self, replica: str) -> list[WorkerCommands]:
+    def _home_book(self) -> HomeBook | None:
+        """This plan's homes (homes.py), if the config places them; the catalog is filled in too when the
+        fleet's slots can hold every adapter once."""
+        if not self.config.place_homes:
+            return None
+        fleet = self._fleet
+        slots = sum(fleet.replica_capacity(r).slots for r in fleet.workers)
+        return HomeBook(self._preferences, self.replicas(), self._popularity.fleet,
+                        self._popularity.per_second(self._now), fleet.catalog, self.config.home_min_rate,
+                        fill_catalog=0 < len(fleet.catalog) <= slots)
+
+    def _plan_replica(self, replica: str, homes: HomeBook | None = None) -> list[WorkerCommands]:
         fleet = self._fleet
         scorer = self._popularity.scorer(replica, len(fleet.workers), self.config.local_weight,
                                           fleet.catalog, fleet.min_bytes(), self._now)
-        target = self._policy.target(self._view(replica), scorer, self.config)
+        view = self._view(replica)
+        if homes is not None:
+            view = view._replace(homes=homes.homes(replica))
+        target = self._policy.target(view, scorer, self.config)
         if target is None:
             return []
         diffs = (self._diff(worker, replica, target) for worker in fleet.workers[replica])
@@ -371,7 +389,8 @@ class Planner:
             hinted = _unique(h.adapter for h in near_hints if h.adapter not in set(queued))
             far = _unique(h.adapter for h in far_hints if h.adapter not in set(queued) | set(hinted))
         return ReplicaView(replica, self._fleet.replica_capacity(replica), frozenset(resident),
-                           frozenset(pinned), queued, hinted, self._fleet.catalog, self._fleet.min_bytes(), far)
+                           frozenset(pinned), queued, hinted, self._fleet.catalog, self._fleet.min_bytes(), far,
+                           max_bytes=self._fleet.max_bytes())
 
     def _diff(self, worker: str, replica: str, target: Target) -> WorkerCommands | None:
         """One worker's commands to move from what it holds to `target`, within its own capacity.

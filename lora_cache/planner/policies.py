@@ -52,6 +52,8 @@ class ReplicaView(NamedTuple):
     catalog: Mapping[str, AdapterInfo]
     min_bytes: int  # the smallest shard in the catalog
     far_hinted: tuple[str, ...] = ()  # hints beyond the horizon (none queued or near): free room only (horizon.py)
+    homes: Iterable[AdapterKey] = ()  # adapters that call this replica home, best first (homes.py; lazy)
+    max_bytes: int = 0  # the largest shard in the catalog (0: unknown): bounds a candidate's rate by its score
 
 
 class Target(NamedTuple):
@@ -146,11 +148,32 @@ def build_target(view: ReplicaView, scorer: ReplicaScorer, needed: tuple[str, ..
     admitted = _speculate(view, scorer, held, kept, room, config) if speculate else []
     held |= {k for _, k in admitted}
     far_in = _free_room(view, [k for k in far if k not in held and k not in view.resident], room)
+    held |= set(far_in)
+    budget = config.max_prefetches_per_plan - sum(k not in view.resident for _, k in admitted)
+    homes = _homes(view, held, room, budget) if speculate else []
     popular = sorted(kept + far_held + admitted, key=lambda sk: (-sk[0], sk[1]))
-    target = tuple(keys) + tuple(far_in) + tuple(k for _, k in popular)
+    target = tuple(keys) + tuple(far_in) + tuple(k for _, k in popular) + tuple(homes)
     homeless = [k for k in wanted if k not in chosen] + [k for k in far if k not in target]
     staged = plan_stages(view, scorer, homeless, target, config) if stage else ()
-    return Target(target, frozenset(k for _, k in admitted), staged)
+    return Target(target, frozenset(k for _, k in admitted) | frozenset(homes), staged)
+
+
+def _homes(view: ReplicaView, held: set[AdapterKey], room: Room, limit: int) -> list[AdapterKey]:
+    """Adapters homed here, into the free room left, in the home book's order: none evicted, at most
+    `limit` loads (the next plan takes the rest), and a current version only."""
+    admitted: list[AdapterKey] = []
+    if limit <= 0:
+        return admitted
+    for key in view.homes:
+        if len(admitted) >= limit or not _has_room(room, view.min_bytes):
+            break
+        info = view.catalog[key.name]
+        if key in held or key in view.resident or info.key != key or not _placeable(view, info.bytes_per_rank):
+            continue
+        if room.fits(info.bytes_per_rank):
+            room.take(info.bytes_per_rank)
+            admitted.append(key)
+    return admitted
 
 
 def _free_room(view: ReplicaView, keys: list[AdapterKey], room: Room) -> list[AdapterKey]:
@@ -234,6 +257,8 @@ def _speculate(view: ReplicaView, scorer: ReplicaScorer, chosen: set[AdapterKey]
             continue
         resident = info.key in view.resident  # taking it back costs no load on the ranks that hold it
         if not resident and scorer.rate(name) < config.speculate_min_rate:
+            if view.max_bytes and scorer.rate_of_score(score * view.max_bytes) < config.speculate_min_rate:
+                break  # no later candidate (a lower score) can reach the gate: not even the largest shard
             continue  # not expected soon enough to be worth a load: staging may take it (staging.py)
         scanned += 1
         if not room.fits(info.bytes_per_rank):

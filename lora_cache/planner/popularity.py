@@ -29,6 +29,7 @@ class RankedCounts:
         self.values: dict[str, float] = {}
         self.order: list[tuple[float, str]] = []  # (-count, key), ascending
         self.limit = limit
+        self.total = 0.0  # the sum of the counts (an adapter's share of the traffic is its count / total)
 
     def get(self, key: str) -> float:
         return self.values.get(key, 0.0)
@@ -39,22 +40,26 @@ class RankedCounts:
             del self.order[bisect_left(self.order, (-old, key))]
         new = (old or 0.0) + amount
         self.values[key] = new
+        self.total += amount
         insort(self.order, (-new, key))
         if self.limit is not None and len(self.order) > self.limit:
-            _, dropped = self.order.pop()
+            neg, dropped = self.order.pop()
             del self.values[dropped]
+            self.total += neg
 
     def forget(self, key: str) -> None:
         """Drop `key`'s count (an unregistered adapter); a no-op if it has none."""
         old = self.values.pop(key, None)
         if old is not None:
             del self.order[bisect_left(self.order, (-old, key))]
+            self.total = max(0.0, self.total - old) if self.values else 0.0
 
     def rescale(self, factor: float) -> None:
         """Multiply every count by `factor` (counts that underflow to zero are forgotten)."""
         scaled = ((-neg * factor, key) for neg, key in self.order)
         self.order = sorted((-value, key) for value, key in scaled if value > 0.0)
         self.values = {key: -neg for neg, key in self.order}
+        self.total = math.fsum(self.values.values())
 
     def check_integrity(self) -> None:
         assert self.order == sorted(self.order), "order is not sorted"
@@ -62,6 +67,8 @@ class RankedCounts:
         for neg, key in self.order:
             assert self.values.get(key) == -neg > 0.0, f"count of {key!r} is inconsistent or not positive"
         assert self.limit is None or len(self.order) <= self.limit, "more counts than the limit"
+        exact = math.fsum(self.values.values())
+        assert abs(self.total - exact) <= 1e-6 * max(1.0, exact), f"total {self.total} is not the sum {exact}"
 
 
 class Popularity:
@@ -114,9 +121,9 @@ class Popularity:
         fleet_weight = (1.0 - local_weight) / max(1, n_replicas)
         local = self.local.get(replica)
         return ReplicaScorer(self.fleet, local, fleet_weight, local_weight, catalog, min_bytes,
-                             self._per_second(now))
+                             self.per_second(now))
 
-    def _per_second(self, now: float | None) -> float:
+    def per_second(self, now: float | None) -> float:
         """Scaled count -> requests per second at `now`: a decayed count of a steady rate r converges to
         r * half_life / ln 2 (an underestimate for the first half-lives of a run or of a new adapter)."""
         if now is None or self.landmark_s is None:
@@ -158,6 +165,10 @@ class ReplicaScorer:
     def rate(self, adapter: str) -> float:
         """Expected requests per second for `adapter` at this replica (the blend of `value`, decayed)."""
         return self.value(adapter) * self._per_second
+
+    def rate_of_score(self, value: float) -> float:
+        """Requests per second of an adapter whose ``value`` (score x its shard bytes) is given."""
+        return value * self._per_second
 
     def score(self, adapter: str) -> float:
         return self.value(adapter) / self._catalog[adapter].bytes_per_rank

@@ -40,6 +40,7 @@ class FleetState:
         self.queues: dict[str, tuple[QueueEntry, ...]] = {}  # replica -> waiting requests (non-empty)
         self.staged: dict[str, frozenset[AdapterKey]] = {}  # worker -> stages sent and still wanted (non-empty)
         self._min_bytes: int | None = None  # smallest bytes_per_rank in the catalog; None: recompute
+        self._max_bytes: int | None = None  # largest, likewise
 
     # -- lookups that fail with a fix -------------------------------------------------------------
     def require_replica(self, replica: str, where: str) -> list[str]:
@@ -75,6 +76,11 @@ class FleetState:
             self._min_bytes = min(a.bytes_per_rank for a in self.catalog.values())
         return self._min_bytes or 1
 
+    def max_bytes(self) -> int:
+        if self._max_bytes is None and self.catalog:
+            self._max_bytes = max(a.bytes_per_rank for a in self.catalog.values())
+        return self._max_bytes or 1
+
     # -- catalog and topology ---------------------------------------------------------------------
     def register(self, info: AdapterInfo) -> AdapterInfo | None:
         """Add or replace a catalog entry; the previous entry, if any."""
@@ -84,6 +90,10 @@ class FleetState:
             self._min_bytes = min(self._min_bytes, info.bytes_per_rank)
         elif old is not None:
             self._min_bytes = None
+        if old is None and self._max_bytes is not None:
+            self._max_bytes = max(self._max_bytes, info.bytes_per_rank)
+        elif old is not None:
+            self._max_bytes = None
         return old
 
     def unregister(self, name: str) -> None:
@@ -99,7 +109,7 @@ class FleetState:
         for worker, keys in list(self.staged.items()):
             self.set_staged(worker, [k for k in keys if k.name != name])
         del self.catalog[name]
-        self._min_bytes = None  # recomputed on demand
+        self._min_bytes = self._max_bytes = None  # recomputed on demand
 
     def add_replica(self, spec: ReplicaSpec) -> None:
         if spec.replica_id in self.workers:
@@ -206,6 +216,8 @@ class FleetState:
             assert all(e.adapter in self.catalog for e in queue), f"{replica!r} queues an unknown adapter"
         if self._min_bytes is not None:
             assert self._min_bytes == min(a.bytes_per_rank for a in self.catalog.values()), "stale min_bytes"
+        if self._max_bytes is not None:
+            assert self._max_bytes == max(a.bytes_per_rank for a in self.catalog.values()), "stale max_bytes"
 
     def _check_new_worker(self, worker: str) -> None:
         if worker in self.replica_of:
