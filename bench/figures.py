@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.policies import BENCH_POLICIES
 from workers.engine.timings import RequestRecord, summarize
 
 
@@ -55,7 +56,8 @@ def figures(run: PolicyRun) -> dict[str, Any]:
     used, unused = _sum(run.ranks, "prefetch_used"), _sum(run.ranks, "prefetch_unused")
     used += _sum(run.ranks, "prefetch_resident_used")  # still in their slots at the end: unused ones count
     unused += _sum(run.ranks, "prefetch_resident_unused")  # as wasted (conservative)
-    out["prefetch_accuracy"] = used / (used + unused) if used + unused else None
+    oracle = run.policy in BENCH_POLICIES and BENCH_POLICIES[run.policy].oracle  # preloaded before the clock:
+    out["prefetch_accuracy"] = used / (used + unused) if used + unused and not oracle else None  # no prefetch
     for key in ("loads", "prefetches", "demand_loads", "evictions", "load_failures", "bytes_host_to_gpu",
                 "bytes_disk_to_host"):
         out[key] = _sum(run.ranks, key)

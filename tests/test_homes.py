@@ -62,31 +62,41 @@ def test_the_home_order_is_where_the_advice_sends_a_cold_adapter_and_its_overflo
         assert rank(adapter, full, RouterConfig())[0].replica == preference(adapter, replicas)[1]
 
 
-def test_a_fleet_that_holds_the_catalog_places_every_adapter_once_at_its_first_home() -> None:
-    planner = fleet(replicas=4, slots=2, adapters=6)  # 8 slots for 6 adapters, nothing requested yet
+@pytest.mark.parametrize(("replicas", "slots", "adapters"), [(4, 2, 6), (4, 2, 8), (8, 3, 20), (3, 4, 12)])
+def test_a_fleet_that_holds_the_catalog_places_every_adapter_once_where_the_advice_sends_it(
+        replicas: int, slots: int, adapters: int) -> None:
+    """Nothing requested yet: each adapter goes to the first replica of its order with a slot left (its first
+    home unless that one is full), no replica gets more than its slots, and the advice routes there."""
+    planner = fleet(replicas=replicas, slots=slots, adapters=adapters)
     placed = settle(planner, 0.0)
-    replicas = planner.replicas()
-    assert placed == {f"a{i}": {preference(f"a{i}", replicas)[0]} for i in range(6)}
-    for i in range(6):  # and the advice sends each adapter's first request there
-        advice = advise(planner, [RouteRequest(f"a{i}")], RouterConfig())[0]
-        assert advice.ranked[0].replica == preference(f"a{i}", replicas)[0]
-        assert advice.ranked[0].reason is Residence.LOADING
+    names = planner.replicas()
+    assert sorted(placed) == sorted(f"a{i}" for i in range(adapters))
+    assert all(len(where) == 1 for where in placed.values()), placed
+    assert max(Counter(r for where in placed.values() for r in where).values()) <= slots
+    spilled = 0
+    for name, (where,) in ((n, tuple(w)) for n, w in placed.items()):
+        order = preference(name, names)
+        spilled += where != order[0]
+        advice = advise(planner, [RouteRequest(name)], RouterConfig())[0]
+        assert advice.ranked[0].replica == where and advice.ranked[0].reason is Residence.LOADING
+    assert spilled < adapters / 2
 
 
 def test_a_catalog_larger_than_the_fleet_places_only_adapters_with_traffic() -> None:
     planner = fleet(replicas=2, slots=2, adapters=6)  # 4 slots, 6 adapters: no fill
     assert settle(planner, 0.0) == {}
-    planner.record_request("a3", "r0", 1.0, weight=30)  # ~0.35 requests/s fleet-wide each, half the traffic:
-    planner.record_request("a5", "r0", 1.0, weight=30)  # one home each, wherever they were counted
+    planner.record_request("a3", "r0", 1.0, weight=100)  # ~1.2 requests/s fleet-wide each, half the traffic:
+    planner.record_request("a5", "r0", 1.0, weight=100)  # one home each, wherever they were counted
+    planner.record_request("a1", "r0", 1.0, weight=20)  # 0.23/s: below home_min_rate (0.5), not placed
     placed = settle(planner, 1.0)
     assert placed == {name: {preference(name, planner.replicas())[0]} for name in ("a3", "a5")}
 
 
 def test_a_hot_adapter_gets_homes_in_proportion_to_its_share_of_the_traffic() -> None:
     planner = fleet(replicas=4, slots=3, adapters=13)  # 12 slots, 13 adapters: traffic decides
-    planner.record_request("a0", "r0", 1.0, weight=60)  # 60% of the traffic: 3 of 4 replicas
+    planner.record_request("a0", "r0", 1.0, weight=600)  # 60% of the traffic: 3 of 4 replicas (2.3/s each)
     for name in ("a1", "a2", "a3", "a4"):
-        planner.record_request(name, "r1", 1.0, weight=10)  # 10% each: one home each
+        planner.record_request(name, "r1", 1.0, weight=100)  # 10% each: one home each
     placed = settle(planner, 1.0)
     order = preference("a0", planner.replicas())
     assert placed["a0"] == set(order[:3])

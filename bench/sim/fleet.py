@@ -150,6 +150,9 @@ class SimConfig:
     host_bytes: int = field(default=2 << 30, metadata={"help": "pinned host tier bytes per rank"})
     read_threads: int = field(default=4, metadata={"help": "disk reader threads per rank"})
     series_s: float = field(default=1.0, metadata={"help": "time-series bucket, simulated seconds"})
+    settle_s: float = field(default=1.0, metadata={
+        "help": "the fleet runs this long before the first request's clock (the real path starts its clock 1 s "
+                "after the engines are built): the controller's first plans come before traffic, as they do there"})
 
     def __post_init__(self) -> None:
         for name in ("replicas", "tp", "slots", "max_running", "max_adapters", "max_prefill_tokens", "read_threads"):
@@ -167,6 +170,9 @@ class SimConfig:
         for name in ("plan_interval_s", "sync_s", "series_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ConfigError(f"{name} is {getattr(self, name)}; give a positive number of seconds")
+        if not 0 <= self.settle_s < float("inf"):
+            raise ConfigError(f"settle_s is {self.settle_s}; give seconds >= 0 (1.0: the real path's; 0: the first "
+                              "request comes as the fleet starts)")
         if max(self.lora_ranks()) > self.max_rank:  # the model resolves, the ranks parse
             raise ConfigError(f"adapter_ranks {self.adapter_ranks!r} exceed max_rank ({self.max_rank}), which sizes "
                               "the slots; raise max_rank or use smaller ranks")
@@ -290,13 +296,14 @@ class _Fleet:
     # -- the run -------------------------------------------------------------------------------------
     def run(self) -> SimResult:
         loop, n = self.loop, len(self.requests)
+        loop.now = -self.config.settle_s  # the fleet (and the controller's plans) before the clock
         self.controller.start()
         if self.workload.inflight:
             for _ in range(min(self.workload.inflight, n)):
-                self._release()
+                loop.at(0.0, self._release)
         else:
             for r in self.requests:
-                loop.at(max(0.0, r.arrival_s - self.config.hint_lead_s), self._route, r.rid)
+                loop.at(max(loop.now, r.arrival_s - self.config.hint_lead_s), self._route, r.rid)
         loop.after(self.config.series_s, self._sample)
         loop.run(lambda: self.finished == n)
         if self.finished < n:

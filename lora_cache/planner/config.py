@@ -40,7 +40,7 @@ class PlannerConfig:
         "help": "global policy: a replica's free GPU room takes the adapters that call it home (the first replicas "
                 "of their rendezvous order, as many as their share of the fleet's traffic: homes.py), never "
                 "evicting; when the fleet's slots hold the catalog, adapters with no requests yet too"})
-    home_min_rate: float = field(default=0.05, metadata={
+    home_min_rate: float = field(default=0.5, metadata={
         "help": "requests per second per home an adapter must get fleet-wide to be placed at its homes (0.05: "
                 "one within 20 s; those below count as having no history)"})
     max_candidates_scanned: int = field(default=64, metadata={

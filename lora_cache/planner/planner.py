@@ -355,10 +355,10 @@ class Planner:
         if not self.config.place_homes:
             return None
         fleet = self._fleet
-        slots = sum(fleet.replica_capacity(r).slots for r in fleet.workers)
-        return HomeBook(self._preferences, self.replicas(), self._popularity.fleet,
-                        self._popularity.per_second(self._now), fleet.catalog, self.config.home_min_rate,
-                        fill_catalog=0 < len(fleet.catalog) <= slots)
+        slots = {r: fleet.replica_capacity(r).slots for r in fleet.workers}
+        fill = 0 < len(fleet.catalog) <= sum(slots.values())
+        return HomeBook(self._preferences, slots, self._popularity.fleet, self._popularity.per_second(self._now),
+                        fleet.catalog, self.config.home_min_rate, fill_catalog=fill)
 
     def _plan_replica(self, replica: str, homes: HomeBook | None = None) -> list[WorkerCommands]:
         fleet = self._fleet
