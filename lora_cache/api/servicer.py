@@ -19,6 +19,7 @@ import ray
 from lora_cache.advice import RouteAdvice
 from lora_cache.api import validate
 from lora_cache.api.ingest import HintIngest
+from lora_cache.api.rank_link import RankLink
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.errors import CapacityError, ConflictError, LoraCacheError, NotFoundError
 from lora_cache.readiness import ReadinessEvent, Resync
@@ -180,6 +181,12 @@ class Servicer:
             ingest_queued_hints=self.ingest.queued, ingest_queue_capacity=self.ingest.capacity,
             ingest_rejected_calls=self.ingest.rejected)
 
+    def attach_rank(self, requests: AsyncIterator[pb.AttachRankRequest]) -> AsyncIterator[pb.AttachRankResponse]:
+        """An engine's rank from outside the Ray cluster: the gateway hosts its endpoint (``rank_link``)."""
+        from lora_cache.api.rank_host import RayRankHost  # the data plane's endpoint: only for this RPC
+
+        return RankLink(lambda name: RayRankHost(self.controller, name)).run(requests)
+
 
 # -- the generic handler: bodies decoded here, errors answered with codes ---------------------------------
 Unary = Callable[[Any], Awaitable[Any]]
@@ -195,6 +202,7 @@ RPCS: dict[str, tuple[type[Any], str]] = {  # rpc name -> (request message, Serv
     "RegisterAdapter": (pb.RegisterAdapterRequest, "register_adapter"),
     "UnregisterAdapter": (pb.UnregisterAdapterRequest, "unregister_adapter"),
     "Status": (pb.StatusRequest, "status"),
+    "AttachRank": (pb.AttachRankRequest, "attach_rank"),
 }
 
 
@@ -227,13 +235,35 @@ def _streaming(method: Streaming, request_cls: type[Any]) -> Callable[..., Async
     return handle
 
 
+def _bidi(method: Callable[[AsyncIterator[Any]], AsyncIterator[Any]],
+          request_cls: type[Any]) -> Callable[..., AsyncIterator[Any]]:
+    async def handle(raw_requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def requests() -> AsyncIterator[Any]:
+            async for raw in raw_requests:
+                yield validate.parse(request_cls, raw)
+
+        try:
+            async for response in method(requests()):
+                yield response
+        except Exception as e:
+            code, message = status_for(e)
+        else:
+            return
+        await context.abort(code, message)
+
+    return handle
+
+
 def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
     """Every RPC of LoraCacheService, with raw request bodies (decoded by the handlers themselves)."""
     service = pb.DESCRIPTOR.services_by_name["LoraCacheService"]
     handlers = {}
     for rpc, (request_cls, attr) in RPCS.items():
         method = getattr(servicer, attr)
-        if service.methods_by_name[rpc].server_streaming:
+        if service.methods_by_name[rpc].client_streaming:
+            handlers[rpc] = grpc.stream_stream_rpc_method_handler(_bidi(method, request_cls),
+                                                                  response_serializer=_serialize)
+        elif service.methods_by_name[rpc].server_streaming:
             handlers[rpc] = grpc.unary_stream_rpc_method_handler(_streaming(method, request_cls),
                                                                  response_serializer=_serialize)
         else:
