@@ -26,8 +26,8 @@ NAME = "lora-cache-worker:replica-0:0"
 
 
 def hello(**kw: Any) -> pb.AttachRankRequest:
-    fields = {"replica": "replica-0", "rank": 0, "tp": 1, "num_slots": 2, "model": "tiny", "incarnation": 7,
-              "liveness_s": 5.0, "start_s": 60.0, "name_wait_s": 0.0} | kw
+    fields: dict[str, Any] = {"replica": "replica-0", "rank": 0, "tp": 1, "num_slots": 2, "model": "tiny",
+                              "incarnation": 7, "liveness_s": 5.0, "start_s": 60.0, "name_wait_s": 0.0} | kw
     return pb.AttachRankRequest(hello=pb.AttachHello(**fields))
 
 
@@ -202,4 +202,4 @@ def test_the_codec_round_trips_reports_calls_and_errors() -> None:
     stats = codec.answer(1, "stats", True, {"gpu_hits": 2, "load_ms": {"p99": 3.0}})
     assert json.loads(stats.stats_json) == {"gpu_hits": 2, "load_ms": {"p99": 3.0}}
     with pytest.raises(RequestError, match=r"residency state 9 is not one of"):
-        codec.from_deltas(pb.ResidencyDeltas(deltas=[pb.ResidencyDelta(seq=1, state=9)]))
+        codec.from_deltas(pb.ResidencyDeltas(deltas=[pb.ResidencyDelta(seq=1, state=pb.ResidencyState.ValueType(9))]))

@@ -194,8 +194,9 @@ def _stream(fleet: Fleet, messages: list[pb.AttachRankRequest], metadata: Any = 
 
 
 def hello(**kw: Any) -> pb.AttachRankRequest:
-    fields = {"replica": "replica-b", "rank": 0, "tp": 1, "num_slots": 3, "model": "tiny",
-              "incarnation": time.time_ns(), "liveness_s": 10.0, "start_s": 60.0, "name_wait_s": 0.0} | kw
+    fields: dict[str, Any] = {"replica": "replica-b", "rank": 0, "tp": 1, "num_slots": 3, "model": "tiny",
+                              "incarnation": time.time_ns(), "liveness_s": 10.0, "start_s": 60.0,
+                              "name_wait_s": 0.0} | kw
     return pb.AttachRankRequest(hello=pb.AttachHello(**fields))
 
 

@@ -27,11 +27,12 @@ class RelayedCallError(errors.LoraCacheError):
     """A relayed call raised an error that is not one of lora-cache's own on the rank."""
 
 
-_KINDS: dict[type[Any], int] = {Prefetch: pb.RELAYED_COMMAND_KIND_PREFETCH, Evict: pb.RELAYED_COMMAND_KIND_EVICT,
-                                Stage: pb.RELAYED_COMMAND_KIND_STAGE}
-_STATES = {"loading": pb.RESIDENCY_STATE_LOADING, "ready": pb.RESIDENCY_STATE_READY,
+_KINDS: dict[type[Any], pb.RelayedCommandKind] = {
+    Prefetch: pb.RELAYED_COMMAND_KIND_PREFETCH, Evict: pb.RELAYED_COMMAND_KIND_EVICT,
+    Stage: pb.RELAYED_COMMAND_KIND_STAGE}
+_STATES: dict[str, pb.ResidencyState] = {"loading": pb.RESIDENCY_STATE_LOADING, "ready": pb.RESIDENCY_STATE_READY,
            "in_use": pb.RESIDENCY_STATE_IN_USE, "gone": pb.RESIDENCY_STATE_GONE, "failed": pb.RESIDENCY_STATE_FAILED}
-_STATE_NAMES = {v: k for k, v in _STATES.items()}
+_STATE_NAMES: dict[int, str] = {int(v): k for k, v in _STATES.items()}
 _ERRORS: dict[str, type[errors.LoraCacheError]] = {
     cls.__name__: cls for cls in vars(errors).values()
     if isinstance(cls, type) and issubclass(cls, errors.LoraCacheError)}
@@ -156,7 +157,7 @@ def from_report(m: pb.WorkerReport) -> dict[str, Any]:
 
 
 # -- deltas (up) and the catalog (down) ------------------------------------------------------------
-def state(name: str) -> int:
+def state(name: str) -> pb.ResidencyState:
     return _STATES[name]
 
 
