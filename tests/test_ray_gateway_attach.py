@@ -221,6 +221,11 @@ def test_bad_streams_get_clear_errors_and_leave_an_attached_rank_alone(fleet: Fl
 def test_the_gateway_refuses_a_stream_without_its_token_and_a_taken_rank(fleet: Fleet) -> None:
     error = _stream(fleet, [hello()], metadata=())
     assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+    wrong = EngineProc(fleet, token="not-the-token")  # the engine's side: a ConfigError naming the fix
+    try:
+        assert wrong.hello["error"] == "ConfigError" and "the bearer token is wrong" in wrong.hello["message"]
+    finally:
+        wrong.close()
     engine = EngineProc(fleet)
     try:
         assert engine.hello["attached"] == RANK0
