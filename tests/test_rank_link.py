@@ -40,12 +40,15 @@ def report(incarnation: int = 7) -> dict[str, Any]:
 class RelayHost:
     """``RankHost`` over a real ``Relay``; the controller's calls are the test's, its inputs recorded."""
 
-    def __init__(self) -> None:
+    def __init__(self, catalog: CatalogConfig | None = None, registrations: dict[str, str] | None = None) -> None:
         self.relay: Relay | None = None
         self.events: list[Any] = []
+        self.config = catalog or CatalogConfig(adapter_roots=("/r",), model="tiny", max_rank=16)
+        self.registrations = registrations or {}
+        self.versions: dict[str, str] = {}
 
     async def catalog(self) -> CatalogConfig:
-        return CatalogConfig(adapter_roots=("/r",), model="tiny", max_rank=16)
+        return self.config
 
     async def open(self, h: pb.AttachHello) -> None:
         self.relay = Relay(NAME, h.liveness_s, start_s=h.start_s)
@@ -54,6 +57,8 @@ class RelayHost:
     async def adopt(self, h: pb.AttachHello) -> None:
         assert self.relay is not None
         info = await self.relay.call("describe")  # as worker_started(adopt=True) does, through the endpoint
+        for name, path in self.registrations.items():  # and the registrations replayed
+            self.versions[name] = await self.relay.call("register_adapter", name, path)
         self.events.append(("adopted", info["incarnation"], info["residency"]))
 
     async def take(self, timeout_s: float) -> list[codec.Call]:
@@ -203,3 +208,82 @@ def test_the_codec_round_trips_reports_calls_and_errors() -> None:
     assert json.loads(stats.stats_json) == {"gpu_hits": 2, "load_ms": {"p99": 3.0}}
     with pytest.raises(RequestError, match=r"residency state 9 is not one of"):
         codec.from_deltas(pb.ResidencyDeltas(deltas=[pb.ResidencyDelta(seq=1, state=pb.ResidencyState.ValueType(9))]))
+
+
+def test_an_engine_attaches_through_a_real_grpc_server_and_loads_what_it_is_told(tmp_path) -> None:
+    """The engine's side for real (``attach(AttachConfig(gateway=...))``: a CPU ``WorkerCache``, its serve
+    thread, outbox and the gRPC transport) against the servicer on a real grpc.aio server, the cluster side
+    a ``Relay`` driven by the test: the replayed registration, a prefetch, its deltas, a hit, the detach."""
+    import threading
+
+    import grpc
+
+    from lora_cache.api.ingest import HintIngest
+    from lora_cache.api.servicer import Servicer, generic_handler
+    from lora_cache.synth import SynthConfig, make_adapters
+    from workers.attach import AttachConfig, attach
+    from workers.cache import WorkerConfig
+    from workers.host_tier import HostTierConfig
+
+    make_adapters(tmp_path, SynthConfig(model="tiny", count=1, rank="8"))
+    adapter = "adapter-000"
+    host = RelayHost(CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny", max_rank=8),
+                     {adapter: str(tmp_path / adapter)})
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def on_loop(coro: Any, timeout: float = 30) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+    async def serve() -> tuple[Any, int]:
+        server = grpc.aio.server()
+        async def no_hints(batches: Any) -> list[Any]:  # this test sends none
+            raise AssertionError(batches)
+
+        servicer = Servicer(controller=None, ingest=HintIngest(no_hints, 16), max_items=16, rank_host=lambda name: host)
+        server.add_generic_rpc_handlers((generic_handler(servicer),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server, port = on_loop(serve())
+    try:
+        worker = WorkerConfig(num_slots=2, device="cpu", dtype="float32",
+                              host=HostTierConfig(host_bytes=1 << 22, pin=False))
+        rank = attach(AttachConfig(replica="replica-0", gateway=f"127.0.0.1:{port}", poll_s=0.2), worker)
+        try:
+            assert rank.catalog.names() == [adapter] and host.events[-1][0] == "adopted"
+            version = host.versions[adapter]
+            assert host.relay is not None
+            result = on_loop(host.relay.call("apply", [Prefetch(adapter, version, 0, 5)]))
+            assert (result.accepted, result.rejected_stale, result.errors) == (1, 0, ())
+            rank.cache.settle()
+            wait_for(lambda: "ready" in reported(host), "the load's deltas reported")
+            assert reported(host)[:2] == ["loading", "ready"]
+            batch = rank.acquire([adapter])
+            rank.release(batch)
+            assert rank.cache.stats()["gpu_hits"] == 1
+            stats = on_loop(host.relay.call("stats"))
+            assert stats["gpu_hits"] == 1 and stats["commands_accepted"] == 1
+        finally:
+            rank.detach()
+        wait_for(lambda: host.events[-1] == "left", "the rank left with its stream")
+        assert rank.lost is None
+    finally:
+        on_loop(server.stop(0))
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def reported(host: RelayHost) -> list[str]:
+    return [d[3] for e in host.events if e[0] == "report" for d in e[2]]
+
+
+def wait_for(condition: Any, what: str, timeout: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout} s"
+        time.sleep(0.02)

@@ -191,12 +191,6 @@ class Attachment:
         handed to a sender thread, the latest replacing one not yet sent; never blocks."""
         self._queue.push(entries)
 
-    @property
-    def endpoint(self) -> Any:
-        """The rank's endpoint actor when this process owns it (joined the Ray cluster); None through the
-        gateway (the gateway owns it)."""
-        return getattr(self.transport, "endpoint", None)
-
     # -- serving the controller (step 4) ------------------------------------------------------------
     def _start(self) -> None:
         self._serving.start()

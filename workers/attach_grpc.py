@@ -103,8 +103,11 @@ class GrpcTransport(RankTransport):
                     self._attached.set()
                 elif kind == "adopted":
                     self._adopted.set()
-        except Exception as e:  # grpc.RpcError (the gateway's refusal, or the link lost), or a bad message
+        except grpc.RpcError as e:  # the gateway's refusal, or the link lost
             self._error = e
+        except Exception as e:  # a message this side cannot read: end the stream, so the gateway drops the rank
+            self._error = e
+            self._responses.cancel()
         finally:
             self._ended.set()
             self._calls.put(None)

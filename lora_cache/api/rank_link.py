@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 1.0  # the pump's long poll of the endpoint
 _END = object()  # the engine closed its side of the stream
+_LEAVING: set[asyncio.Future[None]] = set()  # ranks leaving (worker_detached, endpoint killed), until done
 
 
 class RankHost(Protocol):
@@ -116,6 +117,8 @@ class RankLink:
             for t in tasks:
                 t.cancel()
             leave = asyncio.ensure_future(host.leave(hello))  # shielded: the stream may be ending by cancellation
+            _LEAVING.add(leave)  # held until done, even if this stream's task is cancelled meanwhile
+            leave.add_done_callback(_LEAVING.discard)
             await asyncio.shield(leave)
 
     async def _adopt(self, host: RankHost, hello: pb.AttachHello) -> None:

@@ -19,7 +19,7 @@ import ray
 from lora_cache.advice import RouteAdvice
 from lora_cache.api import validate
 from lora_cache.api.ingest import HintIngest
-from lora_cache.api.rank_link import RankLink
+from lora_cache.api.rank_link import RankHost, RankLink
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.errors import CapacityError, ConflictError, LoraCacheError, NotFoundError
 from lora_cache.readiness import ReadinessEvent, Resync
@@ -106,9 +106,16 @@ def _advice(a: RouteAdvice, request_id: str, max_replicas: int) -> pb.RouteAdvic
 class Servicer:
     """LoraCacheService over a controller actor handle (or anything with the same ``.remote`` methods)."""
 
-    def __init__(self, controller: Any, ingest: HintIngest, max_items: int, watch_poll_s: float = WATCH_POLL_S):
+    def __init__(self, controller: Any, ingest: HintIngest, max_items: int, watch_poll_s: float = WATCH_POLL_S,
+                 rank_host: Callable[[str], RankHost] | None = None):
         self.controller, self.ingest = controller, ingest
         self.max_items, self.watch_poll_s = max_items, watch_poll_s
+        self.rank_host = rank_host or self._ray_rank_host  # an attached rank's cluster side, by worker name
+
+    def _ray_rank_host(self, name: str) -> RankHost:
+        from lora_cache.api.rank_host import RayRankHost  # the data plane's endpoint: only for AttachRank
+
+        return RayRankHost(self.controller, name)
 
     async def hint(self, request: pb.HintRequest) -> pb.HintResponse:
         outcome = await self.ingest.submit(validate.hints(request.hints, self.max_items))
@@ -183,9 +190,7 @@ class Servicer:
 
     def attach_rank(self, requests: AsyncIterator[pb.AttachRankRequest]) -> AsyncIterator[pb.AttachRankResponse]:
         """An engine's rank from outside the Ray cluster: the gateway hosts its endpoint (``rank_link``)."""
-        from lora_cache.api.rank_host import RayRankHost  # the data plane's endpoint: only for this RPC
-
-        return RankLink(lambda name: RayRankHost(self.controller, name)).run(requests)
+        return RankLink(self.rank_host).run(requests)
 
 
 # -- the generic handler: bodies decoded here, errors answered with codes ---------------------------------
