@@ -235,6 +235,15 @@ def test_the_gateway_refuses_a_stream_without_its_token_and_a_taken_rank(fleet: 
             assert "rank 0 of replica 'replica-g' is already attached" in second.hello["message"]
         finally:
             second.close()
+        # streams that name the attached rank itself, or misbehave beside it, end alone
+        error = _stream(fleet, [hello(replica=REPLICA)])
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()
+        assert "rank 0 of replica 'replica-g' is already attached" in error.details()
+        error = _stream(fleet, [hello(replica=REPLICA, model="llama-3.1-8b")])
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "serves model 'llama-3.1-8b'" in error.details()
+        error = _stream(fleet, [hello(), pb.AttachRankRequest(answer=pb.CallAnswer(call_id=7, unregistered=True))])
+        assert "an answer for call 7, which is not in flight" in error.details()
+        assert named(RANK0)
         # the bad streams and the refused rank did not disturb the attached one
         hint(fleet, "g-3", "adapter-002")
         wait_for(lambda: REPLICA in ready_on(fleet, "adapter-002"), "the attached rank still serving")
