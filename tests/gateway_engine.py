@@ -21,7 +21,8 @@ def main() -> None:
     from workers.host_tier import HostTierConfig
 
     config = AttachConfig(replica=args["replica"], gateway=args["gateway"], token=args.get("token", ""),
-                          poll_s=0.5, liveness_s=10.0, name_wait_s=args.get("name_wait_s", 30.0))
+                          poll_s=0.5, liveness_s=args.get("liveness_s", 10.0),
+                          name_wait_s=args.get("name_wait_s", 30.0))
     worker = WorkerConfig(num_slots=3, tp=args.get("tp", 1), tp_rank=args.get("rank", 0), device="cpu",
                           dtype="float32", host=HostTierConfig(host_bytes=1 << 22, pin=False))
     try:

@@ -176,6 +176,24 @@ def test_a_killed_engine_process_is_a_dead_rank(fleet: Fleet) -> None:
         engine.close()
 
 
+def test_a_stopped_engine_process_with_its_stream_open_is_a_dead_rank(fleet: Fleet) -> None:
+    """SIGSTOP: the socket stays open, but the process sends no RankAlive (the gateway's own takes are no
+    sign of life), so its endpoint fails the controller's ping after liveness_s and the rank is dropped."""
+    engine = EngineProc(fleet, liveness_s=3.0)
+    try:
+        assert engine.hello["attached"] == RANK0
+        hint(fleet, "g-4", "adapter-000")
+        wait_for(lambda: REPLICA in ready_on(fleet, "adapter-000"), "READY through the gateway")
+        engine.proc.send_signal(signal.SIGSTOP)
+        wait_for(lambda: REPLICA not in ready_on(fleet, "adapter-000"), "the silent rank dropped")
+        assert named(RANK0)  # its stream is still open: the endpoint stays until the stream ends
+        engine.proc.send_signal(signal.SIGKILL)
+        engine.proc.wait(30)
+        wait_for(lambda: not named(RANK0), "the endpoint killed with the stream")
+    finally:
+        engine.close()
+
+
 def _stream(fleet: Fleet, messages: list[pb.AttachRankRequest], metadata: Any = AUTH) -> grpc.RpcError:
     """Send ``messages`` up, read down until the gateway ends the stream with an error; that error."""
     done = threading.Event()
