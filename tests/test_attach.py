@@ -100,13 +100,14 @@ def test_the_relay_delivers_each_answer_to_its_own_caller_in_call_order() -> Non
     import asyncio
 
     from workers.attach import Relay
+    from workers.relay import Call
 
     async def scenario() -> None:
         relay = Relay("w", liveness_s=5.0)
         first = asyncio.ensure_future(relay.call("describe"))
         second = asyncio.ensure_future(relay.call("apply", ["cmd"]))
         third = asyncio.ensure_future(relay.call("stats"))
-        calls = []
+        calls: list[Call] = []
         while len(calls) < 3:
             calls += await relay.take(1.0)
         assert [(m, a) for _, m, a in calls] == [("describe", ()), ("apply", (["cmd"],)), ("stats", ())]
