@@ -210,16 +210,21 @@ def test_the_codec_round_trips_reports_calls_and_errors() -> None:
         codec.from_deltas(pb.ResidencyDeltas(deltas=[pb.ResidencyDelta(seq=1, state=pb.ResidencyState.ValueType(9))]))
 
 
-def test_an_engine_attaches_through_a_real_grpc_server_and_loads_what_it_is_told(tmp_path) -> None:
+@pytest.mark.parametrize("secure", [False, True], ids=["plaintext", "tls+token"])
+def test_an_engine_attaches_through_a_real_grpc_server_and_loads_what_it_is_told(tmp_path, secure: bool) -> None:
     """The engine's side for real (``attach(AttachConfig(gateway=...))``: a CPU ``WorkerCache``, its serve
     thread, outbox and the gRPC transport) against the servicer on a real grpc.aio server, the cluster side
-    a ``Relay`` driven by the test: the replayed registration, a prefetch, its deltas, a hit, the detach."""
+    a ``Relay`` driven by the test: the replayed registration, a prefetch, its deltas, a hit, the detach.
+    ``tls+token``: the server speaks TLS and wants the bearer token (the gateway's interceptor); the engine
+    sends them (``tls_ca``, ``token_file``)."""
+    import subprocess
     import threading
 
     import grpc
 
     from lora_cache.api.ingest import HintIngest
     from lora_cache.api.servicer import Servicer, generic_handler
+    from lora_cache.gateway import BearerTokenInterceptor
     from lora_cache.synth import SynthConfig, make_adapters
     from workers.attach import AttachConfig, attach
     from workers.cache import WorkerConfig
@@ -236,14 +241,25 @@ def test_an_engine_attaches_through_a_real_grpc_server_and_loads_what_it_is_told
     def on_loop(coro: Any, timeout: float = 30) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
+    cert, key, token = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "token"
+    security: dict[str, Any] = {}
+    if secure:
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                        "/CN=localhost", "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out",
+                        str(cert)], check=True, capture_output=True)
+        token.write_text("tok-123\n")
+        security = {"tls_ca": str(cert), "token_file": str(token)}
+
     async def serve() -> tuple[Any, int]:
-        server = grpc.aio.server()
+        server = grpc.aio.server(interceptors=[BearerTokenInterceptor("tok-123")] if secure else None)
         async def no_hints(batches: Any) -> list[Any]:  # this test sends none
             raise AssertionError(batches)
 
         servicer = Servicer(controller=None, ingest=HintIngest(no_hints, 16), max_items=16, rank_host=lambda name: host)
         server.add_generic_rpc_handlers((generic_handler(servicer),))
-        port = server.add_insecure_port("127.0.0.1:0")
+        port = (server.add_secure_port("localhost:0", grpc.ssl_server_credentials([(key.read_bytes(),
+                                                                                      cert.read_bytes())]))
+                if secure else server.add_insecure_port("localhost:0"))
         await server.start()
         return server, port
 
@@ -251,7 +267,7 @@ def test_an_engine_attaches_through_a_real_grpc_server_and_loads_what_it_is_told
     try:
         worker = WorkerConfig(num_slots=2, device="cpu", dtype="float32",
                               host=HostTierConfig(host_bytes=1 << 22, pin=False))
-        rank = attach(AttachConfig(replica="replica-0", gateway=f"127.0.0.1:{port}", poll_s=0.2), worker)
+        rank = attach(AttachConfig(replica="replica-0", gateway=f"localhost:{port}", poll_s=0.2, **security), worker)
         try:
             assert rank.catalog.names() == [adapter] and host.events[-1][0] == "adopted"
             version = host.versions[adapter]
