@@ -4,6 +4,8 @@ A thin shell: it forwards to the controller actor and awaits its ObjectRefs (the
 blocks on Ray); hints go through the coalescing ingest. This is the only place that knows gRPC
 status codes: ``status_for`` maps domain errors to them, and ``generic_handler`` decodes request
 bodies itself, so bytes that are not the request message are INVALID_ARGUMENT, not a crash.
+``AttachRank`` (a rank of an engine outside the Ray cluster) is one ``RankLink`` per stream
+(``rank_link.py``), over the endpoint the gateway hosts for it (``rank_host.py``).
 """
 
 from __future__ import annotations
