@@ -6,7 +6,10 @@ Starts a local Ray, the service with one worker actor (replica-0), and attaches 
 rank of a second replica (``probe``) through ``workers/attach.py``. Then times the same calls through
 both handles, one at a time: ``describe`` (the full report a resync reads) and ``apply([])`` (an empty
 command batch, what every plan sends). The worker actor answers itself; the endpoint relays to this
-process's serve thread and back (``take`` / ``answer``). Then times an engine step's own seam calls in
+process's serve thread and back (``take`` / ``answer``). A third rank (``probe-gw``) attaches through the
+gRPC gateway (``AttachConfig(gateway=...)``, as a process outside the cluster would; here the same
+process, over loopback): its endpoint is hosted by the gateway, which relays over the AttachRank stream.
+Then times an engine step's own seam calls in
 this process (``acquire`` + ``release`` of a 32-request batch, ``acquire_ready``, ``report_queue``).
 Prints JSON: median and p90 ms per call.
 """
@@ -14,6 +17,7 @@ Prints JSON: median and p90 ms per call.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
@@ -27,6 +31,7 @@ import ray
 from lora_cache.catalog import CatalogConfig
 from lora_cache.control import WorkerId
 from lora_cache.controller import NAMESPACE, worker_name
+from lora_cache.gateway import GatewayConfig, start_gateway_thread
 from lora_cache.planner import PlannerConfig
 from lora_cache.serve import ServeConfig, start
 from lora_cache.synth import SynthConfig, make_adapters
@@ -82,11 +87,16 @@ def probe(calls: int) -> dict[str, Any]:
         try:
             service = start(ServeConfig(adapters=root, replicas=1), CatalogConfig(model="tiny", max_rank=8),
                             PlannerConfig(policy="none"), worker)
+            stack = contextlib.ExitStack()  # the gateway, once started
             try:
                 gcs = ray.get_runtime_context().gcs_address
-                with attach(AttachConfig(replica="probe", address=gcs), worker) as rank:
+                gateway = start_gateway_thread(GatewayConfig(grpc_port=0), service.controller)
+                stack.callback(gateway.stop)
+                with attach(AttachConfig(replica="probe", address=gcs), worker) as rank, \
+                        attach(AttachConfig(replica="probe-gw", gateway=gateway.target), worker):
                     handles = {"worker_actor": service.workers[WorkerId("replica-0", 0)],
-                               "attached": ray.get_actor(worker_name(WorkerId("probe", 0)), namespace=NAMESPACE)}
+                               "attached": ray.get_actor(worker_name(WorkerId("probe", 0)), namespace=NAMESPACE),
+                               "gateway": ray.get_actor(worker_name(WorkerId("probe-gw", 0)), namespace=NAMESPACE)}
                     out: dict[str, Any] = {"calls": calls}
                     for kind, handle in handles.items():
                         out[f"{kind}.describe"] = _times(functools.partial(_call, handle.describe), calls)
@@ -94,6 +104,7 @@ def probe(calls: int) -> dict[str, Any]:
                     out.update(_engine_calls(rank, calls))
                     return out
             finally:
+                stack.close()
                 service.stop()
         finally:
             ray.shutdown()

@@ -25,14 +25,13 @@ from lora_cache.control import ControllerConfig, ControllerCore, HintOutcome, Wo
 from lora_cache.durable import DurableConfig, KvStore, Snapshots, decode
 from lora_cache.errors import ConfigError, ConflictError
 from lora_cache.metrics import ControllerMetrics
+from lora_cache.names import CONTROLLER_NAME as CONTROLLER_NAME  # re-exported: callers import it from here
+from lora_cache.names import NAMESPACE, WORKER_PREFIX, parse_worker_name, worker_name
 from lora_cache.planner import Evict
 from lora_cache.readiness import EventsLost, ReadinessEvent, WatchBatch
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "lora-cache"
-CONTROLLER_NAME = "lora-cache-controller"
-WORKER_PREFIX = "lora-cache-worker:"
 T = TypeVar("T")
 WORKER_ATTEMPTS = 30  # a second apart: a restarted worker may still be in its constructor
 
@@ -42,15 +41,6 @@ class Link(NamedTuple):
 
     incarnation: int  # the worker process's start time (ns): a larger one is a restart
     applied: int  # the last delta sequence number applied (or covered by a full report)
-
-
-def worker_name(worker: WorkerId) -> str:
-    return f"{WORKER_PREFIX}{worker.replica}:{worker.rank}"
-
-
-def parse_worker_name(name: str) -> WorkerId:
-    replica, rank = name[len(WORKER_PREFIX):].rsplit(":", 1)
-    return WorkerId(replica, int(rank))
 
 
 async def _while_restarting(call: Callable[[], Awaitable[T]]) -> T:

@@ -100,13 +100,14 @@ def test_the_relay_delivers_each_answer_to_its_own_caller_in_call_order() -> Non
     import asyncio
 
     from workers.attach import Relay
+    from workers.relay import Call
 
     async def scenario() -> None:
         relay = Relay("w", liveness_s=5.0)
         first = asyncio.ensure_future(relay.call("describe"))
         second = asyncio.ensure_future(relay.call("apply", ["cmd"]))
         third = asyncio.ensure_future(relay.call("stats"))
-        calls = []
+        calls: list[Call] = []
         while len(calls) < 3:
             calls += await relay.take(1.0)
         assert [(m, a) for _, m, a in calls] == [("describe", ()), ("apply", (["cmd"],)), ("stats", ())]
@@ -167,3 +168,33 @@ def test_the_relay_fails_waiting_calls_and_pings_once_the_process_stops_polling(
         relay.check_live()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"gateway": "nohost"}, r"gateway 'nohost' is not host:port; give the gateway's address, e.g. 10.0.0.5:50051"),
+    ({"gateway": "h:99999"}, r"gateway 'h:99999' is not host:port"),
+    ({"gateway": "h:50051", "address": "10.0.0.1:6379"},
+     r"address \('10.0.0.1:6379'\) and gateway \('h:50051'\) are both set: .* give one"),
+    ({"token": "t"}, r"token, token_file and tls_ca are the gateway's: set gateway='host:port'"),
+    ({"gateway": "h:1", "token": "t", "token_file": "/x"}, "both token and token_file are set"),
+    ({"gateway": "h:1", "token_file": "/nonexistent/token"}, r"token_file '/nonexistent/token' is not a file"),
+])
+def test_attach_config_through_the_gateway_names_the_value_and_the_fix(kwargs, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        AttachConfig(**({"replica": "replica-0"} | kwargs))
+
+
+def test_attach_through_a_gateway_nobody_serves_fails_fast_and_names_it() -> None:
+    """The engine's side alone: no gateway listens at the address, so the hello gets no answer and the
+    error says where it looked; nothing is left running."""
+    import socket
+
+    from workers.attach import attach
+    from workers.attach_grpc import GatewayLinkError
+    from workers.cache import WorkerConfig
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(GatewayLinkError, match=f"the gateway at 127.0.0.1:{port} is unreachable"):
+        attach(AttachConfig(replica="replica-0", gateway=f"127.0.0.1:{port}"), WorkerConfig(device="cpu"))

@@ -18,6 +18,11 @@ queued there, the process's serve thread long-polls the queue (``take``), runs t
 ``WorkerControl`` (the same code the worker actor forwards to) and answers them. Residency deltas and
 queue reports go straight from the process to the controller (``Outbox``, ``QueueSender``).
 
+Outside the Ray cluster (``AttachConfig(gateway="host:port")``) the process never imports Ray: it opens one
+``AttachRank`` gRPC stream to the gateway, which hosts the endpoint on its behalf and relays the calls,
+deltas and queue reports over it (``workers/attach_grpc.py``). Either way the rank's link is a
+``RankTransport`` (``workers/transport.py``); everything else here is the same.
+
 The endpoint is *not* detached: Ray kills it when the process that created it (its owner) dies, so a
 killed engine process is a dead worker to the controller's health check, and what the rank held is
 dropped from the replica's readiness, as for any worker. ``detach`` kills it on purpose. A process that
@@ -27,41 +32,47 @@ attaches again under the same name is a new incarnation: the controller takes th
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 
 from lora_cache.catalog import AdapterCatalog, CatalogConfig
-from lora_cache.cluster import connect
 from lora_cache.control import WorkerId
-from lora_cache.controller import CONTROLLER_NAME, NAMESPACE, worker_name
-from lora_cache.errors import ConfigError, ConflictError, LoraCacheError, NotFoundError
+from lora_cache.errors import ConfigError
+from lora_cache.names import worker_name
 from workers.cache import Batch, WorkerCache, WorkerConfig
 from workers.control import WorkerControl
 from workers.loader import ReadinessRecord
 from workers.outbox import Outbox, QueueSender
+from workers.relay import RELAYED, Call, EndpointStaleError, Relay
+from workers.transport import Answer, Hello, RankTransport
+
+__all__ = ["RELAYED", "AttachConfig", "Attachment", "EndpointStaleError", "Relay", "attach"]
 
 log = logging.getLogger(__name__)
-
-RELAYED = ("apply", "describe", "register_adapter", "unregister_adapter", "stats")  # what the controller calls
 
 
 @dataclass(frozen=True)
 class AttachConfig:
-    """Which replica an engine process's rank joins (its rank and TP size are in ``WorkerConfig``), where
-    the Ray cluster is, and how the rank talks to the controller."""
+    """Which replica an engine process's rank joins (its rank and TP size are in ``WorkerConfig``), how it
+    reaches the controller (joining the Ray cluster at ``address``, or through the gateway at ``gateway``),
+    and how the rank talks to it."""
 
     replica: str = field(default="", metadata={"help": "the replica this rank belongs to (e.g. replica-0)"})
     address: str = field(default="auto", metadata={"help": "Ray cluster to join when this process is not in one "
                                                            "yet ('auto' or host:port)"})
+    gateway: str = field(default="", metadata={"help": "attach through the gRPC gateway at host:port instead of "
+                                                       "joining the Ray cluster (for a process outside it)"})
+    token: str = field(default="", metadata={"help": "the gateway's bearer token (prefer token_file)"})
+    token_file: str = field(default="", metadata={"path": True, "help": "file holding the gateway's bearer token"})
+    tls_ca: str = field(default="", metadata={"path": True, "help": "PEM file of the CA that signed the "
+                                                                    "gateway's certificate (the stream uses TLS)"})
     flush_s: float = field(default=0.005, metadata={"help": "gather residency deltas this long per push"})
     poll_s: float = field(default=1.0, metadata={"help": "the serve thread's long poll for controller calls"})
     liveness_s: float = field(default=5.0, metadata={"help": "the endpoint fails the controller's ping when the "
@@ -78,6 +89,7 @@ class AttachConfig:
         if not self.address:
             raise ConfigError("address is empty: an attached rank joins the cluster where the controller runs "
                               "('auto', or the head's host:port); it never starts a Ray of its own")
+        self._check_gateway()
         if not 0 < self.poll_s < self.liveness_s:
             raise ConfigError(f"poll_s ({self.poll_s}) must be > 0 and below liveness_s ({self.liveness_s}): "
                               "the endpoint counts a process that has not polled for liveness_s as dead")
@@ -90,150 +102,61 @@ class AttachConfig:
         if self.flush_s <= 0 or self.name_wait_s < 0:
             raise ConfigError(f"flush_s ({self.flush_s}) must be > 0 and name_wait_s ({self.name_wait_s}) >= 0")
 
-
-def controller_handle() -> Any:
-    """The service's controller on this Ray cluster, found by its name."""
-    try:
-        return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
-    except ValueError as e:
-        raise NotFoundError(f"no lora-cache controller ({CONTROLLER_NAME!r} in namespace {NAMESPACE!r}) on this Ray "
-                            "cluster; start one first (`lora-cache serve --replicas 0` for a fleet of attached "
-                            "engines)") from e
-
-
-class EndpointStaleError(LoraCacheError, ConnectionError):
-    """The attached process behind an endpoint stopped polling for calls."""
-
-
-Call = tuple[int, str, tuple[Any, ...]]  # (call id, method, arguments)
-
-
-class Relay:
-    """Calls queued for a process that polls for them, and their answers: the endpoint's core, plain asyncio
-    (one event loop, so the queue and the waiting calls need no lock). ``clock``: monotonic seconds."""
-
-    def __init__(self, name: str, liveness_s: float, clock: Callable[[], float] = time.monotonic,
-                 start_s: float | None = None) -> None:
-        self.name, self.liveness_s, self.clock = name, liveness_s, clock
-        self._calls: asyncio.Queue[Call] = asyncio.Queue()
-        self._waiting: dict[int, asyncio.Future[Any]] = {}  # call id -> its caller's answer
-        self._ids = itertools.count()
-        self.start_s = liveness_s if start_s is None else start_s  # the grace before the process's first poll
-        self._created = clock()
-        self._polled: float | None = None  # the process's last sign of life (take or answer); None: none yet
-
-    async def call(self, method: str, *args: Any) -> Any:
-        """Queue the call for the process and wait for its answer; fail it (``EndpointStaleError``) once the
-        process has not polled for ``liveness_s``, so that no caller (the controller's health loop
-        resyncs through here) waits forever on a wedged process."""
-        ident = next(self._ids)
-        answer = self._waiting[ident] = asyncio.get_running_loop().create_future()
-        self._calls.put_nowait((ident, method, args))
-        try:
-            while True:
-                try:
-                    return await asyncio.wait_for(asyncio.shield(answer), self.liveness_s)
-                except asyncio.TimeoutError:
-                    self.check_live()
-        finally:
-            self._waiting.pop(ident, None)
-
-    def check_live(self) -> None:
-        if self._polled is None:
-            idle = self.clock() - self._created
-            if idle > self.start_s:
-                raise EndpointStaleError(f"{self.name}: its engine process has not polled for calls for {idle:.1f} s "
-                                         "since the endpoint was made (it never started serving)")
+    def _check_gateway(self) -> None:
+        if not self.gateway:
+            if self.token or self.token_file or self.tls_ca:
+                raise ConfigError("token, token_file and tls_ca are the gateway's: set gateway='host:port' to attach "
+                                  "through it, or leave them empty to join the Ray cluster")
             return
-        idle = self.clock() - self._polled
-        if idle > self.liveness_s:
-            raise EndpointStaleError(f"{self.name}: its engine process has not polled for calls for {idle:.1f} s")
+        host, _, port = self.gateway.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ConfigError(f"gateway {self.gateway!r} is not host:port; give the gateway's address, e.g. "
+                              "10.0.0.5:50051 (`lora-cache serve --grpc-host 0.0.0.0` listens beyond its machine)")
+        if self.address != "auto":
+            raise ConfigError(f"address ({self.address!r}) and gateway ({self.gateway!r}) are both set: a rank joins "
+                              "the Ray cluster at address, or attaches from outside it through the gateway; give one")
+        if self.token and self.token_file:
+            raise ConfigError("both token and token_file are set; give one (token_file keeps it off the command line)")
+        for name in ("token_file", "tls_ca"):
+            if getattr(self, name) and not Path(getattr(self, name)).is_file():
+                raise ConfigError(f"{name} {getattr(self, name)!r} is not a file; give the path of the gateway's "
+                                  + ("bearer token" if name == "token_file" else "CA certificate (PEM)"))
 
-    async def take(self, timeout_s: float) -> list[Call]:
-        """The calls queued for the process, oldest first; waits up to ``timeout_s`` for the first."""
-        self._polled = self.clock()
-        try:
-            first = await asyncio.wait_for(self._calls.get(), timeout_s)
-        except asyncio.TimeoutError:
-            return []
-        calls = [first]
-        while not self._calls.empty():
-            calls.append(self._calls.get_nowait())
-        self._polled = self.clock()
-        return calls
+    def bearer_token(self) -> str | None:
+        """The gateway's token, or None when it has no auth."""
+        if self.token_file:
+            token = Path(self.token_file).read_text().strip()
+            if not token:
+                raise ConfigError(f"token_file {self.token_file!r} is empty; write the gateway's token into it")
+            return token
+        return self.token or None
 
-    def answer(self, results: list[tuple[int, bool, Any]]) -> int:
-        """(call id, ok, value or exception) for calls taken earlier; how many still had a caller."""
-        self._polled = self.clock()  # it is alive: it answers
-        delivered = 0
-        for ident, ok, value in results:
-            waiter = self._waiting.get(ident)
-            if waiter is None or waiter.done():
-                continue  # its caller gave up (stale, or cancelled by a timeout of its own)
-            if ok:
-                waiter.set_result(value)
-            else:
-                waiter.set_exception(value)
-            delivered += 1
-        return delivered
-
-
-@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=1000)
-class Endpoint:
-    """The controller's handle on an attached rank, under the rank's worker name: the calls the controller
-    makes on a worker actor, relayed to the process (``Relay``), which takes them with ``take`` and
-    answers with ``answer``. ``ping`` is answered here, while the process keeps polling."""
-
-    def __init__(self, name: str, liveness_s: float, start_s: float | None = None) -> None:
-        self.relay = Relay(name, liveness_s, start_s=start_s)
-
-    async def apply(self, commands: list[Any]) -> Any:
-        return await self.relay.call("apply", commands)
-
-    async def describe(self) -> Any:
-        return await self.relay.call("describe")
-
-    async def register_adapter(self, name: str, path: str) -> Any:
-        return await self.relay.call("register_adapter", name, path)
-
-    async def unregister_adapter(self, name: str) -> Any:
-        return await self.relay.call("unregister_adapter", name)
-
-    async def stats(self) -> Any:
-        return await self.relay.call("stats")
-
-    async def ping(self) -> bool:
-        self.relay.check_live()
-        return True
-
-    async def take(self, timeout_s: float) -> list[Call]:
-        return await self.relay.take(timeout_s)
-
-    async def answer(self, results: list[tuple[int, bool, Any]]) -> int:
-        return self.relay.answer(results)
+    def hello(self, worker: WorkerConfig, model: str, incarnation: int) -> Hello:
+        return Hello(self.replica, worker.tp_rank, worker.tp, worker.num_slots, model, incarnation, self.liveness_s,
+                     self.start_s, self.name_wait_s)
 
 
 class Attachment:
     """One attached rank: its cache (``acquire`` / ``release`` / slot tensors for the engine's kernels),
-    the endpoint the controller calls, and the thread that serves those calls. Build it with ``attach``."""
+    its link to the controller (``transport``), and the thread that serves the controller's calls. Build
+    it with ``attach``."""
 
-    def __init__(self, config: AttachConfig, worker: WorkerConfig, catalog: CatalogConfig,
-                 compute_stream: Any = None, on_ready: Callable[[ReadinessRecord], None] | None = None) -> None:
-        self.config, self.worker = config, worker
+    def __init__(self, config: AttachConfig, worker: WorkerConfig, catalog: CatalogConfig, transport: RankTransport,
+                 hello: Hello, compute_stream: Any = None,
+                 on_ready: Callable[[ReadinessRecord], None] | None = None) -> None:
+        self.config, self.worker, self.transport, self.hello = config, worker, transport, hello
         self.wid = WorkerId(config.replica, worker.tp_rank)
         self.name = worker_name(self.wid)
         self.catalog = AdapterCatalog(catalog)
-        self.outbox = Outbox(self.name, config.flush_s)
+        self.outbox = Outbox(self.name, config.flush_s, send=transport.send_deltas, incarnation=hello.incarnation)
         self.cache = WorkerCache(worker, self.catalog, on_ready=on_ready, compute_stream=compute_stream,
                                  on_change=self.outbox.push)
         self.control = WorkerControl(config.replica, self.catalog, self.cache, self.outbox)
-        self.node = ray.get_runtime_context().get_node_id()
+        self.node = transport.node
         self.calls = self.errors = 0  # controller calls served, and those that raised
         self.lost: BaseException | None = None  # why the serve thread stopped before detach, if it did
         self._detached = threading.Event()
-        self._controller: Any = None
-        self.endpoint: Any = None
-        self._queue = QueueSender(self._send_queue)
+        self._queue = QueueSender(lambda entries: transport.send_queue(config.replica, entries))
         self._serving = threading.Thread(target=self._serve, name=f"lora-attach-{self.wid}", daemon=True)
         self._running_since: float | None = None  # monotonic start of the controller call being run, if any
         self._beating = threading.Thread(target=self._heartbeat, name=f"lora-attach-beat-{self.wid}", daemon=True)
@@ -270,33 +193,12 @@ class Attachment:
 
     # -- serving the controller (step 4) ------------------------------------------------------------
     def _start(self) -> None:
-        self.endpoint = self._create_endpoint()
         self._serving.start()
         self._beating.start()
-        # a refusal (ConfigError, ConflictError) arrives as a RayTaskError that is also an instance of it
-        ray.get(self._controller_handle().worker_started.remote(self.name, self.outbox.incarnation, True),
-                timeout=120)
-
-    def _create_endpoint(self) -> Any:
-        deadline = time.monotonic() + self.config.name_wait_s
-        while True:
-            try:
-                return Endpoint.options(name=self.name, namespace=NAMESPACE, max_concurrency=1000).remote(
-                    self.name, self.config.liveness_s, self.config.start_s)
-            except ValueError as e:  # the name is taken: a live rank, or a dead one Ray has not released yet
-                if time.monotonic() > deadline:
-                    raise ConflictError(f"rank {self.wid.rank} of replica {self.wid.replica!r} is already attached "
-                                        f"({self.name} exists: a live engine process or a `lora-cache serve` worker "
-                                        "holds it); detach it, or attach as another replica or rank") from e
-                time.sleep(0.2)
-
-    def _controller_handle(self) -> Any:
-        if self._controller is None:
-            self._controller = controller_handle()
-        return self._controller
+        self.transport.adopted(self.hello)
 
     def _serve(self) -> None:
-        """Long-poll the endpoint, run its calls in order, answer; until detach or the endpoint is gone."""
+        """Take the controller's calls, run them in order, answer; until detach or the link is gone."""
         handlers: dict[str, Callable[..., Any]] = {
             "apply": self.control.apply, "describe": lambda: self.control.describe(self.node),
             "register_adapter": self.control.register_adapter,
@@ -304,14 +206,14 @@ class Attachment:
         assert set(handlers) == set(RELAYED)
         while not self._detached.is_set():
             try:
-                calls = ray.get(self.endpoint.take.remote(self.config.poll_s), timeout=self.config.poll_s + 60)
+                calls = self.transport.take(self.config.poll_s)
             except Exception as e:  # the endpoint was killed (detach) or died: the controller sees a dead worker
                 if not self._detached.is_set():
                     log.warning("%s: endpoint lost (%s); this rank no longer receives commands", self.name, e)
                     self.lost = e
                 return
             for call in calls:  # each answered as it finishes: a batch of slow calls (registering many
-                self.endpoint.answer.remote([self._run(handlers, call)])  # adapters) is not a silent process
+                self.transport.answer([self._run(handlers, call)])  # adapters) is not a silent process
 
     def _heartbeat(self) -> None:
         """While a controller call runs (a registration hashing a large adapter, a describe of thousands of
@@ -321,11 +223,11 @@ class Attachment:
             since = self._running_since
             if since is not None and time.monotonic() - since < self.config.max_call_s:
                 try:
-                    self.endpoint.answer.remote([])  # an empty answer: only a sign of life
-                except Exception:  # the endpoint is gone: the serve thread notices and stops
+                    self.transport.alive()
+                except Exception:  # the link is gone: the serve thread notices and stops
                     return
 
-    def _run(self, handlers: dict[str, Callable[..., Any]], call: Call) -> tuple[int, bool, Any]:
+    def _run(self, handlers: dict[str, Callable[..., Any]], call: Call) -> Answer:
         ident, method, args = call
         self.calls += 1
         self._running_since = time.monotonic()
@@ -337,9 +239,6 @@ class Attachment:
         finally:
             self._running_since = None
 
-    def _send_queue(self, entries: list[tuple[str, float]]) -> None:
-        ray.get(self._controller_handle().report_queue.remote(self.config.replica, entries), timeout=30)
-
     # -- leaving --------------------------------------------------------------------------------------
     def detach(self) -> None:
         """Leave the replica: the controller drops what this rank held (the replica is ready for nothing
@@ -349,13 +248,10 @@ class Attachment:
         self._detached.set()
         self._queue.close()
         self.outbox.close()  # no delta after the controller has dropped the rank
-        if self.endpoint is not None:
-            try:
-                ray.get(self._controller_handle().worker_detached.remote(self.name, self.outbox.incarnation),
-                        timeout=30)
-            except Exception as e:  # no controller: its health check drops the rank once the endpoint is gone
-                log.info("%s: the controller did not hear of the detach (%s)", self.name, e)
-            ray.kill(self.endpoint, no_restart=True)
+        try:
+            self.transport.close(self.hello)
+        except Exception as e:  # no controller: its health check drops the rank once the endpoint is gone
+            log.info("%s: the controller did not hear of the detach (%s)", self.name, e)
         if self._serving.is_alive():
             self._serving.join(timeout=self.config.poll_s + 60)
         if self._beating.is_alive():
@@ -369,6 +265,17 @@ class Attachment:
         self.detach()
 
 
+def transport_for(config: AttachConfig, name: str) -> RankTransport:
+    """The gateway's stream when ``config.gateway`` is set (Ray is never imported then), else Ray."""
+    if config.gateway:
+        from workers.attach_grpc import GrpcTransport
+
+        return GrpcTransport(config.gateway, name, config.bearer_token(), config.tls_ca or None)
+    from workers.attach_ray import RayTransport
+
+    return RayTransport(config.address, name)
+
+
 def attach(config: AttachConfig, worker: WorkerConfig, catalog: CatalogConfig | None = None,
            compute_stream: Any = None, on_ready: Callable[[ReadinessRecord], None] | None = None) -> Attachment:
     """Attach this process as rank ``worker.tp_rank`` (of ``worker.tp``) of replica ``config.replica``.
@@ -376,17 +283,22 @@ def attach(config: AttachConfig, worker: WorkerConfig, catalog: CatalogConfig | 
     Call it in the engine's worker process, after the process has its device (``worker.device``: the
     engine's, e.g. ``cuda:0``; ``compute_stream``: the stream its LoRA kernels run on, default the
     current one; ``on_ready``: called with each load's timings). ``catalog``: by default the
-    controller's (model shape, largest rank, adapter roots), which the rank must share. Joins the Ray cluster at
-    ``config.address`` unless the process is in one already (an engine's own Ray executor); the
-    controller must be running there. Returns once the controller has adopted the rank (its registered
-    adapters replayed here); raises ``NotFoundError`` without a controller, ``ConflictError`` if the
-    rank is attached already, ``ConfigError`` if the replica exists with another TP size or slot
-    count, or the model differs from the controller's."""
-    if not ray.is_initialized():
-        connect(config.address, NAMESPACE)
-    if catalog is None:
-        catalog = ray.get(controller_handle().catalog_config.remote(), timeout=60)
-    attachment = Attachment(config, worker, catalog, compute_stream, on_ready)
+    controller's (model shape, largest rank, adapter roots), which the rank must share. Joins the Ray
+    cluster at ``config.address`` unless the process is in one already (an engine's own Ray executor),
+    or, with ``config.gateway``, attaches through the gateway without Ray; the controller must be
+    running. Returns once the controller has adopted the rank (its registered adapters replayed here);
+    raises ``NotFoundError`` without a controller, ``ConflictError`` if the rank is attached already,
+    ``ConfigError`` if the replica exists with another TP size or slot count, or the model differs from
+    the controller's."""
+    name = worker_name(WorkerId(config.replica, worker.tp_rank))
+    transport = transport_for(config, name)
+    hello = config.hello(worker, catalog.shape().name if catalog is not None else "", time.time_ns())
+    try:
+        controller_catalog = transport.open(hello)
+    except BaseException:
+        transport.close(hello)
+        raise
+    attachment = Attachment(config, worker, catalog or controller_catalog, transport, hello, compute_stream, on_ready)
     try:
         attachment._start()
     except BaseException:

@@ -2,7 +2,9 @@
 and an attached engine process (``workers/attach.py``).
 
 ``Outbox``: numbered residency deltas, pushed in batches by a thread, resent until the controller takes
-them. ``QueueSender``: the latest waiting queue of an engine, sent from a thread that never blocks a step.
+them (``send``: to the controller actor over Ray by default, ``ControllerReport``; an attached rank's
+transport otherwise, ``workers/transport.py``).
+``QueueSender``: the latest waiting queue of an engine, sent from a thread that never blocks a step.
 """
 
 from __future__ import annotations
@@ -13,12 +15,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import ray
-
-from lora_cache.controller import CONTROLLER_NAME, NAMESPACE
 from workers.commands import Delta
 
 log = logging.getLogger(__name__)
+
+DeltaRow = tuple[int, str, str, str, str]  # (seq, adapter, version, state, error)
 
 
 class Outbox:
@@ -30,14 +31,16 @@ class Outbox:
     answers, the next batch gathers. A batch the controller did not take is sent again.
     """
 
-    def __init__(self, name: str, flush_s: float, max_pending: int = 100_000) -> None:
+    def __init__(self, name: str, flush_s: float, max_pending: int = 100_000,
+                 send: Callable[[str, int, list[DeltaRow]], None] | None = None,
+                 incarnation: int | None = None) -> None:
         self.name, self.flush_s, self.max_pending = name, flush_s, max_pending
-        self.incarnation = time.time_ns()
+        self.incarnation = time.time_ns() if incarnation is None else incarnation
+        self._deliver = ControllerReport() if send is None else send  # raises when a batch did not go out
         self._cond = threading.Condition()  # protects _pending, seq and _closed
-        self._pending: list[tuple[int, str, str, str, str]] = []
+        self._pending: list[DeltaRow] = []
         self.seq = 0  # the last number given to a delta
         self._closed = False
-        self._controller: Any = None
         threading.Thread(target=self._run, name="lora-outbox", daemon=True).start()
 
     def push(self, delta: Delta) -> None:
@@ -62,21 +65,39 @@ class Outbox:
                 backoff = self.flush_s if sent else min(1.0, max(0.05, 2 * backoff))
                 self._cond.wait(backoff)  # gather the next batch (or wait before retrying)
 
-    def _send(self, batch: list[tuple[int, str, str, str, str]]) -> bool:
+    def _send(self, batch: list[DeltaRow]) -> bool:
         try:
-            if self._controller is None:
-                self._controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
-            ray.get(self._controller.report.remote(self.name, self.incarnation, batch), timeout=30)
+            self._deliver(self.name, self.incarnation, batch)
             return True
-        except Exception as e:  # no controller (yet, or restarting): keep the batch and retry
+        except Exception as e:  # no controller (yet, or restarting), or no link: keep the batch and retry
             log.info("readiness for %d adapters not pushed yet (%s)", len(batch), e)
-            self._controller = None
             return False
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify()
+
+
+class ControllerReport:
+    """Sends a batch of deltas to the controller actor over Ray (``report``); the handle is found by name
+    and found again after a failure (the controller restarting)."""
+
+    def __init__(self) -> None:
+        self._controller: Any = None
+
+    def __call__(self, name: str, incarnation: int, batch: list[DeltaRow]) -> None:
+        import ray  # here: an engine attached through the gateway never imports Ray
+
+        from lora_cache.names import CONTROLLER_NAME, NAMESPACE
+
+        try:
+            if self._controller is None:
+                self._controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+            ray.get(self._controller.report.remote(name, incarnation, batch), timeout=30)
+        except Exception:
+            self._controller = None
+            raise
 
 
 class QueueSender:

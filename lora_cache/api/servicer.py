@@ -4,6 +4,8 @@ A thin shell: it forwards to the controller actor and awaits its ObjectRefs (the
 blocks on Ray); hints go through the coalescing ingest. This is the only place that knows gRPC
 status codes: ``status_for`` maps domain errors to them, and ``generic_handler`` decodes request
 bodies itself, so bytes that are not the request message are INVALID_ARGUMENT, not a crash.
+``AttachRank`` (a rank of an engine outside the Ray cluster) is one ``RankLink`` per stream
+(``rank_link.py``), over the endpoint the gateway hosts for it (``rank_host.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import ray
 from lora_cache.advice import RouteAdvice
 from lora_cache.api import validate
 from lora_cache.api.ingest import HintIngest
+from lora_cache.api.rank_link import RankHost, RankLink
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.errors import CapacityError, ConflictError, LoraCacheError, NotFoundError
 from lora_cache.readiness import ReadinessEvent, Resync
@@ -105,9 +108,16 @@ def _advice(a: RouteAdvice, request_id: str, max_replicas: int) -> pb.RouteAdvic
 class Servicer:
     """LoraCacheService over a controller actor handle (or anything with the same ``.remote`` methods)."""
 
-    def __init__(self, controller: Any, ingest: HintIngest, max_items: int, watch_poll_s: float = WATCH_POLL_S):
+    def __init__(self, controller: Any, ingest: HintIngest, max_items: int, watch_poll_s: float = WATCH_POLL_S,
+                 rank_host: Callable[[str], RankHost] | None = None):
         self.controller, self.ingest = controller, ingest
         self.max_items, self.watch_poll_s = max_items, watch_poll_s
+        self.rank_host = rank_host or self._ray_rank_host  # an attached rank's cluster side, by worker name
+
+    def _ray_rank_host(self, name: str) -> RankHost:
+        from lora_cache.api.rank_host import RayRankHost  # the data plane's endpoint: only for AttachRank
+
+        return RayRankHost(self.controller, name)
 
     async def hint(self, request: pb.HintRequest) -> pb.HintResponse:
         outcome = await self.ingest.submit(validate.hints(request.hints, self.max_items))
@@ -180,6 +190,10 @@ class Servicer:
             ingest_queued_hints=self.ingest.queued, ingest_queue_capacity=self.ingest.capacity,
             ingest_rejected_calls=self.ingest.rejected)
 
+    def attach_rank(self, requests: AsyncIterator[pb.AttachRankRequest]) -> AsyncIterator[pb.AttachRankResponse]:
+        """An engine's rank from outside the Ray cluster: the gateway hosts its endpoint (``rank_link``)."""
+        return RankLink(self.rank_host).run(requests)
+
 
 # -- the generic handler: bodies decoded here, errors answered with codes ---------------------------------
 Unary = Callable[[Any], Awaitable[Any]]
@@ -195,6 +209,7 @@ RPCS: dict[str, tuple[type[Any], str]] = {  # rpc name -> (request message, Serv
     "RegisterAdapter": (pb.RegisterAdapterRequest, "register_adapter"),
     "UnregisterAdapter": (pb.UnregisterAdapterRequest, "unregister_adapter"),
     "Status": (pb.StatusRequest, "status"),
+    "AttachRank": (pb.AttachRankRequest, "attach_rank"),
 }
 
 
@@ -227,13 +242,35 @@ def _streaming(method: Streaming, request_cls: type[Any]) -> Callable[..., Async
     return handle
 
 
+def _bidi(method: Callable[[AsyncIterator[Any]], AsyncIterator[Any]],
+          request_cls: type[Any]) -> Callable[..., AsyncIterator[Any]]:
+    async def handle(raw_requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def requests() -> AsyncIterator[Any]:
+            async for raw in raw_requests:
+                yield validate.parse(request_cls, raw)
+
+        try:
+            async for response in method(requests()):
+                yield response
+        except Exception as e:
+            code, message = status_for(e)
+        else:
+            return
+        await context.abort(code, message)
+
+    return handle
+
+
 def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
     """Every RPC of LoraCacheService, with raw request bodies (decoded by the handlers themselves)."""
     service = pb.DESCRIPTOR.services_by_name["LoraCacheService"]
     handlers = {}
     for rpc, (request_cls, attr) in RPCS.items():
         method = getattr(servicer, attr)
-        if service.methods_by_name[rpc].server_streaming:
+        if service.methods_by_name[rpc].client_streaming:
+            handlers[rpc] = grpc.stream_stream_rpc_method_handler(_bidi(method, request_cls),
+                                                                  response_serializer=_serialize)
+        elif service.methods_by_name[rpc].server_streaming:
             handlers[rpc] = grpc.unary_stream_rpc_method_handler(_streaming(method, request_cls),
                                                                  response_serializer=_serialize)
         else:

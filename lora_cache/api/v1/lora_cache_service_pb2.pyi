@@ -30,6 +30,22 @@ class ReadinessState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     READINESS_STATE_UNSPECIFIED: _ClassVar[ReadinessState]
     READINESS_STATE_READY: _ClassVar[ReadinessState]
     READINESS_STATE_NOT_READY: _ClassVar[ReadinessState]
+
+class RelayedCommandKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RELAYED_COMMAND_KIND_UNSPECIFIED: _ClassVar[RelayedCommandKind]
+    RELAYED_COMMAND_KIND_PREFETCH: _ClassVar[RelayedCommandKind]
+    RELAYED_COMMAND_KIND_EVICT: _ClassVar[RelayedCommandKind]
+    RELAYED_COMMAND_KIND_STAGE: _ClassVar[RelayedCommandKind]
+
+class ResidencyState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESIDENCY_STATE_UNSPECIFIED: _ClassVar[ResidencyState]
+    RESIDENCY_STATE_LOADING: _ClassVar[ResidencyState]
+    RESIDENCY_STATE_READY: _ClassVar[ResidencyState]
+    RESIDENCY_STATE_IN_USE: _ClassVar[ResidencyState]
+    RESIDENCY_STATE_GONE: _ClassVar[ResidencyState]
+    RESIDENCY_STATE_FAILED: _ClassVar[ResidencyState]
 HINT_PRIORITY_UNSPECIFIED: HintPriority
 HINT_PRIORITY_NORMAL: HintPriority
 HINT_PRIORITY_HIGH: HintPriority
@@ -41,6 +57,16 @@ ROUTE_REASON_COLD: RouteReason
 READINESS_STATE_UNSPECIFIED: ReadinessState
 READINESS_STATE_READY: ReadinessState
 READINESS_STATE_NOT_READY: ReadinessState
+RELAYED_COMMAND_KIND_UNSPECIFIED: RelayedCommandKind
+RELAYED_COMMAND_KIND_PREFETCH: RelayedCommandKind
+RELAYED_COMMAND_KIND_EVICT: RelayedCommandKind
+RELAYED_COMMAND_KIND_STAGE: RelayedCommandKind
+RESIDENCY_STATE_UNSPECIFIED: ResidencyState
+RESIDENCY_STATE_LOADING: ResidencyState
+RESIDENCY_STATE_READY: ResidencyState
+RESIDENCY_STATE_IN_USE: ResidencyState
+RESIDENCY_STATE_GONE: ResidencyState
+RESIDENCY_STATE_FAILED: ResidencyState
 
 class PrefetchHint(_message.Message):
     __slots__ = ("hint_id", "adapter", "replica", "expected_in", "priority")
@@ -358,3 +384,232 @@ class StatusResponse(_message.Message):
     ingest_queue_capacity: int
     ingest_rejected_calls: int
     def __init__(self, epoch: _Optional[int] = ..., adapters: _Optional[int] = ..., workers: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., ready_residencies: _Optional[int] = ..., held_residencies: _Optional[int] = ..., commands_sent: _Optional[int] = ..., hints_received: _Optional[int] = ..., hints_accepted: _Optional[int] = ..., counters: _Optional[_Union[CacheCounters, _Mapping]] = ..., ingest_queued_hints: _Optional[int] = ..., ingest_queue_capacity: _Optional[int] = ..., ingest_rejected_calls: _Optional[int] = ...) -> None: ...
+
+class AttachHello(_message.Message):
+    __slots__ = ("replica", "rank", "tp", "num_slots", "model", "incarnation", "liveness_s", "start_s", "name_wait_s")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LIVENESS_S_FIELD_NUMBER: _ClassVar[int]
+    START_S_FIELD_NUMBER: _ClassVar[int]
+    NAME_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    rank: int
+    tp: int
+    num_slots: int
+    model: str
+    incarnation: int
+    liveness_s: float
+    start_s: float
+    name_wait_s: float
+    def __init__(self, replica: _Optional[str] = ..., rank: _Optional[int] = ..., tp: _Optional[int] = ..., num_slots: _Optional[int] = ..., model: _Optional[str] = ..., incarnation: _Optional[int] = ..., liveness_s: _Optional[float] = ..., start_s: _Optional[float] = ..., name_wait_s: _Optional[float] = ...) -> None: ...
+
+class RelayedCommand(_message.Message):
+    __slots__ = ("kind", "adapter", "version", "priority", "epoch")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    kind: RelayedCommandKind
+    adapter: str
+    version: str
+    priority: int
+    epoch: int
+    def __init__(self, kind: _Optional[_Union[RelayedCommandKind, str]] = ..., adapter: _Optional[str] = ..., version: _Optional[str] = ..., priority: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class ApplyCommands(_message.Message):
+    __slots__ = ("commands",)
+    COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    commands: _containers.RepeatedCompositeFieldContainer[RelayedCommand]
+    def __init__(self, commands: _Optional[_Iterable[_Union[RelayedCommand, _Mapping]]] = ...) -> None: ...
+
+class DescribeRank(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RegisterRankAdapter(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class UnregisterRankAdapter(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class RankStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RelayedCall(_message.Message):
+    __slots__ = ("call_id", "apply", "describe", "register_adapter", "unregister_adapter", "stats")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    APPLY_FIELD_NUMBER: _ClassVar[int]
+    DESCRIBE_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    UNREGISTER_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    apply: ApplyCommands
+    describe: DescribeRank
+    register_adapter: RegisterRankAdapter
+    unregister_adapter: UnregisterRankAdapter
+    stats: RankStatsRequest
+    def __init__(self, call_id: _Optional[int] = ..., apply: _Optional[_Union[ApplyCommands, _Mapping]] = ..., describe: _Optional[_Union[DescribeRank, _Mapping]] = ..., register_adapter: _Optional[_Union[RegisterRankAdapter, _Mapping]] = ..., unregister_adapter: _Optional[_Union[UnregisterRankAdapter, _Mapping]] = ..., stats: _Optional[_Union[RankStatsRequest, _Mapping]] = ...) -> None: ...
+
+class ApplyResult(_message.Message):
+    __slots__ = ("accepted", "rejected_stale", "errors")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_STALE_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    rejected_stale: int
+    errors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, accepted: _Optional[int] = ..., rejected_stale: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RankResidency(_message.Message):
+    __slots__ = ("adapter", "version", "state", "refs")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REFS_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    version: str
+    state: ResidencyState
+    refs: int
+    def __init__(self, adapter: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[ResidencyState, str]] = ..., refs: _Optional[int] = ...) -> None: ...
+
+class WorkerReport(_message.Message):
+    __slots__ = ("replica", "rank", "tp", "model", "incarnation", "seq", "node", "slots", "host_bytes", "adapters", "epoch", "residencies")
+    class AdaptersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCIES_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    rank: int
+    tp: int
+    model: str
+    incarnation: int
+    seq: int
+    node: str
+    slots: int
+    host_bytes: int
+    adapters: _containers.ScalarMap[str, str]
+    epoch: int
+    residencies: _containers.RepeatedCompositeFieldContainer[RankResidency]
+    def __init__(self, replica: _Optional[str] = ..., rank: _Optional[int] = ..., tp: _Optional[int] = ..., model: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., node: _Optional[str] = ..., slots: _Optional[int] = ..., host_bytes: _Optional[int] = ..., adapters: _Optional[_Mapping[str, str]] = ..., epoch: _Optional[int] = ..., residencies: _Optional[_Iterable[_Union[RankResidency, _Mapping]]] = ...) -> None: ...
+
+class CallError(_message.Message):
+    __slots__ = ("error_class", "message")
+    ERROR_CLASS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    error_class: str
+    message: str
+    def __init__(self, error_class: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class CallAnswer(_message.Message):
+    __slots__ = ("call_id", "apply", "describe", "registered_version", "unregistered", "stats_json", "error")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    APPLY_FIELD_NUMBER: _ClassVar[int]
+    DESCRIBE_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    UNREGISTERED_FIELD_NUMBER: _ClassVar[int]
+    STATS_JSON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    apply: ApplyResult
+    describe: WorkerReport
+    registered_version: str
+    unregistered: bool
+    stats_json: str
+    error: CallError
+    def __init__(self, call_id: _Optional[int] = ..., apply: _Optional[_Union[ApplyResult, _Mapping]] = ..., describe: _Optional[_Union[WorkerReport, _Mapping]] = ..., registered_version: _Optional[str] = ..., unregistered: _Optional[bool] = ..., stats_json: _Optional[str] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
+
+class ResidencyDelta(_message.Message):
+    __slots__ = ("seq", "adapter", "version", "state", "error")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    adapter: str
+    version: str
+    state: ResidencyState
+    error: str
+    def __init__(self, seq: _Optional[int] = ..., adapter: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[ResidencyState, str]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ResidencyDeltas(_message.Message):
+    __slots__ = ("incarnation", "deltas")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    incarnation: int
+    deltas: _containers.RepeatedCompositeFieldContainer[ResidencyDelta]
+    def __init__(self, incarnation: _Optional[int] = ..., deltas: _Optional[_Iterable[_Union[ResidencyDelta, _Mapping]]] = ...) -> None: ...
+
+class RankAlive(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AttachRankRequest(_message.Message):
+    __slots__ = ("hello", "answer", "deltas", "alive")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    hello: AttachHello
+    answer: CallAnswer
+    deltas: ResidencyDeltas
+    alive: RankAlive
+    def __init__(self, hello: _Optional[_Union[AttachHello, _Mapping]] = ..., answer: _Optional[_Union[CallAnswer, _Mapping]] = ..., deltas: _Optional[_Union[ResidencyDeltas, _Mapping]] = ..., alive: _Optional[_Union[RankAlive, _Mapping]] = ...) -> None: ...
+
+class Attached(_message.Message):
+    __slots__ = ("model", "max_rank", "adapter_roots", "keep_versions", "worker_name")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_RANK_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ROOTS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    max_rank: int
+    adapter_roots: _containers.RepeatedScalarFieldContainer[str]
+    keep_versions: int
+    worker_name: str
+    def __init__(self, model: _Optional[str] = ..., max_rank: _Optional[int] = ..., adapter_roots: _Optional[_Iterable[str]] = ..., keep_versions: _Optional[int] = ..., worker_name: _Optional[str] = ...) -> None: ...
+
+class RankAdopted(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AttachRankResponse(_message.Message):
+    __slots__ = ("attached", "call", "adopted")
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    attached: Attached
+    call: RelayedCall
+    adopted: RankAdopted
+    def __init__(self, attached: _Optional[_Union[Attached, _Mapping]] = ..., call: _Optional[_Union[RelayedCall, _Mapping]] = ..., adopted: _Optional[_Union[RankAdopted, _Mapping]] = ...) -> None: ...

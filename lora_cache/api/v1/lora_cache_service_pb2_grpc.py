@@ -81,6 +81,11 @@ class LoraCacheServiceStub:
                 request_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.StatusRequest.SerializeToString,
                 response_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.AttachRank = channel.stream_stream(
+                '/lora_cache.v1.LoraCacheService/AttachRank',
+                request_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.AttachRankRequest.SerializeToString,
+                response_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.AttachRankResponse.FromString,
+                _registered_method=True)
 
 
 class LoraCacheServiceServicer:
@@ -169,6 +174,21 @@ class LoraCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachRank(self, request_iterator, context):
+        """AttachRank attaches one TP rank of an engine process outside the Ray cluster (docs/integrating.md,
+        "Outside the Ray cluster"): the gateway hosts the rank's endpoint in the cluster and relays the
+        controller's calls over this stream. The first message up is an AttachHello; the gateway answers
+        Attached (the controller's catalog config), then RankAdopted once the controller has adopted the
+        rank, then RelayedCalls, each answered by one CallAnswer. ResidencyDeltas go up as the rank's
+        residency changes. The stream's end (the engine detached, or its process died) drops the rank.
+        Errors: INVALID_ARGUMENT (a bad hello, a first message that is not a hello, a second hello, an
+        answer for an unknown call), FAILED_PRECONDITION (the rank is attached already), NOT_FOUND (no
+        controller); the stream ends and only this rank is dropped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LoraCacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -216,6 +236,11 @@ def add_LoraCacheServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.StatusRequest.FromString,
                     response_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.StatusResponse.SerializeToString,
+            ),
+            'AttachRank': grpc.stream_stream_rpc_method_handler(
+                    servicer.AttachRank,
+                    request_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.AttachRankRequest.FromString,
+                    response_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.AttachRankResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -463,6 +488,33 @@ class LoraCacheService:
             '/lora_cache.v1.LoraCacheService/Status',
             lora__cache_dot_v1_dot_lora__cache__service__pb2.StatusRequest.SerializeToString,
             lora__cache_dot_v1_dot_lora__cache__service__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachRank(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/lora_cache.v1.LoraCacheService/AttachRank',
+            lora__cache_dot_v1_dot_lora__cache__service__pb2.AttachRankRequest.SerializeToString,
+            lora__cache_dot_v1_dot_lora__cache__service__pb2.AttachRankResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,59 @@
+"""The cluster side of a rank attached through the gateway (``rank_link.RankHost`` over Ray): the gateway
+owns the rank's ``Endpoint`` actor (``workers/attach_ray.py``, the same actor an engine in the cluster
+makes for itself) and calls the controller as an attached process would. Only forwards."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import ray
+
+from lora_cache.api.relay_codec import Call, DeltaRow
+from lora_cache.api.v1 import lora_cache_service_pb2 as pb
+from lora_cache.catalog import CatalogConfig
+from lora_cache.names import parse_worker_name
+from workers.attach_ray import create_endpoint
+
+log = logging.getLogger(__name__)
+
+
+class RayRankHost:
+    """One rank's endpoint and its calls to ``controller``, for one AttachRank stream."""
+
+    def __init__(self, controller: Any, name: str) -> None:
+        self.controller, self.name = controller, name
+        self.endpoint: Any = None
+
+    async def catalog(self) -> CatalogConfig:
+        config: CatalogConfig = await self.controller.catalog_config.remote()
+        return config
+
+    async def open(self, hello: pb.AttachHello) -> None:
+        self.endpoint = await asyncio.to_thread(create_endpoint, self.name, parse_worker_name(self.name),
+                                                hello.liveness_s, hello.start_s, hello.name_wait_s)
+
+    async def adopt(self, hello: pb.AttachHello) -> None:
+        await self.controller.worker_started.remote(self.name, hello.incarnation, True)
+
+    async def take(self, timeout_s: float) -> list[Call]:
+        calls: list[Call] = await self.endpoint.take.remote(timeout_s, False)
+        return calls
+
+    async def answer(self, results: list[tuple[int, bool, Any]]) -> None:
+        await self.endpoint.answer.remote(results)
+
+    async def report(self, incarnation: int, batch: list[DeltaRow]) -> None:
+        await self.controller.report.remote(self.name, incarnation, batch)
+
+    async def leave(self, hello: pb.AttachHello) -> None:
+        """Tell the controller (it drops what the rank held), then kill the endpoint."""
+        if self.endpoint is None:
+            return
+        try:
+            await self.controller.worker_detached.remote(self.name, hello.incarnation)
+        except Exception as e:  # no controller: its health check drops the rank once the endpoint is gone
+            log.info("%s: the controller did not hear of the detach (%s)", self.name, e)
+        ray.kill(self.endpoint, no_restart=True)
+        self.endpoint = None

@@ -1,0 +1,189 @@
+"""The AttachRank stream's messages <-> the Python values of the relay (docs/integrating.md, "Outside the
+Ray cluster"): the controller's calls on a rank and their answers, residency deltas, the catalog config.
+
+Plain functions shared by the gateway (``lora_cache/api/rank_link.py``) and the engine's side
+(``workers/attach_grpc.py``). A call's answer is decoded by the method it answers (the caller knows which
+call it made). An error answer carries its class name: lora-cache's own error classes are raised again
+as themselves in the controller (a ``ConfigError`` stays one), any other class as ``RelayedCallError``.
+Malformed input is a ``RequestError`` naming the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from lora_cache import errors
+from lora_cache.api.v1 import lora_cache_service_pb2 as pb
+from lora_cache.api.validate import RequestError
+from lora_cache.catalog import CatalogConfig
+from lora_cache.planner import Command, Evict, Prefetch, Stage
+
+Call = tuple[int, str, tuple[Any, ...]]  # (call id, method, arguments): workers/relay.py's
+DeltaRow = tuple[int, str, str, str, str]  # (seq, adapter, version, state, error): workers/outbox.py's
+
+
+class RelayedCallError(errors.LoraCacheError):
+    """A relayed call raised an error that is not one of lora-cache's own on the rank."""
+
+
+_KINDS: dict[type[Any], pb.RelayedCommandKind] = {
+    Prefetch: pb.RELAYED_COMMAND_KIND_PREFETCH, Evict: pb.RELAYED_COMMAND_KIND_EVICT,
+    Stage: pb.RELAYED_COMMAND_KIND_STAGE}
+_STATES: dict[str, pb.ResidencyState] = {"loading": pb.RESIDENCY_STATE_LOADING, "ready": pb.RESIDENCY_STATE_READY,
+           "in_use": pb.RESIDENCY_STATE_IN_USE, "gone": pb.RESIDENCY_STATE_GONE, "failed": pb.RESIDENCY_STATE_FAILED}
+_STATE_NAMES: dict[int, str] = {int(v): k for k, v in _STATES.items()}
+_ERRORS: dict[str, type[errors.LoraCacheError]] = {
+    cls.__name__: cls for cls in vars(errors).values()
+    if isinstance(cls, type) and issubclass(cls, errors.LoraCacheError)}
+
+
+# -- calls (down) ------------------------------------------------------------------------------------
+def command(c: Command) -> pb.RelayedCommand:
+    priority = 0 if isinstance(c, Evict) else c.priority
+    return pb.RelayedCommand(kind=_KINDS[type(c)], adapter=c.adapter, version=c.version, priority=priority,
+                             epoch=c.epoch)
+
+
+def from_command(m: pb.RelayedCommand) -> Command:
+    if m.kind == pb.RELAYED_COMMAND_KIND_EVICT:
+        return Evict(m.adapter, m.version, m.epoch)
+    if m.kind == pb.RELAYED_COMMAND_KIND_PREFETCH:
+        return Prefetch(m.adapter, m.version, m.priority, m.epoch)
+    if m.kind == pb.RELAYED_COMMAND_KIND_STAGE:
+        return Stage(m.adapter, m.version, m.priority, m.epoch)
+    raise RequestError(f"command kind {m.kind} of {m.adapter!r} is not PREFETCH, EVICT or STAGE; the gateway is "
+                       "newer than this engine's lora-cache: upgrade it")
+
+
+def call(c: Call) -> pb.RelayedCall:
+    ident, method, args = c
+    out = pb.RelayedCall(call_id=ident)
+    if method == "apply":
+        out.apply.commands.extend(command(x) for x in args[0])
+    elif method == "describe":
+        out.describe.SetInParent()
+    elif method == "register_adapter":
+        out.register_adapter.name, out.register_adapter.path = args
+    elif method == "unregister_adapter":
+        out.unregister_adapter.name = args[0]
+    elif method == "stats":
+        out.stats.SetInParent()
+    else:
+        raise ValueError(f"no relayed call named {method!r}")  # internal: the endpoint has five methods
+    return out
+
+
+def from_call(m: pb.RelayedCall) -> Call:
+    kind = m.WhichOneof("call")
+    if kind == "apply":
+        return m.call_id, "apply", ([from_command(c) for c in m.apply.commands],)
+    if kind == "register_adapter":
+        return m.call_id, "register_adapter", (m.register_adapter.name, m.register_adapter.path)
+    if kind == "unregister_adapter":
+        return m.call_id, "unregister_adapter", (m.unregister_adapter.name,)
+    if kind in ("describe", "stats"):
+        return m.call_id, kind, ()
+    raise RequestError(f"relayed call {m.call_id} names no call ({kind!r}); the gateway is newer than this "
+                       "engine's lora-cache: upgrade it")
+
+
+# -- answers (up) ------------------------------------------------------------------------------------
+def answer(ident: int, method: str, ok: bool, value: Any) -> pb.CallAnswer:
+    """The answer of call ``ident`` (a call of ``method``): its result, or the exception it raised."""
+    out = pb.CallAnswer(call_id=ident)
+    if not ok:
+        out.error.error_class, out.error.message = type(value).__name__, str(value)
+    elif method == "apply":
+        out.apply.accepted, out.apply.rejected_stale = value.accepted, value.rejected_stale
+        out.apply.errors.extend(value.errors)
+    elif method == "describe":
+        out.describe.CopyFrom(report(value))
+    elif method == "register_adapter":
+        out.registered_version = value
+    elif method == "unregister_adapter":
+        out.unregistered = bool(value)
+    elif method == "stats":
+        out.stats_json = json.dumps(value)
+    else:
+        raise ValueError(f"no relayed call named {method!r}")
+    return out
+
+
+def from_answer(m: pb.CallAnswer, method: str) -> tuple[int, bool, Any]:
+    """(call id, ok, value or exception) for ``Relay.answer``; a result that is not ``method``'s is a
+    ``RequestError``."""
+    from workers.commands import ApplyResult  # the controller reads what a worker actor returns
+
+    kind = m.WhichOneof("result")
+    if kind == "error":
+        cls = _ERRORS.get(m.error.error_class)
+        error = cls(m.error.message) if cls else RelayedCallError(f"{m.error.error_class}: {m.error.message}")
+        return m.call_id, False, error
+    expected = {"apply": "apply", "describe": "describe", "register_adapter": "registered_version",
+                "unregister_adapter": "unregistered", "stats": "stats_json"}[method]
+    if kind != expected:
+        raise RequestError(f"call {m.call_id} was {method}, whose answer is {expected} or error, not {kind!r}; "
+                           "answer each RelayedCall with the result of its own call")
+    if kind == "apply":
+        return m.call_id, True, ApplyResult(m.apply.accepted, m.apply.rejected_stale, tuple(m.apply.errors))
+    if kind == "describe":
+        return m.call_id, True, from_report(m.describe)
+    if kind == "registered_version":
+        return m.call_id, True, m.registered_version
+    if kind == "unregistered":
+        return m.call_id, True, m.unregistered
+    try:
+        return m.call_id, True, json.loads(m.stats_json)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"call {m.call_id}'s stats_json is not JSON ({e}); send WorkerControl.stats() "
+                           "as json.dumps") from e
+
+
+def report(d: dict[str, Any]) -> pb.WorkerReport:
+    """``WorkerControl.describe``'s dict as a message."""
+    return pb.WorkerReport(
+        replica=d["replica"], rank=d["rank"], tp=d["tp"], model=d["model"], incarnation=d["incarnation"], seq=d["seq"],
+        node=d["node"], slots=d["slots"], host_bytes=d["host_bytes"], adapters=d["adapters"], epoch=d["epoch"],
+        residencies=[pb.RankResidency(adapter=a, version=v, state=state(s), refs=refs) for a, v, s, refs in
+                     d["residency"]])
+
+
+def from_report(m: pb.WorkerReport) -> dict[str, Any]:
+    return {"replica": m.replica, "rank": m.rank, "tp": m.tp, "model": m.model, "incarnation": m.incarnation,
+            "seq": m.seq, "node": m.node, "slots": m.slots, "host_bytes": m.host_bytes, "adapters": dict(m.adapters),
+            "epoch": m.epoch, "residency": [(r.adapter, r.version, state_name(r.state), r.refs)
+                                            for r in m.residencies]}
+
+
+# -- deltas (up) and the catalog (down) ------------------------------------------------------------
+def state(name: str) -> pb.ResidencyState:
+    return _STATES[name]
+
+
+def state_name(value: int) -> str:
+    try:
+        return _STATE_NAMES[value]
+    except KeyError:
+        raise RequestError(f"residency state {value} is not one of {sorted(_STATE_NAMES)}; send "
+                           "LOADING, READY, IN_USE, GONE or FAILED") from None
+
+
+def deltas(incarnation: int, batch: list[DeltaRow]) -> pb.ResidencyDeltas:
+    return pb.ResidencyDeltas(incarnation=incarnation, deltas=[
+        pb.ResidencyDelta(seq=seq, adapter=a, version=v, state=state(s), error=e) for seq, a, v, s, e in batch])
+
+
+def from_deltas(m: pb.ResidencyDeltas) -> tuple[int, list[DeltaRow]]:
+    return m.incarnation, [(d.seq, d.adapter, d.version, state_name(d.state), d.error) for d in m.deltas]
+
+
+def attached(config: CatalogConfig, model: str, name: str) -> pb.Attached:
+    """``model``: the resolved shape name (the config's may be a path on the controller's host)."""
+    return pb.Attached(model=model, max_rank=config.max_rank, adapter_roots=list(config.adapter_roots),
+                       keep_versions=config.keep_versions, worker_name=name)
+
+
+def from_attached(m: pb.Attached) -> CatalogConfig:
+    return CatalogConfig(adapter_roots=tuple(m.adapter_roots), model=m.model, max_rank=m.max_rank,
+                         keep_versions=m.keep_versions)

@@ -1,0 +1,70 @@
+"""An engine process outside the Ray cluster, for tests/test_ray_gateway_attach.py: it attaches one rank
+through the gateway (``AttachConfig(gateway=...)``) and obeys one JSON command per stdin line, answering
+one JSON line on stdout: ``residency``, ``step`` (acquire + release), ``queue``, ``stats``, ``detach``.
+
+    python tests/gateway_engine.py '{"replica": "replica-g", "gateway": "127.0.0.1:50051", "token": "..."}'
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from typing import Any
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    from workers.attach import AttachConfig, attach
+    from workers.cache import WorkerConfig
+    from workers.host_tier import HostTierConfig
+
+    config = AttachConfig(replica=args["replica"], gateway=args["gateway"], token=args.get("token", ""),
+                          poll_s=0.5, liveness_s=args.get("liveness_s", 10.0),
+                          name_wait_s=args.get("name_wait_s", 30.0))
+    worker = WorkerConfig(num_slots=3, tp=args.get("tp", 1), tp_rank=args.get("rank", 0), device="cpu",
+                          dtype="float32", host=HostTierConfig(host_bytes=1 << 22, pin=False))
+    try:
+        rank = attach(config, worker)
+    except Exception as e:  # the test reads the refusal
+        reply({"error": type(e).__name__, "message": str(e), "ray": "ray" in sys.modules})
+        return
+    reply({"attached": rank.name, "ray": "ray" in sys.modules, "model": rank.catalog.shape.name})
+    for line in sys.stdin:
+        command = json.loads(line)
+        try:
+            reply({"ok": run(rank, command)})
+        except Exception:
+            reply({"error": traceback.format_exc()})
+        if command["op"] == "detach":
+            return
+
+
+def run(rank: Any, command: dict[str, Any]) -> Any:
+    op = command["op"]
+    if op == "residency":
+        return [(r["adapter"], r["state"]) for r in rank.cache.residency()]
+    if op == "step":
+        batch = rank.acquire(command["adapters"])
+        rank.release(batch)
+        return list(batch.slots)
+    if op == "queue":
+        rank.report_queue([(a, time.time()) for a in command["adapters"]])
+        return True
+    if op == "stats":
+        return {**rank.control.stats(), "calls": rank.calls, "errors": rank.errors, "lost": repr(rank.lost),
+                "ray": "ray" in sys.modules}
+    if op == "detach":
+        rank.detach()
+        return True
+    raise ValueError(f"unknown op {op!r}")
+
+
+def reply(doc: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(doc, default=str) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

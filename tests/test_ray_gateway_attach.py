@@ -1,0 +1,278 @@
+"""An engine process outside the Ray cluster attaches a rank through the gateway (docs/integrating.md,
+"Outside the Ray cluster"), on a real local Ray: the controller alone (``serve --replicas 0``) and the
+gateway with token auth in this process; the engine is a plain subprocess that never imports Ray
+(tests/gateway_engine.py). It receives a prefetch from a hint, reaches READY, steps, reports its queue
+and detaches; a killed process is dropped the same way; bad streams get clear errors and leave the
+attached rank alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from lora_cache.api import relay_codec as codec  # noqa: E402
+from lora_cache.api.v1 import lora_cache_service_pb2 as pb  # noqa: E402
+from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc  # noqa: E402
+from lora_cache.catalog import CatalogConfig  # noqa: E402
+from lora_cache.gateway import GatewayConfig, start_gateway_thread  # noqa: E402
+from lora_cache.planner import PlannerConfig  # noqa: E402
+from lora_cache.serve import ServeConfig, start  # noqa: E402
+from lora_cache.synth import SynthConfig, make_adapters  # noqa: E402
+from workers.cache import WorkerConfig  # noqa: E402
+from workers.host_tier import HostTierConfig  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "gw-attach-token"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+REPLICA = "replica-g"
+
+
+class Fleet:
+    def __init__(self, service: Any, gateway: Any, stub: Any) -> None:
+        self.service, self.gateway, self.stub = service, gateway, stub
+
+    @property
+    def controller(self) -> Any:
+        return self.service.controller
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    root = tmp_path_factory.mktemp("adapters")
+    make_adapters(root, SynthConfig(model="tiny", count=4, rank="8,16"))
+    ray.init(num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
+    try:
+        service = start(ServeConfig(adapters=str(root), replicas=0), CatalogConfig(model="tiny", max_rank=16),
+                        PlannerConfig(policy="global"),
+                        WorkerConfig(num_slots=3, host=HostTierConfig(host_bytes=1 << 22, pin=False)))
+        try:
+            gateway = start_gateway_thread(GatewayConfig(grpc_port=0, token=TOKEN), service.controller)
+            channel = grpc.insecure_channel(gateway.target)
+            try:
+                yield Fleet(service, gateway, pb_grpc.LoraCacheServiceStub(channel))
+            finally:
+                channel.close()
+                gateway.stop()
+        finally:
+            service.stop()
+    finally:
+        ray.shutdown()
+
+
+class EngineProc:
+    """tests/gateway_engine.py in a subprocess: outside Ray (no RAY_ADDRESS), one command at a time."""
+
+    def __init__(self, fleet: Fleet, **args: Any) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"PYTHONPATH": str(ROOT)}
+        doc = {"replica": REPLICA, "gateway": fleet.gateway.target, "token": TOKEN} | args
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "gateway_engine.py"), json.dumps(doc)],
+                                     cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.hello = self._read()
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"the engine process exited ({self.proc.wait(30)})"
+        return dict(json.loads(line))
+
+    def call(self, op: str, **kw: Any) -> Any:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        answer = self._read()
+        assert "error" not in answer, answer["error"]
+        return answer["ok"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout} s"
+        time.sleep(0.1)
+
+
+def ready_on(fleet: Fleet, adapter: str) -> list[str]:
+    return list(fleet.stub.Lookup(pb.LookupRequest(adapter=adapter), metadata=AUTH, timeout=30).ready_replicas)
+
+
+def hint(fleet: Fleet, hint_id: str, adapter: str) -> None:
+    request = pb.HintRequest(hints=[pb.PrefetchHint(hint_id=hint_id, adapter=adapter, replica=REPLICA)])
+    assert fleet.stub.Hint(request, metadata=AUTH, timeout=30).accepted == 1
+
+
+def named(name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace="lora-cache")
+        return True
+    except ValueError:
+        return False
+
+
+RANK0 = "lora-cache-worker:replica-g:0"
+
+
+def test_an_engine_outside_ray_attaches_through_the_gateway_serves_and_detaches(fleet: Fleet) -> None:
+    engine = EngineProc(fleet)
+    try:
+        assert engine.hello == {"attached": RANK0, "ray": False, "model": "tiny"}  # Ray never imported there
+        status = ray.get(fleet.controller.status.remote(), timeout=30)
+        assert REPLICA in status["replicas"] and named(RANK0)  # the gateway hosts its endpoint
+
+        hint(fleet, "g-1", "adapter-001")  # the controller prefetches into the process, relayed by the gateway
+        wait_for(lambda: REPLICA in ready_on(fleet, "adapter-001"), "READY through the gateway")
+        assert ("adapter-001", "ready") in {tuple(r) for r in engine.call("residency")}
+        assert len(engine.call("step", adapters=["adapter-001", "adapter-001"])) == 2
+        stats = engine.call("stats")
+        assert stats["gpu_hits"] == 1 and stats["gpu_misses"] == 0 and stats["commands_accepted"] >= 1
+        assert stats["calls"] >= 3 and stats["errors"] == 0 and stats["lost"] == "None" and not stats["ray"]
+
+        engine.call("queue", adapters=["adapter-002", "adapter-001"])  # through the gateway's ReportQueue
+        wait_for(lambda: ray.get(fleet.controller.status.remote())["queue_depths"].get(REPLICA) == 2, "queue")
+        workers = ray.get(fleet.controller.worker_stats.remote(), timeout=30)  # a controller call relayed: stats
+        assert [w["stats"]["gpu_hits"] for w in workers if w["worker"] == RANK0] == [1]
+
+        engine.call("detach")
+        wait_for(lambda: REPLICA not in ready_on(fleet, "adapter-001"), "the detached rank dropped")
+        wait_for(lambda: not named(RANK0), "the endpoint killed")
+        assert engine.proc.wait(60) == 0
+        assert ray.get(fleet.controller.check_integrity.remote())
+    finally:
+        engine.close()
+
+
+def test_a_killed_engine_process_is_a_dead_rank(fleet: Fleet) -> None:
+    engine = EngineProc(fleet)
+    try:
+        assert engine.hello["attached"] == RANK0
+        hint(fleet, "g-2", "adapter-003")
+        wait_for(lambda: REPLICA in ready_on(fleet, "adapter-003"), "READY through the gateway")
+        engine.proc.send_signal(signal.SIGKILL)
+        engine.proc.wait(30)
+        wait_for(lambda: REPLICA not in ready_on(fleet, "adapter-003"), "the killed rank dropped")
+        wait_for(lambda: not named(RANK0), "the endpoint killed with the stream")
+        assert all(REPLICA not in ready_on(fleet, f"adapter-00{i}") for i in range(4))  # ready for nothing
+    finally:
+        engine.close()
+
+
+def test_a_stopped_engine_process_with_its_stream_open_is_a_dead_rank(fleet: Fleet) -> None:
+    """SIGSTOP: the socket stays open, but the process sends no RankAlive (the gateway's own takes are no
+    sign of life), so its endpoint fails the controller's ping after liveness_s and the rank is dropped."""
+    engine = EngineProc(fleet, liveness_s=3.0)
+    try:
+        assert engine.hello["attached"] == RANK0
+        hint(fleet, "g-4", "adapter-000")
+        wait_for(lambda: REPLICA in ready_on(fleet, "adapter-000"), "READY through the gateway")
+        engine.proc.send_signal(signal.SIGSTOP)
+        wait_for(lambda: REPLICA not in ready_on(fleet, "adapter-000"), "the silent rank dropped")
+        assert named(RANK0)  # its stream is still open: the endpoint stays until the stream ends
+        engine.proc.send_signal(signal.SIGKILL)
+        engine.proc.wait(30)
+        wait_for(lambda: not named(RANK0), "the endpoint killed with the stream")
+    finally:
+        engine.close()
+
+
+def _stream(fleet: Fleet, messages: list[pb.AttachRankRequest], metadata: Any = AUTH) -> grpc.RpcError:
+    """Send ``messages`` up, read down until the gateway ends the stream with an error; that error."""
+    done = threading.Event()
+
+    def up() -> Iterator[pb.AttachRankRequest]:
+        yield from messages
+        done.wait(60)  # the stream stays open: the gateway must end it
+
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in fleet.stub.AttachRank(up(), metadata=metadata, timeout=60):
+                pass  # Attached, the adoption's describe (left unanswered)
+    finally:
+        done.set()
+    return info.value
+
+
+def hello(**kw: Any) -> pb.AttachRankRequest:
+    fields: dict[str, Any] = {"replica": "replica-b", "rank": 0, "tp": 1, "num_slots": 3, "model": "tiny",
+                              "incarnation": time.time_ns(), "liveness_s": 10.0, "start_s": 60.0,
+                              "name_wait_s": 0.0} | kw
+    return pb.AttachRankRequest(hello=pb.AttachHello(**fields))
+
+
+@pytest.mark.parametrize(("messages", "code", "fragment"), [
+    ([pb.AttachRankRequest(alive=pb.RankAlive())], grpc.StatusCode.INVALID_ARGUMENT,
+     "first message of an AttachRank stream must be an AttachHello, not 'alive'"),
+    ([hello(replica="bad/name")], grpc.StatusCode.INVALID_ARGUMENT,
+     "replica 'bad/name' in the AttachHello is malformed"),
+    ([hello(rank=1, tp=1)], grpc.StatusCode.INVALID_ARGUMENT, "rank 1 of replica 'replica-b' is not below tp 1"),
+    ([hello(model="llama-3.1-8b")], grpc.StatusCode.INVALID_ARGUMENT,
+     "serves model 'llama-3.1-8b' but the controller plans for 'tiny'"),
+    ([hello(), hello()], grpc.StatusCode.INVALID_ARGUMENT, "a second AttachHello on its stream"),
+    ([hello(), pb.AttachRankRequest(answer=pb.CallAnswer(call_id=12345, unregistered=True))],
+     grpc.StatusCode.INVALID_ARGUMENT, "an answer for call 12345, which is not in flight on this stream"),
+])
+def test_bad_streams_get_clear_errors_and_leave_an_attached_rank_alone(fleet: Fleet, messages, code, fragment) -> None:
+    error = _stream(fleet, messages)
+    assert error.code() == code and fragment in error.details(), (error.code(), error.details())
+    wait_for(lambda: not named("lora-cache-worker:replica-b:0"), "no endpoint left behind")
+
+
+def test_the_gateway_refuses_a_stream_without_its_token_and_a_taken_rank(fleet: Fleet) -> None:
+    error = _stream(fleet, [hello()], metadata=())
+    assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+    wrong = EngineProc(fleet, token="not-the-token")  # the engine's side: a ConfigError naming the fix
+    try:
+        assert wrong.hello["error"] == "ConfigError" and "the bearer token is wrong" in wrong.hello["message"]
+    finally:
+        wrong.close()
+    engine = EngineProc(fleet)
+    try:
+        assert engine.hello["attached"] == RANK0
+        second = EngineProc(fleet, name_wait_s=0.0)  # the same rank again, while the first holds it
+        try:
+            assert second.hello["error"] == "ConflictError" and not second.hello["ray"]
+            assert "rank 0 of replica 'replica-g' is already attached" in second.hello["message"]
+        finally:
+            second.close()
+        # streams that name the attached rank itself, or misbehave beside it, end alone
+        error = _stream(fleet, [hello(replica=REPLICA)])
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()
+        assert "rank 0 of replica 'replica-g' is already attached" in error.details()
+        error = _stream(fleet, [hello(replica=REPLICA, model="llama-3.1-8b")])
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "serves model 'llama-3.1-8b'" in error.details()
+        error = _stream(fleet, [hello(), pb.AttachRankRequest(answer=pb.CallAnswer(call_id=7, unregistered=True))])
+        assert "an answer for call 7, which is not in flight" in error.details()
+        assert named(RANK0)
+        # the bad streams and the refused rank did not disturb the attached one
+        hint(fleet, "g-3", "adapter-002")
+        wait_for(lambda: REPLICA in ready_on(fleet, "adapter-002"), "the attached rank still serving")
+        engine.call("detach")
+    finally:
+        engine.close()
+
+
+def test_the_answers_codec_keeps_the_controllers_types() -> None:
+    """What the controller reads of a relayed apply (``_collect``) survives the trip."""
+    from workers.commands import ApplyResult
+
+    _, ok, value = codec.from_answer(codec.answer(1, "apply", True, ApplyResult(1, 2, ("e",))), "apply")
+    assert ok and value == ApplyResult(1, 2, ("e",)) and value.rejected_stale == 2

@@ -1,0 +1,78 @@
+"""How an attached rank talks to the control plane (``workers/attach.py``): one small interface, two ways.
+
+``RankTransport`` is everything ``Attachment`` needs beyond its own process: announce the rank (and get
+the controller's catalog config), take the controller's relayed calls and answer them, say it is alive
+while a long call runs, push residency deltas and queue reports, and leave. ``RayTransport``
+(``workers/attach_ray.py``) joins the Ray cluster and creates the rank's endpoint actor itself;
+``GrpcTransport`` (``workers/attach_grpc.py``) reaches the gateway over one ``AttachRank`` stream and
+the gateway hosts the endpoint (docs/integrating.md, "Outside the Ray cluster").
+
+Threads: ``take``/``answer``/``alive`` are called from the serve and heartbeat threads, ``send_deltas``
+from the outbox's, ``send_queue`` from the queue sender's; implementations are thread-safe.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, NamedTuple
+
+from lora_cache.catalog import CatalogConfig
+from workers.outbox import DeltaRow
+from workers.relay import Call
+
+Answer = tuple[int, bool, Any]  # (call id, ok, result or the exception raised)
+
+
+class Hello(NamedTuple):
+    """Who the rank is, as its transport announces it."""
+
+    replica: str
+    rank: int
+    tp: int
+    num_slots: int
+    model: str  # "" when the engine takes the controller's catalog config
+    incarnation: int  # the rank's start time (ns); its Outbox numbers deltas under it
+    liveness_s: float
+    start_s: float
+    name_wait_s: float
+
+
+class RankTransport(ABC):
+    """The attached rank's link to the controller (see the module docstring)."""
+
+    node: str = ""  # where the rank runs, for its describe report
+
+    @abstractmethod
+    def open(self, hello: Hello) -> CatalogConfig:
+        """Make the rank's endpoint (``ConflictError`` if the rank is attached already); the controller's
+        catalog config."""
+
+    @abstractmethod
+    def adopted(self, hello: Hello) -> None:
+        """Block until the controller has adopted the rank (its calls are served meanwhile); raises its
+        refusal (``ConfigError``: the replica exists with another TP size, slot count or model)."""
+
+    @abstractmethod
+    def take(self, timeout_s: float) -> list[Call]:
+        """The controller's calls, oldest first (a sign of life); [] after ``timeout_s`` without one.
+        Raises ``ConnectionError`` once the link is gone for good."""
+
+    @abstractmethod
+    def answer(self, results: list[Answer]) -> None:
+        """Answers of calls taken; does not wait for delivery."""
+
+    @abstractmethod
+    def alive(self) -> None:
+        """A sign of life while a long call runs (no call taken)."""
+
+    @abstractmethod
+    def send_deltas(self, name: str, incarnation: int, batch: list[DeltaRow]) -> None:
+        """Push one batch of residency deltas; raises if it did not go out (the Outbox sends it again)."""
+
+    @abstractmethod
+    def send_queue(self, replica: str, entries: list[tuple[str, float]]) -> None:
+        """The replica's waiting queue, (adapter, arrival time.time()) in order."""
+
+    @abstractmethod
+    def close(self, hello: Hello) -> None:
+        """Leave: the controller drops what the rank held, the endpoint goes. Idempotent."""
