@@ -5,22 +5,33 @@ gateway) so no policy inherits another's cache. Every worker hosts one rank of t
 (``workers.engine.hosted``) over its own ``WorkerCache``, which the controller drives too. With
 ``attach``, the service runs the controller alone and every engine rank runs in a process of its own
 that attaches to it through the engine seam (``workers/attach.py``, ``bench.attached``), as an external
-engine would; the engine code, the cache and the controller's commands are the same. Then:
+engine would; the engine code, the cache and the controller's commands are the same. Then, from one
+shared wall-clock start:
 
-- the router (a thread here) routes request i to replica i mod R and, for policies with hints, sends a
-  gRPC ``Hint`` ``hint_lead_s`` before the request reaches the replica (lifecycle step 1);
-- each replica's rank 0 reports its waiting queue to the controller as it changes (policies that plan);
-- every engine serves its requests from one shared wall-clock start.
+- the router (a thread here, ``Router``) routes each request ``hint_lead_s`` before its arrival by its
+  rule (``bench.routers``: round-robin, least-loaded, affinity over the gateway's ``Lookup``, or
+  lora-cache's ``Route`` advice with the router's own in-flight counts), and, for policies with hints,
+  sends the chosen replica a gRPC ``Hint`` then (lifecycle step 1);
+- at the request's arrival it submits it to that replica's engine, whose rank 0 takes it into its
+  waiting queue (``workers/engine/feed.py``; the other ranks follow rank 0's plans); a request that
+  reaches the engine late is admitted when it gets there, and its TTFT still counts from its arrival;
+- the engines tell the router which requests finished (its in-flight counts), and after the last
+  submission the router ends every replica's stream;
+- each replica's rank 0 reports its waiting queue to the controller as it changes (policies that plan).
 
+Closed-loop workloads (``inflight:N``) are routed round-robin up front, N / R in flight per replica.
+Every run checks that each request was served once, by the replica the router chose.
 The oracle preloads every adapter (slots for all of them) before the clock starts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -31,9 +42,10 @@ import ray
 from bench.attached import ProcessFleet
 from bench.figures import PolicyRun
 from bench.policies import BenchPolicy
+from bench.routers import Gateway, LeastLoaded, Rule, make_rule
 from lora_cache import heap
 from lora_cache.catalog import CatalogConfig
-from lora_cache.client import Hint, LoraCacheClient
+from lora_cache.client import Hint, LoraCacheClient, RouteItem
 from lora_cache.controller import CONTROLLER_NAME, NAMESPACE
 from lora_cache.errors import ConfigError
 from lora_cache.gateway import GatewayConfig, start_gateway_thread
@@ -72,12 +84,14 @@ class RealConfig:
     timeout_s: float = 900.0  # one policy's whole run
     engine: dict[str, Any] = field(default_factory=dict)  # further EngineConfig fields (e.g. share_weights)
     attach: bool = False  # engine ranks in processes of their own, attached through the seam
+    router: str = "round-robin"  # the routing rule (bench.routers.RULES)
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.tp < 1 or self.slots < 1:
             raise ConfigError(f"replicas ({self.replicas}), tp ({self.tp}) and slots ({self.slots}) must be >= 1")
         if self.hint_lead_s < 0:
             raise ConfigError(f"hint_lead_s must be >= 0 seconds, got {self.hint_lead_s}")
+        make_rule(self.router)  # a clear error for an unknown name
 
 
 def route(requests: list[Request], replicas: int) -> list[list[Request]]:
@@ -116,19 +130,31 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
         since_wall = time.time()  # counters and the load log from here: hinted loads may precede the clock
         heap.freeze()  # the router's hints and the gateway are not stalled by full collections (thawed below)
         before = fleet.stats()
-        routed = route(workload.requests, config.replicas)
-        inflight = -(-workload.inflight // config.replicas) if workload.inflight else 0
         start_wall = time.time() + 1.0
-        router = Router(gateway.target, replicas, routed, start_wall, config.hint_lead_s, policy) if (
-            policy.hints and not inflight) else None
-        runs = fleet.run(routed, start_wall, inflight, policy.planner != "none")
-        results = _wait(runs, start_wall, workload, config.timeout_s, tick)
-        if router is not None:
-            router.stop()
+        report = policy.planner != "none"
+        if workload.inflight:  # closed loop: round-robin, up front
+            if config.router != "round-robin":
+                raise ConfigError(f"router {config.router!r} routes open-loop arrivals only (poisson, trace); a "
+                                  f"closed loop (inflight:{workload.inflight}) is routed round-robin up front: use "
+                                  "--router round-robin or open-loop arrivals")
+            routed = route(workload.requests, config.replicas)
+            choices = {r.rid: replica for replica, reqs in zip(replicas, routed) for r in reqs}
+            runs = fleet.run(routed, start_wall, -(-workload.inflight // config.replicas), report)
+            results = _wait(runs, start_wall, workload, config.timeout_s, tick)
+            routing: dict[str, Any] = {"router": "round-robin (up front)"}
+        else:
+            runs = fleet.run([[] for _ in replicas], start_wall, 0, report, streaming=True)
+            router = Router(gateway.target, fleet, replicas, workload.requests, start_wall, config.hint_lead_s,
+                            policy, config.router)
+            try:
+                results = _wait(runs, start_wall, workload, config.timeout_s, tick)
+            finally:
+                router.stop()
+            router.check()
+            choices, routing = router.choices, router.describe()
         run = _collect(policy, fleet, results[: config.replicas], start_wall, since_wall, before)
+        run.routing = {**routing, **served_as_routed(choices, dict(zip(replicas, results)))}
         run.wall_s = time.perf_counter() - t_begin
-        if router is not None and router.errors:
-            raise RuntimeError(f"router: {router.errors} hint calls failed; first: {router.first_error}")
         return run
     finally:
         heap.thaw()
@@ -137,6 +163,30 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
         if fleet is not None:
             fleet.stop()
         service.stop()
+
+
+def served_as_routed(choices: dict[int, str], results: dict[str, Any]) -> dict[str, Any]:
+    """Every request served exactly once, by the replica the router chose (``results``: each replica's
+    rank-0 ``EngineResult``), or a RuntimeError naming the first that was not; the per-replica counts."""
+    served: dict[int, str] = {}
+    for replica, result in results.items():
+        for rec in result.records:
+            if rec.rid in served:
+                raise RuntimeError(f"request {rec.rid} was served by both {served[rec.rid]} and {replica}")
+            served[rec.rid] = replica
+    if set(served) != set(choices):
+        lost, extra = sorted(set(choices) - set(served)), sorted(set(served) - set(choices))
+        raise RuntimeError(f"the engines served other requests than were routed: missing {lost[:8]}, "
+                           f"unrouted {extra[:8]}")
+    wrong = [rid for rid, replica in served.items() if choices[rid] != replica]
+    if wrong:
+        rid = wrong[0]
+        raise RuntimeError(f"{len(wrong)} requests were served elsewhere than routed: request {rid} was routed to "
+                           f"{choices[rid]} and served by {served[rid]}")
+    counts = {replica: 0 for replica in results}
+    for replica in served.values():
+        counts[replica] += 1
+    return {"requests_per_replica": counts}
 
 
 def _refuse_running_service() -> None:
@@ -169,13 +219,29 @@ class ActorFleet:
             refs += [h.engine_build.remote(engine, meet) for h in handles]
         ray.get(refs, timeout=timeout_s)
 
-    def run(self, routed: list[list[Request]], start_wall: float, inflight: int, report: bool) -> list[Future[Any]]:
-        """Every rank's run, the replicas' rank 0 first (they report the queue, if ``report``)."""
-        refs = [hs[0].engine_run.remote(reqs, start_wall, inflight, report) for hs, reqs in
+    def run(self, routed: list[list[Request]], start_wall: float, inflight: int, report: bool,
+            streaming: bool = False) -> list[Future[Any]]:
+        """Every rank's run, the replicas' rank 0 first (they report the queue, if ``report``; and take
+        ``submit``ted requests until ``end_streams``, if ``streaming``)."""
+        self._fed: list[ray.ObjectRef[Any]] = []
+        refs = [hs[0].engine_run.remote(reqs, start_wall, inflight, report, streaming) for hs, reqs in
                 zip(self.ranks.values(), routed)]
         refs += [h.engine_run.remote(reqs, start_wall, inflight) for hs, reqs in zip(self.ranks.values(), routed)
                  for h in hs[1:]]
         return [ref.future() for ref in refs]
+
+    def submit(self, replica: str, requests: list[Request]) -> None:
+        self._fed.append(self.ranks[replica][0].engine_submit.remote(requests))  # checked by end_streams
+
+    def end_streams(self) -> None:
+        """Every replica's end of stream, after its submissions (one actor call group: in order); raises if
+        a submission failed."""
+        self._fed += [hs[0].engine_end_stream.remote() for hs in self.ranks.values()]
+        ray.get(self._fed, timeout=60)
+
+    def finished(self, replica: str, timeout_s: float) -> list[int] | None:
+        return ray.get(self.ranks[replica][0].engine_finished.remote(timeout_s),  # type: ignore[no-any-return]
+                       timeout=timeout_s + 60)
 
     def stats(self) -> dict[tuple[str, int], dict[str, Any]]:
         """Every worker's ``stats()``, by (replica, rank), in one round trip."""
@@ -236,42 +302,153 @@ def _collect(policy: BenchPolicy, fleet: Fleet, results: list[Any], start_wall: 
     return PolicyRun(policy.name, "real", records, stats, sorted(loads, key=lambda x: x["t_s"]), steps)
 
 
-class Router(threading.Thread):
-    """Sends each request's hint ``lead_s`` before it reaches its replica, over the gRPC API."""
+class GatewayRoutes:
+    """The rules' ``Gateway`` over gRPC: ``Lookup`` for affinity, ``Route`` for lora-cache; counts its calls."""
 
-    def __init__(self, target: str, replicas: list[str], routed: list[list[Request]], start_wall: float,
-                 lead_s: float, policy: BenchPolicy) -> None:
+    def __init__(self, client: LoraCacheClient) -> None:
+        self.client = client
+        self.lookups = self.routes = 0
+
+    def ready(self, adapter: str) -> tuple[str, ...]:
+        self.lookups += 1
+        return self.client.lookup(adapter).ready
+
+    def first(self, adapters: Sequence[str], loads: Mapping[str, int]) -> list[str]:
+        self.routes += 1
+        out = []
+        for advice in self.client.route([RouteItem(a) for a in adapters], outstanding=dict(loads)):
+            if advice.error is not None:
+                raise advice.error
+            if not advice.replicas:
+                raise RuntimeError(f"Route ranked no replica for adapter {advice.adapter!r}")
+            out.append(advice.replicas[0].replica)
+        return out
+
+
+class Router(threading.Thread):
+    """Routes each request ``lead_s`` before its arrival by ``rule`` (``bench.routers``), hints the chosen
+    replica then (policies with hints), and submits the request to that replica's engine at its arrival.
+    Its in-flight count per replica (the loads least-loaded, affinity and lora-cache read) goes up when it
+    routes a request and down when the replica's engine reports it finished (a watcher thread per
+    replica). After the last submission it ends every replica's stream (also when it fails)."""
+
+    def __init__(self, target: str, fleet: Fleet, replicas: list[str], requests: Sequence[Request],
+                 start_wall: float, lead_s: float, policy: BenchPolicy, rule: str) -> None:
         super().__init__(name="bench-router", daemon=True)
         self.client = LoraCacheClient(target)
-        self.due = sorted((r.arrival_s - lead_s, r.rid, r.adapter, replica)
-                          for replica, reqs in zip(replicas, routed) for r in reqs if r.adapter is not None)
-        self.start_wall, self.lead_s, self.policy = start_wall, lead_s, policy.name
-        self.sent = self.errors = 0
-        self.first_error: Exception | None = None
+        self.gateway: Gateway = GatewayRoutes(self.client)
+        self.rule: Rule = make_rule(rule)
+        self.fleet, self.replicas, self.rule_name = fleet, replicas, rule
+        self.todo = deque(sorted(requests, key=lambda r: (r.arrival_s, r.rid)))  # routed at arrival - lead_s
+        self.due: list[tuple[float, int, str, Request]] = []  # routed, submitted at arrival: a heap
+        self.start_wall, self.lead_s, self.policy = start_wall, lead_s, policy
+        self._lock = threading.Lock()  # protects loads and finished_on (the watchers write them)
+        self.loads = dict.fromkeys(replicas, 0)  # routed and not finished, per replica
+        self.finished_on: dict[int, str] = {}  # rid -> the replica that reported it finished
+        self.choices: dict[int, str] = {}  # rid -> the replica the rule chose
+        self.hinted: dict[int, str] = {}  # rid -> the replica hinted
+        self.hint_calls = 0
+        self.errors: list[str] = []  # every failed call (a lost hint costs latency; a lost route, fairness)
         self._halt = threading.Event()
+        self._watchers = [threading.Thread(target=self._watch, args=(r,), name=f"bench-finished-{r}", daemon=True)
+                          for r in replicas]
+        for w in self._watchers:
+            w.start()
         self.start()
 
     def run(self) -> None:
-        i = 0
-        while i < len(self.due) and not self._halt.is_set():
-            now = time.time() - self.start_wall
-            batch = []
-            while i < len(self.due) and self.due[i][0] <= now:
-                at, rid, adapter, replica = self.due[i]
-                batch.append(Hint(f"{self.policy}-{rid}", adapter, replica, max(0.0, at + self.lead_s - now)))
-                i += 1
-            if batch:
-                try:
-                    self.client.hint(batch)
-                    self.sent += len(batch)
-                except Exception as e:  # counted and reported: a lost hint costs latency, not correctness
-                    self.errors += 1
-                    self.first_error = self.first_error or e
-            elif i < len(self.due):
-                self._halt.wait(min(0.05, max(0.0, self.due[i][0] - now)))
+        try:
+            while (self.todo or self.due) and not self._halt.is_set():
+                now = time.time() - self.start_wall
+                batch = []
+                while self.todo and self.todo[0].arrival_s - self.lead_s <= now:
+                    batch.append(self.todo.popleft())
+                if batch:
+                    self._route(batch, now)
+                self._submit(now)
+                self._halt.wait(max(0.0, min(0.05, self._next_s() - (time.time() - self.start_wall))))
+        except Exception as e:  # the streams still end below: the run finishes and reports it
+            self.errors.append(f"router: {type(e).__name__}: {e}")
+        finally:
+            try:
+                self.fleet.end_streams()
+            except Exception as e:
+                self.errors.append(f"submit or end of stream: {type(e).__name__}: {e}")
+
+    def _next_s(self) -> float:
+        nxt = [self.todo[0].arrival_s - self.lead_s] if self.todo else []
+        return min([*nxt, self.due[0][0]] if self.due else nxt, default=0.0)
+
+    def _route(self, batch: list[Request], now: float) -> None:
+        """The rule's picks for the requests due together (on a snapshot of the loads), then their hints."""
+        with self._lock:
+            loads = dict(self.loads)
+        adapters = [r.adapter for r in batch]
+        try:
+            picks = self.rule.route(adapters, dict(loads), self.gateway)
+        except Exception as e:  # reported at the end; least-loaded keeps the run going meanwhile
+            self.errors.append(f"{self.rule_name} routing: {type(e).__name__}: {e}")
+            picks = LeastLoaded().route(adapters, dict(loads), self.gateway)
+        with self._lock:
+            for replica in picks:
+                self.loads[replica] += 1
+        hints = []
+        for r, replica in zip(batch, picks):
+            self.choices[r.rid] = replica
+            heapq.heappush(self.due, (r.arrival_s, r.rid, replica, r))
+            if self.policy.hints and r.adapter is not None:
+                hints.append(Hint(f"{self.policy.name}-{r.rid}", r.adapter, replica, max(0.0, r.arrival_s - now)))
+                self.hinted[r.rid] = replica
+        if hints:
+            try:
+                self.client.hint(hints)
+                self.hint_calls += 1
+            except Exception as e:
+                self.errors.append(f"hint: {type(e).__name__}: {e}")
+
+    def _submit(self, now: float) -> None:
+        """Every routed request whose arrival has come, to its replica's engine (one call per replica)."""
+        out: dict[str, list[Request]] = {}
+        while self.due and self.due[0][0] <= now:
+            _, _, replica, request = heapq.heappop(self.due)
+            out.setdefault(replica, []).append(request)
+        for replica, requests in out.items():
+            self.fleet.submit(replica, requests)
+
+    def _watch(self, replica: str) -> None:
+        """Until the replica's run is over (None), or, once stopped, a poll that finds nothing new."""
+        while True:
+            try:
+                rids = self.fleet.finished(replica, 0.5)
+            except Exception as e:
+                self.errors.append(f"finished ({replica}): {type(e).__name__}: {e}")
+                return
+            if rids is None or (not rids and self._halt.is_set()):
+                return
+            with self._lock:
+                self.loads[replica] -= len(rids)
+                self.finished_on.update(dict.fromkeys(rids, replica))
 
     def stop(self) -> None:
         self._halt.set()
-        self.join(timeout=30)
+        self.join(timeout=60)
+        for w in self._watchers:
+            w.join(timeout=60)
         self.client.close()
 
+    def check(self) -> None:
+        """Raise if a call failed, or a request finished elsewhere than routed (the engines' own reports)."""
+        if self.errors:
+            raise RuntimeError(f"router: {len(self.errors)} calls failed; first: {self.errors[0]}")
+        wrong = {rid: (self.choices.get(rid), replica) for rid, replica in self.finished_on.items()
+                 if self.choices.get(rid) != replica}
+        if wrong or len(self.finished_on) != len(self.choices):
+            raise RuntimeError(f"router: {len(self.finished_on)} of {len(self.choices)} requests reported finished; "
+                               f"finished elsewhere than routed (routed, finished on): {dict(list(wrong.items())[:4])}")
+
+    def describe(self) -> dict[str, Any]:
+        """The routing of the run, for results.json."""
+        calls = {"route_calls": self.gateway.routes, "lookup_calls": self.gateway.lookups} if isinstance(
+            self.gateway, GatewayRoutes) else {}
+        return {"router": self.rule_name, "choices": {str(k): v for k, v in sorted(self.choices.items())},
+                "hinted": len(self.hinted), "hint_calls": self.hint_calls, **calls}
