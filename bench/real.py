@@ -186,7 +186,7 @@ def served_as_routed(choices: dict[int, str], results: dict[str, Any]) -> dict[s
     counts = {replica: 0 for replica in results}
     for replica in served.values():
         counts[replica] += 1
-    return {"requests_per_replica": counts}
+    return {"requests_per_replica": counts, "served_by": {str(rid): served[rid] for rid in sorted(served)}}
 
 
 def _refuse_running_service() -> None:
@@ -451,4 +451,4 @@ class Router(threading.Thread):
         calls = {"route_calls": self.gateway.routes, "lookup_calls": self.gateway.lookups} if isinstance(
             self.gateway, GatewayRoutes) else {}
         return {"router": self.rule_name, "choices": {str(k): v for k, v in sorted(self.choices.items())},
-                "hinted": len(self.hinted), "hint_calls": self.hint_calls, **calls}
+                "hints": {str(k): v for k, v in sorted(self.hinted.items())}, "hint_calls": self.hint_calls, **calls}
