@@ -118,6 +118,7 @@ def test_an_engine_serves_requests_submitted_while_it_runs(adapters: Path) -> No
     assert sorted(records) == list(range(10)) and all(r.ok for r in records.values())
     for r in requests[6:]:
         rec = records[r.rid]
+        assert rec.prefill_s is not None
         assert rec.arrival_s == r.arrival_s < delivered <= rec.prefill_s  # admitted when it got there
         assert rec.token_s[0] - rec.arrival_s > delivered - r.arrival_s  # TTFT counts the delivery's delay
     upfront = {r.rid: r for r in run_engine(cfg, requests).records}
