@@ -156,6 +156,15 @@ def configs(ns: argparse.Namespace) -> tuple[BenchConfig, WorkloadSpec]:
     return bench, spec
 
 
+def check_router(bench: BenchConfig, spec: WorkloadSpec) -> None:
+    """The real path routes a closed loop (``inflight:N``) round-robin up front: other routers are refused."""
+    arrivals = spec.parsed_arrivals()
+    if bench.engine == "real" and arrivals.kind == "inflight" and bench.router != "round-robin":
+        raise ConfigError(f"--router {bench.router} routes open-loop arrivals only on --engine real; a closed loop "
+                          f"({spec.arrivals}) is routed round-robin up front: use --router round-robin or poisson "
+                          "arrivals")
+
+
 MADE_HERE = ".made-by-lora-cache-bench"  # in an adapter directory: the job may add adapters to it
 
 
@@ -187,13 +196,10 @@ def run(bench: BenchConfig, spec: WorkloadSpec) -> dict[str, Any]:
     policies = parse_policies(bench.policies)
     slots_for_names = bench.slots
     names = spec.adapter_names(slots_for_names)
+    check_router(bench, spec)
     if bench.engine == "real":
         root = adapter_dir(bench, names)
     workload = make_workload(spec, names)
-    if bench.engine == "real" and workload.inflight and bench.router != "round-robin":
-        raise ConfigError(f"--router {bench.router} routes open-loop arrivals only on --engine real; a closed loop "
-                          f"(inflight:{workload.inflight}) is routed round-robin up front: use --router round-robin "
-                          "or poisson arrivals")
     config = {"bench": dataclasses.asdict(bench), "workload": workload.describe(), "adapters": len(names),
               "policies": [dataclasses.asdict(p) for p in policies], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
               "host": _host(), "title": f"({bench.scenario or spec.popularity}, {bench.engine})"}
