@@ -9,7 +9,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 import pytest
 
-from bench.real import served_as_routed
+from bench.router import served_as_routed
 from bench.routers import RULES, Affinity, LeastLoaded, LoraCache, RoundRobin, least_loaded, make_rule
 from bench.sim.fleet import ROUTERS, RouteContext
 from lora_cache.advice import RouteRequest, advise, residence
