@@ -111,6 +111,10 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
                           max_rank=config.max_rank, max_running=config.max_running,
                           max_adapters=min(config.max_adapters, slots), max_prefill_tokens=config.max_prefill_tokens,
                           max_seq_len=config.max_seq_len, admission=policy.admission, **config.engine)
+    if workload.inflight and config.router != "round-robin":
+        raise ConfigError(f"router {config.router!r} routes open-loop arrivals only (poisson, trace); a closed loop "
+                          f"(inflight:{workload.inflight}) is routed round-robin up front: use --router round-robin "
+                          "or open-loop arrivals")
     t_begin = time.perf_counter()
     _refuse_running_service()
     service = start(serve, catalog, PlannerConfig(policy=policy.planner), worker)
@@ -128,27 +132,7 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
         heap.freeze()  # the router's hints and the gateway are not stalled by full collections (thawed below)
         before = fleet.stats()
         start_wall = time.time() + 1.0
-        report = policy.planner != "none"
-        if workload.inflight:  # closed loop: round-robin, up front
-            if config.router != "round-robin":
-                raise ConfigError(f"router {config.router!r} routes open-loop arrivals only (poisson, trace); a "
-                                  f"closed loop (inflight:{workload.inflight}) is routed round-robin up front: use "
-                                  "--router round-robin or open-loop arrivals")
-            routed = route(workload.requests, config.replicas)
-            choices = {r.rid: replica for replica, reqs in zip(replicas, routed) for r in reqs}
-            runs = fleet.run(routed, start_wall, -(-workload.inflight // config.replicas), report)
-            results = _wait(runs, start_wall, workload, config.timeout_s, tick)
-            routing: dict[str, Any] = {"router": "round-robin (up front)"}
-        else:
-            runs = fleet.run([[] for _ in replicas], start_wall, 0, report, streaming=True)
-            router = Router(gateway.target, fleet, replicas, workload.requests, start_wall, config.hint_lead_s,
-                            policy, config.router)
-            try:
-                results = _wait(runs, start_wall, workload, config.timeout_s, tick)
-            finally:
-                router.stop()
-            router.check()
-            choices, routing = router.choices, router.describe()
+        results, choices, routing = _serve(config, policy, fleet, gateway.target, replicas, workload, start_wall, tick)
         run = _collect(policy, fleet, results[: config.replicas], start_wall, since_wall, before)
         run.routing = {**routing, **served_as_routed(choices, dict(zip(replicas, results)))}
         run.wall_s = time.perf_counter() - t_begin
@@ -160,6 +144,28 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
         if fleet is not None:
             fleet.stop()
         service.stop()
+
+
+def _serve(config: RealConfig, policy: BenchPolicy, fleet: Fleet, target: str, replicas: list[str],
+           workload: Workload, start_wall: float, tick: Callable[[float], None],
+           ) -> tuple[list[Any], dict[int, str], dict[str, Any]]:
+    """Every rank's run from ``start_wall``, fed by the router (open loop) or given its requests up front
+    (closed loop, round-robin): the runs' results, the router's choice per request and its description."""
+    report = policy.planner != "none"
+    if workload.inflight:
+        routed = route(workload.requests, config.replicas)
+        runs = fleet.run(routed, start_wall, -(-workload.inflight // config.replicas), report)
+        results = _wait(runs, start_wall, workload, config.timeout_s, tick)
+        choices = {r.rid: replica for replica, reqs in zip(replicas, routed) for r in reqs}
+        return results, choices, {"router": "round-robin (up front)"}
+    runs = fleet.run([[] for _ in replicas], start_wall, 0, report, streaming=True)
+    router = Router(target, fleet, replicas, workload.requests, start_wall, config.hint_lead_s, policy, config.router)
+    try:
+        results = _wait(runs, start_wall, workload, config.timeout_s, tick)
+    finally:
+        router.stop()
+    router.check()
+    return results, router.choices, router.describe()
 
 
 def _refuse_running_service() -> None:

@@ -9,9 +9,12 @@ from collections.abc import Collection, Mapping, Sequence
 
 import pytest
 
+from bench.policies import BENCH_POLICIES
+from bench.real import RealConfig, run_policy
 from bench.router import served_as_routed
 from bench.routers import RULES, Affinity, LeastLoaded, LoraCache, RoundRobin, least_loaded, make_rule
 from bench.sim.fleet import ROUTERS, RouteContext
+from bench.workloads import WorkloadSpec, make_workload
 from lora_cache.advice import RouteRequest, advise, residence
 from lora_cache.errors import ConfigError
 from lora_cache.planner import AdapterInfo, AdapterKey, Planner, PlannerConfig, ReplicaSpec, ResidencyEntry, SlotState
@@ -164,3 +167,12 @@ def test_served_as_routed_counts_and_names_what_went_wrong() -> None:
         served_as_routed(choices, {NAMES[0]: result(0, 1), NAMES[1]: result(1, 2)})
     with pytest.raises(RuntimeError, match=r"missing \[2\]"):
         served_as_routed(choices, {NAMES[0]: result(0), NAMES[1]: result(1)})
+
+
+def test_the_real_path_refuses_other_routers_for_a_closed_loop_before_starting_anything() -> None:
+    names = [f"adapter-{i:03d}" for i in range(4)]
+    workload = make_workload(WorkloadSpec(arrivals="inflight:4", requests=8, num_adapters=4), names)
+    with pytest.raises(ConfigError, match="router 'affinity' routes open-loop arrivals only"):
+        run_policy(RealConfig(router="affinity"), BENCH_POLICIES["global"], "/nonexistent", names, workload)
+    with pytest.raises(ConfigError, match="router 'nearest' is not registered"):
+        RealConfig(router="nearest")
