@@ -61,12 +61,25 @@ class ProcessFleet:
         for f in calls:
             f.result(timeout=timeout_s)
 
-    def run(self, routed: list[list[Request]], start_wall: float, inflight: int, report: bool) -> list[Future[Any]]:
-        """Every rank's run, the replicas' rank 0 first (they report the queue, if ``report``)."""
+    def run(self, routed: list[list[Request]], start_wall: float, inflight: int, report: bool,
+            streaming: bool = False) -> list[Future[Any]]:
+        """Every rank's run, the replicas' rank 0 first (they report the queue, if ``report``; and take
+        ``submit``ted requests until ``end_streams``, if ``streaming``)."""
         groups = list(self.ranks.values())
-        runs = [procs[0].submit("run", reqs, start_wall, inflight, report) for procs, reqs in zip(groups, routed)]
+        runs = [procs[0].submit("run", reqs, start_wall, inflight, report, streaming)
+                for procs, reqs in zip(groups, routed)]
         runs += [p.submit("run", reqs, start_wall, inflight) for procs, reqs in zip(groups, routed) for p in procs[1:]]
         return runs
+
+    def submit(self, replica: str, requests: list[Request]) -> None:
+        self.ranks[replica][0].submit_requests(requests)
+
+    def end_streams(self) -> None:
+        for procs in self.ranks.values():
+            procs[0].end_stream()
+
+    def finished(self, replica: str, timeout_s: float) -> list[int] | None:
+        return self.ranks[replica][0].finished(timeout_s)
 
     def stats(self) -> dict[tuple[str, int], dict[str, Any]]:
         return dict(zip(self.keys, [f.result(timeout=60) for f in [p.submit("stats") for p in self.procs]]))

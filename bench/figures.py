@@ -36,6 +36,7 @@ class PolicyRun:
     loads: list[dict[str, Any]]  # per load: t_s (READY), replica, rank, nbytes, ready_ms, h2d_ms, host_hit
     steps: list[dict[str, Any]] = field(default_factory=list)  # per step (rank 0): kind, items, tokens, ms, ...
     wall_s: float = 0.0  # how long the run took on the host running it
+    routing: dict[str, Any] = field(default_factory=dict)  # real runs: the router, its choices and calls
 
 
 def _percentile(values: Sequence[float], q: float) -> float:

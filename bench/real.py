@@ -5,20 +5,28 @@ gateway) so no policy inherits another's cache. Every worker hosts one rank of t
 (``workers.engine.hosted``) over its own ``WorkerCache``, which the controller drives too. With
 ``attach``, the service runs the controller alone and every engine rank runs in a process of its own
 that attaches to it through the engine seam (``workers/attach.py``, ``bench.attached``), as an external
-engine would; the engine code, the cache and the controller's commands are the same. Then:
+engine would; the engine code, the cache and the controller's commands are the same. Then, from one
+shared wall-clock start:
 
-- the router (a thread here) routes request i to replica i mod R and, for policies with hints, sends a
-  gRPC ``Hint`` ``hint_lead_s`` before the request reaches the replica (lifecycle step 1);
-- each replica's rank 0 reports its waiting queue to the controller as it changes (policies that plan);
-- every engine serves its requests from one shared wall-clock start.
+- the router (a thread here, ``bench.router.Router``) routes each request ``hint_lead_s`` before its arrival by its
+  rule (``bench.routers``: round-robin, least-loaded, affinity over the gateway's ``Lookup``, or
+  lora-cache's ``Route`` advice with the router's own in-flight counts), and, for policies with hints,
+  sends the chosen replica a gRPC ``Hint`` then (lifecycle step 1);
+- at the request's arrival it submits it to that replica's engine, whose rank 0 takes it into its
+  waiting queue (``workers/engine/feed.py``; the other ranks follow rank 0's plans); a request that
+  reaches the engine late is admitted when it gets there, and its TTFT still counts from its arrival;
+- the engines tell the router which requests finished (its in-flight counts), and after the last
+  submission the router ends every replica's stream;
+- each replica's rank 0 reports its waiting queue to the controller as it changes (policies that plan).
 
+Closed-loop workloads (``inflight:N``) are routed round-robin up front, N / R in flight per replica.
+Every run checks that each request was served once, by the replica the router chose.
 The oracle preloads every adapter (slots for all of them) before the clock starts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
@@ -31,9 +39,10 @@ import ray
 from bench.attached import ProcessFleet
 from bench.figures import PolicyRun
 from bench.policies import BenchPolicy
+from bench.router import Router, served_as_routed
+from bench.routers import make_rule
 from lora_cache import heap
 from lora_cache.catalog import CatalogConfig
-from lora_cache.client import Hint, LoraCacheClient
 from lora_cache.controller import CONTROLLER_NAME, NAMESPACE
 from lora_cache.errors import ConfigError
 from lora_cache.gateway import GatewayConfig, start_gateway_thread
@@ -72,12 +81,14 @@ class RealConfig:
     timeout_s: float = 900.0  # one policy's whole run
     engine: dict[str, Any] = field(default_factory=dict)  # further EngineConfig fields (e.g. share_weights)
     attach: bool = False  # engine ranks in processes of their own, attached through the seam
+    router: str = "round-robin"  # the routing rule (bench.routers.RULES)
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.tp < 1 or self.slots < 1:
             raise ConfigError(f"replicas ({self.replicas}), tp ({self.tp}) and slots ({self.slots}) must be >= 1")
         if self.hint_lead_s < 0:
             raise ConfigError(f"hint_lead_s must be >= 0 seconds, got {self.hint_lead_s}")
+        make_rule(self.router)  # a clear error for an unknown name
 
 
 def route(requests: list[Request], replicas: int) -> list[list[Request]]:
@@ -100,6 +111,10 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
                           max_rank=config.max_rank, max_running=config.max_running,
                           max_adapters=min(config.max_adapters, slots), max_prefill_tokens=config.max_prefill_tokens,
                           max_seq_len=config.max_seq_len, admission=policy.admission, **config.engine)
+    if workload.inflight and config.router != "round-robin":
+        raise ConfigError(f"router {config.router!r} routes open-loop arrivals only (poisson, trace); a closed loop "
+                          f"(inflight:{workload.inflight}) is routed round-robin up front: use --router round-robin "
+                          "or open-loop arrivals")
     t_begin = time.perf_counter()
     _refuse_running_service()
     service = start(serve, catalog, PlannerConfig(policy=policy.planner), worker)
@@ -116,19 +131,11 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
         since_wall = time.time()  # counters and the load log from here: hinted loads may precede the clock
         heap.freeze()  # the router's hints and the gateway are not stalled by full collections (thawed below)
         before = fleet.stats()
-        routed = route(workload.requests, config.replicas)
-        inflight = -(-workload.inflight // config.replicas) if workload.inflight else 0
         start_wall = time.time() + 1.0
-        router = Router(gateway.target, replicas, routed, start_wall, config.hint_lead_s, policy) if (
-            policy.hints and not inflight) else None
-        runs = fleet.run(routed, start_wall, inflight, policy.planner != "none")
-        results = _wait(runs, start_wall, workload, config.timeout_s, tick)
-        if router is not None:
-            router.stop()
+        results, choices, routing = _serve(config, policy, fleet, gateway.target, replicas, workload, start_wall, tick)
         run = _collect(policy, fleet, results[: config.replicas], start_wall, since_wall, before)
+        run.routing = {**routing, **served_as_routed(choices, dict(zip(replicas, results)))}
         run.wall_s = time.perf_counter() - t_begin
-        if router is not None and router.errors:
-            raise RuntimeError(f"router: {router.errors} hint calls failed; first: {router.first_error}")
         return run
     finally:
         heap.thaw()
@@ -137,6 +144,28 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
         if fleet is not None:
             fleet.stop()
         service.stop()
+
+
+def _serve(config: RealConfig, policy: BenchPolicy, fleet: Fleet, target: str, replicas: list[str],
+           workload: Workload, start_wall: float, tick: Callable[[float], None],
+           ) -> tuple[list[Any], dict[int, str], dict[str, Any]]:
+    """Every rank's run from ``start_wall``, fed by the router (open loop) or given its requests up front
+    (closed loop, round-robin): the runs' results, the router's choice per request and its description."""
+    report = policy.planner != "none"
+    if workload.inflight:
+        routed = route(workload.requests, config.replicas)
+        runs = fleet.run(routed, start_wall, -(-workload.inflight // config.replicas), report)
+        results = _wait(runs, start_wall, workload, config.timeout_s, tick)
+        choices = {r.rid: replica for replica, reqs in zip(replicas, routed) for r in reqs}
+        return results, choices, {"router": "round-robin (up front)"}
+    runs = fleet.run([[] for _ in replicas], start_wall, 0, report, streaming=True)
+    router = Router(target, fleet, replicas, workload.requests, start_wall, config.hint_lead_s, policy, config.router)
+    try:
+        results = _wait(runs, start_wall, workload, config.timeout_s, tick)
+    finally:
+        router.stop()
+    router.check()
+    return results, router.choices, router.describe()
 
 
 def _refuse_running_service() -> None:
@@ -169,13 +198,29 @@ class ActorFleet:
             refs += [h.engine_build.remote(engine, meet) for h in handles]
         ray.get(refs, timeout=timeout_s)
 
-    def run(self, routed: list[list[Request]], start_wall: float, inflight: int, report: bool) -> list[Future[Any]]:
-        """Every rank's run, the replicas' rank 0 first (they report the queue, if ``report``)."""
-        refs = [hs[0].engine_run.remote(reqs, start_wall, inflight, report) for hs, reqs in
+    def run(self, routed: list[list[Request]], start_wall: float, inflight: int, report: bool,
+            streaming: bool = False) -> list[Future[Any]]:
+        """Every rank's run, the replicas' rank 0 first (they report the queue, if ``report``; and take
+        ``submit``ted requests until ``end_streams``, if ``streaming``)."""
+        self._fed: list[ray.ObjectRef[Any]] = []
+        refs = [hs[0].engine_run.remote(reqs, start_wall, inflight, report, streaming) for hs, reqs in
                 zip(self.ranks.values(), routed)]
         refs += [h.engine_run.remote(reqs, start_wall, inflight) for hs, reqs in zip(self.ranks.values(), routed)
                  for h in hs[1:]]
         return [ref.future() for ref in refs]
+
+    def submit(self, replica: str, requests: list[Request]) -> None:
+        self._fed.append(self.ranks[replica][0].engine_submit.remote(requests))  # checked by end_streams
+
+    def end_streams(self) -> None:
+        """Every replica's end of stream, after its submissions (one actor call group: in order); raises if
+        a submission failed."""
+        self._fed += [hs[0].engine_end_stream.remote() for hs in self.ranks.values()]
+        ray.get(self._fed, timeout=60)
+
+    def finished(self, replica: str, timeout_s: float) -> list[int] | None:
+        return ray.get(self.ranks[replica][0].engine_finished.remote(timeout_s),  # type: ignore[no-any-return]
+                       timeout=timeout_s + 60)
 
     def stats(self) -> dict[tuple[str, int], dict[str, Any]]:
         """Every worker's ``stats()``, by (replica, rank), in one round trip."""
@@ -234,44 +279,3 @@ def _collect(policy: BenchPolicy, fleet: Fleet, results: list[Any], start_wall: 
     steps = [{"replica": replica, "t_s": s.wall_s - start_wall, **s._asdict()}  # t_s: the loads' clock
              for replica, res in zip(replicas, results) for s in res.ranks[0].step_log]
     return PolicyRun(policy.name, "real", records, stats, sorted(loads, key=lambda x: x["t_s"]), steps)
-
-
-class Router(threading.Thread):
-    """Sends each request's hint ``lead_s`` before it reaches its replica, over the gRPC API."""
-
-    def __init__(self, target: str, replicas: list[str], routed: list[list[Request]], start_wall: float,
-                 lead_s: float, policy: BenchPolicy) -> None:
-        super().__init__(name="bench-router", daemon=True)
-        self.client = LoraCacheClient(target)
-        self.due = sorted((r.arrival_s - lead_s, r.rid, r.adapter, replica)
-                          for replica, reqs in zip(replicas, routed) for r in reqs if r.adapter is not None)
-        self.start_wall, self.lead_s, self.policy = start_wall, lead_s, policy.name
-        self.sent = self.errors = 0
-        self.first_error: Exception | None = None
-        self._halt = threading.Event()
-        self.start()
-
-    def run(self) -> None:
-        i = 0
-        while i < len(self.due) and not self._halt.is_set():
-            now = time.time() - self.start_wall
-            batch = []
-            while i < len(self.due) and self.due[i][0] <= now:
-                at, rid, adapter, replica = self.due[i]
-                batch.append(Hint(f"{self.policy}-{rid}", adapter, replica, max(0.0, at + self.lead_s - now)))
-                i += 1
-            if batch:
-                try:
-                    self.client.hint(batch)
-                    self.sent += len(batch)
-                except Exception as e:  # counted and reported: a lost hint costs latency, not correctness
-                    self.errors += 1
-                    self.first_error = self.first_error or e
-            elif i < len(self.due):
-                self._halt.wait(min(0.05, max(0.0, self.due[i][0] - now)))
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(timeout=30)
-        self.client.close()
-

@@ -53,7 +53,8 @@ def table(by_policy: dict[str, dict[str, Any]], checked: list[dict[str, Any]]) -
 # The document's sections, each by policy: how each is taken from a policy's run.
 SECTIONS: dict[str, Callable[[PolicyRun], Any]] = {
     "figures": figures, "timeline": timeline, "requests": lambda run: [_record(r) for r in run.records],
-    "ranks": lambda run: run.ranks, "loads": lambda run: run.loads, "steps": lambda run: run.steps}
+    "ranks": lambda run: run.ranks, "loads": lambda run: run.loads, "steps": lambda run: run.steps,
+    "routing": lambda run: run.routing}
 
 
 def write(out: Path, config: dict[str, Any], runs: list[PolicyRun], plots: bool = True) -> dict[str, Any]:
@@ -194,7 +195,7 @@ def merge(docs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
                 raise ConfigError(f"merge: policy {policy!r} is in more than one part ({name} too); "
                                   "give each policy's run once")
             for k in SECTIONS:
-                merged[k][policy] = doc[k][policy]
+                merged[k][policy] = doc.get(k, {}).get(policy, {})  # results from before a section have none
     config = {**first, "merged_from": names, "policies": [p for d in docs for p in d["config"]["policies"]]}
     config.pop("errors", None)
     return _document(config, merged)

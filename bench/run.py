@@ -91,9 +91,10 @@ class BenchConfig:
         "help": "the router hints a request's adapter this long before the request reaches its replica (0.05: a "
                 "router that forwards within milliseconds; 0.5: a router that queues requests)"})
     router: str = field(default="round-robin", metadata={
-        "help": "the benchmark router: round-robin (request i to replica i mod R, the real path's rule, the "
-                "default) | least-loaded | affinity (resident replica, else least loaded) | lora-cache (the "
-                "controller's routing advice); only round-robin on --engine real"})
+        "help": "the benchmark router, on either engine: round-robin (request i to replica i mod R, the default) | "
+                "least-loaded (fewest routed and not finished) | affinity (the least-loaded replica where the "
+                "adapter is ready, else the least loaded) | lora-cache (the controller's routing advice, the "
+                "gateway's Route); closed-loop arrivals (inflight:N) on --engine real are routed round-robin"})
     host_bytes: int = field(default=2 << 30, metadata={"help": "pinned host tier bytes per rank (bounds staging)"})
     gpus: str = field(default="auto", metadata={"help": "real engine on GPUs: auto | yes | no"})
     calibration: str = field(default="h200-llama8b", metadata={
@@ -122,9 +123,6 @@ class BenchConfig:
 
         if self.router not in ROUTERS:
             raise ConfigError(f"router {self.router!r} is not registered; choose one of {', '.join(ROUTERS)}")
-        if self.router != "round-robin" and self.engine == "real":
-            raise ConfigError(f"--router {self.router} runs in the simulator only (the real path's router sends "
-                              "request i to replica i mod R); use --engine sim, or --router round-robin")
         if self.attach and self.engine != "real":
             raise ConfigError(f"--attach runs the real engine's ranks in their own processes; it needs --engine real, "
                               f"not {self.engine!r}")
@@ -158,6 +156,15 @@ def configs(ns: argparse.Namespace) -> tuple[BenchConfig, WorkloadSpec]:
     return bench, spec
 
 
+def check_router(bench: BenchConfig, spec: WorkloadSpec) -> None:
+    """The real path routes a closed loop (``inflight:N``) round-robin up front: other routers are refused."""
+    arrivals = spec.parsed_arrivals()
+    if bench.engine == "real" and arrivals.kind == "inflight" and bench.router != "round-robin":
+        raise ConfigError(f"--router {bench.router} routes open-loop arrivals only on --engine real; a closed loop "
+                          f"({spec.arrivals}) is routed round-robin up front: use --router round-robin or poisson "
+                          "arrivals")
+
+
 MADE_HERE = ".made-by-lora-cache-bench"  # in an adapter directory: the job may add adapters to it
 
 
@@ -189,6 +196,7 @@ def run(bench: BenchConfig, spec: WorkloadSpec) -> dict[str, Any]:
     policies = parse_policies(bench.policies)
     slots_for_names = bench.slots
     names = spec.adapter_names(slots_for_names)
+    check_router(bench, spec)
     if bench.engine == "real":
         root = adapter_dir(bench, names)
     workload = make_workload(spec, names)
@@ -220,7 +228,7 @@ def _run_real(bench: BenchConfig, policies: Sequence[BenchPolicy], root: str, na
                       dtype="bfloat16" if gpus else "float32", timeout_s=bench.timeout_s,
                       # one set of random base weights for every layer: the same math and bytes read per
                       # layer (far beyond any cache), a fraction of the start-up time and memory
-                      engine={"share_weights": True}, attach=bench.attach)
+                      engine={"share_weights": True}, attach=bench.attach, router=bench.router)
     config["real"] = dataclasses.asdict(real)
     owns = not ray.is_initialized()
     if owns:  # inside `ray job submit` this joins the job's cluster; alone, it starts an embedded one

@@ -3,8 +3,8 @@
 
 Fits the simulator's costs from the run's own step and load logs (``fit_calibration``, the shipped
 H200 calibration filling what the logs cannot fit), simulates the same workload, fleet and policies
-(round-robin routing, as the real router), and compares mean and p99 TTFT per policy (the benchmark
-issue's check: within 15%).
+(routed by the run's own rule, ``--router``, as the real router was), and compares mean and p99 TTFT
+per policy (the benchmark issue's check: within 15%).
 
 Fits (``--fit``): ``pooled``, one calibration from every policy's steps and loads (what a calibration
 file would hold); ``per-policy``, each policy from its own run's logs. Every policy's real run is a

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from bench.policies import BENCH_POLICIES
-from bench.run import BenchConfig
+from bench.run import BenchConfig, check_router
 from bench.sim import ROUTERS, SimConfig, simulate
 from bench.sim.calibration import load_calibration
 from bench.workloads import Workload, WorkloadSpec, make_workload
@@ -47,5 +47,10 @@ def test_router_names_are_checked() -> None:
         SimConfig(routing="random")
     with pytest.raises(ConfigError, match="router 'nearest' is not registered"):
         BenchConfig(engine="sim", router="nearest")
-    with pytest.raises(ConfigError, match="--router affinity runs in the simulator only"):
-        BenchConfig(engine="real", router="affinity")
+    with pytest.raises(ConfigError, match="router 'nearest' is not registered"):
+        BenchConfig(engine="real", router="nearest")
+    for router in ROUTERS:  # every router runs on the real path too (bench.routers)
+        assert BenchConfig(engine="real", router=router).router == router
+    with pytest.raises(ConfigError, match="--router affinity routes open-loop arrivals only on --engine real"):
+        check_router(BenchConfig(engine="real", router="affinity"), WorkloadSpec(arrivals="inflight:8"))
+    check_router(BenchConfig(engine="sim", router="affinity"), WorkloadSpec(arrivals="inflight:8"))

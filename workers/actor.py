@@ -40,10 +40,12 @@ from workers.streams import resolve_device
 log = logging.getLogger(__name__)
 
 
-@ray.remote(max_restarts=-1, concurrency_groups={"engine": 1})
+@ray.remote(max_restarts=-1, concurrency_groups={"engine": 1, "feed": 1, "finished": 1})
 class WorkerActor:
     """Control calls (apply, describe, ...) run one at a time in the default group, in order; an engine
-    hosted here (the benchmark's real path) runs its loop in the ``engine`` group beside them."""
+    hosted here (the benchmark's real path) runs its loop in the ``engine`` group beside them, takes a
+    streaming run's requests in the ``feed`` group (in order: the end of stream comes last) and answers
+    the long poll for finished ones in ``finished``."""
 
     def __init__(self, name: str, replica: str, config: WorkerConfig, catalog: CatalogConfig,
                  flush_s: float = 0.005) -> None:
@@ -163,8 +165,9 @@ class WorkerActor:
 
     @ray.method(concurrency_group="engine")
     def engine_run(self, requests: list[Request], start_wall: float, inflight: int = 0,
-                   report_queue: bool = False) -> EngineResult:
-        """Serve ``requests`` from ``start_wall`` (time.time()); rank 0 reports its queue if asked."""
+                   report_queue: bool = False, streaming: bool = False) -> EngineResult:
+        """Serve ``requests`` from ``start_wall`` (time.time()); rank 0 reports its queue if asked and, if
+        ``streaming``, takes the requests ``engine_submit`` brings until ``engine_end_stream``."""
         report: Callable[[list[tuple[str, float]]], None] | None = None
         if report_queue:
             controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
@@ -172,10 +175,23 @@ class WorkerActor:
             def report(queue: list[tuple[str, float]]) -> None:
                 ray.get(controller.report_queue.remote(self.replica, queue), timeout=30)
         try:
-            return HostedEngine.strip(self.engine.run(requests, start_wall, inflight, report))
+            return HostedEngine.strip(self.engine.run(requests, start_wall, inflight, report, streaming))
         finally:
             self.engine.close()
             heap.freeze()  # the run thawed the heap: collect what the engine left, freeze the rest again
+
+    @ray.method(concurrency_group="feed")
+    def engine_submit(self, requests: list[Request]) -> None:
+        self.engine.submit(requests)
+
+    @ray.method(concurrency_group="feed")
+    def engine_end_stream(self) -> None:
+        self.engine.end_stream()
+
+    @ray.method(concurrency_group="finished")
+    def engine_finished(self, timeout_s: float = 1.0) -> list[int] | None:
+        """Request ids done since the last call (a long poll); None once the run is over."""
+        return self.engine.finished(timeout_s)
 
     def shutdown(self) -> None:
         self.metrics.stop()

@@ -15,7 +15,7 @@ to read a rank-64 Llama-8B shard from disk (about 170 ms at 2 GB/s) and copy it,
 and short against the popularity half-life, so they do not just restate popularity. In closed-loop
 mode (``inflight``: N requests in flight over the fleet, the next released when one finishes) a
 request is known only when it is released: no hint (one with no lead says nothing the queue does not).
-``round-robin`` routing sends request i to replica i mod R, as the real path's router does.
+The real path's router (``bench.real``, ``bench.routers``) has the same four rules, pick for pick.
 
 Adapter i gets LoRA rank ``adapter_ranks[i % len]`` (``make-adapters --rank 16,64``); every policy has
 ``slots`` slots per rank sized for the largest rank (equal GPU memory), except the oracle: a slot

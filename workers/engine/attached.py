@@ -4,7 +4,10 @@ This is how an external engine runs with lora-cache: the process is started by w
 (here ``EngineProcess``, a ``spawn``ed child; vLLM or SGLang would start their own), joins the Ray
 cluster, attaches as rank k of a replica, and steps the reference engine (``HostedEngine``, the very
 code a worker actor hosts) over the attachment's cache. The parent drives it over a pipe: one call at a
-time, in order (``build``, ``run``, ``step``, ``stats``, ``load_log``, ``preload``, ``detach``).
+time, in order (``build``, ``run``, ``step``, ``stats``, ``load_log``, ``preload``, ``detach``). A
+streaming run's requests go over a second pipe, the feed (``submit``, ``end_stream``: a reader thread in
+the child hands them to the engine's ``Feed`` while ``run`` is busy); the ids of finished requests come
+back on it (``finished``), sent by a relay thread for the run's length.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import threading
 import time
 import traceback
 from collections import deque
@@ -44,7 +48,10 @@ class EngineProcessError(LoraCacheError, RuntimeError):
 class _Rank:
     """The child's side: one attached rank and the reference engine over its cache."""
 
-    def __init__(self, attach_config: AttachConfig, worker: WorkerConfig, catalog: CatalogConfig | None = None) -> None:
+    def __init__(self, attach_config: AttachConfig, worker: WorkerConfig, catalog: CatalogConfig | None = None,
+                 feed: Connection | None = None) -> None:
+        self.feed = feed  # the feed pipe (None: no streaming runs)
+        self._feed_send = threading.Lock()  # protects sends on ``feed`` (the reader's errors, the relay's ids)
         self.loads: deque[tuple[float, Any]] = deque(maxlen=4096)
         device = resolve_device(worker.device)
         compute = None
@@ -60,13 +67,48 @@ class _Rank:
         self.engine.build(config, meet, self.rank.worker.tp_rank)
 
     def run(self, requests: list[Request], start_wall: float, inflight: int = 0, report_queue: bool = False,
-            ) -> EngineResult:
+            streaming: bool = False) -> EngineResult:
+        relay = None
+        if streaming:  # the finished ids go back over the feed while the engine runs
+            relay = threading.Thread(target=self._relay_finished, name="engine-finished", daemon=True)
+            relay.start()
         try:
             send = self.rank.report_queue if report_queue else None
-            return HostedEngine.strip(self.engine.run(requests, start_wall, inflight, send))
+            return HostedEngine.strip(self.engine.run(requests, start_wall, inflight, send, streaming))
         finally:
             self.engine.close()
+            if relay is not None:
+                if self.engine.feed is not None:
+                    self.engine.feed.stop()  # the run failed before its loop: end the relay's poll too
+                relay.join(timeout=30)
             heap.freeze()
+
+    def read_feed(self) -> None:
+        """The feed's reader thread: submitted requests and the end of stream, to the engine's ``Feed``."""
+        assert self.feed is not None
+        while True:
+            try:
+                op, arg = self.feed.recv()
+            except (EOFError, OSError):  # the parent is gone
+                return
+            try:
+                self.engine.submit(arg) if op == "submit" else self.engine.end_stream()
+            except BaseException as e:  # the parent's next ``finished`` raises it
+                self._send_feed(("error", f"{type(e).__name__}: {e}"))
+
+    def _relay_finished(self) -> None:
+        while True:
+            rids = self.engine.finished(1.0)
+            if rids:
+                self._send_feed(("finished", rids))
+            if rids is None:
+                self._send_feed(("finished", None))
+                return
+
+    def _send_feed(self, message: tuple[str, Any]) -> None:
+        assert self.feed is not None
+        with self._feed_send, contextlib.suppress(OSError, BrokenPipeError):
+            self.feed.send(message)
 
     def step(self, adapters: list[str]) -> list[int]:
         """An engine step's cache calls alone (acquire, then release): the slots the batch ran on."""
@@ -99,12 +141,14 @@ class _Rank:
 
 
 def _child(conn: Connection, attach_config: AttachConfig, worker: WorkerConfig, catalog: CatalogConfig | None,
-           ) -> None:
+           feed: Connection | None = None) -> None:
     try:
-        rank = _Rank(attach_config, worker, catalog)
+        rank = _Rank(attach_config, worker, catalog, feed)
     except BaseException as e:
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
+    if feed is not None:
+        threading.Thread(target=rank.read_feed, name="engine-feed", daemon=True).start()
     conn.send(("ok", os.getpid()))
     while True:
         try:
@@ -129,11 +173,13 @@ class EngineProcess:
                  timeout_s: float = START_TIMEOUT_S) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
+        self._feed, child_feed = ctx.Pipe()  # a streaming run's requests in, finished ids out
         self.name = f"{attach_config.replica}/{worker.tp_rank}"
-        self.process = ctx.Process(target=_child, args=(child, attach_config, worker, catalog),
+        self.process = ctx.Process(target=_child, args=(child, attach_config, worker, catalog, child_feed),
                                    name=f"lora-engine-{self.name}", daemon=True)
         self.process.start()
         child.close()
+        child_feed.close()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{self.name}")
         self.pid = self._answer(timeout_s)
 
@@ -154,6 +200,26 @@ class EngineProcess:
 
     def submit(self, op: str, *args: Any, timeout_s: float = 3600.0) -> Future[Any]:
         return self._thread.submit(self.call, op, *args, timeout_s=timeout_s)
+
+    # -- a streaming run's feed: ``submit``/``end_stream`` from one thread, ``finished`` from one other ----
+    def submit_requests(self, requests: list[Request]) -> None:
+        self._feed.send(("submit", requests))
+
+    def end_stream(self) -> None:
+        self._feed.send(("end", None))
+
+    def finished(self, timeout_s: float = 1.0) -> list[int] | None:
+        """Request ids done since the last call (waits up to ``timeout_s``; [] if none); None once the run
+        is over. A submit the engine refused raises here."""
+        if not self._feed.poll(timeout_s):
+            return []
+        try:
+            kind, value = self._feed.recv()
+        except EOFError as e:
+            raise EngineProcessError(f"engine {self.name} died (exit code {self.process.exitcode})") from e
+        if kind == "error":
+            raise EngineProcessError(f"engine {self.name} refused submitted requests: {value}")
+        return value  # type: ignore[no-any-return]
 
     def kill(self) -> None:
         """SIGKILL: the process dies without detaching (what a crash looks like to lora-cache)."""

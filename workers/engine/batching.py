@@ -9,6 +9,7 @@ are checked here. Time is passed in, never read, so the scheduler is testable wi
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from workers.engine.versions import AdapterVersions
 from workers.engine.workload import Request
 
 PREFILL, DECODE, WAIT, STOP = "prefill", "decode", "wait", "stop"
+IDLE_WAIT_S = 0.1  # streaming, nothing here: a WAIT round lasts at most this long (a submit ends it sooner)
 
 
 class Item(NamedTuple):
@@ -60,6 +62,8 @@ class StepPlan(NamedTuple):
     wanted: tuple[AdapterRef, ...] = ()  # adapters the ranks keep resident (pinned) from the next round on
     wait_for: tuple[AdapterRef, ...] = ()  # WAIT: the held-back requests' adapters; the first load done ends it
     timeout_s: float | None = None  # WAIT: at most this long (the next arrival); None: until a load is done
+    streaming: bool = False  # WAIT: a request submitted meanwhile ends it (rank 0 takes it; ranks without the
+    # feed do not sleep for arrivals, they meet rank 0 in the next round's collectives)
 
 
 @dataclass
@@ -118,21 +122,50 @@ class Scheduler:
     """Rank 0's view of every request; ``plan`` then ``finish_step`` once per round."""
 
     def __init__(self, config: EngineConfig, rule: AdmissionRule, requests: Sequence[Request],
-                 inflight: int = 0) -> None:
+                 inflight: int = 0, streaming: bool = False) -> None:
         """``inflight`` > 0: a closed loop; requests arrive in ``requests`` order (their ``arrival_s`` is
-        replaced by the time they arrive) whenever fewer than ``inflight`` are waiting or running."""
+        replaced by the time they arrive) whenever fewer than ``inflight`` are waiting or running.
+        ``streaming``: more requests come (``add``) until ``end``; the plan stops only after that."""
         if inflight < 0:
             raise ConfigError(f"inflight must be >= 0 (0: open loop, arrivals as given), got {inflight}")
-        self.config, self.rule, self.inflight = config, rule, inflight
+        if inflight and streaming:
+            raise ConfigError("a streaming scheduler takes open-loop arrivals only (inflight 0): a router that "
+                              "submits requests as they arrive is the closed loop's driver itself")
+        self.config, self.rule, self.inflight, self.streaming = config, rule, inflight, streaming
         self.live = {r.rid: _Live(r) for r in requests}
-        order = (lambda r: r.rid) if inflight else (lambda r: (r.arrival_s, r.rid))
-        self.pending = deque(sorted(requests, key=order))  # not arrived yet
+        if len(self.live) != len(requests):
+            raise ConfigError("request ids (rid) must be unique")
+        self._order = (lambda r: r.rid) if inflight else (lambda r: (r.arrival_s, r.rid))
+        self.pending = deque(sorted(requests, key=self._order))  # not arrived yet
         self.waiting: list[_Live] = []  # arrived, not admitted, in arrival order
         self.running: dict[int, _Live] = {}  # admitted, in admission order
         self.free_rows = deque(range(config.max_running))  # KV rows
         self._blocked: dict[AdapterRef, None] = {}  # adapters of requests that fit now but wait for their load
         self._last_items: tuple[Item, ...] = ()  # the last step's items (a rank's failure there fails them)
         self._upgraded: set[AdapterKey] = set()  # re-registered versions prefetched once already
+        self._finished: list[int] = []  # rids done (served or failed) since the last take_finished
+
+    # -- a stream of requests ------------------------------------------------------------------------
+    def add(self, requests: Sequence[Request]) -> None:
+        """Requests submitted now (streaming): each arrives at its ``arrival_s`` or now, whichever is later
+        (its record keeps ``arrival_s``: TTFT counts the delivery's delay)."""
+        if not self.streaming:
+            raise ConfigError("requests added to a scheduler that is not streaming (or whose stream ended); "
+                              "make it with streaming=True and add before end()")
+        for r in requests:
+            if r.rid in self.live:
+                raise ConfigError(f"request {r.rid} was submitted twice; request ids (rid) must be unique")
+            self.live[r.rid] = _Live(r)
+            bisect.insort(self.pending, r, key=self._order)
+
+    def end(self) -> None:
+        """End of stream: the plan stops once every request added is done."""
+        self.streaming = False
+
+    def take_finished(self) -> list[int]:
+        """Request ids done (all tokens out, or failed) since the last call, in the order they finished."""
+        out, self._finished = self._finished, []
+        return out
 
     # -- one round -----------------------------------------------------------------------------------
     def plan(self, now: float, ready: Mapping[str, Readiness],
@@ -153,9 +186,12 @@ class Scheduler:
             items = tuple(Item(rid, lv.request.adapter, lv.row, lv.request.input_len + len(lv.token_s) - 1, 1,
                                lv.version) for rid, lv in self.running.items())
             return StepPlan(DECODE, items, self._hold(), prefetch, wanted)
-        if self.waiting or self.pending:
+        if self.waiting or self.pending or self.streaming:
             timeout = self.pending[0].arrival_s - now if self.pending and not self.inflight else None
-            return StepPlan(WAIT, (), (), prefetch, wanted, tuple(a for a in self._blocked if a in wanted), timeout)
+            if timeout is None and self.streaming and not self.waiting:
+                timeout = IDLE_WAIT_S
+            return StepPlan(WAIT, (), (), prefetch, wanted, tuple(a for a in self._blocked if a in wanted), timeout,
+                            self.streaming)
         return StepPlan(STOP)
 
     def finish_step(self, plan: StepPlan, end_s: float, load_wait_s: float,
@@ -171,6 +207,7 @@ class Scheduler:
             if len(live.token_s) == live.request.output_len:
                 del self.running[item.rid]
                 self.free_rows.append(live.row)
+                self._finished.append(item.rid)
 
     def fail_step(self, adapters: Collection[str]) -> None:
         """Some rank could not hold these adapters in the last step (their version could not be loaded
@@ -183,6 +220,7 @@ class Scheduler:
                               "(its version is no longer loadable there); the request was stopped")
                 if self.running.pop(item.rid, None) is not None:
                     self.free_rows.append(live.row)
+                    self._finished.append(item.rid)
         self._last_items = ()
 
     def records(self) -> list[RequestRecord]:
@@ -215,6 +253,7 @@ class Scheduler:
         for live in [lv for lv in self.waiting if ready.get(lv.request.adapter or "") is Readiness.FAILED]:
             live.error = f"adapter {live.request.adapter!r} failed to load on at least one TP rank"
             self.waiting.remove(live)
+            self._finished.append(live.request.rid)
 
     def _running_adapters(self) -> dict[AdapterRef, None]:
         return {lv.ref: None for lv in self.running.values() if lv.ref is not None}

@@ -3,7 +3,9 @@
 One round, on every rank (rank 0's clock times arrivals and tokens):
   1. rules that prefetch (overlap): each rank pins (acquires) the wanted adapters READY on it, so no
      load can evict them, and reports them; the element-wise minimum over ranks is the replica's view;
-  2. rank 0's scheduler turns the clock and that view into a StepPlan; a gloo broadcast hands it to all;
+  2. rank 0 takes the requests submitted since the last round (a streaming run's ``Feed``); its scheduler
+     turns the clock and that view into a StepPlan; a gloo broadcast hands it to all (the other ranks
+     see requests only in these plans, so every rank runs the same ones in the same order);
   3. every rank runs it: prefill or decode (acquire, prefetch, layers with the LoRA kernels and the
      all-reduce, release, wait for the tokens), or a wait for the next load or arrival.
 """
@@ -21,6 +23,7 @@ from lora_cache import heap
 from workers.engine.admission import ADMISSION, AdmissionRule
 from workers.engine.batching import STOP, Scheduler, StepPlan, check_requests
 from workers.engine.config import EngineConfig
+from workers.engine.feed import Feed
 from workers.engine.rank import RankEngine, RankStats, load_catalog
 from workers.engine.timings import RequestRecord, summarize
 from workers.engine.tp import Comm, spawn
@@ -43,6 +46,8 @@ class Hooks(NamedTuple):
     on_queue: Callable[[list[tuple[str, float]]], None] | None = None  # rank 0: the waiting queue changed
     # (adapter, arrival as time.time()) per waiting request, in queue order
     inflight: int = 0  # closed loop: this many requests waiting or running (0: arrivals as given)
+    feed: Feed | None = None  # rank 0: requests submitted while it runs, until the feed's end of stream
+    # (``workers/engine/feed.py``); the ranks without it follow rank 0's plans
 
 
 def run_engine(config: EngineConfig, requests: Sequence[Request]) -> EngineResult:
@@ -63,7 +68,8 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
         engine = RankEngine(config, comm)
         engine.warm_up()
     hooks = hooks or Hooks()
-    scheduler = Scheduler(config, rule, requests, hooks.inflight) if comm.rank == 0 else None
+    feed = hooks.feed if comm.rank == 0 else None
+    scheduler = Scheduler(config, rule, requests, hooks.inflight, feed is not None) if comm.rank == 0 else None
     heap.freeze()  # no full collection walks the built engine mid-run (a ~100 ms stall; lora_cache/heap.py)
     try:
         comm.barrier()  # every rank built: the clock starts now (or at hooks.start_wall)
@@ -75,20 +81,36 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
         plan, queue = StepPlan(STOP), None
         while True:
             vec = comm.min_control(engine.readiness(plan.wanted))  # every rule: the versions (invariant 1)
+            if feed is not None and scheduler is not None:
+                _take(feed, scheduler)
             plan = comm.broadcast(_plan(scheduler, time.perf_counter() - t0, engine, vec))
             if scheduler is not None and hooks.on_queue is not None and (now := scheduler.queue(plan)) != queue:
                 queue = now
                 hooks.on_queue([(a, wall0 + t) for a, t in now])
             if plan.kind == STOP:
                 break
-            step = engine.execute(plan)
+            step = engine.execute(plan, feed.arrival() if feed is not None else None)
             if scheduler is not None and step is not None:
                 scheduler.finish_step(plan, step.end_s - t0, step.load_wait_s, step.outputs)
+            if feed is not None and scheduler is not None:
+                feed.done(scheduler.take_finished())
     finally:
+        if feed is not None and scheduler is not None:
+            feed.done(scheduler.take_finished())  # failures found in the last round's plan
+            feed.stop()
         stats = engine.close()
         heap.thaw()
     ranks = comm.gather(stats)
     return EngineResult(scheduler.records() if scheduler is not None else [], ranks)
+
+
+def _take(feed: Feed, scheduler: Scheduler) -> None:
+    """Rank 0 of a streaming run: the requests submitted since the last round, and the end of stream."""
+    new, closed = feed.take()
+    if new:
+        scheduler.add(new)
+    if closed:
+        scheduler.end()
 
 
 def _plan(scheduler: Scheduler | None, now: float, engine: RankEngine, reduced: torch.Tensor) -> StepPlan | None:

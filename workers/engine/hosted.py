@@ -23,6 +23,7 @@ from workers.cache import WorkerCache
 from workers.engine.admission import ADMISSION
 from workers.engine.config import EngineConfig
 from workers.engine.engine import EngineResult, Hooks, serve_rank
+from workers.engine.feed import Feed
 from workers.engine.rank import RankEngine
 from workers.engine.tp import Comm
 from workers.engine.workload import Request
@@ -55,13 +56,17 @@ def _node_ip() -> str:
 
 
 class HostedEngine:
-    """``build`` (every rank at once: they meet), then ``run`` once per request stream, then ``close``."""
+    """``build`` (every rank at once: they meet), then ``run`` once per request stream, then ``close``.
+
+    A run is given its requests up front, or (``streaming``) rank 0 takes them as a router submits them
+    (``submit``, ``end_stream``) and tells which finished (``finished``): the ``Feed`` made at ``build``."""
 
     def __init__(self, cache: WorkerCache) -> None:
         self.cache = cache
         self.config: EngineConfig | None = None
         self.comm: Comm | None = None
         self.engine: RankEngine | None = None
+        self.feed: Feed | None = None  # rank 0, from build until the next build
 
     def build(self, config: EngineConfig, meet: Rendezvous, rank: int) -> None:
         if config.shape().name != self.cache.catalog.shape.name:
@@ -83,21 +88,42 @@ class HostedEngine:
         self.config = config
         self.engine = RankEngine(config, self.comm, self.cache)  # model and KV cache built before the clock
         self.engine.warm_up()
+        self.feed = Feed() if rank == 0 else None  # before the run starts: a submit may come first
 
     def run(self, requests: Sequence[Request], start_wall: float, inflight: int = 0,
-            report: Callable[[list[tuple[str, float]]], None] | None = None) -> EngineResult:
+            report: Callable[[list[tuple[str, float]]], None] | None = None, streaming: bool = False,
+            ) -> EngineResult:
+        """``streaming``: rank 0 also takes the requests submitted while it runs, until ``end_stream``."""
         if self.config is None or self.comm is None or self.engine is None:
             raise ConfigError("the hosted engine is not built (or already ran); call build on every rank first")
         rule = ADMISSION[self.config.admission]()
         sender = QueueSender(report) if report is not None and self.comm.rank == 0 else None
         try:
-            hooks = Hooks(start_wall, sender.push if sender is not None else None, inflight)
+            hooks = Hooks(start_wall, sender.push if sender is not None else None, inflight,
+                          self.feed if streaming else None)
             engine, self.engine = self.engine, None
             result = serve_rank(self.config, rule, tuple(requests), self.comm, engine, hooks)
         finally:
             if sender is not None:
                 sender.close()
         return result
+
+    # -- a streaming run's feed (rank 0; any thread) ----------------------------------------------------
+    def submit(self, requests: Sequence[Request]) -> None:
+        self._feed().submit(requests)
+
+    def end_stream(self) -> None:
+        self._feed().close()
+
+    def finished(self, timeout_s: float = 1.0) -> list[int] | None:
+        """Request ids done since the last call (waits up to ``timeout_s``); None once the run is over."""
+        return self._feed().finished(timeout_s)
+
+    def _feed(self) -> Feed:
+        if self.feed is None:
+            raise ConfigError("this engine rank takes no submitted requests: submit to rank 0 of a replica, after "
+                              "build (the other ranks follow rank 0's plans)")
+        return self.feed
 
     def close(self) -> None:
         if self.comm is not None and self.comm.world > 1 and dist.is_initialized():

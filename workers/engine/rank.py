@@ -221,12 +221,13 @@ class RankEngine:
             self._pinned = None
 
     # -- one round ---------------------------------------------------------------------------------------
-    def execute(self, plan: StepPlan) -> StepResult | None:
+    def execute(self, plan: StepPlan, arrival: Future[None] | None = None) -> StepResult | None:
+        """``arrival`` (rank 0 of a streaming run): done when a request is submitted; it ends a WAIT."""
         if plan.wanted or self._pinned is not None:
             self.pin(plan.wanted)  # what the prefetches below may not evict
         if plan.kind == WAIT:
             self._prefetch(plan.prefetch)
-            self._wait(plan)
+            self._wait(plan, arrival)
             self._last_end, self._readiness_s = None, 0.0  # the next step's gap is not back to back
             return None
         return self._step(plan)
@@ -241,18 +242,24 @@ class RankEngine:
                 failed.set_exception(e)
                 self._loads[ref] = failed
 
-    def _wait(self, plan: StepPlan) -> None:
-        """Until a load of a held-back adapter finishes here, or the next arrival (the plan's timeout).
+    def _wait(self, plan: StepPlan, arrival: Future[None] | None = None) -> None:
+        """Until a load of a held-back adapter finishes here, or the next arrival (the plan's timeout, or a
+        request submitted: ``arrival``).
 
         Loads already done here are skipped: this rank then returns at once and the next round's
-        collective waits for the others, so no rank spins while another is still loading.
+        collective waits for the others, so no rank spins while another is still loading. In a streaming
+        run the ranks without the feed do not sleep for arrivals either: only rank 0 sees them.
         """
         loads = [f for a in plan.wait_for if (f := self._loads.get(a)) is not None and not f.done()]
         timeout = None if plan.timeout_s is None else max(0.0, plan.timeout_s)
+        woken: list[Future[Any]] = [arrival] if arrival is not None else []
         if loads:
-            wait(loads, timeout=timeout, return_when=FIRST_COMPLETED)
-        elif not plan.wait_for:
-            time.sleep(1e-3 if timeout is None else timeout)  # nothing loading: the next arrival
+            wait([*loads, *woken], timeout=timeout, return_when=FIRST_COMPLETED)
+        elif not plan.wait_for:  # nothing loading: the next arrival
+            if woken:
+                wait(woken, timeout=1e-3 if timeout is None else timeout)
+            elif not plan.streaming:
+                time.sleep(1e-3 if timeout is None else timeout)
         elif self.cache.ready_keys().isdisjoint(_key_or_none(self.catalog, a) for a in plan.wait_for):
             # nothing loading for them here (a prefetch refused for room, a failed load): poll, never spin
             time.sleep(min(1e-3, timeout) if timeout is not None else 1e-3)

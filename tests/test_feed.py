@@ -1,0 +1,143 @@
+"""Requests into a running replica (workers/engine/feed.py): the Feed's contract, the streaming scheduler,
+and a TP 1 engine on the CPU serving a stream submitted while it runs (no Ray)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from lora_cache.errors import ConfigError
+from lora_cache.synth import SynthConfig, make_adapters
+from workers.engine import ADMISSION, EngineConfig, Request, run_engine
+from workers.engine.batching import IDLE_WAIT_S, PREFILL, STOP, WAIT, Scheduler
+from workers.engine.engine import Hooks, serve_rank
+from workers.engine.feed import Feed
+from workers.engine.tp import Comm
+from workers.host_tier import HostTierConfig
+
+ADAPTERS = [f"adapter-{i:03d}" for i in range(3)]
+
+
+def test_feed_hands_over_submissions_wakes_the_loop_and_returns_finished_ids() -> None:
+    feed = Feed()
+    arrival = feed.arrival()
+    assert not arrival.done() and feed.take() == ([], False)
+    feed.submit([Request(0, "a", 2, 1)])
+    assert arrival.done() and feed.arrival() is arrival  # the loop's wait ends; it stays done until taken
+    assert feed.take() == ([Request(0, "a", 2, 1)], False)
+    assert not feed.arrival().done()  # a fresh one after the take
+    feed.done([0])
+    assert feed.finished(0.0) == [0] and feed.finished(0.0) == []
+    feed.close()
+    assert feed.arrival().done() and feed.take() == ([], True)
+    with pytest.raises(ConfigError, match=r"requests \[1\] submitted after the end of the stream"):
+        feed.submit([Request(1, "a", 2, 1)])
+    feed.done([3])
+    feed.stop()
+    assert feed.finished(5.0) == [3] and feed.finished(5.0) is None  # what is left, then the end
+
+
+def test_a_finished_poll_is_woken_by_done_and_by_stop() -> None:
+    feed = Feed()
+    with ThreadPoolExecutor(1) as pool:
+        polling = pool.submit(feed.finished, 60.0)
+        feed.done([7, 8])
+        assert polling.result(timeout=10) == [7, 8]
+        polling = pool.submit(feed.finished, 60.0)
+        feed.stop()
+        assert polling.result(timeout=10) is None
+
+
+def config(root: Path | None = None, **kw: object) -> EngineConfig:
+    base: dict[str, object] = dict(adapters=str(root) if root else "", model="tiny", device="cpu", num_slots=3,
+                                   max_adapters=2, max_running=4, max_prefill_tokens=24, max_seq_len=32,
+                                   host=HostTierConfig(host_bytes=1 << 20, read_threads=2, pin=False))
+    return EngineConfig(**(base | kw))  # type: ignore[arg-type]
+
+
+def test_a_streaming_scheduler_waits_for_submissions_and_stops_only_after_the_end() -> None:
+    s = Scheduler(config(), ADMISSION["ondemand"](), [], streaming=True)
+    plan = s.plan(0.0, {})
+    assert (plan.kind, plan.timeout_s, plan.streaming) == (WAIT, IDLE_WAIT_S, True)  # nothing here: idle
+    s.add([Request(1, None, 4, 1, arrival_s=0.5), Request(0, None, 4, 1, arrival_s=0.2)])
+    assert s.plan(0.1, {}).timeout_s == pytest.approx(0.1)  # until the earlier arrival
+    late = s.plan(0.9, {})  # both delivered late: admitted now, their records keep their arrivals
+    assert late.kind == PREFILL and [it.rid for it in late.items] == [0, 1]
+    s.finish_step(late, 1.0, 0.0)
+    assert s.take_finished() == [0, 1] and s.take_finished() == []
+    assert [(r.arrival_s, r.prefill_s) for r in s.records()] == [(0.2, 0.9), (0.5, 0.9)]
+    assert s.plan(1.1, {}).kind == WAIT  # the stream is open
+    with pytest.raises(ConfigError, match="request 1 was submitted twice"):
+        s.add([Request(1, None, 4, 1)])
+    s.end()
+    assert s.plan(1.2, {}).kind == STOP
+    with pytest.raises(ConfigError, match="not streaming"):
+        s.add([Request(2, None, 4, 1)])
+
+
+def test_streaming_is_open_loop_only() -> None:
+    with pytest.raises(ConfigError, match="open-loop arrivals only"):
+        Scheduler(config(), ADMISSION["ondemand"](), [], inflight=2, streaming=True)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("feed-adapters")
+    make_adapters(root, SynthConfig(model="tiny", count=len(ADAPTERS), rank="8"))
+    return root
+
+
+def test_an_engine_serves_requests_submitted_while_it_runs(adapters: Path) -> None:
+    """The stream in two parts, the second delivered after its arrivals (late): every request served once,
+    none before its delivery, TTFT from its arrival; the same outputs as the requests given up front; the
+    finished ids come back exactly once each, then the end."""
+    cfg = config(adapters, admission="ondemand", record_outputs=True)
+    requests = [Request(rid, ADAPTERS[rid % 3] if rid % 4 else None, 3 + rid % 4, 1 + rid % 3,
+                        0.01 * rid if rid < 6 else 0.001 * rid) for rid in range(10)]  # the second part: due early
+    feed = Feed()
+    start_wall = time.time() + 0.3
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(serve_rank, cfg, ADMISSION["ondemand"](), (), Comm(), None, Hooks(start_wall, feed=feed))
+        feed.submit(requests[:6])
+        finished: list[int] = []
+        while len(finished) < 6:  # the first part is served while the stream stays open
+            finished += feed.finished(30.0) or []
+        delivered = time.time() - start_wall
+        feed.submit(requests[6:])
+        feed.close()
+        while (rids := feed.finished(30.0)) is not None:
+            finished += rids
+        result = run.result(timeout=120)
+    assert sorted(finished) == list(range(10))
+    records = {r.rid: r for r in result.records}
+    assert sorted(records) == list(range(10)) and all(r.ok for r in records.values())
+    for r in requests[6:]:
+        rec = records[r.rid]
+        assert rec.prefill_s is not None
+        assert rec.arrival_s == r.arrival_s < delivered <= rec.prefill_s  # admitted when it got there
+        assert rec.token_s[0] - rec.arrival_s > delivered - r.arrival_s  # TTFT counts the delivery's delay
+    upfront = {r.rid: r for r in run_engine(cfg, requests).records}
+    for rid, rec in records.items():
+        assert rec.outputs is not None
+        torch.testing.assert_close(rec.outputs, upfront[rid].outputs, rtol=1e-4, atol=1e-4)
+
+
+def test_a_run_that_fails_ends_the_finished_polls(adapters: Path) -> None:
+    feed = Feed()
+    feed.submit([Request(0, "no-such-adapter", 3, 1)])
+    done = threading.Event()
+
+    def poll() -> None:
+        while feed.finished(30.0) is not None:
+            pass
+        done.set()
+
+    threading.Thread(target=poll, daemon=True).start()
+    with pytest.raises(Exception):  # noqa: B017 -- whatever the engine raises, the feed stops
+        serve_rank(config(adapters), ADMISSION["ondemand"](), (), Comm(), None, Hooks(time.time(), feed=feed))
+    assert done.wait(30)

@@ -1,0 +1,92 @@
+"""Requests into a running replica as a router releases them, and finished request ids back out.
+
+A ``Feed`` sits between a router (any thread: a Ray call's, a pipe reader's) and rank 0's serving
+loop, which alone takes requests: the other TP ranks see them only in rank 0's broadcast step plans,
+so every rank of a replica runs the same requests in the same order by construction (``engine.py``).
+
+Router side: ``submit`` (a request's arrival time stays its ``arrival_s``: the scheduler admits it at
+the first round at or after both that time and its delivery, and TTFT counts from ``arrival_s``),
+``close`` (end of stream: the loop stops once every request is done) and ``finished`` (a long poll for
+request ids done since the last call; None once the run is over). Engine side: ``take`` (what came
+since the last take, and whether the stream is closed), ``arrival`` (a future done on the next submit
+or close: a WAIT round waits on it beside its loads) and ``done``; ``stop`` ends the run's polls.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from concurrent.futures import Future
+
+from lora_cache.errors import ConfigError
+from workers.engine.workload import Request
+
+
+class Feed:
+    """One run's request stream into one replica (single use: ``stop`` is final)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # protects every field below
+        self._changed = threading.Condition(self._lock)  # finished ids or stop: wakes ``finished``
+        self._new: list[Request] = []  # submitted, not yet taken by the loop
+        self._closed = False  # end of stream: nothing more will be submitted
+        self._stopped = False  # the run is over (the loop left)
+        self._arrival: Future[None] = Future()  # done on the next submit/close after a take
+        self._done: list[int] = []  # finished, not yet polled
+
+    # -- the router's side ---------------------------------------------------------------------------
+    def submit(self, requests: Iterable[Request]) -> None:
+        batch = list(requests)
+        with self._lock:
+            if self._closed:
+                raise ConfigError(f"requests {[r.rid for r in batch][:8]} submitted after the end of the stream; "
+                                  "submit every request before close()")
+            self._new += batch
+            self._wake()
+
+    def close(self) -> None:
+        """End of stream: the loop stops once every request submitted so far is done."""
+        with self._lock:
+            self._closed = True
+            self._wake()
+
+    def finished(self, timeout_s: float = 1.0) -> list[int] | None:
+        """Request ids finished (served or failed) since the last call, waiting up to ``timeout_s`` for one;
+        None once the run is over and every id was handed out."""
+        with self._changed:
+            if not self._done and not self._stopped:
+                self._changed.wait(timeout_s)
+            if not self._done and self._stopped:
+                return None
+            out, self._done = self._done, []
+            return out
+
+    # -- the serving loop's side (rank 0) ------------------------------------------------------------
+    def take(self) -> tuple[list[Request], bool]:
+        """Requests submitted since the last take, and whether the stream is closed."""
+        with self._lock:
+            out, self._new = self._new, []
+            if self._arrival.done():
+                self._arrival = Future()
+            return out, self._closed
+
+    def arrival(self) -> Future[None]:
+        """Done when a submit or close lands after the last ``take`` (already done if one has)."""
+        with self._lock:
+            return self._arrival
+
+    def done(self, rids: Iterable[int]) -> None:
+        with self._changed:
+            self._done += rids
+            if self._done:
+                self._changed.notify_all()
+
+    def stop(self) -> None:
+        """The run is over: pollers get what is left, then None."""
+        with self._changed:
+            self._stopped = True
+            self._changed.notify_all()
+
+    def _wake(self) -> None:
+        if not self._arrival.done():
+            self._arrival.set_result(None)
