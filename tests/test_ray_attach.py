@@ -262,3 +262,23 @@ def test_the_benchmark_runs_its_engine_ranks_attached(tmp_path: Path) -> None:
         assert (doc["figures"][name]["completed"], doc["figures"][name]["failed"]) == (requests, 0), name
     assert doc["figures"]["global"]["prefetch_accuracy"] is not None  # the controller prefetched into them
     assert doc["figures"]["oracle"]["loads"] == 0  # every adapter preloaded into the processes before the clock
+
+
+def test_an_endpoint_imports_what_it_unpickles_before_its_first_call(fleet) -> None:
+    """The relay's values (commands, and answers: ``workers.commands.ApplyResult``, whose module imports
+    torch) are unpickled on the endpoint's event loop. Imported lazily by the first answer, that import
+    stalled every call and poll behind it for about a second: the controller's next command reached the
+    process 1.2-1.4 s late (bench.run --quick --attach: GPU hit 0.625 against 1.0 hosted). So the endpoint
+    imports them when it is made."""
+    import sys
+
+    from workers.attach_ray import Endpoint
+
+    endpoint = Endpoint.remote("lora-cache-worker:probe:0", 5.0)
+    try:
+        loaded = ray.get(endpoint.__ray_call__.remote(
+            lambda self: [m for m in ("workers.commands", "lora_cache.planner", "torch") if m in sys.modules]),
+            timeout=60)
+        assert loaded == ["workers.commands", "lora_cache.planner", "torch"]
+    finally:
+        ray.kill(endpoint, no_restart=True)

@@ -40,6 +40,14 @@ class Endpoint:
     answers with ``answer``. ``ping`` is answered here, while the process keeps polling."""
 
     def __init__(self, name: str, liveness_s: float, start_s: float | None = None) -> None:
+        # The relayed values are unpickled here: the commands (lora_cache.planner) and the answers
+        # (workers.commands.ApplyResult, whose module imports torch). Imported now, not on the event loop by
+        # the first answer: that import (about a second) stalled every call and poll behind it, and the
+        # controller's second command reached the process 1.2-1.4 s late (bench.run --quick --attach: GPU hit
+        # 0.625 against 1.0 hosted, 2026-11-25).
+        import lora_cache.planner  # noqa: F401
+        import workers.commands  # noqa: F401
+
         self.relay = Relay(name, liveness_s, start_s=start_s)
 
     async def apply(self, commands: list[Any]) -> Any:
