@@ -228,16 +228,23 @@ def _unary(method: Unary, request_cls: type[Any]) -> Callable[..., Awaitable[Any
     return handle
 
 
+async def _answered(responses: Callable[[], AsyncIterator[Any]],
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    """Yield ``responses()``; an error (from parsing the request too) ends the call with its status."""
+    try:
+        async for response in responses():
+            yield response
+    except Exception as e:
+        code, message = status_for(e)
+    else:
+        return
+    await context.abort(code, message)
+
+
 def _streaming(method: Streaming, request_cls: type[Any]) -> Callable[..., AsyncIterator[Any]]:
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        try:
-            async for response in method(validate.parse(request_cls, raw)):
-                yield response
-        except Exception as e:
-            code, message = status_for(e)
-        else:
-            return
-        await context.abort(code, message)
+        async for response in _answered(lambda: method(validate.parse(request_cls, raw)), context):
+            yield response
 
     return handle
 
@@ -249,14 +256,8 @@ def _bidi(method: Callable[[AsyncIterator[Any]], AsyncIterator[Any]],
             async for raw in raw_requests:
                 yield validate.parse(request_cls, raw)
 
-        try:
-            async for response in method(requests()):
-                yield response
-        except Exception as e:
-            code, message = status_for(e)
-        else:
-            return
-        await context.abort(code, message)
+        async for response in _answered(lambda: method(requests()), context):
+            yield response
 
     return handle
 
