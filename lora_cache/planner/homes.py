@@ -18,12 +18,12 @@ The planner's ``global`` policy gives a replica's *free* GPU room (what queue, h
 speculation left) to the adapters that call it home, most requested first, each expected at
 ``home_min_rate`` requests per second or more per copy: never evicting, so a router that ignores
 residency (round-robin) loses nothing but the room's idle bytes. And when the fleet's slots can hold
-the whole catalog, adapters with no history yet (a new deployment, a scaled-out fleet) go to their first
-home too, so an adapter's first request finds it loaded where the advice sends it.
+the whole catalog, adapters with no history yet (a new deployment, a scaled-out fleet) get one home too,
+so an adapter's first request finds it loaded where the advice sends it.
 
 Plain Python; ``preference`` is the routing advice's own order (``lora_cache.routing.preference``).
 Simulated (32 replicas, Zipf 0.9 over 200 adapters, bench/RESULTS.md 2026-11-25): the share of requests
-whose adapter was ready on arrival rose from 0.955 to 0.99, and with affinity routing at lead 0 the hot
+whose adapter was ready on arrival rose from 0.959 to 0.995, and with affinity routing at lead 0 the hot
 spot (p99 750 ms: few replicas held the hot adapters) is gone.
 """
 

@@ -257,7 +257,7 @@ def _speculate(view: ReplicaView, scorer: ReplicaScorer, chosen: set[AdapterKey]
             continue
         resident = info.key in view.resident  # taking it back costs no load on the ranks that hold it
         if not resident and scorer.rate(name) < config.speculate_min_rate:
-            if view.max_bytes and scorer.rate_of_score(score * view.max_bytes) < config.speculate_min_rate:
+            if scorer.none_reach(score, view.max_bytes, config.speculate_min_rate):
                 break  # no later candidate (a lower score) can reach the gate: not even the largest shard
             continue  # not expected soon enough to be worth a load: staging may take it (staging.py)
         scanned += 1

@@ -166,9 +166,11 @@ class ReplicaScorer:
         """Expected requests per second for `adapter` at this replica (the blend of `value`, decayed)."""
         return self.value(adapter) * self._per_second
 
-    def rate_of_score(self, value: float) -> float:
-        """Requests per second of an adapter whose ``value`` (score x its shard bytes) is given."""
-        return value * self._per_second
+    def none_reach(self, score: float, max_bytes: int, min_rate: float) -> bool:
+        """Whether no adapter scoring ``score`` or less can be expected at ``min_rate`` (its value is at most
+        ``score`` x the largest shard): a scan of ``ranked()`` for such a rate may stop there. False when the
+        largest shard is unknown (0)."""
+        return max_bytes > 0 and score * max_bytes * self._per_second < min_rate
 
     def score(self, adapter: str) -> float:
         return self.value(adapter) / self._catalog[adapter].bytes_per_rank

@@ -58,11 +58,15 @@ def predicted_stages(view: ReplicaView, scorer: ReplicaScorer, taken: set[Adapte
     """Popular adapters neither held nor taken, expected here at `min_rate` or more, best per byte first,
     while their bytes fit `budget`."""
     staged: list[AdapterKey] = []
-    for _, name in scorer.ranked():
+    for score, name in scorer.ranked():
         if scan <= 0 or budget < view.min_bytes:
             break
         info = view.catalog[name]
-        if info.key in taken or info.key in view.resident or scorer.rate(name) < min_rate:
+        if scorer.rate(name) < min_rate:
+            if scorer.none_reach(score, view.max_bytes, min_rate):
+                break  # no later candidate (a lower score) is expected at min_rate
+            continue
+        if info.key in taken or info.key in view.resident:
             continue
         scan -= 1
         if info.bytes_per_rank <= budget:
