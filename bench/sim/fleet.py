@@ -25,14 +25,15 @@ per adapter, all READY before t=0 (an infinite cache with zero load cost).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 
 from bench.figures import PolicyRun
 from bench.policies import BenchPolicy
+from bench.routers import RULES, make_rule
 from bench.sim.calibration import Calibration
 from bench.sim.control import SimController, SyntheticCatalog
 from bench.sim.events import Loop
@@ -67,60 +68,40 @@ class RouteContext(NamedTuple):
     controller: ControllerCore
 
 
-class Router(Protocol):
+class SimGateway:
+    """``bench.routers.Gateway`` over the simulated fleet: READY on every rank from the engines' report, and
+    ``Route`` answered by the controller core at once (no RPC latency)."""
+
+    def __init__(self, ctx: RouteContext) -> None:
+        self.ctx = ctx
+
+    def ready(self, adapter: str) -> list[str]:
+        return [name for i, name in enumerate(self.ctx.names) if self.ctx.resident(adapter, i)]
+
+    def first(self, adapters: Sequence[str], loads: Mapping[str, int]) -> list[str]:
+        advice = self.ctx.controller.route([RouteRequest(a) for a in adapters],
+                                           {name: float(n) for name, n in loads.items()})
+        for item in advice:
+            if item.error is not None:
+                raise item.error
+        return [item.ranked[0].replica for item in advice]
+
+
+class Router:
+    """One of the real path's routing rules (``bench.routers.RULES``: the same picks and tie-breaks), asked
+    for one request at a time with the router's own outstanding counts."""
+
+    def __init__(self, name: str) -> None:
+        self.rule = make_rule(name)
+
     def pick(self, adapter: str | None, ctx: RouteContext) -> int:
         """The replica (index) for the next request, which needs ``adapter`` (None: the base model)."""
-        ...
+        loads = dict(zip(ctx.names, ctx.outstanding))
+        (replica,) = self.rule.route([adapter], loads, SimGateway(ctx))
+        return ctx.names.index(replica)
 
 
-def _least_loaded(outstanding: list[int], among: Iterable[int]) -> int:
-    return min(among, key=lambda i: (outstanding[i], i))
-
-
-class LeastLoaded:
-    """The replica with the fewest outstanding requests (queued, running or on their way); ties: lowest index."""
-
-    def pick(self, adapter: str | None, ctx: RouteContext) -> int:
-        return _least_loaded(ctx.outstanding, range(len(ctx.outstanding)))
-
-
-class RoundRobin:
-    """Request i to replica i mod R, as ``bench.real``'s router does."""
-
-    def __init__(self) -> None:
-        self.next = 0
-
-    def pick(self, adapter: str | None, ctx: RouteContext) -> int:
-        self.next = (self.next + 1) % len(ctx.outstanding)
-        return (self.next - 1) % len(ctx.outstanding)
-
-
-class Affinity:
-    """Residency only, as llm-d's lora-affinity scorer and Ray Serve's model multiplexing: the least-loaded
-    replica where the adapter is READY on every rank (the engines' own report), else the least-loaded one."""
-
-    def pick(self, adapter: str | None, ctx: RouteContext) -> int:
-        everyone = range(len(ctx.outstanding))
-        resident = [i for i in everyone if adapter is not None and ctx.resident(adapter, i)]
-        return _least_loaded(ctx.outstanding, resident or everyone)
-
-
-class LoraCacheRouter:
-    """The controller's routing advice (``ControllerCore.route``: residency and the plan in flight as the
-    controller knows them, bounded loads), with the router's own outstanding counts as the loads."""
-
-    def pick(self, adapter: str | None, ctx: RouteContext) -> int:
-        if adapter is None:
-            return _least_loaded(ctx.outstanding, range(len(ctx.outstanding)))
-        loads = {name: float(n) for name, n in zip(ctx.names, ctx.outstanding)}
-        (advice,) = ctx.controller.route([RouteRequest(adapter)], loads)
-        if advice.error is not None:
-            raise advice.error
-        return ctx.names.index(advice.ranked[0].replica)
-
-
-ROUTERS: dict[str, type[Router]] = {"round-robin": RoundRobin, "least-loaded": LeastLoaded, "affinity": Affinity,
-                                    "lora-cache": LoraCacheRouter}
+ROUTERS: dict[str, Callable[[], Router]] = {name: functools.partial(Router, name) for name in RULES}
 
 
 @dataclass(frozen=True)

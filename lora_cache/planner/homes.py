@@ -30,7 +30,7 @@ spot (p99 750 ms: few replicas held the hot adapters) is gone.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from lora_cache.planner.popularity import RankedCounts
 from lora_cache.planner.records import AdapterInfo, AdapterKey
@@ -69,21 +69,22 @@ class HomeBook:
     """One plan's homes for the whole fleet, assigned once (lazily) and read per replica.
 
     Adapters are assigned most requested first, each to the first replicas of its rendezvous order that
-    have a slot left in this assignment (``slots``: each replica's), as many as its copies: so a replica
-    never gets more homes than it has slots, and an adapter whose first home is full goes to its next (the
-    advice routes to where it is resident, so it follows). Assigned homes only take free room (policies.py).
+    have a slot left in this assignment (``slots_of``: a replica's slots), as many as its copies: so a
+    replica never gets more homes than it has slots, and an adapter whose first home is full goes to its next
+    (the advice routes to where it is resident, so it follows). When the fleet's slots hold the whole
+    catalog, adapters below ``min_rate`` get one home each too. Assigned homes only take free room
+    (policies.py). Nothing is computed until a replica with free room asks (``homes``).
     """
 
-    def __init__(self, preferences: Preferences, slots: Mapping[str, int], fleet: RankedCounts, per_second: float,
-                 catalog: Mapping[str, AdapterInfo], min_rate: float, fill_catalog: bool) -> None:
+    def __init__(self, preferences: Preferences, replicas: Sequence[str], slots_of: Callable[[str], int],
+                 fleet: RankedCounts, per_second: float, catalog: Mapping[str, AdapterInfo], min_rate: float) -> None:
         self._preferences = preferences
-        self._replicas = tuple(sorted(slots))
-        self._slots = dict(slots)
+        self._replicas = tuple(replicas)
+        self._slots_of = slots_of
         self._fleet = fleet
         self._per_second = per_second  # scaled count -> requests per second
         self._catalog = catalog
         self._min_rate = min_rate
-        self._fill_catalog = fill_catalog  # the fleet's slots hold the catalog: adapters without history too
         self._homes: dict[str, list[AdapterKey]] | None = None
 
     def homes(self, replica: str) -> Iterator[AdapterKey]:
@@ -95,7 +96,8 @@ class HomeBook:
 
     def _assign(self) -> dict[str, list[AdapterKey]]:
         n = len(self._replicas)
-        left = dict(self._slots)
+        left = {r: self._slots_of(r) for r in self._replicas}
+        fill_catalog = 0 < len(self._catalog) <= sum(left.values())  # adapters without history too
         out: dict[str, list[AdapterKey]] = {r: [] for r in self._replicas}
         if n == 0:
             return out
@@ -107,7 +109,7 @@ class HomeBook:
                 break  # counts only fall from here, and copies with them
             rated.add(name)
             self._place(name, count, left, out)
-        if self._fill_catalog:
+        if fill_catalog:
             rest = sorted(self._catalog.keys() - rated, key=lambda a: (-self._fleet.get(a), a))
             for name in rest:
                 self._place(name, 1, left, out)

@@ -350,15 +350,13 @@ class Planner:
         return Plan(self.epoch, tuple(replicas), tuple(out))
 
     def _home_book(self) -> HomeBook | None:
-        """This plan's homes (homes.py), if the config places them; the catalog is filled in too when the
-        fleet's slots can hold every adapter once."""
+        """This plan's homes (homes.py), if the config places them."""
         if not self.config.place_homes:
             return None
         fleet = self._fleet
-        slots = {r: fleet.replica_capacity(r).slots for r in fleet.workers}
-        fill = 0 < len(fleet.catalog) <= sum(slots.values())
-        return HomeBook(self._preferences, slots, self._popularity.fleet, self._popularity.per_second(self._now),
-                        fleet.catalog, self.config.home_min_rate, fill_catalog=fill)
+        return HomeBook(self._preferences, self.replicas(), lambda r: fleet.replica_capacity(r).slots,
+                        self._popularity.fleet, self._popularity.per_second(self._now), fleet.catalog,
+                        self.config.home_min_rate)
 
     def _plan_replica(self, replica: str, homes: HomeBook | None = None) -> list[WorkerCommands]:
         fleet = self._fleet

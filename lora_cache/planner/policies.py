@@ -162,8 +162,8 @@ def _homes(view: ReplicaView, held: set[AdapterKey], room: Room, limit: int) -> 
     """Adapters homed here, into the free room left, in the home book's order: none evicted, at most
     `limit` loads (the next plan takes the rest), and a current version only."""
     admitted: list[AdapterKey] = []
-    if limit <= 0:
-        return admitted
+    if limit <= 0 or not _has_room(room, view.min_bytes):
+        return admitted  # the home book is not even read (its assignment is made on the first read)
     for key in view.homes:
         if len(admitted) >= limit or not _has_room(room, view.min_bytes):
             break

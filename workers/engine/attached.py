@@ -186,12 +186,17 @@ class EngineProcess:
     def _answer(self, timeout_s: float) -> Any:
         if not self._conn.poll(timeout_s):
             raise EngineProcessError(f"engine {self.name} did not answer within {timeout_s:.0f} s")
+        return self._receive(self._conn, "")
+
+    def _receive(self, conn: Connection, refused: str) -> Any:
+        """The next (kind, value) message on ``conn`` (one is waiting): its value, or ``EngineProcessError``
+        for an "error" message (``refused`` prefixes its text) or a dead process."""
         try:
-            status, value = self._conn.recv()
+            kind, value = conn.recv()
         except EOFError as e:
             raise EngineProcessError(f"engine {self.name} died (exit code {self.process.exitcode})") from e
-        if status == "error":
-            raise EngineProcessError(f"engine {self.name}: {value}")
+        if kind == "error":
+            raise EngineProcessError(f"engine {self.name}{refused}: {value}")
         return value
 
     def call(self, op: str, *args: Any, timeout_s: float = 600.0) -> Any:
@@ -213,13 +218,7 @@ class EngineProcess:
         is over. A submit the engine refused raises here."""
         if not self._feed.poll(timeout_s):
             return []
-        try:
-            kind, value = self._feed.recv()
-        except EOFError as e:
-            raise EngineProcessError(f"engine {self.name} died (exit code {self.process.exitcode})") from e
-        if kind == "error":
-            raise EngineProcessError(f"engine {self.name} refused submitted requests: {value}")
-        return value  # type: ignore[no-any-return]
+        return self._receive(self._feed, " refused submitted requests")  # type: ignore[no-any-return]
 
     def kill(self) -> None:
         """SIGKILL: the process dies without detaching (what a crash looks like to lora-cache)."""
