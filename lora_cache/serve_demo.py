@@ -77,7 +77,10 @@ def run_router_demo(target: str, token: str | None, adapters: list[str], request
 
 def _watch(client: LoraCacheClient, ready_at: dict[tuple[str, str], float], cond: threading.Condition) -> None:
     try:
-        for event in client.watch():
+        # From the controller's first event (after_seq=0), not from now: the planner may place adapters
+        # before the router starts (homes, when the fleet holds the catalog), and a pair READY before the
+        # watch began would send no event, so the demo would wait for it in vain.
+        for event in client.watch(after_seq=0):
             if isinstance(event, Resync):  # fell behind: the ready set now stands for the events missed
                 with cond:
                     for replica, adapter, _version in event.ready:
