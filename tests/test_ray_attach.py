@@ -121,7 +121,10 @@ def test_engine_processes_attach_serve_and_recover(fleet) -> None:
         assert ray.get(ctl.status.remote())["queue_depths"]["replica-0"] == 0  # its last report: nothing waits
         assert ray.get(ctl.check_integrity.remote())
 
-        # a killed rank: the replica is ready for nothing, though rank 0 still holds its shards
+        # a killed rank: the replica is ready for nothing, though rank 0 still holds its shards. The run's
+        # on-demand loads decided which 3 of its 4 adapters stay (CI once kept adapter-001 out, and with no
+        # hint left nothing brought it back): a new hint makes it a need again
+        assert ray.get(ctl.hint.remote([("h-1b", "adapter-001", "replica-0", 0.5)])) == 1
         wait_ready(ctl, "adapter-001", "replica-0", 60)
         ranks[1].kill()
         wait_for(lambda: "replica-0" not in ready_on(ctl, "adapter-001"), what="the killed rank dropped")
