@@ -117,6 +117,67 @@ def test_homes_never_evict_and_a_needed_adapter_still_displaces_them() -> None:
     planner.check_integrity()
 
 
+def full_fleet(cold_weight: float, **config: object) -> tuple[Planner, dict[str, set[str]]]:
+    """4 replicas x 2 slots, 20 adapters (no fill): each replica's slots hold two cold adapters its own queue
+    loaded (a1..a8, each counted there with ``cold_weight``); the queues are then empty."""
+    planner = fleet(replicas=4, slots=2, adapters=20, **config)
+    names = planner.replicas()
+    for i, replica in enumerate(names):
+        pair = [f"a{2 * i + 1}", f"a{2 * i + 2}"]
+        for name in pair:
+            planner.record_request(name, replica, 0.5, weight=cold_weight)
+        planner.report_queue(replica, [(name, 0.5) for name in pair], 0.5)
+    settle(planner, 0.5)
+    for replica in names:
+        planner.report_queue(replica, [], 0.6)
+    assert not any(c.prefetches or c.evicts for c in planner.plan_all(0.6).workers)
+    return planner, {r: {f"a{2 * i + 1}", f"a{2 * i + 2}"} for i, r in enumerate(names)}
+
+
+def changes(plan: Plan) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(replica -> adapters loaded, replica -> adapters evicted), each on every rank of the replica."""
+    loaded: dict[str, list[set[str]]] = {}
+    evicted: dict[str, list[set[str]]] = {}
+    for commands in plan.workers:
+        replica = commands.worker.split("/")[0]
+        loaded.setdefault(replica, []).append({p.adapter for p in commands.prefetches})
+        evicted.setdefault(replica, []).append({e.adapter for e in commands.evicts})
+    for per_rank in (*loaded.values(), *evicted.values()):
+        assert all(ranks == per_rank[0] for ranks in per_rank), f"ranks of one replica disagree: {per_rank}"
+    return ({r: v[0] for r, v in loaded.items() if v[0]}, {r: v[0] for r, v in evicted.items() if v[0]})
+
+
+@pytest.mark.parametrize("speculate_min_rate", [1e9, 0.5])  # homes alone; with speculation (must not undo them)
+@pytest.mark.parametrize(("cold_weight", "copies_"), [(20.0, 3), (90.0, 2)])  # 300 of 460: 3 homes; of 1020: 2
+def test_a_hot_adapter_displaces_colder_incumbents_at_its_homes_on_a_full_fleet(
+        speculate_min_rate: float, cold_weight: float, copies_: int) -> None:
+    """A full fleet (every slot taken by cold adapters) still gets a hot adapter's copies, at the homes the
+    advice routes it to, each in place of the least valuable incumbent; then the placement is stable: later
+    plans, with speculation on, evict nothing. The new copies are worth their home score, not the little
+    traffic they saw before a router could send them any: with cold adapters of 90 (above the speculation
+    gate) the displaced one would otherwise win its slot back at the next plan."""
+    planner, cold = full_fleet(cold_weight=cold_weight, speculate_min_rate=speculate_min_rate)
+    order = preference("a0", planner.replicas())
+    planner.record_request("a0", order[0], 1.0, weight=300)  # counted at its first home (speculation agrees)
+    loaded, evicted = changes(planner.plan_all(1.0))
+    homes = set(order[:copies_])
+    assert loaded == {r: {"a0"} for r in homes}
+    assert set(evicted) == homes and all(len(v) == 1 and v <= cold[r] for r, v in evicted.items())
+    for i in range(1, 6):
+        assert changes(planner.plan_all(1.0 + i)) == ({}, {}), f"placement undone at plan {i}"
+    planner.check_integrity()
+
+
+def test_a_home_does_not_displace_an_incumbent_worth_about_as_much_nor_does_a_catalog_fill() -> None:
+    planner, _ = full_fleet(cold_weight=100.0)  # cold incumbents of ~1.2/s each, 960 counts in all
+    planner.record_request("a0", planner.replicas()[0], 1.0, weight=110)  # one home, not worth 1.25x an incumbent
+    assert changes(planner.plan_all(1.0)) == ({}, {})
+    planner.record_request("a0", planner.replicas()[0], 1.1, weight=100)  # now 210: clearly worth more
+    loaded, evicted = changes(planner.plan_all(1.1))
+    assert loaded == {preference("a0", planner.replicas())[0]: {"a0"}} and len(evicted) == 1
+    planner.check_integrity()
+
+
 def test_homes_off_places_nothing_without_traffic() -> None:
     assert settle(fleet(replicas=4, slots=2, adapters=6, place_homes=False), 0.0) == {}
 

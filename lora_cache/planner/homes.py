@@ -30,11 +30,21 @@ spot (p99 750 ms: few replicas held the hot adapters) is gone.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 from lora_cache.planner.popularity import RankedCounts
 from lora_cache.planner.records import AdapterInfo, AdapterKey
 from lora_cache.routing import preference
+
+
+class Home(NamedTuple):
+    """An adapter assigned to a replica: its current version, and the scaled request count each of its homes
+    can expect (its fleet-wide count over its copies, what a router that follows residency sends each copy);
+    0.0 for an adapter placed only because the fleet holds the catalog (free room only, never displacing)."""
+
+    key: AdapterKey
+    per_copy: float
 
 
 def copies(share: float, replicas: int) -> int:
@@ -85,42 +95,46 @@ class HomeBook:
         self._per_second = per_second  # scaled count -> requests per second
         self._catalog = catalog
         self._min_rate = min_rate
-        self._homes: dict[str, list[AdapterKey]] | None = None
+        self._homes: dict[str, list[Home]] | None = None
 
-    def homes(self, replica: str) -> Iterator[AdapterKey]:
-        """The current versions of the adapters assigned to ``replica``, most requested first; then, if the
-        fleet holds the catalog, those below ``min_rate`` (none yet: a fresh fleet), by count and name."""
+    def homes(self, replica: str) -> tuple[Home, ...]:
+        """The adapters assigned to ``replica``, most requested first; then, if the fleet holds the catalog,
+        those below ``min_rate`` (none yet: a fresh fleet), by count and name."""
         if self._homes is None:
             self._homes = self._assign()
-        yield from self._homes.get(replica, ())
+        return tuple(self._homes.get(replica, ()))
 
-    def _assign(self) -> dict[str, list[AdapterKey]]:
+    def _assign(self) -> dict[str, list[Home]]:
         n = len(self._replicas)
         left = {r: self._slots_of(r) for r in self._replicas}
         fill_catalog = 0 < len(self._catalog) <= sum(left.values())  # adapters without history too
-        out: dict[str, list[AdapterKey]] = {r: [] for r in self._replicas}
+        out: dict[str, list[Home]] = {r: [] for r in self._replicas}
         if n == 0:
             return out
         total = self._fleet.total
         rated: set[str] = set()
         for neg, name in self._fleet.order:
-            count = copies(-neg / total, n) if total > 0 else 1
-            if -neg * self._per_second / count < self._min_rate:
-                break  # counts only fall from here, and copies with them
+            rate = -neg * self._per_second
+            if rate < self._min_rate:
+                break  # counts only fall from here
+            # one home per replica's worth of traffic, but none expected below min_rate (while the counts
+            # are young, a hot adapter's rate is underestimated: it gets fewer homes, not none)
+            count = max(1, min(copies(-neg / total, n), math.floor(rate / self._min_rate)))
             rated.add(name)
-            self._place(name, count, left, out)
+            self._place(name, count, -neg / count, left, out)
         if fill_catalog:
             rest = sorted(self._catalog.keys() - rated, key=lambda a: (-self._fleet.get(a), a))
             for name in rest:
-                self._place(name, 1, left, out)
+                self._place(name, 1, 0.0, left, out)
         return out
 
-    def _place(self, name: str, count: int, left: dict[str, int], out: dict[str, list[AdapterKey]]) -> None:
-        key = self._catalog[name].key
+    def _place(self, name: str, count: int, per_copy: float, left: dict[str, int],
+               out: dict[str, list[Home]]) -> None:
+        home = Home(self._catalog[name].key, per_copy)
         for replica in self._preferences.order(name, self._replicas):
             if count == 0:
                 return
             if left[replica] > 0:
                 left[replica] -= 1
-                out[replica].append(key)
+                out[replica].append(home)
                 count -= 1

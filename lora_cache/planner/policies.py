@@ -34,6 +34,7 @@ from lora_cache.planner.staging import plan_stages
 
 if TYPE_CHECKING:
     from lora_cache.planner.config import PlannerConfig
+    from lora_cache.planner.homes import Home
     from lora_cache.planner.popularity import ReplicaScorer
 
 
@@ -52,7 +53,7 @@ class ReplicaView(NamedTuple):
     catalog: Mapping[str, AdapterInfo]
     min_bytes: int  # the smallest shard in the catalog
     far_hinted: tuple[str, ...] = ()  # hints beyond the horizon (none queued or near): free room only (horizon.py)
-    homes: Iterable[AdapterKey] = ()  # adapters that call this replica home, best first (homes.py; lazy)
+    homes: tuple[Home, ...] = ()  # adapters that call this replica home, best first (homes.py)
     max_bytes: int = 0  # the largest shard in the catalog (0: unknown): bounds a candidate's rate by its score
 
 
@@ -140,7 +141,8 @@ def build_target(view: ReplicaView, scorer: ReplicaScorer, needed: tuple[str, ..
     wanted = _needed_keys(view, needed, set(keys))
     keys += _admit_needed(view, wanted, room)
     chosen = set(keys)
-    kept = _trim(_incumbents(view, chosen, scorer), room, view)
+    homed = {h.key: h.per_copy for h in view.homes if h.per_copy > 0} if speculate else {}
+    kept = _trim(_incumbents(view, chosen, scorer, homed), room, view)
     far = _needed_keys(view, view.far_hinted, chosen)
     far_held = [sk for sk in kept if sk[1] in far]  # speculation may not displace these (no thrash)
     kept = [sk for sk in kept if sk[1] not in far]
@@ -150,7 +152,7 @@ def build_target(view: ReplicaView, scorer: ReplicaScorer, needed: tuple[str, ..
     far_in = _free_room(view, [k for k in far if k not in held and k not in view.resident], room)
     held |= set(far_in)
     budget = config.max_prefetches_per_plan - sum(k not in view.resident for _, k in admitted)
-    homes = _homes(view, held, room, budget) if speculate else []
+    homes = _homes(view, scorer, held, kept, room, budget, config.hysteresis) if speculate else []
     popular = sorted(kept + far_held + admitted, key=lambda sk: (-sk[0], sk[1]))
     target = tuple(keys) + tuple(far_in) + tuple(k for _, k in popular) + tuple(homes)
     homeless = [k for k in wanted if k not in chosen] + [k for k in far if k not in target]
@@ -158,21 +160,32 @@ def build_target(view: ReplicaView, scorer: ReplicaScorer, needed: tuple[str, ..
     return Target(target, frozenset(k for _, k in admitted) | frozenset(homes), staged)
 
 
-def _homes(view: ReplicaView, held: set[AdapterKey], room: Room, limit: int) -> list[AdapterKey]:
-    """Adapters homed here, into the free room left, in the home book's order: none evicted, at most
-    `limit` loads (the next plan takes the rest), and a current version only."""
+def _homes(view: ReplicaView, scorer: ReplicaScorer, held: set[AdapterKey], kept: list[Scored], room: Room,
+           limit: int, hysteresis: float) -> list[AdapterKey]:
+    """Adapters homed here, in the home book's order, a current version only, at most `limit` loads (the
+    next plan takes the rest): into the free room left, or, for an adapter with traffic of its own, in
+    place of incumbents worth clearly less per byte than its home score (`ReplicaScorer.home_score`: a
+    full fleet still gets a hot adapter's copies, where a router that follows residency sends its traffic).
+    `kept` (lowest first) loses the incumbents displaced; an adapter placed only because the fleet holds
+    the catalog never displaces."""
     admitted: list[AdapterKey] = []
-    if limit <= 0 or not _has_room(room, view.min_bytes):
-        return admitted  # the home book is not even read (its assignment is made on the first read)
-    for key in view.homes:
-        if len(admitted) >= limit or not _has_room(room, view.min_bytes):
+    for home in view.homes:
+        if len(admitted) >= limit:
             break
+        key = home.key
         info = view.catalog[key.name]
         if key in held or key in view.resident or info.key != key or not _placeable(view, info.bytes_per_rank):
             continue
-        if room.fits(info.bytes_per_rank):
-            room.take(info.bytes_per_rank)
-            admitted.append(key)
+        if not room.fits(info.bytes_per_rank):
+            score = scorer.home_score(key.name, home.per_copy) if home.per_copy > 0 else 0.0
+            victims = _victims(kept, score, info.bytes_per_rank, room, view, hysteresis) if score > 0 else 0
+            if victims == 0:
+                continue
+            for _, victim in kept[:victims]:
+                room.give(_size(view, victim))
+            del kept[:victims]
+        room.take(info.bytes_per_rank)
+        admitted.append(key)
     return admitted
 
 
@@ -211,13 +224,19 @@ def _admit_needed(view: ReplicaView, needed: list[AdapterKey], room: Room) -> li
     return admitted
 
 
-def _incumbents(view: ReplicaView, chosen: set[AdapterKey], scorer: ReplicaScorer) -> list[Scored]:
-    """Residents neither pinned nor needed, of the current version and placeable; lowest score first."""
+def _incumbents(view: ReplicaView, chosen: set[AdapterKey], scorer: ReplicaScorer,
+                homed: Mapping[AdapterKey, float]) -> list[Scored]:
+    """Residents neither pinned nor needed, of the current version and placeable; lowest score first. One
+    homed here (``homed``: key -> its count per copy) is worth its home score if that is more: speculation
+    must not evict a hot adapter's new copy before the router's traffic to it shows in its counts."""
     found = []
     for key in view.resident - chosen:
         info = view.catalog[key.name]
         if info.version == key.version and _placeable(view, info.bytes_per_rank):
-            found.append((scorer.score(key.name), key))
+            score = scorer.score(key.name)
+            if key in homed:
+                score = max(score, scorer.home_score(key.name, homed[key]))
+            found.append((score, key))
     return sorted(found)
 
 

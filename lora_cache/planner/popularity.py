@@ -175,6 +175,14 @@ class ReplicaScorer:
     def score(self, adapter: str) -> float:
         return self.value(adapter) / self._catalog[adapter].bytes_per_rank
 
+    def home_score(self, adapter: str, per_copy: float) -> float:
+        """``score`` as it will be once a router that follows residency sends this replica its share of the
+        adapter's traffic: the replica's count taken as at least ``per_copy`` (homes.py). So a hot adapter's
+        new home is valued by what it will serve, not by the little it was sent while resident elsewhere."""
+        local = self._local.values.get(adapter, 0.0) if self._local is not None else 0.0
+        value = self._fleet_weight * self._fleet.values.get(adapter, 0.0) + self._local_weight * max(local, per_copy)
+        return value / self._catalog[adapter].bytes_per_rank
+
     def ranked(self) -> Iterator[tuple[float, str]]:
         """(score, adapter) for every adapter with a positive score, best first, ties by name.
 
