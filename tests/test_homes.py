@@ -117,6 +117,16 @@ def test_homes_never_evict_and_a_needed_adapter_still_displaces_them() -> None:
     planner.check_integrity()
 
 
+def test_a_hot_adapter_whose_rate_is_young_gets_the_homes_its_rate_supports_not_none() -> None:
+    """All the traffic (share 1: a home on each of 8 replicas) but ~1.2 requests/s so far (young counts
+    underestimate a rate): 2 homes of at least home_min_rate (0.5/s) each, not 8 of 0.15/s, and not none
+    (on Zipf 1.5 the top adapter got no home for its first 25 s, and an affinity router hot-spotted it)."""
+    planner = fleet(replicas=8, slots=2, adapters=20)
+    planner.record_request("a0", "r0", 1.0, weight=100)
+    placed = settle(planner, 1.0)
+    assert placed == {"a0": set(preference("a0", planner.replicas())[:2])}
+
+
 def full_fleet(cold_weight: float, **config: object) -> tuple[Planner, dict[str, set[str]]]:
     """4 replicas x 2 slots, 20 adapters (no fill): each replica's slots hold two cold adapters its own queue
     loaded (a1..a8, each counted there with ``cold_weight``); the queues are then empty."""
