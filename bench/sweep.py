@@ -44,6 +44,11 @@ SCENARIOS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
                         {"popularity": "zipf:0.9", "num_adapters": 200, "arrivals": "poisson:64", "requests": 3000}),
     "fleet32-zipf1.5": ({"replicas": 32, **FLEET},
                         {"popularity": "zipf:1.5", "num_adapters": 1000, "arrivals": "poisson:64", "requests": 3000}),
+    # the hot adapter changes 3 times (a fresh Zipf ranking every 1,500 requests, about 23 s): copies of the
+    # new hot adapter must land on a fleet whose slots are all taken
+    "fleet32-zipf1.5-shift": ({"replicas": 32, **FLEET},
+                              {"popularity": "zipf:1.5,4", "num_adapters": 1000, "arrivals": "poisson:64",
+                               "requests": 6000}),
     "fleet64-zipf0.9": ({"replicas": 64, **FLEET},
                         {"popularity": "zipf:0.9", "num_adapters": 5000, "arrivals": "poisson:128",
                          "requests": 6000}),

@@ -10,6 +10,9 @@ arrivals               ``poisson:RATE`` (open loop, requests/s, the first at t=0
                        loop: N requests in flight, a new one arrives when one finishes) or ``trace``
                        (the times of a ``trace:FILE`` popularity)
 popularity             ``uniform``; ``zipf:ALPHA`` (adapter i, 0-based, has weight 1/(i+1)**ALPHA);
+                       ``zipf:ALPHA,PHASES`` (popularity that shifts: requests split evenly into PHASES
+                       phases, the first ranked as ``zipf:ALPHA``, each later one by a fresh random
+                       ranking of the adapters, so yesterday's cold adapter can be today's hot one);
                        ``distinct`` (every request a different adapter); ``bursty:N1,N2,...`` (phases of
                        disjoint adapter sets, requests split evenly across the phases in order, uniform
                        within a phase); ``trace:FILE`` (JSONL replay: adapters and lengths, and times
@@ -39,7 +42,7 @@ from lora_cache.errors import ConfigError
 from workers.engine.workload import Request
 
 ARRIVALS = "poisson:RATE | inflight:N | trace"
-POPULARITY = "uniform | zipf:ALPHA | distinct | bursty:N1,N2,... | trace:FILE"
+POPULARITY = "uniform | zipf:ALPHA[,PHASES] | distinct | bursty:N1,N2,... | trace:FILE"
 DEFAULT_ZIPF_ALPHA = 1.5
 DEFAULT_PHASES = (10, 20, 20)
 TRACE_FIELDS = ("time", "adapter", "input_len", "output_len")
@@ -54,6 +57,7 @@ class Arrivals(NamedTuple):
 class Popularity(NamedTuple):
     kind: str  # "uniform", "zipf", "distinct", "bursty" or "trace"
     alpha: float = 0.0  # zipf
+    rankings: int = 1  # zipf: phases, each with its own ranking of the adapters (the first: names in order)
     phases: tuple[int, ...] = ()  # bursty: adapters per phase
     path: str = ""  # trace
 
@@ -230,10 +234,14 @@ def parse_popularity(text: str) -> Popularity:
     if kind in ("uniform", "distinct") and not colon:
         return Popularity(kind)
     if kind == "zipf":
-        alpha = _number(arg, f"popularity {text!r}", "an exponent, e.g. zipf:1.5") if colon else DEFAULT_ZIPF_ALPHA
+        exponent, comma, count = arg.partition(",")
+        alpha = _number(exponent, f"popularity {text!r}", "an exponent, e.g. zipf:1.5") if colon else DEFAULT_ZIPF_ALPHA
         if not (math.isfinite(alpha) and alpha > 0):
             raise ConfigError(f"popularity {text!r}: the Zipf exponent must be > 0, e.g. zipf:1.5")
-        return Popularity("zipf", alpha=alpha)
+        rankings = _integer(count, f"popularity {text!r}", "a number of phases, e.g. zipf:1.5,4") if comma else 1
+        if rankings < 1:
+            raise ConfigError(f"popularity {text!r}: give at least 1 phase, e.g. zipf:1.5,4 (4 rankings in turn)")
+        return Popularity("zipf", alpha=alpha, rankings=rankings)
     if kind == "bursty":
         if not colon:
             return Popularity("bursty", phases=DEFAULT_PHASES)
@@ -323,7 +331,16 @@ def _choose(popularity: Popularity, n: int, names: Sequence[str], rng: random.Ra
         return [names[rng.randrange(len(names))] for _ in range(n)]
     if popularity.kind == "zipf":
         cum = list(itertools.accumulate(1.0 / (i + 1) ** popularity.alpha for i in range(len(names))))
-        return rng.choices(names, cum_weights=cum, k=n)
+        if popularity.rankings == 1:
+            return rng.choices(names, cum_weights=cum, k=n)
+        out: list[str] = []
+        ranking = list(names)
+        for phase in range(popularity.rankings):  # request i is in phase i * rankings // n
+            size = (phase + 1) * n // popularity.rankings - phase * n // popularity.rankings
+            if phase:
+                rng.shuffle(ranking)
+            out += rng.choices(ranking, cum_weights=cum, k=size)
+        return out
     if popularity.kind == "distinct":
         if n > len(names):
             raise ConfigError(f"popularity 'distinct' needs an adapter per request: {len(names)} adapters for {n} "

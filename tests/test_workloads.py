@@ -40,6 +40,24 @@ def test_zipf_default_exponent_is_1_5() -> None:
     assert WorkloadSpec(popularity="zipf").parsed_popularity().alpha == 1.5
 
 
+def test_shifting_zipf_ranks_each_phase_anew_and_its_first_phase_is_plain_zipf() -> None:
+    """zipf:1.5,4: four equal phases; the first is zipf:1.5's own draw (same seed, same requests), each later
+    one ranks the adapters afresh, so the hot adapter changes and the share of the top one stays Zipf's."""
+    n, phases = 8000, 4
+    shifting = draw(popularity=f"zipf:1.5,{phases}", requests=n).requests
+    assert WorkloadSpec(popularity="zipf:1.5,4").parsed_popularity().rankings == 4
+    weights = [1 / (i + 1) ** 1.5 for i in range(len(NAMES))]
+    tops = []
+    for k in range(phases):
+        counts = Counter(r.adapter for r in shifting[k * n // phases:(k + 1) * n // phases])
+        top, hits = counts.most_common(1)[0]
+        assert hits / (n // phases) == pytest.approx(weights[0] / sum(weights), abs=0.03), f"phase {k}"
+        tops.append(top)
+    assert tops[0] == NAMES[0] and len(set(tops)) == phases, f"the hot adapter did not move: {tops}"
+    plain = draw(popularity="zipf:1.5", requests=n // phases).requests
+    assert [r.adapter for r in plain] == [r.adapter for r in shifting[: n // phases]]
+
+
 def test_uniform_spreads_evenly() -> None:
     counts = Counter(r.adapter for r in draw(popularity="uniform", requests=12_800).requests)
     assert set(counts) == set(NAMES)
@@ -179,6 +197,8 @@ def test_trace_errors_for_files_adapters_and_counts(tmp_path: Path) -> None:
     ({"arrivals": "burst"}, ["not one of", "poisson:RATE"]),
     ({"arrivals": "trace"}, ["times come from a trace file"]),
     ({"popularity": "zipf:-1"}, ["exponent must be > 0"]),
+    ({"popularity": "zipf:1.5,0"}, ["at least 1 phase", "zipf:1.5,4"]),
+    ({"popularity": "zipf:1.5,x"}, ["not a whole number", "zipf:1.5,4"]),
     ({"popularity": "pareto"}, ["not one of", "zipf:ALPHA"]),
     ({"popularity": "bursty:5"}, ["at least two phases"]),
     ({"popularity": "bursty:5,x"}, ["not a whole number"]),
@@ -206,7 +226,7 @@ def test_the_cli_is_generated_from_the_spec() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(popularity=st.sampled_from(["uniform", "zipf:0.8", "zipf:2", "bursty:3,5,7", "distinct"]),
+@given(popularity=st.sampled_from(["uniform", "zipf:0.8", "zipf:2", "zipf:1.2,3", "bursty:3,5,7", "distinct"]),
        arrivals=st.sampled_from(["poisson:3", "poisson:1000", "inflight:5"]),
        requests=st.integers(1, 60), top=st.integers(1, 300), ratio=st.floats(0, 1), seed=st.integers(0, 10**6))
 def test_any_spec_draws_valid_reproducible_requests(popularity: str, arrivals: str, requests: int, top: int,
