@@ -18,6 +18,9 @@ Policies are picked by name from `POLICIES`; the rules they share are small func
    no GPU room (every slot pinned or holding another needed adapter) are read into the workers' host
    tiers, so the load that follows when a slot frees is one host-to-GPU copy, not a disk read and a
    copy; then popular adapters the target leaves out, within a share of the reported host tier.
+6. homes (`global` only, `homes.py`): adapters the fleet placement assigns to this replica take the
+   free room left, and one with traffic of its own may displace incumbents worth clearly less than its
+   home score (its share of its traffic once routed here); a resident home is valued at least at it.
    Hints beyond the horizon (`far_hinted`, see `horizon.py`) are not needs: resident ones are kept like
    incumbents (needs displace them; speculation does not, or it would evict what it let in); the others
    compete in speculation on their popularity alone, and otherwise only take room that rules 1-4 left
