@@ -43,6 +43,9 @@ class PlannerConfig:
     home_min_rate: float = field(default=0.5, metadata={
         "help": "requests per second per home an adapter must get fleet-wide to be placed at its homes (0.05: "
                 "one within 20 s; those below count as having no history)"})
+    home_refresh_s: float = field(default=1.0, metadata={
+        "help": "homes are reassigned at least this often as counts drift (and at once when the catalog, the "
+                "replicas or their capacities change, or an adapter newly reaches home_min_rate); 0: every plan"})
     max_candidates_scanned: int = field(default=64, metadata={
         "help": "popular adapters examined per replica per plan before giving up on filling room"})
     hint_ttl_s: float = field(default=30.0, metadata={
@@ -85,6 +88,9 @@ class PlannerConfig:
         if not _finite(self.home_min_rate) or self.home_min_rate <= 0:
             raise ConfigError(f"home_min_rate is {self.home_min_rate!r}; give requests per second > 0, e.g. 0.05 "
                               "(to place no adapter at its homes, set place_homes to False)")
+        if not _finite(self.home_refresh_s) or self.home_refresh_s < 0:
+            raise ConfigError(f"home_refresh_s is {self.home_refresh_s!r}; give seconds >= 0, e.g. 1.0 (0: reassign "
+                              "the homes at every plan, which costs a plan on a large fleet)")
         _count("max_prefetches_per_plan", self.max_prefetches_per_plan, 0, "4 (0: no popularity prefetch)")
         _count("max_staged_per_replica", self.max_staged_per_replica, 0, "4 (0: no host-tier staging)")
         _count("max_candidates_scanned", self.max_candidates_scanned, 1, "64")

@@ -21,7 +21,7 @@ from lora_cache.planner.config import PlannerConfig
 from lora_cache.planner.durable import Restored, export_state, restore_state
 from lora_cache.planner.errors import PlannerInputError
 from lora_cache.planner.hints import HintBook
-from lora_cache.planner.homes import HomeBook, Preferences
+from lora_cache.planner.homes import HomeBook
 from lora_cache.planner.horizon import Horizon
 from lora_cache.planner.policies import POLICIES, ReplicaView, Room, Target
 from lora_cache.planner.popularity import Popularity
@@ -72,7 +72,7 @@ class Planner:
         self._hints = HintBook(config.hint_ttl_s, config.max_hints_per_replica)
         self._horizon = Horizon(config.hint_horizon_s)  # far hints only fill free room
         self._popularity = Popularity(config.half_life_s, config.max_tracked_per_replica)
-        self._preferences = Preferences()  # each adapter's rendezvous order over the replicas (homes.py)
+        self._homes = HomeBook(config.home_min_rate, config.home_refresh_s)  # fleet placement (homes.py)
         self._dirty: set[str] = set()  # replicas whose plan inputs changed since they were last planned
         self._now: float | None = None  # the latest time given
         for info in adapters:
@@ -102,7 +102,7 @@ class Planner:
             self._hints.cancel(hint_id, now)
         self._fleet.unregister(name)
         self._popularity.forget(name)
-        self._preferences.forget(name)
+        self._homes.forget(name)
 
     def add_replica(self, spec: ReplicaSpec) -> None:
         if not isinstance(spec, ReplicaSpec):
@@ -138,8 +138,7 @@ class Planner:
         capacity = Capacity(slots, bytes_per_worker, host_bytes)
         check_capacity(f"worker {worker!r}", capacity)
         replica = self._fleet.require_worker(worker, "set_capacity")
-        if self._fleet.capacity[worker] != capacity:
-            self._fleet.capacity[worker] = capacity
+        if self._fleet.set_capacity(worker, capacity):
             self._dirty.add(replica)
 
     # -- inputs -----------------------------------------------------------------------------------
@@ -350,13 +349,12 @@ class Planner:
         return Plan(self.epoch, tuple(replicas), tuple(out))
 
     def _home_book(self) -> HomeBook | None:
-        """This plan's homes (homes.py), if the config places them."""
-        if not self.config.place_homes:
+        """The homes (homes.py), brought up to date, if the config places them and the policy uses them."""
+        if not (self.config.place_homes and self._policy.uses_homes):
             return None
-        fleet = self._fleet
-        return HomeBook(self._preferences, self.replicas(), lambda r: fleet.replica_capacity(r).slots,
-                        self._popularity.fleet, self._popularity.per_second(self._now), fleet.catalog,
-                        self.config.home_min_rate)
+        assert self._now is not None  # a plan has a time
+        self._homes.refresh(self._fleet, self._popularity.fleet, self._popularity.per_second(self._now), self._now)
+        return self._homes
 
     def _plan_replica(self, replica: str, homes: HomeBook | None = None) -> list[WorkerCommands]:
         fleet = self._fleet

@@ -94,6 +94,7 @@ class Room:
 
 class PlacementPolicy(Protocol):
     uses_hints: bool
+    uses_homes: bool  # reads the fleet placement (ReplicaView.homes); the planner keeps it only then
 
     def target(self, view: ReplicaView, scorer: ReplicaScorer, config: PlannerConfig) -> Target | None:
         """The replica's target, or None to leave its workers alone."""
@@ -104,6 +105,7 @@ class NonePolicy:
     """On-demand only: the planner sends nothing; engines load what they need when they need it."""
 
     uses_hints = False
+    uses_homes = False
 
     def target(self, view: ReplicaView, scorer: ReplicaScorer, config: PlannerConfig) -> Target | None:
         return None
@@ -113,6 +115,7 @@ class QueuePolicy:
     """S-LoRA: each replica prefetches the adapters of its own waiting queue, in order; no hints."""
 
     uses_hints = False
+    uses_homes = False
 
     def target(self, view: ReplicaView, scorer: ReplicaScorer, config: PlannerConfig) -> Target | None:
         return build_target(view, scorer, view.queued, config, speculate=False, stage=False)
@@ -123,6 +126,7 @@ class GlobalPolicy:
     needed adapters left without GPU room are staged in the host tiers."""
 
     uses_hints = True
+    uses_homes = True
 
     def target(self, view: ReplicaView, scorer: ReplicaScorer, config: PlannerConfig) -> Target | None:
         return build_target(view, scorer, view.queued + view.hinted, config, speculate=True, stage=True)

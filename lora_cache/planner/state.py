@@ -41,6 +41,7 @@ class FleetState:
         self.staged: dict[str, frozenset[AdapterKey]] = {}  # worker -> stages sent and still wanted (non-empty)
         self._min_bytes: int | None = None  # smallest bytes_per_rank in the catalog; None: recompute
         self._max_bytes: int | None = None  # largest, likewise
+        self.shape = 0  # bumped by every change of the catalog, the replicas, their workers or capacities
 
     # -- lookups that fail with a fix -------------------------------------------------------------
     def require_replica(self, replica: str, where: str) -> list[str]:
@@ -86,6 +87,7 @@ class FleetState:
         """Add or replace a catalog entry; the previous entry, if any."""
         old = self.catalog.get(info.name)
         self.catalog[info.name] = info
+        self.shape += 1
         if old is None and self._min_bytes is not None:
             self._min_bytes = min(self._min_bytes, info.bytes_per_rank)
         elif old is not None:
@@ -109,6 +111,7 @@ class FleetState:
         for worker, keys in list(self.staged.items()):
             self.set_staged(worker, [k for k in keys if k.name != name])
         del self.catalog[name]
+        self.shape += 1
         self._min_bytes = self._max_bytes = None  # recomputed on demand
 
     def add_replica(self, spec: ReplicaSpec) -> None:
@@ -125,10 +128,12 @@ class FleetState:
         for worker in list(self.workers[replica]):
             self.remove_worker(worker)
         del self.workers[replica]
+        self.shape += 1
         self.queues.pop(replica, None)
 
     def add_worker(self, replica: str, worker: str, capacity: Capacity) -> None:
         self._check_new_worker(worker)
+        self.shape += 1
         self.workers[replica].append(worker)
         self.replica_of[worker] = replica
         self.capacity[worker] = capacity
@@ -138,10 +143,19 @@ class FleetState:
         """Forget a worker and all it held; its replica."""
         self.set_residency(worker, {})
         self.staged.pop(worker, None)
+        self.shape += 1
         replica = self.replica_of.pop(worker)
         self.workers[replica].remove(worker)
         del self.capacity[worker], self.residency[worker]
         return replica
+
+    def set_capacity(self, worker: str, capacity: Capacity) -> bool:
+        """A worker's new capacity; whether it changed."""
+        if self.capacity[worker] == capacity:
+            return False
+        self.capacity[worker] = capacity
+        self.shape += 1
+        return True
 
     def replica_capacity(self, replica: str) -> Capacity:
         """What every rank can hold: the smallest slots and byte budget among the replica's workers."""
