@@ -27,7 +27,9 @@ one adapter in one call spreads as a stream of calls would.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import heapq
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -167,6 +169,26 @@ def preference(adapter: str, replicas: Iterable[str]) -> list[str]:
     return sorted(replicas, key=lambda r: (_hash(adapter, r), r))
 
 
+def preference_prefix(adapter: str, replicas: Iterable[str], count: int) -> list[str]:
+    """The first ``count`` replicas of ``preference(adapter, replicas)``, without ordering the rest."""
+    return heapq.nsmallest(count, replicas, key=lambda r: (_hash(adapter, r), r))
+
+
 def _hash(adapter: str, replica: str) -> int:
-    """A stable per-(adapter, replica) order (rendezvous hashing): ties go the same way on every call."""
-    return int.from_bytes(hashlib.blake2b(f"{adapter}\0{replica}".encode(), digest_size=8).digest(), "big")
+    """A stable per-(adapter, replica) order (rendezvous hashing): ties go the same way on every call.
+
+    Each name is hashed once (blake2b, cached) and a pair is their mix (SplitMix64's finalizer, a bijection
+    with full avalanche): the planner's homes order every adapter over every replica (10 million pairs
+    on 1,000 replicas x 10,000 adapters), and one blake2b per pair took 14 s of a cold plan there."""
+    x = (_name_hash(adapter) ^ (_name_hash(replica) * 0x9E3779B97F4A7C15)) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+_MASK = (1 << 64) - 1
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _name_hash(name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big")

@@ -562,7 +562,8 @@ def test_speculative_copies_follow_routed_load_across_replicas() -> None:
     rate there (the replica's routed counts blended with the fleet's per replica) reaches the gate. An adapter
     routed to r0 alone is held at r0 only; one routed to both replicas, or so hot that its fleet share alone
     reaches the gate, is held at both: copies grow with routed load, not top-k everywhere."""
-    planner = make(replicas=2, slots=3, tp=1, speculate_min_rate=0.5, local_weight=0.5)
+    planner = make(replicas=2, slots=3, tp=1, speculate_min_rate=0.5, local_weight=0.5,
+                   place_homes=False)  # speculation alone (homes would put a1 in its home's free room)
     popular(planner, "r0", {"a1": 100, "a3": 300})  # rates at r0: 0.87 and 2.6/s; at r1 (fleet share): 0.29, 0.87
     popular(planner, "r1", {"a2": 100})
     popular(planner, "r0", {"a2": 100})  # a2: 1.2/s at both

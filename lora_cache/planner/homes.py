@@ -47,7 +47,7 @@ from typing import NamedTuple
 from lora_cache.planner.popularity import RankedCounts
 from lora_cache.planner.records import AdapterKey
 from lora_cache.planner.state import FleetState
-from lora_cache.routing import preference
+from lora_cache.routing import preference, preference_prefix
 
 
 class Home(NamedTuple):
@@ -68,20 +68,27 @@ def copies(share: float, replicas: int) -> int:
 
 
 class Preferences:
-    """Each adapter's rendezvous order over the replicas; cached until the replicas change."""
+    """Each adapter's rendezvous order over the replicas, as far as placements read it: a prefix of
+    ``PREFIX`` replicas is cached (until the replicas change), the whole order is built only for an adapter
+    whose prefix is all full. Caching whole orders held 10 million names on 1,000 replicas x 10,000
+    adapters."""
+
+    PREFIX = 8
 
     def __init__(self) -> None:
         self._replicas: tuple[str, ...] = ()
         self._orders: dict[str, list[str]] = {}
 
-    def order(self, adapter: str, replicas: tuple[str, ...]) -> list[str]:
-        """``adapter``'s replicas, first home first (``lora_cache.routing.preference``)."""
+    def order(self, adapter: str, replicas: tuple[str, ...]) -> Iterator[str]:
+        """``adapter``'s replicas, first home first (``lora_cache.routing.preference``), built lazily."""
         if replicas != self._replicas:
             self._replicas, self._orders = replicas, {}
-        order = self._orders.get(adapter)
-        if order is None:
-            order = self._orders[adapter] = preference(adapter, replicas)
-        return order
+        prefix = self._orders.get(adapter)
+        if prefix is None:
+            prefix = self._orders[adapter] = preference_prefix(adapter, replicas, self.PREFIX)
+        yield from prefix
+        if len(prefix) < len(replicas):
+            yield from preference(adapter, replicas)[len(prefix):]
 
     def forget(self, adapter: str) -> None:
         self._orders.pop(adapter, None)
