@@ -106,8 +106,9 @@ class HomeBook:
     An assignment reads every replica's capacity and, with the catalog placed, every adapter: on 1,000
     replicas and 10,000 adapters a plan took 45 ms instead of 0.7 (bench/RESULTS.md). So it is kept until
     the fleet's shape changes (``FleetState.shape``: catalog, replicas, capacities), an adapter newly
-    reaches ``min_rate``, or ``refresh_s`` passes (copies follow the counts' drift); in between, each
-    home's count per copy is read from the live counts.
+    reaches ``min_rate`` or wants a quarter more homes than it has (a hot adapter's copies grow at once
+    while its counts are young), or ``refresh_s`` passes (copies follow the counts' drift); in between,
+    each home's count per copy is read from the live counts.
     """
 
     def __init__(self, min_rate: float, refresh_s: float) -> None:
