@@ -158,8 +158,9 @@ class ReplicaScorer:
         self._min_bytes = min_bytes
         self._per_second = per_second  # scaled value -> requests per second at the plan's time
 
-    def value(self, adapter: str) -> float:
+    def value(self, adapter: str, local_at_least: float = 0.0) -> float:
         local = self._local.values.get(adapter, 0.0) if self._local is not None else 0.0
+        local = max(local, local_at_least)
         return self._fleet_weight * self._fleet.values.get(adapter, 0.0) + self._local_weight * local
 
     def rate(self, adapter: str) -> float:
@@ -179,9 +180,7 @@ class ReplicaScorer:
         """``score`` as it will be once a router that follows residency sends this replica its share of the
         adapter's traffic: the replica's count taken as at least ``per_copy`` (homes.py). So a hot adapter's
         new home is valued by what it will serve, not by the little it was sent while resident elsewhere."""
-        local = self._local.values.get(adapter, 0.0) if self._local is not None else 0.0
-        value = self._fleet_weight * self._fleet.values.get(adapter, 0.0) + self._local_weight * max(local, per_copy)
-        return value / self._catalog[adapter].bytes_per_rank
+        return self.value(adapter, per_copy) / self._catalog[adapter].bytes_per_rank
 
     def ranked(self) -> Iterator[tuple[float, str]]:
         """(score, adapter) for every adapter with a positive score, best first, ties by name.
