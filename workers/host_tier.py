@@ -290,7 +290,11 @@ class HostTier:
             return entry is not None and entry.ready.done() and entry.ready.exception() is None
 
     def _allocate(self, nbytes: int) -> Block | None:
-        """A block, evicting idle staged entries (LRU) for it; None if those are not enough (lock held)."""
+        """A block, evicting idle staged entries (LRU) for it; None if those are not enough (lock held):
+        then none is evicted unless their bytes would have been (first fit may still find them scattered)."""
+        idle = sum(e.block.nbytes for e in self._entries.values() if e.refs == 0 and e.ready.done())
+        if self.arena.capacity - self.arena.used_bytes + idle < nbytes:
+            return None
         while (block := self.arena.alloc(nbytes)) is None:
             victim = next((k for k, e in self._entries.items() if e.refs == 0 and e.ready.done()), None)
             if victim is None:

@@ -159,7 +159,10 @@ class SimHostTier:
         self._admit()  # unreferenced once read (a stage's entry): its room is the LRU's
 
     def _make_room(self, nbytes: int) -> bool:
-        """Evict idle staged entries (LRU) until ``nbytes`` fit; False if they are not enough."""
+        """Evict idle staged entries (LRU) until ``nbytes`` fit; False (evicting none) if they are not enough."""
+        idle = sum(e.nbytes for e in self.entries.values() if e.refs == 0 and e.staged.done)
+        if self.used - idle + nbytes > self.capacity:
+            return False
         while self.used + nbytes > self.capacity:
             victim = next((k for k, e in self.entries.items() if e.refs == 0 and e.staged.done), None)
             if victim is None:
