@@ -183,7 +183,7 @@ class HostTier:
         self.arena = HostArena(config.host_bytes, config.pin, shared=self.reads == "process")
         self._reader = READS[self.reads](self.arena, config.read_threads, config.verify)
         self._pool = ThreadPoolExecutor(config.read_threads, thread_name_prefix="lora-read")
-        self._lock = threading.Lock()  # protects _entries and the arena
+        self._lock = threading.Lock()  # protects _entries, _orphans, _waiting, the counters and the arena
         self._entries: OrderedDict[AdapterKey, HostEntry] = OrderedDict()  # LRU order, oldest first
         self._orphans: list[HostEntry] = []  # failed reads whose staged chunks loads may still be copying
         self._waiting: OrderedDict[AdapterKey, _Wait] = OrderedDict()  # fetches waiting for room, FIFO
