@@ -840,13 +840,14 @@ def room_cache(make_cache: Callable[..., WorkerCache]) -> Iterator[RoomCache]:
         gate.set()
 
 
-@pytest.mark.parametrize("extra", [1, 3])
+@pytest.mark.parametrize(("extra", "pipelined"), [(1, False), (3, False), (3, True)])
 def test_concurrent_misses_wait_for_host_room_and_all_succeed(
     tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog],
-    room_cache: RoomCache, extra: int
+    room_cache: RoomCache, extra: int, pipelined: bool
 ) -> None:
     """HOST_SHARDS + extra demand acquires at once: the extra ones find every host byte held by loads in
-    flight and wait for them (host_waits) instead of failing their step (docs/known-issues.md)."""
+    flight and wait for them (host_waits) instead of failing their step (docs/known-issues.md); a
+    pipelined acquire waits for its slot the same way."""
     total = HOST_SHARDS + extra
     catalog = make_catalog(tiny_adapters(count=total, rank="16")[0].parent)
     cache, gated = room_cache(catalog, total)
@@ -855,7 +856,7 @@ def test_concurrent_misses_wait_for_host_room_and_all_succeed(
 
     def acquire(name: str) -> Batch:
         start.wait(timeout=10)
-        return cache.acquire([name])
+        return cache.acquire([name], pipelined=pipelined)
 
     batches = {name: in_thread(functools.partial(acquire, name)) for name in wanted}
     _wait_for(lambda: cache.table.count(SlotState.LOADING) == HOST_SHARDS and len(cache.host._waiting) == extra)
@@ -867,6 +868,8 @@ def test_concurrent_misses_wait_for_host_room_and_all_succeed(
     got = {name: future.result(timeout=30) for name, future in batches.items()}
     assert len({b.slots[0] for b in got.values()}) == total
     for name, batch in got.items():
+        if batch.waits is not None:
+            batch.waits.finish()
         assert_serves(cache, name, batch.slots[0])
         cache.release(batch)
     cache.settle()
