@@ -30,8 +30,8 @@ from bench.sim import ROUTERS
 from bench.workloads import WorkloadSpec
 from lora_cache.errors import ConfigError, LoraCacheError
 
-# 4 GiB host tier per rank: at 2 GiB, 8 rank-64 misses at once (ondemand, overlap) cannot all be staged
-# and the eighth load fails (docs/known-issues.md); every policy gets the same tier
+# 4 GiB host tier per rank, every policy the same (the sweep's figures were taken with it). At 2 GiB,
+# 8 rank-64 misses at once no longer fail: the last waits for host room (host_waits; docs/known-issues.md)
 FLEET = {"slots": 8, "max_adapters": 8, "host_bytes": 4 << 30}
 # name -> (BenchConfig fields, WorkloadSpec fields); about 4 requests/s per TP-1 replica (2 per TP-4 one)
 SCENARIOS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {

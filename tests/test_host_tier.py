@@ -189,6 +189,80 @@ def test_capacity_error_when_everything_is_referenced(catalog: AdapterCatalog, t
     tier.check_integrity()
 
 
+def test_waiting_fetches_are_admitted_oldest_first_as_references_are_dropped(
+    catalog: AdapterCatalog, tier: HostTier, file_slices: Callable
+) -> None:
+    """``wait``: a miss that finds every byte held waits (FIFO) instead of raising; the head of the line is
+    not passed by a smaller shard behind it, nor by a fetch that does not wait (a stage)."""
+    held = [big(catalog, i) for i in range(7)] + [small(catalog, i) for i in range(2)]  # 7 x 128 + 2 x 64 KiB
+    for spec in held:
+        staged(tier, spec, release=False)
+    head, behind = big(catalog, 8), small(catalog, 2)
+    first, hit = tier.fetch(head, layout(head), wait=True)
+    assert not hit and not first.done() and (tier.waits, tier.misses) == (1, 10)
+    again, hit = tier.fetch(head, layout(head))  # single flight: joins the waiting fetch
+    assert hit and again is first and tier.hits == 1
+    second, _ = tier.fetch(behind, layout(behind), wait=True)
+    assert list(tier._waiting) == [key(head), key(behind)] and tier.waits == 2
+    tier.check_integrity()
+    tier.release(key(held[7]))  # 64 KiB idle: not enough for the head, and the small shard does not pass it
+    assert list(tier._waiting) == [key(head), key(behind)] and not second.done()
+    spare = small(catalog, 3)
+    with pytest.raises(CapacityError, match="held by loads in flight"):  # nor does a fetch that does not wait
+        tier.fetch(spare, layout(spare))
+    assert tier.contains(key(held[7])) and tier.waits == 2  # the refused fetch evicted nothing
+    tier.release(key(held[8]))  # 128 KiB idle: the head's room
+    entry = first.result(timeout=10)
+    assert entry.refs == 2 and not second.done() and list(tier._waiting) == [key(behind)]
+    assert_holds(entry, head, file_slices)
+    assert not tier.contains(key(held[7])) and not tier.contains(key(held[8]))
+    tier.release(key(held[0]))  # the oldest idle entry makes the next one's room
+    assert_holds(second.result(timeout=10), behind, file_slices)
+    assert not tier._waiting and not tier.contains(key(held[0])) and tier.misses == 11
+    for spec in [*held[1:7], head, head, behind]:
+        tier.release(key(spec))
+    tier.check_integrity()
+
+
+def test_a_shard_larger_than_the_tier_fails_at_once(
+    tmp_path: Path, catalog: AdapterCatalog, tier: HostTier, tiny_adapters: Callable[..., list[Path]],
+    make_catalog: Callable[..., AdapterCatalog]
+) -> None:
+    """Waiting could never help: the error names the adapter, its bytes, the tier's, and the fix."""
+    root = tiny_adapters(count=1, rank="256", prefix="huge", root=tmp_path / "huge")[0].parent
+    spec = make_catalog(root, max_rank=256).get("huge-000")  # rank 256 in float32: 2 MiB
+    staged(tier, big(catalog, 0), release=False)
+    before = (resident(tier), list(tier.arena._free), dict(tier.arena._used), tier.misses, tier.hits)
+    for wait in (False, True):
+        with pytest.raises(CapacityError) as e:
+            tier.fetch(spec, layout(spec), wait=wait)
+        msg = str(e.value)
+        assert f"host tier ({MiB} bytes) can never stage {key(spec)}" in msg
+        assert f"its shard ({2 * MiB} bytes) is larger than the whole tier" in msg
+        assert f"raise host_bytes to at least {2 * MiB} bytes" in msg
+    assert (resident(tier), list(tier.arena._free), dict(tier.arena._used), tier.misses, tier.hits) == before
+    assert not tier._waiting and tier.waits == 0
+    tier.release(key(big(catalog, 0)))
+    tier.check_integrity()
+
+
+def test_cancelled_waits_fail_and_hold_nothing(catalog: AdapterCatalog, tier: HostTier) -> None:
+    """Closing: every waiting fetch fails (it holds no block), and no new fetch waits."""
+    for i in range(8):
+        staged(tier, big(catalog, i), release=False)
+    before = (resident(tier), list(tier.arena._free), dict(tier.arena._used))
+    waiting, _ = tier.fetch(big(catalog, 8), layout(big(catalog, 8)), wait=True)
+    tier.cancel_waits()
+    with pytest.raises(CapacityError, match=f"the host tier closed while {key(big(catalog, 8))} waited for room"):
+        waiting.result(timeout=10)
+    with pytest.raises(CapacityError, match="held by loads in flight"):
+        tier.fetch(big(catalog, 9), layout(big(catalog, 9)), wait=True)
+    assert (resident(tier), list(tier.arena._free), dict(tier.arena._used)) == before and not tier._waiting
+    for i in range(8):
+        tier.release(key(big(catalog, i)))
+    tier.check_integrity()
+
+
 @pytest.fixture
 def gated_reads(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[str]]:
     """read_shard blocks until the returned event is set; the list records every read."""

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from safetensors import safe_open
 
+import workers.host_tier as host_tier_module
 from lora_cache.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, NotFoundError, ShardError
+from lora_cache.peft import AdapterSpec
 from lora_cache.planner.records import AdapterKey
 from lora_cache.shapes import MODULE_ORDER, SHAPES
 from lora_cache.shards import ShardLayout
@@ -806,6 +809,147 @@ def test_load_waits_for_a_slot_held_by_loads_in_flight(tiny_adapters, make_catal
     record = third.result(timeout=30)
     assert all(f.result(timeout=30) for f in first)
     assert record.adapter == "adapter-002" and cache.counters.load_failures == 0
+    cache.check_integrity()
+
+
+# -- loads that wait for host-tier room ------------------------------------------------------------------
+# float32 rank-16 tiny shards are 128 KiB: the 1 MiB host tier holds exactly HOST_SHARDS of them
+HOST_SHARDS = 8
+
+
+RoomCache = Callable[[AdapterCatalog, int], tuple[WorkerCache, _GatedStreams]]
+
+
+@pytest.fixture
+def room_cache(make_cache: Callable[..., WorkerCache]) -> Iterator[RoomCache]:
+    """``room_cache(catalog, slots)``: a cache whose host tier holds exactly HOST_SHARDS shards, and copies
+    that complete only when the test opens the streams' gate (so loads hold their host entries until
+    then); every gate is opened before the caches close, so a failed test does not hang its teardown."""
+    gates: list[threading.Event] = []
+
+    def make(catalog: AdapterCatalog, slots: int) -> tuple[WorkerCache, _GatedStreams]:
+        cache = make_cache(catalog, num_slots=slots, dtype="float32")
+        assert {cache.layout_of(n).nbytes for n in catalog.names()} == {(1 << 20) // HOST_SHARDS}
+        gated = _GatedStreams(cache.device)
+        cache.streams = cache._watcher.streams = gated
+        gates.append(gated.gate)
+        return cache, gated
+
+    yield make
+    for gate in gates:
+        gate.set()
+
+
+@pytest.mark.parametrize(("extra", "pipelined"), [(1, False), (3, False), (3, True)])
+def test_concurrent_misses_wait_for_host_room_and_all_succeed(
+    tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog],
+    room_cache: RoomCache, extra: int, pipelined: bool
+) -> None:
+    """HOST_SHARDS + extra demand acquires at once: the extra ones find every host byte held by loads in
+    flight and wait for them (host_waits) instead of failing their step (docs/known-issues.md); a
+    pipelined acquire waits for its slot the same way."""
+    total = HOST_SHARDS + extra
+    catalog = make_catalog(tiny_adapters(count=total, rank="16")[0].parent)
+    cache, gated = room_cache(catalog, total)
+    wanted = sorted(catalog.names())
+    start = threading.Barrier(total)
+
+    def acquire(name: str) -> Batch:
+        start.wait(timeout=10)
+        return cache.acquire([name], pipelined=pipelined)
+
+    batches = {name: in_thread(functools.partial(acquire, name)) for name in wanted}
+    _wait_for(lambda: cache.table.count(SlotState.LOADING) == HOST_SHARDS and len(cache.host._waiting) == extra)
+    waiting = [k.name for k in cache.host._waiting]
+    assert all(not batches[n].done() for n in waiting) and cache.stats()["host_waits"] == extra
+    assert not cache.evict(waiting[0])  # not resident: a waiting load is not evicted, and keeps waiting
+    cache.check_integrity()
+    gated.gate.set()  # the copies complete: each releases its entry, the waiting loads take the room in turn
+    got = {name: future.result(timeout=30) for name, future in batches.items()}
+    assert len({b.slots[0] for b in got.values()}) == total
+    for name, batch in got.items():
+        if batch.waits is not None:
+            batch.waits.finish()
+        assert_serves(cache, name, batch.slots[0])
+        cache.release(batch)
+    cache.settle()
+    s = cache.stats()
+    assert (s["demand_loads"], s["loads"], s["load_failures"], s["host_waits"]) == (total, total, 0, extra)
+    assert (s["host_misses"], s["host_hits"]) == (total, 0)
+    assert all(e.refs == 0 for e in cache.host._entries.values()) and not cache.host._waiting
+    cache.check_integrity()
+
+
+def test_a_failed_read_that_others_wait_on_lets_them_proceed(
+    tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog],
+    room_cache: RoomCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host tier is held by seven loads in flight and one whose read is stopped at a gate; two more wait.
+    That read fails: its room goes to the first waiting load; the rest is as if it had never started."""
+    root = tiny_adapters(count=HOST_SHARDS + 1, rank="16")[0].parent
+    catalog = make_catalog(root)
+    shutil.copytree(root / names(0)[0], root / "bad")
+    bad = catalog.register("bad", "bad")
+    bad.weights.write_bytes(bad.weights.read_bytes()[:100])  # changed size: the read fails
+    arrived, go, real = threading.Event(), threading.Event(), host_tier_module.read_shard
+
+    def read(spec: AdapterSpec, *args: Any) -> int:
+        if spec.name == "bad":
+            arrived.set()
+            assert go.wait(timeout=10), "test gate never opened"
+        return real(spec, *args)
+
+    monkeypatch.setattr(host_tier_module, "read_shard", read)
+    cache, gated = room_cache(catalog, HOST_SHARDS + 2)
+    good = sorted(n for n in catalog.names() if n != "bad")
+    loads = {n: cache.prefetch(n) for n in good[: HOST_SHARDS - 1]}
+    _wait_for(lambda: cache.table.count(SlotState.LOADING) == HOST_SHARDS - 1)
+    failed = cache.prefetch("bad")
+    assert arrived.wait(timeout=10)  # its read holds the last 128 KiB
+    first, second = good[HOST_SHARDS - 1 :]
+    loads[first], loads[second] = cache.prefetch(first), cache.prefetch(second)
+    assert [k.name for k in cache.host._waiting] == [first, second] and cache.stats()["host_waits"] == 2
+    used = cache.host.arena.used_bytes
+    go.set()
+    with pytest.raises(AdapterFormatError, match="changed size"):
+        failed.result(timeout=10)
+    _wait_for(lambda: cache.table.count(SlotState.LOADING) == HOST_SHARDS)  # the first waiting load took the room
+    assert [k.name for k in cache.host._waiting] == [second] and not loads[second].done()
+    assert cache.host.arena.used_bytes == used and "bad" not in {k.name for k in cache.host._entries}
+    cache.check_integrity()
+    gated.gate.set()
+    for name, future in loads.items():
+        assert_serves(cache, name, future.result(timeout=30).slot)
+    cache.settle()
+    s = cache.stats()
+    assert (s["loads"], s["load_failures"], s["host_waits"]) == (HOST_SHARDS + 1, 1, 2)
+    assert all(e.refs == 0 for e in cache.host._entries.values())
+    cache.check_integrity()
+
+
+def test_closing_the_cache_fails_loads_waiting_for_host_room(
+    tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog],
+    room_cache: RoomCache
+) -> None:
+    """A load waiting for host room when its worker closes fails (an acquire waiting on it raises), holding
+    no reference and no arena block; the loads in flight finish before the close returns."""
+    catalog = make_catalog(tiny_adapters(count=HOST_SHARDS + 1, rank="16")[0].parent)
+    cache, gated = room_cache(catalog, HOST_SHARDS + 1)
+    wanted = sorted(catalog.names())
+    loads = [cache.prefetch(n) for n in wanted[:HOST_SHARDS]]
+    _wait_for(lambda: cache.table.count(SlotState.LOADING) == HOST_SHARDS)
+    waiting = in_thread(lambda: cache.acquire([wanted[-1]]))
+    _wait_for(lambda: len(cache.host._waiting) == 1)
+    used = cache.host.arena.used_bytes
+    closed = in_thread(cache.close)
+    with pytest.raises(CapacityError, match=f"the host tier closed while {wanted[-1]}@"):
+        waiting.result(timeout=10)
+    assert not cache.host._waiting and cache.host.arena.used_bytes == used and not cache._pending
+    gated.gate.set()  # the watcher finishes the loads in flight, then the close returns
+    closed.result(timeout=30)
+    assert all(f.result(timeout=10) for f in loads)
+    assert all(e.refs == 0 for e in cache.host._entries.values())
+    assert cache.stats()["load_failures"] == 1 and refs(cache) == dict.fromkeys(wanted[:HOST_SHARDS], 0)
     cache.check_integrity()
 
 

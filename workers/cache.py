@@ -163,7 +163,10 @@ class WorkerCache:
         """Start loading ``name`` (idempotent). The future resolves when this rank's shard is READY.
 
         Raises only when no load is started (unknown adapter or version, bad shapes); a started load that
-        fails (no host-tier or GPU room, a bad read) fails its future and is reported "failed".
+        fails (no GPU room, a bad read, a shard larger than the host tier) fails its future and is reported
+        "failed". A load whose shard finds every host-tier byte held by loads in flight waits for one of
+        them to let go of its entry (FIFO; ``host_waits``), as one that finds every slot loading waits for
+        a slot; it fails at once only if nothing in flight could free room.
         ``on_demand``: started by an acquire that missed (not counted as a prefetch)."""
         spec = self.catalog.get(name, version)
         key = AdapterKey(name, spec.version)
@@ -180,8 +183,8 @@ class WorkerCache:
             self.counters.demand_loads += on_demand
         try:
             staged, load.host_hit = self.host.fetch(spec, layout, chunks=load.plan.entry_spans,
-                                                    on_chunk=functools.partial(self._chunk_staged, load))
-        except Exception as e:  # e.g. the host tier is full of shards in flight
+                                                    on_chunk=functools.partial(self._chunk_staged, load), wait=True)
+        except Exception as e:  # e.g. a shard larger than the host tier, or a full tier with nothing in flight
             self._fail(load, e)
             return load.future
         staged.add_done_callback(functools.partial(self._read_done, load))
@@ -193,10 +196,12 @@ class WorkerCache:
 
         The staged shard's future (done when it is on the host; the read in flight, or the entry, if it was
         staged already), or None when nothing is staged: the adapter has a slot or a load on its way to
-        one, or the host tier has no room (every byte held by loads in flight; counted in
-        ``stage_failures``). Raises only for an unknown adapter or version, or bad shapes. A failed read
-        is counted there too and leaves the tier as it was. The entry keeps no reference: it is the
-        LRU's like any other, and ``stages`` counts the reads a stage started."""
+        one, or the host tier has no room (every byte held by loads in flight, or loads waiting for room;
+        counted in ``stage_failures``). A stage never waits for room as a load does (``prefetch``): it fails
+        softly instead, so that staging never holds back, or takes room ahead of, a load that is needed.
+        Raises only for an unknown adapter or version, or bad shapes. A failed read is counted there too
+        and leaves the tier as it was. The entry keeps no reference: it is the LRU's like any other, and
+        ``stages`` counts the reads a stage started."""
         spec = self.catalog.get(name, version)
         key = AdapterKey(name, spec.version)
         layout = self._layout(spec)
@@ -569,7 +574,7 @@ class WorkerCache:
     def stats(self) -> dict[str, object]:
         with self._lock:
             snap = self.counters.snapshot()
-            snap.update(host_hits=self.host.hits, host_misses=self.host.misses,
+            snap.update(host_hits=self.host.hits, host_misses=self.host.misses, host_waits=self.host.waits,
                         bytes_disk_to_host=self.host.bytes_read, slots_ready=self.table.count(SlotState.READY),
                         slots_loading=self.table.count(SlotState.LOADING), host_bytes_used=self.host.arena.used_bytes,
                         **resident_prefetches(self._loads.values()))
@@ -612,5 +617,6 @@ class WorkerCache:
         self.host.check_integrity()
 
     def close(self) -> None:
+        self.host.cancel_waits()  # loads waiting for host room fail (holding nothing), before the watcher stops
         self._watcher.close()  # every issued copy done before the host arena is unpinned
         self.host.close()

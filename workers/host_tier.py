@@ -4,6 +4,8 @@ Reads are dispatched on a thread pool (blocking file I/O off the caller's thread
 config's ``reads`` strategy says (``READS``): in reader processes that share the arena (a GPU worker: no
 GIL shared with the engine that launches beside them), or on the threads themselves. Concurrent fetches
 of one adapter share one read. An entry is pinned by references while a host-to-GPU copy may still read it.
+A fetch that finds every byte held by references that will be dropped (loads in flight) may wait for room
+(``wait``): it is admitted, in FIFO order, when one of them lets go of its entry.
 
 A read fills its entry chunk by chunk (``lora_cache.chunks``: the entry's ``chunks``, ranges of the
 layout's entries) and tells each fetcher's ``on_chunk`` how many chunks are in place as they land, so a
@@ -27,7 +29,7 @@ from lora_cache.errors import CapacityError, ConfigError
 from lora_cache.peft import AdapterSpec
 from lora_cache.planner.records import AdapterKey  # one name@version key for planner and workers
 from lora_cache.shards import ShardLayout
-from workers.arena import Block, HostArena
+from workers.arena import ALIGN, Block, HostArena
 from workers.reader import VERIFY, read_shard
 from workers.reader_proc import ReaderProcess
 
@@ -149,6 +151,22 @@ class HostEntry:
             self.listeners.clear()
 
 
+@dataclass(eq=False)
+class _Wait:
+    """A fetch waiting for host room (no block yet): its entry is made when it is admitted."""
+
+    spec: AdapterSpec
+    layout: ShardLayout
+    chunks: tuple[slice, ...]
+    ready: Future[HostEntry] = field(default_factory=Future)  # becomes the entry's ``ready``
+    refs: int = 1
+    listeners: list[ChunkListener] = field(default_factory=list)
+
+
+def _listener(on_chunk: Callable[[HostEntry, int, bool], None], hit: bool) -> ChunkListener:
+    return lambda entry, count: on_chunk(entry, count, hit)
+
+
 def _tell(on_chunk: ChunkListener, entry: HostEntry, count: int) -> None:
     try:
         on_chunk(entry, count)
@@ -165,46 +183,83 @@ class HostTier:
         self.arena = HostArena(config.host_bytes, config.pin, shared=self.reads == "process")
         self._reader = READS[self.reads](self.arena, config.read_threads, config.verify)
         self._pool = ThreadPoolExecutor(config.read_threads, thread_name_prefix="lora-read")
-        self._lock = threading.Lock()  # protects _entries and the arena
+        self._lock = threading.Lock()  # protects _entries, _orphans, _waiting, the counters and the arena
         self._entries: OrderedDict[AdapterKey, HostEntry] = OrderedDict()  # LRU order, oldest first
         self._orphans: list[HostEntry] = []  # failed reads whose staged chunks loads may still be copying
+        self._waiting: OrderedDict[AdapterKey, _Wait] = OrderedDict()  # fetches waiting for room, FIFO
+        self._closing = False  # no more waits (the tier is closing)
         self.hits = self.misses = self.bytes_read = 0
+        self.waits = 0  # fetches that waited for room held by others in flight
 
     def fetch(self, spec: AdapterSpec, layout: ShardLayout, count: bool = True, chunks: Sequence[slice] = (),
-              on_chunk: Callable[[HostEntry, int, bool], None] | None = None) -> tuple[Future[HostEntry], bool]:
+              on_chunk: Callable[[HostEntry, int, bool], None] | None = None,
+              wait: bool = False) -> tuple[Future[HostEntry], bool]:
         """The staged shard (a future: reads are asynchronous) and whether it was a host-tier hit.
 
         ``count``: a lookup for a GPU load, counted in ``hits``/``misses`` (a stage ahead of one is not).
         ``chunks``: how a new read splits the shard (ranges of ``layout.entries``; a read in flight or
         done keeps its own); ``on_chunk(entry, count, hit)``: told how many chunks are in place, at once
         for those staged already (a hit: all of them, before this returns) and from the reader as the
-        others land."""
+        others land.
+
+        A miss with no room raises ``CapacityError``, unless ``wait`` and room will come: then it waits
+        behind earlier waits (FIFO; counted in ``waits``) until references that are held now are dropped,
+        and its read starts then. A miss that does not wait never takes room ahead of a waiting one. A shard
+        larger than the whole tier, or a tier whose every byte is held with nothing in flight that could
+        let go of it, raises at once either way."""
         key = AdapterKey(spec.name, spec.version)
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None:  # hit, or a read already in flight (single flight)
+            waiting = self._waiting.get(key)
+            hit = entry is not None or waiting is not None  # staged, or a read in flight or waiting (single flight)
+            if entry is not None:
                 self._entries.move_to_end(key)
                 entry.refs += 1
-                self.hits += count
-                hit = True
+            elif waiting is not None:
+                waiting.refs += 1
             else:
-                block = self._allocate(layout.nbytes, key)
-                entry = HostEntry(key, layout, block, self.arena.view(block, layout.dtype, layout.numel), Future(),
-                                  refs=1, chunks=tuple(chunks))
-                self._entries[key] = entry
-                self.misses += count
-                hit = False
+                entry, waiting = self._miss(spec, layout, tuple(chunks), wait)
+            self.hits += count and hit
+            self.misses += count and not hit
+            if waiting is not None and on_chunk is not None:  # told from the read, once it is admitted
+                waiting.listeners.append(_listener(on_chunk, hit))
+        if waiting is not None:
+            return waiting.ready, hit
+        assert entry is not None
         if on_chunk is not None:
-            entry.listen(lambda e, n: on_chunk(e, n, hit))
+            entry.listen(_listener(on_chunk, hit))
         if not hit:
             self._pool.submit(self._read, spec, entry)
         return entry.ready, hit
+
+    def _miss(self, spec: AdapterSpec, layout: ShardLayout, chunks: tuple[slice, ...],
+              wait: bool) -> tuple[HostEntry | None, _Wait | None]:
+        """A new entry for a miss (caller holds the lock), or its wait for room; CapacityError if neither."""
+        key = AdapterKey(spec.name, spec.version)
+        size = -(-layout.nbytes // ALIGN) * ALIGN
+        if size > self.arena.capacity:
+            raise CapacityError(f"host tier ({self.config.host_bytes} bytes) can never stage {key}: its shard "
+                                f"({layout.nbytes} bytes) is larger than the whole tier; raise host_bytes to at "
+                                f"least {size} bytes")
+        block = None if self._waiting else self._allocate(layout.nbytes)  # no room taken ahead of a wait
+        if block is not None:
+            entry = HostEntry(key, layout, block, self.arena.view(block, layout.dtype, layout.numel), Future(),
+                              refs=1, chunks=chunks)
+            self._entries[key] = entry
+            return entry, None
+        if not wait or self._closing or not (self._waiting or self._may_free()):
+            raise self._full(key, layout.nbytes)
+        waiting = self._waiting[key] = _Wait(spec, layout, chunks)
+        self.waits += 1
+        return None, waiting
 
     def release(self, key: AdapterKey) -> None:
         with self._lock:
             entry = self._entries[key]
             assert entry.refs > 0, f"host entry {key} released more often than fetched"
             entry.refs -= 1
+            admitted = self._admit()
+        self._start(admitted)
 
     def release_failed(self, entry: HostEntry) -> None:
         """Drop a reference on an entry whose read failed, once no copy reads its staged chunks any more;
@@ -215,6 +270,8 @@ class HostTier:
             if entry.refs == 0 and any(o is entry for o in self._orphans):
                 self._orphans = [o for o in self._orphans if o is not entry]
                 self.arena.free(entry.block)
+            admitted = self._admit()
+        self._start(admitted)
 
     def drop(self, key: AdapterKey) -> bool:
         """Free an unreferenced, staged shard now (benchmarks: the next fetch reads the file again)."""
@@ -223,23 +280,84 @@ class HostTier:
             if entry is None or entry.refs or not entry.ready.done():
                 return False
             self.arena.free(self._entries.pop(key).block)
-            return True
+            admitted = self._admit()
+        self._start(admitted)
+        return True
 
     def contains(self, key: AdapterKey) -> bool:
         with self._lock:
             entry = self._entries.get(key)
             return entry is not None and entry.ready.done() and entry.ready.exception() is None
 
-    def _allocate(self, nbytes: int, key: AdapterKey) -> Block:
+    def _allocate(self, nbytes: int) -> Block | None:
+        """A block, evicting idle staged entries (LRU) for it; None if those are not enough (lock held):
+        then none is evicted unless their bytes would have been (first fit may still find them scattered)."""
+        idle = sum(e.block.nbytes for e in self._entries.values() if e.refs == 0 and e.ready.done())
+        if self.arena.capacity - self.arena.used_bytes + idle < nbytes:
+            return None
         while (block := self.arena.alloc(nbytes)) is None:
             victim = next((k for k, e in self._entries.items() if e.refs == 0 and e.ready.done()), None)
             if victim is None:
-                held = sum(e.block.nbytes for e in self._entries.values())
-                raise CapacityError(f"host tier ({self.config.host_bytes} bytes) cannot stage {key} "
-                                    f"({nbytes} bytes): {held} bytes are held by loads in flight; "
-                                    "raise host_bytes or load fewer adapters at once")
+                return None
             self.arena.free(self._entries.pop(victim).block)
         return block
+
+    def _may_free(self) -> bool:
+        """Whether room may still come without a new fetch: an entry that is referenced (its references
+        will be dropped) or still being read, or an orphan that loads still copy from (lock held)."""
+        return bool(self._orphans) or any(e.refs or not e.ready.done() for e in self._entries.values())
+
+    def _full(self, key: AdapterKey, nbytes: int) -> CapacityError:
+        held = sum(e.block.nbytes for e in (*self._entries.values(), *self._orphans))
+        return CapacityError(f"host tier ({self.config.host_bytes} bytes) cannot stage {key} ({nbytes} bytes): "
+                             f"{held} bytes are held by loads in flight; raise host_bytes or load fewer adapters "
+                             "at once")
+
+    def _admit(self) -> tuple[list[tuple[AdapterSpec, HostEntry]], list[tuple[_Wait, CapacityError]]]:
+        """Give the room there is to waiting fetches, oldest first (lock held): the entries to read, and
+        the waits that can never be admitted (nothing left that could free room). The head of the line
+        waits for room rather than let later, smaller shards pass it (no starvation)."""
+        started: list[tuple[AdapterSpec, HostEntry]] = []
+        failed: list[tuple[_Wait, CapacityError]] = []
+        while self._waiting:
+            key, waiting = next(iter(self._waiting.items()))
+            block = self._allocate(waiting.layout.nbytes)
+            if block is None and self._may_free():
+                break
+            del self._waiting[key]
+            if block is None:
+                failed.append((waiting, self._full(key, waiting.layout.nbytes)))
+                continue
+            layout = waiting.layout
+            entry = HostEntry(key, layout, block, self.arena.view(block, layout.dtype, layout.numel), waiting.ready,
+                              refs=waiting.refs, chunks=waiting.chunks, listeners=waiting.listeners)
+            self._entries[key] = entry
+            started.append((waiting.spec, entry))
+        return started, failed
+
+    def _start(self, admitted: tuple[list[tuple[AdapterSpec, HostEntry]], list[tuple[_Wait, CapacityError]]]) -> None:
+        """Start the reads of admitted waits, fail those that never will be (lock not held: callbacks run)."""
+        started, failed = admitted
+        for spec, entry in started:
+            self._pool.submit(self._read, spec, entry)
+        for waiting, error in failed:
+            waiting.ready.set_exception(error)
+
+    def _wake(self) -> None:
+        """Admit waiting fetches if room came without a release (a read that ended unreferenced)."""
+        with self._lock:
+            admitted = self._admit() if self._waiting else ([], [])
+        self._start(admitted)
+
+    def cancel_waits(self) -> None:
+        """Fail every fetch still waiting for room, and refuse new waits (the tier, or its cache, is closing).
+        A waiting fetch holds no block: nothing else changes."""
+        with self._lock:
+            self._closing = True
+            waiting, self._waiting = list(self._waiting.items()), OrderedDict()
+        for key, w in waiting:
+            w.ready.set_exception(CapacityError(f"the host tier closed while {key} waited for room; "
+                                                "nothing was staged"))
 
     def _read(self, spec: AdapterSpec, entry: HostEntry) -> None:
         t0 = time.perf_counter()
@@ -253,15 +371,19 @@ class HostTier:
                     self._orphans.append(entry)
                 else:
                     self.arena.free(entry.block)
+                admitted = self._admit()
             entry.ready.set_exception(e)
+            self._start(admitted)
             return
         entry.read_ms = (time.perf_counter() - t0) * 1e3
         entry.progress(entry.num_chunks)  # a reader that reports no chunks: all of them at once
         with self._lock:
             self.bytes_read += entry.bytes_read
         entry.ready.set_result(entry)
+        self._wake()  # done: if nobody references it any more, its room is the LRU's
 
     def close(self) -> None:
+        self.cancel_waits()
         self._pool.shutdown(wait=True, cancel_futures=False)
         self._reader.close()
         self.arena.close()
@@ -273,4 +395,7 @@ class HostTier:
             assert self.arena.used_bytes == sum(e.block.nbytes for e in held), \
                 "arena blocks and host entries disagree"
             assert all(e.refs >= 0 for e in self._entries.values()), "negative host reference count"
+            assert not set(self._waiting) & set(self._entries), "a waiting fetch already has an entry"
+            assert all(w.refs > 0 for w in self._waiting.values()), "a waiting fetch nobody waits for"
+            assert not self._waiting or self._entries or self._orphans, "a fetch waits with nothing that frees room"
             assert self.arena.used_bytes <= self.config.host_bytes

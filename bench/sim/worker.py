@@ -5,7 +5,8 @@ The slot bookkeeping is the real ``workers.slots.SlotTable`` and the counters th
 (lifecycle steps 5-7, 9) and the command gate's (step 4):
 
 - a load stages the shard in the host tier (a hit, or a read on one of ``read_threads`` reader
-  threads), and only then takes a slot: a FREE one, else the least recently used idle READY one
+  threads; if every byte is held by loads in flight, it waits, FIFO, for one to let go of its entry,
+  and fails only if none could), and only then takes a slot: a FREE one, else the least recently used idle READY one
   (evicted); if every slot is loading or in use it waits for a load to finish when one could free
   a slot, and fails otherwise;
 - the copy holds the rank's one copy stream (copies queue in order); READY ``load_fixed_ms`` later;
@@ -15,7 +16,7 @@ The slot bookkeeping is the real ``workers.slots.SlotTable`` and the counters th
 - every residency change goes to the controller as one delta, whoever made it, as ``WorkerCache``
   reports them to the worker actor's outbox (``on_change``): "gone" for the slot ``SlotTable.reserve``
   evicts, then "loading" when a load takes a slot, "ready", "gone" for ``evict``, "failed" for a
-  started load that found no host-tier or GPU room;
+  started load that found no GPU room, or no host-tier room with nothing in flight to free it;
 - ``apply`` is ``CommandGate.apply``: evicts, then prefetches; an evict refused because the adapter is
   loading or in use reports its state again (``WorkerCache.restate``: "in_use" if a batch holds it).
   A simulated command always names a known adapter, so no prefetch is refused.
@@ -86,7 +87,7 @@ class SimLoad:
 @dataclass(eq=False)
 class _Staged:
     nbytes: int
-    staged: Signal
+    staged: Signal  # fires when the read ends (failed: the fetch waited for room that never came)
     refs: int = 1
     read_ms: float = 0.0
 
@@ -98,31 +99,48 @@ class SimHostTier:
         self.loop, self.calibration, self.capacity = loop, calibration, capacity
         self.entries: OrderedDict[AdapterKey, _Staged] = OrderedDict()  # oldest first
         self.used = 0
-        self.hits = self.misses = self.bytes_read = 0
+        self.hits = self.misses = self.bytes_read = self.waits = 0
+        self._waiting: OrderedDict[AdapterKey, _Staged] = OrderedDict()  # fetches waiting for room, FIFO
         self._readers = [0.0] * read_threads  # heap: when each reader thread is free (FIFO pool)
         self._reads: list[tuple[float, float]] = []  # (start, end) of reads not yet known to be over
 
-    def fetch(self, key: AdapterKey, nbytes: int, count: bool = True) -> tuple[_Staged, bool]:
+    def fetch(self, key: AdapterKey, nbytes: int, count: bool = True, wait: bool = False) -> tuple[_Staged, bool]:
         """The staged entry (referenced) and whether it was a hit; CapacityError if it cannot be staged.
-        ``count``: a lookup for a GPU load (``HostTier.fetch``), not a stage ahead of one."""
-        entry = self.entries.get(key)
-        if entry is not None:  # staged, or a read in flight (single flight)
-            self.entries.move_to_end(key)
+        ``count``: a lookup for a GPU load (``HostTier.fetch``), not a stage ahead of one. ``wait``: with
+        every byte held by loads in flight, wait (FIFO) for room instead (``HostTier.fetch``'s rules)."""
+        entry = self.entries.get(key) or self._waiting.get(key)
+        if entry is not None:  # staged, or a read in flight or waiting (single flight)
+            if key in self.entries:
+                self.entries.move_to_end(key)
             entry.refs += 1
             self.hits += count
             return entry, True
-        self._make_room(key, nbytes)
-        entry = self.entries[key] = _Staged(nbytes, Signal())
-        self.used += nbytes
+        if nbytes > self.capacity:
+            raise CapacityError(f"host tier ({self.capacity} bytes) can never stage {key}: its shard ({nbytes} "
+                                f"bytes) is larger than the whole tier; raise host_bytes to at least {nbytes} bytes")
+        entry = _Staged(nbytes, Signal())
+        if not self._waiting and self._make_room(nbytes):  # no room taken ahead of a wait
+            self._read(key, entry)
+        elif wait and (self._waiting or self._may_free()):
+            self._waiting[key] = entry
+            self.waits += 1
+        else:
+            raise CapacityError(f"host tier ({self.capacity} bytes) cannot stage {key} ({nbytes} bytes): "
+                                "the rest is held by loads in flight")
         self.misses += count
+        return entry, False
+
+    def _read(self, key: AdapterKey, entry: _Staged) -> None:
+        """Stage ``entry`` (its room is made): a read on the first free reader thread."""
+        self.entries[key] = entry
+        self.used += entry.nbytes
         now = self.loop.now
         start = max(now, heapq.heappop(self._readers))
-        end = start + self.calibration.disk_s(nbytes)
+        end = start + self.calibration.disk_s(entry.nbytes)
         heapq.heappush(self._readers, end)
         self._reads.append((start, end))
         entry.read_ms = (end - start) * 1e3
         self.loop.at(end, self._read_done, entry)
-        return entry, False
 
     def reads_in_flight(self, now: float) -> int:
         """Reads running at ``now``: what slows a step of the engine in the same process."""
@@ -133,18 +151,47 @@ class SimHostTier:
         entry = self.entries[key]
         assert entry.refs > 0, f"host entry {key} released more often than fetched"
         entry.refs -= 1
+        self._admit()
 
     def _read_done(self, entry: _Staged) -> None:
         self.bytes_read += entry.nbytes
         entry.staged.fire(self.loop.now)
+        self._admit()  # unreferenced once read (a stage's entry): its room is the LRU's
 
-    def _make_room(self, key: AdapterKey, nbytes: int) -> None:
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict idle staged entries (LRU) until ``nbytes`` fit; False (evicting none) if they are not enough."""
+        idle = sum(e.nbytes for e in self.entries.values() if e.refs == 0 and e.staged.done)
+        if self.used - idle + nbytes > self.capacity:
+            return False
         while self.used + nbytes > self.capacity:
             victim = next((k for k, e in self.entries.items() if e.refs == 0 and e.staged.done), None)
             if victim is None:
-                raise CapacityError(f"host tier ({self.capacity} bytes) cannot stage {key} ({nbytes} bytes): "
-                                    "the rest is held by loads in flight")
+                return False
             self.used -= self.entries.pop(victim).nbytes
+        return True
+
+    def _may_free(self) -> bool:
+        """Whether room may still come: an entry referenced (by a load in flight) or being read."""
+        return any(e.refs or not e.staged.done for e in self.entries.values())
+
+    def _admit(self) -> None:
+        """Start the reads of waiting fetches that fit now, oldest first (the head waits for room rather
+        than let later ones pass it); fail those that never will fit (``HostTier._admit``)."""
+        while self._waiting:
+            key, entry = next(iter(self._waiting.items()))
+            fits = self._make_room(entry.nbytes)
+            if not fits and self._may_free():
+                return
+            del self._waiting[key]
+            if fits:
+                self._read(key, entry)
+            else:
+                entry.staged.fire(self.loop.now, ok=False)
+
+    def check_integrity(self) -> None:
+        assert self.used == sum(e.nbytes for e in self.entries.values()) <= self.capacity, "host bytes disagree"
+        assert not set(self._waiting) & set(self.entries), "a waiting fetch already has an entry"
+        assert not self._waiting or self._may_free(), "a fetch waits with nothing in flight to free room"
 
 
 class SimWorker:
@@ -185,14 +232,15 @@ class SimWorker:
 
     def counts(self) -> dict[str, int]:
         """The integer counters of ``stats()`` (cheap: no latency summaries)."""
-        host = {"host_hits": self.host.hits, "host_misses": self.host.misses,
+        host = {"host_hits": self.host.hits, "host_misses": self.host.misses, "host_waits": self.host.waits,
                 "bytes_disk_to_host": self.host.bytes_read}
         return {k: host[k] if k in host else getattr(self.counters, k) for k in STATS_COUNTERS}
 
     def stats(self) -> dict[str, object]:
         """``WorkerCache.stats()``'s keys."""
         snap = self.counters.snapshot()
-        snap.update(host_hits=self.host.hits, host_misses=self.host.misses, bytes_disk_to_host=self.host.bytes_read,
+        snap.update(host_hits=self.host.hits, host_misses=self.host.misses, host_waits=self.host.waits,
+                    bytes_disk_to_host=self.host.bytes_read,
                     slots_ready=self.table.count(SlotState.READY), slots_loading=self.table.count(SlotState.LOADING),
                     host_bytes_used=self.host.used, **resident_prefetches(self._loads.values()))
         return snap
@@ -231,7 +279,7 @@ class SimWorker:
         self.counters.prefetches += not on_demand
         self.counters.demand_loads += on_demand
         try:
-            entry, load.host_hit = self.host.fetch(key, load.nbytes)
+            entry, load.host_hit = self.host.fetch(key, load.nbytes, wait=True)
         except CapacityError:
             del self._pending[key]
             self._reject(load, "no host-tier room")
@@ -240,7 +288,8 @@ class SimWorker:
         return load
 
     def stage(self, name: str) -> bool:
-        """``WorkerCache.stage``: read the shard into the host tier with no slot; whether a read started."""
+        """``WorkerCache.stage``: read the shard into the host tier with no slot; whether a read started.
+        Like the real one it never waits for room: no room (or loads waiting for it) is a stage failure."""
         key = self.keys[name]
         if self.table.lookup(key) is not None or key in self._pending:
             return False
@@ -315,6 +364,10 @@ class SimWorker:
 
     # -- the load path -----------------------------------------------------------------------------
     def _staged(self, load: SimLoad, entry: _Staged, staged: Signal) -> None:
+        if not staged.ok:  # waited for host room that nothing in flight could free
+            del self._pending[load.key]
+            self._reject(load, "no host-tier room")
+            return
         load.disk_ms = 0.0 if load.host_hit else entry.read_ms
         self._place(load)
 
@@ -378,3 +431,4 @@ class SimWorker:
         for s in self.table.slots:
             assert (s.key is not None) == (s.index in self._loads), f"slot {s.index} and its load disagree"
         assert not set(self._pending) & {s.key for s in self.table.slots}, "a pending load already has a slot"
+        self.host.check_integrity()
