@@ -157,34 +157,62 @@ def changes(plan: Plan) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     return ({r: v[0] for r, v in loaded.items() if v[0]}, {r: v[0] for r, v in evicted.items() if v[0]})
 
 
+def held_at(planner: Planner, replica: str, traffic: dict[str, float], now: float) -> None:
+    """a0's requests counted at replicas (``traffic``: replica -> weight), and a0 loaded at ``replica`` by a
+    request queued there (a need), as a router would have placed it; the queue is then empty again."""
+    for where, weight in traffic.items():
+        planner.record_request("a0", where, now, weight=weight)
+    planner.report_queue(replica, [("a0", now)], now)
+    loaded, _ = changes(planner.plan_all(now))
+    assert loaded == {replica: {"a0"}}  # nowhere else yet: no replica holds it, so none was followed
+    planner.report_queue(replica, [], now)
+
+
 @pytest.mark.parametrize("speculate_min_rate", [1e9, 0.5])  # homes alone; with speculation (must not undo them)
 @pytest.mark.parametrize(("cold_weight", "copies_"), [(20.0, 3), (90.0, 2)])  # 300 of 460: 3 homes; of 1020: 2
 def test_a_hot_adapter_displaces_colder_incumbents_at_its_homes_on_a_full_fleet(
         speculate_min_rate: float, cold_weight: float, copies_: int) -> None:
     """A full fleet (every slot taken by cold adapters) still gets a hot adapter's copies, at the homes the
-    advice routes it to, each in place of the least valuable incumbent; then the placement is stable: later
-    plans, with speculation on, evict nothing. The new copies are worth their home score, not the little
-    traffic they saw before a router could send them any: with cold adapters of 90 (above the speculation
-    gate) the displaced one would otherwise win its slot back at the next plan."""
+    advice routes it to, each in place of the least valuable incumbent, once its traffic shows that the
+    router sends it where it is resident (all of it went to the replica that holds it). Then the placement
+    is stable: later plans, with speculation on, evict nothing. The new copies are worth their home score,
+    not the little traffic they saw before a router could send them any: with cold adapters of 90 (above the
+    speculation gate) the displaced one would otherwise win its slot back at the next plan."""
     planner, cold = full_fleet(cold_weight=cold_weight, speculate_min_rate=speculate_min_rate)
     order = preference("a0", planner.replicas())
-    planner.record_request("a0", order[0], 1.0, weight=300)  # counted at its first home (speculation agrees)
-    loaded, evicted = changes(planner.plan_all(1.0))
-    homes = set(order[:copies_])
+    held_at(planner, order[0], {order[0]: 300}, 1.0)  # at its first home, which got all of its requests
+    loaded, evicted = changes(planner.plan_all(2.5))  # the homes reassigned (home_refresh_s): copies follow
+    homes = set(order[1:copies_])
     assert loaded == {r: {"a0"} for r in homes}
     assert set(evicted) == homes and all(len(v) == 1 and v <= cold[r] for r, v in evicted.items())
     for i in range(1, 6):
-        assert changes(planner.plan_all(1.0 + i)) == ({}, {}), f"placement undone at plan {i}"
+        assert changes(planner.plan_all(2.5 + i)) == ({}, {}), f"placement undone at plan {i}"
     planner.check_integrity()
 
 
-def test_a_home_does_not_displace_an_incumbent_worth_about_as_much_nor_does_a_catalog_fill() -> None:
-    planner, _ = full_fleet(cold_weight=100.0)  # cold incumbents of ~1.2/s each, 960 counts in all
-    planner.record_request("a0", planner.replicas()[0], 1.0, weight=110)  # one home, not worth 1.25x an incumbent
-    assert changes(planner.plan_all(1.0)) == ({}, {})
-    planner.record_request("a0", planner.replicas()[0], 1.1, weight=100)  # now 210: clearly worth more
-    loaded, evicted = changes(planner.plan_all(1.1))
-    assert loaded == {preference("a0", planner.replicas())[0]: {"a0"}} and len(evicted) == 1
+def test_a_router_that_ignores_residency_gets_no_displacing_copies() -> None:
+    """The same hot adapter, but its requests were spread over every replica (round-robin): the one that
+    holds it got a replica's share, so a copy elsewhere would too, and is not worth an eviction."""
+    planner, _ = full_fleet(cold_weight=20.0)
+    order = preference("a0", planner.replicas())
+    held_at(planner, order[0], dict.fromkeys(planner.replicas(), 75.0), 1.0)
+    assert changes(planner.plan_all(2.5)) == ({}, {})
+    planner.check_integrity()
+
+
+def test_a_home_displaces_only_an_incumbent_worth_clearly_less_by_the_live_count() -> None:
+    """a0 held off its home (its one home is another replica) and followed there: at 110 requests it is not
+    worth 1.25x an incumbent of its home (100), at 210 it is. The second decision comes between two
+    assignments of the homes: a home's count per copy is read live."""
+    planner, _ = full_fleet(cold_weight=100.0)  # cold incumbents of ~1.2/s each, 800 counts in all
+    order = preference("a0", planner.replicas())
+    held_at(planner, order[-1], {order[-1]: 110}, 1.0)
+    assert changes(planner.plan_all(2.1)) == ({}, {})  # reassigned: one home, followed, not worth it yet
+    assignments = planner._homes.assignments
+    planner.record_request("a0", order[-1], 2.2, weight=100)
+    loaded, evicted = changes(planner.plan_all(2.2))
+    assert loaded == {order[0]: {"a0"}} and list(evicted) == [order[0]]
+    assert planner._homes.assignments == assignments
     planner.check_integrity()
 
 
@@ -212,17 +240,6 @@ def test_the_homes_are_reassigned_only_when_what_they_rest_on_changes() -> None:
     planner.plan_all(1.7)  # home_refresh_s (1 s) passed: reassigned as counts drift
     assert book.assignments == first + 3
     planner.check_integrity()
-
-
-def test_a_home_score_reads_the_live_count_between_assignments() -> None:
-    planner, _ = full_fleet(cold_weight=100.0, home_refresh_s=60.0)
-    replica = preference("a0", planner.replicas())[0]
-    planner.record_request("a0", replica, 1.0, weight=110)  # assigned one home; not yet worth a displacement
-    assert changes(planner.plan_all(1.0)) == ({}, {})
-    assignments = planner._homes.assignments
-    planner.record_request("a0", replica, 1.1, weight=100)  # no reassignment (one home still), a higher count
-    loaded, _ = changes(planner.plan_all(1.1))
-    assert loaded == {replica: {"a0"}} and planner._homes.assignments == assignments
 
 
 def test_homes_off_places_nothing_without_traffic() -> None:

@@ -23,9 +23,10 @@ speculation left) to the adapters that call it home, most requested first. On a 
 with traffic of its own may displace incumbents worth clearly less per byte (the speculation rule's
 ``hysteresis``) than its *home score*: its value once a router that follows residency sends this
 replica its share, ``count / copies`` (``ReplicaScorer.home_score``); and a resident home keeps that
-score, so speculation does not evict a new copy before traffic reaches it. So a hot adapter's copies
-land on a full fleet too, and a router that ignores residency (round-robin) loses only the bytes of
-the copies it does not use. And when the fleet's slots can hold the whole catalog, adapters with no
+score, so speculation does not evict a new copy before traffic reaches it. That value holds only if the
+router does follow residency, which the counts show: a replica that holds the adapter was sent at least
+``FOLLOWED`` (2) times a replica's share of its requests (``_followed``). So a hot adapter's copies land
+on a full fleet behind an affinity router or the advice, and a round-robin fleet pays nothing for them. And when the fleet's slots can hold the whole catalog, adapters with no
 history yet (a new deployment, a scaled-out fleet) get one home too (free room only, never
 displacing), so an adapter's first request finds it loaded where the advice sends it.
 
@@ -44,7 +45,7 @@ import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from lora_cache.planner.popularity import RankedCounts
+from lora_cache.planner.popularity import Popularity, RankedCounts
 from lora_cache.planner.records import AdapterKey
 from lora_cache.planner.state import FleetState
 from lora_cache.routing import preference, preference_prefix
@@ -120,25 +121,30 @@ class HomeBook:
         self._homes: dict[str, list[tuple[AdapterKey, int]]] = {}  # replica -> (key, copies; 0: catalog fill)
         self._wanted: dict[str, int] = {}  # adapter at min_rate or more when last assigned -> its copies
         self._counts = RankedCounts()
+        self._followed: set[str] = set()  # adapters whose traffic goes where they are resident (_followed)
         self.assignments = 0
 
-    def refresh(self, fleet: FleetState, counts: RankedCounts, per_second: float, now: float) -> None:
+    def refresh(self, fleet: FleetState, popularity: Popularity, now: float) -> None:
         """Before a plan: reassign the homes if they are out of date (the class's docstring)."""
-        self._counts = counts
+        counts = self._counts = popularity.fleet
         n = len(fleet.workers)
         wanted = {name: self._copies_of(count, rate, counts.total, n)
-                  for name, count, rate in self._rated(counts, per_second)}
+                  for name, count, rate in self._rated(counts, popularity.per_second(now))}
         if fleet.shape == self._shape and now - self._assigned_at < self._refresh_s \
                 and not any(self._grows(name, k) for name, k in wanted.items()):
             return
         self._shape, self._assigned_at, self._wanted = fleet.shape, now, wanted
         self._homes = self._assign(fleet, counts, wanted)
+        self._followed = {name for name in wanted if _followed(name, fleet, popularity)}
         self.assignments += 1
 
     def homes(self, replica: str) -> tuple[Home, ...]:
         """The adapters assigned to ``replica``, most requested first; then, if the fleet holds the catalog,
-        those below ``min_rate`` (none yet: a fresh fleet), by count and name."""
-        return tuple(Home(key, self._counts.get(key.name) / n if n else 0.0) for key, n in self._homes.get(replica, ()))
+        those below ``min_rate`` (none yet: a fresh fleet), by count and name. A count per copy is given
+        only for an adapter whose traffic follows its residency (``_followed``): where the router spreads
+        it regardless (round-robin), a copy would get a replica's share, not its copies' share."""
+        return tuple(Home(key, self._counts.get(key.name) / n if n and key.name in self._followed else 0.0)
+                     for key, n in self._homes.get(replica, ()))
 
     def forget(self, adapter: str) -> None:
         self._preferences.forget(adapter)
@@ -188,3 +194,20 @@ class HomeBook:
                 left[replica] -= 1
                 out[replica].append((key, mark))
                 wanted -= 1
+
+
+FOLLOWED = 2.0  # a holder's count over a replica's share (count / replicas) that shows routing by residency
+
+
+def _followed(name: str, fleet: FleetState, popularity: Popularity) -> bool:
+    """Whether ``name``'s requests go where it is resident: a replica that holds it was sent ``FOLLOWED``
+    times a replica's share of them or more. A router that ignores residency (round-robin, least-loaded)
+    sends every replica its share, holder or not; one that follows it (the advice, affinity) sends its
+    holders all of it. A hot adapter's extra copies are worth a displacement only in the second case
+    (on 8 round-robin replicas they cost 10% more bytes to the GPU for the same TTFT: bench/RESULTS.md)."""
+    share = popularity.fleet.get(name) / max(1, len(fleet.workers))
+    for replica in {fleet.replica_of[w] for w in fleet.holders.get(name, ())}:
+        local = popularity.local.get(replica)
+        if local is not None and local.get(name) >= FOLLOWED * share:
+            return True
+    return False

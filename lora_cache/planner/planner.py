@@ -353,7 +353,7 @@ class Planner:
         if not (self.config.place_homes and self._policy.uses_homes):
             return None
         assert self._now is not None  # a plan has a time
-        self._homes.refresh(self._fleet, self._popularity.fleet, self._popularity.per_second(self._now), self._now)
+        self._homes.refresh(self._fleet, self._popularity, self._now)
         return self._homes
 
     def _plan_replica(self, replica: str, homes: HomeBook | None = None) -> list[WorkerCommands]:
