@@ -26,9 +26,10 @@ replica its share, ``count / copies`` (``ReplicaScorer.home_score``); and a resi
 score, so speculation does not evict a new copy before traffic reaches it. That value holds only if the
 router does follow residency, which the counts show: a replica that holds the adapter was sent at least
 ``FOLLOWED`` (2) times a replica's share of its requests (``_followed``). So a hot adapter's copies land
-on a full fleet behind an affinity router or the advice, and a round-robin fleet pays nothing for them. And when the fleet's slots can hold the whole catalog, adapters with no
-history yet (a new deployment, a scaled-out fleet) get one home too (free room only, never
-displacing), so an adapter's first request finds it loaded where the advice sends it.
+on a full fleet behind an affinity router or the advice, and a round-robin fleet pays nothing for them.
+And when the fleet's slots can hold the whole catalog, adapters with no history yet (a new deployment,
+a scaled-out fleet) get one home too (free room only, never displacing), so an adapter's first request
+finds it loaded where the advice sends it.
 
 Plain Python; ``preference`` is the routing advice's own order (``lora_cache.routing.preference``).
 Simulated (32 replicas, Zipf 0.9 over 200 adapters, bench/RESULTS.md 2026-11-25): the share of requests
@@ -36,7 +37,7 @@ whose adapter was ready on arrival rose from 0.959 to 0.995, and with affinity r
 spot (p99 750 ms: few replicas held the hot adapters) is gone. With the rate-bounded copies and
 displacement (bench/RESULTS.md, 2026-11-25, "copies of a hot adapter"), affinity routing over Zipf 1.5
 (1,000 adapters) at lead 0.05: mean TTFT 818 -> 41 ms; with the hot adapter changing 3 times, p99
-5,389 -> 82 ms.
+4,994 -> 82 ms (5,389 with the rate bound alone: displacement is what moves copies onto a full fleet).
 """
 
 from __future__ import annotations
