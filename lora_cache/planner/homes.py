@@ -81,16 +81,20 @@ class Preferences:
         self._replicas: tuple[str, ...] = ()
         self._orders: dict[str, list[str]] = {}
 
-    def order(self, adapter: str, replicas: tuple[str, ...]) -> Iterator[str]:
-        """``adapter``'s replicas, first home first (``lora_cache.routing.preference``), built lazily."""
+    def use(self, replicas: tuple[str, ...]) -> None:
+        """The replicas orders are over (once per assignment, not per adapter: comparing a 1,000-name tuple
+        for each of 10,000 adapters is work of its own); the cache is kept while they are the same."""
         if replicas != self._replicas:
             self._replicas, self._orders = replicas, {}
+
+    def order(self, adapter: str) -> Iterator[str]:
+        """``adapter``'s replicas, first home first (``lora_cache.routing.preference``), built lazily."""
         prefix = self._orders.get(adapter)
         if prefix is None:
-            prefix = self._orders[adapter] = preference_prefix(adapter, replicas, self.PREFIX)
+            prefix = self._orders[adapter] = preference_prefix(adapter, self._replicas, self.PREFIX)
         yield from prefix
-        if len(prefix) < len(replicas):
-            yield from preference(adapter, replicas)[len(prefix):]
+        if len(prefix) < len(self._replicas):
+            yield from preference(adapter, self._replicas)[len(prefix):]
 
     def forget(self, adapter: str) -> None:
         self._orders.pop(adapter, None)
@@ -177,24 +181,26 @@ class HomeBook:
         out: dict[str, list[tuple[AdapterKey, int]]] = {r: [] for r in replicas}
         if not replicas:
             return out
+        self._preferences.use(replicas)
         for name, k in wanted.items():  # most requested first
-            self._place(fleet.catalog[name].key, k, k, replicas, left, out)
+            self._place(fleet.catalog[name].key, k, k, left, out)
         if fill_catalog:
             rest = sorted(fleet.catalog.keys() - wanted.keys(), key=lambda a: (-counts.get(a), a))
             for name in rest:
-                self._place(fleet.catalog[name].key, 1, 0, replicas, left, out)
+                self._place(fleet.catalog[name].key, 1, 0, left, out)
         return out
 
-    def _place(self, key: AdapterKey, wanted: int, mark: int, replicas: tuple[str, ...], left: dict[str, int],
+    def _place(self, key: AdapterKey, wanted: int, mark: int, left: dict[str, int],
                out: dict[str, list[tuple[AdapterKey, int]]]) -> None:
-        """``wanted`` homes for ``key`` in its order, each recorded with ``mark`` (its copies; 0: a fill)."""
-        for replica in self._preferences.order(key.name, replicas):
-            if wanted == 0:
-                return
+        """``wanted`` homes for ``key`` in its order, each recorded with ``mark`` (its copies; 0: a fill).
+        Returns as soon as they are placed: reading one replica more could build its whole order."""
+        for replica in self._preferences.order(key.name):
             if left[replica] > 0:
                 left[replica] -= 1
                 out[replica].append((key, mark))
                 wanted -= 1
+                if wanted == 0:
+                    return
 
 
 FOLLOWED = 2.0  # a holder's count over a replica's share (count / replicas) that shows routing by residency
