@@ -28,13 +28,12 @@ from typing import Any
 
 import ray
 
-from lora_cache.catalog import CatalogConfig
-from lora_cache.control import WorkerId
-from lora_cache.controller import NAMESPACE, worker_name
-from lora_cache.gateway import GatewayConfig, start_gateway_thread
+from lora_cache.adapters.catalog import CatalogConfig
+from lora_cache.adapters.synth import SynthConfig, make_adapters
+from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
+from lora_cache.app.serve import ServeConfig, start
 from lora_cache.planner import PlannerConfig
-from lora_cache.serve import ServeConfig, start
-from lora_cache.synth import SynthConfig, make_adapters
+from lora_cache.vocab import NAMESPACE, WorkerId, worker_name
 from workers.attach import AttachConfig, attach
 from workers.cache import WorkerConfig
 from workers.host_tier import HostTierConfig

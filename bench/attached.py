@@ -15,13 +15,13 @@ from typing import Any
 
 import ray
 
+from lora_cache.vocab import ReadinessRecord
 from workers.attach import AttachConfig
 from workers.cache import WorkerConfig
 from workers.engine.attached import EngineProcess, start_ranks
 from workers.engine.config import EngineConfig
 from workers.engine.hosted import Rendezvous, rendezvous
 from workers.engine.workload import Request
-from workers.loader import ReadinessRecord
 
 
 def _attach_config(replica: str, address: str, rank: int) -> AttachConfig:

@@ -26,7 +26,7 @@ UNREACHABLE = ["--server", "127.0.0.1:9", "--timeout-s", "2"]
 
 def _command() -> list[str]:
     script = shutil.which("lora-cache")
-    return [script] if script else [sys.executable, "-m", "lora_cache.cli"]
+    return [script] if script else [sys.executable, "-m", "lora_cache.app.cli"]
 
 
 def _times(argv: Sequence[str], repeat: int) -> list[float]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from lora_cache.synth import SynthConfig, make_adapters
+from lora_cache.adapters.synth import SynthConfig, make_adapters
 from workers.engine.batching import DECODE, PREFILL, Item, StepPlan
 from workers.engine.config import EngineConfig
 from workers.engine.model import QKV

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from lora_cache.catalog import AdapterCatalog, CatalogConfig
-from lora_cache.peft import AdapterSpec
-from lora_cache.shards import ShardLayout, shard_layout
-from lora_cache.synth import SynthConfig, make_adapters
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.peft import AdapterSpec
+from lora_cache.adapters.shards import ShardLayout, shard_layout
+from lora_cache.adapters.synth import SynthConfig, make_adapters
 from workers.reader import _copy_slices, _mapped, read_shard, tensor_index
 
 

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from lora_cache.catalog import AdapterCatalog, CatalogConfig
-from lora_cache.shapes import MODULE_ORDER
-from lora_cache.synth import SynthConfig, make_adapters
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.shapes import MODULE_ORDER
+from lora_cache.adapters.synth import SynthConfig, make_adapters
 from workers.cache import WorkerCache, WorkerConfig
 from workers.host_tier import HostTierConfig
 from workers.reader import read_shard
@@ -84,7 +84,7 @@ def _drop_cache(path: Path) -> None:
 def bench_disk(catalog: AdapterCatalog, rank: int, tp: int, reps: int) -> dict[str, float]:
     """read_shard (only this rank's slices) vs a sequential read of as many bytes of the file."""
     spec = catalog.get(f"r{rank}-000")
-    from lora_cache.shards import shard_layout
+    from lora_cache.adapters.shards import shard_layout
 
     layout = shard_layout(spec, catalog.shape, tp, 0, torch.bfloat16)
     dest = torch.empty(layout.numel, dtype=torch.bfloat16, pin_memory=True)

@@ -79,11 +79,11 @@ def load_process(target: str, args: argparse.Namespace, adapters: list[str], rep
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
-    from lora_cache.catalog import CatalogConfig
-    from lora_cache.gateway import GatewayConfig, start_gateway_thread
+    from lora_cache.adapters.catalog import CatalogConfig
+    from lora_cache.adapters.synth import SynthConfig, make_adapters
+    from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
+    from lora_cache.app.serve import ServeConfig, start
     from lora_cache.planner import PlannerConfig
-    from lora_cache.serve import ServeConfig, start
-    from lora_cache.synth import SynthConfig, make_adapters
     from workers.cache import WorkerConfig
     from workers.host_tier import HostTierConfig
 

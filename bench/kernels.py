@@ -40,10 +40,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from lora_cache.cliargs import add_config_args, config_from_args
-from lora_cache.peft import AdapterConfig, AdapterSpec, LoraModule
-from lora_cache.shapes import MODULE_ORDER, ModelShape, resolve_model
-from lora_cache.shards import shard_layout
+from lora_cache.adapters.peft import AdapterConfig, AdapterSpec, LoraModule
+from lora_cache.adapters.shapes import MODULE_ORDER, ModelShape, resolve_model
+from lora_cache.adapters.shards import shard_layout
+from lora_cache.runtime.cliargs import add_config_args, config_from_args
 from workers.kernels import BatchMeta, SlotMeta, lora_apply, lora_apply_ref, shard_dims
 from workers.kernels.args import check_launch
 from workers.kernels.tuning import tuned

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from lora_cache.planner.records import AdapterKey
-from lora_cache.synth import SynthConfig, make_adapters
+from lora_cache.adapters.synth import SynthConfig, make_adapters
+from lora_cache.vocab import AdapterKey
 from workers.engine.batching import PREFILL, Item, StepPlan
 from workers.engine.config import EngineConfig
 from workers.engine.rank import RankEngine

@@ -40,11 +40,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from lora_cache.catalog import AdapterCatalog, CatalogConfig
-from lora_cache.peft import AdapterSpec
-from lora_cache.planner.records import AdapterKey
-from lora_cache.shards import ShardLayout, shard_layout
-from lora_cache.synth import SynthConfig, make_adapters
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.peft import AdapterSpec
+from lora_cache.adapters.shards import ShardLayout, shard_layout
+from lora_cache.adapters.synth import SynthConfig, make_adapters
+from lora_cache.vocab import AdapterKey
 from workers.arena import ALIGN, Block, HostArena
 from workers.host_tier import HostEntry, ProcessReads
 from workers.reader import read_shard, tensor_index

@@ -41,18 +41,17 @@ from bench.figures import PolicyRun
 from bench.policies import BenchPolicy
 from bench.router import Router, served_as_routed
 from bench.routers import make_rule
-from lora_cache import heap
-from lora_cache.catalog import CatalogConfig
-from lora_cache.controller import CONTROLLER_NAME, NAMESPACE
+from lora_cache.adapters.catalog import CatalogConfig
+from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
+from lora_cache.app.serve import ServeConfig, Service, start
 from lora_cache.errors import ConfigError
-from lora_cache.gateway import GatewayConfig, start_gateway_thread
 from lora_cache.planner import PlannerConfig
-from lora_cache.serve import ServeConfig, Service, start
+from lora_cache.runtime import heap
+from lora_cache.vocab import CONTROLLER_NAME, NAMESPACE, ReadinessRecord
 from workers.cache import WorkerConfig
 from workers.engine.config import EngineConfig
 from workers.engine.workload import Request
 from workers.host_tier import HostTierConfig
-from workers.loader import ReadinessRecord
 from workers.metrics import STATS_COUNTERS, STATS_SUMMARIES
 
 if TYPE_CHECKING:

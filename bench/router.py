@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from bench.policies import BenchPolicy
 from bench.routers import Gateway, LeastLoaded, Rule, make_rule
-from lora_cache.client import Hint, LoraCacheClient, RouteItem
+from lora_cache.api.client import Hint, LoraCacheClient, RouteItem
 from workers.engine.workload import Request
 
 

@@ -5,7 +5,7 @@ was READY on arrival.
     python -m bench.routing --replicas 32 --rate 64 --requests 3000 --adapters 200 --lead 0.05 \\
         --variants "default;sticky=0;min_bound=0;sticky=0,min_bound=0;epsilon=1"
 
-A variant is ``field=value`` pairs of ``lora_cache.routing.RouterConfig`` ("default": none).
+A variant is ``field=value`` pairs of ``lora_cache.routing.ranking.RouterConfig`` ("default": none).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from bench.sim import ROUTERS, SimConfig, simulate
 from bench.sim.calibration import load_calibration
 from bench.workloads import WorkloadSpec, make_workload
 from lora_cache.errors import ConfigError
-from lora_cache.routing import RouterConfig
+from lora_cache.routing.ranking import RouterConfig
 
 
 def router_config(variant: str) -> RouterConfig:

@@ -35,8 +35,8 @@ from bench.figures import PolicyRun
 from bench.policies import BenchPolicy, parse_policies
 from bench.report import write, write_results
 from bench.workloads import Workload, WorkloadSpec, make_workload
-from lora_cache.cliargs import add_config_args, config_from_args
 from lora_cache.errors import ConfigError, LoraCacheError
+from lora_cache.runtime.cliargs import add_config_args, config_from_args
 
 ENGINES = ("real", "sim")
 
@@ -173,7 +173,7 @@ def adapter_dir(bench: BenchConfig, names: Sequence[str]) -> str:
     adapter in ``names`` (the workload's: ``adapter-NNN``, or a trace's own names). A directory that is
     empty, or holds only adapters this job made, gets the missing ones made (each seeded by its name: one
     made again is rewritten identical); any other directory must hold them all already."""
-    from lora_cache.synth import SynthConfig, make_named_adapters
+    from lora_cache.adapters.synth import SynthConfig, make_named_adapters
 
     root = Path(bench.adapters or Path(bench.out) / "adapters")
     have = {p.name for p in root.glob("*") if (p / "adapter_config.json").is_file()} if root.is_dir() else set()
@@ -217,7 +217,7 @@ def _run_real(bench: BenchConfig, policies: Sequence[BenchPolicy], root: str, na
     import ray
 
     from bench.real import RealConfig, run_policy
-    from lora_cache.controller import NAMESPACE
+    from lora_cache.vocab import NAMESPACE
 
     gpus = bench.use_gpus()
     real = RealConfig(model=bench.model, num_layers=bench.num_layers, replicas=bench.replicas, tp=bench.tp,

@@ -29,12 +29,12 @@ from pathlib import Path
 import ray
 import torch
 
-from lora_cache.catalog import AdapterCatalog, CatalogConfig
-from lora_cache.control import WorkerId
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.shards import shard_layout
+from lora_cache.adapters.synth import SynthConfig, make_adapters
+from lora_cache.app.serve import ServeConfig, start
 from lora_cache.planner import PlannerConfig
-from lora_cache.serve import ServeConfig, start
-from lora_cache.shards import shard_layout
-from lora_cache.synth import SynthConfig, make_adapters
+from lora_cache.vocab import WorkerId
 from workers.cache import WorkerConfig
 from workers.host_tier import HostTierConfig
 

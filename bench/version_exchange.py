@@ -12,9 +12,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from lora_cache.catalog import AdapterCatalog, CatalogConfig
-from lora_cache.planner.records import AdapterKey
-from lora_cache.synth import SynthConfig, make_adapters
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.synth import SynthConfig, make_adapters
+from lora_cache.vocab import AdapterKey
 from workers.engine.versions import RankVersions, ReplicaView
 
 

@@ -1,6 +1,6 @@
 """The benchmark's workloads: arrivals, adapter popularity and lengths, shared by ``--engine real`` and ``sim``.
 
-A ``WorkloadSpec`` (one frozen config; ``lora_cache.cliargs`` makes its options) says how requests
+A ``WorkloadSpec`` (one frozen config; ``lora_cache.runtime.cliargs`` makes its options) says how requests
 arrive and which adapter each uses; ``make_workload(spec, adapter_names)`` draws the requests, the same
 ones for a seed whatever the engine. Each aspect (arrival times, adapter choice, lengths) has its own
 random stream, so two specs that differ in popularity only get the same arrival times and lengths.

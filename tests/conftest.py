@@ -14,11 +14,11 @@ from hypothesis import settings
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from lora_cache.catalog import AdapterCatalog, CatalogConfig
-from lora_cache.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec, peft_key
-from lora_cache.shapes import MODULE_ORDER, SHAPES
-from lora_cache.shards import ShardLayout
-from lora_cache.synth import SynthConfig, make_adapters
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec, peft_key
+from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
+from lora_cache.adapters.shards import ShardLayout
+from lora_cache.adapters.synth import SynthConfig, make_adapters
 from workers.cache import WorkerCache, WorkerConfig
 from workers.host_tier import HostTierConfig
 

@@ -21,16 +21,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import lora_cache.files as files_module
+import lora_cache.adapters.files as files_module
 import workers.reader as reader_module
-from lora_cache.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.files import FileIdentity
+from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec
+from lora_cache.adapters.roots import AdapterRoots
+from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
+from lora_cache.adapters.shards import ShardLayout, shard_layout
+from lora_cache.adapters.synth import write_adapter
 from lora_cache.errors import AdapterChangedError, AdapterError, AdapterFormatError, AdapterPathError
-from lora_cache.files import FileIdentity
-from lora_cache.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec
-from lora_cache.roots import AdapterRoots
-from lora_cache.shapes import MODULE_ORDER, SHAPES
-from lora_cache.shards import ShardLayout, shard_layout
-from lora_cache.synth import write_adapter
 from workers.host_tier import HostTier, HostTierConfig
 from workers.reader import read_shard
 

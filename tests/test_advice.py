@@ -1,14 +1,12 @@
-"""Routing advice from the planner's view (lora_cache.advice): residency per replica, loads, per-item errors."""
+"""Routing advice from the planner's view (lora_cache.routing.advice): residency per replica, loads, per-item errors."""
 
 from __future__ import annotations
 
 import pytest
 
-from lora_cache.advice import RouteRequest, advise, residence
 from lora_cache.errors import ConflictError, NotFoundError
 from lora_cache.planner import (
     AdapterInfo,
-    AdapterKey,
     Hint,
     Planner,
     PlannerConfig,
@@ -17,7 +15,9 @@ from lora_cache.planner import (
     ResidencyEntry,
     SlotState,
 )
-from lora_cache.routing import Residence, RouterConfig
+from lora_cache.routing.advice import RouteRequest, advise, residence
+from lora_cache.routing.ranking import Residence, RouterConfig
+from lora_cache.vocab import AdapterKey
 
 CONFIG = RouterConfig(min_bound=0.0, sticky=False)
 

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 from bench.run import BenchConfig
-from lora_cache.catalog import CatalogConfig
-from lora_cache.control import ControllerConfig, ControllerCore, WorkerId
+from lora_cache.adapters.catalog import CatalogConfig
+from lora_cache.adapters.synth import SynthConfig, make_adapters
+from lora_cache.app.serve import ServeConfig
+from lora_cache.controller.core import ControllerConfig, ControllerCore
 from lora_cache.errors import ConfigError
-from lora_cache.serve import ServeConfig
-from lora_cache.synth import SynthConfig, make_adapters
+from lora_cache.vocab import WorkerId
 from workers.attach import AttachConfig
 
 
@@ -60,7 +61,7 @@ def test_attach_outside_any_cluster_fails_fast_and_names_the_address() -> None:
 
     import ray
 
-    from lora_cache.cluster import ClusterUnreachableError
+    from lora_cache.runtime.cluster import ClusterUnreachableError
     from workers.attach import attach
     from workers.cache import WorkerConfig
 
@@ -99,8 +100,8 @@ def test_the_relay_delivers_each_answer_to_its_own_caller_in_call_order() -> Non
     order, reach their own callers; an exception answer raises in its caller; a late answer is dropped."""
     import asyncio
 
+    from lora_cache.vocab import Call
     from workers.attach import Relay
-    from workers.relay import Call
 
     async def scenario() -> None:
         relay = Relay("w", liveness_s=5.0)

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lora_cache.cli import main
+from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, content_version
+from lora_cache.adapters.shapes import DEFAULT_MODEL, MODULE_ORDER, SHAPES
+from lora_cache.adapters.shards import shard_layout
+from lora_cache.adapters.synth import SynthConfig
+from lora_cache.app.cli import main
 from lora_cache.errors import ConfigError
-from lora_cache.peft import CONFIG_FILE, WEIGHTS_FILE, content_version
-from lora_cache.shapes import DEFAULT_MODEL, MODULE_ORDER, SHAPES
-from lora_cache.shards import shard_layout
-from lora_cache.synth import SynthConfig
 
 TINY_HF_CONFIG = {
     "hidden_size": 64,
@@ -78,7 +78,7 @@ def test_inspect_json(made: list[Path], capsys: pytest.CaptureFixture[str]) -> N
     assert info["file_bytes"] == (made[1] / WEIGHTS_FILE).stat().st_size and info["tp"] == 2
     shard_bytes = info["shard_bytes"]
     assert isinstance(shard_bytes, list) and len(shard_bytes) == 2 and shard_bytes[0] == shard_bytes[1]
-    from lora_cache.peft import read_adapter
+    from lora_cache.adapters.peft import read_adapter
 
     spec = read_adapter("adapter-001", made[1], SHAPES["tiny"], 16)
     assert shard_bytes == [shard_layout(spec, SHAPES["tiny"], 2, k, torch.bfloat16).nbytes for k in range(2)]
@@ -236,7 +236,7 @@ ROUTER_COMMANDS = [["hint", "adapter-000", "--replica", "replica-0"], ["cancel-h
 @pytest.mark.parametrize("argv", ROUTER_COMMANDS, ids=lambda a: a[0])
 def test_router_commands_import_neither_torch_nor_ray(argv: list[str]) -> None:
     """Routers run these in scripts: they load grpc and the stubs only (bench/cli_startup.py times them)."""
-    code = ("import sys; from lora_cache.cli import main\n"
+    code = ("import sys; from lora_cache.app.cli import main\n"
             f"rc = main({argv!r} + ['--server', '127.0.0.1:9', '--timeout-s', '0.5'])\n"
             "heavy = sorted(m for m in ('torch', 'ray', 'triton', 'safetensors', 'numpy') if m in sys.modules)\n"
             "print(rc, heavy)")
@@ -257,11 +257,11 @@ def test_make_adapters_then_inspect_agree_on_the_model_without_flags(
 
 
 def test_path_options_are_taken_from_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lora_cache.catalog import CatalogConfig
-    from lora_cache.cli import build_parser
-    from lora_cache.cliargs import config_from_args
-    from lora_cache.gateway import GatewayConfig
-    from lora_cache.serve import ServeConfig
+    from lora_cache.adapters.catalog import CatalogConfig
+    from lora_cache.api.gateway import GatewayConfig
+    from lora_cache.app.cli import build_parser
+    from lora_cache.app.serve import ServeConfig
+    from lora_cache.runtime.cliargs import config_from_args
 
     (tmp_path / "rt" / "ad").mkdir(parents=True)
     (tmp_path / "token").write_text("secret")
@@ -280,8 +280,8 @@ def test_path_options_are_taken_from_the_working_directory(tmp_path: Path, monke
 
 
 def test_serve_takes_the_model_from_the_adapters_and_names_the_flag_on_a_mismatch(tmp_path: Path) -> None:
-    from lora_cache.base_model import choose_model, shape_of_base
-    from lora_cache.synth import make_adapters
+    from lora_cache.adapters.base_model import choose_model, shape_of_base
+    from lora_cache.adapters.synth import make_adapters
 
     make_adapters(tmp_path / "tiny", SynthConfig(count=2))
     assert choose_model("", tmp_path / "tiny") == "tiny"
@@ -317,7 +317,7 @@ def test_the_benchmark_makes_the_adapters_a_trace_names(tmp_path: Path) -> None:
     """A trace's own adapter names (sparse, or not adapter-NNN at all) are made, then served as named."""
     from bench.run import BenchConfig, adapter_dir
     from bench.workloads import WorkloadSpec, make_workload
-    from lora_cache.catalog import AdapterCatalog, CatalogConfig
+    from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 
     trace = tmp_path / "trace.jsonl"
     names = ["adapter-085", "adapter-007", "tenant-a", "adapter-085", "zeta"]
@@ -333,7 +333,7 @@ def test_the_benchmark_makes_the_adapters_a_trace_names(tmp_path: Path) -> None:
     assert [r.adapter for r in make_workload(spec, wanted).requests] == names
     assert adapter_dir(bench, wanted) == root  # made again: the same bytes, the same versions
     assert {n: catalog.register(n, Path(root) / n).version for n in wanted} == versions
-    from lora_cache.synth import make_adapters
+    from lora_cache.adapters.synth import make_adapters
 
     theirs = tmp_path / "theirs"  # a directory the job did not make is never written to
     make_adapters(theirs, SynthConfig(count=1, prefix="mine"))

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from lora_cache.catalog import CatalogConfig
-from lora_cache.control import ControllerConfig, ControllerCore, WorkerId
+from lora_cache.adapters.catalog import CatalogConfig
+from lora_cache.adapters.synth import SynthConfig, make_adapters
+from lora_cache.controller.core import ControllerConfig, ControllerCore
 from lora_cache.errors import NotFoundError
-from lora_cache.planner import AdapterKey, Evict, PlannerConfig, Prefetch, Stage
-from lora_cache.synth import SynthConfig, make_adapters
+from lora_cache.planner import PlannerConfig
+from lora_cache.vocab import AdapterKey, Delta, Evict, Prefetch, Stage, WorkerId
 from workers.cache import WorkerCache, WorkerConfig
-from workers.commands import CommandGate, Delta
+from workers.commands import CommandGate
 from workers.host_tier import HostTierConfig
 
 

@@ -23,10 +23,10 @@ import ray
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from lora_cache.cli import build_parser
-from lora_cache.cliargs import config_from_args
-from lora_cache.cluster import ClusterAuthError, ClusterUnreachableError, connect
-from lora_cache.serve import ServeConfig
+from lora_cache.app.cli import build_parser
+from lora_cache.app.serve import ServeConfig
+from lora_cache.runtime.cliargs import config_from_args
+from lora_cache.runtime.cluster import ClusterAuthError, ClusterUnreachableError, connect
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -229,8 +229,8 @@ def test_serve_against_an_unreachable_cluster_fails_fast_with_the_fix() -> None:
     env = _no_ray_env()
     address = f"127.0.0.1:{_free_port()}"  # nothing listens there
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "lora_cache.cli", "serve", "--address", address, "--model", "tiny"],
-                          env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-m", "lora_cache.app.cli", "serve", "--address", address,
+                           "--model", "tiny"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr[-2000:]
     assert time.monotonic() - t0 < 20  # Ray alone keeps trying for minutes
     assert "lora-cache serve: error: no Ray cluster answers at" in done.stderr
@@ -262,7 +262,7 @@ def test_a_port_that_is_not_a_ray_gcs_is_named_within_the_bound() -> None:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         gcs = f"127.0.0.1:{listener.getsockname()[1]}"
-        code = f"from lora_cache.cluster import check_gcs; check_gcs({gcs!r}, timeout_s=1.0)"
+        code = f"from lora_cache.runtime.cluster import check_gcs; check_gcs({gcs!r}, timeout_s=1.0)"
         t0 = time.monotonic()
         done = subprocess.run([sys.executable, "-c", code], env=_no_ray_env(), capture_output=True, text=True,
                               timeout=60)

@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from lora_cache.durable import DurableConfig, Snapshots, decode, encode
+from lora_cache.controller.snapshots import DurableConfig, Snapshots, decode, encode
 from lora_cache.errors import ConfigError
-from lora_cache.planner import AdapterKey, Hint, Planner
+from lora_cache.planner import Hint, Planner
+from lora_cache.vocab import AdapterKey
 from tests.test_planner import make, prefetched, queue
 
 

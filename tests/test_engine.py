@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from lora_cache.catalog import AdapterCatalog
+from lora_cache.adapters.catalog import AdapterCatalog
+from lora_cache.adapters.peft import AdapterSpec, peft_key
+from lora_cache.adapters.shapes import SHAPES
+from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.errors import ConfigError
-from lora_cache.peft import AdapterSpec, peft_key
-from lora_cache.shapes import SHAPES
-from lora_cache.synth import SynthConfig, make_adapters
 from workers import host_tier
 from workers.engine import (
     ADMISSION,
@@ -250,7 +250,7 @@ def test_step_logs_time_the_host_work_between_steps(tp1_ondemand: EngineResult, 
 
 
 def test_the_heap_is_frozen_while_serving_and_thawed_after(adapters: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No full collection walks the built engine mid-run (lora_cache/heap.py), and nothing stays frozen."""
+    """No full collection walks the built engine mid-run (lora_cache/runtime/heap.py), and nothing stays frozen."""
     frozen: list[int] = []
     plan = Scheduler.plan
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.errors import ConfigError
-from lora_cache.synth import SynthConfig, make_adapters
 from workers.engine import ADMISSION, EngineConfig, Request, run_engine
 from workers.engine.batching import IDLE_WAIT_S, PREFILL, STOP, WAIT, Scheduler
 from workers.engine.engine import Hooks, serve_rank

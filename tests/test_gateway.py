@@ -1,7 +1,7 @@
 """The gRPC gateway: a router on the generated stubs alone, bad requests beside good traffic, limits, auth.
 
 CPU tests use a stand-in controller (any object whose methods have ``.remote`` returning awaitables);
-the ``ray`` tests run one real local Ray cluster for the module: ``lora_cache.serve`` with two CPU
+the ``ray`` tests run one real local Ray cluster for the module: ``lora_cache.app.serve`` with two CPU
 replicas of the tiny model, the gateway in front of its controller.
 """
 
@@ -25,16 +25,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.api import validate
+from lora_cache.api.client import AsyncLoraCacheClient, ClientError, Hint, LoraCacheClient
+from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
 from lora_cache.api.ingest import HintIngest
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc
-from lora_cache.catalog import CatalogConfig
-from lora_cache.client import AsyncLoraCacheClient, ClientError, Hint, LoraCacheClient
-from lora_cache.client_cli import add_client_commands
-from lora_cache.control import ControllerConfig, ControllerCore, HintOutcome
+from lora_cache.app.client_cli import add_client_commands
+from lora_cache.controller.core import ControllerConfig, ControllerCore, HintOutcome
 from lora_cache.errors import ConfigError, NotFoundError
-from lora_cache.gateway import GatewayConfig, start_gateway_thread
 from lora_cache.planner import QueueEntry
 
 TOKEN = "s3cret-token"
@@ -267,9 +267,9 @@ class Served(NamedTuple):
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     import ray
 
+    from lora_cache.adapters.synth import SynthConfig, make_adapters
+    from lora_cache.app.serve import ServeConfig, start
     from lora_cache.planner import PlannerConfig
-    from lora_cache.serve import ServeConfig, start
-    from lora_cache.synth import SynthConfig, make_adapters
     from workers.cache import WorkerConfig
     from workers.host_tier import HostTierConfig
 
@@ -473,7 +473,7 @@ def test_health_is_open_and_reflection_lists_the_service(served: Served) -> None
 
 @pytest.mark.ray
 def test_register_versions_and_unregister_evicts_everywhere(served: Served, tmp_path: Path) -> None:
-    from lora_cache.synth import SynthConfig, make_adapters
+    from lora_cache.adapters.synth import SynthConfig, make_adapters
 
     stub, extra = served.stub, served.root / "extra"
     shutil.copytree(served.root / "adapter-007", extra)
@@ -541,8 +541,7 @@ def test_python_client_and_cli(served: Served, tmp_path: Path, capsys: pytest.Ca
 def _holding_worker_class() -> Any:
     import ray
 
-    from lora_cache.planner import Evict
-    from workers.commands import ApplyResult
+    from lora_cache.vocab import ApplyResult, Evict
 
     @ray.remote(num_cpus=0)
     class HoldingWorker:
@@ -586,8 +585,7 @@ def test_unregister_waits_for_in_use_references_to_drain(served: Served) -> None
     """Last in the module: it adds a stand-in replica 'held' to the shared service."""
     import ray
 
-    from lora_cache.control import WorkerId
-    from lora_cache.controller import NAMESPACE, worker_name
+    from lora_cache.vocab import NAMESPACE, WorkerId, worker_name
 
     stub, adapter = served.stub, "adapter-006"
     version = stub.Lookup(pb.LookupRequest(adapter=adapter), metadata=AUTH).version

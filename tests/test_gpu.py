@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from lora_cache.catalog import AdapterCatalog, CatalogConfig
-from lora_cache.planner.records import AdapterKey
-from lora_cache.synth import SynthConfig, make_adapters
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.synth import SynthConfig, make_adapters
+from lora_cache.vocab import AdapterKey
 from workers.cache import WorkerCache, WorkerConfig
 from workers.host_tier import HostTierConfig
 

@@ -1,11 +1,11 @@
-"""lora_cache.heap: the live heap leaves full collections while a process serves, and comes back after."""
+"""lora_cache.runtime.heap: the live heap leaves full collections while a process serves, and comes back after."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
-from lora_cache import heap
+from lora_cache.runtime import heap
 
 
 class Node:

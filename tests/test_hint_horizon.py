@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from lora_cache.errors import ConfigError
-from lora_cache.planner import AdapterKey, Hint, Planner, PlannerConfig
+from lora_cache.planner import Hint, Planner, PlannerConfig
+from lora_cache.vocab import AdapterKey
 from tests.test_planner import evicted, hold, make, popular, prefetched, queue, staged
 
 

@@ -7,11 +7,12 @@ from collections import Counter
 
 import pytest
 
-from lora_cache.advice import RouteRequest, advise
 from lora_cache.planner import AdapterInfo, Plan, Planner, PlannerConfig, ReplicaSpec
 from lora_cache.planner.homes import copies
 from lora_cache.planner.popularity import RankedCounts
-from lora_cache.routing import ReplicaLoad, Residence, RouterConfig, preference, rank
+from lora_cache.planner.rendezvous import preference
+from lora_cache.routing.advice import RouteRequest, advise
+from lora_cache.routing.ranking import ReplicaLoad, Residence, RouterConfig, rank
 
 
 def fleet(replicas: int = 4, slots: int = 2, adapters: int = 6, tp: int = 2, **config: object) -> Planner:

@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from lora_cache.catalog import AdapterCatalog, CatalogConfig
-from lora_cache.peft import AdapterSpec, peft_key
-from lora_cache.planner.records import AdapterKey
-from lora_cache.shapes import MODULE_ORDER, SHAPES
-from lora_cache.synth import write_adapter
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.peft import AdapterSpec, peft_key
+from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
+from lora_cache.adapters.synth import write_adapter
+from lora_cache.vocab import AdapterKey
 from workers.cache import WorkerCache, WorkerConfig
 from workers.host_tier import HostTierConfig
 from workers.kernels import BatchMeta, lora_apply_ref

@@ -47,10 +47,10 @@ from typing import Any, NamedTuple  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from lora_cache.catalog import AdapterCatalog, CatalogConfig  # noqa: E402
-from lora_cache.peft import AdapterConfig, AdapterSpec, LoraModule  # noqa: E402
-from lora_cache.shapes import MODULE_ORDER, SHAPES, ModelShape  # noqa: E402
-from lora_cache.shards import shard_layout  # noqa: E402
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig  # noqa: E402
+from lora_cache.adapters.peft import AdapterConfig, AdapterSpec, LoraModule  # noqa: E402
+from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES, ModelShape  # noqa: E402
+from lora_cache.adapters.shards import shard_layout  # noqa: E402
 from workers.cache import WorkerCache, WorkerConfig  # noqa: E402
 from workers.host_tier import HostTierConfig  # noqa: E402
 from workers.kernels import BatchMeta, SlotMeta, lora_apply, lora_apply_ref, shard_dims  # noqa: E402

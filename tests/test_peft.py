@@ -12,7 +12,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from lora_cache.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec, content_version, peft_key, read_adapter
+from lora_cache.adapters.roots import AdapterRoots
+from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
 from lora_cache.errors import (
     AdapterError,
     AdapterFormatError,
@@ -21,9 +24,6 @@ from lora_cache.errors import (
     NotFoundError,
     UnsupportedAdapterError,
 )
-from lora_cache.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec, content_version, peft_key, read_adapter
-from lora_cache.roots import AdapterRoots
-from lora_cache.shapes import MODULE_ORDER, SHAPES
 
 TINY = SHAPES["tiny"]
 Writer = Callable[..., Path]

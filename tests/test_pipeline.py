@@ -14,11 +14,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.policies import BENCH_POLICIES
-from lora_cache.catalog import AdapterCatalog
-from lora_cache.chunks import MIN_CHUNK_BYTES, ChunkPlan, chunk_plan
+from lora_cache.adapters.catalog import AdapterCatalog
+from lora_cache.adapters.chunks import MIN_CHUNK_BYTES, ChunkPlan, chunk_plan
+from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
+from lora_cache.adapters.shards import ShardLayout, _packed
 from lora_cache.errors import ConfigError
-from lora_cache.shapes import MODULE_ORDER, SHAPES
-from lora_cache.shards import ShardLayout, _packed
 from workers.cache import WorkerCache
 from workers.engine.admission import ADMISSION, Readiness
 from workers.engine.workload import Request
@@ -186,7 +186,7 @@ def test_reads_stream_chunk_by_chunk_before_the_read_ends(tiny_adapters: Callabl
     to come; in reader processes and in threads alike, and the staged bytes equal the file's."""
     catalog = make_catalog(tiny_adapters(1, rank="16")[0].parent)
     spec = catalog.get("adapter-000")
-    from lora_cache.shards import shard_layout
+    from lora_cache.adapters.shards import shard_layout
 
     layout: ShardLayout = shard_layout(spec, catalog.shape, 1, 0, torch.bfloat16)
     plan = chunk_plan(layout.entries, layout.numel, catalog.shape.num_layers, 2, 0)

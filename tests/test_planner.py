@@ -15,14 +15,11 @@ from lora_cache.errors import ConfigError
 from lora_cache.planner import (
     POLICIES,
     AdapterInfo,
-    AdapterKey,
-    Evict,
     Hint,
     Plan,
     Planner,
     PlannerConfig,
     PlannerInputError,
-    Prefetch,
     QueueEntry,
     ReplicaSpec,
     ResidencyEntry,
@@ -31,6 +28,7 @@ from lora_cache.planner import (
     UnknownReplicaError,
     UnknownWorkerError,
 )
+from lora_cache.vocab import AdapterKey, Evict, Prefetch
 
 ROOT = Path(__file__).resolve().parents[1]
 READY, IN_USE, LOADING = SlotState.READY, SlotState.IN_USE, SlotState.LOADING

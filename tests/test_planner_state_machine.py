@@ -30,7 +30,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from lora_cache.planner import (
     AdapterInfo,
-    AdapterKey,
     Capacity,
     Hint,
     Plan,
@@ -44,6 +43,7 @@ from lora_cache.planner import (
     SlotState,
     WorkerCommands,
 )
+from lora_cache.vocab import AdapterKey
 
 EPOCH = 3
 ADAPTERS = [f"a{i}" for i in range(7)]

@@ -12,15 +12,14 @@ from typing import Any
 
 import pytest
 
+from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.api import relay_codec as codec
 from lora_cache.api.rank_link import RankLink
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.validate import RequestError
-from lora_cache.catalog import CatalogConfig
 from lora_cache.errors import ConfigError, NotFoundError
-from lora_cache.planner import Evict, Prefetch, Stage
-from workers.commands import ApplyResult
-from workers.relay import Relay
+from lora_cache.link.relay import Relay
+from lora_cache.vocab import ApplyResult, Evict, Prefetch, Stage
 
 NAME = "lora-cache-worker:replica-0:0"
 
@@ -222,10 +221,10 @@ def test_an_engine_attaches_through_a_real_grpc_server_and_loads_what_it_is_told
 
     import grpc
 
+    from lora_cache.adapters.synth import SynthConfig, make_adapters
+    from lora_cache.api.gateway import BearerTokenInterceptor
     from lora_cache.api.ingest import HintIngest
     from lora_cache.api.servicer import Servicer, generic_handler
-    from lora_cache.gateway import BearerTokenInterceptor
-    from lora_cache.synth import SynthConfig, make_adapters
     from workers.attach import AttachConfig, attach
     from workers.cache import WorkerConfig
     from workers.host_tier import HostTierConfig

@@ -16,12 +16,12 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from lora_cache.catalog import CatalogConfig  # noqa: E402
+from lora_cache.adapters.catalog import CatalogConfig  # noqa: E402
+from lora_cache.adapters.synth import SynthConfig, make_adapters  # noqa: E402
+from lora_cache.app.serve import ServeConfig, start  # noqa: E402
+from lora_cache.app.serve import wait_ready as serve_wait_ready  # noqa: E402
 from lora_cache.errors import ConfigError, ConflictError  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
-from lora_cache.serve import ServeConfig, start  # noqa: E402
-from lora_cache.serve import wait_ready as serve_wait_ready  # noqa: E402
-from lora_cache.synth import SynthConfig, make_adapters  # noqa: E402
 from workers.attach import AttachConfig, EndpointStaleError, attach  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
 from workers.engine.attached import EngineProcess, start_ranks  # noqa: E402
@@ -275,7 +275,7 @@ def test_an_endpoint_imports_what_it_unpickles_before_its_first_call(fleet) -> N
     imports them when it is made."""
     import sys
 
-    from workers.attach_ray import Endpoint
+    from lora_cache.link.endpoint import Endpoint
 
     endpoint = Endpoint.remote("lora-cache-worker:probe:0", 5.0)
     try:

@@ -12,10 +12,10 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from lora_cache.catalog import CatalogConfig  # noqa: E402
+from lora_cache.adapters.catalog import CatalogConfig  # noqa: E402
+from lora_cache.adapters.synth import SynthConfig, make_adapters  # noqa: E402
+from lora_cache.app.serve import ServeConfig, start, wait_ready  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
-from lora_cache.serve import ServeConfig, start, wait_ready  # noqa: E402
-from lora_cache.synth import SynthConfig, make_adapters  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
 from workers.host_tier import HostTierConfig  # noqa: E402
 

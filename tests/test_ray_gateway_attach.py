@@ -24,14 +24,14 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from lora_cache.adapters.catalog import CatalogConfig  # noqa: E402
+from lora_cache.adapters.synth import SynthConfig, make_adapters  # noqa: E402
 from lora_cache.api import relay_codec as codec  # noqa: E402
+from lora_cache.api.gateway import GatewayConfig, start_gateway_thread  # noqa: E402
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb  # noqa: E402
 from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc  # noqa: E402
-from lora_cache.catalog import CatalogConfig  # noqa: E402
-from lora_cache.gateway import GatewayConfig, start_gateway_thread  # noqa: E402
+from lora_cache.app.serve import ServeConfig, start  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
-from lora_cache.serve import ServeConfig, start  # noqa: E402
-from lora_cache.synth import SynthConfig, make_adapters  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
 from workers.host_tier import HostTierConfig  # noqa: E402
 
@@ -272,7 +272,7 @@ def test_the_gateway_refuses_a_stream_without_its_token_and_a_taken_rank(fleet: 
 
 def test_the_answers_codec_keeps_the_controllers_types() -> None:
     """What the controller reads of a relayed apply (``_collect``) survives the trip."""
-    from workers.commands import ApplyResult
+    from lora_cache.vocab import ApplyResult
 
     _, ok, value = codec.from_answer(codec.answer(1, "apply", True, ApplyResult(1, 2, ("e",))), "apply")
     assert ok and value == ApplyResult(1, 2, ("e",)) and value.rejected_stale == 2

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from lora_cache.client import Hint, LoraCacheClient
-from lora_cache.synth import SynthConfig, make_adapters
+from lora_cache.adapters.synth import SynthConfig, make_adapters
+from lora_cache.api.client import Hint, LoraCacheClient
 
 pytestmark = pytest.mark.ray
 
@@ -221,7 +221,7 @@ def test_serve_with_a_missing_or_wrong_token_fails_fast_with_the_fix(loopback: L
         expected = ["refused this process's token", f"RAY_AUTH_TOKEN_PATH={tmp_path / 'wrong_token'}",
                     "ray get-auth-token"]
     t0 = time.monotonic()
-    cmd = [sys.executable, "-m", "lora_cache.cli", "serve", "--address", loopback.gcs, *serve_args(tmp_path, 0)]
+    cmd = [sys.executable, "-m", "lora_cache.app.cli", "serve", "--address", loopback.gcs, *serve_args(tmp_path, 0)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert time.monotonic() - t0 < 20  # Ray alone: 20 s, then only "Failed to connect"

@@ -9,11 +9,11 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from lora_cache.catalog import CatalogConfig
-from lora_cache.control import WorkerId
+from lora_cache.adapters.catalog import CatalogConfig
+from lora_cache.adapters.synth import SynthConfig, make_adapters
+from lora_cache.app.serve import ServeConfig, start, wait_ready
 from lora_cache.planner import PlannerConfig
-from lora_cache.serve import ServeConfig, start, wait_ready
-from lora_cache.synth import SynthConfig, make_adapters
+from lora_cache.vocab import WorkerId
 from workers.cache import WorkerConfig
 from workers.host_tier import HostTierConfig
 

@@ -17,8 +17,8 @@ ray = pytest.importorskip("ray")
 from bench.policies import BENCH_POLICIES  # noqa: E402
 from bench.real import RealConfig, run_policy  # noqa: E402
 from bench.workloads import WorkloadSpec, make_workload  # noqa: E402
-from lora_cache.controller import NAMESPACE  # noqa: E402
-from lora_cache.synth import SynthConfig, make_adapters  # noqa: E402
+from lora_cache.adapters.synth import SynthConfig, make_adapters  # noqa: E402
+from lora_cache.vocab import NAMESPACE  # noqa: E402
 
 pytestmark = pytest.mark.ray
 

@@ -21,14 +21,14 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from lora_cache.catalog import CatalogConfig  # noqa: E402
-from lora_cache.control import WorkerId  # noqa: E402
-from lora_cache.peft import content_version, read_adapter  # noqa: E402
+from lora_cache.adapters.catalog import CatalogConfig  # noqa: E402
+from lora_cache.adapters.peft import content_version, read_adapter  # noqa: E402
+from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES  # noqa: E402
+from lora_cache.adapters.shards import shard_layout  # noqa: E402
+from lora_cache.adapters.synth import SynthConfig, make_adapters, write_adapter  # noqa: E402
+from lora_cache.app.serve import ServeConfig, Service, start, wait_ready  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
-from lora_cache.serve import ServeConfig, Service, start, wait_ready  # noqa: E402
-from lora_cache.shapes import MODULE_ORDER, SHAPES  # noqa: E402
-from lora_cache.shards import shard_layout  # noqa: E402
-from lora_cache.synth import SynthConfig, make_adapters, write_adapter  # noqa: E402
+from lora_cache.vocab import WorkerId  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
 from workers.engine import EngineConfig, Request  # noqa: E402
 from workers.engine.rank import slot_digest  # noqa: E402

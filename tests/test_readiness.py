@@ -7,8 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from lora_cache.controller.readiness import RankState, ReadinessIndex
 from lora_cache.errors import NotFoundError
-from lora_cache.readiness import RankState, ReadinessIndex
 
 READY, LOADING = RankState.READY, RankState.LOADING
 

@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from lora_cache.catalog import AdapterCatalog
-from lora_cache.control import ControllerConfig, ControllerCore, WorkerId
+from lora_cache.adapters.catalog import AdapterCatalog
+from lora_cache.controller.core import ControllerConfig, ControllerCore
 from lora_cache.errors import CapacityError, LoraCacheError
-from lora_cache.planner import Evict, Prefetch
-from lora_cache.planner.records import AdapterKey
-from workers.cache import Delta, WorkerCache
+from lora_cache.vocab import AdapterKey, Delta, Evict, Prefetch, WorkerId
+from workers.cache import WorkerCache
 from workers.commands import CommandGate
 
 A, B, C, D = (f"adapter-{i:03d}" for i in range(4))

@@ -13,14 +13,15 @@ from typing import Any, NamedTuple
 import grpc
 import pytest
 
-from lora_cache.advice import RouteAdvice, RouteRequest
+from lora_cache.adapters.catalog import CatalogConfig
+from lora_cache.api.client import ClientError, LoraCacheClient, RouteItem
+from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc
-from lora_cache.catalog import CatalogConfig
-from lora_cache.cli import main
-from lora_cache.client import ClientError, LoraCacheClient, RouteItem
-from lora_cache.control import ControllerConfig, ControllerCore, HintOutcome, WorkerId
-from lora_cache.gateway import GatewayConfig, start_gateway_thread
+from lora_cache.app.cli import main
+from lora_cache.controller.core import ControllerConfig, ControllerCore, HintOutcome
+from lora_cache.routing.advice import RouteAdvice, RouteRequest
+from lora_cache.vocab import WorkerId
 
 MAX_ITEMS = 16
 

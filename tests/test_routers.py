@@ -15,10 +15,11 @@ from bench.router import served_as_routed
 from bench.routers import RULES, Affinity, LeastLoaded, LoraCache, RoundRobin, least_loaded, make_rule
 from bench.sim.fleet import ROUTERS, RouteContext
 from bench.workloads import WorkloadSpec, make_workload
-from lora_cache.advice import RouteRequest, advise, residence
 from lora_cache.errors import ConfigError
-from lora_cache.planner import AdapterInfo, AdapterKey, Planner, PlannerConfig, ReplicaSpec, ResidencyEntry, SlotState
-from lora_cache.routing import Residence, RouterConfig
+from lora_cache.planner import AdapterInfo, Planner, PlannerConfig, ReplicaSpec, ResidencyEntry, SlotState
+from lora_cache.routing.advice import RouteRequest, advise, residence
+from lora_cache.routing.ranking import Residence, RouterConfig
+from lora_cache.vocab import AdapterKey
 from workers.engine.engine import EngineResult
 from workers.engine.timings import RequestRecord
 

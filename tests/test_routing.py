@@ -1,4 +1,4 @@
-"""Routing advice's plain core (lora_cache.routing): invariants of the bounded-load ranking."""
+"""Routing advice's plain core (lora_cache.routing.ranking): invariants of the bounded-load ranking."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lora_cache.errors import ConfigError, ConflictError
-from lora_cache.routing import (
+from lora_cache.routing.ranking import (
     ReplicaLoad,
     Residence,
     RouteItem,
@@ -28,7 +28,7 @@ fleets = st.lists(st.tuples(residences, st.integers(0, 40)), min_size=1, max_siz
 def test_the_core_imports_neither_torch_nor_ray() -> None:
     import subprocess
 
-    code = "import sys, lora_cache.routing; print(sorted({'torch', 'ray'} & set(sys.modules)))"
+    code = "import sys, lora_cache.routing.ranking; print(sorted({'torch', 'ray'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

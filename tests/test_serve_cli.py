@@ -14,10 +14,10 @@ pytestmark = pytest.mark.ray
 def test_serve_starts_and_stops_cleanly(tmp_path: Path) -> None:
     """As a shell user runs it: adapters made with make-adapters' defaults under a relative path, served
     from the directory that holds it, without --model (the adapters name their base model)."""
-    made = subprocess.run([sys.executable, "-m", "lora_cache.cli", "make-adapters", "rt/ad", "--count", "3",
+    made = subprocess.run([sys.executable, "-m", "lora_cache.app.cli", "make-adapters", "rt/ad", "--count", "3",
                            "--rank", "8"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr[-2000:]
-    cmd = [sys.executable, "-m", "lora_cache.cli", "serve", "--adapters", "rt/ad", "--max-rank", "8", "--tp", "2",
+    cmd = [sys.executable, "-m", "lora_cache.app.cli", "serve", "--adapters", "rt/ad", "--max-rank", "8", "--tp", "2",
            "--slots", "2", "--host-bytes", str(4 << 20), "--duration", "2", "--grpc-port", "0"]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -29,7 +29,7 @@ def test_serve_starts_and_stops_cleanly(tmp_path: Path) -> None:
 
 def test_serve_demo_is_the_main_job_a_router_over_grpc_until_ready(tmp_path: Path) -> None:
     """The README's main job: demo adapters, the service, and a router's hints/queues/watch over gRPC."""
-    cmd = [sys.executable, "-m", "lora_cache.cli", "serve", "--demo", "6", "--replicas", "2", "--tp", "2",
+    cmd = [sys.executable, "-m", "lora_cache.app.cli", "serve", "--demo", "6", "--replicas", "2", "--tp", "2",
            "--grpc-port", "0", "--duration", "1"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -39,6 +39,6 @@ def test_serve_demo_is_the_main_job_a_router_over_grpc_until_ready(tmp_path: Pat
 
 
 def test_serve_with_a_bad_option_fails_fast_with_the_fix(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "lora_cache.cli", "serve", "--adapters", str(tmp_path), "--placement", "DIAGONAL"]
+    cmd = [sys.executable, "-m", "lora_cache.app.cli", "serve", "--adapters", str(tmp_path), "--placement", "DIAGONAL"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "placement 'DIAGONAL' is not one of" in done.stderr

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_cache.errors import ConfigError
-from lora_cache.shapes import (
+from lora_cache.adapters.shapes import (
     MODULE_ORDER,
     MODULES,
     SHAPES,
@@ -17,6 +16,7 @@ from lora_cache.shapes import (
     from_hf_config,
     resolve_model,
 )
+from lora_cache.errors import ConfigError
 
 LLAMA_8B_CONFIG = {
     "architectures": ["LlamaForCausalLM"],

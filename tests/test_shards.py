@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from lora_cache.catalog import AdapterCatalog
+from lora_cache.adapters.catalog import AdapterCatalog
+from lora_cache.adapters.peft import AdapterSpec, LoraModule, peft_key
+from lora_cache.adapters.shapes import MODULE_ORDER, MODULES, SHAPES, ModelShape, Parallel
+from lora_cache.adapters.shards import ALIGN_BYTES, ShardLayout, max_shard_numel, shard_layout, split
 from lora_cache.errors import AdapterChangedError, AdapterFormatError, ConfigError, ShardError
-from lora_cache.peft import AdapterSpec, LoraModule, peft_key
-from lora_cache.shapes import MODULE_ORDER, MODULES, SHAPES, ModelShape, Parallel
-from lora_cache.shards import ALIGN_BYTES, ShardLayout, max_shard_numel, shard_layout, split
 from workers.reader import read_shard
 
 TINY = SHAPES["tiny"]

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from lora_cache.errors import CapacityError
-from lora_cache.planner.records import AdapterKey
+from lora_cache.vocab import AdapterKey
 from workers.slots import SlotState, SlotTable
 
 

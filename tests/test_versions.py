@@ -21,13 +21,13 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from lora_cache.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.peft import content_version, read_adapter
+from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
+from lora_cache.adapters.shards import shard_layout
+from lora_cache.adapters.synth import write_adapter
 from lora_cache.errors import NotFoundError
-from lora_cache.peft import content_version, read_adapter
-from lora_cache.planner.records import AdapterKey
-from lora_cache.shapes import MODULE_ORDER, SHAPES
-from lora_cache.shards import shard_layout
-from lora_cache.synth import write_adapter
+from lora_cache.vocab import AdapterKey
 from workers.cache import WorkerCache, WorkerConfig
 from workers.engine.admission import ADMISSION, Readiness
 from workers.engine.batching import PREFILL, STOP, WAIT, Scheduler, _Live

@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from lora_cache.client import LoraCacheClient, ReadinessEvent, Resync
-from lora_cache.client_cli import add_client_commands
-from lora_cache.gateway import GatewayConfig, start_gateway_thread
-from lora_cache.readiness import EventsLost, RankState, ReadinessIndex, WatchBatch
+from lora_cache.api.client import LoraCacheClient, ReadinessEvent, Resync
+from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
+from lora_cache.app.client_cli import add_client_commands
+from lora_cache.controller.readiness import EventsLost, RankState, ReadinessIndex, WatchBatch
 
 READY, LOADING = RankState.READY, RankState.LOADING
 

@@ -21,16 +21,15 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from safetensors import safe_open
 
 import workers.host_tier as host_tier_module
-from lora_cache.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.peft import AdapterSpec
+from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
+from lora_cache.adapters.shards import ShardLayout
+from lora_cache.adapters.synth import SynthConfig, make_adapters, write_adapter
 from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, NotFoundError, ShardError
-from lora_cache.peft import AdapterSpec
-from lora_cache.planner.records import AdapterKey
-from lora_cache.shapes import MODULE_ORDER, SHAPES
-from lora_cache.shards import ShardLayout
-from lora_cache.synth import SynthConfig, make_adapters, write_adapter
+from lora_cache.vocab import AdapterKey, ReadinessRecord
 from workers.cache import Batch, WorkerCache, WorkerConfig
 from workers.host_tier import HostTierConfig
-from workers.loader import ReadinessRecord
 from workers.slots import SlotState
 from workers.streams import CpuStreams
 

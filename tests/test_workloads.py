@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.workloads import WorkloadSpec, make_workload, read_trace
-from lora_cache.cliargs import add_config_args, config_from_args
 from lora_cache.errors import ConfigError
+from lora_cache.runtime.cliargs import add_config_args, config_from_args
 
 NAMES = [f"adapter-{i:03d}" for i in range(64)]
 

@@ -18,21 +18,18 @@ from typing import Any
 import ray
 import torch
 
-from lora_cache import heap
-from lora_cache.catalog import AdapterCatalog, CatalogConfig
-from lora_cache.controller import CONTROLLER_NAME, NAMESPACE
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.errors import NotFoundError
-from lora_cache.metrics import WorkerMetrics
-from lora_cache.planner import Command
+from lora_cache.runtime import heap
+from lora_cache.runtime.metrics import WorkerMetrics
+from lora_cache.vocab import CONTROLLER_NAME, NAMESPACE, ApplyResult, Command, ReadinessRecord
 from workers import faults
 from workers.cache import WorkerCache, WorkerConfig
-from workers.commands import ApplyResult
 from workers.control import WorkerControl
 from workers.engine.config import EngineConfig
 from workers.engine.engine import EngineResult
 from workers.engine.hosted import HostedEngine, Rendezvous, rendezvous
 from workers.engine.workload import Request
-from workers.loader import ReadinessRecord
 from workers.outbox import Outbox
 from workers.reader import read_shard
 from workers.streams import resolve_device

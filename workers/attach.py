@@ -42,16 +42,14 @@ from typing import Any
 
 import torch
 
-from lora_cache.catalog import AdapterCatalog, CatalogConfig
-from lora_cache.control import WorkerId
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.errors import ConfigError
-from lora_cache.names import worker_name
+from lora_cache.link.relay import RELAYED, EndpointStaleError, Relay
+from lora_cache.vocab import Answer, Call, ReadinessRecord, WorkerId, worker_name
 from workers.cache import Batch, WorkerCache, WorkerConfig
 from workers.control import WorkerControl
-from workers.loader import ReadinessRecord
 from workers.outbox import Outbox, QueueSender
-from workers.relay import RELAYED, Call, EndpointStaleError, Relay
-from workers.transport import Answer, Hello, RankTransport
+from workers.transport import Hello, RankTransport
 
 __all__ = ["RELAYED", "AttachConfig", "Attachment", "EndpointStaleError", "Relay", "attach"]
 

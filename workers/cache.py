@@ -22,18 +22,18 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lora_cache.catalog import AdapterCatalog
-from lora_cache.chunks import MIN_CHUNK_BYTES, ChunkPlan, chunk_plan
+from lora_cache.adapters.catalog import AdapterCatalog
+from lora_cache.adapters.chunks import MIN_CHUNK_BYTES, ChunkPlan, chunk_plan
+from lora_cache.adapters.peft import AdapterSpec
+from lora_cache.adapters.shapes import MODULE_ORDER
+from lora_cache.adapters.shards import ShardLayout, max_shard_numel, shard_layout
 from lora_cache.errors import CapacityError, ConfigError, LoraCacheError, NotFoundError
-from lora_cache.peft import AdapterSpec
-from lora_cache.planner.records import AdapterKey
-from lora_cache.shapes import MODULE_ORDER
-from lora_cache.shards import ShardLayout, max_shard_numel, shard_layout
+from lora_cache.vocab import AdapterKey, Delta, ReadinessRecord
 from workers import faults
 from workers.host_tier import HostEntry, HostTier, HostTierConfig
 from workers.index import IndexUploader
 from workers.kernels.meta import SlotMeta, shard_dims
-from workers.loader import CompletionWatcher, LoadFailed, ReadinessRecord, SlotLoad
+from workers.loader import CompletionWatcher, LoadFailed, SlotLoad
 from workers.metrics import CacheCounters, resident_prefetches
 from workers.pipeline import ChunkWaits
 from workers.slots import SlotState, SlotTable
@@ -102,16 +102,6 @@ class Batch(NamedTuple):
 def _unresolved(ref: AdapterRef) -> AdapterKey:
     """The key of a ref that could not be resolved (a name no longer registered): no version."""
     return ref if isinstance(ref, AdapterKey) else AdapterKey(ref, "")
-
-
-class Delta(NamedTuple):
-    """A change of this worker's residency, pushed to the controller (step 7)."""
-
-    adapter: str
-    version: str
-    state: str  # "loading" (a slot was taken) | "ready" | "gone" (slot freed) | "failed" (no slot) | "in_use"
-    record: ReadinessRecord | None = None
-    error: str = ""
 
 
 class WorkerCache:

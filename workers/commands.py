@@ -17,19 +17,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
 
 from lora_cache.errors import LoraCacheError
-from lora_cache.planner import Command, Evict, Prefetch, Stage
-from workers.cache import Delta, WorkerCache
+from lora_cache.vocab import ApplyResult, Command, Delta, Evict, Prefetch, Stage
+from workers.cache import WorkerCache
 
-__all__ = ["ApplyResult", "CommandGate", "Delta"]
-
-
-class ApplyResult(NamedTuple):
-    accepted: int
-    rejected_stale: int  # from an older controller epoch
-    errors: tuple[str, ...]  # commands that named something this worker cannot load, with why
+__all__ = ["CommandGate"]
 
 
 class CommandGate:

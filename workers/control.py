@@ -8,10 +8,10 @@ rebuilds from, and the cache's counters. Plain Python; the hosts only forward to
 
 from __future__ import annotations
 
-from lora_cache.catalog import AdapterCatalog
-from lora_cache.planner import Command
+from lora_cache.adapters.catalog import AdapterCatalog
+from lora_cache.vocab import ApplyResult, Command
 from workers.cache import WorkerCache
-from workers.commands import ApplyResult, CommandGate
+from workers.commands import CommandGate
 from workers.outbox import Outbox
 
 

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 
 from lora_cache.errors import ConfigError
-from lora_cache.planner.records import AdapterKey
+from lora_cache.vocab import AdapterKey
 
 POINTS = ("before_copy",)
 

@@ -7,7 +7,7 @@ of one adapter share one read. An entry is pinned by references while a host-to-
 A fetch that finds every byte held by references that will be dropped (loads in flight) may wait for room
 (``wait``): it is admitted, in FIFO order, when one of them lets go of its entry.
 
-A read fills its entry chunk by chunk (``lora_cache.chunks``: the entry's ``chunks``, ranges of the
+A read fills its entry chunk by chunk (``lora_cache.adapters.chunks``: the entry's ``chunks``, ranges of the
 layout's entries) and tells each fetcher's ``on_chunk`` how many chunks are in place as they land, so a
 load copies the first chunk to the GPU while the last one is still being read.
 """
@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lora_cache.adapters.peft import AdapterSpec
+from lora_cache.adapters.shards import ShardLayout
 from lora_cache.errors import CapacityError, ConfigError
-from lora_cache.peft import AdapterSpec
-from lora_cache.planner.records import AdapterKey  # one name@version key for planner and workers
-from lora_cache.shards import ShardLayout
+from lora_cache.vocab import AdapterKey  # one name@version key for planner and workers
 from workers.arena import ALIGN, Block, HostArena
 from workers.reader import VERIFY, read_shard
 from workers.reader_proc import ReaderProcess

@@ -1,6 +1,6 @@
 """Slot loads in flight and the completion watcher that turns finished copies into readiness records.
 
-Lifecycle step 6: a load is issued as layer-ordered chunks (``lora_cache.chunks``), each chunk's copy as
+Lifecycle step 6: a load is issued as layer-ordered chunks (``lora_cache.adapters.chunks``), each chunk's copy as
 soon as it is staged on the host and the load has a slot (``SlotLoad.staged`` / ``place``), with an
 event per chunk; its ``ready_event`` is the last chunk's. Lifecycle step 7: a slot becomes READY only
 when every chunk's copy has completed (the last event: one copy stream runs them in order); the watcher
@@ -15,30 +15,16 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from lora_cache.chunks import ChunkPlan
-from lora_cache.planner.records import AdapterKey
-from lora_cache.shards import ShardLayout
+from lora_cache.adapters.chunks import ChunkPlan
+from lora_cache.adapters.shards import ShardLayout
+from lora_cache.vocab import AdapterKey, ReadinessRecord
 from workers.streams import CpuStreams
 
 log = logging.getLogger(__name__)
-
-
-class ReadinessRecord(NamedTuple):
-    """What a worker reports to the controller when a shard became READY (lifecycle step 7)."""
-
-    adapter: str
-    version: str
-    tp_rank: int
-    slot: int
-    disk_ms: float  # disk -> pinned host staging (0 on a host-tier hit)
-    h2d_ms: float  # the host -> GPU copies, by events: the first chunk's start to the last one's end
-    ready_ms: float  # from the request to load until READY
-    nbytes: int
-    host_hit: bool
 
 
 class LoadFailed(RuntimeError):

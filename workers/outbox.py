@@ -15,11 +15,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from workers.commands import Delta
+from lora_cache.vocab import Delta, DeltaRow
 
 log = logging.getLogger(__name__)
 
-DeltaRow = tuple[int, str, str, str, str]  # (seq, adapter, version, state, error)
 
 
 class Outbox:
@@ -89,7 +88,7 @@ class ControllerReport:
     def __call__(self, name: str, incarnation: int, batch: list[DeltaRow]) -> None:
         import ray  # here: an engine attached through the gateway never imports Ray
 
-        from lora_cache.names import CONTROLLER_NAME, NAMESPACE
+        from lora_cache.vocab import CONTROLLER_NAME, NAMESPACE
 
         try:
             if self._controller is None:

@@ -3,7 +3,7 @@
 Under an admission rule that says so (``pipelined``), ``WorkerCache.acquire(..., pipelined=True)`` does
 not wait for whole adapters: a batch's loads still in flight come back as ``ChunkWaits``, and the LoRA
 op of layer l calls ``before(l)``, which makes the compute stream wait (a stream wait, never a host sync)
-on the event of the chunk holding layer l of each such load (``lora_cache.chunks``; lifecycle steps 6
+on the event of the chunk holding layer l of each such load (``lora_cache.adapters.chunks``; lifecycle steps 6
 and 9). The host waits only where a chunk's copy is not issued yet, i.e. for its disk read. ``finish``
 waits on every load's last chunk: the step ends with its adapters whole, so a decode step (a CUDA graph)
 never meets a partial one.

@@ -8,7 +8,7 @@ waits for the GIL at every kernel. So a GPU worker runs this in reader processes
 -m bench.reader_probe``). A file cut short while it is read, after the size check, raises SIGBUS in the
 process that maps it: a reader process dies and the read fails; a reader thread faults its process.
 
-A read returns only the bytes its version was registered with (``lora_cache.files``), or refuses with
+A read returns only the bytes its version was registered with (``lora_cache.adapters.files``), or refuses with
 ``AdapterChangedError``: the file is stat'ed and compared with the registered identity before it is
 opened (a FIFO or device swapped in is never opened), read through one fd that is ``fstat``'ed against it
 (a rename-over between the two is caught), its header's CRC is compared, the blocks it read are CRC-checked
@@ -35,10 +35,10 @@ from typing import NamedTuple
 
 import torch
 
+from lora_cache.adapters.files import BLOCK_BYTES, FileIdentity, WeightsSource, file_kind, same_file
+from lora_cache.adapters.peft import FLOAT_DTYPES, AdapterSpec
+from lora_cache.adapters.shards import ShardEntry, ShardLayout
 from lora_cache.errors import AdapterChangedError, AdapterFormatError
-from lora_cache.files import BLOCK_BYTES, FileIdentity, WeightsSource, file_kind, same_file
-from lora_cache.peft import FLOAT_DTYPES, AdapterSpec
-from lora_cache.shards import ShardEntry, ShardLayout
 
 # How much of what a read copied it checks against the registered CRCs, on top of the identity and header
 # checks every read makes (bench/RESULTS.md, "What the content check costs"). A racy version (changed
@@ -66,7 +66,7 @@ def read_shard(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor, verif
     A rank reads only its parts of each matrix (strided views of the mapped file); a file tensor of
     another dtype is converted as it is copied. ``chunks``: ranges of the layout's entries read one
     after another (default: one); ``on_chunk(k)`` runs once the first ``k`` are in ``dest``, so their
-    host-to-GPU copies can start while the rest is read (``lora_cache.chunks``).
+    host-to-GPU copies can start while the rest is read (``lora_cache.adapters.chunks``).
     """
     if spec.source is None:
         raise AdapterFormatError(f"adapter {spec.name}@{spec.version} was not registered from a file; "

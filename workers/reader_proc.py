@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
+from lora_cache.adapters.peft import AdapterSpec
+from lora_cache.adapters.shards import ShardEntry, ShardLayout
 from lora_cache.errors import AdapterChangedError, AdapterFormatError
-from lora_cache.peft import AdapterSpec
-from lora_cache.shards import ShardEntry, ShardLayout
 from workers.reader import read_slices
 
 STARTUP_TIMEOUT_S = 120.0  # importing torch on a loaded machine

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from lora_cache.errors import CapacityError
-from lora_cache.planner.records import AdapterKey
+from lora_cache.vocab import AdapterKey
 
 
 class SlotState(Enum):

@@ -9,7 +9,7 @@ so a read that skipped its wait sees the slot's old bytes, as on a GPU. ``trace`
 logs copy-stream waits, chunk copies, compute events and compute waits in issue order, for tests of the
 ordering invariants (chunk events, last-use events: invariant 2).
 
-A load is issued as layer-ordered chunks (``lora_cache.chunks``): ``copy_chunk`` once per chunk, the
+A load is issued as layer-ordered chunks (``lora_cache.adapters.chunks``): ``copy_chunk`` once per chunk, the
 first one after the slot's ``last_use`` event, each recording its own event on ``copy_stream``.
 """
 

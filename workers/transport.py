@@ -14,13 +14,10 @@ from the outbox's, ``send_queue`` from the queue sender's; implementations are t
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from lora_cache.catalog import CatalogConfig
-from workers.outbox import DeltaRow
-from workers.relay import Call
-
-Answer = tuple[int, bool, Any]  # (call id, ok, result or the exception raised)
+from lora_cache.adapters.catalog import CatalogConfig
+from lora_cache.vocab import Answer, Call, DeltaRow
 
 
 class Hello(NamedTuple):

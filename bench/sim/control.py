@@ -1,6 +1,6 @@
 """The control plane in simulated time: the real ``ControllerCore``, driven the way the Ray actor drives it.
 
-``ControllerActor`` (lora_cache/controller.py) forwards every input to the core and replans at once:
+``ControllerActor`` (lora_cache/controller/actor.py) forwards every input to the core and replans at once:
 a queue report, a hint batch or a worker's residency deltas each cost one incremental ``plan(now)``;
 a timer (``health_s``, here ``plan_interval_s``) releases failed loads whose backoff passed and
 replans the whole fleet; every ``sync_s`` it replaces its view of each worker by the worker's full
@@ -21,13 +21,14 @@ from pathlib import Path
 from bench.sim.calibration import Calibration
 from bench.sim.events import Loop
 from bench.sim.worker import Delta, SimWorker
-from lora_cache.catalog import AdapterCatalog, CatalogConfig, check_name
-from lora_cache.control import ControllerConfig, ControllerCore, WorkerId
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig, check_name
+from lora_cache.adapters.peft import AdapterConfig, AdapterSpec, LoraModule
+from lora_cache.adapters.shapes import MODULE_ORDER, ModelShape
+from lora_cache.controller.core import ControllerConfig, ControllerCore
 from lora_cache.errors import NotFoundError
-from lora_cache.peft import AdapterConfig, AdapterSpec, LoraModule
-from lora_cache.planner import Evict, PlannerConfig, Prefetch, Stage
-from lora_cache.routing import RouterConfig
-from lora_cache.shapes import MODULE_ORDER, ModelShape
+from lora_cache.planner import PlannerConfig
+from lora_cache.routing.ranking import RouterConfig
+from lora_cache.vocab import Evict, Prefetch, Stage, WorkerId
 
 LORA_ALPHA = 32.0  # make-adapters' default; scaling does not change bytes
 NO_FILES_ROOT = str(Path(__file__).resolve().parent)  # catalogs need a root; the synthetic one reads nothing

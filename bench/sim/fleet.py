@@ -40,15 +40,15 @@ from bench.sim.events import Loop
 from bench.sim.replica import ReplicaHooks, SimReplica, StepRecord
 from bench.sim.worker import LoadRecord, SimHostTier, SimWorker
 from bench.workloads import Workload
-from lora_cache.advice import RouteRequest
-from lora_cache.control import ControllerCore, WorkerId
+from lora_cache.adapters.shapes import resolve_model
+from lora_cache.adapters.shards import shard_layout
+from lora_cache.adapters.synth import SynthConfig
+from lora_cache.controller.core import ControllerCore
 from lora_cache.errors import ConfigError
 from lora_cache.planner import PlannerConfig
-from lora_cache.planner.records import AdapterKey
-from lora_cache.routing import RouterConfig
-from lora_cache.shapes import resolve_model
-from lora_cache.shards import shard_layout
-from lora_cache.synth import SynthConfig
+from lora_cache.routing.advice import RouteRequest
+from lora_cache.routing.ranking import RouterConfig
+from lora_cache.vocab import AdapterKey, WorkerId
 from workers.engine.admission import ADMISSION
 from workers.engine.batching import check_requests
 from workers.engine.config import EngineConfig

@@ -34,7 +34,7 @@ from bench.policies import BENCH_POLICIES
 from bench.sim.calibration import Calibration, fit_calibration
 from bench.sim.fleet import SimConfig, simulate
 from bench.workloads import Workload, WorkloadSpec
-from lora_cache.synth import SynthConfig, make_adapters
+from lora_cache.adapters.synth import SynthConfig, make_adapters
 from workers.engine.batching import DECODE, PREFILL, Item, StepPlan
 from workers.engine.config import EngineConfig
 from workers.engine.engine import run_engine

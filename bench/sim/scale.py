@@ -24,7 +24,7 @@ from bench.policies import parse_policies
 from bench.sim.calibration import load_calibration
 from bench.sim.fleet import SimConfig, _Fleet
 from bench.workloads import WorkloadSpec, make_workload
-from lora_cache.control import ControllerCore
+from lora_cache.controller.core import ControllerCore
 
 CORE_CALLS = ("report_queue", "hint_batches", "worker_report", "sync_worker", "retry_failed", "plan")
 

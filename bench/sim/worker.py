@@ -37,8 +37,7 @@ from typing import NamedTuple
 from bench.sim.calibration import Calibration
 from bench.sim.events import Loop, Signal
 from lora_cache.errors import CapacityError
-from lora_cache.planner import Command, Evict, Stage
-from lora_cache.planner.records import AdapterKey
+from lora_cache.vocab import AdapterKey, Command, Evict, Stage
 from workers.metrics import STATS_COUNTERS, CacheCounters, resident_prefetches
 from workers.slots import SlotState, SlotTable
 

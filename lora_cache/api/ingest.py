@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 from lora_cache.api.validate import HintTuple
-from lora_cache.control import HintOutcome
+from lora_cache.controller.core import HintOutcome
 from lora_cache.errors import CapacityError
 
 Send = Callable[[list[list[HintTuple]]], Awaitable[list[HintOutcome]]]

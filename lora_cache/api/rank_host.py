@@ -10,11 +10,11 @@ from typing import Any
 
 import ray
 
+from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.api.relay_codec import Call, DeltaRow
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
-from lora_cache.catalog import CatalogConfig
-from lora_cache.names import parse_worker_name
-from workers.attach_ray import create_endpoint
+from lora_cache.link.endpoint import create_endpoint
+from lora_cache.vocab import parse_worker_name
 
 log = logging.getLogger(__name__)
 

@@ -27,14 +27,13 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
+from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.api import relay_codec as codec
 from lora_cache.api import validate
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.validate import RequestError
-from lora_cache.catalog import CatalogConfig
-from lora_cache.control import WorkerId
 from lora_cache.errors import ConfigError
-from lora_cache.names import worker_name
+from lora_cache.vocab import WorkerId, worker_name
 
 log = logging.getLogger(__name__)
 

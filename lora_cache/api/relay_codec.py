@@ -14,12 +14,12 @@ import json
 from typing import Any
 
 from lora_cache import errors
+from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.validate import RequestError
-from lora_cache.catalog import CatalogConfig
-from lora_cache.planner import Command, Evict, Prefetch, Stage
+from lora_cache.vocab import Command, Evict, Prefetch, Stage
 
-Call = tuple[int, str, tuple[Any, ...]]  # (call id, method, arguments): workers/relay.py's
+Call = tuple[int, str, tuple[Any, ...]]  # (call id, method, arguments): lora_cache/link/relay.py's
 DeltaRow = tuple[int, str, str, str, str]  # (seq, adapter, version, state, error): workers/outbox.py's
 
 
@@ -113,7 +113,7 @@ def answer(ident: int, method: str, ok: bool, value: Any) -> pb.CallAnswer:
 def from_answer(m: pb.CallAnswer, method: str) -> tuple[int, bool, Any]:
     """(call id, ok, value or exception) for ``Relay.answer``; a result that is not ``method``'s is a
     ``RequestError``."""
-    from workers.commands import ApplyResult  # the controller reads what a worker actor returns
+    from lora_cache.vocab import ApplyResult  # the controller reads what a worker actor returns
 
     kind = m.WhichOneof("result")
     if kind == "error":

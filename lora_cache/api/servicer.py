@@ -18,13 +18,13 @@ from typing import Any
 import grpc
 import ray
 
-from lora_cache.advice import RouteAdvice
 from lora_cache.api import validate
 from lora_cache.api.ingest import HintIngest
 from lora_cache.api.rank_link import RankHost, RankLink
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
+from lora_cache.controller.readiness import ReadinessEvent, Resync
 from lora_cache.errors import CapacityError, ConflictError, LoraCacheError, NotFoundError
-from lora_cache.readiness import ReadinessEvent, Resync
+from lora_cache.routing.advice import RouteAdvice
 
 log = logging.getLogger(__name__)
 

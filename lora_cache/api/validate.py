@@ -13,10 +13,10 @@ from typing import Any, NamedTuple, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
-from lora_cache.advice import RouteRequest
+from lora_cache.adapters.catalog import NAME_RE
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
-from lora_cache.catalog import NAME_RE
 from lora_cache.errors import LoraCacheError
+from lora_cache.routing.advice import RouteRequest
 
 HintTuple = tuple[str, str, str, float]  # (hint id, adapter, replica, expected in seconds from now)
 M = TypeVar("M", bound=Message)

@@ -5,7 +5,7 @@ Module map: `records` (inputs), `commands` (outputs), `config`, `state` (fleet b
 `planner` (the incremental orchestrator).
 """
 
-from lora_cache.planner.commands import Command, Evict, Plan, Prefetch, Stage, WorkerCommands
+from lora_cache.planner.commands import Plan, WorkerCommands
 from lora_cache.planner.config import PlannerConfig
 from lora_cache.planner.errors import (
     PlannerInputError,
@@ -17,7 +17,6 @@ from lora_cache.planner.planner import Planner, PlannerStats
 from lora_cache.planner.policies import POLICIES, PlacementPolicy, ReplicaView, Target
 from lora_cache.planner.records import (
     AdapterInfo,
-    AdapterKey,
     Capacity,
     Hint,
     QueueEntry,
@@ -30,10 +29,7 @@ from lora_cache.planner.records import (
 __all__ = [
     "POLICIES",
     "AdapterInfo",
-    "AdapterKey",
     "Capacity",
-    "Command",
-    "Evict",
     "Hint",
     "PlacementPolicy",
     "Plan",
@@ -41,14 +37,12 @@ __all__ = [
     "PlannerConfig",
     "PlannerInputError",
     "PlannerStats",
-    "Prefetch",
     "QueueEntry",
     "ReplicaSpec",
     "ReplicaView",
     "Residency",
     "ResidencyEntry",
     "SlotState",
-    "Stage",
     "Target",
     "UnknownAdapterError",
     "UnknownReplicaError",

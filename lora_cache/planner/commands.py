@@ -1,51 +1,12 @@
-"""What the planner sends to each TP worker (lifecycle step 4), and the plan that groups it.
-
-Commands are idempotent and carry the planner's epoch, so a worker can drop commands from an older
-controller (invariants 6 and 7). A worker applies its evicts before its prefetches, loads prefetches
-in priority order (0 first), and stages last. Every rank of a replica is planned from the same target, so
-one adapter has the same priority on every rank; each rank loads only its own shard.
+"""The plan that groups what the planner sends to each TP worker (lifecycle step 4): the commands
+themselves (``Prefetch``, ``Evict``, ``Stage``) are words both floors share, in ``lora_cache.vocab``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
-
-@dataclass(frozen=True, slots=True)
-class Prefetch:
-    """Load `adapter@version` into a slot of this worker; lower `priority` first."""
-
-    adapter: str
-    version: str
-    priority: int
-    epoch: int
-
-
-@dataclass(frozen=True, slots=True)
-class Evict:
-    """Free the slot that holds `adapter@version` (never one in use: the planner checks)."""
-
-    adapter: str
-    version: str
-    epoch: int
-
-
-@dataclass(frozen=True, slots=True)
-class Stage:
-    """Read `adapter@version`'s shard into this worker's pinned host tier, with no GPU slot (step 5 alone).
-
-    For a needed (queued or hinted) adapter that found no GPU room: when a slot frees, its load is one
-    host-to-GPU copy instead of a disk read and a copy. A staged shard is an ordinary host-tier entry
-    (LRU, evictable), so a stage never changes what the planner counts as resident."""
-
-    adapter: str
-    version: str
-    priority: int
-    epoch: int
-
-
-Command = Prefetch | Evict | Stage
+from lora_cache.vocab import Command, Evict, Prefetch, Stage
 
 
 class WorkerCommands(NamedTuple):

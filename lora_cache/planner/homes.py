@@ -1,6 +1,6 @@
 """Fleet placement (lifecycle step 3 across replicas): which replicas an adapter calls home.
 
-A router that follows residency (the controller's routing advice, ``lora_cache.routing``, or any affinity
+A router that follows residency (the controller's routing advice, ``lora_cache.routing.ranking``, or any affinity
 router) sends an adapter's requests where it is resident; where it is resident nowhere, the advice sends
 it to the first replica with room in a per-(adapter, replica) hash order (rendezvous hashing), and a
 replica over its load bound overflows to the next in that order. So the fleet can be planned as one
@@ -31,7 +31,7 @@ And when the fleet's slots can hold the whole catalog, adapters with no history 
 a scaled-out fleet) get one home too (free room only, never displacing), so an adapter's first request
 finds it loaded where the advice sends it.
 
-Plain Python; ``preference`` is the routing advice's own order (``lora_cache.routing.preference``).
+Plain Python; ``preference`` is the routing advice's own order (``lora_cache.planner.rendezvous``).
 Simulated (32 replicas, Zipf 0.9 over 200 adapters, bench/RESULTS.md 2026-11-25): the share of requests
 whose adapter was ready on arrival rose from 0.959 to 0.995, and with affinity routing at lead 0 the hot
 spot (p99 750 ms: few replicas held the hot adapters) is gone. With the rate-bounded copies and
@@ -47,9 +47,9 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 from lora_cache.planner.popularity import Popularity, RankedCounts
-from lora_cache.planner.records import AdapterKey
+from lora_cache.planner.rendezvous import preference, preference_prefix
 from lora_cache.planner.state import FleetState
-from lora_cache.routing import preference, preference_prefix
+from lora_cache.vocab import AdapterKey
 
 
 class Home(NamedTuple):
@@ -88,7 +88,7 @@ class Preferences:
             self._replicas, self._orders = replicas, {}
 
     def order(self, adapter: str) -> Iterator[str]:
-        """``adapter``'s replicas, first home first (``lora_cache.routing.preference``), built lazily."""
+        """``adapter``'s replicas, first home first (``lora_cache.planner.rendezvous``), built lazily."""
         prefix = self._orders.get(adapter)
         if prefix is None:
             prefix = self._orders[adapter] = preference_prefix(adapter, self._replicas, self.PREFIX)

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from lora_cache.planner.commands import Evict, Plan, Prefetch, Stage, WorkerCommands
+from lora_cache.planner.commands import Plan, WorkerCommands
 from lora_cache.planner.config import PlannerConfig
 from lora_cache.planner.durable import Restored, export_state, restore_state
 from lora_cache.planner.errors import PlannerInputError
@@ -27,7 +27,6 @@ from lora_cache.planner.policies import POLICIES, ReplicaView, Room, Target
 from lora_cache.planner.popularity import Popularity
 from lora_cache.planner.records import (
     AdapterInfo,
-    AdapterKey,
     Capacity,
     Hint,
     QueueEntry,
@@ -40,6 +39,7 @@ from lora_cache.planner.records import (
     check_time,
 )
 from lora_cache.planner.state import FleetState
+from lora_cache.vocab import AdapterKey, Evict, Prefetch, Stage
 
 _LOADED = (SlotState.READY, SlotState.IN_USE)
 

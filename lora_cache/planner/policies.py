@@ -32,8 +32,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from lora_cache.planner.records import AdapterInfo, AdapterKey, Capacity
+from lora_cache.planner.records import AdapterInfo, Capacity
 from lora_cache.planner.staging import plan_stages
+from lora_cache.vocab import AdapterKey
 
 if TYPE_CHECKING:
     from lora_cache.planner.config import PlannerConfig

@@ -12,16 +12,7 @@ from enum import Enum
 from typing import NamedTuple
 
 from lora_cache.planner.errors import PlannerInputError
-
-
-class AdapterKey(NamedTuple):
-    """One version of one adapter: the key of the planner, the host tier and the slot table."""
-
-    name: str
-    version: str
-
-    def __str__(self) -> str:
-        return f"{self.name}@{self.version}"
+from lora_cache.vocab import AdapterKey
 
 
 class Capacity(NamedTuple):

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from lora_cache.planner.records import AdapterKey
+from lora_cache.vocab import AdapterKey
 
 if TYPE_CHECKING:
     from lora_cache.planner.config import PlannerConfig

@@ -16,15 +16,8 @@ from lora_cache.planner.errors import (
     UnknownWorkerError,
     known_names,
 )
-from lora_cache.planner.records import (
-    AdapterInfo,
-    AdapterKey,
-    Capacity,
-    QueueEntry,
-    ReplicaSpec,
-    Residency,
-    SlotState,
-)
+from lora_cache.planner.records import AdapterInfo, Capacity, QueueEntry, ReplicaSpec, Residency, SlotState
+from lora_cache.vocab import AdapterKey
 
 
 class FleetState:

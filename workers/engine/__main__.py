@@ -13,9 +13,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lora_cache.cliargs import add_config_args, config_from_args
+from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.errors import LoraCacheError
-from lora_cache.synth import SynthConfig, make_adapters
+from lora_cache.runtime.cliargs import add_config_args, config_from_args
 from workers.engine.config import EngineConfig
 from workers.engine.engine import EngineResult, run_engine
 from workers.engine.rank import load_catalog

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from lora_cache import heap
-from lora_cache.catalog import CatalogConfig
+from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.errors import LoraCacheError
+from lora_cache.runtime import heap
 from workers.attach import AttachConfig, attach
 from workers.cache import WorkerConfig
 from workers.engine.config import EngineConfig

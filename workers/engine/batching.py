@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from lora_cache.errors import ConfigError
-from lora_cache.planner.records import AdapterKey
+from lora_cache.vocab import AdapterKey
 from workers.cache import AdapterRef
 from workers.engine.admission import AdmissionRule, Readiness
 from workers.engine.config import EngineConfig

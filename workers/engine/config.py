@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lora_cache.adapters.shapes import ModelShape, resolve_model
 from lora_cache.errors import ConfigError
-from lora_cache.shapes import ModelShape, resolve_model
 from workers.engine.admission import ADMISSION
 from workers.host_tier import HostTierConfig
 

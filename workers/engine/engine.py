@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from lora_cache import heap
+from lora_cache.runtime import heap
 from workers.engine.admission import ADMISSION, AdmissionRule
 from workers.engine.batching import STOP, Scheduler, StepPlan, check_requests
 from workers.engine.config import EngineConfig
@@ -70,7 +70,7 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
     hooks = hooks or Hooks()
     feed = hooks.feed if comm.rank == 0 else None
     scheduler = Scheduler(config, rule, requests, hooks.inflight, feed is not None) if comm.rank == 0 else None
-    heap.freeze()  # no full collection walks the built engine mid-run (a ~100 ms stall; lora_cache/heap.py)
+    heap.freeze()  # no full collection walks the built engine mid-run (a ~100 ms stall; lora_cache/runtime/heap.py)
     try:
         comm.barrier()  # every rank built: the clock starts now (or at hooks.start_wall)
         t0 = time.perf_counter()

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lora_cache.shapes import MODULE_ORDER, ModelShape
-from lora_cache.shards import base_slices
+from lora_cache.adapters.shapes import MODULE_ORDER, ModelShape
+from lora_cache.adapters.shards import base_slices
 
 # the fused module groups: one base GEMM and one LoRA call each
 QKV, OUT, GATE_UP, DOWN = ("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)

@@ -17,10 +17,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lora_cache import heap
-from lora_cache.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.errors import CapacityError, ConfigError, LoraCacheError
-from lora_cache.planner.records import AdapterKey
+from lora_cache.runtime import heap
+from lora_cache.vocab import AdapterKey, ReadinessRecord
 from workers.cache import AdapterRef, Batch, WorkerCache, WorkerConfig, resolve
 from workers.engine.admission import ADMISSION
 from workers.engine.batching import PREFILL, WAIT, Item, StepPlan
@@ -30,7 +30,6 @@ from workers.engine.lora import LoraOp
 from workers.engine.model import KVCache, Rope, ShardedModel, StepInputs, build_model, prompt_states
 from workers.engine.tp import Comm
 from workers.engine.versions import RankVersions
-from workers.loader import ReadinessRecord
 from workers.pipeline import ChunkWaits
 
 
@@ -94,7 +93,7 @@ class StepLog(NamedTuple):
     # round or none before): the engine loop's host work between steps (scheduling, reports, readiness)
     readiness_ms: float  # of the gap, in the readiness exchange (0: the admission rule does not prefetch)
     wall_s: float  # time.time() at its start: to line steps up with loads (ReadinessRecord times) across ranks
-    gc_ms: float = 0.0  # of ``ms``, stopped for the cyclic garbage collector (lora_cache/heap.py)
+    gc_ms: float = 0.0  # of ``ms``, stopped for the cyclic garbage collector (lora_cache/runtime/heap.py)
 
 
 @dataclass

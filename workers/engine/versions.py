@@ -25,9 +25,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from lora_cache.catalog import AdapterCatalog
+from lora_cache.adapters.catalog import AdapterCatalog
 from lora_cache.errors import NotFoundError
-from lora_cache.planner.records import AdapterKey
+from lora_cache.vocab import AdapterKey
 from workers.engine.admission import Readiness
 
 FAILED, CUR, CUR_NEG, RDY, RDY_NEG, STEP = range(6)

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from lora_cache.peft import AdapterSpec, LoraModule
-from lora_cache.shapes import MODULES, ModelShape
-from lora_cache.shards import ShardEntry, ShardLayout, base_slices
+from lora_cache.adapters.peft import AdapterSpec, LoraModule
+from lora_cache.adapters.shapes import MODULES, ModelShape
+from lora_cache.adapters.shards import ShardEntry, ShardLayout, base_slices
 
 # bytes per (layer, module) in a SlotMeta row: a_off int64, b_off int64, rank int32, scale float32
 _ENTRY_BYTES = 8 + 8 + 4 + 4

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, peft_key
+from lora_cache.adapters.shapes import DEFAULT_MODEL, MODULE_ORDER, ModelShape, resolve_model
 from lora_cache.errors import ConfigError
-from lora_cache.peft import CONFIG_FILE, WEIGHTS_FILE, peft_key
-from lora_cache.shapes import DEFAULT_MODEL, MODULE_ORDER, ModelShape, resolve_model
 
 
 @dataclass(frozen=True)

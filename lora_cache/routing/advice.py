@@ -1,4 +1,4 @@
-"""Routing advice from the controller's view (lifecycle step 1): the planner's fleet -> lora_cache.routing.
+"""Routing advice from the controller's view (lifecycle step 1): the planner's fleet -> lora_cache.routing.ranking.
 
 Plain Python (no torch, no Ray). The controller knows, per replica, what every TP rank holds (reported,
 plus the prefetches it has sent since: the plan in flight), what it staged in host tiers, the waiting
@@ -13,8 +13,9 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from lora_cache.errors import ConflictError, LoraCacheError, NotFoundError
-from lora_cache.planner import AdapterKey, Planner, SlotState
-from lora_cache.routing import Ranked, ReplicaLoad, Residence, RouteItem, RouterConfig, route_batch
+from lora_cache.planner import Planner, SlotState
+from lora_cache.routing.ranking import Ranked, ReplicaLoad, Residence, RouteItem, RouterConfig, route_batch
+from lora_cache.vocab import AdapterKey
 
 
 class RouteRequest(NamedTuple):
@@ -62,7 +63,7 @@ def replica_loads(planner: Planner, key: AdapterKey, loads: Mapping[str, float])
 
 def advise(planner: Planner, items: Sequence[RouteRequest], config: RouterConfig,
            loads: Mapping[str, float] | None = None) -> list[RouteAdvice]:
-    """Ranked replicas for every item, in order (``lora_cache.routing.route_batch``); an item naming an
+    """Ranked replicas for every item, in order (``lora_cache.routing.ranking.route_batch``); an item naming an
     unknown adapter or a version that is not current gets its own error and takes no load."""
     loads = dict(loads or {})
     if not planner.replicas():

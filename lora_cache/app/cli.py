@@ -17,13 +17,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lora_cache.cliargs import add_config_args, config_from_args, shell_path, shell_paths
-from lora_cache.client_cli import CLIENT_COMMANDS, add_client_commands
+from lora_cache.app.client_cli import CLIENT_COMMANDS, add_client_commands
 from lora_cache.errors import LoraCacheError
+from lora_cache.runtime.cliargs import add_config_args, config_from_args, shell_path, shell_paths
 
 
 def cmd_make_adapters(ns: argparse.Namespace) -> int:
-    from lora_cache.synth import SynthConfig, make_adapters
+    from lora_cache.adapters.synth import SynthConfig, make_adapters
 
     paths = make_adapters(ns.out, config_from_args(SynthConfig, ns))
     for p in paths:
@@ -34,11 +34,11 @@ def cmd_make_adapters(ns: argparse.Namespace) -> int:
 def inspect_adapter(directory: str, model: str, tp: int, max_rank: int) -> dict[str, object]:
     import torch
 
-    from lora_cache.base_model import choose_model
-    from lora_cache.peft import read_adapter
-    from lora_cache.roots import AdapterRoots
-    from lora_cache.shapes import resolve_model
-    from lora_cache.shards import shard_layout
+    from lora_cache.adapters.base_model import choose_model
+    from lora_cache.adapters.peft import read_adapter
+    from lora_cache.adapters.roots import AdapterRoots
+    from lora_cache.adapters.shapes import resolve_model
+    from lora_cache.adapters.shards import shard_layout
 
     roots = AdapterRoots((Path(directory).resolve().parent,))
     path = roots.resolve(Path(directory).resolve())
@@ -68,8 +68,8 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:
-    from lora_cache.demo import run_demo
-    from lora_cache.synth import SynthConfig
+    from lora_cache.adapters.synth import SynthConfig
+    from lora_cache.app.demo import run_demo
     from workers.cache import WorkerConfig
 
     out = Path(shell_path(ns.out) if ns.out else tempfile.mkdtemp(prefix="lora-cache-demo-"))
@@ -79,13 +79,13 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from lora_cache.base_model import choose_model
-    from lora_cache.catalog import CatalogConfig
-    from lora_cache.gateway import GatewayConfig, start_gateway_thread
+    from lora_cache.adapters.base_model import choose_model
+    from lora_cache.adapters.catalog import CatalogConfig
+    from lora_cache.adapters.synth import SynthConfig, make_adapters
+    from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
+    from lora_cache.app.serve import ServeConfig, serve_forever, start
     from lora_cache.planner import PlannerConfig
-    from lora_cache.routing import RouterConfig
-    from lora_cache.serve import ServeConfig, serve_forever, start
-    from lora_cache.synth import SynthConfig, make_adapters
+    from lora_cache.routing.ranking import RouterConfig
     from workers.cache import WorkerConfig
 
     gateway_config = config_from_args(GatewayConfig, ns)  # checked before anything starts
@@ -113,7 +113,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     print(f"lora-cache gRPC gateway on {gateway.target} (lora_cache.v1.LoraCacheService, health, reflection)",
           flush=True)
     if ns.demo:
-        from lora_cache.serve_demo import run_router_demo
+        from lora_cache.app.serve_demo import run_router_demo
 
         try:
             names = sorted(p.name for p in Path(ns.adapters).iterdir() if (p / "adapter_config.json").is_file())
@@ -128,12 +128,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 def _add_service_commands(sub: Any) -> None:
     """The commands that build caches and services (they import torch, and ``serve`` Ray)."""
-    from lora_cache.catalog import CatalogConfig
-    from lora_cache.gateway import GatewayConfig
+    from lora_cache.adapters.catalog import CatalogConfig
+    from lora_cache.adapters.synth import SynthConfig
+    from lora_cache.api.gateway import GatewayConfig
+    from lora_cache.app.serve import ServeConfig
     from lora_cache.planner import PlannerConfig
-    from lora_cache.routing import RouterConfig
-    from lora_cache.serve import ServeConfig
-    from lora_cache.synth import SynthConfig
+    from lora_cache.routing.ranking import RouterConfig
     from workers.cache import WorkerConfig
 
     p = sub.add_parser("make-adapters", help="write random PEFT-layout LoRA adapters")
@@ -174,8 +174,6 @@ def _add_service_commands(sub: Any) -> None:
                         "--adapters) and drive a router's traffic through the gRPC gateway before serving on")
     p.set_defaults(func=cmd_serve)
 
-    sub.add_parser("bench", add_help=False, help="the benchmark job (python -m bench.run; `lora-cache bench --help`)")
-
 
 def build_parser(service_commands: bool = True) -> argparse.ArgumentParser:
     """Every command's parser; ``service_commands=False``: the router commands' alone (no torch, no Ray)."""
@@ -189,10 +187,6 @@ def build_parser(service_commands: bool = True) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["bench"]:  # its options are bench.run's own
-        from bench.run import main as bench_main
-
-        return bench_main(args[1:])
     ns = build_parser(service_commands=args[:1] != [] and args[0] not in CLIENT_COMMANDS).parse_args(args)
     func: Callable[[argparse.Namespace], int] = ns.func
     try:

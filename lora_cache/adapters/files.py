@@ -28,8 +28,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+from lora_cache.adapters.roots import AdapterRoots
 from lora_cache.errors import AdapterChangedError, AdapterFormatError, AdapterPathError
-from lora_cache.roots import AdapterRoots
 
 BLOCK_BYTES = 1 << 20  # CRC granularity of the weights: a read checks whole blocks
 RACY_NS = 2_000_000_000  # a change this close to registration may share its timestamp tick (FAT: 2 s)

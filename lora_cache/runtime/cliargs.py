@@ -65,7 +65,7 @@ def shell_path(value: str) -> str:
 def shell_paths(value: Any, kind: bool | str) -> Any:
     """Apply ``shell_path`` to a path field's value (a string or a tuple of them); others pass through."""
     if kind == "name_or_file":
-        from lora_cache.shapes import is_model_path
+        from lora_cache.adapters.shapes import is_model_path
 
         return shell_path(value) if is_model_path(value) else value
     if kind is True:

@@ -21,8 +21,8 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
-from lora_cache.cliargs import add_config_args, config_from_args, shell_path
-from lora_cache.client import ClientConfig, Hint, LoraCacheClient, Resync, RouteItem
+from lora_cache.api.client import ClientConfig, Hint, LoraCacheClient, Resync, RouteItem
+from lora_cache.runtime.cliargs import add_config_args, config_from_args, shell_path
 
 
 def _client(ns: argparse.Namespace) -> LoraCacheClient:

@@ -13,8 +13,8 @@ import json
 import re
 from pathlib import Path
 
+from lora_cache.adapters.shapes import SHAPES, ModelShape, from_hf_config, resolve_model
 from lora_cache.errors import ConfigError
-from lora_cache.shapes import SHAPES, ModelShape, from_hf_config, resolve_model
 
 _SUFFIXES = re.compile(r"-(instruct|chat|hf|base)$")
 

@@ -18,17 +18,16 @@ from typing import Any, NamedTuple, TypeVar
 
 import ray
 
-from lora_cache import heap
-from lora_cache.advice import RouteAdvice, RouteRequest
-from lora_cache.catalog import CatalogConfig
-from lora_cache.control import ControllerConfig, ControllerCore, HintOutcome, WorkerId
-from lora_cache.durable import DurableConfig, KvStore, Snapshots, decode
+from lora_cache.adapters.catalog import CatalogConfig
+from lora_cache.controller.core import ControllerConfig, ControllerCore, HintOutcome
+from lora_cache.controller.readiness import EventsLost, ReadinessEvent, WatchBatch
+from lora_cache.controller.snapshots import DurableConfig, KvStore, Snapshots, decode
 from lora_cache.errors import ConfigError, ConflictError
-from lora_cache.metrics import ControllerMetrics
-from lora_cache.names import CONTROLLER_NAME as CONTROLLER_NAME  # re-exported: callers import it from here
-from lora_cache.names import NAMESPACE, WORKER_PREFIX, parse_worker_name, worker_name
-from lora_cache.planner import Evict
-from lora_cache.readiness import EventsLost, ReadinessEvent, WatchBatch
+from lora_cache.routing.advice import RouteAdvice, RouteRequest
+from lora_cache.runtime import heap
+from lora_cache.runtime.metrics import ControllerMetrics
+from lora_cache.vocab import CONTROLLER_NAME as CONTROLLER_NAME  # re-exported: callers import it from here
+from lora_cache.vocab import NAMESPACE, WORKER_PREFIX, Evict, WorkerId, parse_worker_name, worker_name
 
 log = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lora_cache.errors import LoraCacheError
+from lora_cache.vocab import Call
 
 RELAYED = ("apply", "describe", "register_adapter", "unregister_adapter", "stats")  # what the controller calls
 
@@ -24,7 +25,6 @@ class EndpointStaleError(LoraCacheError, ConnectionError):
     """The attached process behind an endpoint stopped polling for calls."""
 
 
-Call = tuple[int, str, tuple[Any, ...]]  # (call id, method, arguments)
 
 
 class Relay:

@@ -19,15 +19,16 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from lora_cache import heap
-from lora_cache.catalog import CatalogConfig
-from lora_cache.cliargs import shell_path
-from lora_cache.cluster import connect
-from lora_cache.control import ControllerConfig, WorkerId
-from lora_cache.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor, worker_name
+from lora_cache.adapters.catalog import CatalogConfig
+from lora_cache.controller.actor import ControllerActor
+from lora_cache.controller.core import ControllerConfig
 from lora_cache.errors import ConfigError
 from lora_cache.planner import PlannerConfig
-from lora_cache.routing import RouterConfig
+from lora_cache.routing.ranking import RouterConfig
+from lora_cache.runtime import heap
+from lora_cache.runtime.cliargs import shell_path
+from lora_cache.runtime.cluster import connect
+from lora_cache.vocab import CONTROLLER_NAME, NAMESPACE, WorkerId, worker_name
 from workers.actor import WorkerActor
 from workers.cache import WorkerConfig
 

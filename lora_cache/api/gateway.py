@@ -108,7 +108,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if sent is not None and hmac.compare_digest(sent.encode() if isinstance(sent, str) else sent, self._expected):
             return handler
         why = ("the call has no bearer token" if sent is None else "the bearer token is wrong") + (
-            "; this server requires metadata 'authorization: Bearer <token>' (lora_cache.client: token=...; "
+            "; this server requires metadata 'authorization: Bearer <token>' (lora_cache.api.client: token=...; "
             "CLI: --token-file)")
         return _denied(handler, why)
 

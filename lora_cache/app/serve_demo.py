@@ -15,7 +15,7 @@ import threading
 import time
 from collections import defaultdict
 
-from lora_cache.client import ClientError, Hint, LoraCacheClient, Resync
+from lora_cache.api.client import ClientError, Hint, LoraCacheClient, Resync
 from lora_cache.errors import LoraCacheError
 
 

@@ -27,9 +27,6 @@ one adapter in one call spreads as a stream of calls would.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import heapq
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +34,7 @@ from enum import Enum
 from typing import NamedTuple
 
 from lora_cache.errors import ConfigError, ConflictError
+from lora_cache.planner.rendezvous import rendezvous_hash
 
 
 class Residence(Enum):
@@ -124,7 +122,7 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
     for r in replicas:
         within = r.load + weight <= cap
         wait = r.load * config.request_s + config.penalty_s(r.residence)
-        h = _hash(adapter, r.replica)
+        h = rendezvous_hash(adapter, r.replica)
         if not within:
             key: tuple[float, ...] = (1, r.load, r.residence.order, wait)
         elif config.sticky and r.residence is Residence.COLD:
@@ -160,35 +158,3 @@ def route_batch(items: Iterable[RouteItem], views: Mapping[str, Sequence[Replica
         loads[ranked[0].replica] += weight
         out.append(ranked)
     return out
-
-
-def preference(adapter: str, replicas: Iterable[str]) -> list[str]:
-    """``adapter``'s rendezvous order over ``replicas``: the order in which ``rank`` (``sticky``) takes cold
-    replicas with room, so where its first request goes and where its overflow goes next (the planner's
-    homes, ``lora_cache.planner.homes``, follow it)."""
-    return sorted(replicas, key=lambda r: (_hash(adapter, r), r))
-
-
-def preference_prefix(adapter: str, replicas: Iterable[str], count: int) -> list[str]:
-    """The first ``count`` replicas of ``preference(adapter, replicas)``, without ordering the rest."""
-    return heapq.nsmallest(count, replicas, key=lambda r: (_hash(adapter, r), r))
-
-
-def _hash(adapter: str, replica: str) -> int:
-    """A stable per-(adapter, replica) order (rendezvous hashing): ties go the same way on every call.
-
-    Each name is hashed once (blake2b, cached) and a pair is their mix (SplitMix64's finalizer, a bijection
-    with full avalanche): the planner's homes order every adapter over every replica (10 million pairs
-    on 1,000 replicas x 10,000 adapters), and one blake2b per pair took 14 s of a cold plan there."""
-    x = (_name_hash(adapter) ^ (_name_hash(replica) * 0x9E3779B97F4A7C15)) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
-
-
-_MASK = (1 << 64) - 1
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _name_hash(name: str) -> int:
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big")

@@ -8,10 +8,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lora_cache.adapters.peft import AdapterSpec, read_adapter
+from lora_cache.adapters.roots import AdapterRoots
+from lora_cache.adapters.shapes import ModelShape, resolve_model
 from lora_cache.errors import AdapterFormatError, ConfigError, NotFoundError
-from lora_cache.peft import AdapterSpec, read_adapter
-from lora_cache.roots import AdapterRoots
-from lora_cache.shapes import ModelShape, resolve_model
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from lora_cache.adapters.shards import ShardEntry
 from lora_cache.errors import ConfigError
-from lora_cache.shards import ShardEntry
 
 MIN_CHUNK_BYTES = 4 << 20  # a pinned H2D copy of >= 4 MB runs at 53-55 GB/s on the H200 (1 MB: 40 GB/s)
 

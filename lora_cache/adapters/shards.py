@@ -15,9 +15,9 @@ from typing import NamedTuple
 
 import torch
 
+from lora_cache.adapters.peft import AdapterSpec, LoraModule, peft_key
+from lora_cache.adapters.shapes import MODULE_ORDER, MODULES, ModelShape, Parallel
 from lora_cache.errors import ConfigError, ShardError
-from lora_cache.peft import AdapterSpec, LoraModule, peft_key
-from lora_cache.shapes import MODULE_ORDER, MODULES, ModelShape, Parallel
 
 ALIGN_BYTES = 128  # every matrix starts on a 128-byte boundary (vector loads, TMA)
 

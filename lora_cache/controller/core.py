@@ -13,12 +13,12 @@ from typing import NamedTuple
 
 import torch
 
-from lora_cache.advice import RouteAdvice, RouteRequest, advise
-from lora_cache.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.shards import shard_layout
+from lora_cache.controller.readiness import RankState, ReadinessEvent, ReadinessIndex
 from lora_cache.errors import ConfigError, LoraCacheError, NotFoundError
 from lora_cache.planner import (
     AdapterInfo,
-    Command,
     Hint,
     Planner,
     PlannerConfig,
@@ -27,17 +27,9 @@ from lora_cache.planner import (
     ResidencyEntry,
     SlotState,
 )
-from lora_cache.readiness import RankState, ReadinessEvent, ReadinessIndex
-from lora_cache.routing import RouterConfig
-from lora_cache.shards import shard_layout
-
-
-class WorkerId(NamedTuple):
-    replica: str
-    rank: int
-
-    def __str__(self) -> str:
-        return f"{self.replica}/{self.rank}"
+from lora_cache.routing.advice import RouteAdvice, RouteRequest, advise
+from lora_cache.routing.ranking import RouterConfig
+from lora_cache.vocab import Command, WorkerId
 
 
 class Failure(NamedTuple):
@@ -237,7 +229,7 @@ class ControllerCore:
 
     def route(self, items: list[RouteRequest], loads: dict[str, float] | None = None) -> list[RouteAdvice]:
         """Routing advice (step 1): replicas ranked for each request's adapter, from residency, the plan in
-        flight, queues and hints (``lora_cache.advice``); ``loads``: the router's own in-flight counts."""
+        flight, queues and hints (``lora_cache.routing.advice``); ``loads``: the router's own in-flight counts."""
         self.routes_asked += len(items)
         return advise(self.planner, items, self.config.router, loads)
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from lora_cache.catalog import AdapterCatalog, CatalogConfig
-from lora_cache.peft import peft_key
-from lora_cache.synth import SynthConfig, make_adapters
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.peft import peft_key
+from lora_cache.adapters.synth import SynthConfig, make_adapters
+from lora_cache.vocab import ReadinessRecord
 from workers.cache import WorkerCache, WorkerConfig
-from workers.loader import ReadinessRecord
 
 
 def _report(record: ReadinessRecord) -> None:

@@ -2,7 +2,7 @@
 
 Reading an adapter validates it completely from the config and the safetensors header: every tensor's
 key, dtype and shape against the model shape, ranks against the configured maximum. Each file is opened
-once, confined to the adapter roots and refused unless a regular file (``lora_cache.files``), and read
+once, confined to the adapter roots and refused unless a regular file (``lora_cache.adapters.files``), and read
 once: the version is a hash of exactly those bytes, and the spec carries what every later read checks
 (the file's identity, CRCs of its header and blocks), so a read never returns other bytes under it.
 """
@@ -21,8 +21,7 @@ from typing import Any, NamedTuple
 
 from safetensors import safe_open
 
-from lora_cache.errors import AdapterChangedError, AdapterFormatError, AdapterPathError, UnsupportedAdapterError
-from lora_cache.files import (
+from lora_cache.adapters.files import (
     MAX_CONFIG_BYTES,
     OpenFile,
     WeightsSource,
@@ -32,8 +31,9 @@ from lora_cache.files import (
     read_exact,
     unchanged_since_open,
 )
-from lora_cache.roots import PICKLE_SUFFIXES, AdapterRoots
-from lora_cache.shapes import MODULES, ModelShape
+from lora_cache.adapters.roots import PICKLE_SUFFIXES, AdapterRoots
+from lora_cache.adapters.shapes import MODULES, ModelShape
+from lora_cache.errors import AdapterChangedError, AdapterFormatError, AdapterPathError, UnsupportedAdapterError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

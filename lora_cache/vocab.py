@@ -1,0 +1,142 @@
+"""The shared vocabulary of the control plane and the data plane: ids, commands, reports, actor names.
+
+Both floors speak these words: the planner and the controller (``lora_cache/``) produce commands and read
+reports; every TP rank (``workers/``) applies the commands and produces the reports. Plain Python, no
+Ray, torch or gRPC, so a router, an attached engine process and the simulator can all import it.
+
+- ids: ``AdapterKey`` (one version of one adapter), ``WorkerId`` (one TP rank of one replica), and the
+  Ray actor names (``NAMESPACE``, ``CONTROLLER_NAME``, ``worker_name``);
+- commands, controller -> rank (lifecycle step 4): ``Prefetch``, ``Evict``, ``Stage``; answered by
+  ``ApplyResult``;
+- reports, rank -> controller (step 7): ``ReadinessRecord`` inside a ``Delta``, sent numbered as
+  ``DeltaRow``s;
+- the relay of an attached rank: a ``Call`` down, an ``Answer`` up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+# -- ids ----------------------------------------------------------------------------------------------
+
+
+class AdapterKey(NamedTuple):
+    """One version of one adapter: the key of the planner, the host tier and the slot table."""
+
+    name: str
+    version: str
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+class WorkerId(NamedTuple):
+    """One TP rank of one replica."""
+
+    replica: str
+    rank: int
+
+    def __str__(self) -> str:
+        return f"{self.replica}/{self.rank}"
+
+
+# The names by which the control plane finds its actors on a Ray cluster: the controller, and each TP
+# rank's worker (a ``lora-cache serve`` worker actor or an attached rank's endpoint).
+NAMESPACE = "lora-cache"
+CONTROLLER_NAME = "lora-cache-controller"
+WORKER_PREFIX = "lora-cache-worker:"
+
+
+def worker_name(worker: WorkerId) -> str:
+    return f"{WORKER_PREFIX}{worker.replica}:{worker.rank}"
+
+
+def parse_worker_name(name: str) -> WorkerId:
+    replica, rank = name[len(WORKER_PREFIX):].rsplit(":", 1)
+    return WorkerId(replica, int(rank))
+
+
+# -- commands, controller -> rank (lifecycle step 4) ---------------------------------------------------
+# Idempotent, tagged with the planner's epoch, so a worker can drop commands from an older controller
+# (invariants 6 and 7). A worker applies its evicts before its prefetches, loads prefetches in priority
+# order (0 first), and stages last. Every rank of a replica is planned from the same target, so one
+# adapter has the same priority on every rank; each rank loads only its own shard.
+
+
+@dataclass(frozen=True, slots=True)
+class Prefetch:
+    """Load `adapter@version` into a slot of this worker; lower `priority` first."""
+
+    adapter: str
+    version: str
+    priority: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Evict:
+    """Free the slot that holds `adapter@version` (never one in use: the planner checks)."""
+
+    adapter: str
+    version: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """Read `adapter@version`'s shard into this worker's pinned host tier, with no GPU slot (step 5 alone).
+
+    For a needed (queued or hinted) adapter that found no GPU room: when a slot frees, its load is one
+    host-to-GPU copy instead of a disk read and a copy. A staged shard is an ordinary host-tier entry
+    (LRU, evictable), so a stage never changes what the planner counts as resident."""
+
+    adapter: str
+    version: str
+    priority: int
+    epoch: int
+
+
+Command = Prefetch | Evict | Stage
+
+
+class ApplyResult(NamedTuple):
+    """A rank's answer to one batch of commands."""
+
+    accepted: int
+    rejected_stale: int  # from an older controller epoch
+    errors: tuple[str, ...]  # commands that named something this worker cannot load, with why
+
+
+# -- reports, rank -> controller (lifecycle step 7) -----------------------------------------------------
+
+
+class ReadinessRecord(NamedTuple):
+    """What a worker reports to the controller when a shard became READY (lifecycle step 7)."""
+
+    adapter: str
+    version: str
+    tp_rank: int
+    slot: int
+    disk_ms: float  # disk -> pinned host staging (0 on a host-tier hit)
+    h2d_ms: float  # the host -> GPU copies, by events: the first chunk's start to the last one's end
+    ready_ms: float  # from the request to load until READY
+    nbytes: int
+    host_hit: bool
+
+
+class Delta(NamedTuple):
+    """A change of this worker's residency, pushed to the controller (step 7)."""
+
+    adapter: str
+    version: str
+    state: str  # "loading" (a slot was taken) | "ready" | "gone" (slot freed) | "failed" (no slot) | "in_use"
+    record: ReadinessRecord | None = None
+    error: str = ""
+
+
+DeltaRow = tuple[int, str, str, str, str]  # (seq, adapter, version, state, error): a Delta as sent, numbered
+
+# -- the relay of an attached rank (workers/attach.py) ---------------------------------------------------
+Call = tuple[int, str, tuple[Any, ...]]  # (call id, method, arguments)
+Answer = tuple[int, bool, Any]  # (call id, ok, result or the exception raised)
