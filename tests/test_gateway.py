@@ -36,18 +36,12 @@ from lora_cache.app.client_cli import add_client_commands
 from lora_cache.controller.core import ControllerConfig, ControllerCore, HintOutcome
 from lora_cache.errors import ConfigError, NotFoundError
 from lora_cache.planner import QueueEntry
+from tests.waiting import wait_for
 
 TOKEN = "s3cret-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 MAX_HINTS = 64
 SERVICE = "lora_cache.v1.LoraCacheService"
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout} s"
-        time.sleep(0.01)
 
 
 def hints(prefix: str, n: int, adapter: str = "adapter-000", replica: str = "replica-0") -> pb.HintRequest:

@@ -20,6 +20,7 @@ from lora_cache.api.validate import RequestError
 from lora_cache.errors import ConfigError, NotFoundError
 from lora_cache.link.relay import Relay
 from lora_cache.vocab import ApplyResult, Evict, Prefetch, Stage
+from tests.waiting import wait_for
 
 NAME = "lora-cache-worker:replica-0:0"
 
@@ -293,12 +294,3 @@ def test_an_engine_attaches_through_a_real_grpc_server_and_loads_what_it_is_told
 
 def reported(host: RelayHost) -> list[str]:
     return [d[3] for e in host.events if e[0] == "report" for d in e[2]]
-
-
-def wait_for(condition: Any, what: str, timeout: float = 30.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout} s"
-        time.sleep(0.02)

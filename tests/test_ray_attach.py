@@ -22,6 +22,7 @@ from lora_cache.app.serve import ServeConfig, start  # noqa: E402
 from lora_cache.app.serve import wait_ready as serve_wait_ready  # noqa: E402
 from lora_cache.errors import ConfigError, ConflictError  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
+from tests import waiting  # noqa: E402
 from workers.attach import AttachConfig, EndpointStaleError, attach  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
 from workers.engine.attached import EngineProcess, start_ranks  # noqa: E402
@@ -40,13 +41,6 @@ def worker(rank: int, tp: int = 2, slots: int = 3) -> WorkerConfig:
     return WorkerConfig(num_slots=slots, tp=tp, tp_rank=rank, device="cpu", dtype="float32", host=HOST)
 
 
-def wait_for(condition, timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout} s; {_controller_view()}"
-        time.sleep(0.05)
-
-
 def wait_ready(controller, adapter: str, replica: str, timeout_s: float = 60.0) -> None:
     """``serve.wait_ready``, saying what the controller saw if it times out."""
     try:
@@ -59,6 +53,11 @@ def _controller_view() -> str:
     ctl = ray.get_actor("lora-cache-controller", namespace="lora-cache")
     status = ray.get(ctl.status.remote(), timeout=30)
     return f"controller status: {status}"
+
+
+def wait_for(condition, what: str) -> object:
+    """``waiting.wait_for`` with this module's 60 s, saying what the controller saw if it times out."""
+    return waiting.wait_for(condition, what, timeout=60.0, detail=_controller_view)
 
 
 @pytest.fixture(scope="module")

@@ -16,19 +16,12 @@ from lora_cache.adapters.catalog import CatalogConfig  # noqa: E402
 from lora_cache.adapters.synth import SynthConfig, make_adapters  # noqa: E402
 from lora_cache.app.serve import ServeConfig, start, wait_ready  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
+from tests.waiting import wait_for  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
 from workers.host_tier import HostTierConfig  # noqa: E402
 
 pytestmark = pytest.mark.ray
 SYNC_S, HEALTH_S = 5.0, 0.5  # the controller's defaults
-
-
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout} s"
-        time.sleep(0.05)
-    return value
 
 
 def status_or_none(ctl):
@@ -63,14 +56,14 @@ def test_controller_killed_under_hint_traffic_keeps_its_hints_queues_and_popular
         wait_ready(ctl, "adapter-001", "replica-0", 60)  # the queue holds the only slot
         ray.get(ctl.hint.remote([("key", "adapter-005", "replica-0", 8.0)]))  # far now: no slot, no evict
         before = ray.get(ctl.status.remote())
-        wait_for(lambda: ray.get(ctl.status.remote())["snapshots_written"] > before["snapshots_written"], 10,
-                 "a snapshot after the key hint")
+        wait_for(lambda: ray.get(ctl.status.remote())["snapshots_written"] > before["snapshots_written"],
+                 "a snapshot after the key hint", timeout=10)
         ray.kill(ctl, no_restart=False)
-        after = wait_for(lambda: (s := status_or_none(ctl)) and s["epoch"] > before["epoch"] and s, 60,
-                         "the controller restarted")
+        after = wait_for(lambda: (s := status_or_none(ctl)) and s["epoch"] > before["epoch"] and s,
+                         "the controller restarted", timeout=60)
         assert after["restored"]["hints"] >= 2 and after["restored"]["queues"] == 1, after["restored"]
         assert after["restored"]["counts"] >= 2 and after["queue_depths"] == {"replica-0": 1}
-        first_plan = wait_for(lambda: ray.get(ctl.status.remote())["first_plan_at"], 30, "a first plan")
+        first_plan = wait_for(lambda: ray.get(ctl.status.remote())["first_plan_at"], "a first plan", timeout=30)
         assert first_plan - after["started_at"] <= SYNC_S + HEALTH_S, "first plan later than one sync period"
         ray.get(ctl.report_queue.remote("replica-0", []))  # the engine served adapter-001: its slot is free
         wait_ready(ctl, "adapter-005", "replica-0", 60)  # the restored hint (near by now) is prefetched

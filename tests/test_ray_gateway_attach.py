@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from lora_cache.api.v1 import lora_cache_service_pb2 as pb  # noqa: E402
 from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc  # noqa: E402
 from lora_cache.app.serve import ServeConfig, start  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
+from tests.waiting import wait_for  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
 from workers.host_tier import HostTierConfig  # noqa: E402
 
@@ -105,13 +106,6 @@ class EngineProc:
         self.proc.wait(30)
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout} s"
-        time.sleep(0.1)
-
-
 def ready_on(fleet: Fleet, adapter: str) -> list[str]:
     return list(fleet.stub.Lookup(pb.LookupRequest(adapter=adapter), metadata=AUTH, timeout=30).ready_replicas)
 
@@ -140,7 +134,7 @@ def test_an_engine_outside_ray_attaches_through_the_gateway_serves_and_detaches(
         assert REPLICA in status["replicas"] and named(RANK0)  # the gateway hosts its endpoint
 
         hint(fleet, "g-1", "adapter-001")  # the controller prefetches into the process, relayed by the gateway
-        wait_for(lambda: REPLICA in ready_on(fleet, "adapter-001"), "READY through the gateway")
+        wait_for(lambda: REPLICA in ready_on(fleet, "adapter-001"), "READY through the gateway", timeout=90)
         assert ("adapter-001", "ready") in {tuple(r) for r in engine.call("residency")}
         assert len(engine.call("step", adapters=["adapter-001", "adapter-001"])) == 2
         stats = engine.call("stats")
@@ -148,13 +142,14 @@ def test_an_engine_outside_ray_attaches_through_the_gateway_serves_and_detaches(
         assert stats["calls"] >= 3 and stats["errors"] == 0 and stats["lost"] == "None" and not stats["ray"]
 
         engine.call("queue", adapters=["adapter-002", "adapter-001"])  # through the gateway's ReportQueue
-        wait_for(lambda: ray.get(fleet.controller.status.remote())["queue_depths"].get(REPLICA) == 2, "queue")
+        wait_for(lambda: ray.get(fleet.controller.status.remote())["queue_depths"].get(REPLICA) == 2,
+                 "queue", timeout=90)
         workers = ray.get(fleet.controller.worker_stats.remote(), timeout=30)  # a controller call relayed: stats
         assert [w["stats"]["gpu_hits"] for w in workers if w["worker"] == RANK0] == [1]
 
         engine.call("detach")
-        wait_for(lambda: REPLICA not in ready_on(fleet, "adapter-001"), "the detached rank dropped")
-        wait_for(lambda: not named(RANK0), "the endpoint killed")
+        wait_for(lambda: REPLICA not in ready_on(fleet, "adapter-001"), "the detached rank dropped", timeout=90)
+        wait_for(lambda: not named(RANK0), "the endpoint killed", timeout=90)
         assert engine.proc.wait(60) == 0
         assert ray.get(fleet.controller.check_integrity.remote())
     finally:
@@ -166,11 +161,11 @@ def test_a_killed_engine_process_is_a_dead_rank(fleet: Fleet) -> None:
     try:
         assert engine.hello["attached"] == RANK0
         hint(fleet, "g-2", "adapter-003")
-        wait_for(lambda: REPLICA in ready_on(fleet, "adapter-003"), "READY through the gateway")
+        wait_for(lambda: REPLICA in ready_on(fleet, "adapter-003"), "READY through the gateway", timeout=90)
         engine.proc.send_signal(signal.SIGKILL)
         engine.proc.wait(30)
-        wait_for(lambda: REPLICA not in ready_on(fleet, "adapter-003"), "the killed rank dropped")
-        wait_for(lambda: not named(RANK0), "the endpoint killed with the stream")
+        wait_for(lambda: REPLICA not in ready_on(fleet, "adapter-003"), "the killed rank dropped", timeout=90)
+        wait_for(lambda: not named(RANK0), "the endpoint killed with the stream", timeout=90)
         assert all(REPLICA not in ready_on(fleet, f"adapter-00{i}") for i in range(4))  # ready for nothing
     finally:
         engine.close()
@@ -183,13 +178,13 @@ def test_a_stopped_engine_process_with_its_stream_open_is_a_dead_rank(fleet: Fle
     try:
         assert engine.hello["attached"] == RANK0
         hint(fleet, "g-4", "adapter-000")
-        wait_for(lambda: REPLICA in ready_on(fleet, "adapter-000"), "READY through the gateway")
+        wait_for(lambda: REPLICA in ready_on(fleet, "adapter-000"), "READY through the gateway", timeout=90)
         engine.proc.send_signal(signal.SIGSTOP)
-        wait_for(lambda: REPLICA not in ready_on(fleet, "adapter-000"), "the silent rank dropped")
+        wait_for(lambda: REPLICA not in ready_on(fleet, "adapter-000"), "the silent rank dropped", timeout=90)
         assert named(RANK0)  # its stream is still open: the endpoint stays until the stream ends
         engine.proc.send_signal(signal.SIGKILL)
         engine.proc.wait(30)
-        wait_for(lambda: not named(RANK0), "the endpoint killed with the stream")
+        wait_for(lambda: not named(RANK0), "the endpoint killed with the stream", timeout=90)
     finally:
         engine.close()
 
@@ -233,7 +228,7 @@ def hello(**kw: Any) -> pb.AttachRankRequest:
 def test_bad_streams_get_clear_errors_and_leave_an_attached_rank_alone(fleet: Fleet, messages, code, fragment) -> None:
     error = _stream(fleet, messages)
     assert error.code() == code and fragment in error.details(), (error.code(), error.details())
-    wait_for(lambda: not named("lora-cache-worker:replica-b:0"), "no endpoint left behind")
+    wait_for(lambda: not named("lora-cache-worker:replica-b:0"), "no endpoint left behind", timeout=90)
 
 
 def test_the_gateway_refuses_a_stream_without_its_token_and_a_taken_rank(fleet: Fleet) -> None:
@@ -264,7 +259,7 @@ def test_the_gateway_refuses_a_stream_without_its_token_and_a_taken_rank(fleet: 
         assert named(RANK0)
         # the bad streams and the refused rank did not disturb the attached one
         hint(fleet, "g-3", "adapter-002")
-        wait_for(lambda: REPLICA in ready_on(fleet, "adapter-002"), "the attached rank still serving")
+        wait_for(lambda: REPLICA in ready_on(fleet, "adapter-002"), "the attached rank still serving", timeout=90)
         engine.call("detach")
     finally:
         engine.close()

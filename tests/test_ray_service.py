@@ -13,17 +13,11 @@ from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.app.serve import ServeConfig, start, wait_ready
 from lora_cache.planner import PlannerConfig
 from lora_cache.vocab import Prefetch, WorkerId
+from tests.waiting import wait_for
 from workers.cache import WorkerConfig
 from workers.host_tier import HostTierConfig
 
 pytestmark = pytest.mark.ray
-
-
-def wait_for(condition, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout} s"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +96,7 @@ def test_worker_killed_is_dropped_then_reloaded(service) -> None:
     victim = service.workers[WorkerId("replica-1", 1)]
     ray.kill(victim, no_restart=False)  # Ray restarts it, empty; it tells the controller so
     # the new process holds the queued adapter again only if the controller dropped and replanned it
-    wait_for(lambda: ("adapter-004", "ready") in _residency_or_empty(victim), 60, "reload after restart")
+    wait_for(lambda: ("adapter-004", "ready") in _residency_or_empty(victim), "reload after restart", timeout=60)
     wait_ready(ctl, "adapter-004", "replica-1", 30)
     assert ray.get(ctl.check_integrity.remote())
 
@@ -114,8 +108,8 @@ def test_controller_restart_rebuilds_from_workers(service) -> None:
     epoch = ray.get(ctl.status.remote())["epoch"]
     ray.kill(ctl, no_restart=False)
     seen: list[dict] = []  # ray.kill is asynchronous: the old process may still answer the first calls
-    wait_for(lambda: seen.append(_status_or_none(ctl)) or (seen[-1] or {}).get("epoch", epoch) > epoch, 60,
-             "controller restart with a larger epoch")
+    wait_for(lambda: seen.append(_status_or_none(ctl)) or (seen[-1] or {}).get("epoch", epoch) > epoch,
+             "controller restart with a larger epoch", timeout=60)
     status = seen[-1]
     assert status["workers"] == 4 and status["adapters"] == 8
     assert "replica-0" in ray.get(ctl.lookup.remote("adapter-006"))["ready"]  # rebuilt from reports

@@ -29,6 +29,7 @@ from lora_cache.adapters.synth import SynthConfig, make_adapters, write_adapter 
 from lora_cache.app.serve import ServeConfig, Service, start, wait_ready  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
 from lora_cache.vocab import WorkerId  # noqa: E402
+from tests.waiting import wait_for  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
 from workers.engine import EngineConfig, Request  # noqa: E402
 from workers.engine.rank import slot_digest  # noqa: E402
@@ -143,7 +144,7 @@ def test_a_rank_killed_mid_load_keeps_its_replica_unready_for_that_adapter_only(
 
     ray.get(ctl.report_queue.remote(replica, [(a, time.time()) for a in [target, *others]]))
     assert ray.get(gate.wait_arrived.remote(60)).startswith(f"{target}@")  # the victim is mid-load, stopped
-    wait_for(lambda: (target, "ready") in residency(survivor), 30, "the survivor's own load of the target")
+    wait_for(lambda: (target, "ready") in residency(survivor), "the survivor's own load of the target", timeout=30)
     assert replica not in ray.get(ctl.lookup.remote(target))["ready"], "ready with one rank mid-load"
     ray.kill(victim, no_restart=False)  # dies at the fault point; Ray restarts it, empty
 
@@ -170,10 +171,3 @@ def residency(worker) -> set[tuple[str, str]]:
         return {(a, s) for a, _, s, _ in ray.get(worker.describe.remote(), timeout=5)["residency"]}
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
         return set()
-
-
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout} s"
-        time.sleep(0.05)

@@ -7,7 +7,6 @@ import logging
 import shutil
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -28,6 +27,7 @@ from lora_cache.adapters.shards import ShardLayout
 from lora_cache.adapters.synth import SynthConfig, make_adapters, write_adapter
 from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, NotFoundError, ShardError
 from lora_cache.vocab import AdapterKey, ReadinessRecord
+from tests.waiting import wait_for
 from workers.cache import Batch, WorkerCache, WorkerConfig
 from workers.host_tier import HostTierConfig
 from workers.slots import SlotState
@@ -434,7 +434,7 @@ def test_stage_of_a_damaged_file_is_counted_and_leaves_the_tier_as_it_was(
     assert staged is not None
     with pytest.raises(AdapterFormatError, match="its bytes are not the ones registered"):
         staged.result(timeout=10)
-    _wait_for(lambda: cache.stats()["stage_failures"] == 1)  # counted by the read's done callback
+    wait_for(lambda: cache.stats()["stage_failures"] == 1)  # counted by the read's done callback
     assert (cache.residency(), cache.host.arena.used_bytes, list(cache.host._entries)) == before
     assert cache.acquire([A]).slots == (slot_of(cache, A),)  # good traffic unaffected
     cache.check_integrity()
@@ -800,9 +800,9 @@ def test_load_waits_for_a_slot_held_by_loads_in_flight(tiny_adapters, make_catal
     gated = _GatedStreams(cache.device)
     cache.streams = cache._watcher.streams = gated
     first = [cache.prefetch(n) for n in ("adapter-000", "adapter-001")]
-    _wait_for(lambda: cache.table.count(SlotState.LOADING) == 2)  # two copies issued, neither complete
+    wait_for(lambda: cache.table.count(SlotState.LOADING) == 2)  # two copies issued, neither complete
     third = cache.prefetch("adapter-002")
-    _wait_for(lambda: len(cache._slot_waiters) == 1)  # staged, waiting for a slot instead of failing
+    wait_for(lambda: len(cache._slot_waiters) == 1)  # staged, waiting for a slot instead of failing
     assert not third.done() and cache.counters.load_failures == 0
     gated.gate.set()
     record = third.result(timeout=30)
@@ -858,7 +858,7 @@ def test_concurrent_misses_wait_for_host_room_and_all_succeed(
         return cache.acquire([name], pipelined=pipelined)
 
     batches = {name: in_thread(functools.partial(acquire, name)) for name in wanted}
-    _wait_for(lambda: cache.table.count(SlotState.LOADING) == HOST_SHARDS and len(cache.host._waiting) == extra)
+    wait_for(lambda: cache.table.count(SlotState.LOADING) == HOST_SHARDS and len(cache.host._waiting) == extra)
     waiting = [k.name for k in cache.host._waiting]
     assert all(not batches[n].done() for n in waiting) and cache.stats()["host_waits"] == extra
     assert not cache.evict(waiting[0])  # not resident: a waiting load is not evicted, and keeps waiting
@@ -902,7 +902,7 @@ def test_a_failed_read_that_others_wait_on_lets_them_proceed(
     cache, gated = room_cache(catalog, HOST_SHARDS + 2)
     good = sorted(n for n in catalog.names() if n != "bad")
     loads = {n: cache.prefetch(n) for n in good[: HOST_SHARDS - 1]}
-    _wait_for(lambda: cache.table.count(SlotState.LOADING) == HOST_SHARDS - 1)
+    wait_for(lambda: cache.table.count(SlotState.LOADING) == HOST_SHARDS - 1)
     failed = cache.prefetch("bad")
     assert arrived.wait(timeout=10)  # its read holds the last 128 KiB
     first, second = good[HOST_SHARDS - 1 :]
@@ -912,7 +912,7 @@ def test_a_failed_read_that_others_wait_on_lets_them_proceed(
     go.set()
     with pytest.raises(AdapterFormatError, match="changed size"):
         failed.result(timeout=10)
-    _wait_for(lambda: cache.table.count(SlotState.LOADING) == HOST_SHARDS)  # the first waiting load took the room
+    wait_for(lambda: cache.table.count(SlotState.LOADING) == HOST_SHARDS)  # the first waiting load took the room
     assert [k.name for k in cache.host._waiting] == [second] and not loads[second].done()
     assert cache.host.arena.used_bytes == used and "bad" not in {k.name for k in cache.host._entries}
     cache.check_integrity()
@@ -936,9 +936,9 @@ def test_closing_the_cache_fails_loads_waiting_for_host_room(
     cache, gated = room_cache(catalog, HOST_SHARDS + 1)
     wanted = sorted(catalog.names())
     loads = [cache.prefetch(n) for n in wanted[:HOST_SHARDS]]
-    _wait_for(lambda: cache.table.count(SlotState.LOADING) == HOST_SHARDS)
+    wait_for(lambda: cache.table.count(SlotState.LOADING) == HOST_SHARDS)
     waiting = in_thread(lambda: cache.acquire([wanted[-1]]))
-    _wait_for(lambda: len(cache.host._waiting) == 1)
+    wait_for(lambda: len(cache.host._waiting) == 1)
     used = cache.host.arena.used_bytes
     closed = in_thread(cache.close)
     with pytest.raises(CapacityError, match=f"the host tier closed while {wanted[-1]}@"):
@@ -950,13 +950,6 @@ def test_closing_the_cache_fails_loads_waiting_for_host_room(
     assert all(e.refs == 0 for e in cache.host._entries.values())
     assert cache.stats()["load_failures"] == 1 and refs(cache) == dict.fromkeys(wanted[:HOST_SHARDS], 0)
     cache.check_integrity()
-
-
-def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.001)
 
 
 def test_acquire_ready_pins_only_ready_adapters_atomically(
