@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The 2026-11-24 GPU checks and measurements (issues 19, 21, 22 and 20), one device call per part:
-#   bash bench/gpu_1124.sh OUT checks     # gpu tests (chunked loads, versions in the kernels, stream races) + bench.pipeline
+#   bash bench/gpu_1124.sh OUT checks     # gpu tests (chunked loads, versions in the kernels, stream races) + bench.probes.pipeline
 #   bash bench/gpu_1124.sh OUT lead0      # zipf at leads 0 and 0.05: global, queue, overlap, pipelined, oracle, ondemand
 #   bash bench/gpu_1124.sh OUT attach     # the engine seam: --attach against hosted engines, zipf, global + ondemand
 # Logs go to $LOGDIR (default /tmp/logs); results (JSON) under OUT. Needs Ray from .device (../shared/tools/device-site).
@@ -17,7 +17,7 @@ for what in "$@"; do
     checks)
       step gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_engine.py \
            tests/test_kernel_versions.py tests/test_pipeline.py -k "not real_shape and not tp2" -rfE
-      step pipeline python -m bench.pipeline --repeats 5 --out "$out/pipeline.json" ;;
+      step pipeline python -m bench.probes.pipeline --repeats 5 --out "$out/pipeline.json" ;;
     lead0)
       for lead in 0 0.05; do
         step "zipf-lead$lead" python -m bench.run "${common[@]}" --scenario zipf --requests 150 --hint-lead-s "$lead" \

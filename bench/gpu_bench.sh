@@ -43,7 +43,7 @@ for what in "$@"; do
     # two replicas (2 GPUs), each at the one-replica scenarios' load
     fleet2)  run fleet2 "${common[@]}" --scenario zipf --replicas 2 --requests 200 --arrivals poisson:8 ;;
     fleet2-s) run fleet2 "${common[@]}" --scenario zipf --replicas 2 --requests 160 --arrivals poisson:8 ;;
-    tp4)     python -m bench.tp_ready --tp 4 --model llama-3.1-70b --out "$out/tp4-ready.json" > "$logs/tp4-ready.log" 2>&1
+    tp4)     python -m bench.probes.tp_ready --tp 4 --model llama-3.1-70b --out "$out/tp4-ready.json" > "$logs/tp4-ready.log" 2>&1
              echo "=== tp4-ready rc=$?"; tail -n 25 "$logs/tp4-ready.log"
              run tp4-zipf --engine real --model llama-3.1-70b --adapter-ranks 16,64 --no-plots \
                  --adapters /tmp/bench-adapters-70b --scenario zipf --tp 4 --policies ondemand,global --requests 60 ;;

@@ -8,11 +8,11 @@ import pytest
 
 from bench.figures import PolicyRun, figures, gaps, goals, timeline
 from bench.policies import BENCH_POLICIES, parse_policies
+from bench.probes.stalls import main as stalls_main
+from bench.probes.stalls import stalls
 from bench.report import main as report_main
 from bench.report import read_results, write, write_results
 from bench.run import build_parser, configs
-from bench.stalls import main as stalls_main
-from bench.stalls import stalls
 from lora_cache.errors import ConfigError
 from workers.engine.timings import RequestRecord
 

@@ -235,7 +235,7 @@ ROUTER_COMMANDS = [["hint", "adapter-000", "--replica", "replica-0"], ["cancel-h
 
 @pytest.mark.parametrize("argv", ROUTER_COMMANDS, ids=lambda a: a[0])
 def test_router_commands_import_neither_torch_nor_ray(argv: list[str]) -> None:
-    """Routers run these in scripts: they load grpc and the stubs only (bench/cli_startup.py times them)."""
+    """Routers run these in scripts: they load grpc and the stubs only (bench/probes/cli_startup.py times them)."""
     code = ("import sys; from lora_cache.app.cli import main\n"
             f"rc = main({argv!r} + ['--server', '127.0.0.1:9', '--timeout-s', '0.5'])\n"
             "heavy = sorted(m for m in ('torch', 'ray', 'triton', 'safetensors', 'numpy') if m in sys.modules)\n"

@@ -6,7 +6,7 @@ gateway address where nothing listens (start-up plus a refused connection: what 
 the server's own time). In the same run, for reference: a bare ``python -c pass`` and ``serve --help``
 (which builds every parser, so imports torch and Ray). Prints a markdown table of medians and p90s.
 
-    python -m bench.cli_startup --repeat 10
+    python -m bench.probes.cli_startup --repeat 10
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _row(label: str, times: list[float]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.cli_startup", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.probes.cli_startup", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=10, help="runs of each command")
     ns = parser.parse_args(argv)

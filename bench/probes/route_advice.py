@@ -2,7 +2,7 @@
 ``RouterConfig``s (and the other routers for reference), TTFT and the share of requests whose adapter
 was READY on arrival.
 
-    python -m bench.routing --replicas 32 --rate 64 --requests 3000 --adapters 200 --lead 0.05 \\
+    python -m bench.probes.route_advice --replicas 32 --rate 64 --requests 3000 --adapters 200 --lead 0.05 \\
         --variants "default;sticky=0;min_bound=0;sticky=0,min_bound=0;epsilon=1"
 
 A variant is ``field=value`` pairs of ``lora_cache.routing.ranking.RouterConfig`` ("default": none).
@@ -40,7 +40,7 @@ def router_config(variant: str) -> RouterConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.probes.route_advice", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=int, default=32)
     p.add_argument("--slots", type=int, default=8)

@@ -12,8 +12,8 @@ It checks that every rank's bytes are its own shard's (not the whole adapter), t
 together hold exactly the adapter's values (column-parallel lora_A and row-parallel lora_B are
 replicated, the rest split), and that the replica event never precedes the last rank's READY.
 
-    python -m bench.tp_ready --tp 2 --out results/tp2.json            # on a 2-GPU machine
-    python -m bench.tp_ready --tp 2 --cpu --model tiny --out /tmp/x.json  # anywhere
+    python -m bench.probes.tp_ready --tp 2 --out results/tp2.json            # on a 2-GPU machine
+    python -m bench.probes.tp_ready --tp 2 --cpu --model tiny --out /tmp/x.json  # anywhere
 """
 
 from __future__ import annotations

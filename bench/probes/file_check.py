@@ -2,7 +2,7 @@
 from the page cache, with each ``verify`` mode against the copy alone (no check at all), and what
 registration pays to take the CRCs (docs/architecture.md, "A version is the bytes it hashed").
 
-    python -m bench.file_check --dir /tmp/filecheck --trials 7
+    python -m bench.probes.file_check --dir /tmp/filecheck --trials 7
 """
 
 from __future__ import annotations

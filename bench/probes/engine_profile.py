@@ -1,6 +1,6 @@
 """Where a reference-engine step spends its time on the GPU: per-step wall times and a torch profile.
 
-    python -m bench.engine_profile --adapters /tmp/ad8b --out OUT [--layers 32] [--batch 32]
+    python -m bench.probes.engine_profile --adapters /tmp/ad8b --out OUT [--layers 32] [--batch 32]
 
 Runs one rank (TP 1) of ``llama-3.1-8b``: one prefill of ``--batch`` requests, then decode steps with
 and without LoRA adapters, replayed as CUDA graphs (the default) and eager (``*_eager_ms``), and a

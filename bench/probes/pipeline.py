@@ -8,7 +8,7 @@ read before, dropped from the host tier), each under whole-adapter waits (``onde
 chunk waits (``pipelined``). Medians of ``--repeats``. Then, from a staged shard, one copy of the whole
 packed shard against its chunk plan's copies (events on the copy stream).
 
-    python -m bench.pipeline [--ranks 16,64] [--prompts 128,512,1024,2048] [--repeats 5] [--out FILE.json]
+    python -m bench.probes.pipeline [--ranks 16,64] [--prompts 128,512,1024,2048] [--repeats 5] [--out FILE.json]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the engine seam's relay adds to a controller call: one call, to a worker actor and to an attached rank.
 
-    python -m bench.attach_probe --calls 300
+    python -m bench.probes.attach --calls 300
 
 Starts a local Ray, the service with one worker actor (replica-0), and attaches this process as the
 rank of a second replica (``probe``) through ``workers/attach.py``. Then times the same calls through
@@ -110,7 +110,7 @@ def probe(calls: int) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.attach_probe", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.probes.attach", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=300, help="timed calls per handle and kind")
     print(json.dumps(probe(parser.parse_args(argv).calls), indent=1))

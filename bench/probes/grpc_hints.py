@@ -1,6 +1,6 @@
 """Hint ingestion over gRPC, end to end into the controller (lifecycle steps 1-2), on CPU.
 
-    python -m bench.grpc_hints [--duration 10] [--clients 8] [--batch 100] [--replicas 2] [--out FILE.json]
+    python -m bench.probes.grpc_hints [--duration 10] [--clients 8] [--batch 100] [--replicas 2] [--out FILE.json]
 
 Starts an embedded ``lora-cache serve`` (local Ray, CPU workers, tiny adapters) and the gRPC gateway
 in this process; a separate load-generator process runs ``--clients`` asyncio tasks, each sending

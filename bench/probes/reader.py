@@ -15,7 +15,7 @@ no GIL shared, only the cores, memory and page cache). ``process`` is what a GPU
 one. ``--threads`` repeats the set at each torch intra-op thread count (a copy on the host is split
 over that many OpenMP threads; Ray workers run with 1).
 
-    python -m bench.reader_probe --out reader_probe.json [--adapters DIR] [--tp 1,2] [--readers 1,2]
+    python -m bench.probes.reader --out reader_probe.json [--adapters DIR] [--tp 1,2] [--readers 1,2]
         [--threads 1,16] [--kinds mmap,views,...]
 """
 

@@ -1,6 +1,6 @@
 """Stalls in a real run's logs, per policy: what held requests up beyond their steps' fitted costs.
 
-    python -m bench.stalls DIR/results.json[.gz]
+    python -m bench.probes.stalls DIR/results.json[.gz]
 
 - ``wait_before_load_ms``: the longest time from a request's step start (its ``prefill_s``) to the
   start of the on-demand load it waited on (a load's start is ``t_s - ready_ms``). Requests do not log
@@ -54,7 +54,7 @@ def stalls(doc: Mapping[str, Any]) -> dict[str, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = results_parser("python -m bench.stalls", __doc__).parse_args(argv)
+    ns = results_parser("python -m bench.probes.stalls", __doc__).parse_args(argv)
     doc = read_results_or_say(ns.results)
     if doc is None:
         return 2

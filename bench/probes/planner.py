@@ -1,6 +1,6 @@
 """Planner scale: one queue update of one replica, then an incremental replan, at fleet scale (CPU).
 
-    python -m bench.planner [--replicas 1000] [--adapters 10000] [--updates 2000] [--out FILE.json]
+    python -m bench.probes.planner [--replicas 1000] [--adapters 10000] [--updates 2000] [--out FILE.json]
 
 A fleet of `replicas` TP groups and a catalog of `adapters` (shard sizes of ranks 8/16/32/64, Zipf
 popularity, alpha 1.5 by default) is warmed up: every replica gets a queue of a few adapters, the

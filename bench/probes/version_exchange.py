@@ -2,7 +2,7 @@
 
 One rank's report (``RankVersions.rows``) and rank 0's reading of it (``ReplicaView``: readiness, step
 failures, one adapter's versions), for N registered adapters with 8 READY: what every round of every
-admission rule pays since issue 19. ``python -m bench.version_exchange [--adapters 100 1000]``.
+admission rule pays since issue 19. ``python -m bench.probes.version_exchange [--adapters 100 1000]``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """LoRA kernel measurements (issue 5): decode-shape bandwidth vs a device copy, time vs the torch reference,
 and the wrappers' Python cost per call.
 
-    python -m bench.kernels --out FILE [--model llama-3.1-8b] [--tokens 1,16,64,128,256] [--ranks 16,64]
+    python -m bench.probes.kernels --out FILE [--model llama-3.1-8b] [--tokens 1,16,64,128,256] [--ranks 16,64]
                             [--mixes identical,distinct,uniform8,zipf] [--modes bgmv] [--knobs reduce=0,block_k=64]
                             [--sweep] [--only-overhead]
-    python -m bench.kernels --smoke --out FILE     # tiny shapes on the CPU: the script runs end to end
+    python -m bench.probes.kernels --smoke --out FILE     # tiny shapes on the CPU: the script runs end to end
 
 For each (mode, rank, adapter mix, tokens): one layer's fused q/k/v LoRA of the model shape in bf16, each
 adapter in its own slot of a pool, one ``lora_apply`` per step. Mixes: ``identical`` (one adapter),

@@ -1,6 +1,6 @@
 """Data-path measurements on a GPU, in one run (issue: the worker data path).
 
-    python -m bench.gpu_suite --out DIR [--model llama-3.1-8b] [--ranks 8,16,32,64] [--tps 1,2]
+    python -m bench.probes.gpu_suite --out DIR [--model llama-3.1-8b] [--ranks 8,16,32,64] [--tps 1,2]
 
 1. load: H2D of a packed shard through WorkerCache (host-tier hit, event-timed) / a plain pinned
    memcpy of the same bytes on the same stream, interleaved in the same run (goal >= 0.90).
