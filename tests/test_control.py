@@ -13,6 +13,7 @@ from lora_cache.controller.core import ControllerConfig, ControllerCore
 from lora_cache.errors import NotFoundError
 from lora_cache.planner import PlannerConfig
 from lora_cache.vocab import AdapterKey, Delta, Evict, Prefetch, Stage, WorkerId
+from tests.planner_queries import popularity
 from workers.cache import WorkerCache, WorkerConfig
 from workers.commands import CommandGate
 from workers.host_tier import HostTierConfig
@@ -260,7 +261,7 @@ def test_popular_adapters_are_staged_into_the_host_tier_the_worker_reports(tmp_p
         commands = core.plan(1.2, full=True).get(WorkerId("r0", 0), [])
         stages = [c.adapter for c in commands if isinstance(c, Stage)]
         assert stages and not [c for c in commands if isinstance(c, Prefetch)]  # well under 0.5 requests/s
-        assert stages == sorted(stages, key=lambda n: core.planner.popularity(n, 1.2) /
+        assert stages == sorted(stages, key=lambda n: popularity(core.planner, n, 1.2) /
                                 core.planner.adapter(n).bytes_per_rank, reverse=True)
         assert sum(core.planner.adapter(n).bytes_per_rank for n in stages) <= host_bytes
         gate.apply(commands)

@@ -12,6 +12,7 @@ from lora_cache.controller.snapshots import DurableConfig, Snapshots, decode, en
 from lora_cache.errors import ConfigError
 from lora_cache.planner import Hint, Planner
 from lora_cache.vocab import AdapterKey
+from tests.planner_queries import dirty_replicas, needed_adapters, popularity
 from tests.test_planner import make, prefetched, queue
 
 
@@ -35,14 +36,14 @@ def test_hints_queues_and_popularity_come_back_and_nothing_is_counted_twice() ->
     for replica in ("r0", "r1"):
         assert after.hints(replica) == before.hints(replica) and after.queue(replica) == before.queue(replica)
         for adapter in ("a1", "a2", "a3", "a4", "a5"):
-            assert after.popularity(adapter, 2.0, replica) == pytest.approx(before.popularity(adapter, 2.0, replica))
-    assert after.popularity("a5", 2.0) == pytest.approx(before.popularity("a5", 2.0))
+            assert popularity(after, adapter, 2.0, replica) == pytest.approx(popularity(before, adapter, 2.0, replica))
+    assert popularity(after, "a5", 2.0) == pytest.approx(popularity(before, "a5", 2.0))
     after.check_integrity()
     plan = after.plan(2.0)  # the restored needs are planned at once, like before the restart
     assert prefetched(plan, "r0/w0") == ["a1", "a2"]
-    assert after.needed_adapters("r0") == ("a1", "a2", "a3") and staged_or_held(after, plan, "r0", "a3")
+    assert needed_adapters(after, "r0") == ("a1", "a2", "a3") and staged_or_held(after, plan, "r0", "a3")
     queue(after, "r0", "a1", "a2", now=2.5)  # the engine re-reports the same queue: no new arrivals
-    assert after.popularity("a1", 2.5) == pytest.approx(before.popularity("a1", 2.5))
+    assert popularity(after, "a1", 2.5) == pytest.approx(popularity(before, "a1", 2.5))
 
 
 def staged_or_held(planner: Planner, plan: object, replica: str, adapter: str) -> bool:
@@ -57,7 +58,7 @@ def test_a_far_hint_restored_still_turns_near_on_time() -> None:
     after, _ = restarted(before, 2.0, slots=1, tp=1)
     after.plan(2.0)
     after.advance(8.0)
-    assert "r1" in after.dirty_replicas()
+    assert "r1" in dirty_replicas(after)
     after.check_integrity()
 
 
@@ -82,8 +83,8 @@ def test_restore_into_a_planner_whose_clock_already_moved_rescales_counts() -> N
     after = make(replicas=2, half_life_s=10.0)
     after.record_request("a6", "r0", 21.0)  # its own landmark is 21.0
     after.restore_state(decode(encode(before, DurableConfig())), 21.0)
-    assert after.popularity("a5", 21.0) == pytest.approx(2.0)  # 8 halved twice
-    assert after.popularity("a6", 21.0) == pytest.approx(1.0)
+    assert popularity(after, "a5", 21.0) == pytest.approx(2.0)  # 8 halved twice
+    assert popularity(after, "a6", 21.0) == pytest.approx(1.0)
     after.check_integrity()
 
 

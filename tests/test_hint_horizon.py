@@ -8,6 +8,7 @@ import pytest
 from lora_cache.errors import ConfigError
 from lora_cache.planner import Hint, Planner, PlannerConfig
 from lora_cache.vocab import AdapterKey
+from tests.planner_queries import dirty_replicas, needed_adapters
 from tests.test_planner import evicted, hold, make, popular, prefetched, queue, staged
 
 
@@ -29,7 +30,7 @@ def test_issue_19_two_far_hints_do_not_keep_a_queued_adapter_from_a_slot() -> No
     plan = planner.plan(2.0)
     assert prefetched(plan, "r0/w0") == ["a2"] and staged(plan, "r0/w0") == []
     assert len(evicted(plan, "r0/w0")) == 1
-    assert planner.needed_adapters("r0") == ("a2",)
+    assert needed_adapters(planner, "r0") == ("a2",)
     planner.check_integrity()
 
 
@@ -52,7 +53,7 @@ def test_far_hints_rank_after_queued_and_near_ones() -> None:
     queue(planner, "r0", "a1")
     plan = planner.plan(1.0)
     assert prefetched(plan, "r0/w0") == ["a1", "a4", "a7", "a3"]  # a3 counts as one request: below a7
-    assert planner.needed_adapters("r0") == ("a1", "a4")
+    assert needed_adapters(planner, "r0") == ("a1", "a4")
 
 
 def test_a_resident_far_hinted_adapter_is_not_displaced_by_speculation() -> None:
@@ -75,10 +76,10 @@ def test_a_far_hint_becomes_a_need_when_time_brings_it_within_the_horizon() -> N
     planner.add_hint(Hint("h", "a1", "r0", 10.0), 1.0)
     assert evicted(planner.plan(1.0), "r0/w0") == []
     planner.advance(7.9)
-    assert planner.dirty_replicas() == ()  # still 2.1 s ahead: far
+    assert dirty_replicas(planner) == ()  # still 2.1 s ahead: far
     assert planner.plan(7.9).is_empty
     planner.advance(8.0)
-    assert planner.dirty_replicas() == ("r0",)
+    assert dirty_replicas(planner) == ("r0",)
     plan = planner.plan(8.0)
     assert evicted(plan, "r0/w0") == ["a0"] and prefetched(plan, "r0/w0") == ["a1"]
     assert planner.residency("r0/w0").keys() == {AdapterKey("a1", "v1")}

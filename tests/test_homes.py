@@ -13,6 +13,7 @@ from lora_cache.planner.popularity import RankedCounts
 from lora_cache.planner.rendezvous import preference
 from lora_cache.routing.advice import RouteRequest, advise
 from lora_cache.routing.ranking import ReplicaLoad, Residence, RouterConfig, rank
+from tests.planner_queries import home_book
 
 
 def fleet(replicas: int = 4, slots: int = 2, adapters: int = 6, tp: int = 2, **config: object) -> Planner:
@@ -209,11 +210,11 @@ def test_a_home_displaces_only_an_incumbent_worth_clearly_less_by_the_live_count
     order = preference("a0", planner.replicas())
     held_at(planner, order[-1], {order[-1]: 110}, 1.0)
     assert changes(planner.plan_all(2.1)) == ({}, {})  # reassigned: one home, followed, not worth it yet
-    assignments = planner._homes.assignments
+    assignments = home_book(planner).assignments
     planner.record_request("a0", order[-1], 2.2, weight=100)
     loaded, evicted = changes(planner.plan_all(2.2))
     assert loaded == {order[0]: {"a0"}} and list(evicted) == [order[0]]
-    assert planner._homes.assignments == assignments
+    assert home_book(planner).assignments == assignments
     planner.check_integrity()
 
 
@@ -222,7 +223,7 @@ def test_the_homes_are_reassigned_only_when_what_they_rest_on_changes() -> None:
     replicas x 10,000 adapters): it is kept across plans until the fleet's shape changes, an adapter newly
     reaches home_min_rate or wants clearly more homes, or home_refresh_s passes."""
     planner = fleet(replicas=4, slots=2, adapters=6)  # the catalog fits: every adapter placed once
-    book = planner._homes
+    book = home_book(planner)
     settle(planner, 0.0)
     first = book.assignments
     for i in range(5):  # the same inputs, and requests that change no copies: nothing is reassigned

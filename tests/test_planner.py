@@ -29,6 +29,7 @@ from lora_cache.planner import (
     UnknownWorkerError,
 )
 from lora_cache.vocab import AdapterKey, Evict, Prefetch
+from tests.planner_queries import dirty_replicas, popularity, ready_replicas
 
 ROOT = Path(__file__).resolve().parents[1]
 READY, IN_USE, LOADING = SlotState.READY, SlotState.IN_USE, SlotState.LOADING
@@ -352,9 +353,9 @@ def test_stale_version_is_evicted_and_the_new_one_loaded() -> None:
     planner = make(slots=2)
     queue(planner, "r0", "a1")
     planner.plan(1.0)
-    assert planner.dirty_replicas() == ()
+    assert dirty_replicas(planner) == ()
     planner.register_adapter(AdapterInfo("a1", "v2", 100))
-    assert planner.dirty_replicas() == ("r0",)
+    assert dirty_replicas(planner) == ("r0",)
     plan = planner.plan(1.0)
     commands = plan.for_worker("r0/w0")
     assert commands is not None
@@ -383,7 +384,7 @@ def test_duplicate_hint_is_idempotent() -> None:
     assert planner.add_hint(Hint("h1", "a2", "r0", 5.0), 1.0)
     assert not planner.add_hint(Hint("h1", "a3", "r0", 2.0), 1.5)  # same id, whatever it says
     assert [h.adapter for h in planner.hints("r0")] == ["a2"]
-    assert planner.popularity("a2", 1.0) == pytest.approx(1.0) and planner.popularity("a3", 1.5) == 0.0
+    assert popularity(planner, "a2", 1.0) == pytest.approx(1.0) and popularity(planner, "a3", 1.5) == 0.0
     assert planner.stats.hints_ignored == 1
 
 
@@ -392,7 +393,7 @@ def test_cancelled_hint_is_dropped_and_a_late_duplicate_ignored() -> None:
     planner.add_hint(Hint("h1", "a2", "r0", 5.0), 1.0)
     assert prefetched(planner.plan(1.0), "r0/w0") == ["a2"]
     assert planner.cancel_hint("h1", 2.0)
-    assert planner.dirty_replicas() == ("r0",) and planner.hints("r0") == ()
+    assert dirty_replicas(planner) == ("r0",) and planner.hints("r0") == ()
     assert not planner.add_hint(Hint("h1", "a2", "r0", 5.0), 2.0)
     assert not planner.cancel_hint("h1", 2.0)
 
@@ -410,7 +411,7 @@ def test_hint_is_fulfilled_by_its_queued_request_and_counted_once() -> None:
     planner.add_hint(Hint("h1", "a2", "r0", 2.0), 1.0)
     queue(planner, "r0", "a2", now=1.5)
     assert planner.hints("r0") == ()
-    assert planner.popularity("a2", 1.5) == pytest.approx(2 ** (-0.5 / 60))  # one count, at t=1.0
+    assert popularity(planner, "a2", 1.5) == pytest.approx(2 ** (-0.5 / 60))  # one count, at t=1.0
 
 
 def test_hint_expires_after_ttl() -> None:
@@ -588,9 +589,9 @@ def test_popularity_halves_every_half_life_fleet_wide_and_per_replica() -> None:
     planner = make(replicas=2, half_life_s=10.0)
     planner.record_request("a1", "r0", 0.0, weight=8)
     planner.record_request("a1", "r1", 10.0, weight=4)
-    assert planner.popularity("a1", 20.0) == pytest.approx(8 / 4 + 4 / 2)
-    assert planner.popularity("a1", 20.0, "r0") == pytest.approx(2.0)
-    assert planner.popularity("a1", 20.0, "r1") == pytest.approx(2.0)
+    assert popularity(planner, "a1", 20.0) == pytest.approx(8 / 4 + 4 / 2)
+    assert popularity(planner, "a1", 20.0, "r0") == pytest.approx(2.0)
+    assert popularity(planner, "a1", 20.0, "r1") == pytest.approx(2.0)
 
 
 def test_popularity_survives_many_half_lives_without_overflow() -> None:
@@ -598,8 +599,8 @@ def test_popularity_survives_many_half_lives_without_overflow() -> None:
     for step in range(2000):
         planner.record_request("a1" if step % 3 else "a2", "r0", float(step))
     # a2 at steps 0, 3, ..., 1998; a1 at the others (1999, 1997, 1996, ...): geometric sums
-    assert planner.popularity("a2", 1999.0) == pytest.approx(0.5 * 8 / 7, rel=1e-9)
-    assert planner.popularity("a1", 1999.0) == pytest.approx(1.25 * 8 / 7, rel=1e-9)
+    assert popularity(planner, "a2", 1999.0) == pytest.approx(0.5 * 8 / 7, rel=1e-9)
+    assert popularity(planner, "a1", 1999.0) == pytest.approx(1.25 * 8 / 7, rel=1e-9)
     planner.check_integrity()
 
 
@@ -616,12 +617,12 @@ def test_a_queue_update_replans_only_its_replica() -> None:
     planner = make(replicas=3)
     planner.plan_all(1.0)
     queue(planner, "r1", "a3")
-    assert planner.dirty_replicas() == ("r1",)
+    assert dirty_replicas(planner) == ("r1",)
     plan = planner.plan(1.0)
     assert plan.replicas == ("r1",) and {w.replica for w in plan.workers} == {"r1"}
     assert planner.plan(1.0).replicas == ()
     queue(planner, "r1", "a3")  # the same queue again: nothing to do
-    assert planner.dirty_replicas() == ()
+    assert dirty_replicas(planner) == ()
 
 
 def test_popularity_alone_is_replanned_lazily() -> None:
@@ -637,9 +638,9 @@ def test_readiness_does_not_dirty_but_a_release_does() -> None:
     planner.plan(1.0)
     for worker in planner.workers("r0"):
         planner.update_residency(worker, ResidencyEntry("a1", "v1", READY))
-    assert planner.dirty_replicas() == ()
+    assert dirty_replicas(planner) == ()
     planner.update_residency("r0/w0", ResidencyEntry("a1", "v1", IN_USE, 1))
-    assert planner.dirty_replicas() == ("r0",)
+    assert dirty_replicas(planner) == ("r0",)
 
 
 def test_sent_commands_are_assumed_done_so_replanning_is_a_fixpoint() -> None:
@@ -658,7 +659,7 @@ def test_lost_worker_drops_its_residency_and_dirties_its_replica() -> None:
     queue(planner, "r0", "a1")
     planner.plan(1.0)
     planner.remove_worker("r0/w1")
-    assert planner.dirty_replicas() == ("r0",) and planner.workers("r0") == ("r0/w0",)
+    assert dirty_replicas(planner) == ("r0",) and planner.workers("r0") == ("r0/w0",)
     with pytest.raises(UnknownWorkerError):
         planner.residency("r0/w1")
     planner.add_worker("r0", "r0/w9", slots=2)
@@ -684,7 +685,7 @@ def test_ready_replicas_needs_every_rank_loaded() -> None:
     hold(planner, "r0", "a1")
     planner.report_residency("r1/w0", [ResidencyEntry("a1", "v1", READY)])
     planner.report_residency("r1/w1", [ResidencyEntry("a1", "v1", LOADING)])
-    assert planner.ready_replicas("a1") == ("r0",)
+    assert ready_replicas(planner, "a1") == ("r0",)
 
 
 def test_remove_replica_forgets_its_queue_hints_and_counts() -> None:
@@ -738,11 +739,11 @@ def test_remove_adapter_forgets_it_everywhere_and_replans_who_used_it() -> None:
     hold(planner, "r1", "a1", "a3")
     planner.plan_all(1.0)
     planner.remove_adapter("a1", 1.5)
-    assert set(planner.dirty_replicas()) == {"r0", "r1"}
+    assert set(dirty_replicas(planner)) == {"r0", "r1"}
     assert [e.adapter for e in planner.queue("r0")] == ["a2"] and planner.hints("r1") == ()
     assert all("a1" not in held(planner, w) for r in ("r0", "r1") for w in planner.workers(r))
     plan = planner.plan(1.5)
     assert all(c.adapter != "a1" for w in plan.workers for c in w.commands)
     with pytest.raises(UnknownAdapterError, match="unknown adapter 'a1'"):
-        planner.popularity("a1", 1.5)
+        popularity(planner, "a1", 1.5)
     planner.check_integrity()

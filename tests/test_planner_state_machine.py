@@ -44,6 +44,7 @@ from lora_cache.planner import (
     WorkerCommands,
 )
 from lora_cache.vocab import AdapterKey
+from tests.planner_queries import needed_adapters, popularity
 
 EPOCH = 3
 ADAPTERS = [f"a{i}" for i in range(7)]
@@ -329,8 +330,8 @@ class PlannerMachine(RuleBasedStateMachine):
     def _score(self, adapter: str, replica: str) -> float:
         """The scorer's value per byte, from the planner's decayed counts (the same order as its scaled ones)."""
         p, weight = self.planner, self.planner.config.local_weight
-        value = ((1.0 - weight) / len(p.replicas()) * p.popularity(adapter, self.now)
-                 + weight * p.popularity(adapter, self.now, replica))
+        value = ((1.0 - weight) / len(p.replicas()) * popularity(p, adapter, self.now)
+                 + weight * popularity(p, adapter, self.now, replica))
         return value / p.adapter(adapter).bytes_per_rank
 
     # -- helpers --------------------------------------------------------------------------------------
@@ -349,7 +350,7 @@ class PlannerMachine(RuleBasedStateMachine):
         p = self.planner
         workers = {r: p.workers(r) for r in p.replicas()}
         every = [w for ws in workers.values() for w in ws]
-        needed = {r: p.needed_adapters(r) for r in workers}
+        needed = {r: needed_adapters(p, r) for r in workers}
         horizon = p.config.hint_horizon_s
         far = {r: tuple(dict.fromkeys(h.adapter for h in p.hints(r) if h.expected_s - horizon > self.now
                                       and h.adapter not in needed[r])) for r in workers}

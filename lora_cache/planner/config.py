@@ -6,14 +6,17 @@ import math
 from dataclasses import dataclass, field
 
 from lora_cache.planner.errors import ConfigError, known_names
-from lora_cache.planner.policies import POLICIES
+
+# The placement policies' names, in the registry's order: `policies.POLICIES` maps each to its class (and
+# checks that it names these). Listed here so a config is checked when it is made, without importing the rules.
+POLICY_NAMES = ("global", "queue", "none")
 
 
 @dataclass(frozen=True)
 class PlannerConfig:
     """How the controller decides what each worker should hold."""
 
-    policy: str = field(default="global", metadata={"help": "placement policy: global | queue | none"})
+    policy: str = field(default="global", metadata={"help": f"placement policy: {' | '.join(POLICY_NAMES)}"})
     half_life_s: float = field(default=60.0, metadata={"help": "half-life of the decayed popularity counts"})
     local_weight: float = field(default=0.5, metadata={
         "help": "weight of a replica's own counts against the fleet's (per replica) in an adapter's value"})
@@ -58,9 +61,9 @@ class PlannerConfig:
         "help": "adapters whose per-replica counts are kept (the least popular are forgotten)"})
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
+        if self.policy not in POLICY_NAMES:
             raise ConfigError(f"policy {self.policy!r} is not registered; "
-                              f"choose one of {known_names(POLICIES)}")
+                              f"choose one of {known_names(POLICY_NAMES)}")
         _positive_seconds("half_life_s", self.half_life_s, "60.0")
         _positive_seconds("hint_ttl_s", self.hint_ttl_s, "30.0")
         if not _finite(self.hint_horizon_s) or self.hint_horizon_s < 0:

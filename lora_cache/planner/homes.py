@@ -44,21 +44,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import NamedTuple
 
 from lora_cache.planner.popularity import Popularity, RankedCounts
 from lora_cache.planner.rendezvous import preference, preference_prefix
 from lora_cache.planner.state import FleetState
+from lora_cache.planner.view import Home
 from lora_cache.vocab import AdapterKey
-
-
-class Home(NamedTuple):
-    """An adapter assigned to a replica: its current version, and the scaled request count each of its homes
-    can expect (its fleet-wide count over its copies, what a router that follows residency sends each copy);
-    0.0 for an adapter placed only because the fleet holds the catalog (free room only, never displacing)."""
-
-    key: AdapterKey
-    per_copy: float
 
 
 def copies(share: float, replicas: int) -> int:

@@ -6,6 +6,9 @@ do not dirty anything: `plan_all(now)` replans every replica against current pop
 controller calls it on a timer). The same inputs always give the same plan: ties sort by name, and
 nothing depends on set or hash order. Time is passed in (`now`, seconds of a monotonic clock).
 
+The planner checks its inputs and keeps the books (`state.py`, `hints.py`, `horizon.py`, `popularity.py`);
+re-planning, from what dirties a replica to the commands of its plan, is `replan.py`, which it composes.
+
 Not thread-safe: the controller actor serialises calls.
 """
 
@@ -14,16 +17,13 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-from lora_cache.planner.commands import Plan, WorkerCommands
+from lora_cache.planner.commands import Plan
 from lora_cache.planner.config import PlannerConfig
 from lora_cache.planner.durable import Restored, export_state, restore_state
 from lora_cache.planner.errors import PlannerInputError
 from lora_cache.planner.hints import HintBook
-from lora_cache.planner.homes import HomeBook
 from lora_cache.planner.horizon import Horizon
-from lora_cache.planner.policies import POLICIES, ReplicaView, Room, Target
 from lora_cache.planner.popularity import Popularity
 from lora_cache.planner.records import (
     AdapterInfo,
@@ -38,22 +38,9 @@ from lora_cache.planner.records import (
     check_id,
     check_time,
 )
+from lora_cache.planner.replan import PlannerStats, Replanner
 from lora_cache.planner.state import FleetState
-from lora_cache.vocab import AdapterKey, Evict, Prefetch, Stage
-
-_LOADED = (SlotState.READY, SlotState.IN_USE)
-
-
-@dataclass
-class PlannerStats:
-    """Running totals for metrics."""
-
-    plans: int = 0
-    replicas_planned: int = 0
-    prefetches: int = 0
-    evicts: int = 0
-    stages: int = 0
-    hints_ignored: int = 0  # duplicates, stale, cancelled before arrival, or over the per-replica limit
+from lora_cache.vocab import AdapterKey
 
 
 class Planner:
@@ -67,13 +54,12 @@ class Planner:
         self.config = config
         self.epoch = epoch
         self.stats = PlannerStats()
-        self._policy = POLICIES[config.policy]()
         self._fleet = FleetState()
         self._hints = HintBook(config.hint_ttl_s, config.max_hints_per_replica)
         self._horizon = Horizon(config.hint_horizon_s)  # far hints only fill free room
         self._popularity = Popularity(config.half_life_s, config.max_tracked_per_replica)
-        self._homes = HomeBook(config.home_min_rate, config.home_refresh_s)  # fleet placement (homes.py)
-        self._dirty: set[str] = set()  # replicas whose plan inputs changed since they were last planned
+        self._replan = Replanner(config, epoch, self._fleet, self._hints, self._horizon, self._popularity,
+                                 self.stats)  # dirty replicas, the policy, the homes, the diff (replan.py)
         self._now: float | None = None  # the latest time given
         for info in adapters:
             self.register_adapter(info)
@@ -88,35 +74,35 @@ class Planner:
                                     "pass an AdapterInfo(name, version, bytes_per_rank)")
         old = self._fleet.register(info)
         if old is not None and old != info:
-            self._dirty |= self._replicas_touching(info.name)
+            self._replan.adapter_changed(info.name)
 
     def remove_adapter(self, name: str, now: float) -> None:
         """Forget an unregistered adapter: its hints are cancelled, its queue entries, counts and
         residency dropped, and the replicas that held, queued or were hinted it replanned. The planner
         sends no command for it any more: the caller evicts it from the workers.
         """
-        self._advance(now)
+        self.advance(now)
         self._fleet.require_adapter(name, "remove_adapter")
-        self._dirty |= self._replicas_touching(name)
+        self._replan.adapter_changed(name)
         for hint_id in [i for i, h in self._hints.active.items() if h.adapter == name]:
             self._hints.cancel(hint_id, now)
         self._fleet.unregister(name)
         self._popularity.forget(name)
-        self._homes.forget(name)
+        self._replan.forget_adapter(name)
 
     def add_replica(self, spec: ReplicaSpec) -> None:
         if not isinstance(spec, ReplicaSpec):
             raise PlannerInputError(f"add_replica got {spec!r}; "
                                     "pass a ReplicaSpec(replica_id, worker_ids, slots_per_worker)")
         self._fleet.add_replica(spec)
-        self._dirty.add(spec.replica_id)
+        self._replan.mark(spec.replica_id)
 
     def remove_replica(self, replica: str) -> None:
         self._fleet.require_replica(replica, "remove_replica")
         self._fleet.remove_replica(replica)
         self._hints.drop_replica(replica)
         self._popularity.drop_replica(replica)
-        self._dirty.discard(replica)
+        self._replan.forget_replica(replica)
 
     def add_worker(self, replica: str, worker: str, slots: int, bytes_per_worker: int | None = None,
                    host_bytes: int | None = None) -> None:
@@ -126,12 +112,12 @@ class Planner:
         check_capacity(f"worker {worker!r}", capacity)
         self._fleet.require_replica(replica, "add_worker")
         self._fleet.add_worker(replica, worker, capacity)
-        self._dirty.add(replica)
+        self._replan.mark(replica)
 
     def remove_worker(self, worker: str) -> None:
         """A lost worker: its residency is dropped and its replica replanned."""
         self._fleet.require_worker(worker, "remove_worker")
-        self._dirty.add(self._fleet.remove_worker(worker))
+        self._replan.mark(self._fleet.remove_worker(worker))
 
     def set_capacity(self, worker: str, slots: int, bytes_per_worker: int | None = None,
                      host_bytes: int | None = None) -> None:
@@ -139,14 +125,14 @@ class Planner:
         check_capacity(f"worker {worker!r}", capacity)
         replica = self._fleet.require_worker(worker, "set_capacity")
         if self._fleet.set_capacity(worker, capacity):
-            self._dirty.add(replica)
+            self._replan.mark(replica)
 
     # -- inputs -----------------------------------------------------------------------------------
     def report_queue(self, replica: str, entries: Iterable[QueueEntry], now: float) -> None:
         """A replica's waiting requests in queue order; new arrivals count towards popularity."""
-        self._advance(now)
+        self.advance(now)
         self._fleet.require_replica(replica, "report_queue")
-        queue = tuple(self._queue_entry(replica, entry) for entry in entries)
+        queue = tuple(_queue_entry(self._fleet, replica, entry) for entry in entries)
         old = self._fleet.queues.get(replica, ())
         if queue == old:
             return
@@ -154,14 +140,14 @@ class Planner:
             self._fleet.queues[replica] = queue
         else:
             del self._fleet.queues[replica]
-        self._dirty.add(replica)
+        self._replan.mark(replica)
         for entry in _arrivals(old, queue):
             if self._hints.fulfil(replica, entry.adapter, now) is None:  # a hinted request counted already
                 self._popularity.observe(entry.adapter, replica, now)
 
     def add_hint(self, hint: Hint, now: float) -> bool:
         """A router's hint; False if ignored (a known id, stale, or the replica's hint table is full)."""
-        self._advance(now)
+        self.advance(now)
         if not isinstance(hint, Hint):
             raise PlannerInputError(f"add_hint got {hint!r}; "
                                     "pass a Hint(hint_id, adapter, replica, expected_s)")
@@ -172,22 +158,21 @@ class Planner:
             return False
         self._popularity.observe(hint.adapter, hint.replica, now)
         self._horizon.watch(hint, now, self._hints.active)
-        if self._policy.uses_hints:
-            self._dirty.add(hint.replica)
+        self._replan.hints_changed({hint.replica})
         return True
 
     def cancel_hint(self, hint_id: str, now: float) -> bool:
         """Withdraw a hint (its request went elsewhere or was dropped); False if it was not active."""
-        self._advance(now)
+        self.advance(now)
         check_id("hint id", hint_id)
         hint = self._hints.cancel(hint_id, now)
-        if hint is not None and self._policy.uses_hints:
-            self._dirty.add(hint.replica)
+        if hint is not None:
+            self._replan.hints_changed({hint.replica})
         return hint is not None
 
     def record_request(self, adapter: str, replica: str, now: float, weight: float = 1.0) -> None:
         """Count requests seen elsewhere (e.g. served without queueing); replanned lazily."""
-        self._advance(now)
+        self.advance(now)
         self._fleet.require_replica(replica, "record_request")
         self._fleet.require_adapter(adapter, "record_request")
         if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf:
@@ -200,42 +185,48 @@ class Planner:
         replica = self._fleet.require_worker(worker, "report_residency")
         held: dict[AdapterKey, Residency] = {}
         for entry in entries:
-            key, residency = self._residency_entry(worker, entry)
+            key, residency = _residency_entry(self._fleet, worker, entry)
             if key in held:
                 raise PlannerInputError(f"worker {worker!r} reported {key} twice in one residency report; "
                                         "send one entry per adapter version")
             held[key] = residency
         self._fleet.set_staged(worker, ())  # a restarted worker's host tier is empty: stage again if needed
         if self._fleet.set_residency(worker, held):
-            self._dirty.add(replica)
+            self._replan.mark(replica)
 
     def update_residency(self, worker: str, entry: ResidencyEntry) -> None:
         """One adapter version changed state on a worker (loaded, ready, acquired, released)."""
         replica = self._fleet.require_worker(worker, "update_residency")
-        key, residency = self._residency_entry(worker, entry)
+        key, residency = _residency_entry(self._fleet, worker, entry)
         if self._fleet.put_residency(worker, key, residency):
-            self._dirty.add(replica)
+            self._replan.mark(replica)
 
     def drop_residency(self, worker: str, adapter: str, version: str) -> None:
         """A worker no longer holds `adapter@version` (evicted); a no-op if it did not."""
         replica = self._fleet.require_worker(worker, "drop_residency")
         if self._fleet.put_residency(worker, AdapterKey(adapter, version), None):
-            self._dirty.add(replica)
+            self._replan.mark(replica)
 
     def advance(self, now: float) -> None:
         """Move the planner's clock: expire hints (dirtying their replicas) and rescale counts."""
-        self._advance(now)
+        check_time("now", now)
+        if self._now is not None and now < self._now:
+            raise PlannerInputError(f"now ({now}) is earlier than a time already given ({self._now}); pass "
+                                    "one monotonic clock (e.g. time.monotonic()) to every planner call")
+        self._now = now
+        self._popularity.advance(now)
+        self._replan.hints_changed(self._hints.expire(now) | self._horizon.due(now, self._hints.active))
 
     # -- planning ---------------------------------------------------------------------------------
     def plan(self, now: float) -> Plan:
         """Replan the replicas whose inputs changed since their last plan."""
-        self._advance(now)
-        return self._plan(sorted(self._dirty))
+        self.advance(now)
+        return self._replan.plan(now)
 
     def plan_all(self, now: float) -> Plan:
         """Replan every replica (picks up popularity changes)."""
-        self._advance(now)
-        return self._plan(sorted(self._fleet.workers))
+        self.advance(now)
+        return self._replan.plan_all(now)
 
     # -- queries ----------------------------------------------------------------------------------
     def replicas(self) -> tuple[str, ...]:
@@ -243,9 +234,6 @@ class Planner:
 
     def workers(self, replica: str) -> tuple[str, ...]:
         return tuple(self._fleet.require_replica(replica, "workers"))
-
-    def replica_of(self, worker: str) -> str:
-        return self._fleet.require_worker(worker, "replica_of")
 
     def capacity(self, worker: str) -> Capacity:
         self._fleet.require_worker(worker, "capacity")
@@ -273,30 +261,6 @@ class Planner:
         self._fleet.require_replica(replica, "hints")
         return tuple(self._hints.for_replica(replica))
 
-    def needed_adapters(self, replica: str) -> tuple[str, ...]:
-        """What the policy treats as needed soon at `replica` (never evicted there), most urgent first:
-        the queue, then hints within the horizon (far hints are not needs: they only fill free room)."""
-        self._fleet.require_replica(replica, "needed_adapters")
-        view = self._view(replica)
-        return view.queued + view.hinted
-
-    def dirty_replicas(self) -> tuple[str, ...]:
-        return tuple(sorted(self._dirty))
-
-    def ready_replicas(self, adapter: str) -> tuple[str, ...]:
-        """Replicas where every rank holds the current version of `adapter`, loaded (routing affinity)."""
-        key = self._fleet.require_adapter(adapter, "ready_replicas").key
-        candidates = {self._fleet.replica_of[w] for w in self._fleet.holders.get(adapter, ())}
-        return tuple(sorted(r for r in candidates if self._loaded_everywhere(r, key)))
-
-    def popularity(self, adapter: str, now: float, replica: str | None = None) -> float:
-        """Decayed request count of `adapter` at `now`: fleet-wide, or at one replica."""
-        check_time("now", now)
-        self._fleet.require_adapter(adapter, "popularity")
-        if replica is not None:
-            self._fleet.require_replica(replica, "popularity")
-        return self._popularity.decayed(adapter, now, replica)
-
     # -- surviving a controller restart (durable.py) -------------------------------------------------
     def export_state(self, max_counts: int = 4096) -> dict[str, object]:
         """Active hints, queues and popularity as plain data (residency comes from the workers)."""
@@ -304,13 +268,10 @@ class Planner:
 
     def restore_state(self, state: dict[str, object], now: float) -> Restored:
         """Merge what `export_state` gave (before a restart); the replicas it touched are replanned."""
-        self._advance(now)
+        self.advance(now)
         restored = restore_state(state, now, self._hints, self._horizon, self._fleet.queues, self._popularity,
                                  self._fleet.catalog, self._fleet.workers)
-        if self._policy.uses_hints:
-            self._dirty |= restored.replicas
-        else:
-            self._dirty |= {r for r in restored.replicas if r in self._fleet.queues}
+        self._replan.restored(restored.replicas)
         return restored
 
     def check_integrity(self) -> None:
@@ -318,142 +279,34 @@ class Planner:
         self._hints.check_integrity()
         self._popularity.check_integrity()
         self._horizon.check_integrity(self._hints.active, self._now)
+        self._replan.check_integrity()
         replicas = self._fleet.workers.keys()
-        assert self._dirty <= replicas, f"dirty flags for unknown replicas {self._dirty - replicas}"
         assert self._hints.by_replica.keys() <= replicas, "hints kept for an unknown replica"
         assert self._popularity.local.keys() <= replicas, "counts kept for an unknown replica"
         catalog = self._fleet.catalog
         assert all(h.adapter in catalog for h in self._hints.active.values()), "hint for an unknown adapter"
         assert self._popularity.fleet.values.keys() <= catalog.keys(), "counts for unknown adapters"
 
-    # -- internals --------------------------------------------------------------------------------
-    def _advance(self, now: float) -> None:
-        check_time("now", now)
-        if self._now is not None and now < self._now:
-            raise PlannerInputError(f"now ({now}) is earlier than a time already given ({self._now}); pass "
-                                    "one monotonic clock (e.g. time.monotonic()) to every planner call")
-        self._now = now
-        self._popularity.advance(now)
-        touched = self._hints.expire(now) | self._horizon.due(now, self._hints.active)
-        if self._policy.uses_hints:
-            self._dirty |= touched & self._fleet.workers.keys()
 
-    def _plan(self, replicas: list[str]) -> Plan:
-        out: list[WorkerCommands] = []
-        homes = self._home_book() if replicas else None
-        for replica in replicas:
-            out += self._plan_replica(replica, homes)
-            self._dirty.discard(replica)
-        self.stats.plans += 1
-        self.stats.replicas_planned += len(replicas)
-        return Plan(self.epoch, tuple(replicas), tuple(out))
-
-    def _home_book(self) -> HomeBook | None:
-        """The homes (homes.py), brought up to date, if the config places them and the policy uses them."""
-        if not (self.config.place_homes and self._policy.uses_homes):
-            return None
-        assert self._now is not None  # a plan has a time
-        self._homes.refresh(self._fleet, self._popularity, self._now)
-        return self._homes
-
-    def _plan_replica(self, replica: str, homes: HomeBook | None = None) -> list[WorkerCommands]:
-        fleet = self._fleet
-        scorer = self._popularity.scorer(replica, len(fleet.workers), self.config.local_weight,
-                                          fleet.catalog, fleet.min_bytes(), self._now)
-        view = self._view(replica)
-        if homes is not None:
-            view = view._replace(homes=homes.homes(replica))
-        target = self._policy.target(view, scorer, self.config)
-        if target is None:
-            return []
-        diffs = (self._diff(worker, replica, target) for worker in fleet.workers[replica])
-        return [commands for commands in diffs if commands is not None]
-
-    def _view(self, replica: str) -> ReplicaView:
-        resident: set[AdapterKey] = set()
-        pinned: set[AdapterKey] = set()
-        for worker in self._fleet.workers[replica]:
-            for key, residency in self._fleet.residency[worker].items():
-                resident.add(key)
-                if residency.pinned:
-                    pinned.add(key)
-        queued = _unique(e.adapter for e in self._fleet.queues.get(replica, ()))
-        hinted: tuple[str, ...] = ()
-        far: tuple[str, ...] = ()
-        if self._policy.uses_hints:
-            near_hints, far_hints = self._horizon.split(self._hints.for_replica(replica), self._now or 0.0)
-            hinted = _unique(h.adapter for h in near_hints if h.adapter not in set(queued))
-            far = _unique(h.adapter for h in far_hints if h.adapter not in set(queued) | set(hinted))
-        return ReplicaView(replica, self._fleet.replica_capacity(replica), frozenset(resident),
-                           frozenset(pinned), queued, hinted, self._fleet.catalog, self._fleet.min_bytes(), far,
-                           max_bytes=self._fleet.max_bytes())
-
-    def _diff(self, worker: str, replica: str, target: Target) -> WorkerCommands | None:
-        """One worker's commands to move from what it holds to `target`, within its own capacity.
-
-        Stages go once per stretch of time that the target wants them: a key is staged again only after
-        it has left the target's stages (loaded, or no longer needed) and come back."""
-        held = self._fleet.residency[worker]
-        wanted = set(target.keys)
-        evicts = sorted(k for k, r in held.items() if k not in wanted and not r.pinned)
-        room = Room(self._fleet.capacity[worker])
-        for key in held.keys() - set(evicts):
-            room.take(self._fleet.bytes_of(key))
-        prefetches: list[tuple[int, AdapterKey]] = []
-        for priority, key in enumerate(target.keys):
-            if key not in held and room.fits(self._fleet.bytes_of(key)):
-                room.take(self._fleet.bytes_of(key))
-                prefetches.append((priority, key))
-        sent = self._fleet.staged.get(worker, frozenset())
-        staging = [key for key in target.staged if key not in held]
-        stages = [(len(target.keys) + i, key) for i, key in enumerate(staging) if key not in sent]
-        self._fleet.set_staged(worker, staging)
-        if not evicts and not prefetches and not stages:
-            return None
-        self._fleet.apply(worker, evicts, [key for _, key in prefetches])
-        self.stats.evicts += len(evicts)
-        self.stats.prefetches += len(prefetches)
-        self.stats.stages += len(stages)
-        return WorkerCommands(
-            worker, replica,
-            tuple(Evict(k.name, k.version, self.epoch) for k in evicts),
-            tuple(Prefetch(k.name, k.version, p, self.epoch) for p, k in prefetches),
-            tuple(Stage(k.name, k.version, p, self.epoch) for p, k in stages))
-
-    def _queue_entry(self, replica: str, entry: QueueEntry) -> QueueEntry:
-        adapter, arrival_s = entry
-        self._fleet.require_adapter(adapter, f"the queue of replica {replica!r}")
-        check_time(f"arrival_s of a queued request for {adapter!r} at {replica!r}", arrival_s)
-        return QueueEntry(adapter, arrival_s)
-
-    def _residency_entry(self, worker: str, entry: ResidencyEntry) -> tuple[AdapterKey, Residency]:
-        adapter, version, state, refcount = entry
-        where = f"the residency report of worker {worker!r}"
-        self._fleet.require_adapter(adapter, where)
-        check_id(f"version of {adapter!r} in {where}", version)
-        if not isinstance(state, SlotState):
-            raise PlannerInputError(f"state of {adapter}@{version} in {where} is {state!r}; give a SlotState "
-                                    f"({', '.join(s.name for s in SlotState)})")
-        if isinstance(refcount, bool) or not isinstance(refcount, int) or refcount < 0:
-            raise PlannerInputError(f"refcount of {adapter}@{version} in {where} is {refcount!r}; "
-                                    "give the number of running batches using it (an int >= 0)")
-        return AdapterKey(adapter, version), Residency(state, refcount)
-
-    def _replicas_touching(self, adapter: str) -> set[str]:
-        """Replicas that hold, queue or are hinted `adapter` (replanned when its version changes)."""
-        touched = {self._fleet.replica_of[w] for w in self._fleet.holders.get(adapter, ())}
-        touched |= {r for r, q in self._fleet.queues.items() if any(e.adapter == adapter for e in q)}
-        touched |= {h.replica for h in self._hints.active.values() if h.adapter == adapter}
-        return touched
-
-    def _loaded_everywhere(self, replica: str, key: AdapterKey) -> bool:
-        workers = self._fleet.workers[replica]
-        return bool(workers) and all(
-            (r := self._fleet.residency[w].get(key)) is not None and r.state in _LOADED for w in workers)
+def _queue_entry(fleet: FleetState, replica: str, entry: QueueEntry) -> QueueEntry:
+    adapter, arrival_s = entry
+    fleet.require_adapter(adapter, f"the queue of replica {replica!r}")
+    check_time(f"arrival_s of a queued request for {adapter!r} at {replica!r}", arrival_s)
+    return QueueEntry(adapter, arrival_s)
 
 
-def _unique(names: Iterable[str]) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(names))
+def _residency_entry(fleet: FleetState, worker: str, entry: ResidencyEntry) -> tuple[AdapterKey, Residency]:
+    adapter, version, state, refcount = entry
+    where = f"the residency report of worker {worker!r}"
+    fleet.require_adapter(adapter, where)
+    check_id(f"version of {adapter!r} in {where}", version)
+    if not isinstance(state, SlotState):
+        raise PlannerInputError(f"state of {adapter}@{version} in {where} is {state!r}; give a SlotState "
+                                f"({', '.join(s.name for s in SlotState)})")
+    if isinstance(refcount, bool) or not isinstance(refcount, int) or refcount < 0:
+        raise PlannerInputError(f"refcount of {adapter}@{version} in {where} is {refcount!r}; "
+                                "give the number of running batches using it (an int >= 0)")
+    return AdapterKey(adapter, version), Residency(state, refcount)
 
 
 def _arrivals(old: tuple[QueueEntry, ...], new: tuple[QueueEntry, ...]) -> list[QueueEntry]:

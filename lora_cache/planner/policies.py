@@ -1,8 +1,9 @@
 """Placement policies (lifecycle step 3): what one replica's workers should hold, in priority order.
 
-A policy turns a `ReplicaView` into a `Target`: the adapter versions every rank of the replica should
-hold, most urgent first. The planner diffs the target against each worker's residency into commands.
-Policies are picked by name from `POLICIES`; the rules they share are small functions here:
+A policy turns a `ReplicaView` into a `Target` (both in `view.py`): the adapter versions every rank of the
+replica should hold, most urgent first. The re-planner (`replan.py`) diffs the target against each worker's
+residency into commands. Policies are picked by name from `POLICIES` (whose names `config.POLICY_NAMES`
+lists, so a config is checked without importing the rules); the rules they share are small functions here:
 
 1. pinned: whatever any rank has in use stays, and ranks missing it load it first;
 2. needed (queued, then hinted): resident ones are never evicted; the others are admitted in order
@@ -30,43 +31,15 @@ Policies are picked by name from `POLICIES`; the rules they share are small func
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import Protocol
 
-from lora_cache.planner.records import AdapterInfo, Capacity
+from lora_cache.planner.config import POLICY_NAMES, PlannerConfig
+from lora_cache.planner.records import Capacity
 from lora_cache.planner.staging import plan_stages
+from lora_cache.planner.view import ReplicaView, Scorer, Target
 from lora_cache.vocab import AdapterKey
 
-if TYPE_CHECKING:
-    from lora_cache.planner.config import PlannerConfig
-    from lora_cache.planner.homes import Home
-    from lora_cache.planner.popularity import ReplicaScorer
-
-
 Scored = tuple[float, AdapterKey]  # (value per byte, key)
-
-
-class ReplicaView(NamedTuple):
-    """One replica's planning inputs, merged over its ranks."""
-
-    replica: str
-    capacity: Capacity  # the smallest among its workers
-    resident: frozenset[AdapterKey]  # held by at least one rank (loading counts)
-    pinned: frozenset[AdapterKey]  # in use on at least one rank
-    queued: tuple[str, ...]  # adapters of the waiting queue, in queue order, no repeats
-    hinted: tuple[str, ...]  # adapters of active hints by expected time, no repeats, none queued
-    catalog: Mapping[str, AdapterInfo]
-    min_bytes: int  # the smallest shard in the catalog
-    far_hinted: tuple[str, ...] = ()  # hints beyond the horizon (none queued or near): free room only (horizon.py)
-    homes: tuple[Home, ...] = ()  # adapters that call this replica home, best first (homes.py)
-    max_bytes: int = 0  # the largest shard in the catalog (0: unknown): bounds a candidate's rate by its score
-
-
-class Target(NamedTuple):
-    """What every rank of a replica should hold, most urgent first (a key's index is its priority)."""
-
-    keys: tuple[AdapterKey, ...]
-    speculative: frozenset[AdapterKey]  # admitted for popularity alone (not pinned, queued or hinted)
-    staged: tuple[AdapterKey, ...] = ()  # needed, given no GPU room: into the host tiers, in need order
 
 
 class Room:
@@ -97,7 +70,7 @@ class PlacementPolicy(Protocol):
     uses_hints: bool
     uses_homes: bool  # reads the fleet placement (ReplicaView.homes); the planner keeps it only then
 
-    def target(self, view: ReplicaView, scorer: ReplicaScorer, config: PlannerConfig) -> Target | None:
+    def target(self, view: ReplicaView, scorer: Scorer, config: PlannerConfig) -> Target | None:
         """The replica's target, or None to leave its workers alone."""
         ...
 
@@ -108,7 +81,7 @@ class NonePolicy:
     uses_hints = False
     uses_homes = False
 
-    def target(self, view: ReplicaView, scorer: ReplicaScorer, config: PlannerConfig) -> Target | None:
+    def target(self, view: ReplicaView, scorer: Scorer, config: PlannerConfig) -> Target | None:
         return None
 
 
@@ -118,7 +91,7 @@ class QueuePolicy:
     uses_hints = False
     uses_homes = False
 
-    def target(self, view: ReplicaView, scorer: ReplicaScorer, config: PlannerConfig) -> Target | None:
+    def target(self, view: ReplicaView, scorer: Scorer, config: PlannerConfig) -> Target | None:
         return build_target(view, scorer, view.queued, config, speculate=False, stage=False)
 
 
@@ -129,7 +102,7 @@ class GlobalPolicy:
     uses_hints = True
     uses_homes = True
 
-    def target(self, view: ReplicaView, scorer: ReplicaScorer, config: PlannerConfig) -> Target | None:
+    def target(self, view: ReplicaView, scorer: Scorer, config: PlannerConfig) -> Target | None:
         return build_target(view, scorer, view.queued + view.hinted, config, speculate=True, stage=True)
 
 
@@ -138,9 +111,10 @@ POLICIES: dict[str, type[PlacementPolicy]] = {
     "queue": QueuePolicy,
     "none": NonePolicy,
 }
+assert tuple(POLICIES) == POLICY_NAMES, f"config.POLICY_NAMES {POLICY_NAMES} must name the registry's {tuple(POLICIES)}"
 
 
-def build_target(view: ReplicaView, scorer: ReplicaScorer, needed: tuple[str, ...],
+def build_target(view: ReplicaView, scorer: Scorer, needed: tuple[str, ...],
                  config: PlannerConfig, speculate: bool, stage: bool) -> Target:
     room = Room(view.capacity)
     keys = sorted(view.pinned)
@@ -168,7 +142,7 @@ def build_target(view: ReplicaView, scorer: ReplicaScorer, needed: tuple[str, ..
     return Target(target, frozenset(k for _, k in admitted) | frozenset(homes), staged)
 
 
-def _homes(view: ReplicaView, scorer: ReplicaScorer, held: set[AdapterKey], kept: list[Scored], room: Room,
+def _homes(view: ReplicaView, scorer: Scorer, held: set[AdapterKey], kept: list[Scored], room: Room,
            limit: int, hysteresis: float) -> list[AdapterKey]:
     """Adapters homed here, in the home book's order, a current version only, at most `limit` loads (the
     next plan takes the rest): into the free room left, or, for an adapter with traffic of its own, in
@@ -232,7 +206,7 @@ def _admit_needed(view: ReplicaView, needed: list[AdapterKey], room: Room) -> li
     return admitted
 
 
-def _incumbents(view: ReplicaView, chosen: set[AdapterKey], scorer: ReplicaScorer,
+def _incumbents(view: ReplicaView, chosen: set[AdapterKey], scorer: Scorer,
                 homed: Mapping[AdapterKey, float]) -> list[Scored]:
     """Residents neither pinned nor needed, of the current version and placeable; lowest score first. One
     homed here (``homed``: key -> its count per copy) is worth its home score if that is more: speculation
@@ -259,7 +233,7 @@ def _trim(incumbents: list[Scored], room: Room, view: ReplicaView) -> list[Score
     return incumbents[dropped:]
 
 
-def _speculate(view: ReplicaView, scorer: ReplicaScorer, chosen: set[AdapterKey],
+def _speculate(view: ReplicaView, scorer: Scorer, chosen: set[AdapterKey],
                kept: list[Scored], room: Room, config: PlannerConfig) -> list[Scored]:
     """Popular adapters into free room, or in place of incumbents worth clearly less per byte.
 

@@ -25,17 +25,13 @@ and predicted stages come in the scorer's order. Unknown host capacity (None): n
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
+from lora_cache.planner.config import PlannerConfig
+from lora_cache.planner.view import ReplicaView, Scorer
 from lora_cache.vocab import AdapterKey
 
-if TYPE_CHECKING:
-    from lora_cache.planner.config import PlannerConfig
-    from lora_cache.planner.policies import ReplicaView
-    from lora_cache.planner.popularity import ReplicaScorer
 
-
-def plan_stages(view: ReplicaView, scorer: ReplicaScorer, homeless: Iterable[AdapterKey],
+def plan_stages(view: ReplicaView, scorer: Scorer, homeless: Iterable[AdapterKey],
                 target: tuple[AdapterKey, ...], config: PlannerConfig) -> tuple[AdapterKey, ...]:
     """The replica's stages in order: needed ones without GPU room, then predicted ones within the budget."""
     loads = _bytes(view, (k for k in target if k not in view.resident))
@@ -53,7 +49,7 @@ def plan_stages(view: ReplicaView, scorer: ReplicaScorer, homeless: Iterable[Ada
                                      config.stage_min_rate)
 
 
-def predicted_stages(view: ReplicaView, scorer: ReplicaScorer, taken: set[AdapterKey], budget: int,
+def predicted_stages(view: ReplicaView, scorer: Scorer, taken: set[AdapterKey], budget: int,
                      scan: int, min_rate: float = 0.0) -> tuple[AdapterKey, ...]:
     """Popular adapters neither held nor taken, expected here at `min_rate` or more, best per byte first,
     while their bytes fit `budget`."""

@@ -1,0 +1,195 @@
+"""Re-planning (lifecycle steps 3-4): which replicas need a new plan, and making it.
+
+A replica is *dirty* when one of its plan inputs changed since it was last planned: its topology or
+capacities, a worker's residency, its queue, a catalog version it holds, queues or is hinted, or (with a
+policy that reads hints) its active hints, including a far hint coming within the horizon. The planner
+(`planner.py`) says what changed; this module decides which replicas that dirties and why. Popularity
+alone dirties nothing: a full re-plan (`plan_all`, on the controller's timer) picks up its drift.
+
+Planning a replica: its `ReplicaView` (residency merged over its ranks, its queue, near and far hints,
+the homes of the fleet placement, refreshed first when the policy places them: `homes.py`) and its
+`ReplicaScorer` go to the policy (`policies.py`); the `Target` it returns is diffed against every
+worker's residency into that worker's commands (evicts, prefetches by priority, stages), which are
+assumed to take effect until the worker reports otherwise. Ties sort by name: the same inputs always
+give the same plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from lora_cache.planner.commands import Plan, WorkerCommands
+from lora_cache.planner.config import PlannerConfig
+from lora_cache.planner.hints import HintBook
+from lora_cache.planner.homes import HomeBook
+from lora_cache.planner.horizon import Horizon
+from lora_cache.planner.policies import POLICIES, Room
+from lora_cache.planner.popularity import Popularity
+from lora_cache.planner.state import FleetState
+from lora_cache.planner.view import ReplicaView, Target
+from lora_cache.vocab import AdapterKey, Evict, Prefetch, Stage
+
+
+@dataclass
+class PlannerStats:
+    """Running totals for metrics."""
+
+    plans: int = 0
+    replicas_planned: int = 0
+    prefetches: int = 0
+    evicts: int = 0
+    stages: int = 0
+    hints_ignored: int = 0  # duplicates, stale, cancelled before arrival, or over the per-replica limit
+
+
+class Replanner:
+    """The dirty replicas, and the plans that clean them: the policy's targets diffed into commands.
+
+    Reads the fleet, hints, horizon and counts the planner keeps; writes only the commands it sends into
+    the fleet (optimistic residency and the stages still wanted), the home book and `stats`.
+    """
+
+    def __init__(self, config: PlannerConfig, epoch: int, fleet: FleetState, hints: HintBook, horizon: Horizon,
+                 popularity: Popularity, stats: PlannerStats) -> None:
+        self.config = config
+        self.epoch = epoch
+        self.stats = stats
+        self.policy = POLICIES[config.policy]()
+        self.homes = HomeBook(config.home_min_rate, config.home_refresh_s)  # fleet placement (homes.py)
+        self.dirty: set[str] = set()  # replicas whose plan inputs changed since they were last planned
+        self._fleet, self._hints, self._horizon, self._popularity = fleet, hints, horizon, popularity
+
+    # -- what dirties a replica ---------------------------------------------------------------------
+    def mark(self, replica: str) -> None:
+        """`replica`'s topology, capacities, residency or queue changed."""
+        self.dirty.add(replica)
+
+    def adapter_changed(self, adapter: str) -> None:
+        """A new version of `adapter`, or its removal (call before it leaves the fleet and the hints):
+        the replicas that hold, queue or are hinted it."""
+        fleet = self._fleet
+        touched = {fleet.replica_of[w] for w in fleet.holders.get(adapter, ())}
+        touched |= {r for r, q in fleet.queues.items() if any(e.adapter == adapter for e in q)}
+        touched |= {h.replica for h in self._hints.active.values() if h.adapter == adapter}
+        self.dirty |= touched
+
+    def hints_changed(self, replicas: set[str]) -> None:
+        """Active hints of `replicas` changed (added, cancelled, expired, turned near): replanned if the
+        policy reads hints."""
+        if self.policy.uses_hints:
+            self.dirty |= replicas & self._fleet.workers.keys()
+
+    def restored(self, replicas: frozenset[str]) -> None:
+        """`durable.restore_state` gave `replicas` hints or queues: those whose plan reads them."""
+        if self.policy.uses_hints:
+            self.dirty |= replicas
+        else:
+            self.dirty |= {r for r in replicas if r in self._fleet.queues}
+
+    def forget_replica(self, replica: str) -> None:
+        self.dirty.discard(replica)
+
+    def forget_adapter(self, adapter: str) -> None:
+        self.homes.forget(adapter)
+
+    # -- planning -----------------------------------------------------------------------------------
+    def plan(self, now: float) -> Plan:
+        """Plan the dirty replicas."""
+        return self._plan(sorted(self.dirty), now)
+
+    def plan_all(self, now: float) -> Plan:
+        """Plan every replica."""
+        return self._plan(sorted(self._fleet.workers), now)
+
+    def view(self, replica: str, now: float | None) -> ReplicaView:
+        """`replica`'s planning inputs at `now` (None: no time given yet), without its homes."""
+        fleet = self._fleet
+        resident: set[AdapterKey] = set()
+        pinned: set[AdapterKey] = set()
+        for worker in fleet.workers[replica]:
+            for key, residency in fleet.residency[worker].items():
+                resident.add(key)
+                if residency.pinned:
+                    pinned.add(key)
+        queued = _unique(e.adapter for e in fleet.queues.get(replica, ()))
+        hinted: tuple[str, ...] = ()
+        far: tuple[str, ...] = ()
+        if self.policy.uses_hints:
+            near_hints, far_hints = self._horizon.split(self._hints.for_replica(replica), now or 0.0)
+            hinted = _unique(h.adapter for h in near_hints if h.adapter not in set(queued))
+            far = _unique(h.adapter for h in far_hints if h.adapter not in set(queued) | set(hinted))
+        return ReplicaView(replica, fleet.replica_capacity(replica), frozenset(resident),
+                           frozenset(pinned), queued, hinted, fleet.catalog, fleet.min_bytes(), far,
+                           max_bytes=fleet.max_bytes())
+
+    def check_integrity(self) -> None:
+        replicas = self._fleet.workers.keys()
+        assert self.dirty <= replicas, f"dirty flags for unknown replicas {self.dirty - replicas}"
+
+    def _plan(self, replicas: list[str], now: float) -> Plan:
+        out: list[WorkerCommands] = []
+        homes = self._home_book(now) if replicas else None
+        for replica in replicas:
+            out += self._plan_replica(replica, homes, now)
+            self.dirty.discard(replica)
+        self.stats.plans += 1
+        self.stats.replicas_planned += len(replicas)
+        return Plan(self.epoch, tuple(replicas), tuple(out))
+
+    def _home_book(self, now: float) -> HomeBook | None:
+        """The homes (homes.py), brought up to date, if the config places them and the policy uses them."""
+        if not (self.config.place_homes and self.policy.uses_homes):
+            return None
+        self.homes.refresh(self._fleet, self._popularity, now)
+        return self.homes
+
+    def _plan_replica(self, replica: str, homes: HomeBook | None, now: float) -> list[WorkerCommands]:
+        fleet = self._fleet
+        scorer = self._popularity.scorer(replica, len(fleet.workers), self.config.local_weight,
+                                         fleet.catalog, fleet.min_bytes(), now)
+        view = self.view(replica, now)
+        if homes is not None:
+            view = view._replace(homes=homes.homes(replica))
+        target = self.policy.target(view, scorer, self.config)
+        if target is None:
+            return []
+        diffs = (self._diff(worker, replica, target) for worker in fleet.workers[replica])
+        return [commands for commands in diffs if commands is not None]
+
+    def _diff(self, worker: str, replica: str, target: Target) -> WorkerCommands | None:
+        """One worker's commands to move from what it holds to `target`, within its own capacity.
+
+        Stages go once per stretch of time that the target wants them: a key is staged again only after
+        it has left the target's stages (loaded, or no longer needed) and come back."""
+        fleet = self._fleet
+        held = fleet.residency[worker]
+        wanted = set(target.keys)
+        evicts = sorted(k for k, r in held.items() if k not in wanted and not r.pinned)
+        room = Room(fleet.capacity[worker])
+        for key in held.keys() - set(evicts):
+            room.take(fleet.bytes_of(key))
+        prefetches: list[tuple[int, AdapterKey]] = []
+        for priority, key in enumerate(target.keys):
+            if key not in held and room.fits(fleet.bytes_of(key)):
+                room.take(fleet.bytes_of(key))
+                prefetches.append((priority, key))
+        sent = fleet.staged.get(worker, frozenset())
+        staging = [key for key in target.staged if key not in held]
+        stages = [(len(target.keys) + i, key) for i, key in enumerate(staging) if key not in sent]
+        fleet.set_staged(worker, staging)
+        if not evicts and not prefetches and not stages:
+            return None
+        fleet.apply(worker, evicts, [key for _, key in prefetches])
+        self.stats.evicts += len(evicts)
+        self.stats.prefetches += len(prefetches)
+        self.stats.stages += len(stages)
+        return WorkerCommands(
+            worker, replica,
+            tuple(Evict(k.name, k.version, self.epoch) for k in evicts),
+            tuple(Prefetch(k.name, k.version, p, self.epoch) for p, k in prefetches),
+            tuple(Stage(k.name, k.version, p, self.epoch) for p, k in stages))
+
+
+def _unique(names: Iterable[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(names))
