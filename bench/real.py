@@ -8,8 +8,8 @@ that attaches to it through the engine seam (``workers/attach.py``, ``bench.atta
 engine would; the engine code, the cache and the controller's commands are the same. Then, from one
 shared wall-clock start:
 
-- the router (a thread here, ``bench.router.Router``) routes each request ``hint_lead_s`` before its arrival by its
-  rule (``bench.routers``: round-robin, least-loaded, affinity over the gateway's ``Lookup``, or
+- the router (a thread here, ``bench.router.real.Router``) routes each request ``hint_lead_s`` before its arrival by its
+  rule (``bench.router.rules``: round-robin, least-loaded, affinity over the gateway's ``Lookup``, or
   lora-cache's ``Route`` advice with the router's own in-flight counts), and, for policies with hints,
   sends the chosen replica a gRPC ``Hint`` then (lifecycle step 1);
 - at the request's arrival it submits it to that replica's engine, whose rank 0 takes it into its
@@ -39,8 +39,8 @@ import ray
 from bench.attached import ProcessFleet
 from bench.figures import PolicyRun
 from bench.policies import BenchPolicy
-from bench.router import Router, served_as_routed
-from bench.routers import make_rule
+from bench.router.real import Router, served_as_routed
+from bench.router.rules import make_rule
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
 from lora_cache.app.serve import ServeConfig, Service, start
@@ -80,7 +80,7 @@ class RealConfig:
     timeout_s: float = 900.0  # one policy's whole run
     engine: dict[str, Any] = field(default_factory=dict)  # further EngineConfig fields (e.g. share_weights)
     attach: bool = False  # engine ranks in processes of their own, attached through the seam
-    router: str = "round-robin"  # the routing rule (bench.routers.RULES)
+    router: str = "round-robin"  # the routing rule (bench.router.rules.RULES)
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.tp < 1 or self.slots < 1:

@@ -1,4 +1,4 @@
-"""The real path's routing rules (bench.routers), plain core: each rule's decisions, batches routed as a
+"""The real path's routing rules (bench.router.rules), plain core: each rule's decisions, batches routed as a
 stream of single picks would be, and the same picks as the simulator's routers (bench.sim.fleet.ROUTERS)
 on the same state, so a real run and its simulation route alike."""
 
@@ -11,8 +11,8 @@ import pytest
 
 from bench.policies import BENCH_POLICIES
 from bench.real import RealConfig, run_policy
-from bench.router import served_as_routed
-from bench.routers import RULES, Affinity, LeastLoaded, LoraCache, RoundRobin, least_loaded, make_rule
+from bench.router.real import served_as_routed
+from bench.router.rules import RULES, Affinity, LeastLoaded, LoraCache, RoundRobin, least_loaded, make_rule
 from bench.sim.fleet import ROUTERS, RouteContext
 from bench.workloads import WorkloadSpec, make_workload
 from lora_cache.errors import ConfigError

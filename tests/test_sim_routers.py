@@ -49,7 +49,7 @@ def test_router_names_are_checked() -> None:
         BenchConfig(engine="sim", router="nearest")
     with pytest.raises(ConfigError, match="router 'nearest' is not registered"):
         BenchConfig(engine="real", router="nearest")
-    for router in ROUTERS:  # every router runs on the real path too (bench.routers)
+    for router in ROUTERS:  # every router runs on the real path too (bench.router.rules)
         assert BenchConfig(engine="real", router=router).router == router
     with pytest.raises(ConfigError, match="--router affinity routes open-loop arrivals only on --engine real"):
         check_router(BenchConfig(engine="real", router="affinity"), WorkloadSpec(arrivals="inflight:8"))

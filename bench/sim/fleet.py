@@ -15,7 +15,7 @@ to read a rank-64 Llama-8B shard from disk (about 170 ms at 2 GB/s) and copy it,
 and short against the popularity half-life, so they do not just restate popularity. In closed-loop
 mode (``inflight``: N requests in flight over the fleet, the next released when one finishes) a
 request is known only when it is released: no hint (one with no lead says nothing the queue does not).
-The real path's router (``bench.real``, ``bench.routers``) has the same four rules, pick for pick.
+The real path's router (``bench.real``, ``bench.router.rules``) has the same four rules, pick for pick.
 
 Adapter i gets LoRA rank ``adapter_ranks[i % len]`` (``make-adapters --rank 16,64``); every policy has
 ``slots`` slots per rank sized for the largest rank (equal GPU memory), except the oracle: a slot
@@ -33,7 +33,7 @@ import torch
 
 from bench.figures import PolicyRun
 from bench.policies import BenchPolicy
-from bench.routers import RULES, make_rule
+from bench.router.rules import RULES, make_rule
 from bench.sim.calibration import Calibration
 from bench.sim.control import SimController, SyntheticCatalog
 from bench.sim.events import Loop
@@ -69,7 +69,7 @@ class RouteContext(NamedTuple):
 
 
 class SimGateway:
-    """``bench.routers.Gateway`` over the simulated fleet: READY on every rank from the engines' report, and
+    """``bench.router.rules.Gateway`` over the simulated fleet: READY on every rank from the engines' report, and
     ``Route`` answered by the controller core at once (no RPC latency)."""
 
     def __init__(self, ctx: RouteContext) -> None:
@@ -88,7 +88,7 @@ class SimGateway:
 
 
 class Router:
-    """One of the real path's routing rules (``bench.routers.RULES``: the same picks and tie-breaks), asked
+    """One of the real path's routing rules (``bench.router.rules.RULES``: the same picks and tie-breaks), asked
     for one request at a time with the router's own outstanding counts."""
 
     def __init__(self, name: str) -> None:

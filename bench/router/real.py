@@ -1,6 +1,6 @@
 """The benchmark's router on the real path (lifecycle step 1): a thread that routes, hints and submits.
 
-``Router`` routes each request ``lead_s`` before its arrival by a rule of ``bench.routers`` (the gateway's
+``Router`` routes each request ``lead_s`` before its arrival by a rule of ``bench.router.rules`` (the gateway's
 ``Lookup`` and ``Route`` through ``GatewayRoutes``), hints the chosen replica then (policies with hints)
 and submits the request to that replica's engine at its arrival (``StreamFleet.submit``: the hosted
 engines' worker actors or the attached engine processes). It counts requests in flight per replica
@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from bench.policies import BenchPolicy
-from bench.routers import Gateway, LeastLoaded, Rule, make_rule
+from bench.router.rules import Gateway, LeastLoaded, Rule, make_rule
 from lora_cache.api.client import Hint, LoraCacheClient, RouteItem
 from workers.engine.workload import Request
 
@@ -82,7 +82,7 @@ class GatewayRoutes:
 
 
 class Router(threading.Thread):
-    """Routes each request ``lead_s`` before its arrival by ``rule`` (``bench.routers``), hints the chosen
+    """Routes each request ``lead_s`` before its arrival by ``rule`` (``bench.router.rules``), hints the chosen
     replica then (policies with hints), and submits the request to that replica's engine at its arrival.
     Its in-flight count per replica (the loads least-loaded, affinity and lora-cache read) goes up when it
     routes a request and down when the replica's engine reports it finished (a watcher thread per

@@ -1,4 +1,4 @@
-"""The real path's routing rules (lifecycle step 1): which replica each request goes to. Plain Python.
+"""The benchmark router's rules (lifecycle step 1): which replica each request goes to. Plain Python.
 
 The simulator routes with these very rules (``bench.sim.fleet.ROUTERS``, over a gateway made of the
 simulated fleet), so a real run and its simulation (``bench.sim_check``) route alike; only their sources differ:
@@ -26,7 +26,7 @@ from lora_cache.errors import ConfigError
 
 
 class Gateway(Protocol):
-    """What a rule may ask lora-cache (``bench.real.GatewayRoutes`` answers over gRPC)."""
+    """What a rule may ask lora-cache (``bench.router.real.GatewayRoutes`` answers over gRPC)."""
 
     def ready(self, adapter: str) -> Collection[str]:
         """Replicas where ``adapter``'s current version is READY on every rank (``Lookup``)."""
