@@ -11,6 +11,7 @@ from safetensors import safe_open
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.vocab import AdapterKey
+from tests.worker_queries import forget_last_use
 from workers.cache import WorkerCache, WorkerConfig
 from workers.host_tier import HostTierConfig
 
@@ -110,7 +111,7 @@ def _race_once(cache: WorkerCache, delay_cycles: int, wait_for_last_use: bool) -
     seen.copy_(cache.pool.index_select(0, batch.slot_index.long())[0])
     cache.release(batch)
     if not wait_for_last_use:  # the control: what a loader without last-use events would do
-        cache._last_use[0] = None
+        forget_last_use(cache, 0)
     cache.prefetch("adapter-001").result(timeout=60)  # host hit: the copy is issued at once, into slot 0
     torch.cuda.synchronize()
     ok = torch.equal(seen, own)

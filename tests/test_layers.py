@@ -101,3 +101,15 @@ def test_workers_use_the_vocabulary_not_the_control_plane() -> None:
     bad = sorted({f"{here} -> {there}" for here, there in _imports("workers") if _under(there, "lora_cache")
                   and not any(_under(there, p) if p != "lora_cache" else there == p for p in WORKERS_MAY_USE)})
     assert not bad, "workers/ imports the control plane (take the words from lora_cache.vocab):\n" + "\n".join(bad)
+
+
+# One-way seams inside workers/: (lower module, the module it must never import). The cache composes its load
+# path; the load path, and what it is built from, never reach back.
+WORKERS_ONE_WAY = (("workers.load_path", "workers.cache"), ("workers.loader", "workers.cache"),
+                   ("workers.loader", "workers.load_path"))
+
+
+def test_workers_seams_run_one_way() -> None:
+    back = sorted({f"{here} -> {there}" for here, there in _imports("workers") for low, high in WORKERS_ONE_WAY
+                   if _under(here, low) and _under(there, high)})
+    assert not back, "imports back across a one-way seam of workers/ (move the shared part down):\n" + "\n".join(back)

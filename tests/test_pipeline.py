@@ -19,6 +19,7 @@ from lora_cache.adapters.chunks import MIN_CHUNK_BYTES, ChunkPlan, chunk_plan
 from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
 from lora_cache.adapters.shards import ShardLayout, _packed
 from lora_cache.errors import ConfigError
+from tests.worker_queries import use_streams
 from workers.cache import WorkerCache
 from workers.engine.admission import ADMISSION, Readiness
 from workers.engine.workload import Request
@@ -83,7 +84,7 @@ def deferred_cache(tiny_adapters: Callable[..., list[Path]], make_catalog: Calla
     cache = make_cache(make_catalog(tiny_adapters(3, rank="16")[0].parent), num_slots=1, chunk_bytes=0)
     streams = CpuStreams(cache.device, deferred=True)
     streams.trace = deque(maxlen=4096)
-    cache.streams = cache._watcher.streams = streams  # (the index uploads keep their own: untraced)
+    use_streams(cache, streams)  # (the index uploads keep their own: untraced)
     return cache
 
 

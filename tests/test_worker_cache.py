@@ -28,6 +28,7 @@ from lora_cache.adapters.synth import SynthConfig, make_adapters, write_adapter
 from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, NotFoundError, ShardError
 from lora_cache.vocab import AdapterKey, ReadinessRecord
 from tests.waiting import wait_for
+from tests.worker_queries import loads_without_slot, slot_waiters, slots_in, use_streams
 from workers.cache import Batch, WorkerCache, WorkerConfig
 from workers.host_tier import HostTierConfig
 from workers.slots import SlotState
@@ -798,11 +799,11 @@ def test_load_waits_for_a_slot_held_by_loads_in_flight(tiny_adapters, make_catal
     root = tiny_adapters(3)[0].parent
     cache = make_cache(make_catalog(root), num_slots=2)
     gated = _GatedStreams(cache.device)
-    cache.streams = cache._watcher.streams = gated
+    use_streams(cache, gated)
     first = [cache.prefetch(n) for n in ("adapter-000", "adapter-001")]
-    wait_for(lambda: cache.table.count(SlotState.LOADING) == 2)  # two copies issued, neither complete
+    wait_for(lambda: slots_in(cache, SlotState.LOADING) == 2)  # two copies issued, neither complete
     third = cache.prefetch("adapter-002")
-    wait_for(lambda: len(cache._slot_waiters) == 1)  # staged, waiting for a slot instead of failing
+    wait_for(lambda: slot_waiters(cache) == 1)  # staged, waiting for a slot instead of failing
     assert not third.done() and cache.counters.load_failures == 0
     gated.gate.set()
     record = third.result(timeout=30)
@@ -830,7 +831,7 @@ def room_cache(make_cache: Callable[..., WorkerCache]) -> Iterator[RoomCache]:
         cache = make_cache(catalog, num_slots=slots, dtype="float32")
         assert {cache.layout_of(n).nbytes for n in catalog.names()} == {(1 << 20) // HOST_SHARDS}
         gated = _GatedStreams(cache.device)
-        cache.streams = cache._watcher.streams = gated
+        use_streams(cache, gated)
         gates.append(gated.gate)
         return cache, gated
 
@@ -858,7 +859,7 @@ def test_concurrent_misses_wait_for_host_room_and_all_succeed(
         return cache.acquire([name], pipelined=pipelined)
 
     batches = {name: in_thread(functools.partial(acquire, name)) for name in wanted}
-    wait_for(lambda: cache.table.count(SlotState.LOADING) == HOST_SHARDS and len(cache.host._waiting) == extra)
+    wait_for(lambda: slots_in(cache, SlotState.LOADING) == HOST_SHARDS and len(cache.host._waiting) == extra)
     waiting = [k.name for k in cache.host._waiting]
     assert all(not batches[n].done() for n in waiting) and cache.stats()["host_waits"] == extra
     assert not cache.evict(waiting[0])  # not resident: a waiting load is not evicted, and keeps waiting
@@ -902,7 +903,7 @@ def test_a_failed_read_that_others_wait_on_lets_them_proceed(
     cache, gated = room_cache(catalog, HOST_SHARDS + 2)
     good = sorted(n for n in catalog.names() if n != "bad")
     loads = {n: cache.prefetch(n) for n in good[: HOST_SHARDS - 1]}
-    wait_for(lambda: cache.table.count(SlotState.LOADING) == HOST_SHARDS - 1)
+    wait_for(lambda: slots_in(cache, SlotState.LOADING) == HOST_SHARDS - 1)
     failed = cache.prefetch("bad")
     assert arrived.wait(timeout=10)  # its read holds the last 128 KiB
     first, second = good[HOST_SHARDS - 1 :]
@@ -912,7 +913,7 @@ def test_a_failed_read_that_others_wait_on_lets_them_proceed(
     go.set()
     with pytest.raises(AdapterFormatError, match="changed size"):
         failed.result(timeout=10)
-    wait_for(lambda: cache.table.count(SlotState.LOADING) == HOST_SHARDS)  # the first waiting load took the room
+    wait_for(lambda: slots_in(cache, SlotState.LOADING) == HOST_SHARDS)  # the first waiting load took the room
     assert [k.name for k in cache.host._waiting] == [second] and not loads[second].done()
     assert cache.host.arena.used_bytes == used and "bad" not in {k.name for k in cache.host._entries}
     cache.check_integrity()
@@ -936,14 +937,14 @@ def test_closing_the_cache_fails_loads_waiting_for_host_room(
     cache, gated = room_cache(catalog, HOST_SHARDS + 1)
     wanted = sorted(catalog.names())
     loads = [cache.prefetch(n) for n in wanted[:HOST_SHARDS]]
-    wait_for(lambda: cache.table.count(SlotState.LOADING) == HOST_SHARDS)
+    wait_for(lambda: slots_in(cache, SlotState.LOADING) == HOST_SHARDS)
     waiting = in_thread(lambda: cache.acquire([wanted[-1]]))
     wait_for(lambda: len(cache.host._waiting) == 1)
     used = cache.host.arena.used_bytes
     closed = in_thread(cache.close)
     with pytest.raises(CapacityError, match=f"the host tier closed while {wanted[-1]}@"):
         waiting.result(timeout=10)
-    assert not cache.host._waiting and cache.host.arena.used_bytes == used and not cache._pending
+    assert not cache.host._waiting and cache.host.arena.used_bytes == used and not loads_without_slot(cache)
     gated.gate.set()  # the watcher finishes the loads in flight, then the close returns
     closed.result(timeout=30)
     assert all(f.result(timeout=10) for f in loads)

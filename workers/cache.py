@@ -1,8 +1,9 @@
 """The worker cache: one TP rank's adapters in GPU slots, loaded on a side stream (lifecycle steps 5-9).
 
-It composes the catalog, the host tier, the slot table and the completion watcher, and holds no
+It composes the catalog, the host tier, the slot book (slot table, loads, counters, residency changes)
+and the load path (``workers/load_path.py``: staging, slot, chunked copies, READY), and holds no
 allocation or eviction logic of its own. The engine calls ``acquire`` / ``release`` each step; the
-controller (or a local caller) calls ``prefetch`` / ``evict``.
+controller (or a local caller) calls ``prefetch`` / ``stage`` / ``evict``, which start or undo loads.
 
 Every residency change, whoever caused it (a command, an engine's on-demand load, the LRU eviction a
 load makes), is handed to ``on_change`` as one ``Delta``, in the order the changes happened (step 7).
@@ -11,10 +12,6 @@ load makes), is handed to ``on_change`` as one ``Delta``, in the order the chang
 from __future__ import annotations
 
 import functools
-import logging
-import threading
-import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -27,19 +24,17 @@ from lora_cache.adapters.chunks import MIN_CHUNK_BYTES, ChunkPlan, chunk_plan
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shapes import MODULE_ORDER
 from lora_cache.adapters.shards import ShardLayout, max_shard_numel, shard_layout
-from lora_cache.errors import CapacityError, ConfigError, LoraCacheError, NotFoundError
+from lora_cache.errors import ConfigError, LoraCacheError, NotFoundError
 from lora_cache.vocab import AdapterKey, Delta, ReadinessRecord
-from workers import faults
 from workers.host_tier import HostEntry, HostTier, HostTierConfig
 from workers.index import IndexUploader
 from workers.kernels.meta import SlotMeta, shard_dims
-from workers.loader import CompletionWatcher, LoadFailed, SlotLoad
-from workers.metrics import CacheCounters, resident_prefetches
+from workers.load_path import LoadPath, SlotBook
+from workers.loader import LoadFailed
+from workers.metrics import resident_prefetches
 from workers.pipeline import ChunkWaits
-from workers.slots import SlotState, SlotTable
+from workers.slots import SlotState
 from workers.streams import make_streams, resolve_device
-
-log = logging.getLogger(__name__)
 
 ON_MISS = ("load", "error")  # acquire of a non-resident adapter: load it on demand, or refuse
 
@@ -119,7 +114,7 @@ class WorkerCache:
     def __init__(self, config: WorkerConfig, catalog: AdapterCatalog,
                  on_ready: Callable[[ReadinessRecord], None] | None = None, compute_stream: Any = None,
                  on_change: Callable[[Delta], None] | None = None) -> None:
-        self.config, self.catalog, self.on_ready, self.on_change = config, catalog, on_ready, on_change
+        self.config, self.catalog = config, catalog
         self.device = resolve_device(config.device)
         self.dtype: torch.dtype = getattr(torch, config.dtype)
         self.slot_numel = max_shard_numel(catalog.shape, config.tp, catalog.config.max_rank, self.dtype)
@@ -134,21 +129,21 @@ class WorkerCache:
         self.meta = SlotMeta(config.num_slots, catalog.shape.num_layers, MODULE_ORDER, self.device,
                              max_rank=catalog.config.max_rank, dims=shard_dims(catalog.shape, config.tp),
                              slot_numel=self.slot_numel)
-        self.table = SlotTable(config.num_slots)
         self.host = HostTier(config.host)
-        self.counters = CacheCounters()
-        self._lock = threading.Lock()  # protects table, _loads, _pending, _last_use, counters
-        self._loads: dict[int, SlotLoad] = {}  # slot -> its load (LOADING or READY)
-        self._pending: dict[AdapterKey, SlotLoad] = {}  # staging on the host, no slot yet
-        self._slot_waiters: list[tuple[SlotLoad, HostEntry]] = []  # staged, waiting for a load to finish
-        self._last_use: list[Any] = [None] * config.num_slots  # compute-done event of the slot's last batch
-        self._broken: set[int] = set()  # slots whose load failed mid-way while a batch held them: freed at 0 refs
-        self._changes: deque[Delta] = deque()  # residency changes not yet handed to on_change, oldest first
-        self._reporting = threading.RLock()  # one thread hands changes over at a time (keeps their order)
+        self.book = SlotBook(config.num_slots, on_change)  # slots, loads, counters; its lock guards them
+        self.counters = self.book.counters
         self._index = IndexUploader(self.streams, config.max_batch, self.device)
-        self._watcher = CompletionWatcher(self.streams, self._finish)
+        self.load_path = LoadPath(self.book, self.host, self.streams, self.pool, self.meta, config.tp_rank, on_ready)
 
-    # -- control: prefetch / evict (lifecycle steps 4-7) ------------------------------------------
+    @property
+    def on_change(self) -> Callable[[Delta], None] | None:
+        return self.book.on_change
+
+    @on_change.setter
+    def on_change(self, on_change: Callable[[Delta], None] | None) -> None:
+        self.book.on_change = on_change
+
+    # -- control: prefetch / stage / evict (lifecycle steps 4-7) ----------------------------------
     def prefetch(self, name: str, version: str | None = None, *, on_demand: bool = False) -> Future[ReadinessRecord]:
         """Start loading ``name`` (idempotent). The future resolves when this rank's shard is READY.
 
@@ -159,26 +154,8 @@ class WorkerCache:
         a slot; it fails at once only if nothing in flight could free room.
         ``on_demand``: started by an acquire that missed (not counted as a prefetch)."""
         spec = self.catalog.get(name, version)
-        key = AdapterKey(name, spec.version)
         layout = self._layout(spec)  # bad shapes fail here, before anything is reserved
-        with self._lock:
-            slot = self.table.lookup(key)
-            if slot is not None:
-                return self._loads[slot.index].future
-            if key in self._pending:
-                return self._pending[key].future
-            load = SlotLoad(key, layout, self._plan(spec), prefetched=not on_demand)
-            self._pending[key] = load
-            self.counters.prefetches += not on_demand
-            self.counters.demand_loads += on_demand
-        try:
-            staged, load.host_hit = self.host.fetch(spec, layout, chunks=load.plan.entry_spans,
-                                                    on_chunk=functools.partial(self._chunk_staged, load), wait=True)
-        except Exception as e:  # e.g. a shard larger than the host tier, or a full tier with nothing in flight
-            self._fail(load, e)
-            return load.future
-        staged.add_done_callback(functools.partial(self._read_done, load))
-        return load.future
+        return self.load_path.start(spec, AdapterKey(name, spec.version), layout, self._plan(spec), on_demand)
 
     def stage(self, name: str, version: str | None = None) -> Future[HostEntry] | None:
         """Read this rank's shard of ``name`` into the host tier, with no slot (idempotent): what the planner
@@ -193,51 +170,31 @@ class WorkerCache:
         and leaves the tier as it was. The entry keeps no reference: it is the LRU's like any other, and
         ``stages`` counts the reads a stage started."""
         spec = self.catalog.get(name, version)
-        key = AdapterKey(name, spec.version)
         layout = self._layout(spec)
-        with self._lock:
-            if self.table.lookup(key) is not None or key in self._pending:
-                return None
-        try:
-            staged, hit = self.host.fetch(spec, layout, count=False, chunks=self._plan(spec).entry_spans)
-        except CapacityError:
-            with self._lock:
-                self.counters.stage_failures += 1
-            return None
-        with self._lock:
-            self.counters.stages += not hit
-        staged.add_done_callback(functools.partial(self._staged, key))
-        return staged
-
-    def _staged(self, key: AdapterKey, staged: Future[HostEntry]) -> None:
-        if staged.exception() is None:
-            self.host.release(key)
-        else:  # the tier dropped the entry and its references
-            with self._lock:
-                self.counters.stage_failures += 1
+        return self.load_path.stage(spec, AdapterKey(name, spec.version), layout, self._plan(spec))
 
     def evict(self, name: str, version: str | None = None) -> bool:
         """Free the adapter's slot if it is READY and unused; False if absent, loading or in use."""
         version = version or self.catalog.get(name).version
-        with self._lock:
+        with self.book.lock:
             key = AdapterKey(name, version)
-            slot = self.table.lookup(key)
-            if slot is None or not self.table.evict(key):
+            slot = self.book.table.lookup(key)
+            if slot is None or not self.book.table.evict(key):
                 return False
-            self._retire(self._loads.pop(slot.index))
-            self._changed(key, "gone")
-        self._report()
+            self.book.retire(slot.index)
+            self.book.changed(key, "gone")
+        self.book.report()
         return True
 
     def restate(self, name: str, version: str) -> None:
         """Report an adapter's state again, in order with its changes ("loading", "ready" or "in_use"; nothing
         if absent): after a refused evict, whose sender assumed it gone."""
         key = AdapterKey(name, version)
-        with self._lock:
-            slot = self.table.lookup(key)
+        with self.book.lock:
+            slot = self.book.table.lookup(key)
             if slot is not None:
-                self._changed(key, "in_use" if slot.refs else slot.state.value)
-        self._report()
+                self.book.changed(key, "in_use" if slot.refs else slot.state.value)
+        self.book.report()
 
     # -- engine: acquire / release (lifecycle step 9) ---------------------------------------------
     def acquire(self, adapters: Sequence[AdapterRef], *, partial: bool = False, pipelined: bool = False) -> Batch:
@@ -263,33 +220,25 @@ class WorkerCache:
                     if not partial:
                         raise
                     failed[ref] = str(e)
-            with self._lock:
-                loading = {ref: self._loads[i] for ref, i in held.items()
-                           if self.table.slots[i].state is SlotState.LOADING}
+            with self.book.lock:
+                loading = {ref: self.book.loads[i] for ref, i in held.items()
+                           if self.book.table.slots[i].state is SlotState.LOADING}
             waits = ChunkWaits(self.streams, list(loading.values())) if pipelined and loading else None
             if not pipelined:
                 for ref, load in loading.items():
                     try:
-                        self.streams.compute_wait(self._whole(load))
+                        self.streams.compute_wait(load.last_event())
                     except LoadFailed as e:
                         if not partial:
                             raise
                         failed[ref] = str(e)
-                        self._drop_refs([held.pop(ref)], None)
+                        self.book.drop_refs([held.pop(ref)], None)
         except BaseException:
-            self._drop_refs(list(held.values()), None)
+            self.book.drop_refs(list(held.values()), None)
             raise
         slots = tuple(held.get(a, -1) for a in adapters)
         return Batch(tuple(adapters), slots, self._index.upload(slots), tuple(held.values()), [False],
                      tuple(keys.get(a, _unresolved(a)) for a in adapters), tuple(failed.items()), waits)
-
-    @staticmethod
-    def _whole(load: SlotLoad) -> Any:
-        """A held load's last event, once every chunk's copy is issued (the host waits for its read)."""
-        load.issued.wait()
-        if load.error is not None:
-            raise LoadFailed(f"{load.key}: its load failed ({load.error})") from load.error
-        return load.ready_event
 
     def acquire_ready(self, adapters: Sequence[AdapterRef]) -> Batch | None:
         """References on those of ``adapters`` READY here (a name: its current version; a key: exactly that
@@ -300,15 +249,15 @@ class WorkerCache:
         refs: list[AdapterRef] = []
         keys: list[AdapterKey] = []
         slots: list[int] = []
-        with self._lock:
+        with self.book.lock:
             for ref in dict.fromkeys(adapters):
                 if len(refs) == self.config.max_batch or (isinstance(ref, str) and ref not in self.catalog):
                     continue
                 key = resolve(self.catalog, ref)
-                slot = self.table.lookup(key)
+                slot = self.book.table.lookup(key)
                 if slot is not None and slot.state is SlotState.READY:
-                    self.table.incref(slot.index)
-                    self._loads[slot.index].used = True
+                    self.book.table.incref(slot.index)
+                    self.book.loads[slot.index].used = True
                     refs.append(ref)
                     keys.append(key)
                     slots.append(slot.index)
@@ -321,18 +270,7 @@ class WorkerCache:
         if batch.token[0]:
             raise ValueError("batch released twice; release each acquired batch exactly once")
         batch.token[0] = True
-        self._drop_refs(list(batch.held), None if batch.slot_index is None else self.streams.record_compute())
-
-    def _drop_refs(self, held: list[int], last_use: Any) -> None:
-        with self._lock:
-            for index in held:
-                if last_use is not None:
-                    self._last_use[index] = last_use
-                self.table.decref(index)
-                if index in self._broken and self.table.slots[index].refs == 0:
-                    self._broken.discard(index)
-                    self._loads.pop(index)
-                    self.table.fail(index)
+        self.book.drop_refs(list(batch.held), None if batch.slot_index is None else self.streams.record_compute())
 
     def _hold(self, key: AdapterKey, pipelined: bool = False) -> int:
         """A reference on ``key``'s slot, loading it first if it is not resident (its spec is needed only then:
@@ -340,15 +278,15 @@ class WorkerCache:
         first = True
         started: Future[ReadinessRecord] | None = None  # the load this call started, if any
         while True:
-            with self._lock:
-                slot = self.table.lookup(key)
+            with self.book.lock:
+                slot = self.book.table.lookup(key)
                 if slot is not None:
-                    self.table.incref(slot.index)
-                    self._loads[slot.index].used = True
+                    self.book.table.incref(slot.index)
+                    self.book.loads[slot.index].used = True
                     if first:
                         self.counters.gpu_hits += 1
                     return slot.index
-                load = self._pending.get(key)
+                load = self.book.pending.get(key)
                 if first:
                     self.counters.gpu_misses += 1
                     first = False
@@ -364,172 +302,6 @@ class WorkerCache:
             (load.placed if pipelined else load.issued).wait()
             if load.future.done() and load.future.exception() is not None:
                 raise load.future.exception()  # type: ignore[misc]
-
-    # -- the load path ------------------------------------------------------------------------------
-    def _chunk_staged(self, load: SlotLoad, entry: HostEntry, count: int, hit: bool) -> None:
-        """``count`` chunks of the load's shard are on the host (reader thread, or the fetching one on a hit):
-        the first takes a slot, each is copied as it lands (step 6)."""
-        total = len(load.plan.chunks)
-        staged = total if count >= entry.num_chunks else min(count, total)  # an entry read in other chunks
-        load.host_hit = hit
-        if staged == total and not hit:
-            load.disk_ms = (time.perf_counter() - load.t0) * 1e3
-        load.entry = entry
-        load.staged(staged)
-        if load.claim():
-            faults.hit("before_copy", load.key)  # a test may stop (or kill) the worker here
-            self._place(load, entry)
-
-    def _read_done(self, load: SlotLoad, staged: Future[HostEntry]) -> None:
-        """The read ended (reader thread): nothing to do if it succeeded (its chunks went their way)."""
-        error = staged.exception()
-        if error is None or load.error is not None:  # succeeded, or rejected for want of a slot (_reject_staged)
-            return
-        load.fail(error)
-        with self._lock:
-            waiting = next((w for w in self._slot_waiters if w[0] is load), None)
-            if waiting is not None:
-                self._slot_waiters.remove(waiting)
-            if load.slot >= 0:
-                self._abandon(load, error)
-            else:
-                self._drop(load, error)
-        if load.entry is not None:  # chunks were staged: let the copies issued from them finish first
-            for event in load.events:
-                self.streams.host_wait(event)
-            self.host.release_failed(load.entry)
-        if load.slot >= 0:
-            self._report()
-            load.future.set_exception(error)
-        else:
-            self._reject(load, error)
-
-    def _abandon(self, load: SlotLoad, error: BaseException) -> None:
-        """A load that failed after it took its slot (caller holds the lock): the slot frees once no
-        batch holds it (its chunk waiters raise ``LoadFailed``)."""
-        self.counters.load_failures += 1
-        self._changed(load.key, "failed", error=str(error))
-        if self.table.slots[load.slot].refs == 0:
-            self._loads.pop(load.slot)
-            self.table.fail(load.slot)
-        else:
-            self._broken.add(load.slot)
-
-    def _place(self, load: SlotLoad, entry: HostEntry) -> None:
-        """Reserve a slot and copy the staged chunks; if only loads in flight stand in the way, wait for
-        one to finish."""
-        with self._lock:
-            if load.error is not None:  # its read failed first: _read_done dropped it
-                return
-            try:
-                load.slot, evicted = self.table.reserve(load.key)
-            except CapacityError as e:
-                if any(s.state is SlotState.LOADING and s.refs == 0 for s in self.table.slots):
-                    self._slot_waiters.append((load, entry))  # retried by _finish: a hint costs latency only
-                    return
-                self._drop(load, e)  # every slot is in use: this load fails, nothing else changes
-                error: CapacityError | None = e
-            else:
-                error = None
-                if evicted is not None:
-                    self._retire(self._loads.pop(load.slot))
-                    self._changed(evicted, "gone")
-                self._changed(load.key, "loading")
-                self._loads[load.slot] = self._pending.pop(load.key)
-        if error is not None:  # failed once its read has ended: the tier holds the shard (a host hit next time)
-            load.fail(error)
-            entry.ready.add_done_callback(functools.partial(self._reject_staged, load, entry, error))
-            return None
-        self._report()
-        write_meta = functools.partial(self.meta.write, load.slot, load.layout, None)
-        load.place(self.streams, self.pool[load.slot, : load.layout.numel], entry.tensor, self._last_use[load.slot],
-                   write_meta, self._issued)
-        load.placed.set()
-
-    def _reject_staged(self, load: SlotLoad, entry: HostEntry, error: BaseException, read: Future[HostEntry]) -> None:
-        if read.exception() is None:
-            self.host.release(load.key)
-        else:
-            self.host.release_failed(entry)
-        self._reject(load, error)
-
-    def _issued(self, load: SlotLoad) -> None:
-        """Every chunk's copy is issued: once the read has also ended (its counts taken), watch the last
-        chunk's event (READY when it completes)."""
-        load.issued.set()
-        load.entry.ready.add_done_callback(lambda read: self._watcher.add(load) if read.exception() is None else None)
-
-    def _retire(self, load: SlotLoad) -> None:
-        """A load's slot was freed (caller holds the lock): count it for prefetch accuracy."""
-        self.counters.retired(load.prefetched, load.used)
-
-    def _retry_waiters(self) -> None:
-        with self._lock:
-            waiters, self._slot_waiters = self._slot_waiters, []
-        for load, entry in waiters:
-            self._place(load, entry)
-
-    def _finish(self, load: SlotLoad) -> None:
-        """The copy's ready event completed (watcher thread): READY, report (step 7)."""
-        record = ReadinessRecord(load.key.name, load.key.version, self.config.tp_rank, load.slot, load.disk_ms,
-                                 self.streams.elapsed_ms(load.start_event, load.ready_event),
-                                 (time.perf_counter() - load.t0) * 1e3, load.layout.nbytes, load.host_hit)
-        with self._lock:
-            self.table.mark_ready(load.slot)
-            self.counters.loads += 1
-            self.counters.bytes_host_to_gpu += record.nbytes
-            if not record.host_hit:
-                self.counters.disk_ms.add(record.disk_ms)
-            self.counters.h2d_ms.add(record.h2d_ms)
-            self.counters.ready_ms.add(record.ready_ms)
-            self._changed(load.key, "ready", record)
-        self._report()
-        self.host.release(load.key)
-        try:
-            if self.on_ready is not None:
-                self.on_ready(record)
-        finally:
-            load.future.set_result(record)
-            self._retry_waiters()
-
-    def _fail(self, load: SlotLoad, error: BaseException) -> None:
-        with self._lock:
-            self._drop(load, error)
-        self._reject(load, error)
-
-    def _drop(self, load: SlotLoad, error: BaseException) -> None:
-        """Give up a load that has no slot (caller holds the lock, so its "failed" is queued before the
-        changes of a new load of the adapter, which may start as soon as the lock is released)."""
-        self._pending.pop(load.key, None)
-        self.counters.load_failures += 1
-        self._changed(load.key, "failed", error=str(error))
-
-    def _reject(self, load: SlotLoad, error: BaseException) -> None:
-        """A dropped load: report it, then wake its waiters."""
-        self._report()
-        load.fail(error)
-        load.future.set_exception(error)
-        load.placed.set()
-
-    # -- residency changes (step 7) -----------------------------------------------------------------
-    def _changed(self, key: AdapterKey, state: str, record: ReadinessRecord | None = None, error: str = "") -> None:
-        """Queue one residency change (caller holds the lock, so the queue is in the order of the changes)."""
-        if self.on_change is not None:
-            self._changes.append(Delta(key.name, key.version, state, record, error))
-
-    def _report(self) -> None:
-        """Hand the queued changes to ``on_change``, oldest first (caller does not hold the lock).
-
-        Whoever queued a change calls this after releasing the lock; one thread hands over at a time, so
-        a change is never reported before one that happened earlier, and none waits for a later call."""
-        with self._reporting:
-            while self._changes:
-                delta = self._changes.popleft()
-                try:
-                    if self.on_change is not None:
-                        self.on_change(delta)
-                except Exception:  # a broken consumer must not break loads; the controller's resync repairs
-                    log.exception("residency change %s not reported", delta)
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 - specs are immutable; bounded
     def _layout(self, spec: AdapterSpec) -> ShardLayout:
@@ -548,26 +320,27 @@ class WorkerCache:
     # -- introspection ------------------------------------------------------------------------------
     def ready_keys(self) -> set[AdapterKey]:
         """Adapter versions READY here."""
-        with self._lock:
-            return {s.key for s in self.table.slots if s.key is not None and s.state is SlotState.READY}
+        with self.book.lock:
+            return {s.key for s in self.book.table.slots if s.key is not None and s.state is SlotState.READY}
 
     def ready_names(self) -> set[str]:
         """Adapters READY here (any version): the engine's readiness report, without ``residency``'s rows."""
-        with self._lock:
-            return {s.key.name for s in self.table.slots if s.key is not None and s.state is SlotState.READY}
+        with self.book.lock:
+            return {s.key.name for s in self.book.table.slots if s.key is not None and s.state is SlotState.READY}
 
     def residency(self) -> list[dict[str, object]]:
-        with self._lock:
+        with self.book.lock:
             return [{"adapter": s.key.name, "version": s.key.version, "slot": s.index, "state": s.state.value,
-                     "refs": s.refs} for s in self.table.slots if s.key is not None]
+                     "refs": s.refs} for s in self.book.table.slots if s.key is not None]
 
     def stats(self) -> dict[str, object]:
-        with self._lock:
+        table = self.book.table
+        with self.book.lock:
             snap = self.counters.snapshot()
             snap.update(host_hits=self.host.hits, host_misses=self.host.misses, host_waits=self.host.waits,
-                        bytes_disk_to_host=self.host.bytes_read, slots_ready=self.table.count(SlotState.READY),
-                        slots_loading=self.table.count(SlotState.LOADING), host_bytes_used=self.host.arena.used_bytes,
-                        **resident_prefetches(self._loads.values()))
+                        bytes_disk_to_host=self.host.bytes_read, slots_ready=table.count(SlotState.READY),
+                        slots_loading=table.count(SlotState.LOADING), host_bytes_used=self.host.arena.used_bytes,
+                        **resident_prefetches(self.book.loads.values()))
         return snap
 
     def slot_view(self, slot: int, layout: ShardLayout, layer: int, module: str, ab: str) -> torch.Tensor:
@@ -577,8 +350,8 @@ class WorkerCache:
 
     def layout_in(self, slot: int) -> ShardLayout:
         """The layout of the shard loaded (or loading) in ``slot``."""
-        with self._lock:
-            return self._loads[slot].layout
+        with self.book.lock:
+            return self.book.loads[slot].layout
 
     def layout_of(self, name: str, version: str | None = None) -> ShardLayout:
         return self._layout(self.catalog.get(name, version))
@@ -586,27 +359,14 @@ class WorkerCache:
     def settle(self, timeout: float = 10.0) -> None:
         """Wait until every load now in flight has ended (READY or failed; its residency change reported
         before its future resolves): for tests, and callers that want a quiet cache. No sleeps."""
-        with self._lock:
-            futures = [ld.future for ld in (*self._loads.values(), *self._pending.values())]
+        with self.book.lock:
+            futures = [ld.future for ld in (*self.book.loads.values(), *self.book.pending.values())]
         for f in futures:
             f.exception(timeout=timeout)
 
     def check_integrity(self) -> None:
-        with self._lock:
-            self.table.check_integrity()
-            for s in self.table.slots:
-                assert (s.key is not None) == (s.index in self._loads), f"slot {s.index} and its load disagree"
-                if s.key is not None:
-                    assert self._loads[s.index].key == s.key, f"slot {s.index} load is for another adapter"
-                    load = self._loads[s.index]
-                    if s.state is SlotState.READY:  # invariant 4: READY only once every chunk's copy completed
-                        assert load.ready_event is not None and self.streams.done(load.ready_event), \
-                            f"slot {s.index} READY before its last chunk's copy completed"
-            assert all(self.table.slots[i].refs > 0 for i in self._broken), "a failed slot is held by no batch"
-            assert not set(self._pending) & {s.key for s in self.table.slots}, "a pending load already has a slot"
+        self.book.check_integrity(self.streams.done)
         self.host.check_integrity()
 
     def close(self) -> None:
-        self.host.cancel_waits()  # loads waiting for host room fail (holding nothing), before the watcher stops
-        self._watcher.close()  # every issued copy done before the host arena is unpinned
-        self.host.close()
+        self.load_path.close()  # loads waiting for host room fail, issued copies complete, the host tier closes

@@ -117,6 +117,14 @@ class SlotLoad:
                                  f"({self.error})") from self.error
             return self.events[index]
 
+    def last_event(self) -> Any:
+        """The last chunk's event, once every chunk's copy is issued (the host waits for the read, never for
+        a copy); raises ``LoadFailed`` if the load failed."""
+        self.issued.wait()
+        if self.error is not None:
+            raise LoadFailed(f"{self.key}: its load failed ({self.error})") from self.error
+        return self.ready_event
+
     def fail(self, error: BaseException) -> None:
         """No further chunk will be issued: wake every waiter with the error."""
         with self._cond:

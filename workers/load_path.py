@@ -1,0 +1,322 @@
+"""The load path of one TP rank (lifecycle steps 5-7): host-tier staging -> a slot -> chunked copies ->
+READY -> its residency change.
+
+``LoadPath`` starts loads (a prefetch, or an acquire that missed) and stages shards that get no slot. A
+load takes its slot when its first chunk is on the host, waiting for one while only loads in flight hold
+them; each staged chunk is copied on the copy stream after the slot's last use; the completion watcher
+sees the last chunk's event complete and the slot becomes READY. A load that fails leaves the rank as it
+was (its slot freed once no batch holds it, its host entry released).
+
+``SlotBook`` is what the cache and its load path share under one lock: the slot table, the load in each
+slot, loads with no slot yet, each slot's last use, the counters, and the queue of residency changes
+(step 7). The cache (``workers/cache.py``) composes both; nothing here imports it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from lora_cache.adapters.chunks import ChunkPlan
+from lora_cache.adapters.peft import AdapterSpec
+from lora_cache.adapters.shards import ShardLayout
+from lora_cache.errors import CapacityError
+from lora_cache.vocab import AdapterKey, Delta, ReadinessRecord
+from workers import faults
+from workers.host_tier import HostEntry, HostTier
+from workers.kernels.meta import SlotMeta
+from workers.loader import CompletionWatcher, SlotLoad
+from workers.metrics import CacheCounters
+from workers.slots import SlotState, SlotTable
+from workers.streams import CpuStreams
+
+log = logging.getLogger(__name__)
+
+
+class SlotBook:
+    """A rank's slots and loads, shared by its cache and its load path under ``lock``.
+
+    ``on_change`` gets one ``Delta`` per residency change: queued under the lock (so in the order of the
+    changes), handed over by ``report`` once the lock is released."""
+
+    def __init__(self, num_slots: int, on_change: Callable[[Delta], None] | None) -> None:
+        self.lock = threading.Lock()  # protects table, loads, pending, last_use, broken, counters, LoadPath's waiters
+        self.table = SlotTable(num_slots)
+        self.counters = CacheCounters()
+        self.loads: dict[int, SlotLoad] = {}  # slot -> its load (LOADING or READY)
+        self.pending: dict[AdapterKey, SlotLoad] = {}  # staging on the host, no slot yet
+        self.last_use: list[Any] = [None] * num_slots  # compute-done event of the slot's last batch
+        self.broken: set[int] = set()  # slots whose load failed mid-way while a batch held them: freed at 0 refs
+        self.on_change = on_change
+        self._changes: deque[Delta] = deque()  # residency changes not yet handed to on_change, oldest first
+        self._reporting = threading.RLock()  # one thread hands changes over at a time (keeps their order)
+
+    def changed(self, key: AdapterKey, state: str, record: ReadinessRecord | None = None, error: str = "") -> None:
+        """Queue one residency change (caller holds the lock, so the queue is in the order of the changes)."""
+        if self.on_change is not None:
+            self._changes.append(Delta(key.name, key.version, state, record, error))
+
+    def report(self) -> None:
+        """Hand the queued changes to ``on_change``, oldest first (caller does not hold the lock).
+
+        Whoever queued a change calls this after releasing the lock; one thread hands over at a time, so
+        a change is never reported before one that happened earlier, and none waits for a later call."""
+        with self._reporting:
+            while self._changes:
+                delta = self._changes.popleft()
+                try:
+                    if self.on_change is not None:
+                        self.on_change(delta)
+                except Exception:  # a broken consumer must not break loads; the controller's resync repairs
+                    log.exception("residency change %s not reported", delta)
+
+    def retire(self, slot: int) -> None:
+        """The table freed ``slot`` (caller holds the lock): forget its load, counted for prefetch accuracy."""
+        load = self.loads.pop(slot)
+        self.counters.retired(load.prefetched, load.used)
+
+    def free_failed(self, slot: int) -> None:
+        """A failed load's slot, held by no batch, is free again (caller holds the lock)."""
+        self.loads.pop(slot)
+        self.table.fail(slot)
+
+    def drop_refs(self, held: list[int], last_use: Any) -> None:
+        """Let go of a batch's slots; ``last_use`` (if not None) is the event of its kernels' completion."""
+        with self.lock:
+            for index in held:
+                if last_use is not None:
+                    self.last_use[index] = last_use
+                self.table.decref(index)
+                if index in self.broken and self.table.slots[index].refs == 0:
+                    self.broken.discard(index)
+                    self.free_failed(index)
+
+    def check_integrity(self, done: Callable[[Any], bool]) -> None:
+        """The table, the loads and the slots agree; ``done(event)``: whether a copy's event completed."""
+        with self.lock:
+            self.table.check_integrity()
+            for s in self.table.slots:
+                assert (s.key is not None) == (s.index in self.loads), f"slot {s.index} and its load disagree"
+                if s.key is not None:
+                    assert self.loads[s.index].key == s.key, f"slot {s.index} load is for another adapter"
+                    load = self.loads[s.index]
+                    if s.state is SlotState.READY:  # invariant 4: READY only once every chunk's copy completed
+                        assert load.ready_event is not None and done(load.ready_event), \
+                            f"slot {s.index} READY before its last chunk's copy completed"
+            assert all(self.table.slots[i].refs > 0 for i in self.broken), "a failed slot is held by no batch"
+            assert not set(self.pending) & {s.key for s in self.table.slots}, "a pending load already has a slot"
+
+
+class LoadPath:
+    """Loads into one rank's slot ``pool``: staged through ``host``, copied on ``streams``' copy stream with
+    each slot's kernel metadata (``meta``), READY (and ``on_ready``) once the last chunk's copy completed."""
+
+    def __init__(self, book: SlotBook, host: HostTier, streams: CpuStreams, pool: torch.Tensor, meta: SlotMeta,
+                 tp_rank: int, on_ready: Callable[[ReadinessRecord], None] | None) -> None:
+        self.book, self.host, self.streams, self.pool, self.meta = book, host, streams, pool, meta
+        self.tp_rank, self.on_ready = tp_rank, on_ready
+        self.slot_waiters: list[tuple[SlotLoad, HostEntry]] = []  # staged, waiting for a load to finish (book.lock)
+        self.watcher = CompletionWatcher(streams, self._finish)
+
+    def start(self, spec: AdapterSpec, key: AdapterKey, layout: ShardLayout, plan: ChunkPlan,
+              on_demand: bool) -> Future[ReadinessRecord]:
+        """Load ``key`` unless it has a slot or a load already (idempotent); its future (``WorkerCache.prefetch``)."""
+        book = self.book
+        with book.lock:
+            slot = book.table.lookup(key)
+            if slot is not None:
+                return book.loads[slot.index].future
+            if key in book.pending:
+                return book.pending[key].future
+            load = SlotLoad(key, layout, plan, prefetched=not on_demand)
+            book.pending[key] = load
+            book.counters.prefetches += not on_demand
+            book.counters.demand_loads += on_demand
+        try:
+            staged, load.host_hit = self.host.fetch(spec, layout, chunks=load.plan.entry_spans,
+                                                    on_chunk=functools.partial(self._chunk_staged, load), wait=True)
+        except Exception as e:  # e.g. a shard larger than the host tier, or a full tier with nothing in flight
+            self._fail(load, e)
+            return load.future
+        staged.add_done_callback(functools.partial(self._read_done, load))
+        return load.future
+
+    def stage(self, spec: AdapterSpec, key: AdapterKey, layout: ShardLayout,
+              plan: ChunkPlan) -> Future[HostEntry] | None:
+        """Read ``key``'s shard into the host tier with no slot, never waiting for room (``WorkerCache.stage``)."""
+        with self.book.lock:
+            if self.book.table.lookup(key) is not None or key in self.book.pending:
+                return None
+        try:
+            staged, hit = self.host.fetch(spec, layout, count=False, chunks=plan.entry_spans)
+        except CapacityError:
+            with self.book.lock:
+                self.book.counters.stage_failures += 1
+            return None
+        with self.book.lock:
+            self.book.counters.stages += not hit
+        staged.add_done_callback(functools.partial(self._staged, key))
+        return staged
+
+    def _staged(self, key: AdapterKey, staged: Future[HostEntry]) -> None:
+        if staged.exception() is None:
+            self.host.release(key)
+        else:  # the tier dropped the entry and its references
+            with self.book.lock:
+                self.book.counters.stage_failures += 1
+
+    def _chunk_staged(self, load: SlotLoad, entry: HostEntry, count: int, hit: bool) -> None:
+        """``count`` chunks of the load's shard are on the host (reader thread, or the fetching one on a hit):
+        the first takes a slot, each is copied as it lands (step 6)."""
+        total = len(load.plan.chunks)
+        staged = total if count >= entry.num_chunks else min(count, total)  # an entry read in other chunks
+        load.host_hit = hit
+        if staged == total and not hit:
+            load.disk_ms = (time.perf_counter() - load.t0) * 1e3
+        load.entry = entry
+        load.staged(staged)
+        if load.claim():
+            faults.hit("before_copy", load.key)  # a test may stop (or kill) the worker here
+            self._place(load, entry)
+
+    def _read_done(self, load: SlotLoad, staged: Future[HostEntry]) -> None:
+        """The read ended (reader thread): nothing to do if it succeeded (its chunks went their way)."""
+        error = staged.exception()
+        if error is None or load.error is not None:  # succeeded, or rejected for want of a slot (_reject_staged)
+            return
+        load.fail(error)
+        with self.book.lock:
+            waiting = next((w for w in self.slot_waiters if w[0] is load), None)
+            if waiting is not None:
+                self.slot_waiters.remove(waiting)
+            if load.slot >= 0:
+                self._abandon(load, error)
+            else:
+                self._drop(load, error)
+        if load.entry is not None:  # chunks were staged: let the copies issued from them finish first
+            for event in load.events:
+                self.streams.host_wait(event)
+            self.host.release_failed(load.entry)
+        if load.slot >= 0:
+            self.book.report()
+            load.future.set_exception(error)
+        else:
+            self._reject(load, error)
+
+    def _abandon(self, load: SlotLoad, error: BaseException) -> None:
+        """A load that failed after it took its slot (caller holds the lock): the slot frees once no
+        batch holds it (its chunk waiters raise ``LoadFailed``)."""
+        book = self.book
+        book.counters.load_failures += 1
+        book.changed(load.key, "failed", error=str(error))
+        if book.table.slots[load.slot].refs == 0:
+            book.free_failed(load.slot)
+        else:
+            book.broken.add(load.slot)
+
+    def _place(self, load: SlotLoad, entry: HostEntry) -> None:
+        """Reserve a slot and copy the staged chunks; if only loads in flight stand in the way, wait for
+        one to finish."""
+        book = self.book
+        with book.lock:
+            if load.error is not None:  # its read failed first: _read_done dropped it
+                return
+            try:
+                load.slot, evicted = book.table.reserve(load.key)
+            except CapacityError as e:
+                if any(s.state is SlotState.LOADING and s.refs == 0 for s in book.table.slots):
+                    self.slot_waiters.append((load, entry))  # retried by _finish: a hint costs latency only
+                    return
+                self._drop(load, e)  # every slot is in use: this load fails, nothing else changes
+                error: CapacityError | None = e
+            else:
+                error = None
+                if evicted is not None:
+                    book.retire(load.slot)
+                    book.changed(evicted, "gone")
+                book.changed(load.key, "loading")
+                book.loads[load.slot] = book.pending.pop(load.key)
+        if error is not None:  # failed once its read has ended: the tier holds the shard (a host hit next time)
+            load.fail(error)
+            entry.ready.add_done_callback(functools.partial(self._reject_staged, load, entry, error))
+            return None
+        book.report()
+        write_meta = functools.partial(self.meta.write, load.slot, load.layout, None)
+        load.place(self.streams, self.pool[load.slot, : load.layout.numel], entry.tensor, book.last_use[load.slot],
+                   write_meta, self._issued)
+        load.placed.set()
+
+    def _reject_staged(self, load: SlotLoad, entry: HostEntry, error: BaseException, read: Future[HostEntry]) -> None:
+        if read.exception() is None:
+            self.host.release(load.key)
+        else:
+            self.host.release_failed(entry)
+        self._reject(load, error)
+
+    def _issued(self, load: SlotLoad) -> None:
+        """Every chunk's copy is issued: once the read has also ended (its counts taken), watch the last
+        chunk's event (READY when it completes)."""
+        load.issued.set()
+        load.entry.ready.add_done_callback(lambda read: self.watcher.add(load) if read.exception() is None else None)
+
+    def _retry_waiters(self) -> None:
+        with self.book.lock:
+            waiters, self.slot_waiters = self.slot_waiters, []
+        for load, entry in waiters:
+            self._place(load, entry)
+
+    def _finish(self, load: SlotLoad) -> None:
+        """The copy's ready event completed (watcher thread): READY, report (step 7)."""
+        record = ReadinessRecord(load.key.name, load.key.version, self.tp_rank, load.slot, load.disk_ms,
+                                 self.streams.elapsed_ms(load.start_event, load.ready_event),
+                                 (time.perf_counter() - load.t0) * 1e3, load.layout.nbytes, load.host_hit)
+        book = self.book
+        with book.lock:
+            book.table.mark_ready(load.slot)
+            book.counters.loads += 1
+            book.counters.bytes_host_to_gpu += record.nbytes
+            if not record.host_hit:
+                book.counters.disk_ms.add(record.disk_ms)
+            book.counters.h2d_ms.add(record.h2d_ms)
+            book.counters.ready_ms.add(record.ready_ms)
+            book.changed(load.key, "ready", record)
+        book.report()
+        self.host.release(load.key)
+        try:
+            if self.on_ready is not None:
+                self.on_ready(record)
+        finally:
+            load.future.set_result(record)
+            self._retry_waiters()
+
+    def _fail(self, load: SlotLoad, error: BaseException) -> None:
+        with self.book.lock:
+            self._drop(load, error)
+        self._reject(load, error)
+
+    def _drop(self, load: SlotLoad, error: BaseException) -> None:
+        """Give up a load that has no slot (caller holds the lock, so its "failed" is queued before the
+        changes of a new load of the adapter, which may start as soon as the lock is released)."""
+        self.book.pending.pop(load.key, None)
+        self.book.counters.load_failures += 1
+        self.book.changed(load.key, "failed", error=str(error))
+
+    def _reject(self, load: SlotLoad, error: BaseException) -> None:
+        """A dropped load: report it, then wake its waiters."""
+        self.book.report()
+        load.fail(error)
+        load.future.set_exception(error)
+        load.placed.set()
+
+    def close(self) -> None:
+        self.host.cancel_waits()  # loads waiting for host room fail (holding nothing), before the watcher stops
+        self.watcher.close()  # every issued copy done before the host arena is unpinned
+        self.host.close()
