@@ -69,11 +69,6 @@ class CpuStreams:
         run()
         return start, end
 
-    def copy_into_slot(self, dst: torch.Tensor, src: torch.Tensor, after: Any,
-                       then: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
-        """The whole shard as one chunk."""
-        return self.copy_chunk(dst, src, after, then)
-
     def run_copies(self, until: Any = None) -> None:
         """Deferred mode: run queued copies in order, up to ``until`` (all of them if None)."""
         while True:
