@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The 2026-11-25 GPU runs (issue 20): every named scenario at router leads 0.05 and 0, with the simulator's
-# check (bench.sim_check, costs fitted from the run) against the lead-0.05 run. One device call per scenario:
+# check (bench.sim.check, costs fitted from the run) against the lead-0.05 run. One device call per scenario:
 #   bash bench/gpu_1125.sh OUT seed        # also: uniform, zipf, bursty
 # Per scenario: ondemand, overlap, queue, global, oracle at lead 0.05 (--check-sim), then global at lead 0.
 # Logs go to $LOGDIR (default /tmp/logs); results (JSON) under OUT. Needs Ray from .device (../shared/tools/device-site).

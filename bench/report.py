@@ -1,5 +1,6 @@
 """The benchmark's outputs: a markdown table on stdout, one JSON file with every figure and the whole
-configuration, and PNG plots (TTFT CDF per policy; GPU hit rate and bytes moved over time)."""
+configuration, and PNG plots (TTFT CDF per policy; GPU hit rate and bytes moved over time); while it runs,
+a progress bar per policy on stderr."""
 
 from __future__ import annotations
 
@@ -168,6 +169,29 @@ def plot(out: Path, doc: dict[str, Any]) -> None:
     fig.tight_layout()
     fig.savefig(out / "cache_over_time.png", dpi=120)
     plt.close(fig)
+
+
+class progress:
+    """A tqdm bar per policy (to stderr), fed the fraction of the request stream's time elapsed."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> Any:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=100, desc=f"{self.name:>8}", unit="%", file=sys.stderr, leave=True,
+                        bar_format="{desc} {bar} {n:.0f}% [{elapsed}]")
+
+        def tick(fraction: float) -> None:
+            self.bar.n = round(100 * fraction)
+            self.bar.refresh()
+
+        return tick
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.n = 100 if exc[0] is None else self.bar.n
+        self.bar.close()
 
 
 RUN_ONLY = ("policies", "out", "check_sim", "timeout_s", "plots")  # bench options that may differ between parts

@@ -27,112 +27,16 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.config import SCENARIOS, BenchConfig
 from bench.figures import PolicyRun
 from bench.policies import BenchPolicy, parse_policies
-from bench.report import write, write_results
+from bench.report import progress, write, write_results
 from bench.workloads import Workload, WorkloadSpec, make_workload
 from lora_cache.errors import ConfigError, LoraCacheError
 from lora_cache.runtime.cliargs import add_config_args, config_from_args
-
-ENGINES = ("real", "sim")
-
-# Named scenarios: values for options left unset on the command line.
-SCENARIOS: dict[str, dict[str, Any]] = {
-    # The seed reviewers' scenario: 16 adapters over 8 slots, Poisson 4 req/s. Every slot may serve a batch
-    # (max_adapters = slots), as SGLang (max_loras_per_batch) and vLLM (max_loras) size their pools; with
-    # fewer (the engine's default of 4), head-of-line waits for a batch place set every policy's tail, the
-    # oracle's too (bench/RESULTS.md, 2026-11-22).
-    "seed": {"num_adapters": 16, "slots": 8, "max_adapters": 8, "arrivals": "poisson:4", "popularity": "uniform",
-             "requests": 200},
-    # The reviewers' scenarios: 4x adapters per slot.
-    "uniform": {"popularity": "uniform", "arrivals": "poisson:4", "requests": 200, "max_adapters": 8},
-    "zipf": {"popularity": "zipf:1.5", "arrivals": "poisson:4", "requests": 200, "max_adapters": 8},
-    "bursty": {"popularity": "bursty:10,20,20", "arrivals": "poisson:4", "requests": 300, "num_adapters": 50,
-               "max_adapters": 8},
-    # CI: small, on the CPU, through the real path.
-    "quick": {"model": "tiny", "replicas": 2, "tp": 1, "slots": 4, "popularity": "zipf:1.5", "arrivals": "poisson:20",
-              "requests": 48, "random_input_len": 64, "random_output_len": 8, "random_range_ratio": 0.5,
-              "max_seq_len": 256, "max_prefill_tokens": 512, "max_running": 8, "max_adapters": 2,
-              "adapter_ranks": "8,16", "hint_lead_s": 0.2},
-}
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """One benchmark run: which engine, which policies, the fleet, and where results go."""
-
-    engine: str = field(default="real", metadata={"help": f"engine: {' | '.join(ENGINES)}"})
-    policies: str = field(default="all", metadata={"help": "comma list of ondemand,overlap,queue,global,oracle or all"})
-    scenario: str = field(default="", metadata={"help": f"named scenario: {', '.join(SCENARIOS)} (sets the options "
-                                                        "you leave unset)"})
-    quick: bool = field(default=False, metadata={"help": "the small CI run (same as --scenario quick)"})
-    out: str = field(default="bench-results", metadata={
-        "path": True, "help": "directory for results.json and the plots"})
-    adapters: str = field(default="", metadata={
-        "path": True, "help": "directory of PEFT adapters (empty: make them under --out)"})
-    adapter_ranks: str = field(default="16,64", metadata={"help": "ranks of the adapters made (used in turn)"})
-    model: str = field(default="llama-3.1-8b", metadata={
-        "path": "name_or_file", "help": "named model shape or path to its config.json"})
-    num_layers: int = field(default=0, metadata={"help": "layers the real engine runs (0: all)"})
-    replicas: int = field(default=1, metadata={"help": "replicas"})
-    tp: int = field(default=1, metadata={"help": "tensor-parallel size of each replica"})
-    slots: int = field(default=8, metadata={"help": "GPU adapter slots per rank, equal for every policy but the "
-                                                    "oracle (which has one per adapter)"})
-    max_rank: int = field(default=64, metadata={"help": "largest LoRA rank (sizes the slots)"})
-    max_running: int = field(default=32, metadata={"help": "most requests running per replica"})
-    max_adapters: int = field(default=4, metadata={"help": "most distinct adapters per batch"})
-    max_prefill_tokens: int = field(default=4096, metadata={"help": "prompt tokens per prefill step"})
-    max_seq_len: int = field(default=2048, metadata={"help": "longest input + output"})
-    hint_lead_s: float = field(default=0.05, metadata={
-        "help": "the router hints a request's adapter this long before the request reaches its replica (0.05: a "
-                "router that forwards within milliseconds; 0.5: a router that queues requests)"})
-    router: str = field(default="round-robin", metadata={
-        "help": "the benchmark router, on either engine: round-robin (request i to replica i mod R, the default) | "
-                "least-loaded (fewest routed and not finished) | affinity (the least-loaded replica where the "
-                "adapter is ready, else the least loaded) | lora-cache (the controller's routing advice, the "
-                "gateway's Route); closed-loop arrivals (inflight:N) on --engine real are routed round-robin"})
-    host_bytes: int = field(default=2 << 30, metadata={"help": "pinned host tier bytes per rank (bounds staging)"})
-    gpus: str = field(default="auto", metadata={"help": "real engine on GPUs: auto | yes | no"})
-    calibration: str = field(default="h200-llama8b", metadata={
-        "path": "name_or_file", "help": "sim costs: a name under bench/calibration "
-                                                                        "or a JSON file"})
-    attach: bool = field(default=False, metadata={"help": "real engine: run every engine rank in a process of its "
-                                                          "own, attached through the engine seam (workers/attach.py) "
-                                                          "instead of inside the service's worker actors"})
-    check_sim: bool = field(default=False, metadata={"help": "real engine: also simulate this run with costs fitted "
-                                                             "from it and compare TTFT"})
-    timeout_s: float = field(default=1800.0, metadata={"help": "give up on one policy's run after this long"})
-    plots: bool = field(default=True, metadata={"help": "write the PNG plots"})
-
-    def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ConfigError(f"engine {self.engine!r} is not one of {ENGINES}")
-        if self.scenario and self.scenario not in SCENARIOS:
-            raise ConfigError(f"scenario {self.scenario!r} is not one of {', '.join(SCENARIOS)}")
-        if self.gpus not in ("auto", "yes", "no"):
-            raise ConfigError(f"gpus must be auto, yes or no, got {self.gpus!r}")
-        for name in ("replicas", "tp", "slots", "max_rank", "max_running", "max_adapters"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        parse_policies(self.policies)
-        from bench.sim.fleet import ROUTERS
-
-        if self.router not in ROUTERS:
-            raise ConfigError(f"router {self.router!r} is not registered; choose one of {', '.join(ROUTERS)}")
-        if self.attach and self.engine != "real":
-            raise ConfigError(f"--attach runs the real engine's ranks in their own processes; it needs --engine real, "
-                              f"not {self.engine!r}")
-
-    def use_gpus(self) -> bool:
-        if self.gpus != "auto":
-            return self.gpus == "yes"
-        import torch
-
-        return torch.cuda.is_available() and torch.cuda.device_count() >= self.tp
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,8 +107,12 @@ def run(bench: BenchConfig, spec: WorkloadSpec) -> dict[str, Any]:
     config = {"bench": dataclasses.asdict(bench), "workload": workload.describe(), "adapters": len(names),
               "policies": [dataclasses.asdict(p) for p in policies], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
               "host": _host(), "title": f"({bench.scenario or spec.popularity}, {bench.engine})"}
-    runs = (_run_real(bench, policies, root, names, workload, config) if bench.engine == "real"
-            else _run_sim(bench, policies, workload, config))
+    if bench.engine == "real":
+        runs = _run_real(bench, policies, root, names, workload, config)
+    else:
+        from bench.sim.job import run_policies
+
+        runs = run_policies(bench, policies, workload, config)
     doc = write(Path(bench.out), config, runs, plots=bench.plots)
     if bench.engine == "real" and bench.check_sim:
         doc["sim_check"] = _check_sim(bench, policies, workload, runs, doc["figures"])
@@ -237,7 +145,7 @@ def _run_real(bench: BenchConfig, policies: Sequence[BenchPolicy], root: str, na
     try:
         for policy in policies:
             try:
-                with _progress(policy.name) as tick:
+                with progress(policy.name) as tick:
                     runs.append(run_policy(real, policy, root, names, workload, tick))
             except Exception as e:  # the other policies still run; the error is in results.json
                 config.setdefault("errors", {})[policy.name] = f"{type(e).__name__}: {e}"
@@ -249,59 +157,14 @@ def _run_real(bench: BenchConfig, policies: Sequence[BenchPolicy], root: str, na
     return runs
 
 
-def _run_sim(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workload,
-             config: dict[str, Any], calibration: Any = None) -> list[PolicyRun]:
-    from bench.sim import SimConfig, simulate
-    from bench.sim.calibration import load_calibration
-
-    calib = calibration if calibration is not None else load_calibration(bench.calibration)
-    sim = SimConfig(model=bench.model, replicas=bench.replicas, tp=bench.tp, slots=bench.slots,
-                    max_rank=bench.max_rank, adapter_ranks=bench.adapter_ranks, max_running=bench.max_running,
-                    max_adapters=bench.max_adapters, max_prefill_tokens=bench.max_prefill_tokens,
-                    hint_lead_s=bench.hint_lead_s, host_bytes=bench.host_bytes, routing=bench.router)
-    config["sim"] = dataclasses.asdict(sim)
-    config["calibration"] = dataclasses.asdict(calib)
-    runs = []
-    for policy in policies:
-        with _progress(policy.name) as tick:
-            t0 = time.perf_counter()
-            result = simulate(sim, policy, workload, calib)
-            tick(1.0)
-        runs.append(result.as_policy_run(policy.name, time.perf_counter() - t0))
-    return runs
-
-
 def _check_sim(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workload,
                runs: list[PolicyRun], real: dict[str, Any]) -> dict[str, Any]:
     """The simulator on this run's configuration, with costs fitted from this run's logs; ``real``: the
     run's figures by policy (as written)."""
-    from bench.sim_check import compare
+    from bench.sim.check import compare
 
     return compare(bench, policies, workload, real,
                    [s for run in runs for s in run.steps], [x for run in runs for x in run.loads])
-
-
-class _progress:
-    """A tqdm bar per policy (to stderr), fed the fraction of the request stream's time elapsed."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __enter__(self) -> Any:
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=100, desc=f"{self.name:>8}", unit="%", file=sys.stderr, leave=True,
-                        bar_format="{desc} {bar} {n:.0f}% [{elapsed}]")
-
-        def tick(fraction: float) -> None:
-            self.bar.n = round(100 * fraction)
-            self.bar.refresh()
-
-        return tick
-
-    def __exit__(self, *exc: object) -> None:
-        self.bar.n = 100 if exc[0] is None else self.bar.n
-        self.bar.close()
 
 
 def _host() -> dict[str, Any]:
@@ -324,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(doc["table"])
     if "sim_check" in doc:
-        from bench.sim_check import format_comparison
+        from bench.sim.check import format_comparison
 
         print("\nsimulator vs real (TTFT):\n" + format_comparison(doc["sim_check"]))
     print(f"\nresults: {Path(bench.out) / 'results.json'}")

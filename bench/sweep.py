@@ -24,8 +24,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.config import BenchConfig
 from bench.report import cell
-from bench.run import BenchConfig, run
+from bench.run import run
 from bench.sim import ROUTERS
 from bench.workloads import WorkloadSpec
 from lora_cache.errors import ConfigError, LoraCacheError

@@ -317,7 +317,7 @@ def test_round_costs_are_charged_between_steps_and_fitted_back() -> None:
 def test_gaps_of_runs_logged_without_them_are_estimated_from_request_intervals() -> None:
     """``estimate_gaps``: the time a replica held a request minus its steps' time, per step; the readiness
     exchange is what a prefetching policy adds to the others' estimate."""
-    from bench.sim_check import estimate_gaps
+    from bench.sim.check import estimate_gaps
 
     def log(ms: float, n: int) -> list[dict[str, object]]:
         return [{"replica": "replica-0", "kind": "decode", "ms": ms} for _ in range(n)]
@@ -410,15 +410,16 @@ def test_fit_recovers_known_costs_through_load_waits_noise_and_stalls(waited_pre
 
 
 def test_sim_check_recovers_a_simulated_run_from_its_own_logs() -> None:
-    """``bench.sim_check.compare`` on a run of the simulator itself: fitted from that run's logs, the
+    """``bench.sim.check.compare`` on a run of the simulator itself: fitted from that run's logs, the
     simulation reproduces its TTFT; the noisy runs' band holds it; no stalls."""
+    from bench.config import BenchConfig
     from bench.figures import figures
-    from bench.run import BenchConfig, _run_sim
-    from bench.sim_check import NoisyCalibration, compare, step_ratios
+    from bench.sim.check import NoisyCalibration, compare, step_ratios
+    from bench.sim.job import run_policies
 
     bench = BenchConfig(engine="sim", replicas=SMALL.replicas, slots=SMALL.slots, max_adapters=SMALL.max_adapters)
     policy = BENCH_POLICIES["ondemand"]
-    (run_,) = _run_sim(bench, [policy], workload(), {}, EXACT)
+    (run_,) = run_policies(bench, [policy], workload(), {}, EXACT)
     out = compare(bench, [policy], workload(), {"ondemand": figures(run_)}, {"ondemand": run_.steps},
                   {"ondemand": run_.loads}, fit="per-policy", noise=2)
     entry = out["policies"]["ondemand"]

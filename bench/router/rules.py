@@ -1,7 +1,7 @@
 """The benchmark router's rules (lifecycle step 1): which replica each request goes to. Plain Python.
 
 The simulator routes with these very rules (``bench.sim.fleet.ROUTERS``, over a gateway made of the
-simulated fleet), so a real run and its simulation (``bench.sim_check``) route alike; only their sources differ:
+simulated fleet), so a real run and its simulation (``bench.sim.check``) route alike; only their sources differ:
 
 - ``round-robin``: request i to replica i mod R, in routing order (arrival order);
 - ``least-loaded``: the fewest requests routed there and not finished (the router's own count);

@@ -35,7 +35,7 @@ from bench.figures import PolicyRun
 from bench.policies import BenchPolicy
 from bench.router.rules import RULES, make_rule
 from bench.sim.calibration import Calibration
-from bench.sim.control import SimController, SyntheticCatalog
+from bench.sim.controller import SimController, SyntheticCatalog
 from bench.sim.events import Loop
 from bench.sim.replica import ReplicaHooks, SimReplica, StepRecord
 from bench.sim.worker import LoadRecord, SimHostTier, SimWorker

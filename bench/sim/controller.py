@@ -1,4 +1,4 @@
-"""The control plane in simulated time: the real ``ControllerCore``, driven the way the Ray actor drives it.
+"""The controller in simulated time: the real ``ControllerCore``, driven the way the Ray actor drives it.
 
 ``ControllerActor`` (lora_cache/controller/actor.py) forwards every input to the core and replans at once:
 a queue report, a hint batch or a worker's residency deltas each cost one incremental ``plan(now)``;

@@ -1,4 +1,4 @@
-"""The simulator against a real run: ``python -m bench.sim_check DIR/results.json`` after the fact, or
+"""The simulator against a real run: ``python -m bench.sim.check DIR/results.json`` after the fact, or
 ``python -m bench.run --engine real --check-sim`` in the same job.
 
 Fits the simulator's costs from the run's own step and load logs (``fit_calibration``, the shipped
@@ -52,12 +52,13 @@ from typing import Any
 
 import numpy as np
 
+from bench.config import BenchConfig
 from bench.figures import figures
 from bench.policies import BENCH_POLICIES, BenchPolicy
 from bench.report import read_results_or_say, results_parser
-from bench.run import BenchConfig, _run_sim
-from bench.sim import SimConfig, simulate
 from bench.sim.calibration import OUTLIER_FACTOR, Calibration, fit_calibration, load_calibration, read_overlaps
+from bench.sim.fleet import SimConfig, simulate
+from bench.sim.job import run_policies
 from bench.workloads import Workload, WorkloadSpec, make_workload
 from workers.engine.admission import ADMISSION
 
@@ -100,7 +101,7 @@ def compare(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workl
                                     reads=reads[policy.name] if reads is not None else None)
             out.setdefault("calibrations", {})[policy.name] = dataclasses.asdict(calib)
         config: dict[str, Any] = {}
-        (sim,) = _run_sim(bench, [policy], workload, config, calib)
+        (sim,) = run_policies(bench, [policy], workload, config, calib)
         r, s = real[policy.name], figures(sim)
         entry: dict[str, Any] = {k: {"real": r[k], "sim": s[k], "error": s[k] / r[k] - 1 if r[k] else math.inf}
                                  for k in KEYS}
@@ -115,7 +116,7 @@ def compare(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workl
                                         [r for s, r in zip(logged, beside) if s["kind"] == kind])
                       for kind in ("prefill", "decode")}
             ratios.update(load_ratios(own_loads, calib))
-            sim_config = SimConfig(**config["sim"])  # as _run_sim made it, without a progress bar per run
+            sim_config = SimConfig(**config["sim"])  # as run_policies made it, without a progress bar per run
             runs = [figures(simulate(sim_config, policy, workload, NoisyCalibration.wrap(calib, ratios, seed + i))
                             .as_policy_run(policy.name, 0.0)) for i in range(noise)]
             for k in KEYS:
@@ -278,7 +279,7 @@ def format_comparison(out: Mapping[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = results_parser("python -m bench.sim_check", __doc__)
+    parser = results_parser("python -m bench.sim.check", __doc__)
     parser.add_argument("--fit", choices=(*FITS, "both"), default="both",
                         help="one calibration for all policies, each policy's own, or both (default)")
     parser.add_argument("--noise", type=int, default=0, metavar="N",

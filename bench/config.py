@@ -1,0 +1,109 @@
+"""The benchmark job's configuration: ``BenchConfig`` (engine, policies, fleet, outputs) and the named scenarios.
+
+``bench.run`` makes its options from it (with ``bench.workloads.WorkloadSpec``'s), and a scenario fills the
+options left unset. The simulator's path (``bench.sim.job``) and its check against a real run
+(``bench.sim.check``) read it too, so it sits below both: it imports neither the job nor the simulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.policies import parse_policies
+from bench.router.rules import RULES
+from lora_cache.errors import ConfigError
+
+ENGINES = ("real", "sim")
+
+# Named scenarios: values for options left unset on the command line.
+SCENARIOS: dict[str, dict[str, Any]] = {
+    # The seed reviewers' scenario: 16 adapters over 8 slots, Poisson 4 req/s. Every slot may serve a batch
+    # (max_adapters = slots), as SGLang (max_loras_per_batch) and vLLM (max_loras) size their pools; with
+    # fewer (the engine's default of 4), head-of-line waits for a batch place set every policy's tail, the
+    # oracle's too (bench/RESULTS.md, 2026-11-22).
+    "seed": {"num_adapters": 16, "slots": 8, "max_adapters": 8, "arrivals": "poisson:4", "popularity": "uniform",
+             "requests": 200},
+    # The reviewers' scenarios: 4x adapters per slot.
+    "uniform": {"popularity": "uniform", "arrivals": "poisson:4", "requests": 200, "max_adapters": 8},
+    "zipf": {"popularity": "zipf:1.5", "arrivals": "poisson:4", "requests": 200, "max_adapters": 8},
+    "bursty": {"popularity": "bursty:10,20,20", "arrivals": "poisson:4", "requests": 300, "num_adapters": 50,
+               "max_adapters": 8},
+    # CI: small, on the CPU, through the real path.
+    "quick": {"model": "tiny", "replicas": 2, "tp": 1, "slots": 4, "popularity": "zipf:1.5", "arrivals": "poisson:20",
+              "requests": 48, "random_input_len": 64, "random_output_len": 8, "random_range_ratio": 0.5,
+              "max_seq_len": 256, "max_prefill_tokens": 512, "max_running": 8, "max_adapters": 2,
+              "adapter_ranks": "8,16", "hint_lead_s": 0.2},
+}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark run: which engine, which policies, the fleet, and where results go."""
+
+    engine: str = field(default="real", metadata={"help": f"engine: {' | '.join(ENGINES)}"})
+    policies: str = field(default="all", metadata={"help": "comma list of ondemand,overlap,queue,global,oracle or all"})
+    scenario: str = field(default="", metadata={"help": f"named scenario: {', '.join(SCENARIOS)} (sets the options "
+                                                        "you leave unset)"})
+    quick: bool = field(default=False, metadata={"help": "the small CI run (same as --scenario quick)"})
+    out: str = field(default="bench-results", metadata={
+        "path": True, "help": "directory for results.json and the plots"})
+    adapters: str = field(default="", metadata={
+        "path": True, "help": "directory of PEFT adapters (empty: make them under --out)"})
+    adapter_ranks: str = field(default="16,64", metadata={"help": "ranks of the adapters made (used in turn)"})
+    model: str = field(default="llama-3.1-8b", metadata={
+        "path": "name_or_file", "help": "named model shape or path to its config.json"})
+    num_layers: int = field(default=0, metadata={"help": "layers the real engine runs (0: all)"})
+    replicas: int = field(default=1, metadata={"help": "replicas"})
+    tp: int = field(default=1, metadata={"help": "tensor-parallel size of each replica"})
+    slots: int = field(default=8, metadata={"help": "GPU adapter slots per rank, equal for every policy but the "
+                                                    "oracle (which has one per adapter)"})
+    max_rank: int = field(default=64, metadata={"help": "largest LoRA rank (sizes the slots)"})
+    max_running: int = field(default=32, metadata={"help": "most requests running per replica"})
+    max_adapters: int = field(default=4, metadata={"help": "most distinct adapters per batch"})
+    max_prefill_tokens: int = field(default=4096, metadata={"help": "prompt tokens per prefill step"})
+    max_seq_len: int = field(default=2048, metadata={"help": "longest input + output"})
+    hint_lead_s: float = field(default=0.05, metadata={
+        "help": "the router hints a request's adapter this long before the request reaches its replica (0.05: a "
+                "router that forwards within milliseconds; 0.5: a router that queues requests)"})
+    router: str = field(default="round-robin", metadata={
+        "help": "the benchmark router, on either engine: round-robin (request i to replica i mod R, the default) | "
+                "least-loaded (fewest routed and not finished) | affinity (the least-loaded replica where the "
+                "adapter is ready, else the least loaded) | lora-cache (the controller's routing advice, the "
+                "gateway's Route); closed-loop arrivals (inflight:N) on --engine real are routed round-robin"})
+    host_bytes: int = field(default=2 << 30, metadata={"help": "pinned host tier bytes per rank (bounds staging)"})
+    gpus: str = field(default="auto", metadata={"help": "real engine on GPUs: auto | yes | no"})
+    calibration: str = field(default="h200-llama8b", metadata={
+        "path": "name_or_file", "help": "sim costs: a name under bench/calibration "
+                                                                        "or a JSON file"})
+    attach: bool = field(default=False, metadata={"help": "real engine: run every engine rank in a process of its "
+                                                          "own, attached through the engine seam (workers/attach.py) "
+                                                          "instead of inside the service's worker actors"})
+    check_sim: bool = field(default=False, metadata={"help": "real engine: also simulate this run with costs fitted "
+                                                             "from it and compare TTFT"})
+    timeout_s: float = field(default=1800.0, metadata={"help": "give up on one policy's run after this long"})
+    plots: bool = field(default=True, metadata={"help": "write the PNG plots"})
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine {self.engine!r} is not one of {ENGINES}")
+        if self.scenario and self.scenario not in SCENARIOS:
+            raise ConfigError(f"scenario {self.scenario!r} is not one of {', '.join(SCENARIOS)}")
+        if self.gpus not in ("auto", "yes", "no"):
+            raise ConfigError(f"gpus must be auto, yes or no, got {self.gpus!r}")
+        for name in ("replicas", "tp", "slots", "max_rank", "max_running", "max_adapters"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        parse_policies(self.policies)
+        if self.router not in RULES:  # the simulator's ROUTERS are these rules too
+            raise ConfigError(f"router {self.router!r} is not registered; choose one of {', '.join(RULES)}")
+        if self.attach and self.engine != "real":
+            raise ConfigError(f"--attach runs the real engine's ranks in their own processes; it needs --engine real, "
+                              f"not {self.engine!r}")
+
+    def use_gpus(self) -> bool:
+        if self.gpus != "auto":
+            return self.gpus == "yes"
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.device_count() >= self.tp

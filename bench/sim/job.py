@@ -1,0 +1,47 @@
+"""``--engine sim``: the benchmark job's policies on the simulator, one ``PolicyRun`` each.
+
+``sim_config`` is the simulated fleet of a ``BenchConfig``; ``run_policies`` simulates each policy in turn
+over the same workload and calibration, as ``bench.run`` does for ``--engine sim`` and ``bench.sim.check``
+does again with costs fitted from a real run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from bench.config import BenchConfig
+from bench.figures import PolicyRun
+from bench.policies import BenchPolicy
+from bench.report import progress
+from bench.sim.calibration import Calibration, load_calibration
+from bench.sim.fleet import SimConfig, simulate
+from bench.workloads import Workload
+
+
+def sim_config(bench: BenchConfig) -> SimConfig:
+    """The fleet ``bench`` asks for, simulated: its replicas, slots, batching bounds, router and lead."""
+    return SimConfig(model=bench.model, replicas=bench.replicas, tp=bench.tp, slots=bench.slots,
+                     max_rank=bench.max_rank, adapter_ranks=bench.adapter_ranks, max_running=bench.max_running,
+                     max_adapters=bench.max_adapters, max_prefill_tokens=bench.max_prefill_tokens,
+                     hint_lead_s=bench.hint_lead_s, host_bytes=bench.host_bytes, routing=bench.router)
+
+
+def run_policies(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workload, config: dict[str, Any],
+                 calibration: Calibration | None = None) -> list[PolicyRun]:
+    """Each policy simulated over ``workload`` with ``calibration`` (default: ``bench.calibration``'s file);
+    the simulator's configuration and the calibration go into ``config`` (results.json's)."""
+    calib = calibration if calibration is not None else load_calibration(bench.calibration)
+    sim = sim_config(bench)
+    config["sim"] = dataclasses.asdict(sim)
+    config["calibration"] = dataclasses.asdict(calib)
+    runs = []
+    for policy in policies:
+        with progress(policy.name) as tick:
+            t0 = time.perf_counter()
+            result = simulate(sim, policy, workload, calib)
+            tick(1.0)
+        runs.append(result.as_policy_run(policy.name, time.perf_counter() - t0))
+    return runs
