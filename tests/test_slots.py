@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from lora_cache.errors import CapacityError
 from lora_cache.vocab import AdapterKey
-from workers.slots import SlotState, SlotTable
+from workers.slots import SlotPhase, SlotTable
 
 
 def k(name: str) -> AdapterKey:
@@ -24,23 +24,23 @@ def ready(table: SlotTable, name: str) -> int:
 
 def test_free_loading_ready() -> None:
     table = SlotTable(2)
-    assert table.count(SlotState.FREE) == 2 and table.lookup(k("a")) is None
+    assert table.count(SlotPhase.FREE) == 2 and table.lookup(k("a")) is None
     index, evicted = table.reserve(k("a"))
     assert (index, evicted) == (0, None)
     slot = table.lookup(k("a"))
     assert (
-        slot is table.slots[0] and slot.state is SlotState.LOADING and slot.key == k("a") and slot.refs == 0
+        slot is table.slots[0] and slot.state is SlotPhase.LOADING and slot.key == k("a") and slot.refs == 0
     )
     assert not table.evict(k("a"))  # a loading slot is never evicted
     table.mark_ready(0)
     assert (
-        slot.state is SlotState.READY
-        and table.count(SlotState.READY) == 1
-        and table.count(SlotState.FREE) == 1
+        slot.state is SlotPhase.READY
+        and table.count(SlotPhase.READY) == 1
+        and table.count(SlotPhase.FREE) == 1
     )
     table.check_integrity()
     assert table.evict(k("a"))
-    assert slot.state is SlotState.FREE and slot.key is None and table.lookup(k("a")) is None
+    assert slot.state is SlotPhase.FREE and slot.key is None and table.lookup(k("a")) is None
     table.check_integrity()
 
 
@@ -48,7 +48,7 @@ def test_fail_frees_the_slot() -> None:
     table = SlotTable(1)
     index, _ = table.reserve(k("a"))
     table.fail(index)
-    assert table.slots[0].state is SlotState.FREE and table.lookup(k("a")) is None
+    assert table.slots[0].state is SlotPhase.FREE and table.lookup(k("a")) is None
     table.check_integrity()
     assert table.reserve(k("b")) == (0, None)  # the failed slot is usable again
     table.incref(0)

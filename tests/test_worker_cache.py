@@ -31,7 +31,7 @@ from tests.waiting import wait_for
 from tests.worker_queries import loads_without_slot, slot_waiters, slots_in, use_streams
 from workers.cache import Batch, WorkerCache, WorkerConfig
 from workers.host_tier import HostTierConfig
-from workers.slots import SlotState
+from workers.slots import SlotPhase
 from workers.streams import CpuStreams
 
 TINY = SHAPES["tiny"]
@@ -801,7 +801,7 @@ def test_load_waits_for_a_slot_held_by_loads_in_flight(tiny_adapters, make_catal
     gated = _GatedStreams(cache.device)
     use_streams(cache, gated)
     first = [cache.prefetch(n) for n in ("adapter-000", "adapter-001")]
-    wait_for(lambda: slots_in(cache, SlotState.LOADING) == 2)  # two copies issued, neither complete
+    wait_for(lambda: slots_in(cache, SlotPhase.LOADING) == 2)  # two copies issued, neither complete
     third = cache.prefetch("adapter-002")
     wait_for(lambda: slot_waiters(cache) == 1)  # staged, waiting for a slot instead of failing
     assert not third.done() and cache.counters.load_failures == 0
@@ -859,7 +859,7 @@ def test_concurrent_misses_wait_for_host_room_and_all_succeed(
         return cache.acquire([name], pipelined=pipelined)
 
     batches = {name: in_thread(functools.partial(acquire, name)) for name in wanted}
-    wait_for(lambda: slots_in(cache, SlotState.LOADING) == HOST_SHARDS and len(cache.host._waiting) == extra)
+    wait_for(lambda: slots_in(cache, SlotPhase.LOADING) == HOST_SHARDS and len(cache.host._waiting) == extra)
     waiting = [k.name for k in cache.host._waiting]
     assert all(not batches[n].done() for n in waiting) and cache.stats()["host_waits"] == extra
     assert not cache.evict(waiting[0])  # not resident: a waiting load is not evicted, and keeps waiting
@@ -903,7 +903,7 @@ def test_a_failed_read_that_others_wait_on_lets_them_proceed(
     cache, gated = room_cache(catalog, HOST_SHARDS + 2)
     good = sorted(n for n in catalog.names() if n != "bad")
     loads = {n: cache.prefetch(n) for n in good[: HOST_SHARDS - 1]}
-    wait_for(lambda: slots_in(cache, SlotState.LOADING) == HOST_SHARDS - 1)
+    wait_for(lambda: slots_in(cache, SlotPhase.LOADING) == HOST_SHARDS - 1)
     failed = cache.prefetch("bad")
     assert arrived.wait(timeout=10)  # its read holds the last 128 KiB
     first, second = good[HOST_SHARDS - 1 :]
@@ -913,7 +913,7 @@ def test_a_failed_read_that_others_wait_on_lets_them_proceed(
     go.set()
     with pytest.raises(AdapterFormatError, match="changed size"):
         failed.result(timeout=10)
-    wait_for(lambda: slots_in(cache, SlotState.LOADING) == HOST_SHARDS)  # the first waiting load took the room
+    wait_for(lambda: slots_in(cache, SlotPhase.LOADING) == HOST_SHARDS)  # the first waiting load took the room
     assert [k.name for k in cache.host._waiting] == [second] and not loads[second].done()
     assert cache.host.arena.used_bytes == used and "bad" not in {k.name for k in cache.host._entries}
     cache.check_integrity()
@@ -937,7 +937,7 @@ def test_closing_the_cache_fails_loads_waiting_for_host_room(
     cache, gated = room_cache(catalog, HOST_SHARDS + 1)
     wanted = sorted(catalog.names())
     loads = [cache.prefetch(n) for n in wanted[:HOST_SHARDS]]
-    wait_for(lambda: slots_in(cache, SlotState.LOADING) == HOST_SHARDS)
+    wait_for(lambda: slots_in(cache, SlotPhase.LOADING) == HOST_SHARDS)
     waiting = in_thread(lambda: cache.acquire([wanted[-1]]))
     wait_for(lambda: len(cache.host._waiting) == 1)
     used = cache.host.arena.used_bytes

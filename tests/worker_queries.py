@@ -4,7 +4,7 @@ take the cache, so the class keeps only what the engine, the controller and the 
 from __future__ import annotations
 
 from workers.cache import WorkerCache
-from workers.slots import SlotState
+from workers.slots import SlotPhase
 from workers.streams import CpuStreams
 
 
@@ -13,10 +13,10 @@ def use_streams(cache: WorkerCache, streams: CpuStreams) -> None:
     cache.streams = cache.load_path.streams = cache.load_path.watcher.streams = streams
 
 
-def slots_in(cache: WorkerCache, state: SlotState) -> int:
-    """How many slots are in ``state``."""
+def slots_in(cache: WorkerCache, phase: SlotPhase) -> int:
+    """How many slots are in ``phase``."""
     with cache.book.lock:
-        return cache.book.table.count(state)
+        return cache.book.table.count(phase)
 
 
 def slot_waiters(cache: WorkerCache) -> int:

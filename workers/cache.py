@@ -33,7 +33,7 @@ from workers.load_path import LoadPath, SlotBook
 from workers.loader import LoadFailed
 from workers.metrics import resident_prefetches
 from workers.pipeline import ChunkWaits
-from workers.slots import SlotState
+from workers.slots import SlotPhase
 from workers.streams import make_streams, resolve_device
 
 ON_MISS = ("load", "error")  # acquire of a non-resident adapter: load it on demand, or refuse
@@ -222,7 +222,7 @@ class WorkerCache:
                     failed[ref] = str(e)
             with self.book.lock:
                 loading = {ref: self.book.loads[i] for ref, i in held.items()
-                           if self.book.table.slots[i].state is SlotState.LOADING}
+                           if self.book.table.slots[i].state is SlotPhase.LOADING}
             waits = ChunkWaits(self.streams, list(loading.values())) if pipelined and loading else None
             if not pipelined:
                 for ref, load in loading.items():
@@ -255,7 +255,7 @@ class WorkerCache:
                     continue
                 key = resolve(self.catalog, ref)
                 slot = self.book.table.lookup(key)
-                if slot is not None and slot.state is SlotState.READY:
+                if slot is not None and slot.state is SlotPhase.READY:
                     self.book.table.incref(slot.index)
                     self.book.loads[slot.index].used = True
                     refs.append(ref)
@@ -321,12 +321,12 @@ class WorkerCache:
     def ready_keys(self) -> set[AdapterKey]:
         """Adapter versions READY here."""
         with self.book.lock:
-            return {s.key for s in self.book.table.slots if s.key is not None and s.state is SlotState.READY}
+            return {s.key for s in self.book.table.slots if s.key is not None and s.state is SlotPhase.READY}
 
     def ready_names(self) -> set[str]:
         """Adapters READY here (any version): the engine's readiness report, without ``residency``'s rows."""
         with self.book.lock:
-            return {s.key.name for s in self.book.table.slots if s.key is not None and s.state is SlotState.READY}
+            return {s.key.name for s in self.book.table.slots if s.key is not None and s.state is SlotPhase.READY}
 
     def residency(self) -> list[dict[str, object]]:
         with self.book.lock:
@@ -338,8 +338,8 @@ class WorkerCache:
         with self.book.lock:
             snap = self.counters.snapshot()
             snap.update(host_hits=self.host.hits, host_misses=self.host.misses, host_waits=self.host.waits,
-                        bytes_disk_to_host=self.host.bytes_read, slots_ready=table.count(SlotState.READY),
-                        slots_loading=table.count(SlotState.LOADING), host_bytes_used=self.host.arena.used_bytes,
+                        bytes_disk_to_host=self.host.bytes_read, slots_ready=table.count(SlotPhase.READY),
+                        slots_loading=table.count(SlotPhase.LOADING), host_bytes_used=self.host.arena.used_bytes,
                         **resident_prefetches(self.book.loads.values()))
         return snap
 

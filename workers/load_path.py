@@ -35,7 +35,7 @@ from workers.host_tier import HostEntry, HostTier
 from workers.kernels.meta import SlotMeta
 from workers.loader import CompletionWatcher, SlotLoad
 from workers.metrics import CacheCounters
-from workers.slots import SlotState, SlotTable
+from workers.slots import SlotPhase, SlotTable
 from workers.streams import CpuStreams
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class SlotBook:
                 if s.key is not None:
                     assert self.loads[s.index].key == s.key, f"slot {s.index} load is for another adapter"
                     load = self.loads[s.index]
-                    if s.state is SlotState.READY:  # invariant 4: READY only once every chunk's copy completed
+                    if s.state is SlotPhase.READY:  # invariant 4: READY only once every chunk's copy completed
                         assert load.ready_event is not None and done(load.ready_event), \
                             f"slot {s.index} READY before its last chunk's copy completed"
             assert all(self.table.slots[i].refs > 0 for i in self.broken), "a failed slot is held by no batch"
@@ -232,7 +232,7 @@ class LoadPath:
             try:
                 load.slot, evicted = book.table.reserve(load.key)
             except CapacityError as e:
-                if any(s.state is SlotState.LOADING and s.refs == 0 for s in book.table.slots):
+                if any(s.state is SlotPhase.LOADING and s.refs == 0 for s in book.table.slots):
                     self.slot_waiters.append((load, entry))  # retried by _finish: a hint costs latency only
                     return
                 self._drop(load, e)  # every slot is in use: this load fails, nothing else changes

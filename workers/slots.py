@@ -14,7 +14,9 @@ from lora_cache.errors import CapacityError
 from lora_cache.vocab import AdapterKey
 
 
-class SlotState(Enum):
+class SlotPhase(Enum):
+    """Where one GPU slot is in its load (the planner's ``SlotState`` is a rank's view of an adapter, IN_USE too)."""
+
     FREE = "free"
     LOADING = "loading"
     READY = "ready"
@@ -23,7 +25,7 @@ class SlotState(Enum):
 @dataclass
 class Slot:
     index: int
-    state: SlotState = SlotState.FREE
+    state: SlotPhase = SlotPhase.FREE
     key: AdapterKey | None = None
     refs: int = 0
 
@@ -54,27 +56,27 @@ class SlotTable:
             raise CapacityError(f"no GPU slot for {key}: all {len(self.slots)} slots are loading or in use; "
                                 "release finished batches or configure more slots")
         slot = self.slots[index]
-        slot.state, slot.key = SlotState.LOADING, key
+        slot.state, slot.key = SlotPhase.LOADING, key
         self._by_key[key] = index
         return index, evicted
 
     def mark_ready(self, index: int) -> None:
         slot = self.slots[index]
-        assert slot.state is SlotState.LOADING, f"slot {index} is {slot.state.value}, not loading"
-        slot.state = SlotState.READY
+        assert slot.state is SlotPhase.LOADING, f"slot {index} is {slot.state.value}, not loading"
+        slot.state = SlotPhase.READY
         if slot.refs == 0:
             self._idle[index] = None
 
     def fail(self, index: int) -> None:
         """A load that never reached the GPU: the slot becomes free again."""
         slot = self.slots[index]
-        assert slot.state is SlotState.LOADING and slot.refs == 0, f"cannot fail slot {index}: {slot}"
+        assert slot.state is SlotPhase.LOADING and slot.refs == 0, f"cannot fail slot {index}: {slot}"
         self._drop(index)
         self._free.append(index)
 
     def incref(self, index: int) -> None:
         slot = self.slots[index]
-        assert slot.state is not SlotState.FREE, f"slot {index} is free"
+        assert slot.state is not SlotPhase.FREE, f"slot {index} is free"
         slot.refs += 1
         self._idle.pop(index, None)
 
@@ -82,7 +84,7 @@ class SlotTable:
         slot = self.slots[index]
         assert slot.refs > 0, f"slot {index} released more often than acquired"
         slot.refs -= 1
-        if slot.refs == 0 and slot.state is SlotState.READY:
+        if slot.refs == 0 and slot.state is SlotPhase.READY:
             self._idle[index] = None
 
     def evict(self, key: AdapterKey) -> bool:
@@ -97,21 +99,21 @@ class SlotTable:
 
     def _drop(self, index: int) -> AdapterKey | None:
         slot = self.slots[index]
-        key, slot.key, slot.state = slot.key, None, SlotState.FREE
+        key, slot.key, slot.state = slot.key, None, SlotPhase.FREE
         if key is not None:
             del self._by_key[key]
         return key
 
-    def count(self, state: SlotState) -> int:
+    def count(self, state: SlotPhase) -> int:
         return sum(s.state is state for s in self.slots)
 
     def check_integrity(self) -> None:
         for s in self.slots:
             assert s.refs >= 0, f"slot {s.index} has negative refs"
-            assert (s.state is SlotState.FREE) == (s.key is None), f"slot {s.index}: state/key mismatch {s}"
-            assert s.state is not SlotState.FREE or s.refs == 0, f"free slot {s.index} has references"
-            assert (s.index in self._idle) == (s.state is SlotState.READY and s.refs == 0), f"idle list wrong: {s}"
-            assert (s.index in self._free) == (s.state is SlotState.FREE), f"free list wrong: {s}"
+            assert (s.state is SlotPhase.FREE) == (s.key is None), f"slot {s.index}: state/key mismatch {s}"
+            assert s.state is not SlotPhase.FREE or s.refs == 0, f"free slot {s.index} has references"
+            assert (s.index in self._idle) == (s.state is SlotPhase.READY and s.refs == 0), f"idle list wrong: {s}"
+            assert (s.index in self._free) == (s.state is SlotPhase.FREE), f"free list wrong: {s}"
             if s.key is not None:
                 assert self._by_key[s.key] == s.index, f"index of {s.key} is wrong"
         assert len(self._by_key) == sum(s.key is not None for s in self.slots), "key index has stale entries"

@@ -34,7 +34,7 @@ from workers.engine.admission import AdmissionRule, Readiness
 from workers.engine.batching import STOP, WAIT, Scheduler, StepPlan, _Live
 from workers.engine.config import EngineConfig
 from workers.engine.workload import Request
-from workers.slots import SlotState
+from workers.slots import SlotPhase
 
 WAIT_POLL_S = 1e-3  # the engine's sleep when a wait has no load to wait for
 
@@ -146,7 +146,7 @@ class SimReplica:
         for w in self.workers:
             w.pin(_names(wanted))  # pins only adapters READY there: nothing to add to the view
             views.append([slot.key.name for slot in w.table.slots
-                          if slot.key is not None and slot.state is SlotState.READY])
+                          if slot.key is not None and slot.state is SlotPhase.READY])
         everywhere = set.intersection(*map(set, views[1:])) if len(views) > 1 else None
         return {n: Readiness.READY for n in views[0] if everywhere is None or n in everywhere}
 

@@ -39,7 +39,7 @@ from bench.sim.events import Loop, Signal
 from lora_cache.errors import CapacityError
 from lora_cache.vocab import AdapterKey, Command, Evict, Stage
 from workers.metrics import STATS_COUNTERS, CacheCounters, resident_prefetches
-from workers.slots import SlotState, SlotTable
+from workers.slots import SlotPhase, SlotTable
 
 Delta = tuple[str, str, str, str]  # (adapter, version, loading|ready|gone|failed, error): what the controller takes
 
@@ -223,7 +223,7 @@ class SimWorker:
 
     def is_ready(self, name: str) -> bool:
         slot = self.table.lookup(self.keys[name])
-        return slot is not None and slot.state is SlotState.READY
+        return slot is not None and slot.state is SlotPhase.READY
 
     def describe(self) -> list[tuple[str, str, str, int]]:
         """The worker's full residency report (``WorkerActor.describe()['residency']``)."""
@@ -240,7 +240,7 @@ class SimWorker:
         snap = self.counters.snapshot()
         snap.update(host_hits=self.host.hits, host_misses=self.host.misses, host_waits=self.host.waits,
                     bytes_disk_to_host=self.host.bytes_read,
-                    slots_ready=self.table.count(SlotState.READY), slots_loading=self.table.count(SlotState.LOADING),
+                    slots_ready=self.table.count(SlotPhase.READY), slots_loading=self.table.count(SlotPhase.LOADING),
                     host_bytes_used=self.host.used, **resident_prefetches(self._loads.values()))
         return snap
 
@@ -336,7 +336,7 @@ class SimWorker:
 
     def loading(self, index: int) -> SimLoad | None:
         """The load of a held slot if it is still in flight (the compute stream waits for it)."""
-        return self._loads[index] if self.table.slots[index].state is SlotState.LOADING else None
+        return self._loads[index] if self.table.slots[index].state is SlotPhase.LOADING else None
 
     def release(self, held: Sequence[int]) -> None:
         for index in held:
@@ -349,7 +349,7 @@ class SimWorker:
             if len(new) == self.max_batch:
                 break
             slot = self.table.lookup(self.keys[name])
-            if slot is not None and slot.state is SlotState.READY:
+            if slot is not None and slot.state is SlotPhase.READY:
                 new[name] = slot.index
         for name, index in new.items():
             if name not in self._pinned:
@@ -375,7 +375,7 @@ class SimWorker:
         try:
             index, evicted = self.table.reserve(load.key)
         except CapacityError:
-            if any(s.state is SlotState.LOADING and s.refs == 0 for s in self.table.slots):
+            if any(s.state is SlotPhase.LOADING and s.refs == 0 for s in self.table.slots):
                 self._waiters.append(load)
                 return
             del self._pending[load.key]
