@@ -1,0 +1,77 @@
+"""bench/gpu/: the GPU scripts take their output directory and choices as arguments and environment, name no
+machine's paths, print their header as usage, and build command lines the benchmark accepts (DRY=1 prints
+the commands instead of running them, so this runs on any machine)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bench.run import build_parser, configs
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU = ROOT / "bench" / "gpu"
+SCRIPTS = sorted(p.name for p in GPU.glob("*.sh") if p.name != "lib.sh")
+
+
+def _dry(script: str, *args: str, **env: str) -> list[list[str]]:
+    """The commands ``script`` would run (its ``=== name: command`` lines)."""
+    done = subprocess.run(["bash", str(GPU / script), *args], env={**os.environ, "DRY": "1", **env},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return [shlex.split(line.split(": ", 1)[1]) for line in done.stdout.splitlines()
+            if line.startswith("=== ") and ": " in line and "skipped" not in line]
+
+
+def test_the_dated_scripts_are_gone() -> None:
+    assert SCRIPTS == ["checks.sh", "parallel.sh", "suite.sh"]
+    assert not list((ROOT / "bench").glob("gpu_*.sh"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_is_executable_bash_and_prints_its_header_as_usage(script: str) -> None:
+    path = GPU / script
+    assert os.access(path, os.X_OK)
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True, timeout=10).returncode == 0
+    usage = subprocess.run(["bash", str(path)], capture_output=True, text=True, timeout=10)
+    assert usage.returncode == 2 and f"bash bench/gpu/{script} OUT" in usage.stderr
+
+
+@pytest.mark.parametrize("script", [*SCRIPTS, "lib.sh"])
+def test_script_names_no_machine_path(script: str) -> None:
+    text = (GPU / script).read_text().replace("${TMPDIR:-/tmp}", "$TMPDIR")
+    found = re.findall(r"(?:/tmp|/work|/home|/root|/mnt|\.\./shared|\.device)\b[^\s\"']*", text)
+    assert not found, f"{script} names machine paths {found}: take them from arguments or the environment"
+
+
+def test_suite_runs_each_scenario_at_each_lead_with_options_bench_run_accepts(tmp_path: Path) -> None:
+    commands = _dry("suite.sh", str(tmp_path), "seed", "zipf", LEADS="0.05 0", CHECK_SIM="1", REQUESTS="120",
+                    TAG="fleet2", EXTRA="--replicas 2 --arrivals poisson:8", ADAPTERS=str(tmp_path / "ad"))
+    assert [c[:3] for c in commands] == [["python", "-m", "bench.run"]] * 4
+    outs = []
+    for command in commands:
+        bench, spec = configs(build_parser().parse_args(command[3:]))
+        assert bench.engine == "real" and bench.check_sim and bench.replicas == 2 and spec.requests == 120
+        assert bench.adapters == str(tmp_path / "ad") and spec.arrivals == "poisson:8"
+        outs.append((bench.scenario, bench.hint_lead_s, Path(bench.out).relative_to(tmp_path).as_posix()))
+    assert outs == [("seed", 0.05, "fleet2-seed-lead0.05"), ("seed", 0.0, "fleet2-seed-lead0"),
+                    ("zipf", 0.05, "fleet2-zipf-lead0.05"), ("zipf", 0.0, "fleet2-zipf-lead0")]
+
+
+def test_checks_runs_the_parts_asked_and_skips_tp_without_the_gpus(tmp_path: Path) -> None:
+    commands = _dry("checks.sh", str(tmp_path), "kernels", "tp", "engine", DRY_GPUS="1", MODEL="tiny")
+    modules = [c[2] for c in commands]
+    assert modules == ["bench.probes.kernels", "workers.engine", "workers.engine"]  # no TP 2 on one GPU
+    assert all("tiny" in c for c in commands)
+    assert [c[2] for c in _dry("checks.sh", str(tmp_path), "tp", DRY_GPUS="2")] == ["bench.probes.tp_ready"]
+
+
+def test_parallel_gives_each_scenario_its_gpus(tmp_path: Path) -> None:
+    commands = _dry("parallel.sh", str(tmp_path), "seed@0", "zipf@1,2", ADAPTERS=str(tmp_path / "ad"))
+    assert commands[0][:2] == ["python", "-"] and commands[0][2:4] == ["seed", "zipf"]  # the adapters first
+    assert sorted(c[c.index("--scenario") + 1] for c in commands[1:]) == ["seed", "zipf"]
