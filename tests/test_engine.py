@@ -40,9 +40,9 @@ from workers.engine import (
 )
 from workers.engine.__main__ import main
 from workers.engine.admission import Overlap
-from workers.engine.batching import DECODE, PREFILL, WAIT, Scheduler
 from workers.engine.model import final_norm_weight, full_weights, prompt_states
 from workers.engine.rank import load_catalog
+from workers.engine.scheduler import DECODE, PREFILL, WAIT, Scheduler
 from workers.host_tier import HostTierConfig
 
 TINY = SHAPES["tiny"]

@@ -14,9 +14,9 @@ import torch
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.errors import ConfigError
 from workers.engine import ADMISSION, EngineConfig, Request, run_engine
-from workers.engine.batching import IDLE_WAIT_S, PREFILL, STOP, WAIT, Scheduler
 from workers.engine.engine import Hooks, serve_rank
 from workers.engine.feed import Feed
+from workers.engine.scheduler import IDLE_WAIT_S, PREFILL, STOP, WAIT, Scheduler
 from workers.engine.tp import Comm
 from workers.host_tier import HostTierConfig
 

@@ -30,9 +30,9 @@ from lora_cache.errors import NotFoundError
 from lora_cache.vocab import AdapterKey
 from workers.cache import WorkerCache, WorkerConfig
 from workers.engine.admission import ADMISSION, Readiness
-from workers.engine.batching import PREFILL, STOP, WAIT, Scheduler, _Live
 from workers.engine.config import EngineConfig
 from workers.engine.rank import slot_digest
+from workers.engine.scheduler import PREFILL, STOP, WAIT, Scheduler, _Live
 from workers.engine.versions import (
     COLUMNS,
     CUR,

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from lora_cache.adapters.synth import SynthConfig, make_adapters
-from workers.engine.batching import DECODE, PREFILL, Item, StepPlan
 from workers.engine.config import EngineConfig
 from workers.engine.model import QKV
 from workers.engine.rank import RankEngine
+from workers.engine.scheduler import DECODE, PREFILL, Item, StepPlan
 from workers.engine.tp import Comm
 
 

@@ -25,9 +25,9 @@ import torch
 
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.vocab import AdapterKey
-from workers.engine.batching import PREFILL, Item, StepPlan
 from workers.engine.config import EngineConfig
 from workers.engine.rank import RankEngine
+from workers.engine.scheduler import PREFILL, Item, StepPlan
 from workers.engine.tp import Comm
 from workers.host_tier import HostTierConfig
 

@@ -50,8 +50,8 @@ from lora_cache.routing.advice import RouteRequest
 from lora_cache.routing.ranking import RouterConfig
 from lora_cache.vocab import AdapterKey, WorkerId
 from workers.engine.admission import ADMISSION
-from workers.engine.batching import check_requests
 from workers.engine.config import EngineConfig
+from workers.engine.scheduler import check_requests
 from workers.engine.timings import RequestRecord, summarize
 from workers.engine.workload import Request
 from workers.metrics import STATS_COUNTERS, STATS_SUMMARIES

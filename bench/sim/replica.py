@@ -1,6 +1,6 @@
 """One replica's serving loop in simulated time: ``workers.engine.engine.serve_rank`` over its TP ranks.
 
-The scheduler is the real ``workers.engine.batching.Scheduler`` with the real admission rule; this
+The scheduler is the real ``workers.engine.scheduler.Scheduler`` with the real admission rule; this
 module replays what the engine loop does around it, round after round:
 
 1. rules that prefetch (overlap): each rank pins the *previous* round's wanted adapters that are READY
@@ -31,8 +31,8 @@ from bench.sim.events import Loop, Signal
 from bench.sim.worker import SimLoad, SimWorker
 from workers.cache import AdapterRef
 from workers.engine.admission import AdmissionRule, Readiness
-from workers.engine.batching import STOP, WAIT, Scheduler, StepPlan, _Live
 from workers.engine.config import EngineConfig
+from workers.engine.scheduler import STOP, WAIT, Scheduler, StepPlan, _Live
 from workers.engine.workload import Request
 from workers.slots import SlotPhase
 

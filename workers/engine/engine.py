@@ -21,10 +21,10 @@ import torch
 
 from lora_cache.runtime import heap
 from workers.engine.admission import ADMISSION, AdmissionRule
-from workers.engine.batching import STOP, Scheduler, StepPlan, check_requests
 from workers.engine.config import EngineConfig
 from workers.engine.feed import Feed
 from workers.engine.rank import RankEngine, RankStats, load_catalog
+from workers.engine.scheduler import STOP, Scheduler, StepPlan, check_requests
 from workers.engine.timings import RequestRecord, summarize
 from workers.engine.tp import Comm, spawn
 from workers.engine.versions import ReplicaView

@@ -23,11 +23,11 @@ from lora_cache.runtime import heap
 from lora_cache.vocab import AdapterKey, ReadinessRecord
 from workers.cache import AdapterRef, Batch, WorkerCache, WorkerConfig, resolve
 from workers.engine.admission import ADMISSION
-from workers.engine.batching import PREFILL, WAIT, Item, StepPlan
 from workers.engine.config import EngineConfig
 from workers.engine.graphs import DecodeGraphs
 from workers.engine.lora import LoraOp
 from workers.engine.model import KVCache, Rope, ShardedModel, StepInputs, build_model, prompt_states
+from workers.engine.scheduler import PREFILL, WAIT, Item, StepPlan
 from workers.engine.tp import Comm
 from workers.engine.versions import RankVersions
 from workers.pipeline import ChunkWaits
