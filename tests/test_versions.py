@@ -2,7 +2,7 @@
 
 Two TP ranks, each with its own catalog (re-registration reaches them one at a time) and its own
 ``WorkerCache``, run by the engine's own parts: each rank's report (``RankVersions``), the all-reduce
-(``reduce_min``), rank 0's ``ReplicaView`` and ``Scheduler``. A hypothesis state machine re-registers
+(``reduce_min``), rank 0's ``ReducedVersions`` and ``Scheduler``. A hypothesis state machine re-registers
 adapters on one rank at a time, evicts, and runs rounds; every step it checks that all ranks computed each
 item with the same version, the version the request was admitted with, and that the slot held that
 version's bytes (a digest of the rank's shard read from the version's own files).
@@ -43,7 +43,7 @@ from workers.engine.versions import (
     STEP,
     AdapterVersions,
     RankVersions,
-    ReplicaView,
+    ReducedVersions,
     reduce_min,
     version_code,
 )
@@ -89,7 +89,7 @@ def test_the_catalog_keeps_older_versions_only_from_their_own_files(tmp_path: Pa
         catalog.get("a", v1)
 
 
-def view_of(*ranks: dict[str, tuple[str | None, str | None]], failed: str = "", step: str = "") -> ReplicaView:
+def view_of(*ranks: dict[str, tuple[str | None, str | None]], failed: str = "", step: str = "") -> ReducedVersions:
     """The replica view of ranks that each name, per adapter, (current version, READY version); an adapter a
     rank does not name is not registered there."""
     names = ("a", "b")
@@ -103,7 +103,7 @@ def view_of(*ranks: dict[str, tuple[str | None, str | None]], failed: str = "", 
             codes[i, STEP] = -(k == 1 and name == step)
         reports.append(torch.from_numpy(codes))
     known = {version_code(v): v for v in ("v0", "v1", "v2")}
-    return ReplicaView(reduce_min(reports), names, known)
+    return ReducedVersions(reduce_min(reports), names, known)
 
 
 def test_the_replica_serves_a_version_only_when_every_rank_agrees() -> None:
@@ -200,7 +200,7 @@ class VersionsMachine(RuleBasedStateMachine):
             self.pins[k] = pinned
         reports = [self.reports[k].rows(self.caches[k].ready_keys(), (), self.step_failed[k]) for k in range(TP)]
         self.step_failed = [set() for _ in range(TP)]
-        view = ReplicaView(reduce_min(reports), NAMES, self.reports[0].codes)
+        view = ReducedVersions(reduce_min(reports), NAMES, self.reports[0].codes)
         if failed := view.step_failures():
             self.scheduler.fail_step(failed)
             self.record("a rank could not hold a version: its requests failed")
@@ -214,7 +214,7 @@ class VersionsMachine(RuleBasedStateMachine):
             return
         self._step(plan, view)
 
-    def _step(self, plan, view: ReplicaView) -> None:
+    def _step(self, plan, view: ReducedVersions) -> None:
         named = [it.ref for it in plan.items if it.ref is not None]
         batches = [cache.acquire(named + list(plan.hold), partial=True) for cache in self.caches]
         for it in plan.items:

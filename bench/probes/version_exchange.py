@@ -1,6 +1,6 @@
 """Host cost of the engine's version exchange per round (workers/engine/versions.py), without the all-reduce.
 
-One rank's report (``RankVersions.rows``) and rank 0's reading of it (``ReplicaView``: readiness, step
+One rank's report (``RankVersions.rows``) and rank 0's reading of it (``ReducedVersions``: readiness, step
 failures, one adapter's versions), for N registered adapters with 8 READY: what every round of every
 admission rule pays since issue 19. ``python -m bench.probes.version_exchange [--adapters 100 1000]``.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.vocab import AdapterKey
-from workers.engine.versions import RankVersions, ReplicaView
+from workers.engine.versions import RankVersions, ReducedVersions
 
 
 def measure(catalog: AdapterCatalog, n: int, rounds: int) -> float:
@@ -26,7 +26,7 @@ def measure(catalog: AdapterCatalog, n: int, rounds: int) -> float:
     versions.rows(ready)  # the first report computes the current versions' codes
     t0 = time.perf_counter()
     for _ in range(rounds):
-        view = ReplicaView(versions.rows(ready), names, versions.codes)
+        view = ReducedVersions(versions.rows(ready), names, versions.codes)
         view.readiness()
         view.step_failures()
         view.versions()[names[0]]

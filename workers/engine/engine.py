@@ -27,7 +27,7 @@ from workers.engine.rank import RankEngine, RankStats, load_catalog
 from workers.engine.scheduler import STOP, Scheduler, StepPlan, check_requests
 from workers.engine.timings import RequestRecord, summarize
 from workers.engine.tp import Comm, spawn
-from workers.engine.versions import ReplicaView
+from workers.engine.versions import ReducedVersions
 from workers.engine.workload import Request
 
 
@@ -117,7 +117,7 @@ def _plan(scheduler: Scheduler | None, now: float, engine: RankEngine, reduced: 
     """Rank 0: the ranks' reduced reports -> failures of the last step, then the next plan."""
     if scheduler is None:
         return None
-    view = ReplicaView(reduced, engine.names, engine.versions.codes)
+    view = ReducedVersions(reduced, engine.names, engine.versions.codes)
     if failed := view.step_failures():
         scheduler.fail_step(failed)
     return scheduler.plan(now, view.readiness(), view.versions())

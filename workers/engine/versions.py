@@ -103,8 +103,9 @@ class RankVersions:
         self._generation = generation
 
 
-class ReplicaView:
-    """Rank 0's reading of the reduced report: readiness, versions and last step's failures per adapter."""
+class ReducedVersions:
+    """Rank 0's reading of the ranks' reports reduced into one (``reduce_min``, the all-reduce): readiness,
+    versions and last step's failures per adapter."""
 
     def __init__(self, reduced: torch.Tensor, names: Sequence[str], codes: Mapping[int, str]) -> None:
         a = reduced.numpy()
@@ -138,7 +139,7 @@ class ReplicaView:
 
 
 class _Versions(Mapping[str, AdapterVersions]):
-    def __init__(self, view: ReplicaView) -> None:
+    def __init__(self, view: ReducedVersions) -> None:
         self._view = view
         self._index = {n: i for i, n in enumerate(view.names)}
 
