@@ -47,8 +47,8 @@ from lora_cache.errors import ConfigError
 from lora_cache.link.relay import RELAYED, EndpointStaleError, Relay
 from lora_cache.vocab import Answer, Call, ReadinessRecord, WorkerId, worker_name
 from workers.cache import Batch, WorkerCache, WorkerConfig
-from workers.control import WorkerControl
 from workers.outbox import Outbox, QueueSender
+from workers.rank_control import WorkerControl
 from workers.transport import Hello, RankTransport
 
 __all__ = ["RELAYED", "AttachConfig", "Attachment", "EndpointStaleError", "Relay", "attach"]
