@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -206,6 +207,44 @@ def test_runtime_env_is_valid_and_uploads_only_the_sources() -> None:
     assert not any(p.endswith(".egg-info") for p in parts)
     assert {"bench", "lora_cache", "workers", "pyproject.toml"} <= parts
     assert sum(f.stat().st_size for f in files) < 32 << 20
+
+
+def _ray_upload(tmp_path: Path, runtime_env: dict[str, Any], include_gitignore: bool) -> tuple[list[str], int]:
+    """What `ray job submit --working-dir .` uploads of this checkout, by Ray's own functions: the job client
+    hands the runtime env to upload_working_dir_if_needed, which adds Ray's default excludes (.git, .venv,
+    venv, __pycache__) to the env's and passes them to the upload; create_package zips the directory without
+    them and without what each directory's .gitignore (unless RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1) and
+    .rayignore leave out. The zip's names and size in bytes."""
+    from ray._private.runtime_env.packaging import create_package
+    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+
+    passed: list[list[str]] = []
+    upload_working_dir_if_needed({**runtime_env, "working_dir": str(REPO)}, include_gitignore=include_gitignore,
+                                 upload_fn=lambda _dir, excludes, is_file=False: passed.append(excludes))
+    (excludes,) = passed
+    package = tmp_path / "working_dir.zip"
+    create_package(str(REPO), package, include_gitignore=include_gitignore, excludes=excludes)
+    with zipfile.ZipFile(package) as z:
+        return z.namelist(), package.stat().st_size
+
+
+@pytest.mark.parametrize(("runtime_env", "include_gitignore"), [("runtime_env.yaml", True), ("runtime_env.yaml", False),
+                                                                 (None, True)],
+                         ids=["runtime-env", "runtime-env-without-gitignore", "plain-working-dir"])
+def test_a_job_upload_leaves_out_the_raw_results_and_stays_small(tmp_path: Path, runtime_env: str | None,
+                                                                 include_gitignore: bool) -> None:
+    """The raw results (results/, tracked in git) stay out of every upload: the runtime env excludes them, and
+    .rayignore, which Ray reads whatever the runtime env says, leaves them out of a plain `--working-dir .`."""
+    raw = [f for f in (REPO / "results").rglob("*") if f.is_file()]
+    assert sum(f.stat().st_size for f in raw) > 8 << 20  # worth leaving out: most of what an upload was
+    names, size = _ray_upload(tmp_path, load(runtime_env) if runtime_env else {}, include_gitignore)
+    assert not [n for n in names if n.startswith("results/")], [n for n in names if n.startswith("results/")][:5]
+    assert {"bench/run.py", "bench/RESULTS.md", "bench/calibration/h200-llama8b.json", ".rayignore"} <= set(names)
+    if runtime_env:
+        from ray._private.runtime_env.packaging import _get_excludes
+
+        assert _get_excludes(REPO, load(runtime_env)["excludes"])(REPO / "results")  # by itself too
+        assert size < 8 << 20, f"the job's upload is {size / 2**20:.1f} MiB"
 
 
 def test_readme_submit_command_uses_the_runtime_env() -> None:
