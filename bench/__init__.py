@@ -1,0 +1,1 @@
+"""The benchmark: the job, workloads, policies, routers, the simulator and probes (bench/README.md)."""

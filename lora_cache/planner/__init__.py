@@ -1,8 +1,6 @@
 """The fleet-wide placement planner: plain Python, no Ray, no torch (lifecycle steps 1-4).
 
-Module map: `records` (inputs), `commands` (outputs), `config`, `state` (fleet bookkeeping),
-`popularity` (decayed counts), `hints` (router hints), `policies` (the registry and the rules),
-`planner` (the incremental orchestrator).
+Its files, and how inputs flow through them into commands: lora_cache/planner/README.md.
 """
 
 from lora_cache.planner.commands import Plan, WorkerCommands

@@ -1,9 +1,6 @@
 """The reference engine: a TP replica running LoRA-augmented layers over the worker cache's slots.
 
-Module map: ``config`` (EngineConfig), ``workload`` (requests), ``admission`` (rules, registry),
-``batching`` (rank 0's scheduler), ``model`` (one rank's layers), ``lora`` (slot tables, the kernels),
-``tp`` (processes and collectives), ``rank`` (one rank's step), ``engine`` (the loop, ``run_engine``),
-``timings`` (records, bench_serving summary).
+Its files, and how a round flows through them: workers/engine/README.md.
 """
 
 from workers.engine.admission import ADMISSION, AdmissionRule, Readiness, register_admission

@@ -2,7 +2,8 @@
 
 ``meta`` (SlotMeta, BatchMeta) and ``reference`` import no Triton, so the worker cache can use them
 anywhere. ``lora_apply`` loads ``workers.kernels.lora`` (and Triton) on first use: ``TRITON_INTERPRET``
-must be decided before Triton is imported, and importing the worker cache must not decide it.
+must be decided before Triton is imported, and importing the worker cache must not decide it. Every file:
+workers/kernels/README.md.
 """
 
 from __future__ import annotations
