@@ -21,7 +21,7 @@ SCRIPTS = sorted(p.name for p in GPU.glob("*.sh") if p.name != "lib.sh")
 
 def _dry(script: str, *args: str, **env: str) -> list[list[str]]:
     """The commands ``script`` would run (its ``=== name: command`` lines)."""
-    done = subprocess.run(["bash", str(GPU / script), *args], env={**os.environ, "DRY": "1", **env},
+    done = subprocess.run(["bash", str(GPU / script), *args], env={**os.environ, "DRY": "1", "PYTHON": "python", **env},
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return [shlex.split(line.split(": ", 1)[1]) for line in done.stdout.splitlines()

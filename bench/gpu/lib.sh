@@ -17,6 +17,7 @@ logs=${LOGDIR:-$out/logs}
 mkdir -p "$logs"
 failed=0
 TAIL=${TAIL:-25}
+PYTHON=${PYTHON:-$(command -v python || command -v python3 || echo python)}  # the one with torch (and Ray for the job)
 
 step() {
   local name=$1; shift

@@ -15,7 +15,7 @@ export ADAPTERS=${ADAPTERS:-${TMPDIR:-/tmp}/lora-cache-bench-adapters-$model}
 scenarios=()
 for spec in "$@"; do scenarios+=("${spec%@*}"); done
 read -r -a extra <<< "${EXTRA:-}"
-step adapters python - "${scenarios[@]}" -- --model "$model" --adapter-ranks "${RANKS:-16,64}" \
+step adapters "$PYTHON" - "${scenarios[@]}" -- --model "$model" --adapter-ranks "${RANKS:-16,64}" \
      --adapters "$ADAPTERS" ${REQUESTS:+--requests "$REQUESTS"} "${extra[@]}" <<'PY'
 import sys
 

@@ -5,7 +5,7 @@
 #                                                  bursty); default: all four
 #
 # Each run writes OUT/[TAG-]SCENARIO-leadL/results.json (gzipped unless GZIP=0: bench.report and
-# bench.sim.check read either; plots are redrawn off the GPU machine with python -m bench.report) and its
+# bench.sim.check read either; plots are redrawn off the GPU machine with "$PYTHON" -m bench.report) and its
 # console log to LOGDIR. Options, from the environment (defaults in brackets):
 #   MODEL [llama-3.1-8b]  RANKS [16,64]: the model shape and the adapters' ranks
 #   REQUESTS [the scenario's]  POLICIES [all]: requests per run, policies run (in order)
@@ -17,6 +17,7 @@
 #   ADAPTERS [$TMPDIR/lora-cache-bench-adapters-MODEL]: the adapters, made by the first run that needs
 #     them and shared by the rest (outside OUT: they are large, and a machine keeps them between calls)
 #   LOGDIR [OUT/logs]  TAIL [25]: where the console logs go, how many of their last lines are printed
+#   PYTHON [python, else python3]: the interpreter (with torch and Ray)
 #   DRY [0]: 1 prints the commands and runs nothing
 # Exit status: the number of runs that failed. Examples (bench/RESULTS.md has the runs):
 #   LEADS="0.05 0" CHECK_SIM=1 REQUESTS=120 bash bench/gpu/suite.sh OUT seed uniform zipf bursty
@@ -40,7 +41,7 @@ common=(--engine real --model "$model" --adapter-ranks "${RANKS:-16,64}" --adapt
 for scenario in "${scenarios[@]}"; do
   for lead in "${leads[@]}"; do
     name=${TAG:+$TAG-}$scenario-lead$lead
-    step "$name" python -m bench.run "${common[@]}" --scenario "$scenario" --hint-lead-s "$lead" --out "$out/$name"
+    step "$name" "$PYTHON" -m bench.run "${common[@]}" --scenario "$scenario" --hint-lead-s "$lead" --out "$out/$name"
     if [ "${GZIP:-1}" = 1 ] && [ -f "$out/$name/results.json" ]; then gzip -f "$out/$name/results.json"; fi
   done
 done
