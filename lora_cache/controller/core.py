@@ -1,6 +1,6 @@
 """The controller's core, plain Python: catalog + planner + readiness index (lifecycle steps 2-4, 7-8).
 
-The Ray actor in ``controller.py`` only forwards to this class and sends what it returns. Every input
+The Ray actor in ``actor.py`` forwards to this class and sends what it returns (``links.py``). Every input
 is checked here first, so a bad report or hint is a clear error and changes nothing.
 """
 

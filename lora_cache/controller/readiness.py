@@ -5,12 +5,15 @@ A replica is ready for ``adapter@version`` only when every one of its TP ranks r
 replica-level events that subscribers read from a cursor. A subscriber whose cursor points before what
 the log still holds (it fell behind ``max_events``, or the cursor is from before a controller restart)
 or past its newest event gets a ``Resync`` instead of a silent gap: the current ready set and the cursor
-to resume from.
+to resume from. ``Doorbell`` wakes the subscribers that wait for the log to grow (the one asyncio part).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -187,3 +190,25 @@ class ReadinessIndex:
         assert len(self._events) <= self.max_events
         assert self.start_seq <= self._floor <= self._seq, "event log floor out of range"
         assert not self._events or self._events[0].seq == self._floor + 1, "a gap below the oldest kept event"
+
+
+class Doorbell:
+    """Wakes the long polls waiting for readiness events (``ControllerActor.poll_events``) when some are
+    published; each waiter re-reads the index itself."""
+
+    def __init__(self) -> None:
+        self._rung = asyncio.Condition()  # waiters sleep on it; notified (never holding data) on publish
+
+    def ring(self, events: list[ReadinessEvent]) -> None:
+        if events:
+            asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._rung:
+            self._rung.notify_all()
+
+    async def wait(self, done: Callable[[], bool], timeout_s: float) -> None:
+        """Until ``done()`` holds (checked now and on every ring) or ``timeout_s`` has passed."""
+        async with self._rung:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._rung.wait_for(done), timeout_s)

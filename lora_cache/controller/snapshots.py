@@ -8,19 +8,24 @@ the rebuild and before its first plan. What happened in the last period before a
 re-send hints and engines re-report queues, and a lost hint costs latency, never correctness
 (invariant 7).
 
-``Snapshots`` is the plain core (encoding, the bound, the throttle); ``KvStore`` is the thin Ray shell.
+``Snapshots`` is the plain core (encoding, the bound, the throttle); ``KvStore`` is the thin Ray shell;
+``DurableState`` joins them for the actor: ``restore`` once on start, ``persist`` from the health loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from lora_cache.errors import ConfigError
 from lora_cache.planner import Planner
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DurableConfig:
@@ -100,3 +105,35 @@ class KvStore:
         from ray.experimental.internal_kv import _internal_kv_put
 
         _internal_kv_put(self.key, data, overwrite=True, namespace=self.namespace)
+
+
+class DurableState:
+    """The controller's snapshots in the GCS kv store: what the actor restores and persists (blocking
+    reads and writes run on a thread, off the event loop)."""
+
+    def __init__(self, config: DurableConfig, namespace: str) -> None:
+        self.snapshots = Snapshots(config)
+        self.store = KvStore(config.key, namespace)
+        self.restored: dict[str, int] = {}  # what the last restore brought back, by kind (for status)
+
+    async def restore(self, planner: Planner) -> None:
+        """Hints, queues and popularity from the last snapshot a predecessor wrote (none on a first start)."""
+        try:
+            data = await asyncio.to_thread(self.store.get)
+            if data:
+                restored = planner.restore_state(decode(data), time.time())
+                self.restored = {k: v for k, v in restored._asdict().items() if isinstance(v, int)}
+                log.info("restored controller state: %s", self.restored)
+        except Exception as e:  # a bad or unreadable snapshot: start without it (hints are re-sent, queues re-reported)
+            log.warning("could not restore the controller's state (%s: %s); starting without it", type(e).__name__, e)
+
+    async def persist(self, planner: Planner) -> None:
+        """A snapshot of what only the controller knows, if due and changed (the write runs on a thread)."""
+        data = self.snapshots.take(planner, time.monotonic())
+        if data is None:
+            return
+        try:
+            await asyncio.to_thread(self.store.put, data)
+            self.snapshots.written(data)
+        except Exception as e:  # GCS unreachable: the next period tries again
+            log.warning("could not save the controller's state: %s", e)

@@ -1,0 +1,18 @@
+"""The controller: one Ray actor that sees the whole fleet and tells each TP worker what to hold (steps 2-4, 7-8).
+
+Files:
+- ``core.py``: ``ControllerCore``, plain Python: catalog + planner + readiness index; checks every input.
+- ``readiness.py``: replica-level readiness from per-rank reports, the sequenced event log subscribers
+  read, and the ``Doorbell`` that wakes their long polls.
+- ``links.py``: ``WorkerLinks``, the controller's side of each worker: handles, delta streams (incarnation,
+  last delta applied), adoption from full reports, resyncs, pings, commands and their results.
+- ``snapshots.py``: what only the controller knows (hints, queues, popularity), kept in Ray's GCS kv.
+- ``actor.py``: ``ControllerActor``, the named, detached, restartable Ray actor that composes them and forwards.
+
+Data flow: a hint, queue report or registration reaches the actor (from the gateway or a client) -> the core
+takes it and plans -> the links send each worker its commands -> the workers' residency deltas come back
+through the links into the core -> the readiness index emits replica events -> the doorbell wakes watchers.
+After a restart the links first rebuild the core's view from the workers' reports (invariant 6), then the
+snapshot is restored, then the actor plans. Imports run one way: actor -> links -> core -> readiness, and
+actor -> snapshots; only the application imports actor.py.
+"""

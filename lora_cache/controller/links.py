@@ -1,0 +1,305 @@
+"""The controller's links to its TP workers (lifecycle steps 4 and 7; invariants 6 and 7).
+
+``WorkerLinks`` owns everything about reaching the workers: their Ray handles; where the controller stands
+with each one's stream of residency deltas (``Link``: incarnation, last delta applied); adopting a worker
+from its full report (``describe``: after a controller restart, or a rank an engine attached); resyncs,
+health pings and new incarnations; replaying the registrations a new or restarted worker lacks; sending
+commands (``apply``) and reading their results; and the fan-outs (registrations, the drain's "who holds
+it", stats). What it learns goes into the ``ControllerCore``; the readiness events that causes go to
+``publish``; after a worker's state was repaired, ``replan`` (the actor's plan-and-send).
+
+One way: the actor imports this module, never the reverse. A handle is anything whose
+``handle.method.remote(...)`` is awaitable, so this runs under plain asyncio with fakes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, NamedTuple, TypeVar
+
+import ray
+
+from lora_cache.controller.core import ControllerCore
+from lora_cache.controller.readiness import ReadinessEvent
+from lora_cache.errors import ConfigError, ConflictError
+from lora_cache.runtime.metrics import ControllerMetrics
+from lora_cache.vocab import (
+    NAMESPACE,
+    WORKER_PREFIX,
+    Command,
+    DeltaRow,
+    Evict,
+    WorkerId,
+    parse_worker_name,
+    worker_name,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+WORKER_ATTEMPTS = 30  # a second apart: a restarted worker may still be in its constructor
+
+
+class Link(NamedTuple):
+    """Where the controller stands with one worker's stream of deltas."""
+
+    incarnation: int  # the worker process's start time (ns): a larger one is a restart
+    applied: int  # the last delta sequence number applied (or covered by a full report)
+
+
+async def _while_restarting(call: Callable[[], Awaitable[T]]) -> T:
+    """``await call()``, called again while the worker is restarting (``ActorUnavailableError``: Ray
+    refuses calls until its constructor returns), a second apart, ``WORKER_ATTEMPTS`` times at most.
+    A worker that is gone (``RayActorError``) fails at once."""
+    for _ in range(WORKER_ATTEMPTS - 1):
+        try:
+            return await call()
+        except ray.exceptions.ActorUnavailableError:
+            await asyncio.sleep(1.0)
+    return await call()
+
+
+def _named_workers() -> list[str]:
+    """The worker actors that exist in the cluster now, by name."""
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == NAMESPACE and a["name"].startswith(WORKER_PREFIX)]
+
+
+def _find(name: str) -> Any:
+    return ray.get_actor(name, namespace=NAMESPACE)
+
+
+class WorkerLinks:
+    """The controller's handles on its workers and its place in each one's stream of deltas."""
+
+    def __init__(self, core: ControllerCore, metrics: ControllerMetrics,
+                 publish: Callable[[list[ReadinessEvent]], None], replan: Callable[[], Awaitable[None]],
+                 find: Callable[[str], Any] = _find, named: Callable[[], list[str]] = _named_workers) -> None:
+        self.core, self.metrics, self.publish, self.replan = core, metrics, publish, replan
+        self.find, self.named = find, named  # a worker's handle by name; the names of those that exist
+        self.handles: dict[WorkerId, Any] = {}
+        self.links: dict[WorkerId, Link] = {}  # each worker's incarnation and the last delta applied
+        self.rejected = 0  # commands workers refused as from an older epoch
+
+    # -- adoption (invariant 6) -----------------------------------------------------------------
+    async def rebuild(self) -> None:
+        """Adopt the workers that already exist (after a controller restart) from their reports."""
+        infos: list[tuple[Any, Any]] = []
+        for name in self.named():
+            try:
+                handle = self.find(name)
+                infos.append((handle, await _while_restarting(handle.describe.remote)))
+            except Exception as e:  # a worker that died meanwhile is simply not adopted
+                log.warning("could not adopt %s: %s", name, e)
+        for _, info in infos:
+            self._learn_adapters(info)
+        for handle, info in infos:
+            self._adopt(handle, info)
+
+    def _learn_adapters(self, info: dict[str, Any]) -> None:
+        for adapter, path in info["adapters"].items():
+            if adapter not in self.core.catalog:
+                self.core.register_adapter(adapter, path)
+
+    def _adopt(self, handle: Any, info: dict[str, Any]) -> WorkerId:
+        """Take a worker's full report as the truth about it (its replica is added if new: ConfigError if
+        the replica exists with another TP size or slot count)."""
+        wid = WorkerId(info["replica"], info["rank"])
+        self.core.add_replica(info["replica"], info["tp"], info["slots"], info.get("host_bytes"))
+        self.handles[wid] = handle
+        self.links[wid] = Link(info["incarnation"], info["seq"])
+        self.publish(self.core.sync_worker(wid, info["residency"]))
+        return wid
+
+    async def attach(self, workers: list[WorkerId]) -> None:
+        """Workers of a replica just added: find them by name and give them every registration."""
+        for wid in workers:
+            self.handles[wid] = self.find(worker_name(wid))
+        await self.replay([self.handles[w] for w in workers])
+
+    async def worker_started(self, name: str, incarnation: int, adopt: bool) -> bool:
+        """A (re)started worker holds nothing: forget what its predecessor held (``adopt``: an attached
+        rank, a new actor each time: take its handle and full report now). True if the worker is linked
+        (its registrations were replayed: the caller replans)."""
+        wid = parse_worker_name(name)
+        if adopt:
+            await self._adopt_attached(name, wid, incarnation)
+        elif wid in self.handles:
+            self._new_incarnation(wid, incarnation)
+        if wid not in self.handles:
+            return False
+        await self.replay([self.handles[wid]])  # its catalog is empty too: replay the registrations first
+        return True
+
+    async def _adopt_attached(self, name: str, wid: WorkerId, incarnation: int) -> None:
+        handle = self.find(name)
+        info = await handle.describe.remote()
+        if (info["incarnation"], info["replica"], info["rank"]) != (incarnation, wid.replica, wid.rank):
+            raise ConflictError(f"{name} answered as rank {info['rank']} of {info['replica']!r}, incarnation "
+                                f"{info['incarnation']} (not {incarnation}): another process holds that name")
+        if info["model"] != self.core.catalog.shape.name:
+            raise ConfigError(f"{name} serves model {info['model']!r} but the controller plans for "
+                              f"{self.core.catalog.shape.name!r}; attach with the service's model")
+        if wid in self.handles:
+            self._new_incarnation(wid, incarnation)  # drops what the predecessor held
+        self._learn_adapters(info)
+        self._adopt(handle, info)
+
+    def detach(self, name: str, incarnation: int) -> bool:
+        """An attached rank is leaving: drop what it held now. False if that incarnation is not the one linked."""
+        wid = parse_worker_name(name)
+        link = self.links.get(wid)
+        if wid not in self.handles or link is None or link.incarnation != incarnation:
+            return False
+        self.publish(self.core.worker_lost(wid))
+        return True
+
+    # -- reports (step 7) and repairs -------------------------------------------------------------
+    def receive(self, name: str, incarnation: int, deltas: list[DeltaRow]) -> bool:
+        """Deltas pushed by a worker: those already applied (a resync covered them) are skipped; a gap
+        triggers a resync. True if any were applied (the caller replans)."""
+        wid = parse_worker_name(name)
+        if wid not in self.handles:
+            return False  # not adopted yet: the rebuild reads its full report
+        if not self._new_incarnation(wid, incarnation):
+            return False  # from a predecessor that has since restarted
+        link = self.links[wid]
+        fresh = [d for d in deltas if d[0] > link.applied]
+        if not fresh:
+            return False
+        gap = fresh[0][0] > link.applied + 1
+        self.links[wid] = Link(incarnation, fresh[-1][0])
+        self.publish(self.core.worker_report(wid, [d[1:] for d in fresh], time.time()))
+        if failed := sum(d[3] == "failed" for d in fresh):
+            self.metrics.load_failures.inc(failed)
+        if gap:
+            log.info("deltas from %s were lost (seq %d after %d): resyncing", wid, fresh[0][0], link.applied)
+            asyncio.get_running_loop().create_task(self.resync(wid))
+        return True
+
+    def _new_incarnation(self, wid: WorkerId, incarnation: int) -> bool:
+        """Note a worker's incarnation; a newer one starts empty. False: an older one (ignore it)."""
+        link = self.links.get(wid)
+        if link is not None and incarnation < link.incarnation:
+            return False
+        if link is None or incarnation > link.incarnation:
+            if link is not None:
+                self.publish(self.core.worker_lost(wid))
+            self.links[wid] = Link(incarnation, 0)
+        return True
+
+    async def resync(self, wid: WorkerId) -> None:
+        """Repair lost deltas (or commands): replace what is known of a worker by its full report."""
+        try:
+            info = await self.handles[wid].describe.remote()
+        except Exception as e:  # lost: the health loop deals with it
+            log.info("resync of %s failed: %s", wid, e)
+            return
+        link = self.links.get(wid)
+        if link is not None and (info["incarnation"], info["seq"]) < (link.incarnation, link.applied):
+            return  # older than deltas already applied: the next resync repairs any gap
+        self.links[wid] = Link(info["incarnation"], info["seq"])
+        self.publish(self.core.sync_worker(wid, info["residency"]))
+        await self.replan()
+
+    async def resync_all(self) -> None:
+        """Anti-entropy: whatever was lost is repaired."""
+        await asyncio.gather(*(self.resync(wid) for wid in list(self.handles)))
+
+    async def ping_all(self, timeout_s: float) -> None:
+        """One ping each, in turn; a worker that does not answer in ``timeout_s`` lost what it held."""
+        for wid, handle in list(self.handles.items()):
+            try:
+                await asyncio.wait_for(handle.ping.remote(), timeout=timeout_s)
+            except Exception:  # dead, restarting or hung: what it held is gone (fault handling)
+                if self.handles.get(wid) is not handle:
+                    continue  # re-attached meanwhile (a new process under the name): that one is not lost
+                log.warning("worker %s is not answering: dropping its residency", wid)
+                self.publish(self.core.worker_lost(wid))
+
+    # -- commands (step 4, invariant 7) -------------------------------------------------------------
+    def send(self, plan: dict[WorkerId, list[Command]]) -> None:
+        """Each linked worker its commands; the results are read as they come."""
+        sends = [(wid, self.handles[wid].apply.remote(cmds)) for wid, cmds in plan.items() if wid in self.handles]
+        for wid, ref in sends:
+            asyncio.get_running_loop().create_task(self._collect(wid, ref))
+
+    async def _collect(self, wid: WorkerId, ref: Any) -> None:
+        try:
+            result = await ref
+            self.rejected += result.rejected_stale
+            self.metrics.rejected_commands(result.rejected_stale, len(result.errors))
+            for error in result.errors:
+                log.warning("worker %s: %s", wid, error)
+        except Exception as e:  # the planner assumed them applied: ask the worker what it holds
+            log.warning("commands to %s were lost (%s); resyncing it", wid, e)
+            await self.resync(wid)
+
+    # -- registrations ------------------------------------------------------------------------------
+    async def replay(self, handles: list[Any]) -> None:
+        """Workers new to the controller (or restarted, catalog empty) learn every registered adapter. A
+        restarted worker says so from its constructor, so it may still be starting."""
+        await _while_restarting(lambda: asyncio.gather(*(h.register_adapter.remote(a, p) for h in handles
+                                                         for a, p in self.core.paths.items())))
+
+    async def register_adapter(self, name: str, path: str) -> None:
+        await asyncio.gather(*(h.register_adapter.remote(name, path) for h in self.handles.values()))
+
+    async def drain(self, name: str, timeout_s: float) -> list[str]:
+        """Evict ``name`` until no worker holds it; the versions evicted. ConflictError if it is registered
+        again meanwhile; TimeoutError after ``timeout_s`` (batches still use it)."""
+        deadline, evicted = time.monotonic() + timeout_s, set()
+        while held := await self.holders(name):
+            if name in self.core.catalog:
+                raise ConflictError(f"adapter {name!r} was registered again while it was being unregistered; "
+                                  "unregister it again if that was not intended")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"adapter {name!r} is unregistered (nothing new uses it), but workers "
+                                   f"{sorted(map(str, held))} still hold it after {timeout_s:.0f} s, in use by "
+                                   "running batches; call UnregisterAdapter again to keep waiting")
+            evicted |= {v for versions in held.values() for v in versions}
+            await asyncio.gather(*(self.handles[w].apply.remote([Evict(name, v, self.core.epoch) for v in sorted(vs)])
+                                   for w, vs in held.items()))
+            await asyncio.sleep(0.05)
+        return sorted(evicted)
+
+    async def holders(self, name: str) -> dict[WorkerId, set[str]]:
+        """The versions of ``name`` that each worker holds, from the workers' own full reports."""
+        wids = list(self.handles)
+        reports = await asyncio.gather(*(self.handles[w].describe.remote() for w in wids), return_exceptions=True)
+        held: dict[WorkerId, set[str]] = {}
+        for wid, report in zip(wids, reports):
+            if isinstance(report, BaseException):  # lost: it comes back empty (worker_started)
+                log.warning("worker %s did not report while draining %s: %s", wid, name, report)
+                continue
+            versions = {v for a, v, _, _ in report["residency"] if a == name}
+            if versions:
+                held[wid] = versions
+        return held
+
+    async def unregister_adapter(self, name: str) -> None:
+        """The workers forget it too, or a restarted controller would adopt it again from their reports."""
+        for wid, outcome in zip(self.handles, await asyncio.gather(
+                *(h.unregister_adapter.remote(name) for h in self.handles.values()), return_exceptions=True)):
+            if isinstance(outcome, BaseException):
+                log.warning("worker %s did not unregister %s: %s (a restarted controller may adopt it again)",
+                            wid, name, outcome)
+
+    # -- queries ------------------------------------------------------------------------------------
+    async def stats(self, timeout_s: float) -> list[dict[str, object]]:
+        """Each worker's cache counters (``stats`` None if it did not answer in time) and slot count."""
+        wids = sorted(self.handles)
+
+        async def one(wid: WorkerId) -> dict[str, object] | None:
+            try:
+                return await asyncio.wait_for(self.handles[wid].stats.remote(), timeout_s)
+            except Exception as e:  # reported as unreachable
+                log.info("worker %s gave no stats: %s", wid, e)
+                return None
+
+        stats = await asyncio.gather(*(one(w) for w in wids))
+        return [{"worker": worker_name(w), "replica": w.replica, "rank": w.rank,
+                 "slots": self.core.planner.capacity(str(w)).slots, "stats": s} for w, s in zip(wids, stats)]
