@@ -267,11 +267,11 @@ def test_the_benchmark_runs_its_engine_ranks_attached(tmp_path: Path) -> None:
 
 
 def test_an_endpoint_imports_what_it_unpickles_before_its_first_call(fleet) -> None:
-    """The relay's values (commands, and answers: ``workers.commands.ApplyResult``, whose module imports
-    torch) are unpickled on the endpoint's event loop. Imported lazily by the first answer, that import
-    stalled every call and poll behind it for about a second: the controller's next command reached the
-    process 1.2-1.4 s late (bench.run --quick --attach: GPU hit 0.625 against 1.0 hosted). So the endpoint
-    imports them when it is made."""
+    """The relay's values (commands and answers, ``lora_cache.vocab``) are unpickled on the endpoint's event
+    loop. Imported lazily by the first answer, an import stalled every call and poll behind it: when the
+    answer's module imported torch, the controller's next command reached the process 1.2-1.4 s late
+    (bench.run --quick --attach: GPU hit 0.625 against 1.0 hosted). So the endpoint imports them when it is
+    made; and since they are plain Python now, an endpoint (in the gateway's process too) never loads torch."""
     import sys
 
     from lora_cache.link.endpoint import Endpoint
@@ -279,8 +279,7 @@ def test_an_endpoint_imports_what_it_unpickles_before_its_first_call(fleet) -> N
     endpoint = Endpoint.remote("lora-cache-worker:probe:0", 5.0)
     try:
         loaded = ray.get(endpoint.__ray_call__.remote(
-            lambda self: [m for m in ("workers.commands", "lora_cache.planner", "torch") if m in sys.modules]),
-            timeout=60)
-        assert loaded == ["workers.commands", "lora_cache.planner", "torch"]
+            lambda self: [m for m in ("lora_cache.vocab", "torch") if m in sys.modules]), timeout=60)
+        assert loaded == ["lora_cache.vocab"]
     finally:
         ray.kill(endpoint, no_restart=True)
