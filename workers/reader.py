@@ -5,7 +5,7 @@ the GIL released; the header is parsed once per file version. What is left under
 the views, 5-8 ms per Llama-3.1-8B shard on the H200's host: a step launched from Python beside it
 waits for the GIL at every kernel. So a GPU worker runs this in reader processes
 (``workers.reader_proc``), and threads run it only where there is no GPU (bench/RESULTS.md, ``python
--m bench.reader_probe``). A file cut short while it is read, after the size check, raises SIGBUS in the
+-m bench.probes.reader``). A file cut short while it is read, after the size check, raises SIGBUS in the
 process that maps it: a reader process dies and the read fails; a reader thread faults its process.
 
 A read returns only the bytes its version was registered with (``lora_cache.adapters.files``), or refuses with

@@ -4,7 +4,7 @@ A worker's engine launches a step's kernels from Python on one thread; a reader 
 process takes the GIL to build its views of the file (5-8 ms per Llama-3.1-8B shard on the H200's host),
 and every launch then waits for the GIL behind it: a launch-bound step ran 2.0x slower beside three
 such reads in flight and 17x beside three readers doing nothing but build views (``python -m
-bench.reader_probe``, bench/RESULTS.md). A reader process shares no GIL with the engine. The arena is
+bench.probes.reader``, bench/RESULTS.md). A reader process shares no GIL with the engine. The arena is
 one ``memfd`` mapped by the worker and by every reader process (pinned in the worker with
 ``cudaHostRegister``), so a read lands where the host-to-GPU copy reads it: no second copy.
 

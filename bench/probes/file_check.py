@@ -1,6 +1,6 @@
 """What a read's proof of its version costs: one rank's shard of a rank-16 Llama-3.1-8B adapter, read warm
 from the page cache, with each ``verify`` mode against the copy alone (no check at all), and what
-registration pays to take the CRCs (docs/architecture.md, "A version is the bytes it hashed").
+registration pays to take the CRCs (docs/decisions.md, "A version is the bytes it hashed").
 
     python -m bench.probes.file_check --dir /tmp/filecheck --trials 7
 """

@@ -121,7 +121,7 @@ class SimController:
     def _timer(self) -> None:
         now = self.loop.now
         self.core.retry_failed(now)
-        if now >= self._next_sync:  # anti-entropy, as ControllerActor._resync (here no delta is ever lost)
+        if now >= self._next_sync:  # anti-entropy, as the controller's WorkerLinks.resync (here no delta is ever lost)
             self._next_sync = now + self.sync_s
             for wid, worker in self.workers.items():
                 self.core.sync_worker(wid, worker.describe())

@@ -14,7 +14,7 @@ match (a rename-over, an in-place write, a truncation all change it), the header
 blocks it reads are checked as the ``verify`` mode says. A file whose last change was less than
 ``RACY_NS`` before its registration is *racy* (like git's racily clean index entries): a later write in
 the same timestamp tick would leave its identity unchanged, so its blocks are checked in full until a
-check made after the racy window has passed (docs/architecture.md, "A version is the bytes it hashed").
+check made after the racy window has passed (docs/decisions.md, "A version is the bytes it hashed").
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ ClientErrors, which ``cli.main`` prints with the server's message (exit status 2
 
 This module imports grpc and the generated stubs only, never torch or Ray: ``cli.main`` parses these
 commands with a parser of their own, so a router's script starts them in a fraction of a second
-(``bench/cli_startup.py`` measures it; ``tests/test_cli.py`` checks ``sys.modules``).
+(``bench/probes/cli_startup.py`` measures it; ``tests/test_cli.py`` checks ``sys.modules``).
 """
 
 from __future__ import annotations

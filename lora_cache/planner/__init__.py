@@ -11,8 +11,8 @@ from lora_cache.planner.errors import (
     UnknownReplicaError,
     UnknownWorkerError,
 )
-from lora_cache.planner.planner import Planner, PlannerStats
-from lora_cache.planner.policies import POLICIES, PlacementPolicy, ReplicaView, Target
+from lora_cache.planner.planner import Planner
+from lora_cache.planner.policies import POLICIES, PlacementPolicy
 from lora_cache.planner.records import (
     AdapterInfo,
     Capacity,
@@ -23,6 +23,8 @@ from lora_cache.planner.records import (
     ResidencyEntry,
     SlotState,
 )
+from lora_cache.planner.replan import PlannerStats
+from lora_cache.planner.view import ReplicaView, Target
 
 __all__ = [
     "POLICIES",

@@ -3,7 +3,7 @@
 Only shapes decide a launch's grid and constants, so a CUDA graph captured for a shape stays valid when
 the metadata is refilled between replays. Splits aim at a few waves of programs on the GPU; under
 ``TRITON_INTERPRET`` every program and loop step runs in Python, so there programs are few and wide.
-The knobs are frozen dataclasses; ``bench/kernels.py --sweep`` tries others through ``tuned``.
+The knobs are frozen dataclasses; ``python -m bench.probes.kernels --sweep`` tries others through ``tuned``.
 """
 
 from __future__ import annotations
