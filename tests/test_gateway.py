@@ -228,6 +228,37 @@ def _self_signed(directory: Path) -> tuple[Path, Path]:
     return cert, key
 
 
+def _encrypted_key(directory: Path, key: Path) -> Path:
+    out = directory / "encrypted.pem"
+    subprocess.run(["openssl", "pkey", "-in", str(key), "-aes256", "-passout", "pass:secret", "-out", str(out)],
+                   check=True, capture_output=True)
+    return out
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda d, c, k, o: (d / "junk.pem", k), r"tls_cert '.*junk.pem' holds no PEM certificate .*give the server's"),
+    (lambda d, c, k, o: (c, d / "junk.pem"), r"tls_key '.*junk.pem' holds no PEM private key"),
+    (lambda d, c, k, o: (k, c), r"tls_cert '.*key.pem' holds no PEM certificate .*swap --tls-cert and --tls-key"),
+    (lambda d, c, k, o: (c, c), r"tls_key '.*cert.pem' holds no PEM private key .*it holds a certificate"),
+    (lambda d, c, k, o: (c, o), r"tls_key '.*other/key.pem' is not the private key of tls_cert"),
+    (lambda d, c, k, o: (d / "broken.pem", k), r"tls_cert '.*broken.pem' does not parse as X.509"),
+    (lambda d, c, k, o: (c, _encrypted_key(d, k)), r"tls_key '.*encrypted.pem' is encrypted"),
+], ids=["garbage-cert", "garbage-key", "swapped", "cert-as-key", "key-of-another-cert", "corrupt-cert", "encrypted"])
+def test_bad_tls_material_names_the_file_and_why_before_anything_starts(tmp_path: Path, make, message) -> None:
+    """Issue 35: a garbage certificate or key, a key of another certificate or the two swapped were reported as
+    "cannot listen ... is the port taken?" once the port was bound; now the config refuses, naming the file."""
+    cert, key = _self_signed(tmp_path)
+    (tmp_path / "other").mkdir()
+    _, other_key = _self_signed(tmp_path / "other")
+    (tmp_path / "junk.pem").write_text("not a certificate\n")
+    body = cert.read_text().splitlines()
+    (tmp_path / "broken.pem").write_text("\n".join([body[0], "QUJD" * 16, body[-1]]) + "\n")
+    tls_cert, tls_key = make(tmp_path, cert, key, other_key)
+    with pytest.raises(ConfigError, match=message):
+        GatewayConfig(grpc_port=0, tls_cert=str(tls_cert), tls_key=str(tls_key))
+    GatewayConfig(grpc_port=0, tls_cert=str(cert), tls_key=str(key))  # the good pair passes
+
+
 def test_tls_and_token_from_file(tmp_path: Path) -> None:
     cert, key = _self_signed(tmp_path)
     (tmp_path / "token").write_text(TOKEN + "\n")

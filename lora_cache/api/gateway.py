@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from lora_cache.api.ingest import HintIngest
 from lora_cache.api.servicer import SERVICE_NAME, Servicer, generic_handler
+from lora_cache.api.tls import check_tls_pair
 from lora_cache.errors import ConfigError
 
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # served without a token: load balancers probe them
@@ -80,6 +81,8 @@ class GatewayConfig:
         for name in ("tls_cert", "tls_key"):
             if getattr(self, name) and not Path(getattr(self, name)).is_file():
                 raise ConfigError(f"{name} {getattr(self, name)!r} is not a file; give a PEM file path")
+        if self.tls_cert:
+            check_tls_pair(self.tls_cert, self.tls_key)  # which file is wrong, before anything starts
 
     def bearer_token(self) -> str | None:
         """The token calls must carry, or None when auth is off."""

@@ -1,0 +1,65 @@
+"""The gateway's TLS material, checked before anything starts: which file is wrong, and why.
+
+gRPC reports a bad certificate or key only when the port is bound, as a bare "failed to add port"; checked
+here, each mistake names its file and the fix: a file that holds no PEM certificate (or key), the two files
+swapped, an encrypted key (gRPC cannot ask for its passphrase), a certificate that does not parse, and a key
+of another certificate. Plain Python (``ssl``), no gRPC.
+"""
+
+from __future__ import annotations
+
+import re
+import ssl
+from pathlib import Path
+
+from lora_cache.errors import ConfigError
+
+MAX_PEM_BYTES = 1 << 20  # a certificate chain or key is a few KiB; more is not PEM material
+_BLOCK = re.compile(r"-----BEGIN ([A-Z0-9 ]+)-----")
+
+
+def check_tls_pair(cert: str, key: str) -> None:
+    """ConfigError naming ``--tls-cert`` or ``--tls-key``, the file and the fix, unless ``key`` is the private
+    key of the first certificate in ``cert``."""
+    cert_kinds, key_kinds = _kinds("tls_cert", cert), _kinds("tls_key", key)
+    if "CERTIFICATE" not in cert_kinds:
+        swapped = any(k.endswith("PRIVATE KEY") for k in cert_kinds) and "CERTIFICATE" in key_kinds
+        raise ConfigError(f"tls_cert {cert!r} holds no PEM certificate ('-----BEGIN CERTIFICATE-----')"
+                          + ("; it holds a private key and tls_key holds the certificate: swap --tls-cert and "
+                             "--tls-key" if swapped else "; give the server's certificate chain in PEM"))
+    private = [k for k in key_kinds if k.endswith("PRIVATE KEY")]
+    if not private:
+        raise ConfigError(f"tls_key {key!r} holds no PEM private key ('-----BEGIN PRIVATE KEY-----')"
+                          + ("; it holds a certificate: give the private key of --tls-cert"
+                             if "CERTIFICATE" in key_kinds else "; give the private key of --tls-cert in PEM"))
+    if "ENCRYPTED PRIVATE KEY" in private:
+        raise ConfigError(f"tls_key {key!r} is encrypted; gRPC cannot ask for its passphrase: give an unencrypted "
+                          f"key (openssl pkey -in {key} -out KEY.pem) and keep it readable by this user only")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_verify_locations(cadata=Path(cert).read_text(errors="replace"))
+    except ssl.SSLError as e:
+        raise ConfigError(f"tls_cert {cert!r} does not parse as X.509 ({e.reason or e}); give a PEM certificate "
+                          "chain as issued (e.g. openssl x509 -in FILE -noout -text shows it)") from e
+    try:
+        context.load_cert_chain(cert, key)
+    except ssl.SSLError as e:
+        if e.reason == "KEY_VALUES_MISMATCH":
+            raise ConfigError(f"tls_key {key!r} is not the private key of tls_cert {cert!r} (their public keys "
+                              "differ); give the key the certificate was issued for") from e
+        raise ConfigError(f"tls_key {key!r} does not load with tls_cert {cert!r} ({e.reason or e}); give the "
+                          "PEM private key of the certificate") from e
+
+
+def _kinds(option: str, path: str) -> set[str]:
+    """The PEM block kinds in the file (``CERTIFICATE``, ``PRIVATE KEY``, ...)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_PEM_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{option} {path!r} cannot be read ({e.strerror}); give a PEM file this user can "
+                          "read") from e
+    if len(data) > MAX_PEM_BYTES:
+        raise ConfigError(f"{option} {path!r} is over {MAX_PEM_BYTES // 1024} KiB: not a PEM certificate or key; "
+                          "check the path")
+    return set(_BLOCK.findall(data.decode("ascii", errors="replace")))
