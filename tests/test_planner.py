@@ -406,6 +406,25 @@ def test_cancel_before_hint_leaves_a_tombstone() -> None:
     planner.check_integrity()
 
 
+def test_tombstones_are_bounded_by_count_and_the_oldest_is_forgotten_first() -> None:
+    """Issue 35: cancelling 819,200 unknown hint ids grew the controller by 260 MB (tombstones kept for
+    hint_ttl_s with no count bound). Now at most max_tombstones are kept, the deadline heap stays within twice
+    the live entries, and forgetting costs only idempotence for the oldest ids (a late duplicate of one is an
+    ordinary hint: latency, never correctness)."""
+    planner = make(max_tombstones=1000, hint_ttl_s=30.0)
+    for i in range(200_000):
+        assert not planner.cancel_hint(f"junk-{i}", 1.0)
+    planner.check_integrity()  # tombstones <= 1000, heap bounded
+    assert planner.add_hint(Hint("junk-0", "a1", "r0", 3.0), 1.1)  # forgotten: taken as a new hint
+    assert not planner.add_hint(Hint("junk-199999", "a1", "r0", 3.0), 1.1)  # remembered: still ignored
+    planner.check_integrity()
+
+
+def test_max_tombstones_is_checked() -> None:
+    with pytest.raises(ConfigError, match=r"max_tombstones is 0; give an int >= 1, e.g. 65536"):
+        PlannerConfig(max_tombstones=0)
+
+
 def test_hint_is_fulfilled_by_its_queued_request_and_counted_once() -> None:
     planner = make(slots=4)
     planner.add_hint(Hint("h1", "a2", "r0", 2.0), 1.0)

@@ -57,6 +57,9 @@ class PlannerConfig:
         "help": "hints expected further ahead than this are far: they only fill free GPU room (or are staged), "
                 "after queued requests and nearer hints, and never evict; within it they are ordinary hints"})
     max_hints_per_replica: int = field(default=1024, metadata={"help": "active hints kept per replica"})
+    max_tombstones: int = field(default=65536, metadata={
+        "help": "ids of closed or cancelled hints remembered (for hint_ttl_s) so a late duplicate is ignored; "
+                "past it the oldest is forgotten (a late duplicate then costs a prefetch, never correctness)"})
     max_tracked_per_replica: int = field(default=4096, metadata={
         "help": "adapters whose per-replica counts are kept (the least popular are forgotten)"})
 
@@ -98,6 +101,7 @@ class PlannerConfig:
         _count("max_staged_per_replica", self.max_staged_per_replica, 0, "4 (0: no host-tier staging)")
         _count("max_candidates_scanned", self.max_candidates_scanned, 1, "64")
         _count("max_hints_per_replica", self.max_hints_per_replica, 1, "1024")
+        _count("max_tombstones", self.max_tombstones, 1, "65536")
         _count("max_tracked_per_replica", self.max_tracked_per_replica, 1, "4096")
 
 

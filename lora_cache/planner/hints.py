@@ -4,6 +4,9 @@ A hint is active from `add` until a queued request for its adapter arrives at it
 it is cancelled, or `ttl_s` passes after its expected time (expired). A fulfilled or cancelled hint's
 id is remembered for a while (a tombstone), so a duplicate or late copy is ignored; a cancel that
 arrives before its hint leaves a tombstone too. Lost, duplicated or reordered hints cost latency only.
+Tombstones are bounded by count as well as by time: past `max_tombstones` the oldest is forgotten (a very
+late duplicate of it then becomes an ordinary hint: a prefetch, never a wrong answer), so a client that
+cancels unknown ids by the million holds a bounded amount of the controller's memory.
 """
 
 from __future__ import annotations
@@ -14,15 +17,17 @@ from lora_cache.planner.records import Hint
 
 
 class HintBook:
-    """Active hints and tombstones, all bounded: by `max_per_replica` and by time."""
+    """Active hints and tombstones, all bounded: by `max_per_replica`, `max_tombstones` and by time."""
 
-    def __init__(self, ttl_s: float, max_per_replica: int) -> None:
+    def __init__(self, ttl_s: float, max_per_replica: int, max_tombstones: int = 65536) -> None:
         self.ttl_s = ttl_s
         self.max_per_replica = max_per_replica
+        self.max_tombstones = max_tombstones
         self.active: dict[str, Hint] = {}
         self.by_replica: dict[str, dict[str, Hint]] = {}  # replica -> hint id -> hint
-        self.tombstones: dict[str, float] = {}  # hint id -> when it is forgotten
-        self._deadlines: list[tuple[float, str]] = []  # heap: expiry of active hints and tombstones
+        self.tombstones: dict[str, float] = {}  # hint id -> when it is forgotten, oldest buried first
+        self._deadlines: list[tuple[float, str]] = []  # heap: expiry of active hints and tombstones (and stale
+        # entries of tombstones forgotten early, dropped when the heap outgrows the live entries twice over)
 
     def add(self, hint: Hint, now: float) -> bool:
         """Make `hint` active; False if its id is known, it is already stale, or its replica is full."""
@@ -83,6 +88,8 @@ class HintBook:
             assert len(hints) <= self.max_per_replica, f"{replica!r} holds more hints than the limit"
             assert all(h.replica == replica for h in hints.values()), "a hint filed under the wrong replica"
         assert not self.active.keys() & self.tombstones.keys(), "a hint is both active and a tombstone"
+        assert len(self.tombstones) <= self.max_tombstones, "more tombstones than max_tombstones"
+        assert len(self._deadlines) <= 2 * (len(self.active) + len(self.tombstones)) + 64, "the deadline heap grew"
         pending = set(self._deadlines)
         for hint in self.active.values():
             assert (self._expiry(hint), hint.hint_id) in pending, f"hint {hint.hint_id!r} never expires"
@@ -105,6 +112,16 @@ class HintBook:
     def _bury(self, hint_id: str, until: float) -> None:
         self.tombstones[hint_id] = until
         heapq.heappush(self._deadlines, (until, hint_id))
+        while len(self.tombstones) > self.max_tombstones:
+            del self.tombstones[next(iter(self.tombstones))]  # the oldest buried
+        if len(self._deadlines) > 2 * (len(self.active) + len(self.tombstones)) + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild the deadline heap from the live hints and tombstones (amortized: at most every other push)."""
+        self._deadlines = [(self._expiry(h), i) for i, h in self.active.items()]
+        self._deadlines += [(when, i) for i, when in self.tombstones.items()]
+        heapq.heapify(self._deadlines)
 
     def _expiry(self, hint: Hint) -> float:
         return hint.expected_s + self.ttl_s

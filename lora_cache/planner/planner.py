@@ -55,7 +55,7 @@ class Planner:
         self.epoch = epoch
         self.stats = PlannerStats()
         self._fleet = FleetState()
-        self._hints = HintBook(config.hint_ttl_s, config.max_hints_per_replica)
+        self._hints = HintBook(config.hint_ttl_s, config.max_hints_per_replica, config.max_tombstones)
         self._horizon = Horizon(config.hint_horizon_s)  # far hints only fill free room
         self._popularity = Popularity(config.half_life_s, config.max_tracked_per_replica)
         self._replan = Replanner(config, epoch, self._fleet, self._hints, self._horizon, self._popularity,
