@@ -340,3 +340,20 @@ def test_the_benchmark_makes_the_adapters_a_trace_names(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"lacks 4 of the workload's 4 adapters \(adapter-007, adapter-085"):
         adapter_dir(BenchConfig(model="tiny", adapters=str(theirs)), wanted)
     assert sorted(p.name for p in theirs.iterdir()) == ["mine-000"]
+
+
+def test_bare_command_lists_every_command_and_version_is_cheap(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 34: `lora-cache` alone listed only the router commands, and there was no `--version`."""
+    from lora_cache.app.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2
+    usage = capsys.readouterr().err
+    assert all(c in usage for c in ("serve", "make-adapters", "inspect", "demo", "hint", "route", "watch", "status"))
+    code = ("import sys\nfrom lora_cache.app.cli import main\ntry:\n    main(['--version'])\nexcept SystemExit as e:\n"
+            "    print('exit', e.code, sorted({'torch', 'ray'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    import lora_cache
+
+    assert done.stdout.splitlines() == [f"lora-cache {lora_cache.__version__}", "exit 0 []"], done.stdout + done.stderr

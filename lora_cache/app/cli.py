@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lora_cache import __version__
 from lora_cache.app.client_cli import CLIENT_COMMANDS, add_client_commands
 from lora_cache.errors import LoraCacheError
 from lora_cache.runtime.cliargs import add_config_args, config_from_args, shell_path, shell_paths
@@ -178,6 +179,7 @@ def _add_service_commands(sub: Any) -> None:
 def build_parser(service_commands: bool = True) -> argparse.ArgumentParser:
     """Every command's parser; ``service_commands=False``: the router commands' alone (no torch, no Ray)."""
     parser = argparse.ArgumentParser(prog="lora-cache", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"lora-cache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     if service_commands:
         _add_service_commands(sub)
@@ -187,7 +189,8 @@ def build_parser(service_commands: bool = True) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    ns = build_parser(service_commands=args[:1] != [] and args[0] not in CLIENT_COMMANDS).parse_args(args)
+    router_only = bool(args) and (args[0] in CLIENT_COMMANDS or args[0] == "--version")  # no torch, no Ray
+    ns = build_parser(service_commands=not router_only).parse_args(args)
     func: Callable[[argparse.Namespace], int] = ns.func
     try:
         return func(ns)
