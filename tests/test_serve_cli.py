@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,13 +15,19 @@ pytestmark = pytest.mark.ray
 
 def test_serve_starts_and_stops_cleanly(tmp_path: Path) -> None:
     """As a shell user runs it: adapters made with make-adapters' defaults under a relative path, served
-    from the directory that holds it, without --model (the adapters name their base model)."""
+    from the directory that holds it, without --model (the adapters name their base model). A stale
+    ``RAY_ADDRESS`` in the shell does not matter: embedded means a cluster of its own (issue 34: it used to
+    hang over 150 s in Ray's retries); ``--address auto`` is what follows RAY_ADDRESS."""
     made = subprocess.run([sys.executable, "-m", "lora_cache.app.cli", "make-adapters", "rt/ad", "--count", "3",
                            "--rank", "8"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr[-2000:]
     cmd = [sys.executable, "-m", "lora_cache.app.cli", "serve", "--adapters", "rt/ad", "--max-rank", "8", "--tp", "2",
            "--slots", "2", "--host-bytes", str(4 << 20), "--duration", "2", "--grpc-port", "0"]
-    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "RAY_ADDRESS": dead})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "serving base model tiny (from the adapters' base_model_name_or_path" in done.stdout
     assert "lora-cache serving: 2 workers in ['replica-0'], 3 adapters" in done.stdout

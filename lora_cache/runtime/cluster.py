@@ -154,9 +154,10 @@ def check_gcs(gcs: str, timeout_s: float = GCS_ANSWER_TIMEOUT_S) -> None:
 
 
 def connect(address: str, namespace: str) -> None:
-    """``ray.init`` on an embedded local Ray (``address`` empty) or on the cluster at ``address``."""
-    if not address:
-        ray.init(namespace=namespace, log_to_driver=False)
+    """``ray.init`` on an embedded local Ray (``address`` empty: always a new cluster, advertised on 127.0.0.1;
+    ``RAY_ADDRESS`` is for ``--address auto``) or on the cluster at ``address``."""
+    if not address:  # a fresh cluster of this process's own, whatever RAY_ADDRESS or a `ray start` left says
+        ray.init(address="local", _node_ip_address="127.0.0.1", namespace=namespace, log_to_driver=False)
         return
     if address == "auto":  # what ray.init("auto") does: token mode when a token is on disk and the mode is unset
         from ray._private.authentication.authentication_token_setup import (
