@@ -127,3 +127,34 @@ def _residency_or_empty(worker) -> set[tuple[str, str]]:
         return {(a, st) for a, _, st, _ in ray.get(worker.describe.remote(), timeout=5)["residency"]}
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
         return set()
+
+
+def _pid(actor) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda self: __import__("os").getpid()), timeout=30)
+
+
+def test_a_stopped_worker_does_not_stall_the_health_of_the_others(service) -> None:
+    """Issue 35: a worker stopped with SIGSTOP stalled the controller's health loop on its ``describe()``
+    (no timeout): no health checks of other workers, no plans, no snapshots until it resumed. Now each ping
+    and full report has a timeout and pings go out at once: with one worker stopped past a resync round,
+    a second stopped worker is still found within seconds (its replica stops being READY), and both come
+    back through the resync once they resume."""
+    import os
+    import signal
+
+    ctl = service.controller
+    ray.get(ctl.report_queue.remote("replica-0", [("adapter-007", time.time())]))
+    wait_ready(ctl, "adapter-007", "replica-0", 30)
+    first, second = service.workers[WorkerId("replica-1", 0)], service.workers[WorkerId("replica-0", 1)]
+    pids = [_pid(first), _pid(second)]
+    os.kill(pids[0], signal.SIGSTOP)
+    try:
+        time.sleep(7.0)  # past a resync round (sync_s 5 s): the old loop hung there on the stopped worker
+        os.kill(pids[1], signal.SIGSTOP)
+        wait_for(lambda: "replica-0" not in ray.get(ctl.lookup.remote("adapter-007"), timeout=10)["ready"],
+                 "the second stopped worker dropped while the first is still stopped", timeout=30)
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    wait_ready(ctl, "adapter-007", "replica-0", 60)  # resumed: the next resync reads it back
+    assert ray.get(ctl.check_integrity.remote())

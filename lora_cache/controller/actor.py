@@ -42,7 +42,7 @@ class ControllerActor:
         self.durable = DurableState(durable or DurableConfig(), NAMESPACE)
         self.metrics = ControllerMetrics(config.planner.policy)
         self.bell = Doorbell()
-        self.links = WorkerLinks(self.core, self.metrics, self.bell.ring, self._plan)
+        self.links = WorkerLinks(self.core, self.metrics, self.bell.ring, self._plan, call_timeout_s=10 * health_s)
         self.health_s, self.sync_s = health_s, sync_s
         self._started = False
         self._start_lock = asyncio.Lock()
@@ -67,7 +67,7 @@ class ControllerActor:
             if time.monotonic() - last_sync >= self.sync_s:  # anti-entropy: whatever was lost is repaired
                 last_sync = time.monotonic()
                 await self.links.resync_all()
-            await self.links.ping_all(timeout_s=10 * self.health_s)
+            await self.links.ping_all()
             await self._plan(full=True)
             await self.durable.persist(self.core.planner)
 

@@ -77,8 +77,12 @@ class WorkerLinks:
 
     def __init__(self, core: ControllerCore, metrics: ControllerMetrics,
                  publish: Callable[[list[ReadinessEvent]], None], replan: Callable[[], Awaitable[None]],
-                 find: Callable[[str], Any] = _find, named: Callable[[], list[str]] = _named_workers) -> None:
+                 find: Callable[[str], Any] = _find, named: Callable[[], list[str]] = _named_workers,
+                 call_timeout_s: float = 5.0) -> None:
         self.core, self.metrics, self.publish, self.replan = core, metrics, publish, replan
+        # how long the health loop waits on one worker's ping or full report: a stopped (SIGSTOP) or hung
+        # worker costs the loop this much, once per round, whatever the number of workers
+        self.call_timeout_s = call_timeout_s
         self.find, self.named = find, named  # a worker's handle by name; the names of those that exist
         self.handles: dict[WorkerId, Any] = {}
         self.links: dict[WorkerId, Link] = {}  # each worker's incarnation and the last delta applied
@@ -194,9 +198,9 @@ class WorkerLinks:
     async def resync(self, wid: WorkerId) -> None:
         """Repair lost deltas (or commands): replace what is known of a worker by its full report."""
         try:
-            info = await self.handles[wid].describe.remote()
-        except Exception as e:  # lost: the health loop deals with it
-            log.info("resync of %s failed: %s", wid, e)
+            info = await asyncio.wait_for(self.handles[wid].describe.remote(), timeout=self.call_timeout_s)
+        except Exception as e:  # lost or hung: the health loop deals with it
+            log.info("resync of %s failed: %s", wid, type(e).__name__ if isinstance(e, TimeoutError) else e)
             return
         link = self.links.get(wid)
         if link is not None and (info["incarnation"], info["seq"]) < (link.incarnation, link.applied):
@@ -209,16 +213,19 @@ class WorkerLinks:
         """Anti-entropy: whatever was lost is repaired."""
         await asyncio.gather(*(self.resync(wid) for wid in list(self.handles)))
 
-    async def ping_all(self, timeout_s: float) -> None:
-        """One ping each, in turn; a worker that does not answer in ``timeout_s`` lost what it held."""
-        for wid, handle in list(self.handles.items()):
-            try:
-                await asyncio.wait_for(handle.ping.remote(), timeout=timeout_s)
-            except Exception:  # dead, restarting or hung: what it held is gone (fault handling)
-                if self.handles.get(wid) is not handle:
-                    continue  # re-attached meanwhile (a new process under the name): that one is not lost
-                log.warning("worker %s is not answering: dropping its residency", wid)
-                self.publish(self.core.worker_lost(wid))
+    async def ping_all(self) -> None:
+        """One ping each, all at once; a worker that does not answer in ``call_timeout_s`` lost what it held
+        (dropped in the workers' order). One hung worker delays the others' checks by no more than that."""
+        pinged = list(self.handles.items())
+        answers = await asyncio.gather(*(asyncio.wait_for(h.ping.remote(), timeout=self.call_timeout_s)
+                                         for _, h in pinged), return_exceptions=True)
+        for (wid, handle), answer in zip(pinged, answers):
+            if not isinstance(answer, BaseException):
+                continue
+            if self.handles.get(wid) is not handle:
+                continue  # re-attached meanwhile (a new process under the name): that one is not lost
+            log.warning("worker %s is not answering: dropping its residency", wid)  # dead, restarting or hung
+            self.publish(self.core.worker_lost(wid))
 
     # -- commands (step 4, invariant 7) -------------------------------------------------------------
     def send(self, plan: dict[WorkerId, list[Command]]) -> None:
