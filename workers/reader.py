@@ -1,12 +1,16 @@
 """Read only this rank's slices of an adapter file into a packed staging buffer (lifecycle step 5).
 
-The file is memory-mapped and every slice is copied in one ``torch._foreach_copy_`` call, which runs with
-the GIL released; the header is parsed once per file version. What is left under the GIL is building
-the views, 5-8 ms per Llama-3.1-8B shard on the H200's host: a step launched from Python beside it
-waits for the GIL at every kernel. So a GPU worker runs this in reader processes
-(``workers.reader_proc``), and threads run it only where there is no GPU (bench/RESULTS.md, ``python
--m bench.probes.reader``). A file cut short while it is read, after the size check, raises SIGBUS in the
-process that maps it: a reader process dies and the read fails; a reader thread faults its process.
+Alone (no ``pool``), a read memory-maps the file and copies each chunk's slices in one
+``torch._foreach_copy_`` call, which runs with the GIL released; the header is parsed once per file version.
+That single reader moved ~3.6 GB/s from the page cache (issue 30), so a read is split over a ``ReadPool``'s
+threads (``workers.read_pool``): slices contiguous in the file are read by ``os.preadv`` straight into the
+buffer, column slices and conversions are copied from the mapped file (``workers.read_plan``), and each
+chunk's block checks run beside its copies. What is left under the GIL is building the views and the plan:
+a step launched from Python beside it waits for the GIL at every kernel. So a GPU worker runs this in reader
+processes (``workers.reader_proc``), and threads run it only where there is no GPU (bench/RESULTS.md,
+``python -m bench.probes.reader``). A file cut short while it is read, after the size check, raises SIGBUS
+in the process that maps it where a mapped page is touched: a reader process dies and the read fails; a
+reader thread faults its process. A positioned read of a file cut short is refused.
 
 A read returns only the bytes its version was registered with (``lora_cache.adapters.files``), or refuses with
 ``AdapterChangedError``: the file is stat'ed and compared with the registered identity before it is
@@ -29,9 +33,8 @@ import stat
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -39,6 +42,8 @@ from lora_cache.adapters.files import BLOCK_BYTES, FileIdentity, WeightsSource, 
 from lora_cache.adapters.peft import FLOAT_DTYPES, AdapterSpec
 from lora_cache.adapters.shards import ShardEntry, ShardLayout
 from lora_cache.errors import AdapterChangedError, AdapterFormatError
+from workers.read_plan import FileTensor, Task, plan_tasks, task_bytes_for
+from workers.read_pool import ReadPool, run_in_order
 
 # How much of what a read copied it checks against the registered CRCs, on top of the identity and header
 # checks every read makes (bench/RESULTS.md, "What the content check costs"). A racy version (changed
@@ -51,34 +56,31 @@ VERIFY = {
 }
 
 
-class FileTensor(NamedTuple):
-    """Where one tensor's bytes are in the file (row-major)."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # byte offset of its first element in the file
-
-
 def read_shard(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor, verify: str = "sample",
-               chunks: Sequence[slice] | None = None, on_chunk: Callable[[int], None] | None = None) -> int:
+               chunks: Sequence[slice] | None = None, on_chunk: Callable[[int], None] | None = None,
+               pool: ReadPool | None = None) -> int:
     """Fill ``dest`` (1-D, ``layout.dtype``, >= ``layout.numel``) with the shard; returns bytes read.
 
-    A rank reads only its parts of each matrix (strided views of the mapped file); a file tensor of
-    another dtype is converted as it is copied. ``chunks``: ranges of the layout's entries read one
-    after another (default: one); ``on_chunk(k)`` runs once the first ``k`` are in ``dest``, so their
-    host-to-GPU copies can start while the rest is read (``lora_cache.adapters.chunks``).
+    A rank reads only its parts of each matrix; a file tensor of another dtype is converted as it is copied.
+    ``chunks``: ranges of the layout's entries read one after another (default: one); ``on_chunk(k)`` runs
+    once the first ``k`` are in ``dest``, so their host-to-GPU copies can start while the rest is read
+    (``lora_cache.adapters.chunks``). ``pool``: reader threads that split the read (``workers.read_pool``);
+    None: this thread alone, as one mapped-file copy per chunk.
     """
     if spec.source is None:
         raise AdapterFormatError(f"adapter {spec.name}@{spec.version} was not registered from a file; "
                                  "register it from its directory to read it")
-    return read_slices(spec.source, layout.entries, dest, f"TP {layout.rank}/{layout.tp}", verify, chunks, on_chunk)
+    return read_slices(spec.source, layout.entries, dest, f"TP {layout.rank}/{layout.tp}", verify, chunks, on_chunk,
+                       pool)
 
 
 def read_slices(source: WeightsSource, entries: tuple[ShardEntry, ...], dest: torch.Tensor, shard: str,
                 verify: str = "sample", chunks: Sequence[slice] | None = None,
-                on_chunk: Callable[[int], None] | None = None) -> int:
+                on_chunk: Callable[[int], None] | None = None, pool: ReadPool | None = None,
+                direct: bool = True) -> int:
     """``read_shard`` from what a reader process is sent: the registered weights file, the layout's entries;
-    ``shard`` names the shard in errors.
+    ``shard`` names the shard in errors; ``direct`` False (with a pool): every slice copied from the mapped
+    file, none read straight into ``dest`` (``workers.read_plan``; for the probe's comparison).
 
     A chunk is published (``on_chunk``: its copy to the GPU may start, and a ``pipelined`` step may read it)
     only once it is proven as the whole read would be: its blocks checked as ``verify`` says and the file's
@@ -86,19 +88,26 @@ def read_slices(source: WeightsSource, entries: tuple[ShardEntry, ...], dest: to
     was the registered version's bytes."""
     weights = Path(source.path)
     fd, source = _open_unchanged(source)
+    spans = chunks or (slice(0, len(entries)),)
+
+    def proven(k: int) -> None:  # chunk k is in place and its blocks checked: the file must be the one opened
+        same_file(weights, source.identity, FileIdentity.of(os.fstat(fd)), "while it was read, after", source.version)
+        if on_chunk is not None:
+            on_chunk(k + 1)
+
     try:
         index = _checked_index(fd, source)
         with _mapped(fd) as mapped:
-            read = 0
-            for k, span in enumerate(chunks or (slice(0, len(entries)),)):
-                part = entries[span]
-                read += _copy_slices(mapped, index, part, dest)
-                _check_blocks(mapped, source, _blocks_to_check(source, index, part, verify))
-                same_file(weights, source.identity, FileIdentity.of(os.fstat(fd)), "while it was read, after",
-                          source.version)
-                if on_chunk is not None:
-                    on_chunk(k + 1)
-        return read
+            if pool is None:
+                for k, span in enumerate(spans):
+                    part = entries[span]
+                    _copy_slices(mapped, index, part, dest)
+                    _check_blocks(mapped, source, _blocks_to_check(source, index, part, verify))
+                    proven(k)
+            else:
+                _read_parallel(pool, fd, mapped, source, index, [entries[s] for s in spans], dest, verify, direct,
+                               proven)
+        return sum(e.numel * index[e.key].dtype.itemsize for e in entries)
     except AdapterChangedError:
         raise
     except (AdapterFormatError, OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
@@ -107,6 +116,51 @@ def read_slices(source: WeightsSource, entries: tuple[ShardEntry, ...], dest: to
                                  "the file may be truncated or corrupt: re-copy it and register again") from e
     finally:
         os.close(fd)
+
+
+def _read_parallel(pool: ReadPool, fd: int, mapped: mmap.mmap, source: WeightsSource, index: dict[str, FileTensor],
+                   parts: list[tuple[ShardEntry, ...]], dest: torch.Tensor, verify: str, direct: bool,
+                   proven: Callable[[int], None]) -> None:
+    """Every chunk's slices and block checks as tasks on ``pool`` (``workers.read_plan``), the checks first,
+    each chunk's planned while the threads read the chunks before it; ``proven(k)`` once chunk k and those
+    before it are done, in order."""
+    raw = memoryview(dest.view(torch.uint8).numpy())  # type: ignore[arg-type]  # dest's bytes, for preadv
+    checked_at = time.time_ns()  # before any check: the bytes seen are at least this recent
+    checks: list[list[int]] = []  # each chunk's blocks checked
+
+    def chunk_tasks() -> Iterator[list[Callable[[], None]]]:
+        for part in parts:
+            blocks = _blocks_to_check(source, index, part, verify)
+            checks.append(blocks)
+            size = task_bytes_for(sum(e.numel * index[e.key].dtype.itemsize for e in part), pool.size)
+            per = max(1, size // BLOCK_BYTES)
+            tasks: list[Callable[[], None]] = [
+                functools.partial(_check_blocks, mapped, source, blocks[i : i + per], settle=False)
+                for i in range(0, len(blocks), per)]
+            tasks += [functools.partial(_run_task, fd, raw, mapped, index, dest, task, source)
+                      for task in plan_tasks(index, part, dest.dtype, size, direct)]
+            yield tasks
+
+    def done(k: int) -> None:
+        _settle(source, checks[k], checked_at)
+        proven(k)
+
+    run_in_order(pool, chunk_tasks(), done)
+
+
+def _run_task(fd: int, raw: memoryview, mapped: mmap.mmap, index: dict[str, FileTensor], dest: torch.Tensor,
+              task: Task, source: WeightsSource) -> None:
+    """One reader thread's share: its runs read straight into ``dest``'s bytes, then its gathers copied."""
+    for run in task.runs:
+        done = 0
+        while done < run.nbytes:
+            got = os.preadv(fd, [raw[run.at + done : run.at + run.nbytes]], run.start + done)
+            if got <= 0:
+                raise AdapterChangedError(f"{source.path} shrank while it was read (it ended at byte {run.start + done}"
+                                          f" of {source.identity.size}) since it was registered as version "
+                                          f"{source.version}; the read is refused: register it again")
+            done += got
+    _copy_slices(mapped, index, task.gathers, dest)
 
 
 _ACCEPTED_LOCK = threading.Lock()  # protects _ACCEPTED
@@ -252,7 +306,8 @@ def _bad_block(mapped: mmap.mmap, source: WeightsSource, blocks: Iterable[int]) 
                      if zlib.crc32(view[b * BLOCK_BYTES : (b + 1) * BLOCK_BYTES]) != source.block_crcs[b]), None)
 
 
-def _check_blocks(mapped: mmap.mmap, source: WeightsSource, blocks: list[int]) -> None:
+def _check_blocks(mapped: mmap.mmap, source: WeightsSource, blocks: list[int], settle: bool = True) -> None:
+    """Refuse the read if one of ``blocks`` is not as registered; ``settle``: remember the blocks proven."""
     checked_at = time.time_ns()  # before the check: the bytes seen are at least this recent
     bad = _bad_block(mapped, source, blocks)
     if bad is not None:
@@ -260,7 +315,14 @@ def _check_blocks(mapped: mmap.mmap, source: WeightsSource, blocks: list[int]) -
             f"{source.path} changed since it was registered as version {source.version}: bytes "
             f"{bad * BLOCK_BYTES}-{(bad + 1) * BLOCK_BYTES} are not the ones registered (rewritten in place with "
             "the same size and stat times); the read is refused: register it again for a new version")
-    if source.racy and blocks and source.settled(checked_at):  # later writes must show in stat: remember them
+    if settle:
+        _settle(source, blocks, checked_at)
+
+
+def _settle(source: WeightsSource, blocks: list[int], checked_at: int) -> None:
+    """A racy version's ``blocks``, checked at ``checked_at``, stay proven if the racy window was over by then:
+    later writes must show in stat."""
+    if source.racy and blocks and source.settled(checked_at):
         with _SETTLED_LOCK:
             key = (source.path, source.version, source.identity)  # proofs hold for this identity only
             _SETTLED.setdefault(key, set()).update(blocks)
