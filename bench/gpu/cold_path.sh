@@ -6,7 +6,7 @@
 #
 # Parts (figures as JSON under OUT, console logs under LOGDIR):
 #   tests     the read path's GPU tests (tests/test_gpu.py), then its CPU tests on this host's cores: parallel
-#             reads, the host tier and its reader processes, files changing under reads
+#             reads, reader processes (one thread or four), files changing under split reads, the probe's smoke test
 #   8b-r16    llama-3.1-8b rank 16: readers 1 (the single reader) and auto (the default)
 #   8b-r64    llama-3.1-8b rank 64: readers 1,2,4,8,16,auto; the reference at 1,4,8,16 threads; rank 0's mechanisms
 #   70b-r64   llama-3.1-70b rank 64: readers 1 and auto
@@ -26,6 +26,7 @@ if [ "${DRY:-0}" != 1 ]; then
   nvidia-smi -L
   echo "cores: $(nproc)  zlib: $("$PYTHON" -c 'import zlib; print(zlib.ZLIB_RUNTIME_VERSION)')"
 fi
+cpu_k="parallel or process or reader or during_a_read or returns_its_versions or probe"
 probe() {  # NAME MODEL RANK ARGS...: one probe run, its JSON at OUT/NAME.json
   local name=$1 model=$2 rank=$3; shift 3
   step "$name" "$PYTHON" -m bench.probes.cold_read --model "$model" --rank "$rank" --tp "$tp" --repeats "$repeats" \
@@ -35,8 +36,9 @@ for part in "${parts[@]}"; do
   case $part in
     tests)   step gpu_read_tests "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -rfE \
                   -k "read or host or load or stage" tests/test_gpu.py
-             step cpu_read_tests "$PYTHON" -m pytest -q -p no:cacheprovider -rfE tests/test_read_parallel.py \
-                  tests/test_host_tier.py tests/test_adapter_files.py tests/test_bench_cold_read.py ;;
+             step cpu_read_tests "$PYTHON" -m pytest -q -p no:cacheprovider -rfE -k "$cpu_k" \
+                  tests/test_read_parallel.py tests/test_host_tier.py tests/test_adapter_files.py \
+                  tests/test_bench_cold_read.py ;;
     8b-r16)  probe cold-8b-r16 llama-3.1-8b 16 --readers 1,auto ;;
     8b-r64)  probe cold-8b-r64 llama-3.1-8b 64 --readers 1,2,4,8,16,auto --ref-threads 1,4,8,16 --mechanisms 1,4,8,16 ;;
     70b-r64) probe cold-70b-r64 llama-3.1-70b 64 --readers 1,auto ;;
