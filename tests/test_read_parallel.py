@@ -26,7 +26,7 @@ from lora_cache.vocab import AdapterKey
 from workers.host_tier import HostTier, HostTierConfig
 from workers.read_plan import FileTensor, contiguous, plan_tasks, task_bytes_for
 from workers.read_pool import ReadPool, auto_readers, ranks_on_host, run_in_order
-from workers.reader import read_shard
+from workers.reader import HOW, read_shard, read_slices
 
 BF16, F32 = torch.bfloat16, torch.float32
 MiB = 1 << 20
@@ -51,14 +51,15 @@ def llama8b(tmp_path_factory: pytest.TempPathFactory) -> AdapterSpec:
 
 
 def read(spec: AdapterSpec, model: str, tp: int, rank: int, dtype: torch.dtype, pool: ReadPool | None,
-         chunk_bytes: int = 0, verify: str = "sample") -> tuple[torch.Tensor, list[int]]:
+         chunk_bytes: int = 0, verify: str = "sample", how: str = "preadv") -> tuple[torch.Tensor, list[int]]:
     """The shard read by ``pool`` (None: the single reader), chunk by chunk, and the chunk counts published."""
     shape = SHAPES[model]
     lay = shard_layout(spec, shape, tp, rank, dtype)
     plan = chunk_plan(lay.entries, lay.numel, shape.num_layers, dtype.itemsize, chunk_bytes)
     dest = torch.full((lay.numel,), float("nan"), dtype=dtype)
     published: list[int] = []
-    read_shard(spec, lay, dest, verify, plan.entry_spans, published.append, pool)
+    assert spec.source is not None
+    read_slices(spec.source, lay.entries, dest, "", verify, plan.entry_spans, published.append, pool, how)
     return dest, published
 
 
@@ -68,13 +69,15 @@ def test_llama_shards_read_in_parallel_equal_the_single_reader(
     llama8b: AdapterSpec, pools: dict[int, ReadPool], tp: int, readers: int
 ) -> None:
     """Every TP rank of the 8B layout (column slices of row-parallel lora_A, row blocks of column-parallel lora_B),
-    bf16 straight into the buffer and converted to fp32 by gathers: the same bytes as the single reader's."""
+    bf16 straight into the buffer (a column slice by one read over its rows, or one per row, or the mapped
+    file's copies) and converted to fp32 through scratch: the same bytes as the single reader's."""
     for rank in range(tp):
         for dtype in (BF16, F32):
             want, chunks = read(llama8b, "llama-3.1-8b", tp, rank, dtype, None, chunk_bytes=MiB // 4)
-            got, published = read(llama8b, "llama-3.1-8b", tp, rank, dtype, pools[readers], chunk_bytes=MiB // 4)
-            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (tp, rank, dtype)
-            assert published == chunks == list(range(1, len(chunks) + 1)) and len(chunks) > 2
+            for how in HOW:
+                got, published = read(llama8b, "llama-3.1-8b", tp, rank, dtype, pools[readers], MiB // 4, how=how)
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (tp, rank, dtype, how)
+                assert published == chunks == list(range(1, len(chunks) + 1)) and len(chunks) > 2
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -245,9 +248,9 @@ def merged(segs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
 @pytest.mark.parametrize("model", ["llama-3.1-8b", "llama-3.1-70b"])
 @pytest.mark.parametrize("rank", [16, 64])
 def test_the_plan_reads_every_slice_once_for_the_llama_layouts(model: str, rank: int) -> None:
-    """Every TP rank of the real shapes: the plan's positioned reads and gathers map exactly the layout's slices
-    (file byte -> buffer byte, each once), contiguous slices are positioned reads, only row-parallel lora_A
-    column slices are gathers, and tasks keep the layout's order at about the size asked."""
+    """Every TP rank of the real shapes: the plan's positioned reads map exactly the layout's slices (file byte ->
+    buffer byte, each once), contiguous slices are runs, only row-parallel lora_A column slices are strided,
+    and tasks keep the layout's order at about the size asked."""
     spec, index = synthetic(model, rank)
     shape = SHAPES[model]
     for tp in (1, 2, 4, 8):
@@ -262,12 +265,14 @@ def test_the_plan_reads_every_slice_once_for_the_llama_layouts(model: str, rank:
                 tasks = plan_tasks(index, part, BF16, size)
                 assert sum(t.nbytes for t in tasks) == sum(e.numel * 2 for e in part)
                 assert all(t.nbytes < size + 8 * MiB for t in tasks)
-                firsts = [min([r.at for r in t.runs] + [g.offset * 2 for g in t.gathers]) for t in tasks]
+                firsts = [min([r.at for r in t.runs] + [s.at for s in t.strided]) for t in tasks]
                 assert firsts == sorted(firsts)  # the layout's order: chunk k's bytes before chunk k+1's
                 for t in tasks:
+                    assert not t.converts  # the file's dtype: nothing to convert
                     got += [(r.at, r.start, r.nbytes) for r in t.runs]
-                    got += [s for g in t.gathers for s in segments(g, index[g.key])]
-                    assert all(g.module in ("o_proj", "down_proj") and g.ab == "A" and tp > 1 for g in t.gathers)
+                    got += [(s.at + i * s.width, s.start + i * s.stride, s.width) for s in t.strided
+                            for i in range(s.rows)]
+                    assert all(s.rows <= rank and s.stride > s.width and tp > 1 for s in t.strided)
                 want += [s for e in part for s in segments(e, index[e.key])]
             assert merged(got) == merged(want), (model, rank, tp, k)
 
@@ -280,7 +285,7 @@ def test_read_parallel_config_and_its_default(tmp_path: Path, monkeypatch: pytes
         HostTierConfig(read_parallel=65)
     with pytest.raises(ConfigError, match="got -1; 1 reads in one thread"):
         HostTierConfig(read_parallel=-1)
-    assert [auto_readers(c, r) for c, r in ((64, 4), (16, 4), (2, 1), (2, 4), (128, 8), (0, 1))] == [8, 4, 2, 1, 8, 1]
+    assert [auto_readers(c, r) for c, r in ((64, 4), (16, 4), (2, 1), (2, 4), (256, 8), (0, 1))] == [16, 4, 2, 1, 16, 1]
     assert HostTierConfig(read_parallel=3).readers(4) == 3
     gpus = tmp_path / "gpus"
     for i in range(4):

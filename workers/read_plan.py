@@ -1,13 +1,15 @@
 """How one rank's read is cut into tasks for several reader threads (lifecycle step 5). Plain Python.
 
-A matrix slice that is contiguous in the file (a whole matrix, a block of whole rows: every column-parallel
-``lora_A`` and ``lora_B``, every row-parallel ``lora_B``) of the buffer's own dtype is a ``Run``: one positioned
-read (``os.preadv``) from the file straight into its place in the packed buffer, with no page mapped and no
-second copy. The rest (a row-parallel ``lora_A``'s column slice, one short segment per row; a file tensor of
-another dtype, converted as it is copied) is a *gather*: copied from the mapped file by torch, as the single
-reader copies everything. Large matrices are cut by rows, and consecutive pieces are packed into tasks of about
-``task_bytes`` each, in the layout's order, so that a chunk's tasks are spread over the threads and the
-next chunk's start as soon as a thread is free (``workers.read_pool``).
+A slice that is one range of the file (a whole matrix, a block of whole rows: every column-parallel ``lora_A``
+and ``lora_B``, every row-parallel ``lora_B``) of the buffer's own dtype is a ``Run``: one positioned read
+(``os.preadv``) straight into its place in the packed buffer. A row-parallel ``lora_A``'s column slice (one
+segment per row) is ``Strided``: one positioned read of the rows' span, each row's segment into its place and
+the bytes between them into a scratch buffer (or, measured against it, one read per row). A file tensor of
+another dtype is a *conversion*: its span read into scratch memory, then copied into place by torch. No page
+of the file is mapped: a file cut short fails a read cleanly (no SIGBUS), and no mapping is faulted in or
+torn down per read. Large matrices are cut by rows, and consecutive pieces are packed into tasks of about
+``task_bytes`` each, in the layout's order, so that a chunk's tasks are spread over the threads and the next
+chunk's start as soon as a thread is free (``workers.read_pool``).
 """
 
 from __future__ import annotations
@@ -36,12 +38,24 @@ class Run(NamedTuple):
     nbytes: int
 
 
+class Strided(NamedTuple):
+    """``rows`` segments of ``width`` bytes, ``stride`` bytes apart in the file from ``start``, packed one after
+    another into the buffer from byte ``at``: a column slice."""
+
+    start: int
+    at: int
+    rows: int
+    width: int
+    stride: int
+
+
 class Task(NamedTuple):
-    """What one reader thread does at once: its runs (positioned reads), then its gathers (torch copies)."""
+    """What one reader thread does at once."""
 
     runs: tuple[Run, ...]
-    gathers: tuple[ShardEntry, ...]  # entries (or row pieces of them) copied from the mapped file
-    nbytes: int  # file bytes it reads
+    strided: tuple[Strided, ...]
+    converts: tuple[ShardEntry, ...]  # entries (or row pieces of them) of another dtype, or every piece (mmap)
+    nbytes: int  # file bytes of the slices it reads
 
 
 def contiguous(e: ShardEntry, t: FileTensor) -> bool:
@@ -53,6 +67,19 @@ def run_of(e: ShardEntry, t: FileTensor) -> Run:
     """The positioned read of a contiguous slice of ``t`` of the buffer's dtype."""
     size = t.dtype.itemsize
     return Run(t.start + (e.rows.start * t.shape[-1] + e.cols.start) * size, e.offset * size, e.numel * size)
+
+
+def strided_of(e: ShardEntry, t: FileTensor) -> Strided:
+    size = t.dtype.itemsize
+    return Strided(t.start + (e.rows.start * t.shape[-1] + e.cols.start) * size, e.offset * size, e.shape[0],
+                   e.shape[1] * size, t.shape[-1] * size)
+
+
+def span_of(e: ShardEntry, t: FileTensor) -> tuple[int, int]:
+    """(first file byte, bytes) from ``e``'s first element to its last: what a conversion reads."""
+    size, cols = t.dtype.itemsize, t.shape[-1]
+    first = t.start + (e.rows.start * cols + e.cols.start) * size
+    return first, ((e.shape[0] - 1) * cols + e.shape[1]) * size
 
 
 def row_pieces(e: ShardEntry, t: FileTensor, max_bytes: int) -> list[ShardEntry]:
@@ -69,16 +96,19 @@ def row_pieces(e: ShardEntry, t: FileTensor, max_bytes: int) -> list[ShardEntry]
 def plan_tasks(index: Mapping[str, FileTensor], entries: Sequence[ShardEntry], dtype: torch.dtype, task_bytes: int,
                direct: bool = True) -> list[Task]:
     """The tasks that read ``entries`` into a packed buffer of ``dtype``, in the layout's order, each of about
-    ``task_bytes`` file bytes (one matrix piece at least). ``direct`` False: every slice is a gather (the
-    single reader's copies, split over threads: a measured alternative, ``bench.probes.cold_read``)."""
+    ``task_bytes`` file bytes (one matrix piece at least). ``direct`` False: every piece is a conversion (for
+    the probe's comparison: the single reader's mapped-file copies, split over threads)."""
     tasks: list[Task] = []
     runs: list[Run] = []
-    gathers: list[ShardEntry] = []
+    strided: list[Strided] = []
+    converts: list[ShardEntry] = []
     held = 0
     for e in entries:
         t = index[e.key]
         for piece in row_pieces(e, t, task_bytes):
-            if direct and t.dtype == dtype and contiguous(piece, t):
+            if not direct or t.dtype != dtype:
+                converts.append(piece)
+            elif contiguous(piece, t):
                 run = run_of(piece, t)
                 last = runs[-1] if runs else None
                 if last is not None and last.start + last.nbytes == run.start and last.at + last.nbytes == run.at:
@@ -86,13 +116,13 @@ def plan_tasks(index: Mapping[str, FileTensor], entries: Sequence[ShardEntry], d
                 else:
                     runs.append(run)
             else:
-                gathers.append(piece)
+                strided.append(strided_of(piece, t))
             held += piece.numel * t.dtype.itemsize
             if held >= task_bytes:
-                tasks.append(Task(tuple(runs), tuple(gathers), held))
-                runs, gathers, held = [], [], 0
-    if runs or gathers:
-        tasks.append(Task(tuple(runs), tuple(gathers), held))
+                tasks.append(Task(tuple(runs), tuple(strided), tuple(converts), held))
+                runs, strided, converts, held = [], [], [], 0
+    if runs or strided or converts:
+        tasks.append(Task(tuple(runs), tuple(strided), tuple(converts), held))
     return tasks
 
 

@@ -1,9 +1,10 @@
 """Reader threads that split one rank's read, chunk by chunk, in order (lifecycle step 5).
 
 A single reader moved ~3.6 GB/s from the page cache to pinned memory (one core's copy; issue 30), a
-parallel sequential read of the same file several times that. ``ReadPool`` holds ``size`` threads; a read
-queues all its tasks at once, chunk after chunk (``workers.read_plan``: positioned reads, gathers, block
-checks), so a thread that finishes chunk k's share starts on chunk k+1's while the others finish k.
+parallel sequential read of the same file several times that. ``ReadPool`` holds ``size`` threads; a read's
+tasks (``workers.read_plan``: positioned reads, conversions, block checks), chunk after chunk, are taken in
+order by one loop per thread, so a thread that finishes chunk k's share starts on chunk k+1's while the
+others finish k.
 ``run_in_order`` calls ``done(k)`` in the reading thread once chunk k and every chunk before it are in place:
 chunks are still published in layer order, one after another. The tasks release the GIL while they move
 bytes (``os.preadv``, torch copies, ``zlib.crc32``); what they hold it for is microseconds per task.
@@ -18,15 +19,16 @@ by the GPU ranks on it, at most ``AUTO_MAX`` (bench/RESULTS.md, issue 30).
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
-AUTO_MAX = 8  # readers of one read, at most, by default: bench/RESULTS.md ("Reads at the limit", issue 30)
+AUTO_MAX = 16  # readers of one read, at most, by default: a 64-core host of 4 H100s read fastest with 16 (issue 30)
 GPU_DIR = Path("/proc/driver/nvidia/gpus")  # one entry per GPU of the host, whatever this process may see
 Task = Callable[[], None]
 
@@ -68,7 +70,7 @@ class ReadPool:
 
     def _work(self) -> None:
         while (task := self._queue.get()) is not None:
-            task()  # wrapped by _Tally.wrap: never raises
+            task()  # a read's loop (run_in_order): never raises
 
     def submit(self, task: Task) -> None:
         self._queue.put(task)
@@ -82,73 +84,70 @@ class ReadPool:
 
 
 class _Tally:
-    """Tasks left per chunk, the first error, and whether the read gave up (skip what has not started)."""
+    """Tasks left per chunk, the first error, the read's loops still on a thread, and whether the read gave up
+    (then what has not started is skipped)."""
 
-    def __init__(self) -> None:
+    def __init__(self, counts: Sequence[int], loops: int) -> None:
         self.cond = threading.Condition()  # protects everything below
-        self.left: list[int] = []  # per chunk queued so far
-        self.running = 0  # queued or running, not finished
+        self.left = list(counts)
+        self.loops = loops  # worker loops of this read not yet ended
         self.error: BaseException | None = None
         self.cancelled = False
 
-    def add(self, count: int) -> int:
-        """A new chunk of ``count`` tasks; its index."""
+    def run(self, k: int, task: Task) -> None:
+        error = None
+        try:
+            task()
+        except BaseException as e:  # the read's error, raised in the reading thread
+            error = e
         with self.cond:
-            self.left.append(count)
-            self.running += count
-            return len(self.left) - 1
+            if error is not None and self.error is None:
+                self.error, self.cancelled = error, True
+            self.left[k] -= 1
+            self.cond.notify_all()
 
-    def wrap(self, k: int, task: Task) -> Task:
-        def run() -> None:
-            error = None
-            if not self.cancelled:  # read without the lock: a task started just after a failure does no harm
-                try:
-                    task()
-                except BaseException as e:  # the read's error, raised in the reading thread
-                    error = e
-            with self.cond:
-                if error is not None and self.error is None:
-                    self.error, self.cancelled = error, True
-                self.left[k] -= 1
-                self.running -= 1
-                self.cond.notify_all()
-
-        return run
-
-    def finished(self, k: int, wait: bool) -> bool:
-        """Whether chunk k's tasks have all run (``wait``: until they have); raises the read's first error."""
+    def ended(self) -> None:
         with self.cond:
-            while wait and self.left[k] and self.error is None:
+            self.loops -= 1
+            self.cond.notify_all()
+
+    def wait_chunk(self, k: int) -> None:
+        """Until chunk k's tasks have all run; raises the read's first error."""
+        with self.cond:
+            while self.left[k] and self.error is None:
                 self.cond.wait()
             if self.error is not None:
                 raise self.error
-            return not self.left[k]
 
     def drain(self) -> None:
         """Skip what has not started and wait for what has."""
         with self.cond:
             self.cancelled = True
-            while self.running:
+            while self.loops:
                 self.cond.wait()
 
 
-def run_in_order(pool: ReadPool, chunks: Iterable[Sequence[Task]], done: Callable[[int], None]) -> None:
+def run_in_order(pool: ReadPool, chunks: Sequence[Sequence[Task]], done: Callable[[int], None]) -> None:
     """Run every chunk's tasks on ``pool`` and call ``done(k)`` here once chunk k's tasks and every earlier
-    chunk's have finished, k = 0, 1, ... in order. ``chunks`` is consumed as the tasks are queued, so the
-    tasks of chunk k+1 are made while the threads run chunk k's (and a chunk found done meanwhile is
-    published at once). The first error (a task's, or ``done``'s) is raised once no task of this call runs."""
-    tally, published = _Tally(), 0
+    chunk's have finished, k = 0, 1, ... in order. One loop per thread takes the next task (in chunk order)
+    until none is left, so the reading thread queues ``pool.size`` loops, not every task. The first error (a
+    task's, or ``done``'s) is raised once no task of this call runs."""
+    flat = [(k, task) for k, tasks in enumerate(chunks) for task in tasks]
+    take = itertools.count().__next__  # atomic: one C call under the GIL
+    tally = _Tally([len(tasks) for tasks in chunks], min(pool.size, len(flat)))
+
+    def loop() -> None:
+        try:
+            while not tally.cancelled and (i := take()) < len(flat):
+                tally.run(*flat[i])
+        finally:
+            tally.ended()
+
+    for _ in range(tally.loops):
+        pool.submit(loop)
     try:
-        for tasks in chunks:
-            k = tally.add(len(tasks))
-            for task in tasks:
-                pool.submit(tally.wrap(k, task))
-            while published <= k and tally.finished(published, wait=False):
-                done(published)
-                published += 1
-        while published < len(tally.left):
-            tally.finished(published, wait=True)
-            done(published)
-            published += 1
+        for k in range(len(chunks)):
+            tally.wait_chunk(k)
+            done(k)
     finally:
         tally.drain()
