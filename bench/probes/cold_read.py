@@ -28,9 +28,10 @@ Figures, named as the issue names them (medians over ``--repeats``):
 - ``hit_over_memcpy``: the same for host-tier hits (goal >= 0.9);
 - ``ready_over_bound``: prefetch -> replica ready over (read + copy) of the largest shard, the references
   taken all at once (goal <= 1.3).
-``--mechanisms``: rank 0 alone reads its shard outside the cache with each mechanism (the single reader,
-positioned reads straight into the buffer, the single reader's mapped-file copies split over threads) at
-each thread count given. JSON to ``--out``, a table on stdout.
+``--mechanisms``: rank 0 alone reads its shard outside the cache with each mechanism (the single reader;
+``preadv``, positioned reads straight into the buffer, the default; ``rows``/``gaps``, every column slice read
+row by row / over its span; ``mmap``, the single reader's mapped-file copies split over threads; ``identity``,
+no block checked) at each thread count given. JSON to ``--out``, a table on stdout.
 """
 
 from __future__ import annotations
@@ -165,8 +166,9 @@ class Rank:
         for n, pool in pools.items():
             ways[f"preadv x{n}"] = lambda p=pool: read_shard(self.spec, self.layout, dest, "sample", plan.entry_spans,
                                                              None, p)
-            ways[f"mmap copy x{n}"] = lambda p=pool: read_slices(self.spec.source, self.layout.entries, dest, "",
-                                                                 "sample", plan.entry_spans, None, p, direct=False)
+            for how in ("rows", "gaps", "mmap"):
+                ways[f"{how} x{n}"] = lambda p=pool, h=how: read_slices(
+                    self.spec.source, self.layout.entries, dest, "", "sample", plan.entry_spans, None, p, h)
             ways[f"preadv x{n}, identity"] = lambda p=pool: read_shard(self.spec, self.layout, dest, "identity",
                                                                        plan.entry_spans, None, p)
         times: dict[str, list[float]] = {k: [] for k in ways}
