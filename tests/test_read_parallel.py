@@ -285,7 +285,7 @@ def test_read_parallel_config_and_its_default(tmp_path: Path, monkeypatch: pytes
         HostTierConfig(read_parallel=65)
     with pytest.raises(ConfigError, match="got -1; 1 reads in one thread"):
         HostTierConfig(read_parallel=-1)
-    assert [auto_readers(c, r) for c, r in ((64, 4), (16, 4), (2, 1), (2, 4), (256, 8), (0, 1))] == [16, 4, 2, 1, 16, 1]
+    assert [auto_readers(c, r) for c, r in ((64, 4), (16, 4), (2, 1), (2, 4), (256, 8), (0, 1))] == [8, 4, 2, 1, 8, 1]
     assert HostTierConfig(read_parallel=3).readers(4) == 3
     gpus = tmp_path / "gpus"
     for i in range(4):

@@ -48,7 +48,7 @@ class HostTierConfig:
                                                            "processes with reads=process)"})
     read_parallel: int = field(default=0, metadata={
         "help": "reader threads that split one read (positioned reads straight into the pinned arena, in chunk "
-                "order); 0: auto, the host's cores over its GPU ranks, at most 16; 1: one thread, as one mapped-file "
+                "order); 0: auto, the host's cores over its GPU ranks, at most 8; 1: one thread, as one mapped-file "
                 "copy per chunk"})
     pin: bool = field(default=True, metadata={"help": "pin host memory when a GPU is present"})
     reads: str = field(default="auto", metadata={

@@ -54,15 +54,13 @@ def read_runs(fd: int, raw: memoryview, runs: Iterable[Run]) -> None:
         pread_all(fd, raw[run.at : run.at + run.nbytes], run.start)
 
 
-STRIDED = ("auto", "rows", "gaps")  # how a column slice is read: see read_strided
-
-
-def read_strided(fd: int, raw: memoryview, s: Strided, how: str = "auto") -> None:
-    """The segments of ``s`` into their places: ``gaps``, by one preadv over their span (what lies between them
-    read into scratch: every byte of the span is copied); ``rows``, by one preadv per segment (a call each,
-    microseconds of the GIL); ``auto``, by gaps where the bytes between segments are no more than the segments
-    (TP 2), else by rows (a Llama-3.1-8B down_proj lora_A at TP 4 spans 4x the bytes it needs)."""
-    if how == "rows" or s.rows == 1 or (how == "auto" and s.stride > 2 * s.width):
+def read_strided(fd: int, raw: memoryview, s: Strided, rows: bool = False) -> None:
+    """The segments of ``s`` into their places: by one preadv over their span, what lies between them read into
+    scratch (every byte of the span is copied: 4x the bytes needed at TP 4), or, ``rows``, by one preadv per
+    segment. Rows move fewer bytes but make a call each, and every call of a thread waits for the GIL again:
+    with 8 reader threads, reading Llama-3.1-8B's column slices row by row took 24 ms more per rank-64 TP-4
+    shard than reading their spans (bench/RESULTS.md, issue 30)."""
+    if rows or s.rows == 1:
         at, off, width = s.at, s.start, s.width
         for _ in range(s.rows):
             if os.preadv(fd, [raw[at : at + width]], off) != width:
@@ -81,7 +79,7 @@ def read_strided(fd: int, raw: memoryview, s: Strided, how: str = "auto") -> Non
         want = n * s.width + (n - 1) * len(gap)
         if os.preadv(fd, iov, s.start + first * s.stride) != want:  # short (never from the page cache): by rows
             read_strided(fd, raw, s._replace(start=s.start + first * s.stride, at=s.at + first * s.width, rows=n),
-                         "rows")
+                         rows=True)
 
 
 def convert(fd: int, dest: torch.Tensor, index: Mapping[str, FileTensor], pieces: Iterable[ShardEntry]) -> None:
@@ -97,11 +95,11 @@ def convert(fd: int, dest: torch.Tensor, index: Mapping[str, FileTensor], pieces
 
 
 def read_task(fd: int, raw: memoryview, dest: torch.Tensor, index: Mapping[str, FileTensor], task: Task,
-              strided: str = "auto") -> None:
-    """One task: its runs, its column slices (``strided``: one of ``STRIDED``), its conversions."""
+              rows: bool = False) -> None:
+    """One task: its runs, its column slices (``rows``: row by row), its conversions."""
     read_runs(fd, raw, task.runs)
     for s in task.strided:
-        read_strided(fd, raw, s, strided)
+        read_strided(fd, raw, s, rows)
     convert(fd, dest, index, task.converts)
 
 

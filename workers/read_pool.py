@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-AUTO_MAX = 16  # readers of one read, at most, by default: a 64-core host of 4 H100s read fastest with 16 (issue 30)
+AUTO_MAX = 8  # readers of one read, at most, by default: 16 threads read slower than 8 (the GIL; issue 30)
 GPU_DIR = Path("/proc/driver/nvidia/gpus")  # one entry per GPU of the host, whatever this process may see
 Task = Callable[[], None]
 

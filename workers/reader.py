@@ -76,12 +76,10 @@ def read_shard(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor, verif
                        pool)
 
 
-HOW = {
-    "preadv": "positioned reads straight into the buffer; a column slice over its span or row by row, whichever "
-              "moves fewer bytes for fewer calls (workers.read_io.read_strided; the default)",
-    "rows": "positioned reads; every column slice row by row",
-    "gaps": "positioned reads; every column slice by one read over its span",
-    "mmap": "the single reader's mapped-file copies, split over the threads (measured against the others)",
+HOW = {  # how a split read moves its bytes (bench/RESULTS.md, issue 30: "preadv" was the fastest measured)
+    "preadv": "positioned reads straight into the buffer; a column slice by one read over its span (the default)",
+    "rows": "positioned reads; a column slice row by row (fewer bytes, a call per row)",
+    "mmap": "the single reader's mapped-file copies, split over the threads",
 }
 
 
@@ -214,8 +212,7 @@ def _run_task(fd: int, raw: memoryview, dest: torch.Tensor, index: dict[str, Fil
     try:
         if mapped is not None:
             _copy_slices(mapped, index, task.converts, dest)
-        read_task(fd, raw, dest, index, task._replace(converts=()) if mapped is not None else task,
-                  "auto" if how == "preadv" else how)
+        read_task(fd, raw, dest, index, task._replace(converts=()) if mapped is not None else task, how == "rows")
     except FileShrank as e:
         raise AdapterChangedError(f"{source.path} shrank while it was read (it ended before byte {e.offset} of "
                                   f"{source.identity.size}) since it was registered as version {source.version}; "

@@ -8,7 +8,7 @@
 #   tests     the read path's GPU tests (tests/test_gpu.py), then its CPU tests on this host's cores: parallel
 #             reads, reader processes (one thread or four), files changing under split reads, the probe's smoke test
 #   8b-r16    llama-3.1-8b rank 16: readers 1 (the single reader) and auto (the default); rank 0's mechanisms
-#   8b-r64    llama-3.1-8b rank 64: readers 1,4,8,auto; the reference at 1,4,8,16 threads; rank 0's mechanisms
+#   8b-r64    llama-3.1-8b rank 64: readers 1,4,8,16,auto; the reference at 1,4,8,16 threads; rank 0's mechanisms
 #   70b-r64   llama-3.1-70b rank 64: readers 1 and auto; rank 0's mechanisms
 # Options, from the environment (defaults in brackets):
 #   TP [4]: ranks, one GPU each   REPEATS [5]   ADAPTERS [$TMPDIR]: where the probes make their adapters
@@ -40,7 +40,7 @@ for part in "${parts[@]}"; do
                   tests/test_read_parallel.py tests/test_host_tier.py tests/test_adapter_files.py \
                   tests/test_bench_cold_read.py ;;
     8b-r16)  probe cold-8b-r16 llama-3.1-8b 16 --readers 1,auto --mechanisms 8,16 ;;
-    8b-r64)  probe cold-8b-r64 llama-3.1-8b 64 --readers 1,4,8,auto --ref-threads 1,4,8,16 --mechanisms 1,8,16 ;;
+    8b-r64)  probe cold-8b-r64 llama-3.1-8b 64 --readers 1,4,8,16,auto --ref-threads 1,4,8,16 --mechanisms 1,4,8,16 ;;
     70b-r64) probe cold-70b-r64 llama-3.1-70b 64 --readers 1,auto --ref-threads 8,16 --mechanisms 8,16 ;;
     *) echo "unknown part $part (tests, 8b-r16, 8b-r64, 70b-r64)" >&2; exit 2 ;;
   esac

@@ -29,9 +29,9 @@ Figures, named as the issue names them (medians over ``--repeats``):
 - ``ready_over_bound``: prefetch -> replica ready over (read + copy) of the largest shard, the references
   taken all at once (goal <= 1.3).
 ``--mechanisms``: rank 0 alone reads its shard outside the cache with each mechanism (the single reader;
-``preadv``, positioned reads straight into the buffer, the default; ``rows``/``gaps``, every column slice read
-row by row / over its span; ``mmap``, the single reader's mapped-file copies split over threads; ``identity``,
-no block checked) at each thread count given. JSON to ``--out``, a table on stdout.
+``preadv``, the default, positioned reads straight into the buffer, a column slice over its span; ``rows``, a
+column slice row by row; ``mmap``, the single reader's mapped-file copies split over threads; ``identity``, no
+block checked) at each thread count given. JSON to ``--out``, a table on stdout.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ class Rank:
         for n, pool in pools.items():
             ways[f"preadv x{n}"] = lambda p=pool: read_shard(self.spec, self.layout, dest, "sample", plan.entry_spans,
                                                              None, p)
-            for how in ("rows", "gaps", "mmap"):
+            for how in ("rows", "mmap"):
                 ways[f"{how} x{n}"] = lambda p=pool, h=how: read_slices(
                     self.spec.source, self.layout.entries, dest, "", "sample", plan.entry_spans, None, p, h)
             ways[f"preadv x{n}, identity"] = lambda p=pool: read_shard(self.spec, self.layout, dest, "identity",
