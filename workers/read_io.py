@@ -58,7 +58,7 @@ def read_strided(fd: int, raw: memoryview, s: Strided, rows: bool = False) -> No
     """The segments of ``s`` into their places: by one preadv over their span, what lies between them read into
     scratch (every byte of the span is copied: 4x the bytes needed at TP 4), or, ``rows``, by one preadv per
     segment. Rows move fewer bytes but make a call each, and every call of a thread waits for the GIL again:
-    with 8 reader threads, reading Llama-3.1-8B's column slices row by row took 24 ms more per rank-64 TP-4
+    with 8 reader threads, reading Llama-3.1-8B's column slices row by row took 26 ms more per rank-64 TP-4
     shard than reading their spans (bench/RESULTS.md, issue 30)."""
     if rows or s.rows == 1:
         at, off, width = s.at, s.start, s.width
