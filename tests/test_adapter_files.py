@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 import lora_cache.adapters.files as files_module
 import workers.reader as reader_module
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.chunks import chunk_plan
 from lora_cache.adapters.files import FileIdentity
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec
 from lora_cache.adapters.roots import AdapterRoots
@@ -32,6 +33,7 @@ from lora_cache.adapters.shards import ShardLayout, shard_layout
 from lora_cache.adapters.synth import write_adapter
 from lora_cache.errors import AdapterChangedError, AdapterError, AdapterFormatError, AdapterPathError
 from workers.host_tier import HostTier, HostTierConfig
+from workers.read_pool import ReadPool
 from workers.reader import read_shard
 
 TINY = SHAPES["tiny"]
@@ -83,10 +85,16 @@ def copy_config(src: Path, dst: Path) -> Path:
     return dst
 
 
-def read(spec: AdapterSpec, verify: str = "sample", tp: int = 1, rank: int = 0) -> torch.Tensor:
-    lay = shard_layout(spec, TINY, tp, rank, F32)
-    dest = torch.full((lay.numel,), float("nan"), dtype=F32)
-    read_shard(spec, lay, dest, verify)
+POOL = ReadPool(3)  # reads split over three reader threads (workers.read_pool), beside the single reader
+
+
+def read(spec: AdapterSpec, verify: str = "sample", tp: int = 1, rank: int = 0, readers: int = 1,
+         dtype: torch.dtype = F32) -> torch.Tensor:
+    """The shard, read by one thread or split over ``POOL`` (``readers`` 3), in a chunk per layer."""
+    lay = shard_layout(spec, TINY, tp, rank, dtype)
+    dest = torch.full((lay.numel,), float("nan"), dtype=dtype)
+    spans = chunk_plan(lay.entries, lay.numel, TINY.num_layers, dtype.itemsize, 0).entry_spans
+    read_shard(spec, lay, dest, verify, spans, None, POOL if readers > 1 else None)
     return dest
 
 
@@ -272,10 +280,11 @@ def changed(tree: tuple[AdapterCatalog, Path, Path]) -> tuple[AdapterCatalog, Ad
     return catalog, spec, other, read(spec)
 
 
+@pytest.mark.parametrize("readers", [1, 3])
 @pytest.mark.parametrize("verify", ["identity", "sample", "content"])
 @pytest.mark.parametrize("how", ["in-place", "rename-over", "truncate", "fifo", "/dev/zero", "delete"])
 def test_a_read_under_an_old_version_refuses_other_bytes(
-    changed: tuple[AdapterCatalog, AdapterSpec, Path, torch.Tensor], how: str, verify: str
+    changed: tuple[AdapterCatalog, AdapterSpec, Path, torch.Tensor], how: str, verify: str, readers: int
 ) -> None:
     catalog, spec, other, _ = changed
     if how == "in-place":
@@ -291,14 +300,14 @@ def test_a_read_under_an_old_version_refuses_other_bytes(
     else:
         special(how, spec.path / "tmp")
         os.replace(spec.path / "tmp", spec.weights)
-    msg = refused(lambda: read(spec, verify), AdapterChangedError)
+    msg = refused(lambda: read(spec, verify, readers=readers), AdapterChangedError)
     assert str(spec.weights) in msg and spec.version in msg and "register" in msg
     assert {"in-place": "its bytes are not the ones registered", "rename-over": "its bytes are not the ones registered",
             "truncate": "changed size", "fifo": "is now a FIFO", "/dev/zero": "is now a character device",
             "delete": "is gone"}[how] in msg
     if how in ("in-place", "rename-over"):  # the new content is a new version, with the new bytes
         new = catalog.register("good", "good")
-        assert new.version != spec.version and torch.equal(read(new), read_other(other, new))
+        assert new.version != spec.version and torch.equal(read(new, readers=readers), read_other(other, new))
 
 
 def read_other(other: Path, like: AdapterSpec, tp: int = 1, rank: int = 0) -> torch.Tensor:
@@ -322,17 +331,24 @@ def test_the_same_bytes_under_a_new_identity_are_accepted(
     assert torch.equal(read(spec, "content"), before)
 
 
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16])
+@pytest.mark.parametrize("readers", [1, 3])
 @pytest.mark.parametrize("fault", ["rewrite", "grow", "shrink"])
 def test_a_file_changed_during_a_read_is_refused(
-    changed: tuple[AdapterCatalog, AdapterSpec, Path, torch.Tensor], monkeypatch: pytest.MonkeyPatch, fault: str
+    changed: tuple[AdapterCatalog, AdapterSpec, Path, torch.Tensor], monkeypatch: pytest.MonkeyPatch, fault: str,
+    readers: int, dtype: torch.dtype
 ) -> None:
-    """The fault lands right after the slices were copied, before the checks that follow the copy."""
+    """The fault lands right after the slices were copied (the single reader's copy of a chunk, or one part of a
+    read split over three threads: positioned reads for a bf16 shard, copies that convert for fp32), before the
+    checks that follow the copy; every chunk's check then sees it."""
     _, spec, other, _ = changed
-    real_copy = reader_module._copy_slices
+    name = "_copy_slices" if readers == 1 else "_run_task"
+    real_copy = getattr(reader_module, name)
+    lock = threading.Lock()
 
-    def copy_then_change(*args: Any) -> int:
-        read_bytes = real_copy(*args)
-        with open(spec.weights, "r+b") as f:
+    def copy_then_change(*args: Any) -> Any:
+        copied = real_copy(*args)
+        with lock, open(spec.weights, "r+b") as f:
             if fault == "rewrite":
                 f.write(other.read_bytes())
             elif fault == "grow":
@@ -340,11 +356,11 @@ def test_a_file_changed_during_a_read_is_refused(
                 f.write(b"\0" * 64)
             else:
                 f.truncate(spec.file_bytes - 64)
-        return read_bytes
+        return copied
 
-    monkeypatch.setattr(reader_module, "_copy_slices", copy_then_change)
-    msg = refused(lambda: read(spec, "identity"), AdapterChangedError)
-    assert "while it was read" in msg or "are not the ones registered" in msg
+    monkeypatch.setattr(reader_module, name, copy_then_change)
+    msg = refused(lambda: read(spec, "identity", readers=readers, dtype=dtype), AdapterChangedError)
+    assert "while it was read" in msg or "are not the ones registered" in msg or "shrank while it was read" in msg
     assert spec.version in msg
 
 
@@ -481,13 +497,15 @@ CHANGES = ["in-place", "rename-over", "restore", "touch", "register", "grow", "t
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=st.lists(st.tuples(st.sampled_from(CHANGES), st.integers(0, 2), st.sampled_from(["identity",
-                                                                                               "sample", "content"])),
+                                                                                               "sample", "content"]),
+                                st.sampled_from([1, 3])),
                       min_size=1, max_size=12))
 def test_a_read_returns_its_versions_bytes_or_refuses(tmp_path_factory: pytest.TempPathFactory,
-                                                       steps: list[tuple[str, int, str]]) -> None:
+                                                       steps: list[tuple[str, int, str, int]]) -> None:
     """Invariant: after any sequence of in-place writes, renames over, restores, touches, size changes and
     re-registrations, a read under any version ever registered returns exactly that version's bytes, or
-    raises AdapterChangedError; registering the same bytes always gives the same version."""
+    raises AdapterChangedError, whether one thread reads it or three split it; registering the same bytes always
+    gives the same version."""
     base = tmp_path_factory.mktemp("inv")
     contents = [adapter(base / f"c{i}", i) / WEIGHTS_FILE for i in range(3)]
     catalog = AdapterCatalog(CatalogConfig(adapter_roots=(str(base),), model="tiny", max_rank=16))
@@ -500,7 +518,7 @@ def test_a_read_returns_its_versions_bytes_or_refuses(tmp_path_factory: pytest.T
     held = {versions[0].version: 0}
     weights = target / WEIGHTS_FILE
     assert versions[0].version == truth[0].version and torch.equal(read(versions[0]), shards[0])
-    for op, k, verify in steps:
+    for op, k, verify, readers in steps:
         if op == "in-place":
             with open(weights, "r+b") as f:
                 f.write(contents[k].read_bytes())
@@ -528,7 +546,7 @@ def test_a_read_returns_its_versions_bytes_or_refuses(tmp_path_factory: pytest.T
                 versions.append(spec)
         for spec in versions:
             try:
-                got = read(spec, verify)
+                got = read(spec, verify, readers=readers)
             except AdapterChangedError:
                 continue
             assert torch.equal(got, shards[held[spec.version]]), f"{spec.version} returned other bytes after {op}"

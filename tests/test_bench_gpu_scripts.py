@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.probes.cold_read import build_parser as cold_read_parser
 from bench.run import build_parser, configs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +30,7 @@ def _dry(script: str, *args: str, **env: str) -> list[list[str]]:
 
 
 def test_the_dated_scripts_are_gone() -> None:
-    assert SCRIPTS == ["checks.sh", "parallel.sh", "suite.sh"]
+    assert SCRIPTS == ["checks.sh", "cold_path.sh", "parallel.sh", "suite.sh"]
     assert not list((ROOT / "bench").glob("gpu_*.sh"))
 
 
@@ -69,6 +70,17 @@ def test_checks_runs_the_parts_asked_and_skips_tp_without_the_gpus(tmp_path: Pat
     assert modules == ["bench.probes.kernels", "workers.engine", "workers.engine"]  # no TP 2 on one GPU
     assert all("tiny" in c for c in commands)
     assert [c[2] for c in _dry("checks.sh", str(tmp_path), "tp", DRY_GPUS="2")] == ["bench.probes.tp_ready"]
+
+
+def test_cold_path_runs_the_read_tests_and_each_probe_with_options_it_accepts(tmp_path: Path) -> None:
+    commands = _dry("cold_path.sh", str(tmp_path), TP="2", ADAPTERS=str(tmp_path / "ad"))
+    assert [c[2] for c in commands] == ["pytest", "pytest"] + ["bench.probes.cold_read"] * 3
+    runs = [cold_read_parser().parse_args(c[3:]) for c in commands[2:]]
+    assert [(a.model, a.rank, a.tp, Path(a.out).name) for a in runs] == [
+        ("llama-3.1-8b", 16, 2, "cold-8b-r16.json"), ("llama-3.1-8b", 64, 2, "cold-8b-r64.json"),
+        ("llama-3.1-70b", 64, 2, "cold-70b-r64.json")]
+    assert all(a.adapters.startswith(str(tmp_path / "ad")) and "1" in a.readers.split(",") for a in runs)
+    assert [c[2] for c in _dry("cold_path.sh", str(tmp_path), "70b-r64")] == ["bench.probes.cold_read"]
 
 
 def test_parallel_gives_each_scenario_its_gpus(tmp_path: Path) -> None:

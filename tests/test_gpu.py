@@ -58,6 +58,26 @@ def test_side_stream_load_matches_file(tmp_path: Path, tp: int) -> None:
             cache.close()
 
 
+@pytest.mark.parametrize("readers", [1, 4])
+def test_parallel_reads_of_llama_shards_load_the_files_slices(tmp_path: Path, readers: int) -> None:
+    """Llama-3.1-8B layouts (rank 2: 10 MB) at TP 4, every rank read by reader processes into the pinned shared
+    arena, one thread or four per read, chunk by chunk: each slot holds exactly its rank's slices of the file."""
+    catalog = _catalog(tmp_path, 1, rank="2", model="llama-3.1-8b")
+    for k in range(4):
+        host = HostTierConfig(host_bytes=256 << 20, read_parallel=readers)  # a slot holds a rank-64 shard: 164 MiB
+        cache = WorkerCache(WorkerConfig(num_slots=1, device="cuda", tp=4, tp_rank=k, chunk_bytes=1 << 20, host=host),
+                            catalog)
+        try:
+            assert cache.host.reads == "process" and cache.host.parallel == readers
+            record = cache.prefetch("adapter-000").result(timeout=120)
+            layout = cache.layout_of("adapter-000")
+            assert len(cache.plan_of("adapter-000").chunks) > 1 and record.disk_ms > 0
+            assert torch.equal(cache.pool[record.slot, : layout.numel].cpu(), _file_shard(cache, "adapter-000"))
+            cache.check_integrity()
+        finally:
+            cache.close()
+
+
 def test_staged_shard_loads_as_a_host_hit_into_a_slot_that_matches_the_file(tmp_path: Path) -> None:
     """A stage reads the shard in a reader process into the pinned shared arena, with no slot; the load
     after it copies from there (a host hit) and the slot holds exactly the file's slices."""

@@ -38,10 +38,11 @@ def catalog(
 
 
 @contextlib.contextmanager
-def open_tier(reads: str, threads: int) -> Iterator[HostTier]:
-    """A 1 MiB unpinned tier reading on its threads or in reader processes that share its arena; closed
-    on the way out."""
-    tier = HostTier(HostTierConfig(host_bytes=MiB, read_threads=threads, pin=False, reads=reads))
+def open_tier(reads: str, threads: int, parallel: int = 0) -> Iterator[HostTier]:
+    """A 1 MiB unpinned tier reading on its threads or in reader processes that share its arena, each read
+    split over ``parallel`` threads (0: the default); closed on the way out."""
+    tier = HostTier(HostTierConfig(host_bytes=MiB, read_threads=threads, pin=False, reads=reads,
+                                   read_parallel=parallel))
     try:
         assert tier.reads == reads
         yield tier
@@ -386,9 +387,11 @@ def test_host_tier_config_errors() -> None:
 
 
 # -- reader processes ------------------------------------------------------------------------------
-@pytest.fixture
-def process_tier() -> Iterator[HostTier]:
-    with open_tier("process", 1) as tier:
+@pytest.fixture(params=[1, 4], ids=["one-reader", "four-readers"])
+def process_tier(request: pytest.FixtureRequest) -> Iterator[HostTier]:
+    """One reader process; a read in one thread of it, or split over four."""
+    with open_tier("process", 1, request.param) as tier:
+        assert tier.parallel == request.param
         yield tier
 
 
@@ -401,7 +404,7 @@ def test_process_reads_convert_and_slice_like_thread_reads(
     spec = big(catalog, 0)
     for rank in range(tp):
         lay = shard_layout(spec, TINY, tp, rank, F32)
-        with open_tier("process", 1) as tier:
+        with open_tier("process", 1, process_tier.parallel) as tier:
             entry = tier.fetch(spec, lay)[0].result(timeout=120)
             expected = torch.zeros(lay.numel, dtype=F32)
             assert host_tier_module.read_shard(spec, lay, expected) == entry.bytes_read

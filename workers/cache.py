@@ -33,6 +33,7 @@ from workers.load_path import LoadPath, SlotBook
 from workers.loader import LoadFailed
 from workers.metrics import resident_prefetches
 from workers.pipeline import ChunkWaits
+from workers.read_pool import ranks_on_host
 from workers.slots import SlotPhase
 from workers.streams import make_streams, resolve_device
 
@@ -129,7 +130,7 @@ class WorkerCache:
         self.meta = SlotMeta(config.num_slots, catalog.shape.num_layers, MODULE_ORDER, self.device,
                              max_rank=catalog.config.max_rank, dims=shard_dims(catalog.shape, config.tp),
                              slot_numel=self.slot_numel)
-        self.host = HostTier(config.host)
+        self.host = HostTier(config.host, ranks_on_host(config.tp))
         self.book = SlotBook(config.num_slots, on_change)  # slots, loads, counters; its lock guards them
         self.counters = self.book.counters
         self._index = IndexUploader(self.streams, config.max_batch, self.device)

@@ -30,10 +30,12 @@ from lora_cache.adapters.shards import ShardLayout
 from lora_cache.errors import CapacityError, ConfigError
 from lora_cache.vocab import AdapterKey  # one name@version key for planner and workers
 from workers.arena import ALIGN, Block, HostArena
+from workers.read_pool import AUTO_MAX, ReadPool, auto_readers, host_cores
 from workers.reader import VERIFY, read_shard
 from workers.reader_proc import ReaderProcess
 
 log = logging.getLogger(__name__)
+MAX_READ_PARALLEL = 64
 ChunkListener = Callable[["HostEntry", int], None]  # told how many chunks of an entry are staged so far
 
 
@@ -42,7 +44,12 @@ class HostTierConfig:
     """Size of the host tier and its reader pool."""
 
     host_bytes: int = field(default=2 << 30, metadata={"help": "bytes of (pinned) host memory for staged shards"})
-    read_threads: int = field(default=4, metadata={"help": "threads reading adapter files"})
+    read_threads: int = field(default=4, metadata={"help": "reads of adapter files at once (threads, and reader "
+                                                           "processes with reads=process)"})
+    read_parallel: int = field(default=0, metadata={
+        "help": "reader threads that split one read (positioned reads straight into the pinned arena, in chunk "
+                "order); 0: auto, the host's cores over its GPU ranks, at most 8; 1: one thread, as one mapped-file "
+                "copy per chunk"})
     pin: bool = field(default=True, metadata={"help": "pin host memory when a GPU is present"})
     reads: str = field(default="auto", metadata={
         "help": "where reads run: process (reader processes sharing the arena), thread (the reader threads), "
@@ -56,11 +63,19 @@ class HostTierConfig:
             raise ConfigError(f"host_bytes ({self.host_bytes}) must be at least 1 MiB")
         if not 1 <= self.read_threads <= 64:
             raise ConfigError(f"read_threads must be in 1..64, got {self.read_threads}")
+        if not 0 <= self.read_parallel <= MAX_READ_PARALLEL:
+            raise ConfigError(f"read_parallel must be 0 (auto: {AUTO_MAX} at most, fewer where the host has fewer "
+                              f"cores per GPU rank) or 1..{MAX_READ_PARALLEL} reader threads per read, got "
+                              f"{self.read_parallel}; 1 reads in one thread")
         if self.reads not in ("auto", *READS):
             raise ConfigError(f"reads {self.reads!r} is not one of auto, {', '.join(READS)}; pick one of them")
         if self.verify not in VERIFY:
             raise ConfigError(f"verify {self.verify!r} is not one of {', '.join(VERIFY)}; pick one of them "
                               "(sample is the default)")
+
+    def readers(self, ranks_here: int) -> int:
+        """Reader threads per read: ``read_parallel``, or for 0 the host's cores shared by ``ranks_here`` GPU ranks."""
+        return self.read_parallel or auto_readers(host_cores(), ranks_here)
 
     def reads_for(self, pinned: bool) -> str:
         """The strategy ``auto`` stands for: processes when the arena is pinned (a GPU), else threads."""
@@ -68,26 +83,30 @@ class HostTierConfig:
 
 
 class ThreadReads:
-    """Reads in this process, on the tier's threads: where nothing launches GPU work beside them."""
+    """Reads in this process, on the tier's threads: where nothing launches GPU work beside them. A read is
+    split over ``parallel`` threads of one pool that the tier's reads share (none for 1)."""
 
-    def __init__(self, arena: HostArena, count: int, verify: str) -> None:
+    def __init__(self, arena: HostArena, count: int, verify: str, parallel: int = 1) -> None:
         self.verify = verify
+        self.pool = ReadPool(parallel) if parallel > 1 else None
 
     def read(self, spec: AdapterSpec, entry: HostEntry) -> int:
-        return read_shard(spec, entry.layout, entry.tensor, self.verify, entry.chunks, entry.progress)
+        return read_shard(spec, entry.layout, entry.tensor, self.verify, entry.chunks, entry.progress, self.pool)
 
     def close(self) -> None:
-        pass
+        if self.pool is not None:
+            self.pool.close()
 
 
 class ProcessReads:
-    """Reads in ``count`` reader processes that map the (shared) arena: each tier thread takes an idle one."""
+    """Reads in ``count`` reader processes that map the (shared) arena: each tier thread takes an idle one, which
+    splits the read over ``parallel`` threads of its own."""
 
-    def __init__(self, arena: HostArena, count: int, verify: str) -> None:
+    def __init__(self, arena: HostArena, count: int, verify: str, parallel: int = 1) -> None:
         self.verify = verify
         if arena.fd is None:
             raise ConfigError("process reads need a shared arena (HostArena(shared=True))")
-        self._all = [ReaderProcess(arena.fd, arena.capacity) for _ in range(count)]
+        self._all = [ReaderProcess(arena.fd, arena.capacity, parallel) for _ in range(count)]
         self._idle: queue.SimpleQueue[ReaderProcess] = queue.SimpleQueue()
         for proc in self._all:
             self._idle.put(proc)
@@ -177,11 +196,13 @@ def _tell(on_chunk: ChunkListener, entry: HostEntry, count: int) -> None:
 class HostTier:
     """Staged shards by adapter key. ``fetch`` takes a reference; ``release`` drops it."""
 
-    def __init__(self, config: HostTierConfig) -> None:
+    def __init__(self, config: HostTierConfig, ranks_here: int = 1) -> None:
+        """``ranks_here``: GPU ranks on this host, whose cores ``read_parallel`` 0 (auto) shares."""
         self.config = config
         self.reads = config.reads_for(config.pin and torch.cuda.is_available())
+        self.parallel = config.readers(ranks_here)  # reader threads per read
         self.arena = HostArena(config.host_bytes, config.pin, shared=self.reads == "process")
-        self._reader = READS[self.reads](self.arena, config.read_threads, config.verify)
+        self._reader = READS[self.reads](self.arena, config.read_threads, config.verify, self.parallel)
         self._pool = ThreadPoolExecutor(config.read_threads, thread_name_prefix="lora-read")
         self._lock = threading.Lock()  # protects _entries, _orphans, _waiting, the counters and the arena
         self._entries: OrderedDict[AdapterKey, HostEntry] = OrderedDict()  # LRU order, oldest first

@@ -1,12 +1,16 @@
 """Read only this rank's slices of an adapter file into a packed staging buffer (lifecycle step 5).
 
-The file is memory-mapped and every slice is copied in one ``torch._foreach_copy_`` call, which runs with
-the GIL released; the header is parsed once per file version. What is left under the GIL is building
-the views, 5-8 ms per Llama-3.1-8B shard on the H200's host: a step launched from Python beside it
-waits for the GIL at every kernel. So a GPU worker runs this in reader processes
-(``workers.reader_proc``), and threads run it only where there is no GPU (bench/RESULTS.md, ``python
--m bench.probes.reader``). A file cut short while it is read, after the size check, raises SIGBUS in the
-process that maps it: a reader process dies and the read fails; a reader thread faults its process.
+Alone (no ``pool``), a read memory-maps the file and copies each chunk's slices in one
+``torch._foreach_copy_`` call, which runs with the GIL released; the header is parsed once per file version.
+That single reader moved 2-5 GB/s from the page cache (issue 30), so a read is split over a ``ReadPool``'s
+threads (``workers.read_pool``): every slice is read by ``os.preadv`` into its place, with no page of the
+file mapped (``workers.read_plan``, ``workers.read_io``), planned once per rank pattern, and each chunk's
+block checks run beside its reads. What is left under the GIL (the single reader's views, 5-8 ms per
+Llama-3.1-8B shard; a split read's calls, microseconds each) makes a step launched from Python beside it wait
+at every kernel. So a GPU worker runs this in reader processes (``workers.reader_proc``), and threads run it
+only where there is no GPU (bench/RESULTS.md, ``python -m bench.probes.reader``). A file cut short while the
+single reader reads it, after the size check, raises SIGBUS in the process that maps it: a reader process
+dies and the read fails; a reader thread faults its process. A split read of a file cut short is refused.
 
 A read returns only the bytes its version was registered with (``lora_cache.adapters.files``), or refuses with
 ``AdapterChangedError``: the file is stat'ed and compared with the registered identity before it is
@@ -39,6 +43,9 @@ from lora_cache.adapters.files import BLOCK_BYTES, FileIdentity, WeightsSource, 
 from lora_cache.adapters.peft import FLOAT_DTYPES, AdapterSpec
 from lora_cache.adapters.shards import ShardEntry, ShardLayout
 from lora_cache.errors import AdapterChangedError, AdapterFormatError
+from workers.read_io import FileShrank, bad_block, read_task
+from workers.read_plan import FileTensor, Task, plan_tasks, task_bytes_for
+from workers.read_pool import ReadPool, run_in_order
 
 # How much of what a read copied it checks against the registered CRCs, on top of the identity and header
 # checks every read makes (bench/RESULTS.md, "What the content check costs"). A racy version (changed
@@ -51,54 +58,68 @@ VERIFY = {
 }
 
 
-class FileTensor(NamedTuple):
-    """Where one tensor's bytes are in the file (row-major)."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # byte offset of its first element in the file
-
-
 def read_shard(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor, verify: str = "sample",
-               chunks: Sequence[slice] | None = None, on_chunk: Callable[[int], None] | None = None) -> int:
+               chunks: Sequence[slice] | None = None, on_chunk: Callable[[int], None] | None = None,
+               pool: ReadPool | None = None) -> int:
     """Fill ``dest`` (1-D, ``layout.dtype``, >= ``layout.numel``) with the shard; returns bytes read.
 
-    A rank reads only its parts of each matrix (strided views of the mapped file); a file tensor of
-    another dtype is converted as it is copied. ``chunks``: ranges of the layout's entries read one
-    after another (default: one); ``on_chunk(k)`` runs once the first ``k`` are in ``dest``, so their
-    host-to-GPU copies can start while the rest is read (``lora_cache.adapters.chunks``).
+    A rank reads only its parts of each matrix; a file tensor of another dtype is converted as it is copied.
+    ``chunks``: ranges of the layout's entries read one after another (default: one); ``on_chunk(k)`` runs
+    once the first ``k`` are in ``dest``, so their host-to-GPU copies can start while the rest is read
+    (``lora_cache.adapters.chunks``). ``pool``: reader threads that split the read (``workers.read_pool``);
+    None: this thread alone, as one mapped-file copy per chunk.
     """
     if spec.source is None:
         raise AdapterFormatError(f"adapter {spec.name}@{spec.version} was not registered from a file; "
                                  "register it from its directory to read it")
-    return read_slices(spec.source, layout.entries, dest, f"TP {layout.rank}/{layout.tp}", verify, chunks, on_chunk)
+    return read_slices(spec.source, layout.entries, dest, f"TP {layout.rank}/{layout.tp}", verify, chunks, on_chunk,
+                       pool)
+
+
+HOW = {  # how a split read moves its bytes (bench/RESULTS.md, issue 30: "preadv" was the fastest measured)
+    "preadv": "positioned reads straight into the buffer; a column slice by one read over its span (the default)",
+    "rows": "positioned reads; a column slice row by row (fewer bytes, a call per row)",
+    "mmap": "the single reader's mapped-file copies, split over the threads",
+}
 
 
 def read_slices(source: WeightsSource, entries: tuple[ShardEntry, ...], dest: torch.Tensor, shard: str,
                 verify: str = "sample", chunks: Sequence[slice] | None = None,
-                on_chunk: Callable[[int], None] | None = None) -> int:
+                on_chunk: Callable[[int], None] | None = None, pool: ReadPool | None = None,
+                how: str = "preadv") -> int:
     """``read_shard`` from what a reader process is sent: the registered weights file, the layout's entries;
-    ``shard`` names the shard in errors.
+    ``shard`` names the shard in errors; ``how`` (with a pool): one of ``HOW``.
 
     A chunk is published (``on_chunk``: its copy to the GPU may start, and a ``pipelined`` step may read it)
     only once it is proven as the whole read would be: its blocks checked as ``verify`` says and the file's
     identity unchanged since the open. A change found later fails the read before READY; what was published
     was the registered version's bytes."""
+    if how not in HOW:
+        raise ValueError(f"how {how!r} is not one of {', '.join(HOW)}")
     weights = Path(source.path)
     fd, source = _open_unchanged(source)
+    spans = chunks or (slice(0, len(entries)),)
+
+    def proven(k: int) -> None:  # chunk k is in place and its blocks checked: the file must be the one opened
+        same_file(weights, source.identity, FileIdentity.of(os.fstat(fd)), "while it was read, after", source.version)
+        if on_chunk is not None:
+            on_chunk(k + 1)
+
     try:
         index = _checked_index(fd, source)
-        with _mapped(fd) as mapped:
-            read = 0
-            for k, span in enumerate(chunks or (slice(0, len(entries)),)):
-                part = entries[span]
-                read += _copy_slices(mapped, index, part, dest)
-                _check_blocks(mapped, source, _blocks_to_check(source, index, part, verify))
-                same_file(weights, source.identity, FileIdentity.of(os.fstat(fd)), "while it was read, after",
-                          source.version)
-                if on_chunk is not None:
-                    on_chunk(k + 1)
-        return read
+        if pool is None:
+            with _mapped(fd) as mapped:
+                for k, span in enumerate(spans):
+                    part = entries[span]
+                    _copy_slices(mapped, index, part, dest)
+                    _check_blocks(mapped, source, _blocks_to_check(source, index, part, verify))
+                    proven(k)
+        elif how == "mmap":
+            with _mapped(fd) as mapped:
+                _read_parallel(pool, fd, source, index, entries, spans, dest, verify, how, proven, mapped)
+        else:
+            _read_parallel(pool, fd, source, index, entries, spans, dest, verify, how, proven)
+        return sum(e.numel * index[e.key].dtype.itemsize for e in entries)  # this rank's slices, in file bytes
     except AdapterChangedError:
         raise
     except (AdapterFormatError, OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
@@ -107,6 +128,106 @@ def read_slices(source: WeightsSource, entries: tuple[ShardEntry, ...], dest: to
                                  "the file may be truncated or corrupt: re-copy it and register again") from e
     finally:
         os.close(fd)
+
+
+class _Chunk(NamedTuple):
+    """A chunk's share of a split read, as planned once per (header, layout, chunking, dtype, threads)."""
+
+    tasks: tuple[Task, ...]
+    blocks: tuple[int, ...]  # every block its slices touch
+    nbytes: int
+
+
+_PLANS_LOCK = threading.Lock()  # protects _PLANS
+_PLANS: collections.OrderedDict[tuple[object, ...], tuple[object, object, list[_Chunk]]] = collections.OrderedDict()
+_PLANS_KEPT = 64  # rank patterns x chunkings: a fleet's adapters share a few
+
+
+def _plan(index: dict[str, FileTensor], entries: tuple[ShardEntry, ...], spans: Sequence[slice], dtype: torch.dtype,
+          readers: int, direct: bool) -> list[_Chunk]:
+    """The chunks' tasks and blocks, planned once: adapters of one rank pattern share their header's index
+    (``_parse_index``) and their layout's entries (``shards``), so a cold read of any of them plans nothing.
+    Keyed by identity, with the index and entries kept alive beside the plan (an id is never reused while
+    its plan is kept)."""
+    key = (id(index), id(entries), tuple((s.start, s.stop) for s in spans), dtype, readers, direct)
+    with _PLANS_LOCK:
+        kept = _PLANS.get(key)
+        if kept is not None:
+            _PLANS.move_to_end(key)
+            return kept[2]
+    plan = []
+    for span in spans:
+        part = entries[span]
+        nbytes = sum(e.numel * index[e.key].dtype.itemsize for e in part)
+        tasks = plan_tasks(index, part, dtype, task_bytes_for(nbytes, readers), direct)
+        plan.append(_Chunk(tuple(tasks), tuple(sorted({b for e in part for b in _span(index[e.key], e)})), nbytes))
+    with _PLANS_LOCK:
+        _PLANS[key] = (index, entries, plan)
+        while len(_PLANS) > _PLANS_KEPT:
+            _PLANS.popitem(last=False)
+    return plan
+
+
+def _chunk_checks(source: WeightsSource, blocks: tuple[int, ...], verify: str) -> list[int]:
+    """The blocks of a chunk (``blocks``: all it touches) that a split read checks: as ``_blocks_to_check``."""
+    if verify not in VERIFY:
+        raise AdapterFormatError(f"verify {verify!r} is not one of {', '.join(VERIFY)}")
+    if source.racy and verify != "content":
+        with _SETTLED_LOCK:
+            done = _SETTLED.get((source.path, source.version, source.identity), set())
+        return [b for b in blocks if b not in done]
+    if verify == "identity" or not blocks:
+        return []
+    return [random.choice(blocks)] if verify == "sample" else list(blocks)
+
+
+def _read_parallel(pool: ReadPool, fd: int, source: WeightsSource, index: dict[str, FileTensor],
+                   entries: tuple[ShardEntry, ...], spans: Sequence[slice], dest: torch.Tensor, verify: str, how: str,
+                   proven: Callable[[int], None], mapped: mmap.mmap | None = None) -> None:
+    """Every chunk's slices and block checks as tasks on ``pool``, the checks first in each chunk; ``proven(k)``
+    once chunk k and those before it are done, in order."""
+    raw = memoryview(dest.view(torch.uint8).numpy())  # type: ignore[arg-type]  # dest's bytes, for preadv
+    plan = _plan(index, entries, spans, dest.dtype, pool.size, how != "mmap")
+    checked_at = time.time_ns()  # before any check: the bytes seen are at least this recent
+    checks = [_chunk_checks(source, c.blocks, verify) for c in plan]
+    chunks: list[list[Callable[[], None]]] = []
+    for c, blocks in zip(plan, checks, strict=True):
+        per = max(1, task_bytes_for(c.nbytes, pool.size) // BLOCK_BYTES)
+        tasks: list[Callable[[], None]] = [functools.partial(_check_task, fd, source, blocks[i : i + per])
+                                           for i in range(0, len(blocks), per)]
+        tasks += [functools.partial(_run_task, fd, raw, dest, index, task, source, how, mapped) for task in c.tasks]
+        chunks.append(tasks)
+
+    def done(k: int) -> None:
+        _settle(source, checks[k], checked_at)
+        proven(k)
+
+    run_in_order(pool, chunks, done)
+
+
+def _run_task(fd: int, raw: memoryview, dest: torch.Tensor, index: dict[str, FileTensor], task: Task,
+              source: WeightsSource, how: str, mapped: mmap.mmap | None) -> None:
+    """One reader thread's share of a chunk (``workers.read_io``); ``mapped`` (``how`` mmap): its pieces copied
+    from the mapped file instead."""
+    try:
+        if mapped is not None:
+            _copy_slices(mapped, index, task.converts, dest)
+        read_task(fd, raw, dest, index, task._replace(converts=()) if mapped is not None else task, how == "rows")
+    except FileShrank as e:
+        raise AdapterChangedError(f"{source.path} shrank while it was read (it ended before byte {e.offset} of "
+                                  f"{source.identity.size}) since it was registered as version {source.version}; "
+                                  "the read is refused: register it again") from e
+
+
+def _check_task(fd: int, source: WeightsSource, blocks: list[int]) -> None:
+    """Some of a chunk's blocks, read by ``preadv`` and CRC-checked (no page mapped)."""
+    try:
+        bad = bad_block(fd, source.block_crcs, source.identity.size, blocks, BLOCK_BYTES)
+    except FileShrank as e:
+        raise AdapterChangedError(f"{source.path} shrank while it was read (it ended before byte {e.offset}) since "
+                                  f"it was registered as version {source.version}; the read is refused") from e
+    if bad is not None:
+        raise _changed_block(source, bad)
 
 
 _ACCEPTED_LOCK = threading.Lock()  # protects _ACCEPTED
@@ -252,15 +373,28 @@ def _bad_block(mapped: mmap.mmap, source: WeightsSource, blocks: Iterable[int]) 
                      if zlib.crc32(view[b * BLOCK_BYTES : (b + 1) * BLOCK_BYTES]) != source.block_crcs[b]), None)
 
 
-def _check_blocks(mapped: mmap.mmap, source: WeightsSource, blocks: list[int]) -> None:
+def _check_blocks(mapped: mmap.mmap, source: WeightsSource, blocks: list[int], settle: bool = True) -> None:
+    """Refuse the read if one of ``blocks`` is not as registered; ``settle``: remember the blocks proven (the
+    single reader's check, from the mapped file)."""
     checked_at = time.time_ns()  # before the check: the bytes seen are at least this recent
     bad = _bad_block(mapped, source, blocks)
     if bad is not None:
-        raise AdapterChangedError(
-            f"{source.path} changed since it was registered as version {source.version}: bytes "
-            f"{bad * BLOCK_BYTES}-{(bad + 1) * BLOCK_BYTES} are not the ones registered (rewritten in place with "
-            "the same size and stat times); the read is refused: register it again for a new version")
-    if source.racy and blocks and source.settled(checked_at):  # later writes must show in stat: remember them
+        raise _changed_block(source, bad)
+    if settle:
+        _settle(source, blocks, checked_at)
+
+
+def _changed_block(source: WeightsSource, bad: int) -> AdapterChangedError:
+    return AdapterChangedError(
+        f"{source.path} changed since it was registered as version {source.version}: bytes "
+        f"{bad * BLOCK_BYTES}-{(bad + 1) * BLOCK_BYTES} are not the ones registered (rewritten in place with "
+        "the same size and stat times); the read is refused: register it again for a new version")
+
+
+def _settle(source: WeightsSource, blocks: list[int], checked_at: int) -> None:
+    """A racy version's ``blocks``, checked at ``checked_at``, stay proven if the racy window was over by then:
+    later writes must show in stat."""
+    if source.racy and blocks and source.settled(checked_at):
         with _SETTLED_LOCK:
             key = (source.path, source.version, source.identity)  # proofs hold for this identity only
             _SETTLED.setdefault(key, set()).update(blocks)

@@ -6,7 +6,8 @@ and every launch then waits for the GIL behind it: a launch-bound step ran 2.0x 
 such reads in flight and 17x beside three readers doing nothing but build views (``python -m
 bench.probes.reader``, bench/RESULTS.md). A reader process shares no GIL with the engine. The arena is
 one ``memfd`` mapped by the worker and by every reader process (pinned in the worker with
-``cudaHostRegister``), so a read lands where the host-to-GPU copy reads it: no second copy.
+``cudaHostRegister``), so a read lands where the host-to-GPU copy reads it: no second copy. Each process
+splits its read over ``PARALLEL`` threads of its own (``workers.read_pool``; 1: it reads alone).
 
 Protocol, one job at a time per process over a socket: the worker sends the registered weights file
 (``WeightsSource``: path, version, identity, CRCs), how much to verify, the layout's entries (once per
@@ -18,7 +19,7 @@ changed file stays an ``AdapterChangedError`` across the process boundary). A pr
 mid-read (a file cut short under its mapping raises SIGBUS there) fails only that read, with an error
 naming the file; the next read starts a new process.
 
-    python -m workers.reader_proc CONN_FD ARENA_FD ARENA_BYTES     (started by ReaderProcess only)
+    python -m workers.reader_proc CONN_FD ARENA_FD ARENA_BYTES PARALLEL     (started by ReaderProcess only)
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shards import ShardEntry, ShardLayout
 from lora_cache.errors import AdapterChangedError, AdapterFormatError
+from workers.read_pool import ReadPool
 from workers.reader import read_slices
 
 STARTUP_TIMEOUT_S = 120.0  # importing torch on a loaded machine
@@ -48,8 +50,8 @@ ERRORS: dict[str, type[AdapterFormatError]] = {e.__name__: e for e in (AdapterFo
 class ReaderProcess:
     """One child process that reads shards into the shared arena; used by one thread at a time."""
 
-    def __init__(self, arena_fd: int, arena_bytes: int) -> None:
-        self.arena_fd, self.arena_bytes = arena_fd, arena_bytes
+    def __init__(self, arena_fd: int, arena_bytes: int, parallel: int = 1) -> None:
+        self.arena_fd, self.arena_bytes, self.parallel = arena_fd, arena_bytes, parallel
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._ready = False
@@ -67,8 +69,8 @@ class ReaderProcess:
                    PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "workers.reader_proc", str(theirs.fileno()), str(self.arena_fd),
-             str(self.arena_bytes)], pass_fds=(theirs.fileno(), self.arena_fd), env=env, cwd=str(ROOT),
-            stdin=subprocess.DEVNULL)
+             str(self.arena_bytes), str(self.parallel)],
+            pass_fds=(theirs.fileno(), self.arena_fd), env=env, cwd=str(ROOT), stdin=subprocess.DEVNULL)
         theirs.close()
         self._conn = Connection(ours.detach())
         self._ready, self._sent = False, {}
@@ -130,7 +132,7 @@ class ReaderProcess:
         self._stop()
 
 
-def _serve(conn: Connection, arena: torch.Tensor) -> None:
+def _serve(conn: Connection, arena: torch.Tensor, pool: ReadPool | None) -> None:
     torch.set_num_threads(1)
     held: dict[int, tuple[ShardEntry, ...]] = {}
     conn.send(("ready", os.getpid()))
@@ -145,7 +147,7 @@ def _serve(conn: Connection, arena: torch.Tensor) -> None:
             width = getattr(torch, dtype).itemsize
             dest = arena[offset : offset + numel * width].view(getattr(torch, dtype))
             chunks = [slice(a, b) for a, b in spans] or None
-            read = read_slices(source, held[key], dest, shard, verify, chunks, lambda k: conn.send(("chunk", k)))
+            read = read_slices(source, held[key], dest, shard, verify, chunks, lambda k: conn.send(("chunk", k)), pool)
             conn.send(("ok", read))
         except AdapterFormatError as e:
             conn.send(("error", type(e).__name__ if type(e).__name__ in ERRORS else "AdapterFormatError", str(e)))
@@ -155,14 +157,15 @@ def _serve(conn: Connection, arena: torch.Tensor) -> None:
 
 
 def main(argv: list[str]) -> None:
-    conn_fd, arena_fd, arena_bytes = (int(a) for a in argv)
+    conn_fd, arena_fd, arena_bytes, parallel = (int(a) for a in argv)
     # MAP_SHARED: the worker sees every byte written. MAP_POPULATE maps every page now: a process's first
     # write to a page of its own mapping faults, which on the H200 host made each read ~10 ms slower
     # (a shard is ~20k pages) until every block of the arena had been written once by every process.
     mapped = mmap.mmap(arena_fd, arena_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     arena = torch.frombuffer(mapped, dtype=torch.uint8)
+    pool = ReadPool(parallel, "lora-reader-part") if parallel > 1 else None  # splits each read (workers.read_pool)
     with Connection(conn_fd) as conn:
-        _serve(conn, arena)
+        _serve(conn, arena, pool)
 
 
 if __name__ == "__main__":

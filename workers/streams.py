@@ -50,9 +50,11 @@ class CpuStreams:
         self.trace: deque[tuple[Any, ...]] | None = None  # set to a deque to log ops (tests)
 
     def copy_chunk(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None,
-                   then: Callable[[Any], None] | None = None, label: object = None) -> tuple[Any, Any]:
+                   then: Callable[[Any], None] | None = None, label: object = None,
+                   timed: bool = True) -> tuple[Any, Any]:
         """On the copy stream: wait for ``after`` (a slot's last use), ``then(copy_stream)`` (e.g. the
-        slot's kernel metadata), copy ``src`` into ``dst``; returns (start, done) events."""
+        slot's kernel metadata), copy ``src`` into ``dst``; returns (start, done) events (``timed`` False: no
+        start event, None; a load times its copies from its first chunk's start)."""
         start, end = HostEvent(), HostEvent(label, done=not self.deferred)
 
         def run() -> None:
@@ -117,12 +119,15 @@ class CudaStreams(CpuStreams):
         self.compute_stream = compute_stream or torch.cuda.current_stream(device)
 
     def copy_chunk(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None,
-                   then: Callable[[Any], None] | None = None, label: object = None) -> tuple[Any, Any]:
-        start, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                   then: Callable[[Any], None] | None = None, label: object = None,
+                   timed: bool = True) -> tuple[Any, Any]:
+        ready = torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True) if timed else None
         with torch.cuda.stream(self.copy_stream):
             if after is not None:  # the previous adapter's last batch must be done with this slot
                 self.copy_stream.wait_event(after)
-            start.record(self.copy_stream)
+            if start is not None:
+                start.record(self.copy_stream)
             if then is not None:  # e.g. the slot's kernel metadata: valid once the first chunk's event is
                 then(self.copy_stream)
             dst.copy_(src, non_blocking=True)  # one H2D copy of a chunk of the packed shard, from pinned memory

@@ -1,0 +1,115 @@
+"""The positioned reads one reader thread makes for its task (lifecycle step 5; ``workers.read_plan``).
+
+Every byte comes from ``os.preadv`` on the read's one fd, which releases the GIL for the copy out of the page
+cache: runs straight into the packed buffer; a column slice's rows into their places with the bytes between
+them into this thread's scratch buffer (one call per matrix piece) or one call per row (no byte between rows
+read); conversions into scratch, then copied into place by torch; block CRCs from scratch.
+A read that comes back short (the file was cut while it was read) raises ``FileShrank``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+from lora_cache.adapters.shards import ShardEntry
+from workers.read_plan import FileTensor, Run, Strided, Task, span_of
+
+MAX_IOV = 1024  # IOV_MAX on Linux: vectors one preadv may take
+_SCRATCH = threading.local()  # each reader thread's buffer for skipped bytes, conversions and CRCs
+
+
+class FileShrank(EOFError):
+    """The file ended before byte ``offset``, which the read needed."""
+
+    def __init__(self, offset: int) -> None:
+        super().__init__(f"the file ended before byte {offset}")
+        self.offset = offset
+
+
+def scratch(nbytes: int) -> memoryview:
+    """This thread's scratch buffer, at least ``nbytes`` long (kept for its next task)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _SCRATCH.buf = bytearray(max(nbytes, 1 << 20))
+    return memoryview(buf)
+
+
+def pread_all(fd: int, into: memoryview, offset: int) -> None:
+    """Fill ``into`` from the file at ``offset``; ``FileShrank`` if it ends first."""
+    done, want = 0, len(into)
+    while done < want:
+        got = os.preadv(fd, [into[done:]], offset + done)
+        if got <= 0:
+            raise FileShrank(offset + want)
+        done += got
+
+
+def read_runs(fd: int, raw: memoryview, runs: Iterable[Run]) -> None:
+    for run in runs:
+        pread_all(fd, raw[run.at : run.at + run.nbytes], run.start)
+
+
+def read_strided(fd: int, raw: memoryview, s: Strided, rows: bool = False) -> None:
+    """The segments of ``s`` into their places: by one preadv over their span, what lies between them read into
+    scratch (every byte of the span is copied: 4x the bytes needed at TP 4), or, ``rows``, by one preadv per
+    segment. Rows move fewer bytes but make a call each, and every call of a thread waits for the GIL again:
+    with 8 reader threads, reading Llama-3.1-8B's column slices row by row took 26 ms more per rank-64 TP-4
+    shard than reading their spans (bench/RESULTS.md, issue 30)."""
+    if rows or s.rows == 1:
+        at, off, width = s.at, s.start, s.width
+        for _ in range(s.rows):
+            if os.preadv(fd, [raw[at : at + width]], off) != width:
+                pread_all(fd, raw[at : at + width], off)
+            at, off = at + width, off + s.stride
+        return
+    gap = scratch(s.stride - s.width)[: s.stride - s.width]
+    per = MAX_IOV // 2  # rows per call: a row and a gap each
+    for first in range(0, s.rows, per):
+        n = min(per, s.rows - first)
+        iov: list[memoryview] = []
+        for i in range(first, first + n):
+            iov.append(raw[s.at + i * s.width : s.at + (i + 1) * s.width])
+            if i < first + n - 1:
+                iov.append(gap)
+        want = n * s.width + (n - 1) * len(gap)
+        if os.preadv(fd, iov, s.start + first * s.stride) != want:  # short (never from the page cache): by rows
+            read_strided(fd, raw, s._replace(start=s.start + first * s.stride, at=s.at + first * s.width, rows=n),
+                         rows=True)
+
+
+def convert(fd: int, dest: torch.Tensor, index: Mapping[str, FileTensor], pieces: Iterable[ShardEntry]) -> None:
+    """Pieces of another dtype: each piece's span read into scratch, its slice copied (converted) into place."""
+    for e in pieces:
+        t = index[e.key]
+        first, nbytes = span_of(e, t)
+        raw = scratch(nbytes)[:nbytes]
+        pread_all(fd, raw, first)
+        span = torch.frombuffer(raw, dtype=t.dtype)  # type: ignore[call-overload]
+        src = span.as_strided(e.shape, (t.shape[-1], 1))
+        dest[e.offset : e.offset + e.numel].view(e.shape).copy_(src)
+
+
+def read_task(fd: int, raw: memoryview, dest: torch.Tensor, index: Mapping[str, FileTensor], task: Task,
+              rows: bool = False) -> None:
+    """One task: its runs, its column slices (``rows``: row by row), its conversions."""
+    read_runs(fd, raw, task.runs)
+    for s in task.strided:
+        read_strided(fd, raw, s, rows)
+    convert(fd, dest, index, task.converts)
+
+
+def bad_block(fd: int, crcs: Sequence[int], size: int, blocks: Iterable[int], block_bytes: int) -> int | None:
+    """The first of ``blocks`` (of ``block_bytes`` each; the last one of the ``size``-byte file shorter) whose
+    CRC-32 is not ``crcs[block]``, or None."""
+    for b in blocks:
+        start = b * block_bytes
+        raw = scratch(block_bytes)[: min(block_bytes, size - start)]
+        pread_all(fd, raw, start)
+        if zlib.crc32(raw) != crcs[b]:
+            return b
+    return None
