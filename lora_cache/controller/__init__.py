@@ -9,12 +9,14 @@ Files:
 - ``registrations.py``: ``Registrar``: registrations read on a thread, applied on the loop in each name's
   arrival order, batched, handed to the workers with the version as hashed (step 0).
 - ``snapshots.py``: what only the controller knows (hints, queues, popularity), kept in Ray's GCS kv.
+- ``catalog_store.py``: the catalog kept there too, restored with each file proven the one hashed or hashed again.
 - ``actor.py``: ``ControllerActor``, the named, detached, restartable Ray actor that composes them and forwards.
 
 Data flow: a hint, queue report or registration reaches the actor (from the gateway or a client) -> the core
 takes it and plans -> the links send each worker its commands -> the workers' residency deltas come back
 through the links into the core -> the readiness index emits replica events -> the doorbell wakes watchers.
-After a restart the links first rebuild the core's view from the workers' reports (invariant 6), then the
-snapshot is restored, then the actor plans. Imports run one way: actor -> registrations -> links -> core ->
-readiness, and actor -> snapshots; only the application imports actor.py.
+After a restart the catalog is restored first, then the links rebuild the core's view from the workers'
+reports (invariant 6), then the planner's snapshot is restored, then the actor plans. Imports run one way:
+actor -> registrations -> links -> core -> readiness, and actor -> snapshots -> catalog_store -> core; only
+the application imports actor.py.
 """

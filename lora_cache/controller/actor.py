@@ -55,6 +55,7 @@ class ControllerActor:
         async with self._start_lock:
             if self._started:
                 return
+            await self.durable.restore_catalog(self.core)  # the registrations, versions proven or hashed again
             await self.links.rebuild()  # adopt the workers that already exist, from their reports
             await self.durable.restore(self.core.planner)
             self._started = True
@@ -72,6 +73,7 @@ class ControllerActor:
             await self.links.ping_all(timeout_s=10 * self.health_s)
             await self._plan(full=True)
             await self.durable.persist(self.core.planner)
+            await self.durable.save_catalog(self.core)
 
     # -- topology and adapters ------------------------------------------------------------------
     async def add_replica(self, replica: str, tp: int, slots: int) -> list[str]:
@@ -100,7 +102,9 @@ class ControllerActor:
         """Register many (name, path) items, each by itself (its own error, its name left as it was), with
         the files read on a thread; one plan after (``registrations.Registrar``). In the items' order."""
         await self._start()
-        return await self.registrar.register(items)
+        done = await self.registrar.register(items)
+        await self.durable.save_catalog(self.core)  # what was answered registered survives a restart
+        return done
 
     async def unregister_adapter(self, name: str, timeout_s: float = 30.0) -> list[str]:
         """Stop all new use of ``name``, then wait until no worker holds it; the versions evicted.
@@ -119,6 +123,7 @@ class ControllerActor:
             finally:
                 turn.done()
             await self._plan()
+            await self.durable.save_catalog(self.core)
         evicted = await self.links.drain(name, timeout_s)
         await self.links.unregister_adapter(name)
         self.draining.discard(name)
@@ -244,7 +249,9 @@ class ControllerActor:
         await self._start()
         return {**self.core.status(), "workers": len(self.links.handles), "rejected_commands": self.links.rejected,
                 "started_at": self.started_at, "first_plan_at": self.first_plan_at,
-                "restored": self.durable.restored, "snapshots_written": self.durable.snapshots.writes}
+                "restored": self.durable.restored, "snapshots_written": self.durable.snapshots.writes,
+                "catalog_restored": self.durable.catalog_restored, "catalog_snapshots": self.durable.catalog.writes,
+                "catalog_snapshot_bytes": self.durable.catalog.bytes}
 
     async def worker_stats(self, timeout_s: float = 2.0) -> list[dict[str, object]]:
         """Each worker's cache counters (``stats`` None if it did not answer in time) and slot count."""
