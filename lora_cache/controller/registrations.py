@@ -10,8 +10,9 @@ A batch (``register_adapters``, the ``RegisterAdapters`` RPC, ``serve --adapters
 before reading any; reads them one after another on a thread, in chunks of at most ``CHUNK_ITEMS`` adapters
 or ``CHUNK_BYTES`` of files; applies each chunk as it comes; and hands it at once to every worker with the
 versions as hashed here (``KnownVersion``), so that a rank on this machine takes each one without reading its
-weights again. At most ``MAX_SENT`` chunks wait for the workers' answers, so a worker's ping never waits
-behind more than that. One plan follows the batch; an item that fails gets its own error.
+weights again. Once more than ``MAX_SENT`` chunks wait for the workers' answers, the oldest is awaited first,
+so a worker's ping never waits behind more than ``MAX_SENT + 1``. One plan follows the batch; an item that
+fails gets its own error.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 
 CHUNK_ITEMS = 64  # adapters read, applied and sent to the workers together
 CHUNK_BYTES = 256 << 20  # ... or fewer, once their files add up to this (a rank that must hash them takes ~0.3 s)
-MAX_SENT = 2  # chunks sent to the workers and not yet answered, at most
+MAX_SENT = 2  # chunks sent to the workers and not yet answered, before the oldest is awaited
 
 
 class Registered(NamedTuple):
