@@ -277,3 +277,36 @@ def test_a_cancelled_waiter_does_not_break_the_chain() -> None:
 
     run(scenario())
 
+
+
+def test_a_replay_sends_each_chunk_as_registered_when_it_goes(world, monkeypatch) -> None:
+    """A restarted worker is given every registration a chunk at a time; a name registered again while an
+    earlier chunk is on its way is sent in its new version, never the one current when the replay began."""
+    from types import SimpleNamespace
+
+    from lora_cache.controller import links as links_module
+    from lora_cache.controller.links import WorkerLinks
+
+    core, _, _, _, root = world
+    for i in range(3):
+        core.register_adapter(f"a{i}", str(root / f"a{i}"))
+    monkeypatch.setattr(links_module, "REPLAY_ENTRIES", 1)
+    sent: list[list[tuple[str, str]]] = []
+
+    class RegisterAdapters:
+        def remote(self, entries: list[tuple[str, str, Any]]) -> asyncio.Future[list[tuple[str, str]]]:
+            sent.append([(name, known.version) for name, _, known in entries])
+            if len(sent) == 1:  # a registration applied while the first chunk is on its way
+                core.register_adapter("a2", str(root / "a3"))
+            answer = asyncio.get_running_loop().create_future()
+            answer.set_result([(known.version, "") for _, _, known in entries])
+            return answer
+
+    async def replan() -> None:
+        pass
+
+    links = WorkerLinks(core, None, lambda events: None, replan, find=lambda name: None,  # type: ignore[arg-type]
+                        named=lambda: [])
+    run(links.replay([SimpleNamespace(register_adapters=RegisterAdapters())]))
+    assert [chunk[0][0] for chunk in sent] == ["a0", "a1", "a2"]
+    assert sent[2] == [("a2", core.catalog.get("a2").version)] and core.catalog.get("a2").path.name == "a3"

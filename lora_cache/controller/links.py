@@ -285,14 +285,15 @@ class WorkerLinks:
         """Workers new to the controller (or restarted, catalog empty) learn every registered adapter, with
         the versions the controller hashed, ``REPLAY_ENTRIES`` at a time (a ping waits behind one call at
         most). A restarted worker says so from its constructor, so it may still be starting."""
-        entries = [(name, path, self.core.catalog.get(name).known) for name, path in list(self.core.paths.items())
-                   if name in self.core.catalog]
-        for start in range(0, len(entries), REPLAY_ENTRIES):
-            chunk = entries[start:start + REPLAY_ENTRIES]
-            await _while_restarting(functools.partial(self._register_on, handles, chunk))
+        names = list(self.core.paths)  # one registered later reaches these workers by itself (they are linked)
+        for start in range(0, len(names), REPLAY_ENTRIES):
+            await _while_restarting(functools.partial(self._register_on, handles, names[start:start + REPLAY_ENTRIES]))
 
-    @staticmethod
-    async def _register_on(handles: list[Any], entries: list[Registration]) -> None:
+    async def _register_on(self, handles: list[Any], names: list[str]) -> None:
+        """``names`` as registered now (read at the moment they are sent, with no await before: a registration
+        applied while an earlier chunk was on its way is not sent back in its old version), on ``handles``."""
+        entries = [(n, self.core.paths[n], self.core.catalog.known(n)) for n in names
+                   if n in self.core.paths and n in self.core.catalog]
         for answer in await asyncio.gather(*(h.register_adapters.remote(entries) for h in handles)):
             for (name, _, _), (_, error) in zip(entries, answer):
                 if error:
