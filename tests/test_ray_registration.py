@@ -143,3 +143,18 @@ def test_status_is_not_held_up_by_a_large_registration(world: World) -> None:
     assert len(during) >= 3, f"only {len(during)} status calls during {per_hash * BIG:.2f} s"
     assert statistics.median(during) < per_hash / 4, (statistics.median(during), per_hash, statistics.median(idle))
     assert statistics.median(during) < 10 * statistics.median(idle) + per_hash / 10, (during, idle)
+
+
+def test_serve_registers_a_directory_and_a_broken_adapter_fails_alone(world: World, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    mixed = world.root / "mixed"
+    for name in ("good", "broken"):
+        (mixed / name).mkdir(parents=True)
+        for f in (CONFIG_FILE, WEIGHTS_FILE):
+            (mixed / name / f).write_bytes((world.root / "small" / "adapter-002" / f).read_bytes())
+    (mixed / "broken" / WEIGHTS_FILE).write_bytes(b"\0" * 64)
+    done = register_directory(world.service.controller, mixed)
+    assert [(d.name, d.error is None) for d in done] == [("broken", False), ("good", True)]
+    err = capsys.readouterr().err
+    assert "lora-cache serve: adapter broken was not registered:" in err and "re-copy or re-save it" in err
+    assert ray.get(world.service.controller.lookup_adapter.remote("good"))["version"] == done[1].version
