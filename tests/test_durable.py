@@ -4,6 +4,7 @@ popularity exported from one planner and restored into a fresh one (CPU, no Ray)
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -128,3 +129,163 @@ def test_a_snapshot_of_another_format_is_refused() -> None:
         planner.restore_state({"format": 0, "hints": [], "queues": {}, "popularity": {}}, 1.0)
     with pytest.raises(ValueError, match="not an object"):
         decode(b"[1, 2]")
+
+
+# -- the catalog (issue 29, item 4) ----------------------------------------------------------------------------
+
+
+def _catalog_world(tmp_path: Path) -> tuple[Any, Path]:
+    from lora_cache.adapters.catalog import CatalogConfig
+    from lora_cache.adapters.synth import SynthConfig, make_adapters
+    from lora_cache.controller.core import ControllerConfig, ControllerCore
+
+    make_adapters(tmp_path, SynthConfig(model="tiny", count=3, rank="8"))
+    config = ControllerConfig(catalog=CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny", max_rank=8))
+    return lambda: ControllerCore(config, epoch=1), tmp_path
+
+
+def _settled(core: Any) -> None:
+    """Every spec as a registration made 2 s after its file's last change would hold it (not racy)."""
+    from lora_cache.adapters.files import RACY_NS
+    from lora_cache.adapters.peft import AdapterSpec
+
+    def settled(spec: AdapterSpec) -> AdapterSpec:
+        assert spec.source is not None
+        source = spec.source._replace(registered_ns=spec.source.identity.ctime_ns + 2 * RACY_NS)
+        return AdapterSpec(**{**spec.__dict__, "source": source})
+
+    for spec, older in core.catalog.entries():
+        core.catalog.add(settled(spec))
+        for kept in older:
+            core.catalog.keep(settled(kept))  # the same version: replaced in its place
+
+
+def test_the_catalog_comes_back_from_its_snapshot_proven_changed_or_refused(tmp_path: Path, monkeypatch) -> None:
+    import shutil
+
+    import lora_cache.adapters.peft as peft_module
+    from lora_cache.adapters.peft import WEIGHTS_FILE
+    from lora_cache.controller import catalog_store
+
+    fresh, root = _catalog_world(tmp_path)
+    before = fresh()
+    for name in ("adapter-000", "adapter-001", "adapter-002"):
+        before.register_adapter(name, name)  # relative paths: taken from the first root, kept as given
+    shutil.copytree(root / "adapter-002", root / "alt")
+    old = before.catalog.get("adapter-000").version
+    before.register_adapter("adapter-000", "alt")  # adapter-000's first version stays kept (its own files)
+    _settled(before)
+    snaps = catalog_store.CatalogSnapshots()
+    data = snaps.take(before.catalog, dict(before.paths))
+    saved = catalog_store.decode(data)
+    assert [e.name for e in saved] == ["adapter-000", "adapter-001", "adapter-002"]
+    assert saved[0].current.path == "alt" and [v.known.version for v in saved[0].older] == [old]
+
+    hashed: list[str] = []
+    real = peft_module.digest_weights
+    monkeypatch.setattr(peft_module, "digest_weights", lambda fd, ident, what, *a: hashed.append(what.parent.name)
+                        or real(fd, ident, what, *a))
+    after = fresh()
+    restored = catalog_store.read_saved(after, saved)
+    catalog_store.apply(after, restored)
+    assert hashed == [], "a file proven the one hashed was hashed again"
+    assert (restored.unchanged, restored.rehashed, restored.changed, restored.refused, restored.dropped) == \
+        (3, 0, 0, 0, 0)
+    for name in ("adapter-000", "adapter-001", "adapter-002"):
+        assert after.catalog.versions(name) == before.catalog.versions(name) and after.paths[name] == before.paths[name]
+
+    (root / "adapter-001" / WEIGHTS_FILE).write_bytes((root / "adapter-000" / WEIGHTS_FILE).read_bytes())
+    shutil.rmtree(root / "adapter-002")
+    (root / "adapter-000" / WEIGHTS_FILE).write_bytes((root / "alt" / WEIGHTS_FILE).read_bytes())
+    again = fresh()
+    restored = catalog_store.read_saved(again, saved)
+    catalog_store.apply(again, restored)
+    assert (restored.changed, restored.refused, restored.dropped) == (1, 1, 1)
+    assert again.catalog.get("adapter-001").version == old, "the changed file came back under an old version"
+    assert "adapter-002" not in again.catalog
+    assert again.catalog.versions("adapter-000") == [before.catalog.get("adapter-000").version], \
+        "an older version whose bytes are gone came back"
+
+
+def test_a_catalog_snapshot_re_encodes_only_what_changed_and_a_write_covers_the_calls_behind_it(
+        tmp_path: Path) -> None:
+    import asyncio
+
+    from lora_cache.controller import catalog_store
+    from lora_cache.controller.snapshots import DurableState
+
+    fresh, _ = _catalog_world(tmp_path)
+    core = fresh()
+    core.register_adapter("adapter-000", "adapter-000")
+    state = DurableState(DurableConfig(), "test")
+    puts: list[bytes] = []
+
+    class Store:
+        fail = False
+
+        def get(self) -> bytes | None:
+            return puts[-1] if puts else None
+
+        def put(self, data: bytes) -> None:
+            if self.fail:
+                raise ConnectionError("GCS unreachable")
+            puts.append(data)
+
+    store = Store()
+    state.catalog_store = store  # type: ignore[assignment]
+    encoded: list[str] = []
+    real = catalog_store.entry_json
+
+    def counted(name: str, *args: Any) -> Any:
+        encoded.append(name)
+        return real(name, *args)
+
+    async def scenario() -> None:
+        catalog_store.entry_json = counted  # type: ignore[assignment]
+        try:
+            await state.save_catalog(core)
+            assert len(puts) == 1 and encoded == ["adapter-000"]
+            core.register_adapter("adapter-001", "adapter-001")
+            core.register_adapter("adapter-002", "adapter-002")
+            await asyncio.gather(state.save_catalog(core), state.save_catalog(core), state.save_catalog(core))
+            assert len(puts) == 2 and encoded == ["adapter-000", "adapter-001", "adapter-002"]
+            await state.save_catalog(core)
+            assert len(puts) == 2, "nothing changed: nothing written"
+            store.fail = True
+            core.unregister_adapter("adapter-001", 1.0)
+            await state.save_catalog(core)  # logged, not raised
+            store.fail = False
+            await state.save_catalog(core)  # the next chance writes it
+            assert len(puts) == 3 and [e.name for e in catalog_store.decode(puts[-1])] == ["adapter-000",
+                                                                                             "adapter-002"]
+            restored = fresh()
+            await state.restore_catalog(restored)
+            assert restored.catalog.names() == ["adapter-000", "adapter-002"]
+            assert state.catalog_restored["entries"] == 2
+        finally:
+            catalog_store.entry_json = real  # type: ignore[assignment]
+
+    asyncio.run(scenario())
+
+
+def test_an_unreadable_catalog_snapshot_starts_from_the_workers_reports(tmp_path: Path, caplog) -> None:
+    import asyncio
+
+    from lora_cache.controller.snapshots import DurableState
+
+    fresh, _ = _catalog_world(tmp_path)
+    state = DurableState(DurableConfig(), "test")
+
+    class Store:
+        def get(self) -> bytes:
+            return b"not zlib"
+
+    state.catalog_store = Store()  # type: ignore[assignment]
+    core = fresh()
+    asyncio.run(state.restore_catalog(core))
+    assert core.catalog.names() == [] and "could not read the catalog's snapshot" in caplog.text
+
+
+def test_catalog_key_must_be_its_own() -> None:
+    with pytest.raises(ConfigError, match="catalog_key is 'controller-state/v1'; give a GCS key of its own"):
+        DurableConfig(catalog_key="controller-state/v1")

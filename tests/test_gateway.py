@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import json
 import random
 import re
 import shutil
@@ -563,6 +564,61 @@ def test_python_client_and_cli(served: Served, tmp_path: Path, capsys: pytest.Ca
     assert "accepted 1, ignored 0" in out and '"adapter": "adapter-001"' in out and '"replicas"' in out
 
 
+@pytest.mark.ray
+def test_register_adapters_answers_every_item_and_a_bad_one_fails_alone(served: Served, tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    stub, root = served.stub, served.root
+    batch = root / "batch"
+    for i in range(3):
+        shutil.copytree(root / f"adapter-00{i}", batch / f"b{i}")
+    before = stub.Lookup(pb.LookupRequest(adapter="adapter-004"), metadata=AUTH).version
+    request = pb.RegisterAdaptersRequest(adapters=[
+        pb.RegisterAdapterRequest(name="b0", path=str(batch / "b0")),
+        pb.RegisterAdapterRequest(name="bad name", path=str(batch / "b1")),
+        pb.RegisterAdapterRequest(name="b1", path=""),
+        pb.RegisterAdapterRequest(name="adapter-004", path=str(tmp_path)),  # outside the roots: stays as it was
+        pb.RegisterAdapterRequest(name="b0", path=str(batch / "b2")),  # named twice
+        pb.RegisterAdapterRequest(name="b2", path=str(batch / "b2"))])
+    done = stub.RegisterAdapters(request, metadata=AUTH, timeout=60).adapters
+    assert [d.name for d in done] == ["b0", "bad name", "b1", "adapter-004", "b0", "b2"]
+    assert [bool(d.version) for d in done] == [True, False, False, False, False, True]
+    invalid = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert [d.error.code for d in done] == [0, invalid, invalid, invalid, invalid, 0]
+    assert "name 'bad name' (item 1) is malformed" in done[1].error.message
+    assert "path (item 2) is empty" in done[2].error.message
+    assert "outside the adapter roots" in done[3].error.message
+    assert "named again in this batch (first as item 0)" in done[4].error.message
+    assert stub.Lookup(pb.LookupRequest(adapter="adapter-004"), metadata=AUTH).version == before
+    assert done[0].version == stub.Lookup(pb.LookupRequest(adapter="adapter-000"), metadata=AUTH).version
+    too_many = pb.RegisterAdaptersRequest(adapters=[pb.RegisterAdapterRequest(name=f"x{i}", path="x")
+                                                    for i in range(MAX_HINTS + 1)])
+    code, message = code_of(lambda: stub.RegisterAdapters(too_many, metadata=AUTH))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and f"max_hints_per_call ({MAX_HINTS})" in message
+
+    with LoraCacheClient(served.gateway.target, token=TOKEN) as lc:
+        got = lc.register_many([("b1", str(batch / "b1")), ("ghost", str(batch / "nothing"))])
+    assert got[0].error is None and got[0].version and got[1].error is not None
+    assert got[1].error.code == "INVALID_ARGUMENT" and "does not exist" in got[1].error.message
+
+    parser = argparse.ArgumentParser()
+    add_client_commands(parser.add_subparsers(dest="command", required=True))
+    (tmp_path / "token").write_text(TOKEN)
+    conn = ["--server", served.gateway.target, "--token-file", str(tmp_path / "token")]
+    ns = parser.parse_args(["register", "--dir", str(batch), "--batch", "2", *conn])
+    assert ns.func(ns) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [e["name"] for e in listed] == ["b0", "b1", "b2"] and all(e["error"] is None for e in listed)
+    ns = parser.parse_args(["register", f"b9={batch / 'nothing'}", f"b0={batch / 'b0'}", *conn])
+    assert ns.func(ns) == 2, "an item in error: exit status 2"
+    listed = json.loads(capsys.readouterr().out)
+    assert listed[0]["error"]["code"] == "INVALID_ARGUMENT" and listed[1]["version"] == done[0].version
+    for bad, says in ((["register", "a=", *conn], "give NAME PATH for one adapter"),
+                      (["register", "--dir", str(tmp_path / "none"), *conn], "is not a directory here")):
+        with pytest.raises(SystemExit, match=says):
+            ns = parser.parse_args(bad)
+            ns.func(ns)
+
+
 def _holding_worker_class() -> Any:
     import ray
 
@@ -576,9 +632,9 @@ def _holding_worker_class() -> Any:
             self.refs = {(adapter, version): 1}  # (adapter, version) -> references of running batches
             self.paths: dict[str, str] = {}
 
-        def register_adapter(self, name: str, path: str) -> str:
-            self.paths[name] = path
-            return ""
+        def register_adapters(self, entries: list[tuple[str, str, Any]]) -> list[tuple[str, str]]:
+            self.paths.update((name, path) for name, path, _ in entries)
+            return [(known.version if known else "", "") for _, _, known in entries]
 
         def unregister_adapter(self, name: str) -> bool:
             return self.paths.pop(name, None) is not None

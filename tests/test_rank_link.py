@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 
 from lora_cache.adapters.catalog import CatalogConfig
+from lora_cache.adapters.files import BlockCrcs, FileIdentity, WeightsSource
+from lora_cache.adapters.peft import KnownVersion
 from lora_cache.api import relay_codec as codec
 from lora_cache.api.rank_link import RankLink
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
@@ -197,9 +199,21 @@ def test_an_answer_of_the_wrong_kind_names_the_call_and_the_fix() -> None:
 
 def test_the_codec_round_trips_reports_calls_and_errors() -> None:
     assert codec.from_report(codec.report(report())) == report()
+    known = KnownVersion("v1", "c0ffee", "boot", WeightsSource("/r/a/adapter_model.safetensors", "v1",
+                                                                FileIdentity(1, 2, 3 << 20, -4, 5), 64, 7,
+                                                                BlockCrcs([0, 1, 0xFFFFFFFF]), 6))
     for c in [(1, "describe", ()), (2, "stats", ()), (3, "unregister_adapter", ("a",)),
-              (4, "register_adapter", ("a", "/r/a")), (5, "apply", ([Prefetch("a", "v", 3, 9)],))]:
+              (4, "register_adapter", ("a", "/r/a", None)), (5, "apply", ([Prefetch("a", "v", 3, 9)],)),
+              (6, "register_adapter", ("a", "/r/a", known)),
+              (7, "register_adapters", ([("a", "/r/a", known), ("b", "/r/b", None)],))]:
         assert codec.from_call(codec.call(c)) == c
+    answered = codec.answer(7, "register_adapters", True, [("v1", ""), ("", "AdapterChangedError: changed")])
+    assert codec.from_answer(answered, "register_adapters") == (7, True, [("v1", ""), ("", "AdapterChangedError: "
+                                                                                        "changed")])
+    bad = codec.call((8, "register_adapters", ([("a", "/r/a", known)],)))
+    bad.register_adapters.adapters[0].known.block_crcs = b"\x00" * 5
+    with pytest.raises(RequestError, match=r"block_crcs holds 5 bytes, not 4 per block"):
+        codec.from_call(bad)
     _, ok, error = codec.from_answer(codec.answer(1, "describe", False, NotFoundError("no adapter 'z'")), "describe")
     assert not ok and isinstance(error, NotFoundError) and str(error) == "no adapter 'z'"
     _, _, other = codec.from_answer(codec.answer(1, "stats", False, ZeroDivisionError("oops")), "stats")

@@ -4,6 +4,7 @@ period of the new controller's start."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from workers.cache import WorkerConfig  # noqa: E402
 from workers.host_tier import HostTierConfig  # noqa: E402
 
 pytestmark = pytest.mark.ray
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the lambdas below run inside the controller
 SYNC_S, HEALTH_S = 5.0, 0.5  # the controller's defaults
 
 
@@ -70,4 +72,59 @@ def test_controller_killed_under_hint_traffic_keeps_its_hints_queues_and_popular
         assert sent[0] > 0
     finally:
         stop.set()
+        ray.shutdown()
+
+
+def restarted(ctl, epoch: int) -> dict:
+    seen: list[dict] = []  # ray.kill is asynchronous: the old process may still answer the first calls
+    ray.kill(ctl, no_restart=False)
+    wait_for(lambda: seen.append(status_or_none(ctl) or {}) or seen[-1].get("epoch", epoch) > epoch,
+             "the controller restarted with a larger epoch", timeout=60)
+    return seen[-1]
+
+
+def test_with_no_rank_attached_a_restarted_controller_keeps_its_catalog_and_never_an_old_version(
+        tmp_path: Path) -> None:
+    """``serve --replicas 0`` (attached engines' mode) with none attached: only the controller knows the catalog.
+    A restart brings back names, paths, versions and a kept older version from the GCS snapshot; a file changed
+    while it was down comes back under its new version, a deleted one not at all (issue 29, item 4)."""
+    import shutil
+
+    from lora_cache.adapters.peft import WEIGHTS_FILE
+
+    root = tmp_path / "adapters"
+    make_adapters(root, SynthConfig(model="tiny", count=4, rank="8"))
+    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
+    try:
+        svc = start(ServeConfig(adapters=str(root), replicas=0), CatalogConfig(model="tiny", max_rank=8),
+                    PlannerConfig(), WorkerConfig(num_slots=1, host=HostTierConfig(host_bytes=1 << 22, pin=False)))
+        ctl = svc.controller
+
+        def versions(name: str) -> list[str]:
+            return ray.get(ctl.__ray_call__.remote(lambda self: self.core.catalog.versions(name)), timeout=30)
+
+        shutil.copytree(root / "adapter-002", root / "alt")
+        old0 = versions("adapter-000")[-1]
+        new0, previous = ray.get(ctl.register_adapter_info.remote("adapter-000", str(root / "alt")))
+        assert previous == old0 and versions("adapter-000") == [old0, new0]
+        before = {a: versions(a) for a in ("adapter-000", "adapter-001", "adapter-002", "adapter-003")}
+        status = ray.get(ctl.status.remote())
+
+        after = restarted(ctl, status["epoch"])
+        assert after["adapters"] == 4 and after["workers"] == 0, after
+        assert {a: versions(a) for a in before} == before, "the catalog came back otherwise"
+        assert after["catalog_restored"]["entries"] == 4 and after["catalog_restored"]["changed"] == 0
+
+        (root / "adapter-001" / WEIGHTS_FILE).write_bytes((root / "adapter-003" / WEIGHTS_FILE).read_bytes())
+        shutil.rmtree(root / "adapter-003")
+        again = restarted(ctl, after["epoch"])
+        assert again["adapters"] == 3, again
+        assert versions("adapter-001") == before["adapter-003"], "a changed file did not come back as its bytes"
+        assert before["adapter-001"][-1] not in versions("adapter-001")
+        assert versions("adapter-000") == [old0, new0]
+        assert versions("adapter-002") == before["adapter-002"]
+        with pytest.raises(ray.exceptions.RayTaskError, match="not registered"):
+            ray.get(ctl.lookup_adapter.remote("adapter-003"))
+        assert again["catalog_restored"]["changed"] == 1 and again["catalog_restored"]["refused"] == 1
+    finally:
         ray.shutdown()

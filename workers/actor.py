@@ -19,6 +19,7 @@ import ray
 import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.peft import KnownVersion
 from lora_cache.errors import NotFoundError
 from lora_cache.runtime import heap
 from lora_cache.runtime.metrics import WorkerMetrics
@@ -124,8 +125,12 @@ class WorkerActor:
 
         faults.arm(point, adapter, hook)
 
-    def register_adapter(self, name: str, path: str) -> str:
-        return self.control.register_adapter(name, path)
+    def register_adapter(self, name: str, path: str, known: KnownVersion | None = None) -> str:
+        return self.control.register_adapter(name, path, known)
+
+    def register_adapters(self, entries: list[tuple[str, str, KnownVersion | None]]) -> list[tuple[str, str]]:
+        """Many registrations in one call, each by itself: (version, "") or ("", why not) per entry."""
+        return self.control.register_adapters(entries)
 
     def apply(self, commands: list[Command]) -> ApplyResult:
         return self.control.apply(commands)

@@ -199,7 +199,7 @@ class Attachment:
         """Take the controller's calls, run them in order, answer; until detach or the link is gone."""
         handlers: dict[str, Callable[..., Any]] = {
             "apply": self.control.apply, "describe": lambda: self.control.describe(self.node),
-            "register_adapter": self.control.register_adapter,
+            "register_adapter": self.control.register_adapter, "register_adapters": self.control.register_adapters,
             "unregister_adapter": self.control.unregister_adapter, "stats": self.control.stats}
         assert set(handlers) == set(RELAYED)
         while not self._detached.is_set():

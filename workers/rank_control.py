@@ -9,6 +9,8 @@ rebuilds from, and the cache's counters. Plain Python; the hosts only forward to
 from __future__ import annotations
 
 from lora_cache.adapters.catalog import AdapterCatalog
+from lora_cache.adapters.peft import KnownVersion
+from lora_cache.errors import AdapterChangedError, LoraCacheError
 from lora_cache.vocab import ApplyResult, Command
 from workers.cache import WorkerCache
 from workers.commands import CommandGate
@@ -22,11 +24,37 @@ class WorkerControl:
         self.replica, self.catalog, self.cache, self.outbox = replica, catalog, cache, outbox
         self.gate = CommandGate(cache, outbox.push)
         self.paths: dict[str, str] = {}  # adapter -> the path it was registered from (reported to the controller)
+        self.taken = self.hashed = 0  # registrations taken on the controller's word (same file) / hashed here
 
-    def register_adapter(self, name: str, path: str) -> str:
-        version = self.catalog.register(name, path).version
+    def register_adapter(self, name: str, path: str, known: KnownVersion | None = None) -> str:
+        """Register ``name`` from ``path``; its version. ``known``: the version the controller hashed (lifecycle
+        step 0): taken without reading the weights if this rank's own open proves the file is the one the
+        controller hashed (``peft.proves``), else hashed here, and refused if it hashes to another version."""
+        spec = self.catalog.read(name, path, known)
+        if known is not None and spec.version != known.version:
+            raise AdapterChangedError(
+                f"adapter {name!r}: {spec.weights} hashes to version {spec.version} on this rank, but the controller "
+                f"registered version {known.version}: the file changed since, or this node's copy differs; this "
+                "rank refuses it (it would serve other bytes under that version): make every node's copy the "
+                "same and register the adapter again")
+        self.catalog.add(spec)
         self.paths[name] = path
-        return version
+        if known is not None and spec.source is known.source:
+            self.taken += 1
+        else:
+            self.hashed += 1
+        return spec.version
+
+    def register_adapters(self, entries: list[tuple[str, str, KnownVersion | None]]) -> list[tuple[str, str]]:
+        """Each (name, path, known) registered by itself: (its version, "") or ("", why not); a bad one fails
+        alone and leaves this rank's catalog as it was for that name."""
+        out = []
+        for name, path, known in entries:
+            try:
+                out.append((self.register_adapter(name, path, known), ""))
+            except (LoraCacheError, OSError, ValueError) as e:  # reported per entry to the controller
+                out.append(("", f"{type(e).__name__}: {e}"))
+        return out
 
     def unregister_adapter(self, name: str) -> bool:
         """Forget ``name`` (the controller drained it first); False if it was not registered here."""
@@ -51,4 +79,5 @@ class WorkerControl:
 
     def stats(self) -> dict[str, object]:
         return {**self.cache.stats(), "epoch": self.gate.epoch, "commands_accepted": self.gate.accepted,
-                "commands_rejected": self.gate.rejected}
+                "commands_rejected": self.gate.rejected, "registrations_taken": self.taken,
+                "registrations_hashed": self.hashed}

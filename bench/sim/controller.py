@@ -22,7 +22,7 @@ from bench.sim.calibration import Calibration
 from bench.sim.events import Loop
 from bench.sim.worker import Delta, SimWorker
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig, check_name
-from lora_cache.adapters.peft import AdapterConfig, AdapterSpec, LoraModule
+from lora_cache.adapters.peft import AdapterConfig, AdapterSpec, KnownVersion, LoraModule
 from lora_cache.adapters.shapes import MODULE_ORDER, ModelShape
 from lora_cache.controller.core import ControllerConfig, ControllerCore
 from lora_cache.errors import NotFoundError
@@ -46,7 +46,8 @@ class SyntheticCatalog(AdapterCatalog):
     def config_for(shape: ModelShape, ranks: Mapping[str, int]) -> CatalogConfig:
         return CatalogConfig(adapter_roots=(NO_FILES_ROOT,), model=shape.name, max_rank=max(ranks.values()))
 
-    def register(self, name: str, path: str | Path) -> AdapterSpec:
+    def read(self, name: str, path: str | Path, known: KnownVersion | None = None) -> AdapterSpec:
+        """The simulated adapter's spec, made in memory (``add``, as for files read, makes it current)."""
         if name not in self.ranks:
             raise NotFoundError(f"adapter {name!r} is not one of the simulated adapters; give it a rank first")
         rank = self.ranks[name]
@@ -55,8 +56,6 @@ class SyntheticCatalog(AdapterCatalog):
                                         for layer in range(self.shape.num_layers) for module in MODULE_ORDER)
         spec = AdapterSpec(check_name(name), Path(path), AdapterConfig(rank, LORA_ALPHA, MODULE_ORDER),
                            self._modules[rank], self.dtype, f"sim-r{rank}", 0)
-        with self._lock:
-            self._specs[name] = spec
         return spec
 
 

@@ -8,7 +8,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lora_cache.adapters.peft import AdapterSpec, read_adapter
+from lora_cache.adapters.peft import AdapterSpec, KnownVersion, read_adapter
 from lora_cache.adapters.roots import AdapterRoots
 from lora_cache.adapters.shapes import ModelShape, resolve_model
 from lora_cache.errors import AdapterFormatError, ConfigError, NotFoundError
@@ -66,21 +66,34 @@ class AdapterCatalog:
         self._older: dict[str, OrderedDict[str, AdapterSpec]] = {}  # name -> version -> spec, oldest first
         self.generation = 0
 
-    def register(self, name: str, path: str | Path) -> AdapterSpec:
+    def register(self, name: str, path: str | Path, known: KnownVersion | None = None) -> AdapterSpec:
         """Validate the adapter at ``path`` (under a root) and make it the current version of ``name``."""
+        return self.add(self.read(name, path, known))
+
+    def read(self, name: str, path: str | Path, known: KnownVersion | None = None) -> AdapterSpec:
+        """The adapter at ``path`` validated and versioned, the catalog unchanged (the expensive half of
+        ``register``: it may hash the whole file; safe on any thread). ``known``: a version another process
+        hashed, taken without reading the weights if this open proves it is the same file (``peft.proves``)."""
         directory = self.roots.resolve(path)
-        spec = read_adapter(check_name(name), directory, self.shape, self.config.max_rank, self.roots)
+        return read_adapter(check_name(name), directory, self.shape, self.config.max_rank, self.roots, known)
+
+    def add(self, spec: AdapterSpec) -> AdapterSpec:
+        """Make ``spec`` (from ``read``) the current version of its name (the cheap half of ``register``)."""
+        name = spec.name
         with self._lock:
             previous = self._specs.get(name)
             self._specs[name] = spec
-            older = self._older.setdefault(name, OrderedDict())
-            older.pop(spec.version, None)
             if previous is not None and previous.version != spec.version:
-                older[previous.version] = previous
-            for version in [v for v, s in older.items() if s.weights == spec.weights]:
-                del older[version]  # rewritten in place: that version's bytes are gone
-            while len(older) > self.config.keep_versions:
-                older.popitem(last=False)
+                self._older.setdefault(name, OrderedDict())[previous.version] = previous
+            older = self._older.get(name)
+            if older is not None:  # most names have no older version: no table for them
+                older.pop(spec.version, None)
+                for version in [v for v, s in older.items() if s.weights == spec.weights]:
+                    del older[version]  # rewritten in place: that version's bytes are gone
+                while len(older) > self.config.keep_versions:
+                    older.popitem(last=False)
+                if not older:
+                    del self._older[name]
             self.generation += 1
         return spec
 
@@ -106,6 +119,38 @@ class AdapterCatalog:
                                 "re-registered with new content and that version's files are gone or no longer "
                                 "kept (keep_versions): plan with the current version")
         return kept
+
+    def keep(self, spec: AdapterSpec) -> None:
+        """Keep ``spec`` loadable as an older version of its name, behind those kept already (a restored
+        catalog's); nothing if it is the current version or the name is not registered."""
+        with self._lock:
+            current = self._specs.get(spec.name)
+            if (current is None or current.version == spec.version or current.weights == spec.weights
+                    or not self.config.keep_versions):
+                return
+            older = self._older.setdefault(spec.name, OrderedDict())
+            older[spec.version] = spec
+            while len(older) > self.config.keep_versions:
+                older.popitem(last=False)
+            self.generation += 1
+
+    def known(self, name: str) -> KnownVersion | None:
+        """The current version of ``name`` as hashed here (None if not registered, or not read from disk)."""
+        with self._lock:
+            spec = self._specs.get(name)
+        return None if spec is None else spec.known
+
+    def entries(self) -> list[tuple[AdapterSpec, list[AdapterSpec]]]:
+        """Every registered name's current version and the older ones kept (oldest first), by name."""
+        with self._lock:
+            return [(self._specs[n], list(self._older.get(n, {}).values())) for n in sorted(self._specs)]
+
+    def entry(self, name: str) -> tuple[AdapterSpec, list[AdapterSpec]]:
+        """The current version of ``name`` and the older ones kept, oldest first."""
+        with self._lock:
+            if name not in self._specs:
+                raise NotFoundError(self._unknown(name))
+            return self._specs[name], list(self._older.get(name, {}).values())
 
     def versions(self, name: str) -> list[str]:
         """Loadable versions of ``name``, oldest first; the last is the current one."""

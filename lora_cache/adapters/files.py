@@ -19,14 +19,16 @@ check made after the racy window has passed (docs/decisions.md, "A version is th
 
 from __future__ import annotations
 
+import array
 import contextlib
 import hashlib
 import os
 import stat
+import sys
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 from lora_cache.adapters.roots import AdapterRoots
 from lora_cache.errors import AdapterChangedError, AdapterFormatError, AdapterPathError
@@ -34,6 +36,19 @@ from lora_cache.errors import AdapterChangedError, AdapterFormatError, AdapterPa
 BLOCK_BYTES = 1 << 20  # CRC granularity of the weights: a read checks whole blocks
 RACY_NS = 2_000_000_000  # a change this close to registration may share its timestamp tick (FAT: 2 s)
 MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json is a few hundred bytes; refuse to read a huge one
+
+
+def _boot_id() -> str:
+    """This machine's boot: a file's identity says nothing on another machine, or after a reboot (a file
+    system changed while unmounted, from another OS, can carry any stat times). "" where unknown."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+HOST = _boot_id()  # where identities taken by this process hold
 
 
 class FileIdentity(NamedTuple):
@@ -68,7 +83,7 @@ class WeightsSource(NamedTuple):
     identity: FileIdentity
     header_bytes: int  # 8 + the safetensors header's length: where the tensor data starts
     header_crc: int
-    block_crcs: tuple[int, ...]  # CRC-32 of each BLOCK_BYTES block of the file
+    block_crcs: BlockCrcs  # CRC-32 of each BLOCK_BYTES block of the file
     registered_ns: int  # wall clock (time.time_ns) when it was registered
 
     @property
@@ -79,6 +94,55 @@ class WeightsSource(NamedTuple):
     def settled(self, now_ns: int) -> bool:
         """Whether a write after ``now_ns`` must show in the identity (the racy window is over)."""
         return now_ns - self.identity.ctime_ns >= RACY_NS
+
+
+class BlockCrcs(Sequence[int]):
+    """The CRC-32 of every block of a file, packed 4 bytes each (a tuple of Python ints costs ~36 bytes a block,
+    and an 8B adapter has 81 blocks); immutable and hashable, ``crcs[b]`` is block b's."""
+
+    __slots__ = ("packed",)
+    packed: bytes  # little-endian uint32 per block: what snapshots and messages carry
+
+    def __init__(self, crcs: Iterable[int] | bytes) -> None:
+        packed = bytes(crcs) if isinstance(crcs, bytes | bytearray) else array.array("I", crcs).tobytes()
+        if isinstance(crcs, bytes | bytearray) and len(packed) % 4:
+            raise ValueError(f"block CRCs are 4 bytes each; got {len(packed)} bytes")
+        if not isinstance(crcs, bytes | bytearray) and sys.byteorder != "little":
+            swapped = array.array("I", packed)
+            swapped.byteswap()
+            packed = swapped.tobytes()
+        object.__setattr__(self, "packed", packed)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("BlockCrcs is immutable")
+
+    def __len__(self) -> int:
+        return len(self.packed) // 4
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[int]: ...
+    def __getitem__(self, index: int | slice) -> int | Sequence[int]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"block {index} of {len(self)}")
+        return int.from_bytes(self.packed[4 * index : 4 * index + 4], "little")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BlockCrcs) and other.packed == self.packed
+
+    def __hash__(self) -> int:
+        return hash(self.packed)
+
+    def __repr__(self) -> str:
+        return f"BlockCrcs({list(self)})"
+
+    def __reduce__(self) -> tuple[type[BlockCrcs], tuple[bytes]]:
+        return BlockCrcs, (self.packed,)
 
 
 def file_kind(mode: int) -> str:
@@ -172,7 +236,7 @@ def _check_ends(fd: int, size: int, what: Path) -> None:
 
 
 def digest_weights(fd: int, identity: FileIdentity, what: Path, version_digest: hashlib.blake2b,
-                   header_bytes: int) -> tuple[int, tuple[int, ...]]:
+                   header_bytes: int) -> tuple[int, BlockCrcs]:
     """One pass over the weights: feeds ``version_digest``; returns the header's CRC and every block's."""
     crcs, header_crc, head = [], 0, b""
     for block in _chunks(fd, identity.size, what):
@@ -182,7 +246,7 @@ def digest_weights(fd: int, identity: FileIdentity, what: Path, version_digest: 
             head += block[: header_bytes - len(head)]
     _check_ends(fd, identity.size, what)
     header_crc = zlib.crc32(head)
-    return header_crc, tuple(crcs)
+    return header_crc, BlockCrcs(crcs)
 
 
 def header_matches(fd: int, header_bytes: int, header_crc: int) -> bool:

@@ -5,10 +5,17 @@ key, dtype and shape against the model shape, ranks against the configured maxim
 once, confined to the adapter roots and refused unless a regular file (``lora_cache.adapters.files``), and read
 once: the version is a hash of exactly those bytes, and the spec carries what every later read checks
 (the file's identity, CRCs of its header and blocks), so a read never returns other bytes under it.
+
+A version is hashed once (lifecycle step 0): the process that hashed it hands the others a ``KnownVersion``,
+and ``read_adapter(..., known=)`` takes it without reading the weights when its own open proves the file is the
+one hashed: the same machine (boot), the same real path and identity (device, inode, size, mtime, ctime), not
+racy (changed at least ``RACY_NS`` before it was hashed, so any later write shows in stat), and the same config
+bytes and header. Anything else (another node's copy, a changed file) is hashed again, as before.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -19,9 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from safetensors import safe_open
-
 from lora_cache.adapters.files import (
+    HOST,
     MAX_CONFIG_BYTES,
     OpenFile,
     WeightsSource,
@@ -136,6 +142,16 @@ class LoraModule(NamedTuple):
     scaling: float
 
 
+class KnownVersion(NamedTuple):
+    """A version as the process that hashed it established it: what lets another process on the same machine
+    take the same file under it without reading the weights (``read_adapter(..., known=)``)."""
+
+    version: str
+    config_digest: str  # blake2b-8 of adapter_config.json's bytes, hex
+    host: str  # the boot of the machine that hashed it (``files.HOST``); "" proves nothing
+    source: WeightsSource  # the weights file as hashed: real path, identity, header and block CRCs
+
+
 @dataclass(frozen=True)
 class AdapterSpec:
     """A validated adapter: where it is, what it adapts, its dtype and content version."""
@@ -148,6 +164,7 @@ class AdapterSpec:
     version: str
     file_bytes: int
     source: WeightsSource | None = None  # what reads check; None for specs not read from disk (simulators)
+    config_digest: str = ""  # blake2b-8 of the config's bytes (hex); "" for specs not read from disk
 
     @property
     def weights(self) -> Path:
@@ -157,37 +174,74 @@ class AdapterSpec:
     def max_rank(self) -> int:
         return max(m.rank for m in self.modules)
 
+    @property
+    def known(self) -> KnownVersion | None:
+        """What another process needs to take this version without hashing (None: not read from disk)."""
+        if self.source is None:
+            return None
+        return KnownVersion(self.version, self.config_digest, HOST, self.source)
+
 
 def read_adapter(name: str, directory: Path, shape: ModelShape, max_rank: int,
-                 roots: AdapterRoots | None = None) -> AdapterSpec:
+                 roots: AdapterRoots | None = None, known: KnownVersion | None = None) -> AdapterSpec:
     """Validate a PEFT adapter directory against ``shape`` from its config and safetensors header.
 
-    Its files must resolve under ``roots`` (by default the directory itself)."""
+    Its files must resolve under ``roots`` (by default the directory itself). ``known``: the version another
+    process hashed, taken without reading the weights if this open proves it is the same file (``proves``);
+    otherwise the weights are hashed here and the spec has whatever version they hash to (the caller
+    compares)."""
     if not directory.is_dir():
         raise AdapterFormatError(f"adapter directory {directory} does not exist; check the path")
     roots = roots or AdapterRoots((directory,))
     config_bytes = _read_config_bytes(roots, directory)
     config = _parse_config(config_bytes, directory / CONFIG_FILE)
+    config_digest = hashlib.blake2b(config_bytes, digest_size=8).hexdigest()
     weights = _weights_file(directory)
     registered_ns = time.time_ns()  # before the open: the earliest moment, for the racy check
     with open_adapter_file(roots, weights, f"{weights} is missing; save the adapter with safe_serialization=True") as f:
         header_bytes = _header_bytes(f, weights)
-        digest = hashlib.blake2b(config_bytes, digest_size=8)
-        header_crc, block_crcs = digest_weights(f.fd, f.identity, weights, digest, header_bytes)
-        unchanged_since_open(f.fd, weights, f.identity)  # the bytes hashed are the file's, as opened
-        header = _read_header(Path(f"/proc/self/fd/{f.fd}"), weights)  # the file this fd holds, not the path's
+        if known is not None and proves(known, f, header_bytes, config_digest):
+            source = known.source  # the same bytes as hashed there: nothing more to read
+        else:
+            digest = hashlib.blake2b(config_bytes, digest_size=8)
+            header_crc, block_crcs = digest_weights(f.fd, f.identity, weights, digest, header_bytes)
+            unchanged_since_open(f.fd, weights, f.identity)  # the bytes hashed are the file's, as opened
+            source = WeightsSource(str(f.real), digest.hexdigest(), f.identity, header_bytes, header_crc, block_crcs,
+                                   registered_ns)
+        header = _read_header(f.fd, header_bytes, f.identity.size, weights)  # the file this fd holds, not the path's
         unchanged_since_open(f.fd, weights, f.identity)
-        if not header_matches(f.fd, header_bytes, header_crc):  # validated another header than the one hashed
+        if not header_matches(f.fd, header_bytes, source.header_crc):  # validated another header than the one hashed
             raise AdapterChangedError(f"{weights} changed while it was being registered (its header); wait until "
                                       "it is written completely and register it again")
     modules = _validate(header, config, shape, max_rank, weights)
     dtypes = {dtype for dtype, _ in header.values()}
     if len(dtypes) != 1:
         raise AdapterFormatError(f"{weights}: tensors mix dtypes {sorted(dtypes)}; save the adapter in one dtype")
-    version = digest.hexdigest()
-    source = WeightsSource(str(f.real), version, f.identity, header_bytes, header_crc, block_crcs, registered_ns)
-    return AdapterSpec(name, directory, config, modules, FLOAT_DTYPES[dtypes.pop()], version, f.identity.size,
-                       source)
+    return AdapterSpec(name, directory, _interned(config), _interned(modules), FLOAT_DTYPES[dtypes.pop()],
+                       source.version, f.identity.size, source, config_digest)
+
+
+def proves(known: KnownVersion, f: OpenFile, header_bytes: int, config_digest: str) -> bool:
+    """Whether ``f`` (as this process opened it) is the very file ``known`` hashed, so its bytes are the ones
+    hashed: the same machine's boot, real path and identity, settled before it was hashed (a write after the
+    hash must have changed the identity), and the same config bytes and safetensors header."""
+    source = known.source
+    return (bool(known.host) and known.host == HOST and source.path == str(f.real) and source.identity == f.identity
+            and not source.racy and known.config_digest == config_digest and source.header_bytes == header_bytes
+            and header_matches(f.fd, header_bytes, source.header_crc))
+
+
+_INTERNED: dict[Any, Any] = {}  # equal configs and module tables shared by every spec (an 8B table: ~18 KiB)
+MAX_INTERNED = 4096  # distinct ones kept; beyond, each spec keeps its own
+
+
+def _interned(value: Any) -> Any:
+    shared = _INTERNED.get(value)
+    if shared is not None:
+        return shared
+    if len(_INTERNED) < MAX_INTERNED:
+        _INTERNED[value] = value
+    return value
 
 
 def _read_config_bytes(roots: AdapterRoots, directory: Path) -> bytes:
@@ -232,23 +286,71 @@ def _header_bytes(f: OpenFile, weights: Path) -> int:
     return 8 + n
 
 
-def _read_header(opened: Path, weights: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """key -> (safetensors dtype, shape) of the file at ``opened``, named ``weights`` in errors, without reading
+SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
+                      "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}  # bytes per element
+
+
+def _read_header(fd: int, header_bytes: int, size: int, weights: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """key -> (safetensors dtype, shape) from the header this fd holds (``_parse_header``), without reading
     tensor data. Truncation is caught here."""
     try:
-        with safe_open(str(opened), framework="pt") as f:
-            header = {}
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                sl = f.get_slice(key)
-                header[key] = (sl.get_dtype(), tuple(sl.get_shape()))
-    except Exception as e:  # safetensors raises its own SafetensorError / OSError kinds
-        raise AdapterFormatError(f"{weights} is not a readable safetensors file ({e}); it may be truncated or "
+        return _parse_header(os.pread(fd, header_bytes - 8, 8), size)
+    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError, an unknown dtype, a malformed entry
+        why = f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e)
+        raise AdapterFormatError(f"{weights} is not a readable safetensors file ({why}); it may be truncated or "
                                  "corrupt: re-copy or re-save it") from e
+
+
+@functools.lru_cache(maxsize=256)  # adapters of one shape and rank have the same header: parsed once
+def _parse_header(head: bytes, size: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The header's tensors, checked as safetensors checks them: every tensor's bytes its dtype times its shape,
+    the tensors back to back from the header's end to the end of the ``size``-byte file. Shared: read only."""
+    raw = json.loads(head)
+    if not isinstance(raw, dict):
+        raise ValueError(f"the header is a JSON {type(raw).__name__}, not an object")
+    header, spans = {}, []
+    for key, info in raw.items():
+        if key == "__metadata__":
+            continue
+        dtype, dims, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {key!r} has dtype {dtype!r}, which safetensors does not define")
+        if not all(type(d) is int and d >= 0 for d in (*dims, begin, end)):
+            raise ValueError(f"tensor {key!r}: shape {list(dims)} or offsets {[begin, end]} are not sizes")
+        if end - begin != math.prod(dims) * SAFETENSORS_DTYPES[dtype]:
+            raise ValueError(f"tensor {key!r}: {end - begin} bytes for {dtype} {list(dims)}")
+        header[key] = (dtype, dims)
+        spans.append((begin, end, key))
+    at = 0
+    for begin, end, key in sorted(spans):
+        if begin != at:
+            raise ValueError(f"tensor {key!r} starts at {begin}, not where the one before it ends ({at})")
+        at = end
+    if len(head) + 8 + at != size:
+        raise ValueError(f"the tensors end at byte {len(head) + 8 + at} of a {size}-byte file")
     return header
+
+
+_VALIDATED: dict[tuple[Any, ...], tuple[LoraModule, ...]] = {}  # alike adapters (shape, rank, targets)
+MAX_VALIDATED = 256
 
 
 def _validate(header: dict[str, tuple[str, tuple[int, ...]]], config: AdapterConfig, shape: ModelShape,
               max_rank: int, weights: Path) -> tuple[LoraModule, ...]:
+    """``_check_header``, remembered for headers and configs seen before (only those that passed: an error
+    names its file). A thousand adapters of one shape and rank are validated once."""
+    key = (tuple(sorted(header.items())), config, shape, max_rank)
+    modules = _VALIDATED.get(key)
+    if modules is None:
+        modules = _check_header(header, config, shape, max_rank, weights)
+        if len(_VALIDATED) >= MAX_VALIDATED:
+            _VALIDATED.clear()  # a new mix of shapes: start over (bounded, and cheap to fill again)
+        _VALIDATED[key] = modules
+    return modules
+
+
+def _check_header(header: dict[str, tuple[str, tuple[int, ...]]], config: AdapterConfig, shape: ModelShape,
+                  max_rank: int, weights: Path) -> tuple[LoraModule, ...]:
     found: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
     for key, (dtype, dims) in header.items():
         m = KEY_RE.match(key)

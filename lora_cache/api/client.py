@@ -27,6 +27,7 @@ from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc
 from lora_cache.errors import ConfigError, LoraCacheError
 
 TOKEN_ENV = "LORA_CACHE_TOKEN"
+REGISTER_S_PER_ITEM = 0.5  # RegisterAdapters' deadline grows by this per item (an 8B adapter hashes in ~0.13 s)
 
 
 @dataclass(frozen=True)
@@ -135,8 +136,10 @@ class Resync(NamedTuple):
 
 class Registered(NamedTuple):
     name: str
-    version: str
+    version: str  # "" when ``error`` is set
     previous_version: str  # "" if the name was new
+    error: ClientError | None = None  # a RegisterAdapters item that was not registered (its name is unchanged)
+    rank_errors: tuple[str, ...] = ()  # ranks that refused the version (registered; their loads of it fail)
 
 
 # -- messages <-> Python values, shared by both clients ---------------------------------------------------
@@ -209,6 +212,16 @@ def _routes(r: pb.RouteResponse) -> list[Route]:
 
 
 _CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+
+
+def _register_request(items: Iterable[tuple[str, str]]) -> pb.RegisterAdaptersRequest:
+    return pb.RegisterAdaptersRequest(adapters=[pb.RegisterAdapterRequest(name=n, path=p) for n, p in items])
+
+
+def _registered(r: pb.RegisterAdaptersResponse) -> list[Registered]:
+    return [Registered(a.name, a.version, a.previous_version,
+                       ClientError(_CODE_NAMES.get(a.error.code, "UNKNOWN"), a.error.message)
+                       if a.HasField("error") else None, tuple(a.rank_errors)) for a in r.adapters]
 
 
 def _unregister_request(name: str, drain_timeout_s: float | None) -> pb.UnregisterAdapterRequest:
@@ -296,6 +309,12 @@ class LoraCacheClient(_Base):
         r = self._call(self.stub.RegisterAdapter, pb.RegisterAdapterRequest(name=name, path=path))
         return Registered(r.name, r.version, r.previous_version)
 
+    def register_many(self, items: Iterable[tuple[str, str]]) -> list[Registered]:
+        """Register (name, path) items in one call, each by itself: an item's ``error`` says why it was not."""
+        request = _register_request(items)
+        wait = self.timeout_s + REGISTER_S_PER_ITEM * len(request.adapters)
+        return _registered(self._call(self.stub.RegisterAdapters, request, wait))
+
     def unregister(self, name: str, drain_timeout_s: float | None = None) -> list[str]:
         """Remove ``name`` once no running batch uses it; the versions evicted."""
         wait = (drain_timeout_s or 30.0) + self.timeout_s
@@ -365,6 +384,11 @@ class AsyncLoraCacheClient(_Base):
     async def register(self, name: str, path: str) -> Registered:
         r = await self._call(self.stub.RegisterAdapter, pb.RegisterAdapterRequest(name=name, path=path))
         return Registered(r.name, r.version, r.previous_version)
+
+    async def register_many(self, items: Iterable[tuple[str, str]]) -> list[Registered]:
+        request = _register_request(items)
+        wait = self.timeout_s + REGISTER_S_PER_ITEM * len(request.adapters)
+        return _registered(await self._call(self.stub.RegisterAdapters, request, wait))
 
     async def unregister(self, name: str, drain_timeout_s: float | None = None) -> list[str]:
         wait = (drain_timeout_s or 30.0) + self.timeout_s

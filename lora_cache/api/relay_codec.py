@@ -15,6 +15,8 @@ from typing import Any
 
 from lora_cache import errors
 from lora_cache.adapters.catalog import CatalogConfig
+from lora_cache.adapters.files import BlockCrcs, FileIdentity, WeightsSource
+from lora_cache.adapters.peft import KnownVersion
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.validate import RequestError
 from lora_cache.vocab import Command, Evict, Prefetch, Stage
@@ -56,6 +58,39 @@ def from_command(m: pb.RelayedCommand) -> Command:
                        "newer than this engine's lora-cache: upgrade it")
 
 
+def known(k: KnownVersion) -> pb.KnownVersion:
+    s = k.source
+    return pb.KnownVersion(
+        version=k.version, config_digest=k.config_digest, host=k.host, weights_path=s.path,
+        identity=pb.FileIdentity(dev=s.identity.dev, ino=s.identity.ino, size=s.identity.size,
+                                 mtime_ns=s.identity.mtime_ns, ctime_ns=s.identity.ctime_ns),
+        header_bytes=s.header_bytes, header_crc=s.header_crc, block_crcs=s.block_crcs.packed,
+        registered_ns=s.registered_ns)
+
+
+def from_known(m: pb.KnownVersion) -> KnownVersion:
+    i = m.identity
+    try:
+        crcs = BlockCrcs(m.block_crcs)
+    except ValueError as e:
+        raise RequestError(f"known version {m.version!r}: block_crcs holds {len(m.block_crcs)} bytes, not 4 per "
+                           "block; send the CRCs as little-endian uint32s") from e
+    source = WeightsSource(m.weights_path, m.version, FileIdentity(i.dev, i.ino, i.size, i.mtime_ns, i.ctime_ns),
+                           m.header_bytes, m.header_crc, crcs, m.registered_ns)
+    return KnownVersion(m.version, m.config_digest, m.host, source)
+
+
+def registration(name: str, path: str, k: KnownVersion | None) -> pb.RegisterRankAdapter:
+    out = pb.RegisterRankAdapter(name=name, path=path)
+    if k is not None:
+        out.known.CopyFrom(known(k))
+    return out
+
+
+def from_registration(m: pb.RegisterRankAdapter) -> tuple[str, str, KnownVersion | None]:
+    return m.name, m.path, from_known(m.known) if m.HasField("known") else None
+
+
 def call(c: Call) -> pb.RelayedCall:
     ident, method, args = c
     out = pb.RelayedCall(call_id=ident)
@@ -64,13 +99,15 @@ def call(c: Call) -> pb.RelayedCall:
     elif method == "describe":
         out.describe.SetInParent()
     elif method == "register_adapter":
-        out.register_adapter.name, out.register_adapter.path = args
+        out.register_adapter.CopyFrom(registration(*args, *(() if len(args) == 3 else (None,))))
+    elif method == "register_adapters":
+        out.register_adapters.adapters.extend(registration(*entry) for entry in args[0])
     elif method == "unregister_adapter":
         out.unregister_adapter.name = args[0]
     elif method == "stats":
         out.stats.SetInParent()
     else:
-        raise ValueError(f"no relayed call named {method!r}")  # internal: the endpoint has five methods
+        raise ValueError(f"no relayed call named {method!r}")  # internal: the endpoint's methods are RELAYED
     return out
 
 
@@ -79,7 +116,9 @@ def from_call(m: pb.RelayedCall) -> Call:
     if kind == "apply":
         return m.call_id, "apply", ([from_command(c) for c in m.apply.commands],)
     if kind == "register_adapter":
-        return m.call_id, "register_adapter", (m.register_adapter.name, m.register_adapter.path)
+        return m.call_id, "register_adapter", from_registration(m.register_adapter)
+    if kind == "register_adapters":
+        return m.call_id, "register_adapters", ([from_registration(r) for r in m.register_adapters.adapters],)
     if kind == "unregister_adapter":
         return m.call_id, "unregister_adapter", (m.unregister_adapter.name,)
     if kind in ("describe", "stats"):
@@ -101,6 +140,8 @@ def answer(ident: int, method: str, ok: bool, value: Any) -> pb.CallAnswer:
         out.describe.CopyFrom(report(value))
     elif method == "register_adapter":
         out.registered_version = value
+    elif method == "register_adapters":
+        out.registered.results.extend(pb.RankRegistration(version=v, error=e) for v, e in value)
     elif method == "unregister_adapter":
         out.unregistered = bool(value)
     elif method == "stats":
@@ -121,7 +162,8 @@ def from_answer(m: pb.CallAnswer, method: str) -> tuple[int, bool, Any]:
         error = cls(m.error.message) if cls else RelayedCallError(f"{m.error.error_class}: {m.error.message}")
         return m.call_id, False, error
     expected = {"apply": "apply", "describe": "describe", "register_adapter": "registered_version",
-                "unregister_adapter": "unregistered", "stats": "stats_json"}[method]
+                "register_adapters": "registered", "unregister_adapter": "unregistered",
+                "stats": "stats_json"}[method]
     if kind != expected:
         raise RequestError(f"call {m.call_id} was {method}, whose answer is {expected} or error, not {kind!r}; "
                            "answer each RelayedCall with the result of its own call")
@@ -131,6 +173,8 @@ def from_answer(m: pb.CallAnswer, method: str) -> tuple[int, bool, Any]:
         return m.call_id, True, from_report(m.describe)
     if kind == "registered_version":
         return m.call_id, True, m.registered_version
+    if kind == "registered":
+        return m.call_id, True, [(r.version, r.error) for r in m.registered.results]
     if kind == "unregistered":
         return m.call_id, True, m.unregistered
     try:

@@ -94,6 +94,11 @@ def _route_error(error: BaseException) -> pb.RouteError:
     return pb.RouteError(code=code.value[0], message=message)
 
 
+def _register_error(error: BaseException) -> pb.RegisterError:
+    code, message = status_for(error)
+    return pb.RegisterError(code=code.value[0], message=message)
+
+
 def _advice(a: RouteAdvice, request_id: str, max_replicas: int) -> pb.RouteAdvice:
     if a.error is not None:
         return pb.RouteAdvice(adapter=a.adapter, version=a.version, request_id=request_id, error=_route_error(a.error))
@@ -168,6 +173,18 @@ class Servicer:
         version, previous = await self.controller.register_adapter_info.remote(name, path)
         return pb.RegisterAdapterResponse(name=name, version=version, previous_version=previous)
 
+    async def register_adapters(self, request: pb.RegisterAdaptersRequest) -> pb.RegisterAdaptersResponse:
+        call = validate.register_many(request, self.max_items)
+        answers = {i: pb.RegisteredAdapter(name=request.adapters[i].name, error=_register_error(e))
+                   for i, e in call.malformed.items()}
+        done = await self.controller.register_adapters.remote([item for _, item in call.items]) if call.items else []
+        for (i, _), d in zip(call.items, done):
+            answers[i] = pb.RegisteredAdapter(name=d.name, version=d.version, previous_version=d.previous,
+                                              rank_errors=d.rank_errors)
+            if d.error is not None:
+                answers[i].error.CopyFrom(_register_error(d.error))
+        return pb.RegisterAdaptersResponse(adapters=[answers[i] for i in range(len(request.adapters))])
+
     async def unregister_adapter(self, request: pb.UnregisterAdapterRequest) -> pb.UnregisterAdapterResponse:
         name = validate.name("name", request.name)
         evicted = await self.controller.unregister_adapter.remote(name, validate.drain_timeout(request))
@@ -207,6 +224,7 @@ RPCS: dict[str, tuple[type[Any], str]] = {  # rpc name -> (request message, Serv
     "Route": (pb.RouteRequest, "route"),
     "WatchReadiness": (pb.WatchReadinessRequest, "watch_readiness"),
     "RegisterAdapter": (pb.RegisterAdapterRequest, "register_adapter"),
+    "RegisterAdapters": (pb.RegisterAdaptersRequest, "register_adapters"),
     "UnregisterAdapter": (pb.UnregisterAdapterRequest, "unregister_adapter"),
     "Status": (pb.StatusRequest, "status"),
     "AttachRank": (pb.AttachRankRequest, "attach_rank"),

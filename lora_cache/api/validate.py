@@ -159,10 +159,36 @@ def watch(request: pb.WatchReadinessRequest) -> tuple[str | None, str | None, in
     return optional_name("replica", request.replica), optional_name("adapter", request.adapter), after
 
 
-def register(request: pb.RegisterAdapterRequest) -> tuple[str, str]:
+def register(request: pb.RegisterAdapterRequest, where: str = "") -> tuple[str, str]:
     if not request.path:
-        raise RequestError(f"path is empty; give the directory of adapter {request.name!r} under an adapter root")
-    return name("name", request.name), request.path
+        raise RequestError(f"path{where} is empty; give the directory of adapter {request.name!r} under an adapter "
+                           "root")
+    return name("name", request.name, where), request.path
+
+
+class RegisterCall(NamedTuple):
+    """A checked RegisterAdapters call: the well-formed items (with their positions), the malformed ones' errors."""
+
+    items: list[tuple[int, tuple[str, str]]]  # (position in the batch, (name, path))
+    malformed: dict[int, RequestError]  # position -> why (answered for that item alone)
+
+
+def register_many(request: pb.RegisterAdaptersRequest, limit: int) -> RegisterCall:
+    """A RegisterAdapters batch: its size fails the call; a malformed item (or a name given twice) only itself."""
+    count("adapters", len(request.adapters), limit)
+    call, first = RegisterCall([], {}), dict[str, int]()
+    for i, item in enumerate(request.adapters):
+        try:
+            adapter = register(item, f" (item {i})")
+            if adapter[0] in first:
+                raise RequestError(f"adapter {adapter[0]!r} (item {i}) is named again in this batch (first as item "
+                                   f"{first[adapter[0]]}); name each adapter once per call")
+        except RequestError as e:
+            call.malformed[i] = e
+            continue
+        first[adapter[0]] = i
+        call.items.append((i, adapter))
+    return call
 
 
 def drain_timeout(request: pb.UnregisterAdapterRequest) -> float:

@@ -1,5 +1,5 @@
 """``lora-cache hint | cancel-hint | lookup | route | watch | status | register | unregister``: the client
-on the command line.
+on the command line (``register`` also registers many adapters in batches: ``NAME=PATH ...``, ``--dir DIR``).
 
 ``cli.build_parser`` adds these with ``add_client_commands(sub)``. Connection options come from
 ``ClientConfig`` (``--server``, ``--token-file``, ``--tls-ca``, ``--tls``, ``--timeout-s``); failures are
@@ -88,9 +88,42 @@ def cmd_status(ns: argparse.Namespace) -> int:
 
 
 def cmd_register(ns: argparse.Namespace) -> int:
+    """``register NAME PATH`` (one adapter), or many in batches: ``register NAME=PATH ...`` and/or ``--dir DIR``
+    (every adapter directory under DIR, by its directory name). Many: one JSON entry each, exit 2 if any
+    item was not registered (its error is printed; the others were)."""
+    items = register_items(ns.items, ns.dir)
+    if items is None:
+        with _client(ns) as lc:
+            _print(lc.register(ns.items[0], register_path(ns.items[1]))._asdict())
+        return 0
+    done = []
     with _client(ns) as lc:
-        _print(lc.register(ns.name, register_path(ns.path))._asdict())
-    return 0
+        for start in range(0, len(items), ns.batch):
+            done += lc.register_many(items[start:start + ns.batch])
+    _print([{**d._asdict(), "error": None if d.error is None else {"code": d.error.code, "message": d.error.message},
+             "rank_errors": list(d.rank_errors)} for d in done])
+    return 2 if any(d.error is not None for d in done) else 0
+
+
+def register_items(args: list[str], directory: str | None) -> list[tuple[str, str]] | None:
+    """The (name, path) items ``register`` was given; None for the one-adapter form ``NAME PATH``."""
+    if directory is None and len(args) == 2 and not any("=" in a for a in args):
+        return None
+    bad = [a for a in args if a.partition("=")[1] != "=" or not a.partition("=")[0] or not a.partition("=")[2]]
+    if bad or (directory is None and not args):
+        raise SystemExit(f"lora-cache register: {bad[0] if bad else 'nothing to register'!r}: give NAME PATH for one "
+                         "adapter, NAME=PATH items for several, or --dir DIR for every adapter directory under DIR")
+    items = [(n, register_path(p)) for n, _, p in (a.partition("=") for a in args)]
+    if directory is not None:
+        local = Path(shell_path(directory))
+        if not local.is_dir():
+            raise SystemExit(f"lora-cache register: --dir {directory!r} is not a directory here; give a directory "
+                             "whose subdirectories are adapters (adapter_config.json + adapter_model.safetensors)")
+        items += [(d.name, str(d)) for d in sorted(local.iterdir()) if (d / "adapter_config.json").is_file()]
+        if not items:
+            raise SystemExit(f"lora-cache register: --dir {directory!r} holds no adapter directory (none with an "
+                             "adapter_config.json); is it the right directory?")
+    return items
 
 
 def cmd_unregister(ns: argparse.Namespace) -> int:
@@ -104,6 +137,12 @@ def register_path(path: str) -> str:
     as given (the server takes a relative path from its first adapter root)."""
     local = shell_path(path)
     return local if Path(local).exists() else path
+
+
+def _positive(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive integer")
+    return int(value)
 
 
 def add_client_commands(sub: Any) -> None:
@@ -146,9 +185,13 @@ def add_client_commands(sub: Any) -> None:
     p = sub.add_parser("status", help="replicas, workers, residency counts, hit rates, queue depths (JSON)")
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("register", help="register (or re-register: new content, new version) an adapter")
-    p.add_argument("name")
-    p.add_argument("path", help="adapter directory under one of the server's adapter roots")
+    p = sub.add_parser("register", help="register (or re-register: new content, new version) an adapter, or many: "
+                       "NAME PATH, or NAME=PATH ..., and/or --dir DIR")
+    p.add_argument("items", nargs="*", metavar="NAME PATH | NAME=PATH",
+                   help="NAME PATH: one adapter directory under one of the server's adapter roots; NAME=PATH ...: "
+                        "several, registered in batches, each by itself")
+    p.add_argument("--dir", help="also every adapter directory under DIR (named after its directory)")
+    p.add_argument("--batch", type=_positive, default=1000, help="adapters per RegisterAdapters call")
     p.set_defaults(func=cmd_register)
 
     p = sub.add_parser("unregister", help="remove an adapter once no running batch uses it")

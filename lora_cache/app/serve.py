@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.controller.actor import ControllerActor
 from lora_cache.controller.core import ControllerConfig
+from lora_cache.controller.registrations import Registered
 from lora_cache.errors import ConfigError
 from lora_cache.planner import PlannerConfig
 from lora_cache.routing.ranking import RouterConfig
@@ -33,6 +35,7 @@ from workers.actor import WorkerActor
 from workers.cache import WorkerConfig
 
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+REGISTER_BATCH = 1000  # adapters per register_adapters call of serve --adapters
 
 
 @dataclass(frozen=True)
@@ -94,13 +97,27 @@ def start(serve: ServeConfig, catalog: CatalogConfig, planner: PlannerConfig, wo
         for i in range(serve.replicas):
             _start_replica(service, f"replica-{i}", serve, catalog, worker)
         if adapters:
-            for d in sorted(adapters.iterdir()):
-                if (d / "adapter_config.json").is_file():
-                    ray.get(controller.register_adapter.remote(d.name, str(d)))
+            register_directory(controller, adapters)
     except BaseException:
         service.stop()
         raise
     return service
+
+
+def register_directory(controller: Any, root: Path, batch: int = REGISTER_BATCH) -> list[Registered]:
+    """Register every adapter directory under ``root`` (by its directory name) in ``register_adapters`` batches:
+    the controller reads each batch on a thread, tells the workers, and plans once per batch. An adapter that
+    cannot be registered is printed with its error (the fix in it) and left out; the others serve."""
+    items = [(d.name, str(d)) for d in sorted(root.iterdir()) if (d / "adapter_config.json").is_file()]
+    done: list[Registered] = []
+    for start in range(0, len(items), batch):
+        done += ray.get(controller.register_adapters.remote(items[start:start + batch]))
+    for d in done:
+        if d.error is not None:
+            print(f"lora-cache serve: adapter {d.name} was not registered: {d.error}", file=sys.stderr, flush=True)
+        for error in d.rank_errors:
+            print(f"lora-cache serve: adapter {d.name}@{d.version}: {error}", file=sys.stderr, flush=True)
+    return done
 
 
 def _start_replica(service: Service, replica: str, serve: ServeConfig, catalog: CatalogConfig,

@@ -1,4 +1,4 @@
-"""The controller: one Ray actor that sees the whole fleet and tells each TP worker what to hold (steps 2-4, 7-8).
+"""The controller: one Ray actor that sees the whole fleet and tells each TP worker what to hold (steps 0, 2-4, 7-8).
 
 Files:
 - ``core.py``: ``ControllerCore``, plain Python: catalog + planner + readiness index; checks every input.
@@ -6,13 +6,17 @@ Files:
   read, and the ``Doorbell`` that wakes their long polls.
 - ``links.py``: ``WorkerLinks``, the controller's side of each worker: handles, delta streams (incarnation,
   last delta applied), adoption from full reports, resyncs, pings, commands and their results.
+- ``registrations.py``: ``Registrar``: registrations read on a thread, applied on the loop in each name's
+  arrival order, batched, handed to the workers with the version as hashed (step 0).
 - ``snapshots.py``: what only the controller knows (hints, queues, popularity), kept in Ray's GCS kv.
+- ``catalog_store.py``: the catalog kept there too, restored with each file proven the one hashed or hashed again.
 - ``actor.py``: ``ControllerActor``, the named, detached, restartable Ray actor that composes them and forwards.
 
 Data flow: a hint, queue report or registration reaches the actor (from the gateway or a client) -> the core
 takes it and plans -> the links send each worker its commands -> the workers' residency deltas come back
 through the links into the core -> the readiness index emits replica events -> the doorbell wakes watchers.
-After a restart the links first rebuild the core's view from the workers' reports (invariant 6), then the
-snapshot is restored, then the actor plans. Imports run one way: actor -> links -> core -> readiness, and
-actor -> snapshots; only the application imports actor.py.
+After a restart the catalog is restored first, then the links rebuild the core's view from the workers'
+reports (invariant 6), then the planner's snapshot is restored, then the actor plans. Imports run one way:
+actor -> registrations -> links -> core -> readiness, and actor -> snapshots -> catalog_store -> core; only
+the application imports actor.py.
 """

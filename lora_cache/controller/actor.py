@@ -20,6 +20,7 @@ from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.controller.core import ControllerConfig, ControllerCore, HintOutcome
 from lora_cache.controller.links import WorkerLinks
 from lora_cache.controller.readiness import Doorbell, EventsLost, ReadinessEvent, WatchBatch
+from lora_cache.controller.registrations import Registered, Registrar
 from lora_cache.controller.snapshots import DurableConfig, DurableState
 from lora_cache.errors import ConflictError
 from lora_cache.routing.advice import RouteAdvice, RouteRequest
@@ -47,12 +48,14 @@ class ControllerActor:
         self._started = False
         self._start_lock = asyncio.Lock()
         self.draining: set[str] = set()  # unregistered adapters that workers may still hold
+        self.registrar = Registrar(self.core, self.links, self.draining, self._plan)
         heap.freeze()  # plans and hints are not stalled by full collections walking Ray's objects
 
     async def _start(self) -> None:
         async with self._start_lock:
             if self._started:
                 return
+            await self.durable.restore_catalog(self.core)  # the registrations, versions proven or hashed again
             await self.links.rebuild()  # adopt the workers that already exist, from their reports
             await self.durable.restore(self.core.planner)
             self._started = True
@@ -70,6 +73,7 @@ class ControllerActor:
             await self.links.ping_all()
             await self._plan(full=True)
             await self.durable.persist(self.core.planner)
+            await self.durable.save_catalog(self.core)
 
     # -- topology and adapters ------------------------------------------------------------------
     async def add_replica(self, replica: str, tp: int, slots: int) -> list[str]:
@@ -79,31 +83,47 @@ class ControllerActor:
         return [worker_name(w) for w in workers]
 
     async def register_adapter(self, name: str, path: str) -> str:
-        await self._start()
-        version = self.core.register_adapter(name, path)
-        await self.links.register_adapter(name, path)
+        """Register one adapter (``register_adapters`` of one); its version, or the item's error raised."""
+        version, _ = await self.register_adapter_info(name, path)
         return version
 
     async def register_adapter_info(self, name: str, path: str) -> tuple[str, str]:
-        """``register_adapter``, answering (its version, the version it replaced or "")."""
+        """``register_adapter``, answering (its version, the version it replaced or ""). A rank that refused the
+        version fails the call (the controller has registered it: its loads there fail until fixed)."""
+        (done,) = await self.register_adapters([(name, path)])
+        if done.error is not None:
+            raise done.error
+        if done.rank_errors:
+            raise ConflictError(f"adapter {name!r} is registered as version {done.version}, but "
+                                f"{len(done.rank_errors)} rank(s) refused it: {'; '.join(done.rank_errors)}")
+        return done.version, done.previous
+
+    async def register_adapters(self, items: list[tuple[str, str]]) -> list[Registered]:
+        """Register many (name, path) items, each by itself (its own error, its name left as it was), with
+        the files read on a thread; one plan after (``registrations.Registrar``). In the items' order."""
         await self._start()
-        if name in self.draining:
-            raise ConflictError(f"adapter {name!r} is being unregistered (waiting for in-use references to "
-                              "drain); register it again once UnregisterAdapter has returned")
-        previous = self.core.catalog.get(name).version if name in self.core.catalog else ""
-        return await self.register_adapter(name, path), previous
+        done = await self.registrar.register(items)
+        await self.durable.save_catalog(self.core)  # what was answered registered survives a restart
+        return done
 
     async def unregister_adapter(self, name: str, timeout_s: float = 30.0) -> list[str]:
         """Stop all new use of ``name``, then wait until no worker holds it; the versions evicted.
 
         A worker does not evict a slot that running batches still reference, so this waits for those
-        references to drain, up to ``timeout_s`` (TimeoutError; calling again resumes the wait).
+        references to drain, up to ``timeout_s`` (TimeoutError; calling again resumes the wait). It takes
+        its turn after the registrations of ``name`` that arrived before it.
         """
         await self._start()
         if name not in self.draining:
-            self.core.unregister_adapter(name, time.time())  # NotFoundError if it is not registered
-            self.draining.add(name)
+            turn = self.registrar.turns.take(name)
+            try:
+                await turn.wait()
+                self.core.unregister_adapter(name, time.time())  # NotFoundError if it is not registered
+                self.draining.add(name)
+            finally:
+                turn.done()
             await self._plan()
+            await self.durable.save_catalog(self.core)
         evicted = await self.links.drain(name, timeout_s)
         await self.links.unregister_adapter(name)
         self.draining.discard(name)
@@ -229,7 +249,9 @@ class ControllerActor:
         await self._start()
         return {**self.core.status(), "workers": len(self.links.handles), "rejected_commands": self.links.rejected,
                 "started_at": self.started_at, "first_plan_at": self.first_plan_at,
-                "restored": self.durable.restored, "snapshots_written": self.durable.snapshots.writes}
+                "restored": self.durable.restored, "snapshots_written": self.durable.snapshots.writes,
+                "catalog_restored": self.durable.catalog_restored, "catalog_snapshots": self.durable.catalog.writes,
+                "catalog_snapshot_bytes": self.durable.catalog.bytes}
 
     async def worker_stats(self, timeout_s: float = 2.0) -> list[dict[str, object]]:
         """Each worker's cache counters (``stats`` None if it did not answer in time) and slot count."""

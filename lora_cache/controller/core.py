@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.peft import AdapterSpec, KnownVersion
 from lora_cache.adapters.shards import shard_layout
 from lora_cache.controller.readiness import RankState, ReadinessEvent, ReadinessIndex
 from lora_cache.errors import ConfigError, LoraCacheError, NotFoundError
@@ -80,10 +81,23 @@ class ControllerCore:
 
     # -- adapters and topology ------------------------------------------------------------------
     def register_adapter(self, name: str, path: str) -> str:
-        spec = self.catalog.register(name, path)
-        layout = shard_layout(spec, self.catalog.shape, 1, 0, torch.bfloat16)
-        self.planner.register_adapter(AdapterInfo(name, spec.version, layout.nbytes))
-        self.paths[name] = path
+        """Read, validate and hash the adapter at ``path`` and make it the current version of ``name`` (both
+        halves at once: the actor runs ``read_adapter`` on a thread and ``add_adapter`` on its loop)."""
+        return self.add_adapter(self.read_adapter(name, path), path)
+
+    def read_adapter(self, name: str, path: str, known: KnownVersion | None = None) -> AdapterSpec:
+        """The expensive half of a registration (the files read, validated and hashed): changes nothing, so
+        it may run on any thread. ``known``: a version hashed before (a restored catalog's), taken without
+        reading the weights if the file is provably the one hashed."""
+        return self.catalog.read(name, path, known)
+
+    def add_adapter(self, spec: AdapterSpec, path: str) -> str:
+        """The cheap half: ``spec`` (from ``read_adapter``) becomes the current version of its name, the planner
+        learns its shard size; ``path`` is what workers are given. Its version."""
+        layout = shard_layout(spec, self.catalog.shape, 1, 0, torch.bfloat16)  # before any change: it may refuse
+        self.catalog.add(spec)
+        self.planner.register_adapter(AdapterInfo(spec.name, spec.version, layout.nbytes))
+        self.paths[spec.name] = path
         return spec.version
 
     def unregister_adapter(self, name: str, now: float) -> str:

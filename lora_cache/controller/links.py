@@ -15,6 +15,7 @@ One way: the actor imports this module, never the reverse. A handle is anything 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -22,9 +23,10 @@ from typing import Any, NamedTuple, TypeVar
 
 import ray
 
+from lora_cache.adapters.peft import KnownVersion
 from lora_cache.controller.core import ControllerCore
 from lora_cache.controller.readiness import ReadinessEvent
-from lora_cache.errors import ConfigError, ConflictError
+from lora_cache.errors import ConfigError, ConflictError, LoraCacheError
 from lora_cache.runtime.metrics import ControllerMetrics
 from lora_cache.vocab import (
     NAMESPACE,
@@ -41,6 +43,15 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 WORKER_ATTEMPTS = 30  # a second apart: a restarted worker may still be in its constructor
+REPLAY_ENTRIES = 256  # registrations per call when a worker is given all of them
+Registration = tuple[str, str, KnownVersion | None]  # (name, path, the version as the controller hashed it)
+
+
+class Sent(NamedTuple):
+    """Registrations submitted to the workers, and each worker's call (``WorkerLinks.registered`` reads them)."""
+
+    entries: list[Registration]
+    calls: list[tuple[WorkerId, Any]]
 
 
 class Link(NamedTuple):
@@ -99,14 +110,23 @@ class WorkerLinks:
             except Exception as e:  # a worker that died meanwhile is simply not adopted
                 log.warning("could not adopt %s: %s", name, e)
         for _, info in infos:
-            self._learn_adapters(info)
+            await self._learn_adapters(info)
         for handle, info in infos:
             self._adopt(handle, info)
 
-    def _learn_adapters(self, info: dict[str, Any]) -> None:
+    async def _learn_adapters(self, info: dict[str, Any]) -> None:
+        """Register what a worker reports and the catalog lacks (its files read on a thread: the loop answers
+        meanwhile); an adapter registered by a call in the meantime is left as that call made it."""
         for adapter, path in info["adapters"].items():
+            if adapter in self.core.catalog:
+                continue
+            try:
+                spec = await asyncio.to_thread(self.core.read_adapter, adapter, path)
+            except LoraCacheError as e:  # its files changed or went: the worker's copy is refused at its next load
+                log.warning("could not learn adapter %s from %s (%s): %s", adapter, info["replica"], path, e)
+                continue
             if adapter not in self.core.catalog:
-                self.core.register_adapter(adapter, path)
+                self.core.add_adapter(spec, path)
 
     def _adopt(self, handle: Any, info: dict[str, Any]) -> WorkerId:
         """Take a worker's full report as the truth about it (its replica is added if new: ConfigError if
@@ -149,7 +169,7 @@ class WorkerLinks:
                               f"{self.core.catalog.shape.name!r}; attach with the service's model")
         if wid in self.handles:
             self._new_incarnation(wid, incarnation)  # drops what the predecessor held
-        self._learn_adapters(info)
+        await self._learn_adapters(info)
         self._adopt(handle, info)
 
     def detach(self, name: str, incarnation: int) -> bool:
@@ -245,15 +265,46 @@ class WorkerLinks:
             log.warning("commands to %s were lost (%s); resyncing it", wid, e)
             await self.resync(wid)
 
-    # -- registrations ------------------------------------------------------------------------------
-    async def replay(self, handles: list[Any]) -> None:
-        """Workers new to the controller (or restarted, catalog empty) learn every registered adapter. A
-        restarted worker says so from its constructor, so it may still be starting."""
-        await _while_restarting(lambda: asyncio.gather(*(h.register_adapter.remote(a, p) for h in handles
-                                                         for a, p in self.core.paths.items())))
+    # -- registrations (step 0) ---------------------------------------------------------------------
+    def submit_registrations(self, entries: list[Registration]) -> Sent:
+        """Send ``entries`` to every linked worker, one ``register_adapters`` call each. The calls are submitted
+        before this returns (Ray keeps each caller's order on a worker), so they reach every worker ahead
+        of any command a later plan sends for those versions; ``registered`` collects their answers."""
+        return Sent(entries, [(wid, h.register_adapters.remote(entries)) for wid, h in self.handles.items()])
 
-    async def register_adapter(self, name: str, path: str) -> None:
-        await asyncio.gather(*(h.register_adapter.remote(name, path) for h in self.handles.values()))
+    async def registered(self, sent: Sent) -> list[list[str]]:
+        """The ranks' answers to ``sent``: per entry, the errors of the ranks that did not register it."""
+        errors: list[list[str]] = [[] for _ in sent.entries]
+        answers = await asyncio.gather(*(ref for _, ref in sent.calls), return_exceptions=True)
+        for (wid, _), answer in zip(sent.calls, answers):
+            if isinstance(answer, BaseException):  # lost: a restarted worker gets them again (worker_started)
+                log.warning("worker %s did not answer %d registrations: %s", wid, len(sent.entries), answer)
+                answer = [("", f"no answer ({type(answer).__name__}: {answer})")] * len(sent.entries)
+            for k, (_, error) in enumerate(answer):
+                if error:
+                    errors[k].append(f"{worker_name(wid)}: {error}")
+        for entry, errs in zip(sent.entries, errors):
+            for error in errs:
+                log.warning("adapter %s@%s was refused by %s", entry[0], entry[2].version if entry[2] else "?", error)
+        return errors
+
+    async def replay(self, handles: list[Any]) -> None:
+        """Workers new to the controller (or restarted, catalog empty) learn every registered adapter, with
+        the versions the controller hashed, ``REPLAY_ENTRIES`` at a time (a ping waits behind one call at
+        most). A restarted worker says so from its constructor, so it may still be starting."""
+        names = list(self.core.paths)  # one registered later reaches these workers by itself (they are linked)
+        for start in range(0, len(names), REPLAY_ENTRIES):
+            await _while_restarting(functools.partial(self._register_on, handles, names[start:start + REPLAY_ENTRIES]))
+
+    async def _register_on(self, handles: list[Any], names: list[str]) -> None:
+        """``names`` as registered now (read at the moment they are sent, with no await before: a registration
+        applied while an earlier chunk was on its way is not sent back in its old version), on ``handles``."""
+        entries = [(n, self.core.paths[n], self.core.catalog.known(n)) for n in names
+                   if n in self.core.paths and n in self.core.catalog]
+        for answer in await asyncio.gather(*(h.register_adapters.remote(entries) for h in handles)):
+            for (name, _, _), (_, error) in zip(entries, answer):
+                if error:
+                    log.warning("a worker refused adapter %s: %s", name, error)
 
     async def drain(self, name: str, timeout_s: float) -> list[str]:
         """Evict ``name`` until no worker holds it; the versions evicted. ConflictError if it is registered

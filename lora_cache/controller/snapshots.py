@@ -1,4 +1,5 @@
-"""Controller state that survives a controller restart: hints, queue reports, popularity (issue 19).
+"""Controller state that survives a controller restart: hints, queue reports, popularity (issue 19), and the
+catalog (issue 29, ``catalog_store.py``).
 
 Residency is rebuilt from the workers' reports (invariant 6); what only the controller knew is kept in
 Ray's GCS key-value store (``ray.experimental.internal_kv``, what Ray itself keeps its own metadata in):
@@ -22,6 +23,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from lora_cache.controller import catalog_store
+from lora_cache.controller.catalog_store import CatalogSnapshots
+from lora_cache.controller.core import ControllerCore
 from lora_cache.errors import ConfigError
 from lora_cache.planner import Planner
 
@@ -35,6 +39,8 @@ class DurableConfig:
     max_bytes: int = field(default=4 << 20, metadata={"help": "bound of one snapshot; popularity is cut to fit"})
     max_counts: int = field(default=4096, metadata={"help": "popularity counts kept per counter in a snapshot"})
     key: str = field(default="controller-state/v1", metadata={"help": "key in Ray's GCS key-value store"})
+    catalog_key: str = field(default="controller-catalog/v1", metadata={
+        "help": "key of the catalog's snapshot (names, paths, versions) in Ray's GCS key-value store"})
 
     def __post_init__(self) -> None:
         if isinstance(self.period_s, bool) or not isinstance(self.period_s, int | float) \
@@ -46,6 +52,9 @@ class DurableConfig:
                 raise ConfigError(f"{name} is {value!r}; give an int >= {least}")
         if not self.key:
             raise ConfigError("key is empty; give the GCS key of the snapshot, e.g. 'controller-state/v1'")
+        if not self.catalog_key or self.catalog_key == self.key:
+            raise ConfigError(f"catalog_key is {self.catalog_key!r}; give a GCS key of its own, other than key "
+                              f"({self.key!r}), e.g. 'controller-catalog/v1'")
 
 
 def encode(planner: Planner, config: DurableConfig) -> bytes:
@@ -109,12 +118,18 @@ class KvStore:
 
 class DurableState:
     """The controller's snapshots in the GCS kv store: what the actor restores and persists (blocking
-    reads and writes run on a thread, off the event loop)."""
+    reads and writes run on a thread, off the event loop). The planner's state and the catalog each have
+    a key of their own (``catalog_store.py``: the catalog is never cut to a bound)."""
 
     def __init__(self, config: DurableConfig, namespace: str) -> None:
         self.snapshots = Snapshots(config)
         self.store = KvStore(config.key, namespace)
         self.restored: dict[str, int] = {}  # what the last restore brought back, by kind (for status)
+        self.catalog = CatalogSnapshots()
+        self.catalog_store = KvStore(config.catalog_key, namespace)
+        self.catalog_restored: dict[str, int] = {}
+        self._catalog_saved = -1  # the catalog generation the last snapshot written holds
+        self._catalog_writing = asyncio.Lock()  # one catalog write at a time; a write covers the calls behind it
 
     async def restore(self, planner: Planner) -> None:
         """Hints, queues and popularity from the last snapshot a predecessor wrote (none on a first start)."""
@@ -126,6 +141,42 @@ class DurableState:
                 log.info("restored controller state: %s", self.restored)
         except Exception as e:  # a bad or unreadable snapshot: start without it (hints are re-sent, queues re-reported)
             log.warning("could not restore the controller's state (%s: %s); starting without it", type(e).__name__, e)
+
+    async def restore_catalog(self, core: ControllerCore) -> None:
+        """The catalog from the last snapshot, each entry's files read again on a thread (a file provably the
+        one hashed is not hashed again; a changed one comes back under its new version or not at all)."""
+        try:
+            data = await asyncio.to_thread(self.catalog_store.get)
+            if not data:
+                return
+            saved = await asyncio.to_thread(catalog_store.decode, data)
+        except Exception as e:  # unreadable: the workers' reports still bring back what they hold
+            log.warning("could not read the catalog's snapshot (%s: %s); starting from the workers' reports",
+                        type(e).__name__, e)
+            return
+        restored = await asyncio.to_thread(catalog_store.read_saved, core, saved)
+        catalog_store.apply(core, restored)
+        self._catalog_saved = -1  # what changed (a new version, an entry left out) is saved at the next chance
+        self.catalog_restored = {k: v for k, v in restored._asdict().items() if isinstance(v, int)}
+        self.catalog_restored["entries"] = len(restored.entries)
+        log.info("restored the catalog: %s", self.catalog_restored)
+
+    async def save_catalog(self, core: ControllerCore) -> None:
+        """Write the catalog's snapshot if it changed since the last one written; returns once a snapshot
+        holding every change made before the call is written (or the write failed: logged, tried again)."""
+        wanted = core.catalog.generation
+        async with self._catalog_writing:
+            if self._catalog_saved >= wanted:
+                return  # the write this call waited for holds its changes
+            generation, paths = core.catalog.generation, core.paths.copy()  # the copy: one C call, on the loop
+            try:  # the snapshot holds at least every change up to ``generation`` (the catalog is thread-safe)
+                data = await asyncio.to_thread(self.catalog.take, core.catalog, paths)
+                await asyncio.to_thread(self.catalog_store.put, data)
+            except Exception as e:  # GCS unreachable: the health loop tries again
+                log.warning("could not save the catalog: %s", e)
+                return
+            self._catalog_saved = generation
+            self.catalog.writes += 1
 
     async def persist(self, planner: Planner) -> None:
         """A snapshot of what only the controller knows, if due and changed (the write runs on a thread)."""

@@ -49,8 +49,11 @@ class Endpoint:
     async def describe(self) -> Any:
         return await self.relay.call("describe")
 
-    async def register_adapter(self, name: str, path: str) -> Any:
-        return await self.relay.call("register_adapter", name, path)
+    async def register_adapter(self, name: str, path: str, known: Any = None) -> Any:
+        return await self.relay.call("register_adapter", name, path, known)
+
+    async def register_adapters(self, entries: list[Any]) -> Any:
+        return await self.relay.call("register_adapters", entries)
 
     async def unregister_adapter(self, name: str) -> Any:
         return await self.relay.call("unregister_adapter", name)

@@ -18,7 +18,8 @@ from typing import Any
 from lora_cache.errors import LoraCacheError
 from lora_cache.vocab import Call
 
-RELAYED = ("apply", "describe", "register_adapter", "unregister_adapter", "stats")  # what the controller calls
+# what the controller calls
+RELAYED = ("apply", "describe", "register_adapter", "register_adapters", "unregister_adapter", "stats")
 
 
 class EndpointStaleError(LoraCacheError, ConnectionError):

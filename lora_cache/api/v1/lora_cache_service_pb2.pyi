@@ -289,6 +289,40 @@ class RegisterAdapterResponse(_message.Message):
     previous_version: str
     def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., previous_version: _Optional[str] = ...) -> None: ...
 
+class RegisterAdaptersRequest(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[RegisterAdapterRequest]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[RegisterAdapterRequest, _Mapping]]] = ...) -> None: ...
+
+class RegisteredAdapter(_message.Message):
+    __slots__ = ("name", "version", "previous_version", "error", "rank_errors")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RANK_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    previous_version: str
+    error: RegisterError
+    rank_errors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., previous_version: _Optional[str] = ..., error: _Optional[_Union[RegisterError, _Mapping]] = ..., rank_errors: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RegisterError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class RegisterAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[RegisteredAdapter]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[RegisteredAdapter, _Mapping]]] = ...) -> None: ...
+
 class UnregisterAdapterRequest(_message.Message):
     __slots__ = ("name", "drain_timeout")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -432,12 +466,70 @@ class DescribeRank(_message.Message):
     def __init__(self) -> None: ...
 
 class RegisterRankAdapter(_message.Message):
-    __slots__ = ("name", "path")
+    __slots__ = ("name", "path", "known")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+    known: KnownVersion
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., known: _Optional[_Union[KnownVersion, _Mapping]] = ...) -> None: ...
+
+class FileIdentity(_message.Message):
+    __slots__ = ("dev", "ino", "size", "mtime_ns", "ctime_ns")
+    DEV_FIELD_NUMBER: _ClassVar[int]
+    INO_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MTIME_NS_FIELD_NUMBER: _ClassVar[int]
+    CTIME_NS_FIELD_NUMBER: _ClassVar[int]
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    def __init__(self, dev: _Optional[int] = ..., ino: _Optional[int] = ..., size: _Optional[int] = ..., mtime_ns: _Optional[int] = ..., ctime_ns: _Optional[int] = ...) -> None: ...
+
+class KnownVersion(_message.Message):
+    __slots__ = ("version", "config_digest", "host", "weights_path", "identity", "header_bytes", "header_crc", "block_crcs", "registered_ns")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    HEADER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HEADER_CRC_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_CRCS_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_NS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    config_digest: str
+    host: str
+    weights_path: str
+    identity: FileIdentity
+    header_bytes: int
+    header_crc: int
+    block_crcs: bytes
+    registered_ns: int
+    def __init__(self, version: _Optional[str] = ..., config_digest: _Optional[str] = ..., host: _Optional[str] = ..., weights_path: _Optional[str] = ..., identity: _Optional[_Union[FileIdentity, _Mapping]] = ..., header_bytes: _Optional[int] = ..., header_crc: _Optional[int] = ..., block_crcs: _Optional[bytes] = ..., registered_ns: _Optional[int] = ...) -> None: ...
+
+class RegisterRankAdapters(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[RegisterRankAdapter]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[RegisterRankAdapter, _Mapping]]] = ...) -> None: ...
+
+class RankRegistration(_message.Message):
+    __slots__ = ("version", "error")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    error: str
+    def __init__(self, version: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class RankRegistrations(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[RankRegistration]
+    def __init__(self, results: _Optional[_Iterable[_Union[RankRegistration, _Mapping]]] = ...) -> None: ...
 
 class UnregisterRankAdapter(_message.Message):
     __slots__ = ("name",)
@@ -450,20 +542,22 @@ class RankStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RelayedCall(_message.Message):
-    __slots__ = ("call_id", "apply", "describe", "register_adapter", "unregister_adapter", "stats")
+    __slots__ = ("call_id", "apply", "describe", "register_adapter", "unregister_adapter", "stats", "register_adapters")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     APPLY_FIELD_NUMBER: _ClassVar[int]
     DESCRIBE_FIELD_NUMBER: _ClassVar[int]
     REGISTER_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     UNREGISTER_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     apply: ApplyCommands
     describe: DescribeRank
     register_adapter: RegisterRankAdapter
     unregister_adapter: UnregisterRankAdapter
     stats: RankStatsRequest
-    def __init__(self, call_id: _Optional[int] = ..., apply: _Optional[_Union[ApplyCommands, _Mapping]] = ..., describe: _Optional[_Union[DescribeRank, _Mapping]] = ..., register_adapter: _Optional[_Union[RegisterRankAdapter, _Mapping]] = ..., unregister_adapter: _Optional[_Union[UnregisterRankAdapter, _Mapping]] = ..., stats: _Optional[_Union[RankStatsRequest, _Mapping]] = ...) -> None: ...
+    register_adapters: RegisterRankAdapters
+    def __init__(self, call_id: _Optional[int] = ..., apply: _Optional[_Union[ApplyCommands, _Mapping]] = ..., describe: _Optional[_Union[DescribeRank, _Mapping]] = ..., register_adapter: _Optional[_Union[RegisterRankAdapter, _Mapping]] = ..., unregister_adapter: _Optional[_Union[UnregisterRankAdapter, _Mapping]] = ..., stats: _Optional[_Union[RankStatsRequest, _Mapping]] = ..., register_adapters: _Optional[_Union[RegisterRankAdapters, _Mapping]] = ...) -> None: ...
 
 class ApplyResult(_message.Message):
     __slots__ = ("accepted", "rejected_stale", "errors")
@@ -531,7 +625,7 @@ class CallError(_message.Message):
     def __init__(self, error_class: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class CallAnswer(_message.Message):
-    __slots__ = ("call_id", "apply", "describe", "registered_version", "unregistered", "stats_json", "error")
+    __slots__ = ("call_id", "apply", "describe", "registered_version", "unregistered", "stats_json", "error", "registered")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     APPLY_FIELD_NUMBER: _ClassVar[int]
     DESCRIBE_FIELD_NUMBER: _ClassVar[int]
@@ -539,6 +633,7 @@ class CallAnswer(_message.Message):
     UNREGISTERED_FIELD_NUMBER: _ClassVar[int]
     STATS_JSON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     apply: ApplyResult
     describe: WorkerReport
@@ -546,7 +641,8 @@ class CallAnswer(_message.Message):
     unregistered: bool
     stats_json: str
     error: CallError
-    def __init__(self, call_id: _Optional[int] = ..., apply: _Optional[_Union[ApplyResult, _Mapping]] = ..., describe: _Optional[_Union[WorkerReport, _Mapping]] = ..., registered_version: _Optional[str] = ..., unregistered: _Optional[bool] = ..., stats_json: _Optional[str] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
+    registered: RankRegistrations
+    def __init__(self, call_id: _Optional[int] = ..., apply: _Optional[_Union[ApplyResult, _Mapping]] = ..., describe: _Optional[_Union[WorkerReport, _Mapping]] = ..., registered_version: _Optional[str] = ..., unregistered: _Optional[bool] = ..., stats_json: _Optional[str] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., registered: _Optional[_Union[RankRegistrations, _Mapping]] = ...) -> None: ...
 
 class ResidencyDelta(_message.Message):
     __slots__ = ("seq", "adapter", "version", "state", "error")

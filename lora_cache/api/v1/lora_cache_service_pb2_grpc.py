@@ -71,6 +71,11 @@ class LoraCacheServiceStub:
                 request_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.RegisterAdapterRequest.SerializeToString,
                 response_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.RegisterAdapterResponse.FromString,
                 _registered_method=True)
+        self.RegisterAdapters = channel.unary_unary(
+                '/lora_cache.v1.LoraCacheService/RegisterAdapters',
+                request_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.RegisterAdaptersRequest.SerializeToString,
+                response_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.RegisterAdaptersResponse.FromString,
+                _registered_method=True)
         self.UnregisterAdapter = channel.unary_unary(
                 '/lora_cache.v1.LoraCacheService/UnregisterAdapter',
                 request_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.UnregisterAdapterRequest.SerializeToString,
@@ -157,6 +162,16 @@ class LoraCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterAdapters(self, request, context):
+        """RegisterAdapters registers many adapters in one call, each by itself, then plans once: an item
+        that cannot be registered (a bad name, path or file) gets its own error and leaves its name as it
+        was; the others are registered. What RegisterAdapter does for one, for up to the gateway's
+        max_hints_per_call items (`lora-cache register --dir DIR`, `serve --adapters DIR`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def UnregisterAdapter(self, request, context):
         """UnregisterAdapter stops all new use of an adapter (hints, queue reports, prefetches), then
         waits until every worker has dropped it; a worker keeps an adapter that running batches
@@ -226,6 +241,11 @@ def add_LoraCacheServiceServicer_to_server(servicer, server):
                     servicer.RegisterAdapter,
                     request_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.RegisterAdapterRequest.FromString,
                     response_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.RegisterAdapterResponse.SerializeToString,
+            ),
+            'RegisterAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterAdapters,
+                    request_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.RegisterAdaptersRequest.FromString,
+                    response_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.RegisterAdaptersResponse.SerializeToString,
             ),
             'UnregisterAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.UnregisterAdapter,
@@ -434,6 +454,33 @@ class LoraCacheService:
             '/lora_cache.v1.LoraCacheService/RegisterAdapter',
             lora__cache_dot_v1_dot_lora__cache__service__pb2.RegisterAdapterRequest.SerializeToString,
             lora__cache_dot_v1_dot_lora__cache__service__pb2.RegisterAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lora_cache.v1.LoraCacheService/RegisterAdapters',
+            lora__cache_dot_v1_dot_lora__cache__service__pb2.RegisterAdaptersRequest.SerializeToString,
+            lora__cache_dot_v1_dot_lora__cache__service__pb2.RegisterAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,179 @@
+"""The controller's catalog across a restart (lifecycle step 0; issue 29): names, paths, versions, kept
+older versions, in Ray's GCS key-value store beside the planner's snapshot (``snapshots.py``).
+
+Workers' reports alone cannot rebuild a catalog when there are none (``serve --replicas 0`` with no engine
+attached), and they name paths, not versions. So every registration call ends with the catalog saved
+(``CatalogSnapshots.save``: encoded and written on a thread, a write in flight covering the calls that
+arrive while it runs), and the health loop saves what else changed. Each entry keeps the version as it
+was hashed (``KnownVersion``: the file's identity, header and block CRCs), so a restarted controller
+takes a file that is provably the one hashed without reading its weights again (``peft.proves``), and
+hashes any other. Whatever the file holds now is what comes back: an entry whose file changed meanwhile
+comes back under its new version (logged), one that cannot be read is left out (logged, with the fix),
+and an older version comes back only if its bytes are still the ones it was hashed from. Never the old
+version over new bytes.
+
+``encode``/``decode`` are plain functions over the catalog's specs; ``read_saved`` reads a decoded
+snapshot's files (on a thread), ``CatalogSnapshots`` keeps each entry's encoding until it changes.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+import zlib
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+from lora_cache.adapters.catalog import AdapterCatalog
+from lora_cache.adapters.files import BlockCrcs, FileIdentity, WeightsSource
+from lora_cache.adapters.peft import AdapterSpec, KnownVersion
+from lora_cache.controller.core import ControllerCore
+from lora_cache.errors import LoraCacheError
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+YIELD_EVERY = 64  # entries encoded between two hand-overs of the GIL
+
+
+class SavedVersion(NamedTuple):
+    path: str  # the directory to read it from (the current version's as it was registered)
+    known: KnownVersion
+
+
+class SavedEntry(NamedTuple):
+    name: str
+    current: SavedVersion
+    older: tuple[SavedVersion, ...]  # oldest first
+
+
+class Restored(NamedTuple):
+    """What a restore brought back (each current version: as saved, or a new one hashed) and left out."""
+
+    entries: list[tuple[AdapterSpec, str, list[AdapterSpec]]]  # (current spec, its path, older specs kept)
+    unchanged: int  # current versions proven the same file, taken without reading the weights
+    rehashed: int  # current versions read again (another machine, a racy stamp, a changed identity)
+    changed: int  # of those, now a new version
+    refused: int  # entries that could not be read: left out
+    dropped: int  # older versions whose bytes are gone
+
+
+def known_json(k: KnownVersion) -> dict[str, Any]:
+    s = k.source
+    return {"v": k.version, "c": k.config_digest, "h": k.host, "w": s.path, "id": list(s.identity),
+            "hb": s.header_bytes, "hc": s.header_crc, "b": base64.b64encode(s.block_crcs.packed).decode(),
+            "t": s.registered_ns}
+
+
+def known_from(d: dict[str, Any]) -> KnownVersion:
+    source = WeightsSource(str(d["w"]), str(d["v"]), FileIdentity(*map(int, d["id"])), int(d["hb"]), int(d["hc"]),
+                           BlockCrcs(base64.b64decode(d["b"])), int(d["t"]))
+    return KnownVersion(str(d["v"]), str(d["c"]), str(d["h"]), source)
+
+
+def entry_json(name: str, path: str, current: AdapterSpec, older: list[AdapterSpec]) -> bytes | None:
+    """One entry's encoding; None for a spec not read from disk (a simulator's): nothing to prove it by."""
+    versions = [(path, current), *((str(s.path), s) for s in older)]
+    if any(s.known is None for _, s in versions):
+        return None
+    return json.dumps([name, [[p, known_json(s.known)] for p, s in versions]],  # type: ignore[arg-type]
+                      separators=(",", ":")).encode()
+
+
+def join(fragments: Iterable[bytes]) -> bytes:
+    return zlib.compress(b'{"format":%d,"entries":[' % FORMAT + b",".join(fragments) + b"]}", 1)
+
+
+def decode(data: bytes) -> list[SavedEntry]:
+    """A snapshot's entries; ValueError (or KeyError, TypeError) for one this controller cannot read."""
+    state = json.loads(zlib.decompress(data))
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ValueError(f"catalog snapshot has format {state.get('format') if isinstance(state, dict) else state!r}, "
+                         f"this controller reads {FORMAT}")
+    out = []
+    for name, versions in state["entries"]:
+        saved = [SavedVersion(str(p), known_from(k)) for p, k in versions]
+        out.append(SavedEntry(str(name), saved[0], tuple(saved[1:])))
+    return out
+
+
+class CatalogSnapshots:
+    """The catalog's snapshot, re-encoding only the entries that changed since the last one (a 10,000-adapter
+    catalog is a few MB; one registration changes one entry). ``take`` runs on a thread, one at a time."""
+
+    def __init__(self) -> None:
+        self._fragments: dict[str, tuple[tuple[str, tuple[str, ...]], bytes | None]] = {}  # name -> (key, encoding)
+        self.writes = 0
+        self.bytes = 0  # the last snapshot's size
+
+    def take(self, catalog: AdapterCatalog, paths: dict[str, str]) -> bytes:
+        """The snapshot of ``catalog``, each entry with its registered path in ``paths`` (on a thread: the GIL is
+        let go every ``YIELD_EVERY`` entries, so that the event loop answers meanwhile)."""
+        fragments: dict[str, tuple[tuple[str, tuple[str, ...]], bytes | None]] = {}
+        for n, (current, older) in enumerate(catalog.entries()):
+            if n % YIELD_EVERY == YIELD_EVERY - 1:
+                time.sleep(0)
+            name, path = current.name, paths.get(current.name, str(current.path))
+            key = (path, (current.version, *(s.version for s in older)))
+            cached = self._fragments.get(name)
+            fragments[name] = cached if cached is not None and cached[0] == key else \
+                (key, entry_json(name, path, current, older))
+        self._fragments = fragments
+        data = join(f for _, f in fragments.values() if f is not None)
+        self.bytes = len(data)
+        return data
+
+
+def read_saved(core: ControllerCore, saved: list[SavedEntry]) -> Restored:
+    """Every saved entry read again from its files, with what was saved as the version's proof (a file that is
+    provably the one hashed is not read again). Changes nothing: run it on a thread, then ``apply``."""
+    entries, unchanged, rehashed, changed, refused, dropped = [], 0, 0, 0, 0, 0
+    for entry in saved:
+        try:
+            current = core.read_adapter(entry.name, entry.current.path, entry.current.known)
+        except (LoraCacheError, OSError) as e:
+            log.warning("adapter %s (%s) was not restored: %s; register it again once its files are in place",
+                        entry.name, entry.current.path, e)
+            refused += 1
+            continue
+        if current.source is entry.current.known.source:
+            unchanged += 1
+        else:
+            rehashed += 1
+        if current.version != entry.current.known.version:
+            changed += 1
+            log.warning("adapter %s changed while the controller was down: restored as version %s (it was %s)",
+                        entry.name, current.version, entry.current.known.version)
+        older = []
+        for kept in entry.older:
+            spec = _same_version(core, entry.name, kept)
+            if spec is None:
+                dropped += 1
+            else:
+                older.append(spec)
+        entries.append((current, entry.current.path, older))
+    return Restored(entries, unchanged, rehashed, changed, refused, dropped)
+
+
+def _same_version(core: ControllerCore, name: str, kept: SavedVersion) -> AdapterSpec | None:
+    """An older version again, if its files still hold exactly its bytes (else None: it is gone)."""
+    try:
+        spec = core.read_adapter(name, kept.path, kept.known)
+    except (LoraCacheError, OSError) as e:
+        log.info("older version %s of adapter %s is gone (%s)", kept.known.version, name, e)
+        return None
+    if spec.version != kept.known.version:
+        log.info("older version %s of adapter %s is gone: %s now holds version %s", kept.known.version, name,
+                 kept.path, spec.version)
+        return None
+    return spec
+
+
+def apply(core: ControllerCore, restored: Restored) -> None:
+    """The restored entries into the core (on the loop, before the controller acts)."""
+    for current, path, older in restored.entries:
+        core.add_adapter(current, path)
+        for spec in older:
+            core.catalog.keep(spec)
