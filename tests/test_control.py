@@ -10,8 +10,9 @@ import pytest
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.controller.core import ControllerConfig, ControllerCore
-from lora_cache.errors import NotFoundError
+from lora_cache.errors import ConflictError, NotFoundError
 from lora_cache.planner import PlannerConfig
+from lora_cache.routing.advice import RouteRequest
 from lora_cache.vocab import AdapterKey, Delta, Evict, Prefetch, Stage, WorkerId
 from tests.planner_queries import popularity
 from workers.cache import WorkerCache, WorkerConfig
@@ -186,6 +187,33 @@ def test_lost_worker_makes_replica_not_ready(fleet) -> None:
     assert not event.ready and core.readiness.lookup("adapter-000").ready == ()
     replan = core.plan(now=2.0)  # the queued adapter is planned again for the lost rank
     assert [c.adapter for c in replan[WorkerId("r0", 1)]] == ["adapter-000"]
+
+
+def test_a_replica_with_a_lost_rank_is_not_routed_to_until_the_rank_is_heard_from(fleet) -> None:
+    """Issue 31: after a replica's rank was lost, Route still ranked the replica first for most cold adapters.
+    Now a lost rank (dead, hung or detached: not a restart that answers) takes its replica out of the advice
+    until the rank reports again; with every replica out, Route says so instead of advising a dead one."""
+    core, _ = fleet
+    core.add_replica("r1", tp=1, slots=2)
+    cold = [RouteRequest(f"adapter-00{i}") for i in range(6)]
+
+    def picked() -> set[str]:
+        return {r.replica for advice in core.route(cold) for r in advice.ranked}
+
+    assert picked() == {"r0", "r1"}
+    core.worker_lost(WorkerId("r0", 1))
+    assert picked() == {"r1"}
+    core.check_integrity()
+    core.worker_lost(WorkerId("r1", 0))
+    with pytest.raises(ConflictError, match="every replica has a rank that is lost"):
+        core.route(cold)
+    core.sync_worker(WorkerId("r0", 1), [])  # it answered its full report: alive, if empty
+    assert picked() == {"r0"}
+    core.worker_report(WorkerId("r1", 0), [], now=3.0)  # a report of any kind: alive
+    assert picked() == {"r0", "r1"}
+    core.worker_lost(WorkerId("r1", 0), gone=False)  # restarted empty and said so: still routable
+    assert picked() == {"r0", "r1"}
+    core.check_integrity()
 
 
 def test_a_failed_load_is_retried_after_a_backoff_not_in_a_loop(fleet) -> None:

@@ -78,6 +78,7 @@ class ControllerCore:
         self.recent_failures: deque[str] = deque(maxlen=20)
         self.hints_received = self.hints_accepted = 0  # hints given / taken (the rest ignored)
         self.routes_asked = 0  # requests routing advice was asked for
+        self.down: set[WorkerId] = set()  # ranks lost (dead, hung, detached) and not heard from since
 
     # -- adapters and topology ------------------------------------------------------------------
     def register_adapter(self, name: str, path: str) -> str:
@@ -124,9 +125,13 @@ class ControllerCore:
         self.readiness.add_replica(replica, tp)
         return workers
 
-    def worker_lost(self, worker: WorkerId) -> list[ReadinessEvent]:
-        """A worker died or restarted empty: drop what it held, the replica is replanned."""
+    def worker_lost(self, worker: WorkerId, gone: bool = True) -> list[ReadinessEvent]:
+        """A worker died or restarted empty: drop what it held, the replica is replanned. ``gone``: it is dead,
+        hung or detached (not a restart that answers): its replica takes no routed requests until the worker
+        is heard from again (a report or a full report)."""
         self.check_worker(worker)
+        if gone:
+            self.down.add(worker)
         self.planner.report_residency(str(worker), [])
         self.failures = {k: f for k, f in self.failures.items() if k[0] != worker}
         return self.readiness.drop_rank(worker.replica, worker.rank)
@@ -172,6 +177,7 @@ class ControllerCore:
                       now: float) -> list[ReadinessEvent]:
         """(adapter, version, state, error) changes from one worker; returns replica-level events (step 8).
 
+        A worker that reports is alive (its replica routable again, if it was lost).
         A worker that refused an evict (the adapter is loading or in use) says so with its state,
         "in_use" for a running batch's: the planner counts it pinned until the worker's next report.
 
@@ -180,6 +186,7 @@ class ControllerCore:
         doubles with every failure of the same adapter version on the same worker (up to a minute).
         """
         self.check_worker(worker)
+        self.down.discard(worker)
         events: list[ReadinessEvent] = []
         for adapter, version, state, error in deltas:
             rank_state, slot_state = _STATE.get(state, (None, None))
@@ -203,6 +210,7 @@ class ControllerCore:
         was known of the worker, including commands assumed done. Readiness changes only where the
         report differs, so a resync that finds nothing new publishes nothing."""
         self.check_worker(worker)
+        self.down.discard(worker)  # it answered with its full report: alive
         entries = [(a, v, s, refs) for a, v, s, refs in entries if s in _STATE]
         planned = [ResidencyEntry(a, v, SlotState.IN_USE if refs else _STATE[s][1], refs)
                    for a, v, s, refs in entries if a in self.catalog]
@@ -245,7 +253,7 @@ class ControllerCore:
         """Routing advice (step 1): replicas ranked for each request's adapter, from residency, the plan in
         flight, queues and hints (``lora_cache.routing.advice``); ``loads``: the router's own in-flight counts."""
         self.routes_asked += len(items)
-        return advise(self.planner, items, self.config.router, loads)
+        return advise(self.planner, items, self.config.router, loads, down={w.replica for w in self.down})
 
     def status(self) -> dict[str, object]:
         return {"epoch": self.epoch, "adapters": len(self.catalog), "replicas": list(self.planner.replicas()),
@@ -270,5 +278,6 @@ class ControllerCore:
             raise NotFoundError(f"worker {worker} is not part of replica {worker.replica!r}")
 
     def check_integrity(self) -> None:
+        assert all(str(w) in self.planner.workers(w.replica) for w in self.down), "a lost rank the fleet lacks"
         self.planner.check_integrity()
         self.readiness.check_integrity()

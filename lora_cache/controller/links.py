@@ -210,8 +210,8 @@ class WorkerLinks:
         if link is not None and incarnation < link.incarnation:
             return False
         if link is None or incarnation > link.incarnation:
-            if link is not None:
-                self.publish(self.core.worker_lost(wid))
+            if link is not None:  # restarted: empty, but alive (it said so)
+                self.publish(self.core.worker_lost(wid, gone=False))
             self.links[wid] = Link(incarnation, 0)
         return True
 

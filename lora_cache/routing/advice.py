@@ -9,7 +9,7 @@ does, that count is the replica's load, else the queue depth plus the active hin
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
 
 from lora_cache.errors import ConflictError, LoraCacheError, NotFoundError
@@ -51,9 +51,12 @@ def residence(planner: Planner, replica: str, key: AdapterKey) -> Residence:
     return Residence.COLD
 
 
-def replica_loads(planner: Planner, key: AdapterKey, loads: Mapping[str, float]) -> list[ReplicaLoad]:
+def replica_loads(planner: Planner, key: AdapterKey, loads: Mapping[str, float],
+                  down: Collection[str] = ()) -> list[ReplicaLoad]:
     out = []
     for replica in planner.replicas():
+        if replica in down:
+            continue  # a rank of it is lost: a request routed there waits for nothing good
         load = loads.get(replica)
         if load is None:
             load = float(len(planner.queue(replica)) + len(planner.hints(replica)))
@@ -62,13 +65,16 @@ def replica_loads(planner: Planner, key: AdapterKey, loads: Mapping[str, float])
 
 
 def advise(planner: Planner, items: Sequence[RouteRequest], config: RouterConfig,
-           loads: Mapping[str, float] | None = None) -> list[RouteAdvice]:
+           loads: Mapping[str, float] | None = None, down: Collection[str] = ()) -> list[RouteAdvice]:
     """Ranked replicas for every item, in order (``lora_cache.routing.ranking.route_batch``); an item naming an
     unknown adapter or a version that is not current gets its own error and takes no load."""
     loads = dict(loads or {})
     if not planner.replicas():
         raise ConflictError("no replicas to route to; start some (lora-cache serve --replicas N) or wait for "
                             "their workers to register")
+    if not set(planner.replicas()) - set(down):
+        raise ConflictError(f"every replica has a rank that is lost ({sorted(down)}); wait for their workers to "
+                            "come back (lora-cache status shows the workers)")
     unknown = sorted(set(loads) - set(planner.replicas()))
     if unknown:
         raise NotFoundError(f"loads name unknown replicas {unknown}; known replicas: {list(planner.replicas())}")
@@ -77,7 +83,7 @@ def advise(planner: Planner, items: Sequence[RouteRequest], config: RouterConfig
     for item in items:
         errors.append(_check(planner, item))
         if errors[-1] is None and item.adapter not in views:
-            views[item.adapter] = replica_loads(planner, planner.adapter(item.adapter).key, loads)
+            views[item.adapter] = replica_loads(planner, planner.adapter(item.adapter).key, loads, down)
     good = [RouteItem(i.adapter, i.tokens) for i, e in zip(items, errors) if e is None]
     ranked = iter(route_batch(good, views, config))
     return [RouteAdvice(i.adapter, planner.adapter(i.adapter).version, next(ranked)) if e is None
