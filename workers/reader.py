@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import json
 import math
 import mmap
 import os
@@ -40,7 +39,7 @@ from typing import NamedTuple
 import torch
 
 from lora_cache.adapters.files import BLOCK_BYTES, FileIdentity, WeightsSource, file_kind, same_file
-from lora_cache.adapters.peft import FLOAT_DTYPES, AdapterSpec
+from lora_cache.adapters.peft import FLOAT_DTYPES, AdapterSpec, parse_tensors
 from lora_cache.adapters.shards import ShardEntry, ShardLayout
 from lora_cache.errors import AdapterChangedError, AdapterFormatError
 from workers.read_io import FileShrank, bad_block, read_task
@@ -419,20 +418,14 @@ def tensor_index(path: str, version: str, size: int) -> dict[str, FileTensor]:
 @functools.lru_cache(maxsize=512)  # ~50 KiB of header and its index per 8B adapter
 def _parse_index(head: bytes, size: int) -> dict[str, FileTensor]:
     """key -> where its bytes are, from a safetensors header (its 8-byte length and its JSON), parsed once per
-    header. Every tensor must lie inside the ``size``-byte file."""
-    n = len(head) - 8
-    header = json.loads(head[8:])
+    header by registration's own parser (``peft.parse_tensors``: every tensor inside the ``size``-byte file)."""
+    try:
+        tensors = parse_tensors(head[8:], size)
+    except (ValueError, KeyError, TypeError) as e:  # the file changed since registration
+        raise AdapterFormatError(f"the safetensors header no longer parses ({e}); register the adapter again") from e
     index = {}
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        if info["dtype"] not in FLOAT_DTYPES:  # registration refuses these; the file changed since
-            raise AdapterFormatError(f"tensor {key!r} is {info['dtype']}, not one of {sorted(FLOAT_DTYPES)}")
-        dtype = getattr(torch, FLOAT_DTYPES[info["dtype"]])
-        begin, end = info["data_offsets"]
-        shape = tuple(int(d) for d in info["shape"])
-        if end - begin != math.prod(shape) * dtype.itemsize or not 0 <= begin <= end <= size - 8 - n:
-            raise AdapterFormatError(f"tensor {key!r} ({info['dtype']} {list(shape)}) has byte range [{begin}, {end}) "
-                                     "that does not match its shape or the file")
-        index[key] = FileTensor(dtype, shape, 8 + n + begin)
+    for key, (dtype, shape, begin) in tensors.items():
+        if dtype not in FLOAT_DTYPES:  # registration refuses these; the file changed since
+            raise AdapterFormatError(f"tensor {key!r} is {dtype}, not one of {sorted(FLOAT_DTYPES)}")
+        index[key] = FileTensor(getattr(torch, FLOAT_DTYPES[dtype]), shape, len(head) + begin)
     return index

@@ -301,14 +301,23 @@ def _read_header(fd: int, header_bytes: int, size: int, weights: Path) -> dict[s
                                  "corrupt: re-copy or re-save it") from e
 
 
-@functools.lru_cache(maxsize=256)  # adapters of one shape and rank have the same header: parsed once
 def _parse_header(head: bytes, size: int) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """The header's tensors, checked as safetensors checks them: every tensor's bytes its dtype times its shape,
-    the tensors back to back from the header's end to the end of the ``size``-byte file. Shared: read only."""
+    """key -> (safetensors dtype, shape) of ``parse_tensors``."""
+    return {key: (dtype, dims) for key, (dtype, dims, _) in parse_tensors(head, size).items()}
+
+
+@functools.lru_cache(maxsize=256)  # adapters of one shape and rank have the same header: parsed once
+def parse_tensors(head: bytes, size: int) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """key -> (safetensors dtype, shape, first byte after the header) of a safetensors header's JSON ``head``,
+    checked as safetensors checks them: every tensor's bytes its dtype times its shape, the tensors back to
+    back from the header's end to the end of the ``size``-byte file. The one parser of the format, for
+    registration and for every read (``workers/reader.py``). Shared: read only. ValueError, KeyError or
+    TypeError for a malformed header."""
     raw = json.loads(head)
     if not isinstance(raw, dict):
         raise ValueError(f"the header is a JSON {type(raw).__name__}, not an object")
-    header, spans = {}, []
+    header: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    spans = []
     for key, info in raw.items():
         if key == "__metadata__":
             continue
@@ -319,7 +328,7 @@ def _parse_header(head: bytes, size: int) -> dict[str, tuple[str, tuple[int, ...
             raise ValueError(f"tensor {key!r}: shape {list(dims)} or offsets {[begin, end]} are not sizes")
         if end - begin != math.prod(dims) * SAFETENSORS_DTYPES[dtype]:
             raise ValueError(f"tensor {key!r}: {end - begin} bytes for {dtype} {list(dims)}")
-        header[key] = (dtype, dims)
+        header[key] = (dtype, dims, begin)
         spans.append((begin, end, key))
     at = 0
     for begin, end, key in sorted(spans):
