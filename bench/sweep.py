@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.config import BenchConfig
+from bench.grid import GRIDS, run_grid, select
+from bench.grid import table as grid_table
 from bench.report import cell
 from bench.run import run
 from bench.sim import ROUTERS
@@ -120,7 +122,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default="sweep", help="directory for every run's results and sweep.md")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--calibration", default="h200-llama8b", help="simulator costs (bench/calibration)")
+    p.add_argument("--grid", default="", help=f"run a grid instead of the scenarios: {', '.join(GRIDS)} "
+                   "(bench/grid.py: global behind Route against affinity and least-loaded)")
+    p.add_argument("--points", default="", help="--grid: comma list of shell patterns over point names "
+                   "(e.g. 'r2-*-m1-*'; default: every point)")
     ns = p.parse_args(argv)
+    if ns.grid:
+        return grid_main(ns.grid, ns.points, ns.calibration, Path(ns.out))
     scenarios = [s for s in ns.scenarios.split(",") if s]
     routers = [r for r in ns.routers.split(",") if r]
     try:
@@ -141,6 +149,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def grid_main(name: str, points: str, calibration: str, out: Path) -> int:
+    try:
+        if name not in GRIDS:
+            raise ConfigError(f"grid {name!r} is not one of {', '.join(GRIDS)}")
+        outcomes = run_grid(select(GRIDS[name](), points), calibration, out, sys.stderr)
+    except LoraCacheError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(grid_table(outcomes), flush=True)
+    return 0 if all(o.holds for o in outcomes) else 1
 
 
 if __name__ == "__main__":

@@ -260,6 +260,7 @@ class _Fleet:
         """A replica's TP workers (the oracle's with every adapter READY), known to the controller."""
         config = self.config
         self.controller.core.add_replica(name, config.tp, engine.num_slots, config.host_bytes)
+        self.controller.core.limits.declare(name, engine.max_adapters, engine.max_running)  # the engine's own
         ranks = []
         for k in range(config.tp):
             host = SimHostTier(self.loop, calibration, config.host_bytes, config.read_threads)

@@ -29,6 +29,7 @@ from lora_cache.planner import (
     SlotState,
 )
 from lora_cache.routing.advice import RouteAdvice, RouteRequest, advise
+from lora_cache.routing.limits import RoutingLimits
 from lora_cache.routing.ranking import RouterConfig
 from lora_cache.vocab import Command, WorkerId
 
@@ -79,6 +80,7 @@ class ControllerCore:
         self.hints_received = self.hints_accepted = 0  # hints given / taken (the rest ignored)
         self.routes_asked = 0  # requests routing advice was asked for
         self.down: set[WorkerId] = set()  # ranks lost (dead, hung, detached) and not heard from since
+        self.limits = RoutingLimits()  # replicas' admission limits and the requests routed there (routing advice)
 
     # -- adapters and topology ------------------------------------------------------------------
     def register_adapter(self, name: str, path: str) -> str:
@@ -253,7 +255,8 @@ class ControllerCore:
         """Routing advice (step 1): replicas ranked for each request's adapter, from residency, the plan in
         flight, queues and hints (``lora_cache.routing.advice``); ``loads``: the router's own in-flight counts."""
         self.routes_asked += len(items)
-        return advise(self.planner, items, self.config.router, loads, down={w.replica for w in self.down})
+        return advise(self.planner, items, self.config.router, loads, down={w.replica for w in self.down},
+                      limits=self.limits)
 
     def status(self) -> dict[str, object]:
         return {"epoch": self.epoch, "adapters": len(self.catalog), "replicas": list(self.planner.replicas()),

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from lora_cache.errors import ConflictError, LoraCacheError, NotFoundError
 from lora_cache.planner import Planner, SlotState
+from lora_cache.routing.limits import RoutingLimits
 from lora_cache.routing.ranking import Ranked, ReplicaLoad, Residence, RouteItem, RouterConfig, route_batch
 from lora_cache.vocab import AdapterKey
 
@@ -52,22 +53,33 @@ def residence(planner: Planner, replica: str, key: AdapterKey) -> Residence:
 
 
 def replica_loads(planner: Planner, key: AdapterKey, loads: Mapping[str, float],
-                  down: Collection[str] = ()) -> list[ReplicaLoad]:
+                  down: Collection[str] = (), limits: RoutingLimits | None = None) -> list[ReplicaLoad]:
+    """Every replica (but ``down``) as the ranking sees it for ``key``; with ``limits``, each with the adapters in
+    flight there and its declared admission limits (``lora_cache.routing.limits``)."""
     out = []
     for replica in planner.replicas():
         if replica in down:
             continue  # a rank of it is lost: a request routed there waits for nothing good
-        load = loads.get(replica)
+        given = loads.get(replica)
+        load = given
         if load is None:
             load = float(len(planner.queue(replica)) + len(planner.hints(replica)))
-        out.append(ReplicaLoad(replica, residence(planner, replica, key), load))
+        item = ReplicaLoad(replica, residence(planner, replica, key), load)
+        if limits is not None:
+            waiting = [q.adapter for q in planner.queue(replica)] + [h.adapter for h in planner.hints(replica)]
+            lim = limits.limits(replica)
+            item = item._replace(flying=limits.flying(replica, given, waiting), max_adapters=lim.max_adapters,
+                                 max_running=lim.max_running)
+        out.append(item)
     return out
 
 
 def advise(planner: Planner, items: Sequence[RouteRequest], config: RouterConfig,
-           loads: Mapping[str, float] | None = None, down: Collection[str] = ()) -> list[RouteAdvice]:
+           loads: Mapping[str, float] | None = None, down: Collection[str] = (),
+           limits: RoutingLimits | None = None) -> list[RouteAdvice]:
     """Ranked replicas for every item, in order (``lora_cache.routing.ranking.route_batch``); an item naming an
-    unknown adapter or a version that is not current gets its own error and takes no load."""
+    unknown adapter or a version that is not current gets its own error and takes no load. ``limits``: the
+    replicas' admission limits and requests in flight; each item's first pick is recorded there."""
     loads = dict(loads or {})
     if not planner.replicas():
         raise ConflictError("no replicas to route to; start some (lora-cache serve --replicas N) or wait for "
@@ -83,9 +95,12 @@ def advise(planner: Planner, items: Sequence[RouteRequest], config: RouterConfig
     for item in items:
         errors.append(_check(planner, item))
         if errors[-1] is None and item.adapter not in views:
-            views[item.adapter] = replica_loads(planner, planner.adapter(item.adapter).key, loads, down)
+            views[item.adapter] = replica_loads(planner, planner.adapter(item.adapter).key, loads, down, limits)
     good = [RouteItem(i.adapter, i.tokens) for i, e in zip(items, errors) if e is None]
-    ranked = iter(route_batch(good, views, config))
+    batch = route_batch(good, views, config)
+    if limits is not None:
+        limits.record((i.adapter, r[0].replica) for i, r in zip(good, batch))
+    ranked = iter(batch)
     return [RouteAdvice(i.adapter, planner.adapter(i.adapter).version, next(ranked)) if e is None
             else RouteAdvice(i.adapter, i.version, [], e) for i, e in zip(items, errors)]
 

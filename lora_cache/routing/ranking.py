@@ -28,6 +28,7 @@ one adapter in one call spreads as a stream of calls would.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -72,6 +73,12 @@ class RouterConfig:
     loading_s: float = field(default=0.02, metadata={"help": "expected wait for a load already in flight"})
     staged_s: float = field(default=0.01, metadata={"help": "expected wait for a host-tier copy into a GPU slot"})
     cold_s: float = field(default=0.1, metadata={"help": "expected wait for a disk read and a copy"})
+    lane_s: float = field(default=0.5, metadata={
+        "help": "expected wait per adapter lane a replica lacks (its batch holds max_adapters distinct adapters): "
+                "about one request's service time"})
+    join: bool = field(default=True, metadata={
+        "help": "a replica where the adapter's requests are in flight (its batch runs it) ranks first within the "
+                "bound"})
     token_weight: float = field(default=0.0, metadata={
         "help": "extra load units per prompt token of a routed request (0: every request weighs 1)"})
 
@@ -79,7 +86,7 @@ class RouterConfig:
         if not 0 <= self.epsilon < math.inf:
             raise ConfigError(f"epsilon is {self.epsilon}; give a number >= 0 (0.25: no replica above 1.25x the "
                               "fleet mean while another has room; 0: strict balance, residency only breaks ties)")
-        for name in ("min_bound", "request_s", "loading_s", "staged_s", "cold_s", "token_weight"):
+        for name in ("min_bound", "request_s", "loading_s", "staged_s", "cold_s", "lane_s", "token_weight"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ConfigError(f"{name} is {getattr(self, name)}; give a finite number >= 0")
 
@@ -95,6 +102,16 @@ class ReplicaLoad(NamedTuple):
     replica: str
     residence: Residence
     load: float  # requests routed there and not finished (or queued), in load units
+    flying: Mapping[str, int] = {}  # adapters of its requests in flight, with counts (lora_cache.routing.limits)
+    max_adapters: int = 0  # distinct adapters its batch admits (0: unknown, no limit)
+    max_running: int = 0  # requests its batch admits (0: unknown, no limit)
+
+    def lanes_short(self, adapter: str) -> int:
+        """Adapter lanes the replica lacks to start a request of ``adapter`` now: 0 if it is in flight there
+        (the request joins its batch) or a lane is free; else how many other adapters must finish first."""
+        if not self.max_adapters or self.flying.get(adapter, 0) > 0:
+            return 0
+        return max(0, len(self.flying) + 1 - self.max_adapters)
 
 
 class Ranked(NamedTuple):
@@ -121,10 +138,17 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
     out = []
     for r in replicas:
         within = r.load + weight <= cap
-        wait = r.load * config.request_s + config.penalty_s(r.residence)
+        short = r.lanes_short(adapter)
+        full = bool(r.max_running) and r.load + weight > r.max_running
+        joins = r.flying.get(adapter, 0) > 0
+        wait = r.load * config.request_s + config.penalty_s(r.residence) + short * config.lane_s
         h = rendezvous_hash(adapter, r.replica)
-        if not within:
-            key: tuple[float, ...] = (1, r.load, r.residence.order, wait)
+        if short or full:  # it cannot start there now: last, fewest lanes short, then least loaded
+            key: tuple[float, ...] = (2, short, r.load, r.residence.order, wait)
+        elif not within:
+            key = (1, r.load, r.residence.order, wait)
+        elif joins and config.join:  # its adapter's requests run there: it joins their batch
+            key = (0, -1, wait, r.load)
         elif config.sticky and r.residence is Residence.COLD:
             key = (0, r.residence.order, h)
         else:
@@ -148,13 +172,17 @@ def route_batch(items: Iterable[RouteItem], views: Mapping[str, Sequence[Replica
     ``views``: per adapter of the batch, every replica's state for it (the same replicas, in any order).
     """
     loads: dict[str, float] = {}
+    flying: dict[str, Counter[str]] = {}
     out = []
     for item in items:
         view = views[item.adapter]
         if not loads:
             loads = {r.replica: r.load for r in view}
+            flying = {r.replica: Counter(r.flying) for r in view}
         weight = 1.0 + config.token_weight * item.tokens
-        ranked = rank(item.adapter, [r._replace(load=loads[r.replica]) for r in view], config, weight)
+        ranked = rank(item.adapter, [r._replace(load=loads[r.replica], flying=flying[r.replica]) for r in view],
+                      config, weight)
         loads[ranked[0].replica] += weight
+        flying[ranked[0].replica][item.adapter] += 1
         out.append(ranked)
     return out

@@ -1,0 +1,103 @@
+"""Routing limits (lifecycle step 1): what a replica can start now, beside the routing advice. Plain Python.
+
+A request's wait on a replica is not its share of the replica's load alone. The engine's scheduler
+(``workers.engine.scheduler``) starts a waiting request only while the batch has room: at most
+``max_running`` requests and at most ``max_adapters`` *distinct* adapters among the running ones
+(``EngineConfig.max_adapters``; vLLM's ``max_loras``, SGLang's ``max_loras_per_batch``). A request for
+an adapter that is already in flight there joins its batch at once; one for a new adapter needs a free
+adapter lane, and where every lane is taken it waits at the head of the queue until a whole adapter's
+requests finish, however light the replica's load is. A router that counts requests only (or ranks by
+residency alone) sends such requests to a replica that cannot start them while another could: in the
+simulator, with ``max_adapters`` below the slots, every policy behind the old ranking had a p99 3-7x
+that of the same policy behind the least-loaded router (bench/RESULTS.md, 2026-11-26).
+
+``RoutingLimits`` keeps, per replica, the limits it declared (``declare``: the engine's ``max_adapters``
+and ``max_running``; unknown: no limit) and the adapters of the requests in flight there, as the
+controller can know them:
+
+- with the router's own in-flight counts (``Route``'s ``outstanding_requests``): the adapters of the
+  newest ``count`` requests the advice sent there (``InFlight``: every first pick is recorded; the
+  oldest are taken to have finished first);
+- without: the replica's reported waiting queue and its active hints (requests routed there, not yet
+  queued).
+
+``lora_cache.routing.ranking`` reads them as ``ReplicaLoad.flying``, ``max_adapters`` and ``max_running``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from lora_cache.errors import ConfigError
+
+KEEP = 4096  # picks remembered per replica (more than any replica's max_running)
+
+
+class ReplicaLimits(NamedTuple):
+    """What one replica's scheduler admits at once (0: unknown, no limit)."""
+
+    max_adapters: int = 0  # distinct adapters among the running requests (EngineConfig.max_adapters)
+    max_running: int = 0  # requests running at once (EngineConfig.max_running)
+
+
+class InFlight:
+    """Per replica, the adapters of the requests the advice sent there, newest last (at most ``keep``)."""
+
+    def __init__(self, keep: int = KEEP) -> None:
+        if keep < 1:
+            raise ConfigError(f"keep is {keep}; give a count >= 1 (picks remembered per replica)")
+        self.keep = keep
+        self._picks: dict[str, deque[str]] = {}
+
+    def record(self, replica: str, adapter: str) -> None:
+        self._picks.setdefault(replica, deque(maxlen=self.keep)).append(adapter)
+
+    def newest(self, replica: str, count: float) -> Counter[str]:
+        """Adapters of the newest ``count`` picks of ``replica`` (the requests still in flight), with counts."""
+        picks = self._picks.get(replica)
+        n = min(int(count), len(picks)) if picks else 0
+        if n <= 0:
+            return Counter()
+        return Counter(picks[i] for i in range(len(picks) - n, len(picks)))
+
+    def forget(self, replica: str) -> None:
+        self._picks.pop(replica, None)
+
+
+class RoutingLimits:
+    """Declared limits and requests in flight, per replica (module docstring)."""
+
+    def __init__(self, keep: int = KEEP) -> None:
+        self._limits: dict[str, ReplicaLimits] = {}
+        self.in_flight = InFlight(keep)
+
+    def declare(self, replica: str, max_adapters: int = 0, max_running: int = 0) -> None:
+        """The replica's engine admits at most ``max_adapters`` distinct adapters and ``max_running`` requests
+        per batch (0: unknown). A replica declared again takes the new limits."""
+        for name, value in (("max_adapters", max_adapters), ("max_running", max_running)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} of replica {replica!r} is {value!r}; give an int >= 0 (the engine's "
+                                  f"{name}; 0: unknown)")
+        self._limits[replica] = ReplicaLimits(max_adapters, max_running)
+
+    def forget(self, replica: str) -> None:
+        """The replica is gone: its limits and its picks."""
+        self._limits.pop(replica, None)
+        self.in_flight.forget(replica)
+
+    def limits(self, replica: str) -> ReplicaLimits:
+        return self._limits.get(replica, ReplicaLimits())
+
+    def flying(self, replica: str, load: float | None, waiting: Iterable[str]) -> Counter[str]:
+        """The adapters in flight on ``replica``: with the router's count ``load``, the newest ``load`` picks;
+        without (None), the adapters ``waiting`` there (its queue and active hints)."""
+        if load is not None:
+            return self.in_flight.newest(replica, load)
+        return Counter(waiting)
+
+    def record(self, picks: Iterable[tuple[str, str]]) -> None:
+        """First picks the router takes: (adapter, replica) pairs, in order."""
+        for adapter, replica in picks:
+            self.in_flight.record(replica, adapter)
