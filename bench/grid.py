@@ -47,7 +47,7 @@ class Point(NamedTuple):
     popularity: str  # a WorkloadSpec popularity ('bursty': three phases over the adapters)
     max_adapters: int
     tp: int
-    requests: int = 0  # 0: 20 s of arrivals, 800-4000
+    requests: int = 0  # 0: 15 s of arrivals, 400-2000
 
     @property
     def name(self) -> str:
@@ -60,7 +60,7 @@ class Point(NamedTuple):
         if pop == "bursty":  # three phases: a fifth, two fifths, two fifths of the adapters
             a = self.adapters
             pop = f"bursty:{a // 5},{2 * a // 5},{a - a // 5 - 2 * a // 5}"
-        requests = self.requests or int(min(4000, max(800, 20 * rate)))
+        requests = self.requests or int(min(2000, max(400, 15 * rate)))
         return WorkloadSpec(arrivals=f"poisson:{rate:.4g}", popularity=pop, requests=requests,
                             num_adapters=self.adapters, random_input_len=INPUT_LEN, random_output_len=OUTPUT_LEN,
                             workload_seed=0)

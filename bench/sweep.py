@@ -10,7 +10,12 @@ is ``bench.run``'s simulator path, written under ``OUT/<scenario>/<router>/<poli
 (``OUT/sweep.md``, and printed) give per scenario, router, policy and lead the mean and p99 TTFT, GPU and
 host hit rates, prefetch accuracy, GB to the GPU and from disk, and the p99 against ``queue`` with the
 ``affinity`` router (the strongest baseline pair: S-LoRA's queue prefetch behind llm-d's lora-affinity
-scorer) and against the oracle.
+scorer) and against the oracle. The summary gives, per scenario and ``global`` row, the share of the gap
+between the best baseline (any baseline behind any router, per figure) and the oracle that ``global``
+closes, at mean and p99 TTFT (1: at the oracle; 0: no better than the best baseline).
+
+``--grid routing`` runs the routing grid instead (``bench/grid.py``: ``global`` behind Route against the
+affinity and least-loaded routers over replicas, adapters, load, popularity, ``max_adapters`` and TP).
 """
 
 from __future__ import annotations
@@ -114,6 +119,48 @@ def table(scenario: str, rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+def gap_closed(baseline: float, oracle: float, value: float) -> float | None:
+    """The share of the gap between the best baseline and the oracle that ``value`` closes (1: at the oracle,
+    0: no better than the baseline, < 0: worse); None where the baseline is already at the oracle."""
+    gap = baseline - oracle
+    return (baseline - value) / gap if gap > 0 else None
+
+
+def gaps(rows: Sequence[Row]) -> list[tuple[Row, dict[str, float | None]]]:
+    """Per ``global`` row, the share of the gap it closes at mean and p99 TTFT (``gap_closed``): against the
+    best baseline of the scenario (any baseline policy behind any router, per figure) and the oracle."""
+    oracle = next((r for r in rows if r.policy == "oracle"), None)
+    base = [r for r in rows if r.policy in BASELINES]
+    if oracle is None or not base:
+        return []
+    out = []
+    for r in rows:
+        if r.policy != "global":
+            continue
+        shares = {k: gap_closed(min(b.figures[k] for b in base), oracle.figures[k], r.figures[k])
+                  for k in ("mean_ttft_ms", "p99_ttft_ms")}
+        out.append((r, shares))
+    return out
+
+
+def gap_table(results: Sequence[tuple[str, Sequence[Row]]]) -> str:
+    """Per scenario (fleet), each ``global`` row's share of the best-baseline-to-oracle gap, at mean and p99."""
+    lines = ["### share of the gap between the best baseline and the oracle that global closes", "",
+             "| scenario | router | lead s | best baseline mean / p99 ms | oracle mean / p99 ms | global mean / p99 ms "
+             "| gap closed, mean | gap closed, p99 |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for scenario, rows in results:
+        oracle = next((r for r in rows if r.policy == "oracle"), None)
+        base = [r for r in rows if r.policy in BASELINES]
+        for r, shares in gaps(rows):
+            assert oracle is not None
+            best = [min(b.figures[k] for b in base) for k in ("mean_ttft_ms", "p99_ttft_ms")]
+            share = ["-" if v is None else f"{v:.2f}" for v in shares.values()]
+            lines.append(f"| {scenario} | {r.router} | {r.lead:g} | {best[0]:.1f} / {best[1]:.1f} | "
+                         f"{oracle.figures['mean_ttft_ms']:.1f} / {oracle.figures['p99_ttft_ms']:.1f} | "
+                         f"{r.figures['mean_ttft_ms']:.1f} / {r.figures['p99_ttft_ms']:.1f} | {share[0]} | {share[1]} |")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -139,12 +186,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = Path(ns.out)
         out.mkdir(parents=True, exist_ok=True)
         text = []
+        done: list[tuple[str, list[Row]]] = []
         for scenario in scenarios:
             rows = sweep(scenario, routers, out, ns.seed, ns.calibration)
             (out / scenario / "rows.json").write_text(json.dumps([dataclasses.asdict(r) for r in rows]))
+            done.append((scenario, rows))
             text.append(table(scenario, rows))
-            (out / "sweep.md").write_text("\n\n".join(text) + "\n")
+            (out / "sweep.md").write_text("\n\n".join([*text, gap_table(done)]) + "\n")
             print(text[-1] + "\n", flush=True)
+        print(gap_table(done), flush=True)
     except LoraCacheError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

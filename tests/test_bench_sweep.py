@@ -37,6 +37,16 @@ def test_a_sweep_runs_each_baseline_once_per_router_and_global_at_every_lead(tin
     assert text.count("\n| ") == len(rows) + 2  # the header, its rule and a row per run
     assert "| lora-cache | global | 0.05 |" in text
     assert "| least-loaded | oracle | - |" in text and text.splitlines()[4].endswith("| 1.00 |")
+    shares = sweep.gaps(rows)
+    assert [(r.router, r.lead) for r, _ in shares] == [(r, lead) for r in routers for lead in sweep.LEADS]
+    gap = sweep.gap_table([(tiny, rows)])
+    assert gap.count(f"\n| {tiny} |") == len(shares)  # a line per global row of the fleet
+
+
+def test_the_gap_share_is_one_at_the_oracle_and_zero_at_the_best_baseline() -> None:
+    assert sweep.gap_closed(200.0, 100.0, 100.0) == 1.0 and sweep.gap_closed(200.0, 100.0, 200.0) == 0.0
+    assert sweep.gap_closed(200.0, 100.0, 150.0) == 0.5 and sweep.gap_closed(200.0, 100.0, 250.0) == -0.5
+    assert sweep.gap_closed(100.0, 100.0, 90.0) is None  # no gap to close
 
 
 def test_unknown_scenarios_and_routers_are_refused_with_the_choices(capsys: pytest.CaptureFixture[str],

@@ -219,9 +219,11 @@ def test_pipelined_steps_on_chunked_loads_compute_what_ondemand_does(adapters: P
     config = engine_config(adapters, admission="pipelined", chunk_bytes=0)
     result = run_engine(config, REQUESTS)
     check_served(result, config, REQUESTS)
+    assert result.ranks[0].unready_items > 0  # idle rounds ran held-back requests on loads in flight
     for got, want in zip(result.records, tp1_ondemand.records, strict=True):
         assert got.outputs is not None and want.outputs is not None
-        assert torch.allclose(got.outputs, want.outputs, atol=1e-5, rtol=1e-5), got.rid
+        # 1e-4: pipelined batches ready requests apart from held-back ones, so batches (and sum orders) differ
+        torch.testing.assert_close(got.outputs, want.outputs, rtol=1e-4, atol=1e-4)
 
 
 def test_overlap_never_runs_a_request_before_its_adapter_is_ready(tp2_overlap: EngineResult) -> None:
@@ -318,6 +320,24 @@ def test_scheduler_plans_follow_the_rule_and_bounds(adapters: Path) -> None:
     plan = s.plan(2.0, {})  # ondemand admits cold adapters; one adapter's prompts side by side (one segment)
     assert [(it.rid, it.adapter) for it in plan.items] == [(0, FULL[0]), (2, FULL[0]), (1, FULL[1]), (3, None)]
     assert plan.prefetch == plan.wanted == () and sorted(plan.hold) == sorted(FULL[:2])
+
+
+def test_pipelined_runs_ready_requests_first_and_held_back_ones_only_when_idle(adapters: Path) -> None:
+    """Issue 31: a batch of ready requests (or the running ones' decode) never waits on another adapter's
+    chunks; a held-back request runs pipelined only in a round that would otherwise run nothing."""
+    config = engine_config(adapters, max_running=4, max_adapters=2)
+    requests = [Request(0, FULL[0], 4, 2), Request(1, FULL[1], 4, 2), Request(2, FULL[1], 4, 2, arrival_s=1.0)]
+    s = Scheduler(config, ADMISSION["pipelined"](), requests)
+    plan = s.plan(0.0, {FULL[1]: Readiness.READY})  # rid 1 is ready: it runs alone; rid 0's adapter prefetches
+    assert plan.kind == PREFILL and [it.rid for it in plan.items] == [1] and FULL[0] in plan.prefetch
+    s.finish_step(plan, 0.1, 0.0)
+    plan = s.plan(0.2, {FULL[1]: Readiness.READY})  # rid 1 decodes; rid 0 still waits (no chunk waits in it)
+    assert plan.kind == DECODE and [it.rid for it in plan.items] == [1]
+    s.finish_step(plan, 0.3, 0.0)  # rid 1 is done: nothing runs, nothing is ready
+    plan = s.plan(0.4, {FULL[1]: Readiness.READY})  # an idle round: rid 0 runs, layer by layer on its load
+    assert plan.kind == PREFILL and [it.rid for it in plan.items] == [0]
+    overlap = Scheduler(config, Overlap(), requests[:1])
+    assert overlap.plan(0.0, {}).kind == WAIT  # overlap waits for the whole load instead
 
 
 def test_a_registered_rule_is_selectable(adapters: Path) -> None:

@@ -217,5 +217,7 @@ def test_pipelined_rule_is_registered_and_benchmarked() -> None:
     rule = ADMISSION["pipelined"]()
     request = Request(0, "a", 4, 1, 0.0)
     assert rule.pipelined and rule.prefetch and not ADMISSION["overlap"].pipelined
-    assert rule.admits(request, Readiness.NOT_READY) and not rule.admits(request, Readiness.FAILED)
+    assert not rule.admits(request, Readiness.NOT_READY) and rule.admits(request, Readiness.READY)
+    assert rule.idle and rule.admits_idle(request, Readiness.NOT_READY)  # only in a round that runs nothing else
+    assert not rule.admits_idle(request, Readiness.FAILED) and not ADMISSION["overlap"].idle
     assert BENCH_POLICIES["pipelined"].admission == "pipelined"

@@ -273,7 +273,7 @@ class _Fleet:
             ranks.append(worker)
         self.workers += ranks
         self.replicas.append(SimReplica(name, engine, ADMISSION[self.policy.admission](), ranks, self.loop,
-                                        calibration, self.hooks))
+                                        calibration, self.hooks, resolve_model(config.model).num_layers))
 
     # -- the run -------------------------------------------------------------------------------------
     def run(self) -> SimResult:

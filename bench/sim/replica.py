@@ -69,6 +69,7 @@ class _Step:
     held: list[list[int]]  # per rank: slots referenced by the step's acquire
     ranks_left: int
     compute_s: float = 0.0
+    loaded_s: float = 0.0  # pipelined: when the last held load was READY on every rank
     tokens: int = 0  # the items' lengths summed (a prefill's prompt tokens)
     adapters: int = 0  # distinct adapters among the items
 
@@ -86,8 +87,9 @@ class SimReplica:
     """The engine loop of one replica (rank 0 schedules; every rank runs the plan)."""
 
     def __init__(self, name: str, config: EngineConfig, rule: AdmissionRule, workers: list[SimWorker], loop: Loop,
-                 calibration: Calibration, hooks: ReplicaHooks) -> None:
+                 calibration: Calibration, hooks: ReplicaHooks, layers: int = 32) -> None:
         self.name, self.rule, self.workers, self.loop = name, rule, workers, loop
+        self.layers = layers  # pipelined: a step's last layer waits for the last chunk of its loads
         self.calibration, self.hooks = calibration, hooks
         self.scheduler = Scheduler(config, rule, [])
         self.plan = StepPlan(STOP)
@@ -209,6 +211,8 @@ class SimReplica:
             i, first = i + 1, True
         self._prefetch_on(rank, step.plan.prefetch)  # after acquire: a load cannot evict what this step holds
         flying = [ld for index in step.held[rank] if (ld := w.loading(index)) is not None]
+        if self.rule.pipelined:  # the compute starts now; each layer waits only for its chunk (below)
+            step.compute_s = max(step.compute_s, self.loop.now)
         done = functools.partial(self._rank_ready, step, [max(1, len(flying))])
         if not flying:
             done(None)
@@ -220,13 +224,19 @@ class SimReplica:
         left[0] -= 1
         if left[0]:
             return
-        step.compute_s = max(step.compute_s, self.loop.now)
+        if self.rule.pipelined:
+            step.loaded_s = max(step.loaded_s, self.loop.now)
+        else:
+            step.compute_s = max(step.compute_s, self.loop.now)
         step.ranks_left -= 1
         if step.ranks_left == 0:
             reads = self.workers[0].host.reads_in_flight(self.loop.now)  # rank 0's process: the logged one
             duration = self.calibration.step_s(step.plan.kind, len(step.plan.items), step.tokens, step.adapters,
                                                reads)
-            self.loop.at(step.compute_s + duration, self._finish_step, step)
+            # pipelined: chunks land layer by layer; the step ends no sooner than its last layer after the
+            # last chunk (the load's end), nor than its whole compute from the start
+            end = max(step.compute_s + duration, step.loaded_s + duration / self.layers)
+            self.loop.at(end, self._finish_step, step)
 
     def _finish_step(self, step: _Step) -> None:
         now, plan = self.loop.now, step.plan

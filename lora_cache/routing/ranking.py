@@ -108,9 +108,11 @@ class ReplicaLoad(NamedTuple):
 
     def lanes_short(self, adapter: str) -> int:
         """Adapter lanes the replica lacks to start a request of ``adapter`` now: 0 if it is in flight there
-        (the request joins its batch) or a lane is free; else how many other adapters must finish first."""
-        if not self.max_adapters or self.flying.get(adapter, 0) > 0:
+        and running (the request joins its batch) or a lane is free; else how many adapters must finish first."""
+        if not self.max_adapters:
             return 0
+        if self.flying.get(adapter, 0) > 0:  # it joins its adapter's requests, which may wait for a lane too
+            return max(0, len(self.flying) - self.max_adapters)
         return max(0, len(self.flying) + 1 - self.max_adapters)
 
 

@@ -3,9 +3,13 @@
 ``ondemand``: always (the step blocks on loading a cold adapter: engines' default).
 ``overlap``: only once its adapter is READY on every rank; loads for waiting requests start at once on
 the copy stream and run beside the steps of requests whose adapters are ready (SGLang's overlap loading).
-``pipelined``: always, on a partially loaded adapter too: the step does not wait for whole adapters; the
-LoRA op of layer l waits (on the GPU) only for the chunk of the load that holds layer l
-(``workers.pipeline``), so a load's copies (and reads) run under the step's earlier layers.
+``pipelined``: as ``overlap``, and, in a round that would otherwise run nothing (no request ready to start,
+none running: overlap waits for the load), the held-back requests too: the step does not wait for whole
+adapters; the LoRA op of layer l waits (on the GPU) only for the chunk of the load that holds layer l
+(``workers.pipeline``), so a load's copies (and reads) run under the step's earlier layers. A batch of
+ready requests, or the running requests' decode, never waits on a chunk of another adapter's load: on a
+real trace, admitting every request at once (the rule before 2026-11-26) let one cold adapter hold the
+whole batch at its missing layer (p99 1.27x overlap's, issue 31).
 """
 
 from __future__ import annotations
@@ -31,10 +35,15 @@ class AdmissionRule(ABC):
     name: ClassVar[str]
     prefetch: ClassVar[bool] = False  # start loads for waiting requests' adapters and report readiness
     pipelined: ClassVar[bool] = False  # steps wait per layer on load chunks, not on whole adapters
+    idle: ClassVar[bool] = False  # a round that would run nothing asks ``admits_idle`` of held-back requests
 
     @abstractmethod
     def admits(self, request: Request, ready: Readiness) -> bool:
         """Whether ``request`` may join the next prefill batch (bounds are checked elsewhere)."""
+
+    def admits_idle(self, request: Request, ready: Readiness) -> bool:
+        """Whether a request ``admits`` held back may run in a round that would otherwise run nothing."""
+        return False
 
 
 ADMISSION: dict[str, type[AdmissionRule]] = {}
@@ -71,6 +80,10 @@ class Pipelined(AdmissionRule):
     name = "pipelined"
     prefetch = True  # readiness is still reported (READY means every chunk) and running adapters pinned
     pipelined = True
+    idle = True
 
     def admits(self, request: Request, ready: Readiness) -> bool:
+        return request.adapter is None or ready is Readiness.READY
+
+    def admits_idle(self, request: Request, ready: Readiness) -> bool:
         return ready is not Readiness.FAILED

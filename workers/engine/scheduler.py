@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -283,6 +283,20 @@ class Scheduler:
         """Waiting requests for the next prefill batch, in queue order, skipping those that do not fit.
         Each is admitted with the version its adapter is served at (``versions``); one whose ranks do not
         agree on any version yet waits."""
+        new = self._admit_pass(now, ready, versions, self.rule.admits)
+        if not new and not self.running and self.rule.idle:  # an idle round: held-back requests may start
+            blocked = self._blocked
+            new = self._admit_pass(now, ready, versions, self.rule.admits_idle)
+            self._blocked = {ref: None for ref in blocked if ref not in {lv.ref for lv in new}} | self._blocked
+        for live in new:
+            self.waiting.remove(live)
+        group: dict[str | None, int] = {}  # one adapter's prompts side by side: one SGMV segment
+        for live in new:
+            group.setdefault(live.request.adapter, len(group))
+        return sorted(new, key=lambda lv: group[lv.request.adapter])
+
+    def _admit_pass(self, now: float, ready: Mapping[str, Readiness], versions: Mapping[str, AdapterVersions] | None,
+                    admits: Callable[[Request, Readiness], bool]) -> list[_Live]:
         adapters, tokens = self._running_adapters(), 0
         new: list[_Live] = []
         self._blocked = {}
@@ -297,7 +311,7 @@ class Scheduler:
                 live.unblock(now)  # held back by bounds now, not by its adapter
                 continue
             state = Readiness.READY if r.adapter is None else ready.get(r.adapter, Readiness.NOT_READY)
-            if (versions is not None and r.adapter is not None and version is None) or not self.rule.admits(r, state):
+            if (versions is not None and r.adapter is not None and version is None) or not admits(r, state):
                 live.blocked_since = now if live.blocked_since is None else live.blocked_since
                 if ref is not None and (versions is None or version is not None):
                     self._blocked[ref] = None
@@ -308,12 +322,7 @@ class Scheduler:
             tokens += r.input_len
             if ref is not None:
                 adapters[ref] = None
-        for live in new:
-            self.waiting.remove(live)
-        group: dict[str | None, int] = {}  # one adapter's prompts side by side: one SGMV segment
-        for live in new:
-            group.setdefault(live.request.adapter, len(group))
-        return sorted(new, key=lambda lv: group[lv.request.adapter])
+        return new
 
     def _start(self, live: _Live, now: float) -> Item:
         live.row, live.prefill_s = self.free_rows.popleft(), now

@@ -1,0 +1,36 @@
+"""Issue 31: the routing grid's quick subset (``bench.sweep --grid routing-quick``): ``global`` behind Route is
+never worse than behind the better of the affinity and least-loaded routers, on fleets where a batch holds
+fewer distinct adapters than a rank has slots (``max_adapters`` 1 and 4) and where it does not.
+
+Before Route counted the replicas' admission limits (``lora_cache.routing.limits``), Route's p99 on the
+``max_adapters`` 4 fleets here was 3-7x the least-loaded router's."""
+
+from __future__ import annotations
+
+import io
+
+from bench import grid
+from bench.sim.calibration import load_calibration
+
+
+def test_route_is_never_worse_than_the_simple_routers_on_the_quick_grid() -> None:
+    log = io.StringIO()
+    outcomes = grid.run_grid(grid.quick_grid(), "h200-llama8b", None, log)
+    assert len(outcomes) == len(grid.quick_grid()) == log.getvalue().count("\n")
+    assert {o.point.max_adapters for o in outcomes} == {1, 4, grid.SLOTS}
+    for o in outcomes:
+        assert o.p99_ratio <= grid.P99_LIMIT and o.mean_ratio <= grid.MEAN_LIMIT, grid.line(o)
+
+
+def test_grid_points_are_named_selected_and_loaded_by_capacity() -> None:
+    cal = load_calibration("h200-llama8b")
+    assert grid.capacity(cal, 1) < grid.capacity(cal, 4) < grid.capacity(cal, grid.SLOTS)
+    full = grid.full_grid()
+    assert len(full) == len({p.name for p in full}) == 3 * 3 * 3 * 5 * 3 * 2
+    picked = grid.select(full, "r2-a50-l0.3-*-m1-tp1")
+    assert len(picked) == 5 and all(p.replicas == 2 and p.max_adapters == 1 for p in picked)
+    point = picked[0]
+    spec = point.spec(cal)
+    assert spec.parsed_arrivals().rate == float(f"{0.3 * 2 * grid.capacity(cal, 1):.4g}")
+    bursty = grid.select(full, "r2-a50-l0.3-bursty-m1-tp1")[0].spec(cal)
+    assert sum(bursty.parsed_popularity().phases) == 50
