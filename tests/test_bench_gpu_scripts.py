@@ -30,7 +30,7 @@ def _dry(script: str, *args: str, **env: str) -> list[list[str]]:
 
 
 def test_the_dated_scripts_are_gone() -> None:
-    assert SCRIPTS == ["checks.sh", "cold_path.sh", "parallel.sh", "suite.sh"]
+    assert SCRIPTS == ["checks.sh", "cold_path.sh", "fleets.sh", "parallel.sh", "suite.sh"]
     assert not list((ROOT / "bench").glob("gpu_*.sh"))
 
 
@@ -62,6 +62,29 @@ def test_suite_runs_each_scenario_at_each_lead_with_options_bench_run_accepts(tm
         outs.append((bench.scenario, bench.hint_lead_s, Path(bench.out).relative_to(tmp_path).as_posix()))
     assert outs == [("seed", 0.05, "fleet2-seed-lead0.05"), ("seed", 0.0, "fleet2-seed-lead0"),
                     ("zipf", 0.05, "fleet2-zipf-lead0.05"), ("zipf", 0.0, "fleet2-zipf-lead0")]
+
+
+def test_fleets_runs_each_fleet_and_scenario_per_router_and_global_at_each_lead(tmp_path: Path) -> None:
+    """Issue 31, item 3: 2 x TP 2 and 4 x TP 1; queue + affinity, overlap and the oracle + least-loaded once,
+    global + Route at each lead, every run with --check-sim; a trace replay when given one."""
+    trace = tmp_path / "trace.jsonl"
+    commands = _dry("fleets.sh", str(tmp_path), "zipf", "trace", TRACE=str(trace), ADAPTERS=str(tmp_path / "ad"))
+    runs = []
+    for command in commands:
+        assert command[:3] == ["python", "-m", "bench.run"]
+        bench, spec = configs(build_parser().parse_args(command[3:]))
+        assert bench.engine == "real" and bench.check_sim and spec.requests == 60
+        assert bench.replicas * bench.tp == 4 and bench.adapters == str(tmp_path / "ad")
+        runs.append((Path(bench.out).relative_to(tmp_path).as_posix(), bench.router, bench.policies,
+                     bench.hint_lead_s, spec.arrivals))
+    for fleet, rate in (("2x2", "poisson:8"), ("4x1", "poisson:16")):
+        assert [r for r in runs if r[0].startswith(f"{fleet}-zipf")] == [
+            (f"{fleet}-zipf-affinity", "affinity", "queue", 0.0, rate),
+            (f"{fleet}-zipf-least-loaded", "least-loaded", "overlap,oracle", 0.0, rate),
+            (f"{fleet}-zipf-lora-cache-lead0.05", "lora-cache", "global", 0.05, rate),
+            (f"{fleet}-zipf-lora-cache-lead0", "lora-cache", "global", 0.0, rate)]
+        assert [r[4] for r in runs if r[0].startswith(f"{fleet}-trace")] == ["trace"] * 4
+    assert not [c for c in _dry("fleets.sh", str(tmp_path), "trace") if "bench.run" in c]  # no TRACE: skipped
 
 
 def test_checks_runs_the_parts_asked_and_skips_tp_without_the_gpus(tmp_path: Path) -> None:
