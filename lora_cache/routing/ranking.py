@@ -102,7 +102,7 @@ class ReplicaLoad(NamedTuple):
     replica: str
     residence: Residence
     load: float  # requests routed there and not finished (or queued), in load units
-    flying: Mapping[str, int] = {}  # adapters of its requests in flight, with counts (lora_cache.routing.limits)
+    flying: Mapping[str, int] = {}  # adapters of its requests in flight, oldest first, with counts (routing.limits)
     max_adapters: int = 0  # distinct adapters its batch admits (0: unknown, no limit)
     max_running: int = 0  # requests its batch admits (0: unknown, no limit)
 
@@ -111,9 +111,27 @@ class ReplicaLoad(NamedTuple):
         and running (the request joins its batch) or a lane is free; else how many adapters must finish first."""
         if not self.max_adapters:
             return 0
-        if self.flying.get(adapter, 0) > 0:  # it joins its adapter's requests, which may wait for a lane too
+        if self.runs(adapter):
+            return 0
+        if self.flying.get(adapter, 0) > 0:  # it joins its adapter's queued requests, which wait for a lane too
             return max(0, len(self.flying) - self.max_adapters)
         return max(0, len(self.flying) + 1 - self.max_adapters)
+
+    def runs(self, adapter: str) -> bool:
+        """Whether ``adapter``'s requests run there now, as far as the router can tell: it is among the first
+        ``max_adapters`` distinct adapters in flight, oldest first (the scheduler admits in arrival order), or
+        in flight at all where the limit is unknown. A request of it joins the running batch at once (the
+        scheduler admits a request whose adapter runs ahead of older ones that wait for a lane)."""
+        if self.flying.get(adapter, 0) <= 0:
+            return False
+        if not self.max_adapters:
+            return True
+        for i, name in enumerate(self.flying):
+            if i >= self.max_adapters:
+                return False
+            if name == adapter:
+                return True
+        return False
 
 
 class Ranked(NamedTuple):
@@ -142,11 +160,12 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
         within = r.load + weight <= cap
         short = r.lanes_short(adapter)
         full = bool(r.max_running) and r.load + weight > r.max_running
-        joins = r.flying.get(adapter, 0) > 0
+        joins = r.runs(adapter)
         wait = r.load * config.request_s + config.penalty_s(r.residence) + short * config.lane_s
         h = rendezvous_hash(adapter, r.replica)
-        if short or full:  # it cannot start there now: last, fewest lanes short, then least loaded
-            key: tuple[float, ...] = (2, short, r.load, r.residence.order, wait)
+        if short or full:  # it cannot start there now: last; fewest lanes short, then residency (a cold adapter
+            # loads only once a lane frees), then least loaded
+            key: tuple[float, ...] = (2, short, r.residence.order, r.load, wait)
         elif not within:
             key = (1, r.load, r.residence.order, wait)
         elif joins and config.join:  # its adapter's requests run there: it joins their batch
