@@ -148,3 +148,53 @@ def test_config_errors_name_the_field_value_and_fix(field: str, value: object, f
 def test_no_replicas_is_a_clear_error() -> None:
     with pytest.raises(ConflictError, match="no replicas to route adapter 'a'"):
         rank("a", [], CONFIG)
+
+
+# -- admission limits (lora_cache.routing.limits, issue 31) -------------------------------------------------------
+def test_a_replica_without_a_free_adapter_lane_ranks_after_one_that_can_start_the_request() -> None:
+    """max_adapters 1: a replica running another adapter cannot start this one (head of line), READY or not."""
+    config = RouterConfig()
+    busy = ReplicaLoad("r0", Residence.READY, 1.0, {"b": 1}, max_adapters=1)
+    idle = ReplicaLoad("r1", Residence.COLD, 0.0, {}, max_adapters=1)
+    assert busy.lanes_short("a") == 1 and idle.lanes_short("a") == 0
+    assert [r.replica for r in rank("a", [busy, idle], config)] == ["r1", "r0"]
+    assert [r.replica for r in rank("a", [busy._replace(max_adapters=0), idle], config)] == ["r0", "r1"]  # no limit
+
+
+def test_a_request_joins_its_adapters_running_batch_and_not_one_queued_behind_other_adapters() -> None:
+    config = RouterConfig()
+    running = ReplicaLoad("r0", Residence.READY, 3.0, {"a": 2, "b": 1}, max_adapters=2)  # a is among the first 2
+    ready = ReplicaLoad("r1", Residence.READY, 0.0, {}, max_adapters=2)
+    assert running.runs("a") and rank("a", [running, ready], config)[0].replica == "r0"
+    queued = ReplicaLoad("r0", Residence.READY, 3.0, {"b": 1, "c": 1, "a": 1}, max_adapters=2)  # a waits for a lane
+    assert not queued.runs("a") and queued.lanes_short("a") == 1
+    assert rank("a", [queued, ready], config)[0].replica == "r1"
+
+
+def test_a_full_replica_ranks_last_and_a_batch_counts_its_own_picks_as_in_flight() -> None:
+    config = RouterConfig()
+    full = ReplicaLoad("r0", Residence.READY, 4.0, {"a": 4}, max_adapters=4, max_running=4)
+    other = ReplicaLoad("r1", Residence.COLD, 0.0, {}, max_adapters=4, max_running=4)
+    assert rank("a", [full, other], config)[0].replica == "r1"
+    fleet = [ReplicaLoad(f"r{i}", Residence.COLD, 0.0, {}, max_adapters=1) for i in range(2)]
+    picks = route_batch([RouteItem(a) for a in "xyx"], dict.fromkeys("xy", fleet), config)
+    first = [p[0].replica for p in picks]
+    assert first[0] != first[1] and first[2] == first[0]  # y takes the free lane; the second x joins the first
+
+
+def test_routing_limits_remember_the_newest_picks_per_replica() -> None:
+    from lora_cache.routing.limits import InFlight, ReplicaLimits, RoutingLimits
+
+    limits = RoutingLimits(keep=4)
+    limits.declare("r0", max_adapters=2, max_running=8)
+    assert limits.limits("r0") == ReplicaLimits(2, 8) and limits.limits("r9") == ReplicaLimits()
+    limits.record([("a", "r0"), ("b", "r0"), ("a", "r0"), ("c", "r0"), ("d", "r0")])
+    assert list(limits.flying("r0", 3, ["z"]).items()) == [("a", 1), ("c", 1), ("d", 1)]  # oldest first
+    assert limits.flying("r0", 10, []) == {"b": 1, "a": 1, "c": 1, "d": 1}  # at most `keep` remembered
+    assert limits.flying("r0", None, ["z", "z"]) == {"z": 2}  # no router counts: the queue and hints
+    with pytest.raises(ConfigError, match="max_adapters of replica 'r0' is -1"):
+        limits.declare("r0", max_adapters=-1)
+    with pytest.raises(ConfigError, match="keep is 0"):
+        InFlight(0)
+    limits.forget("r0")
+    assert limits.limits("r0") == ReplicaLimits() and not limits.flying("r0", 3, [])

@@ -160,7 +160,7 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
         within = r.load + weight <= cap
         short = r.lanes_short(adapter)
         full = bool(r.max_running) and r.load + weight > r.max_running
-        joins = r.runs(adapter)
+        joins = bool(r.max_adapters) and r.runs(adapter)  # without a declared limit, no lanes to save
         wait = r.load * config.request_s + config.penalty_s(r.residence) + short * config.lane_s
         h = rendezvous_hash(adapter, r.replica)
         if short or full:  # it cannot start there now: last; fewest lanes short, then residency (a cold adapter
