@@ -1,7 +1,9 @@
 """The benchmark's five policies, at equal GPU memory, as a registry (``--policies`` picks from it).
 
-``pipelined`` is compared with ``overlap`` and ``ondemand`` (issue 21); the simulator (``bench.sim``) runs
-its admission rule but models a step's loads as whole-adapter waits, so only GPU runs show its gain.
+``pipelined`` is compared with ``overlap`` and ``ondemand`` (issue 21): overlap's rule, and in a round that
+would run nothing else, the held-back requests on their loads in flight, layer by layer (issue 31: never a
+batch of ready requests held at a missing chunk). The simulator (``bench.sim``) ends such a step no sooner
+than its whole compute after it starts, nor than one layer's compute after its last load is READY.
 
 A policy is what the fleet does about adapters, end to end: which placement policy the controller's
 planner runs (``lora_cache.planner.POLICIES``), which admission rule the engines use
@@ -16,7 +18,7 @@ overlap    none       overlap    no     SGLang's overlap loading: loads run besi
 queue      queue      overlap    no     S-LoRA: each replica prefetches its own waiting queue
 global     global     overlap    yes    lora-cache: queue + router hints + fleet-wide popularity
 oracle     none       overlap    no     every adapter resident from the start (slots = adapters)
-pipelined  none       pipelined  no     layer-pipelined loads: a step waits per layer on chunks
+pipelined  none       pipelined  no     overlap; idle rounds run held-back requests per layer on chunks
 =========  =========  =========  =====  ========================================================
 """
 
