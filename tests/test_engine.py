@@ -219,10 +219,10 @@ def test_pipelined_steps_on_chunked_loads_compute_what_ondemand_does(adapters: P
     config = engine_config(adapters, admission="pipelined", chunk_bytes=0)
     result = run_engine(config, REQUESTS)
     check_served(result, config, REQUESTS)
-    assert result.ranks[0].unready_items > 0  # idle rounds ran held-back requests on loads in flight
     for got, want in zip(result.records, tp1_ondemand.records, strict=True):
         assert got.outputs is not None and want.outputs is not None
         # 1e-4: pipelined batches ready requests apart from held-back ones, so batches (and sum orders) differ
+        # (the engine reports no LOADING yet: its chunk waits are tested in tests/test_pipeline.py)
         torch.testing.assert_close(got.outputs, want.outputs, rtol=1e-4, atol=1e-4)
 
 
@@ -334,10 +334,12 @@ def test_pipelined_runs_ready_requests_first_and_held_back_ones_only_when_idle(a
     plan = s.plan(0.2, {FULL[1]: Readiness.READY})  # rid 1 decodes; rid 0 still waits (no chunk waits in it)
     assert plan.kind == DECODE and [it.rid for it in plan.items] == [1]
     s.finish_step(plan, 0.3, 0.0)  # rid 1 is done: nothing runs, nothing is ready
-    plan = s.plan(0.4, {FULL[1]: Readiness.READY})  # an idle round: rid 0 runs, layer by layer on its load
+    plan = s.plan(0.4, {FULL[1]: Readiness.READY})  # idle, but rid 0's load is still reading: no step waits on it
+    assert plan.kind == WAIT and plan.wait_for == (FULL[0],)
+    plan = s.plan(0.5, {FULL[0]: Readiness.LOADING})  # its copy is issued: rid 0 runs, layer by layer on it
     assert plan.kind == PREFILL and [it.rid for it in plan.items] == [0]
     overlap = Scheduler(config, Overlap(), requests[:1])
-    assert overlap.plan(0.0, {}).kind == WAIT  # overlap waits for the whole load instead
+    assert overlap.plan(0.0, {FULL[0]: Readiness.LOADING}).kind == WAIT  # overlap waits for the whole load
 
 
 def test_a_registered_rule_is_selectable(adapters: Path) -> None:

@@ -144,13 +144,19 @@ class SimReplica:
         minimum over ranks: READY where every rank is. Every simulated refusal is for lack of room (no
         reusable slot, host tier full), which the engine does not report as FAILED: the adapter stays
         wanted and is prefetched again next round (so no request leaves with a load error here)."""
-        views = []
+        views, loading = [], []
         for w in self.workers:
             w.pin(_names(wanted))  # pins only adapters READY there: nothing to add to the view
-            views.append([slot.key.name for slot in w.table.slots
-                          if slot.key is not None and slot.state is SlotPhase.READY])
-        everywhere = set.intersection(*map(set, views[1:])) if len(views) > 1 else None
-        return {n: Readiness.READY for n in views[0] if everywhere is None or n in everywhere}
+            views.append({slot.key.name for slot in w.table.slots
+                          if slot.key is not None and slot.state is SlotPhase.READY})
+            loading.append({slot.key.name for slot in w.table.slots  # a slot taken: the read done, the copy issued
+                            if slot.key is not None and slot.state is SlotPhase.LOADING})
+        ready = set.intersection(*views)
+        out = dict.fromkeys(ready, Readiness.READY)
+        if self.rule.idle:  # LOADING: READY or copying on every rank (only rules that read it are told)
+            out |= dict.fromkeys(set.intersection(*(v | ld for v, ld in zip(views, loading))) - ready,
+                                 Readiness.LOADING)
+        return out
 
     def _prefetch(self, plan: StepPlan) -> None:
         for rank in range(len(self.workers)):
@@ -172,10 +178,12 @@ class SimReplica:
         waited = _names(plan.wait_for)
         for w, loads in zip(self.workers, self._engine_loads):
             flying = [ld for a in waited if (ld := loads.get(a)) is not None and not ld.ready.done]
+            if self.rule.idle:  # a rule that runs LOADING adapters in idle rounds wakes when a copy is issued
+                flying = [ld for ld in flying if not ld.issued.done] or flying
             done = functools.partial(self._rank_waited, token, left, [False])
             if flying:
                 for load in flying:
-                    load.ready.then(done)
+                    (load.issued if self.rule.idle and not load.issued.done else load.ready).then(done)
             elif any(w.is_ready(a) for a in waited):  # its load is done here: the next round can admit
                 done(None)
             else:  # nothing to wait for, or nothing loading for it here (a prefetch refused for room): poll;

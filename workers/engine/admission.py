@@ -4,12 +4,15 @@
 ``overlap``: only once its adapter is READY on every rank; loads for waiting requests start at once on
 the copy stream and run beside the steps of requests whose adapters are ready (SGLang's overlap loading).
 ``pipelined``: as ``overlap``, and, in a round that would otherwise run nothing (no request ready to start,
-none running: overlap waits for the load), the held-back requests too: the step does not wait for whole
+none running: overlap waits for the load), the held-back requests whose loads will finish in time
+(``LOADING``: the read done, the copy into a slot issued on every rank): the step does not wait for whole
 adapters; the LoRA op of layer l waits (on the GPU) only for the chunk of the load that holds layer l
-(``workers.pipeline``), so a load's copies (and reads) run under the step's earlier layers. A batch of
-ready requests, or the running requests' decode, never waits on a chunk of another adapter's load: on a
-real trace, admitting every request at once (the rule before 2026-11-26) let one cold adapter hold the
-whole batch at its missing layer (p99 1.27x overlap's, issue 31).
+(``workers.pipeline``), so a load's copies run under the step's earlier layers. A batch of ready requests,
+or the running requests' decode, never waits on a chunk of another adapter's load, nor any step on a load
+that has not started or is still reading: on a real trace, admitting every request at once (the rule
+before 2026-11-26) let one cold adapter hold the whole batch at its missing layer (p99 1.27x overlap's,
+issue 31). The reference engine does not report ``LOADING`` yet (its readiness exchange carries READY
+only), so there ``pipelined`` admits as ``overlap`` does; the simulator reports it.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ class Readiness(IntEnum):
 
     FAILED = -1  # its load failed on some rank
     NOT_READY = 0  # not resident, or still loading, on some rank
-    READY = 1  # READY (and held for the engine) on every rank
+    LOADING = 1  # on every rank READY or its copy into a slot issued (its read done): READY within a copy's time
+    READY = 2  # READY (and held for the engine) on every rank
 
 
 class AdmissionRule(ABC):
@@ -86,4 +90,4 @@ class Pipelined(AdmissionRule):
         return request.adapter is None or ready is Readiness.READY
 
     def admits_idle(self, request: Request, ready: Readiness) -> bool:
-        return ready is not Readiness.FAILED
+        return ready is Readiness.LOADING  # its load will finish in time: only its copy is left
