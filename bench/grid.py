@@ -61,13 +61,26 @@ class Point(NamedTuple):
             a = self.adapters
             pop = f"bursty:{a // 5},{2 * a // 5},{a - a // 5 - 2 * a // 5}"
         requests = self.requests or int(min(2000, max(400, 15 * rate)))
-        return WorkloadSpec(arrivals=f"poisson:{rate:.4g}", popularity=pop, requests=requests,
-                            num_adapters=self.adapters, random_input_len=INPUT_LEN, random_output_len=OUTPUT_LEN,
-                            workload_seed=0)
+        return WorkloadSpec(
+            arrivals=f"poisson:{rate:.4g}",
+            popularity=pop,
+            requests=requests,
+            num_adapters=self.adapters,
+            random_input_len=INPUT_LEN,
+            random_output_len=OUTPUT_LEN,
+            workload_seed=0,
+        )
 
     def fleet(self, router: str) -> SimConfig:
-        return SimConfig(replicas=self.replicas, tp=self.tp, slots=SLOTS, max_adapters=self.max_adapters,
-                         host_bytes=4 << 30, hint_lead_s=0.05, routing=router)
+        return SimConfig(
+            replicas=self.replicas,
+            tp=self.tp,
+            slots=SLOTS,
+            max_adapters=self.max_adapters,
+            host_bytes=4 << 30,
+            hint_lead_s=0.05,
+            routing=router,
+        )
 
 
 def capacity(calibration: Calibration, max_adapters: int, max_running: int = SimConfig.max_running) -> float:
@@ -81,14 +94,20 @@ def capacity(calibration: Calibration, max_adapters: int, max_running: int = Sim
 def full_grid() -> list[Point]:
     """Every combination: replicas 2, 8, 64; adapters 50, 500, 5,000; load 0.3, 0.6, 0.9; five popularities;
     max_adapters 1, 4, slots; TP 1, 4."""
-    return [Point(*p) for p in itertools.product((2, 8, 64), (50, 500, 5000), (0.3, 0.6, 0.9), POPULARITIES,
-                                                  (1, 4, SLOTS), (1, 4))]
+    return [
+        Point(*p)
+        for p in itertools.product((2, 8, 64), (50, 500, 5000), (0.3, 0.6, 0.9), POPULARITIES, (1, 4, SLOTS), (1, 4))
+    ]
 
 
 def quick_grid() -> list[Point]:
     """The CI subset: small fleets where the admission limit binds and where it does not (about 30 s)."""
-    return [Point(2, 50, 0.6, "zipf:1", 1, 1, 300), Point(2, 50, 0.9, "uniform", 4, 1, 300),
-            Point(2, 50, 0.9, "zipf:1.5", 4, 4, 300), Point(2, 50, 0.6, "bursty", SLOTS, 1, 300)]
+    return [
+        Point(2, 50, 0.6, "zipf:1", 1, 1, 300),
+        Point(2, 50, 0.9, "uniform", 4, 1, 300),
+        Point(2, 50, 0.9, "zipf:1.5", 4, 4, 300),
+        Point(2, 50, 0.6, "bursty", SLOTS, 1, 300),
+    ]
 
 
 GRIDS = {"routing": full_grid, "routing-quick": quick_grid}
@@ -126,15 +145,20 @@ def run_point(point: Point, calibration: Calibration, policy: str = "global") ->
     for router in ROUTERS:
         t0 = time.perf_counter()
         s = simulate(point.fleet(router), BENCH_POLICIES[policy], workload, calibration).summary()
-        figures[router] = {"mean_ttft_ms": s["mean_ttft_ms"], "p99_ttft_ms": s["p99_ttft_ms"],
-                           "ready_on_arrival": s["ready_on_arrival"], "sim_s": time.perf_counter() - t0}
+        figures[router] = {
+            "mean_ttft_ms": s["mean_ttft_ms"],
+            "p99_ttft_ms": s["p99_ttft_ms"],
+            "ready_on_arrival": s["ready_on_arrival"],
+            "sim_s": time.perf_counter() - t0,
+        }
     return Outcome(point, figures)
 
 
 def run_grid(points: Sequence[Point], calibration: str, out: Path | None, log: TextIO) -> list[Outcome]:
     if not points:
-        raise ConfigError("the grid selection is empty; check --points (shell patterns over names like "
-                          f"{full_grid()[0].name})")
+        raise ConfigError(
+            f"the grid selection is empty; check --points (shell patterns over names like {full_grid()[0].name})"
+        )
     cal = load_calibration(calibration)
     outcomes = []
     for point in points:
@@ -149,15 +173,23 @@ def run_grid(points: Sequence[Point], calibration: str, out: Path | None, log: T
 
 
 def as_dict(o: Outcome) -> dict[str, Any]:
-    return {"point": o.point.name, **o.point._asdict(), "figures": o.figures, "p99_ratio": o.p99_ratio,
-            "mean_ratio": o.mean_ratio, "holds": o.holds}
+    return {
+        "point": o.point.name,
+        **o.point._asdict(),
+        "figures": o.figures,
+        "p99_ratio": o.p99_ratio,
+        "mean_ratio": o.mean_ratio,
+        "holds": o.holds,
+    }
 
 
 def line(o: Outcome) -> str:
     f = o.figures
     cells = " ".join(f"{r} {f[r]['mean_ttft_ms']:.0f}/{f[r]['p99_ttft_ms']:.0f}" for r in ROUTERS)
-    return (f"{o.point.name}: {cells} ms; Route/best p99 {o.p99_ratio:.2f} mean {o.mean_ratio:.2f}"
-            f"{'' if o.holds else '  FAILS'}")
+    return (
+        f"{o.point.name}: {cells} ms; Route/best p99 {o.p99_ratio:.2f} mean {o.mean_ratio:.2f}"
+        f"{'' if o.holds else '  FAILS'}"
+    )
 
 
 def table(outcomes: Sequence[Outcome]) -> str:
@@ -165,14 +197,18 @@ def table(outcomes: Sequence[Outcome]) -> str:
     rows = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
     for o in outcomes:
         f = o.figures
-        rows.append(f"| {o.point.name} | " + " | ".join(f"{f[r]['mean_ttft_ms']:.1f} / {f[r]['p99_ttft_ms']:.1f}"
-                                                         for r in ROUTERS)
-                    + f" | {o.p99_ratio:.3f} | {o.mean_ratio:.3f} | {'yes' if o.holds else 'NO'} |")
+        rows.append(
+            f"| {o.point.name} | "
+            + " | ".join(f"{f[r]['mean_ttft_ms']:.1f} / {f[r]['p99_ttft_ms']:.1f}" for r in ROUTERS)
+            + f" | {o.p99_ratio:.3f} | {o.mean_ratio:.3f} | {'yes' if o.holds else 'NO'} |"
+        )
     if outcomes:
         worst_p99 = max(outcomes, key=lambda o: o.p99_ratio)
         worst_mean = max(outcomes, key=lambda o: o.mean_ratio)
-        rows += ["", f"{sum(o.holds for o in outcomes)} of {len(outcomes)} points hold; worst p99 ratio "
-                     f"{worst_p99.p99_ratio:.3f} ({worst_p99.point.name}), worst mean ratio "
-                     f"{worst_mean.mean_ratio:.3f} ({worst_mean.point.name})"]
+        rows += [
+            "",
+            f"{sum(o.holds for o in outcomes)} of {len(outcomes)} points hold; worst p99 ratio "
+            f"{worst_p99.p99_ratio:.3f} ({worst_p99.point.name}), worst mean ratio "
+            f"{worst_mean.mean_ratio:.3f} ({worst_mean.point.name})",
+        ]
     return "\n".join(rows)
-

@@ -155,9 +155,10 @@ def gap_table(results: Sequence[tuple[str, Sequence[Row]]]) -> str:
             assert oracle is not None
             best = [min(b.figures[k] for b in base) for k in ("mean_ttft_ms", "p99_ttft_ms")]
             share = ["-" if v is None else f"{v:.2f}" for v in shares.values()]
+            o, g = oracle.figures, r.figures
             lines.append(f"| {scenario} | {r.router} | {r.lead:g} | {best[0]:.1f} / {best[1]:.1f} | "
-                         f"{oracle.figures['mean_ttft_ms']:.1f} / {oracle.figures['p99_ttft_ms']:.1f} | "
-                         f"{r.figures['mean_ttft_ms']:.1f} / {r.figures['p99_ttft_ms']:.1f} | {share[0]} | {share[1]} |")
+                         f"{o['mean_ttft_ms']:.1f} / {o['p99_ttft_ms']:.1f} | "
+                         f"{g['mean_ttft_ms']:.1f} / {g['p99_ttft_ms']:.1f} | {share[0]} | {share[1]} |")
     return "\n".join(lines)
 
 

@@ -57,10 +57,10 @@ class InFlight:
     def newest(self, replica: str, count: float) -> Counter[str]:
         """Adapters of the newest ``count`` picks of ``replica`` (the requests still in flight), with counts."""
         picks = self._picks.get(replica)
-        n = min(int(count), len(picks)) if picks else 0
-        if n <= 0:
+        if not picks:
             return Counter()
-        return Counter(picks[i] for i in range(len(picks) - n, len(picks)))
+        n = min(int(count), len(picks))
+        return Counter(picks[i] for i in range(len(picks) - n, len(picks))) if n > 0 else Counter()
 
     def forget(self, replica: str) -> None:
         self._picks.pop(replica, None)
@@ -78,8 +78,9 @@ class RoutingLimits:
         per batch (0: unknown). A replica declared again takes the new limits."""
         for name, value in (("max_adapters", max_adapters), ("max_running", max_running)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{name} of replica {replica!r} is {value!r}; give an int >= 0 (the engine's "
-                                  f"{name}; 0: unknown)")
+                raise ConfigError(
+                    f"{name} of replica {replica!r} is {value!r}; give an int >= 0 (the engine's {name}; 0: unknown)"
+                )
         self._limits[replica] = ReplicaLimits(max_adapters, max_running)
 
     def forget(self, replica: str) -> None:
