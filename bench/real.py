@@ -127,6 +127,8 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
         if policy.oracle:
             fleet.preload(names, config.timeout_s)
         fleet.build(engine, config.timeout_s)
+        ray.get([service.controller.declare_limits.remote(r, engine.max_adapters, engine.max_running)  # Route's lanes
+                 for r in replicas], timeout=60)
         since_wall = time.time()  # counters and the load log from here: hinted loads may precede the clock
         heap.freeze()  # the router's hints and the gateway are not stalled by full collections (thawed below)
         before = fleet.stats()

@@ -22,7 +22,7 @@ from lora_cache.controller.links import WorkerLinks
 from lora_cache.controller.readiness import Doorbell, EventsLost, ReadinessEvent, WatchBatch
 from lora_cache.controller.registrations import Registered, Registrar
 from lora_cache.controller.snapshots import DurableConfig, DurableState
-from lora_cache.errors import ConflictError
+from lora_cache.errors import ConflictError, NotFoundError
 from lora_cache.routing.advice import RouteAdvice, RouteRequest
 from lora_cache.runtime import heap
 from lora_cache.runtime.metrics import ControllerMetrics
@@ -210,6 +210,14 @@ class ControllerActor:
         found = self.core.readiness.lookup(adapter)
         ready = [r for r in found.ready if self.core.readiness.is_ready(r, adapter, version)]
         return {"adapter": adapter, "version": version, "ready": ready, "loading": list(found.loading)}
+
+    async def declare_limits(self, replica: str, max_adapters: int, max_running: int) -> None:
+        """A replica's engine admits at most ``max_adapters`` distinct adapters and ``max_running`` requests per
+        batch (its ``EngineConfig``): routing advice ranks what it can start now (``lora_cache.routing.limits``)."""
+        await self._start()
+        if replica not in self.core.planner.replicas():
+            raise NotFoundError(f"replica {replica!r} is not known; known: {list(self.core.planner.replicas())}")
+        self.core.limits.declare(replica, max_adapters, max_running)
 
     async def route(self, items: list[RouteRequest], outstanding: dict[str, float] | None = None) -> list[RouteAdvice]:
         """Routing advice for a batch (ControllerCore.route); per-item errors ride in the advice."""
