@@ -163,9 +163,11 @@ def test_a_replica_without_a_free_adapter_lane_ranks_after_one_that_can_start_th
 
 def test_a_request_joins_its_adapters_running_batch_and_not_one_queued_behind_other_adapters() -> None:
     config = RouterConfig()
-    running = ReplicaLoad("r0", Residence.READY, 3.0, {"a": 2, "b": 1}, max_adapters=2)  # a is among the first 2
-    ready = ReplicaLoad("r1", Residence.READY, 0.0, {}, max_adapters=2)
+    running = ReplicaLoad("r0", Residence.READY, 3.0, {"a": 2, "b": 1}, max_adapters=2, scarce=True)  # a runs
+    ready = ReplicaLoad("r1", Residence.READY, 0.0, {}, max_adapters=2, scarce=True)
     assert running.runs("a") and rank("a", [running, ready], config)[0].replica == "r0"
+    plenty = [running._replace(scarce=False), ready._replace(scarce=False)]  # max_adapters = slots: no lane to save
+    assert rank("a", plenty, config)[0].replica == "r1"
     queued = ReplicaLoad("r0", Residence.READY, 3.0, {"b": 1, "c": 1, "a": 1}, max_adapters=2)  # a waits for a lane
     assert not queued.runs("a") and queued.lanes_short("a") == 1
     assert rank("a", [queued, ready], config)[0].replica == "r1"
@@ -176,7 +178,7 @@ def test_a_full_replica_ranks_last_and_a_batch_counts_its_own_picks_as_in_flight
     full = ReplicaLoad("r0", Residence.READY, 4.0, {"a": 4}, max_adapters=4, max_running=4)
     other = ReplicaLoad("r1", Residence.COLD, 0.0, {}, max_adapters=4, max_running=4)
     assert rank("a", [full, other], config)[0].replica == "r1"
-    fleet = [ReplicaLoad(f"r{i}", Residence.COLD, 0.0, {}, max_adapters=1) for i in range(2)]
+    fleet = [ReplicaLoad(f"r{i}", Residence.COLD, 0.0, {}, max_adapters=1, scarce=True) for i in range(2)]
     picks = route_batch([RouteItem(a) for a in "xyx"], dict.fromkeys("xy", fleet), config)
     first = [p[0].replica for p in picks]
     assert first[0] != first[1] and first[2] == first[0]  # y takes the free lane; the second x joins the first

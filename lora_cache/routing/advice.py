@@ -68,8 +68,9 @@ def replica_loads(planner: Planner, key: AdapterKey, loads: Mapping[str, float],
         if limits is not None:
             waiting = [q.adapter for q in planner.queue(replica)] + [h.adapter for h in planner.hints(replica)]
             lim = limits.limits(replica)
+            slots = min((planner.capacity(w).slots for w in planner.workers(replica)), default=0)
             item = item._replace(flying=limits.flying(replica, given, waiting), max_adapters=lim.max_adapters,
-                                 max_running=lim.max_running)
+                                 max_running=lim.max_running, scarce=0 < lim.max_adapters < slots)
         out.append(item)
     return out
 

@@ -77,8 +77,8 @@ class RouterConfig:
         "help": "expected wait per adapter lane a replica lacks (its batch holds max_adapters distinct adapters): "
                 "about one request's service time"})
     join: bool = field(default=True, metadata={
-        "help": "a replica where the adapter's requests are in flight (its batch runs it) ranks first within the "
-                "bound"})
+        "help": "a replica where the adapter's requests run (its batch runs it) ranks first within the bound, "
+                "where its batch admits fewer adapters than its slots (a request that joins saves a lane)"})
     token_weight: float = field(default=0.0, metadata={
         "help": "extra load units per prompt token of a routed request (0: every request weighs 1)"})
 
@@ -105,6 +105,7 @@ class ReplicaLoad(NamedTuple):
     flying: Mapping[str, int] = {}  # adapters of its requests in flight, oldest first, with counts (routing.limits)
     max_adapters: int = 0  # distinct adapters its batch admits (0: unknown, no limit)
     max_running: int = 0  # requests its batch admits (0: unknown, no limit)
+    scarce: bool = False  # its batch admits fewer adapters than its ranks hold: lanes bind before residency
 
     def lanes_short(self, adapter: str) -> int:
         """Adapter lanes the replica lacks to start a request of ``adapter`` now: 0 if it is in flight there
@@ -160,7 +161,7 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
         within = r.load + weight <= cap
         short = r.lanes_short(adapter)
         full = bool(r.max_running) and r.load + weight > r.max_running
-        joins = bool(r.max_adapters) and r.runs(adapter)  # without a declared limit, no lanes to save
+        joins = r.scarce and r.runs(adapter)  # joining saves a lane only where lanes are scarcer than slots
         wait = r.load * config.request_s + config.penalty_s(r.residence) + short * config.lane_s
         h = rendezvous_hash(adapter, r.replica)
         if short or full:  # it cannot start there now: last; fewest lanes short, then residency (a cold adapter
