@@ -69,7 +69,9 @@ def test_policies_behave_as_defined(quick) -> None:
     assert f["oracle"]["mean_load_wait_ms"] == 0
     assert f["ondemand"]["prefetches"] == 0  # on first use only, in the step
     assert f["ondemand"]["demand_loads"] > 0
-    assert f["pipelined"]["prefetches"] == 0 and f["pipelined"]["demand_loads"] > 0  # on use, layer by layer
+    # pipelined loads as overlap does (prefetches for held-back requests); layer by layer only in idle rounds, on
+    # loads the engine reports LOADING (the reference engine reports none yet: issue 31)
+    assert f["pipelined"]["loads"] > 0 and f["pipelined"]["prefetches"] > 0
     assert f["global"]["prefetches"] > 0  # hints and queue reports reached the planner, which prefetched
     ranks = doc["ranks"]["ondemand"]
     assert {(r["replica"], r["rank"]) for r in ranks} == {("replica-0", 0), ("replica-1", 0)}
