@@ -73,7 +73,7 @@ def test_fleets_runs_each_fleet_and_scenario_per_router_and_global_at_each_lead(
     for command in commands:
         assert command[:3] == ["python", "-m", "bench.run"]
         bench, spec = configs(build_parser().parse_args(command[3:]))
-        assert bench.engine == "real" and bench.check_sim and spec.requests == 60
+        assert bench.engine == "real" and bench.check_sim and spec.requests == 40
         assert bench.replicas * bench.tp == 4 and bench.adapters == str(tmp_path / "ad")
         runs.append((Path(bench.out).relative_to(tmp_path).as_posix(), bench.router, bench.policies,
                      bench.hint_lead_s, spec.arrivals))

@@ -12,17 +12,17 @@
 # Options, from the environment (defaults in brackets):
 #   FLEETS [2x2 4x1]: REPLICASxTP, space-separated (4 GPUs each)
 #   LEADS [0.05 0]: global's router leads, seconds
-#   REQUESTS [60]: requests per run; RATE [4]: Poisson requests/s per replica (the scenarios' one-replica rate)
+#   REQUESTS [40]: requests per run; RATE [4]: Poisson requests/s per replica, an integer (the scenarios' rate)
 #   TRACE []: a JSONL trace (bench.workloads) for the "trace" scenario: --arrivals trace --popularity trace:TRACE
 #   MODEL [llama-3.1-8b]  RANKS [16,64]  ADAPTERS [$TMPDIR/lora-cache-bench-adapters-MODEL]: as bench/gpu/suite.sh
 #   EXTRA []: more bench.run options for every run; LOGDIR [OUT/logs]  TAIL [25]  PYTHON  DRY [0]: as suite.sh
-# Sizing: a real policy run costs about 40-60 s of device time beyond its traffic (a fresh service, engines
-# and model per policy; 65-85 s for 100 requests at 4/s in results/h200-bench), so 5 runs of 60 requests per
-# fleet and scenario take about 4 minutes: the default (zipf on both fleets) fits in about 8 minutes. Each
-# further scenario (or the trace) adds about 4 minutes per fleet: give one per device session, e.g.
-#   bash bench/gpu/fleets.sh OUT zipf                        # ~8 min: both fleets
-#   FLEETS=2x2 bash bench/gpu/fleets.sh OUT seed uniform     # ~8 min: one fleet, two scenarios
-#   FLEETS=2x2 TRACE=trace.jsonl REQUESTS=300 bash bench/gpu/fleets.sh OUT trace
+# Sizing: a real policy run costs about 40-60 s of device time beyond its traffic (a fresh service, engines and
+# model per policy: 65-85 s for 100 requests at 4/s on one H200 in results/h200-bench), and 40 requests at 8-16/s
+# are 3-5 s of traffic; a fleet and scenario is 5 policy runs (queue; overlap and the oracle; global at 2 leads),
+# about 4-5 minutes. The default (zipf on both fleets, 10 runs) is 8-10 minutes: give each fleet its own call
+# (the device tool allows 10 minutes a command), and one scenario per fleet and call, e.g.
+#   FLEETS=2x2 bash bench/gpu/fleets.sh OUT zipf; FLEETS=4x1 bash bench/gpu/fleets.sh OUT zipf   # ~4-5 min each
+#   FLEETS=2x2 TRACE=trace.jsonl REQUESTS=300 bash bench/gpu/fleets.sh OUT trace               # a longer replay
 # Exit status: the number of runs that failed.
 set -u
 . "$(dirname "$0")/lib.sh"
@@ -33,7 +33,7 @@ scenarios=("$@")
 read -r -a fleets <<< "${FLEETS:-2x2 4x1}"
 read -r -a leads <<< "${LEADS:-0.05 0}"
 read -r -a extra <<< "${EXTRA:-}"
-requests=${REQUESTS:-60}
+requests=${REQUESTS:-40}
 rate=${RATE:-4}
 common=(--engine real --model "$model" --adapter-ranks "${RANKS:-16,64}" --adapters "$adapters" --no-plots
         --check-sim --requests "$requests")
