@@ -66,7 +66,8 @@ def replica_loads(planner: Planner, key: AdapterKey, loads: Mapping[str, float],
             load = float(len(planner.queue(replica)) + len(planner.hints(replica)))
         item = ReplicaLoad(replica, residence(planner, replica, key), load)
         if limits is not None:
-            waiting = [q.adapter for q in planner.queue(replica)] + [h.adapter for h in planner.hints(replica)]
+            waiting = [] if given is not None else ([q.adapter for q in planner.queue(replica)]
+                                                    + [h.adapter for h in planner.hints(replica)])
             lim = limits.limits(replica)
             slots = min((planner.capacity(w).slots for w in planner.workers(replica)), default=0)
             item = item._replace(flying=limits.flying(replica, given, waiting), max_adapters=lim.max_adapters,
