@@ -62,8 +62,9 @@ class DiskTierConfig:
         "help": "bytes per ranged GET (a multiple of 1 MiB, the CRC block)"})
 
     def __post_init__(self) -> None:
-        if self.disk_cache_bytes < 1 << 20:
-            raise ConfigError(f"disk_cache_bytes ({self.disk_cache_bytes}) must be at least 1 MiB")
+        if self.disk_cache_bytes < 1 << 16:
+            raise ConfigError(f"disk_cache_bytes ({self.disk_cache_bytes}) must be at least 64 KiB; size it for the "
+                              "adapters a node serves (64 GiB by default)")
         if not 1 <= self.fetch_parallel <= 64:
             raise ConfigError(f"fetch_parallel must be in 1..64, got {self.fetch_parallel}")
         if self.fetch_part_bytes < BLOCK_BYTES or self.fetch_part_bytes % BLOCK_BYTES:
