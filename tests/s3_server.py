@@ -33,11 +33,20 @@ class S3Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, **({"INITIAL_NO_AUTH_ACTION_COUNT": str(NO_AUTH_SETUP)} if auth else {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(self.port), "-H", "127.0.0.1"],
-                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-p", str(self.port), "-H", "127.0.0.1"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wait_for(self._up, f"moto server on {self.url}", timeout=30)
-        self.env = {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "setup", "AWS_SECRET_ACCESS_KEY": "setup",
-                    "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1"}
+        self.env = {
+            "AWS_ENDPOINT_URL": self.url,
+            "AWS_ACCESS_KEY_ID": "setup",
+            "AWS_SECRET_ACCESS_KEY": "setup",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_REGION": "us-east-1",
+        }
         if auth:
             self.env.update(self._user())
 
@@ -60,8 +69,12 @@ class S3Server:
         import boto3
 
         return boto3.session.Session().client(
-            service, endpoint_url=self.url, region_name="us-east-1", aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"])
+            service,
+            endpoint_url=self.url,
+            region_name="us-east-1",
+            aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"],
+        )
 
     def upload_dir(self, bucket: str, prefix: str, directory: Path) -> None:
         """Every file of ``directory`` as ``prefix/<file name>``."""

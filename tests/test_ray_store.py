@@ -49,14 +49,26 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             server.upload_dir(BUCKET, f"tenants/{d.name}", d)
         saved = dict(os.environ)
         os.environ.update(server.env)  # as an operator sets AWS_* for serve and the cluster's processes
-        ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": server.env})
+        ray.init(
+            address="local",
+            num_cpus=2,
+            namespace="lora-cache",
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": server.env},
+        )
         try:
             disk = tmp_path_factory.mktemp("disk")
-            svc = start(ServeConfig(adapters=f"s3://{BUCKET}/tenants", replicas=1, tp=2),
-                        CatalogConfig(model="tiny", max_rank=16), PlannerConfig(policy="global"),
-                        WorkerConfig(num_slots=2, host=HostTierConfig(host_bytes=1 << 22, pin=False),
-                                     disk=DiskTierConfig(disk_cache=str(disk))))
+            svc = start(
+                ServeConfig(adapters=f"s3://{BUCKET}/tenants", replicas=1, tp=2),
+                CatalogConfig(model="tiny", max_rank=16),
+                PlannerConfig(policy="global"),
+                WorkerConfig(
+                    num_slots=2,
+                    host=HostTierConfig(host_bytes=1 << 22, pin=False),
+                    disk=DiskTierConfig(disk_cache=str(disk)),
+                ),
+            )
             yield World(server, local, svc)
             svc.stop()
         finally:
@@ -73,8 +85,11 @@ def test_a_hint_makes_a_store_adapter_ready_with_one_fetch_per_node(world: World
     ctl = world.service.controller
     assert ray.get(ctl.status.remote())["adapters"] == 3
     assert ray.get(ctl.hint.remote([("h-0", "adapter-000", "replica-0", 1.0)])) == 1
-    wait_for(lambda: "replica-0" in ray.get(ctl.lookup.remote("adapter-000"), timeout=10)["ready"],
-             "adapter-000 ready on replica-0", timeout=60)
+    wait_for(
+        lambda: "replica-0" in ray.get(ctl.lookup.remote("adapter-000"), timeout=10)["ready"],
+        "adapter-000 ready on replica-0",
+        timeout=60,
+    )
     stats = [ray.get(h.stats.remote()) for h in ranks(world)]
     assert sum(s["disk_fetches"] for s in stats) == 1, stats  # the two ranks of the node share one fetch
     assert all(s["registrations_hashed"] + s["registrations_taken"] == 3 for s in stats)
@@ -86,8 +101,11 @@ def test_an_object_replaced_in_the_store_is_refused_on_every_rank(world: World) 
     other = (world.local / "adapter-000" / WEIGHTS_FILE).read_bytes()  # other bytes under adapter-001's key
     world.server.client().put_object(Bucket=BUCKET, Key=f"tenants/adapter-001/{WEIGHTS_FILE}", Body=other)
     assert ray.get(ctl.hint.remote([("h-1", "adapter-001", "replica-0", 1.0)])) == 1
-    wait_for(lambda: all(ray.get(h.stats.remote())["load_failures"] >= 1 for h in ranks(world)),
-             "every rank refused the replaced object", timeout=60)
+    wait_for(
+        lambda: all(ray.get(h.stats.remote())["load_failures"] >= 1 for h in ranks(world)),
+        "every rank refused the replaced object",
+        timeout=60,
+    )
     assert "replica-0" not in ray.get(ctl.lookup.remote("adapter-001"))["ready"]
     for h in ranks(world):
         residency = ray.get(h.describe.remote())["residency"]

@@ -51,14 +51,16 @@ def local(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Adapters on disk, the source of what the tests upload: small ones and one of four 1 MiB parts."""
     root = tmp_path_factory.mktemp("local")
     small = make_adapters(root / "small", SynthConfig(model="tiny", count=3, rank="8,16"))
-    big = make_adapters(root / "big", SynthConfig(model="tiny", count=1, rank=str(BIG_RANK), dtype="float32",
-                                                  prefix="big"))
+    big = make_adapters(
+        root / "big", SynthConfig(model="tiny", count=1, rank=str(BIG_RANK), dtype="float32", prefix="big")
+    )
     return {d.name: d for d in (*small, *big)}
 
 
 @pytest.fixture
-def store(server: S3Server, local: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
-          request: pytest.FixtureRequest) -> tuple[S3Server, str]:
+def store(
+    server: S3Server, local: dict[str, Path], monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> tuple[S3Server, str]:
     """A fresh prefix holding every local adapter, and this process's AWS_* variables pointing at the server."""
     set_env(monkeypatch, server.env)
     prefix = f"t/{request.node.name.replace('[', '-').replace(']', '')}"
@@ -68,8 +70,9 @@ def store(server: S3Server, local: dict[str, Path], monkeypatch: pytest.MonkeyPa
 
 
 def catalog_for(root: str, max_rank: int = BIG_RANK, timeout_s: float = 20.0) -> AdapterCatalog:
-    return AdapterCatalog(CatalogConfig(adapter_roots=(root,), model="tiny", max_rank=max_rank,
-                                        store_timeout_s=timeout_s))
+    return AdapterCatalog(
+        CatalogConfig(adapter_roots=(root,), model="tiny", max_rank=max_rank, store_timeout_s=timeout_s)
+    )
 
 
 @pytest.fixture
@@ -77,9 +80,12 @@ def cache_for(tmp_path: Path) -> Iterator[Callable[..., WorkerCache]]:
     caches: list[WorkerCache] = []
 
     def make(catalog: AdapterCatalog, disk: Path | None = None, **disk_kw: Any) -> WorkerCache:
-        config = WorkerConfig(num_slots=2, device="cpu", host=HostTierConfig(host_bytes=16 << 20, read_threads=2,
-                                                                             pin=False),
-                              disk=DiskTierConfig(disk_cache=str(disk or tmp_path / "disk"), **disk_kw))
+        config = WorkerConfig(
+            num_slots=2,
+            device="cpu",
+            host=HostTierConfig(host_bytes=16 << 20, read_threads=2, pin=False),
+            disk=DiskTierConfig(disk_cache=str(disk or tmp_path / "disk"), **disk_kw),
+        )
         caches.append(WorkerCache(config, catalog))
         return caches[-1]
 
@@ -91,8 +97,7 @@ def cache_for(tmp_path: Path) -> Iterator[Callable[..., WorkerCache]]:
 def file_slices(weights: Path, cache: WorkerCache, name: str) -> dict[tuple[int, str, str], torch.Tensor]:
     layout = cache.layout_of(name)
     with safe_open(str(weights), framework="pt") as f:
-        return {(e.layer, e.module, e.ab): f.get_slice(e.key)[e.rows, e.cols].to(layout.dtype)
-                for e in layout.entries}
+        return {(e.layer, e.module, e.ab): f.get_slice(e.key)[e.rows, e.cols].to(layout.dtype) for e in layout.entries}
 
 
 def assert_serves(cache: WorkerCache, name: str, weights: Path) -> None:
@@ -105,8 +110,9 @@ def assert_serves(cache: WorkerCache, name: str, weights: Path) -> None:
 
 def disk_files(directory: Path) -> list[str]:
     """What the disk tier holds: copies, proofs and parts (not its lock files)."""
-    return sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != ".lock") if directory.exists() \
-        else []
+    return (
+        sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != ".lock") if directory.exists() else []
+    )
 
 
 def replace_object(server: S3Server, spec: AdapterSpec, data: bytes) -> None:
@@ -117,8 +123,9 @@ def replace_object(server: S3Server, spec: AdapterSpec, data: bytes) -> None:
 # -- registration: metadata only, clear errors --------------------------------------------------------------
 
 
-def test_registration_reads_only_metadata_and_versions_by_store_identity(store: tuple[S3Server, str],
-                                                                         local: dict[str, Path]) -> None:
+def test_registration_reads_only_metadata_and_versions_by_store_identity(
+    store: tuple[S3Server, str], local: dict[str, Path]
+) -> None:
     server, root = store
     catalog = catalog_for(root)
     specs = {s.name: s for s in catalog.register_dir(root)}
@@ -150,12 +157,14 @@ def test_registration_refuses_bad_locations_naming_bucket_and_key(store: tuple[S
     assert len(catalog) == 0  # nothing half-registered
 
 
-def test_wrong_credentials_are_refused_with_the_fix(store: tuple[S3Server, str], monkeypatch: pytest.MonkeyPatch
-                                                    ) -> None:
+def test_wrong_credentials_are_refused_with_the_fix(
+    store: tuple[S3Server, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     _, root = store
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-key")
     catalog = catalog_for(root)
-    with pytest.raises(AdapterStoreError, match=r"refused the credentials \(SignatureDoesNotMatch\).*AWS_ACCESS_KEY_ID"):
+    refused = r"refused the credentials \(SignatureDoesNotMatch\).*AWS_ACCESS_KEY_ID"
+    with pytest.raises(AdapterStoreError, match=refused):
         catalog.register("adapter-000", f"{root}/adapter-000")
     assert len(catalog) == 0
 
@@ -182,8 +191,8 @@ def test_a_store_version_survives_the_catalog_snapshot(store: tuple[S3Server, st
 
 
 def test_a_load_fetches_once_per_node_and_serves_the_registered_bytes(
-        store: tuple[S3Server, str], local: dict[str, Path], cache_for: Callable[..., WorkerCache],
-        tmp_path: Path) -> None:
+    store: tuple[S3Server, str], local: dict[str, Path], cache_for: Callable[..., WorkerCache], tmp_path: Path
+) -> None:
     _, root = store
     catalog = catalog_for(root)
     catalog.register_dir(root)
@@ -199,8 +208,9 @@ def test_a_load_fetches_once_per_node_and_serves_the_registered_bytes(
     rank0.check_integrity()
 
 
-def test_stage_fetches_into_the_disk_tier_ahead_of_need(store: tuple[S3Server, str],
-                                                       cache_for: Callable[..., WorkerCache]) -> None:
+def test_stage_fetches_into_the_disk_tier_ahead_of_need(
+    store: tuple[S3Server, str], cache_for: Callable[..., WorkerCache]
+) -> None:
     _, root = store
     catalog = catalog_for(root)
     spec = catalog.register("adapter-002", f"{root}/adapter-002")
@@ -211,15 +221,18 @@ def test_stage_fetches_into_the_disk_tier_ahead_of_need(store: tuple[S3Server, s
 
 
 def test_an_object_replaced_after_registration_is_refused_and_nothing_is_kept(
-        store: tuple[S3Server, str], local: dict[str, Path], cache_for: Callable[..., WorkerCache],
-        tmp_path: Path) -> None:
+    store: tuple[S3Server, str], local: dict[str, Path], cache_for: Callable[..., WorkerCache], tmp_path: Path
+) -> None:
     server, root = store
     catalog = catalog_for(root)
     spec = catalog.register("adapter-000", f"{root}/adapter-000")
     replace_object(server, spec, (local["adapter-002"] / WEIGHTS_FILE).read_bytes())  # same size, other bytes
     cache = cache_for(catalog)
-    with pytest.raises(AdapterChangedError, match=f"{spec.store.url} was replaced in the store since it was "  # type: ignore[union-attr]
-                                                  f"registered as version {spec.version}"):
+    with pytest.raises(
+        AdapterChangedError,
+        match=f"{spec.store.url} was replaced in the store since it was "  # type: ignore[union-attr]
+        f"registered as version {spec.version}",
+    ):
         cache.prefetch("adapter-000").result(timeout=30)
     assert disk_files(tmp_path / "disk") == []
     assert cache.residency() == [] and cache.host.arena.used_bytes == 0
@@ -238,8 +251,12 @@ def fetch_hook(monkeypatch: pytest.MonkeyPatch, after_first_part: Callable[[], N
 
 
 def test_an_object_replaced_mid_fetch_is_never_served_nor_mixed(
-        store: tuple[S3Server, str], local: dict[str, Path], cache_for: Callable[..., WorkerCache],
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store: tuple[S3Server, str],
+    local: dict[str, Path],
+    cache_for: Callable[..., WorkerCache],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     server, root = store
     catalog = catalog_for(root)
     spec = catalog.register("big-000", f"{root}/big-000")
@@ -263,8 +280,9 @@ def test_an_object_replaced_mid_fetch_is_never_served_nor_mixed(
     assert_serves(cache, "big-000", tmp_path / "new" / WEIGHTS_FILE)
 
 
-def test_a_tampered_disk_copy_is_never_served(store: tuple[S3Server, str], local: dict[str, Path],
-                                             cache_for: Callable[..., WorkerCache], tmp_path: Path) -> None:
+def test_a_tampered_disk_copy_is_never_served(
+    store: tuple[S3Server, str], local: dict[str, Path], cache_for: Callable[..., WorkerCache], tmp_path: Path
+) -> None:
     _, root = store
     catalog = catalog_for(root)
     catalog.register("adapter-001", f"{root}/adapter-001")
@@ -282,8 +300,9 @@ def test_a_tampered_disk_copy_is_never_served(store: tuple[S3Server, str], local
     assert second.stats()["disk_fetches"] == 1  # the changed copy dropped and fetched again
 
 
-def test_a_full_disk_tier_refuses_before_fetching(store: tuple[S3Server, str], cache_for: Callable[..., WorkerCache],
-                                                  tmp_path: Path) -> None:
+def test_a_full_disk_tier_refuses_before_fetching(
+    store: tuple[S3Server, str], cache_for: Callable[..., WorkerCache], tmp_path: Path
+) -> None:
     _, root = store
     catalog = catalog_for(root)
     small, big = catalog.register("adapter-000", f"{root}/adapter-000"), catalog.register("big-000", f"{root}/big-000")
@@ -292,12 +311,14 @@ def test_a_full_disk_tier_refuses_before_fetching(store: tuple[S3Server, str], c
         cache.prefetch("big-000").result(timeout=30)
     assert disk_files(tmp_path / "disk") == []
     # room held by a read in progress is not taken: a second tier of the node cannot evict it
-    tier = DiskTier(DiskTierConfig(disk_cache=str(tmp_path / "d2"), disk_cache_bytes=1 << 16))  # one small copy, not two
+    tier = DiskTier(DiskTierConfig(disk_cache=str(tmp_path / "d2"), disk_cache_bytes=1 << 16))  # one small copy
     other = catalog.register("adapter-002", f"{root}/adapter-002")
-    with tier.held(small):
-        with pytest.raises(CapacityError, match="held by reads and fetches in progress"):
-            with tier.held(other):
-                pass
+    with (
+        tier.held(small),
+        pytest.raises(CapacityError, match="held by reads and fetches in progress"),
+        tier.held(other),
+    ):
+        pass
     with tier.held(other) as spec:  # once let go, the older copy is evicted for it
         assert spec.source is not None and Path(spec.source.path).exists()
     assert tier.evictions == 1
@@ -305,8 +326,8 @@ def test_a_full_disk_tier_refuses_before_fetching(store: tuple[S3Server, str], c
 
 
 def test_a_stalled_server_times_out_and_a_dead_one_fails_cleanly(
-        local: dict[str, Path], cache_for: Callable[..., WorkerCache], tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    local: dict[str, Path], cache_for: Callable[..., WorkerCache], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with S3Server() as own:  # its own server: this test stops and kills it
         set_env(monkeypatch, own.env)
         own.client().create_bucket(Bucket=BUCKET)
@@ -317,8 +338,11 @@ def test_a_stalled_server_times_out_and_a_dead_one_fails_cleanly(
         cache = cache_for(catalog, fetch_parallel=1, fetch_part_bytes=1 << 20)
         own.pause()
         try:
-            with pytest.raises(AdapterStoreError, match=r"adapter-000/adapter_model.safetensors: the store at .* did "
-                                                        r"not answer.*raise --store-timeout-s"):
+            with pytest.raises(
+                AdapterStoreError,
+                match=r"adapter-000/adapter_model.safetensors: the store at .* did "
+                r"not answer.*raise --store-timeout-s",
+            ):
                 cache.prefetch("adapter-000").result(timeout=60)
         finally:
             own.resume()
@@ -326,8 +350,11 @@ def test_a_stalled_server_times_out_and_a_dead_one_fails_cleanly(
         cache.prefetch("adapter-000").result(timeout=30)  # the server is back: the same load works
         assert_serves(cache, "adapter-000", local["adapter-000"] / WEIGHTS_FILE)
         fetch_hook(monkeypatch, own.kill)  # dies after the first part of four
-        with pytest.raises(AdapterStoreError, match="big-000/adapter_model.safetensors: the store at .* did not "
-                                                    "answer or broke off"):
+        with pytest.raises(
+            AdapterStoreError,
+            match=r"big-000/adapter_model\.safetensors: the store at .* did not "
+            r"answer or broke off",
+        ):
             cache.prefetch("big-000").result(timeout=60)
         assert [f for f in disk_files(tmp_path / "disk") if "big" in f or ".part." in f] == []
         assert [r["adapter"] for r in cache.residency()] == ["adapter-000"]

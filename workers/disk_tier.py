@@ -52,24 +52,35 @@ log = logging.getLogger(__name__)
 class DiskTierConfig:
     """Where adapters fetched from an object store are kept on this node, and how they are fetched."""
 
-    disk_cache: str = field(default="", metadata={
-        "path": True, "help": "directory of the local disk tier for adapters from an object store (shared by the "
-                              "node's ranks); empty: lora-cache-disk under the system's temporary directory"})
-    disk_cache_bytes: int = field(default=64 << 30, metadata={
-        "help": "bytes of adapter files the disk tier may hold (LRU by bytes)"})
+    disk_cache: str = field(
+        default="",
+        metadata={
+            "path": True,
+            "help": "directory of the local disk tier for adapters from an object store (shared by the "
+            "node's ranks); empty: lora-cache-disk under the system's temporary directory",
+        },
+    )
+    disk_cache_bytes: int = field(
+        default=64 << 30, metadata={"help": "bytes of adapter files the disk tier may hold (LRU by bytes)"}
+    )
     fetch_parallel: int = field(default=8, metadata={"help": "ranged GETs of one object at once"})
-    fetch_part_bytes: int = field(default=8 << 20, metadata={
-        "help": "bytes per ranged GET (a multiple of 1 MiB, the CRC block)"})
+    fetch_part_bytes: int = field(
+        default=8 << 20, metadata={"help": "bytes per ranged GET (a multiple of 1 MiB, the CRC block)"}
+    )
 
     def __post_init__(self) -> None:
         if self.disk_cache_bytes < 1 << 16:
-            raise ConfigError(f"disk_cache_bytes ({self.disk_cache_bytes}) must be at least 64 KiB; size it for the "
-                              "adapters a node serves (64 GiB by default)")
+            raise ConfigError(
+                f"disk_cache_bytes ({self.disk_cache_bytes}) must be at least 64 KiB; size it for the "
+                "adapters a node serves (64 GiB by default)"
+            )
         if not 1 <= self.fetch_parallel <= 64:
             raise ConfigError(f"fetch_parallel must be in 1..64, got {self.fetch_parallel}")
         if self.fetch_part_bytes < BLOCK_BYTES or self.fetch_part_bytes % BLOCK_BYTES:
-            raise ConfigError(f"fetch_part_bytes ({self.fetch_part_bytes}) must be a positive multiple of "
-                              f"{BLOCK_BYTES} (the CRC block); 8 MiB is the default")
+            raise ConfigError(
+                f"fetch_part_bytes ({self.fetch_part_bytes}) must be a positive multiple of "
+                f"{BLOCK_BYTES} (the CRC block); 8 MiB is the default"
+            )
 
     def directory(self) -> Path:
         return Path(self.disk_cache or Path(tempfile.gettempdir()) / f"lora-cache-disk-{os.getuid()}")
@@ -116,9 +127,11 @@ class DiskTier:
                     fd = self._entry_lock(name, fcntl.LOCK_SH)
                     local = self._proof(name, spec.store)
                     if local is None:
-                        raise CapacityError(f"the disk tier {self.dir} evicted {spec.store.url} as soon as it was "
-                                            "fetched: it is too small for the adapters in use; raise "
-                                            "--disk-cache-bytes")
+                        raise CapacityError(
+                            f"the disk tier {self.dir} evicted {spec.store.url} as soon as it was "
+                            "fetched: it is too small for the adapters in use; raise "
+                            "--disk-cache-bytes"
+                        )
             else:
                 with self._lock:
                     self.hits += 1
@@ -152,8 +165,13 @@ class DiskTier:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"disk_hits": self.hits, "disk_fetches": self.fetches, "disk_fetched_bytes": self.fetched_bytes,
-                    "disk_evictions": self.evictions, "disk_stage_failures": self.stage_failures}
+            return {
+                "disk_hits": self.hits,
+                "disk_fetches": self.fetches,
+                "disk_fetched_bytes": self.fetched_bytes,
+                "disk_evictions": self.evictions,
+                "disk_stage_failures": self.stage_failures,
+            }
 
     def close(self) -> None:
         if self._stager is not None:
@@ -208,8 +226,9 @@ class DiskTier:
         finally:
             os.close(fd)
         fetched_ns = time.time_ns()
-        local = WeightsSource(str(path), source.version, identity, source.header_bytes, source.header_crc, crcs,
-                              fetched_ns)
+        local = WeightsSource(
+            str(path), source.version, identity, source.header_bytes, source.header_crc, crcs, fetched_ns
+        )
         _write_proof(self.dir / f"{name}.crc", local)
         with self._lock:
             self.fetches += 1
@@ -226,10 +245,17 @@ class DiskTier:
             now = FileIdentity.of(os.stat(path))
         except (FileNotFoundError, ValueError, KeyError, TypeError):
             return None
-        if (local.version, local.header_crc, local.identity.size) != (source.version, source.header_crc,
-                                                                     source.size) or local.identity != now:
-            log.warning("disk tier copy %s of %s changed since it was fetched (%s): dropped, fetched again", path,
-                        source.url, local.identity.changes(now) or "another version")
+        if (local.version, local.header_crc, local.identity.size) != (
+            source.version,
+            source.header_crc,
+            source.size,
+        ) or local.identity != now:
+            log.warning(
+                "disk tier copy %s of %s changed since it was fetched (%s): dropped, fetched again",
+                path,
+                source.url,
+                local.identity.changes(now) or "another version",
+            )
             for p in (proof, path):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(p)
@@ -243,8 +269,10 @@ class DiskTier:
         """Room for ``source`` (evicting unheld copies, oldest use first), or ``CapacityError`` at once."""
         cap = self.config.disk_cache_bytes
         if source.size > cap:
-            raise CapacityError(f"{source.url} is {source.size} bytes, more than the whole disk tier {self.dir} "
-                                f"({cap} bytes); raise --disk-cache-bytes")
+            raise CapacityError(
+                f"{source.url} is {source.size} bytes, more than the whole disk tier {self.dir} "
+                f"({cap} bytes); raise --disk-cache-bytes"
+            )
         with self._dir_lock():
             entries, used = _entries(self.dir)
             for _last_use, name, nbytes in sorted(entries):
@@ -253,9 +281,11 @@ class DiskTier:
                 if self._evict(name):
                     used -= nbytes
             if used + source.size > cap:
-                raise CapacityError(f"the disk tier {self.dir} ({cap} bytes) cannot take {source.url} "
-                                    f"({source.size} bytes): {used} bytes are held by reads and fetches in progress; "
-                                    "raise --disk-cache-bytes, or retry when they are done")
+                raise CapacityError(
+                    f"the disk tier {self.dir} ({cap} bytes) cannot take {source.url} "
+                    f"({source.size} bytes): {used} bytes are held by reads and fetches in progress; "
+                    "raise --disk-cache-bytes, or retry when they are done"
+                )
 
     def _evict(self, name: str) -> bool:
         """Drop ``name``'s copy unless a process holds it (its entry lock taken without waiting)."""
@@ -297,8 +327,9 @@ class DiskTier:
         try:
             (self.dir / "locks").mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"the disk tier directory {self.dir} cannot be made ({e}); point --disk-cache at a "
-                              "writable directory") from e
+            raise ConfigError(
+                f"the disk tier directory {self.dir} cannot be made ({e}); point --disk-cache at a writable directory"
+            ) from e
         return self.dir
 
 
@@ -340,18 +371,28 @@ def _preallocate(fd: int, source: StoreSource, directory: Path) -> None:
         os.posix_fallocate(fd, 0, source.size)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise CapacityError(f"the disk of the disk tier {directory} is full: {source.url} needs {source.size} "
-                                "bytes; free room there, lower --disk-cache-bytes below the free space, or point "
-                                "--disk-cache at a larger disk") from e
+            raise CapacityError(
+                f"the disk of the disk tier {directory} is full: {source.url} needs {source.size} "
+                "bytes; free room there, lower --disk-cache-bytes below the free space, or point "
+                "--disk-cache at a larger disk"
+            ) from e
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
         os.ftruncate(fd, source.size)
 
 
 def _write_proof(path: Path, local: WeightsSource) -> None:
-    data = json.dumps({"v": local.version, "w": local.path, "id": list(local.identity), "hb": local.header_bytes,
-                       "hc": local.header_crc, "b": base64.b64encode(local.block_crcs.packed).decode(),
-                       "t": local.registered_ns})
+    data = json.dumps(
+        {
+            "v": local.version,
+            "w": local.path,
+            "id": list(local.identity),
+            "hb": local.header_bytes,
+            "hc": local.header_crc,
+            "b": base64.b64encode(local.block_crcs.packed).decode(),
+            "t": local.registered_ns,
+        }
+    )
     tmp = path.with_name(path.name + f".tmp.{os.getpid()}.{threading.get_ident()}")
     tmp.write_text(data)
     os.replace(tmp, path)

@@ -31,8 +31,9 @@ def part_spans(size: int, part_bytes: int) -> list[tuple[int, int]]:
     return [(start, min(part_bytes, size - start)) for start in range(0, size, part_bytes)]
 
 
-def fetch_object(s3: Any, source: StoreSource, fd: int, parallel: int, part_bytes: int,
-                 on_part: Callable[[int], None] | None = None) -> BlockCrcs:
+def fetch_object(
+    s3: Any, source: StoreSource, fd: int, parallel: int, part_bytes: int, on_part: Callable[[int], None] | None = None
+) -> BlockCrcs:
     """Every byte of ``source`` written to ``fd`` (a file of ``source.size`` bytes) by ranged GETs of that very
     version; the CRC of each block. ``on_part(k)``: told when part k is written (progress; a test's hook)."""
     spans = part_spans(source.size, part_bytes)
@@ -64,7 +65,9 @@ def fetch_object(s3: Any, source: StoreSource, fd: int, parallel: int, part_byte
                     f.cancel()  # parts not started are not fetched; those started end (the pool waits for them)
                 raise failed.exception()  # type: ignore[misc]
     if zlib.crc32(os.pread(fd, source.header_bytes, 0)) != source.header_crc:
-        raise AdapterChangedError(f"{source.url}: the store sent another safetensors header than the one registered "
-                                  f"as version {source.version} under the same ETag {source.etag}; refused: check "
-                                  "the store, and register the adapter again")
+        raise AdapterChangedError(
+            f"{source.url}: the store sent another safetensors header than the one registered "
+            f"as version {source.version} under the same ETag {source.etag}; refused: check "
+            "the store, and register the adapter again"
+        )
     return BlockCrcs(crcs)

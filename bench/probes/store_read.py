@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -61,8 +62,11 @@ def moto_server() -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(port), "-H", "127.0.0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-p", str(port), "-H", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -145,10 +149,9 @@ def measure(ns: argparse.Namespace, endpoint: str) -> dict[str, Any]:
         raw = {"get": gbps(median(lambda: raw_get(s3, key), ns.repeats))}
         parts = [(s, min(PART, size - s)) for s in range(0, size, PART)]
         for p in ns.parallel:
-            raw[f"ranged x{p}"] = gbps(median(lambda p=p: ranged(s3, key, parts, p), ns.repeats))
+            raw[f"ranged x{p}"] = gbps(median(functools.partial(ranged, s3, key, parts, p), ns.repeats))
         out["raw_gbps"] = raw
-        store_cat = AdapterCatalog(CatalogConfig(adapter_roots=(f"s3://{BUCKET}/p",), model=ns.model,
-                                                 max_rank=ns.rank))
+        store_cat = AdapterCatalog(CatalogConfig(adapter_roots=(f"s3://{BUCKET}/p",), model=ns.model, max_rank=ns.rank))
         spec = store_cat.register(adapter.name, f"s3://{BUCKET}/p/{adapter.name}")
         disk = work / "disk"
         fetch = {}
@@ -163,12 +166,14 @@ def measure(ns: argparse.Namespace, endpoint: str) -> dict[str, Any]:
         out["fetch_gbps"] = fetch
         out["fetch_over_raw"] = max(fetch.values()) / max(raw.values())
         # (c) each rank's ranges vs one whole object per node
-        local_cat = AdapterCatalog(CatalogConfig(adapter_roots=(str(adapter.parent),), model=ns.model,
-                                                 max_rank=ns.rank))
+        local_cat = AdapterCatalog(
+            CatalogConfig(adapter_roots=(str(adapter.parent),), model=ns.model, max_rank=ns.rank)
+        )
         local_spec = local_cat.register(adapter.name, adapter)
         shape = local_cat.shape
-        tier = DiskTier(DiskTierConfig(disk_cache=str(disk), fetch_parallel=max(ns.parallel),
-                                       fetch_part_bytes=PART), 60.0)
+        tier = DiskTier(
+            DiskTierConfig(disk_cache=str(disk), fetch_parallel=max(ns.parallel), fetch_part_bytes=PART), 60.0
+        )
 
         def whole() -> None:
             with tier.held(spec):
@@ -181,11 +186,13 @@ def measure(ns: argparse.Namespace, endpoint: str) -> dict[str, Any]:
 
             def all_ranks(per_rank: list[list[tuple[int, int]]] = per_rank) -> None:
                 with ThreadPoolExecutor(len(per_rank)) as pool:
-                    list(pool.map(lambda spans: ranged(s3, key, spans, 8), per_rank))
+                    list(pool.map(ranged, [s3] * len(per_rank), [key] * len(per_rank), per_rank, [8] * len(per_rank)))
 
-            ranges[f"tp{tp}"] = {"seconds": median(all_ranks, ns.repeats),
-                                 "requests": sum(len(r) for r in per_rank),
-                                 "bytes": sum(n for r in per_rank for _, n in r)}
+            ranges[f"tp{tp}"] = {
+                "seconds": median(all_ranks, ns.repeats),
+                "requests": sum(len(r) for r in per_rank),
+                "bytes": sum(n for r in per_rank for _, n in r),
+            }
         out["ranges"] = ranges
         out["whole"] = {"seconds": whole_s, "requests": len(parts), "bytes": size}
         # (d) prefetch -> READY
@@ -195,16 +202,21 @@ def measure(ns: argparse.Namespace, endpoint: str) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def ready_times(ns: argparse.Namespace, local_cat: AdapterCatalog, store_cat: AdapterCatalog, name: str,
-                work: Path) -> dict[str, float]:
+def ready_times(
+    ns: argparse.Namespace, local_cat: AdapterCatalog, store_cat: AdapterCatalog, name: str, work: Path
+) -> dict[str, float]:
     out = {}
     spec = store_cat.get(name)
     host = HostTierConfig(host_bytes=max(64 << 20, 2 * spec.file_bytes), read_threads=2, pin=False)
-    for label, catalog, clear in (("local file", local_cat, False), ("store, disk tier cold", store_cat, True),
-                                  ("store, disk tier warm", store_cat, False)):
+    for label, catalog, clear in (
+        ("local file", local_cat, False),
+        ("store, disk tier cold", store_cat, True),
+        ("store, disk tier warm", store_cat, False),
+    ):
         disk = work / "ready-disk"
-        cache = WorkerCache(WorkerConfig(num_slots=1, device="cpu", host=host,
-                                         disk=DiskTierConfig(disk_cache=str(disk))), catalog)
+        cache = WorkerCache(
+            WorkerConfig(num_slots=1, device="cpu", host=host, disk=DiskTierConfig(disk_cache=str(disk))), catalog
+        )
         try:
             cache.prefetch(name).result(timeout=300)  # warm-up: page cache, plans; the disk tier filled
             times = []

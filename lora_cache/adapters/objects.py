@@ -32,11 +32,13 @@ class StoreUrl(NamedTuple):
     def parse(cls, url: str) -> StoreUrl:
         if not url.startswith(SCHEME):
             raise AdapterPathError(f"{url!r} is not an object-store URL; write s3://BUCKET/PREFIX")
-        bucket, _, key = url[len(SCHEME):].partition("/")
+        bucket, _, key = url[len(SCHEME) :].partition("/")
         key = key.strip("/")
         if not bucket or not 3 <= len(bucket) <= 63 or not bucket.replace("-", "").replace(".", "").isalnum():
-            raise AdapterPathError(f"{url!r} names no valid bucket ({bucket!r}); write s3://BUCKET/PREFIX with a "
-                                   "bucket name of 3-63 lowercase letters, digits, '-' or '.'")
+            raise AdapterPathError(
+                f"{url!r} names no valid bucket ({bucket!r}); write s3://BUCKET/PREFIX with a "
+                "bucket name of 3-63 lowercase letters, digits, '-' or '.'"
+            )
         if ".." in key.split("/"):
             raise AdapterPathError(f"{url!r} contains '..'; name the adapter's prefix itself")
         return cls(bucket, key)
@@ -53,8 +55,9 @@ class StoreUrl(NamedTuple):
 
     def under(self, root: StoreUrl) -> bool:
         """Whether this URL is ``root`` or inside it (whole path segments)."""
-        return self.bucket == root.bucket and (not root.key or self.key == root.key
-                                               or self.key.startswith(root.key + "/"))
+        return self.bucket == root.bucket and (
+            not root.key or self.key == root.key or self.key.startswith(root.key + "/")
+        )
 
 
 class StoreSource(NamedTuple):

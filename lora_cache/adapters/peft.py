@@ -206,7 +206,8 @@ def read_adapter(name: str, directory: Path, shape: ModelShape, max_rank: int,
     registered_ns = time.time_ns()  # before the open: the earliest moment, for the racy check
     with open_adapter_file(roots, weights, f"{weights} is missing; save the adapter with safe_serialization=True") as f:
         header_bytes = _header_bytes(f, weights)
-        if known is not None and proves(known, f, header_bytes, config_digest):
+        if known is not None and isinstance(known.source, WeightsSource) and proves(known, f, header_bytes,
+                                                                                    config_digest):
             source = known.source  # the same bytes as hashed there: nothing more to read
         else:
             digest = hashlib.blake2b(config_bytes, digest_size=8)

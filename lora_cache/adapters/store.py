@@ -41,8 +41,16 @@ ATTEMPTS = 2  # tries of one request (botocore's "standard" retries: a dropped c
 
 _CLIENTS_LOCK = threading.Lock()  # protects _CLIENTS (boto3 sessions are not thread-safe; clients are)
 _CLIENTS: dict[tuple[Any, ...], Any] = {}
-ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-       "AWS_PROFILE", "AWS_REGION", "AWS_DEFAULT_REGION")  # a change of any makes a new client
+ENV = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+)  # a change of any makes a new client
 
 
 def client(timeout_s: float, attempts: int = ATTEMPTS, pool: int = 32) -> Any:
@@ -55,8 +63,12 @@ def client(timeout_s: float, attempts: int = ATTEMPTS, pool: int = 32) -> Any:
             import boto3  # deferred: ~0.3 s, paid only by a process that uses a store
             from botocore.config import Config
 
-            config = Config(connect_timeout=timeout_s, read_timeout=timeout_s, max_pool_connections=pool,
-                            retries={"max_attempts": attempts, "mode": "standard"})
+            config = Config(
+                connect_timeout=timeout_s,
+                read_timeout=timeout_s,
+                max_pool_connections=pool,
+                retries={"max_attempts": attempts, "mode": "standard"},
+            )
             made = _CLIENTS[key] = boto3.session.Session().client("s3", config=config)
         return made
 
@@ -74,28 +86,53 @@ def store_error(e: BaseException, bucket: str, key: str, s3: Any, version: str =
         code = str(e.response.get("Error", {}).get("Code", ""))
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         if code == "NoSuchBucket":
-            return AdapterPathError(f"{url}: bucket {bucket!r} does not exist at {where}; check the URL's bucket, "
-                                    "and that AWS_ENDPOINT_URL (or the profile's endpoint_url) names your store")
+            return AdapterPathError(
+                f"{url}: bucket {bucket!r} does not exist at {where}; check the URL's bucket, "
+                "and that AWS_ENDPOINT_URL (or the profile's endpoint_url) names your store"
+            )
         if code in ("NoSuchKey", "404", "NotFound") or status == 404:
-            return AdapterFormatError(f"{url} does not exist at {where}; check the key (an adapter's prefix holds "
-                                      f"{CONFIG_FILE} and {WEIGHTS_FILE}) or upload it")
+            return AdapterFormatError(
+                f"{url} does not exist at {where}; check the key (an adapter's prefix holds "
+                f"{CONFIG_FILE} and {WEIGHTS_FILE}) or upload it"
+            )
         if code in ("PreconditionFailed", "412") or status == 412:
-            return AdapterChangedError(f"{url} was replaced in the store since it was registered as version "
-                                       f"{version} (its ETag is no longer {etag}); the fetch is refused and nothing "
-                                       "of it is kept: register the adapter again for the new version")
-        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "Forbidden", "ExpiredToken",
-                    "InvalidToken") or status == 403:
-            return AdapterStoreError(f"{url}: the store at {where} refused the credentials ({code}); set "
-                                     "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE and "
-                                     "~/.aws/credentials) to keys that may read this bucket")
-        return AdapterStoreError(f"{url}: the store at {where} answered {status} {code}: "
-                                 f"{e.response.get('Error', {}).get('Message', '')}; retry, or check the store")
+            return AdapterChangedError(
+                f"{url} was replaced in the store since it was registered as version "
+                f"{version} (its ETag is no longer {etag}); the fetch is refused and nothing "
+                "of it is kept: register the adapter again for the new version"
+            )
+        if (
+            code
+            in (
+                "InvalidAccessKeyId",
+                "SignatureDoesNotMatch",
+                "AccessDenied",
+                "403",
+                "Forbidden",
+                "ExpiredToken",
+                "InvalidToken",
+            )
+            or status == 403
+        ):
+            return AdapterStoreError(
+                f"{url}: the store at {where} refused the credentials ({code}); set "
+                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE and "
+                "~/.aws/credentials) to keys that may read this bucket"
+            )
+        return AdapterStoreError(
+            f"{url}: the store at {where} answered {status} {code}: "
+            f"{e.response.get('Error', {}).get('Message', '')}; retry, or check the store"
+        )
     if isinstance(e, NoCredentialsError):
-        return AdapterStoreError(f"{url}: no credentials for the object store; set AWS_ACCESS_KEY_ID and "
-                                 "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE with ~/.aws/credentials")
+        return AdapterStoreError(
+            f"{url}: no credentials for the object store; set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE with ~/.aws/credentials"
+        )
     if isinstance(e, BotoCoreError | OSError):
-        return AdapterStoreError(f"{url}: the store at {where} did not answer or broke off ({type(e).__name__}: "
-                                 f"{e}); check that it is up and reachable, or raise --store-timeout-s")
+        return AdapterStoreError(
+            f"{url}: the store at {where} did not answer or broke off ({type(e).__name__}: "
+            f"{e}); check that it is up and reachable, or raise --store-timeout-s"
+        )
     return e if isinstance(e, Exception) else RuntimeError(str(e))
 
 
@@ -116,21 +153,26 @@ def get_range(s3: Any, bucket: str, key: str, start: int, nbytes: int, etag: str
     def fetch() -> bytes:
         answer = s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{start + nbytes - 1}", IfMatch=etag)
         if answer.get("ETag", etag) != etag:  # a store that ignores If-Match
-            raise AdapterChangedError(f"s3://{bucket}/{key} was replaced in the store (ETag {etag} -> "
-                                      f"{answer['ETag']}) since it was registered as version {version}; refused: "
-                                      "register the adapter again")
+            raise AdapterChangedError(
+                f"s3://{bucket}/{key} was replaced in the store (ETag {etag} -> "
+                f"{answer['ETag']}) since it was registered as version {version}; refused: "
+                "register the adapter again"
+            )
         return bytes(answer["Body"].read())
 
     data = call(s3, bucket, key, fetch, version, etag)
     if len(data) != nbytes:
-        raise AdapterChangedError(f"s3://{bucket}/{key}: the store sent {len(data)} of the {nbytes} bytes asked "
-                                  f"from byte {start} (the object is shorter than registered, or the answer was cut "
-                                  "off); refused: check the object and register the adapter again")
+        raise AdapterChangedError(
+            f"s3://{bucket}/{key}: the store sent {len(data)} of the {nbytes} bytes asked "
+            f"from byte {start} (the object is shorter than registered, or the answer was cut "
+            "off); refused: check the object and register the adapter again"
+        )
     return data
 
 
-def read_store_adapter(name: str, url: StoreUrl, shape: ModelShape, max_rank: int, timeout_s: float,
-                       known: KnownVersion | None = None) -> AdapterSpec:
+def read_store_adapter(
+    name: str, url: StoreUrl, shape: ModelShape, max_rank: int, timeout_s: float, known: KnownVersion | None = None
+) -> AdapterSpec:
     """The adapter under ``url`` validated from its config and safetensors header, versioned by the store's
     identity of its weights object; no weight byte is read. ``known``: the version as registered before, kept
     (the same ``StoreSource`` object) if the store still holds exactly it."""
@@ -143,15 +185,21 @@ def read_store_adapter(name: str, url: StoreUrl, shape: ModelShape, max_rank: in
     first = get_range(s3, url.bucket, weights.key, 0, min(size, HEAD_GUESS), etag) if size >= 8 else b""
     n = int.from_bytes(first[:8], "little") if len(first) >= 8 else -1
     if not 0 < n <= min(size - 8, MAX_HEADER_BYTES):
-        raise AdapterFormatError(f"{weights} is not a readable safetensors file (its header length {n} does not fit "
-                                 f"its {size} bytes); it may be truncated or corrupt: upload it again")
-    head_bytes = first[: 8 + n] if len(first) >= 8 + n else first + get_range(
-        s3, url.bucket, weights.key, len(first), 8 + n - len(first), etag)
+        raise AdapterFormatError(
+            f"{weights} is not a readable safetensors file (its header length {n} does not fit "
+            f"its {size} bytes); it may be truncated or corrupt: upload it again"
+        )
+    head_bytes = (
+        first[: 8 + n]
+        if len(first) >= 8 + n
+        else first + get_range(s3, url.bucket, weights.key, len(first), 8 + n - len(first), etag)
+    )
     try:
         header = parse_header(head_bytes[8:], size)
     except (ValueError, KeyError, TypeError) as e:
-        raise AdapterFormatError(f"{weights} is not a readable safetensors file ({e}); it may be truncated or "
-                                 "corrupt: upload it again") from e
+        raise AdapterFormatError(
+            f"{weights} is not a readable safetensors file ({e}); it may be truncated or corrupt: upload it again"
+        ) from e
     config_digest = hashlib.blake2b(config_bytes, digest_size=8).hexdigest()
     header_crc = zlib.crc32(head_bytes)
     digest = hashlib.blake2b(config_bytes, digest_size=8)
@@ -166,8 +214,10 @@ def _config_bytes(s3: Any, bucket: str, key: str) -> bytes:
     def fetch() -> bytes:
         answer = s3.get_object(Bucket=bucket, Key=key)
         if int(answer.get("ContentLength", 0)) > MAX_CONFIG_BYTES:
-            raise AdapterFormatError(f"s3://{bucket}/{key} is {answer['ContentLength']} bytes, more than an "
-                                     f"adapter config can be ({MAX_CONFIG_BYTES}): is it the right object?")
+            raise AdapterFormatError(
+                f"s3://{bucket}/{key} is {answer['ContentLength']} bytes, more than an "
+                f"adapter config can be ({MAX_CONFIG_BYTES}): is it the right object?"
+            )
         return bytes(answer["Body"].read())
 
     return call(s3, bucket, key, fetch)  # type: ignore[no-any-return]
@@ -180,21 +230,23 @@ def list_adapters(url: StoreUrl, timeout_s: float) -> list[tuple[str, StoreUrl]]
     base = f"{url.key}/" if url.key else ""
     found = []
     for key in _keys(s3, url.bucket, base):
-        rest = key[len(base):]
+        rest = key[len(base) :]
         name, _, file = rest.partition("/")
         if file == CONFIG_FILE and name:
             found.append((name, url / name))
     if not found:
-        raise AdapterFormatError(f"{url} holds no adapter (no NAME/{CONFIG_FILE} under it); check the prefix, or "
-                                 "upload adapters as s3://BUCKET/PREFIX/NAME/{adapter_config.json,"
-                                 "adapter_model.safetensors}")
+        raise AdapterFormatError(
+            f"{url} holds no adapter (no NAME/{CONFIG_FILE} under it); check the prefix, or "
+            "upload adapters as s3://BUCKET/PREFIX/NAME/{adapter_config.json,"
+            "adapter_model.safetensors}"
+        )
     return sorted(found)
 
 
 def _keys(s3: Any, bucket: str, prefix: str) -> Iterator[str]:
-    pages = call(s3, bucket, prefix, lambda: list(s3.get_paginator("list_objects_v2").paginate(
-        Bucket=bucket, Prefix=prefix)))
+    pages = call(
+        s3, bucket, prefix, lambda: list(s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix))
+    )
     for page in pages:
         for item in page.get("Contents", ()):
             yield str(item["Key"])
-
