@@ -65,7 +65,11 @@ class DiskTierConfig:
     )
     fetch_parallel: int = field(default=8, metadata={"help": "ranged GETs of one object at once"})
     fetch_part_bytes: int = field(
-        default=8 << 20, metadata={"help": "bytes per ranged GET (a multiple of 1 MiB, the CRC block)"}
+        default=8 << 20,
+        metadata={
+            "help": "bytes per ranged GET (a multiple of 1 MiB, the CRC block); 0: one GET of the whole object "
+            "(for a store whose ranged GETs cost the whole object, as moto's do)"
+        },
     )
 
     def __post_init__(self) -> None:
@@ -76,9 +80,9 @@ class DiskTierConfig:
             )
         if not 1 <= self.fetch_parallel <= 64:
             raise ConfigError(f"fetch_parallel must be in 1..64, got {self.fetch_parallel}")
-        if self.fetch_part_bytes < BLOCK_BYTES or self.fetch_part_bytes % BLOCK_BYTES:
+        if self.fetch_part_bytes < 0 or self.fetch_part_bytes % BLOCK_BYTES:
             raise ConfigError(
-                f"fetch_part_bytes ({self.fetch_part_bytes}) must be a positive multiple of "
+                f"fetch_part_bytes ({self.fetch_part_bytes}) must be 0 (one GET) or a multiple of "
                 f"{BLOCK_BYTES} (the CRC block); 8 MiB is the default"
             )
 

@@ -21,13 +21,15 @@ from typing import Any
 
 from lora_cache.adapters.files import BLOCK_BYTES, BlockCrcs
 from lora_cache.adapters.objects import StoreSource
-from lora_cache.adapters.store import get_range
+from lora_cache.adapters.store import stream_range
 from lora_cache.errors import AdapterChangedError
 
 
 def part_spans(size: int, part_bytes: int) -> list[tuple[int, int]]:
-    """(start, bytes) of each part of a ``size``-byte object, ``part_bytes`` (whole blocks) each."""
+    """(start, bytes) of each part of a ``size``-byte object, ``part_bytes`` (whole blocks) each; 0: one part."""
     assert part_bytes % BLOCK_BYTES == 0, "parts must be whole CRC blocks"
+    if part_bytes == 0:
+        return [(0, size)]
     return [(start, min(part_bytes, size - start)) for start in range(0, size, part_bytes)]
 
 
@@ -37,18 +39,18 @@ def fetch_object(
     """Every byte of ``source`` written to ``fd`` (a file of ``source.size`` bytes) by ranged GETs of that very
     version; the CRC of each block. ``on_part(k)``: told when part k is written (progress; a test's hook)."""
     spans = part_spans(source.size, part_bytes)
-    per_part = part_bytes // BLOCK_BYTES
     crcs = [0] * -(-source.size // BLOCK_BYTES)
 
     def one(k: int) -> None:
         start, nbytes = spans[k]
-        data = get_range(s3, source.bucket, source.key, start, nbytes, source.etag, source.version)
-        view = memoryview(data)
-        written = 0
-        while written < nbytes:
-            written += os.pwrite(fd, view[written:], start + written)
-        for b in range(-(-nbytes // BLOCK_BYTES)):
-            crcs[k * per_part + b] = zlib.crc32(view[b * BLOCK_BYTES : (b + 1) * BLOCK_BYTES])
+
+        def write(offset: int, piece: bytes) -> None:  # one block (pieces are block-aligned), or the last one's end
+            view, written = memoryview(piece), 0
+            while written < len(piece):
+                written += os.pwrite(fd, view[written:], offset + written)
+            crcs[offset // BLOCK_BYTES] = zlib.crc32(piece)
+
+        stream_range(s3, source.bucket, source.key, start, nbytes, source.etag, source.version, write, BLOCK_BYTES)
         if on_part is not None:
             on_part(k)
 

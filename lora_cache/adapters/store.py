@@ -146,11 +146,24 @@ def call(s3: Any, bucket: str, key: str, fn: Callable[[], Any], version: str = "
         raise store_error(e, bucket, key, s3, version, etag) from e
 
 
-def get_range(s3: Any, bucket: str, key: str, start: int, nbytes: int, etag: str, version: str = "") -> bytes:
+def stream_range(
+    s3: Any,
+    bucket: str,
+    key: str,
+    start: int,
+    nbytes: int,
+    etag: str,
+    version: str,
+    sink: Callable[[int, bytes], None],
+    chunk: int = 1 << 20,
+) -> None:
     """Bytes ``start : start + nbytes`` of the object, only from the version whose ETag is ``etag`` (the store
-    refuses any other: ``AdapterChangedError``); a short answer is refused too."""
+    refuses any other: ``AdapterChangedError``), handed to ``sink(offset, piece)`` in pieces of ``chunk`` bytes
+    (the last one shorter) as they arrive: one GET, constant memory. A short answer is refused."""
+    got = 0
 
-    def fetch() -> bytes:
+    def fetch() -> None:
+        nonlocal got
         answer = s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{start + nbytes - 1}", IfMatch=etag)
         if answer.get("ETag", etag) != etag:  # a store that ignores If-Match
             raise AdapterChangedError(
@@ -158,16 +171,42 @@ def get_range(s3: Any, bucket: str, key: str, start: int, nbytes: int, etag: str
                 f"{answer['ETag']}) since it was registered as version {version}; refused: "
                 "register the adapter again"
             )
-        return bytes(answer["Body"].read())
+        body = answer["Body"]
+        while got < nbytes:
+            piece = _read_full(body, min(chunk, nbytes - got))
+            if not piece:
+                break
+            sink(start + got, piece)
+            got += len(piece)
+        if got == nbytes and body.read(1):
+            got += 1  # longer than asked: refused below
 
-    data = call(s3, bucket, key, fetch, version, etag)
-    if len(data) != nbytes:
+    call(s3, bucket, key, fetch, version, etag)
+    if got != nbytes:
         raise AdapterChangedError(
-            f"s3://{bucket}/{key}: the store sent {len(data)} of the {nbytes} bytes asked "
-            f"from byte {start} (the object is shorter than registered, or the answer was cut "
-            "off); refused: check the object and register the adapter again"
+            f"s3://{bucket}/{key}: the store sent {got} of the {nbytes} bytes asked from byte "
+            f"{start} (the object is shorter than registered, or the answer was cut off); "
+            "refused: check the object and register the adapter again"
         )
-    return data
+
+
+def _read_full(body: Any, n: int) -> bytes:
+    """Up to ``n`` bytes of a streaming body: fewer only at its end."""
+    parts, want = [], n
+    while want:
+        piece = body.read(want)
+        if not piece:
+            break
+        parts.append(piece)
+        want -= len(piece)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def get_range(s3: Any, bucket: str, key: str, start: int, nbytes: int, etag: str, version: str = "") -> bytes:
+    """``stream_range``'s bytes in memory (a header)."""
+    out = bytearray()
+    stream_range(s3, bucket, key, start, nbytes, etag, version, lambda _, piece: out.extend(piece))
+    return bytes(out)
 
 
 def read_store_adapter(
