@@ -212,11 +212,9 @@ class DiskTier:
 
     def _fetch(self, name: str, source: StoreSource) -> WeightsSource:
         """Fetch ``source`` into ``name`` (caller holds its entry lock exclusively)."""
-        self._reserve(source)
         part = self.dir / f"{name}.part.{os.getpid()}"
-        fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        fd = self._reserve(source, part)
         try:
-            _preallocate(fd, source, self.dir)
             s3 = client(self.timeout_s, pool=max(32, self.config.fetch_parallel))
             crcs = fetch_object(s3, source, fd, self.config.fetch_parallel, self.config.fetch_part_bytes)
             os.fsync(fd)
@@ -269,8 +267,10 @@ class DiskTier:
         return local
 
     # -- room ------------------------------------------------------------------------------------------
-    def _reserve(self, source: StoreSource) -> None:
-        """Room for ``source`` (evicting unheld copies, oldest use first), or ``CapacityError`` at once."""
+    def _reserve(self, source: StoreSource, part: Path) -> int:
+        """An fd of ``part``, preallocated for ``source`` once there is room (unheld copies evicted, oldest use
+        first), under the directory's lock so that fetches starting together cannot overcommit the tier; or
+        ``CapacityError`` at once."""
         cap = self.config.disk_cache_bytes
         if source.size > cap:
             raise CapacityError(
@@ -290,6 +290,15 @@ class DiskTier:
                     f"({source.size} bytes): {used} bytes are held by reads and fetches in progress; "
                     "raise --disk-cache-bytes, or retry when they are done"
                 )
+            fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                _preallocate(fd, source, self.dir)  # counted as used from now on (its size)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(part)
+                raise
+            return fd
 
     def _evict(self, name: str) -> bool:
         """Drop ``name``'s copy unless a process holds it (its entry lock taken without waiting)."""
