@@ -21,6 +21,7 @@ from lora_cache.adapters.objects import StoreUrl
 from lora_cache.adapters.peft import WEIGHTS_FILE, AdapterSpec
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.controller.catalog_store import known_from, known_json
+from lora_cache.runtime.cliargs import shell_path
 from lora_cache.errors import (
     AdapterChangedError,
     AdapterFormatError,
@@ -368,3 +369,4 @@ def test_store_urls_parse_and_nest() -> None:
     with pytest.raises(AdapterPathError, match="no valid bucket"):
         StoreUrl.parse("s3:///key")
     assert dataclasses.replace(CatalogConfig(adapter_roots=("s3://bkt/p",))).adapter_roots == ("s3://bkt/p",)
+    assert shell_path("s3://bkt/p") == "s3://bkt/p"  # an option's URL is not made a path of this machine
