@@ -6,7 +6,9 @@ caches as they were. Against a real server (moto's server mode, its own process 
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,7 +23,6 @@ from lora_cache.adapters.objects import StoreUrl
 from lora_cache.adapters.peft import WEIGHTS_FILE, AdapterSpec
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.controller.catalog_store import known_from, known_json
-from lora_cache.runtime.cliargs import shell_path
 from lora_cache.errors import (
     AdapterChangedError,
     AdapterFormatError,
@@ -29,6 +30,7 @@ from lora_cache.errors import (
     AdapterStoreError,
     CapacityError,
 )
+from lora_cache.runtime.cliargs import shell_path
 from tests.s3_server import S3Server, set_env
 from tests.waiting import wait_for
 from workers import disk_tier
@@ -299,6 +301,29 @@ def test_a_tampered_disk_copy_is_never_served(
     second.prefetch("adapter-001").result(timeout=30)
     assert_serves(second, "adapter-001", local["adapter-001"] / WEIGHTS_FILE)
     assert second.stats()["disk_fetches"] == 1  # the changed copy dropped and fetched again
+
+
+def test_a_copy_whose_bytes_differ_from_its_proof_is_refused_then_fetched_again(
+    store: tuple[S3Server, str], local: dict[str, Path], cache_for: Callable[..., WorkerCache], tmp_path: Path
+) -> None:
+    """A copy torn by a crash keeps its identity (copies are not fsync'ed): its read is refused by the block
+    check (a fresh copy is checked in full), the copy is dropped, and the next load fetches it again."""
+    _, root = store
+    catalog = catalog_for(root)
+    catalog.register("adapter-001", f"{root}/adapter-001")
+    cache_for(catalog).prefetch("adapter-001").result(timeout=30)
+    proof = next(p for p in (tmp_path / "disk").iterdir() if p.suffix == ".crc")
+    saved = json.loads(proof.read_text())
+    crcs = bytearray(base64.b64decode(saved["b"]))
+    crcs[0] ^= 0xFF  # the data file untouched (same identity), its bytes no longer what the proof says
+    proof.write_text(json.dumps({**saved, "b": base64.b64encode(bytes(crcs)).decode()}))
+    other = cache_for(catalog)  # another rank of the node
+    with pytest.raises(AdapterChangedError, match="are not the ones registered"):
+        other.prefetch("adapter-001").result(timeout=30)
+    assert not [f for f in disk_files(tmp_path / "disk") if f.endswith((".safetensors", ".crc"))]
+    other.prefetch("adapter-001").result(timeout=30)
+    assert_serves(other, "adapter-001", local["adapter-001"] / WEIGHTS_FILE)
+    assert other.stats()["disk_fetches"] == 1
 
 
 def test_a_full_disk_tier_refuses_before_fetching(

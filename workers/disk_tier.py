@@ -6,9 +6,11 @@ file already here; a miss fetches the object once for the whole node (``workers.
 the registered ETag only) into ``NAME.part.PID``, preallocated, and renames it into place with its proof beside
 it (``NAME.crc``: the file's identity after the write, the safetensors header's CRC and every block's, taken
 from the bytes the store sent under that ETag). The copy is then read as any adapter file is
-(``workers.reader``): its identity and header checked on every read, its blocks as ``verify`` says (in full
-while the copy is racily new), so a version is proven on every read from every tier. A copy whose file no
-longer matches its proof is dropped and fetched again.
+(``workers.reader``): its identity and header checked on every read, its blocks as ``verify`` says (a fresh
+copy is racy: every block a process reads is checked in full until a check after the racy window), so a
+version is proven on every read from every tier. A copy whose identity no longer matches its proof is dropped
+and fetched again; one whose bytes do not (torn by a crash: a copy is not fsync'ed) fails that read and is
+dropped, so the next load fetches it again.
 
 Every rank on a node shares the directory: a file lock per entry (``locks/NAME.lock``) makes one process fetch
 while the others wait for its copy (shared lock: read; exclusive: fetch or evict), and a lock on the
@@ -42,7 +44,7 @@ from lora_cache.adapters.files import BLOCK_BYTES, BlockCrcs, FileIdentity, Weig
 from lora_cache.adapters.objects import StoreSource
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.store import client
-from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError
+from lora_cache.errors import AdapterChangedError, AdapterFormatError, CapacityError, ConfigError
 from workers.store_read import fetch_object
 
 log = logging.getLogger(__name__)
@@ -139,7 +141,13 @@ class DiskTier:
             else:
                 with self._lock:
                     self.hits += 1
-            yield dataclasses.replace(spec, source=local)
+            try:
+                yield dataclasses.replace(spec, source=local)
+            except AdapterChangedError:  # the copy is not what its proof says (torn by a crash): dropped, fetched
+                os.close(fd)  # again by the next load
+                fd = -1
+                self._evict(name)
+                raise
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -217,7 +225,8 @@ class DiskTier:
         try:
             s3 = client(self.timeout_s, pool=max(32, self.config.fetch_parallel))
             crcs = fetch_object(s3, source, fd, self.config.fetch_parallel, self.config.fetch_part_bytes)
-            os.fsync(fd)
+            # no fsync (a quarter of a fetch's time here): a copy torn by a crash is caught by its first read in
+            # any process (a fresh copy is racy: every block read is checked against its proof) and dropped
             path = self.dir / f"{name}.safetensors"
             os.replace(part, path)
             identity = FileIdentity.of(os.fstat(fd))

@@ -254,7 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--endpoint", default="", help="an S3-compatible endpoint (default: start moto's server)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--parallel", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8])
-    ap.add_argument("--tp", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
+    ap.add_argument(
+        "--tp",
+        type=lambda s: [int(x) for x in s.split(",") if int(x) > 0],
+        default=[1, 2, 4],
+        help="TP sizes whose per-rank ranges are measured (0: none)",
+    )
     ap.add_argument("--out", default="")
     return ap
 
