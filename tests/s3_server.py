@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -106,11 +105,3 @@ def set_env(monkeypatch: Any, env: dict[str, str]) -> None:
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-
-
-def wait_gone(path: Path, timeout: float = 10) -> None:
-    wait_for(lambda: not path.exists(), f"{path} removed", timeout=timeout)
-
-
-def monotonic_ms() -> float:
-    return time.monotonic() * 1e3
