@@ -33,6 +33,12 @@ class AdapterChangedError(AdapterFormatError):
     would return other bytes, so it is refused; registering the adapter again makes a new version."""
 
 
+class AdapterStoreError(AdapterError):
+    """The object store an adapter lives in refused or failed a request: credentials, a store that does not
+    answer in time or breaks off (a missing bucket or key is an ``AdapterPathError`` / ``AdapterFormatError``,
+    an object replaced since registration an ``AdapterChangedError``)."""
+
+
 class ShardError(AdapterError):
     """A tensor that cannot be split across the tensor-parallel ranks."""
 

@@ -26,6 +26,7 @@ from lora_cache.adapters.shapes import MODULE_ORDER
 from lora_cache.adapters.shards import ShardLayout, max_shard_numel, shard_layout
 from lora_cache.errors import ConfigError, LoraCacheError, NotFoundError
 from lora_cache.vocab import AdapterKey, Delta, ReadinessRecord
+from workers.disk_tier import DiskTier, DiskTierConfig
 from workers.host_tier import HostEntry, HostTier, HostTierConfig
 from workers.index import IndexUploader
 from workers.kernels.meta import SlotMeta, shard_dims
@@ -56,6 +57,7 @@ class WorkerConfig:
         "help": "least bytes of a load's layer-ordered chunks (each read, copied and waited on by itself); "
                 "0: a chunk per layer"})
     host: HostTierConfig = field(default_factory=HostTierConfig)
+    disk: DiskTierConfig = field(default_factory=DiskTierConfig)
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -130,7 +132,8 @@ class WorkerCache:
         self.meta = SlotMeta(config.num_slots, catalog.shape.num_layers, MODULE_ORDER, self.device,
                              max_rank=catalog.config.max_rank, dims=shard_dims(catalog.shape, config.tp),
                              slot_numel=self.slot_numel)
-        self.host = HostTier(config.host, ranks_on_host(config.tp))
+        self.disk = DiskTier(config.disk, catalog.config.store_timeout_s)  # adapters from an object store
+        self.host = HostTier(config.host, ranks_on_host(config.tp), self.disk)
         self.book = SlotBook(config.num_slots, on_change)  # slots, loads, counters; its lock guards them
         self.counters = self.book.counters
         self._index = IndexUploader(self.streams, config.max_batch, self.device)
@@ -172,6 +175,8 @@ class WorkerCache:
         ``stages`` counts the reads a stage started."""
         spec = self.catalog.get(name, version)
         layout = self._layout(spec)
+        if spec.store is not None and not self.host.contains(AdapterKey(name, spec.version)):
+            self.disk.stage(spec)  # from the store to this node's disk, even where the host tier has no room
         return self.load_path.stage(spec, AdapterKey(name, spec.version), layout, self._plan(spec))
 
     def evict(self, name: str, version: str | None = None) -> bool:
@@ -342,6 +347,7 @@ class WorkerCache:
                         bytes_disk_to_host=self.host.bytes_read, slots_ready=table.count(SlotPhase.READY),
                         slots_loading=table.count(SlotPhase.LOADING), host_bytes_used=self.host.arena.used_bytes,
                         **resident_prefetches(self.book.loads.values()))
+        snap.update(self.disk.stats())
         return snap
 
     def slot_view(self, slot: int, layout: ShardLayout, layer: int, module: str, ab: str) -> torch.Tensor:
@@ -371,3 +377,4 @@ class WorkerCache:
 
     def close(self) -> None:
         self.load_path.close()  # loads waiting for host room fail, issued copies complete, the host tier closes
+        self.disk.close()

@@ -14,6 +14,7 @@ load copies the first chunk to the GPU while the last one is still being read.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -30,6 +31,7 @@ from lora_cache.adapters.shards import ShardLayout
 from lora_cache.errors import CapacityError, ConfigError
 from lora_cache.vocab import AdapterKey  # one name@version key for planner and workers
 from workers.arena import ALIGN, Block, HostArena
+from workers.disk_tier import DiskTier
 from workers.read_pool import AUTO_MAX, ReadPool, auto_readers, host_cores
 from workers.reader import VERIFY, read_shard
 from workers.reader_proc import ReaderProcess
@@ -196,9 +198,11 @@ def _tell(on_chunk: ChunkListener, entry: HostEntry, count: int) -> None:
 class HostTier:
     """Staged shards by adapter key. ``fetch`` takes a reference; ``release`` drops it."""
 
-    def __init__(self, config: HostTierConfig, ranks_here: int = 1) -> None:
-        """``ranks_here``: GPU ranks on this host, whose cores ``read_parallel`` 0 (auto) shares."""
+    def __init__(self, config: HostTierConfig, ranks_here: int = 1, disk: DiskTier | None = None) -> None:
+        """``ranks_here``: GPU ranks on this host, whose cores ``read_parallel`` 0 (auto) shares. ``disk``: the
+        local disk tier that adapters from an object store are read from (``workers.disk_tier``)."""
         self.config = config
+        self.disk = disk
         self.reads = config.reads_for(config.pin and torch.cuda.is_available())
         self.parallel = config.readers(ranks_here)  # reader threads per read
         self.arena = HostArena(config.host_bytes, config.pin, shared=self.reads == "process")
@@ -383,7 +387,8 @@ class HostTier:
     def _read(self, spec: AdapterSpec, entry: HostEntry) -> None:
         t0 = time.perf_counter()
         try:
-            entry.bytes_read = self._reader.read(spec, entry)
+            with self._local(spec) as local:  # an adapter from a store: its proven copy on this node's disk
+                entry.bytes_read = self._reader.read(local, entry)
         except BaseException as e:  # a failed read leaves the tier as it was, and tells every waiter
             entry.forget()
             with self._lock:
@@ -402,6 +407,14 @@ class HostTier:
             self.bytes_read += entry.bytes_read
         entry.ready.set_result(entry)
         self._wake()  # done: if nobody references it any more, its room is the LRU's
+
+    def _local(self, spec: AdapterSpec) -> contextlib.AbstractContextManager[AdapterSpec]:
+        if spec.store is None:
+            return contextlib.nullcontext(spec)
+        if self.disk is None:
+            raise ConfigError(f"adapter {spec.name} is in an object store ({spec.path}) but this host tier has no disk "
+                              "tier to fetch it into; build it with HostTier(..., disk=DiskTier(...))")
+        return self.disk.held(spec)
 
     def close(self) -> None:
         self.cancel_waits()

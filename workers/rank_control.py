@@ -39,7 +39,7 @@ class WorkerControl:
                 "same and register the adapter again")
         self.catalog.add(spec)
         self.paths[name] = path
-        if known is not None and spec.source is known.source:
+        if known is not None and (spec.store or spec.source) is known.source:  # taken as proven, not re-read
             self.taken += 1
         else:
             self.hashed += 1

@@ -8,10 +8,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lora_cache.adapters.objects import StoreUrl, is_store_url
 from lora_cache.adapters.peft import AdapterSpec, KnownVersion, read_adapter
 from lora_cache.adapters.roots import AdapterRoots
 from lora_cache.adapters.shapes import ModelShape, resolve_model
-from lora_cache.errors import AdapterFormatError, ConfigError, NotFoundError
+from lora_cache.errors import AdapterFormatError, AdapterPathError, ConfigError, NotFoundError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -21,13 +22,17 @@ class CatalogConfig:
     """Where adapters may come from and what they must fit."""
 
     adapter_roots: tuple[str, ...] = field(default=(), metadata={
-        "path": True, "help": "directories adapters may be read from"})
+        "path": True, "help": "directories adapters may be read from, and object-store prefixes "
+                              "(s3://BUCKET/PREFIX) adapters may be registered from"})
     model: str = field(default="", metadata={"path": "name_or_file", "help": (
         "named model shape or path to its config.json (empty: the adapters' base_model_name_or_path)")})
     max_rank: int = field(default=64, metadata={"help": "largest LoRA rank served (sizes the GPU slots)"})
     keep_versions: int = field(default=4, metadata={
         "help": "older versions of a re-registered adapter kept loadable (from their own files) for the "
                 "requests admitted on them"})
+    store_timeout_s: float = field(default=20.0, metadata={
+        "help": "seconds an object-store request may go unanswered before it fails (registration and fetches; "
+                "endpoint, region and credentials come from AWS_* variables and ~/.aws)"})
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_rank <= 1024:
@@ -35,6 +40,11 @@ class CatalogConfig:
         if not 0 <= self.keep_versions <= 64:
             raise ConfigError(f"keep_versions must be in 0..64, got {self.keep_versions}; 0 keeps only the "
                               "current version of each adapter")
+        if not 0.1 <= self.store_timeout_s <= 600:
+            raise ConfigError(f"store_timeout_s must be in 0.1..600 seconds, got {self.store_timeout_s}")
+        for root in self.adapter_roots:
+            if is_store_url(root):
+                StoreUrl.parse(root)  # a malformed URL fails here, before anything starts
 
     def shape(self) -> ModelShape:
         return resolve_model(self.model)
@@ -60,7 +70,9 @@ class AdapterCatalog:
     def __init__(self, config: CatalogConfig, shape: ModelShape | None = None) -> None:
         self.config = config
         self.shape = shape or config.shape()
-        self.roots = AdapterRoots(tuple(Path(r) for r in config.adapter_roots))
+        local = tuple(Path(r) for r in config.adapter_roots if not is_store_url(r))
+        self.store_roots = tuple(StoreUrl.parse(r) for r in config.adapter_roots if is_store_url(r))
+        self.roots = AdapterRoots(local) if local or not self.store_roots else None  # None: store-only
         self._lock = threading.Lock()  # protects _specs, _older and generation
         self._specs: dict[str, AdapterSpec] = {}  # name -> current version
         self._older: dict[str, OrderedDict[str, AdapterSpec]] = {}  # name -> version -> spec, oldest first
@@ -74,8 +86,29 @@ class AdapterCatalog:
         """The adapter at ``path`` validated and versioned, the catalog unchanged (the expensive half of
         ``register``: it may hash the whole file; safe on any thread). ``known``: a version another process
         hashed, taken without reading the weights if this open proves it is the same file (``peft.proves``)."""
-        directory = self.roots.resolve(path)
+        if is_store_url(path):
+            from lora_cache.adapters.store import read_store_adapter  # deferred: boto3 only where a store is used
+
+            return read_store_adapter(check_name(name), self.store_url(str(path)), self.shape, self.config.max_rank,
+                                      self.config.store_timeout_s, known)
+        directory = self._local().resolve(path)
         return read_adapter(check_name(name), directory, self.shape, self.config.max_rank, self.roots, known)
+
+    def store_url(self, url: str) -> StoreUrl:
+        """``url`` parsed, if it is under one of the store roots (the store's counterpart of ``AdapterRoots``)."""
+        parsed = StoreUrl.parse(url)
+        if not any(parsed.under(r) for r in self.store_roots):
+            roots = ", ".join(map(str, self.store_roots)) or "none"
+            raise AdapterPathError(f"{url} is outside the object-store adapter roots ({roots}); add its prefix to "
+                                   "--adapter-roots (s3://BUCKET/PREFIX) or register it from under one")
+        return parsed
+
+    def _local(self) -> AdapterRoots:
+        if self.roots is None:
+            raise AdapterPathError("this catalog reads adapters only from an object store (its roots are "
+                                   f"{', '.join(map(str, self.store_roots))}); register s3:// prefixes, or add a "
+                                   "local directory to --adapter-roots")
+        return self.roots
 
     def add(self, spec: AdapterSpec) -> AdapterSpec:
         """Make ``spec`` (from ``read``) the current version of its name (the cheap half of ``register``)."""
@@ -176,5 +209,10 @@ class AdapterCatalog:
 
     def register_dir(self, parent: str | Path) -> list[AdapterSpec]:
         """Register every adapter directory directly under ``parent`` by its directory name."""
-        base = self.roots.resolve(parent)
+        if is_store_url(parent):
+            from lora_cache.adapters.store import list_adapters
+
+            found = list_adapters(self.store_url(str(parent)), self.config.store_timeout_s)
+            return [self.register(name, str(url)) for name, url in found]
+        base = self._local().resolve(parent)
         return [self.register(d.name, d) for d in sorted(base.iterdir()) if (d / "adapter_config.json").is_file()]

@@ -37,6 +37,7 @@ from lora_cache.adapters.files import (
     read_exact,
     unchanged_since_open,
 )
+from lora_cache.adapters.objects import StoreSource, StoreUrl
 from lora_cache.adapters.roots import PICKLE_SUFFIXES, AdapterRoots
 from lora_cache.adapters.shapes import MODULES, ModelShape
 from lora_cache.errors import AdapterChangedError, AdapterFormatError, AdapterPathError, UnsupportedAdapterError
@@ -73,7 +74,7 @@ class AdapterConfig:
     base_model: str | None = None
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any], where: Path) -> AdapterConfig:
+    def from_json(cls, raw: dict[str, Any], where: Path | StoreUrl) -> AdapterConfig:
         if raw.get("peft_type", "LORA") != "LORA":
             raise UnsupportedAdapterError(f"{where}: peft_type is {raw['peft_type']!r}; only LORA adapters are served")
         if raw.get("use_dora"):
@@ -118,7 +119,7 @@ class AdapterConfig:
         return any(path == t or path.endswith("." + t) for t in self.target_modules)
 
 
-def _pattern(raw: Any, kind: type, where: Path, name: str) -> tuple[tuple[str, Any], ...]:
+def _pattern(raw: Any, kind: type, where: Path | StoreUrl, name: str) -> tuple[tuple[str, Any], ...]:
     if raw in (None, {}):
         return ()
     if not isinstance(raw, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in raw.values()):
@@ -149,7 +150,8 @@ class KnownVersion(NamedTuple):
     version: str
     config_digest: str  # blake2b-8 of adapter_config.json's bytes, hex
     host: str  # the boot of the machine that hashed it (``files.HOST``); "" proves nothing
-    source: WeightsSource  # the weights file as hashed: real path, identity, header and block CRCs
+    source: WeightsSource | StoreSource  # the weights file as hashed (real path, identity, header and block
+    # CRCs), or the store object as registered (ETag, size, header CRC: ``objects.StoreSource``)
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,7 @@ class AdapterSpec:
     """A validated adapter: where it is, what it adapts, its dtype and content version."""
 
     name: str
-    path: Path  # the adapter directory (resolved, under a root)
+    path: Path | StoreUrl  # the adapter directory (resolved, under a root), or its prefix in an object store
     config: AdapterConfig
     modules: tuple[LoraModule, ...]  # sorted by (layer, module order)
     dtype: str  # torch dtype name of the tensors in the file
@@ -165,9 +167,11 @@ class AdapterSpec:
     file_bytes: int
     source: WeightsSource | None = None  # what reads check; None for specs not read from disk (simulators)
     config_digest: str = ""  # blake2b-8 of the config's bytes (hex); "" for specs not read from disk
+    store: StoreSource | None = None  # the weights object, for an adapter in an object store (``source`` is None
+    # until the disk tier holds a proven copy: ``workers.disk_tier``)
 
     @property
-    def weights(self) -> Path:
+    def weights(self) -> Path | StoreUrl:
         return self.path / WEIGHTS_FILE
 
     @property
@@ -177,6 +181,8 @@ class AdapterSpec:
     @property
     def known(self) -> KnownVersion | None:
         """What another process needs to take this version without hashing (None: not read from disk)."""
+        if self.store is not None:
+            return KnownVersion(self.version, self.config_digest, "", self.store)
         if self.source is None:
             return None
         return KnownVersion(self.version, self.config_digest, HOST, self.source)
@@ -194,13 +200,14 @@ def read_adapter(name: str, directory: Path, shape: ModelShape, max_rank: int,
         raise AdapterFormatError(f"adapter directory {directory} does not exist; check the path")
     roots = roots or AdapterRoots((directory,))
     config_bytes = _read_config_bytes(roots, directory)
-    config = _parse_config(config_bytes, directory / CONFIG_FILE)
+    config = parse_config(config_bytes, directory / CONFIG_FILE)
     config_digest = hashlib.blake2b(config_bytes, digest_size=8).hexdigest()
     weights = _weights_file(directory)
     registered_ns = time.time_ns()  # before the open: the earliest moment, for the racy check
     with open_adapter_file(roots, weights, f"{weights} is missing; save the adapter with safe_serialization=True") as f:
         header_bytes = _header_bytes(f, weights)
-        if known is not None and proves(known, f, header_bytes, config_digest):
+        if known is not None and isinstance(known.source, WeightsSource) and proves(known, f, header_bytes,
+                                                                                    config_digest):
             source = known.source  # the same bytes as hashed there: nothing more to read
         else:
             digest = hashlib.blake2b(config_bytes, digest_size=8)
@@ -213,12 +220,23 @@ def read_adapter(name: str, directory: Path, shape: ModelShape, max_rank: int,
         if not header_matches(f.fd, header_bytes, source.header_crc):  # validated another header than the one hashed
             raise AdapterChangedError(f"{weights} changed while it was being registered (its header); wait until "
                                       "it is written completely and register it again")
+    return built_spec(name, directory, config, header, shape, max_rank, source.version, f.identity.size, source,
+                      config_digest)
+
+
+def built_spec(name: str, path: Path | StoreUrl, config: AdapterConfig,
+               header: dict[str, tuple[str, tuple[int, ...]]], shape: ModelShape, max_rank: int, version: str,
+               size: int, source: WeightsSource | None, config_digest: str,
+               store: StoreSource | None = None) -> AdapterSpec:
+    """The spec of an adapter whose config and header were read (from disk, or from an object store): its
+    modules validated against ``shape`` and ``max_rank``, one dtype for all its tensors."""
+    weights = path / WEIGHTS_FILE
     modules = _validate(header, config, shape, max_rank, weights)
     dtypes = {dtype for dtype, _ in header.values()}
     if len(dtypes) != 1:
         raise AdapterFormatError(f"{weights}: tensors mix dtypes {sorted(dtypes)}; save the adapter in one dtype")
-    return AdapterSpec(name, directory, _interned(config), _interned(modules), FLOAT_DTYPES[dtypes.pop()],
-                       source.version, f.identity.size, source, config_digest)
+    return AdapterSpec(name, path, _interned(config), _interned(modules), FLOAT_DTYPES[dtypes.pop()], version,
+                       size, source, config_digest, store)
 
 
 def proves(known: KnownVersion, f: OpenFile, header_bytes: int, config_digest: str) -> bool:
@@ -226,6 +244,8 @@ def proves(known: KnownVersion, f: OpenFile, header_bytes: int, config_digest: s
     hashed: the same machine's boot, real path and identity, settled before it was hashed (a write after the
     hash must have changed the identity), and the same config bytes and safetensors header."""
     source = known.source
+    if not isinstance(source, WeightsSource):  # a store version: proven by the store (If-Match), not a file
+        return False
     return (bool(known.host) and known.host == HOST and source.path == str(f.real) and source.identity == f.identity
             and not source.racy and known.config_digest == config_digest and source.header_bytes == header_bytes
             and header_matches(f.fd, header_bytes, source.header_crc))
@@ -253,7 +273,7 @@ def _read_config_bytes(roots: AdapterRoots, directory: Path) -> bytes:
     return data
 
 
-def _parse_config(data: bytes, where: Path) -> AdapterConfig:
+def parse_config(data: bytes, where: Path | StoreUrl) -> AdapterConfig:
     try:
         raw = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -291,17 +311,17 @@ SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "
 
 
 def _read_header(fd: int, header_bytes: int, size: int, weights: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """key -> (safetensors dtype, shape) from the header this fd holds (``_parse_header``), without reading
+    """key -> (safetensors dtype, shape) from the header this fd holds (``parse_header``), without reading
     tensor data. Truncation is caught here."""
     try:
-        return _parse_header(os.pread(fd, header_bytes - 8, 8), size)
+        return parse_header(os.pread(fd, header_bytes - 8, 8), size)
     except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError, an unknown dtype, a malformed entry
         why = f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e)
         raise AdapterFormatError(f"{weights} is not a readable safetensors file ({why}); it may be truncated or "
                                  "corrupt: re-copy or re-save it") from e
 
 
-def _parse_header(head: bytes, size: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+def parse_header(head: bytes, size: int) -> dict[str, tuple[str, tuple[int, ...]]]:
     """key -> (safetensors dtype, shape) of ``parse_tensors``."""
     return {key: (dtype, dims) for key, (dtype, dims, _) in parse_tensors(head, size).items()}
 
@@ -345,7 +365,7 @@ MAX_VALIDATED = 256
 
 
 def _validate(header: dict[str, tuple[str, tuple[int, ...]]], config: AdapterConfig, shape: ModelShape,
-              max_rank: int, weights: Path) -> tuple[LoraModule, ...]:
+              max_rank: int, weights: Path | StoreUrl) -> tuple[LoraModule, ...]:
     """``_check_header``, remembered for headers and configs seen before (only those that passed: an error
     names its file). A thousand adapters of one shape and rank are validated once."""
     key = (tuple(sorted(header.items())), config, shape, max_rank)
@@ -359,7 +379,7 @@ def _validate(header: dict[str, tuple[str, tuple[int, ...]]], config: AdapterCon
 
 
 def _check_header(header: dict[str, tuple[str, tuple[int, ...]]], config: AdapterConfig, shape: ModelShape,
-                  max_rank: int, weights: Path) -> tuple[LoraModule, ...]:
+                  max_rank: int, weights: Path | StoreUrl) -> tuple[LoraModule, ...]:
     found: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
     for key, (dtype, dims) in header.items():
         m = KEY_RE.match(key)
@@ -387,7 +407,7 @@ def _order(module: str) -> int:
 
 
 def _check_module(layer: int, module: str, ab: dict[str, tuple[int, ...]], config: AdapterConfig,
-                  shape: ModelShape, max_rank: int, weights: Path) -> LoraModule:
+                  shape: ModelShape, max_rank: int, weights: Path | StoreUrl) -> LoraModule:
     where = f"{weights}: layer {layer} {module}"
     for missing in sorted({"A", "B"} - set(ab)):  # report the first missing one
         raise AdapterFormatError(f"{where} has no lora_{missing} tensor ({peft_key(layer, module, missing)!r}); "

@@ -60,6 +60,7 @@ def from_command(m: pb.RelayedCommand) -> Command:
 
 def known(k: KnownVersion) -> pb.KnownVersion:
     s = k.source
+    assert isinstance(s, WeightsSource), "a store version is not relayed: the rank reads its metadata (registration)"
     return pb.KnownVersion(
         version=k.version, config_digest=k.config_digest, host=k.host, weights_path=s.path,
         identity=pb.FileIdentity(dev=s.identity.dev, ino=s.identity.ino, size=s.identity.size,
@@ -82,7 +83,7 @@ def from_known(m: pb.KnownVersion) -> KnownVersion:
 
 def registration(name: str, path: str, k: KnownVersion | None) -> pb.RegisterRankAdapter:
     out = pb.RegisterRankAdapter(name=name, path=path)
-    if k is not None:
+    if k is not None and isinstance(k.source, WeightsSource):  # a store version: the rank reads its metadata itself
         out.known.CopyFrom(known(k))
     return out
 

@@ -21,6 +21,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from lora_cache.adapters.catalog import CatalogConfig
+from lora_cache.adapters.objects import StoreUrl, is_store_url
+from lora_cache.adapters.store import list_adapters
 from lora_cache.controller.actor import ControllerActor
 from lora_cache.controller.core import ControllerConfig
 from lora_cache.controller.registrations import Registered
@@ -44,7 +46,8 @@ class ServeConfig:
 
     address: str = field(default="", metadata={"help": "Ray cluster to join ('auto' or host:port); empty: embedded"})
     adapters: str = field(default="", metadata={
-        "path": True, "help": "register every adapter directory under this one"})
+        "path": True, "help": "register every adapter directory under this one, or every adapter prefix under "
+                              "s3://BUCKET/PREFIX (the object store: the normal way on a cluster)"})
     replicas: int = field(default=1, metadata={"help": "replicas to start (0: only the controller; engines attach "
                                                        "their own ranks, workers/attach.py)"})
     tp: int = field(default=1, metadata={"help": "tensor-parallel size of each replica (workers per replica)"})
@@ -86,9 +89,9 @@ def start(serve: ServeConfig, catalog: CatalogConfig, planner: PlannerConfig, wo
     owns = not ray.is_initialized()
     if owns:  # embedded, or join --address; unreachable or token-refused clusters fail fast (cluster.py)
         connect(serve.address, NAMESPACE)
-    adapters = Path(shell_path(serve.adapters)) if serve.adapters else None  # the actors run elsewhere
+    adapters = shell_path(serve.adapters) if serve.adapters else None  # the actors run elsewhere (s3://: as given)
     if adapters and not catalog.adapter_roots:
-        catalog = dataclasses.replace(catalog, adapter_roots=(str(adapters),))
+        catalog = dataclasses.replace(catalog, adapter_roots=(adapters,))
     controller = ControllerActor.options(name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached",
                                          get_if_exists=True).remote(ControllerConfig(catalog, planner,
                                                                                    router or RouterConfig()))
@@ -97,18 +100,20 @@ def start(serve: ServeConfig, catalog: CatalogConfig, planner: PlannerConfig, wo
         for i in range(serve.replicas):
             _start_replica(service, f"replica-{i}", serve, catalog, worker)
         if adapters:
-            register_directory(controller, adapters)
+            register_directory(controller, adapters, catalog.store_timeout_s)
     except BaseException:
         service.stop()
         raise
     return service
 
 
-def register_directory(controller: Any, root: Path, batch: int = REGISTER_BATCH) -> list[Registered]:
-    """Register every adapter directory under ``root`` (by its directory name) in ``register_adapters`` batches:
-    the controller reads each batch on a thread, tells the workers, and plans once per batch. An adapter that
-    cannot be registered is printed with its error (the fix in it) and left out; the others serve."""
-    items = [(d.name, str(d)) for d in sorted(root.iterdir()) if (d / "adapter_config.json").is_file()]
+def register_directory(controller: Any, root: str | Path, timeout_s: float = 20.0,
+                       batch: int = REGISTER_BATCH) -> list[Registered]:
+    """Register every adapter directory under ``root`` (by its directory name; or every adapter prefix under an
+    ``s3://bucket/prefix``) in ``register_adapters`` batches: the controller reads each batch on a thread, tells
+    the workers, and plans once per batch. An adapter that cannot be registered is printed with its error (the
+    fix in it) and left out; the others serve."""
+    items = adapter_items(root, timeout_s)
     done: list[Registered] = []
     for start in range(0, len(items), batch):
         done += ray.get(controller.register_adapters.remote(items[start:start + batch]))
@@ -118,6 +123,15 @@ def register_directory(controller: Any, root: Path, batch: int = REGISTER_BATCH)
         for error in d.rank_errors:
             print(f"lora-cache serve: adapter {d.name}@{d.version}: {error}", file=sys.stderr, flush=True)
     return done
+
+
+def adapter_items(root: str | Path, timeout_s: float) -> list[tuple[str, str]]:
+    """(name, path) of every adapter under ``root``: a local directory's adapter directories, or an object-store
+    prefix's adapter prefixes (listed here, with this process's AWS credentials)."""
+    if is_store_url(str(root)):
+        return [(name, str(url)) for name, url in list_adapters(StoreUrl.parse(str(root)), timeout_s)]
+    local = Path(root)
+    return [(d.name, str(d)) for d in sorted(local.iterdir()) if (d / "adapter_config.json").is_file()]
 
 
 def _start_replica(service: Service, replica: str, serve: ServeConfig, catalog: CatalogConfig,

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 from lora_cache.adapters.catalog import AdapterCatalog
 from lora_cache.adapters.files import BlockCrcs, FileIdentity, WeightsSource
+from lora_cache.adapters.objects import StoreSource
 from lora_cache.adapters.peft import AdapterSpec, KnownVersion
 from lora_cache.controller.core import ControllerCore
 from lora_cache.errors import LoraCacheError
@@ -62,12 +63,18 @@ class Restored(NamedTuple):
 
 def known_json(k: KnownVersion) -> dict[str, Any]:
     s = k.source
+    if isinstance(s, StoreSource):  # from an object store: its identity there (re-read from it on restore)
+        return {"v": k.version, "c": k.config_digest, "h": k.host, "s3": list(s)}
     return {"v": k.version, "c": k.config_digest, "h": k.host, "w": s.path, "id": list(s.identity),
             "hb": s.header_bytes, "hc": s.header_crc, "b": base64.b64encode(s.block_crcs.packed).decode(),
             "t": s.registered_ns}
 
 
 def known_from(d: dict[str, Any]) -> KnownVersion:
+    if "s3" in d:
+        b, key, v, etag, vid, size, hb, hc = d["s3"]
+        store = StoreSource(str(b), str(key), str(v), str(etag), str(vid), int(size), int(hb), int(hc))
+        return KnownVersion(str(d["v"]), str(d["c"]), str(d["h"]), store)
     source = WeightsSource(str(d["w"]), str(d["v"]), FileIdentity(*map(int, d["id"])), int(d["hb"]), int(d["hc"]),
                            BlockCrcs(base64.b64decode(d["b"])), int(d["t"]))
     return KnownVersion(str(d["v"]), str(d["c"]), str(d["h"]), source)
@@ -138,7 +145,7 @@ def read_saved(core: ControllerCore, saved: list[SavedEntry]) -> Restored:
                         entry.name, entry.current.path, e)
             refused += 1
             continue
-        if current.source is entry.current.known.source:
+        if (current.store or current.source) is entry.current.known.source:
             unchanged += 1
         else:
             rehashed += 1

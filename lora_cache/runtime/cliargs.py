@@ -59,6 +59,8 @@ def config_from_args(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> 
 
 def shell_path(value: str) -> str:
     """``value`` as a shell user means it: ``~`` expanded, relative to this process's working directory."""
+    if "://" in value:  # a URL (s3://bucket/prefix): not a path of this machine
+        return value
     return os.path.abspath(os.path.expanduser(value)) if value else value
 
 

@@ -1,0 +1,78 @@
+"""Adapters in an S3-compatible object store: where one is (``StoreUrl``) and which version of its weights
+object a registration saw (``StoreSource``). Plain data, no client (``lora_cache.adapters.store`` talks to the
+store; ``workers.store_read`` fetches).
+
+A store version's identity is the store's own: the weights object's ETag, its VersionId (on a versioned
+bucket) and size, with the CRC-32 of its safetensors header and the config's digest (lifecycle step 0).
+Every read from the store sends ``If-Match: <ETag>``, so a replaced object is refused by the store itself
+(HTTP 412) instead of being mixed with the bytes already fetched; the disk tier then proves every later read
+of its copy as a local file's (``workers.disk_tier``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from lora_cache.errors import AdapterPathError
+
+SCHEME = "s3://"
+
+
+def is_store_url(path: object) -> bool:
+    return isinstance(path, str | StoreUrl) and str(path).startswith(SCHEME)
+
+
+class StoreUrl(NamedTuple):
+    """``s3://bucket/key``; ``/`` joins a name under it, like a ``Path``."""
+
+    bucket: str
+    key: str  # no leading or trailing "/"; "" for the bucket's top
+
+    @classmethod
+    def parse(cls, url: str) -> StoreUrl:
+        if not url.startswith(SCHEME):
+            raise AdapterPathError(f"{url!r} is not an object-store URL; write s3://BUCKET/PREFIX")
+        bucket, _, key = url[len(SCHEME) :].partition("/")
+        key = key.strip("/")
+        if not bucket or not 3 <= len(bucket) <= 63 or not bucket.replace("-", "").replace(".", "").isalnum():
+            raise AdapterPathError(
+                f"{url!r} names no valid bucket ({bucket!r}); write s3://BUCKET/PREFIX with a "
+                "bucket name of 3-63 lowercase letters, digits, '-' or '.'"
+            )
+        if ".." in key.split("/"):
+            raise AdapterPathError(f"{url!r} contains '..'; name the adapter's prefix itself")
+        return cls(bucket, key)
+
+    def __truediv__(self, name: str) -> StoreUrl:
+        return StoreUrl(self.bucket, f"{self.key}/{name}" if self.key else name)
+
+    def __str__(self) -> str:
+        return f"{SCHEME}{self.bucket}/{self.key}"
+
+    @property
+    def name(self) -> str:
+        return self.key.rsplit("/", 1)[-1]
+
+    def under(self, root: StoreUrl) -> bool:
+        """Whether this URL is ``root`` or inside it (whole path segments)."""
+        return self.bucket == root.bucket and (
+            not root.key or self.key == root.key or self.key.startswith(root.key + "/")
+        )
+
+
+class StoreSource(NamedTuple):
+    """The weights object of one registered store version: what every fetch asks the store for (``If-Match``)
+    and checks (size, header CRC)."""
+
+    bucket: str
+    key: str  # the weights object (…/adapter_model.safetensors)
+    version: str
+    etag: str  # as the store quotes it, e.g. '"9b2cf535f27731c974343645a3985328"'
+    version_id: str  # "" on an unversioned bucket
+    size: int
+    header_bytes: int  # 8 + the safetensors header's length
+    header_crc: int
+
+    @property
+    def url(self) -> str:
+        return f"{SCHEME}{self.bucket}/{self.key}"

@@ -1,0 +1,291 @@
+"""Registration from an S3-compatible object store (lifecycle step 0; issue 29).
+
+``read_store_adapter`` reads only metadata: ``adapter_config.json`` (one GET), the weights object's identity
+(HEAD: ETag, VersionId, size) and its safetensors header (a ranged GET of the first ``HEAD_GUESS`` bytes with
+``If-Match`` on that ETag, and a second one if the header is longer), never the weights. The version is a hash
+of the config's bytes and of that identity and header CRC (``objects.StoreSource``). ``list_adapters`` finds
+every adapter prefix directly under a prefix (``serve --adapters s3://bucket/prefix``).
+
+The client is boto3's (docs/decisions.md, "Adapters from an object store"): it takes the endpoint, region
+and credentials the usual ways (``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_ACCESS_KEY_ID`` /
+``AWS_SECRET_ACCESS_KEY`` / ``AWS_PROFILE``, ``~/.aws/config`` and ``~/.aws/credentials``). Every failure is
+one of the domain errors, naming the bucket and key and the fix (``store_error``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from lora_cache.adapters.files import MAX_CONFIG_BYTES
+from lora_cache.adapters.objects import StoreSource, StoreUrl
+from lora_cache.adapters.peft import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterSpec,
+    KnownVersion,
+    built_spec,
+    parse_config,
+    parse_header,
+)
+from lora_cache.adapters.shapes import ModelShape
+from lora_cache.errors import AdapterChangedError, AdapterFormatError, AdapterPathError, AdapterStoreError
+
+HEAD_GUESS = 64 << 10  # first ranged GET of the weights: the 8-byte length and most adapters' whole header
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
+ATTEMPTS = 2  # tries of one request (botocore's "standard" retries: a dropped connection, a 5xx, a throttle)
+
+_CLIENTS_LOCK = threading.Lock()  # protects _CLIENTS (boto3 sessions are not thread-safe; clients are)
+_CLIENTS: dict[tuple[Any, ...], Any] = {}
+ENV = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+)  # a change of any makes a new client
+
+
+def client(timeout_s: float, attempts: int = ATTEMPTS, pool: int = 32) -> Any:
+    """A boto3 S3 client (shared per process and settings) whose every request gives up after ``timeout_s``
+    without an answer, ``attempts`` tries in all."""
+    key = (timeout_s, attempts, pool, *(os.environ.get(v, "") for v in ENV))
+    with _CLIENTS_LOCK:
+        made = _CLIENTS.get(key)
+        if made is None:
+            import boto3  # deferred: ~0.3 s, paid only by a process that uses a store
+            from botocore.config import Config
+
+            config = Config(
+                connect_timeout=timeout_s,
+                read_timeout=timeout_s,
+                max_pool_connections=pool,
+                retries={"max_attempts": attempts, "mode": "standard"},
+            )
+            made = _CLIENTS[key] = boto3.session.Session().client("s3", config=config)
+        return made
+
+
+def endpoint(s3: Any) -> str:
+    return str(s3.meta.endpoint_url)
+
+
+def store_error(e: BaseException, bucket: str, key: str, s3: Any, version: str = "", etag: str = "") -> Exception:
+    """``e`` (from botocore) as a domain error that names ``s3://bucket/key``, what went wrong and the fix."""
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+    url, where = f"s3://{bucket}/{key}", endpoint(s3)
+    if isinstance(e, ClientError):
+        code = str(e.response.get("Error", {}).get("Code", ""))
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        if code == "NoSuchBucket":
+            return AdapterPathError(
+                f"{url}: bucket {bucket!r} does not exist at {where}; check the URL's bucket, "
+                "and that AWS_ENDPOINT_URL (or the profile's endpoint_url) names your store"
+            )
+        if code in ("NoSuchKey", "404", "NotFound") or status == 404:
+            return AdapterFormatError(
+                f"{url} does not exist at {where}; check the key (an adapter's prefix holds "
+                f"{CONFIG_FILE} and {WEIGHTS_FILE}) or upload it"
+            )
+        if code in ("PreconditionFailed", "412") or status == 412:
+            return AdapterChangedError(
+                f"{url} was replaced in the store since it was registered as version "
+                f"{version} (its ETag is no longer {etag}); the fetch is refused and nothing "
+                "of it is kept: register the adapter again for the new version"
+            )
+        if (
+            code
+            in (
+                "InvalidAccessKeyId",
+                "SignatureDoesNotMatch",
+                "AccessDenied",
+                "403",
+                "Forbidden",
+                "ExpiredToken",
+                "InvalidToken",
+            )
+            or status == 403
+        ):
+            return AdapterStoreError(
+                f"{url}: the store at {where} refused the credentials ({code}); set "
+                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE and "
+                "~/.aws/credentials) to keys that may read this bucket"
+            )
+        return AdapterStoreError(
+            f"{url}: the store at {where} answered {status} {code}: "
+            f"{e.response.get('Error', {}).get('Message', '')}; retry, or check the store"
+        )
+    if isinstance(e, NoCredentialsError):
+        return AdapterStoreError(
+            f"{url}: no credentials for the object store; set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE with ~/.aws/credentials"
+        )
+    if isinstance(e, BotoCoreError | OSError):
+        return AdapterStoreError(
+            f"{url}: the store at {where} did not answer or broke off ({type(e).__name__}: "
+            f"{e}); check that it is up and reachable, or raise --store-timeout-s"
+        )
+    return e if isinstance(e, Exception) else RuntimeError(str(e))
+
+
+def call(s3: Any, bucket: str, key: str, fn: Callable[[], Any], version: str = "", etag: str = "") -> Any:
+    """``fn()`` (one store request), its failures as ``store_error``."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        return fn()
+    except (BotoCoreError, ClientError, OSError) as e:
+        raise store_error(e, bucket, key, s3, version, etag) from e
+
+
+def stream_range(
+    s3: Any,
+    bucket: str,
+    key: str,
+    start: int,
+    nbytes: int,
+    etag: str,
+    version: str,
+    sink: Callable[[int, bytes], None],
+    chunk: int = 1 << 20,
+) -> None:
+    """Bytes ``start : start + nbytes`` of the object, only from the version whose ETag is ``etag`` (the store
+    refuses any other: ``AdapterChangedError``), handed to ``sink(offset, piece)`` in pieces of ``chunk`` bytes
+    (the last one shorter) as they arrive: one GET, constant memory. A short answer is refused."""
+    got = 0
+
+    def fetch() -> None:
+        nonlocal got
+        answer = s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{start + nbytes - 1}", IfMatch=etag)
+        if answer.get("ETag", etag) != etag:  # a store that ignores If-Match
+            raise AdapterChangedError(
+                f"s3://{bucket}/{key} was replaced in the store (ETag {etag} -> "
+                f"{answer['ETag']}) since it was registered as version {version}; refused: "
+                "register the adapter again"
+            )
+        body = answer["Body"]
+        while got < nbytes:
+            piece = _read_full(body, min(chunk, nbytes - got))
+            if not piece:
+                break
+            sink(start + got, piece)
+            got += len(piece)
+        if got == nbytes and body.read(1):
+            got += 1  # longer than asked: refused below
+
+    call(s3, bucket, key, fetch, version, etag)
+    if got != nbytes:
+        raise AdapterChangedError(
+            f"s3://{bucket}/{key}: the store sent {got} of the {nbytes} bytes asked from byte "
+            f"{start} (the object is shorter than registered, or the answer was cut off); "
+            "refused: check the object and register the adapter again"
+        )
+
+
+def _read_full(body: Any, n: int) -> bytes:
+    """Up to ``n`` bytes of a streaming body: fewer only at its end."""
+    parts, want = [], n
+    while want:
+        piece = body.read(want)
+        if not piece:
+            break
+        parts.append(piece)
+        want -= len(piece)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def get_range(s3: Any, bucket: str, key: str, start: int, nbytes: int, etag: str, version: str = "") -> bytes:
+    """``stream_range``'s bytes in memory (a header)."""
+    out = bytearray()
+    stream_range(s3, bucket, key, start, nbytes, etag, version, lambda _, piece: out.extend(piece))
+    return bytes(out)
+
+
+def read_store_adapter(
+    name: str, url: StoreUrl, shape: ModelShape, max_rank: int, timeout_s: float, known: KnownVersion | None = None
+) -> AdapterSpec:
+    """The adapter under ``url`` validated from its config and safetensors header, versioned by the store's
+    identity of its weights object; no weight byte is read. ``known``: the version as registered before, kept
+    (the same ``StoreSource`` object) if the store still holds exactly it."""
+    s3 = client(timeout_s)
+    config_key, weights = (url / CONFIG_FILE).key, url / WEIGHTS_FILE
+    config_bytes = _config_bytes(s3, url.bucket, config_key)
+    config = parse_config(config_bytes, url / CONFIG_FILE)
+    head = call(s3, url.bucket, weights.key, lambda: s3.head_object(Bucket=url.bucket, Key=weights.key))
+    etag, size, version_id = str(head["ETag"]), int(head["ContentLength"]), str(head.get("VersionId") or "")
+    first = get_range(s3, url.bucket, weights.key, 0, min(size, HEAD_GUESS), etag) if size >= 8 else b""
+    n = int.from_bytes(first[:8], "little") if len(first) >= 8 else -1
+    if not 0 < n <= min(size - 8, MAX_HEADER_BYTES):
+        raise AdapterFormatError(
+            f"{weights} is not a readable safetensors file (its header length {n} does not fit "
+            f"its {size} bytes); it may be truncated or corrupt: upload it again"
+        )
+    head_bytes = (
+        first[: 8 + n]
+        if len(first) >= 8 + n
+        else first + get_range(s3, url.bucket, weights.key, len(first), 8 + n - len(first), etag)
+    )
+    try:
+        header = parse_header(head_bytes[8:], size)
+    except (ValueError, KeyError, TypeError) as e:
+        raise AdapterFormatError(
+            f"{weights} is not a readable safetensors file ({e}); it may be truncated or corrupt: upload it again"
+        ) from e
+    config_digest = hashlib.blake2b(config_bytes, digest_size=8).hexdigest()
+    header_crc = zlib.crc32(head_bytes)
+    digest = hashlib.blake2b(config_bytes, digest_size=8)
+    digest.update(f"s3\0{url.bucket}\0{weights.key}\0{etag}\0{version_id}\0{size}\0{header_crc}".encode())
+    source = StoreSource(url.bucket, weights.key, digest.hexdigest(), etag, version_id, size, 8 + n, header_crc)
+    if known is not None and known.source == source and known.config_digest == config_digest:
+        source = known.source  # type: ignore[assignment]  # the same version: its proof kept as it was
+    return built_spec(name, url, config, header, shape, max_rank, source.version, size, None, config_digest, source)
+
+
+def _config_bytes(s3: Any, bucket: str, key: str) -> bytes:
+    def fetch() -> bytes:
+        answer = s3.get_object(Bucket=bucket, Key=key)
+        if int(answer.get("ContentLength", 0)) > MAX_CONFIG_BYTES:
+            raise AdapterFormatError(
+                f"s3://{bucket}/{key} is {answer['ContentLength']} bytes, more than an "
+                f"adapter config can be ({MAX_CONFIG_BYTES}): is it the right object?"
+            )
+        return bytes(answer["Body"].read())
+
+    return call(s3, bucket, key, fetch)  # type: ignore[no-any-return]
+
+
+def list_adapters(url: StoreUrl, timeout_s: float) -> list[tuple[str, StoreUrl]]:
+    """(name, prefix) of every adapter directly under ``url`` (a prefix holding ``adapter_config.json``),
+    by name."""
+    s3 = client(timeout_s)
+    base = f"{url.key}/" if url.key else ""
+    found = []
+    for key in _keys(s3, url.bucket, base):
+        rest = key[len(base) :]
+        name, _, file = rest.partition("/")
+        if file == CONFIG_FILE and name:
+            found.append((name, url / name))
+    if not found:
+        raise AdapterFormatError(
+            f"{url} holds no adapter (no NAME/{CONFIG_FILE} under it); check the prefix, or "
+            "upload adapters as s3://BUCKET/PREFIX/NAME/{adapter_config.json,"
+            "adapter_model.safetensors}"
+        )
+    return sorted(found)
+
+
+def _keys(s3: Any, bucket: str, prefix: str) -> Iterator[str]:
+    pages = call(
+        s3, bucket, prefix, lambda: list(s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix))
+    )
+    for page in pages:
+        for item in page.get("Contents", ()):
+            yield str(item["Key"])

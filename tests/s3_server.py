@@ -1,0 +1,107 @@
+"""A real S3-compatible server for the tests: moto's server mode, started as its own process on 127.0.0.1
+(not an in-process mock), with IAM authentication on, so that wrong credentials are refused as a real store
+refuses them. ``S3Server.env`` is what a process needs to reach it (``AWS_ENDPOINT_URL`` and keys), as an
+operator sets it; ``pause``/``resume`` (SIGSTOP/SIGCONT) make a stalled server, ``kill`` a dead one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.waiting import wait_for
+
+NO_AUTH_SETUP = 3  # requests moto answers before it enforces IAM: the test user, its policy, its key
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class S3Server:
+    def __init__(self, auth: bool = True) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, **({"INITIAL_NO_AUTH_ACTION_COUNT": str(NO_AUTH_SETUP)} if auth else {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-p", str(self.port), "-H", "127.0.0.1"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for(self._up, f"moto server on {self.url}", timeout=30)
+        self.env = {
+            "AWS_ENDPOINT_URL": self.url,
+            "AWS_ACCESS_KEY_ID": "setup",
+            "AWS_SECRET_ACCESS_KEY": "setup",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_REGION": "us-east-1",
+        }
+        if auth:
+            self.env.update(self._user())
+
+    def _up(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"moto server exited with {self.proc.returncode}; is moto[server] installed?")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+            return True
+        return False
+
+    def _user(self) -> dict[str, str]:
+        iam = self.client("iam")
+        iam.create_user(UserName="lora-cache")
+        policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+        iam.put_user_policy(UserName="lora-cache", PolicyName="all", PolicyDocument=json.dumps(policy))
+        key = iam.create_access_key(UserName="lora-cache")["AccessKey"]
+        return {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
+
+    def client(self, service: str = "s3") -> Any:
+        import boto3
+
+        return boto3.session.Session().client(
+            service,
+            endpoint_url=self.url,
+            region_name="us-east-1",
+            aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"],
+        )
+
+    def upload_dir(self, bucket: str, prefix: str, directory: Path) -> None:
+        """Every file of ``directory`` as ``prefix/<file name>``."""
+        s3 = self.client()
+        for f in sorted(directory.iterdir()):
+            s3.put_object(Bucket=bucket, Key=f"{prefix}/{f.name}", Body=f.read_bytes())
+
+    def pause(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def __enter__(self) -> S3Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+
+
+def set_env(monkeypatch: Any, env: dict[str, str]) -> None:
+    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)

@@ -1,0 +1,429 @@
+"""The local disk tier: adapters from an object store, kept whole on a disk the operator chooses, LRU by bytes,
+in front of the pinned host tier (lifecycle step 5; issue 29).
+
+A read of a store adapter (``HostTier``'s, when it misses) asks ``held(spec)`` for a local copy: a hit is the
+file already here; a miss fetches the object once for the whole node (``workers.store_read``: ranged GETs of
+the registered ETag only) into ``NAME.part.PID``, preallocated, and renames it into place with its proof beside
+it (``NAME.crc``: the file's identity after the write, the safetensors header's CRC and every block's, taken
+from the bytes the store sent under that ETag). The copy is then read as any adapter file is
+(``workers.reader``): its identity and header checked on every read, its blocks as ``verify`` says (a fresh
+copy is racy: every block a process reads is checked in full until a check after the racy window), so a
+version is proven on every read from every tier. A copy whose identity no longer matches its proof is dropped
+and fetched again; one whose bytes do not (torn by a crash: a copy is not fsync'ed) fails that read and is
+dropped, so the next load fetches it again.
+
+Every rank on a node shares the directory: a file lock per entry (``locks/NAME.lock``) makes one process fetch
+while the others wait for its copy (shared lock: read; exclusive: fetch or evict), and a lock on the
+directory (``.lock``) orders the room-making. A copy is evicted (oldest use first, by its proof's mtime) only
+when no process holds it. An adapter larger than the tier, or a tier whose every byte is held by reads in
+progress, is refused (``CapacityError``) before anything is fetched; a disk that fills up under the
+preallocation is refused the same way, and a failed fetch leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lora_cache.adapters.files import BLOCK_BYTES, BlockCrcs, FileIdentity, WeightsSource
+from lora_cache.adapters.objects import StoreSource
+from lora_cache.adapters.peft import AdapterSpec
+from lora_cache.adapters.store import client
+from lora_cache.errors import AdapterChangedError, AdapterFormatError, CapacityError, ConfigError
+from workers.store_read import fetch_object
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DiskTierConfig:
+    """Where adapters fetched from an object store are kept on this node, and how they are fetched."""
+
+    disk_cache: str = field(
+        default="",
+        metadata={
+            "path": True,
+            "help": "directory of the local disk tier for adapters from an object store (shared by the "
+            "node's ranks); empty: lora-cache-disk under the system's temporary directory",
+        },
+    )
+    disk_cache_bytes: int = field(
+        default=64 << 30, metadata={"help": "bytes of adapter files the disk tier may hold (LRU by bytes)"}
+    )
+    fetch_parallel: int = field(default=8, metadata={"help": "ranged GETs of one object at once"})
+    fetch_part_bytes: int = field(
+        default=8 << 20,
+        metadata={
+            "help": "bytes per ranged GET (a multiple of 1 MiB, the CRC block); 0: one GET of the whole object "
+            "(for a store whose ranged GETs cost the whole object, as moto's do)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.disk_cache_bytes < 1 << 16:
+            raise ConfigError(
+                f"disk_cache_bytes ({self.disk_cache_bytes}) must be at least 64 KiB; size it for the "
+                "adapters a node serves (64 GiB by default)"
+            )
+        if not 1 <= self.fetch_parallel <= 64:
+            raise ConfigError(f"fetch_parallel must be in 1..64, got {self.fetch_parallel}")
+        if self.fetch_part_bytes < 0 or self.fetch_part_bytes % BLOCK_BYTES:
+            raise ConfigError(
+                f"fetch_part_bytes ({self.fetch_part_bytes}) must be 0 (one GET) or a multiple of "
+                f"{BLOCK_BYTES} (the CRC block); 8 MiB is the default"
+            )
+
+    def directory(self) -> Path:
+        return Path(self.disk_cache or Path(tempfile.gettempdir()) / f"lora-cache-disk-{os.getuid()}")
+
+
+def entry_name(source: StoreSource) -> str:
+    where = hashlib.blake2b(f"{source.bucket}/{source.key}".encode(), digest_size=8).hexdigest()
+    return f"{where}-{source.version}"
+
+
+class DiskTier:
+    """Local copies of store objects, by version. ``held`` gives a proven copy and holds it while used."""
+
+    def __init__(self, config: DiskTierConfig, timeout_s: float = 20.0) -> None:
+        self.config, self.timeout_s = config, timeout_s
+        self.dir = config.directory()
+        self._lock = threading.Lock()  # protects _flights and the counters
+        self._flights: dict[str, Future[WeightsSource]] = {}  # name -> this process's fetch in flight
+        self._stager: ThreadPoolExecutor | None = None
+        self.hits = self.fetches = self.fetched_bytes = self.evictions = self.stage_failures = 0
+
+    # -- reads ------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def held(self, spec: AdapterSpec) -> Iterator[AdapterSpec]:
+        """``spec`` with ``source`` its local copy's (fetched if need be), which no process evicts until the
+        ``with`` ends; ``spec`` itself for an adapter not in a store."""
+        if spec.store is None:
+            yield spec
+            return
+        name = entry_name(spec.store)
+        fd = self._entry_lock(name, fcntl.LOCK_SH)
+        try:
+            local = self._proof(name, spec.store)
+            if local is None:
+                os.close(fd)
+                fd = -1
+                self._fetch_once(name, spec.store)
+                fd = self._entry_lock(name, fcntl.LOCK_SH)
+                local = self._proof(name, spec.store)
+                if local is None:  # evicted between the fetch and this lock: rare, fetched once more
+                    os.close(fd)
+                    fd = -1
+                    self._fetch_once(name, spec.store)
+                    fd = self._entry_lock(name, fcntl.LOCK_SH)
+                    local = self._proof(name, spec.store)
+                    if local is None:
+                        raise CapacityError(
+                            f"the disk tier {self.dir} evicted {spec.store.url} as soon as it was "
+                            "fetched: it is too small for the adapters in use; raise "
+                            "--disk-cache-bytes"
+                        )
+            else:
+                with self._lock:
+                    self.hits += 1
+            try:
+                yield dataclasses.replace(spec, source=local)
+            except AdapterChangedError:  # the copy is not what its proof says (torn by a crash): dropped, fetched
+                os.close(fd)  # again by the next load
+                fd = -1
+                self._evict(name)
+                raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def stage(self, spec: AdapterSpec) -> Future[None] | None:
+        """Fetch ``spec``'s object into the tier in the background (the planner's stage, ahead of need); None
+        for an adapter not in a store. A failure is logged and counted (``stage_failures``), not raised."""
+        if spec.store is None:
+            return None
+        with self._lock:
+            if self._stager is None:
+                self._stager = ThreadPoolExecutor(2, thread_name_prefix="lora-disk-stage")
+            stager = self._stager
+        return stager.submit(self._stage, spec)
+
+    def _stage(self, spec: AdapterSpec) -> None:
+        try:
+            with self.held(spec):
+                pass
+        except Exception as e:  # staging is advice: the load that needs it reports the error
+            with self._lock:
+                self.stage_failures += 1
+            log.warning("staging %s@%s into the disk tier failed: %s", spec.name, spec.version, e)
+
+    def contains(self, source: StoreSource) -> bool:
+        return (self.dir / f"{entry_name(source)}.crc").exists()
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "disk_hits": self.hits,
+                "disk_fetches": self.fetches,
+                "disk_fetched_bytes": self.fetched_bytes,
+                "disk_evictions": self.evictions,
+                "disk_stage_failures": self.stage_failures,
+            }
+
+    def close(self) -> None:
+        if self._stager is not None:
+            self._stager.shutdown(wait=True, cancel_futures=True)
+
+    # -- one fetch per node ----------------------------------------------------------------------------
+    def _fetch_once(self, name: str, source: StoreSource) -> None:
+        """The copy of ``source`` in place: fetched by this thread, or by the one (of any process here) already
+        fetching it, whose end this waits for."""
+        with self._lock:
+            flight = self._flights.get(name)
+            mine = flight is None
+            if mine:
+                flight = self._flights[name] = Future()
+        assert flight is not None
+        if not mine:
+            flight.result()
+            return
+        try:
+            fd = self._entry_lock(name, fcntl.LOCK_EX)  # another process's fetch of it: wait for its end
+            try:
+                local = self._proof(name, source)
+                if local is None:
+                    local = self._fetch(name, source)
+            finally:
+                os.close(fd)
+            flight.set_result(local)
+        except BaseException as e:
+            flight.set_exception(e)
+            raise
+        finally:
+            with self._lock:
+                del self._flights[name]
+
+    def _fetch(self, name: str, source: StoreSource) -> WeightsSource:
+        """Fetch ``source`` into ``name`` (caller holds its entry lock exclusively)."""
+        part = self.dir / f"{name}.part.{os.getpid()}"
+        fd = self._reserve(source, part)
+        try:
+            s3 = client(self.timeout_s, pool=max(32, self.config.fetch_parallel))
+            crcs = fetch_object(s3, source, fd, self.config.fetch_parallel, self.config.fetch_part_bytes)
+            # no fsync (a quarter of a fetch's time here): a copy torn by a crash is caught by its first read in
+            # any process (a fresh copy is racy: every block read is checked against its proof) and dropped
+            path = self.dir / f"{name}.safetensors"
+            os.replace(part, path)
+            identity = FileIdentity.of(os.fstat(fd))
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(part)
+            raise
+        finally:
+            os.close(fd)
+        fetched_ns = time.time_ns()
+        local = WeightsSource(
+            str(path), source.version, identity, source.header_bytes, source.header_crc, crcs, fetched_ns
+        )
+        _write_proof(self.dir / f"{name}.crc", local)
+        with self._lock:
+            self.fetches += 1
+            self.fetched_bytes += source.size
+        return local
+
+    # -- proofs ----------------------------------------------------------------------------------------
+    def _proof(self, name: str, source: StoreSource) -> WeightsSource | None:
+        """The local copy of ``source`` as its proof describes it, if its file still has that identity (else the
+        copy is dropped and None: fetched again); touched as used (LRU)."""
+        proof, path = self.dir / f"{name}.crc", self.dir / f"{name}.safetensors"
+        try:
+            local = _read_proof(proof)
+            now = FileIdentity.of(os.stat(path))
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return None
+        if (local.version, local.header_crc, local.identity.size) != (
+            source.version,
+            source.header_crc,
+            source.size,
+        ) or local.identity != now:
+            log.warning(
+                "disk tier copy %s of %s changed since it was fetched (%s): dropped, fetched again",
+                path,
+                source.url,
+                local.identity.changes(now) or "another version",
+            )
+            for p in (proof, path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
+            return None
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(proof)
+        return local
+
+    # -- room ------------------------------------------------------------------------------------------
+    def _reserve(self, source: StoreSource, part: Path) -> int:
+        """An fd of ``part``, preallocated for ``source`` once there is room (unheld copies evicted, oldest use
+        first), under the directory's lock so that fetches starting together cannot overcommit the tier; or
+        ``CapacityError`` at once."""
+        cap = self.config.disk_cache_bytes
+        if source.size > cap:
+            raise CapacityError(
+                f"{source.url} is {source.size} bytes, more than the whole disk tier {self.dir} "
+                f"({cap} bytes); raise --disk-cache-bytes"
+            )
+        with self._dir_lock():
+            entries, used = _entries(self.dir)
+            for _last_use, name, nbytes in sorted(entries):
+                if used + source.size <= cap:
+                    break
+                if self._evict(name):
+                    used -= nbytes
+            if used + source.size > cap:
+                raise CapacityError(
+                    f"the disk tier {self.dir} ({cap} bytes) cannot take {source.url} "
+                    f"({source.size} bytes): {used} bytes are held by reads and fetches in progress; "
+                    "raise --disk-cache-bytes, or retry when they are done"
+                )
+            fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                _preallocate(fd, source, self.dir)  # counted as used from now on (its size)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(part)
+                raise
+            return fd
+
+    def _evict(self, name: str) -> bool:
+        """Drop ``name``'s copy unless a process holds it (its entry lock taken without waiting)."""
+        try:
+            fd = self._entry_lock(name, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        try:
+            for suffix in (".crc", ".safetensors"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.dir / f"{name}{suffix}")
+        finally:
+            os.close(fd)
+        with self._lock:
+            self.evictions += 1
+        return True
+
+    @contextlib.contextmanager
+    def _dir_lock(self) -> Iterator[None]:
+        fd = os.open(self._ensure_dir() / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _entry_lock(self, name: str, how: int) -> int:
+        """An fd of ``locks/NAME.lock`` locked ``how`` (flock); the caller closes it to unlock."""
+        locks = self._ensure_dir() / "locks"
+        fd = os.open(locks / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, how)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _ensure_dir(self) -> Path:
+        try:
+            (self.dir / "locks").mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"the disk tier directory {self.dir} cannot be made ({e}); point --disk-cache at a writable directory"
+            ) from e
+        return self.dir
+
+
+def _entries(directory: Path) -> tuple[list[tuple[float, str, int]], int]:
+    """(last use, name, bytes) of each complete copy, and the bytes of every copy and fetch in progress (a
+    dead process's leftover part is removed)."""
+    entries, used = [], 0
+    for p in directory.iterdir():
+        try:
+            if p.suffix == ".safetensors":
+                nbytes = p.stat().st_size
+                proof = p.with_suffix(".crc")
+                mtime = proof.stat().st_mtime if proof.exists() else 0.0
+                entries.append((mtime, p.stem, nbytes))
+                used += nbytes
+            elif ".part." in p.name:
+                pid = int(p.name.rsplit(".", 1)[1])
+                if _alive(pid):
+                    used += p.stat().st_size
+                else:
+                    p.unlink()
+        except (FileNotFoundError, ValueError):
+            continue
+    return entries, used
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _preallocate(fd: int, source: StoreSource, directory: Path) -> None:
+    try:
+        os.posix_fallocate(fd, 0, source.size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise CapacityError(
+                f"the disk of the disk tier {directory} is full: {source.url} needs {source.size} "
+                "bytes; free room there, lower --disk-cache-bytes below the free space, or point "
+                "--disk-cache at a larger disk"
+            ) from e
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, source.size)
+
+
+def _write_proof(path: Path, local: WeightsSource) -> None:
+    data = json.dumps(
+        {
+            "v": local.version,
+            "w": local.path,
+            "id": list(local.identity),
+            "hb": local.header_bytes,
+            "hc": local.header_crc,
+            "b": base64.b64encode(local.block_crcs.packed).decode(),
+            "t": local.registered_ns,
+        }
+    )
+    tmp = path.with_name(path.name + f".tmp.{os.getpid()}.{threading.get_ident()}")
+    tmp.write_text(data)
+    os.replace(tmp, path)
+
+
+def _read_proof(path: Path) -> WeightsSource:
+    d: dict[str, Any] = json.loads(path.read_text())
+    crcs = BlockCrcs(base64.b64decode(d["b"]))
+    identity = FileIdentity(*map(int, d["id"]))
+    if len(crcs) != -(-identity.size // BLOCK_BYTES):
+        raise AdapterFormatError(f"{path} holds {len(crcs)} block CRCs for {identity.size} bytes")
+    return WeightsSource(str(d["w"]), str(d["v"]), identity, int(d["hb"]), int(d["hc"]), crcs, int(d["t"]))
