@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Issue 30 on one 4-GPU host, in one call: the host, the benchmark's start-up, TP 4 end to end, the GPU tests.
+# The GPU image lacks Ray and grpcio-health-checking: bundle them (../shared/tools/device-site grpcio-reflection
+# grpcio-health-checking) and start with the prefix it prints.
 #
 #   bash bench/gpu/issue30.sh OUT [PART ...]     default: host start tp cold
 #
@@ -36,14 +38,15 @@ for part in "${parts[@]}"; do
                    '"$PYTHON"' -c "import $m" 2>/dev/null && echo "$m: importable" || echo "$m: absent"; done;
                  ls /usr/local/cuda/lib64/libcufile* 2>/dev/null | head -2 || true' ;;
     start) if [ "${DRY:-0}" = 1 ]; then
-             step fast_start "$PYTHON" -m bench.probes.fast_start --model llama-3.1-8b --count 100 --out "$out/fast_start"
+             step fast_start "$PYTHON" -m bench.probes.fast_start --model llama-3.1-8b --count 100 \
+                 --out "$adapters/lora-cache-fast-start" --keep "$out/fast_start"
              step gpu_tests "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -rfE tests
            else
              ( CUDA_VISIBLE_DEVICES=1 timeout "${TESTS_S:-200}" "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -rfE \
                  tests > "$logs/gpu_tests.log" 2>&1; echo "=== gpu_tests rc=$?" >> "$logs/gpu_tests.log" ) &
              tests=$!
              CUDA_VISIBLE_DEVICES=0 step fast_start timeout 300 "$PYTHON" -m bench.probes.fast_start \
-                 --model llama-3.1-8b --count 100 --out "$out/fast_start"
+                 --model llama-3.1-8b --count 100 --out "$adapters/lora-cache-fast-start" --keep "$out/fast_start"
              wait "$tests"
              echo "=== gpu_tests (beside fast_start, GPU 1):"; tail -n "$TAIL" "$logs/gpu_tests.log"
              grep -q "gpu_tests rc=0" "$logs/gpu_tests.log" || failed=$((failed + 1))

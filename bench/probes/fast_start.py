@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default="ondemand,global")
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--out", required=True, help="results.json and the adapters (under adapters/) go here")
+    ap.add_argument("--keep", default="", help="also copy the JSON results into this directory")
     ap.add_argument("bench_args", nargs="*", help="more bench.run options, after --")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -75,61 +76,30 @@ def main(argv: list[str] | None = None) -> int:
         if args.model == "tiny"
         else []
     )
-    code = bench_main(
-        [
-            "--engine",
-            "real",
-            "--model",
-            args.model,
-            "--adapters",
-            str(adapters),
-            "--no-plots",
-            "--num-adapters",
-            str(args.count),
-            "--slots",
-            "8",
-            "--policies",
-            args.policies,
-            "--requests",
-            str(args.requests),
-            "--arrivals",
-            "poisson:8",
-            "--popularity",
-            "uniform",
-            "--out",
-            str(out),
-            *small,
-            *args.bench_args,
-        ]
-    )
+    try:
+        code = bench_main(
+            ["--engine", "real", "--model", args.model, "--adapters", str(adapters), "--no-plots",
+             "--num-adapters", str(args.count), "--slots", "8", "--policies", args.policies,
+             "--requests", str(args.requests), "--arrivals", "poisson:8", "--popularity", "uniform",
+             "--out", str(out), *small, *args.bench_args])  # fmt: skip
+    finally:
+        shutil.rmtree(adapters, ignore_errors=True)
     doc = read_results(out / "results.json")
     runs = {
-        p: {
-            "start_to_first_request_s": f.get("start_to_first_request_s"),
-            "wall_s": f.get("wall_s"),
-            "phases": doc.get("startup", {}).get(p, {}),
-        }
+        p: {"start_to_first_request_s": f.get("start_to_first_request_s"), "wall_s": f.get("wall_s"),
+            "phases": doc.get("startup", {}).get(p, {})}
         for p, f in doc["figures"].items()
-    }
-    summary = {
-        "model": args.model,
-        "adapters": args.count,
-        "made_s": made_s,
-        "host": doc["config"].get("host"),
-        "host_tier": doc["config"].get("host_tier"),
-        "policies": runs,
-    }
+    }  # fmt: skip
+    summary = {"model": args.model, "adapters": args.count, "made_s": made_s, "host": doc["config"].get("host"),
+               "host_tier": doc["config"].get("host_tier"), "policies": runs}  # fmt: skip
     (out / "fast_start.json").write_text(json.dumps(summary, indent=2))
-    print(
-        f"\nadapters made in {made_s:.1f} s; start to first request per policy (s): "
-        + ", ".join(
-            f"{p} {r['start_to_first_request_s']:.1f}"
-            for p, r in runs.items()
-            if r["start_to_first_request_s"] is not None
-        ),
-        flush=True,
-    )
-    shutil.rmtree(adapters, ignore_errors=True)
+    if args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
+        for name in ("fast_start.json", "results.json"):
+            shutil.copyfile(out / name, Path(args.keep) / name)
+    print(f"\nadapters made in {made_s:.1f} s; start to first request per policy (s): "
+          + ", ".join(f"{p} {r['start_to_first_request_s']:.1f}" for p, r in runs.items()
+                      if r["start_to_first_request_s"] is not None), flush=True)  # fmt: skip
     return code
 
 
