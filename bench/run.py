@@ -108,6 +108,7 @@ def adapter_dir(bench: BenchConfig, names: Sequence[str]) -> str:
 
 
 def run(bench: BenchConfig, spec: WorkloadSpec) -> dict[str, Any]:
+    bench = sized(bench)  # host_bytes 0: resolved once here, for every policy
     policies = parse_policies(bench.policies)
     slots_for_names = bench.slots
     names = spec.adapter_names(slots_for_names)

@@ -38,7 +38,7 @@ def catalog(tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[...
 def test_auto_is_a_share_of_available_memory_over_the_ranks_capped_and_floored() -> None:
     assert HostTierConfig().host_bytes == 0 and HostTierConfig().auto  # the default follows the host
     assert auto_host_bytes(512 * GiB, 8) == 16 * GiB  # 0.25 x 512 GiB over 8 ranks
-    assert auto_host_bytes(512 * GiB, 4, share=0.5) == AUTO_MAX_BYTES  # 64 GiB each, capped at 32 GiB
+    assert auto_host_bytes(512 * GiB, 4, share=0.5) == AUTO_MAX_BYTES  # 64 GiB each, capped at the default cap
     assert auto_host_bytes(512 * GiB, 4, cap=8 * GiB) == 8 * GiB  # the operator's cap
     assert auto_host_bytes(1 * GiB, 8) == AUTO_MIN_BYTES  # a small or busy host: the floor
     assert auto_host_bytes(1 * GiB, 8, cap=64 << 20) == 64 << 20  # ... but never above the cap

@@ -42,7 +42,7 @@ ChunkListener = Callable[["HostEntry", int], None]  # told how many chunks of an
 
 
 AUTO_SHARE = 0.25  # of this host's available memory, for its ranks' host tiers together (host_bytes 0)
-AUTO_MAX_BYTES = 32 << 30  # the operator's cap per rank on the auto size, by default
+AUTO_MAX_BYTES = 16 << 30  # the operator's cap per rank on the auto size, by default (pinning: ~0.5 s a GiB)
 AUTO_MIN_BYTES = 256 << 20  # the auto size never goes below this (a small or busy host)
 MEMINFO = Path("/proc/meminfo")
 CGROUP = Path("/sys/fs/cgroup")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 30 on one 4-GPU host, in one call: the host, the benchmark's start-up, TP 4 end to end, the GPU tests.
-# The GPU image lacks Ray and grpcio-health-checking: bundle them (../shared/tools/device-site grpcio-reflection
-# grpcio-health-checking) and start with the prefix it prints.
+# The GPU image lacks Ray and a grpcio as new as the generated code: bundle them (the device-site tool, with
+# grpcio==1.85.3 protobuf grpcio-reflection grpcio-health-checking) and start with the prefix it prints.
 #
 #   bash bench/gpu/issue30.sh OUT [PART ...]     default: host start tp cold
 #
