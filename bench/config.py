@@ -17,6 +17,8 @@ from lora_cache.errors import ConfigError
 ENGINES = ("real", "sim")
 
 # Named scenarios: values for options left unset on the command line.
+REAL_HOST_BYTES = 16 << 30  # a realistic host tier per rank: 0.25 x 512 GiB / 8 ranks (named scenarios, both engines)
+
 SCENARIOS: dict[str, dict[str, Any]] = {
     # The seed reviewers' scenario: 16 adapters over 8 slots, Poisson 4 req/s. Every slot may serve a batch
     # (max_adapters = slots), as SGLang (max_loras_per_batch) and vLLM (max_loras) size their pools; with
@@ -33,7 +35,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "quick": {"model": "tiny", "replicas": 2, "tp": 1, "slots": 4, "popularity": "zipf:1.5", "arrivals": "poisson:20",
               "requests": 48, "random_input_len": 64, "random_output_len": 8, "random_range_ratio": 0.5,
               "max_seq_len": 256, "max_prefill_tokens": 512, "max_running": 8, "max_adapters": 2,
-              "adapter_ranks": "8,16", "hint_lead_s": 0.2},
+              "adapter_ranks": "8,16", "hint_lead_s": 0.2, "host_bytes": 2 << 30},
 }
 
 
@@ -71,7 +73,10 @@ class BenchConfig:
                 "least-loaded (fewest routed and not finished) | affinity (the least-loaded replica where the "
                 "adapter is ready, else the least loaded) | lora-cache (the controller's routing advice, the "
                 "gateway's Route); closed-loop arrivals (inflight:N) on --engine real are routed round-robin"})
-    host_bytes: int = field(default=2 << 30, metadata={"help": "pinned host tier bytes per rank (bounds staging)"})
+    host_bytes: int = field(default=REAL_HOST_BYTES, metadata={
+        "help": "pinned host tier bytes per rank, the same for every policy (default 16 GiB: a quarter of a 512 GiB "
+                "host's memory over its 8 GPU ranks); 0: the host tier's auto size (a share of this host's available "
+                "memory over its GPU ranks), resolved once on the driver"})
     gpus: str = field(default="auto", metadata={"help": "real engine on GPUs: auto | yes | no"})
     calibration: str = field(default="h200-llama8b", metadata={
         "path": "name_or_file", "help": "sim costs: a name under bench/calibration "

@@ -37,6 +37,7 @@ class PolicyRun:
     steps: list[dict[str, Any]] = field(default_factory=list)  # per step (rank 0): kind, items, tokens, ms, ...
     wall_s: float = 0.0  # how long the run took on the host running it
     routing: dict[str, Any] = field(default_factory=dict)  # real runs: the router, its choices and calls
+    startup: dict[str, float] = field(default_factory=dict)  # real runs: seconds of each start-up phase (bench.real)
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -65,9 +66,32 @@ def figures(run: PolicyRun) -> dict[str, Any]:
     ready = [float(x["ready_ms"]) for x in run.loads]
     out["median_time_to_ready_ms"] = _percentile(ready, 50)
     out["p99_time_to_ready_ms"] = _percentile(ready, 99)
+    out.update(tier_costs(run))
     out["gc_longest_ms"] = max((float(r.get("gc_longest_ms", 0.0)) for r in run.ranks), default=0.0)  # real runs
     out["wall_s"] = run.wall_s
+    out["start_to_first_request_s"] = run.startup.get("to_first_request_s")  # real runs: service start -> clock
     return out
+
+
+TIER_KEYS = ("gpu_hits", "host_hit_loads", "host_hit_ready_ms_p50", "host_hit_ready_ms_p99", "disk_loads",
+             "disk_ready_ms_p50", "disk_ready_ms_p99", "disk_read_ms_p50")
+
+
+def tier_costs(run: PolicyRun) -> dict[str, Any]:
+    """What a request's adapter costs by the tier it came from: a GPU hit waits nothing (``gpu_hits``: the
+    requests that found it ready); a host-tier hit is a copy to the GPU (its loads' prefetch -> READY, p50/p99);
+    a host-tier miss reads the file (disk or page cache) first (READY, and the read alone: ``disk_read_ms``)."""
+    done = [r for r in run.records if r.ok]
+    host = [float(x["ready_ms"]) for x in run.loads if x.get("host_hit")]
+    disk = [x for x in run.loads if not x.get("host_hit", True)]
+    disk_ready = [float(x["ready_ms"]) for x in disk]
+    reads = [float(x["disk_ms"]) for x in disk if x.get("disk_ms") is not None]
+    return {"gpu_hits": sum(r.load_wait_s == 0 for r in done), "host_hit_loads": len(host),
+            "host_hit_ready_ms_p50": _percentile(host, 50) if host else None,
+            "host_hit_ready_ms_p99": _percentile(host, 99) if host else None, "disk_loads": len(disk),
+            "disk_ready_ms_p50": _percentile(disk_ready, 50) if disk else None,
+            "disk_ready_ms_p99": _percentile(disk_ready, 99) if disk else None,
+            "disk_read_ms_p50": _percentile(reads, 50) if reads else None}
 
 
 def timeline(run: PolicyRun, bins: int = 40) -> dict[str, list[float]]:

@@ -27,6 +27,7 @@ The oracle preloads every adapter (slots for all of them) before the clock start
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable
 from concurrent import futures
@@ -90,6 +91,21 @@ class RealConfig:
         make_rule(self.router)  # a clear error for an unknown name
 
 
+class Phases:
+    """Seconds of each start-up phase of a policy run, from ``t0`` (``time.perf_counter``)."""
+
+    def __init__(self, t0: float) -> None:
+        self.last = t0
+        self.times: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.times[name], self.last = now - self.last, now
+
+    def describe(self) -> str:
+        return ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in self.times.items())
+
+
 def route(requests: list[Request], replicas: int) -> list[list[Request]]:
     """Request i to replica i mod R (in arrival order): the router's rule, the same for every policy."""
     ordered = sorted(requests, key=lambda r: (r.arrival_s, r.rid))
@@ -115,8 +131,10 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
                           f"(inflight:{workload.inflight}) is routed round-robin up front: use --router round-robin "
                           "or open-loop arrivals")
     t_begin = time.perf_counter()
+    phases = Phases(t_begin)
     _refuse_running_service()
     service = start(serve, catalog, PlannerConfig(policy=policy.planner), worker)
+    phases.mark("service_s")  # Ray actors (workers with their caches) up, every adapter registered
     gateway = None
     replicas = [f"replica-{i}" for i in range(config.replicas)]
     fleet: Fleet | None = None
@@ -124,19 +142,29 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
         gateway = start_gateway_thread(GatewayConfig(grpc_port=0), service.controller)
         fleet = (ProcessFleet.start(replicas, worker, config.tp, config.gpus) if config.attach
                  else ActorFleet(service, replicas))
+        phases.mark("gateway_fleet_s")
         if policy.oracle:
             fleet.preload(names, config.timeout_s)
-        fleet.build(engine, config.timeout_s)
+            phases.mark("preload_s")
+        ranks = fleet.build(engine, config.timeout_s)
+        phases.mark("engine_build_s")  # base weights, KV cache, warm-up (kernels compiled, decode graphs captured)
+        phases.times.update(ranks or {})  # within the phases above: the slowest rank's cache, model and warm-up
         ray.get([service.controller.declare_limits.remote(r, engine.max_adapters, engine.max_running)  # Route's lanes
                  for r in replicas], timeout=60)
         since_wall = time.time()  # counters and the load log from here: hinted loads may precede the clock
         heap.freeze()  # the router's hints and the gateway are not stalled by full collections (thawed below)
         before = fleet.stats()
         start_wall = time.time() + 1.0
+        phases.mark("stats_s")
+        phases.times["to_first_request_s"] = phases.last - t_begin + 1.0 + min(
+            (r.arrival_s for r in workload.requests), default=0.0)
+        print(f"policy {policy.name}: start to first request {phases.times['to_first_request_s']:.1f} s "
+              f"({phases.describe()})", file=sys.stderr, flush=True)
         results, choices, routing = _serve(config, policy, fleet, gateway.target, replicas, workload, start_wall, tick)
         run = _collect(policy, fleet, results[: config.replicas], start_wall, since_wall, before)
         run.routing = {**routing, **served_as_routed(choices, dict(zip(replicas, results)))}
         run.wall_s = time.perf_counter() - t_begin
+        run.startup = phases.times
         return run
     finally:
         heap.thaw()
@@ -192,12 +220,17 @@ class ActorFleet:
     def preload(self, names: list[str], timeout_s: float) -> None:
         ray.get([h.preload.remote(names) for hs in self.ranks.values() for h in hs], timeout=timeout_s)
 
-    def build(self, engine: EngineConfig, timeout_s: float) -> None:
+    def build(self, engine: EngineConfig, timeout_s: float) -> dict[str, float]:
+        """Every rank's engine; the slowest rank's seconds per start-up phase (its cache's, its engine's)."""
         refs = []
         for handles in self.ranks.values():
             meet = ray.get(handles[0].engine_rendezvous.remote(len(handles)), timeout=60)
             refs += [h.engine_build.remote(engine, meet) for h in handles]
-        ray.get(refs, timeout=timeout_s)
+        phases: dict[str, float] = {}
+        for times in ray.get(refs, timeout=timeout_s):
+            for k, v in (times or {}).items():
+                phases[f"rank_{k}"] = max(v, phases.get(f"rank_{k}", 0.0))
+        return phases
 
     def run(self, routed: list[list[Request]], start_wall: float, inflight: int, report: bool,
             streaming: bool = False) -> list[Future[Any]]:

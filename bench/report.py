@@ -40,6 +40,14 @@ def table(by_policy: dict[str, dict[str, Any]], checked: list[dict[str, Any]]) -
              "| --- |" + " ---: |" * len(COLUMNS)]
     for name, figs in by_policy.items():
         lines.append(f"| {name} | " + " | ".join(cell(figs.get(k), s) for k, _, s in COLUMNS) + " |")
+    tiers = [(name, figs) for name, figs in by_policy.items() if "gpu_hits" in figs]
+    if tiers:  # the miss cost per tier: GPU hit (no wait), host-tier hit (a copy), host-tier miss (a read first)
+        lines += ["", "| miss cost per tier | GPU hits | host hits | host hit ready ms p50 / p99 | disk loads | "
+                  "disk ready ms p50 / p99 | disk read ms p50 |", "| --- |" + " ---: |" * 6]
+        lines += [f"| {name} | {figs['gpu_hits']} | {figs['host_hit_loads']} | "
+                  f"{cell(figs['host_hit_ready_ms_p50'], 1)} / {cell(figs['host_hit_ready_ms_p99'], 1)} | "
+                  f"{figs['disk_loads']} | {cell(figs['disk_ready_ms_p50'], 1)} / {cell(figs['disk_ready_ms_p99'], 1)}"
+                  f" | {cell(figs['disk_read_ms_p50'], 1)} |" for name, figs in tiers]
     shares = gaps(by_policy)
     if shares:
         keys = [k for k in GAP_KEYS if any(k in row for row in shares.values())]
@@ -55,7 +63,7 @@ def table(by_policy: dict[str, dict[str, Any]], checked: list[dict[str, Any]]) -
 SECTIONS: dict[str, Callable[[PolicyRun], Any]] = {
     "figures": figures, "timeline": timeline, "requests": lambda run: [_record(r) for r in run.records],
     "ranks": lambda run: run.ranks, "loads": lambda run: run.loads, "steps": lambda run: run.steps,
-    "routing": lambda run: run.routing}
+    "routing": lambda run: run.routing, "startup": lambda run: run.startup}
 
 
 def write(out: Path, config: dict[str, Any], runs: list[PolicyRun], plots: bool = True) -> dict[str, Any]:

@@ -57,7 +57,18 @@ def configs(ns: argparse.Namespace) -> tuple[BenchConfig, WorkloadSpec]:
     bench = config_from_args(BenchConfig, ns, **{k: v for k, v in preset.items() if k in names},
                              **({"scenario": name} if name else {}))
     spec = config_from_args(WorkloadSpec, ns, **{k: v for k, v in preset.items() if k not in names})
-    return bench, spec
+    return sized(bench), spec
+
+
+def sized(bench: BenchConfig) -> BenchConfig:
+    """``bench`` with its host tier resolved once here (``host_bytes`` 0: the host tier's auto size on this
+    host, for ``tp`` ranks per replica), so every policy and both engines get the same bytes per rank."""
+    if bench.host_bytes:
+        return bench
+    from workers.host_tier import HostTierConfig
+    from workers.read_pool import ranks_on_host
+
+    return dataclasses.replace(bench, host_bytes=HostTierConfig().sized(ranks_on_host(bench.tp)).host_bytes)
 
 
 def check_router(bench: BenchConfig, spec: WorkloadSpec) -> None:
@@ -97,6 +108,7 @@ def adapter_dir(bench: BenchConfig, names: Sequence[str]) -> str:
 
 
 def run(bench: BenchConfig, spec: WorkloadSpec) -> dict[str, Any]:
+    bench = sized(bench)  # host_bytes 0: resolved once here, for every policy
     policies = parse_policies(bench.policies)
     slots_for_names = bench.slots
     names = spec.adapter_names(slots_for_names)
@@ -106,7 +118,9 @@ def run(bench: BenchConfig, spec: WorkloadSpec) -> dict[str, Any]:
     workload = make_workload(spec, names)
     config = {"bench": dataclasses.asdict(bench), "workload": workload.describe(), "adapters": len(names),
               "policies": [dataclasses.asdict(p) for p in policies], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "host": _host(), "title": f"({bench.scenario or spec.popularity}, {bench.engine})"}
+              "host": _host(), "title": f"({bench.scenario or spec.popularity}, {bench.engine})",
+              "host_tier": {"host_bytes_per_rank": bench.host_bytes, "same_for_every_policy": True}}
+    print(f"host tier: {bench.host_bytes / 2**30:.2f} GiB per rank, the same for every policy", file=sys.stderr)
     if bench.engine == "real":
         runs = _run_real(bench, policies, root, names, workload, config)
     else:

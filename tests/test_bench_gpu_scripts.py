@@ -30,7 +30,7 @@ def _dry(script: str, *args: str, **env: str) -> list[list[str]]:
 
 
 def test_the_dated_scripts_are_gone() -> None:
-    assert SCRIPTS == ["checks.sh", "cold_path.sh", "fleets.sh", "parallel.sh", "suite.sh"]
+    assert SCRIPTS == ["checks.sh", "cold_path.sh", "fleets.sh", "issue30.sh", "parallel.sh", "suite.sh"]
     assert not list((ROOT / "bench").glob("gpu_*.sh"))
 
 

@@ -77,6 +77,21 @@ def test_policies_behave_as_defined(quick) -> None:
     assert {(r["replica"], r["rank"]) for r in ranks} == {("replica-0", 0), ("replica-1", 0)}
 
 
+def test_start_up_host_tier_and_tier_costs_are_reported(quick) -> None:
+    """Issue 30: each real policy run's start-up phases, one host tier for every policy, the miss cost per tier."""
+    proc, doc, _ = quick
+    assert doc["config"]["host_tier"] == {"host_bytes_per_rank": 2 << 30, "same_for_every_policy": True}
+    assert "host tier: 2.00 GiB per rank, the same for every policy" in proc.stderr
+    assert "| miss cost per tier |" in proc.stdout
+    for name, f in doc["figures"].items():
+        phases = doc["startup"][name]
+        assert 0 < phases["service_s"] < f["start_to_first_request_s"] == phases["to_first_request_s"], name
+        assert phases["engine_build_s"] >= phases["rank_warm_up_s"] >= 0, name
+        assert f["gpu_hits"] + f["host_hit_loads"] + f["disk_loads"] > 0, name
+        assert f["host_hit_loads"] + f["disk_loads"] == len(doc["loads"][name]), name
+        assert f"policy {name}: start to first request" in proc.stderr
+
+
 def test_outputs_are_written(quick) -> None:
     _, doc, out = quick
     for png in ("ttft_cdf.png", "cache_over_time.png"):

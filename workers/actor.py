@@ -52,8 +52,10 @@ class WorkerActor:
         device = resolve_device(config.device)
         compute = torch.cuda.Stream(device) if device.type == "cuda" else None  # a hosted engine's steps run here
         self.outbox = Outbox(name, flush_s)
+        t0 = time.perf_counter()
         self.cache = WorkerCache(config, self.catalog, on_ready=self._loaded, compute_stream=compute,
                                  on_change=self.outbox.push)  # every change, whoever made it
+        self.cache_init_s = time.perf_counter() - t0  # slots, host arena (pinned), reader processes
         self.engine = HostedEngine(self.cache)
         self.metrics = WorkerMetrics(replica, config.tp_rank, self.cache.stats)
         self.loads: deque[tuple[float, ReadinessRecord]] = deque(maxlen=4096)
@@ -162,8 +164,9 @@ class WorkerActor:
         return rendezvous(world)
 
     @ray.method(concurrency_group="engine")
-    def engine_build(self, config: EngineConfig, meet: Rendezvous) -> None:
-        self.engine.build(config, meet, self.config.tp_rank)
+    def engine_build(self, config: EngineConfig, meet: Rendezvous) -> dict[str, float]:
+        """Build this rank's engine; returns the seconds its start-up phases took (this cache's too)."""
+        return {"cache_init_s": self.cache_init_s, **self.engine.build(config, meet, self.config.tp_rank)}
 
     @ray.method(concurrency_group="engine")
     def engine_run(self, requests: list[Request], start_wall: float, inflight: int = 0,

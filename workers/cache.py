@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -117,6 +117,8 @@ class WorkerCache:
     def __init__(self, config: WorkerConfig, catalog: AdapterCatalog,
                  on_ready: Callable[[ReadinessRecord], None] | None = None, compute_stream: Any = None,
                  on_change: Callable[[Delta], None] | None = None) -> None:
+        # the host tier's size resolved once (host_bytes 0: a share of this host's memory over its GPU ranks)
+        config = replace(config, host=config.host.sized(ranks_on_host(config.tp)))
         self.config, self.catalog = config, catalog
         self.device = resolve_device(config.device)
         self.dtype: torch.dtype = getattr(torch, config.dtype)

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -41,11 +43,59 @@ MAX_READ_PARALLEL = 64
 ChunkListener = Callable[["HostEntry", int], None]  # told how many chunks of an entry are staged so far
 
 
+AUTO_SHARE = 0.25  # of this host's available memory, for its ranks' host tiers together (host_bytes 0)
+AUTO_MAX_BYTES = 16 << 30  # the operator's cap per rank on the auto size, by default (pinning: ~0.5 s a GiB)
+AUTO_MIN_BYTES = 256 << 20  # the auto size never goes below this (a small or busy host)
+MEMINFO = Path("/proc/meminfo")
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def available_memory() -> int:
+    """Bytes this process could still take: ``MemAvailable`` of /proc/meminfo, less where a cgroup (v2)
+    limit leaves less room (a container sees the host's meminfo)."""
+    avail = 0
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    if not avail:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, AttributeError):
+            avail = 0
+    try:
+        limit = (CGROUP / "memory.max").read_text().strip()
+        if limit != "max":
+            room = int(limit) - int((CGROUP / "memory.current").read_text().strip())
+            avail = min(avail, room) if avail else room
+    except (OSError, ValueError):
+        pass
+    return max(0, avail)
+
+
+def auto_host_bytes(available: int, ranks_here: int, share: float = AUTO_SHARE,
+                    cap: int = AUTO_MAX_BYTES) -> int:
+    """Each rank's host tier by default: ``share`` of ``available`` bytes over the ``ranks_here`` GPU ranks of
+    this host, at most ``cap``, at least ``AUTO_MIN_BYTES`` (or ``cap`` if lower), in whole MiB."""
+    size = min(cap, max(AUTO_MIN_BYTES, int(share * available) // max(1, ranks_here)))
+    return max(1 << 20, size >> 20 << 20)
+
+
 @dataclass(frozen=True)
 class HostTierConfig:
     """Size of the host tier and its reader pool."""
 
-    host_bytes: int = field(default=2 << 30, metadata={"help": "bytes of (pinned) host memory for staged shards"})
+    host_bytes: int = field(default=0, metadata={
+        "help": "bytes of (pinned) host memory for staged shards, per rank; 0: auto, host_share of this host's "
+                "available memory (MemAvailable, or a lower cgroup limit) over its GPU ranks, at most "
+                "host_max_bytes, at least 256 MiB"})
+    host_share: float = field(default=AUTO_SHARE, metadata={
+        "help": "host_bytes 0 (auto): the share of this host's available memory its ranks' host tiers take together"})
+    host_max_bytes: int = field(default=AUTO_MAX_BYTES, metadata={
+        "help": "host_bytes 0 (auto): the operator's cap on each rank's host tier"})
     read_threads: int = field(default=4, metadata={"help": "reads of adapter files at once (threads, and reader "
                                                            "processes with reads=process)"})
     read_parallel: int = field(default=0, metadata={
@@ -61,8 +111,14 @@ class HostTierConfig:
                 "identity and header: " + "; ".join(f"{k} ({v})" for k, v in VERIFY.items())})
 
     def __post_init__(self) -> None:
-        if self.host_bytes < 1 << 20:
-            raise ConfigError(f"host_bytes ({self.host_bytes}) must be at least 1 MiB")
+        if self.host_bytes != 0 and self.host_bytes < 1 << 20:
+            raise ConfigError(f"host_bytes ({self.host_bytes}) must be at least 1 MiB, or 0 (auto: a share of this "
+                              "host's available memory)")
+        if not 0 < self.host_share <= 0.9:
+            raise ConfigError(f"host_share must be in (0, 0.9] (a share of this host's available memory for its "
+                              f"ranks' host tiers together), got {self.host_share}")
+        if self.host_max_bytes < 1 << 20:
+            raise ConfigError(f"host_max_bytes ({self.host_max_bytes}) must be at least 1 MiB")
         if not 1 <= self.read_threads <= 64:
             raise ConfigError(f"read_threads must be in 1..64, got {self.read_threads}")
         if not 0 <= self.read_parallel <= MAX_READ_PARALLEL:
@@ -74,6 +130,19 @@ class HostTierConfig:
         if self.verify not in VERIFY:
             raise ConfigError(f"verify {self.verify!r} is not one of {', '.join(VERIFY)}; pick one of them "
                               "(sample is the default)")
+
+    @property
+    def auto(self) -> bool:
+        """Whether ``host_bytes`` follows the host's memory (0)."""
+        return self.host_bytes == 0
+
+    def sized(self, ranks_here: int, available: int | None = None) -> HostTierConfig:
+        """This config with ``host_bytes`` resolved: as given, or for 0 (auto) ``auto_host_bytes`` of this host's
+        ``available_memory()`` (or ``available``) over ``ranks_here`` GPU ranks."""
+        if not self.auto:
+            return self
+        free = available_memory() if available is None else available
+        return replace(self, host_bytes=auto_host_bytes(free, ranks_here, self.host_share, self.host_max_bytes))
 
     def readers(self, ranks_here: int) -> int:
         """Reader threads per read: ``read_parallel``, or for 0 the host's cores shared by ``ranks_here`` GPU ranks."""
@@ -199,8 +268,10 @@ class HostTier:
     """Staged shards by adapter key. ``fetch`` takes a reference; ``release`` drops it."""
 
     def __init__(self, config: HostTierConfig, ranks_here: int = 1, disk: DiskTier | None = None) -> None:
-        """``ranks_here``: GPU ranks on this host, whose cores ``read_parallel`` 0 (auto) shares. ``disk``: the
-        local disk tier that adapters from an object store are read from (``workers.disk_tier``)."""
+        """``ranks_here``: GPU ranks on this host, whose cores ``read_parallel`` 0 (auto) shares, and whose memory
+        ``host_bytes`` 0 (auto) does. ``disk``: the local disk tier that adapters from an object store are read
+        from (``workers.disk_tier``)."""
+        config = config.sized(ranks_here)
         self.config = config
         self.disk = disk
         self.reads = config.reads_for(config.pin and torch.cuda.is_available())

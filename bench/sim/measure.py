@@ -103,7 +103,7 @@ def check(config: EngineConfig, calibration: Calibration, workload: WorkloadConf
     spec = WorkloadSpec(requests=len(requests))
     sim_config = SimConfig(replicas=1, tp=1, slots=config.num_slots, max_running=config.max_running,
                            max_adapters=config.max_adapters, max_prefill_tokens=config.max_prefill_tokens,
-                           model=config.model, adapter_ranks=ADAPTER_RANKS, host_bytes=config.host.host_bytes)
+                           model=config.model, adapter_ranks=ADAPTER_RANKS, host_bytes=config.host.sized(1).host_bytes)
     workload_ = Workload(spec, names, requests, 0)
     sim = simulate(sim_config, BENCH_POLICIES[config.admission], workload_, calibration).summary()
     return {"real": real, "sim": sim}

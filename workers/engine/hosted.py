@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -68,7 +69,8 @@ class HostedEngine:
         self.engine: RankEngine | None = None
         self.feed: Feed | None = None  # rank 0, from build until the next build
 
-    def build(self, config: EngineConfig, meet: Rendezvous, rank: int) -> None:
+    def build(self, config: EngineConfig, meet: Rendezvous, rank: int) -> dict[str, float]:
+        """The rank's engine, warmed up; returns the seconds of each phase (rendezvous, model, warm-up)."""
         if config.shape().name != self.cache.catalog.shape.name:
             raise ConfigError(f"engine model {config.model!r} ({config.shape().name}) differs from the workers' "
                               f"{self.cache.catalog.shape.name}; start the engine with the service's --model")
@@ -76,6 +78,7 @@ class HostedEngine:
             raise ConfigError(f"rendezvous for {meet.world} ranks but the engine's tp is {config.tp}")
         if self.cache.device.type == "cpu":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // (2 * config.tp)))
+        t0 = time.perf_counter()
         self.comm = Comm()
         if config.tp > 1:
             backend = "nccl" if self.cache.device.type == "cuda" else "gloo"
@@ -86,9 +89,12 @@ class HostedEngine:
             control = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
             self.comm = Comm(rank, meet.world, control)
         self.config = config
+        t1 = time.perf_counter()
         self.engine = RankEngine(config, self.comm, self.cache)  # model and KV cache built before the clock
+        t2 = time.perf_counter()
         self.engine.warm_up()
         self.feed = Feed() if rank == 0 else None  # before the run starts: a submit may come first
+        return {"group_s": t1 - t0, "model_s": t2 - t1, "warm_up_s": time.perf_counter() - t2}
 
     def run(self, requests: Sequence[Request], start_wall: float, inflight: int = 0,
             report: Callable[[list[tuple[str, float]]], None] | None = None, streaming: bool = False,
