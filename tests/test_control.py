@@ -183,10 +183,32 @@ def test_lost_worker_makes_replica_not_ready(fleet) -> None:
     for wid, commands in core.plan(now=1.0).items():
         workers[wid][1].apply(commands)
     _deliver(core, workers, ready=1)
-    (event,) = core.worker_lost(WorkerId("r0", 1))
+    (event,) = core.worker_lost(WorkerId("r0", 1), gone=False)  # restarted empty and said so
     assert not event.ready and core.readiness.lookup("adapter-000").ready == ()
-    replan = core.plan(now=2.0)  # the queued adapter is planned again for the lost rank
+    replan = core.plan(now=2.0)  # the queued adapter is planned again for the restarted rank
     assert [c.adapter for c in replan[WorkerId("r0", 1)]] == ["adapter-000"]
+
+
+def test_a_lost_replica_leaves_the_hints_and_the_plans_until_it_returns(fleet) -> None:
+    """Issue 35 item 1: hints to a replica whose rank was lost (dead, hung, detached) were still taken and
+    planned, and commands sent to its surviving rank. Now the replica takes no hints and gets no plans
+    until the rank is heard from; then the ranks whose plans were withheld are resynced (``returned``)."""
+    core, workers = fleet
+    lost = WorkerId("r0", 1)
+    core.worker_lost(lost, now=5.0)
+    assert core.status()["lost_ranks"] == {"r0/1": 5.0}
+    (outcome,) = core.hint_batches([[("h-lost", "adapter-001", "r0", 0.0)]], now=1.0)
+    assert (outcome.accepted, outcome.ignored) == (0, 1), "a hint to a lost replica was taken"
+    assert not core.hint("h-lost-2", "adapter-001", "r0", 0.0, now=1.0)
+    core.report_queue("r0", [("adapter-000", 0.0)], now=1.0)
+    assert core.plan(now=2.0) == {} and core.plan(now=2.0, full=True) == {}, "planned for a lost replica"
+    assert core.returned() == []
+    core.sync_worker(lost, [])  # it answered its full report: alive, empty
+    assert core.returned() == [WorkerId("r0", 0), lost], "the withheld ranks are resynced on return"
+    assert "adapter-000" in [c.adapter for c in core.plan(now=3.0, full=True)[lost]]
+    (outcome,) = core.hint_batches([[("h-back", "adapter-001", "r0", 0.0)]], now=3.0)
+    assert outcome.accepted == 1
+    core.check_integrity()
 
 
 def test_a_replica_with_a_lost_rank_is_not_routed_to_until_the_rank_is_heard_from(fleet) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -38,12 +39,13 @@ from workers.streams import resolve_device
 log = logging.getLogger(__name__)
 
 
-@ray.remote(max_restarts=-1, concurrency_groups={"engine": 1, "feed": 1, "finished": 1})
+@ray.remote(max_restarts=-1, concurrency_groups={"engine": 1, "feed": 1, "finished": 1, "lifeline": 4})
 class WorkerActor:
     """Control calls (apply, describe, ...) run one at a time in the default group, in order; an engine
     hosted here (the benchmark's real path) runs its loop in the ``engine`` group beside them, takes a
     streaming run's requests in the ``feed`` group (in order: the end of stream comes last) and answers
-    the long poll for finished ones in ``finished``."""
+    the long poll for finished ones in ``finished``. ``ping`` and the controller's ``lifeline`` (its death
+    watch) run in ``lifeline`` (a lifeline left by a controller that restarted ends within its timeout)."""
 
     def __init__(self, name: str, replica: str, config: WorkerConfig, catalog: CatalogConfig,
                  flush_s: float = 0.005) -> None:
@@ -59,6 +61,7 @@ class WorkerActor:
         self.loads: deque[tuple[float, ReadinessRecord]] = deque(maxlen=4096)
         self.metrics.start()
         self.control = WorkerControl(replica, self.catalog, self.cache, self.outbox)
+        self._stopping = threading.Event()  # set at shutdown: the controller's lifeline returns
         # A restarted worker holds nothing: say so, so the controller forgets its predecessor. ValueError:
         # no controller yet (it adopts this worker from describe() when it starts).
         with contextlib.suppress(ValueError):
@@ -148,8 +151,17 @@ class WorkerActor:
     def stats(self) -> dict[str, object]:
         return self.control.stats()
 
+    @ray.method(concurrency_group="lifeline")
     def ping(self) -> bool:
+        """Answered beside the control calls (its own threads): a long apply or describe is not a death."""
         return True
+
+    @ray.method(concurrency_group="lifeline")
+    def lifeline(self, timeout_s: float) -> int:
+        """Held open by the controller: Ray fails it the moment this process dies (the controller's death
+        watch). Returns after ``timeout_s`` (the controller calls again), or at shutdown; the incarnation."""
+        self._stopping.wait(timeout_s)
+        return self.outbox.incarnation
 
     # -- a hosted engine (bench.run --engine real) --------------------------------------------------
     def preload(self, names: list[str], timeout_s: float = 600.0) -> list[ReadinessRecord]:
@@ -196,6 +208,7 @@ class WorkerActor:
         return self.engine.finished(timeout_s)
 
     def shutdown(self) -> None:
+        self._stopping.set()
         self.metrics.stop()
         self.outbox.close()
         self.cache.close()

@@ -79,6 +79,8 @@ class ControllerCore:
         self.hints_received = self.hints_accepted = 0  # hints given / taken (the rest ignored)
         self.routes_asked = 0  # requests routing advice was asked for
         self.down: set[WorkerId] = set()  # ranks lost (dead, hung, detached) and not heard from since
+        self.withheld: set[WorkerId] = set()  # workers whose plans were not sent (their replica was down)
+        self.lost_at: dict[WorkerId, float] = {}  # when each rank in ``down`` was found lost (wall clock)
 
     # -- adapters and topology ------------------------------------------------------------------
     def register_adapter(self, name: str, path: str) -> str:
@@ -125,13 +127,14 @@ class ControllerCore:
         self.readiness.add_replica(replica, tp)
         return workers
 
-    def worker_lost(self, worker: WorkerId, gone: bool = True) -> list[ReadinessEvent]:
+    def worker_lost(self, worker: WorkerId, gone: bool = True, now: float = 0.0) -> list[ReadinessEvent]:
         """A worker died or restarted empty: drop what it held, the replica is replanned. ``gone``: it is dead,
         hung or detached (not a restart that answers): its replica takes no routed requests until the worker
-        is heard from again (a report or a full report)."""
+        is heard from again (a report or a full report); ``now``: when it was found lost (``lost_at``)."""
         self.check_worker(worker)
-        if gone:
+        if gone and worker not in self.down:
             self.down.add(worker)
+            self.lost_at[worker] = now
         self.planner.report_residency(str(worker), [])
         self.failures = {k: f for k, f in self.failures.items() if k[0] != worker}
         return self.readiness.drop_rank(worker.replica, worker.rank)
@@ -147,7 +150,8 @@ class ControllerCore:
     def hint(self, hint_id: str, adapter: str, replica: str, expected_s: float, now: float) -> bool:
         self.check_replica(replica)
         self.check_adapter(adapter)
-        taken = self.planner.add_hint(Hint(hint_id, adapter, replica, expected_s), now)
+        taken = replica not in self.down_replicas() and self.planner.add_hint(Hint(hint_id, adapter, replica,
+                                                                                    expected_s), now)
         self.hints_received += 1
         self.hints_accepted += taken
         return taken
@@ -165,7 +169,8 @@ class ControllerCore:
             hints = [Hint(h, a, r, now + max(0.0, dt)) for h, a, r, dt in batch]
         except LoraCacheError as e:
             return HintOutcome(0, 0, e)
-        taken = sum(self.planner.add_hint(hint, now) for hint in hints)
+        down = self.down_replicas()  # a hint to a replica with a lost rank is ignored: nothing is planned there
+        taken = sum(hint.replica not in down and self.planner.add_hint(hint, now) for hint in hints)
         self.hints_received += len(hints)
         self.hints_accepted += taken
         return HintOutcome(taken, len(hints) - taken)
@@ -186,7 +191,7 @@ class ControllerCore:
         doubles with every failure of the same adapter version on the same worker (up to a minute).
         """
         self.check_worker(worker)
-        self.down.discard(worker)
+        self.heard_from(worker)
         events: list[ReadinessEvent] = []
         for adapter, version, state, error in deltas:
             rank_state, slot_state = _STATE.get(state, (None, None))
@@ -210,7 +215,7 @@ class ControllerCore:
         was known of the worker, including commands assumed done. Readiness changes only where the
         report differs, so a resync that finds nothing new publishes nothing."""
         self.check_worker(worker)
-        self.down.discard(worker)  # it answered with its full report: alive
+        self.heard_from(worker)  # it answered with its full report: alive
         entries = [(a, v, s, refs) for a, v, s, refs in entries if s in _STATE]
         planned = [ResidencyEntry(a, v, SlotState.IN_USE if refs else _STATE[s][1], refs)
                    for a, v, s, refs in entries if a in self.catalog]
@@ -228,6 +233,23 @@ class ControllerCore:
                 events += self.readiness.report(worker.replica, worker.rank, a, v, state)
         return events
 
+    def heard_from(self, worker: WorkerId) -> None:
+        """A lost rank reported again: alive (its replica is planned and routed again once no rank is lost)."""
+        self.down.discard(worker)
+        self.lost_at.pop(worker, None)
+
+    def down_replicas(self) -> set[str]:
+        """Replicas with a rank lost and not heard from since: no hints taken, no plans sent, no routes."""
+        return {w.replica for w in self.down}
+
+    def returned(self) -> list[WorkerId]:
+        """Workers whose plans were withheld while their replica was down and that is whole again: the
+        caller resyncs them (the planner assumed the withheld commands applied)."""
+        down = self.down_replicas()
+        back = sorted(w for w in self.withheld if w.replica not in down)
+        self.withheld -= set(back)
+        return back
+
     def retry_failed(self, now: float) -> None:
         """Failed loads whose backoff has passed are no longer counted as loading: the next plan retries."""
         for key, failure in list(self.failures.items()):
@@ -243,8 +265,12 @@ class ControllerCore:
     def plan(self, now: float, full: bool = False) -> dict[WorkerId, list[Command]]:
         plan = self.planner.plan_all(now) if full else self.planner.plan(now)
         out: dict[WorkerId, list[Command]] = {}
+        down = self.down_replicas()
         for w in plan.workers:
             replica, rank = w.worker.rsplit("/", 1)
+            if replica in down:  # a replica with a lost rank gets no plans until it is whole again
+                self.withheld.add(WorkerId(replica, int(rank)))
+                continue
             out[WorkerId(replica, int(rank))] = list(w.commands)
             self.commands_sent += len(w.commands)
         return out
@@ -253,14 +279,15 @@ class ControllerCore:
         """Routing advice (step 1): replicas ranked for each request's adapter, from residency, the plan in
         flight, queues and hints (``lora_cache.routing.advice``); ``loads``: the router's own in-flight counts."""
         self.routes_asked += len(items)
-        return advise(self.planner, items, self.config.router, loads, down={w.replica for w in self.down})
+        return advise(self.planner, items, self.config.router, loads, down=self.down_replicas())
 
     def status(self) -> dict[str, object]:
         return {"epoch": self.epoch, "adapters": len(self.catalog), "replicas": list(self.planner.replicas()),
                 "readiness": self.readiness.counts(), "commands_sent": self.commands_sent,
                 "queue_depths": {r: len(self.planner.queue(r)) for r in self.planner.replicas()},
                 "hints_received": self.hints_received, "hints_accepted": self.hints_accepted,
-                "load_failures": self.load_failures, "recent_failures": list(self.recent_failures)}
+                "load_failures": self.load_failures, "recent_failures": list(self.recent_failures),
+                "lost_ranks": {str(w): t for w, t in sorted(self.lost_at.items())}}
 
     # -- checks -------------------------------------------------------------------------------------
     def check_replica(self, replica: str) -> None:

@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 WORKER_ATTEMPTS = 30  # a second apart: a restarted worker may still be in its constructor
 REPLAY_ENTRIES = 256  # registrations per call when a worker is given all of them
+LIFELINE_S = 10.0  # one lifeline call per worker lasts this long, then the next one is made
+LIFELINE_RETRY_S = 0.2  # after a lifeline failed: how soon to call the (restarting) worker again
+PING_TIMEOUT_S = 1.5  # a worker that does not answer a ping in this long is lost (its replica leaves the plans)
 Registration = tuple[str, str, KnownVersion | None]  # (name, path, the version as the controller hashed it)
 
 
@@ -95,8 +98,13 @@ class WorkerLinks:
         # worker costs the loop this much, once per round, whatever the number of workers
         self.call_timeout_s = call_timeout_s
         self.find, self.named = find, named  # a worker's handle by name; the names of those that exist
+        self.ping_timeout_s = min(call_timeout_s, PING_TIMEOUT_S)
         self.handles: dict[WorkerId, Any] = {}
         self.links: dict[WorkerId, Link] = {}  # each worker's incarnation and the last delta applied
+        self.losses: dict[WorkerId, int] = {}  # how often each worker was found lost: a report read before
+        # a loss and applied after it would bring back what the lost rank held
+        self.lifelines: dict[WorkerId, asyncio.Task[None]] = {}  # each linked worker's death watch
+        self.resyncing: set[WorkerId] = set()  # lost workers whose full report is being read (one at a time)
         self.rejected = 0  # commands workers refused as from an older epoch
 
     # -- adoption (invariant 6) -----------------------------------------------------------------
@@ -136,12 +144,14 @@ class WorkerLinks:
         self.handles[wid] = handle
         self.links[wid] = Link(info["incarnation"], info["seq"])
         self.publish(self.core.sync_worker(wid, info["residency"]))
+        self.watch(wid, handle)
         return wid
 
     async def attach(self, workers: list[WorkerId]) -> None:
         """Workers of a replica just added: find them by name and give them every registration."""
         for wid in workers:
             self.handles[wid] = self.find(worker_name(wid))
+            self.watch(wid, self.handles[wid])
         await self.replay([self.handles[w] for w in workers])
 
     async def worker_started(self, name: str, incarnation: int, adopt: bool) -> bool:
@@ -178,7 +188,7 @@ class WorkerLinks:
         link = self.links.get(wid)
         if wid not in self.handles or link is None or link.incarnation != incarnation:
             return False
-        self.publish(self.core.worker_lost(wid))
+        self.lose(wid)
         return True
 
     # -- reports (step 7) and repairs -------------------------------------------------------------
@@ -190,6 +200,12 @@ class WorkerLinks:
             return False  # not adopted yet: the rebuild reads its full report
         if not self._new_incarnation(wid, incarnation):
             return False  # from a predecessor that has since restarted
+        if wid in self.core.down:  # lost: only a full report (``resync``) proves it is alive again; these
+            if wid not in self.resyncing:  # deltas may predate its death
+                self.resyncing.add(wid)
+                task = asyncio.get_running_loop().create_task(self.resync(wid))
+                task.add_done_callback(lambda _: self.resyncing.discard(wid))
+            return False
         link = self.links[wid]
         fresh = [d for d in deltas if d[0] > link.applied]
         if not fresh:
@@ -202,6 +218,7 @@ class WorkerLinks:
         if gap:
             log.info("deltas from %s were lost (seq %d after %d): resyncing", wid, fresh[0][0], link.applied)
             asyncio.get_running_loop().create_task(self.resync(wid))
+        self._resync_returned()
         return True
 
     def _new_incarnation(self, wid: WorkerId, incarnation: int) -> bool:
@@ -217,17 +234,27 @@ class WorkerLinks:
 
     async def resync(self, wid: WorkerId) -> None:
         """Repair lost deltas (or commands): replace what is known of a worker by its full report."""
+        losses, handle = self.losses.get(wid, 0), self.handles.get(wid)
         try:
             info = await asyncio.wait_for(self.handles[wid].describe.remote(), timeout=self.call_timeout_s)
         except Exception as e:  # lost or hung: the health loop deals with it
             log.info("resync of %s failed: %s", wid, type(e).__name__ if isinstance(e, TimeoutError) else e)
             return
+        if self.losses.get(wid, 0) != losses or self.handles.get(wid) is not handle:
+            return  # lost (or replaced) while it answered: the report may be from before its death
         link = self.links.get(wid)
         if link is not None and (info["incarnation"], info["seq"]) < (link.incarnation, link.applied):
             return  # older than deltas already applied: the next resync repairs any gap
         self.links[wid] = Link(info["incarnation"], info["seq"])
         self.publish(self.core.sync_worker(wid, info["residency"]))
+        self._resync_returned()
         await self.replan()
+
+    def _resync_returned(self) -> None:
+        """The ranks of a replica whole again whose plans were withheld meanwhile: read their full reports."""
+        for wid in self.core.returned():
+            if wid in self.handles:
+                asyncio.get_running_loop().create_task(self.resync(wid))
 
     async def resync_all(self) -> None:
         """Anti-entropy: whatever was lost is repaired."""
@@ -237,15 +264,47 @@ class WorkerLinks:
         """One ping each, all at once; a worker that does not answer in ``call_timeout_s`` lost what it held
         (dropped in the workers' order). One hung worker delays the others' checks by no more than that."""
         pinged = list(self.handles.items())
-        answers = await asyncio.gather(*(asyncio.wait_for(h.ping.remote(), timeout=self.call_timeout_s)
+        answers = await asyncio.gather(*(asyncio.wait_for(h.ping.remote(), timeout=self.ping_timeout_s)
                                          for _, h in pinged), return_exceptions=True)
         for (wid, handle), answer in zip(pinged, answers):
             if not isinstance(answer, BaseException):
                 continue
             if self.handles.get(wid) is not handle:
                 continue  # re-attached meanwhile (a new process under the name): that one is not lost
-            log.warning("worker %s is not answering: dropping its residency", wid)  # dead, restarting or hung
-            self.publish(self.core.worker_lost(wid))
+            if wid not in self.core.down:
+                log.warning("worker %s is not answering (%s): dropping its residency", wid,
+                            type(answer).__name__)  # dead, restarting or hung
+            self.lose(wid)
+
+    def lose(self, wid: WorkerId) -> None:
+        """``wid`` is dead, hung or gone: its replica stops being ready for what it held, now (before any
+        later lookup, route or event is answered), and leaves the plans and the routes until it reports."""
+        self.losses[wid] = self.losses.get(wid, 0) + 1
+        self.publish(self.core.worker_lost(wid, now=time.time()))
+
+    def watch(self, wid: WorkerId, handle: Any) -> None:
+        """Keep one call open on the worker (``lifeline``): Ray fails it the moment it learns the worker's
+        process died, long before a ping round would (a worker without the method is watched by pings)."""
+        if not hasattr(handle, "lifeline"):
+            return
+        if (old := self.lifelines.pop(wid, None)) is not None:
+            old.cancel()
+        self.lifelines[wid] = asyncio.get_running_loop().create_task(self._lifeline(wid, handle))
+
+    async def _lifeline(self, wid: WorkerId, handle: Any) -> None:
+        while self.handles.get(wid) is handle:
+            try:
+                await handle.lifeline.remote(LIFELINE_S)
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # dead or restarting (Ray restarts a worker actor under the same handle)
+                if self.handles.get(wid) is not handle:
+                    return
+                if wid not in self.core.down:
+                    log.warning("worker %s died (%s): dropping its residency", wid, type(e).__name__)
+                    self.lose(wid)
+            await asyncio.sleep(LIFELINE_RETRY_S)
 
     # -- commands (step 4, invariant 7) -------------------------------------------------------------
     def send(self, plan: dict[WorkerId, list[Command]]) -> None:

@@ -8,6 +8,7 @@ it with its owner, so a dead owner is a dead worker to the controller's health c
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -64,6 +65,11 @@ class Endpoint:
     async def ping(self) -> bool:
         self.relay.check_live()
         return True
+
+    async def lifeline(self, timeout_s: float) -> int:
+        """The controller's death watch: held open; fails the moment this actor dies with its owner."""
+        await asyncio.sleep(timeout_s)
+        return 0
 
     async def take(self, timeout_s: float, alive: bool = True) -> list[Call]:
         return await self.relay.take(timeout_s, alive)
