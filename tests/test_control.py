@@ -193,7 +193,7 @@ def test_a_lost_replica_leaves_the_hints_and_the_plans_until_it_returns(fleet) -
     """Issue 35 item 1: hints to a replica whose rank was lost (dead, hung, detached) were still taken and
     planned, and commands sent to its surviving rank. Now the replica takes no hints and gets no plans
     until the rank is heard from; then the ranks whose plans were withheld are resynced (``returned``)."""
-    core, workers = fleet
+    core, _ = fleet
     lost = WorkerId("r0", 1)
     core.worker_lost(lost, now=5.0)
     assert core.status()["lost_ranks"] == {"r0/1": 5.0}

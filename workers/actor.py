@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
 import threading
 import time
 from collections import deque
@@ -157,11 +159,23 @@ class WorkerActor:
         return True
 
     @ray.method(concurrency_group="lifeline")
-    def lifeline(self, timeout_s: float) -> int:
-        """Held open by the controller: Ray fails it the moment this process dies (the controller's death
-        watch). Returns after ``timeout_s`` (the controller calls again), or at shutdown; the incarnation."""
-        self._stopping.wait(timeout_s)
-        return self.outbox.incarnation
+    def pid(self) -> int:
+        """This worker's process id (fault-injection tests signal it)."""
+        return os.getpid()
+
+    @ray.method(concurrency_group="lifeline")
+    def lifeline(self, host: str, port: int, nonce: str) -> None:
+        """The controller's death watch: a TCP connection to it, held open by this call; the kernel closes it
+        the moment this process dies. Returns when the controller closes it (or at ``shutdown``)."""
+        with socket.create_connection((host, port), timeout=10) as conn:
+            conn.sendall(f"{nonce}\n".encode())
+            conn.settimeout(1.0)
+            while not self._stopping.is_set():
+                try:
+                    if not conn.recv(64):
+                        return
+                except TimeoutError:
+                    continue
 
     # -- a hosted engine (bench.run --engine real) --------------------------------------------------
     def preload(self, names: list[str], timeout_s: float = 600.0) -> list[ReadinessRecord]:

@@ -81,6 +81,7 @@ class ControllerCore:
         self.down: set[WorkerId] = set()  # ranks lost (dead, hung, detached) and not heard from since
         self.withheld: set[WorkerId] = set()  # workers whose plans were not sent (their replica was down)
         self.lost_at: dict[WorkerId, float] = {}  # when each rank in ``down`` was found lost (wall clock)
+        self.recent_losses: deque[tuple[str, float]] = deque(maxlen=64)  # (worker, when found lost), newest last
 
     # -- adapters and topology ------------------------------------------------------------------
     def register_adapter(self, name: str, path: str) -> str:
@@ -135,6 +136,7 @@ class ControllerCore:
         if gone and worker not in self.down:
             self.down.add(worker)
             self.lost_at[worker] = now
+            self.recent_losses.append((str(worker), now))
         self.planner.report_residency(str(worker), [])
         self.failures = {k: f for k, f in self.failures.items() if k[0] != worker}
         return self.readiness.drop_rank(worker.replica, worker.rank)
@@ -287,7 +289,8 @@ class ControllerCore:
                 "queue_depths": {r: len(self.planner.queue(r)) for r in self.planner.replicas()},
                 "hints_received": self.hints_received, "hints_accepted": self.hints_accepted,
                 "load_failures": self.load_failures, "recent_failures": list(self.recent_failures),
-                "lost_ranks": {str(w): t for w, t in sorted(self.lost_at.items())}}
+                "lost_ranks": {str(w): t for w, t in sorted(self.lost_at.items())},
+                "recent_losses": list(self.recent_losses)}
 
     # -- checks -------------------------------------------------------------------------------------
     def check_replica(self, replica: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 WORKER_ATTEMPTS = 30  # a second apart: a restarted worker may still be in its constructor
 REPLAY_ENTRIES = 256  # registrations per call when a worker is given all of them
-LIFELINE_S = 10.0  # one lifeline call per worker lasts this long, then the next one is made
+LIFELINE_HELLO_S = 5.0  # a lifeline connection names its call within this, or is closed
 LIFELINE_RETRY_S = 0.2  # after a lifeline failed: how soon to call the (restarting) worker again
 PING_TIMEOUT_S = 1.5  # a worker that does not answer a ping in this long is lost (its replica leaves the plans)
 Registration = tuple[str, str, KnownVersion | None]  # (name, path, the version as the controller hashed it)
@@ -104,6 +105,8 @@ class WorkerLinks:
         self.losses: dict[WorkerId, int] = {}  # how often each worker was found lost: a report read before
         # a loss and applied after it would bring back what the lost rank held
         self.lifelines: dict[WorkerId, asyncio.Task[None]] = {}  # each linked worker's death watch
+        self._expected: dict[str, tuple[WorkerId, Any]] = {}  # lifeline nonce -> the call that sent it
+        self._server: asyncio.Server | None = None  # where workers open their lifelines
         self.resyncing: set[WorkerId] = set()  # lost workers whose full report is being read (one at a time)
         self.rejected = 0  # commands workers refused as from an older epoch
 
@@ -283,8 +286,10 @@ class WorkerLinks:
         self.publish(self.core.worker_lost(wid, now=time.time()))
 
     def watch(self, wid: WorkerId, handle: Any) -> None:
-        """Keep one call open on the worker (``lifeline``): Ray fails it the moment it learns the worker's
-        process died, long before a ping round would (a worker without the method is watched by pings)."""
+        """Keep a lifeline to the worker: a TCP connection its process opens to the controller (the worker's
+        ``lifeline`` call). The kernel closes it the moment the process dies (SIGKILL included: 2-3 ms on one
+        node), where Ray fails a call on a restarting actor only once it restarted (about 1.5 s). A hung
+        (SIGSTOP) or unreachable worker keeps it open: pings find those. No method, no lifeline (fakes)."""
         if not hasattr(handle, "lifeline"):
             return
         if (old := self.lifelines.pop(wid, None)) is not None:
@@ -292,19 +297,52 @@ class WorkerLinks:
         self.lifelines[wid] = asyncio.get_running_loop().create_task(self._lifeline(wid, handle))
 
     async def _lifeline(self, wid: WorkerId, handle: Any) -> None:
+        host, port = await self._lifeline_server()
         while self.handles.get(wid) is handle:
+            nonce = secrets.token_hex(16)
+            self._expected[nonce] = (wid, handle)
             try:
-                await handle.lifeline.remote(LIFELINE_S)
-                continue
+                await handle.lifeline.remote(host, port, nonce)  # returns when the connection closes
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # dead or restarting (Ray restarts a worker actor under the same handle)
+            except ray.exceptions.RayTaskError as e:  # alive, but it cannot reach the controller: pings only
+                log.warning("worker %s cannot open a lifeline to %s:%d (%s); its death is found by pings",
+                            wid, host, port, e.cause if e.cause is not None else e)
+                return
+            except Exception as e:  # dead or restarting
                 if self.handles.get(wid) is not handle:
                     return
                 if wid not in self.core.down:
-                    log.warning("worker %s died (%s): dropping its residency", wid, type(e).__name__)
+                    log.warning("worker %s is lost (%s): dropping its residency", wid, type(e).__name__)
                     self.lose(wid)
+            finally:
+                self._expected.pop(nonce, None)
             await asyncio.sleep(LIFELINE_RETRY_S)
+
+    async def _lifeline_server(self) -> tuple[str, int]:
+        if self._server is None:
+            host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+            self._server = await asyncio.start_server(self._lifeline_opened, host, 0)
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return host, port
+
+    async def _lifeline_opened(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One worker's lifeline: its first line is the nonce of the call that opened it; its end is the
+        worker's death if that call is still the worker's current one."""
+        try:
+            line = await asyncio.wait_for(reader.readline(), LIFELINE_HELLO_S)
+            wid, handle = self._expected.get(line.decode(errors="replace").strip(), (None, None))
+            if wid is None:
+                return  # a stranger, or a call already given up
+            while await reader.read(64):
+                pass  # nothing is sent on it: only its end matters
+            if self.handles.get(wid) is handle and wid not in self.core.down:
+                log.warning("worker %s closed its lifeline (its process died): dropping its residency", wid)
+                self.lose(wid)
+        except (TimeoutError, ConnectionError, OSError):
+            return
+        finally:
+            writer.close()
 
     # -- commands (step 4, invariant 7) -------------------------------------------------------------
     def send(self, plan: dict[WorkerId, list[Command]]) -> None:

@@ -66,10 +66,17 @@ class Endpoint:
         self.relay.check_live()
         return True
 
-    async def lifeline(self, timeout_s: float) -> int:
-        """The controller's death watch: held open; fails the moment this actor dies with its owner."""
-        await asyncio.sleep(timeout_s)
-        return 0
+    async def lifeline(self, host: str, port: int, nonce: str) -> None:
+        """The controller's death watch: a TCP connection to it, held open by this call; the kernel closes it
+        the moment this actor's process dies (Ray kills it with its owner)."""
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 10)
+        try:
+            writer.write(f"{nonce}\n".encode())
+            await writer.drain()
+            while await reader.read(64):
+                pass
+        finally:
+            writer.close()
 
     async def take(self, timeout_s: float, alive: bool = True) -> list[Call]:
         return await self.relay.take(timeout_s, alive)
