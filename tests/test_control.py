@@ -10,7 +10,7 @@ import pytest
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.controller.core import ControllerConfig, ControllerCore
-from lora_cache.errors import ConflictError, NotFoundError
+from lora_cache.errors import ConfigError, ConflictError, NotFoundError
 from lora_cache.planner import PlannerConfig
 from lora_cache.routing.advice import RouteRequest
 from lora_cache.vocab import AdapterKey, Delta, Evict, Prefetch, Stage, WorkerId
@@ -322,3 +322,48 @@ def test_popular_adapters_are_staged_into_the_host_tier_the_worker_reports(tmp_p
         assert cache.stats()["host_bytes_used"] <= host_bytes and cache.residency() == []  # no slot taken
     finally:
         cache.close()
+
+
+def test_a_rank_is_believed_only_for_registered_versions_within_its_slots(fleet) -> None:
+    """Issue 35 item 2: a rank's READY for an adapter never registered (or a version the controller does not
+    know) made its replica ready for it; a rank could claim more adapters than it has slots. Such claims are
+    refused and counted; a removal is always believed."""
+    core, _ = fleet
+    r0, r1 = WorkerId("r0", 0), WorkerId("r0", 1)
+    version = core.catalog.get("adapter-000").version
+    for rank in (r0, r1):
+        assert core.worker_report(rank, [("ghost", "v1", "ready", ""), ("adapter-000", "forged", "ready", "")],
+                                  now=1.0) == []
+    assert core.readiness.counts()["held"] == 0 and core.status()["refused_reports"] == 4
+    assert "ghost@v1 is not a registered version" in core.status()["recent_refusals"][0]
+    events = [e for rank in (r0, r1) for e in core.worker_report(rank, [("adapter-000", version, "ready", "")], 1.0)]
+    assert [e.ready for e in events] == [True], "a registered version is believed"
+    others = [(f"adapter-00{k}", core.catalog.get(f"adapter-00{k}").version) for k in (1, 2, 3)]
+    core.worker_report(r0, [(a, v, "ready", "") for a, v in others], now=1.0)  # 2 slots: one more fits
+    assert len(core.readiness.holdings("r0", 0)) == 2 and core.status()["refused_reports"] == 6
+    core.sync_worker(r1, [(a, v, "ready", 0) for a, v in [("adapter-000", version), *others]])
+    assert len(core.readiness.holdings("r0", 1)) == 2, "a full report beyond the slots"
+    assert ("adapter-000", version) in core.readiness.holdings("r0", 1), "what it held first is kept"
+    core.worker_report(r0, [("adapter-000", version, "gone", "")], now=1.0)
+    assert ("adapter-000", version) not in core.readiness.holdings("r0", 0)
+    core.check_integrity()
+
+
+def test_a_replica_shape_is_bounded_and_a_replica_with_no_rank_left_leaves(fleet) -> None:
+    """Issue 35 item 2: tp=100000 was adopted (100 MB of controller memory), 0 slots taken."""
+    core, _ = fleet
+    for tp, slots, fragment in [(100_000, 2, "tp is 100000; give an integer from 1 to 64"),
+                                (1, 0, "slots is 0; give an integer from 1 to 65536"),
+                                (1, 10**9, "slots is 1000000000; give an integer from 1 to 65536")]:
+        with pytest.raises(ConfigError, match=fragment):
+            core.add_replica("forged", tp=tp, slots=slots)
+    assert "forged" not in core.planner.replicas()
+    version = core.catalog.get("adapter-000").version
+    for rank in (0, 1):
+        core.worker_report(WorkerId("r0", rank), [("adapter-000", version, "ready", "")], now=1.0)
+    core.hint("h1", "adapter-001", "r0", 0.0, now=1.0)
+    (event,) = core.remove_replica("r0")
+    assert not event.ready and core.planner.replicas() == () and core.readiness.counts()["replicas"] == 0
+    with pytest.raises(NotFoundError):
+        core.hint("h2", "adapter-001", "r0", 0.0, now=1.0)
+    core.check_integrity()

@@ -43,9 +43,9 @@ class RequestError(LoraCacheError, ValueError):
 def show(value: object) -> str:
     """``value`` quoted for an error message: its start and its length when it is long (an error that echoes
     a 100 kB name exceeds gRPC's metadata limit and reaches the caller as a transport error)."""
-    text = value if isinstance(value, str) else str(value)
+    text = value if isinstance(value, str) else repr(value)
     if len(text) <= SHOWN_CHARS:
-        return repr(text)
+        return repr(text) if isinstance(value, str) else text
     return f"{text[:SHOWN_CHARS]!r}... ({len(text)} characters)"
 
 

@@ -32,6 +32,17 @@ from lora_cache.routing.advice import RouteAdvice, RouteRequest, advise
 from lora_cache.routing.ranking import RouterConfig
 from lora_cache.vocab import Command, WorkerId
 
+MAX_TP = 64  # ranks per replica: a replica's shape is checked against these before anything is kept
+MAX_SLOTS = 65_536  # slots per rank
+
+
+def check_shape(replica: str, tp: object, slots: object) -> None:
+    """A replica's shape as a worker or an attached rank declares it: bounded integers (ConfigError naming the
+    field, the value and the bound: a forged ``tp=100000`` cost the controller 100 MB)."""
+    for what, value, bound in (("tp", tp, MAX_TP), ("slots", slots, MAX_SLOTS)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= bound:
+            raise ConfigError(f"replica {replica!r}: {what} is {str(value)[:40]}; give an integer from 1 to {bound}")
+
 
 class Failure(NamedTuple):
     """A load that failed on a worker: how often in a row, when to try again, and why."""
@@ -82,6 +93,8 @@ class ControllerCore:
         self.withheld: set[WorkerId] = set()  # workers whose plans were not sent (their replica was down)
         self.lost_at: dict[WorkerId, float] = {}  # when each rank in ``down`` was found lost (wall clock)
         self.recent_losses: deque[tuple[str, float]] = deque(maxlen=64)  # (worker, when found lost), newest last
+        self.refused_reports = 0  # residency a rank claimed and the controller did not believe (``_admits``)
+        self.recent_refusals: deque[str] = deque(maxlen=20)
 
     # -- adapters and topology ------------------------------------------------------------------
     def register_adapter(self, name: str, path: str) -> str:
@@ -114,6 +127,7 @@ class ControllerCore:
     def add_replica(self, replica: str, tp: int, slots: int, host_bytes: int | None = None) -> list[WorkerId]:
         """Idempotent: a replica already adopted from its workers' reports is kept as it is.
         ``host_bytes``: each rank's host tier as the workers report it (bounds predictive staging)."""
+        check_shape(replica, tp, slots)
         workers = [WorkerId(replica, k) for k in range(tp)]
         if replica in self.planner.replicas():
             if self.planner.workers(replica) != tuple(map(str, workers)):
@@ -127,6 +141,18 @@ class ControllerCore:
                                              host_bytes_per_worker=host_bytes))
         self.readiness.add_replica(replica, tp)
         return workers
+
+    def remove_replica(self, replica: str) -> list[ReadinessEvent]:
+        """A replica with no rank left (its attached ranks detached or died): it leaves the fleet (plans,
+        routes, hints, queues, readiness). Its readiness ends with NOT_READY events."""
+        self.check_replica(replica)
+        self.planner.remove_replica(replica)
+        for worker in [w for w in self.down | self.withheld if w.replica == replica]:
+            self.down.discard(worker)
+            self.withheld.discard(worker)
+            self.lost_at.pop(worker, None)
+        self.failures = {k: f for k, f in self.failures.items() if k[0].replica != replica}
+        return self.readiness.remove_replica(replica)
 
     def worker_lost(self, worker: WorkerId, gone: bool = True, now: float = 0.0) -> list[ReadinessEvent]:
         """A worker died or restarted empty: drop what it held, the replica is replanned. ``gone``: it is dead,
@@ -205,12 +231,31 @@ class ControllerCore:
                 self.recent_failures.append(f"{worker} {adapter}@{version}: {error}")
             elif state == "ready":
                 self.failures.pop(key, None)
+            if rank_state is not None and not self._admits(worker, adapter, version):
+                continue
             if state == "gone":
                 self.planner.drop_residency(str(worker), adapter, version)
             elif slot_state is not None and adapter in self.catalog:  # an unregistered one is drained, not planned
                 self.planner.update_residency(str(worker), ResidencyEntry(adapter, version, slot_state))
             events += self.readiness.report(worker.replica, worker.rank, adapter, version, rank_state)
         return events
+
+    def _admits(self, worker: WorkerId, adapter: str, version: str) -> bool:
+        """A rank may say it holds (ready or loading) only a version the controller registered (current or
+        kept), or one it was known to hold already (a version replaced or unregistered since drains), and
+        no more of them than its slots. Anything else is refused and counted (``refused_reports``)."""
+        held = self.readiness.holdings(worker.replica, worker.rank)
+        if (adapter, version) in held:
+            return True
+        known = adapter in self.catalog and version in self.catalog.versions(adapter)
+        why = None if known else f"{adapter}@{version} is not a registered version"
+        if why is None and len(held) >= self.planner.capacity(str(worker)).slots:
+            why = f"it already holds {len(held)} adapters, one per slot ({len(held)} slots)"
+        if why is None:
+            return True
+        self.refused_reports += 1
+        self.recent_refusals.append(f"{worker}: {why}")
+        return False
 
     def sync_worker(self, worker: WorkerId, entries: Iterable[tuple[str, str, str, int]]) -> list[ReadinessEvent]:
         """A full residency report (controller restart, or a resync after lost deltas): it replaces what
@@ -219,6 +264,8 @@ class ControllerCore:
         self.check_worker(worker)
         self.heard_from(worker)  # it answered with its full report: alive
         entries = [(a, v, s, refs) for a, v, s, refs in entries if s in _STATE]
+        before = self.readiness.holdings(worker.replica, worker.rank)
+        entries = self._admitted(worker, entries, before)
         planned = [ResidencyEntry(a, v, SlotState.IN_USE if refs else _STATE[s][1], refs)
                    for a, v, s, refs in entries if a in self.catalog]
         held = {(e.adapter, e.version) for e in planned}
@@ -226,7 +273,6 @@ class ControllerCore:
                     if w == worker and not f.released and (a, v) not in held and a in self.catalog]  # backing off
         self.planner.report_residency(str(worker), planned)
         now = {(a, v): _STATE[s][0] for a, v, s, _ in entries}
-        before = self.readiness.holdings(worker.replica, worker.rank)
         events: list[ReadinessEvent] = []
         for (a, v) in sorted(before.keys() - now.keys()):
             events += self.readiness.report(worker.replica, worker.rank, a, v, None)
@@ -234,6 +280,20 @@ class ControllerCore:
             if before.get((a, v)) is not state:
                 events += self.readiness.report(worker.replica, worker.rank, a, v, state)
         return events
+
+    def _admitted(self, worker: WorkerId, entries: list[tuple[str, str, str, int]],
+                  before: dict[tuple[str, str], RankState]) -> list[tuple[str, str, str, int]]:
+        """A full report's entries the controller believes (``_admits``: registered versions, at most one per
+        slot; what the rank was known to hold first)."""
+        slots, out = self.planner.capacity(str(worker)).slots, []
+        for a, v, s, refs in sorted(entries, key=lambda e: (e[0], e[1]) not in before):
+            if (a, v) in before or (a in self.catalog and v in self.catalog.versions(a) and len(out) < slots):
+                out.append((a, v, s, refs))
+            else:
+                self.refused_reports += 1
+                self.recent_refusals.append(f"{worker}: full report: {a}@{v} not registered, or beyond its "
+                                            f"{slots} slots")
+        return out
 
     def heard_from(self, worker: WorkerId) -> None:
         """A lost rank reported again: alive (its replica is planned and routed again once no rank is lost)."""
@@ -290,7 +350,8 @@ class ControllerCore:
                 "hints_received": self.hints_received, "hints_accepted": self.hints_accepted,
                 "load_failures": self.load_failures, "recent_failures": list(self.recent_failures),
                 "lost_ranks": {str(w): t for w, t in sorted(self.lost_at.items())},
-                "recent_losses": list(self.recent_losses)}
+                "recent_losses": list(self.recent_losses), "refused_reports": self.refused_reports,
+                "recent_refusals": list(self.recent_refusals)}
 
     # -- checks -------------------------------------------------------------------------------------
     def check_replica(self, replica: str) -> None:

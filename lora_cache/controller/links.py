@@ -107,6 +107,7 @@ class WorkerLinks:
         self.lifelines: dict[WorkerId, asyncio.Task[None]] = {}  # each linked worker's death watch
         self._expected: dict[str, tuple[WorkerId, Any]] = {}  # lifeline nonce -> the call that sent it
         self._server: asyncio.Server | None = None  # where workers open their lifelines
+        self.attached: set[WorkerId] = set()  # ranks an engine's own process attached: gone for good once lost
         self.resyncing: set[WorkerId] = set()  # lost workers whose full report is being read (one at a time)
         self.rejected = 0  # commands workers refused as from an older epoch
 
@@ -182,8 +183,10 @@ class WorkerLinks:
                               f"{self.core.catalog.shape.name!r}; attach with the service's model")
         if wid in self.handles:
             self._new_incarnation(wid, incarnation)  # drops what the predecessor held
-        await self._learn_adapters(info)
+        # not ``_learn_adapters``: an attached process does not register adapters (a forged report named
+        # adapters never registered, and the controller took them); the operators' registrations stand
         self._adopt(handle, info)
+        self.attached.add(wid)
 
     def detach(self, name: str, incarnation: int) -> bool:
         """An attached rank is leaving: drop what it held now. False if that incarnation is not the one linked."""
@@ -191,8 +194,22 @@ class WorkerLinks:
         link = self.links.get(wid)
         if wid not in self.handles or link is None or link.incarnation != incarnation:
             return False
-        self.lose(wid)
+        self.forget(wid)
         return True
+
+    def forget(self, wid: WorkerId) -> None:
+        """An attached rank is gone for good (detached, or its endpoint died): it is lost, its handle dropped;
+        once no rank of its replica is left, the replica leaves the fleet (a process that attaches again
+        adds it anew)."""
+        self.lose(wid)
+        self.handles.pop(wid, None)
+        self.links.pop(wid, None)
+        self.attached.discard(wid)
+        if (task := self.lifelines.pop(wid, None)) is not None and task is not asyncio.current_task():
+            task.cancel()
+        if wid.replica in self.core.planner.replicas() and not any(w.replica == wid.replica for w in self.handles):
+            log.info("replica %s has no rank left: it leaves the fleet", wid.replica)
+            self.publish(self.core.remove_replica(wid.replica))
 
     # -- reports (step 7) and repairs -------------------------------------------------------------
     def receive(self, name: str, incarnation: int, deltas: list[DeltaRow]) -> bool:
@@ -312,6 +329,10 @@ class WorkerLinks:
             except Exception as e:  # dead or restarting
                 if self.handles.get(wid) is not handle:
                     return
+                if wid in self.attached and isinstance(e, ray.exceptions.ActorDiedError):
+                    log.warning("attached rank %s is gone (%s)", wid, type(e).__name__)
+                    self.forget(wid)  # its endpoint is dead for good: a new process attaches anew
+                    return
                 if wid not in self.core.down:
                     log.warning("worker %s is lost (%s): dropping its residency", wid, type(e).__name__)
                     self.lose(wid)
@@ -338,7 +359,7 @@ class WorkerLinks:
                 pass  # nothing is sent on it: only its end matters
             if self.handles.get(wid) is handle and wid not in self.core.down:
                 log.warning("worker %s closed its lifeline (its process died): dropping its residency", wid)
-                self.lose(wid)
+                self.lose(wid)  # an attached one is forgotten when its lifeline call fails (ActorDiedError)
         except (TimeoutError, ConnectionError, OSError):
             return
         finally:
