@@ -1,4 +1,6 @@
-"""A TP rank SIGKILLed under hinted traffic, sampled through the gateway every few ms (issue 35, item 1).
+"""The service under faults and hostile clients, through the gateway on a local Ray (issue 35, items 1 and 2).
+
+A TP rank SIGKILLed under hinted traffic, sampled through the gateway every few ms (item 1):
 
 A TP-2 replica is ready for two adapters; routers hint loads to both replicas all along. One worker actor of
 that replica is killed with SIGKILL (Ray restarts it, empty). Meanwhile one thread samples ``Lookup`` and
@@ -9,11 +11,18 @@ restarted rank had reloaded the adapter (its own load log). The test also report
 between the SIGKILL itself and the controller learning of it (the detection window), which no answer can
 avoid without asking every rank on every lookup; it asserts that window is short (the death watch), and that
 the lost replica leaves the ranking and takes no hints until the restarted rank reports.
+
+A forged engine rank (item 2): with an engine's token it attaches and claims READY for an adapter never
+registered and for a registered one under a forged version, more adapters than its slots, and a shape other
+than its hello's; none of it is believed (Lookup, Watch, Route never list it ready), its replica leaves the
+fleet when it detaches, a router's token cannot attach at all, and hellos that would wait for a taken name
+are bounded and one at a time, so the good rank that comes next attaches.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import threading
 import time
@@ -27,6 +36,7 @@ ray = pytest.importorskip("ray")
 
 from lora_cache.adapters.catalog import CatalogConfig  # noqa: E402
 from lora_cache.adapters.synth import SynthConfig, make_adapters  # noqa: E402
+from lora_cache.api import relay_codec as codec  # noqa: E402
 from lora_cache.api.gateway import GatewayConfig, start_gateway_thread  # noqa: E402
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb  # noqa: E402
 from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc  # noqa: E402
@@ -63,7 +73,12 @@ def served(tmp_path_factory):
                     CatalogConfig(adapter_roots=(str(root),), model="tiny", max_rank=8),
                     PlannerConfig(policy="global"),
                     WorkerConfig(num_slots=8, host=HostTierConfig(host_bytes=1 << 22, pin=False)))
-        gateway = start_gateway_thread(GatewayConfig(grpc_port=0), svc.controller)
+        for role in ("router", "engine"):
+            (root.parent / f"{root.name}-{role}").write_text(f"{role}-token")
+        gateway = start_gateway_thread(GatewayConfig(
+            grpc_port=0, token_file=str(_write(root.parent / f"{root.name}-all", "all-token")),
+            router_token_file=str(root.parent / f"{root.name}-router"),
+            engine_token_file=str(root.parent / f"{root.name}-engine")), svc.controller)
         channel = grpc.insecure_channel(gateway.target)
         yield svc, pb_grpc.LoraCacheServiceStub(channel)
         channel.close()
@@ -75,6 +90,16 @@ def served(tmp_path_factory):
         ray.shutdown()
 
 
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+ALL = (("authorization", "Bearer all-token"),)
+ENGINE = (("authorization", "Bearer engine-token"),)
+ROUTER = (("authorization", "Bearer router-token"),)
+
+
 def _sampler(stub: Any, stop: threading.Event, out: list[Sample]) -> None:
     k = 0
     while not stop.is_set():
@@ -82,11 +107,12 @@ def _sampler(stub: Any, stop: threading.Event, out: list[Sample]) -> None:
         k += 1
         sent = time.time()
         try:
-            found = stub.Lookup(pb.LookupRequest(adapter=adapter), timeout=10)
+            found = stub.Lookup(pb.LookupRequest(adapter=adapter), metadata=ROUTER, timeout=10)
             out.append(Sample(sent, "lookup", adapter, VICTIM_REPLICA in found.ready_replicas,
                               VICTIM_REPLICA in (*found.ready_replicas, *found.loading_replicas)))
             sent = time.time()
-            (advice,) = stub.Route(pb.RouteRequest(items=[pb.RouteItem(adapter=adapter)]), timeout=10).items
+            (advice,) = stub.Route(pb.RouteRequest(items=[pb.RouteItem(adapter=adapter)]), metadata=ROUTER,
+                                   timeout=10).items
             mine = [r for r in advice.replicas if r.replica == VICTIM_REPLICA]
             out.append(Sample(sent, "route", adapter, any(r.reason == pb.ROUTE_REASON_READY for r in mine),
                               bool(mine)))
@@ -96,7 +122,7 @@ def _sampler(stub: Any, stop: threading.Event, out: list[Sample]) -> None:
 
 
 def _watcher(stub: Any, cursor: int, out: list[tuple[float, pb.ReadinessEvent]]) -> grpc.Future:
-    stream = stub.WatchReadiness(pb.WatchReadinessRequest(replica=VICTIM_REPLICA, after_seq=cursor))
+    stream = stub.WatchReadiness(pb.WatchReadinessRequest(replica=VICTIM_REPLICA, after_seq=cursor), metadata=ROUTER)
 
     def follow() -> None:
         try:
@@ -118,7 +144,7 @@ def _hinter(stub: Any, stop: threading.Event, taken: list[tuple[float, int]]) ->
         k += 1
         sent = time.time()
         try:
-            answer = stub.Hint(pb.HintRequest(hints=hints), timeout=10)
+            answer = stub.Hint(pb.HintRequest(hints=hints), metadata=ROUTER, timeout=10)
             taken.append((sent, answer.accepted))
         except grpc.RpcError:
             pass
@@ -188,3 +214,113 @@ def test_a_sigkilled_rank_is_never_advertised_ready_once_the_controller_knows(se
     assert not ranked_while_lost, f"Route ranked the lost replica: {ranked_while_lost[:5]}"
     assert not hinted_while_lost, "hints to the lost replica were taken"
     assert ray.get(ctl.check_integrity.remote())
+
+
+class Rank:
+    """A hand-driven AttachRank stream: what a hostile client with an engine's token can send."""
+
+    def __init__(self, stub: Any, metadata: Any = ENGINE, **hello: Any) -> None:
+        fields = {"replica": "forged", "rank": 0, "tp": 1, "num_slots": 2, "model": "tiny",
+                  "incarnation": time.time_ns(), "liveness_s": 5.0, "start_s": 60.0, "name_wait_s": 0.0} | hello
+        self.hello = pb.AttachHello(**fields)
+        self.up: queue.Queue[pb.AttachRankRequest | None] = queue.Queue()
+        self.up.put(pb.AttachRankRequest(hello=self.hello))
+        self.down = stub.AttachRank(iter(self.up.get, None), metadata=metadata, timeout=120)
+
+    def next(self) -> pb.AttachRankResponse:
+        return next(self.down)
+
+    def answer_describe(self, call: pb.RelayedCall, **forged: Any) -> None:
+        h = self.hello
+        report = {"replica": h.replica, "rank": h.rank, "tp": h.tp, "model": "tiny", "incarnation": h.incarnation,
+                  "seq": 0, "node": "forger", "slots": h.num_slots, "host_bytes": 0, "adapters": {}, "epoch": 0,
+                  "residency": []} | forged
+        self.up.put(pb.AttachRankRequest(answer=codec.answer(call.call_id, "describe", True, report)))
+
+    def serve_until_adopted(self, **forged: Any) -> None:
+        """Answer the controller's calls (describe with ``forged``, the rest as a real rank would) until adopted."""
+        while (m := self.next()).WhichOneof("message") != "adopted":
+            if m.WhichOneof("message") != "call":
+                continue
+            method = m.call.WhichOneof("call")
+            if method == "describe":
+                self.answer_describe(m.call, **forged)
+            elif method == "register_adapters":
+                n = len(m.call.register_adapters.adapters)
+                self.up.put(pb.AttachRankRequest(answer=codec.answer(m.call.call_id, "register_adapters", True,
+                                                                     [("", "")] * n)))
+
+    def close(self) -> None:
+        self.up.put(None)
+
+
+def _code(call: Any) -> tuple[grpc.StatusCode, str]:
+    try:
+        call()
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+    raise AssertionError("the call succeeded")
+
+
+def test_a_forged_engine_rank_is_not_believed_and_leaves_when_it_detaches(served) -> None:
+    svc, stub = served
+    ctl = svc.controller
+    registered = "adapter-005"
+    version = stub.Lookup(pb.LookupRequest(adapter=registered), metadata=ROUTER, timeout=30).version
+    code, message = _code(lambda: Rank(stub, metadata=ROUTER).next())
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "AttachRank needs the engine role" in message
+    code, message = _code(lambda: Rank(stub, tp=100_000).next())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "tp is 100000" in message and "give 1 to 64" in message
+    code, message = _code(lambda: Rank(stub, name_wait_s=1e9).next())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "must be at most 60 s" in message
+
+    liar = Rank(stub)  # a shape other than its hello's is refused at the gateway
+    liar.next()
+    m = liar.next()
+    liar.answer_describe(m.call, tp=100_000)
+    code, message = _code(lambda: [liar.next() for _ in range(100)])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "its report says tp 100000, but its hello said 1" in message
+    wait_for(lambda: "forged" not in ray.get(ctl.status.remote())["replicas"], "the liar's replica to leave", 30)
+
+    forger = Rank(stub)
+    assert forger.next().WhichOneof("message") == "attached"
+    forger.serve_until_adopted()
+    assert "forged" in ray.get(ctl.status.remote())["replicas"]
+    refused = ray.get(ctl.status.remote())["refused_reports"]
+    rows = [(1, "ghost", "v-ghost", "ready", ""), (2, registered, "f0rged", "ready", ""),
+            (3, registered, version, "ready", ""), (4, "adapter-004", stub.Lookup(pb.LookupRequest(
+                adapter="adapter-004"), metadata=ROUTER, timeout=30).version, "ready", ""),
+            (5, "adapter-003", "anything", "ready", "")]
+    forger.up.put(pb.AttachRankRequest(deltas=codec.deltas(forger.hello.incarnation, rows)))
+    wait_for(lambda: ray.get(ctl.status.remote())["refused_reports"] >= refused + 3, "the forged claims refused", 30)
+    held = ray.get(ctl.check_integrity.remote()) and ray.get(ctl.lookup.remote("ghost"))
+    assert held == {"ready": [], "loading": []}, "an adapter never registered listed as held"
+    code, _ = _code(lambda: stub.Lookup(pb.LookupRequest(adapter="ghost"), metadata=ROUTER, timeout=30))
+    assert code == grpc.StatusCode.NOT_FOUND
+
+    forger.close()  # the detach: its replica leaves the fleet
+    wait_for(lambda: "forged" not in ray.get(ctl.status.remote())["replicas"], "the forged replica to leave", 30)
+    (advice,) = stub.Route(pb.RouteRequest(items=[pb.RouteItem(adapter=registered)]), metadata=ROUTER,
+                           timeout=30).items
+    assert "forged" not in [r.replica for r in advice.replicas]
+    assert ray.get(ctl.check_integrity.remote())
+
+
+def test_hellos_waiting_for_a_taken_name_do_not_lock_out_the_next_rank(served) -> None:
+    svc, stub = served
+    holder = Rank(stub, replica="taken")
+    holder.next()
+    holder.serve_until_adopted()
+    waiters = [Rank(stub, replica="taken", name_wait_s=2.0) for _ in range(7)]
+    codes = []
+    for w in waiters:
+        codes.append(_code(w.next)[0])
+    # one waits its 2 s and is refused (the name is held); the others are refused at once
+    assert set(codes) == {grpc.StatusCode.FAILED_PRECONDITION}, codes
+    good = Rank(stub, replica="next-one")
+    assert good.next().WhichOneof("message") == "attached"
+    good.serve_until_adopted()
+    for r in (holder, good):
+        r.close()
+    wait_for(lambda: not {"taken", "next-one"} & set(ray.get(svc.controller.status.remote())["replicas"]),
+             "the attached replicas to leave", 30)
