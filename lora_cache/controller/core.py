@@ -231,19 +231,20 @@ class ControllerCore:
                 self.recent_failures.append(f"{worker} {adapter}@{version}: {error}")
             elif state == "ready":
                 self.failures.pop(key, None)
-            if rank_state is not None and not self._admits(worker, adapter, version):
-                continue
             if state == "gone":
                 self.planner.drop_residency(str(worker), adapter, version)
             elif slot_state is not None and adapter in self.catalog:  # an unregistered one is drained, not planned
                 self.planner.update_residency(str(worker), ResidencyEntry(adapter, version, slot_state))
-            events += self.readiness.report(worker.replica, worker.rank, adapter, version, rank_state)
+            if rank_state is None or self._admits(worker, adapter, version):  # the slot counts for the planner
+                events += self.readiness.report(worker.replica, worker.rank, adapter, version, rank_state)
         return events
 
     def _admits(self, worker: WorkerId, adapter: str, version: str) -> bool:
-        """A rank may say it holds (ready or loading) only a version the controller registered (current or
-        kept), or one it was known to hold already (a version replaced or unregistered since drains), and
-        no more of them than its slots. Anything else is refused and counted (``refused_reports``)."""
+        """Whether the readiness index (what Lookup, Watch and Route advertise) takes a rank's word that it
+        holds ``adapter@version``: only for a version the controller registered (current or kept), or one
+        the rank was known to hold already (a version replaced or unregistered since drains), and no more
+        of them than its slots. Anything else is refused and counted (``refused_reports``); the planner
+        still counts the slot as taken (of a registered name), so a stale version is evicted."""
         held = self.readiness.holdings(worker.replica, worker.rank)
         if (adapter, version) in held:
             return True
@@ -265,14 +266,13 @@ class ControllerCore:
         self.heard_from(worker)  # it answered with its full report: alive
         entries = [(a, v, s, refs) for a, v, s, refs in entries if s in _STATE]
         before = self.readiness.holdings(worker.replica, worker.rank)
-        entries = self._admitted(worker, entries, before)
         planned = [ResidencyEntry(a, v, SlotState.IN_USE if refs else _STATE[s][1], refs)
                    for a, v, s, refs in entries if a in self.catalog]
         held = {(e.adapter, e.version) for e in planned}
         planned += [ResidencyEntry(a, v, SlotState.LOADING) for (w, a, v), f in sorted(self.failures.items())
                     if w == worker and not f.released and (a, v) not in held and a in self.catalog]  # backing off
-        self.planner.report_residency(str(worker), planned)
-        now = {(a, v): _STATE[s][0] for a, v, s, _ in entries}
+        self.planner.report_residency(str(worker), planned)  # every slot it fills counts (an evict may follow)
+        now = {(a, v): _STATE[s][0] for a, v, s, _ in self._admitted(worker, entries, before)}
         events: list[ReadinessEvent] = []
         for (a, v) in sorted(before.keys() - now.keys()):
             events += self.readiness.report(worker.replica, worker.rank, a, v, None)
@@ -285,7 +285,7 @@ class ControllerCore:
                   before: dict[tuple[str, str], RankState]) -> list[tuple[str, str, str, int]]:
         """A full report's entries the controller believes (``_admits``: registered versions, at most one per
         slot; what the rank was known to hold first)."""
-        slots, out = self.planner.capacity(str(worker)).slots, []
+        slots, out = self.planner.capacity(str(worker)).slots, list[tuple[str, str, str, int]]()
         for a, v, s, refs in sorted(entries, key=lambda e: (e[0], e[1]) not in before):
             if (a, v) in before or (a in self.catalog and v in self.catalog.versions(a) and len(out) < slots):
                 out.append((a, v, s, refs))

@@ -315,11 +315,12 @@ class WorkerLinks:
 
     async def _lifeline(self, wid: WorkerId, handle: Any) -> None:
         host, port = await self._lifeline_server()
+        lifeline = handle.lifeline
         while self.handles.get(wid) is handle:
             nonce = secrets.token_hex(16)
             self._expected[nonce] = (wid, handle)
             try:
-                await handle.lifeline.remote(host, port, nonce)  # returns when the connection closes
+                await lifeline.remote(host, port, nonce)  # returns when the connection closes
             except asyncio.CancelledError:
                 raise
             except ray.exceptions.RayTaskError as e:  # alive, but it cannot reach the controller: pings only
