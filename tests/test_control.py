@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.controller.core import ControllerConfig, ControllerCore
+from lora_cache.controller.links import Link, WorkerLinks
 from lora_cache.errors import ConfigError, ConflictError, NotFoundError
 from lora_cache.planner import PlannerConfig
 from lora_cache.routing.advice import RouteRequest
-from lora_cache.vocab import AdapterKey, Delta, Evict, Prefetch, Stage, WorkerId
+from lora_cache.vocab import AdapterKey, Delta, Evict, Prefetch, Stage, WorkerId, worker_name
 from tests.planner_queries import popularity
 from workers.cache import WorkerCache, WorkerConfig
 from workers.commands import CommandGate
@@ -366,4 +369,80 @@ def test_a_replica_shape_is_bounded_and_a_replica_with_no_rank_left_leaves(fleet
     assert not event.ready and core.planner.replicas() == () and core.readiness.counts()["replicas"] == 0
     with pytest.raises(NotFoundError):
         core.hint("h2", "adapter-001", "r0", 0.0, now=1.0)
+    core.check_integrity()
+
+
+class _Method:
+    """``handle.method.remote(...)`` of a worker in this process: an awaitable, as Ray's ObjectRef is."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def remote(self, *args: Any) -> Any:
+        return asyncio.ensure_future(self.fn(*args))
+
+
+class _LifelineWorker:
+    """A worker whose lifeline is a real TCP connection to the controller's links; ``die`` drops it as the
+    kernel does for a killed process; ``describe`` fails while it is dead."""
+
+    def __init__(self, report: dict[str, Any]) -> None:
+        self.report, self.dead, self.writer = report, False, None
+        self.lifeline, self.describe = _Method(self._lifeline), _Method(self._describe)
+
+    async def _lifeline(self, host: str, port: int, nonce: str) -> None:
+        reader, self.writer = await asyncio.open_connection(host, port)
+        self.writer.write(f"{nonce}\n".encode())
+        await self.writer.drain()
+        await reader.read()
+
+    async def _describe(self) -> dict[str, Any]:
+        if self.dead:
+            raise ConnectionError("the worker is dead")
+        return self.report
+
+    def die(self) -> None:
+        self.dead = True
+        self.writer.transport.abort()
+
+
+def test_a_closed_lifeline_loses_the_rank_at_once_and_its_late_deltas_are_not_believed(fleet) -> None:
+    """Issue 35 item 1: a rank's death reached the controller only at the next failed ping or the restarted
+    worker's hello (Lookup said READY for up to 1.4 s), and deltas the dead rank had sent before dying
+    brought its readiness back. Now the end of its lifeline loses it at once; until a full report answered
+    after the loss, nothing it sent is believed."""
+    core, _ = fleet
+    version = core.catalog.get("adapter-000").version
+    victim = WorkerId("r0", 1)
+    published: list[Any] = []
+
+    async def replan() -> None:
+        pass
+
+    async def scenario() -> None:
+        links = WorkerLinks(core, None, published.extend, replan, find=lambda name: None,  # type: ignore[arg-type]
+                            named=lambda: [])
+        worker = _LifelineWorker({"incarnation": 2, "seq": 0, "residency": []})
+        for rank in (0, 1):
+            links.handles[WorkerId("r0", rank)] = worker if rank == 1 else object()
+            links.links[WorkerId("r0", rank)] = Link(1, 0)
+            links.receive(worker_name(WorkerId("r0", rank)), 1, [(1, "adapter-000", version, "ready", "")])
+        assert core.readiness.lookup("adapter-000").ready == ("r0",)
+        links.watch(victim, worker)
+        while worker.writer is None:
+            await asyncio.sleep(0.01)
+        worker.die()
+        while victim not in core.down:
+            await asyncio.sleep(0.001)
+        assert core.readiness.lookup("adapter-000").ready == (), "ready after the rank was lost"
+        assert not links.receive(worker_name(victim), 1, [(2, "adapter-000", version, "ready", "")])
+        await asyncio.sleep(0.05)  # the resync it triggered fails (dead): nothing comes back
+        assert core.readiness.lookup("adapter-000").ready == () and victim in core.down
+        worker.dead = False  # it answers again (a restart), empty: back, and not ready until it reloads
+        await links.resync(victim)
+        assert victim not in core.down and core.readiness.lookup("adapter-000").ready == ()
+        for task in links.lifelines.values():
+            task.cancel()
+
+    asyncio.run(scenario())
     core.check_integrity()
