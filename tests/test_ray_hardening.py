@@ -216,6 +216,39 @@ def test_a_sigkilled_rank_is_never_advertised_ready_once_the_controller_knows(se
     assert ray.get(ctl.check_integrity.remote())
 
 
+def test_a_stopped_rank_leaves_the_routes_and_the_hints_within_2_s_and_returns(served) -> None:
+    """SIGSTOP (a hung or unreachable rank: its lifeline stays open): pings find it within 2 s; its replica
+    leaves the ranking and takes no hints; after SIGCONT it reports and comes back."""
+    svc, stub = served
+    ctl = svc.controller
+    replica, wid = "replica-1", WorkerId("replica-1", 0)
+    pid = ray.get(svc.workers[wid].pid.remote())
+
+    def ranked() -> set[str]:
+        (advice,) = stub.Route(pb.RouteRequest(items=[pb.RouteItem(adapter="adapter-002")]), metadata=ROUTER,
+                               timeout=30).items
+        return {r.replica for r in advice.replicas}
+
+    assert replica in ranked()
+    t_stop = time.time()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: str(wid) in ray.get(ctl.status.remote())["lost_ranks"], "the stopped rank found", 10)
+        t_found = ray.get(ctl.status.remote())["lost_ranks"][str(wid)]
+        assert replica not in ranked()
+        hint = pb.PrefetchHint(hint_id=f"stopped-{t_stop}", adapter="adapter-003", replica=replica)
+        assert stub.Hint(pb.HintRequest(hints=[hint]), metadata=ROUTER, timeout=30).accepted == 0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    t_cont = time.time()
+    wait_for(lambda: not ray.get(ctl.status.remote())["lost_ranks"], "the resumed rank back", 30)
+    print(f"SIGSTOP of {wid}: found lost after {t_found - t_stop:.2f} s; back {time.time() - t_cont:.2f} s after "
+          "SIGCONT")
+    assert t_found - t_stop < 2.0, f"found after {t_found - t_stop:.2f} s"
+    assert replica in ranked()
+    assert ray.get(ctl.check_integrity.remote())
+
+
 class Rank:
     """A hand-driven AttachRank stream: what a hostile client with an engine's token can send."""
 

@@ -108,7 +108,7 @@ class WorkerLinks:
         self._expected: dict[str, tuple[WorkerId, Any]] = {}  # lifeline nonce -> the call that sent it
         self._server: asyncio.Server | None = None  # where workers open their lifelines
         self.attached: set[WorkerId] = set()  # ranks an engine's own process attached: gone for good once lost
-        self.resyncing: set[WorkerId] = set()  # lost workers whose full report is being read (one at a time)
+        self.resyncing: set[WorkerId] = set()  # workers whose full report is being read (one resync at a time)
         self.rejected = 0  # commands workers refused as from an older epoch
 
     # -- adoption (invariant 6) -----------------------------------------------------------------
@@ -221,10 +221,7 @@ class WorkerLinks:
         if not self._new_incarnation(wid, incarnation):
             return False  # from a predecessor that has since restarted
         if wid in self.core.down:  # lost: only a full report (``resync``) proves it is alive again; these
-            if wid not in self.resyncing:  # deltas may predate its death
-                self.resyncing.add(wid)
-                task = asyncio.get_running_loop().create_task(self.resync(wid))
-                task.add_done_callback(lambda _: self.resyncing.discard(wid))
+            self.resync_soon(wid)  # deltas may predate its death
             return False
         link = self.links[wid]
         fresh = [d for d in deltas if d[0] > link.applied]
@@ -277,8 +274,19 @@ class WorkerLinks:
                 asyncio.get_running_loop().create_task(self.resync(wid))
 
     async def resync_all(self) -> None:
-        """Anti-entropy: whatever was lost is repaired."""
-        await asyncio.gather(*(self.resync(wid) for wid in list(self.handles)))
+        """Anti-entropy: whatever was lost is repaired. Each worker's resync runs by itself (one at a time per
+        worker): a stopped worker's ``describe`` (up to ``call_timeout_s``) does not hold up the health loop's
+        pings, which find it lost within ``ping_timeout_s``."""
+        for wid in list(self.handles):
+            self.resync_soon(wid)
+
+    def resync_soon(self, wid: WorkerId) -> None:
+        """A resync of ``wid`` in the background, unless one is in flight."""
+        if wid in self.resyncing:
+            return
+        self.resyncing.add(wid)
+        task = asyncio.get_running_loop().create_task(self.resync(wid))
+        task.add_done_callback(lambda _: self.resyncing.discard(wid))
 
     async def ping_all(self) -> None:
         """One ping each, all at once; a worker that does not answer in ``call_timeout_s`` lost what it held
