@@ -22,9 +22,10 @@ from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc
 from lora_cache.api.validate import MAX_PATH_CHARS
-from lora_cache.controller.readiness import WatchBatch
+from lora_cache.controller.readiness import RankState, ReadinessIndex, WatchBatch
 from lora_cache.errors import AdapterError, NotFoundError
 from tests.test_gateway import StallController, _Remote, code_of
+from tests.test_watch_resync import IndexController
 from tests.waiting import wait_for
 
 
@@ -153,3 +154,53 @@ def test_every_role_sees_status_and_the_plain_token_keeps_every_role(roles: Any)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "batch of hints is empty" in message  # past the roles
     code, _ = code_of(lambda: stub.Status(pb.StatusRequest(), metadata=_auth("nobody")))
     assert code == grpc.StatusCode.UNAUTHENTICATED
+
+
+class CountingController(IndexController):
+    """The watch calls over a real ReadinessIndex, counting the long polls in flight at once."""
+
+    def __init__(self, idx: ReadinessIndex) -> None:
+        super().__init__(idx)
+        self.begun = self.waiting = self.most = 0
+        self.poll_events = _Remote(self._counted)
+        self.begin_watch = _Remote(self._begin)
+
+    async def _begin(self, replica: str | None, adapter: str | None) -> int:
+        self.begun += 1
+        return await self._begin_watch(replica, adapter)
+
+    async def _counted(self, after: int, replica: Any, adapter: Any, timeout_s: float) -> WatchBatch:
+        long = timeout_s > 0
+        self.waiting += long
+        self.most = max(self.most, self.waiting)
+        try:
+            return await self._poll_events(after, replica, adapter, timeout_s)
+        finally:
+            self.waiting -= long
+
+
+def test_watch_streams_share_one_controller_long_poll_and_each_gets_its_own_events() -> None:
+    """Issue 35 item 6: each WatchReadiness stream held a long poll of the controller of its own (the actor runs
+    1,000 calls at once). Now one poll serves every stream of the gateway, each filtered for its stream."""
+    idx = ReadinessIndex(start_seq=10)
+    idx.add_replica("replica-0", 1)
+    ctl = CountingController(idx)
+    gw = start_gateway_thread(GatewayConfig(grpc_port=0), ctl)
+    try:
+        with grpc.insecure_channel(gw.target) as channel:
+            stub = pb_grpc.LoraCacheServiceStub(channel)
+            streams = [stub.WatchReadiness(pb.WatchReadinessRequest(adapter=f"a{k % 2}")) for k in range(20)]
+            wait_for(lambda: ctl.begun == 20, what="twenty watch streams open", timeout=30)
+            with ctl.lock:
+                idx.report("replica-0", 0, "a0", "v1", RankState.READY)
+                idx.report("replica-0", 0, "a1", "v1", RankState.READY)
+            for k, s in enumerate(streams):
+                (event,) = next(s).events
+                assert (event.adapter, event.seq) == (f"a{k % 2}", 11 + k % 2), "another stream's event"
+            late = stub.WatchReadiness(pb.WatchReadinessRequest(after_seq=10))  # a cursor behind: caught up
+            assert [e.adapter for e in next(late).events] == ["a0", "a1"]
+            assert ctl.most == 1, f"{ctl.most} long polls of the controller at once"
+            for s in [*streams, late]:
+                s.cancel()
+    finally:
+        gw.stop()

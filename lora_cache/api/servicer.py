@@ -25,6 +25,7 @@ from lora_cache.api import validate
 from lora_cache.api.ingest import HintIngest
 from lora_cache.api.rank_link import RankHost, RankLink
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
+from lora_cache.api.watch_hub import WatchHub
 from lora_cache.controller.readiness import ReadinessEvent, Resync
 from lora_cache.errors import CapacityError, ConflictError, LoraCacheError, NotFoundError
 from lora_cache.routing.advice import RouteAdvice
@@ -32,7 +33,7 @@ from lora_cache.routing.advice import RouteAdvice
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LoraCacheService"].full_name
-WATCH_POLL_S = 5.0  # one long-poll of the controller per watcher at least this often
+WATCH_POLL_S = 5.0  # the watches' one long poll of the controller lasts at most this long
 MAX_DETAILS_CHARS = 2048  # an error's message is cut here (gRPC's metadata limit is 8 KiB by default)
 
 _UNAVAILABLE = "the controller is not reachable ({}); it restarts by itself: retry shortly"
@@ -171,6 +172,7 @@ class Servicer:
         self.controller, self.ingest = controller, ingest
         self.max_items, self.watch_poll_s = max_items, watch_poll_s
         self.streams = streams or StreamLimits(per_client=64, total=256)
+        self.watches = WatchHub(controller, watch_poll_s)  # one controller poll for every WatchReadiness
         self.rank_host = rank_host or self._ray_rank_host  # an attached rank's cluster side, by worker name
 
     def _ray_rank_host(self, name: str) -> RankHost:
@@ -212,15 +214,10 @@ class Servicer:
 
     async def watch_readiness(self, request: pb.WatchReadinessRequest) -> AsyncIterator[pb.WatchReadinessResponse]:
         replica, adapter, after = validate.watch(request)
-        newest = await self.controller.begin_watch.remote(replica, adapter)
-        cursor = newest if after is None else after  # a lost or foreign cursor gets a resync, never a gap
-        while True:
-            batch = await self.controller.poll_events.remote(cursor, replica, adapter, self.watch_poll_s)
+        async for batch in self.watches.watch(replica, adapter, after):  # a lost or foreign cursor: a resync
             if batch.resync is not None:
-                cursor = batch.resync.resume_after
                 yield pb.WatchReadinessResponse(resync=_resync(batch.resync))
             elif batch.events:
-                cursor = batch.events[-1].seq
                 yield pb.WatchReadinessResponse(events=[_event(e) for e in batch.events])
 
     async def register_adapter(self, request: pb.RegisterAdapterRequest) -> pb.RegisterAdapterResponse:
