@@ -172,9 +172,8 @@ def test_attach_refuses_a_taken_rank_and_a_mismatched_replica(fleet) -> None:
     wait_for(lambda: "replica-x" not in ray.get(service.controller.status.remote())["replicas"],
              what="the detached replica gone")
     config_y = AttachConfig(replica="replica-y", address=gcs, poll_s=0.5, liveness_s=10.0, name_wait_s=0)
-    with attach(config_y, worker(0, tp=2, slots=2)):
-        with pytest.raises(ConfigError, match=r"2 slots per worker, not 5"):
-            attach(config_y, worker(1, tp=2, slots=5))
+    with attach(config_y, worker(0, tp=2, slots=2)), pytest.raises(ConfigError, match=r"2 slots per worker, not 5"):
+        attach(config_y, worker(1, tp=2, slots=5))
     wait_for(lambda: "replica-y" not in ray.get(service.controller.status.remote())["replicas"],
              what="the second detached replica gone")
 
