@@ -63,16 +63,25 @@ def test_one_client_cannot_take_every_stream_and_others_keep_their_calls(tmp_pat
     (tmp_path / "greedy").write_text("greedy-token")
     (tmp_path / "other").write_text("other-token")
     ctl = WatchedController()
-    config = GatewayConfig(grpc_port=0, max_concurrent_rpcs=8, max_streams_per_client=3,
-                           token_file=str(tmp_path / "greedy"), router_token_file=str(tmp_path / "other"))
+    config = GatewayConfig(
+        grpc_port=0,
+        max_concurrent_rpcs=8,
+        max_streams_per_client=3,
+        token_file=str(tmp_path / "greedy"),
+        router_token_file=str(tmp_path / "other"),
+    )
     gw = start_gateway_thread(config, ctl)
     try:
         with grpc.insecure_channel(gw.target) as channel:
             stub = pb_grpc.LoraCacheServiceStub(channel)
-            streams = [stub.WatchReadiness(pb.WatchReadinessRequest(), metadata=_auth("greedy-token"))
-                       for _ in range(10)]
-            wait_for(lambda: ctl.watches == 3 and sum(s.done() for s in streams) == 7,
-                     what="three streams open and seven refused", timeout=30)
+            streams = [
+                stub.WatchReadiness(pb.WatchReadinessRequest(), metadata=_auth("greedy-token")) for _ in range(10)
+            ]
+            wait_for(
+                lambda: ctl.watches == 3 and sum(s.done() for s in streams) == 7,
+                what="three streams open and seven refused",
+                timeout=30,
+            )
             refused = [s for s in streams if s.done()]
             assert {s.code() for s in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
             assert "max_streams_per_client=3" in refused[0].details()
@@ -95,15 +104,20 @@ def test_oversized_names_and_paths_name_the_limit_and_do_not_echo_the_value() ->
             code, message = code_of(lambda: stub.Lookup(pb.LookupRequest(adapter=huge), timeout=30))
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "(100000 characters)" in message
             assert len(message) < 1000
-            code, message = code_of(lambda: stub.RegisterAdapter(
-                pb.RegisterAdapterRequest(name="ok", path="/" + "p" * 20_000), timeout=30))
+            code, message = code_of(
+                lambda: stub.RegisterAdapter(pb.RegisterAdapterRequest(name="ok", path="/" + "p" * 20_000), timeout=30)
+            )
             assert code == grpc.StatusCode.INVALID_ARGUMENT and f"more than {MAX_PATH_CHARS}" in message
             assert len(message) < 1000
-            code, message = code_of(lambda: stub.RegisterAdapter(
-                pb.RegisterAdapterRequest(name="ok", path="a\0b"), timeout=30))
+            code, message = code_of(
+                lambda: stub.RegisterAdapter(pb.RegisterAdapterRequest(name="ok", path="a\0b"), timeout=30)
+            )
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "NUL byte" in message
-            code, message = code_of(lambda: stub.Hint(pb.HintRequest(hints=[
-                pb.PrefetchHint(hint_id="h" * 50_000, adapter="a", replica="r")]), timeout=30))
+            code, message = code_of(
+                lambda: stub.Hint(
+                    pb.HintRequest(hints=[pb.PrefetchHint(hint_id="h" * 50_000, adapter="a", replica="r")]), timeout=30
+                )
+            )
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "(50000 characters)" in message
     finally:
         gw.stop()
@@ -113,9 +127,13 @@ def test_oversized_names_and_paths_name_the_limit_and_do_not_echo_the_value() ->
 def roles(tmp_path: Path) -> Any:
     for role in ("all", "router", "engine", "operator"):
         (tmp_path / role).write_text(f"{role}-token")
-    config = GatewayConfig(grpc_port=0, token_file=str(tmp_path / "all"), router_token_file=str(tmp_path / "router"),
-                           engine_token_file=str(tmp_path / "engine"),
-                           operator_token_file=str(tmp_path / "operator"))
+    config = GatewayConfig(
+        grpc_port=0,
+        token_file=str(tmp_path / "all"),
+        router_token_file=str(tmp_path / "router"),
+        engine_token_file=str(tmp_path / "engine"),
+        operator_token_file=str(tmp_path / "operator"),
+    )
     gw = start_gateway_thread(config, WatchedController())
     channel = grpc.insecure_channel(gw.target)
     try:
@@ -125,11 +143,20 @@ def roles(tmp_path: Path) -> Any:
         gw.stop()
 
 
-@pytest.mark.parametrize(("token", "rpc", "needed"), [
-    ("router", "register", "operator"), ("router", "unregister", "operator"), ("router", "attach", "engine"),
-    ("engine", "hint", "router"), ("engine", "lookup", "router"), ("engine", "register", "operator"),
-    ("operator", "route", "router"), ("operator", "watch", "router"), ("operator", "attach", "engine"),
-])
+@pytest.mark.parametrize(
+    ("token", "rpc", "needed"),
+    [
+        ("router", "register", "operator"),
+        ("router", "unregister", "operator"),
+        ("router", "attach", "engine"),
+        ("engine", "hint", "router"),
+        ("engine", "lookup", "router"),
+        ("engine", "register", "operator"),
+        ("operator", "route", "router"),
+        ("operator", "watch", "router"),
+        ("operator", "attach", "engine"),
+    ],
+)
 def test_each_role_calls_only_its_own_rpcs(roles: Any, token: str, rpc: str, needed: str) -> None:
     stub, auth = roles, _auth(f"{token}-token")
     calls = {

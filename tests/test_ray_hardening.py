@@ -69,16 +69,23 @@ def served(tmp_path_factory):
     ray.init(num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
     svc = gateway = None
     try:
-        svc = start(ServeConfig(adapters=str(root), replicas=2, tp=2),
-                    CatalogConfig(adapter_roots=(str(root),), model="tiny", max_rank=8),
-                    PlannerConfig(policy="global"),
-                    WorkerConfig(num_slots=8, host=HostTierConfig(host_bytes=1 << 22, pin=False)))
+        svc = start(
+            ServeConfig(adapters=str(root), replicas=2, tp=2),
+            CatalogConfig(adapter_roots=(str(root),), model="tiny", max_rank=8),
+            PlannerConfig(policy="global"),
+            WorkerConfig(num_slots=8, host=HostTierConfig(host_bytes=1 << 22, pin=False)),
+        )
         for role in ("router", "engine"):
             (root.parent / f"{root.name}-{role}").write_text(f"{role}-token")
-        gateway = start_gateway_thread(GatewayConfig(
-            grpc_port=0, token_file=str(_write(root.parent / f"{root.name}-all", "all-token")),
-            router_token_file=str(root.parent / f"{root.name}-router"),
-            engine_token_file=str(root.parent / f"{root.name}-engine")), svc.controller)
+        gateway = start_gateway_thread(
+            GatewayConfig(
+                grpc_port=0,
+                token_file=str(_write(root.parent / f"{root.name}-all", "all-token")),
+                router_token_file=str(root.parent / f"{root.name}-router"),
+                engine_token_file=str(root.parent / f"{root.name}-engine"),
+            ),
+            svc.controller,
+        )
         channel = grpc.insecure_channel(gateway.target)
         yield svc, pb_grpc.LoraCacheServiceStub(channel)
         channel.close()
@@ -108,14 +115,21 @@ def _sampler(stub: Any, stop: threading.Event, out: list[Sample]) -> None:
         sent = time.time()
         try:
             found = stub.Lookup(pb.LookupRequest(adapter=adapter), metadata=ROUTER, timeout=10)
-            out.append(Sample(sent, "lookup", adapter, VICTIM_REPLICA in found.ready_replicas,
-                              VICTIM_REPLICA in (*found.ready_replicas, *found.loading_replicas)))
+            out.append(
+                Sample(
+                    sent,
+                    "lookup",
+                    adapter,
+                    VICTIM_REPLICA in found.ready_replicas,
+                    VICTIM_REPLICA in (*found.ready_replicas, *found.loading_replicas),
+                )
+            )
             sent = time.time()
-            (advice,) = stub.Route(pb.RouteRequest(items=[pb.RouteItem(adapter=adapter)]), metadata=ROUTER,
-                                   timeout=10).items
+            (advice,) = stub.Route(
+                pb.RouteRequest(items=[pb.RouteItem(adapter=adapter)]), metadata=ROUTER, timeout=10
+            ).items
             mine = [r for r in advice.replicas if r.replica == VICTIM_REPLICA]
-            out.append(Sample(sent, "route", adapter, any(r.reason == pb.ROUTE_REASON_READY for r in mine),
-                              bool(mine)))
+            out.append(Sample(sent, "route", adapter, any(r.reason == pb.ROUTE_REASON_READY for r in mine), bool(mine)))
         except grpc.RpcError:
             continue
         time.sleep(0.002)
@@ -139,8 +153,10 @@ def _watcher(stub: Any, cursor: int, out: list[tuple[float, pb.ReadinessEvent]])
 def _hinter(stub: Any, stop: threading.Event, taken: list[tuple[float, int]]) -> None:
     k = 0
     while not stop.is_set():
-        hints = [pb.PrefetchHint(hint_id=f"h-{k}-{r}", adapter=f"adapter-00{2 + k % 4}", replica=f"replica-{r}")
-                 for r in (0, 1)]
+        hints = [
+            pb.PrefetchHint(hint_id=f"h-{k}-{r}", adapter=f"adapter-00{2 + k % 4}", replica=f"replica-{r}")
+            for r in (0, 1)
+        ]
         k += 1
         sent = time.time()
         try:
@@ -167,18 +183,25 @@ def test_a_sigkilled_rank_is_never_advertised_ready_once_the_controller_knows(se
     hinted: list[tuple[float, int]] = []
     stop = threading.Event()
     stream = _watcher(stub, cursor, events)
-    threads = [threading.Thread(target=_sampler, args=(stub, stop, samples), daemon=True),
-               threading.Thread(target=_hinter, args=(stub, stop, hinted), daemon=True)]
+    threads = [
+        threading.Thread(target=_sampler, args=(stub, stop, samples), daemon=True),
+        threading.Thread(target=_hinter, args=(stub, stop, hinted), daemon=True),
+    ]
     for t in threads:
         t.start()
     wait_for(lambda: len(samples) > 20, "samples before the kill", timeout=30)
     t_kill = time.time()
     os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: any(w == f"{VICTIM_REPLICA}/1" and t > t_kill
-                         for w, t in ray.get(ctl.status.remote())["recent_losses"]),
-             "the controller to learn of the death", timeout=30)
-    t_learn = next(t for w, t in ray.get(ctl.status.remote())["recent_losses"]
-                   if w == f"{VICTIM_REPLICA}/1" and t > t_kill)
+    wait_for(
+        lambda: any(
+            w == f"{VICTIM_REPLICA}/1" and t > t_kill for w, t in ray.get(ctl.status.remote())["recent_losses"]
+        ),
+        "the controller to learn of the death",
+        timeout=30,
+    )
+    t_learn = next(
+        t for w, t in ray.get(ctl.status.remote())["recent_losses"] if w == f"{VICTIM_REPLICA}/1" and t > t_kill
+    )
     # the restarted rank reloads what the planner wants there; wait until the replica is whole again
     wait_for(lambda: not ray.get(ctl.status.remote())["lost_ranks"], "the restarted rank to report", timeout=60)
     t_back = time.time()
@@ -197,16 +220,23 @@ def test_a_sigkilled_rank_is_never_advertised_ready_once_the_controller_knows(se
     wrong_after_learn = [s for s in samples if wrong(s, t_learn)]
     in_window = [s for s in samples if wrong(s, t_kill)]
     after_kill = [s for s in samples if s.sent > t_kill]
-    wrong_events = [(t, e) for t, e in events if e.state == pb.READINESS_STATE_READY and e.adapter in HELD
-                    and t_learn < t < reloaded.get(e.adapter, float("inf"))]
+    wrong_events = [
+        (t, e)
+        for t, e in events
+        if e.state == pb.READINESS_STATE_READY
+        and e.adapter in HELD
+        and t_learn < t < reloaded.get(e.adapter, float("inf"))
+    ]
     not_ready = [(t, e) for t, e in events if e.state == pb.READINESS_STATE_NOT_READY and e.adapter in HELD]
     ranked_while_lost = [s for s in samples if s.rpc == "route" and s.ranked and t_learn + 0.05 < s.sent < t_back - 0.5]
     hinted_while_lost = [(t, n) for t, n in hinted if t_learn + 0.05 < t < t_back - 0.5 and n > 1]
-    print(f"SIGKILL of {VICTIM_REPLICA}/1: learned after {1000 * (t_learn - t_kill):.1f} ms, replica whole again "
-          f"after {t_back - t_kill:.2f} s; {len(after_kill)} samples after the kill (Lookup + Route), "
-          f"{len(samples)} in all; wrong READY after the controller learned: {len(wrong_after_learn)}; READY in "
-          f"the detection window: {len(in_window)}; Watch READY events before the reload: {len(wrong_events)}; "
-          f"Route ranked the lost replica {len(ranked_while_lost)} times; hints taken for it {len(hinted_while_lost)}")
+    print(
+        f"SIGKILL of {VICTIM_REPLICA}/1: learned after {1000 * (t_learn - t_kill):.1f} ms, replica whole again "
+        f"after {t_back - t_kill:.2f} s; {len(after_kill)} samples after the kill (Lookup + Route), "
+        f"{len(samples)} in all; wrong READY after the controller learned: {len(wrong_after_learn)}; READY in "
+        f"the detection window: {len(in_window)}; Watch READY events before the reload: {len(wrong_events)}; "
+        f"Route ranked the lost replica {len(ranked_while_lost)} times; hints taken for it {len(hinted_while_lost)}"
+    )
     assert t_learn - t_kill < DETECT_S, f"the controller learned of the death after {t_learn - t_kill:.2f} s"
     assert not wrong_after_learn, f"wrong READY: {wrong_after_learn[:5]}"
     assert not wrong_events, f"READY events before the restarted rank reloaded: {wrong_events[:5]}"
@@ -225,8 +255,9 @@ def test_a_stopped_rank_leaves_the_routes_and_the_hints_within_2_s_and_returns(s
     pid = ray.get(svc.workers[wid].pid.remote())
 
     def ranked() -> set[str]:
-        (advice,) = stub.Route(pb.RouteRequest(items=[pb.RouteItem(adapter="adapter-002")]), metadata=ROUTER,
-                               timeout=30).items
+        (advice,) = stub.Route(
+            pb.RouteRequest(items=[pb.RouteItem(adapter="adapter-002")]), metadata=ROUTER, timeout=30
+        ).items
         return {r.replica for r in advice.replicas}
 
     assert replica in ranked()
@@ -242,8 +273,9 @@ def test_a_stopped_rank_leaves_the_routes_and_the_hints_within_2_s_and_returns(s
         os.kill(pid, signal.SIGCONT)
     t_cont = time.time()
     wait_for(lambda: not ray.get(ctl.status.remote())["lost_ranks"], "the resumed rank back", 30)
-    print(f"SIGSTOP of {wid}: found lost after {t_found - t_stop:.2f} s; back {time.time() - t_cont:.2f} s after "
-          "SIGCONT")
+    print(
+        f"SIGSTOP of {wid}: found lost after {t_found - t_stop:.2f} s; back {time.time() - t_cont:.2f} s after SIGCONT"
+    )
     assert t_found - t_stop < 2.0, f"found after {t_found - t_stop:.2f} s"
     assert replica in ranked()
     assert ray.get(ctl.check_integrity.remote())
@@ -253,8 +285,17 @@ class Rank:
     """A hand-driven AttachRank stream: what a hostile client with an engine's token can send."""
 
     def __init__(self, stub: Any, metadata: Any = ENGINE, **hello: Any) -> None:
-        fields = {"replica": "forged", "rank": 0, "tp": 1, "num_slots": 2, "model": "tiny",
-                  "incarnation": time.time_ns(), "liveness_s": 5.0, "start_s": 60.0, "name_wait_s": 0.0} | hello
+        fields = {
+            "replica": "forged",
+            "rank": 0,
+            "tp": 1,
+            "num_slots": 2,
+            "model": "tiny",
+            "incarnation": time.time_ns(),
+            "liveness_s": 5.0,
+            "start_s": 60.0,
+            "name_wait_s": 0.0,
+        } | hello
         self.hello = pb.AttachHello(**fields)
         self.up: queue.Queue[pb.AttachRankRequest | None] = queue.Queue()
         self.up.put(pb.AttachRankRequest(hello=self.hello))
@@ -265,9 +306,20 @@ class Rank:
 
     def answer_describe(self, call: pb.RelayedCall, **forged: Any) -> None:
         h = self.hello
-        report = {"replica": h.replica, "rank": h.rank, "tp": h.tp, "model": "tiny", "incarnation": h.incarnation,
-                  "seq": 0, "node": "forger", "slots": h.num_slots, "host_bytes": 0, "adapters": {}, "epoch": 0,
-                  "residency": []} | forged
+        report = {
+            "replica": h.replica,
+            "rank": h.rank,
+            "tp": h.tp,
+            "model": "tiny",
+            "incarnation": h.incarnation,
+            "seq": 0,
+            "node": "forger",
+            "slots": h.num_slots,
+            "host_bytes": 0,
+            "adapters": {},
+            "epoch": 0,
+            "residency": [],
+        } | forged
         self.up.put(pb.AttachRankRequest(answer=codec.answer(call.call_id, "describe", True, report)))
 
     def serve_until_adopted(self, **forged: Any) -> None:
@@ -280,8 +332,9 @@ class Rank:
                 self.answer_describe(m.call, **forged)
             elif method == "register_adapters":
                 n = len(m.call.register_adapters.adapters)
-                self.up.put(pb.AttachRankRequest(answer=codec.answer(m.call.call_id, "register_adapters", True,
-                                                                     [("", "")] * n)))
+                self.up.put(
+                    pb.AttachRankRequest(answer=codec.answer(m.call.call_id, "register_adapters", True, [("", "")] * n))
+                )
 
     def close(self) -> None:
         self.up.put(None)
@@ -320,10 +373,19 @@ def test_a_forged_engine_rank_is_not_believed_and_leaves_when_it_detaches(served
     forger.serve_until_adopted()
     assert "forged" in ray.get(ctl.status.remote())["replicas"]
     refused = ray.get(ctl.status.remote())["refused_reports"]
-    rows = [(1, "ghost", "v-ghost", "ready", ""), (2, registered, "f0rged", "ready", ""),
-            (3, registered, version, "ready", ""), (4, "adapter-004", stub.Lookup(pb.LookupRequest(
-                adapter="adapter-004"), metadata=ROUTER, timeout=30).version, "ready", ""),
-            (5, "adapter-003", "anything", "ready", "")]
+    rows = [
+        (1, "ghost", "v-ghost", "ready", ""),
+        (2, registered, "f0rged", "ready", ""),
+        (3, registered, version, "ready", ""),
+        (
+            4,
+            "adapter-004",
+            stub.Lookup(pb.LookupRequest(adapter="adapter-004"), metadata=ROUTER, timeout=30).version,
+            "ready",
+            "",
+        ),
+        (5, "adapter-003", "anything", "ready", ""),
+    ]
     forger.up.put(pb.AttachRankRequest(deltas=codec.deltas(forger.hello.incarnation, rows)))
     wait_for(lambda: ray.get(ctl.status.remote())["refused_reports"] >= refused + 3, "the forged claims refused", 30)
     held = ray.get(ctl.check_integrity.remote()) and ray.get(ctl.lookup.remote("ghost"))
@@ -333,8 +395,7 @@ def test_a_forged_engine_rank_is_not_believed_and_leaves_when_it_detaches(served
 
     forger.close()  # the detach: its replica leaves the fleet
     wait_for(lambda: "forged" not in ray.get(ctl.status.remote())["replicas"], "the forged replica to leave", 30)
-    (advice,) = stub.Route(pb.RouteRequest(items=[pb.RouteItem(adapter=registered)]), metadata=ROUTER,
-                           timeout=30).items
+    (advice,) = stub.Route(pb.RouteRequest(items=[pb.RouteItem(adapter=registered)]), metadata=ROUTER, timeout=30).items
     assert "forged" not in [r.replica for r in advice.replicas]
     assert ray.get(ctl.check_integrity.remote())
 
@@ -355,5 +416,8 @@ def test_hellos_waiting_for_a_taken_name_do_not_lock_out_the_next_rank(served) -
     good.serve_until_adopted()
     for r in (holder, good):
         r.close()
-    wait_for(lambda: not {"taken", "next-one"} & set(ray.get(svc.controller.status.remote())["replicas"]),
-             "the attached replicas to leave", 30)
+    wait_for(
+        lambda: not {"taken", "next-one"} & set(ray.get(svc.controller.status.remote())["replicas"]),
+        "the attached replicas to leave",
+        30,
+    )
