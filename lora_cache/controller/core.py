@@ -250,8 +250,9 @@ class ControllerCore:
             return True
         known = adapter in self.catalog and version in self.catalog.versions(adapter)
         why = None if known else f"{adapter}@{version} is not a registered version"
-        if why is None and len(held) >= self.planner.capacity(str(worker)).slots:
-            why = f"it already holds {len(held)} adapters, one per slot ({len(held)} slots)"
+        slots = self.planner.capacity(str(worker)).slots
+        if why is None and len(held) >= slots:
+            why = f"{adapter}@{version} would be more than its {slots} slots hold (one adapter each)"
         if why is None:
             return True
         self.refused_reports += 1
