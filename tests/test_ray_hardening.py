@@ -102,7 +102,6 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
-ALL = (("authorization", "Bearer all-token"),)
 ENGINE = (("authorization", "Bearer engine-token"),)
 ROUTER = (("authorization", "Bearer router-token"),)
 
