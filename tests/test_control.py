@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.controller.core import ControllerConfig, ControllerCore
-from lora_cache.errors import ConflictError, NotFoundError
+from lora_cache.controller.links import Link, WorkerLinks
+from lora_cache.errors import ConfigError, ConflictError, NotFoundError
 from lora_cache.planner import PlannerConfig
 from lora_cache.routing.advice import RouteRequest
-from lora_cache.vocab import AdapterKey, Delta, Evict, Prefetch, Stage, WorkerId
+from lora_cache.vocab import AdapterKey, Delta, Evict, Prefetch, Stage, WorkerId, worker_name
 from tests.planner_queries import popularity
 from workers.cache import WorkerCache, WorkerConfig
 from workers.commands import CommandGate
@@ -183,10 +186,32 @@ def test_lost_worker_makes_replica_not_ready(fleet) -> None:
     for wid, commands in core.plan(now=1.0).items():
         workers[wid][1].apply(commands)
     _deliver(core, workers, ready=1)
-    (event,) = core.worker_lost(WorkerId("r0", 1))
+    (event,) = core.worker_lost(WorkerId("r0", 1), gone=False)  # restarted empty and said so
     assert not event.ready and core.readiness.lookup("adapter-000").ready == ()
-    replan = core.plan(now=2.0)  # the queued adapter is planned again for the lost rank
+    replan = core.plan(now=2.0)  # the queued adapter is planned again for the restarted rank
     assert [c.adapter for c in replan[WorkerId("r0", 1)]] == ["adapter-000"]
+
+
+def test_a_lost_replica_leaves_the_hints_and_the_plans_until_it_returns(fleet) -> None:
+    """Issue 35 item 1: hints to a replica whose rank was lost (dead, hung, detached) were still taken and
+    planned, and commands sent to its surviving rank. Now the replica takes no hints and gets no plans
+    until the rank is heard from; then the ranks whose plans were withheld are resynced (``returned``)."""
+    core, _ = fleet
+    lost = WorkerId("r0", 1)
+    core.worker_lost(lost, now=5.0)
+    assert core.status()["lost_ranks"] == {"r0/1": 5.0}
+    (outcome,) = core.hint_batches([[("h-lost", "adapter-001", "r0", 0.0)]], now=1.0)
+    assert (outcome.accepted, outcome.ignored) == (0, 1), "a hint to a lost replica was taken"
+    assert not core.hint("h-lost-2", "adapter-001", "r0", 0.0, now=1.0)
+    core.report_queue("r0", [("adapter-000", 0.0)], now=1.0)
+    assert core.plan(now=2.0) == {} and core.plan(now=2.0, full=True) == {}, "planned for a lost replica"
+    assert core.returned() == []
+    core.sync_worker(lost, [])  # it answered its full report: alive, empty
+    assert core.returned() == [WorkerId("r0", 0), lost], "the withheld ranks are resynced on return"
+    assert "adapter-000" in [c.adapter for c in core.plan(now=3.0, full=True)[lost]]
+    (outcome,) = core.hint_batches([[("h-back", "adapter-001", "r0", 0.0)]], now=3.0)
+    assert outcome.accepted == 1
+    core.check_integrity()
 
 
 def test_a_replica_with_a_lost_rank_is_not_routed_to_until_the_rank_is_heard_from(fleet) -> None:
@@ -300,3 +325,124 @@ def test_popular_adapters_are_staged_into_the_host_tier_the_worker_reports(tmp_p
         assert cache.stats()["host_bytes_used"] <= host_bytes and cache.residency() == []  # no slot taken
     finally:
         cache.close()
+
+
+def test_a_rank_is_believed_only_for_registered_versions_within_its_slots(fleet) -> None:
+    """Issue 35 item 2: a rank's READY for an adapter never registered (or a version the controller does not
+    know) made its replica ready for it; a rank could claim more adapters than it has slots. Such claims are
+    refused and counted; a removal is always believed."""
+    core, _ = fleet
+    r0, r1 = WorkerId("r0", 0), WorkerId("r0", 1)
+    version = core.catalog.get("adapter-000").version
+    for rank in (r0, r1):
+        assert core.worker_report(rank, [("ghost", "v1", "ready", ""), ("adapter-000", "forged", "ready", "")],
+                                  now=1.0) == []
+    assert core.readiness.counts()["held"] == 0 and core.status()["refused_reports"] == 4
+    assert "ghost@v1 is not a registered version" in core.status()["recent_refusals"][0]
+    events = [e for rank in (r0, r1) for e in core.worker_report(rank, [("adapter-000", version, "ready", "")], 1.0)]
+    assert [e.ready for e in events] == [True], "a registered version is believed"
+    others = [(f"adapter-00{k}", core.catalog.get(f"adapter-00{k}").version) for k in (1, 2, 3)]
+    core.worker_report(r0, [(a, v, "ready", "") for a, v in others], now=1.0)  # 2 slots: one more fits
+    assert len(core.readiness.holdings("r0", 0)) == 2 and core.status()["refused_reports"] == 6
+    core.sync_worker(r1, [(a, v, "ready", 0) for a, v in [("adapter-000", version), *others]])
+    assert len(core.readiness.holdings("r0", 1)) == 2, "a full report beyond the slots"
+    assert ("adapter-000", version) in core.readiness.holdings("r0", 1), "what it held first is kept"
+    core.worker_report(r0, [("adapter-000", version, "gone", "")], now=1.0)
+    assert ("adapter-000", version) not in core.readiness.holdings("r0", 0)
+    core.check_integrity()
+
+
+def test_a_replica_shape_is_bounded_and_a_replica_with_no_rank_left_leaves(fleet) -> None:
+    """Issue 35 item 2: tp=100000 was adopted (100 MB of controller memory), 0 slots taken."""
+    core, _ = fleet
+    for tp, slots, fragment in [(100_000, 2, "tp is 100000; give an integer from 1 to 64"),
+                                (1, 0, "slots is 0; give an integer from 1 to 65536"),
+                                (1, 10**9, "slots is 1000000000; give an integer from 1 to 65536")]:
+        with pytest.raises(ConfigError, match=fragment):
+            core.add_replica("forged", tp=tp, slots=slots)
+    assert "forged" not in core.planner.replicas()
+    version = core.catalog.get("adapter-000").version
+    for rank in (0, 1):
+        core.worker_report(WorkerId("r0", rank), [("adapter-000", version, "ready", "")], now=1.0)
+    core.hint("h1", "adapter-001", "r0", 0.0, now=1.0)
+    (event,) = core.remove_replica("r0")
+    assert not event.ready and core.planner.replicas() == () and core.readiness.counts()["replicas"] == 0
+    with pytest.raises(NotFoundError):
+        core.hint("h2", "adapter-001", "r0", 0.0, now=1.0)
+    core.check_integrity()
+
+
+class _Method:
+    """``handle.method.remote(...)`` of a worker in this process: an awaitable, as Ray's ObjectRef is."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def remote(self, *args: Any) -> Any:
+        return asyncio.ensure_future(self.fn(*args))
+
+
+class _LifelineWorker:
+    """A worker whose lifeline is a real TCP connection to the controller's links; ``die`` drops it as the
+    kernel does for a killed process; ``describe`` fails while it is dead."""
+
+    def __init__(self, report: dict[str, Any]) -> None:
+        self.report, self.dead, self.writer = report, False, None
+        self.lifeline, self.describe = _Method(self._lifeline), _Method(self._describe)
+
+    async def _lifeline(self, host: str, port: int, nonce: str) -> None:
+        reader, self.writer = await asyncio.open_connection(host, port)
+        self.writer.write(f"{nonce}\n".encode())
+        await self.writer.drain()
+        await reader.read()
+
+    async def _describe(self) -> dict[str, Any]:
+        if self.dead:
+            raise ConnectionError("the worker is dead")
+        return self.report
+
+    def die(self) -> None:
+        self.dead = True
+        self.writer.transport.abort()
+
+
+def test_a_closed_lifeline_loses_the_rank_at_once_and_its_late_deltas_are_not_believed(fleet) -> None:
+    """Issue 35 item 1: a rank's death reached the controller only at the next failed ping or the restarted
+    worker's hello (Lookup said READY for up to 1.4 s), and deltas the dead rank had sent before dying
+    brought its readiness back. Now the end of its lifeline loses it at once; until a full report answered
+    after the loss, nothing it sent is believed."""
+    core, _ = fleet
+    version = core.catalog.get("adapter-000").version
+    victim = WorkerId("r0", 1)
+    published: list[Any] = []
+
+    async def replan() -> None:
+        pass
+
+    async def scenario() -> None:
+        links = WorkerLinks(core, None, published.extend, replan, find=lambda name: None,  # type: ignore[arg-type]
+                            named=lambda: [])
+        worker = _LifelineWorker({"incarnation": 2, "seq": 0, "residency": []})
+        for rank in (0, 1):
+            links.handles[WorkerId("r0", rank)] = worker if rank == 1 else object()
+            links.links[WorkerId("r0", rank)] = Link(1, 0)
+            links.receive(worker_name(WorkerId("r0", rank)), 1, [(1, "adapter-000", version, "ready", "")])
+        assert core.readiness.lookup("adapter-000").ready == ("r0",)
+        links.watch(victim, worker)
+        while worker.writer is None:
+            await asyncio.sleep(0.01)
+        worker.die()
+        while victim not in core.down:
+            await asyncio.sleep(0.001)
+        assert core.readiness.lookup("adapter-000").ready == (), "ready after the rank was lost"
+        assert not links.receive(worker_name(victim), 1, [(2, "adapter-000", version, "ready", "")])
+        await asyncio.sleep(0.05)  # the resync it triggered fails (dead): nothing comes back
+        assert core.readiness.lookup("adapter-000").ready == () and victim in core.down
+        worker.dead = False  # it answers again (a restart), empty: back, and not ready until it reloads
+        await links.resync(victim)
+        assert victim not in core.down and core.readiness.lookup("adapter-000").ready == ()
+        for task in links.lifelines.values():
+            task.cancel()
+
+    asyncio.run(scenario())
+    core.check_integrity()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,7 +20,7 @@ from lora_cache.api import relay_codec as codec
 from lora_cache.api.rank_link import RankLink
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.validate import RequestError
-from lora_cache.errors import ConfigError, NotFoundError
+from lora_cache.errors import ConfigError, ConflictError, NotFoundError
 from lora_cache.link.relay import Relay
 from lora_cache.vocab import ApplyResult, Evict, Prefetch, Stage
 from tests.waiting import wait_for
@@ -151,7 +152,10 @@ def test_the_link_relays_calls_both_ways_and_the_end_of_the_stream_detaches() ->
      r"first message of an AttachRank stream must be an AttachHello, not 'alive'; send"),
     (hello(replica="bad name!"), RequestError, r"replica 'bad name!' in the AttachHello is malformed"),
     (hello(rank=2, tp=2), RequestError, r"rank 2 of replica 'replica-0' is not below tp 2; a TP rank is 0..tp-1"),
-    (hello(num_slots=0), RequestError, r"num_slots 0 .* must be >= 1"),
+    (hello(num_slots=0), RequestError, r"num_slots is 0 for rank 0 of 'replica-0'; give 1 to 65536"),
+    (hello(num_slots=10**9), RequestError, r"num_slots is 1000000000 .*; give 1 to 65536"),
+    (hello(tp=100_000), RequestError, r"tp is 100000 in the AttachHello of replica 'replica-0'; give 1 to 64"),
+    (hello(name_wait_s=1e9), RequestError, r"name_wait_s \(1e\+09\) must be at most 60 s"),
     (hello(liveness_s=0.0), RequestError, r"liveness_s \(0.0\) must be > 0"),
     (hello(model="llama-3.1-8b"), ConfigError,
      r"serves model 'llama-3.1-8b' but the controller plans for 'tiny'; attach with the service's model"),
@@ -308,3 +312,55 @@ def test_an_engine_attaches_through_a_real_grpc_server_and_loads_what_it_is_told
 
 def reported(host: RelayHost) -> list[str]:
     return [d[3] for e in host.events if e[0] == "report" for d in e[2]]
+
+
+@pytest.mark.parametrize(("forged", "fragment"), [
+    ({"tp": 100_000}, "its report says tp 100000, but its hello said 1"),
+    ({"slots": 0}, "its report says slots 0, but its hello said 2"),
+    ({"replica": "replica-9"}, "its report says replica 'replica-9', but its hello said 'replica-0'"),
+    ({"residency": [(f"a{k}", "v", "ready", 0) for k in range(3)]}, "holds 3 adapters in 2 slots"),
+])
+def test_a_report_outside_the_hello_shape_ends_the_stream(forged: dict[str, Any], fragment: str) -> None:
+    """Issue 35 item 2: the controller adopted whatever shape an attached rank's report claimed (tp=100000
+    grew it by 100 MB). The gateway now checks the report against the hello before the controller sees it."""
+    async def scenario() -> None:
+        host = RelayHost()
+        engine = Engine(RankLink(lambda name: host, poll_s=0.05))
+        engine.up.put_nowait(hello())
+        await engine.next()  # attached
+        call = (await engine.next()).call
+        engine.up.put_nowait(pb.AttachRankRequest(answer=codec.answer(call.call_id, "describe", True,
+                                                                      report() | forged)))
+        with pytest.raises(RequestError, match=re.escape(fragment)):
+            while True:
+                await engine.next()
+        assert host.events[-1] == "left"
+
+    asyncio.run(scenario())
+
+
+def test_one_hello_at_a_time_waits_for_a_name() -> None:
+    """Issue 35 item 2: hellos that waited for a taken name without bound locked out the good rank after them.
+    A hello's wait is bounded (``name_wait_s`` at most 60 s), and a second hello for a name being waited for
+    is refused at once."""
+    async def scenario() -> None:
+        gate = asyncio.Event()
+
+        class WaitingHost(RelayHost):
+            async def open(self, h: pb.AttachHello) -> None:
+                await gate.wait()  # a predecessor holds the name
+                await super().open(h)
+
+        first = Engine(RankLink(lambda name: WaitingHost()))
+        first.up.put_nowait(hello(name_wait_s=30.0))
+        waiting = asyncio.ensure_future(first.next())
+        await asyncio.sleep(0.05)
+        second = Engine(RankLink(lambda name: RelayHost()))
+        second.up.put_nowait(hello(name_wait_s=30.0))
+        with pytest.raises(ConflictError, match="another AttachHello for lora-cache-worker:replica-0:0 is waiting"):
+            await second.next()
+        gate.set()
+        assert (await waiting).WhichOneof("message") == "attached"
+        first.up.put_nowait(None)
+
+    asyncio.run(scenario())

@@ -151,7 +151,8 @@ def test_engine_processes_attach_serve_and_recover(fleet) -> None:
 
 def test_attach_refuses_a_taken_rank_and_a_mismatched_replica(fleet) -> None:
     """The test process itself attaches (any Ray driver may): a second attach of its rank is a conflict; a
-    rank that disagrees with its replica's TP size or slot count is refused, and leaves nothing behind."""
+    rank that disagrees with its replica's TP size or slot count is refused, and leaves nothing behind; a
+    replica whose ranks all detached leaves the fleet."""
     service, gcs, _ = fleet
     config = AttachConfig(replica="replica-x", address=gcs, poll_s=0.5, liveness_s=10.0, name_wait_s=0)
     with attach(config, worker(0, tp=1, slots=2)) as rank:
@@ -162,13 +163,19 @@ def test_attach_refuses_a_taken_rank_and_a_mismatched_replica(fleet) -> None:
         wait_for(lambda: "replica-x" in ready_on(service.controller, "adapter-002"), what="the demand load seen")
         rank.release(batch)
         rank.cache.check_integrity()
-    with pytest.raises(ConfigError, match=r"replica 'replica-x' already exists with workers"):
-        attach(config, worker(1, tp=2, slots=2))
-    with pytest.raises(ConfigError, match=r"2 slots per worker, not 5"):
-        attach(config, worker(0, tp=1, slots=5))
-    with pytest.raises(ValueError):  # nothing named after a refused rank is left behind
-        ray.get_actor("lora-cache-worker:replica-x:0", namespace="lora-cache")
+        with pytest.raises(ConfigError, match=r"replica 'replica-x' already exists with workers"):
+            attach(config, worker(1, tp=2, slots=2))
+        with pytest.raises(ValueError):  # nothing named after a refused rank is left behind
+            ray.get_actor("lora-cache-worker:replica-x:1", namespace="lora-cache")
     wait_for(lambda: "replica-x" not in ready_on(service.controller, "adapter-002"), what="the detach seen")
+    # issue 35: a replica whose ranks all detached leaves the fleet; attaching again adds it anew
+    wait_for(lambda: "replica-x" not in ray.get(service.controller.status.remote())["replicas"],
+             what="the detached replica gone")
+    config_y = AttachConfig(replica="replica-y", address=gcs, poll_s=0.5, liveness_s=10.0, name_wait_s=0)
+    with attach(config_y, worker(0, tp=2, slots=2)), pytest.raises(ConfigError, match=r"2 slots per worker, not 5"):
+        attach(config_y, worker(1, tp=2, slots=5))
+    wait_for(lambda: "replica-y" not in ray.get(service.controller.status.remote())["replicas"],
+             what="the second detached replica gone")
 
 
 def test_a_process_that_stops_serving_is_a_dead_rank(fleet) -> None:

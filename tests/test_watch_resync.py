@@ -139,7 +139,7 @@ class IndexController:
         return self.idx.last_seq
 
     async def _poll_events(self, after: int, replica: str | None, adapter: str | None, timeout_s: float) -> WatchBatch:
-        for _ in range(int(timeout_s / 0.01)):
+        for _ in range(max(1, int(timeout_s / 0.01))):  # read once at least, as the actor does
             with self.lock:
                 batch = self.idx.read(after, replica, adapter)
             if batch.events or batch.resync:

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -38,12 +41,13 @@ from workers.streams import resolve_device
 log = logging.getLogger(__name__)
 
 
-@ray.remote(max_restarts=-1, concurrency_groups={"engine": 1, "feed": 1, "finished": 1})
+@ray.remote(max_restarts=-1, concurrency_groups={"engine": 1, "feed": 1, "finished": 1, "lifeline": 4})
 class WorkerActor:
     """Control calls (apply, describe, ...) run one at a time in the default group, in order; an engine
     hosted here (the benchmark's real path) runs its loop in the ``engine`` group beside them, takes a
     streaming run's requests in the ``feed`` group (in order: the end of stream comes last) and answers
-    the long poll for finished ones in ``finished``."""
+    the long poll for finished ones in ``finished``. ``ping`` and the controller's ``lifeline`` (its death
+    watch) run in ``lifeline`` (a lifeline left by a controller that restarted ends within its timeout)."""
 
     def __init__(self, name: str, replica: str, config: WorkerConfig, catalog: CatalogConfig,
                  flush_s: float = 0.005) -> None:
@@ -61,6 +65,7 @@ class WorkerActor:
         self.loads: deque[tuple[float, ReadinessRecord]] = deque(maxlen=4096)
         self.metrics.start()
         self.control = WorkerControl(replica, self.catalog, self.cache, self.outbox)
+        self._stopping = threading.Event()  # set at shutdown: the controller's lifeline returns
         # A restarted worker holds nothing: say so, so the controller forgets its predecessor. ValueError:
         # no controller yet (it adopts this worker from describe() when it starts).
         with contextlib.suppress(ValueError):
@@ -150,8 +155,29 @@ class WorkerActor:
     def stats(self) -> dict[str, object]:
         return self.control.stats()
 
+    @ray.method(concurrency_group="lifeline")
     def ping(self) -> bool:
+        """Answered beside the control calls (its own threads): a long apply or describe is not a death."""
         return True
+
+    @ray.method(concurrency_group="lifeline")
+    def pid(self) -> int:
+        """This worker's process id (fault-injection tests signal it)."""
+        return os.getpid()
+
+    @ray.method(concurrency_group="lifeline")
+    def lifeline(self, host: str, port: int, nonce: str) -> None:
+        """The controller's death watch: a TCP connection to it, held open by this call; the kernel closes it
+        the moment this process dies. Returns when the controller closes it (or at ``shutdown``)."""
+        with socket.create_connection((host, port), timeout=10) as conn:
+            conn.sendall(f"{nonce}\n".encode())
+            conn.settimeout(1.0)
+            while not self._stopping.is_set():
+                try:
+                    if not conn.recv(64):
+                        return
+                except TimeoutError:
+                    continue
 
     # -- a hosted engine (bench.run --engine real) --------------------------------------------------
     def preload(self, names: list[str], timeout_s: float = 600.0) -> list[ReadinessRecord]:
@@ -199,6 +225,7 @@ class WorkerActor:
         return self.engine.finished(timeout_s)
 
     def shutdown(self) -> None:
+        self._stopping.set()
         self.metrics.stop()
         self.outbox.close()
         self.cache.close()

@@ -2,9 +2,10 @@
 
 It serves ``lora_cache.v1.LoraCacheService`` (lora_cache/api/servicer.py), the standard health
 service (grpc.health.v1) and server reflection. Limits: message size, concurrent RPCs (beyond it
-gRPC answers RESOURCE_EXHAUSTED), hints per call, and the bounded hint ingest queue. With a bearer
-token configured, every call but health checks needs ``authorization: Bearer <token>``; with a
-certificate and key, the port speaks TLS.
+gRPC answers RESOURCE_EXHAUSTED), streams per client and in all, hints per call, and the bounded hint
+ingest queue. With bearer tokens configured, every call but health checks needs ``authorization: Bearer
+<token>``, and a token of a role the RPC allows (``RPC_ROLES``: routers, engines, operators; the plain
+``--token-file`` carries every role); with a certificate and key, the port speaks TLS.
 
 ``start_gateway`` runs on the caller's event loop; ``start_gateway_thread`` gives synchronous
 callers (``lora-cache serve``) a gateway on its own loop in a daemon thread.
@@ -25,12 +26,22 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from lora_cache.api.ingest import HintIngest
-from lora_cache.api.servicer import SERVICE_NAME, Servicer, generic_handler
+from lora_cache.api.servicer import SERVICE_NAME, Servicer, StreamLimits, generic_handler
 from lora_cache.api.tls import check_tls_pair
 from lora_cache.errors import ConfigError
 
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # served without a token: load balancers probe them
 MiB = 1 << 20
+ROLES = ("router", "engine", "operator")
+# Which roles may call each RPC of LoraCacheService (docs/decisions.md, "Roles of callers"); an RPC not named
+# here (server reflection) takes any valid token.
+RPC_ROLES: dict[str, frozenset[str]] = {
+    **dict.fromkeys(("Hint", "CancelHint", "Lookup", "Route", "WatchReadiness"), frozenset({"router"})),
+    "ReportQueue": frozenset({"router", "engine"}),  # engines report their waiting queues
+    "AttachRank": frozenset({"engine"}),
+    **dict.fromkeys(("RegisterAdapter", "RegisterAdapters", "UnregisterAdapter"), frozenset({"operator"})),
+    "Status": frozenset(ROLES),
+}
 
 
 @dataclass(frozen=True)
@@ -51,6 +62,17 @@ class GatewayConfig:
         "help": "file holding the bearer token every call but health checks must send (empty: no auth)"})
     token: str = field(default="", metadata={"help": "the bearer token itself (prefer --token-file: "
                                                      "command lines are visible to other users)"})
+    router_token_file: str = field(default="", metadata={"path": True, "help":
+        "file of the bearer token of routers: Hint, CancelHint, Lookup, Route, WatchReadiness, ReportQueue, Status"})
+    engine_token_file: str = field(default="", metadata={"path": True, "help":
+        "file of the bearer token of engines: AttachRank, ReportQueue, Status"})
+    operator_token_file: str = field(default="", metadata={"path": True, "help":
+        "file of the bearer token of operators: RegisterAdapter(s), UnregisterAdapter, Status"})
+    max_streams_per_client: int = field(default=64, metadata={
+        "help": "WatchReadiness and AttachRank streams one client (address and token) holds at once"})
+    max_streams: int = field(default=256, metadata={
+        "help": "WatchReadiness and AttachRank streams open at once in all (each Watch holds a controller poll); "
+                "at most half of max_concurrent_rpcs is used, so unary calls always find a slot"})
     tls_cert: str = field(default="", metadata={
         "path": True, "help": "PEM certificate chain file: serve TLS (with --tls-key)"})
     tls_key: str = field(default="", metadata={"path": True, "help": "PEM private key file of --tls-cert"})
@@ -63,7 +85,7 @@ class GatewayConfig:
         if not 64 * 1024 <= self.max_message_bytes < 2**31:
             raise ConfigError(f"max_message_bytes is {self.max_message_bytes}; give 64 KiB to 2 GiB - 1, "
                               f"e.g. {4 * MiB} (4 MiB)")
-        for name in ("max_concurrent_rpcs", "max_hints_per_call"):
+        for name in ("max_concurrent_rpcs", "max_hints_per_call", "max_streams_per_client", "max_streams"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} is {getattr(self, name)}; give at least 1")
         if self.ingest_queue_hints < self.max_hints_per_call:
@@ -72,9 +94,7 @@ class GatewayConfig:
                               "max_hints_per_call")
         if self.token and self.token_file:
             raise ConfigError("both token and token_file are set; give one (token_file keeps it off the command line)")
-        token = self.bearer_token()
-        if token is not None and not (token.isascii() and token.isprintable() and " " not in token):
-            raise ConfigError("the bearer token must be printable ASCII without spaces (it travels in a header)")
+        self.role_tokens()  # every token file readable, every token well-formed
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError(f"tls_cert ({self.tls_cert!r}) and tls_key ({self.tls_key!r}) go together; "
                               "give both to serve TLS, or neither")
@@ -96,31 +116,74 @@ class GatewayConfig:
             return token
         return self.token or None
 
+    def role_tokens(self) -> dict[str, frozenset[str]]:
+        """Each accepted token and the roles it carries (empty: auth is off). ``token``/``token_file`` carries
+        every role (what it meant before roles); a role's own file, that role. A token in several files
+        carries all their roles."""
+        out: dict[str, set[str]] = {}
+        if (token := self.bearer_token()) is not None:
+            out[token] = set(ROLES)
+        for role in ROLES:
+            if path := getattr(self, f"{role}_token_file"):
+                out.setdefault(_read_token(f"{role}_token_file", path), set()).add(role)
+        for token in out:
+            if not (token.isascii() and token.isprintable() and " " not in token):
+                raise ConfigError("a bearer token must be printable ASCII without spaces (it travels in a header)")
+        return {t: frozenset(r) for t, r in out.items()}
+
+
+def _read_token(name: str, value: str) -> str:
+    path = Path(value)
+    if not path.is_file():
+        raise ConfigError(f"{name} {value!r} is not a file; write the token into it")
+    token = path.read_text().strip()
+    if not token:
+        raise ConfigError(f"{name} {value!r} is empty; write the token into it")
+    return token
+
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Calls without ``authorization: Bearer <token>`` get UNAUTHENTICATED (health checks excepted)."""
+    """Calls without a known ``authorization: Bearer <token>`` get UNAUTHENTICATED (health checks excepted);
+    a known token without a role the RPC needs (``RPC_ROLES``) gets PERMISSION_DENIED naming the role."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, tokens: dict[str, frozenset[str]] | str) -> None:
+        if isinstance(tokens, str):  # one token: every role
+            tokens = {tokens: frozenset(ROLES)}
+        self._tokens = [(f"Bearer {t}".encode(), roles) for t, roles in tokens.items()]
+
+    def roles_of(self, sent: str | bytes) -> frozenset[str] | None:
+        """The roles of the token sent (None: no known token); every token is compared, in constant time each."""
+        raw = sent.encode() if isinstance(sent, str) else sent
+        found = [roles for expected, roles in self._tokens if hmac.compare_digest(raw, expected)]
+        return frozenset().union(*found) if found else None
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
         handler = await continuation(details)
         if handler is None or details.method.startswith(OPEN_METHODS):
             return handler
         sent = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
-        if sent is not None and hmac.compare_digest(sent.encode() if isinstance(sent, str) else sent, self._expected):
+        roles = None if sent is None else self.roles_of(sent)
+        if roles is None:
+            why = ("the call has no bearer token" if sent is None else "the bearer token is wrong") + (
+                "; this server requires metadata 'authorization: Bearer <token>' (lora_cache.api.client: token=...; "
+                "CLI: --token-file)")
+            return _denied(handler, grpc.StatusCode.UNAUTHENTICATED, why)
+        rpc = details.method.rsplit("/", 1)[-1]
+        needed = RPC_ROLES.get(rpc, frozenset(ROLES)) if details.method.startswith(f"/{SERVICE_NAME}/") \
+            else frozenset(ROLES)
+        if roles & needed:
             return handler
-        why = ("the call has no bearer token" if sent is None else "the bearer token is wrong") + (
-            "; this server requires metadata 'authorization: Bearer <token>' (lora_cache.api.client: token=...; "
-            "CLI: --token-file)")
-        return _denied(handler, why)
+        why = (f"{rpc} needs the {' or '.join(sorted(needed))} role; this token has the "
+               f"{', '.join(sorted(roles))} role: call with a token from "
+               f"{' or '.join(f'--{r}-token-file' for r in sorted(needed))} (or --token-file, every role)")
+        return _denied(handler, grpc.StatusCode.PERMISSION_DENIED, why)
 
 
-def _denied(handler: Any, why: str) -> Any:
-    """A handler of the same kind as ``handler`` that answers UNAUTHENTICATED."""
+def _denied(handler: Any, code: grpc.StatusCode, why: str) -> Any:
+    """A handler of the same kind as ``handler`` that answers ``code``."""
 
     async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+        await context.abort(code, why)
 
     kind = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
@@ -156,14 +219,17 @@ def _credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
 
 async def start_gateway(config: GatewayConfig, controller: Any) -> Gateway:
     """Serve LoraCacheService (+ health, reflection) for ``controller`` on the running event loop."""
-    token = config.bearer_token()
+    tokens = config.role_tokens()
     ingest = HintIngest(controller.hint_batches.remote, config.ingest_queue_hints)
     options = [("grpc.max_receive_message_length", config.max_message_bytes),
                ("grpc.max_send_message_length", config.max_message_bytes),
                ("grpc.so_reuseport", 0)]
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-                             interceptors=[BearerTokenInterceptor(token)] if token else None)
-    server.add_generic_rpc_handlers((generic_handler(Servicer(controller, ingest, config.max_hints_per_call)),))
+                             interceptors=[BearerTokenInterceptor(tokens)] if tokens else None)
+    total = max(1, min(config.max_streams, config.max_concurrent_rpcs // 2))  # unary calls keep half the slots
+    streams = StreamLimits(min(config.max_streams_per_client, total), total)
+    server.add_generic_rpc_handlers((generic_handler(Servicer(controller, ingest, config.max_hints_per_call,
+                                                              streams=streams)),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

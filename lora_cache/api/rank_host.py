@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import ray
@@ -13,10 +14,12 @@ import ray
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.api.relay_codec import Call, DeltaRow
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
+from lora_cache.errors import ConflictError
 from lora_cache.link.endpoint import create_endpoint
 from lora_cache.vocab import parse_worker_name
 
 log = logging.getLogger(__name__)
+NAME_RETRY_S = 0.2  # how often a hello tries again for a name a dead predecessor holds
 
 
 class RayRankHost:
@@ -31,8 +34,19 @@ class RayRankHost:
         return config
 
     async def open(self, hello: pb.AttachHello) -> None:
-        self.endpoint = await asyncio.to_thread(create_endpoint, self.name, parse_worker_name(self.name),
-                                                hello.liveness_s, hello.start_s, hello.name_wait_s)
+        """The endpoint, under the rank's name; while a dead predecessor still holds it, tried again every
+        ``NAME_RETRY_S`` for up to ``name_wait_s`` on the event loop (no thread is held while waiting: a
+        cancelled stream stops waiting at once), then ``ConflictError``."""
+        deadline = time.monotonic() + hello.name_wait_s
+        while True:
+            try:
+                self.endpoint = await asyncio.to_thread(create_endpoint, self.name, parse_worker_name(self.name),
+                                                        hello.liveness_s, hello.start_s, 0.0)
+                return
+            except ConflictError:
+                if time.monotonic() + NAME_RETRY_S > deadline:
+                    raise
+            await asyncio.sleep(NAME_RETRY_S)
 
     async def adopt(self, hello: pb.AttachHello) -> None:
         await self.controller.worker_started.remote(self.name, hello.incarnation, True)

@@ -32,12 +32,16 @@ from lora_cache.api import relay_codec as codec
 from lora_cache.api import validate
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.validate import RequestError
-from lora_cache.errors import ConfigError
+from lora_cache.controller.core import MAX_SLOTS, MAX_TP
+from lora_cache.errors import ConfigError, ConflictError
 from lora_cache.vocab import WorkerId, worker_name
 
 log = logging.getLogger(__name__)
 
 POLL_S = 1.0  # the pump's long poll of the endpoint
+MAX_NAME_WAIT_S = 60.0  # a hello waits at most this long for a dead predecessor's name
+MAX_START_S = 600.0  # liveness_s and start_s of a hello at most
+_OPENING: set[str] = set()  # worker names a hello is waiting for now: one hello at a time per name
 _END = object()  # the engine closed its side of the stream
 _LEAVING: set[asyncio.Future[None]] = set()  # ranks leaving (worker_detached, endpoint killed), until done
 
@@ -62,11 +66,17 @@ def check_hello(first: pb.AttachRankRequest) -> pb.AttachHello:
                            "AttachRankRequest(hello=AttachHello(replica, rank, tp, num_slots, ...)) first")
     h = first.hello
     validate.name("replica", h.replica, " in the AttachHello")
-    if h.tp < 1 or h.rank >= h.tp:
+    if not 1 <= h.tp <= MAX_TP:
+        raise RequestError(f"tp is {h.tp} in the AttachHello of replica {h.replica!r}; give 1 to {MAX_TP} "
+                           "(WorkerConfig(tp=...))")
+    if h.rank >= h.tp:
         raise RequestError(f"rank {h.rank} of replica {h.replica!r} is not below tp {h.tp}; a TP rank is 0..tp-1 "
                            "(WorkerConfig(tp=..., tp_rank=...))")
-    if h.num_slots < 1:
-        raise RequestError(f"num_slots {h.num_slots} of rank {h.rank} of {h.replica!r} must be >= 1")
+    if not 1 <= h.num_slots <= MAX_SLOTS:
+        raise RequestError(f"num_slots is {h.num_slots} for rank {h.rank} of {h.replica!r}; give 1 to {MAX_SLOTS}")
+    if h.name_wait_s > MAX_NAME_WAIT_S or h.start_s > MAX_START_S:
+        raise RequestError(f"name_wait_s ({h.name_wait_s:g}) must be at most {MAX_NAME_WAIT_S:g} s and start_s "
+                           f"({h.start_s:g}) at most {MAX_START_S:g} s, for rank {h.rank} of {h.replica!r}")
     if h.incarnation < 1:
         raise RequestError(f"incarnation {h.incarnation} of rank {h.rank} of {h.replica!r} must be the rank's start "
                            "time in ns (time.time_ns())")
@@ -74,6 +84,19 @@ def check_hello(first: pb.AttachRankRequest) -> pb.AttachHello:
         raise RequestError(f"liveness_s ({h.liveness_s}) must be > 0 and <= start_s ({h.start_s}), name_wait_s "
                            f"({h.name_wait_s}) >= 0, for rank {h.rank} of {h.replica!r}; AttachConfig sends valid ones")
     return h
+
+
+def check_report(h: pb.AttachHello, name: str, report: dict[str, Any]) -> None:
+    """A rank's full report (its answer to ``describe``) must be the rank its hello declared, within its shape:
+    the controller adopts the replica's shape from it."""
+    said = {"replica": h.replica, "rank": h.rank, "tp": h.tp, "slots": h.num_slots, "incarnation": h.incarnation}
+    for field, value in said.items():
+        if report.get(field) != value:
+            raise RequestError(f"{name}: its report says {field} {validate.show(report.get(field))}, but its hello "
+                               f"said {value!r}; report the rank the hello declared")
+    if len(report.get("residency", ())) > h.num_slots:
+        raise RequestError(f"{name}: its report holds {len(report['residency'])} adapters in {h.num_slots} slots; "
+                           "report at most one adapter per slot")
 
 
 def check_model(h: pb.AttachHello, model: str) -> None:
@@ -90,6 +113,7 @@ class RankLink:
         self.pending: dict[int, str] = {}  # call id -> method, of calls sent down and not answered yet
         self.answered = self.reported = 0
         self._out: asyncio.Queue[Any] = asyncio.Queue()  # messages down, an exception, or _END
+        self.hello: pb.AttachHello | None = None  # the rank's hello, once its endpoint is made
 
     async def run(self, requests: AsyncIterator[pb.AttachRankRequest]) -> AsyncIterator[pb.AttachRankResponse]:
         try:
@@ -102,7 +126,15 @@ class RankLink:
         catalog = await host.catalog()  # NotFoundError without a controller; nothing made yet
         model = catalog.shape().name
         check_model(hello, model)
-        await host.open(hello)  # ConflictError: the rank is attached already
+        if name in _OPENING:
+            raise ConflictError(f"another AttachHello for {name} is waiting for that name already; one hello at a "
+                                "time per rank (detach the rank that holds it, or attach another rank)")
+        _OPENING.add(name)
+        try:
+            await host.open(hello)  # ConflictError: the rank is attached already (after name_wait_s)
+        finally:
+            _OPENING.discard(name)
+        self.hello = hello
         tasks: list[asyncio.Task[None]] = []
         try:
             yield pb.AttachRankResponse(attached=codec.attached(catalog, model, name))
@@ -153,7 +185,10 @@ class RankLink:
             if method is None:
                 raise RequestError(f"{name}: an answer for call {ident}, which is not in flight on this stream "
                                    f"({len(self.pending)} are); answer each RelayedCall once, with its call_id")
-            await host.answer([codec.from_answer(message.answer, method)])
+            answer = codec.from_answer(message.answer, method)
+            if method == "describe" and answer[1] and self.hello is not None:
+                check_report(self.hello, name, answer[2])
+            await host.answer([answer])
             self.answered += 1
         elif kind == "alive":
             await host.answer([])

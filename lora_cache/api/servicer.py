@@ -11,8 +11,11 @@ bodies itself, so bytes that are not the request message are INVALID_ARGUMENT, n
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -22,6 +25,7 @@ from lora_cache.api import validate
 from lora_cache.api.ingest import HintIngest
 from lora_cache.api.rank_link import RankHost, RankLink
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
+from lora_cache.api.watch_hub import WatchHub
 from lora_cache.controller.readiness import ReadinessEvent, Resync
 from lora_cache.errors import CapacityError, ConflictError, LoraCacheError, NotFoundError
 from lora_cache.routing.advice import RouteAdvice
@@ -29,7 +33,8 @@ from lora_cache.routing.advice import RouteAdvice
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LoraCacheService"].full_name
-WATCH_POLL_S = 5.0  # one long-poll of the controller per watcher at least this often
+WATCH_POLL_S = 5.0  # the watches' one long poll of the controller lasts at most this long
+MAX_DETAILS_CHARS = 2048  # an error's message is cut here (gRPC's metadata limit is 8 KiB by default)
 
 _UNAVAILABLE = "the controller is not reachable ({}); it restarts by itself: retry shortly"
 # First match wins; the controller's own errors arrive wrapped in RayTaskError (unwrapped first).
@@ -45,7 +50,14 @@ _CODES: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], grpc.
 
 
 def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status code and message a domain error is answered with."""
+    """The status code and message a domain error is answered with (at most ``MAX_DETAILS_CHARS``)."""
+    code, message = _status_for(error)
+    if len(message) > MAX_DETAILS_CHARS:
+        message = f"{message[:MAX_DETAILS_CHARS - 60]}... (cut: {len(message)} characters in all)"
+    return code, message
+
+
+def _status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None:
         error = error.cause
     for kinds, code in _CODES:
@@ -56,6 +68,48 @@ def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
     log.exception("internal error in the gateway", exc_info=error)
     return grpc.StatusCode.INTERNAL, (f"internal error ({type(error).__name__}: {error}); this is a bug in "
                                       "lora-cache: please report it with the gateway's log")
+
+
+def client_of(context: grpc.aio.ServicerContext) -> str:
+    """Who is calling, for per-client limits: the peer's address without its port, and which bearer token
+    it sent (a digest, never the token)."""
+    peer = context.peer() or "unknown"
+    host = peer.rsplit(":", 1)[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
+    sent = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+    if sent is None:
+        return host
+    digest = hashlib.sha256(sent.encode() if isinstance(sent, str) else sent).hexdigest()[:8]
+    return f"{host} (token {digest})"
+
+
+class StreamLimits:
+    """Long-lived streams (``WatchReadiness``, ``AttachRank``) open at once, per client and in all: each holds
+    an RPC slot of the server (and a Watch a long poll of the controller), so one client cannot take them
+    all. Beyond a limit the stream is refused at once with RESOURCE_EXHAUSTED naming the limit."""
+
+    def __init__(self, per_client: int, total: int) -> None:
+        self.per_client, self.total = per_client, total
+        self.open: Counter[str] = Counter()  # client -> its streams open now
+        self.refused = 0
+
+    @contextlib.contextmanager
+    def hold(self, client: str, rpc: str) -> Iterator[None]:
+        if self.open[client] >= self.per_client:
+            self.refused += 1
+            raise CapacityError(f"{rpc} refused: client {client} has {self.open[client]} streams open, the most one "
+                                f"client may hold (max_streams_per_client={self.per_client}); close streams it no "
+                                "longer reads, or share one Watch among its threads")
+        if sum(self.open.values()) >= self.total:
+            self.refused += 1
+            raise CapacityError(f"{rpc} refused: this gateway has {self.total} streams open, its limit "
+                                "(max_streams); retry later or raise --max-streams")
+        self.open[client] += 1
+        try:
+            yield
+        finally:
+            self.open[client] -= 1
+            if not self.open[client]:
+                del self.open[client]
 
 
 def _counters(stats: list[dict[str, Any]]) -> pb.CacheCounters:
@@ -114,9 +168,11 @@ class Servicer:
     """LoraCacheService over a controller actor handle (or anything with the same ``.remote`` methods)."""
 
     def __init__(self, controller: Any, ingest: HintIngest, max_items: int, watch_poll_s: float = WATCH_POLL_S,
-                 rank_host: Callable[[str], RankHost] | None = None):
+                 rank_host: Callable[[str], RankHost] | None = None, streams: StreamLimits | None = None):
         self.controller, self.ingest = controller, ingest
         self.max_items, self.watch_poll_s = max_items, watch_poll_s
+        self.streams = streams or StreamLimits(per_client=64, total=256)
+        self.watches = WatchHub(controller, watch_poll_s)  # one controller poll for every WatchReadiness
         self.rank_host = rank_host or self._ray_rank_host  # an attached rank's cluster side, by worker name
 
     def _ray_rank_host(self, name: str) -> RankHost:
@@ -140,7 +196,8 @@ class Servicer:
         return pb.ReportQueueResponse(queue_depth=len(entries))
 
     async def lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
-        found = await self.controller.lookup_adapter.remote(validate.name("adapter", request.adapter))
+        adapter = validate.name("adapter", request.adapter)
+        found = await self.controller.lookup_adapter.remote(adapter)
         return pb.LookupResponse(adapter=found["adapter"], version=found["version"],
                                  ready_replicas=found["ready"], loading_replicas=found["loading"])
 
@@ -157,15 +214,10 @@ class Servicer:
 
     async def watch_readiness(self, request: pb.WatchReadinessRequest) -> AsyncIterator[pb.WatchReadinessResponse]:
         replica, adapter, after = validate.watch(request)
-        newest = await self.controller.begin_watch.remote(replica, adapter)
-        cursor = newest if after is None else after  # a lost or foreign cursor gets a resync, never a gap
-        while True:
-            batch = await self.controller.poll_events.remote(cursor, replica, adapter, self.watch_poll_s)
+        async for batch in self.watches.watch(replica, adapter, after):  # a lost or foreign cursor: a resync
             if batch.resync is not None:
-                cursor = batch.resync.resume_after
                 yield pb.WatchReadinessResponse(resync=_resync(batch.resync))
             elif batch.events:
-                cursor = batch.events[-1].seq
                 yield pb.WatchReadinessResponse(events=[_event(e) for e in batch.events])
 
     async def register_adapter(self, request: pb.RegisterAdapterRequest) -> pb.RegisterAdapterResponse:
@@ -259,22 +311,34 @@ async def _answered(responses: Callable[[], AsyncIterator[Any]],
     await context.abort(code, message)
 
 
-def _streaming(method: Streaming, request_cls: type[Any]) -> Callable[..., AsyncIterator[Any]]:
+async def _held(limits: StreamLimits, rpc: str, context: grpc.aio.ServicerContext,
+                responses: Callable[[], AsyncIterator[Any]]) -> AsyncIterator[Any]:
+    """``responses()`` while the caller holds one of its streams (``StreamLimits``; CapacityError beyond)."""
+    with limits.hold(client_of(context), rpc):
+        async for response in responses():
+            yield response
+
+
+def _streaming(method: Streaming, request_cls: type[Any], limits: StreamLimits,
+               rpc: str) -> Callable[..., AsyncIterator[Any]]:
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        async for response in _answered(lambda: method(validate.parse(request_cls, raw)), context):
+        def responses() -> AsyncIterator[Any]:
+            return _held(limits, rpc, context, lambda: method(validate.parse(request_cls, raw)))
+
+        async for response in _answered(responses, context):
             yield response
 
     return handle
 
 
-def _bidi(method: Callable[[AsyncIterator[Any]], AsyncIterator[Any]],
-          request_cls: type[Any]) -> Callable[..., AsyncIterator[Any]]:
+def _bidi(method: Callable[[AsyncIterator[Any]], AsyncIterator[Any]], request_cls: type[Any], limits: StreamLimits,
+          rpc: str) -> Callable[..., AsyncIterator[Any]]:
     async def handle(raw_requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         async def requests() -> AsyncIterator[Any]:
             async for raw in raw_requests:
                 yield validate.parse(request_cls, raw)
 
-        async for response in _answered(lambda: method(requests()), context):
+        async for response in _answered(lambda: _held(limits, rpc, context, lambda: method(requests())), context):
             yield response
 
     return handle
@@ -287,10 +351,10 @@ def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
     for rpc, (request_cls, attr) in RPCS.items():
         method = getattr(servicer, attr)
         if service.methods_by_name[rpc].client_streaming:
-            handlers[rpc] = grpc.stream_stream_rpc_method_handler(_bidi(method, request_cls),
+            handlers[rpc] = grpc.stream_stream_rpc_method_handler(_bidi(method, request_cls, servicer.streams, rpc),
                                                                   response_serializer=_serialize)
         elif service.methods_by_name[rpc].server_streaming:
-            handlers[rpc] = grpc.unary_stream_rpc_method_handler(_streaming(method, request_cls),
+            handlers[rpc] = grpc.unary_stream_rpc_method_handler(_streaming(method, request_cls, servicer.streams, rpc),
                                                                  response_serializer=_serialize)
         else:
             handlers[rpc] = grpc.unary_unary_rpc_method_handler(_unary(method, request_cls),

@@ -32,8 +32,21 @@ _name_ok = NAME_RE.match
 _hint_id_ok = HINT_ID_RE.fullmatch
 
 
+MAX_PATH_CHARS = 4096  # an adapter path in a request (PATH_MAX on Linux)
+SHOWN_CHARS = 64  # an error quotes at most this much of a value it refuses
+
+
 class RequestError(LoraCacheError, ValueError):
     """A malformed request: a bad id, an empty or oversized batch, a bad time, an undecodable body."""
+
+
+def show(value: object) -> str:
+    """``value`` quoted for an error message: its start and its length when it is long (an error that echoes
+    a 100 kB name exceeds gRPC's metadata limit and reaches the caller as a transport error)."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) <= SHOWN_CHARS:
+        return repr(text) if isinstance(value, str) else text
+    return f"{text[:SHOWN_CHARS]!r}... ({len(text)} characters)"
 
 
 def parse(cls: type[M], raw: bytes) -> M:
@@ -47,7 +60,7 @@ def parse(cls: type[M], raw: bytes) -> M:
 
 def name(field: str, value: str, where: str = "") -> str:
     if not _name_ok(value):
-        raise RequestError(f"{field} {value!r}{where} is malformed: use {NAME_FORM}")
+        raise RequestError(f"{field} {show(value)}{where} is malformed: use {NAME_FORM}")
     return value
 
 
@@ -76,7 +89,7 @@ def hints(items: Sequence[pb.PrefetchHint], limit: int) -> list[HintTuple]:
         if h.HasField("expected_in"):
             expected = _seconds(h.expected_in)
             if not 0.0 <= expected <= MAX_EXPECTED_S:
-                raise RequestError(f"hint {i} ({hint_id!r}): expected_in is {expected:g} s; give 0 to "
+                raise RequestError(f"hint {i} ({show(hint_id)}): expected_in is {expected:g} s; give 0 to "
                                    f"{MAX_EXPECTED_S:g} s from now (leave it unset for 'now')")
         out.append((hint_id, adapter, replica, 0.0 if priority == pb.HINT_PRIORITY_HIGH else expected))
     return out
@@ -85,11 +98,11 @@ def hints(items: Sequence[pb.PrefetchHint], limit: int) -> list[HintTuple]:
 def _bad_hint(i: int, h: pb.PrefetchHint) -> str:
     where = f"hint {i} of the batch"
     if not _hint_id_ok(h.hint_id):
-        return f"{where}: hint_id {h.hint_id!r} is malformed: use {HINT_ID_FORM}"
-    where = f"{where} ({h.hint_id!r})"
+        return f"{where}: hint_id {show(h.hint_id)} is malformed: use {HINT_ID_FORM}"
+    where = f"{where} ({show(h.hint_id)})"
     for field in ("adapter", "replica"):
         if not _name_ok(getattr(h, field)):
-            return f"{where}: {field} {getattr(h, field)!r} is malformed: use {NAME_FORM}"
+            return f"{where}: {field} {show(getattr(h, field))} is malformed: use {NAME_FORM}"
     return (f"{where}: priority {h.priority} is not a HintPriority; use HINT_PRIORITY_NORMAL or "
             "HINT_PRIORITY_HIGH")
 
@@ -98,7 +111,7 @@ def hint_ids(items: Sequence[str], limit: int) -> list[str]:
     count("hint ids", len(items), limit)
     for i, hint_id in enumerate(items):
         if not _hint_id_ok(hint_id):
-            raise RequestError(f"hint id {i} of the batch, {hint_id!r}, is malformed: use {HINT_ID_FORM}")
+            raise RequestError(f"hint id {i} of the batch, {show(hint_id)}, is malformed: use {HINT_ID_FORM}")
     return list(items)
 
 
@@ -106,13 +119,13 @@ def queue(request: pb.ReportQueueRequest, limit: int) -> tuple[str, list[tuple[s
     """(replica, [(adapter, arrival in s since the epoch)]) in queue order; an empty queue is valid."""
     replica = name("replica", request.replica)
     if len(request.requests) > limit:
-        raise RequestError(f"the queue of {replica!r} has {len(request.requests)} requests, more than this "
+        raise RequestError(f"the queue of {show(replica)} has {len(request.requests)} requests, more than this "
                            f"server's max_hints_per_call ({limit}); report the first {limit} (the head matters most)")
     entries = []
     for i, r in enumerate(request.requests):
         name("adapter", r.adapter, f" (queue position {i})")
         if not r.HasField("arrival_time"):
-            raise RequestError(f"queue position {i} ({r.adapter!r}) has no arrival_time; set it to when the "
+            raise RequestError(f"queue position {i} ({show(r.adapter)}) has no arrival_time; set it to when the "
                                "request arrived (it tells new arrivals from ones already reported)")
         entries.append((r.adapter, _seconds(r.arrival_time)))
     return replica, entries
@@ -149,7 +162,8 @@ def _route_item(i: int, item: pb.RouteItem) -> RouteRequest:
     if item.version:
         name("version", item.version, where)
     if item.request_id and not _hint_id_ok(item.request_id):
-        raise RequestError(f"request_id {item.request_id!r}{where} is malformed: use {HINT_ID_FORM}, or leave it empty")
+        raise RequestError(f"request_id {show(item.request_id)}{where} is malformed: use {HINT_ID_FORM}, "
+                           "or leave it empty")
     return RouteRequest(item.adapter, item.version, item.tokens)
 
 
@@ -160,8 +174,13 @@ def watch(request: pb.WatchReadinessRequest) -> tuple[str | None, str | None, in
 
 
 def register(request: pb.RegisterAdapterRequest, where: str = "") -> tuple[str, str]:
+    if len(request.path) > MAX_PATH_CHARS:
+        raise RequestError(f"path{where} has {len(request.path)} characters, more than {MAX_PATH_CHARS}; give the "
+                           "adapter's directory by a shorter path (relative to an adapter root)")
+    if "\0" in request.path:
+        raise RequestError(f"path{where} {show(request.path)} contains a NUL byte; give a file system path")
     if not request.path:
-        raise RequestError(f"path{where} is empty; give the directory of adapter {request.name!r} under an adapter "
+        raise RequestError(f"path{where} is empty; give the directory of adapter {show(request.name)} under an adapter "
                            "root")
     return name("name", request.name, where), request.path
 
@@ -181,7 +200,7 @@ def register_many(request: pb.RegisterAdaptersRequest, limit: int) -> RegisterCa
         try:
             adapter = register(item, f" (item {i})")
             if adapter[0] in first:
-                raise RequestError(f"adapter {adapter[0]!r} (item {i}) is named again in this batch (first as item "
+                raise RequestError(f"adapter {show(adapter[0])} (item {i}) is named again in this batch (first as item "
                                    f"{first[adapter[0]]}); name each adapter once per call")
         except RequestError as e:
             call.malformed[i] = e

@@ -33,6 +33,17 @@ from lora_cache.routing.limits import RoutingLimits
 from lora_cache.routing.ranking import RouterConfig
 from lora_cache.vocab import Command, WorkerId
 
+MAX_TP = 64  # ranks per replica: a replica's shape is checked against these before anything is kept
+MAX_SLOTS = 65_536  # slots per rank
+
+
+def check_shape(replica: str, tp: object, slots: object) -> None:
+    """A replica's shape as a worker or an attached rank declares it: bounded integers (ConfigError naming the
+    field, the value and the bound: a forged ``tp=100000`` cost the controller 100 MB)."""
+    for what, value, bound in (("tp", tp, MAX_TP), ("slots", slots, MAX_SLOTS)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= bound:
+            raise ConfigError(f"replica {replica!r}: {what} is {str(value)[:40]}; give an integer from 1 to {bound}")
+
 
 class Failure(NamedTuple):
     """A load that failed on a worker: how often in a row, when to try again, and why."""
@@ -81,6 +92,11 @@ class ControllerCore:
         self.routes_asked = 0  # requests routing advice was asked for
         self.down: set[WorkerId] = set()  # ranks lost (dead, hung, detached) and not heard from since
         self.limits = RoutingLimits()  # replicas' admission limits and the requests routed there (routing advice)
+        self.withheld: set[WorkerId] = set()  # workers whose plans were not sent (their replica was down)
+        self.lost_at: dict[WorkerId, float] = {}  # when each rank in ``down`` was found lost (wall clock)
+        self.recent_losses: deque[tuple[str, float]] = deque(maxlen=64)  # (worker, when found lost), newest last
+        self.refused_reports = 0  # residency a rank claimed and the controller did not believe (``_admits``)
+        self.recent_refusals: deque[str] = deque(maxlen=20)
 
     # -- adapters and topology ------------------------------------------------------------------
     def register_adapter(self, name: str, path: str) -> str:
@@ -113,6 +129,7 @@ class ControllerCore:
     def add_replica(self, replica: str, tp: int, slots: int, host_bytes: int | None = None) -> list[WorkerId]:
         """Idempotent: a replica already adopted from its workers' reports is kept as it is.
         ``host_bytes``: each rank's host tier as the workers report it (bounds predictive staging)."""
+        check_shape(replica, tp, slots)
         workers = [WorkerId(replica, k) for k in range(tp)]
         if replica in self.planner.replicas():
             if self.planner.workers(replica) != tuple(map(str, workers)):
@@ -127,13 +144,28 @@ class ControllerCore:
         self.readiness.add_replica(replica, tp)
         return workers
 
-    def worker_lost(self, worker: WorkerId, gone: bool = True) -> list[ReadinessEvent]:
+    def remove_replica(self, replica: str) -> list[ReadinessEvent]:
+        """A replica with no rank left (its attached ranks detached or died): it leaves the fleet (plans,
+        routes, hints, queues, readiness). Its readiness ends with NOT_READY events."""
+        self.check_replica(replica)
+        self.planner.remove_replica(replica)
+        for worker in [w for w in self.down | self.withheld if w.replica == replica]:
+            self.down.discard(worker)
+            self.withheld.discard(worker)
+            self.lost_at.pop(worker, None)
+        self.failures = {k: f for k, f in self.failures.items() if k[0].replica != replica}
+        self.limits.forget(replica)
+        return self.readiness.remove_replica(replica)
+
+    def worker_lost(self, worker: WorkerId, gone: bool = True, now: float = 0.0) -> list[ReadinessEvent]:
         """A worker died or restarted empty: drop what it held, the replica is replanned. ``gone``: it is dead,
         hung or detached (not a restart that answers): its replica takes no routed requests until the worker
-        is heard from again (a report or a full report)."""
+        is heard from again (a report or a full report); ``now``: when it was found lost (``lost_at``)."""
         self.check_worker(worker)
-        if gone:
+        if gone and worker not in self.down:
             self.down.add(worker)
+            self.lost_at[worker] = now
+            self.recent_losses.append((str(worker), now))
         self.planner.report_residency(str(worker), [])
         self.failures = {k: f for k, f in self.failures.items() if k[0] != worker}
         return self.readiness.drop_rank(worker.replica, worker.rank)
@@ -149,7 +181,8 @@ class ControllerCore:
     def hint(self, hint_id: str, adapter: str, replica: str, expected_s: float, now: float) -> bool:
         self.check_replica(replica)
         self.check_adapter(adapter)
-        taken = self.planner.add_hint(Hint(hint_id, adapter, replica, expected_s), now)
+        taken = replica not in self.down_replicas() and self.planner.add_hint(Hint(hint_id, adapter, replica,
+                                                                                    expected_s), now)
         self.hints_received += 1
         self.hints_accepted += taken
         return taken
@@ -167,7 +200,8 @@ class ControllerCore:
             hints = [Hint(h, a, r, now + max(0.0, dt)) for h, a, r, dt in batch]
         except LoraCacheError as e:
             return HintOutcome(0, 0, e)
-        taken = sum(self.planner.add_hint(hint, now) for hint in hints)
+        down = self.down_replicas()  # a hint to a replica with a lost rank is ignored: nothing is planned there
+        taken = sum(hint.replica not in down and self.planner.add_hint(hint, now) for hint in hints)
         self.hints_received += len(hints)
         self.hints_accepted += taken
         return HintOutcome(taken, len(hints) - taken)
@@ -188,7 +222,7 @@ class ControllerCore:
         doubles with every failure of the same adapter version on the same worker (up to a minute).
         """
         self.check_worker(worker)
-        self.down.discard(worker)
+        self.heard_from(worker)
         events: list[ReadinessEvent] = []
         for adapter, version, state, error in deltas:
             rank_state, slot_state = _STATE.get(state, (None, None))
@@ -204,24 +238,45 @@ class ControllerCore:
                 self.planner.drop_residency(str(worker), adapter, version)
             elif slot_state is not None and adapter in self.catalog:  # an unregistered one is drained, not planned
                 self.planner.update_residency(str(worker), ResidencyEntry(adapter, version, slot_state))
-            events += self.readiness.report(worker.replica, worker.rank, adapter, version, rank_state)
+            if rank_state is None or self._admits(worker, adapter, version):  # the slot counts for the planner
+                events += self.readiness.report(worker.replica, worker.rank, adapter, version, rank_state)
         return events
+
+    def _admits(self, worker: WorkerId, adapter: str, version: str) -> bool:
+        """Whether the readiness index (what Lookup, Watch and Route advertise) takes a rank's word that it
+        holds ``adapter@version``: only for a version the controller registered (current or kept), or one
+        the rank was known to hold already (a version replaced or unregistered since drains), and no more
+        of them than its slots. Anything else is refused and counted (``refused_reports``); the planner
+        still counts the slot as taken (of a registered name), so a stale version is evicted."""
+        held = self.readiness.holdings(worker.replica, worker.rank)
+        if (adapter, version) in held:
+            return True
+        known = adapter in self.catalog and version in self.catalog.versions(adapter)
+        why = None if known else f"{adapter}@{version} is not a registered version"
+        slots = self.planner.capacity(str(worker)).slots
+        if why is None and len(held) >= slots:
+            why = f"{adapter}@{version} would be more than its {slots} slots hold (one adapter each)"
+        if why is None:
+            return True
+        self.refused_reports += 1
+        self.recent_refusals.append(f"{worker}: {why}")
+        return False
 
     def sync_worker(self, worker: WorkerId, entries: Iterable[tuple[str, str, str, int]]) -> list[ReadinessEvent]:
         """A full residency report (controller restart, or a resync after lost deltas): it replaces what
         was known of the worker, including commands assumed done. Readiness changes only where the
         report differs, so a resync that finds nothing new publishes nothing."""
         self.check_worker(worker)
-        self.down.discard(worker)  # it answered with its full report: alive
+        self.heard_from(worker)  # it answered with its full report: alive
         entries = [(a, v, s, refs) for a, v, s, refs in entries if s in _STATE]
+        before = self.readiness.holdings(worker.replica, worker.rank)
         planned = [ResidencyEntry(a, v, SlotState.IN_USE if refs else _STATE[s][1], refs)
                    for a, v, s, refs in entries if a in self.catalog]
         held = {(e.adapter, e.version) for e in planned}
         planned += [ResidencyEntry(a, v, SlotState.LOADING) for (w, a, v), f in sorted(self.failures.items())
                     if w == worker and not f.released and (a, v) not in held and a in self.catalog]  # backing off
-        self.planner.report_residency(str(worker), planned)
-        now = {(a, v): _STATE[s][0] for a, v, s, _ in entries}
-        before = self.readiness.holdings(worker.replica, worker.rank)
+        self.planner.report_residency(str(worker), planned)  # every slot it fills counts (an evict may follow)
+        now = {(a, v): _STATE[s][0] for a, v, s, _ in self._admitted(worker, entries, before)}
         events: list[ReadinessEvent] = []
         for (a, v) in sorted(before.keys() - now.keys()):
             events += self.readiness.report(worker.replica, worker.rank, a, v, None)
@@ -229,6 +284,37 @@ class ControllerCore:
             if before.get((a, v)) is not state:
                 events += self.readiness.report(worker.replica, worker.rank, a, v, state)
         return events
+
+    def _admitted(self, worker: WorkerId, entries: list[tuple[str, str, str, int]],
+                  before: dict[tuple[str, str], RankState]) -> list[tuple[str, str, str, int]]:
+        """A full report's entries the controller believes (``_admits``: registered versions, at most one per
+        slot; what the rank was known to hold first)."""
+        slots, out = self.planner.capacity(str(worker)).slots, list[tuple[str, str, str, int]]()
+        for a, v, s, refs in sorted(entries, key=lambda e: (e[0], e[1]) not in before):
+            if (a, v) in before or (a in self.catalog and v in self.catalog.versions(a) and len(out) < slots):
+                out.append((a, v, s, refs))
+            else:
+                self.refused_reports += 1
+                self.recent_refusals.append(f"{worker}: full report: {a}@{v} not registered, or beyond its "
+                                            f"{slots} slots")
+        return out
+
+    def heard_from(self, worker: WorkerId) -> None:
+        """A lost rank reported again: alive (its replica is planned and routed again once no rank is lost)."""
+        self.down.discard(worker)
+        self.lost_at.pop(worker, None)
+
+    def down_replicas(self) -> set[str]:
+        """Replicas with a rank lost and not heard from since: no hints taken, no plans sent, no routes."""
+        return {w.replica for w in self.down}
+
+    def returned(self) -> list[WorkerId]:
+        """Workers whose plans were withheld while their replica was down and that is whole again: the
+        caller resyncs them (the planner assumed the withheld commands applied)."""
+        down = self.down_replicas()
+        back = sorted(w for w in self.withheld if w.replica not in down)
+        self.withheld -= set(back)
+        return back
 
     def retry_failed(self, now: float) -> None:
         """Failed loads whose backoff has passed are no longer counted as loading: the next plan retries."""
@@ -245,8 +331,12 @@ class ControllerCore:
     def plan(self, now: float, full: bool = False) -> dict[WorkerId, list[Command]]:
         plan = self.planner.plan_all(now) if full else self.planner.plan(now)
         out: dict[WorkerId, list[Command]] = {}
+        down = self.down_replicas()
         for w in plan.workers:
             replica, rank = w.worker.rsplit("/", 1)
+            if replica in down:  # a replica with a lost rank gets no plans until it is whole again
+                self.withheld.add(WorkerId(replica, int(rank)))
+                continue
             out[WorkerId(replica, int(rank))] = list(w.commands)
             self.commands_sent += len(w.commands)
         return out
@@ -255,15 +345,17 @@ class ControllerCore:
         """Routing advice (step 1): replicas ranked for each request's adapter, from residency, the plan in
         flight, queues and hints (``lora_cache.routing.advice``); ``loads``: the router's own in-flight counts."""
         self.routes_asked += len(items)
-        return advise(self.planner, items, self.config.router, loads, down={w.replica for w in self.down},
-                      limits=self.limits)
+        return advise(self.planner, items, self.config.router, loads, down=self.down_replicas(), limits=self.limits)
 
     def status(self) -> dict[str, object]:
         return {"epoch": self.epoch, "adapters": len(self.catalog), "replicas": list(self.planner.replicas()),
                 "readiness": self.readiness.counts(), "commands_sent": self.commands_sent,
                 "queue_depths": {r: len(self.planner.queue(r)) for r in self.planner.replicas()},
                 "hints_received": self.hints_received, "hints_accepted": self.hints_accepted,
-                "load_failures": self.load_failures, "recent_failures": list(self.recent_failures)}
+                "load_failures": self.load_failures, "recent_failures": list(self.recent_failures),
+                "lost_ranks": {str(w): t for w, t in sorted(self.lost_at.items())},
+                "recent_losses": list(self.recent_losses), "refused_reports": self.refused_reports,
+                "recent_refusals": list(self.recent_refusals)}
 
     # -- checks -------------------------------------------------------------------------------------
     def check_replica(self, replica: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
@@ -44,6 +45,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 WORKER_ATTEMPTS = 30  # a second apart: a restarted worker may still be in its constructor
 REPLAY_ENTRIES = 256  # registrations per call when a worker is given all of them
+LIFELINE_HELLO_S = 5.0  # a lifeline connection names its call within this, or is closed
+LIFELINE_RETRY_S = 0.2  # after a lifeline failed: how soon to call the (restarting) worker again
+PING_TIMEOUT_S = 1.5  # a worker that does not answer a ping in this long is lost (its replica leaves the plans)
 Registration = tuple[str, str, KnownVersion | None]  # (name, path, the version as the controller hashed it)
 
 
@@ -95,8 +99,16 @@ class WorkerLinks:
         # worker costs the loop this much, once per round, whatever the number of workers
         self.call_timeout_s = call_timeout_s
         self.find, self.named = find, named  # a worker's handle by name; the names of those that exist
+        self.ping_timeout_s = min(call_timeout_s, PING_TIMEOUT_S)
         self.handles: dict[WorkerId, Any] = {}
         self.links: dict[WorkerId, Link] = {}  # each worker's incarnation and the last delta applied
+        self.losses: dict[WorkerId, int] = {}  # how often each worker was found lost: a report read before
+        # a loss and applied after it would bring back what the lost rank held
+        self.lifelines: dict[WorkerId, asyncio.Task[None]] = {}  # each linked worker's death watch
+        self._expected: dict[str, tuple[WorkerId, Any]] = {}  # lifeline nonce -> the call that sent it
+        self._server: asyncio.Server | None = None  # where workers open their lifelines
+        self.attached: set[WorkerId] = set()  # ranks an engine's own process attached: gone for good once lost
+        self.resyncing: set[WorkerId] = set()  # workers whose full report is being read (one resync at a time)
         self.rejected = 0  # commands workers refused as from an older epoch
 
     # -- adoption (invariant 6) -----------------------------------------------------------------
@@ -136,12 +148,14 @@ class WorkerLinks:
         self.handles[wid] = handle
         self.links[wid] = Link(info["incarnation"], info["seq"])
         self.publish(self.core.sync_worker(wid, info["residency"]))
+        self.watch(wid, handle)
         return wid
 
     async def attach(self, workers: list[WorkerId]) -> None:
         """Workers of a replica just added: find them by name and give them every registration."""
         for wid in workers:
             self.handles[wid] = self.find(worker_name(wid))
+            self.watch(wid, self.handles[wid])
         await self.replay([self.handles[w] for w in workers])
 
     async def worker_started(self, name: str, incarnation: int, adopt: bool) -> bool:
@@ -169,8 +183,10 @@ class WorkerLinks:
                               f"{self.core.catalog.shape.name!r}; attach with the service's model")
         if wid in self.handles:
             self._new_incarnation(wid, incarnation)  # drops what the predecessor held
-        await self._learn_adapters(info)
+        # not ``_learn_adapters``: an attached process does not register adapters (a forged report named
+        # adapters never registered, and the controller took them); the operators' registrations stand
         self._adopt(handle, info)
+        self.attached.add(wid)
 
     def detach(self, name: str, incarnation: int) -> bool:
         """An attached rank is leaving: drop what it held now. False if that incarnation is not the one linked."""
@@ -178,8 +194,22 @@ class WorkerLinks:
         link = self.links.get(wid)
         if wid not in self.handles or link is None or link.incarnation != incarnation:
             return False
-        self.publish(self.core.worker_lost(wid))
+        self.forget(wid)
         return True
+
+    def forget(self, wid: WorkerId) -> None:
+        """An attached rank is gone for good (detached, or its endpoint died): it is lost, its handle dropped;
+        once no rank of its replica is left, the replica leaves the fleet (a process that attaches again
+        adds it anew)."""
+        self.lose(wid)
+        self.handles.pop(wid, None)
+        self.links.pop(wid, None)
+        self.attached.discard(wid)
+        if (task := self.lifelines.pop(wid, None)) is not None and task is not asyncio.current_task():
+            task.cancel()
+        if wid.replica in self.core.planner.replicas() and not any(w.replica == wid.replica for w in self.handles):
+            log.info("replica %s has no rank left: it leaves the fleet", wid.replica)
+            self.publish(self.core.remove_replica(wid.replica))
 
     # -- reports (step 7) and repairs -------------------------------------------------------------
     def receive(self, name: str, incarnation: int, deltas: list[DeltaRow]) -> bool:
@@ -190,6 +220,9 @@ class WorkerLinks:
             return False  # not adopted yet: the rebuild reads its full report
         if not self._new_incarnation(wid, incarnation):
             return False  # from a predecessor that has since restarted
+        if wid in self.core.down:  # lost: only a full report (``resync``) proves it is alive again; these
+            self.resync_soon(wid)  # deltas may predate its death
+            return False
         link = self.links[wid]
         fresh = [d for d in deltas if d[0] > link.applied]
         if not fresh:
@@ -202,6 +235,7 @@ class WorkerLinks:
         if gap:
             log.info("deltas from %s were lost (seq %d after %d): resyncing", wid, fresh[0][0], link.applied)
             asyncio.get_running_loop().create_task(self.resync(wid))
+        self._resync_returned()
         return True
 
     def _new_incarnation(self, wid: WorkerId, incarnation: int) -> bool:
@@ -217,35 +251,128 @@ class WorkerLinks:
 
     async def resync(self, wid: WorkerId) -> None:
         """Repair lost deltas (or commands): replace what is known of a worker by its full report."""
+        losses, handle = self.losses.get(wid, 0), self.handles.get(wid)
         try:
             info = await asyncio.wait_for(self.handles[wid].describe.remote(), timeout=self.call_timeout_s)
         except Exception as e:  # lost or hung: the health loop deals with it
             log.info("resync of %s failed: %s", wid, type(e).__name__ if isinstance(e, TimeoutError) else e)
             return
+        if self.losses.get(wid, 0) != losses or self.handles.get(wid) is not handle:
+            return  # lost (or replaced) while it answered: the report may be from before its death
         link = self.links.get(wid)
         if link is not None and (info["incarnation"], info["seq"]) < (link.incarnation, link.applied):
             return  # older than deltas already applied: the next resync repairs any gap
         self.links[wid] = Link(info["incarnation"], info["seq"])
         self.publish(self.core.sync_worker(wid, info["residency"]))
+        self._resync_returned()
         await self.replan()
 
+    def _resync_returned(self) -> None:
+        """The ranks of a replica whole again whose plans were withheld meanwhile: read their full reports."""
+        for wid in self.core.returned():
+            if wid in self.handles:
+                asyncio.get_running_loop().create_task(self.resync(wid))
+
     async def resync_all(self) -> None:
-        """Anti-entropy: whatever was lost is repaired."""
-        await asyncio.gather(*(self.resync(wid) for wid in list(self.handles)))
+        """Anti-entropy: whatever was lost is repaired. Each worker's resync runs by itself (one at a time per
+        worker): a stopped worker's ``describe`` (up to ``call_timeout_s``) does not hold up the health loop's
+        pings, which find it lost within ``ping_timeout_s``."""
+        for wid in list(self.handles):
+            self.resync_soon(wid)
+
+    def resync_soon(self, wid: WorkerId) -> None:
+        """A resync of ``wid`` in the background, unless one is in flight."""
+        if wid in self.resyncing:
+            return
+        self.resyncing.add(wid)
+        task = asyncio.get_running_loop().create_task(self.resync(wid))
+        task.add_done_callback(lambda _: self.resyncing.discard(wid))
 
     async def ping_all(self) -> None:
         """One ping each, all at once; a worker that does not answer in ``call_timeout_s`` lost what it held
         (dropped in the workers' order). One hung worker delays the others' checks by no more than that."""
         pinged = list(self.handles.items())
-        answers = await asyncio.gather(*(asyncio.wait_for(h.ping.remote(), timeout=self.call_timeout_s)
+        answers = await asyncio.gather(*(asyncio.wait_for(h.ping.remote(), timeout=self.ping_timeout_s)
                                          for _, h in pinged), return_exceptions=True)
         for (wid, handle), answer in zip(pinged, answers):
             if not isinstance(answer, BaseException):
                 continue
             if self.handles.get(wid) is not handle:
                 continue  # re-attached meanwhile (a new process under the name): that one is not lost
-            log.warning("worker %s is not answering: dropping its residency", wid)  # dead, restarting or hung
-            self.publish(self.core.worker_lost(wid))
+            if wid not in self.core.down:
+                log.warning("worker %s is not answering (%s): dropping its residency", wid,
+                            type(answer).__name__)  # dead, restarting or hung
+            self.lose(wid)
+
+    def lose(self, wid: WorkerId) -> None:
+        """``wid`` is dead, hung or gone: its replica stops being ready for what it held, now (before any
+        later lookup, route or event is answered), and leaves the plans and the routes until it reports."""
+        self.losses[wid] = self.losses.get(wid, 0) + 1
+        self.publish(self.core.worker_lost(wid, now=time.time()))
+
+    def watch(self, wid: WorkerId, handle: Any) -> None:
+        """Keep a lifeline to the worker: a TCP connection its process opens to the controller (the worker's
+        ``lifeline`` call). The kernel closes it the moment the process dies (SIGKILL included: 2-3 ms on one
+        node), where Ray fails a call on a restarting actor only once it restarted (about 1.5 s). A hung
+        (SIGSTOP) or unreachable worker keeps it open: pings find those. No method, no lifeline (fakes)."""
+        if not hasattr(handle, "lifeline"):
+            return
+        if (old := self.lifelines.pop(wid, None)) is not None:
+            old.cancel()
+        self.lifelines[wid] = asyncio.get_running_loop().create_task(self._lifeline(wid, handle))
+
+    async def _lifeline(self, wid: WorkerId, handle: Any) -> None:
+        host, port = await self._lifeline_server()
+        lifeline = handle.lifeline
+        while self.handles.get(wid) is handle:
+            nonce = secrets.token_hex(16)
+            self._expected[nonce] = (wid, handle)
+            try:
+                await lifeline.remote(host, port, nonce)  # returns when the connection closes
+            except asyncio.CancelledError:
+                raise
+            except ray.exceptions.RayTaskError as e:  # alive, but it cannot reach the controller: pings only
+                log.warning("worker %s cannot open a lifeline to %s:%d (%s); its death is found by pings",
+                            wid, host, port, e.cause if e.cause is not None else e)
+                return
+            except Exception as e:  # dead or restarting
+                if self.handles.get(wid) is not handle:
+                    return
+                if wid in self.attached and isinstance(e, ray.exceptions.ActorDiedError):
+                    log.warning("attached rank %s is gone (%s)", wid, type(e).__name__)
+                    self.forget(wid)  # its endpoint is dead for good: a new process attaches anew
+                    return
+                if wid not in self.core.down:
+                    log.warning("worker %s is lost (%s): dropping its residency", wid, type(e).__name__)
+                    self.lose(wid)
+            finally:
+                self._expected.pop(nonce, None)
+            await asyncio.sleep(LIFELINE_RETRY_S)
+
+    async def _lifeline_server(self) -> tuple[str, int]:
+        if self._server is None:
+            host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+            self._server = await asyncio.start_server(self._lifeline_opened, host, 0)
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return host, port
+
+    async def _lifeline_opened(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One worker's lifeline: its first line is the nonce of the call that opened it; its end is the
+        worker's death if that call is still the worker's current one."""
+        try:
+            line = await asyncio.wait_for(reader.readline(), LIFELINE_HELLO_S)
+            wid, handle = self._expected.get(line.decode(errors="replace").strip(), (None, None))
+            if wid is None:
+                return  # a stranger, or a call already given up
+            while await reader.read(64):
+                pass  # nothing is sent on it: only its end matters
+            if self.handles.get(wid) is handle and wid not in self.core.down:
+                log.warning("worker %s closed its lifeline (its process died): dropping its residency", wid)
+                self.lose(wid)  # an attached one is forgotten when its lifeline call fails (ActorDiedError)
+        except (TimeoutError, ConnectionError, OSError):
+            return
+        finally:
+            writer.close()
 
     # -- commands (step 4, invariant 7) -------------------------------------------------------------
     def send(self, plan: dict[WorkerId, list[Command]]) -> None:

@@ -8,6 +8,7 @@ it with its owner, so a dead owner is a dead worker to the controller's health c
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -64,6 +65,18 @@ class Endpoint:
     async def ping(self) -> bool:
         self.relay.check_live()
         return True
+
+    async def lifeline(self, host: str, port: int, nonce: str) -> None:
+        """The controller's death watch: a TCP connection to it, held open by this call; the kernel closes it
+        the moment this actor's process dies (Ray kills it with its owner)."""
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 10)
+        try:
+            writer.write(f"{nonce}\n".encode())
+            await writer.drain()
+            while await reader.read(64):
+                pass
+        finally:
+            writer.close()
 
     async def take(self, timeout_s: float, alive: bool = True) -> list[Call]:
         return await self.relay.take(timeout_s, alive)
