@@ -325,7 +325,10 @@ def wait_for_quiet(ctl: Any) -> bool:
     """Whether, within 30 s of the node's loss, no replica is ready for anything."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        if not any(ray.get(ctl.lookup.remote(n), timeout=10)["ready"] for n in NAMES):
-            return True
+        try:  # the controller may have been on the lost node: it restarts on the head
+            if not any(ray.get(ctl.lookup.remote(n), timeout=10)["ready"] for n in NAMES):
+                return True
+        except (ray.exceptions.GetTimeoutError, *DEAD):
+            pass
         time.sleep(0.2)
     return False
