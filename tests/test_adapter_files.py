@@ -338,11 +338,11 @@ def test_a_file_changed_during_a_read_is_refused(
     changed: tuple[AdapterCatalog, AdapterSpec, Path, torch.Tensor], monkeypatch: pytest.MonkeyPatch, fault: str,
     readers: int, dtype: torch.dtype
 ) -> None:
-    """The fault lands right after the slices were copied (the single reader's copy of a chunk, or one part of a
-    read split over three threads: positioned reads for a bf16 shard, copies that convert for fp32), before the
-    checks that follow the copy; every chunk's check then sees it."""
+    """The fault lands right after the slices were read (one part of a read alone or split over three threads:
+    positioned reads for a bf16 shard, reads that convert for fp32), before the checks that follow; every
+    chunk's check then sees it."""
     _, spec, other, _ = changed
-    name = "_copy_slices" if readers == 1 else "_run_task"
+    name = "_run_task"
     real_copy = getattr(reader_module, name)
     lock = threading.Lock()
 

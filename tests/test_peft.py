@@ -258,22 +258,69 @@ def test_bad_r(tmp_path: Path, peft_writer: Writer, r: object) -> None:
     assert "'r' must be a positive integer" in msg and f"got {r!r}" in msg and CONFIG_FILE in msg
 
 
-@pytest.mark.parametrize("alpha", [0, -1, "16", False])
+@pytest.mark.parametrize("alpha", [0, -1, "16", False, math.nan, math.inf, -math.inf, 10**400])
 def test_bad_lora_alpha(tmp_path: Path, peft_writer: Writer, alpha: object) -> None:
+    """NaN and Infinity (JSON extensions Python reads) were accepted before issue 35; 10**400 overflowed a float."""
     msg = error_of(peft_writer(tmp_path / "a", lora_alpha=alpha))
-    assert "'lora_alpha' must be a positive number" in msg and f"got {alpha!r}" in msg
+    assert "'lora_alpha' must be a finite positive number" in msg and f"got {alpha!r}"[:40] in msg
 
 
-@pytest.mark.parametrize("targets", [[], "", None, 7])
+@pytest.mark.parametrize("targets", [[], "", None, 7, [1, 2], ["q_proj", None], [""], ["q_proj"] * 5000])
 def test_bad_target_modules(tmp_path: Path, peft_writer: Writer, targets: object) -> None:
+    """A list of ints raised TypeError (INTERNAL over gRPC) before issue 35."""
     msg = error_of(peft_writer(tmp_path / "a", target_modules=targets))
-    assert "'target_modules' must be a non-empty list or regex" in msg and f"got {targets!r}" in msg
+    assert "'target_modules' must be a non-empty list or regex" in msg and f"got {targets!r}"[:40] in msg
+    assert len(msg) < 600  # a huge value is clipped, not echoed
 
 
-@pytest.mark.parametrize("pattern", [{"q_proj": 0}, {"q_proj": "4"}, ["q_proj"]])
+@pytest.mark.parametrize("pattern", [{"q_proj": 0}, {"q_proj": "4"}, {"q_proj": 8.5}, {"q_proj": math.inf},
+                                     {"q_proj": True}, {"q_proj": 10**6}])
+def test_bad_rank_pattern_value(tmp_path: Path, peft_writer: Writer, pattern: dict[str, object]) -> None:
+    """8.5 was accepted (and read as rank 8) and Infinity raised OverflowError before issue 35."""
+    msg = error_of(peft_writer(tmp_path / "a", rank_pattern=pattern))
+    assert "rank_pattern['q_proj'] must be a positive integer" in msg and f"got {pattern['q_proj']!r}" in msg
+
+
+@pytest.mark.parametrize("pattern", [["q_proj"], "q_proj", 4])
 def test_bad_rank_pattern(tmp_path: Path, peft_writer: Writer, pattern: object) -> None:
     msg = error_of(peft_writer(tmp_path / "a", rank_pattern=pattern))
     assert "'rank_pattern' must map module patterns to positive numbers" in msg and repr(pattern) in msg
+
+
+@pytest.mark.parametrize("pattern", [{"v_proj": 0}, {"v_proj": math.nan}, {"v_proj": "2"}])
+def test_bad_alpha_pattern_value(tmp_path: Path, peft_writer: Writer, pattern: dict[str, object]) -> None:
+    msg = error_of(peft_writer(tmp_path / "a", alpha_pattern=pattern))
+    assert "alpha_pattern['v_proj'] must be a finite positive number" in msg
+
+
+@pytest.mark.parametrize("field", ["use_rslora", "fan_in_fan_out"])
+@pytest.mark.parametrize("value", ["false", "true", 0, 1, []])
+def test_flags_must_be_booleans(tmp_path: Path, peft_writer: Writer, field: str, value: object) -> None:
+    """``use_rslora: "false"`` was read as true (bool("false")) before issue 35: the scaling silently wrong."""
+    msg = error_of(peft_writer(tmp_path / "a", **{field: value}))
+    assert f"'{field}' must be true or false" in msg and f"got {value!r}" in msg
+
+
+def test_a_null_flag_is_false_as_in_peft(tmp_path: Path, peft_writer: Writer) -> None:
+    spec = read(peft_writer(tmp_path / "a", use_rslora=None, fan_in_fan_out=None))
+    assert not spec.config.use_rslora and not spec.config.fan_in_fan_out
+
+
+@pytest.mark.parametrize("raw", ["[" * 100_000 + "]" * 100_000, '{"r": ' + "1" * 5000 + "}", '{"r": 8, "x": "\\ud800"}',
+                                 b"\xff\xfe{}"])
+def test_hostile_json_is_a_format_error(tmp_path: Path, peft_writer: Writer, raw: str | bytes) -> None:
+    """100,000 nested arrays (RecursionError) and a 5,000-digit number (ValueError) were INTERNAL before issue 35."""
+    directory = peft_writer(tmp_path / "a")
+    path = directory / CONFIG_FILE
+    path.write_bytes(raw if isinstance(raw, bytes) else raw.encode())
+    msg = error_of(directory)
+    assert CONFIG_FILE in msg and ("not valid JSON" in msg or "must" in msg) and len(msg) < 600
+
+
+@pytest.mark.parametrize("base", [7, ["tiny"], "x" * 5000])
+def test_bad_base_model(tmp_path: Path, peft_writer: Writer, base: object) -> None:
+    msg = error_of(peft_writer(tmp_path / "a", base_model_name_or_path=base))
+    assert "'base_model_name_or_path' must be a string" in msg and len(msg) < 600
 
 
 def test_rank_above_max_rank(tmp_path: Path, peft_writer: Writer, tensors_for: Tensors) -> None:
@@ -358,11 +405,19 @@ def test_unexpected_keys(
     assert f"unexpected tensor {key!r}" in msg and "only PEFT LoRA keys" in msg
 
 
-def test_adapter_name_segment_in_keys_is_accepted(
-    tmp_path: Path, peft_writer: Writer, tensors_for: Tensors
+@pytest.mark.parametrize("rename", [lambda k: k.replace(".weight", ".default.weight"),
+                                    lambda k: k.replace("layers.1.", "layers.01."),
+                                    lambda k: k.replace("layers.1.", "layers.\u0661.")],  # an Arabic-Indic one
+                         ids=["adapter-name", "leading-zero", "unicode-digit"])
+def test_keys_not_in_peft_saved_form_are_refused(
+    tmp_path: Path, peft_writer: Writer, tensors_for: Tensors, rename: Callable[[str], str]
 ) -> None:
-    tensors = {k.replace(".weight", ".default.weight"): v for k, v in tensors_for().items()}
-    assert len(read(peft_writer(tmp_path / "a", tensors)).modules) == 14
+    """Before issue 35 these were accepted (the key's layer or adapter segment read loosely) and every load then
+    failed: the reader looks tensors up by PEFT's saved key. Now the validator accepts only keys a read finds."""
+    tensors = {rename(k): v for k, v in tensors_for().items()}
+    msg = error_of(peft_writer(tmp_path / "a", tensors))
+    assert WEIGHTS_FILE in msg and ("adapter name ('default')" in msg or "PEFT's form" in msg
+                                    or "unexpected tensor" in msg)
 
 
 def test_truncated_safetensors(tmp_path: Path, peft_writer: Writer) -> None:

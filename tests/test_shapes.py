@@ -148,7 +148,8 @@ def test_hf_config_missing_keys(tmp_path: Path) -> None:
     assert "num_hidden_layers" in msg and "intermediate_size" in msg and "decoder-only" in msg
 
 
-@pytest.mark.parametrize(("field", "value"), [("num_layers", 0), ("hidden_size", -1), ("head_dim", 2.5)])
+@pytest.mark.parametrize(("field", "value"), [("num_layers", 0), ("hidden_size", -1), ("head_dim", 2.5),
+                                             ("num_layers", True), ("num_layers", 10**9)])
 def test_model_shape_rejects_bad_sizes(field: str, value: object) -> None:
     kw = {
         "num_layers": 2,

@@ -6,6 +6,8 @@ process (``WorkerActor.arm_fault``) with a ``Gate``: the load that reaches the p
 arrived, then waits until the gate is released (or the process is killed there).
 
 Points (lifecycle steps 5-6):
+  ``mid_read``: a read in this process (reader threads; not a reader process) has the file open, its identity
+  and header checked, and has read nothing yet: a change to the file now lands mid-read.
   ``before_copy``: the shard is staged in the host tier; no slot is taken, the copy is not issued.
 """
 
@@ -18,7 +20,7 @@ from collections.abc import Callable
 from lora_cache.errors import ConfigError
 from lora_cache.vocab import AdapterKey
 
-POINTS = ("before_copy",)
+POINTS = ("mid_read", "before_copy")
 
 _lock = threading.Lock()  # protects _armed
 _armed: dict[tuple[str, str], Callable[[AdapterKey], None]] = {}  # (point, adapter name) -> hook

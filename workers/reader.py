@@ -1,16 +1,17 @@
 """Read only this rank's slices of an adapter file into a packed staging buffer (lifecycle step 5).
 
-Alone (no ``pool``), a read memory-maps the file and copies each chunk's slices in one
-``torch._foreach_copy_`` call, which runs with the GIL released; the header is parsed once per file version.
-That single reader moved 2-5 GB/s from the page cache (issue 30), so a read is split over a ``ReadPool``'s
-threads (``workers.read_pool``): every slice is read by ``os.preadv`` into its place, with no page of the
-file mapped (``workers.read_plan``, ``workers.read_io``), planned once per rank pattern, and each chunk's
-block checks run beside its reads. What is left under the GIL (the single reader's views, 5-8 ms per
+Every slice is read by ``os.preadv`` into its place, with no page of the file mapped (``workers.read_plan``,
+``workers.read_io``), planned once per rank pattern, each chunk's block checks beside its reads; the header is
+parsed once per file version. A read is split over a ``ReadPool``'s threads (``workers.read_pool``), or runs
+in the calling thread alone (no ``pool``). The single reader used to copy from a mapped file (2-5 GB/s from
+the page cache, issue 30), and a file cut short under a mapping raises SIGBUS, which killed the whole worker
+when its reads ran in threads (issue 35): no read of the service maps an adapter file now; ``how="mmap"``
+remains for the probes that measure it. What is left under the GIL (the single reader's views, 5-8 ms per
 Llama-3.1-8B shard; a split read's calls, microseconds each) makes a step launched from Python beside it wait
 at every kernel. So a GPU worker runs this in reader processes (``workers.reader_proc``), and threads run it
-only where there is no GPU (bench/RESULTS.md, ``python -m bench.probes.reader``). A file cut short while the
-single reader reads it, after the size check, raises SIGBUS in the process that maps it: a reader process
-dies and the read fails; a reader thread faults its process. A split read of a file cut short is refused.
+only where there is no GPU (bench/RESULTS.md, ``python -m bench.probes.reader``). A file cut short or grown
+while it is read fails the read with ``AdapterChangedError`` (a short ``preadv``, or the ``fstat`` after each
+chunk); no process dies of it.
 
 A read returns only the bytes its version was registered with (``lora_cache.adapters.files``), or refuses with
 ``AdapterChangedError``: the file is stat'ed and compared with the registered identity before it is
@@ -42,6 +43,8 @@ from lora_cache.adapters.files import BLOCK_BYTES, FileIdentity, WeightsSource, 
 from lora_cache.adapters.peft import FLOAT_DTYPES, AdapterSpec, parse_tensors
 from lora_cache.adapters.shards import ShardEntry, ShardLayout
 from lora_cache.errors import AdapterChangedError, AdapterFormatError
+from lora_cache.vocab import AdapterKey
+from workers import faults
 from workers.read_io import FileShrank, bad_block, read_task
 from workers.read_plan import FileTensor, Task, plan_tasks, task_bytes_for
 from workers.read_pool import ReadPool, run_in_order
@@ -61,33 +64,36 @@ def read_shard(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor, verif
                chunks: Sequence[slice] | None = None, on_chunk: Callable[[int], None] | None = None,
                pool: ReadPool | None = None) -> int:
     """Fill ``dest`` (1-D, ``layout.dtype``, >= ``layout.numel``) with the shard; returns bytes read.
+    Fault point ``mid_read`` (``workers.faults``): the file is open and checked, nothing read yet.
 
     A rank reads only its parts of each matrix; a file tensor of another dtype is converted as it is copied.
     ``chunks``: ranges of the layout's entries read one after another (default: one); ``on_chunk(k)`` runs
     once the first ``k`` are in ``dest``, so their host-to-GPU copies can start while the rest is read
     (``lora_cache.adapters.chunks``). ``pool``: reader threads that split the read (``workers.read_pool``);
-    None: this thread alone, as one mapped-file copy per chunk.
+    None: this thread alone.
     """
     if spec.source is None:
         raise AdapterFormatError(f"adapter {spec.name}@{spec.version} was not registered from a file; "
                                  "register it from its directory to read it")
+    key = AdapterKey(spec.name, spec.version)
     return read_slices(spec.source, layout.entries, dest, f"TP {layout.rank}/{layout.tp}", verify, chunks, on_chunk,
-                       pool)
+                       pool, opened=lambda: faults.hit("mid_read", key))
 
 
 HOW = {  # how a split read moves its bytes (bench/RESULTS.md, issue 30: "preadv" was the fastest measured)
     "preadv": "positioned reads straight into the buffer; a column slice by one read over its span (the default)",
     "rows": "positioned reads; a column slice row by row (fewer bytes, a call per row)",
-    "mmap": "the single reader's mapped-file copies, split over the threads",
+    "mmap": "mapped-file copies, split over the threads (probes only: a file cut short under the map raises SIGBUS)",
 }
 
 
 def read_slices(source: WeightsSource, entries: tuple[ShardEntry, ...], dest: torch.Tensor, shard: str,
                 verify: str = "sample", chunks: Sequence[slice] | None = None,
                 on_chunk: Callable[[int], None] | None = None, pool: ReadPool | None = None,
-                how: str = "preadv") -> int:
+                how: str = "preadv", opened: Callable[[], None] | None = None) -> int:
     """``read_shard`` from what a reader process is sent: the registered weights file, the layout's entries;
-    ``shard`` names the shard in errors; ``how`` (with a pool): one of ``HOW``.
+    ``shard`` names the shard in errors; ``how``: one of ``HOW``; ``opened``: called once the file is open and
+    its header checked, before any slice is read (a fault point).
 
     A chunk is published (``on_chunk``: its copy to the GPU may start, and a ``pipelined`` step may read it)
     only once it is proven as the whole read would be: its blocks checked as ``verify`` says and the file's
@@ -106,14 +112,9 @@ def read_slices(source: WeightsSource, entries: tuple[ShardEntry, ...], dest: to
 
     try:
         index = _checked_index(fd, source)
-        if pool is None:
-            with _mapped(fd) as mapped:
-                for k, span in enumerate(spans):
-                    part = entries[span]
-                    _copy_slices(mapped, index, part, dest)
-                    _check_blocks(mapped, source, _blocks_to_check(source, index, part, verify))
-                    proven(k)
-        elif how == "mmap":
+        if opened is not None:
+            opened()
+        if how == "mmap":
             with _mapped(fd) as mapped:
                 _read_parallel(pool, fd, source, index, entries, spans, dest, verify, how, proven, mapped)
         else:
@@ -180,18 +181,19 @@ def _chunk_checks(source: WeightsSource, blocks: tuple[int, ...], verify: str) -
     return [random.choice(blocks)] if verify == "sample" else list(blocks)
 
 
-def _read_parallel(pool: ReadPool, fd: int, source: WeightsSource, index: dict[str, FileTensor],
+def _read_parallel(pool: ReadPool | None, fd: int, source: WeightsSource, index: dict[str, FileTensor],
                    entries: tuple[ShardEntry, ...], spans: Sequence[slice], dest: torch.Tensor, verify: str, how: str,
                    proven: Callable[[int], None], mapped: mmap.mmap | None = None) -> None:
-    """Every chunk's slices and block checks as tasks on ``pool``, the checks first in each chunk; ``proven(k)``
-    once chunk k and those before it are done, in order."""
+    """Every chunk's slices and block checks as tasks on ``pool`` (None: run here, one after another), the checks
+    first in each chunk; ``proven(k)`` once chunk k and those before it are done, in order."""
     raw = memoryview(dest.view(torch.uint8).numpy())  # type: ignore[arg-type]  # dest's bytes, for preadv
-    plan = _plan(index, entries, spans, dest.dtype, pool.size, how != "mmap")
+    readers = pool.size if pool is not None else 1
+    plan = _plan(index, entries, spans, dest.dtype, readers, how != "mmap")
     checked_at = time.time_ns()  # before any check: the bytes seen are at least this recent
     checks = [_chunk_checks(source, c.blocks, verify) for c in plan]
     chunks: list[list[Callable[[], None]]] = []
     for c, blocks in zip(plan, checks, strict=True):
-        per = max(1, task_bytes_for(c.nbytes, pool.size) // BLOCK_BYTES)
+        per = max(1, task_bytes_for(c.nbytes, readers) // BLOCK_BYTES)
         tasks: list[Callable[[], None]] = [functools.partial(_check_task, fd, source, blocks[i : i + per])
                                            for i in range(0, len(blocks), per)]
         tasks += [functools.partial(_run_task, fd, raw, dest, index, task, source, how, mapped) for task in c.tasks]
@@ -201,7 +203,13 @@ def _read_parallel(pool: ReadPool, fd: int, source: WeightsSource, index: dict[s
         _settle(source, checks[k], checked_at)
         proven(k)
 
-    run_in_order(pool, chunks, done)
+    if pool is not None:
+        run_in_order(pool, chunks, done)
+        return
+    for k, tasks in enumerate(chunks):
+        for task in tasks:
+            task()
+        done(k)
 
 
 def _run_task(fd: int, raw: memoryview, dest: torch.Tensor, index: dict[str, FileTensor], task: Task,
@@ -278,8 +286,12 @@ def _revalidated(fd: int, registered: WeightsSource, now: FileIdentity) -> Weigh
     """``registered`` under the file's new identity ``now``, if every block still has its registered CRC."""
     checked_at = time.time_ns()
     change = registered.identity.changes(now)
-    with _mapped(fd) as mapped:
-        bad = _bad_block(mapped, registered, range(len(registered.block_crcs)))
+    try:  # by preadv, no page mapped: a file cut short now is refused, never a SIGBUS
+        bad = bad_block(fd, registered.block_crcs, now.size, range(len(registered.block_crcs)), BLOCK_BYTES)
+    except FileShrank as e:
+        raise AdapterChangedError(f"{registered.path} shrank while it was checked (it ended before byte {e.offset}) "
+                                  f"since it was registered as version {registered.version}; the read is "
+                                  "refused: register it again") from e
     if bad is not None or zlib.crc32(os.pread(fd, registered.header_bytes, 0)) != registered.header_crc:
         raise AdapterChangedError(f"{registered.path} changed since it was registered as version "
                                   f"{registered.version}: {change}, and its bytes are not the ones registered "

@@ -15,9 +15,9 @@ process for each rank pattern, then by id: adapters of one pattern share them), 
 where in the arena it goes and the chunks (ranges of the entries) to read one after another; it gets
 back ``("chunk", k)`` each time the first ``k`` chunks are in the arena and proven (their copies to the
 GPU may start), then ``("ok", bytes)`` or ``("error", kind, message)``, ``kind`` one of ``ERRORS`` (a
-changed file stays an ``AdapterChangedError`` across the process boundary). A process that dies
-mid-read (a file cut short under its mapping raises SIGBUS there) fails only that read, with an error
-naming the file; the next read starts a new process.
+changed file stays an ``AdapterChangedError`` across the process boundary; a file cut short mid-read is one,
+since no read maps the file). A process that dies mid-read fails only that read, with an error naming the
+file; the next read starts a new process.
 
     python -m workers.reader_proc CONN_FD ARENA_FD ARENA_BYTES PARALLEL     (started by ReaderProcess only)
 """

@@ -50,7 +50,7 @@ def adapter_bases(directory: str | Path, only: str = "") -> dict[str, str]:
             continue
         try:
             base = json.loads(config.read_text()).get("base_model_name_or_path") or ""
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, RecursionError):
             base = ""  # a broken config is the catalog's to report, with its own message, when it registers
         bases[d.name] = str(base)
     return bases

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from lora_cache.adapters import patterns
 from lora_cache.adapters.files import (
     HOST,
     MAX_CONFIG_BYTES,
@@ -44,10 +45,10 @@ from lora_cache.errors import AdapterChangedError, AdapterFormatError, AdapterPa
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-KEY_RE = re.compile(
-    r"^base_model\.model\.model\.layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp)\.(?P<module>\w+)"
-    r"\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$"
-)
+KEY_RE = re.compile(  # ASCII: a Unicode digit is no layer number
+    r"base_model\.model\.model\.layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp)\.(?P<module>\w+)"
+    r"\.lora_(?P<ab>[AB])(?P<adapter>\.[\w-]+)?\.weight", re.ASCII)
+MAX_LAYER_DIGITS = 6
 FLOAT_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
 
 
@@ -75,31 +76,31 @@ class AdapterConfig:
 
     @classmethod
     def from_json(cls, raw: dict[str, Any], where: Path | StoreUrl) -> AdapterConfig:
-        if raw.get("peft_type", "LORA") != "LORA":
-            raise UnsupportedAdapterError(f"{where}: peft_type is {raw['peft_type']!r}; only LORA adapters are served")
+        """The served fields of a parsed adapter_config.json, each checked: a bad one is an ``AdapterFormatError``
+        naming the field, its value (clipped) and the fix. Patterns are parsed here, matched at validation."""
+        peft_type = raw.get("peft_type", "LORA")
+        if peft_type != "LORA":
+            raise UnsupportedAdapterError(f"{where}: peft_type is {_show(peft_type)}; only LORA adapters are served")
         if raw.get("use_dora"):
             raise UnsupportedAdapterError(f"{where}: use_dora is true; DoRA adapters are not supported "
                                           "(their magnitude vectors need the base weight); merge or retrain as LoRA")
         if raw.get("modules_to_save"):
-            raise UnsupportedAdapterError(f"{where}: modules_to_save={raw['modules_to_save']!r} is not supported "
-                                          "(fully fine-tuned modules are not LoRA); save the adapter without them")
-        r, alpha = raw.get("r"), raw.get("lora_alpha", 8)  # PEFT's default lora_alpha is 8
-        if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
-            raise AdapterFormatError(f"{where}: 'r' must be a positive integer, got {r!r}")
-        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
-            raise AdapterFormatError(f"{where}: 'lora_alpha' must be a positive number, got {alpha!r}")
-        targets = raw.get("target_modules")
-        if not targets or not isinstance(targets, (list, str)):
-            raise AdapterFormatError(f"{where}: 'target_modules' must be a non-empty list or regex, got {targets!r}")
+            raise UnsupportedAdapterError(f"{where}: modules_to_save={_show(raw['modules_to_save'])} is not "
+                                          "supported (fully fine-tuned modules are not LoRA); save the adapter "
+                                          "without them")
+        base = raw.get("base_model_name_or_path")
+        if base is not None and not (isinstance(base, str) and len(base) <= MAX_NAME_CHARS):
+            raise AdapterFormatError(f"{where}: 'base_model_name_or_path' must be a string of at most "
+                                     f"{MAX_NAME_CHARS} characters (the base model's name or path), got {_show(base)}")
         return cls(
-            r=r,
-            lora_alpha=float(alpha),
-            target_modules=targets if isinstance(targets, str) else tuple(sorted(targets)),
-            use_rslora=bool(raw.get("use_rslora", False)),
-            rank_pattern=_pattern(raw.get("rank_pattern"), int, where, "rank_pattern"),
-            alpha_pattern=_pattern(raw.get("alpha_pattern"), float, where, "alpha_pattern"),
-            fan_in_fan_out=bool(raw.get("fan_in_fan_out", False)),
-            base_model=raw.get("base_model_name_or_path"),
+            r=_rank(raw.get("r"), where, "'r'"),
+            lora_alpha=_positive(raw.get("lora_alpha", 8), where, "'lora_alpha'"),  # PEFT's default is 8
+            target_modules=_targets(raw.get("target_modules"), where),
+            use_rslora=_flag(raw, "use_rslora", where),
+            rank_pattern=_pattern(raw.get("rank_pattern"), where, "rank_pattern", _rank),
+            alpha_pattern=_pattern(raw.get("alpha_pattern"), where, "alpha_pattern", _positive),
+            fan_in_fan_out=_flag(raw, "fan_in_fan_out", where),
+            base_model=base,
         )
 
     def rank_alpha(self, layer: int, module: str) -> tuple[int, float]:
@@ -113,25 +114,82 @@ class AdapterConfig:
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
 
     def targets(self, module: str, layer: int) -> bool:
-        if isinstance(self.target_modules, str):
-            return re.fullmatch(self.target_modules, module_path(layer, module)) is not None
-        path = module_path(layer, module)  # like PEFT: a name matches itself or any dotted suffix of the path
-        return any(path == t or path.endswith("." + t) for t in self.target_modules)
+        path = module_path(layer, module)
+        if isinstance(self.target_modules, str):  # PEFT: re.fullmatch, here in bounded time (patterns.py)
+            return patterns.compiled((self.target_modules,), patterns.FULL).first(path) is not None
+        return any(path == t or path.endswith("." + t) for t in self.target_modules)  # a name or a dotted suffix
 
 
-def _pattern(raw: Any, kind: type, where: Path | StoreUrl, name: str) -> tuple[tuple[str, Any], ...]:
+MAX_RANK_VALUE = 1 << 16  # no LoRA rank is larger than a model's hidden size
+MAX_TARGETS = 4096  # names in a target_modules list
+MAX_NAME_CHARS = 4096  # a target module name, a base model's name or path
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    """A value for an error message: its repr, clipped (a config may hold anything, of any size)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 24]}...{text[-12:]} ({len(text)} characters)"
+
+
+def _rank(value: Any, where: Path | StoreUrl, field: str) -> int:
+    if type(value) is not int or not 1 <= value <= MAX_RANK_VALUE:
+        raise AdapterFormatError(f"{where}: {field} must be a positive integer (a LoRA rank, at most "
+                                 f"{MAX_RANK_VALUE}), got {_show(value)}; write it as an integer such as 16")
+    return value
+
+
+def _positive(value: Any, where: Path | StoreUrl, field: str) -> float:
+    number = float(value) if type(value) in (int, float) and abs(value) < 1e300 else math.nan
+    if not (math.isfinite(number) and number > 0):
+        raise AdapterFormatError(f"{where}: {field} must be a finite positive number, got {_show(value)}; PEFT "
+                                 "writes lora_alpha as a number such as 16 or 32")
+    return number
+
+
+def _flag(raw: dict[str, Any], field: str, where: Path | StoreUrl) -> bool:
+    value = raw.get(field)
+    if value is not None and type(value) is not bool:
+        raise AdapterFormatError(f"{where}: {field!r} must be true or false (a JSON boolean), got {_show(value)}; "
+                                 "a string such as \"false\" would read as true")
+    return bool(value)
+
+
+def _targets(targets: Any, where: Path | StoreUrl) -> tuple[str, ...] | str:
+    if isinstance(targets, str) and targets:
+        try:
+            patterns.compiled((targets,), patterns.FULL)
+        except patterns.PatternError as e:
+            raise AdapterFormatError(f"{where}: 'target_modules' regex {e}") from None
+        return targets
+    if isinstance(targets, list) and targets and len(targets) <= MAX_TARGETS and all(
+            isinstance(t, str) and 0 < len(t) <= MAX_NAME_CHARS for t in targets):
+        return tuple(sorted(set(targets)))
+    raise AdapterFormatError(f"{where}: 'target_modules' must be a non-empty list or regex: a regex string, or a "
+                             f"list of at most {MAX_TARGETS} module names (strings such as \"q_proj\"), got "
+                             f"{_show(targets)}")
+
+
+def _pattern(raw: Any, where: Path | StoreUrl, name: str, check: Any) -> tuple[tuple[str, Any], ...]:
+    """A rank_pattern / alpha_pattern: module pattern -> a value ``check`` accepts, the keys parsed as PEFT
+    matches them (``patterns.PeftKeys``)."""
     if raw in (None, {}):
         return ()
-    if not isinstance(raw, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in raw.values()):
-        raise AdapterFormatError(f"{where}: {name!r} must map module patterns to positive numbers, got {raw!r}")
-    return tuple((k, kind(v)) for k, v in raw.items())
+    if not isinstance(raw, dict):
+        raise AdapterFormatError(f"{where}: {name!r} must map module patterns to positive numbers, got {_show(raw)}")
+    out = tuple((key, check(value, where, f"{name}[{_show(key)}]")) for key, value in raw.items())
+    try:
+        patterns.peft_keys(tuple(k for k, _ in out))
+    except patterns.PatternError as e:
+        raise AdapterFormatError(f"{where}: {name!r} {e}; its keys are regexes PEFT matches against the end of "
+                                 "each module's path") from None
+    return out
 
 
 def _match(pattern: tuple[tuple[str, Any], ...], path: str, default: Any) -> Any:
-    for key, value in pattern:  # PEFT: the first key matching the end of the module path wins
-        if re.fullmatch(rf"(.*\.)?(?:{key})", path):
-            return value
-    return default
+    if not pattern:
+        return default
+    at = patterns.peft_keys(tuple(k for k, _ in pattern)).first(path)  # PEFT: the first key that matches wins
+    return default if at is None else pattern[at][1]
 
 
 class LoraModule(NamedTuple):
@@ -276,8 +334,9 @@ def _read_config_bytes(roots: AdapterRoots, directory: Path) -> bytes:
 def parse_config(data: bytes, where: Path | StoreUrl) -> AdapterConfig:
     try:
         raw = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise AdapterFormatError(f"{where} is not valid JSON ({e}); re-save the adapter") from e
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, a 5,000-digit number, nesting too deep
+        raise AdapterFormatError(f"{where} is not valid JSON ({type(e).__name__}: {str(e)[:200]}); re-save the "
+                                 "adapter (save_pretrained writes it)") from e
     if not isinstance(raw, dict):
         raise AdapterFormatError(f"{where} must hold a JSON object, got {type(raw).__name__}")
     return AdapterConfig.from_json(raw, where)
@@ -303,9 +362,13 @@ def _header_bytes(f: OpenFile, weights: Path) -> int:
         raise AdapterFormatError(f"{weights} is not a readable safetensors file (its header length {n} does not "
                                  f"fit its {f.identity.size} bytes); it may be truncated or corrupt: re-copy or "
                                  "re-save it")
+    if n > MAX_HEADER_BYTES:
+        raise AdapterFormatError(f"{weights}: its safetensors header is {n} bytes, more than the {MAX_HEADER_BYTES} "
+                                 "a LoRA adapter's needs (a 120-layer model's is under 0.3 MiB); is it an adapter?")
     return 8 + n
 
 
+MAX_HEADER_BYTES = 16 << 20  # a safetensors header's JSON: parsed holding the GIL, so bounded
 SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
                       "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}  # bytes per element
 
@@ -315,7 +378,7 @@ def _read_header(fd: int, header_bytes: int, size: int, weights: Path) -> dict[s
     tensor data. Truncation is caught here."""
     try:
         return parse_header(os.pread(fd, header_bytes - 8, 8), size)
-    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError, an unknown dtype, a malformed entry
+    except (ValueError, KeyError, TypeError, RecursionError) as e:  # bad JSON, an unknown dtype, a bad entry
         why = f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e)
         raise AdapterFormatError(f"{weights} is not a readable safetensors file ({why}); it may be truncated or "
                                  "corrupt: re-copy or re-save it") from e
@@ -326,8 +389,21 @@ def parse_header(head: bytes, size: int) -> dict[str, tuple[str, tuple[int, ...]
     return {key: (dtype, dims) for key, (dtype, dims, _) in parse_tensors(head, size).items()}
 
 
-@functools.lru_cache(maxsize=256)  # adapters of one shape and rank have the same header: parsed once
 def parse_tensors(head: bytes, size: int) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """``_parse_tensors``, remembered for headers up to ``CACHED_HEADER_BYTES`` (adapters of one shape and rank
+    have the same header: parsed once; a huge one is not kept)."""
+    return _cached_tensors(head, size) if len(head) <= CACHED_HEADER_BYTES else _parse_tensors(head, size)
+
+
+CACHED_HEADER_BYTES = 1 << 20  # an 8B adapter's header is ~50 KiB; 256 are kept
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_tensors(head: bytes, size: int) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    return _parse_tensors(head, size)
+
+
+def _parse_tensors(head: bytes, size: int) -> dict[str, tuple[str, tuple[int, ...], int]]:
     """key -> (safetensors dtype, shape, first byte after the header) of a safetensors header's JSON ``head``,
     checked as safetensors checks them: every tensor's bytes its dtype times its shape, the tensors back to
     back from the header's end to the end of the ``size``-byte file. The one parser of the format, for
@@ -343,17 +419,18 @@ def parse_tensors(head: bytes, size: int) -> dict[str, tuple[str, tuple[int, ...
             continue
         dtype, dims, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         if dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"tensor {key!r} has dtype {dtype!r}, which safetensors does not define")
+            raise ValueError(f"tensor {_show(key)} has dtype {_show(dtype)}, which safetensors does not define")
         if not all(type(d) is int and d >= 0 for d in (*dims, begin, end)):
-            raise ValueError(f"tensor {key!r}: shape {list(dims)} or offsets {[begin, end]} are not sizes")
+            raise ValueError(f"tensor {_show(key)}: shape {_show(list(dims))} or offsets {_show([begin, end])} "
+                             "are not sizes")
         if end - begin != math.prod(dims) * SAFETENSORS_DTYPES[dtype]:
-            raise ValueError(f"tensor {key!r}: {end - begin} bytes for {dtype} {list(dims)}")
+            raise ValueError(f"tensor {_show(key)}: {end - begin} bytes for {dtype} {_show(list(dims))}")
         header[key] = (dtype, dims, begin)
         spans.append((begin, end, key))
     at = 0
     for begin, end, key in sorted(spans):
         if begin != at:
-            raise ValueError(f"tensor {key!r} starts at {begin}, not where the one before it ends ({at})")
+            raise ValueError(f"tensor {_show(key)} starts at {begin}, not where the one before it ends ({at})")
         at = end
     if len(head) + 8 + at != size:
         raise ValueError(f"the tensors end at byte {len(head) + 8 + at} of a {size}-byte file")
@@ -382,14 +459,21 @@ def _check_header(header: dict[str, tuple[str, tuple[int, ...]]], config: Adapte
                   max_rank: int, weights: Path | StoreUrl) -> tuple[LoraModule, ...]:
     found: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
     for key, (dtype, dims) in header.items():
-        m = KEY_RE.match(key)
+        m = KEY_RE.fullmatch(key)
         if m is None:
-            raise AdapterFormatError(f"{weights}: unexpected tensor {key!r}; only PEFT LoRA keys like "
+            raise AdapterFormatError(f"{weights}: unexpected tensor {_show(key)}; only PEFT LoRA keys like "
                                      f"{peft_key(0, 'q_proj', 'A')!r} are served")
+        if m["adapter"]:
+            raise AdapterFormatError(f"{weights}: tensor {_show(key)} carries an adapter name ({m['adapter'][1:]!r}) "
+                                     f"before '.weight'; PEFT's save_pretrained leaves it out and reads go by "
+                                     f"the saved keys: re-save with save_pretrained, or rename the keys without it")
+        if len(m["layer"]) > MAX_LAYER_DIGITS or m["layer"] != str(int(m["layer"])):
+            raise AdapterFormatError(f"{weights}: tensor {_show(key)} has layer number {_show(m['layer'])}, not "
+                                     "PEFT's form (no leading zeros); re-save the adapter with save_pretrained")
         layer, module = int(m["layer"]), m["module"]
         if module not in MODULES or MODULES[module][0] != m["block"]:
-            raise AdapterFormatError(f"{weights}: {key!r} targets module {module!r}, which {shape.name} lacks; "
-                                     f"supported modules: {list(MODULES)}")
+            raise AdapterFormatError(f"{weights}: {_show(key)} targets module {_show(module)}, which {shape.name} "
+                                     f"lacks; supported modules: {list(MODULES)}")
         if layer >= shape.num_layers:
             raise AdapterFormatError(f"{weights}: {key!r} is for layer {layer}, but {shape.name} has "
                                      f"{shape.num_layers} layers; is this adapter for another model?")
@@ -412,10 +496,14 @@ def _check_module(layer: int, module: str, ab: dict[str, tuple[int, ...]], confi
     for missing in sorted({"A", "B"} - set(ab)):  # report the first missing one
         raise AdapterFormatError(f"{where} has no lora_{missing} tensor ({peft_key(layer, module, missing)!r}); "
                                  "every adapted module needs both lora_A and lora_B")
-    if not config.targets(module, layer):
-        raise AdapterFormatError(f"{where} has tensors but target_modules={config.target_modules!r} excludes it; "
-                                 "the config and the weights disagree")
-    rank, alpha = config.rank_alpha(layer, module)
+    try:
+        targeted = config.targets(module, layer)
+        rank, alpha = config.rank_alpha(layer, module)
+    except patterns.PatternError as e:  # a pattern that costs too much, found as the paths are matched
+        raise AdapterFormatError(f"{weights}: a pattern of target_modules, rank_pattern or alpha_pattern {e}") from None
+    if not targeted:
+        raise AdapterFormatError(f"{where} has tensors but target_modules={_show(config.target_modules)} excludes "
+                                 "it; the config and the weights disagree")
     d_in, d_out = shape.dims(module)
     for label, got, want in (("lora_A", ab["A"], (rank, d_in)), ("lora_B", ab["B"], (d_out, rank))):
         if got != want:

@@ -10,6 +10,31 @@ from pathlib import Path
 from lora_cache.errors import AdapterChangedError, AdapterPathError, ConfigError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+MAX_PATH_BYTES = 4095  # Linux's PATH_MAX, less the NUL
+MAX_NAME_BYTES = 255  # one component (NAME_MAX)
+
+
+def check_path(path: object) -> None:
+    """Refuse a path no file system holds before it reaches one: not a string, a NUL byte, too long, a component
+    too long. The message shows its start, never all of it."""
+    if isinstance(path, Path):
+        path = str(path)
+    if not isinstance(path, str) or not path:
+        raise AdapterPathError(f"adapter path {_start(path)} is empty or not a string; give the adapter's directory")
+    if "\0" in path:
+        raise AdapterPathError(f"adapter path {_start(path)} holds a NUL byte, which no path can; give the "
+                               "adapter's directory")
+    size = len(path.encode("utf-8", "surrogateescape"))
+    longest = max(len(part.encode("utf-8", "surrogateescape")) for part in path.split("/"))
+    if size > MAX_PATH_BYTES or longest > MAX_NAME_BYTES:
+        raise AdapterPathError(f"adapter path {_start(path)} is {size} bytes with a component of {longest}; paths "
+                               f"are at most {MAX_PATH_BYTES} bytes and each name at most {MAX_NAME_BYTES}: give a "
+                               "shorter path")
+
+
+def _start(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 @dataclass(frozen=True)
@@ -31,6 +56,7 @@ class AdapterRoots:
 
     def resolve(self, path: str | Path) -> Path:
         """The real path of ``path`` (relative paths are taken from the first root), if it is under a root."""
+        check_path(path)
         raw = Path(path).expanduser()
         if ".." in raw.parts:
             raise AdapterPathError(f"adapter path {str(path)!r} contains '..'; name it from inside an adapter root "

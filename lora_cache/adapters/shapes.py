@@ -32,6 +32,11 @@ MODULES: dict[str, tuple[str, Parallel]] = {
 MODULE_ORDER: tuple[str, ...] = tuple(MODULES)
 
 
+SHAPE_LIMITS = {  # bounds on a shape's sizes: validation walks every layer, slots are sized from the rest
+    "num_layers": 1024, "hidden_size": 1 << 18, "intermediate_size": 1 << 20, "num_heads": 1 << 14,
+    "num_kv_heads": 1 << 14, "head_dim": 1 << 14}
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes of a decoder-only transformer that decide LoRA tensor shapes."""
@@ -45,10 +50,11 @@ class ModelShape:
     head_dim: int
 
     def __post_init__(self) -> None:
-        for field in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim"):
+        for field, most in SHAPE_LIMITS.items():
             value = getattr(self, field)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"model shape {self.name!r}: {field} must be a positive integer, got {value!r}")
+            if type(value) is not int or not 0 < value <= most:
+                raise ConfigError(f"model shape {str(self.name)[:80]!r}: {field} must be a positive integer (at most "
+                                  f"{most}), got {repr(value)[:80]}; is this a decoder-only transformer's config?")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"model shape {self.name!r}: num_heads ({self.num_heads}) must be a multiple of "
@@ -93,26 +99,37 @@ def from_hf_config(path: str | Path) -> ModelShape:
     if path.is_dir():
         path = path / "config.json"
     try:
+        if path.stat().st_size > MAX_MODEL_CONFIG_BYTES:
+            raise ConfigError(f"model config {path} is over {MAX_MODEL_CONFIG_BYTES} bytes; is it a config.json?")
         cfg = json.loads(path.read_text())
     except FileNotFoundError as e:
         raise ConfigError(f"model config {path} does not exist; pass a named shape {sorted(SHAPES)} "
                           "or the base model's config.json") from e
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"model config {path} is not valid JSON ({e}); pass the base model's config.json") from e
+    except (ValueError, RecursionError, OSError) as e:  # bad JSON or UTF-8, nesting too deep, unreadable
+        raise ConfigError(f"model config {path} is not valid JSON ({type(e).__name__}: {str(e)[:200]}); pass "
+                          "the base model's config.json") from e
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"model config {path} holds a JSON {type(cfg).__name__}, not an object; pass the base "
+                          "model's config.json")
     missing = [k for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads")
                if k not in cfg]
     if missing:
         raise ConfigError(f"model config {path} lacks {missing}; is it a decoder-only transformer's config.json?")
-    heads = cfg["num_attention_heads"]
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    head_dim = cfg.get("head_dim") or (hidden // heads if type(hidden) is int and type(heads) is int and heads > 0
+                                       else 0)
     return ModelShape(
-        name=str(cfg.get("_name_or_path") or path.parent.name or "hf-model"),
+        name=str(cfg.get("_name_or_path") or path.parent.name or "hf-model")[:256],
         num_layers=cfg["num_hidden_layers"],
-        hidden_size=cfg["hidden_size"],
+        hidden_size=hidden,
         intermediate_size=cfg["intermediate_size"],
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        head_dim=head_dim,
     )
+
+
+MAX_MODEL_CONFIG_BYTES = 1 << 20
 
 
 def is_model_path(spec: str) -> bool:

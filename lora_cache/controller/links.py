@@ -437,26 +437,36 @@ class WorkerLinks:
         """Evict ``name`` until no worker holds it; the versions evicted. ConflictError if it is registered
         again meanwhile; TimeoutError after ``timeout_s`` (batches still use it)."""
         deadline, evicted = time.monotonic() + timeout_s, set()
-        while held := await self.holders(name):
+        # every call bounded by the deadline: a stopped (SIGSTOP) worker answers nothing and must not hold the
+        # caller past it; one that did not answer counts as holding (it may), so the drain times out naming it
+        while held := await self.holders(name, max(deadline - time.monotonic(), 0.05)):
             if name in self.core.catalog:
                 raise ConflictError(f"adapter {name!r} was registered again while it was being unregistered; "
                                   "unregister it again if that was not intended")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"adapter {name!r} is unregistered (nothing new uses it), but workers "
-                                   f"{sorted(map(str, held))} still hold it after {timeout_s:.0f} s, in use by "
-                                   "running batches; call UnregisterAdapter again to keep waiting")
-            evicted |= {v for versions in held.values() for v in versions}
-            await asyncio.gather(*(self.handles[w].apply.remote([Evict(name, v, self.core.epoch) for v in sorted(vs)])
-                                   for w, vs in held.items()))
+                                   f"{sorted(map(str, held))} still hold it (or did not answer) after "
+                                   f"{timeout_s:.0f} s, in use by running batches; call UnregisterAdapter again "
+                                   "to keep waiting")
+            evicted |= {v for versions in held.values() for v in versions if v}
+            await asyncio.gather(*(asyncio.wait_for(
+                self.handles[w].apply.remote([Evict(name, v, self.core.epoch) for v in sorted(vs) if v]),
+                max(deadline - time.monotonic(), 0.05)) for w, vs in held.items() if any(vs)),
+                return_exceptions=True)
             await asyncio.sleep(0.05)
         return sorted(evicted)
 
-    async def holders(self, name: str) -> dict[WorkerId, set[str]]:
-        """The versions of ``name`` that each worker holds, from the workers' own full reports."""
+    async def holders(self, name: str, timeout_s: float | None = None) -> dict[WorkerId, set[str]]:
+        """The versions of ``name`` that each worker holds, from the workers' own full reports; a worker that
+        does not answer within ``timeout_s`` holds ``{""}`` (unknown)."""
         wids = list(self.handles)
-        reports = await asyncio.gather(*(self.handles[w].describe.remote() for w in wids), return_exceptions=True)
+        reports = await asyncio.gather(*(asyncio.wait_for(self.handles[w].describe.remote(), timeout_s)
+                                         for w in wids), return_exceptions=True)
         held: dict[WorkerId, set[str]] = {}
         for wid, report in zip(wids, reports):
+            if isinstance(report, TimeoutError):  # alive but silent (stopped, hung): it may hold it
+                held[wid] = {""}
+                continue
             if isinstance(report, BaseException):  # lost: it comes back empty (worker_started)
                 log.warning("worker %s did not report while draining %s: %s", wid, name, report)
                 continue
@@ -468,7 +478,8 @@ class WorkerLinks:
     async def unregister_adapter(self, name: str) -> None:
         """The workers forget it too, or a restarted controller would adopt it again from their reports."""
         for wid, outcome in zip(self.handles, await asyncio.gather(
-                *(h.unregister_adapter.remote(name) for h in self.handles.values()), return_exceptions=True)):
+                *(asyncio.wait_for(h.unregister_adapter.remote(name), self.call_timeout_s)
+                  for h in self.handles.values()), return_exceptions=True)):
             if isinstance(outcome, BaseException):
                 log.warning("worker %s did not unregister %s: %s (a restarted controller may adopt it again)",
                             wid, name, outcome)
