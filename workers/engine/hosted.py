@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lora_cache.errors import ConfigError
-from workers.cache import WorkerCache
+from workers.seam import EngineCache
 from workers.engine.admission import ADMISSION
 from workers.engine.config import EngineConfig
 from workers.engine.engine import EngineResult, Hooks, serve_rank
@@ -61,7 +61,7 @@ class HostedEngine:
     A run is given its requests up front, or (``streaming``) rank 0 takes them as a router submits them
     (``submit``, ``end_stream``) and tells which finished (``finished``): the ``Feed`` made at ``build``."""
 
-    def __init__(self, cache: WorkerCache) -> None:
+    def __init__(self, cache: EngineCache) -> None:
         self.cache = cache
         self.config: EngineConfig | None = None
         self.comm: Comm | None = None
