@@ -44,12 +44,12 @@ from typing import Any
 import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.shards import ShardLayout
 from lora_cache.errors import ConfigError
 from lora_cache.link.relay import RELAYED, EndpointStaleError, Relay
-from lora_cache.adapters.shards import ShardLayout
 from lora_cache.vocab import AdapterKey, Answer, Call, ReadinessRecord, WorkerId, worker_name
 from workers.cache import AdapterRef, Batch, WorkerCache, WorkerConfig
-from workers.engine.versions import RankVersions, ReducedVersions
+from workers.engine.versions import RankVersions, ReducedVersions, reduce_min
 from workers.outbox import Outbox, QueueSender
 from workers.rank_control import WorkerControl
 from workers.transport import Hello, RankTransport
@@ -233,10 +233,15 @@ class Attachment:
         and give the result to rank 0's ``agree``."""
         return self._versions_of(names).rows(self.cache.ready_keys(), failed_loads, failed_steps)
 
-    def agree(self, reduced: torch.Tensor, names: Sequence[str]) -> dict[str, AdapterKey | None]:
-        """Rank 0: the one version per adapter every rank then acquires (an ``AdapterKey``): the newest READY on
-        every rank, else the version every rank's catalog calls current; None while the ranks disagree and
-        none is READY everywhere (a registration on its way: ask again)."""
+    def agree(self, reduced: torch.Tensor | Sequence[torch.Tensor],
+              names: Sequence[str]) -> dict[str, AdapterKey | None]:
+        """Rank 0, given every rank's ``version_rows`` (or their all-reduced MIN): the one version per adapter
+        every rank then acquires (an ``AdapterKey``): the newest READY on every rank, else the version every
+        rank's catalog calls current; None while the ranks disagree and none is READY everywhere (a
+        registration on its way: ask again). Rank 0's code table decodes the rows: call it on the rank whose
+        ``version_rows`` took part."""
+        if not isinstance(reduced, torch.Tensor):
+            reduced = reduce_min(list(reduced))
         versions = ReducedVersions(reduced, names, self._versions_of(names).codes).versions()
         return {n: None if (v := versions[n].serve) is None else AdapterKey(n, v) for n in names}
 
