@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from lora_cache.errors import ConfigError
-from workers.seam import EngineCache
 from workers.engine.admission import ADMISSION
 from workers.engine.config import EngineConfig
 from workers.engine.engine import EngineResult, Hooks, serve_rank
@@ -28,6 +27,7 @@ from workers.engine.rank import RankEngine
 from workers.engine.tp import Comm
 from workers.engine.workload import Request
 from workers.outbox import QueueSender
+from workers.seam import EngineCache
 
 
 class Rendezvous(NamedTuple):

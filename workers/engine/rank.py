@@ -22,7 +22,6 @@ from lora_cache.errors import CapacityError, ConfigError, LoraCacheError
 from lora_cache.runtime import heap
 from lora_cache.vocab import AdapterKey, ReadinessRecord
 from workers.cache import AdapterRef, Batch, WorkerCache, WorkerConfig, resolve
-from workers.seam import EngineCache
 from workers.engine.admission import ADMISSION
 from workers.engine.config import EngineConfig
 from workers.engine.graphs import DecodeGraphs
@@ -32,6 +31,7 @@ from workers.engine.scheduler import PREFILL, WAIT, Item, StepPlan
 from workers.engine.tp import Comm
 from workers.engine.versions import RankVersions
 from workers.pipeline import ChunkWaits
+from workers.seam import EngineCache
 
 
 def _key_or_none(catalog: AdapterCatalog, ref: AdapterRef) -> AdapterKey | None:
@@ -116,7 +116,8 @@ class RankEngine:
 
     def __init__(self, config: EngineConfig, comm: Comm, cache: EngineCache | None = None) -> None:
         """``cache``: run over an existing rank's cache (a worker actor's ``WorkerCache``, or an attached
-        process's ``Attachment``, the public seam; the controller drives either) and its catalog and compute stream; None: make one from ``config``."""
+        process's ``Attachment``, the public seam; the controller drives either) and its catalog and compute
+        stream; None: make one from ``config``."""
         self.config, self.comm = config, comm
         self.owns_cache = cache is None
         if cache is None:
