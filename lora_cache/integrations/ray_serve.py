@@ -95,7 +95,7 @@ class RouterSettings:
 
 def router_config(**settings: Any) -> RequestRouterConfig:
     """A deployment's ``request_router_config`` with ``LoraCacheRouter`` (``settings``: ``RouterSettings``)."""
-    return RequestRouterConfig(request_router_class=LoraCacheRouter,
+    return RequestRouterConfig(request_router_class=f"{__name__}:LoraCacheRouter",
                                request_router_kwargs=asdict(RouterSettings(**settings)))
 
 
@@ -212,20 +212,20 @@ class ReplicaCacheConfig:
             raise ConfigError(f"acquire_timeout_s is {self.acquire_timeout_s}; give a positive number of seconds")
 
     def worker_config(self, rank: int) -> WorkerConfig:
-        from lora_cache import WorkerConfig
+        from workers.attach import WorkerConfig
 
         device = self.device if self.device == "cpu" else "cuda:0"  # each rank's process sees its own GPU
         return WorkerConfig(tp=self.tp, tp_rank=rank, num_slots=self.num_slots, device=device, dtype=self.dtype,
                             max_batch=self.max_batch, **self.worker)
 
     def attach_config(self, replica: str) -> Any:
-        from lora_cache import AttachConfig
+        from workers.attach import AttachConfig
 
         return AttachConfig(replica=replica, address=self.address, gateway=self.gateway, token_file=self.token_file)
 
 
 def _attach(config: ReplicaCacheConfig, replica: str, rank: int) -> Attachment:
-    from lora_cache import attach
+    from workers.attach import attach
 
     return attach(config.attach_config(replica), config.worker_config(rank))
 
