@@ -95,8 +95,8 @@ class LoraEngine:
         await future
         stats = self.cache.rank.stats()
         return {"replica": self.cache.name, "adapter": adapter, "hit": hit,
-                "ms": (time.perf_counter() - began) * 1e3, "gpu_misses": stats["gpu_misses"],
-                "loads": stats.get("prefetches", 0)}
+                "ms": (time.perf_counter() - began) * 1e3, "loads": stats["loads"],  # this replica's, so far
+                "gpu_hits": stats["gpu_hits"], "gpu_misses": stats["gpu_misses"]}
 
     def __del__(self) -> None:
         self.hosted.end_stream()
