@@ -10,6 +10,7 @@ every request still succeeds. The module shares one cluster (tests run in file o
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -87,10 +88,13 @@ def test_requests_for_many_adapters_spread_over_the_replicas(served: App) -> Non
     assert used <= served.serve_replicas(), "a response names a replica the controller does not know"
 
 
+def _ready_on(served: App, adapter: str) -> set[str]:
+    return set(served.client.lookup(adapter).ready)
+
+
 def test_the_router_prefers_a_replica_where_the_adapter_is_ready(served: App) -> None:
     for adapter in ADAPTERS[:4]:
-        ready = wait_for(lambda a=adapter: set(served.client.lookup(a).ready), f"{adapter} ready somewhere",
-                         timeout=30)
+        ready: set[str] = wait_for(partial(_ready_on, served, adapter), f"{adapter} ready somewhere", timeout=30)
         for _ in range(3):  # one at a time: every replica has room, so the advice's first choice takes it
             result = served.call(adapter)
             assert result["replica"] in ready, f"{adapter} went to {result['replica']}, READY on {ready}"

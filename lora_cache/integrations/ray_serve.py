@@ -95,7 +95,7 @@ class RouterSettings:
 
 def router_config(**settings: Any) -> RequestRouterConfig:
     """A deployment's ``request_router_config`` with ``LoraCacheRouter`` (``settings``: ``RouterSettings``)."""
-    return RequestRouterConfig(request_router_class=f"{__name__}:LoraCacheRouter",
+    return RequestRouterConfig(request_router_class=f"{__name__}:LoraCacheRouter",  # type: ignore[arg-type]
                                request_router_kwargs=asdict(RouterSettings(**settings)))
 
 
