@@ -110,7 +110,8 @@ def app(routing: str = "lora-cache", server: str = "127.0.0.1:50051", replicas: 
     options: dict[str, Any] = {"num_replicas": replicas}
     if routing == "lora-cache":
         options["request_router_config"] = router_config(server=server, **router)
-    return LoraEngine.options(**options).bind(  # type: ignore[attr-defined]cache, engine or engine_config(num_slots=cache.num_slots),
+    deployment: Any = LoraEngine  # a serve.Deployment (mypy sees the class)
+    return deployment.options(**options).bind(cache, engine or engine_config(num_slots=cache.num_slots),
                                               routing == "serve")
 
 
