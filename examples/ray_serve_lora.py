@@ -111,8 +111,8 @@ def app(routing: str = "lora-cache", server: str = "127.0.0.1:50051", replicas: 
     if routing == "lora-cache":
         options["request_router_config"] = router_config(server=server, **router)
     deployment: Any = LoraEngine  # a serve.Deployment (mypy sees the class)
-    return deployment.options(**options).bind(cache, engine or engine_config(num_slots=cache.num_slots),
-                                              routing == "serve")
+    engine = engine or engine_config(num_slots=cache.num_slots, max_adapters=min(4, cache.num_slots))
+    return deployment.options(**options).bind(cache, engine, routing == "serve")
 
 
 def main() -> None:
