@@ -88,13 +88,22 @@ def test_requests_for_many_adapters_spread_over_the_replicas(served: App) -> Non
     assert used <= served.serve_replicas(), "a response names a replica the controller does not know"
 
 
+def _where(served: App) -> str:
+    status = served.client.status()
+    return (f"ready on: { {a: served.client.lookup(a).ready for a in ADAPTERS} }; ready residencies "
+            f"{status.ready_residencies}, held {status.held_residencies}, workers {status.workers}, "
+            f"commands {status.commands_sent}")
+
+
 def _ready_on(served: App, adapter: str) -> set[str]:
     return set(served.client.lookup(adapter).ready)
 
 
 def test_the_router_prefers_a_replica_where_the_adapter_is_ready(served: App) -> None:
     for adapter in ADAPTERS[:4]:
-        ready: set[str] = wait_for(partial(_ready_on, served, adapter), f"{adapter} ready somewhere", timeout=30)
+        served.call(adapter)  # loaded where it went, if it was READY nowhere
+        ready: set[str] = wait_for(partial(_ready_on, served, adapter), f"{adapter} ready somewhere", timeout=30,
+                                   detail=lambda: _where(served))
         for _ in range(3):  # one at a time: every replica has room, so the advice's first choice takes it
             result = served.call(adapter)
             assert result["replica"] in ready, f"{adapter} went to {result['replica']}, READY on {ready}"
