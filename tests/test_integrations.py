@@ -8,18 +8,18 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from ray.serve._private.common import DeploymentID  # noqa: E402
-from ray.serve.request_router import ReplicaID  # noqa: E402
+from ray.serve._private.common import DeploymentID
+from ray.serve.request_router import ReplicaID
 
-from lora_cache.errors import ConfigError  # noqa: E402
-from lora_cache.integrations.ray_serve import (  # noqa: E402
+from lora_cache.errors import ConfigError
+from lora_cache.integrations.ray_serve import (
     LoraCacheRouter,
     ReplicaCacheConfig,
     RouterSettings,
     replica_name,
     router_config,
 )
-from workers.attach import AttachConfig  # noqa: E402
+from workers.attach import AttachConfig
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
