@@ -40,6 +40,12 @@ REPLICAS = 3
 class App:
     def __init__(self, service: Any, gateway: Any, handle: Any, client: LoraCacheClient) -> None:
         self.service, self.gateway, self.handle, self.client = service, gateway, handle, client
+        self.gateway_up = True
+
+    def stop_gateway(self) -> None:
+        if self.gateway_up:
+            self.gateway_up = False
+            self.gateway.stop()
 
     def call(self, adapter: str) -> dict[str, Any]:
         return self.handle.options(multiplexed_model_id=adapter).remote({}).result(timeout_s=60)
@@ -60,19 +66,18 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
         service = start(ServeConfig(adapters=str(root), replicas=0), CatalogConfig(model="tiny", max_rank=16),
                         PlannerConfig(policy="global"), WorkerConfig())
         gateway = start_gateway_thread(GatewayConfig(grpc_port=0), service.controller)
-        client = LoraCacheClient(gateway.target, timeout_s=10)
+        served = App(service, gateway, None, LoraCacheClient(gateway.target, timeout_s=10))
         try:
             cache = ReplicaCacheConfig(num_slots=3, worker={"host": HostTierConfig(host_bytes=16 << 20, pin=False)})
-            handle = serve.run(app("lora-cache", gateway.target, REPLICAS, cache, route_timeout_s=2.0, retry_s=60.0),
-                               name="lora", route_prefix=None)
-            served = App(service, gateway, handle, client)
+            served.handle = serve.run(app("lora-cache", gateway.target, REPLICAS, cache, route_timeout_s=2.0,
+                                          retry_s=60.0), name="lora", route_prefix=None)
             wait_for(lambda: len(served.serve_replicas()) == REPLICAS, "every Serve replica attached", timeout=60,
                      detail=lambda: str(served.serve_replicas()))
             yield served
         finally:
             serve.shutdown()
-            client.close()
-            gateway.stop()
+            served.client.close()
+            served.stop_gateway()
             service.stop()
     finally:
         ray.shutdown()
@@ -135,6 +140,6 @@ def test_a_killed_replica_leaves_the_advice_and_requests_go_on(served: App) -> N
 
 
 def test_with_lora_cache_stopped_serve_routes_by_itself(served: App) -> None:
-    served.gateway.stop()  # the router's Route and Hint calls now fail fast: Serve's own ranking
+    served.stop_gateway()  # the router's Route and Hint calls now fail fast: Serve's own ranking
     results = [served.handle.options(multiplexed_model_id=a).remote({}) for a in ADAPTERS * 2]
     assert [r.result(timeout_s=60)["adapter"] for r in results] == ADAPTERS * 2
