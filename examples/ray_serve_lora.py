@@ -40,9 +40,18 @@ SLOTS = 4  # adapter slots per replica (both routings: equal memory)
 
 def engine_config(**overrides: Any) -> EngineConfig:
     """The reference engine on CPU with the tiny model (a few ms per step)."""
-    base: dict[str, Any] = dict(model="tiny", device="cpu", dtype="float32", num_slots=SLOTS, max_rank=16,
-                                max_running=8, max_adapters=4, max_prefill_tokens=512, max_seq_len=256,
-                                cuda_graphs=False)
+    base: dict[str, Any] = dict(
+        model="tiny",
+        device="cpu",
+        dtype="float32",
+        num_slots=SLOTS,
+        max_rank=16,
+        max_running=8,
+        max_adapters=4,
+        max_prefill_tokens=512,
+        max_seq_len=256,
+        cuda_graphs=False,
+    )
     return EngineConfig(**{**base, **overrides})
 
 
@@ -90,21 +99,42 @@ class LoraEngine:
         rid = next(self.rids)
         with self.lock:
             self.waiting[rid] = (loop, future)
-        self.hosted.submit([Request(rid, adapter, int(request.get("input_len", 64)), int(request.get("output_len", 1)),
-                                    time.time() - self.start)])
+        self.hosted.submit(
+            [
+                Request(
+                    rid,
+                    adapter,
+                    int(request.get("input_len", 64)),
+                    int(request.get("output_len", 1)),
+                    time.time() - self.start,
+                )
+            ]
+        )
         await future
         stats = self.cache.rank.stats()
-        return {"replica": self.cache.name, "adapter": adapter, "hit": hit,
-                "ms": (time.perf_counter() - began) * 1e3, "loads": stats["loads"],  # this replica's, so far
-                "gpu_hits": stats["gpu_hits"], "gpu_misses": stats["gpu_misses"]}
+        return {
+            "replica": self.cache.name,
+            "adapter": adapter,
+            "hit": hit,
+            "ms": (time.perf_counter() - began) * 1e3,
+            "loads": stats["loads"],  # this replica's, so far
+            "gpu_hits": stats["gpu_hits"],
+            "gpu_misses": stats["gpu_misses"],
+        }
 
     def __del__(self) -> None:
         self.hosted.end_stream()
         self.cache.shutdown()
 
 
-def app(routing: str = "lora-cache", server: str = "127.0.0.1:50051", replicas: int = 3,
-        cache: ReplicaCacheConfig | None = None, engine: EngineConfig | None = None, **router: Any) -> Any:
+def app(
+    routing: str = "lora-cache",
+    server: str = "127.0.0.1:50051",
+    replicas: int = 3,
+    cache: ReplicaCacheConfig | None = None,
+    engine: EngineConfig | None = None,
+    **router: Any,
+) -> Any:
     """The Serve application: ``routing`` lora-cache (``LoraCacheRouter``) or serve (Ray Serve's multiplexing)."""
     cache = cache or ReplicaCacheConfig(num_slots=SLOTS)
     options: dict[str, Any] = {"num_replicas": replicas}
@@ -134,8 +164,12 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="serve-adapters-")
     make_adapters(root, SynthConfig(model="tiny", count=args.adapters, rank="8,16"))
     ray.init(namespace="lora-cache", include_dashboard=False)
-    service = start(ServeConfig(adapters=root, replicas=0), CatalogConfig(model="tiny", max_rank=16),
-                    PlannerConfig(policy="global" if args.routing == "lora-cache" else "none"), WorkerConfig())
+    service = start(
+        ServeConfig(adapters=root, replicas=0),
+        CatalogConfig(model="tiny", max_rank=16),
+        PlannerConfig(policy="global" if args.routing == "lora-cache" else "none"),
+        WorkerConfig(),
+    )
     gateway = start_gateway_thread(GatewayConfig(grpc_port=0), service.controller)
     try:
         cache = ReplicaCacheConfig(num_slots=SLOTS, worker={"host": HostTierConfig(host_bytes=64 << 20, pin=False)})
@@ -143,9 +177,11 @@ def main() -> None:
         names = sorted(p.name for p in __import__("pathlib").Path(root).iterdir())
         calls = [handle.options(multiplexed_model_id=names[i % len(names)]).remote({}) for i in range(args.requests)]
         out = [c.result() for c in calls]
-        print(f"{len(out)} requests over {len({o['replica'] for o in out})} replicas; "
-              f"hit rate {sum(o['hit'] for o in out) / len(out):.2f}; "
-              f"mean {sum(o['ms'] for o in out) / len(out):.1f} ms")
+        print(
+            f"{len(out)} requests over {len({o['replica'] for o in out})} replicas; "
+            f"hit rate {sum(o['hit'] for o in out) / len(out):.2f}; "
+            f"mean {sum(o['ms'] for o in out) / len(out):.1f} ms"
+        )
     finally:
         serve.shutdown()
         gateway.stop()

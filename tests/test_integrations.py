@@ -22,12 +22,15 @@ from lora_cache.integrations.ray_serve import (
 from workers.attach import AttachConfig
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"server": "nowhere"}, "is not host:port"),
-    ({"route_timeout_s": 0}, r"route_timeout_s is 0; give a short positive deadline"),
-    ({"hint_timeout_s": 30}, r"hint_timeout_s is 30; give a short positive deadline \(<= 10 s\)"),
-    ({"retry_s": -1}, r"retry_s \(-1\) and max_replicas \(0\) must be >= 0"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"server": "nowhere"}, "is not host:port"),
+        ({"route_timeout_s": 0}, r"route_timeout_s is 0; give a short positive deadline"),
+        ({"hint_timeout_s": 30}, r"hint_timeout_s is 30; give a short positive deadline \(<= 10 s\)"),
+        ({"retry_s": -1}, r"retry_s \(-1\) and max_replicas \(0\) must be >= 0"),
+    ],
+)
 def test_router_settings_name_the_value_and_the_fix(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         RouterSettings(**kwargs)  # type: ignore[arg-type]

@@ -63,16 +63,27 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
     make_adapters(root, SynthConfig(model="tiny", count=len(ADAPTERS), rank="8,16"))
     ray.init(num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
     try:
-        service = start(ServeConfig(adapters=str(root), replicas=0), CatalogConfig(model="tiny", max_rank=16),
-                        PlannerConfig(policy="global"), WorkerConfig())
+        service = start(
+            ServeConfig(adapters=str(root), replicas=0),
+            CatalogConfig(model="tiny", max_rank=16),
+            PlannerConfig(policy="global"),
+            WorkerConfig(),
+        )
         gateway = start_gateway_thread(GatewayConfig(grpc_port=0), service.controller)
         served = App(service, gateway, None, LoraCacheClient(gateway.target, timeout_s=10))
         try:
             cache = ReplicaCacheConfig(num_slots=3, worker={"host": HostTierConfig(host_bytes=16 << 20, pin=False)})
-            served.handle = serve.run(app("lora-cache", gateway.target, REPLICAS, cache, route_timeout_s=2.0,
-                                          retry_s=60.0), name="lora", route_prefix=None)
-            wait_for(lambda: len(served.serve_replicas()) == REPLICAS, "every Serve replica attached", timeout=60,
-                     detail=lambda: str(served.serve_replicas()))
+            served.handle = serve.run(
+                app("lora-cache", gateway.target, REPLICAS, cache, route_timeout_s=2.0, retry_s=60.0),
+                name="lora",
+                route_prefix=None,
+            )
+            wait_for(
+                lambda: len(served.serve_replicas()) == REPLICAS,
+                "every Serve replica attached",
+                timeout=60,
+                detail=lambda: str(served.serve_replicas()),
+            )
             yield served
         finally:
             serve.shutdown()
@@ -84,8 +95,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
 
 
 def test_requests_for_many_adapters_spread_over_the_replicas(served: App) -> None:
-    out = [served.handle.options(multiplexed_model_id=ADAPTERS[i % len(ADAPTERS)]).remote({})
-           for i in range(4 * len(ADAPTERS))]
+    out = [
+        served.handle.options(multiplexed_model_id=ADAPTERS[i % len(ADAPTERS)]).remote({})
+        for i in range(4 * len(ADAPTERS))
+    ]
     results = [r.result(timeout_s=60) for r in out]
     assert [r["adapter"] for r in results] == [ADAPTERS[i % len(ADAPTERS)] for i in range(len(results))]
     used = {r["replica"] for r in results}
@@ -95,9 +108,11 @@ def test_requests_for_many_adapters_spread_over_the_replicas(served: App) -> Non
 
 def _where(served: App) -> str:
     status = served.client.status()
-    return (f"ready on: { {a: served.client.lookup(a).ready for a in ADAPTERS} }; ready residencies "
-            f"{status.ready_residencies}, held {status.held_residencies}, workers {status.workers}, "
-            f"commands {status.commands_sent}")
+    return (
+        f"ready on: { {a: served.client.lookup(a).ready for a in ADAPTERS} }; ready residencies "
+        f"{status.ready_residencies}, held {status.held_residencies}, workers {status.workers}, "
+        f"commands {status.commands_sent}"
+    )
 
 
 def _ready_on(served: App, adapter: str) -> set[str]:
@@ -107,8 +122,9 @@ def _ready_on(served: App, adapter: str) -> set[str]:
 def test_the_router_prefers_a_replica_where_the_adapter_is_ready(served: App) -> None:
     for adapter in ADAPTERS[:4]:
         served.call(adapter)  # loaded where it went, if it was READY nowhere
-        ready: set[str] = wait_for(partial(_ready_on, served, adapter), f"{adapter} ready somewhere", timeout=30,
-                                   detail=lambda: _where(served))
+        ready: set[str] = wait_for(
+            partial(_ready_on, served, adapter), f"{adapter} ready somewhere", timeout=30, detail=lambda: _where(served)
+        )
         for _ in range(3):  # one at a time: every replica has room, so the advice's first choice takes it
             result = served.call(adapter)
             assert result["replica"] in ready, f"{adapter} went to {result['replica']}, READY on {ready}"
@@ -119,23 +135,37 @@ def test_the_router_hints_the_controller_as_it_routes(served: App) -> None:
     before = served.client.status().hints_received
     for adapter in ADAPTERS[:5]:
         served.call(adapter)
-    wait_for(lambda: served.client.status().hints_received >= before + 5, "5 more hints at the controller",
-             detail=lambda: f"{served.client.status().hints_received} received, {before} before")
+    wait_for(
+        lambda: served.client.status().hints_received >= before + 5,
+        "5 more hints at the controller",
+        detail=lambda: f"{served.client.status().hints_received} received, {before} before",
+    )
 
 
 def test_a_killed_replica_leaves_the_advice_and_requests_go_on(served: App) -> None:
     victim_name = served.call(ADAPTERS[0])["replica"]
     unique = victim_name.rsplit("-", 1)[-1]
-    actor = next(a for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["name"].startswith("SERVE_REPLICA::") and a["name"].endswith(unique))
+    actor = next(
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_REPLICA::") and a["name"].endswith(unique)
+    )
     ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
     before = served.serve_replicas()
-    wait_for(lambda: all(victim_name not in served.advised(a) for a in ADAPTERS), f"{victim_name} out of the advice",
-             timeout=45, detail=lambda: str({a: served.advised(a) for a in ADAPTERS}))
+    wait_for(
+        lambda: all(victim_name not in served.advised(a) for a in ADAPTERS),
+        f"{victim_name} out of the advice",
+        timeout=45,
+        detail=lambda: str({a: served.advised(a) for a in ADAPTERS}),
+    )
     results = [served.call(a) for a in ADAPTERS]
     assert all(r["replica"] != victim_name for r in results)
-    new = wait_for(lambda: served.serve_replicas() - before, "Serve's new replica attached", timeout=60,
-                   detail=lambda: str(served.serve_replicas()))
+    new = wait_for(
+        lambda: served.serve_replicas() - before,
+        "Serve's new replica attached",
+        timeout=60,
+        detail=lambda: str(served.serve_replicas()),
+    )
     assert all(set(served.advised(a)) <= (before | new) - {victim_name} for a in ADAPTERS)
 
 

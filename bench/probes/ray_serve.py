@@ -63,15 +63,28 @@ def run(routing: str, args: argparse.Namespace, root: str, names: list[str]) -> 
     from workers.host_tier import HostTierConfig
 
     policy = "global" if routing == "lora-cache" else "none"
-    service = start(ServeConfig(adapters=root, replicas=0), CatalogConfig(model="tiny", max_rank=16),
-                    PlannerConfig(policy=policy), WorkerConfig())
+    service = start(
+        ServeConfig(adapters=root, replicas=0),
+        CatalogConfig(model="tiny", max_rank=16),
+        PlannerConfig(policy=policy),
+        WorkerConfig(),
+    )
     gateway = start_gateway_thread(GatewayConfig(grpc_port=0), service.controller)
     try:
-        cache = ReplicaCacheConfig(num_slots=args.slots,
-                                   worker={"host": HostTierConfig(host_bytes=args.host_mib << 20, pin=False)})
-        handle = serve.run(app(routing, gateway.target, args.replicas, cache,
-                               engine_config(num_slots=args.slots, max_adapters=min(4, args.slots))),
-                           name=f"bench-{routing}", route_prefix=None)
+        cache = ReplicaCacheConfig(
+            num_slots=args.slots, worker={"host": HostTierConfig(host_bytes=args.host_mib << 20, pin=False)}
+        )
+        handle = serve.run(
+            app(
+                routing,
+                gateway.target,
+                args.replicas,
+                cache,
+                engine_config(num_slots=args.slots, max_adapters=min(4, args.slots)),
+            ),
+            name=f"bench-{routing}",
+            route_prefix=None,
+        )
         for name in names[: args.replicas]:  # every replica up and its engine warm before the clock
             handle.options(multiplexed_model_id=name).remote({}).result(timeout_s=120)
         arrivals = workload(names, args.requests, args.rate, args.alpha, args.seed)
@@ -81,10 +94,17 @@ def run(routing: str, args: argparse.Namespace, root: str, names: list[str]) -> 
         loads: dict[str, int] = {}
         for r in results:
             loads[r["replica"]] = max(loads.get(r["replica"], 0), r["loads"])
-        return {"routing": routing, "requests": len(results), "mean_ttft_ms": float(ttft.mean()),
-                "p99_ttft_ms": float(np.percentile(ttft, 99)), "median_ttft_ms": float(np.median(ttft)),
-                "gpu_hit_rate": sum(r["hit"] for r in results) / len(results), "loads": sum(loads.values()),
-                "replicas_used": len(loads), "wall_s": time.perf_counter() - start_t}
+        return {
+            "routing": routing,
+            "requests": len(results),
+            "mean_ttft_ms": float(ttft.mean()),
+            "p99_ttft_ms": float(np.percentile(ttft, 99)),
+            "median_ttft_ms": float(np.median(ttft)),
+            "gpu_hit_rate": sum(r["hit"] for r in results) / len(results),
+            "loads": sum(loads.values()),
+            "replicas_used": len(loads),
+            "wall_s": time.perf_counter() - start_t,
+        }
     finally:
         serve.delete(f"bench-{routing}")
         gateway.stop()
@@ -124,8 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
     print(f"{'routing':<11} {'mean_ttft_ms':>12} {'p99_ttft_ms':>11} {'gpu_hit_rate':>12} {'loads':>6}")
     for r in rows:
-        print(f"{r['routing']:<11} {r['mean_ttft_ms']:>12.1f} {r['p99_ttft_ms']:>11.1f} {r['gpu_hit_rate']:>12.2f} "
-              f"{r['loads']:>6}")
+        print(
+            f"{r['routing']:<11} {r['mean_ttft_ms']:>12.1f} {r['p99_ttft_ms']:>11.1f} {r['gpu_hit_rate']:>12.2f} "
+            f"{r['loads']:>6}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

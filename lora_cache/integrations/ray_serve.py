@@ -73,30 +73,41 @@ class RouterSettings:
 
     server: str = field(default="127.0.0.1:50051", metadata={"help": "the lora-cache gateway, host:port"})
     token: str = field(default="", metadata={"help": "the gateway's bearer token, if it has one"})
-    route_timeout_s: float = field(default=0.25, metadata={
-        "help": "deadline of the Route call; past it the request is routed by Serve's own ranking"})
+    route_timeout_s: float = field(
+        default=0.25,
+        metadata={"help": "deadline of the Route call; past it the request is routed by Serve's own ranking"},
+    )
     hint_timeout_s: float = field(default=0.5, metadata={"help": "deadline of a Hint call (sent after routing)"})
-    retry_s: float = field(default=5.0, metadata={
-        "help": "after lora-cache failed to answer, route by Serve's own ranking this long before asking again"})
+    retry_s: float = field(
+        default=5.0,
+        metadata={
+            "help": "after lora-cache failed to answer, route by Serve's own ranking this long before asking again"
+        },
+    )
     max_replicas: int = field(default=0, metadata={"help": "replicas per advice (0: all)"})
 
     def __post_init__(self) -> None:
         host, _, port = self.server.rpartition(":")
         if not host or not port.isdigit():
-            raise ConfigError(f"server {self.server!r} is not host:port; give the lora-cache gateway's address, "
-                              "e.g. 127.0.0.1:50051")
+            raise ConfigError(
+                f"server {self.server!r} is not host:port; give the lora-cache gateway's address, e.g. 127.0.0.1:50051"
+            )
         for name in ("route_timeout_s", "hint_timeout_s"):
             if not 0 < getattr(self, name) <= 10:
-                raise ConfigError(f"{name} is {getattr(self, name)}; give a short positive deadline (<= 10 s): a "
-                                  "router must not hold requests for lora-cache")
+                raise ConfigError(
+                    f"{name} is {getattr(self, name)}; give a short positive deadline (<= 10 s): a "
+                    "router must not hold requests for lora-cache"
+                )
         if self.retry_s < 0 or self.max_replicas < 0:
             raise ConfigError(f"retry_s ({self.retry_s}) and max_replicas ({self.max_replicas}) must be >= 0")
 
 
 def router_config(**settings: Any) -> RequestRouterConfig:
     """A deployment's ``request_router_config`` with ``LoraCacheRouter`` (``settings``: ``RouterSettings``)."""
-    return RequestRouterConfig(request_router_class=f"{__name__}:LoraCacheRouter",  # type: ignore[arg-type]
-                               request_router_kwargs=asdict(RouterSettings(**settings)))
+    return RequestRouterConfig(
+        request_router_class=f"{__name__}:LoraCacheRouter",  # type: ignore[arg-type]
+        request_router_kwargs=asdict(RouterSettings(**settings)),
+    )
 
 
 class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
@@ -113,8 +124,9 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
         self.counts = {"advised": 0, "fallback": 0, "hints": 0, "hint_errors": 0, "route_errors": 0}
 
     # -- choosing (one iteration per Serve routing attempt) ------------------------------------------------------
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         adapter = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
         if adapter and time.monotonic() >= self._down_until:
             ranked = await self._advised(adapter, candidate_replicas)
@@ -132,8 +144,14 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
         by_name = {replica_name(r.replica_id): r for r in candidates}
         outstanding = {replica_name(rid): n for rid, n in self._inflight.items() if n > 0}
         try:
-            route = (await self._lora().route([RouteItem(adapter)], outstanding, self.settings.max_replicas,
-                                              timeout_s=self.settings.route_timeout_s))[0]
+            route = (
+                await self._lora().route(
+                    [RouteItem(adapter)],
+                    outstanding,
+                    self.settings.max_replicas,
+                    timeout_s=self.settings.route_timeout_s,
+                )
+            )[0]
         except ClientError as e:
             self._went_down(f"Route failed ({e})")
             return None
@@ -147,14 +165,19 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
 
     def _went_down(self, why: str) -> None:
         if time.monotonic() >= self._down_until:
-            log.warning("lora-cache at %s: %s; routing by Serve's own ranking for %.1f s", self.settings.server, why,
-                        self.settings.retry_s)
+            log.warning(
+                "lora-cache at %s: %s; routing by Serve's own ranking for %.1f s",
+                self.settings.server,
+                why,
+                self.settings.retry_s,
+            )
         self._down_until = time.monotonic() + self.settings.retry_s
 
     def _lora(self) -> AsyncLoraCacheClient:
         if self._client is None:
-            self._client = AsyncLoraCacheClient(self.settings.server, token=self.settings.token or None,
-                                                timeout_s=self.settings.route_timeout_s)
+            self._client = AsyncLoraCacheClient(
+                self.settings.server, token=self.settings.token or None, timeout_s=self.settings.route_timeout_s
+            )
         return self._client
 
     # -- after routing: the hint and the in-flight count ------------------------------------------------------------
@@ -192,8 +215,12 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
 class ReplicaCacheConfig:
     """How a Serve replica's ranks attach (``AttachConfig``'s link fields, ``WorkerConfig``'s cache fields)."""
 
-    tp: int = field(default=1, metadata={"help": "TP ranks of the replica (rank 0 in the replica's process, the "
-                                                 "others in actors of their own)"})
+    tp: int = field(
+        default=1,
+        metadata={
+            "help": "TP ranks of the replica (rank 0 in the replica's process, the others in actors of their own)"
+        },
+    )
     num_slots: int = field(default=8, metadata={"help": "adapter slots per rank"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda (rank k on its actor's GPU)"})
     dtype: str = field(default="float32", metadata={"help": "slot dtype (bfloat16 on GPUs)"})
@@ -201,8 +228,10 @@ class ReplicaCacheConfig:
     address: str = field(default="auto", metadata={"help": "the Ray cluster of the controller"})
     gateway: str = field(default="", metadata={"help": "attach through the gateway instead (host:port)"})
     token_file: str = field(default="", metadata={"help": "the gateway's bearer token file"})
-    acquire_timeout_s: float = field(default=30.0, metadata={
-        "help": "longest wait for the ranks to agree on a version (a re-registration on its way)"})
+    acquire_timeout_s: float = field(
+        default=30.0,
+        metadata={"help": "longest wait for the ranks to agree on a version (a re-registration on its way)"},
+    )
     worker: dict[str, Any] = field(default_factory=dict, metadata={"help": "more WorkerConfig fields"})
 
     def __post_init__(self) -> None:
@@ -215,8 +244,15 @@ class ReplicaCacheConfig:
         from workers.attach import WorkerConfig
 
         device = self.device if self.device == "cpu" else "cuda:0"  # each rank's process sees its own GPU
-        return WorkerConfig(tp=self.tp, tp_rank=rank, num_slots=self.num_slots, device=device, dtype=self.dtype,
-                            max_batch=self.max_batch, **self.worker)
+        return WorkerConfig(
+            tp=self.tp,
+            tp_rank=rank,
+            num_slots=self.num_slots,
+            device=device,
+            dtype=self.dtype,
+            max_batch=self.max_batch,
+            **self.worker,
+        )
 
     def attach_config(self, replica: str) -> Any:
         from workers.attach import AttachConfig
@@ -273,8 +309,10 @@ class CacheReplica:
         self.name = replica or replica_name(serve.get_replica_context().replica_id)
         self.rank = _attach(self.config, self.name, 0)  # rank 0, in this process: the engine's own
         gpus = 1 if self.config.device != "cpu" else 0
-        self.ranks = [RankActor.options(num_gpus=gpus).remote(self.config, self.name, k)  # type: ignore[attr-defined]
-                      for k in range(1, self.config.tp)]
+        self.ranks = [
+            RankActor.options(num_gpus=gpus).remote(self.config, self.name, k)  # type: ignore[attr-defined]
+            for k in range(1, self.config.tp)
+        ]
         ray.get([r.rows.remote([]) for r in self.ranks])  # every rank attached before the replica serves
         self._ids = itertools.count()
         self._waiting: dict[int, tuple[str, float]] = {}  # requests waiting for their adapter (the queue report)
@@ -304,8 +342,10 @@ class CacheReplica:
         """Agree on one version of ``adapter`` over the ranks and hold exactly it on each (a miss loads it;
         blocking: from a thread). Raises ``NotFoundError`` for an adapter the controller never registered."""
         if not adapter:
-            raise NotFoundError("the request names no adapter: send it with "
-                                "handle.options(multiplexed_model_id=...) or the serve_multiplexed_model_id header")
+            raise NotFoundError(
+                "the request names no adapter: send it with "
+                "handle.options(multiplexed_model_id=...) or the serve_multiplexed_model_id header"
+            )
         ident = f"{self.name}-{next(self._ids)}"
         self._queue(+1, ident, adapter)
         try:
@@ -331,16 +371,20 @@ class CacheReplica:
         deadline = time.monotonic() + self.config.acquire_timeout_s
         while True:
             if adapter not in self.rank.catalog:
-                raise NotFoundError(f"adapter {adapter!r} is not registered with lora-cache; register it "
-                                    "(`lora-cache register NAME PATH`) before sending requests for it")
+                raise NotFoundError(
+                    f"adapter {adapter!r} is not registered with lora-cache; register it "
+                    "(`lora-cache register NAME PATH`) before sending requests for it"
+                )
             rows = [self.rank.version_rows([adapter]), *ray.get([r.rows.remote([adapter]) for r in self.ranks])]
             key = self.rank.agree(rows, [adapter])[adapter]
             if key is not None:
                 return key
             if time.monotonic() > deadline:
-                raise NotFoundError(f"the {self.config.tp} ranks of {self.name} did not agree on a version of "
-                                    f"{adapter!r} within {self.config.acquire_timeout_s} s (a re-registration that "
-                                    "did not reach every rank); check `lora-cache status`")
+                raise NotFoundError(
+                    f"the {self.config.tp} ranks of {self.name} did not agree on a version of "
+                    f"{adapter!r} within {self.config.acquire_timeout_s} s (a re-registration that "
+                    "did not reach every rank); check `lora-cache status`"
+                )
             time.sleep(0.01)  # a registration on its way to the other ranks: poll its arrival
 
     def _queue(self, step: int, ident: str, adapter: str) -> None:
