@@ -8,9 +8,10 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    """``lora_cache.attach`` (and ``AttachConfig``, ``Attachment``): the engine seam, ``workers/attach.py``,
-    imported on first use (it brings torch and the data plane; the control plane does not need them)."""
-    if name in ("attach", "AttachConfig", "Attachment"):
+    """``lora_cache.attach`` (and ``AttachConfig``, ``Attachment``, ``WorkerConfig``): the engine seam,
+    ``workers/attach.py``, imported on first use (it brings torch and the data plane; the control plane does
+    not need them)."""
+    if name in ("attach", "AttachConfig", "Attachment", "WorkerConfig"):
         import workers.attach
 
         return getattr(workers.attach, name)

@@ -14,12 +14,13 @@ import pkgutil
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("lora_cache", "workers", "bench")
-FIRST_PARTY = {*PACKAGES, "tests", "conftest"}
+FIRST_PARTY = {*PACKAGES, "tests", "conftest", "examples"}
 
 
 def _modules() -> list[str]:
@@ -46,8 +47,17 @@ def _declared() -> set[str]:
         requirements = importlib.metadata.requires("lora-cache") or []
     else:
         project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-        requirements = [*project["dependencies"], *project["optional-dependencies"]["test"]]
+        requirements = [*project["dependencies"], *_extra(project, "test")]
     return {_normalize(re.split(r"[\s<>=!~;\[]", r, maxsplit=1)[0]) for r in requirements}
+
+
+def _extra(project: dict[str, Any], name: str) -> list[str]:
+    """An extra's requirements, with the extras of lora-cache itself it names (``lora-cache[server,gpu]``) expanded."""
+    out: list[str] = []
+    for r in project["optional-dependencies"][name]:
+        own = re.fullmatch(r"lora-cache\[([a-z,\s]+)\]", r)
+        out += [x for e in own.group(1).split(",") for x in _extra(project, e.strip())] if own else [r]
+    return out
 
 
 def _normalize(name: str) -> str:

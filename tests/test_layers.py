@@ -26,12 +26,14 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("lora_cache.routing",),  # routing advice over the planner's view
     ("lora_cache.controller",),  # the controller's core and actor
     ("lora_cache.api",),  # the gRPC contract, servicer, gateway and client
-    ("lora_cache.app",),  # the CLI and `serve`: starts workers (a named seam)
+    ("lora_cache.app", "lora_cache.integrations"),  # the CLI and `serve` (starts workers, a named seam); serving
+    # frameworks' integrations (Ray Serve), over the client and the engine seam: nothing below imports them
 )
 # Imports of workers/ or bench/ from lora_cache/, each at a named seam: (importing module prefix, imported prefix)
 SEAMS = (
     ("lora_cache.app", "workers"),  # the application that starts workers (serve, demo, the CLI's configs)
     ("lora_cache", "workers.attach"),  # `lora_cache.attach`, the engine's entry point (lora_cache/__init__.py)
+    ("lora_cache.integrations", "workers.attach"),  # serving frameworks' replicas attach through the public seam
 )
 # What the data plane may use of lora_cache/: no planner, routing, controller or application.
 WORKERS_MAY_USE = ("lora_cache.errors", "lora_cache.vocab", "lora_cache.adapters", "lora_cache.link",

@@ -36,6 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,10 +44,12 @@ from typing import Any
 import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.shards import ShardLayout
 from lora_cache.errors import ConfigError
 from lora_cache.link.relay import RELAYED, EndpointStaleError, Relay
-from lora_cache.vocab import Answer, Call, ReadinessRecord, WorkerId, worker_name
-from workers.cache import Batch, WorkerCache, WorkerConfig
+from lora_cache.vocab import AdapterKey, Answer, Call, ReadinessRecord, WorkerId, worker_name
+from workers.cache import AdapterRef, Batch, WorkerCache, WorkerConfig
+from workers.engine.versions import RankVersions, ReducedVersions, reduce_min
 from workers.outbox import Outbox, QueueSender
 from workers.rank_control import WorkerControl
 from workers.transport import Hello, RankTransport
@@ -145,7 +148,9 @@ class Attachment:
         self.config, self.worker, self.transport, self.hello = config, worker, transport, hello
         self.wid = WorkerId(config.replica, worker.tp_rank)
         self.name = worker_name(self.wid)
-        self.catalog = AdapterCatalog(catalog)
+        self._catalog = AdapterCatalog(catalog)
+        self._versions: dict[tuple[str, ...], RankVersions] = {}  # per name list: the exchange's code tables
+        self._versions_lock = threading.Lock()  # protects _versions
         self.outbox = Outbox(self.name, config.flush_s, send=transport.send_deltas, incarnation=hello.incarnation)
         self.cache = WorkerCache(worker, self.catalog, on_ready=on_ready, compute_stream=compute_stream,
                                  on_change=self.outbox.push)
@@ -170,19 +175,94 @@ class Attachment:
         """``SlotMeta``: per-slot offsets, ranks and scalings, written on the copy stream with each load."""
         return self.cache.meta
 
-    def acquire(self, adapters: Sequence[str]) -> Batch:
-        """Slots for the batch's adapters (a miss loads on demand); no host sync. Release it after the step."""
-        return self.cache.acquire(adapters)
+    # the rest of the cache an engine's kernels and scheduler read (the reference engine runs on these alone)
+    @property
+    def catalog(self) -> AdapterCatalog:
+        return self._catalog
 
-    def acquire_ready(self, adapters: Sequence[str]) -> Batch | None:
+    @property
+    def device(self) -> torch.device:
+        return self.cache.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.cache.dtype
+
+    @property
+    def streams(self) -> Any:
+        """``copy_stream`` and ``compute_stream`` (the one given to ``attach``) and their events."""
+        return self.cache.streams
+
+    def layout_in(self, slot: int) -> ShardLayout:
+        return self.cache.layout_in(slot)
+
+    def acquire(self, adapters: Sequence[AdapterRef], *, partial: bool = False, pipelined: bool = False) -> Batch:
+        """Slots for the batch's adapters; no host sync (the compute stream waits for loads in flight).
+
+        Guarantees (invariant 1, docs/integrating.md): an ``AdapterKey`` is held at exactly that version,
+        loaded if it is not resident, never another; a name means this rank's current version, which on a
+        TP replica may differ between ranks during a re-registration: an engine with more than one rank
+        passes the keys ``agree`` chose. ``pipelined``: the host waits only for each load's first chunk and
+        the kernels wait per layer through ``batch.waits`` (call ``batch.waits.finish()`` after the step's
+        last layer). ``partial``: an adapter that cannot be held gets slot -1 (listed in ``batch.failed``)
+        instead of failing the batch. Release the batch after the step's kernels are enqueued."""
+        return self.cache.acquire(adapters, partial=partial, pipelined=pipelined)
+
+    def acquire_ready(self, adapters: Sequence[AdapterRef]) -> Batch | None:
         """Pin those of ``adapters`` READY here (no load started): what a scheduler admits against."""
         return self.cache.acquire_ready(adapters)
 
     def release(self, batch: Batch) -> None:
         self.cache.release(batch)
 
+    def prefetch(self, name: str, version: str | None = None) -> Future[ReadinessRecord]:
+        """Start loading ``name`` (``version``: exactly that one) unless resident; the future is its readiness."""
+        return self.cache.prefetch(name, version)
+
     def ready_names(self) -> set[str]:
         return self.cache.ready_names()
+
+    def ready_keys(self) -> set[AdapterKey]:
+        """The exact versions READY on this rank."""
+        return self.cache.ready_keys()
+
+    def version_rows(self, names: Sequence[str], failed_loads: Sequence[str] = (),
+                     failed_steps: Sequence[str] = ()) -> torch.Tensor:
+        """This rank's row per adapter of ``names`` for the version exchange (``workers.engine.versions``):
+        reduce the ranks' rows with an element-wise MIN (``torch.distributed`` all-reduce, or ``reduce_min``)
+        and give the result to rank 0's ``agree``."""
+        return self._versions_of(names).rows(self.cache.ready_keys(), failed_loads, failed_steps)
+
+    def agree(self, reduced: torch.Tensor | Sequence[torch.Tensor],
+              names: Sequence[str]) -> dict[str, AdapterKey | None]:
+        """Rank 0, given every rank's ``version_rows`` (or their all-reduced MIN): the one version per adapter
+        every rank then acquires (an ``AdapterKey``): the newest READY on every rank, else the version every
+        rank's catalog calls current; None while the ranks disagree and none is READY everywhere (a
+        registration on its way: ask again). Rank 0's code table decodes the rows: call it on the rank whose
+        ``version_rows`` took part."""
+        if not isinstance(reduced, torch.Tensor):
+            reduced = reduce_min(list(reduced))
+        versions = ReducedVersions(reduced, names, self._versions_of(names).codes).versions()
+        return {n: None if (v := versions[n].serve) is None else AdapterKey(n, v) for n in names}
+
+    def _versions_of(self, names: Sequence[str]) -> RankVersions:
+        key = tuple(names)
+        with self._versions_lock:
+            found = self._versions.get(key)
+            if found is None:
+                if len(self._versions) >= 64:  # bounded: engines ask for few distinct name lists
+                    self._versions.pop(next(iter(self._versions)))
+                found = self._versions[key] = RankVersions(self.catalog, names)
+            return found
+
+    def stats(self) -> dict[str, object]:
+        return self.cache.stats()
+
+    def residency(self) -> list[dict[str, object]]:
+        return self.cache.residency()
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
 
     def report_queue(self, entries: list[tuple[str, float]]) -> None:
         """The replica's waiting queue, (adapter, arrival time.time()) in queue order (lifecycle step 1):

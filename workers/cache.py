@@ -325,6 +325,11 @@ class WorkerCache:
         """The chunk plan of ``name``'s shard here (how its loads are read, copied and waited on)."""
         return self._plan(self.catalog.get(name, version))
 
+    @property
+    def worker(self) -> WorkerConfig:
+        """``config`` under the name ``Attachment`` gives it (``workers.seam.EngineCache``)."""
+        return self.config
+
     # -- introspection ------------------------------------------------------------------------------
     def ready_keys(self) -> set[AdapterKey]:
         """Adapter versions READY here."""

@@ -366,6 +366,17 @@ class AsyncLoraCacheClient(_Base):
     async def lookup(self, adapter: str) -> Lookup:
         return _lookup(await self._call(self.stub.Lookup, pb.LookupRequest(adapter=adapter)))
 
+    async def route(self, items: Iterable[str | RouteItem | tuple[Any, ...]], outstanding: dict[str, int] | None = None,
+                    max_replicas: int = 0, timeout_s: float | None = None) -> list[Route]:
+        """As ``LoraCacheClient.route``; ``timeout_s``: this call's deadline (a router's is short)."""
+        request = _route_request(items, outstanding, max_replicas)
+        return _routes(await self._call(self.stub.Route, request, timeout_s))
+
+    async def hint_within(self, hints: Iterable[Hint | tuple[Any, ...]], timeout_s: float) -> HintResult:
+        """``hint`` with this call's own deadline."""
+        r = await self._call(self.stub.Hint, _hint_request(hints), timeout_s)
+        return HintResult(r.accepted, r.ignored)
+
     async def watch(self, replica: str | None = None, adapter: str | None = None,
                     after_seq: int | None = None) -> AsyncIterator[ReadinessEvent | Resync]:
         stream = self.stub.WatchReadiness(_watch_request(replica, adapter, after_seq), metadata=self._metadata)

@@ -190,7 +190,14 @@ def build_parser(service_commands: bool = True) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     router_only = bool(args) and (args[0] in CLIENT_COMMANDS or args[0] == "--version")  # no torch, no Ray
-    ns = build_parser(service_commands=not router_only).parse_args(args)
+    try:
+        parser = build_parser(service_commands=not router_only)
+    except ModuleNotFoundError as e:  # a base install (the router's): torch, Ray and the rest are in [server]
+        print(f"lora-cache: {e.name} is not installed; the service commands need the server extra: "
+              "pip install 'lora-cache[server]' (the router commands work without it: "
+              f"{', '.join(sorted(CLIENT_COMMANDS))})", file=sys.stderr)
+        return 2
+    ns = parser.parse_args(args)
     func: Callable[[argparse.Namespace], int] = ns.func
     try:
         return func(ns)

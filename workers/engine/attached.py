@@ -60,7 +60,7 @@ class _Rank:
             compute = torch.cuda.Stream(device)
         self.rank = attach(attach_config, worker, catalog, compute_stream=compute,
                            on_ready=lambda r: self.loads.append((time.time(), r)))  # wall clock: across processes
-        self.engine = HostedEngine(self.rank.cache)
+        self.engine = HostedEngine(self.rank)  # the public seam: what any integrator's engine calls
         heap.freeze()
 
     def build(self, config: EngineConfig, meet: Rendezvous) -> None:
@@ -114,12 +114,12 @@ class _Rank:
         """An engine step's cache calls alone (acquire, then release): the slots the batch ran on."""
         batch = self.rank.acquire(adapters)
         self.rank.release(batch)
-        self.rank.cache.check_integrity()
+        self.rank.check_integrity()
         return list(batch.slots)
 
     def preload(self, names: list[str], timeout_s: float = 600.0) -> int:
         for name in names:
-            self.rank.cache.prefetch(name).result(timeout=timeout_s)
+            self.rank.prefetch(name).result(timeout=timeout_s)
         return len(names)
 
     def stats(self) -> dict[str, object]:
@@ -131,7 +131,7 @@ class _Rank:
                 "lost": None if self.rank.lost is None else str(self.rank.lost)}
 
     def residency(self) -> list[dict[str, object]]:
-        return self.rank.cache.residency()
+        return self.rank.residency()
 
     def load_log(self) -> list[tuple[float, Any]]:
         return list(self.loads)

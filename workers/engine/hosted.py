@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from lora_cache.errors import ConfigError
-from workers.cache import WorkerCache
 from workers.engine.admission import ADMISSION
 from workers.engine.config import EngineConfig
 from workers.engine.engine import EngineResult, Hooks, serve_rank
@@ -29,6 +28,7 @@ from workers.engine.rank import RankEngine
 from workers.engine.tp import Comm
 from workers.engine.workload import Request
 from workers.outbox import QueueSender
+from workers.seam import EngineCache
 
 
 class Rendezvous(NamedTuple):
@@ -62,7 +62,7 @@ class HostedEngine:
     A run is given its requests up front, or (``streaming``) rank 0 takes them as a router submits them
     (``submit``, ``end_stream``) and tells which finished (``finished``): the ``Feed`` made at ``build``."""
 
-    def __init__(self, cache: WorkerCache) -> None:
+    def __init__(self, cache: EngineCache) -> None:
         self.cache = cache
         self.config: EngineConfig | None = None
         self.comm: Comm | None = None

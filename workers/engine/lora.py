@@ -12,22 +12,22 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from workers.cache import WorkerCache
 from workers.kernels import BatchMeta, lora_apply_ref
 from workers.pipeline import ChunkWaits
+from workers.seam import EngineCache
 
 
 class LoraOp:
     """Call ``begin`` once per step, then the op once per fused module group and layer."""
 
-    def __init__(self, cache: WorkerCache, max_tokens: int, max_items: int) -> None:
+    def __init__(self, cache: EngineCache, max_tokens: int, max_items: int) -> None:
         self.cache = cache
         self.apply: Callable[..., None] = lora_apply_ref
         if cache.device.type == "cuda":
             from workers.kernels import lora_apply  # imports Triton: only where the kernels run
 
             self.apply = lora_apply
-        self.batch = BatchMeta(max_tokens, max_items, cache.device, num_slots=cache.config.num_slots)
+        self.batch = BatchMeta(max_tokens, max_items, cache.device, num_slots=cache.worker.num_slots)
         self.active = False  # False: no item of this step has an adapter, the op adds nothing
         self.waits: ChunkWaits | None = None  # this step's per-layer waits on loads in flight (pipelined)
 

@@ -31,6 +31,7 @@ from workers.engine.scheduler import PREFILL, WAIT, Item, StepPlan
 from workers.engine.tp import Comm
 from workers.engine.versions import RankVersions
 from workers.pipeline import ChunkWaits
+from workers.seam import EngineCache
 
 
 def _key_or_none(catalog: AdapterCatalog, ref: AdapterRef) -> AdapterKey | None:
@@ -113,9 +114,10 @@ class RankStats:
 class RankEngine:
     """Everything one TP rank owns."""
 
-    def __init__(self, config: EngineConfig, comm: Comm, cache: WorkerCache | None = None) -> None:
-        """``cache``: run over an existing worker cache (a worker actor's, which the controller also
-        drives) and its catalog and compute stream; None: make one from ``config``."""
+    def __init__(self, config: EngineConfig, comm: Comm, cache: EngineCache | None = None) -> None:
+        """``cache``: run over an existing rank's cache (a worker actor's ``WorkerCache``, or an attached
+        process's ``Attachment``, the public seam; the controller drives either) and its catalog and compute
+        stream; None: make one from ``config``."""
         self.config, self.comm = config, comm
         self.owns_cache = cache is None
         if cache is None:
@@ -124,17 +126,17 @@ class RankEngine:
             self.dtype = config.torch_dtype()
             self.stream: Any = torch.cuda.Stream(self.device) if cuda else None  # the compute stream
             self.catalog = load_catalog(config)
-            self.cache = self._make_cache()
+            self.cache: EngineCache = self._make_cache()
         else:
             self.device, self.dtype, self.catalog, self.cache = cache.device, cache.dtype, cache.catalog, cache
             self.stream = getattr(cache.streams, "compute_stream", None)
-            if cache.config.max_batch < config.max_running + config.max_adapters:
-                raise ConfigError(f"the worker cache's max_batch ({cache.config.max_batch}) is below the engine's "
+            if cache.worker.max_batch < config.max_running + config.max_adapters:
+                raise ConfigError(f"the worker cache's max_batch ({cache.worker.max_batch}) is below the engine's "
                                   f"max_running + max_adapters ({config.max_running + config.max_adapters}); "
                                   "start the workers with a larger max_batch")
-            if cache.config.tp != config.tp or cache.config.tp_rank != comm.rank:
+            if cache.worker.tp != config.tp or cache.worker.tp_rank != comm.rank:
                 raise ConfigError(f"engine TP {config.tp} rank {comm.rank} does not match its worker cache's "
-                                  f"TP {cache.config.tp} rank {cache.config.tp_rank}; start the engine on the "
+                                  f"TP {cache.worker.tp} rank {cache.worker.tp_rank}; start the engine on the "
                                   "replica's own workers, rank k on worker k")
         self.pipelined = ADMISSION[config.admission].pipelined  # steps wait per layer on chunks of loads
         self.names = self.catalog.names()
@@ -387,7 +389,7 @@ class RankEngine:
         self.unpin()
         self.stats.cache = self.cache.stats()
         self.cache.check_integrity()
-        if self.owns_cache:
+        if isinstance(self.cache, WorkerCache) and self.owns_cache:
             self.cache.close()
         return self.stats
 

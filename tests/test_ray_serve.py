@@ -1,0 +1,175 @@
+"""Ray Serve routed by lora-cache (``lora_cache.integrations.ray_serve``), on a real local Ray with a real Serve app:
+three replicas of the reference engine (``examples/ray_serve_lora.py``), each attached to the controller as a
+lora-cache replica; ``LoraCacheRouter`` ranks them by the ``Route`` advice and hints the controller.
+
+Requests for many adapters spread over the replicas; a request goes to a replica where its adapter is READY; the
+hints reach the controller; a killed replica leaves the advice; with lora-cache stopped, Serve routes by itself and
+every request still succeeds. The module shares one cluster (tests run in file order; the last stops lora-cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from examples.ray_serve_lora import app  # noqa: E402
+from lora_cache.adapters.catalog import CatalogConfig  # noqa: E402
+from lora_cache.adapters.synth import SynthConfig, make_adapters  # noqa: E402
+from lora_cache.api.client import LoraCacheClient  # noqa: E402
+from lora_cache.api.gateway import GatewayConfig, start_gateway_thread  # noqa: E402
+from lora_cache.app.serve import ServeConfig, start  # noqa: E402
+from lora_cache.integrations.ray_serve import ReplicaCacheConfig  # noqa: E402
+from lora_cache.planner import PlannerConfig  # noqa: E402
+from tests.waiting import wait_for  # noqa: E402
+from workers.cache import WorkerConfig  # noqa: E402
+from workers.host_tier import HostTierConfig  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+ADAPTERS = [f"adapter-{i:03d}" for i in range(8)]
+REPLICAS = 3
+
+
+class App:
+    def __init__(self, service: Any, gateway: Any, handle: Any, client: LoraCacheClient) -> None:
+        self.service, self.gateway, self.handle, self.client = service, gateway, handle, client
+        self.gateway_up = True
+
+    def stop_gateway(self) -> None:
+        if self.gateway_up:
+            self.gateway_up = False
+            self.gateway.stop()
+
+    def call(self, adapter: str) -> dict[str, Any]:
+        return self.handle.options(multiplexed_model_id=adapter).remote({}).result(timeout_s=60)
+
+    def advised(self, adapter: str) -> list[str]:
+        return [r.replica for r in self.client.route([adapter])[0].replicas]
+
+    def serve_replicas(self) -> set[str]:
+        return {r.replica for r in self.client.status().replicas if r.replica.startswith("serve-")}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
+    root = Path(tmp_path_factory.mktemp("adapters"))
+    make_adapters(root, SynthConfig(model="tiny", count=len(ADAPTERS), rank="8,16"))
+    ray.init(num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
+    try:
+        service = start(
+            ServeConfig(adapters=str(root), replicas=0),
+            CatalogConfig(model="tiny", max_rank=16),
+            PlannerConfig(policy="global"),
+            WorkerConfig(),
+        )
+        gateway = start_gateway_thread(GatewayConfig(grpc_port=0), service.controller)
+        served = App(service, gateway, None, LoraCacheClient(gateway.target, timeout_s=10))
+        try:
+            cache = ReplicaCacheConfig(num_slots=3, worker={"host": HostTierConfig(host_bytes=16 << 20, pin=False)})
+            served.handle = serve.run(
+                app("lora-cache", gateway.target, REPLICAS, cache, route_timeout_s=2.0, retry_s=60.0),
+                name="lora",
+                route_prefix=None,
+            )
+            wait_for(
+                lambda: len(served.serve_replicas()) == REPLICAS,
+                "every Serve replica attached",
+                timeout=60,
+                detail=lambda: str(served.serve_replicas()),
+            )
+            yield served
+        finally:
+            serve.shutdown()
+            served.client.close()
+            served.stop_gateway()
+            service.stop()
+    finally:
+        ray.shutdown()
+
+
+def test_requests_for_many_adapters_spread_over_the_replicas(served: App) -> None:
+    out = [
+        served.handle.options(multiplexed_model_id=ADAPTERS[i % len(ADAPTERS)]).remote({})
+        for i in range(4 * len(ADAPTERS))
+    ]
+    results = [r.result(timeout_s=60) for r in out]
+    assert [r["adapter"] for r in results] == [ADAPTERS[i % len(ADAPTERS)] for i in range(len(results))]
+    used = {r["replica"] for r in results}
+    assert len(used) > 1, f"every request went to one replica: {used}"
+    assert used <= served.serve_replicas(), "a response names a replica the controller does not know"
+
+
+def _where(served: App) -> str:
+    status = served.client.status()
+    return (
+        f"ready on: { {a: served.client.lookup(a).ready for a in ADAPTERS} }; ready residencies "
+        f"{status.ready_residencies}, held {status.held_residencies}, workers {status.workers}, "
+        f"commands {status.commands_sent}"
+    )
+
+
+def _ready_on(served: App, adapter: str) -> set[str]:
+    return set(served.client.lookup(adapter).ready)
+
+
+def test_the_router_prefers_a_replica_where_the_adapter_is_ready(served: App) -> None:
+    for adapter in ADAPTERS[:4]:
+        served.call(adapter)  # loaded where it went, if it was READY nowhere
+        ready: set[str] = wait_for(
+            partial(_ready_on, served, adapter), f"{adapter} ready somewhere", timeout=30, detail=lambda: _where(served)
+        )
+        for _ in range(3):  # one at a time: every replica has room, so the advice's first choice takes it
+            result = served.call(adapter)
+            assert result["replica"] in ready, f"{adapter} went to {result['replica']}, READY on {ready}"
+            assert result["hit"], f"{adapter} was not READY on {result['replica']} when the request arrived"
+
+
+def test_the_router_hints_the_controller_as_it_routes(served: App) -> None:
+    before = served.client.status().hints_received
+    for adapter in ADAPTERS[:5]:
+        served.call(adapter)
+    wait_for(
+        lambda: served.client.status().hints_received >= before + 5,
+        "5 more hints at the controller",
+        detail=lambda: f"{served.client.status().hints_received} received, {before} before",
+    )
+
+
+def test_a_killed_replica_leaves_the_advice_and_requests_go_on(served: App) -> None:
+    victim_name = served.call(ADAPTERS[0])["replica"]
+    unique = victim_name.rsplit("-", 1)[-1]
+    actor = next(
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_REPLICA::") and a["name"].endswith(unique)
+    )
+    ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+    before = served.serve_replicas()
+    wait_for(
+        lambda: all(victim_name not in served.advised(a) for a in ADAPTERS),
+        f"{victim_name} out of the advice",
+        timeout=45,
+        detail=lambda: str({a: served.advised(a) for a in ADAPTERS}),
+    )
+    results = [served.call(a) for a in ADAPTERS]
+    assert all(r["replica"] != victim_name for r in results)
+    new = wait_for(
+        lambda: served.serve_replicas() - before,
+        "Serve's new replica attached",
+        timeout=60,
+        detail=lambda: str(served.serve_replicas()),
+    )
+    assert all(set(served.advised(a)) <= (before | new) - {victim_name} for a in ADAPTERS)
+
+
+def test_with_lora_cache_stopped_serve_routes_by_itself(served: App) -> None:
+    served.stop_gateway()  # the router's Route and Hint calls now fail fast: Serve's own ranking
+    results = [served.handle.options(multiplexed_model_id=a).remote({}) for a in ADAPTERS * 2]
+    assert [r.result(timeout_s=60)["adapter"] for r in results] == ADAPTERS * 2
