@@ -24,6 +24,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.api import relay_codec as codec
+from lora_cache.api.client import KEEPALIVE
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc
 from lora_cache.errors import ConfigError, ConflictError, LoraCacheError, NotFoundError
@@ -48,7 +49,9 @@ class GrpcTransport(RankTransport):
     def __init__(self, target: str, name: str, token: str | None = None, tls_ca: str | None = None) -> None:
         self.target, self.name, self.node = target, name, socket.gethostname()
         credentials = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()) if tls_ca else None
-        self._channel = (grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target))
+        options = KEEPALIVE  # an idle AttachRank stream through a NAT or load balancer stays up, or is found dead
+        self._channel = (grpc.secure_channel(target, credentials, options) if credentials
+                         else grpc.insecure_channel(target, options))
         self._stub = pb_grpc.LoraCacheServiceStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._up: queue.Queue[pb.AttachRankRequest | None] = queue.Queue()  # None: half-close (the detach)
