@@ -37,7 +37,9 @@ REGISTER_S_PER_ITEM = 0.5  # RegisterAdapters' deadline grows by this per item (
 # retried on UNAVAILABLE; ReportQueue (a replica's queue now) is too: the next report replaces it.
 # RegisterAdapter(s) is not retried by the channel (it may hash for seconds); neither is Unregister.
 IDEMPOTENT = ("Hint", "CancelHint", "ReportQueue", "Lookup", "Route", "Status")
-RETRY_POLICY = {"maxAttempts": 4, "initialBackoff": "0.1s", "maxBackoff": "2s", "backoffMultiplier": 2,
+# Three attempts within ~0.15 s of backoff: a gateway that restarts or a connection that was reset is
+# covered; one that stays down answers UNAVAILABLE well within the call's deadline (not DEADLINE_EXCEEDED).
+RETRY_POLICY = {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.5s", "backoffMultiplier": 2,
                 "retryableStatusCodes": ["UNAVAILABLE"]}
 SERVICE_CONFIG = {"methodConfig": [
     {"name": [{"service": "lora_cache.v1.LoraCacheService", "method": m} for m in IDEMPOTENT],
