@@ -56,7 +56,7 @@ def proto_json(message: Message) -> dict[str, Any]:
         if field.message_type is not None and field.message_type.GetOptions().map_entry:
             value_field = field.message_type.fields_by_name["value"]
             out[field.name] = {k: _field_json(value_field, v) for k, v in value.items()}
-        elif field.label == FieldDescriptor.LABEL_REPEATED:
+        elif field.is_repeated:
             out[field.name] = [_field_json(field, v) for v in value]
         else:
             out[field.name] = _field_json(field, value)
