@@ -29,6 +29,7 @@ from pathlib import Path
 import ray
 
 from lora_cache.errors import ConfigError, LoraCacheError
+from lora_cache.runtime import reaper
 
 CONNECT_TIMEOUT_S = 5.0  # TCP connect to the GCS port
 GCS_ANSWER_TIMEOUT_S = 15.0  # the first GCS call; Ray alone would wait 40 s
@@ -196,6 +197,18 @@ def check_gcs(gcs: str, timeout_s: float = GCS_ANSWER_TIMEOUT_S) -> None:
         raise ClusterUnreachableError(f"the Ray GCS at {gcs} did not answer: {error}") from error
 
 
+def local_only() -> None:
+    """Make Ray advertise 127.0.0.1, and its Python servers (agents, metrics) bind it, for an embedded cluster.
+
+    Ray turns ``_node_ip_address="127.0.0.1"`` into the machine's external address unless clusters are off
+    (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``: read at import by this process, from the environment by the ones
+    Ray starts). A cluster of one node needs no other address."""
+    import ray._private.ray_constants as constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    constants.ENABLE_RAY_CLUSTER = False
+
+
 def connect(address: str, namespace: str, observe: ObserveConfig | None = None) -> None:
     """``ray.init`` on an embedded local Ray (``address`` empty: always a new cluster, advertised on 127.0.0.1;
     ``RAY_ADDRESS`` is for ``--address auto``) or on the cluster at ``address``. Its processes die with this
@@ -203,8 +216,10 @@ def connect(address: str, namespace: str, observe: ObserveConfig | None = None) 
     them; docs/known-issues.md)."""
     observe = observe or ObserveConfig(worker_logs=False)
     if not address:  # a fresh cluster of this process's own, whatever RAY_ADDRESS or a `ray start` left says
+        local_only()
         ray.init(address="local", _node_ip_address="127.0.0.1", namespace=namespace, include_dashboard=False,
                  _metrics_export_port=observe.metrics_port or None, **observe.init_kwargs())  # type: ignore[arg-type]
+        reaper.watch_tree()  # what Ray's reaper leaves of it when this process is SIGKILLed
         return
     if address == "auto":  # what ray.init("auto") does: token mode when a token is on disk and the mode is unset
         from ray._private.authentication.authentication_token_setup import (
