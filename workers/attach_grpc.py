@@ -24,7 +24,6 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.api import relay_codec as codec
-from lora_cache.api.client import KEEPALIVE
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc
 from lora_cache.errors import ConfigError, ConflictError, LoraCacheError, NotFoundError
@@ -37,6 +36,12 @@ CLOSE_S = 30.0  # a detach waits this long for the gateway to drop the rank
 
 _DOMAIN = {grpc.StatusCode.NOT_FOUND: NotFoundError, grpc.StatusCode.FAILED_PRECONDITION: ConflictError,
            grpc.StatusCode.INVALID_ARGUMENT: ConfigError, grpc.StatusCode.UNAUTHENTICATED: ConfigError}
+
+
+# HTTP/2 pings on the AttachRank stream, as the routers' client sends them (lora_cache/api/client.py KEEPALIVE;
+# workers/ does not import the client): a connection a NAT or load balancer dropped is found within 40 s.
+KEEPALIVE = (("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
+             ("grpc.keepalive_permit_without_calls", 0), ("grpc.http2.max_pings_without_data", 0))
 
 
 class GatewayLinkError(LoraCacheError, ConnectionError):
