@@ -46,7 +46,8 @@ def serve_fails(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 
 
 def test_serve_checks_paths_sizes_ports_and_files_before_ray_starts(
-        adapters: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    adapters: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Issue 34: each of these became a Ray traceback 9-12 s after start (or named a flag that does not exist,
     or asked "which base model?" for a directory that was not there)."""
     err = serve_fails(capsys, "--adapters", str(tmp_path / "nope"), "--model", "tiny")
@@ -74,8 +75,16 @@ def test_serve_options_are_grouped_by_the_config_they_build() -> None:
     """Issue 34: 59 options in one flat list; now one argument group per config dataclass."""
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
     titles = [g.title for g in serve._action_groups]
-    for title in ("ServeConfig", "CatalogConfig", "PlannerConfig", "RouterConfig", "WorkerConfig", "HostTierConfig",
-                  "GatewayConfig", "ObserveConfig"):
+    for title in (
+        "ServeConfig",
+        "CatalogConfig",
+        "PlannerConfig",
+        "RouterConfig",
+        "WorkerConfig",
+        "HostTierConfig",
+        "GatewayConfig",
+        "ObserveConfig",
+    ):
         assert title in titles
     group = {a.dest: g.title for g in serve._action_groups for a in g._group_actions}
     assert group["service"] == group["replicas"] == "ServeConfig" and group["host_bytes"] == "HostTierConfig"
@@ -93,17 +102,31 @@ def test_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[str]) 
 
 def test_status_prints_snake_case_and_numbers_as_numbers() -> None:
     """Issue 34: `status` printed camelCase keys and 64-bit numbers as strings, unlike `lookup` and `route`."""
-    status = pb.StatusResponse(epoch=1 << 40, adapters=3, commands_sent=7, replicas=[pb.ReplicaStatus(
-        replica="replica-0", queue_depth=2, workers=[pb.WorkerStatus(worker="w", counters=pb.CacheCounters(
-            gpu_hits=5, gpu_hit_rate=0.5))])])
+    status = pb.StatusResponse(
+        epoch=1 << 40,
+        adapters=3,
+        commands_sent=7,
+        replicas=[
+            pb.ReplicaStatus(
+                replica="replica-0",
+                queue_depth=2,
+                workers=[pb.WorkerStatus(worker="w", counters=pb.CacheCounters(gpu_hits=5, gpu_hit_rate=0.5))],
+            )
+        ],
+    )
     out = json.loads(json.dumps(proto_json(status)))
     assert out["epoch"] == 1 << 40 and out["commands_sent"] == 7 and out["hints_received"] == 0
     worker = out["replicas"][0]["workers"][0]
     assert worker["counters"]["gpu_hits"] == 5 and worker["counters"]["gpu_hit_rate"] == 0.5
     assert out["replicas"][0]["queue_depth"] == 2 and "queueDepth" not in out["replicas"][0]
     response = pb.WatchReadinessResponse(events=[pb.ReadinessEvent(seq=9, state=pb.READINESS_STATE_READY)])
-    assert proto_json(response)["events"][0] == {"seq": 9, "replica": "", "adapter": "", "version": "",
-                                                 "state": "READINESS_STATE_READY"}
+    assert proto_json(response)["events"][0] == {
+        "seq": 9,
+        "replica": "",
+        "adapter": "",
+        "version": "",
+        "state": "READINESS_STATE_READY",
+    }
 
 
 def test_watch_honours_timeout_s() -> None:
@@ -114,8 +137,9 @@ def test_watch_honours_timeout_s() -> None:
     try:
         rc: list[int] = []
         t0 = time.monotonic()
-        thread = threading.Thread(target=lambda: rc.append(main(["watch", "--server", gw.target, "--timeout-s", "1"])),
-                                  daemon=True)
+        thread = threading.Thread(
+            target=lambda: rc.append(main(["watch", "--server", gw.target, "--timeout-s", "1"])), daemon=True
+        )
         thread.start()
         thread.join(20)
         assert not thread.is_alive(), "watch ignored --timeout-s"
@@ -153,9 +177,14 @@ class FlakyLookup:
     def server(self) -> tuple[Any, int]:
         from concurrent import futures
 
-        handler = grpc.method_handlers_generic_handler("lora_cache.v1.LoraCacheService", {
-            "Lookup": grpc.unary_unary_rpc_method_handler(self.lookup, pb.LookupRequest.FromString,
-                                                          pb.LookupResponse.SerializeToString)})
+        handler = grpc.method_handlers_generic_handler(
+            "lora_cache.v1.LoraCacheService",
+            {
+                "Lookup": grpc.unary_unary_rpc_method_handler(
+                    self.lookup, pb.LookupRequest.FromString, pb.LookupResponse.SerializeToString
+                )
+            },
+        )
         server = grpc.server(futures.ThreadPoolExecutor(2), handlers=(handler,))
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
@@ -186,4 +215,3 @@ def test_service_names_are_checked() -> None:
     for bad in ("", "-x", "UPPER", "a" * 64, "a:b"):
         with pytest.raises(ConfigError, match="is not a service name"):
             ServeConfig(service=bad)
-

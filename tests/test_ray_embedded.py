@@ -77,11 +77,41 @@ def _state(pid: int) -> str:
 
 
 def test_embedded_serve_listens_on_loopback_only_and_a_sigkill_leaves_nothing(tmp_path: Path) -> None:
-    made = subprocess.run([sys.executable, "-m", "lora_cache.app.cli", "make-adapters", str(tmp_path / "ad"),
-                           "--count", "2", "--rank", "8"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    made = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lora_cache.app.cli",
+            "make-adapters",
+            str(tmp_path / "ad"),
+            "--count",
+            "2",
+            "--rank",
+            "8",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert made.returncode == 0, made.stderr[-2000:]
-    cmd = [sys.executable, "-m", "lora_cache.app.cli", "serve", "--adapters", str(tmp_path / "ad"), "--max-rank", "8",
-           "--slots", "2", "--host-bytes", str(4 << 20), "--grpc-port", "0", "--no-worker-logs"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lora_cache.app.cli",
+        "serve",
+        "--adapters",
+        str(tmp_path / "ad"),
+        "--max-rank",
+        "8",
+        "--slots",
+        "2",
+        "--host-bytes",
+        str(4 << 20),
+        "--grpc-port",
+        "0",
+        "--no-worker-logs",
+    ]
     env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:9", "PYTHONPATH": str(ROOT)}  # ignored without --address auto
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -100,8 +130,13 @@ def test_embedded_serve_listens_on_loopback_only_and_a_sigkill_leaves_nothing(tm
 
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
-        wait_for(lambda: not alive(tree), "every process of the embedded cluster gone", timeout=40, poll_s=0.5,
-                 detail=lambda: str(alive(tree)))
+        wait_for(
+            lambda: not alive(tree),
+            "every process of the embedded cluster gone",
+            timeout=40,
+            poll_s=0.5,
+            detail=lambda: str(alive(tree)),
+        )
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -36,8 +36,14 @@ from workers.host_tier import HostTierConfig
 pytestmark = pytest.mark.ray
 
 ROOT = Path(__file__).resolve().parents[1]
-OTHER_MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
-               "num_hidden_layers": 2, "head_dim": 16}  # the second service's base model: not tiny
+OTHER_MODEL = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "num_hidden_layers": 2,
+    "head_dim": 16,
+}  # the second service's base model: not tiny
 A_ACTORS = {CONTROLLER_NAME, f"{WORKER_PREFIX}replica-0:0"}  # one service of one replica of TP 1, by name
 
 
@@ -56,9 +62,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     make_adapters(tmp / "b", SynthConfig(model=str(tmp / "other.json"), count=3, rank="8"))
     ray.init(address="local", num_cpus=4, namespace="svc-a", include_dashboard=False, log_to_driver=False)
     try:
-        svc = start(ServeConfig(service="svc-a", adapters=str(tmp / "a"), replicas=1),
-                    CatalogConfig(model="tiny", max_rank=8), PlannerConfig(),
-                    WorkerConfig(num_slots=2, host=HostTierConfig(host_bytes=1 << 22, pin=False)))
+        svc = start(
+            ServeConfig(service="svc-a", adapters=str(tmp / "a"), replicas=1),
+            CatalogConfig(model="tiny", max_rank=8),
+            PlannerConfig(),
+            WorkerConfig(num_slots=2, host=HostTierConfig(host_bytes=1 << 22, pin=False)),
+        )
         gateway = start_gateway_thread(GatewayConfig(grpc_port=0), svc.controller, health_name="svc-a")
         try:
             gcs = ray.get_runtime_context().gcs_address
@@ -71,9 +80,28 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 def serve(cluster: Cluster, service: str, adapters: str, *more: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "lora_cache.app.cli", "serve", "--address", "auto", "--service", service,
-           "--adapters", adapters, "--max-rank", "8", "--slots", "2", "--host-bytes", str(4 << 20),
-           "--grpc-port", "0", "--no-worker-logs", *more]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lora_cache.app.cli",
+        "serve",
+        "--address",
+        "auto",
+        "--service",
+        service,
+        "--adapters",
+        adapters,
+        "--max-rank",
+        "8",
+        "--slots",
+        "2",
+        "--host-bytes",
+        str(4 << 20),
+        "--grpc-port",
+        "0",
+        "--no-worker-logs",
+        *more,
+    ]
     env = {**os.environ, "RAY_ADDRESS": cluster.gcs, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -99,8 +127,11 @@ def named(namespace: str) -> set[str]:
 
 def groups(service: str) -> set[str]:
     """The names of ``service``'s placement groups that are not removed."""
-    return {g["name"] for g in ray.util.placement_group_table().values()
-            if g["name"].startswith(f"{service}:") and g["state"] != "REMOVED"}
+    return {
+        g["name"]
+        for g in ray.util.placement_group_table().values()
+        if g["name"].startswith(f"{service}:") and g["state"] != "REMOVED"
+    }
 
 
 def test_two_services_side_by_side_and_a_taken_name_refused(cluster: Cluster) -> None:
@@ -153,8 +184,12 @@ def test_a_sigkilled_serve_leaves_nothing_of_its_service(cluster: Cluster) -> No
         assert named("svc-c") and groups("svc-c") == {"svc-c:replica-0"}
         c.send_signal(signal.SIGKILL)
         c.wait(30)
-        wait_for(lambda: not named("svc-c") and not groups("svc-c"), "svc-c's actors and groups gone", timeout=40,
-                 detail=lambda: f"{named('svc-c')} {groups('svc-c')}")
+        wait_for(
+            lambda: not named("svc-c") and not groups("svc-c"),
+            "svc-c's actors and groups gone",
+            timeout=40,
+            detail=lambda: f"{named('svc-c')} {groups('svc-c')}",
+        )
         assert named("svc-a") == A_ACTORS
     finally:
         if c.poll() is None:

@@ -37,8 +37,12 @@ def check_directory(option: str, value: str, what: str) -> None:
 
 def check_adapters(adapters: str, catalog: CatalogConfig) -> None:
     if adapters:
-        check_directory("--adapters", adapters, "the directory whose subdirectories are adapters (each with "
-                        "adapter_config.json), e.g. one made by `lora-cache make-adapters`")
+        check_directory(
+            "--adapters",
+            adapters,
+            "the directory whose subdirectories are adapters (each with "
+            "adapter_config.json), e.g. one made by `lora-cache make-adapters`",
+        )
     for root in catalog.adapter_roots:
         check_directory("--adapter-roots", root, "directories the service may read adapters from")
 
@@ -52,10 +56,12 @@ def slot_bytes(catalog: CatalogConfig, worker: WorkerConfig, tp: int) -> int:
 def check_sizes(catalog: CatalogConfig, worker: WorkerConfig, tp: int) -> None:
     need = slot_bytes(catalog, worker, tp)
     if worker.host.host_bytes < need:
-        raise UsageError(f"--host-bytes {worker.host.host_bytes} ({worker.host.host_bytes / 2**20:.1f} MiB) cannot "
-                         f"hold one slot: a rank-{catalog.max_rank} shard of {catalog.model} at TP {tp} takes "
-                         f"{need} bytes ({need / 2**20:.1f} MiB); raise --host-bytes to at least {need}, or lower "
-                         "--max-rank, or raise --tp")
+        raise UsageError(
+            f"--host-bytes {worker.host.host_bytes} ({worker.host.host_bytes / 2**20:.1f} MiB) cannot "
+            f"hold one slot: a rank-{catalog.max_rank} shard of {catalog.model} at TP {tp} takes "
+            f"{need} bytes ({need / 2**20:.1f} MiB); raise --host-bytes to at least {need}, or lower "
+            "--max-rank, or raise --tp"
+        )
 
 
 def check_port(gateway: GatewayConfig) -> None:
@@ -69,8 +75,10 @@ def check_port(gateway: GatewayConfig) -> None:
             probe.bind((gateway.grpc_host.strip("[]"), gateway.grpc_port))
         except OSError as e:
             why = "it is taken" if e.errno == errno.EADDRINUSE else (e.strerror or str(e)).lower()
-            raise UsageError(f"--grpc-port {gateway.grpc_port} on --grpc-host {gateway.grpc_host}: {why}; choose "
-                             "another --grpc-port (0: any free port) or stop what listens there") from e
+            raise UsageError(
+                f"--grpc-port {gateway.grpc_port} on --grpc-host {gateway.grpc_host}: {why}; choose "
+                "another --grpc-port (0: any free port) or stop what listens there"
+            ) from e
 
 
 def check_serve(adapters: str, catalog: CatalogConfig, worker: WorkerConfig, tp: int, gateway: GatewayConfig) -> None:

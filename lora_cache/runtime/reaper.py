@@ -52,8 +52,9 @@ def watch_tree() -> subprocess.Popen[bytes] | None:
     if not PROC.is_dir():
         return None
     tree = [(p, t) for p in descendants(os.getpid()) if (t := start_time(p)) is not None]
-    watchdog = subprocess.Popen([sys.executable, "-m", "lora_cache.runtime.reaper"], stdin=subprocess.PIPE,
-                                start_new_session=True)  # not in this process's group: a Ctrl-C is for serve
+    watchdog = subprocess.Popen(
+        [sys.executable, "-m", "lora_cache.runtime.reaper"], stdin=subprocess.PIPE, start_new_session=True
+    )  # not in this process's group: a Ctrl-C is for serve
     assert watchdog.stdin is not None
     watchdog.stdin.write(json.dumps(tree).encode() + b"\n")
     watchdog.stdin.flush()  # left open: its end is the signal
