@@ -28,6 +28,9 @@ class UsageError(ConfigError):
 
 
 def check_directory(option: str, value: str, what: str) -> None:
+    """``value`` is an existing directory; a URL (``s3://...``: an object store) is checked where it is read."""
+    if "://" in value:
+        return
     path = Path(value)
     if not path.exists():
         raise UsageError(f"{option} {value}: no such directory; give {what} (or create it)")
