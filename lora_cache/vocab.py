@@ -42,7 +42,10 @@ class WorkerId(NamedTuple):
 
 
 # The names by which the control plane finds its actors on a Ray cluster: the controller, and each TP
-# rank's worker (a ``lora-cache serve`` worker actor or an attached rank's endpoint).
+# rank's worker (a ``lora-cache serve`` worker actor or an attached rank's endpoint). A service's Ray
+# namespace is its name (``serve --service``, ``NAMESPACE`` by default), so several services share a
+# cluster, each with its own controller and workers under the same names; its placement groups, which
+# Ray names cluster-wide, carry the service's name (``placement_group_name``).
 NAMESPACE = "lora-cache"
 CONTROLLER_NAME = "lora-cache-controller"
 WORKER_PREFIX = "lora-cache-worker:"
@@ -50,6 +53,10 @@ WORKER_PREFIX = "lora-cache-worker:"
 
 def worker_name(worker: WorkerId) -> str:
     return f"{WORKER_PREFIX}{worker.replica}:{worker.rank}"
+
+
+def placement_group_name(service: str, replica: str) -> str:
+    return f"{service}:{replica}"
 
 
 def parse_worker_name(name: str) -> WorkerId:

@@ -62,6 +62,33 @@ def cluster(tmp_path_factory):
         ray.shutdown()
 
 
+def present(samples, name: str, **labels: str) -> bool:
+    return any(n == name and all(ls.get(k) == x for k, x in labels.items()) for n, ls, _ in samples)
+
+
+def test_counters_are_exported_from_zero_before_anything_happens(cluster) -> None:
+    """Issue 34: counters appeared only after their first increment, so ``rate()`` missed it and dashboards
+    said "no data". Runs first in this module: no load, eviction, failure or rejection has happened yet."""
+    _, port = cluster
+    zeros = [("ray_lora_cache_evictions_total", {"rank": "0"}), ("ray_lora_cache_evictions_total", {"rank": "1"}),
+             ("ray_lora_cache_load_failures_total", {"rank": "1"}),
+             ("ray_lora_cache_misses_total", {"rank": "0", "tier": "gpu"}),
+             ("ray_lora_cache_moved_bytes_total", {"rank": "0", "path": "disk_to_host"}),
+             ("ray_lora_cache_commands_rejected_total", {"reason": "stale_epoch"}),
+             ("ray_lora_cache_load_failures_reported_total", {})]
+    deadline, samples = time.monotonic() + 30, []
+    while time.monotonic() < deadline:
+        samples = scrape(port)
+        if all(present(samples, name, **labels) for name, labels in zeros):
+            break
+        time.sleep(0.5)
+    missing = [(name, labels) for name, labels in zeros if not present(samples, name, **labels)]
+    assert not missing, f"not exported before their first increment: {missing}"
+    assert all(total(samples, name, **labels) == 0 for name, labels in zeros)
+    assert not [n for n, _, _ in samples if n.endswith(("_ms", "_ms_count", "_ms_sum", "_ms_bucket"))], \
+        "durations are in seconds (Prometheus base units)"
+
+
 def test_metrics_reach_the_prometheus_endpoint(cluster) -> None:
     svc, port = cluster
     ctl = svc.controller
@@ -78,10 +105,10 @@ def test_metrics_reach_the_prometheus_endpoint(cluster) -> None:
     want = {
         "ray_lora_cache_hits_total": {"tier": "gpu", "replica": "replica-0", "rank": "1"},
         "ray_lora_cache_misses_total": {"tier": "host", "rank": "0"},
-        "ray_lora_cache_bytes_moved_total": {"path": "host_to_gpu", "rank": "1"},
+        "ray_lora_cache_moved_bytes_total": {"path": "host_to_gpu", "rank": "1"},
         "ray_lora_cache_prefetches_retired_total": {"outcome": "unused"},
-        "ray_lora_cache_time_to_ready_ms_count": {"rank": "0"},
-        "ray_lora_cache_planner_latency_ms_count": {"policy": "queue"},
+        "ray_lora_cache_time_to_ready_seconds_count": {"rank": "0"},
+        "ray_lora_cache_planner_latency_seconds_count": {"policy": "queue"},
         "ray_lora_cache_commands_sent_total": {"kind": "evict"},
         "ray_lora_cache_queue_depth": {"replica": "replica-0"},
     }
@@ -100,9 +127,9 @@ def test_metrics_reach_the_prometheus_endpoint(cluster) -> None:
         assert total(samples, "ray_lora_cache_prefetches_retired_total", rank=rank, outcome="used") == 1
         assert total(samples, "ray_lora_cache_prefetches_retired_total", rank=rank, outcome="unused") == 1
         assert total(samples, "ray_lora_cache_prefetch_accuracy", rank=rank) == 0.5
-        assert total(samples, "ray_lora_cache_time_to_ready_ms_count", rank=rank) == 4
+        assert total(samples, "ray_lora_cache_time_to_ready_seconds_count", rank=rank) == 4
         assert total(samples, "ray_lora_cache_hits_total", rank=rank, tier="gpu") == 1
     stats = ray.get(svc.workers[WorkerId("replica-0", 0)].stats.remote())
-    assert total(samples, "ray_lora_cache_bytes_moved_total", rank="0", path="host_to_gpu") == \
+    assert total(samples, "ray_lora_cache_moved_bytes_total", rank="0", path="host_to_gpu") == \
         stats["bytes_host_to_gpu"] > 0
     assert total(samples, "ray_lora_cache_queue_depth", replica="replica-0") == 2

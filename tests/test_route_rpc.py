@@ -133,7 +133,7 @@ def test_the_stubs_alone_and_the_cli(served: Served, capsys: pytest.CaptureFixtu
         reply = pb_grpc.LoraCacheServiceStub(channel).Route(
             pb.RouteRequest(items=[pb.RouteItem(adapter=served.names[0], tokens=100)]), timeout=30)
     assert reply.items[0].replicas[0].reason == pb.ROUTE_REASON_READY
-    assert main(["route", served.names[0], "ghost", "--max-replicas", "1", "--server", served.target]) == 2
+    assert main(["route", served.names[0], "ghost", "--max-replicas", "1", "--server", served.target]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out[0]["replicas"][0]["replica"] == "replica-0" and out[0]["replicas"][0]["reason"] == "ready"
     assert out[1]["error"]["code"] == "NOT_FOUND" and out[1]["replicas"] == []

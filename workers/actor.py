@@ -26,7 +26,7 @@ from lora_cache.adapters.peft import KnownVersion
 from lora_cache.errors import NotFoundError
 from lora_cache.runtime import heap
 from lora_cache.runtime.metrics import WorkerMetrics
-from lora_cache.vocab import CONTROLLER_NAME, NAMESPACE, ApplyResult, Command, ReadinessRecord
+from lora_cache.vocab import CONTROLLER_NAME, ApplyResult, Command, ReadinessRecord
 from workers import faults
 from workers.cache import WorkerCache, WorkerConfig
 from workers.engine.config import EngineConfig
@@ -69,7 +69,7 @@ class WorkerActor:
         # A restarted worker holds nothing: say so, so the controller forgets its predecessor. ValueError:
         # no controller yet (it adopts this worker from describe() when it starts).
         with contextlib.suppress(ValueError):
-            ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE).worker_started.remote(name, self.outbox.incarnation)
+            ray.get_actor(CONTROLLER_NAME).worker_started.remote(name, self.outbox.incarnation)
         heap.freeze()  # loads and reports are not stalled by full collections walking the built actor
 
     def unregister_adapter(self, name: str) -> bool:
@@ -201,7 +201,7 @@ class WorkerActor:
         ``streaming``, takes the requests ``engine_submit`` brings until ``engine_end_stream``."""
         report: Callable[[list[tuple[str, float]]], None] | None = None
         if report_queue:
-            controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+            controller = ray.get_actor(CONTROLLER_NAME)
 
             def report(queue: list[tuple[str, float]]) -> None:
                 ray.get(controller.report_queue.remote(self.replica, queue), timeout=30)

@@ -38,6 +38,12 @@ _DOMAIN = {grpc.StatusCode.NOT_FOUND: NotFoundError, grpc.StatusCode.FAILED_PREC
            grpc.StatusCode.INVALID_ARGUMENT: ConfigError, grpc.StatusCode.UNAUTHENTICATED: ConfigError}
 
 
+# HTTP/2 pings on the AttachRank stream, as the routers' client sends them (lora_cache/api/client.py KEEPALIVE;
+# workers/ does not import the client): a connection a NAT or load balancer dropped is found within 40 s.
+KEEPALIVE = (("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
+             ("grpc.keepalive_permit_without_calls", 0), ("grpc.http2.max_pings_without_data", 0))
+
+
 class GatewayLinkError(LoraCacheError, ConnectionError):
     """The gateway cannot be reached, or the rank's stream to it ended."""
 
@@ -48,7 +54,9 @@ class GrpcTransport(RankTransport):
     def __init__(self, target: str, name: str, token: str | None = None, tls_ca: str | None = None) -> None:
         self.target, self.name, self.node = target, name, socket.gethostname()
         credentials = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()) if tls_ca else None
-        self._channel = (grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target))
+        options = KEEPALIVE  # an idle AttachRank stream through a NAT or load balancer stays up, or is found dead
+        self._channel = (grpc.secure_channel(target, credentials, options) if credentials
+                         else grpc.insecure_channel(target, options))
         self._stub = pb_grpc.LoraCacheServiceStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._up: queue.Queue[pb.AttachRankRequest | None] = queue.Queue()  # None: half-close (the detach)

@@ -88,11 +88,11 @@ class ControllerReport:
     def __call__(self, name: str, incarnation: int, batch: list[DeltaRow]) -> None:
         import ray  # here: an engine attached through the gateway never imports Ray
 
-        from lora_cache.vocab import CONTROLLER_NAME, NAMESPACE
+        from lora_cache.vocab import CONTROLLER_NAME
 
         try:
             if self._controller is None:
-                self._controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+                self._controller = ray.get_actor(CONTROLLER_NAME)  # in the service's namespace, the job's
             ray.get(self._controller.report.remote(name, incarnation, batch), timeout=30)
         except Exception:
             self._controller = None

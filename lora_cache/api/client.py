@@ -6,11 +6,15 @@
         lc.route(["adapter-003"])[0].replicas[0]   # RoutedReplica('replica-1', 'ready', 0.0, True)
         for event in lc.watch(replica="replica-1"): ...   # ReadinessEvent, or a Resync if events were lost
 
-Errors come back as ClientError with the gRPC status code name and the server's message.
+Errors come back as ClientError with the gRPC status code name and the server's message. The channel
+(``CHANNEL_OPTIONS``) retries calls that are safe to repeat when the gateway is UNAVAILABLE (a restart, a
+dropped connection; ``RETRY_POLICY``), and keeps long streams (``WatchReadiness``, ``AttachRank``) alive
+through idle proxies and load balancers with HTTP/2 pings (``KEEPALIVE``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -28,6 +32,26 @@ from lora_cache.errors import ConfigError, LoraCacheError
 
 TOKEN_ENV = "LORA_CACHE_TOKEN"
 REGISTER_S_PER_ITEM = 0.5  # RegisterAdapters' deadline grows by this per item (an 8B adapter hashes in ~0.13 s)
+
+# Calls that change nothing, or that the server deduplicates (hint ids, registration by content), are
+# retried on UNAVAILABLE; ReportQueue (a replica's queue now) is too: the next report replaces it.
+# RegisterAdapter(s) is not retried by the channel (it may hash for seconds); neither is Unregister.
+IDEMPOTENT = ("Hint", "CancelHint", "ReportQueue", "Lookup", "Route", "Status")
+# Three attempts within ~0.15 s of backoff: a gateway that restarts or a connection that was reset is
+# covered; one that stays down answers UNAVAILABLE well within the call's deadline (not DEADLINE_EXCEEDED).
+RETRY_POLICY = {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.5s", "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"]}
+SERVICE_CONFIG = {"methodConfig": [
+    {"name": [{"service": "lora_cache.v1.LoraCacheService", "method": m} for m in IDEMPOTENT],
+     "retryPolicy": RETRY_POLICY},
+    {"name": [{"service": "grpc.health.v1.Health", "method": "Check"}], "retryPolicy": RETRY_POLICY},
+]}
+# A ping every 30 s on an open connection (a stream with nothing to say included): a connection that a
+# NAT or load balancer dropped is found within 30 + 10 s, not at the next message. The gateway allows it
+# (``GatewayConfig``'s server options: pings without data every 10 s at most).
+KEEPALIVE = (("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
+             ("grpc.keepalive_permit_without_calls", 0), ("grpc.http2.max_pings_without_data", 0))
+CHANNEL_OPTIONS = (("grpc.service_config", json.dumps(SERVICE_CONFIG)), ("grpc.enable_retries", 1), *KEEPALIVE)
 
 
 @dataclass(frozen=True)
@@ -47,6 +71,9 @@ class ClientConfig:
             raise ConfigError(f"timeout_s is {self.timeout_s}; give a positive number of seconds, e.g. 10")
         if self.tls_ca and not Path(self.tls_ca).is_file():
             raise ConfigError(f"tls_ca {self.tls_ca!r} is not a file; give the CA's PEM certificate file")
+        if self.token_file and not Path(self.token_file).is_file():
+            raise ConfigError(f"--token-file {self.token_file!r} is not a file; write the gateway's bearer token into "
+                              f"it, or leave it out (then ${TOKEN_ENV} is used, if set)")
 
     def token(self) -> str | None:
         if self.token_file:
@@ -243,7 +270,7 @@ class _Base:
                  root_certificates: bytes | None = None, timeout_s: float = 10.0) -> None:
         self.server, self.timeout_s = server, timeout_s
         self._metadata = _metadata(token)
-        self._options = [("grpc.max_receive_message_length", 64 << 20)]
+        self._options = [("grpc.max_receive_message_length", 64 << 20), *CHANNEL_OPTIONS]
         self._credentials = grpc.ssl_channel_credentials(root_certificates) if tls or root_certificates else None
 
     @classmethod
@@ -289,15 +316,19 @@ class LoraCacheClient(_Base):
         ``outstanding``: your own in-flight count per replica; ``max_replicas``: per item (0: all)."""
         return _routes(self._call(self.stub.Route, _route_request(items, outstanding, max_replicas)))
 
-    def watch(self, replica: str | None = None, adapter: str | None = None,
-              after_seq: int | None = None) -> Iterator[ReadinessEvent | Resync]:
-        """Readiness events until the caller stops iterating (the stream is then cancelled). A ``Resync``
-        in the stream says events were lost: take its ``ready`` set as the state, then go on."""
-        stream = self.stub.WatchReadiness(_watch_request(replica, adapter, after_seq), metadata=self._metadata)
+    def watch(self, replica: str | None = None, adapter: str | None = None, after_seq: int | None = None,
+              duration_s: float | None = None) -> Iterator[ReadinessEvent | Resync]:
+        """Readiness events until the caller stops iterating (the stream is then cancelled), or for
+        ``duration_s`` (the stream's deadline; then the iteration ends). A ``Resync`` in the stream says
+        events were lost: take its ``ready`` set as the state, then go on."""
+        stream = self.stub.WatchReadiness(_watch_request(replica, adapter, after_seq), metadata=self._metadata,
+                                          timeout=duration_s)
         try:
             for response in stream:
                 yield from _events(response)
         except grpc.RpcError as e:
+            if duration_s is not None and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # type: ignore[attr-defined]
+                return  # the watch ran its time
             raise ClientError.from_rpc(e) from e
         finally:
             stream.cancel()
@@ -377,14 +408,17 @@ class AsyncLoraCacheClient(_Base):
         r = await self._call(self.stub.Hint, _hint_request(hints), timeout_s)
         return HintResult(r.accepted, r.ignored)
 
-    async def watch(self, replica: str | None = None, adapter: str | None = None,
-                    after_seq: int | None = None) -> AsyncIterator[ReadinessEvent | Resync]:
-        stream = self.stub.WatchReadiness(_watch_request(replica, adapter, after_seq), metadata=self._metadata)
+    async def watch(self, replica: str | None = None, adapter: str | None = None, after_seq: int | None = None,
+                    duration_s: float | None = None) -> AsyncIterator[ReadinessEvent | Resync]:
+        stream = self.stub.WatchReadiness(_watch_request(replica, adapter, after_seq), metadata=self._metadata,
+                                          timeout=duration_s)
         try:
             async for response in stream:
                 for event in _events(response):
                     yield event
         except grpc.RpcError as e:
+            if duration_s is not None and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return
             raise ClientError.from_rpc(e) from e
         finally:
             stream.cancel()

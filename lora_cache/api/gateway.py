@@ -7,6 +7,11 @@ ingest queue. With bearer tokens configured, every call but health checks needs 
 <token>``, and a token of a role the RPC allows (``RPC_ROLES``: routers, engines, operators; the plain
 ``--token-file`` carries every role); with a certificate and key, the port speaks TLS.
 
+Health (grpc.health.v1) tells the truth about the controller behind the gateway: ``HealthWatch`` pings it
+every ``HEALTH_EVERY_S`` and answers NOT_SERVING for "", the API's name and the service's health name
+(``serve --service``) within ``HEALTH_EVERY_S + HEALTH_TIMEOUT_S`` of it becoming unreachable, SERVING
+again once it answers.
+
 ``start_gateway`` runs on the caller's event loop; ``start_gateway_thread`` gives synchronous
 callers (``lora-cache serve``) a gateway on its own loop in a daemon thread.
 """
@@ -14,6 +19,7 @@ callers (``lora-cache serve``) a gateway on its own loop in a daemon thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import threading
 from collections.abc import Awaitable, Callable
@@ -42,6 +48,8 @@ RPC_ROLES: dict[str, frozenset[str]] = {
     **dict.fromkeys(("RegisterAdapter", "RegisterAdapters", "UnregisterAdapter"), frozenset({"operator"})),
     "Status": frozenset(ROLES),
 }
+HEALTH_EVERY_S = 0.5  # the controller is pinged this often
+HEALTH_TIMEOUT_S = 1.0  # and counted unreachable when a ping takes longer (NOT_SERVING within 1.5 s)
 
 
 @dataclass(frozen=True)
@@ -190,6 +198,45 @@ def _denied(handler: Any, code: grpc.StatusCode, why: str) -> Any:
     return kind[handler.request_streaming, handler.response_streaming](deny)
 
 
+class HealthWatch:
+    """Keeps the health service's answers for ``names`` equal to whether the controller answers a ping."""
+
+    def __init__(self, health_servicer: Any, ping: Callable[[], Awaitable[object]], names: tuple[str, ...],
+                 every_s: float = HEALTH_EVERY_S, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+        self.health, self.ping, self.names = health_servicer, ping, names
+        self.every_s, self.timeout_s = every_s, timeout_s
+        self.serving: bool | None = None  # None: not yet checked
+        self.task: asyncio.Task[None] | None = None
+
+    async def check(self) -> bool:
+        """One ping; the health status set from it (only when it changes). True: the controller answered."""
+        try:
+            await asyncio.wait_for(self.ping(), self.timeout_s)
+            up = True
+        except Exception:  # any failure to answer (dead, restarting, hung, unreachable) is NOT_SERVING
+            up = False
+        if up != self.serving:
+            self.serving = up
+            status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in self.names:
+                await self.health.set(name, status)
+        return up
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.every_s)
+            await self.check()
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self.run())
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+
 @dataclass
 class Gateway:
     """A running gateway: its server, the port it got, and its hint ingest."""
@@ -199,6 +246,7 @@ class Gateway:
     port: int
     ingest: HintIngest
     health: Any
+    watch: HealthWatch
 
     @property
     def target(self) -> str:
@@ -206,6 +254,7 @@ class Gateway:
 
     async def stop(self, grace_s: float = 2.0) -> None:
         """Stop taking calls, let calls in progress finish for ``grace_s``, then flush the ingest."""
+        await self.watch.stop()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         await self.ingest.close()
@@ -217,13 +266,16 @@ def _credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
 
 
-async def start_gateway(config: GatewayConfig, controller: Any) -> Gateway:
-    """Serve LoraCacheService (+ health, reflection) for ``controller`` on the running event loop."""
+async def start_gateway(config: GatewayConfig, controller: Any, health_name: str = "") -> Gateway:
+    """Serve LoraCacheService (+ health, reflection) for ``controller`` on the running event loop;
+    ``health_name``: the service's own name in the health service (besides "" and the API's)."""
     tokens = config.role_tokens()
     ingest = HintIngest(controller.hint_batches.remote, config.ingest_queue_hints)
     options = [("grpc.max_receive_message_length", config.max_message_bytes),
                ("grpc.max_send_message_length", config.max_message_bytes),
-               ("grpc.so_reuseport", 0)]
+               ("grpc.so_reuseport", 0),
+               # the clients' keepalive (client.KEEPALIVE) on streams that may say nothing for minutes
+               ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000), ("grpc.http2.max_ping_strikes", 0)]
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs,
                              interceptors=[BearerTokenInterceptor(tokens)] if tokens else None)
     total = max(1, min(config.max_streams, config.max_concurrent_rpcs // 2))  # unary calls keep half the slots
@@ -241,20 +293,23 @@ async def start_gateway(config: GatewayConfig, controller: Any) -> Gateway:
         raise ConfigError(f"cannot listen on {address} ({e}); is the port taken? choose another --grpc-port") from e
     await server.start()
     ingest.start()
-    for service in ("", SERVICE_NAME):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return Gateway(config, server, port, ingest, health_servicer)
+    names = tuple(dict.fromkeys(("", SERVICE_NAME, health_name)))  # "" and the API's, then the service's own
+    watch = HealthWatch(health_servicer, lambda: controller.ping.remote(), names)
+    await watch.check()
+    watch.start()
+    return Gateway(config, server, port, ingest, health_servicer, watch)
 
 
 class GatewayThread:
     """A gateway on its own event loop in a daemon thread, for synchronous callers."""
 
-    def __init__(self, config: GatewayConfig, controller: Any, start_timeout_s: float = 30.0) -> None:
+    def __init__(self, config: GatewayConfig, controller: Any, start_timeout_s: float = 30.0,
+                 health_name: str = "") -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="lora-cache-gateway", daemon=True)
         self._thread.start()
         try:
-            self.gateway = asyncio.run_coroutine_threadsafe(start_gateway(config, controller),
+            self.gateway = asyncio.run_coroutine_threadsafe(start_gateway(config, controller, health_name),
                                                             self._loop).result(start_timeout_s)
         except BaseException:
             self._shutdown_loop()
@@ -278,6 +333,6 @@ class GatewayThread:
         self._loop.close()
 
 
-def start_gateway_thread(config: GatewayConfig, controller: Any) -> GatewayThread:
+def start_gateway_thread(config: GatewayConfig, controller: Any, health_name: str = "") -> GatewayThread:
     """``start_gateway`` on a background thread; ``.stop()`` it when done."""
-    return GatewayThread(config, controller)
+    return GatewayThread(config, controller, health_name=health_name)

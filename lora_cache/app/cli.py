@@ -4,6 +4,10 @@ The router commands (``hint``, ``lookup``, ``watch``, ``status``, ``register``, 
 operators run in scripts: ``main`` parses them with a parser of their own, from ``client_cli`` (grpc and
 the generated stubs only), so they start without importing torch or Ray. Every other command's module
 is imported when its parser is built.
+
+Exit status, every command: 0 done; 1 the server, the cluster or the service failed (a ClientError, a
+cluster that cannot be joined, an item the server refused); 2 usage: an option or argument that cannot
+work (argparse's errors, ``ConfigError``s such as ``serve``'s checks before Ray starts, ``preflight``).
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from typing import Any
 
 from lora_cache import __version__
 from lora_cache.app.client_cli import CLIENT_COMMANDS, add_client_commands
-from lora_cache.errors import LoraCacheError
-from lora_cache.runtime.cliargs import add_config_args, config_from_args, shell_path, shell_paths
+from lora_cache.errors import AdapterError, ConfigError, LoraCacheError
+from lora_cache.runtime.cliargs import add_config_args, add_config_groups, config_from_args, shell_path, shell_paths
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2  # every command: 2 also for argparse's own usage errors
 
 
 def cmd_make_adapters(ns: argparse.Namespace) -> int:
@@ -80,16 +86,20 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    """Every option checked (``preflight``) before Ray starts; then the service, the gateway, and serving on."""
     from lora_cache.adapters.base_model import choose_model
     from lora_cache.adapters.catalog import CatalogConfig
     from lora_cache.adapters.synth import SynthConfig, make_adapters
     from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
+    from lora_cache.app import preflight
     from lora_cache.app.serve import ServeConfig, serve_forever, start
     from lora_cache.planner import PlannerConfig
     from lora_cache.routing.ranking import RouterConfig
+    from lora_cache.runtime.cluster import ObserveConfig, endpoints
     from workers.cache import WorkerConfig
 
-    gateway_config = config_from_args(GatewayConfig, ns)  # checked before anything starts
+    gateway_config = config_from_args(GatewayConfig, ns)  # token and TLS files checked here
+    observe = config_from_args(ObserveConfig, ns)
     if ns.demo:  # demo adapters of a small shape, unless the caller named their own
         ns.model = ns.model or "tiny"
         ns.max_rank = ns.max_rank or 16
@@ -99,20 +109,27 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             print(f"made {ns.demo} demo adapters ({ns.model}) in {ns.adapters}", flush=True)
     serve_config = config_from_args(ServeConfig, ns)
     catalog = config_from_args(CatalogConfig, ns)
+    worker = config_from_args(WorkerConfig, ns)
+    preflight.check_adapters(serve_config.adapters, catalog)
     model = choose_model(catalog.model, serve_config.adapters or None)
     if model != catalog.model:
         print(f"serving base model {model} (from the adapters' base_model_name_or_path; --model to override)",
               flush=True)
         catalog = dataclasses.replace(catalog, model=shell_paths(model, "name_or_file"))
-    service = start(serve_config, catalog, config_from_args(PlannerConfig, ns), config_from_args(WorkerConfig, ns),
-                    config_from_args(RouterConfig, ns))
+    preflight.check_sizes(catalog, worker, serve_config.tp)
+    preflight.check_port(gateway_config)
+    service = start(serve_config, catalog, config_from_args(PlannerConfig, ns), worker,
+                    config_from_args(RouterConfig, ns), observe)
     try:
-        gateway = start_gateway_thread(gateway_config, service.controller)
+        gateway = start_gateway_thread(gateway_config, service.controller, health_name=serve_config.service)
     except BaseException:
         service.stop()
         raise
-    print(f"lora-cache gRPC gateway on {gateway.target} (lora_cache.v1.LoraCacheService, health, reflection)",
-          flush=True)
+    where = endpoints()
+    print(f"lora-cache gRPC gateway on {gateway.target} (lora_cache.v1.LoraCacheService, health "
+          f"{serve_config.service!r}, reflection)", flush=True)
+    print(f"lora-cache metrics (Prometheus, this node): {where['metrics']}; logs of the controller and workers: "
+          f"{where['logs']}{' (and here)' if observe.worker_logs else ''}", flush=True)
     if ns.demo:
         from lora_cache.app.serve_demo import run_router_demo
 
@@ -135,6 +152,7 @@ def _add_service_commands(sub: Any) -> None:
     from lora_cache.app.serve import ServeConfig
     from lora_cache.planner import PlannerConfig
     from lora_cache.routing.ranking import RouterConfig
+    from lora_cache.runtime.cluster import ObserveConfig
     from workers.cache import WorkerConfig
 
     p = sub.add_parser("make-adapters", help="write random PEFT-layout LoRA adapters")
@@ -162,13 +180,16 @@ def _add_service_commands(sub: Any) -> None:
     add_config_args(p, WorkerConfig)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("serve", help="start the controller and the replicas' workers on Ray (embedded by default)")
-    add_config_args(p, ServeConfig)
-    add_config_args(p, CatalogConfig)
-    add_config_args(p, PlannerConfig)
-    add_config_args(p, RouterConfig)
-    add_config_args(p, WorkerConfig, skip=("tp", "tp_rank", "device"))
-    add_config_args(p, GatewayConfig)
+    p = sub.add_parser("serve", help="start the controller and the replicas' workers on Ray (embedded by default)",
+                       description="Start a lora-cache service: its controller, its replicas' workers and the gRPC "
+                                   "gateway. Options are grouped by the component they configure.")
+    add_config_groups(p, ServeConfig)
+    add_config_groups(p, CatalogConfig)
+    add_config_groups(p, PlannerConfig)
+    add_config_groups(p, RouterConfig)
+    add_config_groups(p, WorkerConfig, skip=("tp", "tp_rank", "device"))
+    add_config_groups(p, GatewayConfig)
+    add_config_groups(p, ObserveConfig)
     p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: until Ctrl-C)")
     p.add_argument("--demo", type=int, default=0, metavar="N",
                    help="make N demo adapters (tiny shape unless --model; into a temporary directory unless "
@@ -201,9 +222,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = ns.func
     try:
         return func(ns)
-    except LoraCacheError as e:
+    except (ConfigError, AdapterError) as e:  # what the user gave cannot work: usage
         print(f"lora-cache {ns.command}: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except LoraCacheError as e:  # the server, the cluster or the service failed
+        print(f"lora-cache {ns.command}: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 on the command line (``register`` also registers many adapters in batches: ``NAME=PATH ...``, ``--dir DIR``).
 
 ``cli.build_parser`` adds these with ``add_client_commands(sub)``. Connection options come from
-``ClientConfig`` (``--server``, ``--token-file``, ``--tls-ca``, ``--tls``, ``--timeout-s``); failures are
-ClientErrors, which ``cli.main`` prints with the server's message (exit status 2).
+``ClientConfig`` (``--server``, ``--token-file``, ``--tls-ca``, ``--tls``, ``--timeout-s``: each call's deadline,
+and how long ``watch`` streams); failures are ClientErrors, which ``cli.main`` prints with the server's
+message (exit status 1; usage errors 2). Every command prints one JSON style: snake_case keys, numbers as
+numbers (``proto_json`` for the messages printed as they come).
 
 This module imports grpc and the generated stubs only, never torch or Ray: ``cli.main`` parses these
 commands with a parser of their own, so a router's script starts them in a fraction of a second
@@ -19,10 +21,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from google.protobuf.json_format import MessageToDict
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from lora_cache.api.client import ClientConfig, Hint, LoraCacheClient, Resync, RouteItem
+from lora_cache.errors import ConfigError
 from lora_cache.runtime.cliargs import add_config_args, config_from_args, shell_path
+
+EXIT_FAILED = 1  # an item the server refused (cli.EXIT_FAILED)
 
 
 def _client(ns: argparse.Namespace) -> LoraCacheClient:
@@ -33,11 +39,38 @@ def _print(value: Any) -> None:
     print(json.dumps(value, indent=2, sort_keys=True))
 
 
+def _field_json(field: FieldDescriptor, value: Any) -> Any:
+    if field.type == FieldDescriptor.TYPE_MESSAGE:
+        return proto_json(value)
+    if field.type == FieldDescriptor.TYPE_ENUM:
+        return field.enum_type.values_by_number[value].name if value in field.enum_type.values_by_number else value
+    return value
+
+
+def proto_json(message: Message) -> dict[str, Any]:
+    """``message`` as the client commands print it: proto field names (snake_case), every field (unset ones at
+    their defaults), 64-bit integers as numbers (``MessageToDict`` makes them strings and keys camelCase)."""
+    out: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            value_field = field.message_type.fields_by_name["value"]
+            out[field.name] = {k: _field_json(value_field, v) for k, v in value.items()}
+        elif field.is_repeated:
+            out[field.name] = [_field_json(field, v) for v in value]
+        else:
+            out[field.name] = _field_json(field, value)
+    return out
+
+
 def cmd_hint(ns: argparse.Namespace) -> int:
     with _client(ns) as lc:
         result = lc.hint([Hint(ns.hint_id or uuid.uuid4().hex, ns.adapter, ns.replica, ns.expected_in_s,
                                ns.high_priority)])
-    print(f"accepted {result.accepted}, ignored {result.ignored}")
+    if ns.json:
+        _print(result._asdict())
+    else:
+        print(f"accepted {result.accepted}, ignored {result.ignored}")
     return 0
 
 
@@ -55,12 +88,12 @@ def cmd_lookup(ns: argparse.Namespace) -> int:
 
 
 def cmd_route(ns: argparse.Namespace) -> int:
-    """Ranked replicas per adapter (JSON); exit 2 if any item could not be routed (its error is printed)."""
+    """Ranked replicas per adapter (JSON); exit 1 if any item could not be routed (its error is printed)."""
     outstanding = {}
     for pair in ns.outstanding:
         replica, sep, n = pair.partition("=")
         if not sep or not n.isdigit():
-            raise SystemExit(f"lora-cache route: --outstanding {pair!r} is malformed; give REPLICA=N, e.g. replica-0=3")
+            raise ConfigError(f"--outstanding {pair!r} is malformed; give REPLICA=N, e.g. replica-0=3")
         outstanding[replica] = int(n)
     items = [RouteItem(a, ns.version, ns.request_id, ns.tokens) for a in ns.adapters]
     with _client(ns) as lc:
@@ -68,12 +101,13 @@ def cmd_route(ns: argparse.Namespace) -> int:
     _print([{**r._asdict(), "replicas": [x._asdict() for x in r.replicas],
              "error": None if r.error is None else {"code": r.error.code, "message": r.error.message}}
             for r in routes])
-    return 2 if any(r.error is not None for r in routes) else 0
+    return EXIT_FAILED if any(r.error is not None for r in routes) else 0
 
 
 def cmd_watch(ns: argparse.Namespace) -> int:
+    """Events until ``--count``, Ctrl-C, or ``--timeout-s`` (if given: the stream's deadline; exit 0)."""
     with _client(ns) as lc, contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends the watch
-        for n, event in enumerate(lc.watch(ns.replica, ns.adapter, ns.after_seq), start=1):
+        for n, event in enumerate(lc.watch(ns.replica, ns.adapter, ns.after_seq, duration_s=ns.timeout_s), start=1):
             line = {"resync": event._asdict()} if isinstance(event, Resync) else event._asdict()
             print(json.dumps(line), flush=True)  # a resync: events were lost, "ready" is the state now
             if n == ns.count:
@@ -83,13 +117,13 @@ def cmd_watch(ns: argparse.Namespace) -> int:
 
 def cmd_status(ns: argparse.Namespace) -> int:
     with _client(ns) as lc:
-        _print(MessageToDict(lc.status(), always_print_fields_with_no_presence=True))
+        _print(proto_json(lc.status()))
     return 0
 
 
 def cmd_register(ns: argparse.Namespace) -> int:
     """``register NAME PATH`` (one adapter), or many in batches: ``register NAME=PATH ...`` and/or ``--dir DIR``
-    (every adapter directory under DIR, by its directory name). Many: one JSON entry each, exit 2 if any
+    (every adapter directory under DIR, by its directory name). Many: one JSON entry each, exit 1 if any
     item was not registered (its error is printed; the others were)."""
     items = register_items(ns.items, ns.dir)
     if items is None:
@@ -102,7 +136,7 @@ def cmd_register(ns: argparse.Namespace) -> int:
             done += lc.register_many(items[start:start + ns.batch])
     _print([{**d._asdict(), "error": None if d.error is None else {"code": d.error.code, "message": d.error.message},
              "rank_errors": list(d.rank_errors)} for d in done])
-    return 2 if any(d.error is not None for d in done) else 0
+    return EXIT_FAILED if any(d.error is not None for d in done) else 0
 
 
 def register_items(args: list[str], directory: str | None) -> list[tuple[str, str]] | None:
@@ -111,17 +145,17 @@ def register_items(args: list[str], directory: str | None) -> list[tuple[str, st
         return None
     bad = [a for a in args if a.partition("=")[1] != "=" or not a.partition("=")[0] or not a.partition("=")[2]]
     if bad or (directory is None and not args):
-        raise SystemExit(f"lora-cache register: {bad[0] if bad else 'nothing to register'!r}: give NAME PATH for one "
+        raise ConfigError(f"{bad[0] if bad else 'nothing to register'!r}: give NAME PATH for one "
                          "adapter, NAME=PATH items for several, or --dir DIR for every adapter directory under DIR")
     items = [(n, register_path(p)) for n, _, p in (a.partition("=") for a in args)]
     if directory is not None:
         local = Path(shell_path(directory))
         if not local.is_dir():
-            raise SystemExit(f"lora-cache register: --dir {directory!r} is not a directory here; give a directory "
+            raise ConfigError(f"--dir {directory!r} is not a directory here; give a directory "
                              "whose subdirectories are adapters (adapter_config.json + adapter_model.safetensors)")
         items += [(d.name, str(d)) for d in sorted(local.iterdir()) if (d / "adapter_config.json").is_file()]
         if not items:
-            raise SystemExit(f"lora-cache register: --dir {directory!r} holds no adapter directory (none with an "
+            raise ConfigError(f"--dir {directory!r} holds no adapter directory (none with an "
                              "adapter_config.json); is it the right directory?")
     return items
 
@@ -153,6 +187,7 @@ def add_client_commands(sub: Any) -> None:
     p.add_argument("--hint-id", help="idempotency id (default: a random one)")
     p.add_argument("--expected-in-s", type=float, help="when the request needs the adapter, from now (default: now)")
     p.add_argument("--high-priority", action="store_true", help="plan it as due now, ahead of normal hints")
+    p.add_argument("--json", action="store_true", help="print the outcome as JSON")
     p.set_defaults(func=cmd_hint)
 
     p = sub.add_parser("cancel-hint", help="withdraw hints by id")

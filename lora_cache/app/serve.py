@@ -2,11 +2,19 @@
 
 Each replica is a placement group of TP bundles (STRICT_PACK by default; a group that cannot be
 placed is an error after ``placement_timeout_s``, not a hang) holding one worker actor per rank.
+
+A service is named (``--service``): its Ray namespace is its name, so several services (one per base
+model, say) share one cluster, each with its own controller, workers and placement groups. Everything a
+service is made of is owned by the ``serve`` process that started it (no detached actors or groups):
+``stop`` removes exactly that, and if the process dies (even SIGKILL) Ray removes it too. The controller
+and the workers still restart in place while their owner lives (``max_restarts``); the controller's
+registrations and hints survive that, and a new ``serve`` on the same cluster, in Ray's key-value store.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import signal
 import sys
 import threading
@@ -31,20 +39,28 @@ from lora_cache.planner import PlannerConfig
 from lora_cache.routing.ranking import RouterConfig
 from lora_cache.runtime import heap
 from lora_cache.runtime.cliargs import shell_path
-from lora_cache.runtime.cluster import connect
-from lora_cache.vocab import CONTROLLER_NAME, NAMESPACE, WorkerId, worker_name
+from lora_cache.runtime.cluster import ObserveConfig, connect
+from lora_cache.vocab import CONTROLLER_NAME, NAMESPACE, WorkerId, placement_group_name, worker_name
 from workers.actor import WorkerActor
 from workers.cache import WorkerConfig
 
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 REGISTER_BATCH = 1000  # adapters per register_adapters call of serve --adapters
+SERVICE_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+
+
+class ServiceTakenError(ConfigError):
+    """A service of this name already runs on the cluster."""
 
 
 @dataclass(frozen=True)
 class ServeConfig:
     """Where the service runs and how many replicas of what TP size it starts."""
 
-    address: str = field(default="", metadata={"help": "Ray cluster to join ('auto' or host:port); empty: embedded"})
+    service: str = field(default=NAMESPACE, metadata={
+        "help": "the service's name: its Ray namespace; services of other names share the cluster"})
+    address: str = field(default="", metadata={"help": "Ray cluster to join ('auto' or host:port); empty: a new "
+                                                       "local cluster of this process's own, on 127.0.0.1"})
     adapters: str = field(default="", metadata={
         "path": True, "help": "register every adapter directory under this one, or every adapter prefix under "
                               "s3://BUCKET/PREFIX (the object store: the normal way on a cluster)"})
@@ -57,6 +73,9 @@ class ServeConfig:
     gpus: bool = field(default=False, metadata={"help": "one GPU per worker (default: CPU workers)"})
 
     def __post_init__(self) -> None:
+        if not SERVICE_NAME.fullmatch(self.service):
+            raise ConfigError(f"--service {self.service!r} is not a service name: give 1-63 lowercase letters, digits "
+                              "and dashes, starting with a letter or digit, e.g. lora-cache-llama")
         if self.replicas < 0 or self.tp < 1:
             raise ConfigError(f"replicas ({self.replicas}) must be >= 0 and tp ({self.tp}) >= 1")
         if self.placement not in STRATEGIES:
@@ -65,6 +84,9 @@ class ServeConfig:
 
 @dataclass
 class Service:
+    """What this process started: only this is stopped (another service's actors are never touched)."""
+
+    name: str
     controller: Any
     workers: dict[WorkerId, Any]
     groups: list[Any]
@@ -80,22 +102,47 @@ class Service:
             ray.shutdown()
 
 
+def check_service_free(service: str) -> None:
+    """Refuse a service name whose controller is alive on this cluster, before anything is created."""
+    try:
+        ray.get_actor(CONTROLLER_NAME, namespace=service)
+    except ValueError:
+        return
+    raise ServiceTakenError(f"--service {service!r} is already running on this Ray cluster (its controller "
+                            f"{CONTROLLER_NAME!r} is alive in namespace {service!r}); nothing was started and it was "
+                            "left as it is: give this service another --service name, or stop that one first")
+
+
 def _bundle(serve: ServeConfig) -> dict[str, float]:
     return {"CPU": serve.worker_cpus, **({"GPU": 1.0} if serve.gpus else {})}
 
 
 def start(serve: ServeConfig, catalog: CatalogConfig, planner: PlannerConfig, worker: WorkerConfig,
-          router: RouterConfig | None = None) -> Service:
+          router: RouterConfig | None = None, observe: ObserveConfig | None = None) -> Service:
     owns = not ray.is_initialized()
     if owns:  # embedded, or join --address; unreachable or token-refused clusters fail fast (cluster.py)
-        connect(serve.address, NAMESPACE)
+        connect(serve.address, serve.service, observe)
+    elif ray.get_runtime_context().namespace != serve.service:
+        raise ConfigError(f"this process joined Ray in namespace {ray.get_runtime_context().namespace!r}, but the "
+                          f"service is {serve.service!r}: its actors find each other in their job's namespace; "
+                          f"ray.init(namespace={serve.service!r})")
+    try:
+        check_service_free(serve.service)
+    except BaseException:
+        if owns:
+            ray.shutdown()
+        raise
     adapters = shell_path(serve.adapters) if serve.adapters else None  # the actors run elsewhere (s3://: as given)
     if adapters and not catalog.adapter_roots:
         catalog = dataclasses.replace(catalog, adapter_roots=(adapters,))
-    controller = ControllerActor.options(name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached",
-                                         get_if_exists=True).remote(ControllerConfig(catalog, planner,
-                                                                                   router or RouterConfig()))
-    service = Service(controller, {}, [], owns)
+    try:  # owned by this process (no lifetime="detached"): it goes when this process goes
+        controller = ControllerActor.options(name=CONTROLLER_NAME, namespace=serve.service).remote(
+            ControllerConfig(catalog, planner, router or RouterConfig()))
+    except ValueError as e:  # another serve took the name between the check and here
+        if owns:
+            ray.shutdown()
+        raise ServiceTakenError(f"--service {serve.service!r} was started by another process just now: {e}") from e
+    service = Service(serve.service, controller, {}, [], owns)
     try:
         for i in range(serve.replicas):
             _start_replica(service, f"replica-{i}", serve, catalog, worker)
@@ -136,8 +183,10 @@ def adapter_items(root: str | Path, timeout_s: float) -> list[tuple[str, str]]:
 
 def _start_replica(service: Service, replica: str, serve: ServeConfig, catalog: CatalogConfig,
                    worker: WorkerConfig) -> None:
-    pg = placement_group([_bundle(serve)] * serve.tp, strategy=serve.placement, name=f"lora-cache-{replica}",
-                         lifetime="detached")
+    # Not detached: a restartable detached actor in a placement group outlives the group's owner, which Ray
+    # warns about; these go with this process, and restart in their bundle while it lives.
+    pg = placement_group([_bundle(serve)] * serve.tp, strategy=serve.placement,
+                         name=placement_group_name(serve.service, replica))
     service.groups.append(pg)
     ready, _ = ray.wait([pg.ready()], timeout=serve.placement_timeout_s)
     if not ready:
@@ -150,7 +199,7 @@ def _start_replica(service: Service, replica: str, serve: ServeConfig, catalog: 
         config = dataclasses.replace(worker, tp=serve.tp, tp_rank=rank, device="auto" if serve.gpus else "cpu")
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
         service.workers[wid] = WorkerActor.options(
-            name=worker_name(wid), namespace=NAMESPACE, lifetime="detached", num_cpus=serve.worker_cpus,
+            name=worker_name(wid), namespace=serve.service, num_cpus=serve.worker_cpus,
             num_gpus=1 if serve.gpus else 0, scheduling_strategy=strategy,
         ).remote(worker_name(wid), replica, config, catalog)
     ray.get([h.ping.remote() for h in service.workers.values()])
@@ -165,7 +214,7 @@ def serve_forever(service: Service, duration_s: float = 0.0, before_stop: Callab
         signal.signal(sig, lambda *_: stop.set())
     status = ray.get(service.controller.status.remote())
     print(f"lora-cache serving: {len(service.workers)} workers in {status['replicas']}, {status['adapters']} "
-          f"adapters, epoch {status['epoch']}; Ctrl-C to stop", flush=True)
+          f"adapters, epoch {status['epoch']} (service {service.name}); Ctrl-C to stop", flush=True)
     deadline = time.monotonic() + duration_s if duration_s > 0 else float("inf")
     heap.freeze()  # the gateway's calls (hints, lookups) are not stalled by full collections of this process
     while not stop.wait(min(1.0, max(0.0, deadline - time.monotonic()))) and time.monotonic() < deadline:

@@ -27,7 +27,7 @@ from lora_cache.routing.advice import RouteAdvice, RouteRequest
 from lora_cache.runtime import heap
 from lora_cache.runtime.metrics import ControllerMetrics
 from lora_cache.vocab import CONTROLLER_NAME as CONTROLLER_NAME  # re-exported: callers import it from here
-from lora_cache.vocab import NAMESPACE, worker_name
+from lora_cache.vocab import worker_name
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
@@ -40,7 +40,7 @@ class ControllerActor:
         self.started_at = time.time()
         self.first_plan_at: float | None = None  # the restart blip ends here
         self.core = ControllerCore(config, epoch=time.time_ns() // 1000)  # grows across restarts
-        self.durable = DurableState(durable or DurableConfig(), NAMESPACE)
+        self.durable = DurableState(durable or DurableConfig(), ray.get_runtime_context().namespace)  # the service's
         self.metrics = ControllerMetrics(config.planner.policy)
         self.bell = Doorbell()
         self.links = WorkerLinks(self.core, self.metrics, self.bell.ring, self._plan, call_timeout_s=10 * health_s)
@@ -252,6 +252,10 @@ class ControllerActor:
         if batch.resync is not None:
             raise EventsLost(batch.resync)
         return batch.events
+
+    async def ping(self) -> bool:
+        """Answers at once while the actor's loop runs (the gateway's health check); starts nothing."""
+        return True
 
     async def status(self) -> dict[str, object]:
         await self._start()

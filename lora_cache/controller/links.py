@@ -30,7 +30,6 @@ from lora_cache.controller.readiness import ReadinessEvent
 from lora_cache.errors import ConfigError, ConflictError, LoraCacheError
 from lora_cache.runtime.metrics import ControllerMetrics
 from lora_cache.vocab import (
-    NAMESPACE,
     WORKER_PREFIX,
     Command,
     DeltaRow,
@@ -79,12 +78,13 @@ async def _while_restarting(call: Callable[[], Awaitable[T]]) -> T:
 
 def _named_workers() -> list[str]:
     """The worker actors that exist in the cluster now, by name."""
+    namespace = ray.get_runtime_context().namespace  # the service's (vocab.NAMESPACE)
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == NAMESPACE and a["name"].startswith(WORKER_PREFIX)]
+            if a["namespace"] == namespace and a["name"].startswith(WORKER_PREFIX)]
 
 
 def _find(name: str) -> Any:
-    return ray.get_actor(name, namespace=NAMESPACE)
+    return ray.get_actor(name)  # in this service's namespace (vocab.NAMESPACE)
 
 
 class WorkerLinks:

@@ -16,15 +16,17 @@ import ray
 
 from lora_cache.errors import ConflictError, NotFoundError
 from lora_cache.link.relay import Relay
-from lora_cache.vocab import CONTROLLER_NAME, NAMESPACE, Call, WorkerId
+from lora_cache.vocab import CONTROLLER_NAME, Call, WorkerId
 
 
 def controller_handle() -> Any:
-    """The service's controller on this Ray cluster, found by its name."""
+    """The service's controller on this Ray cluster, found by its name in this process's namespace (the
+    service's: ``vocab.NAMESPACE`` unless ``serve --service`` named another)."""
+    namespace = ray.get_runtime_context().namespace
     try:
-        return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+        return ray.get_actor(CONTROLLER_NAME, namespace=namespace)
     except ValueError as e:
-        raise NotFoundError(f"no lora-cache controller ({CONTROLLER_NAME!r} in namespace {NAMESPACE!r}) on this Ray "
+        raise NotFoundError(f"no lora-cache controller ({CONTROLLER_NAME!r} in namespace {namespace!r}) on this Ray "
                             "cluster; start one first (`lora-cache serve --replicas 0` for a fleet of attached "
                             "engines)") from e
 
@@ -91,7 +93,7 @@ def create_endpoint(name: str, wid: WorkerId, liveness_s: float, start_s: float,
     deadline = time.monotonic() + name_wait_s
     while True:
         try:
-            return Endpoint.options(name=name, namespace=NAMESPACE, max_concurrency=1000).remote(
+            return Endpoint.options(name=name, max_concurrency=1000).remote(
                 name, liveness_s, start_s)
         except ValueError as e:  # the name is taken: a live rank, or a dead one Ray has not released yet
             if time.monotonic() > deadline:

@@ -18,15 +18,20 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """``--field-name`` for each field of ``cls`` (nested config dataclasses are flattened)."""
+def add_config_args(parser: argparse.ArgumentParser | Any, cls: type, skip: tuple[str, ...] = (),
+                    nested: Any = None) -> None:
+    """``--field-name`` for each field of ``cls``; a nested config dataclass is flattened into ``parser``, or
+    handed to ``nested(kind)`` if given (``add_config_groups``)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
         if f.name in skip:
             continue
         if dataclasses.is_dataclass(kind):
-            add_config_args(parser, kind, skip)  # type: ignore[arg-type]
+            if nested is not None:
+                nested(kind)
+            else:
+                add_config_args(parser, kind, skip)  # type: ignore[arg-type]
             continue
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         help_ = f.metadata.get("help", "")
@@ -38,6 +43,14 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str,
             parser.add_argument(*flags, nargs="+", default=None, help=f"{help_} (default: {default})")
         else:
             parser.add_argument(*flags, type=kind, dest=f.name, default=None, help=f"{help_} (default: {default})")
+
+
+def add_config_groups(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """``add_config_args`` in one argument group per config dataclass (``--help`` lists them under the class's
+    name and the first line of its docstring); a nested config dataclass gets a group of its own."""
+    summary = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else None
+    group = parser.add_argument_group(cls.__name__, summary)
+    add_config_args(group, cls, skip, nested=lambda kind: add_config_groups(parser, kind, skip))
 
 
 def config_from_args(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> T:

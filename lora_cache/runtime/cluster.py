@@ -19,20 +19,64 @@ it on by itself when joining ``auto`` with a token on disk, never for an explici
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 
-from lora_cache.errors import LoraCacheError
+from lora_cache.errors import ConfigError, LoraCacheError
+from lora_cache.runtime import reaper
 
 CONNECT_TIMEOUT_S = 5.0  # TCP connect to the GCS port
 GCS_ANSWER_TIMEOUT_S = 15.0  # the first GCS call; Ray alone would wait 40 s
 DEFAULT_TOKEN_PATH = Path("~/.ray/auth_token")
 TOKEN_FIX = ("put the cluster's token (print it on the head node with `ray get-auth-token`) in ~/.ray/auth_token, "
              "or in a file named by RAY_AUTH_TOKEN_PATH, or in RAY_AUTH_TOKEN")
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")
+
+
+@dataclass(frozen=True)
+class ObserveConfig:
+    """What a service shows of itself: its processes' logs and its metrics endpoint."""
+
+    log_level: str = field(default="INFO", metadata={"help": f"log level of this process, the controller and the "
+                                                             f"workers: {'|'.join(LOG_LEVELS)}"})
+    log_format: str = field(default="text", metadata={"help": "Ray's structured logging of every process of the "
+                                                               "service: text|json"})
+    worker_logs: bool = field(default=True, metadata={
+        "help": "print the controller's and workers' output here, each line prefixed with its actor (they are "
+                "also in the log directory printed at start)"})
+    metrics_port: int = field(default=0, metadata={
+        "help": "Prometheus port of an embedded cluster's node (0: any free port; printed at start)"})
+
+    def __post_init__(self) -> None:
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(f"--log-level {self.log_level!r} is not one of {'|'.join(LOG_LEVELS)}")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"--log-format {self.log_format!r} is not one of {'|'.join(LOG_FORMATS)}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port {self.metrics_port}: give a port in 0..65535 (0: any free port)")
+
+    def init_kwargs(self) -> dict[str, object]:
+        """``ray.init`` arguments: Ray's logging config (every process of the job) and the driver's output."""
+        logging.basicConfig(level=self.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        config = ray.LoggingConfig(encoding=self.log_format.upper(), log_level=self.log_level.upper())
+        return {"logging_config": config, "log_to_driver": self.worker_logs}
+
+
+def endpoints() -> dict[str, str]:
+    """Where this node's metrics and this cluster's logs are, once joined (printed by ``serve`` at start)."""
+    node = ray._private.worker.global_worker.node
+    assert node is not None, "endpoints() after ray.init"
+    return {"metrics": f"http://{node.node_ip_address}:{node.metrics_export_port}/metrics",
+            "logs": os.path.join(node.get_session_dir_path(), "logs")}
 
 
 class ClusterConnectError(LoraCacheError, ConnectionError):
@@ -153,11 +197,29 @@ def check_gcs(gcs: str, timeout_s: float = GCS_ANSWER_TIMEOUT_S) -> None:
         raise ClusterUnreachableError(f"the Ray GCS at {gcs} did not answer: {error}") from error
 
 
-def connect(address: str, namespace: str) -> None:
+def local_only() -> None:
+    """Make Ray advertise 127.0.0.1, and its Python servers (agents, metrics) bind it, for an embedded cluster.
+
+    Ray turns ``_node_ip_address="127.0.0.1"`` into the machine's external address unless clusters are off
+    (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``: read at import by this process, from the environment by the ones
+    Ray starts). A cluster of one node needs no other address."""
+    import ray._private.ray_constants as constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    constants.ENABLE_RAY_CLUSTER = False
+
+
+def connect(address: str, namespace: str, observe: ObserveConfig | None = None) -> None:
     """``ray.init`` on an embedded local Ray (``address`` empty: always a new cluster, advertised on 127.0.0.1;
-    ``RAY_ADDRESS`` is for ``--address auto``) or on the cluster at ``address``."""
+    ``RAY_ADDRESS`` is for ``--address auto``) or on the cluster at ``address``. Its processes die with this
+    one, even SIGKILLed (Ray's reaper); Ray's own gRPC servers still bind every interface (token auth guards
+    them; docs/known-issues.md)."""
+    observe = observe or ObserveConfig(worker_logs=False)
     if not address:  # a fresh cluster of this process's own, whatever RAY_ADDRESS or a `ray start` left says
-        ray.init(address="local", _node_ip_address="127.0.0.1", namespace=namespace, log_to_driver=False)
+        local_only()
+        ray.init(address="local", _node_ip_address="127.0.0.1", namespace=namespace, include_dashboard=False,
+                 _metrics_export_port=observe.metrics_port or None, **observe.init_kwargs())  # type: ignore[arg-type]
+        reaper.watch_tree()  # what Ray's reaper leaves of it when this process is SIGKILLed
         return
     if address == "auto":  # what ray.init("auto") does: token mode when a token is on disk and the mode is unset
         from ray._private.authentication.authentication_token_setup import (
@@ -169,7 +231,7 @@ def connect(address: str, namespace: str) -> None:
     check_token_settings(gcs)
     check_reachable(gcs, address)
     check_gcs(gcs)
-    ray.init(address=gcs, namespace=namespace, log_to_driver=False)
+    ray.init(address=gcs, namespace=namespace, **observe.init_kwargs())  # type: ignore[arg-type]
     alive = sum(1 for n in ray.nodes() if n["Alive"])
     print(f"lora-cache: joined the Ray cluster at {gcs} ({alive} nodes alive, token auth "
           f"{'on' if auth_mode() == 'token' else 'off'})", flush=True)

@@ -7,6 +7,11 @@ planning, commands, hints and queue depths as they happen; each worker exports i
 (per rank and tier) on a short timer, as increments since the last export, plus time-to-ready per
 load. Every figure is tagged with its replica (and rank), so per-rank and per-replica views are
 label selections.
+
+Names follow Prometheus' base units: durations in ``_seconds``, sizes in ``_bytes`` (Ray appends ``_total`` to
+counters, ``_bucket``/``_sum``/``_count`` to histograms). Every counter is exported from zero for each label
+set it can have (the tiers, paths, kinds, outcomes, reasons), so ``rate()`` and ``increase()`` see its first
+increment and a dashboard shows 0 rather than "no data".
 """
 
 from __future__ import annotations
@@ -16,8 +21,14 @@ from collections.abc import Callable, Mapping
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
-MS_BUCKETS = [0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 10000]
+SECONDS_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10]
 RANK_TAGS = ("replica", "rank")
+COMMAND_KINDS = ("prefetch", "evict", "stage")
+
+
+def from_zero(counter: Counter, tags: Mapping[str, str]) -> None:
+    """Export ``counter`` at 0 for ``tags`` now (``inc`` refuses 0; ``_record`` is what it calls)."""
+    counter._record(0, tags=dict(tags))
 
 
 class ControllerMetrics:
@@ -25,8 +36,8 @@ class ControllerMetrics:
 
     def __init__(self, policy: str) -> None:
         self.policy = policy
-        self.planner_ms = Histogram("lora_cache_planner_latency_ms", "time to compute one plan (ms)",
-                                    boundaries=MS_BUCKETS, tag_keys=("policy", "scope"))
+        self.planner_s = Histogram("lora_cache_planner_latency_seconds", "time to compute one plan",
+                                   boundaries=SECONDS_BUCKETS, tag_keys=("policy", "scope"))
         self.commands = Counter("lora_cache_commands_sent", "commands sent to workers", tag_keys=("kind",))
         self.rejected = Counter("lora_cache_commands_rejected", "commands a worker refused",
                                 tag_keys=("reason",))
@@ -35,10 +46,17 @@ class ControllerMetrics:
         self.ready = Gauge("lora_cache_ready_adapters", "adapter versions every rank of a replica has ready",
                            tag_keys=("replica",))
         self.load_failures = Counter("lora_cache_load_failures_reported", "failed loads workers reported")
+        for kind in COMMAND_KINDS:
+            from_zero(self.commands, {"kind": kind})
+        for reason in ("stale_epoch", "error"):
+            from_zero(self.rejected, {"reason": reason})
+        for outcome in ("accepted", "ignored"):
+            from_zero(self.hints, {"outcome": outcome})
+        from_zero(self.load_failures, {})
 
     def plan(self, seconds: float, full: bool, kinds: Mapping[str, int]) -> None:
         """One planning pass and the commands it sent, by kind ("prefetch", "evict", "stage")."""
-        self.planner_ms.observe(seconds * 1e3, tags={"policy": self.policy, "scope": "full" if full else "dirty"})
+        self.planner_s.observe(seconds, tags={"policy": self.policy, "scope": "full" if full else "dirty"})
         for kind, count in sorted(kinds.items()):
             self.commands.inc(count, tags={"kind": kind})
 
@@ -92,7 +110,7 @@ class WorkerMetrics:
             "prefetch_outcomes": Counter("lora_cache_prefetches_retired",
                                          "prefetched adapters freed, by whether a batch used them first",
                                          tag_keys=(*RANK_TAGS, "outcome")),
-            "bytes": Counter("lora_cache_bytes_moved", "bytes copied, by path", tag_keys=(*RANK_TAGS, "path")),
+            "bytes": Counter("lora_cache_moved_bytes", "bytes copied, by path", tag_keys=(*RANK_TAGS, "path")),
             "load_failures": Counter("lora_cache_load_failures", "loads that failed", tag_keys=RANK_TAGS),
             "evictions": Counter("lora_cache_evictions", "slots freed", tag_keys=RANK_TAGS),
         }
@@ -100,16 +118,19 @@ class WorkerMetrics:
                               "prefetched adapters used before eviction / prefetched adapters freed",
                               tag_keys=RANK_TAGS)
         self.slots = Gauge("lora_cache_slots", "GPU slots by state", tag_keys=(*RANK_TAGS, "state"))
-        self.ready_ms = Histogram("lora_cache_time_to_ready_ms", "prefetch or miss to READY on this rank (ms)",
-                                  boundaries=MS_BUCKETS, tag_keys=(*RANK_TAGS, "source"))
-        self.h2d_ms = Histogram("lora_cache_h2d_copy_ms", "the one host-to-GPU copy of a shard (ms)",
-                                boundaries=MS_BUCKETS, tag_keys=RANK_TAGS)
+        self.ready_s = Histogram("lora_cache_time_to_ready_seconds", "prefetch or miss to READY on this rank",
+                                 boundaries=SECONDS_BUCKETS, tag_keys=(*RANK_TAGS, "source"))
+        self.h2d_s = Histogram("lora_cache_h2d_copy_seconds", "the one host-to-GPU copy of a shard",
+                               boundaries=SECONDS_BUCKETS, tag_keys=RANK_TAGS)
+        for metric, extra in _COUNTERS.values():
+            from_zero(self.counters[metric], {**self.tags, **extra})
         self._last: dict[str, int] = {}
         self._stop = threading.Event()
 
     def loaded(self, ready_ms: float, h2d_ms: float, host_hit: bool) -> None:
-        self.ready_ms.observe(ready_ms, tags={**self.tags, "source": "host" if host_hit else "disk"})
-        self.h2d_ms.observe(h2d_ms, tags=self.tags)
+        """One load's figures (the records carry milliseconds; exported in seconds)."""
+        self.ready_s.observe(ready_ms / 1e3, tags={**self.tags, "source": "host" if host_hit else "disk"})
+        self.h2d_s.observe(h2d_ms / 1e3, tags=self.tags)
 
     def export(self) -> None:
         """Push the counters' increments since the last export, and the gauges."""

@@ -1,0 +1,143 @@
+"""`lora-cache serve` without `--address` (issue 34): a cluster of its own, on 127.0.0.1 only, that dies with it.
+
+Ray made `_node_ip_address="127.0.0.1"` the machine's external address, so the embedded cluster's raylet,
+GCS, agents and metrics listened beyond the machine. And a SIGKILLed `serve` left Ray's agents
+(`ray::DashboardAgent`, `ray::RuntimeEnvAgent`) running. One `serve` process, inspected through /proc (Linux).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.waiting import wait_for
+
+pytestmark = [pytest.mark.ray, pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc")]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def descendants(pid: int) -> set[int]:
+    """``pid`` and every process below it, now."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        found.add(p)
+        todo += children.get(p, [])
+    return found
+
+
+def listening(pids: set[int]) -> list[str]:
+    """The local addresses (hex, as /proc writes them) on which ``pids`` listen for TCP connections."""
+    inodes: set[str] = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                out.append(cols[1])
+    return out
+
+
+def loopback(address: str) -> bool:
+    host = address.split(":")[0]
+    return host in ("0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F")  # 127.0.0.1,
+    # ::1, ::ffff:127.0.0.1
+
+
+def alive(pids: set[int]) -> set[int]:
+    return {p for p in pids if Path(f"/proc/{p}").exists() and "(Z)" not in _state(p)}
+
+
+def _state(pid: int) -> str:
+    try:
+        return "(" + Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] + ")"
+    except OSError:
+        return "(gone)"
+
+
+def test_embedded_serve_listens_on_loopback_only_and_a_sigkill_leaves_nothing(tmp_path: Path) -> None:
+    made = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lora_cache.app.cli",
+            "make-adapters",
+            str(tmp_path / "ad"),
+            "--count",
+            "2",
+            "--rank",
+            "8",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert made.returncode == 0, made.stderr[-2000:]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lora_cache.app.cli",
+        "serve",
+        "--adapters",
+        str(tmp_path / "ad"),
+        "--max-rank",
+        "8",
+        "--slots",
+        "2",
+        "--host-bytes",
+        str(4 << 20),
+        "--grpc-port",
+        "0",
+        "--no-worker-logs",
+    ]
+    env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:9", "PYTHONPATH": str(ROOT)}  # ignored without --address auto
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = []
+        while not any("lora-cache serving:" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line, f"serve exited {proc.wait()}: {''.join(lines)}{proc.stderr.read()}"  # type: ignore[union-attr]
+            lines.append(line)
+        metrics = next(line for line in lines if "lora-cache metrics" in line)
+        assert "http://127.0.0.1:" in metrics, metrics
+        tree = descendants(proc.pid)
+        assert len(tree) > 3, "Ray's processes run below serve"
+        addresses = listening(tree)
+        assert addresses and all(loopback(a) for a in addresses), f"listening beyond 127.0.0.1: {addresses}"
+
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        wait_for(
+            lambda: not alive(tree),
+            "every process of the embedded cluster gone",
+            timeout=40,
+            poll_s=0.5,
+            detail=lambda: str(alive(tree)),
+        )
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
