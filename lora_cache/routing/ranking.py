@@ -76,6 +76,10 @@ class RouterConfig:
     sticky: bool = field(default=True, metadata={
         "help": "an adapter not resident on a replica with room goes to its hash-preferred replica with room "
                 "(rendezvous hashing: the same replicas every time, so they keep it), not the least loaded"})
+    cold_slack: float = field(default=1.0, metadata={
+        "help": "sticky cold picks: an adapter resident nowhere near goes to its hash-preferred replica among those "
+                "that can start it and whose load is within cold_slack of the least loaded of them (the replica "
+                "where it would start soonest; inf: the hash-preferred replica within the bound)"})
     request_s: float = field(default=0.05, metadata={
         "help": "expected wait per request ahead of a new one on a replica (its queue's service time)"})
     loading_s: float = field(default=0.02, metadata={"help": "expected wait for a load already in flight"})
@@ -94,6 +98,9 @@ class RouterConfig:
         if not 0 <= self.epsilon < math.inf:
             raise ConfigError(f"epsilon is {self.epsilon}; give a number >= 0 (0.25: no replica above 1.25x the "
                               "fleet mean while another has room; 0: strict balance, residency only breaks ties)")
+        if not 0 <= self.cold_slack:
+            raise ConfigError(f"cold_slack is {self.cold_slack}; give a number >= 0 (1: hash order among the "
+                              "replicas within one request of the least loaded; inf: hash order within the bound)")
         for name in ("min_bound", "request_s", "loading_s", "staged_s", "cold_s", "lane_s", "token_weight"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ConfigError(f"{name} is {getattr(self, name)}; give a finite number >= 0")
@@ -164,6 +171,11 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
         raise ConflictError(f"no replicas to route adapter {adapter!r} to; add replicas (lora-cache serve "
                            "--replicas N) before asking for routes")
     cap = bound([r.load for r in replicas], config.epsilon, weight, config.min_bound)
+    # the least load among the cold replicas that can start the request now: sticky cold picks hash among the
+    # replicas within cold_slack of it (where the request would start soonest), not among all within the bound
+    cold_floor = min((r.load for r in replicas if r.residence is Residence.COLD and r.load + weight <= cap
+                      and not r.lanes_short(adapter) and not (r.max_running and r.load + weight > r.max_running)),
+                     default=0.0)
     out = []
     for r in replicas:
         within = r.load + weight <= cap
@@ -180,7 +192,8 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
         elif joins and config.join:  # its adapter's requests run there: it joins their batch
             key = (0, -1, wait, r.load)
         elif config.sticky and r.residence is Residence.COLD:
-            key = (0, r.residence.order, h)
+            soon = r.load <= cold_floor + config.cold_slack
+            key = (0, r.residence.order, 0 if soon else 1, 0 if soon else r.load, h)
         else:
             key = (0, r.residence.order, wait, r.load)
         out.append((key, h, r.replica, Ranked(r.replica, r.residence, wait, within)))
