@@ -80,6 +80,10 @@ class RouterConfig:
         "help": "sticky cold picks: an adapter resident nowhere near goes to its hash-preferred replica among those "
                 "that can start it and whose load is within cold_slack of the least loaded of them (the replica "
                 "where it would start soonest; inf: the hash-preferred replica within the bound)"})
+    weigh_cold: bool = field(default=False, metadata={
+        "help": "a replica where the adapter is resident ranks after the soonest cold replicas when its expected "
+                "wait (its load x request_s) exceeds theirs plus the load (cold_s): ready on a busy replica against "
+                "a load on an idle one"})
     request_s: float = field(default=0.05, metadata={
         "help": "expected wait per request ahead of a new one on a replica (its queue's service time)"})
     loading_s: float = field(default=0.02, metadata={"help": "expected wait for a load already in flight"})
@@ -98,7 +102,7 @@ class RouterConfig:
         if not 0 <= self.epsilon < math.inf:
             raise ConfigError(f"epsilon is {self.epsilon}; give a number >= 0 (0.25: no replica above 1.25x the "
                               "fleet mean while another has room; 0: strict balance, residency only breaks ties)")
-        if not 0 <= self.cold_slack:
+        if not self.cold_slack >= 0:
             raise ConfigError(f"cold_slack is {self.cold_slack}; give a number >= 0 (1: hash order among the "
                               "replicas within one request of the least loaded; inf: hash order within the bound)")
         for name in ("min_bound", "request_s", "loading_s", "staged_s", "cold_s", "lane_s", "token_weight"):
@@ -173,9 +177,11 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
     cap = bound([r.load for r in replicas], config.epsilon, weight, config.min_bound)
     # the least load among the cold replicas that can start the request now: sticky cold picks hash among the
     # replicas within cold_slack of it (where the request would start soonest), not among all within the bound
-    cold_floor = min((r.load for r in replicas if r.residence is Residence.COLD and r.load + weight <= cap
-                      and not r.lanes_short(adapter) and not (r.max_running and r.load + weight > r.max_running)),
-                     default=0.0)
+    cold_loads = [r.load for r in replicas if r.residence is Residence.COLD and r.load + weight <= cap
+                  and not r.lanes_short(adapter) and not (r.max_running and r.load + weight > r.max_running)]
+    cold_floor = min(cold_loads, default=0.0)
+    cold_any = bool(cold_loads)
+    cold_wait = cold_floor * config.request_s + config.cold_s
     out = []
     for r in replicas:
         within = r.load + weight <= cap
@@ -194,6 +200,8 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
         elif config.sticky and r.residence is Residence.COLD:
             soon = r.load <= cold_floor + config.cold_slack
             key = (0, r.residence.order, 0 if soon else 1, 0 if soon else r.load, h)
+        elif config.weigh_cold and config.sticky and cold_any and wait > cold_wait:
+            key = (0, Residence.COLD.order, 0, 1, wait, r.load)  # after the soonest cold replicas, before the rest
         else:
             key = (0, r.residence.order, wait, r.load)
         out.append((key, h, r.replica, Ranked(r.replica, r.residence, wait, within)))
