@@ -203,7 +203,7 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
         elif joins and config.join:  # its adapter's requests run there: it joins their batch
             key = (0, -1, wait, r.load)
         elif config.sticky and r.residence is Residence.COLD:
-            soon = r.load <= cold_floor + config.cold_slack
+            soon = not r.scarce or r.load <= cold_floor + config.cold_slack  # lanes not scarce: hash order
             key = (0, r.residence.order, 0 if soon else 1, 0 if soon else r.load, h)
         elif config.weigh_cold and config.sticky and cold_any and wait > cold_wait:
             key = (0, Residence.COLD.order, 0, 1, wait, r.load)  # after the soonest cold replicas, before the rest
