@@ -23,9 +23,9 @@ the bound (the request joins that batch and takes no lane).
 
 Cold replicas with room are taken in a per-(adapter, replica) hash order (``sticky``, rendezvous
 hashing: an adapter resident nowhere goes to the same replicas every time, whose planners then see
-its traffic and keep it), or least loaded first (``sticky=False``). Sticky picks hash only among the cold
-replicas where the request would start soonest: those that can start it now whose load is within
-``cold_slack`` of the least loaded of them (issue 31: on a 64-replica fleet with 5,000 adapters, most
+its traffic and keep it), or least loaded first (``sticky=False``). Where adapter lanes are scarce (``scarce``:
+``max_adapters`` < slots), sticky picks hash only among the cold replicas where the request would start
+soonest: those that can start it now whose load is within ``cold_slack`` of the least loaded of them (issue 31: on a 64-replica fleet with 5,000 adapters, most
 resident nowhere, hash order over every replica within the bound sent them to busy replicas while others
 idled; bench/RESULTS.md). ``weigh_cold`` (off) ranks a resident replica after those cold ones when its
 queue's expected wait exceeds theirs plus a load; measured, it did not pay (bench/RESULTS.md). In the simulator (32 replicas,
@@ -82,9 +82,9 @@ class RouterConfig:
         "help": "an adapter not resident on a replica with room goes to its hash-preferred replica with room "
                 "(rendezvous hashing: the same replicas every time, so they keep it), not the least loaded"})
     cold_slack: float = field(default=1.0, metadata={
-        "help": "sticky cold picks: an adapter resident nowhere near goes to its hash-preferred replica among those "
-                "that can start it and whose load is within cold_slack of the least loaded of them (the replica "
-                "where it would start soonest; inf: the hash-preferred replica within the bound)"})
+        "help": "sticky cold picks where lanes are scarce (max_adapters < slots): an adapter goes to its "
+                "hash-preferred replica among those that can start it and whose load is within cold_slack of the "
+                "least loaded of them (where it starts soonest; inf: the hash-preferred replica within the bound)"})
     weigh_cold: bool = field(default=False, metadata={
         "help": "a replica where the adapter is resident ranks after the soonest cold replicas when its expected "
                 "wait (its load x request_s) exceeds theirs plus the load (cold_s): ready on a busy replica against "
