@@ -21,17 +21,17 @@ lane frees), then load: the request would wait at the head of its queue for whol
 batch admits fewer adapters than the replica's slots, a replica whose batch runs the adapter ranks first within
 the bound (the request joins that batch and takes no lane).
 
-Cold replicas with room are taken in a per-(adapter, replica) hash order (``sticky``, rendezvous
-hashing: an adapter resident nowhere goes to the same replicas every time, whose planners then see
-its traffic and keep it), or least loaded first (``sticky=False``). Where adapter lanes are scarce (``scarce``:
-``max_adapters`` < slots), sticky picks hash only among the cold replicas where the request would start
-soonest: those that can start it now whose load is within ``cold_slack`` of the least loaded of them (issue 31: on a 64-replica fleet with 5,000 adapters, most
-resident nowhere, hash order over every replica within the bound sent them to busy replicas while others
-idled; bench/RESULTS.md). ``weigh_cold`` (off) ranks a resident replica after those cold ones when its
-queue's expected wait exceeds theirs plus a load; measured, it did not pay (bench/RESULTS.md). In the simulator (32 replicas,
-Zipf 0.9 over 200 adapters, 64 requests/s, lead 0.05 s; bench/RESULTS.md) the share of requests whose
-adapter was ready on arrival under ``global`` placement is 0.955 with the defaults, 0.899 with
-least-loaded cold picks, 0.864 with ``min_bound=0`` and 0.831 with both (residency-only routing: 0.890).
+Cold replicas with room are taken in a per-(adapter, replica) hash order (``sticky``, rendezvous hashing: an
+adapter resident nowhere goes to the same replicas every time, whose planners then see its traffic and keep it), or
+least loaded first (``sticky=False``). Where adapter lanes are scarce (``scarce``: ``max_adapters`` < slots),
+sticky picks hash only among the cold replicas where the request would start soonest: those that can start it now
+whose load is within ``cold_slack`` of the least loaded of them (issue 31: on a 64-replica fleet with 5,000
+adapters, most resident nowhere, hash order over every replica within the bound sent them to busy replicas while
+others idled; bench/RESULTS.md). ``weigh_cold`` (off) ranks a resident replica after those cold ones when its
+queue's expected wait exceeds theirs plus a load; measured, it did not pay (bench/RESULTS.md). In the simulator (32
+replicas, Zipf 0.9 over 200 adapters, 64 requests/s, lead 0.05 s; bench/RESULTS.md) the share of requests whose
+adapter was ready on arrival under ``global`` placement is 0.955 with the defaults, 0.899 with least-loaded cold
+picks, 0.864 with ``min_bound=0`` and 0.831 with both (residency-only routing: 0.890).
 
 Deterministic: the same inputs give the same ranking (ties by the hash, then the replica's name).
 A batch is routed in order, each item's pick adding its weight to that replica's load, so a burst of
