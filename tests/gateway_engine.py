@@ -22,7 +22,8 @@ def main() -> None:
 
     config = AttachConfig(replica=args["replica"], gateway=args["gateway"], token=args.get("token", ""),
                           poll_s=0.5, liveness_s=args.get("liveness_s", 10.0),
-                          name_wait_s=args.get("name_wait_s", 30.0))
+                          name_wait_s=args.get("name_wait_s", 30.0), max_adapters=args.get("max_adapters", 0),
+                          max_running=args.get("max_running", 0))
     worker = WorkerConfig(num_slots=3, tp=args.get("tp", 1), tp_rank=args.get("rank", 0), device="cpu",
                           dtype="float32", host=HostTierConfig(host_bytes=1 << 22, pin=False))
     try:

@@ -127,11 +127,13 @@ RANK0 = "lora-cache-worker:replica-g:0"
 
 
 def test_an_engine_outside_ray_attaches_through_the_gateway_serves_and_detaches(fleet: Fleet) -> None:
-    engine = EngineProc(fleet)
+    engine = EngineProc(fleet, max_adapters=2, max_running=6)
     try:
         assert engine.hello == {"attached": RANK0, "ray": False, "model": "tiny"}  # Ray never imported there
         status = ray.get(fleet.controller.status.remote(), timeout=30)
         assert REPLICA in status["replicas"] and named(RANK0)  # the gateway hosts its endpoint
+        # the hello's admission limits reach routing advice (issue 31)
+        assert ray.get(fleet.controller.declared_limits.remote(REPLICA), timeout=30) == (2, 6)
 
         hint(fleet, "g-1", "adapter-001")  # the controller prefetches into the process, relayed by the gateway
         wait_for(lambda: REPLICA in ready_on(fleet, "adapter-001"), "READY through the gateway", timeout=90)

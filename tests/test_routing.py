@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
@@ -102,13 +103,31 @@ def test_deterministic_and_independent_of_input_order(fleet: list[ReplicaLoad], 
 
 @given(st.lists(st.integers(0, 6), min_size=2, max_size=12), st.sampled_from(["a", "b", "adapter-017"]))
 def test_sticky_cold_picks_are_the_same_replica_while_it_has_room(loads: list[int], adapter: str) -> None:
-    """Sticky: an adapter resident nowhere goes to its hash-preferred replica whatever the (bounded) loads."""
-    config = RouterConfig(min_bound=8.0)
+    """Sticky, with cold_slack inf: an adapter resident nowhere goes to its hash-preferred replica whatever the
+    (bounded) loads."""
+    config = RouterConfig(min_bound=8.0, cold_slack=math.inf)
     fleet = [ReplicaLoad(f"replica-{i}", Residence.COLD, float(x)) for i, x in enumerate(loads)]
     idle = [r._replace(load=0.0) for r in fleet]
     assert rank(adapter, fleet, config)[0].replica == rank(adapter, idle, config)[0].replica
     others = {rank(name, idle, config)[0].replica for name in (f"adapter-{i:03d}" for i in range(64))}
     assert len(others) > 1  # different adapters prefer different replicas
+
+
+@given(st.lists(st.integers(0, 6), min_size=2, max_size=12), st.sampled_from(["a", "b", "adapter-017"]),
+       st.sampled_from([0.0, 1.0, 2.0]))
+def test_cold_picks_go_where_the_adapter_starts_soonest(loads: list[int], adapter: str, slack: float) -> None:
+    """Issue 31: where adapter lanes are scarce (max_adapters < slots), an adapter resident nowhere goes to the
+    hash-preferred replica among those within cold_slack of the least loaded (where it starts soonest), the same
+    one whatever the loads of the others; where they are not, to its hash-preferred replica as before."""
+    config = RouterConfig(min_bound=8.0, cold_slack=slack)
+    plain = [ReplicaLoad(f"replica-{i}", Residence.COLD, float(x)) for i, x in enumerate(loads)]
+    idle = [r._replace(load=0.0) for r in plain]
+    assert rank(adapter, plain, config)[0].replica == rank(adapter, idle, config)[0].replica
+    fleet = [r._replace(scarce=True) for r in plain]
+    pick = rank(adapter, fleet, config)[0].replica
+    soon = [r for r in fleet if r.load <= min(loads) + slack]
+    assert {r.replica: r.load for r in fleet}[pick] <= min(loads) + slack
+    assert pick == rank(adapter, [r._replace(load=0.0) for r in soon], config)[0].replica
 
 
 def test_expected_wait_counts_the_queue_and_the_adapter_load() -> None:

@@ -18,9 +18,9 @@ def test_route_is_never_worse_than_the_simple_routers_on_the_quick_grid() -> Non
     outcomes = grid.run_grid(grid.quick_grid(), "h200-llama8b", None, log)
     assert len(outcomes) == len(grid.quick_grid()) == log.getvalue().count("\n")
     assert {o.point.max_adapters for o in outcomes} == {1, 4, grid.SLOTS}
-    for o in outcomes:  # the issue's bounds (p99 1.05x, mean 1.0x), mean within 2%: on two of these fleets Route's
-        # mean is 1.00-1.01x the better router's (bench/RESULTS.md, 2026-11-26; docs/known-issues.md)
-        assert o.p99_ratio <= grid.P99_LIMIT and o.mean_ratio <= grid.MEAN_LIMIT + 0.02, grid.line(o)
+    for o in outcomes:  # the issue's bounds (p99 1.05x, mean 1.0x), mean within 0.5%: on the bursty fleet Route's
+        # mean is 1.0002x the better router's (bench/RESULTS.md, 2026-11-26, later; docs/known-issues.md)
+        assert o.p99_ratio <= grid.P99_LIMIT and o.mean_ratio <= grid.MEAN_LIMIT + 0.005, grid.line(o)
 
 
 def test_grid_points_are_named_selected_and_loaded_by_capacity() -> None:

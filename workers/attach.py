@@ -81,6 +81,10 @@ class AttachConfig:
     name_wait_s: float = field(default=30.0, metadata={"help": "wait this long for a dead predecessor's name"})
     start_s: float = field(default=60.0, metadata={"help": "the endpoint waits this long for the process's first "
                                                        "poll (a loaded host can be slow to start its serve thread)"})
+    max_adapters: int = field(default=0, metadata={"help": "the engine's most distinct adapters per batch, declared "
+                                                           "to routing advice (0: not declared)"})
+    max_running: int = field(default=0, metadata={"help": "the engine's most requests running at once, declared to "
+                                                          "routing advice (0: not declared)"})
     max_call_s: float = field(default=300.0, metadata={"help": "a controller call still running after this long "
                                                              "no longer keeps the process alive (a wedged call)"})
 
@@ -134,7 +138,7 @@ class AttachConfig:
 
     def hello(self, worker: WorkerConfig, model: str, incarnation: int) -> Hello:
         return Hello(self.replica, worker.tp_rank, worker.tp, worker.num_slots, model, incarnation, self.liveness_s,
-                     self.start_s, self.name_wait_s)
+                     self.start_s, self.name_wait_s, self.max_adapters, self.max_running)
 
 
 class Attachment:

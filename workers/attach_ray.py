@@ -47,6 +47,9 @@ class RayTransport(RankTransport):
     def adopted(self, hello: Hello) -> None:
         # a refusal (ConfigError, ConflictError) arrives as a RayTaskError that is also an instance of it
         ray.get(self.controller().worker_started.remote(self.name, hello.incarnation, True), timeout=120)
+        if hello.max_adapters or hello.max_running:  # the engine's admission limits, for routing advice
+            ray.get(self.controller().declare_limits.remote(hello.replica, hello.max_adapters, hello.max_running),
+                    timeout=120)
 
     def take(self, timeout_s: float) -> list[Call]:
         try:

@@ -32,6 +32,8 @@ class Hello(NamedTuple):
     liveness_s: float
     start_s: float
     name_wait_s: float
+    max_adapters: int = 0  # the engine's distinct adapters per batch (0: not declared; routing.limits)
+    max_running: int = 0  # the engine's requests at once (0: not declared)
 
 
 class RankTransport(ABC):

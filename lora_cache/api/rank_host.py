@@ -50,6 +50,8 @@ class RayRankHost:
 
     async def adopt(self, hello: pb.AttachHello) -> None:
         await self.controller.worker_started.remote(self.name, hello.incarnation, True)
+        if hello.max_adapters or hello.max_running:  # the engine's admission limits, for routing advice
+            await self.controller.declare_limits.remote(hello.replica, hello.max_adapters, hello.max_running)
 
     async def take(self, timeout_s: float) -> list[Call]:
         calls: list[Call] = await self.endpoint.take.remote(timeout_s, False)

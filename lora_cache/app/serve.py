@@ -71,6 +71,10 @@ class ServeConfig:
     placement_timeout_s: float = field(default=60.0, metadata={"help": "give up placing a replica after this"})
     worker_cpus: float = field(default=0.25, metadata={"help": "CPUs reserved per worker"})
     gpus: bool = field(default=False, metadata={"help": "one GPU per worker (default: CPU workers)"})
+    max_adapters: int = field(default=0, metadata={"help": "the replicas' engines' most distinct adapters per batch, "
+                                                           "declared to routing advice (0: not declared)"})
+    max_running: int = field(default=0, metadata={"help": "the replicas' engines' most requests running at once, "
+                                                          "declared to routing advice (0: not declared)"})
 
     def __post_init__(self) -> None:
         if not SERVICE_NAME.fullmatch(self.service):
@@ -78,6 +82,9 @@ class ServeConfig:
                               "and dashes, starting with a letter or digit, e.g. lora-cache-llama")
         if self.replicas < 0 or self.tp < 1:
             raise ConfigError(f"replicas ({self.replicas}) must be >= 0 and tp ({self.tp}) >= 1")
+        if self.max_adapters < 0 or self.max_running < 0:
+            raise ConfigError(f"max_adapters ({self.max_adapters}) and max_running ({self.max_running}) must be >= 0 "
+                              "(the engines' admission limits; 0: not declared)")
         if self.placement not in STRATEGIES:
             raise ConfigError(f"placement {self.placement!r} is not one of {STRATEGIES}")
 
@@ -204,6 +211,8 @@ def _start_replica(service: Service, replica: str, serve: ServeConfig, catalog: 
         ).remote(worker_name(wid), replica, config, catalog)
     ray.get([h.ping.remote() for h in service.workers.values()])
     ray.get(service.controller.add_replica.remote(replica, serve.tp, worker.num_slots))
+    if serve.max_adapters or serve.max_running:  # the engines' admission limits, for routing advice
+        ray.get(service.controller.declare_limits.remote(replica, serve.max_adapters, serve.max_running))
 
 
 def serve_forever(service: Service, duration_s: float = 0.0, before_stop: Callable[[], None] = lambda: None) -> None:

@@ -219,6 +219,12 @@ class ControllerActor:
             raise NotFoundError(f"replica {replica!r} is not known; known: {list(self.core.planner.replicas())}")
         self.core.limits.declare(replica, max_adapters, max_running)
 
+    async def declared_limits(self, replica: str) -> tuple[int, int]:
+        """The ``(max_adapters, max_running)`` declared for ``replica`` (0: not declared)."""
+        await self._start()
+        lim = self.core.limits.limits(replica)
+        return lim.max_adapters, lim.max_running
+
     async def route(self, items: list[RouteRequest], outstanding: dict[str, float] | None = None) -> list[RouteAdvice]:
         """Routing advice for a batch (ControllerCore.route); per-item errors ride in the advice."""
         await self._start()

@@ -21,12 +21,17 @@ lane frees), then load: the request would wait at the head of its queue for whol
 batch admits fewer adapters than the replica's slots, a replica whose batch runs the adapter ranks first within
 the bound (the request joins that batch and takes no lane).
 
-Cold replicas with room are taken in a per-(adapter, replica) hash order (``sticky``, rendezvous
-hashing: an adapter resident nowhere goes to the same replicas every time, whose planners then see
-its traffic and keep it), or least loaded first (``sticky=False``). In the simulator (32 replicas,
-Zipf 0.9 over 200 adapters, 64 requests/s, lead 0.05 s; bench/RESULTS.md) the share of requests whose
-adapter was ready on arrival under ``global`` placement is 0.955 with the defaults, 0.899 with
-least-loaded cold picks, 0.864 with ``min_bound=0`` and 0.831 with both (residency-only routing: 0.890).
+Cold replicas with room are taken in a per-(adapter, replica) hash order (``sticky``, rendezvous hashing: an
+adapter resident nowhere goes to the same replicas every time, whose planners then see its traffic and keep it), or
+least loaded first (``sticky=False``). Where adapter lanes are scarce (``scarce``: ``max_adapters`` < slots),
+sticky picks hash only among the cold replicas where the request would start soonest: those that can start it now
+whose load is within ``cold_slack`` of the least loaded of them (issue 31: on a 64-replica fleet with 5,000
+adapters, most resident nowhere, hash order over every replica within the bound sent them to busy replicas while
+others idled; bench/RESULTS.md). ``weigh_cold`` (off) ranks a resident replica after those cold ones when its
+queue's expected wait exceeds theirs plus a load; measured, it did not pay (bench/RESULTS.md). In the simulator (32
+replicas, Zipf 0.9 over 200 adapters, 64 requests/s, lead 0.05 s; bench/RESULTS.md) the share of requests whose
+adapter was ready on arrival under ``global`` placement is 0.955 with the defaults, 0.899 with least-loaded cold
+picks, 0.864 with ``min_bound=0`` and 0.831 with both (residency-only routing: 0.890).
 
 Deterministic: the same inputs give the same ranking (ties by the hash, then the replica's name).
 A batch is routed in order, each item's pick adding its weight to that replica's load, so a burst of
@@ -76,6 +81,14 @@ class RouterConfig:
     sticky: bool = field(default=True, metadata={
         "help": "an adapter not resident on a replica with room goes to its hash-preferred replica with room "
                 "(rendezvous hashing: the same replicas every time, so they keep it), not the least loaded"})
+    cold_slack: float = field(default=1.0, metadata={
+        "help": "sticky cold picks where lanes are scarce (max_adapters < slots): an adapter goes to its "
+                "hash-preferred replica among those that can start it and whose load is within cold_slack of the "
+                "least loaded of them (where it starts soonest; inf: the hash-preferred replica within the bound)"})
+    weigh_cold: bool = field(default=False, metadata={
+        "help": "a replica where the adapter is resident ranks after the soonest cold replicas when its expected "
+                "wait (its load x request_s) exceeds theirs plus the load (cold_s): ready on a busy replica against "
+                "a load on an idle one"})
     request_s: float = field(default=0.05, metadata={
         "help": "expected wait per request ahead of a new one on a replica (its queue's service time)"})
     loading_s: float = field(default=0.02, metadata={"help": "expected wait for a load already in flight"})
@@ -94,6 +107,9 @@ class RouterConfig:
         if not 0 <= self.epsilon < math.inf:
             raise ConfigError(f"epsilon is {self.epsilon}; give a number >= 0 (0.25: no replica above 1.25x the "
                               "fleet mean while another has room; 0: strict balance, residency only breaks ties)")
+        if not self.cold_slack >= 0:
+            raise ConfigError(f"cold_slack is {self.cold_slack}; give a number >= 0 (1: hash order among the "
+                              "replicas within one request of the least loaded; inf: hash order within the bound)")
         for name in ("min_bound", "request_s", "loading_s", "staged_s", "cold_s", "lane_s", "token_weight"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ConfigError(f"{name} is {getattr(self, name)}; give a finite number >= 0")
@@ -164,6 +180,13 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
         raise ConflictError(f"no replicas to route adapter {adapter!r} to; add replicas (lora-cache serve "
                            "--replicas N) before asking for routes")
     cap = bound([r.load for r in replicas], config.epsilon, weight, config.min_bound)
+    # the least load among the cold replicas that can start the request now: sticky cold picks hash among the
+    # replicas within cold_slack of it (where the request would start soonest), not among all within the bound
+    cold_loads = [r.load for r in replicas if r.residence is Residence.COLD and r.load + weight <= cap
+                  and not r.lanes_short(adapter) and not (r.max_running and r.load + weight > r.max_running)]
+    cold_floor = min(cold_loads, default=0.0)
+    cold_any = bool(cold_loads)
+    cold_wait = cold_floor * config.request_s + config.cold_s
     out = []
     for r in replicas:
         within = r.load + weight <= cap
@@ -180,7 +203,10 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
         elif joins and config.join:  # its adapter's requests run there: it joins their batch
             key = (0, -1, wait, r.load)
         elif config.sticky and r.residence is Residence.COLD:
-            key = (0, r.residence.order, h)
+            soon = not r.scarce or r.load <= cold_floor + config.cold_slack  # lanes not scarce: hash order
+            key = (0, r.residence.order, 0 if soon else 1, 0 if soon else r.load, h)
+        elif config.weigh_cold and config.sticky and cold_any and wait > cold_wait:
+            key = (0, Residence.COLD.order, 0, 1, wait, r.load)  # after the soonest cold replicas, before the rest
         else:
             key = (0, r.residence.order, wait, r.load)
         out.append((key, h, r.replica, Ranked(r.replica, r.residence, wait, within)))

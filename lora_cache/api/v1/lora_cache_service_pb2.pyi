@@ -420,7 +420,7 @@ class StatusResponse(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., adapters: _Optional[int] = ..., workers: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., ready_residencies: _Optional[int] = ..., held_residencies: _Optional[int] = ..., commands_sent: _Optional[int] = ..., hints_received: _Optional[int] = ..., hints_accepted: _Optional[int] = ..., counters: _Optional[_Union[CacheCounters, _Mapping]] = ..., ingest_queued_hints: _Optional[int] = ..., ingest_queue_capacity: _Optional[int] = ..., ingest_rejected_calls: _Optional[int] = ...) -> None: ...
 
 class AttachHello(_message.Message):
-    __slots__ = ("replica", "rank", "tp", "num_slots", "model", "incarnation", "liveness_s", "start_s", "name_wait_s")
+    __slots__ = ("replica", "rank", "tp", "num_slots", "model", "incarnation", "liveness_s", "start_s", "name_wait_s", "max_adapters", "max_running")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TP_FIELD_NUMBER: _ClassVar[int]
@@ -430,6 +430,8 @@ class AttachHello(_message.Message):
     LIVENESS_S_FIELD_NUMBER: _ClassVar[int]
     START_S_FIELD_NUMBER: _ClassVar[int]
     NAME_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
     replica: str
     rank: int
     tp: int
@@ -439,7 +441,9 @@ class AttachHello(_message.Message):
     liveness_s: float
     start_s: float
     name_wait_s: float
-    def __init__(self, replica: _Optional[str] = ..., rank: _Optional[int] = ..., tp: _Optional[int] = ..., num_slots: _Optional[int] = ..., model: _Optional[str] = ..., incarnation: _Optional[int] = ..., liveness_s: _Optional[float] = ..., start_s: _Optional[float] = ..., name_wait_s: _Optional[float] = ...) -> None: ...
+    max_adapters: int
+    max_running: int
+    def __init__(self, replica: _Optional[str] = ..., rank: _Optional[int] = ..., tp: _Optional[int] = ..., num_slots: _Optional[int] = ..., model: _Optional[str] = ..., incarnation: _Optional[int] = ..., liveness_s: _Optional[float] = ..., start_s: _Optional[float] = ..., name_wait_s: _Optional[float] = ..., max_adapters: _Optional[int] = ..., max_running: _Optional[int] = ...) -> None: ...
 
 class RelayedCommand(_message.Message):
     __slots__ = ("kind", "adapter", "version", "priority", "epoch")
