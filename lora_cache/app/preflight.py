@@ -58,9 +58,11 @@ def slot_bytes(catalog: CatalogConfig, worker: WorkerConfig, tp: int) -> int:
 
 def check_sizes(catalog: CatalogConfig, worker: WorkerConfig, tp: int) -> None:
     need = slot_bytes(catalog, worker, tp)
-    if worker.host.host_bytes < need:
+    host = worker.host.sized(tp)  # --host-bytes 0 (auto): this host's share, as a worker will resolve it
+    if host.host_bytes < need:
+        given = f"--host-bytes 0 (auto: {host.host_bytes})" if worker.host.auto else f"--host-bytes {host.host_bytes}"
         raise UsageError(
-            f"--host-bytes {worker.host.host_bytes} ({worker.host.host_bytes / 2**20:.1f} MiB) cannot "
+            f"{given} ({host.host_bytes / 2**20:.1f} MiB) cannot "
             f"hold one slot: a rank-{catalog.max_rank} shard of {catalog.model} at TP {tp} takes "
             f"{need} bytes ({need / 2**20:.1f} MiB); raise --host-bytes to at least {need}, or lower "
             "--max-rank, or raise --tp"
