@@ -155,12 +155,16 @@ def stream_range(
     nbytes: int,
     etag: str,
     version: str,
-    sink: Callable[[int, bytes], None],
+    sink: Callable[[int, memoryview], None],
     chunk: int = 1 << 20,
+    direct: bool = False,
 ) -> None:
     """Bytes ``start : start + nbytes`` of the object, only from the version whose ETag is ``etag`` (the store
     refuses any other: ``AdapterChangedError``), handed to ``sink(offset, piece)`` in pieces of ``chunk`` bytes
-    (the last one shorter) as they arrive: one GET, constant memory. A short answer is refused."""
+    (the last one shorter) as they arrive: one GET, constant memory. A short answer is refused. ``piece`` is a
+    view of one reused buffer, valid only during the call. ``direct`` (a large fetch): the socket's bytes are
+    read straight into that buffer (``readinto`` of the HTTP response under urllib3's, no copy; the length is
+    checked here), where the response allows it."""
     got = 0
 
     def fetch() -> None:
@@ -173,14 +177,25 @@ def stream_range(
                 "register the adapter again"
             )
         body = answer["Body"]
-        while got < nbytes:
-            piece = _read_full(body, min(chunk, nbytes - got))
-            if not piece:
-                break
-            sink(start + got, piece)
-            got += len(piece)
-        if got == nbytes and body.read(1):
-            got += 1  # longer than asked: refused below
+        fp = _direct_fp(body) if direct else None
+        view = memoryview(bytearray(min(chunk, nbytes)))
+        clean = False
+        try:
+            while got < nbytes:
+                n = _fill(body, fp, view[: min(chunk, nbytes - got)])
+                if not n:
+                    break
+                sink(start + got, view[:n])
+                got += n
+            if got == nbytes and (fp.read(1) if fp is not None else body.read(1)):
+                got += 1  # longer than asked: refused below
+            clean = got == nbytes
+        finally:
+            if fp is not None:  # urllib3 did not see the bytes: hand its connection back (or drop it) here
+                if clean:
+                    body._raw_stream.release_conn()
+                else:
+                    body.close()
 
     call(s3, bucket, key, fetch, version, etag)
     if got != nbytes:
@@ -191,16 +206,32 @@ def stream_range(
         )
 
 
-def _read_full(body: Any, n: int) -> bytes:
-    """Up to ``n`` bytes of a streaming body: fewer only at its end."""
-    parts, want = [], n
-    while want:
-        piece = body.read(want)
-        if not piece:
+def _direct_fp(body: Any) -> Any:
+    """The ``http.client`` response under botocore's streaming body, if its bytes are the object's as sent (no
+    content coding, not chunked) and it can ``readinto``; else None (``body.read`` is used)."""
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if fp is None or not hasattr(fp, "readinto") or getattr(raw, "chunked", True):
+        return None
+    if raw.headers.get("content-encoding", "identity").lower() not in ("identity", ""):
+        return None
+    return fp
+
+
+def _fill(body: Any, fp: Any, view: memoryview) -> int:
+    """Bytes read into ``view``: all of it, fewer only at the body's end."""
+    n = 0
+    while n < len(view):
+        if fp is not None:
+            got = fp.readinto(view[n:])
+        else:
+            piece = body.read(len(view) - n)
+            got = len(piece)
+            view[n : n + got] = piece
+        if not got:
             break
-        parts.append(piece)
-        want -= len(piece)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+        n += got
+    return n
 
 
 def get_range(s3: Any, bucket: str, key: str, start: int, nbytes: int, etag: str, version: str = "") -> bytes:
