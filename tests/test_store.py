@@ -23,6 +23,7 @@ from lora_cache.adapters.objects import StoreUrl
 from lora_cache.adapters.peft import WEIGHTS_FILE, AdapterSpec
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.api import relay_codec
+from lora_cache.app.client_cli import register_items
 from lora_cache.controller.catalog_store import known_from, known_json
 from lora_cache.errors import (
     AdapterChangedError,
@@ -240,6 +241,17 @@ def test_a_rank_takes_a_store_registration_without_asking_the_store(
     assert other is not None and spec.known is not None
     with pytest.raises(AdapterChangedError, match="carried config and header are not those of version"):
         rank.read("adapter-000", str(spec.path), spec.known._replace(meta=other.meta), carried=True)
+
+
+def test_register_dir_lists_the_adapter_prefixes_under_a_store_prefix(store: tuple[S3Server, str]) -> None:
+    _, root = store
+    items = register_items([], root)
+    assert items == [
+        (name, f"{root}/{name}") for name in sorted(("adapter-000", "adapter-001", "adapter-002", "big-000"))
+    ]
+    assert register_items(["x=/somewhere"], root)[0] == ("x", "/somewhere")
+    with pytest.raises(SystemExit, match=f"--dir s3://{BUCKET}/nothing-here: .*holds no adapter"):
+        register_items([], f"s3://{BUCKET}/nothing-here")
 
 
 # -- reads through the disk tier ----------------------------------------------------------------------------
