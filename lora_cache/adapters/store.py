@@ -209,9 +209,9 @@ def stream_range(
 def _direct_fp(body: Any) -> Any:
     """The ``http.client`` response under botocore's streaming body, if its bytes are the object's as sent (no
     content coding, not chunked) and it can ``readinto``; else None (``body.read`` is used)."""
-    raw = getattr(body, "_raw_stream", None)
+    raw: Any = getattr(body, "_raw_stream", None)
     fp = getattr(raw, "_fp", None)
-    if fp is None or not hasattr(fp, "readinto") or getattr(raw, "chunked", True):
+    if raw is None or fp is None or not hasattr(fp, "readinto") or getattr(raw, "chunked", True):
         return None
     if raw.headers.get("content-encoding", "identity").lower() not in ("identity", ""):
         return None
