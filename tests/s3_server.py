@@ -2,6 +2,8 @@
 (not an in-process mock), with IAM authentication on, so that wrong credentials are refused as a real store
 refuses them. ``S3Server.env`` is what a process needs to reach it (``AWS_ENDPOINT_URL`` and keys), as an
 operator sets it; ``pause``/``resume`` (SIGSTOP/SIGCONT) make a stalled server, ``kill`` a dead one.
+``S3Server(record=True)`` logs every request the server answers (moto's own recorder, in the server
+process): ``requests()`` lists them, ``forget_requests()`` empties the log.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +31,16 @@ def free_port() -> int:
 
 
 class S3Server:
-    def __init__(self, auth: bool = True) -> None:
+    def __init__(self, auth: bool = True, record: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, **({"INITIAL_NO_AUTH_ACTION_COUNT": str(NO_AUTH_SETUP)} if auth else {})}
+        self.log: Path | None = None
+        if record:
+            fd, name = tempfile.mkstemp(prefix="moto-requests-", suffix=".jsonl")
+            os.close(fd)
+            self.log = Path(name)
+            env.update(MOTO_ENABLE_RECORDING="1", MOTO_RECORDER_FILEPATH=name)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-p", str(self.port), "-H", "127.0.0.1"],
             env=env,
@@ -81,6 +90,16 @@ class S3Server:
         for f in sorted(directory.iterdir()):
             s3.put_object(Bucket=bucket, Key=f"{prefix}/{f.name}", Body=f.read_bytes())
 
+    def requests(self) -> list[tuple[str, str]]:
+        """(method, path?query) of every request answered since the start or ``forget_requests``."""
+        assert self.log is not None, "start the server with record=True"
+        rows = [json.loads(line) for line in self.log.read_text().splitlines() if line.strip()]
+        return [(r["method"], r["url"].split("://", 1)[-1].partition("/")[2]) for r in rows]
+
+    def forget_requests(self) -> None:
+        assert self.log is not None, "start the server with record=True"
+        self.log.write_text("")
+
     def pause(self) -> None:
         self.proc.send_signal(signal.SIGSTOP)
 
@@ -92,6 +111,8 @@ class S3Server:
             self.proc.send_signal(signal.SIGCONT)
             self.proc.kill()
             self.proc.wait(timeout=10)
+        if self.log is not None:
+            self.log.unlink(missing_ok=True)
 
     def __enter__(self) -> S3Server:
         return self

@@ -43,7 +43,7 @@ class World(NamedTuple):
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     local = tmp_path_factory.mktemp("adapters")
     make_adapters(local, SynthConfig(model="tiny", count=3, rank="8,16"))
-    with S3Server() as server:
+    with S3Server(record=True) as server:
         server.client().create_bucket(Bucket=BUCKET)
         for d in sorted(local.iterdir()):
             server.upload_dir(BUCKET, f"tenants/{d.name}", d)
@@ -79,6 +79,22 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 
 def ranks(world: World) -> list[Any]:
     return [world.service.workers[WorkerId("replica-0", r)] for r in (0, 1)]
+
+
+def test_ranks_take_the_controllers_registrations_without_asking_the_store(world: World) -> None:
+    """Registration is metadata carried with the command: the controller reads each adapter's config and header
+    once; the two ranks take its versions as carried, with no request to the store."""
+    wait_for(
+        lambda: all(
+            sum(ray.get(h.stats.remote())[k] for k in ("registrations_hashed", "registrations_taken")) == 3
+            for h in ranks(world)
+        ),
+        "both ranks registered the three adapters",
+        timeout=60,
+    )
+    configs = [r for r in world.server.requests() if r[0] == "GET" and r[1].endswith("/adapter_config.json")]
+    assert len(configs) == 3, configs  # the controller's, one per adapter (before: three per adapter and rank)
+    assert all(ray.get(h.stats.remote())["registrations_taken"] == 3 for h in ranks(world))
 
 
 def test_a_hint_makes_a_store_adapter_ready_with_one_fetch_per_node(world: World) -> None:

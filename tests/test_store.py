@@ -22,6 +22,8 @@ from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.objects import StoreUrl
 from lora_cache.adapters.peft import WEIGHTS_FILE, AdapterSpec
 from lora_cache.adapters.synth import SynthConfig, make_adapters
+from lora_cache.api import relay_codec
+from lora_cache.app.client_cli import register_items
 from lora_cache.controller.catalog_store import known_from, known_json
 from lora_cache.errors import (
     AdapterChangedError,
@@ -37,6 +39,8 @@ from workers import disk_tier
 from workers.cache import WorkerCache, WorkerConfig
 from workers.disk_tier import DiskTier, DiskTierConfig
 from workers.host_tier import HostTierConfig
+from workers.outbox import Outbox
+from workers.rank_control import WorkerControl
 
 BUCKET = "adapters-bkt"
 BIG_RANK = 512  # float32 tiny-shaped at this rank: 4 MiB, four 1 MiB parts
@@ -44,7 +48,7 @@ BIG_RANK = 512  # float32 tiny-shaped at this rank: 4 MiB, four 1 MiB parts
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[S3Server]:
-    with S3Server() as srv:
+    with S3Server(record=True) as srv:
         srv.client().create_bucket(Bucket=BUCKET)
         yield srv
 
@@ -186,8 +190,68 @@ def test_a_store_version_survives_the_catalog_snapshot(store: tuple[S3Server, st
     spec = catalog_for(root).register("adapter-000", f"{root}/adapter-000")
     assert spec.known is not None
     back = known_from(known_json(spec.known))
-    assert back == spec.known
+    assert back == spec.known._replace(meta=b"")  # the carried config and header are not kept: re-read on restore
     assert catalog_for(root).read("adapter-000", f"{root}/adapter-000", back).version == spec.version
+
+
+def test_a_rank_takes_a_store_registration_without_asking_the_store(
+    store: tuple[S3Server, str], local: dict[str, Path], cache_for: Callable[..., WorkerCache], tmp_path: Path
+) -> None:
+    """A version is established once (the controller's read) and carried to the ranks with the command: a rank
+    takes it from the carried config and header, with no request to the store; its first fetch still proves the
+    bytes (an object replaced since is refused)."""
+    server, root = store
+    controller = catalog_for(root)
+    specs = controller.register_dir(root)
+    knowns = [
+        (s.name, str(s.path), relay_codec.from_registration(relay_codec.registration(s.name, str(s.path), s.known))[2])
+        for s in specs
+    ]  # as the gRPC relay carries them to an attached rank (Ray carries them as they are)
+    assert [k for _, _, k in knowns] == [s.known for s in specs]
+    assert all(k is not None and 0 < len(k.meta) < 4096 for _, _, k in knowns)
+    server.forget_requests()
+    rank = catalog_for(root)
+    cache = cache_for(rank)
+    control = WorkerControl("replica-0", rank, cache, Outbox("replica-0/0", flush_s=60.0))
+    assert all(not why for _, why in control.register_adapters(knowns))
+    assert server.requests() == []  # not one request to the store from the rank
+    assert control.taken == len(specs) and control.hashed == 0
+    for s in specs:
+        mine = rank.get(s.name)
+        assert (mine.version, mine.store, mine.modules, mine.config, mine.dtype) == (
+            s.version,
+            s.store,
+            s.modules,
+            s.config,
+            s.dtype,
+        )
+        assert mine.store_meta == b""  # the rank keeps the identity, not the header
+    # the registering process itself asks the store again (a re-registration must see a replaced object) ...
+    spec = controller.get("adapter-000")
+    replace_object(server, spec, (local["adapter-002"] / WEIGHTS_FILE).read_bytes())  # same size, other bytes
+    assert controller.read("adapter-000", str(spec.path), spec.known).version != spec.version
+    # ... and the rank's first fetch proves the version it took: the replaced object is refused
+    with pytest.raises(AdapterChangedError, match="was replaced in the store"):
+        cache.prefetch("adapter-000").result(timeout=30)
+    assert disk_files(tmp_path / "disk") == []
+    cache.prefetch("adapter-001").result(timeout=30)
+    assert_serves(cache, "adapter-001", local["adapter-001"] / WEIGHTS_FILE)
+    # carried metadata that is not the version's own is refused, never taken
+    other = controller.get("adapter-001").known
+    assert other is not None and spec.known is not None
+    with pytest.raises(AdapterChangedError, match="carried config and header are not those of version"):
+        rank.read("adapter-000", str(spec.path), spec.known._replace(meta=other.meta), carried=True)
+
+
+def test_register_dir_lists_the_adapter_prefixes_under_a_store_prefix(store: tuple[S3Server, str]) -> None:
+    _, root = store
+    items = register_items([], root)
+    assert items == [
+        (name, f"{root}/{name}") for name in sorted(("adapter-000", "adapter-001", "adapter-002", "big-000"))
+    ]
+    assert register_items(["x=/somewhere"], root) == [("x", "/somewhere"), *(items or [])]
+    with pytest.raises(SystemExit, match=f"--dir s3://{BUCKET}/nothing-here: .*holds no adapter"):
+        register_items([], f"s3://{BUCKET}/nothing-here")
 
 
 # -- reads through the disk tier ----------------------------------------------------------------------------

@@ -30,7 +30,7 @@ class WorkerControl:
         """Register ``name`` from ``path``; its version. ``known``: the version the controller hashed (lifecycle
         step 0): taken without reading the weights if this rank's own open proves the file is the one the
         controller hashed (``peft.proves``), else hashed here, and refused if it hashes to another version."""
-        spec = self.catalog.read(name, path, known)
+        spec = self.catalog.read(name, path, known, carried=True)  # a store version: no request to the store
         if known is not None and spec.version != known.version:
             raise AdapterChangedError(
                 f"adapter {name!r}: {spec.weights} hashes to version {spec.version} on this rank, but the controller "

@@ -4,9 +4,11 @@ The object is cut into parts of ``part_bytes`` (whole ``BLOCK_BYTES`` blocks) fe
 at once (botocore releases the GIL on the socket reads), each with ``If-Match`` on the registered ETag: a part
 of any other version is refused by the store itself (HTTP 412, ``AdapterChangedError``), so a file of mixed
 versions is never made. Each part is checked for its length (a truncated object or an answer cut off is
-refused), written in place with ``os.pwrite`` and CRC-32'ed by block; the header's CRC must be the registered
-one. What comes back is the CRC of every block, which the disk tier keeps as the local copy's proof
-(``workers.disk_tier``): every later read of the copy is checked like any adapter file's (``workers.reader``).
+refused), read straight from the socket into one reused buffer (no copy), written in place with ``os.pwrite``
+and CRC-32'ed by block (ISA-L's CRC when ``isal`` is installed: the same checksum, three times as fast); the
+header's CRC must be the registered one. What comes back is the CRC of every block, which the disk tier keeps as
+the local copy's proof (``workers.disk_tier``): every later read of the copy is checked like any adapter file's
+(``workers.reader``).
 
 Why whole objects and not each rank's byte ranges: docs/decisions.md, "Adapters from an object store".
 """
@@ -14,7 +16,6 @@ Why whole objects and not each rank's byte ranges: docs/decisions.md, "Adapters 
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
@@ -23,6 +24,11 @@ from lora_cache.adapters.files import BLOCK_BYTES, BlockCrcs
 from lora_cache.adapters.objects import StoreSource
 from lora_cache.adapters.store import stream_range
 from lora_cache.errors import AdapterChangedError
+
+try:  # ISA-L's CRC-32: the same checksum as zlib's, about 3x as fast (6 against 2 GB/s here); optional
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - without the s3 extra's isal
+    from zlib import crc32
 
 
 def part_spans(size: int, part_bytes: int) -> list[tuple[int, int]]:
@@ -44,13 +50,15 @@ def fetch_object(
     def one(k: int) -> None:
         start, nbytes = spans[k]
 
-        def write(offset: int, piece: bytes) -> None:  # one block (pieces are block-aligned), or the last one's end
-            view, written = memoryview(piece), 0
+        def write(offset: int, piece: memoryview) -> None:  # one block (pieces are block-aligned), or the end
+            written = 0
             while written < len(piece):
-                written += os.pwrite(fd, view[written:], offset + written)
-            crcs[offset // BLOCK_BYTES] = zlib.crc32(piece)
+                written += os.pwrite(fd, piece[written:], offset + written)
+            crcs[offset // BLOCK_BYTES] = crc32(piece)
 
-        stream_range(s3, source.bucket, source.key, start, nbytes, source.etag, source.version, write, BLOCK_BYTES)
+        stream_range(
+            s3, source.bucket, source.key, start, nbytes, source.etag, source.version, write, BLOCK_BYTES, direct=True
+        )
         if on_part is not None:
             on_part(k)
 
@@ -66,7 +74,7 @@ def fetch_object(
                 for f in futures:
                     f.cancel()  # parts not started are not fetched; those started end (the pool waits for them)
                 raise failed.exception()  # type: ignore[misc]
-    if zlib.crc32(os.pread(fd, source.header_bytes, 0)) != source.header_crc:
+    if crc32(os.pread(fd, source.header_bytes, 0)) != source.header_crc:
         raise AdapterChangedError(
             f"{source.url}: the store sent another safetensors header than the one registered "
             f"as version {source.version} under the same ETag {source.etag}; refused: check "

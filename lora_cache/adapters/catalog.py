@@ -82,15 +82,18 @@ class AdapterCatalog:
         """Validate the adapter at ``path`` (under a root) and make it the current version of ``name``."""
         return self.add(self.read(name, path, known))
 
-    def read(self, name: str, path: str | Path, known: KnownVersion | None = None) -> AdapterSpec:
+    def read(self, name: str, path: str | Path, known: KnownVersion | None = None,
+             carried: bool = False) -> AdapterSpec:
         """The adapter at ``path`` validated and versioned, the catalog unchanged (the expensive half of
         ``register``: it may hash the whole file; safe on any thread). ``known``: a version another process
-        hashed, taken without reading the weights if this open proves it is the same file (``peft.proves``)."""
+        hashed, taken without reading the weights if this open proves it is the same file (``peft.proves``).
+        ``carried``: a store version's config and header carried in ``known`` are taken without asking the
+        store (a rank taking the controller's registration: ``store.read_store_adapter``)."""
         if is_store_url(path):
             from lora_cache.adapters.store import read_store_adapter  # deferred: boto3 only where a store is used
 
             return read_store_adapter(check_name(name), self.store_url(str(path)), self.shape, self.config.max_rank,
-                                      self.config.store_timeout_s, known)
+                                      self.config.store_timeout_s, known, carried)
         directory = self._local().resolve(path)
         return read_adapter(check_name(name), directory, self.shape, self.config.max_rank, self.roots, known)
 

@@ -210,6 +210,8 @@ class KnownVersion(NamedTuple):
     host: str  # the boot of the machine that hashed it (``files.HOST``); "" proves nothing
     source: WeightsSource | StoreSource  # the weights file as hashed (real path, identity, header and block
     # CRCs), or the store object as registered (ETag, size, header CRC: ``objects.StoreSource``)
+    meta: bytes = b""  # a store version's config and safetensors header as registered (``objects.pack_meta``):
+    # a rank builds the spec from them without asking the store; b"" otherwise (the rank reads them itself)
 
 
 @dataclass(frozen=True)
@@ -227,6 +229,8 @@ class AdapterSpec:
     config_digest: str = ""  # blake2b-8 of the config's bytes (hex); "" for specs not read from disk
     store: StoreSource | None = None  # the weights object, for an adapter in an object store (``source`` is None
     # until the disk tier holds a proven copy: ``workers.disk_tier``)
+    store_meta: bytes = b""  # the registering process's ``KnownVersion.meta`` (compressed config and header)
+    # for the ranks; a rank's own spec keeps none
 
     @property
     def weights(self) -> Path | StoreUrl:
@@ -240,7 +244,7 @@ class AdapterSpec:
     def known(self) -> KnownVersion | None:
         """What another process needs to take this version without hashing (None: not read from disk)."""
         if self.store is not None:
-            return KnownVersion(self.version, self.config_digest, "", self.store)
+            return KnownVersion(self.version, self.config_digest, "", self.store, self.store_meta)
         if self.source is None:
             return None
         return KnownVersion(self.version, self.config_digest, HOST, self.source)

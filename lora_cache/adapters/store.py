@@ -14,6 +14,7 @@ one of the domain errors, naming the bucket and key and the fix (``store_error``
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import threading
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from lora_cache.adapters.files import MAX_CONFIG_BYTES
-from lora_cache.adapters.objects import StoreSource, StoreUrl
+from lora_cache.adapters.objects import StoreSource, StoreUrl, pack_meta, unpack_meta
 from lora_cache.adapters.peft import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -154,12 +155,16 @@ def stream_range(
     nbytes: int,
     etag: str,
     version: str,
-    sink: Callable[[int, bytes], None],
+    sink: Callable[[int, memoryview], None],
     chunk: int = 1 << 20,
+    direct: bool = False,
 ) -> None:
     """Bytes ``start : start + nbytes`` of the object, only from the version whose ETag is ``etag`` (the store
     refuses any other: ``AdapterChangedError``), handed to ``sink(offset, piece)`` in pieces of ``chunk`` bytes
-    (the last one shorter) as they arrive: one GET, constant memory. A short answer is refused."""
+    (the last one shorter) as they arrive: one GET, constant memory. A short answer is refused. ``piece`` is a
+    view of one reused buffer, valid only during the call. ``direct`` (a large fetch): the socket's bytes are
+    read straight into that buffer (``readinto`` of the HTTP response under urllib3's, no copy; the length is
+    checked here), where the response allows it."""
     got = 0
 
     def fetch() -> None:
@@ -172,14 +177,25 @@ def stream_range(
                 "register the adapter again"
             )
         body = answer["Body"]
-        while got < nbytes:
-            piece = _read_full(body, min(chunk, nbytes - got))
-            if not piece:
-                break
-            sink(start + got, piece)
-            got += len(piece)
-        if got == nbytes and body.read(1):
-            got += 1  # longer than asked: refused below
+        fp = _direct_fp(body) if direct else None
+        view = memoryview(bytearray(min(chunk, nbytes)))
+        clean = False
+        try:
+            while got < nbytes:
+                n = _fill(body, fp, view[: min(chunk, nbytes - got)])
+                if not n:
+                    break
+                sink(start + got, view[:n])
+                got += n
+            if got == nbytes and (fp.read(1) if fp is not None else body.read(1)):
+                got += 1  # longer than asked: refused below
+            clean = got == nbytes
+        finally:
+            if fp is not None:  # urllib3 did not see the bytes: hand its connection back (or drop it) here
+                if clean:
+                    body._raw_stream.release_conn()
+                else:
+                    body.close()
 
     call(s3, bucket, key, fetch, version, etag)
     if got != nbytes:
@@ -190,16 +206,32 @@ def stream_range(
         )
 
 
-def _read_full(body: Any, n: int) -> bytes:
-    """Up to ``n`` bytes of a streaming body: fewer only at its end."""
-    parts, want = [], n
-    while want:
-        piece = body.read(want)
-        if not piece:
+def _direct_fp(body: Any) -> Any:
+    """The ``http.client`` response under botocore's streaming body, if its bytes are the object's as sent (no
+    content coding, not chunked) and it can ``readinto``; else None (``body.read`` is used)."""
+    raw: Any = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if raw is None or fp is None or not hasattr(fp, "readinto") or getattr(raw, "chunked", True):
+        return None
+    if raw.headers.get("content-encoding", "identity").lower() not in ("identity", ""):
+        return None
+    return fp
+
+
+def _fill(body: Any, fp: Any, view: memoryview) -> int:
+    """Bytes read into ``view``: all of it, fewer only at the body's end."""
+    n = 0
+    while n < len(view):
+        if fp is not None:
+            got = fp.readinto(view[n:])
+        else:
+            piece = body.read(len(view) - n)
+            got = len(piece)
+            view[n : n + got] = piece
+        if not got:
             break
-        parts.append(piece)
-        want -= len(piece)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+        n += got
+    return n
 
 
 def get_range(s3: Any, bucket: str, key: str, start: int, nbytes: int, etag: str, version: str = "") -> bytes:
@@ -210,13 +242,30 @@ def get_range(s3: Any, bucket: str, key: str, start: int, nbytes: int, etag: str
 
 
 def read_store_adapter(
-    name: str, url: StoreUrl, shape: ModelShape, max_rank: int, timeout_s: float, known: KnownVersion | None = None
+    name: str,
+    url: StoreUrl,
+    shape: ModelShape,
+    max_rank: int,
+    timeout_s: float,
+    known: KnownVersion | None = None,
+    carried: bool = False,
 ) -> AdapterSpec:
     """The adapter under ``url`` validated from its config and safetensors header, versioned by the store's
     identity of its weights object; no weight byte is read. ``known``: the version as registered before, kept
-    (the same ``StoreSource`` object) if the store still holds exactly it."""
+    (the same ``StoreSource`` object) if the store still holds exactly it. ``carried`` (a rank taking the
+    controller's registration): ``known``'s carried config and header are taken without asking the store
+    (``_known_spec``); the registering process itself always asks (a re-registration must see a new version)."""
+    weights = url / WEIGHTS_FILE
+    if (
+        carried
+        and known is not None
+        and known.meta
+        and isinstance(known.source, StoreSource)
+        and (known.source.bucket, known.source.key) == (url.bucket, weights.key)
+    ):
+        return _known_spec(name, url, shape, max_rank, known)
     s3 = client(timeout_s)
-    config_key, weights = (url / CONFIG_FILE).key, url / WEIGHTS_FILE
+    config_key = (url / CONFIG_FILE).key
     config_bytes = _config_bytes(s3, url.bucket, config_key)
     config = parse_config(config_bytes, url / CONFIG_FILE)
     head = call(s3, url.bucket, weights.key, lambda: s3.head_object(Bucket=url.bucket, Key=weights.key))
@@ -241,12 +290,52 @@ def read_store_adapter(
         ) from e
     config_digest = hashlib.blake2b(config_bytes, digest_size=8).hexdigest()
     header_crc = zlib.crc32(head_bytes)
-    digest = hashlib.blake2b(config_bytes, digest_size=8)
-    digest.update(f"s3\0{url.bucket}\0{weights.key}\0{etag}\0{version_id}\0{size}\0{header_crc}".encode())
-    source = StoreSource(url.bucket, weights.key, digest.hexdigest(), etag, version_id, size, 8 + n, header_crc)
+    version = _version(config_bytes, url.bucket, weights.key, etag, version_id, size, header_crc)
+    source = StoreSource(url.bucket, weights.key, version, etag, version_id, size, 8 + n, header_crc)
     if known is not None and known.source == source and known.config_digest == config_digest:
         source = known.source  # type: ignore[assignment]  # the same version: its proof kept as it was
-    return built_spec(name, url, config, header, shape, max_rank, source.version, size, None, config_digest, source)
+    spec = built_spec(name, url, config, header, shape, max_rank, source.version, size, None, config_digest, source)
+    return dataclasses.replace(spec, store_meta=pack_meta(config_bytes, head_bytes))
+
+
+def _version(config: bytes, bucket: str, key: str, etag: str, version_id: str, size: int, header_crc: int) -> str:
+    digest = hashlib.blake2b(config, digest_size=8)
+    digest.update(f"s3\0{bucket}\0{key}\0{etag}\0{version_id}\0{size}\0{header_crc}".encode())
+    return digest.hexdigest()
+
+
+def _known_spec(name: str, url: StoreUrl, shape: ModelShape, max_rank: int, known: KnownVersion) -> AdapterSpec:
+    """The spec of the version the registering process read (``known``), from the config and header it carries:
+    no request to the store. The carried bytes must be the ones that version was hashed from (its config
+    digest, header length and CRC, and the version itself), so they cannot stand for another version; the
+    weights are proven by the first fetch (``If-Match`` on the ETag, the header CRC: ``workers.store_read``).
+    The spec keeps no ``store_meta`` (a rank holds what it loads, not every header)."""
+    source = known.source
+    assert isinstance(source, StoreSource)
+    weights = url / WEIGHTS_FILE
+    config_bytes, head_bytes = unpack_meta(known.meta, str(weights))
+    config_digest = hashlib.blake2b(config_bytes, digest_size=8).hexdigest()
+    header_crc = zlib.crc32(head_bytes)
+    version = _version(config_bytes, source.bucket, source.key, source.etag, source.version_id, source.size, header_crc)
+    if (config_digest, len(head_bytes), header_crc, version) != (
+        known.config_digest,
+        source.header_bytes,
+        source.header_crc,
+        known.version,
+    ) or source.version != known.version:
+        raise AdapterChangedError(
+            f"{weights}: the registration's carried config and header are not those of version "
+            f"{known.version} (config digest {config_digest}, header CRC {header_crc}); refused: register "
+            "the adapter again"
+        )
+    config = parse_config(config_bytes, url / CONFIG_FILE)
+    try:
+        header = parse_header(head_bytes[8:], source.size)
+    except (ValueError, KeyError, TypeError) as e:
+        raise AdapterFormatError(f"{weights} is not a readable safetensors file ({e}); upload it again") from e
+    return built_spec(
+        name, url, config, header, shape, max_rank, source.version, source.size, None, config_digest, source
+    )
 
 
 def _config_bytes(s3: Any, bucket: str, key: str) -> bytes:

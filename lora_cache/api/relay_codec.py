@@ -16,6 +16,7 @@ from typing import Any
 from lora_cache import errors
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.adapters.files import BlockCrcs, FileIdentity, WeightsSource
+from lora_cache.adapters.objects import StoreSource
 from lora_cache.adapters.peft import KnownVersion
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.validate import RequestError
@@ -60,7 +61,11 @@ def from_command(m: pb.RelayedCommand) -> Command:
 
 def known(k: KnownVersion) -> pb.KnownVersion:
     s = k.source
-    assert isinstance(s, WeightsSource), "a store version is not relayed: the rank reads its metadata (registration)"
+    if isinstance(s, StoreSource):
+        return pb.KnownVersion(
+            version=k.version, config_digest=k.config_digest, host=k.host, header_bytes=s.header_bytes,
+            header_crc=s.header_crc, meta=k.meta,
+            store=pb.StoreObject(bucket=s.bucket, key=s.key, etag=s.etag, version_id=s.version_id, size=s.size))
     return pb.KnownVersion(
         version=k.version, config_digest=k.config_digest, host=k.host, weights_path=s.path,
         identity=pb.FileIdentity(dev=s.identity.dev, ino=s.identity.ino, size=s.identity.size,
@@ -70,6 +75,13 @@ def known(k: KnownVersion) -> pb.KnownVersion:
 
 
 def from_known(m: pb.KnownVersion) -> KnownVersion:
+    if m.HasField("store"):
+        o = m.store
+        if not (o.bucket and o.key and o.etag):
+            raise RequestError(f"known version {m.version!r}: its store object names no bucket, key or ETag "
+                               f"({o.bucket!r}, {o.key!r}, {o.etag!r}); send the object as registered")
+        store = StoreSource(o.bucket, o.key, m.version, o.etag, o.version_id, o.size, m.header_bytes, m.header_crc)
+        return KnownVersion(m.version, m.config_digest, m.host, store, m.meta)
     i = m.identity
     try:
         crcs = BlockCrcs(m.block_crcs)
@@ -83,7 +95,7 @@ def from_known(m: pb.KnownVersion) -> KnownVersion:
 
 def registration(name: str, path: str, k: KnownVersion | None) -> pb.RegisterRankAdapter:
     out = pb.RegisterRankAdapter(name=name, path=path)
-    if k is not None and isinstance(k.source, WeightsSource):  # a store version: the rank reads its metadata itself
+    if k is not None:
         out.known.CopyFrom(known(k))
     return out
 

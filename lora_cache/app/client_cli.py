@@ -29,6 +29,7 @@ from lora_cache.errors import ConfigError
 from lora_cache.runtime.cliargs import add_config_args, config_from_args, shell_path
 
 EXIT_FAILED = 1  # an item the server refused (cli.EXIT_FAILED)
+STORE_LIST_TIMEOUT_S = 20.0  # each request of listing ``register --dir s3://...`` (the catalog's default timeout)
 
 
 def _client(ns: argparse.Namespace) -> LoraCacheClient:
@@ -148,7 +149,16 @@ def register_items(args: list[str], directory: str | None) -> list[tuple[str, st
         raise ConfigError(f"{bad[0] if bad else 'nothing to register'!r}: give NAME PATH for one "
                          "adapter, NAME=PATH items for several, or --dir DIR for every adapter directory under DIR")
     items = [(n, register_path(p)) for n, _, p in (a.partition("=") for a in args)]
-    if directory is not None:
+    if directory is not None and directory.startswith("s3://"):  # every adapter prefix under it, listed from here
+        from lora_cache.adapters.objects import StoreUrl  # deferred: boto3 and the adapter modules only for s3://
+        from lora_cache.adapters.store import list_adapters
+        from lora_cache.errors import LoraCacheError
+
+        try:
+            items += [(n, str(url)) for n, url in list_adapters(StoreUrl.parse(directory), STORE_LIST_TIMEOUT_S)]
+        except LoraCacheError as e:
+            raise SystemExit(f"lora-cache register: --dir {directory}: {e}") from e
+    elif directory is not None:
         local = Path(shell_path(directory))
         if not local.is_dir():
             raise ConfigError(f"--dir {directory!r} is not a directory here; give a directory "
@@ -225,7 +235,8 @@ def add_client_commands(sub: Any) -> None:
     p.add_argument("items", nargs="*", metavar="NAME PATH | NAME=PATH",
                    help="NAME PATH: one adapter directory under one of the server's adapter roots; NAME=PATH ...: "
                         "several, registered in batches, each by itself")
-    p.add_argument("--dir", help="also every adapter directory under DIR (named after its directory)")
+    p.add_argument("--dir", help="also every adapter directory under DIR (named after its directory), or every "
+                   "adapter prefix under s3://BUCKET/PREFIX (listed with this shell's AWS_* credentials)")
     p.add_argument("--batch", type=_positive, default=1000, help="adapters per RegisterAdapters call")
     p.set_defaults(func=cmd_register)
 

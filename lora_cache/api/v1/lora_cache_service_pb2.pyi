@@ -494,7 +494,7 @@ class FileIdentity(_message.Message):
     def __init__(self, dev: _Optional[int] = ..., ino: _Optional[int] = ..., size: _Optional[int] = ..., mtime_ns: _Optional[int] = ..., ctime_ns: _Optional[int] = ...) -> None: ...
 
 class KnownVersion(_message.Message):
-    __slots__ = ("version", "config_digest", "host", "weights_path", "identity", "header_bytes", "header_crc", "block_crcs", "registered_ns")
+    __slots__ = ("version", "config_digest", "host", "weights_path", "identity", "header_bytes", "header_crc", "block_crcs", "registered_ns", "store", "meta")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -504,6 +504,8 @@ class KnownVersion(_message.Message):
     HEADER_CRC_FIELD_NUMBER: _ClassVar[int]
     BLOCK_CRCS_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_NS_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    META_FIELD_NUMBER: _ClassVar[int]
     version: str
     config_digest: str
     host: str
@@ -513,7 +515,23 @@ class KnownVersion(_message.Message):
     header_crc: int
     block_crcs: bytes
     registered_ns: int
-    def __init__(self, version: _Optional[str] = ..., config_digest: _Optional[str] = ..., host: _Optional[str] = ..., weights_path: _Optional[str] = ..., identity: _Optional[_Union[FileIdentity, _Mapping]] = ..., header_bytes: _Optional[int] = ..., header_crc: _Optional[int] = ..., block_crcs: _Optional[bytes] = ..., registered_ns: _Optional[int] = ...) -> None: ...
+    store: StoreObject
+    meta: bytes
+    def __init__(self, version: _Optional[str] = ..., config_digest: _Optional[str] = ..., host: _Optional[str] = ..., weights_path: _Optional[str] = ..., identity: _Optional[_Union[FileIdentity, _Mapping]] = ..., header_bytes: _Optional[int] = ..., header_crc: _Optional[int] = ..., block_crcs: _Optional[bytes] = ..., registered_ns: _Optional[int] = ..., store: _Optional[_Union[StoreObject, _Mapping]] = ..., meta: _Optional[bytes] = ...) -> None: ...
+
+class StoreObject(_message.Message):
+    __slots__ = ("bucket", "key", "etag", "version_id", "size")
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
+    VERSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    bucket: str
+    key: str
+    etag: str
+    version_id: str
+    size: int
+    def __init__(self, bucket: _Optional[str] = ..., key: _Optional[str] = ..., etag: _Optional[str] = ..., version_id: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class RegisterRankAdapters(_message.Message):
     __slots__ = ("adapters",)
