@@ -4,15 +4,22 @@ from __future__ import annotations
 
 
 class LoraCacheError(Exception):
-    """Base of every error lora-cache raises on purpose."""
+    """Base of every error lora-cache raises on purpose. ``usage``: what the user gave cannot work (the CLI
+    exits 2), rather than a server, cluster or service that failed (exit 1)."""
+
+    usage = False
 
 
 class ConfigError(LoraCacheError, ValueError):
     """A configuration value is invalid."""
 
+    usage = True
+
 
 class AdapterError(LoraCacheError, ValueError):
     """An adapter on disk is malformed or does not fit the model."""
+
+    usage = True
 
 
 class AdapterFormatError(AdapterError):

@@ -23,7 +23,7 @@ from typing import Any
 
 from lora_cache import __version__
 from lora_cache.app.client_cli import CLIENT_COMMANDS, add_client_commands
-from lora_cache.errors import AdapterError, ConfigError, LoraCacheError
+from lora_cache.errors import LoraCacheError
 from lora_cache.runtime.cliargs import add_config_args, add_config_groups, config_from_args, shell_path, shell_paths
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2  # every command: 2 also for argparse's own usage errors
@@ -222,12 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = ns.func
     try:
         return func(ns)
-    except (ConfigError, AdapterError) as e:  # what the user gave cannot work: usage
+    except LoraCacheError as e:  # usage: what the user gave cannot work; else the server or service failed
         print(f"lora-cache {ns.command}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except LoraCacheError as e:  # the server, the cluster or the service failed
-        print(f"lora-cache {ns.command}: error: {e}", file=sys.stderr)
-        return EXIT_FAILED
+        return EXIT_USAGE if e.usage else EXIT_FAILED
 
 
 if __name__ == "__main__":

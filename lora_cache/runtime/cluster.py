@@ -80,7 +80,10 @@ def endpoints() -> dict[str, str]:
 
 
 class ClusterConnectError(LoraCacheError, ConnectionError):
-    """The Ray cluster to join cannot be reached, or refused this process."""
+    """The Ray cluster to join cannot be reached, or refused this process: the --address or the token this
+    process was given does not work (usage, exit 2)."""
+
+    usage = True
 
 
 class ClusterUnreachableError(ClusterConnectError):
