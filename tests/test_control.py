@@ -446,3 +446,38 @@ def test_a_closed_lifeline_loses_the_rank_at_once_and_its_late_deltas_are_not_be
 
     asyncio.run(scenario())
     core.check_integrity()
+
+
+def test_stats_leave_out_a_replica_that_left_the_fleet_while_its_workers_were_asked(fleet) -> None:
+    """Found by the Ray Serve test: a replica whose attached ranks all went was removed while ``stats`` awaited
+    its workers, and ``Status`` then failed NOT_FOUND for every caller ('unknown worker ... in capacity')."""
+    core, _ = fleet
+    asked = asyncio.Event()
+
+    class _Slow:
+        class stats:  # noqa: N801 (a Ray method's shape: .remote())
+            @staticmethod
+            def remote() -> Any:
+                async def answer() -> dict[str, int]:
+                    asked.set()
+                    await asyncio.sleep(0.05)
+                    return {"loads": 0}
+                return answer()
+
+    async def replan() -> None:
+        pass
+
+    async def scenario() -> list[dict[str, object]]:
+        links = WorkerLinks(core, None, lambda events: None, replan, find=lambda name: None,  # type: ignore[arg-type]
+                            named=lambda: [])
+        core.add_replica("r1", tp=1, slots=2)
+        for wid in (WorkerId("r0", 0), WorkerId("r1", 0)):
+            links.handles[wid] = _Slow()
+        task = asyncio.ensure_future(links.stats(5.0))
+        await asked.wait()
+        core.remove_replica("r1")  # its ranks are gone while the call is out
+        return await task
+
+    rows = asyncio.run(scenario())
+    assert [row["worker"] for row in rows] == [worker_name(WorkerId("r0", 0))]
+    core.check_integrity()

@@ -497,5 +497,7 @@ class WorkerLinks:
                 return None
 
         stats = await asyncio.gather(*(one(w) for w in wids))
+        planner = self.core.planner  # a replica may have left the fleet while its workers were asked
+        known = {w for r in planner.replicas() for w in planner.workers(r)}
         return [{"worker": worker_name(w), "replica": w.replica, "rank": w.rank,
-                 "slots": self.core.planner.capacity(str(w)).slots, "stats": s} for w, s in zip(wids, stats)]
+                 "slots": planner.capacity(str(w)).slots, "stats": s} for w, s in zip(wids, stats) if str(w) in known]
