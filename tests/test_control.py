@@ -455,7 +455,7 @@ def test_stats_leave_out_a_replica_that_left_the_fleet_while_its_workers_were_as
     asked = asyncio.Event()
 
     class _Slow:
-        class stats:  # noqa: N801 (a Ray method's shape: .remote())
+        class stats:
             @staticmethod
             def remote() -> Any:
                 async def answer() -> dict[str, int]:
