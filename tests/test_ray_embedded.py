@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.serving import make_adapters, read_until, serve_argv
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc")]
@@ -77,50 +77,12 @@ def _state(pid: int) -> str:
 
 
 def test_embedded_serve_listens_on_loopback_only_and_a_sigkill_leaves_nothing(tmp_path: Path) -> None:
-    made = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lora_cache.app.cli",
-            "make-adapters",
-            str(tmp_path / "ad"),
-            "--count",
-            "2",
-            "--rank",
-            "8",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert made.returncode == 0, made.stderr[-2000:]
-    cmd = [
-        sys.executable,
-        "-m",
-        "lora_cache.app.cli",
-        "serve",
-        "--adapters",
-        str(tmp_path / "ad"),
-        "--max-rank",
-        "8",
-        "--slots",
-        "2",
-        "--host-bytes",
-        str(4 << 20),
-        "--grpc-port",
-        "0",
-        "--no-worker-logs",
-    ]
+    make_adapters(tmp_path / "ad", 2, cwd=ROOT)
+    cmd = serve_argv(tmp_path / "ad", "--no-worker-logs")
     env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:9", "PYTHONPATH": str(ROOT)}  # ignored without --address auto
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout is not None
-        lines = []
-        while not any("lora-cache serving:" in line for line in lines):
-            line = proc.stdout.readline()
-            assert line, f"serve exited {proc.wait()}: {''.join(lines)}{proc.stderr.read()}"  # type: ignore[union-attr]
-            lines.append(line)
+        lines = read_until(proc, "lora-cache serving:")
         metrics = next(line for line in lines if "lora-cache metrics" in line)
         assert "http://127.0.0.1:" in metrics, metrics
         tree = descendants(proc.pid)

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
 from lora_cache.app.serve import ServeConfig, start
 from lora_cache.planner import PlannerConfig
 from lora_cache.vocab import CONTROLLER_NAME, WORKER_PREFIX
+from tests.serving import read_until, serve_argv
 from tests.waiting import wait_for
 from workers.cache import WorkerConfig
 from workers.host_tier import HostTierConfig
@@ -80,45 +80,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 def serve(cluster: Cluster, service: str, adapters: str, *more: str) -> subprocess.Popen[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "lora_cache.app.cli",
-        "serve",
-        "--address",
-        "auto",
-        "--service",
-        service,
-        "--adapters",
-        adapters,
-        "--max-rank",
-        "8",
-        "--slots",
-        "2",
-        "--host-bytes",
-        str(4 << 20),
-        "--grpc-port",
-        "0",
-        "--no-worker-logs",
-        *more,
-    ]
+    cmd = serve_argv(adapters, "--address", "auto", "--service", service, "--no-worker-logs", *more)
     env = {**os.environ, "RAY_ADDRESS": cluster.gcs, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def read_until(proc: subprocess.Popen[str], marker: str, timeout: float = 60.0) -> list[str]:
-    """The process's stdout lines up to the one holding ``marker`` (fails if it exits first)."""
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"exited {proc.wait()} before {marker!r}: {''.join(lines)}{proc.stderr.read()}")  # type: ignore[union-attr]
-        lines.append(line)
-        if marker in line:
-            return lines
-    raise AssertionError(f"no {marker!r} within {timeout} s: {''.join(lines)}")
 
 
 def named(namespace: str) -> set[str]:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.serving import CLI, make_adapters, serve_argv
+
 pytestmark = pytest.mark.ray
 
 
@@ -18,16 +20,14 @@ def test_serve_starts_and_stops_cleanly(tmp_path: Path) -> None:
     from the directory that holds it, without --model (the adapters name their base model). A stale
     ``RAY_ADDRESS`` in the shell does not matter: embedded means a cluster of its own (issue 34: it used to
     hang over 150 s in Ray's retries); ``--address auto`` is what follows RAY_ADDRESS."""
-    made = subprocess.run([sys.executable, "-m", "lora_cache.app.cli", "make-adapters", "rt/ad", "--count", "3",
-                           "--rank", "8"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert made.returncode == 0, made.stderr[-2000:]
-    cmd = [sys.executable, "-m", "lora_cache.app.cli", "serve", "--adapters", "rt/ad", "--max-rank", "8", "--tp", "2",
-           "--slots", "2", "--host-bytes", str(4 << 20), "--duration", "2", "--grpc-port", "0"]
+    make_adapters("rt/ad", 3, cwd=tmp_path)
+    cmd = serve_argv("rt/ad", "--tp", "2", "--duration", "2")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
-    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "RAY_ADDRESS": dead})
+    done = subprocess.run(
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180, env={**os.environ, "RAY_ADDRESS": dead}
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "serving base model tiny (from the adapters' base_model_name_or_path" in done.stdout
     assert "lora-cache serving: 2 workers in ['replica-0'], 3 adapters" in done.stdout
@@ -37,8 +37,7 @@ def test_serve_starts_and_stops_cleanly(tmp_path: Path) -> None:
 
 def test_serve_demo_is_the_main_job_a_router_over_grpc_until_ready(tmp_path: Path) -> None:
     """The README's main job: demo adapters, the service, and a router's hints/queues/watch over gRPC."""
-    cmd = [sys.executable, "-m", "lora_cache.app.cli", "serve", "--demo", "6", "--replicas", "2", "--tp", "2",
-           "--grpc-port", "0", "--duration", "1"]
+    cmd = [*CLI, "serve", "--demo", "6", "--replicas", "2", "--tp", "2", "--grpc-port", "0", "--duration", "1"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "made 6 demo adapters (tiny)" in done.stdout
