@@ -15,8 +15,11 @@ Ray, torch or gRPC, so a router, an attached engine process and the simulator ca
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple
+
+from lora_cache.errors import ConfigError
 
 # -- ids ----------------------------------------------------------------------------------------------
 
@@ -47,6 +50,14 @@ class WorkerId(NamedTuple):
 # cluster, each with its own controller and workers under the same names; its placement groups, which
 # Ray names cluster-wide, carry the service's name (``placement_group_name``).
 NAMESPACE = "lora-cache"
+SERVICE_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")  # a service's name: its namespace, its groups' prefix
+
+
+def check_service_name(service: str, option: str = "--service") -> None:
+    """Refuse a name no service can have (``ConfigError``), naming ``option`` and the fix."""
+    if not SERVICE_NAME.fullmatch(service):
+        raise ConfigError(f"{option} {service!r} is not a service name: give 1-63 lowercase letters, digits and "
+                          "dashes, starting with a letter or digit, e.g. lora-cache-llama")
 CONTROLLER_NAME = "lora-cache-controller"
 WORKER_PREFIX = "lora-cache-worker:"
 

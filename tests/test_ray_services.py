@@ -30,6 +30,7 @@ from lora_cache.planner import PlannerConfig
 from lora_cache.vocab import CONTROLLER_NAME, WORKER_PREFIX
 from tests.serving import read_until, serve_argv
 from tests.waiting import wait_for
+from workers.attach import AttachConfig, attach
 from workers.cache import WorkerConfig
 from workers.host_tier import HostTierConfig
 
@@ -116,6 +117,14 @@ def test_two_services_side_by_side_and_a_taken_name_refused(cluster: Cluster) ->
         assert ray.get(ctl_b.status.remote())["adapters"] == 3 and before["adapters"] == 2
         with LoraCacheClient(gateway_b) as lc:
             assert lc.health("svc-b") == "SERVING" and lc.lookup("adapter-002").adapter == "adapter-002"
+        # an engine rank joins svc-b from a process of another namespace (this one's is svc-a): it attached to
+        # the default service's controller only (issue 34's leftover)
+        host = HostTierConfig(host_bytes=1 << 22, pin=False)
+        cpu = WorkerConfig(num_slots=2, device="cpu", dtype="float32", host=host)
+        with attach(AttachConfig(replica="eng-b", service="svc-b"), cpu):
+            wait_for(lambda: "eng-b" in ray.get(ctl_b.status.remote())["replicas"], "the rank in svc-b's fleet")
+            assert "eng-b" not in ray.get(cluster.service.controller.status.remote())["replicas"]
+        wait_for(lambda: "eng-b" not in ray.get(ctl_b.status.remote())["replicas"], "the detached rank gone")
 
         t0 = time.monotonic()  # the name svc-a is taken: refused before anything is created
         taken = serve(cluster, "svc-a", str(cluster.tmp / "a"), "--model", "tiny")

@@ -47,7 +47,16 @@ from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.shards import ShardLayout
 from lora_cache.errors import ConfigError
 from lora_cache.link.relay import RELAYED, EndpointStaleError, Relay
-from lora_cache.vocab import AdapterKey, Answer, Call, ReadinessRecord, WorkerId, worker_name
+from lora_cache.vocab import (
+    NAMESPACE,
+    AdapterKey,
+    Answer,
+    Call,
+    ReadinessRecord,
+    WorkerId,
+    check_service_name,
+    worker_name,
+)
 from workers.cache import AdapterRef, Batch, WorkerCache, WorkerConfig
 from workers.engine.versions import RankVersions, ReducedVersions, reduce_min
 from workers.outbox import Outbox, QueueSender
@@ -68,6 +77,8 @@ class AttachConfig:
     replica: str = field(default="", metadata={"help": "the replica this rank belongs to (e.g. replica-0)"})
     address: str = field(default="auto", metadata={"help": "Ray cluster to join when this process is not in one "
                                                            "yet ('auto' or host:port)"})
+    service: str = field(default=NAMESPACE, metadata={"help": "the lora-cache service to join on the Ray cluster "
+                                                              "(`serve --service`; the gateway's is its own)"})
     gateway: str = field(default="", metadata={"help": "attach through the gRPC gateway at host:port instead of "
                                                        "joining the Ray cluster (for a process outside it)"})
     token: str = field(default="", metadata={"help": "the gateway's bearer token (prefer token_file)"})
@@ -94,6 +105,7 @@ class AttachConfig:
         if not self.address:
             raise ConfigError("address is empty: an attached rank joins the cluster where the controller runs "
                               "('auto', or the head's host:port); it never starts a Ray of its own")
+        check_service_name(self.service, "service")
         self._check_gateway()
         if not 0 < self.poll_s < self.liveness_s:
             raise ConfigError(f"poll_s ({self.poll_s}) must be > 0 and below liveness_s ({self.liveness_s}): "
@@ -355,7 +367,7 @@ def transport_for(config: AttachConfig, name: str) -> RankTransport:
         return GrpcTransport(config.gateway, name, config.bearer_token(), config.tls_ca or None)
     from workers.attach_ray import RayTransport
 
-    return RayTransport(config.address, name)
+    return RayTransport(config.address, name, config.service)
 
 
 def attach(config: AttachConfig, worker: WorkerConfig, catalog: CatalogConfig | None = None,

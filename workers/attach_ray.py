@@ -21,9 +21,10 @@ class RayTransport(RankTransport):
     """The rank's link when its process is in the Ray cluster (or joins it at ``address``): it owns its
     endpoint, polls it, and calls the controller actor directly."""
 
-    def __init__(self, address: str, name: str) -> None:
+    def __init__(self, address: str, name: str, service: str = NAMESPACE) -> None:
         if not ray.is_initialized():
-            connect(address, NAMESPACE)
+            connect(address, service)
+        self.service = service  # the controller's and the endpoint's namespace, whatever this process's is
         self.name = name
         self.node = ray.get_runtime_context().get_node_id()
         self.endpoint: Any = None
@@ -32,7 +33,7 @@ class RayTransport(RankTransport):
 
     def controller(self) -> Any:
         if self._controller is None:
-            self._controller = controller_handle()
+            self._controller = controller_handle(self.service)
         return self._controller
 
     def catalog(self) -> CatalogConfig:
@@ -41,7 +42,8 @@ class RayTransport(RankTransport):
     def open(self, hello: Hello) -> CatalogConfig:
         catalog = self.catalog()  # NotFoundError first, before anything is made
         wid = WorkerId(hello.replica, hello.rank)
-        self.endpoint = create_endpoint(self.name, wid, hello.liveness_s, hello.start_s, hello.name_wait_s)
+        self.endpoint = create_endpoint(self.name, wid, hello.liveness_s, hello.start_s, hello.name_wait_s,
+                                        self.service)
         return catalog
 
     def adopted(self, hello: Hello) -> None:

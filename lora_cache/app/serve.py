@@ -14,7 +14,6 @@ registrations and hints survive that, and a new ``serve`` on the same cluster, i
 from __future__ import annotations
 
 import dataclasses
-import re
 import signal
 import sys
 import threading
@@ -40,13 +39,12 @@ from lora_cache.routing.ranking import RouterConfig
 from lora_cache.runtime import heap
 from lora_cache.runtime.cliargs import shell_path
 from lora_cache.runtime.cluster import ObserveConfig, connect
-from lora_cache.vocab import CONTROLLER_NAME, NAMESPACE, WorkerId, placement_group_name, worker_name
+from lora_cache.vocab import CONTROLLER_NAME, NAMESPACE, WorkerId, check_service_name, placement_group_name, worker_name
 from workers.actor import WorkerActor
 from workers.cache import WorkerConfig
 
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 REGISTER_BATCH = 1000  # adapters per register_adapters call of serve --adapters
-SERVICE_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 
 
 class ServiceTakenError(ConfigError):
@@ -77,9 +75,7 @@ class ServeConfig:
                                                           "declared to routing advice (0: not declared)"})
 
     def __post_init__(self) -> None:
-        if not SERVICE_NAME.fullmatch(self.service):
-            raise ConfigError(f"--service {self.service!r} is not a service name: give 1-63 lowercase letters, digits "
-                              "and dashes, starting with a letter or digit, e.g. lora-cache-llama")
+        check_service_name(self.service)
         if self.replicas < 0 or self.tp < 1:
             raise ConfigError(f"replicas ({self.replicas}) must be >= 0 and tp ({self.tp}) >= 1")
         if self.max_adapters < 0 or self.max_running < 0:

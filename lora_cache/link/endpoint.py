@@ -19,10 +19,11 @@ from lora_cache.link.relay import Relay
 from lora_cache.vocab import CONTROLLER_NAME, Call, WorkerId
 
 
-def controller_handle() -> Any:
-    """The service's controller on this Ray cluster, found by its name in this process's namespace (the
-    service's: ``vocab.NAMESPACE`` unless ``serve --service`` named another)."""
-    namespace = ray.get_runtime_context().namespace
+def controller_handle(namespace: str = "") -> Any:
+    """The service's controller on this Ray cluster, found by its name in ``namespace`` (the service's name), by
+    default this process's namespace (the service's: ``vocab.NAMESPACE`` unless ``serve --service`` named
+    another)."""
+    namespace = namespace or ray.get_runtime_context().namespace
     try:
         return ray.get_actor(CONTROLLER_NAME, namespace=namespace)
     except ValueError as e:
@@ -87,13 +88,14 @@ class Endpoint:
         return self.relay.answer(results)
 
 
-def create_endpoint(name: str, wid: WorkerId, liveness_s: float, start_s: float, name_wait_s: float) -> Any:
-    """The rank's endpoint actor, owned by the caller; waits ``name_wait_s`` for a dead predecessor's name,
-    then ``ConflictError``."""
+def create_endpoint(name: str, wid: WorkerId, liveness_s: float, start_s: float, name_wait_s: float,
+                    namespace: str = "") -> Any:
+    """The rank's endpoint actor, owned by the caller, named in ``namespace`` (the service's; default this
+    process's); waits ``name_wait_s`` for a dead predecessor's name, then ``ConflictError``."""
     deadline = time.monotonic() + name_wait_s
     while True:
         try:
-            return Endpoint.options(name=name, max_concurrency=1000).remote(
+            return Endpoint.options(name=name, namespace=namespace or None, max_concurrency=1000).remote(
                 name, liveness_s, start_s)
         except ValueError as e:  # the name is taken: a live rank, or a dead one Ray has not released yet
             if time.monotonic() > deadline:
