@@ -20,6 +20,7 @@ the same script, as it finds them. The 8B shape's 100 adapters take 8.4 GB of di
 
     python -m bench.probes.catalog --counts 100,1000,10000 --out results/catalog/tiny.json
     python -m bench.probes.catalog --counts 100 --model llama-3.1-8b --max-rank 16 --rank 16
+    python -m bench.probes.catalog --counts 100 --model llama-3.1-8b --max-rank 16 --rank 16 --local-versions content
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ def measure(root: Path, count: int, ns: argparse.Namespace) -> dict[str, Any]:
     ray.init(address="local", num_cpus=ns.cpus, namespace="lora-cache", include_dashboard=False)
     try:
         service = start(ServeConfig(replicas=ns.replicas, tp=ns.tp),
-                        CatalogConfig(adapter_roots=(str(root),), model=ns.model, max_rank=ns.max_rank),
+                        CatalogConfig(adapter_roots=(str(root),), model=ns.model, max_rank=ns.max_rank,
+                                      **({"local_versions": ns.local_versions} if ns.local_versions else {})),
                         PlannerConfig(), WorkerConfig(num_slots=2, host=HostTierConfig(host_bytes=1 << 30, pin=False)))
         started = time.perf_counter() - t0
         how, register = registrar(service.controller)
@@ -182,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=1, help="replicas of CPU workers")
     parser.add_argument("--tp", type=int, default=2, help="workers per replica")
     parser.add_argument("--cpus", type=int, default=2, help="CPUs of the embedded Ray")
+    parser.add_argument("--local-versions", default="", help="the catalog's local_versions ('identity' or "
+                        "'content'; empty: its default, or what the code measured has)")
     parser.add_argument("--cache", default="/tmp/lora-cache-bench-catalog", help="where the adapters are made")
     parser.add_argument("--out", help="also write the results here (JSON)")
     ns = parser.parse_args(argv)
@@ -192,7 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for count in counts:
         root = Path(ns.cache) / f"{ns.model}-r{ns.rank}" / str(count)
         disk = make_adapters(root, ns.model, ns.rank, count)
-        row = {**measure(root, count, ns), "model": ns.model, "disk_mb": round(disk / 1e6, 1)}
+        row = {**measure(root, count, ns), "model": ns.model, "disk_mb": round(disk / 1e6, 1),
+               "local_versions": ns.local_versions or "default"}
         print(json.dumps(row), flush=True)
         results.append(row)
     if ns.out:
