@@ -50,8 +50,9 @@ class Later:
 
 
 def adapter(directory: Path, seed: int) -> Path:
-    return write_adapter(directory, TINY, 8, 16.0, list(MODULE_ORDER), torch.bfloat16,
-                         torch.Generator().manual_seed(seed))
+    return write_adapter(
+        directory, TINY, 8, 16.0, list(MODULE_ORDER), torch.bfloat16, torch.Generator().manual_seed(seed)
+    )
 
 
 def fresh_process() -> None:
@@ -75,8 +76,7 @@ def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 
 def catalog(root: Path, versions: str = "identity") -> AdapterCatalog:
-    return AdapterCatalog(CatalogConfig(adapter_roots=(str(root),), model="tiny", max_rank=16,
-                                        local_versions=versions))
+    return AdapterCatalog(CatalogConfig(adapter_roots=(str(root),), model="tiny", max_rank=16, local_versions=versions))
 
 
 def read(spec: AdapterSpec, verify: str = "sample", tp: int = 1, rank: int = 0) -> torch.Tensor:
@@ -86,11 +86,17 @@ def read(spec: AdapterSpec, verify: str = "sample", tp: int = 1, rank: int = 0) 
     return dest
 
 
+def file_of(spec: AdapterSpec) -> Path:
+    """``spec``'s weights file (a local adapter's)."""
+    assert isinstance(spec.weights, Path)
+    return spec.weights
+
+
 def as_if_unseen(spec: AdapterSpec, path: Path | None = None) -> AdapterSpec:
     """``spec`` as a file system that did not show the last write would present it: its registered identity is
     the file's stat now (``path``: another file standing in for the same one, read at another moment)."""
     assert spec.source is not None
-    weights = path or spec.weights
+    weights = path or file_of(spec)
     source = spec.source._replace(path=str(weights), identity=FileIdentity.of(os.stat(weights)))
     return spec.__class__(**{**spec.__dict__, "source": source})
 
@@ -103,26 +109,27 @@ def test_registration_reads_no_weights_and_the_first_read_pins_the_content(root:
     assert catalog(root).register("a", root / "a").version == spec.version  # the same file, the same version
     assert load_pin(spec.source) is None
     assert torch.equal(read(spec, "content"), read(content, "content"))
-    with open(spec.weights, "rb") as f:
-        assert load_pin(spec.source) == content_crcs(f.fileno(), spec.file_bytes, spec.weights)
+    with open(file_of(spec), "rb") as f:
+        assert load_pin(spec.source) == content_crcs(f.fileno(), spec.file_bytes, file_of(spec))
     fresh_process()  # another process takes the pin: reads check against it
     assert torch.equal(read(spec, "content", 2, 1), read(content, "content", 2, 1))
 
 
 @pytest.mark.parametrize("read_before", [False, True])
 @pytest.mark.parametrize("verify", ["identity", "sample", "content"])
-def test_an_in_place_rewrite_with_the_same_size_and_mtime_is_refused(root: Path, read_before: bool,
-                                                                     verify: str) -> None:
+def test_an_in_place_rewrite_with_the_same_size_and_mtime_is_refused(
+    root: Path, read_before: bool, verify: str
+) -> None:
     """``touch -d``: other bytes written in place, the mtime put back; only ctime shows it. Refused whether or
     not a read pinned the content first (without a pin nothing proves the new bytes are the version's)."""
     spec = catalog(root).register("a", root / "a")
     if read_before:
         read(spec)
-    before = os.stat(spec.weights)
-    with open(spec.weights, "r+b") as f:
+    before = os.stat(file_of(spec))
+    with open(file_of(spec), "r+b") as f:
         f.write((root / "b" / WEIGHTS_FILE).read_bytes())
-    os.utime(spec.weights, ns=(before.st_atime_ns, before.st_mtime_ns))
-    now = os.stat(spec.weights)
+    os.utime(file_of(spec), ns=(before.st_atime_ns, before.st_mtime_ns))
+    now = os.stat(file_of(spec))
     assert (now.st_size, now.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
     fresh_process()
     with pytest.raises(AdapterChangedError, match=f"registered as version {spec.version}"):
@@ -137,15 +144,15 @@ def test_the_same_bytes_under_a_new_identity_need_a_pinned_content(root: Path) -
     proven), refused before (nothing to prove them against)."""
     first = catalog(root).register("a", root / "a")
     before = read(first)
-    data = first.weights.read_bytes()
+    data = file_of(first).read_bytes()
     (root / "a" / "tmp").write_bytes(data)
-    os.replace(root / "a" / "tmp", first.weights)
+    os.replace(root / "a" / "tmp", file_of(first))
     fresh_process()
     assert torch.equal(read(first, "identity"), before)  # pinned by the read before: proven block by block
     adapter(root / "d", 2)
     unread = catalog(root).register("d", root / "d")
-    (root / "d" / "tmp").write_bytes(unread.weights.read_bytes())
-    os.replace(root / "d" / "tmp", unread.weights)
+    (root / "d" / "tmp").write_bytes(file_of(unread).read_bytes())
+    os.replace(root / "d" / "tmp", file_of(unread))
     with pytest.raises(AdapterChangedError, match="no read pinned its content"):
         read(unread)
 
@@ -157,7 +164,7 @@ def test_a_later_process_checks_its_bytes_against_the_first_reads_pin(root: Path
     not whatever it reads (pinning per process would serve two contents under one version)."""
     spec = catalog(root).register("a", root / "a")
     read(spec, verify, 2, 0)
-    with open(spec.weights, "r+b") as f:
+    with open(file_of(spec), "r+b") as f:
         f.write((root / "b" / WEIGHTS_FILE).read_bytes())
     fresh_process()
     with pytest.raises(AdapterChangedError, match="are not the ones registered"):
@@ -182,7 +189,7 @@ def test_two_first_reads_at_once_pin_one_content(root: Path, monkeypatch: pytest
         return out
 
     def publish(source: Any, crcs: Any) -> Any:
-        if source.path != str(spec.weights):
+        if source.path != str(file_of(spec)):
             assert first_published.wait(30)
             return real_publish(source, crcs)
         try:
@@ -200,6 +207,7 @@ def test_two_first_reads_at_once_pin_one_content(root: Path, monkeypatch: pytest
                 results[label] = read(s, "identity")
             except Exception as e:
                 results[label] = e
+
         return go
 
     threads = [threading.Thread(target=run("first", spec)), threading.Thread(target=run("late", late))]
@@ -219,11 +227,12 @@ def test_two_first_reads_at_once_pin_one_content(root: Path, monkeypatch: pytest
 def test_reader_processes_share_the_pin(root: Path) -> None:
     """Two host tiers with reader processes (two ranks): one pin, both reads proven against it."""
     spec = catalog(root).register("a", root / "a")
-    tiers = [HostTier(HostTierConfig(host_bytes=1 << 20, read_threads=1, pin=False, reads="process"))
-             for _ in range(2)]
+    tiers = [HostTier(HostTierConfig(host_bytes=1 << 20, read_threads=1, pin=False, reads="process")) for _ in range(2)]
     try:
-        got = [t.fetch(spec, shard_layout(spec, TINY, 2, r, F32))[0].result(timeout=120).tensor
-               for r, t in enumerate(tiers)]
+        got = [
+            t.fetch(spec, shard_layout(spec, TINY, 2, r, F32))[0].result(timeout=120).tensor
+            for r, t in enumerate(tiers)
+        ]
         assert [p.name for p in Path(os.environ["LORA_CACHE_PIN_DIR"]).iterdir()] == [f"{spec.version}.crc"]
         content = catalog(root, "content").register("a", root / "a")
         for r, g in enumerate(got):
@@ -234,21 +243,23 @@ def test_reader_processes_share_the_pin(root: Path) -> None:
 
 
 def test_a_rank_on_another_machine_refuses_an_identity_version_and_says_how(
-        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The rank's own identity of the file says nothing of the bytes the controller's machine saw: refused, with
     the fix (content versions, or a store), not taken under the controller's version."""
     controller = catalog(root).register("a", root / "a")
     known = controller.known
     assert known is not None and known.host == HOST
     rank = catalog(root)
-    cache = WorkerCache(WorkerConfig(num_slots=1, device="cpu", host=HostTierConfig(host_bytes=1 << 20, pin=False)),
-                        rank)
+    cache = WorkerCache(
+        WorkerConfig(num_slots=1, device="cpu", host=HostTierConfig(host_bytes=1 << 20, pin=False)), rank
+    )
     try:
         control = WorkerControl("r", rank, cache, Outbox("r/0", flush_s=60.0))
         assert control.register_adapter("a", str(root / "a"), known) == controller.version  # same machine: taken
         for module in (files_module, peft_module, rank_control_module):  # the rank now runs on another boot
             monkeypatch.setattr(module, "HOST", "another-boot")
-        with pytest.raises(AdapterChangedError, match="another machine.*--local-versions content"):
+        with pytest.raises(AdapterChangedError, match=r"another machine.*--local-versions content"):
             control.register_adapter("a", str(root / "a"), known)
     finally:
         cache.close()

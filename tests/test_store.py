@@ -216,7 +216,11 @@ def test_a_restored_controller_asks_the_store_nothing_it_had(store: tuple[S3Serv
     back = {spec.name: spec for spec, _, _ in restored.entries}
     for s in specs:
         assert (back[s.name].version, back[s.name].store, back[s.name].modules, back[s.name].known) == (
-            s.version, s.store, s.modules, s.known)
+            s.version,
+            s.store,
+            s.modules,
+            s.known,
+        )
 
 
 def test_a_rank_takes_a_store_registration_without_asking_the_store(

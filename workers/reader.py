@@ -13,6 +13,9 @@ only where there is no GPU (bench/RESULTS.md, ``python -m bench.probes.reader``)
 while it is read fails the read with ``AdapterChangedError`` (a short ``preadv``, or the ``fstat`` after each
 chunk); no process dies of it.
 
+An identity version (``lora_cache.adapters.files.identity_version``) has no block CRCs until its first read on
+this machine pins them (``_pin_first``, once per machine: later reads, in any process, take the pin).
+
 A read returns only the bytes its version was registered with (``lora_cache.adapters.files``), or refuses with
 ``AdapterChangedError``: the file is stat'ed and compared with the registered identity before it is
 opened (a FIFO or device swapped in is never opened), read through one fd that is ``fstat``'ed against it
@@ -59,8 +62,9 @@ from workers.read_io import FileShrank, bad_block, read_task
 from workers.read_plan import FileTensor, Task, plan_tasks, task_bytes_for
 from workers.read_pool import ReadPool, run_in_order
 
-# How much of what a read copied it checks against the registered CRCs, on top of the identity and header
-# checks every read makes (bench/RESULTS.md, "What the content check costs"). A racy version (changed
+# How much of what a read copied it checks against the version's CRCs (hashed at registration, or, for an
+# identity version, pinned on this machine by its first read: ``_pin_first``), on top of the identity and
+# header checks every read makes (bench/RESULTS.md, "What the content check costs"). A racy version (changed
 # within RACY_NS of its registration) is checked in full whatever the mode, until a check after its window.
 VERIFY = {
     "identity": "identity and header only: catches any change a file system records in stat",

@@ -9,6 +9,13 @@ FIFO cannot hang it, refused unless a regular file), reads it exactly once, and 
 - the content version (a hash of the config's and the weights' bytes, ``peft.content_version``);
 - a CRC-32 of the safetensors header and of every ``BLOCK_BYTES`` block of the weights.
 
+Or, for a settled file with ``local_versions="identity"`` (the default), an *identity version*
+(``identity_version``: the boot, real path, identity, config and header), with the header's CRC and no block
+CRCs: the weights are not read at registration. The first read of it on this machine CRCs every block
+(``content_crcs``) and pins them (``publish_pin``: the first to link ``pins/VERSION.crc`` wins); every later
+read, in any process of the machine, checks against the pinned CRCs (docs/decisions.md, "A local version
+from its file's identity").
+
 A read under that version (``workers.reader``) then proves it reads those bytes: the identity must still
 match (a rename-over, an in-place write, a truncation all change it), the header's CRC must match, and the
 blocks it reads are checked as the ``verify`` mode says. A file whose last change was less than
@@ -331,7 +338,8 @@ def _pin_path(version: str) -> Path:
 
 
 def _pin_bytes(source: WeightsSource, crcs: BlockCrcs) -> bytes:
-    body = PIN_MAGIC + source.identity.size.to_bytes(8, "little") + source.header_crc.to_bytes(4, "little") + crcs.packed
+    size, header_crc = source.identity.size.to_bytes(8, "little"), source.header_crc.to_bytes(4, "little")
+    body = PIN_MAGIC + size + header_crc + crcs.packed
     return body + zlib.crc32(body).to_bytes(4, "little")
 
 

@@ -31,8 +31,8 @@ from lora_cache.adapters import patterns
 from lora_cache.adapters.files import (
     HOST,
     MAX_CONFIG_BYTES,
-    OpenFile,
     BlockCrcs,
+    OpenFile,
     WeightsSource,
     digest_weights,
     header_matches,

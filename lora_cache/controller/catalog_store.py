@@ -10,7 +10,8 @@ takes a file that is provably the one hashed without reading its weights again (
 hashes any other. Whatever the file holds now is what comes back: an entry whose file changed meanwhile
 comes back under its new version (logged), one that cannot be read is left out (logged, with the fix),
 and an older version comes back only if its bytes are still the ones it was hashed from. Never the old
-version over new bytes.
+version over new bytes. A store version comes back from the config and header the snapshot kept (each
+distinct blob once, by digest), with no request to the store: every fetch proves its object (``If-Match``).
 
 ``encode``/``decode`` are plain functions over the catalog's specs; ``read_saved`` reads a decoded
 snapshot's files (on a thread), ``CatalogSnapshots`` keeps each entry's encoding until it changes.
