@@ -263,3 +263,27 @@ def test_a_rank_on_another_machine_refuses_an_identity_version_and_says_how(
             control.register_adapter("a", str(root / "a"), known)
     finally:
         cache.close()
+
+
+def test_a_content_version_stays_one_once_its_file_settles(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file registered within its racy window gets a content version; read again once settled (by a rank given
+    the controller's version, a restore, a re-registration) its unchanged bytes keep that version: an identity
+    version there would be a spurious new version (a rank would refuse the controller's)."""
+    monkeypatch.setattr(peft_module, "time", time)  # the real clock: the file was written just now
+    racy = catalog(root).register("a", root / "a")
+    assert racy.source is not None and racy.source.racy and racy.source.pinned
+    monkeypatch.setattr(peft_module, "time", Later)  # settled now
+    again = catalog(root).read("a", root / "a", racy.known)
+    assert again.version == racy.version
+    rank = catalog(root)
+    cache = WorkerCache(
+        WorkerConfig(num_slots=1, device="cpu", host=HostTierConfig(host_bytes=1 << 20, pin=False)), rank
+    )
+    try:
+        control = WorkerControl("r", rank, cache, Outbox("r/0", flush_s=60.0))
+        assert control.register_adapter("a", str(root / "a"), racy.known) == racy.version
+    finally:
+        cache.close()
+    with open(file_of(racy), "r+b") as f:  # other bytes: a new version, as before
+        f.write((root / "b" / WEIGHTS_FILE).read_bytes())
+    assert catalog(root).read("a", root / "a", racy.known).version != racy.version

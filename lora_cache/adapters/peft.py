@@ -278,7 +278,9 @@ def read_adapter(name: str, directory: Path, shape: ModelShape, max_rank: int,
         if known is not None and isinstance(known.source, WeightsSource) and proves(known, f, header_bytes,
                                                                                     config_digest):
             source = known.source  # the same bytes as hashed there: nothing more to read
-        elif identity and settled_at(f.identity, registered_ns):  # stat shows any later write: no bytes read
+        elif identity and settled_at(f.identity, registered_ns) and not _hashed_here(known, f):
+            # stat shows any later write: no bytes read (a file last versioned by its content is hashed again, so
+            # that unchanged bytes keep their version: a racy registration read again once settled, a restore)
             head = os.pread(f.fd, header_bytes, 0)
             source = WeightsSource(str(f.real), identity_version(f.real, f.identity, config_bytes, head), f.identity,
                                    header_bytes, zlib.crc32(head), BlockCrcs(b""), registered_ns)
@@ -295,6 +297,13 @@ def read_adapter(name: str, directory: Path, shape: ModelShape, max_rank: int,
                                       "it is written completely and register it again")
     return built_spec(name, directory, config, header, shape, max_rank, source.version, f.identity.size, source,
                       config_digest)
+
+
+def _hashed_here(known: KnownVersion | None, f: OpenFile) -> bool:
+    """Whether ``known`` is a content version (every block hashed) of this very path: its bytes, if unchanged,
+    must keep that version rather than take an identity one."""
+    return (known is not None and isinstance(known.source, WeightsSource) and known.source.path == str(f.real)
+            and known.source.pinned)
 
 
 def built_spec(name: str, path: Path | StoreUrl, config: AdapterConfig,
