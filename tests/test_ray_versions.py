@@ -93,8 +93,10 @@ def test_reregistration_under_traffic_keeps_one_version_per_step_on_every_rank(f
     start_wall = time.time() + 1.0
     runs = [ranks[0].engine_run.remote(requests, start_wall, 0, True), ranks[1].engine_run.remote(requests, start_wall)]
     registered = 0
+    current = ray.get(ctl.__ray_call__.remote(lambda self: self.core.paths.get(HOT, "")), timeout=30)
+    after = next((v + 1 for v in range(VERSIONS) if current == str(fleet.versions / f"{HOT}-v{v}")), 0)
     while ray.wait(runs, num_returns=2, timeout=0.0)[1]:  # re-register while the engine serves
-        path = fleet.versions / f"{HOT}-v{registered % VERSIONS}"
+        path = fleet.versions / f"{HOT}-v{(after + registered) % VERSIONS}"  # never the current one again
         version, previous = ray.get(ctl.register_adapter_info.remote(HOT, str(path)))
         assert version != previous
         if not dirs:
