@@ -98,7 +98,7 @@ class WeightsSource(NamedTuple):
     @property
     def pinned(self) -> bool:
         """Whether the CRCs of its content are known: hashed at registration (a content version), or pinned by
-        the first read on this machine (an identity version, ``pin_content``); False until then."""
+        the first read on this machine (an identity version, ``workers.reader._pin_first``); False until then."""
         return len(self.block_crcs) == -(-self.identity.size // BLOCK_BYTES)
 
     @property
@@ -283,7 +283,7 @@ def unchanged_since_open(fd: int, what: Path, before: FileIdentity) -> None:
 def identity_version(real: Path, identity: FileIdentity, config: bytes, header: bytes) -> str:
     """The version of a settled file taken from what stat says of it on this machine's boot (``HOST``), its real
     path, its config's bytes and its safetensors header, without reading the weights: a write, a truncation or a
-    rename-over changes the identity and so the version. The content is pinned by the first read (``pin_content``)."""
+    rename-over changes the identity and so the version. Its content is pinned by the first read (``publish_pin``)."""
     digest = hashlib.blake2b(b"lora-cache identity version 1\0", digest_size=8)
     for part in (HOST.encode(), str(real).encode(), repr(tuple(identity)).encode(), config, header):
         digest.update(len(part).to_bytes(8, "little"))
