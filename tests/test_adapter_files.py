@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lora_cache.adapters.files as files_module
+import lora_cache.adapters.peft as peft_module
 import workers.reader as reader_module
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.chunks import chunk_plan
@@ -492,6 +493,17 @@ def test_a_fifo_put_over_the_weights_does_not_hang_a_reader_process(
 
 # -- the invariant, under any sequence of changes --------------------------------------------------------------
 
+
+class _Later:
+    """``time`` for ``peft``: a registration 2 s after now (every file is settled by then)."""
+
+    @staticmethod
+    def time_ns() -> int:
+        import time
+
+        return time.time_ns() + 2 * files_module.RACY_NS
+
+
 CHANGES = ["in-place", "rename-over", "restore", "touch", "register", "grow", "truncate"]
 
 
@@ -500,15 +512,22 @@ CHANGES = ["in-place", "rename-over", "restore", "touch", "register", "grow", "t
                                                                                                "sample", "content"]),
                                 st.sampled_from([1, 3])),
                       min_size=1, max_size=12))
+@pytest.mark.parametrize("mode", ["content", "identity"])
 def test_a_read_returns_its_versions_bytes_or_refuses(tmp_path_factory: pytest.TempPathFactory,
+                                                       monkeypatch: pytest.MonkeyPatch, mode: str,
                                                        steps: list[tuple[str, int, str, int]]) -> None:
     """Invariant: after any sequence of in-place writes, renames over, restores, touches, size changes and
     re-registrations, a read under any version ever registered returns exactly that version's bytes, or
     raises AdapterChangedError, whether one thread reads it or three split it; registering the same bytes always
-    gives the same version."""
+    gives the same content version. Identity versions (registered as if 2 s after each file's last change:
+    ``peft``'s clock moved) are read right after their registration, which pins the bytes they name."""
     base = tmp_path_factory.mktemp("inv")
+    if mode == "identity":
+        monkeypatch.setenv("LORA_CACHE_PIN_DIR", str(tmp_path_factory.mktemp("pins")))
+        monkeypatch.setattr(peft_module, "time", _Later)
     contents = [adapter(base / f"c{i}", i) / WEIGHTS_FILE for i in range(3)]
-    catalog = AdapterCatalog(CatalogConfig(adapter_roots=(str(base),), model="tiny", max_rank=16))
+    catalog = AdapterCatalog(CatalogConfig(adapter_roots=(str(base),), model="tiny", max_rank=16,
+                                           local_versions=mode))
     target = base / "a"
     copy_config(base / "c0", target)
     shutil.copy(contents[0], target / WEIGHTS_FILE)
@@ -517,7 +536,9 @@ def test_a_read_returns_its_versions_bytes_or_refuses(tmp_path_factory: pytest.T
     versions = [catalog.register("a", target)]
     held = {versions[0].version: 0}
     weights = target / WEIGHTS_FILE
-    assert versions[0].version == truth[0].version and torch.equal(read(versions[0]), shards[0])
+    assert versions[0].version == truth[0].version or mode == "identity"
+    assert versions[0].source is not None and versions[0].source.pinned == (mode == "content")
+    assert torch.equal(read(versions[0]), shards[0])
     for op, k, verify, readers in steps:
         if op == "in-place":
             with open(weights, "r+b") as f:
@@ -541,7 +562,7 @@ def test_a_read_returns_its_versions_bytes_or_refuses(tmp_path_factory: pytest.T
             if k_now is not None:
                 truth.setdefault(k_now, catalog.register(f"c{k_now}", base / f"c{k_now}"))
                 shards.setdefault(k_now, read(truth[k_now]))
-                assert spec.version == truth[k_now].version  # same bytes, same version
+                assert spec.version == truth[k_now].version or mode == "identity"  # same bytes, same version
                 held[spec.version] = k_now
                 versions.append(spec)
         for spec in versions:

@@ -22,7 +22,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 from lora_cache.adapters.catalog import CatalogConfig  # noqa: E402
-from lora_cache.adapters.peft import content_version, read_adapter  # noqa: E402
+from lora_cache.adapters.peft import read_adapter  # noqa: E402
 from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES  # noqa: E402
 from lora_cache.adapters.shards import shard_layout  # noqa: E402
 from lora_cache.adapters.synth import SynthConfig, make_adapters, write_adapter  # noqa: E402
@@ -82,9 +82,8 @@ def expected_digest(directory: Path, name: str, rank: int) -> str:
 def test_reregistration_under_traffic_keeps_one_version_per_step_on_every_rank(fleet: Fleet, admission: str) -> None:
     service, ctl, replica = fleet.svc, fleet.svc.controller, "replica-0"
     ranks = [service.workers[WorkerId(replica, k)] for k in (0, 1)]
-    dirs = {content_version(fleet.root / HOT): fleet.root / HOT}
-    dirs |= {content_version(fleet.versions / f"{HOT}-v{v}"): fleet.versions / f"{HOT}-v{v}"
-             for v in range(VERSIONS)}
+    dirs: dict[str, Path] = {}  # version -> its directory, as the controller registered it (an identity version
+    # names its file, not only its bytes: docs/decisions.md, "A local version from its file's identity")
     engine = EngineConfig(adapters=str(fleet.root), model="tiny", device="cpu", tp=2, num_slots=3, max_adapters=2,
                           max_running=4, max_prefill_tokens=24, max_seq_len=32, max_rank=16, admission=admission,
                           audit_steps=True, host=HostTierConfig(host_bytes=1 << 22, pin=False))
@@ -94,10 +93,15 @@ def test_reregistration_under_traffic_keeps_one_version_per_step_on_every_rank(f
     start_wall = time.time() + 1.0
     runs = [ranks[0].engine_run.remote(requests, start_wall, 0, True), ranks[1].engine_run.remote(requests, start_wall)]
     registered = 0
+    current = ray.get(ctl.__ray_call__.remote(lambda self: self.core.paths.get(HOT, "")), timeout=30)
+    after = next((v + 1 for v in range(VERSIONS) if current == str(fleet.versions / f"{HOT}-v{v}")), 0)
     while ray.wait(runs, num_returns=2, timeout=0.0)[1]:  # re-register while the engine serves
-        path = fleet.versions / f"{HOT}-v{registered % VERSIONS}"
+        path = fleet.versions / f"{HOT}-v{(after + registered) % VERSIONS}"  # never the current one again
         version, previous = ray.get(ctl.register_adapter_info.remote(HOT, str(path)))
         assert version != previous
+        if not dirs:
+            dirs[previous] = fleet.root / HOT
+        dirs[version] = path
         registered += 1
         ray.wait(runs, num_returns=2, timeout=0.3)  # pacing only: every check below is per step
     result = ray.get(runs[0])

@@ -10,6 +10,7 @@ import base64
 import dataclasses
 import json
 import os
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,9 @@ from lora_cache.adapters.peft import WEIGHTS_FILE, AdapterSpec
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.api import relay_codec
 from lora_cache.app.client_cli import register_items
+from lora_cache.controller import catalog_store
 from lora_cache.controller.catalog_store import known_from, known_json
+from lora_cache.controller.core import ControllerConfig, ControllerCore
 from lora_cache.errors import (
     AdapterChangedError,
     AdapterFormatError,
@@ -188,10 +191,36 @@ def test_a_truncated_object_is_refused_at_registration(store: tuple[S3Server, st
 def test_a_store_version_survives_the_catalog_snapshot(store: tuple[S3Server, str]) -> None:
     _, root = store
     spec = catalog_for(root).register("adapter-000", f"{root}/adapter-000")
-    assert spec.known is not None
+    assert spec.known is not None and spec.known.meta
     back = known_from(known_json(spec.known))
-    assert back == spec.known._replace(meta=b"")  # the carried config and header are not kept: re-read on restore
+    assert back == spec.known  # the carried config and header are kept with the identity
     assert catalog_for(root).read("adapter-000", f"{root}/adapter-000", back).version == spec.version
+
+
+def test_a_restored_controller_asks_the_store_nothing_it_had(store: tuple[S3Server, str]) -> None:
+    """The snapshot keeps each store version's metadata (each distinct blob once): a restore builds every spec
+    from it with no request to the store, and carries the same metadata to the ranks as before."""
+    server, root = store
+    config = ControllerConfig(catalog=CatalogConfig(adapter_roots=(root,), model="tiny", max_rank=BIG_RANK))
+    core = ControllerCore(config, epoch=1)
+    specs = core.catalog.register_dir(root)
+    paths = {s.name: str(s.path) for s in specs}
+    snapshots = catalog_store.CatalogSnapshots()
+    data = snapshots.take(core.catalog, paths)
+    blobs = json.loads(zlib.decompress(data))["metas"]
+    assert 0 < len(blobs) <= len({s.known.meta for s in specs if s.known is not None})
+    server.forget_requests()
+    restored = catalog_store.read_saved(ControllerCore(config, epoch=2), catalog_store.decode(data))
+    assert server.requests() == []  # not one request: metadata, identities and versions all from the snapshot
+    assert restored.refused == 0 and restored.unchanged == len(specs)
+    back = {spec.name: spec for spec, _, _ in restored.entries}
+    for s in specs:
+        assert (back[s.name].version, back[s.name].store, back[s.name].modules, back[s.name].known) == (
+            s.version,
+            s.store,
+            s.modules,
+            s.known,
+        )
 
 
 def test_a_rank_takes_a_store_registration_without_asking_the_store(

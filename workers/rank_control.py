@@ -9,6 +9,7 @@ rebuilds from, and the cache's counters. Plain Python; the hosts only forward to
 from __future__ import annotations
 
 from lora_cache.adapters.catalog import AdapterCatalog
+from lora_cache.adapters.files import HOST, WeightsSource
 from lora_cache.adapters.peft import KnownVersion
 from lora_cache.errors import AdapterChangedError, LoraCacheError
 from lora_cache.vocab import ApplyResult, Command
@@ -31,6 +32,14 @@ class WorkerControl:
         step 0): taken without reading the weights if this rank's own open proves the file is the one the
         controller hashed (``peft.proves``), else hashed here, and refused if it hashes to another version."""
         spec = self.catalog.read(name, path, known, carried=True)  # a store version: no request to the store
+        if (known is not None and spec.version != known.version and isinstance(known.source, WeightsSource)
+                and not known.source.racy and not known.source.pinned):
+            raise AdapterChangedError(
+                f"adapter {name!r}: the controller registered version {known.version} from the identity of "
+                f"{known.source.path} on its machine (local_versions 'identity'), and this rank cannot prove its "
+                f"file is that one ({'another machine' if known.host != HOST else 'the file changed since'}): "
+                "register the adapter again, or for copies on several machines (or a file system shared between "
+                "them) run the controller with --local-versions content, or serve the adapters from an object store")
         if known is not None and spec.version != known.version:
             raise AdapterChangedError(
                 f"adapter {name!r}: {spec.weights} hashes to version {spec.version} on this rank, but the controller "

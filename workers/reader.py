@@ -13,6 +13,9 @@ only where there is no GPU (bench/RESULTS.md, ``python -m bench.probes.reader``)
 while it is read fails the read with ``AdapterChangedError`` (a short ``preadv``, or the ``fstat`` after each
 chunk); no process dies of it.
 
+An identity version (``lora_cache.adapters.files.identity_version``) has no block CRCs until its first read on
+this machine pins them (``_pin_first``, once per machine: later reads, in any process, take the pin).
+
 A read returns only the bytes its version was registered with (``lora_cache.adapters.files``), or refuses with
 ``AdapterChangedError``: the file is stat'ed and compared with the registered identity before it is
 opened (a FIFO or device swapped in is never opened), read through one fd that is ``fstat``'ed against it
@@ -39,7 +42,17 @@ from typing import NamedTuple
 
 import torch
 
-from lora_cache.adapters.files import BLOCK_BYTES, FileIdentity, WeightsSource, file_kind, same_file
+from lora_cache.adapters.files import (
+    BLOCK_BYTES,
+    BlockCrcs,
+    FileIdentity,
+    WeightsSource,
+    content_crcs,
+    file_kind,
+    load_pin,
+    publish_pin,
+    same_file,
+)
 from lora_cache.adapters.peft import FLOAT_DTYPES, AdapterSpec, parse_tensors
 from lora_cache.adapters.shards import ShardEntry, ShardLayout
 from lora_cache.errors import AdapterChangedError, AdapterFormatError
@@ -49,8 +62,9 @@ from workers.read_io import FileShrank, bad_block, read_task
 from workers.read_plan import FileTensor, Task, plan_tasks, task_bytes_for
 from workers.read_pool import ReadPool, run_in_order
 
-# How much of what a read copied it checks against the registered CRCs, on top of the identity and header
-# checks every read makes (bench/RESULTS.md, "What the content check costs"). A racy version (changed
+# How much of what a read copied it checks against the version's CRCs (hashed at registration, or, for an
+# identity version, pinned on this machine by its first read: ``_pin_first``), on top of the identity and
+# header checks every read makes (bench/RESULTS.md, "What the content check costs"). A racy version (changed
 # within RACY_NS of its registration) is checked in full whatever the mode, until a check after its window.
 VERIFY = {
     "identity": "identity and header only: catches any change a file system records in stat",
@@ -249,6 +263,7 @@ def _open_unchanged(registered: WeightsSource) -> tuple[int, WeightsSource]:
     opened) and the fd after it (so a file renamed over it in between is not read). A file of the registered
     size whose identity changed (copied back, touched, re-synced) is checked in full against the registered
     CRCs: the same bytes are accepted under their new identity, other bytes refused."""
+    registered = _pinned(registered)
     weights, key = Path(registered.path), (registered.path, registered.version)
     with _ACCEPTED_LOCK:
         source = _ACCEPTED.get(key, registered)
@@ -269,6 +284,8 @@ def _open_unchanged(registered: WeightsSource) -> tuple[int, WeightsSource]:
             if now.size != registered.identity.size:
                 same_file(weights, source.identity, now, "since", source.version)
             source = _revalidated(fd, registered, now)
+        if not source.pinned:
+            source = _pin_first(fd, source)
         return fd, source
     except BaseException:
         os.close(fd)
@@ -286,6 +303,12 @@ def _revalidated(fd: int, registered: WeightsSource, now: FileIdentity) -> Weigh
     """``registered`` under the file's new identity ``now``, if every block still has its registered CRC."""
     checked_at = time.time_ns()
     change = registered.identity.changes(now)
+    if not registered.pinned:  # an identity version no read has pinned: nothing proves these bytes are its own
+        raise AdapterChangedError(f"{registered.path} changed since it was registered as version "
+                                  f"{registered.version}: {change}; that version was taken from the file's identity "
+                                  "and no read pinned its content before the change, so nothing proves these bytes "
+                                  "are its own: the read is refused; register it again for a new version "
+                                  "(lora-cache register NAME PATH)")
     try:  # by preadv, no page mapped: a file cut short now is refused, never a SIGBUS
         bad = bad_block(fd, registered.block_crcs, now.size, range(len(registered.block_crcs)), BLOCK_BYTES)
     except FileShrank as e:
@@ -304,6 +327,59 @@ def _revalidated(fd: int, registered: WeightsSource, now: FileIdentity) -> Weigh
         while len(_ACCEPTED) > _ACCEPTED_VERSIONS:
             _ACCEPTED.popitem(last=False)
     return source
+
+
+_PINS_LOCK = threading.Lock()  # protects _PINS
+_PINS: collections.OrderedDict[tuple[str, str], BlockCrcs] = collections.OrderedDict()  # this process's, LRU
+_PINS_KEPT = 1024
+
+
+def _pinned(registered: WeightsSource) -> WeightsSource:
+    """``registered`` with its content's CRCs, if they are known: hashed at registration (a content version), or
+    pinned on this machine by a read of its identity version (this process's, or another's through the pin
+    directory); as it is if no read pinned it yet."""
+    if registered.pinned:
+        return registered
+    key = (registered.path, registered.version)
+    with _PINS_LOCK:
+        crcs = _PINS.get(key)
+    if crcs is None:
+        crcs = load_pin(registered)
+        if crcs is None:
+            return registered
+        _keep_pin(key, crcs)
+    return registered._replace(block_crcs=crcs)
+
+
+def _keep_pin(key: tuple[str, str], crcs: BlockCrcs) -> None:
+    with _PINS_LOCK:
+        _PINS[key] = crcs
+        _PINS.move_to_end(key)
+        while len(_PINS) > _PINS_KEPT:
+            _PINS.popitem(last=False)
+
+
+def _pin_first(fd: int, source: WeightsSource) -> WeightsSource:
+    """The first read of an identity version on this machine pins its content: every block's CRC, taken through
+    the open ``fd`` whose identity is the registered one before and after (so, stat being honest, the bytes the
+    file held at registration), published for every process of this machine; if another read published first,
+    its CRCs are the version's, and other bytes here are refused (never two contents under one version)."""
+    weights = Path(source.path)
+    crcs = content_crcs(fd, source.identity.size, weights)
+    if zlib.crc32(os.pread(fd, source.header_bytes, 0)) != source.header_crc:
+        raise AdapterChangedError(f"{weights} changed since it was registered as version {source.version}: its "
+                                  "header is not the one registered; the read is refused: register it again")
+    same_file(weights, source.identity, FileIdentity.of(os.fstat(fd)), "while its content was pinned, after",
+              source.version)
+    pinned = publish_pin(source, crcs)
+    if pinned != crcs:
+        bad = next(b for b in range(len(crcs)) if crcs[b] != pinned[b])
+        raise AdapterChangedError(f"{weights} holds other bytes (block {bad} of {BLOCK_BYTES} bytes differs) than "
+                                  f"another read pinned as the content of version {source.version} on this machine, "
+                                  "though its stat did not change (a file system that does not show every write): "
+                                  "the read is refused; register it again for a new version")
+    _keep_pin((source.path, source.version), pinned)
+    return source._replace(block_crcs=pinned)
 
 
 def _checked_index(fd: int, source: WeightsSource) -> dict[str, FileTensor]:

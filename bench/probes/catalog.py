@@ -12,7 +12,8 @@ registered the way ``serve --adapters DIR`` registers it. Per N it reports:
   adapter against the adapters' bytes on disk;
 - the controller's ``status`` call (a Ray call from a thread of this driver) while idle before and during
   the registration: p50 and p99 in ms, and how many calls;
-- ``rss``: each process's resident memory growth over the registration, per adapter (bytes).
+- ``rss``: each process's resident memory growth over the registration, per adapter (bytes); with ``--heap``,
+  the Python heap each process still holds per adapter after it (tracemalloc, started just before).
 
 A run makes its own Ray cluster (2 CPUs by default) and shuts it down. Both the code before issue 29 (one
 ``register_adapter`` call per adapter) and after (``serve.register_directory``: batches) are measured by
@@ -20,6 +21,7 @@ the same script, as it finds them. The 8B shape's 100 adapters take 8.4 GB of di
 
     python -m bench.probes.catalog --counts 100,1000,10000 --out results/catalog/tiny.json
     python -m bench.probes.catalog --counts 100 --model llama-3.1-8b --max-rank 16 --rank 16
+    python -m bench.probes.catalog --counts 100 --model llama-3.1-8b --max-rank 16 --rank 16 --local-versions content
 """
 
 from __future__ import annotations
@@ -103,6 +105,25 @@ def _code() -> str:
     return str(Path(lora_cache.__file__).parent.parent)
 
 
+def _heap_start() -> None:
+    import gc
+    import tracemalloc
+
+    gc.collect()
+    tracemalloc.start()
+
+
+def _heap_stop() -> int:
+    """Bytes of Python heap allocated since ``_heap_start`` and still alive (after a collection)."""
+    import gc
+    import tracemalloc
+
+    gc.collect()
+    grown = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return grown
+
+
 def quantiles_ms(times: list[float]) -> dict[str, float]:
     if not times:
         return {"calls": 0}
@@ -143,7 +164,8 @@ def measure(root: Path, count: int, ns: argparse.Namespace) -> dict[str, Any]:
     ray.init(address="local", num_cpus=ns.cpus, namespace="lora-cache", include_dashboard=False)
     try:
         service = start(ServeConfig(replicas=ns.replicas, tp=ns.tp),
-                        CatalogConfig(adapter_roots=(str(root),), model=ns.model, max_rank=ns.max_rank),
+                        CatalogConfig(adapter_roots=(str(root),), model=ns.model, max_rank=ns.max_rank,
+                                      **({"local_versions": ns.local_versions} if ns.local_versions else {})),
                         PlannerConfig(), WorkerConfig(num_slots=2, host=HostTierConfig(host_bytes=1 << 30, pin=False)))
         started = time.perf_counter() - t0
         how, register = registrar(service.controller)
@@ -153,12 +175,17 @@ def measure(root: Path, count: int, ns: argparse.Namespace) -> dict[str, Any]:
             pids[str(wid)] = ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
         with StatusProbe(service.controller) as idle:
             time.sleep(1.0)  # the idle reference: status calls with nothing else going on
+        handles = {"controller": service.controller, **{str(w): h for w, h in service.workers.items()}}
+        if ns.heap:  # Python's heap from here on, in every process (slows the registration: not timed then)
+            ray.get([h.__ray_call__.remote(lambda self: _heap_start()) for h in handles.values()])
         before = {k: proc_figures(p) for k, p in pids.items()}
         t1 = time.perf_counter()
         with StatusProbe(service.controller) as busy:
             register(root)
         registered = time.perf_counter() - t1
         after = {k: proc_figures(p) for k, p in pids.items()}
+        heap = {k: ray.get(h.__ray_call__.remote(lambda self: _heap_stop())) // count for k, h in handles.items()} \
+            if ns.heap else {}
         status = ray.get(service.controller.status.remote())
         known = [len(ray.get(h.describe.remote())["adapters"]) for h in service.workers.values()]
         assert status["adapters"] == count and all(k == count for k in known), (status["adapters"], known)
@@ -169,6 +196,7 @@ def measure(root: Path, count: int, ns: argparse.Namespace) -> dict[str, Any]:
             "serving_s": round(started + registered, 2),
             "read_mb": {k: round((after[k][0] - before[k][0]) / 1e6, 1) for k in pids},
             "rss_per_adapter": {k: (after[k][1] - before[k][1]) // count for k in pids},
+            **({"heap_per_adapter": heap} if heap else {}),
             "status_idle": quantiles_ms(idle.times), "status_registering": quantiles_ms(busy.times)}
 
 
@@ -182,6 +210,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=1, help="replicas of CPU workers")
     parser.add_argument("--tp", type=int, default=2, help="workers per replica")
     parser.add_argument("--cpus", type=int, default=2, help="CPUs of the embedded Ray")
+    parser.add_argument("--local-versions", default="", help="the catalog's local_versions ('identity' or "
+                        "'content'; empty: its default, or what the code measured has)")
+    parser.add_argument("--heap", action="store_true", help="also the Python heap each process holds per adapter "
+                        "after the registration (tracemalloc: the registration is slower, its timings not comparable)")
     parser.add_argument("--cache", default="/tmp/lora-cache-bench-catalog", help="where the adapters are made")
     parser.add_argument("--out", help="also write the results here (JSON)")
     ns = parser.parse_args(argv)
@@ -192,7 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for count in counts:
         root = Path(ns.cache) / f"{ns.model}-r{ns.rank}" / str(count)
         disk = make_adapters(root, ns.model, ns.rank, count)
-        row = {**measure(root, count, ns), "model": ns.model, "disk_mb": round(disk / 1e6, 1)}
+        row = {**measure(root, count, ns), "model": ns.model, "disk_mb": round(disk / 1e6, 1),
+               "local_versions": ns.local_versions or "default"}
         print(json.dumps(row), flush=True)
         results.append(row)
     if ns.out:

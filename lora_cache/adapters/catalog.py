@@ -30,6 +30,11 @@ class CatalogConfig:
     keep_versions: int = field(default=4, metadata={
         "help": "older versions of a re-registered adapter kept loadable (from their own files) for the "
                 "requests admitted on them"})
+    local_versions: str = field(default="identity", metadata={
+        "help": "how a local adapter file's version is established: 'identity' (from its stat identity, config "
+                "and header, no weights read at registration; the first read on the machine pins its content; "
+                "only ranks on the registering machine can serve it) or 'content' (a hash of every byte at "
+                "registration; for per-node copies or a file system shared between nodes)"})
     store_timeout_s: float = field(default=20.0, metadata={
         "help": "seconds an object-store request may go unanswered before it fails (registration and fetches; "
                 "endpoint, region and credentials come from AWS_* variables and ~/.aws)"})
@@ -40,6 +45,8 @@ class CatalogConfig:
         if not 0 <= self.keep_versions <= 64:
             raise ConfigError(f"keep_versions must be in 0..64, got {self.keep_versions}; 0 keeps only the "
                               "current version of each adapter")
+        if self.local_versions not in ("identity", "content"):
+            raise ConfigError(f"local_versions must be 'identity' or 'content', got {self.local_versions!r}")
         if not 0.1 <= self.store_timeout_s <= 600:
             raise ConfigError(f"store_timeout_s must be in 0.1..600 seconds, got {self.store_timeout_s}")
         for root in self.adapter_roots:
@@ -95,7 +102,8 @@ class AdapterCatalog:
             return read_store_adapter(check_name(name), self.store_url(str(path)), self.shape, self.config.max_rank,
                                       self.config.store_timeout_s, known, carried)
         directory = self._local().resolve(path)
-        return read_adapter(check_name(name), directory, self.shape, self.config.max_rank, self.roots, known)
+        return read_adapter(check_name(name), directory, self.shape, self.config.max_rank, self.roots, known,
+                            identity=self.config.local_versions == "identity")
 
     def store_url(self, url: str) -> StoreUrl:
         """``url`` parsed, if it is under one of the store roots (the store's counterpart of ``AdapterRoots``)."""

@@ -9,6 +9,13 @@ FIFO cannot hang it, refused unless a regular file), reads it exactly once, and 
 - the content version (a hash of the config's and the weights' bytes, ``peft.content_version``);
 - a CRC-32 of the safetensors header and of every ``BLOCK_BYTES`` block of the weights.
 
+Or, for a settled file with ``local_versions="identity"`` (the default), an *identity version*
+(``identity_version``: the boot, real path, identity, config and header), with the header's CRC and no block
+CRCs: the weights are not read at registration. The first read of it on this machine CRCs every block
+(``content_crcs``) and pins them (``publish_pin``: the first to link ``pins/VERSION.crc`` wins); every later
+read, in any process of the machine, checks against the pinned CRCs (docs/decisions.md, "A local version
+from its file's identity").
+
 A read under that version (``workers.reader``) then proves it reads those bytes: the identity must still
 match (a rename-over, an in-place write, a truncation all change it), the header's CRC must match, and the
 blocks it reads are checked as the ``verify`` mode says. A file whose last change was less than
@@ -23,8 +30,10 @@ import array
 import contextlib
 import hashlib
 import os
+import re
 import stat
 import sys
+import tempfile
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -85,6 +94,12 @@ class WeightsSource(NamedTuple):
     header_crc: int
     block_crcs: BlockCrcs  # CRC-32 of each BLOCK_BYTES block of the file
     registered_ns: int  # wall clock (time.time_ns) when it was registered
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the CRCs of its content are known: hashed at registration (a content version), or pinned by
+        the first read on this machine (an identity version, ``workers.reader._pin_first``); False until then."""
+        return len(self.block_crcs) == -(-self.identity.size // BLOCK_BYTES)
 
     @property
     def racy(self) -> bool:
@@ -260,3 +275,108 @@ def unchanged_since_open(fd: int, what: Path, before: FileIdentity) -> None:
     if change:
         raise AdapterChangedError(f"{what} changed while it was being registered ({change}); wait until it is "
                                   "written completely and register it again")
+
+
+# -- identity versions: the version from the file's identity, its content pinned by the first read ----------
+
+
+def identity_version(real: Path, identity: FileIdentity, config: bytes, header: bytes) -> str:
+    """The version of a settled file taken from what stat says of it on this machine's boot (``HOST``), its real
+    path, its config's bytes and its safetensors header, without reading the weights: a write, a truncation or a
+    rename-over changes the identity and so the version. Its content is pinned by the first read (``publish_pin``)."""
+    digest = hashlib.blake2b(b"lora-cache identity version 1\0", digest_size=8)
+    for part in (HOST.encode(), str(real).encode(), repr(tuple(identity)).encode(), config, header):
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def settled_at(identity: FileIdentity, now_ns: int) -> bool:
+    """Whether a file last changed at ``identity.ctime_ns`` shows any write after ``now_ns`` in its stat (the racy
+    window is over): only then may its version come from its identity."""
+    return now_ns - identity.ctime_ns >= RACY_NS
+
+
+def content_crcs(fd: int, size: int, what: str | Path) -> BlockCrcs:
+    """The CRC-32 of every ``BLOCK_BYTES`` block of the open ``size``-byte file (positioned reads, no page mapped);
+    ``AdapterChangedError`` if it ends early."""
+    crcs = []
+    for offset in range(0, size, BLOCK_BYTES):
+        want = min(BLOCK_BYTES, size - offset)
+        block = os.pread(fd, want, offset)
+        if len(block) != want:
+            raise AdapterChangedError(f"{what} shrank while its content was pinned (it ended at byte "
+                                      f"{offset + len(block)} of {size}); the read is refused: register it again")
+        crcs.append(zlib.crc32(block))
+    return BlockCrcs(crcs)
+
+
+PIN_MAGIC = b"LCPIN1\0\0"
+VERSION_RE = re.compile(r"^[0-9a-f]{16}$")
+
+
+def pin_dir() -> Path:
+    """This machine's directory of pinned contents, shared by every process of this user (``LORA_CACHE_PIN_DIR``,
+    else ``lora-cache-pins-UID`` in the temporary directory): created private, refused unless it is a directory
+    of this user that no one else may write."""
+    path = Path(os.environ.get("LORA_CACHE_PIN_DIR") or Path(tempfile.gettempdir()) / f"lora-cache-pins-{os.getuid()}")
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700, parents=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise AdapterPathError(f"{path}, where identity versions' contents are pinned, is not a directory of this "
+                               f"user (uid {os.getuid()}) that only it may write (mode {oct(st.st_mode)}, owner "
+                               f"{st.st_uid}); remove it, or set LORA_CACHE_PIN_DIR to a private directory")
+    return path
+
+
+def _pin_path(version: str) -> Path:
+    if not VERSION_RE.match(version):
+        raise AdapterFormatError(f"version {version!r} is not 16 hex digits; an identity version always is: the "
+                                 "registration was corrupted, register the adapter again")
+    return pin_dir() / f"{version}.crc"
+
+
+def _pin_bytes(source: WeightsSource, crcs: BlockCrcs) -> bytes:
+    size, header_crc = source.identity.size.to_bytes(8, "little"), source.header_crc.to_bytes(4, "little")
+    body = PIN_MAGIC + size + header_crc + crcs.packed
+    return body + zlib.crc32(body).to_bytes(4, "little")
+
+
+def load_pin(source: WeightsSource) -> BlockCrcs | None:
+    """The content pinned on this machine for ``source``'s version (an identity version), or None if no read
+    has pinned it yet. ``AdapterChangedError`` for a pin that does not fit the version (size, header)."""
+    path = _pin_path(source.version)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    blocks = -(-source.identity.size // BLOCK_BYTES)
+    if len(data) != len(PIN_MAGIC) + 16 + 4 * blocks or not data.startswith(PIN_MAGIC) or \
+            zlib.crc32(data[:-4]) != int.from_bytes(data[-4:], "little"):
+        raise AdapterChangedError(f"{path}, the pinned content of version {source.version} ({source.path}), is "
+                                  "corrupt or of another file; delete it (the next read pins the file again)")
+    crcs = BlockCrcs(data[len(PIN_MAGIC) + 12 : -4])
+    if data != _pin_bytes(source, crcs):
+        raise AdapterChangedError(f"{path}, the pinned content of version {source.version} ({source.path}), was "
+                                  "taken of another file (size or header); delete it and register the adapter again")
+    return crcs
+
+
+def publish_pin(source: WeightsSource, crcs: BlockCrcs) -> BlockCrcs:
+    """Pin ``crcs`` as the content of ``source``'s version on this machine, unless a read pinned it first
+    (atomically: the first ``link`` wins); the content pinned, the first reader's."""
+    path = _pin_path(source.version)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".pin-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(_pin_bytes(source, crcs))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pinned = load_pin(source)
+            assert pinned is not None, f"{path} exists and was not read"
+            return pinned
+        return crcs
+    finally:
+        os.unlink(tmp)

@@ -85,7 +85,14 @@ def pack_meta(config: bytes, header: bytes) -> bytes:
     """A store version's config bytes and safetensors header bytes (with its 8-byte length), as registered, in
     one compressed blob for ``KnownVersion.meta``; b"" if it would exceed ``MAX_META_BYTES``."""
     packed = zlib.compress(len(config).to_bytes(4, "little") + config + header, 6)
-    return packed if len(packed) <= MAX_META_BYTES else b""
+    if len(packed) > MAX_META_BYTES:
+        return b""
+    shared = _METAS.setdefault(packed, packed) if len(_METAS) < MAX_SHARED_METAS else _METAS.get(packed, packed)
+    return shared  # adapters of one shape and config share one blob in the registering process (and its snapshot)
+
+
+_METAS: dict[bytes, bytes] = {}  # each distinct blob once (10,000 8B-shaped adapters of one config: ~5.5 KB in all)
+MAX_SHARED_METAS = 1024
 
 
 def unpack_meta(meta: bytes, where: str) -> tuple[bytes, bytes]:

@@ -22,6 +22,7 @@ import math
 import os
 import re
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -30,12 +31,15 @@ from lora_cache.adapters import patterns
 from lora_cache.adapters.files import (
     HOST,
     MAX_CONFIG_BYTES,
+    BlockCrcs,
     OpenFile,
     WeightsSource,
     digest_weights,
     header_matches,
+    identity_version,
     open_adapter_file,
     read_exact,
+    settled_at,
     unchanged_since_open,
 )
 from lora_cache.adapters.objects import StoreSource, StoreUrl
@@ -251,13 +255,16 @@ class AdapterSpec:
 
 
 def read_adapter(name: str, directory: Path, shape: ModelShape, max_rank: int,
-                 roots: AdapterRoots | None = None, known: KnownVersion | None = None) -> AdapterSpec:
+                 roots: AdapterRoots | None = None, known: KnownVersion | None = None,
+                 identity: bool = False) -> AdapterSpec:
     """Validate a PEFT adapter directory against ``shape`` from its config and safetensors header.
 
     Its files must resolve under ``roots`` (by default the directory itself). ``known``: the version another
-    process hashed, taken without reading the weights if this open proves it is the same file (``proves``);
-    otherwise the weights are hashed here and the spec has whatever version they hash to (the caller
-    compares)."""
+    process established, taken without reading the weights if this open proves it is the same file (``proves``);
+    otherwise, with ``identity`` and a settled file (its last change ``RACY_NS`` or more ago), the version comes
+    from the file's identity, config and header (``files.identity_version``: the weights are not read, the
+    first read pins their content); else the weights are hashed here. Either way the spec has whatever version
+    this process found (the caller compares)."""
     if not directory.is_dir():
         raise AdapterFormatError(f"adapter directory {directory} does not exist; check the path")
     roots = roots or AdapterRoots((directory,))
@@ -271,6 +278,12 @@ def read_adapter(name: str, directory: Path, shape: ModelShape, max_rank: int,
         if known is not None and isinstance(known.source, WeightsSource) and proves(known, f, header_bytes,
                                                                                     config_digest):
             source = known.source  # the same bytes as hashed there: nothing more to read
+        elif identity and settled_at(f.identity, registered_ns) and not _hashed_here(known, f):
+            # stat shows any later write: no bytes read (a file last versioned by its content is hashed again, so
+            # that unchanged bytes keep their version: a racy registration read again once settled, a restore)
+            head = os.pread(f.fd, header_bytes, 0)
+            source = WeightsSource(str(f.real), identity_version(f.real, f.identity, config_bytes, head), f.identity,
+                                   header_bytes, zlib.crc32(head), BlockCrcs(b""), registered_ns)
         else:
             digest = hashlib.blake2b(config_bytes, digest_size=8)
             header_crc, block_crcs = digest_weights(f.fd, f.identity, weights, digest, header_bytes)
@@ -284,6 +297,13 @@ def read_adapter(name: str, directory: Path, shape: ModelShape, max_rank: int,
                                       "it is written completely and register it again")
     return built_spec(name, directory, config, header, shape, max_rank, source.version, f.identity.size, source,
                       config_digest)
+
+
+def _hashed_here(known: KnownVersion | None, f: OpenFile) -> bool:
+    """Whether ``known`` is a content version (every block hashed) of this very path: its bytes, if unchanged,
+    must keep that version rather than take an identity one."""
+    return (known is not None and isinstance(known.source, WeightsSource) and known.source.path == str(f.real)
+            and known.source.pinned)
 
 
 def built_spec(name: str, path: Path | StoreUrl, config: AdapterConfig,

@@ -104,11 +104,13 @@ class ControllerCore:
         halves at once: the actor runs ``read_adapter`` on a thread and ``add_adapter`` on its loop)."""
         return self.add_adapter(self.read_adapter(name, path), path)
 
-    def read_adapter(self, name: str, path: str, known: KnownVersion | None = None) -> AdapterSpec:
+    def read_adapter(self, name: str, path: str, known: KnownVersion | None = None,
+                     carried: bool = False) -> AdapterSpec:
         """The expensive half of a registration (the files read, validated and hashed): changes nothing, so
         it may run on any thread. ``known``: a version hashed before (a restored catalog's), taken without
-        reading the weights if the file is provably the one hashed."""
-        return self.catalog.read(name, path, known)
+        reading the weights if the file is provably the one hashed; ``carried``: a store version's config and
+        header taken from ``known`` without asking the store (a restore, ``catalog_store``)."""
+        return self.catalog.read(name, path, known, carried)
 
     def add_adapter(self, spec: AdapterSpec, path: str) -> str:
         """The cheap half: ``spec`` (from ``read_adapter``) becomes the current version of its name, the planner
