@@ -50,6 +50,24 @@ async def _play(handle: Any, arrivals: list[tuple[float, str]]) -> list[dict[str
     return list(await asyncio.gather(*(one(at, a) for at, a in arrivals)))
 
 
+def _route_probe(target: str, names: list[str], n: int) -> dict[str, float]:
+    """``n`` sequential Route calls from this process (an idle fleet): what one advice costs a router."""
+    if n <= 0:
+        return {}
+    from lora_cache.api.client import LoraCacheClient
+
+    client = LoraCacheClient(target, timeout_s=10)
+    took = []
+    try:
+        for i in range(n):
+            t0 = time.perf_counter()
+            client.route([names[i % len(names)]])
+            took.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        client.close()
+    return {"route_ms_median": float(np.median(took)), "route_ms_p99": float(np.percentile(took, 99))}
+
+
 def run(routing: str, args: argparse.Namespace, root: str, names: list[str]) -> dict[str, Any]:
     from ray import serve
 
@@ -59,15 +77,17 @@ def run(routing: str, args: argparse.Namespace, root: str, names: list[str]) -> 
     from lora_cache.app.serve import ServeConfig, start
     from lora_cache.integrations.ray_serve import ReplicaCacheConfig
     from lora_cache.planner import PlannerConfig
+    from lora_cache.routing.ranking import RouterConfig
     from workers.cache import WorkerConfig
     from workers.host_tier import HostTierConfig
 
-    policy = "global" if routing == "lora-cache" else "none"
+    policy = args.policy if routing == "lora-cache" else "none"
     service = start(
         ServeConfig(adapters=root, replicas=0),
         CatalogConfig(model="tiny", max_rank=16),
         PlannerConfig(policy=policy),
         WorkerConfig(),
+        RouterConfig(epsilon=args.epsilon, min_bound=args.min_bound),
     )
     gateway = start_gateway_thread(GatewayConfig(grpc_port=0), service.controller)
     try:
@@ -81,12 +101,14 @@ def run(routing: str, args: argparse.Namespace, root: str, names: list[str]) -> 
                 args.replicas,
                 cache,
                 engine_config(num_slots=args.slots, max_adapters=min(4, args.slots)),
+                **json.loads(args.router),
             ),
             name=f"bench-{routing}",
             route_prefix=None,
         )
         for name in names[: args.replicas]:  # every replica up and its engine warm before the clock
             handle.options(multiplexed_model_id=name).remote({}).result(timeout_s=120)
+        probe = _route_probe(gateway.target, names, args.route_probe) if routing == "lora-cache" else {}
         arrivals = workload(names, args.requests, args.rate, args.alpha, args.seed)
         start_t = time.perf_counter()
         results = asyncio.run(_play(handle, arrivals))
@@ -104,6 +126,8 @@ def run(routing: str, args: argparse.Namespace, root: str, names: list[str]) -> 
             "loads": sum(loads.values()),
             "replicas_used": len(loads),
             "wall_s": time.perf_counter() - start_t,
+            "policy": policy,
+            **probe,
         }
     finally:
         serve.delete(f"bench-{routing}")
@@ -126,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-mib", type=int, default=16, help="host tier per replica (MiB)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--routings", default="serve,lora-cache")
+    p.add_argument("--policy", default="global", help="the planner's policy under lora-cache routing")
+    p.add_argument("--epsilon", type=float, default=0.25, help="RouterConfig.epsilon (the advice's load bound)")
+    p.add_argument("--min-bound", type=float, default=8.0, help="RouterConfig.min_bound")
+    p.add_argument("--router", default="{}", help="more LoraCacheRouter settings (JSON)")
+    p.add_argument("--route-probe", type=int, default=0, help="time this many Route calls before the run")
     p.add_argument("--json", help="write the rows here too")
     args = p.parse_args(argv)
     root = tempfile.mkdtemp(prefix="serve-bench-")
