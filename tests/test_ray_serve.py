@@ -9,6 +9,7 @@ every request still succeeds. The module shares one cluster (tests run in file o
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -140,6 +141,19 @@ def test_the_router_hints_the_controller_as_it_routes(served: App) -> None:
         "5 more hints at the controller",
         detail=lambda: f"{served.client.status().hints_received} received, {before} before",
     )
+
+
+def test_a_hot_adapter_is_routed_without_a_route_call_per_request(served: App) -> None:
+    """The router reuses an adapter's advice (``advice_ttl_s``, 2 s, refreshed in the background past half
+    of it): one request after another for one adapter asks ``Route`` about once per second, not once each."""
+    served.call(ADAPTERS[1])  # its advice now fresh in the router
+    before = ray.get(served.service.controller.status.remote())["routes_asked"]
+    began = time.monotonic()
+    for _ in range(20):
+        served.call(ADAPTERS[1])
+    asked = ray.get(served.service.controller.status.remote())["routes_asked"] - before
+    allowed = 1 + int((time.monotonic() - began) / 1.0)  # a background refresh per second at most
+    assert asked <= allowed, f"{asked} Route calls for 20 requests in {time.monotonic() - began:.1f} s"
 
 
 def _active_hints(served: App) -> dict[str, int]:

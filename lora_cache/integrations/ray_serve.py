@@ -12,10 +12,14 @@
 
     handle.options(multiplexed_model_id="adapter-003").remote(...)   # or the HTTP header serve_multiplexed_model_id
 
-Router (lifecycle step 1): for a request with a multiplexed model id, ``LoraCacheRouter.choose_replicas`` asks the
-controller's ``Route`` advice (residency under a load bound, its own in-flight requests per replica as
-``outstanding``) and returns the deployment's replicas in that order, one per rank, so Serve's queue-length probe
-takes the best replica with room; once Serve has routed the request, the router sends ``Hint(adapter, replica)``.
+Router (lifecycle step 1): for a request with a multiplexed model id, ``LoraCacheRouter.choose_replicas`` returns
+the deployment's replicas in the order of the controller's ``Route`` advice for the adapter (residency under a load
+bound, its own in-flight requests per replica as ``outstanding``), one per rank, so Serve's queue-length probe
+takes the best replica with room. The advice is kept per adapter for ``advice_ttl_s`` (its leading READY replicas
+re-ranked by the router's own in-flight requests) and refreshed in the background: a request waits for ``Route``
+only when its adapter has no fresh advice. Once Serve has routed a request sent where its adapter was not READY,
+the router sends ``Hint(adapter, replica)`` (a load to start there); when the request completes it withdraws
+the hint (``CancelHint``, batched), so the controller plans for requests in flight only.
 When lora-cache does not answer within ``route_timeout_s`` (or fails), the request is routed by Serve's own
 power-of-two-choices + multiplex ranking, and lora-cache is not asked again for ``retry_s``: a request never fails
 or waits long for lora-cache.
@@ -90,7 +94,13 @@ class RouterSettings:
         },
     )
     max_replicas: int = field(default=0, metadata={"help": "replicas per advice (0: all)"})
-    hints: bool = field(default=True, metadata={"help": "hint the controller of each routed request"})
+    hints: str = field(
+        default="all",
+        metadata={
+            "help": "which routed requests the controller is hinted of: all (every one, batched: its plans and "
+            "popularity), cold (only those sent where the advice did not find the adapter READY), or none"
+        },
+    )
     advice_ttl_s: float = field(
         default=2.0,
         metadata={
@@ -118,6 +128,8 @@ class RouterSettings:
                 )
         if self.retry_s < 0 or self.max_replicas < 0:
             raise ConfigError(f"retry_s ({self.retry_s}) and max_replicas ({self.max_replicas}) must be >= 0")
+        if self.hints not in ("cold", "all", "none"):
+            raise ConfigError(f"hints is {self.hints!r}; give cold, all or none")
         if not 0 <= self.advice_ttl_s <= 10 or not 0 <= self.hint_batch_s <= 1:
             raise ConfigError(
                 f"advice_ttl_s ({self.advice_ttl_s}) must be in [0, 10] s and hint_batch_s ({self.hint_batch_s}) in "
@@ -150,7 +162,8 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
         self._hinted: set[str] = set()  # requests whose hint was sent, until completed (then cancelled)
         self._cancels: list[str] = []  # hints of completed requests, waiting for the next batch
         self._flush: asyncio.TimerHandle | None = None  # the next batch's send, when one is waiting
-        self.counts = {
+        self.counts: dict[str, float] = {
+            "advice_ms": 0.0,  # time choose_replicas spent on the advice, in all
             "advised": 0,
             "fallback": 0,
             "hints": 0,
@@ -168,7 +181,9 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
     ) -> list[list[RunningReplica]]:
         adapter = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
         if adapter and time.monotonic() >= self._down_until:
+            began = time.perf_counter()
             ranked = await self._advised(adapter, candidate_replicas)
+            self.counts["advice_ms"] += (time.perf_counter() - began) * 1e3
             if ranked is not None:
                 assert pending_request is not None
                 pending_request.routing_context.should_backoff = True  # every rank full: Serve backs off, retries
@@ -268,12 +283,14 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
         self._routed[rid] = replica_id
         self._inflight[replica_id] = self._inflight.get(replica_id, 0) + 1
         adapter = pending_request.metadata.multiplexed_model_id
-        if not adapter or not self.settings.hints or time.monotonic() < self._down_until:
+        if not adapter or self.settings.hints == "none" or time.monotonic() < self._down_until:
             return
         replica = replica_name(replica_id)
-        self._pending[rid] = Hint(rid, adapter, replica)
         advice = self._advice.get(adapter)
         ready = advice is not None and any(r.replica == replica and r.reason == "ready" for r in advice.replicas)
+        if ready and self.settings.hints == "cold":
+            return  # resident there: nothing to plan for it
+        self._pending[rid] = Hint(rid, adapter, replica)
         self._batch(now=not ready)  # a load to start there: the hint goes now; else it only counts, and waits
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
