@@ -161,6 +161,7 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
         self._pending: dict[str, Hint] = {}  # request id -> its hint, waiting for the next batch
         self._hinted: set[str] = set()  # requests whose hint was sent, until completed (then cancelled)
         self._cancels: list[str] = []  # hints of completed requests, waiting for the next batch
+        self._done_early: set[str] = set()  # requests completed while their hint waited for its batch
         self._flush: asyncio.TimerHandle | None = None  # the next batch's send, when one is waiting
         self.counts: dict[str, float] = {
             "advice_ms": 0.0,  # time choose_replicas spent on the advice, in all
@@ -300,7 +301,9 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
         # The hint said "a request for this adapter is on its way there"; it is done: withdraw it, or the
         # controller keeps planning for it (a request the engine admitted at once is never seen queued, so its
         # hint would stay a need there for the planner's hint_ttl_s, and evict what later requests use)
-        if self._pending.pop(internal_request_id, None) is None and internal_request_id in self._hinted:
+        if internal_request_id in self._pending:  # done before its hint left: the hint still counts (popularity),
+            self._done_early.add(internal_request_id)  # and is withdrawn right after it
+        elif internal_request_id in self._hinted:
             self._hinted.discard(internal_request_id)
             self._cancels.append(internal_request_id)
             self._batch(now=False)
@@ -319,19 +322,27 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
         hints, self._pending = list(self._pending.values()), {}
         cancels, self._cancels = self._cancels, []
         if hints:
-            self._hinted.update(h.hint_id for h in hints)
-            self._spawn(self._hint(hints))
+            then = [h.hint_id for h in hints if h.hint_id in self._done_early]
+            self._done_early.difference_update(then)
+            self._hinted.update(h.hint_id for h in hints if h.hint_id not in then)
+            self._spawn(self._hint(hints, then))
         if cancels:
             self._spawn(self._cancel(cancels))
 
-    async def _hint(self, hints: list[Hint]) -> None:
+    async def _hint(self, hints: list[Hint], then_cancel: list[str]) -> None:
+        """Send ``hints``; then withdraw those whose requests completed before they left (after the hint, so
+        the cancel cannot overtake it)."""
         self.counts["hint_calls"] += 1
         try:
             await self._lora().hint_within(hints, self.settings.hint_timeout_s)
             self.counts["hints"] += len(hints)
         except ClientError as e:
             self.counts["hint_errors"] += len(hints)
-            self._went_down(f"Hint failed ({e})")
+            if e.code != "NOT_FOUND":  # NOT_FOUND: a replica gone meanwhile (the batch is dropped), not lora-cache
+                self._went_down(f"Hint failed ({e})")
+            return
+        if then_cancel:
+            await self._cancel(then_cancel)
 
     async def _cancel(self, hint_ids: list[str]) -> None:
         self.counts["cancel_calls"] += 1
@@ -347,6 +358,8 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
         gone = {rid for rid, r in self._routed.items() if r == replica_id}
         self._routed = {rid: r for rid, r in self._routed.items() if r != replica_id}
         self._hinted -= gone  # the controller dropped the replica's hints with it
+        self._done_early -= gone
+        self._pending = {rid: h for rid, h in self._pending.items() if rid not in gone}
         self._advice.clear()  # every advice may name it first: ask again
 
 
