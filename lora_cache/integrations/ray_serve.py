@@ -17,9 +17,10 @@ the deployment's replicas in the order of the controller's ``Route`` advice for 
 bound, its own in-flight requests per replica as ``outstanding``), one per rank, so Serve's queue-length probe
 takes the best replica with room. The advice is kept per adapter for ``advice_ttl_s`` (its leading READY replicas
 re-ranked by the router's own in-flight requests) and refreshed in the background: a request waits for ``Route``
-only when its adapter has no fresh advice. Once Serve has routed a request sent where its adapter was not READY,
-the router sends ``Hint(adapter, replica)`` (a load to start there); when the request completes it withdraws
-the hint (``CancelHint``, batched), so the controller plans for requests in flight only.
+only when its adapter has no fresh advice. Once Serve has routed a request, the router sends
+``Hint(adapter, replica)``: at once where the adapter was not READY (a load to start there), else batched; when
+the request completes it withdraws the hint (``CancelHint``, batched), so the controller plans for requests in
+flight only.
 When lora-cache does not answer within ``route_timeout_s`` (or fails), the request is routed by Serve's own
 power-of-two-choices + multiplex ranking, and lora-cache is not asked again for ``retry_s``: a request never fails
 or waits long for lora-cache.
