@@ -5,7 +5,8 @@ lora-cache replica; ``LoraCacheRouter`` ranks them by the ``Route`` advice and h
 Requests for many adapters spread over the replicas; a request goes to a replica where its adapter is READY; the
 hints reach the controller; a hot adapter's requests reuse its advice (no ``Route`` call each); a completed
 request's hint is withdrawn; a killed replica leaves the advice and the controller's fleet; a TP-2 ``CacheReplica``
-leases one version on both ranks; with lora-cache stopped, Serve routes by itself and every request still succeeds. The module shares one cluster (tests run in file order; the last stops lora-cache).
+leases one version on both ranks; with lora-cache stopped, Serve routes by itself and every request still succeeds.
+The module shares one cluster (tests run in file order; the last stops lora-cache).
 """
 
 from __future__ import annotations
