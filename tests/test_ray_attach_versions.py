@@ -11,6 +11,7 @@ engine that runs on the attachment rather than inside a worker actor.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import socket
 import time
 from pathlib import Path
@@ -44,6 +45,7 @@ TINY = SHAPES["tiny"]
 HOT = "adapter-000"  # re-registered under traffic
 VERSIONS = 4
 HOST = HostTierConfig(host_bytes=1 << 22, pin=False)
+CYCLE = itertools.count()  # HOT's versions in turn over the module: each registration differs from the last
 
 
 class Fleet(NamedTuple):
@@ -135,7 +137,7 @@ def test_reregistration_under_traffic_through_the_attached_path(fleet: Fleet, ad
         runs = [ranks[0].submit("run", requests, start_wall, 0, True), ranks[1].submit("run", requests, start_wall)]
         registered = 0
         while not all(r.done() for r in runs):  # re-register while the engine serves
-            path = fleet.versions / f"{HOT}-v{registered % VERSIONS}"
+            path = fleet.versions / f"{HOT}-v{next(CYCLE) % VERSIONS}"
             version, previous = ray.get(ctl.register_adapter_info.remote(HOT, str(path)))
             assert version != previous
             registered += 1

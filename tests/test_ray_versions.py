@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -42,6 +43,7 @@ pytestmark = pytest.mark.ray
 TINY = SHAPES["tiny"]
 HOT = "adapter-000"  # re-registered under traffic
 VERSIONS = 4
+CYCLE = itertools.count()  # HOT's versions in turn over the module: each registration differs from the last
 
 
 class Fleet(NamedTuple):
@@ -95,7 +97,7 @@ def test_reregistration_under_traffic_keeps_one_version_per_step_on_every_rank(f
     runs = [ranks[0].engine_run.remote(requests, start_wall, 0, True), ranks[1].engine_run.remote(requests, start_wall)]
     registered = 0
     while ray.wait(runs, num_returns=2, timeout=0.0)[1]:  # re-register while the engine serves
-        path = fleet.versions / f"{HOT}-v{registered % VERSIONS}"
+        path = fleet.versions / f"{HOT}-v{next(CYCLE) % VERSIONS}"
         version, previous = ray.get(ctl.register_adapter_info.remote(HOT, str(path)))
         assert version != previous
         registered += 1
