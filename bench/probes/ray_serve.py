@@ -9,7 +9,11 @@ replica ``--slots`` adapter slots.
 An open loop of Poisson arrivals, adapters by Zipf popularity (``bench.workloads``' rule), one output token per
 request: its latency from the handle's call to its result is its TTFT (bench_serving's ``mean_ttft_ms``,
 ``p99_ttft_ms``). ``gpu_hit_rate``: the share of requests whose adapter was READY on their replica when they
-arrived; ``loads``: copies into slots over the replicas.
+arrived; ``loads``: copies into slots over the replicas; ``replica_ms_mean``: a request's time inside its replica;
+``router``: ``LoraCacheRouter``'s own counters (Route calls and waits, hint and cancel calls). The controller and
+the gateway run in a ``lora-cache serve`` process of their own (``--gateway process``, as deployed) or in this
+driver (``--gateway thread``); ``--policy``, ``--epsilon``, ``--min-bound``, ``--serve-args`` and ``--router``
+(``RouterSettings`` as JSON) vary the lora-cache side.
 """
 
 from __future__ import annotations
