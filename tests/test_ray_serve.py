@@ -3,12 +3,15 @@ three replicas of the reference engine (``examples/ray_serve_lora.py``), each at
 lora-cache replica; ``LoraCacheRouter`` ranks them by the ``Route`` advice and hints the controller.
 
 Requests for many adapters spread over the replicas; a request goes to a replica where its adapter is READY; the
-hints reach the controller; a killed replica leaves the advice; with lora-cache stopped, Serve routes by itself and
-every request still succeeds. The module shares one cluster (tests run in file order; the last stops lora-cache).
+hints reach the controller; a hot adapter's requests reuse its advice (no ``Route`` call each); a completed
+request's hint is withdrawn; a killed replica leaves the advice and the controller's fleet; a TP-2 ``CacheReplica``
+leases one version on both ranks; with lora-cache stopped, Serve routes by itself and every request still succeeds.
+The module shares one cluster (tests run in file order; the last stops lora-cache).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -25,7 +28,7 @@ from lora_cache.adapters.synth import SynthConfig, make_adapters  # noqa: E402
 from lora_cache.api.client import LoraCacheClient  # noqa: E402
 from lora_cache.api.gateway import GatewayConfig, start_gateway_thread  # noqa: E402
 from lora_cache.app.serve import ServeConfig, start  # noqa: E402
-from lora_cache.integrations.ray_serve import ReplicaCacheConfig  # noqa: E402
+from lora_cache.integrations.ray_serve import CacheReplica, ReplicaCacheConfig, router_config  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
@@ -142,6 +145,44 @@ def test_the_router_hints_the_controller_as_it_routes(served: App) -> None:
     )
 
 
+def test_a_hot_adapter_is_routed_without_a_route_call_per_request(served: App) -> None:
+    """The router reuses an adapter's advice (``advice_ttl_s``, 2 s, refreshed in the background past half
+    of it): one request after another for one adapter asks ``Route`` about once per second, not once each."""
+    served.call(ADAPTERS[1])  # its advice now fresh in the router
+    before = ray.get(served.service.controller.status.remote())["routes_asked"]
+    began = time.monotonic()
+    for _ in range(20):
+        served.call(ADAPTERS[1])
+    asked = ray.get(served.service.controller.status.remote())["routes_asked"] - before
+    allowed = 1 + int((time.monotonic() - began) / 1.0)  # a background refresh per second at most
+    assert asked <= allowed, f"{asked} Route calls for 20 requests in {time.monotonic() - began:.1f} s"
+
+
+def _active_hints(served: App) -> dict[str, int]:
+    hints: dict[str, int] = ray.get(served.service.controller.status.remote())["active_hints"]
+    return {r: n for r, n in hints.items() if n}
+
+
+def test_a_completed_request_leaves_no_hint_at_the_controller(served: App) -> None:
+    """A hint says "a request for this adapter is on its way there": once the request is done the router
+    withdraws it. Before, a request the engine admitted at once (never seen queued) left its hint a need for
+    the planner's hint_ttl_s (30 s), and the planner kept loading and evicting for requests long gone."""
+    before = served.client.status().hints_received
+    calls = [served.handle.options(multiplexed_model_id=a).remote({}) for a in ADAPTERS * 3]
+    assert [c.result(timeout_s=60)["adapter"] for c in calls] == ADAPTERS * 3
+    wait_for(
+        lambda: served.client.status().hints_received > before,
+        "the router's hints at the controller",
+        detail=lambda: f"{served.client.status().hints_received} received, {before} before",
+    )
+    wait_for(
+        lambda: not _active_hints(served),
+        "no active hint once every request completed",
+        timeout=10,
+        detail=lambda: str(_active_hints(served)),
+    )
+
+
 def test_a_killed_replica_leaves_the_advice_and_requests_go_on(served: App) -> None:
     victim_name = served.call(ADAPTERS[0])["replica"]
     unique = victim_name.rsplit("-", 1)[-1]
@@ -167,6 +208,57 @@ def test_a_killed_replica_leaves_the_advice_and_requests_go_on(served: App) -> N
         detail=lambda: str(served.serve_replicas()),
     )
     assert all(set(served.advised(a)) <= (before | new) - {victim_name} for a in ADAPTERS)
+    # Serve never brings a replica back under its id: its lora-cache replica leaves the fleet (Status, the plans)
+    wait_for(
+        lambda: victim_name not in served.serve_replicas(),
+        f"{victim_name} out of the controller's fleet",
+        timeout=30,
+        detail=lambda: str(served.serve_replicas()),
+    )
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class TwoRanks:
+    """A Serve replica of TP 2 on CPU: rank 0 in the replica, rank 1 in ``CacheReplica``'s rank actor."""
+
+    def __init__(self, cache: ReplicaCacheConfig) -> None:
+        self.cache = CacheReplica(cache)
+
+    async def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
+        async with self.cache.lease() as lease:  # one version agreed over both ranks, held on each
+            return {"replica": self.cache.name, "key": tuple(lease.key), "slots": list(lease.slots)}
+
+
+def test_a_tp2_replica_leases_one_version_on_both_ranks(served: App) -> None:
+    cache = ReplicaCacheConfig(tp=2, num_slots=2, worker={"host": HostTierConfig(host_bytes=16 << 20, pin=False)})
+    deployment: Any = TwoRanks
+    handle = serve.run(
+        deployment.options(request_router_config=router_config(server=served.gateway.target)).bind(cache),
+        name="tp2",
+        route_prefix=None,
+    )
+    try:
+        results = [handle.options(multiplexed_model_id=a).remote({}).result(timeout_s=60) for a in ADAPTERS[:3] * 2]
+        name = results[0]["replica"]
+        workers = {r.replica: len(r.workers) for r in served.client.status().replicas}
+        assert workers[name] == 2, f"{name} has {workers[name]} ranks at the controller"
+        for r, adapter in zip(results, ADAPTERS[:3] * 2):
+            assert r["key"] == (adapter, served.client.lookup(adapter).version), r
+            assert len(r["slots"]) == 2 and all(s >= 0 for s in r["slots"]), r
+        wait_for(
+            lambda: name in _ready_on(served, ADAPTERS[2]),
+            f"{ADAPTERS[2]} ready on both ranks of {name}",
+            timeout=30,
+            detail=lambda: _where(served),
+        )
+    finally:
+        serve.delete("tp2")
+    wait_for(  # the Serve replica went with its app: its lora-cache replica leaves the fleet
+        lambda: not any(r.startswith("serve-TwoRanks-") for r in served.serve_replicas()),
+        "the TP-2 replica out of the controller's fleet",
+        timeout=30,
+        detail=lambda: str(served.serve_replicas()),
+    )
 
 
 def test_with_lora_cache_stopped_serve_routes_by_itself(served: App) -> None:

@@ -9,7 +9,11 @@ replica ``--slots`` adapter slots.
 An open loop of Poisson arrivals, adapters by Zipf popularity (``bench.workloads``' rule), one output token per
 request: its latency from the handle's call to its result is its TTFT (bench_serving's ``mean_ttft_ms``,
 ``p99_ttft_ms``). ``gpu_hit_rate``: the share of requests whose adapter was READY on their replica when they
-arrived; ``loads``: copies into slots over the replicas.
+arrived; ``loads``: copies into slots over the replicas; ``replica_ms_mean``: a request's time inside its replica;
+``router``: ``LoraCacheRouter``'s own counters (Route calls and waits, hint and cancel calls). The controller and
+the gateway run in a ``lora-cache serve`` process of their own (``--gateway process``, as deployed) or in this
+driver (``--gateway thread``); ``--policy``, ``--epsilon``, ``--min-bound``, ``--serve-args`` and ``--router``
+(``RouterSettings`` as JSON) vary the lora-cache side.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ import argparse
 import asyncio
 import json
 import random
+import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -50,6 +57,67 @@ async def _play(handle: Any, arrivals: list[tuple[float, str]]) -> list[dict[str
     return list(await asyncio.gather(*(one(at, a) for at, a in arrivals)))
 
 
+def _route_probe(target: str, names: list[str], n: int) -> dict[str, float]:
+    """``n`` sequential Route calls from this process (an idle fleet): what one advice costs a router."""
+    if n <= 0:
+        return {}
+    from lora_cache.api.client import LoraCacheClient
+
+    client = LoraCacheClient(target, timeout_s=10)
+    took = []
+    try:
+        for i in range(n):
+            t0 = time.perf_counter()
+            client.route([names[i % len(names)]])
+            took.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        client.close()
+    return {"route_ms_median": float(np.median(took)), "route_ms_p99": float(np.percentile(took, 99))}
+
+
+class _ServeProcess:
+    """``lora-cache serve --replicas 0`` in a process of its own, joined to this driver's Ray cluster."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], target: str) -> None:
+        self.proc, self.target = proc, target
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _serve_process(args: argparse.Namespace, root: str, policy: str) -> _ServeProcess:
+    import ray
+
+    from lora_cache.api.client import ClientError, LoraCacheClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "lora_cache.app.cli", "serve", "--address", ray.get_runtime_context().gcs_address,
+            "--replicas", "0", "--adapters", root, "--model", "tiny", "--max-rank", "16", "--policy", policy,
+            "--epsilon", str(args.epsilon), "--min-bound", str(args.min_bound), "--grpc-host", "127.0.0.1",
+            "--grpc-port", str(port), *args.serve_args.split()]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+    service = _ServeProcess(proc, f"127.0.0.1:{port}")
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with LoraCacheClient(service.target, timeout_s=2) as client:
+                if client.status().adapters == args.adapters:
+                    return service
+        except ClientError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            service.stop()
+            raise RuntimeError(f"lora-cache serve did not come up at {service.target} (exit {proc.poll()})")
+        time.sleep(0.2)
+
+
 def run(routing: str, args: argparse.Namespace, root: str, names: list[str]) -> dict[str, Any]:
     from ray import serve
 
@@ -59,17 +127,24 @@ def run(routing: str, args: argparse.Namespace, root: str, names: list[str]) -> 
     from lora_cache.app.serve import ServeConfig, start
     from lora_cache.integrations.ray_serve import ReplicaCacheConfig
     from lora_cache.planner import PlannerConfig
+    from lora_cache.routing.ranking import RouterConfig
     from workers.cache import WorkerConfig
     from workers.host_tier import HostTierConfig
 
-    policy = "global" if routing == "lora-cache" else "none"
-    service = start(
-        ServeConfig(adapters=root, replicas=0),
-        CatalogConfig(model="tiny", max_rank=16),
-        PlannerConfig(policy=policy),
-        WorkerConfig(),
-    )
-    gateway = start_gateway_thread(GatewayConfig(grpc_port=0), service.controller)
+    policy = args.policy if routing == "lora-cache" else "none"
+    if args.gateway == "process":  # as deployed: the controller and the gateway in `lora-cache serve`'s process
+        service: Any = _serve_process(args, root, policy)
+        target = service.target
+    else:  # in this driver's process, beside the load generator and the handle's router
+        service = start(
+            ServeConfig(adapters=root, replicas=0),
+            CatalogConfig(model="tiny", max_rank=16),
+            PlannerConfig(policy=policy),
+            WorkerConfig(),
+            RouterConfig(epsilon=args.epsilon, min_bound=args.min_bound),
+        )
+        gateway = start_gateway_thread(GatewayConfig(grpc_port=0), service.controller)
+        target = gateway.target
     try:
         cache = ReplicaCacheConfig(
             num_slots=args.slots, worker={"host": HostTierConfig(host_bytes=args.host_mib << 20, pin=False)}
@@ -77,16 +152,18 @@ def run(routing: str, args: argparse.Namespace, root: str, names: list[str]) -> 
         handle = serve.run(
             app(
                 routing,
-                gateway.target,
+                target,
                 args.replicas,
                 cache,
                 engine_config(num_slots=args.slots, max_adapters=min(4, args.slots)),
+                **json.loads(args.router),
             ),
             name=f"bench-{routing}",
             route_prefix=None,
         )
         for name in names[: args.replicas]:  # every replica up and its engine warm before the clock
             handle.options(multiplexed_model_id=name).remote({}).result(timeout_s=120)
+        probe = _route_probe(target, names, args.route_probe) if routing == "lora-cache" else {}
         arrivals = workload(names, args.requests, args.rate, args.alpha, args.seed)
         start_t = time.perf_counter()
         results = asyncio.run(_play(handle, arrivals))
@@ -94,8 +171,12 @@ def run(routing: str, args: argparse.Namespace, root: str, names: list[str]) -> 
         loads: dict[str, int] = {}
         for r in results:
             loads[r["replica"]] = max(loads.get(r["replica"], 0), r["loads"])
+        inner = getattr(getattr(getattr(handle, "_router", None), "_asyncio_router", None), "_request_router", None)
+        counts = dict(getattr(inner, "counts", {}))  # LoraCacheRouter's own (this driver's handle)
         return {
             "routing": routing,
+            "replica_ms_mean": float(np.mean([r["ms"] for r in results])),  # arrival at the replica to the result
+            "router": counts,
             "requests": len(results),
             "mean_ttft_ms": float(ttft.mean()),
             "p99_ttft_ms": float(np.percentile(ttft, 99)),
@@ -104,10 +185,13 @@ def run(routing: str, args: argparse.Namespace, root: str, names: list[str]) -> 
             "loads": sum(loads.values()),
             "replicas_used": len(loads),
             "wall_s": time.perf_counter() - start_t,
+            "policy": policy,
+            **probe,
         }
     finally:
         serve.delete(f"bench-{routing}")
-        gateway.stop()
+        if args.gateway == "thread":
+            gateway.stop()
         service.stop()
 
 
@@ -126,6 +210,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-mib", type=int, default=16, help="host tier per replica (MiB)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--routings", default="serve,lora-cache")
+    p.add_argument("--policy", default="global", help="the planner's policy under lora-cache routing")
+    p.add_argument("--epsilon", type=float, default=0.25, help="RouterConfig.epsilon (the advice's load bound)")
+    p.add_argument("--min-bound", type=float, default=8.0, help="RouterConfig.min_bound")
+    p.add_argument(
+        "--gateway",
+        choices=("process", "thread"),
+        default="process",
+        help="the controller and gateway in a `lora-cache serve` process of their own (as deployed) or in this "
+        "driver's process (beside the load generator and the handle's router)",
+    )
+    p.add_argument("--serve-args", default="", help="more `lora-cache serve` options (--gateway process)")
+    p.add_argument("--router", default="{}", help="more LoraCacheRouter settings (JSON)")
+    p.add_argument("--route-probe", type=int, default=0, help="time this many Route calls before the run")
     p.add_argument("--json", help="write the rows here too")
     args = p.parse_args(argv)
     root = tempfile.mkdtemp(prefix="serve-bench-")

@@ -388,8 +388,9 @@ class AsyncLoraCacheClient(_Base):
         r = await self._call(self.stub.Hint, _hint_request(hints))
         return HintResult(r.accepted, r.ignored)
 
-    async def cancel_hint(self, *hint_ids: str) -> int:
-        return int((await self._call(self.stub.CancelHint, pb.CancelHintRequest(hint_ids=hint_ids))).cancelled)
+    async def cancel_hint(self, *hint_ids: str, timeout_s: float | None = None) -> int:
+        return int((await self._call(self.stub.CancelHint, pb.CancelHintRequest(hint_ids=hint_ids),
+                                     timeout_s)).cancelled)
 
     async def report_queue(self, replica: str, queue: Iterable[tuple[str, float]]) -> int:
         return int((await self._call(self.stub.ReportQueue, _queue_request(replica, queue))).queue_depth)

@@ -354,6 +354,8 @@ class ControllerCore:
                 "readiness": self.readiness.counts(), "commands_sent": self.commands_sent,
                 "queue_depths": {r: len(self.planner.queue(r)) for r in self.planner.replicas()},
                 "hints_received": self.hints_received, "hints_accepted": self.hints_accepted,
+                "active_hints": {r: len(self.planner.hints(r)) for r in self.planner.replicas()},
+                "routes_asked": self.routes_asked,
                 "load_failures": self.load_failures, "recent_failures": list(self.recent_failures),
                 "lost_ranks": {str(w): t for w, t in sorted(self.lost_at.items())},
                 "recent_losses": list(self.recent_losses), "refused_reports": self.refused_reports,

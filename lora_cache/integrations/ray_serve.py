@@ -12,10 +12,15 @@
 
     handle.options(multiplexed_model_id="adapter-003").remote(...)   # or the HTTP header serve_multiplexed_model_id
 
-Router (lifecycle step 1): for a request with a multiplexed model id, ``LoraCacheRouter.choose_replicas`` asks the
-controller's ``Route`` advice (residency under a load bound, its own in-flight requests per replica as
-``outstanding``) and returns the deployment's replicas in that order, one per rank, so Serve's queue-length probe
-takes the best replica with room; once Serve has routed the request, the router sends ``Hint(adapter, replica)``.
+Router (lifecycle step 1): for a request with a multiplexed model id, ``LoraCacheRouter.choose_replicas`` returns
+the deployment's replicas in the order of the controller's ``Route`` advice for the adapter (residency under a load
+bound, its own in-flight requests per replica as ``outstanding``), one per rank, so Serve's queue-length probe
+takes the best replica with room. The advice is kept per adapter for ``advice_ttl_s`` (its leading READY replicas
+re-ranked by the router's own in-flight requests) and refreshed in the background: a request waits for ``Route``
+only when its adapter has no fresh advice. Once Serve has routed a request, the router sends
+``Hint(adapter, replica)``: at once where the adapter was not READY (a load to start there), else batched; when
+the request completes it withdraws the hint (``CancelHint``, batched), so the controller plans for requests in
+flight only.
 When lora-cache does not answer within ``route_timeout_s`` (or fails), the request is routed by Serve's own
 power-of-two-choices + multiplex ranking, and lora-cache is not asked again for ``retry_s``: a request never fails
 or waits long for lora-cache.
@@ -41,7 +46,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import ray
 from ray import serve
@@ -49,7 +54,7 @@ from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter  # 
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
-from lora_cache.api.client import AsyncLoraCacheClient, ClientError, Hint, RouteItem
+from lora_cache.api.client import AsyncLoraCacheClient, ClientError, Hint, RoutedReplica, RouteItem
 from lora_cache.errors import ConfigError, NotFoundError
 from lora_cache.vocab import AdapterKey
 
@@ -67,6 +72,11 @@ def replica_name(replica_id: ReplicaID) -> str:
 
 
 # -- the router ----------------------------------------------------------------------------------------------
+class _Advice(NamedTuple):
+    at: float  # monotonic, when the answer came
+    replicas: tuple[RoutedReplica, ...]  # best first
+
+
 @dataclass(frozen=True)
 class RouterSettings:
     """``LoraCacheRouter``'s settings (``RequestRouterConfig.request_router_kwargs``)."""
@@ -85,6 +95,25 @@ class RouterSettings:
         },
     )
     max_replicas: int = field(default=0, metadata={"help": "replicas per advice (0: all)"})
+    hints: str = field(
+        default="all",
+        metadata={
+            "help": "which routed requests the controller is hinted of: all (every one, batched: its plans and "
+            "popularity), cold (only those sent where the advice did not find the adapter READY), or none"
+        },
+    )
+    advice_ttl_s: float = field(
+        default=2.0,
+        metadata={
+            "help": "an adapter's advice is reused this long (its READY replicas re-ranked by this router's own "
+            "in-flight requests) and refreshed in the background past half of it; only an adapter with no "
+            "advice waits for Route (0: a Route call on every request's path)"
+        },
+    )
+    hint_batch_s: float = field(
+        default=0.02,
+        metadata={"help": "hints of routed requests are sent together, one Hint call this often (0: one per request)"},
+    )
 
     def __post_init__(self) -> None:
         host, _, port = self.server.rpartition(":")
@@ -100,6 +129,13 @@ class RouterSettings:
                 )
         if self.retry_s < 0 or self.max_replicas < 0:
             raise ConfigError(f"retry_s ({self.retry_s}) and max_replicas ({self.max_replicas}) must be >= 0")
+        if self.hints not in ("cold", "all", "none"):
+            raise ConfigError(f"hints is {self.hints!r}; give cold, all or none")
+        if not 0 <= self.advice_ttl_s <= 10 or not 0 <= self.hint_batch_s <= 1:
+            raise ConfigError(
+                f"advice_ttl_s ({self.advice_ttl_s}) must be in [0, 10] s and hint_batch_s ({self.hint_batch_s}) in "
+                "[0, 1] s: advice older than a few seconds no longer says where adapters are"
+            )
 
 
 def router_config(**settings: Any) -> RequestRouterConfig:
@@ -120,8 +156,26 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
         self._down_until = 0.0  # monotonic: until then, Serve's own ranking (lora-cache failed to answer)
         self._inflight: dict[ReplicaID, int] = {}  # this router's requests on each replica, routed not completed
         self._routed: dict[str, ReplicaID] = {}  # internal request id -> its replica, until completed
-        self._hints: set[asyncio.Task[None]] = set()  # hint calls in flight (kept referenced until done)
-        self.counts = {"advised": 0, "fallback": 0, "hints": 0, "hint_errors": 0, "route_errors": 0}
+        self._advice: dict[str, _Advice] = {}  # adapter -> its last advice (reused for advice_ttl_s)
+        self._refreshing: set[str] = set()  # adapters whose advice is being refreshed in the background
+        self._tasks: set[asyncio.Task[None]] = set()  # hint and refresh calls in flight (kept referenced)
+        self._pending: dict[str, Hint] = {}  # request id -> its hint, waiting for the next batch
+        self._hinted: set[str] = set()  # requests whose hint was sent, until completed (then cancelled)
+        self._cancels: list[str] = []  # hints of completed requests, waiting for the next batch
+        self._done_early: set[str] = set()  # requests completed while their hint waited for its batch
+        self._flush: asyncio.TimerHandle | None = None  # the next batch's send, when one is waiting
+        self.counts: dict[str, float] = {
+            "advice_ms": 0.0,  # time choose_replicas spent on the advice, in all
+            "advised": 0,
+            "fallback": 0,
+            "hints": 0,
+            "hint_calls": 0,
+            "cancel_calls": 0,
+            "hint_errors": 0,
+            "route_errors": 0,
+            "route_calls": 0,
+            "route_waits": 0,
+        }
 
     # -- choosing (one iteration per Serve routing attempt) ------------------------------------------------------
     async def choose_replicas(
@@ -129,7 +183,9 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
     ) -> list[list[RunningReplica]]:
         adapter = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
         if adapter and time.monotonic() >= self._down_until:
+            began = time.perf_counter()
             ranked = await self._advised(adapter, candidate_replicas)
+            self.counts["advice_ms"] += (time.perf_counter() - began) * 1e3
             if ranked is not None:
                 assert pending_request is not None
                 pending_request.routing_context.should_backoff = True  # every rank full: Serve backs off, retries
@@ -140,9 +196,40 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
 
     async def _advised(self, adapter: str, candidates: list[RunningReplica]) -> list[list[RunningReplica]] | None:
         """The candidates in the advice's order (one per rank; those the controller does not know yet last), or
-        None when lora-cache did not answer (or does not know the adapter)."""
+        None when lora-cache did not answer (or does not know the adapter). A fresh advice is reused (no call on
+        the request's path); one past half its life is refreshed in the background; none, or a stale one, is
+        waited for."""
+        now = time.monotonic()
+        cached = self._advice.get(adapter)
+        if cached is None or now - cached.at >= self.settings.advice_ttl_s:
+            self.counts["route_waits"] += 1
+            cached = await self._route(adapter)
+            if cached is None:
+                return None
+        elif now - cached.at >= self.settings.advice_ttl_s / 2 and adapter not in self._refreshing:
+            self._refreshing.add(adapter)
+            self._spawn(self._refresh(adapter))
+        return self._rank(cached, candidates)
+
+    def _rank(self, advice: _Advice, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
+        """The advice's order; its leading READY replicas by this router's own requests in flight there (fewest
+        first, the advice's order among equals): the load the advice saw when it was made has moved since."""
         by_name = {replica_name(r.replica_id): r for r in candidates}
+        named = [r for r in advice.replicas if r.replica in by_name]
+        lead = 0
+        while lead < len(named) and named[lead].reason == "ready" and named[lead].within_bound:
+            lead += 1
+        inflight = {replica_name(rid): n for rid, n in self._inflight.items()}
+        order = sorted(named[:lead], key=lambda r: inflight.get(r.replica, 0)) + named[lead:]
+        ranked = [[by_name[r.replica]] for r in order]
+        seen = {id(rank[0]) for rank in ranked}
+        rest = [r for r in candidates if id(r) not in seen]
+        return [*ranked, rest] if rest else ranked
+
+    async def _route(self, adapter: str) -> _Advice | None:
+        """Ask ``Route`` for ``adapter`` (with this router's in-flight requests as the load) and keep the answer."""
         outstanding = {replica_name(rid): n for rid, n in self._inflight.items() if n > 0}
+        self.counts["route_calls"] += 1
         try:
             route = (
                 await self._lora().route(
@@ -157,11 +244,23 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
             return None
         if route.error is not None:  # e.g. an adapter the controller does not know: Serve's ranking, no back-off
             self.counts["route_errors"] += 1
+            self._advice.pop(adapter, None)
             return None
-        ranked = [[by_name[r.replica]] for r in route.replicas if r.replica in by_name]
-        seen = {id(rank[0]) for rank in ranked}
-        rest = [r for r in candidates if id(r) not in seen]
-        return [*ranked, rest] if rest else ranked
+        advice = _Advice(time.monotonic(), route.replicas)
+        if self.settings.advice_ttl_s > 0:
+            self._advice[adapter] = advice
+        return advice
+
+    async def _refresh(self, adapter: str) -> None:
+        try:
+            await self._route(adapter)
+        finally:
+            self._refreshing.discard(adapter)
+
+    def _spawn(self, call: Any) -> None:
+        task = asyncio.get_running_loop().create_task(call)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _went_down(self, why: str) -> None:
         if time.monotonic() >= self._down_until:
@@ -180,34 +279,89 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
             )
         return self._client
 
-    # -- after routing: the hint and the in-flight count ------------------------------------------------------------
+    # -- after routing: the hint, its cancel and the in-flight count -------------------------------------------------
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         rid = pending_request.metadata.internal_request_id
         self._routed[rid] = replica_id
         self._inflight[replica_id] = self._inflight.get(replica_id, 0) + 1
         adapter = pending_request.metadata.multiplexed_model_id
-        if adapter and time.monotonic() >= self._down_until:
-            task = asyncio.get_running_loop().create_task(self._hint(rid, adapter, replica_name(replica_id)))
-            self._hints.add(task)
-            task.add_done_callback(self._hints.discard)
-
-    async def _hint(self, rid: str, adapter: str, replica: str) -> None:
-        try:
-            await self._lora().hint_within([Hint(rid, adapter, replica)], self.settings.hint_timeout_s)
-            self.counts["hints"] += 1
-        except ClientError as e:
-            self.counts["hint_errors"] += 1
-            self._went_down(f"Hint failed ({e})")
+        if not adapter or self.settings.hints == "none" or time.monotonic() < self._down_until:
+            return
+        replica = replica_name(replica_id)
+        advice = self._advice.get(adapter)
+        ready = advice is not None and any(r.replica == replica and r.reason == "ready" for r in advice.replicas)
+        if ready and self.settings.hints == "cold":
+            return  # resident there: nothing to plan for it
+        self._pending[rid] = Hint(rid, adapter, replica)
+        self._batch(now=not ready)  # a load to start there: the hint goes now; else it only counts, and waits
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         replica = self._routed.pop(internal_request_id, None)
         if replica is not None and self._inflight.get(replica, 0) > 0:
             self._inflight[replica] -= 1
+        # The hint said "a request for this adapter is on its way there"; it is done: withdraw it, or the
+        # controller keeps planning for it (a request the engine admitted at once is never seen queued, so its
+        # hint would stay a need there for the planner's hint_ttl_s, and evict what later requests use)
+        if internal_request_id in self._pending:  # done before its hint left: the hint still counts (popularity),
+            self._done_early.add(internal_request_id)  # and is withdrawn right after it
+        elif internal_request_id in self._hinted:
+            self._hinted.discard(internal_request_id)
+            self._cancels.append(internal_request_id)
+            self._batch(now=False)
+
+    def _batch(self, now: bool) -> None:
+        if now or self.settings.hint_batch_s == 0:
+            self._send()
+        elif self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(self.settings.hint_batch_s, self._send)
+
+    def _send(self) -> None:
+        """The hints and cancels batched since the last send, one call each."""
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        hints, self._pending = list(self._pending.values()), {}
+        cancels, self._cancels = self._cancels, []
+        if hints:
+            then = [h.hint_id for h in hints if h.hint_id in self._done_early]
+            self._done_early.difference_update(then)
+            self._hinted.update(h.hint_id for h in hints if h.hint_id not in then)
+            self._spawn(self._hint(hints, then))
+        if cancels:
+            self._spawn(self._cancel(cancels))
+
+    async def _hint(self, hints: list[Hint], then_cancel: list[str]) -> None:
+        """Send ``hints``; then withdraw those whose requests completed before they left (after the hint, so
+        the cancel cannot overtake it)."""
+        self.counts["hint_calls"] += 1
+        try:
+            await self._lora().hint_within(hints, self.settings.hint_timeout_s)
+            self.counts["hints"] += len(hints)
+        except ClientError as e:
+            self.counts["hint_errors"] += len(hints)
+            if e.code != "NOT_FOUND":  # NOT_FOUND: a replica gone meanwhile (the batch is dropped), not lora-cache
+                self._went_down(f"Hint failed ({e})")
+            return
+        if then_cancel:
+            await self._cancel(then_cancel)
+
+    async def _cancel(self, hint_ids: list[str]) -> None:
+        self.counts["cancel_calls"] += 1
+        try:
+            await self._lora().cancel_hint(*hint_ids, timeout_s=self.settings.hint_timeout_s)
+        except ClientError as e:  # the hints expire at the controller (hint_ttl_s)
+            self.counts["hint_errors"] += len(hint_ids)
+            self._went_down(f"CancelHint failed ({e})")
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._inflight.pop(replica_id, None)
+        gone = {rid for rid, r in self._routed.items() if r == replica_id}
         self._routed = {rid: r for rid, r in self._routed.items() if r != replica_id}
+        self._hinted -= gone  # the controller dropped the replica's hints with it
+        self._done_early -= gone
+        self._pending = {rid: h for rid, h in self._pending.items() if rid not in gone}
+        self._advice.clear()  # every advice may name it first: ask again
 
 
 # -- the replica side ---------------------------------------------------------------------------------------------
