@@ -110,7 +110,7 @@ class WorkerLinks:
         self.attached: set[WorkerId] = set()  # ranks an engine's own process attached: gone for good once lost
         self.resyncing: set[WorkerId] = set()  # workers whose full report is being read (one resync at a time)
         self.unadopted: dict[WorkerId, Any] = {}  # workers that exist but did not answer the rebuild: their handles
-        self.adopting: set[WorkerId] = set()  # those being asked again (one call each at a time)
+        self.adopting: dict[WorkerId, asyncio.Task[bool]] = {}  # those being asked again (one call each)
         self.rejected = 0  # commands workers refused as from an older epoch
 
     # -- adoption (invariant 6) -----------------------------------------------------------------
@@ -151,12 +151,12 @@ class WorkerLinks:
             return None
 
     def adopt_late(self) -> None:
-        """Ask the workers that did not answer the rebuild again (in the background, one call each at a time)."""
+        """Ask the workers that did not answer the rebuild again, in the background: one call each, awaited until
+        it answers (Ray holds it until the worker is placed again; a new call each round would pile up there)."""
         for wid in list(self.unadopted):
             if wid not in self.adopting:
-                self.adopting.add(wid)
-                task = asyncio.get_running_loop().create_task(self._adopt_late(wid))
-                task.add_done_callback(lambda _, wid=wid: self.adopting.discard(wid))
+                task = self.adopting[wid] = asyncio.get_running_loop().create_task(self._adopt_late(wid))
+                task.add_done_callback(lambda _, wid=wid: self.adopting.pop(wid, None))
 
     async def _adopt_late(self, wid: WorkerId) -> bool:
         """Adopt ``wid`` from its report now if it answers (and give it every registration: it may have restarted
@@ -165,9 +165,7 @@ class WorkerLinks:
         if handle is None:
             return False
         try:
-            info = await asyncio.wait_for(handle.describe.remote(), self.call_timeout_s)
-        except TimeoutError:
-            return False
+            info = await handle.describe.remote()
         except Exception as e:
             if not isinstance(e, ray.exceptions.ActorUnavailableError):
                 log.warning("could not adopt %s: %s", worker_name(wid), e)
@@ -224,7 +222,9 @@ class WorkerLinks:
         if adopt:
             await self._adopt_attached(name, wid, incarnation)
         elif wid in self.unadopted:  # it did not answer the rebuild (its node was lost): it answers now
-            await self._adopt_late(wid)  # registrations replayed and replanned there: nothing left for the caller
+            self.adopt_late()
+            if (task := self.adopting.get(wid)) is not None:
+                await asyncio.shield(task)  # registrations replayed and replanned there: nothing left for the caller
             return False
         elif wid in self.handles:
             self._new_incarnation(wid, incarnation)
