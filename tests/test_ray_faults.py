@@ -330,7 +330,7 @@ def node_of(actor: Any) -> str:
 
 
 def wait_for_quiet(ctl: Any) -> str:
-    """"quiet" once, within 30 s of the node's loss, no replica is ready for anything; else what was seen last."""
+    """Whether ("quiet") within 30 s of the node's loss, no replica is ready for anything; else what was seen last."""
     deadline, seen = time.monotonic() + 30, "the controller never answered a lookup"
     while time.monotonic() < deadline:
         try:  # the controller may have been on the lost node: it restarts on the head

@@ -156,7 +156,10 @@ class WorkerLinks:
         for wid in list(self.unadopted):
             if wid not in self.adopting:
                 task = self.adopting[wid] = asyncio.get_running_loop().create_task(self._adopt_late(wid))
-                task.add_done_callback(lambda _, wid=wid: self.adopting.pop(wid, None))
+                task.add_done_callback(functools.partial(self._adopted_late, wid))
+
+    def _adopted_late(self, wid: WorkerId, _: asyncio.Task[bool]) -> None:
+        self.adopting.pop(wid, None)
 
     async def _adopt_late(self, wid: WorkerId) -> bool:
         """Adopt ``wid`` from its report now if it answers (and give it every registration: it may have restarted
