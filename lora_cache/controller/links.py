@@ -174,9 +174,7 @@ class WorkerLinks:
                 log.warning("could not adopt %s: %s", worker_name(wid), e)
                 self.unadopted.pop(wid, None)  # dead for good
             return False
-        if self.unadopted.get(wid) is not handle or wid in self.handles:
-            return False
-        await self._learn_adapters(info)
+        # not ``_learn_adapters``: the catalog was rebuilt without it, and a name unregistered since would come back
         if self.unadopted.pop(wid, None) is not handle or wid in self.handles:
             return False
         self._adopt(handle, info)
