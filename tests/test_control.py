@@ -481,3 +481,59 @@ def test_stats_leave_out_a_replica_that_left_the_fleet_while_its_workers_were_as
     rows = asyncio.run(scenario())
     assert [row["worker"] for row in rows] == [worker_name(WorkerId("r0", 0))]
     core.check_integrity()
+
+
+class _SilentWorker:
+    """A worker Ray holds calls to (its node was lost, its restart waits for a node): ``describe`` answers only
+    once ``wake`` is set; ``register_adapters`` records what it was given."""
+
+    def __init__(self, report: dict[str, Any]) -> None:
+        self.report, self.wake, self.given = report, asyncio.Event(), []
+        self.describe, self.register_adapters = _Method(self._describe), _Method(self._register)
+
+    async def _describe(self) -> dict[str, Any]:
+        await self.wake.wait()
+        return self.report
+
+    async def _register(self, entries: list[Any]) -> list[tuple[str, str]]:
+        self.given += [e[0] for e in entries]
+        return [(e[0], "") for e in entries]
+
+
+def test_a_restarted_controller_serves_while_a_rank_of_a_lost_node_does_not_answer(fleet) -> None:
+    """Issue 35, the node-loss failure of the fresh-clone CI: the controller was on the lost node; restarted on
+    the head, its rebuild awaited ``describe`` of the lost node's workers, which Ray holds until they are placed
+    again (never, until a node comes): no Lookup answered for more than 30 s. Now the rebuild asks for
+    ``call_timeout_s``, adopts who answered, counts the silent rank lost (its replica ready for nothing) and
+    adopts it when it answers, giving it every registration."""
+    core, _ = fleet
+    version = core.catalog.get("adapter-000").version
+    shape = {"replica": "r0", "tp": 2, "slots": 2, "host_bytes": 1 << 20, "incarnation": 1, "seq": 0,
+             "adapters": {}}
+    answering = _SilentWorker({**shape, "rank": 0, "residency": [("adapter-000", version, "ready", 0)]})
+    answering.wake.set()
+    silent = _SilentWorker({**shape, "rank": 1, "residency": []})
+    handles = {worker_name(WorkerId("r0", 0)): answering, worker_name(WorkerId("r0", 1)): silent}
+
+    async def replan() -> None:
+        pass
+
+    async def scenario() -> None:
+        links = WorkerLinks(core, None, lambda events: None, replan, find=handles.__getitem__,  # type: ignore[arg-type]
+                            named=lambda: list(handles), call_timeout_s=0.2)
+        await asyncio.wait_for(links.rebuild(), 5)  # before: waited for the silent worker forever
+        assert set(links.handles) == {WorkerId("r0", 0)} and WorkerId("r0", 1) in core.down
+        assert core.readiness.lookup("adapter-000").ready == (), "ready with a rank that never answered"
+        links.adopt_late()  # the health loop's call: still silent, still lost
+        await asyncio.sleep(0.3)
+        assert WorkerId("r0", 1) in core.down and WorkerId("r0", 1) not in links.handles
+        silent.wake.set()  # placed again (empty): it answers, and says it started
+        assert not await links.worker_started(worker_name(WorkerId("r0", 1)), 1, False)
+        assert WorkerId("r0", 1) in links.handles and WorkerId("r0", 1) not in core.down
+        assert set(silent.given) == set(core.paths), "an adopted worker got every registration"
+        assert core.readiness.lookup("adapter-000").ready == ()
+        while links.adopting:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(scenario())
+    core.check_integrity()

@@ -23,7 +23,7 @@ from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc
 from lora_cache.api.validate import MAX_PATH_CHARS
 from lora_cache.controller.readiness import RankState, ReadinessIndex, WatchBatch
-from lora_cache.errors import AdapterError, NotFoundError
+from lora_cache.errors import AdapterError, ConfigError, NotFoundError
 from tests.test_gateway import StallController, _Remote, code_of
 from tests.test_watch_resync import IndexController
 from tests.waiting import wait_for
@@ -231,3 +231,17 @@ def test_watch_streams_share_one_controller_long_poll_and_each_gets_its_own_even
                 s.cancel()
     finally:
         gw.stop()
+
+
+def test_the_demo_router_gets_a_token_with_the_router_role(tmp_path: Path) -> None:
+    """Known issue (issue 35): ``serve --demo`` with only role token files ran its router with
+    ``bearer_token()`` (the every-role token: None there), so every demo call failed UNAUTHENTICATED.
+    ``token_for("router")`` is the token the demo router sends."""
+    for role in ("router", "engine", "operator"):
+        (tmp_path / role).write_text(f"{role}-secret\n")
+    roles = GatewayConfig(**{f"{r}_token_file": str(tmp_path / r) for r in ("router", "engine", "operator")})
+    assert roles.token_for("router") == "router-secret" and roles.token_for("engine") == "engine-secret"
+    assert GatewayConfig(token="all-roles").token_for("router") == "all-roles"
+    assert GatewayConfig().token_for("router") is None  # auth off
+    with pytest.raises(ConfigError, match="no token carries the router role; give --router-token-file"):
+        GatewayConfig(engine_token_file=str(tmp_path / "engine")).token_for("router")

@@ -46,6 +46,8 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the lambdas b
 
 REPLICAS, TP = ("replica-0", "replica-1"), 2
 NAMES = [f"adapter-{i:03d}" for i in range(6)]
+RESTART_S = 120  # a controller on the lost node: the GCS finds the node dead (~13 s), then the new one starts (a
+# torch import: 40 s seen on this 2-core machine beside busy loops)
 DEAD = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
@@ -298,39 +300,49 @@ def _started_after(ctl: Any, then: float) -> bool:
         return False
 
 
-@pytest.mark.xfail(strict=False, reason="docs/known-issues.md, issue 35: after a node loss a replica stayed READY for "
-                   "more than 30 s in 1 of 3 whole runs (the fresh-clone CI, 2026-11-26); passes alone and in 2 of 3")
 def test_the_second_node_lost_and_a_new_one_added(fleet: Fleet) -> None:
     """Every replica has a rank on the second node: with it gone, no replica may be ready for anything; the
-    controller (on the head) answers throughout; a new node takes the lost ranks and the replicas load again."""
+    controller answers throughout (or, when it was on the lost node, once Ray restarted it on the head: its
+    rebuild does not wait for the lost node's workers, the fresh-clone CI failure of 2026-11-26); a new node takes
+    the lost ranks and the replicas load again."""
     ctl = fleet.svc.controller
     versions = versions_now(fleet)
     for replica in REPLICAS:
         queue(fleet, replica, ["adapter-001"])
         wait_ready(ctl, "adapter-001", replica, 60)
     node = next(n for n in fleet.cluster.list_all_nodes() if n is not fleet.cluster.head_node)
+    with_controller = node_of(ctl) == node.node_id
     fleet.cluster.remove_node(node, allow_graceful=False)
     wrong, samples = audits(fleet, 3.0)
-    down = wait_for_quiet(ctl)
+    quiet = wait_for_quiet(ctl, 30 + (RESTART_S if with_controller else 0))
     fleet.cluster.add_node(num_cpus=2)
     fleet.cluster.wait_for_nodes()
+    wait_for(lambda: _started_after(ctl, 0), "the controller to answer", timeout=RESTART_S)
     for replica in REPLICAS:
         queue(fleet, replica, ["adapter-001"])
         wait_ready(ctl, "adapter-001", replica, 120)
     lost = consistent(fleet, versions)
-    fleet.tally.record(f"node lost, then a new node ({samples} audits)", down and lost == 0, wrong, lost)
-    assert down, "a replica stayed ready with a rank on the lost node"
+    where = "the controller's node" if with_controller else "a node without the controller"
+    fleet.tally.record(f"{where} lost, then a new node ({samples} audits)", quiet == "quiet" and lost == 0, wrong, lost)
+    assert quiet == "quiet", f"{where} lost: {quiet}"
     assert wrong == 0 and lost == 0
 
 
-def wait_for_quiet(ctl: Any) -> bool:
-    """Whether, within 30 s of the node's loss, no replica is ready for anything."""
-    deadline = time.monotonic() + 30
+def node_of(actor: Any) -> str:
+    return str(ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()), timeout=30))
+
+
+def wait_for_quiet(ctl: Any, timeout_s: float) -> str:
+    """Whether ("quiet") within ``timeout_s`` of the node's loss no replica is ready for anything; else what was seen
+    last. A controller that does not answer (restarting: it was on the lost node) says nothing wrong meanwhile."""
+    deadline, seen = time.monotonic() + timeout_s, "the controller never answered a lookup"
     while time.monotonic() < deadline:
         try:  # the controller may have been on the lost node: it restarts on the head
-            if not any(ray.get(ctl.lookup.remote(n), timeout=10)["ready"] for n in NAMES):
-                return True
-        except (ray.exceptions.GetTimeoutError, *DEAD):
-            pass
+            ready = {n: r for n in NAMES if (r := ray.get(ctl.lookup.remote(n), timeout=10)["ready"])}
+            if not ready:
+                return "quiet"
+            seen = f"a replica stayed ready with a rank on the lost node: {ready}"
+        except (ray.exceptions.GetTimeoutError, *DEAD) as e:
+            seen = f"the controller did not answer a lookup ({type(e).__name__})"
         time.sleep(0.2)
-    return False
+    return seen

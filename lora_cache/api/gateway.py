@@ -124,6 +124,20 @@ class GatewayConfig:
             return token
         return self.token or None
 
+    def token_for(self, role: str) -> str | None:
+        """A token that carries ``role`` (the every-role token if set, else that role's own file), for a client
+        this process runs itself (``serve --demo``'s router); None when auth is off. ConfigError when auth is
+        on and no token carries the role."""
+        if role not in ROLES:
+            raise ConfigError(f"role {role!r} is unknown; give one of {', '.join(sorted(ROLES))}")
+        tokens = self.role_tokens()
+        if not tokens:
+            return None
+        for token, roles in tokens.items():
+            if role in roles:
+                return token
+        raise ConfigError(f"no token carries the {role} role; give --{role}-token-file (or --token-file, every role)")
+
     def role_tokens(self) -> dict[str, frozenset[str]]:
         """Each accepted token and the roles it carries (empty: auth is off). ``token``/``token_file`` carries
         every role (what it meant before roles); a role's own file, that role. A token in several files

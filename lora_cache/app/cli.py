@@ -99,6 +99,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from workers.cache import WorkerConfig
 
     gateway_config = config_from_args(GatewayConfig, ns)  # token and TLS files checked here
+    demo_token = gateway_config.token_for("router") if ns.demo else None  # the demo router is a router
     observe = config_from_args(ObserveConfig, ns)
     if ns.demo:  # demo adapters of a small shape, unless the caller named their own
         ns.model = ns.model or "tiny"
@@ -135,7 +136,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
         try:
             names = sorted(p.name for p in Path(ns.adapters).iterdir() if (p / "adapter_config.json").is_file())
-            run_router_demo(gateway.target, gateway_config.bearer_token(), names, requests=2 * ns.demo)
+            run_router_demo(gateway.target, demo_token, names, requests=2 * ns.demo)
         except BaseException:
             gateway.stop()
             service.stop()

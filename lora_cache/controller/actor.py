@@ -70,6 +70,7 @@ class ControllerActor:
             if time.monotonic() - last_sync >= self.sync_s:  # anti-entropy: whatever was lost is repaired
                 last_sync = time.monotonic()
                 await self.links.resync_all()
+            self.links.adopt_late()  # workers that did not answer the rebuild (their node was lost): asked again
             await self.links.ping_all()
             await self._plan(full=True)
             await self.durable.persist(self.core.planner)

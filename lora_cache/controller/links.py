@@ -109,22 +109,79 @@ class WorkerLinks:
         self._server: asyncio.Server | None = None  # where workers open their lifelines
         self.attached: set[WorkerId] = set()  # ranks an engine's own process attached: gone for good once lost
         self.resyncing: set[WorkerId] = set()  # workers whose full report is being read (one resync at a time)
+        self.unadopted: dict[WorkerId, Any] = {}  # workers that exist but did not answer the rebuild: their handles
+        self.adopting: dict[WorkerId, asyncio.Task[bool]] = {}  # those being asked again (one call each)
         self.rejected = 0  # commands workers refused as from an older epoch
 
     # -- adoption (invariant 6) -----------------------------------------------------------------
     async def rebuild(self) -> None:
-        """Adopt the workers that already exist (after a controller restart) from their reports."""
-        infos: list[tuple[Any, Any]] = []
-        for name in self.named():
-            try:
-                handle = self.find(name)
-                infos.append((handle, await _while_restarting(handle.describe.remote)))
-            except Exception as e:  # a worker that died meanwhile is simply not adopted
-                log.warning("could not adopt %s: %s", name, e)
+        """Adopt the workers that already exist (after a controller restart) from their reports, asked all at
+        once, each for ``call_timeout_s`` at most. One that does not answer in time (its node was lost with the
+        controller's: Ray holds a call to it until it is placed again, which may be never) is adopted later,
+        when it answers (``adopt_late``, from the health loop) or says it restarted (``worker_started``): the
+        controller serves meanwhile, and that rank counts as lost (its replica is ready for nothing)."""
+        names = self.named()
+        answers = await asyncio.gather(*(self._report(name) for name in names))
+        infos = [a for a in answers if a is not None]
         for _, info in infos:
             await self._learn_adapters(info)
         for handle, info in infos:
             self._adopt(handle, info)
+        for wid in self.unadopted:  # a rank of a replica that its other ranks brought back: lost until it answers
+            if wid.replica in self.core.planner.replicas() and str(wid) in self.core.planner.workers(wid.replica):
+                self.lose(wid)
+
+    async def _report(self, name: str) -> tuple[Any, dict[str, Any]] | None:
+        """A worker's handle and full report, or None: gone (not adopted), or not answering within
+        ``call_timeout_s`` (noted in ``unadopted``: adopted when it answers)."""
+        try:
+            handle = self.find(name)
+        except Exception as e:  # gone meanwhile
+            log.warning("could not adopt %s: %s", name, e)
+            return None
+        try:
+            return handle, await asyncio.wait_for(_while_restarting(handle.describe.remote), self.call_timeout_s)
+        except (TimeoutError, ray.exceptions.ActorUnavailableError) as e:
+            log.warning("%s does not answer (%s; its node may be lost): adopted when it does", name,
+                        type(e).__name__)
+            self.unadopted[parse_worker_name(name)] = handle
+            return None
+        except Exception as e:  # a worker that died for good is simply not adopted
+            log.warning("could not adopt %s: %s", name, e)
+            return None
+
+    def adopt_late(self) -> None:
+        """Ask the workers that did not answer the rebuild again, in the background: one call each, awaited until
+        it answers (Ray holds it until the worker is placed again; a new call each round would pile up there)."""
+        for wid in list(self.unadopted):
+            if wid not in self.adopting:
+                task = self.adopting[wid] = asyncio.get_running_loop().create_task(self._adopt_late(wid))
+                task.add_done_callback(functools.partial(self._adopted_late, wid))
+
+    def _adopted_late(self, wid: WorkerId, _: asyncio.Task[bool]) -> None:
+        self.adopting.pop(wid, None)
+
+    async def _adopt_late(self, wid: WorkerId) -> bool:
+        """Adopt ``wid`` from its report now if it answers (and give it every registration: it may have restarted
+        empty); True if it was adopted."""
+        handle = self.unadopted.get(wid)
+        if handle is None:
+            return False
+        try:
+            info = await handle.describe.remote()
+        except Exception as e:
+            if not isinstance(e, ray.exceptions.ActorUnavailableError):
+                log.warning("could not adopt %s: %s", worker_name(wid), e)
+                self.unadopted.pop(wid, None)  # dead for good
+            return False
+        # not ``_learn_adapters``: the catalog was rebuilt without it, and a name unregistered since would come back
+        if self.unadopted.pop(wid, None) is not handle or wid in self.handles:
+            return False
+        self._adopt(handle, info)
+        log.info("adopted %s, which did not answer the rebuild", worker_name(wid))
+        await self.replay([handle])
+        await self.replan()
+        return True
 
     async def _learn_adapters(self, info: dict[str, Any]) -> None:
         """Register what a worker reports and the catalog lacks (its files read on a thread: the loop answers
@@ -165,6 +222,11 @@ class WorkerLinks:
         wid = parse_worker_name(name)
         if adopt:
             await self._adopt_attached(name, wid, incarnation)
+        elif wid in self.unadopted:  # it did not answer the rebuild (its node was lost): it answers now
+            self.adopt_late()
+            if (task := self.adopting.get(wid)) is not None:
+                await asyncio.shield(task)  # registrations replayed and replanned there: nothing left for the caller
+            return False
         elif wid in self.handles:
             self._new_incarnation(wid, incarnation)
         if wid not in self.handles:
