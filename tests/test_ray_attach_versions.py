@@ -23,7 +23,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 from lora_cache.adapters.catalog import CatalogConfig  # noqa: E402
-from lora_cache.adapters.peft import content_version, read_adapter  # noqa: E402
+from lora_cache.adapters.peft import read_adapter  # noqa: E402
 from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES  # noqa: E402
 from lora_cache.adapters.shards import shard_layout  # noqa: E402
 from lora_cache.adapters.synth import SynthConfig, make_adapters, write_adapter  # noqa: E402
@@ -110,8 +110,10 @@ def test_reregistration_under_traffic_through_the_attached_path(fleet: Fleet, ad
     def worker(rank: int) -> WorkerConfig:
         return WorkerConfig(num_slots=3, tp=2, tp_rank=rank, device="cpu", dtype="float32", host=HOST)
 
-    dirs = {content_version(fleet.root / HOT): fleet.root / HOT}
-    dirs |= {content_version(fleet.versions / f"{HOT}-v{v}"): fleet.versions / f"{HOT}-v{v}" for v in range(VERSIONS)}
+    # version -> its directory, as the controller registered it (an identity version names its file, so equal
+    # bytes in two directories are two versions): the one current now, then each registration's
+    current = ray.get(ctl.__ray_call__.remote(lambda self: self.core.paths.get(HOT, "")), timeout=30)
+    dirs: dict[str, Path] = {}
     ranks = start_ranks(config, [worker(0), worker(1)])
     try:
         engine = EngineConfig(
@@ -140,6 +142,9 @@ def test_reregistration_under_traffic_through_the_attached_path(fleet: Fleet, ad
             path = fleet.versions / f"{HOT}-v{next(CYCLE) % VERSIONS}"
             version, previous = ray.get(ctl.register_adapter_info.remote(HOT, str(path)))
             assert version != previous
+            dirs.setdefault(previous, Path(current) if current else fleet.root / HOT)
+            dirs[version] = path
+            current = str(path)
             registered += 1
             concurrent.futures.wait(runs, timeout=0.3)  # pacing only: every check below is per step
         results = [r.result(timeout=60) for r in runs]
