@@ -162,7 +162,8 @@ class ThreadReads:
         self.pool = ReadPool(parallel) if parallel > 1 else None
 
     def read(self, spec: AdapterSpec, entry: HostEntry) -> int:
-        return read_shard(spec, entry.layout, entry.tensor, self.verify, entry.chunks, entry.progress, self.pool)
+        return read_shard(spec, entry.layout, entry.tensor, self.verify, entry.chunks, entry.progress, self.pool,
+                          entry.marks)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -170,22 +171,27 @@ class ThreadReads:
 
 
 class ProcessReads:
-    """Reads in ``count`` reader processes that map the (shared) arena: each tier thread takes an idle one, which
-    splits the read over ``parallel`` threads of its own."""
+    """Reads in ``count`` reader processes that map the (shared) arena: each tier thread takes the idle one used
+    last (a stack: what a process keeps per rank pattern, its layout's entries, the header's index and the read's
+    plan, is warm there; taken in turn, every process paid those once per pattern, and one read at a time went to
+    a cold process on every read of the probe's: bench/RESULTS.md, issue 30 item 1), which splits the read over
+    ``parallel`` threads of its own."""
 
     def __init__(self, arena: HostArena, count: int, verify: str, parallel: int = 1) -> None:
         self.verify = verify
         if arena.fd is None:
             raise ConfigError("process reads need a shared arena (HostArena(shared=True))")
         self._all = [ReaderProcess(arena.fd, arena.capacity, parallel) for _ in range(count)]
-        self._idle: queue.SimpleQueue[ReaderProcess] = queue.SimpleQueue()
-        for proc in self._all:
+        self._idle: queue.LifoQueue[ReaderProcess] = queue.LifoQueue()
+        for proc in reversed(self._all):
             self._idle.put(proc)
 
     def read(self, spec: AdapterSpec, entry: HostEntry) -> int:
         proc = self._idle.get()
         try:
-            return proc.read(spec, entry.layout, entry.block.offset, self.verify, entry.chunks, entry.progress)
+            entry.marks.append(("reader", time.perf_counter()))
+            return proc.read(spec, entry.layout, entry.block.offset, self.verify, entry.chunks, entry.progress,
+                             entry.marks)
         finally:
             self._idle.put(proc)
 
@@ -211,6 +217,7 @@ class HostEntry:
     staged: int = 0  # chunks in place so far
     listeners: list[ChunkListener] = field(default_factory=list)  # fetchers told of each chunk, until done
     lock: threading.Lock = field(default_factory=threading.Lock)  # protects staged and listeners
+    marks: list[tuple[str, float]] = field(default_factory=list)  # (phase, perf_counter) of its read (probes)
 
     @property
     def num_chunks(self) -> int:
@@ -457,6 +464,7 @@ class HostTier:
 
     def _read(self, spec: AdapterSpec, entry: HostEntry) -> None:
         t0 = time.perf_counter()
+        entry.marks.append(("read", t0))
         try:
             with self._local(spec) as local:  # an adapter from a store: its proven copy on this node's disk
                 entry.bytes_read = self._reader.read(local, entry)
@@ -473,6 +481,7 @@ class HostTier:
             self._start(admitted)
             return
         entry.read_ms = (time.perf_counter() - t0) * 1e3
+        entry.marks.append(("read end", time.perf_counter()))
         entry.progress(entry.num_chunks)  # a reader that reports no chunks: all of them at once
         with self._lock:
             self.bytes_read += entry.bytes_read

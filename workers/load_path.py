@@ -244,6 +244,7 @@ class LoadPath:
                     book.changed(evicted, "gone")
                 book.changed(load.key, "loading")
                 book.loads[load.slot] = book.pending.pop(load.key)
+                load.mark("slot")
         if error is not None:  # failed once its read has ended: the tier holds the shard (a host hit next time)
             load.fail(error)
             entry.ready.add_done_callback(functools.partial(self._reject_staged, load, entry, error))
@@ -275,6 +276,7 @@ class LoadPath:
 
     def _finish(self, load: SlotLoad) -> None:
         """The copy's ready event completed (watcher thread): READY, report (step 7)."""
+        load.mark("seen")
         record = ReadinessRecord(load.key.name, load.key.version, self.tp_rank, load.slot, load.disk_ms,
                                  self.streams.elapsed_ms(load.start_event, load.ready_event),
                                  (time.perf_counter() - load.t0) * 1e3, load.layout.nbytes, load.host_hit)
@@ -294,6 +296,7 @@ class LoadPath:
             if self.on_ready is not None:
                 self.on_ready(record)
         finally:
+            load.mark("ready")
             load.future.set_result(record)
             self._retry_waiters()
 

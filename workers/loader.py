@@ -57,12 +57,17 @@ class SlotLoad:
     _copy: tuple[Any, ...] | None = None  # (streams, dst, src, after, then, on_issued) once it has a slot
     _claimed: bool = False  # someone is placing it (takes its slot)
     entry: Any = None  # the host entry its chunks are copied from (once one is staged)
+    marks: list[tuple[str, float]] = field(default_factory=list)  # (phase, perf_counter) as it goes (probes)
     _cond: threading.Condition = field(default_factory=threading.Condition)  # protects the fields above it
 
     @property
     def ready_event(self) -> Any:
         """The last chunk's event (None until every chunk is issued): READY when it completes."""
         return self.events[-1] if len(self.events) == len(self.plan.chunks) else None
+
+    def mark(self, phase: str) -> None:
+        """Note when ``phase`` happened (``time.perf_counter``; one list append: cheap on the hot path)."""
+        self.marks.append((phase, time.perf_counter()))
 
     def claim(self) -> bool:
         """True once: to the first caller, which then places the load."""
@@ -106,6 +111,7 @@ class SlotLoad:
             if first:
                 self.start_event = start
             self.events.append(event)
+            self.marks.append((f"issue {c.seq}", time.perf_counter()))
             issued += c.numel
             self._cond.notify_all()
         if issued:
@@ -158,6 +164,7 @@ class CompletionWatcher:
         self._thread.start()
 
     def add(self, load: SlotLoad) -> None:
+        load.mark("watch")
         with self._cond:
             self._pending.append((load, time.perf_counter()))
             self._cond.notify()

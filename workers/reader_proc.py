@@ -30,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -76,9 +77,12 @@ class ReaderProcess:
         self._ready, self._sent = False, {}
 
     def read(self, spec: AdapterSpec, layout: ShardLayout, offset: int, verify: str = "sample",
-             chunks: Sequence[slice] | None = None, on_chunk: Callable[[int], None] | None = None) -> int:
+             chunks: Sequence[slice] | None = None, on_chunk: Callable[[int], None] | None = None,
+             marks: list[tuple[str, float]] | None = None) -> int:
         """Read ``spec``'s shard of ``layout`` into the arena at byte ``offset``; returns bytes read.
-        ``chunks`` / ``on_chunk``: as ``reader.read_shard``'s (called here, as the process reports them)."""
+        ``chunks`` / ``on_chunk``: as ``reader.read_shard``'s (called here, as the process reports them).
+        ``marks``: gets (phase, ``time.perf_counter``) of the read's steps, this process's and the reader's
+        (one clock: CLOCK_MONOTONIC), for the probes' phase breakdown."""
         if spec.source is None:
             raise AdapterFormatError(f"adapter {spec.name}@{spec.version} was not registered from a file; "
                                      "register it from its directory to read it")
@@ -98,6 +102,8 @@ class ReaderProcess:
                              offset, [(c.start, c.stop) for c in chunks or ()]))
             self._sent[key] = layout.entries
             while (reply := self._conn.recv())[0] == "chunk":
+                if marks is not None:
+                    marks.append((f"got {reply[1] - 1}", time.perf_counter()))
                 if on_chunk is not None:
                     on_chunk(int(reply[1]))
             status, *value = reply
@@ -111,6 +117,9 @@ class ReaderProcess:
         if status != "ok":
             kind, message = value
             raise ERRORS[kind](message)
+        if marks is not None:
+            marks += value[1]
+            marks.append(("reply", time.perf_counter()))
         return int(value[0])
 
     def _stop(self) -> int | None:
@@ -141,14 +150,17 @@ def _serve(conn: Connection, arena: torch.Tensor, pool: ReadPool | None) -> None
             source, verify, key, entries, shard, dtype, numel, offset, spans = conn.recv()
         except (EOFError, ConnectionResetError):
             return
+        marks: list[tuple[str, float]] = [("received", time.perf_counter())]
         if entries is not None:
             held[key] = entries
         try:
             width = getattr(torch, dtype).itemsize
             dest = arena[offset : offset + numel * width].view(getattr(torch, dtype))
             chunks = [slice(a, b) for a, b in spans] or None
-            read = read_slices(source, held[key], dest, shard, verify, chunks, lambda k: conn.send(("chunk", k)), pool)
-            conn.send(("ok", read))
+            read = read_slices(source, held[key], dest, shard, verify, chunks, lambda k: conn.send(("chunk", k)), pool,
+                               marks=marks)
+            marks.append(("done", time.perf_counter()))
+            conn.send(("ok", read, marks))
         except AdapterFormatError as e:
             conn.send(("error", type(e).__name__ if type(e).__name__ in ERRORS else "AdapterFormatError", str(e)))
         except Exception as e:

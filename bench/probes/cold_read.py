@@ -47,7 +47,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,7 @@ import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.chunks import chunk_plan
+from lora_cache.adapters.files import RACY_NS
 from lora_cache.adapters.shards import shard_layout
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.vocab import AdapterKey
@@ -104,15 +105,18 @@ class Rank:
         self.cache: WorkerCache | None = None
         self.key = AdapterKey(NAME, self.spec.version)
 
-    def build(self, readers: int) -> dict[str, Any]:
-        """A fresh worker cache with ``readers`` reader threads per read (0: auto), warmed by one load."""
+    def build(self, readers: int, reads: str = "auto", verify: str = "sample") -> dict[str, Any]:
+        """A fresh worker cache with ``readers`` reader threads per read (0: auto), reads where ``reads`` says
+        (``HostTierConfig.reads``), checked as ``verify`` says, warmed by one load."""
         self.close()
-        host = HostTierConfig(host_bytes=self.nbytes + (4 << 20), read_parallel=readers, pin=self.gpu)
+        host = HostTierConfig(host_bytes=self.nbytes + (4 << 20), read_parallel=readers, pin=self.gpu, reads=reads,
+                              verify=verify)
         self.cache = WorkerCache(WorkerConfig(num_slots=1, tp=self.cfg["tp"], tp_rank=self.rank, dtype="bfloat16",
                                               device=self.device, host=host), self.catalog)
         self.cache.prefetch(NAME).result(timeout=600)  # reader processes started, the path warm
         self._forget(host_too=True)
-        return {"readers": self.cache.host.parallel, "reads": self.cache.host.reads, "nbytes": self.nbytes}
+        return {"readers": self.cache.host.parallel, "reads": self.cache.host.reads, "nbytes": self.nbytes,
+                "verify": verify}
 
     def _forget(self, host_too: bool) -> None:
         assert self.cache is not None
@@ -130,9 +134,11 @@ class Rank:
         record = self.cache.prefetch(NAME).result(timeout=600)
         t1 = time.perf_counter()
         assert record.host_hit == hit, record
+        load = self.cache.book.loads[record.slot]
+        split = phases(load.t0, load.marks, [] if hit else load.entry.marks)
         self._forget(host_too=not hit)
         return {"t0": t0, "t1": t1, "ms": (t1 - t0) * 1e3, "disk_ms": record.disk_ms, "h2d_ms": record.h2d_ms,
-                "ready_ms": record.ready_ms}
+                "ready_ms": record.ready_ms, "phases": split}
 
     def read_ref(self, threads: int) -> dict[str, Any]:
         fd = os.open(self.spec.weights, os.O_RDONLY)
@@ -185,6 +191,69 @@ class Rank:
         if self.cache is not None:
             self.cache.close()
             self.cache = None
+
+
+def phases(t0: float, load: list[tuple[str, float]], read: list[tuple[str, float]]) -> dict[str, float]:
+    """One load's time split into its phases, ms (``SlotLoad.marks``, and its read's ``HostEntry.marks``: empty
+    for a host hit), each from the end of the one before:
+
+    - ``dispatch``: prefetch -> the host tier's read thread starts (the cache's and the tier's Python, a pool hop);
+    - ``to_reader``: -> the reader (process) has the job (a thread reader: 0);
+    - ``open``: -> the file stat'ed, opened, fstat'ed, its header read and CRC-checked, its index (cached) found;
+    - ``plan``: -> the plan (cached per rank pattern) and the chunks' block checks chosen, the tasks built;
+    - ``read``: -> the last chunk read and proven (``read_first``: -> the first one);
+    - ``report_lag``, ``issue_lag``: median per chunk, proven in the reader -> known here -> its copy issued;
+    - ``reply``: last chunk proven -> the read's end known here (the reader's final reply);
+    - ``to_slot``: (a hit) prefetch -> its slot taken; ``issue``: (a hit) slot -> last copy issued;
+    - ``copy_tail``: the later of the last copy issued and the read's end -> the watcher sees the last copy done;
+    - ``finish``: -> READY reported, the future resolved; ``total``: prefetch -> that.
+    ``busy_read`` / ``busy_crc``: the reader threads' time in slice reads and in block checks (summed, ms)."""
+    at: dict[str, float] = {}
+    busy = {"busy read": 0.0, "busy crc": 0.0}
+    proven: dict[int, float] = {}
+    got: dict[int, float] = {}
+    issued: dict[int, float] = {}
+    for name, t in [*load, *read]:
+        if name in busy:
+            busy[name] += t
+        elif name.startswith("proven "):
+            proven[int(name.split()[1])] = t
+        elif name.startswith("got "):
+            got[int(name.split()[1])] = t
+        elif name.startswith("issue "):
+            issued[int(name.split()[1])] = t
+        else:
+            at.setdefault(name, t)
+    out: dict[str, float] = {}
+
+    def step(name: str, start: float, end: float | None) -> float:
+        if end is not None:
+            out[name] = (end - start) * 1e3
+            return end
+        return start
+
+    last_issue = max(issued.values(), default=t0)
+    if read:
+        t = step("dispatch", t0, at.get("read"))
+        t = step("to_reader", t, at.get("received", t))
+        t = step("open", t, at.get("opened"))
+        planned = t = step("plan", t, at.get("planned"))
+        if proven:
+            out["read_first"] = (proven[min(proven)] - planned) * 1e3
+            t = step("read", t, max(proven.values()))
+            known = got or proven
+            out["report_lag"] = statistics.median((got[k] - proven[k]) * 1e3 for k in got) if got else 0.0
+            out["issue_lag"] = statistics.median((issued[k] - known[k]) * 1e3 for k in issued if k in known)
+        t = step("reply", t, at.get("read end"))
+        t = max(t, last_issue)
+    else:
+        t = step("to_slot", t0, at.get("slot"))
+        t = step("issue", t, last_issue)
+    t = step("copy_tail", t, at.get("seen"))
+    step("finish", t, at.get("ready"))
+    out["total"] = (at.get("ready", t0) - t0) * 1e3
+    out["busy_read"], out["busy_crc"] = busy["busy read"] * 1e3, busy["busy crc"] * 1e3
+    return out
 
 
 def rank_main(rank: int, cfg: dict[str, Any], commands: Any, results: Any, barrier: Any) -> None:
@@ -268,28 +337,40 @@ def med(xs: list[float]) -> float:
 def alone_and_together(ranks: Ranks, repeats: int, op: str, *arg: Any) -> dict[str, Any]:
     """Median ms of ``op`` on each rank alone, and of all ranks at once (first start to last end)."""
     tp = len(ranks.commands)
-    alone = [med([ranks.one(k, op, *arg)["ms"] for _ in range(repeats)]) for k in range(tp)]
+    raw = [[ranks.one(k, op, *arg) for _ in range(repeats)] for k in range(tp)]
+    alone = [med([r["ms"] for r in rs]) for rs in raw]
     together = [ranks.all(op, *arg) for _ in range(repeats)]
-    return {"alone_ms": alone, "together_ms": med([span_ms(t) for t in together]), "together": together}
+    return {"alone_ms": alone, "together_ms": med([span_ms(t) for t in together]), "together": together,
+            "alone": [r for rs in raw for r in rs]}
+
+
+def median_phases(results: list[dict[str, Any]]) -> dict[str, float]:
+    """The median of each phase (``phases``) over loads."""
+    names = {k for r in results for k in r.get("phases", {})}
+    return {k: med([r["phases"][k] for r in results if k in r["phases"]]) for k in sorted(names)}
 
 
 def measure(ranks: Ranks, cfg: dict[str, Any], readers: list[int], ref_threads: list[int], ref_main: int,
-            mechanisms: list[int]) -> dict[str, Any]:
+            mechanisms: list[int], reads: Sequence[str] = ("auto",),
+            verifies: Sequence[str] = ("sample",)) -> dict[str, Any]:
     reps, nbytes = cfg["repeats"], ranks.nbytes
     total, largest = sum(nbytes), max(nbytes)
     memcpy = alone_and_together(ranks, reps, "memcpy")
     refs = {t: alone_and_together(ranks, reps, "read", t) for t in ref_threads}
     ref = refs[ref_main]
     rows = []
-    for n in readers:
-        built = ranks.all("build", n)
+    for how, verify, n in [(h, v, n) for h in reads for v in verifies for n in readers]:
+        built = ranks.all("build", n, how, verify)
         cold = alone_and_together(ranks, reps, "load", False)
         hits = [ranks.all("load", True) for _ in range(reps)]
         per_rank = [b / ms / 1e6 for b, ms in zip(nbytes, cold["alone_ms"], strict=True)]
         ref_rank = [b / ms / 1e6 for b, ms in zip(nbytes, ref["alone_ms"], strict=True)]
         bound = ref["together_ms"] + memcpy["together_ms"]
         rows.append({
-            "readers": built[0]["readers"], "asked": n, "reads": built[0]["reads"],
+            "readers": built[0]["readers"], "asked": n, "reads": built[0]["reads"], "verify": verify,
+            "phases_cold_alone": median_phases(cold["alone"]),
+            "phases_cold_together": median_phases([r for t in cold["together"] for r in t]),
+            "phases_hit_together": median_phases([r for h in hits for r in h]),
             "cold_alone_ms": cold["alone_ms"], "cold_together_ms": cold["together_ms"],
             "hit_together_ms": med([span_ms(h) for h in hits]),
             "cold_disk_ms": med([r["disk_ms"] for t in cold["together"] for r in t]),
@@ -330,13 +411,20 @@ def table(out: dict[str, Any]) -> str:
              "reference reads, GB/s alone / all at once: " + ", ".join(
                  f"x{t} {r['alone_GBps']:.1f} / {r['together_GBps']:.1f}" for t, r in out["read"].items()),
              "",
-             "| readers | cold per rank GB/s | load / read | cold together GB/s | cold / memcpy | hit / memcpy "
-             "| ready ms | (read + copy) ms | ready / bound |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| reads | verify | readers | cold per rank GB/s | load / read | cold together GB/s | cold / memcpy "
+             "| hit / memcpy | ready ms | (read + copy) ms | ready / bound |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in out["rows"]:
-        lines.append(f"| {r['readers']} | {med(r['per_rank_GBps']):.2f} | {r['load_over_read']:.2f} | "
+        lines.append(f"| {r['reads']} | {r['verify']} | {r['readers']} | {med(r['per_rank_GBps']):.2f} | "
+                     f"{r['load_over_read']:.2f} | "
                      f"{r['cold_GBps']:.1f} | {r['cold_over_memcpy']:.2f} | {r['hit_over_memcpy']:.2f} | "
                      f"{r['ready_ms']:.1f} | {r['bound_ms']:.1f} | {r['ready_over_bound']:.2f} |")
+    lines += ["", "phases, ms (medians; bench.probes.cold_read.phases says what each is):"]
+    for r in out["rows"]:
+        for what in ("cold_alone", "cold_together", "hit_together"):
+            split = r[f"phases_{what}"]
+            lines.append(f"  {r['reads']} {r['verify']} x{r['readers']} {what}: "
+                         + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
     if "mechanisms_GBps" in out:
         lines += ["", "rank 0 alone, outside the cache, GB/s: " + ", ".join(
             f"{k} {v:.2f}" for k, v in out["mechanisms_GBps"].items())]
@@ -355,17 +443,57 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--readers", default="1,auto", help="reader threads per read to measure (auto: the default)")
     ap.add_argument("--ref-threads", default="auto", help="the reference's thread counts (auto: the default readers)")
     ap.add_argument("--mechanisms", default="", help="thread counts for rank 0's mechanism comparison ('' : none)")
+    ap.add_argument("--reads", default="auto", help="where the cache's reads run, each measured: auto, process, "
+                                                    "thread (HostTierConfig.reads), comma-separated")
+    ap.add_argument("--verify", default="sample", help="the cache's verify modes to measure, comma-separated")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--adapters", default="", help="where the adapter is made (default: a directory under TMPDIR)")
     ap.add_argument("--cpu", action="store_true", help="CPU ranks (the default without a GPU)")
     ap.add_argument("--ranks-in", choices=("process", "thread"), default=None,
                     help="a process per rank (the default with GPUs) or a thread per rank (the default on the CPU)")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="where the JSON goes (required unless --summary)")
+    ap.add_argument("--summary", metavar="DIR", help="only summarize DIR's cold-*.json (the goals per shape and "
+                                                     "row, the phases of cold loads and hits) into DIR/summary.md")
     return ap
+
+
+GOALS = {"load_over_read": (">=", 0.8), "cold_over_memcpy": (">=", 0.5), "hit_over_memcpy": (">=", 0.9),
+         "ready_over_bound": ("<=", 1.3)}
+
+
+def summary(folder: Path) -> str:
+    """A markdown summary of the probe's JSON files in ``folder``: each row's goals (issue 30 item 1) and
+    phases."""
+    lines = ["| shape | reads | verify | readers | " + " | ".join(f"{k} ({op} {v})" for k, (op, v) in GOALS.items())
+             + " | cold per rank GB/s | ref x{T} GB/s | memcpy 4 at once GB/s |",
+             "| --- | --- | --- | ---: | " + " | ".join("---:" for _ in GOALS) + " | ---: | ---: | ---: |"]
+    split: list[str] = []
+    for path in sorted(folder.glob("cold-*.json")):
+        out = json.loads(path.read_text())
+        ref = out["read"][str(out["ref_threads"])] if str(out["ref_threads"]) in out["read"] else \
+            out["read"][out["ref_threads"]]
+        for r in out["rows"]:
+            lines.append(f"| {out['model']} r{out['rank']} | {r['reads']} | {r.get('verify', 'sample')} | "
+                         f"{r['readers']} | " + " | ".join(f"{r[k]:.2f}" for k in GOALS)
+                         + f" | {med(r['per_rank_GBps']):.2f} | {ref['alone_GBps']:.1f} | "
+                         f"{out['memcpy_together_GBps']:.1f} |")
+            for what in ("cold_alone", "cold_together", "hit_together"):
+                phases_ = r.get(f"phases_{what}", {})
+                split.append(f"- {out['model']} r{out['rank']} {r['reads']} {r.get('verify', 'sample')} "
+                             f"x{r['readers']} {what}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases_.items()))
+    return "\n".join([*lines, "", "Phases, ms (medians; bench.probes.cold_read.phases):", *split]) + "\n"
+
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
+    if args.summary:
+        text = summary(Path(args.summary))
+        (Path(args.summary) / "summary.md").write_text(text)
+        print(text, flush=True)
+        return {"summary": text}
+    if not args.out:
+        raise SystemExit("--out is required (or --summary DIR)")
     cpu = args.cpu or not torch.cuda.is_available()
     if not cpu and torch.cuda.device_count() < args.tp:
         raise SystemExit(f"--tp {args.tp} needs {args.tp} GPUs, this host has {torch.cuda.device_count()}; "
@@ -378,6 +506,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with open(weights, "rb", buffering=0) as f:  # the page cache warm: every load below is a page-cache read
         while f.read(64 << 20):
             pass
+    # a file changed within RACY_NS of its registration is checked in full on every read until a check after
+    # the window (lora_cache.adapters.files): registered later than that, the reads check as they will in service
+    time.sleep(max(0.0, (RACY_NS - (time.time_ns() - weights.stat().st_ctime_ns)) / 1e9 + 0.1))
     auto = auto_readers(host_cores(), ranks_on_host(args.tp))  # as each rank's cache resolves read_parallel 0
     cfg = {"cpu": cpu, "root": str(root), "model": args.model, "rank": args.rank, "tp": args.tp,
            "repeats": args.repeats, "ranks_in": args.ranks_in or ("thread" if cpu else "process")}
@@ -385,7 +516,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ranks = Ranks(cfg)
     try:
         out = measure(ranks, cfg, [0 if x.strip() == "auto" else int(x) for x in args.readers.split(",")],
-                      ref_threads, auto, counts(args.mechanisms, auto))
+                      ref_threads, auto, counts(args.mechanisms, auto), args.reads.split(","), args.verify.split(","))
     finally:
         ranks.stop()
     out.update(model=args.model, rank=args.rank, tp=args.tp, cpu=cpu, ranks_in=cfg["ranks_in"],
