@@ -103,6 +103,9 @@ class HostTierConfig:
                 "order); 0: auto, the host's cores over its GPU ranks, at most 8; 1: one thread, as one mapped-file "
                 "copy per chunk"})
     pin: bool = field(default=True, metadata={"help": "pin host memory when a GPU is present"})
+    pin_background: bool = field(default=True, metadata={
+        "help": "pin a shared arena (process reads) on a thread of its own while the worker starts (6-9 s for 16 "
+                "GiB); the first copy from it waits for the pinning; off: pin before the worker starts"})
     reads: str = field(default="auto", metadata={
         "help": "where reads run: process (reader processes sharing the arena), thread (the reader threads), "
                 "auto (process when the arena is pinned for a GPU, else thread)"})
@@ -283,7 +286,8 @@ class HostTier:
         self.disk = disk
         self.reads = config.reads_for(config.pin and torch.cuda.is_available())
         self.parallel = config.readers(ranks_here)  # reader threads per read
-        self.arena = HostArena(config.host_bytes, config.pin, shared=self.reads == "process")
+        self.arena = HostArena(config.host_bytes, config.pin, shared=self.reads == "process",
+                               background=config.pin_background)
         self._reader = READS[self.reads](self.arena, config.read_threads, config.verify, self.parallel)
         self._pool = ThreadPoolExecutor(config.read_threads, thread_name_prefix="lora-read")
         self._lock = threading.Lock()  # protects _entries, _orphans, _waiting, the counters and the arena

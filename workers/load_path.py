@@ -185,7 +185,8 @@ class LoadPath:
         load.staged(staged)
         if load.claim():
             faults.hit("before_copy", load.key)  # a test may stop (or kill) the worker here
-            self._place(load, entry)
+            # the arena may still be pinning in the background (start-up): the copies wait for it, not the caller
+            self.host.arena.when_pinned(functools.partial(self._place, load, entry))
 
     def _read_done(self, load: SlotLoad, staged: Future[HostEntry]) -> None:
         """The read ended (reader thread): nothing to do if it succeeded (its chunks went their way)."""
