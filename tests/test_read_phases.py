@@ -1,0 +1,101 @@
+"""Issue 30 item 1 on the CPU: a cold load's phases as the probe splits them, the sample check taken from the
+bytes the read put in the buffer (no second read of the block), reader processes reused last-used first."""
+
+from __future__ import annotations
+
+import os
+import random
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from bench.probes.cold_read import phases
+from lora_cache.adapters.catalog import AdapterCatalog
+from lora_cache.adapters.files import BLOCK_BYTES
+from lora_cache.vocab import AdapterKey
+from workers import reader as reader_module
+from workers.cache import WorkerCache, WorkerConfig
+from workers.host_tier import HostTierConfig, ProcessReads
+from workers.read_io import block_crc
+from workers.read_plan import Run
+
+
+def test_block_crc_takes_the_read_bytes_from_the_buffer_and_the_rest_from_the_file(tmp_path: Path) -> None:
+    rng = random.Random(3)
+    size = 3 * BLOCK_BYTES + BLOCK_BYTES // 2
+    data = rng.randbytes(size)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    runs = [Run(100, 0, BLOCK_BYTES - 100), Run(BLOCK_BYTES, BLOCK_BYTES, BLOCK_BYTES),  # block 0 from byte 100, 1 whole
+            Run(2 * BLOCK_BYTES + 7, 3 * BLOCK_BYTES, 1000), Run(3 * BLOCK_BYTES + 5, 4 * BLOCK_BYTES, 9)]
+    buf = bytearray(5 * BLOCK_BYTES)
+    for r in runs:
+        buf[r.at : r.at + r.nbytes] = data[r.start : r.start + r.nbytes]
+    raw = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for b in range(4):
+            want = zlib.crc32(data[b * BLOCK_BYTES : (b + 1) * BLOCK_BYTES])
+            assert block_crc(fd, raw, runs, b, BLOCK_BYTES, size) == want, b
+        buf[BLOCK_BYTES + 5] ^= 1  # a byte of block 1 in the buffer: the check sees the buffer, not the file
+        assert block_crc(fd, raw, runs, 1, BLOCK_BYTES, size) != zlib.crc32(data[BLOCK_BYTES : 2 * BLOCK_BYTES])
+    finally:
+        os.close(fd)
+    assert reader_module._covered(runs, size) == (1,)
+    assert reader_module._covered([Run(0, 0, size)], size) == (0, 1, 2, 3)  # the short last block too
+    assert reader_module._covered([Run(0, 0, BLOCK_BYTES // 2), Run(BLOCK_BYTES // 2, 10, BLOCK_BYTES // 2)],
+                                  size) == (0,)  # adjacent runs in the file hold block 0 together
+
+
+@pytest.fixture
+def catalog(tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog]) -> AdapterCatalog:
+    paths = tiny_adapters(count=2, rank="16")
+    return make_catalog(paths[0].parent)
+
+
+@pytest.mark.parametrize("reads", ["thread", "process"])
+def test_a_cold_load_and_a_hit_split_into_phases_that_add_up(catalog: AdapterCatalog, reads: str) -> None:
+    host = HostTierConfig(host_bytes=1 << 20, read_threads=1, pin=False, reads=reads)
+    cache = WorkerCache(WorkerConfig(num_slots=2, device="cpu", host=host, chunk_bytes=1 << 10), catalog)
+    try:
+        name = catalog.names()[0]
+        record = cache.prefetch(name).result(timeout=60)
+        load = cache.book.loads[record.slot]
+        cold = phases(load.t0, load.marks, load.entry.marks)
+        chunks = len(load.plan.chunks)
+        assert chunks > 1 and sum(n.startswith("issue ") for n, _ in load.marks) == chunks
+        assert sum(n.startswith("proven ") for n, _ in load.entry.marks) == chunks
+        if reads == "process":  # the reader's own marks came back with its reply, on the same clock
+            assert sum(n.startswith("got ") for n, _ in load.entry.marks) == chunks
+            assert {"received", "opened", "planned", "done", "reply"} <= {n for n, _ in load.entry.marks}
+        steps = ("dispatch", "to_reader", "open", "plan", "read", "reply", "copy_tail", "finish")
+        assert all(cold[k] >= 0 for k in steps) and cold["busy_read"] > 0
+        assert sum(cold[k] for k in steps) <= cold["total"] + 1e-6  # from the end of the step before: no overlap
+        assert cold["total"] == pytest.approx(record.ready_ms, abs=5)
+        assert cache.evict(name)
+        hit = cache.prefetch(name).result(timeout=60)
+        assert hit.host_hit
+        split = phases(cache.book.loads[hit.slot].t0, cache.book.loads[hit.slot].marks, [])
+        assert {"to_slot", "issue", "copy_tail", "finish", "total"} <= set(split) and "read" not in split
+    finally:
+        cache.close()
+
+
+def test_reader_processes_are_taken_last_used_first(catalog: AdapterCatalog) -> None:
+    """One read at a time goes to the process that read last: warm (the entries, the header's index and the
+    plan it keeps per rank pattern), where taken in turn each process paid for them on its first read."""
+    host = HostTierConfig(host_bytes=1 << 20, read_threads=3, pin=False, reads="process")
+    cache = WorkerCache(WorkerConfig(num_slots=2, device="cpu", host=host), catalog)
+    try:
+        reader = cache.host._reader
+        assert isinstance(reader, ProcessReads)
+        for name in catalog.names():
+            cache.prefetch(name).result(timeout=60)
+            key = AdapterKey(name, catalog.get(name).version)
+            assert cache.evict(name) and cache.host.drop(key)
+            cache.prefetch(name).result(timeout=60)
+        assert sorted(bool(p._sent) for p in reader._all) == [False, False, True]  # one process did every read
+    finally:
+        cache.close()
