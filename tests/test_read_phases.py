@@ -6,20 +6,27 @@ from __future__ import annotations
 import os
 import random
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.probes.cold_read import phases
 from lora_cache.adapters.catalog import AdapterCatalog
+from lora_cache.adapters.chunks import chunk_plan
 from lora_cache.adapters.files import BLOCK_BYTES
+from lora_cache.adapters.shapes import SHAPES
+from lora_cache.adapters.shards import shard_layout
+from lora_cache.errors import AdapterChangedError
 from lora_cache.vocab import AdapterKey
 from workers import reader as reader_module
 from workers.cache import WorkerCache, WorkerConfig
-from workers.host_tier import HostTierConfig, ProcessReads
+from workers.host_tier import HostTier, HostTierConfig, ProcessReads
 from workers.read_io import block_crc
 from workers.read_plan import Run
+
+TINY = SHAPES["tiny"]
 
 
 def test_block_crc_takes_the_read_bytes_from_the_buffer_and_the_rest_from_the_file(tmp_path: Path) -> None:
@@ -28,7 +35,7 @@ def test_block_crc_takes_the_read_bytes_from_the_buffer_and_the_rest_from_the_fi
     data = rng.randbytes(size)
     path = tmp_path / "f"
     path.write_bytes(data)
-    runs = [Run(100, 0, BLOCK_BYTES - 100), Run(BLOCK_BYTES, BLOCK_BYTES, BLOCK_BYTES),  # block 0 from byte 100, 1 whole
+    runs = [Run(100, 0, BLOCK_BYTES - 100), Run(BLOCK_BYTES, BLOCK_BYTES, BLOCK_BYTES),  # block 0 from 100; 1
             Run(2 * BLOCK_BYTES + 7, 3 * BLOCK_BYTES, 1000), Run(3 * BLOCK_BYTES + 5, 4 * BLOCK_BYTES, 9)]
     buf = bytearray(5 * BLOCK_BYTES)
     for r in runs:
@@ -99,3 +106,54 @@ def test_reader_processes_are_taken_last_used_first(catalog: AdapterCatalog) -> 
         assert sorted(bool(p._sent) for p in reader._all) == [False, False, True]  # one process did every read
     finally:
         cache.close()
+
+
+@pytest.fixture
+def split_tier() -> Iterator[HostTier]:
+    """A 1 MiB unpinned tier whose reads are split over three reader processes of one thread each."""
+    tier = HostTier(HostTierConfig(host_bytes=1 << 20, read_threads=3, read_split=3, read_parallel=3, pin=False,
+                                   reads="process"))
+    try:
+        assert tier.split == 3 and tier.parallel == 3
+        yield tier
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_read_split_over_reader_processes_holds_the_files_slices(
+    catalog: AdapterCatalog, split_tier: HostTier, file_slices: Callable, tp: int
+) -> None:
+    spec = catalog.get(catalog.names()[0])
+    for rank in range(tp):
+        lay = shard_layout(spec, TINY, tp, rank, torch.bfloat16)
+        plan = chunk_plan(lay.entries, lay.numel, TINY.num_layers, 2, min_bytes=0)
+        entry = split_tier.fetch(spec, lay, chunks=plan.entry_spans)[0].result(timeout=120)
+        assert sum(n == "received" for n, _ in entry.marks) == 3, "every process read a part"
+        assert entry.staged == len(plan.chunks) and entry.bytes_read == lay.nbytes
+        for e in lay.entries:
+            want = file_slices(spec, lay)[(e.layer, e.module, e.ab)]
+            assert torch.equal(entry.tensor[e.offset : e.offset + e.numel].view(e.shape), want), e.key
+        split_tier.release(AdapterKey(spec.name, spec.version))
+        assert split_tier.drop(AdapterKey(spec.name, spec.version))
+        split_tier.check_integrity()
+
+
+def test_a_split_read_of_a_changed_file_is_refused_and_leaves_the_tier_as_it_was(
+    catalog: AdapterCatalog, split_tier: HostTier
+) -> None:
+    first, second = (catalog.get(n) for n in catalog.names()[:2])
+    lay = shard_layout(first, TINY, 2, 1, torch.bfloat16)
+    split_tier.fetch(first, lay)[0].result(timeout=120)  # the processes up, one shard staged
+    split_tier.release(AdapterKey(first.name, first.version))
+    before = (list(split_tier.arena._free), dict(split_tier.arena._used), split_tier.bytes_read)
+    data = second.weights.read_bytes()
+    assert len(data) == first.weights.stat().st_size
+    with open(second.weights, "r+b") as f:  # other bytes of the same size written in place
+        f.write(data[:8] + bytes(len(data) - 8))  # its header length kept, everything after it zeroed
+    with pytest.raises(AdapterChangedError) as e:
+        split_tier.fetch(second, shard_layout(second, TINY, 2, 1, torch.bfloat16))[0].result(timeout=120)
+    assert second.version in str(e.value) and "register" in str(e.value)
+    assert (list(split_tier.arena._free), dict(split_tier.arena._used), split_tier.bytes_read) == before
+    split_tier.check_integrity()
+    assert all(p.pid is not None for p in split_tier._reader._all)  # no process died of it

@@ -51,9 +51,9 @@ def ranks_on_host(tp: int) -> int:
     return max(1, tp, gpus)
 
 
-def auto_readers(cores: int, ranks: int) -> int:
-    """Reader threads per read by default: the host's cores over its ranks, in 1..AUTO_MAX."""
-    return max(1, min(AUTO_MAX, cores // max(1, ranks)))
+def auto_readers(cores: int, ranks: int, most: int = AUTO_MAX) -> int:
+    """Reader threads per read by default: the host's cores over its ranks, in 1..``most``."""
+    return max(1, min(most, cores // max(1, ranks)))
 
 
 class ReadPool:
@@ -127,14 +127,16 @@ class _Tally:
                 self.cond.wait()
 
 
-def run_in_order(pool: ReadPool, chunks: Sequence[Sequence[Task]], done: Callable[[int], None]) -> None:
+def run_in_order(pool: ReadPool, chunks: Sequence[Sequence[Task]], done: Callable[[int], None],
+                 loops: int = 0) -> None:
     """Run every chunk's tasks on ``pool`` and call ``done(k)`` here once chunk k's tasks and every earlier
     chunk's have finished, k = 0, 1, ... in order. One loop per thread takes the next task (in chunk order)
     until none is left, so the reading thread queues ``pool.size`` loops, not every task. The first error (a
-    task's, or ``done``'s) is raised once no task of this call runs."""
+    task's, or ``done``'s) is raised once no task of this call runs. ``loops``: at most this many threads of the
+    pool (0: all of them)."""
     flat = [(k, task) for k, tasks in enumerate(chunks) for task in tasks]
     take = itertools.count().__next__  # atomic: one C call under the GIL
-    tally = _Tally([len(tasks) for tasks in chunks], min(pool.size, len(flat)))
+    tally = _Tally([len(tasks) for tasks in chunks], min(loops or pool.size, pool.size, len(flat)))
 
     def loop() -> None:
         try:

@@ -90,12 +90,16 @@ def read_slices(source: WeightsSource, entries: tuple[ShardEntry, ...], dest: to
                 verify: str = "sample", chunks: Sequence[slice] | None = None,
                 on_chunk: Callable[[int], None] | None = None, pool: ReadPool | None = None,
                 how: str = "preadv", opened: Callable[[], None] | None = None,
-                marks: list[tuple[str, float]] | None = None) -> int:
+                marks: list[tuple[str, float]] | None = None, part: tuple[int, int] = (0, 1),
+                readers: int = 0) -> int:
     """``read_shard`` from what a reader process is sent: the registered weights file, the layout's entries;
     ``shard`` names the shard in errors; ``how``: one of ``HOW``; ``opened``: called once the file is open and
     its header checked, before any slice is read (a fault point). ``marks``: gets (phase, ``time.perf_counter``)
     of its steps (opened, planned, each chunk proven) and ("busy read" / "busy crc", seconds) of each task, for
-    the probes' phase breakdown (``bench.probes.cold_read``).
+    the probes' phase breakdown (``bench.probes.cold_read``). ``part`` (i, n): this call does only part i of n
+    of every chunk's tasks (its slices and checks; ``on_chunk`` then tells that its part of the chunks is in
+    place), the other parts done by other reader processes into the same buffer (``workers.host_tier``:
+    ``ProcessReads``); ``readers``: the threads of all parts together, for the tasks' size (0: ``pool``'s).
 
     A chunk is published (``on_chunk``: its copy to the GPU may start, and a ``pipelined`` step may read it)
     only once it is proven as the whole read would be: its blocks checked as ``verify`` says and the file's
@@ -124,7 +128,8 @@ def read_slices(source: WeightsSource, entries: tuple[ShardEntry, ...], dest: to
             with _mapped(fd) as mapped:
                 _read_parallel(pool, fd, source, index, entries, spans, dest, verify, how, proven, mapped, marks)
         else:
-            _read_parallel(pool, fd, source, index, entries, spans, dest, verify, how, proven, None, marks)
+            _read_parallel(pool, fd, source, index, entries, spans, dest, verify, how, proven, None, marks, part,
+                           readers)
         return sum(e.numel * index[e.key].dtype.itemsize for e in entries)  # this rank's slices, in file bytes
     except AdapterChangedError:
         raise
@@ -208,20 +213,31 @@ def _chunk_checks(source: WeightsSource, blocks: tuple[int, ...], verify: str) -
 def _read_parallel(pool: ReadPool | None, fd: int, source: WeightsSource, index: dict[str, FileTensor],
                    entries: tuple[ShardEntry, ...], spans: Sequence[slice], dest: torch.Tensor, verify: str, how: str,
                    proven: Callable[[int], None], mapped: mmap.mmap | None = None,
-                   marks: list[tuple[str, float]] | None = None) -> None:
+                   marks: list[tuple[str, float]] | None = None, part: tuple[int, int] = (0, 1),
+                   readers: int = 0) -> None:
     """Every chunk's slices and block checks as tasks on ``pool`` (None: run here, one after another), the checks
-    first in each chunk; ``proven(k)`` once chunk k and those before it are done, in order."""
+    first in each chunk; ``proven(k)`` once chunk k and those before it are done, in order. ``part`` (i, n): only
+    every n-th task of each chunk from the i-th (``read_slices``)."""
     raw = memoryview(dest.view(torch.uint8).numpy())  # type: ignore[arg-type]  # dest's bytes, for preadv
-    readers = pool.size if pool is not None else 1
+    mine, parts = part
+    readers = readers or (pool.size if pool is not None else 1)
     plan = _plan(index, entries, spans, dest.dtype, readers, how != "mmap", source.identity.size)
     checked_at = time.time_ns()  # before any check: the bytes seen are at least this recent
     checks = [_chunk_checks(source, c.blocks, verify) for c in plan]
     chunks: list[list[Callable[[], None]]] = []
+    settles: list[list[int]] = []  # the blocks this part checks, per chunk (settled once checked)
+    runs: list[tuple[Run, ...]] = []  # the runs this part reads, per chunk (a split read's sample uses only these)
     for c, blocks in zip(plan, checks, strict=True):
         per = max(1, task_bytes_for(c.nbytes, readers) // BLOCK_BYTES)
-        tasks: list[Callable[[], None]] = [functools.partial(_check_task, fd, source, blocks[i : i + per])
-                                           for i in range(0, len(blocks), per)]
-        tasks += [functools.partial(_run_task, fd, raw, dest, index, task, source, how, mapped) for task in c.tasks]
+        batches = [blocks[i : i + per] for i in range(0, len(blocks), per)]
+        work: list[tuple[list[int], Task | None]] = [(b, None) for b in batches] + [([], t) for t in c.tasks]
+        work = work[mine::parts]
+        tasks: list[Callable[[], None]] = [
+            functools.partial(_check_task, fd, source, b) if t is None
+            else functools.partial(_run_task, fd, raw, dest, index, t, source, how, mapped) for b, t in work]
+        settles.append([b for bs, t in work if t is None for b in bs])
+        runs.append(c.runs if parts == 1 else tuple(sorted((r for _, t in work if t is not None for r in t.runs),
+                                                           key=lambda r: r.start)))
         chunks.append(tasks if marks is None else [_timed(t, marks) for t in tasks])
     if marks is not None:
         marks.append(("planned", time.perf_counter()))
@@ -229,13 +245,14 @@ def _read_parallel(pool: ReadPool | None, fd: int, source: WeightsSource, index:
     sample = verify == "sample" and not source.racy  # racy: every block not yet settled, checked by tasks
 
     def done(k: int) -> None:
-        if sample and plan[k].blocks:
-            _sample(fd, raw, source, plan[k])
-        _settle(source, checks[k], checked_at)
+        if sample and plan[k].blocks and k % parts == mine:  # one part checks each chunk, from its own runs
+            covered = plan[k].covered if parts == 1 else _covered(runs[k], source.identity.size)
+            _sample(fd, raw, source, plan[k].blocks, covered, runs[k])
+        _settle(source, settles[k], checked_at)
         proven(k)
 
     if pool is not None:
-        run_in_order(pool, chunks, done)
+        run_in_order(pool, chunks, done, loops=-(-readers // parts))
         return
     for k, tasks in enumerate(chunks):
         for task in tasks:
@@ -243,13 +260,15 @@ def _read_parallel(pool: ReadPool | None, fd: int, source: WeightsSource, index:
         done(k)
 
 
-def _sample(fd: int, raw: memoryview, source: WeightsSource, chunk: _Chunk) -> None:
-    """``verify`` sample's check of one chunk, in place: one of its blocks at random, one the chunk read whole
-    where it has one (its CRC taken from the buffer, the bytes the GPU will get: no read), else one it touches
-    (its CRC from the bytes read and the rest of the block read from the file) (``read_io.block_crc``)."""
-    block = random.choice(chunk.covered or chunk.blocks)
+def _sample(fd: int, raw: memoryview, source: WeightsSource, blocks: Sequence[int], covered: Sequence[int],
+            runs: Sequence[Run]) -> None:
+    """``verify`` sample's check of one chunk, in place: one of its blocks at random, one that ``runs`` (what was
+    read into ``raw``) hold whole where there is one (``covered``: its CRC taken from the buffer, the bytes the
+    GPU will get, no read), else one of ``blocks`` (its CRC from the bytes read and the rest of the block read
+    from the file) (``read_io.block_crc``)."""
+    block = random.choice(covered or blocks)
     try:
-        crc = block_crc(fd, raw, chunk.runs, block, BLOCK_BYTES, source.identity.size)
+        crc = block_crc(fd, raw, runs, block, BLOCK_BYTES, source.identity.size)
     except FileShrank as e:
         raise AdapterChangedError(f"{source.path} shrank while it was read (it ended before byte {e.offset}) since "
                                   f"it was registered as version {source.version}; the read is refused") from e

@@ -110,13 +110,13 @@ class Rank:
         (``HostTierConfig.reads``), checked as ``verify`` says, warmed by one load."""
         self.close()
         host = HostTierConfig(host_bytes=self.nbytes + (4 << 20), read_parallel=readers, pin=self.gpu, reads=reads,
-                              verify=verify)
+                              verify=verify, read_split=self.cfg.get("split", 0))
         self.cache = WorkerCache(WorkerConfig(num_slots=1, tp=self.cfg["tp"], tp_rank=self.rank, dtype="bfloat16",
                                               device=self.device, host=host), self.catalog)
         self.cache.prefetch(NAME).result(timeout=600)  # reader processes started, the path warm
         self._forget(host_too=True)
         return {"readers": self.cache.host.parallel, "reads": self.cache.host.reads, "nbytes": self.nbytes,
-                "verify": verify}
+                "verify": verify, "split": self.cache.host.split}
 
     def _forget(self, host_too: bool) -> None:
         assert self.cache is not None
@@ -368,6 +368,7 @@ def measure(ranks: Ranks, cfg: dict[str, Any], readers: list[int], ref_threads: 
         bound = ref["together_ms"] + memcpy["together_ms"]
         rows.append({
             "readers": built[0]["readers"], "asked": n, "reads": built[0]["reads"], "verify": verify,
+            "split": built[0]["split"],
             "phases_cold_alone": median_phases(cold["alone"]),
             "phases_cold_together": median_phases([r for t in cold["together"] for r in t]),
             "phases_hit_together": median_phases([r for h in hits for r in h]),
@@ -411,11 +412,12 @@ def table(out: dict[str, Any]) -> str:
              "reference reads, GB/s alone / all at once: " + ", ".join(
                  f"x{t} {r['alone_GBps']:.1f} / {r['together_GBps']:.1f}" for t, r in out["read"].items()),
              "",
-             "| reads | verify | readers | cold per rank GB/s | load / read | cold together GB/s | cold / memcpy "
-             "| hit / memcpy | ready ms | (read + copy) ms | ready / bound |",
+             "| reads | verify | readers (processes) | cold per rank GB/s | load / read | cold together GB/s "
+             "| cold / memcpy | hit / memcpy | ready ms | (read + copy) ms | ready / bound |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in out["rows"]:
-        lines.append(f"| {r['reads']} | {r['verify']} | {r['readers']} | {med(r['per_rank_GBps']):.2f} | "
+        lines.append(f"| {r['reads']} | {r['verify']} | {r['readers']} ({r['split']}) | "
+                     f"{med(r['per_rank_GBps']):.2f} | "
                      f"{r['load_over_read']:.2f} | "
                      f"{r['cold_GBps']:.1f} | {r['cold_over_memcpy']:.2f} | {r['hit_over_memcpy']:.2f} | "
                      f"{r['ready_ms']:.1f} | {r['bound_ms']:.1f} | {r['ready_over_bound']:.2f} |")
@@ -445,6 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mechanisms", default="", help="thread counts for rank 0's mechanism comparison ('' : none)")
     ap.add_argument("--reads", default="auto", help="where the cache's reads run, each measured: auto, process, "
                                                     "thread (HostTierConfig.reads), comma-separated")
+    ap.add_argument("--split", type=int, default=0, help="process reads: reader processes per read (read_split; "
+                                                          "0: auto, one per 4 reader threads)")
     ap.add_argument("--verify", default="sample", help="the cache's verify modes to measure, comma-separated")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--adapters", default="", help="where the adapter is made (default: a directory under TMPDIR)")
@@ -464,9 +468,10 @@ GOALS = {"load_over_read": (">=", 0.8), "cold_over_memcpy": (">=", 0.5), "hit_ov
 def summary(folder: Path) -> str:
     """A markdown summary of the probe's JSON files in ``folder``: each row's goals (issue 30 item 1) and
     phases."""
-    lines = ["| shape | reads | verify | readers | " + " | ".join(f"{k} ({op} {v})" for k, (op, v) in GOALS.items())
-             + " | cold per rank GB/s | ref x{T} GB/s | memcpy 4 at once GB/s |",
-             "| --- | --- | --- | ---: | " + " | ".join("---:" for _ in GOALS) + " | ---: | ---: | ---: |"]
+    lines = ["| shape | reads | verify | readers (processes) | "
+             + " | ".join(f"{k} ({op} {v})" for k, (op, v) in GOALS.items())
+             + " | load / best read | cold per rank GB/s | ref GB/s (threads) | memcpy 4 at once GB/s |",
+             "| --- | --- | --- | ---: | " + " | ".join("---:" for _ in GOALS) + " | ---: | ---: | ---: | ---: |"]
     split: list[str] = []
     for path in sorted(folder.glob("cold-*.json")):
         out = json.loads(path.read_text())
@@ -474,9 +479,9 @@ def summary(folder: Path) -> str:
             out["read"][out["ref_threads"]]
         for r in out["rows"]:
             lines.append(f"| {out['model']} r{out['rank']} | {r['reads']} | {r.get('verify', 'sample')} | "
-                         f"{r['readers']} | " + " | ".join(f"{r[k]:.2f}" for k in GOALS)
-                         + f" | {med(r['per_rank_GBps']):.2f} | {ref['alone_GBps']:.1f} | "
-                         f"{out['memcpy_together_GBps']:.1f} |")
+                         f"{r['readers']} ({r.get('split', 1)}) | " + " | ".join(f"{r[k]:.2f}" for k in GOALS)
+                         + f" | {r['load_over_best_read']:.2f} | {med(r['per_rank_GBps']):.2f} | "
+                         f"{ref['alone_GBps']:.1f} (x{out['ref_threads']}) | {out['memcpy_together_GBps']:.1f} |")
             for what in ("cold_alone", "cold_together", "hit_together"):
                 phases_ = r.get(f"phases_{what}", {})
                 split.append(f"- {out['model']} r{out['rank']} {r['reads']} {r.get('verify', 'sample')} "
@@ -511,7 +516,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     time.sleep(max(0.0, (RACY_NS - (time.time_ns() - weights.stat().st_ctime_ns)) / 1e9 + 0.1))
     auto = auto_readers(host_cores(), ranks_on_host(args.tp))  # as each rank's cache resolves read_parallel 0
     cfg = {"cpu": cpu, "root": str(root), "model": args.model, "rank": args.rank, "tp": args.tp,
-           "repeats": args.repeats, "ranks_in": args.ranks_in or ("thread" if cpu else "process")}
+           "repeats": args.repeats, "ranks_in": args.ranks_in or ("thread" if cpu else "process"), "split": args.split}
     ref_threads = sorted(set(counts(args.ref_threads, auto)) | {auto})
     ranks = Ranks(cfg)
     try:
