@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.probes.cold_read import build_parser as cold_read_parser
+from bench.probes.cold_read import variants
 from bench.run import build_parser, configs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,7 +104,7 @@ def test_issue30_reads_runs_each_shape_with_its_phases_then_the_tests_and_the_su
     assert [(p.model, p.rank, p.tp, Path(p.out).name if p.out else p.summary) for p in probes] == [
         ("llama-3.1-8b", 16, 4, "cold-8b-r16.json"), ("llama-3.1-8b", 64, 4, "cold-8b-r64.json"),
         ("llama-3.1-70b", 64, 4, "cold-70b-r64.json"), ("llama-3.1-8b", 64, 4, str(tmp_path))]
-    assert all("process" in p.reads.split(",") and "thread" in p.reads.split(",") for p in probes[:3])
+    assert all({"process", "thread"} <= {v[0] for v in variants(p.variants)} for p in probes[:3])
     assert any(c[:5] == ["timeout", "120", "python", "-m", "pytest"] for c in commands)
 
 

@@ -105,12 +105,12 @@ class Rank:
         self.cache: WorkerCache | None = None
         self.key = AdapterKey(NAME, self.spec.version)
 
-    def build(self, readers: int, reads: str = "auto", verify: str = "sample") -> dict[str, Any]:
+    def build(self, readers: int, reads: str = "auto", verify: str = "sample", split: int = 0) -> dict[str, Any]:
         """A fresh worker cache with ``readers`` reader threads per read (0: auto), reads where ``reads`` says
         (``HostTierConfig.reads``), checked as ``verify`` says, warmed by one load."""
         self.close()
         host = HostTierConfig(host_bytes=self.nbytes + (4 << 20), read_parallel=readers, pin=self.gpu, reads=reads,
-                              verify=verify, read_split=self.cfg.get("split", 0))
+                              verify=verify, read_split=split, read_threads=max(4, split))
         self.cache = WorkerCache(WorkerConfig(num_slots=1, tp=self.cfg["tp"], tp_rank=self.rank, dtype="bfloat16",
                                               device=self.device, host=host), self.catalog)
         self.cache.prefetch(NAME).result(timeout=600)  # reader processes started, the path warm
@@ -141,7 +141,7 @@ class Rank:
                 "ready_ms": record.ready_ms, "phases": split}
 
     def read_ref(self, threads: int) -> dict[str, Any]:
-        fd = os.open(self.spec.weights, os.O_RDONLY)
+        fd = os.open(str(self.spec.weights), os.O_RDONLY)
         try:
             t0 = time.perf_counter()
             parallel_read(fd, self.raw, self.nbytes, threads)
@@ -351,16 +351,17 @@ def median_phases(results: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def measure(ranks: Ranks, cfg: dict[str, Any], readers: list[int], ref_threads: list[int], ref_main: int,
-            mechanisms: list[int], reads: Sequence[str] = ("auto",),
-            verifies: Sequence[str] = ("sample",)) -> dict[str, Any]:
+            mechanisms: list[int], variants: Sequence[tuple[str, int, int, str]] = ()) -> dict[str, Any]:
+    """``variants``: (reads, readers, split, verify) of each cache measured (0: auto); default: ``readers`` with
+    the default reads, split and verify."""
     reps, nbytes = cfg["repeats"], ranks.nbytes
     total, largest = sum(nbytes), max(nbytes)
     memcpy = alone_and_together(ranks, reps, "memcpy")
     refs = {t: alone_and_together(ranks, reps, "read", t) for t in ref_threads}
     ref = refs[ref_main]
     rows = []
-    for how, verify, n in [(h, v, n) for h in reads for v in verifies for n in readers]:
-        built = ranks.all("build", n, how, verify)
+    for how, n, split, verify in variants or [("auto", n, 0, "sample") for n in readers]:
+        built = ranks.all("build", n, how, verify, split)
         cold = alone_and_together(ranks, reps, "load", False)
         hits = [ranks.all("load", True) for _ in range(reps)]
         per_rank = [b / ms / 1e6 for b, ms in zip(nbytes, cold["alone_ms"], strict=True)]
@@ -433,6 +434,15 @@ def table(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def variants(text: str) -> list[tuple[str, int, int, str]]:
+    """``--variants``: (reads, readers, split, verify) each."""
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        reads, readers, split, verify = item.split(":")
+        out.append((reads, int(readers), int(split), verify))
+    return out
+
+
 def counts(text: str, auto: int) -> list[int]:
     return [auto if x.strip() == "auto" else int(x) for x in text.split(",") if x.strip()]
 
@@ -445,11 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--readers", default="1,auto", help="reader threads per read to measure (auto: the default)")
     ap.add_argument("--ref-threads", default="auto", help="the reference's thread counts (auto: the default readers)")
     ap.add_argument("--mechanisms", default="", help="thread counts for rank 0's mechanism comparison ('' : none)")
-    ap.add_argument("--reads", default="auto", help="where the cache's reads run, each measured: auto, process, "
-                                                    "thread (HostTierConfig.reads), comma-separated")
-    ap.add_argument("--split", type=int, default=0, help="process reads: reader processes per read (read_split; "
-                                                          "0: auto, one per 4 reader threads)")
-    ap.add_argument("--verify", default="sample", help="the cache's verify modes to measure, comma-separated")
+    ap.add_argument("--variants", default="", help="caches to measure instead of --readers, comma-separated "
+                    "READS:READERS:SPLIT:VERIFY each (HostTierConfig reads auto/process/thread, read_parallel, "
+                    "read_split, verify; 0: auto), e.g. process:0:0:sample,process:8:1:sample,thread:0:1:identity")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--adapters", default="", help="where the adapter is made (default: a directory under TMPDIR)")
     ap.add_argument("--cpu", action="store_true", help="CPU ranks (the default without a GPU)")
@@ -516,12 +524,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     time.sleep(max(0.0, (RACY_NS - (time.time_ns() - weights.stat().st_ctime_ns)) / 1e9 + 0.1))
     auto = auto_readers(host_cores(), ranks_on_host(args.tp))  # as each rank's cache resolves read_parallel 0
     cfg = {"cpu": cpu, "root": str(root), "model": args.model, "rank": args.rank, "tp": args.tp,
-           "repeats": args.repeats, "ranks_in": args.ranks_in or ("thread" if cpu else "process"), "split": args.split}
+           "repeats": args.repeats, "ranks_in": args.ranks_in or ("thread" if cpu else "process")}
     ref_threads = sorted(set(counts(args.ref_threads, auto)) | {auto})
     ranks = Ranks(cfg)
     try:
         out = measure(ranks, cfg, [0 if x.strip() == "auto" else int(x) for x in args.readers.split(",")],
-                      ref_threads, auto, counts(args.mechanisms, auto), args.reads.split(","), args.verify.split(","))
+                      ref_threads, auto, counts(args.mechanisms, auto), variants(args.variants))
     finally:
         ranks.stop()
     out.update(model=args.model, rank=args.rank, tp=args.tp, cpu=cpu, ranks_in=cfg["ranks_in"],
