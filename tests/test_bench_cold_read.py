@@ -45,3 +45,9 @@ def test_the_probe_measures_variants_and_summarizes_the_goals(tmp_path: Path) ->
     assert (tmp_path / "summary.md").read_text() == text
     assert "| tiny r16 | process | sample | 2 (2) |" in text and "load_over_read (>= 0.8)" in text
     assert "tiny r16 thread identity x1 cold_alone: " in text
+
+
+def test_the_arena_pin_probe_times_pinning_in_place_and_in_the_background(tmp_path: Path) -> None:
+    out = main(["--arena-pin", str(8 / 1024), "--out", str(tmp_path / "pin.json")])
+    assert out["bytes"] == 8 << 20 and out["pin_error"] == "" and out["background_pinned_s"] >= out["pin_s"] > 0
+    assert out["background_returns_s"] < out["background_pinned_s"] and out["step_ms_after_p50"] > 0

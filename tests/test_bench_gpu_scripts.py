@@ -103,7 +103,9 @@ def test_issue30_reads_runs_each_shape_with_its_phases_then_the_tests_and_the_su
     probes = [cold_read_parser().parse_args(c[3:]) for c in commands if c[2:3] == ["bench.probes.cold_read"]]
     assert [(p.model, p.rank, p.tp, Path(p.out).name if p.out else p.summary) for p in probes] == [
         ("llama-3.1-8b", 16, 4, "cold-8b-r16.json"), ("llama-3.1-8b", 64, 4, "cold-8b-r64.json"),
-        ("llama-3.1-70b", 64, 4, "cold-70b-r64.json"), ("llama-3.1-8b", 64, 4, str(tmp_path))]
+        ("llama-3.1-70b", 64, 4, "cold-70b-r64.json"), ("llama-3.1-8b", 64, 4, "arena-pin.json"),
+        ("llama-3.1-8b", 64, 4, str(tmp_path))]
+    assert probes[3].arena_pin == 16
     assert all({"process", "thread"} <= {v[0] for v in variants(p.variants)} for p in probes[:3])
     assert any(c[:5] == ["timeout", "120", "python", "-m", "pytest"] for c in commands)
 

@@ -16,7 +16,7 @@ why in ``pin_error``.
 from __future__ import annotations
 
 import bisect
-import contextlib
+import ctypes
 import itertools
 import logging
 import mmap
@@ -96,8 +96,11 @@ class HostArena:
                 else:
                     self._registered = True
             else:
-                with contextlib.suppress(OSError):  # a kernel before 5.14: pages fault in as first touched
-                    self._map.madvise(MADV_POPULATE_WRITE)
+                # through ctypes, which lets go of the GIL (mmap.madvise holds it: the worker would stop meanwhile);
+                # a kernel before 5.14 refuses the advice: the pages then fault in as they are first touched
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.madvise(ctypes.c_void_p(self.buffer.data_ptr()), ctypes.c_size_t(self.capacity),
+                             MADV_POPULATE_WRITE)
         except BaseException as e:  # never leave a copy waiting: it runs on the pageable arena
             self.pin_error = f"pinning the host arena failed ({type(e).__name__}: {e}); it stays pageable"
             log.exception("pinning the host arena failed")

@@ -2,7 +2,7 @@
 # Issue 30 item 1 on one 4-GPU host, in one call (under 8 minutes on 4x H100): where a cold shard load's time
 # goes, phase by phase, and the item's goals, against references measured in the same run.
 #
-#   bash bench/gpu/issue30_reads.sh OUT [PART ...]     default: host 8b-r16 8b-r64 70b-r64 tests summary
+#   bash bench/gpu/issue30_reads.sh OUT [PART ...]     default: host 8b-r16 8b-r64 70b-r64 pin tests summary
 #
 # Parts (JSON under OUT, console logs under LOGDIR):
 #   host     the GPUs, cores, memory, Python and torch
@@ -10,6 +10,8 @@
 #            at 8 and 16 threads; rank 0's mechanisms at 8 threads
 #   8b-r64   the same, llama-3.1-8b rank 64 (mechanisms at 8 and 16 threads)
 #   70b-r64  the same, llama-3.1-70b rank 64 (no mechanisms)
+#   pin      item 3: pinning a PIN_GIB [16] shared host arena in place, then in the background with small GPU
+#            steps timed meanwhile (bench.probes.cold_read --arena-pin; OUT/arena-pin.json)
 #   tests    the read path's and the arena's tests on this host (GPU ones included), under a TESTS_S guard
 #   summary  the goals per shape from the JSON (OUT/summary.md): load / read, cold / memcpy, hit / memcpy,
 #            ready / bound, and the phase split of the default row's cold and hit loads
@@ -32,7 +34,7 @@ repeats=${REPEATS:-3}
 variants=${VARIANTS:-process:0:0:sample,process:8:1:sample,process:0:0:identity,thread:0:1:sample}
 adapters=${ADAPTERS:-${TMPDIR:-/tmp}}
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(host 8b-r16 8b-r64 70b-r64 tests summary)
+[ ${#parts[@]} -gt 0 ] || parts=(host 8b-r16 8b-r64 70b-r64 pin tests summary)
 probe() {  # NAME MODEL RANK ARGS...: one probe run, its JSON at OUT/NAME.json
   local name=$1 model=$2 rank=$3; shift 3
   step "$name" "$PYTHON" -m bench.probes.cold_read --model "$model" --rank "$rank" --tp 4 --repeats "$repeats" \
@@ -48,8 +50,9 @@ for part in "${parts[@]}"; do
     70b-r64) probe cold-70b-r64 llama-3.1-70b 64 --variants "$variants" --ref-threads 8,16 ;;
     tests)   step tests timeout "${TESTS_S:-120}" "$PYTHON" -m pytest -q -p no:cacheprovider -rfE -x \
                    tests/test_arena_pin.py tests/test_read_phases.py tests/test_host_tier.py ;;
+    pin)     step arena-pin "$PYTHON" -m bench.probes.cold_read --arena-pin "${PIN_GIB:-16}" --out "$out/arena-pin.json" ;;
     summary) step summary "$PYTHON" -m bench.probes.cold_read --summary "$out" ;;
-    *) echo "unknown part $part (host, 8b-r16, 8b-r64, 70b-r64, tests, summary)" >&2; exit 2 ;;
+    *) echo "unknown part $part (host, 8b-r16, 8b-r64, 70b-r64, pin, tests, summary)" >&2; exit 2 ;;
   esac
 done
 if [ "${PACK:-0}" = 1 ] && [ "${DRY:-0}" != 1 ]; then

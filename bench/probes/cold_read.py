@@ -464,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ranks-in", choices=("process", "thread"), default=None,
                     help="a process per rank (the default with GPUs) or a thread per rank (the default on the CPU)")
     ap.add_argument("--out", help="where the JSON goes (required unless --summary)")
+    ap.add_argument("--arena-pin", type=float, default=0, metavar="GIB",
+                    help="only time pinning a GIB shared host arena (issue 30 item 3): in place, and in the "
+                         "background with GPU work (small copies and matmuls, a warm-up's kind) timed meanwhile")
     ap.add_argument("--summary", metavar="DIR", help="only summarize DIR's cold-*.json (the goals per shape and "
                                                      "row, the phases of cold loads and hits) into DIR/summary.md")
     return ap
@@ -471,6 +474,47 @@ def build_parser() -> argparse.ArgumentParser:
 
 GOALS = {"load_over_read": (">=", 0.8), "cold_over_memcpy": (">=", 0.5), "hit_over_memcpy": (">=", 0.9),
          "ready_over_bound": ("<=", 1.3)}
+
+
+def arena_pin(nbytes: int) -> dict[str, Any]:
+    """Pinning an ``nbytes`` shared arena (``workers.arena.HostArena``): in place (the worker's start-up waited for
+    it before issue 30 item 3), then in the background: how soon the constructor returns, how long until it is
+    pinned, and what GPU work of a warm-up's kind (a small matmul and a host copy, each synchronized) costs per
+    step meanwhile against after (``cudaHostRegister`` may hold a driver lock: then the overlap buys little)."""
+    from workers.arena import HostArena
+
+    gpu = torch.cuda.is_available()
+    out: dict[str, Any] = {"bytes": nbytes, "gpu": gpu, "device": torch.cuda.get_device_name(0) if gpu else "cpu"}
+    t0 = time.perf_counter()
+    arena = HostArena(nbytes, pin=True, shared=True)
+    out["in_place_s"] = time.perf_counter() - t0
+    arena.close()
+    del arena
+    a = torch.randn(256, 256, device="cuda" if gpu else "cpu")
+    host = torch.zeros(1 << 16)
+
+    def step() -> float:
+        s0 = time.perf_counter()
+        (a @ a).sum().item()
+        host.copy_(a.flatten()[: 1 << 16].cpu())
+        return (time.perf_counter() - s0) * 1e3
+
+    for _ in range(20):
+        step()
+    t0 = time.perf_counter()
+    arena = HostArena(nbytes, pin=True, shared=True, background=True)
+    out["background_returns_s"] = time.perf_counter() - t0
+    during: list[float] = []
+    while arena.pin_pending:
+        during.append(step())
+    out["background_pinned_s"] = time.perf_counter() - t0
+    out["pin_s"], out["pin_error"] = arena.pin_s, arena.pin_error
+    after = [step() for _ in range(max(20, min(len(during), 2000)))]
+    out["steps_during"], out["step_ms_during_p50"] = len(during), med(during) if during else 0.0
+    out["step_ms_during_max"] = max(during) if during else 0.0
+    out["step_ms_after_p50"], out["step_ms_after_max"] = med(after), max(after)
+    arena.close()
+    return out
 
 
 def summary(folder: Path) -> str:
@@ -507,6 +551,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {"summary": text}
     if not args.out:
         raise SystemExit("--out is required (or --summary DIR)")
+    if args.arena_pin:
+        out = arena_pin(int(args.arena_pin * (1 << 30)))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2))
+        print(json.dumps(out, indent=2), flush=True)
+        return out
     cpu = args.cpu or not torch.cuda.is_available()
     if not cpu and torch.cuda.device_count() < args.tp:
         raise SystemExit(f"--tp {args.tp} needs {args.tp} GPUs, this host has {torch.cuda.device_count()}; "
