@@ -207,7 +207,8 @@ def phases(t0: float, load: list[tuple[str, float]], read: list[tuple[str, float
     - ``to_slot``: (a hit) prefetch -> its slot taken; ``issue``: (a hit) slot -> last copy issued;
     - ``copy_tail``: the later of the last copy issued and the read's end -> the watcher sees the last copy done;
     - ``finish``: -> READY reported, the future resolved; ``total``: prefetch -> that.
-    ``busy_read`` / ``busy_crc``: the reader threads' time in slice reads and in block checks (summed, ms)."""
+    ``busy_read`` / ``busy_crc``: the reader threads' time in slice reads and in block checks (summed, ms).
+    A read split over processes: each step from the first process to get there, a chunk proven by the last."""
     at: dict[str, float] = {}
     busy = {"busy read": 0.0, "busy crc": 0.0}
     proven: dict[int, float] = {}
@@ -216,8 +217,9 @@ def phases(t0: float, load: list[tuple[str, float]], read: list[tuple[str, float
     for name, t in [*load, *read]:
         if name in busy:
             busy[name] += t
-        elif name.startswith("proven "):
-            proven[int(name.split()[1])] = t
+        elif name.startswith("proven "):  # a split read: the last part to prove the chunk
+            k = int(name.split()[1])
+            proven[k] = max(t, proven.get(k, t))
         elif name.startswith("got "):
             got[int(name.split()[1])] = t
         elif name.startswith("issue "):
