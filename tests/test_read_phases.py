@@ -52,6 +52,8 @@ def test_block_crc_takes_the_read_bytes_from_the_buffer_and_the_rest_from_the_fi
     finally:
         os.close(fd)
     assert reader_module._covered(runs, size) == (1,)
+    assert reader_module._best_covered(runs[2:], [2, 3]) == [2]  # 1000 bytes of block 2 against 9 of block 3
+    assert reader_module._best_covered([], [2, 3]) == [2, 3]
     assert reader_module._covered([Run(0, 0, size)], size) == (0, 1, 2, 3)  # the short last block too
     assert reader_module._covered([Run(0, 0, BLOCK_BYTES // 2), Run(BLOCK_BYTES // 2, 10, BLOCK_BYTES // 2)],
                                   size) == (0,)  # adjacent runs in the file hold block 0 together

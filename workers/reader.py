@@ -156,6 +156,18 @@ _PLANS: collections.OrderedDict[tuple[object, ...], tuple[object, object, list[_
 _PLANS_KEPT = 64  # rank patterns x chunkings: a fleet's adapters share a few
 
 
+def _best_covered(runs: Sequence[Run], blocks: Sequence[int]) -> list[int]:
+    """Those of ``blocks`` of which ``runs`` hold at least half as many bytes as of the block they hold most of
+    (a sample check then reads the least of the file again), or ``blocks`` if the runs hold none."""
+    held = dict.fromkeys(blocks, 0)
+    for run in runs:
+        for b in range(run.start // BLOCK_BYTES, (run.start + run.nbytes - 1) // BLOCK_BYTES + 1):
+            if b in held:
+                held[b] += min(run.start + run.nbytes, (b + 1) * BLOCK_BYTES) - max(run.start, b * BLOCK_BYTES)
+    most = max(held.values(), default=0)
+    return [b for b, n in held.items() if n * 2 >= most] if most else list(blocks)
+
+
 def _covered(runs: Sequence[Run], size: int) -> tuple[int, ...]:
     """The blocks of a ``size``-byte file that ``runs`` (by file offset) hold whole."""
     blocks: list[int] = []
@@ -266,7 +278,7 @@ def _sample(fd: int, raw: memoryview, source: WeightsSource, blocks: Sequence[in
     read into ``raw``) hold whole where there is one (``covered``: its CRC taken from the buffer, the bytes the
     GPU will get, no read), else one of ``blocks`` (its CRC from the bytes read and the rest of the block read
     from the file) (``read_io.block_crc``)."""
-    block = random.choice(covered or blocks)
+    block = random.choice(covered or _best_covered(runs, blocks))
     try:
         crc = block_crc(fd, raw, runs, block, BLOCK_BYTES, source.identity.size)
     except FileShrank as e:
