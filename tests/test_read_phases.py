@@ -19,13 +19,14 @@ from lora_cache.adapters.chunks import chunk_plan
 from lora_cache.adapters.files import BLOCK_BYTES
 from lora_cache.adapters.shapes import SHAPES
 from lora_cache.adapters.shards import shard_layout
-from lora_cache.errors import AdapterChangedError
+from lora_cache.errors import AdapterChangedError, ConfigError
 from lora_cache.vocab import AdapterKey
 from workers import reader as reader_module
 from workers.cache import WorkerCache, WorkerConfig
-from workers.host_tier import HostTier, HostTierConfig, ProcessReads
+from workers.host_tier import AUTO_MAX_SPLIT, HostTier, HostTierConfig, ProcessReads
 from workers.read_io import block_crc
 from workers.read_plan import Run
+from workers.read_pool import auto_readers
 
 TINY = SHAPES["tiny"]
 
@@ -186,3 +187,11 @@ def test_a_host_hit_is_copied_in_one_copy_with_every_chunk_on_its_event(
         cache.check_integrity()
     finally:
         cache.close()
+
+
+def test_the_split_config_and_its_defaults() -> None:
+    assert auto_readers(64, 4, AUTO_MAX_SPLIT) == 16 and auto_readers(64, 4) == 8  # processes / one process
+    assert [HostTierConfig().splits(n) for n in (1, 4, 8, 16, 64)] == [1, 1, 2, 4, 4]  # at most read_threads (4)
+    assert HostTierConfig(read_split=2).splits(16) == 2 and HostTierConfig(read_threads=8).splits(64) == 8
+    with pytest.raises(ConfigError, match=r"read_split must be 0 \(auto\) or 1\.\.read_threads \(4\).*got 5"):
+        HostTierConfig(read_split=5)
