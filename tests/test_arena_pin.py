@@ -38,8 +38,10 @@ def held_pinning() -> Iterator[tuple[threading.Event, threading.Event]]:
 
 
 def test_a_load_before_the_pinning_ends_waits_for_it_then_succeeds(
-    tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog],
-    file_slices: Callable, held_pinning: tuple[threading.Event, threading.Event],
+    tiny_adapters: Callable[..., list[Path]],
+    make_catalog: Callable[..., AdapterCatalog],
+    file_slices: Callable,
+    held_pinning: tuple[threading.Event, threading.Event],
 ) -> None:
     arrived, release = held_pinning
     paths = tiny_adapters(count=1, rank="16")

@@ -37,8 +37,12 @@ def test_block_crc_takes_the_read_bytes_from_the_buffer_and_the_rest_from_the_fi
     data = rng.randbytes(size)
     path = tmp_path / "f"
     path.write_bytes(data)
-    runs = [Run(100, 0, BLOCK_BYTES - 100), Run(BLOCK_BYTES, BLOCK_BYTES, BLOCK_BYTES),  # block 0 from 100; 1
-            Run(2 * BLOCK_BYTES + 7, 3 * BLOCK_BYTES, 1000), Run(3 * BLOCK_BYTES + 5, 4 * BLOCK_BYTES, 9)]
+    runs = [
+        Run(100, 0, BLOCK_BYTES - 100),
+        Run(BLOCK_BYTES, BLOCK_BYTES, BLOCK_BYTES),  # block 0 from 100; 1
+        Run(2 * BLOCK_BYTES + 7, 3 * BLOCK_BYTES, 1000),
+        Run(3 * BLOCK_BYTES + 5, 4 * BLOCK_BYTES, 9),
+    ]
     buf = bytearray(5 * BLOCK_BYTES)
     for r in runs:
         buf[r.at : r.at + r.nbytes] = data[r.start : r.start + r.nbytes]
@@ -56,8 +60,9 @@ def test_block_crc_takes_the_read_bytes_from_the_buffer_and_the_rest_from_the_fi
     assert reader_module._best_covered(runs[2:], [2, 3]) == [2]  # 1000 bytes of block 2 against 9 of block 3
     assert reader_module._best_covered([], [2, 3]) == [2, 3]
     assert reader_module._covered([Run(0, 0, size)], size) == (0, 1, 2, 3)  # the short last block too
-    assert reader_module._covered([Run(0, 0, BLOCK_BYTES // 2), Run(BLOCK_BYTES // 2, 10, BLOCK_BYTES // 2)],
-                                  size) == (0,)  # adjacent runs in the file hold block 0 together
+    assert reader_module._covered([Run(0, 0, BLOCK_BYTES // 2), Run(BLOCK_BYTES // 2, 10, BLOCK_BYTES // 2)], size) == (
+        0,
+    )  # adjacent runs in the file hold block 0 together
 
 
 @pytest.fixture
@@ -115,8 +120,9 @@ def test_reader_processes_are_taken_last_used_first(catalog: AdapterCatalog) -> 
 @pytest.fixture
 def split_tier() -> Iterator[HostTier]:
     """A 1 MiB unpinned tier whose reads are split over three reader processes of one thread each."""
-    tier = HostTier(HostTierConfig(host_bytes=1 << 20, read_threads=3, read_split=3, read_parallel=3, pin=False,
-                                   reads="process"))
+    tier = HostTier(
+        HostTierConfig(host_bytes=1 << 20, read_threads=3, read_split=3, read_parallel=3, pin=False, reads="process")
+    )
     try:
         assert tier.split == 3 and tier.parallel == 3
         yield tier
@@ -168,8 +174,12 @@ def test_a_host_hit_is_copied_in_one_copy_with_every_chunk_on_its_event(
 ) -> None:
     """All of a hit's chunks are staged when it takes its slot: one copy (up to COPY_MAX_BYTES), not one per
     chunk (a fixed cost per chunk that weighed most on small shards: issue 30, hits at 0.46 of the memcpy)."""
-    cache = WorkerCache(WorkerConfig(num_slots=2, device="cpu", chunk_bytes=1 << 10,
-                                     host=HostTierConfig(host_bytes=1 << 20, pin=False)), catalog)
+    cache = WorkerCache(
+        WorkerConfig(
+            num_slots=2, device="cpu", chunk_bytes=1 << 10, host=HostTierConfig(host_bytes=1 << 20, pin=False)
+        ),
+        catalog,
+    )
     try:
         name = catalog.names()[0]
         cache.prefetch(name).result(timeout=60)
