@@ -17,13 +17,14 @@ from bench.probes.cold_read import phases
 from lora_cache.adapters.catalog import AdapterCatalog
 from lora_cache.adapters.chunks import chunk_plan
 from lora_cache.adapters.files import BLOCK_BYTES
-from lora_cache.adapters.shapes import SHAPES
+from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
 from lora_cache.adapters.shards import shard_layout
 from lora_cache.errors import AdapterChangedError, ConfigError
 from lora_cache.vocab import AdapterKey
 from workers import reader as reader_module
 from workers.cache import WorkerCache, WorkerConfig
 from workers.host_tier import AUTO_MAX_SPLIT, HostTier, HostTierConfig, ProcessReads
+from workers.kernels import SlotMeta, shard_dims
 from workers.read_io import block_crc
 from workers.read_plan import Run
 from workers.read_pool import auto_readers
@@ -205,3 +206,24 @@ def test_the_split_config_and_its_defaults() -> None:
     assert HostTierConfig(read_split=2).splits(16) == 2 and HostTierConfig(read_threads=8).splits(64) == 8
     with pytest.raises(ConfigError, match=r"read_split must be 0 \(auto\) or 1\.\.read_threads \(4\).*got 5"):
         HostTierConfig(read_split=5)
+
+
+def test_slot_metadata_of_a_rank_pattern_seen_before_is_written_from_its_checked_offsets(
+    tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog]
+) -> None:
+    """``SlotMeta.write`` checks a layout once per rank pattern (its shared entries) and keeps the offsets; the
+    rows it writes from them equal a fresh check's, the scaling is each adapter's own, and another pattern is
+    checked again."""
+    paths = tiny_adapters(count=3, rank="8,16")
+    catalog = make_catalog(paths[0].parent)
+    specs = [catalog.get(n) for n in catalog.names()]
+    layouts = [shard_layout(s, TINY, 2, 1, torch.float32) for s in specs]
+    kept = SlotMeta(2, TINY.num_layers, MODULE_ORDER, torch.device("cpu"), max_rank=16, dims=shard_dims(TINY, 2))
+    for spec, layout in [*zip(specs, layouts, strict=True)] * 2:
+        fresh = SlotMeta(2, TINY.num_layers, MODULE_ORDER, torch.device("cpu"), max_rank=16, dims=shard_dims(TINY, 2))
+        kept.write(1, layout)
+        fresh.write(1, layout)
+        for name in ("a_off", "b_off", "rank", "scale"):
+            assert torch.equal(getattr(kept, name)[1], getattr(fresh, name)[1]), (spec.name, name)
+        assert kept.numel[1] == layout.numel
+    assert 1 <= len(kept._known) <= len({id(lay.entries) for lay in layouts})

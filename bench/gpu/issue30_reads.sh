@@ -20,7 +20,7 @@
 # load's phases (bench.probes.cold_read.phases: dispatch, to_reader, open, plan, read, report/issue lags, reply,
 # copy_tail, finish; the reader threads' busy read / crc time).
 # Options, from the environment (defaults in brackets):
-#   REPEATS [3]  TESTS_S [120]  ADAPTERS [$TMPDIR]
+#   TP [4]: ranks, one GPU each  REPEATS [3]  TESTS_S [120]  ADAPTERS [$TMPDIR]
 #   VARIANTS [process:0:0:sample,process:8:1:sample,process:0:0:identity,thread:0:1:sample]: the caches measured,
 #            READS:READERS:SPLIT:VERIFY each (0: auto): the default now (process reads, 16 threads over 4
 #            processes on a 64-core 4-GPU host), the default before (8 threads in one process), no block check,
@@ -31,13 +31,14 @@ set -u
 TAIL=${TAIL:-40}
 . "$(dirname "$0")/lib.sh"
 repeats=${REPEATS:-3}
+tp=${TP:-4}
 variants=${VARIANTS:-process:0:0:sample,process:8:1:sample,process:0:0:identity,thread:0:1:sample}
 adapters=${ADAPTERS:-${TMPDIR:-/tmp}}
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(host 8b-r16 8b-r64 70b-r64 pin tests summary)
 probe() {  # NAME MODEL RANK ARGS...: one probe run, its JSON at OUT/NAME.json
   local name=$1 model=$2 rank=$3; shift 3
-  step "$name" "$PYTHON" -m bench.probes.cold_read --model "$model" --rank "$rank" --tp 4 --repeats "$repeats" \
+  step "$name" "$PYTHON" -m bench.probes.cold_read --model "$model" --rank "$rank" --tp "$tp" --repeats "$repeats" \
        --adapters "$adapters/lora-cache-cold-$model-r$rank" --out "$out/$name.json" "$@"
 }
 for part in "${parts[@]}"; do
