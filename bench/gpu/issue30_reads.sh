@@ -11,8 +11,10 @@
 #   8b-r64   the same, llama-3.1-8b rank 64 (mechanisms at 8 and 16 threads)
 #   70b-r64  the same, llama-3.1-70b rank 64 (no mechanisms)
 #   pin      item 3: pinning a PIN_GIB [16] shared host arena in place, then in the background with small GPU
-#            steps timed meanwhile (bench.probes.cold_read --arena-pin; OUT/arena-pin.json)
-#   tests    the read path's and the arena's tests on this host (GPU ones included), under a TESTS_S guard
+#            steps timed meanwhile, then registered in 256 MiB pieces (a copy across two pieces checked)
+#            (bench.probes.cold_read --arena-pin; OUT/arena-pin.json)
+#   tests    this round's tests (the arena's pinning, phases, split reads) on this host, then the read path's
+#            GPU tests (tests/test_gpu.py -k "read or host or load or stage"), each under a TESTS_S guard
 #   summary  the goals per shape from the JSON (OUT/summary.md): load / read, cold / memcpy, hit / memcpy,
 #            ready / bound, and the phase split of the default row's cold and hit loads
 # Each probe row: cold loads (prefetch -> READY through WorkerCache, the file in the page cache, the shard
@@ -50,7 +52,9 @@ for part in "${parts[@]}"; do
     8b-r64)  probe cold-8b-r64 llama-3.1-8b 64 --variants "$variants" --ref-threads 8,16 --mechanisms 8,16 ;;
     70b-r64) probe cold-70b-r64 llama-3.1-70b 64 --variants "$variants" --ref-threads 8,16 ;;
     tests)   step tests timeout "${TESTS_S:-120}" "$PYTHON" -m pytest -q -p no:cacheprovider -rfE -x \
-                   tests/test_arena_pin.py tests/test_read_phases.py tests/test_host_tier.py ;;
+                   tests/test_arena_pin.py tests/test_read_phases.py
+             step gpu_tests timeout "${TESTS_S:-120}" "$PYTHON" -m pytest -q -p no:cacheprovider -rfE -m gpu \
+                   -k "read or host or load or stage" tests/test_gpu.py ;;
     pin)     step arena-pin "$PYTHON" -m bench.probes.cold_read --arena-pin "${PIN_GIB:-16}" --out "$out/arena-pin.json" ;;
     summary) step summary "$PYTHON" -m bench.probes.cold_read --summary "$out" ;;
     *) echo "unknown part $part (host, 8b-r16, 8b-r64, 70b-r64, pin, tests, summary)" >&2; exit 2 ;;

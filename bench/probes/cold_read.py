@@ -516,6 +516,57 @@ def arena_pin(nbytes: int) -> dict[str, Any]:
     out["step_ms_during_max"] = max(during) if during else 0.0
     out["step_ms_after_p50"], out["step_ms_after_max"] = med(after), max(after)
     arena.close()
+    del arena
+    if gpu:
+        out["pieces"] = pinned_in_pieces(nbytes, step)
+    return out
+
+
+def pinned_in_pieces(nbytes: int, step: Callable[[], float], piece: int = 256 << 20) -> dict[str, Any]:
+    """For the next round (not what the arena does): a memfd registered piece by piece on a thread, each piece's
+    cudaHostRegister letting go of the driver between pieces, with the same GPU steps timed meanwhile; then
+    whether a copy across two pieces' registrations is right and how fast it runs against one inside a piece."""
+    import mmap
+    import threading
+
+    fd = os.memfd_create("lora-pin-probe", os.MFD_CLOEXEC)
+    os.ftruncate(fd, nbytes)
+    buf = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
+    codes: list[int] = []
+    device = torch.cuda.current_device()
+
+    def register() -> None:
+        torch.cuda.set_device(device)
+        for at in range(0, nbytes, piece):
+            codes.append(int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr() + at, min(piece, nbytes - at), 0)))
+
+    t0 = time.perf_counter()
+    thread = threading.Thread(target=register)
+    thread.start()
+    during = []
+    while thread.is_alive():
+        during.append(step())
+    out: dict[str, Any] = {"piece_bytes": piece, "pinned_s": time.perf_counter() - t0, "codes": sorted(set(codes)),
+                           "steps_during": len(during), "step_ms_during_p50": med(during) if during else 0.0,
+                           "step_ms_during_max": max(during) if during else 0.0}
+    n = 64 << 20
+    for name, at in (("inside", piece // 4), ("across", piece - n // 2)):
+        src = buf[at : at + n]
+        src.copy_(torch.randint(0, 255, (n,), dtype=torch.uint8))
+        dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+        stream = torch.cuda.Stream()
+        try:
+            t1 = time.perf_counter()
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            stream.synchronize()
+            out[f"copy_{name}_GBps"] = n / (time.perf_counter() - t1) / 1e9
+            out[f"copy_{name}_right"] = bool(torch.equal(dst.cpu(), src))
+        except RuntimeError as e:
+            out[f"copy_{name}_error"] = str(e)
+    for at in range(0, nbytes, piece):
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr() + at)
+    os.close(fd)
     return out
 
 
