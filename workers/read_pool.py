@@ -14,7 +14,8 @@ raises only once none of them is running, so no thread writes into the buffer af
 A reader process (``workers.reader_proc``) holds one pool; the host tier's reader threads share one.
 
 How many threads a read gets (``HostTierConfig.read_parallel``, 0: ``auto_readers``): the host's cores shared
-by the GPU ranks on it, at most ``AUTO_MAX`` (bench/RESULTS.md, issue 30).
+by the GPU ranks on it, at most ``AUTO_MAX`` in one process (bench/RESULTS.md, issue 30); a read split over reader
+processes (``workers.host_tier``'s ``read_split``) takes up to 16, a few per process.
 """
 
 from __future__ import annotations
