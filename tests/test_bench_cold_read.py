@@ -28,4 +28,26 @@ def test_the_probe_runs_on_the_cpu_and_names_the_issues_figures(tmp_path: Path,
     assert set(out["read"]) >= {1, 2, out["auto_readers"]}  # the sweep asked and the default readers
     assert out["mechanisms_ms"].keys() >= {"single (mmap copy)", "preadv x2", "rows x2", "mmap x2"}
     table = capsys.readouterr().out
-    assert "| readers | cold per rank GB/s | load / read |" in table and "ready / bound" in table
+    assert "| readers (processes) | cold per rank GB/s | load / read |" in table and "ready / bound" in table
+    for row in out["rows"]:  # each load split into its phases (issue 30 item 1), cold and hit
+        assert {"dispatch", "open", "read", "copy_tail", "total"} <= set(row["phases_cold_alone"])
+        assert {"to_slot", "issue", "copy_tail", "total"} <= set(row["phases_hit_together"])
+    assert "phases, ms" in table
+
+
+def test_the_probe_measures_variants_and_summarizes_the_goals(tmp_path: Path) -> None:
+    out = main(["--model", "tiny", "--rank", "16", "--tp", "2", "--cpu", "--repeats", "1", "--variants",
+                "process:2:2:sample,thread:1:1:identity", "--adapters", str(tmp_path / "ad"),
+                "--out", str(tmp_path / "cold-tiny.json")])
+    assert [(r["reads"], r["readers"], r["split"], r["verify"]) for r in out["rows"]] == [
+        ("process", 2, 2, "sample"), ("thread", 1, 1, "identity")]
+    text = main(["--summary", str(tmp_path)])["summary"]
+    assert (tmp_path / "summary.md").read_text() == text
+    assert "| tiny r16 | process | sample | 2 (2) |" in text and "load_over_read (>= 0.8)" in text
+    assert "tiny r16 thread identity x1 cold_alone: " in text
+
+
+def test_the_arena_pin_probe_times_pinning_in_place_and_in_the_background(tmp_path: Path) -> None:
+    out = main(["--arena-pin", str(8 / 1024), "--out", str(tmp_path / "pin.json")])
+    assert out["bytes"] == 8 << 20 and out["pin_error"] == "" and out["background_pinned_s"] >= out["pin_s"] > 0
+    assert out["background_returns_s"] < out["background_pinned_s"] and out["step_ms_after_p50"] > 0

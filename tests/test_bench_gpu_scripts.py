@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.probes.cold_read import build_parser as cold_read_parser
+from bench.probes.cold_read import variants
 from bench.run import build_parser, configs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +31,8 @@ def _dry(script: str, *args: str, **env: str) -> list[list[str]]:
 
 
 def test_the_dated_scripts_are_gone() -> None:
-    assert SCRIPTS == ["checks.sh", "cold_path.sh", "fleets.sh", "issue30.sh", "parallel.sh", "suite.sh"]
+    assert SCRIPTS == ["checks.sh", "cold_path.sh", "fleets.sh", "issue30.sh", "issue30_reads.sh", "parallel.sh",
+                       "suite.sh"]
     assert not list((ROOT / "bench").glob("gpu_*.sh"))
 
 
@@ -93,6 +95,19 @@ def test_checks_runs_the_parts_asked_and_skips_tp_without_the_gpus(tmp_path: Pat
     assert modules == ["bench.probes.kernels", "workers.engine", "workers.engine"]  # no TP 2 on one GPU
     assert all("tiny" in c for c in commands)
     assert [c[2] for c in _dry("checks.sh", str(tmp_path), "tp", DRY_GPUS="2")] == ["bench.probes.tp_ready"]
+
+
+def test_issue30_reads_runs_each_shape_with_its_phases_then_the_tests_and_the_summary(tmp_path: Path) -> None:
+    commands = _dry("issue30_reads.sh", str(tmp_path), ADAPTERS=str(tmp_path / "ad"))
+    assert commands[0][:2] == ["bash", "-c"]
+    probes = [cold_read_parser().parse_args(c[3:]) for c in commands if c[2:3] == ["bench.probes.cold_read"]]
+    assert [(p.model, p.rank, p.tp, Path(p.out).name if p.out else p.summary) for p in probes] == [
+        ("llama-3.1-8b", 16, 4, "cold-8b-r16.json"), ("llama-3.1-8b", 64, 4, "cold-8b-r64.json"),
+        ("llama-3.1-70b", 64, 4, "cold-70b-r64.json"), ("llama-3.1-8b", 64, 4, "arena-pin.json"),
+        ("llama-3.1-8b", 64, 4, str(tmp_path))]
+    assert probes[3].arena_pin == 16
+    assert all({"process", "thread"} <= {v[0] for v in variants(p.variants)} for p in probes[:3])
+    assert any(c[:5] == ["timeout", "120", "python", "-m", "pytest"] for c in commands)
 
 
 def test_cold_path_runs_the_read_tests_and_each_probe_with_options_it_accepts(tmp_path: Path) -> None:

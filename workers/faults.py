@@ -9,6 +9,8 @@ Points (lifecycle steps 5-6):
   ``mid_read``: a read in this process (reader threads; not a reader process) has the file open, its identity
   and header checked, and has read nothing yet: a change to the file now lands mid-read.
   ``before_copy``: the shard is staged in the host tier; no slot is taken, the copy is not issued.
+  ``pin_arena``: (adapter name ``arena``) the host arena's background pinning is about to start
+  (``workers.arena``): nothing may copy from it until it ends.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from lora_cache.errors import ConfigError
 from lora_cache.vocab import AdapterKey
 
-POINTS = ("mid_read", "before_copy")
+POINTS = ("mid_read", "before_copy", "pin_arena")
 
 _lock = threading.Lock()  # protects _armed
 _armed: dict[tuple[str, str], Callable[[AdapterKey], None]] = {}  # (point, adapter name) -> hook

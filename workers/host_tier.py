@@ -36,13 +36,16 @@ from workers.arena import ALIGN, Block, HostArena
 from workers.disk_tier import DiskTier
 from workers.read_pool import AUTO_MAX, ReadPool, auto_readers, host_cores
 from workers.reader import VERIFY, read_shard
-from workers.reader_proc import ReaderProcess
+from workers.reader_proc import ReaderProcess, read_split
 
 log = logging.getLogger(__name__)
 MAX_READ_PARALLEL = 64
 ChunkListener = Callable[["HostEntry", int], None]  # told how many chunks of an entry are staged so far
 
 
+AUTO_MAX_SPLIT = 16  # reader threads per read by default, at most, when split over reader processes
+THREADS_PER_PROCESS = 4  # of a read split over processes, by default (issue 30: 8+ threads in one process wait on
+# the GIL between their reads; processes share none)
 AUTO_SHARE = 0.25  # of this host's available memory, for its ranks' host tiers together (host_bytes 0)
 AUTO_MAX_BYTES = 16 << 30  # the operator's cap per rank on the auto size, by default (pinning: ~0.5 s a GiB)
 AUTO_MIN_BYTES = 256 << 20  # the auto size never goes below this (a small or busy host)
@@ -100,9 +103,16 @@ class HostTierConfig:
                                                            "processes with reads=process)"})
     read_parallel: int = field(default=0, metadata={
         "help": "reader threads that split one read (positioned reads straight into the pinned arena, in chunk "
-                "order); 0: auto, the host's cores over its GPU ranks, at most 8; 1: one thread, as one mapped-file "
-                "copy per chunk"})
+                "order); 0: auto, the host's cores over its GPU ranks, at most 8 in one process (thread reads), at "
+                "most 16 over reader processes (process reads); 1: one thread"})
+    read_split: int = field(default=0, metadata={
+        "help": "process reads: reader processes that split one read, as many as are idle up to this (each with "
+                "read_parallel / read_split threads: no GIL shared among them); 0: auto, one per 4 reader threads, "
+                "at most read_threads; 1: one process per read"})
     pin: bool = field(default=True, metadata={"help": "pin host memory when a GPU is present"})
+    pin_background: bool = field(default=True, metadata={
+        "help": "pin a shared arena (process reads) on a thread of its own while the worker starts (6-9 s for 16 "
+                "GiB); the first copy from it waits for the pinning; off: pin before the worker starts"})
     reads: str = field(default="auto", metadata={
         "help": "where reads run: process (reader processes sharing the arena), thread (the reader threads), "
                 "auto (process when the arena is pinned for a GPU, else thread)"})
@@ -125,6 +135,9 @@ class HostTierConfig:
             raise ConfigError(f"read_parallel must be 0 (auto: {AUTO_MAX} at most, fewer where the host has fewer "
                               f"cores per GPU rank) or 1..{MAX_READ_PARALLEL} reader threads per read, got "
                               f"{self.read_parallel}; 1 reads in one thread")
+        if not 0 <= self.read_split <= self.read_threads:
+            raise ConfigError(f"read_split must be 0 (auto) or 1..read_threads ({self.read_threads}) reader processes "
+                              f"per read, got {self.read_split}; raise read_threads to split reads more")
         if self.reads not in ("auto", *READS):
             raise ConfigError(f"reads {self.reads!r} is not one of auto, {', '.join(READS)}; pick one of them")
         if self.verify not in VERIFY:
@@ -144,9 +157,15 @@ class HostTierConfig:
         free = available_memory() if available is None else available
         return replace(self, host_bytes=auto_host_bytes(free, ranks_here, self.host_share, self.host_max_bytes))
 
-    def readers(self, ranks_here: int) -> int:
-        """Reader threads per read: ``read_parallel``, or for 0 the host's cores shared by ``ranks_here`` GPU ranks."""
-        return self.read_parallel or auto_readers(host_cores(), ranks_here)
+    def readers(self, ranks_here: int, processes: bool = False) -> int:
+        """Reader threads per read: ``read_parallel``, or for 0 the host's cores shared by ``ranks_here`` GPU ranks
+        (``processes``: reads split over reader processes, no GIL shared: up to ``AUTO_MAX_SPLIT``)."""
+        return self.read_parallel or auto_readers(host_cores(), ranks_here, AUTO_MAX_SPLIT if processes else AUTO_MAX)
+
+    def splits(self, readers: int) -> int:
+        """Reader processes per read (process reads) for ``readers`` threads: ``read_split``, or for 0 one per
+        ``THREADS_PER_PROCESS`` threads, at most ``read_threads``."""
+        return self.read_split or max(1, min(self.read_threads, readers // THREADS_PER_PROCESS))
 
     def reads_for(self, pinned: bool) -> str:
         """The strategy ``auto`` stands for: processes when the arena is pinned (a GPU), else threads."""
@@ -162,7 +181,8 @@ class ThreadReads:
         self.pool = ReadPool(parallel) if parallel > 1 else None
 
     def read(self, spec: AdapterSpec, entry: HostEntry) -> int:
-        return read_shard(spec, entry.layout, entry.tensor, self.verify, entry.chunks, entry.progress, self.pool)
+        return read_shard(spec, entry.layout, entry.tensor, self.verify, entry.chunks, entry.progress, self.pool,
+                          entry.marks)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -170,24 +190,48 @@ class ThreadReads:
 
 
 class ProcessReads:
-    """Reads in ``count`` reader processes that map the (shared) arena: each tier thread takes an idle one, which
-    splits the read over ``parallel`` threads of its own."""
+    """Reads in ``count`` reader processes that map the (shared) arena: each tier thread takes the idle one used
+    last, and up to ``split`` - 1 more if they are idle, which split the read (``reader_proc.read_split``), each
+    over ``parallel`` threads of its own. A stack, last used first: what a process keeps per rank pattern (its
+    layout's entries, the header's index and the read's plan) is warm there; taken in turn, every process paid
+    for those once per pattern, and the probe's one read at a time went to a cold process each time
+    (bench/RESULTS.md, issue 30 item 1)."""
 
-    def __init__(self, arena: HostArena, count: int, verify: str, parallel: int = 1) -> None:
-        self.verify = verify
+    def __init__(self, arena: HostArena, count: int, verify: str, parallel: int = 1, split: int = 1,
+                 readers: int = 0) -> None:
+        """``readers``: the threads of a read split ``split`` ways, for the tasks' size (0: ``parallel``)."""
+        self.verify, self.split, self.readers = verify, max(1, split), readers or parallel
         if arena.fd is None:
             raise ConfigError("process reads need a shared arena (HostArena(shared=True))")
         self._all = [ReaderProcess(arena.fd, arena.capacity, parallel) for _ in range(count)]
-        self._idle: queue.SimpleQueue[ReaderProcess] = queue.SimpleQueue()
-        for proc in self._all:
+        self._idle: queue.LifoQueue[ReaderProcess] = queue.LifoQueue()
+        self._taking = threading.Lock()  # one read takes its processes at a time
+        for proc in reversed(self._all):
             self._idle.put(proc)
 
+    def _take(self) -> list[ReaderProcess]:
+        """One process (waiting for it), and up to ``split`` - 1 more that are idle now."""
+        with self._taking:
+            procs = [self._idle.get()]
+            while len(procs) < self.split:
+                try:
+                    procs.append(self._idle.get_nowait())
+                except queue.Empty:
+                    break
+        return procs
+
     def read(self, spec: AdapterSpec, entry: HostEntry) -> int:
-        proc = self._idle.get()
+        procs = self._take()
         try:
-            return proc.read(spec, entry.layout, entry.block.offset, self.verify, entry.chunks, entry.progress)
+            entry.marks.append(("reader", time.perf_counter()))
+            if len(procs) == 1:
+                return procs[0].read(spec, entry.layout, entry.block.offset, self.verify, entry.chunks,
+                                     entry.progress, entry.marks)
+            return read_split(procs, spec, entry.layout, entry.block.offset, self.verify, entry.chunks,
+                              entry.progress, entry.marks, self.readers)
         finally:
-            self._idle.put(proc)
+            for proc in reversed(procs):  # the first one taken back on top
+                self._idle.put(proc)
 
     def close(self) -> None:
         for proc in self._all:
@@ -211,6 +255,7 @@ class HostEntry:
     staged: int = 0  # chunks in place so far
     listeners: list[ChunkListener] = field(default_factory=list)  # fetchers told of each chunk, until done
     lock: threading.Lock = field(default_factory=threading.Lock)  # protects staged and listeners
+    marks: list[tuple[str, float]] = field(default_factory=list)  # (phase, perf_counter) of its read (probes)
 
     @property
     def num_chunks(self) -> int:
@@ -275,9 +320,16 @@ class HostTier:
         self.config = config
         self.disk = disk
         self.reads = config.reads_for(config.pin and torch.cuda.is_available())
-        self.parallel = config.readers(ranks_here)  # reader threads per read
-        self.arena = HostArena(config.host_bytes, config.pin, shared=self.reads == "process")
-        self._reader = READS[self.reads](self.arena, config.read_threads, config.verify, self.parallel)
+        processes = self.reads == "process"
+        self.parallel = config.readers(ranks_here, processes)  # reader threads per read
+        self.split = config.splits(self.parallel) if processes else 1  # reader processes per read, at most
+        self.arena = HostArena(config.host_bytes, config.pin, shared=processes, background=config.pin_background)
+        if processes:
+            self._reader: ThreadReads | ProcessReads = ProcessReads(
+                self.arena, config.read_threads, config.verify, -(-self.parallel // self.split), self.split,
+                self.parallel)
+        else:
+            self._reader = ThreadReads(self.arena, config.read_threads, config.verify, self.parallel)
         self._pool = ThreadPoolExecutor(config.read_threads, thread_name_prefix="lora-read")
         self._lock = threading.Lock()  # protects _entries, _orphans, _waiting, the counters and the arena
         self._entries: OrderedDict[AdapterKey, HostEntry] = OrderedDict()  # LRU order, oldest first
@@ -457,6 +509,7 @@ class HostTier:
 
     def _read(self, spec: AdapterSpec, entry: HostEntry) -> None:
         t0 = time.perf_counter()
+        entry.marks.append(("read", t0))
         try:
             with self._local(spec) as local:  # an adapter from a store: its proven copy on this node's disk
                 entry.bytes_read = self._reader.read(local, entry)
@@ -473,6 +526,7 @@ class HostTier:
             self._start(admitted)
             return
         entry.read_ms = (time.perf_counter() - t0) * 1e3
+        entry.marks.append(("read end", time.perf_counter()))
         entry.progress(entry.num_chunks)  # a reader that reports no chunks: all of them at once
         with self._lock:
             self.bytes_read += entry.bytes_read

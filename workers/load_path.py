@@ -185,7 +185,8 @@ class LoadPath:
         load.staged(staged)
         if load.claim():
             faults.hit("before_copy", load.key)  # a test may stop (or kill) the worker here
-            self._place(load, entry)
+            # the arena may still be pinning in the background (start-up): the copies wait for it, not the caller
+            self.host.arena.when_pinned(functools.partial(self._place, load, entry))
 
     def _read_done(self, load: SlotLoad, staged: Future[HostEntry]) -> None:
         """The read ended (reader thread): nothing to do if it succeeded (its chunks went their way)."""
@@ -244,6 +245,7 @@ class LoadPath:
                     book.changed(evicted, "gone")
                 book.changed(load.key, "loading")
                 book.loads[load.slot] = book.pending.pop(load.key)
+                load.mark("slot")
         if error is not None:  # failed once its read has ended: the tier holds the shard (a host hit next time)
             load.fail(error)
             entry.ready.add_done_callback(functools.partial(self._reject_staged, load, entry, error))
@@ -275,6 +277,7 @@ class LoadPath:
 
     def _finish(self, load: SlotLoad) -> None:
         """The copy's ready event completed (watcher thread): READY, report (step 7)."""
+        load.mark("seen")
         record = ReadinessRecord(load.key.name, load.key.version, self.tp_rank, load.slot, load.disk_ms,
                                  self.streams.elapsed_ms(load.start_event, load.ready_event),
                                  (time.perf_counter() - load.t0) * 1e3, load.layout.nbytes, load.host_hit)
@@ -294,6 +297,7 @@ class LoadPath:
             if self.on_ready is not None:
                 self.on_ready(record)
         finally:
+            load.mark("ready")
             load.future.set_result(record)
             self._retry_waiters()
 

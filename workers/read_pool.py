@@ -14,7 +14,8 @@ raises only once none of them is running, so no thread writes into the buffer af
 A reader process (``workers.reader_proc``) holds one pool; the host tier's reader threads share one.
 
 How many threads a read gets (``HostTierConfig.read_parallel``, 0: ``auto_readers``): the host's cores shared
-by the GPU ranks on it, at most ``AUTO_MAX`` (bench/RESULTS.md, issue 30).
+by the GPU ranks on it, at most ``AUTO_MAX`` in one process (bench/RESULTS.md, issue 30); a read split over reader
+processes (``workers.host_tier``'s ``read_split``) takes up to 16, a few per process.
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ def ranks_on_host(tp: int) -> int:
     return max(1, tp, gpus)
 
 
-def auto_readers(cores: int, ranks: int) -> int:
-    """Reader threads per read by default: the host's cores over its ranks, in 1..AUTO_MAX."""
-    return max(1, min(AUTO_MAX, cores // max(1, ranks)))
+def auto_readers(cores: int, ranks: int, most: int = AUTO_MAX) -> int:
+    """Reader threads per read by default: the host's cores over its ranks, in 1..``most``."""
+    return max(1, min(most, cores // max(1, ranks)))
 
 
 class ReadPool:
@@ -127,14 +128,16 @@ class _Tally:
                 self.cond.wait()
 
 
-def run_in_order(pool: ReadPool, chunks: Sequence[Sequence[Task]], done: Callable[[int], None]) -> None:
+def run_in_order(pool: ReadPool, chunks: Sequence[Sequence[Task]], done: Callable[[int], None],
+                 loops: int = 0) -> None:
     """Run every chunk's tasks on ``pool`` and call ``done(k)`` here once chunk k's tasks and every earlier
     chunk's have finished, k = 0, 1, ... in order. One loop per thread takes the next task (in chunk order)
     until none is left, so the reading thread queues ``pool.size`` loops, not every task. The first error (a
-    task's, or ``done``'s) is raised once no task of this call runs."""
+    task's, or ``done``'s) is raised once no task of this call runs. ``loops``: at most this many threads of the
+    pool (0: all of them)."""
     flat = [(k, task) for k, tasks in enumerate(chunks) for task in tasks]
     take = itertools.count().__next__  # atomic: one C call under the GIL
-    tally = _Tally([len(tasks) for tasks in chunks], min(pool.size, len(flat)))
+    tally = _Tally([len(tasks) for tasks in chunks], min(loops or pool.size, pool.size, len(flat)))
 
     def loop() -> None:
         try:

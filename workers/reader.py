@@ -35,7 +35,6 @@ import random
 import stat
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -58,8 +57,8 @@ from lora_cache.adapters.shards import ShardEntry, ShardLayout
 from lora_cache.errors import AdapterChangedError, AdapterFormatError
 from lora_cache.vocab import AdapterKey
 from workers import faults
-from workers.read_io import FileShrank, bad_block, read_task
-from workers.read_plan import FileTensor, Task, plan_tasks, task_bytes_for
+from workers.read_io import FileShrank, bad_block, block_crc, crc32, read_task
+from workers.read_plan import FileTensor, Run, Task, plan_tasks, task_bytes_for
 from workers.read_pool import ReadPool, run_in_order
 
 # How much of what a read copied it checks against the version's CRCs (hashed at registration, or, for an
@@ -76,7 +75,7 @@ VERIFY = {
 
 def read_shard(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor, verify: str = "sample",
                chunks: Sequence[slice] | None = None, on_chunk: Callable[[int], None] | None = None,
-               pool: ReadPool | None = None) -> int:
+               pool: ReadPool | None = None, marks: list[tuple[str, float]] | None = None) -> int:
     """Fill ``dest`` (1-D, ``layout.dtype``, >= ``layout.numel``) with the shard; returns bytes read.
     Fault point ``mid_read`` (``workers.faults``): the file is open and checked, nothing read yet.
 
@@ -84,14 +83,14 @@ def read_shard(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor, verif
     ``chunks``: ranges of the layout's entries read one after another (default: one); ``on_chunk(k)`` runs
     once the first ``k`` are in ``dest``, so their host-to-GPU copies can start while the rest is read
     (``lora_cache.adapters.chunks``). ``pool``: reader threads that split the read (``workers.read_pool``);
-    None: this thread alone.
+    None: this thread alone. ``marks``: as ``read_slices``'s.
     """
     if spec.source is None:
         raise AdapterFormatError(f"adapter {spec.name}@{spec.version} was not registered from a file; "
                                  "register it from its directory to read it")
     key = AdapterKey(spec.name, spec.version)
     return read_slices(spec.source, layout.entries, dest, f"TP {layout.rank}/{layout.tp}", verify, chunks, on_chunk,
-                       pool, opened=lambda: faults.hit("mid_read", key))
+                       pool, opened=lambda: faults.hit("mid_read", key), marks=marks)
 
 
 HOW = {  # how a split read moves its bytes (bench/RESULTS.md, issue 30: "preadv" was the fastest measured)
@@ -104,10 +103,17 @@ HOW = {  # how a split read moves its bytes (bench/RESULTS.md, issue 30: "preadv
 def read_slices(source: WeightsSource, entries: tuple[ShardEntry, ...], dest: torch.Tensor, shard: str,
                 verify: str = "sample", chunks: Sequence[slice] | None = None,
                 on_chunk: Callable[[int], None] | None = None, pool: ReadPool | None = None,
-                how: str = "preadv", opened: Callable[[], None] | None = None) -> int:
+                how: str = "preadv", opened: Callable[[], None] | None = None,
+                marks: list[tuple[str, float]] | None = None, part: tuple[int, int] = (0, 1),
+                readers: int = 0) -> int:
     """``read_shard`` from what a reader process is sent: the registered weights file, the layout's entries;
     ``shard`` names the shard in errors; ``how``: one of ``HOW``; ``opened``: called once the file is open and
-    its header checked, before any slice is read (a fault point).
+    its header checked, before any slice is read (a fault point). ``marks``: gets (phase, ``time.perf_counter``)
+    of its steps (opened, planned, each chunk proven) and ("busy read" / "busy crc", seconds) of each task, for
+    the probes' phase breakdown (``bench.probes.cold_read``). ``part`` (i, n): this call does only part i of n
+    of every chunk's tasks (its slices and checks; ``on_chunk`` then tells that its part of the chunks is in
+    place), the other parts done by other reader processes into the same buffer (``workers.host_tier``:
+    ``ProcessReads``); ``readers``: the threads of all parts together, for the tasks' size (0: ``pool``'s).
 
     A chunk is published (``on_chunk``: its copy to the GPU may start, and a ``pipelined`` step may read it)
     only once it is proven as the whole read would be: its blocks checked as ``verify`` says and the file's
@@ -121,18 +127,23 @@ def read_slices(source: WeightsSource, entries: tuple[ShardEntry, ...], dest: to
 
     def proven(k: int) -> None:  # chunk k is in place and its blocks checked: the file must be the one opened
         same_file(weights, source.identity, FileIdentity.of(os.fstat(fd)), "while it was read, after", source.version)
+        if marks is not None:
+            marks.append((f"proven {k}", time.perf_counter()))
         if on_chunk is not None:
             on_chunk(k + 1)
 
     try:
         index = _checked_index(fd, source)
+        if marks is not None:
+            marks.append(("opened", time.perf_counter()))
         if opened is not None:
             opened()
         if how == "mmap":
             with _mapped(fd) as mapped:
-                _read_parallel(pool, fd, source, index, entries, spans, dest, verify, how, proven, mapped)
+                _read_parallel(pool, fd, source, index, entries, spans, dest, verify, how, proven, mapped, marks)
         else:
-            _read_parallel(pool, fd, source, index, entries, spans, dest, verify, how, proven)
+            _read_parallel(pool, fd, source, index, entries, spans, dest, verify, how, proven, None, marks, part,
+                           readers)
         return sum(e.numel * index[e.key].dtype.itemsize for e in entries)  # this rank's slices, in file bytes
     except AdapterChangedError:
         raise
@@ -150,6 +161,8 @@ class _Chunk(NamedTuple):
     tasks: tuple[Task, ...]
     blocks: tuple[int, ...]  # every block its slices touch
     nbytes: int
+    runs: tuple[Run, ...] = ()  # its contiguous slices read straight into the buffer, by file offset
+    covered: tuple[int, ...] = ()  # the blocks those runs hold whole: a check of one reads nothing more
 
 
 _PLANS_LOCK = threading.Lock()  # protects _PLANS
@@ -157,13 +170,39 @@ _PLANS: collections.OrderedDict[tuple[object, ...], tuple[object, object, list[_
 _PLANS_KEPT = 64  # rank patterns x chunkings: a fleet's adapters share a few
 
 
+def _best_covered(runs: Sequence[Run], blocks: Sequence[int]) -> list[int]:
+    """Those of ``blocks`` of which ``runs`` hold at least half as many bytes as of the block they hold most of
+    (a sample check then reads the least of the file again), or ``blocks`` if the runs hold none."""
+    held = dict.fromkeys(blocks, 0)
+    for run in runs:
+        for b in range(run.start // BLOCK_BYTES, (run.start + run.nbytes - 1) // BLOCK_BYTES + 1):
+            if b in held:
+                held[b] += min(run.start + run.nbytes, (b + 1) * BLOCK_BYTES) - max(run.start, b * BLOCK_BYTES)
+    most = max(held.values(), default=0)
+    return [b for b, n in held.items() if n * 2 >= most] if most else list(blocks)
+
+
+def _covered(runs: Sequence[Run], size: int) -> tuple[int, ...]:
+    """The blocks of a ``size``-byte file that ``runs`` (by file offset) hold whole."""
+    blocks: list[int] = []
+    lo = hi = -1  # the run of file bytes read so far, merged over adjacent runs
+    for run in [*runs, Run(size + 1, 0, 0)]:
+        if run.start != hi:  # a gap: the merged range ends; its whole blocks
+            first = -(-lo // BLOCK_BYTES)
+            blocks += [b for b in range(first, hi // BLOCK_BYTES + 1)
+                       if lo >= 0 and b * BLOCK_BYTES >= lo and min((b + 1) * BLOCK_BYTES, size) <= hi]
+            lo = run.start
+        hi = run.start + run.nbytes
+    return tuple(blocks)
+
+
 def _plan(index: dict[str, FileTensor], entries: tuple[ShardEntry, ...], spans: Sequence[slice], dtype: torch.dtype,
-          readers: int, direct: bool) -> list[_Chunk]:
+          readers: int, direct: bool, size: int) -> list[_Chunk]:
     """The chunks' tasks and blocks, planned once: adapters of one rank pattern share their header's index
     (``_parse_index``) and their layout's entries (``shards``), so a cold read of any of them plans nothing.
     Keyed by identity, with the index and entries kept alive beside the plan (an id is never reused while
     its plan is kept)."""
-    key = (id(index), id(entries), tuple((s.start, s.stop) for s in spans), dtype, readers, direct)
+    key = (id(index), id(entries), tuple((s.start, s.stop) for s in spans), dtype, readers, direct, size)
     with _PLANS_LOCK:
         kept = _PLANS.get(key)
         if kept is not None:
@@ -174,7 +213,9 @@ def _plan(index: dict[str, FileTensor], entries: tuple[ShardEntry, ...], spans: 
         part = entries[span]
         nbytes = sum(e.numel * index[e.key].dtype.itemsize for e in part)
         tasks = plan_tasks(index, part, dtype, task_bytes_for(nbytes, readers), direct)
-        plan.append(_Chunk(tuple(tasks), tuple(sorted({b for e in part for b in _span(index[e.key], e)})), nbytes))
+        runs = tuple(sorted((r for t in tasks for r in t.runs), key=lambda r: r.start))
+        plan.append(_Chunk(tuple(tasks), tuple(sorted({b for e in part for b in _span(index[e.key], e)})), nbytes,
+                           runs, _covered(runs, size)))
     with _PLANS_LOCK:
         _PLANS[key] = (index, entries, plan)
         while len(_PLANS) > _PLANS_KEPT:
@@ -190,40 +231,90 @@ def _chunk_checks(source: WeightsSource, blocks: tuple[int, ...], verify: str) -
         with _SETTLED_LOCK:
             done = _SETTLED.get((source.path, source.version, source.identity), set())
         return [b for b in blocks if b not in done]
-    if verify == "identity" or not blocks:
+    if verify != "content":  # identity; sample: checked once the chunk is in the buffer (``_sample``)
         return []
-    return [random.choice(blocks)] if verify == "sample" else list(blocks)
+    return list(blocks)
 
 
 def _read_parallel(pool: ReadPool | None, fd: int, source: WeightsSource, index: dict[str, FileTensor],
                    entries: tuple[ShardEntry, ...], spans: Sequence[slice], dest: torch.Tensor, verify: str, how: str,
-                   proven: Callable[[int], None], mapped: mmap.mmap | None = None) -> None:
+                   proven: Callable[[int], None], mapped: mmap.mmap | None = None,
+                   marks: list[tuple[str, float]] | None = None, part: tuple[int, int] = (0, 1),
+                   readers: int = 0) -> None:
     """Every chunk's slices and block checks as tasks on ``pool`` (None: run here, one after another), the checks
-    first in each chunk; ``proven(k)`` once chunk k and those before it are done, in order."""
+    first in each chunk; ``proven(k)`` once chunk k and those before it are done, in order. ``part`` (i, n): only
+    every n-th task of each chunk from the i-th (``read_slices``)."""
     raw = memoryview(dest.view(torch.uint8).numpy())  # type: ignore[arg-type]  # dest's bytes, for preadv
-    readers = pool.size if pool is not None else 1
-    plan = _plan(index, entries, spans, dest.dtype, readers, how != "mmap")
+    mine, parts = part
+    readers = readers or (pool.size if pool is not None else 1)
+    plan = _plan(index, entries, spans, dest.dtype, readers, how != "mmap", source.identity.size)
     checked_at = time.time_ns()  # before any check: the bytes seen are at least this recent
     checks = [_chunk_checks(source, c.blocks, verify) for c in plan]
     chunks: list[list[Callable[[], None]]] = []
+    settles: list[list[int]] = []  # the blocks this part checks, per chunk (settled once checked)
+    runs: list[tuple[Run, ...]] = []  # the runs this part reads, per chunk (a split read's sample uses only these)
     for c, blocks in zip(plan, checks, strict=True):
         per = max(1, task_bytes_for(c.nbytes, readers) // BLOCK_BYTES)
-        tasks: list[Callable[[], None]] = [functools.partial(_check_task, fd, source, blocks[i : i + per])
-                                           for i in range(0, len(blocks), per)]
-        tasks += [functools.partial(_run_task, fd, raw, dest, index, task, source, how, mapped) for task in c.tasks]
-        chunks.append(tasks)
+        batches = [blocks[i : i + per] for i in range(0, len(blocks), per)]
+        work: list[tuple[list[int], Task | None]] = [(b, None) for b in batches] + [([], t) for t in c.tasks]
+        work = work[mine::parts]
+        tasks: list[Callable[[], None]] = [
+            functools.partial(_check_task, fd, source, b) if t is None
+            else functools.partial(_run_task, fd, raw, dest, index, t, source, how, mapped) for b, t in work]
+        settles.append([b for bs, t in work if t is None for b in bs])
+        runs.append(c.runs if parts == 1 else tuple(sorted((r for _, t in work if t is not None for r in t.runs),
+                                                           key=lambda r: r.start)))
+        chunks.append(tasks if marks is None else [_timed(t, marks) for t in tasks])
+    if marks is not None:
+        marks.append(("planned", time.perf_counter()))
+
+    sample = verify == "sample" and not source.racy  # racy: every block not yet settled, checked by tasks
 
     def done(k: int) -> None:
-        _settle(source, checks[k], checked_at)
+        if sample and plan[k].blocks and k % parts == mine:  # one part checks each chunk, from its own runs
+            covered = plan[k].covered if parts == 1 else _covered(runs[k], source.identity.size)
+            _sample(fd, raw, source, plan[k].blocks, covered, runs[k])
+        _settle(source, settles[k], checked_at)
         proven(k)
 
     if pool is not None:
-        run_in_order(pool, chunks, done)
+        run_in_order(pool, chunks, done, loops=-(-readers // parts))
         return
     for k, tasks in enumerate(chunks):
         for task in tasks:
             task()
         done(k)
+
+
+def _sample(fd: int, raw: memoryview, source: WeightsSource, blocks: Sequence[int], covered: Sequence[int],
+            runs: Sequence[Run]) -> None:
+    """``verify`` sample's check of one chunk, in place: one of its blocks at random, one that ``runs`` (what was
+    read into ``raw``) hold whole where there is one (``covered``: its CRC taken from the buffer, the bytes the
+    GPU will get, no read), else one of ``blocks`` (its CRC from the bytes read and the rest of the block read
+    from the file) (``read_io.block_crc``)."""
+    block = random.choice(covered or _best_covered(runs, blocks))
+    try:
+        crc = block_crc(fd, raw, runs, block, BLOCK_BYTES, source.identity.size)
+    except FileShrank as e:
+        raise AdapterChangedError(f"{source.path} shrank while it was read (it ended before byte {e.offset}) since "
+                                  f"it was registered as version {source.version}; the read is refused") from e
+    if crc != source.block_crcs[block]:
+        raise _changed_block(source, block)
+
+
+def _timed(task: Callable[[], None], marks: list[tuple[str, float]]) -> Callable[[], None]:
+    """``task`` (a partial of ``_check_task`` or ``_run_task``), noting its thread time in ``marks`` as
+    ("busy read" or "busy crc", seconds)."""
+    what = "busy crc" if getattr(task, "func", None) is _check_task else "busy read"
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        try:
+            task()
+        finally:
+            marks.append((what, time.perf_counter() - t0))
+
+    return run
 
 
 def _run_task(fd: int, raw: memoryview, dest: torch.Tensor, index: dict[str, FileTensor], task: Task,
@@ -315,7 +406,7 @@ def _revalidated(fd: int, registered: WeightsSource, now: FileIdentity) -> Weigh
         raise AdapterChangedError(f"{registered.path} shrank while it was checked (it ended before byte {e.offset}) "
                                   f"since it was registered as version {registered.version}; the read is "
                                   "refused: register it again") from e
-    if bad is not None or zlib.crc32(os.pread(fd, registered.header_bytes, 0)) != registered.header_crc:
+    if bad is not None or crc32(os.pread(fd, registered.header_bytes, 0)) != registered.header_crc:
         raise AdapterChangedError(f"{registered.path} changed since it was registered as version "
                                   f"{registered.version}: {change}, and its bytes are not the ones registered "
                                   f"(block {bad} of {BLOCK_BYTES} bytes differs); a read under that version would "
@@ -385,7 +476,7 @@ def _pin_first(fd: int, source: WeightsSource) -> WeightsSource:
 def _checked_index(fd: int, source: WeightsSource) -> dict[str, FileTensor]:
     """Where every tensor is, from the header this fd holds now, if it is the one registered."""
     head = os.pread(fd, source.header_bytes, 0)
-    if zlib.crc32(head) != source.header_crc:
+    if crc32(head) != source.header_crc:
         raise AdapterChangedError(f"{source.path} changed since it was registered as version {source.version}: its "
                                   "header is not the one registered (rewritten in place, same size and stat "
                                   "times); the read is refused: register it again for a new version")
@@ -457,7 +548,7 @@ def _bad_block(mapped: mmap.mmap, source: WeightsSource, blocks: Iterable[int]) 
     """The first of ``blocks`` whose CRC is not the registered one, or None."""
     with memoryview(mapped) as view:
         return next((b for b in blocks
-                     if zlib.crc32(view[b * BLOCK_BYTES : (b + 1) * BLOCK_BYTES]) != source.block_crcs[b]), None)
+                     if crc32(view[b * BLOCK_BYTES : (b + 1) * BLOCK_BYTES]) != source.block_crcs[b]), None)
 
 
 def _check_blocks(mapped: mmap.mmap, source: WeightsSource, blocks: list[int], settle: bool = True) -> None:

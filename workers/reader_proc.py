@@ -30,9 +30,11 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -75,10 +77,15 @@ class ReaderProcess:
         self._conn = Connection(ours.detach())
         self._ready, self._sent = False, {}
 
-    def read(self, spec: AdapterSpec, layout: ShardLayout, offset: int, verify: str = "sample",
-             chunks: Sequence[slice] | None = None, on_chunk: Callable[[int], None] | None = None) -> int:
-        """Read ``spec``'s shard of ``layout`` into the arena at byte ``offset``; returns bytes read.
-        ``chunks`` / ``on_chunk``: as ``reader.read_shard``'s (called here, as the process reports them)."""
+    @property
+    def conn(self) -> Connection | None:
+        """Its end of the socket (``multiprocessing.connection.wait`` on several processes' reads)."""
+        return self._conn
+
+    def begin(self, spec: AdapterSpec, layout: ShardLayout, offset: int, verify: str = "sample",
+              chunks: Sequence[slice] | None = None, part: tuple[int, int] = (0, 1), readers: int = 0) -> None:
+        """Send the process a read (``read``'s arguments; ``part``, ``readers``: as ``reader.read_slices``'s),
+        starting a new process if this one died; its replies come from ``reply``."""
         if spec.source is None:
             raise AdapterFormatError(f"adapter {spec.name}@{spec.version} was not registered from a file; "
                                      "register it from its directory to read it")
@@ -95,23 +102,53 @@ class ReaderProcess:
             key = id(layout.entries)
             self._conn.send((spec.source, verify, key, None if key in self._sent else layout.entries,
                              f"TP {layout.rank}/{layout.tp}", str(layout.dtype).removeprefix("torch."), layout.numel,
-                             offset, [(c.start, c.stop) for c in chunks or ()]))
+                             offset, [(c.start, c.stop) for c in chunks or ()], part, readers))
             self._sent[key] = layout.entries
-            while (reply := self._conn.recv())[0] == "chunk":
-                if on_chunk is not None:
-                    on_chunk(int(reply[1]))
-            status, *value = reply
         except (EOFError, OSError, TimeoutError) as e:
-            code = self._stop()
-            how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
-            raise AdapterFormatError(
-                f"{spec.weights}: the reader process died reading the TP {layout.rank}/{layout.tp} shard ({how}; "
-                f"{type(e).__name__}); a file cut short while it is read does this: re-copy it and register again"
-            ) from e
+            raise self._died(spec, layout, e) from e
+
+    def reply(self, spec: AdapterSpec, layout: ShardLayout) -> tuple[Any, ...]:
+        """The process's next reply to the read ``begin`` sent: ("chunk", k), or its end ("ok", ...) or ("error",
+        ...) (``finish`` reads it); ``AdapterFormatError`` if the process died."""
+        assert self._conn is not None
+        try:
+            return tuple(self._conn.recv())
+        except (EOFError, OSError) as e:
+            raise self._died(spec, layout, e) from e
+
+    @staticmethod
+    def finish(reply: tuple[Any, ...], marks: list[tuple[str, float]] | None = None) -> int:
+        """The bytes a read's last reply says it read, or its error raised (an ``AdapterChangedError`` stays one)."""
+        status, *value = reply
         if status != "ok":
             kind, message = value
             raise ERRORS[kind](message)
+        if marks is not None:
+            marks += value[1]
+            marks.append(("reply", time.perf_counter()))
         return int(value[0])
+
+    def _died(self, spec: AdapterSpec, layout: ShardLayout, e: BaseException) -> AdapterFormatError:
+        code = self._stop()
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        return AdapterFormatError(
+            f"{spec.weights}: the reader process died reading the TP {layout.rank}/{layout.tp} shard ({how}; "
+            f"{type(e).__name__}); a file cut short while it is read does this: re-copy it and register again")
+
+    def read(self, spec: AdapterSpec, layout: ShardLayout, offset: int, verify: str = "sample",
+             chunks: Sequence[slice] | None = None, on_chunk: Callable[[int], None] | None = None,
+             marks: list[tuple[str, float]] | None = None) -> int:
+        """Read ``spec``'s shard of ``layout`` into the arena at byte ``offset``; returns bytes read.
+        ``chunks`` / ``on_chunk``: as ``reader.read_shard``'s (called here, as the process reports them).
+        ``marks``: gets (phase, ``time.perf_counter``) of the read's steps, this process's and the reader's
+        (one clock: CLOCK_MONOTONIC), for the probes' phase breakdown."""
+        self.begin(spec, layout, offset, verify, chunks)
+        while (reply := self.reply(spec, layout))[0] == "chunk":
+            if marks is not None:
+                marks.append((f"got {reply[1] - 1}", time.perf_counter()))
+            if on_chunk is not None:
+                on_chunk(int(reply[1]))
+        return self.finish(reply, marks)
 
     def _stop(self) -> int | None:
         """End the process (it exits when its socket closes); its exit code, None if it had to be killed."""
@@ -132,23 +169,77 @@ class ReaderProcess:
         self._stop()
 
 
+def read_split(procs: Sequence[ReaderProcess], spec: AdapterSpec, layout: ShardLayout, offset: int,
+               verify: str = "sample", chunks: Sequence[slice] | None = None,
+               on_chunk: Callable[[int], None] | None = None, marks: list[tuple[str, float]] | None = None,
+               readers: int = 0) -> int:
+    """One read split over several reader processes (as ``ReaderProcess.read``): process i of n reads part i of
+    every chunk (``reader.read_slices``' ``part``) into the same arena block, each proving the version for its
+    part (the file's identity after each chunk, its share of the block checks; one of them each chunk's sample),
+    so no GIL is shared by the threads of different parts. Chunk k is published once every part has it. The
+    first error (a changed file stays an ``AdapterChangedError``) is raised once every process has ended its
+    part (none writes into the block after the read gave it back); no chunk is published after it."""
+    n = len(procs)
+    error: BaseException | None = None
+    live: dict[Any, ReaderProcess] = {}
+    for i, proc in enumerate(procs):
+        try:
+            proc.begin(spec, layout, offset, verify, chunks, (i, n), readers)
+        except AdapterFormatError as e:
+            error = e
+            break
+        live[proc.conn] = proc
+    have = {id(p): 0 for p in live.values()}  # chunks each part has in place
+    published, read = 0, 0
+    while live:
+        for conn in wait(list(live)):
+            proc = live[conn]
+            try:
+                reply = proc.reply(spec, layout)
+            except AdapterFormatError as e:
+                error = error or e
+                del live[conn]
+                continue
+            if reply[0] == "chunk":
+                have[id(proc)] = int(reply[1])
+                low = min(have.values())
+                if low > published and error is None and len(have) == n:
+                    published = low
+                    if marks is not None:
+                        marks.append((f"got {low - 1}", time.perf_counter()))
+                    if on_chunk is not None:
+                        on_chunk(low)
+                continue
+            del live[conn]
+            try:
+                read = max(read, ReaderProcess.finish(reply, marks))
+            except AdapterFormatError as e:
+                error = error or e
+    if error is not None:
+        raise error
+    return read
+
+
 def _serve(conn: Connection, arena: torch.Tensor, pool: ReadPool | None) -> None:
     torch.set_num_threads(1)
     held: dict[int, tuple[ShardEntry, ...]] = {}
     conn.send(("ready", os.getpid()))
     while True:
         try:
-            source, verify, key, entries, shard, dtype, numel, offset, spans = conn.recv()
+            source, verify, key, entries, shard, dtype, numel, offset, spans, part, readers = conn.recv()
         except (EOFError, ConnectionResetError):
             return
+        marks: list[tuple[str, float]] = [("received", time.perf_counter())]
         if entries is not None:
             held[key] = entries
         try:
             width = getattr(torch, dtype).itemsize
             dest = arena[offset : offset + numel * width].view(getattr(torch, dtype))
             chunks = [slice(a, b) for a, b in spans] or None
-            read = read_slices(source, held[key], dest, shard, verify, chunks, lambda k: conn.send(("chunk", k)), pool)
-            conn.send(("ok", read))
+            read = read_slices(source, held[key], dest, shard, verify, chunks, lambda k: conn.send(("chunk", k)), pool,
+                               marks=marks, part=tuple(part), readers=readers)
+            marks.append(("done", time.perf_counter()))
+            conn.send(("ok", read, marks))
         except AdapterFormatError as e:
             conn.send(("error", type(e).__name__ if type(e).__name__ in ERRORS else "AdapterFormatError", str(e)))
         except Exception as e:

@@ -52,15 +52,16 @@ class CpuStreams:
     def copy_chunk(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None,
                    then: Callable[[Any], None] | None = None, label: object = None,
                    timed: bool = True) -> tuple[Any, Any]:
-        """On the copy stream: wait for ``after`` (a slot's last use), ``then(copy_stream)`` (e.g. the
-        slot's kernel metadata), copy ``src`` into ``dst``; returns (start, done) events (``timed`` False: no
-        start event, None; a load times its copies from its first chunk's start)."""
+        """On the copy stream: wait for ``after`` (a slot's last use), copy ``src`` into ``dst``, then
+        ``then(copy_stream)`` (e.g. the slot's kernel metadata: its host work overlaps the copy); returns
+        (start, done) events (``timed`` False: no start event, None; a load times its copies from its first
+        chunk's start)."""
         start, end = HostEvent(), HostEvent(label, done=not self.deferred)
 
         def run() -> None:
+            dst.copy_(src)
             if then is not None:
                 then(None)
-            dst.copy_(src)
             end.t, end.done = time.perf_counter(), True
 
         with self._lock:
@@ -128,9 +129,9 @@ class CudaStreams(CpuStreams):
                 self.copy_stream.wait_event(after)
             if start is not None:
                 start.record(self.copy_stream)
-            if then is not None:  # e.g. the slot's kernel metadata: valid once the first chunk's event is
-                then(self.copy_stream)
             dst.copy_(src, non_blocking=True)  # one H2D copy of a chunk of the packed shard, from pinned memory
+            if then is not None:  # e.g. the slot's kernel metadata (its host side overlaps the copy just issued):
+                then(self.copy_stream)  # valid once the first chunk's event is, as it is queued before that event
             ready.record(self.copy_stream)
         return start, ready
 

@@ -47,7 +47,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,7 @@ import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.chunks import chunk_plan
+from lora_cache.adapters.files import RACY_NS
 from lora_cache.adapters.shards import shard_layout
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.vocab import AdapterKey
@@ -104,15 +105,18 @@ class Rank:
         self.cache: WorkerCache | None = None
         self.key = AdapterKey(NAME, self.spec.version)
 
-    def build(self, readers: int) -> dict[str, Any]:
-        """A fresh worker cache with ``readers`` reader threads per read (0: auto), warmed by one load."""
+    def build(self, readers: int, reads: str = "auto", verify: str = "sample", split: int = 0) -> dict[str, Any]:
+        """A fresh worker cache with ``readers`` reader threads per read (0: auto), reads where ``reads`` says
+        (``HostTierConfig.reads``), checked as ``verify`` says, warmed by one load."""
         self.close()
-        host = HostTierConfig(host_bytes=self.nbytes + (4 << 20), read_parallel=readers, pin=self.gpu)
+        host = HostTierConfig(host_bytes=self.nbytes + (4 << 20), read_parallel=readers, pin=self.gpu, reads=reads,
+                              verify=verify, read_split=split, read_threads=max(4, split))
         self.cache = WorkerCache(WorkerConfig(num_slots=1, tp=self.cfg["tp"], tp_rank=self.rank, dtype="bfloat16",
                                               device=self.device, host=host), self.catalog)
         self.cache.prefetch(NAME).result(timeout=600)  # reader processes started, the path warm
         self._forget(host_too=True)
-        return {"readers": self.cache.host.parallel, "reads": self.cache.host.reads, "nbytes": self.nbytes}
+        return {"readers": self.cache.host.parallel, "reads": self.cache.host.reads, "nbytes": self.nbytes,
+                "verify": verify, "split": self.cache.host.split}
 
     def _forget(self, host_too: bool) -> None:
         assert self.cache is not None
@@ -130,12 +134,14 @@ class Rank:
         record = self.cache.prefetch(NAME).result(timeout=600)
         t1 = time.perf_counter()
         assert record.host_hit == hit, record
+        load = self.cache.book.loads[record.slot]
+        split = phases(load.t0, load.marks, [] if hit else load.entry.marks)
         self._forget(host_too=not hit)
         return {"t0": t0, "t1": t1, "ms": (t1 - t0) * 1e3, "disk_ms": record.disk_ms, "h2d_ms": record.h2d_ms,
-                "ready_ms": record.ready_ms}
+                "ready_ms": record.ready_ms, "phases": split}
 
     def read_ref(self, threads: int) -> dict[str, Any]:
-        fd = os.open(self.spec.weights, os.O_RDONLY)
+        fd = os.open(str(self.spec.weights), os.O_RDONLY)
         try:
             t0 = time.perf_counter()
             parallel_read(fd, self.raw, self.nbytes, threads)
@@ -185,6 +191,71 @@ class Rank:
         if self.cache is not None:
             self.cache.close()
             self.cache = None
+
+
+def phases(t0: float, load: list[tuple[str, float]], read: list[tuple[str, float]]) -> dict[str, float]:
+    """One load's time split into its phases, ms (``SlotLoad.marks``, and its read's ``HostEntry.marks``: empty
+    for a host hit), each from the end of the one before:
+
+    - ``dispatch``: prefetch -> the host tier's read thread starts (the cache's and the tier's Python, a pool hop);
+    - ``to_reader``: -> the reader (process) has the job (a thread reader: 0);
+    - ``open``: -> the file stat'ed, opened, fstat'ed, its header read and CRC-checked, its index (cached) found;
+    - ``plan``: -> the plan (cached per rank pattern) and the chunks' block checks chosen, the tasks built;
+    - ``read``: -> the last chunk read and proven (``read_first``: -> the first one);
+    - ``report_lag``, ``issue_lag``: median per chunk, proven in the reader -> known here -> its copy issued;
+    - ``reply``: last chunk proven -> the read's end known here (the reader's final reply);
+    - ``to_slot``: (a hit) prefetch -> its slot taken; ``issue``: (a hit) slot -> last copy issued;
+    - ``copy_tail``: the later of the last copy issued and the read's end -> the watcher sees the last copy done;
+    - ``finish``: -> READY reported, the future resolved; ``total``: prefetch -> that.
+    ``busy_read`` / ``busy_crc``: the reader threads' time in slice reads and in block checks (summed, ms).
+    A read split over processes: each step from the first process to get there, a chunk proven by the last."""
+    at: dict[str, float] = {}
+    busy = {"busy read": 0.0, "busy crc": 0.0}
+    proven: dict[int, float] = {}
+    got: dict[int, float] = {}
+    issued: dict[int, float] = {}
+    for name, t in [*load, *read]:
+        if name in busy:
+            busy[name] += t
+        elif name.startswith("proven "):  # a split read: the last part to prove the chunk
+            k = int(name.split()[1])
+            proven[k] = max(t, proven.get(k, t))
+        elif name.startswith("got "):
+            got[int(name.split()[1])] = t
+        elif name.startswith("issue "):
+            issued[int(name.split()[1])] = t
+        else:
+            at.setdefault(name, t)
+    out: dict[str, float] = {}
+
+    def step(name: str, start: float, end: float | None) -> float:
+        if end is not None:
+            out[name] = (end - start) * 1e3
+            return end
+        return start
+
+    last_issue = max(issued.values(), default=t0)
+    if read:
+        t = step("dispatch", t0, at.get("read"))
+        t = step("to_reader", t, at.get("received", t))
+        t = step("open", t, at.get("opened"))
+        planned = t = step("plan", t, at.get("planned"))
+        if proven:
+            out["read_first"] = (proven[min(proven)] - planned) * 1e3
+            t = step("read", t, max(proven.values()))
+            known = got or proven
+            out["report_lag"] = statistics.median((got[k] - proven[k]) * 1e3 for k in got) if got else 0.0
+            out["issue_lag"] = statistics.median((issued[k] - known[k]) * 1e3 for k in issued if k in known)
+        t = step("reply", t, at.get("read end"))
+        t = max(t, last_issue)
+    else:
+        t = step("to_slot", t0, at.get("slot"))
+        t = step("issue", t, last_issue)
+    t = step("copy_tail", t, at.get("seen"))
+    step("finish", t, at.get("ready"))
+    out["total"] = (at.get("ready", t0) - t0) * 1e3
+    out["busy_read"], out["busy_crc"] = busy["busy read"] * 1e3, busy["busy crc"] * 1e3
+    return out
 
 
 def rank_main(rank: int, cfg: dict[str, Any], commands: Any, results: Any, barrier: Any) -> None:
@@ -268,28 +339,42 @@ def med(xs: list[float]) -> float:
 def alone_and_together(ranks: Ranks, repeats: int, op: str, *arg: Any) -> dict[str, Any]:
     """Median ms of ``op`` on each rank alone, and of all ranks at once (first start to last end)."""
     tp = len(ranks.commands)
-    alone = [med([ranks.one(k, op, *arg)["ms"] for _ in range(repeats)]) for k in range(tp)]
+    raw = [[ranks.one(k, op, *arg) for _ in range(repeats)] for k in range(tp)]
+    alone = [med([r["ms"] for r in rs]) for rs in raw]
     together = [ranks.all(op, *arg) for _ in range(repeats)]
-    return {"alone_ms": alone, "together_ms": med([span_ms(t) for t in together]), "together": together}
+    return {"alone_ms": alone, "together_ms": med([span_ms(t) for t in together]), "together": together,
+            "alone": [r for rs in raw for r in rs]}
+
+
+def median_phases(results: list[dict[str, Any]]) -> dict[str, float]:
+    """The median of each phase (``phases``) over loads."""
+    names = {k for r in results for k in r.get("phases", {})}
+    return {k: med([r["phases"][k] for r in results if k in r["phases"]]) for k in sorted(names)}
 
 
 def measure(ranks: Ranks, cfg: dict[str, Any], readers: list[int], ref_threads: list[int], ref_main: int,
-            mechanisms: list[int]) -> dict[str, Any]:
+            mechanisms: list[int], variants: Sequence[tuple[str, int, int, str]] = ()) -> dict[str, Any]:
+    """``variants``: (reads, readers, split, verify) of each cache measured (0: auto); default: ``readers`` with
+    the default reads, split and verify."""
     reps, nbytes = cfg["repeats"], ranks.nbytes
     total, largest = sum(nbytes), max(nbytes)
     memcpy = alone_and_together(ranks, reps, "memcpy")
     refs = {t: alone_and_together(ranks, reps, "read", t) for t in ref_threads}
     ref = refs[ref_main]
     rows = []
-    for n in readers:
-        built = ranks.all("build", n)
+    for how, n, split, verify in variants or [("auto", n, 0, "sample") for n in readers]:
+        built = ranks.all("build", n, how, verify, split)
         cold = alone_and_together(ranks, reps, "load", False)
         hits = [ranks.all("load", True) for _ in range(reps)]
         per_rank = [b / ms / 1e6 for b, ms in zip(nbytes, cold["alone_ms"], strict=True)]
         ref_rank = [b / ms / 1e6 for b, ms in zip(nbytes, ref["alone_ms"], strict=True)]
         bound = ref["together_ms"] + memcpy["together_ms"]
         rows.append({
-            "readers": built[0]["readers"], "asked": n, "reads": built[0]["reads"],
+            "readers": built[0]["readers"], "asked": n, "reads": built[0]["reads"], "verify": verify,
+            "split": built[0]["split"],
+            "phases_cold_alone": median_phases(cold["alone"]),
+            "phases_cold_together": median_phases([r for t in cold["together"] for r in t]),
+            "phases_hit_together": median_phases([r for h in hits for r in h]),
             "cold_alone_ms": cold["alone_ms"], "cold_together_ms": cold["together_ms"],
             "hit_together_ms": med([span_ms(h) for h in hits]),
             "cold_disk_ms": med([r["disk_ms"] for t in cold["together"] for r in t]),
@@ -330,17 +415,34 @@ def table(out: dict[str, Any]) -> str:
              "reference reads, GB/s alone / all at once: " + ", ".join(
                  f"x{t} {r['alone_GBps']:.1f} / {r['together_GBps']:.1f}" for t, r in out["read"].items()),
              "",
-             "| readers | cold per rank GB/s | load / read | cold together GB/s | cold / memcpy | hit / memcpy "
-             "| ready ms | (read + copy) ms | ready / bound |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| reads | verify | readers (processes) | cold per rank GB/s | load / read | cold together GB/s "
+             "| cold / memcpy | hit / memcpy | ready ms | (read + copy) ms | ready / bound |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in out["rows"]:
-        lines.append(f"| {r['readers']} | {med(r['per_rank_GBps']):.2f} | {r['load_over_read']:.2f} | "
+        lines.append(f"| {r['reads']} | {r['verify']} | {r['readers']} ({r['split']}) | "
+                     f"{med(r['per_rank_GBps']):.2f} | "
+                     f"{r['load_over_read']:.2f} | "
                      f"{r['cold_GBps']:.1f} | {r['cold_over_memcpy']:.2f} | {r['hit_over_memcpy']:.2f} | "
                      f"{r['ready_ms']:.1f} | {r['bound_ms']:.1f} | {r['ready_over_bound']:.2f} |")
+    lines += ["", "phases, ms (medians; bench.probes.cold_read.phases says what each is):"]
+    for r in out["rows"]:
+        for what in ("cold_alone", "cold_together", "hit_together"):
+            split = r[f"phases_{what}"]
+            lines.append(f"  {r['reads']} {r['verify']} x{r['readers']} {what}: "
+                         + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
     if "mechanisms_GBps" in out:
         lines += ["", "rank 0 alone, outside the cache, GB/s: " + ", ".join(
             f"{k} {v:.2f}" for k, v in out["mechanisms_GBps"].items())]
     return "\n".join(lines)
+
+
+def variants(text: str) -> list[tuple[str, int, int, str]]:
+    """``--variants``: (reads, readers, split, verify) each."""
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        reads, readers, split, verify = item.split(":")
+        out.append((reads, int(readers), int(split), verify))
+    return out
 
 
 def counts(text: str, auto: int) -> list[int]:
@@ -355,17 +457,159 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--readers", default="1,auto", help="reader threads per read to measure (auto: the default)")
     ap.add_argument("--ref-threads", default="auto", help="the reference's thread counts (auto: the default readers)")
     ap.add_argument("--mechanisms", default="", help="thread counts for rank 0's mechanism comparison ('' : none)")
+    ap.add_argument("--variants", default="", help="caches to measure instead of --readers, comma-separated "
+                    "READS:READERS:SPLIT:VERIFY each (HostTierConfig reads auto/process/thread, read_parallel, "
+                    "read_split, verify; 0: auto), e.g. process:0:0:sample,process:8:1:sample,thread:0:1:identity")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--adapters", default="", help="where the adapter is made (default: a directory under TMPDIR)")
     ap.add_argument("--cpu", action="store_true", help="CPU ranks (the default without a GPU)")
     ap.add_argument("--ranks-in", choices=("process", "thread"), default=None,
                     help="a process per rank (the default with GPUs) or a thread per rank (the default on the CPU)")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="where the JSON goes (required unless --summary)")
+    ap.add_argument("--arena-pin", type=float, default=0, metavar="GIB",
+                    help="only time pinning a GIB shared host arena (issue 30 item 3): in place, and in the "
+                         "background with GPU work (small copies and matmuls, a warm-up's kind) timed meanwhile")
+    ap.add_argument("--summary", metavar="DIR", help="only summarize DIR's cold-*.json (the goals per shape and "
+                                                     "row, the phases of cold loads and hits) into DIR/summary.md")
     return ap
+
+
+GOALS = {"load_over_read": (">=", 0.8), "cold_over_memcpy": (">=", 0.5), "hit_over_memcpy": (">=", 0.9),
+         "ready_over_bound": ("<=", 1.3)}
+
+
+def arena_pin(nbytes: int) -> dict[str, Any]:
+    """Pinning an ``nbytes`` shared arena (``workers.arena.HostArena``): in place (the worker's start-up waited for
+    it before issue 30 item 3), then in the background: how soon the constructor returns, how long until it is
+    pinned, and what GPU work of a warm-up's kind (a small matmul and a host copy, each synchronized) costs per
+    step meanwhile against after (``cudaHostRegister`` may hold a driver lock: then the overlap buys little)."""
+    from workers.arena import HostArena
+
+    gpu = torch.cuda.is_available()
+    out: dict[str, Any] = {"bytes": nbytes, "gpu": gpu, "device": torch.cuda.get_device_name(0) if gpu else "cpu"}
+    t0 = time.perf_counter()
+    arena = HostArena(nbytes, pin=True, shared=True)
+    out["in_place_s"] = time.perf_counter() - t0
+    arena.close()
+    del arena
+    a = torch.randn(256, 256, device="cuda" if gpu else "cpu")
+    host = torch.zeros(1 << 16)
+
+    def step() -> float:
+        s0 = time.perf_counter()
+        (a @ a).sum().item()
+        host.copy_(a.flatten()[: 1 << 16].cpu())
+        return (time.perf_counter() - s0) * 1e3
+
+    for _ in range(20):
+        step()
+    t0 = time.perf_counter()
+    arena = HostArena(nbytes, pin=True, shared=True, background=True)
+    out["background_returns_s"] = time.perf_counter() - t0
+    during: list[float] = []
+    while arena.pin_pending:
+        during.append(step())
+    out["background_pinned_s"] = time.perf_counter() - t0
+    out["pin_s"], out["pin_error"] = arena.pin_s, arena.pin_error
+    after = [step() for _ in range(max(20, min(len(during), 2000)))]
+    out["steps_during"], out["step_ms_during_p50"] = len(during), med(during) if during else 0.0
+    out["step_ms_during_max"] = max(during) if during else 0.0
+    out["step_ms_after_p50"], out["step_ms_after_max"] = med(after), max(after)
+    arena.close()
+    del arena
+    if gpu:
+        out["pieces"] = pinned_in_pieces(nbytes, step)
+    return out
+
+
+def pinned_in_pieces(nbytes: int, step: Callable[[], float], piece: int = 256 << 20) -> dict[str, Any]:
+    """For the next round (not what the arena does): a memfd registered piece by piece on a thread, each piece's
+    cudaHostRegister letting go of the driver between pieces, with the same GPU steps timed meanwhile; then
+    whether a copy across two pieces' registrations is right and how fast it runs against one inside a piece."""
+    import mmap
+    import threading
+
+    fd = os.memfd_create("lora-pin-probe", os.MFD_CLOEXEC)
+    os.ftruncate(fd, nbytes)
+    buf = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
+    codes: list[int] = []
+    device = torch.cuda.current_device()
+
+    def register() -> None:
+        torch.cuda.set_device(device)
+        for at in range(0, nbytes, piece):
+            codes.append(int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr() + at, min(piece, nbytes - at), 0)))
+
+    t0 = time.perf_counter()
+    thread = threading.Thread(target=register)
+    thread.start()
+    during = []
+    while thread.is_alive():
+        during.append(step())
+    out: dict[str, Any] = {"piece_bytes": piece, "pinned_s": time.perf_counter() - t0, "codes": sorted(set(codes)),
+                           "steps_during": len(during), "step_ms_during_p50": med(during) if during else 0.0,
+                           "step_ms_during_max": max(during) if during else 0.0}
+    n = 64 << 20
+    for name, at in (("inside", piece // 4), ("across", piece - n // 2)):
+        src = buf[at : at + n]
+        src.copy_(torch.randint(0, 255, (n,), dtype=torch.uint8))
+        dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+        stream = torch.cuda.Stream()
+        try:
+            t1 = time.perf_counter()
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            stream.synchronize()
+            out[f"copy_{name}_GBps"] = n / (time.perf_counter() - t1) / 1e9
+            out[f"copy_{name}_right"] = bool(torch.equal(dst.cpu(), src))
+        except RuntimeError as e:
+            out[f"copy_{name}_error"] = str(e)
+    for at in range(0, nbytes, piece):
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr() + at)
+    os.close(fd)
+    return out
+
+
+def summary(folder: Path) -> str:
+    """A markdown summary of the probe's JSON files in ``folder``: each row's goals (issue 30 item 1) and
+    phases."""
+    lines = ["| shape | reads | verify | readers (processes) | "
+             + " | ".join(f"{k} ({op} {v})" for k, (op, v) in GOALS.items())
+             + " | load / best read | cold per rank GB/s | ref GB/s (threads) | memcpy 4 at once GB/s |",
+             "| --- | --- | --- | ---: | " + " | ".join("---:" for _ in GOALS) + " | ---: | ---: | ---: | ---: |"]
+    split: list[str] = []
+    for path in sorted(folder.glob("cold-*.json")):
+        out = json.loads(path.read_text())
+        ref = out["read"][str(out["ref_threads"])] if str(out["ref_threads"]) in out["read"] else \
+            out["read"][out["ref_threads"]]
+        for r in out["rows"]:
+            lines.append(f"| {out['model']} r{out['rank']} | {r['reads']} | {r.get('verify', 'sample')} | "
+                         f"{r['readers']} ({r.get('split', 1)}) | " + " | ".join(f"{r[k]:.2f}" for k in GOALS)
+                         + f" | {r['load_over_best_read']:.2f} | {med(r['per_rank_GBps']):.2f} | "
+                         f"{ref['alone_GBps']:.1f} (x{out['ref_threads']}) | {out['memcpy_together_GBps']:.1f} |")
+            for what in ("cold_alone", "cold_together", "hit_together"):
+                phases_ = r.get(f"phases_{what}", {})
+                split.append(f"- {out['model']} r{out['rank']} {r['reads']} {r.get('verify', 'sample')} "
+                             f"x{r['readers']} {what}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases_.items()))
+    return "\n".join([*lines, "", "Phases, ms (medians; bench.probes.cold_read.phases):", *split]) + "\n"
+
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
+    if args.summary:
+        text = summary(Path(args.summary))
+        (Path(args.summary) / "summary.md").write_text(text)
+        print(text, flush=True)
+        return {"summary": text}
+    if not args.out:
+        raise SystemExit("--out is required (or --summary DIR)")
+    if args.arena_pin:
+        out = arena_pin(int(args.arena_pin * (1 << 30)))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2))
+        print(json.dumps(out, indent=2), flush=True)
+        return out
     cpu = args.cpu or not torch.cuda.is_available()
     if not cpu and torch.cuda.device_count() < args.tp:
         raise SystemExit(f"--tp {args.tp} needs {args.tp} GPUs, this host has {torch.cuda.device_count()}; "
@@ -378,6 +622,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with open(weights, "rb", buffering=0) as f:  # the page cache warm: every load below is a page-cache read
         while f.read(64 << 20):
             pass
+    # a file changed within RACY_NS of its registration is checked in full on every read until a check after
+    # the window (lora_cache.adapters.files): registered later than that, the reads check as they will in service
+    time.sleep(max(0.0, (RACY_NS - (time.time_ns() - weights.stat().st_ctime_ns)) / 1e9 + 0.1))
     auto = auto_readers(host_cores(), ranks_on_host(args.tp))  # as each rank's cache resolves read_parallel 0
     cfg = {"cpu": cpu, "root": str(root), "model": args.model, "rank": args.rank, "tp": args.tp,
            "repeats": args.repeats, "ranks_in": args.ranks_in or ("thread" if cpu else "process")}
@@ -385,7 +632,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ranks = Ranks(cfg)
     try:
         out = measure(ranks, cfg, [0 if x.strip() == "auto" else int(x) for x in args.readers.split(",")],
-                      ref_threads, auto, counts(args.mechanisms, auto))
+                      ref_threads, auto, counts(args.mechanisms, auto), variants(args.variants))
     finally:
         ranks.stop()
     out.update(model=args.model, rank=args.rank, tp=args.tp, cpu=cpu, ranks_in=cfg["ranks_in"],

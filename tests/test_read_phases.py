@@ -1,0 +1,229 @@
+"""Issue 30 item 1 on the CPU: a cold load's phases as the probe splits them, the sample check taken from the
+bytes the read put in the buffer (no second read of the block), reader processes reused last-used first."""
+
+from __future__ import annotations
+
+import os
+import random
+import zlib
+from collections import deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.probes.cold_read import phases
+from lora_cache.adapters.catalog import AdapterCatalog
+from lora_cache.adapters.chunks import chunk_plan
+from lora_cache.adapters.files import BLOCK_BYTES
+from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
+from lora_cache.adapters.shards import shard_layout
+from lora_cache.errors import AdapterChangedError, ConfigError
+from lora_cache.vocab import AdapterKey
+from workers import reader as reader_module
+from workers.cache import WorkerCache, WorkerConfig
+from workers.host_tier import AUTO_MAX_SPLIT, HostTier, HostTierConfig, ProcessReads
+from workers.kernels import SlotMeta, shard_dims
+from workers.read_io import block_crc
+from workers.read_plan import Run
+from workers.read_pool import auto_readers
+
+TINY = SHAPES["tiny"]
+
+
+def test_block_crc_takes_the_read_bytes_from_the_buffer_and_the_rest_from_the_file(tmp_path: Path) -> None:
+    rng = random.Random(3)
+    size = 3 * BLOCK_BYTES + BLOCK_BYTES // 2
+    data = rng.randbytes(size)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    runs = [
+        Run(100, 0, BLOCK_BYTES - 100),
+        Run(BLOCK_BYTES, BLOCK_BYTES, BLOCK_BYTES),  # block 0 from 100; 1
+        Run(2 * BLOCK_BYTES + 7, 3 * BLOCK_BYTES, 1000),
+        Run(3 * BLOCK_BYTES + 5, 4 * BLOCK_BYTES, 9),
+    ]
+    buf = bytearray(5 * BLOCK_BYTES)
+    for r in runs:
+        buf[r.at : r.at + r.nbytes] = data[r.start : r.start + r.nbytes]
+    raw = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for b in range(4):
+            want = zlib.crc32(data[b * BLOCK_BYTES : (b + 1) * BLOCK_BYTES])
+            assert block_crc(fd, raw, runs, b, BLOCK_BYTES, size) == want, b
+        buf[BLOCK_BYTES + 5] ^= 1  # a byte of block 1 in the buffer: the check sees the buffer, not the file
+        assert block_crc(fd, raw, runs, 1, BLOCK_BYTES, size) != zlib.crc32(data[BLOCK_BYTES : 2 * BLOCK_BYTES])
+    finally:
+        os.close(fd)
+    assert reader_module._covered(runs, size) == (1,)
+    assert reader_module._best_covered(runs[2:], [2, 3]) == [2]  # 1000 bytes of block 2 against 9 of block 3
+    assert reader_module._best_covered([], [2, 3]) == [2, 3]
+    assert reader_module._covered([Run(0, 0, size)], size) == (0, 1, 2, 3)  # the short last block too
+    assert reader_module._covered([Run(0, 0, BLOCK_BYTES // 2), Run(BLOCK_BYTES // 2, 10, BLOCK_BYTES // 2)], size) == (
+        0,
+    )  # adjacent runs in the file hold block 0 together
+
+
+@pytest.fixture
+def catalog(tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog]) -> AdapterCatalog:
+    paths = tiny_adapters(count=2, rank="16")
+    return make_catalog(paths[0].parent)
+
+
+@pytest.mark.parametrize("reads", ["thread", "process"])
+def test_a_cold_load_and_a_hit_split_into_phases_that_add_up(catalog: AdapterCatalog, reads: str) -> None:
+    host = HostTierConfig(host_bytes=1 << 20, read_threads=1, pin=False, reads=reads)
+    cache = WorkerCache(WorkerConfig(num_slots=2, device="cpu", host=host, chunk_bytes=1 << 10), catalog)
+    try:
+        name = catalog.names()[0]
+        record = cache.prefetch(name).result(timeout=60)
+        load = cache.book.loads[record.slot]
+        cold = phases(load.t0, load.marks, load.entry.marks)
+        chunks = len(load.plan.chunks)
+        assert chunks > 1 and sum(n.startswith("issue ") for n, _ in load.marks) == chunks
+        assert sum(n.startswith("proven ") for n, _ in load.entry.marks) == chunks
+        if reads == "process":  # the reader's own marks came back with its reply, on the same clock
+            assert sum(n.startswith("got ") for n, _ in load.entry.marks) == chunks
+            assert {"received", "opened", "planned", "done", "reply"} <= {n for n, _ in load.entry.marks}
+        steps = ("dispatch", "to_reader", "open", "plan", "read", "reply", "copy_tail", "finish")
+        assert all(cold[k] >= 0 for k in steps) and cold["busy_read"] > 0
+        assert sum(cold[k] for k in steps) <= cold["total"] + 1e-6  # from the end of the step before: no overlap
+        assert cold["total"] == pytest.approx(record.ready_ms, abs=5)
+        assert cache.evict(name)
+        hit = cache.prefetch(name).result(timeout=60)
+        assert hit.host_hit
+        split = phases(cache.book.loads[hit.slot].t0, cache.book.loads[hit.slot].marks, [])
+        assert {"to_slot", "issue", "copy_tail", "finish", "total"} <= set(split) and "read" not in split
+    finally:
+        cache.close()
+
+
+def test_reader_processes_are_taken_last_used_first(catalog: AdapterCatalog) -> None:
+    """One read at a time goes to the process that read last: warm (the entries, the header's index and the
+    plan it keeps per rank pattern), where taken in turn each process paid for them on its first read."""
+    host = HostTierConfig(host_bytes=1 << 20, read_threads=3, read_split=1, pin=False, reads="process")
+    cache = WorkerCache(WorkerConfig(num_slots=2, device="cpu", host=host), catalog)
+    try:
+        reader = cache.host._reader
+        assert isinstance(reader, ProcessReads)
+        for name in catalog.names():
+            cache.prefetch(name).result(timeout=60)
+            key = AdapterKey(name, catalog.get(name).version)
+            assert cache.evict(name) and cache.host.drop(key)
+            cache.prefetch(name).result(timeout=60)
+        assert sorted(bool(p._sent) for p in reader._all) == [False, False, True]  # one process did every read
+    finally:
+        cache.close()
+
+
+@pytest.fixture
+def split_tier() -> Iterator[HostTier]:
+    """A 1 MiB unpinned tier whose reads are split over three reader processes of one thread each."""
+    tier = HostTier(
+        HostTierConfig(host_bytes=1 << 20, read_threads=3, read_split=3, read_parallel=3, pin=False, reads="process")
+    )
+    try:
+        assert tier.split == 3 and tier.parallel == 3
+        yield tier
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_read_split_over_reader_processes_holds_the_files_slices(
+    catalog: AdapterCatalog, split_tier: HostTier, file_slices: Callable, tp: int
+) -> None:
+    spec = catalog.get(catalog.names()[0])
+    for rank in range(tp):
+        lay = shard_layout(spec, TINY, tp, rank, torch.bfloat16)
+        plan = chunk_plan(lay.entries, lay.numel, TINY.num_layers, 2, min_bytes=0)
+        entry = split_tier.fetch(spec, lay, chunks=plan.entry_spans)[0].result(timeout=120)
+        assert sum(n == "received" for n, _ in entry.marks) == 3, "every process read a part"
+        assert entry.staged == len(plan.chunks) and entry.bytes_read == lay.nbytes
+        for e in lay.entries:
+            want = file_slices(spec, lay)[(e.layer, e.module, e.ab)]
+            assert torch.equal(entry.tensor[e.offset : e.offset + e.numel].view(e.shape), want), e.key
+        split_tier.release(AdapterKey(spec.name, spec.version))
+        assert split_tier.drop(AdapterKey(spec.name, spec.version))
+        split_tier.check_integrity()
+
+
+def test_a_split_read_of_a_changed_file_is_refused_and_leaves_the_tier_as_it_was(
+    catalog: AdapterCatalog, split_tier: HostTier
+) -> None:
+    first, second = (catalog.get(n) for n in catalog.names()[:2])
+    lay = shard_layout(first, TINY, 2, 1, torch.bfloat16)
+    split_tier.fetch(first, lay)[0].result(timeout=120)  # the processes up, one shard staged
+    split_tier.release(AdapterKey(first.name, first.version))
+    before = (list(split_tier.arena._free), dict(split_tier.arena._used), split_tier.bytes_read)
+    data = second.weights.read_bytes()
+    assert len(data) == first.weights.stat().st_size
+    with open(second.weights, "r+b") as f:  # other bytes of the same size written in place
+        f.write(data[:8] + bytes(len(data) - 8))  # its header length kept, everything after it zeroed
+    with pytest.raises(AdapterChangedError) as e:
+        split_tier.fetch(second, shard_layout(second, TINY, 2, 1, torch.bfloat16))[0].result(timeout=120)
+    assert second.version in str(e.value) and "register" in str(e.value)
+    assert (list(split_tier.arena._free), dict(split_tier.arena._used), split_tier.bytes_read) == before
+    split_tier.check_integrity()
+    assert all(p.pid is not None for p in split_tier._reader._all)  # no process died of it
+
+
+def test_a_host_hit_is_copied_in_one_copy_with_every_chunk_on_its_event(
+    catalog: AdapterCatalog, file_slices: Callable
+) -> None:
+    """All of a hit's chunks are staged when it takes its slot: one copy (up to COPY_MAX_BYTES), not one per
+    chunk (a fixed cost per chunk that weighed most on small shards: issue 30, hits at 0.46 of the memcpy)."""
+    cache = WorkerCache(
+        WorkerConfig(
+            num_slots=2, device="cpu", chunk_bytes=1 << 10, host=HostTierConfig(host_bytes=1 << 20, pin=False)
+        ),
+        catalog,
+    )
+    try:
+        name = catalog.names()[0]
+        cache.prefetch(name).result(timeout=60)
+        assert cache.evict(name)
+        cache.streams.trace = deque()
+        record = cache.prefetch(name).result(timeout=60)
+        assert record.host_hit
+        load = cache.book.loads[record.slot]
+        assert len(load.plan.chunks) > 1 and len(load.events) == len(load.plan.chunks)
+        assert [op[0] for op in cache.streams.trace] == ["copy"] and len({id(e) for e in load.events}) == 1
+        spec, layout = catalog.get(name), cache.layout_of(name)
+        for (layer, module, ab), want in file_slices(spec, layout).items():
+            e = layout.entry(layer, module, ab)
+            assert torch.equal(cache.pool[record.slot, e.offset : e.offset + e.numel].view(e.shape), want)
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
+def test_the_split_config_and_its_defaults() -> None:
+    assert auto_readers(64, 4, AUTO_MAX_SPLIT) == 16 and auto_readers(64, 4) == 8  # processes / one process
+    assert [HostTierConfig().splits(n) for n in (1, 4, 8, 16, 64)] == [1, 1, 2, 4, 4]  # at most read_threads (4)
+    assert HostTierConfig(read_split=2).splits(16) == 2 and HostTierConfig(read_threads=8).splits(64) == 8
+    with pytest.raises(ConfigError, match=r"read_split must be 0 \(auto\) or 1\.\.read_threads \(4\).*got 5"):
+        HostTierConfig(read_split=5)
+
+
+def test_slot_metadata_of_a_rank_pattern_seen_before_is_written_from_its_checked_offsets(
+    tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog]
+) -> None:
+    """``SlotMeta.write`` checks a layout once per rank pattern (its shared entries) and keeps the offsets; the
+    rows it writes from them equal a fresh check's, the scaling is each adapter's own, and another pattern is
+    checked again."""
+    paths = tiny_adapters(count=3, rank="8,16")
+    catalog = make_catalog(paths[0].parent)
+    specs = [catalog.get(n) for n in catalog.names()]
+    layouts = [shard_layout(s, TINY, 2, 1, torch.float32) for s in specs]
+    kept = SlotMeta(2, TINY.num_layers, MODULE_ORDER, torch.device("cpu"), max_rank=16, dims=shard_dims(TINY, 2))
+    for spec, layout in [*zip(specs, layouts, strict=True)] * 2:
+        fresh = SlotMeta(2, TINY.num_layers, MODULE_ORDER, torch.device("cpu"), max_rank=16, dims=shard_dims(TINY, 2))
+        kept.write(1, layout)
+        fresh.write(1, layout)
+        for name in ("a_off", "b_off", "rank", "scale"):
+            assert torch.equal(getattr(kept, name)[1], getattr(fresh, name)[1]), (spec.name, name)
+        assert kept.numel[1] == layout.numel
+    assert 1 <= len(kept._known) <= len({id(lay.entries) for lay in layouts})
