@@ -35,6 +35,7 @@ import random
 import stat
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import NamedTuple
