@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _engine(max_adapters: int, max_running: int) -> EngineConfig:
-    return EngineConfig(model="tiny", tp=1, num_slots=8, max_rank=64, max_running=max_running,
-                        max_adapters=max_adapters)
+    return EngineConfig(
+        model="tiny", tp=1, num_slots=8, max_rank=64, max_running=max_running, max_adapters=max_adapters
+    )
 
 
 def test_the_benchmark_makes_no_limits_call_of_its_own() -> None:

@@ -41,6 +41,7 @@ one adapter in one call spreads as a stream of calls would.
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -197,11 +198,24 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
         h = rendezvous_hash(adapter, r.replica)
         if short or full:  # it cannot start there now: last; fewest lanes short, then residency (a cold adapter
             # loads only once a lane frees), then least loaded
-            key: tuple[float, ...] = (2, short, r.residence.order, r.load, wait)
+            v = os.environ.get("R3_SHORT", "")
+            if v == "load":
+                key: tuple[float, ...] = (2, r.load, short, r.residence.order, wait)
+            elif v == "shortload":
+                key = (2, short, r.load, r.residence.order, wait)
+            else:
+                key = (2, short, r.residence.order, r.load, wait)
         elif not within:
             key = (1, r.load, r.residence.order, wait)
         elif joins and config.join:  # its adapter's requests run there: it joins their batch
             key = (0, -1, wait, r.load)
+        elif os.environ.get("R3_TTFT") and not (r.scarce and os.environ.get("R3_TTFT") == "wide"):
+            q = float(os.environ.get("R3_Q", "0.01"))
+            pen = {Residence.READY: 0.0, Residence.LOADING: float(os.environ.get("R3_LOADING", "0.005")),
+                   Residence.STAGED: float(os.environ.get("R3_STAGED", "0.002")),
+                   Residence.COLD: float(os.environ.get("R3_COLD", "0.02"))}[r.residence]
+            est = r.load * q + pen + (float(os.environ.get("R3_Q1", "0")) if r.load > 0 else 0.0)
+            key = (0, 0, est, r.residence.order, h if r.residence is Residence.COLD and config.sticky else r.load)
         elif config.sticky and r.residence is Residence.COLD:
             soon = not r.scarce or r.load <= cold_floor + config.cold_slack  # lanes not scarce: hash order
             key = (0, r.residence.order, 0 if soon else 1, 0 if soon else r.load, h)
