@@ -41,7 +41,6 @@ one adapter in one call spreads as a stream of calls would.
 from __future__ import annotations
 
 import math
-import os
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -98,6 +97,10 @@ class RouterConfig:
     lane_s: float = field(default=0.5, metadata={
         "help": "expected wait per adapter lane a replica lacks (its batch holds max_adapters distinct adapters): "
                 "about one request's service time"})
+    oldest_first: bool = field(default=True, metadata={
+        "help": "among replicas of one adapter lane (max_adapters 1) that cannot start the request now (as many "
+                "lanes short), the one whose running batch's newest request was routed earliest first: it is "
+                "likeliest to free its lane soonest (False, and with more lanes: by residency, then load)"})
     join: bool = field(default=True, metadata={
         "help": "a replica where the adapter's requests run (its batch runs it) ranks first within the bound, "
                 "where its batch admits fewer adapters than its slots (a request that joins saves a lane)"})
@@ -131,6 +134,7 @@ class ReplicaLoad(NamedTuple):
     max_adapters: int = 0  # distinct adapters its batch admits (0: unknown, no limit)
     max_running: int = 0  # requests its batch admits (0: unknown, no limit)
     scarce: bool = False  # its batch admits fewer adapters than its ranks hold: lanes bind before residency
+    frees: int = 0  # which running batch frees a lane first, as a routing sequence number (routing.limits; 0: unknown)
 
     def lanes_short(self, adapter: str) -> int:
         """Adapter lanes the replica lacks to start a request of ``adapter`` now: 0 if it is in flight there
@@ -198,24 +202,13 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
         h = rendezvous_hash(adapter, r.replica)
         if short or full:  # it cannot start there now: last; fewest lanes short, then residency (a cold adapter
             # loads only once a lane frees), then least loaded
-            v = os.environ.get("R3_SHORT", "")
-            if v == "load":
-                key: tuple[float, ...] = (2, r.load, short, r.residence.order, wait)
-            elif v == "shortload":
-                key = (2, short, r.load, r.residence.order, wait)
-            else:
-                key = (2, short, r.residence.order, r.load, wait)
+            # one lane (max_adapters 1): the batch routed earliest is likeliest to free it first
+            age = r.frees if config.oldest_first and r.max_adapters == 1 else 0
+            key: tuple[float, ...] = (2, short, age, r.residence.order, r.load, wait)
         elif not within:
             key = (1, r.load, r.residence.order, wait)
         elif joins and config.join:  # its adapter's requests run there: it joins their batch
             key = (0, -1, wait, r.load)
-        elif os.environ.get("R3_TTFT") and not (r.scarce and os.environ.get("R3_TTFT") == "wide"):
-            q = float(os.environ.get("R3_Q", "0.01"))
-            pen = {Residence.READY: 0.0, Residence.LOADING: float(os.environ.get("R3_LOADING", "0.005")),
-                   Residence.STAGED: float(os.environ.get("R3_STAGED", "0.002")),
-                   Residence.COLD: float(os.environ.get("R3_COLD", "0.02"))}[r.residence]
-            est = r.load * q + pen + (float(os.environ.get("R3_Q1", "0")) if r.load > 0 else 0.0)
-            key = (0, 0, est, r.residence.order, h if r.residence is Residence.COLD and config.sticky else r.load)
         elif config.sticky and r.residence is Residence.COLD:
             soon = not r.scarce or r.load <= cold_floor + config.cold_slack  # lanes not scarce: hash order
             key = (0, r.residence.order, 0 if soon else 1, 0 if soon else r.load, h)
@@ -250,8 +243,8 @@ def route_batch(items: Iterable[RouteItem], views: Mapping[str, Sequence[Replica
             loads = {r.replica: r.load for r in view}
             flying = {r.replica: Counter(r.flying) for r in view}
         weight = 1.0 + config.token_weight * item.tokens
-        ranked = rank(item.adapter, [r._replace(load=loads[r.replica], flying=flying[r.replica]) for r in view],
-                      config, weight)
+        ranked = rank(item.adapter, [r._replace(load=loads[r.replica], flying=flying[r.replica])
+                      for r in view], config, weight)
         loads[ranked[0].replica] += weight
         flying[ranked[0].replica][item.adapter] += 1
         out.append(ranked)
