@@ -13,13 +13,18 @@ it is resident until those replicas reach the bound, then overflow to the next r
 loading it and take its later overflow): its traffic spreads over more replicas as its load grows,
 and no replica runs more than ``1 + epsilon`` times the mean (or ``min_bound``) while another has room.
 
-Before the bound, what the replica can start now (``lora_cache.routing.limits``, issue 31): its engine runs at
-most ``max_adapters`` distinct adapters and ``max_running`` requests at once. A replica without a free adapter
-lane for the request (every lane taken by other adapters in flight there) or without room ranks after every
-replica that can start it, fewest lanes short first, then by residency (a cold adapter there loads only once a
-lane frees), then load: the request would wait at the head of its queue for whole requests to finish. Where a
-batch admits fewer adapters than the replica's slots, a replica whose batch runs the adapter ranks first within
-the bound (the request joins that batch and takes no lane).
+Before the bound, what the replica can start now (``lora_cache.routing.limits``, issue 31): its engine runs at most
+``max_adapters`` distinct adapters and ``max_running`` requests at once. A replica without a free adapter lane for
+the request (every lane taken by other adapters in flight there) or without room ranks after every replica that can
+start it, fewest lanes short first, then by residency (a cold adapter there loads only once a lane frees), then
+load: the request would wait at the head of its queue for whole requests to finish. Where a batch runs one adapter
+(``max_adapters`` 1) ``oldest_first`` puts, among those as many lanes short, the replica whose running batch was
+routed earliest first (``ReplicaLoad.frees``, the routing sequence number of that batch's newest request): it is
+likeliest to free its lane soonest (issue 31: on the routing grid's light-load fleets of one lane the wait behind a
+whole request decided p99, and residency or load chose the replica whose batch had just started; bench/RESULTS.md).
+With more lanes the same proxy for the first batch to end cost more than it saved. Where a batch admits fewer
+adapters than the replica's slots, a replica whose batch runs the adapter ranks first within the bound (the request
+joins that batch and takes no lane).
 
 Cold replicas with room are taken in a per-(adapter, replica) hash order (``sticky``, rendezvous hashing: an
 adapter resident nowhere goes to the same replicas every time, whose planners then see its traffic and keep it), or
