@@ -27,8 +27,10 @@ from workers.engine.workload import Request
 def attach_config(replica: str, address: str, engine: EngineConfig | None, rank: int) -> AttachConfig:
     """Rank ``rank`` of ``replica`` (every rank alike), declaring ``engine``'s admission limits in its hello as an
     engine's own launcher would (``AttachConfig.max_adapters``/``max_running``; routing advice's lanes)."""
-    limits = {"max_adapters": engine.max_adapters, "max_running": engine.max_running} if engine else {}
-    return AttachConfig(replica=replica, address=address, **limits)
+    if engine is None:
+        return AttachConfig(replica=replica, address=address)
+    return AttachConfig(replica=replica, address=address, max_adapters=engine.max_adapters,
+                        max_running=engine.max_running)
 
 
 class ProcessFleet:

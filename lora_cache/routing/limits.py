@@ -72,7 +72,7 @@ class InFlight:
         one routed earliest is likeliest to end first). 0: nothing in flight (or no limit)."""
         picks = self._picks.get(replica)
         n = min(int(count), len(picks)) if picks else 0
-        if n <= 0 or max_adapters <= 0:
+        if picks is None or n <= 0 or max_adapters <= 0:
             return 0
         last: dict[str, int] = {}
         for i in range(len(picks) - n, len(picks)):
