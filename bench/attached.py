@@ -24,8 +24,13 @@ from workers.engine.hosted import Rendezvous, rendezvous
 from workers.engine.workload import Request
 
 
-def _attach_config(replica: str, address: str, rank: int) -> AttachConfig:
-    return AttachConfig(replica=replica, address=address)  # every rank of a replica alike
+def attach_config(replica: str, address: str, engine: EngineConfig | None, rank: int) -> AttachConfig:
+    """Rank ``rank`` of ``replica`` (every rank alike), declaring ``engine``'s admission limits in its hello as an
+    engine's own launcher would (``AttachConfig.max_adapters``/``max_running``; routing advice's lanes)."""
+    if engine is None:
+        return AttachConfig(replica=replica, address=address)
+    return AttachConfig(replica=replica, address=address, max_adapters=engine.max_adapters,
+                        max_running=engine.max_running)
 
 
 class ProcessFleet:
@@ -37,15 +42,17 @@ class ProcessFleet:
         self.procs = [p for procs in ranks.values() for p in procs]
 
     @classmethod
-    def start(cls, replicas: list[str], worker: WorkerConfig, tp: int, gpus: bool) -> ProcessFleet:
-        """Start and attach every rank of every replica (``tp`` ranks each, ``worker`` their cache), all at once."""
+    def start(cls, replicas: list[str], worker: WorkerConfig, tp: int, gpus: bool,
+              engine: EngineConfig | None = None) -> ProcessFleet:
+        """Start and attach every rank of every replica (``tp`` ranks each, ``worker`` their cache), all at once;
+        ``engine``: the engine they will build, whose admission limits each rank declares in its hello."""
         gcs = ray.get_runtime_context().gcs_address
         ranks: dict[str, list[EngineProcess]] = {}
         try:
             for r, replica in enumerate(replicas):
                 configs = [dataclasses.replace(worker, tp=tp, tp_rank=k, device=f"cuda:{r * tp + k}" if gpus else "cpu")
                            for k in range(tp)]
-                ranks[replica] = start_ranks(functools.partial(_attach_config, replica, gcs), configs)
+                ranks[replica] = start_ranks(functools.partial(attach_config, replica, gcs, engine), configs)
         except BaseException:
             cls(ranks).stop()
             raise

@@ -103,6 +103,7 @@ def full_grid() -> list[Point]:
 def quick_grid() -> list[Point]:
     """The CI subset: small fleets where the admission limit binds and where it does not (about 30 s)."""
     return [
+        Point(2, 50, 0.3, "uniform", 1, 1, 300),  # light load, one lane: where the running batch was routed
         Point(2, 50, 0.6, "zipf:1", 1, 1, 300),
         Point(2, 50, 0.9, "uniform", 4, 1, 300),
         Point(2, 50, 0.9, "zipf:1.5", 4, 4, 300),

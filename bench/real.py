@@ -106,6 +106,15 @@ class Phases:
         return ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in self.times.items())
 
 
+def serve_config(config: RealConfig, adapters_dir: str, engine: EngineConfig) -> ServeConfig:
+    """The service of a run, as ``lora-cache serve`` would be started for it: its replicas' engines' admission
+    limits (Route's adapter lanes) declared the way serve declares them (``--max-adapters``/``--max-running``);
+    attached ranks (``attach``: no replicas here) declare them in their hello (``bench.attached``)."""
+    return ServeConfig(adapters=adapters_dir, replicas=0 if config.attach else config.replicas, tp=config.tp,
+                       gpus=config.gpus, worker_cpus=config.worker_cpus, max_adapters=engine.max_adapters,
+                       max_running=engine.max_running)
+
+
 def route(requests: list[Request], replicas: int) -> list[list[Request]]:
     """Request i to replica i mod R (in arrival order): the router's rule, the same for every policy."""
     ordered = sorted(requests, key=lambda r: (r.arrival_s, r.rid))
@@ -119,13 +128,12 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
     worker = WorkerConfig(num_slots=slots, dtype=config.dtype,
                           max_batch=max(256, config.max_running + config.max_adapters),
                           host=HostTierConfig(host_bytes=config.host_bytes))
-    serve = ServeConfig(adapters=adapters_dir, replicas=0 if config.attach else config.replicas, tp=config.tp,
-                        gpus=config.gpus, worker_cpus=config.worker_cpus)
-    catalog = CatalogConfig(adapter_roots=(adapters_dir,), model=config.model, max_rank=config.max_rank)
     engine = EngineConfig(model=config.model, num_layers=config.num_layers, tp=config.tp, num_slots=slots,
                           max_rank=config.max_rank, max_running=config.max_running,
                           max_adapters=min(config.max_adapters, slots), max_prefill_tokens=config.max_prefill_tokens,
                           max_seq_len=config.max_seq_len, admission=policy.admission, **config.engine)
+    serve = serve_config(config, adapters_dir, engine)
+    catalog = CatalogConfig(adapter_roots=(adapters_dir,), model=config.model, max_rank=config.max_rank)
     if workload.inflight and config.router != "round-robin":
         raise ConfigError(f"router {config.router!r} routes open-loop arrivals only (poisson, trace); a closed loop "
                           f"(inflight:{workload.inflight}) is routed round-robin up front: use --router round-robin "
@@ -140,7 +148,7 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
     fleet: Fleet | None = None
     try:
         gateway = start_gateway_thread(GatewayConfig(grpc_port=0), service.controller)
-        fleet = (ProcessFleet.start(replicas, worker, config.tp, config.gpus) if config.attach
+        fleet = (ProcessFleet.start(replicas, worker, config.tp, config.gpus, engine) if config.attach
                  else ActorFleet(service, replicas))
         phases.mark("gateway_fleet_s")
         if policy.oracle:
@@ -149,8 +157,6 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
         ranks = fleet.build(engine, config.timeout_s)
         phases.mark("engine_build_s")  # base weights, KV cache, warm-up (kernels compiled, decode graphs captured)
         phases.times.update(ranks or {})  # within the phases above: the slowest rank's cache, model and warm-up
-        ray.get([service.controller.declare_limits.remote(r, engine.max_adapters, engine.max_running)  # Route's lanes
-                 for r in replicas], timeout=60)
         since_wall = time.time()  # counters and the load log from here: hinted loads may precede the clock
         heap.freeze()  # the router's hints and the gateway are not stalled by full collections (thawed below)
         before = fleet.stats()

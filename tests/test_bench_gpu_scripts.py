@@ -31,8 +31,8 @@ def _dry(script: str, *args: str, **env: str) -> list[list[str]]:
 
 
 def test_the_dated_scripts_are_gone() -> None:
-    assert SCRIPTS == ["checks.sh", "cold_path.sh", "fleets.sh", "issue30.sh", "issue30_reads.sh", "parallel.sh",
-                       "suite.sh"]
+    assert SCRIPTS == ["checks.sh", "cold_path.sh", "fleets.sh", "fleets_i31.sh", "issue30.sh", "issue30_reads.sh",
+                       "parallel.sh", "suite.sh"]
     assert not list((ROOT / "bench").glob("gpu_*.sh"))
 
 
@@ -87,6 +87,32 @@ def test_fleets_runs_each_fleet_and_scenario_per_router_and_global_at_each_lead(
             (f"{fleet}-zipf-lora-cache-lead0", "lora-cache", "global", 0.0, rate)]
         assert [r[4] for r in runs if r[0].startswith(f"{fleet}-trace")] == ["trace"] * 4
     assert not [c for c in _dry("fleets.sh", str(tmp_path), "trace") if "bench.run" in c]  # no TRACE: skipped
+
+
+def test_fleets_i31_runs_what_item_3_lacks_in_order_within_its_budget(tmp_path: Path) -> None:
+    """Issue 31, item 3's remainder in one call: 4 x TP 1 at both leads with its baselines, 2 x TP 2 at lead 0,
+    then the 2 x TP 2 baselines again; each with --check-sim; the budget skips runs rather than overrun."""
+    commands = _dry("fleets_i31.sh", str(tmp_path), ADAPTERS=str(tmp_path / "ad"), BUDGET="700")
+    runs = []
+    for command in commands:
+        assert command[:5] == ["timeout", "-k", "15", "240", "python"] and command[5:7] == ["-m", "bench.run"]
+        bench, spec = configs(build_parser().parse_args(command[7:]))
+        assert bench.engine == "real" and bench.check_sim and spec.requests == 60
+        assert bench.replicas * bench.tp == 4 and bench.adapters == str(tmp_path / "ad")
+        runs.append((Path(bench.out).relative_to(tmp_path).as_posix(), bench.router, bench.policies,
+                     bench.hint_lead_s, spec.arrivals))
+    assert runs == [
+        ("4x1-zipf-affinity", "affinity", "queue", 0.0, "poisson:16"),
+        ("4x1-zipf-lora-cache-lead0.05", "lora-cache", "global", 0.05, "poisson:16"),
+        ("4x1-zipf-least-loaded", "least-loaded", "overlap,oracle", 0.0, "poisson:16"),
+        ("4x1-zipf-lora-cache-lead0", "lora-cache", "global", 0.0, "poisson:16"),
+        ("2x2-zipf-lora-cache-lead0", "lora-cache", "global", 0.0, "poisson:8"),
+        ("2x2-zipf-affinity", "affinity", "queue", 0.0, "poisson:8"),
+        ("2x2-zipf-least-loaded", "least-loaded", "overlap,oracle", 0.0, "poisson:8")]
+    default = _dry("fleets_i31.sh", str(tmp_path))  # 500 s at 75 s a policy: the 2x2 baselines left out
+    assert [Path(c[-1]).name for c in default] == [r[0] for r in runs[:5]]
+    short = _dry("fleets_i31.sh", str(tmp_path), BUDGET="160", EST="75")  # two runs of one policy fit
+    assert [Path(c[-1]).name for c in short] == ["4x1-zipf-affinity", "4x1-zipf-lora-cache-lead0.05"]
 
 
 def test_checks_runs_the_parts_asked_and_skips_tp_without_the_gpus(tmp_path: Path) -> None:

@@ -219,3 +219,36 @@ def test_routing_limits_remember_the_newest_picks_per_replica() -> None:
         InFlight(0)
     limits.forget("r0")
     assert limits.limits("r0") == ReplicaLimits() and not limits.flying("r0", 3, [])
+
+
+def test_where_every_lane_is_taken_the_replica_whose_running_batch_is_oldest_ranks_first() -> None:
+    """Issue 31 (light load, max_adapters 1): with no replica able to start the request, it waits for a lane;
+    the replica whose running batch's newest request was routed earliest frees one soonest. Before, residency
+    decided (a READY replica whose batch had just started ranked first), then load."""
+    from lora_cache.routing.limits import RoutingLimits
+
+    config = RouterConfig()
+    limits = RoutingLimits()
+    limits.record([("a", "r0"), ("b", "r1")])  # r0's request is the older
+    limits.declare("r0", max_adapters=1)
+    limits.declare("r1", max_adapters=1)
+    fleet = [ReplicaLoad(r, res, 1.0, limits.flying(r, 1.0, []), max_adapters=1, scarce=True,
+                         frees=limits.lane_frees(r, 1.0))
+             for r, res in (("r0", Residence.COLD), ("r1", Residence.READY))]
+    assert [f.frees for f in fleet] == [1, 2] and limits.lane_frees("r0", None) == 0
+    assert [r.replica for r in rank("x", fleet, config)] == ["r0", "r1"]
+    assert rank("x", fleet, RouterConfig(oldest_first=False))[0].replica == "r1"  # the old rule: residency
+    # a batch's own picks count: the second request goes where fewer lanes are short
+    picks = route_batch([RouteItem("x"), RouteItem("y")], dict.fromkeys("xy", fleet), config)
+    assert [p[0].replica for p in picks] == ["r0", "r1"]
+
+
+def test_lane_frees_is_the_earliest_newest_pick_of_the_running_batches() -> None:
+    from lora_cache.routing.limits import InFlight
+
+    flight = InFlight()
+    for replica, adapter in [("r", "a"), ("r", "b"), ("r", "a"), ("r", "c"), ("q", "a")]:
+        flight.record(replica, adapter)  # sequence numbers 1..5
+    assert flight.lane_frees("r", 4, 2) == 2  # a runs (newest pick 3), b runs (2), c waits: b frees first
+    assert flight.lane_frees("r", 2, 2) == 3  # the newest two in flight only: a (3) and c (4) run
+    assert flight.lane_frees("r", 4, 1) == 3 and flight.lane_frees("r", 0, 2) == flight.lane_frees("x", 3, 2) == 0

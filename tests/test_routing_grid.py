@@ -3,7 +3,10 @@ never worse than behind the better of the affinity and least-loaded routers, on 
 fewer distinct adapters than a rank has slots (``max_adapters`` 1 and 4) and where it does not.
 
 Before Route counted the replicas' admission limits (``lora_cache.routing.limits``), every fleet here failed:
-Route's p99 was 1.03-1.82x, and its mean 1.02-1.76x, the better of the two routers'."""
+Route's p99 was 1.03-1.82x, and its mean 1.02-1.76x, the better of the two routers'. The light-load fleet of one
+adapter lane (``r2-a50-l0.3-uniform-m1-tp1``) failed before a request that no replica can start waited where the
+running batch was routed earliest (``RouterConfig.oldest_first``): Route 87.7 / 889 ms mean / p99 against 86 / 858
+(1.02x / 1.04x); now 77.7 / 684 (0.90x / 0.80x)."""
 
 from __future__ import annotations
 
@@ -18,9 +21,10 @@ def test_route_is_never_worse_than_the_simple_routers_on_the_quick_grid() -> Non
     outcomes = grid.run_grid(grid.quick_grid(), "h200-llama8b", None, log)
     assert len(outcomes) == len(grid.quick_grid()) == log.getvalue().count("\n")
     assert {o.point.max_adapters for o in outcomes} == {1, 4, grid.SLOTS}
-    for o in outcomes:  # the issue's bounds (p99 1.05x, mean 1.0x), mean within 0.5%: on the bursty fleet Route's
-        # mean is 1.0002x the better router's (bench/RESULTS.md, 2026-11-26, later; docs/known-issues.md)
-        assert o.p99_ratio <= grid.P99_LIMIT and o.mean_ratio <= grid.MEAN_LIMIT + 0.005, grid.line(o)
+    for o in outcomes:  # the issue's bounds (p99 1.05x, mean 1.0x); on the bursty fleet Route's mean is 1.0002x the
+        # better router's, an open finding (bench/RESULTS.md, 2026-11-26; docs/known-issues.md): mean within 0.5% there
+        slack = 0.005 if o.point.popularity == "bursty" else 0.0
+        assert o.p99_ratio <= grid.P99_LIMIT and o.mean_ratio <= grid.MEAN_LIMIT + slack, grid.line(o)
 
 
 def test_grid_points_are_named_selected_and_loaded_by_capacity() -> None:

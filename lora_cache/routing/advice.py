@@ -71,7 +71,8 @@ def replica_loads(planner: Planner, key: AdapterKey, loads: Mapping[str, float],
             lim = limits.limits(replica)
             slots = min((planner.capacity(w).slots for w in planner.workers(replica)), default=0)
             item = item._replace(flying=limits.flying(replica, given, waiting), max_adapters=lim.max_adapters,
-                                 max_running=lim.max_running, scarce=0 < lim.max_adapters < slots)
+                                 max_running=lim.max_running, scarce=0 < lim.max_adapters < slots,
+                                 frees=limits.lane_frees(replica, given))
         out.append(item)
     return out
 

@@ -43,16 +43,19 @@ class ReplicaLimits(NamedTuple):
 
 
 class InFlight:
-    """Per replica, the adapters of the requests the advice sent there, newest last (at most ``keep``)."""
+    """Per replica, the adapters of the requests the advice sent there, newest last (at most ``keep``), each with
+    its routing sequence number (one counter over the fleet: a smaller one was routed earlier)."""
 
     def __init__(self, keep: int = KEEP) -> None:
         if keep < 1:
             raise ConfigError(f"keep is {keep}; give a count >= 1 (picks remembered per replica)")
         self.keep = keep
-        self._picks: dict[str, deque[str]] = {}
+        self._picks: dict[str, deque[tuple[str, int]]] = {}
+        self._seq = 0
 
     def record(self, replica: str, adapter: str) -> None:
-        self._picks.setdefault(replica, deque(maxlen=self.keep)).append(adapter)
+        self._seq += 1
+        self._picks.setdefault(replica, deque(maxlen=self.keep)).append((adapter, self._seq))
 
     def newest(self, replica: str, count: float) -> Counter[str]:
         """Adapters of the newest ``count`` picks of ``replica`` (the requests still in flight), with counts."""
@@ -60,7 +63,23 @@ class InFlight:
         if not picks:
             return Counter()
         n = min(int(count), len(picks))
-        return Counter(picks[i] for i in range(len(picks) - n, len(picks))) if n > 0 else Counter()
+        return Counter(picks[i][0] for i in range(len(picks) - n, len(picks))) if n > 0 else Counter()
+
+    def lane_frees(self, replica: str, count: float, max_adapters: int) -> int:
+        """Where every lane of ``replica`` is taken, which running batch frees one first, as a routing sequence
+        number: of the first ``max_adapters`` adapters among its newest ``count`` picks (oldest first: those
+        that run), the least of each one's newest pick (a batch frees its lane when its newest request ends; the
+        one routed earliest is likeliest to end first). 0: nothing in flight (or no limit)."""
+        picks = self._picks.get(replica)
+        n = min(int(count), len(picks)) if picks else 0
+        if picks is None or n <= 0 or max_adapters <= 0:
+            return 0
+        last: dict[str, int] = {}
+        for i in range(len(picks) - n, len(picks)):
+            adapter, seq = picks[i]
+            if adapter in last or len(last) < max_adapters:
+                last[adapter] = seq
+        return min(last.values())
 
     def forget(self, replica: str) -> None:
         self._picks.pop(replica, None)
@@ -97,6 +116,13 @@ class RoutingLimits:
         if load is not None:
             return self.in_flight.newest(replica, load)
         return Counter(waiting)
+
+    def lane_frees(self, replica: str, load: float | None) -> int:
+        """With the router's count ``load``, ``InFlight.lane_frees`` under the replica's declared ``max_adapters``;
+        without (None), 0: unknown."""
+        if load is None:
+            return 0
+        return self.in_flight.lane_frees(replica, load, self.limits(replica).max_adapters)
 
     def record(self, picks: Iterable[tuple[str, str]]) -> None:
         """First picks the router takes: (adapter, replica) pairs, in order."""

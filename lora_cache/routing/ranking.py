@@ -13,13 +13,18 @@ it is resident until those replicas reach the bound, then overflow to the next r
 loading it and take its later overflow): its traffic spreads over more replicas as its load grows,
 and no replica runs more than ``1 + epsilon`` times the mean (or ``min_bound``) while another has room.
 
-Before the bound, what the replica can start now (``lora_cache.routing.limits``, issue 31): its engine runs at
-most ``max_adapters`` distinct adapters and ``max_running`` requests at once. A replica without a free adapter
-lane for the request (every lane taken by other adapters in flight there) or without room ranks after every
-replica that can start it, fewest lanes short first, then by residency (a cold adapter there loads only once a
-lane frees), then load: the request would wait at the head of its queue for whole requests to finish. Where a
-batch admits fewer adapters than the replica's slots, a replica whose batch runs the adapter ranks first within
-the bound (the request joins that batch and takes no lane).
+Before the bound, what the replica can start now (``lora_cache.routing.limits``, issue 31): its engine runs at most
+``max_adapters`` distinct adapters and ``max_running`` requests at once. A replica without a free adapter lane for
+the request (every lane taken by other adapters in flight there) or without room ranks after every replica that can
+start it, fewest lanes short first, then by residency (a cold adapter there loads only once a lane frees), then
+load: the request would wait at the head of its queue for whole requests to finish. Where a batch runs one adapter
+(``max_adapters`` 1) ``oldest_first`` puts, among those as many lanes short, the replica whose running batch was
+routed earliest first (``ReplicaLoad.frees``, the routing sequence number of that batch's newest request): it is
+likeliest to free its lane soonest (issue 31: on the routing grid's light-load fleets of one lane the wait behind a
+whole request decided p99, and residency or load chose the replica whose batch had just started; bench/RESULTS.md).
+With more lanes the same proxy for the first batch to end cost more than it saved. Where a batch admits fewer
+adapters than the replica's slots, a replica whose batch runs the adapter ranks first within the bound (the request
+joins that batch and takes no lane).
 
 Cold replicas with room are taken in a per-(adapter, replica) hash order (``sticky``, rendezvous hashing: an
 adapter resident nowhere goes to the same replicas every time, whose planners then see its traffic and keep it), or
@@ -97,6 +102,10 @@ class RouterConfig:
     lane_s: float = field(default=0.5, metadata={
         "help": "expected wait per adapter lane a replica lacks (its batch holds max_adapters distinct adapters): "
                 "about one request's service time"})
+    oldest_first: bool = field(default=True, metadata={
+        "help": "among replicas of one adapter lane (max_adapters 1) that cannot start the request now (as many "
+                "lanes short), the one whose running batch's newest request was routed earliest first: it is "
+                "likeliest to free its lane soonest (False, and with more lanes: by residency, then load)"})
     join: bool = field(default=True, metadata={
         "help": "a replica where the adapter's requests run (its batch runs it) ranks first within the bound, "
                 "where its batch admits fewer adapters than its slots (a request that joins saves a lane)"})
@@ -130,6 +139,7 @@ class ReplicaLoad(NamedTuple):
     max_adapters: int = 0  # distinct adapters its batch admits (0: unknown, no limit)
     max_running: int = 0  # requests its batch admits (0: unknown, no limit)
     scarce: bool = False  # its batch admits fewer adapters than its ranks hold: lanes bind before residency
+    frees: int = 0  # which running batch frees a lane first, as a routing sequence number (routing.limits; 0: unknown)
 
     def lanes_short(self, adapter: str) -> int:
         """Adapter lanes the replica lacks to start a request of ``adapter`` now: 0 if it is in flight there
@@ -197,7 +207,9 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
         h = rendezvous_hash(adapter, r.replica)
         if short or full:  # it cannot start there now: last; fewest lanes short, then residency (a cold adapter
             # loads only once a lane frees), then least loaded
-            key: tuple[float, ...] = (2, short, r.residence.order, r.load, wait)
+            # one lane (max_adapters 1): the batch routed earliest is likeliest to free it first
+            age = r.frees if config.oldest_first and r.max_adapters == 1 else 0
+            key: tuple[float, ...] = (2, short, age, r.residence.order, r.load, wait)
         elif not within:
             key = (1, r.load, r.residence.order, wait)
         elif joins and config.join:  # its adapter's requests run there: it joins their batch
@@ -236,8 +248,8 @@ def route_batch(items: Iterable[RouteItem], views: Mapping[str, Sequence[Replica
             loads = {r.replica: r.load for r in view}
             flying = {r.replica: Counter(r.flying) for r in view}
         weight = 1.0 + config.token_weight * item.tokens
-        ranked = rank(item.adapter, [r._replace(load=loads[r.replica], flying=flying[r.replica]) for r in view],
-                      config, weight)
+        ranked = rank(item.adapter, [r._replace(load=loads[r.replica], flying=flying[r.replica])
+                      for r in view], config, weight)
         loads[ranked[0].replica] += weight
         flying[ranked[0].replica][item.adapter] += 1
         out.append(ranked)
