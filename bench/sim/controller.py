@@ -46,7 +46,8 @@ class SyntheticCatalog(AdapterCatalog):
     def config_for(shape: ModelShape, ranks: Mapping[str, int]) -> CatalogConfig:
         return CatalogConfig(adapter_roots=(NO_FILES_ROOT,), model=shape.name, max_rank=max(ranks.values()))
 
-    def read(self, name: str, path: str | Path, known: KnownVersion | None = None) -> AdapterSpec:
+    def read(self, name: str, path: str | Path, known: KnownVersion | None = None,
+             carried: bool = False) -> AdapterSpec:
         """The simulated adapter's spec, made in memory (``add``, as for files read, makes it current)."""
         if name not in self.ranks:
             raise NotFoundError(f"adapter {name!r} is not one of the simulated adapters; give it a rank first")
