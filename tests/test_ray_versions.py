@@ -29,6 +29,7 @@ from lora_cache.adapters.synth import SynthConfig, make_adapters, write_adapter 
 from lora_cache.app.serve import ServeConfig, Service, start, wait_ready  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
 from lora_cache.vocab import WorkerId  # noqa: E402
+from tests.version_audit import check_steps  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
 from workers.engine import EngineConfig, Request  # noqa: E402
@@ -107,28 +108,10 @@ def test_reregistration_under_traffic_keeps_one_version_per_step_on_every_rank(f
     result = ray.get(runs[0])
     assert registered >= 3, "the run ended before the adapter was re-registered under it"
 
-    records = result.records
-    assert all(r.ok for r in records), [r.error for r in records if not r.ok]
-    served = {r.version for r in records if r.adapter == HOT}
-    assert len(served) >= 2, f"every request got one version ({served}): no re-registration reached the steps"
-    audits = [stats.audit for stats in result.ranks]
-    assert len(audits[0]) == len(audits[1]) > 0, "both ranks ran the same steps"
-    version_of = {r.rid: f"{r.adapter}@{r.version}" for r in records if r.adapter is not None}
-    checked = 0
-    for step0, step1 in zip(*audits):
-        assert (step0.kind, step0.rids, step0.keys) == (step1.kind, step1.rids, step1.keys), "ranks mixed versions"
-        for rid, key in zip(step0.rids, step0.keys):
-            if key:
-                assert key == version_of[rid], f"request {rid} computed with {key}, admitted with {version_of[rid]}"
-        for rank, step in enumerate((step0, step1)):
-            for key, digest in step.digests.items():
-                name, version = key.split("@")
-                directory = dirs[version] if name == HOT else fleet.root / name
-                assert digest == expected_digest(directory, name, rank), f"rank {rank} computed {key} with other bytes"
-                checked += 1
-    assert checked > 0
-    print(f"{admission}: {registered} re-registrations under traffic, {len(audits[0])} steps on 2 ranks, "
-          f"{checked} slot digests checked, versions served {len(served)}")
+    checked, served = check_steps(result.records, [stats.audit for stats in result.ranks], HOT,
+                                  lambda name, v: dirs[v] if name == HOT else fleet.root / name, expected_digest)
+    print(f"{admission}: {registered} re-registrations under traffic, {checked} slot digests checked, versions "
+          f"served {served}")
     assert ray.get(ctl.check_integrity.remote())
 
 
