@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 
+import lora_cache.adapters.catalog as catalog_module
 import lora_cache.adapters.files as files_module
 import lora_cache.adapters.peft as peft_module
-import workers.rank_control as rank_control_module
 import workers.reader as reader_module
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.files import HOST, RACY_NS, FileIdentity, content_crcs, load_pin
@@ -257,7 +257,7 @@ def test_a_rank_on_another_machine_refuses_an_identity_version_and_says_how(
     try:
         control = WorkerControl("r", rank, cache, Outbox("r/0", flush_s=60.0))
         assert control.register_adapter("a", str(root / "a"), known) == controller.version  # same machine: taken
-        for module in (files_module, peft_module, rank_control_module):  # the rank now runs on another boot
+        for module in (files_module, peft_module, catalog_module):  # the rank now runs on another boot
             monkeypatch.setattr(module, "HOST", "another-boot")
         with pytest.raises(AdapterChangedError, match=r"another machine.*--local-versions content"):
             control.register_adapter("a", str(root / "a"), known)
@@ -287,3 +287,56 @@ def test_a_content_version_stays_one_once_its_file_settles(root: Path, monkeypat
     with open(file_of(racy), "r+b") as f:  # other bytes: a new version, as before
         f.write((root / "b" / WEIGHTS_FILE).read_bytes())
     assert catalog(root).read("a", root / "a", racy.known).version != racy.version
+
+
+def test_a_rank_parses_only_the_adapters_it_loads_and_a_bad_first_load_changes_nothing(root: Path) -> None:
+    """Lazy specs (issue 29 item 2): a rank taking N registrations on the controller's word (each adapter with
+    its own module table) holds none of them parsed; the first prefetch of one builds its spec (the controller's
+    version, modules and dtype) and loads it; a file rewritten after the registration fails its first load with
+    ``AdapterChangedError``, nothing parsed or reserved for it, the cache as it was."""
+    names = [f"t{i}" for i in range(len(MODULE_ORDER))]
+    for i, name in enumerate(names):  # distinct targets: distinct module tables
+        write_adapter(
+            root / name,
+            TINY,
+            8,
+            16.0,
+            list(MODULE_ORDER)[: i + 1],
+            torch.bfloat16,
+            torch.Generator().manual_seed(10 + i),
+        )
+    specs = {name: catalog(root).register(name, root / name) for name in names}
+    assert len({s.modules for s in specs.values()}) == len(names)
+    rank = catalog(root)
+    cache = WorkerCache(
+        WorkerConfig(num_slots=2, device="cpu", host=HostTierConfig(host_bytes=1 << 20, pin=False)), rank
+    )
+    try:
+        control = WorkerControl("r", rank, cache, Outbox("r/0", flush_s=60.0))
+        for name in names:
+            assert control.register_adapter(name, str(root / name), specs[name].known) == specs[name].version
+        assert rank.parsed() == [] and rank.parses == 0 and (control.taken, control.hashed) == (len(names), 0)
+        assert rank.versions(names[2]) == [specs[names[2]].version]  # versions and names need no parse
+        first = names[2]
+        cache.prefetch(first).result(timeout=30)
+        assert rank.parsed() == [(first, specs[first].version)] and rank.parses == 1
+        built = rank.get(first)
+        assert (built.version, built.modules, built.dtype) == (
+            specs[first].version,
+            specs[first].modules,
+            specs[first].dtype,
+        )
+        assert {(k.name, k.version) for k in cache.ready_keys()} == {(first, specs[first].version)}
+
+        bad = names[3]
+        adapter(root / bad, 99)  # rewritten after its registration: other bytes, another identity
+        residency, used = cache.residency(), cache.stats()["host_bytes_used"]
+        with pytest.raises(AdapterChangedError, match=repr(bad)):
+            cache.prefetch(bad)
+        assert rank.parsed() == [(first, specs[first].version)]
+        assert cache.residency() == residency and cache.stats()["host_bytes_used"] == used
+        assert rank.current(bad) == specs[bad].version  # still registered; refused on every load until re-registered
+        with pytest.raises(AdapterChangedError):
+            cache.stage(bad)
+    finally:
+        cache.close()

@@ -80,7 +80,7 @@ AdapterRef = str | AdapterKey  # a name (its current version, looked up when acq
 
 def resolve(catalog: AdapterCatalog, ref: AdapterRef) -> AdapterKey:
     """The exact version ``ref`` stands for: itself, or the current version of a name."""
-    return ref if isinstance(ref, AdapterKey) else AdapterKey(ref, catalog.get(ref).version)
+    return ref if isinstance(ref, AdapterKey) else AdapterKey(ref, catalog.current(ref))
 
 
 class Batch(NamedTuple):
@@ -183,7 +183,7 @@ class WorkerCache:
 
     def evict(self, name: str, version: str | None = None) -> bool:
         """Free the adapter's slot if it is READY and unused; False if absent, loading or in use."""
-        version = version or self.catalog.get(name).version
+        version = version or self.catalog.current(name)
         with self.book.lock:
             key = AdapterKey(name, version)
             slot = self.book.table.lookup(key)

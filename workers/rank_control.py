@@ -8,10 +8,9 @@ rebuilds from, and the cache's counters. Plain Python; the hosts only forward to
 
 from __future__ import annotations
 
-from lora_cache.adapters.catalog import AdapterCatalog
-from lora_cache.adapters.files import HOST, WeightsSource
+from lora_cache.adapters.catalog import AdapterCatalog, check_carried
 from lora_cache.adapters.peft import KnownVersion
-from lora_cache.errors import AdapterChangedError, LoraCacheError
+from lora_cache.errors import LoraCacheError
 from lora_cache.vocab import ApplyResult, Command
 from workers.cache import WorkerCache
 from workers.commands import CommandGate
@@ -30,22 +29,16 @@ class WorkerControl:
     def register_adapter(self, name: str, path: str, known: KnownVersion | None = None) -> str:
         """Register ``name`` from ``path``; its version. ``known``: the version the controller hashed (lifecycle
         step 0): taken without reading the weights if this rank's own open proves the file is the one the
-        controller hashed (``peft.proves``), else hashed here, and refused if it hashes to another version."""
-        spec = self.catalog.read(name, path, known, carried=True)  # a store version: no request to the store
-        if (known is not None and spec.version != known.version and isinstance(known.source, WeightsSource)
-                and not known.source.racy and not known.source.pinned):
-            raise AdapterChangedError(
-                f"adapter {name!r}: the controller registered version {known.version} from the identity of "
-                f"{known.source.path} on its machine (local_versions 'identity'), and this rank cannot prove its "
-                f"file is that one ({'another machine' if known.host != HOST else 'the file changed since'}): "
-                "register the adapter again, or for copies on several machines (or a file system shared between "
-                "them) run the controller with --local-versions content, or serve the adapters from an object store")
-        if known is not None and spec.version != known.version:
-            raise AdapterChangedError(
-                f"adapter {name!r}: {spec.weights} hashes to version {spec.version} on this rank, but the controller "
-                f"registered version {known.version}: the file changed since, or this node's copy differs; this "
-                "rank refuses it (it would serve other bytes under that version): make every node's copy the "
-                "same and register the adapter again")
+        controller hashed (``peft.proves``), else hashed here, and refused if it hashes to another version. Where
+        a stat and the config prove the file unchanged on the controller's machine (or the store version came with
+        its config and header), nothing is parsed now: only the version's identity is kept until the adapter is
+        first loaded or staged here, when the full read and the same checks run (``AdapterCatalog.add_lazy``)."""
+        if self.catalog.add_lazy(name, path, known) is not None:  # proven by a stat and the config: parsed at
+            self.paths[name] = path  # its first load or stage here (``AdapterCatalog.get``), checked again then
+            self.taken += 1
+            return known.version  # type: ignore[union-attr]
+        spec = check_carried(name, self.catalog.read(name, path, known, carried=True), known)  # a store version:
+        # no request to the store
         self.catalog.add(spec)
         self.paths[name] = path
         if known is not None and (spec.store or spec.source) is known.source:  # taken as proven, not re-read

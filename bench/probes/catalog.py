@@ -22,6 +22,11 @@ the same script, as it finds them. The 8B shape's 100 adapters take 8.4 GB of di
     python -m bench.probes.catalog --counts 100,1000,10000 --out results/catalog/tiny.json
     python -m bench.probes.catalog --counts 100 --model llama-3.1-8b --max-rank 16 --rank 16
     python -m bench.probes.catalog --counts 100 --model llama-3.1-8b --max-rank 16 --rank 16 --local-versions content
+    python -m bench.probes.catalog --counts 1000 --heap --distinct-tables   # no module table shared
+
+``--distinct-tables``: every adapter has its own module table (its own ``lora_alpha``), the catalogue that
+interning cannot share; ``worker_specs_parsed`` says how many specs each worker holds parsed after the
+registration (all of them before lazy specs; none after, until an adapter is loaded or staged).
 """
 
 from __future__ import annotations
@@ -62,6 +67,24 @@ def make_adapters(root: Path, model: str, rank: int, count: int) -> int:
         shutil.copyfile(first / CONFIG, out / CONFIG)
         (out / WEIGHTS).write_bytes(weights[:-8] + i.to_bytes(8, "little"))  # a tensor's last bytes: its own version
     return count * (len(weights) + (first / CONFIG).stat().st_size)
+
+
+def make_distinct(root: Path, model: str, rank: int, count: int) -> int:
+    """``count`` adapters under ``root``, each with its own module table: one weights file (hard links of the
+    first adapter of ``make_adapters``) and a config per adapter whose ``lora_alpha`` differs, so every module's
+    scaling, the config and the version differ (the catalogue where no two adapters share a table); their bytes."""
+    source = root.parent / f"{root.name}-source"
+    make_adapters(source, model, rank, 1)
+    first = source / "adapter-00000"
+    config = json.loads((first / CONFIG).read_text())
+    for i in range(count):
+        out = root / f"adapter-{i:05d}"
+        if (out / WEIGHTS).is_file() and (out / CONFIG).is_file():
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        (out / CONFIG).write_text(json.dumps({**config, "lora_alpha": float(config["lora_alpha"]) + i / 1024}))
+        os.link(first / WEIGHTS, out / WEIGHTS)  # one file on disk: each adapter's own version from its config
+    return (first / WEIGHTS).stat().st_size + count * (first / CONFIG).stat().st_size
 
 
 def proc_figures(pid: int) -> tuple[int, int]:
@@ -122,6 +145,12 @@ def _heap_stop() -> int:
     grown = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     return grown
+
+
+def _parsed_count(actor: Any) -> int:
+    """Specs a worker holds parsed (every registered one before lazy specs)."""
+    catalog = actor.catalog
+    return len(catalog.parsed()) if hasattr(catalog, "parsed") else len(catalog)
 
 
 def quantiles_ms(times: list[float]) -> dict[str, float]:
@@ -188,6 +217,7 @@ def measure(root: Path, count: int, ns: argparse.Namespace) -> dict[str, Any]:
             if ns.heap else {}
         status = ray.get(service.controller.status.remote())
         known = [len(ray.get(h.describe.remote())["adapters"]) for h in service.workers.values()]
+        parsed = [ray.get(h.__ray_call__.remote(_parsed_count)) for h in service.workers.values()]
         assert status["adapters"] == count and all(k == count for k in known), (status["adapters"], known)
         service.stop()
     finally:
@@ -196,7 +226,7 @@ def measure(root: Path, count: int, ns: argparse.Namespace) -> dict[str, Any]:
             "serving_s": round(started + registered, 2),
             "read_mb": {k: round((after[k][0] - before[k][0]) / 1e6, 1) for k in pids},
             "rss_per_adapter": {k: (after[k][1] - before[k][1]) // count for k in pids},
-            **({"heap_per_adapter": heap} if heap else {}),
+            **({"heap_per_adapter": heap} if heap else {}), "worker_specs_parsed": parsed,
             "status_idle": quantiles_ms(idle.times), "status_registering": quantiles_ms(busy.times)}
 
 
@@ -214,6 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "'content'; empty: its default, or what the code measured has)")
     parser.add_argument("--heap", action="store_true", help="also the Python heap each process holds per adapter "
                         "after the registration (tracemalloc: the registration is slower, its timings not comparable)")
+    parser.add_argument("--distinct-tables", action="store_true", help="every adapter with its own module table "
+                        "(its own lora_alpha; the weights one file, hard-linked): no table shared between entries")
     parser.add_argument("--cache", default="/tmp/lora-cache-bench-catalog", help="where the adapters are made")
     parser.add_argument("--out", help="also write the results here (JSON)")
     ns = parser.parse_args(argv)
@@ -222,9 +254,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--counts {ns.counts!r}: give positive counts such as 100,1000,10000")
     results = []
     for count in counts:
-        root = Path(ns.cache) / f"{ns.model}-r{ns.rank}" / str(count)
-        disk = make_adapters(root, ns.model, ns.rank, count)
+        root = Path(ns.cache) / f"{ns.model}-r{ns.rank}{'-distinct' if ns.distinct_tables else ''}" / str(count)
+        disk = (make_distinct if ns.distinct_tables else make_adapters)(root, ns.model, ns.rank, count)
         row = {**measure(root, count, ns), "model": ns.model, "disk_mb": round(disk / 1e6, 1),
+               "distinct_tables": ns.distinct_tables,
                "local_versions": ns.local_versions or "default"}
         print(json.dumps(row), flush=True)
         results.append(row)

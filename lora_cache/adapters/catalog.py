@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lora_cache.adapters.files import HOST, FileIdentity, WeightsSource
 from lora_cache.adapters.objects import StoreUrl, is_store_url
-from lora_cache.adapters.peft import AdapterSpec, KnownVersion, read_adapter
+from lora_cache.adapters.peft import WEIGHTS_FILE, AdapterSpec, KnownVersion, config_digest, read_adapter
 from lora_cache.adapters.roots import AdapterRoots
 from lora_cache.adapters.shapes import ModelShape, resolve_model
-from lora_cache.errors import AdapterFormatError, AdapterPathError, ConfigError, NotFoundError
+from lora_cache.errors import (
+    AdapterChangedError,
+    AdapterFormatError,
+    AdapterPathError,
+    ConfigError,
+    LoraCacheError,
+    NotFoundError,
+)
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -57,6 +66,47 @@ class CatalogConfig:
         return resolve_model(self.model)
 
 
+MAX_PARSED = 256  # parsed specs of lazily registered versions a catalog keeps (LRU); beyond, parsed again on use
+
+
+class Registered:
+    """A version registered on another process's word (a rank taking the controller's registration), not yet
+    parsed here: its name, where it is, its version and the ``KnownVersion`` that proves it. ``AdapterCatalog.get``
+    builds (and checks) the spec from it when the version is first loaded or staged."""
+
+    __slots__ = ("known", "name", "path")
+
+    def __init__(self, name: str, path: Path | StoreUrl, known: KnownVersion) -> None:
+        self.name, self.path, self.known = name, path, known
+
+    @property
+    def version(self) -> str:
+        return self.known.version
+
+    @property
+    def weights(self) -> Path | StoreUrl:
+        return self.path / WEIGHTS_FILE
+
+
+def check_carried(name: str, spec: AdapterSpec, known: KnownVersion | None) -> AdapterSpec:
+    """``spec`` (this process's read) if it is the version ``known`` carried (the controller's); else
+    ``AdapterChangedError``: this process would serve other bytes under that version."""
+    if known is None or spec.version == known.version:
+        return spec
+    if isinstance(known.source, WeightsSource) and not known.source.racy and not known.source.pinned:
+        raise AdapterChangedError(
+            f"adapter {name!r}: the controller registered version {known.version} from the identity of "
+            f"{known.source.path} on its machine (local_versions 'identity'), and this rank cannot prove its "
+            f"file is that one ({'another machine' if known.host != HOST else 'the file changed since'}): "
+            "register the adapter again, or for copies on several machines (or a file system shared between "
+            "them) run the controller with --local-versions content, or serve the adapters from an object store")
+    raise AdapterChangedError(
+        f"adapter {name!r}: {spec.weights} hashes to version {spec.version} on this rank, but the controller "
+        f"registered version {known.version}: the file changed since, or this node's copy differs; this "
+        "rank refuses it (it would serve other bytes under that version): make every node's copy the "
+        "same and register the adapter again")
+
+
 def check_name(name: str) -> str:
     if not isinstance(name, str) or not NAME_RE.match(name):
         raise AdapterFormatError(f"adapter name {name!r} is invalid: use 1-128 characters of letters, digits, "
@@ -81,13 +131,17 @@ class AdapterCatalog:
         self.store_roots = tuple(StoreUrl.parse(r) for r in config.adapter_roots if is_store_url(r))
         self.roots = AdapterRoots(local) if local or not self.store_roots else None  # None: store-only
         self._lock = threading.Lock()  # protects _specs, _older and generation
-        self._specs: dict[str, AdapterSpec] = {}  # name -> current version
-        self._older: dict[str, OrderedDict[str, AdapterSpec]] = {}  # name -> version -> spec, oldest first
+        self._specs: dict[str, AdapterSpec | Registered] = {}  # name -> current version
+        self._older: dict[str, OrderedDict[str, AdapterSpec | Registered]] = {}  # name -> version -> spec, oldest first
+        self._parsed: OrderedDict[tuple[str, str], AdapterSpec] = OrderedDict()  # lazily registered, parsed (LRU)
+        self.parses = 0  # specs built from lazily registered versions (first load or stage, or after the LRU)
         self.generation = 0
 
     def register(self, name: str, path: str | Path, known: KnownVersion | None = None) -> AdapterSpec:
         """Validate the adapter at ``path`` (under a root) and make it the current version of ``name``."""
-        return self.add(self.read(name, path, known))
+        spec = self.read(name, path, known)
+        self.add(spec)
+        return spec
 
     def read(self, name: str, path: str | Path, known: KnownVersion | None = None,
              carried: bool = False) -> AdapterSpec:
@@ -121,7 +175,38 @@ class AdapterCatalog:
                                    "local directory to --adapter-roots")
         return self.roots
 
-    def add(self, spec: AdapterSpec) -> AdapterSpec:
+    def add_lazy(self, name: str, path: str | Path, known: KnownVersion | None) -> Registered | None:
+        """Register ``name`` at ``known``'s version without parsing it (a rank taking the controller's
+        registration): only its identity is kept until ``get`` first needs the spec, which is then read and
+        checked as ``read`` + ``check_carried`` check it. None (nothing registered) where this process cannot
+        prove cheaply that it would take the same version (a file on another machine, changed or racy since
+        the controller read it, another config; no version carried): the caller reads it now instead."""
+        if known is None:
+            return None
+        check_name(name)
+        if isinstance(known.source, WeightsSource):
+            source = known.source
+            if not known.host or known.host != HOST or source.racy or is_store_url(path):
+                return None
+            directory = self._local().resolve(path)
+            try:
+                same = FileIdentity.of(os.stat(source.path)) == source.identity and Path(
+                    os.path.realpath(directory / WEIGHTS_FILE)) == Path(source.path)
+                same = same and config_digest(self._local(), directory) == known.config_digest
+            except (OSError, LoraCacheError):
+                return None  # the eager read says why, as before
+            if not same:
+                return None
+            where: Path | StoreUrl = directory
+        elif known.meta and is_store_url(path):  # a store version carried with its config and header
+            where = self.store_url(str(path))
+        else:
+            return None
+        record = Registered(name, where, known)
+        self.add(record)
+        return record
+
+    def add(self, spec: AdapterSpec | Registered) -> AdapterSpec | Registered:
         """Make ``spec`` (from ``read``) the current version of its name (the cheap half of ``register``)."""
         name = spec.name
         with self._lock:
@@ -141,13 +226,52 @@ class AdapterCatalog:
             self.generation += 1
         return spec
 
-    def unregister(self, name: str) -> AdapterSpec:
+    def unregister(self, name: str) -> AdapterSpec | Registered:
         with self._lock:
             if name not in self._specs:
                 raise NotFoundError(self._unknown(name))
             self._older.pop(name, None)
+            for key in [k for k in self._parsed if k[0] == name]:
+                del self._parsed[key]
             self.generation += 1
             return self._specs.pop(name)
+
+    def _built(self, entry: AdapterSpec | Registered) -> AdapterSpec:
+        """The spec of ``entry``: itself, or a lazily registered version's, read and checked against the version
+        registered (``AdapterChangedError`` if this process's read finds another: nothing is kept then)."""
+        if isinstance(entry, AdapterSpec):
+            return entry
+        key = (entry.name, entry.version)
+        with self._lock:
+            spec = self._parsed.get(key)
+            if spec is not None:
+                self._parsed.move_to_end(key)
+                return spec
+        where = entry.path if isinstance(entry.path, Path) else str(entry.path)
+        spec = check_carried(entry.name, self.read(entry.name, where, entry.known, carried=True), entry.known)
+        with self._lock:
+            self.parses += 1
+            self._parsed[key] = spec
+            while len(self._parsed) > MAX_PARSED:
+                self._parsed.popitem(last=False)
+        return spec
+
+    def parsed(self) -> list[tuple[str, str]]:
+        """(name, version) of every spec this catalog holds parsed: those registered eagerly, and the lazily
+        registered ones built so far (still in the LRU)."""
+        with self._lock:
+            eager = [(s.name, s.version) for s in self._specs.values() if isinstance(s, AdapterSpec)]
+            eager += [(s.name, s.version) for o in self._older.values() for s in o.values()
+                      if isinstance(s, AdapterSpec)]
+            return sorted({*eager, *self._parsed})
+
+    def current(self, name: str) -> str:
+        """The current version of ``name`` (nothing parsed)."""
+        with self._lock:
+            spec = self._specs.get(name)
+        if spec is None:
+            raise NotFoundError(self._unknown(name))
+        return spec.version
 
     def get(self, name: str, version: str | None = None) -> AdapterSpec:
         """The current version of ``name``, or exactly ``version`` (current or kept)."""
@@ -157,14 +281,14 @@ class AdapterCatalog:
         if spec is None:
             raise NotFoundError(self._unknown(name))
         if version is None or version == spec.version:
-            return spec
+            return self._built(spec)
         if kept is None:
             raise NotFoundError(f"adapter {name!r} is at version {spec.version}, not {version}; it was "
                                 "re-registered with new content and that version's files are gone or no longer "
                                 "kept (keep_versions): plan with the current version")
-        return kept
+        return self._built(kept)
 
-    def keep(self, spec: AdapterSpec) -> None:
+    def keep(self, spec: AdapterSpec | Registered) -> None:
         """Keep ``spec`` loadable as an older version of its name, behind those kept already (a restored
         catalog's); nothing if it is the current version or the name is not registered."""
         with self._lock:
@@ -182,19 +306,21 @@ class AdapterCatalog:
         """The current version of ``name`` as hashed here (None if not registered, or not read from disk)."""
         with self._lock:
             spec = self._specs.get(name)
-        return None if spec is None else spec.known
+        return None if spec is None else self._built(spec).known
 
     def entries(self) -> list[tuple[AdapterSpec, list[AdapterSpec]]]:
         """Every registered name's current version and the older ones kept (oldest first), by name."""
         with self._lock:
-            return [(self._specs[n], list(self._older.get(n, {}).values())) for n in sorted(self._specs)]
+            found = [(self._specs[n], list(self._older.get(n, {}).values())) for n in sorted(self._specs)]
+        return [(self._built(s), [self._built(o) for o in older]) for s, older in found]
 
     def entry(self, name: str) -> tuple[AdapterSpec, list[AdapterSpec]]:
         """The current version of ``name`` and the older ones kept, oldest first."""
         with self._lock:
             if name not in self._specs:
                 raise NotFoundError(self._unknown(name))
-            return self._specs[name], list(self._older.get(name, {}).values())
+            spec, older = self._specs[name], list(self._older.get(name, {}).values())
+        return self._built(spec), [self._built(o) for o in older]
 
     def versions(self, name: str) -> list[str]:
         """Loadable versions of ``name``, oldest first; the last is the current one."""

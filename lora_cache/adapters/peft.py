@@ -346,6 +346,11 @@ def _interned(value: Any) -> Any:
     return value
 
 
+def config_digest(roots: AdapterRoots, directory: Path) -> str:
+    """blake2b-8 (hex) of the adapter's config bytes, as ``KnownVersion.config_digest`` has it."""
+    return hashlib.blake2b(_read_config_bytes(roots, directory), digest_size=8).hexdigest()
+
+
 def _read_config_bytes(roots: AdapterRoots, directory: Path) -> bytes:
     where = directory / CONFIG_FILE
     with open_adapter_file(roots, where, f"{where} is missing; a PEFT adapter directory holds adapter_config.json "
