@@ -60,7 +60,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     try:
         settle(root)
         svc = start(ServeConfig(adapters=str(root / "small"), replicas=1, tp=2),
-                    CatalogConfig(adapter_roots=(str(root),), model="llama-3.1-8b", max_rank=16),
+                    # content versions: every registration hashes its file (the case where a Status could wait
+                    # behind it); identity versions read no weights at registration (tests/test_identity_versions.py)
+                    CatalogConfig(adapter_roots=(str(root),), model="llama-3.1-8b", max_rank=16,
+                                  local_versions="content"),
                     PlannerConfig(), WorkerConfig(num_slots=1, host=HostTierConfig(host_bytes=1 << 28, pin=False)))
         yield World(root, svc)
         svc.stop()
