@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,25 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
         report.outcome = "failed"
         report.longrepr = (f"{report.nodeid}: {report.longrepr[2]}; declare the package in pyproject.toml "
                            "(dependencies, or the test extra) instead of skipping")
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_left_up(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A CPU test (not marked ``ray``) runs with no Ray in this process and leaves none behind: a Ray started
+    in-process (a Ray API auto-initialises on first use, also from a background thread) would make every later
+    Ray module's ``ray.init`` fail ("called ray.init twice") and a fail-fast test see Ray already up (the
+    fresh-clone CI of 2026-11-26, third session). It is shut down and named on stderr, before and after."""
+    if request.node.get_closest_marker("ray") is not None or "ray" not in sys.modules:
+        yield
+        return
+    import ray
+
+    for when in ("before", "after"):
+        if ray.is_initialized():
+            print(f"\nRay was left initialized {when} {request.node.nodeid}: shut down", file=sys.stderr)
+            ray.shutdown()
+        if when == "before":
+            yield
 
 
 @pytest.fixture
