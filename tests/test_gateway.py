@@ -301,7 +301,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
     root = tmp_path_factory.mktemp("adapters")
     make_adapters(root, SynthConfig(model="tiny", count=8, rank="8,16"))
-    ray.init(num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
     try:
         svc = start(ServeConfig(adapters=str(root), replicas=2, tp=1), CatalogConfig(model="tiny", max_rank=16),
                     PlannerConfig(policy="global"),

@@ -65,7 +65,7 @@ def fleet(tmp_path_factory):
     """The controller alone (``serve --replicas 0``) and the Ray cluster's address for engine processes."""
     root: Path = tmp_path_factory.mktemp("adapters")
     make_adapters(root, SynthConfig(model="tiny", count=6, rank="8,16"))
-    ray.init(num_cpus=2, namespace="lora-cache", include_dashboard=False)
+    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False)
     try:
         service = start(ServeConfig(adapters=str(root), replicas=0), CATALOG, PlannerConfig(policy="global"),
                         worker(0, tp=1))

@@ -71,7 +71,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
             torch.float32,
             torch.Generator().manual_seed(1000 + v),
         )
-    ray.init(num_cpus=2, namespace="lora-cache", include_dashboard=False)
+    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False)
     try:
         svc = start(
             ServeConfig(adapters=str(root), replicas=0),

@@ -36,7 +36,7 @@ def status_or_none(ctl):
 
 def test_controller_killed_under_hint_traffic_keeps_its_hints_queues_and_popularity(tmp_path: Path) -> None:
     make_adapters(tmp_path, SynthConfig(model="tiny", count=6, rank="8"))
-    ray.init(num_cpus=2, namespace="lora-cache", include_dashboard=False)
+    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False)
     stop, sent, failed = threading.Event(), [0], [0]
     try:
         svc = start(ServeConfig(adapters=str(tmp_path), replicas=1, tp=1), CatalogConfig(model="tiny", max_rank=8),

@@ -57,7 +57,7 @@ class Fleet:
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     root = tmp_path_factory.mktemp("adapters")
     make_adapters(root, SynthConfig(model="tiny", count=4, rank="8,16"))
-    ray.init(num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
     try:
         service = start(ServeConfig(adapters=str(root), replicas=0), CatalogConfig(model="tiny", max_rank=16),
                         PlannerConfig(policy="global"),

@@ -66,7 +66,7 @@ class Sample(NamedTuple):
 def served(tmp_path_factory):
     root: Path = tmp_path_factory.mktemp("adapters")
     make_adapters(root, SynthConfig(model="tiny", count=6, rank="8"))
-    ray.init(num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
     svc = gateway = None
     try:
         svc = start(

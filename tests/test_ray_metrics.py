@@ -50,7 +50,7 @@ def cluster(tmp_path_factory):
     root: Path = tmp_path_factory.mktemp("adapters")
     make_adapters(root, SynthConfig(model="tiny", count=4, rank="8"))
     port = free_port()
-    ray.init(num_cpus=2, namespace="lora-cache", include_dashboard=False, _metrics_export_port=port,
+    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False, _metrics_export_port=port,
              _system_config={"metrics_report_interval_ms": 500})
     try:
         svc = start(ServeConfig(adapters=str(root), replicas=1, tp=2),

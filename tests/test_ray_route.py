@@ -36,7 +36,7 @@ def test_routing_through_the_gateway_serves_each_request_where_the_router_chose(
     config = RealConfig(model="tiny", replicas=replicas, tp=1, slots=3, max_rank=16, max_running=8, max_adapters=2,
                         max_prefill_tokens=256, max_seq_len=128, hint_lead_s=0.1, host_bytes=1 << 24,
                         worker_cpus=0.1, router=router, engine={"share_weights": True}, timeout_s=300, attach=attach)
-    ray.init(namespace=NAMESPACE, log_to_driver=False, num_cpus=2)
+    ray.init(address="local", namespace=NAMESPACE, log_to_driver=False, num_cpus=2)
     try:
         run = run_policy(config, BENCH_POLICIES["global"], str(tmp_path), names, workload)
     finally:

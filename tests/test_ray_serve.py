@@ -64,7 +64,7 @@ class App:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
     root = Path(tmp_path_factory.mktemp("adapters"))
     make_adapters(root, SynthConfig(model="tiny", count=len(ADAPTERS), rank="8,16"))
-    ray.init(num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
     try:
         service = start(
             ServeConfig(adapters=str(root), replicas=0),

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.ray
 def service(tmp_path_factory):
     root: Path = tmp_path_factory.mktemp("adapters")
     make_adapters(root, SynthConfig(model="tiny", count=8, rank="8,16"))
-    ray.init(num_cpus=2, namespace="lora-cache", include_dashboard=False)
+    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False)
     try:
         svc = start(ServeConfig(adapters=str(root), replicas=2, tp=2),
                     CatalogConfig(model="tiny", max_rank=16), PlannerConfig(policy="global"),

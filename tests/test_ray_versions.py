@@ -59,7 +59,7 @@ def fleet(tmp_path_factory):
     for v in range(VERSIONS):
         write_adapter(versions / f"{HOT}-v{v}", TINY, 16 if v % 2 else 8, 16.0, list(MODULE_ORDER), torch.float32,
                       torch.Generator().manual_seed(1000 + v))
-    ray.init(num_cpus=2, namespace="lora-cache", include_dashboard=False)
+    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False)
     try:
         svc = start(ServeConfig(adapters=str(root), replicas=2, tp=2),
                     CatalogConfig(adapter_roots=(str(root), str(versions)), model="tiny", max_rank=16),
