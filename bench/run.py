@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import sys
 import time
@@ -154,7 +155,9 @@ def _run_real(bench: BenchConfig, policies: Sequence[BenchPolicy], root: str, na
     config["real"] = dataclasses.asdict(real)
     owns = not ray.is_initialized()
     if owns:  # inside `ray job submit` this joins the job's cluster; alone, it starts an embedded one
-        ray.init(namespace=NAMESPACE, log_to_driver=False)
+        # RAY_ADDRESS is the job's cluster under `ray job submit`; never one found through a stale
+        # /tmp/ray/ray_current_cluster (a dead cluster's address: ray.init would wait on it)
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", namespace=NAMESPACE, log_to_driver=False)
     runs: list[PolicyRun] = []
     try:
         for policy in policies:

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     root = Path(tempfile.mkdtemp(prefix="lora-cache-bench-"))
     adapters = [p.name for p in make_adapters(root, SynthConfig(model="tiny", count=args.adapters, rank="8,16"))]
-    ray.init(num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
     service = start(ServeConfig(adapters=str(root), replicas=args.replicas, tp=1),
                     CatalogConfig(model="tiny", max_rank=16),
                     PlannerConfig(policy="global", max_hints_per_replica=args.max_hints_per_replica,

@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     root = tempfile.mkdtemp(prefix="serve-bench-")
     make_adapters(root, SynthConfig(model="tiny", count=args.adapters, rank="8,16"))
     names = sorted(d.name for d in Path(root).iterdir())
-    ray.init(num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
     rows = []
     try:
         for routing in args.routings.split(","):

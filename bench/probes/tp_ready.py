@@ -67,7 +67,8 @@ def main() -> None:
     make_adapters(root, synth)
     max_rank = max(synth.ranks())
     catalog_config = CatalogConfig(adapter_roots=(str(root),), model=args.model, max_rank=max_rank)
-    ray.init(num_cpus=8, num_gpus=0 if args.cpu else args.tp, namespace="lora-cache", include_dashboard=False)
+    ray.init(address="local", num_cpus=8, num_gpus=0 if args.cpu else args.tp, namespace="lora-cache",
+             include_dashboard=False)
     svc = start(ServeConfig(replicas=1, tp=args.tp, gpus=not args.cpu, worker_cpus=1.0, adapters=str(root)),
                 catalog_config, PlannerConfig(policy="queue"),
                 WorkerConfig(num_slots=args.count, dtype="bfloat16" if not args.cpu else "float32",
