@@ -27,11 +27,6 @@ if [ "${DRY:-0}" != 1 ]; then
   echo "cores: $(nproc)  zlib: $("$PYTHON" -c 'import zlib; print(zlib.ZLIB_RUNTIME_VERSION)')"
 fi
 cpu_k="parallel or process or reader or during_a_read or returns_its_versions or probe"
-probe() {  # NAME MODEL RANK ARGS...: one probe run, its JSON at OUT/NAME.json
-  local name=$1 model=$2 rank=$3; shift 3
-  step "$name" "$PYTHON" -m bench.probes.cold_read --model "$model" --rank "$rank" --tp "$tp" --repeats "$repeats" \
-       --adapters "$adapters/lora-cache-cold-$model-r$rank" --out "$out/$name.json" "$@"
-}
 for part in "${parts[@]}"; do
   case $part in
     tests)   step gpu_read_tests "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -rfE \

@@ -38,11 +38,6 @@ variants=${VARIANTS:-process:0:0:sample,process:8:1:sample,process:0:0:identity,
 adapters=${ADAPTERS:-${TMPDIR:-/tmp}}
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(host 8b-r16 8b-r64 70b-r64 pin tests summary)
-probe() {  # NAME MODEL RANK ARGS...: one probe run, its JSON at OUT/NAME.json
-  local name=$1 model=$2 rank=$3; shift 3
-  step "$name" "$PYTHON" -m bench.probes.cold_read --model "$model" --rank "$rank" --tp "$tp" --repeats "$repeats" \
-       --adapters "$adapters/lora-cache-cold-$model-r$rank" --out "$out/$name.json" "$@"
-}
 for part in "${parts[@]}"; do
   case $part in
     host)    step host bash -c 'nvidia-smi -L; echo "cores $(nproc)"; grep -E "MemTotal|MemAvailable" /proc/meminfo;

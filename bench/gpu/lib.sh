@@ -34,3 +34,10 @@ gpus() {  # the GPUs this process sees (0 without a driver)
   if [ "${DRY:-0}" = 1 ]; then echo "${DRY_GPUS:-1}"; return; fi
   nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
 }
+
+probe() {  # NAME MODEL RANK ARGS...: one bench.probes.cold_read run (the caller sets tp, repeats, adapters), its
+  # JSON at OUT/NAME.json
+  local name=$1 model=$2 rank=$3; shift 3
+  step "$name" "$PYTHON" -m bench.probes.cold_read --model "$model" --rank "$rank" --tp "$tp" --repeats "$repeats" \
+       --adapters "$adapters/lora-cache-cold-$model-r$rank" --out "$out/$name.json" "$@"
+}
