@@ -31,6 +31,20 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 TINY = SHAPES["tiny"]
 
 
+def _no_ray_auto_init() -> None:
+    """A Ray API called in this process while Ray is down raises instead of starting a local cluster or
+    joining the last one started on the machine (Ray's auto-init). A thread left running by one test (an
+    attached rank's outbox retrying its deltas) once re-initialised Ray after its module's ``ray.shutdown()``,
+    and every later module's ``ray.init`` failed ("called ray.init twice"; the official CI of the third
+    session). Only in the test process: subprocesses keep Ray's defaults."""
+    import ray._private.auto_init_hook as hook
+
+    hook.enable_auto_connect = False
+
+
+_no_ray_auto_init()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collectreport(report: pytest.CollectReport) -> None:
     """A test module skipped because an import failed is an error, not a skip: every package the tests
@@ -57,6 +71,22 @@ def _no_ray_left_up(request: pytest.FixtureRequest) -> Iterator[None]:
         if ray.is_initialized():
             print(f"\nRay was left initialized {when} {request.node.nodeid}: shut down", file=sys.stderr)
             ray.shutdown()
+        if when == "before":
+            yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_ray_across_modules(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each module starts with no Ray up in this process and leaves none: its own fixture or test starts
+    and stops its cluster. Ray found up is shut down and the module named on stderr (set up before the
+    module's own fixtures, torn down after them)."""
+    for when in ("before", "after"):
+        if "ray" in sys.modules:
+            import ray
+
+            if ray.is_initialized():
+                print(f"\nRay was left initialized {when} module {request.node.nodeid}: shut down", file=sys.stderr)
+                ray.shutdown()
         if when == "before":
             yield
 

@@ -17,6 +17,14 @@ from workers.outbox import ControllerReport
 from workers.transport import DeltaRow, Hello, RankTransport
 
 
+def ray_up(who: str) -> None:
+    """Refuse a Ray call from a process whose Ray was shut down: a Ray API would otherwise start a new local
+    cluster (or join the last one started on the machine) on its own, and a rank's thread would keep it up."""
+    if not ray.is_initialized():
+        raise ConnectionError(f"{who}: Ray is no longer initialized in this process (ray.shutdown() ran); the "
+                              "link is gone: attach again after ray.init()")
+
+
 class RayTransport(RankTransport):
     """The rank's link when its process is in the Ray cluster (or joins it at ``address``): it owns its
     endpoint, polls it, and calls the controller actor directly."""
@@ -37,6 +45,7 @@ class RayTransport(RankTransport):
         return self._controller
 
     def catalog(self) -> CatalogConfig:
+        ray_up(self.name)
         return ray.get(self.controller().catalog_config.remote(), timeout=60)
 
     def open(self, hello: Hello) -> CatalogConfig:
@@ -54,26 +63,31 @@ class RayTransport(RankTransport):
                     timeout=120)
 
     def take(self, timeout_s: float) -> list[Call]:
+        ray_up(self.name)
         try:
             return ray.get(self.endpoint.take.remote(timeout_s), timeout=timeout_s + 60)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
             raise ConnectionError(f"{self.name}: endpoint lost ({e})") from e
 
     def answer(self, results: list[Answer]) -> None:
+        ray_up(self.name)
         self.endpoint.answer.remote(results)
 
     def alive(self) -> None:
+        ray_up(self.name)
         self.endpoint.answer.remote([])  # an empty answer: only a sign of life
 
     def send_deltas(self, name: str, incarnation: int, batch: list[DeltaRow]) -> None:
         self._report(name, incarnation, batch)
 
     def send_queue(self, replica: str, entries: list[tuple[str, float]]) -> None:
+        ray_up(self.name)
         ray.get(self.controller().report_queue.remote(replica, entries), timeout=30)
 
     def close(self, hello: Hello) -> None:
         """Tell the controller (it drops what the rank held at once), then kill the endpoint."""
-        if self.endpoint is None:
+        if self.endpoint is None or not ray.is_initialized():
+            self.endpoint = None
             return
         try:
             ray.get(self.controller().worker_detached.remote(self.name, hello.incarnation), timeout=30)

@@ -90,6 +90,8 @@ class ControllerReport:
 
         from lora_cache.vocab import CONTROLLER_NAME
 
+        if not ray.is_initialized():  # shut down in this process: never let a Ray call start a new cluster
+            raise ConnectionError("Ray is no longer initialized in this process (ray.shutdown() ran)")
         try:
             if self._controller is None:
                 self._controller = ray.get_actor(CONTROLLER_NAME)  # in the service's namespace, the job's
