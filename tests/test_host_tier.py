@@ -81,7 +81,7 @@ def key(spec: AdapterSpec) -> AdapterKey:
 
 def staged(tier: HostTier, spec: AdapterSpec, release: bool = True) -> HostEntry:
     future, _ = tier.fetch(spec, layout(spec))
-    entry = future.result(timeout=10)
+    entry = future.result(timeout=120)  # a bound, not a timing: reader processes start slowly on a loaded 2-core CI
     if release:
         tier.release(key(spec))
     return entry
