@@ -47,14 +47,23 @@ def test_the_clock_fits_a_fixed_cost_and_a_cost_per_byte_per_kind() -> None:
         LoadClock(cold_s=-1.0)
 
 
-replicas = st.lists(st.tuples(st.sampled_from(list(Residence)), st.sampled_from([0, 0, 1, 2, 5, 12]),
-                              st.sampled_from([0.0, 0.01, 0.03, 0.1, 0.3])), min_size=1, max_size=8)
+replicas = st.lists(
+    st.tuples(
+        st.sampled_from(list(Residence)),
+        st.sampled_from([0, 0, 1, 2, 5, 12]),
+        st.sampled_from([0.0, 0.01, 0.03, 0.1, 0.3]),
+    ),
+    min_size=1,
+    max_size=8,
+)
 leads = st.sampled_from([0.0, 0.02, 0.05, 0.2])
 
 
 def _fleet(rows: list[tuple[Residence, int, float]]) -> list[ReplicaLoad]:
-    return [ReplicaLoad(f"replica-{i}", res, float(load), ready_s=0.0 if res is Residence.READY else ready)
-            for i, (res, load, ready) in enumerate(rows)]
+    return [
+        ReplicaLoad(f"replica-{i}", res, float(load), ready_s=0.0 if res is Residence.READY else ready)
+        for i, (res, load, ready) in enumerate(rows)
+    ]
 
 
 @given(replicas, leads)
@@ -62,15 +71,17 @@ def test_an_idle_replica_ready_by_arrival_ranks_first(rows: list[tuple[Residence
     fleet = _fleet(rows)
     ranked = rank("a", fleet, RouterConfig(), lead_s=lead)
     by_name = {r.replica: r for r in fleet}
-    on_time = [r for r in ranked if r.within_bound and by_name[r.replica].load == 0
-               and by_name[r.replica].ready_s <= lead]
+    on_time = [
+        r for r in ranked if r.within_bound and by_name[r.replica].load == 0 and by_name[r.replica].ready_s <= lead
+    ]
     if on_time:
         assert ranked[0] in on_time
 
 
 @given(replicas, leads)
-def test_where_no_replica_is_idle_load_times_and_lead_change_nothing(rows: list[tuple[Residence, int, float]],
-                                                                    lead: float) -> None:
+def test_where_no_replica_is_idle_load_times_and_lead_change_nothing(
+    rows: list[tuple[Residence, int, float]], lead: float
+) -> None:
     fleet = [r._replace(load=r.load + 1) for r in _fleet(rows)]  # heavy: every replica busy
     unknown = [r._replace(ready_s=float("inf")) for r in fleet]
     assert rank("a", fleet, RouterConfig(), lead_s=lead) == rank("a", unknown, RouterConfig(), lead_s=0.0)
@@ -78,15 +89,15 @@ def test_where_no_replica_is_idle_load_times_and_lead_change_nothing(rows: list[
 
 def _core(tiny_adapters: Any, adapters: int = 3) -> tuple[ControllerCore, list[str]]:
     paths: list[Path] = tiny_adapters(adapters)
-    core = ControllerCore(ControllerConfig(CatalogConfig(adapter_roots=(str(paths[0].parent),), model="tiny",
-                                                         max_rank=16)), epoch=1)
+    core = ControllerCore(
+        ControllerConfig(CatalogConfig(adapter_roots=(str(paths[0].parent),), model="tiny", max_rank=16)), epoch=1
+    )
     names = [p.name for p in paths]
     for p in paths:
         core.register_adapter(p.name, str(p))
     for r in range(2):
         core.add_replica(f"replica-{r}", 1, 4)
-    core.worker_report(WorkerId("replica-0", 0), [(names[0], core.planner.adapter(names[0]).version, "ready", "")],
-                       0.5)
+    core.worker_report(WorkerId("replica-0", 0), [(names[0], core.planner.adapter(names[0]).version, "ready", "")], 0.5)
     return core, names
 
 
@@ -107,8 +118,10 @@ def test_route_prefers_an_idle_replica_that_loads_the_adapter_in_time(tiny_adapt
     _measure(core, names[1], load_s=0.01, lead_s=0.05)  # loads take 10 ms; requests come 50 ms after routing
     assert core.clock.lead_s == pytest.approx(0.05)
     (light,) = core.route([RouteRequest(names[0])], {"replica-0": 2.0, "replica-1": 0.0})
-    assert [(r.replica, r.reason) for r in light.ranked] == [("replica-1", Residence.COLD),  # idle, READY by arrival
-                                                             ("replica-0", Residence.READY)]
+    assert [(r.replica, r.reason) for r in light.ranked] == [
+        ("replica-1", Residence.COLD),  # idle, READY by arrival
+        ("replica-0", Residence.READY),
+    ]
     (heavy,) = core.route([RouteRequest(names[0])], {"replica-0": 3.0, "replica-1": 1.0})
     assert heavy.ranked[0].replica == "replica-0"  # none idle: it stays where it is READY
 
