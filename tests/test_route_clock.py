@@ -32,6 +32,7 @@ def test_the_clock_fits_a_fixed_cost_and_a_cost_per_byte_per_kind() -> None:
         clock.sent("r/0", f"a{i}", "v", nbytes, False, 1.0)
         clock.ready("r/0", f"a{i}", "v", 1.0 + 0.010 + 0.005 * nbytes / 1e6)
     assert clock.load_s(2e6, staged=False) == pytest.approx(0.020)
+    assert clock.load_s(2e6, staged=False, spread=True) == pytest.approx(0.020)  # on the line: no spread
     assert clock.load_s(1e6, staged=True) == 0.01  # the host tier's kind has no sample: its prior
     clock.sent("r/0", "b", "v", 1e6, True, 2.0)
     clock.ready("r/0", "b", "v", 2.002)
@@ -40,6 +41,12 @@ def test_the_clock_fits_a_fixed_cost_and_a_cost_per_byte_per_kind() -> None:
     clock.dropped("r/0", "c", "v")  # failed or gone: no sample
     clock.ready("r/0", "c", "v", 9.0)
     assert clock.load_s(2e6, staged=False) == pytest.approx(0.020)
+    mixed = LoadClock()
+    for i, dt in enumerate([0.005, 0.055] * 10):  # one size: host-tier hits and reads alike, 30 ms on average
+        mixed.sent("r/0", f"a{i}", "v", 1e6, False, 0.0)
+        mixed.ready("r/0", f"a{i}", "v", dt)
+    assert mixed.load_s(1e6, staged=False) == pytest.approx(0.030, rel=0.02)
+    assert mixed.load_s(1e6, staged=False, spread=True) == pytest.approx(0.055, rel=0.02)  # most likely done by then
     for dt in (0.05, 0.05, 0.05):
         clock.lead(dt)
     assert clock.lead_s == pytest.approx(0.05)

@@ -55,18 +55,18 @@ def residence(planner: Planner, replica: str, key: AdapterKey) -> Residence:
 
 
 def ready_s(planner: Planner, replica: str, key: AdapterKey, where: Residence, clock: LoadClock | None) -> float:
-    """Expected seconds from now until ``key`` is READY on ``replica`` if a request of it is routed there now: 0
-    where it is READY; else the measured load time (``clock``) of its shard at the replica's TP from the host tier
-    (STAGED) or from storage (COLD; LOADING: half of it, a load in flight being half done on average); without a
-    clock, unknown (inf)."""
+    """Seconds from now by which ``key`` is most likely READY on ``replica`` if a request of it is routed there now:
+    0 where it is READY; else the load time the controller measured (``clock``: the fit plus one standard deviation
+    of the samples about it) for its shard at the replica's TP, from the host tier (STAGED) or from storage (COLD;
+    LOADING: half of it, a load in flight being half done on average); without a clock, unknown (inf)."""
     if where is Residence.READY:
         return 0.0
     if clock is None:
         return math.inf
     nbytes = planner.adapter(key.name).bytes_per_rank / max(1, len(planner.workers(replica)))
     if where is Residence.STAGED:
-        return clock.load_s(nbytes, staged=True)
-    cold = clock.load_s(nbytes, staged=False)
+        return clock.load_s(nbytes, staged=True, spread=True)
+    cold = clock.load_s(nbytes, staged=False, spread=True)
     return cold / 2 if where is Residence.LOADING else cold
 
 

@@ -10,7 +10,11 @@ than any busy one. Neither figure is a constant of this module; both are measure
   decayed least-squares fit ``seconds = fixed + per_byte x bytes`` per kind: from the host tier (the adapter was
   staged there: one copy) or from storage (a read and a copy). Shard bytes are the adapter's bytes per rank at TP
   1 (``AdapterInfo.bytes_per_rank``) over the replica's TP. Until a kind has a sample, ``RouterConfig``'s
-  ``cold_s`` / ``staged_s`` stand in (conservative: 0.1 s and 0.01 s);
+  ``cold_s`` / ``staged_s`` stand in (conservative: 0.1 s and 0.01 s). The ranking reads the fit plus one
+  standard deviation of the samples about it (``spread``): a prefetch the controller counts as from storage may
+  be a host-tier hit (the host tier keeps what it read; the planner knows only the stages it sent), so the mean
+  mixes fast and slow loads, and a load the ranking expects to finish by the arrival should most likely do so
+  (issue 31: with the mean, a heavy-load fleet lost residency to idle moments, p99 1542 -> 1839 ms);
 - the lead is a decayed mean of the leads the hints carry (``expected in`` seconds, ``ControllerCore.hint_batches``),
   0 until a hint comes: without hints only a replica where the adapter is READY now counts as ready by arrival.
 """
@@ -30,7 +34,7 @@ class _Fit:
     """Decayed least squares of y on x; ``predict`` falls back to the mean ratio while the sizes barely vary."""
 
     def __init__(self) -> None:
-        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.n = self.sx = self.sy = self.sxx = self.sxy = self.syy = 0.0
 
     def add(self, x: float, y: float) -> None:
         self.n = DECAY * self.n + 1.0
@@ -38,16 +42,21 @@ class _Fit:
         self.sy = DECAY * self.sy + y
         self.sxx = DECAY * self.sxx + x * x
         self.sxy = DECAY * self.sxy + x * y
+        self.syy = DECAY * self.syy + y * y
 
-    def predict(self, x: float) -> float | None:
+    def predict(self, x: float, spread: bool = False) -> float | None:
+        """The fit at ``x``; ``spread``: plus one standard deviation of the samples about the fit."""
         if self.n <= 0:
             return None
         mx, my = self.sx / self.n, self.sy / self.n
         var = self.sxx / self.n - mx * mx
+        vy = max(0.0, self.syy / self.n - my * my)
         if var > (0.05 * mx) ** 2:  # at least two sizes: fixed cost plus per byte
             slope = max(0.0, (self.sxy / self.n - mx * my) / var)
-            return max(0.0, my + slope * (x - mx))
-        return my * x / mx if mx > 0 else my
+            resid = max(0.0, vy - slope * (self.sxy / self.n - mx * my))
+            return max(0.0, my + slope * (x - mx)) + (math.sqrt(resid) if spread else 0.0)
+        scale = x / mx if mx > 0 else 1.0
+        return scale * (my + (math.sqrt(vy) if spread else 0.0))
 
 
 class Sent(NamedTuple):
@@ -104,10 +113,11 @@ class LoadClock:
         """The requests' lead over their routing, as the hints tell it (0 before any hint)."""
         return self._lead_sum / self._lead_n if self._lead_n else 0.0
 
-    def load_s(self, nbytes: float, staged: bool) -> float:
+    def load_s(self, nbytes: float, staged: bool, spread: bool = False) -> float:
         """Expected seconds from a prefetch of a shard of ``nbytes`` to its READY report: from the host tier
-        (``staged``) or from storage."""
-        got = self._fits[staged].predict(nbytes)
+        (``staged``) or from storage; ``spread``: plus one standard deviation of the measured times about the fit
+        (a load that most likely ends by then)."""
+        got = self._fits[staged].predict(nbytes, spread)
         return self.prior[staged] if got is None else got
 
     def samples(self, staged: bool) -> float:
