@@ -29,9 +29,10 @@ from lora_cache.planner import (
     SlotState,
 )
 from lora_cache.routing.advice import RouteAdvice, RouteRequest, advise
+from lora_cache.routing.clock import LoadClock
 from lora_cache.routing.limits import RoutingLimits
 from lora_cache.routing.ranking import RouterConfig
-from lora_cache.vocab import Command, WorkerId
+from lora_cache.vocab import Command, Prefetch, WorkerId
 
 MAX_TP = 64  # ranks per replica: a replica's shape is checked against these before anything is kept
 MAX_SLOTS = 65_536  # slots per rank
@@ -92,6 +93,8 @@ class ControllerCore:
         self.routes_asked = 0  # requests routing advice was asked for
         self.down: set[WorkerId] = set()  # ranks lost (dead, hung, detached) and not heard from since
         self.limits = RoutingLimits()  # replicas' admission limits and the requests routed there (routing advice)
+        # measured load times and requests' leads (routing advice: an idle replica READY by arrival ranks first)
+        self.clock = LoadClock(config.router.cold_s, config.router.staged_s)
         self.withheld: set[WorkerId] = set()  # workers whose plans were not sent (their replica was down)
         self.lost_at: dict[WorkerId, float] = {}  # when each rank in ``down`` was found lost (wall clock)
         self.recent_losses: deque[tuple[str, float]] = deque(maxlen=64)  # (worker, when found lost), newest last
@@ -170,6 +173,7 @@ class ControllerCore:
             self.recent_losses.append((str(worker), now))
         self.planner.report_residency(str(worker), [])
         self.failures = {k: f for k, f in self.failures.items() if k[0] != worker}
+        self.clock.forget(str(worker))
         return self.readiness.drop_rank(worker.replica, worker.rank)
 
     # -- inputs (steps 1-3) ---------------------------------------------------------------------
@@ -202,6 +206,8 @@ class ControllerCore:
             hints = [Hint(h, a, r, now + max(0.0, dt)) for h, a, r, dt in batch]
         except LoraCacheError as e:
             return HintOutcome(0, 0, e)
+        for _, _, _, dt in batch:
+            self.clock.lead(dt)
         down = self.down_replicas()  # a hint to a replica with a lost rank is ignored: nothing is planned there
         taken = sum(hint.replica not in down and self.planner.add_hint(hint, now) for hint in hints)
         self.hints_received += len(hints)
@@ -236,6 +242,9 @@ class ControllerCore:
                 self.recent_failures.append(f"{worker} {adapter}@{version}: {error}")
             elif state == "ready":
                 self.failures.pop(key, None)
+                self.clock.ready(str(worker), adapter, version, now)
+            if state in ("gone", "failed"):
+                self.clock.dropped(str(worker), adapter, version)
             if state == "gone":
                 self.planner.drop_residency(str(worker), adapter, version)
             elif slot_state is not None and adapter in self.catalog:  # an unregistered one is drained, not planned
@@ -341,13 +350,24 @@ class ControllerCore:
                 continue
             out[WorkerId(replica, int(rank))] = list(w.commands)
             self.commands_sent += len(w.commands)
+            self._time_prefetches(w.worker, replica, w.commands, now)
         return out
+
+    def _time_prefetches(self, worker: str, replica: str, commands: Iterable[Command], now: float) -> None:
+        """The clock times every prefetch sent, from here to the rank's READY report (routing's load times)."""
+        tp = max(1, len(self.planner.workers(replica)))
+        for c in commands:
+            if isinstance(c, Prefetch) and c.adapter in self.catalog:
+                info = self.planner.adapter(c.adapter)
+                staged = self.planner.holding(worker, info.key)[1] if info.version == c.version else False
+                self.clock.sent(worker, c.adapter, c.version, info.bytes_per_rank / tp, staged, now)
 
     def route(self, items: list[RouteRequest], loads: dict[str, float] | None = None) -> list[RouteAdvice]:
         """Routing advice (step 1): replicas ranked for each request's adapter, from residency, the plan in
         flight, queues and hints (``lora_cache.routing.advice``); ``loads``: the router's own in-flight counts."""
         self.routes_asked += len(items)
-        return advise(self.planner, items, self.config.router, loads, down=self.down_replicas(), limits=self.limits)
+        return advise(self.planner, items, self.config.router, loads, down=self.down_replicas(), limits=self.limits,
+                      clock=self.clock)
 
     def status(self) -> dict[str, object]:
         return {"epoch": self.epoch, "adapters": len(self.catalog), "replicas": list(self.planner.replicas()),

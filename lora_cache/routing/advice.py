@@ -9,11 +9,13 @@ does, that count is the replica's load, else the queue depth plus the active hin
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
 
 from lora_cache.errors import ConflictError, LoraCacheError, NotFoundError
 from lora_cache.planner import Planner, SlotState
+from lora_cache.routing.clock import LoadClock
 from lora_cache.routing.limits import RoutingLimits
 from lora_cache.routing.ranking import Ranked, ReplicaLoad, Residence, RouteItem, RouterConfig, route_batch
 from lora_cache.vocab import AdapterKey
@@ -52,10 +54,28 @@ def residence(planner: Planner, replica: str, key: AdapterKey) -> Residence:
     return Residence.COLD
 
 
+def ready_s(planner: Planner, replica: str, key: AdapterKey, where: Residence, clock: LoadClock | None) -> float:
+    """Seconds from now by which ``key`` is most likely READY on ``replica`` if a request of it is routed there now:
+    0 where it is READY; else the load time the controller measured (``clock``: the fit plus one standard deviation
+    of the samples about it) for its shard at the replica's TP, from the host tier (STAGED) or from storage (COLD;
+    LOADING: half of it, a load in flight being half done on average); without a clock, unknown (inf)."""
+    if where is Residence.READY:
+        return 0.0
+    if clock is None:
+        return math.inf
+    nbytes = planner.adapter(key.name).bytes_per_rank / max(1, len(planner.workers(replica)))
+    if where is Residence.STAGED:
+        return clock.load_s(nbytes, staged=True, spread=True)
+    cold = clock.load_s(nbytes, staged=False, spread=True)
+    return cold / 2 if where is Residence.LOADING else cold
+
+
 def replica_loads(planner: Planner, key: AdapterKey, loads: Mapping[str, float],
-                  down: Collection[str] = (), limits: RoutingLimits | None = None) -> list[ReplicaLoad]:
+                  down: Collection[str] = (), limits: RoutingLimits | None = None,
+                  clock: LoadClock | None = None) -> list[ReplicaLoad]:
     """Every replica (but ``down``) as the ranking sees it for ``key``; with ``limits``, each with the adapters in
-    flight there and its declared admission limits (``lora_cache.routing.limits``)."""
+    flight there and its declared admission limits (``lora_cache.routing.limits``); with ``clock``, each with the
+    adapter's expected time to READY there (``ready_s``)."""
     out = []
     for replica in planner.replicas():
         if replica in down:
@@ -64,7 +84,8 @@ def replica_loads(planner: Planner, key: AdapterKey, loads: Mapping[str, float],
         load = given
         if load is None:
             load = float(len(planner.queue(replica)) + len(planner.hints(replica)))
-        item = ReplicaLoad(replica, residence(planner, replica, key), load)
+        where = residence(planner, replica, key)
+        item = ReplicaLoad(replica, where, load, ready_s=ready_s(planner, replica, key, where, clock))
         if limits is not None:
             waiting = [] if given is not None else ([q.adapter for q in planner.queue(replica)]
                                                     + [h.adapter for h in planner.hints(replica)])
@@ -79,10 +100,11 @@ def replica_loads(planner: Planner, key: AdapterKey, loads: Mapping[str, float],
 
 def advise(planner: Planner, items: Sequence[RouteRequest], config: RouterConfig,
            loads: Mapping[str, float] | None = None, down: Collection[str] = (),
-           limits: RoutingLimits | None = None) -> list[RouteAdvice]:
+           limits: RoutingLimits | None = None, clock: LoadClock | None = None) -> list[RouteAdvice]:
     """Ranked replicas for every item, in order (``lora_cache.routing.ranking.route_batch``); an item naming an
     unknown adapter or a version that is not current gets its own error and takes no load. ``limits``: the
-    replicas' admission limits and requests in flight; each item's first pick is recorded there."""
+    replicas' admission limits and requests in flight; each item's first pick is recorded there. ``clock``: the
+    measured load times and the requests' lead (``lora_cache.routing.clock``)."""
     loads = dict(loads or {})
     if not planner.replicas():
         raise ConflictError("no replicas to route to; start some (lora-cache serve --replicas N) or wait for "
@@ -98,9 +120,10 @@ def advise(planner: Planner, items: Sequence[RouteRequest], config: RouterConfig
     for item in items:
         errors.append(_check(planner, item))
         if errors[-1] is None and item.adapter not in views:
-            views[item.adapter] = replica_loads(planner, planner.adapter(item.adapter).key, loads, down, limits)
+            views[item.adapter] = replica_loads(planner, planner.adapter(item.adapter).key, loads, down, limits,
+                                                clock)
     good = [RouteItem(i.adapter, i.tokens) for i, e in zip(items, errors) if e is None]
-    batch = route_batch(good, views, config)
+    batch = route_batch(good, views, config, clock.lead_s if clock is not None else 0.0)
     if limits is not None:
         limits.record((i.adapter, r[0].replica) for i, r in zip(good, batch))
     ranked = iter(batch)

@@ -26,6 +26,18 @@ With more lanes the same proxy for the first batch to end cost more than it save
 adapters than the replica's slots, a replica whose batch runs the adapter ranks first within the bound (the request
 joins that batch and takes no lane).
 
+Within the bound, where lanes are not scarce, an idle replica (nothing in flight) where the adapter will be READY by
+the request's arrival ranks first (``idle_ready``): its expected time to READY there (``ReplicaLoad.ready_s``: 0
+where READY, else the load time the controller measured for a shard of that size at that TP, from the host tier or
+from storage; ``lora_cache.routing.clock``) within the requests' lead (``lead_s``: how long before its arrival a
+request is routed, as the hints tell it). The request then starts on arrival, which no busy replica betters: a busy
+batch makes it wait for the step in progress (a prefill of tens of ms). Where the load would not finish by then, or
+no replica is idle (heavy load), residency decides as before, so the adapter stays where it is (issue 31: on the
+routing grid's light-load fleets whose lanes are not scarce, Route sent requests to a busy replica where the adapter
+was READY while an idle one would have loaded it in time; bench/RESULTS.md). Where lanes are scarce an idle
+replica's free lanes are what the requests no busy replica can start need, and the rule cost more than it saved
+there (``idle_scarce``, off; bench/RESULTS.md).
+
 Cold replicas with room are taken in a per-(adapter, replica) hash order (``sticky``, rendezvous hashing: an
 adapter resident nowhere goes to the same replicas every time, whose planners then see its traffic and keep it), or
 least loaded first (``sticky=False``). Where adapter lanes are scarce (``scarce``: ``max_adapters`` < slots),
@@ -109,6 +121,13 @@ class RouterConfig:
     join: bool = field(default=True, metadata={
         "help": "a replica where the adapter's requests run (its batch runs it) ranks first within the bound, "
                 "where its batch admits fewer adapters than its slots (a request that joins saves a lane)"})
+    idle_ready: bool = field(default=True, metadata={
+        "help": "where lanes are not scarce, an idle replica (nothing in flight) where the adapter will be READY by "
+                "the request's arrival (its measured load time within the requests' lead, both from "
+                "lora_cache.routing.clock) ranks first within the bound: the request starts there on arrival, sooner "
+                "than behind any busy batch"})
+    idle_scarce: bool = field(default=False, metadata={
+        "help": "idle_ready also where lanes are scarce (max_adapters < slots): measured, it cost more than it saved"})
     token_weight: float = field(default=0.0, metadata={
         "help": "extra load units per prompt token of a routed request (0: every request weighs 1)"})
 
@@ -140,6 +159,7 @@ class ReplicaLoad(NamedTuple):
     max_running: int = 0  # requests its batch admits (0: unknown, no limit)
     scarce: bool = False  # its batch admits fewer adapters than its ranks hold: lanes bind before residency
     frees: int = 0  # which running batch frees a lane first, as a routing sequence number (routing.limits; 0: unknown)
+    ready_s: float = math.inf  # expected seconds to READY there if routed now (routing.clock; inf: unknown)
 
     def lanes_short(self, adapter: str) -> int:
         """Adapter lanes the replica lacks to start a request of ``adapter`` now: 0 if it is in flight there
@@ -184,7 +204,8 @@ def bound(loads: Sequence[float], epsilon: float, weight: float = 1.0, floor: fl
     return max(floor, math.ceil((1.0 + epsilon) * (sum(loads) + weight) / len(loads)))
 
 
-def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, weight: float = 1.0) -> list[Ranked]:
+def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, weight: float = 1.0,
+         lead_s: float = 0.0) -> list[Ranked]:
     """Every replica for a request of ``adapter`` weighing ``weight``, best first (module docstring)."""
     if not replicas:
         raise ConflictError(f"no replicas to route adapter {adapter!r} to; add replicas (lora-cache serve "
@@ -214,6 +235,8 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
             key = (1, r.load, r.residence.order, wait)
         elif joins and config.join:  # its adapter's requests run there: it joins their batch
             key = (0, -1, wait, r.load)
+        elif config.idle_ready and r.load <= 0 and r.ready_s <= lead_s and (config.idle_scarce or not r.scarce):
+            key = (0, -2, r.residence.order, h)  # it starts on arrival there: first
         elif config.sticky and r.residence is Residence.COLD:
             soon = not r.scarce or r.load <= cold_floor + config.cold_slack  # lanes not scarce: hash order
             key = (0, r.residence.order, 0 if soon else 1, 0 if soon else r.load, h)
@@ -234,7 +257,7 @@ class RouteItem(NamedTuple):
 
 
 def route_batch(items: Iterable[RouteItem], views: Mapping[str, Sequence[ReplicaLoad]],
-                config: RouterConfig) -> list[list[Ranked]]:
+                config: RouterConfig, lead_s: float = 0.0) -> list[list[Ranked]]:
     """Rank replicas for each item in order; each item's first pick takes its weight before the next.
 
     ``views``: per adapter of the batch, every replica's state for it (the same replicas, in any order).
@@ -249,7 +272,7 @@ def route_batch(items: Iterable[RouteItem], views: Mapping[str, Sequence[Replica
             flying = {r.replica: Counter(r.flying) for r in view}
         weight = 1.0 + config.token_weight * item.tokens
         ranked = rank(item.adapter, [r._replace(load=loads[r.replica], flying=flying[r.replica])
-                      for r in view], config, weight)
+                      for r in view], config, weight, lead_s)
         loads[ranked[0].replica] += weight
         flying[ranked[0].replica][item.adapter] += 1
         out.append(ranked)

@@ -1,0 +1,143 @@
+"""Issue 31: an idle replica where the adapter will be READY by the request's arrival ranks first; where none is
+idle (heavy load) the READY replica keeps the adapter. Load times and the lead are what the controller measured
+(``lora_cache.routing.clock``), on the real controller path (``ControllerCore.route``) and in the plain ranking.
+
+Before ``RouterConfig.idle_ready``, Route sent a light-load request to a busy replica where its adapter was READY
+while an idle replica would have loaded it before the request arrived
+(``test_route_prefers_an_idle_replica_that_loads_the_adapter_in_time`` failed: replica-0 first)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lora_cache.adapters.catalog import CatalogConfig
+from lora_cache.controller.core import ControllerConfig, ControllerCore
+from lora_cache.errors import ConfigError
+from lora_cache.routing.advice import RouteRequest
+from lora_cache.routing.clock import LoadClock
+from lora_cache.routing.ranking import ReplicaLoad, Residence, RouterConfig, rank
+from lora_cache.vocab import Prefetch, WorkerId
+
+
+def test_the_clock_fits_a_fixed_cost_and_a_cost_per_byte_per_kind() -> None:
+    clock = LoadClock(cold_s=0.1, staged_s=0.01)
+    assert clock.load_s(1e6, staged=False) == 0.1 and clock.load_s(1e6, staged=True) == 0.01  # priors
+    assert clock.lead_s == 0.0
+    for i, nbytes in enumerate([1e6, 4e6] * 5):  # 10 ms fixed + 5 ms per MB, from storage
+        clock.sent("r/0", f"a{i}", "v", nbytes, False, 1.0)
+        clock.ready("r/0", f"a{i}", "v", 1.0 + 0.010 + 0.005 * nbytes / 1e6)
+    assert clock.load_s(2e6, staged=False) == pytest.approx(0.020)
+    assert clock.load_s(2e6, staged=False, spread=True) == pytest.approx(0.020)  # on the line: no spread
+    assert clock.load_s(1e6, staged=True) == 0.01  # the host tier's kind has no sample: its prior
+    clock.sent("r/0", "b", "v", 1e6, True, 2.0)
+    clock.ready("r/0", "b", "v", 2.002)
+    assert clock.load_s(3e6, staged=True) == pytest.approx(0.006)  # one size: proportional
+    clock.sent("r/0", "c", "v", 1e6, False, 3.0)
+    clock.dropped("r/0", "c", "v")  # failed or gone: no sample
+    clock.ready("r/0", "c", "v", 9.0)
+    assert clock.load_s(2e6, staged=False) == pytest.approx(0.020)
+    mixed = LoadClock()
+    for i, dt in enumerate([0.005, 0.055] * 10):  # one size: host-tier hits and reads alike, 30 ms on average
+        mixed.sent("r/0", f"a{i}", "v", 1e6, False, 0.0)
+        mixed.ready("r/0", f"a{i}", "v", dt)
+    assert mixed.load_s(1e6, staged=False) == pytest.approx(0.030, rel=0.02)
+    assert mixed.load_s(1e6, staged=False, spread=True) == pytest.approx(0.055, rel=0.02)  # most likely done by then
+    for dt in (0.05, 0.05, 0.05):
+        clock.lead(dt)
+    assert clock.lead_s == pytest.approx(0.05)
+    with pytest.raises(ConfigError, match="cold_s"):
+        LoadClock(cold_s=-1.0)
+
+
+replicas = st.lists(
+    st.tuples(
+        st.sampled_from(list(Residence)),
+        st.sampled_from([0, 0, 1, 2, 5, 12]),
+        st.sampled_from([0.0, 0.01, 0.03, 0.1, 0.3]),
+    ),
+    min_size=1,
+    max_size=8,
+)
+leads = st.sampled_from([0.0, 0.02, 0.05, 0.2])
+
+
+def _fleet(rows: list[tuple[Residence, int, float]]) -> list[ReplicaLoad]:
+    return [
+        ReplicaLoad(f"replica-{i}", res, float(load), ready_s=0.0 if res is Residence.READY else ready)
+        for i, (res, load, ready) in enumerate(rows)
+    ]
+
+
+@given(replicas, leads)
+def test_an_idle_replica_ready_by_arrival_ranks_first(rows: list[tuple[Residence, int, float]], lead: float) -> None:
+    fleet = _fleet(rows)
+    ranked = rank("a", fleet, RouterConfig(), lead_s=lead)
+    by_name = {r.replica: r for r in fleet}
+    on_time = [
+        r for r in ranked if r.within_bound and by_name[r.replica].load == 0 and by_name[r.replica].ready_s <= lead
+    ]
+    if on_time:
+        assert ranked[0] in on_time
+
+
+@given(replicas, leads)
+def test_where_no_replica_is_idle_load_times_and_lead_change_nothing(
+    rows: list[tuple[Residence, int, float]], lead: float
+) -> None:
+    fleet = [r._replace(load=r.load + 1) for r in _fleet(rows)]  # heavy: every replica busy
+    unknown = [r._replace(ready_s=float("inf")) for r in fleet]
+    assert rank("a", fleet, RouterConfig(), lead_s=lead) == rank("a", unknown, RouterConfig(), lead_s=0.0)
+
+
+def _core(tiny_adapters: Any, adapters: int = 3) -> tuple[ControllerCore, list[str]]:
+    paths: list[Path] = tiny_adapters(adapters)
+    core = ControllerCore(
+        ControllerConfig(CatalogConfig(adapter_roots=(str(paths[0].parent),), model="tiny", max_rank=16)), epoch=1
+    )
+    names = [p.name for p in paths]
+    for p in paths:
+        core.register_adapter(p.name, str(p))
+    for r in range(2):
+        core.add_replica(f"replica-{r}", 1, 4)
+    core.worker_report(WorkerId("replica-0", 0), [(names[0], core.planner.adapter(names[0]).version, "ready", "")], 0.5)
+    return core, names
+
+
+def _measure(core: ControllerCore, adapter: str, load_s: float, lead_s: float, now: float = 1.0) -> None:
+    """A hinted request of ``adapter`` on replica-1 (lead ``lead_s``): the plan's prefetches there (``adapter`` and
+    any the planner adds), each READY ``load_s`` later."""
+    (outcome,) = core.hint_batches([[("h-" + adapter, adapter, "replica-1", lead_s)]], now)
+    assert outcome.accepted == 1
+    plan = core.plan(now)
+    sent = [c for c in plan.get(WorkerId("replica-1", 0), []) if isinstance(c, Prefetch)]
+    assert adapter in [c.adapter for c in sent]
+    core.worker_report(WorkerId("replica-1", 0), [(c.adapter, c.version, "ready", "") for c in sent], now + load_s)
+    core.cancel_hint("h-" + adapter, now + load_s)
+
+
+def test_route_prefers_an_idle_replica_that_loads_the_adapter_in_time(tiny_adapters: Any) -> None:
+    core, names = _core(tiny_adapters, adapters=5)
+    _measure(core, names[1], load_s=0.01, lead_s=0.05)  # loads take 10 ms; requests come 50 ms after routing
+    assert core.clock.lead_s == pytest.approx(0.05)
+    (light,) = core.route([RouteRequest(names[0])], {"replica-0": 2.0, "replica-1": 0.0})
+    assert [(r.replica, r.reason) for r in light.ranked] == [
+        ("replica-1", Residence.COLD),  # idle, READY by arrival
+        ("replica-0", Residence.READY),
+    ]
+    (heavy,) = core.route([RouteRequest(names[0])], {"replica-0": 3.0, "replica-1": 1.0})
+    assert heavy.ranked[0].replica == "replica-0"  # none idle: it stays where it is READY
+
+
+def test_route_keeps_the_ready_replica_when_the_load_would_not_finish_in_time(tiny_adapters: Any) -> None:
+    core, names = _core(tiny_adapters)
+    _measure(core, names[1], load_s=0.2, lead_s=0.05)  # loads take 200 ms: longer than the lead
+    (light,) = core.route([RouteRequest(names[0])], {"replica-0": 2.0, "replica-1": 0.0})
+    assert light.ranked[0].replica == "replica-0"
+    fresh, names = _core(tiny_adapters)  # nothing measured, no hint: no lead, the prior (0.1 s) for a load
+    (light,) = fresh.route([RouteRequest(names[0])], {"replica-0": 2.0, "replica-1": 0.0})
+    assert light.ranked[0].replica == "replica-0"
