@@ -138,7 +138,9 @@ class RankEngine:
                 raise ConfigError(f"engine TP {config.tp} rank {comm.rank} does not match its worker cache's "
                                   f"TP {cache.worker.tp} rank {cache.worker.tp_rank}; start the engine on the "
                                   "replica's own workers, rank k on worker k")
-        self.pipelined = ADMISSION[config.admission].pipelined  # steps wait per layer on chunks of loads
+        rule = ADMISSION[config.admission]
+        self.pipelined = rule.pipelined  # steps wait per layer on chunks of loads
+        self.loading = rule.loading or rule.idle  # the rule reads LOADING: copies issued are reported too
         self.names = self.catalog.names()
         self.index = {n: i for i, n in enumerate(self.names)}
         self.lora = LoraOp(self.cache, max(config.max_prefill_tokens, config.max_running), config.max_running)
@@ -204,7 +206,8 @@ class RankEngine:
                 if not isinstance(error, CapacityError):
                     failed.append(ref.name if isinstance(ref, AdapterKey) else ref)
                 del self._loads[ref]
-        rows = self.versions.rows(self.cache.ready_keys(), failed, self._step_failed)
+        issued = self.cache.issued_keys() if self.loading else ()
+        rows = self.versions.rows(self.cache.ready_keys(), failed, self._step_failed, issued)
         self._step_failed = set()
         return rows
 
