@@ -9,9 +9,10 @@ one all-reduce of the readiness exchange) tells rank 0 whether the ranks agree:
   CUR, -CUR     the code of the version its catalog calls current (0: not registered here)
   RDY, -RDY     the code of a version READY here: the current one if it is, else the newest other
   STEP          -1 if this rank could not hold the adapter in the last step, else 0
-  ISS, -ISS     the code of the current version if it is READY here or its copy issued (its read done;
-                ``WorkerCache.issued_keys``), else 0: rules that read LOADING (``pipelined``) admit a request
-                when every rank has the current version so, and serve it that version
+  ISS           the code of the current version if it is READY here or its copy issued (its read done;
+                ``WorkerCache.issued_keys``), else 0: where the ranks agree on the current version, the minimum
+                is that code only if every rank has it so (one column: each rank's value is its CUR or 0);
+                rules that read LOADING (``pipelined``) admit a request then, and serve it that version
 
 Rank 0 then admits each request with one ``adapter@version`` (``serve``), which every rank acquires
 exactly. A version is served to new requests only when it is READY on every rank; until the re-registered
@@ -33,8 +34,8 @@ from lora_cache.errors import NotFoundError
 from lora_cache.vocab import AdapterKey
 from workers.engine.admission import Readiness
 
-FAILED, CUR, CUR_NEG, RDY, RDY_NEG, STEP, ISS, ISS_NEG = range(8)
-COLUMNS = 8
+FAILED, CUR, CUR_NEG, RDY, RDY_NEG, STEP, ISS = range(7)
+COLUMNS = 7
 
 
 def version_code(version: str) -> int:
@@ -84,7 +85,7 @@ class RankVersions:
                 iss[i] = cur[i]
         iss = np.where((rdy == cur) & (cur > 0), cur, iss)  # READY counts as issued (some rank may lag)
         out[:, CUR], out[:, CUR_NEG], out[:, RDY], out[:, RDY_NEG] = cur, -cur, rdy, -rdy
-        out[:, ISS], out[:, ISS_NEG] = iss, -iss
+        out[:, ISS] = iss
         out[[self.index[n] for n in failed_loads if n in self.index], FAILED] = -1
         out[[self.index[n] for n in failed_steps if n in self.index], STEP] = -1
         return torch.from_numpy(out)
@@ -129,7 +130,7 @@ class ReducedVersions:
         gone = a[:, CUR] == 0  # unregistered on some rank: no new use
         failed = (a[:, FAILED] < 0) & ~self.ready  # a version READY everywhere is served despite a failed upgrade
         # the current version READY or its copy issued on every rank (served: ``decode`` gives the current one)
-        loading = agreed & (a[:, ISS] == a[:, CUR]) & (a[:, ISS] == -a[:, ISS_NEG]) & ~self.ready
+        loading = agreed & (a[:, ISS] == a[:, CUR]) & ~self.ready
         self.state = np.where(gone | failed, int(Readiness.FAILED),
                               np.where(self.ready, int(Readiness.READY),
                                        np.where(loading, int(Readiness.LOADING), int(Readiness.NOT_READY))))
