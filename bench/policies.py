@@ -1,9 +1,11 @@
 """The benchmark's five policies, at equal GPU memory, as a registry (``--policies`` picks from it).
 
-``pipelined`` is compared with ``overlap`` and ``ondemand`` (issue 21): overlap's rule, and in a round that
-would run nothing else, the held-back requests on their loads in flight, layer by layer (issue 31: never a
-batch of ready requests held at a missing chunk). The simulator (``bench.sim``) ends such a step no sooner
-than its whole compute after it starts, nor than one layer's compute after its last load is READY.
+``pipelined`` is compared with ``overlap`` and ``ondemand`` (issue 21): overlap's rule, and a request whose
+adapter's copy is issued on every rank (its read done: ``LOADING``) joins the batch about to run, layer by
+layer on the copy's chunks (issue 31: never a batch held at a chunk of a load not started or still reading).
+The simulator (``bench.sim``) ends such a step no sooner than its whole compute after it starts, nor than one
+layer's compute after its last load is READY (``StepRecord.chunk_wait_ms``: how much later; 0 in every named
+run). ``global`` keeps ``overlap``: pipelined is not yet never worse on every named run (bench/RESULTS.md).
 
 A policy is what the fleet does about adapters, end to end: which placement policy the controller's
 planner runs (``lora_cache.planner.POLICIES``), which admission rule the engines use
@@ -18,7 +20,7 @@ overlap    none       overlap    no     SGLang's overlap loading: loads run besi
 queue      queue      overlap    no     S-LoRA: each replica prefetches its own waiting queue
 global     global     overlap    yes    lora-cache: queue + router hints + fleet-wide popularity
 oracle     none       overlap    no     every adapter resident from the start (slots = adapters)
-pipelined  none       pipelined  no     overlap; idle rounds run held-back requests per layer on chunks
+pipelined  none       pipelined  no     overlap; requests on issued copies join the batch, per layer
 =========  =========  =========  =====  ========================================================
 """
 

@@ -69,8 +69,8 @@ def test_policies_behave_as_defined(quick) -> None:
     assert f["oracle"]["mean_load_wait_ms"] == 0
     assert f["ondemand"]["prefetches"] == 0  # on first use only, in the step
     assert f["ondemand"]["demand_loads"] > 0
-    # pipelined loads as overlap does (prefetches for held-back requests); layer by layer only in idle rounds, on
-    # loads the engine reports LOADING (the reference engine reports none yet: issue 31)
+    # pipelined loads as overlap does (prefetches for held-back requests); a request runs layer by layer on a copy
+    # the engine reports issued (LOADING), in the next batch (issue 31)
     assert f["pipelined"]["loads"] > 0 and f["pipelined"]["prefetches"] > 0
     assert f["global"]["prefetches"] > 0  # hints and queue reports reached the planner, which prefetched
     ranks = doc["ranks"]["ondemand"]

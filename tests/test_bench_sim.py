@@ -232,6 +232,18 @@ def test_overlap_admits_a_resident_arrival_as_soon_as_ondemand() -> None:
     assert overlap.load_wait_s == 0.0
 
 
+def test_pipelined_joins_copies_to_the_next_batch_and_no_step_waits_on_a_chunk() -> None:
+    """Issue 31: under ``pipelined`` a request whose adapter's copy is issued (LOADING) runs in the batch about
+    to start, beside running requests or ready ones, not only in rounds that would run nothing; and no step
+    ends later than its own compute for a chunk (a copy lands before the step's last layer needs it), so
+    what it gains costs the batch nothing."""
+    steps = run("pipelined").steps
+    joined = [s for s in steps if s.loading and s.held > s.loading]  # on a copy, beside other adapters
+    assert joined and any(s.kind == "prefill" for s in joined), "no LOADING request joined a batch"
+    assert max(s.chunk_wait_ms for s in steps) == 0.0
+    assert all(s.loading == 0 for s in run("overlap").steps)  # overlap computes on whole adapters only
+
+
 def test_closed_loop_keeps_exactly_n_in_flight() -> None:
     n = 6
     wl = workload(arrivals=f"inflight:{n}", requests=60, output=16)

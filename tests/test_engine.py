@@ -221,8 +221,8 @@ def test_pipelined_steps_on_chunked_loads_compute_what_ondemand_does(adapters: P
     check_served(result, config, REQUESTS)
     for got, want in zip(result.records, tp1_ondemand.records, strict=True):
         assert got.outputs is not None and want.outputs is not None
-        # 1e-4: pipelined batches ready requests apart from held-back ones, so batches (and sum orders) differ
-        # (the engine reports no LOADING yet: its chunk waits are tested in tests/test_pipeline.py)
+        # 1e-4: pipelined batches requests on loads in flight with ready ones, so batches (and sum orders)
+        # differ
         torch.testing.assert_close(got.outputs, want.outputs, rtol=1e-4, atol=1e-4)
 
 
@@ -322,22 +322,27 @@ def test_scheduler_plans_follow_the_rule_and_bounds(adapters: Path) -> None:
     assert plan.prefetch == plan.wanted == () and sorted(plan.hold) == sorted(FULL[:2])
 
 
-def test_pipelined_runs_ready_requests_first_and_held_back_ones_only_when_idle(adapters: Path) -> None:
-    """Issue 31: a batch of ready requests (or the running ones' decode) never waits on another adapter's
-    chunks; a held-back request runs pipelined only in a round that would otherwise run nothing."""
-    config = engine_config(adapters, max_running=4, max_adapters=2)
-    requests = [Request(0, FULL[0], 4, 2), Request(1, FULL[1], 4, 2), Request(2, FULL[1], 4, 2, arrival_s=1.0)]
+def test_pipelined_runs_loading_requests_in_the_next_batch_never_reading_ones(adapters: Path) -> None:
+    """Issue 31: a request whose adapter's copy is issued on every rank (LOADING) joins the batch about to run,
+    ready requests' or one that would otherwise be the running requests' decode; one whose load has not
+    started or is still reading (NOT_READY) never does: no batch waits on a read."""
+    config = engine_config(adapters, max_running=4, max_adapters=3)
+    requests = [Request(0, FULL[0], 4, 2), Request(1, FULL[1], 4, 2), Request(2, FULL[2], 4, 2, arrival_s=0.15)]
     s = Scheduler(config, ADMISSION["pipelined"](), requests)
-    plan = s.plan(0.0, {FULL[1]: Readiness.READY})  # rid 1 is ready: it runs alone; rid 0's adapter prefetches
+    plan = s.plan(0.0, {FULL[1]: Readiness.READY})  # rid 0 still reading: rid 1 runs alone; rid 0's load starts
     assert plan.kind == PREFILL and [it.rid for it in plan.items] == [1] and FULL[0] in plan.prefetch
     s.finish_step(plan, 0.1, 0.0)
-    plan = s.plan(0.2, {FULL[1]: Readiness.READY})  # rid 1 decodes; rid 0 still waits (no chunk waits in it)
-    assert plan.kind == DECODE and [it.rid for it in plan.items] == [1]
-    s.finish_step(plan, 0.3, 0.0)  # rid 1 is done: nothing runs, nothing is ready
-    plan = s.plan(0.4, {FULL[1]: Readiness.READY})  # idle, but rid 0's load is still reading: no step waits on it
-    assert plan.kind == WAIT and plan.wait_for == (FULL[0],)
-    plan = s.plan(0.5, {FULL[0]: Readiness.LOADING})  # its copy is issued: rid 0 runs, layer by layer on it
-    assert plan.kind == PREFILL and [it.rid for it in plan.items] == [0]
+    plan = s.plan(0.2, {FULL[1]: Readiness.READY, FULL[0]: Readiness.LOADING, FULL[2]: Readiness.NOT_READY})
+    # rid 0's copy is issued: it runs now, layer by layer on its chunks, rather than after rid 1's decode;
+    # rid 2's load is still reading: it waits (and its load is asked for)
+    assert plan.kind == PREFILL and [it.rid for it in plan.items] == [0] and FULL[2] in plan.prefetch
+    assert set(plan.hold) == {FULL[0], FULL[1]}
+    s.finish_step(plan, 0.3, 0.0)
+    plan = s.plan(0.4, {FULL[1]: Readiness.READY, FULL[0]: Readiness.READY, FULL[2]: Readiness.LOADING})
+    assert plan.kind == PREFILL and [it.rid for it in plan.items] == [2]  # joins with rid 0 and 1 running
+    ready_and_loading = Scheduler(config, ADMISSION["pipelined"](), requests[:2])
+    plan = ready_and_loading.plan(0.0, {FULL[0]: Readiness.LOADING, FULL[1]: Readiness.READY})
+    assert plan.kind == PREFILL and sorted(it.rid for it in plan.items) == [0, 1]  # one batch, one step
     overlap = Scheduler(config, Overlap(), requests[:1])
     assert overlap.plan(0.0, {FULL[0]: Readiness.LOADING}).kind == WAIT  # overlap waits for the whole load
 

@@ -218,7 +218,7 @@ def test_pipelined_rule_is_registered_and_benchmarked() -> None:
     request = Request(0, "a", 4, 1, 0.0)
     assert rule.pipelined and rule.prefetch and not ADMISSION["overlap"].pipelined
     assert not rule.admits(request, Readiness.NOT_READY) and rule.admits(request, Readiness.READY)
-    assert rule.idle and rule.admits_idle(request, Readiness.LOADING)  # only in a round that runs nothing else
-    assert not rule.admits_idle(request, Readiness.NOT_READY)  # a load not started, or still reading
-    assert not rule.admits_idle(request, Readiness.FAILED) and not ADMISSION["overlap"].idle
+    assert rule.loading and rule.admits(request, Readiness.LOADING)  # its copy issued: in any batch
+    assert not rule.admits(request, Readiness.FAILED) and not ADMISSION["overlap"].loading
+    assert not ADMISSION["overlap"]().admits(request, Readiness.LOADING)  # overlap waits for the whole load
     assert BENCH_POLICIES["pipelined"].admission == "pipelined"

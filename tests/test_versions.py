@@ -106,6 +106,29 @@ def view_of(*ranks: dict[str, tuple[str | None, str | None]], failed: str = "", 
     return ReducedVersions(reduce_min(reports), names, known)
 
 
+def test_loading_means_the_current_version_ready_or_its_copy_issued_on_every_rank(tmp_path: Path) -> None:
+    """What ``pipelined`` admits on (issue 31): LOADING only where every rank has the current version READY or
+    its copy issued (``WorkerCache.issued_keys``), and the version served is that one; a rank still reading,
+    or copying an older version, keeps the adapter NOT_READY."""
+    make_versions(tmp_path)
+    catalog = AdapterCatalog(CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny", max_rank=16))
+    old = AdapterKey("a", catalog.register("a", tmp_path / "a-v0").version)
+    new = AdapterKey("a", catalog.register("a", tmp_path / "a-v1").version)
+    catalog.register("b", tmp_path / "b-v0")
+    ranks = [RankVersions(catalog, ("a", "b")) for _ in range(TP)]
+
+    def view(ready: list[set[AdapterKey]], issued: list[set[AdapterKey]]) -> ReducedVersions:
+        rows = [r.rows(ready[k], (), (), issued[k]) for k, r in enumerate(ranks)]
+        return ReducedVersions(reduce_min(rows), ("a", "b"), ranks[0].codes)
+
+    copying = view([set(), {new}], [{new}, set()])  # READY on rank 1, its copy issued on rank 0
+    assert copying.readiness() == {"a": Readiness.LOADING} and copying.versions()["a"].serve == new.version
+    assert view([set(), set()], [{new}, set()]).readiness() == {}  # rank 1 still reading it
+    assert view([set(), set()], [{old}, {old}]).readiness() == {}  # an older version's copy: not the current
+    assert view([{new}, {new}], [set(), set()]).readiness() == {"a": Readiness.READY}
+    assert view([{new}, {new}], [set(), set()]).readiness() == view([{new}, {new}], [{new}, {new}]).readiness()
+
+
 def test_the_replica_serves_a_version_only_when_every_rank_agrees() -> None:
     both = view_of({"a": ("v1", "v1"), "b": ("v0", None)}, {"a": ("v1", "v1"), "b": ("v0", None)})
     assert both.readiness() == {"a": Readiness.READY}

@@ -242,6 +242,10 @@ class Attachment:
         """The exact versions READY on this rank."""
         return self.cache.ready_keys()
 
+    def issued_keys(self) -> set[AdapterKey]:
+        """The exact versions LOADING on this rank with every copy issued (READY within a copy's time)."""
+        return self.cache.issued_keys()
+
     def version_rows(self, names: Sequence[str], failed_loads: Sequence[str] = (),
                      failed_steps: Sequence[str] = ()) -> torch.Tensor:
         """This rank's row per adapter of ``names`` for the version exchange (``workers.engine.versions``):

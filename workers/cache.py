@@ -336,6 +336,13 @@ class WorkerCache:
         with self.book.lock:
             return {s.key for s in self.book.table.slots if s.key is not None and s.state is SlotPhase.READY}
 
+    def issued_keys(self) -> set[AdapterKey]:
+        """Adapter versions still LOADING here whose every copy is issued (the read done): READY within a
+        copy's time, so a pipelined step may run them (``workers.engine.admission``'s LOADING)."""
+        with self.book.lock:
+            return {s.key for s in self.book.table.slots if s.key is not None and s.state is SlotPhase.LOADING
+                    and self.book.loads[s.index].issued.is_set() and self.book.loads[s.index].error is None}
+
     def ready_names(self) -> set[str]:
         """Adapters READY here (any version): the engine's readiness report, without ``residency``'s rows."""
         with self.book.lock:

@@ -15,7 +15,7 @@ from pathlib import Path
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.vocab import AdapterKey
-from workers.engine.versions import RankVersions, ReducedVersions
+from workers.engine.versions import COLUMNS, RankVersions, ReducedVersions
 
 
 def measure(catalog: AdapterCatalog, n: int, rounds: int) -> float:
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         catalog.register_dir(tmp)
         for n in args.adapters:
             print(f"adapters={n}: report + view {measure(catalog, n, args.rounds):.1f} us per round, "
-                  f"all-reduce message {n * 6 * 8} bytes", flush=True)
+                  f"all-reduce message {n * COLUMNS * 8} bytes", flush=True)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,9 @@ class StepRecord(NamedTuple):
     end_s: float
     gap_ms: float | None = None  # host time since the previous step's end, rounds back to back
     readiness_ms: float = 0.0  # of it, the readiness exchange
+    chunk_wait_ms: float = 0.0  # pipelined: how much later it ended than its compute alone, waiting on a chunk
+    held: int = 0  # adapters the step held (its items' and the running requests')
+    loading: int = 0  # of them, still loading when its compute started (pipelined: on chunks)
 
     def as_log(self) -> dict[str, object]:
         """The real engine's step log (``workers.engine.rank.StepLog``): ``ms`` from start to tokens ready,
@@ -70,6 +73,9 @@ class _Step:
     ranks_left: int
     compute_s: float = 0.0
     loaded_s: float = 0.0  # pipelined: when the last held load was READY on every rank
+    chunk_wait_s: float = 0.0  # pipelined: the end pushed past the compute's by the last chunk
+    holds: int = 0  # adapters held (its items' and the running requests')
+    loading: int = 0  # held adapters still loading on some rank when the compute started
     tokens: int = 0  # the items' lengths summed (a prefill's prompt tokens)
     adapters: int = 0  # distinct adapters among the items
 
@@ -92,6 +98,7 @@ class SimReplica:
         self.layers = layers  # pipelined: a step's last layer waits for the last chunk of its loads
         self.calibration, self.hooks = calibration, hooks
         self.scheduler = Scheduler(config, rule, [])
+        self._loading = rule.loading or rule.idle  # the rule reads LOADING (``admits`` or ``admits_idle``)
         self.plan = StepPlan(STOP)
         self.state = "idle"  # idle | busy (a round or step under way) | wait
         self._wait_token = 0  # a wait that a later event ended is ignored when its loads finish
@@ -153,7 +160,7 @@ class SimReplica:
                             if slot.key is not None and slot.state is SlotPhase.LOADING})
         ready = set.intersection(*views)
         out = dict.fromkeys(ready, Readiness.READY)
-        if self.rule.idle:  # LOADING: READY or copying on every rank (only rules that read it are told)
+        if self._loading:  # LOADING: READY or copying on every rank (only rules that read it are told)
             out |= dict.fromkeys(set.intersection(*(v | ld for v, ld in zip(views, loading))) - ready,
                                  Readiness.LOADING)
         return out
@@ -178,12 +185,12 @@ class SimReplica:
         waited = _names(plan.wait_for)
         for w, loads in zip(self.workers, self._engine_loads):
             flying = [ld for a in waited if (ld := loads.get(a)) is not None and not ld.ready.done]
-            if self.rule.idle:  # a rule that runs LOADING adapters in idle rounds wakes when a copy is issued
+            if self._loading:  # a rule that runs LOADING adapters wakes when a copy is issued
                 flying = [ld for ld in flying if not ld.issued.done] or flying
             done = functools.partial(self._rank_waited, token, left, [False])
             if flying:
                 for load in flying:
-                    (load.issued if self.rule.idle and not load.issued.done else load.ready).then(done)
+                    (load.issued if self._loading and not load.issued.done else load.ready).then(done)
             elif any(w.is_ready(a) for a in waited):  # its load is done here: the next round can admit
                 done(None)
             else:  # nothing to wait for, or nothing loading for it here (a prefetch refused for room): poll;
@@ -219,6 +226,8 @@ class SimReplica:
             i, first = i + 1, True
         self._prefetch_on(rank, step.plan.prefetch)  # after acquire: a load cannot evict what this step holds
         flying = [ld for index in step.held[rank] if (ld := w.loading(index)) is not None]
+        step.holds = len(names)
+        step.loading = max(step.loading, len(flying))
         if self.rule.pipelined:  # the compute starts now; each layer waits only for its chunk (below)
             step.compute_s = max(step.compute_s, self.loop.now)
         done = functools.partial(self._rank_ready, step, [max(1, len(flying))])
@@ -244,6 +253,7 @@ class SimReplica:
             # pipelined: chunks land layer by layer; the step ends no sooner than its last layer after the
             # last chunk (the load's end), nor than its whole compute from the start
             end = max(step.compute_s + duration, step.loaded_s + duration / self.layers)
+            step.chunk_wait_s = end - (step.compute_s + duration)
             self.loop.at(end, self._finish_step, step)
 
     def _finish_step(self, step: _Step) -> None:
@@ -258,7 +268,8 @@ class SimReplica:
         gap_ms = None if self._last_end is None else (step.start_s - self._last_end) * 1e3
         readiness_ms = self.calibration.readiness_ms if self.rule.prefetch and gap_ms is not None else 0.0
         self.hooks.steps.append(StepRecord(self.name, plan.kind, len(plan.items), step.tokens, step.adapters,
-                                           step.start_s, step.compute_s, now, gap_ms, readiness_ms))
+                                           step.start_s, step.compute_s, now, gap_ms, readiness_ms,
+                                           step.chunk_wait_s * 1e3, step.holds, step.loading))
         self._last_end = now
         self._round()
 

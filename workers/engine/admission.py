@@ -3,16 +3,17 @@
 ``ondemand``: always (the step blocks on loading a cold adapter: engines' default).
 ``overlap``: only once its adapter is READY on every rank; loads for waiting requests start at once on
 the copy stream and run beside the steps of requests whose adapters are ready (SGLang's overlap loading).
-``pipelined``: as ``overlap``, and, in a round that would otherwise run nothing (no request ready to start,
-none running: overlap waits for the load), the held-back requests whose loads will finish in time
-(``LOADING``: the read done, the copy into a slot issued on every rank): the step does not wait for whole
-adapters; the LoRA op of layer l waits (on the GPU) only for the chunk of the load that holds layer l
-(``workers.pipeline``), so a load's copies run under the step's earlier layers. A batch of ready requests,
-or the running requests' decode, never waits on a chunk of another adapter's load, nor any step on a load
-that has not started or is still reading: on a real trace, admitting every request at once (the rule
-before 2026-11-26) let one cold adapter hold the whole batch at its missing layer (p99 1.27x overlap's,
-issue 31). The reference engine does not report ``LOADING`` yet (its readiness exchange carries READY
-only), so there ``pipelined`` admits as ``overlap`` does; the simulator reports it.
+``pipelined``: as ``overlap``, and a request whose adapter is ``LOADING`` (on every rank READY, or its read
+done and its copy into a slot issued: READY within a copy's time) is admitted as if it were READY, into any
+batch: the step does not wait for whole adapters; the LoRA op of layer l waits (on the GPU) only for the chunk
+of the load that holds layer l (``workers.pipeline``), and a copy already issued lands long before the step's
+last layer (a copy of an 8B adapter's shard takes 1-7 ms, a step's compute 8-40 ms), so the batch never waits
+on it. A request whose load has not started or is still reading is held back as under ``overlap``: on a real
+trace, admitting every request at once (the rule before 2026-11-26) let one cold adapter hold the whole batch
+at its missing layer (p99 1.27x overlap's, issue 31). Admitting LOADING requests only in rounds that would run
+nothing else (the rule until issue 31's fourth round) gained at most a copy's time, and lost on 8 of 12 named
+runs: the loss was not the early step but the phase of arrivals against step boundaries, which any change of
+timing reshuffles (``bench/RESULTS.md``); joining the batch that is about to run gains a whole step.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class AdmissionRule(ABC):
     prefetch: ClassVar[bool] = False  # start loads for waiting requests' adapters and report readiness
     pipelined: ClassVar[bool] = False  # steps wait per layer on load chunks, not on whole adapters
     idle: ClassVar[bool] = False  # a round that would run nothing asks ``admits_idle`` of held-back requests
+    loading: ClassVar[bool] = False  # the replica reports LOADING (not only READY) to ``admits``
 
     @abstractmethod
     def admits(self, request: Request, ready: Readiness) -> bool:
@@ -84,10 +86,8 @@ class Pipelined(AdmissionRule):
     name = "pipelined"
     prefetch = True  # readiness is still reported (READY means every chunk) and running adapters pinned
     pipelined = True
-    idle = True
+    loading = True
 
     def admits(self, request: Request, ready: Readiness) -> bool:
-        return request.adapter is None or ready is Readiness.READY
-
-    def admits_idle(self, request: Request, ready: Readiness) -> bool:
-        return ready is Readiness.LOADING  # its load will finish in time: only its copy is left
+        # LOADING: its load will finish in time (only its copy is left); NOT_READY: not started or still reading
+        return request.adapter is None or ready is Readiness.READY or ready is Readiness.LOADING

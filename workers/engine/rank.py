@@ -56,6 +56,7 @@ def load_catalog(config: EngineConfig) -> AdapterCatalog:
 
 # one-prompt prefill lengths run at warm-up: 1, odd and multiple-of-16 lengths in every token tile size
 WARM_PROMPTS = (1, 7, 16, 31, 32, 48, 63, 64, 65, 127, 128, 255, 256, 500, 1024)
+ISSUE_POLL_S = 5e-4  # a waiting engine whose rule runs LOADING adapters looks for issued copies this often
 
 
 class StepAudit(NamedTuple):
@@ -138,7 +139,9 @@ class RankEngine:
                 raise ConfigError(f"engine TP {config.tp} rank {comm.rank} does not match its worker cache's "
                                   f"TP {cache.worker.tp} rank {cache.worker.tp_rank}; start the engine on the "
                                   "replica's own workers, rank k on worker k")
-        self.pipelined = ADMISSION[config.admission].pipelined  # steps wait per layer on chunks of loads
+        rule = ADMISSION[config.admission]
+        self.pipelined = rule.pipelined  # steps wait per layer on chunks of loads
+        self.loading = rule.loading or rule.idle  # the rule reads LOADING: copies issued are reported too
         self.names = self.catalog.names()
         self.index = {n: i for i, n in enumerate(self.names)}
         self.lora = LoraOp(self.cache, max(config.max_prefill_tokens, config.max_running), config.max_running)
@@ -204,7 +207,8 @@ class RankEngine:
                 if not isinstance(error, CapacityError):
                     failed.append(ref.name if isinstance(ref, AdapterKey) else ref)
                 del self._loads[ref]
-        rows = self.versions.rows(self.cache.ready_keys(), failed, self._step_failed)
+        issued = self.cache.issued_keys() if self.loading else ()
+        rows = self.versions.rows(self.cache.ready_keys(), failed, self._step_failed, issued)
         self._step_failed = set()
         return rows
 
@@ -254,7 +258,9 @@ class RankEngine:
         loads = [f for a in plan.wait_for if (f := self._loads.get(a)) is not None and not f.done()]
         timeout = None if plan.timeout_s is None else max(0.0, plan.timeout_s)
         woken: list[Future[Any]] = [arrival] if arrival is not None else []
-        if loads:
+        if loads and self.loading:  # a rule that runs LOADING adapters wakes once a copy is issued here
+            self._wait_issued(plan, [*loads, *woken], timeout)
+        elif loads:
             wait([*loads, *woken], timeout=timeout, return_when=FIRST_COMPLETED)
         elif not plan.wait_for:  # nothing loading: the next arrival
             if woken:
@@ -264,6 +270,24 @@ class RankEngine:
         elif self.cache.ready_keys().isdisjoint(_key_or_none(self.catalog, a) for a in plan.wait_for):
             # nothing loading for them here (a prefetch refused for room, a failed load): poll, never spin
             time.sleep(min(1e-3, timeout) if timeout is not None else 1e-3)
+
+    def _wait_issued(self, plan: StepPlan, futures: list[Future[Any]], timeout: float | None) -> None:
+        """Until a future is done (a load READY, an arrival), the timeout, or a held-back adapter's copy is
+        issued here (its read done: LOADING, which the next round may run on its chunks); polled every
+        ``ISSUE_POLL_S``, as the simulator wakes at the copy's issue (``bench.sim.replica``)."""
+        keys = {k for a in plan.wait_for if (k := _key_or_none(self.catalog, a)) is not None}
+        keys -= self.cache.issued_keys()  # issued here already (another rank is behind): wait for READY
+        if not keys:
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+            return
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        while keys.isdisjoint(self.cache.issued_keys()):
+            left = ISSUE_POLL_S if deadline is None else min(ISSUE_POLL_S, deadline - time.perf_counter())
+            if left <= 0:
+                return
+            done, _ = wait(futures, timeout=left, return_when=FIRST_COMPLETED)
+            if done:
+                return
 
     def _step(self, plan: StepPlan) -> StepResult:
         wall, start, gc_ms = time.time(), time.perf_counter(), self.pauses.total_ms

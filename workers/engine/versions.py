@@ -9,6 +9,10 @@ one all-reduce of the readiness exchange) tells rank 0 whether the ranks agree:
   CUR, -CUR     the code of the version its catalog calls current (0: not registered here)
   RDY, -RDY     the code of a version READY here: the current one if it is, else the newest other
   STEP          -1 if this rank could not hold the adapter in the last step, else 0
+  ISS           the code of the current version if it is READY here or its copy issued (its read done;
+                ``WorkerCache.issued_keys``), else 0: where the ranks agree on the current version, the minimum
+                is that code only if every rank has it so (one column: each rank's value is its CUR or 0);
+                rules that read LOADING (``pipelined``) admit a request then, and serve it that version
 
 Rank 0 then admits each request with one ``adapter@version`` (``serve``), which every rank acquires
 exactly. A version is served to new requests only when it is READY on every rank; until the re-registered
@@ -30,8 +34,8 @@ from lora_cache.errors import NotFoundError
 from lora_cache.vocab import AdapterKey
 from workers.engine.admission import Readiness
 
-FAILED, CUR, CUR_NEG, RDY, RDY_NEG, STEP = range(6)
-COLUMNS = 6
+FAILED, CUR, CUR_NEG, RDY, RDY_NEG, STEP, ISS = range(7)
+COLUMNS = 7
 
 
 def version_code(version: str) -> int:
@@ -60,12 +64,14 @@ class RankVersions:
         self.codes: dict[int, str] = {}  # code -> version, of the versions this rank knows
 
     def rows(self, ready: Iterable[AdapterKey], failed_loads: Iterable[str] = (),
-             failed_steps: Iterable[str] = ()) -> torch.Tensor:
-        """This rank's report: [len(names), COLUMNS] int64 (``ready``: the versions READY here)."""
+             failed_steps: Iterable[str] = (), issued: Iterable[AdapterKey] = ()) -> torch.Tensor:
+        """This rank's report: [len(names), COLUMNS] int64 (``ready``: the versions READY here; ``issued``:
+        those LOADING with every copy issued)."""
         self._refresh()
         out = np.zeros((len(self.names), COLUMNS), dtype=np.int64)
         cur = self._cur
         rdy = np.zeros_like(cur)
+        iss = np.zeros_like(cur)
         for key in ready:
             i = self.index.get(key.name)
             if i is None:
@@ -73,7 +79,13 @@ class RankVersions:
             code = self._code(key.version)
             if rdy[i] != cur[i] and (code == cur[i] or code > rdy[i]):  # the current version wins
                 rdy[i] = code
+        for key in issued:
+            i = self.index.get(key.name)
+            if i is not None and self._code(key.version) == cur[i]:
+                iss[i] = cur[i]
+        iss = np.where((rdy == cur) & (cur > 0), cur, iss)  # READY counts as issued (some rank may lag)
         out[:, CUR], out[:, CUR_NEG], out[:, RDY], out[:, RDY_NEG] = cur, -cur, rdy, -rdy
+        out[:, ISS] = iss
         out[[self.index[n] for n in failed_loads if n in self.index], FAILED] = -1
         out[[self.index[n] for n in failed_steps if n in self.index], STEP] = -1
         return torch.from_numpy(out)
@@ -117,8 +129,11 @@ class ReducedVersions:
         self.agreed = agreed
         gone = a[:, CUR] == 0  # unregistered on some rank: no new use
         failed = (a[:, FAILED] < 0) & ~self.ready  # a version READY everywhere is served despite a failed upgrade
+        # the current version READY or its copy issued on every rank (served: ``decode`` gives the current one)
+        loading = agreed & (a[:, ISS] == a[:, CUR]) & ~self.ready
         self.state = np.where(gone | failed, int(Readiness.FAILED),
-                              np.where(self.ready, int(Readiness.READY), int(Readiness.NOT_READY)))
+                              np.where(self.ready, int(Readiness.READY),
+                                       np.where(loading, int(Readiness.LOADING), int(Readiness.NOT_READY))))
         self.step_failed = a[:, STEP] < 0
 
     def readiness(self) -> dict[str, Readiness]:
