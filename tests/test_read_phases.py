@@ -162,8 +162,8 @@ def test_a_read_of_n_chunks_takes_n_replies_from_each_process_the_last_chunk_tol
     plan = chunk_plan(lay.entries, lay.numel, TINY.num_layers, 2, min_bytes=0)
     assert len(plan.chunks) > 1
     replies: dict[int, list[str]] = {}
-    for proc in split_tier._reader._all:
-        def counted(spec_, layout_, _reply=proc.reply, _pid=id(proc)):  # type: ignore[no-untyped-def]
+    for pid, proc in enumerate(split_tier._reader._all):
+        def counted(spec_, layout_, _reply=proc.reply, _pid=pid):  # type: ignore[no-untyped-def]
             reply = _reply(spec_, layout_)
             replies.setdefault(_pid, []).append(reply[0])
             return reply
