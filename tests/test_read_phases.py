@@ -18,7 +18,7 @@ import torch
 from bench.probes.cold_read import phases
 from lora_cache.adapters.catalog import AdapterCatalog
 from lora_cache.adapters.chunks import chunk_plan
-from lora_cache.adapters.files import BLOCK_BYTES
+from lora_cache.adapters.files import BLOCK_BYTES, RACY_NS
 from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
 from lora_cache.adapters.shards import shard_layout
 from lora_cache.errors import AdapterChangedError, ConfigError
@@ -30,6 +30,7 @@ from workers.kernels import SlotMeta, shard_dims
 from workers.read_io import block_crc
 from workers.read_plan import Run
 from workers.read_pool import auto_readers
+from workers.reader import read_slices
 
 TINY = SHAPES["tiny"]
 
@@ -328,3 +329,38 @@ def test_slot_metadata_of_a_pattern_seen_before_is_one_row_copy_with_no_per_modu
     doubled = dataclasses.replace(base, modules=tuple(m._replace(scaling=2 * m.scaling) for m in base.modules))
     meta.write(1, doubled)  # other modules (scalings): checked and written as they are
     assert torch.equal(meta.scale[1], 2 * fresh.scale[2]) and torch.equal(meta.a_off[1], fresh.a_off[2])
+
+
+def test_a_parts_share_of_a_settled_pattern_is_built_once_and_the_bytes_come_from_the_plan(
+    catalog: AdapterCatalog, file_slices: Callable
+) -> None:
+    """Issue 30 item 1 (fourth round): each read built its part's share of every chunk again (the work list, the
+    runs sorted, the blocks they cover) and summed its entries' bytes after the last chunk: most of a split read's
+    ``plan`` phase and ~0.1 ms before its end. A version past its racy window (no block checks but the sample's)
+    keeps each (plan, part)'s share; a racy one, whose checks change as blocks settle, builds it per read."""
+    spec = catalog.get(catalog.names()[0])
+    assert spec.source is not None
+    settled = spec.source._replace(registered_ns=spec.source.identity.ctime_ns + RACY_NS)
+    assert not settled.racy and spec.source.racy
+    lay = shard_layout(spec, TINY, 2, 1, torch.bfloat16)
+    plan = chunk_plan(lay.entries, lay.numel, TINY.num_layers, 2, min_bytes=0)
+    index = reader_module.tensor_index(str(spec.weights), spec.version, spec.weights.stat().st_size)
+    want_bytes = sum(e.numel * index[e.key].dtype.itemsize for e in lay.entries)  # this rank's, in file bytes
+
+    def read_both(source: object) -> list[int]:
+        dest = torch.zeros(lay.numel, dtype=torch.bfloat16)
+        got = [read_slices(source, lay.entries, dest, "TP 1/2", "sample", plan.entry_spans, part=(i, 2), readers=2)
+               for i in (0, 1)]
+        for e in lay.entries:
+            assert torch.equal(dest[e.offset : e.offset + e.numel].view(e.shape),
+                               file_slices(spec, lay)[(e.layer, e.module, e.ab)]), e.key
+        return got
+
+    before = dict(reader_module._PARTS)
+    assert read_both(spec.source) == [want_bytes] * 2
+    assert dict(reader_module._PARTS) == before, "a racy version's share was kept"
+    assert read_both(settled) == [want_bytes] * 2
+    kept = {k: v[1] for k, v in reader_module._PARTS.items() if k not in before}
+    assert len(kept) == 2  # one per part
+    assert read_both(settled) == [want_bytes] * 2
+    assert all(reader_module._PARTS[k][1] is share for k, share in kept.items()), "a share was built again"
