@@ -10,9 +10,10 @@ one ``memfd`` mapped by the worker and by every reader process (pinned in the wo
 splits its read over ``PARALLEL`` threads of its own (``workers.read_pool``; 1: it reads alone).
 
 Protocol, one job at a time per process over a socket: the worker sends the registered weights file
-(``WeightsSource``: path, version, identity, CRCs), how much to verify, the layout's entries (once per
-process for each rank pattern, then by id: adapters of one pattern share them), a name for the shard,
-where in the arena it goes and the chunks (ranges of the entries) to read one after another; it gets
+(``WeightsSource``: path, version, identity, CRCs), how much to verify, a name for the shard, where in the
+arena it goes and the chunks (ranges of the entries) to read one after another (pickled once for every part of a
+split read), the layout's entries (once per process for each rank pattern, then by id: adapters of one pattern
+share them) and its part; it gets
 back ``("chunk", k)`` each time the first ``k`` chunks are in the arena and proven (their copies to the
 GPU may start), then ``("ok", bytes, marks)`` or ``("error", kind, message)``, ``kind`` one of ``ERRORS`` (a
 changed file stays an ``AdapterChangedError`` across the process boundary; a file cut short mid-read is one,
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -96,10 +98,21 @@ class ReaderProcess:
         """Its end of the socket (``multiprocessing.connection.wait`` on several processes' reads)."""
         return self._conn
 
+    @staticmethod
+    def job(spec: AdapterSpec, layout: ShardLayout, offset: int, verify: str = "sample",
+            chunks: Sequence[slice] | None = None, readers: int = 0) -> bytes:
+        """What every part of a read is sent, pickled once for all of them (``begin``'s ``job``)."""
+        return pickle.dumps((spec.source, verify, id(layout.entries), f"TP {layout.rank}/{layout.tp}",
+                             str(layout.dtype).removeprefix("torch."), layout.numel, offset,
+                             [(c.start, c.stop) for c in chunks or ()], readers), pickle.HIGHEST_PROTOCOL)
+
     def begin(self, spec: AdapterSpec, layout: ShardLayout, offset: int, verify: str = "sample",
-              chunks: Sequence[slice] | None = None, part: tuple[int, int] = (0, 1), readers: int = 0) -> None:
+              chunks: Sequence[slice] | None = None, part: tuple[int, int] = (0, 1), readers: int = 0,
+              job: bytes | None = None) -> None:
         """Send the process a read (``read``'s arguments; ``part``, ``readers``: as ``reader.read_slices``'s),
-        starting a new process if this one died; its replies come from ``reply``."""
+        starting a new process if this one died; its replies come from ``reply``. ``job``: ``job(...)`` of these
+        arguments, pickled once by a read split over several processes (their sends follow one another, and each
+        part starts only once it has its job)."""
         if spec.source is None:
             raise AdapterFormatError(f"adapter {spec.name}@{spec.version} was not registered from a file; "
                                      "register it from its directory to read it")
@@ -114,9 +127,9 @@ class ReaderProcess:
                 self._conn.recv()
                 self._ready = True
             key = id(layout.entries)
-            self._conn.send((spec.source, verify, key, None if key in self._sent else layout.entries,
-                             f"TP {layout.rank}/{layout.tp}", str(layout.dtype).removeprefix("torch."), layout.numel,
-                             offset, [(c.start, c.stop) for c in chunks or ()], part, readers))
+            if job is None:
+                job = self.job(spec, layout, offset, verify, chunks, readers)
+            self._conn.send((job, None if key in self._sent else layout.entries, part))
             self._sent[key] = layout.entries
         except (EOFError, OSError, TimeoutError) as e:
             raise self._died(spec, layout, e) from e
@@ -220,9 +233,12 @@ class SplitRead:
     def begin(self) -> None:
         """Send each process its part; a process that cannot take it fails the read (in ``collect``)."""
         n = len(self.procs)
+        job = None
         for i, proc in enumerate(self.procs):
             try:
-                proc.begin(self.spec, self.layout, self.offset, self.verify, self.chunks, (i, n), self.readers)
+                if job is None and self.spec.source is not None:
+                    job = ReaderProcess.job(self.spec, self.layout, self.offset, self.verify, self.chunks, self.readers)
+                proc.begin(self.spec, self.layout, self.offset, self.verify, self.chunks, (i, n), self.readers, job)
             except Exception as e:  # e.g. it died (AdapterFormatError): the parts sent end before it is raised
                 self.error = e
                 break
@@ -271,10 +287,11 @@ def _serve(conn: Connection, arena: torch.Tensor, pool: ReadPool | None) -> None
     conn.send(("ready", os.getpid()))
     while True:
         try:
-            source, verify, key, entries, shard, dtype, numel, offset, spans, part, readers = conn.recv()
+            job, entries, part = conn.recv()
         except (EOFError, ConnectionResetError):
             return
         marks: list[tuple[str, float]] = [("received", time.perf_counter())]
+        source, verify, key, shard, dtype, numel, offset, spans, readers = pickle.loads(job)
         if entries is not None:
             held[key] = entries
         try:
