@@ -150,6 +150,8 @@ def test_issue30_small_runs_tp1_probes_the_before_tree_and_the_summary_into_one_
     assert Path(probes[1].out).parent.name == "before" and str(before) in commands[2]
     assert probes[0].adapters == probes[1].adapters  # the same file, read warm by both trees
     assert all({"process"} == {v[0] for v in variants(p.variants)} for p in probes[:3])
+    fixed = [c for c in commands if "bench.probes.fixed_costs" in c or any(a.endswith("fixed_costs.py") for a in c)]
+    assert len(fixed) == 2 and str(before) in fixed[1] and fixed[1][-1].endswith("before/fixed.json")
     assert [c for c in _dry("issue30_small.sh", str(tmp_path), "before") if c] == []  # no BEFORE: skipped
 
 

@@ -4,7 +4,7 @@
 # BEFORE, the same probe from an older tree too, so the phases before and after compare on one card. Everything
 # (JSON, summary, console logs) ends up in one tar file: OUT/issue30-small.tgz.
 #
-#   bash bench/gpu/issue30_small.sh OUT [PART ...]     default: host 8b-r16 before 8b-r8 summary
+#   bash bench/gpu/issue30_small.sh OUT [PART ...]     default: host 8b-r16 before 8b-r8 fixed summary
 #
 # Parts (under OUT/issue30-small/ until packed):
 #   host     the GPU, cores, memory, Python and torch
@@ -14,6 +14,9 @@
 #            e.g. `git archive BASE workers bench lora_cache | tar -x -C out/before`; skipped if BEFORE is unset)
 #            (before-8b-r16.json)
 #   8b-r8    the same, rank 8 (a 40 MiB shard) (cold-8b-r8.json)
+#   fixed    bench.probes.fixed_costs, llama-3.1-8b rank 16 at TP 1 on the GPU: the slot metadata's write of a known
+#            pattern, a reader's open / plan / whole call (one process of 16 threads; part 1 of 4) (fixed.json);
+#            with BEFORE, the same file run against BEFORE's modules too (before/fixed.json)
 #   summary  the goals per shape and row and the phases (summary.md, bench.probes.cold_read --summary; the
 #            before run's in before/summary.md)
 # Options, from the environment (defaults in brackets):
@@ -35,7 +38,7 @@ variants=${VARIANTS:-process:0:0:sample,process:8:1:sample}
 adapters=${ADAPTERS:-${TMPDIR:-/tmp}}
 before=${BEFORE:-}
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(host 8b-r16 before 8b-r8 summary)
+[ ${#parts[@]} -gt 0 ] || parts=(host 8b-r16 before 8b-r8 fixed summary)
 for part in "${parts[@]}"; do
   case $part in
     host)    step host bash -c 'nvidia-smi -L; echo "cores $(nproc)"; grep -E "MemTotal|MemAvailable" /proc/meminfo;
@@ -50,9 +53,17 @@ for part in "${parts[@]}"; do
                   --adapters "$adapters/lora-cache-cold-llama-3.1-8b-r16" --out "$out/before/cold-8b-r16.json" \
                   --variants "$variants" --ref-threads 8,16
              cd "$here" ;;
+    fixed)   step fixed "$PYTHON" -m bench.probes.fixed_costs --model llama-3.1-8b --rank 16 --tp "$tp" \
+                  --adapters "$adapters/lora-cache-cold-llama-3.1-8b-r16" --out "$out/fixed.json"
+             if [ -n "$before" ]; then
+               here=$(pwd)
+               step fixed-before bash -c 'cd "$1" && shift && PYTHONPATH=. "$@"' _ "$(cd "$before" && pwd)" \
+                    "$PYTHON" "$here/bench/probes/fixed_costs.py" --model llama-3.1-8b --rank 16 --tp "$tp" \
+                    --adapters "$adapters/lora-cache-cold-llama-3.1-8b-r16" --out "$out/before/fixed.json"
+             fi ;;
     summary) step summary "$PYTHON" -m bench.probes.cold_read --summary "$out"
              if [ -n "$before" ]; then step summary-before "$PYTHON" -m bench.probes.cold_read --summary "$out/before"; fi ;;
-    *) echo "unknown part $part (host, 8b-r16, before, 8b-r8, summary)" >&2; exit 2 ;;
+    *) echo "unknown part $part (host, 8b-r16, before, 8b-r8, fixed, summary)" >&2; exit 2 ;;
   esac
 done
 if [ "${DRY:-0}" != 1 ]; then

@@ -31,6 +31,7 @@ import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.chunks import chunk_plan
+from lora_cache.adapters.files import RACY_NS
 from lora_cache.adapters.shapes import MODULE_ORDER
 from lora_cache.adapters.shards import shard_layout
 from lora_cache.adapters.synth import SynthConfig, make_adapters
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not (root / NAME).exists():
         make_adapters(root, SynthConfig(model=args.model, count=1, rank=str(args.rank), prefix=NAME, seed=args.rank))
         os.replace(root / f"{NAME}-000", root / NAME)
+    weights = root / NAME / "adapter_model.safetensors"  # registered past its racy window, as in service
+    time.sleep(max(0.0, (RACY_NS - (time.time_ns() - weights.stat().st_ctime_ns)) / 1e9 + 0.1))
     catalog = AdapterCatalog(CatalogConfig(adapter_roots=(str(root),), model=args.model, max_rank=args.rank))
     spec = catalog.register(NAME, root / NAME)
     shape = catalog.shape
