@@ -290,8 +290,8 @@ def _serve(conn: Connection, arena: torch.Tensor, pool: ReadPool | None) -> None
             job, entries, part = conn.recv()
         except (EOFError, ConnectionResetError):
             return
-        marks: list[tuple[str, float]] = [("received", time.perf_counter())]
         source, verify, key, shard, dtype, numel, offset, spans, readers = pickle.loads(job)
+        marks: list[tuple[str, float]] = [("received", time.perf_counter())]  # the job in hand, as before
         if entries is not None:
             held[key] = entries
         try:
