@@ -4,7 +4,7 @@
 # BEFORE, the same probe from an older tree too, so the phases before and after compare on one card. Everything
 # (JSON, summary, console logs) ends up in one tar file: OUT/issue30-small.tgz.
 #
-#   bash bench/gpu/issue30_small.sh OUT [PART ...]     default: host 8b-r16 before 8b-r8 fixed summary
+#   bash bench/gpu/issue30_small.sh OUT [PART ...]     default: host 8b-r16 before fixed 8b-r8 summary
 #
 # Parts (under OUT/issue30-small/ until packed):
 #   host     the GPU, cores, memory, Python and torch
@@ -21,6 +21,8 @@
 #            before run's in before/summary.md)
 # Options, from the environment (defaults in brackets):
 #   REPEATS [5]  ADAPTERS [$TMPDIR]  BEFORE ['']  PYTHON [python]  TAIL [30]  DRY [0]
+#   BUDGET [180]: seconds for all the parts: each command gets what is left (timeout), a part that finds none left
+#            is skipped, and the tar is made whatever happened
 #   VARIANTS [process:0:0:sample,process:8:1:sample]: READS:READERS:SPLIT:VERIFY each (0: auto): the default
 #            (16 threads over 4 reader processes on a 16-core host), and 8 threads in one process
 # Exit status: the number of parts' commands that failed.
@@ -38,28 +40,36 @@ variants=${VARIANTS:-process:0:0:sample,process:8:1:sample}
 adapters=${ADAPTERS:-${TMPDIR:-/tmp}}
 before=${BEFORE:-}
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(host 8b-r16 before 8b-r8 fixed summary)
+[ ${#parts[@]} -gt 0 ] || parts=(host 8b-r16 before fixed 8b-r8 summary)
+budget=${BUDGET:-180}
+left() { local n=$((budget - SECONDS)); [ "$n" -gt 5 ] && echo "$n" || echo 5; }
+cold() {  # NAME RANK OUTDIR ARGS...: one bench.probes.cold_read run at TP 1 within the budget
+  local name=$1 rank=$2 dir=$3; shift 3
+  step "$name" timeout "$(left)" "$PYTHON" -m bench.probes.cold_read --model llama-3.1-8b --rank "$rank" --tp "$tp" \
+       --repeats "$repeats" --adapters "$adapters/lora-cache-cold-llama-3.1-8b-r$rank" --out "$dir/$name.json" \
+       --variants "$variants" --ref-threads 8,16 "$@"
+}
 for part in "${parts[@]}"; do
+  if [ "$SECONDS" -ge "$budget" ] && [ "$part" != summary ] && [ "${DRY:-0}" != 1 ]; then
+    echo "=== $part skipped: the budget ($budget s) is spent"; continue
+  fi
   case $part in
     host)    step host bash -c 'nvidia-smi -L; echo "cores $(nproc)"; grep -E "MemTotal|MemAvailable" /proc/meminfo;
                    '"$PYTHON"' -c "import torch, sys; print(sys.version.split()[0], torch.__version__)"' ;;
-    8b-r16)  probe cold-8b-r16 llama-3.1-8b 16 --variants "$variants" --ref-threads 8,16 ;;
-    8b-r8)   probe cold-8b-r8 llama-3.1-8b 8 --variants "$variants" --ref-threads 8,16 ;;
+    8b-r16)  cold cold-8b-r16 16 "$out" ;;
+    8b-r8)   cold cold-8b-r8 8 "$out" ;;
     before)  if [ -z "$before" ]; then echo "=== before skipped: BEFORE is unset"; continue; fi
-             here=$(pwd)
-             before_abs=$(cd "$before" && pwd)
-             step before-8b-r16 bash -c 'cd "$1" && shift && PYTHONPATH=. "$@"' _ "$before_abs" \
-                  "$PYTHON" -m bench.probes.cold_read --model llama-3.1-8b --rank 16 --tp "$tp" --repeats "$repeats" \
-                  --adapters "$adapters/lora-cache-cold-llama-3.1-8b-r16" --out "$out/before/cold-8b-r16.json" \
-                  --variants "$variants" --ref-threads 8,16
-             cd "$here" ;;
-    fixed)   step fixed "$PYTHON" -m bench.probes.fixed_costs --model llama-3.1-8b --rank 16 --tp "$tp" \
-                  --adapters "$adapters/lora-cache-cold-llama-3.1-8b-r16" --out "$out/fixed.json"
+             step before-8b-r16 bash -c 'cd "$1" && shift && PYTHONPATH=. "$@"' _ "$(cd "$before" && pwd)" \
+                  timeout "$(left)" "$PYTHON" -m bench.probes.cold_read --model llama-3.1-8b --rank 16 --tp "$tp" \
+                  --repeats "$repeats" --adapters "$adapters/lora-cache-cold-llama-3.1-8b-r16" \
+                  --out "$out/before/cold-8b-r16.json" --variants "$variants" --ref-threads 8,16 ;;
+    fixed)   step fixed timeout "$(left)" "$PYTHON" -m bench.probes.fixed_costs --model llama-3.1-8b --rank 16 \
+                  --tp "$tp" --adapters "$adapters/lora-cache-cold-llama-3.1-8b-r16" --out "$out/fixed.json"
              if [ -n "$before" ]; then
                here=$(pwd)
                step fixed-before bash -c 'cd "$1" && shift && PYTHONPATH=. "$@"' _ "$(cd "$before" && pwd)" \
-                    "$PYTHON" "$here/bench/probes/fixed_costs.py" --model llama-3.1-8b --rank 16 --tp "$tp" \
-                    --adapters "$adapters/lora-cache-cold-llama-3.1-8b-r16" --out "$out/before/fixed.json"
+                    timeout "$(left)" "$PYTHON" "$here/bench/probes/fixed_costs.py" --model llama-3.1-8b --rank 16 \
+                    --tp "$tp" --adapters "$adapters/lora-cache-cold-llama-3.1-8b-r16" --out "$out/before/fixed.json"
              fi ;;
     summary) step summary "$PYTHON" -m bench.probes.cold_read --summary "$out"
              if [ -n "$before" ]; then step summary-before "$PYTHON" -m bench.probes.cold_read --summary "$out/before"; fi ;;
