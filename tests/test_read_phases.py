@@ -24,6 +24,7 @@ from lora_cache.adapters.shards import shard_layout
 from lora_cache.errors import AdapterChangedError, ConfigError
 from lora_cache.vocab import AdapterKey
 from workers import reader as reader_module
+from workers import reader_proc as reader_proc_module
 from workers.cache import WorkerCache, WorkerConfig
 from workers.host_tier import AUTO_MAX_SPLIT, HostTier, HostTierConfig, ProcessReads
 from workers.kernels import SlotMeta, shard_dims
@@ -176,6 +177,31 @@ def test_a_read_of_n_chunks_takes_n_replies_from_each_process_the_last_chunk_tol
         assert kinds == ["chunk"] * (len(plan.chunks) - 1) + ["ok"], kinds
     assert entry.staged == len(plan.chunks)
     assert [int(n.split()[1]) for n, _ in entry.marks if n.startswith("got ")] == list(range(len(plan.chunks)))
+    for e in lay.entries:
+        assert torch.equal(entry.tensor[e.offset : e.offset + e.numel].view(e.shape),
+                           file_slices(spec, lay)[(e.layer, e.module, e.ab)]), e.key
+
+
+def test_a_split_reads_job_is_pickled_once_for_all_its_parts(
+    catalog: AdapterCatalog, split_tier: HostTier, file_slices: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30 item 1 (fourth round): each part's job was pickled on its own, one after another before the last
+    part could start; the job is now pickled once and every part gets the same bytes with its own part number."""
+    spec = catalog.get(catalog.names()[0])
+    lay = shard_layout(spec, TINY, 2, 0, torch.bfloat16)
+    split_tier.fetch(spec, lay)[0].result(timeout=120)  # the processes up
+    split_tier.release(AdapterKey(spec.name, spec.version))
+    assert split_tier.drop(AdapterKey(spec.name, spec.version))
+    jobs: list[bytes] = []
+    job = reader_proc_module.ReaderProcess.job
+
+    def counted(*args: object) -> bytes:
+        jobs.append(job(*args))  # type: ignore[arg-type]
+        return jobs[-1]
+
+    monkeypatch.setattr(reader_proc_module.ReaderProcess, "job", staticmethod(counted))
+    entry = split_tier.fetch(spec, lay)[0].result(timeout=120)
+    assert len(jobs) == 1 and sum(n == "received" for n, _ in entry.marks) == 3
     for e in lay.entries:
         assert torch.equal(entry.tensor[e.offset : e.offset + e.numel].view(e.shape),
                            file_slices(spec, lay)[(e.layer, e.module, e.ab)]), e.key
