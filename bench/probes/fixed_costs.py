@@ -77,7 +77,7 @@ def reader_steps(
                 "sample",
                 plan.entry_spans,
                 None,
-                _Pool(max(1, readers // part[1])),
+                _Pool(max(1, readers // part[1])),  # type: ignore[arg-type]
                 marks=marks,
                 part=part,
                 readers=readers,
