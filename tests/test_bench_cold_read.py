@@ -51,3 +51,14 @@ def test_the_arena_pin_probe_times_pinning_in_place_and_in_the_background(tmp_pa
     out = main(["--arena-pin", str(8 / 1024), "--out", str(tmp_path / "pin.json")])
     assert out["bytes"] == 8 << 20 and out["pin_error"] == "" and out["background_pinned_s"] >= out["pin_s"] > 0
     assert out["background_returns_s"] < out["background_pinned_s"] and out["step_ms_after_p50"] > 0
+
+
+def test_the_fixed_costs_probe_times_a_loads_fixed_steps_on_the_cpu(tmp_path: Path) -> None:
+    from bench.probes.fixed_costs import main as fixed_costs
+
+    out = fixed_costs(["--model", "tiny", "--rank", "16", "--tp", "2", "--readers", "4", "--parts", "2", "--repeats",
+                       "5", "--device", "cpu", "--adapters", str(tmp_path / "ad"), "--out", str(tmp_path / "f.json")])
+    assert json.loads((tmp_path / "f.json").read_text()) == json.loads(json.dumps(out))
+    assert out["meta_write_us"] > 0 and out["job_pickle_us"] > 0 and out["shard_bytes"] > 0
+    for steps in (out["one_process"], out["part_1_of_2"]):
+        assert 0 < steps["reader_open_ms"] < steps["reader_call_ms"] and steps["reader_plan_ms"] > 0

@@ -32,7 +32,7 @@ def _dry(script: str, *args: str, **env: str) -> list[list[str]]:
 
 def test_the_dated_scripts_are_gone() -> None:
     assert SCRIPTS == ["checks.sh", "cold_path.sh", "fleets.sh", "fleets_i31.sh", "issue30.sh", "issue30_reads.sh",
-                       "parallel.sh", "suite.sh"]
+                       "issue30_small.sh", "parallel.sh", "suite.sh"]
     assert not list((ROOT / "bench").glob("gpu_*.sh"))
 
 
@@ -134,6 +134,25 @@ def test_issue30_reads_runs_each_shape_with_its_phases_then_the_tests_and_the_su
     assert probes[3].arena_pin == 16
     assert all({"process", "thread"} <= {v[0] for v in variants(p.variants)} for p in probes[:3])
     assert any(c[:5] == ["timeout", "120", "python", "-m", "pytest"] for c in commands)
+
+
+def test_issue30_small_runs_tp1_probes_the_before_tree_and_the_summary_into_one_tar(tmp_path: Path) -> None:
+    before = tmp_path / "before"
+    before.mkdir()
+    commands = _dry("issue30_small.sh", str(tmp_path), ADAPTERS=str(tmp_path / "ad"), BEFORE=str(before))
+    assert commands[0][:2] == ["bash", "-c"]
+    probes = [cold_read_parser().parse_args(c[c.index("bench.probes.cold_read") + 1 :]) for c in commands
+              if "bench.probes.cold_read" in c]
+    assert [(p.model, p.rank, p.tp, Path(p.out).name if p.out else Path(p.summary).name) for p in probes] == [
+        ("llama-3.1-8b", 16, 1, "cold-8b-r16.json"), ("llama-3.1-8b", 16, 1, "cold-8b-r16.json"),
+        ("llama-3.1-8b", 8, 1, "cold-8b-r8.json"), ("llama-3.1-8b", 64, 4, "issue30-small"),
+        ("llama-3.1-8b", 64, 4, "before")]
+    assert Path(probes[1].out).parent.name == "before" and str(before) in commands[2]
+    assert probes[0].adapters == probes[1].adapters  # the same file, read warm by both trees
+    assert all({"process"} == {v[0] for v in variants(p.variants)} for p in probes[:3])
+    fixed = [c for c in commands if "bench.probes.fixed_costs" in c or any(a.endswith("fixed_costs.py") for a in c)]
+    assert len(fixed) == 2 and str(before) in fixed[1] and fixed[1][-1].endswith("before/fixed.json")
+    assert [c for c in _dry("issue30_small.sh", str(tmp_path), "before") if c] == []  # no BEFORE: skipped
 
 
 def test_cold_path_runs_the_read_tests_and_each_probe_with_options_it_accepts(tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ from workers.arena import ALIGN, Block, HostArena
 from workers.disk_tier import DiskTier
 from workers.read_pool import AUTO_MAX, ReadPool, auto_readers, host_cores
 from workers.reader import VERIFY, read_shard
-from workers.reader_proc import ReaderProcess, read_split
+from workers.reader_proc import ReaderProcess, SplitRead
 
 log = logging.getLogger(__name__)
 MAX_READ_PARALLEL = 64
@@ -180,6 +180,10 @@ class ThreadReads:
         self.verify = verify
         self.pool = ReadPool(parallel) if parallel > 1 else None
 
+    def begin(self, spec: AdapterSpec, entry: HostEntry) -> Callable[[], int] | None:
+        """Nothing starts before a pool thread runs the read (``ProcessReads.begin``)."""
+        return None
+
     def read(self, spec: AdapterSpec, entry: HostEntry) -> int:
         return read_shard(spec, entry.layout, entry.tensor, self.verify, entry.chunks, entry.progress, self.pool,
                           entry.marks)
@@ -209,29 +213,56 @@ class ProcessReads:
         for proc in reversed(self._all):
             self._idle.put(proc)
 
-    def _take(self) -> list[ReaderProcess]:
-        """One process (waiting for it), and up to ``split`` - 1 more that are idle now."""
-        with self._taking:
-            procs = [self._idle.get()]
+    def _take(self, wait: bool = True) -> list[ReaderProcess]:
+        """One process (waiting for it; ``wait`` False: none if none is idle or another read is taking), and up
+        to ``split`` - 1 more that are idle now."""
+        if not self._taking.acquire(blocking=wait):
+            return []
+        try:
+            try:
+                procs = [self._idle.get(block=wait)]
+            except queue.Empty:
+                return []
             while len(procs) < self.split:
                 try:
                     procs.append(self._idle.get_nowait())
                 except queue.Empty:
                     break
+        finally:
+            self._taking.release()
         return procs
 
+    def _give_back(self, procs: Sequence[ReaderProcess]) -> None:
+        for proc in reversed(procs):  # the first one taken back on top
+            self._idle.put(proc)
+
+    def begin(self, spec: AdapterSpec, entry: HostEntry) -> Callable[[], int] | None:
+        """Send ``entry``'s read to idle, started reader processes from the calling thread (no hop through the
+        tier's pool before a reader has the job); what finishes it (``read``'s result), to call on the pool. None
+        (nothing sent) if no process is idle and started now: the read then waits on the pool (``read``)."""
+        procs = self._take(wait=False)
+        if not procs or not all(p.warm() for p in procs):
+            self._give_back(procs)
+            return None
+        entry.marks.append(("read", time.perf_counter()))
+        return self._start(procs, spec, entry)
+
+    def _start(self, procs: list[ReaderProcess], spec: AdapterSpec, entry: HostEntry) -> Callable[[], int]:
+        entry.marks.append(("reader", time.perf_counter()))
+        split = SplitRead(procs, spec, entry.layout, entry.block.offset, self.verify, entry.chunks,
+                          self.readers if len(procs) > 1 else 0)
+        split.begin()
+
+        def collect() -> int:
+            try:
+                return split.collect(entry.progress, entry.marks)
+            finally:
+                self._give_back(procs)
+
+        return collect
+
     def read(self, spec: AdapterSpec, entry: HostEntry) -> int:
-        procs = self._take()
-        try:
-            entry.marks.append(("reader", time.perf_counter()))
-            if len(procs) == 1:
-                return procs[0].read(spec, entry.layout, entry.block.offset, self.verify, entry.chunks,
-                                     entry.progress, entry.marks)
-            return read_split(procs, spec, entry.layout, entry.block.offset, self.verify, entry.chunks,
-                              entry.progress, entry.marks, self.readers)
-        finally:
-            for proc in reversed(procs):  # the first one taken back on top
-                self._idle.put(proc)
+        return self._start(self._take(), spec, entry)()
 
     def close(self) -> None:
         for proc in self._all:
@@ -377,8 +408,14 @@ class HostTier:
         if on_chunk is not None:
             entry.listen(_listener(on_chunk, hit))
         if not hit:
-            self._pool.submit(self._read, spec, entry)
+            self._dispatch(spec, entry)
         return entry.ready, hit
+
+    def _dispatch(self, spec: AdapterSpec, entry: HostEntry) -> None:
+        """Start a new entry's read: sent to idle reader processes from this thread where it can be (a file on
+        this host; ``ProcessReads.begin``), its replies then collected on the pool; else read on the pool."""
+        started = self._reader.begin(spec, entry) if spec.store is None else None
+        self._pool.submit(self._read, spec, entry, started)
 
     def _miss(self, spec: AdapterSpec, layout: ShardLayout, chunks: tuple[slice, ...],
               wait: bool) -> tuple[HostEntry | None, _Wait | None]:
@@ -487,7 +524,7 @@ class HostTier:
         """Start the reads of admitted waits, fail those that never will be (lock not held: callbacks run)."""
         started, failed = admitted
         for spec, entry in started:
-            self._pool.submit(self._read, spec, entry)
+            self._dispatch(spec, entry)
         for waiting, error in failed:
             waiting.ready.set_exception(error)
 
@@ -507,12 +544,17 @@ class HostTier:
             w.ready.set_exception(CapacityError(f"the host tier closed while {key} waited for room; "
                                                 "nothing was staged"))
 
-    def _read(self, spec: AdapterSpec, entry: HostEntry) -> None:
-        t0 = time.perf_counter()
-        entry.marks.append(("read", t0))
+    def _read(self, spec: AdapterSpec, entry: HostEntry, started: Callable[[], int] | None = None) -> None:
+        """Read ``entry`` (on the pool), or finish the read ``started`` in the fetching thread (``_dispatch``)."""
+        if started is None:
+            entry.marks.append(("read", time.perf_counter()))
+        t0 = next(t for name, t in entry.marks if name == "read")
         try:
-            with self._local(spec) as local:  # an adapter from a store: its proven copy on this node's disk
-                entry.bytes_read = self._reader.read(local, entry)
+            if started is not None:
+                entry.bytes_read = started()
+            else:
+                with self._local(spec) as local:  # an adapter from a store: its proven copy on this node's disk
+                    entry.bytes_read = self._reader.read(local, entry)
         except BaseException as e:  # a failed read leaves the tier as it was, and tells every waiter
             entry.forget()
             with self._lock:

@@ -251,10 +251,16 @@ class LoadPath:
             entry.ready.add_done_callback(functools.partial(self._reject_staged, load, entry, error))
             return None
         book.report()
-        write_meta = functools.partial(self.meta.write, load.slot, load.layout, None)
+        write_meta = functools.partial(self._write_meta, load)
         load.place(self.streams, self.pool[load.slot, : load.layout.numel], entry.tensor, book.last_use[load.slot],
                    write_meta, self._issued)
         load.placed.set()
+
+    def _write_meta(self, load: SlotLoad, stream: object) -> None:
+        """The slot's kernel metadata, queued after its first copy (marked for the probes' phase split)."""
+        load.mark("meta")
+        self.meta.write(load.slot, load.layout, None, stream)
+        load.mark("meta end")
 
     def _reject_staged(self, load: SlotLoad, entry: HostEntry, error: BaseException, read: Future[HostEntry]) -> None:
         if read.exception() is None:

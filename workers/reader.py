@@ -141,11 +141,11 @@ def read_slices(source: WeightsSource, entries: tuple[ShardEntry, ...], dest: to
             opened()
         if how == "mmap":
             with _mapped(fd) as mapped:
-                _read_parallel(pool, fd, source, index, entries, spans, dest, verify, how, proven, mapped, marks)
-        else:
-            _read_parallel(pool, fd, source, index, entries, spans, dest, verify, how, proven, None, marks, part,
-                           readers)
-        return sum(e.numel * index[e.key].dtype.itemsize for e in entries)  # this rank's slices, in file bytes
+                return _read_parallel(pool, fd, source, index, entries, spans, dest, verify, how, proven, mapped,
+                                      marks)
+        # this rank's slices, in file bytes (the plan's: summing the entries again took ~0.1 ms after the last chunk)
+        return _read_parallel(pool, fd, source, index, entries, spans, dest, verify, how, proven, None, marks, part,
+                              readers)
     except AdapterChangedError:
         raise
     except (AdapterFormatError, OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
@@ -237,34 +237,69 @@ def _chunk_checks(source: WeightsSource, blocks: tuple[int, ...], verify: str) -
     return list(blocks)
 
 
+class _Part(NamedTuple):
+    """One part's share of one chunk of a split read (``part`` (i, n): every n-th of its block checks and tasks)."""
+
+    work: tuple[tuple[tuple[int, ...], Task | None], ...]  # (blocks to check, None) or ((), the task), in order
+    settles: tuple[int, ...]  # the blocks this part checks (settled once checked)
+    runs: tuple[Run, ...]  # the runs this part reads, by file offset (a split read's sample uses only these)
+    covered: tuple[int, ...]  # the blocks those runs hold whole
+
+
+_PARTS_LOCK = threading.Lock()  # protects _PARTS
+_PARTS: collections.OrderedDict[tuple[object, ...], tuple[object, list[_Part]]] = collections.OrderedDict()
+
+
+def _parts(plan: list[_Chunk], checks: list[list[int]], readers: int, part: tuple[int, int],
+           size: int) -> list[_Part]:
+    """Each chunk's share for ``part``; kept per (plan, part) when no chunk has block checks (verify sample or
+    identity of a settled version: every read of the pattern then takes the same share, and building it again
+    was most of a small shard's ``plan`` phase; bench/RESULTS.md, issue 30 item 1, fourth round)."""
+    key = (id(plan), part, readers, size)
+    static = not any(checks)
+    if static:
+        with _PARTS_LOCK:
+            kept = _PARTS.get(key)
+            if kept is not None and kept[0] is plan:
+                return kept[1]
+    mine, parts = part
+    out = []
+    for c, blocks in zip(plan, checks, strict=True):
+        per = max(1, task_bytes_for(c.nbytes, readers) // BLOCK_BYTES)
+        batches = [tuple(blocks[i : i + per]) for i in range(0, len(blocks), per)]
+        work = tuple([*((b, None) for b in batches), *(((), t) for t in c.tasks)][mine::parts])
+        runs = c.runs if parts == 1 else tuple(sorted((r for _, t in work if t is not None for r in t.runs),
+                                                      key=lambda r: r.start))
+        out.append(_Part(work, tuple(b for bs, t in work if t is None for b in bs), runs,
+                         c.covered if parts == 1 else _covered(runs, size)))
+    if static:
+        with _PARTS_LOCK:
+            _PARTS[key] = (plan, out)
+            while len(_PARTS) > _PLANS_KEPT * 4:  # a few parts of each plan kept
+                _PARTS.popitem(last=False)
+    return out
+
+
 def _read_parallel(pool: ReadPool | None, fd: int, source: WeightsSource, index: dict[str, FileTensor],
                    entries: tuple[ShardEntry, ...], spans: Sequence[slice], dest: torch.Tensor, verify: str, how: str,
                    proven: Callable[[int], None], mapped: mmap.mmap | None = None,
                    marks: list[tuple[str, float]] | None = None, part: tuple[int, int] = (0, 1),
-                   readers: int = 0) -> None:
+                   readers: int = 0) -> int:
     """Every chunk's slices and block checks as tasks on ``pool`` (None: run here, one after another), the checks
     first in each chunk; ``proven(k)`` once chunk k and those before it are done, in order. ``part`` (i, n): only
-    every n-th task of each chunk from the i-th (``read_slices``)."""
+    every n-th task of each chunk from the i-th (``read_slices``). Returns the file bytes of the slices (all parts'
+    together: what the rank reads)."""
     raw = memoryview(dest.view(torch.uint8).numpy())  # type: ignore[arg-type]  # dest's bytes, for preadv
     mine, parts = part
     readers = readers or (pool.size if pool is not None else 1)
     plan = _plan(index, entries, spans, dest.dtype, readers, how != "mmap", source.identity.size)
     checked_at = time.time_ns()  # before any check: the bytes seen are at least this recent
-    checks = [_chunk_checks(source, c.blocks, verify) for c in plan]
+    shares = _parts(plan, [_chunk_checks(source, c.blocks, verify) for c in plan], readers, part, source.identity.size)
     chunks: list[list[Callable[[], None]]] = []
-    settles: list[list[int]] = []  # the blocks this part checks, per chunk (settled once checked)
-    runs: list[tuple[Run, ...]] = []  # the runs this part reads, per chunk (a split read's sample uses only these)
-    for c, blocks in zip(plan, checks, strict=True):
-        per = max(1, task_bytes_for(c.nbytes, readers) // BLOCK_BYTES)
-        batches = [blocks[i : i + per] for i in range(0, len(blocks), per)]
-        work: list[tuple[list[int], Task | None]] = [(b, None) for b in batches] + [([], t) for t in c.tasks]
-        work = work[mine::parts]
+    for share in shares:
         tasks: list[Callable[[], None]] = [
-            functools.partial(_check_task, fd, source, b) if t is None
-            else functools.partial(_run_task, fd, raw, dest, index, t, source, how, mapped) for b, t in work]
-        settles.append([b for bs, t in work if t is None for b in bs])
-        runs.append(c.runs if parts == 1 else tuple(sorted((r for _, t in work if t is not None for r in t.runs),
-                                                           key=lambda r: r.start)))
+            functools.partial(_check_task, fd, source, list(b)) if t is None
+            else functools.partial(_run_task, fd, raw, dest, index, t, source, how, mapped) for b, t in share.work]
         chunks.append(tasks if marks is None else [_timed(t, marks) for t in tasks])
     if marks is not None:
         marks.append(("planned", time.perf_counter()))
@@ -272,19 +307,20 @@ def _read_parallel(pool: ReadPool | None, fd: int, source: WeightsSource, index:
     sample = verify == "sample" and not source.racy  # racy: every block not yet settled, checked by tasks
 
     def done(k: int) -> None:
+        share = shares[k]
         if sample and plan[k].blocks and k % parts == mine:  # one part checks each chunk, from its own runs
-            covered = plan[k].covered if parts == 1 else _covered(runs[k], source.identity.size)
-            _sample(fd, raw, source, plan[k].blocks, covered, runs[k])
-        _settle(source, settles[k], checked_at)
+            _sample(fd, raw, source, plan[k].blocks, share.covered, share.runs)
+        _settle(source, list(share.settles), checked_at)
         proven(k)
 
     if pool is not None:
         run_in_order(pool, chunks, done, loops=-(-readers // parts))
-        return
-    for k, tasks in enumerate(chunks):
-        for task in tasks:
-            task()
-        done(k)
+    else:
+        for k, tasks in enumerate(chunks):
+            for task in tasks:
+                task()
+            done(k)
+    return sum(c.nbytes for c in plan)
 
 
 def _sample(fd: int, raw: memoryview, source: WeightsSource, blocks: Sequence[int], covered: Sequence[int],

@@ -10,14 +10,17 @@ one ``memfd`` mapped by the worker and by every reader process (pinned in the wo
 splits its read over ``PARALLEL`` threads of its own (``workers.read_pool``; 1: it reads alone).
 
 Protocol, one job at a time per process over a socket: the worker sends the registered weights file
-(``WeightsSource``: path, version, identity, CRCs), how much to verify, the layout's entries (once per
-process for each rank pattern, then by id: adapters of one pattern share them), a name for the shard,
-where in the arena it goes and the chunks (ranges of the entries) to read one after another; it gets
+(``WeightsSource``: path, version, identity, CRCs), how much to verify, a name for the shard, where in the
+arena it goes and the chunks (ranges of the entries) to read one after another (pickled once for every part of a
+split read), the layout's entries (once per process for each rank pattern, then by id: adapters of one pattern
+share them) and its part; it gets
 back ``("chunk", k)`` each time the first ``k`` chunks are in the arena and proven (their copies to the
-GPU may start), then ``("ok", bytes)`` or ``("error", kind, message)``, ``kind`` one of ``ERRORS`` (a
+GPU may start), then ``("ok", bytes, marks)`` or ``("error", kind, message)``, ``kind`` one of ``ERRORS`` (a
 changed file stays an ``AdapterChangedError`` across the process boundary; a file cut short mid-read is one,
-since no read maps the file). A process that dies mid-read fails only that read, with an error naming the
-file; the next read starts a new process.
+since no read maps the file). The last chunk has no ``("chunk", n)`` of its own: its ``("ok", ...)`` says that
+all ``n`` are in place and proven (one message, and one wake-up of the worker, fewer per process and read: a small
+shard's fixed cost, bench/RESULTS.md, issue 30 item 1, fourth round). A process that dies mid-read fails only
+that read, with an error naming the file; the next read starts a new process.
 
     python -m workers.reader_proc CONN_FD ARENA_FD ARENA_BYTES PARALLEL     (started by ReaderProcess only)
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -77,15 +81,38 @@ class ReaderProcess:
         self._conn = Connection(ours.detach())
         self._ready, self._sent = False, {}
 
+    def warm(self) -> bool:
+        """Whether the process is up and has said so (a ``begin`` now sends at once, never waiting for it)."""
+        if self._proc is None or self._conn is None or self._proc.poll() is not None:
+            return False
+        try:
+            if not self._ready and self._conn.poll(0):
+                self._conn.recv()
+                self._ready = True
+        except (EOFError, OSError):
+            return False
+        return self._ready
+
     @property
     def conn(self) -> Connection | None:
         """Its end of the socket (``multiprocessing.connection.wait`` on several processes' reads)."""
         return self._conn
 
+    @staticmethod
+    def job(spec: AdapterSpec, layout: ShardLayout, offset: int, verify: str = "sample",
+            chunks: Sequence[slice] | None = None, readers: int = 0) -> bytes:
+        """What every part of a read is sent, pickled once for all of them (``begin``'s ``job``)."""
+        return pickle.dumps((spec.source, verify, id(layout.entries), f"TP {layout.rank}/{layout.tp}",
+                             str(layout.dtype).removeprefix("torch."), layout.numel, offset,
+                             [(c.start, c.stop) for c in chunks or ()], readers), pickle.HIGHEST_PROTOCOL)
+
     def begin(self, spec: AdapterSpec, layout: ShardLayout, offset: int, verify: str = "sample",
-              chunks: Sequence[slice] | None = None, part: tuple[int, int] = (0, 1), readers: int = 0) -> None:
+              chunks: Sequence[slice] | None = None, part: tuple[int, int] = (0, 1), readers: int = 0,
+              job: bytes | None = None) -> None:
         """Send the process a read (``read``'s arguments; ``part``, ``readers``: as ``reader.read_slices``'s),
-        starting a new process if this one died; its replies come from ``reply``."""
+        starting a new process if this one died; its replies come from ``reply``. ``job``: ``job(...)`` of these
+        arguments, pickled once by a read split over several processes (their sends follow one another, and each
+        part starts only once it has its job)."""
         if spec.source is None:
             raise AdapterFormatError(f"adapter {spec.name}@{spec.version} was not registered from a file; "
                                      "register it from its directory to read it")
@@ -100,9 +127,9 @@ class ReaderProcess:
                 self._conn.recv()
                 self._ready = True
             key = id(layout.entries)
-            self._conn.send((spec.source, verify, key, None if key in self._sent else layout.entries,
-                             f"TP {layout.rank}/{layout.tp}", str(layout.dtype).removeprefix("torch."), layout.numel,
-                             offset, [(c.start, c.stop) for c in chunks or ()], part, readers))
+            if job is None:
+                job = self.job(spec, layout, offset, verify, chunks, readers)
+            self._conn.send((job, None if key in self._sent else layout.entries, part))
             self._sent[key] = layout.entries
         except (EOFError, OSError, TimeoutError) as e:
             raise self._died(spec, layout, e) from e
@@ -148,6 +175,12 @@ class ReaderProcess:
                 marks.append((f"got {reply[1] - 1}", time.perf_counter()))
             if on_chunk is not None:
                 on_chunk(int(reply[1]))
+        if reply[0] == "ok":  # the end says the last chunk is in place too (it has no reply of its own)
+            total = len(chunks or ()) or 1
+            if marks is not None:
+                marks.append((f"got {total - 1}", time.perf_counter()))
+            if on_chunk is not None:
+                on_chunk(total)
         return self.finish(reply, marks)
 
     def _stop(self) -> int | None:
@@ -179,45 +212,73 @@ def read_split(procs: Sequence[ReaderProcess], spec: AdapterSpec, layout: ShardL
     so no GIL is shared by the threads of different parts. Chunk k is published once every part has it. The
     first error (a changed file stays an ``AdapterChangedError``) is raised once every process has ended its
     part (none writes into the block after the read gave it back); no chunk is published after it."""
-    n = len(procs)
-    error: BaseException | None = None
-    live: dict[Any, ReaderProcess] = {}
-    for i, proc in enumerate(procs):
-        try:
-            proc.begin(spec, layout, offset, verify, chunks, (i, n), readers)
-        except AdapterFormatError as e:
-            error = e
-            break
-        live[proc.conn] = proc
-    have = {id(p): 0 for p in live.values()}  # chunks each part has in place
-    published, read = 0, 0
-    while live:
-        for conn in wait(list(live)):
-            proc = live[conn]
+    read = SplitRead(procs, spec, layout, offset, verify, chunks, readers)
+    read.begin()
+    return read.collect(on_chunk, marks)
+
+
+class SplitRead:
+    """``read_split`` in two steps: ``begin`` sends every process its part (from any thread: it never waits for
+    a reply), ``collect`` takes the replies until every part has ended (the tier's read thread). The host tier
+    begins a read in the thread that fetched it, so the readers have the job before a pool thread wakes
+    (``workers.host_tier``: a small shard's fixed cost, bench/RESULTS.md, issue 30 item 1, fourth round)."""
+
+    def __init__(self, procs: Sequence[ReaderProcess], spec: AdapterSpec, layout: ShardLayout, offset: int,
+                 verify: str = "sample", chunks: Sequence[slice] | None = None, readers: int = 0) -> None:
+        self.procs, self.spec, self.layout, self.offset = procs, spec, layout, offset
+        self.verify, self.chunks, self.readers = verify, chunks, readers
+        self.error: BaseException | None = None  # the first error, raised by ``collect``
+        self.live: dict[Any, ReaderProcess] = {}  # the processes that have a part and have not ended it
+
+    def begin(self) -> None:
+        """Send each process its part; a process that cannot take it fails the read (in ``collect``)."""
+        n = len(self.procs)
+        job = None
+        for i, proc in enumerate(self.procs):
             try:
-                reply = proc.reply(spec, layout)
-            except AdapterFormatError as e:
-                error = error or e
+                if job is None and self.spec.source is not None:
+                    job = ReaderProcess.job(self.spec, self.layout, self.offset, self.verify, self.chunks, self.readers)
+                proc.begin(self.spec, self.layout, self.offset, self.verify, self.chunks, (i, n), self.readers, job)
+            except Exception as e:  # e.g. it died (AdapterFormatError): the parts sent end before it is raised
+                self.error = e
+                break
+            self.live[proc.conn] = proc
+
+    def collect(self, on_chunk: Callable[[int], None] | None = None,
+                marks: list[tuple[str, float]] | None = None) -> int:
+        """Publish chunk k (``on_chunk(k + 1)``) once every part has it; the bytes read, or the first error."""
+        spec, layout, live = self.spec, self.layout, self.live
+        n, total = len(self.procs), len(self.chunks or ()) or 1
+        have = {id(p): 0 for p in live.values()}  # chunks each part has in place
+        published, read = 0, 0
+        while live:
+            for conn in wait(list(live)):
+                proc = live[conn]
+                try:
+                    reply = proc.reply(spec, layout)
+                except AdapterFormatError as e:
+                    self.error = self.error or e
+                    del live[conn]
+                    continue
+                if reply[0] in ("chunk", "ok"):  # "ok": its part of every chunk is in place (no last "chunk")
+                    have[id(proc)] = int(reply[1]) if reply[0] == "chunk" else total
+                    low = min(have.values())
+                    if low > published and self.error is None and len(have) == n:
+                        published = low
+                        if marks is not None:
+                            marks.append((f"got {low - 1}", time.perf_counter()))
+                        if on_chunk is not None:
+                            on_chunk(low)
+                    if reply[0] == "chunk":
+                        continue
                 del live[conn]
-                continue
-            if reply[0] == "chunk":
-                have[id(proc)] = int(reply[1])
-                low = min(have.values())
-                if low > published and error is None and len(have) == n:
-                    published = low
-                    if marks is not None:
-                        marks.append((f"got {low - 1}", time.perf_counter()))
-                    if on_chunk is not None:
-                        on_chunk(low)
-                continue
-            del live[conn]
-            try:
-                read = max(read, ReaderProcess.finish(reply, marks))
-            except AdapterFormatError as e:
-                error = error or e
-    if error is not None:
-        raise error
-    return read
+                try:
+                    read = max(read, ReaderProcess.finish(reply, marks))
+                except AdapterFormatError as e:
+                    self.error = self.error or e
+        if self.error is not None:
+            raise self.error
+        return read
 
 
 def _serve(conn: Connection, arena: torch.Tensor, pool: ReadPool | None) -> None:
@@ -226,18 +287,25 @@ def _serve(conn: Connection, arena: torch.Tensor, pool: ReadPool | None) -> None
     conn.send(("ready", os.getpid()))
     while True:
         try:
-            source, verify, key, entries, shard, dtype, numel, offset, spans, part, readers = conn.recv()
+            job, entries, part = conn.recv()
         except (EOFError, ConnectionResetError):
             return
-        marks: list[tuple[str, float]] = [("received", time.perf_counter())]
+        source, verify, key, shard, dtype, numel, offset, spans, readers = pickle.loads(job)
+        marks: list[tuple[str, float]] = [("received", time.perf_counter())]  # the job in hand, as before
         if entries is not None:
             held[key] = entries
         try:
             width = getattr(torch, dtype).itemsize
             dest = arena[offset : offset + numel * width].view(getattr(torch, dtype))
             chunks = [slice(a, b) for a, b in spans] or None
-            read = read_slices(source, held[key], dest, shard, verify, chunks, lambda k: conn.send(("chunk", k)), pool,
-                               marks=marks, part=tuple(part), readers=readers)
+            last = len(spans) or 1  # told by the "ok" below, not a "chunk" of its own
+
+            def report(k: int, last: int = last) -> None:
+                if k < last:
+                    conn.send(("chunk", k))
+
+            read = read_slices(source, held[key], dest, shard, verify, chunks, report, pool, marks=marks,
+                               part=tuple(part), readers=readers)
             marks.append(("done", time.perf_counter()))
             conn.send(("ok", read, marks))
         except AdapterFormatError as e:

@@ -204,7 +204,8 @@ def phases(t0: float, load: list[tuple[str, float]], read: list[tuple[str, float
     - ``read``: -> the last chunk read and proven (``read_first``: -> the first one);
     - ``report_lag``, ``issue_lag``: median per chunk, proven in the reader -> known here -> its copy issued;
     - ``reply``: last chunk proven -> the read's end known here (the reader's final reply);
-    - ``to_slot``: (a hit) prefetch -> its slot taken; ``issue``: (a hit) slot -> last copy issued;
+    - ``to_slot``: (a hit) prefetch -> its slot taken; ``issue``: (a hit) slot -> last copy issued, of which
+      ``issue_copy``: slot -> the first copy issued, ``issue_meta``: the slot's kernel metadata written after it;
     - ``copy_tail``: the later of the last copy issued and the read's end -> the watcher sees the last copy done;
     - ``finish``: -> READY reported, the future resolved; ``total``: prefetch -> that.
     ``busy_read`` / ``busy_crc``: the reader threads' time in slice reads and in block checks (summed, ms).
@@ -250,6 +251,9 @@ def phases(t0: float, load: list[tuple[str, float]], read: list[tuple[str, float
         t = max(t, last_issue)
     else:
         t = step("to_slot", t0, at.get("slot"))
+        if "meta" in at and "meta end" in at:
+            out["issue_copy"] = (at["meta"] - t) * 1e3
+            out["issue_meta"] = (at["meta end"] - at["meta"]) * 1e3
         t = step("issue", t, last_issue)
     t = step("copy_tail", t, at.get("seen"))
     step("finish", t, at.get("ready"))

@@ -65,7 +65,7 @@ def concrete(device: torch.device | str) -> torch.device:
     return device
 
 
-KNOWN_LAYOUTS = 64  # rank patterns whose checked offsets a SlotMeta keeps (a fleet's adapters share a few)
+KNOWN_LAYOUTS = 64  # rank patterns whose checked rows a SlotMeta keeps (a fleet's adapters share a few)
 
 class SlotMeta:
     """Per-slot device tables of offsets, ranks and scalings; see the module docstring.
@@ -101,9 +101,9 @@ class SlotMeta:
         self._host = torch.zeros((num_slots, self._row_bytes), dtype=torch.uint8, pin_memory=pin)
         self._dev = torch.zeros((num_slots, self._row_bytes), dtype=torch.uint8, device=self.device)
         self._copied: list[Any] = [None] * num_slots  # event after each row's last copy (CUDA)
-        # id(layout.entries) -> (the entries, kept alive; their modules' (layer, module, rank); (dtype, numel);
-        # layers, columns, (A offsets, B offsets, ranks)) of layouts written before (``write``)
-        self._known: dict[int, tuple[Any, ...]] = {}
+        # (id(layout.entries), id(layout.modules)) -> (the entries and modules, kept alive so their ids stay
+        # theirs; (dtype, numel); the finished host row) of layouts checked and written before (``write``)
+        self._rows: dict[tuple[int, int], tuple[Any, Any, tuple[torch.dtype, int], torch.Tensor]] = {}
         self.a_off, self.b_off, self.rank, self.scale = self._views(self._dev)
         self.host_a_off, self.host_b_off, self.host_rank, self.host_scale = self._views(self._host)
 
@@ -120,37 +120,42 @@ class SlotMeta:
         return self._index[name]
 
     def write(self, slot: int, layout: ShardLayout, spec: AdapterSpec | None = None, stream: Any = None) -> None:
-        """Fill ``slot``'s row for ``layout`` (one non-blocking copy on ``stream``, default: current)."""
+        """Fill ``slot``'s row for ``layout`` (one non-blocking copy on ``stream``, default: current).
+
+        A layout of a rank pattern written before (``layout.entries`` and ``layout.modules``, both shared by the
+        adapters of a pattern: ``shards._packed``, ``peft._interned``) is checked once: its finished row is kept,
+        and a later write is that row copied into the slot's, with no per-module Python on the load's path (a
+        host-tier hit's fixed cost: ~0.3 ms for Llama-3.1-8B's 224 modules before, bench/RESULTS.md, issue 30
+        item 1, fourth round)."""
         self._check_slot(slot)
-        modules = spec.modules if spec is not None else layout.modules
-        # a layout of a rank pattern seen before (adapters of one pattern share their entries): its checks and
-        # offsets are known; checking them again cost ~1 ms a load for Llama-3.1-8B (224 modules), before the
-        # first copy of every load (a host-tier hit's fixed cost: bench/RESULTS.md, issue 30 item 1)
-        sig = [(m.layer, m.module, m.rank) for m in modules]
-        known = self._known.get(id(layout.entries))
-        if (known is None or spec is not None or known[0] is not layout.entries or known[1] != sig
-                or known[2] != (layout.dtype, layout.numel) or self.dtype != layout.dtype):
-            entries = {(e.layer, e.module, e.ab): e for e in layout.entries}
-            modules = self._check_layout(layout, spec, entries)
-            layers, cols = [m.layer for m in modules], [self._index[m.module] for m in modules]
-            offsets = ([entries[(m.layer, m.module, "A")].offset for m in modules],
-                       [entries[(m.layer, m.module, "B")].offset for m in modules], [m.rank for m in modules])
-            if len(self._known) >= KNOWN_LAYOUTS:
-                self._known.clear()
-            known = self._known[id(layout.entries)] = (layout.entries, sig, (layout.dtype, layout.numel),
-                                                       np.asarray(layers), np.asarray(cols),
-                                                       tuple(np.asarray(x) for x in offsets))
-        layers, cols, (a_offsets, b_offsets, ranks) = known[3], known[4], known[5]
         self._wait_row(slot)
+        key = (id(layout.entries), id(layout.modules))
+        kept = self._rows.get(key) if spec is None else None
+        if (kept is not None and kept[0] is layout.entries and kept[1] is layout.modules
+                and kept[2] == (layout.dtype, layout.numel) and self.dtype == layout.dtype):
+            self._host[slot].copy_(kept[3])
+        else:
+            self._fill(slot, layout, spec)
+            if spec is None:
+                if len(self._rows) >= KNOWN_LAYOUTS:
+                    self._rows.clear()
+                self._rows[key] = (layout.entries, layout.modules, (layout.dtype, layout.numel),
+                                   self._host[slot].clone())
+        self._set_numel(slot, layout.numel)
+        self._upload(slot, stream)
+
+    def _fill(self, slot: int, layout: ShardLayout, spec: AdapterSpec | None) -> None:
+        """Check ``layout`` (every module against the table) and write its row into the host staging row."""
+        entries = {(e.layer, e.module, e.ab): e for e in layout.entries}
+        modules = self._check_layout(layout, spec, entries)
+        layers, cols = [m.layer for m in modules], [self._index[m.module] for m in modules]
         self._host[slot].zero_()
         a_off, b_off, rank, scale = (t.numpy() for t in (self.host_a_off, self.host_b_off, self.host_rank,
                                                          self.host_scale))
-        a_off[slot, layers, cols] = a_offsets
-        b_off[slot, layers, cols] = b_offsets
-        rank[slot, layers, cols] = ranks
+        a_off[slot, layers, cols] = [entries[(m.layer, m.module, "A")].offset for m in modules]
+        b_off[slot, layers, cols] = [entries[(m.layer, m.module, "B")].offset for m in modules]
+        rank[slot, layers, cols] = [m.rank for m in modules]
         scale[slot, layers, cols] = [m.scaling for m in modules]
-        self._set_numel(slot, layout.numel)
-        self._upload(slot, stream)
 
     def clear(self, slot: int, stream: Any = None) -> None:
         """Mark every module of ``slot`` as not adapted (rank 0)."""
