@@ -1,4 +1,4 @@
-"""Ray Serve: a request router that routes by lora-cache's advice, and the replica side that attaches to it.
+"""Ray Serve: a request router that routes by lora-cache's readiness and rule, and the replica side that attaches.
 
     from lora_cache.integrations.ray_serve import CacheReplica, LoraCacheRouter, ReplicaCacheConfig, router_config
 
@@ -12,27 +12,28 @@
 
     handle.options(multiplexed_model_id="adapter-003").remote(...)   # or the HTTP header serve_multiplexed_model_id
 
-Router (lifecycle step 1): for a request with a multiplexed model id, ``LoraCacheRouter.choose_replicas`` returns
-the deployment's replicas in the order of the controller's ``Route`` advice for the adapter (residency under a load
-bound, its own in-flight requests per replica as ``outstanding``), one per rank, so Serve's queue-length probe
-takes the best replica with room. The advice is kept per adapter for ``advice_ttl_s`` (its leading READY replicas
-re-ranked by the router's own in-flight requests) and refreshed in the background: a request waits for ``Route``
-only when its adapter has no fresh advice. Once Serve has routed a request, the router sends
-``Hint(adapter, replica)``: at once where the adapter was not READY (a load to start there), else batched; when
-the request completes it withdraws the hint (``CancelHint``, batched), so the controller plans for requests in
-flight only.
-When lora-cache does not answer within ``route_timeout_s`` (or fails), the request is routed by Serve's own
-power-of-two-choices + multiplex ranking, and lora-cache is not asked again for ``retry_s``: a request never fails
-or waits long for lora-cache.
+Router (lifecycle step 1): for a request with a multiplexed model id, ``LoraCacheRouter.choose_replicas`` ranks
+the deployment's replicas locally by lora-cache's own rule (``lora_cache.routing.ranking.rank``: residency under a
+load bound, sticky rendezvous picks for a cold adapter), one per rank, so Serve's queue-length check takes the best
+replica with room. Residency comes from the controller's ``WatchReadiness`` stream, read in the background (it opens
+with the whole ready set, then each change), plus "loading" where this router sent the adapter lately; the load is
+this router's own requests in flight per replica. Nothing on a request's path waits for lora-cache. Once Serve has
+routed a request, the router sends ``Hint(adapter, replica)`` from a task of its own: at once where the adapter was
+not READY (a load to start there), else batched; when the request completes it withdraws the hint (``CancelHint``,
+batched), so the controller plans for requests in flight only. Before the stream's first answer, and for
+``retry_s`` after the stream or a hint failed, requests are routed by Serve's own power-of-two-choices: a request
+never fails or waits for lora-cache.
 
 Replica (steps 4-9): ``CacheReplica`` attaches each TP rank of the Serve replica to the controller as a rank of the
 lora-cache replica ``replica_name(replica_id)`` (rank 0 in the replica's process, ranks 1.. in actors of their own),
-so the controller plans its slots; ``lease()`` replaces ``@serve.multiplexed``'s load-on-miss: it agrees on one
-version of the adapter on every rank (``Attachment.agree``), acquires exactly that version on each, reports the
-waiting requests' adapters as the replica's queue, and releases at the end.
+so the controller plans its slots; ``lease()`` replaces ``@serve.multiplexed``'s load-on-miss: it holds one exact
+version of the adapter on every rank (rank 0's pick, held exactly by the others in one call each; the ranks'
+version exchange, ``Attachment.agree``, only where a rank lacks that version), reports the waiting requests'
+adapters as the replica's queue, and releases at the end. An engine that acquires in its own steps awaits
+``ensure_ready(adapter)`` before taking the request, so that a miss loads beside its steps, not inside one.
 
 Replica names: a Serve replica is the lora-cache replica ``serve-<deployment>-<replica unique id>`` on both
-sides (``replica_name``), so the router translates the advice into Serve's replicas with no table.
+sides (``replica_name``), so the router maps readiness onto Serve's replicas with no table.
 """
 
 from __future__ import annotations
