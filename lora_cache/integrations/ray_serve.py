@@ -162,6 +162,7 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
         self._ready: dict[str, dict[str, set[str]]] = {}  # adapter -> replica -> versions READY there
         self._sent: dict[str, dict[str, float]] = {}  # adapter -> replica this router sent it to -> until (loading)
         self._inflight: dict[ReplicaID, int] = {}  # this router's requests on each replica, routed not completed
+        self._names: dict[ReplicaID, str] = {}  # replica_name of each replica seen (until it dies)
         self._routed: dict[str, ReplicaID] = {}  # internal request id -> its replica, until completed
         self._tasks: set[asyncio.Task[None]] = set()  # hint calls in flight (kept referenced)
         self._pending: dict[str, Hint] = {}  # request id -> its hint, waiting for the next batch
@@ -210,7 +211,7 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
         by_name: dict[str, RunningReplica] = {}
         views = []
         for r in candidates:
-            name = replica_name(r.replica_id)
+            name = self._name(r.replica_id)
             by_name[name] = r
             where = (
                 Residence.READY if name in ready else Residence.LOADING if sent.get(name, 0) > now else Residence.COLD
@@ -219,6 +220,12 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
         ranked = rank(adapter, views, self._ranking)
         self.counts["ready_first"] += ranked[0].reason is Residence.READY and ranked[0].within_bound
         return [[by_name[r.replica]] for r in ranked]
+
+    def _name(self, replica_id: ReplicaID) -> str:
+        name = self._names.get(replica_id)
+        if name is None:
+            name = self._names[replica_id] = replica_name(replica_id)
+        return name
 
     # -- the readiness stream (background) --------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -254,6 +261,8 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
         if not versions:
             where.pop(event.replica, None)
             self._sent.get(event.adapter, {}).pop(event.replica, None)  # evicted (or lost): not loading either
+        if not where:
+            del self._ready[event.adapter]
 
     def _spawn(self, call: Any) -> None:
         task = asyncio.get_running_loop().create_task(call)
@@ -288,7 +297,7 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
         adapter = pending_request.metadata.multiplexed_model_id
         if not adapter:
             return
-        replica = replica_name(replica_id)
+        replica = self._name(replica_id)
         ready = replica in self._ready.get(adapter, {})
         if not ready:  # its load starts there (the hint, or the replica's own miss): the next requests follow it
             now = time.monotonic()
@@ -371,7 +380,8 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
         self._hinted -= gone  # the controller dropped the replica's hints with it
         self._done_early -= gone
         self._pending = {rid: h for rid, h in self._pending.items() if rid not in gone}
-        name = replica_name(replica_id)  # the stream says NOT_READY for its adapters once the controller drops it
+        name = self._names.pop(replica_id, None) or replica_name(replica_id)  # the stream says NOT_READY for its
+        # adapters once the controller drops it; until then it is not ranked READY here
         for ready in self._ready.values():
             ready.pop(name, None)
         for sent in self._sent.values():
