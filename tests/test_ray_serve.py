@@ -171,12 +171,12 @@ def test_the_router_hints_the_controller_as_it_routes(served: App) -> None:
     )
 
 
-def test_no_request_waits_for_a_controller_call(served: App, tmp_path: Path) -> None:
+def test_no_request_waits_for_a_controller_call(served: App) -> None:
     """The router ranks from what the controller streams (readiness) and its own in-flight counts: a request, even
     one for an adapter registered a moment ago (nothing known of it but its name), is ranked with no call to
     lora-cache on its path (before, an adapter without fresh advice waited for ``Route``: 26-48 % of requests in
     bench/RESULTS.md, and its advice was refreshed by more ``Route`` calls)."""
-    late = tmp_path / "adapter-late"
+    late = served.root / "adapter-late"  # under the adapter root (registered now, not at start)
     shutil.copytree(served.root / ADAPTERS[0], late)
     ray.get(served.service.controller.register_adapter_info.remote("adapter-late", str(late)))
     router = _router(served)
