@@ -179,6 +179,7 @@ def test_no_request_waits_for_a_controller_call(served: App) -> None:
     late = served.root / "adapter-late"  # under the adapter root (registered now, not at start)
     shutil.copytree(served.root / ADAPTERS[0], late)
     ray.get(served.service.controller.register_adapter_info.remote("adapter-late", str(late)))
+    served.call(ADAPTERS[0])  # the handle's router exists once the handle has routed a request
     router = _router(served)
     before = ray.get(served.service.controller.status.remote())["routes_asked"]
     advised, fallback = router.counts["advised"], router.counts["fallback"]
