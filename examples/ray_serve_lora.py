@@ -59,9 +59,12 @@ def engine_config(**overrides: Any) -> EngineConfig:
 class LoraEngine:
     """One Serve replica: its cache attached to lora-cache, the reference engine running over it."""
 
-    def __init__(self, cache: ReplicaCacheConfig, engine: EngineConfig, multiplexed: bool = False) -> None:
+    def __init__(
+        self, cache: ReplicaCacheConfig, engine: EngineConfig, multiplexed: bool = False, ahead: bool = True
+    ) -> None:
         self.cache = CacheReplica(cache)
         self.multiplexed = multiplexed  # Ray Serve's own routing: its LRU of model ids, loaded on a miss
+        self.ahead = ahead  # lora-cache: a miss loads before the request reaches the engine (off its steps)
         self.hosted = HostedEngine(self.cache.rank)  # the public seam, as any integrator's engine
         self.hosted.build(engine, rendezvous(1), 0)
         self.start = time.time()
@@ -94,6 +97,9 @@ class LoraEngine:
         hit = adapter in self.cache.rank.ready_names()  # READY on arrival: no load on this request's path
         if self.multiplexed:
             await self.load(adapter)
+        elif self.ahead and not hit:  # else the engine's step loads it, and the batch's other requests wait
+            await self.cache.ensure_ready(adapter)
+        submitted = time.perf_counter()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         rid = next(self.rids)
@@ -117,6 +123,7 @@ class LoraEngine:
             "adapter": adapter,
             "hit": hit,
             "ms": (time.perf_counter() - began) * 1e3,
+            "before_engine_ms": (submitted - began) * 1e3,  # the load on a miss (both routings), before the engine
             "loads": stats["loads"],  # this replica's, so far
             "gpu_hits": stats["gpu_hits"],
             "gpu_misses": stats["gpu_misses"],
@@ -133,16 +140,18 @@ def app(
     replicas: int = 3,
     cache: ReplicaCacheConfig | None = None,
     engine: EngineConfig | None = None,
+    ahead: bool = True,
     **router: Any,
 ) -> Any:
-    """The Serve application: ``routing`` lora-cache (``LoraCacheRouter``) or serve (Ray Serve's multiplexing)."""
+    """The Serve application: ``routing`` lora-cache (``LoraCacheRouter``) or serve (Ray Serve's multiplexing);
+    ``ahead``: under lora-cache, a request's adapter is loaded before the engine takes it (``ensure_ready``)."""
     cache = cache or ReplicaCacheConfig(num_slots=SLOTS)
     options: dict[str, Any] = {"num_replicas": replicas}
     if routing == "lora-cache":
         options["request_router_config"] = router_config(server=server, **router)
     deployment: Any = LoraEngine  # a serve.Deployment (mypy sees the class)
     engine = engine or engine_config(num_slots=cache.num_slots, max_adapters=min(4, cache.num_slots))
-    return deployment.options(**options).bind(cache, engine, routing == "serve")
+    return deployment.options(**options).bind(cache, engine, routing == "serve", ahead)
 
 
 def main() -> None:

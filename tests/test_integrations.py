@@ -26,9 +26,10 @@ from workers.attach import AttachConfig
     ("kwargs", "message"),
     [
         ({"server": "nowhere"}, "is not host:port"),
-        ({"route_timeout_s": 0}, r"route_timeout_s is 0; give a short positive deadline"),
+        ({"hint_timeout_s": 0}, r"hint_timeout_s is 0; give a short positive deadline"),
         ({"hint_timeout_s": 30}, r"hint_timeout_s is 30; give a short positive deadline \(<= 10 s\)"),
-        ({"retry_s": -1}, r"retry_s \(-1\) and max_replicas \(0\) must be >= 0"),
+        ({"retry_s": -1}, r"retry_s \(-1\) and loading_s \(5.0\) must be >= 0"),
+        ({"epsilon": -1}, r"epsilon is -1; give a number >= 0"),
     ],
 )
 def test_router_settings_name_the_value_and_the_fix(kwargs: dict[str, object], message: str) -> None:
@@ -53,6 +54,6 @@ def test_a_serve_replica_maps_to_one_valid_lora_cache_replica_name(deployment: s
 
 
 def test_router_config_names_the_router_class() -> None:
-    config = router_config(server="10.0.0.5:50051", route_timeout_s=0.1)
+    config = router_config(server="10.0.0.5:50051", hint_timeout_s=0.1)
     assert config.get_request_router_class() is LoraCacheRouter
     assert config.request_router_kwargs["server"] == "10.0.0.5:50051"

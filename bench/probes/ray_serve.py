@@ -10,7 +10,9 @@ An open loop of Poisson arrivals, adapters by Zipf popularity (``bench.workloads
 request: its latency from the handle's call to its result is its TTFT (bench_serving's ``mean_ttft_ms``,
 ``p99_ttft_ms``). ``gpu_hit_rate``: the share of requests whose adapter was READY on their replica when they
 arrived; ``loads``: copies into slots over the replicas; ``replica_ms_mean``: a request's time inside its replica;
-``router``: ``LoraCacheRouter``'s own counters (Route calls and waits, hint and cancel calls). The controller and
+``router``: ``LoraCacheRouter``'s own counters (requests ranked, ready first, fallbacks, readiness events, hint and
+cancel calls); ``before_engine_ms_mean``: the part of a request's replica time before the engine took it (its load
+on a miss, under both routings), ``engine_ms_mean`` the rest. The controller and
 the gateway run in a ``lora-cache serve`` process of their own (``--gateway process``, as deployed) or in this
 driver (``--gateway thread``); ``--policy``, ``--epsilon``, ``--min-bound``, ``--serve-args`` and ``--router``
 (``RouterSettings`` as JSON) vary the lora-cache side.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import signal
 import socket
@@ -156,7 +159,8 @@ def run(routing: str, args: argparse.Namespace, root: str, names: list[str]) -> 
                 args.replicas,
                 cache,
                 engine_config(num_slots=args.slots, max_adapters=min(4, args.slots)),
-                **json.loads(args.router),
+                not args.no_ahead,
+                **{"epsilon": args.epsilon, "min_bound": args.min_bound, **json.loads(args.router)},
             ),
             name=f"bench-{routing}",
             route_prefix=None,
@@ -165,6 +169,7 @@ def run(routing: str, args: argparse.Namespace, root: str, names: list[str]) -> 
             handle.options(multiplexed_model_id=name).remote({}).result(timeout_s=120)
         probe = _route_probe(target, names, args.route_probe) if routing == "lora-cache" else {}
         arrivals = workload(names, args.requests, args.rate, args.alpha, args.seed)
+        load_before = os.getloadavg()[0]
         start_t = time.perf_counter()
         results = asyncio.run(_play(handle, arrivals))
         ttft = np.array([r["ttft_ms"] for r in results])  # the handle's call to its result: routing included
@@ -176,6 +181,9 @@ def run(routing: str, args: argparse.Namespace, root: str, names: list[str]) -> 
         return {
             "routing": routing,
             "replica_ms_mean": float(np.mean([r["ms"] for r in results])),  # arrival at the replica to the result
+            "before_engine_ms_mean": float(np.mean([r["before_engine_ms"] for r in results])),  # loads off its steps
+            "engine_ms_mean": float(np.mean([r["ms"] - r["before_engine_ms"] for r in results])),
+            "loadavg": [load_before, os.getloadavg()[0]],  # the machine's 1-minute load average, before and after
             "router": counts,
             "requests": len(results),
             "mean_ttft_ms": float(ttft.mean()),
@@ -222,6 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--serve-args", default="", help="more `lora-cache serve` options (--gateway process)")
     p.add_argument("--router", default="{}", help="more LoraCacheRouter settings (JSON)")
+    p.add_argument(
+        "--no-ahead",
+        action="store_true",
+        help="lora-cache routing: a miss loads inside the engine's step (the replica's ensure_ready off)",
+    )
     p.add_argument("--route-probe", type=int, default=0, help="time this many Route calls before the run")
     p.add_argument("--json", help="write the rows here too")
     args = p.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Ray Serve: a request router that routes by lora-cache's advice, and the replica side that attaches to it.
+"""Ray Serve: a request router that routes by lora-cache's readiness and rule, and the replica side that attaches.
 
     from lora_cache.integrations.ray_serve import CacheReplica, LoraCacheRouter, ReplicaCacheConfig, router_config
 
@@ -12,27 +12,28 @@
 
     handle.options(multiplexed_model_id="adapter-003").remote(...)   # or the HTTP header serve_multiplexed_model_id
 
-Router (lifecycle step 1): for a request with a multiplexed model id, ``LoraCacheRouter.choose_replicas`` returns
-the deployment's replicas in the order of the controller's ``Route`` advice for the adapter (residency under a load
-bound, its own in-flight requests per replica as ``outstanding``), one per rank, so Serve's queue-length probe
-takes the best replica with room. The advice is kept per adapter for ``advice_ttl_s`` (its leading READY replicas
-re-ranked by the router's own in-flight requests) and refreshed in the background: a request waits for ``Route``
-only when its adapter has no fresh advice. Once Serve has routed a request, the router sends
-``Hint(adapter, replica)``: at once where the adapter was not READY (a load to start there), else batched; when
-the request completes it withdraws the hint (``CancelHint``, batched), so the controller plans for requests in
-flight only.
-When lora-cache does not answer within ``route_timeout_s`` (or fails), the request is routed by Serve's own
-power-of-two-choices + multiplex ranking, and lora-cache is not asked again for ``retry_s``: a request never fails
-or waits long for lora-cache.
+Router (lifecycle step 1): for a request with a multiplexed model id, ``LoraCacheRouter.choose_replicas`` ranks
+the deployment's replicas locally by lora-cache's own rule (``lora_cache.routing.ranking.rank``: residency under a
+load bound, sticky rendezvous picks for a cold adapter), one per rank, so Serve's queue-length check takes the best
+replica with room. Residency comes from the controller's ``WatchReadiness`` stream, read in the background (it opens
+with the whole ready set, then each change), plus "loading" where this router sent the adapter lately; the load is
+this router's own requests in flight per replica. Nothing on a request's path waits for lora-cache. Once Serve has
+routed a request, the router sends ``Hint(adapter, replica)`` from a task of its own: at once where the adapter was
+not READY (a load to start there), else batched; when the request completes it withdraws the hint (``CancelHint``,
+batched), so the controller plans for requests in flight only. Before the stream's first answer, and for
+``retry_s`` after the stream or a hint failed, requests are routed by Serve's own power-of-two-choices: a request
+never fails or waits for lora-cache.
 
 Replica (steps 4-9): ``CacheReplica`` attaches each TP rank of the Serve replica to the controller as a rank of the
 lora-cache replica ``replica_name(replica_id)`` (rank 0 in the replica's process, ranks 1.. in actors of their own),
-so the controller plans its slots; ``lease()`` replaces ``@serve.multiplexed``'s load-on-miss: it agrees on one
-version of the adapter on every rank (``Attachment.agree``), acquires exactly that version on each, reports the
-waiting requests' adapters as the replica's queue, and releases at the end.
+so the controller plans its slots; ``lease()`` replaces ``@serve.multiplexed``'s load-on-miss: it holds one exact
+version of the adapter on every rank (rank 0's pick, held exactly by the others in one call each; the ranks'
+version exchange, ``Attachment.agree``, only where a rank lacks that version), reports the waiting requests'
+adapters as the replica's queue, and releases at the end. An engine that acquires in its own steps awaits
+``ensure_ready(adapter)`` before taking the request, so that a miss loads beside its steps, not inside one.
 
 Replica names: a Serve replica is the lora-cache replica ``serve-<deployment>-<replica unique id>`` on both
-sides (``replica_name``), so the router translates the advice into Serve's replicas with no table.
+sides (``replica_name``), so the router maps readiness onto Serve's replicas with no table.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ import logging
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray import serve
@@ -54,8 +56,9 @@ from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter  # 
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
-from lora_cache.api.client import AsyncLoraCacheClient, ClientError, Hint, RoutedReplica, RouteItem
+from lora_cache.api.client import AsyncLoraCacheClient, ClientError, Hint, ReadinessEvent, Resync
 from lora_cache.errors import ConfigError, NotFoundError
+from lora_cache.routing.ranking import ReplicaLoad, Residence, RouterConfig, rank
 from lora_cache.vocab import AdapterKey
 
 if TYPE_CHECKING:
@@ -64,6 +67,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_SNAPSHOT = 2**63  # a WatchReadiness cursor past any controller's newest event: the stream opens with a resync
 
 
 def replica_name(replica_id: ReplicaID) -> str:
@@ -72,47 +76,44 @@ def replica_name(replica_id: ReplicaID) -> str:
 
 
 # -- the router ----------------------------------------------------------------------------------------------
-class _Advice(NamedTuple):
-    at: float  # monotonic, when the answer came
-    replicas: tuple[RoutedReplica, ...]  # best first
-
-
 @dataclass(frozen=True)
 class RouterSettings:
     """``LoraCacheRouter``'s settings (``RequestRouterConfig.request_router_kwargs``)."""
 
     server: str = field(default="127.0.0.1:50051", metadata={"help": "the lora-cache gateway, host:port"})
     token: str = field(default="", metadata={"help": "the gateway's bearer token, if it has one"})
-    route_timeout_s: float = field(
-        default=0.25,
-        metadata={"help": "deadline of the Route call; past it the request is routed by Serve's own ranking"},
-    )
     hint_timeout_s: float = field(default=0.5, metadata={"help": "deadline of a Hint call (sent after routing)"})
     retry_s: float = field(
         default=5.0,
         metadata={
-            "help": "after lora-cache failed to answer, route by Serve's own ranking this long before asking again"
+            "help": "after lora-cache failed (the readiness stream broke, a Hint failed), route by Serve's own "
+            "ranking this long before connecting again"
         },
     )
-    max_replicas: int = field(default=0, metadata={"help": "replicas per advice (0: all)"})
     hints: str = field(
         default="all",
         metadata={
             "help": "which routed requests the controller is hinted of: all (every one, batched: its plans and "
-            "popularity), cold (only those sent where the advice did not find the adapter READY), or none"
-        },
-    )
-    advice_ttl_s: float = field(
-        default=2.0,
-        metadata={
-            "help": "an adapter's advice is reused this long (its READY replicas re-ranked by this router's own "
-            "in-flight requests) and refreshed in the background past half of it; only an adapter with no "
-            "advice waits for Route (0: a Route call on every request's path)"
+            "popularity), cold (only those sent where the adapter was not READY), or none"
         },
     )
     hint_batch_s: float = field(
         default=0.02,
         metadata={"help": "hints of routed requests are sent together, one Hint call this often (0: one per request)"},
+    )
+    epsilon: float = field(
+        default=0.25,
+        metadata={"help": "load bound of the ranking (lora-cache's RouterConfig.epsilon), over this router's requests"},
+    )
+    min_bound: float = field(
+        default=8.0, metadata={"help": "requests in flight every replica may take before the bound applies"}
+    )
+    loading_s: float = field(
+        default=5.0,
+        metadata={
+            "help": "a replica this router sent an adapter to (not READY there) ranks as loading it this long, "
+            "until the readiness stream says READY: the adapter's next requests follow the first"
+        },
     )
 
     def __post_init__(self) -> None:
@@ -121,21 +122,21 @@ class RouterSettings:
             raise ConfigError(
                 f"server {self.server!r} is not host:port; give the lora-cache gateway's address, e.g. 127.0.0.1:50051"
             )
-        for name in ("route_timeout_s", "hint_timeout_s"):
-            if not 0 < getattr(self, name) <= 10:
-                raise ConfigError(
-                    f"{name} is {getattr(self, name)}; give a short positive deadline (<= 10 s): a "
-                    "router must not hold requests for lora-cache"
-                )
-        if self.retry_s < 0 or self.max_replicas < 0:
-            raise ConfigError(f"retry_s ({self.retry_s}) and max_replicas ({self.max_replicas}) must be >= 0")
+        if not 0 < self.hint_timeout_s <= 10:
+            raise ConfigError(
+                f"hint_timeout_s is {self.hint_timeout_s}; give a short positive deadline (<= 10 s): a router "
+                "must not pile up calls to lora-cache"
+            )
+        if self.retry_s < 0 or self.loading_s < 0:
+            raise ConfigError(f"retry_s ({self.retry_s}) and loading_s ({self.loading_s}) must be >= 0")
         if self.hints not in ("cold", "all", "none"):
             raise ConfigError(f"hints is {self.hints!r}; give cold, all or none")
-        if not 0 <= self.advice_ttl_s <= 10 or not 0 <= self.hint_batch_s <= 1:
-            raise ConfigError(
-                f"advice_ttl_s ({self.advice_ttl_s}) must be in [0, 10] s and hint_batch_s ({self.hint_batch_s}) in "
-                "[0, 1] s: advice older than a few seconds no longer says where adapters are"
-            )
+        if not 0 <= self.hint_batch_s <= 1:
+            raise ConfigError(f"hint_batch_s is {self.hint_batch_s}; give [0, 1] s")
+        RouterConfig(epsilon=self.epsilon, min_bound=self.min_bound)  # the ranking's own checks
+
+    def ranking(self) -> RouterConfig:
+        return RouterConfig(epsilon=self.epsilon, min_bound=self.min_bound)
 
 
 def router_config(**settings: Any) -> RequestRouterConfig:
@@ -147,115 +148,121 @@ def router_config(**settings: Any) -> RequestRouterConfig:
 
 
 class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
-    """Ranks a deployment's replicas for the request's adapter (its multiplexed model id) by lora-cache's advice;
-    Serve's own ranking for requests without one, and whenever lora-cache does not answer."""
+    """Ranks a deployment's replicas for the request's adapter (its multiplexed model id) locally, by lora-cache's
+    rule over the readiness the controller streams and this router's own requests in flight; never waits on
+    lora-cache. Serve's own ranking for requests without an adapter, and while lora-cache is unreachable."""
 
     def initialize_state(self, **kwargs: Any) -> None:
         self.settings = RouterSettings(**kwargs)
+        self._ranking = self.settings.ranking()
         self._client: AsyncLoraCacheClient | None = None  # made on the router's event loop, on first use
-        self._down_until = 0.0  # monotonic: until then, Serve's own ranking (lora-cache failed to answer)
+        self._down_until = 0.0  # monotonic: until then, Serve's own ranking (lora-cache failed)
+        self._watching: asyncio.Task[None] | None = None  # the readiness stream's reader (started on first use)
+        self._live = False  # the stream's snapshot arrived since it (re)connected: its readiness is current
+        self._ready: dict[str, dict[str, set[str]]] = {}  # adapter -> replica -> versions READY there
+        self._sent: dict[str, dict[str, float]] = {}  # adapter -> replica this router sent it to -> until (loading)
         self._inflight: dict[ReplicaID, int] = {}  # this router's requests on each replica, routed not completed
+        self._names: dict[ReplicaID, str] = {}  # replica_name of each replica seen (until it dies)
         self._routed: dict[str, ReplicaID] = {}  # internal request id -> its replica, until completed
-        self._advice: dict[str, _Advice] = {}  # adapter -> its last advice (reused for advice_ttl_s)
-        self._refreshing: set[str] = set()  # adapters whose advice is being refreshed in the background
-        self._tasks: set[asyncio.Task[None]] = set()  # hint and refresh calls in flight (kept referenced)
+        self._tasks: set[asyncio.Task[None]] = set()  # hint calls in flight (kept referenced)
         self._pending: dict[str, Hint] = {}  # request id -> its hint, waiting for the next batch
         self._hinted: set[str] = set()  # requests whose hint was sent, until completed (then cancelled)
         self._cancels: list[str] = []  # hints of completed requests, waiting for the next batch
         self._done_early: set[str] = set()  # requests completed while their hint waited for its batch
         self._flush: asyncio.TimerHandle | None = None  # the next batch's send, when one is waiting
         self.counts: dict[str, float] = {
-            "advice_ms": 0.0,  # time choose_replicas spent on the advice, in all
-            "advised": 0,
-            "fallback": 0,
+            "rank_ms": 0.0,  # time choose_replicas spent ranking, in all (no call to lora-cache is on this path)
+            "advised": 0,  # requests ranked by lora-cache's rule
+            "ready_first": 0,  # of those, where a replica with the adapter READY (and room under the bound) led
+            "fallback": 0,  # requests with an adapter ranked by Serve's own rule (lora-cache down, stream not up)
+            "events": 0,  # readiness events (and resyncs) taken from the stream
+            "watch_starts": 0,
             "hints": 0,
             "hint_calls": 0,
             "cancel_calls": 0,
             "hint_errors": 0,
-            "route_errors": 0,
-            "route_calls": 0,
-            "route_waits": 0,
         }
 
-    # -- choosing (one iteration per Serve routing attempt) ------------------------------------------------------
+    # -- choosing (one iteration per Serve routing attempt; nothing awaited) ---------------------------------------
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         adapter = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
-        if adapter and time.monotonic() >= self._down_until:
-            began = time.perf_counter()
-            ranked = await self._advised(adapter, candidate_replicas)
-            self.counts["advice_ms"] += (time.perf_counter() - began) * 1e3
-            if ranked is not None:
+        if adapter:
+            self._watch()
+            if self._live and time.monotonic() >= self._down_until:
                 assert pending_request is not None
+                began = time.perf_counter()
+                ranked = self._rank(adapter, candidate_replicas)
+                self.counts["rank_ms"] += (time.perf_counter() - began) * 1e3
                 pending_request.routing_context.should_backoff = True  # every rank full: Serve backs off, retries
                 self.counts["advised"] += 1
                 return ranked
-        self.counts["fallback"] += bool(adapter)
+            self.counts["fallback"] += 1
         return await super().choose_replicas(candidate_replicas, pending_request)
 
-    async def _advised(self, adapter: str, candidates: list[RunningReplica]) -> list[list[RunningReplica]] | None:
-        """The candidates in the advice's order (one per rank; those the controller does not know yet last), or
-        None when lora-cache did not answer (or does not know the adapter). A fresh advice is reused (no call on
-        the request's path); one past half its life is refreshed in the background; none, or a stale one, is
-        waited for."""
+    def _rank(self, adapter: str, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
+        """The candidates by lora-cache's ranking (``lora_cache.routing.ranking.rank``: residency under a load
+        bound, sticky cold picks), one per rank: READY from the stream, loading where this router sent the adapter
+        lately, the load this router's requests in flight there."""
         now = time.monotonic()
-        cached = self._advice.get(adapter)
-        if cached is None or now - cached.at >= self.settings.advice_ttl_s:
-            self.counts["route_waits"] += 1
-            cached = await self._route(adapter)
-            if cached is None:
-                return None
-        elif now - cached.at >= self.settings.advice_ttl_s / 2 and adapter not in self._refreshing:
-            self._refreshing.add(adapter)
-            self._spawn(self._refresh(adapter))
-        return self._rank(cached, candidates)
+        ready = self._ready.get(adapter, {})
+        sent = self._sent.get(adapter, {})
+        by_name: dict[str, RunningReplica] = {}
+        views = []
+        for r in candidates:
+            name = self._name(r.replica_id)
+            by_name[name] = r
+            where = (
+                Residence.READY if name in ready else Residence.LOADING if sent.get(name, 0) > now else Residence.COLD
+            )
+            views.append(ReplicaLoad(name, where, float(self._inflight.get(r.replica_id, 0))))
+        ranked = rank(adapter, views, self._ranking)
+        self.counts["ready_first"] += ranked[0].reason is Residence.READY and ranked[0].within_bound
+        return [[by_name[r.replica]] for r in ranked]
 
-    def _rank(self, advice: _Advice, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
-        """The advice's order; its leading READY replicas by this router's own requests in flight there (fewest
-        first, the advice's order among equals): the load the advice saw when it was made has moved since."""
-        by_name = {replica_name(r.replica_id): r for r in candidates}
-        named = [r for r in advice.replicas if r.replica in by_name]
-        lead = 0
-        while lead < len(named) and named[lead].reason == "ready" and named[lead].within_bound:
-            lead += 1
-        inflight = {replica_name(rid): n for rid, n in self._inflight.items()}
-        order = sorted(named[:lead], key=lambda r: inflight.get(r.replica, 0)) + named[lead:]
-        ranked = [[by_name[r.replica]] for r in order]
-        seen = {id(rank[0]) for rank in ranked}
-        rest = [r for r in candidates if id(r) not in seen]
-        return [*ranked, rest] if rest else ranked
+    def _name(self, replica_id: ReplicaID) -> str:
+        name = self._names.get(replica_id)
+        if name is None:
+            name = self._names[replica_id] = replica_name(replica_id)
+        return name
 
-    async def _route(self, adapter: str) -> _Advice | None:
-        """Ask ``Route`` for ``adapter`` (with this router's in-flight requests as the load) and keep the answer."""
-        outstanding = {replica_name(rid): n for rid, n in self._inflight.items() if n > 0}
-        self.counts["route_calls"] += 1
+    # -- the readiness stream (background) --------------------------------------------------------------------------
+    def _watch(self) -> None:
+        if (self._watching is None or self._watching.done()) and time.monotonic() >= self._down_until:
+            self.counts["watch_starts"] += 1
+            self._watching = asyncio.get_running_loop().create_task(self._read_stream())
+
+    async def _read_stream(self) -> None:
+        """Keep ``_ready`` current from ``WatchReadiness`` (every replica, every adapter): its first answer is the
+        whole ready set (a resync: the cursor is past the controller's newest event), then each change. A broken
+        stream: Serve's own ranking for ``retry_s``, then a new stream (a new snapshot)."""
         try:
-            route = (
-                await self._lora().route(
-                    [RouteItem(adapter)],
-                    outstanding,
-                    self.settings.max_replicas,
-                    timeout_s=self.settings.route_timeout_s,
-                )
-            )[0]
-        except ClientError as e:
-            self._went_down(f"Route failed ({e})")
-            return None
-        if route.error is not None:  # e.g. an adapter the controller does not know: Serve's ranking, no back-off
-            self.counts["route_errors"] += 1
-            self._advice.pop(adapter, None)
-            return None
-        advice = _Advice(time.monotonic(), route.replicas)
-        if self.settings.advice_ttl_s > 0:
-            self._advice[adapter] = advice
-        return advice
+            async for event in self._lora().watch(after_seq=_SNAPSHOT):
+                self._take(event)
+                self._live = True
+            raise ClientError("UNAVAILABLE", "the readiness stream ended")
+        except Exception as e:  # the gateway is gone, or the stream broke: Serve's own ranking meanwhile
+            self._went_down(f"WatchReadiness failed ({e})")
 
-    async def _refresh(self, adapter: str) -> None:
-        try:
-            await self._route(adapter)
-        finally:
-            self._refreshing.discard(adapter)
+    def _take(self, event: ReadinessEvent | Resync) -> None:
+        self.counts["events"] += 1
+        if isinstance(event, Resync):
+            self._ready = {}
+            for replica, adapter, version in event.ready:
+                self._ready.setdefault(adapter, {}).setdefault(replica, set()).add(version)
+            return
+        where = self._ready.setdefault(event.adapter, {})
+        if event.ready:
+            where.setdefault(event.replica, set()).add(event.version)
+            return
+        versions = where.get(event.replica, set())
+        versions.discard(event.version)
+        if not versions:
+            where.pop(event.replica, None)
+            self._sent.get(event.adapter, {}).pop(event.replica, None)  # evicted (or lost): not loading either
+        if not where:
+            del self._ready[event.adapter]
 
     def _spawn(self, call: Any) -> None:
         task = asyncio.get_running_loop().create_task(call)
@@ -271,11 +278,14 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
                 self.settings.retry_s,
             )
         self._down_until = time.monotonic() + self.settings.retry_s
+        self._live = False
+        if self._watching is not None and self._watching is not asyncio.current_task():
+            self._watching.cancel()  # a new stream after retry_s starts from a new snapshot
 
     def _lora(self) -> AsyncLoraCacheClient:
         if self._client is None:
             self._client = AsyncLoraCacheClient(
-                self.settings.server, token=self.settings.token or None, timeout_s=self.settings.route_timeout_s
+                self.settings.server, token=self.settings.token or None, timeout_s=self.settings.hint_timeout_s
             )
         return self._client
 
@@ -285,13 +295,22 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
         self._routed[rid] = replica_id
         self._inflight[replica_id] = self._inflight.get(replica_id, 0) + 1
         adapter = pending_request.metadata.multiplexed_model_id
-        if not adapter or self.settings.hints == "none" or time.monotonic() < self._down_until:
+        if not adapter:
             return
-        replica = replica_name(replica_id)
-        advice = self._advice.get(adapter)
-        ready = advice is not None and any(r.replica == replica and r.reason == "ready" for r in advice.replicas)
-        if ready and self.settings.hints == "cold":
-            return  # resident there: nothing to plan for it
+        replica = self._name(replica_id)
+        ready = replica in self._ready.get(adapter, {})
+        if not ready:  # its load starts there (the hint, or the replica's own miss): the next requests follow it
+            now = time.monotonic()
+            sent = self._sent.setdefault(adapter, {})
+            for r in [r for r, until in sent.items() if until <= now]:
+                del sent[r]
+            sent[replica] = now + self.settings.loading_s
+        if (
+            self.settings.hints == "none"
+            or time.monotonic() < self._down_until
+            or (ready and self.settings.hints == "cold")
+        ):
+            return
         self._pending[rid] = Hint(rid, adapter, replica)
         self._batch(now=not ready)  # a load to start there: the hint goes now; else it only counts, and waits
 
@@ -361,7 +380,12 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
         self._hinted -= gone  # the controller dropped the replica's hints with it
         self._done_early -= gone
         self._pending = {rid: h for rid, h in self._pending.items() if rid not in gone}
-        self._advice.clear()  # every advice may name it first: ask again
+        name = self._names.pop(replica_id, None) or replica_name(replica_id)  # the stream says NOT_READY for its
+        # adapters once the controller drops it; until then it is not ranked READY here
+        for ready in self._ready.values():
+            ready.pop(name, None)
+        for sent in self._sent.values():
+            sent.pop(name, None)
 
 
 # -- the replica side ---------------------------------------------------------------------------------------------
@@ -427,16 +451,36 @@ class RankActor:
     def __init__(self, config: ReplicaCacheConfig, replica: str, rank: int) -> None:
         self.rank = _attach(config, replica, rank)
         self.leases: dict[str, Any] = {}  # lease id -> this rank's batch, until released
+        self.calls: Counter[str] = Counter()  # rank 0's calls here, by method (``counts``)
 
     def rows(self, names: list[str]) -> Any:
+        self.calls["rows"] += 1
         return self.rank.version_rows(names)
 
     def acquire(self, lease: str, key: AdapterKey) -> int:
+        self.calls["acquire"] += 1
         batch = self.rank.acquire([key])
         self.leases[lease] = batch
         return int(batch.slots[0])
 
+    def hold(self, lease: str, key: AdapterKey) -> int:
+        """``acquire`` exactly ``key``, or -1 (nothing held) when this rank does not know that version (yet)."""
+        self.calls["hold"] += 1
+        catalog = self.rank.catalog
+        if key.name not in catalog or key.version not in catalog.versions(key.name):
+            return -1
+        return self.acquire(lease, key)
+
+    def prefetch(self, name: str) -> None:
+        """``name``'s current version READY here (loaded if not); blocks until it is (a failed load raises)."""
+        self.rank.prefetch(name).result()
+
+    def counts(self) -> dict[str, int]:
+        """Calls taken, by method: a request's lease costs one (``hold``) where the ranks know its version."""
+        return dict(self.calls)
+
     def release(self, lease: str) -> None:
+        self.calls["release"] += 1
         batch = self.leases.pop(lease, None)
         if batch is not None:
             self.rank.release(batch)
@@ -494,7 +538,11 @@ class CacheReplica:
 
     def acquire(self, adapter: str) -> Lease:
         """Agree on one version of ``adapter`` over the ranks and hold exactly it on each (a miss loads it;
-        blocking: from a thread). Raises ``NotFoundError`` for an adapter the controller never registered."""
+        blocking: from a thread). Raises ``NotFoundError`` for an adapter the controller never registered.
+
+        One round trip to the other ranks: rank 0 picks the version (its newest READY, else its current one) and
+        every other rank holds exactly that one; only where a rank does not know it (a re-registration on its way)
+        do the ranks exchange their versions first (``_agree``). Either way every rank holds one exact version."""
         if not adapter:
             raise NotFoundError(
                 "the request names no adapter: send it with "
@@ -503,25 +551,62 @@ class CacheReplica:
         ident = f"{self.name}-{next(self._ids)}"
         self._queue(+1, ident, adapter)
         try:
-            key = self._agree(adapter)
-            batch = self.rank.acquire([key])
-            try:
-                slots = [int(batch.slots[0]), *ray.get([r.acquire.remote(ident, key) for r in self.ranks])]
-            except BaseException:
-                self.rank.release(batch)
-                ray.get([r.release.remote(ident) for r in self.ranks])
-                raise
+            held = self._hold(ident, self._agree(adapter, ranks=False))
+            if held is None:
+                held = self._hold(ident, self._agree(adapter), exact=True)
+            assert held is not None  # exact: every rank acquires the agreed version (or raises)
+            return held
         finally:
             self._queue(-1, ident, adapter)
+
+    def _hold(self, ident: str, key: AdapterKey, exact: bool = False) -> Lease | None:
+        """``key`` held on every rank, or None (nothing held) when a rank does not know it and not ``exact``."""
+        batch = self.rank.acquire([key])
+        try:
+            ask = [(r.acquire if exact else r.hold).remote(ident, key) for r in self.ranks]
+            slots = [int(batch.slots[0]), *ray.get(ask)]
+        except BaseException:
+            self.rank.release(batch)
+            ray.get([r.release.remote(ident) for r in self.ranks])
+            raise
+        if min(slots) < 0:  # a rank lacks that version: let go everywhere, then agree over the ranks
+            self.rank.release(batch)
+            ray.get([r.release.remote(ident) for r in self.ranks])
+            return None
         return Lease(ident, key, slots, batch)
 
     def release(self, lease: Lease) -> None:
-        """After the request's kernels are enqueued (on every rank)."""
+        """After the request's kernels are enqueued (on every rank). The other ranks' releases are not waited for:
+        a rank actor runs its calls from this process in order, so no later acquire there overtakes one."""
         self.rank.release(lease.batch)
-        ray.get([r.release.remote(lease.ident) for r in self.ranks])
+        for r in self.ranks:
+            r.release.remote(lease.ident)
 
-    def _agree(self, adapter: str) -> AdapterKey:
-        """The version every rank holds for this request: READY on every rank if one is, else the current one."""
+    async def ensure_ready(self, adapter: str | None = None) -> bool:
+        """Wait, off the event loop, until ``adapter`` (default: the request's multiplexed model id) is READY on
+        every rank, loading it where it is not, without holding it: for an engine that acquires in its own steps
+        (the reference engine), so that a miss loads beside its steps rather than inside one, stalling the other
+        requests of the batch (what ``@serve.multiplexed``'s load-on-miss gives). Nothing is asked of the other
+        ranks when rank 0 has it READY (the controller plans the ranks of a replica alike; the engine's own
+        version exchange settles the rest). Returns whether it was READY on rank 0 on arrival. A load that fails
+        here is left to the engine's own acquire (which loads on a miss, or fails the request with why)."""
+        name = adapter or serve.get_multiplexed_model_id()
+        if name in self.rank.ready_names():
+            return True
+        waits: list[Any] = [
+            asyncio.wrap_future(self.rank.prefetch(name)),
+            *(r.prefetch.remote(name) for r in self.ranks),
+        ]
+        for outcome in await asyncio.gather(*waits, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                log.info(
+                    "%s: loading %s ahead of the engine failed (%s); the engine loads it", self.name, name, outcome
+                )
+        return False
+
+    def _agree(self, adapter: str, ranks: bool = True) -> AdapterKey:
+        """The version every rank holds for this request: READY on every rank if one is, else the current one
+        (``ranks`` False: over rank 0 alone, no round trip: its newest READY, else its current one)."""
         deadline = time.monotonic() + self.config.acquire_timeout_s
         while True:
             if adapter not in self.rank.catalog:
@@ -529,7 +614,9 @@ class CacheReplica:
                     f"adapter {adapter!r} is not registered with lora-cache; register it "
                     "(`lora-cache register NAME PATH`) before sending requests for it"
                 )
-            rows = [self.rank.version_rows([adapter]), *ray.get([r.rows.remote([adapter]) for r in self.ranks])]
+            rows = [self.rank.version_rows([adapter])]
+            if ranks:
+                rows += ray.get([r.rows.remote([adapter]) for r in self.ranks])
             key = self.rank.agree(rows, [adapter])[adapter]
             if key is not None:
                 return key
