@@ -71,12 +71,17 @@ class LoraEngine:
         self.rids = itertools.count()
         self.waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = {}  # rid -> its caller
         self.lock = threading.Lock()  # protects waiting
+        self.died: BaseException | None = None  # why the engine's run ended, if it failed
         self.runner = threading.Thread(target=self._run, name="reference-engine", daemon=True)
         self.runner.start()
         threading.Thread(target=self._finish, name="engine-finished", daemon=True).start()
 
     def _run(self) -> None:
-        self.hosted.run([], self.start, report=self.cache.rank.report_queue, streaming=True)
+        try:
+            self.hosted.run([], self.start, report=self.cache.rank.report_queue, streaming=True)
+        except BaseException as e:  # the engine is gone: its requests fail (``_finish``), later ones at once
+            self.died = e
+            raise
 
     def _finish(self) -> None:
         while (rids := self.hosted.finished(0.5)) is not None:
@@ -84,6 +89,10 @@ class LoraEngine:
                 with self.lock:
                     loop, future = self.waiting.pop(rid)
                 loop.call_soon_threadsafe(future.set_result, None)
+        with self.lock:  # the run is over: nothing still waiting will finish
+            left, self.waiting = list(self.waiting.values()), {}
+        for loop, future in left:
+            loop.call_soon_threadsafe(future.set_exception, RuntimeError(f"the engine stopped: {self.died!r}"))
 
     @serve.multiplexed(max_num_models_per_replica=SLOTS)
     async def load(self, adapter: str) -> str:
@@ -103,19 +112,18 @@ class LoraEngine:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         rid = next(self.rids)
+        if not self.runner.is_alive():
+            raise RuntimeError(f"replica {self.cache.name}: its engine stopped ({self.died!r})")
         with self.lock:
             self.waiting[rid] = (loop, future)
-        self.hosted.submit(
-            [
-                Request(
-                    rid,
-                    adapter,
-                    int(request.get("input_len", 64)),
-                    int(request.get("output_len", 1)),
-                    time.time() - self.start,
-                )
-            ]
-        )
+        request_ = Request(rid, adapter, int(request.get("input_len", 64)), int(request.get("output_len", 1)),
+                           time.time() - self.start)
+        try:
+            self.hosted.submit([request_])
+        except BaseException:  # refused (NotFoundError: an adapter this engine does not serve): this one alone
+            with self.lock:
+                self.waiting.pop(rid, None)
+            raise
         await future
         stats = self.cache.rank.stats()
         return {

@@ -127,10 +127,39 @@ def test_an_engine_serves_requests_submitted_while_it_runs(adapters: Path) -> No
         torch.testing.assert_close(rec.outputs, upfront[rid].outputs, rtol=1e-4, atol=1e-4)
 
 
+def test_a_request_for_an_adapter_the_engine_does_not_serve_fails_alone_and_the_run_goes_on(adapters: Path) -> None:
+    """An adapter registered after the engine was built (or never) is outside its version exchange: the
+    request fails with an error naming it and the fix, and the run serves the requests before and after it
+    (it once raised KeyError in the loop, ending the run: every later request hung)."""
+    cfg = config(adapters, admission="ondemand")
+    feed = Feed()
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(serve_rank, cfg, ADMISSION["ondemand"](), (), Comm(), None, Hooks(time.time(), feed=feed))
+        feed.submit([Request(0, ADAPTERS[0], 3, 1), Request(1, "adapter-late", 3, 1)])
+        finished: list[int] = []
+        while len(finished) < 2:
+            rids = feed.finished(30.0)
+            assert rids is not None, "the run ended"  # (the KeyError once ended it here)
+            finished += rids
+        feed.submit([Request(2, ADAPTERS[1], 3, 1)])  # the run is still serving
+        feed.close()
+        while (rids := feed.finished(30.0)) is not None:
+            finished += rids
+        result = run.result(timeout=120)
+    assert sorted(finished) == [0, 1, 2]
+    records = {r.rid: r for r in result.records}
+    assert records[0].ok and records[2].ok and not records[1].ok
+    assert records[1].error is not None and "'adapter-late' is not one this engine serves" in records[1].error
+    assert "restart the replica" in records[1].error and records[1].prefill_s is None
+
+
 def test_a_run_that_fails_ends_the_finished_polls(adapters: Path) -> None:
     feed = Feed()
-    feed.submit([Request(0, "no-such-adapter", 3, 1)])
+    feed.submit([Request(0, ADAPTERS[0], 3, 1)])
     done = threading.Event()
+
+    def broken(queue: list[tuple[str, float]]) -> None:
+        raise RuntimeError("the queue report failed")
 
     def poll() -> None:
         while feed.finished(30.0) is not None:
@@ -139,5 +168,6 @@ def test_a_run_that_fails_ends_the_finished_polls(adapters: Path) -> None:
 
     threading.Thread(target=poll, daemon=True).start()
     with pytest.raises(Exception):  # noqa: B017 -- whatever the engine raises, the feed stops
-        serve_rank(config(adapters), ADMISSION["ondemand"](), (), Comm(), None, Hooks(time.time(), feed=feed))
+        serve_rank(config(adapters), ADMISSION["ondemand"](), (), Comm(), None,
+                   Hooks(time.time(), on_queue=broken, feed=feed))
     assert done.wait(30)

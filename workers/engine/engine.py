@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import NamedTuple
 
 import torch
@@ -82,7 +82,7 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
         while True:
             vec = comm.min_control(engine.readiness(plan.wanted))  # every rule: the versions (invariant 1)
             if feed is not None and scheduler is not None:
-                _take(feed, scheduler)
+                _take(feed, scheduler, engine.index)
             plan = comm.broadcast(_plan(scheduler, time.perf_counter() - t0, engine, vec))
             if scheduler is not None and hooks.on_queue is not None and (now := scheduler.queue(plan)) != queue:
                 queue = now
@@ -104,11 +104,12 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
     return EngineResult(scheduler.records() if scheduler is not None else [], ranks)
 
 
-def _take(feed: Feed, scheduler: Scheduler) -> None:
-    """Rank 0 of a streaming run: the requests submitted since the last round, and the end of stream."""
+def _take(feed: Feed, scheduler: Scheduler, known: Collection[str]) -> None:
+    """Rank 0 of a streaming run: the requests submitted since the last round, and the end of stream (a request
+    for an adapter outside ``known``, the version exchange's names, fails alone: the loop goes on)."""
     new, closed = feed.take()
     if new:
-        scheduler.add(new)
+        scheduler.add(new, known)
     if closed:
         scheduler.end()
 

@@ -19,12 +19,13 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from lora_cache.errors import ConfigError
+from lora_cache.errors import ConfigError, NotFoundError
 from workers.engine.admission import ADMISSION
 from workers.engine.config import EngineConfig
 from workers.engine.engine import EngineResult, Hooks, serve_rank
 from workers.engine.feed import Feed
 from workers.engine.rank import RankEngine
+from workers.engine.scheduler import unknown_adapter
 from workers.engine.tp import Comm
 from workers.engine.workload import Request
 from workers.outbox import QueueSender
@@ -68,6 +69,7 @@ class HostedEngine:
         self.comm: Comm | None = None
         self.engine: RankEngine | None = None
         self.feed: Feed | None = None  # rank 0, from build until the next build
+        self.known: frozenset[str] = frozenset()  # the adapters the built engine serves (its catalog's at build)
 
     def build(self, config: EngineConfig, meet: Rendezvous, rank: int) -> dict[str, float]:
         """The rank's engine, warmed up; returns the seconds of each phase (rendezvous, model, warm-up)."""
@@ -93,6 +95,7 @@ class HostedEngine:
         self.engine = RankEngine(config, self.comm, self.cache)  # model and KV cache built before the clock
         t2 = time.perf_counter()
         self.engine.warm_up()
+        self.known = frozenset(self.engine.index)  # what a run of this engine can serve (its version exchange's)
         self.feed = Feed() if rank == 0 else None  # before the run starts: a submit may come first
         return {"group_s": t1 - t0, "model_s": t2 - t1, "warm_up_s": time.perf_counter() - t2}
 
@@ -116,7 +119,14 @@ class HostedEngine:
 
     # -- a streaming run's feed (rank 0; any thread) ----------------------------------------------------
     def submit(self, requests: Sequence[Request]) -> None:
-        self._feed().submit(requests)
+        """Hand requests to the running engine. A request for an adapter the engine does not serve (registered
+        after ``build``) is refused here, with nothing of the call submitted: ``NotFoundError`` names it."""
+        feed = self._feed()
+        if unknown := sorted({r.adapter for r in requests if r.adapter is not None and r.adapter not in self.known}):
+            rids = [r.rid for r in requests if r.adapter in unknown][:8]
+            raise NotFoundError(f"requests {rids}: {unknown_adapter(unknown[0], len(self.known))}"
+                                + (f" (also {unknown[1:8]})" if len(unknown) > 1 else ""))
+        feed.submit(requests)
 
     def end_stream(self) -> None:
         self._feed().close()

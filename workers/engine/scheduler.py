@@ -96,6 +96,13 @@ class _Live:
         return _ref(self.request.adapter, self.version)
 
 
+def unknown_adapter(name: str, known: int) -> str:
+    """Why a request for ``name`` cannot run on this engine, and the fix."""
+    return (f"adapter {name!r} is not one this engine serves: its adapters are the {known} its catalog named when "
+            f"the engine was built, and {name!r} was registered after (or never); rebuild the engine (restart the "
+            "replica) to serve it")
+
+
 def check_requests(requests: Sequence[Request], config: EngineConfig, adapters: Sequence[str]) -> None:
     """Every request must fit the engine: a clear error naming the first that does not."""
     known = set(adapters)
@@ -146,16 +153,21 @@ class Scheduler:
         self._finished: list[int] = []  # rids done (served or failed) since the last take_finished
 
     # -- a stream of requests ------------------------------------------------------------------------
-    def add(self, requests: Sequence[Request]) -> None:
+    def add(self, requests: Sequence[Request], known: Collection[str] | None = None) -> None:
         """Requests submitted now (streaming): each arrives at its ``arrival_s`` or now, whichever is later
-        (its record keeps ``arrival_s``: TTFT counts the delivery's delay)."""
+        (its record keeps ``arrival_s``: TTFT counts the delivery's delay). ``known``: the adapters this engine
+        can serve (its version exchange's names); a request for another fails at once, alone."""
         if not self.streaming:
             raise ConfigError("requests added to a scheduler that is not streaming (or whose stream ended); "
                               "make it with streaming=True and add before end()")
         for r in requests:
             if r.rid in self.live:
                 raise ConfigError(f"request {r.rid} was submitted twice; request ids (rid) must be unique")
-            self.live[r.rid] = _Live(r)
+            live = self.live[r.rid] = _Live(r)
+            if known is not None and r.adapter is not None and r.adapter not in known:
+                live.error = unknown_adapter(r.adapter, len(known))
+                self._finished.append(r.rid)
+                continue
             bisect.insort(self.pending, r, key=self._order)
 
     def end(self) -> None:
