@@ -105,16 +105,38 @@ class SimReplica:
         self._engine_loads: list[dict[str, SimLoad]] = [{} for _ in workers]  # per rank: its own prefetches
         self._reported: list[tuple[str, float]] = []
         self._last_end: float | None = None  # the last step's end, None after a wait (as RankEngine logs gaps)
+        self._arrivals: dict[str, None] = {}  # adapters pinned or loaded at arrival since the last round
 
     # -- arrivals -------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
-        """A routed request reaches the engine: queued; a waiting or idle loop wakes for it."""
+        """A routed request reaches the engine: queued; a waiting or idle loop wakes for it. Mid-round (a
+        step under way), a rule that prefetches pins or loads its adapter at once (``_arrived``)."""
         self.scheduler.live[request.rid] = _Live(request)  # the Scheduler takes requests up front only
         self.scheduler.pending.append(request)
         if self.state != "busy":
             self._wait_token += 1
             self.state = "busy"
             self.loop.at(self.loop.now, self._round)
+        elif self.rule.prefetch and request.adapter is not None:
+            self._arrived(request.adapter)
+
+    def _arrived(self, name: str) -> None:
+        """``RankEngine.arrived``: on every rank, pin the arrival's adapter where it is READY (a load placed
+        before the next round may not evict it), else start its load now rather than at the next round.
+        Only while the adapters the last round wants plus those taken at arrival are fewer than the slots
+        (as ``Scheduler._wanted`` caps them); the next round's pins take over (``_round``)."""
+        wanted, slots = _names(self.plan.wanted), self.scheduler.config.num_slots
+        if name in wanted or name in self._arrivals or len(wanted) + len(self._arrivals) >= slots:
+            return
+        self._arrivals[name] = None
+        for rank, w in enumerate(self.workers):
+            if not w.pin_arrival(name):
+                self._prefetch_on(rank, (name,))
+
+    def _unpin_arrivals(self) -> None:
+        self._arrivals.clear()
+        for w in self.workers:
+            w.unpin_arrivals()
 
     # -- one round ------------------------------------------------------------------------------------
     def _round(self) -> None:
@@ -130,11 +152,14 @@ class SimReplica:
         if plan.kind == STOP:
             for w in self.workers:  # the engine loop ends and closes its ranks: pins released
                 w.pin(())
+            self._unpin_arrivals()
             self.state, self._last_end = "idle", None
             return
         if self.rule.prefetch and plan.wanted != previous.wanted:  # same wanted, same instant: pinned already
             for w in self.workers:
                 w.pin(_names(plan.wanted))
+        if self._arrivals:  # the round's pins hold what it wants now
+            self._unpin_arrivals()
         if plan.kind == WAIT:
             self._last_end = None
             self._prefetch(plan)
