@@ -122,15 +122,16 @@ class SimReplica:
 
     def _arrived(self, name: str) -> None:
         """``RankEngine.arrived``: on every rank, pin the arrival's adapter where it is READY (a load placed
-        before the next round may not evict it), else start its load now rather than at the next round.
-        Only while the adapters the last round wants plus those taken at arrival are fewer than the slots
-        (as ``Scheduler._wanted`` caps them); the next round's pins take over (``_round``)."""
-        wanted, slots = _names(self.plan.wanted), self.scheduler.config.num_slots
-        if name in wanted or name in self._arrivals or len(wanted) + len(self._arrivals) >= slots:
+        before the next round may not evict it), else start its load now rather than at the next round; the
+        load only while the adapters the last round wants plus those taken at arrival are fewer than the
+        slots (as ``Scheduler._wanted`` caps them). The next round's pins take over (``_round``)."""
+        wanted = _names(self.plan.wanted)
+        if name in wanted or name in self._arrivals:  # pinned by the round where READY, else loading
             return
+        room = len(wanted) + len(self._arrivals) < self.scheduler.config.num_slots
         self._arrivals[name] = None
         for rank, w in enumerate(self.workers):
-            if not w.pin_arrival(name):
+            if not w.pin_arrival(name) and room:
                 self._prefetch_on(rank, (name,))
 
     def _unpin_arrivals(self) -> None:
