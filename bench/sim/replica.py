@@ -13,6 +13,12 @@ module replays what the engine loop does around it, round after round:
    release), or a wait (start the prefetches; until a held-back adapter's load finishes on every
    rank, or a request arrives), or idle.
 
+Between rounds, a request that arrives while a round or step is under way has its adapter pinned on every
+rank where it is READY and its load started on the others (for rules that prefetch; the load only while the
+last round's wanted adapters plus those taken at arrival are fewer than the slots), as ``RankEngine.arrived``
+does from the engine's feed: no load placed before the next round evicts a waiting request's READY adapter,
+and a cold one's load does not wait up to a whole step for that round. The next round's pins take over.
+
 A step's compute time comes from the calibration; a rank's compute starts when its held loads are
 READY, and the step (all-reduces in every layer) ends ``duration`` after the last rank starts. The
 replica reports its waiting queue (``Scheduler.queue()``) to the controller after a round that changed

@@ -8,6 +8,10 @@ One round, on every rank (rank 0's clock times arrivals and tokens):
      see requests only in these plans, so every rank runs the same ones in the same order);
   3. every rank runs it: prefill or decode (acquire, prefetch, layers with the LoRA kernels and the
      all-reduce, release, wait for the tokens), or a wait for the next load or arrival.
+Between rounds (rules that prefetch, rank 0 of a streaming run): each submit pins its request's adapter if
+READY, else starts its load, in the submitting thread (``Feed.watch`` -> ``RankEngine.arrived``), so neither
+waits for the next round; the round after the scheduler took the request releases those pins (its own hold
+what it wants). Ranks other than rank 0 see requests only in plans: on them this starts at the next round.
 """
 
 from __future__ import annotations
