@@ -38,7 +38,7 @@ from bench.sim.worker import SimLoad, SimWorker
 from workers.cache import AdapterRef
 from workers.engine.admission import AdmissionRule, Readiness
 from workers.engine.config import EngineConfig
-from workers.engine.scheduler import STOP, WAIT, Scheduler, StepPlan, _Live
+from workers.engine.scheduler import PREFILL, STOP, WAIT, Scheduler, StepPlan, _Live
 from workers.engine.workload import Request
 from workers.slots import SlotPhase
 
@@ -84,6 +84,8 @@ class _Step:
     loading: int = 0  # held adapters still loading on some rank when the compute started
     tokens: int = 0  # the items' lengths summed (a prefill's prompt tokens)
     adapters: int = 0  # distinct adapters among the items
+    end_s: float = 0.0  # when it ends (moved later by reads that start during its compute)
+    slowdown: float = 0.0  # its kind's ``*_read_slowdown``
 
 
 @dataclass
@@ -112,6 +114,8 @@ class SimReplica:
         self._reported: list[tuple[str, float]] = []
         self._last_end: float | None = None  # the last step's end, None after a wait (as RankEngine logs gaps)
         self._arrivals: dict[str, None] = {}  # adapters pinned or loaded at arrival since the last round
+        self._computing: _Step | None = None  # the step whose compute is under way (its end is scheduled)
+        workers[0].host.on_read = self._read_started  # rank 0's process: the one whose steps reads slow
 
     # -- arrivals -------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -286,7 +290,27 @@ class SimReplica:
             # last chunk (the load's end), nor than its whole compute from the start
             end = max(step.compute_s + duration, step.loaded_s + duration / self.layers)
             step.chunk_wait_s = end - (step.compute_s + duration)
-            self.loop.at(end, self._finish_step, step)
+            step.end_s, self._computing = end, step
+            step.slowdown = (self.calibration.prefill_read_slowdown if step.plan.kind == PREFILL
+                             else self.calibration.decode_read_slowdown)
+            self.loop.at(end, self._end_step, step, end)
+
+    def _read_started(self, start: float, end: float) -> None:
+        """A disk read on rank 0 starts (at ``start``; ``end``) while a step computes: the step runs
+        ``*_read_slowdown`` slower for as long as the read overlaps it (a read in flight when the compute
+        started is charged in full by ``step_s``). Reads that start mid-step are what arrivals' loads and
+        the controller's commands place; ``read_overlaps`` counts them by that share when fitting."""
+        step = self._computing
+        if step is None or not step.slowdown or start >= step.end_s:
+            return
+        step.end_s += step.slowdown * (min(step.end_s, end) - start)
+        self.loop.at(step.end_s, self._end_step, step, step.end_s)
+
+    def _end_step(self, step: _Step, end: float) -> None:
+        if step.end_s != end:  # moved later by a read that started during it
+            return
+        self._computing = None
+        self._finish_step(step)
 
     def _finish_step(self, step: _Step) -> None:
         now, plan = self.loop.now, step.plan

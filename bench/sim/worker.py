@@ -102,6 +102,7 @@ class SimHostTier:
         self._waiting: OrderedDict[AdapterKey, _Staged] = OrderedDict()  # fetches waiting for room, FIFO
         self._readers = [0.0] * read_threads  # heap: when each reader thread is free (FIFO pool)
         self._reads: list[tuple[float, float]] = []  # (start, end) of reads not yet known to be over
+        self.on_read: Callable[[float, float], None] | None = None  # told (start, end) of each read placed
 
     def fetch(self, key: AdapterKey, nbytes: int, count: bool = True, wait: bool = False) -> tuple[_Staged, bool]:
         """The staged entry (referenced) and whether it was a hit; CapacityError if it cannot be staged.
@@ -138,6 +139,8 @@ class SimHostTier:
         end = start + self.calibration.disk_s(entry.nbytes)
         heapq.heappush(self._readers, end)
         self._reads.append((start, end))
+        if self.on_read is not None:
+            self.on_read(start, end)
         entry.read_ms = (end - start) * 1e3
         self.loop.at(end, self._read_done, entry)
 
