@@ -20,7 +20,8 @@ does from the engine's feed: no load placed before the next round evicts a waiti
 and a cold one's load does not wait up to a whole step for that round. The next round's pins take over.
 
 A step's compute time comes from the calibration; a rank's compute starts when its held loads are
-READY, and the step (all-reduces in every layer) ends ``duration`` after the last rank starts. The
+READY, and the step (all-reduces in every layer) ends ``duration`` after the last rank starts; a disk
+read that starts on rank 0 during its compute moves its end later by ``*_read_slowdown`` of the overlap. The
 replica reports its waiting queue (``Scheduler.queue()``) to the controller after a round that changed
 it, as ``serve_rank`` does: a request admitted in the round it arrived is never reported.
 """
