@@ -328,7 +328,10 @@ def test_steps_beside_disk_reads_are_slower_and_the_slowdown_is_fitted_back() ->
     share of a step a read overlapped, recovers 0.61 for 0.5 (within 30%), the decode one within 20%."""
     for prefill, decode in ((0.5, 0.1), (0.0, 0.0)):
         calib = dataclasses.replace(EXACT, prefill_read_slowdown=prefill, decode_read_slowdown=decode)
-        result = simulate(SMALL, BENCH_POLICIES["queue"], workload(arrivals="poisson:12"), calib, check=True)
+        # reads that start mid-step (arrivals' loads, the controller's commands) slow the step for their overlap,
+        # as the fit counts them; with only the reads at a step's start charged, the fit is 0.30-0.39 for 0.5
+        config = dataclasses.replace(SMALL, mid_step_reads=True)
+        result = simulate(config, BENCH_POLICIES["queue"], workload(arrivals="poisson:12"), calib, check=True)
         info: dict[str, Any] = {}
         fitted = fit_calibration([s.as_log() for s in result.steps], [ld.as_log() for ld in result.loads],
                                  base=EXACT, info=info)

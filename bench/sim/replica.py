@@ -21,7 +21,8 @@ and a cold one's load does not wait up to a whole step for that round. The next 
 
 A step's compute time comes from the calibration; a rank's compute starts when its held loads are
 READY, and the step (all-reduces in every layer) ends ``duration`` after the last rank starts; a disk
-read that starts on rank 0 during its compute moves its end later by ``*_read_slowdown`` of the overlap. The
+read that starts on rank 0 during its compute moves its end later by ``*_read_slowdown`` of the overlap
+(``SimConfig.mid_step_reads``; off by default: only reads in flight when its compute starts count). The
 replica reports its waiting queue (``Scheduler.queue()``) to the controller after a round that changed
 it, as ``serve_rank`` does: a request admitted in the round it arrived is never reported.
 """
@@ -102,7 +103,7 @@ class SimReplica:
     """The engine loop of one replica (rank 0 schedules; every rank runs the plan)."""
 
     def __init__(self, name: str, config: EngineConfig, rule: AdmissionRule, workers: list[SimWorker], loop: Loop,
-                 calibration: Calibration, hooks: ReplicaHooks, layers: int = 32) -> None:
+                 calibration: Calibration, hooks: ReplicaHooks, layers: int = 32, mid_step_reads: bool = False) -> None:
         self.name, self.rule, self.workers, self.loop = name, rule, workers, loop
         self.layers = layers  # pipelined: a step's last layer waits for the last chunk of its loads
         self.calibration, self.hooks = calibration, hooks
@@ -116,7 +117,8 @@ class SimReplica:
         self._last_end: float | None = None  # the last step's end, None after a wait (as RankEngine logs gaps)
         self._arrivals: dict[str, None] = {}  # adapters pinned or loaded at arrival since the last round
         self._computing: _Step | None = None  # the step whose compute is under way (its end is scheduled)
-        workers[0].host.on_read = self._read_started  # rank 0's process: the one whose steps reads slow
+        if mid_step_reads:  # rank 0's process: the one whose steps reads slow (``SimConfig.mid_step_reads``)
+            workers[0].host.on_read = self._read_started
 
     # -- arrivals -------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
