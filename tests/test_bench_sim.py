@@ -244,6 +244,38 @@ def test_pipelined_joins_copies_to_the_next_batch_and_no_step_waits_on_a_chunk()
     assert all(s.loading == 0 for s in run("overlap").steps)  # overlap computes on whole adapters only
 
 
+def _one_replica(policy: str, requests: list[Request], slots: int) -> SimResult:
+    wl = Workload(WorkloadSpec(requests=len(requests)), [f"adapter-{i:03d}" for i in range(8)], requests, 0)
+    config = dataclasses.replace(SMALL, replicas=1, slots=slots, max_adapters=slots)
+    return simulate(config, BENCH_POLICIES[policy], wl, EXACT, check=True)
+
+
+@pytest.mark.parametrize("policy", ["overlap", "pipelined"])
+def test_an_arrivals_adapter_load_starts_at_arrival_not_at_the_next_round(policy: str) -> None:
+    """Issue 31 item 2: a request that arrives mid-step has its adapter's load started at its arrival, not at
+    the round after the step in progress (up to a whole step later)."""
+    arrival = 0.2
+    res = _one_replica(policy, [Request(0, "adapter-000", 16, 80, 0.0), Request(1, "adapter-001", 16, 2, 0.0),
+                                Request(2, "adapter-002", 16, 2, arrival)], slots=3)
+    during = [s for s in res.steps if s.start_s < arrival < s.end_s]
+    assert during, "the arrival should land mid-step"
+    (load,) = [ld for ld in res.loads if ld.adapter == "adapter-002"]
+    assert load.start_s == pytest.approx(arrival) and load.start_s < during[0].end_s
+
+
+@pytest.mark.parametrize("policy", ["overlap", "pipelined"])
+def test_a_waiting_requests_ready_adapter_is_not_evicted_by_a_load_placed_after_its_arrival(policy: str) -> None:
+    """Issue 31 item 2: rid 3 arrives mid-step for adapter-001, READY and idle; a load started before its
+    arrival (adapter-003's, for rid 2) is placed during that step, before the round that takes rid 3. The
+    arrival pins adapter-001, so that load does not evict it: rid 3 runs on it, loaded once, with no wait."""
+    res = _one_replica(policy, [Request(0, "adapter-000", 16, 80, 0.0), Request(1, "adapter-001", 16, 2, 0.0),
+                                Request(2, "adapter-003", 16, 2, 0.1564), Request(3, "adapter-001", 16, 2, 0.2365)],
+                       slots=2)
+    assert [ld.adapter for ld in res.loads].count("adapter-001") == 1
+    assert res.records[3].load_wait_s == 0.0
+    assert all(r.error is None and len(r.token_s) == r.output_len for r in res.records)
+
+
 def test_closed_loop_keeps_exactly_n_in_flight() -> None:
     n = 6
     wl = workload(arrivals=f"inflight:{n}", requests=60, output=16)
@@ -296,7 +328,10 @@ def test_steps_beside_disk_reads_are_slower_and_the_slowdown_is_fitted_back() ->
     share of a step a read overlapped, recovers 0.61 for 0.5 (within 30%), the decode one within 20%."""
     for prefill, decode in ((0.5, 0.1), (0.0, 0.0)):
         calib = dataclasses.replace(EXACT, prefill_read_slowdown=prefill, decode_read_slowdown=decode)
-        result = simulate(SMALL, BENCH_POLICIES["queue"], workload(arrivals="poisson:12"), calib, check=True)
+        # reads that start mid-step (arrivals' loads, the controller's commands) slow the step for their overlap,
+        # as the fit counts them; with only the reads at a step's start charged, the fit is 0.30-0.39 for 0.5
+        config = dataclasses.replace(SMALL, mid_step_reads=True)
+        result = simulate(config, BENCH_POLICIES["queue"], workload(arrivals="poisson:12"), calib, check=True)
         info: dict[str, Any] = {}
         fitted = fit_calibration([s.as_log() for s in result.steps], [ld.as_log() for ld in result.loads],
                                  base=EXACT, info=info)

@@ -25,6 +25,7 @@ from lora_cache.adapters.peft import AdapterSpec, peft_key
 from lora_cache.adapters.shapes import SHAPES
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.errors import ConfigError
+from tests.waiting import wait_for
 from workers import host_tier
 from workers.engine import (
     ADMISSION,
@@ -40,9 +41,11 @@ from workers.engine import (
 )
 from workers.engine.__main__ import main
 from workers.engine.admission import Overlap
+from workers.engine.feed import Feed
 from workers.engine.model import final_norm_weight, full_weights, prompt_states
-from workers.engine.rank import load_catalog
-from workers.engine.scheduler import DECODE, PREFILL, WAIT, Scheduler
+from workers.engine.rank import RankEngine, load_catalog
+from workers.engine.scheduler import DECODE, PREFILL, WAIT, Scheduler, StepPlan
+from workers.engine.tp import Comm
 from workers.host_tier import HostTierConfig
 
 TINY = SHAPES["tiny"]
@@ -345,6 +348,33 @@ def test_pipelined_runs_loading_requests_in_the_next_batch_never_reading_ones(ad
     assert plan.kind == PREFILL and sorted(it.rid for it in plan.items) == [0, 1]  # one batch, one step
     overlap = Scheduler(config, Overlap(), requests[:1])
     assert overlap.plan(0.0, {FULL[0]: Readiness.LOADING}).kind == WAIT  # overlap waits for the whole load
+
+
+def test_an_arrival_pins_its_ready_adapter_and_starts_its_load_at_once(adapters: Path) -> None:
+    """Issue 31 item 2: a request submitted while the loop is busy has its adapter pinned (READY) or its load
+    started at once, from the feed's thread, not at the next round: a load placed before that round cannot
+    evict a waiting request's READY adapter, and a cold one loads with no round run. The pins go once the
+    round that took the requests holds its own; closing leaves the cache's books balanced."""
+    engine = RankEngine(engine_config(adapters, admission="overlap", num_slots=2), Comm())
+    refs = lambda name: next((r["refs"] for r in engine.cache.residency() if r["adapter"] == name), None)  # noqa: E731
+    try:
+        for name in (FULL[0], FULL[2]):
+            engine.cache.prefetch(name).result(timeout=30)
+        feed = Feed()
+        feed.watch(engine.arrived)
+        feed.submit([Request(0, FULL[0], 3, 1)])
+        assert refs(FULL[0]) == 1  # pinned by the submit itself
+        engine.cache.prefetch(PARTIAL).result(timeout=30)  # a load placed meanwhile evicts the other one
+        assert FULL[0] in engine.cache.ready_names() and FULL[2] not in engine.cache.ready_names()
+        feed.submit([Request(1, FULL[1], 3, 1)])  # cold: its load starts now, with no round
+        wait_for(lambda: FULL[1] in engine.cache.ready_names(), "the arrival's load to finish with no round run")
+        assert FULL[0] in engine.cache.ready_names()
+        engine.arrivals_taken()  # the loop takes them; its next round's pins take over
+        engine.execute(StepPlan(WAIT, timeout_s=0.0))
+        assert refs(FULL[0]) == 0
+        feed.watch(None)
+    finally:
+        engine.close()
 
 
 def test_a_registered_rule_is_selectable(adapters: Path) -> None:

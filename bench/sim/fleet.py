@@ -131,6 +131,9 @@ class SimConfig:
     host_bytes: int = field(default=2 << 30, metadata={"help": "pinned host tier bytes per rank"})
     read_threads: int = field(default=4, metadata={"help": "disk reader threads per rank"})
     series_s: float = field(default=1.0, metadata={"help": "time-series bucket, simulated seconds"})
+    mid_step_reads: bool = field(default=False, metadata={
+        "help": "a disk read that starts during a step's compute slows it for the time it overlaps it (as "
+                "fit_calibration counts reads); off: only the reads in flight when its compute starts count"})
     settle_s: float = field(default=1.0, metadata={
         "help": "the fleet runs this long before the first request's clock (the real path starts its clock 1 s "
                 "after the engines are built): the controller's first plans come before traffic, as they do there"})
@@ -273,7 +276,8 @@ class _Fleet:
             ranks.append(worker)
         self.workers += ranks
         self.replicas.append(SimReplica(name, engine, ADMISSION[self.policy.admission](), ranks, self.loop,
-                                        calibration, self.hooks, resolve_model(config.model).num_layers))
+                                        calibration, self.hooks, resolve_model(config.model).num_layers,
+                                        config.mid_step_reads))
 
     # -- the run -------------------------------------------------------------------------------------
     def run(self) -> SimResult:

@@ -13,8 +13,16 @@ module replays what the engine loop does around it, round after round:
    release), or a wait (start the prefetches; until a held-back adapter's load finishes on every
    rank, or a request arrives), or idle.
 
+Between rounds, a request that arrives while a round or step is under way has its adapter pinned on every
+rank where it is READY and its load started on the others (for rules that prefetch; the load only while the
+last round's wanted adapters plus those taken at arrival are fewer than the slots), as ``RankEngine.arrived``
+does from the engine's feed: no load placed before the next round evicts a waiting request's READY adapter,
+and a cold one's load does not wait up to a whole step for that round. The next round's pins take over.
+
 A step's compute time comes from the calibration; a rank's compute starts when its held loads are
-READY, and the step (all-reduces in every layer) ends ``duration`` after the last rank starts. The
+READY, and the step (all-reduces in every layer) ends ``duration`` after the last rank starts; a disk
+read that starts on rank 0 during its compute moves its end later by ``*_read_slowdown`` of the overlap
+(``SimConfig.mid_step_reads``; off by default: only reads in flight when its compute starts count). The
 replica reports its waiting queue (``Scheduler.queue()``) to the controller after a round that changed
 it, as ``serve_rank`` does: a request admitted in the round it arrived is never reported.
 """
@@ -32,7 +40,7 @@ from bench.sim.worker import SimLoad, SimWorker
 from workers.cache import AdapterRef
 from workers.engine.admission import AdmissionRule, Readiness
 from workers.engine.config import EngineConfig
-from workers.engine.scheduler import STOP, WAIT, Scheduler, StepPlan, _Live
+from workers.engine.scheduler import PREFILL, STOP, WAIT, Scheduler, StepPlan, _Live
 from workers.engine.workload import Request
 from workers.slots import SlotPhase
 
@@ -78,6 +86,8 @@ class _Step:
     loading: int = 0  # held adapters still loading on some rank when the compute started
     tokens: int = 0  # the items' lengths summed (a prefill's prompt tokens)
     adapters: int = 0  # distinct adapters among the items
+    end_s: float = 0.0  # when it ends (moved later by reads that start during its compute)
+    slowdown: float = 0.0  # its kind's ``*_read_slowdown``
 
 
 @dataclass
@@ -93,7 +103,7 @@ class SimReplica:
     """The engine loop of one replica (rank 0 schedules; every rank runs the plan)."""
 
     def __init__(self, name: str, config: EngineConfig, rule: AdmissionRule, workers: list[SimWorker], loop: Loop,
-                 calibration: Calibration, hooks: ReplicaHooks, layers: int = 32) -> None:
+                 calibration: Calibration, hooks: ReplicaHooks, layers: int = 32, mid_step_reads: bool = False) -> None:
         self.name, self.rule, self.workers, self.loop = name, rule, workers, loop
         self.layers = layers  # pipelined: a step's last layer waits for the last chunk of its loads
         self.calibration, self.hooks = calibration, hooks
@@ -105,16 +115,42 @@ class SimReplica:
         self._engine_loads: list[dict[str, SimLoad]] = [{} for _ in workers]  # per rank: its own prefetches
         self._reported: list[tuple[str, float]] = []
         self._last_end: float | None = None  # the last step's end, None after a wait (as RankEngine logs gaps)
+        self._arrivals: dict[str, None] = {}  # adapters pinned or loaded at arrival since the last round
+        self._computing: _Step | None = None  # the step whose compute is under way (its end is scheduled)
+        if mid_step_reads:  # rank 0's process: the one whose steps reads slow (``SimConfig.mid_step_reads``)
+            workers[0].host.on_read = self._read_started
 
     # -- arrivals -------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
-        """A routed request reaches the engine: queued; a waiting or idle loop wakes for it."""
+        """A routed request reaches the engine: queued; a waiting or idle loop wakes for it. Mid-round (a
+        step under way), a rule that prefetches pins or loads its adapter at once (``_arrived``)."""
         self.scheduler.live[request.rid] = _Live(request)  # the Scheduler takes requests up front only
         self.scheduler.pending.append(request)
         if self.state != "busy":
             self._wait_token += 1
             self.state = "busy"
             self.loop.at(self.loop.now, self._round)
+        elif self.rule.prefetch and request.adapter is not None:
+            self._arrived(request.adapter)
+
+    def _arrived(self, name: str) -> None:
+        """``RankEngine.arrived``: on every rank, pin the arrival's adapter where it is READY (a load placed
+        before the next round may not evict it), else start its load now rather than at the next round; the
+        load only while the adapters the last round wants plus those taken at arrival are fewer than the
+        slots (as ``Scheduler._wanted`` caps them). The next round's pins take over (``_round``)."""
+        wanted = _names(self.plan.wanted)
+        if name in wanted or name in self._arrivals:  # pinned by the round where READY, else loading
+            return
+        room = len(wanted) + len(self._arrivals) < self.scheduler.config.num_slots
+        self._arrivals[name] = None
+        for rank, w in enumerate(self.workers):
+            if not w.pin_arrival(name) and room:
+                self._prefetch_on(rank, (name,))
+
+    def _unpin_arrivals(self) -> None:
+        self._arrivals.clear()
+        for w in self.workers:
+            w.unpin_arrivals()
 
     # -- one round ------------------------------------------------------------------------------------
     def _round(self) -> None:
@@ -130,11 +166,14 @@ class SimReplica:
         if plan.kind == STOP:
             for w in self.workers:  # the engine loop ends and closes its ranks: pins released
                 w.pin(())
+            self._unpin_arrivals()
             self.state, self._last_end = "idle", None
             return
         if self.rule.prefetch and plan.wanted != previous.wanted:  # same wanted, same instant: pinned already
             for w in self.workers:
                 w.pin(_names(plan.wanted))
+        if self._arrivals:  # the round's pins hold what it wants now
+            self._unpin_arrivals()
         if plan.kind == WAIT:
             self._last_end = None
             self._prefetch(plan)
@@ -254,7 +293,27 @@ class SimReplica:
             # last chunk (the load's end), nor than its whole compute from the start
             end = max(step.compute_s + duration, step.loaded_s + duration / self.layers)
             step.chunk_wait_s = end - (step.compute_s + duration)
-            self.loop.at(end, self._finish_step, step)
+            step.end_s, self._computing = end, step
+            step.slowdown = (self.calibration.prefill_read_slowdown if step.plan.kind == PREFILL
+                             else self.calibration.decode_read_slowdown)
+            self.loop.at(end, self._end_step, step, end)
+
+    def _read_started(self, start: float, end: float) -> None:
+        """A disk read on rank 0 starts (at ``start``; ``end``) while a step computes: the step runs
+        ``*_read_slowdown`` slower for as long as the read overlaps it (a read in flight when the compute
+        started is charged in full by ``step_s``). Reads that start mid-step are what arrivals' loads and
+        the controller's commands place; ``read_overlaps`` counts them by that share when fitting."""
+        step = self._computing
+        if step is None or not step.slowdown or start >= step.end_s:
+            return
+        step.end_s += step.slowdown * (min(step.end_s, end) - start)
+        self.loop.at(step.end_s, self._end_step, step, step.end_s)
+
+    def _end_step(self, step: _Step, end: float) -> None:
+        if step.end_s != end:  # moved later by a read that started during it
+            return
+        self._computing = None
+        self._finish_step(step)
 
     def _finish_step(self, step: _Step) -> None:
         now, plan = self.loop.now, step.plan

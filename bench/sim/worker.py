@@ -102,6 +102,7 @@ class SimHostTier:
         self._waiting: OrderedDict[AdapterKey, _Staged] = OrderedDict()  # fetches waiting for room, FIFO
         self._readers = [0.0] * read_threads  # heap: when each reader thread is free (FIFO pool)
         self._reads: list[tuple[float, float]] = []  # (start, end) of reads not yet known to be over
+        self.on_read: Callable[[float, float], None] | None = None  # told (start, end) of each read placed
 
     def fetch(self, key: AdapterKey, nbytes: int, count: bool = True, wait: bool = False) -> tuple[_Staged, bool]:
         """The staged entry (referenced) and whether it was a hit; CapacityError if it cannot be staged.
@@ -138,6 +139,8 @@ class SimHostTier:
         end = start + self.calibration.disk_s(entry.nbytes)
         heapq.heappush(self._readers, end)
         self._reads.append((start, end))
+        if self.on_read is not None:
+            self.on_read(start, end)
         entry.read_ms = (end - start) * 1e3
         self.loop.at(end, self._read_done, entry)
 
@@ -208,6 +211,7 @@ class SimWorker:
         self._pending: dict[AdapterKey, SimLoad] = {}  # staging on the host, no slot yet
         self._waiters: list[SimLoad] = []  # staged, waiting for a load to finish to free a slot
         self._pinned: dict[str, int] = {}  # the engine's pins (acquire_ready): adapter -> slot
+        self._arrival_pins: list[int] = []  # slots pinned for requests that arrived since the last round
         self._copy_free = 0.0  # when the copy stream is idle
 
     # -- state --------------------------------------------------------------------------------------
@@ -360,6 +364,24 @@ class SimWorker:
                 self.table.decref(index)
         self._pinned = new
         return list(new)
+
+    def pin_arrival(self, name: str) -> bool:
+        """A request for ``name`` arrived mid-round: hold its slot if it is READY here (``acquire_ready`` of
+        one adapter, as the engine's feed does), so no load placed before the next round evicts it.
+        Whether it was READY (pinned); ``unpin_arrivals`` lets go of every such pin."""
+        slot = self.table.lookup(self.keys[name])
+        if slot is None or slot.state is not SlotPhase.READY:
+            return False
+        self.table.incref(slot.index)
+        self._loads[slot.index].used = True
+        self._arrival_pins.append(slot.index)
+        return True
+
+    def unpin_arrivals(self) -> None:
+        """The round took over (its own pins hold what it wants): release the arrivals' pins."""
+        pins, self._arrival_pins = self._arrival_pins, []
+        for index in pins:
+            self.table.decref(index)
 
     # -- the load path -----------------------------------------------------------------------------
     def _staged(self, load: SimLoad, entry: _Staged, staged: Signal) -> None:

@@ -8,6 +8,10 @@ One round, on every rank (rank 0's clock times arrivals and tokens):
      see requests only in these plans, so every rank runs the same ones in the same order);
   3. every rank runs it: prefill or decode (acquire, prefetch, layers with the LoRA kernels and the
      all-reduce, release, wait for the tokens), or a wait for the next load or arrival.
+Between rounds (rules that prefetch, rank 0 of a streaming run): each submit pins its request's adapter if
+READY, else starts its load, in the submitting thread (``Feed.watch`` -> ``RankEngine.arrived``), so neither
+waits for the next round; the round after the scheduler took the request releases those pins (its own hold
+what it wants). Ranks other than rank 0 see requests only in plans: on them this starts at the next round.
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
         engine.warm_up()
     hooks = hooks or Hooks()
     feed = hooks.feed if comm.rank == 0 else None
+    if feed is not None and rule.prefetch:
+        feed.watch(engine.arrived)  # an arrival's adapter is pinned or loaded at once, not at the next round
     scheduler = Scheduler(config, rule, requests, hooks.inflight, feed is not None) if comm.rank == 0 else None
     heap.freeze()  # no full collection walks the built engine mid-run (a ~100 ms stall; lora_cache/runtime/heap.py)
     try:
@@ -82,6 +88,7 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
         while True:
             vec = comm.min_control(engine.readiness(plan.wanted))  # every rule: the versions (invariant 1)
             if feed is not None and scheduler is not None:
+                engine.arrivals_taken()  # before the take: an arrival after it keeps its pin a round more
                 _take(feed, scheduler, engine.index)
             plan = comm.broadcast(_plan(scheduler, time.perf_counter() - t0, engine, vec))
             if scheduler is not None and hooks.on_queue is not None and (now := scheduler.queue(plan)) != queue:
@@ -96,6 +103,7 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
                 feed.done(scheduler.take_finished())
     finally:
         if feed is not None and scheduler is not None:
+            feed.watch(None)
             feed.done(scheduler.take_finished())  # failures found in the last round's plan
             feed.stop()
         stats = engine.close()

@@ -9,13 +9,15 @@ the first round at or after both that time and its delivery, and TTFT counts fro
 ``close`` (end of stream: the loop stops once every request is done) and ``finished`` (a long poll for
 request ids done since the last call; None once the run is over). Engine side: ``take`` (what came
 since the last take, and whether the stream is closed), ``arrival`` (a future done on the next submit
-or close: a WAIT round waits on it beside its loads) and ``done``; ``stop`` ends the run's polls.
+or close: a WAIT round waits on it beside its loads), ``watch`` (a callback told of each submit at once,
+in the submitter's thread: the engine pins or loads an arrival's adapter then, not at its next round)
+and ``done``; ``stop`` ends the run's polls.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 from lora_cache.errors import ConfigError
@@ -33,6 +35,7 @@ class Feed:
         self._stopped = False  # the run is over (the loop left)
         self._arrival: Future[None] = Future()  # done on the next submit/close after a take
         self._done: list[int] = []  # finished, not yet polled
+        self._watch: Callable[[list[Request]], None] | None = None  # told of each submit (``watch``)
 
     # -- the router's side ---------------------------------------------------------------------------
     def submit(self, requests: Iterable[Request]) -> None:
@@ -43,6 +46,9 @@ class Feed:
                                   "submit every request before close()")
             self._new += batch
             self._wake()
+            watch = self._watch
+        if watch is not None and batch:  # outside the lock: the loop's take never waits on it
+            watch(batch)
 
     def close(self) -> None:
         """End of stream: the loop stops once every request submitted so far is done."""
@@ -62,6 +68,12 @@ class Feed:
             return out
 
     # -- the serving loop's side (rank 0) ------------------------------------------------------------
+    def watch(self, callback: Callable[[list[Request]], None] | None) -> None:
+        """Call ``callback`` with each submitted batch, in the submitting thread, after it is queued
+        (``RankEngine.arrived``); None: stop."""
+        with self._lock:
+            self._watch = callback
+
     def take(self) -> tuple[list[Request], bool]:
         """Requests submitted since the last take, and whether the stream is closed."""
         with self._lock:
