@@ -116,10 +116,10 @@ class LoraEngine:
             raise RuntimeError(f"replica {self.cache.name}: its engine stopped ({self.died!r})")
         with self.lock:
             self.waiting[rid] = (loop, future)
-        request_ = Request(rid, adapter, int(request.get("input_len", 64)), int(request.get("output_len", 1)),
+        item = Request(rid, adapter, int(request.get("input_len", 64)), int(request.get("output_len", 1)),
                            time.time() - self.start)
         try:
-            self.hosted.submit([request_])
+            self.hosted.submit([item])
         except BaseException:  # refused (NotFoundError: an adapter this engine does not serve): this one alone
             with self.lock:
                 self.waiting.pop(rid, None)

@@ -566,14 +566,17 @@ class CacheReplica:
             ask = [(r.acquire if exact else r.hold).remote(ident, key) for r in self.ranks]
             slots = [int(batch.slots[0]), *ray.get(ask)]
         except BaseException:
-            self.rank.release(batch)
-            ray.get([r.release.remote(ident) for r in self.ranks])
+            self._let_go(ident, batch)
             raise
         if min(slots) < 0:  # a rank lacks that version: let go everywhere, then agree over the ranks
-            self.rank.release(batch)
-            ray.get([r.release.remote(ident) for r in self.ranks])
+            self._let_go(ident, batch)
             return None
         return Lease(ident, key, slots, batch)
+
+    def _let_go(self, ident: str, batch: Any) -> None:
+        """Release a lease not handed out, on every rank, and wait for it (the next try acquires again)."""
+        self.rank.release(batch)
+        ray.get([r.release.remote(ident) for r in self.ranks])
 
     def release(self, lease: Lease) -> None:
         """After the request's kernels are enqueued (on every rank). The other ranks' releases are not waited for:
