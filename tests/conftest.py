@@ -56,39 +56,36 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
                            "(dependencies, or the test extra) instead of skipping")
 
 
+def _shut_down_ray_left_up(where: str) -> None:
+    """Shut down a Ray left initialized in this process, naming ``where`` on stderr."""
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            print(f"\nRay was left initialized {where}: shut down", file=sys.stderr)
+            ray.shutdown()
+
+
 @pytest.fixture(autouse=True)
 def _no_ray_left_up(request: pytest.FixtureRequest) -> Iterator[None]:
     """A CPU test (not marked ``ray``) runs with no Ray in this process and leaves none behind: a Ray started
-    in-process (a Ray API auto-initialises on first use, also from a background thread) would make every later
-    Ray module's ``ray.init`` fail ("called ray.init twice") and a fail-fast test see Ray already up (the
-    fresh-clone CI of 2026-11-26, third session). It is shut down and named on stderr, before and after."""
-    if request.node.get_closest_marker("ray") is not None or "ray" not in sys.modules:
-        yield
-        return
-    import ray
-
-    for when in ("before", "after"):
-        if ray.is_initialized():
-            print(f"\nRay was left initialized {when} {request.node.nodeid}: shut down", file=sys.stderr)
-            ray.shutdown()
-        if when == "before":
-            yield
+    in-process would make every later Ray module's ``ray.init`` fail ("called ray.init twice") and a fail-fast
+    test see Ray already up (the fresh-clone CI of 2026-11-26, third session)."""
+    ray_test = request.node.get_closest_marker("ray") is not None
+    if not ray_test:
+        _shut_down_ray_left_up(f"before {request.node.nodeid}")
+    yield
+    if not ray_test:
+        _shut_down_ray_left_up(f"after {request.node.nodeid}")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _no_ray_across_modules(request: pytest.FixtureRequest) -> Iterator[None]:
     """Each module starts with no Ray up in this process and leaves none: its own fixture or test starts
-    and stops its cluster. Ray found up is shut down and the module named on stderr (set up before the
-    module's own fixtures, torn down after them)."""
-    for when in ("before", "after"):
-        if "ray" in sys.modules:
-            import ray
-
-            if ray.is_initialized():
-                print(f"\nRay was left initialized {when} module {request.node.nodeid}: shut down", file=sys.stderr)
-                ray.shutdown()
-        if when == "before":
-            yield
+    and stops its cluster (set up before the module's own fixtures, torn down after them)."""
+    _shut_down_ray_left_up(f"before module {request.node.nodeid}")
+    yield
+    _shut_down_ray_left_up(f"after module {request.node.nodeid}")
 
 
 @pytest.fixture
