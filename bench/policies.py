@@ -1,8 +1,10 @@
 """The benchmark's five policies, at equal GPU memory, as a registry (``--policies`` picks from it).
 
 ``pipelined`` is compared with ``overlap`` and ``ondemand`` (issue 21): overlap's rule, and a request whose
-adapter's copy is issued on every rank (its read done: ``LOADING``) joins the batch about to run, layer by
-layer on the copy's chunks (issue 31: never a batch held at a chunk of a load not started or still reading).
+adapter's copy is issued on every rank (its read done) and due before a step's last layer at the rates the
+rank measured (``LOADING``, ``workers.engine.admission.CopyClock``) joins the batch about to run, layer by
+layer on the copy's chunks (issue 31: never a batch held at a chunk of a load not started, still reading, or
+copying too slowly).
 The simulator (``bench.sim``) ends such a step no sooner than its whole compute after it starts, nor than one
 layer's compute after its last load is READY (``StepRecord.chunk_wait_ms``: how much later; 0 in every named
 run). ``global`` keeps ``overlap``: pipelined is not yet never worse on every named run (bench/RESULTS.md).

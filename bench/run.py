@@ -89,17 +89,22 @@ def adapter_dir(bench: BenchConfig, names: Sequence[str]) -> str:
     adapter in ``names`` (the workload's: ``adapter-NNN``, or a trace's own names). A directory that is
     empty, or holds only adapters this job made, gets the missing ones made (each seeded by its name: one
     made again is rewritten identical); any other directory must hold them all already."""
+    return ensure_adapters(Path(bench.adapters or Path(bench.out) / "adapters"), bench.model, bench.adapter_ranks,
+                           names)
+
+
+def ensure_adapters(root: Path, model: str, ranks: str, names: Sequence[str]) -> str:
+    """``root`` holding every adapter in ``names`` (``adapter_dir``'s rule: a directory that is empty or holds only
+    adapters this job made gets the missing ones made, of ``model``'s shape and ``ranks`` in turn)."""
     from lora_cache.adapters.synth import SynthConfig, make_named_adapters
 
-    root = Path(bench.adapters or Path(bench.out) / "adapters")
     have = {p.name for p in root.glob("*") if (p / "adapter_config.json").is_file()} if root.is_dir() else set()
     missing = [n for n in names if n not in have]
     ours = (root / MADE_HERE).is_file() or all(re.fullmatch(r"adapter-\d{3,}", n) for n in have)
     if missing and ours:
         root.mkdir(parents=True, exist_ok=True)
         (root / MADE_HERE).touch()
-        make_named_adapters(root, SynthConfig(model=bench.model, count=len(missing), rank=bench.adapter_ranks),
-                            missing)
+        make_named_adapters(root, SynthConfig(model=model, count=len(missing), rank=ranks), missing)
     elif missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ConfigError(f"adapters: {root} lacks {len(missing)} of the workload's {len(names)} adapters "

@@ -11,9 +11,10 @@ A request names its adapter as Serve's multiplexed model id
 (``handle.options(multiplexed_model_id=...)`` or the HTTP header ``serve_multiplexed_model_id``).
 
 GPUs: start lora-cache on the cluster (``lora-cache serve --replicas 0 --adapters DIR --model llama-3.1-8b
---grpc-host 0.0.0.0``), then deploy ``LoraEngine`` with ``ray_actor_options={"num_gpus": 1}``,
-``ReplicaCacheConfig(device="cuda", dtype="bfloat16", num_slots=...)`` and ``engine_config(model=..., device="cuda",
-dtype="bfloat16", cuda_graphs=True)``, and ``router_config(server="<gateway host>:50051")``. One Serve replica is
+--grpc-host 0.0.0.0``), then deploy ``app(routing, "<gateway host>:50051", replicas, ReplicaCacheConfig(device="cuda",
+dtype="bfloat16", num_slots=...), engine_config(model=..., device="cuda", dtype="bfloat16", cuda_graphs=True))``: an
+engine on cuda gives each replica ``ray_actor_options={"num_gpus": 1}``. ``python -m bench.probes.ray_serve --device
+cuda --model llama-3.1-8b`` runs it so, both routings (``bench/gpu/serve.sh``). One Serve replica is
 one TP rank here (the reference engine's TP ranks meet over ``torch.distributed`` from one process each; a TP > 1
 engine in Serve keeps rank 0 in the replica and its other ranks in ``CacheReplica``'s rank actors).
 """
@@ -36,6 +37,7 @@ from workers.engine.hosted import HostedEngine, rendezvous
 from workers.engine.workload import Request
 
 SLOTS = 4  # adapter slots per replica (both routings: equal memory)
+LOAD_CAUSES = ("prefetches", "demand_loads", "prefetch_used", "prefetch_unused", "evictions", "stages")
 
 
 def engine_config(**overrides: Any) -> EngineConfig:
@@ -135,6 +137,10 @@ class LoraEngine:
             "loads": stats["loads"],  # this replica's, so far
             "gpu_hits": stats["gpu_hits"],
             "gpu_misses": stats["gpu_misses"],
+            # the loads by cause, this replica's so far (the probe's `load_causes`): started by a prefetch (the
+            # controller's commands; under Serve's routing, @serve.multiplexed's load), by an acquire that missed,
+            # and what became of the prefetched ones evicted so far (a batch used them or not), host-tier stages
+            **{k: stats[k] for k in LOAD_CAUSES},
         }
 
     def __del__(self) -> None:
@@ -159,6 +165,8 @@ def app(
         options["request_router_config"] = router_config(server=server, **router)
     deployment: Any = LoraEngine  # a serve.Deployment (mypy sees the class)
     engine = engine or engine_config(num_slots=cache.num_slots, max_adapters=min(4, cache.num_slots))
+    if engine.device == "cuda":  # one GPU a replica (Ray sets its CUDA_VISIBLE_DEVICES: rank 0 on cuda:0)
+        options["ray_actor_options"] = {"num_cpus": 0, "num_gpus": 1}
     return deployment.options(**options).bind(cache, engine, routing == "serve", ahead)
 
 

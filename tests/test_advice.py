@@ -48,7 +48,7 @@ def test_residence_reads_every_rank_and_the_stages() -> None:
     planner.report_queue("r2", [QueueEntry("a7", 1.0)], 1.0)
     assert not planner.plan(1.0).is_empty
     hold(planner, "r3/w0", "a7", SlotState.READY)  # one rank of two (not yet replanned): the other has nothing
-    got = {r: residence(planner, r, key) for r in planner.replicas()}
+    got = {r: residence(planner.view, r, key) for r in planner.view.replicas()}
     assert got == {"r0": Residence.READY, "r1": Residence.LOADING, "r2": Residence.STAGED, "r3": Residence.COLD}
 
 
@@ -56,28 +56,28 @@ def test_a_replica_without_workers_is_cold() -> None:
     planner = fleet(2)
     planner.remove_worker("r1/w0")
     planner.remove_worker("r1/w1")
-    assert residence(planner, "r1", AdapterKey("a0", "v1")) is Residence.COLD
+    assert residence(planner.view, "r1", AdapterKey("a0", "v1")) is Residence.COLD
 
 
 def test_advice_ranks_by_residence_and_counts_queues_and_hints_as_load() -> None:
     planner = fleet()
     for w in ("r0/w0", "r0/w1"):
         hold(planner, w, "a1", SlotState.READY)
-    (advice,) = advise(planner, [RouteRequest("a1")], CONFIG)
+    (advice,) = advise(planner.view, [RouteRequest("a1")], CONFIG)
     assert advice.error is None and advice.ranked[0].replica == "r0" and advice.ranked[0].reason is Residence.READY
     for i in range(3):  # r0 is busy now: 3 queued + 2 hinted, the others idle; bound ceil(1.25 * 6 / 4) = 2
         planner.report_queue("r0", [QueueEntry("a2", float(j)) for j in range(3)], 2.0)
         planner.add_hint(Hint(f"h{i}", "a3", "r0", 5.0), 2.0)
-    (advice,) = advise(planner, [RouteRequest("a1")], CONFIG)
+    (advice,) = advise(planner.view, [RouteRequest("a1")], CONFIG)
     assert advice.ranked[-1].replica == "r0" and not advice.ranked[-1].within_bound
-    (mine,) = advise(planner, [RouteRequest("a1")], CONFIG, loads={"r0": 0.0})  # the router's own count wins
+    (mine,) = advise(planner.view, [RouteRequest("a1")], CONFIG, loads={"r0": 0.0})  # the router's own count wins
     assert mine.ranked[0].replica == "r0"
 
 
 def test_bad_items_fail_alone_and_take_no_load() -> None:
     planner = fleet(2)
-    out = advise(planner, [RouteRequest("a0"), RouteRequest("ghost"), RouteRequest("a0", "v9"), RouteRequest("a0")],
-                 CONFIG)
+    items = [RouteRequest("a0"), RouteRequest("ghost"), RouteRequest("a0", "v9"), RouteRequest("a0")]
+    out = advise(planner.view, items, CONFIG)
     assert [type(a.error).__name__ if a.error else None for a in out] == [None, "NotFoundError", "ConflictError", None]
     assert "adapter 'ghost' is not registered" in str(out[1].error)
     assert "version 'v9' of adapter 'a0' is not current ('v1')" in str(out[2].error)
@@ -87,6 +87,6 @@ def test_bad_items_fail_alone_and_take_no_load() -> None:
 
 def test_whole_call_errors() -> None:
     with pytest.raises(ConflictError, match="no replicas to route to"):
-        advise(Planner(PlannerConfig(), 1, [AdapterInfo("a0", "v1", 100)]), [RouteRequest("a0")], CONFIG)
+        advise(Planner(PlannerConfig(), 1, [AdapterInfo("a0", "v1", 100)]).view, [RouteRequest("a0")], CONFIG)
     with pytest.raises(NotFoundError, match=r"loads name unknown replicas \['r9'\]"):
-        advise(fleet(2), [RouteRequest("a0")], CONFIG, loads={"r9": 1.0})
+        advise(fleet(2).view, [RouteRequest("a0")], CONFIG, loads={"r9": 1.0})

@@ -32,7 +32,7 @@ def _dry(script: str, *args: str, **env: str) -> list[list[str]]:
 
 def test_the_dated_scripts_are_gone() -> None:
     assert SCRIPTS == ["checks.sh", "cold_path.sh", "fleets.sh", "fleets_i31.sh", "issue30.sh", "issue30_reads.sh",
-                       "issue30_small.sh", "parallel.sh", "suite.sh"]
+                       "issue30_small.sh", "parallel.sh", "serve.sh", "suite.sh"]
     assert not list((ROOT / "bench").glob("gpu_*.sh"))
 
 
@@ -113,6 +113,35 @@ def test_fleets_i31_runs_what_item_3_lacks_in_order_within_its_budget(tmp_path: 
     assert [Path(c[-1]).name for c in default] == [r[0] for r in runs[:5]]
     short = _dry("fleets_i31.sh", str(tmp_path), BUDGET="160", EST="75")  # two runs of one policy fit
     assert [Path(c[-1]).name for c in short] == ["4x1-zipf-affinity", "4x1-zipf-lora-cache-lead0.05"]
+
+
+def test_serve_runs_the_serve_app_on_the_gpus_under_both_routings_within_its_budget(tmp_path: Path) -> None:
+    """Issue 32, item 1: the probe's preflight, the adapters written in a step of their own (before the timed runs),
+    both routings (serve first), then both again in the other order while the budget allows; each a probe command
+    line the probe accepts, its rows in OUT."""
+    from bench.probes.ray_serve import build_parser as serve_parser
+
+    def probes(**env: str) -> list[list[str]]:
+        return [c for c in _dry("serve.sh", str(tmp_path), **env) if "bench.probes.ray_serve" in c]
+
+    commands = probes(ADAPTERS=str(tmp_path / "ad"))
+    runs = []
+    for command in commands:
+        at = command.index("bench.probes.ray_serve")
+        args = serve_parser().parse_args(command[at + 1 :])
+        assert (args.device, args.model, args.adapter_ranks, args.replicas, args.slots, args.adapters) == (
+            "cuda", "llama-3.1-8b", "16,64", 4, 4, 64)
+        assert args.adapter_dir == str(tmp_path / "ad") and args.requests == 300 and args.fresh_state
+        runs.append((args.preflight, args.write_adapters, args.routings, args.seed,
+                     args.json and Path(args.json).relative_to(tmp_path)))
+    assert runs == [(True, False, "serve,lora-cache", 0, None), (False, True, "serve,lora-cache", 0, None),
+                    (False, False, "serve,lora-cache", 0, Path("serve.json")),
+                    (False, False, "lora-cache,serve", 1, Path("serve-again.json"))]
+    assert all(c[:3] == ["timeout", "-k", "15"] for c in commands[1:])
+    assert len(probes(BUDGET="100", EST="150")) == 3  # no time left for a second pass
+    cpu = probes(DEVICE="cpu")[2]
+    args = serve_parser().parse_args(cpu[cpu.index("bench.probes.ray_serve") + 1 :])
+    assert (args.device, args.model, args.adapter_ranks, args.replicas) == ("cpu", "tiny", "8,16", 3)
 
 
 def test_checks_runs_the_parts_asked_and_skips_tp_without_the_gpus(tmp_path: Path) -> None:

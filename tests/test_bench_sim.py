@@ -196,6 +196,19 @@ def test_the_same_seed_gives_identical_records() -> None:
     assert [r.token_s for r in other.records] != [r.token_s for r in a.records]
 
 
+def test_loads_placed_before_the_clock_starts_take_their_own_time() -> None:
+    """The fleet runs settle_s (1 s) before the first request, and the controller's first plans load adapters then (the
+    catalog fits the fleet's slots: each one placed at its home). Those loads run then, as on the real path: none of
+    them waits for t=0. Before (issue 31) every rank's readers and copy stream started free at t=0, so a load sent at
+    -0.5 s was READY at +10 ms, and the controller's LoadClock read 8 ms loads as 0.5 s all run long."""
+    wl = workload(requests=40)
+    fits = dataclasses.replace(SMALL, slots=len(wl.adapters) // SMALL.replicas + 1)  # the slots hold the catalog
+    result = simulate(fits, BENCH_POLICIES["global"], wl, H200)
+    early = [ld for ld in result.loads if ld.start_s < -0.1]
+    assert early, "no load before the clock: the catalog was not placed during settle"
+    assert all(ld.ready_s - ld.start_s < 0.1 and ld.ready_s < 0 for ld in early), early
+
+
 def test_the_oracle_never_loads() -> None:
     result = run("oracle")
     assert result.loads == [] and result.totals()["loads"] == 0 and result.totals()["evictions"] == 0
@@ -564,3 +577,18 @@ def test_a_loop_stuck_at_one_instant_is_an_error_not_a_hang() -> None:
     loop.at(0.5, again)
     with pytest.raises(SimulationStuck, match=r"at t=0\.500000 s without time moving on"):
         loop.run(lambda: False)
+
+
+@pytest.mark.parametrize("h2d_gbps", [2.0, 8.0])
+def test_pipelined_admits_a_copy_only_if_it_lands_before_the_layer_that_needs_it(h2d_gbps: float) -> None:
+    """Issue 31 item 2: on a card whose copies are slower than its steps (the h2d link at 2 or 8 GB/s: an
+    adapter's copy takes 10-170 ms against a 9-40 ms step), ``pipelined`` admits a LOADING request only where
+    its copy, at the measured copy times, lands before the step's last layer (``CopyClock``): no step ends later
+    than its own compute for a chunk. Before, every issued copy was admitted, and steps waited on chunks (26 and
+    66 steps, up to 17 and 172 ms)."""
+    slow = dataclasses.replace(H200, h2d_gbps=h2d_gbps)
+    res = simulate(SMALL, BENCH_POLICIES["pipelined"], workload(), slow, check=True)
+    waited = [s for s in res.steps if s.chunk_wait_ms > 0]
+    assert not waited, (f"{len(waited)} steps waited on a chunk, up to {max(s.chunk_wait_ms for s in waited):.1f} "
+                        "ms: a copy admitted as LOADING landed after the layer that needed it")
+    assert res.records and all(r.error is None for r in res.records)

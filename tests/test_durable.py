@@ -35,7 +35,8 @@ def test_hints_queues_and_popularity_come_back_and_nothing_is_counted_twice() ->
     after, restored = restarted(before, 2.0)
     assert restored == restored._replace(hints=2, queues=1, skipped=0)  # type: ignore[attr-defined]
     for replica in ("r0", "r1"):
-        assert after.hints(replica) == before.hints(replica) and after.queue(replica) == before.queue(replica)
+        assert after.view.hints(replica) == before.view.hints(replica)
+        assert after.view.queue(replica) == before.view.queue(replica)
         for adapter in ("a1", "a2", "a3", "a4", "a5"):
             assert popularity(after, adapter, 2.0, replica) == pytest.approx(popularity(before, adapter, 2.0, replica))
     assert popularity(after, "a5", 2.0) == pytest.approx(popularity(before, "a5", 2.0))
@@ -50,7 +51,7 @@ def test_hints_queues_and_popularity_come_back_and_nothing_is_counted_twice() ->
 def staged_or_held(planner: Planner, plan: object, replica: str, adapter: str) -> bool:
     commands = plan.for_worker(f"{replica}/w0")  # type: ignore[attr-defined]
     return any(c.adapter == adapter for c in commands.stages + commands.prefetches) or \
-        AdapterKey(adapter, "v1") in planner.residency(f"{replica}/w0")
+        AdapterKey(adapter, "v1") in planner.view.residency(f"{replica}/w0")
 
 
 def test_a_far_hint_restored_still_turns_near_on_time() -> None:
@@ -73,8 +74,8 @@ def test_unknown_names_stale_hints_and_fresher_queues_are_skipped() -> None:
     before.advance(1.0)
     restored = after.restore_state(decode(encode(before, DurableConfig())), 20.0)
     assert restored.hints == 1 and restored.queues == 0 and restored.skipped >= 4
-    assert [h.hint_id for h in after.hints("r0")] == ["near"]  # "far" was for r1, "gone" for a8
-    assert after.queue("r0")[0].adapter == "a7"
+    assert [h.hint_id for h in after.view.hints("r0")] == ["near"]  # "far" was for r1, "gone" for a8
+    assert after.view.queue("r0")[0].adapter == "a7"
     after.check_integrity()
 
 

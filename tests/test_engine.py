@@ -11,6 +11,7 @@ import gc
 import json
 import math
 import threading
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from workers.engine import (
     run_engine,
 )
 from workers.engine.__main__ import main
-from workers.engine.admission import Overlap
+from workers.engine.admission import CopyClock, Overlap
 from workers.engine.feed import Feed
 from workers.engine.model import final_norm_weight, full_weights, prompt_states
 from workers.engine.rank import RankEngine, load_catalog
@@ -377,6 +378,46 @@ def test_an_arrival_pins_its_ready_adapter_and_starts_its_load_at_once(adapters:
         engine.close()
 
 
+def test_pipelined_reports_loading_only_for_copies_that_land_before_a_steps_last_layer(adapters: Path) -> None:
+    """Issue 31 item 2: a rank times its own copies (each finished load's bytes and its events' time) and its
+    steps' compute (``CopyClock``); a copy issued there is reported LOADING only where it is predicted to land
+    (behind the copies issued before it on the stream) before the shortest recent step reaches its last layer.
+    Before anything is measured nothing is LOADING: the request waits for READY, as under overlap."""
+    config = engine_config(adapters, admission="pipelined")
+    engine = RankEngine(config, Comm())
+    clock = engine.clock
+    try:
+        now = time.perf_counter()
+        assert clock.layers == config.layers and clock.in_time({FULL[0]: (1, now)}, now) == set()  # none measured
+        s = Scheduler(config, ADMISSION["pipelined"](), [Request(0, FULL[0], 4, 2)])
+        plan = s.plan(0.0, {})
+        assert plan.kind == WAIT and plan.prefetch == (FULL[0],)
+        engine.execute(plan)  # starts the load (its record may be completed by the loader thread a moment later)
+        # the rounds after: the finished copy is timed by the first round that sees its record done
+        wait_for(lambda: engine.readiness(plan.wanted) is not None and clock.copy_s(1) is not None,
+                 "the finished copy timed by a readiness round")
+        record = engine.cache.prefetch(FULL[0]).result(timeout=30)
+        assert clock.copy_s(record.nbytes) == pytest.approx(record.h2d_ms / 1e3) and clock.budget_s() is None
+        assert clock.in_time({FULL[0]: (record.nbytes, now)}, now) == set()  # a copy measured, no step yet
+        plan = s.plan(0.1, {FULL[0]: Readiness.READY})
+        assert plan.kind == PREFILL
+        result = engine.execute(plan)
+        assert result is not None
+        budget = clock.budget_s()
+        assert budget == pytest.approx((result.end_s - result.start_s) * (config.layers - 1) / config.layers)
+        per_byte = clock.copy_s(record.nbytes) / record.nbytes  # one size measured: time in proportion to bytes
+        fits, late = int(budget * 0.9 / per_byte), int(budget * 1.1 / per_byte) + 1
+        now = time.perf_counter()
+        assert clock.in_time({FULL[0]: (fits, now)}, now) == {FULL[0]}
+        assert clock.in_time({FULL[0]: (late, now)}, now) == set()
+        assert clock.in_time({FULL[0]: (late, now - budget)}, now) == {FULL[0]}  # most of it copied already
+        # one stream: the second copy starts when the first ends
+        assert clock.in_time({FULL[0]: (fits // 2, now), FULL[1]: (fits // 2, now + 1e-9)}, now) == {FULL[0], FULL[1]}
+        assert clock.in_time({FULL[0]: (fits, now), FULL[1]: (fits, now + 1e-9)}, now) == {FULL[0]}
+    finally:
+        engine.close()
+
+
 def test_a_registered_rule_is_selectable(adapters: Path) -> None:
     register_admission(FakeRule)
     try:
@@ -528,3 +569,25 @@ def test_gpu_real_shape_serves(tmp_path: Path, tp: int) -> None:
     result = run_engine(config, requests)
     check_served(result, config, requests, outputs=False)
 
+
+
+def test_copy_clock_predicts_from_the_slowest_fit_and_the_stream_order() -> None:
+    """``CopyClock``: copies of two sizes fit ``fixed + bytes * per_byte``, moved up so no copy measured took
+    longer than predicted; copies in flight land one after another in the order issued, after the last one seen
+    landing."""
+    clock = CopyClock(layers=4)
+    for nbytes, seconds in ((1000, 0.002), (4000, 0.005), (1000, 0.0025)):
+        clock.copied(nbytes, seconds, -1.0)
+    fixed = clock.copy_s(0)
+    assert fixed is not None and all(clock.copy_s(n) >= t - 1e-12 for n, t in ((1000, 0.0025), (4000, 0.005)))
+    clock.stepped(0.012)
+    clock.stepped(0.008)  # the shortest: 6 ms to its last layer
+    assert clock.budget_s() == pytest.approx(0.006)
+    four = clock.copy_s(4000)
+    assert four is not None and four < 0.006
+    assert clock.in_time({"a": (4000, 0.0)}, 0.0) == {"a"}
+    assert clock.in_time({"a": (4000, 0.0), "b": (4000, 0.0001)}, 0.0) == {"a"}  # b queues behind a
+    clock.copied(0, 0.0, 0.004)  # a copy seen landing at 4 ms: one issued before it started on the stream then
+    assert clock.in_time({"a": (4000, -0.001)}, 0.0) == set()
+    with pytest.raises(ValueError, match="layers is 0"):
+        CopyClock(layers=0)

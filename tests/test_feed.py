@@ -3,6 +3,7 @@ and a TP 1 engine on the CPU serving a stream submitted while it runs (no Ray)."
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,13 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from lora_cache.adapters.synth import SynthConfig, make_adapters
-from lora_cache.errors import ConfigError
+from lora_cache.adapters.synth import SynthConfig, make_adapters, make_named_adapters
+from lora_cache.errors import ConfigError, NotFoundError
+from workers.cache import WorkerCache
 from workers.engine import ADMISSION, EngineConfig, Request, run_engine
-from workers.engine.engine import Hooks, serve_rank
+from workers.engine.engine import EngineResult, Hooks, serve_rank
 from workers.engine.feed import Feed
+from workers.engine.hosted import HostedEngine, Rendezvous
+from workers.engine.rank import RankEngine, load_catalog
 from workers.engine.scheduler import IDLE_WAIT_S, PREFILL, STOP, WAIT, Scheduler
-from workers.engine.tp import Comm
+from workers.engine.tp import Comm, spawn
 from workers.host_tier import HostTierConfig
 
 ADAPTERS = [f"adapter-{i:03d}" for i in range(3)]
@@ -128,9 +132,9 @@ def test_an_engine_serves_requests_submitted_while_it_runs(adapters: Path) -> No
 
 
 def test_a_request_for_an_adapter_the_engine_does_not_serve_fails_alone_and_the_run_goes_on(adapters: Path) -> None:
-    """An adapter registered after the engine was built (or never) is outside its version exchange: the
-    request fails with an error naming it and the fix, and the run serves the requests before and after it
-    (it once raised KeyError in the loop, ending the run: every later request hung)."""
+    """An adapter the catalog never registered: the request fails with an error naming it and the fix, and the
+    run serves the requests before and after it (it once raised KeyError in the loop, ending the run: every
+    later request hung)."""
     cfg = config(adapters, admission="ondemand")
     feed = Feed()
     with ThreadPoolExecutor(1) as pool:
@@ -149,8 +153,9 @@ def test_a_request_for_an_adapter_the_engine_does_not_serve_fails_alone_and_the_
     assert sorted(finished) == [0, 1, 2]
     records = {r.rid: r for r in result.records}
     assert records[0].ok and records[2].ok and not records[1].ok
-    assert records[1].error is not None and "'adapter-late' is not one this engine serves" in records[1].error
-    assert "restart the replica" in records[1].error and records[1].prefill_s is None
+    error = records[1].error
+    assert error is not None and "'adapter-late' is not registered in this replica's catalog" in error
+    assert "register it first" in error and records[1].prefill_s is None
 
 
 def test_a_run_that_fails_ends_the_finished_polls(adapters: Path) -> None:
@@ -171,3 +176,145 @@ def test_a_run_that_fails_ends_the_finished_polls(adapters: Path) -> None:
         serve_rank(config(adapters), ADMISSION["ondemand"](), (), Comm(), None,
                    Hooks(time.time(), on_queue=broken, feed=feed))
     assert done.wait(30)
+
+
+# -- adapters registered while the engine runs ---------------------------------------------------------------
+LATE = ["late-a", "late-b"]  # under ROOT/later: inside the catalog's root, not registered at build
+
+
+@pytest.fixture(scope="module")
+def late_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("late-adapters")
+    make_adapters(root, SynthConfig(model="tiny", count=len(ADAPTERS), rank="8"))
+    make_named_adapters(root / "later", SynthConfig(model="tiny", rank="8"), LATE)
+    return root
+
+
+def _finish(feed: Feed, done: list[int], rids: set[int]) -> None:
+    while not rids <= set(done):
+        got = feed.finished(30.0)
+        assert got is not None, f"the run ended before requests {sorted(rids - set(done))} finished"
+        done += got
+
+
+def _flag(path: Path, stop: threading.Event) -> bool:
+    """Wait (polling; across processes) until ``path`` exists; False if the run ended first."""
+    while not path.exists():
+        if stop.wait(0.01):
+            return False
+    return True
+
+
+def _late_rank(cfg: EngineConfig, flags: Path, comm: Comm) -> tuple[EngineResult, list[int]]:
+    """One rank of a streaming run in which adapters are registered after the engine was built. Rank 0 (the
+    feed) registers ``late-a`` at once, rank 1 only after rank 0 saw the requests it can serve anyway served
+    (its registration on its way); ``late-b`` the other way round (rank 1 first). Returns rank 0's result and
+    the requests finished before rank 1 took ``late-a``."""
+    engine = RankEngine(cfg, comm)
+    engine.warm_up()
+    later = Path(cfg.adapters) / "later"
+    feed = Feed() if comm.rank == 0 else None
+    stop = threading.Event()
+    early: list[int] = []
+
+    def drive() -> None:  # rank 0: the router and the controller's registrations here
+        assert feed is not None
+        done: list[int] = []
+        feed.submit([Request(0, ADAPTERS[0], 3, 2)])
+        _finish(feed, done, {0})  # the engine runs
+        engine.catalog.register("late-a", later / "late-a")
+        feed.submit([Request(1, "late-a", 3, 2), Request(2, "late-a", 5, 1), Request(3, "never-registered", 3, 1),
+                     Request(4, ADAPTERS[1], 3, 1)])
+        _finish(feed, done, {3, 4})
+        early.extend(done)
+        (flags / "a").touch()  # rank 1 registers late-a now
+        _finish(feed, done, {1, 2})
+        (flags / "b").touch()  # rank 1 registers late-b first, then this rank
+        if comm.world > 1:
+            assert _flag(flags / "b-registered", stop)
+        engine.catalog.register("late-b", later / "late-b")
+        feed.submit([Request(5, "late-b", 4, 2), Request(6, "late-a", 3, 1), Request(7, ADAPTERS[2], 3, 1)])
+        _finish(feed, done, {5, 6, 7})
+        feed.close()
+
+    def follow() -> None:  # rank 1: the controller's registrations reach it later (or earlier)
+        if _flag(flags / "a", stop):
+            engine.catalog.register("late-a", later / "late-a")
+        if _flag(flags / "b", stop):
+            engine.catalog.register("late-b", later / "late-b")
+            (flags / "b-registered").touch()
+
+    helper = threading.Thread(target=drive if comm.rank == 0 else follow, daemon=True)
+    helper.start()
+    try:
+        result = serve_rank(cfg, ADMISSION[cfg.admission](), (), comm, engine, Hooks(feed=feed))
+    finally:
+        stop.set()
+    helper.join(30)
+    return result, early
+
+
+@pytest.mark.parametrize("tp,admission", [(1, "ondemand"), (2, "overlap")])
+def test_adapters_registered_while_the_engine_runs_are_served_with_their_own_weights(
+        late_root: Path, tmp_path: Path, tp: int, admission: str) -> None:
+    """Adapters registered after the engine was built are served, on every rank at the version registered (the
+    step audit) and with their own weights (the outputs of a run that had them from the start); a request for
+    one waits while a rank's registration is on its way (never runs without it there); a second new name later
+    grows the exchange again; a name never registered fails alone and the run goes on. (Before: the late
+    adapters' requests failed as unknown to the engine.)"""
+    cfg = config(late_root, tp=tp, admission=admission, record_outputs=True, audit_steps=True)
+    if tp == 1:
+        result, early = _late_rank(cfg, tmp_path, Comm())
+    else:
+        result, early = spawn(functools.partial(_late_rank, cfg, tmp_path), tp, "cpu")
+    records = {r.rid: r for r in result.records}
+    assert sorted(records) == list(range(8))
+    late = [1, 2, 5, 6]
+    for rid in set(records) - {3}:
+        assert records[rid].ok, records[rid].error
+    never = records[3]
+    assert not never.ok and never.prefill_s is None and never.error is not None
+    assert "'never-registered' is not registered in this replica's catalog" in never.error
+    if tp > 1:  # rank 1 lacked late-a: its requests waited (the others were served meanwhile)
+        assert {3, 4} <= set(early) and not set(early) & {1, 2}
+    registered = load_catalog(config(late_root / "later"))
+    for rid in late:
+        rec = records[rid]
+        assert rec.version == registered.current(rec.adapter or "")
+        for rank in result.ranks:  # every rank computed it with exactly that version, never another's
+            keys = {key for audit in rank.audit for r, key in zip(audit.rids, audit.keys) if r == rid}
+            assert keys == {f"{rec.adapter}@{rec.version}"}, (rank.rank, rid, keys)
+    assert len(result.ranks) == tp
+    reference = {r.rid: r for r in run_engine(config(late_root / "later", record_outputs=True),
+                                              [Request(rid, records[rid].adapter, records[rid].input_len,
+                                                       records[rid].output_len) for rid in late]).records}
+    for rid in late:
+        assert records[rid].outputs is not None and reference[rid].outputs is not None
+        torch.testing.assert_close(records[rid].outputs, reference[rid].outputs, rtol=1e-4, atol=1e-4)
+
+
+def test_a_hosted_engine_takes_submits_for_what_its_catalog_has_at_the_call(late_root: Path) -> None:
+    """The race of a submit with a registration, defined: ``HostedEngine.submit`` checks rank 0's catalog at the
+    call. Not registered yet: refused with ``NotFoundError`` naming it and the fix, nothing of the call submitted
+    (the caller registers first, or retries once its registration returned); registered by then, before or after
+    the engine was built: accepted (the loop adds the name to its version exchange; ``_take`` reads the catalog
+    after taking the requests, so the name is there). (Before: refused until the replica restarted.)"""
+    cfg = config(late_root)
+    engine = RankEngine(cfg, Comm())  # the catalog and cache a worker would lend the hosted engine
+    cache = engine.cache
+    assert isinstance(cache, WorkerCache)
+    hosted = HostedEngine(cache)
+    try:
+        hosted.build(cfg, Rendezvous("127.0.0.1", 0, 1), 0)
+        assert hosted.feed is not None
+        with pytest.raises(NotFoundError, match=r"requests \[1\]: adapter 'late-a' is not registered in this replica"):
+            hosted.submit([Request(0, ADAPTERS[0], 3, 1), Request(1, "late-a", 3, 1)])
+        assert hosted.feed.take() == ([], False)  # nothing of the refused call
+        cache.catalog.register("late-a", Path(cfg.adapters) / "later" / "late-a")
+        hosted.submit([Request(1, "late-a", 3, 1)])
+        assert [r.rid for r in hosted.feed.take()[0]] == [1]
+    finally:
+        if hosted.engine is not None:
+            hosted.engine.close()
+        hosted.close()
+        engine.close()

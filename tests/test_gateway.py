@@ -37,6 +37,7 @@ from lora_cache.app.client_cli import add_client_commands
 from lora_cache.controller.core import ControllerConfig, ControllerCore, HintOutcome
 from lora_cache.errors import ConfigError, NotFoundError
 from lora_cache.planner import QueueEntry
+from tests.ray_local import init_local
 from tests.waiting import wait_for
 
 TOKEN = "s3cret-token"
@@ -211,9 +212,9 @@ def test_core_hint_batches_are_all_or_nothing_and_unregister_forgets_the_adapter
     assert core.plan(1.0), "a and c are prefetched (counted as loading)"
     core.unregister_adapter(a, 2.0)
     assert a not in core.catalog and a not in core.paths
-    assert core.planner.queue("r0") == (QueueEntry(c, 1.0),)
-    assert [h.adapter for h in core.planner.hints("r0")] == [b]
-    assert all(k.name != a for k in core.planner.residency("r0/0"))
+    assert core.planner.view.queue("r0") == (QueueEntry(c, 1.0),)
+    assert [h.adapter for h in core.planner.view.hints("r0")] == [b]
+    assert all(k.name != a for k in core.planner.view.residency("r0/0"))
     core.check_integrity()
     with pytest.raises(NotFoundError, match="not registered"):
         core.hint("h9", a, "r0", 3.0, 2.0)
@@ -301,7 +302,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
     root = tmp_path_factory.mktemp("adapters")
     make_adapters(root, SynthConfig(model="tiny", count=8, rank="8,16"))
-    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
+    init_local(num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
     try:
         svc = start(ServeConfig(adapters=str(root), replicas=2, tp=1), CatalogConfig(model="tiny", max_rank=16),
                     PlannerConfig(policy="global"),

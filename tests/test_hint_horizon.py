@@ -39,7 +39,7 @@ def test_a_far_hint_never_evicts_and_is_staged_instead() -> None:
     hold(planner, "r0", "a0", "a1")  # incumbents with no popularity at all
     planner.add_hint(Hint("far", "a2", "r0", 100.0), 1.0)
     plan = planner.plan(1.0)
-    for worker in planner.workers("r0"):
+    for worker in planner.view.workers("r0"):
         assert evicted(plan, worker) == [] and prefetched(plan, worker) == []
         assert staged(plan, worker) == ["a2"]
     planner.check_integrity()
@@ -82,7 +82,7 @@ def test_a_far_hint_becomes_a_need_when_time_brings_it_within_the_horizon() -> N
     assert dirty_replicas(planner) == ("r0",)
     plan = planner.plan(8.0)
     assert evicted(plan, "r0/w0") == ["a0"] and prefetched(plan, "r0/w0") == ["a1"]
-    assert planner.residency("r0/w0").keys() == {AdapterKey("a1", "v1")}
+    assert planner.view.residency("r0/w0").keys() == {AdapterKey("a1", "v1")}
     planner.check_integrity()
 
 

@@ -57,7 +57,7 @@ def queue(planner: Planner, replica: str, *adapters: str, now: float = 1.0) -> N
 
 def hold(planner: Planner, replica: str, *adapters: str, state: SlotState = READY, refcount: int = 0) -> None:
     """Every rank of `replica` reports holding exactly `adapters` (version v1)."""
-    for worker in planner.workers(replica):
+    for worker in planner.view.workers(replica):
         planner.report_residency(worker, [ResidencyEntry(a, "v1", state, refcount) for a in adapters])
 
 
@@ -77,7 +77,7 @@ def evicted(plan: Plan, worker: str) -> list[str]:
 
 
 def held(planner: Planner, worker: str) -> set[str]:
-    return {key.name for key in planner.residency(worker)}
+    return {key.name for key in planner.view.residency(worker)}
 
 
 def popular(planner: Planner, replica: str, counts: dict[str, int], now: float = 1.0) -> None:
@@ -173,7 +173,7 @@ def test_unknown_adapter_in_queue_hint_and_residency() -> None:
         planner.add_hint(Hint("h1", "a0", "r5", 2.0), 1.0)
     with pytest.raises(UnknownAdapterError, match="residency report of worker 'r0/w0'"):
         planner.report_residency("r0/w0", [ResidencyEntry("zz", "v1", READY)])
-    assert planner.queue("r0") == ()  # a rejected report changes nothing
+    assert planner.view.queue("r0") == ()  # a rejected report changes nothing
     planner.check_integrity()
 
 
@@ -201,7 +201,7 @@ def test_queue_policy_prefetches_the_queue_in_order_on_every_rank() -> None:
     planner = make("queue", slots=3)
     queue(planner, "r0", "a5", "a2", "a5", "a7", "a1")
     plan = planner.plan(1.0)
-    for worker in planner.workers("r0"):
+    for worker in planner.view.workers("r0"):
         commands = plan.for_worker(worker)
         assert commands is not None
         assert commands.prefetches == (Prefetch("a5", "v1", 0, 7), Prefetch("a2", "v1", 1, 7),
@@ -250,7 +250,7 @@ def test_queued_adapters_fill_room_before_any_popularity_prefetch() -> None:
 # -- eviction rules ---------------------------------------------------------------------------------
 def test_never_evicts_an_adapter_in_use() -> None:
     planner = make(slots=2)
-    for worker in planner.workers("r0"):
+    for worker in planner.view.workers("r0"):
         planner.report_residency(worker, [ResidencyEntry("a0", "v1", IN_USE, 1),
                                           ResidencyEntry("a1", "v1", READY, 2)])
     queue(planner, "r0", "a2", "a3")
@@ -383,7 +383,7 @@ def test_duplicate_hint_is_idempotent() -> None:
     planner = make(slots=4)
     assert planner.add_hint(Hint("h1", "a2", "r0", 5.0), 1.0)
     assert not planner.add_hint(Hint("h1", "a3", "r0", 2.0), 1.5)  # same id, whatever it says
-    assert [h.adapter for h in planner.hints("r0")] == ["a2"]
+    assert [h.adapter for h in planner.view.hints("r0")] == ["a2"]
     assert popularity(planner, "a2", 1.0) == pytest.approx(1.0) and popularity(planner, "a3", 1.5) == 0.0
     assert planner.stats.hints_ignored == 1
 
@@ -393,7 +393,7 @@ def test_cancelled_hint_is_dropped_and_a_late_duplicate_ignored() -> None:
     planner.add_hint(Hint("h1", "a2", "r0", 5.0), 1.0)
     assert prefetched(planner.plan(1.0), "r0/w0") == ["a2"]
     assert planner.cancel_hint("h1", 2.0)
-    assert dirty_replicas(planner) == ("r0",) and planner.hints("r0") == ()
+    assert dirty_replicas(planner) == ("r0",) and planner.view.hints("r0") == ()
     assert not planner.add_hint(Hint("h1", "a2", "r0", 5.0), 2.0)
     assert not planner.cancel_hint("h1", 2.0)
 
@@ -402,7 +402,7 @@ def test_cancel_before_hint_leaves_a_tombstone() -> None:
     planner = make()
     assert not planner.cancel_hint("early", 1.0)
     assert not planner.add_hint(Hint("early", "a1", "r0", 3.0), 1.1)
-    assert planner.hints("r0") == ()
+    assert planner.view.hints("r0") == ()
     planner.check_integrity()
 
 
@@ -429,7 +429,7 @@ def test_hint_is_fulfilled_by_its_queued_request_and_counted_once() -> None:
     planner = make(slots=4)
     planner.add_hint(Hint("h1", "a2", "r0", 2.0), 1.0)
     queue(planner, "r0", "a2", now=1.5)
-    assert planner.hints("r0") == ()
+    assert planner.view.hints("r0") == ()
     assert popularity(planner, "a2", 1.5) == pytest.approx(2 ** (-0.5 / 60))  # one count, at t=1.0
 
 
@@ -438,9 +438,9 @@ def test_hint_expires_after_ttl() -> None:
     planner.add_hint(Hint("h1", "a2", "r0", 5.0), 1.0)
     planner.plan(1.0)
     planner.plan(15.0)
-    assert len(planner.hints("r0")) == 1
+    assert len(planner.view.hints("r0")) == 1
     assert planner.plan(15.5).replicas == ("r0",)  # expiry dirties the replica
-    assert planner.hints("r0") == ()
+    assert planner.view.hints("r0") == ()
     assert not planner.add_hint(Hint("h2", "a2", "r0", 1.0), 16.0)  # stale on arrival
     planner.check_integrity()
 
@@ -465,12 +465,12 @@ def test_needed_adapters_without_gpu_room_are_staged_in_need_order_on_every_rank
     planner.add_hint(Hint("h1", "a2", "r0", 3.0), 1.0)
     planner.add_hint(Hint("h2", "a3", "r0", 2.0), 1.0)
     plan = planner.plan(1.0)
-    for worker in planner.workers("r0"):
+    for worker in planner.view.workers("r0"):
         assert staged(plan, worker) == ["a4", "a3", "a2"]  # queued first, then hints by expected time
         assert prefetched(plan, worker) == [] and evicted(plan, worker) == []
         assert [c.priority for c in plan.for_worker(worker).stages] == [2, 3, 4]  # type: ignore[union-attr]
     assert planner.stats.stages == 6
-    assert planner.residency("r0/w0").keys() == {AdapterKey("a0", "v1"), AdapterKey("a1", "v1")}  # not resident
+    assert planner.view.residency("r0/w0").keys() == {AdapterKey("a0", "v1"), AdapterKey("a1", "v1")}  # not resident
     planner.check_integrity()
 
 
@@ -536,11 +536,11 @@ def test_popular_adapters_are_staged_in_demand_order_within_the_host_tier(
     hold(planner, "r0", "a0", "a1")
     popular(planner, "r0", POPULAR)
     plan = planner.plan_all(1.0)
-    for worker in planner.workers("r0"):
+    for worker in planner.view.workers("r0"):
         assert staged(plan, worker) == expected  # most demanded first, never a0/a1 (held)
         assert not set(staged(plan, worker)) & held(planner, worker)
         kept = planner._fleet.staged.get(worker, frozenset())
-        assert sum(planner.adapter(k.name).bytes_per_rank for k in kept) <= (host or 0)
+        assert sum(planner.view.adapter(k.name).bytes_per_rank for k in kept) <= (host or 0)
     assert planner.plan_all(1.1).is_empty  # sent once while wanted
     planner.check_integrity()
 
@@ -655,7 +655,7 @@ def test_readiness_does_not_dirty_but_a_release_does() -> None:
     planner = make()
     queue(planner, "r0", "a1")
     planner.plan(1.0)
-    for worker in planner.workers("r0"):
+    for worker in planner.view.workers("r0"):
         planner.update_residency(worker, ResidencyEntry("a1", "v1", READY))
     assert dirty_replicas(planner) == ()
     planner.update_residency("r0/w0", ResidencyEntry("a1", "v1", IN_USE, 1))
@@ -669,7 +669,7 @@ def test_sent_commands_are_assumed_done_so_replanning_is_a_fixpoint() -> None:
     queue(planner, "r0", "a2", "a3")
     first = planner.plan_all(1.0)
     assert held(planner, "r0/w0") == {"a2", "a3", "a5"} and not first.is_empty
-    assert planner.residency("r0/w0")[AdapterKey("a2", "v1")].state is LOADING
+    assert planner.view.residency("r0/w0")[AdapterKey("a2", "v1")].state is LOADING
     assert planner.plan_all(1.0).is_empty
 
 
@@ -678,9 +678,9 @@ def test_lost_worker_drops_its_residency_and_dirties_its_replica() -> None:
     queue(planner, "r0", "a1")
     planner.plan(1.0)
     planner.remove_worker("r0/w1")
-    assert dirty_replicas(planner) == ("r0",) and planner.workers("r0") == ("r0/w0",)
+    assert dirty_replicas(planner) == ("r0",) and planner.view.workers("r0") == ("r0/w0",)
     with pytest.raises(UnknownWorkerError):
-        planner.residency("r0/w1")
+        planner.view.residency("r0/w1")
     planner.add_worker("r0", "r0/w9", slots=2)
     plan = planner.plan(1.0)
     assert [w.worker for w in plan.workers] == ["r0/w9"] and prefetched(plan, "r0/w9") == ["a1"]
@@ -712,7 +712,7 @@ def test_remove_replica_forgets_its_queue_hints_and_counts() -> None:
     queue(planner, "r1", "a1")
     planner.add_hint(Hint("h", "a2", "r1", 3.0), 1.0)
     planner.remove_replica("r1")
-    assert planner.replicas() == ("r0",)
+    assert planner.view.replicas() == ("r0",)
     planner.check_integrity()
     with pytest.raises(UnknownReplicaError):
         queue(planner, "r1", "a1")
@@ -759,8 +759,8 @@ def test_remove_adapter_forgets_it_everywhere_and_replans_who_used_it() -> None:
     planner.plan_all(1.0)
     planner.remove_adapter("a1", 1.5)
     assert set(dirty_replicas(planner)) == {"r0", "r1"}
-    assert [e.adapter for e in planner.queue("r0")] == ["a2"] and planner.hints("r1") == ()
-    assert all("a1" not in held(planner, w) for r in ("r0", "r1") for w in planner.workers(r))
+    assert [e.adapter for e in planner.view.queue("r0")] == ["a2"] and planner.view.hints("r1") == ()
+    assert all("a1" not in held(planner, w) for r in ("r0", "r1") for w in planner.view.workers(r))
     plan = planner.plan(1.5)
     assert all(c.adapter != "a1" for w in plan.workers for c in w.commands)
     with pytest.raises(UnknownAdapterError, match="unknown adapter 'a1'"):

@@ -23,6 +23,7 @@ from lora_cache.app.serve import wait_ready as serve_wait_ready  # noqa: E402
 from lora_cache.errors import ConfigError, ConflictError  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
 from tests import waiting  # noqa: E402
+from tests.ray_local import init_local  # noqa: E402
 from workers.attach import AttachConfig, EndpointStaleError, attach  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
 from workers.engine.attached import EngineProcess, start_ranks  # noqa: E402
@@ -65,7 +66,7 @@ def fleet(tmp_path_factory):
     """The controller alone (``serve --replicas 0``) and the Ray cluster's address for engine processes."""
     root: Path = tmp_path_factory.mktemp("adapters")
     make_adapters(root, SynthConfig(model="tiny", count=6, rank="8,16"))
-    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False)
+    init_local(num_cpus=2, namespace="lora-cache", include_dashboard=False)
     try:
         service = start(ServeConfig(adapters=str(root), replicas=0), CATALOG, PlannerConfig(policy="global"),
                         worker(0, tp=1))

@@ -29,6 +29,7 @@ from lora_cache.adapters.shards import shard_layout  # noqa: E402
 from lora_cache.adapters.synth import SynthConfig, make_adapters, write_adapter  # noqa: E402
 from lora_cache.app.serve import ServeConfig, Service, start  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
+from tests.ray_local import init_local  # noqa: E402
 from tests.version_audit import check_steps  # noqa: E402
 from workers.attach import AttachConfig  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
@@ -71,7 +72,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
             torch.float32,
             torch.Generator().manual_seed(1000 + v),
         )
-    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False)
+    init_local(num_cpus=2, namespace="lora-cache", include_dashboard=False)
     try:
         svc = start(
             ServeConfig(adapters=str(root), replicas=0),

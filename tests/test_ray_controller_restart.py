@@ -18,6 +18,7 @@ from lora_cache.adapters.catalog import CatalogConfig  # noqa: E402
 from lora_cache.adapters.synth import SynthConfig, make_adapters  # noqa: E402
 from lora_cache.app.serve import ServeConfig, start, wait_ready  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
+from tests.ray_local import init_local  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
 from workers.host_tier import HostTierConfig  # noqa: E402
@@ -36,7 +37,7 @@ def status_or_none(ctl):
 
 def test_controller_killed_under_hint_traffic_keeps_its_hints_queues_and_popularity(tmp_path: Path) -> None:
     make_adapters(tmp_path, SynthConfig(model="tiny", count=6, rank="8"))
-    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False)
+    init_local(num_cpus=2, namespace="lora-cache", include_dashboard=False)
     stop, sent, failed = threading.Event(), [0], [0]
     try:
         svc = start(ServeConfig(adapters=str(tmp_path), replicas=1, tp=1), CatalogConfig(model="tiny", max_rank=8),
@@ -96,7 +97,7 @@ def test_with_no_rank_attached_a_restarted_controller_keeps_its_catalog_and_neve
 
     root = tmp_path / "adapters"
     make_adapters(root, SynthConfig(model="tiny", count=4, rank="8"))
-    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
+    init_local(num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
     try:
         svc = start(ServeConfig(adapters=str(root), replicas=0), CatalogConfig(model="tiny", max_rank=8),
                     PlannerConfig(), WorkerConfig(num_slots=1, host=HostTierConfig(host_bytes=1 << 22, pin=False)))

@@ -32,6 +32,7 @@ from lora_cache.api.v1 import lora_cache_service_pb2 as pb  # noqa: E402
 from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc  # noqa: E402
 from lora_cache.app.serve import ServeConfig, start  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
+from tests.ray_local import init_local  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
 from workers.host_tier import HostTierConfig  # noqa: E402
@@ -57,7 +58,7 @@ class Fleet:
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     root = tmp_path_factory.mktemp("adapters")
     make_adapters(root, SynthConfig(model="tiny", count=4, rank="8,16"))
-    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
+    init_local(num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
     try:
         service = start(ServeConfig(adapters=str(root), replicas=0), CatalogConfig(model="tiny", max_rank=16),
                         PlannerConfig(policy="global"),

@@ -43,6 +43,7 @@ from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc  # noqa: E4
 from lora_cache.app.serve import ServeConfig, start, wait_ready  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
 from lora_cache.vocab import WorkerId  # noqa: E402
+from tests.ray_local import init_local  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
 from workers.host_tier import HostTierConfig  # noqa: E402
@@ -66,7 +67,7 @@ class Sample(NamedTuple):
 def served(tmp_path_factory):
     root: Path = tmp_path_factory.mktemp("adapters")
     make_adapters(root, SynthConfig(model="tiny", count=6, rank="8"))
-    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
+    init_local(num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
     svc = gateway = None
     try:
         svc = start(
@@ -210,7 +211,9 @@ def test_a_sigkilled_rank_is_never_advertised_ready_once_the_controller_knows(se
         t.join(30)
     stream.cancel()
 
-    reloaded = {r.adapter: t for t, r in ray.get(victim.load_log.remote())}  # the new incarnation's loads
+    reloaded: dict[str, float] = {}  # the new incarnation's first load of each adapter (its log is oldest first;
+    for t, r in ray.get(victim.load_log.remote()):  # a later eviction and reload must not move the reference)
+        reloaded.setdefault(r.adapter, t)
     assert ray.get(victim.pid.remote()) != pid, "the victim was not restarted"
 
     def wrong(s: Sample, after: float) -> bool:

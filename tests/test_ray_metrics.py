@@ -16,6 +16,7 @@ from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.app.serve import ServeConfig, start, wait_ready
 from lora_cache.planner import PlannerConfig
 from lora_cache.vocab import WorkerId
+from tests.ray_local import init_local
 from workers.cache import WorkerConfig
 from workers.host_tier import HostTierConfig
 
@@ -50,7 +51,7 @@ def cluster(tmp_path_factory):
     root: Path = tmp_path_factory.mktemp("adapters")
     make_adapters(root, SynthConfig(model="tiny", count=4, rank="8"))
     port = free_port()
-    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False, _metrics_export_port=port,
+    init_local(num_cpus=2, namespace="lora-cache", include_dashboard=False, _metrics_export_port=port,
              _system_config={"metrics_report_interval_ms": 500})
     try:
         svc = start(ServeConfig(adapters=str(root), replicas=1, tp=2),
@@ -112,10 +113,14 @@ def test_metrics_reach_the_prometheus_endpoint(cluster) -> None:
         "ray_lora_cache_commands_sent_total": {"kind": "evict"},
         "ray_lora_cache_queue_depth": {"replica": "replica-0"},
     }
+    # every rank's figures below, as exported once the periodic export has caught up with both ranks (waiting for
+    # any sample of a name was not enough: rank 0's "used" retirement once came one export after rank 1's)
+    settled = {("ray_lora_cache_prefetches_retired_total", r, o): 1 for r in ("0", "1") for o in ("used", "unused")}
     deadline, samples = time.monotonic() + 60, []
     while time.monotonic() < deadline:
         samples = scrape(port)
-        if all(total(samples, name, **labels) > 0 for name, labels in want.items()):
+        if all(total(samples, name, **labels) > 0 for name, labels in want.items()) and all(
+                total(samples, name, rank=r, outcome=o) == n for (name, r, o), n in settled.items()):
             break
         time.sleep(0.5)
     missing = [name for name, labels in want.items() if total(samples, name, **labels) <= 0]

@@ -27,6 +27,7 @@ from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE  # noqa: E402
 from lora_cache.adapters.synth import SynthConfig, make_adapters  # noqa: E402
 from lora_cache.app.serve import ServeConfig, register_directory, start  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
+from tests.ray_local import init_local  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
 from workers.host_tier import HostTierConfig  # noqa: E402
@@ -56,7 +57,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         (root / "big" / f"big-{i:03d}").mkdir()
         (root / "big" / f"big-{i:03d}" / CONFIG_FILE).write_bytes((big / CONFIG_FILE).read_bytes())
         os.symlink(big / WEIGHTS_FILE, root / "big" / f"big-{i:03d}" / WEIGHTS_FILE)
-    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
+    init_local(num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
     try:
         settle(root)
         svc = start(ServeConfig(adapters=str(root / "small"), replicas=1, tp=2),

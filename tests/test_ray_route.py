@@ -19,24 +19,27 @@ from bench.real import RealConfig, run_policy  # noqa: E402
 from bench.workloads import WorkloadSpec, make_workload  # noqa: E402
 from lora_cache.adapters.synth import SynthConfig, make_adapters  # noqa: E402
 from lora_cache.vocab import NAMESPACE  # noqa: E402
+from tests.ray_local import init_local  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
 
-@pytest.mark.parametrize(("router", "replicas", "attach"), [("lora-cache", 4, False), ("affinity", 2, True)])
+@pytest.mark.parametrize(("router", "replicas", "attach", "lead_s"),
+                         [("lora-cache", 4, False, 0.1), ("affinity", 2, True, 0.1), ("lora-cache", 2, False, 0.0)])
 def test_routing_through_the_gateway_serves_each_request_where_the_router_chose(
-        tmp_path: Path, router: str, replicas: int, attach: bool) -> None:
+        tmp_path: Path, router: str, replicas: int, attach: bool, lead_s: float) -> None:
     """lora-cache (Route) over four hosted replicas; affinity (Lookup) over two replicas of attached engine
-    processes (their requests and finished ids over the processes' feed pipes)."""
+    processes (their requests and finished ids over the processes' feed pipes); lora-cache at lead 0, where a
+    request is routed at its arrival: it is submitted before its hint is sent (the hint call is off its path)."""
     make_adapters(tmp_path, SynthConfig(model="tiny", count=8, rank="8,16"))
     names = sorted(p.name for p in tmp_path.iterdir() if (p / "adapter_config.json").is_file())
     spec = WorkloadSpec(arrivals="poisson:30", popularity="zipf:0.9", requests=40, random_input_len=32,
                         random_output_len=4, random_range_ratio=0.5, num_adapters=len(names))
     workload = make_workload(spec, names)
     config = RealConfig(model="tiny", replicas=replicas, tp=1, slots=3, max_rank=16, max_running=8, max_adapters=2,
-                        max_prefill_tokens=256, max_seq_len=128, hint_lead_s=0.1, host_bytes=1 << 24,
+                        max_prefill_tokens=256, max_seq_len=128, hint_lead_s=lead_s, host_bytes=1 << 24,
                         worker_cpus=0.1, router=router, engine={"share_weights": True}, timeout_s=300, attach=attach)
-    ray.init(address="local", namespace=NAMESPACE, log_to_driver=False, num_cpus=2)
+    init_local(namespace=NAMESPACE, log_to_driver=False, num_cpus=2)
     try:
         run = run_policy(config, BENCH_POLICIES["global"], str(tmp_path), names, workload)
     finally:
@@ -52,5 +55,11 @@ def test_routing_through_the_gateway_serves_each_request_where_the_router_chose(
     with_adapter = {str(r.rid) for r in workload.requests if r.adapter is not None}
     assert routing["hints"] == {k: v for k, v in routing["choices"].items() if k in with_adapter}
     assert sum(routing["requests_per_replica"].values()) == len(rids)
+    arrival = {str(r.rid): r.arrival_s for r in workload.requests}
+    assert sorted(routing["submitted_s"]) == sorted(arrival)
+    assert all(routing["submitted_s"][k] >= arrival[k] for k in arrival)  # never before its arrival
+    assert set(routing["submit_lag_ms"]) == {"mean", "p99", "max"} and routing["submit_lag_ms"]["mean"] >= 0
+    if lead_s == 0:  # routed at arrival: forwarded first, the cache told on the side
+        assert all(routing["submitted_s"][k] <= routing["hint_sent_s"][k] for k in routing["hints"])
     assert len(set(routing["choices"].values())) >= 2  # spread (sticky hashing; least loaded when not ready)
     assert {r["replica"] for r in run.ranks} == {f"replica-{i}" for i in range(replicas)}

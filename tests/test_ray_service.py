@@ -13,6 +13,7 @@ from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.app.serve import ServeConfig, start, wait_ready
 from lora_cache.planner import PlannerConfig
 from lora_cache.vocab import Prefetch, WorkerId
+from tests.ray_local import init_local
 from tests.waiting import wait_for
 from workers.cache import WorkerConfig
 from workers.host_tier import HostTierConfig
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.ray
 def service(tmp_path_factory):
     root: Path = tmp_path_factory.mktemp("adapters")
     make_adapters(root, SynthConfig(model="tiny", count=8, rank="8,16"))
-    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False)
+    init_local(num_cpus=2, namespace="lora-cache", include_dashboard=False)
     try:
         svc = start(ServeConfig(adapters=str(root), replicas=2, tp=2),
                     CatalogConfig(model="tiny", max_rank=16), PlannerConfig(policy="global"),

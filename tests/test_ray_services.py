@@ -28,6 +28,7 @@ from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
 from lora_cache.app.serve import ServeConfig, start
 from lora_cache.planner import PlannerConfig
 from lora_cache.vocab import CONTROLLER_NAME, WORKER_PREFIX
+from tests.ray_local import init_local
 from tests.serving import read_until, serve_argv
 from tests.waiting import wait_for
 from workers.attach import AttachConfig, attach
@@ -61,7 +62,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     make_adapters(tmp / "a", SynthConfig(model="tiny", count=2, rank="8"))
     (tmp / "other.json").write_text(json.dumps(OTHER_MODEL))
     make_adapters(tmp / "b", SynthConfig(model=str(tmp / "other.json"), count=3, rank="8"))
-    ray.init(address="local", num_cpus=4, namespace="svc-a", include_dashboard=False, log_to_driver=False)
+    init_local(num_cpus=4, namespace="svc-a", include_dashboard=False, log_to_driver=False)
     try:
         svc = start(
             ServeConfig(service="svc-a", adapters=str(tmp / "a"), replicas=1),

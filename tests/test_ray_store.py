@@ -22,6 +22,7 @@ from lora_cache.adapters.synth import SynthConfig, make_adapters  # noqa: E402
 from lora_cache.app.serve import ServeConfig, start  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
 from lora_cache.vocab import WorkerId  # noqa: E402
+from tests.ray_local import init_local  # noqa: E402
 from tests.s3_server import S3Server  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
@@ -49,8 +50,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             server.upload_dir(BUCKET, f"tenants/{d.name}", d)
         saved = dict(os.environ)
         os.environ.update(server.env)  # as an operator sets AWS_* for serve and the cluster's processes
-        ray.init(
-            address="local",
+        init_local(
             num_cpus=2,
             namespace="lora-cache",
             include_dashboard=False,

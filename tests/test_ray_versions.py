@@ -29,6 +29,7 @@ from lora_cache.adapters.synth import SynthConfig, make_adapters, write_adapter 
 from lora_cache.app.serve import ServeConfig, Service, start, wait_ready  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
 from lora_cache.vocab import WorkerId  # noqa: E402
+from tests.ray_local import init_local  # noqa: E402
 from tests.version_audit import check_steps  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
@@ -59,7 +60,7 @@ def fleet(tmp_path_factory):
     for v in range(VERSIONS):
         write_adapter(versions / f"{HOT}-v{v}", TINY, 16 if v % 2 else 8, 16.0, list(MODULE_ORDER), torch.float32,
                       torch.Generator().manual_seed(1000 + v))
-    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False)
+    init_local(num_cpus=2, namespace="lora-cache", include_dashboard=False)
     try:
         svc = start(ServeConfig(adapters=str(root), replicas=2, tp=2),
                     CatalogConfig(adapter_roots=(str(root), str(versions)), model="tiny", max_rank=16),

@@ -22,7 +22,7 @@ from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
 from lora_cache.adapters.synth import write_adapter
 from lora_cache.controller import registrations
 from lora_cache.controller.core import ControllerConfig, ControllerCore
-from lora_cache.controller.links import Sent
+from lora_cache.controller.fanout import Sent
 from lora_cache.controller.registrations import Registrar, Turns
 from lora_cache.errors import AdapterFormatError, AdapterPathError, ConflictError, NotFoundError
 

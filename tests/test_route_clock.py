@@ -73,6 +73,30 @@ def _fleet(rows: list[tuple[Residence, int, float]]) -> list[ReplicaLoad]:
     ]
 
 
+def test_a_load_queued_behind_others_on_its_worker_is_no_sample_of_a_load() -> None:
+    """Issue 31: a fleet's first placement sends each worker 8 prefetches at once; the last is READY after the worker's
+    queue of loads, not one load's time. Counted as samples, 8 ms loads read as 0.36 s (fit plus spread) for the whole
+    run, and no cold adapter was ever ready by a 50 ms lead (idle_ready never fired; bench/RESULTS.md 2026-11-26)."""
+    clock = LoadClock(cold_s=0.1, staged_s=0.01)
+    for k in range(8):  # a burst to one worker: each waits for those before it
+        clock.sent("r/0", f"a{k}", "v", 1e6, False, 0.0)
+    clock.sent("s/0", "b", "v", 1e6, False, 0.0)  # another worker's load is no queue of r/0's
+    for k in range(8):
+        clock.ready("r/0", f"a{k}", "v", 0.010 * (k + 1))
+    clock.ready("s/0", "b", "v", 0.012)
+    assert clock.samples(staged=False) == pytest.approx(1.0 + 0.97)  # the first of the burst and s/0's, no more
+    assert clock.load_s(1e6, staged=False, spread=True) < 0.013  # the 10 and 12 ms loads, not their queue
+    clock.sent("r/0", "c", "v", 1e6, False, 1.0)  # r/0's queue is empty again: a sample
+    clock.ready("r/0", "c", "v", 1.010)
+    assert clock.samples(staged=False) == pytest.approx((1.0 + 0.97) * 0.97 + 1.0)
+    clock.sent("r/0", "d", "v", 1e6, False, 2.0)
+    clock.sent("r/0", "e", "v", 1e6, False, 2.0)
+    clock.dropped("r/0", "d", "v")  # a failed load leaves the queue: e was sent behind it all the same
+    clock.ready("r/0", "e", "v", 2.5)
+    assert clock.load_s(1e6, staged=False, spread=True) < 0.013  # the 10 and 12 ms loads, not their queue
+
+
+
 @given(replicas, leads)
 def test_an_idle_replica_ready_by_arrival_ranks_first(rows: list[tuple[Residence, int, float]], lead: float) -> None:
     fleet = _fleet(rows)
@@ -104,7 +128,8 @@ def _core(tiny_adapters: Any, adapters: int = 3) -> tuple[ControllerCore, list[s
         core.register_adapter(p.name, str(p))
     for r in range(2):
         core.add_replica(f"replica-{r}", 1, 4)
-    core.worker_report(WorkerId("replica-0", 0), [(names[0], core.planner.adapter(names[0]).version, "ready", "")], 0.5)
+    version = core.planner.view.adapter(names[0]).version
+    core.worker_report(WorkerId("replica-0", 0), [(names[0], version, "ready", "")], 0.5)
     return core, names
 
 

@@ -114,11 +114,11 @@ class PlannerGateway:
 
     def ready(self, adapter: str) -> Collection[str]:
         key = AdapterKey(adapter, "v1")
-        return [r for r in self.planner.replicas() if residence(self.planner, r, key) is Residence.READY]
+        return [r for r in self.planner.view.replicas() if residence(self.planner.view, r, key) is Residence.READY]
 
     def first(self, adapters: Sequence[str], loads: Mapping[str, int]) -> list[str]:
         items = [RouteRequest(a) for a in adapters]
-        return [a.ranked[0].replica for a in advise(self.planner, items, self.config, dict(loads))]
+        return [a.ranked[0].replica for a in advise(self.planner.view, items, self.config, dict(loads))]
 
 
 class CoreView:
@@ -128,7 +128,7 @@ class CoreView:
         self.planner, self.config = planner, config
 
     def route(self, items: list[RouteRequest], loads: dict[str, float] | None = None) -> list:
-        return advise(self.planner, items, self.config, loads)
+        return advise(self.planner.view, items, self.config, loads)
 
 
 @pytest.mark.parametrize("name", sorted(RULES))

@@ -113,6 +113,41 @@ def test_sticky_cold_picks_are_the_same_replica_while_it_has_room(loads: list[in
     assert len(others) > 1  # different adapters prefer different replicas
 
 
+@given(st.lists(st.floats(0, 50), min_size=2, max_size=12), st.sampled_from(["a", "b", "adapter-017"]))
+def test_with_cold_traffic_a_cold_adapter_goes_to_the_replica_sent_fewest_requests_lately(recent: list[float],
+                                                                                       adapter: str) -> None:
+    """Issue 32: a router that counts its own traffic (cold_traffic) sends an adapter resident nowhere to the cold
+    replica with room sent the fewest requests lately, whatever its hash order; a READY replica still comes first;
+    without it the hash order stands (the controller's Route)."""
+    fleet = [ReplicaLoad(f"replica-{i}", Residence.COLD, 0.0, recent=x) for i, x in enumerate(recent)]
+    pick = rank(adapter, fleet, RouterConfig(cold_traffic=True))[0]
+    assert pick.reason is Residence.COLD and dict(zip([r.replica for r in fleet], recent))[pick.replica] == min(recent)
+    assert rank(adapter, fleet, RouterConfig())[0] == rank(adapter, [r._replace(recent=0.0) for r in fleet],
+                                                           RouterConfig())[0]
+    busiest = max(fleet, key=lambda r: r.recent)._replace(residence=Residence.READY)
+    ready = [busiest if r.replica == busiest.replica else r for r in fleet]
+    assert rank(adapter, ready, RouterConfig(cold_traffic=True))[0].replica == busiest.replica
+
+
+def test_traffic_counts_decay_by_half_each_half_life_and_forget_a_replica() -> None:
+    from lora_cache.routing.traffic import Traffic
+
+    t = Traffic(10.0)
+    t.add("r1", 0.0)
+    t.add("r1", 0.0)
+    assert t.get("r1", 0.0) == 2.0 and t.get("r2", 0.0) == 0.0
+    assert t.get("r1", 10.0) == pytest.approx(1.0)
+    t.add("r1", 20.0)
+    assert t.get("r1", 20.0) == pytest.approx(1.5)
+    t.forget("r1")
+    assert t.get("r1", 20.0) == 0.0
+    off = Traffic(0.0)
+    off.add("r1", 0.0)
+    assert off.get("r1", 0.0) == 0.0
+    with pytest.raises(ConfigError, match=r"half_life_s is -1; give a finite number of seconds >= 0"):
+        Traffic(-1)
+
+
 @given(st.lists(st.integers(0, 6), min_size=2, max_size=12), st.sampled_from(["a", "b", "adapter-017"]),
        st.sampled_from([0.0, 1.0, 2.0]))
 def test_cold_picks_go_where_the_adapter_starts_soonest(loads: list[int], adapter: str, slack: float) -> None:

@@ -26,7 +26,7 @@ from lora_cache.adapters.peft import content_version, read_adapter
 from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
 from lora_cache.adapters.shards import shard_layout
 from lora_cache.adapters.synth import write_adapter
-from lora_cache.errors import NotFoundError
+from lora_cache.errors import ConfigError, NotFoundError
 from lora_cache.vocab import AdapterKey
 from workers.cache import WorkerCache, WorkerConfig
 from workers.engine.admission import ADMISSION, Readiness
@@ -127,6 +127,75 @@ def test_loading_means_the_current_version_ready_or_its_copy_issued_on_every_ran
     assert view([set(), set()], [{old}, {old}]).readiness() == {}  # an older version's copy: not the current
     assert view([{new}, {new}], [set(), set()]).readiness() == {"a": Readiness.READY}
     assert view([{new}, {new}], [set(), set()]).readiness() == view([{new}, {new}], [{new}, {new}]).readiness()
+
+
+def test_a_name_added_at_run_time_waits_for_every_rank_then_serves_its_one_version(tmp_path: Path) -> None:
+    """The exchange grows (``RankVersions.append``, every rank at one round): a name not registered yet on a rank
+    is PENDING there, so the replica waits for it (NOT_READY, no version), never FAILED; once every rank has it,
+    its one version; a rank that had it and lost it (unregistered) fails it, as for names known at build. A name
+    added this round has no version until the next exchange (its requests wait a round)."""
+    make_versions(tmp_path)
+    catalogs = [AdapterCatalog(CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny", max_rank=16))
+                for _ in range(TP)]
+    for catalog in catalogs:
+        catalog.register("a", tmp_path / "a-v0")
+    ranks = [RankVersions(catalog, ("a",)) for catalog in catalogs]
+
+    def view() -> ReducedVersions:
+        rows = [r.rows(set()) for r in ranks]
+        assert all(r.names == ranks[0].names for r in ranks)
+        return ReducedVersions(reduce_min(rows), ranks[0].names, ranks[0].codes)
+
+    assert view().versions()["b"] == AdapterVersions(None, None)  # not in the exchange (yet)
+    b = catalogs[0].register("b", tmp_path / "b-v0").version  # rank 0 has it; rank 1's registration on its way
+    for r in ranks:
+        r.append(["b"])
+    with pytest.raises(ValueError, match="in the version exchange already"):
+        ranks[0].append(["b"])
+    waiting = view()
+    assert waiting.readiness() == {} and waiting.versions()["b"] == AdapterVersions(None, None)
+    catalogs[1].register("b", tmp_path / "b-v0")
+    agreed = view()
+    assert agreed.readiness() == {} and agreed.versions()["b"] == AdapterVersions(b, b)
+    key = AdapterKey("b", b)
+    rows = [r.rows({key}) for r in ranks]
+    assert ReducedVersions(reduce_min(rows), ranks[0].names, ranks[0].codes).readiness() == {"b": Readiness.READY}
+    catalogs[1].unregister("b")  # had it, lost it: no new use
+    assert view().readiness() == {"b": Readiness.FAILED}
+
+
+def test_a_request_whose_ranks_agree_on_no_version_fails_alone_after_agree_timeout(tmp_path: Path) -> None:
+    """A registration that reached rank 0 only (its requests wait: PENDING on rank 1) does not hold the stream
+    for ever: after ``agree_timeout_s`` of waiting, the request fails alone with an error naming the adapter and
+    the fix; one whose registration reaches every rank in time is admitted at that version."""
+    make_versions(tmp_path)
+    catalogs = [AdapterCatalog(CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny", max_rank=16))
+                for _ in range(TP)]
+    ranks = [RankVersions(catalog, ()) for catalog in catalogs]
+    b = catalogs[0].register("b", tmp_path / "b-v0").version
+    catalogs[0].register("c", tmp_path / "c-v0")
+    for r in ranks:
+        r.append(["b", "c"])
+    config = EngineConfig(model="tiny", device="cpu", num_slots=3, max_adapters=2, max_running=3, max_seq_len=32,
+                          max_prefill_tokens=24, agree_timeout_s=5.0)
+    scheduler = Scheduler(config, ADMISSION["ondemand"](), [Request(0, "b", 3, 1), Request(1, "c", 3, 1)])
+
+    def plan(now: float) -> tuple[str, tuple[int, ...]]:
+        view = ReducedVersions(reduce_min([r.rows(set()) for r in ranks]), ranks[0].names, ranks[0].codes)
+        p = scheduler.plan(now, view.readiness(), view.versions())
+        scheduler.finish_step(p, now, 0.0)  # one output token: done at its prefill
+        return p.kind, tuple(it.rid for it in p.items)
+
+    assert plan(0.0) == (WAIT, ())
+    assert plan(4.0) == (WAIT, ()) and scheduler.take_finished() == []
+    catalogs[1].register("b", tmp_path / "b-v0")  # reaches rank 1 in time; c never does
+    assert plan(4.5) == (PREFILL, (0,)) and scheduler.live[0].version == b
+    assert plan(5.0) == (STOP, ())  # c waited 5 s: it fails alone, and the run can end
+    assert scheduler.take_finished() == [0, 1]
+    error = scheduler.live[1].error
+    assert error is not None and "'c': the TP ranks' catalogs agreed on no version of it for 5 s" in error
+    with pytest.raises(ConfigError, match="agree_timeout_s must be >= 0"):
+        EngineConfig(model="tiny", device="cpu", agree_timeout_s=-1)
 
 
 def test_the_replica_serves_a_version_only_when_every_rank_agrees() -> None:

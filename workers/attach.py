@@ -246,6 +246,11 @@ class Attachment:
         """The exact versions LOADING on this rank with every copy issued (READY within a copy's time)."""
         return self.cache.issued_keys()
 
+    def issued_copies(self) -> dict[AdapterKey, tuple[int, float]]:
+        """``issued_keys`` -> (the bytes of each one's copy, ``perf_counter`` when it was issued): the engine
+        predicts when each lands (``workers.engine.admission.CopyClock``)."""
+        return self.cache.issued_copies()
+
     def version_rows(self, names: Sequence[str], failed_loads: Sequence[str] = (),
                      failed_steps: Sequence[str] = ()) -> torch.Tensor:
         """This rank's row per adapter of ``names`` for the version exchange (``workers.engine.versions``):

@@ -343,6 +343,15 @@ class WorkerCache:
             return {s.key for s in self.book.table.slots if s.key is not None and s.state is SlotPhase.LOADING
                     and self.book.loads[s.index].issued.is_set() and self.book.loads[s.index].error is None}
 
+    def issued_copies(self) -> dict[AdapterKey, tuple[int, float]]:
+        """``issued_keys`` -> (the bytes of each one's copy, the ``perf_counter`` time its first chunk's copy was
+        issued): what ``workers.engine.admission.CopyClock`` predicts its landing from."""
+        with self.book.lock:
+            loads = [(s.key, self.book.loads[s.index]) for s in self.book.table.slots
+                     if s.key is not None and s.state is SlotPhase.LOADING]
+            return {key: (load.layout.nbytes, next((t for phase, t in load.marks if phase == "issue 0"), load.t0))
+                    for key, load in loads if load.issued.is_set() and load.error is None}
+
     def ready_names(self) -> set[str]:
         """Adapters READY here (any version): the engine's readiness report, without ``residency``'s rows."""
         with self.book.lock:

@@ -297,12 +297,12 @@ class LoadPath:
             book.counters.h2d_ms.add(record.h2d_ms)
             book.counters.ready_ms.add(record.ready_ms)
             book.changed(load.key, "ready", record)
-        book.report()
         self.host.release(load.key)
         try:
             if self.on_ready is not None:
-                self.on_ready(record)
+                self.on_ready(record)  # before the report: what a rank logs as READY precedes what it tells
         finally:
+            book.report()
             load.mark("ready")
             load.future.set_result(record)
             self._retry_waiters()

@@ -64,7 +64,7 @@ def build(args: argparse.Namespace, rng: random.Random) -> tuple[Planner, ZipfSa
 def warm_up(planner: Planner, zipf: ZipfSampler, args: argparse.Namespace) -> float:
     """Queues everywhere, a full plan, every prefetch reported READY; the time of the full plan (s)."""
     arrival = itertools.count()
-    for replica in planner.replicas():
+    for replica in planner.view.replicas():
         entries = [QueueEntry(a, float(next(arrival))) for a in zipf.draw(args.queue)]
         planner.report_queue(replica, entries, 0.0)
     start = time.perf_counter_ns()
@@ -73,9 +73,9 @@ def warm_up(planner: Planner, zipf: ZipfSampler, args: argparse.Namespace) -> fl
     for _ in range(args.warm_rounds):  # speculation is limited per plan: fill the free room first
         if planner.plan_all(0.0).is_empty:
             break
-    for replica in planner.replicas():
-        for worker in planner.workers(replica):
-            held = [ResidencyEntry(k.name, k.version, SlotState.READY) for k in planner.residency(worker)]
+    for replica in planner.view.replicas():
+        for worker in planner.view.workers(replica):
+            held = [ResidencyEntry(k.name, k.version, SlotState.READY) for k in planner.view.residency(worker)]
             planner.report_residency(worker, held)
     planner.plan(0.0)
     return full_plan_s
@@ -84,14 +84,14 @@ def warm_up(planner: Planner, zipf: ZipfSampler, args: argparse.Namespace) -> fl
 def timed_updates(planner: Planner, zipf: ZipfSampler, args: argparse.Namespace,
                   rng: random.Random) -> tuple[list[int], int]:
     """Nanoseconds of each report_queue + plan, and the number of commands they produced."""
-    replicas = planner.replicas()
+    replicas = planner.view.replicas()
     arrival = 1e9
     samples, commands = [], 0
     for step in range(args.updates):
         now = 1.0 + step * args.interval_s
         replica = rng.choice(replicas)
         arrival += 1
-        entries = [*planner.queue(replica)[1:], QueueEntry(zipf.draw()[0], arrival)]
+        entries = [*planner.view.queue(replica)[1:], QueueEntry(zipf.draw()[0], arrival)]
         start = time.perf_counter_ns()
         planner.report_queue(replica, entries, now)
         plan = planner.plan(now)

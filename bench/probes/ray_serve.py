@@ -12,10 +12,20 @@ request: its latency from the handle's call to its result is its TTFT (bench_ser
 arrived; ``loads``: copies into slots over the replicas; ``replica_ms_mean``: a request's time inside its replica;
 ``router``: ``LoraCacheRouter``'s own counters (requests ranked, ready first, fallbacks, readiness events, hint and
 cancel calls); ``before_engine_ms_mean``: the part of a request's replica time before the engine took it (its load
-on a miss, under both routings), ``engine_ms_mean`` the rest. The controller and
+on a miss, under both routings), ``engine_ms_mean`` the rest; ``load_causes``: the replicas' loads started by a
+prefetch (ours: the controller's commands; Serve's: its multiplexed load) or by an acquire that missed, and of the
+prefetched loads evicted, those a batch used first and those it never used (``workers/metrics.py``). The controller and
 the gateway run in a ``lora-cache serve`` process of their own (``--gateway process``, as deployed) or in this
 driver (``--gateway thread``); ``--policy``, ``--epsilon``, ``--min-bound``, ``--serve-args`` and ``--router``
 (``RouterSettings`` as JSON) vary the lora-cache side.
+
+GPUs: ``--device cuda`` runs the same app with one Serve replica per GPU (``num_gpus=1``), the reference engine in
+bfloat16 with CUDA graphs, ``--model``-shaped adapters of ``--adapter-ranks`` (``bench.run``'s adapter directory,
+``$TMPDIR/lora-cache-bench-adapters-MODEL`` by default: written once, reused), the same ``--slots`` per replica and
+the same host tier (``--host-mib``, pinned) under both routings (``bench/gpu/serve.sh``):
+
+    python -m bench.probes.ray_serve --device cuda --model llama-3.1-8b --adapter-ranks 16,64 --replicas 4 \
+        --slots 4 --adapters 64 --rate 40 --requests 240 --input-len 512 --host-mib 8192
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import signal
@@ -36,6 +47,165 @@ from typing import Any
 
 import numpy as np
 
+DEVICES = ("cpu", "cuda")
+GPU_ENGINE: dict[str, Any] = dict(  # the reference engine on a GPU (EngineConfig's defaults otherwise)
+    device="cuda",
+    dtype="bfloat16",
+    cuda_graphs=True,
+    # one set of random base weights for every layer (as bench.run --engine real): the same math and bytes read
+    # per layer, a fraction of the build time and memory
+    share_weights=True,
+    max_running=32,
+    max_prefill_tokens=4096,
+    max_seq_len=2048,
+)
+
+
+def ranks(args: argparse.Namespace) -> list[int]:
+    return [int(r) for r in args.adapter_ranks.split(",")]
+
+
+def max_rank(args: argparse.Namespace) -> int:
+    return max(ranks(args))
+
+
+def dtype(args: argparse.Namespace) -> str:
+    return "bfloat16" if args.device == "cuda" else "float32"
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """``examples.ray_serve_lora.engine_config``'s overrides: the same slots per replica under both routings."""
+    gpu = GPU_ENGINE if args.device == "cuda" else {}
+    return {
+        **gpu,
+        "model": args.model,
+        "num_slots": args.slots,
+        "max_adapters": min(4, args.slots),
+        "max_rank": max_rank(args),
+        **json.loads(args.engine),
+    }
+
+
+def check(args: argparse.Namespace) -> None:
+    """Every option checked before anything starts (Ray, adapters): a ConfigError naming the option, its value
+    and the fix."""
+    from examples.ray_serve_lora import engine_config
+    from lora_cache.adapters.shapes import resolve_model
+    from lora_cache.errors import ConfigError
+
+    if args.device not in DEVICES:
+        raise ConfigError(f"--device {args.device!r} is not a device of this probe; use one of {', '.join(DEVICES)}")
+    try:
+        resolve_model(args.model)
+    except ConfigError as e:
+        raise ConfigError(f"--model {args.model!r}: {e}") from None
+    try:
+        got = ranks(args)
+    except ValueError:
+        got = []
+    if not got or min(got) < 1:
+        raise ConfigError(f"--adapter-ranks {args.adapter_ranks!r}: give LoRA ranks >= 1, comma-separated (16,64)")
+    for name in ("replicas", "slots", "adapters", "requests", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.adapters < args.replicas:
+        raise ConfigError(
+            f"--adapters {args.adapters} is fewer than --replicas {args.replicas} (each replica is "
+            "warmed up with an adapter of its own); raise --adapters"
+        )
+    if args.rate <= 0 or args.host_mib < 0:
+        raise ConfigError(f"--rate ({args.rate}) must be > 0 and --host-mib ({args.host_mib}) >= 0")
+    for name in ("engine", "router"):
+        try:
+            value = json.loads(getattr(args, name))
+        except ValueError as e:
+            raise ConfigError(
+                f"--{name} {getattr(args, name)!r} is not JSON ({e}); give an object, e.g. '{{}}'"
+            ) from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"--{name} {getattr(args, name)!r}: give a JSON object of settings, e.g. '{{}}'")
+    if args.device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < args.replicas:
+            raise ConfigError(
+                f"--device cuda with --replicas {args.replicas} needs {args.replicas} GPUs (one a "
+                f"replica), this machine has {gpus}; lower --replicas or use --device cpu"
+            )
+    try:
+        engine = engine_config(**engine_overrides(args))
+    except TypeError as e:  # an unknown --engine field
+        raise ConfigError(
+            f"--engine {args.engine!r}: {e}; name EngineConfig fields (workers/engine/config.py)"
+        ) from None
+    if args.input_len + args.output_len > engine.max_seq_len:
+        raise ConfigError(
+            f"--input-len {args.input_len} + --output-len {args.output_len} exceeds the engine's "
+            f"max_seq_len ({engine.max_seq_len}); shorten them or pass --engine "
+            "'{\"max_seq_len\": N}'"
+        )
+
+
+def adapters_for(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """The adapter directory and the workload's names. The tiny model without ``--adapter-dir``: a fresh temporary
+    directory. Otherwise ``bench.run``'s (``--adapter-dir``, or ``$TMPDIR/lora-cache-bench-adapters-MODEL``):
+    ``adapter-NNN``, the missing ones written, those there reused."""
+    if args.model == "tiny" and not args.adapter_dir:
+        from lora_cache.adapters.synth import SynthConfig, make_adapters
+
+        root = tempfile.mkdtemp(prefix="serve-bench-")
+        make_adapters(root, SynthConfig(model="tiny", count=args.adapters, rank=args.adapter_ranks))
+        return root, sorted(d.name for d in Path(root).iterdir())
+    from bench.run import ensure_adapters
+
+    default = Path(os.environ.get("TMPDIR") or "/tmp") / f"lora-cache-bench-adapters-{args.model}"
+    width = max(3, len(str(args.adapters - 1)))  # bench.workloads' names
+    names = [f"adapter-{i:0{width}d}" for i in range(args.adapters)]
+    where = Path(args.adapter_dir) if args.adapter_dir else default
+    t0 = time.perf_counter()
+    workers = max(1, min(16, (os.cpu_count() or 1) // 2, len(names)))  # an 8B adapter is seconds of one core
+    if workers == 1:
+        ensure_adapters(where, args.model, args.adapter_ranks, names)
+    else:  # each adapter seeded by its name alone: the same bytes as one process would write
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        threads = max(1, (os.cpu_count() or 1) // workers)  # each writer's torch threads: no oversubscription
+        with ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_writer_threads, initargs=(threads,)
+        ) as pool:
+            # runs of names starting at a multiple of the ranks' count: each name gets the rank one process gives it
+            k = len(ranks(args))
+            size = math.ceil(math.ceil(len(names) / workers) / k) * k
+            parts = [names[i : i + size] for i in range(0, len(names), size)]
+            futures = [pool.submit(ensure_adapters, where, args.model, args.adapter_ranks, part) for part in parts]
+            for done, future in enumerate(as_completed(futures), 1):
+                future.result()
+                print(
+                    f"adapters: {done} of {len(parts)} parts written ({time.perf_counter() - t0:.1f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    print(
+        f"adapters: {len(names)} under {where} ({time.perf_counter() - t0:.1f} s, {workers} processes)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return str(where), names
+
+
+def _phase(routing: str, what: str) -> None:
+    """A run's progress on stderr as it goes (a killed run's log says how far it got)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {routing}: {what}", file=sys.stderr, flush=True)
+
+
+def _writer_threads(threads: int) -> None:
+    """An adapter-writing process's torch threads (the machine's cores shared among the writers)."""
+    import torch
+
+    torch.set_num_threads(threads)
+
 
 def workload(adapters: list[str], requests: int, rate: float, alpha: float, seed: int) -> list[tuple[float, str]]:
     rng = random.Random(seed)
@@ -47,14 +217,14 @@ def workload(adapters: list[str], requests: int, rate: float, alpha: float, seed
     return out
 
 
-async def _play(handle: Any, arrivals: list[tuple[float, str]]) -> list[dict[str, Any]]:
+async def _play(handle: Any, arrivals: list[tuple[float, str]], body: dict[str, Any]) -> list[dict[str, Any]]:
     """Each request sent at its arrival time (open loop), timed from the call to its result."""
     start = time.perf_counter()
 
     async def one(at: float, adapter: str) -> dict[str, Any]:
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
         sent = time.perf_counter()
-        out = await handle.options(multiplexed_model_id=adapter).remote({})
+        out = await handle.options(multiplexed_model_id=adapter).remote(body)
         return {**out, "ttft_ms": (time.perf_counter() - sent) * 1e3}
 
     return list(await asyncio.gather(*(one(at, a) for at, a in arrivals)))
@@ -102,16 +272,17 @@ def _serve_process(args: argparse.Namespace, root: str, policy: str) -> _ServePr
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = [sys.executable, "-m", "lora_cache.app.cli", "serve", "--address", ray.get_runtime_context().gcs_address,
-            "--replicas", "0", "--adapters", root, "--model", "tiny", "--max-rank", "16", "--policy", policy,
+            "--replicas", "0", "--adapters", root, "--model", args.model, "--max-rank", str(max_rank(args)),
+            "--policy", policy,
             "--epsilon", str(args.epsilon), "--min-bound", str(args.min_bound), "--grpc-host", "127.0.0.1",
             "--grpc-port", str(port), *args.serve_args.split()]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
     service = _ServeProcess(proc, f"127.0.0.1:{port}")
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + (120 if args.device == "cpu" else 240)
     while True:
         try:
             with LoraCacheClient(service.target, timeout_s=2) as client:
-                if client.status().adapters == args.adapters:
+                if client.status().adapters >= args.adapters:  # a reused directory may hold more
                     return service
         except ClientError:
             pass
@@ -124,7 +295,7 @@ def _serve_process(args: argparse.Namespace, root: str, policy: str) -> _ServePr
 def run(routing: str, args: argparse.Namespace, root: str, names: list[str]) -> dict[str, Any]:
     from ray import serve
 
-    from examples.ray_serve_lora import app, engine_config
+    from examples.ray_serve_lora import LOAD_CAUSES, app, engine_config
     from lora_cache.adapters.catalog import CatalogConfig
     from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
     from lora_cache.app.serve import ServeConfig, start
@@ -135,47 +306,64 @@ def run(routing: str, args: argparse.Namespace, root: str, names: list[str]) -> 
     from workers.host_tier import HostTierConfig
 
     policy = args.policy if routing == "lora-cache" else "none"
+    if args.fresh_state:  # the controller's snapshot (popularity, hints, queues) of the routing before this one
+        from ray.experimental.internal_kv import _internal_kv_del
+
+        from lora_cache.controller.snapshots import DurableConfig
+        from lora_cache.vocab import NAMESPACE
+
+        _internal_kv_del(DurableConfig().key, namespace=NAMESPACE)
     if args.gateway == "process":  # as deployed: the controller and the gateway in `lora-cache serve`'s process
         service: Any = _serve_process(args, root, policy)
         target = service.target
     else:  # in this driver's process, beside the load generator and the handle's router
         service = start(
             ServeConfig(adapters=root, replicas=0),
-            CatalogConfig(model="tiny", max_rank=16),
+            CatalogConfig(model=args.model, max_rank=max_rank(args)),
             PlannerConfig(policy=policy),
             WorkerConfig(),
             RouterConfig(epsilon=args.epsilon, min_bound=args.min_bound),
         )
         gateway = start_gateway_thread(GatewayConfig(grpc_port=0), service.controller)
         target = gateway.target
+    _phase(routing, f"lora-cache service up (policy {policy})")
     try:
-        cache = ReplicaCacheConfig(
-            num_slots=args.slots, worker={"host": HostTierConfig(host_bytes=args.host_mib << 20, pin=False)}
-        )
+        gpu = args.device == "cuda"
+        host = HostTierConfig(host_bytes=args.host_mib << 20, pin=gpu)  # the same for both routings
+        cache = ReplicaCacheConfig(num_slots=args.slots, device=args.device, dtype=dtype(args), worker={"host": host})
+        setup_t = time.perf_counter()
         handle = serve.run(
             app(
                 routing,
                 target,
                 args.replicas,
                 cache,
-                engine_config(num_slots=args.slots, max_adapters=min(4, args.slots)),
+                engine_config(**engine_overrides(args)),
                 not args.no_ahead,
                 **{"epsilon": args.epsilon, "min_bound": args.min_bound, **json.loads(args.router)},
             ),
             name=f"bench-{routing}",
             route_prefix=None,
         )
+        body = {"input_len": args.input_len, "output_len": args.output_len}
+        warm_s = 120 if args.device == "cpu" else 300  # a GPU replica's engine build: model, warm-up, CUDA graphs
+        _phase(routing, f"app deployed ({time.perf_counter() - setup_t:.1f} s); warming {args.replicas} replicas")
         for name in names[: args.replicas]:  # every replica up and its engine warm before the clock
-            handle.options(multiplexed_model_id=name).remote({}).result(timeout_s=120)
+            handle.options(multiplexed_model_id=name).remote(body).result(timeout_s=warm_s)
+        _phase(routing, f"replicas warm ({time.perf_counter() - setup_t:.1f} s); playing {args.requests} requests")
         probe = _route_probe(target, names, args.route_probe) if routing == "lora-cache" else {}
         arrivals = workload(names, args.requests, args.rate, args.alpha, args.seed)
         load_before = os.getloadavg()[0]
         start_t = time.perf_counter()
-        results = asyncio.run(_play(handle, arrivals))
+        results = asyncio.run(_play(handle, arrivals, body))
         ttft = np.array([r["ttft_ms"] for r in results])  # the handle's call to its result: routing included
         loads: dict[str, int] = {}
+        causes: dict[str, dict[str, int]] = {}  # replica -> its counters by cause (the latest: the largest)
         for r in results:
             loads[r["replica"]] = max(loads.get(r["replica"], 0), r["loads"])
+            mine = causes.setdefault(r["replica"], {})
+            for k in LOAD_CAUSES:
+                mine[k] = max(mine.get(k, 0), int(r.get(k, 0)))
         inner = getattr(getattr(getattr(handle, "_router", None), "_asyncio_router", None), "_request_router", None)
         counts = dict(getattr(inner, "counts", {}))  # LoraCacheRouter's own (this driver's handle)
         return {
@@ -192,8 +380,14 @@ def run(routing: str, args: argparse.Namespace, root: str, names: list[str]) -> 
             "gpu_hit_rate": sum(r["hit"] for r in results) / len(results),
             "loads": sum(loads.values()),
             "replicas_used": len(loads),
+            # loads started by a prefetch (ours: the plan's commands; Serve's: its multiplexed load) or by an acquire
+            # that missed; prefetched loads evicted so far used by a batch first or not; stages (host tier only)
+            "load_causes": {k: sum(c[k] for c in causes.values()) for k in LOAD_CAUSES},
             "wall_s": time.perf_counter() - start_t,
             "policy": policy,
+            "device": args.device,
+            "model": args.model,
+            "setup_s": start_t - setup_t,  # serve.run and the warm-up calls: the replicas' engines built
             **probe,
         }
     finally:
@@ -203,11 +397,7 @@ def run(routing: str, args: argparse.Namespace, root: str, names: list[str]) -> 
         service.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
-    import ray
-
-    from lora_cache.adapters.synth import SynthConfig, make_adapters
-
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--slots", type=int, default=4, help="adapter slots per replica (both routings)")
@@ -236,12 +426,92 @@ def main(argv: list[str] | None = None) -> int:
         help="lora-cache routing: a miss loads inside the engine's step (the replica's ensure_ready off)",
     )
     p.add_argument("--route-probe", type=int, default=0, help="time this many Route calls before the run")
+    p.add_argument(
+        "--device", default="cpu", help=f"where the replicas' engines run: {' or '.join(DEVICES)} (one GPU a replica)"
+    )
+    p.add_argument("--model", default="tiny", help="the model shape (llama-3.1-8b on GPUs)")
+    p.add_argument("--adapter-ranks", default="8,16", help="ranks of the adapters made (used in turn)")
+    p.add_argument(
+        "--adapter-dir",
+        default="",
+        help="the adapters' directory (bench.run's rule: missing ones "
+        "written, others reused); default: a fresh one for tiny, else $TMPDIR/lora-cache-bench-adapters-MODEL",
+    )
+    p.add_argument("--input-len", type=int, default=64, help="prompt tokens of each request")
+    p.add_argument(
+        "--output-len", type=int, default=1, help="output tokens of each request (1: its latency is its TTFT)"
+    )
+    p.add_argument("--engine", default="{}", help="more EngineConfig fields (JSON), both routings")
+    p.add_argument(
+        "--fresh-state",
+        action="store_true",
+        help="each routing's controller starts without the popularity counts, hints and queues of the routing "
+        "before it (the controller's snapshot in Ray's GCS, which a later `lora-cache serve` restores otherwise)",
+    )
+    p.add_argument(
+        "--preflight",
+        action="store_true",
+        help="check the options, import what the runs need (Ray Serve, the app), print versions, exit",
+    )
+    p.add_argument(
+        "--write-adapters",
+        action="store_true",
+        help="write the missing adapters (bench.run's rule), print where, exit: a step of its own before the timed "
+        "runs (8B-shaped adapters take seconds of a core each)",
+    )
     p.add_argument("--json", help="write the rows here too")
+    return p
+
+
+def preflight() -> None:
+    """What a run imports (in this driver, the replicas and ``lora-cache serve``), before anything starts."""
+    import importlib
+    from importlib.metadata import version
+
+    import torch
+
+    # Ray Serve's HTTP side (fastapi, starlette, uvicorn, pydantic) comes with ray.serve; named here to report them
+    for module in (
+        "ray",
+        "ray.serve",
+        "fastapi",
+        "starlette",
+        "uvicorn",
+        "pydantic",
+        "grpc",
+        "examples.ray_serve_lora",
+        "lora_cache.app.cli",
+        "lora_cache.integrations.ray_serve",
+        "bench.run",
+    ):
+        importlib.import_module(module)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    got = ", ".join(
+        f"{name} {version(name)}"
+        for name in ("ray", "fastapi", "starlette", "uvicorn", "pydantic", "grpcio", "protobuf")
+    )
+    print(f"python {sys.version.split()[0]}, torch {torch.__version__} ({gpus} GPUs), {got}: ready")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lora_cache.errors import ConfigError
+
+    p = build_parser()
     args = p.parse_args(argv)
-    root = tempfile.mkdtemp(prefix="serve-bench-")
-    make_adapters(root, SynthConfig(model="tiny", count=args.adapters, rank="8,16"))
-    names = sorted(d.name for d in Path(root).iterdir())
-    ray.init(address="local", num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
+    try:
+        check(args)
+    except ConfigError as e:
+        p.error(str(e))
+    if args.preflight:
+        preflight()
+        return 0
+    root, names = adapters_for(args)
+    if args.write_adapters:
+        return 0
+    import ray
+
+    cpus = 2 if args.device == "cpu" else None  # GPUs: Ray's own count of both
+    ray.init(address="local", num_cpus=cpus, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
     rows = []
     try:
         for routing in args.routings.split(","):

@@ -17,6 +17,8 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 from bench.policies import BenchPolicy
 from bench.router.rules import Gateway, LeastLoaded, Rule, make_rule
 from lora_cache.api.client import Hint, LoraCacheClient, RouteItem
@@ -83,7 +85,10 @@ class GatewayRoutes:
 
 class Router(threading.Thread):
     """Routes each request ``lead_s`` before its arrival by ``rule`` (``bench.router.rules``), hints the chosen
-    replica then (policies with hints), and submits the request to that replica's engine at its arrival.
+    replica then (policies with hints), and submits the request to that replica's engine at its arrival. As a
+    router forwards a request first and tells the cache on the side, the requests due now are submitted before
+    their batch's hints are sent (at lead 0 the hint call is off the request's path); ``submit_lag_ms`` is each
+    request's submission after its arrival, the router's own share of its TTFT.
     Its in-flight count per replica (the loads least-loaded, affinity and lora-cache read) goes up when it
     routes a request and down when the replica's engine reports it finished (a watcher thread per
     replica). After the last submission it ends every replica's stream (also when it fails)."""
@@ -104,6 +109,9 @@ class Router(threading.Thread):
         self.choices: dict[int, str] = {}  # rid -> the replica the rule chose
         self.hinted: dict[int, str] = {}  # rid -> the replica hinted
         self.hint_calls = 0
+        self.submitted_s: dict[int, float] = {}  # rid -> when it was submitted (seconds on the run's clock)
+        self.lag_s: dict[int, float] = {}  # rid -> its submission's time after its arrival
+        self.hint_s: dict[int, float] = {}  # rid -> when its hint was sent (seconds on the run's clock)
         self.errors: list[str] = []  # every failed call (a lost hint costs latency; a lost route, fairness)
         self._halt = threading.Event()
         self._watchers = [threading.Thread(target=self._watch, args=(r,), name=f"bench-finished-{r}", daemon=True)
@@ -119,9 +127,9 @@ class Router(threading.Thread):
                 batch = []
                 while self.todo and self.todo[0].arrival_s - self.lead_s <= now:
                     batch.append(self.todo.popleft())
-                if batch:
-                    self._route(batch, now)
+                hints = self._route(batch, now) if batch else []
                 self._submit(now)
+                self._hint(hints)
                 self._halt.wait(max(0.0, min(0.05, self._next_s() - (time.time() - self.start_wall))))
         except Exception as e:  # the streams still end below: the run finishes and reports it
             self.errors.append(f"router: {type(e).__name__}: {e}")
@@ -135,8 +143,8 @@ class Router(threading.Thread):
         nxt = [self.todo[0].arrival_s - self.lead_s] if self.todo else []
         return min([*nxt, self.due[0][0]] if self.due else nxt, default=0.0)
 
-    def _route(self, batch: list[Request], now: float) -> None:
-        """The rule's picks for the requests due together (on a snapshot of the loads), then their hints."""
+    def _route(self, batch: list[Request], now: float) -> list[tuple[int, Hint]]:
+        """The rule's picks for the requests due together (on a snapshot of the loads); their hints, to send."""
         with self._lock:
             loads = dict(self.loads)
         adapters = [r.adapter for r in batch]
@@ -153,11 +161,17 @@ class Router(threading.Thread):
             self.choices[r.rid] = replica
             heapq.heappush(self.due, (r.arrival_s, r.rid, replica, r))
             if self.policy.hints and r.adapter is not None:
-                hints.append(Hint(f"{self.policy.name}-{r.rid}", r.adapter, replica, max(0.0, r.arrival_s - now)))
+                hints.append((r.rid, Hint(f"{self.policy.name}-{r.rid}", r.adapter, replica,
+                                          max(0.0, r.arrival_s - now))))
                 self.hinted[r.rid] = replica
+        return hints
+
+    def _hint(self, hints: list[tuple[int, Hint]]) -> None:
         if hints:
+            sent = time.time() - self.start_wall
+            self.hint_s.update((rid, sent) for rid, _ in hints)
             try:
-                self.client.hint(hints)
+                self.client.hint([h for _, h in hints])
                 self.hint_calls += 1
             except Exception as e:
                 self.errors.append(f"hint: {type(e).__name__}: {e}")
@@ -170,6 +184,9 @@ class Router(threading.Thread):
             out.setdefault(replica, []).append(request)
         for replica, requests in out.items():
             self.fleet.submit(replica, requests)
+            sent = time.time() - self.start_wall
+            self.submitted_s.update((r.rid, sent) for r in requests)
+            self.lag_s.update((r.rid, sent - r.arrival_s) for r in requests)
 
     def _watch(self, replica: str) -> None:
         """Until the replica's run is over (None), or, once stopped, a poll that finds nothing new."""
@@ -207,4 +224,15 @@ class Router(threading.Thread):
         calls = {"route_calls": self.gateway.routes, "lookup_calls": self.gateway.lookups} if isinstance(
             self.gateway, GatewayRoutes) else {}
         return {"router": self.rule_name, "choices": {str(k): v for k, v in sorted(self.choices.items())},
-                "hints": {str(k): v for k, v in sorted(self.hinted.items())}, "hint_calls": self.hint_calls, **calls}
+                "hints": {str(k): v for k, v in sorted(self.hinted.items())}, "hint_calls": self.hint_calls, **calls,
+                "submit_lag_ms": lag_summary(list(self.lag_s.values())),
+                "submitted_s": {str(k): v for k, v in sorted(self.submitted_s.items())},
+                "hint_sent_s": {str(k): v for k, v in sorted(self.hint_s.items())}}
+
+
+def lag_summary(lags_s: Sequence[float]) -> dict[str, float]:
+    """Mean, p99 and max of the requests' submission lags, in ms (empty: no request submitted)."""
+    if not lags_s:
+        return {}
+    ms = 1e3 * np.asarray(lags_s, dtype=np.float64)
+    return {"mean": float(ms.mean()), "p99": float(np.percentile(ms, 99)), "max": float(ms.max())}

@@ -38,7 +38,7 @@ from bench.sim.calibration import Calibration
 from bench.sim.events import Loop, Signal
 from bench.sim.worker import SimLoad, SimWorker
 from workers.cache import AdapterRef
-from workers.engine.admission import AdmissionRule, Readiness
+from workers.engine.admission import AdmissionRule, CopyClock, Readiness
 from workers.engine.config import EngineConfig
 from workers.engine.scheduler import PREFILL, STOP, WAIT, Scheduler, StepPlan, _Live
 from workers.engine.workload import Request
@@ -117,6 +117,10 @@ class SimReplica:
         self._last_end: float | None = None  # the last step's end, None after a wait (as RankEngine logs gaps)
         self._arrivals: dict[str, None] = {}  # adapters pinned or loaded at arrival since the last round
         self._computing: _Step | None = None  # the step whose compute is under way (its end is scheduled)
+        self.clocks = [CopyClock(layers) for _ in workers]  # per rank: its measured copies and steps
+        if self._loading:
+            for w, clock in zip(workers, self.clocks):
+                w.copies = clock
         if mid_step_reads:  # rank 0's process: the one whose steps reads slow (``SimConfig.mid_step_reads``)
             workers[0].host.on_read = self._read_started
 
@@ -191,12 +195,13 @@ class SimReplica:
         reusable slot, host tier full), which the engine does not report as FAILED: the adapter stays
         wanted and is prefetched again next round (so no request leaves with a load error here)."""
         views, loading = [], []
-        for w in self.workers:
+        for w, clock in zip(self.workers, self.clocks):
             w.pin(_names(wanted))  # pins only adapters READY there: nothing to add to the view
             views.append({slot.key.name for slot in w.table.slots
                           if slot.key is not None and slot.state is SlotPhase.READY})
-            loading.append({slot.key.name for slot in w.table.slots  # a slot taken: the read done, the copy issued
-                            if slot.key is not None and slot.state is SlotPhase.LOADING})
+            # a slot taken (the read done, the copy issued) whose copy lands before a step's last layer, from
+            # this rank's measured copies and steps (``CopyClock``; ``RankEngine._readiness`` does the same)
+            loading.append(clock.in_time(w.issued_copies(), self.loop.now) if self._loading else set())
         ready = set.intersection(*views)
         out = dict.fromkeys(ready, Readiness.READY)
         if self._loading:  # LOADING: READY or copying on every rank (only rules that read it are told)
@@ -223,9 +228,9 @@ class SimReplica:
         token, left = self._wait_token, [len(self.workers)]
         waited = _names(plan.wait_for)
         for w, loads in zip(self.workers, self._engine_loads):
+            # a rule that runs LOADING adapters also wakes when a copy is issued (as ``RankEngine._wait_issued``:
+            # READY of any load, or the issue of one not issued yet; ``CopyClock`` may still hold it back)
             flying = [ld for a in waited if (ld := loads.get(a)) is not None and not ld.ready.done]
-            if self._loading:  # a rule that runs LOADING adapters wakes when a copy is issued
-                flying = [ld for ld in flying if not ld.issued.done] or flying
             done = functools.partial(self._rank_waited, token, left, [False])
             if flying:
                 for load in flying:
@@ -294,6 +299,8 @@ class SimReplica:
             end = max(step.compute_s + duration, step.loaded_s + duration / self.layers)
             step.chunk_wait_s = end - (step.compute_s + duration)
             step.end_s, self._computing = end, step
+            for clock in self.clocks:  # each rank measures its steps' compute (no load wait in it)
+                clock.stepped(duration)
             step.slowdown = (self.calibration.prefill_read_slowdown if step.plan.kind == PREFILL
                              else self.calibration.decode_read_slowdown)
             self.loop.at(end, self._end_step, step, end)

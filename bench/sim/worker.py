@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from bench.sim.calibration import Calibration
 from bench.sim.events import Loop, Signal
 from lora_cache.errors import CapacityError
 from lora_cache.vocab import AdapterKey, Command, Evict, Stage
+from workers.engine.admission import CopyClock
 from workers.metrics import STATS_COUNTERS, CacheCounters, resident_prefetches
 from workers.slots import SlotPhase, SlotTable
 
@@ -80,6 +82,7 @@ class SimLoad:
     slot: int = -1
     disk_ms: float = 0.0
     h2d_ms: float = 0.0
+    issued_s: float = 0.0  # when its copy was issued (queued on the rank's copy stream)
     used: bool = False  # some batch acquired (or pinned) it: prefetch accuracy
 
 
@@ -100,7 +103,8 @@ class SimHostTier:
         self.used = 0
         self.hits = self.misses = self.bytes_read = self.waits = 0
         self._waiting: OrderedDict[AdapterKey, _Staged] = OrderedDict()  # fetches waiting for room, FIFO
-        self._readers = [0.0] * read_threads  # heap: when each reader thread is free (FIFO pool)
+        # heap: when each reader thread is free (FIFO pool); free from the start, which may be before t=0 (settle_s)
+        self._readers = [-math.inf] * read_threads
         self._reads: list[tuple[float, float]] = []  # (start, end) of reads not yet known to be over
         self.on_read: Callable[[float, float], None] | None = None  # told (start, end) of each read placed
 
@@ -212,7 +216,8 @@ class SimWorker:
         self._waiters: list[SimLoad] = []  # staged, waiting for a load to finish to free a slot
         self._pinned: dict[str, int] = {}  # the engine's pins (acquire_ready): adapter -> slot
         self._arrival_pins: list[int] = []  # slots pinned for requests that arrived since the last round
-        self._copy_free = 0.0  # when the copy stream is idle
+        self._copy_free = -math.inf  # when the copy stream is idle (free from the start, before t=0 too)
+        self.copies: CopyClock | None = None  # pipelined: measured copies (``CopyClock``), set by the replica
 
     # -- state --------------------------------------------------------------------------------------
     def preload(self, names: Sequence[str]) -> None:
@@ -414,6 +419,7 @@ class SimWorker:
         start = max(now, self._copy_free)
         self._copy_free = start + self.calibration.h2d_s(load.nbytes)
         load.h2d_ms = (self._copy_free - start) * 1e3
+        load.issued_s = now
         load.issued.fire(now)
         self.loop.at(self._copy_free + self.calibration.load_fixed_ms / 1e3, self._finish, load)
 
@@ -429,6 +435,8 @@ class SimWorker:
             c.disk_ms.add(load.disk_ms)
         c.h2d_ms.add(load.h2d_ms)
         c.ready_ms.add((now - load.start_s) * 1e3)
+        if self.copies is not None:  # the copy's time on the stream to READY, as the engine's events measure it
+            self.copies.copied(load.nbytes, (load.h2d_ms + self.calibration.load_fixed_ms) / 1e3, now)
         self.host.release(load.key)
         self.on_load(LoadRecord(self.replica, self.rank, load.key.name, load.start_s, now, load.nbytes,
                                 load.host_hit, load.disk_ms, load.h2d_ms, load.prefetched))
@@ -436,6 +444,12 @@ class SimWorker:
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             self._place(waiter)
+
+    def issued_copies(self) -> dict[str, tuple[int, float]]:
+        """Adapters LOADING here (a slot taken: the read done, the copy issued) -> (bytes, when the copy was
+        issued) (``WorkerCache.issued_copies``)."""
+        return {s.key.name: (self._loads[s.index].nbytes, self._loads[s.index].issued_s) for s in self.table.slots
+                if s.key is not None and s.state is SlotPhase.LOADING}
 
     def _reject(self, load: SimLoad, error: str) -> None:
         self.counters.load_failures += 1

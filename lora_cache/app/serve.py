@@ -96,13 +96,33 @@ class Service:
     owns_ray: bool
 
     def stop(self) -> None:
+        # The controller stops watching first, then dies first: otherwise it sees each worker die and logs
+        # "worker ... is lost (ActorDiedError): dropping its residency" for every rank of an orderly shutdown.
+        # Killing it first is not enough alone: Ray fails calls on a killed actor before its process is gone.
+        try:
+            ray.get(self.controller.stop_watching.remote(), timeout=10.0)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            print(f"lora-cache: the controller did not stop watching its workers ({type(e).__name__}); stopping "
+                  "it anyway", file=sys.stderr, flush=True)
+        ray.kill(self.controller, no_restart=True)
+        _await_death(self.controller, timeout_s=5.0)
         for handle in self.workers.values():
             ray.kill(handle, no_restart=True)
-        ray.kill(self.controller, no_restart=True)
         for pg in self.groups:
             remove_placement_group(pg)
         if self.owns_ray:
             ray.shutdown()
+
+
+def _await_death(actor: Any, timeout_s: float) -> None:
+    """Return once ``actor`` (just killed) answers no call, or after ``timeout_s``: ``ray.kill`` is asynchronous."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
+        time.sleep(0.05)
 
 
 def check_service_free(service: str) -> None:

@@ -18,6 +18,7 @@ import ray
 
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.controller.core import ControllerConfig, ControllerCore, HintOutcome
+from lora_cache.controller.fanout import WorkerFanout
 from lora_cache.controller.links import WorkerLinks
 from lora_cache.controller.readiness import Doorbell, EventsLost, ReadinessEvent, WatchBatch
 from lora_cache.controller.registrations import Registered, Registrar
@@ -46,9 +47,11 @@ class ControllerActor:
         self.links = WorkerLinks(self.core, self.metrics, self.bell.ring, self._plan, call_timeout_s=10 * health_s)
         self.health_s, self.sync_s = health_s, sync_s
         self._started = False
+        self._health: asyncio.Task[None] | None = None
         self._start_lock = asyncio.Lock()
         self.draining: set[str] = set()  # unregistered adapters that workers may still hold
-        self.registrar = Registrar(self.core, self.links, self.draining, self._plan)
+        self.fanout = WorkerFanout(self.links)  # one question to every worker: registrations, drains, stats
+        self.registrar = Registrar(self.core, self.fanout, self.draining, self._plan)
         heap.freeze()  # plans and hints are not stalled by full collections walking Ray's objects
 
     async def _start(self) -> None:
@@ -59,7 +62,8 @@ class ControllerActor:
             await self.links.rebuild()  # adopt the workers that already exist, from their reports
             await self.durable.restore(self.core.planner)
             self._started = True
-            asyncio.get_running_loop().create_task(self._health_loop())
+            if not self.links.quiet:
+                self._health = asyncio.get_running_loop().create_task(self._health_loop())
 
     async def _health_loop(self) -> None:
         last_sync = time.monotonic()
@@ -125,8 +129,8 @@ class ControllerActor:
                 turn.done()
             await self._plan()
             await self.durable.save_catalog(self.core)
-        evicted = await self.links.drain(name, timeout_s)
-        await self.links.unregister_adapter(name)
+        evicted = await self.fanout.drain(name, timeout_s)
+        await self.fanout.unregister_adapter(name)
         self.draining.discard(name)
         return evicted
 
@@ -216,8 +220,8 @@ class ControllerActor:
         """A replica's engine admits at most ``max_adapters`` distinct adapters and ``max_running`` requests per
         batch (its ``EngineConfig``): routing advice ranks what it can start now (``lora_cache.routing.limits``)."""
         await self._start()
-        if replica not in self.core.planner.replicas():
-            raise NotFoundError(f"replica {replica!r} is not known; known: {list(self.core.planner.replicas())}")
+        if replica not in self.core.planner.view.replicas():
+            raise NotFoundError(f"replica {replica!r} is not known; known: {list(self.core.planner.view.replicas())}")
         self.core.limits.declare(replica, max_adapters, max_running)
 
     async def declared_limits(self, replica: str) -> tuple[int, int]:
@@ -260,6 +264,14 @@ class ControllerActor:
             raise EventsLost(batch.resync)
         return batch.events
 
+    async def stop_watching(self) -> None:
+        """The service's owner is about to stop it (``Service.stop``): no more health rounds, lifelines or
+        pings, so the workers' orderly deaths are not taken for losses. Returns once nothing watches them;
+        there is no way back (the owner kills this actor next)."""
+        self.links.quiesce()
+        if self._health is not None:
+            self._health.cancel()
+
     async def ping(self) -> bool:
         """Answers at once while the actor's loop runs (the gateway's health check); starts nothing."""
         return True
@@ -275,7 +287,7 @@ class ControllerActor:
     async def worker_stats(self, timeout_s: float = 2.0) -> list[dict[str, object]]:
         """Each worker's cache counters (``stats`` None if it did not answer in time) and slot count."""
         await self._start()
-        return await self.links.stats(timeout_s)
+        return await self.fanout.stats(timeout_s)
 
     async def catalog_config(self) -> CatalogConfig:
         """The catalog every worker must share (model shape, largest rank, adapter roots): an attached

@@ -136,11 +136,11 @@ class ControllerCore:
         ``host_bytes``: each rank's host tier as the workers report it (bounds predictive staging)."""
         check_shape(replica, tp, slots)
         workers = [WorkerId(replica, k) for k in range(tp)]
-        if replica in self.planner.replicas():
-            if self.planner.workers(replica) != tuple(map(str, workers)):
+        if replica in self.planner.view.replicas():
+            if self.planner.view.workers(replica) != tuple(map(str, workers)):
                 raise ConfigError(f"replica {replica!r} already exists with workers "
-                                  f"{self.planner.workers(replica)}; remove it before changing its TP size")
-            if (have := self.planner.capacity(str(workers[0])).slots) != slots:
+                                  f"{self.planner.view.workers(replica)}; remove it before changing its TP size")
+            if (have := self.planner.view.capacity(str(workers[0])).slots) != slots:
                 raise ConfigError(f"replica {replica!r} already exists with {have} slots per worker, not {slots}; "
                                   f"give every rank of a replica the same num_slots ({have})")
             return workers
@@ -264,7 +264,7 @@ class ControllerCore:
             return True
         known = adapter in self.catalog and version in self.catalog.versions(adapter)
         why = None if known else f"{adapter}@{version} is not a registered version"
-        slots = self.planner.capacity(str(worker)).slots
+        slots = self.planner.view.capacity(str(worker)).slots
         if why is None and len(held) >= slots:
             why = f"{adapter}@{version} would be more than its {slots} slots hold (one adapter each)"
         if why is None:
@@ -300,7 +300,7 @@ class ControllerCore:
                   before: dict[tuple[str, str], RankState]) -> list[tuple[str, str, str, int]]:
         """A full report's entries the controller believes (``_admits``: registered versions, at most one per
         slot; what the rank was known to hold first)."""
-        slots, out = self.planner.capacity(str(worker)).slots, list[tuple[str, str, str, int]]()
+        slots, out = self.planner.view.capacity(str(worker)).slots, list[tuple[str, str, str, int]]()
         for a, v, s, refs in sorted(entries, key=lambda e: (e[0], e[1]) not in before):
             if (a, v) in before or (a in self.catalog and v in self.catalog.versions(a) and len(out) < slots):
                 out.append((a, v, s, refs))
@@ -333,7 +333,8 @@ class ControllerCore:
             worker, adapter, version = key
             if failure.retry_at <= now and not failure.released:
                 self.failures[key] = failure._replace(released=True)
-                if worker.replica in self.planner.replicas() and str(worker) in self.planner.workers(worker.replica):
+                view = self.planner.view
+                if worker.replica in view.replicas() and str(worker) in view.workers(worker.replica):
                     self.planner.drop_residency(str(worker), adapter, version)
                 else:
                     del self.failures[key]
@@ -355,26 +356,26 @@ class ControllerCore:
 
     def _time_prefetches(self, worker: str, replica: str, commands: Iterable[Command], now: float) -> None:
         """The clock times every prefetch sent, from here to the rank's READY report (routing's load times)."""
-        tp = max(1, len(self.planner.workers(replica)))
+        tp = max(1, len(self.planner.view.workers(replica)))
         for c in commands:
             if isinstance(c, Prefetch) and c.adapter in self.catalog:
-                info = self.planner.adapter(c.adapter)
-                staged = self.planner.holding(worker, info.key)[1] if info.version == c.version else False
+                info = self.planner.view.adapter(c.adapter)
+                staged = self.planner.view.holding(worker, info.key)[1] if info.version == c.version else False
                 self.clock.sent(worker, c.adapter, c.version, info.bytes_per_rank / tp, staged, now)
 
     def route(self, items: list[RouteRequest], loads: dict[str, float] | None = None) -> list[RouteAdvice]:
         """Routing advice (step 1): replicas ranked for each request's adapter, from residency, the plan in
         flight, queues and hints (``lora_cache.routing.advice``); ``loads``: the router's own in-flight counts."""
         self.routes_asked += len(items)
-        return advise(self.planner, items, self.config.router, loads, down=self.down_replicas(), limits=self.limits,
-                      clock=self.clock)
+        return advise(self.planner.view, items, self.config.router, loads, down=self.down_replicas(),
+                      limits=self.limits, clock=self.clock)
 
     def status(self) -> dict[str, object]:
-        return {"epoch": self.epoch, "adapters": len(self.catalog), "replicas": list(self.planner.replicas()),
+        return {"epoch": self.epoch, "adapters": len(self.catalog), "replicas": list(self.planner.view.replicas()),
                 "readiness": self.readiness.counts(), "commands_sent": self.commands_sent,
-                "queue_depths": {r: len(self.planner.queue(r)) for r in self.planner.replicas()},
+                "queue_depths": {r: len(self.planner.view.queue(r)) for r in self.planner.view.replicas()},
                 "hints_received": self.hints_received, "hints_accepted": self.hints_accepted,
-                "active_hints": {r: len(self.planner.hints(r)) for r in self.planner.replicas()},
+                "active_hints": {r: len(self.planner.view.hints(r)) for r in self.planner.view.replicas()},
                 "routes_asked": self.routes_asked,
                 "load_failures": self.load_failures, "recent_failures": list(self.recent_failures),
                 "lost_ranks": {str(w): t for w, t in sorted(self.lost_at.items())},
@@ -383,8 +384,9 @@ class ControllerCore:
 
     # -- checks -------------------------------------------------------------------------------------
     def check_replica(self, replica: str) -> None:
-        if replica not in self.planner.replicas():
-            raise NotFoundError(f"replica {replica!r} is not known; known replicas: {list(self.planner.replicas())}")
+        if replica not in self.planner.view.replicas():
+            raise NotFoundError(f"replica {replica!r} is not known; known replicas: "
+                                f"{list(self.planner.view.replicas())}")
 
     def check_adapter(self, adapter: str) -> None:
         if adapter not in self.catalog:
@@ -393,10 +395,10 @@ class ControllerCore:
 
     def check_worker(self, worker: WorkerId) -> None:
         self.check_replica(worker.replica)
-        if str(worker) not in self.planner.workers(worker.replica):
+        if str(worker) not in self.planner.view.workers(worker.replica):
             raise NotFoundError(f"worker {worker} is not part of replica {worker.replica!r}")
 
     def check_integrity(self) -> None:
-        assert all(str(w) in self.planner.workers(w.replica) for w in self.down), "a lost rank the fleet lacks"
+        assert all(str(w) in self.planner.view.workers(w.replica) for w in self.down), "a lost rank the fleet lacks"
         self.planner.check_integrity()
         self.readiness.check_integrity()

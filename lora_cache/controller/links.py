@@ -3,10 +3,11 @@
 ``WorkerLinks`` owns everything about reaching the workers: their Ray handles; where the controller stands
 with each one's stream of residency deltas (``Link``: incarnation, last delta applied); adopting a worker
 from its full report (``describe``: after a controller restart, or a rank an engine attached); resyncs,
-health pings and new incarnations; replaying the registrations a new or restarted worker lacks; sending
-commands (``apply``) and reading their results; and the fan-outs (registrations, the drain's "who holds
-it", stats). What it learns goes into the ``ControllerCore``; the readiness events that causes go to
-``publish``; after a worker's state was repaired, ``replan`` (the actor's plan-and-send).
+health pings and new incarnations; losses; replaying the registrations a new or restarted worker lacks;
+sending commands (``apply``) and reading their results. What it learns goes into the ``ControllerCore``; the
+readiness events that causes go to ``publish``; after a worker's state was repaired, ``replan`` (the actor's
+plan-and-send). Split along two seams: ``lifelines.py`` notices deaths (what a loss does stays here), and
+``fanout.py`` asks every worker one question (registrations, the drain's "who holds it", stats).
 
 One way: the actor imports this module, never the reverse. A handle is anything whose
 ``handle.method.remote(...)`` is awaitable, so this runs under plain asyncio with fakes.
@@ -17,15 +18,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
 
 import ray
 
-from lora_cache.adapters.peft import KnownVersion
 from lora_cache.controller.core import ControllerCore
+from lora_cache.controller.lifelines import Lifelines
 from lora_cache.controller.readiness import ReadinessEvent
 from lora_cache.errors import ConfigError, ConflictError, LoraCacheError
 from lora_cache.runtime.metrics import ControllerMetrics
@@ -33,7 +33,6 @@ from lora_cache.vocab import (
     WORKER_PREFIX,
     Command,
     DeltaRow,
-    Evict,
     WorkerId,
     parse_worker_name,
     worker_name,
@@ -44,19 +43,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 WORKER_ATTEMPTS = 30  # a second apart: a restarted worker may still be in its constructor
 REPLAY_ENTRIES = 256  # registrations per call when a worker is given all of them
-LIFELINE_HELLO_S = 5.0  # a lifeline connection names its call within this, or is closed
-LIFELINE_RETRY_S = 0.2  # after a lifeline failed: how soon to call the (restarting) worker again
 PING_TIMEOUT_S = 1.5  # a worker that does not answer a ping in this long is lost (its replica leaves the plans)
-Registration = tuple[str, str, KnownVersion | None]  # (name, path, the version as the controller hashed it)
-
-
-class Sent(NamedTuple):
-    """Registrations submitted to the workers, and each worker's call (``WorkerLinks.registered`` reads them)."""
-
-    entries: list[Registration]
-    calls: list[tuple[WorkerId, Any]]
-
-
 class Link(NamedTuple):
     """Where the controller stands with one worker's stream of deltas."""
 
@@ -104,9 +91,7 @@ class WorkerLinks:
         self.links: dict[WorkerId, Link] = {}  # each worker's incarnation and the last delta applied
         self.losses: dict[WorkerId, int] = {}  # how often each worker was found lost: a report read before
         # a loss and applied after it would bring back what the lost rank held
-        self.lifelines: dict[WorkerId, asyncio.Task[None]] = {}  # each linked worker's death watch
-        self._expected: dict[str, tuple[WorkerId, Any]] = {}  # lifeline nonce -> the call that sent it
-        self._server: asyncio.Server | None = None  # where workers open their lifelines
+        self.lifelines = Lifelines(self)  # each linked worker's death watch
         self.attached: set[WorkerId] = set()  # ranks an engine's own process attached: gone for good once lost
         self.resyncing: set[WorkerId] = set()  # workers whose full report is being read (one resync at a time)
         self.unadopted: dict[WorkerId, Any] = {}  # workers that exist but did not answer the rebuild: their handles
@@ -128,7 +113,8 @@ class WorkerLinks:
         for handle, info in infos:
             self._adopt(handle, info)
         for wid in self.unadopted:  # a rank of a replica that its other ranks brought back: lost until it answers
-            if wid.replica in self.core.planner.replicas() and str(wid) in self.core.planner.workers(wid.replica):
+            view = self.core.planner.view
+            if wid.replica in view.replicas() and str(wid) in view.workers(wid.replica):
                 self.lose(wid)
 
     async def _report(self, name: str) -> tuple[Any, dict[str, Any]] | None:
@@ -205,14 +191,14 @@ class WorkerLinks:
         self.handles[wid] = handle
         self.links[wid] = Link(info["incarnation"], info["seq"])
         self.publish(self.core.sync_worker(wid, info["residency"]))
-        self.watch(wid, handle)
+        self.lifelines.watch(wid, handle)
         return wid
 
     async def attach(self, workers: list[WorkerId]) -> None:
         """Workers of a replica just added: find them by name and give them every registration."""
         for wid in workers:
             self.handles[wid] = self.find(worker_name(wid))
-            self.watch(wid, self.handles[wid])
+            self.lifelines.watch(wid, self.handles[wid])
         await self.replay([self.handles[w] for w in workers])
 
     async def worker_started(self, name: str, incarnation: int, adopt: bool) -> bool:
@@ -267,9 +253,8 @@ class WorkerLinks:
         self.handles.pop(wid, None)
         self.links.pop(wid, None)
         self.attached.discard(wid)
-        if (task := self.lifelines.pop(wid, None)) is not None and task is not asyncio.current_task():
-            task.cancel()
-        if wid.replica in self.core.planner.replicas() and not any(w.replica == wid.replica for w in self.handles):
+        self.lifelines.drop(wid)
+        if wid.replica in self.core.planner.view.replicas() and not any(w.replica == wid.replica for w in self.handles):
             log.info("replica %s has no rank left: it leaves the fleet", wid.replica)
             self.publish(self.core.remove_replica(wid.replica))
 
@@ -357,7 +342,7 @@ class WorkerLinks:
         answers = await asyncio.gather(*(asyncio.wait_for(h.ping.remote(), timeout=self.ping_timeout_s)
                                          for _, h in pinged), return_exceptions=True)
         for (wid, handle), answer in zip(pinged, answers):
-            if not isinstance(answer, BaseException):
+            if not isinstance(answer, BaseException) or self.quiet:
                 continue
             if self.handles.get(wid) is not handle:
                 continue  # re-attached meanwhile (a new process under the name): that one is not lost
@@ -369,72 +354,20 @@ class WorkerLinks:
     def lose(self, wid: WorkerId) -> None:
         """``wid`` is dead, hung or gone: its replica stops being ready for what it held, now (before any
         later lookup, route or event is answered), and leaves the plans and the routes until it reports."""
+        if self.quiet:
+            return  # the whole service is stopping: nothing will be served again
         self.losses[wid] = self.losses.get(wid, 0) + 1
         self.publish(self.core.worker_lost(wid, now=time.time()))
 
-    def watch(self, wid: WorkerId, handle: Any) -> None:
-        """Keep a lifeline to the worker: a TCP connection its process opens to the controller (the worker's
-        ``lifeline`` call). The kernel closes it the moment the process dies (SIGKILL included: 2-3 ms on one
-        node), where Ray fails a call on a restarting actor only once it restarted (about 1.5 s). A hung
-        (SIGSTOP) or unreachable worker keeps it open: pings find those. No method, no lifeline (fakes)."""
-        if not hasattr(handle, "lifeline"):
-            return
-        if (old := self.lifelines.pop(wid, None)) is not None:
-            old.cancel()
-        self.lifelines[wid] = asyncio.get_running_loop().create_task(self._lifeline(wid, handle))
+    @property
+    def quiet(self) -> bool:
+        """The service is being stopped (``quiesce``): its workers' deaths are not losses."""
+        return self.lifelines.closed
 
-    async def _lifeline(self, wid: WorkerId, handle: Any) -> None:
-        host, port = await self._lifeline_server()
-        lifeline = handle.lifeline
-        while self.handles.get(wid) is handle:
-            nonce = secrets.token_hex(16)
-            self._expected[nonce] = (wid, handle)
-            try:
-                await lifeline.remote(host, port, nonce)  # returns when the connection closes
-            except asyncio.CancelledError:
-                raise
-            except ray.exceptions.RayTaskError as e:  # alive, but it cannot reach the controller: pings only
-                log.warning("worker %s cannot open a lifeline to %s:%d (%s); its death is found by pings",
-                            wid, host, port, e.cause if e.cause is not None else e)
-                return
-            except Exception as e:  # dead or restarting
-                if self.handles.get(wid) is not handle:
-                    return
-                if wid in self.attached and isinstance(e, ray.exceptions.ActorDiedError):
-                    log.warning("attached rank %s is gone (%s)", wid, type(e).__name__)
-                    self.forget(wid)  # its endpoint is dead for good: a new process attaches anew
-                    return
-                if wid not in self.core.down:
-                    log.warning("worker %s is lost (%s): dropping its residency", wid, type(e).__name__)
-                    self.lose(wid)
-            finally:
-                self._expected.pop(nonce, None)
-            await asyncio.sleep(LIFELINE_RETRY_S)
-
-    async def _lifeline_server(self) -> tuple[str, int]:
-        if self._server is None:
-            host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-            self._server = await asyncio.start_server(self._lifeline_opened, host, 0)
-        host, port = self._server.sockets[0].getsockname()[:2]
-        return host, port
-
-    async def _lifeline_opened(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One worker's lifeline: its first line is the nonce of the call that opened it; its end is the
-        worker's death if that call is still the worker's current one."""
-        try:
-            line = await asyncio.wait_for(reader.readline(), LIFELINE_HELLO_S)
-            wid, handle = self._expected.get(line.decode(errors="replace").strip(), (None, None))
-            if wid is None:
-                return  # a stranger, or a call already given up
-            while await reader.read(64):
-                pass  # nothing is sent on it: only its end matters
-            if self.handles.get(wid) is handle and wid not in self.core.down:
-                log.warning("worker %s closed its lifeline (its process died): dropping its residency", wid)
-                self.lose(wid)  # an attached one is forgotten when its lifeline call fails (ActorDiedError)
-        except (TimeoutError, ConnectionError, OSError):
-            return
-        finally:
-            writer.close()
+    def quiesce(self) -> None:
+        """Stop watching every worker (lifelines closed, no new ones; pings and reports of a death ignored):
+        the service's owner is stopping it."""
+        self.lifelines.close()
 
     # -- commands (step 4, invariant 7) -------------------------------------------------------------
     def send(self, plan: dict[WorkerId, list[Command]]) -> None:
@@ -451,32 +384,12 @@ class WorkerLinks:
             for error in result.errors:
                 log.warning("worker %s: %s", wid, error)
         except Exception as e:  # the planner assumed them applied: ask the worker what it holds
+            if self.quiet:
+                return
             log.warning("commands to %s were lost (%s); resyncing it", wid, e)
             await self.resync(wid)
 
-    # -- registrations (step 0) ---------------------------------------------------------------------
-    def submit_registrations(self, entries: list[Registration]) -> Sent:
-        """Send ``entries`` to every linked worker, one ``register_adapters`` call each. The calls are submitted
-        before this returns (Ray keeps each caller's order on a worker), so they reach every worker ahead
-        of any command a later plan sends for those versions; ``registered`` collects their answers."""
-        return Sent(entries, [(wid, h.register_adapters.remote(entries)) for wid, h in self.handles.items()])
-
-    async def registered(self, sent: Sent) -> list[list[str]]:
-        """The ranks' answers to ``sent``: per entry, the errors of the ranks that did not register it."""
-        errors: list[list[str]] = [[] for _ in sent.entries]
-        answers = await asyncio.gather(*(ref for _, ref in sent.calls), return_exceptions=True)
-        for (wid, _), answer in zip(sent.calls, answers):
-            if isinstance(answer, BaseException):  # lost: a restarted worker gets them again (worker_started)
-                log.warning("worker %s did not answer %d registrations: %s", wid, len(sent.entries), answer)
-                answer = [("", f"no answer ({type(answer).__name__}: {answer})")] * len(sent.entries)
-            for k, (_, error) in enumerate(answer):
-                if error:
-                    errors[k].append(f"{worker_name(wid)}: {error}")
-        for entry, errs in zip(sent.entries, errors):
-            for error in errs:
-                log.warning("adapter %s@%s was refused by %s", entry[0], entry[2].version if entry[2] else "?", error)
-        return errors
-
+    # -- registrations replayed to a new or restarted worker (step 0) ------------------------------
     async def replay(self, handles: list[Any]) -> None:
         """Workers new to the controller (or restarted, catalog empty) learn every registered adapter, with
         the versions the controller hashed, ``REPLAY_ENTRIES`` at a time (a ping waits behind one call at
@@ -494,72 +407,3 @@ class WorkerLinks:
             for (name, _, _), (_, error) in zip(entries, answer):
                 if error:
                     log.warning("a worker refused adapter %s: %s", name, error)
-
-    async def drain(self, name: str, timeout_s: float) -> list[str]:
-        """Evict ``name`` until no worker holds it; the versions evicted. ConflictError if it is registered
-        again meanwhile; TimeoutError after ``timeout_s`` (batches still use it)."""
-        deadline, evicted = time.monotonic() + timeout_s, set()
-        # every call bounded by the deadline: a stopped (SIGSTOP) worker answers nothing and must not hold the
-        # caller past it; one that did not answer counts as holding (it may), so the drain times out naming it
-        while held := await self.holders(name, max(deadline - time.monotonic(), 0.05)):
-            if name in self.core.catalog:
-                raise ConflictError(f"adapter {name!r} was registered again while it was being unregistered; "
-                                  "unregister it again if that was not intended")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"adapter {name!r} is unregistered (nothing new uses it), but workers "
-                                   f"{sorted(map(str, held))} still hold it (or did not answer) after "
-                                   f"{timeout_s:.0f} s, in use by running batches; call UnregisterAdapter again "
-                                   "to keep waiting")
-            evicted |= {v for versions in held.values() for v in versions if v}
-            await asyncio.gather(*(asyncio.wait_for(
-                self.handles[w].apply.remote([Evict(name, v, self.core.epoch) for v in sorted(vs) if v]),
-                max(deadline - time.monotonic(), 0.05)) for w, vs in held.items() if any(vs)),
-                return_exceptions=True)
-            await asyncio.sleep(0.05)
-        return sorted(evicted)
-
-    async def holders(self, name: str, timeout_s: float | None = None) -> dict[WorkerId, set[str]]:
-        """The versions of ``name`` that each worker holds, from the workers' own full reports; a worker that
-        does not answer within ``timeout_s`` holds ``{""}`` (unknown)."""
-        wids = list(self.handles)
-        reports = await asyncio.gather(*(asyncio.wait_for(self.handles[w].describe.remote(), timeout_s)
-                                         for w in wids), return_exceptions=True)
-        held: dict[WorkerId, set[str]] = {}
-        for wid, report in zip(wids, reports):
-            if isinstance(report, TimeoutError):  # alive but silent (stopped, hung): it may hold it
-                held[wid] = {""}
-                continue
-            if isinstance(report, BaseException):  # lost: it comes back empty (worker_started)
-                log.warning("worker %s did not report while draining %s: %s", wid, name, report)
-                continue
-            versions = {v for a, v, _, _ in report["residency"] if a == name}
-            if versions:
-                held[wid] = versions
-        return held
-
-    async def unregister_adapter(self, name: str) -> None:
-        """The workers forget it too, or a restarted controller would adopt it again from their reports."""
-        for wid, outcome in zip(self.handles, await asyncio.gather(
-                *(asyncio.wait_for(h.unregister_adapter.remote(name), self.call_timeout_s)
-                  for h in self.handles.values()), return_exceptions=True)):
-            if isinstance(outcome, BaseException):
-                log.warning("worker %s did not unregister %s: %s (a restarted controller may adopt it again)",
-                            wid, name, outcome)
-
-    # -- queries ------------------------------------------------------------------------------------
-    async def stats(self, timeout_s: float) -> list[dict[str, object]]:
-        """Each worker's cache counters (``stats`` None if it did not answer in time) and slot count."""
-        wids = sorted(self.handles)
-
-        async def one(wid: WorkerId) -> dict[str, object] | None:
-            try:
-                return await asyncio.wait_for(self.handles[wid].stats.remote(), timeout_s)
-            except Exception as e:  # reported as unreachable
-                log.info("worker %s gave no stats: %s", wid, e)
-                return None
-
-        stats = await asyncio.gather(*(one(w) for w in wids))
-        planner = self.core.planner  # a replica may have left the fleet while its workers were asked
-        known = {w for r in planner.replicas() for w in planner.workers(r)}
-        return [{"worker": worker_name(w), "replica": w.replica, "rank": w.rank,
-                 "slots": planner.capacity(str(w)).slots, "stats": s} for w, s in zip(wids, stats) if str(w) in known]

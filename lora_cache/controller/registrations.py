@@ -27,7 +27,7 @@ from typing import NamedTuple
 from lora_cache.adapters.catalog import check_name
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.controller.core import ControllerCore
-from lora_cache.controller.links import Sent, WorkerLinks
+from lora_cache.controller.fanout import Sent, WorkerFanout
 from lora_cache.errors import AdapterFormatError, ConflictError, LoraCacheError
 
 log = logging.getLogger(__name__)
@@ -109,9 +109,9 @@ class Registrar:
 
     ``draining``: names being unregistered (their registration is refused); ``plan``: the actor's plan-and-send."""
 
-    def __init__(self, core: ControllerCore, links: WorkerLinks, draining: set[str],
+    def __init__(self, core: ControllerCore, fanout: WorkerFanout, draining: set[str],
                  plan: Callable[[], Awaitable[None]]) -> None:
-        self.core, self.links, self.draining, self.plan = core, links, draining, plan
+        self.core, self.fanout, self.draining, self.plan = core, fanout, draining, plan
         self.turns = Turns()
 
     async def register(self, items: list[tuple[str, str]]) -> list[Registered]:
@@ -142,9 +142,9 @@ class Registrar:
             for read in chunk:
                 await read.item.turn.wait()
             applied = [read.item for read in chunk if self._apply(read, results)]
-            if applied:  # no await between the changes and this submission: see WorkerLinks.submit_registrations
+            if applied:  # no await between the changes and this submission: see WorkerFanout.submit_registrations
                 entries = [(it.name, it.path, self.core.catalog.get(it.name).known) for it in applied]
-                sent.append((applied, self.links.submit_registrations(entries)))
+                sent.append((applied, self.fanout.submit_registrations(entries)))
             for read in chunk:
                 read.item.turn.done()
             while len(sent) > MAX_SENT:
@@ -171,7 +171,7 @@ class Registrar:
         return True
 
     async def _answered(self, items: list[Item], sent: Sent, results: list[Registered | None]) -> None:
-        for item, errors in zip(items, await self.links.registered(sent)):
+        for item, errors in zip(items, await self.fanout.registered(sent)):
             if errors:
                 results[item.at] = results[item.at]._replace(rank_errors=tuple(errors))  # type: ignore[union-attr]
 

@@ -17,12 +17,14 @@ the deployment's replicas locally by lora-cache's own rule (``lora_cache.routing
 load bound, sticky rendezvous picks for a cold adapter), one per rank, so Serve's queue-length check takes the best
 replica with room. Residency comes from the controller's ``WatchReadiness`` stream, read in the background (it opens
 with the whole ready set, then each change), plus "loading" where this router sent the adapter lately; the load is
-this router's own requests in flight per replica. Nothing on a request's path waits for lora-cache. Once Serve has
-routed a request, the router sends ``Hint(adapter, replica)`` from a task of its own: at once where the adapter was
-not READY (a load to start there), else batched; when the request completes it withdraws the hint (``CancelHint``,
-batched), so the controller plans for requests in flight only. Before the stream's first answer, and for
-``retry_s`` after the stream or a hint failed, requests are routed by Serve's own power-of-two-choices: a request
-never fails or waits for lora-cache.
+this router's own requests in flight per replica; with ``traffic_s`` (off by default) an adapter READY nowhere goes
+to the replica this router sent the fewest requests lately (``lora_cache.routing.traffic``), its rendezvous pick only
+among equals. Nothing on a request's path waits for lora-cache.
+Once Serve has routed a request, the router sends ``Hint(adapter, replica)`` from a task of its own: at once where
+the adapter was not READY (a load to start there), else batched; when the request completes it withdraws the hint
+(``CancelHint``, batched), so the controller plans for requests in flight only. Before the stream's first answer,
+and for ``retry_s`` after the stream or a hint failed, requests are routed by Serve's own power-of-two-choices: a
+request never fails or waits for lora-cache.
 
 Replica (steps 4-9): ``CacheReplica`` attaches each TP rank of the Serve replica to the controller as a rank of the
 lora-cache replica ``replica_name(replica_id)`` (rank 0 in the replica's process, ranks 1.. in actors of their own),
@@ -59,6 +61,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 from lora_cache.api.client import AsyncLoraCacheClient, ClientError, Hint, ReadinessEvent, Resync
 from lora_cache.errors import ConfigError, NotFoundError
 from lora_cache.routing.ranking import ReplicaLoad, Residence, RouterConfig, rank
+from lora_cache.routing.traffic import Traffic
 from lora_cache.vocab import AdapterKey
 
 if TYPE_CHECKING:
@@ -99,7 +102,18 @@ class RouterSettings:
     )
     hint_batch_s: float = field(
         default=0.02,
-        metadata={"help": "hints of routed requests are sent together, one Hint call this often (0: one per request)"},
+        metadata={
+            "help": "hints of routed requests, and the cancels of completed ones, are sent together, one Hint and one "
+            "CancelHint call this often (0: one per request)"
+        },
+    )
+    cold_hint_now: bool = field(
+        default=True,
+        metadata={
+            "help": "a hint for a request sent where its adapter is not READY leaves at once, not with the next "
+            "batch: the planner hears of the need before the replica's own load lands (batched, a global plan "
+            "evicted what the replica loaded for the request before its hint came; bench/RESULTS.md)"
+        },
     )
     epsilon: float = field(
         default=0.25,
@@ -107,6 +121,15 @@ class RouterSettings:
     )
     min_bound: float = field(
         default=8.0, metadata={"help": "requests in flight every replica may take before the bound applies"}
+    )
+    traffic_s: float = field(
+        default=0.0,
+        metadata={
+            "help": "half-life of the router's count of requests sent to each replica lately: a cold adapter goes to "
+            "the replica with the fewest (RouterConfig.cold_traffic), not to its hash pick alone; 0 (the default): "
+            "hash order. Off: it balanced traffic but not slots, and loaded more than the hash order in 3 of 5 "
+            "paired runs (bench/RESULTS.md, issue 32 sixth round)"
+        },
     )
     loading_s: float = field(
         default=5.0,
@@ -127,8 +150,11 @@ class RouterSettings:
                 f"hint_timeout_s is {self.hint_timeout_s}; give a short positive deadline (<= 10 s): a router "
                 "must not pile up calls to lora-cache"
             )
-        if self.retry_s < 0 or self.loading_s < 0:
-            raise ConfigError(f"retry_s ({self.retry_s}) and loading_s ({self.loading_s}) must be >= 0")
+        if self.retry_s < 0 or self.loading_s < 0 or self.traffic_s < 0:
+            raise ConfigError(
+                f"retry_s ({self.retry_s}), loading_s ({self.loading_s}) and traffic_s ({self.traffic_s}) must be "
+                ">= 0 seconds"
+            )
         if self.hints not in ("cold", "all", "none"):
             raise ConfigError(f"hints is {self.hints!r}; give cold, all or none")
         if not 0 <= self.hint_batch_s <= 1:
@@ -136,7 +162,7 @@ class RouterSettings:
         RouterConfig(epsilon=self.epsilon, min_bound=self.min_bound)  # the ranking's own checks
 
     def ranking(self) -> RouterConfig:
-        return RouterConfig(epsilon=self.epsilon, min_bound=self.min_bound)
+        return RouterConfig(epsilon=self.epsilon, min_bound=self.min_bound, cold_traffic=self.traffic_s > 0)
 
 
 def router_config(**settings: Any) -> RequestRouterConfig:
@@ -162,6 +188,7 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
         self._ready: dict[str, dict[str, set[str]]] = {}  # adapter -> replica -> versions READY there
         self._sent: dict[str, dict[str, float]] = {}  # adapter -> replica this router sent it to -> until (loading)
         self._inflight: dict[ReplicaID, int] = {}  # this router's requests on each replica, routed not completed
+        self._traffic = Traffic(self.settings.traffic_s)  # this router's requests sent to each replica lately
         self._names: dict[ReplicaID, str] = {}  # replica_name of each replica seen (until it dies)
         self._routed: dict[str, ReplicaID] = {}  # internal request id -> its replica, until completed
         self._tasks: set[asyncio.Task[None]] = set()  # hint calls in flight (kept referenced)
@@ -216,7 +243,8 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
             where = (
                 Residence.READY if name in ready else Residence.LOADING if sent.get(name, 0) > now else Residence.COLD
             )
-            views.append(ReplicaLoad(name, where, float(self._inflight.get(r.replica_id, 0))))
+            load = float(self._inflight.get(r.replica_id, 0))
+            views.append(ReplicaLoad(name, where, load, recent=self._traffic.get(name, now)))
         ranked = rank(adapter, views, self._ranking)
         self.counts["ready_first"] += ranked[0].reason is Residence.READY and ranked[0].within_bound
         return [[by_name[r.replica]] for r in ranked]
@@ -298,6 +326,7 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
         if not adapter:
             return
         replica = self._name(replica_id)
+        self._traffic.add(replica, time.monotonic())
         ready = replica in self._ready.get(adapter, {})
         if not ready:  # its load starts there (the hint, or the replica's own miss): the next requests follow it
             now = time.monotonic()
@@ -312,7 +341,7 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
         ):
             return
         self._pending[rid] = Hint(rid, adapter, replica)
-        self._batch(now=not ready)  # a load to start there: the hint goes now; else it only counts, and waits
+        self._batch(now=not ready and self.settings.cold_hint_now)  # else it waits for the next batch
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         replica = self._routed.pop(internal_request_id, None)
@@ -382,6 +411,7 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
         self._pending = {rid: h for rid, h in self._pending.items() if rid not in gone}
         name = self._names.pop(replica_id, None) or replica_name(replica_id)  # the stream says NOT_READY for its
         # adapters once the controller drops it; until then it is not ranked READY here
+        self._traffic.forget(name)
         for ready in self._ready.values():
             ready.pop(name, None)
         for sent in self._sent.values():

@@ -11,6 +11,7 @@ from lora_cache.planner.errors import (
     UnknownReplicaError,
     UnknownWorkerError,
 )
+from lora_cache.planner.fleet_view import FleetView
 from lora_cache.planner.planner import Planner
 from lora_cache.planner.policies import POLICIES, PlacementPolicy
 from lora_cache.planner.records import (
@@ -30,6 +31,7 @@ __all__ = [
     "POLICIES",
     "AdapterInfo",
     "Capacity",
+    "FleetView",
     "Hint",
     "PlacementPolicy",
     "Plan",

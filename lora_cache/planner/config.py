@@ -46,6 +46,13 @@ class PlannerConfig:
     home_min_rate: float = field(default=0.5, metadata={
         "help": "requests per second per home an adapter must get fleet-wide to be placed at its homes (0.05: "
                 "one within 20 s; those below count as having no history)"})
+    home_spread: float = field(default=2.0, metadata={
+        "help": "homes per replica's worth of an adapter's traffic: copies = ceil(home_spread x share x replicas), "
+                "1 to every replica (2: a copy takes at most half a replica's traffic, so a router that follows "
+                "residency can still pick the less loaded of its homes; 1: one replica's worth per copy)"})
+    home_min_window_s: float = field(default=1.0, metadata={
+        "help": "homes read an adapter's rate over the time the counts were kept (a young count is not an "
+                "underestimate), but over this long at least: a first request is not a rate"})
     home_refresh_s: float = field(default=1.0, metadata={
         "help": "homes are reassigned at least this often as counts drift (and at once when the catalog, the "
                 "replicas or their capacities change, or an adapter newly reaches home_min_rate); 0: every plan"})
@@ -94,6 +101,11 @@ class PlannerConfig:
         if not _finite(self.home_min_rate) or self.home_min_rate <= 0:
             raise ConfigError(f"home_min_rate is {self.home_min_rate!r}; give requests per second > 0, e.g. 0.05 "
                               "(to place no adapter at its homes, set place_homes to False)")
+        if not _finite(self.home_spread) or self.home_spread < 1:
+            raise ConfigError(f"home_spread is {self.home_spread!r}; give a factor >= 1, e.g. 2.0 (1: one home per "
+                              "replica's worth of an adapter's traffic)")
+        if not _finite(self.home_min_window_s) or self.home_min_window_s <= 0:
+            raise ConfigError(f"home_min_window_s is {self.home_min_window_s!r}; give seconds > 0, e.g. 1.0")
         if not _finite(self.home_refresh_s) or self.home_refresh_s < 0:
             raise ConfigError(f"home_refresh_s is {self.home_refresh_s!r}; give seconds >= 0, e.g. 1.0 (0: reassign "
                               "the homes at every plan, which costs a plan on a large fleet)")

@@ -7,16 +7,21 @@ replica over its load bound overflows to the next in that order. So the fleet ca
 cache: an adapter's *homes* are the first ``copies`` replicas of its rendezvous order that have a slot
 left (adapters are assigned most requested first; no replica gets more homes than it has slots), where
 
-    copies = clamp(ceil(share * replicas), 1, replicas)
+    copies = clamp(ceil(home_spread * share * replicas), 1, replicas)
 
 and ``share`` is its part of the fleet's decayed request count: distinct adapters spread over the fleet's
-slots (one home each), and an adapter with a 10% share of a 32-replica fleet's traffic gets 4 homes, the
-replicas its overflow goes to, instead of one hot replica (affinity routing) or every replica holding the
-same top-k (per-replica popularity).
+slots (one home each), and an adapter with a 10% share of a 32-replica fleet's traffic gets 4 homes at
+``home_spread`` 1 (8 at the default 2), the replicas its overflow goes to, instead of one hot replica (affinity
+routing) or every replica holding the same top-k (per-replica popularity). At 2 a copy takes at most half a
+replica's worth of its traffic, so the advice, which ranks READY replicas by load, can send each request to the
+less loaded of its homes (issue 31: on 4 replicas x TP 1 with a 44% adapter on 2 of them, its requests queued
+behind prefills there while another replica idled; bench/RESULTS.md, 2026-11-26).
 
 An adapter gets homes only if expected at ``home_min_rate`` requests per second or more, and no more
-homes than keep each one at that rate: while its counts are young (a decayed count underestimates a
-rate for the first half-lives) a hot adapter gets fewer homes, not none.
+homes than keep each one at that rate. Its rate is its count over the time the counts were kept
+(``Popularity.observed_per_second``, at least ``home_min_window_s``), not over the decayed count's limit
+window: 5 s into a run that read a 7 req/s adapter as 0.4 req/s and placed no copy of it. An adapter new to
+an old fleet is still read low for its first half-lives: it gets fewer homes, not none.
 
 The planner's ``global`` policy gives a replica's free GPU room (what queue, hints, incumbents and
 speculation left) to the adapters that call it home, most requested first. On a full replica, a home
@@ -29,7 +34,11 @@ router does follow residency, which the counts show: a replica that holds the ad
 on a full fleet behind an affinity router or the advice, and a round-robin fleet pays nothing for them.
 And when the fleet's slots can hold the whole catalog, adapters with no history yet (a new deployment,
 a scaled-out fleet) get one home too (free room only, never displacing), so an adapter's first request
-finds it loaded where the advice sends it.
+finds it loaded where the advice sends it. There every adapter with requests gets its first home before any
+adapter gets a second, and no home displaces the fleet's last copy of an adapter with requests
+(``ReplicaView.last_copies``): extra copies take free room or the place of adapters without history. Before,
+copies of three slightly hotter adapters took all 9 slots of 3 Serve replicas, evicting the only copy of an
+adapter loaded for a request right after it (tests/test_ray_serve.py failed 1 run in 3-4; docs/known-issues.md).
 
 Plain Python; ``preference`` is the routing advice's own order (``lora_cache.planner.rendezvous``).
 Simulated (32 replicas, Zipf 0.9 over 200 adapters, bench/RESULTS.md 2026-11-25): the share of requests
@@ -52,12 +61,12 @@ from lora_cache.planner.view import Home
 from lora_cache.vocab import AdapterKey
 
 
-def copies(share: float, replicas: int) -> int:
-    """Homes for an adapter with ``share`` (0-1) of the fleet's requests: one per replica's worth of
+def copies(share: float, replicas: int, spread: float = 1.0) -> int:
+    """Homes for an adapter with ``share`` (0-1) of the fleet's requests: ``spread`` per replica's worth of
     traffic, at least one, at most every replica."""
     if replicas < 1:
         return 0
-    return max(1, min(replicas, math.ceil(share * replicas - 1e-9)))
+    return max(1, min(replicas, math.ceil(spread * share * replicas - 1e-9)))
 
 
 class Preferences:
@@ -98,7 +107,9 @@ class HomeBook:
     have a slot left in the assignment (a replica's slots), as many as its copies: so a replica never gets
     more homes than it has slots, and an adapter whose first home is full goes to its next (the advice
     routes to where it is resident, so it follows). When the fleet's slots hold the whole catalog,
-    adapters below ``min_rate`` get one home each too.
+    adapters below ``min_rate`` get one home each too, and the first homes come first: every adapter at
+    ``min_rate`` (most requested first), every other adapter with requests, then the extra copies, then adapters
+    without history.
 
     An assignment reads every replica's capacity and, with the catalog placed, every adapter: on 1,000
     replicas and 10,000 adapters a plan took 45 ms instead of 0.7 (bench/RESULTS.md). So it is kept until
@@ -108,16 +119,19 @@ class HomeBook:
     each home's count per copy is read from the live counts.
     """
 
-    def __init__(self, min_rate: float, refresh_s: float) -> None:
+    def __init__(self, min_rate: float, refresh_s: float, spread: float = 1.0, min_window_s: float = 1.0) -> None:
         self._preferences = Preferences()
         self._min_rate = min_rate
         self._refresh_s = refresh_s
+        self._spread = spread
+        self._min_window_s = min_window_s
         self._shape = -1
         self._assigned_at = -math.inf
         self._homes: dict[str, list[tuple[AdapterKey, int]]] = {}  # replica -> (key, copies; 0: catalog fill)
         self._wanted: dict[str, int] = {}  # adapter at min_rate or more when last assigned -> its copies
         self._counts = RankedCounts()
         self._followed: set[str] = set()  # adapters whose traffic goes where they are resident (_followed)
+        self.holds_catalog = False  # the fleet's slots hold the catalog (last assignment): every adapter has a place
         self.assignments = 0
 
     def refresh(self, fleet: FleetState, popularity: Popularity, now: float) -> None:
@@ -125,7 +139,7 @@ class HomeBook:
         counts = self._counts = popularity.fleet
         n = len(fleet.workers)
         wanted = {name: self._copies_of(count, rate, counts.total, n)
-                  for name, count, rate in self._rated(counts, popularity.per_second(now))}
+                  for name, count, rate in self._rated(counts, popularity.observed_per_second(now, self._min_window_s))}
         if fleet.shape == self._shape and now - self._assigned_at < self._refresh_s \
                 and not any(self._grows(name, k) for name, k in wanted.items()):
             return
@@ -135,10 +149,10 @@ class HomeBook:
         self.assignments += 1
 
     def homes(self, replica: str) -> tuple[Home, ...]:
-        """The adapters assigned to ``replica``, most requested first; then, if the fleet holds the catalog,
-        those below ``min_rate`` (none yet: a fresh fleet), by count and name. A count per copy is given
-        only for an adapter whose traffic follows its residency (``_followed``): where the router spreads
-        it regardless (round-robin), a copy would get a replica's share, not its copies' share."""
+        """The adapters assigned to ``replica`` in the assignment's order (``_assign``: most requested first; if
+        the fleet holds the catalog, first homes, then extra copies, then adapters with no history yet). A count
+        per copy is given only for an adapter whose traffic follows its residency (``_followed``): where the
+        router spreads it regardless (round-robin), a copy would get a replica's share, not its copies' share."""
         return tuple(Home(key, self._counts.get(key.name) / n if n and key.name in self._followed else 0.0)
                      for key, n in self._homes.get(replica, ()))
 
@@ -156,7 +170,8 @@ class HomeBook:
     def _copies_of(self, count: float, rate: float, total: float, replicas: int) -> int:
         """One home per replica's worth of traffic, but none expected below ``min_rate``: while the counts are
         young (they underestimate a rate), a hot adapter gets fewer homes, not none."""
-        return max(1, min(copies(count / total if total > 0 else 1.0, replicas), math.floor(rate / self._min_rate)))
+        share = count / total if total > 0 else 1.0
+        return max(1, min(copies(share, replicas, self._spread), math.floor(rate / self._min_rate)))
 
     def _grows(self, name: str, wanted: int) -> bool:
         """A new adapter at ``min_rate``, or one that wants clearly more homes (a quarter more, at least one)
@@ -169,24 +184,39 @@ class HomeBook:
         replicas = tuple(sorted(fleet.workers))  # Planner.replicas(): one cached order per replica set
         left = {r: fleet.replica_capacity(r).slots for r in replicas}
         fill_catalog = 0 < len(fleet.catalog) <= sum(left.values())  # adapters without history too
+        self.holds_catalog = fill_catalog and bool(replicas)
         out: dict[str, list[tuple[AdapterKey, int]]] = {r: [] for r in replicas}
         if not replicas:
             return out
         self._preferences.use(replicas)
+        if not fill_catalog:
+            for name, k in wanted.items():  # most requested first
+                self._place(fleet.catalog[name].key, k, k, left, out)
+            return out
+        # The fleet holds the catalog: every adapter with requests gets its first home before any adapter gets a
+        # second, so extra copies never leave a requested adapter without a place (test_ray_serve: copies of
+        # three adapters took the slots of the only copy of a fourth one, just loaded for its request).
+        rest = sorted(fleet.catalog.keys() - wanted.keys(), key=lambda a: (-counts.get(a), a))
+        requested = [name for name in rest if counts.get(name) > 0]
         for name, k in wanted.items():  # most requested first
-            self._place(fleet.catalog[name].key, k, k, left, out)
-        if fill_catalog:
-            rest = sorted(fleet.catalog.keys() - wanted.keys(), key=lambda a: (-counts.get(a), a))
-            for name in rest:
-                self._place(fleet.catalog[name].key, 1, 0, left, out)
+            self._place(fleet.catalog[name].key, 1, k, left, out)
+        for name in requested:
+            self._place(fleet.catalog[name].key, 1, 0, left, out)
+        for name, k in wanted.items():
+            self._place(fleet.catalog[name].key, k - 1, k, left, out)
+        for name in rest[len(requested):]:  # no history: free room only
+            self._place(fleet.catalog[name].key, 1, 0, left, out)
         return out
 
     def _place(self, key: AdapterKey, wanted: int, mark: int, left: dict[str, int],
                out: dict[str, list[tuple[AdapterKey, int]]]) -> None:
-        """``wanted`` homes for ``key`` in its order, each recorded with ``mark`` (its copies; 0: a fill).
-        Returns as soon as they are placed: reading one replica more could build its whole order."""
+        """``wanted`` more homes for ``key`` in its order (past replicas that are already its homes), each recorded
+        with ``mark`` (its copies; 0: a fill). Returns as soon as they are placed: reading one replica more could
+        build its whole order."""
+        if wanted <= 0:
+            return
         for replica in self._preferences.order(key.name):
-            if left[replica] > 0:
+            if left[replica] > 0 and not any(k == key for k, _ in out[replica]):
                 left[replica] -= 1
                 out[replica].append((key, mark))
                 wanted -= 1

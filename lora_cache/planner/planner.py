@@ -7,7 +7,8 @@ controller calls it on a timer). The same inputs always give the same plan: ties
 nothing depends on set or hash order. Time is passed in (`now`, seconds of a monotonic clock).
 
 The planner checks its inputs and keeps the books (`state.py`, `hints.py`, `horizon.py`, `popularity.py`);
-re-planning, from what dirties a replica to the commands of its plan, is `replan.py`, which it composes.
+re-planning, from what dirties a replica to the commands of its plan, is `replan.py`, which it composes;
+what the fleet looks like now, read-only, is its `view` (`fleet_view.py`).
 
 Not thread-safe: the controller actor serialises calls.
 """
@@ -22,6 +23,7 @@ from lora_cache.planner.commands import Plan
 from lora_cache.planner.config import PlannerConfig
 from lora_cache.planner.durable import Restored, export_state, restore_state
 from lora_cache.planner.errors import PlannerInputError
+from lora_cache.planner.fleet_view import FleetView
 from lora_cache.planner.hints import HintBook
 from lora_cache.planner.horizon import Horizon
 from lora_cache.planner.popularity import Popularity
@@ -61,6 +63,7 @@ class Planner:
         self._replan = Replanner(config, epoch, self._fleet, self._hints, self._horizon, self._popularity,
                                  self.stats)  # dirty replicas, the policy, the homes, the diff (replan.py)
         self._now: float | None = None  # the latest time given
+        self.view = FleetView(self._fleet, self._hints)  # the read side: routing advice, the controller's queries
         for info in adapters:
             self.register_adapter(info)
         for spec in replicas:
@@ -227,39 +230,6 @@ class Planner:
         """Replan every replica (picks up popularity changes)."""
         self.advance(now)
         return self._replan.plan_all(now)
-
-    # -- queries ----------------------------------------------------------------------------------
-    def replicas(self) -> tuple[str, ...]:
-        return tuple(sorted(self._fleet.workers))
-
-    def workers(self, replica: str) -> tuple[str, ...]:
-        return tuple(self._fleet.require_replica(replica, "workers"))
-
-    def capacity(self, worker: str) -> Capacity:
-        self._fleet.require_worker(worker, "capacity")
-        return self._fleet.capacity[worker]
-
-    def adapter(self, name: str) -> AdapterInfo:
-        return self._fleet.require_adapter(name, "adapter")
-
-    def residency(self, worker: str) -> dict[AdapterKey, Residency]:
-        """What the planner believes `worker` holds (its last report plus commands sent since)."""
-        self._fleet.require_worker(worker, "residency")
-        return dict(self._fleet.residency[worker])
-
-    def holding(self, worker: str, key: AdapterKey) -> tuple[Residency | None, bool]:
-        """Routing's view of one adapter version on `worker`: its residency (None: not held) and whether a
-        stage into the host tier was sent and is still wanted (no copy of the residency map)."""
-        self._fleet.require_worker(worker, "holding")
-        return self._fleet.residency[worker].get(key), key in self._fleet.staged.get(worker, ())
-
-    def queue(self, replica: str) -> tuple[QueueEntry, ...]:
-        self._fleet.require_replica(replica, "queue")
-        return self._fleet.queues.get(replica, ())
-
-    def hints(self, replica: str) -> tuple[Hint, ...]:
-        self._fleet.require_replica(replica, "hints")
-        return tuple(self._hints.for_replica(replica))
 
     # -- surviving a controller restart (durable.py) -------------------------------------------------
     def export_state(self, max_counts: int = 4096) -> dict[str, object]:

@@ -22,6 +22,9 @@ lists, so a config is checked without importing the rules); the rules they share
 6. homes (`global` only, `homes.py`): adapters the fleet placement assigns to this replica take the
    free room left, and one with traffic of its own may displace incumbents worth clearly less than its
    home score (its share of its traffic once routed here); a resident home is valued at least at it.
+   It may displace this plan's own speculative loads and earlier homes on the same terms (the next plan
+   weighs them as incumbents, so leaving them would evict them right after loading them: thrash), and far
+   hints' free-room loads first; past the load limit a home is deferred like speculation (it claims its room).
    Hints beyond the horizon (`far_hinted`, see `horizon.py`) are not needs: resident ones are kept like
    incumbents (needs displace them; speculation does not, or it would evict what it let in); the others
    compete in speculation on their popularity alone, and otherwise only take room that rules 1-4 left
@@ -30,6 +33,7 @@ lists, so a config is checked without importing the rules); the rules they share
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
@@ -133,8 +137,7 @@ def build_target(view: ReplicaView, scorer: Scorer, needed: tuple[str, ...],
     held |= {k for _, k in admitted}
     far_in = _free_room(view, [k for k in far if k not in held and k not in view.resident], room)
     held |= set(far_in)
-    budget = config.max_prefetches_per_plan - sum(k not in view.resident for _, k in admitted)
-    homes = _homes(view, scorer, held, kept, room, budget, config.hysteresis) if speculate else []
+    homes = _homes(view, scorer, held, kept, admitted, far_in, room, config) if speculate else []
     popular = sorted(kept + far_held + admitted, key=lambda sk: (-sk[0], sk[1]))
     target = tuple(keys) + tuple(far_in) + tuple(k for _, k in popular) + tuple(homes)
     homeless = [k for k in wanted if k not in chosen] + [k for k in far if k not in target]
@@ -142,33 +145,59 @@ def build_target(view: ReplicaView, scorer: Scorer, needed: tuple[str, ...],
     return Target(target, frozenset(k for _, k in admitted) | frozenset(homes), staged)
 
 
-def _homes(view: ReplicaView, scorer: Scorer, held: set[AdapterKey], kept: list[Scored], room: Room,
-           limit: int, hysteresis: float) -> list[AdapterKey]:
-    """Adapters homed here, in the home book's order, a current version only, at most `limit` loads (the
-    next plan takes the rest): into the free room left, or, for an adapter with traffic of its own, in
-    place of incumbents worth clearly less per byte than its home score (`ReplicaScorer.home_score`: a
-    full fleet still gets a hot adapter's copies, where a router that follows residency sends its traffic).
-    `kept` (lowest first) loses the incumbents displaced; an adapter placed only because the fleet holds
-    the catalog never displaces."""
-    admitted: list[AdapterKey] = []
+def _homes(view: ReplicaView, scorer: Scorer, held: set[AdapterKey], kept: list[Scored],
+           speculated: list[Scored], far_in: list[AdapterKey], room: Room, config: PlannerConfig
+           ) -> list[AdapterKey]:
+    """Adapters homed here, in the home book's order, a current version only: into the free room left, or, for
+    an adapter with traffic of its own, in place of what is worth clearly less per byte than its home score
+    (`ReplicaScorer.home_score`: a full fleet still gets a hot adapter's copies, where a router that follows
+    residency sends its traffic). An adapter placed only because the fleet holds the catalog never displaces.
+
+    What can be displaced is what the next plan would weigh as an incumbent: `kept` ones, and this plan's own
+    choices, speculative loads (`speculated`) and homes admitted before, valued as they would be once resident
+    (`_incumbent_score`). Otherwise the next plan would evict one of them for this home right after this plan
+    loads it (thrash); displaced here, it is never sent, and its load goes to the home. Far hints' loads into
+    free room (`far_in`) go first of all: without the far hint that room was free, and a far hint must never
+    change what is evicted. `kept`, `speculated` and `far_in` lose what is displaced. While the fleet's slots
+    hold the catalog, a home never displaces the fleet's last copy of an adapter with requests
+    (`view.last_copies`): that adapter would be left nowhere though every adapter has a place (a copy of a hot
+    adapter took the slot of one just loaded for its request, and its next request loaded it again:
+    tests/test_homes.py, tests/test_ray_serve.py).
+
+    Loads stay within `max_prefetches_per_plan` (with speculation's); past it a home is deferred as in
+    `_speculate`: it still claims its room and displaces what it would, and the next plan loads it into the
+    room left free. So what is evicted never depends on the limit (a rank that lacks a kept incumbent is not
+    told to load it now and evict it next plan)."""
+    loads_left = config.max_prefetches_per_plan - sum(k not in view.resident for _, k in speculated)
+    homed = {h.key: h.per_copy for h in view.homes if h.per_copy > 0}
+    own: list[Scored] = []  # homes admitted so far, at their value once resident
     for home in view.homes:
-        if len(admitted) >= limit:
-            break
         key = home.key
         info = view.catalog[key.name]
-        if key in held or key in view.resident or info.key != key or not _placeable(view, info.bytes_per_rank):
+        size = info.bytes_per_rank
+        if key in held or key in view.resident or info.key != key or not _placeable(view, size):
             continue
-        if not room.fits(info.bytes_per_rank):
+        if not room.fits(size):
             score = scorer.home_score(key.name, home.per_copy) if home.per_copy > 0 else 0.0
-            victims = _victims(kept, score, info.bytes_per_rank, room, view, hysteresis) if score > 0 else 0
+            eligible = sorted(sk for sk in kept + speculated + own if sk[1] not in view.last_copies)
+            pool = [(-math.inf, k) for k in far_in] + eligible  # lowest first
+            victims = _victims(pool, score, size, room, view, config.hysteresis) if score > 0 else 0
             if victims == 0:
                 continue
-            for _, victim in kept[:victims]:
-                room.give(_size(view, victim))
-            del kept[:victims]
-        room.take(info.bytes_per_rank)
-        admitted.append(key)
-    return admitted
+            for scored in pool[:victims]:
+                room.give(_size(view, scored[1]))
+                if scored[0] == -math.inf:
+                    far_in.remove(scored[1])
+                    continue
+                group = next(g for g in (own, speculated, kept) if scored in g)
+                loads_left += group is own or (group is speculated and scored[1] not in view.resident)
+                group.remove(scored)
+        room.take(size)
+        if loads_left > 0:
+            loads_left -= 1
+            own.append((_incumbent_score(scorer, key, homed), key))
+    admitted = {k for _, k in own}
+    return [h.key for h in view.homes if h.key in admitted]
 
 
 def _free_room(view: ReplicaView, keys: list[AdapterKey], room: Room) -> list[AdapterKey]:
@@ -208,18 +237,21 @@ def _admit_needed(view: ReplicaView, needed: list[AdapterKey], room: Room) -> li
 
 def _incumbents(view: ReplicaView, chosen: set[AdapterKey], scorer: Scorer,
                 homed: Mapping[AdapterKey, float]) -> list[Scored]:
-    """Residents neither pinned nor needed, of the current version and placeable; lowest score first. One
-    homed here (``homed``: key -> its count per copy) is worth its home score if that is more: speculation
-    must not evict a hot adapter's new copy before the router's traffic to it shows in its counts."""
+    """Residents neither pinned nor needed, of the current version and placeable; lowest score first."""
     found = []
     for key in view.resident - chosen:
         info = view.catalog[key.name]
         if info.version == key.version and _placeable(view, info.bytes_per_rank):
-            score = scorer.score(key.name)
-            if key in homed:
-                score = max(score, scorer.home_score(key.name, homed[key]))
-            found.append((score, key))
+            found.append((_incumbent_score(scorer, key, homed), key))
     return sorted(found)
+
+
+def _incumbent_score(scorer: Scorer, key: AdapterKey, homed: Mapping[AdapterKey, float]) -> float:
+    """A resident's value per byte. One homed here (``homed``: key -> its count per copy) is worth its home
+    score if that is more: speculation must not evict a hot adapter's new copy before the router's traffic
+    to it shows in its counts."""
+    score = scorer.score(key.name)
+    return max(score, scorer.home_score(key.name, homed[key])) if key in homed else score
 
 
 def _trim(incumbents: list[Scored], room: Room, view: ReplicaView) -> list[Scored]:

@@ -56,7 +56,8 @@ class Replanner:
         self.epoch = epoch
         self.stats = stats
         self.policy = POLICIES[config.policy]()
-        self.homes = HomeBook(config.home_min_rate, config.home_refresh_s)  # fleet placement (homes.py)
+        self.homes = HomeBook(config.home_min_rate, config.home_refresh_s, config.home_spread,
+                              config.home_min_window_s)  # fleet placement (homes.py)
         self.dirty: set[str] = set()  # replicas whose plan inputs changed since they were last planned
         self._fleet, self._hints, self._horizon, self._popularity = fleet, hints, horizon, popularity
 
@@ -150,12 +151,21 @@ class Replanner:
                                          fleet.catalog, fleet.min_bytes(), now)
         view = self.view(replica, now)
         if homes is not None:
-            view = view._replace(homes=homes.homes(replica))
+            view = view._replace(homes=homes.homes(replica), last_copies=self._last_copies(replica, view, homes))
         target = self.policy.target(view, scorer, self.config)
         if target is None:
             return []
         diffs = (self._diff(worker, replica, target) for worker in fleet.workers[replica])
         return [commands for commands in diffs if commands is not None]
+
+    def _last_copies(self, replica: str, view: ReplicaView, homes: HomeBook) -> frozenset[AdapterKey]:
+        """``replica``'s residents that no other replica holds, of adapters with requests, while the fleet's slots
+        hold the catalog (every adapter has a place): homes may not displace them (``policies._homes``)."""
+        if not homes.holds_catalog:
+            return frozenset()
+        fleet, counts = self._fleet, self._popularity.fleet
+        return frozenset(key for key in view.resident if counts.get(key.name) > 0
+                         and all(fleet.replica_of[w] == replica for w in fleet.holders.get(key.name, ())))
 
     def _diff(self, worker: str, replica: str, target: Target) -> WorkerCommands | None:
         """One worker's commands to move from what it holds to `target`, within its own capacity.

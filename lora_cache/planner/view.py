@@ -38,6 +38,8 @@ class ReplicaView(NamedTuple):
     far_hinted: tuple[str, ...] = ()  # hints beyond the horizon (none queued or near): free room only (horizon.py)
     homes: tuple[Home, ...] = ()  # adapters that call this replica home, best first (homes.py)
     max_bytes: int = 0  # the largest shard in the catalog (0: unknown): bounds a candidate's rate by its score
+    last_copies: frozenset[AdapterKey] = frozenset()  # residents held nowhere else, of adapters with requests, while
+    # the fleet's slots hold the catalog: no home displaces them (homes.py; it would leave them nowhere)
 
 
 class Target(NamedTuple):

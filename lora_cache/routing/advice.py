@@ -1,4 +1,4 @@
-"""Routing advice from the controller's view (lifecycle step 1): the planner's fleet -> lora_cache.routing.ranking.
+"""Routing advice from the controller's view (lifecycle step 1): the planner's ``FleetView`` -> ranking inputs.
 
 Plain Python (no torch, no Ray). The controller knows, per replica, what every TP rank holds (reported,
 plus the prefetches it has sent since: the plan in flight), what it staged in host tiers, the waiting
@@ -14,7 +14,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
 
 from lora_cache.errors import ConflictError, LoraCacheError, NotFoundError
-from lora_cache.planner import Planner, SlotState
+from lora_cache.planner import FleetView, SlotState
 from lora_cache.routing.clock import LoadClock
 from lora_cache.routing.limits import RoutingLimits
 from lora_cache.routing.ranking import Ranked, ReplicaLoad, Residence, RouteItem, RouterConfig, route_batch
@@ -38,10 +38,10 @@ class RouteAdvice(NamedTuple):
     error: LoraCacheError | None = None
 
 
-def residence(planner: Planner, replica: str, key: AdapterKey) -> Residence:
+def residence(view: FleetView, replica: str, key: AdapterKey) -> Residence:
     """READY on every rank; else LOADING if every rank holds or loads it; else STAGED if every rank that
     does not hold it has it staged; else COLD (also for a replica without workers)."""
-    held = [planner.holding(w, key) for w in planner.workers(replica)]
+    held = [view.holding(w, key) for w in view.workers(replica)]
     if not held:
         return Residence.COLD
     states = [r.state for r, _ in held if r is not None]
@@ -54,7 +54,7 @@ def residence(planner: Planner, replica: str, key: AdapterKey) -> Residence:
     return Residence.COLD
 
 
-def ready_s(planner: Planner, replica: str, key: AdapterKey, where: Residence, clock: LoadClock | None) -> float:
+def ready_s(view: FleetView, replica: str, key: AdapterKey, where: Residence, clock: LoadClock | None) -> float:
     """Seconds from now by which ``key`` is most likely READY on ``replica`` if a request of it is routed there now:
     0 where it is READY; else the load time the controller measured (``clock``: the fit plus one standard deviation
     of the samples about it) for its shard at the replica's TP, from the host tier (STAGED) or from storage (COLD;
@@ -63,34 +63,34 @@ def ready_s(planner: Planner, replica: str, key: AdapterKey, where: Residence, c
         return 0.0
     if clock is None:
         return math.inf
-    nbytes = planner.adapter(key.name).bytes_per_rank / max(1, len(planner.workers(replica)))
+    nbytes = view.adapter(key.name).bytes_per_rank / max(1, len(view.workers(replica)))
     if where is Residence.STAGED:
         return clock.load_s(nbytes, staged=True, spread=True)
     cold = clock.load_s(nbytes, staged=False, spread=True)
     return cold / 2 if where is Residence.LOADING else cold
 
 
-def replica_loads(planner: Planner, key: AdapterKey, loads: Mapping[str, float],
+def replica_loads(view: FleetView, key: AdapterKey, loads: Mapping[str, float],
                   down: Collection[str] = (), limits: RoutingLimits | None = None,
                   clock: LoadClock | None = None) -> list[ReplicaLoad]:
     """Every replica (but ``down``) as the ranking sees it for ``key``; with ``limits``, each with the adapters in
     flight there and its declared admission limits (``lora_cache.routing.limits``); with ``clock``, each with the
     adapter's expected time to READY there (``ready_s``)."""
     out = []
-    for replica in planner.replicas():
+    for replica in view.replicas():
         if replica in down:
             continue  # a rank of it is lost: a request routed there waits for nothing good
         given = loads.get(replica)
-        load = given
-        if load is None:
-            load = float(len(planner.queue(replica)) + len(planner.hints(replica)))
-        where = residence(planner, replica, key)
-        item = ReplicaLoad(replica, where, load, ready_s=ready_s(planner, replica, key, where, clock))
+        queue, hints = view.queue(replica), view.hints(replica)  # routed there, not started: read once
+        arriving = len(queue) + len(hints)
+        load = float(arriving) if given is None else given
+        where = residence(view, replica, key)
+        item = ReplicaLoad(replica, where, load, ready_s=ready_s(view, replica, key, where, clock),
+                           arriving=arriving)
         if limits is not None:
-            waiting = [] if given is not None else ([q.adapter for q in planner.queue(replica)]
-                                                    + [h.adapter for h in planner.hints(replica)])
+            waiting = [] if given is not None else [q.adapter for q in queue] + [h.adapter for h in hints]
             lim = limits.limits(replica)
-            slots = min((planner.capacity(w).slots for w in planner.workers(replica)), default=0)
+            slots = min((view.capacity(w).slots for w in view.workers(replica)), default=0)
             item = item._replace(flying=limits.flying(replica, given, waiting), max_adapters=lim.max_adapters,
                                  max_running=lim.max_running, scarce=0 < lim.max_adapters < slots,
                                  frees=limits.lane_frees(replica, given))
@@ -98,7 +98,7 @@ def replica_loads(planner: Planner, key: AdapterKey, loads: Mapping[str, float],
     return out
 
 
-def advise(planner: Planner, items: Sequence[RouteRequest], config: RouterConfig,
+def advise(view: FleetView, items: Sequence[RouteRequest], config: RouterConfig,
            loads: Mapping[str, float] | None = None, down: Collection[str] = (),
            limits: RoutingLimits | None = None, clock: LoadClock | None = None) -> list[RouteAdvice]:
     """Ranked replicas for every item, in order (``lora_cache.routing.ranking.route_batch``); an item naming an
@@ -106,34 +106,34 @@ def advise(planner: Planner, items: Sequence[RouteRequest], config: RouterConfig
     replicas' admission limits and requests in flight; each item's first pick is recorded there. ``clock``: the
     measured load times and the requests' lead (``lora_cache.routing.clock``)."""
     loads = dict(loads or {})
-    if not planner.replicas():
+    if not view.replicas():
         raise ConflictError("no replicas to route to; start some (lora-cache serve --replicas N) or wait for "
                             "their workers to register")
-    if not set(planner.replicas()) - set(down):
+    if not set(view.replicas()) - set(down):
         raise ConflictError(f"every replica has a rank that is lost ({sorted(down)}); wait for their workers to "
                             "come back (lora-cache status shows the workers)")
-    unknown = sorted(set(loads) - set(planner.replicas()))
+    unknown = sorted(set(loads) - set(view.replicas()))
     if unknown:
-        raise NotFoundError(f"loads name unknown replicas {unknown}; known replicas: {list(planner.replicas())}")
+        raise NotFoundError(f"loads name unknown replicas {unknown}; known replicas: {list(view.replicas())}")
     views: dict[str, list[ReplicaLoad]] = {}
     errors: list[LoraCacheError | None] = []
     for item in items:
-        errors.append(_check(planner, item))
+        errors.append(_check(view, item))
         if errors[-1] is None and item.adapter not in views:
-            views[item.adapter] = replica_loads(planner, planner.adapter(item.adapter).key, loads, down, limits,
+            views[item.adapter] = replica_loads(view, view.adapter(item.adapter).key, loads, down, limits,
                                                 clock)
     good = [RouteItem(i.adapter, i.tokens) for i, e in zip(items, errors) if e is None]
     batch = route_batch(good, views, config, clock.lead_s if clock is not None else 0.0)
     if limits is not None:
         limits.record((i.adapter, r[0].replica) for i, r in zip(good, batch))
     ranked = iter(batch)
-    return [RouteAdvice(i.adapter, planner.adapter(i.adapter).version, next(ranked)) if e is None
+    return [RouteAdvice(i.adapter, view.adapter(i.adapter).version, next(ranked)) if e is None
             else RouteAdvice(i.adapter, i.version, [], e) for i, e in zip(items, errors)]
 
 
-def _check(planner: Planner, item: RouteRequest) -> LoraCacheError | None:
+def _check(view: FleetView, item: RouteRequest) -> LoraCacheError | None:
     try:
-        current = planner.adapter(item.adapter).version
+        current = view.adapter(item.adapter).version
     except LoraCacheError:
         return NotFoundError(f"adapter {item.adapter!r} is not registered; register it first (lora-cache register "
                              "NAME PATH) or route the request without an adapter")

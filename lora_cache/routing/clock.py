@@ -10,10 +10,14 @@ than any busy one. Neither figure is a constant of this module; both are measure
   decayed least-squares fit ``seconds = fixed + per_byte x bytes`` per kind: from the host tier (the adapter was
   staged there: one copy) or from storage (a read and a copy). Shard bytes are the adapter's bytes per rank at TP
   1 (``AdapterInfo.bytes_per_rank``) over the replica's TP. Until a kind has a sample, ``RouterConfig``'s
-  ``cold_s`` / ``staged_s`` stand in (conservative: 0.1 s and 0.01 s). The ranking reads the fit plus one
-  standard deviation of the samples about it (``spread``): a prefetch the controller counts as from storage may
-  be a host-tier hit (the host tier keeps what it read; the planner knows only the stages it sent), so the mean
-  mixes fast and slow loads, and a load the ranking expects to finish by the arrival should most likely do so
+  ``cold_s`` / ``staged_s`` stand in (conservative: 0.1 s and 0.01 s). A prefetch sent while another to the same
+  worker awaits its READY report gives no sample: its time is the worker's queue of loads, not a load (issue 31: the
+  catalog's first placement, 8 loads a worker at once, read as 0.5 s loads on a fleet whose loads take 8 ms from
+  storage, so ``idle_ready`` never found a cold adapter ready by a 50 ms lead; bench/RESULTS.md). The ranking reads
+  the fit plus one standard deviation of the samples about it (``spread``): a prefetch the controller counts as
+  from storage may be a host-tier hit (the host tier keeps what it read; the planner knows only the stages it
+  sent), so the mean mixes fast and slow loads, and a load the ranking expects to finish by the arrival should
+  most likely do so
   (issue 31: with the mean, a heavy-load fleet lost residency to idle moments, p99 1542 -> 1839 ms);
 - the lead is a decayed mean of the leads the hints carry (``expected in`` seconds, ``ControllerCore.hint_batches``),
   0 until a hint comes: without hints only a replica where the adapter is READY now counts as ready by arrival.
@@ -63,6 +67,7 @@ class Sent(NamedTuple):
     nbytes: float
     staged: bool
     at: float
+    queued: bool = False  # another prefetch to its worker was awaiting READY when it was sent: no sample
 
 
 class LoadClock:
@@ -75,6 +80,7 @@ class LoadClock:
         self.prior = {False: cold_s, True: staged_s}
         self._fits = {False: _Fit(), True: _Fit()}
         self._sent: dict[tuple[str, str, str], Sent] = {}
+        self._pending: dict[str, int] = {}  # worker -> its prefetches in _sent
         self._lead_n = self._lead_sum = 0.0
 
     # -- inputs ---------------------------------------------------------------------------------------
@@ -84,22 +90,33 @@ class LoadClock:
         key = (worker, adapter, version)
         if key not in self._sent:
             if len(self._sent) >= KEEP:
-                del self._sent[next(iter(self._sent))]
-            self._sent[key] = Sent(nbytes, staged, now)
+                self._pop(next(iter(self._sent)))
+            self._sent[key] = Sent(nbytes, staged, now, self._pending.get(worker, 0) > 0)
+            self._pending[worker] = self._pending.get(worker, 0) + 1
 
     def ready(self, worker: str, adapter: str, version: str, now: float) -> None:
         """``worker`` reported ``adapter@version`` READY at ``now``: a sample if the controller sent its prefetch."""
-        s = self._sent.pop((worker, adapter, version), None)
-        if s is not None and now >= s.at:
+        s = self._pop((worker, adapter, version))
+        if s is not None and not s.queued and now >= s.at:
             self._fits[s.staged].add(s.nbytes, now - s.at)
 
     def dropped(self, worker: str, adapter: str, version: str) -> None:
         """The load failed or the residency is gone: no sample."""
-        self._sent.pop((worker, adapter, version), None)
+        self._pop((worker, adapter, version))
 
     def forget(self, worker: str) -> None:
         for key in [k for k in self._sent if k[0] == worker]:
-            del self._sent[key]
+            self._pop(key)
+
+    def _pop(self, key: tuple[str, str, str]) -> Sent | None:
+        s = self._sent.pop(key, None)
+        if s is not None:
+            left = self._pending[key[0]] - 1
+            if left:
+                self._pending[key[0]] = left
+            else:
+                del self._pending[key[0]]
+        return s
 
     def lead(self, seconds: float) -> None:
         """A hint said its request comes in ``seconds``."""

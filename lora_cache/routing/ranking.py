@@ -45,7 +45,19 @@ sticky picks hash only among the cold replicas where the request would start soo
 whose load is within ``cold_slack`` of the least loaded of them (issue 31: on a 64-replica fleet with 5,000
 adapters, most resident nowhere, hash order over every replica within the bound sent them to busy replicas while
 others idled; bench/RESULTS.md). ``weigh_cold`` (off) ranks a resident replica after those cold ones when its
-queue's expected wait exceeds theirs plus a load; measured, it did not pay (bench/RESULTS.md). In the simulator (32
+queue's expected wait exceeds theirs plus a load; measured on every fleet, it did not pay (bench/RESULTS.md).
+``weigh_over`` (off) applies it only where lanes are not scarce and the resident replica's load would exceed the
+fleet's proportional bound (``(1 + epsilon)`` x the mean, without ``min_bound``): at light load ``min_bound`` let the
+one replica where a hot adapter was READY take 3-7 requests while the others held 1-2, and its requests then arrived
+during each other's prefill steps and waited for them (issue 31: r8-a500-l0.3-zipf1.5-m8-tp4's p99, 1.135x -> 0.973x
+the better simple router with it; at heavy load the proportional bound is mostly above every replica's load, so
+residency decides as before). It stays off: the cold picks it adds cost 1-3% of the mean on light-load fleets of
+one-rank replicas, whose loads do not fit the lead (bench/RESULTS.md). ``weigh_arrivals`` (off) ranks, where lanes are
+not scarce and a replica has a lane free for every request in flight (its load within ``max_adapters``), by the
+request's expected start there: the later of its adapter's READY (``ready_s`` past the lead) and the prefills of the
+requests routed there that have not started (``ReplicaLoad.arriving``: its active hints and queue, ``prefill_s``
+each), then residency; replicas past their lanes rank by residency after them (issue 31, sixth round: on the routing
+grid's light-load fleets the tail was requests sent where one or two others were about to arrive). In the simulator (32
 replicas, Zipf 0.9 over 200 adapters, 64 requests/s, lead 0.05 s; bench/RESULTS.md) the share of requests whose
 adapter was ready on arrival under ``global`` placement is 0.955 with the defaults, 0.899 with least-loaded cold
 picks, 0.864 with ``min_bound=0`` and 0.831 with both (residency-only routing: 0.890).
@@ -126,10 +138,27 @@ class RouterConfig:
                 "the request's arrival (its measured load time within the requests' lead, both from "
                 "lora_cache.routing.clock) ranks first within the bound: the request starts there on arrival, sooner "
                 "than behind any busy batch"})
+    weigh_over: bool = field(default=False, metadata={
+        "help": "where lanes are not scarce, weigh_cold for a resident replica whose load would exceed the fleet's "
+                "proportional bound ((1 + epsilon) x the mean, without min_bound): min_bound lets the replica where a "
+                "hot adapter is READY take up to min_bound requests while the others hold one or two, and its "
+                "arrivals then wait for each other's prefills (off: it cut those p99s but cost 1-3% of the mean on "
+                "light-load fleets of one-rank replicas, bench/RESULTS.md)"})
+    weigh_arrivals: bool = field(default=False, metadata={
+        "help": "where lanes are not scarce, replicas that can start the request within the bound rank by its expected "
+                "start: the later of its adapter's READY (ready_s past the lead) and the prefills of the requests "
+                "arriving there before it (arriving x prefill_s), then residency (off: measured on the routing grid, "
+                "bench/RESULTS.md)"})
+    prefill_s: float = field(default=0.03, metadata={
+        "help": "weigh_arrivals: expected seconds of one arriving request's prefill ahead of a new one"})
     idle_scarce: bool = field(default=False, metadata={
         "help": "idle_ready also where lanes are scarce (max_adapters < slots): measured, it cost more than it saved"})
     token_weight: float = field(default=0.0, metadata={
         "help": "extra load units per prompt token of a routed request (0: every request weighs 1)"})
+    cold_traffic: bool = field(default=False, metadata={
+        "help": "a cold adapter goes to the cold replica with room that was sent the fewest requests lately "
+                "(ReplicaLoad.recent), its hash order only among equals: two hot adapters do not share a replica "
+                "because their hashes do (a router that counts its own traffic: LoraCacheRouter)"})
 
     def __post_init__(self) -> None:
         if not 0 <= self.epsilon < math.inf:
@@ -138,7 +167,8 @@ class RouterConfig:
         if not self.cold_slack >= 0:
             raise ConfigError(f"cold_slack is {self.cold_slack}; give a number >= 0 (1: hash order among the "
                               "replicas within one request of the least loaded; inf: hash order within the bound)")
-        for name in ("min_bound", "request_s", "loading_s", "staged_s", "cold_s", "lane_s", "token_weight"):
+        for name in ("min_bound", "request_s", "loading_s", "staged_s", "cold_s", "lane_s", "token_weight",
+                     "prefill_s"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ConfigError(f"{name} is {getattr(self, name)}; give a finite number >= 0")
 
@@ -160,6 +190,8 @@ class ReplicaLoad(NamedTuple):
     scarce: bool = False  # its batch admits fewer adapters than its ranks hold: lanes bind before residency
     frees: int = 0  # which running batch frees a lane first, as a routing sequence number (routing.limits; 0: unknown)
     ready_s: float = math.inf  # expected seconds to READY there if routed now (routing.clock; inf: unknown)
+    recent: float = 0.0  # requests routed there lately, decayed (RouterConfig.cold_traffic; 0: unknown or none)
+    arriving: int = 0  # requests routed there not yet started: active hints and its queue (weigh_arrivals; 0: none)
 
     def lanes_short(self, adapter: str) -> int:
         """Adapter lanes the replica lacks to start a request of ``adapter`` now: 0 if it is in flight there
@@ -218,6 +250,8 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
     cold_floor = min(cold_loads, default=0.0)
     cold_any = bool(cold_loads)
     cold_wait = cold_floor * config.request_s + config.cold_s
+    # the bound without min_bound (weigh_over only: rank runs on every request's path)
+    share = bound([r.load for r in replicas], config.epsilon, weight) if config.weigh_over else math.inf
     out = []
     for r in replicas:
         within = r.load + weight <= cap
@@ -237,10 +271,20 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
             key = (0, -1, wait, r.load)
         elif config.idle_ready and r.load <= 0 and r.ready_s <= lead_s and (config.idle_scarce or not r.scarce):
             key = (0, -2, r.residence.order, h)  # it starts on arrival there: first
+        elif config.weigh_arrivals and not r.scarce and r.load + weight <= (r.max_adapters or config.min_bound):
+            # a lane free for every request in flight: the request starts once its adapter is READY and the
+            # requests arriving before it have had their prefills; the earliest start first, then residency
+            eta = 0.0 if r.residence is Residence.READY else (
+                max(0.0, r.ready_s - lead_s) if r.ready_s < math.inf else config.penalty_s(r.residence))
+            start = max(eta, r.arriving * config.prefill_s)
+            tie = float(h) if config.sticky and r.residence is Residence.COLD else r.load
+            key = (0, -0.5, start, r.residence.order, tie)
         elif config.sticky and r.residence is Residence.COLD:
             soon = not r.scarce or r.load <= cold_floor + config.cold_slack  # lanes not scarce: hash order
-            key = (0, r.residence.order, 0 if soon else 1, 0 if soon else r.load, h)
-        elif config.weigh_cold and config.sticky and cold_any and wait > cold_wait:
+            first = r.recent if config.cold_traffic else 0.0  # the replica sent fewest requests lately first
+            key = (0, r.residence.order, 0 if soon else 1, first if soon else r.load, h)
+        elif (config.sticky and cold_any and wait > cold_wait
+              and (config.weigh_cold or (config.weigh_over and not r.scarce and r.load + weight > share))):
             key = (0, Residence.COLD.order, 0, 1, wait, r.load)  # after the soonest cold replicas, before the rest
         else:
             key = (0, r.residence.order, wait, r.load)

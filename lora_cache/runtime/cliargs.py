@@ -34,15 +34,15 @@ def add_config_args(parser: argparse.ArgumentParser | Any, cls: type, skip: tupl
                 add_config_args(parser, kind, skip)  # type: ignore[arg-type]
             continue
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
-        help_ = f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else None
+        # argparse %-formats a help string: a field's "%" (e.g. "1-3% of the mean") must reach it as "%%"
+        help_ = f"{f.metadata.get('help', '')} (default: {default})".replace("%", "%%")
         if kind is bool:
-            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None,
-                                help=f"{help_} (default: {default})")
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif typing.get_origin(kind) is tuple:
-            parser.add_argument(*flags, nargs="+", default=None, help=f"{help_} (default: {default})")
+            parser.add_argument(*flags, nargs="+", default=None, help=help_)
         else:
-            parser.add_argument(*flags, type=kind, dest=f.name, default=None, help=f"{help_} (default: {default})")
+            parser.add_argument(*flags, type=kind, dest=f.name, default=None, help=help_)
 
 
 def add_config_groups(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:

@@ -48,6 +48,9 @@ class EngineConfig:
                                                                "every item and a digest of its slot's bytes "
                                                                "(tests; a device-to-host copy per adapter)"})
     graph_kv_block: int = field(default=512, metadata={"help": "KV-length bucket of the decode graphs (keys)"})
+    agree_timeout_s: float = field(default=60.0, metadata={
+        "help": "a waiting request whose adapter's TP ranks agree on no version (a registration that reached some "
+                "ranks only) this long fails alone (0: waits for ever)"})
     host: HostTierConfig = field(default_factory=HostTierConfig)
 
     def __post_init__(self) -> None:
@@ -57,6 +60,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_seq_len < 2:
             raise ConfigError(f"max_seq_len must be >= 2 (one prompt and one output token), got {self.max_seq_len}")
+        if self.agree_timeout_s < 0:
+            raise ConfigError(f"agree_timeout_s must be >= 0 (0: no limit), got {self.agree_timeout_s}")
         if self.chunk_bytes < 0:
             raise ConfigError(f"chunk_bytes must be >= 0 (0: a chunk per layer), got {self.chunk_bytes}")
         if self.max_adapters > self.num_slots:

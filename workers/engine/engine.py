@@ -5,7 +5,10 @@ One round, on every rank (rank 0's clock times arrivals and tokens):
      load can evict them, and reports them; the element-wise minimum over ranks is the replica's view;
   2. rank 0 takes the requests submitted since the last round (a streaming run's ``Feed``); its scheduler
      turns the clock and that view into a StepPlan; a gloo broadcast hands it to all (the other ranks
-     see requests only in these plans, so every rank runs the same ones in the same order);
+     see requests only in these plans, so every rank runs the same ones in the same order).
+     The plan also carries the adapters rank 0's catalog registered since the last round (``StepPlan.names``):
+     every rank appends them to its version exchange, in that order, before the next round, so a replica
+     serves adapters registered while it runs (a request for a name the catalog lacks fails alone);
   3. every rank runs it: prefill or decode (acquire, prefetch, layers with the LoRA kernels and the
      all-reduce, release, wait for the tokens), or a wait for the next load or arrival.
 Between rounds (rules that prefetch, rank 0 of a streaming run): each submit pins its request's adapter if
@@ -79,6 +82,8 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
     heap.freeze()  # no full collection walks the built engine mid-run (a ~100 ms stall; lora_cache/runtime/heap.py)
     try:
         comm.barrier()  # every rank built: the clock starts now (or at hooks.start_wall)
+        if comm.world > 1:  # one names list for the version exchange: rank 0's (a rank's catalog may lag at build)
+            engine.adopt(comm.broadcast(engine.names if comm.rank == 0 else None))
         t0 = time.perf_counter()
         if hooks.start_wall is not None:
             t0 += hooks.start_wall - time.time()
@@ -87,10 +92,14 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
         plan, queue = StepPlan(STOP), None
         while True:
             vec = comm.min_control(engine.readiness(plan.wanted))  # every rule: the versions (invariant 1)
+            added: tuple[str, ...] = ()
             if feed is not None and scheduler is not None:
                 engine.arrivals_taken()  # before the take: an arrival after it keeps its pin a round more
-                _take(feed, scheduler, engine.index)
-            plan = comm.broadcast(_plan(scheduler, time.perf_counter() - t0, engine, vec))
+                added = _take(feed, scheduler, engine)
+            elif scheduler is not None:
+                added = engine.new_names()
+            plan = comm.broadcast(_plan(scheduler, time.perf_counter() - t0, engine, vec, added))
+            engine.add_names(plan.names)  # every rank, this round: the next exchange has their rows
             if scheduler is not None and hooks.on_queue is not None and (now := scheduler.queue(plan)) != queue:
                 queue = now
                 hooks.on_queue([(a, wall0 + t) for a, t in now])
@@ -112,21 +121,29 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
     return EngineResult(scheduler.records() if scheduler is not None else [], ranks)
 
 
-def _take(feed: Feed, scheduler: Scheduler, known: Collection[str]) -> None:
-    """Rank 0 of a streaming run: the requests submitted since the last round, and the end of stream (a request
-    for an adapter outside ``known``, the version exchange's names, fails alone: the loop goes on)."""
+def _take(feed: Feed, scheduler: Scheduler, engine: RankEngine) -> tuple[str, ...]:
+    """Rank 0 of a streaming run: the requests submitted since the last round, and the end of stream; returns the
+    names its catalog registered since the last round (read after the take: an adapter registered before its
+    request was submitted is among them or known already). A request for an adapter outside the version
+    exchange's names and those fails alone: the loop goes on."""
     new, closed = feed.take()
+    added = engine.new_names()
     if new:
+        known: Collection[str] = engine.index if not added else {*engine.index, *added}
         scheduler.add(new, known)
     if closed:
         scheduler.end()
+    return added
 
 
-def _plan(scheduler: Scheduler | None, now: float, engine: RankEngine, reduced: torch.Tensor) -> StepPlan | None:
-    """Rank 0: the ranks' reduced reports -> failures of the last step, then the next plan."""
+def _plan(scheduler: Scheduler | None, now: float, engine: RankEngine, reduced: torch.Tensor,
+          added: tuple[str, ...] = ()) -> StepPlan | None:
+    """Rank 0: the ranks' reduced reports -> failures of the last step, then the next plan (carrying ``added``,
+    the names every rank appends to the exchange after it; their requests wait a round: no version yet)."""
     if scheduler is None:
         return None
     view = ReducedVersions(reduced, engine.names, engine.versions.codes)
     if failed := view.step_failures():
         scheduler.fail_step(failed)
-    return scheduler.plan(now, view.readiness(), view.versions())
+    plan = scheduler.plan(now, view.readiness(), view.versions())
+    return plan._replace(names=added) if added else plan

@@ -69,7 +69,6 @@ class HostedEngine:
         self.comm: Comm | None = None
         self.engine: RankEngine | None = None
         self.feed: Feed | None = None  # rank 0, from build until the next build
-        self.known: frozenset[str] = frozenset()  # the adapters the built engine serves (its catalog's at build)
 
     def build(self, config: EngineConfig, meet: Rendezvous, rank: int) -> dict[str, float]:
         """The rank's engine, warmed up; returns the seconds of each phase (rendezvous, model, warm-up)."""
@@ -95,7 +94,6 @@ class HostedEngine:
         self.engine = RankEngine(config, self.comm, self.cache)  # model and KV cache built before the clock
         t2 = time.perf_counter()
         self.engine.warm_up()
-        self.known = frozenset(self.engine.index)  # what a run of this engine can serve (its version exchange's)
         self.feed = Feed() if rank == 0 else None  # before the run starts: a submit may come first
         return {"group_s": t1 - t0, "model_s": t2 - t1, "warm_up_s": time.perf_counter() - t2}
 
@@ -119,12 +117,17 @@ class HostedEngine:
 
     # -- a streaming run's feed (rank 0; any thread) ----------------------------------------------------
     def submit(self, requests: Sequence[Request]) -> None:
-        """Hand requests to the running engine. A request for an adapter the engine does not serve (registered
-        after ``build``) is refused here, with nothing of the call submitted: ``NotFoundError`` names it."""
+        """Hand requests to the running engine. It serves every adapter this rank's catalog has (registered before
+        or after ``build``: the loop adds new names to its version exchange, on every rank). A request for an
+        adapter the catalog lacks now is refused here, with nothing of the call submitted: ``NotFoundError`` names
+        it (a registration still on its way: register first, then submit; once the controller's register returned,
+        a submit is accepted, and the request waits until every rank has the version). One accepted but whose
+        adapter is unregistered before the loop takes it fails alone."""
         feed = self._feed()
-        if unknown := sorted({r.adapter for r in requests if r.adapter is not None and r.adapter not in self.known}):
+        catalog = self.cache.catalog
+        if unknown := sorted({r.adapter for r in requests if r.adapter is not None and r.adapter not in catalog}):
             rids = [r.rid for r in requests if r.adapter in unknown][:8]
-            raise NotFoundError(f"requests {rids}: {unknown_adapter(unknown[0], len(self.known))}"
+            raise NotFoundError(f"requests {rids}: {unknown_adapter(unknown[0])}"
                                 + (f" (also {unknown[1:8]})" if len(unknown) > 1 else ""))
         feed.submit(requests)
 

@@ -24,7 +24,7 @@ from lora_cache.errors import CapacityError, ConfigError, LoraCacheError
 from lora_cache.runtime import heap
 from lora_cache.vocab import AdapterKey, ReadinessRecord
 from workers.cache import AdapterRef, Batch, WorkerCache, WorkerConfig, resolve
-from workers.engine.admission import ADMISSION
+from workers.engine.admission import ADMISSION, CopyClock
 from workers.engine.config import EngineConfig
 from workers.engine.graphs import DecodeGraphs
 from workers.engine.lora import LoraOp
@@ -145,8 +145,8 @@ class RankEngine:
         self.pipelined = rule.pipelined  # steps wait per layer on chunks of loads
         self.prefetching = rule.prefetch  # loads for waiting requests start before admission (``arrived`` too)
         self.loading = rule.loading or rule.idle  # the rule reads LOADING: copies issued are reported too
-        self.names = self.catalog.names()
-        self.index = {n: i for i, n in enumerate(self.names)}
+        self._names_generation = self.catalog.generation  # rank 0: the catalog generation its names were read at
+        self.versions = RankVersions(self.catalog, self.catalog.names())  # this rank's part of the version exchange
         self.lora = LoraOp(self.cache, max(config.max_prefill_tokens, config.max_running), config.max_running)
         self.pad_row = config.max_running  # one KV row past the scheduler's: the decode graphs' padding
         with self._on_stream():
@@ -161,7 +161,10 @@ class RankEngine:
         self.stats = RankStats(comm.rank)
         self._pinned: Batch | None = None  # adapters kept resident for admission (overlap): READY, held
         self._loads: dict[AdapterRef, Future[ReadinessRecord]] = {}  # last prefetch per adapter (failures: once)
-        self.versions = RankVersions(self.catalog, self.names)  # this rank's part of the version exchange
+        # pipelined: this rank's measured copies (its prefetches' records) and steps; a copy issued here is
+        # reported LOADING only if it lands before a step's last layer (``CopyClock``)
+        self.clock = CopyClock(config.layers)
+        self._clocked: dict[AdapterRef, Future[ReadinessRecord]] = {}  # the load last measured, per adapter
         self._step_failed: set[str] = set()  # adapters the last step could not hold here (reported next round)
         self._last_end: float | None = None  # perf_counter at the last step's end (None: a WAIT round since)
         self._readiness_s = 0.0  # time in readiness() since the last step
@@ -191,6 +194,40 @@ class RankEngine:
                            dtype=self.dtype, device=self.device, kv=kv, lora=self.lora,
                            all_reduce=self.comm.all_reduce, rope=rope)
 
+    # -- the version exchange's names (every rank the same, in the same order) --------------------------------
+    @property
+    def names(self) -> list[str]:
+        """The adapters of the version exchange, in its rows' order: the catalog's at build (rank 0's: ``adopt``),
+        then those rank 0 added at run time (``add_names``)."""
+        return self.versions.names
+
+    @property
+    def index(self) -> dict[str, int]:
+        return self.versions.index  # replaced whole on a change: safe to read from the feed's thread
+
+    def adopt(self, names: list[str]) -> None:
+        """Start the exchange over rank 0's names (a rank whose catalog differed at build: a registration on its
+        way); every rank calls this at once, before the first round."""
+        if names != self.versions.names:
+            versions = RankVersions(self.catalog, ())
+            versions.append(names)  # those this catalog lacks yet report PENDING (their requests wait), not FAILED
+            self.versions = versions
+
+    def new_names(self) -> tuple[str, ...]:
+        """Rank 0: the names its catalog registered that the exchange lacks (sorted), read only when the catalog
+        changed; the round's plan carries them to every rank (``StepPlan.names``)."""
+        generation = self.catalog.generation
+        if generation == self._names_generation:
+            return ()
+        self._names_generation = generation
+        index = self.versions.index
+        return tuple(n for n in self.catalog.names() if n not in index)
+
+    def add_names(self, names: tuple[str, ...]) -> None:
+        """Append the round's new names (from rank 0's plan), on every rank before the next exchange."""
+        if names:
+            self.versions.append(names)
+
     # -- readiness and versions (every round) -------------------------------------------------------------
     def readiness(self, wanted: tuple[AdapterRef, ...]) -> torch.Tensor:
         """Pin the wanted adapters READY here, report every READY version: this rank's rows of the version
@@ -217,7 +254,12 @@ class RankEngine:
                 if not isinstance(error, CapacityError):
                     failed.append(ref.name if isinstance(ref, AdapterKey) else ref)
                 del self._loads[ref]
-        issued = self.cache.issued_keys() if self.loading else ()
+            elif self.loading and load.done() and self._clocked.get(ref) is not load:
+                self._clocked[ref] = load
+                record = load.result()  # a finished copy: its bytes, its events' time, seen READY now
+                self.clock.copied(record.nbytes, record.h2d_ms / 1e3, time.perf_counter())
+        # LOADING: the copies issued here that land before a step's last layer, at the measured rates
+        issued = self.clock.in_time(self.cache.issued_copies(), time.perf_counter()) if self.loading else ()
         rows = self.versions.rows(self.cache.ready_keys(), failed, self._step_failed, issued)
         self._step_failed = set()
         return rows
@@ -251,7 +293,8 @@ class RankEngine:
             wanted = {r.name if isinstance(r, AdapterKey) else r for r in self._wanted}
             for request in requests:
                 name = request.adapter
-                if name is None or name in wanted or name in self._arrivals or name not in self.index:
+                if (name is None or name in wanted or name in self._arrivals
+                        or (name not in self.index and name not in self.catalog)):  # unregistered: fails at the take
                     continue
                 room = len(wanted) + len(self._arrivals) < self.config.num_slots
                 self._arrivals[name] = None
@@ -377,6 +420,8 @@ class RankEngine:
                        if self.config.record_outputs else None)
         self._sync()
         end = time.perf_counter()
+        if self.loading and not load_wait:  # a step's compute, measured (``CopyClock``)
+            self.clock.stepped(end - start)
         self.stats.steps += 1
         self.stats.prefill_steps += plan.kind == PREFILL
         self.stats.unready_items += sum(it.ref in unready for it in plan.items)

@@ -64,6 +64,8 @@ class StepPlan(NamedTuple):
     timeout_s: float | None = None  # WAIT: at most this long (the next arrival); None: until a load is done
     streaming: bool = False  # WAIT: a request submitted meanwhile ends it (rank 0 takes it; ranks without the
     # feed do not sleep for arrivals, they meet rank 0 in the next round's collectives)
+    names: tuple[str, ...] = ()  # adapters rank 0's catalog registered since the last round: every rank appends
+    # them to its version exchange, in this order, before the next round's (``RankVersions.append``)
 
 
 @dataclass
@@ -77,6 +79,7 @@ class _Live:
     token_s: list[float] = field(default_factory=list)
     load_wait_s: float = 0.0
     blocked_since: float | None = None  # held back by admission (its adapter not ready) since
+    unagreed_since: float | None = None  # its adapter's ranks agreeing on no version (a registration on its way) since
     error: str | None = None
     outputs: list[torch.Tensor] = field(default_factory=list)
 
@@ -96,11 +99,11 @@ class _Live:
         return _ref(self.request.adapter, self.version)
 
 
-def unknown_adapter(name: str, known: int) -> str:
+def unknown_adapter(name: str) -> str:
     """Why a request for ``name`` cannot run on this engine, and the fix."""
-    return (f"adapter {name!r} is not one this engine serves: its adapters are the {known} its catalog named when "
-            f"the engine was built, and {name!r} was registered after (or never); rebuild the engine (restart the "
-            "replica) to serve it")
+    return (f"adapter {name!r} is not registered in this replica's catalog; register it first "
+            f"(`lora-cache register {name} PATH`, or the controller's register_adapter), then submit its requests "
+            "(the running engine serves adapters registered after it started; no restart needed)")
 
 
 def check_requests(requests: Sequence[Request], config: EngineConfig, adapters: Sequence[str]) -> None:
@@ -156,7 +159,8 @@ class Scheduler:
     def add(self, requests: Sequence[Request], known: Collection[str] | None = None) -> None:
         """Requests submitted now (streaming): each arrives at its ``arrival_s`` or now, whichever is later
         (its record keeps ``arrival_s``: TTFT counts the delivery's delay). ``known``: the adapters this engine
-        can serve (its version exchange's names); a request for another fails at once, alone."""
+        can serve (its version exchange's names and those it adds this round); a request for another fails at
+        once, alone."""
         if not self.streaming:
             raise ConfigError("requests added to a scheduler that is not streaming (or whose stream ended); "
                               "make it with streaming=True and add before end()")
@@ -165,7 +169,7 @@ class Scheduler:
                 raise ConfigError(f"request {r.rid} was submitted twice; request ids (rid) must be unique")
             live = self.live[r.rid] = _Live(r)
             if known is not None and r.adapter is not None and r.adapter not in known:
-                live.error = unknown_adapter(r.adapter, len(known))
+                live.error = unknown_adapter(r.adapter)
                 self._finished.append(r.rid)
                 continue
             bisect.insort(self.pending, r, key=self._order)
@@ -188,6 +192,7 @@ class Scheduler:
         self._arrive(now)
         if self.rule.prefetch or versions is not None:
             self._fail_broken(ready)
+        self._fail_unagreed(now)
         new = tuple(self._start(live, now) for live in self._admit(now, ready, versions))
         wanted = self._wanted(versions)  # after admission: the batch's adapters first
         prefetch = tuple(a for a in wanted if not _is_ready(a, ready, versions)) if self.rule.prefetch else ()
@@ -267,6 +272,19 @@ class Scheduler:
             self.waiting.remove(live)
             self._finished.append(live.request.rid)
 
+    def _fail_unagreed(self, now: float) -> None:
+        """Waiting requests whose adapter's ranks have agreed on no version for ``agree_timeout_s`` (a registration
+        that reached some ranks only, or never will) fail alone: the stream can end."""
+        limit = self.config.agree_timeout_s
+        if not limit:
+            return
+        for live in [lv for lv in self.waiting if lv.unagreed_since is not None and now - lv.unagreed_since >= limit]:
+            live.error = (f"adapter {live.request.adapter!r}: the TP ranks' catalogs agreed on no version of it for "
+                          f"{limit:g} s (its registration reached some ranks only); register it again so every rank "
+                          "takes it, or raise agree_timeout_s")
+            self.waiting.remove(live)
+            self._finished.append(live.request.rid)
+
     def _running_adapters(self) -> dict[AdapterRef, None]:
         return {lv.ref: None for lv in self.running.values() if lv.ref is not None}
 
@@ -315,6 +333,10 @@ class Scheduler:
         for live in self.waiting:
             r = live.request
             version = versions[r.adapter].serve if versions is not None and r.adapter is not None else None
+            if versions is not None and r.adapter is not None and version is None:
+                live.unagreed_since = now if live.unagreed_since is None else live.unagreed_since
+            else:
+                live.unagreed_since = None
             ref = _ref(r.adapter, version)
             room = len(self.running) + len(new) < self.config.max_running
             fits = (room and tokens + r.input_len <= self.config.max_prefill_tokens

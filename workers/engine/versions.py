@@ -6,7 +6,8 @@ adapter of the engine (``names``), one row of int64 codes; the element-wise mini
 one all-reduce of the readiness exchange) tells rank 0 whether the ranks agree:
 
   FAILED        -1 if a load this rank started for the adapter failed (not for lack of room), else 0
-  CUR, -CUR     the code of the version its catalog calls current (0: not registered here)
+  CUR, -CUR     the code of the version its catalog calls current (0: not registered here; ``PENDING``: not
+                registered here yet, a name rank 0 added at run time whose registration is on its way here)
   RDY, -RDY     the code of a version READY here: the current one if it is, else the newest other
   STEP          -1 if this rank could not hold the adapter in the last step, else 0
   ISS           the code of the current version if it is READY here or its copy issued (its read done;
@@ -18,6 +19,12 @@ Rank 0 then admits each request with one ``adapter@version`` (``serve``), which 
 exactly. A version is served to new requests only when it is READY on every rank; until the re-registered
 (current) version is, new requests get the old one if that is READY everywhere, and the new one is
 prefetched. A request keeps its version to its end: its rank holds the old slot until it is released.
+
+The names grow at run time (``RankVersions.append``): rank 0 adds the names its catalog registered since, in
+the round's broadcast plan (``StepPlan.names``), and every rank appends them, in that order, before the next
+exchange. On a rank whose catalog has not taken a new name's registration yet the name reports ``PENDING``
+(the ranks disagree: its requests wait, as for a re-registration on its way); once a rank has had the name,
+its absence there is an unregistration (0: FAILED).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from workers.engine.admission import Readiness
 
 FAILED, CUR, CUR_NEG, RDY, RDY_NEG, STEP, ISS = range(7)
 COLUMNS = 7
+PENDING = 1 << 62  # CUR of a name not registered on this rank yet (above every version code: never agreed on)
 
 
 def version_code(version: str) -> int:
@@ -56,12 +64,28 @@ class RankVersions:
     """One rank's report (``rows``); it also remembers which version each code stands for (``codes``)."""
 
     def __init__(self, catalog: AdapterCatalog, names: Sequence[str]) -> None:
-        self.catalog, self.names = catalog, list(names)
-        self.index = {n: i for i, n in enumerate(self.names)}
-        self._generation = -1  # the catalog generation ``_cur`` was computed at
-        self._cur = np.zeros(len(self.names), dtype=np.int64)
+        self.catalog = catalog
+        self.names: list[str] = []
+        self.index: dict[str, int] = {}
+        self._seen = np.zeros(0, dtype=bool)  # per name: registered here at some point (else PENDING)
+        self._cur = np.zeros(0, dtype=np.int64)
         self._code_of: dict[str, int] = {}  # version -> code (cached: hashing per round costs)
         self.codes: dict[int, str] = {}  # code -> version, of the versions this rank knows
+        self.append(names)
+        self._seen[:] = True  # ``names``: absent here means unregistered (FAILED); appended ones start PENDING
+
+    def append(self, names: Sequence[str]) -> None:
+        """Add ``names`` to the exchange, after those it has (every rank the same names in the same order, at
+        the same round: the caller's broadcast); names it has already are an error (the ranks would diverge).
+        Each reports ``PENDING`` here until this rank's catalog has it, then as the others."""
+        if dup := sorted({n for n in names if n in self.index or list(names).count(n) > 1}):
+            raise ValueError(f"names {dup[:8]} are in the version exchange already (or given twice); append only "
+                             "names rank 0 found new")
+        self.names = [*self.names, *names]
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self._seen = np.concatenate([self._seen, np.zeros(len(names), dtype=bool)])
+        self._cur = np.concatenate([self._cur, np.zeros(len(names), dtype=np.int64)])
+        self._generation = -1  # the catalog generation ``_cur`` was computed at (-1: recompute)
 
     def rows(self, ready: Iterable[AdapterKey], failed_loads: Iterable[str] = (),
              failed_steps: Iterable[str] = (), issued: Iterable[AdapterKey] = ()) -> torch.Tensor:
@@ -106,9 +130,10 @@ class RankVersions:
         for i, name in enumerate(self.names):
             try:
                 versions = self.catalog.versions(name)
-            except NotFoundError:  # unregistered here
-                self._cur[i] = 0
+            except NotFoundError:  # unregistered here, or (never here yet) its registration on its way
+                self._cur[i] = 0 if self._seen[i] else PENDING
                 continue
+            self._seen[i] = True
             for version in versions:
                 self._code(version)
             self._cur[i] = self._code(versions[-1])
@@ -159,7 +184,10 @@ class _Versions(Mapping[str, AdapterVersions]):
         self._index = {n: i for i, n in enumerate(view.names)}
 
     def __getitem__(self, name: str) -> AdapterVersions:
-        return self._view.decode(self._index[name])
+        i = self._index.get(name)
+        if i is None:  # a name added this round (``StepPlan.names``): in the exchange from the next round on
+            return AdapterVersions(None, None)
+        return self._view.decode(i)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._view.names)

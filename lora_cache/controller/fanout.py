@@ -1,0 +1,132 @@
+"""Calls that go to every linked worker at once and gather the answers (lifecycle steps 0 and 8).
+
+Registrations sent with one call each (``submit_registrations``, read back by ``registered``); the drain
+before an unregistration is answered (who still holds the adapter, evicted until no one does); the workers
+told to forget it; the workers' cache counters. Every call is bounded: a stopped (SIGSTOP) worker never
+holds a caller past its deadline.
+
+A split of ``WorkerLinks`` along its seam: the links own the handles and the delta streams; this module only
+asks all of them one question. A handle is anything whose ``handle.method.remote(...)`` is awaitable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, NamedTuple
+
+from lora_cache.adapters.peft import KnownVersion
+from lora_cache.controller.links import WorkerLinks
+from lora_cache.errors import ConflictError
+from lora_cache.vocab import Evict, WorkerId, worker_name
+
+log = logging.getLogger(__name__)
+
+Registration = tuple[str, str, KnownVersion | None]  # (name, path, the version as the controller hashed it)
+
+
+class Sent(NamedTuple):
+    """Registrations submitted to the workers, and each worker's call (``WorkerFanout.registered`` reads them)."""
+
+    entries: list[Registration]
+    calls: list[tuple[WorkerId, Any]]
+
+
+class WorkerFanout:
+    """One question to every worker ``links`` holds a handle on, the answers gathered."""
+
+    def __init__(self, links: WorkerLinks) -> None:
+        self.links = links
+
+    # -- registrations (step 0) ---------------------------------------------------------------------
+    def submit_registrations(self, entries: list[Registration]) -> Sent:
+        """Send ``entries`` to every linked worker, one ``register_adapters`` call each. The calls are submitted
+        before this returns (Ray keeps each caller's order on a worker), so they reach every worker ahead
+        of any command a later plan sends for those versions; ``registered`` collects their answers."""
+        return Sent(entries, [(wid, h.register_adapters.remote(entries)) for wid, h in self.links.handles.items()])
+
+    async def registered(self, sent: Sent) -> list[list[str]]:
+        """The ranks' answers to ``sent``: per entry, the errors of the ranks that did not register it."""
+        errors: list[list[str]] = [[] for _ in sent.entries]
+        answers = await asyncio.gather(*(ref for _, ref in sent.calls), return_exceptions=True)
+        for (wid, _), answer in zip(sent.calls, answers):
+            if isinstance(answer, BaseException):  # lost: a restarted worker gets them again (worker_started)
+                log.warning("worker %s did not answer %d registrations: %s", wid, len(sent.entries), answer)
+                answer = [("", f"no answer ({type(answer).__name__}: {answer})")] * len(sent.entries)
+            for k, (_, error) in enumerate(answer):
+                if error:
+                    errors[k].append(f"{worker_name(wid)}: {error}")
+        for entry, errs in zip(sent.entries, errors):
+            for error in errs:
+                log.warning("adapter %s@%s was refused by %s", entry[0], entry[2].version if entry[2] else "?", error)
+        return errors
+
+    async def drain(self, name: str, timeout_s: float) -> list[str]:
+        """Evict ``name`` until no worker holds it; the versions evicted. ConflictError if it is registered
+        again meanwhile; TimeoutError after ``timeout_s`` (batches still use it)."""
+        deadline, evicted = time.monotonic() + timeout_s, set()
+        # every call bounded by the deadline: a stopped (SIGSTOP) worker answers nothing and must not hold the
+        # caller past it; one that did not answer counts as holding (it may), so the drain times out naming it
+        while held := await self.holders(name, max(deadline - time.monotonic(), 0.05)):
+            if name in self.links.core.catalog:
+                raise ConflictError(f"adapter {name!r} was registered again while it was being unregistered; "
+                                  "unregister it again if that was not intended")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"adapter {name!r} is unregistered (nothing new uses it), but workers "
+                                   f"{sorted(map(str, held))} still hold it (or did not answer) after "
+                                   f"{timeout_s:.0f} s, in use by running batches; call UnregisterAdapter again "
+                                   "to keep waiting")
+            evicted |= {v for versions in held.values() for v in versions if v}
+            await asyncio.gather(*(asyncio.wait_for(
+                self.links.handles[w].apply.remote([Evict(name, v, self.links.core.epoch) for v in sorted(vs) if v]),
+                max(deadline - time.monotonic(), 0.05)) for w, vs in held.items() if any(vs)),
+                return_exceptions=True)
+            await asyncio.sleep(0.05)
+        return sorted(evicted)
+
+    async def holders(self, name: str, timeout_s: float | None = None) -> dict[WorkerId, set[str]]:
+        """The versions of ``name`` that each worker holds, from the workers' own full reports; a worker that
+        does not answer within ``timeout_s`` holds ``{""}`` (unknown)."""
+        wids = list(self.links.handles)
+        reports = await asyncio.gather(*(asyncio.wait_for(self.links.handles[w].describe.remote(), timeout_s)
+                                         for w in wids), return_exceptions=True)
+        held: dict[WorkerId, set[str]] = {}
+        for wid, report in zip(wids, reports):
+            if isinstance(report, TimeoutError):  # alive but silent (stopped, hung): it may hold it
+                held[wid] = {""}
+                continue
+            if isinstance(report, BaseException):  # lost: it comes back empty (worker_started)
+                log.warning("worker %s did not report while draining %s: %s", wid, name, report)
+                continue
+            versions = {v for a, v, _, _ in report["residency"] if a == name}
+            if versions:
+                held[wid] = versions
+        return held
+
+    async def unregister_adapter(self, name: str) -> None:
+        """The workers forget it too, or a restarted controller would adopt it again from their reports."""
+        for wid, outcome in zip(self.links.handles, await asyncio.gather(
+                *(asyncio.wait_for(h.unregister_adapter.remote(name), self.links.call_timeout_s)
+                  for h in self.links.handles.values()), return_exceptions=True)):
+            if isinstance(outcome, BaseException):
+                log.warning("worker %s did not unregister %s: %s (a restarted controller may adopt it again)",
+                            wid, name, outcome)
+
+    # -- queries ------------------------------------------------------------------------------------
+    async def stats(self, timeout_s: float) -> list[dict[str, object]]:
+        """Each worker's cache counters (``stats`` None if it did not answer in time) and slot count."""
+        wids = sorted(self.links.handles)
+
+        async def one(wid: WorkerId) -> dict[str, object] | None:
+            try:
+                return await asyncio.wait_for(self.links.handles[wid].stats.remote(), timeout_s)
+            except Exception as e:  # reported as unreachable
+                log.info("worker %s gave no stats: %s", wid, e)
+                return None
+
+        stats = await asyncio.gather(*(one(w) for w in wids))
+        view = self.links.core.planner.view  # a replica may have left the fleet while its workers were asked
+        known = {w for r in view.replicas() for w in view.workers(r)}
+        return [{"worker": worker_name(w), "replica": w.replica, "rank": w.rank,
+                 "slots": view.capacity(str(w)).slots, "stats": s} for w, s in zip(wids, stats) if str(w) in known]

@@ -1,0 +1,129 @@
+"""Each linked worker's death watch (lifecycle step 7; invariant 6): a TCP connection its process keeps open.
+
+The kernel closes a process's connections the moment it dies (SIGKILL included: 2-3 ms on one node), where
+Ray fails a call on a restarting actor only once it restarted (about 1.5 s). So each linked worker is asked
+to open a lifeline to the controller (its ``lifeline`` call, which returns when the connection closes) and
+its end loses the rank at once. A hung (SIGSTOP) or unreachable worker keeps its lifeline open: the health
+loop's pings find those (``WorkerLinks.ping_all``).
+
+A split of ``WorkerLinks`` along its seam: what a loss does stays there (``lose``, ``forget``); this module
+only notices deaths. One way: ``links.py`` imports this module, never the reverse (``Linked`` is what this one
+needs of the links).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from typing import Any, Protocol
+
+import ray
+
+from lora_cache.controller.core import ControllerCore
+from lora_cache.vocab import WorkerId
+
+log = logging.getLogger(__name__)
+
+LIFELINE_HELLO_S = 5.0  # a lifeline connection names its call within this, or is closed
+LIFELINE_RETRY_S = 0.2  # after a lifeline failed: how soon to call the (restarting) worker again
+
+
+class Linked(Protocol):
+    """What the lifelines need of ``WorkerLinks``: who is linked (the handle a death counts for), who is down
+    already, which ranks an engine attached, and what a loss does."""
+
+    core: ControllerCore
+    handles: dict[WorkerId, Any]
+    attached: set[WorkerId]
+
+    def lose(self, wid: WorkerId) -> None: ...
+
+    def forget(self, wid: WorkerId) -> None: ...
+
+
+class Lifelines:
+    """One lifeline task per watched worker, and the server their connections reach."""
+
+    def __init__(self, links: Linked) -> None:
+        self.links = links
+        self.tasks: dict[WorkerId, asyncio.Task[None]] = {}  # each watched worker's lifeline call, kept open
+        self._expected: dict[str, tuple[WorkerId, Any]] = {}  # lifeline nonce -> the call that sent it
+        self._server: asyncio.Server | None = None  # where workers open their lifelines
+        self.closed = False  # the service is being stopped: nothing is watched any more
+
+    def watch(self, wid: WorkerId, handle: Any) -> None:
+        """Keep a lifeline to the worker (a newer handle replaces an older one's). No ``lifeline`` method
+        (fakes), or closed: nothing is watched."""
+        if not hasattr(handle, "lifeline") or self.closed:
+            return
+        self.drop(wid)
+        self.tasks[wid] = asyncio.get_running_loop().create_task(self._keep(wid, handle))
+
+    def drop(self, wid: WorkerId) -> None:
+        """Stop watching ``wid`` (unless this is its own lifeline task, which ends by returning)."""
+        if (task := self.tasks.pop(wid, None)) is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    def close(self) -> None:
+        """Watch nothing any more: every lifeline task ended, no new ones, no connection taken."""
+        self.closed = True
+        for wid in list(self.tasks):
+            self.drop(wid)
+        if self._server is not None:
+            self._server.close()
+
+    async def _keep(self, wid: WorkerId, handle: Any) -> None:
+        links = self.links
+        host, port = await self._address()
+        lifeline = handle.lifeline
+        while links.handles.get(wid) is handle:
+            nonce = secrets.token_hex(16)
+            self._expected[nonce] = (wid, handle)
+            try:
+                await lifeline.remote(host, port, nonce)  # returns when the connection closes
+            except asyncio.CancelledError:
+                raise
+            except ray.exceptions.RayTaskError as e:  # alive, but it cannot reach the controller: pings only
+                log.warning("worker %s cannot open a lifeline to %s:%d (%s); its death is found by pings",
+                            wid, host, port, e.cause if e.cause is not None else e)
+                return
+            except Exception as e:  # dead or restarting
+                if links.handles.get(wid) is not handle or self.closed:
+                    return
+                if wid in links.attached and isinstance(e, ray.exceptions.ActorDiedError):
+                    log.warning("attached rank %s is gone (%s)", wid, type(e).__name__)
+                    links.forget(wid)  # its endpoint is dead for good: a new process attaches anew
+                    return
+                if wid not in links.core.down:
+                    log.warning("worker %s is lost (%s): dropping its residency", wid, type(e).__name__)
+                    links.lose(wid)
+            finally:
+                self._expected.pop(nonce, None)
+            await asyncio.sleep(LIFELINE_RETRY_S)
+
+    async def _address(self) -> tuple[str, int]:
+        if self._server is None:
+            host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+            self._server = await asyncio.start_server(self._opened, host, 0)
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return host, port
+
+    async def _opened(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One worker's lifeline: its first line is the nonce of the call that opened it; its end is the
+        worker's death if that call is still the worker's current one."""
+        links = self.links
+        try:
+            line = await asyncio.wait_for(reader.readline(), LIFELINE_HELLO_S)
+            wid, handle = self._expected.get(line.decode(errors="replace").strip(), (None, None))
+            if wid is None:
+                return  # a stranger, or a call already given up
+            while await reader.read(64):
+                pass  # nothing is sent on it: only its end matters
+            if links.handles.get(wid) is handle and wid not in links.core.down and not self.closed:
+                log.warning("worker %s closed its lifeline (its process died): dropping its residency", wid)
+                links.lose(wid)  # an attached one is forgotten when its lifeline call fails (ActorDiedError)
+        except (TimeoutError, ConnectionError, OSError):
+            return
+        finally:
+            writer.close()

@@ -1,0 +1,52 @@
+"""The planner's read side (lifecycle steps 1 and 8): what the fleet looks like now, read-only.
+
+Routing advice (``lora_cache.routing.advice``) and the controller's queries read the fleet through this view,
+never through the whole ``Planner``: a reader cannot change an input, and the planner keeps only what feeds
+its plans. Each read names what it was asked about in its error (``UnknownReplicaError`` and the like).
+"""
+
+from __future__ import annotations
+
+from lora_cache.planner.hints import HintBook
+from lora_cache.planner.records import AdapterInfo, Capacity, Hint, QueueEntry, Residency
+from lora_cache.planner.state import FleetState
+from lora_cache.vocab import AdapterKey
+
+
+class FleetView:
+    """The planner's books, read-only: replicas and their workers, capacities, adapters, residency, queues, hints."""
+
+    def __init__(self, fleet: FleetState, hints: HintBook) -> None:
+        self._fleet, self._hints = fleet, hints
+
+    def replicas(self) -> tuple[str, ...]:
+        return tuple(sorted(self._fleet.workers))
+
+    def workers(self, replica: str) -> tuple[str, ...]:
+        return tuple(self._fleet.require_replica(replica, "workers"))
+
+    def capacity(self, worker: str) -> Capacity:
+        self._fleet.require_worker(worker, "capacity")
+        return self._fleet.capacity[worker]
+
+    def adapter(self, name: str) -> AdapterInfo:
+        return self._fleet.require_adapter(name, "adapter")
+
+    def residency(self, worker: str) -> dict[AdapterKey, Residency]:
+        """What the planner believes `worker` holds (its last report plus commands sent since)."""
+        self._fleet.require_worker(worker, "residency")
+        return dict(self._fleet.residency[worker])
+
+    def holding(self, worker: str, key: AdapterKey) -> tuple[Residency | None, bool]:
+        """Routing's view of one adapter version on `worker`: its residency (None: not held) and whether a
+        stage into the host tier was sent and is still wanted (no copy of the residency map)."""
+        self._fleet.require_worker(worker, "holding")
+        return self._fleet.residency[worker].get(key), key in self._fleet.staged.get(worker, ())
+
+    def queue(self, replica: str) -> tuple[QueueEntry, ...]:
+        self._fleet.require_replica(replica, "queue")
+        return self._fleet.queues.get(replica, ())
+
+    def hints(self, replica: str) -> tuple[Hint, ...]:
+        self._fleet.require_replica(replica, "hints")
+        return tuple(self._hints.for_replica(replica))
