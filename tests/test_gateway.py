@@ -30,7 +30,7 @@ from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.api import validate
 from lora_cache.api.client import AsyncLoraCacheClient, ClientError, Hint, LoraCacheClient
 from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
-from lora_cache.api.ingest import HintIngest
+from lora_cache.api.ingest import GatewayClosedError, HintIngest
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc
 from lora_cache.app.client_cli import add_client_commands
@@ -159,6 +159,29 @@ def test_ingest_coalesces_waiting_batches_into_one_call_with_outcomes_kept_apart
         assert [(o.accepted, o.error is None) for o in done] == [(1, True), (2, True), (0, False), (1, True)]
         assert ingest.queued == 0 and ingest.calls == 2
         await ingest.close()
+
+    asyncio.run(scenario())
+
+
+def test_ingest_close_is_bounded_when_the_controller_never_answers() -> None:
+    """A controller call in flight that never returns holds the stop only ``flush_s``; its caller learns
+    the batch may not have been applied (GatewayClosedError), the queue is emptied."""
+    async def scenario() -> None:
+        entered = asyncio.Event()
+
+        async def send(batches: list[list[tuple[str, str, str, float]]]) -> list[HintOutcome]:
+            entered.set()
+            await asyncio.Event().wait()  # never answers
+            raise AssertionError("unreachable")
+
+        ingest = HintIngest(send, capacity=100)
+        ingest.start()
+        caller = asyncio.ensure_future(ingest.submit([("h0", "a", "r", 0.0)]))
+        await entered.wait()  # barrier: the batch is in flight
+        await asyncio.wait_for(ingest.close(flush_s=0.05), timeout=10.0)
+        with pytest.raises(GatewayClosedError, match="retry"):
+            await caller
+        assert ingest.queued == 0
 
     asyncio.run(scenario())
 

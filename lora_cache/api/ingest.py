@@ -62,8 +62,10 @@ class HintIngest:
         self._wake.set()
         return await future  # a cancelled caller's batch is still sent: hints are idempotent
 
-    async def close(self) -> None:
-        """Stop: batches not yet sent fail with GatewayClosedError; calls in flight finish."""
+    async def close(self, flush_s: float = 5.0) -> None:
+        """Stop: batches not yet sent fail with GatewayClosedError; calls in flight get ``flush_s`` to
+        finish, then are cancelled and their batches fail with GatewayClosedError too (a controller that
+        does not answer never holds the gateway's stop)."""
         if self._runner is not None:
             self._runner.cancel()
             self._runner = None
@@ -74,7 +76,11 @@ class HintIngest:
                 future.set_exception(GatewayClosedError("the gateway is shutting down; this batch was not "
                                                         "sent to the controller: retry"))
         if self._flushes:
-            await asyncio.wait(self._flushes)
+            _, late = await asyncio.wait(set(self._flushes), timeout=flush_s)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late)
 
     async def _run(self) -> None:
         while True:
@@ -99,6 +105,13 @@ class HintIngest:
     async def _flush(self, taken: list[Waiting]) -> None:
         try:
             outcomes = await self.send([hints for hints, _ in taken])
+        except asyncio.CancelledError:  # close() gave up on the controller: the callers may retry
+            for _, future in taken:
+                if not future.done():
+                    future.set_exception(GatewayClosedError("the gateway shut down before the controller answered "
+                                                            "this batch; it may or may not have been applied: "
+                                                            "retry (hints are idempotent)"))
+            raise
         except Exception as e:  # the controller call failed: every batch in it gets the error
             for _, future in taken:
                 if not future.done():
