@@ -113,6 +113,7 @@ class Stage:
     version: str
     priority: int
     epoch: int
+    speculative: bool = False  # a warm stage (planner/warming.py): read only while no load is in flight
 
 
 Command = Prefetch | Evict | Stage

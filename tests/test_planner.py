@@ -43,6 +43,7 @@ def make(policy: str = "global", replicas: int = 1, tp: int = 2, slots: int = 2,
     without its rate gate (the small counts here stand for well under 0.5 requests per second)."""
     config.setdefault("speculate_min_rate", 0.0)
     config.setdefault("stage_min_rate", 0.0)
+    config.setdefault("warm_host_share", 0.0)  # warming ahead of demand: test_warming.py
     specs = [ReplicaSpec(f"r{r}", tuple(f"r{r}/w{k}" for k in range(tp)), slots, bytes_per_worker, host_bytes)
              for r in range(replicas)]
     infos = [AdapterInfo(f"a{i}", "v1", bytes_per_rank) for i in range(adapters)]

@@ -273,7 +273,10 @@ class PlannerMachine(RuleBasedStateMachine):
                 assert key not in held[worker], f"{worker} prefetches {key}, which it holds"
                 size.setdefault(key, snap.catalog[key.name].bytes_per_rank)
                 assert priorities.setdefault(key, priority) == priority, f"ranks disagree on {key}'s priority"
-            stages = [AdapterKey(c.adapter, c.version) for c in (commands.stages if commands else ())]
+            all_stages = commands.stages if commands else ()
+            stages = [AdapterKey(c.adapter, c.version) for c in all_stages if not c.speculative]
+            warm = [AdapterKey(c.adapter, c.version) for c in all_stages if c.speculative]
+            self._check_warm(worker, all_stages, warm, resident, {k for _, k in prefetches}, snap)
             wanted = [k for k in stages if k in needed or k in far]
             predicted = stages[len(wanted):]  # popularity stages (staging.py) come after every needed one
             assert stages[:len(wanted)] == wanted, f"{worker} stages {predicted} before needed {wanted}"
@@ -311,6 +314,18 @@ class PlannerMachine(RuleBasedStateMachine):
             speculative_priorities = [p.priority for p in commands.prefetches
                                       if AdapterKey(p.adapter, p.version) in speculative]
             assert max(needed_priorities, default=-1) < min(speculative_priorities, default=1 << 30)
+
+    def _check_warm(self, worker: str, all_stages: Any, warm: list[AdapterKey], resident: set[AdapterKey],
+                    prefetched: set[AdapterKey], snap: Snapshot) -> None:
+        """Warm stages (warming.py): global only, after every other stage, never of what a rank holds or is
+        told to load, each the adapter's current version, no repeats."""
+        assert not warm or self.POLICY == "global", f"policy {self.POLICY!r} warmed {warm}"
+        flags = [c.speculative for c in all_stages]
+        assert flags == sorted(flags), f"{worker}: a warm stage comes before a needed or predicted one"
+        assert len(set(warm)) == len(warm), f"{worker} warms {warm} with repeats"
+        for key in warm:
+            assert key not in resident and key not in prefetched, f"{worker} warms {key}, held or being loaded"
+            assert snap.catalog[key.name].key == key, f"{worker} warms {key}, not the current version"
 
     def _check_predicted(self, worker: str, replica: str, predicted: list[AdapterKey], resident: set[AdapterKey],
                          snap: Snapshot) -> None:

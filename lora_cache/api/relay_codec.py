@@ -45,7 +45,7 @@ _ERRORS: dict[str, type[errors.LoraCacheError]] = {
 def command(c: Command) -> pb.RelayedCommand:
     priority = 0 if isinstance(c, Evict) else c.priority
     return pb.RelayedCommand(kind=_KINDS[type(c)], adapter=c.adapter, version=c.version, priority=priority,
-                             epoch=c.epoch)
+                             epoch=c.epoch, speculative=isinstance(c, Stage) and c.speculative)
 
 
 def from_command(m: pb.RelayedCommand) -> Command:
@@ -54,7 +54,7 @@ def from_command(m: pb.RelayedCommand) -> Command:
     if m.kind == pb.RELAYED_COMMAND_KIND_PREFETCH:
         return Prefetch(m.adapter, m.version, m.priority, m.epoch)
     if m.kind == pb.RELAYED_COMMAND_KIND_STAGE:
-        return Stage(m.adapter, m.version, m.priority, m.epoch)
+        return Stage(m.adapter, m.version, m.priority, m.epoch, m.speculative)
     raise RequestError(f"command kind {m.kind} of {m.adapter!r} is not PREFETCH, EVICT or STAGE; the gateway is "
                        "newer than this engine's lora-cache: upgrade it")
 

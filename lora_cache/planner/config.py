@@ -39,6 +39,15 @@ class PlannerConfig:
     stage_min_rate: float = field(default=0.05, metadata={
         "help": "requests per second a popular adapter must be expected to get at a replica to be staged in its "
                 "host tier ahead of need (0.05: one within 20 s; 0: any popular adapter)"})
+    warm_host_share: float = field(default=0.5, metadata={
+        "help": "global policy: share of each replica's host tier (the smallest rank's) that the fleet-wide warm "
+                "placement fills ahead of demand with idle store bandwidth: one copy of as much of the catalog as "
+                "fits across the fleet, most requested per byte first, then never-requested adapters smallest "
+                "first, in rendezvous order (planner/warming.py; 0: no warming)"})
+    warm_refresh_s: float = field(default=5.0, metadata={
+        "help": "the warm placement is reassigned (and its stages sent again, which refreshes their place in each "
+                "host tier's LRU and re-reads any it dropped) at least this often, and at once when the catalog, "
+                "the replicas or their capacities change"})
     place_homes: bool = field(default=True, metadata={
         "help": "global policy: a replica's free GPU room takes the adapters that call it home (the first replicas "
                 "of their rendezvous order, as many as their share of the fleet's traffic: homes.py), never "
@@ -95,6 +104,11 @@ class PlannerConfig:
         if not _finite(self.stage_min_rate) or self.stage_min_rate < 0:
             raise ConfigError(f"stage_min_rate is {self.stage_min_rate!r}; give requests per second >= 0, e.g. 0.05 "
                               "(0: stage any popular adapter that fits)")
+        if not _finite(self.warm_host_share) or not 0.0 <= self.warm_host_share <= 1.0:
+            raise ConfigError(f"warm_host_share is {self.warm_host_share!r}; give a share in [0, 1], e.g. 0.5 "
+                              "(0: no warming ahead of demand)")
+        if not _finite(self.warm_refresh_s) or self.warm_refresh_s <= 0:
+            raise ConfigError(f"warm_refresh_s is {self.warm_refresh_s!r}; give seconds > 0, e.g. 5.0")
         if not isinstance(self.place_homes, bool):
             raise ConfigError(f"place_homes is {self.place_homes!r}; give True (spread adapters over the fleet's "
                               "free slots at their homes) or False")

@@ -106,6 +106,7 @@ class Planner:
         self._hints.drop_replica(replica)
         self._popularity.drop_replica(replica)
         self._replan.forget_replica(replica)
+        self._replan.forget_workers()
 
     def add_worker(self, replica: str, worker: str, slots: int, bytes_per_worker: int | None = None,
                    host_bytes: int | None = None) -> None:
@@ -121,6 +122,7 @@ class Planner:
         """A lost worker: its residency is dropped and its replica replanned."""
         self._fleet.require_worker(worker, "remove_worker")
         self._replan.mark(self._fleet.remove_worker(worker))
+        self._replan.forget_workers()
 
     def set_capacity(self, worker: str, slots: int, bytes_per_worker: int | None = None,
                      host_bytes: int | None = None) -> None:

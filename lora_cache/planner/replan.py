@@ -28,6 +28,7 @@ from lora_cache.planner.policies import POLICIES, Room
 from lora_cache.planner.popularity import Popularity
 from lora_cache.planner.state import FleetState
 from lora_cache.planner.view import ReplicaView, Target
+from lora_cache.planner.warming import WarmBook
 from lora_cache.vocab import AdapterKey, Evict, Prefetch, Stage
 
 
@@ -40,6 +41,7 @@ class PlannerStats:
     prefetches: int = 0
     evicts: int = 0
     stages: int = 0
+    warm_stages: int = 0  # speculative stages sent (warming.py), resends at each warm assignment included
     hints_ignored: int = 0  # duplicates, stale, cancelled before arrival, or over the per-replica limit
 
 
@@ -58,6 +60,8 @@ class Replanner:
         self.policy = POLICIES[config.policy]()
         self.homes = HomeBook(config.home_min_rate, config.home_refresh_s, config.home_spread,
                               config.home_min_window_s)  # fleet placement (homes.py)
+        self.warming = WarmBook(config.warm_host_share, config.warm_refresh_s)  # host tiers ahead (warming.py)
+        self._warm_sent: dict[str, tuple[int, frozenset[AdapterKey]]] = {}  # worker -> (assignment, warm keys sent)
         self.dirty: set[str] = set()  # replicas whose plan inputs changed since they were last planned
         self._fleet, self._hints, self._horizon, self._popularity = fleet, hints, horizon, popularity
 
@@ -91,8 +95,14 @@ class Replanner:
     def forget_replica(self, replica: str) -> None:
         self.dirty.discard(replica)
 
+    def forget_workers(self) -> None:
+        """Drop what was sent to workers no longer in the fleet (a replacement starts with an empty host tier)."""
+        for worker in [w for w in self._warm_sent if w not in self._fleet.replica_of]:
+            del self._warm_sent[worker]
+
     def forget_adapter(self, adapter: str) -> None:
         self.homes.forget(adapter)
+        self.warming.forget(adapter)
 
     # -- planning -----------------------------------------------------------------------------------
     def plan(self, now: float) -> Plan:
@@ -127,12 +137,15 @@ class Replanner:
     def check_integrity(self) -> None:
         replicas = self._fleet.workers.keys()
         assert self.dirty <= replicas, f"dirty flags for unknown replicas {self.dirty - replicas}"
+        assert self._warm_sent.keys() <= self._fleet.replica_of.keys(), "warm stages kept for unknown workers"
+        self.warming.check_integrity(self._fleet)
 
     def _plan(self, replicas: list[str], now: float) -> Plan:
         out: list[WorkerCommands] = []
         homes = self._home_book(now) if replicas else None
+        warm = self._warm_book(now) if replicas else None
         for replica in replicas:
-            out += self._plan_replica(replica, homes, now)
+            out += self._plan_replica(replica, homes, warm, now)
             self.dirty.discard(replica)
         self.stats.plans += 1
         self.stats.replicas_planned += len(replicas)
@@ -145,7 +158,15 @@ class Replanner:
         self.homes.refresh(self._fleet, self._popularity, now)
         return self.homes
 
-    def _plan_replica(self, replica: str, homes: HomeBook | None, now: float) -> list[WorkerCommands]:
+    def _warm_book(self, now: float) -> WarmBook | None:
+        """The warm placement (warming.py), brought up to date, if the config warms and the policy plans fleet-wide."""
+        if not (self.config.warm_host_share > 0 and self.policy.uses_homes):
+            return None
+        self.warming.refresh(self._fleet, self._popularity.fleet, now)
+        return self.warming
+
+    def _plan_replica(self, replica: str, homes: HomeBook | None, warm: WarmBook | None,
+                      now: float) -> list[WorkerCommands]:
         fleet = self._fleet
         scorer = self._popularity.scorer(replica, len(fleet.workers), self.config.local_weight,
                                          fleet.catalog, fleet.min_bytes(), now)
@@ -155,7 +176,11 @@ class Replanner:
         target = self.policy.target(view, scorer, self.config)
         if target is None:
             return []
-        diffs = (self._diff(worker, replica, target) for worker in fleet.workers[replica])
+        warm_keys: tuple[AdapterKey, ...] = ()
+        if warm is not None:
+            taken = set(target.keys) | set(target.staged) | view.resident  # a rank holds it: its host tier too
+            warm_keys = tuple(k for k in warm.warm(replica) if k not in taken)
+        diffs = (self._diff(worker, replica, target, warm_keys) for worker in fleet.workers[replica])
         return [commands for commands in diffs if commands is not None]
 
     def _last_copies(self, replica: str, view: ReplicaView, homes: HomeBook) -> frozenset[AdapterKey]:
@@ -167,11 +192,14 @@ class Replanner:
         return frozenset(key for key in view.resident if counts.get(key.name) > 0
                          and all(fleet.replica_of[w] == replica for w in fleet.holders.get(key.name, ())))
 
-    def _diff(self, worker: str, replica: str, target: Target) -> WorkerCommands | None:
+    def _diff(self, worker: str, replica: str, target: Target,
+              warm: tuple[AdapterKey, ...] = ()) -> WorkerCommands | None:
         """One worker's commands to move from what it holds to `target`, within its own capacity.
 
         Stages go once per stretch of time that the target wants them: a key is staged again only after
-        it has left the target's stages (loaded, or no longer needed) and come back."""
+        it has left the target's stages (loaded, or no longer needed) and come back. Warm stages (``warm``,
+        speculative, after the target's) go once per warm assignment: sent again at each, a stage of a shard
+        still on the host refreshes its place in the LRU, and one the LRU dropped is read again."""
         fleet = self._fleet
         held = fleet.residency[worker]
         wanted = set(target.keys)
@@ -187,18 +215,27 @@ class Replanner:
         sent = fleet.staged.get(worker, frozenset())
         staging = [key for key in target.staged if key not in held]
         stages = [(len(target.keys) + i, key) for i, key in enumerate(staging) if key not in sent]
-        fleet.set_staged(worker, staging)
-        if not evicts and not prefetches and not stages:
+        warming = [key for key in warm if key not in held]
+        assignment, warm_sent = self._warm_sent.get(worker, (-1, frozenset()))
+        if assignment != self.warming.assignments:
+            warm_sent = frozenset()
+        first = len(target.keys) + len(staging)
+        speculative = [(first + i, key) for i, key in enumerate(warming) if key not in warm_sent]
+        self._warm_sent[worker] = (self.warming.assignments, warm_sent | {k for _, k in speculative})
+        fleet.set_staged(worker, staging + warming)
+        if not evicts and not prefetches and not stages and not speculative:
             return None
         fleet.apply(worker, evicts, [key for _, key in prefetches])
         self.stats.evicts += len(evicts)
         self.stats.prefetches += len(prefetches)
         self.stats.stages += len(stages)
+        self.stats.warm_stages += len(speculative)
         return WorkerCommands(
             worker, replica,
             tuple(Evict(k.name, k.version, self.epoch) for k in evicts),
             tuple(Prefetch(k.name, k.version, p, self.epoch) for p, k in prefetches),
-            tuple(Stage(k.name, k.version, p, self.epoch) for p, k in stages))
+            tuple(Stage(k.name, k.version, p, self.epoch) for p, k in stages)
+            + tuple(Stage(k.name, k.version, p, self.epoch, speculative=True) for p, k in speculative))
 
 
 def _unique(names: Iterable[str]) -> tuple[str, ...]:

@@ -446,18 +446,20 @@ class AttachHello(_message.Message):
     def __init__(self, replica: _Optional[str] = ..., rank: _Optional[int] = ..., tp: _Optional[int] = ..., num_slots: _Optional[int] = ..., model: _Optional[str] = ..., incarnation: _Optional[int] = ..., liveness_s: _Optional[float] = ..., start_s: _Optional[float] = ..., name_wait_s: _Optional[float] = ..., max_adapters: _Optional[int] = ..., max_running: _Optional[int] = ...) -> None: ...
 
 class RelayedCommand(_message.Message):
-    __slots__ = ("kind", "adapter", "version", "priority", "epoch")
+    __slots__ = ("kind", "adapter", "version", "priority", "epoch", "speculative")
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     kind: RelayedCommandKind
     adapter: str
     version: str
     priority: int
     epoch: int
-    def __init__(self, kind: _Optional[_Union[RelayedCommandKind, str]] = ..., adapter: _Optional[str] = ..., version: _Optional[str] = ..., priority: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    speculative: bool
+    def __init__(self, kind: _Optional[_Union[RelayedCommandKind, str]] = ..., adapter: _Optional[str] = ..., version: _Optional[str] = ..., priority: _Optional[int] = ..., epoch: _Optional[int] = ..., speculative: _Optional[bool] = ...) -> None: ...
 
 class ApplyCommands(_message.Message):
     __slots__ = ("commands",)

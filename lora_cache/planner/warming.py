@@ -1,0 +1,122 @@
+"""The fleet's host tiers as one cache (lifecycle step 5 ahead of demand): what each replica keeps warm.
+
+Where the store is slow (an object store, a device read at ~1 GB/s: ~200 ms for an 8B adapter), a first touch
+costs a store read that no router lead hides; a host-tier hit costs one PCIe copy (a few ms). The controller
+sees the whole catalog and every replica's host tier, so it fills them ahead of demand, with idle store
+bandwidth (the workers read warm stages one at a time, only while no load is in flight:
+``workers.warming.WarmQueue``), as one cache:
+
+1. Adapters are taken by expected value per byte: the fleet-wide decayed count per byte, most requested first;
+   then every adapter never requested, smallest shard first (with nothing known, each is as likely as the next,
+   so the smallest cover the most first touches per byte), ties by a hash of the name (no catalog order bias).
+2. One copy of each before any second: an adapter goes to the first replica of its rendezvous order (the order
+   the routing advice's sticky cold picks and the planner's homes follow, ``rendezvous.py``) whose warm budget
+   still fits its shard: so the fleet's host memory holds as much of the catalog as fits, and a request for an
+   adapter resident nowhere is routed where its host copy is.
+3. With room left once every adapter has its copy, requested adapters get a second copy on their next replica
+   (the router overflows a hot adapter there), most requested first, until the budgets are spent.
+
+A replica's warm budget is ``warm_host_share`` of the host tier its workers report (the smallest rank's); the
+rest stays with the host tier's LRU (shards of GPU-resident and recently evicted adapters, needed stages). An
+assignment is kept until the fleet's shape changes or ``refresh_s`` passes (counts drift slowly); the re-planner
+sends each warm key once per stretch it stays warm (``FleetState.staged``), as a speculative ``Stage``.
+Plain Python: no clock of its own, the same inputs give the same assignment.
+"""
+
+from __future__ import annotations
+
+import math
+
+from lora_cache.planner.popularity import RankedCounts
+from lora_cache.planner.rendezvous import preference, rendezvous_hash
+from lora_cache.planner.state import FleetState
+from lora_cache.vocab import AdapterKey
+
+
+class WarmBook:
+    """Each replica's warm set (the class's module docstring), kept across plans."""
+
+    def __init__(self, share: float, refresh_s: float) -> None:
+        self.share, self.refresh_s = share, refresh_s
+        self._shape = -1
+        self._assigned_at = -math.inf
+        self._warm: dict[str, tuple[AdapterKey, ...]] = {}  # replica -> its warm keys, most valuable first
+        self.copies: dict[str, int] = {}  # adapter -> warm copies in the fleet (last assignment)
+        self.assignments = 0
+
+    def refresh(self, fleet: FleetState, counts: RankedCounts, now: float) -> None:
+        """Before a plan: assign afresh if the fleet's shape changed or ``refresh_s`` passed."""
+        if fleet.shape == self._shape and now - self._assigned_at < self.refresh_s:
+            return
+        self._shape, self._assigned_at = fleet.shape, now
+        self._warm = self._assign(fleet, counts)
+        self.assignments += 1
+
+    def warm(self, replica: str) -> tuple[AdapterKey, ...]:
+        """``replica``'s warm keys, most valuable first (empty for a replica not in the last assignment)."""
+        return self._warm.get(replica, ())
+
+    def forget(self, adapter: str) -> None:
+        """An unregistered adapter: drop it from the assignment at once (the next refresh would too)."""
+        self._warm = {r: tuple(k for k in keys if k.name != adapter) for r, keys in self._warm.items()}
+        self.copies.pop(adapter, None)
+
+    def check_integrity(self, fleet: FleetState) -> None:
+        if fleet.shape != self._shape:
+            return  # the catalog or the capacities changed since: the next plan assigns afresh
+        for replica, keys in self._warm.items():
+            assert len(set(keys)) == len(keys), f"a warm key repeats on {replica}"
+            host = fleet.replica_capacity(replica).host_bytes if replica in fleet.workers else None
+            if host is not None:
+                used = sum(fleet.catalog[k.name].bytes_per_rank for k in keys if k.name in fleet.catalog)
+                assert used <= int(host * self.share), f"{replica}'s warm set ({used} B) exceeds its budget"
+
+    def _assign(self, fleet: FleetState, counts: RankedCounts) -> dict[str, tuple[AdapterKey, ...]]:
+        left = _budgets(fleet, self.share)
+        out: dict[str, list[AdapterKey]] = {r: [] for r in left}
+        self.copies = {}
+        if not left:
+            return {}
+        order = _by_value(fleet, counts)
+        for name in order:  # one copy each, in rendezvous order
+            self._place(fleet, name, left, out, skip=())
+            if not any(left.values()):
+                break
+        requested = [name for name in order if counts.get(name) > 0 and self.copies.get(name) == 1]
+        for name in requested:  # then second copies of requested adapters, where room is left
+            holder = tuple(r for r, keys in out.items() if fleet.catalog[name].key in keys)
+            self._place(fleet, name, left, out, skip=holder)
+        return {r: tuple(keys) for r, keys in out.items() if keys}
+
+    def _place(self, fleet: FleetState, name: str, left: dict[str, int], out: dict[str, list[AdapterKey]],
+               skip: tuple[str, ...]) -> None:
+        info = fleet.catalog[name]
+        fits = [r for r, room in left.items() if room >= info.bytes_per_rank and r not in skip]
+        if not fits:
+            return
+        replica = preference(name, fits)[0]
+        left[replica] -= info.bytes_per_rank
+        out[replica].append(info.key)
+        self.copies[name] = self.copies.get(name, 0) + 1
+
+
+def _budgets(fleet: FleetState, share: float) -> dict[str, int]:
+    """Each replica's warm budget in bytes per rank (replicas whose host tier is unknown or slotless: none)."""
+    out: dict[str, int] = {}
+    for replica in sorted(fleet.workers):
+        if not fleet.workers[replica]:
+            continue
+        capacity = fleet.replica_capacity(replica)
+        if capacity.host_bytes is not None and capacity.slots >= 1 and share > 0:
+            out[replica] = int(capacity.host_bytes * share)
+    return out
+
+
+def _by_value(fleet: FleetState, counts: RankedCounts) -> list[str]:
+    """Requested adapters by count per byte, then the never-requested, smallest first, ties by hash."""
+    catalog = fleet.catalog
+    requested = sorted((name for name in catalog if counts.get(name) > 0),
+                       key=lambda a: (-counts.get(a) / catalog[a].bytes_per_rank, a))
+    unseen = sorted((name for name in catalog if counts.get(name) <= 0),
+                    key=lambda a: (catalog[a].bytes_per_rank, rendezvous_hash(a, ""), a))
+    return requested + unseen

@@ -1,0 +1,99 @@
+"""The fleet's host tiers as one cache (lora_cache/planner/warming.py): what each replica keeps warm, and the
+speculative stages the planner sends for it."""
+
+from __future__ import annotations
+
+import pytest
+
+from lora_cache.errors import ConfigError
+from lora_cache.planner import Planner, PlannerConfig
+from lora_cache.planner.records import AdapterInfo, ReplicaSpec, ResidencyEntry, SlotState
+from lora_cache.planner.rendezvous import preference
+from lora_cache.vocab import Stage
+
+
+def make(replicas: int = 3, adapters: int = 12, host_bytes: int | None = 1000, policy: str = "global",
+         sizes: dict[int, int] | None = None, **config: object) -> Planner:
+    specs = [ReplicaSpec(f"r{r}", (f"r{r}/w0",), 2, None, host_bytes) for r in range(replicas)]
+    infos = [AdapterInfo(f"a{i}", "v1", (sizes or {}).get(i, 100)) for i in range(adapters)]
+    config.setdefault("warm_host_share", 0.5)
+    for name in ("place_homes", "max_prefetches_per_plan", "stage_host_share"):  # GPU placement and popularity
+        config.setdefault(name, 0 if name != "place_homes" else False)  # stages apart: warming alone here
+    return Planner(PlannerConfig(policy=policy, **config), 1, infos, specs)  # type: ignore[arg-type]
+
+
+def warm_stages(planner: Planner, now: float) -> dict[str, list[Stage]]:
+    plan = planner.plan_all(now)
+    out = {c.worker: [s for s in c.stages if s.speculative] for c in plan.workers}
+    return {w: keys for w, keys in out.items() if keys}
+
+
+def test_one_copy_of_as_much_of_the_catalog_as_fits_before_any_second() -> None:
+    """3 replicas x 500 warm bytes hold 15 shards of 100: all 12 adapters get exactly one copy, each on the first
+    replica of its rendezvous order with room, within every budget."""
+    planner = make()
+    stages = warm_stages(planner, 0.0)
+    placed = [s.adapter for keys in stages.values() for s in keys]
+    assert sorted(placed) == sorted(f"a{i}" for i in range(12)), "each adapter warmed exactly once"
+    for worker, keys in stages.items():
+        assert len(keys) * 100 <= 500, f"{worker} warms over its budget"
+    book = planner._replan.warming
+    for replica in ("r0", "r1", "r2"):
+        for key in book.warm(replica):
+            first = preference(key.name, ["r0", "r1", "r2"])[0]
+            # a replica other than the first in rendezvous order only because the first was full
+            assert replica == first or len(book.warm(first)) * 100 + 100 > 500
+    planner.check_integrity()
+
+
+def test_requested_adapters_first_by_count_per_byte_then_unseen_smallest_first() -> None:
+    """One replica, room for 3 shards: the requested adapter first, then the never-requested ones by size."""
+    planner = make(replicas=1, adapters=5, host_bytes=600, sizes={0: 150, 1: 100, 2: 50, 3: 100, 4: 100})
+    planner.record_request("a4", "r0", 0.0)
+    stages = warm_stages(planner, 0.0)["r0/w0"]
+    assert [s.adapter for s in stages] == ["a4", "a2", "a1"]  # 100 + 50 + 100 of 300, then a3 (100) fits no more
+    assert [s.priority for s in stages] == sorted(s.priority for s in stages)
+
+
+def test_second_copies_only_once_every_adapter_has_one() -> None:
+    planner = make(replicas=2, adapters=3, host_bytes=1000)  # 2 x 500 bytes: 10 shards' room for 3 adapters
+    planner.record_request("a1", "r0", 0.0)
+    stages = warm_stages(planner, 0.0)
+    copies = [s.adapter for keys in stages.values() for s in keys]
+    assert sorted(copies) == ["a0", "a1", "a1", "a2"], "the requested adapter alone gets a second copy"
+
+
+def test_warm_stages_are_resent_at_each_assignment_and_never_name_what_a_rank_holds() -> None:
+    planner = make(replicas=1, adapters=3, host_bytes=1000, warm_refresh_s=5.0)
+    first = warm_stages(planner, 0.0)["r0/w0"]
+    assert {s.adapter for s in first} == {"a0", "a1", "a2"}
+    assert warm_stages(planner, 1.0) == {}, "sent once per assignment"
+    planner.advance(2.0)
+    planner.update_residency("r0/w0", ResidencyEntry("a1", "v1", SlotState.READY))  # now in a GPU slot
+    again = warm_stages(planner, 6.0)["r0/w0"]  # a new assignment: sent again, LRU places refreshed
+    assert {s.adapter for s in again} == {"a0", "a2"}
+    planner.check_integrity()
+
+
+def test_no_warming_without_a_host_tier_for_the_queue_policy_or_at_share_zero() -> None:
+    assert warm_stages(make(host_bytes=None), 0.0) == {}
+    assert warm_stages(make(policy="queue"), 0.0) == {}
+    assert warm_stages(make(warm_host_share=0.0), 0.0) == {}
+
+
+def test_an_unregistered_adapter_leaves_the_warm_sets_at_once() -> None:
+    planner = make(replicas=1, adapters=3)
+    warm_stages(planner, 0.0)
+    planner.remove_adapter("a1", 1.0)
+    assert "a1" not in {k.name for k in planner._replan.warming.warm("r0")}
+    planner.check_integrity()
+
+
+@pytest.mark.parametrize(("field", "value", "fragment"), [
+    ("warm_host_share", 1.5, "warm_host_share is 1.5; give a share in [0, 1]"),
+    ("warm_host_share", -0.1, "give a share in [0, 1]"),
+    ("warm_refresh_s", 0.0, "warm_refresh_s is 0.0; give seconds > 0"),
+])
+def test_bad_warm_settings_name_the_field_the_value_and_the_fix(field: str, value: float, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        PlannerConfig(**{field: value})  # type: ignore[arg-type]
