@@ -1,8 +1,8 @@
 """``--engine real --attach``: every engine rank in a process of its own, attached through the engine seam.
 
 The service runs the controller alone (``serve --replicas 0``); the benchmark starts one process per
-rank (``workers.engine.attached.EngineProcess``), as an engine's launcher would, each joining the Ray
-cluster and attaching as rank k of its replica (``workers/attach.py``). On GPUs, process i of the fleet
+rank (``workers.engine.process.EngineProcess``), as an engine's launcher would, each joining the Ray
+cluster and attaching as rank k of its replica (``workers/attach/attachment.py``). On GPUs, process i of the fleet
 (replica r, rank k: i = r * tp + k) runs on ``cuda:i``. The calls mirror ``bench.real.ActorFleet``'s.
 """
 
@@ -16,11 +16,11 @@ from typing import Any
 import ray
 
 from lora_cache.vocab import ReadinessRecord
-from workers.attach import AttachConfig
+from workers.attach.attachment import AttachConfig
 from workers.cache import WorkerConfig
-from workers.engine.attached import EngineProcess, start_ranks
 from workers.engine.config import EngineConfig
 from workers.engine.hosted import Rendezvous, rendezvous
+from workers.engine.process import EngineProcess, start_ranks
 from workers.engine.workload import Request
 
 

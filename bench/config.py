@@ -82,7 +82,7 @@ class BenchConfig:
         "path": "name_or_file", "help": "sim costs: a name under bench/calibration "
                                                                         "or a JSON file"})
     attach: bool = field(default=False, metadata={"help": "real engine: run every engine rank in a process of its "
-                                                          "own, attached through the engine seam (workers/attach.py) "
+                                                          "own, attached through the engine seam (workers/attach/) "
                                                           "instead of inside the service's worker actors"})
     check_sim: bool = field(default=False, metadata={"help": "real engine: also simulate this run with costs fitted "
                                                              "from it and compare TTFT"})

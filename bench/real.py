@@ -4,7 +4,7 @@ Per policy, a fresh service (controller, one placement group of TP worker actors
 gateway) so no policy inherits another's cache. Every worker hosts one rank of the reference engine
 (``workers.engine.hosted``) over its own ``WorkerCache``, which the controller drives too. With
 ``attach``, the service runs the controller alone and every engine rank runs in a process of its own
-that attaches to it through the engine seam (``workers/attach.py``, ``bench.attached``), as an external
+that attaches to it through the engine seam (``workers/attach/attachment.py``, ``bench.attached``), as an external
 engine would; the engine code, the cache and the controller's commands are the same. Then, from one
 shared wall-clock start:
 
@@ -50,10 +50,10 @@ from lora_cache.planner import PlannerConfig
 from lora_cache.runtime import heap
 from lora_cache.vocab import CONTROLLER_NAME, NAMESPACE, ReadinessRecord
 from workers.cache import WorkerConfig
+from workers.counters import STATS_COUNTERS, STATS_SUMMARIES
 from workers.engine.config import EngineConfig
 from workers.engine.workload import Request
-from workers.host_tier import HostTierConfig
-from workers.metrics import STATS_COUNTERS, STATS_SUMMARIES
+from workers.staging.host_tier import HostTierConfig
 
 if TYPE_CHECKING:
     from bench.workloads import Workload

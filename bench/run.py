@@ -66,8 +66,8 @@ def sized(bench: BenchConfig) -> BenchConfig:
     host, for ``tp`` ranks per replica), so every policy and both engines get the same bytes per rank."""
     if bench.host_bytes:
         return bench
-    from workers.host_tier import HostTierConfig
-    from workers.read_pool import ranks_on_host
+    from workers.reads.threads import ranks_on_host
+    from workers.staging.host_tier import HostTierConfig
 
     return dataclasses.replace(bench, host_bytes=HostTierConfig().sized(ranks_on_host(bench.tp)).host_bytes)
 

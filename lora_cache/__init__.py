@@ -9,10 +9,10 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> object:
     """``lora_cache.attach`` (and ``AttachConfig``, ``Attachment``, ``WorkerConfig``): the engine seam,
-    ``workers/attach.py``, imported on first use (it brings torch and the data plane; the control plane does
+    ``workers/attach/attachment.py``, imported on first use (it brings torch and the data plane; the control plane does
     not need them)."""
     if name in ("attach", "AttachConfig", "Attachment", "WorkerConfig"):
-        import workers.attach
+        import workers.attach.attachment
 
-        return getattr(workers.attach, name)
+        return getattr(workers.attach.attachment, name)
     raise AttributeError(f"module 'lora_cache' has no attribute {name!r}")

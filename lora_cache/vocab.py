@@ -156,6 +156,6 @@ class Delta(NamedTuple):
 
 DeltaRow = tuple[int, str, str, str, str]  # (seq, adapter, version, state, error): a Delta as sent, numbered
 
-# -- the relay of an attached rank (workers/attach.py) ---------------------------------------------------
+# -- the relay of an attached rank (workers/attach/attachment.py) ---------------------------------------------------
 Call = tuple[int, str, tuple[Any, ...]]  # (call id, method, arguments)
 Answer = tuple[int, bool, Any]  # (call id, ok, result or the exception raised)

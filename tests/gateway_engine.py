@@ -16,9 +16,9 @@ from typing import Any
 
 def main() -> None:
     args = json.loads(sys.argv[1])
-    from workers.attach import AttachConfig, attach
+    from workers.attach.attachment import AttachConfig, attach
     from workers.cache import WorkerConfig
-    from workers.host_tier import HostTierConfig
+    from workers.staging.host_tier import HostTierConfig
 
     config = AttachConfig(replica=args["replica"], gateway=args["gateway"], token=args.get("token", ""),
                           poll_s=0.5, liveness_s=args.get("liveness_s", 10.0),

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import lora_cache.adapters.files as files_module
 import lora_cache.adapters.peft as peft_module
-import workers.reader as reader_module
+import workers.reads.shard as reader_module
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.chunks import chunk_plan
 from lora_cache.adapters.files import FileIdentity
@@ -33,9 +33,9 @@ from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
 from lora_cache.adapters.shards import ShardLayout, shard_layout
 from lora_cache.adapters.synth import write_adapter
 from lora_cache.errors import AdapterChangedError, AdapterError, AdapterFormatError, AdapterPathError
-from workers.host_tier import HostTier, HostTierConfig
-from workers.read_pool import ReadPool
-from workers.reader import read_shard
+from workers.reads.shard import read_shard
+from workers.reads.threads import ReadPool
+from workers.staging.host_tier import HostTier, HostTierConfig
 
 TINY = SHAPES["tiny"]
 F32 = torch.float32
@@ -86,7 +86,7 @@ def copy_config(src: Path, dst: Path) -> Path:
     return dst
 
 
-POOL = ReadPool(3)  # reads split over three reader threads (workers.read_pool), beside the single reader
+POOL = ReadPool(3)  # reads split over three reader threads (workers.reads.threads), beside the single reader
 
 
 def read(spec: AdapterSpec, verify: str = "sample", tp: int = 1, rank: int = 0, readers: int = 1,

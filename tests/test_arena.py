@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from workers.arena import ALIGN, Block, HostArena
+from workers.staging.arena import ALIGN, Block, HostArena
 
 KB = 1024
 

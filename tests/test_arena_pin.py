@@ -15,9 +15,9 @@ from lora_cache.adapters.catalog import AdapterCatalog
 from lora_cache.vocab import AdapterKey
 from tests.waiting import wait_for
 from workers import faults
-from workers.arena import HostArena
 from workers.cache import WorkerCache, WorkerConfig
-from workers.host_tier import HostTierConfig
+from workers.staging.arena import HostArena
+from workers.staging.host_tier import HostTierConfig
 
 
 @pytest.fixture

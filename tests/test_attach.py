@@ -14,7 +14,7 @@ from lora_cache.app.serve import ServeConfig
 from lora_cache.controller.core import ControllerConfig, ControllerCore
 from lora_cache.errors import ConfigError
 from lora_cache.vocab import WorkerId
-from workers.attach import AttachConfig
+from workers.attach.attachment import AttachConfig
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -62,7 +62,7 @@ def test_attach_outside_any_cluster_fails_fast_and_names_the_address() -> None:
     import ray
 
     from lora_cache.runtime.cluster import ClusterUnreachableError
-    from workers.attach import attach
+    from workers.attach.attachment import attach
     from workers.cache import WorkerConfig
 
     if ray.is_initialized():  # an earlier test of this session left Ray up: attach would not connect at all
@@ -77,10 +77,10 @@ def test_attach_outside_any_cluster_fails_fast_and_names_the_address() -> None:
 def test_lora_cache_attach_is_the_seam() -> None:
     """``from lora_cache import attach`` (what an engine imports) is the seam, loaded on first use."""
     import lora_cache
-    import workers.attach
+    import workers.attach.attachment
 
-    assert lora_cache.attach is workers.attach.attach
-    assert lora_cache.AttachConfig is AttachConfig and lora_cache.Attachment is workers.attach.Attachment
+    assert lora_cache.attach is workers.attach.attachment.attach
+    assert lora_cache.AttachConfig is AttachConfig and lora_cache.Attachment is workers.attach.attachment.Attachment
     with pytest.raises(AttributeError, match="no attribute 'detach'"):
         lora_cache.detach  # noqa: B018
 
@@ -101,7 +101,7 @@ def test_the_relay_delivers_each_answer_to_its_own_caller_in_call_order() -> Non
     import asyncio
 
     from lora_cache.vocab import Call
-    from workers.attach import Relay
+    from workers.attach.attachment import Relay
 
     async def scenario() -> None:
         relay = Relay("w", liveness_s=5.0)
@@ -129,7 +129,7 @@ def test_the_relay_delivers_each_answer_to_its_own_caller_in_call_order() -> Non
 def test_the_relay_gives_a_starting_process_its_grace_then_the_usual_liveness() -> None:
     """Before its first poll a process has ``start_s`` (its serve thread may start late on a loaded host,
     while the controller already calls it); after it, ``liveness_s`` as always."""
-    from workers.attach import EndpointStaleError, Relay
+    from workers.attach.attachment import EndpointStaleError, Relay
 
     clock = Clock()
     relay = Relay("lora-cache-worker:r:0", liveness_s=1.0, clock=clock, start_s=30.0)
@@ -149,7 +149,7 @@ def test_the_relay_gives_a_starting_process_its_grace_then_the_usual_liveness() 
 def test_the_relay_fails_waiting_calls_and_pings_once_the_process_stops_polling() -> None:
     import asyncio
 
-    from workers.attach import EndpointStaleError, Relay
+    from workers.attach.attachment import EndpointStaleError, Relay
 
     async def scenario() -> None:
         clock = Clock()
@@ -190,8 +190,8 @@ def test_attach_through_a_gateway_nobody_serves_fails_fast_and_names_it() -> Non
     error says where it looked; nothing is left running."""
     import socket
 
-    from workers.attach import attach
-    from workers.attach_grpc import GatewayLinkError
+    from workers.attach.attachment import attach
+    from workers.attach.grpc_transport import GatewayLinkError
     from workers.cache import WorkerConfig
 
     with socket.socket() as s:  # a port nobody listens on

@@ -20,8 +20,8 @@ from lora_cache.routing.advice import RouteRequest
 from lora_cache.vocab import AdapterKey, Delta, Evict, Prefetch, Stage, WorkerId, worker_name
 from tests.planner_queries import popularity
 from workers.cache import WorkerCache, WorkerConfig
-from workers.commands import CommandGate
-from workers.host_tier import HostTierConfig
+from workers.control.commands import CommandGate
+from workers.staging.host_tier import HostTierConfig
 
 
 class Outbox:

@@ -27,7 +27,6 @@ from lora_cache.adapters.shapes import SHAPES
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.errors import ConfigError
 from tests.waiting import wait_for
-from workers import host_tier
 from workers.engine import (
     ADMISSION,
     EngineConfig,
@@ -47,7 +46,8 @@ from workers.engine.model import final_norm_weight, full_weights, prompt_states
 from workers.engine.rank import RankEngine, load_catalog
 from workers.engine.scheduler import DECODE, PREFILL, WAIT, Scheduler, StepPlan
 from workers.engine.tp import Comm
-from workers.host_tier import HostTierConfig
+from workers.staging import host_tier
+from workers.staging.host_tier import HostTierConfig
 
 TINY = SHAPES["tiny"]
 FULL = [f"adapter-{i:03d}" for i in range(4)]
@@ -238,7 +238,7 @@ def test_overlap_never_runs_a_request_before_its_adapter_is_ready(tp2_overlap: E
 def test_step_logs_time_the_host_work_between_steps(tp1_ondemand: EngineResult, tp2_overlap: EngineResult) -> None:
     """Each step logs the loop's host time since the previous step (``gap_ms``, what the simulator charges
     as ``round_ms``), the readiness exchange's share of it (every rule exchanges: the ranks agree on each
-    adapter's version, workers/engine/versions.py), and its wall-clock start (to line steps up with the
+    adapter's version, workers/attach/versions.py), and its wall-clock start (to line steps up with the
     loads beside them), and how long the garbage collector stopped it."""
     for result, exchanges in ((tp1_ondemand, True), (tp2_overlap, True)):
         for stats in result.ranks:

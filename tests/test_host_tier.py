@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 import torch
 
-import workers.host_tier as host_tier_module
+import workers.staging.host_tier as host_tier_module
 from lora_cache.adapters.catalog import AdapterCatalog
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shapes import SHAPES
 from lora_cache.adapters.shards import ShardLayout, shard_layout
 from lora_cache.errors import AdapterChangedError, AdapterFormatError, CapacityError, ConfigError
 from lora_cache.vocab import AdapterKey
-from workers.host_tier import HostEntry, HostTier, HostTierConfig
+from workers.staging.host_tier import HostEntry, HostTier, HostTierConfig
 
 TINY = SHAPES["tiny"]
 MiB = 1 << 20

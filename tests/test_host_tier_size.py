@@ -16,7 +16,8 @@ from lora_cache.adapters.catalog import AdapterCatalog
 from lora_cache.errors import ConfigError
 from workers.cache import WorkerCache, WorkerConfig
 from workers.engine.timings import RequestRecord
-from workers.host_tier import (
+from workers.reads.threads import ranks_on_host
+from workers.staging.host_tier import (
     AUTO_MAX_BYTES,
     AUTO_MIN_BYTES,
     AUTO_SHARE,
@@ -25,7 +26,6 @@ from workers.host_tier import (
     auto_host_bytes,
     available_memory,
 )
-from workers.read_pool import ranks_on_host
 
 GiB = 1 << 30
 

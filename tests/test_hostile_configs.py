@@ -34,7 +34,7 @@ from lora_cache.controller.registrations import Registrar
 from lora_cache.errors import AdapterError
 from tests.conftest import expected_entries, lora_tensors, write_peft
 from tests.test_registrations import Links
-from workers.reader import read_shard
+from workers.reads.shard import read_shard
 
 TINY = SHAPES["tiny"]
 

@@ -23,7 +23,7 @@ import torch
 import lora_cache.adapters.catalog as catalog_module
 import lora_cache.adapters.files as files_module
 import lora_cache.adapters.peft as peft_module
-import workers.reader as reader_module
+import workers.reads.shard as reader_module
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.files import HOST, RACY_NS, FileIdentity, content_crcs, load_pin
 from lora_cache.adapters.peft import WEIGHTS_FILE, AdapterSpec
@@ -32,10 +32,10 @@ from lora_cache.adapters.shards import shard_layout
 from lora_cache.adapters.synth import write_adapter
 from lora_cache.errors import AdapterChangedError
 from workers.cache import WorkerCache, WorkerConfig
-from workers.host_tier import HostTier, HostTierConfig
-from workers.outbox import Outbox
-from workers.rank_control import WorkerControl
-from workers.reader import read_shard
+from workers.control.outbox import Outbox
+from workers.control.rank import WorkerControl
+from workers.reads.shard import read_shard
+from workers.staging.host_tier import HostTier, HostTierConfig
 
 TINY = SHAPES["tiny"]
 F32 = torch.float32

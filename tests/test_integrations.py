@@ -23,7 +23,7 @@ from lora_cache.integrations.ray_serve import (
 )
 from lora_cache.routing.ranking import ReplicaLoad, Residence, rank
 from lora_cache.routing.traffic import Traffic
-from workers.attach import AttachConfig
+from workers.attach.attachment import AttachConfig
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,8 @@ from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
 from lora_cache.adapters.synth import write_adapter
 from lora_cache.vocab import AdapterKey
 from workers.cache import WorkerCache, WorkerConfig
-from workers.host_tier import HostTierConfig
 from workers.kernels import BatchMeta, lora_apply_ref
+from workers.staging.host_tier import HostTierConfig
 
 TINY = SHAPES["tiny"]
 LAYER, MODULES = 1, ("q_proj", "k_proj", "v_proj")  # one fused group: columns side by side

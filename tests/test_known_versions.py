@@ -28,10 +28,10 @@ from lora_cache.adapters.shards import shard_layout
 from lora_cache.adapters.synth import write_adapter
 from lora_cache.errors import AdapterChangedError, AdapterFormatError
 from workers.cache import WorkerCache, WorkerConfig
-from workers.host_tier import HostTierConfig
-from workers.outbox import Outbox
-from workers.rank_control import WorkerControl
-from workers.reader import read_shard
+from workers.control.outbox import Outbox
+from workers.control.rank import WorkerControl
+from workers.reads.shard import read_shard
+from workers.staging.host_tier import HostTierConfig
 
 TINY = SHAPES["tiny"]
 

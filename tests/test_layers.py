@@ -32,8 +32,8 @@ FLOORS: tuple[tuple[str, ...], ...] = (
 # Imports of workers/ or bench/ from lora_cache/, each at a named seam: (importing module prefix, imported prefix)
 SEAMS = (
     ("lora_cache.app", "workers"),  # the application that starts workers (serve, demo, the CLI's configs)
-    ("lora_cache", "workers.attach"),  # `lora_cache.attach`, the engine's entry point (lora_cache/__init__.py)
-    ("lora_cache.integrations", "workers.attach"),  # serving frameworks' replicas attach through the public seam
+    ("lora_cache", "workers.attach.attachment"),  # `lora_cache.attach`, the engine's entry point (lora_cache/__init__)
+    ("lora_cache.integrations", "workers.attach.attachment"),  # serving frameworks' replicas attach through the seam
 )
 # What the data plane may use of lora_cache/: no planner, routing, controller or application.
 WORKERS_MAY_USE = ("lora_cache.errors", "lora_cache.vocab", "lora_cache.adapters", "lora_cache.link",
@@ -105,10 +105,74 @@ def test_workers_use_the_vocabulary_not_the_control_plane() -> None:
     assert not bad, "workers/ imports the control plane (take the words from lora_cache.vocab):\n" + "\n".join(bad)
 
 
-# One-way seams inside workers/: (lower module, the module it must never import). The cache composes its load
-# path; the load path, and what it is built from, never reach back.
-WORKERS_ONE_WAY = (("workers.load_path", "workers.cache"), ("workers.loader", "workers.cache"),
-                   ("workers.loader", "workers.load_path"))
+# workers/' floors, lowest first (docs/architecture.md, "Floors"): each may import its own floor's packages and
+# anything below; no cycle between its sub-packages, even within one floor.
+WORKERS_FLOORS: tuple[tuple[str, ...], ...] = (
+    ("workers.faults", "workers.counters", "workers.lru", "workers.kernels"),  # fault points, counters, the LRU,
+    # the Triton kernels: what every stage may use
+    ("workers.reads",),  # step 5: a rank's slices of a file read, the version proven on the way
+    ("workers.staging",),  # step 5: the pinned host tier over reads, the node's disk tier, the arena
+    ("workers.gpu",),  # steps 6-7, 9: slots, streams, chunk copies, the load path, acquire
+    ("workers.cache",),  # steps 5-9: `WorkerCache` composes the floors below
+    ("workers.control",),  # steps 4, 7: commands, the outbox, what the controller calls on a rank
+    ("workers.attach",),  # steps 4, 9: the engine seam, its transports, the version exchange
+    ("workers.engine",),  # the reference engine, over the seam
+    ("workers.actor",),  # the worker actor: hosts a rank's control and an engine rank
+)
+
+
+def _workers_floor(module: str) -> int | None:
+    return next((i for i, packages in enumerate(WORKERS_FLOORS) if any(_under(module, p) for p in packages)), None)
+
+
+def _workers_unit(module: str) -> str | None:
+    """The floor package ``module`` belongs to (``workers.reads``, ``workers.cache``, ...), or None."""
+    return next((p for packages in WORKERS_FLOORS for p in packages if _under(module, p)), None)
+
+
+def _workers_arrows() -> list[tuple[str, str]]:
+    return [(here, there) for here, there in _imports("workers") if here != "workers" and _under(there, "workers")]
+
+
+def test_every_workers_module_has_a_floor() -> None:
+    modules = {_module(p) for p in (ROOT / "workers").rglob("*.py")} - {"workers"}
+    loose = sorted(m for m in modules if _workers_floor(m) is None)
+    assert not loose, f"workers/ modules outside every floor of tests/test_layers.py WORKERS_FLOORS: {loose}"
+
+
+def test_workers_import_only_downward() -> None:
+    upward = sorted({f"{here} -> {there}" for here, there in _workers_arrows()
+                     if (mine := _workers_floor(here)) is not None and (theirs := _workers_floor(there)) is not None
+                     and theirs > mine})
+    assert not upward, "workers/ imports that run up a floor (move the shared part down):\n" + "\n".join(upward)
+
+
+def test_workers_sub_packages_have_no_cycle() -> None:
+    graph: dict[str, set[str]] = {}
+    for here, there in _workers_arrows():
+        a, b = _workers_unit(here), _workers_unit(there)
+        if a is not None and b is not None and a != b:
+            graph.setdefault(a, set()).add(b)
+    cycles, state = [], dict.fromkeys(graph, 0)  # 0 unseen, 1 on the path, 2 done
+
+    def visit(unit: str, path: list[str]) -> None:
+        state[unit] = 1
+        for nxt in sorted(graph.get(unit, ())):
+            if state.get(nxt, 0) == 1:
+                cycles.append(" -> ".join([*path[path.index(nxt):], nxt]))
+            elif state.get(nxt, 0) == 0:
+                visit(nxt, [*path, nxt])
+        state[unit] = 2
+
+    for unit in sorted(graph):
+        if state[unit] == 0:
+            visit(unit, [unit])
+    assert not cycles, "import cycles between workers/ sub-packages:\n" + "\n".join(cycles)
+
+
+# One-way seams inside a workers/ sub-package: (lower module, the module it must never import). The load path
+# composes the chunk copies; they never reach back.
+WORKERS_ONE_WAY = (("workers.gpu.copies", "workers.gpu.loads"), ("workers.gpu.copies", "workers.gpu.acquire"))
 
 
 def test_workers_seams_run_one_way() -> None:

@@ -205,7 +205,7 @@ def test_idempotent_calls_are_retried_on_unavailable() -> None:
     config = json.loads(options["grpc.service_config"])
     retried = {n["method"] for c in config["methodConfig"] for n in c["name"]}
     assert {"Lookup", "Route", "Status", "Hint"} <= retried and "RegisterAdapters" not in retried
-    from workers.attach_grpc import KEEPALIVE as ATTACH_KEEPALIVE
+    from workers.attach.grpc_transport import KEEPALIVE as ATTACH_KEEPALIVE
 
     assert ATTACH_KEEPALIVE == KEEPALIVE, "the AttachRank stream pings as the routers' client does"
 

@@ -20,12 +20,13 @@ from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
 from lora_cache.adapters.shards import ShardLayout, _packed
 from lora_cache.errors import ConfigError
 from tests.worker_queries import use_streams
+from workers.attach.versions import Readiness
 from workers.cache import WorkerCache
-from workers.engine.admission import ADMISSION, Readiness
+from workers.engine.admission import ADMISSION
 from workers.engine.workload import Request
-from workers.host_tier import HostEntry, HostTier, HostTierConfig
-from workers.loader import LoadFailed
-from workers.streams import CpuStreams, HostEvent
+from workers.gpu.copies import LoadFailed
+from workers.gpu.streams import CpuStreams, HostEvent
+from workers.staging.host_tier import HostEntry, HostTier, HostTierConfig
 
 
 def check_plan(plan: ChunkPlan, entries: tuple, numel: int, num_layers: int, elem: int, min_bytes: int) -> None:

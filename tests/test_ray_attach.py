@@ -24,13 +24,13 @@ from lora_cache.errors import ConfigError, ConflictError  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
 from tests import waiting  # noqa: E402
 from tests.ray_local import init_local  # noqa: E402
-from workers.attach import AttachConfig, EndpointStaleError, attach  # noqa: E402
+from workers.attach.attachment import AttachConfig, EndpointStaleError, attach  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
-from workers.engine.attached import EngineProcess, start_ranks  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.hosted import Rendezvous  # noqa: E402
+from workers.engine.process import EngineProcess, start_ranks  # noqa: E402
 from workers.engine.workload import Request  # noqa: E402
-from workers.host_tier import HostTierConfig  # noqa: E402
+from workers.staging.host_tier import HostTierConfig  # noqa: E402
 
 pytestmark = pytest.mark.ray
 

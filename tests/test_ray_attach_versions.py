@@ -1,7 +1,7 @@
 """Versions through the attached path (the public seam) on a local Ray (CPU): invariant 1 under change.
 
-Two engine processes of their own attach as ranks 0 and 1 of a replica (``workers/attach.py``: the
-``Attachment`` an integrator's engine gets, ``workers/seam.py`` ``EngineCache``) and run the reference engine
+Two engine processes of their own attach as ranks 0 and 1 of a replica (``workers/attach/attachment.py``: the
+``Attachment`` an integrator's engine gets, ``workers/attach/seam.py`` ``EngineCache``) and run the reference engine
 (TP 2 over gloo) on a stream of requests while the adapter is re-registered again and again through the
 controller. Every step, both ranks computed each item with the same version, the one its request was
 admitted with, and the slot held exactly that version's bytes: ``tests/test_ray_versions.py``'s checks, for the
@@ -31,15 +31,15 @@ from lora_cache.app.serve import ServeConfig, Service, start  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
 from tests.ray_local import init_local  # noqa: E402
 from tests.version_audit import check_steps  # noqa: E402
-from workers.attach import AttachConfig  # noqa: E402
+from workers.attach.attachment import AttachConfig  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
-from workers.engine.attached import start_ranks  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.hosted import Rendezvous  # noqa: E402
+from workers.engine.process import start_ranks  # noqa: E402
 from workers.engine.rank import slot_digest  # noqa: E402
 from workers.engine.workload import Request  # noqa: E402
-from workers.host_tier import HostTierConfig  # noqa: E402
-from workers.reader import read_shard  # noqa: E402
+from workers.reads.shard import read_shard  # noqa: E402
+from workers.staging.host_tier import HostTierConfig  # noqa: E402
 
 pytestmark = pytest.mark.ray
 

@@ -31,9 +31,9 @@ from lora_cache.vocab import CONTROLLER_NAME, WORKER_PREFIX
 from tests.ray_local import init_local
 from tests.serving import read_until, serve_argv
 from tests.waiting import wait_for
-from workers.attach import AttachConfig, attach
+from workers.attach.attachment import AttachConfig, attach
 from workers.cache import WorkerConfig
-from workers.host_tier import HostTierConfig
+from workers.staging.host_tier import HostTierConfig
 
 pytestmark = pytest.mark.ray
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-import workers.read_pool as read_pool_module
-import workers.reader as reader_module
+import workers.reads.shard as reader_module
+import workers.reads.threads as read_pool_module
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.chunks import chunk_plan
 from lora_cache.adapters.peft import AdapterSpec, LoraModule, peft_key
@@ -23,10 +23,10 @@ from lora_cache.adapters.shards import ShardEntry, shard_layout
 from lora_cache.adapters.synth import write_adapter
 from lora_cache.errors import AdapterFormatError, ConfigError
 from lora_cache.vocab import AdapterKey
-from workers.host_tier import HostTier, HostTierConfig
-from workers.read_plan import FileTensor, contiguous, plan_tasks, task_bytes_for
-from workers.read_pool import ReadPool, auto_readers, ranks_on_host, run_in_order
-from workers.reader import HOW, read_shard, read_slices
+from workers.reads.plan import FileTensor, contiguous, plan_tasks, task_bytes_for
+from workers.reads.shard import HOW, read_shard, read_slices
+from workers.reads.threads import ReadPool, auto_readers, ranks_on_host, run_in_order
+from workers.staging.host_tier import HostTier, HostTierConfig
 
 BF16, F32 = torch.bfloat16, torch.float32
 MiB = 1 << 20

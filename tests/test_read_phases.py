@@ -23,15 +23,15 @@ from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
 from lora_cache.adapters.shards import shard_layout
 from lora_cache.errors import AdapterChangedError, ConfigError
 from lora_cache.vocab import AdapterKey
-from workers import reader as reader_module
-from workers import reader_proc as reader_proc_module
 from workers.cache import WorkerCache, WorkerConfig
-from workers.host_tier import AUTO_MAX_SPLIT, HostTier, HostTierConfig, ProcessReads
 from workers.kernels import SlotMeta, shard_dims
-from workers.read_io import block_crc
-from workers.read_plan import Run
-from workers.read_pool import auto_readers
-from workers.reader import read_slices
+from workers.reads import processes as reader_proc_module
+from workers.reads import shard as reader_module
+from workers.reads.plan import Run
+from workers.reads.positioned import block_crc
+from workers.reads.shard import read_slices
+from workers.reads.threads import auto_readers
+from workers.staging.host_tier import AUTO_MAX_SPLIT, HostTier, HostTierConfig, ProcessReads
 
 TINY = SHAPES["tiny"]
 

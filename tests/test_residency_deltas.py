@@ -17,7 +17,7 @@ from lora_cache.controller.core import ControllerConfig, ControllerCore
 from lora_cache.errors import CapacityError, LoraCacheError
 from lora_cache.vocab import AdapterKey, Delta, Evict, Prefetch, WorkerId
 from workers.cache import WorkerCache
-from workers.commands import CommandGate
+from workers.control.commands import CommandGate
 
 A, B, C, D = (f"adapter-{i:03d}" for i in range(4))
 

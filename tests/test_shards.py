@@ -16,7 +16,7 @@ from lora_cache.adapters.peft import AdapterSpec, LoraModule, peft_key
 from lora_cache.adapters.shapes import MODULE_ORDER, MODULES, SHAPES, ModelShape, Parallel
 from lora_cache.adapters.shards import ALIGN_BYTES, ShardLayout, max_shard_numel, shard_layout, split
 from lora_cache.errors import AdapterChangedError, AdapterFormatError, ConfigError, ShardError
-from workers.reader import read_shard
+from workers.reads.shard import read_shard
 
 TINY = SHAPES["tiny"]
 BF16 = torch.bfloat16

@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from lora_cache.errors import CapacityError
 from lora_cache.vocab import AdapterKey
-from workers.slots import SlotPhase, SlotTable
+from workers.gpu.slots import SlotPhase, SlotTable
 
 
 def k(name: str) -> AdapterKey:

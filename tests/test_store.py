@@ -38,12 +38,12 @@ from lora_cache.errors import (
 from lora_cache.runtime.cliargs import shell_path
 from tests.s3_server import S3Server, set_env
 from tests.waiting import wait_for
-from workers import disk_tier
 from workers.cache import WorkerCache, WorkerConfig
-from workers.disk_tier import DiskTier, DiskTierConfig
-from workers.host_tier import HostTierConfig
-from workers.outbox import Outbox
-from workers.rank_control import WorkerControl
+from workers.control.outbox import Outbox
+from workers.control.rank import WorkerControl
+from workers.staging import disk_tier
+from workers.staging.disk_tier import DiskTier, DiskTierConfig
+from workers.staging.host_tier import HostTierConfig
 
 BUCKET = "adapters-bkt"
 BIG_RANK = 512  # float32 tiny-shaped at this rank: 4 MiB, four 1 MiB parts

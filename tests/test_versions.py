@@ -28,12 +28,7 @@ from lora_cache.adapters.shards import shard_layout
 from lora_cache.adapters.synth import write_adapter
 from lora_cache.errors import ConfigError, NotFoundError
 from lora_cache.vocab import AdapterKey
-from workers.cache import WorkerCache, WorkerConfig
-from workers.engine.admission import ADMISSION, Readiness
-from workers.engine.config import EngineConfig
-from workers.engine.rank import slot_digest
-from workers.engine.scheduler import PREFILL, STOP, WAIT, Scheduler, _Live
-from workers.engine.versions import (
+from workers.attach.versions import (
     COLUMNS,
     CUR,
     CUR_NEG,
@@ -43,13 +38,19 @@ from workers.engine.versions import (
     STEP,
     AdapterVersions,
     RankVersions,
+    Readiness,
     ReducedVersions,
     reduce_min,
     version_code,
 )
+from workers.cache import WorkerCache, WorkerConfig
+from workers.engine.admission import ADMISSION
+from workers.engine.config import EngineConfig
+from workers.engine.rank import slot_digest
+from workers.engine.scheduler import PREFILL, STOP, WAIT, Scheduler, _Live
 from workers.engine.workload import Request
-from workers.host_tier import HostTierConfig
-from workers.reader import read_shard
+from workers.reads.shard import read_shard
+from workers.staging.host_tier import HostTierConfig
 
 TINY = SHAPES["tiny"]
 NAMES = ("a", "b", "c")

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from safetensors import safe_open
 
-import workers.host_tier as host_tier_module
+import workers.staging.host_tier as host_tier_module
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
@@ -30,9 +30,9 @@ from lora_cache.vocab import AdapterKey, ReadinessRecord
 from tests.waiting import wait_for
 from tests.worker_queries import loads_without_slot, slot_waiters, slots_in, use_streams
 from workers.cache import Batch, WorkerCache, WorkerConfig
-from workers.host_tier import HostTierConfig
-from workers.slots import SlotPhase
-from workers.streams import CpuStreams
+from workers.gpu.slots import SlotPhase
+from workers.gpu.streams import CpuStreams
+from workers.staging.host_tier import HostTierConfig
 
 TINY = SHAPES["tiny"]
 Entries = dict[tuple[int, str, str], torch.Tensor]
@@ -498,7 +498,7 @@ def test_readiness_callback_errors_do_not_break_loads(
         raise RuntimeError("consumer is down")
 
     cache = make_cache(catalog, on_ready=broken)
-    with caplog.at_level(logging.ERROR, logger="workers.loader"):
+    with caplog.at_level(logging.ERROR, logger="workers.gpu.copies"):
         for name in (A, B, C, D):
             rec = cache.prefetch(name).result(timeout=10)
             assert rec.adapter == name

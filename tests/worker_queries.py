@@ -4,8 +4,8 @@ take the cache, so the class keeps only what the engine, the controller and the 
 from __future__ import annotations
 
 from workers.cache import WorkerCache
-from workers.slots import SlotPhase
-from workers.streams import CpuStreams
+from workers.gpu.slots import SlotPhase
+from workers.gpu.streams import CpuStreams
 
 
 def use_streams(cache: WorkerCache, streams: CpuStreams) -> None:

@@ -29,14 +29,14 @@ from lora_cache.runtime.metrics import WorkerMetrics
 from lora_cache.vocab import CONTROLLER_NAME, ApplyResult, Command, ReadinessRecord
 from workers import faults
 from workers.cache import WorkerCache, WorkerConfig
+from workers.control.outbox import Outbox
+from workers.control.rank import WorkerControl
 from workers.engine.config import EngineConfig
 from workers.engine.engine import EngineResult
 from workers.engine.hosted import HostedEngine, Rendezvous, rendezvous
 from workers.engine.workload import Request
-from workers.outbox import Outbox
-from workers.rank_control import WorkerControl
-from workers.reader import read_shard
-from workers.streams import resolve_device
+from workers.gpu.streams import resolve_device
+from workers.reads.shard import read_shard
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The worker cache: one TP rank's adapters in GPU slots, loaded on a side stream (lifecycle steps 5-9).
 
 It composes the catalog, the host tier, the slot book (slot table, loads, counters, residency changes)
-and the load path (``workers/load_path.py``: staging, slot, chunked copies, READY), and holds no
+and the load path (``workers/gpu/loads.py``: staging, slot, chunked copies, READY), and holds no
 allocation or eviction logic of its own. The engine calls ``acquire`` / ``release`` each step; the
 controller (or a local caller) calls ``prefetch`` / ``stage`` / ``evict``, which start or undo loads.
 
@@ -26,17 +26,17 @@ from lora_cache.adapters.shapes import MODULE_ORDER
 from lora_cache.adapters.shards import ShardLayout, max_shard_numel, shard_layout
 from lora_cache.errors import ConfigError, LoraCacheError, NotFoundError
 from lora_cache.vocab import AdapterKey, Delta, ReadinessRecord
-from workers.disk_tier import DiskTier, DiskTierConfig
-from workers.host_tier import HostEntry, HostTier, HostTierConfig
-from workers.index import IndexUploader
+from workers.counters import resident_prefetches
+from workers.gpu.chunk_waits import ChunkWaits
+from workers.gpu.copies import LoadFailed
+from workers.gpu.loads import LoadPath, SlotBook
+from workers.gpu.slot_index import IndexUploader
+from workers.gpu.slots import SlotPhase
+from workers.gpu.streams import make_streams, resolve_device
 from workers.kernels.meta import SlotMeta, shard_dims
-from workers.load_path import LoadPath, SlotBook
-from workers.loader import LoadFailed
-from workers.metrics import resident_prefetches
-from workers.pipeline import ChunkWaits
-from workers.read_pool import ranks_on_host
-from workers.slots import SlotPhase
-from workers.streams import make_streams, resolve_device
+from workers.reads.threads import ranks_on_host
+from workers.staging.disk_tier import DiskTier, DiskTierConfig
+from workers.staging.host_tier import HostEntry, HostTier, HostTierConfig
 
 ON_MISS = ("load", "error")  # acquire of a non-resident adapter: load it on demand, or refuse
 
@@ -208,7 +208,7 @@ class WorkerCache:
     def acquire(self, adapters: Sequence[AdapterRef], *, partial: bool = False, pipelined: bool = False) -> Batch:
         """Slots for a batch's adapters; the compute stream waits (on the GPU) for loads in flight: for
         all of each (the host waiting until its last chunk's copy is issued), or, ``pipelined``, layer by
-        layer through the batch's ``waits`` (``workers.pipeline``; the host waits only for a slot).
+        layer through the batch's ``waits`` (``workers.gpu.chunk_waits``; the host waits only for a slot).
 
         Each adapter is a name (its current version) or an ``AdapterKey``: exactly that version, loaded if
         it is not resident (invariant 1: a TP rank never computes a request with another version than
@@ -327,7 +327,7 @@ class WorkerCache:
 
     @property
     def worker(self) -> WorkerConfig:
-        """``config`` under the name ``Attachment`` gives it (``workers.seam.EngineCache``)."""
+        """``config`` under the name ``Attachment`` gives it (``workers.attach.seam.EngineCache``)."""
         return self.config
 
     # -- introspection ------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ Points (lifecycle steps 5-6):
   and header checked, and has read nothing yet: a change to the file now lands mid-read.
   ``before_copy``: the shard is staged in the host tier; no slot is taken, the copy is not issued.
   ``pin_arena``: (adapter name ``arena``) the host arena's background pinning is about to start
-  (``workers.arena``): nothing may copy from it until it ends.
+  (``workers.staging.arena``): nothing may copy from it until it ends.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     python -m bench.probes.attach --calls 300
 
 Starts a local Ray, the service with one worker actor (replica-0), and attaches this process as the
-rank of a second replica (``probe``) through ``workers/attach.py``. Then times the same calls through
+rank of a second replica (``probe``) through ``workers/attach/attachment.py``. Then times the same calls through
 both handles, one at a time: ``describe`` (the full report a resync reads) and ``apply([])`` (an empty
 command batch, what every plan sends). The worker actor answers itself; the endpoint relays to this
 process's serve thread and back (``take`` / ``answer``). A third rank (``probe-gw``) attaches through the
@@ -34,9 +34,9 @@ from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
 from lora_cache.app.serve import ServeConfig, start
 from lora_cache.planner import PlannerConfig
 from lora_cache.vocab import NAMESPACE, WorkerId, worker_name
-from workers.attach import AttachConfig, attach
+from workers.attach.attachment import AttachConfig, attach
 from workers.cache import WorkerConfig
-from workers.host_tier import HostTierConfig
+from workers.staging.host_tier import HostTierConfig
 
 
 def _times(call: Callable[[], Any], calls: int, warm: int = 20) -> dict[str, float]:

@@ -60,9 +60,9 @@ from lora_cache.adapters.shards import shard_layout
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.vocab import AdapterKey
 from workers.cache import WorkerCache, WorkerConfig
-from workers.host_tier import HostTierConfig
-from workers.read_pool import ReadPool, auto_readers, host_cores, ranks_on_host
-from workers.reader import read_shard, read_slices
+from workers.reads.shard import read_shard, read_slices
+from workers.reads.threads import ReadPool, auto_readers, host_cores, ranks_on_host
+from workers.staging.host_tier import HostTierConfig
 
 PIECE = 8 << 20  # the reference's reads
 NAME = "cold"
@@ -483,11 +483,11 @@ GOALS = {"load_over_read": (">=", 0.8), "cold_over_memcpy": (">=", 0.5), "hit_ov
 
 
 def arena_pin(nbytes: int) -> dict[str, Any]:
-    """Pinning an ``nbytes`` shared arena (``workers.arena.HostArena``): in place (the worker's start-up waited for
-    it before issue 30 item 3), then in the background: how soon the constructor returns, how long until it is
-    pinned, and what GPU work of a warm-up's kind (a small matmul and a host copy, each synchronized) costs per
+    """Pinning an ``nbytes`` shared arena (``workers.staging.arena.HostArena``): in place (the worker's start-up
+    waited for it before issue 30 item 3), then in the background: how soon the constructor returns, how long until
+    it is pinned, and what GPU work of a warm-up's kind (a small matmul and a host copy, each synchronized) costs per
     step meanwhile against after (``cudaHostRegister`` may hold a driver lock: then the overlap buys little)."""
-    from workers.arena import HostArena
+    from workers.staging.arena import HostArena
 
     gpu = torch.cuda.is_available()
     out: dict[str, Any] = {"bytes": nbytes, "gpu": gpu, "device": torch.cuda.get_device_name(0) if gpu else "cpu"}

@@ -20,7 +20,7 @@ from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shards import ShardLayout, shard_layout
 from lora_cache.adapters.synth import SynthConfig, make_adapters
-from workers.reader import _copy_slices, _mapped, read_shard, tensor_index
+from workers.reads.shard import _copy_slices, _mapped, read_shard, tensor_index
 
 
 def unchecked(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor) -> int:
@@ -83,7 +83,7 @@ def identity_versions(root: Path, content: AdapterCatalog, trials: int) -> dict[
     import os
     import tempfile
 
-    import workers.reader as reader_module
+    import workers.reads.shard as reader_module
 
     weights = root / "adapter-000" / "adapter_model.safetensors"
     time.sleep(max(0.0, 2.2 - (time.time() - weights.stat().st_ctime)))  # settled: else it is hashed in full

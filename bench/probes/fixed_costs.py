@@ -8,7 +8,7 @@ For one adapter of the shape and rank (made under ``--adapters`` unless there), 
 - ``meta_write_us``: ``SlotMeta.write`` of a rank pattern written before, into the slot's row and up to the
   device (a host-tier hit's ``issue``; on a GPU the row goes by one non-blocking copy on a stream);
 - ``reader_open_ms`` / ``reader_plan_ms`` / ``reader_call_ms``: a reader's steps before and after its tasks
-  (``reader.read_slices`` with the tasks and checks left out: the file stat'ed, opened, its header checked, the
+  (``shard.read_slices`` with the tasks and checks left out: the file stat'ed, opened, its header checked, the
   plan and the part's share found, the tasks built, the bytes counted), for one process reading the whole shard
   with ``--readers`` threads, and for part 1 of ``--parts`` (a read split over that many reader processes);
 - ``job_pickle_us``: pickling one read's job (what ``ReaderProcess.begin`` sends; a split read pickles it once).
@@ -35,8 +35,8 @@ from lora_cache.adapters.files import RACY_NS
 from lora_cache.adapters.shapes import MODULE_ORDER
 from lora_cache.adapters.shards import shard_layout
 from lora_cache.adapters.synth import SynthConfig, make_adapters
-from workers import reader
 from workers.kernels import SlotMeta, shard_dims
+from workers.reads import shard
 
 NAME = "cold"
 
@@ -62,14 +62,14 @@ def reader_steps(
 ) -> dict[str, float]:
     """Median ms of a reader's open, plan and whole call with its tasks and checks not run."""
     dest = torch.empty(layout.numel, dtype=layout.dtype)
-    run_in_order = reader.run_in_order
-    reader.run_in_order = lambda pool, chunks, done, loops=0: None  # type: ignore[assignment]
+    run_in_order = shard.run_in_order
+    shard.run_in_order = lambda pool, chunks, done, loops=0: None  # type: ignore[assignment]
     opened, planned, whole = [], [], []
     try:
         for _ in range(repeats):
             marks: list[tuple[str, float]] = []
             t0 = time.perf_counter()
-            reader.read_slices(
+            shard.read_slices(
                 spec.source,
                 layout.entries,
                 dest,
@@ -88,7 +88,7 @@ def reader_steps(
             planned.append((at["planned"] - at["opened"]) * 1e3)
             whole.append((t1 - t0) * 1e3)
     finally:
-        reader.run_in_order = run_in_order
+        shard.run_in_order = run_in_order
     return {
         "reader_open_ms": statistics.median(opened),
         "reader_plan_ms": statistics.median(planned),

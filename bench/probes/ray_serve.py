@@ -14,7 +14,7 @@ arrived; ``loads``: copies into slots over the replicas; ``replica_ms_mean``: a 
 cancel calls); ``before_engine_ms_mean``: the part of a request's replica time before the engine took it (its load
 on a miss, under both routings), ``engine_ms_mean`` the rest; ``load_causes``: the replicas' loads started by a
 prefetch (ours: the controller's commands; Serve's: its multiplexed load) or by an acquire that missed, and of the
-prefetched loads evicted, those a batch used first and those it never used (``workers/metrics.py``). The controller and
+prefetched loads evicted, those a batch used first and those it never used (``workers/counters.py``). The controller and
 the gateway run in a ``lora-cache serve`` process of their own (``--gateway process``, as deployed) or in this
 driver (``--gateway thread``); ``--policy``, ``--epsilon``, ``--min-bound``, ``--serve-args`` and ``--router``
 (``RouterSettings`` as JSON) vary the lora-cache side.
@@ -303,7 +303,7 @@ def run(routing: str, args: argparse.Namespace, root: str, names: list[str]) -> 
     from lora_cache.planner import PlannerConfig
     from lora_cache.routing.ranking import RouterConfig
     from workers.cache import WorkerConfig
-    from workers.host_tier import HostTierConfig
+    from workers.staging.host_tier import HostTierConfig
 
     policy = args.policy if routing == "lora-cache" else "none"
     if args.fresh_state:  # the controller's snapshot (popularity, hints, queues) of the routing before this one

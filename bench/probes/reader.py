@@ -4,14 +4,14 @@ A worker reads shards on its reader threads while the engine's thread launches a
 Python; every launch releases and retakes the GIL, so a reader that holds the GIL while it copies makes
 each launch wait. This times a launch-bound step (``--ops`` small kernels, then a synchronize: what an
 eager prefill is on the H200) alone and beside 1..N back-to-back reads of a Llama-3.1-8B rank-64 shard,
-for three readers: ``mmap`` (workers.reader.read_shard: the mapped file's slices copied in one call with
+for three readers: ``mmap`` (workers.reads.shard.read_shard: the mapped file's slices copied in one call with
 the GIL released), ``preadv`` (one ``os.preadv`` per matrix or row, the GIL released during each) and
 ``get_slice`` (safetensors' sliced reads, the reader before 2026-11-22), the last two kept as references.
 Three more separate the causes of what is left: ``views`` (the mmap reader's Python alone: the views
 built, nothing copied: its share of the GIL), ``mmap-h2d`` (the read, then its copy to the GPU on a side
 stream, waited for by event: a whole load) and ``mmap-proc`` (the mmap reader in a bare child process:
 no GIL shared, only the cores, memory and page cache). ``process`` is what a GPU worker now runs:
-``workers.reader_proc`` processes reading into a shared, pinned arena, each reader thread waiting on
+``workers.reads.processes`` processes reading into a shared, pinned arena, each reader thread waiting on
 one. ``--threads`` repeats the set at each torch intra-op thread count (a copy on the host is split
 over that many OpenMP threads; Ray workers run with 1).
 
@@ -45,9 +45,9 @@ from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shards import ShardLayout, shard_layout
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.vocab import AdapterKey
-from workers.arena import ALIGN, Block, HostArena
-from workers.host_tier import HostEntry, ProcessReads
-from workers.reader import read_shard, tensor_index
+from workers.reads.shard import read_shard, tensor_index
+from workers.staging.arena import ALIGN, Block, HostArena
+from workers.staging.host_tier import HostEntry, ProcessReads
 
 
 def get_slice_read(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor) -> int:

@@ -49,10 +49,10 @@ from lora_cache.adapters.store import client
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.vocab import AdapterKey
 from workers.cache import WorkerCache, WorkerConfig
-from workers.disk_tier import DiskTier, DiskTierConfig
-from workers.host_tier import HostTierConfig
-from workers.read_plan import plan_tasks
-from workers.reader import tensor_index
+from workers.reads.plan import plan_tasks
+from workers.reads.shard import tensor_index
+from workers.staging.disk_tier import DiskTier, DiskTierConfig
+from workers.staging.host_tier import HostTierConfig
 
 BUCKET = "probe-adapters"
 PART = 8 << 20

@@ -1,4 +1,4 @@
-"""Host cost of the engine's version exchange per round (workers/engine/versions.py), without the all-reduce.
+"""Host cost of the engine's version exchange per round (workers/attach/versions.py), without the all-reduce.
 
 One rank's report (``RankVersions.rows``) and rank 0's reading of it (``ReducedVersions``: readiness, step
 failures, one adapter's versions), for N registered adapters with 8 READY: what every round of every
@@ -15,7 +15,7 @@ from pathlib import Path
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.vocab import AdapterKey
-from workers.engine.versions import COLUMNS, RankVersions, ReducedVersions
+from workers.attach.versions import COLUMNS, RankVersions, ReducedVersions
 
 
 def measure(catalog: AdapterCatalog, n: int, rounds: int) -> float:

@@ -19,7 +19,7 @@ control     ``report_latency_ms``: an engine's queue report, a router's hint or 
 ==========  ====================================================================================
 
 ``fit_calibration(steps, loads)`` fits these models from the logs of a real run (the engine's
-``workers.engine.rank.StepLog`` per step and ``workers.loader.ReadinessRecord`` per load); what the logs
+``workers.engine.rank.StepLog`` per step and ``workers.gpu.copies.ReadinessRecord`` per load); what the logs
 cannot tell (slot dtype, control latencies, disk costs without a host-tier miss) comes from ``base``:
 
 - Step compute: a step's ``ms`` runs from its start to its tokens, *including* ``load_wait_ms``

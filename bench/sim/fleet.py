@@ -49,12 +49,12 @@ from lora_cache.planner import PlannerConfig
 from lora_cache.routing.advice import RouteRequest
 from lora_cache.routing.ranking import RouterConfig
 from lora_cache.vocab import AdapterKey, WorkerId
+from workers.counters import STATS_COUNTERS, STATS_SUMMARIES
 from workers.engine.admission import ADMISSION
 from workers.engine.config import EngineConfig
 from workers.engine.scheduler import check_requests
 from workers.engine.timings import RequestRecord, summarize
 from workers.engine.workload import Request
-from workers.metrics import STATS_COUNTERS, STATS_SUMMARIES
 
 COUNTERS, RESERVOIRS = STATS_COUNTERS, STATS_SUMMARIES  # as WorkerCache.stats(); the load records have the latencies
 

@@ -37,12 +37,13 @@ from typing import NamedTuple
 from bench.sim.calibration import Calibration
 from bench.sim.events import Loop, Signal
 from bench.sim.worker import SimLoad, SimWorker
+from workers.attach.versions import Readiness
 from workers.cache import AdapterRef
-from workers.engine.admission import AdmissionRule, CopyClock, Readiness
+from workers.engine.admission import AdmissionRule, CopyClock
 from workers.engine.config import EngineConfig
 from workers.engine.scheduler import PREFILL, STOP, WAIT, Scheduler, StepPlan, _Live
 from workers.engine.workload import Request
-from workers.slots import SlotPhase
+from workers.gpu.slots import SlotPhase
 
 WAIT_POLL_S = 1e-3  # the engine's sleep when a wait has no load to wait for
 

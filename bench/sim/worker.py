@@ -1,7 +1,7 @@
 """One TP rank's adapter cache in simulated time: ``workers.cache.WorkerCache``'s behaviour, step by step.
 
-The slot bookkeeping is the real ``workers.slots.SlotTable`` and the counters the real
-``workers.metrics.CacheCounters``; what this module adds is time. It follows the worker cache's rules
+The slot bookkeeping is the real ``workers.gpu.slots.SlotTable`` and the counters the real
+``workers.counters.CacheCounters``; what this module adds is time. It follows the worker cache's rules
 (lifecycle steps 5-7, 9) and the command gate's (step 4):
 
 - a load stages the shard in the host tier (a hit, or a read on one of ``read_threads`` reader
@@ -39,9 +39,9 @@ from bench.sim.calibration import Calibration
 from bench.sim.events import Loop, Signal
 from lora_cache.errors import CapacityError
 from lora_cache.vocab import AdapterKey, Command, Evict, Stage
+from workers.counters import STATS_COUNTERS, CacheCounters, resident_prefetches
 from workers.engine.admission import CopyClock
-from workers.metrics import STATS_COUNTERS, CacheCounters, resident_prefetches
-from workers.slots import SlotPhase, SlotTable
+from workers.gpu.slots import SlotPhase, SlotTable
 
 Delta = tuple[str, str, str, str]  # (adapter, version, loading|ready|gone|failed, error): what the controller takes
 
@@ -61,7 +61,7 @@ class LoadRecord(NamedTuple):
     prefetched: bool  # False: started by an acquire that missed
 
     def as_log(self) -> dict[str, object]:
-        """The fields ``fit_calibration`` reads (those of ``workers.loader.ReadinessRecord``, and the real
+        """The fields ``fit_calibration`` reads (those of ``workers.gpu.copies.ReadinessRecord``, and the real
         load log's READY time ``t_s``, replica and rank)."""
         return {"nbytes": self.nbytes, "ready_ms": (self.ready_s - self.start_s) * 1e3, "h2d_ms": self.h2d_ms,
                 "disk_ms": self.disk_ms, "host_hit": self.host_hit, "t_s": self.ready_s, "replica": self.replica,

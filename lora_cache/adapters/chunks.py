@@ -4,7 +4,7 @@ A shard keeps its one contiguous layout (``shards.py``: matrices in layer, modul
 its load is issued as a few copies of consecutive element ranges, each holding whole layers and each at
 least ``min_bytes`` where the shard allows (>= 4 MB runs at the pinned-copy peak; ARCHITECTURE facts),
 with an event per chunk. The LoRA op of layer l then waits only on the chunk that holds layer l
-(lifecycle steps 6 and 9, ``workers.pipeline``). Plain Python over the layout, tested on the CPU.
+(lifecycle steps 6 and 9, ``workers.gpu.chunk_waits``). Plain Python over the layout, tested on the CPU.
 """
 
 from __future__ import annotations

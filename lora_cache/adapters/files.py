@@ -16,7 +16,7 @@ CRCs: the weights are not read at registration. The first read of it on this mac
 read, in any process of the machine, checks against the pinned CRCs (docs/decisions.md, "A local version
 from its file's identity").
 
-A read under that version (``workers.reader``) then proves it reads those bytes: the identity must still
+A read under that version (``workers.reads.shard``) then proves it reads those bytes: the identity must still
 match (a rename-over, an in-place write, a truncation all change it), the header's CRC must match, and the
 blocks it reads are checked as the ``verify`` mode says. A file whose last change was less than
 ``RACY_NS`` before its registration is *racy* (like git's racily clean index entries): a later write in
@@ -98,7 +98,7 @@ class WeightsSource(NamedTuple):
     @property
     def pinned(self) -> bool:
         """Whether the CRCs of its content are known: hashed at registration (a content version), or pinned by
-        the first read on this machine (an identity version, ``workers.reader._pin_first``); False until then."""
+        the first read on this machine (an identity version, ``workers.reads.shard._pin_first``); False until then."""
         return len(self.block_crcs) == -(-self.identity.size // BLOCK_BYTES)
 
     @property

@@ -1,12 +1,12 @@
 """Adapters in an S3-compatible object store: where one is (``StoreUrl``) and which version of its weights
 object a registration saw (``StoreSource``). Plain data, no client (``lora_cache.adapters.store`` talks to the
-store; ``workers.store_read`` fetches).
+store; ``workers.staging.store_fetch`` fetches).
 
 A store version's identity is the store's own: the weights object's ETag, its VersionId (on a versioned
 bucket) and size, with the CRC-32 of its safetensors header and the config's digest (lifecycle step 0).
 Every read from the store sends ``If-Match: <ETag>``, so a replaced object is refused by the store itself
 (HTTP 412) instead of being mixed with the bytes already fetched; the disk tier then proves every later read
-of its copy as a local file's (``workers.disk_tier``).
+of its copy as a local file's (``workers.staging.disk_tier``).
 """
 
 from __future__ import annotations

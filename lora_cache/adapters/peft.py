@@ -232,7 +232,7 @@ class AdapterSpec:
     source: WeightsSource | None = None  # what reads check; None for specs not read from disk (simulators)
     config_digest: str = ""  # blake2b-8 of the config's bytes (hex); "" for specs not read from disk
     store: StoreSource | None = None  # the weights object, for an adapter in an object store (``source`` is None
-    # until the disk tier holds a proven copy: ``workers.disk_tier``)
+    # until the disk tier holds a proven copy: ``workers.staging.disk_tier``)
     store_meta: bytes = b""  # the registering process's ``KnownVersion.meta`` (compressed config and header)
     # for the ranks; a rank's own spec keeps none
 
@@ -436,7 +436,7 @@ def _parse_tensors(head: bytes, size: int) -> dict[str, tuple[str, tuple[int, ..
     """key -> (safetensors dtype, shape, first byte after the header) of a safetensors header's JSON ``head``,
     checked as safetensors checks them: every tensor's bytes its dtype times its shape, the tensors back to
     back from the header's end to the end of the ``size``-byte file. The one parser of the format, for
-    registration and for every read (``workers/reader.py``). Shared: read only. ValueError, KeyError or
+    registration and for every read (``workers/reads/shard.py``). Shared: read only. ValueError, KeyError or
     TypeError for a malformed header."""
     raw = json.loads(head)
     if not isinstance(raw, dict):

@@ -308,7 +308,7 @@ def _known_spec(name: str, url: StoreUrl, shape: ModelShape, max_rank: int, know
     """The spec of the version the registering process read (``known``), from the config and header it carries:
     no request to the store. The carried bytes must be the ones that version was hashed from (its config
     digest, header length and CRC, and the version itself), so they cannot stand for another version; the
-    weights are proven by the first fetch (``If-Match`` on the ETag, the header CRC: ``workers.store_read``).
+    weights are proven by the first fetch (``If-Match`` on the ETag, the header CRC: ``workers.staging.store_fetch``).
     The spec keeps no ``store_meta`` (a rank holds what it loads, not every header)."""
     source = known.source
     assert isinstance(source, StoreSource)

@@ -1,5 +1,5 @@
 """The cluster side of a rank attached through the gateway (``rank_link.RankHost`` over Ray): the gateway
-owns the rank's ``Endpoint`` actor (``workers/attach_ray.py``, the same actor an engine in the cluster
+owns the rank's ``Endpoint`` actor (``workers/attach/ray_transport.py``, the same actor an engine in the cluster
 makes for itself) and calls the controller as an attached process would. Only forwards."""
 
 from __future__ import annotations

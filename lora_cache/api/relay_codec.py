@@ -2,7 +2,7 @@
 Ray cluster"): the controller's calls on a rank and their answers, residency deltas, the catalog config.
 
 Plain functions shared by the gateway (``lora_cache/api/rank_link.py``) and the engine's side
-(``workers/attach_grpc.py``). A call's answer is decoded by the method it answers (the caller knows which
+(``workers/attach/grpc_transport.py``). A call's answer is decoded by the method it answers (the caller knows which
 call it made). An error answer carries its class name: lora-cache's own error classes are raised again
 as themselves in the controller (a ``ConfigError`` stays one), any other class as ``RelayedCallError``.
 Malformed input is a ``RequestError`` naming the field, the value and the fix.
@@ -23,7 +23,7 @@ from lora_cache.api.validate import RequestError
 from lora_cache.vocab import Command, Evict, Prefetch, Stage
 
 Call = tuple[int, str, tuple[Any, ...]]  # (call id, method, arguments): lora_cache/link/relay.py's
-DeltaRow = tuple[int, str, str, str, str]  # (seq, adapter, version, state, error): workers/outbox.py's
+DeltaRow = tuple[int, str, str, str, str]  # (seq, adapter, version, state, error): workers/control/outbox.py's
 
 
 class RelayedCallError(errors.LoraCacheError):

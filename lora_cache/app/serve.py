@@ -63,7 +63,7 @@ class ServeConfig:
         "path": True, "help": "register every adapter directory under this one, or every adapter prefix under "
                               "s3://BUCKET/PREFIX (the object store: the normal way on a cluster)"})
     replicas: int = field(default=1, metadata={"help": "replicas to start (0: only the controller; engines attach "
-                                                       "their own ranks, workers/attach.py)"})
+                                                       "their own ranks, workers/attach/attachment.py)"})
     tp: int = field(default=1, metadata={"help": "tensor-parallel size of each replica (workers per replica)"})
     placement: str = field(default="STRICT_PACK", metadata={"help": f"placement strategy: {'|'.join(STRATEGIES)}"})
     placement_timeout_s: float = field(default=60.0, metadata={"help": "give up placing a replica after this"})

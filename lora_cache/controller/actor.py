@@ -137,7 +137,7 @@ class ControllerActor:
     async def worker_started(self, name: str, incarnation: int, adopt: bool = False) -> None:
         """A (re)started worker holds nothing: forget what its predecessor held.
 
-        ``adopt``: a rank that an engine's own process attached (``workers/attach.py``) under this name, a new
+        ``adopt``: a rank that an engine's own process attached (``workers/attach/``) under this name, a new
         actor each time: take its handle and its full report now (its replica is added if new), as a
         restarted controller adopts the workers it finds."""
         await self._start()
@@ -145,7 +145,7 @@ class ControllerActor:
             await self._plan()
 
     async def worker_detached(self, name: str, incarnation: int) -> bool:
-        """An attached rank is leaving (``workers/attach.py``): drop what it held now rather than at the next
+        """An attached rank is leaving (``workers/attach/attachment.py``): drop what it held now rather than at the next
         failed health check (which still follows, once its endpoint is gone). False if that incarnation
         of the rank is not the one adopted here."""
         await self._start()

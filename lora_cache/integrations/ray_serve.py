@@ -65,7 +65,7 @@ from lora_cache.routing.traffic import Traffic
 from lora_cache.vocab import AdapterKey
 
 if TYPE_CHECKING:
-    from workers.attach import Attachment, WorkerConfig
+    from workers.attach.attachment import Attachment, WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -449,7 +449,7 @@ class ReplicaCacheConfig:
             raise ConfigError(f"acquire_timeout_s is {self.acquire_timeout_s}; give a positive number of seconds")
 
     def worker_config(self, rank: int) -> WorkerConfig:
-        from workers.attach import WorkerConfig
+        from workers.attach.attachment import WorkerConfig
 
         device = self.device if self.device == "cpu" else "cuda:0"  # each rank's process sees its own GPU
         return WorkerConfig(
@@ -463,13 +463,13 @@ class ReplicaCacheConfig:
         )
 
     def attach_config(self, replica: str) -> Any:
-        from workers.attach import AttachConfig
+        from workers.attach.attachment import AttachConfig
 
         return AttachConfig(replica=replica, address=self.address, gateway=self.gateway, token_file=self.token_file)
 
 
 def _attach(config: ReplicaCacheConfig, replica: str, rank: int) -> Attachment:
-    from workers.attach import attach
+    from workers.attach.attachment import attach
 
     return attach(config.attach_config(replica), config.worker_config(rank))
 

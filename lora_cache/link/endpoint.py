@@ -1,7 +1,7 @@
-"""The controller's handle on a TP rank hosted in an engine's own process (``workers/attach.py``): the
+"""The controller's handle on a TP rank hosted in an engine's own process (``workers/attach/attachment.py``): the
 ``Endpoint`` actor, under the rank's worker name, that relays the controller's worker calls to the process.
 
-The engine process owns it when it joins the Ray cluster (``workers/attach_ray.py``); the gateway owns it for
+The engine process owns it when it joins the Ray cluster (``workers/attach/ray_transport.py``); the gateway owns it for
 a rank attached from outside the cluster (``lora_cache/api/rank_host.py``). It is *not* detached: Ray kills
 it with its owner, so a dead owner is a dead worker to the controller's health check. No torch.
 """

@@ -1,8 +1,8 @@
-"""The relay between the controller and an attached rank's process (``workers/attach.py``), plain asyncio.
+"""The relay between the controller and an attached rank's process (``workers/attach/attachment.py``), plain asyncio.
 
 The controller calls a rank's endpoint as it calls a worker actor; the endpoint queues each call here,
 the process takes the calls (a long poll), runs them in order on ``WorkerControl`` and answers them.
-The endpoint is a Ray actor (``workers/attach_ray.py``); for a rank attached through the gateway it is
+The endpoint is a Ray actor (``workers/attach/ray_transport.py``); for a rank attached through the gateway it is
 hosted by the gateway, which takes on the process's behalf (``lora_cache/api/rank_link.py``). The
 relay itself knows neither Ray nor gRPC, so it is tested on CPU with a clock of the test's own.
 """

@@ -3,7 +3,8 @@
 Its files, and how a round flows through them: workers/engine/README.md.
 """
 
-from workers.engine.admission import ADMISSION, AdmissionRule, Readiness, register_admission
+from workers.attach.versions import Readiness
+from workers.engine.admission import ADMISSION, AdmissionRule, register_admission
 from workers.engine.config import EngineConfig
 from workers.engine.engine import EngineResult, run_engine
 from workers.engine.timings import RequestRecord, format_summary, summarize

@@ -6,7 +6,7 @@ the copy stream and run beside the steps of requests whose adapters are ready (S
 ``pipelined``: as ``overlap``, and a request whose adapter is ``LOADING`` (on every rank READY, or its read
 done, its copy into a slot issued, and that copy due before a step's last layer: ``CopyClock``) is admitted as
 if it were READY, into any batch: the step does not wait for whole adapters; the LoRA op of layer l waits (on
-the GPU) only for the chunk of the load that holds layer l (``workers.pipeline``). Each rank times its own
+the GPU) only for the chunk of the load that holds layer l (``workers.gpu.chunk_waits``). Each rank times its own
 copies and steps, and reports an issued copy LOADING only where the bytes of every copy in flight on its stream,
 at the slowest copy rate it measured, land before the shortest step it measured reaches its last layer (issue
 31 item 2: before, every issued copy was LOADING on the assumption that a copy of 1-7 ms lands within a step of
@@ -24,20 +24,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Mapping
-from enum import IntEnum
 from typing import ClassVar, TypeVar
 
+from workers.attach.versions import Readiness
 from workers.engine.workload import Request
-
-
-class Readiness(IntEnum):
-    """An adapter's state on the replica: the minimum over its ranks."""
-
-    FAILED = -1  # its load failed on some rank
-    NOT_READY = 0  # not resident, or still loading, on some rank
-    LOADING = 1  # on every rank READY or its copy issued (its read done) and due before a step's last layer
-    READY = 2  # READY (and held for the engine) on every rank
-
 
 K = TypeVar("K")
 COPY_WINDOW = 32  # copies remembered by ``CopyClock``

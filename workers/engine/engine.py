@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from lora_cache.runtime import heap
+from workers.attach.versions import ReducedVersions
 from workers.engine.admission import ADMISSION, AdmissionRule
 from workers.engine.config import EngineConfig
 from workers.engine.feed import Feed
@@ -34,7 +35,6 @@ from workers.engine.rank import RankEngine, RankStats, load_catalog
 from workers.engine.scheduler import STOP, Scheduler, StepPlan, check_requests
 from workers.engine.timings import RequestRecord, summarize
 from workers.engine.tp import Comm, spawn
-from workers.engine.versions import ReducedVersions
 from workers.engine.workload import Request
 
 

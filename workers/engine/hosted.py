@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 from lora_cache.errors import ConfigError, NotFoundError
+from workers.attach.seam import EngineCache
+from workers.control.outbox import QueueSender
 from workers.engine.admission import ADMISSION
 from workers.engine.config import EngineConfig
 from workers.engine.engine import EngineResult, Hooks, serve_rank
@@ -28,8 +30,6 @@ from workers.engine.rank import RankEngine
 from workers.engine.scheduler import unknown_adapter
 from workers.engine.tp import Comm
 from workers.engine.workload import Request
-from workers.outbox import QueueSender
-from workers.seam import EngineCache
 
 
 class Rendezvous(NamedTuple):

@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from workers.attach.seam import EngineCache
+from workers.gpu.chunk_waits import ChunkWaits
 from workers.kernels import BatchMeta, lora_apply_ref
-from workers.pipeline import ChunkWaits
-from workers.seam import EngineCache
 
 
 class LoraOp:

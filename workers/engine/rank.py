@@ -23,6 +23,8 @@ from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.errors import CapacityError, ConfigError, LoraCacheError
 from lora_cache.runtime import heap
 from lora_cache.vocab import AdapterKey, ReadinessRecord
+from workers.attach.seam import EngineCache
+from workers.attach.versions import RankVersions
 from workers.cache import AdapterRef, Batch, WorkerCache, WorkerConfig, resolve
 from workers.engine.admission import ADMISSION, CopyClock
 from workers.engine.config import EngineConfig
@@ -31,9 +33,7 @@ from workers.engine.lora import LoraOp
 from workers.engine.model import KVCache, Rope, ShardedModel, StepInputs, build_model, prompt_states
 from workers.engine.scheduler import PREFILL, WAIT, Item, StepPlan
 from workers.engine.tp import Comm
-from workers.engine.versions import RankVersions
-from workers.pipeline import ChunkWaits
-from workers.seam import EngineCache
+from workers.gpu.chunk_waits import ChunkWaits
 
 
 def _key_or_none(catalog: AdapterCatalog, ref: AdapterRef) -> AdapterKey | None:
@@ -231,7 +231,7 @@ class RankEngine:
     # -- readiness and versions (every round) -------------------------------------------------------------
     def readiness(self, wanted: tuple[AdapterRef, ...]) -> torch.Tensor:
         """Pin the wanted adapters READY here, report every READY version: this rank's rows of the version
-        exchange (``workers.engine.versions``), reduced over the ranks by the caller.
+        exchange (``workers.attach.versions``), reduced over the ranks by the caller.
 
         The wanted ones stay READY until the step that uses them (pinned). Others READY now (e.g. a new
         arrival's, prefetched by the controller) are reported too, so a request is not held back a

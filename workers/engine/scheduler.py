@@ -19,11 +19,11 @@ import torch
 
 from lora_cache.errors import ConfigError
 from lora_cache.vocab import AdapterKey
+from workers.attach.versions import AdapterVersions, Readiness
 from workers.cache import AdapterRef
-from workers.engine.admission import AdmissionRule, Readiness
+from workers.engine.admission import AdmissionRule
 from workers.engine.config import EngineConfig
 from workers.engine.timings import RequestRecord
-from workers.engine.versions import AdapterVersions
 from workers.engine.workload import Request
 
 PREFILL, DECODE, WAIT, STOP = "prefill", "decode", "wait", "stop"
@@ -187,7 +187,7 @@ class Scheduler:
     def plan(self, now: float, ready: Mapping[str, Readiness],
              versions: Mapping[str, AdapterVersions] | None = None) -> StepPlan:
         """``ready``: each adapter's state on the replica (of the version it serves); ``versions``: which
-        version it serves (``workers.engine.versions``), or None to run unversioned (names only: the
+        version it serves (``workers.attach.versions``), or None to run unversioned (names only: the
         simulator, a single catalog)."""
         self._arrive(now)
         if self.rule.prefetch or versions is not None:

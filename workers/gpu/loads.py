@@ -31,12 +31,12 @@ from lora_cache.adapters.shards import ShardLayout
 from lora_cache.errors import CapacityError
 from lora_cache.vocab import AdapterKey, Delta, ReadinessRecord
 from workers import faults
-from workers.host_tier import HostEntry, HostTier
+from workers.counters import CacheCounters
+from workers.gpu.copies import CompletionWatcher, SlotLoad
+from workers.gpu.slots import SlotPhase, SlotTable
+from workers.gpu.streams import CpuStreams
 from workers.kernels.meta import SlotMeta
-from workers.loader import CompletionWatcher, SlotLoad
-from workers.metrics import CacheCounters
-from workers.slots import SlotPhase, SlotTable
-from workers.streams import CpuStreams
+from workers.staging.host_tier import HostEntry, HostTier
 
 log = logging.getLogger(__name__)
 

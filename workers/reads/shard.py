@@ -1,14 +1,14 @@
 """Read only this rank's slices of an adapter file into a packed staging buffer (lifecycle step 5).
 
-Every slice is read by ``os.preadv`` into its place, with no page of the file mapped (``workers.read_plan``,
-``workers.read_io``), planned once per rank pattern, each chunk's block checks beside its reads; the header is
-parsed once per file version. A read is split over a ``ReadPool``'s threads (``workers.read_pool``), or runs
+Every slice is read by ``os.preadv`` into its place, with no page of the file mapped (``workers.reads.plan``,
+``workers.reads.positioned``), planned once per rank pattern, each chunk's block checks beside its reads; the header is
+parsed once per file version. A read is split over a ``ReadPool``'s threads (``workers.reads.threads``), or runs
 in the calling thread alone (no ``pool``). The single reader used to copy from a mapped file (2-5 GB/s from
 the page cache, issue 30), and a file cut short under a mapping raises SIGBUS, which killed the whole worker
 when its reads ran in threads (issue 35): no read of the service maps an adapter file now; ``how="mmap"``
 remains for the probes that measure it. What is left under the GIL (the single reader's views, 5-8 ms per
 Llama-3.1-8B shard; a split read's calls, microseconds each) makes a step launched from Python beside it wait
-at every kernel. So a GPU worker runs this in reader processes (``workers.reader_proc``), and threads run it
+at every kernel. So a GPU worker runs this in reader processes (``workers.reads.processes``), and threads run it
 only where there is no GPU (bench/RESULTS.md, ``python -m bench.probes.reader``). A file cut short or grown
 while it is read fails the read with ``AdapterChangedError`` (a short ``preadv``, or the ``fstat`` after each
 chunk); no process dies of it.
@@ -58,9 +58,9 @@ from lora_cache.adapters.shards import ShardEntry, ShardLayout
 from lora_cache.errors import AdapterChangedError, AdapterFormatError
 from lora_cache.vocab import AdapterKey
 from workers import faults
-from workers.read_io import FileShrank, bad_block, block_crc, crc32, read_task
-from workers.read_plan import FileTensor, Run, Task, plan_tasks, task_bytes_for
-from workers.read_pool import ReadPool, run_in_order
+from workers.reads.plan import FileTensor, Run, Task, plan_tasks, task_bytes_for
+from workers.reads.positioned import FileShrank, bad_block, block_crc, crc32, read_task
+from workers.reads.threads import ReadPool, run_in_order
 
 # How much of what a read copied it checks against the version's CRCs (hashed at registration, or, for an
 # identity version, pinned on this machine by its first read: ``_pin_first``), on top of the identity and
@@ -83,7 +83,7 @@ def read_shard(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor, verif
     A rank reads only its parts of each matrix; a file tensor of another dtype is converted as it is copied.
     ``chunks``: ranges of the layout's entries read one after another (default: one); ``on_chunk(k)`` runs
     once the first ``k`` are in ``dest``, so their host-to-GPU copies can start while the rest is read
-    (``lora_cache.adapters.chunks``). ``pool``: reader threads that split the read (``workers.read_pool``);
+    (``lora_cache.adapters.chunks``). ``pool``: reader threads that split the read (``workers.reads.threads``);
     None: this thread alone. ``marks``: as ``read_slices``'s.
     """
     if spec.source is None:
@@ -113,7 +113,7 @@ def read_slices(source: WeightsSource, entries: tuple[ShardEntry, ...], dest: to
     of its steps (opened, planned, each chunk proven) and ("busy read" / "busy crc", seconds) of each task, for
     the probes' phase breakdown (``bench.probes.cold_read``). ``part`` (i, n): this call does only part i of n
     of every chunk's tasks (its slices and checks; ``on_chunk`` then tells that its part of the chunks is in
-    place), the other parts done by other reader processes into the same buffer (``workers.host_tier``:
+    place), the other parts done by other reader processes into the same buffer (``workers.staging.host_tier``:
     ``ProcessReads``); ``readers``: the threads of all parts together, for the tasks' size (0: ``pool``'s).
 
     A chunk is published (``on_chunk``: its copy to the GPU may start, and a ``pipelined`` step may read it)
@@ -356,7 +356,7 @@ def _timed(task: Callable[[], None], marks: list[tuple[str, float]]) -> Callable
 
 def _run_task(fd: int, raw: memoryview, dest: torch.Tensor, index: dict[str, FileTensor], task: Task,
               source: WeightsSource, how: str, mapped: mmap.mmap | None) -> None:
-    """One reader thread's share of a chunk (``workers.read_io``); ``mapped`` (``how`` mmap): its pieces copied
+    """One reader thread's share of a chunk (``workers.reads.positioned``); ``mapped`` (``how`` mmap): its pieces copied
     from the mapped file instead."""
     try:
         if mapped is not None:

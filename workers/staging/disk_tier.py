@@ -2,11 +2,11 @@
 in front of the pinned host tier (lifecycle step 5; issue 29).
 
 A read of a store adapter (``HostTier``'s, when it misses) asks ``held(spec)`` for a local copy: a hit is the
-file already here; a miss fetches the object once for the whole node (``workers.store_read``: ranged GETs of
+file already here; a miss fetches the object once for the whole node (``workers.staging.store_fetch``: ranged GETs of
 the registered ETag only) into ``NAME.part.PID``, preallocated, and renames it into place with its proof beside
 it (``NAME.crc``: the file's identity after the write, the safetensors header's CRC and every block's, taken
 from the bytes the store sent under that ETag). The copy is then read as any adapter file is
-(``workers.reader``): its identity and header checked on every read, its blocks as ``verify`` says (a fresh
+(``workers.reads.shard``): its identity and header checked on every read, its blocks as ``verify`` says (a fresh
 copy is racy: every block a process reads is checked in full until a check after the racy window), so a
 version is proven on every read from every tier. A copy whose identity no longer matches its proof is dropped
 and fetched again; one whose bytes do not (torn by a crash: a copy is not fsync'ed) fails that read and is
@@ -45,7 +45,7 @@ from lora_cache.adapters.objects import StoreSource
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.store import client
 from lora_cache.errors import AdapterChangedError, AdapterFormatError, CapacityError, ConfigError
-from workers.store_read import fetch_object
+from workers.staging.store_fetch import fetch_object
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import torch
 from lora_cache.adapters.chunks import ChunkPlan
 from lora_cache.adapters.shards import ShardLayout
 from lora_cache.vocab import AdapterKey, ReadinessRecord
-from workers.streams import CpuStreams
+from workers.gpu.streams import CpuStreams
 
 log = logging.getLogger(__name__)
 COPY_MAX_BYTES = 64 << 20  # staged chunks copied together, at most (a copy of >= 4 MB runs at the pinned peak)

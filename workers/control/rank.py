@@ -1,5 +1,5 @@
 """What the controller calls on one TP rank, whoever hosts it: the worker actor (``workers/actor.py``) or
-an engine's own process attached through ``workers/attach.py`` (lifecycle steps 4 and 7).
+an engine's own process attached through ``workers/attach/attachment.py`` (lifecycle steps 4 and 7).
 
 ``WorkerControl`` composes the rank's ``WorkerCache``, its ``CommandGate`` and its ``Outbox``: adapter
 registrations replayed by the controller, commands, the full residency report a (re)started controller
@@ -13,8 +13,8 @@ from lora_cache.adapters.peft import KnownVersion
 from lora_cache.errors import LoraCacheError
 from lora_cache.vocab import ApplyResult, Command
 from workers.cache import WorkerCache
-from workers.commands import CommandGate
-from workers.outbox import Outbox
+from workers.control.commands import CommandGate
+from workers.control.outbox import Outbox
 
 
 class WorkerControl:

@@ -20,8 +20,8 @@ queue reports go straight from the process to the controller (``Outbox``, ``Queu
 
 Outside the Ray cluster (``AttachConfig(gateway="host:port")``) the process never imports Ray: it opens one
 ``AttachRank`` gRPC stream to the gateway, which hosts the endpoint on its behalf and relays the calls,
-deltas and queue reports over it (``workers/attach_grpc.py``). Either way the rank's link is a
-``RankTransport`` (``workers/transport.py``); everything else here is the same.
+deltas and queue reports over it (``workers/attach/grpc_transport.py``). Either way the rank's link is a
+``RankTransport`` (``workers/attach/transport.py``); everything else here is the same.
 
 The endpoint is *not* detached: Ray kills it when the process that created it (its owner) dies, so a
 killed engine process is a dead worker to the controller's health check, and what the rank held is
@@ -57,11 +57,11 @@ from lora_cache.vocab import (
     check_service_name,
     worker_name,
 )
+from workers.attach.transport import Hello, RankTransport
+from workers.attach.versions import RankVersions, ReducedVersions, reduce_min
 from workers.cache import AdapterRef, Batch, WorkerCache, WorkerConfig
-from workers.engine.versions import RankVersions, ReducedVersions, reduce_min
-from workers.outbox import Outbox, QueueSender
-from workers.rank_control import WorkerControl
-from workers.transport import Hello, RankTransport
+from workers.control.outbox import Outbox, QueueSender
+from workers.control.rank import WorkerControl
 
 __all__ = ["RELAYED", "AttachConfig", "Attachment", "EndpointStaleError", "Relay", "attach"]
 
@@ -253,7 +253,7 @@ class Attachment:
 
     def version_rows(self, names: Sequence[str], failed_loads: Sequence[str] = (),
                      failed_steps: Sequence[str] = ()) -> torch.Tensor:
-        """This rank's row per adapter of ``names`` for the version exchange (``workers.engine.versions``):
+        """This rank's row per adapter of ``names`` for the version exchange (``workers.attach.versions``):
         reduce the ranks' rows with an element-wise MIN (``torch.distributed`` all-reduce, or ``reduce_min``)
         and give the result to rank 0's ``agree``."""
         return self._versions_of(names).rows(self.cache.ready_keys(), failed_loads, failed_steps)
@@ -371,10 +371,10 @@ class Attachment:
 def transport_for(config: AttachConfig, name: str) -> RankTransport:
     """The gateway's stream when ``config.gateway`` is set (Ray is never imported then), else Ray."""
     if config.gateway:
-        from workers.attach_grpc import GrpcTransport
+        from workers.attach.grpc_transport import GrpcTransport
 
         return GrpcTransport(config.gateway, name, config.bearer_token(), config.tls_ca or None)
-    from workers.attach_ray import RayTransport
+    from workers.attach.ray_transport import RayTransport
 
     return RayTransport(config.address, name, config.service)
 

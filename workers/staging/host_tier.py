@@ -32,11 +32,11 @@ from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shards import ShardLayout
 from lora_cache.errors import CapacityError, ConfigError
 from lora_cache.vocab import AdapterKey  # one name@version key for planner and workers
-from workers.arena import ALIGN, Block, HostArena
-from workers.disk_tier import DiskTier
-from workers.read_pool import AUTO_MAX, ReadPool, auto_readers, host_cores
-from workers.reader import VERIFY, read_shard
-from workers.reader_proc import ReaderProcess, SplitRead
+from workers.reads.processes import ReaderProcess, SplitRead
+from workers.reads.shard import VERIFY, read_shard
+from workers.reads.threads import AUTO_MAX, ReadPool, auto_readers, host_cores
+from workers.staging.arena import ALIGN, Block, HostArena
+from workers.staging.disk_tier import DiskTier
 
 log = logging.getLogger(__name__)
 MAX_READ_PARALLEL = 64
@@ -346,7 +346,7 @@ class HostTier:
     def __init__(self, config: HostTierConfig, ranks_here: int = 1, disk: DiskTier | None = None) -> None:
         """``ranks_here``: GPU ranks on this host, whose cores ``read_parallel`` 0 (auto) shares, and whose memory
         ``host_bytes`` 0 (auto) does. ``disk``: the local disk tier that adapters from an object store are read
-        from (``workers.disk_tier``)."""
+        from (``workers.staging.disk_tier``)."""
         config = config.sized(ranks_here)
         self.config = config
         self.disk = disk

@@ -28,7 +28,7 @@ from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc
 from lora_cache.errors import ConfigError, ConflictError, LoraCacheError, NotFoundError
 from lora_cache.vocab import Answer, Call, DeltaRow
-from workers.transport import Hello, RankTransport
+from workers.attach.transport import Hello, RankTransport
 
 OPEN_S = 60.0  # the gateway answers a hello within this (plus the hello's name_wait_s)
 ADOPT_S = 120.0  # the controller adopts the rank within this (the Ray transport's wait too)

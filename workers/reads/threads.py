@@ -2,7 +2,7 @@
 
 A single reader moved ~3.6 GB/s from the page cache to pinned memory (one core's copy; issue 30), a
 parallel sequential read of the same file several times that. ``ReadPool`` holds ``size`` threads; a read's
-tasks (``workers.read_plan``: positioned reads, conversions, block checks), chunk after chunk, are taken in
+tasks (``workers.reads.plan``: positioned reads, conversions, block checks), chunk after chunk, are taken in
 order by one loop per thread, so a thread that finishes chunk k's share starts on chunk k+1's while the
 others finish k.
 ``run_in_order`` calls ``done(k)`` in the reading thread once chunk k and every chunk before it are in place:
@@ -11,11 +11,11 @@ bytes (``os.preadv``, torch copies, ``zlib.crc32``); what they hold it for is mi
 
 The first task that fails fails the read: tasks of it not yet started are skipped, and ``run_in_order``
 raises only once none of them is running, so no thread writes into the buffer after the read gave it back.
-A reader process (``workers.reader_proc``) holds one pool; the host tier's reader threads share one.
+A reader process (``workers.reads.processes``) holds one pool; the host tier's reader threads share one.
 
 How many threads a read gets (``HostTierConfig.read_parallel``, 0: ``auto_readers``): the host's cores shared
 by the GPU ranks on it, at most ``AUTO_MAX`` in one process (bench/RESULTS.md, issue 30); a read split over reader
-processes (``workers.host_tier``'s ``read_split``) takes up to 16, a few per process.
+processes (``workers.staging.host_tier``'s ``read_split``) takes up to 16, a few per process.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Pinning per load is slow (ARCHITECTURE: keep pinned buffers in an arena), so the host tier allocates
 one buffer at start and hands out aligned byte ranges of it. A ``shared`` arena is a ``memfd`` that
-reader processes map too (``workers.reader_proc``), pinned in place with ``cudaHostRegister``.
+reader processes map too (``workers.reads.processes``), pinned in place with ``cudaHostRegister``.
 
 Pinning a large shared arena takes seconds (``cudaHostRegister`` faults in and locks every page: 6-9 s for
 16 GiB on an H100 host, bench/RESULTS.md issue 30), so with ``background`` it runs on a thread of its own

@@ -1,5 +1,5 @@
 """``RayTransport``: an attached rank's link when its engine process joins the Ray cluster
-(``workers/attach.py``). It owns the rank's ``Endpoint`` (``lora_cache/link/endpoint.py``), polls it for the
+(``workers/attach/attachment.py``). It owns the rank's ``Endpoint`` (``lora_cache/link/endpoint.py``), polls it for the
 controller's calls, and calls the controller actor directly.
 """
 
@@ -13,8 +13,8 @@ from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.link.endpoint import controller_handle, create_endpoint
 from lora_cache.runtime.cluster import connect
 from lora_cache.vocab import NAMESPACE, Answer, Call, WorkerId
-from workers.outbox import ControllerReport
-from workers.transport import DeltaRow, Hello, RankTransport
+from workers.attach.transport import DeltaRow, Hello, RankTransport
+from workers.control.outbox import ControllerReport
 
 
 def ray_up(who: str) -> None:

@@ -9,7 +9,7 @@ another dtype is a *conversion*: its span read into scratch memory, then copied 
 of the file is mapped: a file cut short fails a read cleanly (no SIGBUS), and no mapping is faulted in or
 torn down per read. Large matrices are cut by rows, and consecutive pieces are packed into tasks of about
 ``task_bytes`` each, in the layout's order, so that a chunk's tasks are spread over the threads and the next
-chunk's start as soon as a thread is free (``workers.read_pool``).
+chunk's start as soon as a thread is free (``workers.reads.threads``).
 """
 
 from __future__ import annotations

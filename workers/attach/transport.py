@@ -1,10 +1,10 @@
-"""How an attached rank talks to the control plane (``workers/attach.py``): one small interface, two ways.
+"""How an attached rank talks to the control plane (``workers/attach/attachment.py``): one small interface, two ways.
 
 ``RankTransport`` is everything ``Attachment`` needs beyond its own process: announce the rank (and get
 the controller's catalog config), take the controller's relayed calls and answer them, say it is alive
 while a long call runs, push residency deltas and queue reports, and leave. ``RayTransport``
-(``workers/attach_ray.py``) joins the Ray cluster and creates the rank's endpoint actor itself;
-``GrpcTransport`` (``workers/attach_grpc.py``) reaches the gateway over one ``AttachRank`` stream and
+(``workers/attach/ray_transport.py``) joins the Ray cluster and creates the rank's endpoint actor itself;
+``GrpcTransport`` (``workers/attach/grpc_transport.py``) reaches the gateway over one ``AttachRank`` stream and
 the gateway hosts the endpoint (docs/integrating.md, "Outside the Ray cluster").
 
 Threads: ``take``/``answer``/``alive`` are called from the serve and heartbeat threads, ``send_deltas``

@@ -7,7 +7,7 @@ such reads in flight and 17x beside three readers doing nothing but build views 
 bench.probes.reader``, bench/RESULTS.md). A reader process shares no GIL with the engine. The arena is
 one ``memfd`` mapped by the worker and by every reader process (pinned in the worker with
 ``cudaHostRegister``), so a read lands where the host-to-GPU copy reads it: no second copy. Each process
-splits its read over ``PARALLEL`` threads of its own (``workers.read_pool``; 1: it reads alone).
+splits its read over ``PARALLEL`` threads of its own (``workers.reads.threads``; 1: it reads alone).
 
 Protocol, one job at a time per process over a socket: the worker sends the registered weights file
 (``WeightsSource``: path, version, identity, CRCs), how much to verify, a name for the shard, where in the
@@ -22,7 +22,7 @@ all ``n`` are in place and proven (one message, and one wake-up of the worker, f
 shard's fixed cost, bench/RESULTS.md, issue 30 item 1, fourth round). A process that dies mid-read fails only
 that read, with an error naming the file; the next read starts a new process.
 
-    python -m workers.reader_proc CONN_FD ARENA_FD ARENA_BYTES PARALLEL     (started by ReaderProcess only)
+    python -m workers.reads.processes CONN_FD ARENA_FD ARENA_BYTES PARALLEL     (started by ReaderProcess only)
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ import torch
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shards import ShardEntry, ShardLayout
 from lora_cache.errors import AdapterChangedError, AdapterFormatError
-from workers.read_pool import ReadPool
-from workers.reader import read_slices
+from workers.reads.shard import read_slices
+from workers.reads.threads import ReadPool
 
 STARTUP_TIMEOUT_S = 120.0  # importing torch on a loaded machine
 ROOT = Path(__file__).resolve().parent.parent  # the directory that holds the workers package
@@ -74,7 +74,7 @@ class ReaderProcess:
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "workers.reader_proc", str(theirs.fileno()), str(self.arena_fd),
+            [sys.executable, "-m", "workers.reads.processes", str(theirs.fileno()), str(self.arena_fd),
              str(self.arena_bytes), str(self.parallel)],
             pass_fds=(theirs.fileno(), self.arena_fd), env=env, cwd=str(ROOT), stdin=subprocess.DEVNULL)
         theirs.close()
@@ -221,7 +221,7 @@ class SplitRead:
     """``read_split`` in two steps: ``begin`` sends every process its part (from any thread: it never waits for
     a reply), ``collect`` takes the replies until every part has ended (the tier's read thread). The host tier
     begins a read in the thread that fetched it, so the readers have the job before a pool thread wakes
-    (``workers.host_tier``: a small shard's fixed cost, bench/RESULTS.md, issue 30 item 1, fourth round)."""
+    (``workers.staging.host_tier``: a small shard's fixed cost, bench/RESULTS.md, issue 30 item 1, fourth round)."""
 
     def __init__(self, procs: Sequence[ReaderProcess], spec: AdapterSpec, layout: ShardLayout, offset: int,
                  verify: str = "sample", chunks: Sequence[slice] | None = None, readers: int = 0) -> None:
@@ -322,7 +322,7 @@ def main(argv: list[str]) -> None:
     # (a shard is ~20k pages) until every block of the arena had been written once by every process.
     mapped = mmap.mmap(arena_fd, arena_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     arena = torch.frombuffer(mapped, dtype=torch.uint8)
-    pool = ReadPool(parallel, "lora-reader-part") if parallel > 1 else None  # splits each read (workers.read_pool)
+    pool = ReadPool(parallel, "lora-reader-part") if parallel > 1 else None  # splits each read (workers.reads.threads)
     with Connection(conn_fd) as conn:
         _serve(conn, arena, pool)
 

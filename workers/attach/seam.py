@@ -1,5 +1,5 @@
 """What an engine reads of one TP rank's cache (``EngineCache``): a worker actor's own ``WorkerCache`` (the hosted
-reference engine) or an engine process's ``Attachment`` (``workers/attach.py``, the public seam) both satisfy it,
+reference engine) or an engine process's ``Attachment`` (``attachment.py``, the public seam) both satisfy it,
 so the reference engine runs on the public calls alone, and what it gets an integrator's engine gets too."""
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ versions is never made. Each part is checked for its length (a truncated object 
 refused), read straight from the socket into one reused buffer (no copy), written in place with ``os.pwrite``
 and CRC-32'ed by block (ISA-L's CRC when ``isal`` is installed: the same checksum, three times as fast); the
 header's CRC must be the registered one. What comes back is the CRC of every block, which the disk tier keeps as
-the local copy's proof (``workers.disk_tier``): every later read of the copy is checked like any adapter file's
-(``workers.reader``).
+the local copy's proof (``workers.staging.disk_tier``): every later read of the copy is checked like any adapter file's
+(``workers.reads.shard``).
 
 Why whole objects and not each rank's byte ranges: docs/decisions.md, "Adapters from an object store".
 """

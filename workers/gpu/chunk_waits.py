@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from workers.loader import SlotLoad
+from workers.gpu.copies import SlotLoad
 
 
 class ChunkWaits:

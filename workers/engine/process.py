@@ -1,4 +1,4 @@
-"""The reference engine in a process of its own, attached to lora-cache through the seam (``workers/attach.py``).
+"""The reference engine in a process of its own, attached to lora-cache through the seam (``workers/attach/``).
 
 This is how an external engine runs with lora-cache: the process is started by whoever runs the engine
 (here ``EngineProcess``, a ``spawn``ed child; vLLM or SGLang would start their own), joins the Ray
@@ -30,13 +30,13 @@ import torch
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.errors import LoraCacheError
 from lora_cache.runtime import heap
-from workers.attach import AttachConfig, attach
+from workers.attach.attachment import AttachConfig, attach
 from workers.cache import WorkerConfig
 from workers.engine.config import EngineConfig
 from workers.engine.engine import EngineResult
 from workers.engine.hosted import HostedEngine, Rendezvous
 from workers.engine.workload import Request
-from workers.streams import resolve_device
+from workers.gpu.streams import resolve_device
 
 START_TIMEOUT_S = 300.0  # import torch and Ray, join the cluster, attach
 

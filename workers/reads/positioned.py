@@ -1,4 +1,4 @@
-"""The positioned reads one reader thread makes for its task (lifecycle step 5; ``workers.read_plan``).
+"""The positioned reads one reader thread makes for its task (lifecycle step 5; ``workers.reads.plan``).
 
 Every byte comes from ``os.preadv`` on the read's one fd, which releases the GIL for the copy out of the page
 cache: runs straight into the packed buffer; a column slice's rows into their places with the bytes between
@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from lora_cache.adapters.shards import ShardEntry
-from workers.read_plan import FileTensor, Run, Strided, Task, span_of
+from workers.reads.plan import FileTensor, Run, Strided, Task, span_of
 
 try:  # ISA-L's CRC-32: zlib's checksum (the registered CRCs are zlib's), 15-25x as fast here; optional
     from isal.isal_zlib import crc32

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from workers.streams import CpuStreams
+from workers.gpu.streams import CpuStreams
 
 
 class IndexUploader:

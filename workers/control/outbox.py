@@ -1,9 +1,9 @@
 """What a worker sends the controller on its own (lifecycle steps 1 and 7), shared by the worker actor
-and an attached engine process (``workers/attach.py``).
+and an attached engine process (``workers/attach/attachment.py``).
 
 ``Outbox``: numbered residency deltas, pushed in batches by a thread, resent until the controller takes
 them (``send``: to the controller actor over Ray by default, ``ControllerReport``; an attached rank's
-transport otherwise, ``workers/transport.py``).
+transport otherwise, ``workers/attach/transport.py``).
 ``QueueSender``: the latest waiting queue of an engine, sent from a thread that never blocks a step.
 """
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from enum import IntEnum
 from typing import NamedTuple
 
 import numpy as np
@@ -39,7 +40,16 @@ import torch
 from lora_cache.adapters.catalog import AdapterCatalog
 from lora_cache.errors import NotFoundError
 from lora_cache.vocab import AdapterKey
-from workers.engine.admission import Readiness
+
+
+class Readiness(IntEnum):
+    """An adapter's state on the replica: the minimum over its ranks."""
+
+    FAILED = -1  # its load failed on some rank
+    NOT_READY = 0  # not resident, or still loading, on some rank
+    LOADING = 1  # on every rank READY or its copy issued (its read done) and due before a step's last layer
+    READY = 2  # READY (and held for the engine) on every rank
+
 
 FAILED, CUR, CUR_NEG, RDY, RDY_NEG, STEP, ISS = range(7)
 COLUMNS = 7
