@@ -228,4 +228,5 @@ class WorkerActor:
         self._stopping.set()
         self.metrics.stop()
         self.outbox.close()
+        self.control.gate.close()  # the warm stages' driver first: nothing starts a read in a closing tier
         self.cache.close()

@@ -148,6 +148,13 @@ class SimHostTier:
         entry.read_ms = (end - start) * 1e3
         self.loop.at(end, self._read_done, entry)
 
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def read_ends(self, now: float) -> list[float]:
+        """When the reads placed and not over at ``now`` end."""
+        return [b for _, b in self._reads if b > now]
+
     def reads_in_flight(self, now: float) -> int:
         """Reads running at ``now``: what slows a step of the engine in the same process."""
         self._reads = [(a, b) for a, b in self._reads if b > now]
@@ -218,6 +225,9 @@ class SimWorker:
         self._arrival_pins: list[int] = []  # slots pinned for requests that arrived since the last round
         self._copy_free = -math.inf  # when the copy stream is idle (free from the start, before t=0 too)
         self.copies: CopyClock | None = None  # pipelined: measured copies (``CopyClock``), set by the replica
+        self._warm: OrderedDict[str, None] = OrderedDict()  # warm stages not started (``WarmQueue``), in order sent
+        self._warm_reading = False  # a warm read in flight (one at a time)
+        self._warm_wake = math.inf  # when a look at the warm queue is scheduled (inf: none)
 
     # -- state --------------------------------------------------------------------------------------
     def preload(self, names: Sequence[str]) -> None:
@@ -260,10 +270,35 @@ class SimWorker:
             if isinstance(command, Evict):
                 if not self.evict(command.adapter):
                     self._restate(self.keys[command.adapter])
+            elif isinstance(command, Stage) and command.speculative:
+                if command.adapter not in self._warm:
+                    self._warm[command.adapter] = None
+                self._pump_warm()
             elif isinstance(command, Stage):
                 self.stage(command.adapter)
             else:
                 self.prefetch(command.adapter)
+
+    def _pump_warm(self) -> None:
+        """``WarmQueue``: start the next warm stage if no other read is in flight or waiting, one at a time;
+        else look again when the reads in flight end."""
+        while self._warm and not self._warm_reading:
+            now = self.loop.now
+            if self.host.read_ends(now) or self.host.waiting():
+                ends = self.host.read_ends(now)
+                wake = min(ends) if ends else now + 0.01
+                if wake < self._warm_wake or self._warm_wake <= now:
+                    self._warm_wake = wake
+                    self.loop.at(wake, self._pump_warm)
+                return
+            name, _ = self._warm.popitem(last=False)
+            if name in self.keys and self.stage(name):
+                self._warm_reading = True
+                self.host.entries[self.keys[name]].staged.then(lambda _: self._warm_done())
+
+    def _warm_done(self) -> None:
+        self._warm_reading = False
+        self._pump_warm()
 
     def _restate(self, key: AdapterKey) -> None:
         """``WorkerCache.restate``: the state of a held adapter again (nothing if absent)."""

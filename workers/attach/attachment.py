@@ -359,6 +359,7 @@ class Attachment:
             self._serving.join(timeout=self.config.poll_s + 60)
         if self._beating.is_alive():
             self._beating.join(timeout=self.config.poll_s + 5)
+        self.control.gate.close()  # the warm stages' driver first: nothing starts a read in a closing tier
         self.cache.close()
 
     def __enter__(self) -> Attachment:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from lora_cache.errors import LoraCacheError
 from lora_cache.vocab import ApplyResult, Command, Delta, Evict, Prefetch, Stage
 from workers.cache import WorkerCache
+from workers.staging.warming import WarmQueue
 
 __all__ = ["CommandGate"]
 
@@ -36,7 +37,8 @@ class CommandGate:
         if cache.on_change is None:
             cache.on_change = push
         self.epoch = 0
-        self._lock = threading.Lock()  # protects epoch and the counters
+        self._lock = threading.Lock()  # protects epoch, the counters and _warm
+        self._warm: WarmQueue | None = None  # speculative stages (warm_queue)
         self.accepted = self.rejected = 0
 
     def apply(self, commands: Iterable[Command]) -> ApplyResult:
@@ -63,11 +65,33 @@ class CommandGate:
             self.rejected += rejected
         return ApplyResult(accepted, rejected, tuple(errors))
 
+    def warm_queue(self) -> WarmQueue:
+        """The rank's warm stages (made at the first one): read one at a time while the host tier is idle."""
+        with self._lock:
+            if self._warm is None:
+                host = self.cache.host
+                self._warm = WarmQueue(self.cache.stage, lambda: host.reading() > 0, self._shard_bytes,
+                                       host.config.warm_read_bytes_per_s / host.ranks_here)
+            return self._warm
+
+    def close(self) -> None:
+        """Stop the warm stages' driver (queued ones are dropped; a read in flight completes in the host tier)."""
+        with self._lock:
+            warm, self._warm = self._warm, None
+        if warm is not None:
+            warm.close()
+
+    def _shard_bytes(self, name: str, version: str) -> int:
+        return self.cache.layout_of(name, version).nbytes
+
     def _apply_one(self, command: Command) -> str | None:
         """Why the command failed at once, or None; the cache reports the changes it makes."""
         if isinstance(command, Evict):
             if not self.cache.evict(command.adapter, command.version):
                 self.cache.restate(command.adapter, command.version)  # absent: nothing to say
+            return None
+        if isinstance(command, Stage) and command.speculative:
+            self.warm_queue().offer(command.adapter, command.version)  # read once the host tier is idle
             return None
         if isinstance(command, Stage):
             self.cache.stage(command.adapter, command.version)  # no room or a failed read: counted there

@@ -119,6 +119,10 @@ class HostTierConfig:
     verify: str = field(default="sample", metadata={
         "help": "how much of each read is checked against the CRCs taken at registration, beyond the file's "
                 "identity and header: " + "; ".join(f"{k} ({v})" for k, v in VERIFY.items())})
+    warm_read_bytes_per_s: int = field(default=0, metadata={
+        "help": "the store read rate this node's warm stages (speculative reads ahead of demand, "
+                "workers/staging/warming.py) may use, in bytes per second, shared evenly by its GPU ranks (object "
+                "stores bill and throttle); reads for requests are never held back by it (0: no limit)"})
 
     def __post_init__(self) -> None:
         if self.host_bytes != 0 and self.host_bytes < 1 << 20:
@@ -138,6 +142,9 @@ class HostTierConfig:
         if not 0 <= self.read_split <= self.read_threads:
             raise ConfigError(f"read_split must be 0 (auto) or 1..read_threads ({self.read_threads}) reader processes "
                               f"per read, got {self.read_split}; raise read_threads to split reads more")
+        if self.warm_read_bytes_per_s < 0:
+            raise ConfigError(f"warm_read_bytes_per_s is {self.warm_read_bytes_per_s}; give bytes per second >= 0, "
+                              "e.g. 200000000 (0: no limit on warm reads)")
         if self.reads not in ("auto", *READS):
             raise ConfigError(f"reads {self.reads!r} is not one of auto, {', '.join(READS)}; pick one of them")
         if self.verify not in VERIFY:
@@ -349,6 +356,7 @@ class HostTier:
         from (``workers.staging.disk_tier``)."""
         config = config.sized(ranks_here)
         self.config = config
+        self.ranks_here = max(1, ranks_here)  # GPU ranks on this host: they share its warm read rate
         self.disk = disk
         self.reads = config.reads_for(config.pin and torch.cuda.is_available())
         processes = self.reads == "process"
@@ -468,6 +476,11 @@ class HostTier:
             admitted = self._admit()
         self._start(admitted)
         return True
+
+    def reading(self) -> int:
+        """Reads in flight or waiting for room: while any, a warm stage waits (``workers.staging.warming``)."""
+        with self._lock:
+            return len(self._waiting) + sum(not e.ready.done() for e in self._entries.values())
 
     def contains(self, key: AdapterKey) -> bool:
         with self._lock:
