@@ -30,13 +30,14 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from bench.sim.calibration import Calibration
 from bench.sim.events import Loop, Signal
+from bench.sim.store import SimStore
 from lora_cache.errors import CapacityError
 from lora_cache.vocab import AdapterKey, Command, Evict, Stage
 from workers.engine.admission import CopyClock
@@ -97,8 +98,13 @@ class _Staged:
 class SimHostTier:
     """The pinned host tier of one rank: staged shards, LRU by bytes, single-flight reads, references."""
 
-    def __init__(self, loop: Loop, calibration: Calibration, capacity: int, read_threads: int) -> None:
+    def __init__(self, loop: Loop, calibration: Calibration, capacity: int, read_threads: int,
+                 store: SimStore | None = None) -> None:
+        """``store``: where a miss reads from (``bench.sim.store``: device, s3); None: the page cache."""
         self.loop, self.calibration, self.capacity = loop, calibration, capacity
+        self.store = store
+        self._busy = 0  # store reads: reader threads busy
+        self._queue: deque[tuple[AdapterKey, _Staged]] = deque()  # store reads waiting for a reader thread
         self.entries: OrderedDict[AdapterKey, _Staged] = OrderedDict()  # oldest first
         self.used = 0
         self.hits = self.misses = self.bytes_read = self.waits = 0
@@ -138,6 +144,10 @@ class SimHostTier:
         """Stage ``entry`` (its room is made): a read on the first free reader thread."""
         self.entries[key] = entry
         self.used += entry.nbytes
+        if self.store is not None:
+            self._queue.append((key, entry))
+            self._pump()
+            return
         now = self.loop.now
         start = max(now, heapq.heappop(self._readers))
         end = start + self.calibration.disk_s(entry.nbytes)
@@ -147,6 +157,26 @@ class SimHostTier:
             self.on_read(start, end)
         entry.read_ms = (end - start) * 1e3
         self.loop.at(end, self._read_done, entry)
+
+    def _pump(self) -> None:
+        """Store reads: start the waiting ones on free reader threads (FIFO); each ends when the store says."""
+        assert self.store is not None
+        while self._queue and self._busy < len(self._readers):
+            key, entry = self._queue.popleft()
+            self._busy += 1
+            span = (self.loop.now, math.inf)
+            self._reads.append(span)
+            self.store.read(key.name, entry.nbytes, functools.partial(self._store_done, entry, span))
+
+    def _store_done(self, entry: _Staged, span: tuple[float, float]) -> None:
+        self._busy -= 1
+        start, end = span[0], self.loop.now
+        self._reads[self._reads.index(span)] = (start, end)
+        if self.on_read is not None:
+            self.on_read(start, end)
+        entry.read_ms = (end - start) * 1e3
+        self._read_done(entry)
+        self._pump()
 
     def reads_in_flight(self, now: float) -> int:
         """Reads running at ``now``: what slows a step of the engine in the same process."""
