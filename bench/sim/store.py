@@ -14,8 +14,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
 
 from bench.sim.calibration import GB, Calibration
 from bench.sim.events import Loop, Signal
@@ -102,3 +106,53 @@ class SimStore:
 
     def stats(self) -> dict[str, float]:
         return {"store_fetches": self.fetches, "store_bytes": self.link.moved, "store_busy_s": self.link.busy_s}
+
+
+def _read_spans(loads: Sequence[Mapping[str, Any]]) -> list[tuple[float, float, Mapping[str, Any]]]:
+    """Each host-tier miss's read as (start, end) on its run's clock: from its load's start (READY ``t_s`` less
+    ``ready_ms``) for ``disk_ms``."""
+    out = []
+    for ld in loads:
+        if ld.get("host_hit", True) or ld.get("disk_ms") is None:
+            continue
+        start = float(ld["t_s"]) - float(ld["ready_ms"]) / 1e3
+        out.append((start, start + float(ld["disk_ms"]) / 1e3, ld))
+    return sorted(out, key=lambda x: x[0])
+
+
+def fit_store(calib: Calibration, runs: Sequence[Sequence[Mapping[str, Any]]], model: StoreModel,
+              info: dict[str, Any] | None = None) -> Calibration:
+    """``calib`` with the store's costs fitted from real runs' load logs (``runs``: each policy's, on its own
+    clock). ``device``: ``device_gbps`` is the bytes the misses read over the time any of them was reading (the
+    device's delivered bandwidth while busy), ``device_fixed_ms`` 0, and the reader's own cost (``disk_*``) is
+    left to the page-cache calibration it came with (the base). ``s3``: the store's latency and bandwidth are the
+    proxy's, as stated; the local read after a fetch (``disk_*``) is fitted from the misses of adapters already
+    fetched in that run (every miss after an adapter's first)."""
+    from bench.sim.calibration import _fit_rate
+
+    info = info if info is not None else {}
+    if model.kind == "device":
+        moved = busy = 0.0
+        for loads in runs:
+            end = -math.inf
+            for a, b, ld in _read_spans(loads):
+                moved += float(ld["nbytes"])
+                busy += max(0.0, b - max(a, end))
+                end = max(end, b)
+        if moved and busy > 0:
+            info["device"] = {"bytes": moved, "busy_s": busy}
+            return dataclasses.replace(calib, device_gbps=moved / busy / GB, device_fixed_ms=0.0)
+        return calib
+    if model.kind == "s3":
+        local = []
+        for loads in runs:
+            seen: set[str] = set()
+            for _, _, ld in _read_spans(loads):
+                if ld.get("adapter") in seen:
+                    local.append(ld)
+                seen.add(str(ld.get("adapter")))
+        if len(local) >= 2:
+            fixed, gbps = _fit_rate(np.array([ld["nbytes"] for ld in local], dtype=np.float64),
+                                    np.array([ld["disk_ms"] for ld in local], dtype=np.float64), "disk", info)
+            return dataclasses.replace(calib, disk_fixed_ms=fixed, disk_gbps=gbps)
+    return calib
