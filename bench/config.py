@@ -12,6 +12,7 @@ from typing import Any
 
 from bench.policies import parse_policies
 from bench.router.rules import RULES
+from bench.store import StoreModel, parse_store
 from lora_cache.errors import ConfigError
 
 ENGINES = ("real", "sim")
@@ -86,6 +87,16 @@ class BenchConfig:
                                                           "instead of inside the service's worker actors"})
     check_sim: bool = field(default=False, metadata={"help": "real engine: also simulate this run with costs fitted "
                                                              "from it and compare TTFT"})
+    store: str = field(default="page-cache", metadata={
+        "help": "where adapters come from, on either engine (bench/store.py): page-cache (local files, pages kept "
+                "after the first read; the default) | device (local files, every file's pages dropped before each "
+                "policy and after every shard read: reads come from the device) | s3:BANDWIDTH,LATENCY, e.g. "
+                "s3:200MBps,30ms (a real S3 server behind a throttling proxy: BANDWIDTH shared by every fetch, "
+                "LATENCY before each response's first byte; workers fetch into a fresh disk tier per policy)"})
+    warmup_requests: int = field(default=-1, metadata={
+        "help": "requests played before the measured window, from the same arrival process (bench/warmup.py): "
+                "-1 (auto): until every replica has seen as many distinct adapters as it has GPU slots (its slots "
+                "are full), at most 4x --requests; 0: none. The warm-up is reported as the cold start, apart"})
     timeout_s: float = field(default=1800.0, metadata={"help": "give up on one policy's run after this long"})
     plots: bool = field(default=True, metadata={"help": "write the PNG plots"})
 
@@ -102,9 +113,16 @@ class BenchConfig:
         parse_policies(self.policies)
         if self.router not in RULES:  # the simulator's ROUTERS are these rules too
             raise ConfigError(f"router {self.router!r} is not registered; choose one of {', '.join(RULES)}")
+        parse_store(self.store)
+        if self.warmup_requests < -1:
+            raise ConfigError(f"--warmup-requests {self.warmup_requests}: give a count >= 0, or -1 (auto: until "
+                              "every replica's GPU slots are full)")
         if self.attach and self.engine != "real":
             raise ConfigError(f"--attach runs the real engine's ranks in their own processes; it needs --engine real, "
                               f"not {self.engine!r}")
+
+    def store_model(self) -> StoreModel:
+        return parse_store(self.store)
 
     def use_gpus(self) -> bool:
         if self.gpus != "auto":

@@ -38,6 +38,8 @@ class PolicyRun:
     wall_s: float = 0.0  # how long the run took on the host running it
     routing: dict[str, Any] = field(default_factory=dict)  # real runs: the router, its choices and calls
     startup: dict[str, float] = field(default_factory=dict)  # real runs: seconds of each start-up phase (bench.real)
+    # each rank's counters at the end of the warm-up (bench.warmup), as ``ranks`` (increase since the start)
+    ranks_at_warmup: list[dict[str, Any]] | None = None
 
 
 def _percentile(values: Sequence[float], q: float) -> float:

@@ -27,8 +27,12 @@ The oracle preloads every adapter (slots for all of them) before the clock start
 from __future__ import annotations
 
 import contextlib
+import shutil
 import sys
+import tempfile
+import threading
 import time
+from pathlib import Path
 from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
@@ -42,6 +46,7 @@ from bench.figures import PolicyRun
 from bench.policies import BenchPolicy
 from bench.router.real import Router, served_as_routed
 from bench.router.rules import make_rule
+from bench.store import StoreModel, parse_store
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
 from lora_cache.app.serve import ServeConfig, Service, start
@@ -51,6 +56,7 @@ from lora_cache.runtime import heap
 from lora_cache.vocab import CONTROLLER_NAME, NAMESPACE, ReadinessRecord
 from workers.cache import WorkerConfig
 from workers.counters import STATS_COUNTERS, STATS_SUMMARIES
+from workers.staging.disk_tier import DiskTierConfig
 from workers.engine.config import EngineConfig
 from workers.engine.workload import Request
 from workers.staging.host_tier import HostTierConfig
@@ -82,6 +88,11 @@ class RealConfig:
     engine: dict[str, Any] = field(default_factory=dict)  # further EngineConfig fields (e.g. share_weights)
     attach: bool = False  # engine ranks in processes of their own, attached through the seam
     router: str = "round-robin"  # the routing rule (bench.router.rules.RULES)
+    store: str = "page-cache"  # bench.store: page-cache | device (pages dropped) | s3:... (adapters_dir is s3://)
+    disk_root: str = ""  # s3: each policy's disk tier is a fresh directory under it (empty: a temporary one)
+
+    def store_model(self) -> StoreModel:
+        return parse_store(self.store)
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.tp < 1 or self.slots < 1:
@@ -89,6 +100,7 @@ class RealConfig:
         if self.hint_lead_s < 0:
             raise ConfigError(f"hint_lead_s must be >= 0 seconds, got {self.hint_lead_s}")
         make_rule(self.router)  # a clear error for an unknown name
+        parse_store(self.store)
 
 
 class Phases:
@@ -127,7 +139,9 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
     slots = len(names) if policy.oracle else config.slots
     worker = WorkerConfig(num_slots=slots, dtype=config.dtype,
                           max_batch=max(256, config.max_running + config.max_adapters),
-                          host=HostTierConfig(host_bytes=config.host_bytes))
+                          host=HostTierConfig(host_bytes=config.host_bytes,
+                                              drop_page_cache=config.store_model().kind == "device"),
+                          disk=_disk_tier(config, policy))
     engine = EngineConfig(model=config.model, num_layers=config.num_layers, tp=config.tp, num_slots=slots,
                           max_rank=config.max_rank, max_running=config.max_running,
                           max_adapters=min(config.max_adapters, slots), max_prefill_tokens=config.max_prefill_tokens,
@@ -166,8 +180,10 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
             (r.arrival_s for r in workload.requests), default=0.0)
         print(f"policy {policy.name}: start to first request {phases.times['to_first_request_s']:.1f} s "
               f"({phases.describe()})", file=sys.stderr, flush=True)
+        snap = _Snapshot(fleet, before, start_wall, workload)  # every rank's counters as the warm-up ends
         results, choices, routing = _serve(config, policy, fleet, gateway.target, replicas, workload, start_wall, tick)
         run = _collect(policy, fleet, results[: config.replicas], start_wall, since_wall, before)
+        run.ranks_at_warmup = snap.result()
         run.routing = {**routing, **served_as_routed(choices, dict(zip(replicas, results)))}
         run.wall_s = time.perf_counter() - t_begin
         run.startup = phases.times
@@ -179,6 +195,44 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
         if fleet is not None:
             fleet.stop()
         service.stop()
+
+
+def _disk_tier(config: RealConfig, policy: BenchPolicy) -> DiskTierConfig:
+    """s3: a fresh disk tier per policy (no policy finds another's fetched copies), one GET per object (moto's
+    ranged GETs cost the whole object); otherwise the default (unused: the adapters are local files)."""
+    if config.store_model().kind != "s3":
+        return DiskTierConfig()
+    root = Path(config.disk_root or tempfile.mkdtemp(prefix="bench-disk-tier-")) / policy.name
+    shutil.rmtree(root, ignore_errors=True)
+    return DiskTierConfig(disk_cache=str(root), fetch_part_bytes=0)
+
+
+class _Snapshot:
+    """Every rank's counters (as increases since ``before``) when the first measured request arrives
+    (``bench.warmup``), taken by a timer thread of the driver; none for a closed loop or without a warm-up."""
+
+    def __init__(self, fleet: Fleet, before: dict[tuple[str, int], dict[str, Any]], start_wall: float,
+                 workload: Workload) -> None:
+        self.ranks: list[dict[str, Any]] | None = None
+        self.timer: threading.Timer | None = None
+        if workload.warmup and not workload.inflight and workload.warmup < len(workload.requests):
+            at = start_wall + workload.requests[workload.warmup].arrival_s
+
+            def take() -> None:
+                with contextlib.suppress(Exception):  # no snapshot: the split takes counters from the load log
+                    now = fleet.stats()
+                    self.ranks = [{"replica": replica, "rank": rank, **{k: v - before[(replica, rank)][k]
+                                                                        for k, v in stats.items() if k in COUNTERS}}
+                                  for (replica, rank), stats in now.items()]
+
+            self.timer = threading.Timer(max(0.0, at - time.time()), take)
+            self.timer.daemon = True
+            self.timer.start()
+
+    def result(self) -> list[dict[str, Any]] | None:
+        if self.timer is not None:
+            self.timer.join(timeout=60)
+        return self.ranks
 
 
 def _serve(config: RealConfig, policy: BenchPolicy, fleet: Fleet, target: str, replicas: list[str],

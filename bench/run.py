@@ -22,6 +22,7 @@ real ones (the simulator's check: within 15%).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import re
@@ -32,10 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.config import SCENARIOS, BenchConfig
-from bench.figures import PolicyRun
+from bench.figures import PolicyRun, figures
 from bench.policies import BenchPolicy, parse_policies
 from bench.report import progress, write, write_results
-from bench.workloads import Workload, WorkloadSpec, make_workload
+from bench.store import StoreModel, drop_all_pages, s3_store
+from bench.warmup import split_run, warm_workload
+from bench.workloads import Workload, WorkloadSpec
 from lora_cache.errors import ConfigError, LoraCacheError
 from lora_cache.runtime.cliargs import add_config_args, config_from_args
 
@@ -119,33 +122,56 @@ def run(bench: BenchConfig, spec: WorkloadSpec) -> dict[str, Any]:
     slots_for_names = bench.slots
     names = spec.adapter_names(slots_for_names)
     check_router(bench, spec)
+    workload, names = warm_workload(spec, names, bench.warmup_requests, bench.replicas, bench.slots)
     if bench.engine == "real":
         root = adapter_dir(bench, names)
-    workload = make_workload(spec, names)
+    store = bench.store_model()
     config = {"bench": dataclasses.asdict(bench), "workload": workload.describe(), "adapters": len(names),
+              "store": {"model": store.describe(), **store._asdict()},
               "policies": [dataclasses.asdict(p) for p in policies], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
               "host": _host(), "title": f"({bench.scenario or spec.popularity}, {bench.engine})",
               "host_tier": {"host_bytes_per_rank": bench.host_bytes, "same_for_every_policy": True}}
-    print(f"host tier: {bench.host_bytes / 2**30:.2f} GiB per rank, the same for every policy", file=sys.stderr)
+    described = workload.describe()
+    print(f"host tier: {bench.host_bytes / 2**30:.2f} GiB per rank, the same for every policy; store: "
+          f"{store.describe()}; warm-up: {workload.warmup} requests ({described['warmup_s']:.1f} s) before the "
+          f"measured window of {described['requests']}", file=sys.stderr)
     if bench.engine == "real":
         runs = _run_real(bench, policies, root, names, workload, config)
     else:
         from bench.sim.job import run_policies
 
         runs = run_policies(bench, policies, workload, config)
-    doc = write(Path(bench.out), config, runs, plots=bench.plots)
+    halves = [split_run(run, workload.warmup) for run in runs]
+    doc = write(Path(bench.out), config, [m for m, _ in halves], plots=bench.plots)
+    cold = {c.policy: figures(c) for _, c in halves if c is not None}
+    doc["cold_start"] = cold
+    doc["table"] = _headline(bench, store, described) + "\n\n" + doc["table"] + _cold_table(cold, described)
     if bench.engine == "real" and bench.check_sim:
         doc["sim_check"] = _check_sim(bench, policies, workload, runs, doc["figures"])
-        write_results(Path(bench.out) / "results.json", doc)
+    write_results(Path(bench.out) / "results.json", doc)
     return doc
+
+
+def _headline(bench: BenchConfig, store: StoreModel, described: dict[str, Any]) -> str:
+    """What the figures below are of: the store, the host tier, the warm-up and the measured window."""
+    return (f"store: {store.describe()}; host tier: {bench.host_bytes / 2**30:.2f} GiB per rank, the same for every "
+            f"policy; warm-up: {described['warmup_requests']} requests ({described['warmup_s']:.1f} s, the same "
+            f"arrival process) before the measured window of {described['requests']} requests. The table is the "
+            "measured window (steady state); the cold start (the warm-up) is the last table.")
+
+
+def _cold_table(cold: dict[str, dict[str, Any]], described: dict[str, Any]) -> str:
+    if not cold:
+        return ""
+    from bench.report import table
+
+    return (f"\n\ncold start (the warm-up's {described['warmup_requests']} requests, "
+            f"{described['warmup_s']:.1f} s):\n\n" + table(cold, []).split("\n\n")[0])
 
 
 def _run_real(bench: BenchConfig, policies: Sequence[BenchPolicy], root: str, names: list[str], workload: Workload,
               config: dict[str, Any]) -> list[PolicyRun]:
-    import ray
-
-    from bench.real import RealConfig, run_policy
-    from lora_cache.vocab import NAMESPACE
+    from bench.real import RealConfig
 
     gpus = bench.use_gpus()
     real = RealConfig(model=bench.model, num_layers=bench.num_layers, replicas=bench.replicas, tp=bench.tp,
@@ -156,8 +182,34 @@ def _run_real(bench: BenchConfig, policies: Sequence[BenchPolicy], root: str, na
                       dtype="bfloat16" if gpus else "float32", timeout_s=bench.timeout_s,
                       # one set of random base weights for every layer: the same math and bytes read per
                       # layer (far beyond any cache), a fraction of the start-up time and memory
-                      engine={"share_weights": True}, attach=bench.attach, router=bench.router)
+                      engine={"share_weights": True}, attach=bench.attach, router=bench.router,
+                      store=bench.store, disk_root=str(Path(bench.out).resolve() / "disk-tier"))
     config["real"] = dataclasses.asdict(real)
+    with contextlib.ExitStack() as stack:
+        served = root
+        if real.store_model().kind == "s3":  # moto + the proxy, for the whole job; workers fetch through the proxy
+            served, env = stack.enter_context(s3_store(real.store_model(), root, names))
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)  # as an operator sets AWS_* for serve and the cluster's processes
+            stack.callback(_restore, saved)
+        return _run_policies(bench, real, policies, root, served, names, workload, config)
+
+
+def _restore(saved: dict[str, str | None]) -> None:
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _run_policies(bench: BenchConfig, real: Any, policies: Sequence[BenchPolicy], root: str, served: str,
+                  names: list[str], workload: Workload, config: dict[str, Any]) -> list[PolicyRun]:
+    import ray
+
+    from bench.real import run_policy
+    from lora_cache.vocab import NAMESPACE
+
     owns = not ray.is_initialized()
     if owns:  # inside `ray job submit` this joins the job's cluster; alone, it starts an embedded one
         # RAY_ADDRESS is the job's cluster under `ray job submit`; never one found through a stale
@@ -167,8 +219,10 @@ def _run_real(bench: BenchConfig, policies: Sequence[BenchPolicy], root: str, na
     try:
         for policy in policies:
             try:
+                if real.store_model().kind == "device":  # every policy starts from the device, not the page cache
+                    print(f"store: dropped the pages of {drop_all_pages(root)} adapter files", file=sys.stderr)
                 with progress(policy.name) as tick:
-                    runs.append(run_policy(real, policy, root, names, workload, tick))
+                    runs.append(run_policy(real, policy, served, names, workload, tick))
             except Exception as e:  # the other policies still run; the error is in results.json
                 config.setdefault("errors", {})[policy.name] = f"{type(e).__name__}: {e}"
                 print(f"error: policy {policy.name} failed: {type(e).__name__}: {e}", file=sys.stderr)

@@ -161,20 +161,24 @@ class Workload:
     adapters: list[str]  # every registered adapter, in popularity-rank order (Zipf rank i is adapters[i])
     requests: list[Request]
     inflight: int  # 0: open loop (arrival_s); N > 0: closed loop, arrival_s are 0 and the driver releases them
+    warmup: int = 0  # the first ``warmup`` requests (rids) are the warm-up, played before the measured window
 
     def describe(self) -> dict[str, object]:
         """The spec and what was drawn, for the results JSON."""
-        used = Counter(r.adapter for r in self.requests)
+        measured = self.requests[self.warmup:]
+        used = Counter(r.adapter for r in measured)
         top = used.most_common(1)[0][1] if used else 0
-        last = max((r.arrival_s for r in self.requests), default=0.0)
+        first = measured[0].arrival_s if measured and self.warmup else 0.0
+        last = max((r.arrival_s - first for r in measured), default=0.0)
         return {
-            "arrivals": self.spec.arrivals, "popularity": self.spec.popularity, "requests": len(self.requests),
+            "arrivals": self.spec.arrivals, "popularity": self.spec.popularity, "requests": len(measured),
+            "warmup_requests": self.warmup, "warmup_s": first,
             "adapters": len(self.adapters),
             "inflight": self.inflight, "seed": self.spec.workload_seed,
-            "adapters_used": len(used), "top_adapter_share": top / max(1, len(self.requests)),
-            "last_arrival_s": last, "offered_rate": (len(self.requests) - 1) / last if last > 0 else None,
-            "mean_input_len": sum(r.input_len for r in self.requests) / max(1, len(self.requests)),
-            "mean_output_len": sum(r.output_len for r in self.requests) / max(1, len(self.requests)),
+            "adapters_used": len(used), "top_adapter_share": top / max(1, len(measured)),
+            "last_arrival_s": last, "offered_rate": (len(measured) - 1) / last if last > 0 else None,
+            "mean_input_len": sum(r.input_len for r in measured) / max(1, len(measured)),
+            "mean_output_len": sum(r.output_len for r in measured) / max(1, len(measured)),
             "random_input_len": self.spec.random_input_len, "random_output_len": self.spec.random_output_len,
             "random_range_ratio": self.spec.random_range_ratio,
         }

@@ -105,6 +105,9 @@ class Calibration:
     h2d_gbps: float = _cost(math.inf, "host -> GPU copy bandwidth of one rank, GB/s")
     disk_fixed_ms: float = _cost(0.0, "a disk -> host read: fixed cost")
     disk_gbps: float = _cost(math.inf, "disk -> host read bandwidth of one reader thread, GB/s")
+    device_fixed_ms: float = _cost(0.0, "--store device: a read's fixed cost before its bytes move")
+    device_gbps: float = _cost(1.2, "--store device: the device's bandwidth, GB/s, shared by every read in flight "
+                                    "(1.2: an H200 host's reads with the pages dropped, docs: ARCHITECTURE)")
     prefill_read_slowdown: float = _cost(0.0, "prefill step: extra cost, as a fraction, per disk read beside it")
     decode_read_slowdown: float = _cost(0.0, "decode step: extra cost, as a fraction, per disk read beside it")
     report_latency_ms: float = _cost(0.0, "engine/router/worker -> controller message latency")

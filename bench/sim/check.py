@@ -59,6 +59,8 @@ from bench.report import read_results_or_say, results_parser
 from bench.sim.calibration import OUTLIER_FACTOR, Calibration, fit_calibration, load_calibration, read_overlaps
 from bench.sim.fleet import SimConfig, simulate
 from bench.sim.job import run_policies
+from bench.sim.store import fit_store
+from bench.warmup import split_run, warm_workload
 from bench.workloads import Workload, WorkloadSpec, make_workload
 from workers.engine.admission import ADMISSION
 
@@ -89,7 +91,11 @@ def compare(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workl
     all_reads = [r for run in reads.values() for r in run] if reads is not None else read_overlaps(all_steps, all_loads)
     pooled = fit_calibration(all_steps, all_loads, name=f"fitted-{bench.model}", source=source, base=base,
                              reads=all_reads)
-    out: dict[str, Any] = {"fit": fit, "calibration": dataclasses.asdict(pooled), "policies": {}}
+    store = bench.store_model()  # the store's costs, from the same logs (bench.sim.store.fit_store)
+    runs_loads = list(loads.values()) if isinstance(loads, Mapping) else [all_loads]
+    pooled = fit_store(pooled, runs_loads, store)
+    out: dict[str, Any] = {"fit": fit, "calibration": dataclasses.asdict(pooled), "policies": {},
+                           "store": store.describe(), "warmup_requests": workload.warmup}
     workload = _shift(workload, bench.hint_lead_s)
     for policy in policies:
         own_steps = steps[policy.name] if isinstance(steps, Mapping) else all_steps
@@ -99,10 +105,11 @@ def compare(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workl
             calib = fit_calibration(own_steps, own_loads, name=f"fitted-{bench.model}-{policy.name}",
                                     source=f"{source} of {policy.name}", base=pooled,  # e.g. disk: no miss
                                     reads=reads[policy.name] if reads is not None else None)
+            calib = fit_store(calib, [own_loads], store)
             out.setdefault("calibrations", {})[policy.name] = dataclasses.asdict(calib)
         config: dict[str, Any] = {}
         (sim,) = run_policies(bench, [policy], workload, config, calib)
-        r, s = real[policy.name], figures(sim)
+        r, s = real[policy.name], figures(split_run(sim, workload.warmup)[0])  # the measured window, as the real
         entry: dict[str, Any] = {k: {"real": r[k], "sim": s[k], "error": s[k] / r[k] - 1 if r[k] else math.inf}
                                  for k in KEYS}
         if by_policy:
@@ -117,8 +124,9 @@ def compare(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workl
                       for kind in ("prefill", "decode")}
             ratios.update(load_ratios(own_loads, calib))
             sim_config = SimConfig(**config["sim"])  # as run_policies made it, without a progress bar per run
-            runs = [figures(simulate(sim_config, policy, workload, NoisyCalibration.wrap(calib, ratios, seed + i))
-                            .as_policy_run(policy.name, 0.0)) for i in range(noise)]
+            runs = [figures(split_run(simulate(sim_config, policy, workload,
+                                               NoisyCalibration.wrap(calib, ratios, seed + i))
+                                      .as_policy_run(policy.name, 0.0), workload.warmup)[0]) for i in range(noise)]
             for k in KEYS:
                 values = [run[k] for run in runs]
                 lo, hi = (float(np.percentile(values, q)) for q in BAND)
@@ -255,7 +263,10 @@ def check(doc: dict[str, Any], fit: str = "pooled", noise: int = 0) -> dict[str,
                         random_input_len=w["random_input_len"], random_output_len=w["random_output_len"],
                         random_range_ratio=w["random_range_ratio"], workload_seed=w["seed"],
                         num_adapters=doc["config"]["adapters"])
-    workload = make_workload(spec, spec.adapter_names(bench.slots))
+    names = spec.adapter_names(bench.slots)
+    warmup = int(w.get("warmup_requests", 0) or 0)  # the run's warm-up, replayed; its logs are the measured window's
+    workload = warm_workload(spec, names, warmup, bench.replicas, bench.slots)[0] if warmup else \
+        make_workload(spec, names)
     return compare(bench, [BENCH_POLICIES[p] for p in doc["figures"]], workload, doc["figures"],
                    estimate_gaps(doc["requests"], doc["steps"]), doc["loads"], fit=fit, noise=noise)
 

@@ -38,7 +38,9 @@ from bench.sim.calibration import Calibration
 from bench.sim.controller import SimController, SyntheticCatalog
 from bench.sim.events import Loop
 from bench.sim.replica import ReplicaHooks, SimReplica, StepRecord
+from bench.sim.store import SimStore
 from bench.sim.worker import LoadRecord, SimHostTier, SimWorker
+from bench.store import parse_store
 from bench.workloads import Workload
 from lora_cache.adapters.shapes import resolve_model
 from lora_cache.adapters.shards import shard_layout
@@ -134,6 +136,12 @@ class SimConfig:
     mid_step_reads: bool = field(default=False, metadata={
         "help": "a disk read that starts during a step's compute slows it for the time it overlaps it (as "
                 "fit_calibration counts reads); off: only the reads in flight when its compute starts count"})
+    store: str = field(default="page-cache", metadata={
+        "help": "where a host-tier miss reads from (bench.store, bench.sim.store): page-cache | device | "
+                "s3:BANDWIDTH,LATENCY"})
+    warmup_s: float = field(default=-1.0, metadata={
+        "help": "take every rank's counters at this simulated time (the measured window's start, bench.warmup); "
+                "< 0: none"})
     settle_s: float = field(default=1.0, metadata={
         "help": "the fleet runs this long before the first request's clock (the real path starts its clock 1 s "
                 "after the engines are built): the controller's first plans come before traffic, as they do there"})
@@ -157,6 +165,7 @@ class SimConfig:
         if not 0 <= self.settle_s < float("inf"):
             raise ConfigError(f"settle_s is {self.settle_s}; give seconds >= 0 (1.0: the real path's; 0: the first "
                               "request comes as the fleet starts)")
+        parse_store(self.store)
         if max(self.lora_ranks()) > self.max_rank:  # the model resolves, the ranks parse
             raise ConfigError(f"adapter_ranks {self.adapter_ranks!r} exceed max_rank ({self.max_rank}), which sizes "
                               "the slots; raise max_rank or use smaller ranks")
@@ -179,6 +188,8 @@ class SimResult:
     ready_on_arrival: list[bool]  # by rid: the adapter was READY on every rank of its replica when it arrived
     end_s: float  # simulated time of the last token
     events: int
+    ranks_at_warmup: list[dict[str, object]] | None = None  # each rank's counters at ``SimConfig.warmup_s``
+    store: dict[str, float] | None = None  # the simulated store's totals (device, s3)
 
     def totals(self) -> dict[str, int]:
         return {k: sum(int(r[k]) for r in self.ranks) for k in COUNTERS}  # type: ignore[call-overload]
@@ -195,7 +206,8 @@ class SimResult:
         """The benchmark's per-policy result, in the real path's shapes (``bench.real``)."""
         ranks = [{k: v for k, v in r.items() if k not in RESERVOIRS} for r in self.ranks]
         loads = [{"adapter": ld.adapter, **ld.as_log()} for ld in self.loads]
-        return PolicyRun(policy, "sim", self.records, ranks, loads, [s.as_log() for s in self.steps], wall_s)
+        return PolicyRun(policy, "sim", self.records, ranks, loads, [s.as_log() for s in self.steps], wall_s,
+                         ranks_at_warmup=self.ranks_at_warmup)  # type: ignore[arg-type]
 
     def describe(self) -> dict[str, object]:
         """For the results JSON (records and logs are left to the caller)."""
@@ -230,6 +242,10 @@ class _Fleet:
             self.controller.core.register_adapter(name, f"simulated/{name}")
         keys = {n: AdapterKey(n, catalog.get(n).version) for n in names}
         nbytes = _shard_bytes(catalog, config.tp, calibration.slot_dtype)
+        model = parse_store(config.store)  # one store for the fleet's host (the benchmark's machine)
+        self.store = None if model.kind == "page-cache" else SimStore(
+            model, loop, calibration, _shard_bytes(catalog, 1, calibration.slot_dtype))
+        self.ranks_at_warmup: list[dict[str, object]] | None = None
         if config.host_bytes < max(nbytes.values()):
             raise ConfigError(f"host_bytes ({config.host_bytes}) must hold one shard ({max(nbytes.values())} bytes "
                               f"at rank {max(ranks)}, TP {config.tp}); raise host_bytes")
@@ -266,7 +282,7 @@ class _Fleet:
         self.controller.core.limits.declare(name, engine.max_adapters, engine.max_running)  # the engine's own
         ranks = []
         for k in range(config.tp):
-            host = SimHostTier(self.loop, calibration, config.host_bytes, config.read_threads)
+            host = SimHostTier(self.loop, calibration, config.host_bytes, config.read_threads, self.store)
             worker = SimWorker(name, k, engine.num_slots, self.loop, calibration, keys, nbytes, host,
                                config.max_running + config.max_adapters,
                                functools.partial(self.controller.push, WorkerId(name, k)), self.loads.append)
@@ -291,6 +307,8 @@ class _Fleet:
             for r in self.requests:
                 loop.at(max(loop.now, r.arrival_s - self.config.hint_lead_s), self._route, r.rid)
         loop.after(self.config.series_s, self._sample)
+        if self.config.warmup_s >= 0:
+            loop.at(max(loop.now, self.config.warmup_s), self._snapshot)
         loop.run(lambda: self.finished == n)
         if self.finished < n:
             raise RuntimeError(f"simulation stalled at t={loop.now:.3f} s with {n - self.finished} of {n} requests "
@@ -302,7 +320,12 @@ class _Fleet:
         ranks = [{"replica": w.replica, "rank": w.rank, "slots": len(w.table.slots), **w.stats()}
                  for w in self.workers]
         return SimResult(self.policy.name, records, ranks, self.loads, self.hooks.steps, self.series,
-                         self.controller.stats(), self.ready_on_arrival, loop.now, loop.events)
+                         self.controller.stats(), self.ready_on_arrival, loop.now, loop.events, self.ranks_at_warmup,
+                         self.store.stats() if self.store is not None else None)
+
+    def _snapshot(self) -> None:
+        """Every rank's counters at the warm-up's end (``bench.warmup.split_run``)."""
+        self.ranks_at_warmup = [{"replica": w.replica, "rank": w.rank, **w.counts()} for w in self.workers]
 
     def _release(self) -> None:
         """Closed loop: the next request arrives now (no hint: nothing is known ahead of it)."""

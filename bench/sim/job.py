@@ -21,12 +21,16 @@ from bench.sim.fleet import SimConfig, simulate
 from bench.workloads import Workload
 
 
-def sim_config(bench: BenchConfig) -> SimConfig:
-    """The fleet ``bench`` asks for, simulated: its replicas, slots, batching bounds, router and lead."""
+def sim_config(bench: BenchConfig, workload: Workload | None = None) -> SimConfig:
+    """The fleet ``bench`` asks for, simulated: its replicas, slots, batching bounds, router, lead and store; with
+    ``workload``, its warm-up's end (the first measured arrival) for the counters' snapshot."""
+    warm = workload.requests[workload.warmup].arrival_s if workload is not None and workload.warmup and \
+        not workload.inflight and workload.warmup < len(workload.requests) else -1.0
     return SimConfig(model=bench.model, replicas=bench.replicas, tp=bench.tp, slots=bench.slots,
                      max_rank=bench.max_rank, adapter_ranks=bench.adapter_ranks, max_running=bench.max_running,
                      max_adapters=bench.max_adapters, max_prefill_tokens=bench.max_prefill_tokens,
-                     hint_lead_s=bench.hint_lead_s, host_bytes=bench.host_bytes, routing=bench.router)
+                     hint_lead_s=bench.hint_lead_s, host_bytes=bench.host_bytes, routing=bench.router,
+                     store=bench.store, warmup_s=warm)
 
 
 def run_policies(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workload, config: dict[str, Any],
@@ -34,7 +38,7 @@ def run_policies(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: 
     """Each policy simulated over ``workload`` with ``calibration`` (default: ``bench.calibration``'s file);
     the simulator's configuration and the calibration go into ``config`` (results.json's)."""
     calib = calibration if calibration is not None else load_calibration(bench.calibration)
-    sim = sim_config(bench)
+    sim = sim_config(bench, workload)
     config["sim"] = dataclasses.asdict(sim)
     config["calibration"] = dataclasses.asdict(calib)
     runs = []

@@ -30,13 +30,14 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from bench.sim.calibration import Calibration
 from bench.sim.events import Loop, Signal
+from bench.sim.store import SimStore
 from lora_cache.errors import CapacityError
 from lora_cache.vocab import AdapterKey, Command, Evict, Stage
 from workers.counters import STATS_COUNTERS, CacheCounters, resident_prefetches
@@ -97,8 +98,13 @@ class _Staged:
 class SimHostTier:
     """The pinned host tier of one rank: staged shards, LRU by bytes, single-flight reads, references."""
 
-    def __init__(self, loop: Loop, calibration: Calibration, capacity: int, read_threads: int) -> None:
+    def __init__(self, loop: Loop, calibration: Calibration, capacity: int, read_threads: int,
+                 store: SimStore | None = None) -> None:
+        """``store``: where a miss reads from (``bench.sim.store``: device, s3); None: the page cache."""
         self.loop, self.calibration, self.capacity = loop, calibration, capacity
+        self.store = store
+        self._busy = 0  # store reads: reader threads busy
+        self._queue: deque[tuple[AdapterKey, _Staged]] = deque()  # store reads waiting for a reader thread
         self.entries: OrderedDict[AdapterKey, _Staged] = OrderedDict()  # oldest first
         self.used = 0
         self.hits = self.misses = self.bytes_read = self.waits = 0
@@ -138,6 +144,10 @@ class SimHostTier:
         """Stage ``entry`` (its room is made): a read on the first free reader thread."""
         self.entries[key] = entry
         self.used += entry.nbytes
+        if self.store is not None:
+            self._queue.append((key, entry))
+            self._pump()
+            return
         now = self.loop.now
         start = max(now, heapq.heappop(self._readers))
         end = start + self.calibration.disk_s(entry.nbytes)
@@ -149,11 +159,32 @@ class SimHostTier:
         self.loop.at(end, self._read_done, entry)
 
     def waiting(self) -> int:
-        return len(self._waiting)
+        """Fetches waiting for room, and store reads waiting for a reader thread."""
+        return len(self._waiting) + len(self._queue)
 
     def read_ends(self, now: float) -> list[float]:
         """When the reads placed and not over at ``now`` end."""
         return [b for _, b in self._reads if b > now]
+
+    def _pump(self) -> None:
+        """Store reads: start the waiting ones on free reader threads (FIFO); each ends when the store says."""
+        assert self.store is not None
+        while self._queue and self._busy < len(self._readers):
+            key, entry = self._queue.popleft()
+            self._busy += 1
+            span = (self.loop.now, math.inf)
+            self._reads.append(span)
+            self.store.read(key.name, entry.nbytes, functools.partial(self._store_done, entry, span))
+
+    def _store_done(self, entry: _Staged, span: tuple[float, float]) -> None:
+        self._busy -= 1
+        start, end = span[0], self.loop.now
+        self._reads[self._reads.index(span)] = (start, end)
+        if self.on_read is not None:
+            self.on_read(start, end)
+        entry.read_ms = (end - start) * 1e3
+        self._read_done(entry)
+        self._pump()
 
     def reads_in_flight(self, now: float) -> int:
         """Reads running at ``now``: what slows a step of the engine in the same process."""
@@ -285,7 +316,7 @@ class SimWorker:
         while self._warm and not self._warm_reading:
             now = self.loop.now
             if self.host.read_ends(now) or self.host.waiting():
-                ends = self.host.read_ends(now)
+                ends = [end for end in self.host.read_ends(now) if end < math.inf]  # a store read's end is unknown
                 wake = min(ends) if ends else now + 0.01
                 if wake < self._warm_wake or self._warm_wake <= now:
                     self._warm_wake = wake

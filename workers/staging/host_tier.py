@@ -123,6 +123,10 @@ class HostTierConfig:
         "help": "the store read rate this node's warm stages (speculative reads ahead of demand, "
                 "workers/staging/warming.py) may use, in bytes per second, shared evenly by its GPU ranks (object "
                 "stores bill and throttle); reads for requests are never held back by it (0: no limit)"})
+    drop_page_cache: bool = field(default=False, metadata={
+        "help": "drop an adapter file's pages after its shard is read: the pinned host tier is the node's copy, so "
+                "the page cache does not hold a second one (and a benchmark reads from the device as a cold store "
+                "would)"})
 
     def __post_init__(self) -> None:
         if self.host_bytes != 0 and self.host_bytes < 1 << 20:
@@ -177,6 +181,24 @@ class HostTierConfig:
     def reads_for(self, pinned: bool) -> str:
         """The strategy ``auto`` stands for: processes when the arena is pinned (a GPU), else threads."""
         return ("process" if pinned else "thread") if self.reads == "auto" else self.reads
+
+
+def drop_pages(spec: AdapterSpec) -> None:
+    """``drop_page_cache``: the pages of ``spec``'s weights file leave the page cache (``POSIX_FADV_DONTNEED``,
+    after its read, on the thread that ran or collected it), so its next read comes from the device. The page
+    cache is the file's, not the fd's: readers in other processes need not do it themselves. A file system that
+    keeps no page cache (tmpfs) ignores it; a failure is logged, never the read's."""
+    path = spec.source.path if spec.source is not None else None
+    if path is None or not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        log.warning("could not drop the pages of %s from the page cache: %s", path, e)
 
 
 class ThreadReads:
@@ -565,9 +587,13 @@ class HostTier:
         try:
             if started is not None:
                 entry.bytes_read = started()
+                if self.config.drop_page_cache:
+                    drop_pages(spec)
             else:
                 with self._local(spec) as local:  # an adapter from a store: its proven copy on this node's disk
                     entry.bytes_read = self._reader.read(local, entry)
+                    if self.config.drop_page_cache:
+                        drop_pages(local)
         except BaseException as e:  # a failed read leaves the tier as it was, and tells every waiter
             entry.forget()
             with self._lock:

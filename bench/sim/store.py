@@ -1,0 +1,158 @@
+"""The storage models of ``--store`` in simulated time (``bench.store``): what a host-tier miss's read costs.
+
+- ``page-cache``: no store object; a read holds one of the rank's reader threads for the calibration's
+  ``disk_s(nbytes)`` (``disk_fixed_ms + nbytes / disk_gbps``, each thread at its own bandwidth), as before;
+- ``device``: one device for the fleet's host (the benchmark's machine): a read waits ``device_fixed_ms``, then
+  moves its bytes over a ``SharedLink`` of ``device_gbps``, shared equally by every read in flight on any rank
+  (processor sharing: two reads at once take twice as long as one), then costs the reader its page-cache read
+  (``disk_s``: the calls, checks and copies a read makes wherever its bytes come from);
+- ``s3``: the node's disk tier (every adapter fetched once per node, whole, single flight, never evicted: the
+  disk tier's 64 GiB default holds a benchmark's catalog) in front of a ``SharedLink`` of the store's bandwidth,
+  each fetch waiting the store's latency before its first byte; after the fetch (or at once if the copy is on
+  disk) the shard is read from the local copy at page-cache cost (``disk_s``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from bench.sim.calibration import GB, Calibration
+from bench.sim.events import Loop, Signal
+from bench.store import StoreModel
+
+
+class SharedLink:
+    """Transfers sharing ``bytes_per_s`` equally (processor sharing), each after a wait of ``fixed_s``."""
+
+    def __init__(self, loop: Loop, bytes_per_s: float, fixed_s: float) -> None:
+        self.loop, self.rate, self.fixed_s = loop, bytes_per_s, fixed_s
+        self.active: list[list[object]] = []  # [remaining bytes, done]
+        self.last = 0.0
+        self.gen = 0  # the scheduled completion that is current (older ones are stale)
+        self.busy_s = 0.0  # simulated time with a transfer on the link
+        self.moved = 0
+
+    def start(self, nbytes: int, done: Callable[[], None]) -> None:
+        self.loop.after(self.fixed_s, self._join, nbytes, done)
+
+    def _advance(self) -> None:
+        now = self.loop.now
+        if self.active:
+            per = (now - self.last) * self.rate / len(self.active)
+            for a in self.active:
+                a[0] = float(a[0]) - per  # type: ignore[arg-type]
+            self.busy_s += now - self.last
+        self.last = now
+
+    def _join(self, nbytes: int, done: Callable[[], None]) -> None:
+        self.moved += nbytes
+        if math.isinf(self.rate) or nbytes <= 0:
+            done()
+            return
+        self._advance()
+        self.active.append([float(nbytes), done])
+        self._schedule()
+
+    def _schedule(self) -> None:
+        self.gen += 1
+        if self.active:
+            least = min(float(a[0]) for a in self.active)  # type: ignore[arg-type]
+            self.loop.after(max(0.0, least) * len(self.active) / self.rate, self._tick, self.gen)
+
+    def _tick(self, gen: int) -> None:
+        if gen != self.gen:
+            return
+        self._advance()
+        finished = [a for a in self.active if float(a[0]) <= 1e-6 * max(1.0, self.rate)]  # type: ignore[arg-type]
+        self.active = [a for a in self.active if a not in finished]
+        self._schedule()
+        for a in finished:
+            a[1]()  # type: ignore[operator]
+
+
+class SimStore:
+    """One storage model for the fleet's host: ``read(name, nbytes, done)`` calls ``done`` when a rank's shard
+    of ``name`` (``nbytes``) is in its host tier. ``object_bytes``: each adapter's whole file (s3 fetches)."""
+
+    def __init__(self, model: StoreModel, loop: Loop, calibration: Calibration,
+                 object_bytes: Mapping[str, int]) -> None:
+        self.model, self.loop, self.calibration, self.object_bytes = model, loop, calibration, object_bytes
+        if model.kind == "device":
+            self.link = SharedLink(loop, calibration.device_gbps * GB, calibration.device_fixed_ms / 1e3)
+        elif model.kind == "s3":
+            self.link = SharedLink(loop, model.mbps * 1e6, model.latency_ms / 1e3)
+        else:
+            raise ValueError(f"no simulated store for {model.kind!r} (page-cache reads are the host tier's own)")
+        self.on_disk: dict[str, Signal] = {}  # s3: the node's disk tier (fetched, or being fetched)
+        self.fetches = 0
+
+    def read(self, name: str, nbytes: int, done: Callable[[], None]) -> None:
+        if self.model.kind == "device":  # the bytes from the device, then the reader's own work on them
+            local = self.calibration.disk_s(nbytes)
+            self.link.start(nbytes, lambda: self.loop.after(local, done))
+            return
+        copy = self.on_disk.get(name)
+        if copy is None:
+            copy = self.on_disk[name] = Signal()
+            self.fetches += 1
+            self.link.start(self.object_bytes[name], lambda: copy.fire(self.loop.now))
+        local = self.calibration.disk_s(nbytes)
+        copy.then(lambda _: self.loop.after(local, done))
+
+    def stats(self) -> dict[str, float]:
+        return {"store_fetches": self.fetches, "store_bytes": self.link.moved, "store_busy_s": self.link.busy_s}
+
+
+def _read_spans(loads: Sequence[Mapping[str, Any]]) -> list[tuple[float, float, Mapping[str, Any]]]:
+    """Each host-tier miss's read as (start, end) on its run's clock: from its load's start (READY ``t_s`` less
+    ``ready_ms``) for ``disk_ms``."""
+    out = []
+    for ld in loads:
+        if ld.get("host_hit", True) or ld.get("disk_ms") is None:
+            continue
+        start = float(ld["t_s"]) - float(ld["ready_ms"]) / 1e3
+        out.append((start, start + float(ld["disk_ms"]) / 1e3, ld))
+    return sorted(out, key=lambda x: x[0])
+
+
+def fit_store(calib: Calibration, runs: Sequence[Sequence[Mapping[str, Any]]], model: StoreModel,
+              info: dict[str, Any] | None = None) -> Calibration:
+    """``calib`` with the store's costs fitted from real runs' load logs (``runs``: each policy's, on its own
+    clock). ``device``: ``device_gbps`` is the bytes the misses read over the time any of them was reading (the
+    device's delivered bandwidth while busy), ``device_fixed_ms`` 0, and the reader's own cost (``disk_*``) is
+    left to the page-cache calibration it came with (the base). ``s3``: the store's latency and bandwidth are the
+    proxy's, as stated; the local read after a fetch (``disk_*``) is fitted from the misses of adapters already
+    fetched in that run (every miss after an adapter's first)."""
+    from bench.sim.calibration import _fit_rate
+
+    info = info if info is not None else {}
+    if model.kind == "device":
+        moved = busy = 0.0
+        for loads in runs:
+            end = -math.inf
+            for a, b, ld in _read_spans(loads):
+                moved += float(ld["nbytes"])
+                busy += max(0.0, b - max(a, end))
+                end = max(end, b)
+        if moved and busy > 0:
+            info["device"] = {"bytes": moved, "busy_s": busy}
+            return dataclasses.replace(calib, device_gbps=moved / busy / GB, device_fixed_ms=0.0)
+        return calib
+    if model.kind == "s3":
+        local = []
+        for loads in runs:
+            seen: set[str] = set()
+            for _, _, ld in _read_spans(loads):
+                if ld.get("adapter") in seen:
+                    local.append(ld)
+                seen.add(str(ld.get("adapter")))
+        if len(local) >= 2:
+            fixed, gbps = _fit_rate(np.array([ld["nbytes"] for ld in local], dtype=np.float64),
+                                    np.array([ld["disk_ms"] for ld in local], dtype=np.float64), "disk", info)
+            return dataclasses.replace(calib, disk_fixed_ms=fixed, disk_gbps=gbps)
+    return calib

@@ -1,0 +1,142 @@
+"""``--store``: where the benchmark's adapters come from, the same on both engines (issue 42 item 2).
+
+- ``page-cache`` (the default): the adapter files on local disk, their pages left in the page cache after the
+  first read (every read after it is a memory copy);
+- ``device``: the files on local disk with the page cache bypassed: every worker drops a file's pages after it
+  reads its shard (``HostTierConfig.drop_page_cache``, ``workers.host_tier.drop_pages``), and the benchmark drops
+  every adapter file's pages before each policy's run (``drop_all_pages``), so a host-tier miss reads the device;
+- ``s3:BANDWIDTH,LATENCY`` (e.g. ``s3:200MBps,30ms``): the adapters served by a real S3-compatible server
+  (moto's server mode, its own process) behind a throttling TCP proxy (``bench.proxy``, its own process): every
+  response waits LATENCY before its first byte, and all responses share BANDWIDTH (MB/s, 10^6 bytes). The
+  service registers ``s3://BUCKET/adapters`` and every worker fetches through the proxy
+  (``AWS_ENDPOINT_URL``) into its node's disk tier (a fresh directory per policy), then reads its shard from
+  there (``workers.disk_tier``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+from lora_cache.errors import ConfigError
+
+STORES = ("page-cache", "device", "s3:BANDWIDTH,LATENCY")
+BUCKET = "bench-adapters"
+_BW = re.compile(r"^(\d+(?:\.\d+)?)\s*(MB|GB)(?:ps|/s)$", re.IGNORECASE)
+_LAT = re.compile(r"^(\d+(?:\.\d+)?)\s*ms$", re.IGNORECASE)
+
+
+class StoreModel(NamedTuple):
+    """A parsed ``--store``: ``kind`` page-cache | device | s3; s3's bandwidth (MB/s) and latency (ms)."""
+
+    kind: str = "page-cache"
+    mbps: float = 0.0
+    latency_ms: float = 0.0
+
+    def describe(self) -> str:
+        if self.kind == "s3":
+            return f"s3 ({self.mbps:g} MB/s shared, {self.latency_ms:g} ms to each response's first byte)"
+        return self.kind
+
+
+def parse_store(text: str) -> StoreModel:
+    """``--store``'s value, or a ConfigError naming the option, the value and the fix."""
+    fix = "use --store page-cache, --store device or --store s3:BANDWIDTH,LATENCY (e.g. --store s3:200MBps,30ms)"
+    if text in ("page-cache", "device"):
+        return StoreModel(text)
+    kind, sep, arg = text.partition(":")
+    if kind != "s3":
+        raise ConfigError(f"--store {text!r} is not a storage model; {fix}")
+    parts = [p.strip() for p in arg.split(",")] if sep else []
+    if len(parts) != 2:
+        raise ConfigError(f"--store {text!r}: s3 needs a bandwidth and a latency, s3:BANDWIDTH,LATENCY; {fix}")
+    bw, lat = _BW.match(parts[0]), _LAT.match(parts[1])
+    if bw is None:
+        raise ConfigError(f"--store {text!r}: bandwidth {parts[0]!r} is not MB/s or GB/s (e.g. 200MBps, 1.5GBps); "
+                          f"{fix}")
+    if lat is None:
+        raise ConfigError(f"--store {text!r}: latency {parts[1]!r} is not milliseconds (e.g. 30ms); {fix}")
+    mbps = float(bw.group(1)) * (1000.0 if bw.group(2).upper() == "GB" else 1.0)
+    if mbps <= 0:
+        raise ConfigError(f"--store {text!r}: bandwidth must be > 0 MB/s; {fix}")
+    return StoreModel("s3", mbps, float(lat.group(1)))
+
+
+def drop_all_pages(root: str | Path) -> int:
+    """Every file under ``root`` out of the page cache (``POSIX_FADV_DONTNEED``); how many files were dropped."""
+    count = 0
+    for path in sorted(Path(root).rglob("*")):
+        if not path.is_file():
+            continue
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            count += 1
+        finally:
+            os.close(fd)
+    return count
+
+
+class Proxy:
+    """``bench.proxy`` as its own process, forwarding to ``target`` (host:port) at ``mbps``, ``latency_ms``."""
+
+    def __init__(self, target: str, mbps: float, latency_ms: float, timeout_s: float = 30.0) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.proxy", "--target", target, "--mbps", str(mbps),
+                                      "--latency-ms", str(latency_ms)], stdout=subprocess.PIPE,
+                                     cwd=Path(__file__).resolve().parents[1], text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # the bound port, once listening
+        if not line.strip().isdigit():
+            self.stop()
+            raise RuntimeError(f"bench.proxy did not start (exit {self.proc.poll()})")
+        self.port = int(line)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+    def __enter__(self) -> Proxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+STORE_ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+             "AWS_REGION": "us-east-1"}
+
+
+@contextlib.contextmanager
+def s3_store(model: StoreModel, root: str | Path, names: list[str]) -> Iterator[tuple[str, dict[str, str]]]:
+    """moto's server and the proxy in front of it, ``names`` (directories of ``root``) uploaded under
+    ``s3://BUCKET/adapters/NAME``: yields that prefix's URL and the environment a process needs to fetch through
+    the proxy (``AWS_ENDPOINT_URL`` the proxy's; moto without authentication)."""
+    import boto3
+
+    from bench.probes.store_read import moto_server
+
+    with moto_server() as direct, Proxy(direct.rpartition("//")[2], model.mbps, model.latency_ms) as proxy:
+        s3 = boto3.session.Session().client("s3", endpoint_url=direct, region_name="us-east-1",
+                                            aws_access_key_id="bench", aws_secret_access_key="bench")
+        s3.create_bucket(Bucket=BUCKET)
+        t0 = time.perf_counter()
+        for name in names:
+            for f in sorted((Path(root) / name).iterdir()):
+                if f.is_file():
+                    s3.put_object(Bucket=BUCKET, Key=f"adapters/{name}/{f.name}", Body=f.read_bytes())
+        print(f"store: {len(names)} adapters uploaded to moto in {time.perf_counter() - t0:.1f} s; served through "
+              f"the proxy at {proxy.url}: {model.describe()}", file=sys.stderr)
+        yield f"s3://{BUCKET}/adapters", {**STORE_ENV, "AWS_ENDPOINT_URL": proxy.url}

@@ -1,0 +1,318 @@
+"""Issue 42 item 2: ``--store`` (page-cache, device, s3 behind a throttling proxy) on both engines, the worker's
+``drop_page_cache``, the simulator's store costs, and the warm-up before the measured window."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import workers.host_tier as host_tier_module
+from bench.config import BenchConfig
+from bench.policies import BENCH_POLICIES
+from bench.sim.calibration import Calibration
+from bench.sim.events import Loop
+from bench.sim.store import SharedLink, SimStore, fit_store
+from bench.sim.worker import SimHostTier
+from bench.store import Proxy, StoreModel, parse_store
+from bench.warmup import auto_warmup, split_run, warm_workload
+from bench.workloads import WorkloadSpec
+from lora_cache.adapters.catalog import AdapterCatalog
+from lora_cache.adapters.shapes import SHAPES
+from lora_cache.adapters.shards import shard_layout
+from lora_cache.errors import ConfigError
+from lora_cache.vocab import AdapterKey
+from workers.host_tier import HostTier, HostTierConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- the option ----------------------------------------------------------------------------------------------
+def test_store_values_parse() -> None:
+    assert parse_store("page-cache") == StoreModel("page-cache")
+    assert parse_store("device") == StoreModel("device")
+    assert parse_store("s3:200MBps,30ms") == StoreModel("s3", 200.0, 30.0)
+    assert parse_store("s3:1.5GBps,5ms") == StoreModel("s3", 1500.0, 5.0)
+    assert parse_store("s3:80MB/s,0ms") == StoreModel("s3", 80.0, 0.0)
+    assert BenchConfig().store == "page-cache" and BenchConfig().warmup_requests == -1
+
+
+@pytest.mark.parametrize("value, names", [
+    ("s3:fast", "s3:BANDWIDTH,LATENCY"), ("s3:200,30ms", "bandwidth '200'"), ("s3:200MBps,30", "latency '30'"),
+    ("nfs", "not a storage model"), ("s3:0MBps,1ms", "> 0 MB/s")])
+def test_bad_store_values_name_the_option_the_value_and_the_fix(value: str, names: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        BenchConfig(store=value)
+    text = str(e.value)
+    assert "--store" in text and repr(value) in text and names in text and "s3:200MBps,30ms" in text
+
+
+def test_bad_store_on_the_command_line_exits_2_with_the_message() -> None:
+    proc = subprocess.run([sys.executable, "-m", "bench.run", "--engine", "sim", "--store", "s3:fast"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--store 's3:fast'" in proc.stderr and "e.g. --store s3:200MBps,30ms" in proc.stderr
+
+
+def test_bad_warmup_is_refused() -> None:
+    with pytest.raises(ConfigError, match="--warmup-requests -2"):
+        BenchConfig(warmup_requests=-2)
+
+
+# -- the worker's drop_page_cache ---------------------------------------------------------------------------------
+@pytest.fixture
+def catalog(tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog]) -> AdapterCatalog:
+    paths = tiny_adapters(count=2, rank="8")
+    return make_catalog(paths[0].parent)
+
+
+@pytest.mark.parametrize("reads", ["thread", "process"])
+@pytest.mark.parametrize("drop", [True, False])
+def test_a_read_with_drop_page_cache_drops_that_files_pages(catalog: AdapterCatalog, monkeypatch: pytest.MonkeyPatch,
+                                                            reads: str, drop: bool) -> None:
+    dropped: list[str] = []
+    monkeypatch.setattr(host_tier_module, "drop_pages", lambda spec: dropped.append(spec.source.path))
+    tier = HostTier(HostTierConfig(host_bytes=1 << 20, read_threads=2, pin=False, reads=reads, drop_page_cache=drop))
+    try:
+        spec = catalog.get(catalog.names()[0])
+        layout = shard_layout(spec, SHAPES["tiny"], 1, 0, torch.float32)
+        future, hit = tier.fetch(spec, layout)
+        assert not hit
+        future.result(timeout=120)
+        again, hit = tier.fetch(spec, layout)  # a hit reads nothing, drops nothing
+        assert hit
+        assert dropped == ([spec.source.path] if drop else [])
+    finally:
+        tier.close()
+
+
+def test_drop_pages_advises_dontneed_on_the_file(catalog: AdapterCatalog, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, int, int, int]] = []
+    real = host_tier_module.os.posix_fadvise
+    monkeypatch.setattr(host_tier_module.os, "posix_fadvise", lambda fd, o, n, a: (calls.append((fd, o, n, a)),
+                                                                                    real(fd, o, n, a)))
+    host_tier_module.drop_pages(catalog.get(catalog.names()[0]))
+    assert len(calls) == 1 and calls[0][1:] == (0, 0, host_tier_module.os.POSIX_FADV_DONTNEED)
+
+
+def test_the_store_option_reaches_the_workers_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import bench.real as real
+
+    seen: dict[str, Any] = {}
+
+    def start(serve: Any, catalog: Any, planner: Any, worker: Any) -> Any:
+        seen["worker"] = worker
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(real, "start", start)
+    monkeypatch.setattr(real, "_refuse_running_service", lambda: None)
+    workload = warm_workload(WorkloadSpec(requests=4), ["a-000", "a-001"], 0, 1, 1)[0]
+    for store, drop, disk in (("page-cache", False, ""), ("device", True, ""), ("s3:100MBps,5ms", False, "global")):
+        config = real.RealConfig(store=store, disk_root=str(tmp_path))
+        with pytest.raises(RuntimeError, match="stop here"):
+            real.run_policy(config, BENCH_POLICIES["global"], "/nowhere", ["a-000", "a-001"], workload)
+        assert seen["worker"].host.drop_page_cache is drop
+        if disk:
+            assert seen["worker"].disk.disk_cache == str(tmp_path / disk) and seen["worker"].disk.fetch_part_bytes == 0
+
+
+# -- the proxy ----------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def sender(payload: bytes) -> Iterator[int]:
+    """A TCP server that answers each request line with ``payload``."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = srv.accept()
+                with conn:
+                    conn.recv(100)
+                    conn.sendall(payload)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield srv.getsockname()[1]
+    finally:
+        srv.close()
+
+
+def fetch(port: int, nbytes: int) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(b"GET\n")
+        got = bytearray()
+        while len(got) < nbytes:
+            chunk = s.recv(1 << 16)
+            if not chunk:
+                break
+            got += chunk
+        return bytes(got)
+
+
+def test_the_proxy_is_a_process_that_delivers_every_byte_at_its_bandwidth_after_its_latency() -> None:
+    payload = bytes(range(256)) * (8 << 10)  # 2 MiB
+    with sender(payload) as port, Proxy(f"127.0.0.1:{port}", mbps=4.0, latency_ms=200.0) as proxy:
+        assert proxy.proc.pid != 0 and proxy.proc.poll() is None  # its own process
+        t0 = time.perf_counter()
+        got = fetch(proxy.port, len(payload))
+        took = time.perf_counter() - t0
+    assert got == payload
+    assert took >= 0.2 + 0.8 * (len(payload) / 4e6)  # latency, then N / B (less the bucket's burst): a lower bound
+
+
+def test_the_proxys_bandwidth_is_shared_by_every_connection() -> None:
+    payload = b"x" * (1 << 20)
+    with sender(payload) as port, Proxy(f"127.0.0.1:{port}", mbps=4.0, latency_ms=0.0) as proxy:
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=fetch, args=(proxy.port, len(payload))) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        took = time.perf_counter() - t0
+    assert took >= 0.8 * (2 * len(payload) / 4e6)
+
+
+# -- the simulator's store costs ---------------------------------------------------------------------------------
+def test_a_shared_link_shares_its_bandwidth() -> None:
+    loop = Loop()
+    link = SharedLink(loop, 1e6, 0.01)
+    done: dict[str, float] = {}
+    link.start(1_000_000, lambda: done.setdefault("alone", loop.now))
+    loop.run(lambda: False)
+    assert done["alone"] == pytest.approx(1.01)
+    loop = Loop()
+    link = SharedLink(loop, 1e6, 0.0)
+    for name in ("a", "b"):
+        link.start(1_000_000, lambda name=name: done.setdefault(name, loop.now))
+    loop.run(lambda: False)
+    assert done["a"] == pytest.approx(2.0) and done["b"] == pytest.approx(2.0)  # each at half the bandwidth
+
+
+def read_times(store: str, reads: int, nbytes: int = 50_000_000) -> list[float]:
+    """When each of ``reads`` misses started at once on one rank's host tier are staged."""
+    loop = Loop()
+    calib = Calibration(disk_fixed_ms=1.0, disk_gbps=10.0, device_gbps=1.0)
+    model = parse_store(store)
+    sim_store = None if model.kind == "page-cache" else SimStore(model, loop, calib,
+                                                                 {f"a{i}": nbytes * 2 for i in range(reads)})
+    tier = SimHostTier(loop, calib, 1 << 40, 8, sim_store)
+    entries = [tier.fetch(AdapterKey(f"a{i}", "v"), nbytes)[0] for i in range(reads)]
+    loop.run(lambda: all(e.staged.done for e in entries))
+    return [e.staged.time for e in entries]
+
+
+def test_device_reads_are_slower_than_page_cache_reads_and_concurrent_ones_share_the_device() -> None:
+    (page,) = read_times("page-cache", 1)
+    (device,) = read_times("device", 1)
+    assert device > page
+    assert device == pytest.approx(0.05 + 0.001 + 0.005)  # 50 MB at 1 GB/s, then the reader's own read
+    together = read_times("device", 4)
+    assert min(together) > 3 * 0.05  # four reads at once share the device's 1 GB/s
+    assert max(read_times("page-cache", 4)) == pytest.approx(page)  # each page-cache reader at its own speed
+
+
+def test_s3_fetches_once_per_node_after_the_latency_then_reads_the_local_copy() -> None:
+    loop = Loop()
+    calib = Calibration(disk_fixed_ms=1.0, disk_gbps=10.0)
+    store = SimStore(parse_store("s3:100MBps,30ms"), loop, calib, {"a": 10_000_000})
+    tiers = [SimHostTier(loop, calib, 1 << 30, 4, store) for _ in range(2)]  # two ranks of one node
+    entries = [t.fetch(AdapterKey("a", "v"), 5_000_000)[0] for t in tiers]
+    loop.run(lambda: all(e.staged.done for e in entries))
+    assert store.fetches == 1
+    for e in entries:
+        assert e.staged.time == pytest.approx(0.03 + 0.1 + 0.001 + 0.0005)
+
+
+def test_fit_store_device_bandwidth_from_busy_time() -> None:
+    loads = [{"host_hit": False, "t_s": 1.0, "ready_ms": 1000.0, "disk_ms": 1000.0, "nbytes": 500_000_000,
+              "adapter": "a"},
+             {"host_hit": False, "t_s": 1.0, "ready_ms": 1000.0, "disk_ms": 1000.0, "nbytes": 500_000_000,
+              "adapter": "b"}]
+    fitted = fit_store(Calibration(), [loads], parse_store("device"))
+    assert fitted.device_gbps == pytest.approx(1.0)
+
+
+# -- the warm-up ----------------------------------------------------------------------------------------------
+def test_auto_warmup_fills_every_replicas_slots() -> None:
+    spec = WorkloadSpec(requests=100, arrivals="poisson:10", popularity="uniform")
+    names = spec.adapter_names(4)
+    n = auto_warmup(spec, names, replicas=2, slots=4)
+    workload, _ = warm_workload(spec, names, -1, 2, 4)
+    assert workload.warmup == n and len(workload.requests) == 100 + n
+    seen: list[set[str]] = [set(), set()]
+    for i, r in enumerate(workload.requests[:n]):
+        seen[i % 2].add(r.adapter)
+    assert all(len(s) >= 4 for s in seen)
+    assert workload.describe()["requests"] == 100 and workload.describe()["warmup_requests"] == n
+
+
+def test_measured_figures_exclude_the_warmup(tmp_path: Path) -> None:
+    from bench.run import run
+
+    bench = BenchConfig(engine="sim", policies="ondemand,global", quick=True, scenario="quick", model="tiny",
+                        replicas=2, slots=4, max_adapters=2, host_bytes=2 << 30, warmup_requests=20,
+                        out=str(tmp_path), plots=False, store="device")
+    spec = WorkloadSpec(requests=30, arrivals="poisson:20", popularity="zipf:1.5", random_input_len=64,
+                        random_output_len=8)
+    doc = run(bench, spec)
+    assert doc["config"]["workload"]["requests"] == 30 and doc["config"]["workload"]["warmup_requests"] == 20
+    for policy, figs in doc["figures"].items():
+        assert figs["completed"] == 30, policy
+        assert sorted(r["rid"] for r in doc["requests"][policy]) == list(range(20, 50))
+        assert doc["cold_start"][policy]["completed"] == 20
+        assert figs["loads"] == len(doc["loads"][policy])
+    assert "cold start (the warm-up's 20 requests" in doc["table"] and "store: device" in doc["table"]
+    assert "GiB per rank, the same for every policy" in doc["table"]
+
+
+def test_split_run_counters_come_from_the_snapshot() -> None:
+    from bench.figures import PolicyRun
+    from workers.engine.timings import RequestRecord
+
+    fields = {f.name for f in dataclasses.fields(RequestRecord)} if dataclasses.is_dataclass(RequestRecord) else set()
+    if not fields:
+        pytest.skip("RequestRecord is not a dataclass here")
+    recs = []
+    for rid in range(6):
+        kw = {f: None for f in fields}
+        kw.update(rid=rid, arrival_s=float(rid))
+        recs.append(RequestRecord(**kw))
+    ranks = [{"replica": "r", "rank": 0, "evictions": 5, "host_hits": 7}]
+    mid = [{"replica": "r", "rank": 0, "evictions": 2, "host_hits": 3}]
+    loads = [{"t_s": 1.0, "replica": "r", "rank": 0, "nbytes": 10}, {"t_s": 4.0, "replica": "r", "rank": 0,
+                                                                       "nbytes": 20}]
+    run = PolicyRun("ondemand", "sim", recs, ranks, loads, ranks_at_warmup=mid)
+    measured, cold = split_run(run, 3)
+    assert [r.rid for r in measured.records] == [3, 4, 5] and [r.rid for r in cold.records] == [0, 1, 2]
+    assert measured.ranks[0]["evictions"] == 3 and measured.ranks[0]["host_hits"] == 4
+    assert (measured.ranks[0]["loads"], measured.ranks[0]["bytes_host_to_gpu"]) == (1, 20)
+    assert cold.ranks[0]["evictions"] == 2 and (cold.ranks[0]["loads"], cold.ranks[0]["bytes_host_to_gpu"]) == (1, 10)
+
+
+# -- one quick real-engine run per storage model (Ray, CPU) ----------------------------------------------------------
+@pytest.mark.ray
+@pytest.mark.parametrize("store", ["device", "s3:50MBps,20ms"])
+def test_a_quick_real_run_per_storage_model(store: str, tmp_path: Path) -> None:
+    import json
+
+    proc = subprocess.run([sys.executable, "-m", "bench.run", "--quick", "--policies", "ondemand,global",
+                           "--requests", "16", "--warmup-requests", "8", "--store", store, "--out", str(tmp_path),
+                           "--no-plots"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["config"]["store"]["kind"] == parse_store(store).kind
+    for policy in ("ondemand", "global"):
+        assert doc["figures"][policy]["completed"] == 16 and doc["cold_start"][policy]["completed"] == 8
+    assert "cold start" in proc.stdout and "store: " in proc.stdout
