@@ -25,7 +25,7 @@ from typing import Any
 from bench.figures import PolicyRun
 from bench.workloads import Workload, WorkloadSpec, make_workload
 from lora_cache.errors import ConfigError
-from workers.metrics import STATS_COUNTERS
+from workers.counters import STATS_COUNTERS
 
 AUTO_CAP = 4  # the auto warm-up is at most this many times the measured requests
 LOG_KEYS = ("loads", "bytes_host_to_gpu")  # counters taken from the load log on each side of the boundary

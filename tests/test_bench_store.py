@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-import workers.host_tier as host_tier_module
+import workers.staging.host_tier as host_tier_module
 from bench.config import BenchConfig
 from bench.policies import BENCH_POLICIES
 from bench.sim.calibration import Calibration
@@ -32,7 +32,7 @@ from lora_cache.adapters.shapes import SHAPES
 from lora_cache.adapters.shards import shard_layout
 from lora_cache.errors import ConfigError
 from lora_cache.vocab import AdapterKey
-from workers.host_tier import HostTier, HostTierConfig
+from workers.staging.host_tier import HostTier, HostTierConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
