@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 42 on one 2-GPU host: where a miss hurts (the device store: every read from the device, the page cache
+# bypassed) and where it does not (the page cache), `global` behind Route and behind affinity against the best
+# baselines and the oracle, at equal GPU slots and host tier, with the engine's defaults (--max-adapters 4).
+#
+#   bash bench/gpu/issue42.sh OUT [PART ...]      default: dev2-aff dev2-route
+#
+# PARTs (each one bench.run into OUT/PART, results.json gzipped, its log under OUT/logs):
+#   dev2-aff     2 replicas x TP 1, device store, affinity router: queue, global, oracle (--check-sim)
+#   dev2-route   2 replicas x TP 1, device store, Route (lora-cache router): global (--check-sim)
+#   dev2-ll      2 replicas x TP 1, device store, least-loaded router: overlap
+#   dev1         1 replica, device store: queue, global, oracle (--check-sim)
+#   pc2-aff      2 replicas x TP 1, page-cache store, affinity: queue, global
+#   pc2-route    2 replicas x TP 1, page-cache store, Route: global
+# The workload: Zipf 1.5 over NUM_ADAPTERS [100] adapters of ranks 16 and 64 (Llama-3.1-8B shapes), Poisson RATE
+# [4] requests/s per replica, REQUESTS [200] measured after the automatic warm-up (bench/warmup.py), the host tier
+# HOST_BYTES [4 GiB] per rank: about a quarter of the catalog's shard bytes. Each run is killed after STEP_LIMIT
+# [280] s. Exit status: the number of runs that failed.
+set -u
+. "$(dirname "$0")/lib.sh"
+[ $# -gt 0 ] || set -- dev2-aff dev2-route
+model=${MODEL:-llama-3.1-8b}
+adapters=${ADAPTERS:-${TMPDIR:-/tmp}/lora-cache-i42-adapters-$model}
+rate=${RATE:-4}
+limit=${STEP_LIMIT:-280}
+common=(--engine real --model "$model" --adapter-ranks 16,64 --adapters "$adapters" --no-plots --scenario zipf
+        --num-adapters "${NUM_ADAPTERS:-100}" --requests "${REQUESTS:-200}" --host-bytes "${HOST_BYTES:-4294967296}"
+        --max-adapters "${MAX_ADAPTERS:-4}")
+[ "${DRY:-0}" = 1 ] || nvidia-smi -L
+run() {  # NAME ARGS...
+  local name=$1; shift
+  step "$name" timeout -k 15 "$limit" "$PYTHON" -m bench.run "${common[@]}" "$@" --out "$out/$name"
+  if [ -f "$out/$name/results.json" ]; then gzip -f "$out/$name/results.json"; fi
+}
+two=(--replicas 2 --tp 1 --arrivals "poisson:$((rate * 2))")
+for part in "$@"; do
+  case $part in
+    dev2-aff)   run "$part" "${two[@]}" --store device --router affinity --policies queue,global,oracle --check-sim ;;
+    dev2-route) run "$part" "${two[@]}" --store device --router lora-cache --policies global --check-sim ;;
+    dev2-ll)    run "$part" "${two[@]}" --store device --router least-loaded --policies overlap ;;
+    dev1)       run "$part" --replicas 1 --arrivals "poisson:$rate" --store device --policies queue,global,oracle --check-sim ;;
+    pc2-aff)    run "$part" "${two[@]}" --store page-cache --router affinity --policies queue,global ;;
+    pc2-route)  run "$part" "${two[@]}" --store page-cache --router lora-cache --policies global ;;
+    *) echo "unknown part $part" >&2; exit 2 ;;
+  esac
+done
+exit "$failed"
