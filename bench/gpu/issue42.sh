@@ -13,7 +13,8 @@
 #   pc2-aff      2 replicas x TP 1, page-cache store, affinity: queue, global
 #   pc2-route    2 replicas x TP 1, page-cache store, Route: global
 # The workload: Zipf 1.5 over NUM_ADAPTERS [100] adapters of ranks 16 and 64 (Llama-3.1-8B shapes), Poisson RATE
-# [4] requests/s per replica, REQUESTS [200] measured after the automatic warm-up (bench/warmup.py), the host tier
+# [4] requests/s per replica, REQUESTS [200] measured after WARMUP [300] warm-up requests (bench/warmup.py: long
+# enough for the warm stages to fill the host tiers at the device's ~1.2 GB/s), the host tier
 # HOST_BYTES [4 GiB] per rank: about a quarter of the catalog's shard bytes. Each run is killed after STEP_LIMIT
 # [280] s. Exit status: the number of runs that failed.
 set -u
@@ -25,7 +26,7 @@ rate=${RATE:-4}
 limit=${STEP_LIMIT:-280}
 common=(--engine real --model "$model" --adapter-ranks 16,64 --adapters "$adapters" --no-plots --scenario zipf
         --num-adapters "${NUM_ADAPTERS:-100}" --requests "${REQUESTS:-200}" --host-bytes "${HOST_BYTES:-4294967296}"
-        --max-adapters "${MAX_ADAPTERS:-4}")
+        --max-adapters "${MAX_ADAPTERS:-4}" --warmup-requests "${WARMUP:-300}")
 [ "${DRY:-0}" = 1 ] || nvidia-smi -L
 run() {  # NAME ARGS...
   local name=$1; shift
