@@ -106,8 +106,8 @@ def test_staging_cuts_global_load_waits_on_the_loaded_fleet() -> None:
                         random_output_len=128, workload_seed=0)
     wl = make_workload(spec, spec.adapter_names(ORDERING.slots))
     on = simulate(ORDERING, BENCH_POLICIES["global"], wl, H200, check=True)
-    off = simulate(dataclasses.replace(ORDERING, max_staged=0, stage_share=0.0), BENCH_POLICIES["global"], wl, H200,
-                   check=True)
+    off = simulate(dataclasses.replace(ORDERING, max_staged=0, stage_share=0.0, warm_share=0.0),
+                   BENCH_POLICIES["global"], wl, H200, check=True)
     assert int(on.controller["stage_commands"]) > 0 and on.totals()["stages"] > 0  # type: ignore[call-overload]
     assert off.controller["stage_commands"] == 0 and off.totals()["stages"] == 0
     host_hit = {name: sum(ld.host_hit for ld in r.loads) / len(r.loads) for name, r in (("on", on), ("off", off))}
