@@ -33,7 +33,8 @@ from lora_cache.adapters.shards import ShardLayout
 from lora_cache.errors import CapacityError, ConfigError
 from lora_cache.vocab import AdapterKey  # one name@version key for planner and workers
 from workers.reads.processes import ReaderProcess, SplitRead
-from workers.reads.shard import VERIFY, read_shard
+from workers.reads.proof import VERIFY
+from workers.reads.shard import read_shard
 from workers.reads.threads import AUTO_MAX, ReadPool, auto_readers, host_cores
 from workers.staging.arena import ALIGN, Block, HostArena
 from workers.staging.disk_tier import DiskTier
