@@ -53,7 +53,7 @@ from workers.cache import WorkerConfig
 from workers.counters import STATS_COUNTERS, STATS_SUMMARIES
 from workers.engine.config import EngineConfig
 from workers.engine.workload import Request
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 if TYPE_CHECKING:
     from bench.workloads import Workload

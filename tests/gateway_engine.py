@@ -18,7 +18,7 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     from workers.attach.attachment import AttachConfig, attach
     from workers.cache import WorkerConfig
-    from workers.staging.host_tier import HostTierConfig
+    from workers.staging.host_config import HostTierConfig
 
     config = AttachConfig(replica=args["replica"], gateway=args["gateway"], token=args.get("token", ""),
                           poll_s=0.5, liveness_s=args.get("liveness_s", 10.0),

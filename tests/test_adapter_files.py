@@ -36,7 +36,8 @@ from lora_cache.adapters.synth import write_adapter
 from lora_cache.errors import AdapterChangedError, AdapterError, AdapterFormatError, AdapterPathError
 from workers.reads.shard import read_shard
 from workers.reads.threads import ReadPool
-from workers.staging.host_tier import HostTier, HostTierConfig
+from workers.staging.host_config import HostTierConfig
+from workers.staging.host_tier import HostTier
 
 TINY = SHAPES["tiny"]
 F32 = torch.float32

@@ -46,8 +46,8 @@ from workers.engine.model import final_norm_weight, full_weights, prompt_states
 from workers.engine.rank import RankEngine, load_catalog
 from workers.engine.scheduler import DECODE, PREFILL, WAIT, Scheduler, StepPlan
 from workers.engine.tp import Comm
-from workers.staging import host_tier
-from workers.staging.host_tier import HostTierConfig
+from workers.staging import tier_reads
+from workers.staging.host_config import HostTierConfig
 
 TINY = SHAPES["tiny"]
 FULL = [f"adapter-{i:03d}" for i in range(4)]
@@ -274,7 +274,7 @@ def test_overlap_serves_ready_adapters_while_one_loads(adapters: Path, monkeypat
     """The slow adapter's read is held until every other request has finished: overlap must get there."""
     slow, others_done = FULL[3], threading.Event()
     requests = [Request(0, slow, 4, 2, 0.0)] + [Request(i, FULL[i % 3], 3, 3, 0.0) for i in range(1, 6)]
-    read = host_tier.read_shard
+    read = tier_reads.read_shard
 
     def gated_read(spec: AdapterSpec, *args: Any) -> int:
         if spec.name == slow:
@@ -288,7 +288,7 @@ def test_overlap_serves_ready_adapters_while_one_loads(adapters: Path, monkeypat
         if all(len(self.live[i].token_s) == 3 for i in range(1, 6)):
             others_done.set()
 
-    monkeypatch.setattr(host_tier, "read_shard", gated_read)
+    monkeypatch.setattr(tier_reads, "read_shard", gated_read)
     monkeypatch.setattr(Scheduler, "finish_step", watch)
     result = run_engine(engine_config(adapters, admission="overlap", max_adapters=3), requests)
     check_served(result, engine_config(adapters, max_adapters=3), requests)

@@ -35,7 +35,8 @@ from workers.cache import WorkerCache, WorkerConfig
 from workers.control.outbox import Outbox
 from workers.control.rank import WorkerControl
 from workers.reads.shard import read_shard
-from workers.staging.host_tier import HostTier, HostTierConfig
+from workers.staging.host_config import HostTierConfig
+from workers.staging.host_tier import HostTier
 
 TINY = SHAPES["tiny"]
 F32 = torch.float32

@@ -246,7 +246,7 @@ def test_an_engine_attaches_through_a_real_grpc_server_and_loads_what_it_is_told
     from lora_cache.api.servicer import Servicer, generic_handler
     from workers.attach.attachment import AttachConfig, attach
     from workers.cache import WorkerConfig
-    from workers.staging.host_tier import HostTierConfig
+    from workers.staging.host_config import HostTierConfig
 
     make_adapters(tmp_path, SynthConfig(model="tiny", count=1, rank="8"))
     adapter = "adapter-000"

@@ -30,7 +30,7 @@ from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.hosted import Rendezvous  # noqa: E402
 from workers.engine.process import EngineProcess, start_ranks  # noqa: E402
 from workers.engine.workload import Request  # noqa: E402
-from workers.staging.host_tier import HostTierConfig  # noqa: E402
+from workers.staging.host_config import HostTierConfig  # noqa: E402
 
 pytestmark = pytest.mark.ray
 

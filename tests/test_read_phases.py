@@ -32,7 +32,9 @@ from workers.reads.plan import Run
 from workers.reads.positioned import block_crc
 from workers.reads.shard import read_slices
 from workers.reads.threads import auto_readers
-from workers.staging.host_tier import AUTO_MAX_SPLIT, HostTier, HostTierConfig, ProcessReads
+from workers.staging.host_config import AUTO_MAX_SPLIT, HostTierConfig
+from workers.staging.host_tier import HostTier
+from workers.staging.tier_reads import ProcessReads
 
 TINY = SHAPES["tiny"]
 
@@ -390,4 +392,5 @@ def test_a_parts_share_of_a_settled_pattern_is_built_once_and_the_bytes_come_fro
     kept = {k: v[1] for k, v in reader_module._PARTS.items() if k not in before}
     assert len(kept) == 2  # one per part
     assert read_both(settled) == [want_bytes] * 2
-    assert all(dict(reader_module._PARTS.items())[k][1] is share for k, share in kept.items()), "a share was built again"
+    now = dict(reader_module._PARTS.items())
+    assert all(now[k][1] is share for k, share in kept.items()), "a share was built again"

@@ -36,7 +36,8 @@ from workers.gpu.streams import make_streams, resolve_device
 from workers.kernels.meta import SlotMeta, shard_dims
 from workers.reads.threads import ranks_on_host
 from workers.staging.disk_tier import DiskTier, DiskTierConfig
-from workers.staging.host_tier import HostEntry, HostTier, HostTierConfig
+from workers.staging.host_config import HostTierConfig
+from workers.staging.host_tier import HostEntry, HostTier
 
 ON_MISS = ("load", "error")  # acquire of a non-resident adapter: load it on demand, or refuse
 

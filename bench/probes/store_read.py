@@ -52,7 +52,7 @@ from workers.cache import WorkerCache, WorkerConfig
 from workers.reads.plan import plan_tasks
 from workers.reads.proof import tensor_index
 from workers.staging.disk_tier import DiskTier, DiskTierConfig
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 BUCKET = "probe-adapters"
 PART = 8 << 20
