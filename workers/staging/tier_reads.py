@@ -42,7 +42,7 @@ class ThreadReads:
 
 class ProcessReads:
     """Reads in ``count`` reader processes that map the (shared) arena: each tier thread takes the idle one used
-    last, and up to ``split`` - 1 more if they are idle, which split the read (``workers.reads.processes.read_split``), each
+    last, and up to ``split`` - 1 more if they are idle, which split the read (``processes.read_split``), each
     over ``parallel`` threads of its own. A stack, last used first: what a process keeps per rank pattern (its
     layout's entries, the header's index and the read's plan) is warm there; taken in turn, every process paid
     for those once per pattern, and the probe's one read at a time went to a cold process each time
