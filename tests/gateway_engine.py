@@ -54,7 +54,8 @@ def run(rank: Any, command: dict[str, Any]) -> Any:
         rank.report_queue([(a, time.time()) for a in command["adapters"]])
         return True
     if op == "stats":
-        return {**rank.control.stats(), "calls": rank.calls, "errors": rank.errors, "lost": repr(rank.lost),
+        served = rank.served
+        return {**rank.control.stats(), "calls": served.calls, "errors": served.errors, "lost": repr(served.lost),
                 "ray": "ray" in sys.modules}
     if op == "detach":
         rank.detach()

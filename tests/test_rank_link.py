@@ -303,7 +303,7 @@ def test_an_engine_attaches_through_a_real_grpc_server_and_loads_what_it_is_told
         finally:
             rank.detach()
         wait_for(lambda: host.events[-1] == "left", "the rank left with its stream")
-        assert rank.lost is None
+        assert rank.served.lost is None
     finally:
         on_loop(server.stop(0))
         loop.call_soon_threadsafe(loop.stop)

@@ -29,7 +29,8 @@ from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, No
 from lora_cache.vocab import AdapterKey, ReadinessRecord
 from tests.waiting import wait_for
 from tests.worker_queries import loads_without_slot, slot_waiters, slots_in, use_streams
-from workers.cache import Batch, WorkerCache, WorkerConfig
+from workers.cache import WorkerCache, WorkerConfig
+from workers.gpu.acquire import Batch
 from workers.gpu.slots import SlotPhase
 from workers.gpu.streams import CpuStreams
 from workers.staging.host_config import HostTierConfig

@@ -38,11 +38,11 @@ from bench.sim.calibration import Calibration
 from bench.sim.events import Loop, Signal
 from bench.sim.worker import SimLoad, SimWorker
 from workers.attach.versions import Readiness
-from workers.cache import AdapterRef
 from workers.engine.admission import AdmissionRule, CopyClock
 from workers.engine.config import EngineConfig
 from workers.engine.scheduler import PREFILL, STOP, WAIT, Scheduler, StepPlan, _Live
 from workers.engine.workload import Request
+from workers.gpu.acquire import AdapterRef
 from workers.gpu.slots import SlotPhase
 
 WAIT_POLL_S = 1e-3  # the engine's sleep when a wait has no load to wait for

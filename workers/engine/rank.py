@@ -25,7 +25,7 @@ from lora_cache.runtime import heap
 from lora_cache.vocab import AdapterKey, ReadinessRecord
 from workers.attach.seam import EngineCache
 from workers.attach.versions import RankVersions
-from workers.cache import AdapterRef, Batch, WorkerCache, WorkerConfig, resolve
+from workers.cache import WorkerCache, WorkerConfig
 from workers.engine.admission import ADMISSION, CopyClock
 from workers.engine.config import EngineConfig
 from workers.engine.graphs import DecodeGraphs
@@ -33,6 +33,7 @@ from workers.engine.lora import LoraOp
 from workers.engine.model import KVCache, Rope, ShardedModel, StepInputs, build_model, prompt_states
 from workers.engine.scheduler import PREFILL, WAIT, Item, StepPlan
 from workers.engine.tp import Comm
+from workers.gpu.acquire import AdapterRef, Batch, resolve
 from workers.gpu.chunk_waits import ChunkWaits
 
 
