@@ -362,7 +362,7 @@ def test_an_arrival_pins_its_ready_adapter_and_starts_its_load_at_once(adapters:
         for name in (FULL[0], FULL[2]):
             engine.cache.prefetch(name).result(timeout=30)
         feed = Feed()
-        feed.watch(engine.arrived)
+        feed.watch(engine.arrivals.arrived)
         feed.submit([Request(0, FULL[0], 3, 1)])
         assert refs(FULL[0]) == 1  # pinned by the submit itself
         engine.cache.prefetch(PARTIAL).result(timeout=30)  # a load placed meanwhile evicts the other one
@@ -370,7 +370,7 @@ def test_an_arrival_pins_its_ready_adapter_and_starts_its_load_at_once(adapters:
         feed.submit([Request(1, FULL[1], 3, 1)])  # cold: its load starts now, with no round
         wait_for(lambda: FULL[1] in engine.cache.ready_names(), "the arrival's load to finish with no round run")
         assert FULL[0] in engine.cache.ready_names()
-        engine.arrivals_taken()  # the loop takes them; its next round's pins take over
+        engine.arrivals.taken()  # the loop takes them; its next round's pins take over
         engine.execute(StepPlan(WAIT, timeout_s=0.0))
         assert refs(FULL[0]) == 0
         feed.watch(None)

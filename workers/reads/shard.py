@@ -289,7 +289,7 @@ def _sample(fd: int, raw: memoryview, source: WeightsSource, blocks: Sequence[in
     """``verify`` sample's check of one chunk, in place: one of its blocks at random, one that ``runs`` (what was
     read into ``raw``) hold whole where there is one (``covered``: its CRC taken from the buffer, the bytes the
     GPU will get, no read), else one of ``blocks`` (its CRC from the bytes read and the rest of the block read
-    from the file) (``read_io.block_crc``)."""
+    from the file) (``positioned.block_crc``)."""
     block = random.choice(covered or _best_covered(runs, blocks))
     try:
         crc = block_crc(fd, raw, runs, block, BLOCK_BYTES, source.identity.size)
