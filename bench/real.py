@@ -59,7 +59,7 @@ from workers.counters import STATS_COUNTERS, STATS_SUMMARIES
 from workers.staging.disk_tier import DiskTierConfig
 from workers.engine.config import EngineConfig
 from workers.engine.workload import Request
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 if TYPE_CHECKING:
     from bench.workloads import Workload

@@ -70,7 +70,7 @@ def sized(bench: BenchConfig) -> BenchConfig:
     if bench.host_bytes:
         return bench
     from workers.reads.threads import ranks_on_host
-    from workers.staging.host_tier import HostTierConfig
+    from workers.staging.host_config import HostTierConfig
 
     return dataclasses.replace(bench, host_bytes=HostTierConfig().sized(ranks_on_host(bench.tp)).host_bytes)
 

@@ -179,7 +179,7 @@ def main() -> None:
     from lora_cache.app.serve import ServeConfig, start
     from lora_cache.planner import PlannerConfig
     from workers.cache import WorkerConfig
-    from workers.staging.host_tier import HostTierConfig
+    from workers.staging.host_config import HostTierConfig
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--routing", choices=("lora-cache", "serve"), default="lora-cache")

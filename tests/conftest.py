@@ -21,7 +21,7 @@ from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
 from lora_cache.adapters.shards import ShardLayout
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from workers.cache import WorkerCache, WorkerConfig
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 # CI runs a fixed, reproducible example set (derandomize); developers' runs explore with fresh seeds.
 # A counterexample found by exploration is kept as a regression test or an issue, never lost.

@@ -18,7 +18,7 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     from workers.attach.attachment import AttachConfig, attach
     from workers.cache import WorkerConfig
-    from workers.staging.host_tier import HostTierConfig
+    from workers.staging.host_config import HostTierConfig
 
     config = AttachConfig(replica=args["replica"], gateway=args["gateway"], token=args.get("token", ""),
                           poll_s=0.5, liveness_s=args.get("liveness_s", 10.0),
@@ -54,7 +54,8 @@ def run(rank: Any, command: dict[str, Any]) -> Any:
         rank.report_queue([(a, time.time()) for a in command["adapters"]])
         return True
     if op == "stats":
-        return {**rank.control.stats(), "calls": rank.calls, "errors": rank.errors, "lost": repr(rank.lost),
+        served = rank.served
+        return {**rank.control.stats(), "calls": served.calls, "errors": served.errors, "lost": repr(served.lost),
                 "ray": "ray" in sys.modules}
     if op == "detach":
         rank.detach()

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import lora_cache.adapters.files as files_module
 import lora_cache.adapters.peft as peft_module
+import workers.reads.proof as proof_module
 import workers.reads.shard as reader_module
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.chunks import chunk_plan
@@ -35,7 +36,8 @@ from lora_cache.adapters.synth import write_adapter
 from lora_cache.errors import AdapterChangedError, AdapterError, AdapterFormatError, AdapterPathError
 from workers.reads.shard import read_shard
 from workers.reads.threads import ReadPool
-from workers.staging.host_tier import HostTier, HostTierConfig
+from workers.staging.host_config import HostTierConfig
+from workers.staging.host_tier import HostTier
 
 TINY = SHAPES["tiny"]
 F32 = torch.float32
@@ -410,13 +412,13 @@ def test_a_racy_version_is_checked_until_a_check_after_its_window(
     old = spec.source.identity
     past = old._replace(ctime_ns=old.ctime_ns - 10 * files_module.RACY_NS)  # racy at registration, settled now
     src = spec.source._replace(identity=past, registered_ns=past.ctime_ns + 1)
-    index = reader_module._parse_index(spec.weights.read_bytes()[: src.header_bytes], src.identity.size)
+    index = proof_module._parse_index(spec.weights.read_bytes()[: src.header_bytes], src.identity.size)
     entries = shard_layout(spec, TINY, 1, 0, F32).entries
-    every = reader_module._blocks_to_check(src, index, entries, "identity")
+    every = proof_module._blocks_to_check(src, index, entries, "identity")
     assert src.racy and every == list(range(len(src.block_crcs)))
     with open(spec.weights, "rb") as f, reader_module._mapped(f.fileno()) as mapped:
-        reader_module._check_blocks(mapped, src, every)
-    assert reader_module._blocks_to_check(src, index, entries, "identity") == []  # proven: stat shows the rest
+        proof_module._check_blocks(mapped, src, every)
+    assert proof_module._blocks_to_check(src, index, entries, "identity") == []  # proven: stat shows the rest
     assert torch.equal(read(spec), before)
 
 

@@ -17,7 +17,7 @@ from tests.waiting import wait_for
 from workers import faults
 from workers.cache import WorkerCache, WorkerConfig
 from workers.staging.arena import HostArena
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 
 @pytest.fixture

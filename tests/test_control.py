@@ -21,7 +21,7 @@ from lora_cache.vocab import AdapterKey, Delta, Evict, Prefetch, Stage, WorkerId
 from tests.planner_queries import popularity
 from workers.cache import WorkerCache, WorkerConfig
 from workers.control.commands import CommandGate
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 
 class Outbox:

@@ -15,6 +15,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("lora_cache", "workers", "bench")
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
@@ -78,15 +80,16 @@ def test_module_map_names_every_module_once() -> None:
     assert not problems, "docs/architecture.md, '## Module map':\n" + "\n".join(problems)
 
 
-def test_floors_match_the_layer_test() -> None:
+@pytest.mark.parametrize(("name", "package"), [("FLOORS", "lora_cache"), ("WORKERS_FLOORS", "workers")])
+def test_floors_match_the_layer_test(name: str, package: str) -> None:
     tree = ast.parse((ROOT / "tests" / "test_layers.py").read_text())
     floors = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.AnnAssign)
-                  and isinstance(node.target, ast.Name) and node.target.id == "FLOORS")
-    rows = [re.findall(r"`(lora_cache\.\w+)`", line) for line in
+                  and isinstance(node.target, ast.Name) and node.target.id == name)
+    rows = [re.findall(rf"`({package}\.\w+)`", line) for line in
             _section(ARCHITECTURE.read_text(), "Floors").splitlines() if line.startswith("|")]
     documented = [tuple(row) for row in rows if row]
     assert [set(f) for f in documented] == [set(f) for f in floors], \
-        f"docs/architecture.md '## Floors' lists {documented}; tests/test_layers.py FLOORS is {list(floors)}"
+        f"docs/architecture.md '## Floors' lists {documented}; tests/test_layers.py {name} is {list(floors)}"
 
 
 def test_every_sub_package_has_a_readme_naming_its_files() -> None:

@@ -46,8 +46,8 @@ from workers.engine.model import final_norm_weight, full_weights, prompt_states
 from workers.engine.rank import RankEngine, load_catalog
 from workers.engine.scheduler import DECODE, PREFILL, WAIT, Scheduler, StepPlan
 from workers.engine.tp import Comm
-from workers.staging import host_tier
-from workers.staging.host_tier import HostTierConfig
+from workers.staging import tier_reads
+from workers.staging.host_config import HostTierConfig
 
 TINY = SHAPES["tiny"]
 FULL = [f"adapter-{i:03d}" for i in range(4)]
@@ -274,7 +274,7 @@ def test_overlap_serves_ready_adapters_while_one_loads(adapters: Path, monkeypat
     """The slow adapter's read is held until every other request has finished: overlap must get there."""
     slow, others_done = FULL[3], threading.Event()
     requests = [Request(0, slow, 4, 2, 0.0)] + [Request(i, FULL[i % 3], 3, 3, 0.0) for i in range(1, 6)]
-    read = host_tier.read_shard
+    read = tier_reads.read_shard
 
     def gated_read(spec: AdapterSpec, *args: Any) -> int:
         if spec.name == slow:
@@ -288,7 +288,7 @@ def test_overlap_serves_ready_adapters_while_one_loads(adapters: Path, monkeypat
         if all(len(self.live[i].token_s) == 3 for i in range(1, 6)):
             others_done.set()
 
-    monkeypatch.setattr(host_tier, "read_shard", gated_read)
+    monkeypatch.setattr(tier_reads, "read_shard", gated_read)
     monkeypatch.setattr(Scheduler, "finish_step", watch)
     result = run_engine(engine_config(adapters, admission="overlap", max_adapters=3), requests)
     check_served(result, engine_config(adapters, max_adapters=3), requests)
@@ -362,7 +362,7 @@ def test_an_arrival_pins_its_ready_adapter_and_starts_its_load_at_once(adapters:
         for name in (FULL[0], FULL[2]):
             engine.cache.prefetch(name).result(timeout=30)
         feed = Feed()
-        feed.watch(engine.arrived)
+        feed.watch(engine.arrivals.arrived)
         feed.submit([Request(0, FULL[0], 3, 1)])
         assert refs(FULL[0]) == 1  # pinned by the submit itself
         engine.cache.prefetch(PARTIAL).result(timeout=30)  # a load placed meanwhile evicts the other one
@@ -370,7 +370,7 @@ def test_an_arrival_pins_its_ready_adapter_and_starts_its_load_at_once(adapters:
         feed.submit([Request(1, FULL[1], 3, 1)])  # cold: its load starts now, with no round
         wait_for(lambda: FULL[1] in engine.cache.ready_names(), "the arrival's load to finish with no round run")
         assert FULL[0] in engine.cache.ready_names()
-        engine.arrivals_taken()  # the loop takes them; its next round's pins take over
+        engine.arrivals.taken()  # the loop takes them; its next round's pins take over
         engine.execute(StepPlan(WAIT, timeout_s=0.0))
         assert refs(FULL[0]) == 0
         feed.watch(None)

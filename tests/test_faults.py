@@ -44,7 +44,8 @@ def change_mid_read(root: str, readers: int, results: Any) -> None:
     from lora_cache.vocab import AdapterKey
     from tests.conftest import expected_entries
     from workers.reads import shard as reader_module
-    from workers.staging.host_tier import HostTier, HostTierConfig
+    from workers.staging.host_config import HostTierConfig
+    from workers.staging.host_tier import HostTier
 
     catalog = AdapterCatalog(CatalogConfig(adapter_roots=(root,), model="tiny", max_rank=16))
     catalog.register_dir(Path(root))

@@ -22,7 +22,7 @@ from workers.engine.hosted import HostedEngine, Rendezvous
 from workers.engine.rank import RankEngine, load_catalog
 from workers.engine.scheduler import IDLE_WAIT_S, PREFILL, STOP, WAIT, Scheduler
 from workers.engine.tp import Comm, spawn
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 ADAPTERS = [f"adapter-{i:03d}" for i in range(3)]
 

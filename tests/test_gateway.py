@@ -321,7 +321,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     from lora_cache.app.serve import ServeConfig, start
     from lora_cache.planner import PlannerConfig
     from workers.cache import WorkerConfig
-    from workers.staging.host_tier import HostTierConfig
+    from workers.staging.host_config import HostTierConfig
 
     root = tmp_path_factory.mktemp("adapters")
     make_adapters(root, SynthConfig(model="tiny", count=8, rank="8,16"))

@@ -13,7 +13,7 @@ from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.vocab import AdapterKey
 from tests.worker_queries import forget_last_use
 from workers.cache import WorkerCache, WorkerConfig
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -14,14 +14,15 @@ from typing import Any
 import pytest
 import torch
 
-import workers.staging.host_tier as host_tier_module
+import workers.staging.tier_reads as tier_reads_module
 from lora_cache.adapters.catalog import AdapterCatalog
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shapes import SHAPES
 from lora_cache.adapters.shards import ShardLayout, shard_layout
 from lora_cache.errors import AdapterChangedError, AdapterFormatError, CapacityError, ConfigError
 from lora_cache.vocab import AdapterKey
-from workers.staging.host_tier import HostEntry, HostTier, HostTierConfig
+from workers.staging.host_config import HostTierConfig
+from workers.staging.host_tier import HostEntry, HostTier
 
 TINY = SHAPES["tiny"]
 MiB = 1 << 20
@@ -267,14 +268,14 @@ def test_cancelled_waits_fail_and_hold_nothing(catalog: AdapterCatalog, tier: Ho
 @pytest.fixture
 def gated_reads(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[str]]:
     """read_shard blocks until the returned event is set; the list records every read."""
-    gate, reads, real = threading.Event(), [], host_tier_module.read_shard
+    gate, reads, real = threading.Event(), [], tier_reads_module.read_shard
 
     def read(spec: AdapterSpec, lay: ShardLayout, dest: torch.Tensor, *rest: Any) -> int:
         reads.append(spec.name)
         assert gate.wait(timeout=10), "test gate never opened"
         return real(spec, lay, dest, *rest)
 
-    monkeypatch.setattr(host_tier_module, "read_shard", read)
+    monkeypatch.setattr(tier_reads_module, "read_shard", read)
     return gate, reads
 
 
@@ -407,7 +408,7 @@ def test_process_reads_convert_and_slice_like_thread_reads(
         with open_tier("process", 1, process_tier.parallel) as tier:
             entry = tier.fetch(spec, lay)[0].result(timeout=120)
             expected = torch.zeros(lay.numel, dtype=F32)
-            assert host_tier_module.read_shard(spec, lay, expected) == entry.bytes_read
+            assert tier_reads_module.read_shard(spec, lay, expected) == entry.bytes_read
             assert torch.equal(entry.tensor, expected)
             assert entry.bytes_read == sum(e.numel for e in lay.entries) * 2  # a bf16 file
             for e in lay.entries:

@@ -17,15 +17,15 @@ from lora_cache.errors import ConfigError
 from workers.cache import WorkerCache, WorkerConfig
 from workers.engine.timings import RequestRecord
 from workers.reads.threads import ranks_on_host
-from workers.staging.host_tier import (
+from workers.staging.host_config import (
     AUTO_MAX_BYTES,
     AUTO_MIN_BYTES,
     AUTO_SHARE,
-    HostTier,
     HostTierConfig,
     auto_host_bytes,
     available_memory,
 )
+from workers.staging.host_tier import HostTier
 
 GiB = 1 << 30
 

@@ -23,7 +23,7 @@ import torch
 import lora_cache.adapters.catalog as catalog_module
 import lora_cache.adapters.files as files_module
 import lora_cache.adapters.peft as peft_module
-import workers.reads.shard as reader_module
+import workers.reads.proof as proof_module
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.files import HOST, RACY_NS, FileIdentity, content_crcs, load_pin
 from lora_cache.adapters.peft import WEIGHTS_FILE, AdapterSpec
@@ -35,7 +35,8 @@ from workers.cache import WorkerCache, WorkerConfig
 from workers.control.outbox import Outbox
 from workers.control.rank import WorkerControl
 from workers.reads.shard import read_shard
-from workers.staging.host_tier import HostTier, HostTierConfig
+from workers.staging.host_config import HostTierConfig
+from workers.staging.host_tier import HostTier
 
 TINY = SHAPES["tiny"]
 F32 = torch.float32
@@ -57,10 +58,8 @@ def adapter(directory: Path, seed: int) -> Path:
 
 def fresh_process() -> None:
     """Forget what this process pinned or accepted, as another rank's process would not know it."""
-    with reader_module._PINS_LOCK:
-        reader_module._PINS.clear()
-    with reader_module._ACCEPTED_LOCK:
-        reader_module._ACCEPTED.clear()
+    proof_module._PINS.clear()
+    proof_module._ACCEPTED.clear()
 
 
 @pytest.fixture
@@ -181,7 +180,7 @@ def test_two_first_reads_at_once_pin_one_content(root: Path, monkeypatch: pytest
     (root / "a2" / WEIGHTS_FILE).write_bytes(b_bytes)
     late = as_if_unseen(spec, root / "a2" / WEIGHTS_FILE)
     hashed, first_published = threading.Barrier(2, timeout=30), threading.Event()
-    real_crcs, real_publish = reader_module.content_crcs, reader_module.publish_pin
+    real_crcs, real_publish = proof_module.content_crcs, proof_module.publish_pin
 
     def crcs_then_wait(*args: Any) -> Any:
         out = real_crcs(*args)
@@ -197,8 +196,8 @@ def test_two_first_reads_at_once_pin_one_content(root: Path, monkeypatch: pytest
         finally:
             first_published.set()
 
-    monkeypatch.setattr(reader_module, "content_crcs", crcs_then_wait)
-    monkeypatch.setattr(reader_module, "publish_pin", publish)
+    monkeypatch.setattr(proof_module, "content_crcs", crcs_then_wait)
+    monkeypatch.setattr(proof_module, "publish_pin", publish)
     results: dict[str, Any] = {}
 
     def run(label: str, s: AdapterSpec) -> Callable[[], None]:
@@ -215,8 +214,8 @@ def test_two_first_reads_at_once_pin_one_content(root: Path, monkeypatch: pytest
         t.start()
     for t in threads:
         t.join(60)
-    monkeypatch.setattr(reader_module, "content_crcs", real_crcs)
-    monkeypatch.setattr(reader_module, "publish_pin", real_publish)
+    monkeypatch.setattr(proof_module, "content_crcs", real_crcs)
+    monkeypatch.setattr(proof_module, "publish_pin", real_publish)
     content = catalog(root, "content").register("a", root / "a")
     assert isinstance(results["first"], torch.Tensor) and torch.equal(results["first"], read(content))
     assert isinstance(results["late"], AdapterChangedError), results["late"]

@@ -21,7 +21,7 @@ from lora_cache.adapters.synth import write_adapter
 from lora_cache.vocab import AdapterKey
 from workers.cache import WorkerCache, WorkerConfig
 from workers.kernels import BatchMeta, lora_apply_ref
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 TINY = SHAPES["tiny"]
 LAYER, MODULES = 1, ("q_proj", "k_proj", "v_proj")  # one fused group: columns side by side

@@ -54,7 +54,7 @@ from lora_cache.adapters.shards import shard_layout  # noqa: E402
 from workers.cache import WorkerCache, WorkerConfig  # noqa: E402
 from workers.kernels import BatchMeta, SlotMeta, lora_apply, lora_apply_ref, shard_dims  # noqa: E402
 from workers.kernels.tuning import tuned  # noqa: E402
-from workers.staging.host_tier import HostTierConfig  # noqa: E402
+from workers.staging.host_config import HostTierConfig  # noqa: E402
 
 SHAPE = ModelShape("kernel-test", num_layers=2, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
                    head_dim=16)

@@ -31,7 +31,7 @@ from workers.cache import WorkerCache, WorkerConfig
 from workers.control.outbox import Outbox
 from workers.control.rank import WorkerControl
 from workers.reads.shard import read_shard
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 TINY = SHAPES["tiny"]
 

@@ -4,8 +4,9 @@
 below it. The data plane (``workers/``) speaks the shared vocabulary (``lora_cache.vocab``) and reads adapter
 files, but never imports the planner, the controller, the routing advice or the application. Nothing in
 ``lora_cache/`` imports ``workers/`` or ``bench/`` except at two named seams: the application, which starts
-workers, and ``lora_cache.attach``, the engine's entry point. Every arrow is read from the code (``ast``),
-type-only imports included.
+workers, and ``lora_cache.attach``, the engine's entry point. ``workers/`` is in floors of its own, by lifecycle
+step (``WORKERS_FLOORS``): no arrow up, and no cycle between its sub-packages. Every arrow is read from the code
+(``ast``), type-only imports included.
 """
 
 from __future__ import annotations

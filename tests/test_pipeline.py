@@ -26,7 +26,8 @@ from workers.engine.admission import ADMISSION
 from workers.engine.workload import Request
 from workers.gpu.copies import LoadFailed
 from workers.gpu.streams import CpuStreams, HostEvent
-from workers.staging.host_tier import HostEntry, HostTier, HostTierConfig
+from workers.staging.host_config import HostTierConfig
+from workers.staging.host_tier import HostEntry, HostTier
 
 
 def check_plan(plan: ChunkPlan, entries: tuple, numel: int, num_layers: int, elem: int, min_bytes: int) -> None:

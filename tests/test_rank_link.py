@@ -246,7 +246,7 @@ def test_an_engine_attaches_through_a_real_grpc_server_and_loads_what_it_is_told
     from lora_cache.api.servicer import Servicer, generic_handler
     from workers.attach.attachment import AttachConfig, attach
     from workers.cache import WorkerConfig
-    from workers.staging.host_tier import HostTierConfig
+    from workers.staging.host_config import HostTierConfig
 
     make_adapters(tmp_path, SynthConfig(model="tiny", count=1, rank="8"))
     adapter = "adapter-000"
@@ -303,7 +303,7 @@ def test_an_engine_attaches_through_a_real_grpc_server_and_loads_what_it_is_told
         finally:
             rank.detach()
         wait_for(lambda: host.events[-1] == "left", "the rank left with its stream")
-        assert rank.lost is None
+        assert rank.served.lost is None
     finally:
         on_loop(server.stop(0))
         loop.call_soon_threadsafe(loop.stop)

@@ -30,7 +30,7 @@ from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.hosted import Rendezvous  # noqa: E402
 from workers.engine.process import EngineProcess, start_ranks  # noqa: E402
 from workers.engine.workload import Request  # noqa: E402
-from workers.staging.host_tier import HostTierConfig  # noqa: E402
+from workers.staging.host_config import HostTierConfig  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -189,14 +189,14 @@ def test_a_process_that_stops_serving_is_a_dead_rank(fleet) -> None:
         batch = rank.acquire(["adapter-003"])
         wait_for(lambda: "replica-w" in ready_on(service.controller, "adapter-003"), what="the load seen")
         rank.release(batch)
-        rank._detached.set()  # stands in for a wedged serve thread: it stops polling, the endpoint stays
-        rank._serving.join(timeout=30)
+        rank.served.stopping.set()  # stands in for a wedged serve thread: it stops polling, the endpoint stays
+        rank.served.thread.join(timeout=30)
         endpoint = ray.get_actor(rank.name, namespace="lora-cache")
         with pytest.raises(EndpointStaleError, match="has not polled for calls"):
             ray.get(endpoint.describe.remote(), timeout=30)
         wait_for(lambda: "replica-w" not in ready_on(service.controller, "adapter-003"), what="the rank dropped")
     finally:
-        rank._detached.clear()
+        rank.served.stopping.clear()
         rank.detach()
 
 

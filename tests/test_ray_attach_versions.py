@@ -39,7 +39,7 @@ from workers.engine.process import start_ranks  # noqa: E402
 from workers.engine.rank import slot_digest  # noqa: E402
 from workers.engine.workload import Request  # noqa: E402
 from workers.reads.shard import read_shard  # noqa: E402
-from workers.staging.host_tier import HostTierConfig  # noqa: E402
+from workers.staging.host_config import HostTierConfig  # noqa: E402
 
 pytestmark = pytest.mark.ray
 

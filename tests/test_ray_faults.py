@@ -39,7 +39,7 @@ from tests.fault_tally import Tally  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
 from workers.faults import Gate  # noqa: E402
-from workers.staging.host_tier import HostTierConfig  # noqa: E402
+from workers.staging.host_config import HostTierConfig  # noqa: E402
 
 pytestmark = pytest.mark.ray
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the lambdas below run inside the actors

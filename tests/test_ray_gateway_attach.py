@@ -35,7 +35,7 @@ from lora_cache.planner import PlannerConfig  # noqa: E402
 from tests.ray_local import init_local  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
-from workers.staging.host_tier import HostTierConfig  # noqa: E402
+from workers.staging.host_config import HostTierConfig  # noqa: E402
 
 pytestmark = pytest.mark.ray
 

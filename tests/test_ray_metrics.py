@@ -18,7 +18,7 @@ from lora_cache.planner import PlannerConfig
 from lora_cache.vocab import WorkerId
 from tests.ray_local import init_local
 from workers.cache import WorkerConfig
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 pytestmark = pytest.mark.ray
 

@@ -15,7 +15,7 @@ from lora_cache.app.serve import ServeConfig, start, wait_ready
 from lora_cache.planner import PlannerConfig
 from lora_cache.vocab import WorkerId
 from workers.cache import WorkerConfig
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 pytestmark = pytest.mark.ray
 

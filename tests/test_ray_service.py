@@ -16,7 +16,7 @@ from lora_cache.vocab import Prefetch, WorkerId
 from tests.ray_local import init_local
 from tests.waiting import wait_for
 from workers.cache import WorkerConfig
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 pytestmark = pytest.mark.ray
 

@@ -33,7 +33,7 @@ from tests.serving import read_until, serve_argv
 from tests.waiting import wait_for
 from workers.attach.attachment import AttachConfig, attach
 from workers.cache import WorkerConfig
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 pytestmark = pytest.mark.ray
 

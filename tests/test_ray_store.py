@@ -27,7 +27,7 @@ from tests.s3_server import S3Server  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
 from workers.staging.disk_tier import DiskTierConfig  # noqa: E402
-from workers.staging.host_tier import HostTierConfig  # noqa: E402
+from workers.staging.host_config import HostTierConfig  # noqa: E402
 
 pytestmark = pytest.mark.ray
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -37,7 +37,7 @@ from workers.engine import EngineConfig, Request  # noqa: E402
 from workers.engine.rank import slot_digest  # noqa: E402
 from workers.faults import Gate  # noqa: E402
 from workers.reads.shard import read_shard  # noqa: E402
-from workers.staging.host_tier import HostTierConfig  # noqa: E402
+from workers.staging.host_config import HostTierConfig  # noqa: E402
 
 pytestmark = pytest.mark.ray
 

@@ -26,7 +26,8 @@ from lora_cache.vocab import AdapterKey
 from workers.reads.plan import FileTensor, contiguous, plan_tasks, task_bytes_for
 from workers.reads.shard import HOW, read_shard, read_slices
 from workers.reads.threads import ReadPool, auto_readers, ranks_on_host, run_in_order
-from workers.staging.host_tier import HostTier, HostTierConfig
+from workers.staging.host_config import HostTierConfig
+from workers.staging.host_tier import HostTier
 
 BF16, F32 = torch.bfloat16, torch.float32
 MiB = 1 << 20

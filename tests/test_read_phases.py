@@ -26,12 +26,15 @@ from lora_cache.vocab import AdapterKey
 from workers.cache import WorkerCache, WorkerConfig
 from workers.kernels import SlotMeta, shard_dims
 from workers.reads import processes as reader_proc_module
+from workers.reads import proof as proof_module
 from workers.reads import shard as reader_module
 from workers.reads.plan import Run
 from workers.reads.positioned import block_crc
 from workers.reads.shard import read_slices
 from workers.reads.threads import auto_readers
-from workers.staging.host_tier import AUTO_MAX_SPLIT, HostTier, HostTierConfig, ProcessReads
+from workers.staging.host_config import AUTO_MAX_SPLIT, HostTierConfig
+from workers.staging.host_tier import HostTier
+from workers.staging.tier_reads import ProcessReads
 
 TINY = SHAPES["tiny"]
 
@@ -370,7 +373,7 @@ def test_a_parts_share_of_a_settled_pattern_is_built_once_and_the_bytes_come_fro
     assert not settled.racy and spec.source.racy
     lay = shard_layout(spec, TINY, 2, 1, torch.bfloat16)
     plan = chunk_plan(lay.entries, lay.numel, TINY.num_layers, 2, min_bytes=0)
-    index = reader_module.tensor_index(str(spec.weights), spec.version, spec.weights.stat().st_size)
+    index = proof_module.tensor_index(str(spec.weights), spec.version, spec.weights.stat().st_size)
     want_bytes = sum(e.numel * index[e.key].dtype.itemsize for e in lay.entries)  # this rank's, in file bytes
 
     def read_both(source: object) -> list[int]:
@@ -382,11 +385,12 @@ def test_a_parts_share_of_a_settled_pattern_is_built_once_and_the_bytes_come_fro
                                file_slices(spec, lay)[(e.layer, e.module, e.ab)]), e.key
         return got
 
-    before = dict(reader_module._PARTS)
+    before = dict(reader_module._PARTS.items())
     assert read_both(spec.source) == [want_bytes] * 2
-    assert dict(reader_module._PARTS) == before, "a racy version's share was kept"
+    assert dict(reader_module._PARTS.items()) == before, "a racy version's share was kept"
     assert read_both(settled) == [want_bytes] * 2
     kept = {k: v[1] for k, v in reader_module._PARTS.items() if k not in before}
     assert len(kept) == 2  # one per part
     assert read_both(settled) == [want_bytes] * 2
-    assert all(reader_module._PARTS[k][1] is share for k, share in kept.items()), "a share was built again"
+    now = dict(reader_module._PARTS.items())
+    assert all(now[k][1] is share for k, share in kept.items()), "a share was built again"

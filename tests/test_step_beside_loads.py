@@ -22,7 +22,7 @@ from lora_cache.adapters.catalog import AdapterCatalog
 from tests.waiting import wait_for
 from workers import faults
 from workers.cache import WorkerCache, WorkerConfig
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 CASES = [("prefetch", "mid_read"), ("prefetch", "before_copy"), ("stage", "mid_read")]
 

@@ -43,7 +43,7 @@ from workers.control.outbox import Outbox
 from workers.control.rank import WorkerControl
 from workers.staging import disk_tier
 from workers.staging.disk_tier import DiskTier, DiskTierConfig
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 BUCKET = "adapters-bkt"
 BIG_RANK = 512  # float32 tiny-shaped at this rank: 4 MiB, four 1 MiB parts

@@ -50,7 +50,7 @@ from workers.engine.rank import slot_digest
 from workers.engine.scheduler import PREFILL, STOP, WAIT, Scheduler, _Live
 from workers.engine.workload import Request
 from workers.reads.shard import read_shard
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 TINY = SHAPES["tiny"]
 NAMES = ("a", "b", "c")

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from safetensors import safe_open
 
-import workers.staging.host_tier as host_tier_module
+import workers.staging.tier_reads as tier_reads_module
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
@@ -29,10 +29,11 @@ from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, No
 from lora_cache.vocab import AdapterKey, ReadinessRecord
 from tests.waiting import wait_for
 from tests.worker_queries import loads_without_slot, slot_waiters, slots_in, use_streams
-from workers.cache import Batch, WorkerCache, WorkerConfig
+from workers.cache import WorkerCache, WorkerConfig
+from workers.gpu.acquire import Batch
 from workers.gpu.slots import SlotPhase
 from workers.gpu.streams import CpuStreams
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 TINY = SHAPES["tiny"]
 Entries = dict[tuple[int, str, str], torch.Tensor]
@@ -891,7 +892,7 @@ def test_a_failed_read_that_others_wait_on_lets_them_proceed(
     shutil.copytree(root / names(0)[0], root / "bad")
     bad = catalog.register("bad", "bad")
     bad.weights.write_bytes(bad.weights.read_bytes()[:100])  # changed size: the read fails
-    arrived, go, real = threading.Event(), threading.Event(), host_tier_module.read_shard
+    arrived, go, real = threading.Event(), threading.Event(), tier_reads_module.read_shard
 
     def read(spec: AdapterSpec, *args: Any) -> int:
         if spec.name == "bad":
@@ -899,7 +900,7 @@ def test_a_failed_read_that_others_wait_on_lets_them_proceed(
             assert go.wait(timeout=10), "test gate never opened"
         return real(spec, *args)
 
-    monkeypatch.setattr(host_tier_module, "read_shard", read)
+    monkeypatch.setattr(tier_reads_module, "read_shard", read)
     cache, gated = room_cache(catalog, HOST_SHARDS + 2)
     good = sorted(n for n in catalog.names() if n != "bad")
     loads = {n: cache.prefetch(n) for n in good[: HOST_SHARDS - 1]}

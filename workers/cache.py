@@ -15,7 +15,7 @@ import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -24,19 +24,18 @@ from lora_cache.adapters.chunks import MIN_CHUNK_BYTES, ChunkPlan, chunk_plan
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shapes import MODULE_ORDER
 from lora_cache.adapters.shards import ShardLayout, max_shard_numel, shard_layout
-from lora_cache.errors import ConfigError, LoraCacheError, NotFoundError
+from lora_cache.errors import ConfigError
 from lora_cache.vocab import AdapterKey, Delta, ReadinessRecord
 from workers.counters import resident_prefetches
-from workers.gpu.chunk_waits import ChunkWaits
-from workers.gpu.copies import LoadFailed
+from workers.gpu.acquire import Acquirer, AdapterRef, Batch
 from workers.gpu.loads import LoadPath, SlotBook
-from workers.gpu.slot_index import IndexUploader
 from workers.gpu.slots import SlotPhase
 from workers.gpu.streams import make_streams, resolve_device
 from workers.kernels.meta import SlotMeta, shard_dims
 from workers.reads.threads import ranks_on_host
 from workers.staging.disk_tier import DiskTier, DiskTierConfig
-from workers.staging.host_tier import HostEntry, HostTier, HostTierConfig
+from workers.staging.host_config import HostTierConfig
+from workers.staging.host_tier import HostEntry, HostTier
 
 ON_MISS = ("load", "error")  # acquire of a non-resident adapter: load it on demand, or refuse
 
@@ -75,31 +74,22 @@ class WorkerConfig:
                               f"got {self.chunk_bytes}")
 
 
-AdapterRef = str | AdapterKey  # a name (its current version, looked up when acquired) or one exact version
+class RankShards:
+    """This rank's layout and chunk plan of each adapter version, each computed once per spec (specs are
+    immutable; bounded)."""
 
+    def __init__(self, catalog: AdapterCatalog, tp: int, rank: int, dtype: torch.dtype, chunk_bytes: int) -> None:
+        self.catalog, self.tp, self.rank, self.dtype, self.chunk_bytes = catalog, tp, rank, dtype, chunk_bytes
 
-def resolve(catalog: AdapterCatalog, ref: AdapterRef) -> AdapterKey:
-    """The exact version ``ref`` stands for: itself, or the current version of a name."""
-    return ref if isinstance(ref, AdapterKey) else AdapterKey(ref, catalog.current(ref))
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 - specs are immutable; bounded
+    def layout(self, spec: AdapterSpec) -> ShardLayout:
+        return shard_layout(spec, self.catalog.shape, self.tp, self.rank, self.dtype)
 
-
-class Batch(NamedTuple):
-    """What ``acquire`` hands the engine: per-request slot indices, on the host and on the device."""
-
-    adapters: tuple[AdapterRef, ...]  # as the caller named them, in batch order
-    slots: tuple[int, ...]  # slot of each request, in batch order (-1: not held, see ``failed``)
-    slot_index: torch.Tensor | None  # the same, int32 on the device (valid until the ring wraps); None for
-    # a pin (``acquire_ready``): nothing is computed with it
-    held: tuple[int, ...]  # distinct slots referenced by this batch
-    token: list[bool]  # [released?], guards double release
-    keys: tuple[AdapterKey, ...] = ()  # the exact version each request computes with, in batch order
-    failed: tuple[tuple[AdapterRef, str], ...] = ()  # ``partial`` acquire: (ref, why) of each not held
-    waits: ChunkWaits | None = None  # pipelined: the per-layer chunk waits of its loads in flight
-
-
-def _unresolved(ref: AdapterRef) -> AdapterKey:
-    """The key of a ref that could not be resolved (a name no longer registered): no version."""
-    return ref if isinstance(ref, AdapterKey) else AdapterKey(ref, "")
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 - specs are immutable; bounded
+    def plan(self, spec: AdapterSpec) -> ChunkPlan:
+        layout = self.layout(spec)
+        return chunk_plan(layout.entries, layout.numel, self.catalog.shape.num_layers, self.dtype.itemsize,
+                          self.chunk_bytes)
 
 
 class WorkerCache:
@@ -138,7 +128,9 @@ class WorkerCache:
         self.host = HostTier(config.host, ranks_on_host(config.tp), self.disk)
         self.book = SlotBook(config.num_slots, on_change)  # slots, loads, counters; its lock guards them
         self.counters = self.book.counters
-        self._index = IndexUploader(self.streams, config.max_batch, self.device)
+        self.shards = RankShards(catalog, config.tp, config.tp_rank, self.dtype, config.chunk_bytes)
+        self.acquirer = Acquirer(self.book, catalog, self.streams, self.device, config.max_batch, config.on_miss,
+                                 config.tp_rank, lambda name, version: self.prefetch(name, version, on_demand=True))
         self.load_path = LoadPath(self.book, self.host, self.streams, self.pool, self.meta, config.tp_rank, on_ready)
 
     @property
@@ -160,8 +152,8 @@ class WorkerCache:
         a slot; it fails at once only if nothing in flight could free room.
         ``on_demand``: started by an acquire that missed (not counted as a prefetch)."""
         spec = self.catalog.get(name, version)
-        layout = self._layout(spec)  # bad shapes fail here, before anything is reserved
-        return self.load_path.start(spec, AdapterKey(name, spec.version), layout, self._plan(spec), on_demand)
+        layout = self.shards.layout(spec)  # bad shapes fail here, before anything is reserved
+        return self.load_path.start(spec, AdapterKey(name, spec.version), layout, self.shards.plan(spec), on_demand)
 
     def stage(self, name: str, version: str | None = None) -> Future[HostEntry] | None:
         """Read this rank's shard of ``name`` into the host tier, with no slot (idempotent): what the planner
@@ -176,10 +168,10 @@ class WorkerCache:
         and leaves the tier as it was. The entry keeps no reference: it is the LRU's like any other, and
         ``stages`` counts the reads a stage started."""
         spec = self.catalog.get(name, version)
-        layout = self._layout(spec)
+        layout = self.shards.layout(spec)
         if spec.store is not None and not self.host.contains(AdapterKey(name, spec.version)):
             self.disk.stage(spec)  # from the store to this node's disk, even where the host tier has no room
-        return self.load_path.stage(spec, AdapterKey(name, spec.version), layout, self._plan(spec))
+        return self.load_path.stage(spec, AdapterKey(name, spec.version), layout, self.shards.plan(spec))
 
     def evict(self, name: str, version: str | None = None) -> bool:
         """Free the adapter's slot if it is READY and unused; False if absent, loading or in use."""
@@ -204,7 +196,7 @@ class WorkerCache:
                 self.book.changed(key, "in_use" if slot.refs else slot.state.value)
         self.book.report()
 
-    # -- engine: acquire / release (lifecycle step 9) ---------------------------------------------
+    # -- engine: acquire / release (lifecycle step 9: ``workers.gpu.acquire``) ---------------------------
     def acquire(self, adapters: Sequence[AdapterRef], *, partial: bool = False, pipelined: bool = False) -> Batch:
         """Slots for a batch's adapters; the compute stream waits (on the GPU) for loads in flight: for
         all of each (the host waiting until its last chunk's copy is issued), or, ``pipelined``, layer by
@@ -214,116 +206,20 @@ class WorkerCache:
         it is not resident (invariant 1: a TP rank never computes a request with another version than
         the one it was admitted with). ``partial``: an adapter that cannot be held (unknown version, a
         failed load, no slot) gets slot -1 and is listed in ``failed`` instead of failing the batch."""
-        if not 0 < len(adapters) <= self.config.max_batch:
-            raise ValueError(f"acquire takes 1..{self.config.max_batch} adapters (max_batch), got {len(adapters)}")
-        held: dict[AdapterRef, int] = {}
-        keys: dict[AdapterRef, AdapterKey] = {}
-        failed: dict[AdapterRef, str] = {}
-        try:
-            for ref in dict.fromkeys(adapters):
-                try:
-                    keys[ref] = resolve(self.catalog, ref)
-                    held[ref] = self._hold(keys[ref], pipelined)
-                except LoraCacheError as e:
-                    if not partial:
-                        raise
-                    failed[ref] = str(e)
-            with self.book.lock:
-                loading = {ref: self.book.loads[i] for ref, i in held.items()
-                           if self.book.table.slots[i].state is SlotPhase.LOADING}
-            waits = ChunkWaits(self.streams, list(loading.values())) if pipelined and loading else None
-            if not pipelined:
-                for ref, load in loading.items():
-                    try:
-                        self.streams.compute_wait(load.last_event())
-                    except LoadFailed as e:
-                        if not partial:
-                            raise
-                        failed[ref] = str(e)
-                        self.book.drop_refs([held.pop(ref)], None)
-        except BaseException:
-            self.book.drop_refs(list(held.values()), None)
-            raise
-        slots = tuple(held.get(a, -1) for a in adapters)
-        return Batch(tuple(adapters), slots, self._index.upload(slots), tuple(held.values()), [False],
-                     tuple(keys.get(a, _unresolved(a)) for a in adapters), tuple(failed.items()), waits)
+        return self.acquirer.acquire(adapters, partial=partial, pipelined=pipelined)
 
     def acquire_ready(self, adapters: Sequence[AdapterRef]) -> Batch | None:
-        """References on those of ``adapters`` READY here (a name: its current version; a key: exactly that
-        version), taken atomically under the cache lock (no load started, no hit counted): what an engine
-        pins before it schedules. None if none is ready. Release it like any batch. A pin runs no kernel:
-        it has no device index, and its release leaves the slots' last use (the step that last read them)
-        as it was."""
-        refs: list[AdapterRef] = []
-        keys: list[AdapterKey] = []
-        slots: list[int] = []
-        with self.book.lock:
-            for ref in dict.fromkeys(adapters):
-                if len(refs) == self.config.max_batch or (isinstance(ref, str) and ref not in self.catalog):
-                    continue
-                key = resolve(self.catalog, ref)
-                slot = self.book.table.lookup(key)
-                if slot is not None and slot.state is SlotPhase.READY:
-                    self.book.table.incref(slot.index)
-                    self.book.loads[slot.index].used = True
-                    refs.append(ref)
-                    keys.append(key)
-                    slots.append(slot.index)
-        if not refs:
-            return None
-        return Batch(tuple(refs), tuple(slots), None, tuple(slots), [False], tuple(keys))
+        """References on those of ``adapters`` READY here, taken atomically (no load started, no hit counted):
+        what an engine pins before it schedules (``Acquirer.acquire_ready``). None if none is ready."""
+        return self.acquirer.acquire_ready(adapters)
 
     def release(self, batch: Batch) -> None:
         """The batch's kernels are enqueued: record their completion as the slots' last use."""
-        if batch.token[0]:
-            raise ValueError("batch released twice; release each acquired batch exactly once")
-        batch.token[0] = True
-        self.book.drop_refs(list(batch.held), None if batch.slot_index is None else self.streams.record_compute())
-
-    def _hold(self, key: AdapterKey, pipelined: bool = False) -> int:
-        """A reference on ``key``'s slot, loading it first if it is not resident (its spec is needed only then:
-        a resident version is held even if the catalog no longer keeps it)."""
-        first = True
-        started: Future[ReadinessRecord] | None = None  # the load this call started, if any
-        while True:
-            with self.book.lock:
-                slot = self.book.table.lookup(key)
-                if slot is not None:
-                    self.book.table.incref(slot.index)
-                    self.book.loads[slot.index].used = True
-                    if first:
-                        self.counters.gpu_hits += 1
-                    return slot.index
-                load = self.book.pending.get(key)
-                if first:
-                    self.counters.gpu_misses += 1
-                    first = False
-            if load is None:
-                if started is not None and started.exception() is not None:  # ours failed: no retry loop
-                    raise started.exception()  # type: ignore[misc]
-                if self.config.on_miss == "error":
-                    raise NotFoundError(f"adapter {key} is not resident on TP rank {self.config.tp_rank} and "
-                                        "on_miss is 'error'; prefetch it first or set on_miss='load'")
-                started = self.prefetch(key.name, key.version, on_demand=True)
-                continue
-            # on-demand: the host waits for the disk read (pipelined: its first chunk), the GPU for the copies
-            (load.placed if pipelined else load.issued).wait()
-            if load.future.done() and load.future.exception() is not None:
-                raise load.future.exception()  # type: ignore[misc]
-
-    @functools.lru_cache(maxsize=4096)  # noqa: B019 - specs are immutable; bounded
-    def _layout(self, spec: AdapterSpec) -> ShardLayout:
-        return shard_layout(spec, self.catalog.shape, self.config.tp, self.config.tp_rank, self.dtype)
-
-    @functools.lru_cache(maxsize=4096)  # noqa: B019 - specs are immutable; bounded
-    def _plan(self, spec: AdapterSpec) -> ChunkPlan:
-        layout = self._layout(spec)
-        return chunk_plan(layout.entries, layout.numel, self.catalog.shape.num_layers, self.dtype.itemsize,
-                          self.config.chunk_bytes)
+        self.acquirer.release(batch)
 
     def plan_of(self, name: str, version: str | None = None) -> ChunkPlan:
         """The chunk plan of ``name``'s shard here (how its loads are read, copied and waited on)."""
-        return self._plan(self.catalog.get(name, version))
+        return self.shards.plan(self.catalog.get(name, version))
 
     @property
     def worker(self) -> WorkerConfig:
@@ -384,7 +280,7 @@ class WorkerCache:
             return self.book.loads[slot].layout
 
     def layout_of(self, name: str, version: str | None = None) -> ShardLayout:
-        return self._layout(self.catalog.get(name, version))
+        return self.shards.layout(self.catalog.get(name, version))
 
     def settle(self, timeout: float = 10.0) -> None:
         """Wait until every load now in flight has ended (READY or failed; its residency change reported

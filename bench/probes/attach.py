@@ -36,7 +36,7 @@ from lora_cache.planner import PlannerConfig
 from lora_cache.vocab import NAMESPACE, WorkerId, worker_name
 from workers.attach.attachment import AttachConfig, attach
 from workers.cache import WorkerConfig
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 
 def _times(call: Callable[[], Any], calls: int, warm: int = 20) -> dict[str, float]:

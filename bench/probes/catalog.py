@@ -187,7 +187,7 @@ def measure(root: Path, count: int, ns: argparse.Namespace) -> dict[str, Any]:
     from lora_cache.app.serve import ServeConfig, start
     from lora_cache.planner import PlannerConfig
     from workers.cache import WorkerConfig
-    from workers.staging.host_tier import HostTierConfig
+    from workers.staging.host_config import HostTierConfig
 
     t0 = time.perf_counter()
     ray.init(address="local", num_cpus=ns.cpus, namespace="lora-cache", include_dashboard=False)

@@ -62,7 +62,7 @@ from lora_cache.vocab import AdapterKey
 from workers.cache import WorkerCache, WorkerConfig
 from workers.reads.shard import read_shard, read_slices
 from workers.reads.threads import ReadPool, auto_readers, host_cores, ranks_on_host
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 PIECE = 8 << 20  # the reference's reads
 NAME = "cold"

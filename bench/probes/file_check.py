@@ -20,7 +20,8 @@ from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shards import ShardLayout, shard_layout
 from lora_cache.adapters.synth import SynthConfig, make_adapters
-from workers.reads.shard import _copy_slices, _mapped, read_shard, tensor_index
+from workers.reads.proof import tensor_index
+from workers.reads.shard import _copy_slices, _mapped, read_shard
 
 
 def unchecked(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor) -> int:
@@ -83,7 +84,7 @@ def identity_versions(root: Path, content: AdapterCatalog, trials: int) -> dict[
     import os
     import tempfile
 
-    import workers.reads.shard as reader_module
+    from workers.reads import proof
 
     weights = root / "adapter-000" / "adapter_model.safetensors"
     time.sleep(max(0.0, 2.2 - (time.time() - weights.stat().st_ctime)))  # settled: else it is hashed in full
@@ -99,7 +100,7 @@ def identity_versions(root: Path, content: AdapterCatalog, trials: int) -> dict[
     first, later = [], []
     for _ in range(trials):
         os.environ["LORA_CACHE_PIN_DIR"] = tempfile.mkdtemp(prefix="lora-cache-pins-probe-")
-        reader_module._PINS.clear()  # a machine where no read pinned it yet
+        proof._PINS.clear()  # a machine where no read pinned it yet
         first.append(timed_ms(lambda: read_shard(spec, layout, dest, "sample")))
         later.append(timed_ms(lambda: read_shard(spec, layout, dest, "sample")))
     return {"register_content_ms": content_ms, "register_identity_ms": register_ms,

@@ -29,7 +29,7 @@ from lora_cache.adapters.shapes import MODULE_ORDER
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from workers.cache import WorkerCache, WorkerConfig
 from workers.reads.shard import read_shard
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 
 def make_catalog(root: Path, model: str, ranks: list[int]) -> AdapterCatalog:

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from lora_cache.app.serve import ServeConfig, start
     from lora_cache.planner import PlannerConfig
     from workers.cache import WorkerConfig
-    from workers.staging.host_tier import HostTierConfig
+    from workers.staging.host_config import HostTierConfig
 
     root = Path(tempfile.mkdtemp(prefix="lora-cache-bench-"))
     adapters = [p.name for p in make_adapters(root, SynthConfig(model="tiny", count=args.adapters, rank="8,16"))]

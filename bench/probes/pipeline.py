@@ -29,7 +29,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.rank import RankEngine
 from workers.engine.scheduler import PREFILL, Item, StepPlan
 from workers.engine.tp import Comm
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 MODES = {"ondemand": False, "pipelined": True}  # rule -> acquire(pipelined=)
 

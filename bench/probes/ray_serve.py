@@ -303,7 +303,7 @@ def run(routing: str, args: argparse.Namespace, root: str, names: list[str]) -> 
     from lora_cache.planner import PlannerConfig
     from lora_cache.routing.ranking import RouterConfig
     from workers.cache import WorkerConfig
-    from workers.staging.host_tier import HostTierConfig
+    from workers.staging.host_config import HostTierConfig
 
     policy = args.policy if routing == "lora-cache" else "none"
     if args.fresh_state:  # the controller's snapshot (popularity, hints, queues) of the routing before this one

@@ -45,9 +45,11 @@ from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shards import ShardLayout, shard_layout
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.vocab import AdapterKey
-from workers.reads.shard import read_shard, tensor_index
+from workers.reads.proof import tensor_index
+from workers.reads.shard import read_shard
 from workers.staging.arena import ALIGN, Block, HostArena
-from workers.staging.host_tier import HostEntry, ProcessReads
+from workers.staging.host_tier import HostEntry
+from workers.staging.tier_reads import ProcessReads
 
 
 def get_slice_read(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor) -> int:

@@ -50,9 +50,9 @@ from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.vocab import AdapterKey
 from workers.cache import WorkerCache, WorkerConfig
 from workers.reads.plan import plan_tasks
-from workers.reads.shard import tensor_index
+from workers.reads.proof import tensor_index
 from workers.staging.disk_tier import DiskTier, DiskTierConfig
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 BUCKET = "probe-adapters"
 PART = 8 << 20

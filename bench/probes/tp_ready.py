@@ -36,7 +36,7 @@ from lora_cache.app.serve import ServeConfig, start
 from lora_cache.planner import PlannerConfig
 from lora_cache.vocab import WorkerId
 from workers.cache import WorkerConfig
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 
 def wait_event(controller, cursor: int, replica: str, adapter: str, timeout_s: float = 120.0) -> tuple[float, int]:

@@ -15,7 +15,7 @@ module replays what the engine loop does around it, round after round:
 
 Between rounds, a request that arrives while a round or step is under way has its adapter pinned on every
 rank where it is READY and its load started on the others (for rules that prefetch; the load only while the
-last round's wanted adapters plus those taken at arrival are fewer than the slots), as ``RankEngine.arrived``
+last round's wanted adapters plus those taken at arrival are fewer than the slots), as ``Arrivals.arrived``
 does from the engine's feed: no load placed before the next round evicts a waiting request's READY adapter,
 and a cold one's load does not wait up to a whole step for that round. The next round's pins take over.
 
@@ -38,11 +38,11 @@ from bench.sim.calibration import Calibration
 from bench.sim.events import Loop, Signal
 from bench.sim.worker import SimLoad, SimWorker
 from workers.attach.versions import Readiness
-from workers.cache import AdapterRef
 from workers.engine.admission import AdmissionRule, CopyClock
 from workers.engine.config import EngineConfig
 from workers.engine.scheduler import PREFILL, STOP, WAIT, Scheduler, StepPlan, _Live
 from workers.engine.workload import Request
+from workers.gpu.acquire import AdapterRef
 from workers.gpu.slots import SlotPhase
 
 WAIT_POLL_S = 1e-3  # the engine's sleep when a wait has no load to wait for
@@ -139,7 +139,7 @@ class SimReplica:
             self._arrived(request.adapter)
 
     def _arrived(self, name: str) -> None:
-        """``RankEngine.arrived``: on every rank, pin the arrival's adapter where it is READY (a load placed
+        """``Arrivals.arrived``: on every rank, pin the arrival's adapter where it is READY (a load placed
         before the next round may not evict it), else start its load now rather than at the next round; the
         load only while the adapters the last round wants plus those taken at arrival are fewer than the
         slots (as ``Scheduler._wanted`` caps them). The next round's pins take over (``_round``)."""

@@ -14,8 +14,8 @@ built in it, so the engine's kernels read the slots directly. The controller rea
 small *endpoint* actor that the process creates under the rank's worker name (``lora-cache-worker:R:k``),
 the name by which the controller finds and adopts ``lora-cache serve``'s worker actors. A Ray driver or
 actor cannot receive calls, so the endpoint relays them: each controller call (apply, describe, ...) is
-queued there, the process's serve thread long-polls the queue (``take``), runs the calls in order on
-``WorkerControl`` (the same code the worker actor forwards to) and answers them. Residency deltas and
+queued there, the process's serve thread (``workers.attach.calls``) long-polls the queue (``take``), runs the
+calls in order on ``WorkerControl`` (the same code the worker actor forwards to) and answers them. Residency deltas and
 queue reports go straight from the process to the controller (``Outbox``, ``QueueSender``).
 
 Outside the Ray cluster (``AttachConfig(gateway="host:port")``) the process never imports Ray: it opens one
@@ -33,7 +33,6 @@ attaches again under the same name is a new incarnation: the controller takes th
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -50,18 +49,18 @@ from lora_cache.link.relay import RELAYED, EndpointStaleError, Relay
 from lora_cache.vocab import (
     NAMESPACE,
     AdapterKey,
-    Answer,
-    Call,
     ReadinessRecord,
     WorkerId,
     check_service_name,
     worker_name,
 )
+from workers.attach.calls import CallLoop
 from workers.attach.transport import Hello, RankTransport
-from workers.attach.versions import RankVersions, ReducedVersions, reduce_min
-from workers.cache import AdapterRef, Batch, WorkerCache, WorkerConfig
+from workers.attach.versions import VersionExchange
+from workers.cache import WorkerCache, WorkerConfig
 from workers.control.outbox import Outbox, QueueSender
 from workers.control.rank import WorkerControl
+from workers.gpu.acquire import AdapterRef, Batch
 
 __all__ = ["RELAYED", "AttachConfig", "Attachment", "EndpointStaleError", "Relay", "attach"]
 
@@ -155,8 +154,8 @@ class AttachConfig:
 
 class Attachment:
     """One attached rank: its cache (``acquire`` / ``release`` / slot tensors for the engine's kernels),
-    its link to the controller (``transport``), and the thread that serves the controller's calls. Build
-    it with ``attach``."""
+    its link to the controller (``transport``), the thread that serves the controller's calls (``served``) and
+    its side of the version exchange (``versions``). Build it with ``attach``."""
 
     def __init__(self, config: AttachConfig, worker: WorkerConfig, catalog: CatalogConfig, transport: RankTransport,
                  hello: Hello, compute_stream: Any = None,
@@ -164,51 +163,25 @@ class Attachment:
         self.config, self.worker, self.transport, self.hello = config, worker, transport, hello
         self.wid = WorkerId(config.replica, worker.tp_rank)
         self.name = worker_name(self.wid)
-        self._catalog = AdapterCatalog(catalog)
-        self._versions: dict[tuple[str, ...], RankVersions] = {}  # per name list: the exchange's code tables
-        self._versions_lock = threading.Lock()  # protects _versions
+        self.catalog = AdapterCatalog(catalog)
         self.outbox = Outbox(self.name, config.flush_s, send=transport.send_deltas, incarnation=hello.incarnation)
         self.cache = WorkerCache(worker, self.catalog, on_ready=on_ready, compute_stream=compute_stream,
                                  on_change=self.outbox.push)
         self.control = WorkerControl(config.replica, self.catalog, self.cache, self.outbox)
         self.node = transport.node
-        self.calls = self.errors = 0  # controller calls served, and those that raised
-        self.lost: BaseException | None = None  # why the serve thread stopped before detach, if it did
-        self._detached = threading.Event()
+        self.served = CallLoop(self.name, self.wid, transport, self.control, self.node, config.poll_s,
+                               config.max_call_s)
+        self.versions = VersionExchange(self.catalog)
         self._queue = QueueSender(lambda entries: transport.send_queue(config.replica, entries))
-        self._serving = threading.Thread(target=self._serve, name=f"lora-attach-{self.wid}", daemon=True)
-        self._running_since: float | None = None  # monotonic start of the controller call being run, if any
-        self._beating = threading.Thread(target=self._heartbeat, name=f"lora-attach-beat-{self.wid}", daemon=True)
+        # what the engine's kernels and scheduler read of the cache (the reference engine runs on these alone),
+        # fixed for the cache's life:
+        self.pool: torch.Tensor = self.cache.pool  # [num_slots, slot_numel]: every slot's packed shard
+        self.meta: Any = self.cache.meta  # SlotMeta: per-slot offsets, ranks and scalings, written with each load
+        self.device: torch.device = self.cache.device
+        self.dtype: torch.dtype = self.cache.dtype
+        self.streams: Any = self.cache.streams  # copy_stream, compute_stream (the one given to attach), events
 
     # -- the engine's calls (lifecycle step 9) ------------------------------------------------------
-    @property
-    def pool(self) -> torch.Tensor:
-        """``[num_slots, slot_numel]``: every slot's packed shard (layout: ``cache.layout_of``)."""
-        return self.cache.pool
-
-    @property
-    def meta(self) -> Any:
-        """``SlotMeta``: per-slot offsets, ranks and scalings, written on the copy stream with each load."""
-        return self.cache.meta
-
-    # the rest of the cache an engine's kernels and scheduler read (the reference engine runs on these alone)
-    @property
-    def catalog(self) -> AdapterCatalog:
-        return self._catalog
-
-    @property
-    def device(self) -> torch.device:
-        return self.cache.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.cache.dtype
-
-    @property
-    def streams(self) -> Any:
-        """``copy_stream`` and ``compute_stream`` (the one given to ``attach``) and their events."""
-        return self.cache.streams
-
     def layout_in(self, slot: int) -> ShardLayout:
         return self.cache.layout_in(slot)
 
@@ -256,7 +229,7 @@ class Attachment:
         """This rank's row per adapter of ``names`` for the version exchange (``workers.attach.versions``):
         reduce the ranks' rows with an element-wise MIN (``torch.distributed`` all-reduce, or ``reduce_min``)
         and give the result to rank 0's ``agree``."""
-        return self._versions_of(names).rows(self.cache.ready_keys(), failed_loads, failed_steps)
+        return self.versions.rows(names, self.cache.ready_keys(), failed_loads, failed_steps)
 
     def agree(self, reduced: torch.Tensor | Sequence[torch.Tensor],
               names: Sequence[str]) -> dict[str, AdapterKey | None]:
@@ -265,20 +238,7 @@ class Attachment:
         rank's catalog calls current; None while the ranks disagree and none is READY everywhere (a
         registration on its way: ask again). Rank 0's code table decodes the rows: call it on the rank whose
         ``version_rows`` took part."""
-        if not isinstance(reduced, torch.Tensor):
-            reduced = reduce_min(list(reduced))
-        versions = ReducedVersions(reduced, names, self._versions_of(names).codes).versions()
-        return {n: None if (v := versions[n].serve) is None else AdapterKey(n, v) for n in names}
-
-    def _versions_of(self, names: Sequence[str]) -> RankVersions:
-        key = tuple(names)
-        with self._versions_lock:
-            found = self._versions.get(key)
-            if found is None:
-                if len(self._versions) >= 64:  # bounded: engines ask for few distinct name lists
-                    self._versions.pop(next(iter(self._versions)))
-                found = self._versions[key] = RankVersions(self.catalog, names)
-            return found
+        return self.versions.agree(reduced, names)
 
     def stats(self) -> dict[str, object]:
         return self.cache.stats()
@@ -294,71 +254,24 @@ class Attachment:
         handed to a sender thread, the latest replacing one not yet sent; never blocks."""
         self._queue.push(entries)
 
-    # -- serving the controller (step 4) ------------------------------------------------------------
+    # -- serving the controller (step 4: ``workers.attach.calls``) and leaving ---------------------------
     def _start(self) -> None:
-        self._serving.start()
-        self._beating.start()
+        self.served.start()
         self.transport.adopted(self.hello)
 
-    def _serve(self) -> None:
-        """Take the controller's calls, run them in order, answer; until detach or the link is gone."""
-        handlers: dict[str, Callable[..., Any]] = {
-            "apply": self.control.apply, "describe": lambda: self.control.describe(self.node),
-            "register_adapter": self.control.register_adapter, "register_adapters": self.control.register_adapters,
-            "unregister_adapter": self.control.unregister_adapter, "stats": self.control.stats}
-        assert set(handlers) == set(RELAYED)
-        while not self._detached.is_set():
-            try:
-                calls = self.transport.take(self.config.poll_s)
-            except Exception as e:  # the endpoint was killed (detach) or died: the controller sees a dead worker
-                if not self._detached.is_set():
-                    log.warning("%s: endpoint lost (%s); this rank no longer receives commands", self.name, e)
-                    self.lost = e
-                return
-            for call in calls:  # each answered as it finishes: a batch of slow calls (registering many
-                self.transport.answer([self._run(handlers, call)])  # adapters) is not a silent process
-
-    def _heartbeat(self) -> None:
-        """While a controller call runs (a registration hashing a large adapter, a describe of thousands of
-        slots), tell the endpoint the process is alive every ``poll_s``; not when idle (then not polling is
-        the sign of a dead serve thread) and not past ``max_call_s`` into one call (a wedged call)."""
-        while not self._detached.wait(self.config.poll_s):
-            since = self._running_since
-            if since is not None and time.monotonic() - since < self.config.max_call_s:
-                try:
-                    self.transport.alive()
-                except Exception:  # the link is gone: the serve thread notices and stops
-                    return
-
-    def _run(self, handlers: dict[str, Callable[..., Any]], call: Call) -> Answer:
-        ident, method, args = call
-        self.calls += 1
-        self._running_since = time.monotonic()
-        try:
-            return ident, True, handlers[method](*args)
-        except Exception as e:  # the controller's call fails with it, as a worker actor's would
-            self.errors += 1
-            return ident, False, e
-        finally:
-            self._running_since = None
-
-    # -- leaving --------------------------------------------------------------------------------------
     def detach(self) -> None:
         """Leave the replica: the controller drops what this rank held (the replica is ready for nothing
         until a process attaches as this rank again); then the cache is closed. Idempotent."""
-        if self._detached.is_set():
+        if self.served.stopping.is_set():
             return
-        self._detached.set()
+        self.served.stopping.set()
         self._queue.close()
         self.outbox.close()  # no delta after the controller has dropped the rank
         try:
             self.transport.close(self.hello)
         except Exception as e:  # no controller: its health check drops the rank once the endpoint is gone
             log.info("%s: the controller did not hear of the detach (%s)", self.name, e)
-        if self._serving.is_alive():
-            self._serving.join(timeout=self.config.poll_s + 60)
-        if self._beating.is_alive():
-            self._beating.join(timeout=self.config.poll_s + 5)
+        self.served.join()
         self.control.gate.close()  # the warm stages' driver first: nothing starts a read in a closing tier
         self.cache.close()
 

@@ -13,7 +13,8 @@ import torch
 from lora_cache.adapters.catalog import AdapterCatalog
 from lora_cache.adapters.shards import ShardLayout
 from lora_cache.vocab import AdapterKey, ReadinessRecord
-from workers.cache import AdapterRef, Batch, WorkerConfig
+from workers.cache import WorkerConfig
+from workers.gpu.acquire import AdapterRef, Batch
 
 
 class EngineCache(Protocol):

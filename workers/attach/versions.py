@@ -40,6 +40,7 @@ import torch
 from lora_cache.adapters.catalog import AdapterCatalog
 from lora_cache.errors import NotFoundError
 from lora_cache.vocab import AdapterKey
+from workers.lru import BoundedLRU
 
 
 class Readiness(IntEnum):
@@ -213,3 +214,27 @@ def reduce_min(reports: Sequence[torch.Tensor]) -> torch.Tensor:
     for r in reports[1:]:
         torch.minimum(out, r, out=out)
     return out
+
+
+class VersionExchange:
+    """An attached rank's side of the exchange (``Attachment.version_rows`` / ``agree``): a ``RankVersions`` per
+    list of names the engine asks about, kept in the order first asked (engines ask for few: bounded, the oldest
+    list dropped first)."""
+
+    def __init__(self, catalog: AdapterCatalog) -> None:
+        self.catalog = catalog
+        self._tables: BoundedLRU[tuple[str, ...], RankVersions] = BoundedLRU(64)  # per name list: its code tables
+
+    def tables(self, names: Sequence[str]) -> RankVersions:
+        return self._tables.get_or_create(tuple(names), lambda: RankVersions(self.catalog, names), refresh=False)
+
+    def rows(self, names: Sequence[str], ready: Iterable[AdapterKey], failed_loads: Sequence[str] = (),
+             failed_steps: Sequence[str] = ()) -> torch.Tensor:
+        return self.tables(names).rows(ready, failed_loads, failed_steps)
+
+    def agree(self, reduced: torch.Tensor | Sequence[torch.Tensor],
+              names: Sequence[str]) -> dict[str, AdapterKey | None]:
+        if not isinstance(reduced, torch.Tensor):
+            reduced = reduce_min(list(reduced))
+        versions = ReducedVersions(reduced, names, self.tables(names).codes).versions()
+        return {n: None if (v := versions[n].serve) is None else AdapterKey(n, v) for n in names}

@@ -9,7 +9,7 @@ import torch
 from lora_cache.adapters.shapes import ModelShape, resolve_model
 from lora_cache.errors import ConfigError
 from workers.engine.admission import ADMISSION
-from workers.staging.host_tier import HostTierConfig
+from workers.staging.host_config import HostTierConfig
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 

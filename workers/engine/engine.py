@@ -12,7 +12,7 @@ One round, on every rank (rank 0's clock times arrivals and tokens):
   3. every rank runs it: prefill or decode (acquire, prefetch, layers with the LoRA kernels and the
      all-reduce, release, wait for the tokens), or a wait for the next load or arrival.
 Between rounds (rules that prefetch, rank 0 of a streaming run): each submit pins its request's adapter if
-READY, else starts its load, in the submitting thread (``Feed.watch`` -> ``RankEngine.arrived``), so neither
+READY, else starts its load, in the submitting thread (``Feed.watch`` -> ``Arrivals.arrived``), so neither
 waits for the next round; the round after the scheduler took the request releases those pins (its own hold
 what it wants). Ranks other than rank 0 see requests only in plans: on them this starts at the next round.
 """
@@ -77,7 +77,7 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
     hooks = hooks or Hooks()
     feed = hooks.feed if comm.rank == 0 else None
     if feed is not None and rule.prefetch:
-        feed.watch(engine.arrived)  # an arrival's adapter is pinned or loaded at once, not at the next round
+        feed.watch(engine.arrivals.arrived)  # an arrival's adapter is pinned or loaded at once, not at the next round
     scheduler = Scheduler(config, rule, requests, hooks.inflight, feed is not None) if comm.rank == 0 else None
     heap.freeze()  # no full collection walks the built engine mid-run (a ~100 ms stall; lora_cache/runtime/heap.py)
     try:
@@ -94,7 +94,7 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
             vec = comm.min_control(engine.readiness(plan.wanted))  # every rule: the versions (invariant 1)
             added: tuple[str, ...] = ()
             if feed is not None and scheduler is not None:
-                engine.arrivals_taken()  # before the take: an arrival after it keeps its pin a round more
+                engine.arrivals.taken()  # before the take: an arrival after it keeps its pin a round more
                 added = _take(feed, scheduler, engine)
             elif scheduler is not None:
                 added = engine.new_names()

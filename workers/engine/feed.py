@@ -70,7 +70,7 @@ class Feed:
     # -- the serving loop's side (rank 0) ------------------------------------------------------------
     def watch(self, callback: Callable[[list[Request]], None] | None) -> None:
         """Call ``callback`` with each submitted batch, in the submitting thread, after it is queued
-        (``RankEngine.arrived``); None: stop."""
+        (``Arrivals.arrived``); None: stop."""
         with self._lock:
             self._watch = callback
 

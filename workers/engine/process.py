@@ -127,8 +127,9 @@ class _Rank:
 
     def seam(self) -> dict[str, object]:
         """The attachment's own figures: controller calls served (and failed), and why it was lost, if it was."""
-        return {"calls": self.rank.calls, "errors": self.rank.errors,
-                "lost": None if self.rank.lost is None else str(self.rank.lost)}
+        served = self.rank.served
+        lost = None if served.lost is None else str(served.lost)
+        return {"calls": served.calls, "errors": served.errors, "lost": lost}
 
     def residency(self) -> list[dict[str, object]]:
         return self.rank.residency()

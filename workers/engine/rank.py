@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import threading
 import time
-from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -25,14 +23,16 @@ from lora_cache.runtime import heap
 from lora_cache.vocab import AdapterKey, ReadinessRecord
 from workers.attach.seam import EngineCache
 from workers.attach.versions import RankVersions
-from workers.cache import AdapterRef, Batch, WorkerCache, WorkerConfig, resolve
+from workers.cache import WorkerCache, WorkerConfig
 from workers.engine.admission import ADMISSION, CopyClock
+from workers.engine.arrivals import Arrivals
 from workers.engine.config import EngineConfig
 from workers.engine.graphs import DecodeGraphs
 from workers.engine.lora import LoraOp
 from workers.engine.model import KVCache, Rope, ShardedModel, StepInputs, build_model, prompt_states
 from workers.engine.scheduler import PREFILL, WAIT, Item, StepPlan
 from workers.engine.tp import Comm
+from workers.gpu.acquire import AdapterRef, Batch, resolve
 from workers.gpu.chunk_waits import ChunkWaits
 
 
@@ -168,13 +168,9 @@ class RankEngine:
         self._step_failed: set[str] = set()  # adapters the last step could not hold here (reported next round)
         self._last_end: float | None = None  # perf_counter at the last step's end (None: a WAIT round since)
         self._readiness_s = 0.0  # time in readiness() since the last step
-        # arrivals (``arrived``, called from the feed's submitting thread): protected by _arrival_lock
-        self._arrival_lock = threading.Lock()
-        self._wanted: tuple[AdapterRef, ...] = ()  # the last plan's wanted (pinned or loading by the rounds)
-        self._arrivals: dict[str, None] = {}  # adapters pinned or loaded at arrival, not yet taken over
-        self._arrival_pins: list[Batch] = []  # their pins (READY at arrival)
-        self._taken_pins: list[Batch] = []  # pins of arrivals the scheduler has taken: released next execute
-        self._closed = False
+        # rank 0 of a streaming run: adapters pinned or loaded as requests arrive (the feed's thread)
+        self.arrivals = Arrivals(self.cache, self.catalog, lambda: self.versions.index, config.num_slots,
+                                 self.prefetching)
         self.pauses = heap.Pauses()  # the collector's stalls, per step in the log (stopped by close)
         self.pauses.start()
 
@@ -277,64 +273,12 @@ class RankEngine:
             self.cache.release(self._pinned)
             self._pinned = None
 
-    # -- arrivals (rank 0 of a streaming run; any thread) ---------------------------------------------------
-    def arrived(self, requests: Iterable[Any]) -> None:
-        """Requests were just submitted (``Feed.watch``): for each one's adapter, pin it if it is READY here (no
-        load placed before the round that takes the request may evict it), else start its load now, not at
-        the next round (up to a whole step later). Only for rules that prefetch; the load only while the
-        adapters the last plan wants plus those taken at arrival are fewer than the slots (``Scheduler._wanted``'s cap).
-        A load started here that fails is started (and reported) again by the round that wants it; the
-        version loaded is the catalog's current one, the one a round's prefetch of a new request loads."""
-        if not self.prefetching:
-            return
-        with self._arrival_lock:
-            if self._closed:
-                return
-            wanted = {r.name if isinstance(r, AdapterKey) else r for r in self._wanted}
-            for request in requests:
-                name = request.adapter
-                if (name is None or name in wanted or name in self._arrivals
-                        or (name not in self.index and name not in self.catalog)):  # unregistered: fails at the take
-                    continue
-                room = len(wanted) + len(self._arrivals) < self.config.num_slots
-                self._arrivals[name] = None
-                pin = self.cache.acquire_ready((name,))
-                if pin is not None:
-                    self._arrival_pins.append(pin)
-                    continue
-                if not room:
-                    continue
-                with contextlib.suppress(LoraCacheError):  # e.g. the host tier full right now: the round retries
-                    self.cache.prefetch(name)
-
-    def arrivals_taken(self) -> None:
-        """Rank 0 is about to take the requests submitted so far: their arrival pins go at the next
-        ``execute``, once that round's own pins hold what it wants (later arrivals keep theirs a round more)."""
-        with self._arrival_lock:
-            self._taken_pins += self._arrival_pins
-            self._arrival_pins = []
-            self._arrivals.clear()
-
-    def _release_taken(self, wanted: tuple[AdapterRef, ...]) -> None:
-        with self._arrival_lock:
-            self._wanted = wanted
-            pins, self._taken_pins = self._taken_pins, []
-        for pin in pins:
-            self.cache.release(pin)
-
-    def _release_arrivals(self) -> None:
-        with self._arrival_lock:
-            self._closed = True
-            pins, self._taken_pins, self._arrival_pins = self._taken_pins + self._arrival_pins, [], []
-        for pin in pins:
-            self.cache.release(pin)
-
     # -- one round ---------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan, arrival: Future[None] | None = None) -> StepResult | None:
         """``arrival`` (rank 0 of a streaming run): done when a request is submitted; it ends a WAIT."""
         if plan.wanted or self._pinned is not None:
             self.pin(plan.wanted)  # what the prefetches below may not evict
-        self._release_taken(plan.wanted)  # the round's pins hold the taken arrivals' adapters it wants
+        self.arrivals.release_taken(plan.wanted)  # the round's pins hold the taken arrivals' adapters it wants
         if plan.kind == WAIT:
             self._prefetch(plan.prefetch)
             self._wait(plan, arrival)
@@ -517,7 +461,7 @@ class RankEngine:
     def close(self) -> RankStats:
         self.pauses.stop()
         self.stats.gc = self.pauses.summary()
-        self._release_arrivals()
+        self.arrivals.close()
         self.unpin()
         self.stats.cache = self.cache.stats()
         self.cache.check_integrity()

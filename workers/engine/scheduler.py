@@ -20,11 +20,11 @@ import torch
 from lora_cache.errors import ConfigError
 from lora_cache.vocab import AdapterKey
 from workers.attach.versions import AdapterVersions, Readiness
-from workers.cache import AdapterRef
 from workers.engine.admission import AdmissionRule
 from workers.engine.config import EngineConfig
 from workers.engine.timings import RequestRecord
 from workers.engine.workload import Request
+from workers.gpu.acquire import AdapterRef
 
 PREFILL, DECODE, WAIT, STOP = "prefill", "decode", "wait", "stop"
 IDLE_WAIT_S = 0.1  # streaming, nothing here: a WAIT round lasts at most this long (a submit ends it sooner)

@@ -13,30 +13,20 @@ only where there is no GPU (bench/RESULTS.md, ``python -m bench.probes.reader``)
 while it is read fails the read with ``AdapterChangedError`` (a short ``preadv``, or the ``fstat`` after each
 chunk); no process dies of it.
 
-An identity version (``lora_cache.adapters.files.identity_version``) has no block CRCs until its first read on
-this machine pins them (``_pin_first``, once per machine: later reads, in any process, take the pin).
-
-A read returns only the bytes its version was registered with (``lora_cache.adapters.files``), or refuses with
-``AdapterChangedError``: the file is stat'ed and compared with the registered identity before it is
-opened (a FIFO or device swapped in is never opened), read through one fd that is ``fstat``'ed against it
-(a rename-over between the two is caught), its header's CRC is compared, the blocks it read are CRC-checked
-as ``verify`` says, and the fd is ``fstat``'ed again after the copy (a write during the read is caught).
+The version proof (the file's identity before and after, its header, the blocks read, as ``verify`` says) is
+``workers.reads.proof``'s; this module reads, and publishes a chunk only once it is proven.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import math
 import mmap
 import os
 import random
-import stat
-import threading
 import time
-import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -44,34 +34,27 @@ import torch
 
 from lora_cache.adapters.files import (
     BLOCK_BYTES,
-    BlockCrcs,
     FileIdentity,
     WeightsSource,
-    content_crcs,
-    file_kind,
-    load_pin,
-    publish_pin,
     same_file,
 )
-from lora_cache.adapters.peft import FLOAT_DTYPES, AdapterSpec, parse_tensors
+from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shards import ShardEntry, ShardLayout
 from lora_cache.errors import AdapterChangedError, AdapterFormatError
 from lora_cache.vocab import AdapterKey
 from workers import faults
+from workers.lru import BoundedLRU
 from workers.reads.plan import FileTensor, Run, Task, plan_tasks, task_bytes_for
-from workers.reads.positioned import FileShrank, bad_block, block_crc, crc32, read_task
+from workers.reads.positioned import FileShrank, bad_block, block_crc, read_task
+from workers.reads.proof import (
+    blocks_of,
+    changed_block,
+    checked_index,
+    chunk_checks,
+    open_unchanged,
+    settle_blocks,
+)
 from workers.reads.threads import ReadPool, run_in_order
-
-# How much of what a read copied it checks against the version's CRCs (hashed at registration, or, for an
-# identity version, pinned on this machine by its first read: ``_pin_first``), on top of the identity and
-# header checks every read makes (bench/RESULTS.md, "What the content check costs"). A racy version (changed
-# within RACY_NS of its registration) is checked in full whatever the mode, until a check after its window.
-VERIFY = {
-    "identity": "identity and header only: catches any change a file system records in stat",
-    "sample": "plus one of the blocks read, at random: catches an overwrite by other content even where "
-              "stat does not show it (a coarse or lying file system) for one 1 MiB CRC (under 0.5 ms)",
-    "content": "plus every block read: no change of the bytes read goes unseen; costs a CRC of the shard",
-}
 
 
 def read_shard(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor, verify: str = "sample",
@@ -123,7 +106,7 @@ def read_slices(source: WeightsSource, entries: tuple[ShardEntry, ...], dest: to
     if how not in HOW:
         raise ValueError(f"how {how!r} is not one of {', '.join(HOW)}")
     weights = Path(source.path)
-    fd, source = _open_unchanged(source)
+    fd, source = open_unchanged(source)
     spans = chunks or (slice(0, len(entries)),)
 
     def proven(k: int) -> None:  # chunk k is in place and its blocks checked: the file must be the one opened
@@ -134,7 +117,7 @@ def read_slices(source: WeightsSource, entries: tuple[ShardEntry, ...], dest: to
             on_chunk(k + 1)
 
     try:
-        index = _checked_index(fd, source)
+        index = checked_index(fd, source)
         if marks is not None:
             marks.append(("opened", time.perf_counter()))
         if opened is not None:
@@ -166,9 +149,9 @@ class _Chunk(NamedTuple):
     covered: tuple[int, ...] = ()  # the blocks those runs hold whole: a check of one reads nothing more
 
 
-_PLANS_LOCK = threading.Lock()  # protects _PLANS
-_PLANS: collections.OrderedDict[tuple[object, ...], tuple[object, object, list[_Chunk]]] = collections.OrderedDict()
 _PLANS_KEPT = 64  # rank patterns x chunkings: a fleet's adapters share a few
+# (ids of the index and entries, chunking, dtype, threads, direct, size) -> (index, entries, the plan) (``_plan``)
+_PLANS: BoundedLRU[tuple[object, ...], tuple[object, object, list[_Chunk]]] = BoundedLRU(_PLANS_KEPT)
 
 
 def _best_covered(runs: Sequence[Run], blocks: Sequence[int]) -> list[int]:
@@ -200,41 +183,23 @@ def _covered(runs: Sequence[Run], size: int) -> tuple[int, ...]:
 def _plan(index: dict[str, FileTensor], entries: tuple[ShardEntry, ...], spans: Sequence[slice], dtype: torch.dtype,
           readers: int, direct: bool, size: int) -> list[_Chunk]:
     """The chunks' tasks and blocks, planned once: adapters of one rank pattern share their header's index
-    (``_parse_index``) and their layout's entries (``shards``), so a cold read of any of them plans nothing.
+    (``proof._parse_index``) and their layout's entries (``shards``), so a cold read of any of them plans nothing.
     Keyed by identity, with the index and entries kept alive beside the plan (an id is never reused while
     its plan is kept)."""
     key = (id(index), id(entries), tuple((s.start, s.stop) for s in spans), dtype, readers, direct, size)
-    with _PLANS_LOCK:
-        kept = _PLANS.get(key)
-        if kept is not None:
-            _PLANS.move_to_end(key)
-            return kept[2]
+    kept = _PLANS.get(key)
+    if kept is not None:
+        return kept[2]
     plan = []
     for span in spans:
         part = entries[span]
         nbytes = sum(e.numel * index[e.key].dtype.itemsize for e in part)
         tasks = plan_tasks(index, part, dtype, task_bytes_for(nbytes, readers), direct)
         runs = tuple(sorted((r for t in tasks for r in t.runs), key=lambda r: r.start))
-        plan.append(_Chunk(tuple(tasks), tuple(sorted({b for e in part for b in _span(index[e.key], e)})), nbytes,
+        plan.append(_Chunk(tuple(tasks), tuple(sorted({b for e in part for b in blocks_of(index[e.key], e)})), nbytes,
                            runs, _covered(runs, size)))
-    with _PLANS_LOCK:
-        _PLANS[key] = (index, entries, plan)
-        while len(_PLANS) > _PLANS_KEPT:
-            _PLANS.popitem(last=False)
+    _PLANS.put(key, (index, entries, plan), refresh=False)
     return plan
-
-
-def _chunk_checks(source: WeightsSource, blocks: tuple[int, ...], verify: str) -> list[int]:
-    """The blocks of a chunk (``blocks``: all it touches) that a split read checks: as ``_blocks_to_check``."""
-    if verify not in VERIFY:
-        raise AdapterFormatError(f"verify {verify!r} is not one of {', '.join(VERIFY)}")
-    if source.racy and verify != "content":
-        with _SETTLED_LOCK:
-            done = _SETTLED.get((source.path, source.version, source.identity), set())
-        return [b for b in blocks if b not in done]
-    if verify != "content":  # identity; sample: checked once the chunk is in the buffer (``_sample``)
-        return []
-    return list(blocks)
 
 
 class _Part(NamedTuple):
@@ -246,8 +211,8 @@ class _Part(NamedTuple):
     covered: tuple[int, ...]  # the blocks those runs hold whole
 
 
-_PARTS_LOCK = threading.Lock()  # protects _PARTS
-_PARTS: collections.OrderedDict[tuple[object, ...], tuple[object, list[_Part]]] = collections.OrderedDict()
+# (id of the plan, part, threads, size) -> (the plan, its shares) (``_parts``): a few parts of each plan kept
+_PARTS: BoundedLRU[tuple[object, ...], tuple[object, list[_Part]]] = BoundedLRU(_PLANS_KEPT * 4)
 
 
 def _parts(plan: list[_Chunk], checks: list[list[int]], readers: int, part: tuple[int, int],
@@ -258,10 +223,9 @@ def _parts(plan: list[_Chunk], checks: list[list[int]], readers: int, part: tupl
     key = (id(plan), part, readers, size)
     static = not any(checks)
     if static:
-        with _PARTS_LOCK:
-            kept = _PARTS.get(key)
-            if kept is not None and kept[0] is plan:
-                return kept[1]
+        kept = _PARTS.peek(key)
+        if kept is not None and kept[0] is plan:
+            return kept[1]
     mine, parts = part
     out = []
     for c, blocks in zip(plan, checks, strict=True):
@@ -273,10 +237,7 @@ def _parts(plan: list[_Chunk], checks: list[list[int]], readers: int, part: tupl
         out.append(_Part(work, tuple(b for bs, t in work if t is None for b in bs), runs,
                          c.covered if parts == 1 else _covered(runs, size)))
     if static:
-        with _PARTS_LOCK:
-            _PARTS[key] = (plan, out)
-            while len(_PARTS) > _PLANS_KEPT * 4:  # a few parts of each plan kept
-                _PARTS.popitem(last=False)
+        _PARTS.put(key, (plan, out), refresh=False)
     return out
 
 
@@ -294,7 +255,7 @@ def _read_parallel(pool: ReadPool | None, fd: int, source: WeightsSource, index:
     readers = readers or (pool.size if pool is not None else 1)
     plan = _plan(index, entries, spans, dest.dtype, readers, how != "mmap", source.identity.size)
     checked_at = time.time_ns()  # before any check: the bytes seen are at least this recent
-    shares = _parts(plan, [_chunk_checks(source, c.blocks, verify) for c in plan], readers, part, source.identity.size)
+    shares = _parts(plan, [chunk_checks(source, c.blocks, verify) for c in plan], readers, part, source.identity.size)
     chunks: list[list[Callable[[], None]]] = []
     for share in shares:
         tasks: list[Callable[[], None]] = [
@@ -310,7 +271,7 @@ def _read_parallel(pool: ReadPool | None, fd: int, source: WeightsSource, index:
         share = shares[k]
         if sample and plan[k].blocks and k % parts == mine:  # one part checks each chunk, from its own runs
             _sample(fd, raw, source, plan[k].blocks, share.covered, share.runs)
-        _settle(source, list(share.settles), checked_at)
+        settle_blocks(source, list(share.settles), checked_at)
         proven(k)
 
     if pool is not None:
@@ -328,7 +289,7 @@ def _sample(fd: int, raw: memoryview, source: WeightsSource, blocks: Sequence[in
     """``verify`` sample's check of one chunk, in place: one of its blocks at random, one that ``runs`` (what was
     read into ``raw``) hold whole where there is one (``covered``: its CRC taken from the buffer, the bytes the
     GPU will get, no read), else one of ``blocks`` (its CRC from the bytes read and the rest of the block read
-    from the file) (``read_io.block_crc``)."""
+    from the file) (``positioned.block_crc``)."""
     block = random.choice(covered or _best_covered(runs, blocks))
     try:
         crc = block_crc(fd, raw, runs, block, BLOCK_BYTES, source.identity.size)
@@ -336,7 +297,7 @@ def _sample(fd: int, raw: memoryview, source: WeightsSource, blocks: Sequence[in
         raise AdapterChangedError(f"{source.path} shrank while it was read (it ended before byte {e.offset}) since "
                                   f"it was registered as version {source.version}; the read is refused") from e
     if crc != source.block_crcs[block]:
-        raise _changed_block(source, block)
+        raise changed_block(source, block)
 
 
 def _timed(task: Callable[[], None], marks: list[tuple[str, float]]) -> Callable[[], None]:
@@ -376,148 +337,9 @@ def _check_task(fd: int, source: WeightsSource, blocks: list[int]) -> None:
         raise AdapterChangedError(f"{source.path} shrank while it was read (it ended before byte {e.offset}) since "
                                   f"it was registered as version {source.version}; the read is refused") from e
     if bad is not None:
-        raise _changed_block(source, bad)
+        raise changed_block(source, bad)
 
 
-_ACCEPTED_LOCK = threading.Lock()  # protects _ACCEPTED
-_ACCEPTED: collections.OrderedDict[tuple[str, str], WeightsSource] = collections.OrderedDict()  # LRU, bounded
-_ACCEPTED_VERSIONS = 1024
-
-
-def _open_unchanged(registered: WeightsSource) -> tuple[int, WeightsSource]:
-    """An fd of the registered file and the identity it is checked against from now on.
-
-    The path is stat'ed before the open (a FIFO, a device or a file of another size put in its place is never
-    opened) and the fd after it (so a file renamed over it in between is not read). A file of the registered
-    size whose identity changed (copied back, touched, re-synced) is checked in full against the registered
-    CRCs: the same bytes are accepted under their new identity, other bytes refused."""
-    registered = _pinned(registered)
-    weights, key = Path(registered.path), (registered.path, registered.version)
-    with _ACCEPTED_LOCK:
-        source = _ACCEPTED.get(key, registered)
-    try:
-        st = os.stat(weights)
-        _regular(weights, st, registered.version)
-        if source.identity.changes(now := FileIdentity.of(st)) and now.size != registered.identity.size:
-            same_file(weights, source.identity, now, "since", source.version)
-        fd = os.open(weights, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except FileNotFoundError as e:
-        raise AdapterChangedError(f"{weights} is gone ({e}); it was registered as version {registered.version}: "
-                                  "register the adapter again") from e
-    try:
-        fst = os.fstat(fd)
-        _regular(weights, fst, registered.version)
-        now = FileIdentity.of(fst)
-        if source.identity.changes(now):
-            if now.size != registered.identity.size:
-                same_file(weights, source.identity, now, "since", source.version)
-            source = _revalidated(fd, registered, now)
-        if not source.pinned:
-            source = _pin_first(fd, source)
-        return fd, source
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _regular(weights: Path, st: os.stat_result, version: str) -> None:
-    if not stat.S_ISREG(st.st_mode):
-        raise AdapterChangedError(f"{weights} is now a {file_kind(st.st_mode)}, not the regular file registered as "
-                                  f"version {version}: refused without reading it; put the adapter file back and "
-                                  "register it again")
-
-
-def _revalidated(fd: int, registered: WeightsSource, now: FileIdentity) -> WeightsSource:
-    """``registered`` under the file's new identity ``now``, if every block still has its registered CRC."""
-    checked_at = time.time_ns()
-    change = registered.identity.changes(now)
-    if not registered.pinned:  # an identity version no read has pinned: nothing proves these bytes are its own
-        raise AdapterChangedError(f"{registered.path} changed since it was registered as version "
-                                  f"{registered.version}: {change}; that version was taken from the file's identity "
-                                  "and no read pinned its content before the change, so nothing proves these bytes "
-                                  "are its own: the read is refused; register it again for a new version "
-                                  "(lora-cache register NAME PATH)")
-    try:  # by preadv, no page mapped: a file cut short now is refused, never a SIGBUS
-        bad = bad_block(fd, registered.block_crcs, now.size, range(len(registered.block_crcs)), BLOCK_BYTES)
-    except FileShrank as e:
-        raise AdapterChangedError(f"{registered.path} shrank while it was checked (it ended before byte {e.offset}) "
-                                  f"since it was registered as version {registered.version}; the read is "
-                                  "refused: register it again") from e
-    if bad is not None or crc32(os.pread(fd, registered.header_bytes, 0)) != registered.header_crc:
-        raise AdapterChangedError(f"{registered.path} changed since it was registered as version "
-                                  f"{registered.version}: {change}, and its bytes are not the ones registered "
-                                  f"(block {bad} of {BLOCK_BYTES} bytes differs); a read under that version would "
-                                  "return other bytes, so it is refused: register it again for a new version "
-                                  "(lora-cache register NAME PATH)")
-    source = registered._replace(identity=now, registered_ns=checked_at)  # racy again if ``now`` is recent
-    with _ACCEPTED_LOCK:
-        _ACCEPTED[(registered.path, registered.version)] = source
-        while len(_ACCEPTED) > _ACCEPTED_VERSIONS:
-            _ACCEPTED.popitem(last=False)
-    return source
-
-
-_PINS_LOCK = threading.Lock()  # protects _PINS
-_PINS: collections.OrderedDict[tuple[str, str], BlockCrcs] = collections.OrderedDict()  # this process's, LRU
-_PINS_KEPT = 1024
-
-
-def _pinned(registered: WeightsSource) -> WeightsSource:
-    """``registered`` with its content's CRCs, if they are known: hashed at registration (a content version), or
-    pinned on this machine by a read of its identity version (this process's, or another's through the pin
-    directory); as it is if no read pinned it yet."""
-    if registered.pinned:
-        return registered
-    key = (registered.path, registered.version)
-    with _PINS_LOCK:
-        crcs = _PINS.get(key)
-    if crcs is None:
-        crcs = load_pin(registered)
-        if crcs is None:
-            return registered
-        _keep_pin(key, crcs)
-    return registered._replace(block_crcs=crcs)
-
-
-def _keep_pin(key: tuple[str, str], crcs: BlockCrcs) -> None:
-    with _PINS_LOCK:
-        _PINS[key] = crcs
-        _PINS.move_to_end(key)
-        while len(_PINS) > _PINS_KEPT:
-            _PINS.popitem(last=False)
-
-
-def _pin_first(fd: int, source: WeightsSource) -> WeightsSource:
-    """The first read of an identity version on this machine pins its content: every block's CRC, taken through
-    the open ``fd`` whose identity is the registered one before and after (so, stat being honest, the bytes the
-    file held at registration), published for every process of this machine; if another read published first,
-    its CRCs are the version's, and other bytes here are refused (never two contents under one version)."""
-    weights = Path(source.path)
-    crcs = content_crcs(fd, source.identity.size, weights)
-    if zlib.crc32(os.pread(fd, source.header_bytes, 0)) != source.header_crc:
-        raise AdapterChangedError(f"{weights} changed since it was registered as version {source.version}: its "
-                                  "header is not the one registered; the read is refused: register it again")
-    same_file(weights, source.identity, FileIdentity.of(os.fstat(fd)), "while its content was pinned, after",
-              source.version)
-    pinned = publish_pin(source, crcs)
-    if pinned != crcs:
-        bad = next(b for b in range(len(crcs)) if crcs[b] != pinned[b])
-        raise AdapterChangedError(f"{weights} holds other bytes (block {bad} of {BLOCK_BYTES} bytes differs) than "
-                                  f"another read pinned as the content of version {source.version} on this machine, "
-                                  "though its stat did not change (a file system that does not show every write): "
-                                  "the read is refused; register it again for a new version")
-    _keep_pin((source.path, source.version), pinned)
-    return source._replace(block_crcs=pinned)
-
-
-def _checked_index(fd: int, source: WeightsSource) -> dict[str, FileTensor]:
-    """Where every tensor is, from the header this fd holds now, if it is the one registered."""
-    head = os.pread(fd, source.header_bytes, 0)
-    if crc32(head) != source.header_crc:
-        raise AdapterChangedError(f"{source.path} changed since it was registered as version {source.version}: its "
-                                  "header is not the one registered (rewritten in place, same size and stat "
-                                  "times); the read is refused: register it again for a new version")
-    return _parse_index(head, source.identity.size)
 
 
 @contextlib.contextmanager
@@ -549,99 +371,3 @@ def _copy_slices(mapped: mmap.mmap, index: dict[str, FileTensor], entries: tuple
     torch._foreach_copy_(targets, sources)  # one call, the GIL released for every copy
     return read
 
-
-# -- the content check ------------------------------------------------------------------------------------
-
-_SETTLED_LOCK = threading.Lock()  # protects _SETTLED
-_SETTLED: collections.OrderedDict[tuple[str, str, FileIdentity], set[int]] = collections.OrderedDict()  # racy blocks
-_SETTLED_VERSIONS = 1024  # proven after their racy window: LRU-bounded
-
-
-def _span(t: FileTensor, e: ShardEntry) -> range:
-    """The blocks holding the bytes ``e`` reads of ``t`` (from its first byte read to its last)."""
-    row = t.shape[-1] * t.dtype.itemsize
-    first = t.start + e.rows.start * row + e.cols.start * t.dtype.itemsize
-    end = t.start + (e.rows.stop - 1) * row + e.cols.stop * t.dtype.itemsize
-    return range(first // BLOCK_BYTES, (end - 1) // BLOCK_BYTES + 1)
-
-
-def _blocks_to_check(source: WeightsSource, index: dict[str, FileTensor], entries: tuple[ShardEntry, ...],
-                     verify: str) -> list[int]:
-    if verify not in VERIFY:
-        raise AdapterFormatError(f"verify {verify!r} is not one of {', '.join(VERIFY)}")
-    if source.racy and verify != "content":
-        with _SETTLED_LOCK:
-            done = _SETTLED.get((source.path, source.version, source.identity), set())
-        return sorted({b for e in entries for b in _span(index[e.key], e)} - done)
-    if verify == "identity" or not entries:
-        return []
-    if verify == "sample":
-        e = random.choice(entries)
-        return [random.choice(_span(index[e.key], e))]
-    return sorted({b for e in entries for b in _span(index[e.key], e)})
-
-
-def _bad_block(mapped: mmap.mmap, source: WeightsSource, blocks: Iterable[int]) -> int | None:
-    """The first of ``blocks`` whose CRC is not the registered one, or None."""
-    with memoryview(mapped) as view:
-        return next((b for b in blocks
-                     if crc32(view[b * BLOCK_BYTES : (b + 1) * BLOCK_BYTES]) != source.block_crcs[b]), None)
-
-
-def _check_blocks(mapped: mmap.mmap, source: WeightsSource, blocks: list[int], settle: bool = True) -> None:
-    """Refuse the read if one of ``blocks`` is not as registered; ``settle``: remember the blocks proven (the
-    single reader's check, from the mapped file)."""
-    checked_at = time.time_ns()  # before the check: the bytes seen are at least this recent
-    bad = _bad_block(mapped, source, blocks)
-    if bad is not None:
-        raise _changed_block(source, bad)
-    if settle:
-        _settle(source, blocks, checked_at)
-
-
-def _changed_block(source: WeightsSource, bad: int) -> AdapterChangedError:
-    return AdapterChangedError(
-        f"{source.path} changed since it was registered as version {source.version}: bytes "
-        f"{bad * BLOCK_BYTES}-{(bad + 1) * BLOCK_BYTES} are not the ones registered (rewritten in place with "
-        "the same size and stat times); the read is refused: register it again for a new version")
-
-
-def _settle(source: WeightsSource, blocks: list[int], checked_at: int) -> None:
-    """A racy version's ``blocks``, checked at ``checked_at``, stay proven if the racy window was over by then:
-    later writes must show in stat."""
-    if source.racy and blocks and source.settled(checked_at):
-        with _SETTLED_LOCK:
-            key = (source.path, source.version, source.identity)  # proofs hold for this identity only
-            _SETTLED.setdefault(key, set()).update(blocks)
-            _SETTLED.move_to_end(key)
-            while len(_SETTLED) > _SETTLED_VERSIONS:
-                _SETTLED.popitem(last=False)
-
-
-# -- the header ------------------------------------------------------------------------------------------
-
-
-def tensor_index(path: str, version: str, size: int) -> dict[str, FileTensor]:
-    """key -> where its bytes are, from the safetensors header of ``path`` (of ``version``, ``size`` bytes)."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        if not 0 < n <= size - 8:
-            raise AdapterFormatError(f"its safetensors header length {n} does not fit the {size}-byte file")
-        f.seek(0)
-        return _parse_index(f.read(8 + n), size)
-
-
-@functools.lru_cache(maxsize=512)  # ~50 KiB of header and its index per 8B adapter
-def _parse_index(head: bytes, size: int) -> dict[str, FileTensor]:
-    """key -> where its bytes are, from a safetensors header (its 8-byte length and its JSON), parsed once per
-    header by registration's own parser (``peft.parse_tensors``: every tensor inside the ``size``-byte file)."""
-    try:
-        tensors = parse_tensors(head[8:], size)
-    except (ValueError, KeyError, TypeError) as e:  # the file changed since registration
-        raise AdapterFormatError(f"the safetensors header no longer parses ({e}); register the adapter again") from e
-    index = {}
-    for key, (dtype, shape, begin) in tensors.items():
-        if dtype not in FLOAT_DTYPES:  # registration refuses these; the file changed since
-            raise AdapterFormatError(f"tensor {key!r} is {dtype}, not one of {sorted(FLOAT_DTYPES)}")
-        index[key] = FileTensor(getattr(torch, FLOAT_DTYPES[dtype]), shape, len(head) + begin)
-    return index

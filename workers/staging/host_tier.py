@@ -1,8 +1,8 @@
 """The pinned host tier: packed shards staged in a bounded arena, LRU by bytes, single-flight reads.
 
 Reads are dispatched on a thread pool (blocking file I/O off the caller's thread) and run where the
-config's ``reads`` strategy says (``READS``): in reader processes that share the arena (a GPU worker: no
-GIL shared with the engine that launches beside them), or on the threads themselves. Concurrent fetches
+config's ``reads`` strategy says (``workers.staging.tier_reads``): in reader processes that share the arena (a
+GPU worker: no GIL shared with the engine that launches beside them), or on the threads themselves. Concurrent fetches
 of one adapter share one read. An entry is pinned by references while a host-to-GPU copy may still read it.
 A fetch that finds every byte held by references that will be dropped (loads in flight) may wait for room
 (``wait``): it is admitted, in FIFO order, when one of them lets go of its entry.
@@ -17,14 +17,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,155 +30,27 @@ from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shards import ShardLayout
 from lora_cache.errors import CapacityError, ConfigError
 from lora_cache.vocab import AdapterKey  # one name@version key for planner and workers
-from workers.reads.processes import ReaderProcess, SplitRead
-from workers.reads.shard import VERIFY, read_shard
-from workers.reads.threads import AUTO_MAX, ReadPool, auto_readers, host_cores
 from workers.staging.arena import ALIGN, Block, HostArena
 from workers.staging.disk_tier import DiskTier
+from workers.staging.host_config import HostTierConfig
+from workers.staging.tier_reads import ProcessReads, ThreadReads
 
 log = logging.getLogger(__name__)
-MAX_READ_PARALLEL = 64
 ChunkListener = Callable[["HostEntry", int], None]  # told how many chunks of an entry are staged so far
 
 
-AUTO_MAX_SPLIT = 16  # reader threads per read by default, at most, when split over reader processes
-THREADS_PER_PROCESS = 4  # of a read split over processes, by default (issue 30: 8+ threads in one process wait on
-# the GIL between their reads; processes share none)
-AUTO_SHARE = 0.25  # of this host's available memory, for its ranks' host tiers together (host_bytes 0)
-AUTO_MAX_BYTES = 16 << 30  # the operator's cap per rank on the auto size, by default (pinning: ~0.5 s a GiB)
-AUTO_MIN_BYTES = 256 << 20  # the auto size never goes below this (a small or busy host)
-MEMINFO = Path("/proc/meminfo")
-CGROUP = Path("/sys/fs/cgroup")
 
 
-def available_memory() -> int:
-    """Bytes this process could still take: ``MemAvailable`` of /proc/meminfo, less where a cgroup (v2)
-    limit leaves less room (a container sees the host's meminfo)."""
-    avail = 0
-    try:
-        for line in MEMINFO.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-                break
-    except (OSError, ValueError, IndexError):
-        pass
-    if not avail:
-        try:
-            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, AttributeError):
-            avail = 0
-    try:
-        limit = (CGROUP / "memory.max").read_text().strip()
-        if limit != "max":
-            room = int(limit) - int((CGROUP / "memory.current").read_text().strip())
-            avail = min(avail, room) if avail else room
-    except (OSError, ValueError):
-        pass
-    return max(0, avail)
 
 
-def auto_host_bytes(available: int, ranks_here: int, share: float = AUTO_SHARE,
-                    cap: int = AUTO_MAX_BYTES) -> int:
-    """Each rank's host tier by default: ``share`` of ``available`` bytes over the ``ranks_here`` GPU ranks of
-    this host, at most ``cap``, at least ``AUTO_MIN_BYTES`` (or ``cap`` if lower), in whole MiB."""
-    size = min(cap, max(AUTO_MIN_BYTES, int(share * available) // max(1, ranks_here)))
-    return max(1 << 20, size >> 20 << 20)
 
 
-@dataclass(frozen=True)
-class HostTierConfig:
-    """Size of the host tier and its reader pool."""
 
-    host_bytes: int = field(default=0, metadata={
-        "help": "bytes of (pinned) host memory for staged shards, per rank; 0: auto, host_share of this host's "
-                "available memory (MemAvailable, or a lower cgroup limit) over its GPU ranks, at most "
-                "host_max_bytes, at least 256 MiB"})
-    host_share: float = field(default=AUTO_SHARE, metadata={
-        "help": "host_bytes 0 (auto): the share of this host's available memory its ranks' host tiers take together"})
-    host_max_bytes: int = field(default=AUTO_MAX_BYTES, metadata={
-        "help": "host_bytes 0 (auto): the operator's cap on each rank's host tier"})
-    read_threads: int = field(default=4, metadata={"help": "reads of adapter files at once (threads, and reader "
-                                                           "processes with reads=process)"})
-    read_parallel: int = field(default=0, metadata={
-        "help": "reader threads that split one read (positioned reads straight into the pinned arena, in chunk "
-                "order); 0: auto, the host's cores over its GPU ranks, at most 8 in one process (thread reads), at "
-                "most 16 over reader processes (process reads); 1: one thread"})
-    read_split: int = field(default=0, metadata={
-        "help": "process reads: reader processes that split one read, as many as are idle up to this (each with "
-                "read_parallel / read_split threads: no GIL shared among them); 0: auto, one per 4 reader threads, "
-                "at most read_threads; 1: one process per read"})
-    pin: bool = field(default=True, metadata={"help": "pin host memory when a GPU is present"})
-    pin_background: bool = field(default=True, metadata={
-        "help": "pin a shared arena (process reads) on a thread of its own while the worker starts (6-9 s for 16 "
-                "GiB); the first copy from it waits for the pinning; off: pin before the worker starts"})
-    reads: str = field(default="auto", metadata={
-        "help": "where reads run: process (reader processes sharing the arena), thread (the reader threads), "
-                "auto (process when the arena is pinned for a GPU, else thread)"})
-    verify: str = field(default="sample", metadata={
-        "help": "how much of each read is checked against the CRCs taken at registration, beyond the file's "
-                "identity and header: " + "; ".join(f"{k} ({v})" for k, v in VERIFY.items())})
-    warm_read_bytes_per_s: int = field(default=0, metadata={
-        "help": "the store read rate this node's warm stages (speculative reads ahead of demand, "
-                "workers/staging/warming.py) may use, in bytes per second, shared evenly by its GPU ranks (object "
-                "stores bill and throttle); reads for requests are never held back by it (0: no limit)"})
-    drop_page_cache: bool = field(default=False, metadata={
-        "help": "drop an adapter file's pages after its shard is read: the pinned host tier is the node's copy, so "
-                "the page cache does not hold a second one (and a benchmark reads from the device as a cold store "
-                "would)"})
 
-    def __post_init__(self) -> None:
-        if self.host_bytes != 0 and self.host_bytes < 1 << 20:
-            raise ConfigError(f"host_bytes ({self.host_bytes}) must be at least 1 MiB, or 0 (auto: a share of this "
-                              "host's available memory)")
-        if not 0 < self.host_share <= 0.9:
-            raise ConfigError(f"host_share must be in (0, 0.9] (a share of this host's available memory for its "
-                              f"ranks' host tiers together), got {self.host_share}")
-        if self.host_max_bytes < 1 << 20:
-            raise ConfigError(f"host_max_bytes ({self.host_max_bytes}) must be at least 1 MiB")
-        if not 1 <= self.read_threads <= 64:
-            raise ConfigError(f"read_threads must be in 1..64, got {self.read_threads}")
-        if not 0 <= self.read_parallel <= MAX_READ_PARALLEL:
-            raise ConfigError(f"read_parallel must be 0 (auto: {AUTO_MAX} at most, fewer where the host has fewer "
-                              f"cores per GPU rank) or 1..{MAX_READ_PARALLEL} reader threads per read, got "
-                              f"{self.read_parallel}; 1 reads in one thread")
-        if not 0 <= self.read_split <= self.read_threads:
-            raise ConfigError(f"read_split must be 0 (auto) or 1..read_threads ({self.read_threads}) reader processes "
-                              f"per read, got {self.read_split}; raise read_threads to split reads more")
-        if self.warm_read_bytes_per_s < 0:
-            raise ConfigError(f"warm_read_bytes_per_s is {self.warm_read_bytes_per_s}; give bytes per second >= 0, "
-                              "e.g. 200000000 (0: no limit on warm reads)")
-        if self.reads not in ("auto", *READS):
-            raise ConfigError(f"reads {self.reads!r} is not one of auto, {', '.join(READS)}; pick one of them")
-        if self.verify not in VERIFY:
-            raise ConfigError(f"verify {self.verify!r} is not one of {', '.join(VERIFY)}; pick one of them "
-                              "(sample is the default)")
 
-    @property
-    def auto(self) -> bool:
-        """Whether ``host_bytes`` follows the host's memory (0)."""
-        return self.host_bytes == 0
 
-    def sized(self, ranks_here: int, available: int | None = None) -> HostTierConfig:
-        """This config with ``host_bytes`` resolved: as given, or for 0 (auto) ``auto_host_bytes`` of this host's
-        ``available_memory()`` (or ``available``) over ``ranks_here`` GPU ranks."""
-        if not self.auto:
-            return self
-        free = available_memory() if available is None else available
-        return replace(self, host_bytes=auto_host_bytes(free, ranks_here, self.host_share, self.host_max_bytes))
 
-    def readers(self, ranks_here: int, processes: bool = False) -> int:
-        """Reader threads per read: ``read_parallel``, or for 0 the host's cores shared by ``ranks_here`` GPU ranks
-        (``processes``: reads split over reader processes, no GIL shared: up to ``AUTO_MAX_SPLIT``)."""
-        return self.read_parallel or auto_readers(host_cores(), ranks_here, AUTO_MAX_SPLIT if processes else AUTO_MAX)
 
-    def splits(self, readers: int) -> int:
-        """Reader processes per read (process reads) for ``readers`` threads: ``read_split``, or for 0 one per
-        ``THREADS_PER_PROCESS`` threads, at most ``read_threads``."""
-        return self.read_split or max(1, min(self.read_threads, readers // THREADS_PER_PROCESS))
-
-    def reads_for(self, pinned: bool) -> str:
-        """The strategy ``auto`` stands for: processes when the arena is pinned (a GPU), else threads."""
-        return ("process" if pinned else "thread") if self.reads == "auto" else self.reads
 
 
 def drop_pages(spec: AdapterSpec) -> None:
@@ -199,106 +69,6 @@ def drop_pages(spec: AdapterSpec) -> None:
             os.close(fd)
     except OSError as e:
         log.warning("could not drop the pages of %s from the page cache: %s", path, e)
-
-
-class ThreadReads:
-    """Reads in this process, on the tier's threads: where nothing launches GPU work beside them. A read is
-    split over ``parallel`` threads of one pool that the tier's reads share (none for 1)."""
-
-    def __init__(self, arena: HostArena, count: int, verify: str, parallel: int = 1) -> None:
-        self.verify = verify
-        self.pool = ReadPool(parallel) if parallel > 1 else None
-
-    def begin(self, spec: AdapterSpec, entry: HostEntry) -> Callable[[], int] | None:
-        """Nothing starts before a pool thread runs the read (``ProcessReads.begin``)."""
-        return None
-
-    def read(self, spec: AdapterSpec, entry: HostEntry) -> int:
-        return read_shard(spec, entry.layout, entry.tensor, self.verify, entry.chunks, entry.progress, self.pool,
-                          entry.marks)
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-
-
-class ProcessReads:
-    """Reads in ``count`` reader processes that map the (shared) arena: each tier thread takes the idle one used
-    last, and up to ``split`` - 1 more if they are idle, which split the read (``reader_proc.read_split``), each
-    over ``parallel`` threads of its own. A stack, last used first: what a process keeps per rank pattern (its
-    layout's entries, the header's index and the read's plan) is warm there; taken in turn, every process paid
-    for those once per pattern, and the probe's one read at a time went to a cold process each time
-    (bench/RESULTS.md, issue 30 item 1)."""
-
-    def __init__(self, arena: HostArena, count: int, verify: str, parallel: int = 1, split: int = 1,
-                 readers: int = 0) -> None:
-        """``readers``: the threads of a read split ``split`` ways, for the tasks' size (0: ``parallel``)."""
-        self.verify, self.split, self.readers = verify, max(1, split), readers or parallel
-        if arena.fd is None:
-            raise ConfigError("process reads need a shared arena (HostArena(shared=True))")
-        self._all = [ReaderProcess(arena.fd, arena.capacity, parallel) for _ in range(count)]
-        self._idle: queue.LifoQueue[ReaderProcess] = queue.LifoQueue()
-        self._taking = threading.Lock()  # one read takes its processes at a time
-        for proc in reversed(self._all):
-            self._idle.put(proc)
-
-    def _take(self, wait: bool = True) -> list[ReaderProcess]:
-        """One process (waiting for it; ``wait`` False: none if none is idle or another read is taking), and up
-        to ``split`` - 1 more that are idle now."""
-        if not self._taking.acquire(blocking=wait):
-            return []
-        try:
-            try:
-                procs = [self._idle.get(block=wait)]
-            except queue.Empty:
-                return []
-            while len(procs) < self.split:
-                try:
-                    procs.append(self._idle.get_nowait())
-                except queue.Empty:
-                    break
-        finally:
-            self._taking.release()
-        return procs
-
-    def _give_back(self, procs: Sequence[ReaderProcess]) -> None:
-        for proc in reversed(procs):  # the first one taken back on top
-            self._idle.put(proc)
-
-    def begin(self, spec: AdapterSpec, entry: HostEntry) -> Callable[[], int] | None:
-        """Send ``entry``'s read to idle, started reader processes from the calling thread (no hop through the
-        tier's pool before a reader has the job); what finishes it (``read``'s result), to call on the pool. None
-        (nothing sent) if no process is idle and started now: the read then waits on the pool (``read``)."""
-        procs = self._take(wait=False)
-        if not procs or not all(p.warm() for p in procs):
-            self._give_back(procs)
-            return None
-        entry.marks.append(("read", time.perf_counter()))
-        return self._start(procs, spec, entry)
-
-    def _start(self, procs: list[ReaderProcess], spec: AdapterSpec, entry: HostEntry) -> Callable[[], int]:
-        entry.marks.append(("reader", time.perf_counter()))
-        split = SplitRead(procs, spec, entry.layout, entry.block.offset, self.verify, entry.chunks,
-                          self.readers if len(procs) > 1 else 0)
-        split.begin()
-
-        def collect() -> int:
-            try:
-                return split.collect(entry.progress, entry.marks)
-            finally:
-                self._give_back(procs)
-
-        return collect
-
-    def read(self, spec: AdapterSpec, entry: HostEntry) -> int:
-        return self._start(self._take(), spec, entry)()
-
-    def close(self) -> None:
-        for proc in self._all:
-            proc.close()
-
-
-READS: dict[str, type[ThreadReads] | type[ProcessReads]] = {"thread": ThreadReads, "process": ProcessReads}
 
 
 @dataclass
