@@ -267,7 +267,7 @@ class WorkerLinks:
             return False  # not adopted yet: the rebuild reads its full report
         if not self._new_incarnation(wid, incarnation):
             return False  # from a predecessor that has since restarted
-        if wid in self.core.down:  # lost: only a full report (``resync``) proves it is alive again; these
+        if wid in self.core.lost.down:  # lost: only a full report (``resync``) proves it is alive again; these
             self.resync_soon(wid)  # deltas may predate its death
             return False
         link = self.links[wid]
@@ -316,7 +316,7 @@ class WorkerLinks:
 
     def _resync_returned(self) -> None:
         """The ranks of a replica whole again whose plans were withheld meanwhile: read their full reports."""
-        for wid in self.core.returned():
+        for wid in self.core.lost.returned():
             if wid in self.handles:
                 asyncio.get_running_loop().create_task(self.resync(wid))
 
@@ -346,7 +346,7 @@ class WorkerLinks:
                 continue
             if self.handles.get(wid) is not handle:
                 continue  # re-attached meanwhile (a new process under the name): that one is not lost
-            if wid not in self.core.down:
+            if wid not in self.core.lost.down:
                 log.warning("worker %s is not answering (%s): dropping its residency", wid,
                             type(answer).__name__)  # dead, restarting or hung
             self.lose(wid)
