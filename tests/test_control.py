@@ -568,10 +568,10 @@ def test_a_restarted_controller_serves_while_a_rank_of_a_lost_node_does_not_answ
     async def scenario() -> None:
         links = WorkerLinks(core, None, lambda events: None, replan, find=handles.__getitem__,  # type: ignore[arg-type]
                             named=lambda: list(handles), call_timeout_s=0.2)
-        await asyncio.wait_for(links.rebuild(), 5)  # before: waited for the silent worker forever
+        await asyncio.wait_for(links.adoption.rebuild(), 5)  # before: waited for the silent worker forever
         assert set(links.handles) == {WorkerId("r0", 0)} and WorkerId("r0", 1) in core.lost.down
         assert core.readiness.lookup("adapter-000").ready == (), "ready with a rank that never answered"
-        links.adopt_late()  # the health loop's call: still silent, still lost
+        links.adoption.adopt_late()  # the health loop's call: still silent, still lost
         await asyncio.sleep(0.3)
         assert WorkerId("r0", 1) in core.lost.down and WorkerId("r0", 1) not in links.handles
         silent.wake.set()  # placed again (empty): it answers, and says it started
@@ -579,7 +579,7 @@ def test_a_restarted_controller_serves_while_a_rank_of_a_lost_node_does_not_answ
         assert WorkerId("r0", 1) in links.handles and WorkerId("r0", 1) not in core.lost.down
         assert set(silent.given) == set(core.paths), "an adopted worker got every registration"
         assert core.readiness.lookup("adapter-000").ready == ()
-        while links.adopting:
+        while links.adoption.adopting:
             await asyncio.sleep(0.01)
 
     asyncio.run(scenario())
