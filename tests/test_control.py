@@ -206,9 +206,9 @@ def test_a_lost_replica_leaves_the_hints_and_the_plans_until_it_returns(fleet) -
     assert not core.hint("h-lost-2", "adapter-001", "r0", 0.0, now=1.0)
     core.report_queue("r0", [("adapter-000", 0.0)], now=1.0)
     assert core.plan(now=2.0) == {} and core.plan(now=2.0, full=True) == {}, "planned for a lost replica"
-    assert core.returned() == []
+    assert core.lost.returned() == []
     core.sync_worker(lost, [])  # it answered its full report: alive, empty
-    assert core.returned() == [WorkerId("r0", 0), lost], "the withheld ranks are resynced on return"
+    assert core.lost.returned() == [WorkerId("r0", 0), lost], "the withheld ranks are resynced on return"
     assert "adapter-000" in [c.adapter for c in core.plan(now=3.0, full=True)[lost]]
     (outcome,) = core.hint_batches([[("h-back", "adapter-001", "r0", 0.0)]], now=3.0)
     assert outcome.accepted == 1
@@ -439,15 +439,15 @@ def test_a_closed_lifeline_loses_the_rank_at_once_and_its_late_deltas_are_not_be
         while worker.writer is None:
             await asyncio.sleep(0.01)
         worker.die()
-        while victim not in core.down:
+        while victim not in core.lost.down:
             await asyncio.sleep(0.001)
         assert core.readiness.lookup("adapter-000").ready == (), "ready after the rank was lost"
         assert not links.receive(worker_name(victim), 1, [(2, "adapter-000", version, "ready", "")])
         await asyncio.sleep(0.05)  # the resync it triggered fails (dead): nothing comes back
-        assert core.readiness.lookup("adapter-000").ready == () and victim in core.down
+        assert core.readiness.lookup("adapter-000").ready == () and victim in core.lost.down
         worker.dead = False  # it answers again (a restart), empty: back, and not ready until it reloads
         await links.resync(victim)
-        assert victim not in core.down and core.readiness.lookup("adapter-000").ready == ()
+        assert victim not in core.lost.down and core.readiness.lookup("adapter-000").ready == ()
         links.lifelines.close()
 
     asyncio.run(scenario())
@@ -488,7 +488,7 @@ def test_a_stopping_service_does_not_take_its_workers_orderly_deaths_for_losses(
         others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         if others:  # the lifeline's server side reads the connection's end before this looks
             await asyncio.wait(others, timeout=10)
-        assert not core.down and core.readiness.lookup("adapter-000").ready == ("r0",)
+        assert not core.lost.down and core.readiness.lookup("adapter-000").ready == ("r0",)
 
     with caplog.at_level("WARNING", logger="lora_cache.controller"):
         asyncio.run(scenario())
@@ -569,18 +569,18 @@ def test_a_restarted_controller_serves_while_a_rank_of_a_lost_node_does_not_answ
     async def scenario() -> None:
         links = WorkerLinks(core, None, lambda events: None, replan, find=handles.__getitem__,  # type: ignore[arg-type]
                             named=lambda: list(handles), call_timeout_s=0.2)
-        await asyncio.wait_for(links.rebuild(), 5)  # before: waited for the silent worker forever
-        assert set(links.handles) == {WorkerId("r0", 0)} and WorkerId("r0", 1) in core.down
+        await asyncio.wait_for(links.adoption.rebuild(), 5)  # before: waited for the silent worker forever
+        assert set(links.handles) == {WorkerId("r0", 0)} and WorkerId("r0", 1) in core.lost.down
         assert core.readiness.lookup("adapter-000").ready == (), "ready with a rank that never answered"
-        links.adopt_late()  # the health loop's call: still silent, still lost
+        links.adoption.adopt_late()  # the health loop's call: still silent, still lost
         await asyncio.sleep(0.3)
-        assert WorkerId("r0", 1) in core.down and WorkerId("r0", 1) not in links.handles
+        assert WorkerId("r0", 1) in core.lost.down and WorkerId("r0", 1) not in links.handles
         silent.wake.set()  # placed again (empty): it answers, and says it started
         assert not await links.worker_started(worker_name(WorkerId("r0", 1)), 1, False)
-        assert WorkerId("r0", 1) in links.handles and WorkerId("r0", 1) not in core.down
+        assert WorkerId("r0", 1) in links.handles and WorkerId("r0", 1) not in core.lost.down
         assert set(silent.given) == set(core.paths), "an adopted worker got every registration"
         assert core.readiness.lookup("adapter-000").ready == ()
-        while links.adopting:
+        while links.adoption.adopting:
             await asyncio.sleep(0.01)
 
     asyncio.run(scenario())

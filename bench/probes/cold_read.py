@@ -32,6 +32,9 @@ Figures, named as the issue names them (medians over ``--repeats``):
 ``preadv``, the default, positioned reads straight into the buffer, a column slice over its span; ``rows``, a
 column slice row by row; ``mmap``, the single reader's mapped-file copies split over threads; ``identity``, no
 block checked) at each thread count given. JSON to ``--out``, a table on stdout.
+
+Beside it: ``load_phases.py`` splits a load's marks into the phases above, ``cold_report.py`` writes the table
+and ``--summary``, ``arena_pin.py`` is ``--arena-pin``'s measurement.
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ from typing import Any
 
 import torch
 
+from bench.probes.arena_pin import arena_pin
+from bench.probes.cold_report import summary, table
+from bench.probes.load_phases import median_phases
+from bench.probes.load_phases import phases as phases  # re-exported: the table names bench.probes.cold_read.phases
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.chunks import chunk_plan
 from lora_cache.adapters.files import RACY_NS
@@ -193,75 +200,6 @@ class Rank:
             self.cache = None
 
 
-def phases(t0: float, load: list[tuple[str, float]], read: list[tuple[str, float]]) -> dict[str, float]:
-    """One load's time split into its phases, ms (``SlotLoad.marks``, and its read's ``HostEntry.marks``: empty
-    for a host hit), each from the end of the one before:
-
-    - ``dispatch``: prefetch -> the host tier's read thread starts (the cache's and the tier's Python, a pool hop);
-    - ``to_reader``: -> the reader (process) has the job (a thread reader: 0);
-    - ``open``: -> the file stat'ed, opened, fstat'ed, its header read and CRC-checked, its index (cached) found;
-    - ``plan``: -> the plan (cached per rank pattern) and the chunks' block checks chosen, the tasks built;
-    - ``read``: -> the last chunk read and proven (``read_first``: -> the first one);
-    - ``report_lag``, ``issue_lag``: median per chunk, proven in the reader -> known here -> its copy issued;
-    - ``reply``: last chunk proven -> the read's end known here (the reader's final reply);
-    - ``to_slot``: (a hit) prefetch -> its slot taken; ``issue``: (a hit) slot -> last copy issued, of which
-      ``issue_copy``: slot -> the first copy issued, ``issue_meta``: the slot's kernel metadata written after it;
-    - ``copy_tail``: the later of the last copy issued and the read's end -> the watcher sees the last copy done;
-    - ``finish``: -> READY reported, the future resolved; ``total``: prefetch -> that.
-    ``busy_read`` / ``busy_crc``: the reader threads' time in slice reads and in block checks (summed, ms).
-    A read split over processes: each step from the first process to get there, a chunk proven by the last."""
-    at: dict[str, float] = {}
-    busy = {"busy read": 0.0, "busy crc": 0.0}
-    proven: dict[int, float] = {}
-    got: dict[int, float] = {}
-    issued: dict[int, float] = {}
-    for name, t in [*load, *read]:
-        if name in busy:
-            busy[name] += t
-        elif name.startswith("proven "):  # a split read: the last part to prove the chunk
-            k = int(name.split()[1])
-            proven[k] = max(t, proven.get(k, t))
-        elif name.startswith("got "):
-            got[int(name.split()[1])] = t
-        elif name.startswith("issue "):
-            issued[int(name.split()[1])] = t
-        else:
-            at.setdefault(name, t)
-    out: dict[str, float] = {}
-
-    def step(name: str, start: float, end: float | None) -> float:
-        if end is not None:
-            out[name] = (end - start) * 1e3
-            return end
-        return start
-
-    last_issue = max(issued.values(), default=t0)
-    if read:
-        t = step("dispatch", t0, at.get("read"))
-        t = step("to_reader", t, at.get("received", t))
-        t = step("open", t, at.get("opened"))
-        planned = t = step("plan", t, at.get("planned"))
-        if proven:
-            out["read_first"] = (proven[min(proven)] - planned) * 1e3
-            t = step("read", t, max(proven.values()))
-            known = got or proven
-            out["report_lag"] = statistics.median((got[k] - proven[k]) * 1e3 for k in got) if got else 0.0
-            out["issue_lag"] = statistics.median((issued[k] - known[k]) * 1e3 for k in issued if k in known)
-        t = step("reply", t, at.get("read end"))
-        t = max(t, last_issue)
-    else:
-        t = step("to_slot", t0, at.get("slot"))
-        if "meta" in at and "meta end" in at:
-            out["issue_copy"] = (at["meta"] - t) * 1e3
-            out["issue_meta"] = (at["meta end"] - at["meta"]) * 1e3
-        t = step("issue", t, last_issue)
-    t = step("copy_tail", t, at.get("seen"))
-    step("finish", t, at.get("ready"))
-    out["total"] = (at.get("ready", t0) - t0) * 1e3
-    out["busy_read"], out["busy_crc"] = busy["busy read"] * 1e3, busy["busy crc"] * 1e3
-    return out
-
-
 def rank_main(rank: int, cfg: dict[str, Any], commands: Any, results: Any, barrier: Any) -> None:
     """A rank's command loop: (op, arg, together) in, (rank, result) out; ``together`` waits on the barrier."""
     try:
@@ -350,12 +288,6 @@ def alone_and_together(ranks: Ranks, repeats: int, op: str, *arg: Any) -> dict[s
             "alone": [r for rs in raw for r in rs]}
 
 
-def median_phases(results: list[dict[str, Any]]) -> dict[str, float]:
-    """The median of each phase (``phases``) over loads."""
-    names = {k for r in results for k in r.get("phases", {})}
-    return {k: med([r["phases"][k] for r in results if k in r["phases"]]) for k in sorted(names)}
-
-
 def measure(ranks: Ranks, cfg: dict[str, Any], readers: list[int], ref_threads: list[int], ref_main: int,
             mechanisms: list[int], variants: Sequence[tuple[str, int, int, str]] = ()) -> dict[str, Any]:
     """``variants``: (reads, readers, split, verify) of each cache measured (0: auto); default: ``readers`` with
@@ -410,36 +342,6 @@ def measure(ranks: Ranks, cfg: dict[str, Any], readers: list[int], ref_threads: 
     return out
 
 
-def table(out: dict[str, Any]) -> str:
-    lines = [f"{out['model']} rank {out['rank']} TP {out['tp']} on {out['device']}: shard "
-             f"{out['largest_shard_bytes'] / 2**20:.1f} MiB; memcpy {out['memcpy_together_GBps']:.1f} GB/s all at once "
-             f"({med(out['memcpy_alone_GBps']):.1f} alone); read reference x{out['ref_threads']} "
-             f"{out['read'][out['ref_threads']]['alone_GBps']:.1f} GB/s alone, "
-             f"{out['read'][out['ref_threads']]['together_GBps']:.1f} all at once",
-             "reference reads, GB/s alone / all at once: " + ", ".join(
-                 f"x{t} {r['alone_GBps']:.1f} / {r['together_GBps']:.1f}" for t, r in out["read"].items()),
-             "",
-             "| reads | verify | readers (processes) | cold per rank GB/s | load / read | cold together GB/s "
-             "| cold / memcpy | hit / memcpy | ready ms | (read + copy) ms | ready / bound |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in out["rows"]:
-        lines.append(f"| {r['reads']} | {r['verify']} | {r['readers']} ({r['split']}) | "
-                     f"{med(r['per_rank_GBps']):.2f} | "
-                     f"{r['load_over_read']:.2f} | "
-                     f"{r['cold_GBps']:.1f} | {r['cold_over_memcpy']:.2f} | {r['hit_over_memcpy']:.2f} | "
-                     f"{r['ready_ms']:.1f} | {r['bound_ms']:.1f} | {r['ready_over_bound']:.2f} |")
-    lines += ["", "phases, ms (medians; bench.probes.cold_read.phases says what each is):"]
-    for r in out["rows"]:
-        for what in ("cold_alone", "cold_together", "hit_together"):
-            split = r[f"phases_{what}"]
-            lines.append(f"  {r['reads']} {r['verify']} x{r['readers']} {what}: "
-                         + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
-    if "mechanisms_GBps" in out:
-        lines += ["", "rank 0 alone, outside the cache, GB/s: " + ", ".join(
-            f"{k} {v:.2f}" for k, v in out["mechanisms_GBps"].items())]
-    return "\n".join(lines)
-
-
 def variants(text: str) -> list[tuple[str, int, int, str]]:
     """``--variants``: (reads, readers, split, verify) each."""
     out = []
@@ -476,127 +378,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--summary", metavar="DIR", help="only summarize DIR's cold-*.json (the goals per shape and "
                                                      "row, the phases of cold loads and hits) into DIR/summary.md")
     return ap
-
-
-GOALS = {"load_over_read": (">=", 0.8), "cold_over_memcpy": (">=", 0.5), "hit_over_memcpy": (">=", 0.9),
-         "ready_over_bound": ("<=", 1.3)}
-
-
-def arena_pin(nbytes: int) -> dict[str, Any]:
-    """Pinning an ``nbytes`` shared arena (``workers.staging.arena.HostArena``): in place (the worker's start-up
-    waited for it before issue 30 item 3), then in the background: how soon the constructor returns, how long until
-    it is pinned, and what GPU work of a warm-up's kind (a small matmul and a host copy, each synchronized) costs per
-    step meanwhile against after (``cudaHostRegister`` may hold a driver lock: then the overlap buys little)."""
-    from workers.staging.arena import HostArena
-
-    gpu = torch.cuda.is_available()
-    out: dict[str, Any] = {"bytes": nbytes, "gpu": gpu, "device": torch.cuda.get_device_name(0) if gpu else "cpu"}
-    t0 = time.perf_counter()
-    arena = HostArena(nbytes, pin=True, shared=True)
-    out["in_place_s"] = time.perf_counter() - t0
-    arena.close()
-    del arena
-    a = torch.randn(256, 256, device="cuda" if gpu else "cpu")
-    host = torch.zeros(1 << 16)
-
-    def step() -> float:
-        s0 = time.perf_counter()
-        (a @ a).sum().item()
-        host.copy_(a.flatten()[: 1 << 16].cpu())
-        return (time.perf_counter() - s0) * 1e3
-
-    for _ in range(20):
-        step()
-    t0 = time.perf_counter()
-    arena = HostArena(nbytes, pin=True, shared=True, background=True)
-    out["background_returns_s"] = time.perf_counter() - t0
-    during: list[float] = []
-    while arena.pin_pending:
-        during.append(step())
-    out["background_pinned_s"] = time.perf_counter() - t0
-    out["pin_s"], out["pin_error"] = arena.pin_s, arena.pin_error
-    after = [step() for _ in range(max(20, min(len(during), 2000)))]
-    out["steps_during"], out["step_ms_during_p50"] = len(during), med(during) if during else 0.0
-    out["step_ms_during_max"] = max(during) if during else 0.0
-    out["step_ms_after_p50"], out["step_ms_after_max"] = med(after), max(after)
-    arena.close()
-    del arena
-    if gpu:
-        out["pieces"] = pinned_in_pieces(nbytes, step)
-    return out
-
-
-def pinned_in_pieces(nbytes: int, step: Callable[[], float], piece: int = 256 << 20) -> dict[str, Any]:
-    """For the next round (not what the arena does): a memfd registered piece by piece on a thread, each piece's
-    cudaHostRegister letting go of the driver between pieces, with the same GPU steps timed meanwhile; then
-    whether a copy across two pieces' registrations is right and how fast it runs against one inside a piece."""
-    import mmap
-    import threading
-
-    fd = os.memfd_create("lora-pin-probe", os.MFD_CLOEXEC)
-    os.ftruncate(fd, nbytes)
-    buf = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
-    codes: list[int] = []
-    device = torch.cuda.current_device()
-
-    def register() -> None:
-        torch.cuda.set_device(device)
-        for at in range(0, nbytes, piece):
-            codes.append(int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr() + at, min(piece, nbytes - at), 0)))
-
-    t0 = time.perf_counter()
-    thread = threading.Thread(target=register)
-    thread.start()
-    during = []
-    while thread.is_alive():
-        during.append(step())
-    out: dict[str, Any] = {"piece_bytes": piece, "pinned_s": time.perf_counter() - t0, "codes": sorted(set(codes)),
-                           "steps_during": len(during), "step_ms_during_p50": med(during) if during else 0.0,
-                           "step_ms_during_max": max(during) if during else 0.0}
-    n = 64 << 20
-    for name, at in (("inside", piece // 4), ("across", piece - n // 2)):
-        src = buf[at : at + n]
-        src.copy_(torch.randint(0, 255, (n,), dtype=torch.uint8))
-        dst = torch.empty(n, dtype=torch.uint8, device="cuda")
-        stream = torch.cuda.Stream()
-        try:
-            t1 = time.perf_counter()
-            with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=True)
-            stream.synchronize()
-            out[f"copy_{name}_GBps"] = n / (time.perf_counter() - t1) / 1e9
-            out[f"copy_{name}_right"] = bool(torch.equal(dst.cpu(), src))
-        except RuntimeError as e:
-            out[f"copy_{name}_error"] = str(e)
-    for at in range(0, nbytes, piece):
-        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr() + at)
-    os.close(fd)
-    return out
-
-
-def summary(folder: Path) -> str:
-    """A markdown summary of the probe's JSON files in ``folder``: each row's goals (issue 30 item 1) and
-    phases."""
-    lines = ["| shape | reads | verify | readers (processes) | "
-             + " | ".join(f"{k} ({op} {v})" for k, (op, v) in GOALS.items())
-             + " | load / best read | cold per rank GB/s | ref GB/s (threads) | memcpy 4 at once GB/s |",
-             "| --- | --- | --- | ---: | " + " | ".join("---:" for _ in GOALS) + " | ---: | ---: | ---: | ---: |"]
-    split: list[str] = []
-    for path in sorted(folder.glob("cold-*.json")):
-        out = json.loads(path.read_text())
-        ref = out["read"][str(out["ref_threads"])] if str(out["ref_threads"]) in out["read"] else \
-            out["read"][out["ref_threads"]]
-        for r in out["rows"]:
-            lines.append(f"| {out['model']} r{out['rank']} | {r['reads']} | {r.get('verify', 'sample')} | "
-                         f"{r['readers']} ({r.get('split', 1)}) | " + " | ".join(f"{r[k]:.2f}" for k in GOALS)
-                         + f" | {r['load_over_best_read']:.2f} | {med(r['per_rank_GBps']):.2f} | "
-                         f"{ref['alone_GBps']:.1f} (x{out['ref_threads']}) | {out['memcpy_together_GBps']:.1f} |")
-            for what in ("cold_alone", "cold_together", "hit_together"):
-                phases_ = r.get(f"phases_{what}", {})
-                split.append(f"- {out['model']} r{out['rank']} {r['reads']} {r.get('verify', 'sample')} "
-                             f"x{r['readers']} {what}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases_.items()))
-    return "\n".join([*lines, "", "Phases, ms (medians; bench.probes.cold_read.phases):", *split]) + "\n"
-
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

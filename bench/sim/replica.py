@@ -149,13 +149,13 @@ class SimReplica:
         room = len(wanted) + len(self._arrivals) < self.scheduler.config.num_slots
         self._arrivals[name] = None
         for rank, w in enumerate(self.workers):
-            if not w.pin_arrival(name) and room:
+            if not w.pins.pin_arrival(name) and room:
                 self._prefetch_on(rank, (name,))
 
     def _unpin_arrivals(self) -> None:
         self._arrivals.clear()
         for w in self.workers:
-            w.unpin_arrivals()
+            w.pins.unpin_arrivals()
 
     # -- one round ------------------------------------------------------------------------------------
     def _round(self) -> None:
@@ -170,13 +170,13 @@ class SimReplica:
             self.hooks.queue(self.name, queue)
         if plan.kind == STOP:
             for w in self.workers:  # the engine loop ends and closes its ranks: pins released
-                w.pin(())
+                w.pins.pin(())
             self._unpin_arrivals()
             self.state, self._last_end = "idle", None
             return
         if self.rule.prefetch and plan.wanted != previous.wanted:  # same wanted, same instant: pinned already
             for w in self.workers:
-                w.pin(_names(plan.wanted))
+                w.pins.pin(_names(plan.wanted))
         if self._arrivals:  # the round's pins hold what it wants now
             self._unpin_arrivals()
         if plan.kind == WAIT:
@@ -197,7 +197,7 @@ class SimReplica:
         wanted and is prefetched again next round (so no request leaves with a load error here)."""
         views, loading = [], []
         for w, clock in zip(self.workers, self.clocks):
-            w.pin(_names(wanted))  # pins only adapters READY there: nothing to add to the view
+            w.pins.pin(_names(wanted))  # pins only adapters READY there: nothing to add to the view
             views.append({slot.key.name for slot in w.table.slots
                           if slot.key is not None and slot.state is SlotPhase.READY})
             # a slot taken (the read done, the copy issued) whose copy lands before a step's last layer, from

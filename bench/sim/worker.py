@@ -12,7 +12,7 @@ The slot bookkeeping is the real ``workers.gpu.slots.SlotTable`` and the counter
 - the copy holds the rank's one copy stream (copies queue in order); READY ``load_fixed_ms`` later;
 - ``hold`` is one adapter of ``acquire``: a hit if the adapter has a slot (ready or loading), else a
   miss that starts an on-demand load; the engine waits until that load is issued, then holds it;
-- ``pin`` is ``acquire_ready`` (the overlap rule's pins); ``evict`` frees only idle READY slots;
+- ``pins`` (pins.py) are ``acquire_ready`` (the overlap rule's pins); ``evict`` frees only idle READY slots;
 - every residency change goes to the controller as one delta, whoever made it, as ``WorkerCache``
   reports them to the worker actor's outbox (``on_change``): "gone" for the slot ``SlotTable.reserve``
   evicts, then "loading" when a load takes a slot, "ready", "gone" for ``evict``, "failed" for a
@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 from bench.sim.calibration import Calibration
 from bench.sim.events import Loop, Signal
+from bench.sim.pins import SimPins
 from bench.sim.store import SimStore
 from lora_cache.errors import CapacityError
 from lora_cache.vocab import AdapterKey, Command, Evict, Stage
@@ -252,8 +253,7 @@ class SimWorker:
         self._loads: dict[int, SimLoad] = {}  # slot -> its load (LOADING or READY)
         self._pending: dict[AdapterKey, SimLoad] = {}  # staging on the host, no slot yet
         self._waiters: list[SimLoad] = []  # staged, waiting for a load to finish to free a slot
-        self._pinned: dict[str, int] = {}  # the engine's pins (acquire_ready): adapter -> slot
-        self._arrival_pins: list[int] = []  # slots pinned for requests that arrived since the last round
+        self.pins = SimPins(self.table, self._loads, keys, max_batch)  # the engine's pins on READY slots (step 9)
         self._copy_free = -math.inf  # when the copy stream is idle (free from the start, before t=0 too)
         self.copies: CopyClock | None = None  # pipelined: measured copies (``CopyClock``), set by the replica
         self._warm: OrderedDict[str, None] = OrderedDict()  # warm stages not started (``WarmQueue``), in order sent
@@ -386,7 +386,7 @@ class SimWorker:
         self._changed(key, "gone")
         return True
 
-    # -- engine: hold (one adapter of acquire), release, pin (step 9) --------------------------------
+    # -- engine: hold (one adapter of acquire), release (step 9; its pins: ``pins``) --------------------------------
     def hold(self, name: str, first: bool) -> int | SimLoad:
         """A reference on ``name``'s slot (its index), or the load to wait for until it is issued.
 
@@ -415,43 +415,6 @@ class SimWorker:
 
     def release(self, held: Sequence[int]) -> None:
         for index in held:
-            self.table.decref(index)
-
-    def pin(self, wanted: Sequence[str]) -> list[str]:
-        """``acquire_ready`` then release of the previous pins: hold the wanted adapters READY here."""
-        new: dict[str, int] = {}
-        for name in dict.fromkeys(wanted):
-            if len(new) == self.max_batch:
-                break
-            slot = self.table.lookup(self.keys[name])
-            if slot is not None and slot.state is SlotPhase.READY:
-                new[name] = slot.index
-        for name, index in new.items():
-            if name not in self._pinned:
-                self.table.incref(index)
-            self._loads[index].used = True
-        for name, index in self._pinned.items():
-            if name not in new:
-                self.table.decref(index)
-        self._pinned = new
-        return list(new)
-
-    def pin_arrival(self, name: str) -> bool:
-        """A request for ``name`` arrived mid-round: hold its slot if it is READY here (``acquire_ready`` of
-        one adapter, as the engine's feed does), so no load placed before the next round evicts it.
-        Whether it was READY (pinned); ``unpin_arrivals`` lets go of every such pin."""
-        slot = self.table.lookup(self.keys[name])
-        if slot is None or slot.state is not SlotPhase.READY:
-            return False
-        self.table.incref(slot.index)
-        self._loads[slot.index].used = True
-        self._arrival_pins.append(slot.index)
-        return True
-
-    def unpin_arrivals(self) -> None:
-        """The round took over (its own pins hold what it wants): release the arrivals' pins."""
-        pins, self._arrival_pins = self._arrival_pins, []
-        for index in pins:
             self.table.decref(index)
 
     # -- the load path -----------------------------------------------------------------------------

@@ -11,11 +11,13 @@ and ``read_adapter(..., known=)`` takes it without reading the weights when its 
 one hashed: the same machine (boot), the same real path and identity (device, inode, size, mtime, ctime), not
 racy (changed at least ``RACY_NS`` before it was hashed, so any later write shows in stat), and the same config
 bytes and header. Anything else (another node's copy, a changed file) is hashed again, as before.
+
+The safetensors header itself (its length, its JSON, the format's own checks) is ``header.py``'s; what it
+must hold for a PEFT adapter (keys, modules, shapes against the model) is checked here.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import math
@@ -42,6 +44,8 @@ from lora_cache.adapters.files import (
     settled_at,
     unchanged_since_open,
 )
+from lora_cache.adapters.header import header_size, read_header, show
+from lora_cache.adapters.header import parse_tensors as parse_tensors  # re-exported: workers/reader.py's import
 from lora_cache.adapters.objects import StoreSource, StoreUrl
 from lora_cache.adapters.roots import PICKLE_SUFFIXES, AdapterRoots
 from lora_cache.adapters.shapes import MODULES, ModelShape
@@ -84,18 +88,18 @@ class AdapterConfig:
         naming the field, its value (clipped) and the fix. Patterns are parsed here, matched at validation."""
         peft_type = raw.get("peft_type", "LORA")
         if peft_type != "LORA":
-            raise UnsupportedAdapterError(f"{where}: peft_type is {_show(peft_type)}; only LORA adapters are served")
+            raise UnsupportedAdapterError(f"{where}: peft_type is {show(peft_type)}; only LORA adapters are served")
         if raw.get("use_dora"):
             raise UnsupportedAdapterError(f"{where}: use_dora is true; DoRA adapters are not supported "
                                           "(their magnitude vectors need the base weight); merge or retrain as LoRA")
         if raw.get("modules_to_save"):
-            raise UnsupportedAdapterError(f"{where}: modules_to_save={_show(raw['modules_to_save'])} is not "
+            raise UnsupportedAdapterError(f"{where}: modules_to_save={show(raw['modules_to_save'])} is not "
                                           "supported (fully fine-tuned modules are not LoRA); save the adapter "
                                           "without them")
         base = raw.get("base_model_name_or_path")
         if base is not None and not (isinstance(base, str) and len(base) <= MAX_NAME_CHARS):
             raise AdapterFormatError(f"{where}: 'base_model_name_or_path' must be a string of at most "
-                                     f"{MAX_NAME_CHARS} characters (the base model's name or path), got {_show(base)}")
+                                     f"{MAX_NAME_CHARS} characters (the base model's name or path), got {show(base)}")
         return cls(
             r=_rank(raw.get("r"), where, "'r'"),
             lora_alpha=_positive(raw.get("lora_alpha", 8), where, "'lora_alpha'"),  # PEFT's default is 8
@@ -129,23 +133,17 @@ MAX_TARGETS = 4096  # names in a target_modules list
 MAX_NAME_CHARS = 4096  # a target module name, a base model's name or path
 
 
-def _show(value: Any, limit: int = 80) -> str:
-    """A value for an error message: its repr, clipped (a config may hold anything, of any size)."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[: limit - 24]}...{text[-12:]} ({len(text)} characters)"
-
-
 def _rank(value: Any, where: Path | StoreUrl, field: str) -> int:
     if type(value) is not int or not 1 <= value <= MAX_RANK_VALUE:
         raise AdapterFormatError(f"{where}: {field} must be a positive integer (a LoRA rank, at most "
-                                 f"{MAX_RANK_VALUE}), got {_show(value)}; write it as an integer such as 16")
+                                 f"{MAX_RANK_VALUE}), got {show(value)}; write it as an integer such as 16")
     return value
 
 
 def _positive(value: Any, where: Path | StoreUrl, field: str) -> float:
     number = float(value) if type(value) in (int, float) and abs(value) < 1e300 else math.nan
     if not (math.isfinite(number) and number > 0):
-        raise AdapterFormatError(f"{where}: {field} must be a finite positive number, got {_show(value)}; PEFT "
+        raise AdapterFormatError(f"{where}: {field} must be a finite positive number, got {show(value)}; PEFT "
                                  "writes lora_alpha as a number such as 16 or 32")
     return number
 
@@ -153,7 +151,7 @@ def _positive(value: Any, where: Path | StoreUrl, field: str) -> float:
 def _flag(raw: dict[str, Any], field: str, where: Path | StoreUrl) -> bool:
     value = raw.get(field)
     if value is not None and type(value) is not bool:
-        raise AdapterFormatError(f"{where}: {field!r} must be true or false (a JSON boolean), got {_show(value)}; "
+        raise AdapterFormatError(f"{where}: {field!r} must be true or false (a JSON boolean), got {show(value)}; "
                                  "a string such as \"false\" would read as true")
     return bool(value)
 
@@ -170,7 +168,7 @@ def _targets(targets: Any, where: Path | StoreUrl) -> tuple[str, ...] | str:
         return tuple(sorted(set(targets)))
     raise AdapterFormatError(f"{where}: 'target_modules' must be a non-empty list or regex: a regex string, or a "
                              f"list of at most {MAX_TARGETS} module names (strings such as \"q_proj\"), got "
-                             f"{_show(targets)}")
+                             f"{show(targets)}")
 
 
 def _pattern(raw: Any, where: Path | StoreUrl, name: str, check: Any) -> tuple[tuple[str, Any], ...]:
@@ -179,8 +177,8 @@ def _pattern(raw: Any, where: Path | StoreUrl, name: str, check: Any) -> tuple[t
     if raw in (None, {}):
         return ()
     if not isinstance(raw, dict):
-        raise AdapterFormatError(f"{where}: {name!r} must map module patterns to positive numbers, got {_show(raw)}")
-    out = tuple((key, check(value, where, f"{name}[{_show(key)}]")) for key, value in raw.items())
+        raise AdapterFormatError(f"{where}: {name!r} must map module patterns to positive numbers, got {show(raw)}")
+    out = tuple((key, check(value, where, f"{name}[{show(key)}]")) for key, value in raw.items())
     try:
         patterns.peft_keys(tuple(k for k, _ in out))
     except patterns.PatternError as e:
@@ -274,7 +272,7 @@ def read_adapter(name: str, directory: Path, shape: ModelShape, max_rank: int,
     weights = _weights_file(directory)
     registered_ns = time.time_ns()  # before the open: the earliest moment, for the racy check
     with open_adapter_file(roots, weights, f"{weights} is missing; save the adapter with safe_serialization=True") as f:
-        header_bytes = _header_bytes(f, weights)
+        header_bytes = header_size(f, weights)
         if known is not None and isinstance(known.source, WeightsSource) and proves(known, f, header_bytes,
                                                                                     config_digest):
             source = known.source  # the same bytes as hashed there: nothing more to read
@@ -290,7 +288,7 @@ def read_adapter(name: str, directory: Path, shape: ModelShape, max_rank: int,
             unchanged_since_open(f.fd, weights, f.identity)  # the bytes hashed are the file's, as opened
             source = WeightsSource(str(f.real), digest.hexdigest(), f.identity, header_bytes, header_crc, block_crcs,
                                    registered_ns)
-        header = _read_header(f.fd, header_bytes, f.identity.size, weights)  # the file this fd holds, not the path's
+        header = read_header(f.fd, header_bytes, f.identity.size, weights)  # the file this fd holds, not the path's
         unchanged_since_open(f.fd, weights, f.identity)
         if not header_matches(f.fd, header_bytes, source.header_crc):  # validated another header than the one hashed
             raise AdapterChangedError(f"{weights} changed while it was being registered (its header); wait until "
@@ -383,89 +381,6 @@ def _weights_file(directory: Path) -> Path:
     raise AdapterFormatError(f"{weights} is missing; save the adapter with safe_serialization=True")
 
 
-def _header_bytes(f: OpenFile, weights: Path) -> int:
-    """8 + the safetensors header's length, if it fits the file (else the file is not safetensors)."""
-    head = os.pread(f.fd, 8, 0)
-    n = int.from_bytes(head, "little") if len(head) == 8 else -1
-    if not 0 < n <= f.identity.size - 8:
-        raise AdapterFormatError(f"{weights} is not a readable safetensors file (its header length {n} does not "
-                                 f"fit its {f.identity.size} bytes); it may be truncated or corrupt: re-copy or "
-                                 "re-save it")
-    if n > MAX_HEADER_BYTES:
-        raise AdapterFormatError(f"{weights}: its safetensors header is {n} bytes, more than the {MAX_HEADER_BYTES} "
-                                 "a LoRA adapter's needs (a 120-layer model's is under 0.3 MiB); is it an adapter?")
-    return 8 + n
-
-
-MAX_HEADER_BYTES = 16 << 20  # a safetensors header's JSON: parsed holding the GIL, so bounded
-SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
-                      "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}  # bytes per element
-
-
-def _read_header(fd: int, header_bytes: int, size: int, weights: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """key -> (safetensors dtype, shape) from the header this fd holds (``parse_header``), without reading
-    tensor data. Truncation is caught here."""
-    try:
-        return parse_header(os.pread(fd, header_bytes - 8, 8), size)
-    except (ValueError, KeyError, TypeError, RecursionError) as e:  # bad JSON, an unknown dtype, a bad entry
-        why = f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e)
-        raise AdapterFormatError(f"{weights} is not a readable safetensors file ({why}); it may be truncated or "
-                                 "corrupt: re-copy or re-save it") from e
-
-
-def parse_header(head: bytes, size: int) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """key -> (safetensors dtype, shape) of ``parse_tensors``."""
-    return {key: (dtype, dims) for key, (dtype, dims, _) in parse_tensors(head, size).items()}
-
-
-def parse_tensors(head: bytes, size: int) -> dict[str, tuple[str, tuple[int, ...], int]]:
-    """``_parse_tensors``, remembered for headers up to ``CACHED_HEADER_BYTES`` (adapters of one shape and rank
-    have the same header: parsed once; a huge one is not kept)."""
-    return _cached_tensors(head, size) if len(head) <= CACHED_HEADER_BYTES else _parse_tensors(head, size)
-
-
-CACHED_HEADER_BYTES = 1 << 20  # an 8B adapter's header is ~50 KiB; 256 are kept
-
-
-@functools.lru_cache(maxsize=256)
-def _cached_tensors(head: bytes, size: int) -> dict[str, tuple[str, tuple[int, ...], int]]:
-    return _parse_tensors(head, size)
-
-
-def _parse_tensors(head: bytes, size: int) -> dict[str, tuple[str, tuple[int, ...], int]]:
-    """key -> (safetensors dtype, shape, first byte after the header) of a safetensors header's JSON ``head``,
-    checked as safetensors checks them: every tensor's bytes its dtype times its shape, the tensors back to
-    back from the header's end to the end of the ``size``-byte file. The one parser of the format, for
-    registration and for every read (``workers/reads/shard.py``). Shared: read only. ValueError, KeyError or
-    TypeError for a malformed header."""
-    raw = json.loads(head)
-    if not isinstance(raw, dict):
-        raise ValueError(f"the header is a JSON {type(raw).__name__}, not an object")
-    header: dict[str, tuple[str, tuple[int, ...], int]] = {}
-    spans = []
-    for key, info in raw.items():
-        if key == "__metadata__":
-            continue
-        dtype, dims, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        if dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"tensor {_show(key)} has dtype {_show(dtype)}, which safetensors does not define")
-        if not all(type(d) is int and d >= 0 for d in (*dims, begin, end)):
-            raise ValueError(f"tensor {_show(key)}: shape {_show(list(dims))} or offsets {_show([begin, end])} "
-                             "are not sizes")
-        if end - begin != math.prod(dims) * SAFETENSORS_DTYPES[dtype]:
-            raise ValueError(f"tensor {_show(key)}: {end - begin} bytes for {dtype} {_show(list(dims))}")
-        header[key] = (dtype, dims, begin)
-        spans.append((begin, end, key))
-    at = 0
-    for begin, end, key in sorted(spans):
-        if begin != at:
-            raise ValueError(f"tensor {_show(key)} starts at {begin}, not where the one before it ends ({at})")
-        at = end
-    if len(head) + 8 + at != size:
-        raise ValueError(f"the tensors end at byte {len(head) + 8 + at} of a {size}-byte file")
-    return header
-
-
 _VALIDATED: dict[tuple[Any, ...], tuple[LoraModule, ...]] = {}  # alike adapters (shape, rank, targets)
 MAX_VALIDATED = 256
 
@@ -490,18 +405,18 @@ def _check_header(header: dict[str, tuple[str, tuple[int, ...]]], config: Adapte
     for key, (dtype, dims) in header.items():
         m = KEY_RE.fullmatch(key)
         if m is None:
-            raise AdapterFormatError(f"{weights}: unexpected tensor {_show(key)}; only PEFT LoRA keys like "
+            raise AdapterFormatError(f"{weights}: unexpected tensor {show(key)}; only PEFT LoRA keys like "
                                      f"{peft_key(0, 'q_proj', 'A')!r} are served")
         if m["adapter"]:
-            raise AdapterFormatError(f"{weights}: tensor {_show(key)} carries an adapter name ({m['adapter'][1:]!r}) "
+            raise AdapterFormatError(f"{weights}: tensor {show(key)} carries an adapter name ({m['adapter'][1:]!r}) "
                                      f"before '.weight'; PEFT's save_pretrained leaves it out and reads go by "
                                      f"the saved keys: re-save with save_pretrained, or rename the keys without it")
         if len(m["layer"]) > MAX_LAYER_DIGITS or m["layer"] != str(int(m["layer"])):
-            raise AdapterFormatError(f"{weights}: tensor {_show(key)} has layer number {_show(m['layer'])}, not "
+            raise AdapterFormatError(f"{weights}: tensor {show(key)} has layer number {show(m['layer'])}, not "
                                      "PEFT's form (no leading zeros); re-save the adapter with save_pretrained")
         layer, module = int(m["layer"]), m["module"]
         if module not in MODULES or MODULES[module][0] != m["block"]:
-            raise AdapterFormatError(f"{weights}: {_show(key)} targets module {_show(module)}, which {shape.name} "
+            raise AdapterFormatError(f"{weights}: {show(key)} targets module {show(module)}, which {shape.name} "
                                      f"lacks; supported modules: {list(MODULES)}")
         if layer >= shape.num_layers:
             raise AdapterFormatError(f"{weights}: {key!r} is for layer {layer}, but {shape.name} has "
@@ -531,7 +446,7 @@ def _check_module(layer: int, module: str, ab: dict[str, tuple[int, ...]], confi
     except patterns.PatternError as e:  # a pattern that costs too much, found as the paths are matched
         raise AdapterFormatError(f"{weights}: a pattern of target_modules, rank_pattern or alpha_pattern {e}") from None
     if not targeted:
-        raise AdapterFormatError(f"{where} has tensors but target_modules={_show(config.target_modules)} excludes "
+        raise AdapterFormatError(f"{where} has tensors but target_modules={show(config.target_modules)} excludes "
                                  "it; the config and the weights disagree")
     d_in, d_out = shape.dims(module)
     for label, got, want in (("lora_A", ab["A"], (rank, d_in)), ("lora_B", ab["B"], (d_out, rank))):

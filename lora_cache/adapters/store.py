@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from lora_cache.adapters.files import MAX_CONFIG_BYTES
+from lora_cache.adapters.header import parse_header
 from lora_cache.adapters.objects import StoreSource, StoreUrl, pack_meta, unpack_meta
 from lora_cache.adapters.peft import (
     CONFIG_FILE,
@@ -31,7 +32,6 @@ from lora_cache.adapters.peft import (
     KnownVersion,
     built_spec,
     parse_config,
-    parse_header,
 )
 from lora_cache.adapters.shapes import ModelShape
 from lora_cache.errors import AdapterChangedError, AdapterFormatError, AdapterPathError, AdapterStoreError

@@ -3,23 +3,22 @@
 ``ControllerCore`` (core.py) knows and decides; ``WorkerLinks`` (links.py) reaches the workers: handles,
 their delta streams, adoption, resyncs, pings, commands; ``DurableState`` (snapshots.py) keeps what only
 the controller knows in Ray's GCS key-value store; ``Doorbell`` (readiness.py) wakes readiness
-subscribers. After a (re)start the actor first has the links rebuild its view from the workers' own
+subscribers; ``ControlLoop`` (control_loop.py) starts it once, runs the health rounds and sends each plan.
+After a (re)start the actor first has the links rebuild its view from the workers' own
 residency reports (invariant 6), with a new, larger epoch, then restores hints, queue reports and
 popularity; only then does it plan. Each input goes to the core, then a plan goes out through the links.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections import Counter
 
 import ray
 
 from lora_cache.adapters.catalog import CatalogConfig
+from lora_cache.controller.control_loop import ControlLoop
 from lora_cache.controller.core import ControllerConfig, ControllerCore, HintOutcome
 from lora_cache.controller.fanout import WorkerFanout
-from lora_cache.controller.links import WorkerLinks
 from lora_cache.controller.readiness import Doorbell, EventsLost, ReadinessEvent, WatchBatch
 from lora_cache.controller.registrations import Registered, Registrar
 from lora_cache.controller.snapshots import DurableConfig, DurableState
@@ -33,56 +32,28 @@ from lora_cache.vocab import worker_name
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
 class ControllerActor:
-    """Forwards every call to the core, the links or the durable state; its own state is only the start
-    latch, the adapters being drained and the figures ``status`` reports."""
+    """Forwards every call to the core, the links or the durable state; every method but ``__init__`` is a remote
+    method of its API. Its own state is only the adapters being drained and the figures ``status`` reports; the
+    start latch, the health rounds and plan-and-send are ``ControlLoop``'s (control_loop.py)."""
 
     def __init__(self, config: ControllerConfig, health_s: float = 0.5, sync_s: float = 5.0,
                  durable: DurableConfig | None = None) -> None:
         self.started_at = time.time()
-        self.first_plan_at: float | None = None  # the restart blip ends here
         self.core = ControllerCore(config, epoch=time.time_ns() // 1000)  # grows across restarts
         self.durable = DurableState(durable or DurableConfig(), ray.get_runtime_context().namespace)  # the service's
         self.metrics = ControllerMetrics(config.planner.policy)
         self.bell = Doorbell()
-        self.links = WorkerLinks(self.core, self.metrics, self.bell.ring, self._plan, call_timeout_s=10 * health_s)
-        self.health_s, self.sync_s = health_s, sync_s
-        self._started = False
-        self._health: asyncio.Task[None] | None = None
-        self._start_lock = asyncio.Lock()
+        # the start latch, the health rounds, plan-and-send; it owns the links to the workers
+        self.loop = ControlLoop(self.core, self.durable, self.metrics, self.bell, health_s, sync_s)
+        self.links = self.loop.links
         self.draining: set[str] = set()  # unregistered adapters that workers may still hold
         self.fanout = WorkerFanout(self.links)  # one question to every worker: registrations, drains, stats
-        self.registrar = Registrar(self.core, self.fanout, self.draining, self._plan)
+        self.registrar = Registrar(self.core, self.fanout, self.draining, self.loop.plan)
         heap.freeze()  # plans and hints are not stalled by full collections walking Ray's objects
-
-    async def _start(self) -> None:
-        async with self._start_lock:
-            if self._started:
-                return
-            await self.durable.restore_catalog(self.core)  # the registrations, versions proven or hashed again
-            await self.links.rebuild()  # adopt the workers that already exist, from their reports
-            await self.durable.restore(self.core.planner)
-            self._started = True
-            if not self.links.quiet:
-                self._health = asyncio.get_running_loop().create_task(self._health_loop())
-
-    async def _health_loop(self) -> None:
-        last_sync = time.monotonic()
-        while True:
-            await asyncio.sleep(self.health_s)
-            self.core.retry_failed(time.time())
-            self.metrics.ready_counts(self.core.readiness.ready_per_replica())
-            if time.monotonic() - last_sync >= self.sync_s:  # anti-entropy: whatever was lost is repaired
-                last_sync = time.monotonic()
-                await self.links.resync_all()
-            self.links.adopt_late()  # workers that did not answer the rebuild (their node was lost): asked again
-            await self.links.ping_all()
-            await self._plan(full=True)
-            await self.durable.persist(self.core.planner)
-            await self.durable.save_catalog(self.core)
 
     # -- topology and adapters ------------------------------------------------------------------
     async def add_replica(self, replica: str, tp: int, slots: int) -> list[str]:
-        await self._start()
+        await self.loop.start()
         workers = self.core.add_replica(replica, tp, slots)
         await self.links.attach(workers)
         return [worker_name(w) for w in workers]
@@ -106,7 +77,7 @@ class ControllerActor:
     async def register_adapters(self, items: list[tuple[str, str]]) -> list[Registered]:
         """Register many (name, path) items, each by itself (its own error, its name left as it was), with
         the files read on a thread; one plan after (``registrations.Registrar``). In the items' order."""
-        await self._start()
+        await self.loop.start()
         done = await self.registrar.register(items)
         await self.durable.save_catalog(self.core)  # what was answered registered survives a restart
         return done
@@ -118,7 +89,7 @@ class ControllerActor:
         references to drain, up to ``timeout_s`` (TimeoutError; calling again resumes the wait). It takes
         its turn after the registrations of ``name`` that arrived before it.
         """
-        await self._start()
+        await self.loop.start()
         if name not in self.draining:
             turn = self.registrar.turns.take(name)
             try:
@@ -127,7 +98,7 @@ class ControllerActor:
                 self.draining.add(name)
             finally:
                 turn.done()
-            await self._plan()
+            await self.loop.plan()
             await self.durable.save_catalog(self.core)
         evicted = await self.fanout.drain(name, timeout_s)
         await self.fanout.unregister_adapter(name)
@@ -140,23 +111,23 @@ class ControllerActor:
         ``adopt``: a rank that an engine's own process attached (``workers/attach/``) under this name, a new
         actor each time: take its handle and its full report now (its replica is added if new), as a
         restarted controller adopts the workers it finds."""
-        await self._start()
+        await self.loop.start()
         if await self.links.worker_started(name, incarnation, adopt):
-            await self._plan()
+            await self.loop.plan()
 
     async def worker_detached(self, name: str, incarnation: int) -> bool:
         """An attached rank is leaving (``workers/attach/attachment.py``): drop what it held now rather than at the next
         failed health check (which still follows, once its endpoint is gone). False if that incarnation
         of the rank is not the one adopted here."""
-        await self._start()
+        await self.loop.start()
         return self.links.detach(name, incarnation)
 
     # -- inputs ---------------------------------------------------------------------------------
     async def report_queue(self, replica: str, adapters: list[tuple[str, float]]) -> None:
-        await self._start()
+        await self.loop.start()
         self.core.report_queue(replica, adapters, time.time())
         self.metrics.queues({replica: len(adapters)})
-        await self._plan()
+        await self.loop.plan()
 
     async def hint(self, hints: list[tuple[str, str, str, float]]) -> int:
         """(hint id, adapter, replica, expected in seconds from now); all checked before any is taken."""
@@ -167,50 +138,40 @@ class ControllerActor:
 
     async def hint_batches(self, batches: list[list[tuple[str, str, str, float]]]) -> list[HintOutcome]:
         """Many callers' hint batches at once (the gateway coalesces them), each all or nothing; one plan."""
-        await self._start()
+        await self.loop.start()
         outcomes = self.core.hint_batches(batches, time.time())
         self.metrics.hint_outcome(sum(o.accepted for o in outcomes), sum(o.ignored for o in outcomes))
-        await self._plan()
+        await self.loop.plan()
         return outcomes
 
     async def cancel_hint(self, hint_id: str) -> bool:
-        await self._start()
+        await self.loop.start()
         return self.core.cancel_hint(hint_id, time.time())
 
     async def cancel_hints(self, hint_ids: list[str]) -> int:
         """Withdraw many hints; how many were active."""
-        await self._start()
+        await self.loop.start()
         now = time.time()
         cancelled = sum(self.core.cancel_hint(h, now) for h in hint_ids)
-        await self._plan()
+        await self.loop.plan()
         return cancelled
 
     async def report(self, name: str, incarnation: int, deltas: list[tuple[int, str, str, str, str]]) -> None:
         """Residency changes pushed by a worker (step 7), in batches of (seq, adapter, version, state,
         error). Deltas already applied (a resync covered them) are skipped; a gap triggers a resync."""
-        await self._start()
+        await self.loop.start()
         if self.links.receive(name, incarnation, deltas):
-            await self._plan()
-
-    # -- decisions --------------------------------------------------------------------------------
-    async def _plan(self, full: bool = False) -> None:
-        t0 = time.perf_counter()
-        plan = self.core.plan(time.time(), full=full)
-        if self.first_plan_at is None:
-            self.first_plan_at = time.time()
-        kinds = Counter(type(c).__name__.lower() for cmds in plan.values() for c in cmds)
-        self.metrics.plan(time.perf_counter() - t0, full, kinds)
-        self.links.send(plan)
+            await self.loop.plan()
 
     # -- queries ----------------------------------------------------------------------------------
     async def lookup(self, adapter: str) -> dict[str, list[str]]:
-        await self._start()
+        await self.loop.start()
         found = self.core.readiness.lookup(adapter)
         return {"ready": list(found.ready), "loading": list(found.loading)}
 
     async def lookup_adapter(self, adapter: str) -> dict[str, object]:
         """Where the current version of a registered adapter is ready or loading (NotFoundError if unknown)."""
-        await self._start()
+        await self.loop.start()
         version = self.core.catalog.get(adapter).version
         found = self.core.readiness.lookup(adapter)
         ready = [r for r in found.ready if self.core.readiness.is_ready(r, adapter, version)]
@@ -219,25 +180,25 @@ class ControllerActor:
     async def declare_limits(self, replica: str, max_adapters: int, max_running: int) -> None:
         """A replica's engine admits at most ``max_adapters`` distinct adapters and ``max_running`` requests per
         batch (its ``EngineConfig``): routing advice ranks what it can start now (``lora_cache.routing.limits``)."""
-        await self._start()
+        await self.loop.start()
         if replica not in self.core.planner.view.replicas():
             raise NotFoundError(f"replica {replica!r} is not known; known: {list(self.core.planner.view.replicas())}")
         self.core.limits.declare(replica, max_adapters, max_running)
 
     async def declared_limits(self, replica: str) -> tuple[int, int]:
         """The ``(max_adapters, max_running)`` declared for ``replica`` (0: not declared)."""
-        await self._start()
+        await self.loop.start()
         lim = self.core.limits.limits(replica)
         return lim.max_adapters, lim.max_running
 
     async def route(self, items: list[RouteRequest], outstanding: dict[str, float] | None = None) -> list[RouteAdvice]:
         """Routing advice for a batch (ControllerCore.route); per-item errors ride in the advice."""
-        await self._start()
+        await self.loop.start()
         return self.core.route(items, outstanding)
 
     async def begin_watch(self, replica: str | None = None, adapter: str | None = None) -> int:
         """Check a readiness subscriber's filters (NotFoundError for unknown names); the current cursor."""
-        await self._start()
+        await self.loop.start()
         if replica:
             self.core.check_replica(replica)
         if adapter:
@@ -248,7 +209,7 @@ class ControllerActor:
                           timeout_s: float = 10.0) -> WatchBatch:
         """Readiness events after the cursor ``after``, waiting up to ``timeout_s`` for one; or at once a
         resync (the current ready set and the cursor to resume from) if some of them are gone."""
-        await self._start()
+        await self.loop.start()
 
         def pending() -> WatchBatch:
             return self.core.readiness.read(after, replica, adapter)
@@ -268,25 +229,23 @@ class ControllerActor:
         """The service's owner is about to stop it (``Service.stop``): no more health rounds, lifelines or
         pings, so the workers' orderly deaths are not taken for losses. Returns once nothing watches them;
         there is no way back (the owner kills this actor next)."""
-        self.links.quiesce()
-        if self._health is not None:
-            self._health.cancel()
+        self.loop.stop()
 
     async def ping(self) -> bool:
         """Answers at once while the actor's loop runs (the gateway's health check); starts nothing."""
         return True
 
     async def status(self) -> dict[str, object]:
-        await self._start()
+        await self.loop.start()
         return {**self.core.status(), "workers": len(self.links.handles), "rejected_commands": self.links.rejected,
-                "started_at": self.started_at, "first_plan_at": self.first_plan_at,
+                "started_at": self.started_at, "first_plan_at": self.loop.first_plan_at,
                 "restored": self.durable.restored, "snapshots_written": self.durable.snapshots.writes,
                 "catalog_restored": self.durable.catalog_restored, "catalog_snapshots": self.durable.catalog.writes,
                 "catalog_snapshot_bytes": self.durable.catalog.bytes}
 
     async def worker_stats(self, timeout_s: float = 2.0) -> list[dict[str, object]]:
         """Each worker's cache counters (``stats`` None if it did not answer in time) and slot count."""
-        await self._start()
+        await self.loop.start()
         return await self.fanout.stats(timeout_s)
 
     async def catalog_config(self) -> CatalogConfig:

@@ -16,6 +16,8 @@ import torch
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.peft import AdapterSpec, KnownVersion
 from lora_cache.adapters.shards import shard_layout
+from lora_cache.controller.admission import ReportAdmission
+from lora_cache.controller.lost_ranks import LostRanks
 from lora_cache.controller.readiness import RankState, ReadinessEvent, ReadinessIndex
 from lora_cache.errors import ConfigError, LoraCacheError, NotFoundError
 from lora_cache.planner import (
@@ -91,15 +93,12 @@ class ControllerCore:
         self.recent_failures: deque[str] = deque(maxlen=20)
         self.hints_received = self.hints_accepted = 0  # hints given / taken (the rest ignored)
         self.routes_asked = 0  # requests routing advice was asked for
-        self.down: set[WorkerId] = set()  # ranks lost (dead, hung, detached) and not heard from since
+        self.lost = LostRanks()  # ranks lost and not heard from since, plans withheld from their replicas
         self.limits = RoutingLimits()  # replicas' admission limits and the requests routed there (routing advice)
         # measured load times and requests' leads (routing advice: an idle replica READY by arrival ranks first)
         self.clock = LoadClock(config.router.cold_s, config.router.staged_s)
-        self.withheld: set[WorkerId] = set()  # workers whose plans were not sent (their replica was down)
-        self.lost_at: dict[WorkerId, float] = {}  # when each rank in ``down`` was found lost (wall clock)
-        self.recent_losses: deque[tuple[str, float]] = deque(maxlen=64)  # (worker, when found lost), newest last
-        self.refused_reports = 0  # residency a rank claimed and the controller did not believe (``_admits``)
-        self.recent_refusals: deque[str] = deque(maxlen=20)
+        # residency a rank claims and the controller believes (registered versions, its slots), refusals counted
+        self.admission = ReportAdmission(self.catalog, self.planner.view, self.readiness)
 
     # -- adapters and topology ------------------------------------------------------------------
     def register_adapter(self, name: str, path: str) -> str:
@@ -154,10 +153,7 @@ class ControllerCore:
         routes, hints, queues, readiness). Its readiness ends with NOT_READY events."""
         self.check_replica(replica)
         self.planner.remove_replica(replica)
-        for worker in [w for w in self.down | self.withheld if w.replica == replica]:
-            self.down.discard(worker)
-            self.withheld.discard(worker)
-            self.lost_at.pop(worker, None)
+        self.lost.forget_replica(replica)
         self.failures = {k: f for k, f in self.failures.items() if k[0].replica != replica}
         self.limits.forget(replica)
         return self.readiness.remove_replica(replica)
@@ -167,10 +163,8 @@ class ControllerCore:
         hung or detached (not a restart that answers): its replica takes no routed requests until the worker
         is heard from again (a report or a full report); ``now``: when it was found lost (``lost_at``)."""
         self.check_worker(worker)
-        if gone and worker not in self.down:
-            self.down.add(worker)
-            self.lost_at[worker] = now
-            self.recent_losses.append((str(worker), now))
+        if gone:
+            self.lost.lose(worker, now)
         self.planner.report_residency(str(worker), [])
         self.failures = {k: f for k, f in self.failures.items() if k[0] != worker}
         self.clock.forget(str(worker))
@@ -187,7 +181,7 @@ class ControllerCore:
     def hint(self, hint_id: str, adapter: str, replica: str, expected_s: float, now: float) -> bool:
         self.check_replica(replica)
         self.check_adapter(adapter)
-        taken = replica not in self.down_replicas() and self.planner.add_hint(Hint(hint_id, adapter, replica,
+        taken = replica not in self.lost.replicas() and self.planner.add_hint(Hint(hint_id, adapter, replica,
                                                                                     expected_s), now)
         self.hints_received += 1
         self.hints_accepted += taken
@@ -208,7 +202,7 @@ class ControllerCore:
             return HintOutcome(0, 0, e)
         for _, _, _, dt in batch:
             self.clock.lead(dt)
-        down = self.down_replicas()  # a hint to a replica with a lost rank is ignored: nothing is planned there
+        down = self.lost.replicas()  # a hint to a replica with a lost rank is ignored: nothing is planned there
         taken = sum(hint.replica not in down and self.planner.add_hint(hint, now) for hint in hints)
         self.hints_received += len(hints)
         self.hints_accepted += taken
@@ -230,7 +224,7 @@ class ControllerCore:
         doubles with every failure of the same adapter version on the same worker (up to a minute).
         """
         self.check_worker(worker)
-        self.heard_from(worker)
+        self.lost.heard_from(worker)
         events: list[ReadinessEvent] = []
         for adapter, version, state, error in deltas:
             rank_state, slot_state = _STATE.get(state, (None, None))
@@ -249,36 +243,16 @@ class ControllerCore:
                 self.planner.drop_residency(str(worker), adapter, version)
             elif slot_state is not None and adapter in self.catalog:  # an unregistered one is drained, not planned
                 self.planner.update_residency(str(worker), ResidencyEntry(adapter, version, slot_state))
-            if rank_state is None or self._admits(worker, adapter, version):  # the slot counts for the planner
+            if rank_state is None or self.admission.admits(worker, adapter, version):  # the slot counts for the planner
                 events += self.readiness.report(worker.replica, worker.rank, adapter, version, rank_state)
         return events
-
-    def _admits(self, worker: WorkerId, adapter: str, version: str) -> bool:
-        """Whether the readiness index (what Lookup, Watch and Route advertise) takes a rank's word that it
-        holds ``adapter@version``: only for a version the controller registered (current or kept), or one
-        the rank was known to hold already (a version replaced or unregistered since drains), and no more
-        of them than its slots. Anything else is refused and counted (``refused_reports``); the planner
-        still counts the slot as taken (of a registered name), so a stale version is evicted."""
-        held = self.readiness.holdings(worker.replica, worker.rank)
-        if (adapter, version) in held:
-            return True
-        known = adapter in self.catalog and version in self.catalog.versions(adapter)
-        why = None if known else f"{adapter}@{version} is not a registered version"
-        slots = self.planner.view.capacity(str(worker)).slots
-        if why is None and len(held) >= slots:
-            why = f"{adapter}@{version} would be more than its {slots} slots hold (one adapter each)"
-        if why is None:
-            return True
-        self.refused_reports += 1
-        self.recent_refusals.append(f"{worker}: {why}")
-        return False
 
     def sync_worker(self, worker: WorkerId, entries: Iterable[tuple[str, str, str, int]]) -> list[ReadinessEvent]:
         """A full residency report (controller restart, or a resync after lost deltas): it replaces what
         was known of the worker, including commands assumed done. Readiness changes only where the
         report differs, so a resync that finds nothing new publishes nothing."""
         self.check_worker(worker)
-        self.heard_from(worker)  # it answered with its full report: alive
+        self.lost.heard_from(worker)  # it answered with its full report: alive
         entries = [(a, v, s, refs) for a, v, s, refs in entries if s in _STATE]
         before = self.readiness.holdings(worker.replica, worker.rank)
         planned = [ResidencyEntry(a, v, SlotState.IN_USE if refs else _STATE[s][1], refs)
@@ -287,7 +261,7 @@ class ControllerCore:
         planned += [ResidencyEntry(a, v, SlotState.LOADING) for (w, a, v), f in sorted(self.failures.items())
                     if w == worker and not f.released and (a, v) not in held and a in self.catalog]  # backing off
         self.planner.report_residency(str(worker), planned)  # every slot it fills counts (an evict may follow)
-        now = {(a, v): _STATE[s][0] for a, v, s, _ in self._admitted(worker, entries, before)}
+        now = {(a, v): _STATE[s][0] for a, v, s, _ in self.admission.admitted(worker, entries, before)}
         events: list[ReadinessEvent] = []
         for (a, v) in sorted(before.keys() - now.keys()):
             events += self.readiness.report(worker.replica, worker.rank, a, v, None)
@@ -295,37 +269,6 @@ class ControllerCore:
             if before.get((a, v)) is not state:
                 events += self.readiness.report(worker.replica, worker.rank, a, v, state)
         return events
-
-    def _admitted(self, worker: WorkerId, entries: list[tuple[str, str, str, int]],
-                  before: dict[tuple[str, str], RankState]) -> list[tuple[str, str, str, int]]:
-        """A full report's entries the controller believes (``_admits``: registered versions, at most one per
-        slot; what the rank was known to hold first)."""
-        slots, out = self.planner.view.capacity(str(worker)).slots, list[tuple[str, str, str, int]]()
-        for a, v, s, refs in sorted(entries, key=lambda e: (e[0], e[1]) not in before):
-            if (a, v) in before or (a in self.catalog and v in self.catalog.versions(a) and len(out) < slots):
-                out.append((a, v, s, refs))
-            else:
-                self.refused_reports += 1
-                self.recent_refusals.append(f"{worker}: full report: {a}@{v} not registered, or beyond its "
-                                            f"{slots} slots")
-        return out
-
-    def heard_from(self, worker: WorkerId) -> None:
-        """A lost rank reported again: alive (its replica is planned and routed again once no rank is lost)."""
-        self.down.discard(worker)
-        self.lost_at.pop(worker, None)
-
-    def down_replicas(self) -> set[str]:
-        """Replicas with a rank lost and not heard from since: no hints taken, no plans sent, no routes."""
-        return {w.replica for w in self.down}
-
-    def returned(self) -> list[WorkerId]:
-        """Workers whose plans were withheld while their replica was down and that is whole again: the
-        caller resyncs them (the planner assumed the withheld commands applied)."""
-        down = self.down_replicas()
-        back = sorted(w for w in self.withheld if w.replica not in down)
-        self.withheld -= set(back)
-        return back
 
     def retry_failed(self, now: float) -> None:
         """Failed loads whose backoff has passed are no longer counted as loading: the next plan retries."""
@@ -343,11 +286,11 @@ class ControllerCore:
     def plan(self, now: float, full: bool = False) -> dict[WorkerId, list[Command]]:
         plan = self.planner.plan_all(now) if full else self.planner.plan(now)
         out: dict[WorkerId, list[Command]] = {}
-        down = self.down_replicas()
+        down = self.lost.replicas()
         for w in plan.workers:
             replica, rank = w.worker.rsplit("/", 1)
             if replica in down:  # a replica with a lost rank gets no plans until it is whole again
-                self.withheld.add(WorkerId(replica, int(rank)))
+                self.lost.withheld.add(WorkerId(replica, int(rank)))
                 continue
             out[WorkerId(replica, int(rank))] = list(w.commands)
             self.commands_sent += len(w.commands)
@@ -367,7 +310,7 @@ class ControllerCore:
         """Routing advice (step 1): replicas ranked for each request's adapter, from residency, the plan in
         flight, queues and hints (``lora_cache.routing.advice``); ``loads``: the router's own in-flight counts."""
         self.routes_asked += len(items)
-        return advise(self.planner.view, items, self.config.router, loads, down=self.down_replicas(),
+        return advise(self.planner.view, items, self.config.router, loads, down=self.lost.replicas(),
                       limits=self.limits, clock=self.clock)
 
     def status(self) -> dict[str, object]:
@@ -378,9 +321,9 @@ class ControllerCore:
                 "active_hints": {r: len(self.planner.view.hints(r)) for r in self.planner.view.replicas()},
                 "routes_asked": self.routes_asked,
                 "load_failures": self.load_failures, "recent_failures": list(self.recent_failures),
-                "lost_ranks": {str(w): t for w, t in sorted(self.lost_at.items())},
-                "recent_losses": list(self.recent_losses), "refused_reports": self.refused_reports,
-                "recent_refusals": list(self.recent_refusals)}
+                "lost_ranks": {str(w): t for w, t in sorted(self.lost.lost_at.items())},
+                "recent_losses": list(self.lost.recent_losses), "refused_reports": self.admission.refused_reports,
+                "recent_refusals": list(self.admission.recent_refusals)}
 
     # -- checks -------------------------------------------------------------------------------------
     def check_replica(self, replica: str) -> None:
@@ -399,6 +342,7 @@ class ControllerCore:
             raise NotFoundError(f"worker {worker} is not part of replica {worker.replica!r}")
 
     def check_integrity(self) -> None:
-        assert all(str(w) in self.planner.view.workers(w.replica) for w in self.down), "a lost rank the fleet lacks"
+        view = self.planner.view
+        assert all(str(w) in view.workers(w.replica) for w in self.lost.down), "a lost rank the fleet lacks"
         self.planner.check_integrity()
         self.readiness.check_integrity()

@@ -95,7 +95,7 @@ class Lifelines:
                     log.warning("attached rank %s is gone (%s)", wid, type(e).__name__)
                     links.forget(wid)  # its endpoint is dead for good: a new process attaches anew
                     return
-                if wid not in links.core.down:
+                if wid not in links.core.lost.down:
                     log.warning("worker %s is lost (%s): dropping its residency", wid, type(e).__name__)
                     links.lose(wid)
             finally:
@@ -120,7 +120,7 @@ class Lifelines:
                 return  # a stranger, or a call already given up
             while await reader.read(64):
                 pass  # nothing is sent on it: only its end matters
-            if links.handles.get(wid) is handle and wid not in links.core.down and not self.closed:
+            if links.handles.get(wid) is handle and wid not in links.core.lost.down and not self.closed:
                 log.warning("worker %s closed its lifeline (its process died): dropping its residency", wid)
                 links.lose(wid)  # an attached one is forgotten when its lifeline call fails (ActorDiedError)
         except (TimeoutError, ConnectionError, OSError):

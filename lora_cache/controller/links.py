@@ -6,8 +6,9 @@ from its full report (``describe``: after a controller restart, or a rank an eng
 health pings and new incarnations; losses; replaying the registrations a new or restarted worker lacks;
 sending commands (``apply``) and reading their results. What it learns goes into the ``ControllerCore``; the
 readiness events that causes go to ``publish``; after a worker's state was repaired, ``replan`` (the actor's
-plan-and-send). Split along two seams: ``lifelines.py`` notices deaths (what a loss does stays here), and
-``fanout.py`` asks every worker one question (registrations, the drain's "who holds it", stats).
+plan-and-send). Split along three seams: ``lifelines.py`` notices deaths (what a loss does stays here),
+``fanout.py`` asks every worker one question (registrations, the drain's "who holds it", stats), and
+``adoption.py`` finds the workers at a (re)start and waits for the silent ones (adopting a report stays here).
 
 One way: the actor imports this module, never the reverse. A handle is anything whose
 ``handle.method.remote(...)`` is awaitable, so this runs under plain asyncio with fakes.
@@ -20,14 +21,15 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import ray
 
+from lora_cache.controller.adoption import Adoption, while_restarting
 from lora_cache.controller.core import ControllerCore
 from lora_cache.controller.lifelines import Lifelines
 from lora_cache.controller.readiness import ReadinessEvent
-from lora_cache.errors import ConfigError, ConflictError, LoraCacheError
+from lora_cache.errors import ConfigError, ConflictError
 from lora_cache.runtime.metrics import ControllerMetrics
 from lora_cache.vocab import (
     WORKER_PREFIX,
@@ -40,27 +42,15 @@ from lora_cache.vocab import (
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-WORKER_ATTEMPTS = 30  # a second apart: a restarted worker may still be in its constructor
 REPLAY_ENTRIES = 256  # registrations per call when a worker is given all of them
 PING_TIMEOUT_S = 1.5  # a worker that does not answer a ping in this long is lost (its replica leaves the plans)
+
+
 class Link(NamedTuple):
     """Where the controller stands with one worker's stream of deltas."""
 
     incarnation: int  # the worker process's start time (ns): a larger one is a restart
     applied: int  # the last delta sequence number applied (or covered by a full report)
-
-
-async def _while_restarting(call: Callable[[], Awaitable[T]]) -> T:
-    """``await call()``, called again while the worker is restarting (``ActorUnavailableError``: Ray
-    refuses calls until its constructor returns), a second apart, ``WORKER_ATTEMPTS`` times at most.
-    A worker that is gone (``RayActorError``) fails at once."""
-    for _ in range(WORKER_ATTEMPTS - 1):
-        try:
-            return await call()
-        except ray.exceptions.ActorUnavailableError:
-            await asyncio.sleep(1.0)
-    return await call()
 
 
 def _named_workers() -> list[str]:
@@ -94,96 +84,11 @@ class WorkerLinks:
         self.lifelines = Lifelines(self)  # each linked worker's death watch
         self.attached: set[WorkerId] = set()  # ranks an engine's own process attached: gone for good once lost
         self.resyncing: set[WorkerId] = set()  # workers whose full report is being read (one resync at a time)
-        self.unadopted: dict[WorkerId, Any] = {}  # workers that exist but did not answer the rebuild: their handles
-        self.adopting: dict[WorkerId, asyncio.Task[bool]] = {}  # those being asked again (one call each)
+        self.adoption = Adoption(self)  # the workers found at a (re)start, adopted from their reports, late ones too
         self.rejected = 0  # commands workers refused as from an older epoch
 
     # -- adoption (invariant 6) -----------------------------------------------------------------
-    async def rebuild(self) -> None:
-        """Adopt the workers that already exist (after a controller restart) from their reports, asked all at
-        once, each for ``call_timeout_s`` at most. One that does not answer in time (its node was lost with the
-        controller's: Ray holds a call to it until it is placed again, which may be never) is adopted later,
-        when it answers (``adopt_late``, from the health loop) or says it restarted (``worker_started``): the
-        controller serves meanwhile, and that rank counts as lost (its replica is ready for nothing)."""
-        names = self.named()
-        answers = await asyncio.gather(*(self._report(name) for name in names))
-        infos = [a for a in answers if a is not None]
-        for _, info in infos:
-            await self._learn_adapters(info)
-        for handle, info in infos:
-            self._adopt(handle, info)
-        for wid in self.unadopted:  # a rank of a replica that its other ranks brought back: lost until it answers
-            view = self.core.planner.view
-            if wid.replica in view.replicas() and str(wid) in view.workers(wid.replica):
-                self.lose(wid)
-
-    async def _report(self, name: str) -> tuple[Any, dict[str, Any]] | None:
-        """A worker's handle and full report, or None: gone (not adopted), or not answering within
-        ``call_timeout_s`` (noted in ``unadopted``: adopted when it answers)."""
-        try:
-            handle = self.find(name)
-        except Exception as e:  # gone meanwhile
-            log.warning("could not adopt %s: %s", name, e)
-            return None
-        try:
-            return handle, await asyncio.wait_for(_while_restarting(handle.describe.remote), self.call_timeout_s)
-        except (TimeoutError, ray.exceptions.ActorUnavailableError) as e:
-            log.warning("%s does not answer (%s; its node may be lost): adopted when it does", name,
-                        type(e).__name__)
-            self.unadopted[parse_worker_name(name)] = handle
-            return None
-        except Exception as e:  # a worker that died for good is simply not adopted
-            log.warning("could not adopt %s: %s", name, e)
-            return None
-
-    def adopt_late(self) -> None:
-        """Ask the workers that did not answer the rebuild again, in the background: one call each, awaited until
-        it answers (Ray holds it until the worker is placed again; a new call each round would pile up there)."""
-        for wid in list(self.unadopted):
-            if wid not in self.adopting:
-                task = self.adopting[wid] = asyncio.get_running_loop().create_task(self._adopt_late(wid))
-                task.add_done_callback(functools.partial(self._adopted_late, wid))
-
-    def _adopted_late(self, wid: WorkerId, _: asyncio.Task[bool]) -> None:
-        self.adopting.pop(wid, None)
-
-    async def _adopt_late(self, wid: WorkerId) -> bool:
-        """Adopt ``wid`` from its report now if it answers (and give it every registration: it may have restarted
-        empty); True if it was adopted."""
-        handle = self.unadopted.get(wid)
-        if handle is None:
-            return False
-        try:
-            info = await handle.describe.remote()
-        except Exception as e:
-            if not isinstance(e, ray.exceptions.ActorUnavailableError):
-                log.warning("could not adopt %s: %s", worker_name(wid), e)
-                self.unadopted.pop(wid, None)  # dead for good
-            return False
-        # not ``_learn_adapters``: the catalog was rebuilt without it, and a name unregistered since would come back
-        if self.unadopted.pop(wid, None) is not handle or wid in self.handles:
-            return False
-        self._adopt(handle, info)
-        log.info("adopted %s, which did not answer the rebuild", worker_name(wid))
-        await self.replay([handle])
-        await self.replan()
-        return True
-
-    async def _learn_adapters(self, info: dict[str, Any]) -> None:
-        """Register what a worker reports and the catalog lacks (its files read on a thread: the loop answers
-        meanwhile); an adapter registered by a call in the meantime is left as that call made it."""
-        for adapter, path in info["adapters"].items():
-            if adapter in self.core.catalog:
-                continue
-            try:
-                spec = await asyncio.to_thread(self.core.read_adapter, adapter, path)
-            except LoraCacheError as e:  # its files changed or went: the worker's copy is refused at its next load
-                log.warning("could not learn adapter %s from %s (%s): %s", adapter, info["replica"], path, e)
-                continue
-            if adapter not in self.core.catalog:
-                self.core.add_adapter(spec, path)
-
-    def _adopt(self, handle: Any, info: dict[str, Any]) -> WorkerId:
+    def adopt(self, handle: Any, info: dict[str, Any]) -> WorkerId:
         """Take a worker's full report as the truth about it (its replica is added if new: ConfigError if
         the replica exists with another TP size or slot count)."""
         wid = WorkerId(info["replica"], info["rank"])
@@ -208,9 +113,9 @@ class WorkerLinks:
         wid = parse_worker_name(name)
         if adopt:
             await self._adopt_attached(name, wid, incarnation)
-        elif wid in self.unadopted:  # it did not answer the rebuild (its node was lost): it answers now
-            self.adopt_late()
-            if (task := self.adopting.get(wid)) is not None:
+        elif wid in self.adoption.unadopted:  # it did not answer the rebuild (its node was lost): it answers now
+            self.adoption.adopt_late()
+            if (task := self.adoption.adopting.get(wid)) is not None:
                 await asyncio.shield(task)  # registrations replayed and replanned there: nothing left for the caller
             return False
         elif wid in self.handles:
@@ -231,9 +136,9 @@ class WorkerLinks:
                               f"{self.core.catalog.shape.name!r}; attach with the service's model")
         if wid in self.handles:
             self._new_incarnation(wid, incarnation)  # drops what the predecessor held
-        # not ``_learn_adapters``: an attached process does not register adapters (a forged report named
+        # not ``Adoption._learn_adapters``: an attached process does not register adapters (a forged report named
         # adapters never registered, and the controller took them); the operators' registrations stand
-        self._adopt(handle, info)
+        self.adopt(handle, info)
         self.attached.add(wid)
 
     def detach(self, name: str, incarnation: int) -> bool:
@@ -267,7 +172,7 @@ class WorkerLinks:
             return False  # not adopted yet: the rebuild reads its full report
         if not self._new_incarnation(wid, incarnation):
             return False  # from a predecessor that has since restarted
-        if wid in self.core.down:  # lost: only a full report (``resync``) proves it is alive again; these
+        if wid in self.core.lost.down:  # lost: only a full report (``resync``) proves it is alive again; these
             self.resync_soon(wid)  # deltas may predate its death
             return False
         link = self.links[wid]
@@ -316,7 +221,7 @@ class WorkerLinks:
 
     def _resync_returned(self) -> None:
         """The ranks of a replica whole again whose plans were withheld meanwhile: read their full reports."""
-        for wid in self.core.returned():
+        for wid in self.core.lost.returned():
             if wid in self.handles:
                 asyncio.get_running_loop().create_task(self.resync(wid))
 
@@ -346,7 +251,7 @@ class WorkerLinks:
                 continue
             if self.handles.get(wid) is not handle:
                 continue  # re-attached meanwhile (a new process under the name): that one is not lost
-            if wid not in self.core.down:
+            if wid not in self.core.lost.down:
                 log.warning("worker %s is not answering (%s): dropping its residency", wid,
                             type(answer).__name__)  # dead, restarting or hung
             self.lose(wid)
@@ -396,7 +301,7 @@ class WorkerLinks:
         most). A restarted worker says so from its constructor, so it may still be starting."""
         names = list(self.core.paths)  # one registered later reaches these workers by itself (they are linked)
         for start in range(0, len(names), REPLAY_ENTRIES):
-            await _while_restarting(functools.partial(self._register_on, handles, names[start:start + REPLAY_ENTRIES]))
+            await while_restarting(functools.partial(self._register_on, handles, names[start:start + REPLAY_ENTRIES]))
 
     async def _register_on(self, handles: list[Any], names: list[str]) -> None:
         """``names`` as registered now (read at the moment they are sent, with no await before: a registration

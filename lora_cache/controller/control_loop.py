@@ -1,0 +1,76 @@
+"""The controller actor's own rhythm: the start latch, the health rounds, plan-and-send (steps 3-4, 6-8).
+
+``ControllerActor`` (actor.py) holds only its remote API; what runs between the calls is here. ``start`` runs
+once, before any call is answered: the catalog restored, the workers adopted from their reports (invariant 6),
+hints, queues and popularity restored, then the health loop started. Each health round retries failed loads
+past their backoff, resyncs every worker each ``sync_s`` (anti-entropy), asks the workers that did not answer
+the rebuild again, pings, replans the whole fleet and persists the snapshots. ``plan`` asks the core for
+commands and sends them through the links (the callback the links and the registrar replan with).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+from lora_cache.controller.core import ControllerCore
+from lora_cache.controller.links import WorkerLinks
+from lora_cache.controller.readiness import Doorbell
+from lora_cache.controller.snapshots import DurableState
+from lora_cache.runtime.metrics import ControllerMetrics
+
+
+class ControlLoop:
+    """Starts the controller once, runs its health rounds, plans and sends; owns the links to the workers."""
+
+    def __init__(self, core: ControllerCore, durable: DurableState, metrics: ControllerMetrics, bell: Doorbell,
+                 health_s: float, sync_s: float) -> None:
+        self.core, self.durable, self.metrics = core, durable, metrics
+        self.links = WorkerLinks(core, metrics, bell.ring, self.plan, call_timeout_s=10 * health_s)
+        self.health_s, self.sync_s = health_s, sync_s
+        self.first_plan_at: float | None = None  # the restart blip ends here
+        self._started = False
+        self._health: asyncio.Task[None] | None = None
+        self._start_lock = asyncio.Lock()  # one start: every call awaits it before it is answered
+
+    async def start(self) -> None:
+        async with self._start_lock:
+            if self._started:
+                return
+            await self.durable.restore_catalog(self.core)  # the registrations, versions proven or hashed again
+            await self.links.adoption.rebuild()  # adopt the workers that already exist, from their reports
+            await self.durable.restore(self.core.planner)
+            self._started = True
+            if not self.links.quiet:
+                self._health = asyncio.get_running_loop().create_task(self._health_loop())
+
+    def stop(self) -> None:
+        """No more health rounds, lifelines or pings (the service's owner is stopping it)."""
+        self.links.quiesce()
+        if self._health is not None:
+            self._health.cancel()
+
+    async def _health_loop(self) -> None:
+        last_sync = time.monotonic()
+        while True:
+            await asyncio.sleep(self.health_s)
+            self.core.retry_failed(time.time())
+            self.metrics.ready_counts(self.core.readiness.ready_per_replica())
+            if time.monotonic() - last_sync >= self.sync_s:  # anti-entropy: whatever was lost is repaired
+                last_sync = time.monotonic()
+                await self.links.resync_all()
+            self.links.adoption.adopt_late()  # workers that did not answer the rebuild (node lost): asked again
+            await self.links.ping_all()
+            await self.plan(full=True)
+            await self.durable.persist(self.core.planner)
+            await self.durable.save_catalog(self.core)
+
+    async def plan(self, full: bool = False) -> None:
+        t0 = time.perf_counter()
+        plan = self.core.plan(time.time(), full=full)
+        if self.first_plan_at is None:
+            self.first_plan_at = time.time()
+        kinds = Counter(type(c).__name__.lower() for cmds in plan.values() for c in cmds)
+        self.metrics.plan(time.perf_counter() - t0, full, kinds)
+        self.links.send(plan)
