@@ -115,6 +115,32 @@ class Proxy:
         self.stop()
 
 
+@contextlib.contextmanager
+def moto_server(timeout_s: float = 30.0) -> Iterator[str]:
+    """moto's S3 server (``python -m moto.server``) as its own process on 127.0.0.1, no authentication; its URL."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(port), "-H", "127.0.0.1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("moto server did not start; pip install 'moto[server]'") from None
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 STORE_ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
              "AWS_REGION": "us-east-1"}
 
@@ -125,8 +151,6 @@ def s3_store(model: StoreModel, root: str | Path, names: list[str]) -> Iterator[
     ``s3://BUCKET/adapters/NAME``: yields that prefix's URL and the environment a process needs to fetch through
     the proxy (``AWS_ENDPOINT_URL`` the proxy's; moto without authentication)."""
     import boto3
-
-    from bench.probes.store_read import moto_server
 
     with moto_server() as direct, Proxy(direct.rpartition("//")[2], model.mbps, model.latency_ms) as proxy:
         s3 = boto3.session.Session().client("s3", endpoint_url=direct, region_name="us-east-1",
