@@ -32,7 +32,7 @@ def _dry(script: str, *args: str, **env: str) -> list[list[str]]:
 
 def test_the_dated_scripts_are_gone() -> None:
     assert SCRIPTS == ["checks.sh", "cold_path.sh", "fleets.sh", "fleets_i31.sh", "issue30.sh", "issue30_reads.sh",
-                       "issue30_small.sh", "parallel.sh", "serve.sh", "suite.sh"]
+                       "issue30_small.sh", "issue42.sh", "parallel.sh", "serve.sh", "suite.sh"]
     assert not list((ROOT / "bench").glob("gpu_*.sh"))
 
 
@@ -199,3 +199,13 @@ def test_parallel_gives_each_scenario_its_gpus(tmp_path: Path) -> None:
     commands = _dry("parallel.sh", str(tmp_path), "seed@0", "zipf@1,2", ADAPTERS=str(tmp_path / "ad"))
     assert commands[0][:2] == ["python", "-"] and commands[0][2:4] == ["seed", "zipf"]  # the adapters first
     assert sorted(c[c.index("--scenario") + 1] for c in commands[1:]) == ["seed", "zipf"]
+
+
+def test_issue42_runs_each_part_with_its_store_and_router(tmp_path: Path) -> None:
+    """issue42.sh: the device store behind affinity and Route, the page-cache store, each a bench.run of its own."""
+    runs = [" ".join(c) for c in _dry("issue42.sh", str(tmp_path), "dev2-aff", "dev2-route", "pc2-aff")]
+    assert len(runs) == 3
+    assert "--store device --router affinity --policies queue,global,oracle" in runs[0]
+    assert "--store device --router lora-cache --policies global" in runs[1]
+    assert "--store page-cache --router affinity" in runs[2]
+    assert all("--warmup-requests 300" in r and "--replicas 2" in r for r in runs)

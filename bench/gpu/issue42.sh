@@ -8,6 +8,7 @@
 # PARTs (each one bench.run into OUT/PART, results.json gzipped, its log under OUT/logs):
 #   dev2-aff     2 replicas x TP 1, device store, affinity router: queue, global, oracle (--check-sim)
 #   dev2-route   2 replicas x TP 1, device store, Route (lora-cache router): global (--check-sim)
+#   dev2-oracle  2 replicas x TP 1, device store: the oracle alone (where dev2-aff's step limit cut it)
 #   dev2-ll      2 replicas x TP 1, device store, least-loaded router: overlap
 #   dev1         1 replica, device store: queue, global, oracle (--check-sim)
 #   pc2-aff      2 replicas x TP 1, page-cache store, affinity: queue, global
@@ -38,6 +39,7 @@ for part in "$@"; do
   case $part in
     dev2-aff)   run "$part" "${two[@]}" --store device --router affinity --policies queue,global,oracle --check-sim ;;
     dev2-route) run "$part" "${two[@]}" --store device --router lora-cache --policies global --check-sim ;;
+    dev2-oracle) run "$part" "${two[@]}" --store device --router affinity --policies oracle ;;
     dev2-ll)    run "$part" "${two[@]}" --store device --router least-loaded --policies overlap ;;
     dev1)       run "$part" --replicas 1 --arrivals "poisson:$rate" --store device --policies queue,global,oracle --check-sim ;;
     pc2-aff)    run "$part" "${two[@]}" --store page-cache --router affinity --policies queue,global ;;
