@@ -3,6 +3,8 @@ speculative stages the planner sends for it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lora_cache.errors import ConfigError
@@ -17,6 +19,7 @@ def make(replicas: int = 3, adapters: int = 12, host_bytes: int | None = 1000, p
     specs = [ReplicaSpec(f"r{r}", (f"r{r}/w0",), 2, None, host_bytes) for r in range(replicas)]
     infos = [AdapterInfo(f"a{i}", "v1", (sizes or {}).get(i, 100)) for i in range(adapters)]
     config.setdefault("warm_host_share", 0.5)
+    config.setdefault("warm_min_miss_s", 0.0)  # warm without measuring: the controller's gate is tested below
     for name in ("place_homes", "max_prefetches_per_plan", "stage_host_share"):  # GPU placement and popularity
         config.setdefault(name, 0 if name != "place_homes" else False)  # stages apart: warming alone here
     return Planner(PlannerConfig(policy=policy, **config), 1, infos, specs)  # type: ignore[arg-type]
@@ -97,3 +100,35 @@ def test_an_unregistered_adapter_leaves_the_warm_sets_at_once() -> None:
 def test_bad_warm_settings_name_the_field_the_value_and_the_fix(field: str, value: float, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
         PlannerConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_warming_waits_until_a_miss_is_measured_to_hurt(tmp_path: Path) -> None:
+    """The controller warms only once loads from storage are measured ``warm_min_miss_s`` slower than host hits:
+    a page-cache store (a miss ~15 ms) never turns it on, a device read (~200 ms) does."""
+    from lora_cache.controller.core import WARM_MIN_SAMPLES, ControllerConfig, ControllerCore
+
+    from lora_cache.adapters.catalog import CatalogConfig
+
+    config = ControllerConfig(catalog=CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny"), planner=PlannerConfig(warm_min_miss_s=0.05))
+
+    def core_after(cold_s: float) -> ControllerCore:
+        core = ControllerCore(config, epoch=1)
+        core.planner.view.max_bytes = lambda: 1000  # type: ignore[method-assign]  # the catalog's largest shard
+        for i in range(int(WARM_MIN_SAMPLES) + 1):
+            core.clock.sent("r0/0", f"a{i}", "v1", 1000.0, False, 0.0)
+            core.clock.ready("r0/0", f"a{i}", "v1", cold_s)
+            core.clock.sent("r0/0", f"b{i}", "v1", 1000.0, True, 0.0)
+            core.clock.ready("r0/0", f"b{i}", "v1", 0.005)
+        return core
+
+    fresh = ControllerCore(config, epoch=1)
+    assert not fresh.miss_hurts(), "nothing measured yet"
+    assert not core_after(0.015).miss_hurts(), "a page-cache miss does not pay for warming"
+    assert core_after(0.2).miss_hurts(), "a device read does"
+
+
+def test_set_warming_off_sends_no_warm_stage_unless_the_gate_is_zero() -> None:
+    planner = make(warm_min_miss_s=0.05)
+    assert warm_stages(planner, 0.0) == {}, "off until the controller turns it on"
+    planner.set_warming(True)
+    assert warm_stages(planner, 1.0)

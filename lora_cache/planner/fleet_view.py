@@ -29,6 +29,10 @@ class FleetView:
         self._fleet.require_worker(worker, "capacity")
         return self._fleet.capacity[worker]
 
+    def max_bytes(self) -> int:
+        """The largest shard in the catalog, bytes per rank (0: no adapter)."""
+        return self._fleet.max_bytes()
+
     def adapter(self, name: str) -> AdapterInfo:
         return self._fleet.require_adapter(name, "adapter")
 

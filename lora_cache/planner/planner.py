@@ -118,6 +118,11 @@ class Planner:
         self._fleet.add_worker(replica, worker, capacity)
         self._replan.mark(replica)
 
+    def set_warming(self, on: bool) -> None:
+        """Whether the host tiers are warmed ahead of demand (``warming.py``): the controller turns it on once it
+        has measured that a miss costs at least ``warm_min_miss_s`` more than a host hit (0: always on)."""
+        self._replan.warm_enabled = on or self.config.warm_min_miss_s == 0
+
     def remove_worker(self, worker: str) -> None:
         """A lost worker: its residency is dropped and its replica replanned."""
         self._fleet.require_worker(worker, "remove_worker")

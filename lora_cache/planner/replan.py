@@ -61,6 +61,7 @@ class Replanner:
         self.homes = HomeBook(config.home_min_rate, config.home_refresh_s, config.home_spread,
                               config.home_min_window_s)  # fleet placement (homes.py)
         self.warming = WarmBook(config.warm_host_share, config.warm_refresh_s)  # host tiers ahead (warming.py)
+        self.warm_enabled = config.warm_min_miss_s == 0  # until the controller has measured that a miss hurts
         self._warm_sent: dict[str, tuple[int, frozenset[AdapterKey]]] = {}  # worker -> (assignment, warm keys sent)
         self.dirty: set[str] = set()  # replicas whose plan inputs changed since they were last planned
         self._fleet, self._hints, self._horizon, self._popularity = fleet, hints, horizon, popularity
@@ -160,7 +161,7 @@ class Replanner:
 
     def _warm_book(self, now: float) -> WarmBook | None:
         """The warm placement (warming.py), brought up to date, if the config warms and the policy plans fleet-wide."""
-        if not (self.config.warm_host_share > 0 and self.policy.uses_homes):
+        if not (self.warm_enabled and self.config.warm_host_share > 0 and self.policy.uses_homes):
             return None
         self.warming.refresh(self._fleet, self._popularity.fleet, now)
         return self.warming
