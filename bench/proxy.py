@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -58,10 +59,8 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stat
     except (ConnectionError, asyncio.CancelledError):
         pass
     finally:
-        try:
+        with contextlib.suppress(Exception):  # the peer may be gone already
             writer.close()
-        except Exception:  # noqa: BLE001 - already closed
-            pass
 
 
 async def serve(listen: tuple[str, int], target: tuple[str, int], mbps: float, latency_ms: float,
@@ -101,10 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-ms", type=float, default=0.0, help="delay before each response's first byte")
     p.add_argument("--port-file", default="")
     ns = p.parse_args(argv)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(_addr(ns.listen), _addr(ns.target), ns.mbps, ns.latency_ms, ns.port_file))
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

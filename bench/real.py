@@ -32,11 +32,11 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -56,9 +56,9 @@ from lora_cache.runtime import heap
 from lora_cache.vocab import CONTROLLER_NAME, NAMESPACE, ReadinessRecord
 from workers.cache import WorkerConfig
 from workers.counters import STATS_COUNTERS, STATS_SUMMARIES
-from workers.staging.disk_tier import DiskTierConfig
 from workers.engine.config import EngineConfig
 from workers.engine.workload import Request
+from workers.staging.disk_tier import DiskTierConfig
 from workers.staging.host_config import HostTierConfig
 
 if TYPE_CHECKING:

@@ -3,7 +3,8 @@
 - ``page-cache`` (the default): the adapter files on local disk, their pages left in the page cache after the
   first read (every read after it is a memory copy);
 - ``device``: the files on local disk with the page cache bypassed: every worker drops a file's pages after it
-  reads its shard (``HostTierConfig.drop_page_cache``, ``workers.staging.host_tier.drop_pages``), and the benchmark drops
+  reads its shard (``HostTierConfig.drop_page_cache``, ``workers.staging.host_tier.drop_pages``), and the
+  benchmark drops
   every adapter file's pages before each policy's run (``drop_all_pages``), so a host-tier miss reads the device;
 - ``s3:BANDWIDTH,LATENCY`` (e.g. ``s3:200MBps,30ms``): the adapters served by a real S3-compatible server
   (moto's server mode, its own process) behind a throttling TCP proxy (``bench.proxy``, its own process): every

@@ -88,7 +88,7 @@ def test_a_read_with_drop_page_cache_drops_that_files_pages(catalog: AdapterCata
         future, hit = tier.fetch(spec, layout)
         assert not hit
         future.result(timeout=120)
-        again, hit = tier.fetch(spec, layout)  # a hit reads nothing, drops nothing
+        _, hit = tier.fetch(spec, layout)  # a hit reads nothing, drops nothing
         assert hit
         assert dropped == ([spec.source.path] if drop else [])
     finally:

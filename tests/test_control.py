@@ -297,7 +297,8 @@ def test_popular_adapters_are_staged_into_the_host_tier_the_worker_reports(tmp_p
     gate reads them into its host tier with no slot, so a later miss is one copy."""
     make_adapters(tmp_path, SynthConfig(model="tiny", count=6, rank="8,16"))
     catalog = CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny", max_rank=16)
-    # homes off: with them, the top two would fill the free slots (test_homes.py); here staging is the subject (and warm stages: test_warming.py)
+    # homes off: with them, the top two would fill the free slots (test_homes.py); here staging is the subject
+    # (and warm stages: test_warming.py)
     planner = PlannerConfig(place_homes=False, warm_host_share=0.0)
     core = ControllerCore(ControllerConfig(catalog=catalog, planner=planner), epoch=5)
     names = [d.name for d in sorted(tmp_path.iterdir())]

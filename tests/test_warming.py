@@ -105,11 +105,11 @@ def test_bad_warm_settings_name_the_field_the_value_and_the_fix(field: str, valu
 def test_warming_waits_until_a_miss_is_measured_to_hurt(tmp_path: Path) -> None:
     """The controller warms only once loads from storage are measured ``warm_min_miss_s`` slower than host hits:
     a page-cache store (a miss ~15 ms) never turns it on, a device read (~200 ms) does."""
+    from lora_cache.adapters.catalog import CatalogConfig
     from lora_cache.controller.core import WARM_MIN_SAMPLES, ControllerConfig, ControllerCore
 
-    from lora_cache.adapters.catalog import CatalogConfig
-
-    config = ControllerConfig(catalog=CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny"), planner=PlannerConfig(warm_min_miss_s=0.05))
+    catalog = CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny")
+    config = ControllerConfig(catalog=catalog, planner=PlannerConfig(warm_min_miss_s=0.05))
 
     def core_after(cold_s: float) -> ControllerCore:
         core = ControllerCore(config, epoch=1)

@@ -31,17 +31,15 @@ import functools
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from bench.store import moto_server  # one moto server start for the job and the probe
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.peft import WEIGHTS_FILE
 from lora_cache.adapters.shards import shard_layout
@@ -57,32 +55,6 @@ from workers.staging.host_config import HostTierConfig
 BUCKET = "probe-adapters"
 PART = 8 << 20
 GAP = 64 << 10  # ranges closer than this are fetched as one
-
-
-@contextlib.contextmanager
-def moto_server() -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-p", str(port), "-H", "127.0.0.1"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("moto server did not start; pip install 'moto[server]'") from None
-                time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def timed(fn: Callable[[], Any]) -> float:

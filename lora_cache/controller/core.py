@@ -65,7 +65,7 @@ class HintOutcome(NamedTuple):
     error: LoraCacheError | None = None
 
 
-WARM_MIN_SAMPLES = 2.0  # the (decayed) weight of loads from storage timed before the controller judges what a miss costs (miss_hurts)
+WARM_MIN_SAMPLES = 2.0  # the (decayed) weight of loads from storage timed before judging what a miss costs (miss_hurts)
 
 
 @dataclass(frozen=True)
