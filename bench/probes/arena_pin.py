@@ -22,8 +22,8 @@ def med(xs: list[float]) -> float:
 
 def arena_pin(nbytes: int) -> dict[str, Any]:
     """Pinning an ``nbytes`` shared arena (``workers.staging.arena.HostArena``): in place (the worker's start-up
-    waited for it before issue 30 item 3), then in the background: how soon the constructor returns, how long until it is
-    pinned, and what GPU work of a warm-up's kind (a small matmul and a host copy, each synchronized) costs per
+    waited for it before issue 30 item 3), then in the background: how soon the constructor returns, how long until it
+    is pinned, and what GPU work of a warm-up's kind (a small matmul and a host copy, each synchronized) costs per
     step meanwhile against after (``cudaHostRegister`` may hold a driver lock: then the overlap buys little)."""
     from workers.staging.arena import HostArena
 
