@@ -87,7 +87,8 @@ class PlannerMachine(RuleBasedStateMachine):
         config = PlannerConfig(policy=self.POLICY, half_life_s=10.0, hint_ttl_s=8.0, hysteresis=hysteresis,
                                max_prefetches_per_plan=max_prefetches, local_weight=local_weight,
                                max_staged_per_replica=max_staged, hint_horizon_s=horizon,
-                               stage_host_share=stage_share, speculate_min_rate=min_rate)
+                               stage_host_share=stage_share, speculate_min_rate=min_rate,
+                               warm_min_miss_s=0.0)  # warm stages on from the start: their invariants too
         self.planner = Planner(config, EPOCH, infos, specs)
         self.shadow = Planner(config, EPOCH, infos[::-1], specs[::-1])  # same inputs, another order
         self.now = 0.0

@@ -180,9 +180,24 @@ class Replanner:
         warm_keys: tuple[AdapterKey, ...] = ()
         if warm is not None:
             taken = set(target.keys) | set(target.staged) | view.resident  # a rank holds it: its host tier too
-            warm_keys = tuple(k for k in warm.warm(replica) if k not in taken)
+            warm_keys = self._warm_fitting(view, target, tuple(k for k in warm.warm(replica) if k not in taken))
         diffs = (self._diff(worker, replica, target, warm_keys) for worker in fleet.workers[replica])
         return [commands for commands in diffs if commands is not None]
+
+    def _warm_fitting(self, view: ReplicaView, target: Target, keys: tuple[AdapterKey, ...]) -> tuple[AdapterKey, ...]:
+        """The prefix of the warm ``keys`` whose bytes fit the host tier beside the target's own stages: what a
+        worker is told to keep staged never exceeds its host tier (the warm book's share is of the whole tier)."""
+        host = view.capacity.host_bytes
+        if host is None:
+            return ()
+        room = host - sum(self._fleet.bytes_of(k) for k in target.staged)
+        kept: list[AdapterKey] = []
+        for key in keys:
+            room -= self._fleet.bytes_of(key)
+            if room < 0:
+                break
+            kept.append(key)
+        return tuple(kept)
 
     def _last_copies(self, replica: str, view: ReplicaView, homes: HomeBook) -> frozenset[AdapterKey]:
         """``replica``'s residents that no other replica holds, of adapters with requests, while the fleet's slots
