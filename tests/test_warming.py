@@ -104,12 +104,12 @@ def test_bad_warm_settings_name_the_field_the_value_and_the_fix(field: str, valu
 
 def test_warming_waits_until_a_miss_is_measured_to_hurt(tmp_path: Path) -> None:
     """The controller warms only once loads from storage are measured ``warm_min_miss_s`` slower than host hits:
-    a page-cache store (a miss ~15 ms) never turns it on, a device read (~200 ms) does."""
+    a page-cache store (a miss ~15 ms) never turns it on, a device read (~300 ms) does."""
     from lora_cache.adapters.catalog import CatalogConfig
     from lora_cache.controller.core import WARM_MIN_SAMPLES, ControllerConfig, ControllerCore
 
     catalog = CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny")
-    config = ControllerConfig(catalog=catalog, planner=PlannerConfig(warm_min_miss_s=0.05))
+    config = ControllerConfig(catalog=catalog, planner=PlannerConfig())  # the default gate
 
     def core_after(cold_s: float) -> ControllerCore:
         core = ControllerCore(config, epoch=1)
@@ -124,7 +124,7 @@ def test_warming_waits_until_a_miss_is_measured_to_hurt(tmp_path: Path) -> None:
     fresh = ControllerCore(config, epoch=1)
     assert not fresh.miss_hurts(), "nothing measured yet"
     assert not core_after(0.015).miss_hurts(), "a page-cache miss does not pay for warming"
-    assert core_after(0.2).miss_hurts(), "a device read does"
+    assert core_after(0.4).miss_hurts(), "a device read of an 8B r64 shard (~0.3 s) does"
 
 
 def test_set_warming_off_sends_no_warm_stage_unless_the_gate_is_zero() -> None:
