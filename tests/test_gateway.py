@@ -341,11 +341,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         ray.shutdown()
 
 
-def first_event(stream: Any, state: int, adapter: str, replica: str) -> pb.ReadinessEvent:
-    """The first event of ``stream`` for (replica, adapter) in ``state``; the stream is then cancelled."""
+def first_event(stream: Any, state: int, adapter: str, replica: str, version: str = "") -> pb.ReadinessEvent:
+    """The first event of ``stream`` for (replica, adapter) in ``state`` (of ``version``, if given); the stream is
+    then cancelled."""
     try:
         return next(e for r in stream for e in r.events
-                    if (e.state, e.adapter, e.replica) == (state, adapter, replica))
+                    if (e.state, e.adapter, e.replica) == (state, adapter, replica) and version in ("", e.version))
     finally:
         stream.cancel()
 
@@ -548,7 +549,9 @@ def test_register_versions_and_unregister_evicts_everywhere(served: Served, tmp_
                                  timeout=60)
     stub.Hint(pb.HintRequest(hints=[pb.PrefetchHint(hint_id="extra-1", adapter="extra", replica="replica-0")]),
               metadata=AUTH)
-    ready = first_event(stream, pb.READINESS_STATE_READY, "extra", "replica-0")
+    # the global policy may have loaded the first version into a free slot before the second was registered (its
+    # READY is replayed from seq 0): the hint's READY is the second version's
+    ready = first_event(stream, pb.READINESS_STATE_READY, "extra", "replica-0", version=second.version)
     assert ready.version == second.version
     gone = stub.UnregisterAdapter(pb.UnregisterAdapterRequest(name="extra"), metadata=AUTH, timeout=60)
     assert list(gone.evicted_versions) == [second.version]

@@ -106,7 +106,8 @@ def test_warming_waits_until_a_miss_is_measured_to_hurt(tmp_path: Path) -> None:
     """The controller warms only once loads from storage are measured ``warm_min_miss_s`` slower than host hits:
     a page-cache store (a miss ~15 ms) never turns it on, a device read (~300 ms) does."""
     from lora_cache.adapters.catalog import CatalogConfig
-    from lora_cache.controller.core import WARM_MIN_SAMPLES, ControllerConfig, ControllerCore
+    from lora_cache.controller.core import ControllerConfig, ControllerCore
+    from lora_cache.routing.clock import WARM_MIN_SAMPLES
 
     catalog = CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny")
     config = ControllerConfig(catalog=catalog, planner=PlannerConfig())  # the default gate
@@ -122,9 +123,9 @@ def test_warming_waits_until_a_miss_is_measured_to_hurt(tmp_path: Path) -> None:
         return core
 
     fresh = ControllerCore(config, epoch=1)
-    assert not fresh.miss_hurts(), "nothing measured yet"
-    assert not core_after(0.015).miss_hurts(), "a page-cache miss does not pay for warming"
-    assert core_after(0.4).miss_hurts(), "a device read of an 8B r64 shard (~0.3 s) does"
+    assert not fresh.clock.miss_hurts(1000, 0.25), "nothing measured yet"
+    assert not core_after(0.015).clock.miss_hurts(1000, 0.25), "a page-cache miss does not pay for warming"
+    assert core_after(0.4).clock.miss_hurts(1000, 0.25), "a device read of an 8B r64 shard (~0.3 s) does"
 
 
 def test_set_warming_off_sends_no_warm_stage_unless_the_gate_is_zero() -> None:

@@ -65,8 +65,6 @@ class HintOutcome(NamedTuple):
     error: LoraCacheError | None = None
 
 
-WARM_MIN_SAMPLES = 2.0  # the (decayed) weight of loads from storage timed before judging what a miss costs (miss_hurts)
-
 
 @dataclass(frozen=True)
 class ControllerConfig:
@@ -287,7 +285,8 @@ class ControllerCore:
 
     # -- decisions (steps 3-4) ------------------------------------------------------------------
     def plan(self, now: float, full: bool = False) -> dict[WorkerId, list[Command]]:
-        self.planner.set_warming(self.miss_hurts())
+        self.planner.set_warming(self.clock.miss_hurts(self.planner.view.max_bytes(),
+                                                       self.config.planner.warm_min_miss_s))
         plan = self.planner.plan_all(now) if full else self.planner.plan(now)
         out: dict[WorkerId, list[Command]] = {}
         down = self.lost.replicas()
@@ -300,18 +299,6 @@ class ControllerCore:
             self.commands_sent += len(w.commands)
             self._time_prefetches(w.worker, replica, w.commands, now)
         return out
-
-    def miss_hurts(self) -> bool:
-        """Whether a load from storage has been measured to take ``warm_min_miss_s`` longer than one from the host
-        tier, for the catalog's largest shard (at least ``WARM_MIN_SAMPLES`` loads from storage timed): where it
-        does not (a store the page cache holds), warming the host tiers only adds reads beside the engine's steps."""
-        if self.clock.samples(False) < WARM_MIN_SAMPLES:
-            return False
-        nbytes = self.planner.view.max_bytes()
-        if nbytes <= 0:  # no adapter: nothing to warm
-            return False
-        gain = self.clock.load_s(nbytes, staged=False) - self.clock.load_s(nbytes, staged=True)
-        return gain >= self.config.planner.warm_min_miss_s
 
     def _time_prefetches(self, worker: str, replica: str, commands: Iterable[Command], now: float) -> None:
         """The clock times every prefetch sent, from here to the rank's READY report (routing's load times)."""

@@ -34,6 +34,8 @@ DECAY = 0.97  # weight of the past per new sample (about the last 30 loads or hi
 KEEP = 65536  # prefetches awaiting their READY report, at most (the oldest forgotten first)
 
 
+WARM_MIN_SAMPLES = 2.0  # the (decayed) weight of loads from storage timed before judging what a miss costs
+
 class _Fit:
     """Decayed least squares of y on x; ``predict`` falls back to the mean ratio while the sizes barely vary."""
 
@@ -136,6 +138,15 @@ class LoadClock:
         (a load that most likely ends by then)."""
         got = self._fits[staged].predict(nbytes, spread)
         return self.prior[staged] if got is None else got
+
+    def miss_hurts(self, nbytes: float, min_gain_s: float) -> bool:
+        """Whether a load from storage of a shard of ``nbytes`` has been measured to take ``min_gain_s`` longer than
+        one from the host tier (``WARM_MIN_SAMPLES`` of decayed weight at least): the controller warms the host
+        tiers only then (``PlannerConfig.warm_min_miss_s``); where it does not (a store the page cache holds),
+        warm reads only add work beside the engine's steps."""
+        if self.samples(False) < WARM_MIN_SAMPLES or nbytes <= 0:
+            return False
+        return self.load_s(nbytes, staged=False) - self.load_s(nbytes, staged=True) >= min_gain_s
 
     def samples(self, staged: bool) -> float:
         """The (decayed) weight of the samples behind ``load_s`` of that kind (0: the prior)."""
