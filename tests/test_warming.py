@@ -114,7 +114,6 @@ def test_warming_waits_until_a_miss_is_measured_to_hurt(tmp_path: Path) -> None:
 
     def core_after(cold_s: float) -> ControllerCore:
         core = ControllerCore(config, epoch=1)
-        core.planner.view.max_bytes = lambda: 1000  # type: ignore[method-assign]  # the catalog's largest shard
         for i in range(int(WARM_MIN_SAMPLES) + 1):
             core.clock.sent("r0/0", f"a{i}", "v1", 1000.0, False, 0.0)
             core.clock.ready("r0/0", f"a{i}", "v1", cold_s)
