@@ -26,6 +26,7 @@ from lora_cache.planner.homes import HomeBook
 from lora_cache.planner.horizon import Horizon
 from lora_cache.planner.policies import POLICIES, Room
 from lora_cache.planner.popularity import Popularity
+from lora_cache.planner.staging import fitting
 from lora_cache.planner.state import FleetState
 from lora_cache.planner.view import ReplicaView, Target
 from lora_cache.planner.warming import WarmBook
@@ -190,14 +191,7 @@ class Replanner:
         host = view.capacity.host_bytes
         if host is None:
             return ()
-        room = host - sum(self._fleet.bytes_of(k) for k in target.staged)
-        kept: list[AdapterKey] = []
-        for key in keys:
-            room -= self._fleet.bytes_of(key)
-            if room < 0:
-                break
-            kept.append(key)
-        return tuple(kept)
+        return fitting(view, keys, host - sum(self._fleet.bytes_of(k) for k in target.staged))
 
     def _last_copies(self, replica: str, view: ReplicaView, homes: HomeBook) -> frozenset[AdapterKey]:
         """``replica``'s residents that no other replica holds, of adapters with requests, while the fleet's slots

@@ -40,7 +40,7 @@ def plan_stages(view: ReplicaView, scorer: Scorer, homeless: Iterable[AdapterKey
     host = view.capacity.host_bytes
     if host is None or view.capacity.slots < 1:  # no bound reported, or no slot to load a staged shard into
         return needed
-    needed = _fitting(view, needed, host - loads)
+    needed = fitting(view, needed, host - loads)
     held = _bytes(view, (k for k in target if k in view.resident))  # their shards sit in the host tier's LRU too
     budget = int(host * config.stage_host_share) - held - loads - _bytes(view, needed)
     taken = set(target) | set(homeless)  # needed ones past the bound are not staged for popularity either
@@ -71,7 +71,7 @@ def predicted_stages(view: ReplicaView, scorer: Scorer, taken: set[AdapterKey], 
     return tuple(staged)
 
 
-def _fitting(view: ReplicaView, keys: tuple[AdapterKey, ...], budget: int) -> tuple[AdapterKey, ...]:
+def fitting(view: ReplicaView, keys: tuple[AdapterKey, ...], budget: int) -> tuple[AdapterKey, ...]:
     """The prefix of `keys` (in need order) whose bytes fit `budget`."""
     kept: list[AdapterKey] = []
     for key in keys:
