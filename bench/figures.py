@@ -40,6 +40,8 @@ class PolicyRun:
     startup: dict[str, float] = field(default_factory=dict)  # real runs: seconds of each start-up phase (bench.real)
     # each rank's counters at the end of the warm-up (bench.warmup), as ``ranks`` (increase since the start)
     ranks_at_warmup: list[dict[str, Any]] | None = None
+    # real runs: the controller's warming at the end (ControllerCore.status()["warming"]: on, what its gate read)
+    warming: dict[str, Any] = field(default_factory=dict)
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -71,6 +73,7 @@ def figures(run: PolicyRun) -> dict[str, Any]:
     out.update(tier_costs(run))
     out["gc_longest_ms"] = max((float(r.get("gc_longest_ms", 0.0)) for r in run.ranks), default=0.0)  # real runs
     out["wall_s"] = run.wall_s
+    out["warming_on"] = run.warming.get("on")  # real runs: the controller warmed the host tiers at the end
     out["start_to_first_request_s"] = run.startup.get("to_first_request_s")  # real runs: service start -> clock
     return out
 

@@ -184,6 +184,7 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
         results, choices, routing = _serve(config, policy, fleet, gateway.target, replicas, workload, start_wall, tick)
         run = _collect(policy, fleet, results[: config.replicas], start_wall, since_wall, before)
         run.ranks_at_warmup = snap.result()
+        run.warming = dict(ray.get(service.controller.status.remote(), timeout=60).get("warming", {}))
         run.routing = {**routing, **served_as_routed(choices, dict(zip(replicas, results)))}
         run.wall_s = time.perf_counter() - t_begin
         run.startup = phases.times

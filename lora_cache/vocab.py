@@ -154,7 +154,9 @@ class Delta(NamedTuple):
     error: str = ""
 
 
-DeltaRow = tuple[int, str, str, str, str]  # (seq, adapter, version, state, error): a Delta as sent, numbered
+# (seq, adapter, version, state, error[, read_s]): a Delta as sent, numbered; read_s (READY only): the seconds the
+# load read its shard from storage (0: a host-tier hit; absent from older senders)
+DeltaRow = tuple[int, str, str, str, str] | tuple[int, str, str, str, str, float]
 
 # -- the relay of an attached rank (workers/attach/attachment.py) ---------------------------------------------------
 Call = tuple[int, str, tuple[Any, ...]]  # (call id, method, arguments)

@@ -137,7 +137,7 @@ def test_the_link_relays_calls_both_ways_and_the_end_of_the_stream_detaches() ->
                                                                       {"loads": 3, "load_ms": {"p50": 1.5}})))
         assert await asyncio.wait_for(stats, 10) == {"loads": 3, "load_ms": {"p50": 1.5}}
         assert host.relay._polled is not None
-        assert ("report", 7, [(4, "a", "v1", "gone", ""), (5, "c", "v3", "failed", "no slot")]) in host.events
+        assert ("report", 7, [(4, "a", "v1", "gone", "", 0.0), (5, "c", "v3", "failed", "no slot", 0.0)]) in host.events
 
         engine.up.put_nowait(None)  # the engine detaches: the stream ends and the rank leaves
         with pytest.raises(StopAsyncIteration):
@@ -226,6 +226,13 @@ def test_the_codec_round_trips_reports_calls_and_errors() -> None:
     assert json.loads(stats.stats_json) == {"gpu_hits": 2, "load_ms": {"p99": 3.0}}
     with pytest.raises(RequestError, match=r"residency state 9 is not one of"):
         codec.from_deltas(pb.ResidencyDeltas(deltas=[pb.ResidencyDelta(seq=1, state=pb.ResidencyState.ValueType(9))]))
+    rows = [(1, "a", "v1", "loading", ""), (2, "a", "v1", "ready", "", 0.25)]  # an older sender's row has no read_s
+    assert codec.from_deltas(codec.deltas(5, rows)) == (5, [(1, "a", "v1", "loading", "", 0.0),
+                                                            (2, "a", "v1", "ready", "", 0.25)])
+    for bad_read in (-1.0, float("nan"), 1e9):
+        forged = pb.ResidencyDeltas(deltas=[pb.ResidencyDelta(seq=3, adapter="a", state=pb.RESIDENCY_STATE_READY, read_s=bad_read)])
+        with pytest.raises(RequestError, match=r"delta 3 of 'a': read_s is .*; send the seconds the load read"):
+            codec.from_deltas(forged)
 
 
 @pytest.mark.parametrize("secure", [False, True], ids=["plaintext", "tls+token"])

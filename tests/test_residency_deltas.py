@@ -101,6 +101,30 @@ def test_the_ready_delta_carries_the_record_and_arrives_before_the_future(report
     assert ready.record == record and ready.version == record.version and ready.error == ""
 
 
+def test_the_outbox_sends_a_ready_delta_with_its_store_read_seconds() -> None:
+    """The warming gate's sample: a READY row carries its load's store read (``disk_ms``) in seconds; other rows 0."""
+    from lora_cache.vocab import ReadinessRecord
+    from workers.control.outbox import Outbox
+
+    sent: list[list] = []
+    done = threading.Event()
+
+    def send(name: str, incarnation: int, batch: list) -> None:
+        sent.append(batch)
+        if sum(len(b) for b in sent) >= 2:
+            done.set()
+
+    outbox = Outbox("w", 0.001, send=send)
+    try:
+        record = ReadinessRecord(A, "v1", 0, 0, disk_ms=250.0, h2d_ms=1.0, ready_ms=260.0, nbytes=10, host_hit=False)
+        outbox.push(Delta(A, "v1", "loading"))
+        outbox.push(Delta(A, "v1", "ready", record))
+        assert done.wait(10), "the outbox did not send"
+    finally:
+        outbox.close()
+    assert [row for batch in sent for row in batch] == [(1, A, "v1", "loading", "", 0.0), (2, A, "v1", "ready", "", 0.25)]
+
+
 def test_a_load_that_finds_every_slot_in_use_reports_failed_once(
     catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]
 ) -> None:

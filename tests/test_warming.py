@@ -3,6 +3,8 @@ speculative stages the planner sends for it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from pathlib import Path
 
 import pytest
@@ -102,29 +104,47 @@ def test_bad_warm_settings_name_the_field_the_value_and_the_fix(field: str, valu
         PlannerConfig(**{field: value})  # type: ignore[arg-type]
 
 
-def test_warming_waits_until_a_miss_is_measured_to_hurt(tmp_path: Path) -> None:
-    """The controller warms only once loads from storage are measured ``warm_min_miss_s`` slower than host hits:
-    a page-cache store (a miss ~15 ms) never turns it on, a device read (~300 ms) does."""
+def test_warming_waits_until_the_workers_reads_are_measured_to_hurt(tiny_adapters: Any) -> None:
+    """The controller warms only once the workers' own reads from storage of the largest shard take
+    ``warm_min_miss_s`` (their READY reports carry each read's seconds): a page-cache read (~50 ms for an 8B r64
+    shard) never turns it on, a device read (~0.28 s) does, and slow prefetch-to-READY times alone (a loaded fleet
+    waiting for slots on a fast store) do not."""
     from lora_cache.adapters.catalog import CatalogConfig
     from lora_cache.controller.core import ControllerConfig, ControllerCore
     from lora_cache.routing.clock import WARM_MIN_SAMPLES
+    from lora_cache.vocab import Prefetch, WorkerId
 
-    catalog = CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny")
-    config = ControllerConfig(catalog=catalog, planner=PlannerConfig())  # the default gate
+    paths = tiny_adapters(4)
+    catalog = CatalogConfig(adapter_roots=(str(paths[0].parent),), model="tiny", max_rank=16)
+    gate = PlannerConfig().warm_min_miss_s  # the default
 
-    def core_after(cold_s: float) -> ControllerCore:
-        core = ControllerCore(config, epoch=1)
-        for i in range(int(WARM_MIN_SAMPLES) + 1):
-            core.clock.sent("r0/0", f"a{i}", "v1", 1000.0, False, 0.0)
-            core.clock.ready("r0/0", f"a{i}", "v1", cold_s)
-            core.clock.sent("r0/0", f"b{i}", "v1", 1000.0, True, 0.0)
-            core.clock.ready("r0/0", f"b{i}", "v1", 0.005)
+    def core_after(ready_s: float, read_s: float) -> ControllerCore:
+        """Loads of every adapter on one worker, READY ``ready_s`` after their prefetch, each having read its
+        shard from storage in ``read_s`` (its READY report's read_s)."""
+        core = ControllerCore(ControllerConfig(catalog=catalog, planner=PlannerConfig(policy="global")), epoch=1)
+        for p in paths:
+            core.register_adapter(p.name, str(p))
+        core.add_replica("r0", 1, 8)
+        worker = WorkerId("r0", 0)
+        for k in range(int(WARM_MIN_SAMPLES) + 1):
+            now = 10.0 * k
+            core.report_queue("r0", [(p.name, now) for p in paths], now)
+            sent = [c for c in core.plan(now).get(worker, []) if isinstance(c, Prefetch)]
+            core.worker_report(worker, [(c.adapter, c.version, "ready", "", read_s) for c in sent], now + ready_s)
+            core.worker_report(worker, [(c.adapter, c.version, "gone", "") for c in sent], now + ready_s)
+            core.plan(now + ready_s)
         return core
 
-    fresh = ControllerCore(config, epoch=1)
-    assert not fresh.clock.miss_hurts(1000, 0.25), "nothing measured yet"
-    assert not core_after(0.015).clock.miss_hurts(1000, 0.25), "a page-cache miss does not pay for warming"
-    assert core_after(0.4).clock.miss_hurts(1000, 0.25), "a device read of an 8B r64 shard (~0.3 s) does"
+    fresh = ControllerCore(ControllerConfig(catalog=catalog, planner=PlannerConfig()), epoch=1)
+    assert not fresh.status()["warming"]["on"], "nothing measured yet"
+    page_cache = core_after(ready_s=0.4, read_s=0.05)
+    assert page_cache.status()["warming"]["read_samples"] >= WARM_MIN_SAMPLES, "the reads were not fitted"
+    assert not page_cache.status()["warming"]["on"], "slow READYs over fast reads: a page-cache miss does not pay"
+    assert not page_cache.planner.warming
+    device = core_after(ready_s=0.4, read_s=2 * gate)
+    assert device.status()["warming"]["on"] and device.planner.warming, "a device read of the largest shard does"
+    hits = core_after(ready_s=0.4, read_s=0.0)  # host-tier hits read nothing: no sample
+    assert hits.status()["warming"]["read_samples"] == 0 and not hits.planner.warming
 
 
 def test_set_warming_off_sends_no_warm_stage_unless_the_gate_is_zero() -> None:

@@ -45,7 +45,8 @@ from workers.counters import STATS_COUNTERS, CacheCounters, resident_prefetches
 from workers.engine.admission import CopyClock
 from workers.gpu.slots import SlotPhase, SlotTable
 
-Delta = tuple[str, str, str, str]  # (adapter, version, loading|ready|gone|failed, error): what the controller takes
+# (adapter, version, loading|ready|gone|failed, error, read_s): what the controller takes (read_s: a READY's store read)
+Delta = tuple[str, str, str, str, float]
 
 
 class LoadRecord(NamedTuple):
@@ -337,9 +338,9 @@ class SimWorker:
         if slot is not None:
             self._changed(key, "in_use" if slot.refs else slot.state.value)
 
-    def _changed(self, key: AdapterKey, state: str, error: str = "") -> None:
-        """One residency change, reported at once (``WorkerCache.on_change``)."""
-        self.push((key.name, key.version, state, error))
+    def _changed(self, key: AdapterKey, state: str, error: str = "", read_s: float = 0.0) -> None:
+        """One residency change, reported at once (``WorkerCache.on_change``); ``read_s``: a READY's store read."""
+        self.push((key.name, key.version, state, error, read_s))
 
     def prefetch(self, name: str, on_demand: bool = False) -> SimLoad:
         """Start loading ``name`` (idempotent): the load in flight or done, or a new one."""
@@ -456,7 +457,7 @@ class SimWorker:
         """The copy completed: READY (step 7), counters, the record; waiters try again."""
         now = self.loop.now
         self.table.mark_ready(load.slot)
-        self._changed(load.key, "ready")
+        self._changed(load.key, "ready", read_s=load.disk_ms / 1e3)
         c = self.counters
         c.loads += 1
         c.bytes_host_to_gpu += load.nbytes

@@ -23,7 +23,7 @@ from lora_cache.api.validate import RequestError
 from lora_cache.vocab import Command, Evict, Prefetch, Stage
 
 Call = tuple[int, str, tuple[Any, ...]]  # (call id, method, arguments): lora_cache/link/relay.py's
-DeltaRow = tuple[int, str, str, str, str]  # (seq, adapter, version, state, error): workers/control/outbox.py's
+DeltaRow = tuple[int, str, str, str, str] | tuple[int, str, str, str, str, float]  # workers/control/outbox.py's
 
 
 class RelayedCallError(errors.LoraCacheError):
@@ -228,11 +228,19 @@ def state_name(value: int) -> str:
 
 def deltas(incarnation: int, batch: list[DeltaRow]) -> pb.ResidencyDeltas:
     return pb.ResidencyDeltas(incarnation=incarnation, deltas=[
-        pb.ResidencyDelta(seq=seq, adapter=a, version=v, state=state(s), error=e) for seq, a, v, s, e in batch])
+        pb.ResidencyDelta(seq=row[0], adapter=row[1], version=row[2], state=state(row[3]), error=row[4],
+                          read_s=float(row[5]) if len(row) > 5 else 0.0) for row in batch])
 
 
 def from_deltas(m: pb.ResidencyDeltas) -> tuple[int, list[DeltaRow]]:
-    return m.incarnation, [(d.seq, d.adapter, d.version, state_name(d.state), d.error) for d in m.deltas]
+    return m.incarnation, [(d.seq, d.adapter, d.version, state_name(d.state), d.error, _read_s(d)) for d in m.deltas]
+
+
+def _read_s(d: pb.ResidencyDelta) -> float:
+    if not 0.0 <= d.read_s < 3600.0:  # NaN, negative or absurd: a claim the load clock must not fit
+        raise RequestError(f"delta {d.seq} of {d.adapter!r}: read_s is {d.read_s}; send the seconds the load read "
+                           "from storage, 0 to 3600 (0: a host-tier hit or not measured)")
+    return d.read_s
 
 
 def attached(config: CatalogConfig, model: str, name: str) -> pb.Attached:

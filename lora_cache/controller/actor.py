@@ -27,7 +27,7 @@ from lora_cache.routing.advice import RouteAdvice, RouteRequest
 from lora_cache.runtime import heap
 from lora_cache.runtime.metrics import ControllerMetrics
 from lora_cache.vocab import CONTROLLER_NAME as CONTROLLER_NAME  # re-exported: callers import it from here
-from lora_cache.vocab import worker_name
+from lora_cache.vocab import DeltaRow, worker_name
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
@@ -156,9 +156,9 @@ class ControllerActor:
         await self.loop.plan()
         return cancelled
 
-    async def report(self, name: str, incarnation: int, deltas: list[tuple[int, str, str, str, str]]) -> None:
+    async def report(self, name: str, incarnation: int, deltas: list[DeltaRow]) -> None:
         """Residency changes pushed by a worker (step 7), in batches of (seq, adapter, version, state,
-        error). Deltas already applied (a resync covered them) are skipped; a gap triggers a resync."""
+        error[, read_s]). Deltas already applied (a resync covered them) are skipped; a gap triggers a resync."""
         await self.loop.start()
         if self.links.receive(name, incarnation, deltas):
             await self.loop.plan()

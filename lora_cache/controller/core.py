@@ -75,6 +75,9 @@ class ControllerConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
 
 
+# one change a worker reported: (adapter, version, state, error[, read_s]) (``vocab.DeltaRow`` less its seq)
+ReportRow = tuple[str, str, str, str] | tuple[str, str, str, str, float]
+
 _STATE = {"loading": (RankState.LOADING, SlotState.LOADING), "ready": (RankState.READY, SlotState.READY),
           "in_use": (RankState.READY, SlotState.IN_USE)}  # a refused evict: held by a running batch
 
@@ -212,9 +215,9 @@ class ControllerCore:
     def cancel_hint(self, hint_id: str, now: float) -> bool:
         return self.planner.cancel_hint(hint_id, now)
 
-    def worker_report(self, worker: WorkerId, deltas: Iterable[tuple[str, str, str, str]],
-                      now: float) -> list[ReadinessEvent]:
-        """(adapter, version, state, error) changes from one worker; returns replica-level events (step 8).
+    def worker_report(self, worker: WorkerId, deltas: Iterable[ReportRow], now: float) -> list[ReadinessEvent]:
+        """(adapter, version, state, error[, read_s]) changes from one worker; returns replica-level events (step 8).
+        ``read_s`` of a READY: the seconds its load read the shard from storage (the warming gate's sample).
 
         A worker that reports is alive (its replica routable again, if it was lost).
         A worker that refused an evict (the adapter is loading or in use) says so with its state,
@@ -227,7 +230,7 @@ class ControllerCore:
         self.check_worker(worker)
         self.lost.heard_from(worker)
         events: list[ReadinessEvent] = []
-        for adapter, version, state, error in deltas:
+        for adapter, version, state, error, *read in deltas:
             rank_state, slot_state = _STATE.get(state, (None, None))
             key = (worker, adapter, version)
             if state == "failed":
@@ -238,6 +241,9 @@ class ControllerCore:
             elif state == "ready":
                 self.failures.pop(key, None)
                 self.clock.ready(str(worker), adapter, version, now)
+                if read and read[0] > 0 and adapter in self.catalog:
+                    tp = max(1, len(self.planner.view.workers(worker.replica)))
+                    self.clock.read(self.planner.view.adapter(adapter).bytes_per_rank / tp, float(read[0]))
             if state in ("gone", "failed"):
                 self.clock.dropped(str(worker), adapter, version)
             if state == "gone":
@@ -326,7 +332,9 @@ class ControllerCore:
                 "load_failures": self.load_failures, "recent_failures": list(self.recent_failures),
                 "lost_ranks": {str(w): t for w, t in sorted(self.lost.lost_at.items())},
                 "recent_losses": list(self.lost.recent_losses), "refused_reports": self.admission.refused_reports,
-                "recent_refusals": list(self.admission.recent_refusals)}
+                "recent_refusals": list(self.admission.recent_refusals),
+                "warming": {"on": self.planner.warming, **self.clock.gate(self.planner.view.max_bytes(),
+                                                                         self.config.planner.warm_min_miss_s)}}
 
     # -- checks -------------------------------------------------------------------------------------
     def check_replica(self, replica: str) -> None:

@@ -123,6 +123,11 @@ class Planner:
         has measured that a miss costs at least ``warm_min_miss_s`` more than a host hit (0: always on)."""
         self._replan.warm_enabled = on or self.config.warm_min_miss_s == 0
 
+    @property
+    def warming(self) -> bool:
+        """Whether warm stages are planned now (``set_warming``)."""
+        return self._replan.warm_enabled
+
     def remove_worker(self, worker: str) -> None:
         """A lost worker: its residency is dropped and its replica replanned."""
         self._fleet.require_worker(worker, "remove_worker")

@@ -81,6 +81,7 @@ class LoadClock:
                 raise ConfigError(f"{name} is {value}; give a finite number of seconds >= 0")
         self.prior = {False: cold_s, True: staged_s}
         self._fits = {False: _Fit(), True: _Fit()}
+        self._reads = _Fit()  # the workers' own store reads (seconds per shard size): the warming gate
         self._sent: dict[tuple[str, str, str], Sent] = {}
         self._pending: dict[str, int] = {}  # worker -> its prefetches in _sent
         self._lead_n = self._lead_sum = 0.0
@@ -101,6 +102,12 @@ class LoadClock:
         s = self._pop((worker, adapter, version))
         if s is not None and not s.queued and now >= s.at:
             self._fits[s.staged].add(s.nbytes, now - s.at)
+
+    def read(self, nbytes: float, seconds: float) -> None:
+        """A worker's load read its shard of ``nbytes`` from storage in ``seconds`` (its own measure, no waits for a
+        slot or a report): what a miss costs beyond a host hit."""
+        if nbytes > 0 and 0 < seconds < math.inf:
+            self._reads.add(nbytes, seconds)
 
     def dropped(self, worker: str, adapter: str, version: str) -> None:
         """The load failed or the residency is gone: no sample."""
@@ -140,13 +147,22 @@ class LoadClock:
         return self.prior[staged] if got is None else got
 
     def miss_hurts(self, nbytes: float, min_gain_s: float) -> bool:
-        """Whether a load from storage of a shard of ``nbytes`` has been measured to take ``min_gain_s`` longer than
-        one from the host tier (``WARM_MIN_SAMPLES`` of decayed weight at least): the controller warms the host
+        """Whether the workers' reads from storage of a shard of ``nbytes`` take ``min_gain_s`` at least, as they
+        measured them (``read``; ``WARM_MIN_SAMPLES`` of decayed weight at least): the controller warms the host
         tiers only then (``PlannerConfig.warm_min_miss_s``); where it does not (a store the page cache holds),
-        warm reads only add work beside the engine's steps."""
-        if self.samples(False) < WARM_MIN_SAMPLES or nbytes <= 0:
+        warm reads only add work beside the engine's steps. The reads' own times, not prefetch-to-READY: those
+        include waits for a slot and the reports' latency, which a loaded fleet on a fast store has too."""
+        if self._reads.n < WARM_MIN_SAMPLES or nbytes <= 0:
             return False
-        return self.load_s(nbytes, staged=False) - self.load_s(nbytes, staged=True) >= min_gain_s
+        got = self._reads.predict(nbytes)
+        return got is not None and got >= min_gain_s
+
+    def gate(self, nbytes: float, min_gain_s: float) -> dict[str, float]:
+        """What ``miss_hurts`` reads, for status: a shard of ``nbytes`` loaded from storage and from the host tier
+        (seconds), the weight of the storage loads timed, and the gain asked for."""
+        return {"shard_bytes": nbytes, "read_s": self._reads.predict(nbytes) or 0.0, "read_samples": self._reads.n,
+                "cold_s": self.load_s(nbytes, staged=False), "staged_s": self.load_s(nbytes, staged=True),
+                "min_miss_s": min_gain_s}
 
     def samples(self, staged: bool) -> float:
         """The (decayed) weight of the samples behind ``load_s`` of that kind (0: the prior)."""

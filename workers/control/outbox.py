@@ -46,7 +46,8 @@ class Outbox:
         with self._cond:
             self.seq += 1
             if len(self._pending) < self.max_pending:  # bounded: past it, the controller sees a gap
-                self._pending.append((self.seq, delta.adapter, delta.version, delta.state, delta.error))
+                read_s = delta.record.disk_ms / 1e3 if delta.record is not None else 0.0  # READY: its store read
+                self._pending.append((self.seq, delta.adapter, delta.version, delta.state, delta.error, read_s))
             self._cond.notify()
 
     def _run(self) -> None:

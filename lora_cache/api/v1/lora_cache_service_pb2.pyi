@@ -669,18 +669,20 @@ class CallAnswer(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., apply: _Optional[_Union[ApplyResult, _Mapping]] = ..., describe: _Optional[_Union[WorkerReport, _Mapping]] = ..., registered_version: _Optional[str] = ..., unregistered: _Optional[bool] = ..., stats_json: _Optional[str] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., registered: _Optional[_Union[RankRegistrations, _Mapping]] = ...) -> None: ...
 
 class ResidencyDelta(_message.Message):
-    __slots__ = ("seq", "adapter", "version", "state", "error")
+    __slots__ = ("seq", "adapter", "version", "state", "error", "read_s")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    READ_S_FIELD_NUMBER: _ClassVar[int]
     seq: int
     adapter: str
     version: str
     state: ResidencyState
     error: str
-    def __init__(self, seq: _Optional[int] = ..., adapter: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[ResidencyState, str]] = ..., error: _Optional[str] = ...) -> None: ...
+    read_s: float
+    def __init__(self, seq: _Optional[int] = ..., adapter: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[ResidencyState, str]] = ..., error: _Optional[str] = ..., read_s: _Optional[float] = ...) -> None: ...
 
 class ResidencyDeltas(_message.Message):
     __slots__ = ("incarnation", "deltas")
