@@ -37,7 +37,7 @@ def hello(**kw: Any) -> pb.AttachRankRequest:
 def report(incarnation: int = 7) -> dict[str, Any]:
     return {"replica": "replica-0", "rank": 0, "tp": 1, "model": "tiny", "incarnation": incarnation, "seq": 3,
             "node": "host-a", "slots": 2, "host_bytes": 1 << 22, "adapters": {"a": "/r/a"}, "epoch": 11,
-            "residency": [("a", "v1", "ready", 1), ("b", "v2", "loading", 0)]}
+            "residency": [("a", "v1", "ready", 1), ("b", "v2", "loading", 0)], "host": [("a", "v1"), ("c", "v1")]}
 
 
 class RelayHost:
@@ -226,11 +226,19 @@ def test_the_codec_round_trips_reports_calls_and_errors() -> None:
     assert json.loads(stats.stats_json) == {"gpu_hits": 2, "load_ms": {"p99": 3.0}}
     with pytest.raises(RequestError, match=r"residency state 9 is not one of"):
         codec.from_deltas(pb.ResidencyDeltas(deltas=[pb.ResidencyDelta(seq=1, state=pb.ResidencyState.ValueType(9))]))
-    rows = [(1, "a", "v1", "loading", ""), (2, "a", "v1", "ready", "", 0.25)]  # an older sender's row has no read_s
+    rows = [(1, "a", "v1", "loading", ""), (2, "a", "v1", "ready", "", 0.25)]  # an older sender's rows lack read_s
     assert codec.from_deltas(codec.deltas(5, rows)) == (5, [(1, "a", "v1", "loading", "", 0.0),
                                                             (2, "a", "v1", "ready", "", 0.25)])
+    host = [(6, "a", "v1", "staged", "", 0.0), (7, "a", "v1", "unstaged", "", 0.0)]  # its host tier, apart
+    assert codec.from_deltas(codec.deltas(5, host)) == (5, host)
+    described = {"replica": "r", "rank": 0, "tp": 1, "model": "tiny", "incarnation": 1, "seq": 7, "node": "n",
+                 "slots": 2, "host_bytes": 1, "adapters": {}, "epoch": 1, "residency": []}
+    assert codec.from_report(codec.report({**described, "host": [("a", "v1")]}))["host"] == [("a", "v1")]
+    assert codec.from_report(codec.report({**described, "host": []}))["host"] == []
+    assert codec.from_report(codec.report(described))["host"] is None  # an older rank: host tier not reported
     for bad_read in (-1.0, float("nan"), 1e9):
-        forged = pb.ResidencyDeltas(deltas=[pb.ResidencyDelta(seq=3, adapter="a", state=pb.RESIDENCY_STATE_READY, read_s=bad_read)])
+        delta = pb.ResidencyDelta(seq=3, adapter="a", state=pb.RESIDENCY_STATE_READY, read_s=bad_read)
+        forged = pb.ResidencyDeltas(deltas=[delta])
         with pytest.raises(RequestError, match=r"delta 3 of 'a': read_s is .*; send the seconds the load read"):
             codec.from_deltas(forged)
 
@@ -302,6 +310,7 @@ def test_an_engine_attaches_through_a_real_grpc_server_and_loads_what_it_is_told
             rank.cache.settle()
             wait_for(lambda: "ready" in reported(host), "the load's deltas reported")
             assert reported(host)[:2] == ["loading", "ready"]
+            assert reported(host, slots=False) == ["staged"], "the read's shard in its host tier, over gRPC"
             batch = rank.acquire([adapter])
             rank.release(batch)
             assert rank.cache.stats()["gpu_hits"] == 1
@@ -317,8 +326,10 @@ def test_an_engine_attaches_through_a_real_grpc_server_and_loads_what_it_is_told
         thread.join(10)
 
 
-def reported(host: RelayHost) -> list[str]:
-    return [d[3] for e in host.events if e[0] == "report" for d in e[2]]
+def reported(host: RelayHost, slots: bool = True) -> list[str]:
+    """The states the rank reported, in order: its slots' (``slots``), or its host tier's."""
+    return [d[3] for e in host.events if e[0] == "report" for d in e[2]
+            if (d[3] not in ("staged", "unstaged")) == slots]
 
 
 @pytest.mark.parametrize(("forged", "fragment"), [

@@ -23,15 +23,17 @@ A, B, C, D = (f"adapter-{i:03d}" for i in range(4))
 
 
 class Deltas:
-    """A thread-safe ``on_change`` / ``push`` that keeps every delta."""
+    """A thread-safe ``on_change`` / ``push`` that keeps every delta: the slots' in ``items``, the host tier's
+    ("staged", "unstaged": a separate line of changes) in ``host``."""
 
     def __init__(self) -> None:
         self.items: list[Delta] = []
+        self.host: list[Delta] = []
         self._lock = threading.Lock()
 
     def __call__(self, delta: Delta) -> None:
         with self._lock:
-            self.items.append(delta)
+            (self.host if delta.state in ("staged", "unstaged") else self.items).append(delta)
 
     def drain(self) -> list[Delta]:
         """The deltas so far, oldest first; forgets them."""
@@ -101,6 +103,37 @@ def test_the_ready_delta_carries_the_record_and_arrives_before_the_future(report
     assert ready.record == record and ready.version == record.version and ready.error == ""
 
 
+def test_the_host_tier_reports_each_shard_read_in_and_dropped_in_order(
+    tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog],
+    make_cache: Callable[..., WorkerCache],
+) -> None:
+    """What the host tier holds reaches ``on_change`` as its own line of deltas: "staged" once a read put a shard
+    there whole (a load's read, a stage), "unstaged" when its LRU drops it for room; per adapter they alternate,
+    starting with "staged", carry the version read, and add up to what the tier holds (``HostTier.contents``)."""
+    catalog = make_catalog(tiny_adapters(count=24, rank="16")[0].parent)  # 24 shards of 64 KiB: a 1 MiB tier holds 16
+    names = sorted(catalog.names())
+    deltas = Deltas()
+    cache = make_cache(catalog, num_slots=2, host_bytes=1 << 20)
+    cache.on_change = deltas
+    for name in names:  # loads (read, copied, READY), evicted: their shards stay in the tier until its LRU drops them
+        cache.prefetch(name).result(timeout=10)
+        cache.evict(name)
+    for name in names[:4]:  # stages: reads with no slot (the oldest were dropped: read again)
+        staged = cache.stage(name)
+        if staged is not None:
+            staged.result(timeout=10)
+    cache.settle()
+    held: set[str] = set()
+    for d in deltas.host:
+        assert (d.state == "staged") == (d.adapter not in held), f"{d.adapter}: {d.state} out of turn in {deltas.host}"
+        held.symmetric_difference_update({d.adapter})
+        assert d.version == catalog.get(d.adapter).version
+    assert held == {k.name for k in cache.host.contents()}
+    assert sum(d.state == "unstaged" for d in deltas.host) >= len(names) - 16, "the LRU dropped shards unreported"
+    assert all(d.state in ("loading", "ready", "gone") for d in deltas.items), "a host change among the slots'"
+    cache.check_integrity()
+
+
 def test_the_outbox_sends_a_ready_delta_with_its_store_read_seconds() -> None:
     """The warming gate's sample: a READY row carries its load's store read (``disk_ms``) in seconds; other rows 0."""
     from lora_cache.vocab import ReadinessRecord
@@ -122,7 +155,8 @@ def test_the_outbox_sends_a_ready_delta_with_its_store_read_seconds() -> None:
         assert done.wait(10), "the outbox did not send"
     finally:
         outbox.close()
-    assert [row for batch in sent for row in batch] == [(1, A, "v1", "loading", "", 0.0), (2, A, "v1", "ready", "", 0.25)]
+    rows = [row for batch in sent for row in batch]
+    assert rows == [(1, A, "v1", "loading", "", 0.0), (2, A, "v1", "ready", "", 0.25)]
 
 
 def test_a_load_that_finds_every_slot_in_use_reports_failed_once(

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from pathlib import Path
-
 import pytest
 
 from lora_cache.errors import ConfigError

@@ -26,7 +26,7 @@ from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
 from lora_cache.adapters.shards import ShardLayout
 from lora_cache.adapters.synth import SynthConfig, make_adapters, write_adapter
 from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, NotFoundError, ShardError
-from lora_cache.vocab import AdapterKey, ReadinessRecord
+from lora_cache.vocab import AdapterKey, Delta, ReadinessRecord
 from tests.waiting import wait_for
 from tests.worker_queries import loads_without_slot, slot_waiters, slots_in, use_streams
 from workers.cache import WorkerCache, WorkerConfig
@@ -373,7 +373,7 @@ def test_stage_reads_into_the_host_tier_and_the_load_after_it_is_a_host_hit(
     layout, key = cache.layout_of(B), AdapterKey(B, catalog.get(B).version)
     staged = cache.stage(B)
     assert staged is not None and staged.result(timeout=10).key == key and cache.host.contains(key)
-    assert cache.residency() == [] and deltas == []  # no slot touched, nothing to report
+    assert cache.residency() == [] and deltas == [Delta(B, key.version, "staged")]  # no slot: the host tier's change
     stats = cache.stats()
     assert (stats["stages"], stats["host_hits"], stats["host_misses"], stats["loads"]) == (1, 0, 0, 0)
     assert stats["bytes_disk_to_host"] == layout.nbytes

@@ -92,13 +92,21 @@ class RankShards:
                           self.chunk_bytes)
 
 
+def _host_changed(book: SlotBook, key: AdapterKey, present: bool) -> None:
+    """The host tier gained (``staged``) or lost (``unstaged``) a whole shard: one delta to ``on_change``, as the
+    slots' changes are (the controller's routing knows where a shard is one copy from a GPU slot)."""
+    if book.on_change is not None:
+        book.on_change(Delta(key.name, key.version, "staged" if present else "unstaged"))
+
+
 class WorkerCache:
     """One TP rank's adapter cache.
 
     ``on_change``: called with one ``Delta`` per residency change, in the order of the changes, never
     under the cache's lock (it may read the cache; it must not wait for a load): a slot taken for a load
     ("loading", after "gone" for the adapter that slot's LRU eviction removed), READY ("ready"), freed by
-    ``evict`` ("gone"), or a started load that failed before it had a slot ("failed"). A change is
+    ``evict`` ("gone"), or a started load that failed before it had a slot ("failed"); and what the host tier
+    holds, apart from the slots: a whole shard read in ("staged"), dropped by its LRU ("unstaged"). A change is
     reported before the call that made it returns and before the load's future resolves; the residency
     those changes add up to is ``residency()``. ``restate`` reports an adapter's state again ("in_use"
     if a batch holds it), in order with those changes.
@@ -127,6 +135,7 @@ class WorkerCache:
         self.disk = DiskTier(config.disk, catalog.config.store_timeout_s)  # adapters from an object store
         self.host = HostTier(config.host, ranks_on_host(config.tp), self.disk)
         self.book = SlotBook(config.num_slots, on_change)  # slots, loads, counters; its lock guards them
+        self.host.on_change = functools.partial(_host_changed, self.book)  # what the host tier holds, as deltas too
         self.counters = self.book.counters
         self.shards = RankShards(catalog, config.tp, config.tp_rank, self.dtype, config.chunk_bytes)
         self.acquirer = Acquirer(self.book, catalog, self.streams, self.device, config.max_batch, config.on_miss,

@@ -86,7 +86,7 @@ class SimController:
     def start(self) -> None:
         """Adopt the workers from their full reports (oracle residency included), then run the timer."""
         for wid, worker in self.workers.items():
-            self.core.sync_worker(wid, worker.describe())
+            self.core.sync_worker(wid, worker.describe(), worker.hosted())
         self.loop.after(self.plan_interval_s, self._timer)
 
     # -- inputs, sent now, taken after the report latency --------------------------------------------
@@ -124,7 +124,7 @@ class SimController:
         if now >= self._next_sync:  # anti-entropy, as the controller's WorkerLinks.resync (here no delta is ever lost)
             self._next_sync = now + self.sync_s
             for wid, worker in self.workers.items():
-                self.core.sync_worker(wid, worker.describe())
+                self.core.sync_worker(wid, worker.describe(), worker.hosted())
         self._plan(full=True)
         self.loop.after(self.plan_interval_s, self._timer)
 

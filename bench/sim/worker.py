@@ -115,6 +115,8 @@ class SimHostTier:
         self._readers = [-math.inf] * read_threads
         self._reads: list[tuple[float, float]] = []  # (start, end) of reads not yet known to be over
         self.on_read: Callable[[float, float], None] | None = None  # told (start, end) of each read placed
+        # told (key, True) once a read put a shard here, (key, False) when the LRU drops it (``HostTier.on_change``)
+        self.on_change: Callable[[AdapterKey, bool], None] | None = None
 
     def fetch(self, key: AdapterKey, nbytes: int, count: bool = True, wait: bool = False) -> tuple[_Staged, bool]:
         """The staged entry (referenced) and whether it was a hit; CapacityError if it cannot be staged.
@@ -158,7 +160,7 @@ class SimHostTier:
         if self.on_read is not None:
             self.on_read(start, end)
         entry.read_ms = (end - start) * 1e3
-        self.loop.at(end, self._read_done, entry)
+        self.loop.at(end, self._read_done, key, entry)
 
     def waiting(self) -> int:
         """Fetches waiting for room, and store reads waiting for a reader thread."""
@@ -176,16 +178,16 @@ class SimHostTier:
             self._busy += 1
             span = (self.loop.now, math.inf)
             self._reads.append(span)
-            self.store.read(key.name, entry.nbytes, functools.partial(self._store_done, entry, span))
+            self.store.read(key.name, entry.nbytes, functools.partial(self._store_done, key, entry, span))
 
-    def _store_done(self, entry: _Staged, span: tuple[float, float]) -> None:
+    def _store_done(self, key: AdapterKey, entry: _Staged, span: tuple[float, float]) -> None:
         self._busy -= 1
         start, end = span[0], self.loop.now
         self._reads[self._reads.index(span)] = (start, end)
         if self.on_read is not None:
             self.on_read(start, end)
         entry.read_ms = (end - start) * 1e3
-        self._read_done(entry)
+        self._read_done(key, entry)
         self._pump()
 
     def reads_in_flight(self, now: float) -> int:
@@ -199,8 +201,10 @@ class SimHostTier:
         entry.refs -= 1
         self._admit()
 
-    def _read_done(self, entry: _Staged) -> None:
+    def _read_done(self, key: AdapterKey, entry: _Staged) -> None:
         self.bytes_read += entry.nbytes
+        if self.on_change is not None:
+            self.on_change(key, True)
         entry.staged.fire(self.loop.now)
         self._admit()  # unreferenced once read (a stage's entry): its room is the LRU's
 
@@ -214,6 +218,8 @@ class SimHostTier:
             if victim is None:
                 return False
             self.used -= self.entries.pop(victim).nbytes
+            if self.on_change is not None:
+                self.on_change(victim, False)
         return True
 
     def _may_free(self) -> bool:
@@ -260,6 +266,7 @@ class SimWorker:
         self._warm: OrderedDict[str, None] = OrderedDict()  # warm stages not started (``WarmQueue``), in order sent
         self._warm_reading = False  # a warm read in flight (one at a time)
         self._warm_wake = math.inf  # when a look at the warm queue is scheduled (inf: none)
+        host.on_change = lambda key, present: self._changed(key, "staged" if present else "unstaged")
 
     # -- state --------------------------------------------------------------------------------------
     def preload(self, names: Sequence[str]) -> None:
@@ -279,6 +286,10 @@ class SimWorker:
     def describe(self) -> list[tuple[str, str, str, int]]:
         """The worker's full residency report (``WorkerActor.describe()['residency']``)."""
         return [(s.key.name, s.key.version, s.state.value, s.refs) for s in self.table.slots if s.key is not None]
+
+    def hosted(self) -> list[tuple[str, str]]:
+        """What its host tier holds whole (``WorkerActor.describe()['host']``)."""
+        return [(k.name, k.version) for k, e in self.host.entries.items() if e.staged.done]
 
     def counts(self) -> dict[str, int]:
         """The integer counters of ``stats()`` (cheap: no latency summaries)."""

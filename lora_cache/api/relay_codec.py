@@ -34,7 +34,8 @@ _KINDS: dict[type[Any], pb.RelayedCommandKind] = {
     Prefetch: pb.RELAYED_COMMAND_KIND_PREFETCH, Evict: pb.RELAYED_COMMAND_KIND_EVICT,
     Stage: pb.RELAYED_COMMAND_KIND_STAGE}
 _STATES: dict[str, pb.ResidencyState] = {"loading": pb.RESIDENCY_STATE_LOADING, "ready": pb.RESIDENCY_STATE_READY,
-           "in_use": pb.RESIDENCY_STATE_IN_USE, "gone": pb.RESIDENCY_STATE_GONE, "failed": pb.RESIDENCY_STATE_FAILED}
+           "in_use": pb.RESIDENCY_STATE_IN_USE, "gone": pb.RESIDENCY_STATE_GONE, "failed": pb.RESIDENCY_STATE_FAILED,
+           "staged": pb.RESIDENCY_STATE_HOST_STAGED, "unstaged": pb.RESIDENCY_STATE_HOST_DROPPED}
 _STATE_NAMES: dict[int, str] = {int(v): k for k, v in _STATES.items()}
 _ERRORS: dict[str, type[errors.LoraCacheError]] = {
     cls.__name__: cls for cls in vars(errors).values()
@@ -203,14 +204,17 @@ def report(d: dict[str, Any]) -> pb.WorkerReport:
         replica=d["replica"], rank=d["rank"], tp=d["tp"], model=d["model"], incarnation=d["incarnation"], seq=d["seq"],
         node=d["node"], slots=d["slots"], host_bytes=d["host_bytes"], adapters=d["adapters"], epoch=d["epoch"],
         residencies=[pb.RankResidency(adapter=a, version=v, state=state(s), refs=refs) for a, v, s, refs in
-                     d["residency"]])
+                     d["residency"]],
+        host_shards=[pb.HostShard(adapter=a, version=v) for a, v in d.get("host") or ()],
+        reports_host=d.get("host") is not None)
 
 
 def from_report(m: pb.WorkerReport) -> dict[str, Any]:
     return {"replica": m.replica, "rank": m.rank, "tp": m.tp, "model": m.model, "incarnation": m.incarnation,
             "seq": m.seq, "node": m.node, "slots": m.slots, "host_bytes": m.host_bytes, "adapters": dict(m.adapters),
             "epoch": m.epoch, "residency": [(r.adapter, r.version, state_name(r.state), r.refs)
-                                            for r in m.residencies]}
+                                            for r in m.residencies],
+            "host": [(h.adapter, h.version) for h in m.host_shards] if m.reports_host else None}
 
 
 # -- deltas (up) and the catalog (down) ------------------------------------------------------------
@@ -223,7 +227,7 @@ def state_name(value: int) -> str:
         return _STATE_NAMES[value]
     except KeyError:
         raise RequestError(f"residency state {value} is not one of {sorted(_STATE_NAMES)}; send "
-                           "LOADING, READY, IN_USE, GONE or FAILED") from None
+                           "LOADING, READY, IN_USE, GONE, FAILED, HOST_STAGED or HOST_DROPPED") from None
 
 
 def deltas(incarnation: int, batch: list[DeltaRow]) -> pb.ResidencyDeltas:

@@ -34,7 +34,7 @@ from lora_cache.routing.advice import RouteAdvice, RouteRequest, advise
 from lora_cache.routing.clock import LoadClock
 from lora_cache.routing.limits import RoutingLimits
 from lora_cache.routing.ranking import RouterConfig
-from lora_cache.vocab import Command, Prefetch, WorkerId
+from lora_cache.vocab import AdapterKey, Command, Prefetch, WorkerId
 
 MAX_TP = 64  # ranks per replica: a replica's shape is checked against these before anything is kept
 MAX_SLOTS = 65_536  # slots per rank
@@ -74,6 +74,8 @@ class ControllerConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
 
+
+_HOST = ("staged", "unstaged")  # a worker's host tier gained or dropped a shard (its slots did not change)
 
 # one change a worker reported: (adapter, version, state, error[, read_s]) (``vocab.DeltaRow`` less its seq)
 ReportRow = tuple[str, str, str, str] | tuple[str, str, str, str, float]
@@ -170,6 +172,7 @@ class ControllerCore:
         if gone:
             self.lost.lose(worker, now)
         self.planner.report_residency(str(worker), [])
+        self.planner.report_host(str(worker), full=True)  # a restart's host tier is empty; a hung one's is resynced
         self.failures = {k: f for k, f in self.failures.items() if k[0] != worker}
         self.clock.forget(str(worker))
         return self.readiness.drop_rank(worker.replica, worker.rank)
@@ -231,6 +234,10 @@ class ControllerCore:
         self.lost.heard_from(worker)
         events: list[ReadinessEvent] = []
         for adapter, version, state, error, *read in deltas:
+            if state in _HOST:  # its host tier, apart from the slots: routing's, no readiness
+                key = [AdapterKey(adapter, version)]
+                self.planner.report_host(str(worker), *((key, ()) if state == "staged" else ((), key)))
+                continue
             rank_state, slot_state = _STATE.get(state, (None, None))
             key = (worker, adapter, version)
             if state == "failed":
@@ -254,12 +261,16 @@ class ControllerCore:
                 events += self.readiness.report(worker.replica, worker.rank, adapter, version, rank_state)
         return events
 
-    def sync_worker(self, worker: WorkerId, entries: Iterable[tuple[str, str, str, int]]) -> list[ReadinessEvent]:
+    def sync_worker(self, worker: WorkerId, entries: Iterable[tuple[str, str, str, int]],
+                    host: Iterable[tuple[str, str]] | None = None) -> list[ReadinessEvent]:
         """A full residency report (controller restart, or a resync after lost deltas): it replaces what
         was known of the worker, including commands assumed done. Readiness changes only where the
-        report differs, so a resync that finds nothing new publishes nothing."""
+        report differs, so a resync that finds nothing new publishes nothing. ``host``: what its host tier
+        holds (None: a rank that does not report it; what its deltas said is kept)."""
         self.check_worker(worker)
         self.lost.heard_from(worker)  # it answered with its full report: alive
+        if host is not None:
+            self.planner.report_host(str(worker), [AdapterKey(a, v) for a, v in host], full=True)
         entries = [(a, v, s, refs) for a, v, s, refs in entries if s in _STATE]
         before = self.readiness.holdings(worker.replica, worker.rank)
         planned = [ResidencyEntry(a, v, SlotState.IN_USE if refs else _STATE[s][1], refs)

@@ -95,7 +95,7 @@ class WorkerLinks:
         self.core.add_replica(info["replica"], info["tp"], info["slots"], info.get("host_bytes"))
         self.handles[wid] = handle
         self.links[wid] = Link(info["incarnation"], info["seq"])
-        self.publish(self.core.sync_worker(wid, info["residency"]))
+        self.publish(self.core.sync_worker(wid, info["residency"], info.get("host")))
         self.lifelines.watch(wid, handle)
         return wid
 
@@ -215,7 +215,7 @@ class WorkerLinks:
         if link is not None and (info["incarnation"], info["seq"]) < (link.incarnation, link.applied):
             return  # older than deltas already applied: the next resync repairs any gap
         self.links[wid] = Link(info["incarnation"], info["seq"])
-        self.publish(self.core.sync_worker(wid, info["residency"]))
+        self.publish(self.core.sync_worker(wid, info["residency"], info.get("host")))
         self._resync_returned()
         await self.replan()
 

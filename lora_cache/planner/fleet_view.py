@@ -42,10 +42,19 @@ class FleetView:
         return dict(self._fleet.residency[worker])
 
     def holding(self, worker: str, key: AdapterKey) -> tuple[Residency | None, bool]:
-        """Routing's view of one adapter version on `worker`: its residency (None: not held) and whether a
-        stage into the host tier was sent and is still wanted (no copy of the residency map)."""
-        self._fleet.require_worker(worker, "holding")
-        return self._fleet.residency[worker].get(key), key in self._fleet.staged.get(worker, ())
+        """Routing's view of one adapter version on `worker`: its residency (None: not held) and whether its
+        host tier holds the shard (one copy from a slot): as the worker reported it (a read for a load, a stage,
+        a warm stage), or a stage for a known request sent and still wanted (read at once, ahead of warm ones).
+        A warm stage counts only once reported: the worker reads those one at a time, when its store is idle."""
+        fleet = self._fleet
+        fleet.require_worker(worker, "holding")
+        host = key in fleet.hosted.get(worker, ()) or key in fleet.staged.get(worker, ())
+        return fleet.residency[worker].get(key), host
+
+    def hosted(self, worker: str) -> frozenset[AdapterKey]:
+        """The shards `worker`'s host tier holds, as it reported them."""
+        self._fleet.require_worker(worker, "hosted")
+        return frozenset(self._fleet.hosted.get(worker, ()))
 
     def queue(self, replica: str) -> tuple[QueueEntry, ...]:
         self._fleet.require_replica(replica, "queue")

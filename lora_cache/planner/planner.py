@@ -209,6 +209,16 @@ class Planner:
         if self._fleet.set_residency(worker, held):
             self._replan.mark(replica)
 
+    def report_host(self, worker: str, staged: Iterable[AdapterKey] = (), dropped: Iterable[AdapterKey] = (),
+                    full: bool = False) -> None:
+        """What `worker`'s host tier holds, for routing: shards it read in (``staged``) and dropped (``dropped``),
+        in that order; ``full``: ``staged`` is all of it (a full report). Adapters not registered are left out."""
+        self._fleet.require_worker(worker, "report_host")
+        held = set() if full else set(self._fleet.hosted.get(worker, ()))
+        held |= {k for k in staged if k.name in self._fleet.catalog}
+        held -= set(dropped)
+        self._fleet.set_hosted(worker, held)
+
     def update_residency(self, worker: str, entry: ResidencyEntry) -> None:
         """One adapter version changed state on a worker (loaded, ready, acquired, released)."""
         replica = self._fleet.require_worker(worker, "update_residency")

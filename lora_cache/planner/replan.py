@@ -232,7 +232,7 @@ class Replanner:
         first = len(target.keys) + len(staging)
         speculative = [(first + i, key) for i, key in enumerate(warming) if key not in warm_sent]
         self._warm_sent[worker] = (self.warming.assignments, warm_sent | {k for _, k in speculative})
-        fleet.set_staged(worker, staging + warming)
+        fleet.set_staged(worker, staging)  # warm stages: routing counts them once the worker reports them read
         if not evicts and not prefetches and not stages and not speculative:
             return None
         fleet.apply(worker, evicts, [key for _, key in prefetches])

@@ -32,6 +32,7 @@ class FleetState:
         self.holders: dict[str, set[str]] = {}  # adapter name -> workers holding any version of it
         self.queues: dict[str, tuple[QueueEntry, ...]] = {}  # replica -> waiting requests (non-empty)
         self.staged: dict[str, frozenset[AdapterKey]] = {}  # worker -> stages sent and still wanted (non-empty)
+        self.hosted: dict[str, set[AdapterKey]] = {}  # worker -> shards its host tier holds, as reported (non-empty)
         self._min_bytes: int | None = None  # smallest bytes_per_rank in the catalog; None: recompute
         self._max_bytes: int | None = None  # largest, likewise
         self.shape = 0  # bumped by every change of the catalog, the replicas, their workers or capacities
@@ -103,6 +104,8 @@ class FleetState:
             self.set_residency(worker, {k: r for k, r in self.residency[worker].items() if k.name != name})
         for worker, keys in list(self.staged.items()):
             self.set_staged(worker, [k for k in keys if k.name != name])
+        for worker, hosted in list(self.hosted.items()):
+            self.set_hosted(worker, [k for k in hosted if k.name != name])
         del self.catalog[name]
         self.shape += 1
         self._min_bytes = self._max_bytes = None  # recomputed on demand
@@ -136,6 +139,7 @@ class FleetState:
         """Forget a worker and all it held; its replica."""
         self.set_residency(worker, {})
         self.staged.pop(worker, None)
+        self.hosted.pop(worker, None)
         self.shape += 1
         replica = self.replica_of.pop(worker)
         self.workers[replica].remove(worker)
@@ -200,6 +204,14 @@ class FleetState:
         else:
             self.staged.pop(worker, None)
 
+    def set_hosted(self, worker: str, keys: Iterable[AdapterKey]) -> None:
+        """What `worker`'s host tier holds (its full report, or its deltas applied), for routing."""
+        kept = set(keys)
+        if kept:
+            self.hosted[worker] = kept
+        else:
+            self.hosted.pop(worker, None)
+
     def check_integrity(self) -> None:
         known = self.replica_of.keys()
         assert known == self.capacity.keys() == self.residency.keys(), "worker tables disagree"
@@ -218,6 +230,9 @@ class FleetState:
         for worker, keys in self.staged.items():
             assert worker in known and keys, f"stages kept for {worker!r} (unknown or none)"
             assert all(k.name in self.catalog for k in keys), f"{worker!r} was staged an adapter not in the catalog"
+        for worker, hosted in self.hosted.items():
+            assert worker in known and hosted, f"host tier kept for {worker!r} (unknown or empty)"
+            assert all(k.name in self.catalog for k in hosted), f"{worker!r} hosts an adapter not in the catalog"
         for replica, queue in self.queues.items():
             assert replica in self.workers and queue, f"queue kept for {replica!r} (unknown or empty)"
             assert all(e.adapter in self.catalog for e in queue), f"{replica!r} queues an unknown adapter"

@@ -19,7 +19,8 @@ bandwidth (the workers read warm stages one at a time, only while no load is in 
 A replica's warm budget is ``warm_host_share`` of the host tier its workers report (the smallest rank's); the
 rest stays with the host tier's LRU (shards of GPU-resident and recently evicted adapters, needed stages). An
 assignment is kept until the fleet's shape changes or ``refresh_s`` passes (counts drift slowly); the re-planner
-sends each warm key once per stretch it stays warm (``FleetState.staged``), as a speculative ``Stage``.
+sends each warm key once per assignment, as a speculative ``Stage``; routing counts a warm copy once the worker
+reports it read (``FleetState.hosted``), not when it is sent.
 Plain Python: no clock of its own, the same inputs give the same assignment.
 """
 

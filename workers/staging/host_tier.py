@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -169,6 +169,12 @@ class HostTier:
         self._closing = False  # no more waits (the tier is closing)
         self.hits = self.misses = self.bytes_read = 0
         self.waits = 0  # fetches that waited for room held by others in flight
+        # what the tier holds, as it changes: (key, True) once a read put a shard here whole, (key, False) when the
+        # shard leaves (the LRU's room, ``drop``). Queued under ``_lock`` (in the order of the changes), handed to
+        # ``on_change`` by ``_report`` once the lock is released, one thread at a time (the order is kept).
+        self.on_change: Callable[[AdapterKey, bool], None] | None = None
+        self._changes: deque[tuple[AdapterKey, bool]] = deque()
+        self._reporting = threading.RLock()
 
     def fetch(self, spec: AdapterSpec, layout: ShardLayout, count: bool = True, chunks: Sequence[slice] = (),
               on_chunk: Callable[[HostEntry, int, bool], None] | None = None,
@@ -202,6 +208,7 @@ class HostTier:
             self.misses += count and not hit
             if waiting is not None and on_chunk is not None:  # told from the read, once it is admitted
                 waiting.listeners.append(_listener(on_chunk, hit))
+        self._report()
         if waiting is not None:
             return waiting.ready, hit
         assert entry is not None
@@ -245,6 +252,7 @@ class HostTier:
             entry.refs -= 1
             admitted = self._admit()
         self._start(admitted)
+        self._report()
 
     def release_failed(self, entry: HostEntry) -> None:
         """Drop a reference on an entry whose read failed, once no copy reads its staged chunks any more;
@@ -257,6 +265,7 @@ class HostTier:
                 self.arena.free(entry.block)
             admitted = self._admit()
         self._start(admitted)
+        self._report()
 
     def drop(self, key: AdapterKey) -> bool:
         """Free an unreferenced, staged shard now (benchmarks: the next fetch reads the file again)."""
@@ -265,8 +274,10 @@ class HostTier:
             if entry is None or entry.refs or not entry.ready.done():
                 return False
             self.arena.free(self._entries.pop(key).block)
+            self._changes.append((key, False))
             admitted = self._admit()
         self._start(admitted)
+        self._report()
         return True
 
     def reading(self) -> int:
@@ -290,6 +301,7 @@ class HostTier:
             if victim is None:
                 return None
             self.arena.free(self._entries.pop(victim).block)
+            self._changes.append((victim, False))
         return block
 
     def _may_free(self) -> bool:
@@ -338,6 +350,7 @@ class HostTier:
         with self._lock:
             admitted = self._admit() if self._waiting else ([], [])
         self._start(admitted)
+        self._report()
 
     def cancel_waits(self) -> None:
         """Fail every fetch still waiting for room, and refuse new waits (the tier, or its cache, is closing).
@@ -375,14 +388,35 @@ class HostTier:
                 admitted = self._admit()
             entry.ready.set_exception(e)
             self._start(admitted)
+            self._report()
             return
         entry.read_ms = (time.perf_counter() - t0) * 1e3
         entry.marks.append(("read end", time.perf_counter()))
         entry.progress(entry.num_chunks)  # a reader that reports no chunks: all of them at once
         with self._lock:
             self.bytes_read += entry.bytes_read
+            self._changes.append((entry.key, True))  # before the result: no eviction of it can be queued ahead
         entry.ready.set_result(entry)
-        self._wake()  # done: if nobody references it any more, its room is the LRU's
+        self._wake()  # done: if nobody references it any more, its room is the LRU's (and the change is reported)
+
+    def _report(self) -> None:
+        """Hand the queued changes of what the tier holds to ``on_change``, oldest first (lock not held)."""
+        with self._reporting:
+            while True:
+                with self._lock:
+                    if not self._changes:
+                        return
+                    key, present = self._changes.popleft()
+                if self.on_change is not None:
+                    try:
+                        self.on_change(key, present)
+                    except Exception:  # a broken consumer must not break reads; the controller's resync repairs
+                        log.exception("host tier change of %s not reported", key)
+
+    def contents(self) -> list[AdapterKey]:
+        """The shards staged here whole (read and not failed), oldest use first: a full report's host part."""
+        with self._lock:
+            return [k for k, e in self._entries.items() if e.ready.done() and e.ready.exception() is None]
 
     def _local(self, spec: AdapterSpec) -> contextlib.AbstractContextManager[AdapterSpec]:
         if spec.store is None:

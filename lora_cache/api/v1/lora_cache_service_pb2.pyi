@@ -46,6 +46,8 @@ class ResidencyState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RESIDENCY_STATE_IN_USE: _ClassVar[ResidencyState]
     RESIDENCY_STATE_GONE: _ClassVar[ResidencyState]
     RESIDENCY_STATE_FAILED: _ClassVar[ResidencyState]
+    RESIDENCY_STATE_HOST_STAGED: _ClassVar[ResidencyState]
+    RESIDENCY_STATE_HOST_DROPPED: _ClassVar[ResidencyState]
 HINT_PRIORITY_UNSPECIFIED: HintPriority
 HINT_PRIORITY_NORMAL: HintPriority
 HINT_PRIORITY_HIGH: HintPriority
@@ -67,6 +69,8 @@ RESIDENCY_STATE_READY: ResidencyState
 RESIDENCY_STATE_IN_USE: ResidencyState
 RESIDENCY_STATE_GONE: ResidencyState
 RESIDENCY_STATE_FAILED: ResidencyState
+RESIDENCY_STATE_HOST_STAGED: ResidencyState
+RESIDENCY_STATE_HOST_DROPPED: ResidencyState
 
 class PrefetchHint(_message.Message):
     __slots__ = ("hint_id", "adapter", "replica", "expected_in", "priority")
@@ -606,7 +610,7 @@ class RankResidency(_message.Message):
     def __init__(self, adapter: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[ResidencyState, str]] = ..., refs: _Optional[int] = ...) -> None: ...
 
 class WorkerReport(_message.Message):
-    __slots__ = ("replica", "rank", "tp", "model", "incarnation", "seq", "node", "slots", "host_bytes", "adapters", "epoch", "residencies")
+    __slots__ = ("replica", "rank", "tp", "model", "incarnation", "seq", "node", "slots", "host_bytes", "adapters", "epoch", "residencies", "host_shards", "reports_host")
     class AdaptersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -626,6 +630,8 @@ class WorkerReport(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RESIDENCIES_FIELD_NUMBER: _ClassVar[int]
+    HOST_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_HOST_FIELD_NUMBER: _ClassVar[int]
     replica: str
     rank: int
     tp: int
@@ -638,7 +644,17 @@ class WorkerReport(_message.Message):
     adapters: _containers.ScalarMap[str, str]
     epoch: int
     residencies: _containers.RepeatedCompositeFieldContainer[RankResidency]
-    def __init__(self, replica: _Optional[str] = ..., rank: _Optional[int] = ..., tp: _Optional[int] = ..., model: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., node: _Optional[str] = ..., slots: _Optional[int] = ..., host_bytes: _Optional[int] = ..., adapters: _Optional[_Mapping[str, str]] = ..., epoch: _Optional[int] = ..., residencies: _Optional[_Iterable[_Union[RankResidency, _Mapping]]] = ...) -> None: ...
+    host_shards: _containers.RepeatedCompositeFieldContainer[HostShard]
+    reports_host: bool
+    def __init__(self, replica: _Optional[str] = ..., rank: _Optional[int] = ..., tp: _Optional[int] = ..., model: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., node: _Optional[str] = ..., slots: _Optional[int] = ..., host_bytes: _Optional[int] = ..., adapters: _Optional[_Mapping[str, str]] = ..., epoch: _Optional[int] = ..., residencies: _Optional[_Iterable[_Union[RankResidency, _Mapping]]] = ..., host_shards: _Optional[_Iterable[_Union[HostShard, _Mapping]]] = ..., reports_host: _Optional[bool] = ...) -> None: ...
+
+class HostShard(_message.Message):
+    __slots__ = ("adapter", "version")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    version: str
+    def __init__(self, adapter: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
 
 class CallError(_message.Message):
     __slots__ = ("error_class", "message")
