@@ -22,8 +22,8 @@ from bench.config import BenchConfig
 from bench.policies import BENCH_POLICIES
 from bench.sim.calibration import Calibration
 from bench.sim.events import Loop
+from bench.sim.host_tier import SimHostTier
 from bench.sim.store import SharedLink, SimStore, fit_store
-from bench.sim.worker import SimHostTier
 from bench.store import Proxy, StoreModel, parse_store
 from bench.warmup import auto_warmup, split_run, warm_workload
 from bench.workloads import WorkloadSpec

@@ -37,9 +37,10 @@ from bench.router.rules import RULES, make_rule
 from bench.sim.calibration import Calibration
 from bench.sim.controller import SimController, SyntheticCatalog
 from bench.sim.events import Loop
+from bench.sim.host_tier import SimHostTier
 from bench.sim.replica import ReplicaHooks, SimReplica, StepRecord
 from bench.sim.store import SimStore
-from bench.sim.worker import LoadRecord, SimHostTier, SimWorker
+from bench.sim.worker import LoadRecord, SimWorker
 from bench.store import parse_store
 from bench.workloads import Workload
 from lora_cache.adapters.shapes import resolve_model
