@@ -455,6 +455,56 @@ def test_a_closed_lifeline_loses_the_rank_at_once_and_its_late_deltas_are_not_be
     core.check_integrity()
 
 
+class _RestartingWorker(_LifelineWorker):
+    """A worker under a name whose actor restarted: its lifeline calls fail before they connect (Ray failing a call
+    sent while the actor restarted, after the new process is up), ``fails`` times, then connect."""
+
+    def __init__(self, report: dict[str, Any], fails: int) -> None:
+        super().__init__(report)
+        self.fails, self.calls = fails, 0
+
+    async def _lifeline(self, host: str, port: int, nonce: str) -> None:
+        self.calls += 1
+        if self.calls <= self.fails:
+            raise ConnectionError("the actor is restarting (the call never reached it)")
+        await super()._lifeline(host, port, nonce)
+
+
+def test_a_lifeline_call_that_never_connected_is_not_a_death(fleet, monkeypatch) -> None:
+    """The CI's stop 47 (tests/test_ray_hardening.py): after a rank's SIGKILL and restart, a lifeline call sent
+    while it restarted failed once the new process had reported, and that failure lost the healthy rank again (its
+    replica left the routes until the next resync). A failed call that never opened its connection says nothing
+    of the process under the name: the rank stays, the lifeline is called again (ever less often) until it
+    connects; one that had connected and then failed is a death."""
+    import lora_cache.controller.lifelines as lifelines
+
+    monkeypatch.setattr(lifelines, "LIFELINE_RETRY_S", 0.01)
+    core, _ = fleet
+    victim = WorkerId("r0", 1)
+
+    async def replan() -> None:
+        pass
+
+    async def scenario() -> None:
+        links = WorkerLinks(core, None, lambda events: None, replan, find=lambda name: None,  # type: ignore[arg-type]
+                            named=lambda: [])
+        worker = _RestartingWorker({"incarnation": 2, "seq": 0, "residency": []}, fails=3)
+        for rank in (0, 1):
+            links.handles[WorkerId("r0", rank)] = worker if rank == 1 else object()
+            links.links[WorkerId("r0", rank)] = Link(1, 0)
+        links.lifelines.watch(victim, worker)
+        while worker.writer is None:  # three failed calls, then a connected one
+            await asyncio.sleep(0.01)
+        assert worker.calls == 4 and not core.lost.down, "a lifeline call that never connected lost the rank"
+        worker.die()  # the connected one ends: a death
+        while victim not in core.lost.down:
+            await asyncio.sleep(0.001)
+        links.lifelines.close()
+
+    asyncio.run(scenario())
+    core.check_integrity()
+
+
 def test_a_stopping_service_does_not_take_its_workers_orderly_deaths_for_losses(fleet, caplog) -> None:
     """``Service.stop`` tells the controller to stop watching before it kills anything (the sixth stop's CI
     saw "worker replica-0/0 is lost" at an orderly shutdown: Ray fails calls on a killed controller before

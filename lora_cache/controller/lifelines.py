@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 LIFELINE_HELLO_S = 5.0  # a lifeline connection names its call within this, or is closed
 LIFELINE_RETRY_S = 0.2  # after a lifeline failed: how soon to call the (restarting) worker again
+LIFELINE_RETRY_MAX_S = 5.0  # ... at most, after calls that never connected
 
 
 class Linked(Protocol):
@@ -49,6 +50,7 @@ class Lifelines:
         self.links = links
         self.tasks: dict[WorkerId, asyncio.Task[None]] = {}  # each watched worker's lifeline call, kept open
         self._expected: dict[str, tuple[WorkerId, Any]] = {}  # lifeline nonce -> the call that sent it
+        self._connected: set[str] = set()  # nonces of lifeline calls whose connection was opened
         self._server: asyncio.Server | None = None  # where workers open their lifelines
         self.closed = False  # the service is being stopped: nothing is watched any more
 
@@ -77,6 +79,7 @@ class Lifelines:
         links = self.links
         host, port = await self._address()
         lifeline = handle.lifeline
+        retry_s = LIFELINE_RETRY_S
         while links.handles.get(wid) is handle:
             nonce = secrets.token_hex(16)
             self._expected[nonce] = (wid, handle)
@@ -95,12 +98,23 @@ class Lifelines:
                     log.warning("attached rank %s is gone (%s)", wid, type(e).__name__)
                     links.forget(wid)  # its endpoint is dead for good: a new process attaches anew
                     return
-                if wid not in links.core.lost.down:
+                if wid not in links.core.lost.down and self._death(nonce):
                     log.warning("worker %s is lost (%s): dropping its residency", wid, type(e).__name__)
                     links.lose(wid)
             finally:
+                # calls that never connect (a worker dead for good, or not up yet) are retried ever less often
+                retry_s = LIFELINE_RETRY_S if nonce in self._connected else min(LIFELINE_RETRY_MAX_S, 2 * retry_s)
                 self._expected.pop(nonce, None)
-            await asyncio.sleep(LIFELINE_RETRY_S)
+                self._connected.discard(nonce)
+            await asyncio.sleep(retry_s)
+
+    def _death(self, nonce: str) -> bool:
+        """Whether a failed lifeline call says the worker died: only if it had opened its connection (the process
+        that held it is gone). A call that failed before it connected says nothing of the process now under the
+        name: sent while the actor restarted, Ray may fail it only after the new process is up and has reported,
+        and taking that for a death lost a healthy rank (its replica left the routes until the next resync; the
+        CI's stop 47, tests/test_ray_hardening.py). Its pings find a worker that is really gone."""
+        return nonce in self._connected
 
     async def _address(self) -> tuple[str, int]:
         if self._server is None:
@@ -115,9 +129,11 @@ class Lifelines:
         links = self.links
         try:
             line = await asyncio.wait_for(reader.readline(), LIFELINE_HELLO_S)
-            wid, handle = self._expected.get(line.decode(errors="replace").strip(), (None, None))
+            nonce = line.decode(errors="replace").strip()
+            wid, handle = self._expected.get(nonce, (None, None))
             if wid is None:
                 return  # a stranger, or a call already given up
+            self._connected.add(nonce)
             while await reader.read(64):
                 pass  # nothing is sent on it: only its end matters
             if links.handles.get(wid) is handle and wid not in links.core.lost.down and not self.closed:
