@@ -92,3 +92,29 @@ def test_horizon_entries_of_withdrawn_far_hints_stay_bounded() -> None:
         planner.add_hint(Hint(f"h{i}", "a1", "r0", 1000.0), 1.0)
         planner.cancel_hint(f"h{i}", 1.0)
     planner.check_integrity()  # asserts at most 2 * active + 64 pending horizon entries
+
+
+def test_a_far_hint_does_not_demote_its_adapters_home_and_so_spare_an_incumbent() -> None:
+    """State machine, --hypothesis-seed=14, shrunk. a0 and a2 each have one request (hints, counted when seen), so
+    both are homed on r1 (a0 first, on both replicas, as a free-room home: no replica holds it, so its routing is
+    unseen; a2, whose request went to r0 that holds it, with a count per copy: it may displace); r1 holds a1 (no
+    requests) and has one free slot; a0's one request is below the speculation rate gate. Without the far hint
+    for a0, a0's home claims the free slot and a2's home displaces a1. With it, a0 took the slot as a far hint's
+    free-room load before the homes were placed, a0's home was skipped (already held) and a2's home displaced
+    that far load first: a1 was spared, and a0 not even loaded. Far hints now take the room the homes leave, so
+    the hint changes no eviction."""
+    def fleet(far_hint: bool) -> Planner:
+        planner = make(replicas=2, tp=1, slots=2, adapters=4, hint_horizon_s=0.0, speculate_min_rate=0.5)
+        planner.set_capacity("r0/w0", 1)
+        hold(planner, "r0", "a2")
+        planner.add_hint(Hint("h0", "a2", "r0", 0.0), 0.0)  # near: due now
+        hold(planner, "r1", "a1")
+        planner.add_hint(Hint("h2", "a0", "r1", 4.5), 0.0)  # far: beyond a horizon of 0 s
+        if not far_hint:
+            planner.cancel_hint("h2", 0.0)  # its request is still counted (the hint was seen)
+        return planner
+
+    with_hint, without = (fleet(far).plan_all(0.0) for far in (True, False))
+    assert evicted(without, "r1/w0") == ["a1"] and prefetched(without, "r1/w0") == ["a0", "a2"]
+    assert evicted(with_hint, "r1/w0") == evicted(without, "r1/w0")
+    assert prefetched(with_hint, "r1/w0") == ["a0", "a2"]  # a0 loads as the home it is, not as a far hint

@@ -442,7 +442,9 @@ def _fleet_of_three(machine: PlannerMachine, slots: list[int]) -> None:
 
 def test_a_far_hints_load_into_free_room_does_not_spare_an_incumbent_a_home_displaces() -> None:
     """The far hint took the free room a hot adapter's home needed, so the home displaced nothing: with the hint
-    cancelled, the same plan evicted an incumbent. A home now displaces a far hint's free-room load first."""
+    cancelled, the same plan evicted an incumbent. Far hints now take only the room the homes leave free (they
+    first took the room before the homes, and a home displaced their loads first: that missed the far-hinted
+    adapter that is itself a home, tests/test_hint_horizon.py)."""
     _fleet_of_three(PlannerMachine(), slots=[0, 1, 2])
 
 

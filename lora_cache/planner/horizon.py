@@ -3,9 +3,9 @@
 A hint expected more than `horizon_s` ahead is *far*: a router that forecasts a request minutes ahead
 must not take the GPU from the requests waiting now. Far hints never evict and never hold a slot that
 a queued request or a near hint could use: the policy admits them only into room left free after the
-needed adapters and the incumbents (or stages them), after every near need. A far hint becomes an
-ordinary (near) hint at `expected_s - horizon_s`; `due(now)` names the replicas to replan then, so the
-planner replans as time passes, not only when an input arrives.
+needed adapters, the incumbents, speculation and the homes (or stages them), after every near need. A far
+hint becomes an ordinary (near) hint at `expected_s - horizon_s`; `due(now)` names the replicas to replan
+then, so the planner replans as time passes, not only when an input arrives.
 """
 
 from __future__ import annotations

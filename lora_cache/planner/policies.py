@@ -23,17 +23,19 @@ lists, so a config is checked without importing the rules); the rules they share
    free room left, and one with traffic of its own may displace incumbents worth clearly less than its
    home score (its share of its traffic once routed here); a resident home is valued at least at it.
    It may displace this plan's own speculative loads and earlier homes on the same terms (the next plan
-   weighs them as incumbents, so leaving them would evict them right after loading them: thrash), and far
-   hints' free-room loads first; past the load limit a home is deferred like speculation (it claims its room).
+   weighs them as incumbents, so leaving them would evict them right after loading them: thrash); past the
+   load limit a home is deferred like speculation (it claims its room).
    Hints beyond the horizon (`far_hinted`, see `horizon.py`) are not needs: resident ones are kept like
-   incumbents (needs displace them; speculation does not, or it would evict what it let in); the others
-   compete in speculation on their popularity alone, and otherwise only take room that rules 1-4 left
-   free (never evicting), ranked before speculation's loads; they are staged after the near needs.
+   incumbents (needs displace them; speculation and homes do not, or they would evict what they let in); the
+   others compete in speculation on their popularity alone, and otherwise only take room that rules 1-4 and
+   6 left free (never evicting), ranked before speculation's loads; they are staged after the near needs.
+   Far hints take their room after the homes, not before: an adapter both far-hinted and homed here, loaded
+   first as a far hint, was the first load a later home displaced, where without the hint its home had
+   claimed the room and the later home evicted an incumbent (tests/test_hint_horizon.py).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
@@ -135,9 +137,9 @@ def build_target(view: ReplicaView, scorer: Scorer, needed: tuple[str, ...],
     held = chosen | {k for _, k in far_held}
     admitted = _speculate(view, scorer, held, kept, room, config) if speculate else []
     held |= {k for _, k in admitted}
+    homes = _homes(view, scorer, held, kept, admitted, room, config) if speculate else []
+    held |= set(homes)  # far hints take only the room the homes leave free: they never change what a home evicts
     far_in = _free_room(view, [k for k in far if k not in held and k not in view.resident], room)
-    held |= set(far_in)
-    homes = _homes(view, scorer, held, kept, admitted, far_in, room, config) if speculate else []
     popular = sorted(kept + far_held + admitted, key=lambda sk: (-sk[0], sk[1]))
     target = tuple(keys) + tuple(far_in) + tuple(k for _, k in popular) + tuple(homes)
     homeless = [k for k in wanted if k not in chosen] + [k for k in far if k not in target]
@@ -146,8 +148,7 @@ def build_target(view: ReplicaView, scorer: Scorer, needed: tuple[str, ...],
 
 
 def _homes(view: ReplicaView, scorer: Scorer, held: set[AdapterKey], kept: list[Scored],
-           speculated: list[Scored], far_in: list[AdapterKey], room: Room, config: PlannerConfig
-           ) -> list[AdapterKey]:
+           speculated: list[Scored], room: Room, config: PlannerConfig) -> list[AdapterKey]:
     """Adapters homed here, in the home book's order, a current version only: into the free room left, or, for
     an adapter with traffic of its own, in place of what is worth clearly less per byte than its home score
     (`ReplicaScorer.home_score`: a full fleet still gets a hot adapter's copies, where a router that follows
@@ -156,9 +157,9 @@ def _homes(view: ReplicaView, scorer: Scorer, held: set[AdapterKey], kept: list[
     What can be displaced is what the next plan would weigh as an incumbent: `kept` ones, and this plan's own
     choices, speculative loads (`speculated`) and homes admitted before, valued as they would be once resident
     (`_incumbent_score`). Otherwise the next plan would evict one of them for this home right after this plan
-    loads it (thrash); displaced here, it is never sent, and its load goes to the home. Far hints' loads into
-    free room (`far_in`) go first of all: without the far hint that room was free, and a far hint must never
-    change what is evicted. `kept`, `speculated` and `far_in` lose what is displaced. While the fleet's slots
+    loads it (thrash); displaced here, it is never sent, and its load goes to the home. Far hints' loads are not
+    placed yet (`build_target` gives them the room the homes leave), so a far hint never changes what a home
+    claims or evicts. `kept` and `speculated` lose what is displaced. While the fleet's slots
     hold the catalog, a home never displaces the fleet's last copy of an adapter with requests
     (`view.last_copies`): that adapter would be left nowhere though every adapter has a place (a copy of a hot
     adapter took the slot of one just loaded for its request, and its next request loaded it again:
@@ -179,16 +180,12 @@ def _homes(view: ReplicaView, scorer: Scorer, held: set[AdapterKey], kept: list[
             continue
         if not room.fits(size):
             score = scorer.home_score(key.name, home.per_copy) if home.per_copy > 0 else 0.0
-            eligible = sorted(sk for sk in kept + speculated + own if sk[1] not in view.last_copies)
-            pool = [(-math.inf, k) for k in far_in] + eligible  # lowest first
-            victims = _victims(pool, score, size, room, view, config.hysteresis) if score > 0 else 0
+            eligible = sorted(sk for sk in kept + speculated + own if sk[1] not in view.last_copies)  # lowest first
+            victims = _victims(eligible, score, size, room, view, config.hysteresis) if score > 0 else 0
             if victims == 0:
                 continue
-            for scored in pool[:victims]:
+            for scored in eligible[:victims]:
                 room.give(_size(view, scored[1]))
-                if scored[0] == -math.inf:
-                    far_in.remove(scored[1])
-                    continue
                 group = next(g for g in (own, speculated, kept) if scored in g)
                 loads_left += group is own or (group is speculated and scored[1] not in view.resident)
                 group.remove(scored)
