@@ -21,6 +21,7 @@ from lora_cache.adapters.shapes import SHAPES
 from lora_cache.adapters.shards import ShardLayout, shard_layout
 from lora_cache.errors import AdapterChangedError, AdapterFormatError, CapacityError, ConfigError
 from lora_cache.vocab import AdapterKey
+from tests.waiting import wait_for
 from workers.staging.host_config import HostTierConfig
 from workers.staging.host_tier import HostEntry, HostTier
 
@@ -46,6 +47,9 @@ def open_tier(reads: str, threads: int, parallel: int = 0) -> Iterator[HostTier]
                                    read_parallel=parallel))
     try:
         assert tier.reads == reads
+        if reads == "process":  # every reader process up first (a bound, not a timing: they start slowly on a
+            # loaded 2-core CI; a first read given 10 s once timed out there), so the tests' bounds are the reads'
+            wait_for(lambda: all(p.warm() for p in tier._reader._all), "the reader processes to start", 120)
         yield tier
     finally:
         tier.close()
