@@ -505,6 +505,55 @@ def test_a_lifeline_call_that_never_connected_is_not_a_death(fleet, monkeypatch)
     core.check_integrity()
 
 
+class _KilledWorker(_LifelineWorker):
+    """A killed worker's lifeline call as Ray ends it: the connection ends at the kill (the kernel closes it), the
+    call itself fails only later, when ``failed`` is set (Ray answers it once the restarted process is up)."""
+
+    def __init__(self, report: dict[str, Any]) -> None:
+        super().__init__(report)
+        self.failed = asyncio.Event()
+
+    async def _lifeline(self, host: str, port: int, nonce: str) -> None:
+        await super()._lifeline(host, port, nonce)
+        await self.failed.wait()
+        raise ConnectionError("ActorUnavailableError: the actor restarted")
+
+
+def test_a_killed_ranks_lifeline_call_failing_after_its_restart_does_not_lose_it_again(fleet) -> None:
+    """The kill is counted once, at the connection's end; the call's own failure arrives after the restarted
+    process reported (measured: 0.3-0.8 s after it was up), and must not lose the healthy rank again."""
+    core, _ = fleet
+    victim = WorkerId("r0", 1)
+
+    async def replan() -> None:
+        pass
+
+    async def scenario() -> None:
+        links = WorkerLinks(core, None, lambda events: None, replan, find=lambda name: None,  # type: ignore[arg-type]
+                            named=lambda: [])
+        worker = _KilledWorker({"incarnation": 2, "seq": 0, "residency": []})
+        for rank in (0, 1):
+            links.handles[WorkerId("r0", rank)] = worker if rank == 1 else object()
+            links.links[WorkerId("r0", rank)] = Link(1, 0)
+        links.lifelines.watch(victim, worker)
+        while worker.writer is None:
+            await asyncio.sleep(0.01)
+        worker.die()  # the kill: its connection ends, the rank is lost at once
+        while victim not in core.lost.down:
+            await asyncio.sleep(0.001)
+        worker.dead = False
+        await links.resync(victim)  # the restarted process reported: back
+        assert victim not in core.lost.down
+        worker.failed.set()  # only now does Ray fail the killed process's call
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+        assert victim not in core.lost.down, "the killed process's call, failing late, lost the restarted rank"
+        links.lifelines.close()
+
+    asyncio.run(scenario())
+    core.check_integrity()
+
+
 def test_a_stopping_service_does_not_take_its_workers_orderly_deaths_for_losses(fleet, caplog) -> None:
     """``Service.stop`` tells the controller to stop watching before it kills anything (the sixth stop's CI
     saw "worker replica-0/0 is lost" at an orderly shutdown: Ray fails calls on a killed controller before

@@ -109,11 +109,14 @@ class Lifelines:
             await asyncio.sleep(retry_s)
 
     def _death(self, nonce: str) -> bool:
-        """Whether a failed lifeline call says the worker died: only if it had opened its connection (the process
-        that held it is gone). A call that failed before it connected says nothing of the process now under the
-        name: sent while the actor restarted, Ray may fail it only after the new process is up and has reported,
-        and taking that for a death lost a healthy rank (its replica left the routes until the next resync; the
-        CI's stop 47, tests/test_ray_hardening.py). Its pings find a worker that is really gone."""
+        """Whether a failed lifeline call says the worker died: only if its connection was opened and has not been
+        seen to end (the end of a connection is counted when it is seen, ``_opened``). Ray fails a call to an actor
+        that restarts only once the new process is up (``ActorUnavailableError`` 0.3-0.8 s after the new process
+        started, in every one of 5 SIGKILLs on this machine, for the call in flight and for one sent just after the
+        kill alike), and the new process may have reported by then: taking that failure for a death lost the
+        healthy rank again, and its replica left the routes until the next resync (the CI's stop 47,
+        tests/test_ray_hardening.py). A call that never connected says nothing of the process under the name
+        either; pings find a worker that is really gone."""
         return nonce in self._connected
 
     async def _address(self) -> tuple[str, int]:
@@ -136,6 +139,7 @@ class Lifelines:
             self._connected.add(nonce)
             while await reader.read(64):
                 pass  # nothing is sent on it: only its end matters
+            self._connected.discard(nonce)  # its end is counted here: the call's own failure, later, is not again
             if links.handles.get(wid) is handle and wid not in links.core.lost.down and not self.closed:
                 log.warning("worker %s closed its lifeline (its process died): dropping its residency", wid)
                 links.lose(wid)  # an attached one is forgotten when its lifeline call fails (ActorDiedError)
