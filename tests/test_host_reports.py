@@ -34,7 +34,7 @@ def _reasons(core: ControllerCore, adapter: str) -> dict[str, Residence]:
 
 
 def test_a_reported_host_copy_is_staged_for_routing_until_it_is_dropped(tiny_adapters: Any) -> None:
-    core, names = _core(tiny_adapters)
+    core, names = _core(tiny_adapters, warm_min_miss_s=0.0)  # a miss hurts (warming on from the start)
     a = names[0]
     version = core.planner.view.adapter(a).version
     assert _reasons(core, a) == {"replica-0": Residence.COLD, "replica-1": Residence.COLD}
@@ -48,8 +48,24 @@ def test_a_reported_host_copy_is_staged_for_routing_until_it_is_dropped(tiny_ada
     core.check_integrity()
 
 
+def test_host_copies_steer_routing_only_where_a_miss_hurts(tiny_adapters: Any) -> None:
+    """On a store whose reads are fast (the gate closed: no read measured slow), a host copy saves a few ms and
+    does not outrank a cold replica; once the workers' reads are measured slow it does."""
+    core, names = _core(tiny_adapters)  # the default gate
+    a = names[0]
+    version = core.planner.view.adapter(a).version
+    core.worker_report(R1, [(a, version, "staged", "", 0.0)], 1.0)
+    core.plan(1.0)
+    assert not core.planner.warming and _reasons(core, a)["replica-1"] is Residence.COLD
+    nbytes = core.planner.view.max_bytes()
+    for _ in range(3):  # reads of the largest shard measured slow (as READY deltas' read_s report them)
+        core.clock.read(nbytes, 2 * core.config.planner.warm_min_miss_s)
+    core.plan(2.0)
+    assert core.planner.warming and _reasons(core, a)["replica-1"] is Residence.STAGED
+
+
 def test_a_full_report_replaces_the_host_tier_and_a_loss_or_an_unregister_clears_it(tiny_adapters: Any) -> None:
-    core, names = _core(tiny_adapters)
+    core, names = _core(tiny_adapters, warm_min_miss_s=0.0)
     a, b = names[:2]
     va, vb = (core.planner.view.adapter(n).version for n in (a, b))
     core.worker_report(R0, [(a, va, "staged", "")], 1.0)

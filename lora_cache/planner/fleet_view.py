@@ -41,14 +41,15 @@ class FleetView:
         self._fleet.require_worker(worker, "residency")
         return dict(self._fleet.residency[worker])
 
-    def holding(self, worker: str, key: AdapterKey) -> tuple[Residency | None, bool]:
+    def holding(self, worker: str, key: AdapterKey, hosted: bool = True) -> tuple[Residency | None, bool]:
         """Routing's view of one adapter version on `worker`: its residency (None: not held) and whether its
-        host tier holds the shard (one copy from a slot): as the worker reported it (a read for a load, a stage,
-        a warm stage), or a stage for a known request sent and still wanted (read at once, ahead of warm ones).
-        A warm stage counts only once reported: the worker reads those one at a time, when its store is idle."""
+        host tier holds the shard (one copy from a slot): a stage for a known request sent and still wanted (read
+        at once, ahead of warm ones), or (``hosted``) a shard the worker reported there (a load's read, a stage, a
+        warm stage). A warm stage counts only once reported: the worker reads those one at a time, when its
+        store is idle."""
         fleet = self._fleet
         fleet.require_worker(worker, "holding")
-        host = key in fleet.hosted.get(worker, ()) or key in fleet.staged.get(worker, ())
+        host = key in fleet.staged.get(worker, ()) or (hosted and key in fleet.hosted.get(worker, ()))
         return fleet.residency[worker].get(key), host
 
     def hosted(self, worker: str) -> frozenset[AdapterKey]:

@@ -38,10 +38,11 @@ class RouteAdvice(NamedTuple):
     error: LoraCacheError | None = None
 
 
-def residence(view: FleetView, replica: str, key: AdapterKey) -> Residence:
+def residence(view: FleetView, replica: str, key: AdapterKey, hosted: bool = True) -> Residence:
     """READY on every rank; else LOADING if every rank holds or loads it; else STAGED if every rank that
-    does not hold it has it staged; else COLD (also for a replica without workers)."""
-    held = [view.holding(w, key) for w in view.workers(replica)]
+    does not hold it has it staged; else COLD (also for a replica without workers). ``hosted``: the shards the
+    ranks reported in their host tiers count as staged (``FleetView.holding``)."""
+    held = [view.holding(w, key, hosted) for w in view.workers(replica)]
     if not held:
         return Residence.COLD
     states = [r.state for r, _ in held if r is not None]
@@ -72,10 +73,10 @@ def ready_s(view: FleetView, replica: str, key: AdapterKey, where: Residence, cl
 
 def replica_loads(view: FleetView, key: AdapterKey, loads: Mapping[str, float],
                   down: Collection[str] = (), limits: RoutingLimits | None = None,
-                  clock: LoadClock | None = None) -> list[ReplicaLoad]:
+                  clock: LoadClock | None = None, hosted: bool = True) -> list[ReplicaLoad]:
     """Every replica (but ``down``) as the ranking sees it for ``key``; with ``limits``, each with the adapters in
     flight there and its declared admission limits (``lora_cache.routing.limits``); with ``clock``, each with the
-    adapter's expected time to READY there (``ready_s``)."""
+    adapter's expected time to READY there (``ready_s``); ``hosted``: as ``residence``."""
     out = []
     for replica in view.replicas():
         if replica in down:
@@ -84,7 +85,7 @@ def replica_loads(view: FleetView, key: AdapterKey, loads: Mapping[str, float],
         queue, hints = view.queue(replica), view.hints(replica)  # routed there, not started: read once
         arriving = len(queue) + len(hints)
         load = float(arriving) if given is None else given
-        where = residence(view, replica, key)
+        where = residence(view, replica, key, hosted)
         item = ReplicaLoad(replica, where, load, ready_s=ready_s(view, replica, key, where, clock),
                            arriving=arriving)
         if limits is not None:
@@ -100,11 +101,13 @@ def replica_loads(view: FleetView, key: AdapterKey, loads: Mapping[str, float],
 
 def advise(view: FleetView, items: Sequence[RouteRequest], config: RouterConfig,
            loads: Mapping[str, float] | None = None, down: Collection[str] = (),
-           limits: RoutingLimits | None = None, clock: LoadClock | None = None) -> list[RouteAdvice]:
+           limits: RoutingLimits | None = None, clock: LoadClock | None = None,
+           hosted: bool = True) -> list[RouteAdvice]:
     """Ranked replicas for every item, in order (``lora_cache.routing.ranking.route_batch``); an item naming an
     unknown adapter or a version that is not current gets its own error and takes no load. ``limits``: the
     replicas' admission limits and requests in flight; each item's first pick is recorded there. ``clock``: the
-    measured load times and the requests' lead (``lora_cache.routing.clock``)."""
+    measured load times and the requests' lead (``lora_cache.routing.clock``). ``hosted``: the shards the ranks
+    reported in their host tiers count as staged (the controller's choice: ``ControllerCore.route``)."""
     loads = dict(loads or {})
     if not view.replicas():
         raise ConflictError("no replicas to route to; start some (lora-cache serve --replicas N) or wait for "
@@ -121,7 +124,7 @@ def advise(view: FleetView, items: Sequence[RouteRequest], config: RouterConfig,
         errors.append(_check(view, item))
         if errors[-1] is None and item.adapter not in views:
             views[item.adapter] = replica_loads(view, view.adapter(item.adapter).key, loads, down, limits,
-                                                clock)
+                                                clock, hosted)
     good = [RouteItem(i.adapter, i.tokens) for i, e in zip(items, errors) if e is None]
     batch = route_batch(good, views, config, clock.lead_s if clock is not None else 0.0)
     if limits is not None:
