@@ -217,7 +217,7 @@ def test_device_reads_are_slower_than_page_cache_reads_and_concurrent_ones_share
     (page,) = read_times("page-cache", 1)
     (device,) = read_times("device", 1)
     assert device > page
-    assert device == pytest.approx(0.05 + 0.001 + 0.005)  # 50 MB at 1 GB/s, then the reader's own read
+    assert device == pytest.approx(0.05)  # 50 MB at 1 GB/s: the reader's copies ride on the transfer, not after it
     together = read_times("device", 4)
     assert min(together) > 3 * 0.05  # four reads at once share the device's 1 GB/s
     assert max(read_times("page-cache", 4)) == pytest.approx(page)  # each page-cache reader at its own speed
@@ -233,6 +233,20 @@ def test_s3_fetches_once_per_node_after_the_latency_then_reads_the_local_copy() 
     assert store.fetches == 1
     for e in entries:
         assert e.staged.time == pytest.approx(0.03 + 0.1 + 0.001 + 0.0005)
+
+
+def test_a_fitted_device_read_takes_as_long_as_the_logged_one() -> None:
+    """Round trip: a device fitted from a run's reads (the worker's whole ``disk_ms``) and simulated reads them in
+    their logged time, whatever page-cache read cost the calibration holds (the reader's work is in the read)."""
+    nbytes = 300_000_000
+    loads = [{"host_hit": False, "t_s": 10.0 * i + 0.2, "ready_ms": 200.0, "disk_ms": 180.0, "nbytes": nbytes,
+              "adapter": f"a{i}"} for i in range(3)]
+    calib = fit_store(Calibration(disk_fixed_ms=30.0, disk_gbps=1.5), [loads], parse_store("device"))
+    loop = Loop()
+    tier = SimHostTier(loop, calib, 1 << 40, 4, SimStore(parse_store("device"), loop, calib, {"a": nbytes}))
+    entry, _ = tier.fetch(AdapterKey("a", "v"), nbytes)
+    loop.run(lambda: entry.staged.done)
+    assert entry.staged.time == pytest.approx(0.180)
 
 
 def test_fit_store_device_bandwidth_from_busy_time() -> None:
