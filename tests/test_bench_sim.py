@@ -406,6 +406,17 @@ def test_fit_keeps_costs_non_negative_and_needs_data() -> None:
         fit_calibration(steps, [])
 
 
+def test_a_run_without_loads_takes_its_load_costs_from_the_base() -> None:
+    """An oracle's run (every adapter resident before its clock) logs steps and no load: its steps are fitted,
+    its load costs are the base's (``bench.sim.check`` of an oracle-only run)."""
+    steps = [{"kind": k, "items": i, "tokens": 10 * i, "adapters": 1, "ms": 5.0 + i}
+             for k in ("prefill", "decode") for i in (1, 2, 3)]
+    fitted = fit_calibration(steps, [], base=H200)
+    assert fitted.decode_per_item_ms == pytest.approx(1.0) and fitted.decode_base_ms == pytest.approx(5.0)
+    for name in ("h2d_gbps", "load_fixed_ms", "disk_fixed_ms", "disk_gbps", "device_gbps", "device_fixed_ms"):
+        assert getattr(fitted, name) == getattr(H200, name)
+
+
 def _synthetic_logs(truth: Calibration, seed: int, waited_prefills: bool = False) -> tuple[list, list]:
     """Step and load logs as the real engine writes them, from known costs: multiplicative noise of mean 1
     on every step, load waits added to some steps' ``ms`` (all prefills' with ``waited_prefills``), three

@@ -196,14 +196,15 @@ def fit_calibration(steps: Iterable[Mapping[str, Any]], loads: Iterable[Mapping[
     ``steps``: ``{kind: 'prefill'|'decode', items, tokens, adapters, ms, load_wait_ms[, gap_ms,
     readiness_ms]}`` (``ms`` includes ``load_wait_ms``, which is subtracted). ``loads``: ``{nbytes,
     ready_ms, h2d_ms, disk_ms, host_hit}``.
-    The module docstring says how each cost is fitted. ``info``: filled per fit (``prefill``, ``decode``,
-    ``h2d``, ``disk``) with ``rows`` given, ``used``, ``dropped`` and ``dropped_excess_ms`` (the time of
-    the dropped rows above their fit) and, for steps,
-    ``waited_left_out`` (steps left out for their load wait).
+    The module docstring says how each cost is fitted. No loads (an oracle's run: every adapter resident
+    before its clock): the load costs are ``base``'s, and a ``base`` must be given. ``info``: filled per fit
+    (``prefill``, ``decode``, ``h2d``, ``disk``) with ``rows`` given, ``used``, ``dropped`` and
+    ``dropped_excess_ms`` (the time of the dropped rows above their fit) and, for steps, ``waited_left_out``
+    (steps left out for their load wait).
     ``reads``: the disk reads in flight beside each step (``read_overlaps``); by default computed from
     ``steps`` and ``loads`` as one run's logs (one clock): pass them when pooling several runs.
     """
-    base = base or Calibration()
+    given_base, base = base, base or Calibration()
     info = info if info is not None else {}
     steps, loads = list(steps), list(loads)
     beside = list(reads) if reads is not None else read_overlaps(steps, loads)
@@ -212,8 +213,17 @@ def fit_calibration(steps: Iterable[Mapping[str, Any]], loads: Iterable[Mapping[
                                getattr(base, f"{kind}_read_slowdown")) for kind in STEP_COLUMNS}
     prefill, decode = fitted["prefill"], fitted["decode"]
     round_ms, readiness_ms = _fit_rounds(steps, base, info)
+    computed = dataclasses.replace(
+        base, name=name, source=source, provisional=False,
+        prefill_base_ms=prefill["1"], prefill_per_token_ms=prefill["tokens"], prefill_per_item_ms=prefill["items"],
+        decode_base_ms=decode["1"], decode_per_item_ms=decode["items"], decode_per_adapter_ms=decode["adapters"],
+        prefill_read_slowdown=prefill["read_slowdown"], decode_read_slowdown=decode["read_slowdown"],
+        round_ms=round_ms, readiness_ms=readiness_ms)
     if not loads:
-        raise ConfigError("fit_calibration: no loads in the log; a run must load at least one adapter")
+        if given_base is None:
+            raise ConfigError("fit_calibration: no loads in the log and no base calibration to take their costs "
+                              "from; a run must load at least one adapter, or pass base=")
+        return computed  # an oracle alone: every adapter resident before its clock; the load costs are the base's
     copies = [ld for ld in loads if ld["host_hit"]]
     copies = copies if len(copies) >= 2 else loads  # a read's chunks are copied while it reads: not a copy's time
     nbytes = np.array([ld["nbytes"] for ld in copies], dtype=np.float64)
@@ -226,12 +236,7 @@ def fit_calibration(steps: Iterable[Mapping[str, Any]], loads: Iterable[Mapping[
         disk_fixed, disk_gbps = _fit_rate(np.array([ld["nbytes"] for ld in missed], dtype=np.float64),
                                           np.array([ld["disk_ms"] for ld in missed], dtype=np.float64), "disk", info)
     return dataclasses.replace(
-        base, name=name, source=source, provisional=False,
-        prefill_base_ms=prefill["1"], prefill_per_token_ms=prefill["tokens"], prefill_per_item_ms=prefill["items"],
-        decode_base_ms=decode["1"], decode_per_item_ms=decode["items"], decode_per_adapter_ms=decode["adapters"],
-        prefill_read_slowdown=prefill["read_slowdown"], decode_read_slowdown=decode["read_slowdown"],
-        round_ms=round_ms, readiness_ms=readiness_ms, h2d_gbps=h2d_gbps,
-        load_fixed_ms=copy_fixed + max(0.0, float(np.percentile(residual, 25))),
+        computed, h2d_gbps=h2d_gbps, load_fixed_ms=copy_fixed + max(0.0, float(np.percentile(residual, 25))),
         disk_fixed_ms=disk_fixed, disk_gbps=disk_gbps)
 
 
