@@ -90,6 +90,8 @@ class RealConfig:
     router: str = "round-robin"  # the routing rule (bench.router.rules.RULES)
     store: str = "page-cache"  # bench.store: page-cache | device (pages dropped) | s3:... (adapters_dir is s3://)
     disk_root: str = ""  # s3: each policy's disk tier is a fresh directory under it (empty: a temporary one)
+    # the controller's warming gate (PlannerConfig.warm_min_miss_s), recorded with the run: bench.sim.check replays it
+    warm_min_miss_s: float = PlannerConfig.warm_min_miss_s
 
     def store_model(self) -> StoreModel:
         return parse_store(self.store)
@@ -155,7 +157,8 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
     t_begin = time.perf_counter()
     phases = Phases(t_begin)
     _refuse_running_service()
-    service = start(serve, catalog, PlannerConfig(policy=policy.planner), worker)
+    planner = PlannerConfig(policy=policy.planner, warm_min_miss_s=config.warm_min_miss_s)
+    service = start(serve, catalog, planner, worker)
     phases.mark("service_s")  # Ray actors (workers with their caches) up, every adapter registered
     gateway = None
     replicas = [f"replica-{i}" for i in range(config.replicas)]

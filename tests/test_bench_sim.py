@@ -603,3 +603,26 @@ def test_pipelined_admits_a_copy_only_if_it_lands_before_the_layer_that_needs_it
     assert not waited, (f"{len(waited)} steps waited on a chunk, up to {max(s.chunk_wait_ms for s in waited):.1f} "
                         "ms: a copy admitted as LOADING landed after the layer that needed it")
     assert res.records and all(r.error is None for r in res.records)
+
+
+def test_the_warming_gate_reaches_the_simulated_planner() -> None:
+    """``SimConfig.warm_min_miss_s`` is the planner's: on page-cache reads (H200: a rank-64 shard in ~80 ms) the
+    default gate (0.15 s) never opens, so no warm stage is sent; 0 warms from the start, as real runs made before
+    the gate did (``bench.sim.check.run_warm_gate``)."""
+    gated = simulate(SMALL, BENCH_POLICIES["global"], workload(), H200, check=True)
+    always = simulate(dataclasses.replace(SMALL, warm_min_miss_s=0.0), BENCH_POLICIES["global"], workload(), H200,
+                      check=True)
+    assert int(always.controller["stage_commands"]) > int(gated.controller["stage_commands"])  # type: ignore[call-overload]
+
+
+def test_the_check_replays_the_warming_gate_the_real_run_had() -> None:
+    from bench.sim.check import WARM_GATE_SINCE, run_warm_gate
+    from lora_cache.planner import PlannerConfig
+
+    def doc(started: str, real: dict[str, Any]) -> dict[str, Any]:
+        return {"config": {"started": started, "real": real}}
+
+    assert run_warm_gate(doc("2026-11-29 10:00:00", {"warm_min_miss_s": 0.4})) == 0.4  # recorded: as recorded
+    assert run_warm_gate(doc("2026-11-28 15:44:39", {})) == 0.0  # before the gate existed: warmed from the start
+    assert WARM_GATE_SINCE > "2026-11-28 15:44:39"
+    assert run_warm_gate(doc("2026-11-28 19:00:00", {})) == PlannerConfig.warm_min_miss_s  # unrecorded: the default

@@ -17,6 +17,13 @@ The real router sends a hint ``hint_lead_s`` before its request arrives, from be
 clock starts; the simulator routes at ``max(0, arrival - hint_lead_s)``, so every arrival is shifted by
 ``hint_lead_s`` to give the first requests their hints' full lead (TTFT is relative to arrival).
 
+Warming: the simulated controller warms the host tiers under the gate the real one had (``run_warm_gate``:
+``RealConfig.warm_min_miss_s`` as the run recorded it; runs from before the gate existed warmed from the start,
+0). With the current default gate the simulated controller starts warming only after its first slow reads: a
+run that warmed from the start staged its warm set during the warm-up, the gated simulation during the
+measured window, where its warm reads share the device with the misses (two-replica device run: 20 stages
+simulated in the window against 3 real).
+
 Stalls: steps whose compute took more than ``OUTLIER_FACTOR`` times its fit (JIT compiles on a fresh
 machine, GC pauses) are left out of the fit and listed per policy: the real TTFT includes them, the
 simulated one cannot.
@@ -62,6 +69,7 @@ from bench.sim.job import run_policies
 from bench.sim.store import fit_store
 from bench.warmup import split_run, warm_workload
 from bench.workloads import Workload, WorkloadSpec, make_workload
+from lora_cache.planner import PlannerConfig
 from workers.engine.admission import ADMISSION
 
 KEYS = ("mean_ttft_ms", "p99_ttft_ms")
@@ -74,9 +82,10 @@ Logs = list[dict[str, Any]] | Mapping[str, list[dict[str, Any]]]
 
 def compare(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workload,
             real: Mapping[str, Mapping[str, Any]], steps: Logs, loads: Logs, *, fit: str = "pooled",
-            noise: int = 0, seed: int = 0) -> dict[str, Any]:
+            noise: int = 0, seed: int = 0, warm_min_miss_s: float = PlannerConfig.warm_min_miss_s) -> dict[str, Any]:
     """``real``: each policy's figures; ``steps``/``loads``: the real run's logs the costs are fitted from, as
-    one list or by policy (``fit='per-policy'`` needs them by policy). ``noise``: noisy runs per policy."""
+    one list or by policy (``fit='per-policy'`` needs them by policy). ``noise``: noisy runs per policy.
+    ``warm_min_miss_s``: the warming gate the real run's controller had (``run_warm_gate``)."""
     if fit not in FITS:
         raise ValueError(f"fit {fit!r}: use one of {FITS}")
     by_policy = isinstance(steps, Mapping)
@@ -95,7 +104,8 @@ def compare(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workl
     runs_loads = list(loads.values()) if isinstance(loads, Mapping) else [all_loads]
     pooled = fit_store(pooled, runs_loads, store)
     out: dict[str, Any] = {"fit": fit, "calibration": dataclasses.asdict(pooled), "policies": {},
-                           "store": store.describe(), "warmup_requests": workload.warmup}
+                           "store": store.describe(), "warmup_requests": workload.warmup,
+                           "warm_min_miss_s": warm_min_miss_s}
     workload = _shift(workload, bench.hint_lead_s)
     for policy in policies:
         own_steps = steps[policy.name] if isinstance(steps, Mapping) else all_steps
@@ -108,7 +118,7 @@ def compare(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workl
             calib = fit_store(calib, [own_loads], store)
             out.setdefault("calibrations", {})[policy.name] = dataclasses.asdict(calib)
         config: dict[str, Any] = {}
-        (sim,) = run_policies(bench, [policy], workload, config, calib)
+        (sim,) = run_policies(bench, [policy], workload, config, calib, warm_min_miss_s)
         r, s = real[policy.name], figures(split_run(sim, workload.warmup)[0])  # the measured window, as the real
         entry: dict[str, Any] = {k: {"real": r[k], "sim": s[k], "error": s[k] / r[k] - 1 if r[k] else math.inf}
                                  for k in KEYS}
@@ -255,6 +265,19 @@ def _host_ms_per_step(requests: Sequence[Mapping[str, Any]], steps: Sequence[Map
     return max(0.0, (held * 1e3 - sum(s["ms"] for s in steps)) / len(steps))
 
 
+WARM_GATE_SINCE = "2026-11-28 15:55"  # the controller's first warming gate (commit 4a1b808): warmed always before
+
+
+def run_warm_gate(doc: Mapping[str, Any]) -> float:
+    """The warming gate (``PlannerConfig.warm_min_miss_s``) a real run's controller had: as recorded in its
+    config (``RealConfig.warm_min_miss_s``); a run from before the record that started before the gate existed
+    (``WARM_GATE_SINCE``) warmed from the start (0); any other, the planner's default (a service starts with it)."""
+    recorded = doc["config"].get("real", {}).get("warm_min_miss_s")
+    if recorded is not None:
+        return float(recorded)
+    return 0.0 if str(doc["config"].get("started", "")) < WARM_GATE_SINCE else PlannerConfig.warm_min_miss_s
+
+
 def check(doc: dict[str, Any], fit: str = "pooled", noise: int = 0) -> dict[str, Any]:
     """``compare`` for a results.json document of a ``--engine real`` run."""
     bench = BenchConfig(**doc["config"]["bench"])
@@ -268,7 +291,8 @@ def check(doc: dict[str, Any], fit: str = "pooled", noise: int = 0) -> dict[str,
     workload = warm_workload(spec, names, warmup, bench.replicas, bench.slots)[0] if warmup else \
         make_workload(spec, names)
     return compare(bench, [BENCH_POLICIES[p] for p in doc["figures"]], workload, doc["figures"],
-                   estimate_gaps(doc["requests"], doc["steps"]), doc["loads"], fit=fit, noise=noise)
+                   estimate_gaps(doc["requests"], doc["steps"]), doc["loads"], fit=fit, noise=noise,
+                   warm_min_miss_s=run_warm_gate(doc))
 
 
 def format_comparison(out: Mapping[str, Any]) -> str:

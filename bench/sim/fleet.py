@@ -130,6 +130,9 @@ class SimConfig:
         "help": "the planner's stage_host_share (global: popular adapters staged within this share of the host tier)"})
     warm_share: float = field(default=PlannerConfig.warm_host_share, metadata={
         "help": "the planner's warm_host_share (global: the fleet's host tiers filled ahead of demand, warming.py)"})
+    warm_min_miss_s: float = field(default=PlannerConfig.warm_min_miss_s, metadata={
+        "help": "the planner's warm_min_miss_s (global: warm only once the workers' store reads of the largest shard "
+                "take this long; 0: warm from the start, as real runs before the gate did, bench.sim.check)"})
     model: str = field(default="llama-3.1-8b", metadata={"help": "model shape (decides adapter shard bytes)"})
     max_rank: int = field(default=64, metadata={"help": "largest LoRA rank (sizes the slots)"})
     adapter_ranks: str = field(default="16,64", metadata={"help": "LoRA ranks given to the adapters in turn"})
@@ -238,7 +241,8 @@ class _Fleet:
         catalog = SyntheticCatalog(resolve_model(config.model), {n: ranks[i % len(ranks)] for i, n in enumerate(names)},
                                    calibration.slot_dtype)
         planner = PlannerConfig(policy=policy.planner, max_staged_per_replica=config.max_staged,
-                                stage_host_share=config.stage_share, warm_host_share=config.warm_share)
+                                stage_host_share=config.stage_share, warm_host_share=config.warm_share,
+                                warm_min_miss_s=config.warm_min_miss_s)
         self.controller = SimController(loop, calibration, planner, catalog, config.plan_interval_s, config.sync_s,
                                         router or RouterConfig())
         for name in names:

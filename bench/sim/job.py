@@ -19,26 +19,32 @@ from bench.report import progress
 from bench.sim.calibration import Calibration, load_calibration
 from bench.sim.fleet import SimConfig, simulate
 from bench.workloads import Workload
+from lora_cache.planner import PlannerConfig
 
 
-def sim_config(bench: BenchConfig, workload: Workload | None = None) -> SimConfig:
+def sim_config(bench: BenchConfig, workload: Workload | None = None,
+               warm_min_miss_s: float = PlannerConfig.warm_min_miss_s) -> SimConfig:
     """The fleet ``bench`` asks for, simulated: its replicas, slots, batching bounds, router, lead and store; with
-    ``workload``, its warm-up's end (the first measured arrival) for the counters' snapshot."""
+    ``workload``, its warm-up's end (the first measured arrival) for the counters' snapshot. ``warm_min_miss_s``:
+    the controller's warming gate (a real run's own, ``bench.sim.check``; else the planner's default, as a real
+    service starts with)."""
     warm = workload.requests[workload.warmup].arrival_s if workload is not None and workload.warmup and \
         not workload.inflight and workload.warmup < len(workload.requests) else -1.0
     return SimConfig(model=bench.model, replicas=bench.replicas, tp=bench.tp, slots=bench.slots,
                      max_rank=bench.max_rank, adapter_ranks=bench.adapter_ranks, max_running=bench.max_running,
                      max_adapters=bench.max_adapters, max_prefill_tokens=bench.max_prefill_tokens,
                      hint_lead_s=bench.hint_lead_s, host_bytes=bench.host_bytes, routing=bench.router,
-                     store=bench.store, warmup_s=warm)
+                     store=bench.store, warmup_s=warm, warm_min_miss_s=warm_min_miss_s)
 
 
 def run_policies(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workload, config: dict[str, Any],
-                 calibration: Calibration | None = None) -> list[PolicyRun]:
-    """Each policy simulated over ``workload`` with ``calibration`` (default: ``bench.calibration``'s file);
-    the simulator's configuration and the calibration go into ``config`` (results.json's)."""
+                 calibration: Calibration | None = None,
+                 warm_min_miss_s: float = PlannerConfig.warm_min_miss_s) -> list[PolicyRun]:
+    """Each policy simulated over ``workload`` with ``calibration`` (default: ``bench.calibration``'s file) and
+    the warming gate ``warm_min_miss_s`` (``sim_config``); the simulator's configuration and the calibration go
+    into ``config`` (results.json's)."""
     calib = calibration if calibration is not None else load_calibration(bench.calibration)
-    sim = sim_config(bench, workload)
+    sim = sim_config(bench, workload, warm_min_miss_s)
     config["sim"] = dataclasses.asdict(sim)
     config["calibration"] = dataclasses.asdict(calib)
     runs = []
