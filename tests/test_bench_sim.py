@@ -510,6 +510,7 @@ def test_sim_check_recovers_a_simulated_run_from_its_own_logs() -> None:
     slow = NoisyCalibration.wrap(H200, {"disk": [2.0], "h2d": [1.5]}, seed=0)
     assert slow.disk_s(1 << 20) == pytest.approx(2.0 * H200.disk_s(1 << 20))
     assert slow.h2d_s(1 << 20) == pytest.approx(1.5 * H200.h2d_s(1 << 20))
+    assert slow.device_slowdown() == pytest.approx(2.0) and H200.device_slowdown() == 1.0  # device reads: disk's
 
 
 def test_shipped_calibrations_load_and_say_what_they_are() -> None:

@@ -249,6 +249,17 @@ def test_a_fitted_device_read_takes_as_long_as_the_logged_one() -> None:
     assert entry.staged.time == pytest.approx(0.180)
 
 
+def test_a_slowed_device_read_holds_the_link_longer() -> None:
+    """The reads' noise (``device_slowdown``, drawn by ``--noise``) stretches a device read's transfer; the link
+    still counts the bytes the read moved."""
+    loop = Loop()
+    link = SharedLink(loop, 1e6, 0.0)
+    done: dict[str, float] = {}
+    link.start(1_000_000, lambda: done.setdefault("slow", loop.now), slowdown=2.0)
+    loop.run(lambda: False)
+    assert done["slow"] == pytest.approx(2.0) and link.moved == 1_000_000
+
+
 def test_fit_store_device_bandwidth_from_busy_time() -> None:
     loads = [{"host_hit": False, "t_s": 1.0, "ready_ms": 1000.0, "disk_ms": 1000.0, "nbytes": 500_000_000,
               "adapter": "a"},

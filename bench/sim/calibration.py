@@ -151,6 +151,11 @@ class Calibration:
     def disk_s(self, nbytes: int) -> float:
         return self.disk_fixed_ms / 1e3 + nbytes / (self.disk_gbps * GB)
 
+    def device_slowdown(self) -> float:
+        """How many times its fitted time the next ``--store device`` read takes alone on the device: 1 (the
+        reads' noise, ``bench.sim.check.NoisyCalibration``, draws it from the real reads' ratios to their fit)."""
+        return 1.0
+
     # -- files ---------------------------------------------------------------------------------------
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"

@@ -40,7 +40,9 @@ worst request, and one slow stretch behind a head-of-line wait (``max_adapters``
 ``--noise N`` runs each simulation N more times, each step's cost multiplied by the ratio of a real
 step of the same kind to its fit, drawn in blocks of ``NOISE_BLOCK`` consecutive steps of that kind in
 the run's own log (stalls left out), and reports the 5th-95th percentile band of the simulated
-figures; loads likewise draw their disk reads' and copies' ratios to their fits. Per kind, because
+figures; loads likewise draw their disk reads' and copies' ratios to their fits (``--store device``: a read's
+ratio stretches its transfer on the shared device; the logged reads' ratios hold the sharing the device models
+too, so that band is a little wide). Per kind, because
 the two kinds of step differ: a decode step is one CUDA graph launch, a
 prefill a thousand eager launches whose rare slow ones (a 263-token prefill of 169 ms, ~30 ms
 normally, was global's worst TTFT on the two-replica run) a block of decode ratios never draws.
@@ -230,6 +232,9 @@ class NoisyCalibration(Calibration):
 
     def disk_s(self, nbytes: int) -> float:
         return super().disk_s(nbytes) * self._factor("disk")
+
+    def device_slowdown(self) -> float:
+        return self._factor("disk")  # a device read: the same ratios of a logged read to its fit
 
     def h2d_s(self, nbytes: int) -> float:
         return super().h2d_s(nbytes) * self._factor("h2d")

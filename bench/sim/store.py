@@ -42,8 +42,11 @@ class SharedLink:
         self.busy_s = 0.0  # simulated time with a transfer on the link
         self.moved = 0
 
-    def start(self, nbytes: int, done: Callable[[], None]) -> None:
-        self.loop.after(self.fixed_s, self._join, nbytes, done)
+    def start(self, nbytes: int, done: Callable[[], None], slowdown: float = 1.0) -> None:
+        """Move ``nbytes``, then call ``done``; ``slowdown``: the transfer takes that many times its share's time
+        (it holds the link for ``nbytes * slowdown`` bytes' worth; ``moved`` counts ``nbytes``)."""
+        self.moved += nbytes
+        self.loop.after(self.fixed_s, self._join, nbytes * slowdown, done)
 
     def _advance(self) -> None:
         now = self.loop.now
@@ -54,8 +57,7 @@ class SharedLink:
             self.busy_s += now - self.last
         self.last = now
 
-    def _join(self, nbytes: int, done: Callable[[], None]) -> None:
-        self.moved += nbytes
+    def _join(self, nbytes: float, done: Callable[[], None]) -> None:
         if math.isinf(self.rate) or nbytes <= 0:
             done()
             return
@@ -98,7 +100,7 @@ class SimStore:
 
     def read(self, name: str, nbytes: int, done: Callable[[], None]) -> None:
         if self.model.kind == "device":  # the reader's copies ride on the device's transfer (module docstring)
-            self.link.start(nbytes, done)
+            self.link.start(nbytes, done, self.calibration.device_slowdown())
             return
         copy = self.on_disk.get(name)
         if copy is None:
