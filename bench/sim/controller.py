@@ -24,7 +24,7 @@ from bench.sim.worker import Delta, SimWorker
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig, check_name
 from lora_cache.adapters.peft import AdapterConfig, AdapterSpec, KnownVersion, LoraModule
 from lora_cache.adapters.shapes import MODULE_ORDER, ModelShape
-from lora_cache.controller.core import ControllerConfig, ControllerCore
+from lora_cache.controller.core import HOST_STATES, ControllerConfig, ControllerCore
 from lora_cache.errors import NotFoundError
 from lora_cache.planner import PlannerConfig
 from lora_cache.routing.ranking import RouterConfig
@@ -115,7 +115,8 @@ class SimController:
     def _take_deltas(self, wid: WorkerId) -> None:
         deltas, self._outbox[wid] = self._outbox[wid], []
         self.core.worker_report(wid, deltas, self.loop.now)
-        self._plan()
+        if any(d[2] not in HOST_STATES for d in deltas):  # as WorkerLinks.receive: host tiers' changes plan nothing
+            self._plan()
 
     # -- decisions -------------------------------------------------------------------------------------
     def _timer(self) -> None:

@@ -75,7 +75,7 @@ class ControllerConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
 
 
-_HOST = ("staged", "unstaged")  # a worker's host tier gained or dropped a shard (its slots did not change)
+HOST_STATES = ("staged", "unstaged")  # a worker's host tier gained or dropped a shard (its slots did not change)
 
 # one change a worker reported: (adapter, version, state, error[, read_s]) (``vocab.DeltaRow`` less its seq)
 ReportRow = tuple[str, str, str, str] | tuple[str, str, str, str, float]
@@ -234,7 +234,7 @@ class ControllerCore:
         self.lost.heard_from(worker)
         events: list[ReadinessEvent] = []
         for adapter, version, state, error, *read in deltas:
-            if state in _HOST:  # its host tier, apart from the slots: routing's, no readiness
+            if state in HOST_STATES:  # its host tier, apart from the slots: routing's, no readiness
                 key = [AdapterKey(adapter, version)]
                 self.planner.report_host(str(worker), *((key, ()) if state == "staged" else ((), key)))
                 continue

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import ray
 
 from lora_cache.controller.adoption import Adoption, while_restarting
-from lora_cache.controller.core import ControllerCore
+from lora_cache.controller.core import HOST_STATES, ControllerCore
 from lora_cache.controller.lifelines import Lifelines
 from lora_cache.controller.readiness import ReadinessEvent
 from lora_cache.errors import ConfigError, ConflictError
@@ -166,7 +166,8 @@ class WorkerLinks:
     # -- reports (step 7) and repairs -------------------------------------------------------------
     def receive(self, name: str, incarnation: int, deltas: list[DeltaRow]) -> bool:
         """Deltas pushed by a worker: those already applied (a resync covered them) are skipped; a gap
-        triggers a resync. True if any were applied (the caller replans)."""
+        triggers a resync. True if any slot's change was applied (the caller replans; the host tiers' changes
+        are routing's, not the planner's)."""
         wid = parse_worker_name(name)
         if wid not in self.handles:
             return False  # not adopted yet: the rebuild reads its full report
@@ -188,7 +189,7 @@ class WorkerLinks:
             log.info("deltas from %s were lost (seq %d after %d): resyncing", wid, fresh[0][0], link.applied)
             asyncio.get_running_loop().create_task(self.resync(wid))
         self._resync_returned()
-        return True
+        return any(d[3] not in HOST_STATES for d in fresh)  # a host tier's changes alone change no plan
 
     def _new_incarnation(self, wid: WorkerId, incarnation: int) -> bool:
         """Note a worker's incarnation; a newer one starts empty. False: an older one (ignore it)."""
