@@ -414,6 +414,20 @@ class _LifelineWorker:
         self.writer.transport.abort()
 
 
+def _victim_links(core: ControllerCore, worker: Any, publish: Any = lambda events: None) -> WorkerLinks:
+    """Links to replica r0's two ranks, both linked at incarnation 1: rank 1 is ``worker`` (the one under test),
+    rank 0 a stand-in. Built inside the test's event loop."""
+
+    async def replan() -> None:
+        pass
+
+    links = WorkerLinks(core, None, publish, replan, find=lambda name: None, named=lambda: [])  # type: ignore[arg-type]
+    for rank in (0, 1):
+        links.handles[WorkerId("r0", rank)] = worker if rank == 1 else object()
+        links.links[WorkerId("r0", rank)] = Link(1, 0)
+    return links
+
+
 def test_a_closed_lifeline_loses_the_rank_at_once_and_its_late_deltas_are_not_believed(fleet) -> None:
     """Issue 35 item 1: a rank's death reached the controller only at the next failed ping or the restarted
     worker's hello (Lookup said READY for up to 1.4 s), and deltas the dead rank had sent before dying
@@ -424,16 +438,10 @@ def test_a_closed_lifeline_loses_the_rank_at_once_and_its_late_deltas_are_not_be
     victim = WorkerId("r0", 1)
     published: list[Any] = []
 
-    async def replan() -> None:
-        pass
-
     async def scenario() -> None:
-        links = WorkerLinks(core, None, published.extend, replan, find=lambda name: None,  # type: ignore[arg-type]
-                            named=lambda: [])
         worker = _LifelineWorker({"incarnation": 2, "seq": 0, "residency": []})
+        links = _victim_links(core, worker, published.extend)
         for rank in (0, 1):
-            links.handles[WorkerId("r0", rank)] = worker if rank == 1 else object()
-            links.links[WorkerId("r0", rank)] = Link(1, 0)
             links.receive(worker_name(WorkerId("r0", rank)), 1, [(1, "adapter-000", version, "ready", "")])
         assert core.readiness.lookup("adapter-000").ready == ("r0",)
         links.lifelines.watch(victim, worker)
@@ -482,16 +490,9 @@ def test_a_lifeline_call_that_never_connected_is_not_a_death(fleet, monkeypatch)
     core, _ = fleet
     victim = WorkerId("r0", 1)
 
-    async def replan() -> None:
-        pass
-
     async def scenario() -> None:
-        links = WorkerLinks(core, None, lambda events: None, replan, find=lambda name: None,  # type: ignore[arg-type]
-                            named=lambda: [])
         worker = _RestartingWorker({"incarnation": 2, "seq": 0, "residency": []}, fails=3)
-        for rank in (0, 1):
-            links.handles[WorkerId("r0", rank)] = worker if rank == 1 else object()
-            links.links[WorkerId("r0", rank)] = Link(1, 0)
+        links = _victim_links(core, worker)
         links.lifelines.watch(victim, worker)
         while worker.writer is None:  # three failed calls, then a connected one
             await asyncio.sleep(0.01)
@@ -525,16 +526,9 @@ def test_a_killed_ranks_lifeline_call_failing_after_its_restart_does_not_lose_it
     core, _ = fleet
     victim = WorkerId("r0", 1)
 
-    async def replan() -> None:
-        pass
-
     async def scenario() -> None:
-        links = WorkerLinks(core, None, lambda events: None, replan, find=lambda name: None,  # type: ignore[arg-type]
-                            named=lambda: [])
         worker = _KilledWorker({"incarnation": 2, "seq": 0, "residency": []})
-        for rank in (0, 1):
-            links.handles[WorkerId("r0", rank)] = worker if rank == 1 else object()
-            links.links[WorkerId("r0", rank)] = Link(1, 0)
+        links = _victim_links(core, worker)
         links.lifelines.watch(victim, worker)
         while worker.writer is None:
             await asyncio.sleep(0.01)

@@ -235,8 +235,11 @@ class ControllerCore:
         events: list[ReadinessEvent] = []
         for adapter, version, state, error, *read in deltas:
             if state in HOST_STATES:  # its host tier, apart from the slots: routing's, no readiness
-                key = [AdapterKey(adapter, version)]
-                self.planner.report_host(str(worker), *((key, ()) if state == "staged" else ((), key)))
+                shard = [AdapterKey(adapter, version)]
+                if state == "staged":
+                    self.planner.report_host(str(worker), staged=shard)
+                else:
+                    self.planner.report_host(str(worker), dropped=shard)
                 continue
             rank_state, slot_state = _STATE.get(state, (None, None))
             key = (worker, adapter, version)
@@ -249,8 +252,7 @@ class ControllerCore:
                 self.failures.pop(key, None)
                 self.clock.ready(str(worker), adapter, version, now)
                 if read and read[0] > 0 and adapter in self.catalog:
-                    tp = max(1, len(self.planner.view.workers(worker.replica)))
-                    self.clock.read(self.planner.view.adapter(adapter).bytes_per_rank / tp, float(read[0]))
+                    self.clock.read(self.planner.view.shard_bytes(worker.replica, adapter), float(read[0]))
             if state in ("gone", "failed"):
                 self.clock.dropped(str(worker), adapter, version)
             if state == "gone":
@@ -319,12 +321,12 @@ class ControllerCore:
 
     def _time_prefetches(self, worker: str, replica: str, commands: Iterable[Command], now: float) -> None:
         """The clock times every prefetch sent, from here to the rank's READY report (routing's load times)."""
-        tp = max(1, len(self.planner.view.workers(replica)))
+        view = self.planner.view
         for c in commands:
             if isinstance(c, Prefetch) and c.adapter in self.catalog:
-                info = self.planner.view.adapter(c.adapter)
-                staged = self.planner.view.holding(worker, info.key)[1] if info.version == c.version else False
-                self.clock.sent(worker, c.adapter, c.version, info.bytes_per_rank / tp, staged, now)
+                info = view.adapter(c.adapter)
+                staged = view.holding(worker, info.key)[1] if info.version == c.version else False
+                self.clock.sent(worker, c.adapter, c.version, view.shard_bytes(replica, c.adapter), staged, now)
 
     def route(self, items: list[RouteRequest], loads: dict[str, float] | None = None) -> list[RouteAdvice]:
         """Routing advice (step 1): replicas ranked for each request's adapter, from residency, the plan in

@@ -52,10 +52,15 @@ class FleetView:
         host = key in fleet.staged.get(worker, ()) or (hosted and key in fleet.hosted.get(worker, ()))
         return fleet.residency[worker].get(key), host
 
+    def shard_bytes(self, replica: str, adapter: str) -> float:
+        """Bytes of one rank's shard of `adapter` on `replica` (its bytes per rank at TP 1 over the replica's TP):
+        the size the load clock times loads and reads by."""
+        return self.adapter(adapter).bytes_per_rank / max(1, len(self.workers(replica)))
+
     def hosted(self, worker: str) -> frozenset[AdapterKey]:
         """The shards `worker`'s host tier holds, as it reported them."""
         self._fleet.require_worker(worker, "hosted")
-        return frozenset(self._fleet.hosted.get(worker, ()))
+        return self._fleet.hosted.get(worker, frozenset())
 
     def queue(self, replica: str) -> tuple[QueueEntry, ...]:
         self._fleet.require_replica(replica, "queue")

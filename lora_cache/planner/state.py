@@ -32,7 +32,7 @@ class FleetState:
         self.holders: dict[str, set[str]] = {}  # adapter name -> workers holding any version of it
         self.queues: dict[str, tuple[QueueEntry, ...]] = {}  # replica -> waiting requests (non-empty)
         self.staged: dict[str, frozenset[AdapterKey]] = {}  # worker -> stages sent and still wanted (non-empty)
-        self.hosted: dict[str, set[AdapterKey]] = {}  # worker -> shards its host tier holds, as reported (non-empty)
+        self.hosted: dict[str, frozenset[AdapterKey]] = {}  # worker -> shards its host tier holds, reported (non-empty)
         self._min_bytes: int | None = None  # smallest bytes_per_rank in the catalog; None: recompute
         self._max_bytes: int | None = None  # largest, likewise
         self.shape = 0  # bumped by every change of the catalog, the replicas, their workers or capacities
@@ -198,19 +198,11 @@ class FleetState:
 
     def set_staged(self, worker: str, keys: Iterable[AdapterKey]) -> None:
         """The stages sent to `worker` that its replica's target still wants (not sent again while it does)."""
-        kept = frozenset(keys)
-        if kept:
-            self.staged[worker] = kept
-        else:
-            self.staged.pop(worker, None)
+        _keep_nonempty(self.staged, worker, keys)
 
     def set_hosted(self, worker: str, keys: Iterable[AdapterKey]) -> None:
         """What `worker`'s host tier holds (its full report, or its deltas applied), for routing."""
-        kept = set(keys)
-        if kept:
-            self.hosted[worker] = kept
-        else:
-            self.hosted.pop(worker, None)
+        _keep_nonempty(self.hosted, worker, keys)
 
     def check_integrity(self) -> None:
         known = self.replica_of.keys()
@@ -255,3 +247,12 @@ class FleetState:
 
 def _pinned(held: Mapping[AdapterKey, Residency]) -> set[AdapterKey]:
     return {k for k, r in held.items() if r.pinned}
+
+
+def _keep_nonempty(table: dict[str, frozenset[AdapterKey]], worker: str, keys: Iterable[AdapterKey]) -> None:
+    """``table[worker]`` = ``keys``, or no entry at all when there are none (the tables hold non-empty sets)."""
+    kept = frozenset(keys)
+    if kept:
+        table[worker] = kept
+    else:
+        table.pop(worker, None)

@@ -64,7 +64,7 @@ def ready_s(view: FleetView, replica: str, key: AdapterKey, where: Residence, cl
         return 0.0
     if clock is None:
         return math.inf
-    nbytes = view.adapter(key.name).bytes_per_rank / max(1, len(view.workers(replica)))
+    nbytes = view.shard_bytes(replica, key.name)
     if where is Residence.STAGED:
         return clock.load_s(nbytes, staged=True, spread=True)
     cold = clock.load_s(nbytes, staged=False, spread=True)
