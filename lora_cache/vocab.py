@@ -149,7 +149,8 @@ class Delta(NamedTuple):
 
     adapter: str
     version: str
-    state: str  # "loading" (a slot was taken) | "ready" | "gone" (slot freed) | "failed" (no slot) | "in_use"
+    state: str  # "loading" (a slot was taken) | "ready" | "gone" (slot freed) | "failed" (no slot) | "in_use";
+    # the host tier's: "staged" (a whole shard read in) | "unstaged" (dropped by its LRU)
     record: ReadinessRecord | None = None
     error: str = ""
 

@@ -396,6 +396,7 @@ class HostTier:
         with self._lock:
             self.bytes_read += entry.bytes_read
             self._changes.append((entry.key, True))  # before the result: no eviction of it can be queued ahead
+        self._report()  # its "staged" reaches on_change before the result, as a slot's "ready" does its future
         entry.ready.set_result(entry)
         self._wake()  # done: if nobody references it any more, its room is the LRU's (and the change is reported)
 
