@@ -35,6 +35,23 @@ def test_serve_starts_and_stops_cleanly(tmp_path: Path) -> None:
     assert "shutting down" in done.stdout
 
 
+def test_serve_from_a_store_prefix_takes_the_model_from_the_adapters_configs(tmp_path: Path) -> None:
+    """Issue 45 item 3: ``serve --adapters s3://BUCKET/PREFIX`` without ``--model`` serves the base model the
+    adapters' configs name, as it does for a directory (it used to stop with "which base model to serve?")."""
+    from tests.s3_server import S3Server
+
+    make_adapters(tmp_path / "ad", 3)
+    with S3Server() as server:
+        server.client().create_bucket(Bucket="serve-bkt")
+        for d in sorted((tmp_path / "ad").iterdir()):
+            server.upload_dir("serve-bkt", f"team/{d.name}", d)
+        done = subprocess.run(serve_argv("s3://serve-bkt/team", "--duration", "2"), cwd=tmp_path, capture_output=True,
+                              text=True, timeout=180, env={**os.environ, **server.env})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "serving base model tiny (from the adapters' base_model_name_or_path" in done.stdout
+    assert "lora-cache serving: 1 workers in ['replica-0'], 3 adapters" in done.stdout, done.stdout[-2000:]
+
+
 def test_serve_demo_is_the_main_job_a_router_over_grpc_until_ready(tmp_path: Path) -> None:
     """The README's main job: demo adapters, the service, and a router's hints/queues/watch over gRPC."""
     cmd = [*CLI, "serve", "--demo", "6", "--replicas", "2", "--tp", "2", "--grpc-port", "0", "--duration", "1"]

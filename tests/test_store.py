@@ -21,9 +21,11 @@ from safetensors import safe_open
 
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.objects import StoreUrl
-from lora_cache.adapters.peft import WEIGHTS_FILE, AdapterSpec
+from lora_cache.adapters.base_model import adapter_bases, choose_model
+from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.api import relay_codec
+from lora_cache.app.cli import inspect_adapter, main
 from lora_cache.app.client_cli import register_items
 from lora_cache.controller import catalog_store
 from lora_cache.controller.catalog_store import known_from, known_json
@@ -34,6 +36,7 @@ from lora_cache.errors import (
     AdapterPathError,
     AdapterStoreError,
     CapacityError,
+    ConfigError,
 )
 from lora_cache.runtime.cliargs import shell_path
 from tests.s3_server import S3Server, set_env
@@ -281,6 +284,63 @@ def test_register_dir_lists_the_adapter_prefixes_under_a_store_prefix(store: tup
     assert register_items(["x=/somewhere"], root) == [("x", "/somewhere"), *(items or [])]
     with pytest.raises(SystemExit, match=f"--dir s3://{BUCKET}/nothing-here: .*holds no adapter"):
         register_items([], f"s3://{BUCKET}/nothing-here")
+
+
+# -- the base model from a store prefix, as from a directory (issue 45 item 3) --------------------------------
+
+
+def test_serve_takes_the_base_model_from_a_store_prefix_as_from_a_directory(
+    store: tuple[S3Server, str], local: dict[str, Path], tmp_path: Path
+) -> None:
+    """``serve --adapters s3://...`` without ``--model``: the adapters' ``base_model_name_or_path``, read from
+    their configs in the store, chooses the model exactly as for a directory, with the same errors."""
+    server, root = store
+    assert adapter_bases(root) == {name: "tiny" for name in local}
+    assert adapter_bases(root, only="adapter-001") == {"adapter-001": "tiny"} and adapter_bases(root, "nope") == {}
+    directory = tmp_path / "here"
+    for name, d in local.items():
+        (directory / name).mkdir(parents=True)
+        (directory / name / CONFIG_FILE).write_bytes((d / CONFIG_FILE).read_bytes())
+    for model in ("", "tiny"):
+        assert choose_model(model, root) == choose_model(model, directory) == "tiny"
+    for where in (root, directory):
+        with pytest.raises(ConfigError, match=r"trained on 'tiny'.*differs from --model 'llama-3.1-8b'; pass --model"):
+            choose_model("llama-3.1-8b", where)
+    config = json.loads((local["adapter-001"] / CONFIG_FILE).read_text())
+    other = json.dumps({**config, "base_model_name_or_path": "meta-llama/Llama-3.1-8B"})
+    server.client().put_object(Bucket=BUCKET, Key=(StoreUrl.parse(root) / "adapter-001" / CONFIG_FILE).key, Body=other)
+    (directory / "adapter-001" / CONFIG_FILE).write_text(other)
+    for where in (root, directory):  # adapters of two bases: the same refusal, naming the odd one
+        with pytest.raises(ConfigError, match=r"different base models .*adapter-001: 'meta-llama/Llama-3.1-8B'"):
+            choose_model("", where)
+    server.client().put_object(Bucket=BUCKET, Key=(StoreUrl.parse(root) / "adapter-002" / CONFIG_FILE).key, Body=b"{")
+    assert adapter_bases(root)["adapter-002"] == ""  # a broken config is registration's to report, not this
+    with pytest.raises(AdapterPathError, match="bucket 'no-such-bkt' does not exist"):
+        choose_model("", "s3://no-such-bkt/adapters")
+    with pytest.raises(AdapterFormatError, match="holds no adapter"):
+        choose_model("", f"s3://{BUCKET}/nothing-here")
+
+
+def test_inspect_reads_a_store_adapter_as_it_reads_a_directory(
+    store: tuple[S3Server, str], local: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``inspect s3://BUCKET/PREFIX/NAME``: the same figures as the local copy's (the version is the store's
+    identity, the path its URL), reading the config and the header only, never the weights."""
+    server, root = store
+    here = inspect_adapter(str(local["adapter-001"]), "", 2, 64)
+    server.forget_requests()
+    assert main(["inspect", f"{root}/adapter-001", "--tp", "2", "--max-rank", "64", "--json"]) == 0
+    there = json.loads(capsys.readouterr().out)
+    assert there["path"] == f"{root}/adapter-001" and there["model"] == "tiny"
+    same = [k for k in here if k not in ("path", "version")]
+    assert {k: there[k] for k in same} == {k: here[k] for k in same}
+    weights = f"{BUCKET}/{(StoreUrl.parse(root) / 'adapter-001' / WEIGHTS_FILE).key}"
+    gets = [m for m, path in server.requests() if path.partition("?")[0] == weights and m == "GET"]
+    assert gets == ["GET"], f"the weights were read beyond the header's range: {server.requests()}"
+    with pytest.raises(ConfigError, match=f"names a bucket, not an adapter: give s3://{BUCKET}/PREFIX/NAME"):
+        inspect_adapter(f"s3://{BUCKET}", "", 1, 64)
+    with pytest.raises(AdapterFormatError, match="nothing/adapter_config.json does not exist"):
+        inspect_adapter(f"{root}/nothing", "", 1, 64)
 
 
 # -- reads through the disk tier ----------------------------------------------------------------------------

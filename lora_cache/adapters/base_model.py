@@ -1,5 +1,8 @@
 """Which base model a directory of adapters was trained on: ``serve``'s model when ``--model`` is left out.
 
+The directory may be an object-store prefix (``s3://BUCKET/PREFIX``): its adapters' configs are read from the
+store (``store.adapter_bases``), and the choice and its errors are the same as for a local directory.
+
 PEFT writes the base model into every ``adapter_config.json`` (``base_model_name_or_path``). It names a
 shape we know when it is one of ``shapes.SHAPES`` or a Hugging Face id of one (``meta-llama/Llama-3.1-8B``,
 ``Qwen/Qwen2.5-7B-Instruct``: the organisation, a ``Meta-`` prefix and an ``-Instruct`` suffix are
@@ -13,9 +16,11 @@ import json
 import re
 from pathlib import Path
 
+from lora_cache.adapters.objects import StoreUrl, is_store_url
 from lora_cache.adapters.shapes import SHAPES, ModelShape, from_hf_config, resolve_model
 from lora_cache.errors import ConfigError
 
+STORE_TIMEOUT_S = 20.0  # each store request's, as the catalog's default (CatalogConfig.store_timeout_s)
 _SUFFIXES = re.compile(r"-(instruct|chat|hf|base)$")
 
 
@@ -36,9 +41,13 @@ def shape_of_base(name: str) -> ModelShape | None:
     return None
 
 
-def adapter_bases(directory: str | Path, only: str = "") -> dict[str, str]:
+def adapter_bases(directory: str | Path, only: str = "", timeout_s: float = STORE_TIMEOUT_S) -> dict[str, str]:
     """``{adapter directory name: base_model_name_or_path}`` of every adapter directly under ``directory``
-    (of the one named ``only``, if given)."""
+    (of the one named ``only``, if given); a store prefix's are read with ``timeout_s`` per request."""
+    if is_store_url(str(directory)):
+        from lora_cache.adapters import store  # deferred: boto3, paid only by a process that uses a store
+
+        return store.adapter_bases(StoreUrl.parse(str(directory)), timeout_s, only)
     bases: dict[str, str] = {}
     if not Path(directory).is_dir():
         return bases
@@ -56,13 +65,14 @@ def adapter_bases(directory: str | Path, only: str = "") -> dict[str, str]:
     return bases
 
 
-def choose_model(model: str, adapters: str | Path | None, only: str = "") -> str:
+def choose_model(model: str, adapters: str | Path | None, only: str = "", timeout_s: float = STORE_TIMEOUT_S) -> str:
     """The model to serve: ``model`` if given (checked against the adapters' base), else the adapters' base.
+    ``adapters``: a directory or a store prefix (read with ``timeout_s`` per request).
 
     Raises ConfigError naming ``--model`` when the adapters' known bases disagree with each other or with
     ``model``, or when ``model`` is empty and the adapters name no base model we can read.
     """
-    bases = adapter_bases(adapters, only) if adapters else {}
+    bases = adapter_bases(adapters, only, timeout_s) if adapters else {}
     known = {a: s for a, b in bases.items() if (s := shape_of_base(b)) is not None}
     if model:
         shape = resolve_model(model)

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import threading
 import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from lora_cache.adapters.files import MAX_CONFIG_BYTES
@@ -369,6 +371,36 @@ def list_adapters(url: StoreUrl, timeout_s: float) -> list[tuple[str, StoreUrl]]
             "adapter_model.safetensors}"
         )
     return sorted(found)
+
+
+BASE_READS = 32  # configs read at once to find the adapters' base model: one round trip per 32 adapters
+
+
+def adapter_bases(url: StoreUrl, timeout_s: float, only: str = "") -> dict[str, str]:
+    """``{adapter name: base_model_name_or_path}`` of every adapter directly under ``url`` (of the one named
+    ``only``), as ``base_model.adapter_bases`` gives for a directory: one listing, then each
+    ``adapter_config.json`` (``BASE_READS`` at a time). A config that is not JSON, or names no base, maps to ""
+    (the catalog reports it, with its own message, when it registers); the store's own failures (no bucket,
+    no credentials, a stalled server) raise its clear error, as registration would."""
+    s3 = client(timeout_s, pool=BASE_READS)
+    if only:
+        key = (url / only / CONFIG_FILE).key
+        if key not in _keys(s3, url.bucket, key):
+            return {}
+        found = [(only, url / only)]
+    else:
+        found = list_adapters(url, timeout_s)
+
+    def base(prefix: StoreUrl) -> str:
+        data = _config_bytes(s3, prefix.bucket, (prefix / CONFIG_FILE).key)
+        try:
+            raw = json.loads(data)
+            return str(raw.get("base_model_name_or_path") or "") if isinstance(raw, dict) else ""
+        except (ValueError, RecursionError):
+            return ""
+
+    with ThreadPoolExecutor(min(BASE_READS, len(found)), thread_name_prefix="lora-cache-bases") as pool:
+        return dict(zip([name for name, _ in found], pool.map(base, [prefix for _, prefix in found]), strict=True))
 
 
 def _keys(s3: Any, bucket: str, prefix: str) -> Iterator[str]:

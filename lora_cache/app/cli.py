@@ -23,7 +23,7 @@ from typing import Any
 
 from lora_cache import __version__
 from lora_cache.app.client_cli import CLIENT_COMMANDS, add_client_commands
-from lora_cache.errors import LoraCacheError
+from lora_cache.errors import ConfigError, LoraCacheError
 from lora_cache.runtime.cliargs import add_config_args, add_config_groups, config_from_args, shell_path, shell_paths
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2  # every command: 2 also for argparse's own usage errors
@@ -38,21 +38,39 @@ def cmd_make_adapters(ns: argparse.Namespace) -> int:
     return 0
 
 
-def inspect_adapter(directory: str, model: str, tp: int, max_rank: int) -> dict[str, object]:
+def inspect_adapter(directory: str, model: str, tp: int, max_rank: int,
+                    store_timeout_s: float = 20.0) -> dict[str, object]:
+    """What ``inspect`` prints of the adapter in ``directory``: a local directory or a store prefix
+    (``s3://BUCKET/PREFIX/NAME``, read as registration reads it: config and header, no weight byte)."""
     import torch
 
-    from lora_cache.adapters.base_model import choose_model
+    from lora_cache.adapters.base_model import adapter_bases, choose_model
+    from lora_cache.adapters.objects import StoreUrl, is_store_url
     from lora_cache.adapters.peft import read_adapter
     from lora_cache.adapters.roots import AdapterRoots
     from lora_cache.adapters.shapes import resolve_model
     from lora_cache.adapters.shards import shard_layout
 
-    roots = AdapterRoots((Path(directory).resolve().parent,))
-    path = roots.resolve(Path(directory).resolve())
-    if not model:  # the adapter's own base model; read_adapter reports a directory that is not an adapter
-        model = choose_model("", path.parent, only=path.name) if (path / "adapter_config.json").is_file() else "tiny"
-    shape = resolve_model(model)
-    spec = read_adapter(path.name, path, shape, max_rank, roots)
+    if is_store_url(directory):
+        from lora_cache.adapters.store import read_store_adapter
+
+        url = StoreUrl.parse(directory)
+        if not url.key:
+            raise ConfigError(f"{directory} names a bucket, not an adapter: give s3://{url.bucket}/PREFIX/NAME")
+        parent = StoreUrl(url.bucket, url.key.rpartition("/")[0])
+        if not model:  # the adapter's own base model; the read below reports a prefix that is not an adapter
+            has_config = bool(adapter_bases(parent, url.name, store_timeout_s))
+            model = choose_model("", parent, only=url.name, timeout_s=store_timeout_s) if has_config else "tiny"
+        shape = resolve_model(model)
+        spec = read_store_adapter(url.name, url, shape, max_rank, store_timeout_s)
+    else:
+        roots = AdapterRoots((Path(directory).resolve().parent,))
+        path = roots.resolve(Path(directory).resolve())
+        if not model:  # the adapter's own base model; read_adapter reports a directory that is not an adapter
+            has_config = (path / "adapter_config.json").is_file()
+            model = choose_model("", path.parent, only=path.name) if has_config else "tiny"
+        shape = resolve_model(model)
+        spec = read_adapter(path.name, path, shape, max_rank, roots)
     ranks = sorted({m.rank for m in spec.modules})
     layouts = [shard_layout(spec, shape, tp, k, getattr(torch, spec.dtype)) for k in range(tp)]
     return {
@@ -65,7 +83,7 @@ def inspect_adapter(directory: str, model: str, tp: int, max_rank: int) -> dict[
 
 
 def cmd_inspect(ns: argparse.Namespace) -> int:
-    info = inspect_adapter(ns.dir, ns.model, ns.tp, ns.max_rank)
+    info = inspect_adapter(ns.dir, ns.model, ns.tp, ns.max_rank, ns.store_timeout_s)
     if ns.json:
         print(json.dumps(info, indent=2))
     else:
@@ -112,7 +130,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     catalog = config_from_args(CatalogConfig, ns)
     worker = config_from_args(WorkerConfig, ns)
     preflight.check_adapters(serve_config.adapters, catalog)
-    model = choose_model(catalog.model, serve_config.adapters or None)
+    model = choose_model(catalog.model, serve_config.adapters or None, timeout_s=catalog.store_timeout_s)
     if model != catalog.model:
         print(f"serving base model {model} (from the adapters' base_model_name_or_path; --model to override)",
               flush=True)
@@ -162,13 +180,16 @@ def _add_service_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_make_adapters)
 
     p = sub.add_parser("inspect", help="rank, scaling, modules, version and per-TP-rank shard bytes of an adapter")
-    p.add_argument("dir", type=shell_path, help="adapter directory (adapter_config.json + adapter_model.safetensors)")
+    p.add_argument("dir", type=shell_path, help="adapter directory (adapter_config.json + adapter_model.safetensors), "
+                   "or its object-store prefix s3://BUCKET/PREFIX/NAME")
     p.add_argument("--model", default="", type=lambda v: shell_paths(v, "name_or_file"),
                    help="named model shape or path to its config.json (default: the adapter's "
                         "base_model_name_or_path)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--max-rank", type=int, default=1024, help="reject adapters above this rank")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--store-timeout-s", type=float, default=20.0,
+                   help="an s3:// adapter's: seconds each store request may take")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("demo", help="make demo adapters and load them through one worker cache")
