@@ -138,3 +138,19 @@ def test_metrics_reach_the_prometheus_endpoint(cluster) -> None:
     assert total(samples, "ray_lora_cache_moved_bytes_total", rank="0", path="host_to_gpu") == \
         stats["bytes_host_to_gpu"] > 0
     assert total(samples, "ray_lora_cache_queue_depth", replica="replica-0") == 2
+
+
+def test_every_metric_the_dashboard_names_is_scraped_from_the_live_service(cluster) -> None:
+    """Issue 45 item 4: the Grafana dashboard's every query names a series this running service exports (runs after
+    the test above, whose loads, hits, evictions and plans put a sample in every histogram and gauge)."""
+    from lora_cache.runtime.dashboard import queries
+
+    _, port = cluster
+    wanted = {name for _, expr in queries() for name in re.findall(r"ray_lora_cache_\w+", expr)}
+    deadline, names = time.monotonic() + 30, set()
+    while time.monotonic() < deadline:
+        names = {n for n, _, _ in scrape(port)}
+        if wanted <= names:
+            break
+        time.sleep(0.5)
+    assert wanted <= names, f"named by the dashboard, not exported: {sorted(wanted - names)}"

@@ -87,10 +87,13 @@ _COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
     "gpu_misses": ("misses", {"tier": "gpu"}),
     "host_hits": ("hits", {"tier": "host"}),
     "host_misses": ("misses", {"tier": "host"}),
+    "disk_hits": ("hits", {"tier": "disk"}),  # an object-store adapter's copy found on this node's disk
+    "disk_fetches": ("misses", {"tier": "disk"}),  # ... not found: a whole object fetched from the store
     "prefetch_used": ("prefetch_outcomes", {"outcome": "used"}),
     "prefetch_unused": ("prefetch_outcomes", {"outcome": "unused"}),
     "bytes_host_to_gpu": ("bytes", {"path": "host_to_gpu"}),
     "bytes_disk_to_host": ("bytes", {"path": "disk_to_host"}),
+    "disk_fetched_bytes": ("bytes", {"path": "store_to_disk"}),
     "load_failures": ("load_failures", {}),
     "evictions": ("evictions", {}),
 }
@@ -118,6 +121,8 @@ class WorkerMetrics:
                               "prefetched adapters used before eviction / prefetched adapters freed",
                               tag_keys=RANK_TAGS)
         self.slots = Gauge("lora_cache_slots", "GPU slots by state", tag_keys=(*RANK_TAGS, "state"))
+        self.host_used = Gauge("lora_cache_host_tier_used_bytes", "bytes of the pinned host tier holding shards",
+                               tag_keys=RANK_TAGS)
         self.ready_s = Histogram("lora_cache_time_to_ready_seconds", "prefetch or miss to READY on this rank",
                                  boundaries=SECONDS_BUCKETS, tag_keys=(*RANK_TAGS, "source"))
         self.h2d_s = Histogram("lora_cache_h2d_copy_seconds", "the one host-to-GPU copy of a shard",
@@ -146,6 +151,7 @@ class WorkerMetrics:
             self.accuracy.set(used / (used + unused), tags=self.tags)
         for state in ("ready", "loading"):
             self.slots.set(int(stats.get(f"slots_{state}", 0)), tags={**self.tags, "state": state})  # type: ignore[call-overload]
+        self.host_used.set(int(stats.get("host_bytes_used", 0)), tags=self.tags)  # type: ignore[call-overload]
 
     def start(self) -> None:
         threading.Thread(target=self._run, name="lora-metrics", daemon=True).start()
