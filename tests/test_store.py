@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from lora_cache.adapters.base_model import adapter_bases, choose_model
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.objects import StoreUrl
-from lora_cache.adapters.base_model import adapter_bases, choose_model
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.api import relay_codec
@@ -191,6 +191,37 @@ def test_a_truncated_object_is_refused_at_registration(store: tuple[S3Server, st
         catalog_for(root).register("adapter-000", f"{root}/adapter-000")
 
 
+def test_registration_asks_the_store_two_requests_per_adapter_and_refuses_an_empty_object(
+    store: tuple[S3Server, str], local: dict[str, Path]
+) -> None:
+    """Issue 44 item 6: a registration's requests are the config's GET and one ranged GET of the weights (its answer
+    carries the identity and the header: no HEAD); the version is the one a HEAD and a GET gave before (a
+    snapshot's versions stay valid). An empty weights object is refused, naming it."""
+    server, root = store
+    prefix = root.split("/", 3)[3]
+    server.forget_requests()
+    spec = catalog_for(root).register("adapter-001", f"{root}/adapter-001")
+    asked = [(m, path.partition("?")[0]) for m, path in server.requests()]
+    assert asked == [("GET", f"{BUCKET}/{prefix}/adapter-001/{CONFIG_FILE}"),
+                     ("GET", f"{BUCKET}/{prefix}/adapter-001/{WEIGHTS_FILE}")], asked
+    head = server.client().head_object(Bucket=BUCKET, Key=f"{prefix}/adapter-001/{WEIGHTS_FILE}")
+    assert spec.store is not None and (spec.store.etag, spec.store.size) == (head["ETag"], head["ContentLength"])
+    weights = f"{prefix}/adapter-003/{WEIGHTS_FILE}"  # a header longer than the first range: one more ranged GET
+    header = json.dumps({"pad": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                         "__metadata__": {"pad": "x" * (80 << 10)}}).encode()
+    server.client().put_object(Bucket=BUCKET, Key=f"{prefix}/adapter-003/{CONFIG_FILE}",
+                               Body=(local["adapter-000"] / CONFIG_FILE).read_bytes())
+    server.client().put_object(Bucket=BUCKET, Key=weights, Body=len(header).to_bytes(8, "little") + header + bytes(4))
+    server.forget_requests()
+    with pytest.raises(AdapterFormatError):  # read whole (no tensor an adapter needs), then refused by the catalog
+        catalog_for(root).register("adapter-003", f"{root}/adapter-003")
+    ranges = [path for m, path in server.requests() if path.partition("?")[0] == f"{BUCKET}/{weights}"]
+    assert len(ranges) == 2, f"a long header takes one more ranged GET: {server.requests()}"
+    server.client().put_object(Bucket=BUCKET, Key=f"{prefix}/adapter-002/{WEIGHTS_FILE}", Body=b"")
+    with pytest.raises(AdapterFormatError, match=f"adapter-002/{WEIGHTS_FILE} is not a readable safetensors file"):
+        catalog_for(root).register("adapter-002", f"{root}/adapter-002")
+
+
 def test_a_store_version_survives_the_catalog_snapshot(store: tuple[S3Server, str]) -> None:
     _, root = store
     spec = catalog_for(root).register("adapter-000", f"{root}/adapter-000")
@@ -339,7 +370,7 @@ def test_inspect_reads_a_store_adapter_as_it_reads_a_directory(
     assert gets == ["GET"], f"the weights were read beyond the header's range: {server.requests()}"
     with pytest.raises(ConfigError, match=f"names a bucket, not an adapter: give s3://{BUCKET}/PREFIX/NAME"):
         inspect_adapter(f"s3://{BUCKET}", "", 1, 64)
-    with pytest.raises(AdapterFormatError, match="nothing/adapter_config.json does not exist"):
+    with pytest.raises(AdapterFormatError, match=r"nothing/adapter_config\.json does not exist"):
         inspect_adapter(f"{root}/nothing", "", 1, 64)
 
 

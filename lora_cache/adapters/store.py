@@ -1,8 +1,9 @@
 """Registration from an S3-compatible object store (lifecycle step 0; issue 29).
 
-``read_store_adapter`` reads only metadata: ``adapter_config.json`` (one GET), the weights object's identity
-(HEAD: ETag, VersionId, size) and its safetensors header (a ranged GET of the first ``HEAD_GUESS`` bytes with
-``If-Match`` on that ETag, and a second one if the header is longer), never the weights. The version is a hash
+``read_store_adapter`` reads only metadata, in two requests: ``adapter_config.json`` (one GET), then the weights
+object's first ``HEAD_GUESS`` bytes (one ranged GET), whose answer carries its identity (ETag, VersionId, and its size
+in ``Content-Range``) and most adapters' whole safetensors header (a longer header: a second ranged GET with
+``If-Match`` on that ETag); never the weights. The version is a hash
 of the config's bytes and of that identity and header CRC (``objects.StoreSource``). ``list_adapters`` finds
 every adapter prefix directly under a prefix (``serve --adapters s3://bucket/prefix``).
 
@@ -270,9 +271,7 @@ def read_store_adapter(
     config_key = (url / CONFIG_FILE).key
     config_bytes = _config_bytes(s3, url.bucket, config_key)
     config = parse_config(config_bytes, url / CONFIG_FILE)
-    head = call(s3, url.bucket, weights.key, lambda: s3.head_object(Bucket=url.bucket, Key=weights.key))
-    etag, size, version_id = str(head["ETag"]), int(head["ContentLength"]), str(head.get("VersionId") or "")
-    first = get_range(s3, url.bucket, weights.key, 0, min(size, HEAD_GUESS), etag) if size >= 8 else b""
+    first, etag, size, version_id = _first_range(s3, url.bucket, weights.key)
     n = int.from_bytes(first[:8], "little") if len(first) >= 8 else -1
     if not 0 < n <= min(size - 8, MAX_HEADER_BYTES):
         raise AdapterFormatError(
@@ -298,6 +297,26 @@ def read_store_adapter(
         source = known.source  # type: ignore[assignment]  # the same version: its proof kept as it was
     spec = built_spec(name, url, config, header, shape, max_rank, source.version, size, None, config_digest, source)
     return dataclasses.replace(spec, store_meta=pack_meta(config_bytes, head_bytes))
+
+
+def _first_range(s3: Any, bucket: str, key: str) -> tuple[bytes, str, int, str]:
+    """The object's first ``HEAD_GUESS`` bytes (all of it, if shorter) with its identity (ETag, size, VersionId),
+    in one ranged GET: what a HEAD and a GET told before, in one round trip (registration's second request)."""
+    from botocore.exceptions import ClientError
+
+    def fetch() -> tuple[bytes, str, int, str]:
+        try:
+            answer = s3.get_object(Bucket=bucket, Key=key, Range=f"bytes=0-{HEAD_GUESS - 1}")
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") == "InvalidRange":  # an empty object has no byte 0
+                return b"", "", 0, ""
+            raise
+        total = str(answer.get("ContentRange", "")).rpartition("/")[2]
+        body = answer["Body"].read(HEAD_GUESS + 1)
+        size = int(total) if total.isdigit() else len(body)  # a store that ignores Range sends it all
+        return bytes(body[:HEAD_GUESS]), str(answer["ETag"]), size, str(answer.get("VersionId") or "")
+
+    return call(s3, bucket, key, fetch)  # type: ignore[no-any-return]
 
 
 def _version(config: bytes, bucket: str, key: str, etag: str, version_id: str, size: int, header_crc: int) -> str:
