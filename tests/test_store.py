@@ -222,6 +222,53 @@ def test_registration_asks_the_store_two_requests_per_adapter_and_refuses_an_emp
         catalog_for(root).register("adapter-002", f"{root}/adapter-002")
 
 
+def test_a_batch_of_store_adapters_is_read_store_reads_at_a_time_in_order_each_error_its_own(
+    store: tuple[S3Server, str], local: dict[str, Path]
+) -> None:
+    """Issue 44 item 6: the registrar reads a batch's store adapters ``store_reads`` at a time (their reads are round
+    trips): with 4 reads held at their start, all 4 are in flight at once, the 5th waits for a free one; answers come
+    in the items' order, the missing prefix's error its own, every other item registered and sent to the workers."""
+    import asyncio
+
+    from lora_cache.controller.registrations import Registrar
+    from tests.test_registrations import Held, Links
+
+    server, root = store
+    prefix = root.split("/", 3)[3]
+    for i in range(4, 12):  # more adapters under the prefix: copies of one, each its own object (own version)
+        server.upload_dir(BUCKET, f"{prefix}/copy-{i:02d}", local["adapter-000"])
+    items = [(f"copy-{i:02d}", f"{root}/copy-{i:02d}") for i in range(4, 12)]
+    items.insert(3, ("missing", f"{root}/missing"))
+    config = CatalogConfig(adapter_roots=(root,), model="tiny", max_rank=BIG_RANK, store_reads=4)
+    core = ControllerCore(ControllerConfig(catalog=config), epoch=1)
+    log: list[str] = []
+    links = Links(log)
+
+    async def plan() -> None:
+        log.append("plan")
+
+    held = Held(core)
+    first = [name for name, _ in items if name != "missing"][:4]
+    for name in first:
+        held.hold(name)
+
+    async def scenario() -> list:
+        registering = asyncio.create_task(Registrar(core, links, set(), plan).register(items))
+        for name in first:  # all four reads in flight together (a one-at-a-time read would stop at the first)
+            await held.until_arrived(name)
+        assert not registering.done() and len(core.catalog) == 0
+        for name in first:
+            held.release[name].set()
+        return await registering
+
+    done = asyncio.run(scenario())
+    assert [d.name for d in done] == [name for name, _ in items]
+    assert [d.name for d in done if d.error is not None] == ["missing"]
+    assert "missing/adapter_config.json does not exist" in str(done[3].error)
+    assert sorted(core.catalog.names()) == sorted(name for name, _ in items if name != "missing")
+    assert log[-1] == "plan" and len([e for e in log if e.startswith("submit")]) == len(items) - 1
+
+
 def test_a_store_version_survives_the_catalog_snapshot(store: tuple[S3Server, str]) -> None:
     _, root = store
     spec = catalog_for(root).register("adapter-000", f"{root}/adapter-000")

@@ -47,6 +47,9 @@ class CatalogConfig:
     store_timeout_s: float = field(default=20.0, metadata={
         "help": "seconds an object-store request may go unanswered before it fails (registration and fetches; "
                 "endpoint, region and credentials come from AWS_* variables and ~/.aws)"})
+    store_reads: int = field(default=32, metadata={
+        "help": "object-store requests a registration keeps in flight (each adapter: its config, then its weights' "
+                "header); a throttling store (SlowDown, 503) is backed off from, per client"})
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_rank <= 1024:
@@ -56,6 +59,9 @@ class CatalogConfig:
                               "current version of each adapter")
         if self.local_versions not in ("identity", "content"):
             raise ConfigError(f"local_versions must be 'identity' or 'content', got {self.local_versions!r}")
+        if not 1 <= self.store_reads <= 64:
+            raise ConfigError(f"store_reads must be in 1..64, got {self.store_reads}; 32 suits most stores, 1 reads "
+                              "one adapter at a time")
         if not 0.1 <= self.store_timeout_s <= 600:
             raise ConfigError(f"store_timeout_s must be in 0.1..600 seconds, got {self.store_timeout_s}")
         for root in self.adapter_roots:

@@ -7,8 +7,9 @@ in the order the calls arrived (``Turns``), whatever order their reads finish in
 when the actor ran them one at a time. A read that fails changes nothing.
 
 A batch (``register_adapters``, the ``RegisterAdapters`` RPC, ``serve --adapters DIR``) checks every item
-before reading any; reads them one after another on a thread, in chunks of at most ``CHUNK_ITEMS`` adapters
-or ``CHUNK_BYTES`` of files; applies each chunk as it comes; and hands it at once to every worker with the
+before reading any; reads them one after another on a thread (object-store adapters ``store_reads`` at a time:
+their reads are round trips, not work), in chunks of at most ``CHUNK_ITEMS`` adapters or ``CHUNK_BYTES`` of files
+(``STORE_CHUNK_ITEMS`` store adapters); applies each chunk as it comes; and hands it at once to every worker with the
 versions as hashed here (``KnownVersion``), so that a rank on this machine takes each one without reading its
 weights again. Once more than ``MAX_SENT`` chunks wait for the workers' answers, the oldest is awaited first,
 so a worker's ping never waits behind more than ``MAX_SENT + 1``. One plan follows the batch; an item that
@@ -22,9 +23,11 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from lora_cache.adapters.catalog import check_name
+from lora_cache.adapters.objects import is_store_url
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.controller.core import ControllerCore
 from lora_cache.controller.fanout import Sent, WorkerFanout
@@ -34,6 +37,7 @@ log = logging.getLogger(__name__)
 
 CHUNK_ITEMS = 64  # adapters read, applied and sent to the workers together
 CHUNK_BYTES = 256 << 20  # ... or fewer, once their files add up to this (a rank that must hash them takes ~0.3 s)
+STORE_CHUNK_ITEMS = 256  # object-store adapters read together: metadata only, ``store_reads`` at a time
 MAX_SENT = 2  # chunks sent to the workers and not yet answered, before the oldest is awaited
 
 
@@ -194,29 +198,45 @@ def _lost(name: str) -> LoraCacheError:  # never expected: every item gets a res
 async def _read(core: ControllerCore, todo: list[Item]) -> AsyncIterator[list[Read]]:
     """The items read on a thread in chunks, the next chunk read while the caller applies this one."""
     pending = deque(todo)
-    ahead = asyncio.ensure_future(asyncio.to_thread(_read_chunk, core, pending)) if pending else None
-    while ahead is not None:
-        chunk = await ahead
-        ahead = asyncio.ensure_future(asyncio.to_thread(_read_chunk, core, pending)) if pending else None
-        yield chunk
+    stores = any(is_store_url(item.path) for item in todo)
+    pool = ThreadPoolExecutor(core.catalog.config.store_reads, "lora-cache-store-reads") if stores else None
+    try:
+        ahead = asyncio.ensure_future(asyncio.to_thread(_read_chunk, core, pending, pool)) if pending else None
+        while ahead is not None:
+            chunk = await ahead
+            ahead = asyncio.ensure_future(asyncio.to_thread(_read_chunk, core, pending, pool)) if pending else None
+            yield chunk
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _read_chunk(core: ControllerCore, pending: deque[Item]) -> list[Read]:
-    """Items taken from ``pending`` and read (on a thread: nothing changes) until a chunk is full."""
+def _read_chunk(core: ControllerCore, pending: deque[Item], pool: ThreadPoolExecutor | None = None) -> list[Read]:
+    """Items taken from ``pending`` and read (on a thread: nothing changes) until a chunk is full; a run of
+    object-store items is read on ``pool``, in the items' order."""
+    if pool is not None and pending and is_store_url(pending[0].path):
+        run = []
+        while pending and len(run) < STORE_CHUNK_ITEMS and is_store_url(pending[0].path):
+            run.append(pending.popleft())
+        return list(pool.map(lambda item: _read_one(core, item), run))
     chunk: list[Read] = []
     size = 0
     while pending and len(chunk) < CHUNK_ITEMS and size < CHUNK_BYTES:
-        item = pending.popleft()
-        try:  # the current version's proof: the same file again (re-registered unchanged) is not hashed again
-            spec = core.read_adapter(item.name, item.path, core.catalog.known(item.name))
-        except LoraCacheError as e:
-            chunk.append(Read(item, None, e))
-            continue
-        except OSError as e:  # an unreadable directory or file: the item's own error, as any bad file
-            chunk.append(Read(item, None, AdapterFormatError(f"adapter {item.name!r}: {item.path} could not be "
-                                                             f"read ({e}); check the path and its permissions")))
-            continue
-        chunk.append(Read(item, spec, None))
-        size += spec.file_bytes
+        if pool is not None and is_store_url(pending[0].path):
+            break  # the next run of store items: read together, in the next chunk
+        read = _read_one(core, pending.popleft())
+        chunk.append(read)
+        size += read.spec.file_bytes if read.spec is not None else 0
         time.sleep(0)  # let the event loop have the GIL between adapters: a status call waits for one at most
     return chunk
+
+
+def _read_one(core: ControllerCore, item: Item) -> Read:
+    """One item read: its spec, or its own error (nothing changes)."""
+    try:  # the current version's proof: the same file again (re-registered unchanged) is not hashed again
+        return Read(item, core.read_adapter(item.name, item.path, core.catalog.known(item.name)), None)
+    except LoraCacheError as e:
+        return Read(item, None, e)
+    except OSError as e:  # an unreadable directory or file: the item's own error, as any bad file
+        return Read(item, None, AdapterFormatError(f"adapter {item.name!r}: {item.path} could not be read ({e}); "
+                                                   "check the path and its permissions"))
