@@ -393,6 +393,13 @@ def test_serve_takes_the_base_model_from_a_store_prefix_as_from_a_directory(
             choose_model("", where)
     server.client().put_object(Bucket=BUCKET, Key=(StoreUrl.parse(root) / "adapter-002" / CONFIG_FILE).key, Body=b"{")
     assert adapter_bases(root)["adapter-002"] == ""  # a broken config is registration's to report, not this
+    from lora_cache.adapters import store as store_module
+
+    server.forget_requests()
+    with pytest.MonkeyPatch.context() as patch:  # a large catalog: the first BASE_SAMPLE adapters' configs only
+        patch.setattr(store_module, "BASE_SAMPLE", 2)
+        assert list(adapter_bases(root)) == ["adapter-000", "adapter-001"]
+    assert [m for m, _ in server.requests()] == ["GET"] * 3, "one listing and two configs"
     with pytest.raises(AdapterPathError, match="bucket 'no-such-bkt' does not exist"):
         choose_model("", "s3://no-such-bkt/adapters")
     with pytest.raises(AdapterFormatError, match="holds no adapter"):

@@ -18,12 +18,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import random
 import shutil
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.parse
@@ -32,6 +29,7 @@ from pathlib import Path
 
 import ray
 
+from bench.probes.s3_local import free_port, moto_server, upload
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.app.serve import ServeConfig, start
@@ -43,12 +41,6 @@ from workers.staging.disk_tier import DiskTierConfig
 from workers.staging.host_config import HostTierConfig
 
 VARIABLES = {"$SessionName": ".*", "$Replica": ".*", "$__rate_interval": "15s"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def prometheus(metrics_port: int, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -77,26 +69,9 @@ def prometheus(metrics_port: int, workdir: Path) -> tuple[subprocess.Popen[bytes
 def object_store(adapters: Path, bucket: str = "dashboard-bkt"):
     """A moto S3 server process holding every adapter under ``adapters`` at s3://BUCKET/adapters; its address and
     keys in this process's environment (so in the Ray cluster's, started after)."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(port), "-H", "127.0.0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="dashboard",
-                          AWS_SECRET_ACCESS_KEY="dashboard", AWS_REGION="us-east-1", AWS_DEFAULT_REGION="us-east-1")
-        import boto3
-
-        for _ in range(100):
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                break
-            time.sleep(0.2)
-        s3 = boto3.client("s3")
-        s3.create_bucket(Bucket=bucket)
-        for d in sorted(adapters.iterdir()):
-            for f in sorted(d.iterdir()):
-                s3.put_object(Bucket=bucket, Key=f"adapters/{d.name}/{f.name}", Body=f.read_bytes())
+    with moto_server():
+        upload(sorted(adapters.iterdir()), bucket, "adapters")
         yield f"s3://{bucket}/adapters"
-    finally:
-        proc.terminate()
 
 
 def query_range(url: str, expr: str, start: float, end: float, step: float = 2.0) -> list[dict[str, object]]:

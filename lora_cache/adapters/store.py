@@ -372,9 +372,9 @@ def _config_bytes(s3: Any, bucket: str, key: str) -> bytes:
     return call(s3, bucket, key, fetch)  # type: ignore[no-any-return]
 
 
-def list_adapters(url: StoreUrl, timeout_s: float) -> list[tuple[str, StoreUrl]]:
+def list_adapters(url: StoreUrl, timeout_s: float, limit: int = 0) -> list[tuple[str, StoreUrl]]:
     """(name, prefix) of every adapter directly under ``url`` (a prefix holding ``adapter_config.json``),
-    by name."""
+    by name; with ``limit``, the first ``limit`` by name (the listing stops there)."""
     s3 = client(timeout_s)
     base = f"{url.key}/" if url.key else ""
     found = []
@@ -383,6 +383,8 @@ def list_adapters(url: StoreUrl, timeout_s: float) -> list[tuple[str, StoreUrl]]
         name, _, file = rest.partition("/")
         if file == CONFIG_FILE and name:
             found.append((name, url / name))
+            if len(found) == limit:
+                break
     if not found:
         raise AdapterFormatError(
             f"{url} holds no adapter (no NAME/{CONFIG_FILE} under it); check the prefix, or "
@@ -393,14 +395,17 @@ def list_adapters(url: StoreUrl, timeout_s: float) -> list[tuple[str, StoreUrl]]
 
 
 BASE_READS = 32  # configs read at once to find the adapters' base model: one round trip per 32 adapters
+BASE_SAMPLE = 64  # adapters whose configs name a store prefix's base model (each config is a round trip)
 
 
 def adapter_bases(url: StoreUrl, timeout_s: float, only: str = "") -> dict[str, str]:
-    """``{adapter name: base_model_name_or_path}`` of every adapter directly under ``url`` (of the one named
-    ``only``), as ``base_model.adapter_bases`` gives for a directory: one listing, then each
-    ``adapter_config.json`` (``BASE_READS`` at a time). A config that is not JSON, or names no base, maps to ""
-    (the catalog reports it, with its own message, when it registers); the store's own failures (no bucket,
-    no credentials, a stalled server) raise its clear error, as registration would."""
+    """``{adapter name: base_model_name_or_path}`` of the first ``BASE_SAMPLE`` adapters (by name) directly under
+    ``url`` (of the one named ``only``), as ``base_model.adapter_bases`` gives for a directory: the listing's first
+    page(s), then each ``adapter_config.json`` (``BASE_READS`` at a time). Not every adapter's: a catalog of 10,000
+    would cost 10,000 round trips before anything starts; an adapter of another shape further on is refused at its
+    registration, by itself. A config that is not JSON, or names no base, maps to "" (the catalog reports it, with
+    its own message, when it registers); the store's own failures (no bucket, no credentials, a stalled server)
+    raise its clear error, as registration would."""
     s3 = client(timeout_s, pool=BASE_READS)
     if only:
         key = (url / only / CONFIG_FILE).key
@@ -408,7 +413,7 @@ def adapter_bases(url: StoreUrl, timeout_s: float, only: str = "") -> dict[str, 
             return {}
         found = [(only, url / only)]
     else:
-        found = list_adapters(url, timeout_s)
+        found = list_adapters(url, timeout_s, limit=BASE_SAMPLE)
 
     def base(prefix: StoreUrl) -> str:
         data = _config_bytes(s3, prefix.bucket, (prefix / CONFIG_FILE).key)
@@ -423,9 +428,8 @@ def adapter_bases(url: StoreUrl, timeout_s: float, only: str = "") -> dict[str, 
 
 
 def _keys(s3: Any, bucket: str, prefix: str) -> Iterator[str]:
-    pages = call(
-        s3, bucket, prefix, lambda: list(s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix))
-    )
-    for page in pages:
+    """Every key under ``prefix``, in order, a page (1,000 keys) per request, asked as the caller goes on."""
+    pages = iter(s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix))
+    while (page := call(s3, bucket, prefix, lambda: next(pages, None))) is not None:
         for item in page.get("Contents", ()):
             yield str(item["Key"])

@@ -1,0 +1,115 @@
+"""Registration from an object store at scale: ``serve --adapters s3://...`` to serving N adapters (issue 44 item 6).
+
+For each count N: N tiny adapters (``catalog.make_adapters``: copies of one with their last bytes changed, so each
+is its own version) uploaded to moto's S3 server (a process of its own); in front of it a ``LatencyProxy`` that holds
+every request ``--latency-ms`` on its way (``s3_local``: a store that far away). Per latency, a fresh embedded Ray
+whose processes reach the store through the proxy, the service started (``start_s``) and the prefix registered as
+``serve --adapters s3://...`` registers it: listed once, then read ``store_reads`` adapters at a time
+(``register_s``; ``serving_s`` the two). Also per run: the requests the store was asked per adapter (the proxy's
+count), and the server's own request rate in the same run (``server_rps``: 2,000 config GETs from 32 threads,
+straight to the server and through the proxy), the reference a registration is bounded by.
+
+    python -m bench.probes.store_catalog --counts 1000,10000 --latency-ms 0,20 --out results/store_catalog.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from bench.probes.catalog import make_adapters
+from bench.probes.s3_local import LatencyProxy, moto_server, upload
+
+BUCKET = "catalog-bkt"
+
+
+def server_rps(endpoint: str, keys: list[str], requests: int = 2000, threads: int = 32) -> float:
+    """GETs per second the server answers to ``threads`` clients at once (small objects: ``keys`` in turn)."""
+    import boto3
+    from botocore.config import Config
+
+    s3 = boto3.client("s3", endpoint_url=endpoint, config=Config(max_pool_connections=threads))
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda i: s3.get_object(Bucket=BUCKET, Key=keys[i % len(keys)])["Body"].read(),
+                      range(requests)))
+    return requests / (time.perf_counter() - t0)
+
+
+def measure(store: str, proxy: LatencyProxy, count: int, ns: argparse.Namespace) -> dict[str, Any]:
+    import os
+
+    import ray
+
+    from lora_cache.adapters.catalog import CatalogConfig
+    from lora_cache.app.serve import ServeConfig, register_directory, start
+    from lora_cache.planner import PlannerConfig
+    from workers.cache import WorkerConfig
+    from workers.staging.host_config import HostTierConfig
+
+    os.environ["AWS_ENDPOINT_URL"] = proxy.url  # every process of the cluster reaches the store through the proxy
+    t0 = time.perf_counter()
+    ray.init(address="local", num_cpus=ns.cpus, namespace="lora-cache", include_dashboard=False)
+    try:
+        catalog = CatalogConfig(adapter_roots=(store,), model="tiny", max_rank=16, store_reads=ns.store_reads)
+        service = start(ServeConfig(replicas=1, tp=ns.tp), catalog, PlannerConfig(),
+                        WorkerConfig(num_slots=2, host=HostTierConfig(host_bytes=1 << 26, pin=False)))
+        started = time.perf_counter() - t0
+        chunks = proxy.chunks
+        t1 = time.perf_counter()
+        done = register_directory(service.controller, store, catalog.store_timeout_s)
+        registered = time.perf_counter() - t1
+        asked = proxy.chunks - chunks
+        status = ray.get(service.controller.status.remote())
+        failed = [d.name for d in done if d.error is not None]
+        assert status["adapters"] == count and not failed, (status["adapters"], failed[:5])
+        service.stop()
+    finally:
+        ray.shutdown()
+    return {"start_s": round(started, 2), "register_s": round(registered, 2),
+            "serving_s": round(started + registered, 2), "requests_per_adapter": round(asked / count, 2)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.probes.store_catalog", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--counts", default="1000,10000", help="comma-separated adapter counts")
+    parser.add_argument("--latency-ms", default="0,20", help="comma-separated latencies added per request")
+    parser.add_argument("--store-reads", type=int, default=32, help="the catalog's store_reads")
+    parser.add_argument("--tp", type=int, default=2, help="workers (one replica)")
+    parser.add_argument("--cpus", type=int, default=2, help="CPUs of the embedded Ray")
+    parser.add_argument("--cache", default="/tmp/lora-cache-bench-catalog", help="where the adapters are made")
+    parser.add_argument("--out", help="also write the results here (JSON)")
+    ns = parser.parse_args(argv)
+    counts = [int(c) for c in ns.counts.split(",") if c.strip()]
+    latencies = [float(v) for v in ns.latency_ms.split(",") if v.strip()]
+    results = []
+    with moto_server() as endpoint:
+        for count in counts:
+            root = Path(ns.cache) / "tiny-r8" / str(count)
+            make_adapters(root, "tiny", 8, count)
+            t0 = time.perf_counter()
+            upload(sorted(root.iterdir()), BUCKET, str(count))
+            uploaded = time.perf_counter() - t0
+            keys = [f"{count}/{d.name}/adapter_config.json" for d in sorted(root.iterdir())[:256]]
+            for latency in latencies:
+                with LatencyProxy(endpoint, latency / 1e3) as proxy:
+                    rps = {"direct": round(server_rps(endpoint, keys)), "proxied": round(server_rps(proxy.url, keys))}
+                    row = {"count": count, "latency_ms": latency, "store_reads": ns.store_reads,
+                           "upload_s": round(uploaded, 1), "server_rps": rps,
+                           **measure(f"s3://{BUCKET}/{count}", proxy, count, ns)}
+                print(json.dumps(row), flush=True)
+                results.append(row)
+    if ns.out:
+        Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(ns.out).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
