@@ -90,6 +90,13 @@ class LatencyProxy:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        async def close() -> None:  # the connections still open (a client's pool) end with the proxy
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
 
