@@ -1,18 +1,20 @@
-"""The Ray Serve integration's plain parts, without a cluster: settings that name the value and the fix, and the
-one mapping of Serve replica ids to lora-cache replica names that the router and the replicas share.
-(The integration on a real Serve app: tests/test_ray_serve.py.)"""
+"""The Ray Serve integration's plain parts, without a cluster: settings that name the value and the fix, the
+one mapping of Serve replica ids to lora-cache replica names that the router and the replicas share, and the
+integrations' use of Ray's public API only. (The integration on a real Serve app: tests/test_ray_serve.py.)"""
 
 from __future__ import annotations
 
+import ast
 import random
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("ray.serve")
 
-from ray.serve._private.common import DeploymentID
 from ray.serve.request_router import ReplicaID
 
+import lora_cache.integrations
 from lora_cache.errors import ConfigError
 from lora_cache.integrations.ray_serve import (
     LoraCacheRouter,
@@ -48,14 +50,51 @@ def test_replica_config_refuses_what_cannot_attach() -> None:
     assert ReplicaCacheConfig(tp=2).worker_config(1).tp_rank == 1
 
 
+def _replica_id(deployment: str, unique_id: str) -> ReplicaID:
+    """A Serve replica's id, from the full id Serve names its replica actors by (``SERVE_REPLICA::app#name#id``)."""
+    return ReplicaID.from_full_id_str(f"SERVE_REPLICA::app#{deployment}#{unique_id}")
+
+
 @pytest.mark.parametrize("deployment", ["LoraEngine", "my app:v2/llm", "a b"])
 def test_a_serve_replica_maps_to_one_valid_lora_cache_replica_name(deployment: str) -> None:
-    rid = ReplicaID("abc123xy", DeploymentID(name=deployment, app_name="app"))
+    rid = _replica_id(deployment, "abc123xy")
+    assert (rid.deployment_id.name, rid.unique_id) == (deployment, "abc123xy")
     name = replica_name(rid)
-    assert name == replica_name(ReplicaID("abc123xy", DeploymentID(name=deployment, app_name="app")))
+    assert name == replica_name(_replica_id(deployment, "abc123xy"))
     assert name.endswith("-abc123xy") and name.startswith("serve-")
     AttachConfig(replica=name)  # a name the attach seam takes (no ':' or '/')
-    assert replica_name(ReplicaID("zzz", DeploymentID(name=deployment, app_name="app"))) != name
+    assert replica_name(_replica_id(deployment, "zzz")) != name
+
+
+def _private_ray_uses(path: Path) -> list[str]:
+    """Where ``path`` reaches a private Ray module (``ray._private``, ``ray.serve._private``, ...): an import, an
+    attribute (``ray._private.worker`` after ``import ray``) or a dotted name in a string (a class path given to
+    Serve, ``importlib``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Attribute):
+            names = ["ray._private"] if node.attr == "_private" else []  # `ray._private.x`, `serve._private.x`
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [node.value] if node.value.startswith("ray.") else []
+        else:
+            continue
+        found += [f"{path.name}:{node.lineno}: {n}" for n in names if n.split(".")[0] == "ray" and "._private" in n]
+    return found
+
+
+def test_the_integrations_use_only_rays_public_api() -> None:
+    """Issue 45: the router subclassed ``ray.serve._private``'s ``PowerOfTwoChoicesRequestRouter``; private modules
+    move between Ray releases without notice. The integrations use ``ray.serve.request_router`` and the rest of
+    Ray's public API only (the scan finds imports, attributes and class paths in strings; it was checked to find
+    the old import)."""
+    package = Path(lora_cache.integrations.__file__).parent
+    files = sorted(package.rglob("*.py"))
+    assert {"ray_serve.py", "serve_replica.py"} <= {f.name for f in files}
+    assert not [use for path in files for use in _private_ray_uses(path)]
 
 
 def test_router_config_names_the_router_class() -> None:
