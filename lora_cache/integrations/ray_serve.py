@@ -247,6 +247,8 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
             allowed = self.apply_multiplex_routing(pending_request)
         else:
             allowed = self.apply_locality_routing(pending_request)
+        if not allowed:  # none this attempt (2.56-2.57's multiplex step returns None, not an empty set, for an
+            return []  # adapter on no replica whose first fallback is taken): Serve backs off, the next widens
         pool = [r for r in candidates if r.replica_id in allowed]
         return [random.sample(pool, min(2, len(pool)))] if pool else []
 
