@@ -1,12 +1,14 @@
 """The Ray Serve integration's plain parts, without a cluster: settings that name the value and the fix, the
-one mapping of Serve replica ids to lora-cache replica names that the router and the replicas share, and the
-integrations' use of Ray's public API only. (The integration on a real Serve app: tests/test_ray_serve.py.)"""
+one mapping of Serve replica ids to lora-cache replica names that the router and the replicas share, the router's
+fallback (Serve's rule on the mixins' answers), and the integrations' use of Ray's public API only. (The integration on a real Serve app: tests/test_ray_serve.py.)"""
 
 from __future__ import annotations
 
 import ast
 import random
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -64,6 +66,41 @@ def test_a_serve_replica_maps_to_one_valid_lora_cache_replica_name(deployment: s
     assert name.endswith("-abc123xy") and name.startswith("serve-")
     AttachConfig(replica=name)  # a name the attach seam takes (no ':' or '/')
     assert replica_name(_replica_id(deployment, "zzz")) != name
+
+
+class _Mixins:
+    """What ``LoraCacheRouter._serve_choice`` asks of Serve's mixins: their answer for this attempt, recorded."""
+
+    def __init__(self, allowed: set[str] | None) -> None:
+        self.allowed, self.asked = allowed, ""
+
+    def apply_multiplex_routing(self, pending_request: Any) -> set[str] | None:
+        self.asked = "multiplex"
+        return self.allowed
+
+    def apply_locality_routing(self, pending_request: Any) -> set[str] | None:
+        self.asked = "locality"
+        return self.allowed
+
+
+@pytest.mark.parametrize("allowed", [None, set(), {"b"}, {"a", "c"}, {"a", "b", "c", "d"}])
+@pytest.mark.parametrize("adapter", ["adapter-003", ""])
+def test_the_fallback_picks_two_of_what_serves_mixins_allow(allowed: set[str] | None, adapter: str) -> None:
+    """Serve's own rule while lora-cache is down: multiplex affinity narrows a request with an adapter, locality one
+    without; then at most two of those, one rank, for Serve's queue-length check. An empty answer, or ``None`` (what
+    Ray 2.56.1-2.57's multiplex step returns for an adapter on no replica once its first fallback is taken: the real
+    Serve test crashed there), is no rank this attempt: Serve backs off and asks again."""
+    replicas = [SimpleNamespace(replica_id=r) for r in "abcd"]
+    mixins = _Mixins(allowed)
+    for _ in range(20):
+        ranks = LoraCacheRouter._serve_choice(mixins, adapter, replicas, SimpleNamespace())  # type: ignore[arg-type]
+        assert mixins.asked == ("multiplex" if adapter else "locality")
+        if not allowed:
+            assert ranks == []
+            continue
+        [rank] = ranks
+        ids = [r.replica_id for r in rank]
+        assert len(ids) == min(2, len(allowed)) == len(set(ids)) and set(ids) <= allowed
 
 
 def _private_ray_uses(path: Path) -> list[str]:
