@@ -1,6 +1,7 @@
 """The Ray Serve integration's plain parts, without a cluster: settings that name the value and the fix, the
 one mapping of Serve replica ids to lora-cache replica names that the router and the replicas share, the router's
-fallback (Serve's rule on the mixins' answers), and the integrations' use of Ray's public API only. (The integration on a real Serve app: tests/test_ray_serve.py.)"""
+fallback (Serve's rule on the mixins' answers), and the integrations' use of Ray's public API only.
+(The integration on a real Serve app: tests/test_ray_serve.py.)"""
 
 from __future__ import annotations
 
