@@ -1,18 +1,23 @@
-"""The Ray Serve integration's plain parts, without a cluster: settings that name the value and the fix, and the
-one mapping of Serve replica ids to lora-cache replica names that the router and the replicas share.
+"""The Ray Serve integration's plain parts, without a cluster: settings that name the value and the fix, the
+one mapping of Serve replica ids to lora-cache replica names that the router and the replicas share, the router's
+fallback (Serve's rule on the mixins' answers), and the integrations' use of Ray's public API only.
 (The integration on a real Serve app: tests/test_ray_serve.py.)"""
 
 from __future__ import annotations
 
+import ast
 import random
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 pytest.importorskip("ray.serve")
 
-from ray.serve._private.common import DeploymentID
 from ray.serve.request_router import ReplicaID
 
+import lora_cache.integrations
 from lora_cache.errors import ConfigError
 from lora_cache.integrations.ray_serve import (
     LoraCacheRouter,
@@ -48,14 +53,86 @@ def test_replica_config_refuses_what_cannot_attach() -> None:
     assert ReplicaCacheConfig(tp=2).worker_config(1).tp_rank == 1
 
 
+def _replica_id(deployment: str, unique_id: str) -> ReplicaID:
+    """A Serve replica's id, from the full id Serve names its replica actors by (``SERVE_REPLICA::app#name#id``)."""
+    return ReplicaID.from_full_id_str(f"SERVE_REPLICA::app#{deployment}#{unique_id}")
+
+
 @pytest.mark.parametrize("deployment", ["LoraEngine", "my app:v2/llm", "a b"])
 def test_a_serve_replica_maps_to_one_valid_lora_cache_replica_name(deployment: str) -> None:
-    rid = ReplicaID("abc123xy", DeploymentID(name=deployment, app_name="app"))
+    rid = _replica_id(deployment, "abc123xy")
+    assert (rid.deployment_id.name, rid.unique_id) == (deployment, "abc123xy")
     name = replica_name(rid)
-    assert name == replica_name(ReplicaID("abc123xy", DeploymentID(name=deployment, app_name="app")))
+    assert name == replica_name(_replica_id(deployment, "abc123xy"))
     assert name.endswith("-abc123xy") and name.startswith("serve-")
     AttachConfig(replica=name)  # a name the attach seam takes (no ':' or '/')
-    assert replica_name(ReplicaID("zzz", DeploymentID(name=deployment, app_name="app"))) != name
+    assert replica_name(_replica_id(deployment, "zzz")) != name
+
+
+class _Mixins:
+    """What ``LoraCacheRouter._serve_choice`` asks of Serve's mixins: their answer for this attempt, recorded."""
+
+    def __init__(self, allowed: set[str] | None) -> None:
+        self.allowed, self.asked = allowed, ""
+
+    def apply_multiplex_routing(self, pending_request: Any) -> set[str] | None:
+        self.asked = "multiplex"
+        return self.allowed
+
+    def apply_locality_routing(self, pending_request: Any) -> set[str] | None:
+        self.asked = "locality"
+        return self.allowed
+
+
+@pytest.mark.parametrize("allowed", [None, set(), {"b"}, {"a", "c"}, {"a", "b", "c", "d"}])
+@pytest.mark.parametrize("adapter", ["adapter-003", ""])
+def test_the_fallback_picks_two_of_what_serves_mixins_allow(allowed: set[str] | None, adapter: str) -> None:
+    """Serve's own rule while lora-cache is down: multiplex affinity narrows a request with an adapter, locality one
+    without; then at most two of those, one rank, for Serve's queue-length check. An empty answer, or ``None`` (what
+    Ray 2.56.1-2.57's multiplex step returns for an adapter on no replica once its first fallback is taken: the real
+    Serve test crashed there), is no rank this attempt: Serve backs off and asks again."""
+    replicas = [SimpleNamespace(replica_id=r) for r in "abcd"]
+    mixins = _Mixins(allowed)
+    for _ in range(20):
+        ranks = LoraCacheRouter._serve_choice(mixins, adapter, replicas, SimpleNamespace())  # type: ignore[arg-type]
+        assert mixins.asked == ("multiplex" if adapter else "locality")
+        if not allowed:
+            assert ranks == []
+            continue
+        [rank] = ranks
+        ids = [r.replica_id for r in rank]
+        assert len(ids) == min(2, len(allowed)) == len(set(ids)) and set(ids) <= allowed
+
+
+def _private_ray_uses(path: Path) -> list[str]:
+    """Where ``path`` reaches a private Ray module (``ray._private``, ``ray.serve._private``, ...): an import, an
+    attribute (``ray._private.worker`` after ``import ray``) or a dotted name in a string (a class path given to
+    Serve, ``importlib``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Attribute):
+            names = ["ray._private"] if node.attr == "_private" else []  # `ray._private.x`, `serve._private.x`
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [node.value] if node.value.startswith("ray.") else []
+        else:
+            continue
+        found += [f"{path.name}:{node.lineno}: {n}" for n in names if n.split(".")[0] == "ray" and "._private" in n]
+    return found
+
+
+def test_the_integrations_use_only_rays_public_api() -> None:
+    """Issue 45: the router subclassed ``ray.serve._private``'s ``PowerOfTwoChoicesRequestRouter``; private modules
+    move between Ray releases without notice. The integrations use ``ray.serve.request_router`` and the rest of
+    Ray's public API only (the scan finds imports, attributes and class paths in strings; it was checked to find
+    the old import)."""
+    package = Path(lora_cache.integrations.__file__).parent
+    files = sorted(package.rglob("*.py"))
+    assert {"ray_serve.py", "serve_replica.py"} <= {f.name for f in files}
+    assert not [use for path in files for use in _private_ray_uses(path)]
 
 
 def test_router_config_names_the_router_class() -> None:

@@ -310,6 +310,12 @@ def test_a_tp2_replica_leases_one_version_on_both_ranks(served: App) -> None:
 
 
 def test_with_lora_cache_stopped_serve_routes_by_itself(served: App) -> None:
-    served.stop_gateway()  # the router's Route and Hint calls now fail fast: Serve's own ranking
+    """With the gateway gone the readiness stream breaks, and for ``retry_s`` (60 s here) every request is routed by
+    Serve's own rule (``LoraCacheRouter._serve_choice``, on the public mixins): each one, and each succeeds."""
+    router = _router(served)
+    served.stop_gateway()  # the router's stream and Hint calls now fail fast: Serve's own ranking
+    wait_for(lambda: not router._live, "the router saw its readiness stream break", timeout=30)
+    fallback = router.counts["fallback"]
     results = [served.handle.options(multiplexed_model_id=a).remote({}) for a in ADAPTERS * 2]
     assert [r.result(timeout_s=60)["adapter"] for r in results] == ADAPTERS * 2
+    assert router.counts["fallback"] - fallback >= len(results), router.counts

@@ -23,8 +23,13 @@ among equals. Nothing on a request's path waits for lora-cache.
 Once Serve has routed a request, the router sends ``Hint(adapter, replica)`` from a task of its own: at once where
 the adapter was not READY (a load to start there), else batched; when the request completes it withdraws the hint
 (``CancelHint``, batched), so the controller plans for requests in flight only. Before the stream's first answer,
-and for ``retry_s`` after the stream or a hint failed, requests are routed by Serve's own power-of-two-choices: a
-request never fails or waits for lora-cache.
+and for ``retry_s`` after the stream or a hint failed, requests are routed by Serve's own rule (power of two choices
+among the replicas its multiplex affinity or locality prefers): a request never fails or waits for lora-cache.
+
+The router is built on Serve's public router API only (``ray.serve.request_router``: ``RequestRouter`` with
+``FIFOMixin``, ``MultiplexMixin`` and ``LocalityMixin``, in the order of Ray's guide to custom request routers); Serve's
+own rule is written on the mixins' public steps, so nothing here imports ``ray.serve._private``
+(``tests/test_integrations.py`` holds the package to that).
 
 Replica (steps 4-9): ``CacheReplica`` attaches each TP rank of the Serve replica to the controller as a rank of the
 lora-cache replica ``replica_name(replica_id)`` (rank 0 in the replica's process, ranks 1.. in actors of their own),
@@ -44,13 +49,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter  # Serve's default router
 from ray.serve.config import RequestRouterConfig
-from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
+from ray.serve.request_router import (
+    FIFOMixin,
+    LocalityMixin,
+    MultiplexMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
 
 from lora_cache.api.client import AsyncLoraCacheClient, ClientError, Hint, ReadinessEvent, Resync
 from lora_cache.errors import ConfigError
@@ -162,10 +175,15 @@ def router_config(**settings: Any) -> RequestRouterConfig:
     )
 
 
-class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
+class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
     """Ranks a deployment's replicas for the request's adapter (its multiplexed model id) locally, by lora-cache's
     rule over the readiness the controller streams and this router's own requests in flight; never waits on
-    lora-cache. Serve's own ranking for requests without an adapter, and while lora-cache is unreachable."""
+    lora-cache. Serve's own ranking for requests without an adapter, and while lora-cache is unreachable.
+
+    Built on Serve's public router API as Ray's guide to custom routers builds one (``ray.serve.request_router``):
+    ``FIFOMixin`` hands a replica found for one request to the oldest waiting request for the same adapter (else
+    the oldest), ``MultiplexMixin`` and ``LocalityMixin`` keep the model ids and the colocation that the fallback
+    (``_serve_choice``) narrows the candidates by."""
 
     def initialize_state(self, **kwargs: Any) -> None:
         self.settings = RouterSettings(**kwargs)
@@ -215,7 +233,24 @@ class LoraCacheRouter(PowerOfTwoChoicesRequestRouter):
                 self.counts["advised"] += 1
                 return ranked
             self.counts["fallback"] += 1
-        return await super().choose_replicas(candidate_replicas, pending_request)
+        return self._serve_choice(adapter, candidate_replicas, pending_request)
+
+    def _serve_choice(
+        self, adapter: str, candidates: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]]:
+        """Serve's own rule, on the mixins' public steps: the candidates narrowed by multiplex affinity for a request
+        with an adapter (replicas with its model id, then those with the fewest models, then all, as each attempt
+        ages) or by locality without one (same node, same zone, then all), and two of them at random, one rank:
+        Serve's queue-length check takes the shorter with room, or backs off and asks again (power of two choices)."""
+        if adapter:
+            assert pending_request is not None
+            allowed = self.apply_multiplex_routing(pending_request)
+        else:
+            allowed = self.apply_locality_routing(pending_request)
+        if not allowed:  # none this attempt (2.56-2.57's multiplex step returns None, not an empty set, for an
+            return []  # adapter on no replica whose first fallback is taken): Serve backs off, the next widens
+        pool = [r for r in candidates if r.replica_id in allowed]
+        return [random.sample(pool, min(2, len(pool)))] if pool else []
 
     def _rank(self, adapter: str, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
         """The candidates by lora-cache's ranking (``lora_cache.routing.ranking.rank``: residency under a load
