@@ -79,7 +79,7 @@ def test_token_mode_on_a_ray_without_token_auth_is_refused_with_the_fix(monkeypa
 
 def test_bootstrap_address(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ray_compat.bootstrap_address("10.0.0.7:6379") == "10.0.0.7:6379"
-    assert ray_compat.bootstrap_address("localhost:6379").endswith(":6379")  # this node's address
+    assert str(ray_compat.bootstrap_address("localhost:6379")).endswith(":6379")  # this node's address
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.7:6380")
     assert ray_compat.bootstrap_address("auto") == "10.0.0.7:6380"
     with pytest.raises(ValueError):
@@ -89,7 +89,7 @@ def test_bootstrap_address(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_auto_init_is_off_in_the_test_process() -> None:
     """conftest calls ``disable_auto_init``: a Ray API raises instead of starting a cluster."""
     assert not ray.is_initialized()
-    with pytest.raises(Exception, match="(?i)ray.init|not.*(initialized|connected|started)"):
+    with pytest.raises(Exception, match="Ray has not been started yet"):
         ray.put(1)
     assert not ray.is_initialized()
 
@@ -128,6 +128,8 @@ def _ray_private_uses(path: Path) -> list[str]:
     found = []
     for node in ast.walk(tree):
         names: list[str] = []
+        if not isinstance(node, ast.stmt | ast.expr):
+            continue
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:

@@ -201,10 +201,11 @@ def check_gcs(gcs: str, timeout_s: float = GCS_ANSWER_TIMEOUT_S) -> None:
             f"{gcs} accepts connections but no Ray GCS answered within {timeout_s:.0f} s: check that the port is "
             "the GCS port (`ray start --head --port`, 6379 by default), and that the head node is healthy")
     error = outcome[0]
+    if error is None:
+        return
     if ray_compat.is_auth_refusal(error):
         raise _auth_refused(gcs) from None
-    if error is not None:
-        raise ClusterUnreachableError(f"the Ray GCS at {gcs} did not answer: {error}") from error
+    raise ClusterUnreachableError(f"the Ray GCS at {gcs} did not answer: {error}") from error
 
 
 def local_only() -> None:
