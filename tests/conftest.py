@@ -37,9 +37,9 @@ def _no_ray_auto_init() -> None:
     attached rank's outbox retrying its deltas) once re-initialised Ray after its module's ``ray.shutdown()``,
     and every later module's ``ray.init`` failed ("called ray.init twice"; the official CI of the third
     session). Only in the test process: subprocesses keep Ray's defaults."""
-    import ray._private.auto_init_hook as hook
+    from lora_cache.runtime import ray_compat
 
-    hook.enable_auto_connect = False
+    ray_compat.disable_auto_init()
 
 
 _no_ray_auto_init()

@@ -22,13 +22,15 @@ import jsonschema
 import pytest
 import ray
 import yaml
-from ray.autoscaler._private.util import prepare_config, validate_config
+from ray.autoscaler._private.util import prepare_config, validate_config  # test-only private Ray: see below
 
 from lora_cache.app.cli import build_parser
 from lora_cache.app.serve import ServeConfig
 from lora_cache.runtime.cliargs import config_from_args
 from lora_cache.runtime.cluster import ClusterAuthError, ClusterUnreachableError, connect
 
+# Private Ray, test-only (issue 45): what `ray up` and `ray job submit` do with deploy/'s files, which the service
+# never calls; no public API runs Ray's config checks or its working_dir packaging.
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 CLUSTER_CONFIGS = sorted(p.name for p in DEPLOY.glob("*.yaml") if "provider" in yaml.safe_load(p.read_text()))

@@ -55,7 +55,7 @@ def _extra(project: dict[str, Any], name: str) -> list[str]:
     """An extra's requirements, with the extras of lora-cache itself it names (``lora-cache[server,gpu]``) expanded."""
     out: list[str] = []
     for r in project["optional-dependencies"][name]:
-        own = re.fullmatch(r"lora-cache\[([a-z,\s]+)\]", r)
+        own = re.fullmatch(r"lora-cache\[([a-z,\s-]+)\]", r)
         out += [x for e in own.group(1).split(",") for x in _extra(project, e.strip())] if own else [r]
     return out
 

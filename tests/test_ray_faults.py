@@ -315,6 +315,9 @@ def test_the_second_node_lost_and_a_new_one_added(fleet: Fleet) -> None:
         queue(fleet, replica, ["adapter-001"])
         wait_ready(ctl, "adapter-001", replica, 60)
     node = next(n for n in fleet.cluster.list_all_nodes() if n is not fleet.cluster.head_node)
+    if node.node_id == ray.get_runtime_context().get_node_id():  # cluster_utils refuses to remove the driver's node
+        pytest.skip(f"Ray {ray.__version__} joined this driver to the second node, not the head (both on this host: "
+                    "Ray < 2.54 picks either; 2.54+ the head)")
     with_controller = node_of(ctl) == node.node_id
     fleet.cluster.remove_node(node, allow_graceful=False)
     wrong, samples = audits(fleet, 3.0)

@@ -69,7 +69,8 @@ class WorkerActor:
         # A restarted worker holds nothing: say so, so the controller forgets its predecessor. ValueError:
         # no controller yet (it adopts this worker from describe() when it starts).
         with contextlib.suppress(ValueError):
-            ray.get_actor(CONTROLLER_NAME).worker_started.remote(name, self.outbox.incarnation)
+            controller = ray.get_actor(CONTROLLER_NAME)  # held: Ray < 2.48 loses a method call on a dropped handle
+            controller.worker_started.remote(name, self.outbox.incarnation)
         heap.freeze()  # loads and reports are not stalled by full collections walking the built actor
 
     def unregister_adapter(self, name: str) -> bool:

@@ -144,12 +144,11 @@ def run(routing: str, args: argparse.Namespace, root: str, names: list[str]) -> 
 
     policy = args.policy if routing == "lora-cache" else "none"
     if args.fresh_state:  # the controller's snapshot (popularity, hints, queues) of the routing before this one
-        from ray.experimental.internal_kv import _internal_kv_del
-
         from lora_cache.controller.snapshots import DurableConfig
+        from lora_cache.runtime import ray_compat
         from lora_cache.vocab import NAMESPACE
 
-        _internal_kv_del(DurableConfig().key, namespace=NAMESPACE)
+        ray_compat.kv_del(DurableConfig().key, NAMESPACE)
     if args.gateway == "process":  # as deployed: the controller and the gateway in `lora-cache serve`'s process
         service: Any = _serve_process(args, root, policy)
         target = service.target

@@ -106,14 +106,14 @@ class KvStore:
         self.key, self.namespace = key, namespace
 
     def get(self) -> bytes | None:
-        from ray.experimental.internal_kv import _internal_kv_get
+        from lora_cache.runtime import ray_compat
 
-        return _internal_kv_get(self.key, namespace=self.namespace)
+        return ray_compat.kv_get(self.key, self.namespace)
 
     def put(self, data: bytes) -> None:
-        from ray.experimental.internal_kv import _internal_kv_put
+        from lora_cache.runtime import ray_compat
 
-        _internal_kv_put(self.key, data, overwrite=True, namespace=self.namespace)
+        ray_compat.kv_put(self.key, data, self.namespace)
 
 
 class DurableState:

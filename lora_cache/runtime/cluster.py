@@ -5,14 +5,14 @@ wants a token this process lacks or does not match, and waits minutes on an addr
 ``connect`` checks first, in order, each failure with its own message:
 
 1. the address: ``auto`` means ``RAY_ADDRESS`` or the cluster ``ray start`` last started on this machine;
-2. this process's token settings: ``RAY_AUTH_MODE``, and the token Ray would read (``RAY_AUTH_TOKEN``,
-   else the file ``RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``); a set but unreadable or empty
-   ``RAY_AUTH_TOKEN_PATH`` would abort the process inside Ray;
+2. this process's token settings: ``RAY_AUTH_MODE`` (``token`` is refused on a Ray without token auth), and
+   the token Ray would read (``RAY_AUTH_TOKEN``, else the file ``RAY_AUTH_TOKEN_PATH``, else
+   ``~/.ray/auth_token``); a set but unreadable or empty ``RAY_AUTH_TOKEN_PATH`` would abort the process inside Ray;
 3. a TCP connection to the GCS port (refused or timed out: unreachable);
 4. one GCS call with those token settings (refused: the mode is off, or the token is not the cluster's).
 
 Token auth (Ray >= 2.52; 2.60 turns it on by itself for clusters it starts locally) is chosen by the
-``RAY_AUTH_MODE`` environment variable, which must be the same on every node and client. Ray turns
+``RAY_AUTH_MODE`` environment variable, which must be the same on every node and client. Ray >= 2.59 turns
 it on by itself when joining ``auto`` with a token on disk, never for an explicit ``host:port``: there,
 ``RAY_AUTH_MODE=token`` must be set (deploy/ does it on every node; see the README's deploy section).
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 import ray
 
 from lora_cache.errors import ConfigError, LoraCacheError
-from lora_cache.runtime import reaper
+from lora_cache.runtime import ray_compat, reaper
 
 CONNECT_TIMEOUT_S = 5.0  # TCP connect to the GCS port
 GCS_ANSWER_TIMEOUT_S = 15.0  # the first GCS call; Ray alone would wait 40 s
@@ -73,10 +73,10 @@ class ObserveConfig:
 
 def endpoints() -> dict[str, str]:
     """Where this node's metrics and this cluster's logs are, once joined (printed by ``serve`` at start)."""
-    node = ray._private.worker.global_worker.node
-    assert node is not None, "endpoints() after ray.init"
-    return {"metrics": f"http://{node.node_ip_address}:{node.metrics_export_port}/metrics",
-            "logs": os.path.join(node.get_session_dir_path(), "logs")}
+    node_id = ray.get_runtime_context().get_node_id()
+    node = next(n for n in ray.nodes() if n["NodeID"] == node_id)
+    return {"metrics": f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics",
+            "logs": os.path.join(ray_compat.session_dir(), "logs")}
 
 
 class ClusterConnectError(LoraCacheError, ConnectionError):
@@ -115,8 +115,20 @@ def token_source() -> str | None:
     return str(DEFAULT_TOKEN_PATH.expanduser()) if _holds_token(DEFAULT_TOKEN_PATH) else None
 
 
+def check_token_auth_supported() -> None:
+    """Refuse ``RAY_AUTH_MODE=token`` on a Ray without token auth, which would run without it, unguarded."""
+    if auth_mode() == "token" and not ray_compat.has_token_auth():
+        since = ".".join(map(str, ray_compat.TOKEN_AUTH_SINCE))
+        raise ConfigError(f"RAY_AUTH_MODE=token, but Ray {ray.__version__} has no token authentication (Ray >= "
+                          f"{since} has): install Ray >= {since} on every node and on this host (pip install "
+                          f"'ray[default]>={since},<2.61'), or unset RAY_AUTH_MODE to run without it")
+
+
 def check_token_settings(address: str) -> None:
-    """Step 2: refuse settings that Ray would abort on or reject, before Ray reads them."""
+    """Step 2: refuse settings that Ray would abort on or reject, before Ray reads them (a Ray without token
+    auth reads none of them)."""
+    if not ray_compat.has_token_auth():
+        return
     path = os.environ.get("RAY_AUTH_TOKEN_PATH")
     if path and not os.environ.get("RAY_AUTH_TOKEN") and not _holds_token(Path(path)):
         raise ClusterAuthError(f"RAY_AUTH_TOKEN_PATH={path} is not a readable file holding a token; {TOKEN_FIX}")
@@ -127,15 +139,13 @@ def check_token_settings(address: str) -> None:
 
 def resolve_address(address: str) -> str:
     """Step 1: the GCS ``host:port`` that ``ray.init(address)`` would join."""
-    from ray._private.services import canonicalize_bootstrap_address
-
     if address.startswith(("ray://", "http://", "https://")):
         raise ClusterUnreachableError(
             f"--address {address!r} is a Ray Client or dashboard address; lora-cache serve joins the cluster "
             "itself: run it on a node of the cluster with --address auto, or give the GCS host:port "
             "(`ray start --head --port`, 6379 by default)")
     try:
-        resolved = canonicalize_bootstrap_address(address)
+        resolved = ray_compat.bootstrap_address(address)
     except (ConnectionError, ValueError) as e:
         hint = ("no RAY_ADDRESS and no cluster started with `ray start` on this machine; start one (`ray start "
                 "--head`, or `ray up deploy/<cluster>.yaml`) or give --address host:port of its GCS"
@@ -174,14 +184,11 @@ def _auth_refused(gcs: str) -> ClusterAuthError:
 
 def check_gcs(gcs: str, timeout_s: float = GCS_ANSWER_TIMEOUT_S) -> None:
     """Step 4: one GCS call with this process's token settings, bounded in time."""
-    from ray._raylet import GcsClient  # type: ignore[attr-defined]  # Cython, no stub
-    from ray.exceptions import AuthenticationError
-
     outcome: list[BaseException | None] = []
 
     def probe() -> None:
         try:
-            GcsClient(address=gcs)
+            ray_compat.probe_gcs(gcs)
             outcome.append(None)
         except BaseException as e:  # handed to the caller's thread below
             outcome.append(e)
@@ -194,10 +201,11 @@ def check_gcs(gcs: str, timeout_s: float = GCS_ANSWER_TIMEOUT_S) -> None:
             f"{gcs} accepts connections but no Ray GCS answered within {timeout_s:.0f} s: check that the port is "
             "the GCS port (`ray start --head --port`, 6379 by default), and that the head node is healthy")
     error = outcome[0]
-    if isinstance(error, AuthenticationError):
+    if error is None:
+        return
+    if ray_compat.is_auth_refusal(error):
         raise _auth_refused(gcs) from None
-    if error is not None:
-        raise ClusterUnreachableError(f"the Ray GCS at {gcs} did not answer: {error}") from error
+    raise ClusterUnreachableError(f"the Ray GCS at {gcs} did not answer: {error}") from error
 
 
 def local_only() -> None:
@@ -206,10 +214,7 @@ def local_only() -> None:
     Ray turns ``_node_ip_address="127.0.0.1"`` into the machine's external address unless clusters are off
     (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``: read at import by this process, from the environment by the ones
     Ray starts). A cluster of one node needs no other address."""
-    import ray._private.ray_constants as constants
-
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    constants.ENABLE_RAY_CLUSTER = False
+    ray_compat.advertise_loopback_only()
 
 
 def connect(address: str, namespace: str, observe: ObserveConfig | None = None) -> None:
@@ -218,6 +223,7 @@ def connect(address: str, namespace: str, observe: ObserveConfig | None = None) 
     one, even SIGKILLed (Ray's reaper); Ray's own gRPC servers still bind every interface (token auth guards
     them; docs/known-issues.md)."""
     observe = observe or ObserveConfig(worker_logs=False)
+    check_token_auth_supported()
     if not address:  # a fresh cluster of this process's own, whatever RAY_ADDRESS or a `ray start` left says
         local_only()
         ray.init(address="local", _node_ip_address="127.0.0.1", namespace=namespace, include_dashboard=False,
@@ -225,11 +231,7 @@ def connect(address: str, namespace: str, observe: ObserveConfig | None = None) 
         reaper.watch_tree()  # what Ray's reaper leaves of it when this process is SIGKILLed
         return
     if address == "auto":  # what ray.init("auto") does: token mode when a token is on disk and the mode is unset
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
-
-        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+        ray_compat.enable_token_auth_if_token_available()
     gcs = resolve_address(address)
     check_token_settings(gcs)
     check_reachable(gcs, address)
