@@ -26,6 +26,7 @@ import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -74,7 +75,7 @@ def object_store(adapters: Path, bucket: str = "dashboard-bkt"):
         yield f"s3://{bucket}/adapters"
 
 
-def query_range(url: str, expr: str, start: float, end: float, step: float = 2.0) -> list[dict[str, object]]:
+def query_range(url: str, expr: str, start: float, end: float, step: float = 2.0) -> list[dict[str, Any]]:
     for name, value in VARIABLES.items():
         expr = expr.replace(name, value)
     params = urllib.parse.urlencode({"query": expr, "start": start, "end": end, "step": step})

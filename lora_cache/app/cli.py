@@ -57,7 +57,7 @@ def inspect_adapter(directory: str, model: str, tp: int, max_rank: int,
         url = StoreUrl.parse(directory)
         if not url.key:
             raise ConfigError(f"{directory} names a bucket, not an adapter: give s3://{url.bucket}/PREFIX/NAME")
-        parent = StoreUrl(url.bucket, url.key.rpartition("/")[0])
+        parent = str(StoreUrl(url.bucket, url.key.rpartition("/")[0]))
         if not model:  # the adapter's own base model; the read below reports a prefix that is not an adapter
             has_config = bool(adapter_bases(parent, url.name, store_timeout_s))
             model = choose_model("", parent, only=url.name, timeout_s=store_timeout_s) if has_config else "tiny"

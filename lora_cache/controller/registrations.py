@@ -215,7 +215,7 @@ def _read_chunk(core: ControllerCore, pending: deque[Item], pool: ThreadPoolExec
     """Items taken from ``pending`` and read (on a thread: nothing changes) until a chunk is full; a run of
     object-store items is read on ``pool``, in the items' order."""
     if pool is not None and pending and is_store_url(pending[0].path):
-        run = []
+        run: list[Item] = []
         while pending and len(run) < STORE_CHUNK_ITEMS and is_store_url(pending[0].path):
             run.append(pending.popleft())
         return list(pool.map(lambda item: _read_one(core, item), run))
