@@ -259,12 +259,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         row = {**measure(root, count, ns), "model": ns.model, "disk_mb": round(disk / 1e6, 1),
                "distinct_tables": ns.distinct_tables,
                "local_versions": ns.local_versions or "default"}
-        print(json.dumps(row), flush=True)
-        results.append(row)
-    if ns.out:
-        Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(ns.out).write_text(json.dumps(results, indent=2) + "\n")
+        record(row, results)
+    write_results(ns.out, results)
     return 0
+
+
+def record(row: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    """One result row printed as it comes (a JSON line) and kept."""
+    print(json.dumps(row), flush=True)
+    results.append(row)
+
+
+def write_results(out: str | None, results: list[dict[str, Any]]) -> None:
+    """The rows as one JSON file at ``out`` (its folder made), if given."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -15,14 +15,13 @@ straight to the server and through the proxy), the reference a registration is b
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.probes.catalog import make_adapters
+from bench.probes.catalog import make_adapters, record, write_results
 from bench.probes.s3_local import LatencyProxy, moto_server, upload
 
 BUCKET = "catalog-bkt"
@@ -103,11 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     row = {"count": count, "latency_ms": latency, "store_reads": ns.store_reads,
                            "upload_s": round(uploaded, 1), "server_rps": rps,
                            **measure(f"s3://{BUCKET}/{count}", proxy, count, ns)}
-                print(json.dumps(row), flush=True)
-                results.append(row)
-    if ns.out:
-        Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(ns.out).write_text(json.dumps(results, indent=2) + "\n")
+                record(row, results)
+    write_results(ns.out, results)
     return 0
 
 

@@ -65,14 +65,16 @@ def adapter_bases(directory: str | Path, only: str = "", timeout_s: float = STOR
     return bases
 
 
-def choose_model(model: str, adapters: str | Path | None, only: str = "", timeout_s: float = STORE_TIMEOUT_S) -> str:
+def choose_model(model: str, adapters: str | Path | None, only: str = "", timeout_s: float = STORE_TIMEOUT_S,
+                 bases: dict[str, str] | None = None) -> str:
     """The model to serve: ``model`` if given (checked against the adapters' base), else the adapters' base.
     ``adapters``: a directory or a store prefix (read with ``timeout_s`` per request).
 
     Raises ConfigError naming ``--model`` when the adapters' known bases disagree with each other or with
     ``model``, or when ``model`` is empty and the adapters name no base model we can read.
     """
-    bases = adapter_bases(adapters, only, timeout_s) if adapters else {}
+    if bases is None:  # ``bases``: the adapters' as ``adapter_bases`` read them already (not read again)
+        bases = adapter_bases(adapters, only, timeout_s) if adapters else {}
     known = {a: s for a, b in bases.items() if (s := shape_of_base(b)) is not None}
     if model:
         shape = resolve_model(model)

@@ -59,8 +59,8 @@ def inspect_adapter(directory: str, model: str, tp: int, max_rank: int,
             raise ConfigError(f"{directory} names a bucket, not an adapter: give s3://{url.bucket}/PREFIX/NAME")
         parent = str(StoreUrl(url.bucket, url.key.rpartition("/")[0]))
         if not model:  # the adapter's own base model; the read below reports a prefix that is not an adapter
-            has_config = bool(adapter_bases(parent, url.name, store_timeout_s))
-            model = choose_model("", parent, only=url.name, timeout_s=store_timeout_s) if has_config else "tiny"
+            bases = adapter_bases(parent, url.name, store_timeout_s)  # its config read once
+            model = choose_model("", parent, bases=bases) if bases else "tiny"
         shape = resolve_model(model)
         spec = read_store_adapter(url.name, url, shape, max_rank, store_timeout_s)
     else:
