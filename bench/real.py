@@ -193,12 +193,26 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
         run.startup = phases.times
         return run
     finally:
-        heap.thaw()
-        if gateway is not None:
-            gateway.stop()
-        if fleet is not None:
-            fleet.stop()
-        service.stop()
+        _teardown(heap.thaw, gateway.stop if gateway is not None else None,
+                  fleet.stop if fleet is not None else None, service.stop)
+
+
+def _teardown(*steps: Callable[[], None] | None) -> None:
+    """Run every step, in order, even after one fails: the service's stop above all (a controller left alive
+    under the service's name refuses every later policy); then raise the first failure, unless the run itself
+    is already raising (its error is the one to report; this one is printed)."""
+    failure: BaseException | None = None
+    for step in steps:
+        if step is None:
+            continue
+        try:
+            step()
+        except Exception as e:
+            print(f"bench: teardown step {getattr(step, '__qualname__', step)} failed: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+            failure = failure or e
+    if failure is not None and sys.exc_info()[1] is None:
+        raise failure
 
 
 def _disk_tier(config: RealConfig, policy: BenchPolicy) -> DiskTierConfig:

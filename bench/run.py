@@ -271,6 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if failed:
         print(f"error: requests failed: {failed}", file=sys.stderr)
     errors = doc["config"].get("errors", {})
+    for name, error in errors.items():  # again, last: a log's tail shows why, before any later policy's echo
+        print(f"error: policy {name} failed: {error}", file=sys.stderr)
     return 1 if failed or errors else 0
 
 

@@ -29,7 +29,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.api import validate
 from lora_cache.api.client import AsyncLoraCacheClient, ClientError, Hint, LoraCacheClient
-from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
+from lora_cache.api.gateway import GatewayConfig, start_gateway, start_gateway_thread
+from lora_cache.api.ingest import FLUSH_S as INGEST_FLUSH_S
 from lora_cache.api.ingest import GatewayClosedError, HintIngest
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc
@@ -184,6 +185,50 @@ def test_ingest_close_is_bounded_when_the_controller_never_answers() -> None:
         assert ingest.queued == 0
 
     asyncio.run(scenario())
+
+
+class StubbornController:
+    """Its hint call ignores cancellation until ``release``: the kind of call that once held a gateway's stop."""
+
+    def __init__(self) -> None:
+        self.entered, self.released = asyncio.Event(), False
+        self.hint_batches = _Remote(self._hint_batches)
+
+    async def _hint_batches(self, batches: list[Any]) -> list[HintOutcome]:
+        self.entered.set()
+        while not self.released:
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                continue  # swallowed: cancelling this call does not end it
+        return [HintOutcome(len(b), 0) for b in batches]
+
+
+def test_a_stop_step_that_never_ends_is_abandoned_and_named(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every step of the gateway's stop is bounded: a flush that ignores its cancellation is reported (the step,
+    where its task waits) and the stop still ends, with the port closed."""
+    async def scenario() -> None:
+        ctl = StubbornController()
+        gateway = await start_gateway(GatewayConfig(grpc_port=0), ctl)
+        channel = grpc.aio.insecure_channel(gateway.target)
+        call = asyncio.ensure_future(pb_grpc.LoraCacheServiceStub(channel).Hint(hints("stuck", 1)))
+        await ctl.entered.wait()  # barrier: the batch is in the controller's hands
+        t0 = time.monotonic()
+        await asyncio.wait_for(gateway.stop(grace_s=0.1, step_s=0.2), timeout=30.0)
+        took = time.monotonic() - t0
+        assert gateway.overran == ["the hint ingest's close"] and gateway.stopping == "done"
+        assert took < INGEST_FLUSH_S + 0.2 + 5.0, took
+        with pytest.raises(grpc.aio.AioRpcError):  # the caller was answered (cancelled by the stop), not left
+            await call
+        with pytest.raises(grpc.aio.AioRpcError) as refused:  # the server is gone
+            await pb_grpc.LoraCacheServiceStub(channel).Hint(hints("after", 1), timeout=2.0)
+        assert refused.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        await channel.close()
+        ctl.released = True  # the stuck flush may end now (the loop's own shutdown awaits it)
+
+    asyncio.run(scenario())
+    err = capsys.readouterr().err
+    assert "the hint ingest's close did not finish within" in err and "_hint_batches" in err, err
 
 
 @pytest.mark.parametrize(("kwargs", "fragment"), [

@@ -19,9 +19,12 @@ callers (``lora-cache serve``) a gateway on its own loop in a daemon thread.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
+import sys
 import threading
+import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +34,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from lora_cache.api.ingest import FLUSH_S as INGEST_FLUSH_S
 from lora_cache.api.ingest import HintIngest
 from lora_cache.api.servicer import SERVICE_NAME, Servicer, StreamLimits, generic_handler
 from lora_cache.api.tls import check_tls_pair
@@ -48,6 +52,7 @@ RPC_ROLES: dict[str, frozenset[str]] = {
     **dict.fromkeys(("RegisterAdapter", "RegisterAdapters", "UnregisterAdapter"), frozenset({"operator"})),
     "Status": frozenset(ROLES),
 }
+STOP_STEP_S = 10.0  # a gateway stop step that overruns its own wait by this is abandoned (Gateway.stop)
 HEALTH_EVERY_S = 0.5  # the controller is pinged this often
 HEALTH_TIMEOUT_S = 1.0  # and counted unreachable when a ping takes longer (NOT_SERVING within 1.5 s)
 
@@ -261,17 +266,54 @@ class Gateway:
     ingest: HintIngest
     health: Any
     watch: HealthWatch
+    stopping: str = ""  # the step of ``stop`` in progress (named when a stop overruns its time)
+    overran: list[str] = field(default_factory=list)  # the stop's steps that overran their bound
 
     @property
     def target(self) -> str:
         return f"{self.config.grpc_host}:{self.port}"
 
-    async def stop(self, grace_s: float = 2.0) -> None:
-        """Stop taking calls, let calls in progress finish for ``grace_s``, then flush the ingest."""
-        await self.watch.stop()
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
-        await self.ingest.close()
+    async def stop(self, grace_s: float = 2.0, step_s: float = STOP_STEP_S) -> None:
+        """Stop taking calls, let calls in progress finish for ``grace_s``, then flush the ingest. Each step is
+        bounded (``step_s`` beyond its own wait): one that overruns is printed with every task still running
+        (where each waits) and the stop goes on, so a hung call never holds the process that owns the gateway."""
+        steps: tuple[tuple[str, Callable[[], Awaitable[None]], float], ...] = (
+            ("the health watch's stop", self.watch.stop, step_s),
+            ("the health service's graceful shutdown", self.health.enter_graceful_shutdown, step_s),
+            (f"the gRPC server's stop (grace {grace_s} s)", lambda: self.server.stop(grace_s), grace_s + step_s),
+            ("the hint ingest's close", self.ingest.close, INGEST_FLUSH_S + step_s))
+        for name, step, bound in steps:
+            self.stopping = name
+            task = asyncio.ensure_future(step())
+            done, _ = await asyncio.wait({task}, timeout=bound)
+            if not done:  # cancelled, not awaited: a step that ignores its cancellation must not hold the stop
+                task.cancel()
+                self.overran.append(name)
+                print(f"lora-cache gateway (port {self.port}): {name} did not finish within {bound:.0f} s; the stop "
+                      f"goes on without it. Tasks still running:\n{_task_stacks()}", file=sys.stderr, flush=True)
+            else:
+                task.result()  # a step that failed fails the stop, as it did before steps were bounded
+        self.stopping = "done"
+
+
+def _task_stacks(depth: int = 8) -> str:
+    """Every task of the running loop but this one: the chain of coroutines it is suspended in (innermost last,
+    at most ``depth``) and what the innermost awaits."""
+    out = []
+    for task in asyncio.all_tasks():
+        if task is asyncio.current_task():
+            continue
+        out.append(f"  {task.get_name()}:")
+        awaited: Any = task.get_coro()
+        for _ in range(depth):
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "ag_frame", None)
+            if frame is None:
+                break
+            out.append(f"    {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "ag_await", None)
+        if awaited is not None:
+            out.append(f"    awaiting {awaited!r:.200}")
+    return "\n".join(out) + "\n" if out else "  (none)\n"
 
 
 def _credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
@@ -337,8 +379,19 @@ class GatewayThread:
     def target(self) -> str:
         return self.gateway.target
 
-    def stop(self, grace_s: float = 2.0) -> None:
-        asyncio.run_coroutine_threadsafe(self.gateway.stop(grace_s), self._loop).result(grace_s + 30.0)
+    def stop(self, grace_s: float = 2.0, timeout_s: float = 60.0) -> None:
+        """Stop the gateway (``Gateway.stop``: its steps are bounded) and its loop. The loop itself blocked (a
+        synchronous call on it) is a TimeoutError after ``grace_s + timeout_s`` naming the step and where the
+        loop's thread was; the loop is then left as it is (no call into a blocked loop)."""
+        stopped = asyncio.run_coroutine_threadsafe(self.gateway.stop(grace_s), self._loop)
+        try:
+            stopped.result(grace_s + timeout_s)
+        except concurrent.futures.TimeoutError:
+            frame = sys._current_frames().get(self._thread.ident or -1)
+            where = "".join(traceback.format_stack(frame)[-8:]) if frame is not None else "(the thread has ended)\n"
+            raise TimeoutError(f"the gateway on port {self.port} did not stop within {grace_s + timeout_s:.0f} s: "
+                               f"stuck at {self.gateway.stopping or 'its start'}; its loop's thread was at:\n"
+                               f"{where}") from None
         self._shutdown_loop()
 
     def _shutdown_loop(self) -> None:

@@ -21,6 +21,7 @@ Send = Callable[[list[list[HintTuple]]], Awaitable[list[HintOutcome]]]
 Waiting = tuple[list[HintTuple], "asyncio.Future[HintOutcome]"]  # a caller's batch and its outcome
 
 FLUSH_HINTS = 16_384  # most hints per controller call: bounds one call's size and the controller's pause
+FLUSH_S = 5.0  # close(): calls in flight get this long to finish before they are cancelled
 MAX_INFLIGHT = 2  # controller calls in flight: one being processed while the next is on its way
 
 
@@ -62,7 +63,7 @@ class HintIngest:
         self._wake.set()
         return await future  # a cancelled caller's batch is still sent: hints are idempotent
 
-    async def close(self, flush_s: float = 5.0) -> None:
+    async def close(self, flush_s: float = FLUSH_S) -> None:
         """Stop: batches not yet sent fail with GatewayClosedError; calls in flight get ``flush_s`` to
         finish, then are cancelled and their batches fail with GatewayClosedError too (a controller that
         does not answer never holds the gateway's stop)."""
