@@ -101,9 +101,9 @@ class Service:
         # Killing it first is not enough alone: Ray fails calls on a killed actor before its process is gone.
         try:
             ray.get(self.controller.stop_watching.remote(), timeout=10.0)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-            print(f"lora-cache: the controller did not stop watching its workers ({type(e).__name__}); stopping "
-                  "it anyway", file=sys.stderr, flush=True)
+        except Exception as e:  # dead, hung, or its call failed: it is killed below all the same
+            print(f"lora-cache: the controller did not stop watching its workers ({type(e).__name__}: {e}); "
+                  "stopping it anyway", file=sys.stderr, flush=True)
         ray.kill(self.controller, no_restart=True)
         _await_death(self.controller, timeout_s=5.0)
         for handle in self.workers.values():
