@@ -15,7 +15,8 @@
 #   pc2-route    2 replicas x TP 1, page-cache store, Route: global
 #   dev2-seed    2 replicas x TP 1, device store, workload seed SEED [0]: queue, global and the oracle behind
 #                affinity, then global behind Route (one call per seed: the p99 is judged on several runs)
-#   dev1-seed    1 replica, device store, workload seed SEED [0]: queue, global, oracle (where one GPU is lent)
+#   dev1-seed    1 replica, device store, workload seed SEED [0]: POLICIES [queue,global,oracle] (where one GPU
+#                is lent; one policy per call fits STEP_LIMIT with the warm-up)
 # The workload: Zipf 1.5 over NUM_ADAPTERS [100] adapters of ranks 16 and 64 (Llama-3.1-8B shapes), Poisson RATE
 # [4] requests/s per replica, REQUESTS [200] measured after WARMUP [300] warm-up requests (bench/warmup.py: long
 # enough for the warm stages to fill the host tiers at the device's ~1.2 GB/s), the host tier
@@ -51,7 +52,7 @@ for part in "$@"; do
                 run "dev2-aff-s${SEED:-0}" "${two[@]}" "${seed[@]}" --store device --router affinity --policies queue,global,oracle
                 run "dev2-route-s${SEED:-0}" "${two[@]}" "${seed[@]}" --store device --router lora-cache --policies global ;;
     dev1-seed)  run "dev1-s${SEED:-0}" --replicas 1 --arrivals "poisson:$rate" --workload-seed "${SEED:-0}" \
-                  --store device --policies queue,global,oracle ;;
+                  --store device --policies "${POLICIES:-queue,global,oracle}" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done
