@@ -51,7 +51,7 @@ for part in "$@"; do
     dev2-seed)  seed=(--workload-seed "${SEED:-0}")
                 run "dev2-aff-s${SEED:-0}" "${two[@]}" "${seed[@]}" --store device --router affinity --policies queue,global,oracle
                 run "dev2-route-s${SEED:-0}" "${two[@]}" "${seed[@]}" --store device --router lora-cache --policies global ;;
-    dev1-seed)  run "dev1-s${SEED:-0}" --replicas 1 --arrivals "poisson:$rate" --workload-seed "${SEED:-0}" \
+    dev1-seed)  run "dev1-s${SEED:-0}${POLICIES:+-${POLICIES//,/-}}" --replicas 1 --arrivals "poisson:$rate" --workload-seed "${SEED:-0}" \
                   --store device --policies "${POLICIES:-queue,global,oracle}" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
