@@ -40,6 +40,11 @@ class AdapterChangedError(AdapterFormatError):
     would return other bytes, so it is refused; registering the adapter again makes a new version."""
 
 
+class NonFiniteWeightsError(AdapterFormatError):
+    """An adapter's weights hold NaN or Inf as read for a slot (in its dtype): every request that used them would
+    compute NaNs, so the load is refused before the bad chunk reaches a GPU; the adapter must be re-exported."""
+
+
 class AdapterStoreError(AdapterError):
     """The object store an adapter lives in refused or failed a request: credentials, a store that does not
     answer in time or breaks off (a missing bucket or key is an ``AdapterPathError`` / ``AdapterFormatError``,

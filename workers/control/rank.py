@@ -59,12 +59,14 @@ class WorkerControl:
         return out
 
     def unregister_adapter(self, name: str) -> bool:
-        """Forget ``name`` (the controller drained it first); False if it was not registered here."""
+        """Forget ``name`` (the controller drained it first) and drop its shards from the host tier, every version
+        (``HostTier.drop_adapter``: a registration again reads afresh); False if it was not registered here."""
         self.paths.pop(name, None)
-        if name not in self.catalog:
-            return False
-        self.catalog.unregister(name)
-        return True
+        known = name in self.catalog
+        if known:
+            self.catalog.unregister(name)  # first: no new fetch of it starts after the drop
+        self.cache.host.drop_adapter(name)
+        return known
 
     def apply(self, commands: list[Command]) -> ApplyResult:
         return self.gate.apply(commands)

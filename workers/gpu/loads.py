@@ -168,7 +168,7 @@ class LoadPath:
 
     def _staged(self, key: AdapterKey, staged: Future[HostEntry]) -> None:
         if staged.exception() is None:
-            self.host.release(key)
+            self.host.release(key, staged.result())  # the entry read (it may have been dropped since)
         else:  # the tier dropped the entry and its references
             with self.book.lock:
                 self.book.counters.stage_failures += 1
@@ -264,7 +264,7 @@ class LoadPath:
 
     def _reject_staged(self, load: SlotLoad, entry: HostEntry, error: BaseException, read: Future[HostEntry]) -> None:
         if read.exception() is None:
-            self.host.release(load.key)
+            self.host.release(load.key, entry)
         else:
             self.host.release_failed(entry)
         self._reject(load, error)
@@ -297,7 +297,7 @@ class LoadPath:
             book.counters.h2d_ms.add(record.h2d_ms)
             book.counters.ready_ms.add(record.ready_ms)
             book.changed(load.key, "ready", record)
-        self.host.release(load.key)
+        self.host.release(load.key, load.entry)
         try:
             if self.on_ready is not None:
                 self.on_ready(record)  # before the report: what a rank logs as READY precedes what it tells

@@ -267,8 +267,11 @@ class SplitRead:
                         published = low
                         if marks is not None:
                             marks.append((f"got {low - 1}", time.perf_counter()))
-                        if on_chunk is not None:
-                            on_chunk(low)
+                        try:
+                            if on_chunk is not None:
+                                on_chunk(low)
+                        except AdapterFormatError as e:  # refused here (non-finite weights): the parts still
+                            self.error = e  # write into the block, so their replies are drained before it raises
                     if reply[0] == "chunk":
                         continue
                 del live[conn]

@@ -40,7 +40,7 @@ from lora_cache.adapters.files import (
 )
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shards import ShardEntry, ShardLayout
-from lora_cache.errors import AdapterChangedError, AdapterFormatError
+from lora_cache.errors import AdapterChangedError, AdapterFormatError, NonFiniteWeightsError
 from lora_cache.vocab import AdapterKey
 from workers import faults
 from workers.lru import BoundedLRU
@@ -129,7 +129,7 @@ def read_slices(source: WeightsSource, entries: tuple[ShardEntry, ...], dest: to
         # this rank's slices, in file bytes (the plan's: summing the entries again took ~0.1 ms after the last chunk)
         return _read_parallel(pool, fd, source, index, entries, spans, dest, verify, how, proven, None, marks, part,
                               readers)
-    except AdapterChangedError:
+    except (AdapterChangedError, NonFiniteWeightsError):  # already name the file and the fix
         raise
     except (AdapterFormatError, OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
         why = str(e) if isinstance(e, AdapterFormatError) else f"{type(e).__name__}: {e}"

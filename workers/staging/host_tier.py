@@ -28,8 +28,9 @@ import torch
 
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shards import ShardLayout
-from lora_cache.errors import CapacityError, ConfigError
+from lora_cache.errors import CapacityError, ConfigError, NotFoundError
 from lora_cache.vocab import AdapterKey  # one name@version key for planner and workers
+from workers.reads.finite import check_finite
 from workers.staging.arena import ALIGN, Block, HostArena
 from workers.staging.disk_tier import DiskTier
 from workers.staging.host_config import HostTierConfig
@@ -37,20 +38,6 @@ from workers.staging.tier_reads import ProcessReads, ThreadReads
 
 log = logging.getLogger(__name__)
 ChunkListener = Callable[["HostEntry", int], None]  # told how many chunks of an entry are staged so far
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def drop_pages(spec: AdapterSpec) -> None:
@@ -83,6 +70,10 @@ class HostEntry:
     bytes_read: int = 0
     chunks: tuple[slice, ...] = ()  # ranges of layout.entries read one after another (empty: one chunk)
     staged: int = 0  # chunks in place so far
+    checked: int = 0  # chunks proven finite so far (``progress``, on the read's one publishing thread)
+    blind: int = 0  # references of fetches told of no chunk (no ``on_chunk``): a failed read drops them itself
+    dropped: bool = False  # out of the index (its adapter unregistered): never served again, freed once let go
+    whole: bool = False  # its "staged" change was queued: its leaving is reported too
     listeners: list[ChunkListener] = field(default_factory=list)  # fetchers told of each chunk, until done
     lock: threading.Lock = field(default_factory=threading.Lock)  # protects staged and listeners
     marks: list[tuple[str, float]] = field(default_factory=list)  # (phase, perf_counter) of its read (probes)
@@ -101,7 +92,12 @@ class HostEntry:
             _tell(on_chunk, self, staged)
 
     def progress(self, count: int) -> None:
-        """The read has put the first ``count`` chunks in place (reader thread)."""
+        """The read has put the first ``count`` chunks in place (reader thread): each new one is proven finite
+        (``workers.reads.finite``) before anyone is told of it; ``NonFiniteWeightsError`` fails the read."""
+        for k in range(self.checked, min(count, self.num_chunks)):
+            check_finite(str(self.key), self.layout, self.tensor,
+                         self.layout.entries[self.chunks[k] if self.chunks else slice(None)])
+            self.checked = k + 1
         with self.lock:
             self.staged = max(self.staged, count)
             listeners = list(self.listeners)
@@ -125,11 +121,17 @@ class _Wait:
     chunks: tuple[slice, ...]
     ready: Future[HostEntry] = field(default_factory=Future)  # becomes the entry's ``ready``
     refs: int = 1
+    blind: int = 0  # as ``HostEntry.blind``
     listeners: list[ChunkListener] = field(default_factory=list)
 
 
 def _listener(on_chunk: Callable[[HostEntry, int, bool], None], hit: bool) -> ChunkListener:
     return lambda entry, count: on_chunk(entry, count, hit)
+
+
+def _unregistered(key: AdapterKey) -> NotFoundError:
+    return NotFoundError(f"adapter {key.name} was unregistered while its shard {key} was read or waited for host "
+                         "room; nothing of it is served: register it again to load it")
 
 
 def _tell(on_chunk: ChunkListener, entry: HostEntry, count: int) -> None:
@@ -204,6 +206,11 @@ class HostTier:
                 waiting.refs += 1
             else:
                 entry, waiting = self._miss(spec, layout, tuple(chunks), wait)
+            if on_chunk is None:  # told of no chunk: if the read fails, this fetcher never lets go (``_failed``)
+                if entry is not None:
+                    entry.blind += 1
+                elif waiting is not None:
+                    waiting.blind += 1
             self.hits += count and hit
             self.misses += count and not hit
             if waiting is not None and on_chunk is not None:  # told from the read, once it is admitted
@@ -245,9 +252,10 @@ class HostTier:
         self.waits += 1
         return None, waiting
 
-    def release(self, key: AdapterKey) -> None:
+    def release(self, key: AdapterKey, entry: HostEntry | None = None) -> None:
+        """Let go of ``key``'s entry, or of ``entry`` (the one fetched: found so once ``drop_adapter`` dropped it)."""
         with self._lock:
-            entry = self._entries[key]
+            entry = entry if entry is not None else self._entries[key]
             assert entry.refs > 0, f"host entry {key} released more often than fetched"
             entry.refs -= 1
             admitted = self._admit()
@@ -257,15 +265,7 @@ class HostTier:
     def release_failed(self, entry: HostEntry) -> None:
         """Drop a reference on an entry whose read failed, once no copy reads its staged chunks any more;
         the last one frees its block."""
-        with self._lock:
-            entry.refs -= 1
-            assert entry.refs >= 0, f"host entry {entry.key} released more often than fetched"
-            if entry.refs == 0 and any(o is entry for o in self._orphans):
-                self._orphans = [o for o in self._orphans if o is not entry]
-                self.arena.free(entry.block)
-            admitted = self._admit()
-        self._start(admitted)
-        self._report()
+        self.release(entry.key, entry)
 
     def drop(self, key: AdapterKey) -> bool:
         """Free an unreferenced, staged shard now (benchmarks: the next fetch reads the file again)."""
@@ -279,6 +279,30 @@ class HostTier:
         self._start(admitted)
         self._report()
         return True
+
+    def drop_adapter(self, name: str) -> int:
+        """Every version of unregistered ``name`` leaves the tier (``WorkerControl.unregister_adapter``); the bytes
+        freed now. An idle shard is freed now; one read or copied from leaves the index now (a later fetch reads
+        afresh) and its block once read and let go; a read in flight fails then, a wait for room now (NotFoundError)."""
+        with self._lock:
+            used = self.arena.used_bytes
+            waits = [(k, self._waiting.pop(k)) for k in [k for k in self._waiting if k.name == name]]
+            for key in [k for k in self._entries if k.name == name]:
+                entry = self._entries.pop(key)
+                entry.dropped = True
+                if entry.whole:
+                    self._changes.append((key, False))
+                if entry.refs or not entry.ready.done():
+                    self._orphans.append(entry)
+                else:
+                    self.arena.free(entry.block)
+            freed = used - self.arena.used_bytes
+            admitted = self._admit()
+        for key, waiting in waits:
+            waiting.ready.set_exception(_unregistered(key))
+        self._start(admitted)
+        self._report()
+        return freed
 
     def reading(self) -> int:
         """Reads in flight or waiting for room: while any, a warm stage waits (``workers.staging.warming``)."""
@@ -318,7 +342,11 @@ class HostTier:
     def _admit(self) -> tuple[list[tuple[AdapterSpec, HostEntry]], list[tuple[_Wait, CapacityError]]]:
         """Give the room there is to waiting fetches, oldest first (lock held): the entries to read, and
         the waits that can never be admitted (nothing left that could free room). The head of the line
-        waits for room rather than let later, smaller shards pass it (no starvation)."""
+        waits for room rather than let later, smaller shards pass it (no starvation). Dropped entries read and let
+        go of (and failed ones no copy reads any more) are freed first."""
+        for gone in [o for o in self._orphans if not o.refs and o.ready.done()]:
+            self._orphans = [o for o in self._orphans if o is not gone]
+            self.arena.free(gone.block)
         started: list[tuple[AdapterSpec, HostEntry]] = []
         failed: list[tuple[_Wait, CapacityError]] = []
         while self._waiting:
@@ -332,7 +360,8 @@ class HostTier:
                 continue
             layout = waiting.layout
             entry = HostEntry(key, layout, block, self.arena.view(block, layout.dtype, layout.numel), waiting.ready,
-                              refs=waiting.refs, chunks=waiting.chunks, listeners=waiting.listeners)
+                              refs=waiting.refs, chunks=waiting.chunks, listeners=waiting.listeners,
+                              blind=waiting.blind)
             self._entries[key] = entry
             started.append((waiting.spec, entry))
         return started, failed
@@ -377,28 +406,44 @@ class HostTier:
                     entry.bytes_read = self._reader.read(local, entry)
                     if self.config.drop_page_cache:
                         drop_pages(local)
+            entry.progress(entry.num_chunks)  # a reader that reports no chunks: all of them at once (proven finite)
         except BaseException as e:  # a failed read leaves the tier as it was, and tells every waiter
-            entry.forget()
-            with self._lock:
-                del self._entries[entry.key]
-                if entry.staged:  # chunks may be on their way to a GPU: each fetcher releases (release_failed)
-                    self._orphans.append(entry)
-                else:
-                    self.arena.free(entry.block)
-                admitted = self._admit()
-            entry.ready.set_exception(e)
-            self._start(admitted)
-            self._report()
+            self._failed(entry, e)
             return
         entry.read_ms = (time.perf_counter() - t0) * 1e3
         entry.marks.append(("read end", time.perf_counter()))
-        entry.progress(entry.num_chunks)  # a reader that reports no chunks: all of them at once
         with self._lock:
             self.bytes_read += entry.bytes_read
-            self._changes.append((entry.key, True))  # before the result: no eviction of it can be queued ahead
+            dropped = entry.dropped  # its adapter unregistered while it was read: never served
+            if not dropped:
+                entry.whole = True
+                self._changes.append((entry.key, True))  # before the result: no eviction of it can be queued ahead
+        if dropped:
+            self._failed(entry, _unregistered(entry.key))
+            return
         self._report()  # its "staged" reaches on_change before the result, as a slot's "ready" does its future
         entry.ready.set_result(entry)
         self._wake()  # done: if nobody references it any more, its room is the LRU's (and the change is reported)
+
+    def _failed(self, entry: HostEntry, error: BaseException) -> None:
+        """``entry``'s read failed, or its adapter was unregistered while it was read (no reader writes into it any
+        more): the tier as it was, every waiter told. Its block is freed now, or, if chunks of it may be on their way
+        to a GPU, once each fetcher told of them lets go (``release_failed``)."""
+        entry.forget()
+        with self._lock:
+            if self._entries.get(entry.key) is entry:
+                del self._entries[entry.key]
+            entry.refs -= entry.blind  # fetchers told of no chunk have no copy to wait for: they never release
+            assert entry.refs >= 0, f"host entry {entry.key} released more often than fetched"
+            self._orphans = [o for o in self._orphans if o is not entry]
+            if entry.staged and entry.refs:
+                self._orphans.append(entry)
+            else:
+                self.arena.free(entry.block)
+            admitted = self._admit()
+        entry.ready.set_exception(error)
+        self._start(admitted)
+        self._report()
 
     def _report(self) -> None:
         """Hand the queued changes of what the tier holds to ``on_change``, oldest first (lock not held)."""
@@ -439,7 +484,8 @@ class HostTier:
             held = [*self._entries.values(), *self._orphans]
             assert self.arena.used_bytes == sum(e.block.nbytes for e in held), \
                 "arena blocks and host entries disagree"
-            assert all(e.refs >= 0 for e in self._entries.values()), "negative host reference count"
+            assert all(e.refs >= 0 for e in held), "negative host reference count"
+            assert not any(e.dropped for e in self._entries.values()), "a dropped entry is still served"
             assert not set(self._waiting) & set(self._entries), "a waiting fetch already has an entry"
             assert all(w.refs > 0 for w in self._waiting.values()), "a waiting fetch nobody waits for"
             assert not self._waiting or self._entries or self._orphans, "a fetch waits with nothing that frees room"
