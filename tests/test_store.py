@@ -10,6 +10,7 @@ import base64
 import dataclasses
 import json
 import os
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,10 +20,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from bench.probes.s3_local import LatencyProxy
 from lora_cache.adapters.base_model import adapter_bases, choose_model
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.objects import StoreUrl
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec
+from lora_cache.adapters.store import list_adapters
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.api import relay_codec
 from lora_cache.app.cli import inspect_adapter, main
@@ -587,6 +590,32 @@ def test_a_full_disk_tier_refuses_before_fetching(
         assert spec.source is not None and Path(spec.source.path).exists()
     assert tier.evictions == 1
     assert big.file_bytes > 2 << 20 and 2 * small.file_bytes > 1 << 16 > small.file_bytes
+
+
+def test_the_store_timeout_is_a_deadline_for_the_whole_call(
+    store: tuple[S3Server, str], local: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """botocore's timeouts are per attempt and its ``max_attempts`` counts retries: a stalled store failed a 1 s call
+    after ~3 s (three tries), a 3 s one after ~9 s. A real proxy in front of the real server holds every request
+    once stalled."""
+    server, prefix = store
+    url = StoreUrl.parse(prefix)
+    with LatencyProxy(server.url, latency_s=0.0) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)  # a client of its own (the endpoint is part of its key)
+        assert [n for n, _ in list_adapters(url, timeout_s=1.0)] == sorted(local), "a normal call through the proxy"
+        proxy.latency_s, sent = 30.0, proxy.chunks  # every request from now on stalls
+        start = time.monotonic()
+        with pytest.raises(AdapterStoreError) as info:
+            list_adapters(url, timeout_s=1.0)
+        took = time.monotonic() - start
+        assert 0.9 < took < 1.5, f"a 1 s store timeout failed the call after {took:.2f} s"
+        assert proxy.chunks - sent == 1, "a request was retried past the call's deadline"
+        message = str(info.value)
+        assert f"{prefix}/: the store at {proxy.url} did not answer or broke off" in message, message
+        assert "retries included, has --store-timeout-s 1 s); check that it is up" in message, message
+        assert message.endswith("or raise --store-timeout-s"), message
+        proxy.latency_s = 0.0
+        assert [n for n, _ in list_adapters(url, timeout_s=1.0)] == sorted(local), "the store answers again"
 
 
 def test_a_stalled_server_times_out_and_a_dead_one_fails_cleanly(
