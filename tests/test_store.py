@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import logging
 import os
 import time
 import zlib
@@ -25,7 +26,7 @@ from lora_cache.adapters.base_model import adapter_bases, choose_model
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.objects import StoreUrl
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec
-from lora_cache.adapters.store import list_adapters
+from lora_cache.adapters.store import ATTEMPTS, list_adapters
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.api import relay_codec
 from lora_cache.app.cli import inspect_adapter, main
@@ -42,7 +43,7 @@ from lora_cache.errors import (
     ConfigError,
 )
 from lora_cache.runtime.cliargs import shell_path
-from tests.s3_server import S3Server, set_env
+from tests.s3_server import S3Server, free_port, set_env
 from tests.waiting import wait_for
 from workers.cache import WorkerCache, WorkerConfig
 from workers.control.outbox import Outbox
@@ -616,6 +617,20 @@ def test_the_store_timeout_is_a_deadline_for_the_whole_call(
         assert message.endswith("or raise --store-timeout-s"), message
         proxy.latency_s = 0.0
         assert [n for n, _ in list_adapters(url, timeout_s=1.0)] == sorted(local), "the store answers again"
+
+
+def test_a_refused_connection_is_still_retried_within_the_deadline(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The deadline bounds retries, it does not remove them: a fast failure (nothing listens) is tried twice."""
+    set_env(monkeypatch, {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "k",
+                          "AWS_SECRET_ACCESS_KEY": "s", "AWS_REGION": "us-east-1"})
+    caplog.set_level(logging.DEBUG, logger="botocore.endpoint")
+    start = time.monotonic()
+    with pytest.raises(AdapterStoreError, match=r"did not answer or broke off .*EndpointConnectionError"):
+        list_adapters(StoreUrl.parse("s3://bkt-none/p"), timeout_s=5.0)
+    assert time.monotonic() - start < 5.0
+    assert sum(r.getMessage().startswith("Sending http request") for r in caplog.records) == ATTEMPTS
 
 
 def test_a_stalled_server_times_out_and_a_dead_one_fails_cleanly(
