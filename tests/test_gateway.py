@@ -35,7 +35,7 @@ from lora_cache.api.ingest import GatewayClosedError, HintIngest
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc
 from lora_cache.app.client_cli import add_client_commands
-from lora_cache.controller.core import ControllerConfig, ControllerCore, HintOutcome
+from lora_cache.controller.core import ControllerConfig, ControllerCore, HintOutcome, HintRejection
 from lora_cache.errors import ConfigError, NotFoundError
 from lora_cache.planner import QueueEntry
 from tests.ray_local import init_local
@@ -142,8 +142,8 @@ def test_ingest_coalesces_waiting_batches_into_one_call_with_outcomes_kept_apart
         async def send(batches: list[list[tuple[str, str, str, float]]]) -> list[HintOutcome]:
             calls.append([len(b) for b in batches])
             await gate.wait()
-            return [HintOutcome(0, 0, NotFoundError("ghost")) if b[0][1] == "ghost" else HintOutcome(len(b), 0)
-                    for b in batches]
+            return [HintOutcome(0, 0, tuple(HintRejection(i, h[0], NotFoundError("ghost")) for i, h in enumerate(b)))
+                    if b[0][1] == "ghost" else HintOutcome(len(b), 0) for b in batches]
 
         ingest = HintIngest(send, capacity=100, max_inflight=1)
         ingest.start()
@@ -157,7 +157,7 @@ def test_ingest_coalesces_waiting_batches_into_one_call_with_outcomes_kept_apart
         gate.set()
         done = await asyncio.gather(first, *rest)
         assert calls == [[1], [2, 3, 1]], "the three waiting batches went in one controller call"
-        assert [(o.accepted, o.error is None) for o in done] == [(1, True), (2, True), (0, False), (1, True)]
+        assert [(o.accepted, len(o.rejections)) for o in done] == [(1, 0), (2, 0), (0, 3), (1, 0)]
         assert ingest.queued == 0 and ingest.calls == 2
         await ingest.close()
 
@@ -250,32 +250,85 @@ def test_gateway_config_errors_say_what_and_how(kwargs: dict[str, Any], fragment
 def test_request_checks_name_the_field_and_the_fix() -> None:
     high = pb.PrefetchHint(hint_id="h", adapter="a", replica="r", priority=pb.HINT_PRIORITY_HIGH)
     high.expected_in.FromSeconds(60)
-    assert validate.hints([high], 4) == [("h", "a", "r", 0.0)]  # HIGH is planned as due now
+    assert validate.hints([high], 4) == ([(0, ("h", "a", "r", 0.0))], {})  # HIGH is planned as due now
     late = pb.PrefetchHint(hint_id="h", adapter="a", replica="r")
     late.expected_in.FromSeconds(7200)
-    for bad, fragment in [([late], "expected_in is 7200 s; give 0 to 3600"),
-                          ([pb.PrefetchHint(hint_id="h", adapter="a", replica="r", priority=7)],  # type: ignore[arg-type]
-                           "priority 7"),
-                          ([pb.PrefetchHint(hint_id="h", adapter="-a", replica="r")], "adapter '-a' is malformed"),
-                          ([], "empty"), ([high] * 5, "more than this server's max_hints_per_call (4)")]:
-        with pytest.raises(validate.RequestError, match=re.escape(fragment)):
-            validate.hints(bad, 4)
+    for bad, fragment in [(late, "hint 1 ('h'): expected_in is 7200 s; give 0 to 3600"),
+                          (pb.PrefetchHint(hint_id="h", adapter="a", replica="r", priority=7),  # type: ignore[arg-type]
+                           "priority 7 is not a HintPriority; use HINT_PRIORITY_NORMAL"),
+                          (pb.PrefetchHint(hint_id="h", adapter="-a", replica="r"), "adapter '-a' is malformed: use"),
+                          (pb.PrefetchHint(hint_id="", adapter="a", replica="r"), "hint_id '' is malformed: use")]:
+        call = validate.hints([high, bad, high], 4)  # a malformed hint fails only itself
+        assert [i for i, _ in call.items] == [0, 2] and list(call.malformed) == [1]
+        assert fragment in str(call.malformed[1]), (fragment, call.malformed[1])
+    for batch, fragment in [([], "empty"), ([high] * 5, "more than this server's max_hints_per_call (4)")]:
+        with pytest.raises(validate.RequestError, match=re.escape(fragment)):  # the batch as a whole fails the call
+            validate.hints(batch, 4)
     queue = pb.ReportQueueRequest(replica="r", requests=[pb.QueuedRequest(adapter="a")])
     with pytest.raises(validate.RequestError, match="has no arrival_time"):
         validate.queue(queue, 4)
 
 
-def test_core_hint_batches_are_all_or_nothing_and_unregister_forgets_the_adapter(tiny_adapters) -> None:
+class CoreController:
+    """A real ControllerCore behind the actor's ``.remote`` surface that the gateway's hint path uses."""
+
+    def __init__(self, core: ControllerCore) -> None:
+        self.core = core
+        self.hint_batches = _Remote(self._hint_batches)
+        self.status = _Remote(self._status)
+        self.worker_stats = _Remote(StallController()._worker_stats)
+
+    async def _hint_batches(self, batches: list[list[tuple[str, str, str, float]]]) -> list[HintOutcome]:
+        return self.core.hint_batches(batches, time.time())
+
+    async def _status(self) -> dict[str, Any]:
+        return self.core.status()
+
+
+def test_a_hint_call_takes_its_good_hints_and_rejects_each_bad_one_by_index(tiny_adapters) -> None:
+    paths = tiny_adapters(2)
+    core = ControllerCore(ControllerConfig(CatalogConfig(adapter_roots=(str(paths[0].parent),), model="tiny",
+                                                         max_rank=16)), epoch=1)
+    a, b = (core.register_adapter(p.name, str(p)) and p.name for p in paths)
+    core.add_replica("r0", 1, 2)
+    gw = start_gateway_thread(GatewayConfig(grpc_port=0, max_hints_per_call=10), CoreController(core))
+    try:
+        with LoraCacheClient(gw.target, timeout_s=30) as lc:
+            result = lc.hint([Hint("good-1", a, "r0"), Hint("ghost-1", "ghost", "r0"), Hint("good-2", b, "r0", 0.5),
+                              Hint("far-1", a, "r9"), Hint("bad id", a, "r0"), Hint("good-1", a, "r0")])
+            again = lc.hint([Hint("ghost-1", a, "r0")])  # the rejected id was never taken: fixed, it is
+    finally:
+        gw.stop()
+    assert (result.accepted, result.ignored) == (2, 1), "the good hints beside the bad ones were not all answered"
+    assert [(r.index, r.hint_id, r.error.code) for r in result.rejections] == [
+        (1, "ghost-1", "NOT_FOUND"), (3, "far-1", "NOT_FOUND"), (4, "bad id", "INVALID_ARGUMENT")]
+    ghost, far, bad = (r.error.message for r in result.rejections)
+    assert "adapter 'ghost' is not registered; register it first (lora-cache register NAME PATH)" in ghost
+    assert "replica 'r9' is not known; known replicas: ['r0']" in far
+    assert "hint 4 of the batch: hint_id 'bad id' is malformed: use 1-128 printable ASCII" in bad
+    assert sorted(h.hint_id for h in core.planner.view.hints("r0")) == ["ghost-1", "good-1", "good-2"], \
+        "the planner does not see exactly the good hints"
+    assert (again.accepted, again.rejections) == (1, ())
+    core.check_integrity()
+
+
+def test_core_hint_batches_answer_each_hint_and_unregister_forgets_the_adapter(tiny_adapters) -> None:
     paths = tiny_adapters(3)
     core = ControllerCore(ControllerConfig(CatalogConfig(adapter_roots=(str(paths[0].parent),), model="tiny",
                                                          max_rank=16)), epoch=1)
     a, b, c = (core.register_adapter(p.name, str(p)) and p.name for p in paths)
     core.add_replica("r0", 1, 2)
     out = core.hint_batches([[("h1", a, "r0", 0.0), ("h2", b, "r0", 0.0)],
-                             [("h3", a, "r0", 0.0), ("h4", "ghost", "r0", 0.0)], [("h1", a, "r0", 0.0)]], now=1.0)
-    assert [(o.accepted, o.ignored) for o in out] == [(2, 0), (0, 0), (0, 1)]
-    assert isinstance(out[1].error, NotFoundError) and "'ghost' is not registered" in str(out[1].error)
-    assert (core.status()["hints_received"], core.status()["hints_accepted"]) == (3, 2)
+                             [("h3", "ghost", "r0", 0.0), ("h4", b, "r9", 0.0), ("h5", b, "r0", 0.0)],
+                             [("h1", a, "r0", 0.0)]], now=1.0)
+    assert [(o.accepted, o.ignored) for o in out] == [(2, 0), (1, 0), (0, 1)], "a bad hint cost a good one"
+    assert [(r.index, r.hint_id) for r in out[1].rejections] == [(0, "h3"), (1, "h4")] and not out[0].rejections
+    assert all(isinstance(r.error, NotFoundError) for r in out[1].rejections)
+    assert "adapter 'ghost' is not registered; register it first" in str(out[1].rejections[0].error)
+    assert "replica 'r9' is not known; known replicas: ['r0']" in str(out[1].rejections[1].error)
+    assert sorted(h.hint_id for h in core.planner.view.hints("r0")) == ["h1", "h2", "h5"]
+    assert (core.status()["hints_received"], core.status()["hints_accepted"]) == (4, 3)
+    core.planner.cancel_hint("h5", 1.0)
     core.report_queue("r0", [(a, 1.0), (c, 1.0)], 1.0)
     assert core.plan(1.0), "a and c are prefetched (counted as loading)"
     core.unregister_adapter(a, 2.0)
@@ -465,26 +518,10 @@ def bad_requests(served: Served) -> list[tuple[str, Callable[[], Any], grpc.Stat
     stub, channel, root = served.stub, served.channel, served.root
     nf, bad, unauth = grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED
     no_time = pb.ReportQueueRequest(replica="replica-0", requests=[pb.QueuedRequest(adapter="adapter-000")])
-    late = pb.PrefetchHint(hint_id="late", adapter="adapter-000", replica="replica-0")
-    late.expected_in.FromSeconds(-5)
-    mixed = pb.HintRequest(hints=[pb.PrefetchHint(hint_id="mixed-ok", adapter="adapter-001", replica="replica-0"),
-                                  pb.PrefetchHint(hint_id="mixed-bad", adapter="ghost", replica="replica-0")])
-    cases = [
-        ("unknown adapter", lambda: stub.Hint(hints("x", 1, adapter="ghost"), metadata=AUTH), nf,
-         "adapter 'ghost' is not registered; register it first"),
-        ("unknown adapter beside a good hint", lambda: stub.Hint(mixed, metadata=AUTH), nf, "'ghost'"),
-        ("unknown replica", lambda: stub.Hint(hints("x", 1, replica="replica-9"), metadata=AUTH), nf,
-         "replica 'replica-9' is not known; known replicas: ['replica-0', 'replica-1']"),
-        ("malformed hint id", lambda: stub.Hint(pb.HintRequest(hints=[pb.PrefetchHint(
-            hint_id="has space", adapter="adapter-000", replica="replica-0")]), metadata=AUTH), bad,
-         "hint_id 'has space' is malformed: use 1-128 printable ASCII"),
-        ("malformed adapter", lambda: stub.Hint(hints("x", 1, adapter="../etc"), metadata=AUTH), bad,
-         "adapter '../etc' is malformed"),
+    cases = [  # a Hint's bad items are answered one by one (test_a_hint_batch_..._over_the_real_controller)
         ("empty batch", lambda: stub.Hint(pb.HintRequest(), metadata=AUTH), bad, "the batch of hints is empty"),
         ("oversized batch", lambda: stub.Hint(hints("x", MAX_HINTS + 1), metadata=AUTH), bad,
          f"more than this server's max_hints_per_call ({MAX_HINTS}); split it"),
-        ("negative expected time", lambda: stub.Hint(pb.HintRequest(hints=[late]), metadata=AUTH), bad,
-         "expected_in is -5 s"),
         ("message over the size limit", lambda: channel.unary_unary(f"/{SERVICE}/Hint")(
             b"\0" * (5 << 20), metadata=AUTH), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
         ("empty cancel", lambda: stub.CancelHint(pb.CancelHintRequest(), metadata=AUTH), bad, "empty"),
@@ -553,8 +590,34 @@ def test_bad_requests_beside_good_traffic_get_clear_errors_and_change_nothing(se
     assert after["hints_received"] - before["hints_received"] == good.hints, "a bad hint reached the planner"
     assert {k: v for k, v in after.items() if k != "hints_received"} == \
            {k: v for k, v in before.items() if k != "hints_received"}
-    mixed_ok = pb.HintRequest(hints=[pb.PrefetchHint(hint_id="mixed-ok", adapter="adapter-001", replica="replica-0")])
-    assert stub.Hint(mixed_ok, metadata=AUTH).accepted == 1, "the refused batch's good hint was not taken"
+    assert ray.get(served.service.controller.check_integrity.remote())
+
+
+@pytest.mark.ray
+def test_a_hint_batch_answers_each_hint_by_itself_over_the_real_controller(served: Served) -> None:
+    import ray
+
+    late = pb.PrefetchHint(hint_id="mixed-late", adapter="adapter-000", replica="replica-0")
+    late.expected_in.FromSeconds(-5)
+    mixed = pb.HintRequest(hints=[
+        pb.PrefetchHint(hint_id="mixed-ghost", adapter="ghost", replica="replica-0"),
+        pb.PrefetchHint(hint_id="mixed-ok", adapter="adapter-001", replica="replica-0"),
+        pb.PrefetchHint(hint_id="mixed-far", adapter="adapter-001", replica="replica-9"),
+        pb.PrefetchHint(hint_id="has space", adapter="adapter-000", replica="replica-0"),
+        pb.PrefetchHint(hint_id="mixed-path", adapter="../etc", replica="replica-0"), late])
+    answer = served.stub.Hint(mixed, metadata=AUTH, timeout=30)
+    nf, bad = grpc.StatusCode.NOT_FOUND.value[0], grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert (answer.accepted, answer.ignored) == (1, 0), "the good hint beside the bad ones was not taken"
+    assert [(r.index, r.hint_id, r.code) for r in answer.rejections] == [
+        (0, "mixed-ghost", nf), (2, "mixed-far", nf), (3, "has space", bad), (4, "mixed-path", bad),
+        (5, "mixed-late", bad)]
+    for r, fragment in zip(answer.rejections, ["adapter 'ghost' is not registered; register it first",
+                                             "replica 'replica-9' is not known; known replicas: ['replica-0', "
+                                             "'replica-1']", "hint_id 'has space' is malformed: use 1-128 printable",
+                                             "adapter '../etc' is malformed", "expected_in is -5 s; give 0 to"]):
+        assert fragment in r.message, (fragment, r.message)
+    again = served.stub.Hint(pb.HintRequest(hints=[mixed.hints[1]]), metadata=AUTH, timeout=30)
+    assert (again.accepted, again.ignored) == (0, 1), "the good hint was taken the first time (its retry is known)"
     assert ray.get(served.service.controller.check_integrity.remote())
 
 
@@ -605,15 +668,15 @@ def test_register_versions_and_unregister_evicts_everywhere(served: Served, tmp_
     assert first_event(stream, pb.READINESS_STATE_NOT_READY, "extra", "replica-0").version == second.version
     assert code_of(lambda: stub.Lookup(pb.LookupRequest(adapter="extra"), metadata=AUTH))[0] == \
         grpc.StatusCode.NOT_FOUND
-    assert code_of(lambda: stub.Hint(hints("after", 1, adapter="extra"), metadata=AUTH))[0] == \
-        grpc.StatusCode.NOT_FOUND
+    assert [r.code for r in stub.Hint(hints("after", 1, adapter="extra"), metadata=AUTH).rejections] == \
+        [grpc.StatusCode.NOT_FOUND.value[0]]
 
 
 @pytest.mark.ray
 def test_python_client_and_cli(served: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with LoraCacheClient(served.gateway.target, token=TOKEN) as lc:
         assert lc.hint([Hint("client-1", "adapter-002", "replica-0", 0.5), ("client-2", "adapter-002", "replica-1")]) \
-            == (2, 0)
+            == (2, 0, ())
         assert lc.cancel_hint("client-1", "client-2", "never-sent") == 2
         assert lc.report_queue("replica-1", [("adapter-003", time.time())]) == 1
         assert lc.report_queue("replica-1", []) == 0
@@ -758,8 +821,8 @@ def test_unregister_waits_for_in_use_references_to_drain(served: Served) -> None
     code, message = code_of(lambda: stub.UnregisterAdapter(unregister, metadata=AUTH, timeout=30))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "workers ['held/0'] still hold it" in message and "call UnregisterAdapter again" in message
-    assert code_of(lambda: stub.Hint(hints("drain", 1, adapter=adapter), metadata=AUTH))[0] == \
-        grpc.StatusCode.NOT_FOUND, "no new use while draining"
+    assert [r.code for r in stub.Hint(hints("drain", 1, adapter=adapter), metadata=AUTH).rejections] == \
+        [grpc.StatusCode.NOT_FOUND.value[0]], "no new use while draining"
     code, message = code_of(lambda: stub.RegisterAdapter(pb.RegisterAdapterRequest(name=adapter, path=adapter),
                                                          metadata=AUTH))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "is being unregistered" in message

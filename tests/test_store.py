@@ -9,7 +9,9 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import logging
 import os
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,10 +21,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from bench.probes.s3_local import LatencyProxy
 from lora_cache.adapters.base_model import adapter_bases, choose_model
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.objects import StoreUrl
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec
+from lora_cache.adapters.store import ATTEMPTS, list_adapters
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.api import relay_codec
 from lora_cache.app.cli import inspect_adapter, main
@@ -39,7 +43,7 @@ from lora_cache.errors import (
     ConfigError,
 )
 from lora_cache.runtime.cliargs import shell_path
-from tests.s3_server import S3Server, set_env
+from tests.s3_server import S3Server, free_port, set_env
 from tests.waiting import wait_for
 from workers.cache import WorkerCache, WorkerConfig
 from workers.control.outbox import Outbox
@@ -587,6 +591,46 @@ def test_a_full_disk_tier_refuses_before_fetching(
         assert spec.source is not None and Path(spec.source.path).exists()
     assert tier.evictions == 1
     assert big.file_bytes > 2 << 20 and 2 * small.file_bytes > 1 << 16 > small.file_bytes
+
+
+def test_the_store_timeout_is_a_deadline_for_the_whole_call(
+    store: tuple[S3Server, str], local: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """botocore's timeouts are per attempt and its ``max_attempts`` counts retries: a stalled store failed a 1 s call
+    after ~3 s (three tries), a 3 s one after ~9 s. A real proxy in front of the real server holds every request
+    once stalled."""
+    server, prefix = store
+    url = StoreUrl.parse(prefix)
+    with LatencyProxy(server.url, latency_s=0.0) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)  # a client of its own (the endpoint is part of its key)
+        assert [n for n, _ in list_adapters(url, timeout_s=1.0)] == sorted(local), "a normal call through the proxy"
+        proxy.latency_s, sent = 30.0, proxy.chunks  # every request from now on stalls
+        start = time.monotonic()
+        with pytest.raises(AdapterStoreError) as info:
+            list_adapters(url, timeout_s=1.0)
+        took = time.monotonic() - start
+        assert 0.9 < took < 1.5, f"a 1 s store timeout failed the call after {took:.2f} s"
+        assert proxy.chunks - sent == 1, "a request was retried past the call's deadline"
+        message = str(info.value)
+        assert f"{prefix}/: the store at {proxy.url} did not answer or broke off" in message, message
+        assert "retries included, has --store-timeout-s 1 s); check that it is up" in message, message
+        assert message.endswith("or raise --store-timeout-s"), message
+        proxy.latency_s = 0.0
+        assert [n for n, _ in list_adapters(url, timeout_s=1.0)] == sorted(local), "the store answers again"
+
+
+def test_a_refused_connection_is_still_retried_within_the_deadline(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The deadline bounds retries, it does not remove them: a fast failure (nothing listens) is tried twice."""
+    set_env(monkeypatch, {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "k",
+                          "AWS_SECRET_ACCESS_KEY": "s", "AWS_REGION": "us-east-1"})
+    caplog.set_level(logging.DEBUG, logger="botocore.endpoint")
+    start = time.monotonic()
+    with pytest.raises(AdapterStoreError, match=r"did not answer or broke off .*EndpointConnectionError"):
+        list_adapters(StoreUrl.parse("s3://bkt-none/p"), timeout_s=5.0)
+    assert time.monotonic() - start < 5.0
+    assert sum(r.getMessage().startswith("Sending http request") for r in caplog.records) == ATTEMPTS
 
 
 def test_a_stalled_server_times_out_and_a_dead_one_fails_cleanly(

@@ -20,7 +20,7 @@ from lora_cache.adapters.objects import StoreUrl, is_store_url
 from lora_cache.adapters.shapes import SHAPES, ModelShape, from_hf_config, resolve_model
 from lora_cache.errors import ConfigError
 
-STORE_TIMEOUT_S = 20.0  # each store request's, as the catalog's default (CatalogConfig.store_timeout_s)
+STORE_TIMEOUT_S = 20.0  # each store call's deadline, retries included (CatalogConfig.store_timeout_s's default)
 _SUFFIXES = re.compile(r"-(instruct|chat|hf|base)$")
 
 

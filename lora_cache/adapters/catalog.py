@@ -45,7 +45,8 @@ class CatalogConfig:
                 "only ranks on the registering machine can serve it) or 'content' (a hash of every byte at "
                 "registration; for per-node copies or a file system shared between nodes)"})
     store_timeout_s: float = field(default=20.0, metadata={
-        "help": "seconds an object-store request may go unanswered before it fails (registration and fetches; "
+        "help": "seconds an object-store request may go unanswered, its retries included, before it fails "
+                "(registration and fetches; "
                 "endpoint, region and credentials come from AWS_* variables and ~/.aws)"})
     store_reads: int = field(default=32, metadata={
         "help": "object-store requests a registration keeps in flight (each adapter: its config, then its weights' "

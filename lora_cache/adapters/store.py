@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +42,8 @@ from lora_cache.errors import AdapterChangedError, AdapterFormatError, AdapterPa
 
 HEAD_GUESS = 64 << 10  # first ranged GET of the weights: the 8-byte length and most adapters' whole header
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
-ATTEMPTS = 2  # tries of one request (botocore's "standard" retries: a dropped connection, a 5xx, a throttle)
+ATTEMPTS = 2  # tries of one request (botocore's "standard" retry conditions: a dropped connection, a 5xx, a throttle)
+DEADLINE = "lora_cache_deadline"  # the key of a call's deadline (time.monotonic()) in botocore's request context
 
 _CLIENTS_LOCK = threading.Lock()  # protects _CLIENTS (boto3 sessions are not thread-safe; clients are)
 _CLIENTS: dict[tuple[Any, ...], Any] = {}
@@ -57,9 +59,51 @@ ENV = (
 )  # a change of any makes a new client
 
 
+class CallDeadline:
+    """``timeout_s`` as the deadline of each whole S3 call, its attempts and backoff included: botocore applies
+    its timeouts per attempt and retries, so a stalled store cost ``attempts`` x ``timeout_s`` (a 3 s timeout
+    failed after ~9 s). Hooked on the client's events: ``before-call`` sets the call's deadline, ``before-send``
+    gives each attempt only the time left as its read timeout (botocore's request-context ``read_timeout``: 1.44
+    honours it; a botocore that does not keeps ``timeout_s`` per attempt, so a call may end one attempt late),
+    and ``needs-retry`` retries what botocore's standard conditions retry only while the backoff ends before the
+    deadline. The answer's body
+    is read after the call, each read bounded by the read timeout of the attempt that answered."""
+
+    def __init__(self, timeout_s: float, attempts: int) -> None:
+        from botocore.retries import standard
+
+        self.timeout_s = timeout_s
+        self.conditions = standard.StandardRetryConditions(max_attempts=attempts)
+        self.backoff = standard.ExponentialBackoff()
+        self.adapter = standard.RetryEventAdapter()
+
+    def hook(self, s3: Any) -> None:
+        events = s3.meta.events
+        events.register("before-call.s3", self.start)
+        events.register("before-send.s3", self.attempt)
+        events.register_first("needs-retry.s3", self.retry_delay)
+
+    def start(self, context: dict[str, Any], **_: Any) -> None:
+        context[DEADLINE] = time.monotonic() + self.timeout_s
+
+    def attempt(self, request: Any, **_: Any) -> None:
+        context = getattr(request, "context", None)
+        if context is not None and DEADLINE in context:
+            context["read_timeout"] = max(0.001, context[DEADLINE] - time.monotonic())
+
+    def retry_delay(self, **kwargs: Any) -> float | None:
+        """Seconds to wait before the next attempt, or None: no retry (botocore raises or returns the last)."""
+        retry = self.adapter.create_retry_context(**kwargs)
+        if not self.conditions.is_retryable(retry):
+            return None
+        delay = float(self.backoff.delay_amount(retry))
+        deadline = kwargs["request_dict"]["context"].get(DEADLINE, float("inf"))
+        return delay if time.monotonic() + delay < deadline else None
+
+
 def client(timeout_s: float, attempts: int = ATTEMPTS, pool: int = 32) -> Any:
-    """A boto3 S3 client (shared per process and settings) whose every request gives up after ``timeout_s``
-    without an answer, ``attempts`` tries in all."""
+    """A boto3 S3 client (shared per process and settings) whose every call, its ``attempts`` tries and their
+    backoff included, gives up ``timeout_s`` after it started (``CallDeadline``)."""
     key = (timeout_s, attempts, pool, *(os.environ.get(v, "") for v in ENV))
     with _CLIENTS_LOCK:
         made = _CLIENTS.get(key)
@@ -71,9 +115,12 @@ def client(timeout_s: float, attempts: int = ATTEMPTS, pool: int = 32) -> Any:
                 connect_timeout=timeout_s,
                 read_timeout=timeout_s,
                 max_pool_connections=pool,
-                retries={"max_attempts": attempts, "mode": "standard"},
+                # botocore's own handler never retries (its "max_attempts" counts retries: 2 made 3 tries);
+                # CallDeadline retries, within the deadline
+                retries={"total_max_attempts": 1, "mode": "standard"},
             )
             made = _CLIENTS[key] = boto3.session.Session().client("s3", config=config)
+            CallDeadline(timeout_s, attempts).hook(made)
         return made
 
 
@@ -134,8 +181,9 @@ def store_error(e: BaseException, bucket: str, key: str, s3: Any, version: str =
         )
     if isinstance(e, BotoCoreError | OSError):
         return AdapterStoreError(
-            f"{url}: the store at {where} did not answer or broke off ({type(e).__name__}: "
-            f"{e}); check that it is up and reachable, or raise --store-timeout-s"
+            f"{url}: the store at {where} did not answer or broke off ({type(e).__name__}: {e}; each call, "
+            f"retries included, has --store-timeout-s {s3.meta.config.read_timeout:g} s); check that it is up "
+            "and reachable, or raise --store-timeout-s"
         )
     return e if isinstance(e, Exception) else RuntimeError(str(e))
 

@@ -104,9 +104,20 @@ class Hint(NamedTuple):
     high_priority: bool = False
 
 
+@dataclass(frozen=True)
+class HintRejected:  # a dataclass: a NamedTuple field may not be called ``index``
+    """One hint of a call that was not taken: its position in the call, its id, why (a NOT_FOUND or
+    INVALID_ARGUMENT ClientError whose message says the fix). The other hints of the call were answered as usual."""
+
+    index: int
+    hint_id: str
+    error: ClientError
+
+
 class HintResult(NamedTuple):
     accepted: int
-    ignored: int
+    ignored: int  # known ids (retries), stale, or the replica's hint table full
+    rejections: tuple[HintRejected, ...] = ()  # wrong hints, each by itself: fix and send them again
 
 
 class Lookup(NamedTuple):
@@ -174,6 +185,11 @@ def _duration(seconds: float) -> Duration:
     d = Duration()
     d.FromNanoseconds(round(seconds * 1e9))
     return d
+
+
+def _hint_result(r: pb.HintResponse) -> HintResult:
+    return HintResult(r.accepted, r.ignored, tuple(HintRejected(x.index, x.hint_id, ClientError(
+        _CODE_NAMES.get(x.code, "UNKNOWN"), x.message)) for x in r.rejections))
 
 
 def _hint_request(hints: Iterable[Hint | tuple[Any, ...]]) -> pb.HintRequest:
@@ -298,7 +314,7 @@ class LoraCacheClient(_Base):
 
     def hint(self, hints: Iterable[Hint | tuple[Any, ...]]) -> HintResult:
         r = self._call(self.stub.Hint, _hint_request(hints))
-        return HintResult(r.accepted, r.ignored)
+        return _hint_result(r)
 
     def cancel_hint(self, *hint_ids: str) -> int:
         return int(self._call(self.stub.CancelHint, pb.CancelHintRequest(hint_ids=hint_ids)).cancelled)
@@ -386,7 +402,7 @@ class AsyncLoraCacheClient(_Base):
 
     async def hint(self, hints: Iterable[Hint | tuple[Any, ...]]) -> HintResult:
         r = await self._call(self.stub.Hint, _hint_request(hints))
-        return HintResult(r.accepted, r.ignored)
+        return _hint_result(r)
 
     async def cancel_hint(self, *hint_ids: str, timeout_s: float | None = None) -> int:
         return int((await self._call(self.stub.CancelHint, pb.CancelHintRequest(hint_ids=hint_ids),
@@ -407,7 +423,7 @@ class AsyncLoraCacheClient(_Base):
     async def hint_within(self, hints: Iterable[Hint | tuple[Any, ...]], timeout_s: float) -> HintResult:
         """``hint`` with this call's own deadline."""
         r = await self._call(self.stub.Hint, _hint_request(hints), timeout_s)
-        return HintResult(r.accepted, r.ignored)
+        return _hint_result(r)
 
     async def watch(self, replica: str | None = None, adapter: str | None = None, after_seq: int | None = None,
                     duration_s: float | None = None) -> AsyncIterator[ReadinessEvent | Resync]:

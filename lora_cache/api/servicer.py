@@ -26,6 +26,7 @@ from lora_cache.api.ingest import HintIngest
 from lora_cache.api.rank_link import RankHost, RankLink
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.watch_hub import WatchHub
+from lora_cache.controller.core import HintOutcome
 from lora_cache.controller.readiness import ReadinessEvent, Resync
 from lora_cache.errors import CapacityError, ConflictError, LoraCacheError, NotFoundError
 from lora_cache.routing.advice import RouteAdvice
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LoraCacheService"].full_name
 WATCH_POLL_S = 5.0  # the watches' one long poll of the controller lasts at most this long
+HINT_ID_ECHO = 128  # a rejected hint's id is echoed back at most this long (a well-formed one is whole)
 MAX_DETAILS_CHARS = 2048  # an error's message is cut here (gRPC's metadata limit is 8 KiB by default)
 
 _UNAVAILABLE = "the controller is not reachable ({}); it restarts by itself: retry shortly"
@@ -148,6 +150,11 @@ def _route_error(error: BaseException) -> pb.RouteError:
     return pb.RouteError(code=code.value[0], message=message)
 
 
+def _hint_rejection(index: int, hint_id: str, error: BaseException) -> pb.HintRejection:
+    code, message = status_for(error)
+    return pb.HintRejection(index=index, hint_id=hint_id[:HINT_ID_ECHO], code=code.value[0], message=message)
+
+
 def _register_error(error: BaseException) -> pb.RegisterError:
     code, message = status_for(error)
     return pb.RegisterError(code=code.value[0], message=message)
@@ -181,10 +188,15 @@ class Servicer:
         return RayRankHost(self.controller, name)
 
     async def hint(self, request: pb.HintRequest) -> pb.HintResponse:
-        outcome = await self.ingest.submit(validate.hints(request.hints, self.max_items))
-        if outcome.error is not None:
-            raise outcome.error
-        return pb.HintResponse(accepted=outcome.accepted, ignored=outcome.ignored)
+        """Each hint by itself: a malformed one (here) or one naming an unknown adapter or replica (the
+        controller) is rejected alone, by its position; the good ones are taken."""
+        call = validate.hints(request.hints, self.max_items)
+        why: dict[int, BaseException] = dict(call.malformed)
+        outcome = await self.ingest.submit([h for _, h in call.items]) if call.items else HintOutcome(0, 0)
+        for r in outcome.rejections:
+            why[call.items[r.index][0]] = r.error  # its position in the controller's batch -> in the request
+        rejected = [_hint_rejection(i, request.hints[i].hint_id, why[i]) for i in sorted(why)]
+        return pb.HintResponse(accepted=outcome.accepted, ignored=outcome.ignored, rejections=rejected)
 
     async def cancel_hint(self, request: pb.CancelHintRequest) -> pb.CancelHintResponse:
         ids = validate.hint_ids(request.hint_ids, self.max_items)

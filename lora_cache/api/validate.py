@@ -77,22 +77,37 @@ def count(what: str, n: int, limit: int) -> None:
                            f"split it into calls of at most {limit}")
 
 
-def hints(items: Sequence[pb.PrefetchHint], limit: int) -> list[HintTuple]:
-    """A Hint batch as (hint id, adapter, replica, expected in s) tuples; HIGH priority is due now."""
+class HintCall(NamedTuple):
+    """A checked Hint call: the well-formed hints (with their positions), the malformed ones' errors."""
+
+    items: list[tuple[int, HintTuple]]  # (position in the batch, hint)
+    malformed: dict[int, RequestError]  # position -> why (answered for that hint alone)
+
+
+def hints(items: Sequence[pb.PrefetchHint], limit: int) -> HintCall:
+    """A Hint batch as (hint id, adapter, replica, expected in s) tuples; HIGH priority is due now. Its size fails
+    the call; a malformed hint only itself (as RegisterAdapters and Route answer their items)."""
     count("hints", len(items), limit)
-    out: list[HintTuple] = []
+    call = HintCall([], {})
     for i, h in enumerate(items):
-        hint_id, adapter, replica, priority = h.hint_id, h.adapter, h.replica, h.priority
-        if not (_hint_id_ok(hint_id) and _name_ok(adapter) and _name_ok(replica)) or priority not in PRIORITIES:
-            raise RequestError(_bad_hint(i, h))
-        expected = 0.0
-        if h.HasField("expected_in"):
-            expected = _seconds(h.expected_in)
-            if not 0.0 <= expected <= MAX_EXPECTED_S:
-                raise RequestError(f"hint {i} ({show(hint_id)}): expected_in is {expected:g} s; give 0 to "
-                                   f"{MAX_EXPECTED_S:g} s from now (leave it unset for 'now')")
-        out.append((hint_id, adapter, replica, 0.0 if priority == pb.HINT_PRIORITY_HIGH else expected))
-    return out
+        try:
+            call.items.append((i, _hint(i, h)))
+        except RequestError as e:
+            call.malformed[i] = e
+    return call
+
+
+def _hint(i: int, h: pb.PrefetchHint) -> HintTuple:
+    hint_id, adapter, replica, priority = h.hint_id, h.adapter, h.replica, h.priority
+    if not (_hint_id_ok(hint_id) and _name_ok(adapter) and _name_ok(replica)) or priority not in PRIORITIES:
+        raise RequestError(_bad_hint(i, h))
+    expected = 0.0
+    if h.HasField("expected_in"):
+        expected = _seconds(h.expected_in)
+        if not 0.0 <= expected <= MAX_EXPECTED_S:
+            raise RequestError(f"hint {i} ({show(hint_id)}): expected_in is {expected:g} s; give 0 to "
+                               f"{MAX_EXPECTED_S:g} s from now (leave it unset for 'now')")
+    return hint_id, adapter, replica, 0.0 if priority == pb.HINT_PRIORITY_HIGH else expected
 
 
 def _bad_hint(i: int, h: pb.PrefetchHint) -> str:

@@ -68,8 +68,10 @@ def cmd_hint(ns: argparse.Namespace) -> int:
     with _client(ns) as lc:
         result = lc.hint([Hint(ns.hint_id or uuid.uuid4().hex, ns.adapter, ns.replica, ns.expected_in_s,
                                ns.high_priority)])
+    if result.rejections:  # the one hint was wrong: its error, as when the whole call failed (exit 1)
+        raise result.rejections[0].error
     if ns.json:
-        _print(result._asdict())
+        _print({"accepted": result.accepted, "ignored": result.ignored})
     else:
         print(f"accepted {result.accepted}, ignored {result.ignored}")
     return 0

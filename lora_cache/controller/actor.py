@@ -130,14 +130,15 @@ class ControllerActor:
         await self.loop.plan()
 
     async def hint(self, hints: list[tuple[str, str, str, float]]) -> int:
-        """(hint id, adapter, replica, expected in seconds from now); all checked before any is taken."""
+        """(hint id, adapter, replica, expected in seconds from now); how many were taken. Each hint by itself:
+        the good ones are taken, then the first rejected one's error is raised (``hint_batches`` answers each)."""
         (outcome,) = await self.hint_batches([hints])
-        if outcome.error is not None:
-            raise outcome.error
+        if outcome.rejections:
+            raise outcome.rejections[0].error
         return outcome.accepted
 
     async def hint_batches(self, batches: list[list[tuple[str, str, str, float]]]) -> list[HintOutcome]:
-        """Many callers' hint batches at once (the gateway coalesces them), each all or nothing; one plan."""
+        """Many callers' hint batches at once (the gateway coalesces them), each hint by itself; one plan."""
         await self.loop.start()
         outcomes = self.core.hint_batches(batches, time.time())
         self.metrics.hint_outcome(sum(o.accepted for o in outcomes), sum(o.ignored for o in outcomes))

@@ -7,7 +7,7 @@ is checked here first, so a bad report or hint is a clear error and changes noth
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -57,13 +57,34 @@ class Failure(NamedTuple):
     released: bool = False  # retry_failed let the planner plan it again
 
 
+@dataclass(frozen=True)
+class HintRejection:
+    """One hint of a batch that was not taken because it is wrong (an unknown adapter or replica).
+    A dataclass: a NamedTuple field may not be called ``index``."""
+
+    index: int  # its position in the batch
+    hint_id: str
+    error: LoraCacheError  # what was wrong and the fix
+
+
 class HintOutcome(NamedTuple):
-    """What became of one caller's hint batch: taken all or nothing (``error`` says why not)."""
+    """What became of one caller's hint batch, hint by hint: a wrong hint is rejected alone, the rest are
+    taken or ignored (a bad item never costs the good ones beside it)."""
 
     accepted: int
     ignored: int  # known ids, stale, or the replica's hint table full
-    error: LoraCacheError | None = None
+    rejections: tuple[HintRejection, ...] = ()
 
+
+def _checked(memo: dict[str, LoraCacheError | None], check: Callable[[str], None], name: str) -> LoraCacheError | None:
+    """Why ``check(name)`` refuses ``name`` (None: it passes), asked once per name (a batch names few, often)."""
+    if name not in memo:
+        try:
+            check(name)
+            memo[name] = None
+        except LoraCacheError as e:
+            memo[name] = e
+    return memo[name]
 
 
 @dataclass(frozen=True)
@@ -195,25 +216,26 @@ class ControllerCore:
         return taken
 
     def hint_batches(self, batches: Iterable[list[tuple[str, str, str, float]]], now: float) -> list[HintOutcome]:
-        """Many callers' batches of (hint id, adapter, replica, expected in s) at once, each all or nothing."""
+        """Many callers' batches of (hint id, adapter, replica, expected in s) at once, each hint by itself."""
         return [self._hint_batch(batch, now) for batch in batches]
 
     def _hint_batch(self, batch: list[tuple[str, str, str, float]], now: float) -> HintOutcome:
-        try:
-            for replica in sorted({r for _, _, r, _ in batch}):
-                self.check_replica(replica)
-            for adapter in sorted({a for _, a, _, _ in batch}):
-                self.check_adapter(adapter)
-            hints = [Hint(h, a, r, now + max(0.0, dt)) for h, a, r, dt in batch]
-        except LoraCacheError as e:
-            return HintOutcome(0, 0, e)
-        for _, _, _, dt in batch:
+        replicas: dict[str, LoraCacheError | None] = {}  # name -> why it cannot be hinted (None: it can); once each
+        adapters: dict[str, LoraCacheError | None] = {}
+        hints: list[Hint] = []
+        rejected: list[HintRejection] = []
+        for i, (hint_id, adapter, replica, dt) in enumerate(batch):
+            error = _checked(replicas, self.check_replica, replica) or _checked(adapters, self.check_adapter, adapter)
+            if error is not None:
+                rejected.append(HintRejection(i, hint_id, error))
+                continue
             self.clock.lead(dt)
+            hints.append(Hint(hint_id, adapter, replica, now + max(0.0, dt)))
         down = self.lost.replicas()  # a hint to a replica with a lost rank is ignored: nothing is planned there
         taken = sum(hint.replica not in down and self.planner.add_hint(hint, now) for hint in hints)
-        self.hints_received += len(hints)
+        self.hints_received += len(hints)  # the rejected never reached the planner
         self.hints_accepted += taken
-        return HintOutcome(taken, len(hints) - taken)
+        return HintOutcome(taken, len(hints) - taken, tuple(rejected))
 
     def cancel_hint(self, hint_id: str, now: float) -> bool:
         return self.planner.cancel_hint(hint_id, now)

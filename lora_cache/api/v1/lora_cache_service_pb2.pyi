@@ -93,12 +93,26 @@ class HintRequest(_message.Message):
     def __init__(self, hints: _Optional[_Iterable[_Union[PrefetchHint, _Mapping]]] = ...) -> None: ...
 
 class HintResponse(_message.Message):
-    __slots__ = ("accepted", "ignored")
+    __slots__ = ("accepted", "ignored", "rejections")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     IGNORED_FIELD_NUMBER: _ClassVar[int]
+    REJECTIONS_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     ignored: int
-    def __init__(self, accepted: _Optional[int] = ..., ignored: _Optional[int] = ...) -> None: ...
+    rejections: _containers.RepeatedCompositeFieldContainer[HintRejection]
+    def __init__(self, accepted: _Optional[int] = ..., ignored: _Optional[int] = ..., rejections: _Optional[_Iterable[_Union[HintRejection, _Mapping]]] = ...) -> None: ...
+
+class HintRejection(_message.Message):
+    __slots__ = ("index", "hint_id", "code", "message")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    HINT_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    hint_id: str
+    code: int
+    message: str
+    def __init__(self, index: _Optional[int] = ..., hint_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class CancelHintRequest(_message.Message):
     __slots__ = ("hint_ids",)

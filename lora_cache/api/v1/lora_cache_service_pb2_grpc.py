@@ -102,8 +102,10 @@ class LoraCacheServiceServicer:
         """Hint tells the cache that requests for adapters are heading to replicas (step 1), so they can
         be loaded before the requests are scheduled. Batched: send every hint of a routing decision
         window in one call. Idempotent by hint id: a hint whose id is already known (active,
-        fulfilled or cancelled) is ignored, so retrying a whole batch is safe. A batch is taken all
-        or nothing: if one hint names an unknown adapter or replica, none is taken.
+        fulfilled or cancelled) is ignored, so retrying a whole batch is safe. Each hint is answered
+        by itself: one that names an unknown adapter or replica, or is malformed (a bad id, name,
+        priority or expected_in), is rejected alone (HintResponse.rejections) and the good hints beside
+        it are taken. Only the batch as a whole fails the call: empty, oversized, or not a HintRequest.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
