@@ -407,8 +407,9 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
         the cancel cannot overtake it)."""
         self.counts["hint_calls"] += 1
         try:
-            await self._lora().hint_within(hints, self.settings.hint_timeout_s)
-            self.counts["hints"] += len(hints)
+            result = await self._lora().hint_within(hints, self.settings.hint_timeout_s)
+            self.counts["hints"] += len(hints) - len(result.rejections)
+            self.counts["hint_errors"] += len(result.rejections)  # each answered alone (a replica gone meanwhile)
         except ClientError as e:
             self.counts["hint_errors"] += len(hints)
             if e.code != "NOT_FOUND":  # NOT_FOUND: a replica gone meanwhile (the batch is dropped), not lora-cache
