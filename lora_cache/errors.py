@@ -66,5 +66,10 @@ class CapacityError(LoraCacheError, RuntimeError):
     """A bounded resource (GPU slots, pinned host bytes) cannot take more right now."""
 
 
+class SlotsBusyError(CapacityError):
+    """Every GPU slot is held by running batches: a prefetch finds no room (counted, not a failed load), or a
+    request's load waited ``slot_wait_s`` for one in vain."""
+
+
 class ConflictError(LoraCacheError):
     """The request is valid but conflicts with an operation in progress (e.g. an adapter draining)."""

@@ -25,11 +25,19 @@ from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
 from lora_cache.adapters.shards import ShardLayout
 from lora_cache.adapters.synth import SynthConfig, make_adapters, write_adapter
-from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, NotFoundError, ShardError
-from lora_cache.vocab import AdapterKey, Delta, ReadinessRecord
+from lora_cache.errors import (
+    AdapterFormatError,
+    CapacityError,
+    ConfigError,
+    NotFoundError,
+    ShardError,
+    SlotsBusyError,
+)
+from lora_cache.vocab import AdapterKey, Delta, Prefetch, ReadinessRecord
 from tests.waiting import wait_for
 from tests.worker_queries import loads_without_slot, slot_waiters, slots_in, use_streams
 from workers.cache import WorkerCache, WorkerConfig
+from workers.control.commands import CommandGate
 from workers.gpu.acquire import Batch
 from workers.gpu.slots import SlotPhase
 from workers.gpu.streams import CpuStreams
@@ -304,10 +312,12 @@ def test_full_cache_fails_the_load_not_the_holders(
     batch = cache.acquire([A, B, C])
     cache.settle()
     before = cache.residency()
-    with pytest.raises(CapacityError) as e:
+    with pytest.raises(SlotsBusyError) as e:
         cache.prefetch(D).result(timeout=10)
     assert f"no GPU slot for {D}@" in str(e.value) and "all 3 slots are loading or in use" in str(e.value)
-    assert cache.residency() == before and cache.stats()["load_failures"] == 1
+    # no room ahead of need is counted, not a failed load (no backoff at the controller, no warning)
+    assert cache.residency() == before and cache.stats()["load_failures"] == 0
+    assert cache.stats()["prefetch_no_room"] == 1
     for name, slot in zip(batch.adapters, batch.slots, strict=True):
         assert_serves(cache, name, slot)
     cache.check_integrity()
@@ -315,6 +325,74 @@ def test_full_cache_fails_the_load_not_the_holders(
     cache.release(batch)
     rec = cache.prefetch(D).result(timeout=10)
     assert rec.host_hit and rec.slot == batch.slots[0]  # A was the least recently used
+    cache.check_integrity()
+
+
+def test_a_prefetch_without_room_is_reported_gone_not_failed(
+    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]
+) -> None:
+    """Issue 46: a prefetch that finds every slot held by running batches tells the controller the adapter is not
+    there ("gone": no failure backoff) and the command is not an error; a load that truly failed still is."""
+    deltas: list[Delta] = []
+    cache = make_cache(catalog, num_slots=1)
+    cache.book.on_change = deltas.append
+    held = cache.acquire([A])
+    cache.settle()
+    control = CommandGate(cache, deltas.append)
+    version = catalog.get(B).version
+    result = control.apply([Prefetch(B, version, priority=0, epoch=1)])
+    wait_for(lambda: any(d.adapter == B and d.state == "gone" for d in deltas), "B's gone delta", 10)
+    assert result.errors == () and result.accepted == 1
+    assert not any(d.adapter == B and d.state == "failed" for d in deltas), deltas
+    stats = cache.stats()
+    assert (stats["prefetch_no_room"], stats["load_failures"]) == (1, 0)
+    assert refs(cache) == {A: 1}
+    cache.release(held)
+    cache.check_integrity()
+
+
+def test_a_lease_waits_its_turn_for_a_slot_then_holds_it(
+    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]
+) -> None:
+    """Issue 46 (back-pressure, not failure): a request whose adapter finds every slot held waits
+    (``slot_wait_s``) until a running batch lets go of one, then holds its adapter at the exact version."""
+    cache = make_cache(catalog, num_slots=1)
+    held = cache.acquire([A])
+    cache.settle()
+    waiting = in_thread(lambda: cache.acquire([B], slot_wait_s=30.0))
+    wait_for(lambda: cache.stats()["slot_waits"] == 1, "the lease's load waiting for a slot", 10)  # barrier
+    assert not waiting.done() and refs(cache) == {A: 1}
+    cache.release(held)  # the running batch lets go: the waiting load takes the slot
+    batch = waiting.result(timeout=10)
+    cache.settle()
+    assert batch.keys == (AdapterKey(B, catalog.get(B).version),) and batch.slots == held.slots
+    assert_serves(cache, B, batch.slots[0])
+    assert cache.stats()["load_failures"] == 0
+    cache.release(batch)
+    cache.check_integrity()
+
+
+def test_a_lease_wait_is_bounded_and_changes_nothing(
+    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]
+) -> None:
+    """Past ``slot_wait_s`` the request fails with a clear error (what, how long, the fix) and the cache is as
+    it was; an engine's step (no wait) still fails at once: its own batches hold the slots."""
+    cache = make_cache(catalog, num_slots=1)
+    held = cache.acquire([A])
+    cache.settle()
+    before = cache.residency()
+    with pytest.raises(SlotsBusyError, match=r"waited 0\.2 s \(slot_wait_s\).*raise slot_wait_s"):
+        in_thread(lambda: cache.acquire([B], slot_wait_s=0.2)).result(timeout=20)
+    with pytest.raises(SlotsBusyError, match=f"no GPU slot for {B}@"):
+        in_thread(lambda: cache.acquire([B])).result(timeout=10)
+    assert cache.residency() == before and refs(cache) == {A: 1}
+    assert_serves(cache, A, held.slots[0])
+    cache.check_integrity()
+    cache.release(held)
+    batch = cache.acquire([B], slot_wait_s=0.2)  # room now: no wait at all
+    cache.settle()
+    assert_serves(cache, B, batch.slots[0])
+    cache.release(batch)
     cache.check_integrity()
 
 
@@ -761,7 +839,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert s["slots_loading"] == 0
         assert s["gpu_hits"] + s["gpu_misses"] == self.lookups  # type: ignore[operator]
         started = s["prefetches"] + s["demand_loads"]  # type: ignore[operator]
-        assert s["loads"] + s["load_failures"] == started  # type: ignore[operator]
+        assert s["loads"] + s["load_failures"] + s["prefetch_no_room"] == started  # type: ignore[operator]
         assert s["host_hits"] + s["host_misses"] == started  # type: ignore[operator]
         assert s["prefetch_used"] + s["prefetch_unused"] <= s["prefetches"]  # type: ignore[operator]
         assert s["loads"] == len(self.records) and s["bytes_host_to_gpu"] == sum(

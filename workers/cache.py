@@ -139,7 +139,7 @@ class WorkerCache:
         self.counters = self.book.counters
         self.shards = RankShards(catalog, config.tp, config.tp_rank, self.dtype, config.chunk_bytes)
         self.acquirer = Acquirer(self.book, catalog, self.streams, self.device, config.max_batch, config.on_miss,
-                                 config.tp_rank, lambda name, version: self.prefetch(name, version, on_demand=True))
+                                 config.tp_rank, functools.partial(self.prefetch, on_demand=True))
         self.load_path = LoadPath(self.book, self.host, self.streams, self.pool, self.meta, config.tp_rank, on_ready)
 
     @property
@@ -151,7 +151,8 @@ class WorkerCache:
         self.book.on_change = on_change
 
     # -- control: prefetch / stage / evict (lifecycle steps 4-7) ----------------------------------
-    def prefetch(self, name: str, version: str | None = None, *, on_demand: bool = False) -> Future[ReadinessRecord]:
+    def prefetch(self, name: str, version: str | None = None, *, on_demand: bool = False,
+                 slot_wait_s: float = 0.0) -> Future[ReadinessRecord]:
         """Start loading ``name`` (idempotent). The future resolves when this rank's shard is READY.
 
         Raises only when no load is started (unknown adapter or version, bad shapes); a started load that
@@ -159,10 +160,12 @@ class WorkerCache:
         "failed". A load whose shard finds every host-tier byte held by loads in flight waits for one of
         them to let go of its entry (FIFO; ``host_waits``), as one that finds every slot loading waits for
         a slot; it fails at once only if nothing in flight could free room.
-        ``on_demand``: started by an acquire that missed (not counted as a prefetch)."""
+        ``on_demand``: started by an acquire that missed (not counted as a prefetch); ``slot_wait_s`` (on demand
+        only): how long it waits for a batch to let go of a slot when every slot is held."""
         spec = self.catalog.get(name, version)
         layout = self.shards.layout(spec)  # bad shapes fail here, before anything is reserved
-        return self.load_path.start(spec, AdapterKey(name, spec.version), layout, self.shards.plan(spec), on_demand)
+        return self.load_path.start(spec, AdapterKey(name, spec.version), layout, self.shards.plan(spec), on_demand,
+                                    slot_wait_s)
 
     def stage(self, name: str, version: str | None = None) -> Future[HostEntry] | None:
         """Read this rank's shard of ``name`` into the host tier, with no slot (idempotent): what the planner
@@ -206,7 +209,8 @@ class WorkerCache:
         self.book.report()
 
     # -- engine: acquire / release (lifecycle step 9: ``workers.gpu.acquire``) ---------------------------
-    def acquire(self, adapters: Sequence[AdapterRef], *, partial: bool = False, pipelined: bool = False) -> Batch:
+    def acquire(self, adapters: Sequence[AdapterRef], *, partial: bool = False, pipelined: bool = False,
+                slot_wait_s: float = 0.0) -> Batch:
         """Slots for a batch's adapters; the compute stream waits (on the GPU) for loads in flight: for
         all of each (the host waiting until its last chunk's copy is issued), or, ``pipelined``, layer by
         layer through the batch's ``waits`` (``workers.gpu.chunk_waits``; the host waits only for a slot).
@@ -214,8 +218,9 @@ class WorkerCache:
         Each adapter is a name (its current version) or an ``AdapterKey``: exactly that version, loaded if
         it is not resident (invariant 1: a TP rank never computes a request with another version than
         the one it was admitted with). ``partial``: an adapter that cannot be held (unknown version, a
-        failed load, no slot) gets slot -1 and is listed in ``failed`` instead of failing the batch."""
-        return self.acquirer.acquire(adapters, partial=partial, pipelined=pipelined)
+        failed load, no slot) gets slot -1 and is listed in ``failed`` instead of failing the batch.
+        ``slot_wait_s``: as ``Acquirer.acquire``."""
+        return self.acquirer.acquire(adapters, partial=partial, pipelined=pipelined, slot_wait_s=slot_wait_s)
 
     def acquire_ready(self, adapters: Sequence[AdapterRef]) -> Batch | None:
         """References on those of ``adapters`` READY here, taken atomically (no load started, no hit counted):

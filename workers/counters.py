@@ -35,6 +35,8 @@ class CacheCounters:
     demand_loads: int = 0  # loads started by an acquire that missed
     loads: int = 0  # copies that completed
     load_failures: int = 0
+    prefetch_no_room: int = 0  # prefetches dropped because every slot was held by running batches (not failures)
+    slot_waits: int = 0  # on-demand loads that waited for a running batch to let go of a slot
     evictions: int = 0
     prefetch_used: int = 0  # prefetched loads a batch acquired before their eviction
     prefetch_unused: int = 0  # prefetched loads evicted without ever being acquired

@@ -64,6 +64,11 @@ class ReplicaCacheConfig:
         default=30.0,
         metadata={"help": "longest wait for the ranks to agree on a version (a re-registration on its way)"},
     )
+    slot_wait_s: float = field(
+        default=30.0,
+        metadata={"help": "a request whose adapter finds every slot held by other requests waits this long for one "
+                          "to be let go (its turn), then fails with SlotsBusyError; 0: fails at once"},
+    )
     worker: dict[str, Any] = field(default_factory=dict, metadata={"help": "more WorkerConfig fields"})
 
     def __post_init__(self) -> None:
@@ -71,6 +76,9 @@ class ReplicaCacheConfig:
             raise ConfigError(f"tp ({self.tp}) and num_slots ({self.num_slots}) must be >= 1")
         if self.acquire_timeout_s <= 0:
             raise ConfigError(f"acquire_timeout_s is {self.acquire_timeout_s}; give a positive number of seconds")
+        if not 0 <= self.slot_wait_s <= 3600:
+            raise ConfigError(f"slot_wait_s is {self.slot_wait_s}; give 0..3600 seconds (0: a request finding every "
+                              "slot held fails at once)")
 
     def worker_config(self, rank: int) -> WorkerConfig:
         from workers.attach.attachment import WorkerConfig
@@ -104,6 +112,7 @@ class RankActor:
 
     def __init__(self, config: ReplicaCacheConfig, replica: str, rank: int) -> None:
         self.rank = _attach(config, replica, rank)
+        self.slot_wait_s = config.slot_wait_s
         self.leases: dict[str, Any] = {}  # lease id -> this rank's batch, until released
         self.calls: Counter[str] = Counter()  # rank 0's calls here, by method (``counts``)
 
@@ -113,7 +122,7 @@ class RankActor:
 
     def acquire(self, lease: str, key: AdapterKey) -> int:
         self.calls["acquire"] += 1
-        batch = self.rank.acquire([key])
+        batch = self.rank.acquire([key], slot_wait_s=self.slot_wait_s)
         self.leases[lease] = batch
         return int(batch.slots[0])
 
@@ -215,7 +224,7 @@ class CacheReplica:
 
     def _hold(self, ident: str, key: AdapterKey, exact: bool = False) -> Lease | None:
         """``key`` held on every rank, or None (nothing held) when a rank does not know it and not ``exact``."""
-        batch = self.rank.acquire([key])
+        batch = self.rank.acquire([key], slot_wait_s=self.config.slot_wait_s)  # a turn, not a failure, if all held
         try:
             ask = [(r.acquire if exact else r.hold).remote(ident, key) for r in self.ranks]
             slots = [int(batch.slots[0]), *ray.get(ask)]

@@ -185,7 +185,8 @@ class Attachment:
     def layout_in(self, slot: int) -> ShardLayout:
         return self.cache.layout_in(slot)
 
-    def acquire(self, adapters: Sequence[AdapterRef], *, partial: bool = False, pipelined: bool = False) -> Batch:
+    def acquire(self, adapters: Sequence[AdapterRef], *, partial: bool = False, pipelined: bool = False,
+                slot_wait_s: float = 0.0) -> Batch:
         """Slots for the batch's adapters; no host sync (the compute stream waits for loads in flight).
 
         Guarantees (invariant 1, docs/integrating.md): an ``AdapterKey`` is held at exactly that version,
@@ -194,8 +195,10 @@ class Attachment:
         passes the keys ``agree`` chose. ``pipelined``: the host waits only for each load's first chunk and
         the kernels wait per layer through ``batch.waits`` (call ``batch.waits.finish()`` after the step's
         last layer). ``partial``: an adapter that cannot be held gets slot -1 (listed in ``batch.failed``)
-        instead of failing the batch. Release the batch after the step's kernels are enqueued."""
-        return self.cache.acquire(adapters, partial=partial, pipelined=pipelined)
+        instead of failing the batch. ``slot_wait_s``: a load this call starts that finds every slot held by
+        running batches waits that long for one to be let go (a request's lease; an engine's step keeps 0: its
+        own batches hold the slots). Release the batch after the step's kernels are enqueued."""
+        return self.cache.acquire(adapters, partial=partial, pipelined=pipelined, slot_wait_s=slot_wait_s)
 
     def acquire_ready(self, adapters: Sequence[AdapterRef]) -> Batch | None:
         """Pin those of ``adapters`` READY here (no load started): what a scheduler admits against."""

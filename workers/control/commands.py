@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 
-from lora_cache.errors import LoraCacheError
+from lora_cache.errors import LoraCacheError, SlotsBusyError
 from lora_cache.vocab import ApplyResult, Command, Delta, Evict, Prefetch, Stage
 from workers.cache import WorkerCache
 from workers.staging.warming import WarmQueue
@@ -99,4 +99,6 @@ class CommandGate:
         assert isinstance(command, Prefetch)
         future = self.cache.prefetch(command.adapter, command.version)
         failed = future.exception() if future.done() else None  # e.g. no host-tier room: reported "failed"
+        if isinstance(failed, SlotsBusyError):  # every slot held by running batches: counted, reported gone
+            return None
         return None if failed is None else str(failed)

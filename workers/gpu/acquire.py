@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog
-from lora_cache.errors import LoraCacheError, NotFoundError
+from lora_cache.errors import LoraCacheError, NotFoundError, SlotsBusyError
 from lora_cache.vocab import AdapterKey, ReadinessRecord
 from workers.gpu.chunk_waits import ChunkWaits
 from workers.gpu.copies import LoadFailed
@@ -53,15 +53,17 @@ def _unresolved(ref: AdapterRef) -> AdapterKey:
 
 class Acquirer:
     """The engine's side of one rank's slots: batches held and released (``WorkerCache.acquire``/``release``).
-    ``start(name, version)`` starts an on-demand load of a version not resident (the cache's prefetch)."""
+    ``start(name, version, slot_wait_s=S)`` starts an on-demand load of a version not resident (the cache's
+    prefetch)."""
 
     def __init__(self, book: SlotBook, catalog: AdapterCatalog, streams: Any, device: torch.device, max_batch: int,
-                 on_miss: str, tp_rank: int, start: Callable[[str, str], Future[ReadinessRecord]]) -> None:
+                 on_miss: str, tp_rank: int, start: Callable[..., Future[ReadinessRecord]]) -> None:
         self.book, self.catalog, self.streams, self.start = book, catalog, streams, start
         self.max_batch, self.on_miss, self.tp_rank = max_batch, on_miss, tp_rank
         self.index = IndexUploader(streams, max_batch, device)  # per-batch slot indices, a pinned ring
 
-    def acquire(self, adapters: Sequence[AdapterRef], *, partial: bool = False, pipelined: bool = False) -> Batch:
+    def acquire(self, adapters: Sequence[AdapterRef], *, partial: bool = False, pipelined: bool = False,
+                slot_wait_s: float = 0.0) -> Batch:
         """Slots for a batch's adapters; the compute stream waits (on the GPU) for loads in flight: for
         all of each (the host waiting until its last chunk's copy is issued), or, ``pipelined``, layer by
         layer through the batch's ``waits`` (``workers.gpu.chunk_waits``; the host waits only for a slot).
@@ -69,7 +71,10 @@ class Acquirer:
         Each adapter is a name (its current version) or an ``AdapterKey``: exactly that version, loaded if
         it is not resident (invariant 1: a TP rank never computes a request with another version than
         the one it was admitted with). ``partial``: an adapter that cannot be held (unknown version, a
-        failed load, no slot) gets slot -1 and is listed in ``failed`` instead of failing the batch."""
+        failed load, no slot) gets slot -1 and is listed in ``failed`` instead of failing the batch.
+        ``slot_wait_s``: a load this call starts that finds every slot held by running batches waits that long
+        for one to be let go (a request's lease, holding nothing else meanwhile), then fails (``SlotsBusyError``);
+        0 (an engine's step, whose own batches hold the slots): it fails at once."""
         if not 0 < len(adapters) <= self.max_batch:
             raise ValueError(f"acquire takes 1..{self.max_batch} adapters (max_batch), got {len(adapters)}")
         held: dict[AdapterRef, int] = {}
@@ -79,7 +84,7 @@ class Acquirer:
             for ref in dict.fromkeys(adapters):
                 try:
                     keys[ref] = resolve(self.catalog, ref)
-                    held[ref] = self._hold(keys[ref], pipelined)
+                    held[ref] = self._hold(keys[ref], pipelined, slot_wait_s)
                 except LoraCacheError as e:
                     if not partial:
                         raise
@@ -136,7 +141,7 @@ class Acquirer:
         batch.token[0] = True
         self.book.drop_refs(list(batch.held), None if batch.slot_index is None else self.streams.record_compute())
 
-    def _hold(self, key: AdapterKey, pipelined: bool = False) -> int:
+    def _hold(self, key: AdapterKey, pipelined: bool = False, slot_wait_s: float = 0.0) -> int:
         """A reference on ``key``'s slot, loading it first if it is not resident (its spec is needed only then:
         a resident version is held even if the catalog no longer keeps it)."""
         first = True
@@ -160,9 +165,11 @@ class Acquirer:
                 if self.on_miss == "error":
                     raise NotFoundError(f"adapter {key} is not resident on TP rank {self.tp_rank} and "
                                         "on_miss is 'error'; prefetch it first or set on_miss='load'")
-                started = self.start(key.name, key.version)
+                started = self.start(key.name, key.version, slot_wait_s=slot_wait_s)
                 continue
             # on-demand: the host waits for the disk read (pipelined: its first chunk), the GPU for the copies
             (load.placed if pipelined else load.issued).wait()
             if load.future.done() and load.future.exception() is not None:
+                if isinstance(load.future.exception(), SlotsBusyError) and slot_wait_s > 0 and started is None:
+                    continue  # another's load found no room: this call's own load waits for a slot (slot_wait_s)
                 raise load.future.exception()  # type: ignore[misc]

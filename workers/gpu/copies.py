@@ -54,6 +54,9 @@ class SlotLoad:
     prefetched: bool = True  # started ahead of need (prefetch), not by an acquire that missed
     used: bool = False  # some batch acquired it (prefetch accuracy: used before eviction)
     staged_chunks: int = 0  # chunks on the host so far
+    slot_wait_s: float = 0.0  # on demand: how long it may wait for a batch to let go of a slot (a request's lease)
+    wait_until: float | None = None  # on demand, every slot held: when its wait for one ends (LoadPath._place)
+    wait_timer: Any = None  # the timer that fails it then
     copy_due: float = 0.0  # perf_counter time before which the copies issued last cannot have completed
     _copy: tuple[Any, ...] | None = None  # (streams, dst, src, after, then, on_issued) once it has a slot
     _claimed: bool = False  # someone is placing it (takes its slot)

@@ -28,7 +28,7 @@ import torch
 from lora_cache.adapters.chunks import ChunkPlan
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shards import ShardLayout
-from lora_cache.errors import CapacityError
+from lora_cache.errors import CapacityError, SlotsBusyError
 from lora_cache.vocab import AdapterKey, Delta, ReadinessRecord
 from workers import faults
 from workers.counters import CacheCounters
@@ -56,6 +56,7 @@ class SlotBook:
         self.last_use: list[Any] = [None] * num_slots  # compute-done event of the slot's last batch
         self.broken: set[int] = set()  # slots whose load failed mid-way while a batch held them: freed at 0 refs
         self.on_change = on_change
+        self.on_room: Callable[[], None] | None = None  # a slot became idle or free in drop_refs (LoadPath's waiters)
         self._changes: deque[Delta] = deque()  # residency changes not yet handed to on_change, oldest first
         self._reporting = threading.RLock()  # one thread hands changes over at a time (keeps their order)
 
@@ -90,14 +91,19 @@ class SlotBook:
 
     def drop_refs(self, held: list[int], last_use: Any) -> None:
         """Let go of a batch's slots; ``last_use`` (if not None) is the event of its kernels' completion."""
+        room = False
         with self.lock:
             for index in held:
                 if last_use is not None:
                     self.last_use[index] = last_use
                 self.table.decref(index)
-                if index in self.broken and self.table.slots[index].refs == 0:
-                    self.broken.discard(index)
-                    self.free_failed(index)
+                if self.table.slots[index].refs == 0:
+                    room = True
+                    if index in self.broken:
+                        self.broken.discard(index)
+                        self.free_failed(index)
+        if room and self.on_room is not None:
+            self.on_room()
 
     def check_integrity(self, done: Callable[[Any], bool]) -> None:
         """The table, the loads and the slots agree; ``done(event)``: whether a copy's event completed."""
@@ -123,11 +129,13 @@ class LoadPath:
                  tp_rank: int, on_ready: Callable[[ReadinessRecord], None] | None) -> None:
         self.book, self.host, self.streams, self.pool, self.meta = book, host, streams, pool, meta
         self.tp_rank, self.on_ready = tp_rank, on_ready
-        self.slot_waiters: list[tuple[SlotLoad, HostEntry]] = []  # staged, waiting for a load to finish (book.lock)
+        # staged, waiting for a slot (book.lock): for a load in flight to finish, or (on demand) for a batch to let go
+        self.slot_waiters: list[tuple[SlotLoad, HostEntry]] = []
+        book.on_room = self._retry_waiters
         self.watcher = CompletionWatcher(streams, self._finish)
 
     def start(self, spec: AdapterSpec, key: AdapterKey, layout: ShardLayout, plan: ChunkPlan,
-              on_demand: bool) -> Future[ReadinessRecord]:
+              on_demand: bool, slot_wait_s: float = 0.0) -> Future[ReadinessRecord]:
         """Load ``key`` unless it has a slot or a load already (idempotent); its future (``WorkerCache.prefetch``)."""
         book = self.book
         with book.lock:
@@ -136,7 +144,7 @@ class LoadPath:
                 return book.loads[slot.index].future
             if key in book.pending:
                 return book.pending[key].future
-            load = SlotLoad(key, layout, plan, prefetched=not on_demand)
+            load = SlotLoad(key, layout, plan, prefetched=not on_demand, slot_wait_s=slot_wait_s if on_demand else 0.0)
             book.pending[key] = load
             book.counters.prefetches += not on_demand
             book.counters.demand_loads += on_demand
@@ -233,13 +241,21 @@ class LoadPath:
             try:
                 load.slot, evicted = book.table.reserve(load.key)
             except CapacityError as e:
-                if any(s.state is SlotPhase.LOADING and s.refs == 0 for s in book.table.slots):
-                    self.slot_waiters.append((load, entry))  # retried by _finish: a hint costs latency only
+                if any(s.state is SlotPhase.LOADING and s.refs == 0 for s in book.table.slots) or self._may_wait(load):
+                    self.slot_waiters.append((load, entry))  # retried by _finish, or by a batch's release
                     return
-                self._drop(load, e)  # every slot is in use: this load fails, nothing else changes
                 error: CapacityError | None = e
+                if load.prefetched:  # no room ahead of need: counted, said gone (no backoff), not a failed load
+                    book.pending.pop(load.key, None)
+                    book.counters.prefetch_no_room += 1
+                    book.changed(load.key, "gone")
+                else:  # a request's load: it waited slot_wait_s (or may not wait) for a batch to let go
+                    error = self._waited(load, e)
+                    self._drop(load, error)
             else:
                 error = None
+                if load.wait_timer is not None:
+                    load.wait_timer.cancel()
                 if evicted is not None:
                     book.retire(load.slot)
                     book.changed(evicted, "gone")
@@ -276,10 +292,44 @@ class LoadPath:
         load.entry.ready.add_done_callback(lambda read: self.watcher.add(load) if read.exception() is None else None)
 
     def _retry_waiters(self) -> None:
+        if not self.slot_waiters:  # no lock: a waiter appended later saw the room this call was for (book.lock)
+            return
         with self.book.lock:
             waiters, self.slot_waiters = self.slot_waiters, []
         for load, entry in waiters:
             self._place(load, entry)
+
+    def _may_wait(self, load: SlotLoad) -> bool:
+        """Whether an on-demand ``load`` that found every slot held may wait for a batch to let go of one (caller
+        holds the lock): until its ``slot_wait_s`` after it first found none, a timer failing it then."""
+        if load.prefetched or load.slot_wait_s <= 0:
+            return False
+        now = time.monotonic()
+        if load.wait_until is None:
+            load.wait_until = now + load.slot_wait_s
+            self.book.counters.slot_waits += 1
+            load.wait_timer = threading.Timer(load.slot_wait_s, self._expire, (load,))
+            load.wait_timer.daemon = True
+            load.wait_timer.start()
+        return now < load.wait_until
+
+    def _waited(self, load: SlotLoad, error: CapacityError) -> SlotsBusyError:
+        waited = f"waited {load.slot_wait_s:g} s (slot_wait_s) and " if load.slot_wait_s > 0 else ""
+        return SlotsBusyError(f"{error}; this request's load {waited}found none let go: release finished batches "
+                              "sooner, configure more slots, or raise slot_wait_s")
+
+    def _expire(self, load: SlotLoad) -> None:
+        """Its wait for a slot is over (timer thread): if it still waits, it fails (nothing else changes)."""
+        with self.book.lock:
+            waiting = next((w for w in self.slot_waiters if w[0] is load), None)
+            if waiting is None:  # placed, failed or retrying meanwhile (a retry past the deadline fails itself)
+                return
+            self.slot_waiters.remove(waiting)
+            error = self._waited(load, SlotsBusyError(f"no GPU slot for {load.key}: all {len(self.book.table.slots)} "
+                                                      "slots are loading or in use"))
+            self._drop(load, error)
+        load.fail(error)
+        waiting[1].ready.add_done_callback(functools.partial(self._reject_staged, load, waiting[1], error))
 
     def _finish(self, load: SlotLoad) -> None:
         """The copy's ready event completed (watcher thread): READY, report (step 7)."""

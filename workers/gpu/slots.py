@@ -10,7 +10,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from enum import Enum
 
-from lora_cache.errors import CapacityError
+from lora_cache.errors import SlotsBusyError
 from lora_cache.vocab import AdapterKey
 
 
@@ -53,7 +53,7 @@ class SlotTable:
             index, _ = self._idle.popitem(last=False)
             evicted = self._drop(index)
         else:
-            raise CapacityError(f"no GPU slot for {key}: all {len(self.slots)} slots are loading or in use; "
+            raise SlotsBusyError(f"no GPU slot for {key}: all {len(self.slots)} slots are loading or in use; "
                                 "release finished batches or configure more slots")
         slot = self.slots[index]
         slot.state, slot.key = SlotPhase.LOADING, key
