@@ -109,7 +109,7 @@ class SimController:
 
     def _take_hint(self, hint: tuple[str, str, str, float]) -> None:
         (outcome,) = self.core.hint_batches([[hint]], self.loop.now)
-        assert outcome.error is None, outcome.error
+        assert not outcome.rejections, outcome.rejections
         self._plan()
 
     def _take_deltas(self, wid: WorkerId) -> None:
