@@ -171,8 +171,9 @@ class Router(threading.Thread):
             sent = time.time() - self.start_wall
             self.hint_s.update((rid, sent) for rid, _ in hints)
             try:
-                self.client.hint([h for _, h in hints])
+                result = self.client.hint([h for _, h in hints])
                 self.hint_calls += 1
+                self.errors += [f"hint {r.hint_id}: {r.error}" for r in result.rejections]  # each answered alone
             except Exception as e:
                 self.errors.append(f"hint: {type(e).__name__}: {e}")
 
