@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from lora_cache.adapters.files import FileIdentity, settled_at
 from lora_cache.adapters.synth import SynthConfig, make_adapters, make_named_adapters
 from lora_cache.errors import ConfigError, NotFoundError
+from tests.waiting import wait_for
 from workers.cache import WorkerCache
 from workers.engine import ADMISSION, EngineConfig, Request, run_engine
 from workers.engine.engine import EngineResult, Hooks, serve_rank
@@ -187,6 +189,12 @@ def late_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("late-adapters")
     make_adapters(root, SynthConfig(model="tiny", count=len(ADAPTERS), rank="8"))
     make_named_adapters(root / "later", SynthConfig(model="tiny", rank="8"), LATE)
+    # Settled files only: one registered within RACY_NS of its last change gets a content version, later an
+    # identity one (lora_cache/adapters/files.py), so the test's own fresh catalog (``load_catalog`` below) named
+    # the same bytes by another version than the engine's early registration did (CI, 2026-11-29).
+    files = [p for p in root.rglob("*") if p.is_file()]
+    wait_for(lambda: all(settled_at(FileIdentity.of(p.stat()), time.time_ns()) for p in files),
+             "the late adapters' files settled (identity versions)", 10)
     return root
 
 
