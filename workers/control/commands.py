@@ -99,6 +99,6 @@ class CommandGate:
         assert isinstance(command, Prefetch)
         future = self.cache.prefetch(command.adapter, command.version)
         failed = future.exception() if future.done() else None  # e.g. no host-tier room: reported "failed"
-        if isinstance(failed, SlotsBusyError):  # every slot held by running batches: counted, reported gone
+        if isinstance(failed, SlotsBusyError):  # every slot held by running batches: counted, not an error to log
             return None
         return None if failed is None else str(failed)

@@ -245,10 +245,10 @@ class LoadPath:
                     self.slot_waiters.append((load, entry))  # retried by _finish, or by a batch's release
                     return
                 error: CapacityError | None = e
-                if load.prefetched:  # no room ahead of need: counted, said gone (no backoff), not a failed load
+                if load.prefetched:  # no room ahead of need: counted apart from failed loads, not a command error
                     book.pending.pop(load.key, None)
                     book.counters.prefetch_no_room += 1
-                    book.changed(load.key, "gone")
+                    book.changed(load.key, "failed", error=str(e))  # the controller learns it is not there
                 else:  # a request's load: it waited slot_wait_s (or may not wait) for a batch to let go
                     error = self._waited(load, e)
                     self._drop(load, error)
