@@ -166,3 +166,26 @@ def test_all_finite_is_exact_where_partial_sums_overflow_or_padding_is_not() -> 
     with pytest.raises(NonFiniteWeightsError, match=r"x@v: tensor b .*\[4, 2\].* 0 NaN and 1 Inf .*at \[0, 1\]"):
         check_finite("x@v", spec_layout, dest, entries)
 
+
+
+def test_a_large_span_is_proven_in_pieces_on_the_pool_as_exactly_as_on_one_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where torch runs one intra-op thread (a worker actor), a span over 2 pieces is checked on the pool: the
+    same answer as one thread for a NaN or Inf in any piece, the first, the last and a short tail."""
+    import workers.reads.finite as finite
+
+    monkeypatch.setattr(finite, "CHECK_THREADS", 4)
+    monkeypatch.setattr(finite, "PIECE_BYTES", 4 * ROW * 2)  # 4 rows of bf16 a piece
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t = torch.ones(4 * ROW * 5 + 7, dtype=torch.bfloat16)  # 5 pieces and a tail
+        assert finite.all_finite(t)
+        for at in (0, 4 * ROW - 1, 4 * ROW, 2 * 4 * ROW + 3, t.numel() - 1):
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                t[at] = bad
+                assert not finite.all_finite(t) and not finite.one_finite(t), (at, bad)
+                t[at] = 1.0
+        assert finite.all_finite(t)
+    finally:
+        torch.set_num_threads(threads)
