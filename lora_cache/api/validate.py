@@ -8,7 +8,7 @@ controller's business (NotFoundError).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from google.protobuf.message import DecodeError, Message
@@ -20,6 +20,8 @@ from lora_cache.routing.advice import RouteRequest
 
 HintTuple = tuple[str, str, str, float]  # (hint id, adapter, replica, expected in seconds from now)
 M = TypeVar("M", bound=Message)
+Item = TypeVar("Item")
+T = TypeVar("T")
 
 HINT_ID_RE = re.compile(r"[!-~]{1,128}")  # printable ASCII, no spaces
 MAX_EXPECTED_S = 3600.0
@@ -88,13 +90,21 @@ def hints(items: Sequence[pb.PrefetchHint], limit: int) -> HintCall:
     """A Hint batch as (hint id, adapter, replica, expected in s) tuples; HIGH priority is due now. Its size fails
     the call; a malformed hint only itself (as RegisterAdapters and Route answer their items)."""
     count("hints", len(items), limit)
-    call = HintCall([], {})
-    for i, h in enumerate(items):
+    return HintCall(*per_item(items, _hint))
+
+
+def per_item(items: Sequence[Item],
+             check: Callable[[int, Item], T]) -> tuple[list[tuple[int, T]], dict[int, RequestError]]:
+    """Each item checked by itself (``check(position, item)``): the well-formed ones with their positions, and
+    the malformed ones' errors by position (answered for that item alone)."""
+    good: list[tuple[int, T]] = []
+    malformed: dict[int, RequestError] = {}
+    for i, item in enumerate(items):
         try:
-            call.items.append((i, _hint(i, h)))
+            good.append((i, check(i, item)))
         except RequestError as e:
-            call.malformed[i] = e
-    return call
+            malformed[i] = e
+    return good, malformed
 
 
 def _hint(i: int, h: pb.PrefetchHint) -> HintTuple:
@@ -161,14 +171,8 @@ def route(request: pb.RouteRequest, limit: int) -> RouteCall:
     count("route items", len(request.items), limit)
     outstanding = {name("replica", r, " (a key of outstanding_requests)"): float(n)
                    for r, n in sorted(request.outstanding_requests.items())}
-    call = RouteCall([], {}, [], outstanding, request.max_replicas)
-    for i, item in enumerate(request.items):
-        call.request_ids.append(item.request_id)
-        try:
-            call.items.append((i, _route_item(i, item)))
-        except RequestError as e:
-            call.malformed[i] = e
-    return call
+    good, malformed = per_item(request.items, _route_item)
+    return RouteCall(good, malformed, [item.request_id for item in request.items], outstanding, request.max_replicas)
 
 
 def _route_item(i: int, item: pb.RouteItem) -> RouteRequest:

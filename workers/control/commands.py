@@ -99,6 +99,5 @@ class CommandGate:
         assert isinstance(command, Prefetch)
         future = self.cache.prefetch(command.adapter, command.version)
         failed = future.exception() if future.done() else None  # e.g. no host-tier room: reported "failed"
-        if isinstance(failed, SlotsBusyError):  # every slot held by running batches: counted, not an error to log
-            return None
-        return None if failed is None else str(failed)
+        # every slot held by running batches is counted (prefetch_no_room), not an error to log
+        return None if failed is None or isinstance(failed, SlotsBusyError) else str(failed)
