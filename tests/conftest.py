@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -43,6 +44,27 @@ def _no_ray_auto_init() -> None:
 
 
 _no_ray_auto_init()
+
+
+TEST_LIMIT_S = 900  # one test (its setup and teardown included) past this is hung: see the hook below
+_real_stderr: Any = None  # the terminal's stderr, duplicated before pytest captures it (the dump must reach the log)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _real_stderr
+    _real_stderr = os.fdopen(os.dup(2), "w")  # capture is suspended while plugins configure
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """A hung test ends the run at once with every thread's stack, instead of eating CI's whole 90 minutes and
+    printing nothing (stop 48: a lifeline test waited forever, and all the log said was where the dots stopped).
+    A Ray module's first test carries its cluster's start; none comes near the limit on the 2-core CI machine."""
+    faulthandler.dump_traceback_later(TEST_LIMIT_S, exit=True, file=_real_stderr)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.hookimpl(tryfirst=True)

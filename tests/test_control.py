@@ -430,6 +430,22 @@ def _victim_links(core: ControllerCore, worker: Any, publish: Any = lambda event
     return links
 
 
+SCENARIO_S = 30.0  # a lifeline scenario that has not ended by then hangs: fail it, never wait out CI
+
+
+async def _until(condition: Any, what: str) -> None:
+    """Wait for ``condition()`` (the state the next step needs), failing with ``what`` past ``SCENARIO_S``."""
+    deadline = asyncio.get_running_loop().time() + SCENARIO_S
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"not within {SCENARIO_S:.0f} s: {what}"
+        await asyncio.sleep(0.001)
+
+
+def _heard(links: WorkerLinks) -> bool:
+    """The controller has read a lifeline's hello: its end now counts (the barrier before a worker dies)."""
+    return bool(links.lifelines._heard)
+
+
 def test_a_closed_lifeline_loses_the_rank_at_once_and_its_late_deltas_are_not_believed(fleet) -> None:
     """Issue 35 item 1: a rank's death reached the controller only at the next failed ping or the restarted
     worker's hello (Lookup said READY for up to 1.4 s), and deltas the dead rank had sent before dying
@@ -447,11 +463,9 @@ def test_a_closed_lifeline_loses_the_rank_at_once_and_its_late_deltas_are_not_be
             links.receive(worker_name(WorkerId("r0", rank)), 1, [(1, "adapter-000", version, "ready", "")])
         assert core.readiness.lookup("adapter-000").ready == ("r0",)
         links.lifelines.watch(victim, worker)
-        while worker.writer is None:
-            await asyncio.sleep(0.01)
+        await _until(lambda: _heard(links), "the lifeline's hello read")
         worker.die()
-        while victim not in core.lost.down:
-            await asyncio.sleep(0.001)
+        await _until(lambda: victim in core.lost.down, "the rank lost at its lifeline's end")
         assert core.readiness.lookup("adapter-000").ready == (), "ready after the rank was lost"
         assert not links.receive(worker_name(victim), 1, [(2, "adapter-000", version, "ready", "")])
         await asyncio.sleep(0.05)  # the resync it triggered fails (dead): nothing comes back
@@ -461,7 +475,7 @@ def test_a_closed_lifeline_loses_the_rank_at_once_and_its_late_deltas_are_not_be
         assert victim not in core.lost.down and core.readiness.lookup("adapter-000").ready == ()
         links.lifelines.close()
 
-    asyncio.run(scenario())
+    asyncio.run(asyncio.wait_for(scenario(), SCENARIO_S))
     core.check_integrity()
 
 
@@ -496,15 +510,13 @@ def test_a_lifeline_call_that_never_connected_is_not_a_death(fleet, monkeypatch)
         worker = _RestartingWorker({"incarnation": 2, "seq": 0, "residency": []}, fails=3)
         links = _victim_links(core, worker)
         links.lifelines.watch(victim, worker)
-        while worker.writer is None:  # three failed calls, then a connected one
-            await asyncio.sleep(0.01)
+        await _until(lambda: _heard(links), "three failed calls, then a connected one")
         assert worker.calls == 4 and not core.lost.down, "a lifeline call that never connected lost the rank"
         worker.die()  # the connected one ends: a death
-        while victim not in core.lost.down:
-            await asyncio.sleep(0.001)
+        await _until(lambda: victim in core.lost.down, "the rank lost at its lifeline's end")
         links.lifelines.close()
 
-    asyncio.run(scenario())
+    asyncio.run(asyncio.wait_for(scenario(), SCENARIO_S))
     core.check_integrity()
 
 
@@ -532,11 +544,9 @@ def test_a_killed_ranks_lifeline_call_failing_after_its_restart_does_not_lose_it
         worker = _KilledWorker({"incarnation": 2, "seq": 0, "residency": []})
         links = _victim_links(core, worker)
         links.lifelines.watch(victim, worker)
-        while worker.writer is None:
-            await asyncio.sleep(0.01)
+        await _until(lambda: _heard(links), "the lifeline's hello read")
         worker.die()  # the kill: its connection ends, the rank is lost at once
-        while victim not in core.lost.down:
-            await asyncio.sleep(0.001)
+        await _until(lambda: victim in core.lost.down, "the rank lost at its lifeline's end")
         worker.dead = False
         await links.resync(victim)  # the restarted process reported: back
         assert victim not in core.lost.down
@@ -546,7 +556,61 @@ def test_a_killed_ranks_lifeline_call_failing_after_its_restart_does_not_lose_it
         assert victim not in core.lost.down, "the killed process's call, failing late, lost the restarted rank"
         links.lifelines.close()
 
-    asyncio.run(scenario())
+    asyncio.run(asyncio.wait_for(scenario(), SCENARIO_S))
+    core.check_integrity()
+
+
+class _LateHelloWorker(_LifelineWorker):
+    """A process killed just after it opened its lifeline, on a loaded loop: its call fails before the controller
+    has read the connection's hello, which is read (and the connection's end seen) only when ``hello_and_die``
+    sends it. Every later call fails before it connects (the name's process is gone or restarting)."""
+
+    def __init__(self, report: dict[str, Any]) -> None:
+        super().__init__(report)
+        self.nonce: str | None = None
+
+    async def _lifeline(self, host: str, port: int, nonce: str) -> None:
+        if self.nonce is not None:
+            raise ConnectionError("the actor is restarting (the call never reached it)")
+        _, self.writer = await asyncio.open_connection(host, port)
+        self.nonce = nonce
+        raise ConnectionError("ActorDiedError: killed")
+
+    async def hello_and_die(self) -> None:
+        self.writer.write(f"{self.nonce}\n".encode())
+        await self.writer.drain()
+        self.writer.close()
+
+
+@pytest.mark.parametrize("restarted", [False, True], ids=["same-process", "restarted-meanwhile"])
+def test_a_lifeline_whose_hello_is_read_after_its_call_failed_still_counts_for_its_own_process(
+        fleet, restarted: bool) -> None:
+    """The CI's stop 48 hung here: a process killed right after connecting, whose call ended before the hello
+    was read, was never lost (its hello read as a stranger's; pings were the only way left). A late hello still
+    counts, for the process its call was sent to: the rank is lost, unless a newer incarnation has reported
+    meanwhile (that restarted process is not lost again for its predecessor's connection)."""
+    core, _ = fleet
+    victim = WorkerId("r0", 1)
+
+    async def scenario() -> None:
+        worker = _LateHelloWorker({"incarnation": 2, "seq": 0, "residency": []})
+        links = _victim_links(core, worker)
+        links.lifelines.watch(victim, worker)
+        await _until(lambda: worker.nonce is not None and worker.nonce not in links.lifelines._expected,
+                     "the first call failed")
+        assert not core.lost.down, "a call that failed before its hello was read counted as a death"
+        if restarted:
+            await links.resync(victim)  # the restarted process (incarnation 2) reported
+        await worker.hello_and_die()
+        nonce = worker.nonce
+        await _until(lambda: nonce not in links.lifelines._ended and nonce not in links.lifelines._connected,
+                     "the late hello read and its connection's end seen")
+        assert (victim in core.lost.down) is not restarted, (
+            "a restarted rank lost for its predecessor's connection" if restarted else
+            "a process whose hello was read after its call failed was never lost")
+        links.lifelines.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), SCENARIO_S))
     core.check_integrity()
 
 
@@ -571,8 +635,7 @@ def test_a_stopping_service_does_not_take_its_workers_orderly_deaths_for_losses(
             links.links[WorkerId("r0", rank)] = Link(1, 0)
             links.receive(worker_name(WorkerId("r0", rank)), 1, [(1, "adapter-000", version, "ready", "")])
         links.lifelines.watch(victim, worker)
-        while worker.writer is None:
-            await asyncio.sleep(0.01)
+        await _until(lambda: _heard(links), "the lifeline's hello read")
         links.quiesce()
         links.lifelines.watch(WorkerId("r0", 0), worker)  # a late watch starts nothing
         assert links.lifelines.tasks == {}
@@ -679,5 +742,5 @@ def test_a_restarted_controller_serves_while_a_rank_of_a_lost_node_does_not_answ
         while links.adoption.adopting:
             await asyncio.sleep(0.01)
 
-    asyncio.run(scenario())
+    asyncio.run(asyncio.wait_for(scenario(), SCENARIO_S))
     core.check_integrity()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import ray
 
@@ -36,11 +36,20 @@ class Linked(Protocol):
 
     core: ControllerCore
     handles: dict[WorkerId, Any]
+    links: dict[WorkerId, Any]  # each worker's ``Link``: its ``incarnation`` names the process linked now
     attached: set[WorkerId]
 
     def lose(self, wid: WorkerId) -> None: ...
 
     def forget(self, wid: WorkerId) -> None: ...
+
+
+class Call(NamedTuple):
+    """One lifeline call: to whom, through which handle, and the incarnation linked when it was sent."""
+
+    wid: WorkerId
+    handle: Any
+    incarnation: int | None
 
 
 class Lifelines:
@@ -49,8 +58,10 @@ class Lifelines:
     def __init__(self, links: Linked) -> None:
         self.links = links
         self.tasks: dict[WorkerId, asyncio.Task[None]] = {}  # each watched worker's lifeline call, kept open
-        self._expected: dict[str, tuple[WorkerId, Any]] = {}  # lifeline nonce -> the call that sent it
-        self._connected: set[str] = set()  # nonces of lifeline calls whose connection was opened
+        self._expected: dict[str, Call] = {}  # lifeline nonce -> the call that sent it, while it runs
+        self._ended: dict[str, tuple[Call, float]] = {}  # ... calls that ended unconnected, and when (late hellos)
+        self._connected: set[str] = set()  # nonces of lifeline calls whose connection is open now
+        self._heard: set[str] = set()  # nonces of running calls whose connection's hello was read
         self._server: asyncio.Server | None = None  # where workers open their lifelines
         self.closed = False  # the service is being stopped: nothing is watched any more
 
@@ -82,7 +93,8 @@ class Lifelines:
         retry_s = LIFELINE_RETRY_S
         while links.handles.get(wid) is handle:
             nonce = secrets.token_hex(16)
-            self._expected[nonce] = (wid, handle)
+            link = links.links.get(wid)
+            self._expected[nonce] = call = Call(wid, handle, link.incarnation if link is not None else None)
             try:
                 await lifeline.remote(host, port, nonce)  # returns when the connection closes
             except asyncio.CancelledError:
@@ -103,8 +115,11 @@ class Lifelines:
                     links.lose(wid)
             finally:
                 # calls that never connect (a worker dead for good, or not up yet) are retried ever less often
-                retry_s = LIFELINE_RETRY_S if nonce in self._connected else min(LIFELINE_RETRY_MAX_S, 2 * retry_s)
+                retry_s = LIFELINE_RETRY_S if nonce in self._heard else min(LIFELINE_RETRY_MAX_S, 2 * retry_s)
                 self._expected.pop(nonce, None)
+                if nonce not in self._heard:
+                    self._ended_unheard(nonce, call)
+                self._heard.discard(nonce)
                 self._connected.discard(nonce)
             await asyncio.sleep(retry_s)
 
@@ -126,24 +141,51 @@ class Lifelines:
         host, port = self._server.sockets[0].getsockname()[:2]
         return host, port
 
-    async def _opened(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One worker's lifeline: its first line is the nonce of the call that opened it; its end is the
-        worker's death if that call is still the worker's current one."""
+    def _ended_unheard(self, nonce: str, call: Call) -> None:
+        """A call ended before its connection's hello was read. Its hello may still be waiting in the server's
+        queue (a process killed just after it connected, on a loaded loop): kept for ``LIFELINE_HELLO_S`` so that
+        connection's end still counts."""
+        now = asyncio.get_running_loop().time()
+        for old, (_, ended) in list(self._ended.items()):
+            if now - ended > LIFELINE_HELLO_S:
+                del self._ended[old]
+        self._ended[nonce] = (call, now)
+
+    def _current(self, call: Call, late: bool) -> bool:
+        """Whether a lifeline's end is the death of the rank linked now. A late hello's (its call ended first)
+        only if the incarnation linked is still the one its call was sent to: a restarted process that has
+        reported meanwhile is not lost again for its predecessor's connection."""
         links = self.links
+        if links.handles.get(call.wid) is not call.handle or call.wid in links.core.lost.down or self.closed:
+            return False
+        link = links.links.get(call.wid)
+        return not late or (link is not None and link.incarnation == call.incarnation)
+
+    async def _opened(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One worker's lifeline: its first line is the nonce of the call that opened it; its end (closed or
+        reset) is the worker's death if that call is still the worker's current one."""
         try:
-            line = await asyncio.wait_for(reader.readline(), LIFELINE_HELLO_S)
+            try:
+                line = await asyncio.wait_for(reader.readline(), LIFELINE_HELLO_S)
+            except (TimeoutError, ConnectionError, OSError):
+                return
             nonce = line.decode(errors="replace").strip()
-            wid, handle = self._expected.get(nonce, (None, None))
-            if wid is None:
-                return  # a stranger, or a call already given up
+            call, late = self._expected.get(nonce), False
+            if call is None and (ended := self._ended.pop(nonce, None)) is not None:
+                call, late = ended[0], True
+            if call is None:
+                return  # a stranger, or a call given up long ago
             self._connected.add(nonce)
-            while await reader.read(64):
-                pass  # nothing is sent on it: only its end matters
+            if not late:
+                self._heard.add(nonce)
+            try:
+                while await reader.read(64):
+                    pass  # nothing is sent on it: only its end matters
+            except (ConnectionError, OSError):
+                pass  # a reset is an end as well
             self._connected.discard(nonce)  # its end is counted here: the call's own failure, later, is not again
-            if links.handles.get(wid) is handle and wid not in links.core.lost.down and not self.closed:
-                log.warning("worker %s closed its lifeline (its process died): dropping its residency", wid)
-                links.lose(wid)  # an attached one is forgotten when its lifeline call fails (ActorDiedError)
-        except (TimeoutError, ConnectionError, OSError):
-            return
+            if self._current(call, late):
+                log.warning("worker %s closed its lifeline (its process died): dropping its residency", call.wid)
+                self.links.lose(call.wid)  # an attached one is forgotten when its call fails (ActorDiedError)
         finally:
             writer.close()
