@@ -52,7 +52,14 @@ pytestmark = pytest.mark.ray
 
 VICTIM_REPLICA = "replica-0"
 HELD = ["adapter-000", "adapter-001"]  # ready on the victim's replica before the kill
-DETECT_S = 0.5  # the controller learns of a SIGKILLed rank within this (it was up to 1.4 s before the lifeline)
+# The controller learns of a SIGKILLed rank when the kernel closes its lifeline: after the process's memory is torn
+# down (Linux frees the address space before the files), 25-35 ms per resident GB on this 2-core machine
+# (python -m bench.probes.kill_close: 0.7 ms at 0 MB, 37.5 at 1 GB, 106 at 4 GB), plus a turn of the controller's
+# loop, which is what a loaded machine stretches (91-210 ms for a 0.3 GB victim beside three busy test runs on
+# this machine, 67 ms quiet). The bound asserted: DETECT_BASE_S, for the loop, plus DETECT_PER_GB_S per GB the
+# victim held (it was up to 1.4 s before the lifeline, when Ray's restart told it).
+DETECT_BASE_S = 0.5
+DETECT_PER_GB_S = 0.1
 
 
 class Sample(NamedTuple):
@@ -190,6 +197,9 @@ def test_a_sigkilled_rank_is_never_advertised_ready_once_the_controller_knows(se
     for t in threads:
         t.start()
     wait_for(lambda: len(samples) > 20, "samples before the kill", timeout=30)
+    import psutil  # a dependency of ray[default]
+
+    detect_s = DETECT_BASE_S + DETECT_PER_GB_S * psutil.Process(pid).memory_info().rss / 2**30
     t_kill = time.time()
     os.kill(pid, signal.SIGKILL)
     wait_for(
@@ -233,13 +243,16 @@ def test_a_sigkilled_rank_is_never_advertised_ready_once_the_controller_knows(se
     ranked_while_lost = [s for s in samples if s.rpc == "route" and s.ranked and t_learn + 0.05 < s.sent < t_back - 0.5]
     hinted_while_lost = [(t, n) for t, n in hinted if t_learn + 0.05 < t < t_back - 0.5 and n > 1]
     print(
-        f"SIGKILL of {VICTIM_REPLICA}/1: learned after {1000 * (t_learn - t_kill):.1f} ms, replica whole again "
+        f"SIGKILL of {VICTIM_REPLICA}/1: learned after {1000 * (t_learn - t_kill):.1f} ms (bound "
+        f"{1000 * detect_s:.0f} ms), replica whole again "
         f"after {t_back - t_kill:.2f} s; {len(after_kill)} samples after the kill (Lookup + Route), "
         f"{len(samples)} in all; wrong READY after the controller learned: {len(wrong_after_learn)}; READY in "
         f"the detection window: {len(in_window)}; Watch READY events before the reload: {len(wrong_events)}; "
         f"Route ranked the lost replica {len(ranked_while_lost)} times; hints taken for it {len(hinted_while_lost)}"
     )
-    assert t_learn - t_kill < DETECT_S, f"the controller learned of the death after {t_learn - t_kill:.2f} s"
+    assert t_learn - t_kill < detect_s, (
+        f"the controller learned of the death after {t_learn - t_kill:.3f} s, beyond the {detect_s:.3f} s its "
+        f"process's teardown and a loop turn allow")
     assert not wrong_after_learn, f"wrong READY: {wrong_after_learn[:5]}"
     assert not wrong_events, f"READY events before the restarted rank reloaded: {wrong_events[:5]}"
     assert {e.adapter for t, e in not_ready if t >= t_learn} == set(HELD), "no NOT_READY event for the held adapters"
