@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from bench.probes.s3_local import LatencyProxy
+from bench.probes.s3_local import LatencyProxy, ThrottleProxy
 from lora_cache.adapters.base_model import adapter_bases, choose_model
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.objects import StoreUrl
@@ -271,6 +271,41 @@ def test_a_batch_of_store_adapters_is_read_store_reads_at_a_time_in_order_each_e
     assert "missing/adapter_config.json does not exist" in str(done[3].error)
     assert sorted(core.catalog.names()) == sorted(name for name, _ in items if name != "missing")
     assert log[-1] == "plan" and len([e for e in log if e.startswith("submit")]) == len(items) - 1
+
+
+def test_a_throttling_store_is_backed_off_from_and_every_adapter_registers(
+    store: tuple[S3Server, str], local: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 44 item 6: a store asked too fast answers 503 SlowDown. With botocore's one retry, a batch read
+    ``store_reads`` at a time failed adapter after adapter; now the client's window of requests in flight halves at
+    a throttle and each throttled request is asked again after a jittered backoff, within the call's deadline:
+    every adapter registers, and the store is asked less often than once per request it throttled."""
+    import asyncio
+
+    from lora_cache.adapters.store import client
+    from lora_cache.controller.registrations import Registrar
+    from tests.test_registrations import Links
+
+    server, root = store
+    prefix = root.split("/", 3)[3]
+    for i in range(40):
+        server.upload_dir(BUCKET, f"{prefix}/copy-{i:02d}", local["adapter-000"])
+    items = [(f"copy-{i:02d}", f"{root}/copy-{i:02d}") for i in range(40)]
+    config = CatalogConfig(adapter_roots=(root,), model="tiny", max_rank=BIG_RANK, store_reads=32, store_timeout_s=20)
+
+    async def plan() -> None:
+        pass
+
+    with ThrottleProxy(server.url, rate=40, burst=8) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)  # a client (and a window) of its own
+        core = ControllerCore(ControllerConfig(catalog=config), epoch=1)
+        done = asyncio.run(Registrar(core, Links([]), set(), plan).register(items))
+        pace = client(config.store_timeout_s).lora_cache_pace.stats()
+    assert [str(d.error) for d in done if d.error is not None] == [], "a throttled adapter failed to register"
+    assert sorted(core.catalog.names()) == sorted(name for name, _ in items)
+    assert proxy.throttled > 0 and pace["throttles"] > 0 and pace["cuts"] > 0, (proxy.throttled, pace)
+    assert pace["window"] < 32, f"the window did not narrow: {pace}"
+    assert proxy.passed == 2 * len(items), "two requests per adapter, each passed once"
 
 
 def test_a_store_version_survives_the_catalog_snapshot(store: tuple[S3Server, str]) -> None:

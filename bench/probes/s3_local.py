@@ -141,3 +141,89 @@ class LatencyProxy:
             await asyncio.gather(take(), send(), answer())
         up_writer.close()
         writer.close()
+
+
+SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code><Message>Please reduce your request '
+             b'rate.</Message></Error>')
+
+
+class ThrottleProxy:
+    """127.0.0.1:``port`` -> ``upstream``, an HTTP proxy that admits ``rate`` requests a second (a token bucket of
+    ``burst``) and answers the rest ``503 SlowDown`` with S3's XML error, as a store asked too fast does. Requests
+    pass whole, their headers (the signature's ``Host`` included) as sent; each answer is read whole and passed on.
+    It counts what it ``passed`` and ``throttled``."""
+
+    def __init__(self, upstream: str, rate: float, burst: int) -> None:
+        import http.client
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.rate, self.burst = rate, burst
+        self.passed = self.throttled = 0
+        self._tokens, self._at = float(burst), time.monotonic()
+        self._lock = threading.Lock()
+        host, _, port = upstream.removeprefix("http://").partition(":")
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as botocore's pool expects
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _any(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if not proxy._admit():
+                    self.send_response(503, "Slow Down")
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(SLOW_DOWN)))
+                    self.end_headers()
+                    self.wfile.write(SLOW_DOWN)
+                    return
+                up = http.client.HTTPConnection(host, int(port), timeout=30)
+                try:
+                    up.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+                    for k, v in self.headers.items():
+                        if k.lower() not in ("connection", "keep-alive"):
+                            up.putheader(k, v)
+                    up.endheaders(body or None)
+                    answer = up.getresponse()
+                    data = answer.read()
+                    self.send_response(answer.status, answer.reason)
+                    for k, v in answer.getheaders():
+                        if k.lower() not in ("connection", "keep-alive", "transfer-encoding", "content-length"):
+                            self.send_header(k, v)
+                    length = answer.getheader("Content-Length") if self.command == "HEAD" else str(len(data))
+                    self.send_header("Content-Length", length or "0")
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(data)
+                finally:
+                    up.close()
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _any
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="throttle-proxy", daemon=True)
+
+    def _admit(self) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.rate)
+            self._at = now
+            if self._tokens >= 1.0:
+                self._tokens -= 1.0
+                self.passed += 1
+                return True
+            self.throttled += 1
+            return False
+
+    def __enter__(self) -> ThrottleProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(10)

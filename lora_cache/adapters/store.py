@@ -38,6 +38,7 @@ from lora_cache.adapters.peft import (
     parse_config,
 )
 from lora_cache.adapters.shapes import ModelShape
+from lora_cache.adapters.store_pace import StorePace, StoreThrottled
 from lora_cache.errors import AdapterChangedError, AdapterFormatError, AdapterPathError, AdapterStoreError
 
 HEAD_GUESS = 64 << 10  # first ranged GET of the weights: the 8-byte length and most adapters' whole header
@@ -121,6 +122,7 @@ def client(timeout_s: float, attempts: int = ATTEMPTS, pool: int = 32) -> Any:
             )
             made = _CLIENTS[key] = boto3.session.Session().client("s3", config=config)
             CallDeadline(timeout_s, attempts).hook(made)
+            made.lora_cache_pace = StorePace(pool)  # its requests in flight, fewer while the store throttles
         return made
 
 
@@ -189,11 +191,21 @@ def store_error(e: BaseException, bucket: str, key: str, s3: Any, version: str =
 
 
 def call(s3: Any, bucket: str, key: str, fn: Callable[[], Any], version: str = "", etag: str = "") -> Any:
-    """``fn()`` (one store request), its failures as ``store_error``."""
+    """``fn()`` (one store request) in a turn of the client's ``StorePace``, asked again while the store throttles
+    it and the call's deadline (``--store-timeout-s``) allows; its failures as ``store_error``."""
     from botocore.exceptions import BotoCoreError, ClientError
 
+    pace = getattr(s3, "lora_cache_pace", None) or StorePace(1 << 20)  # a client made elsewhere: no window
     try:
-        return fn()
+        return pace.paced(fn, time.monotonic() + s3.meta.config.read_timeout)
+    except StoreThrottled as e:
+        raise AdapterStoreError(
+            f"s3://{bucket}/{key}: the store at {endpoint(s3)} kept asking to slow down ({e.cause}; {e}, "
+            f"{int(pace.window)} requests in flight now) until the call's --store-timeout-s; retry later, read "
+            "fewer adapters at once (--store-reads), or raise --store-timeout-s") from e.cause
+    except TimeoutError as e:
+        raise AdapterStoreError(f"s3://{bucket}/{key}: the store at {endpoint(s3)}: {e}; retry later, or raise "
+                                "--store-timeout-s") from e
     except (BotoCoreError, ClientError, OSError) as e:
         raise store_error(e, bucket, key, s3, version, etag) from e
 
