@@ -26,6 +26,10 @@ class AdapterFormatError(AdapterError):
     """adapter_config.json or adapter_model.safetensors is missing, corrupt or inconsistent."""
 
 
+class AdapterMissingError(AdapterFormatError):
+    """Nothing at an adapter's location: its store key (or its file) does not exist."""
+
+
 class UnsupportedAdapterError(AdapterError):
     """A valid PEFT adapter that uses a feature lora-cache does not serve (DoRA, modules_to_save)."""
 
@@ -73,3 +77,7 @@ class SlotsBusyError(CapacityError):
 
 class ConflictError(LoraCacheError):
     """The request is valid but conflicts with an operation in progress (e.g. an adapter draining)."""
+
+
+class ResolveTimeoutError(LoraCacheError, TimeoutError):
+    """An unregistered adapter's on-demand registration (request-time resolution) did not end within its deadline."""

@@ -159,3 +159,29 @@ def test_a_stopped_worker_does_not_stall_the_health_of_the_others(service) -> No
             os.kill(pid, signal.SIGCONT)
     wait_ready(ctl, "adapter-007", "replica-0", 60)  # resumed: the next resync reads it back
     assert ray.get(ctl.check_integrity.remote())
+
+
+def test_route_registers_an_adapter_put_under_the_root_after_the_start(service) -> None:
+    """Issue 44 item 4: a tenant's adapter written under the service's adapter root after it started is routed at
+    its first request: ``Route`` registers it on demand (one lookup), every worker takes the registration, and a
+    name under no root is still 'not registered', typed (NOT_FOUND for a router)."""
+    from lora_cache.errors import NotFoundError
+    from lora_cache.routing.advice import RouteRequest
+
+    ctl = service.controller
+    root = Path(ray.get(ctl.catalog_config.remote()).adapter_roots[0])
+    make_adapters(root, SynthConfig(model="tiny", count=2, rank="8", prefix="late"))
+    before = ray.get(ctl.status.remote())["resolver"]
+    late, ghost = ray.get(ctl.route.remote([RouteRequest("late-000", tokens=16), RouteRequest("ghost-9")]))
+    assert late.error is None and late.version and late.ranked, late
+    assert isinstance(ghost.error, NotFoundError) and "under none of the roots" in str(ghost.error)
+    after = ray.get(ctl.status.remote())["resolver"]
+    assert (after["lookups"] - before["lookups"], after["resolved"] - before["resolved"]) == (2, 1)
+    ray.get(ctl.report_queue.remote("replica-0", [("late-000", time.time())]))
+    wait_ready(ctl, "late-000", "replica-0", 30)  # every rank took the registration and loads it
+    ray.get(ctl.report_queue.remote("replica-0", []))
+    version = ray.get(ctl.resolve_adapter.remote("late-001"))  # an engine's call, for a name its catalog lacks
+    assert version == ray.get(ctl.lookup_adapter.remote("late-001"))["version"]
+    with pytest.raises(ray.exceptions.RayTaskError, match=r"'ghost-9' is not registered; .*moments ago"):
+        ray.get(ctl.resolve_adapter.remote("ghost-9"))  # the miss remembered: the roots are not asked again
+    assert ray.get(ctl.status.remote())["resolver"]["lookups"] - after["lookups"] == 1

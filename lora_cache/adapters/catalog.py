@@ -51,6 +51,17 @@ class CatalogConfig:
     store_reads: int = field(default=32, metadata={
         "help": "object-store requests a registration keeps in flight (each adapter: its config, then its weights' "
                 "header); a throttling store (SlowDown, 503) is backed off from, per client"})
+    resolve_s: float = field(default=10.0, metadata={
+        "help": "a request naming an unregistered adapter that lies under adapter_roots registers it on demand "
+                "within this many seconds (one lookup per name however many requests wait); 0: never, "
+                "unregistered names are refused"})
+    resolve_parallel: int = field(default=8, metadata={
+        "help": "names resolved on demand at once; a request for one more is refused (over capacity)"})
+    resolve_bytes: int = field(default=1 << 40, metadata={
+        "help": "weight bytes the adapters registered on demand may add up to; past it, on-demand registration "
+                "is refused (register explicitly, or raise this)"})
+    resolve_miss_s: float = field(default=5.0, metadata={
+        "help": "seconds a name found under no root is answered 'not found' without asking the roots again"})
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_rank <= 1024:
@@ -65,6 +76,11 @@ class CatalogConfig:
                               "one adapter at a time")
         if not 0.1 <= self.store_timeout_s <= 600:
             raise ConfigError(f"store_timeout_s must be in 0.1..600 seconds, got {self.store_timeout_s}")
+        if not (0 <= self.resolve_s <= 600 and 1 <= self.resolve_parallel <= 256 and self.resolve_bytes >= 0
+                and 0 <= self.resolve_miss_s <= 3600):
+            raise ConfigError(f"resolve_s {self.resolve_s} must be in 0..600 (0: off), resolve_parallel "
+                              f"{self.resolve_parallel} in 1..256, resolve_bytes {self.resolve_bytes} >= 0, "
+                              f"resolve_miss_s {self.resolve_miss_s} in 0..3600")
         for root in self.adapter_roots:
             if is_store_url(root):
                 StoreUrl.parse(root)  # a malformed URL fails here, before anything starts

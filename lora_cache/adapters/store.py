@@ -39,7 +39,13 @@ from lora_cache.adapters.peft import (
 )
 from lora_cache.adapters.shapes import ModelShape
 from lora_cache.adapters.store_pace import StorePace, StoreThrottled
-from lora_cache.errors import AdapterChangedError, AdapterFormatError, AdapterPathError, AdapterStoreError
+from lora_cache.errors import (
+    AdapterChangedError,
+    AdapterFormatError,
+    AdapterMissingError,
+    AdapterPathError,
+    AdapterStoreError,
+)
 
 HEAD_GUESS = 64 << 10  # first ranged GET of the weights: the 8-byte length and most adapters' whole header
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
@@ -144,7 +150,7 @@ def store_error(e: BaseException, bucket: str, key: str, s3: Any, version: str =
                 "and that AWS_ENDPOINT_URL (or the profile's endpoint_url) names your store"
             )
         if code in ("NoSuchKey", "404", "NotFound") or status == 404:
-            return AdapterFormatError(
+            return AdapterMissingError(
                 f"{url} does not exist at {where}; check the key (an adapter's prefix holds "
                 f"{CONFIG_FILE} and {WEIGHTS_FILE}) or upload it"
             )
@@ -191,8 +197,7 @@ def store_error(e: BaseException, bucket: str, key: str, s3: Any, version: str =
 
 
 def call(s3: Any, bucket: str, key: str, fn: Callable[[], Any], version: str = "", etag: str = "") -> Any:
-    """``fn()`` (one store request) in a turn of the client's ``StorePace``, asked again while the store throttles
-    it and the call's deadline (``--store-timeout-s``) allows; its failures as ``store_error``."""
+    """``fn()`` (one request) in a turn of the client's ``StorePace`` (throttles retried); errors: ``store_error``."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     pace = getattr(s3, "lora_cache_pace", None) or StorePace(1 << 20)  # a client made elsewhere: no window
@@ -204,8 +209,7 @@ def call(s3: Any, bucket: str, key: str, fn: Callable[[], Any], version: str = "
             f"{int(pace.window)} requests in flight now) until the call's --store-timeout-s; retry later, read "
             "fewer adapters at once (--store-reads), or raise --store-timeout-s") from e.cause
     except TimeoutError as e:
-        raise AdapterStoreError(f"s3://{bucket}/{key}: the store at {endpoint(s3)}: {e}; retry later, or raise "
-                                "--store-timeout-s") from e
+        raise AdapterStoreError(f"s3://{bucket}/{key}: {endpoint(s3)}: {e}; retry later") from e
     except (BotoCoreError, ClientError, OSError) as e:
         raise store_error(e, bucket, key, s3, version, etag) from e
 

@@ -11,6 +11,7 @@ popularity; only then does it plan. Each input goes to the core, then a plan goe
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import ray
@@ -21,8 +22,9 @@ from lora_cache.controller.core import ControllerConfig, ControllerCore, HintOut
 from lora_cache.controller.fanout import WorkerFanout
 from lora_cache.controller.readiness import Doorbell, EventsLost, ReadinessEvent, WatchBatch
 from lora_cache.controller.registrations import Registered, Registrar
+from lora_cache.controller.resolver import Resolver
 from lora_cache.controller.snapshots import DurableConfig, DurableState
-from lora_cache.errors import ConflictError, NotFoundError
+from lora_cache.errors import ConflictError, LoraCacheError, NotFoundError
 from lora_cache.routing.advice import RouteAdvice, RouteRequest
 from lora_cache.runtime import heap
 from lora_cache.runtime.metrics import ControllerMetrics
@@ -49,6 +51,7 @@ class ControllerActor:
         self.draining: set[str] = set()  # unregistered adapters that workers may still hold
         self.fanout = WorkerFanout(self.links)  # one question to every worker: registrations, drains, stats
         self.registrar = Registrar(self.core, self.fanout, self.draining, self.loop.plan)
+        self.resolver = Resolver(self.core.catalog, self._register_on_demand)  # request-time registration
         heap.freeze()  # plans and hints are not stalled by full collections walking Ray's objects
 
     # -- topology and adapters ------------------------------------------------------------------
@@ -81,6 +84,17 @@ class ControllerActor:
         done = await self.registrar.register(items)
         await self.durable.save_catalog(self.core)  # what was answered registered survives a restart
         return done
+
+    async def resolve_adapter(self, name: str) -> str:
+        """The version of ``name``, registered on demand if it lies under an adapter root and nobody registered it
+        (``resolver.py``: one lookup per name, a deadline, caps; typed errors). An engine asks before it takes a
+        request for a name its catalog lacks."""
+        await self.loop.start()
+        return await self.resolver.resolve(name)
+
+    async def _register_on_demand(self, name: str, path: str) -> tuple[str, LoraCacheError | None]:
+        (done,) = await self.register_adapters([(name, path)])
+        return done.version, done.error
 
     async def unregister_adapter(self, name: str, timeout_s: float = 30.0) -> list[str]:
         """Stop all new use of ``name``, then wait until no worker holds it; the versions evicted.
@@ -193,9 +207,19 @@ class ControllerActor:
         return lim.max_adapters, lim.max_running
 
     async def route(self, items: list[RouteRequest], outstanding: dict[str, float] | None = None) -> list[RouteAdvice]:
-        """Routing advice for a batch (ControllerCore.route); per-item errors ride in the advice."""
+        """Routing advice for a batch (ControllerCore.route); per-item errors ride in the advice. An item naming an
+        adapter nobody registered that lies under an adapter root has it registered first (``resolve_adapter``);
+        an item whose resolution failed carries that failure (not found, over capacity, timed out)."""
         await self.loop.start()
-        return self.core.route(items, outstanding)
+        unknown = sorted({i.adapter for i in items if i.adapter not in self.core.catalog}) if self.resolver.on() else []
+        found = await asyncio.gather(*(self.resolver.resolve(a) for a in unknown), return_exceptions=True)
+        for e in found:
+            if isinstance(e, BaseException) and not isinstance(e, LoraCacheError):
+                raise e  # a bug, not an answer
+        failed = {a: e for a, e in zip(unknown, found) if isinstance(e, LoraCacheError)}
+        advice = self.core.route(items, outstanding)
+        return [a._replace(error=failed[a.adapter]) if a.error is not None and a.adapter in failed else a
+                for a in advice]
 
     async def begin_watch(self, replica: str | None = None, adapter: str | None = None) -> int:
         """Check a readiness subscriber's filters (NotFoundError for unknown names); the current cursor."""
@@ -242,7 +266,7 @@ class ControllerActor:
                 "started_at": self.started_at, "first_plan_at": self.loop.first_plan_at,
                 "restored": self.durable.restored, "snapshots_written": self.durable.snapshots.writes,
                 "catalog_restored": self.durable.catalog_restored, "catalog_snapshots": self.durable.catalog.writes,
-                "catalog_snapshot_bytes": self.durable.catalog.bytes}
+                "catalog_snapshot_bytes": self.durable.catalog.bytes, "resolver": self.resolver.stats()}
 
     async def worker_stats(self, timeout_s: float = 2.0) -> list[dict[str, object]]:
         """Each worker's cache counters (``stats`` None if it did not answer in time) and slot count."""
