@@ -309,6 +309,21 @@ def test_a_tp2_replica_leases_one_version_on_both_ranks(served: App) -> None:
     )
 
 
+def test_an_adapter_registered_after_the_app_started_is_served_without_a_restart(served: App) -> None:
+    """Issue 44 item 1: adapters registered while the Serve app runs, of each rank up to the pool's (here 8 and 16,
+    the largest), serve on its replicas at their first request; no replica restarts."""
+    import ray
+
+    root = Path(ray.get(served.service.controller.catalog_config.remote()).adapter_roots[0])
+    made = make_adapters(root, SynthConfig(model="tiny", count=2, rank="8,16", prefix="later"))
+    replicas = served.serve_replicas()
+    for path in made:
+        served.client.register(path.name, str(path))
+    results = [served.call(path.name) for path in made for _ in range(3)]
+    assert [r["adapter"] for r in results] == [p.name for p in made for _ in range(3)]
+    assert served.serve_replicas() == replicas, "a replica restarted or left"
+
+
 def test_with_lora_cache_stopped_serve_routes_by_itself(served: App) -> None:
     """With the gateway gone the readiness stream breaks, and for ``retry_s`` (60 s here) every request is routed by
     Serve's own rule (``LoraCacheRouter._serve_choice``, on the public mixins): each one, and each succeeds."""
