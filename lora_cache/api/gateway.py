@@ -22,6 +22,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import hmac
+import ipaddress
+import logging
 import sys
 import threading
 import traceback
@@ -34,9 +36,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from lora_cache.api.callers import CallRate, StreamLimits
 from lora_cache.api.ingest import FLUSH_S as INGEST_FLUSH_S
 from lora_cache.api.ingest import HintIngest
-from lora_cache.api.servicer import SERVICE_NAME, Servicer, StreamLimits, generic_handler
+from lora_cache.api.servicer import SERVICE_NAME, Servicer, generic_handler
 from lora_cache.api.tls import check_tls_pair
 from lora_cache.errors import ConfigError
 
@@ -52,6 +55,7 @@ RPC_ROLES: dict[str, frozenset[str]] = {
     **dict.fromkeys(("RegisterAdapter", "RegisterAdapters", "UnregisterAdapter"), frozenset({"operator"})),
     "Status": frozenset(ROLES),
 }
+log = logging.getLogger(__name__)
 STOP_STEP_S = 10.0  # a gateway stop step that overruns its own wait by this is abandoned (Gateway.stop)
 HEALTH_EVERY_S = 0.5  # the controller is pinged this often
 HEALTH_TIMEOUT_S = 1.0  # and counted unreachable when a ping takes longer (NOT_SERVING within 1.5 s)
@@ -76,7 +80,8 @@ class GatewayConfig:
     token: str = field(default="", metadata={"help": "the bearer token itself (prefer --token-file: "
                                                      "command lines are visible to other users)"})
     router_token_file: str = field(default="", metadata={"path": True, "help":
-        "file of the bearer token of routers: Hint, CancelHint, Lookup, Route, WatchReadiness, ReportQueue, Status"})
+        "file of the bearer tokens of routers (one a line: one per router, each its own client for the limits): "
+        "Hint, CancelHint, Lookup, Route, WatchReadiness, ReportQueue, Status"})
     engine_token_file: str = field(default="", metadata={"path": True, "help":
         "file of the bearer token of engines: AttachRank, ReportQueue, Status"})
     operator_token_file: str = field(default="", metadata={"path": True, "help":
@@ -89,6 +94,14 @@ class GatewayConfig:
     tls_cert: str = field(default="", metadata={
         "path": True, "help": "PEM certificate chain file: serve TLS (with --tls-key)"})
     tls_key: str = field(default="", metadata={"path": True, "help": "PEM private key file of --tls-cert"})
+    calls_per_client_s: float = field(default=2000.0, metadata={
+        "help": "unary calls a second one client (its certificate, token, or without either its address) may make "
+                "on average; beyond it calls get RESOURCE_EXHAUSTED"})
+    call_burst_per_client: int = field(default=4000, metadata={
+        "help": "unary calls one client may make at once above --calls-per-client-s"})
+    insecure: bool = field(default=False, metadata={
+        "help": "listen beyond loopback without authentication (no token, no client certificates): anyone who "
+                "reaches the port may register, unregister and attach; refused without this flag"})
 
     def __post_init__(self) -> None:
         if not self.grpc_host:
@@ -98,7 +111,8 @@ class GatewayConfig:
         if not 64 * 1024 <= self.max_message_bytes < 2**31:
             raise ConfigError(f"max_message_bytes is {self.max_message_bytes}; give 64 KiB to 2 GiB - 1, "
                               f"e.g. {4 * MiB} (4 MiB)")
-        for name in ("max_concurrent_rpcs", "max_hints_per_call", "max_streams_per_client", "max_streams"):
+        for name in ("max_concurrent_rpcs", "max_hints_per_call", "max_streams_per_client", "max_streams",
+                     "call_burst_per_client"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} is {getattr(self, name)}; give at least 1")
         if self.ingest_queue_hints < self.max_hints_per_call:
@@ -116,6 +130,28 @@ class GatewayConfig:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is not a file; give a PEM file path")
         if self.tls_cert:
             check_tls_pair(self.tls_cert, self.tls_key)  # which file is wrong, before anything starts
+        if not self.calls_per_client_s > 0:
+            raise ConfigError(f"calls_per_client_s is {self.calls_per_client_s}; give a rate above 0 calls/s, "
+                              "e.g. 2000")
+        if not self.authenticated() and not self.insecure and not is_loopback(self.grpc_host):
+            raise ConfigError(
+                f"grpc_host {self.grpc_host!r} listens beyond this machine, and no caller is authenticated: anyone "
+                "who reaches the port could register, unregister and attach. Give --token-file (or "
+                "--router-token-file, --engine-token-file, --operator-token-file), and --tls-cert/--tls-key so the "
+                "token does not travel in plaintext; or listen on 127.0.0.1; or pass --insecure to accept it")
+
+    def authenticated(self) -> bool:
+        """Whether every call but health checks must prove who it is (a bearer token)."""
+        return bool(self.token or self.token_file or any(getattr(self, f"{r}_token_file") for r in ROLES))
+
+    def security(self) -> str:
+        """How callers are checked and the port speaks, in words (the gateway's description, and its log)."""
+        transport = "TLS" if self.tls_cert else "plaintext"
+        if self.authenticated():
+            return f"bearer tokens, {transport}"
+        if is_loopback(self.grpc_host):
+            return f"no authentication (loopback only), {transport}"
+        return f"INSECURE: no authentication beyond loopback (--insecure), {transport}"
 
     def bearer_token(self) -> str | None:
         """The token calls must carry, or None when auth is off."""
@@ -152,21 +188,35 @@ class GatewayConfig:
             out[token] = set(ROLES)
         for role in ROLES:
             if path := getattr(self, f"{role}_token_file"):
-                out.setdefault(_read_token(f"{role}_token_file", path), set()).add(role)
+                for token in _read_tokens(f"{role}_token_file", path):
+                    out.setdefault(token, set()).add(role)
         for token in out:
             if not (token.isascii() and token.isprintable() and " " not in token):
                 raise ConfigError("a bearer token must be printable ASCII without spaces (it travels in a header)")
         return {t: frozenset(r) for t, r in out.items()}
 
 
-def _read_token(name: str, value: str) -> str:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or name to listen on) reaches this machine only: 127.x, ::1, localhost."""
+    bare = host.strip("[]").lower()
+    if bare == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bare).is_loopback
+    except ValueError:
+        return False  # a name (or 0.0.0.0's kin): it may resolve beyond this machine
+
+
+def _read_tokens(name: str, value: str) -> list[str]:
+    """The tokens of a role's file, one a line: one per client (a router each), each its own client for the
+    per-client limits."""
     path = Path(value)
     if not path.is_file():
         raise ConfigError(f"{name} {value!r} is not a file; write the token into it")
-    token = path.read_text().strip()
-    if not token:
+    tokens = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if not tokens:
         raise ConfigError(f"{name} {value!r} is empty; write the token into it")
-    return token
+    return tokens
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -326,6 +376,10 @@ async def start_gateway(config: GatewayConfig, controller: Any, health_name: str
     """Serve LoraCacheService (+ health, reflection) for ``controller`` on the running event loop;
     ``health_name``: the service's own name in the health service (besides "" and the API's)."""
     tokens = config.role_tokens()
+    if config.insecure and not config.authenticated() and not is_loopback(config.grpc_host):
+        log.warning("lora-cache gateway on %s:%s has NO AUTHENTICATION (--insecure): anyone who reaches the port "
+                    "may register, unregister and attach; give --token-file (with --tls-cert/--tls-key) to close it",
+                    config.grpc_host, config.grpc_port)
     ingest = HintIngest(controller.hint_batches.remote, config.ingest_queue_hints)
     options = [("grpc.max_receive_message_length", config.max_message_bytes),
                ("grpc.max_send_message_length", config.max_message_bytes),
@@ -336,8 +390,9 @@ async def start_gateway(config: GatewayConfig, controller: Any, health_name: str
                              interceptors=[BearerTokenInterceptor(tokens)] if tokens else None)
     total = max(1, min(config.max_streams, config.max_concurrent_rpcs // 2))  # unary calls keep half the slots
     streams = StreamLimits(min(config.max_streams_per_client, total), total)
+    calls = CallRate(config.calls_per_client_s, config.call_burst_per_client)
     server.add_generic_rpc_handlers((generic_handler(Servicer(controller, ingest, config.max_hints_per_call,
-                                                              streams=streams)),))
+                                                              streams=streams, calls=calls)),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
