@@ -34,13 +34,17 @@ def token_digest(token: str | bytes) -> str:
     return hashlib.sha256(raw).hexdigest()[:12]
 
 
+def certificate_names(auth_context: dict[str, list[bytes]]) -> list[str]:
+    """The names of a verified client certificate (gRPC's auth context): its subject CN, then its SANs; empty
+    without a client certificate."""
+    names = [v.decode(errors="replace") for key in ("x509_common_name", "x509_subject_alternative_name")
+             for v in auth_context.get(key, ())]
+    return list(dict.fromkeys(names))
+
+
 def certificate_identity(auth_context: dict[str, list[bytes]]) -> str | None:
-    """The identity of a verified client certificate (gRPC's auth context): its subject CN, else its first
-    SAN; None without a client certificate."""
-    for key in ("x509_common_name", "x509_subject_alternative_name"):
-        if values := auth_context.get(key):
-            return values[0].decode(errors="replace")
-    return None
+    """A client certificate's identity: its subject CN, else its first SAN; None without a client certificate."""
+    return next(iter(certificate_names(auth_context)), None)
 
 
 def client_of(context: Any) -> str:
