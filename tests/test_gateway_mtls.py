@@ -10,14 +10,17 @@ import json
 from pathlib import Path
 from typing import NamedTuple
 
+import grpc
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from lora_cache.api.auth import Credentials
 from lora_cache.api.client import ClientConfig, ClientError, LoraCacheClient
 from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
+from lora_cache.api.servicer import SERVICE_NAME
 from lora_cache.errors import ConfigError
 from tests.test_gateway import StallController
 
@@ -149,3 +152,17 @@ def test_mutual_tls_counts_as_authentication_beyond_loopback_and_its_config_is_c
             assert lc.status().epoch == 1  # an operator may see Status
     finally:
         gw.stop()
+
+
+def test_a_calls_roles_are_its_certificates_and_its_tokens_together() -> None:
+    """``Credentials.verdict``, plain Python: the rules ``CallerCheck`` applies in each call."""
+    creds = Credentials({"eng-token": frozenset({"engine"})}, {"router-1": frozenset({"router"})}, mutual_tls=True)
+    route, attach = f"/{SERVICE_NAME}/Route", f"/{SERVICE_NAME}/AttachRank"
+    assert creds.verdict(route, None, ["router-1"]) is None
+    assert creds.verdict(attach, "Bearer eng-token", ["router-1"]) is None  # the token adds the engine role
+    denied = creds.verdict(route, "Bearer eng-token", ["stranger"])  # the token alone: the engine role
+    assert denied is not None and denied.code == grpc.StatusCode.PERMISSION_DENIED and "router role" in denied.why
+    wrong = creds.verdict(route, "Bearer nope", ["router-1"])  # a wrong token is never ignored
+    assert wrong is not None and wrong.code == grpc.StatusCode.UNAUTHENTICATED
+    long = creds.verdict(route, None, ["x" * 500])
+    assert long is not None and f"'{'x' * 64}'" in long.why and "x" * 65 not in long.why

@@ -76,9 +76,10 @@ class Credentials:
 
     def _unknown(self, names: list[str]) -> Denial:
         if self.mutual_tls and names:
+            name = names[0][:64]  # a SAN may be long; an error quotes at most 64 characters of a value
             return Denial(grpc.StatusCode.PERMISSION_DENIED,
-                          f"client certificate identity {names[0]!r} is not in --tls-client-roles, and the call has no "
-                          f"known bearer token; add {names[0]!r} with its roles to that file, or call with a token")
+                          f"client certificate identity {name!r} is not in --tls-client-roles, and the call has no "
+                          f"known bearer token; add {name!r} with its roles to that file, or call with a token")
         return Denial(grpc.StatusCode.UNAUTHENTICATED,
                       "the call has no bearer token; this server requires metadata 'authorization: Bearer <token>' "
                       "(lora_cache.api.client: token=...; CLI: --token-file)")

@@ -51,7 +51,7 @@ def client_of(context: Any) -> str:
     """Who is calling (a ``grpc.aio.ServicerContext``), for per-client limits: ``cert NAME``, ``token DIGEST``
     or, without a credential, ``address HOST`` (the peer without its port)."""
     if (who := certificate_identity(context.auth_context() or {})) is not None:
-        return f"cert {who}"
+        return f"cert {who[:64]}"  # a CN is at most 64 characters; a SAN is cut there for the messages
     sent = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
     if sent is not None:
         return f"token {token_digest(sent)}"
