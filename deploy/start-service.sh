@@ -3,6 +3,12 @@
 #
 #   deploy/start-service.sh start [lora-cache serve options...]   # joins the local cluster (--address auto)
 #   deploy/start-service.sh stop                                   # Ctrl-C to it, then SIGKILL after 30 s
+#   deploy/start-service.sh tls                                    # the gateway's TLS pair, made if absent
+#
+# `tls` keeps a certificate and key the operator put at $LORA_CACHE_HOME/tls/gateway.{crt,key} (a file mount of
+# the cluster config); otherwise it makes a self-signed pair there once (P-256, 10 years, the head's addresses
+# and host name as SANs), which later runs keep. Routers trust gateway.crt: copy it from the head
+# (`ray rsync-down CONFIG ~/.lora-cache/tls/gateway.crt gateway.crt`) and give it as --tls-ca.
 #
 # `start` detaches the service from the SSH session that `ray up` runs it in, and returns once it has joined
 # the Ray cluster (or fails with the end of its log). The replicas are placed after that, as GPU nodes join:
@@ -57,8 +63,25 @@ start() {
   return 1
 }
 
+tls() {
+  local dir="$home/tls"
+  if [[ -s "$dir/gateway.crt" && -s "$dir/gateway.key" ]]; then
+    echo "lora-cache gateway TLS: keeping $dir/gateway.crt"
+    return 0
+  fi
+  mkdir -p "$dir" && chmod 700 "$dir"
+  local sans="DNS:localhost,DNS:$(hostname),IP:127.0.0.1" ip
+  for ip in $(hostname -I 2>/dev/null); do sans="$sans,IP:$ip"; done
+  (umask 077 && openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 3650 \
+    -subj "/CN=lora-cache-gateway" -addext "subjectAltName=$sans" \
+    -keyout "$dir/gateway.key" -out "$dir/gateway.crt")
+  chmod 644 "$dir/gateway.crt"  # the certificate is public; the key stays the owner's alone
+  echo "lora-cache gateway TLS: made a self-signed $dir/gateway.crt ($sans); routers trust it (--tls-ca)"
+}
+
 case "${1:-}" in
   start) shift; start "$@" ;;
   stop) stop ;;
-  *) echo "usage: $0 start [lora-cache serve options...] | stop" >&2; exit 2 ;;
+  tls) tls ;;
+  *) echo "usage: $0 start [lora-cache serve options...] | stop | tls" >&2; exit 2 ;;
 esac

@@ -11,7 +11,8 @@ A request names its adapter as Serve's multiplexed model id
 (``handle.options(multiplexed_model_id=...)`` or the HTTP header ``serve_multiplexed_model_id``).
 
 GPUs: start lora-cache on the cluster (``lora-cache serve --replicas 0 --adapters DIR --model llama-3.1-8b
---grpc-host 0.0.0.0``), then deploy ``app(routing, "<gateway host>:50051", replicas, ReplicaCacheConfig(device="cuda",
+--grpc-host 0.0.0.0 --token-file TOKEN``: beyond loopback it needs authentication; the router sends it as
+``token=``), then deploy ``app(routing, "<gateway host>:50051", replicas, ReplicaCacheConfig(device="cuda",
 dtype="bfloat16", num_slots=...), engine_config(model=..., device="cuda", dtype="bfloat16", cuda_graphs=True))``: an
 engine on cuda gives each replica ``ray_actor_options={"num_gpus": 1}``. ``python -m bench.probes.ray_serve --device
 cuda --model llama-3.1-8b`` runs it so, both routings (``bench/gpu/serve.sh``). One Serve replica is

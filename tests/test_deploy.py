@@ -9,6 +9,7 @@ import copy
 import os
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import ray
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config  # test-only private Ray: see below
 
+from lora_cache.api.gateway import GatewayConfig
 from lora_cache.app.cli import build_parser
 from lora_cache.app.serve import ServeConfig
 from lora_cache.runtime.cliargs import config_from_args
@@ -167,6 +169,10 @@ def test_the_service_starts_on_the_head_after_ray_with_options_lora_cache_accept
     assert serve.gpus and serve.placement_timeout_s >= 600  # GPU workers; placed as GPU nodes join
     assert ns.grpc_host == "0.0.0.0" and ns.token_file == "~/.lora-cache/grpc_token"  # routers reach it, with a token
     assert config["file_mounts"][ns.token_file] == ns.token_file
+    # issue 46: the token never travels in plaintext; the pair is made (or kept) on the head before the service
+    assert (ns.tls_cert, ns.tls_key) == ("~/.lora-cache/tls/gateway.crt", "~/.lora-cache/tls/gateway.key")
+    made = next(i for i, c in enumerate(commands) if "start-service.sh tls" in c)
+    assert made < next(i for i, c in enumerate(commands) if SERVICE in c)
     if config["provider"]["type"] == "aws":  # the gRPC port is open to routers, and only it beyond Ray's defaults
         rules = config["provider"]["security_group"]["IpPermissions"]
         assert [(r["FromPort"], r["ToPort"]) for r in rules] == [(ns.grpc_port, ns.grpc_port)]
@@ -178,6 +184,24 @@ def test_start_service_script_is_executable_bash() -> None:
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True, timeout=10).returncode == 0
     usage = subprocess.run([str(script)], capture_output=True, text=True, timeout=10)
     assert usage.returncode == 2 and "usage:" in usage.stderr
+
+
+def test_start_service_tls_makes_a_pair_the_gateway_accepts_once_and_keeps_it(tmp_path: Path) -> None:
+    """The cluster configs' TLS (issue 46): a self-signed pair for the head's addresses, made on the first start
+    and kept after (an operator's own pair, mounted there, is kept the same way); the key is the owner's alone."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    env = {**os.environ, "LORA_CACHE_HOME": str(tmp_path)}
+    tls = ["bash", str(DEPLOY / "start-service.sh"), "tls"]
+    first = subprocess.run(tls, env=env, capture_output=True, text=True, check=True, timeout=60)
+    assert "made a self-signed" in first.stdout and "IP:127.0.0.1" in first.stdout
+    cert, key = tmp_path / "tls" / "gateway.crt", tmp_path / "tls" / "gateway.key"
+    assert key.stat().st_mode & 0o077 == 0
+    config = GatewayConfig(grpc_host="0.0.0.0", token="t", tls_cert=str(cert), tls_key=str(key))  # checks the pair
+    assert config.security() == "bearer tokens, TLS"
+    before = cert.read_bytes()
+    again = subprocess.run(tls, env=env, capture_output=True, text=True, check=True, timeout=60)
+    assert "keeping" in again.stdout and cert.read_bytes() == before
 
 
 def test_start_service_fails_with_serves_message_when_serve_exits(tmp_path: Path) -> None:

@@ -67,6 +67,8 @@ def test_serve_checks_paths_sizes_ports_and_files_before_ray_starts(
     assert f"--grpc-port {port} on --grpc-host 127.0.0.1: it is taken" in err and "(0: any free port)" in err
     err = serve_fails(capsys, "--adapters", str(adapters), "--token-file", str(tmp_path / "no-token"))
     assert "token_file" in err and "is not a file" in err
+    err = serve_fails(capsys, "--adapters", str(adapters), "--grpc-host", "0.0.0.0")  # issue 46: no auth
+    assert "grpc_host '0.0.0.0' listens beyond this machine" in err and "--token-file" in err and "--insecure" in err
     err = serve_fails(capsys, "--adapters", str(adapters), "--service", "Bad_Name")
     assert "--service 'Bad_Name' is not a service name" in err
 

@@ -256,7 +256,7 @@ def test_an_engine_attaches_through_a_real_grpc_server_and_loads_what_it_is_told
     import grpc
 
     from lora_cache.adapters.synth import SynthConfig, make_adapters
-    from lora_cache.api.gateway import BearerTokenInterceptor
+    from lora_cache.api.auth import CallerCheck
     from lora_cache.api.ingest import HintIngest
     from lora_cache.api.servicer import Servicer, generic_handler
     from workers.attach.attachment import AttachConfig, attach
@@ -284,7 +284,7 @@ def test_an_engine_attaches_through_a_real_grpc_server_and_loads_what_it_is_told
         security = {"tls_ca": str(cert), "token_file": str(token)}
 
     async def serve() -> tuple[Any, int]:
-        server = grpc.aio.server(interceptors=[BearerTokenInterceptor("tok-123")] if secure else None)
+        server = grpc.aio.server(interceptors=[CallerCheck("tok-123")] if secure else None)
         async def no_hints(batches: Any) -> list[Any]:  # this test sends none
             raise AssertionError(batches)
 

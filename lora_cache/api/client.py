@@ -64,6 +64,9 @@ class ClientConfig:
     tls_ca: str = field(default="", metadata={
         "path": True, "help": "PEM file of the CA that signed the gateway's certificate (uses TLS)"})
     tls: bool = field(default=False, metadata={"help": "use TLS with the system's root certificates"})
+    tls_client_cert: str = field(default="", metadata={
+        "path": True, "help": "PEM certificate this client presents (a gateway with --tls-client-ca; uses TLS)"})
+    tls_client_key: str = field(default="", metadata={"path": True, "help": "PEM private key of --tls-client-cert"})
     timeout_s: float = field(default=10.0, metadata={"help": "deadline of each call, in seconds"})
 
     def __post_init__(self) -> None:
@@ -71,6 +74,12 @@ class ClientConfig:
             raise ConfigError(f"timeout_s is {self.timeout_s}; give a positive number of seconds, e.g. 10")
         if self.tls_ca and not Path(self.tls_ca).is_file():
             raise ConfigError(f"tls_ca {self.tls_ca!r} is not a file; give the CA's PEM certificate file")
+        if bool(self.tls_client_cert) != bool(self.tls_client_key):
+            raise ConfigError(f"tls_client_cert ({self.tls_client_cert!r}) and tls_client_key "
+                              f"({self.tls_client_key!r}) go together; give both to present a client certificate")
+        for name in ("tls_client_cert", "tls_client_key"):
+            if getattr(self, name) and not Path(getattr(self, name)).is_file():
+                raise ConfigError(f"{name} {getattr(self, name)!r} is not a file; give a PEM file path")
         if self.token_file and not Path(self.token_file).is_file():
             raise ConfigError(f"--token-file {self.token_file!r} is not a file; write the gateway's bearer token into "
                               f"it, or leave it out (then ${TOKEN_ENV} is used, if set)")
@@ -283,17 +292,25 @@ C = TypeVar("C", bound="_Base")
 
 class _Base:
     def __init__(self, server: str = "127.0.0.1:50051", *, token: str | None = None, tls: bool = False,
-                 root_certificates: bytes | None = None, timeout_s: float = 10.0) -> None:
+                 root_certificates: bytes | None = None, client_cert: bytes | None = None,
+                 client_key: bytes | None = None, timeout_s: float = 10.0) -> None:
+        """``client_cert``/``client_key``: the PEM certificate chain and key this client presents to a gateway
+        that asks for one (mutual TLS, ``--tls-client-ca``); they imply TLS."""
+        if (client_cert is None) != (client_key is None):
+            raise ConfigError("client_cert and client_key go together; give both to present a client certificate")
         self.server, self.timeout_s = server, timeout_s
         self._metadata = _metadata(token)
         self._options = [("grpc.max_receive_message_length", 64 << 20), *CHANNEL_OPTIONS]
-        self._credentials = grpc.ssl_channel_credentials(root_certificates) if tls or root_certificates else None
+        secure = tls or root_certificates is not None or client_cert is not None
+        self._credentials = grpc.ssl_channel_credentials(root_certificates, client_key, client_cert) if secure else None
 
     @classmethod
     def from_config(cls: type[C], config: ClientConfig) -> C:
         root = Path(config.tls_ca).read_bytes() if config.tls_ca else None
-        return cls(config.server, token=config.token(), tls=config.tls, root_certificates=root,
-                   timeout_s=config.timeout_s)
+        cert, key = ((Path(config.tls_client_cert).read_bytes(), Path(config.tls_client_key).read_bytes())
+                     if config.tls_client_cert else (None, None))
+        return cls(config.server, token=config.token(), tls=config.tls, root_certificates=root, client_cert=cert,
+                   client_key=key, timeout_s=config.timeout_s)
 
 
 class LoraCacheClient(_Base):

@@ -2,10 +2,11 @@
 
 It serves ``lora_cache.v1.LoraCacheService`` (lora_cache/api/servicer.py), the standard health
 service (grpc.health.v1) and server reflection. Limits: message size, concurrent RPCs (beyond it
-gRPC answers RESOURCE_EXHAUSTED), streams per client and in all, hints per call, and the bounded hint
-ingest queue. With bearer tokens configured, every call but health checks needs ``authorization: Bearer
-<token>``, and a token of a role the RPC allows (``RPC_ROLES``: routers, engines, operators; the plain
-``--token-file`` carries every role); with a certificate and key, the port speaks TLS.
+gRPC answers RESOURCE_EXHAUSTED), streams and unary calls per client (``callers.py``: a client is its
+credential), hints per call, and the bounded hint ingest queue. Callers prove who they are with bearer tokens
+or, under mutual TLS, client certificates, each mapped to roles (``auth.py``: ``RPC_ROLES``); beyond loopback
+the gateway does not start without one of them unless told ``--insecure``. With a certificate and key, the
+port speaks TLS.
 
 Health (grpc.health.v1) tells the truth about the controller behind the gateway: ``HealthWatch`` pings it
 every ``HEALTH_EVERY_S`` and answers NOT_SERVING for "", the API's name and the service's health name
@@ -21,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import hmac
+import ipaddress
+import json
+import logging
 import sys
 import threading
 import traceback
@@ -34,24 +37,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from lora_cache.api.auth import ROLES, CallerCheck, Credentials
+from lora_cache.api.callers import CallRate, StreamLimits
 from lora_cache.api.ingest import FLUSH_S as INGEST_FLUSH_S
 from lora_cache.api.ingest import HintIngest
-from lora_cache.api.servicer import SERVICE_NAME, Servicer, StreamLimits, generic_handler
-from lora_cache.api.tls import check_tls_pair
+from lora_cache.api.servicer import SERVICE_NAME, Servicer, generic_handler
+from lora_cache.api.tls import check_client_ca, check_tls_pair
 from lora_cache.errors import ConfigError
 
-OPEN_METHODS = ("/grpc.health.v1.Health/",)  # served without a token: load balancers probe them
 MiB = 1 << 20
-ROLES = ("router", "engine", "operator")
-# Which roles may call each RPC of LoraCacheService (docs/decisions.md, "Roles of callers"); an RPC not named
-# here (server reflection) takes any valid token.
-RPC_ROLES: dict[str, frozenset[str]] = {
-    **dict.fromkeys(("Hint", "CancelHint", "Lookup", "Route", "WatchReadiness"), frozenset({"router"})),
-    "ReportQueue": frozenset({"router", "engine"}),  # engines report their waiting queues
-    "AttachRank": frozenset({"engine"}),
-    **dict.fromkeys(("RegisterAdapter", "RegisterAdapters", "UnregisterAdapter"), frozenset({"operator"})),
-    "Status": frozenset(ROLES),
-}
+log = logging.getLogger(__name__)
 STOP_STEP_S = 10.0  # a gateway stop step that overruns its own wait by this is abandoned (Gateway.stop)
 HEALTH_EVERY_S = 0.5  # the controller is pinged this often
 HEALTH_TIMEOUT_S = 1.0  # and counted unreachable when a ping takes longer (NOT_SERVING within 1.5 s)
@@ -76,7 +71,8 @@ class GatewayConfig:
     token: str = field(default="", metadata={"help": "the bearer token itself (prefer --token-file: "
                                                      "command lines are visible to other users)"})
     router_token_file: str = field(default="", metadata={"path": True, "help":
-        "file of the bearer token of routers: Hint, CancelHint, Lookup, Route, WatchReadiness, ReportQueue, Status"})
+        "file of the bearer tokens of routers (one a line: one per router, each its own client for the limits): "
+        "Hint, CancelHint, Lookup, Route, WatchReadiness, ReportQueue, Status"})
     engine_token_file: str = field(default="", metadata={"path": True, "help":
         "file of the bearer token of engines: AttachRank, ReportQueue, Status"})
     operator_token_file: str = field(default="", metadata={"path": True, "help":
@@ -89,6 +85,20 @@ class GatewayConfig:
     tls_cert: str = field(default="", metadata={
         "path": True, "help": "PEM certificate chain file: serve TLS (with --tls-key)"})
     tls_key: str = field(default="", metadata={"path": True, "help": "PEM private key file of --tls-cert"})
+    tls_client_ca: str = field(default="", metadata={"path": True, "help":
+        "PEM certificate of the CA that signs the clients' certificates: mutual TLS, every caller presents one "
+        "(with --tls-cert, and --tls-client-roles or tokens)"})
+    tls_client_roles: str = field(default="", metadata={"path": True, "help":
+        'JSON file of client certificate identities (subject CN or a SAN) and their roles, '
+        '{"router-1": ["router"], "ops": ["operator"]}'})
+    calls_per_client_s: float = field(default=2000.0, metadata={
+        "help": "unary calls a second one client (its certificate, token, or without either its address) may make "
+                "on average; beyond it calls get RESOURCE_EXHAUSTED"})
+    call_burst_per_client: int = field(default=4000, metadata={
+        "help": "unary calls one client may make at once above --calls-per-client-s"})
+    insecure: bool = field(default=False, metadata={
+        "help": "listen beyond loopback without authentication (no token, no client certificates): anyone who "
+                "reaches the port may register, unregister and attach; refused without this flag"})
 
     def __post_init__(self) -> None:
         if not self.grpc_host:
@@ -98,7 +108,8 @@ class GatewayConfig:
         if not 64 * 1024 <= self.max_message_bytes < 2**31:
             raise ConfigError(f"max_message_bytes is {self.max_message_bytes}; give 64 KiB to 2 GiB - 1, "
                               f"e.g. {4 * MiB} (4 MiB)")
-        for name in ("max_concurrent_rpcs", "max_hints_per_call", "max_streams_per_client", "max_streams"):
+        for name in ("max_concurrent_rpcs", "max_hints_per_call", "max_streams_per_client", "max_streams",
+                     "call_burst_per_client"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} is {getattr(self, name)}; give at least 1")
         if self.ingest_queue_hints < self.max_hints_per_call:
@@ -116,6 +127,62 @@ class GatewayConfig:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is not a file; give a PEM file path")
         if self.tls_cert:
             check_tls_pair(self.tls_cert, self.tls_key)  # which file is wrong, before anything starts
+        self._check_mutual_tls()
+        if not self.calls_per_client_s > 0:
+            raise ConfigError(f"calls_per_client_s is {self.calls_per_client_s}; give a rate above 0 calls/s, "
+                              "e.g. 2000")
+        if not self.authenticated() and not self.insecure and not is_loopback(self.grpc_host):
+            raise ConfigError(
+                f"grpc_host {self.grpc_host!r} listens beyond this machine, and no caller is authenticated: anyone "
+                "who reaches the port could register, unregister and attach. Give --token-file (or "
+                "--router-token-file, --engine-token-file, --operator-token-file), and --tls-cert/--tls-key so the "
+                "token does not travel in plaintext; or client certificates (--tls-client-ca, --tls-client-roles); "
+                "or listen on 127.0.0.1; or pass --insecure to accept it")
+
+    def _check_mutual_tls(self) -> None:
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError(f"tls_client_ca ({self.tls_client_ca!r}) needs the server's own --tls-cert and --tls-key:"
+                              " client certificates are asked for in the TLS handshake")
+        if self.tls_client_roles and not self.tls_client_ca:
+            raise ConfigError(f"tls_client_roles ({self.tls_client_roles!r}) needs --tls-client-ca: the CA whose "
+                              "certificates it names")
+        if self.tls_client_ca:
+            check_client_ca(self.tls_client_ca)
+            if not self.tls_client_roles and not self.role_tokens():
+                raise ConfigError(f"tls_client_ca ({self.tls_client_ca!r}) is set, but nothing gives a caller a role: "
+                                  "give --tls-client-roles (identities and their roles), or token files")
+        self.client_roles()  # the roles file readable and well-formed
+
+    def client_roles(self) -> dict[str, frozenset[str]]:
+        """Each client certificate identity of ``tls_client_roles`` and its roles (empty: no file)."""
+        if not self.tls_client_roles:
+            return {}
+        fix = 'give a JSON object of identities and their roles, e.g. {"router-1": ["router"]}'
+        try:
+            doc = json.loads(Path(self.tls_client_roles).read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"tls_client_roles {self.tls_client_roles!r} cannot be read as JSON ({e}); {fix}") from e
+        if not isinstance(doc, dict) or not doc:
+            raise ConfigError(f"tls_client_roles {self.tls_client_roles!r} is not a non-empty JSON object; {fix}")
+        for identity, roles in doc.items():
+            if not isinstance(roles, list) or not roles or not set(roles) <= set(ROLES):
+                raise ConfigError(f"tls_client_roles {self.tls_client_roles!r}: identity {identity[:64]!r} has roles "
+                                  f"{str(roles)[:64]}; give a list of {', '.join(ROLES)}")
+        return {identity: frozenset(roles) for identity, roles in doc.items()}
+
+    def authenticated(self) -> bool:
+        """Whether every call but health checks must prove who it is (a bearer token or a client certificate)."""
+        return bool(self.token or self.token_file or self.tls_client_ca
+                    or any(getattr(self, f"{r}_token_file") for r in ROLES))
+
+    def security(self) -> str:
+        """How callers are checked and the port speaks, in words (the gateway's description, and its log)."""
+        transport = "mutual TLS" if self.tls_client_ca else "TLS" if self.tls_cert else "plaintext"
+        if self.authenticated():
+            return f"{'bearer tokens' if self.role_tokens() else 'client certificates'}, {transport}"
+        if is_loopback(self.grpc_host):
+            return f"no authentication (loopback only), {transport}"
+        return f"INSECURE: no authentication beyond loopback (--insecure), {transport}"
 
     def bearer_token(self) -> str | None:
         """The token calls must carry, or None when auth is off."""
@@ -152,69 +219,35 @@ class GatewayConfig:
             out[token] = set(ROLES)
         for role in ROLES:
             if path := getattr(self, f"{role}_token_file"):
-                out.setdefault(_read_token(f"{role}_token_file", path), set()).add(role)
+                for token in _read_tokens(f"{role}_token_file", path):
+                    out.setdefault(token, set()).add(role)
         for token in out:
             if not (token.isascii() and token.isprintable() and " " not in token):
                 raise ConfigError("a bearer token must be printable ASCII without spaces (it travels in a header)")
         return {t: frozenset(r) for t, r in out.items()}
 
 
-def _read_token(name: str, value: str) -> str:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or name to listen on) reaches this machine only: 127.x, ::1, localhost."""
+    bare = host.strip("[]").lower()
+    if bare == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bare).is_loopback
+    except ValueError:
+        return False  # a name (or 0.0.0.0's kin): it may resolve beyond this machine
+
+
+def _read_tokens(name: str, value: str) -> list[str]:
+    """The tokens of a role's file, one a line: one per client (a router each), each its own client for the
+    per-client limits."""
     path = Path(value)
     if not path.is_file():
         raise ConfigError(f"{name} {value!r} is not a file; write the token into it")
-    token = path.read_text().strip()
-    if not token:
+    tokens = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if not tokens:
         raise ConfigError(f"{name} {value!r} is empty; write the token into it")
-    return token
-
-
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Calls without a known ``authorization: Bearer <token>`` get UNAUTHENTICATED (health checks excepted);
-    a known token without a role the RPC needs (``RPC_ROLES``) gets PERMISSION_DENIED naming the role."""
-
-    def __init__(self, tokens: dict[str, frozenset[str]] | str) -> None:
-        if isinstance(tokens, str):  # one token: every role
-            tokens = {tokens: frozenset(ROLES)}
-        self._tokens = [(f"Bearer {t}".encode(), roles) for t, roles in tokens.items()]
-
-    def roles_of(self, sent: str | bytes) -> frozenset[str] | None:
-        """The roles of the token sent (None: no known token); every token is compared, in constant time each."""
-        raw = sent.encode() if isinstance(sent, str) else sent
-        found = [roles for expected, roles in self._tokens if hmac.compare_digest(raw, expected)]
-        return frozenset().union(*found) if found else None
-
-    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(OPEN_METHODS):
-            return handler
-        sent = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
-        roles = None if sent is None else self.roles_of(sent)
-        if roles is None:
-            why = ("the call has no bearer token" if sent is None else "the bearer token is wrong") + (
-                "; this server requires metadata 'authorization: Bearer <token>' (lora_cache.api.client: token=...; "
-                "CLI: --token-file)")
-            return _denied(handler, grpc.StatusCode.UNAUTHENTICATED, why)
-        rpc = details.method.rsplit("/", 1)[-1]
-        needed = RPC_ROLES.get(rpc, frozenset(ROLES)) if details.method.startswith(f"/{SERVICE_NAME}/") \
-            else frozenset(ROLES)
-        if roles & needed:
-            return handler
-        why = (f"{rpc} needs the {' or '.join(sorted(needed))} role; this token has the "
-               f"{', '.join(sorted(roles))} role: call with a token from "
-               f"{' or '.join(f'--{r}-token-file' for r in sorted(needed))} (or --token-file, every role)")
-        return _denied(handler, grpc.StatusCode.PERMISSION_DENIED, why)
-
-
-def _denied(handler: Any, code: grpc.StatusCode, why: str) -> Any:
-    """A handler of the same kind as ``handler`` that answers ``code``."""
-
-    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(code, why)
-
-    kind = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-    return kind[handler.request_streaming, handler.response_streaming](deny)
+    return tokens
 
 
 class HealthWatch:
@@ -319,25 +352,35 @@ def _task_stacks(depth: int = 8) -> str:
 def _credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
     if not config.tls_cert:
         return None
-    return grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
+    pair = [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())]
+    if config.tls_client_ca:  # mutual TLS: the handshake refuses a client without a certificate of this CA
+        return grpc.ssl_server_credentials(pair, root_certificates=Path(config.tls_client_ca).read_bytes(),
+                                           require_client_auth=True)
+    return grpc.ssl_server_credentials(pair)
 
 
 async def start_gateway(config: GatewayConfig, controller: Any, health_name: str = "") -> Gateway:
     """Serve LoraCacheService (+ health, reflection) for ``controller`` on the running event loop;
     ``health_name``: the service's own name in the health service (besides "" and the API's)."""
     tokens = config.role_tokens()
+    if config.insecure and not config.authenticated() and not is_loopback(config.grpc_host):
+        log.warning("lora-cache gateway on %s:%s has NO AUTHENTICATION (--insecure): anyone who reaches the port "
+                    "may register, unregister and attach; give --token-file (with --tls-cert/--tls-key) to close it",
+                    config.grpc_host, config.grpc_port)
     ingest = HintIngest(controller.hint_batches.remote, config.ingest_queue_hints)
     options = [("grpc.max_receive_message_length", config.max_message_bytes),
                ("grpc.max_send_message_length", config.max_message_bytes),
                ("grpc.so_reuseport", 0),
                # the clients' keepalive (client.KEEPALIVE) on streams that may say nothing for minutes
                ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000), ("grpc.http2.max_ping_strikes", 0)]
+    check = CallerCheck(Credentials(tokens, config.client_roles(), bool(config.tls_client_ca)))
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-                             interceptors=[BearerTokenInterceptor(tokens)] if tokens else None)
+                             interceptors=[check] if config.authenticated() else None)
     total = max(1, min(config.max_streams, config.max_concurrent_rpcs // 2))  # unary calls keep half the slots
     streams = StreamLimits(min(config.max_streams_per_client, total), total)
+    calls = CallRate(config.calls_per_client_s, config.call_burst_per_client)
     server.add_generic_rpc_handlers((generic_handler(Servicer(controller, ingest, config.max_hints_per_call,
-                                                              streams=streams)),))
+                                                              streams=streams, calls=calls)),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -11,17 +11,15 @@ bodies itself, so bytes that are not the request message are INVALID_ARGUMENT, n
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
 import logging
-from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 import ray
 
 from lora_cache.api import validate
+from lora_cache.api.callers import CallRate, StreamLimits, client_of
 from lora_cache.api.ingest import HintIngest
 from lora_cache.api.rank_link import RankHost, RankLink
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
@@ -70,48 +68,6 @@ def _status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
     log.exception("internal error in the gateway", exc_info=error)
     return grpc.StatusCode.INTERNAL, (f"internal error ({type(error).__name__}: {error}); this is a bug in "
                                       "lora-cache: please report it with the gateway's log")
-
-
-def client_of(context: grpc.aio.ServicerContext) -> str:
-    """Who is calling, for per-client limits: the peer's address without its port, and which bearer token
-    it sent (a digest, never the token)."""
-    peer = context.peer() or "unknown"
-    host = peer.rsplit(":", 1)[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
-    sent = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
-    if sent is None:
-        return host
-    digest = hashlib.sha256(sent.encode() if isinstance(sent, str) else sent).hexdigest()[:8]
-    return f"{host} (token {digest})"
-
-
-class StreamLimits:
-    """Long-lived streams (``WatchReadiness``, ``AttachRank``) open at once, per client and in all: each holds
-    an RPC slot of the server (and a Watch a long poll of the controller), so one client cannot take them
-    all. Beyond a limit the stream is refused at once with RESOURCE_EXHAUSTED naming the limit."""
-
-    def __init__(self, per_client: int, total: int) -> None:
-        self.per_client, self.total = per_client, total
-        self.open: Counter[str] = Counter()  # client -> its streams open now
-        self.refused = 0
-
-    @contextlib.contextmanager
-    def hold(self, client: str, rpc: str) -> Iterator[None]:
-        if self.open[client] >= self.per_client:
-            self.refused += 1
-            raise CapacityError(f"{rpc} refused: client {client} has {self.open[client]} streams open, the most one "
-                                f"client may hold (max_streams_per_client={self.per_client}); close streams it no "
-                                "longer reads, or share one Watch among its threads")
-        if sum(self.open.values()) >= self.total:
-            self.refused += 1
-            raise CapacityError(f"{rpc} refused: this gateway has {self.total} streams open, its limit "
-                                "(max_streams); retry later or raise --max-streams")
-        self.open[client] += 1
-        try:
-            yield
-        finally:
-            self.open[client] -= 1
-            if not self.open[client]:
-                del self.open[client]
 
 
 def _counters(stats: list[dict[str, Any]]) -> pb.CacheCounters:
@@ -175,10 +131,12 @@ class Servicer:
     """LoraCacheService over a controller actor handle (or anything with the same ``.remote`` methods)."""
 
     def __init__(self, controller: Any, ingest: HintIngest, max_items: int, watch_poll_s: float = WATCH_POLL_S,
-                 rank_host: Callable[[str], RankHost] | None = None, streams: StreamLimits | None = None):
+                 rank_host: Callable[[str], RankHost] | None = None, streams: StreamLimits | None = None,
+                 calls: CallRate | None = None):
         self.controller, self.ingest = controller, ingest
         self.max_items, self.watch_poll_s = max_items, watch_poll_s
         self.streams = streams or StreamLimits(per_client=64, total=256)
+        self.calls = calls or CallRate(per_s=2000.0, burst=4000)  # unary calls per client (GatewayConfig's defaults)
         self.watches = WatchHub(controller, watch_poll_s)  # one controller poll for every WatchReadiness
         self.rank_host = rank_host or self._ray_rank_host  # an attached rank's cluster side, by worker name
 
@@ -299,9 +257,10 @@ def _serialize(message: Any) -> bytes:
     return bytes(message.SerializeToString())
 
 
-def _unary(method: Unary, request_cls: type[Any]) -> Callable[..., Awaitable[Any]]:
+def _unary(method: Unary, request_cls: type[Any], calls: CallRate, rpc: str) -> Callable[..., Awaitable[Any]]:
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
+            calls.take(client_of(context), rpc)  # CapacityError (RESOURCE_EXHAUSTED) over the client's rate
             return await method(validate.parse(request_cls, raw))
         except Exception as e:  # every error is answered with its code; none escapes into grpc
             code, message = status_for(e)
@@ -369,6 +328,6 @@ def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
             handlers[rpc] = grpc.unary_stream_rpc_method_handler(_streaming(method, request_cls, servicer.streams, rpc),
                                                                  response_serializer=_serialize)
         else:
-            handlers[rpc] = grpc.unary_unary_rpc_method_handler(_unary(method, request_cls),
+            handlers[rpc] = grpc.unary_unary_rpc_method_handler(_unary(method, request_cls, servicer.calls, rpc),
                                                                 response_serializer=_serialize)
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

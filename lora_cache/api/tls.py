@@ -51,6 +51,18 @@ def check_tls_pair(cert: str, key: str) -> None:
                           "PEM private key of the certificate") from e
 
 
+def check_client_ca(ca: str) -> None:
+    """ConfigError naming ``--tls-client-ca``, the file and the fix, unless it holds PEM CA certificates."""
+    if "CERTIFICATE" not in _kinds("tls_client_ca", ca):
+        raise ConfigError(f"tls_client_ca {ca!r} holds no PEM certificate ('-----BEGIN CERTIFICATE-----'); give the "
+                          "certificate of the CA that signs the clients' certificates")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_verify_locations(cadata=Path(ca).read_text(errors="replace"))
+    except ssl.SSLError as e:
+        raise ConfigError(f"tls_client_ca {ca!r} does not parse as X.509 ({e.reason or e}); give the CA's PEM "
+                          "certificate as issued") from e
+
+
 def _kinds(option: str, path: str) -> set[str]:
     """The PEM block kinds in the file (``CERTIFICATE``, ``PRIVATE KEY``, ...)."""
     try:

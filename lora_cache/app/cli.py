@@ -116,7 +116,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from lora_cache.runtime.cluster import ObserveConfig, endpoints
     from workers.cache import WorkerConfig
 
-    gateway_config = config_from_args(GatewayConfig, ns)  # token and TLS files checked here
+    gateway_config = config_from_args(GatewayConfig, ns)  # token and TLS files, auth beyond loopback checked here
     demo_token = gateway_config.token_for("router") if ns.demo else None  # the demo router is a router
     observe = config_from_args(ObserveConfig, ns)
     if ns.demo:  # demo adapters of a small shape, unless the caller named their own
@@ -146,7 +146,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise
     where = endpoints()
     print(f"lora-cache gRPC gateway on {gateway.target} (lora_cache.v1.LoraCacheService, health "
-          f"{serve_config.service!r}, reflection)", flush=True)
+          f"{serve_config.service!r}, reflection; {gateway_config.security()})", flush=True)
     print(f"lora-cache metrics (Prometheus, this node): {where['metrics']}; logs of the controller and workers: "
           f"{where['logs']}{' (and here)' if observe.worker_logs else ''}", flush=True)
     if ns.demo:

@@ -127,7 +127,8 @@ class AttachConfig:
         host, _, port = self.gateway.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) <= 65535:
             raise ConfigError(f"gateway {self.gateway!r} is not host:port; give the gateway's address, e.g. "
-                              "10.0.0.5:50051 (`lora-cache serve --grpc-host 0.0.0.0` listens beyond its machine)")
+                              "10.0.0.5:50051 (`lora-cache serve --grpc-host 0.0.0.0 --token-file F` listens beyond "
+                              "its machine)")
         if self.address != "auto":
             raise ConfigError(f"address ({self.address!r}) and gateway ({self.gateway!r}) are both set: a rank joins "
                               "the Ray cluster at address, or attaches from outside it through the gateway; give one")

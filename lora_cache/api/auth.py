@@ -1,0 +1,135 @@
+"""Who may call what (lifecycle step 2): bearer tokens and client certificates, each mapped to roles.
+
+Every call but health checks proves who it is: a known bearer token (``authorization: Bearer <token>``), or,
+under mutual TLS (``--tls-client-ca``), a client certificate that CA signed, whose identity (subject CN or a
+SAN) ``--tls-client-roles`` names. Its roles are those of its token and its certificate together; the RPC
+needs one of them (``RPC_ROLES``: routers, engines, operators). No known credential: UNAUTHENTICATED (an
+unknown certificate identity: PERMISSION_DENIED naming it); a credential without the role: PERMISSION_DENIED
+naming the role and the flag. The verdict (``Credentials.verdict``) is plain Python; ``CallerCheck`` runs it in
+each call, where the certificate the TLS handshake verified is known.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NamedTuple
+
+import grpc
+
+from lora_cache.api.callers import certificate_names
+from lora_cache.api.servicer import SERVICE_NAME
+
+OPEN_METHODS = ("/grpc.health.v1.Health/",)  # served without a credential: load balancers probe them
+ROLES = ("router", "engine", "operator")
+# Which roles may call each RPC of LoraCacheService (docs/decisions.md, "Roles of callers"); an RPC not named
+# here (server reflection) takes any valid credential.
+RPC_ROLES: dict[str, frozenset[str]] = {
+    **dict.fromkeys(("Hint", "CancelHint", "Lookup", "Route", "WatchReadiness"), frozenset({"router"})),
+    "ReportQueue": frozenset({"router", "engine"}),  # engines report their waiting queues
+    "AttachRank": frozenset({"engine"}),
+    **dict.fromkeys(("RegisterAdapter", "RegisterAdapters", "UnregisterAdapter"), frozenset({"operator"})),
+    "Status": frozenset(ROLES),
+}
+
+
+class Denial(NamedTuple):
+    code: grpc.StatusCode
+    why: str
+
+
+class Credentials:
+    """The accepted bearer tokens and client-certificate identities, each with its roles."""
+
+    def __init__(self, tokens: dict[str, frozenset[str]], identities: dict[str, frozenset[str]] | None = None,
+                 mutual_tls: bool = False) -> None:
+        self._tokens = [(f"Bearer {t}".encode(), roles) for t, roles in tokens.items()]
+        self.identities = identities or {}
+        self.mutual_tls = mutual_tls  # the TLS handshake already refused callers without a certificate of the CA
+
+    def roles_of(self, sent: str | bytes) -> frozenset[str] | None:
+        """The roles of the token sent (None: no known token); every token is compared, in constant time each."""
+        raw = sent.encode() if isinstance(sent, str) else sent
+        found = [roles for expected, roles in self._tokens if hmac.compare_digest(raw, expected)]
+        return frozenset().union(*found) if found else None
+
+    def verdict(self, method: str, sent: str | bytes | None, names: list[str]) -> Denial | None:
+        """None when the call (``method``; the ``authorization`` value ``sent``; its certificate's ``names``) may
+        go on, else how it is refused."""
+        token_roles = None if sent is None or not self._tokens else self.roles_of(sent)
+        if sent is not None and self._tokens and token_roles is None:
+            return Denial(grpc.StatusCode.UNAUTHENTICATED, "the bearer token is wrong; give the gateway's token "
+                          "(lora_cache.api.client: token=...; CLI: --token-file)")
+        cert_roles = next((self.identities[n] for n in names if n in self.identities), None)
+        if token_roles is None and cert_roles is None:
+            return self._unknown(names)
+        roles = (token_roles or frozenset()) | (cert_roles or frozenset())
+        rpc = method.rsplit("/", 1)[-1]
+        needed = RPC_ROLES.get(rpc, frozenset(ROLES)) if method.startswith(f"/{SERVICE_NAME}/") else frozenset(ROLES)
+        if roles & needed:
+            return None
+        flags = [f"--{r}-token-file" for r in sorted(needed)] + (["--tls-client-roles"] if self.mutual_tls else [])
+        return Denial(grpc.StatusCode.PERMISSION_DENIED,
+                      f"{rpc} needs the {' or '.join(sorted(needed))} role; this caller has the "
+                      f"{', '.join(sorted(roles)) or 'no'} role: call with a credential from {' or '.join(flags)} "
+                      "(or --token-file, every role)")
+
+    def _unknown(self, names: list[str]) -> Denial:
+        if self.mutual_tls and names:
+            name = names[0][:64]  # a SAN may be long; an error quotes at most 64 characters of a value
+            return Denial(grpc.StatusCode.PERMISSION_DENIED,
+                          f"client certificate identity {name!r} is not in --tls-client-roles, and the call has no "
+                          f"known bearer token; add {name!r} with its roles to that file, or call with a token")
+        return Denial(grpc.StatusCode.UNAUTHENTICATED,
+                      "the call has no bearer token; this server requires metadata 'authorization: Bearer <token>' "
+                      "(lora_cache.api.client: token=...; CLI: --token-file)")
+
+
+class CallerCheck(grpc.aio.ServerInterceptor):
+    """Runs ``Credentials.verdict`` at the start of every call but health checks; a refused call is answered
+    with its Denial and reaches no servicer."""
+
+    def __init__(self, credentials: Credentials | str) -> None:
+        if isinstance(credentials, str):  # one token: every role
+            credentials = Credentials({credentials: frozenset(ROLES)})
+        self.credentials = credentials
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_METHODS):
+            return handler
+        sent = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
+        method = details.method
+
+        def denial(context: grpc.aio.ServicerContext) -> Denial | None:
+            return self.credentials.verdict(method, sent, certificate_names(context.auth_context() or {}))
+
+        return _checked(handler, denial)
+
+
+def _checked(handler: Any, denial: Callable[[grpc.aio.ServicerContext], Denial | None]) -> Any:
+    """A handler of the same kind as ``handler`` that first asks ``denial`` and answers it, if any."""
+    streaming_in, streaming_out = handler.request_streaming, handler.response_streaming
+    behavior = {(False, False): handler.unary_unary, (False, True): handler.unary_stream,
+                (True, False): handler.stream_unary, (True, True): handler.stream_stream}[streaming_in, streaming_out]
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if (refused := denial(context)) is not None:
+            await context.abort(refused.code, refused.why)
+        return await behavior(request, context)
+
+    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if (refused := denial(context)) is not None:
+            await context.abort(refused.code, refused.why)
+        out = behavior(request, context)
+        if hasattr(out, "__aiter__"):
+            async for response in out:
+                yield response
+        else:  # a handler that writes its responses itself (context.write)
+            await out
+
+    kind = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    return kind[streaming_in, streaming_out](streaming if streaming_out else unary,
+                                             request_deserializer=handler.request_deserializer,
+                                             response_serializer=handler.response_serializer)

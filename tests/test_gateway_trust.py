@@ -1,0 +1,130 @@
+"""Secure by default (issue 46, item 2), on the CPU with a stand-in controller and a real gRPC server.
+
+- Beyond loopback without authentication the gateway refuses to start (ConfigError naming the host and the
+  fix), before anything starts; ``--insecure`` starts it with a loud warning and says so in its description.
+- Unary calls are limited per client (a token bucket): one client over its rate gets RESOURCE_EXHAUSTED
+  naming the limit and its flag, while a client of another credential keeps being served.
+- A client is its credential: two routers behind one address with their own tokens are two clients, for
+  calls and for streams.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from lora_cache.api.callers import CallRate, token_digest
+from lora_cache.api.gateway import GatewayConfig, is_loopback, start_gateway_thread
+from lora_cache.api.v1 import lora_cache_service_pb2 as pb
+from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc
+from lora_cache.errors import CapacityError, ConfigError
+from tests.test_gateway import StallController
+from tests.test_gateway_limits import WatchedController, _auth
+from tests.waiting import wait_for
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"])
+def test_loopback_without_auth_is_allowed(host: str) -> None:
+    assert is_loopback(host)
+    assert "loopback only" in GatewayConfig(grpc_host=host, grpc_port=0).security()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]", "10.0.0.10", "gateway.example.com"])
+def test_beyond_loopback_without_auth_is_refused_naming_the_host_and_the_fix(host: str, tmp_path: Path) -> None:
+    assert not is_loopback(host)
+    with pytest.raises(ConfigError) as info:
+        GatewayConfig(grpc_host=host, grpc_port=0)
+    message = str(info.value)
+    assert f"grpc_host {host!r} listens beyond this machine" in message
+    for fix in ("--token-file", "--router-token-file", "--tls-cert", "--insecure"):
+        assert fix in message, fix
+    (tmp_path / "token").write_text("t0ken\n")
+    assert "bearer tokens" in GatewayConfig(grpc_host=host, grpc_port=0, token_file=str(tmp_path / "token")).security()
+    (tmp_path / "routers").write_text("r1\nr2\n")
+    assert GatewayConfig(grpc_host=host, router_token_file=str(tmp_path / "routers")).role_tokens() == {
+        "r1": frozenset({"router"}), "r2": frozenset({"router"})}  # one token a line: one per router
+
+
+def test_insecure_starts_beyond_loopback_with_a_loud_warning(caplog: pytest.LogCaptureFixture) -> None:
+    config = GatewayConfig(grpc_host="0.0.0.0", grpc_port=0, insecure=True)
+    assert config.security().startswith("INSECURE")
+    with caplog.at_level(logging.WARNING, logger="lora_cache.api.gateway"):
+        gw = start_gateway_thread(config, StallController())
+    try:
+        assert any(r.levelno == logging.WARNING and "NO AUTHENTICATION (--insecure)" in r.getMessage()
+                   for r in caplog.records)
+        with grpc.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
+            assert pb_grpc.LoraCacheServiceStub(channel).Status(pb.StatusRequest(), timeout=30).epoch == 1
+    finally:
+        gw.stop()
+
+
+def test_call_rate_is_a_token_bucket_per_client_and_bounded() -> None:
+    now = [0.0]
+    rate = CallRate(per_s=2.0, burst=3, clock=lambda: now[0], max_clients=4)
+    for _ in range(3):
+        rate.take("token a", "Route")
+    with pytest.raises(CapacityError, match=r"client token a is over its call rate \(2 calls/s, bursts of 3.*"
+                                            r"--calls-per-client-s"):
+        rate.take("token a", "Route")
+    rate.take("token b", "Route")  # another client's bucket is its own
+    now[0] = 0.5  # one call's worth refilled
+    rate.take("token a", "Route")
+    with pytest.raises(CapacityError):
+        rate.take("token a", "Route")
+    assert rate.refused == 2
+    for i in range(10):  # many clients: full buckets are forgotten, the table stays bounded
+        now[0] += 10.0
+        rate.take(f"address 10.0.0.{i}", "Lookup")
+    assert len(rate.buckets) <= 4
+
+
+def test_one_client_over_its_call_rate_is_refused_and_another_credential_is_served(tmp_path: Path) -> None:
+    (tmp_path / "routers").write_text("router-one\nrouter-two\n")  # two routers behind one address
+    config = GatewayConfig(grpc_port=0, router_token_file=str(tmp_path / "routers"),
+                           calls_per_client_s=0.001, call_burst_per_client=3)
+    gw = start_gateway_thread(config, StallController())
+    try:
+        with grpc.insecure_channel(gw.target) as channel:
+            stub = pb_grpc.LoraCacheServiceStub(channel)
+            for _ in range(3):
+                assert stub.Status(pb.StatusRequest(), metadata=_auth("router-one"), timeout=30).epoch == 1
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Status(pb.StatusRequest(), metadata=_auth("router-one"), timeout=30)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            details = info.value.details()
+            assert f"token {token_digest('router-one')}" in details and "router-one" not in details  # no secret
+            assert "calls_per_client_s" in details and "--calls-per-client-s" in details
+            for _ in range(3):  # the other router is its own client
+                assert stub.Status(pb.StatusRequest(), metadata=_auth("router-two"), timeout=30).epoch == 1
+    finally:
+        gw.stop()
+
+
+def test_leaked_streams_of_one_router_do_not_lock_out_another_router_behind_the_same_address(
+        tmp_path: Path) -> None:
+    """The issue's case: routers behind one address, each with its own token from one file; one leaks its
+    Watch streams up to the limit, the other still opens its own."""
+    (tmp_path / "routers").write_text("leaky\nsteady\n")
+    ctl = WatchedController()
+    gw = start_gateway_thread(GatewayConfig(grpc_port=0, router_token_file=str(tmp_path / "routers"),
+                                            max_concurrent_rpcs=16, max_streams_per_client=2), ctl)
+    try:
+        with grpc.insecure_channel(gw.target) as channel:
+            stub = pb_grpc.LoraCacheServiceStub(channel)
+            leaked: list[Any] = [stub.WatchReadiness(pb.WatchReadinessRequest(), metadata=_auth("leaky"))
+                                 for _ in range(4)]
+            wait_for(lambda: ctl.watches == 2 and sum(s.done() for s in leaked) == 2,
+                     what="two leaked streams open and two refused", timeout=30)
+            assert {s.code() for s in leaked if s.done()} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+            mine = [stub.WatchReadiness(pb.WatchReadinessRequest(), metadata=_auth("steady")) for _ in range(2)]
+            wait_for(lambda: ctl.watches == 4, what="the steady router's own two streams", timeout=30)
+            assert not any(s.done() for s in mine)
+            for s in [*leaked, *mine]:
+                s.cancel()
+    finally:
+        gw.stop()
