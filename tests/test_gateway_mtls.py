@@ -166,3 +166,34 @@ def test_a_calls_roles_are_its_certificates_and_its_tokens_together() -> None:
     assert wrong is not None and wrong.code == grpc.StatusCode.UNAUTHENTICATED
     long = creds.verdict(route, None, ["x" * 500])
     assert long is not None and f"'{'x' * 64}'" in long.why and "x" * 65 not in long.why
+
+
+def test_the_ray_serve_router_speaks_tls_and_presents_its_certificate(pki: Pki, tmp_path: Path) -> None:
+    """The ``ray up`` configs' gateway speaks TLS: ``LoraCacheRouter``'s client (``RouterSettings.client``, what
+    the router builds on its loop) takes the CA as PEM text or a file, and its own certificate, and is served by
+    a gateway that asks for client certificates; bad settings fail at deployment, naming the fix."""
+    import asyncio
+
+    pytest.importorskip("ray.serve")
+    from lora_cache.integrations.ray_serve import RouterSettings
+
+    gw = start_gateway_thread(_config(pki), StallController())
+    try:
+        me = pki.clients["router-1"]
+        settings = RouterSettings(server=f"localhost:{gw.port}", tls_ca=pki.ca.cert.read_text(),
+                                  tls_client_cert=str(me.cert), tls_client_key=str(me.key))
+
+        async def status() -> int:
+            async with settings.client() as lc:
+                return (await lc.status()).epoch
+
+        assert asyncio.run(status()) == 1
+    finally:
+        gw.stop()
+    with pytest.raises(ConfigError, match="tls_client_cert and tls_client_key go together"):
+        RouterSettings(tls_client_cert=str(me.cert))
+    with pytest.raises(ConfigError, match=r"tls_ca '/nope.pem' cannot be read .*give PEM text, or a file"):
+        RouterSettings(tls_ca="/nope.pem")
+    (tmp_path / "x.pem").write_text("not a certificate")
+    with pytest.raises(ConfigError, match="holds no PEM block"):
+        RouterSettings(tls_ca=str(tmp_path / "x.pem"))

@@ -52,6 +52,7 @@ import logging
 import random
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ray.serve.config import RequestRouterConfig
@@ -133,6 +134,13 @@ class RouterSettings:
             "paired runs (bench/RESULTS.md, issue 32 sixth round)"
         },
     )
+    tls_ca: str = field(default="", metadata={
+        "help": "the CA that signed the gateway's certificate (its --tls-cert): PEM text, or a file readable where "
+                "the router runs; set: the router speaks TLS (the ray up configs' gateway does)"})
+    tls_client_cert: str = field(default="", metadata={
+        "help": "the certificate this router presents to a gateway that asks for one (--tls-client-ca): PEM text "
+                "or a file; with tls_client_key"})
+    tls_client_key: str = field(default="", metadata={"help": "its private key: PEM text or a file"})
     loading_s: float = field(
         default=5.0,
         metadata={
@@ -162,6 +170,32 @@ class RouterSettings:
         if not 0 <= self.hint_batch_s <= 1:
             raise ConfigError(f"hint_batch_s is {self.hint_batch_s}; give [0, 1] s")
         RouterConfig(epsilon=self.epsilon, min_bound=self.min_bound)  # the ranking's own checks
+        if bool(self.tls_client_cert) != bool(self.tls_client_key):
+            raise ConfigError("tls_client_cert and tls_client_key go together; give both to present a certificate")
+        for name in ("tls_ca", "tls_client_cert", "tls_client_key"):
+            self._pem(name)  # a file that is not there, or not PEM, fails at deployment
+
+    def _pem(self, name: str) -> bytes | None:
+        """Setting ``name`` as PEM bytes (given as text, or read from the file it names); None if unset."""
+        value = getattr(self, name)
+        if not value:
+            return None
+        if value.lstrip().startswith("-----BEGIN"):
+            return value.encode()
+        try:
+            data = Path(value).read_bytes()
+        except OSError as e:
+            raise ConfigError(f"{name} {value!r} cannot be read ({e.strerror}); give PEM text, or a file readable "
+                              "where the router runs") from e
+        if b"-----BEGIN" not in data:
+            raise ConfigError(f"{name} {value!r} holds no PEM block; give the PEM file (or its text)")
+        return data
+
+    def client(self) -> AsyncLoraCacheClient:
+        """The router's client of the gateway: its token, TLS (``tls_ca``) and certificate if set."""
+        return AsyncLoraCacheClient(self.server, token=self.token or None, timeout_s=self.hint_timeout_s,
+                                    root_certificates=self._pem("tls_ca"), client_cert=self._pem("tls_client_cert"),
+                                    client_key=self._pem("tls_client_key"))
 
     def ranking(self) -> RouterConfig:
         return RouterConfig(epsilon=self.epsilon, min_bound=self.min_bound, cold_traffic=self.traffic_s > 0)
@@ -336,9 +370,7 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
 
     def _lora(self) -> AsyncLoraCacheClient:
         if self._client is None:
-            self._client = AsyncLoraCacheClient(
-                self.settings.server, token=self.settings.token or None, timeout_s=self.settings.hint_timeout_s
-            )
+            self._client = self.settings.client()
         return self._client
 
     # -- after routing: the hint, its cancel and the in-flight count -------------------------------------------------

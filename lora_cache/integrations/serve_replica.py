@@ -60,6 +60,8 @@ class ReplicaCacheConfig:
     address: str = field(default="auto", metadata={"help": "the Ray cluster of the controller"})
     gateway: str = field(default="", metadata={"help": "attach through the gateway instead (host:port)"})
     token_file: str = field(default="", metadata={"help": "the gateway's bearer token file"})
+    tls_ca: str = field(default="", metadata={"help": "PEM file of the CA that signed the gateway's certificate "
+                                                      "(set: attach over TLS)"})
     acquire_timeout_s: float = field(
         default=30.0,
         metadata={"help": "longest wait for the ranks to agree on a version (a re-registration on its way)"},
@@ -97,7 +99,8 @@ class ReplicaCacheConfig:
     def attach_config(self, replica: str) -> Any:
         from workers.attach.attachment import AttachConfig
 
-        return AttachConfig(replica=replica, address=self.address, gateway=self.gateway, token_file=self.token_file)
+        return AttachConfig(replica=replica, address=self.address, gateway=self.gateway, token_file=self.token_file,
+                            tls_ca=self.tls_ca)
 
 
 def _attach(config: ReplicaCacheConfig, replica: str, rank: int) -> Attachment:
