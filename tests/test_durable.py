@@ -290,3 +290,43 @@ def test_an_unreadable_catalog_snapshot_starts_from_the_workers_reports(tmp_path
 def test_catalog_key_must_be_its_own() -> None:
     with pytest.raises(ConfigError, match="catalog_key is 'controller-state/v1'; give a GCS key of its own"):
         DurableConfig(catalog_key="controller-state/v1")
+
+
+def test_the_catalog_copy_is_written_beside_the_gcs_and_restored_when_the_gcs_has_none(tmp_path: Path) -> None:
+    """Issue 46 item 5: every catalog snapshot is also written to the copy off the cluster (replaced atomically);
+    a controller whose GCS holds none (a new cluster) restores the copy; a location the controller may not reach
+    (a relative path) is refused before anything starts."""
+    import asyncio
+
+    from lora_cache.controller.catalog_copy import CatalogCopy
+    from lora_cache.controller.snapshots import DurableState
+
+    fresh, _ = _catalog_world(tmp_path / "adapters")
+    copy = tmp_path / "copy"
+
+    class Gcs:
+        def __init__(self) -> None:
+            self.data: bytes | None = None
+
+        def get(self) -> bytes | None:
+            return self.data
+
+        def put(self, data: bytes) -> None:
+            self.data = data
+
+    core = fresh()
+    core.register_adapter("adapter-000", "adapter-000")
+    core.register_adapter("adapter-001", "adapter-001")
+    state = DurableState(DurableConfig(catalog_copy=str(copy)), "svc-a")
+    state.catalog_store = Gcs()  # type: ignore[assignment]
+    asyncio.run(state.save_catalog(core))
+    written = (copy / "svc-a" / "catalog.v1").read_bytes()
+    assert written == state.catalog_store.data and not list((copy / "svc-a").glob(".*part"))
+    new = DurableState(DurableConfig(catalog_copy=str(copy)), "svc-a")
+    new.catalog_store = Gcs()  # type: ignore[assignment]  # the new cluster's GCS: empty
+    restored = fresh()
+    asyncio.run(new.restore_catalog(restored))
+    assert restored.catalog.names() == ["adapter-000", "adapter-001"] and new.catalog_restored["from_copy"] == 1
+    assert CatalogCopy(str(copy), "svc-b").get() is None, "another service's copy is its own"
+    with pytest.raises(ConfigError, match="catalog copy 'rel/dir' is not an absolute directory nor s3://"):
+        DurableConfig(catalog_copy="rel/dir")

@@ -133,3 +133,40 @@ def test_with_no_rank_attached_a_restarted_controller_keeps_its_catalog_and_neve
         assert again["catalog_restored"]["changed"] == 1 and again["catalog_restored"]["refused"] == 1
     finally:
         ray.shutdown()
+
+
+def test_a_service_on_a_new_cluster_restores_its_catalog_from_the_copy_when_the_head_is_lost(tmp_path: Path) -> None:
+    """Issue 46 item 5: the catalog's snapshot lives in the GCS, on the head; losing the head lost every
+    registration. With ``--catalog-copy`` every snapshot is also written off the cluster: the whole cluster is shut
+    down here (its GCS with it), a new one started, and the service on it, given no adapters to register, comes back
+    with every name at every version (a kept older version included), proven against the files as any restore."""
+    import shutil
+
+    root, copy = tmp_path / "adapters", tmp_path / "copy"
+    make_adapters(root, SynthConfig(model="tiny", count=3, rank="8"))
+    worker = WorkerConfig(num_slots=1, host=HostTierConfig(host_bytes=1 << 22, pin=False))
+
+    def versions(ctl: object, names: list[str]) -> dict[str, list[str]]:
+        return ray.get(ctl.__ray_call__.remote(  # type: ignore[attr-defined]
+            lambda self: {n: self.core.catalog.versions(n) for n in names}), timeout=30)
+
+    init_local(num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
+    try:
+        svc = start(ServeConfig(adapters=str(root), replicas=0, catalog_copy=str(copy)),
+                    CatalogConfig(model="tiny", max_rank=8), PlannerConfig(), worker)
+        shutil.copytree(root / "adapter-002", root / "alt")
+        ray.get(svc.controller.register_adapter_info.remote("adapter-000", str(root / "alt")))
+        before = versions(svc.controller, ["adapter-000", "adapter-001", "adapter-002"])
+        assert len(before["adapter-000"]) == 2
+    finally:
+        ray.shutdown()  # the cluster and its GCS gone: as if the head were lost
+    assert (copy / "lora-cache" / "catalog.v1").is_file()
+    init_local(num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False)
+    try:
+        svc = start(ServeConfig(replicas=0, catalog_copy=str(copy)),
+                    CatalogConfig(adapter_roots=(str(root),), model="tiny", max_rank=8), PlannerConfig(), worker)
+        status = ray.get(svc.controller.status.remote(), timeout=60)
+        assert status["catalog_restored"]["from_copy"] == 1 and status["catalog_restored"]["entries"] == 3, status
+        assert versions(svc.controller, list(before)) == before, "the catalog came back otherwise"
+    finally:
+        ray.shutdown()

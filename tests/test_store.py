@@ -308,6 +308,19 @@ def test_a_throttling_store_is_backed_off_from_and_every_adapter_registers(
     assert proxy.passed == 2 * len(items), "two requests per adapter, each passed once"
 
 
+def test_the_catalog_copy_lives_under_a_store_prefix_per_service(store: tuple[S3Server, str]) -> None:
+    """Issue 46 item 5: ``--catalog-copy s3://...`` keeps the catalog's snapshot beside the adapters, one object per
+    service, replaced by one PUT; none yet reads as none."""
+    from lora_cache.controller.catalog_copy import CatalogCopy
+
+    _, root = store
+    a, b = CatalogCopy(f"{root}/catalogs", "svc-a"), CatalogCopy(f"{root}/catalogs", "svc-b")
+    assert a.get() is None and a.where() == f"{root}/catalogs/svc-a/catalog.v1"
+    a.put(b"one")
+    a.put(b"two")
+    assert a.get() == b"two" and b.get() is None
+
+
 def test_a_store_version_survives_the_catalog_snapshot(store: tuple[S3Server, str]) -> None:
     _, root = store
     spec = catalog_for(root).register("adapter-000", f"{root}/adapter-000")

@@ -31,8 +31,10 @@ from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.adapters.objects import StoreUrl, is_store_url
 from lora_cache.adapters.store import list_adapters
 from lora_cache.controller.actor import ControllerActor
+from lora_cache.controller.catalog_copy import check_location
 from lora_cache.controller.core import ControllerConfig
 from lora_cache.controller.registrations import Registered
+from lora_cache.controller.snapshots import DurableConfig
 from lora_cache.errors import ConfigError
 from lora_cache.planner import PlannerConfig
 from lora_cache.routing.ranking import RouterConfig
@@ -73,6 +75,10 @@ class ServeConfig:
                                                            "declared to routing advice (0: not declared)"})
     max_running: int = field(default=0, metadata={"help": "the replicas' engines' most requests running at once, "
                                                           "declared to routing advice (0: not declared)"})
+    catalog_copy: str = field(default="", metadata={
+        "help": "keep a copy of the catalog here, off the Ray cluster (an absolute directory on storage that outlives "
+                "the head node, or s3://BUCKET/PREFIX): a service started on a new cluster restores its registrations "
+                "from it (the head lost)"})
 
     def __post_init__(self) -> None:
         check_service_name(self.service)
@@ -83,6 +89,8 @@ class ServeConfig:
                               "(the engines' admission limits; 0: not declared)")
         if self.placement not in STRATEGIES:
             raise ConfigError(f"placement {self.placement!r} is not one of {STRATEGIES}")
+        if self.catalog_copy:
+            check_location(self.catalog_copy)  # before Ray starts
 
 
 @dataclass
@@ -160,7 +168,8 @@ def start(serve: ServeConfig, catalog: CatalogConfig, planner: PlannerConfig, wo
         catalog = dataclasses.replace(catalog, adapter_roots=(adapters,))
     try:  # owned by this process (no lifetime="detached"): it goes when this process goes
         controller = ControllerActor.options(name=CONTROLLER_NAME, namespace=serve.service).remote(
-            ControllerConfig(catalog, planner, router or RouterConfig()))
+            ControllerConfig(catalog, planner, router or RouterConfig()),
+            durable=DurableConfig(catalog_copy=serve.catalog_copy))
     except ValueError as e:  # another serve took the name between the check and here
         if owns:
             ray.shutdown()

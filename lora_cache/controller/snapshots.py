@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lora_cache.controller import catalog_store
+from lora_cache.controller.catalog_copy import CatalogCopy, check_location
 from lora_cache.controller.catalog_store import CatalogSnapshots
 from lora_cache.controller.core import ControllerCore
 from lora_cache.errors import ConfigError
@@ -41,6 +42,9 @@ class DurableConfig:
     key: str = field(default="controller-state/v1", metadata={"help": "key in Ray's GCS key-value store"})
     catalog_key: str = field(default="controller-catalog/v1", metadata={
         "help": "key of the catalog's snapshot (names, paths, versions) in Ray's GCS key-value store"})
+    catalog_copy: str = field(default="", metadata={
+        "help": "also keep the catalog's snapshot here, off the cluster: an absolute directory or s3://BUCKET/PREFIX; "
+                "a controller finding none in the GCS (a new cluster, the head lost) restores it (catalog_copy.py)"})
 
     def __post_init__(self) -> None:
         if isinstance(self.period_s, bool) or not isinstance(self.period_s, int | float) \
@@ -52,6 +56,8 @@ class DurableConfig:
                 raise ConfigError(f"{name} is {value!r}; give an int >= {least}")
         if not self.key:
             raise ConfigError("key is empty; give the GCS key of the snapshot, e.g. 'controller-state/v1'")
+        if self.catalog_copy:
+            check_location(self.catalog_copy)
         if not self.catalog_key or self.catalog_key == self.key:
             raise ConfigError(f"catalog_key is {self.catalog_key!r}; give a GCS key of its own, other than key "
                               f"({self.key!r}), e.g. 'controller-catalog/v1'")
@@ -127,6 +133,7 @@ class DurableState:
         self.restored: dict[str, int] = {}  # what the last restore brought back, by kind (for status)
         self.catalog = CatalogSnapshots()
         self.catalog_store = KvStore(config.catalog_key, namespace)
+        self.catalog_copy = CatalogCopy(config.catalog_copy, namespace) if config.catalog_copy else None
         self.catalog_restored: dict[str, int] = {}
         self._catalog_saved = -1  # the catalog generation the last snapshot written holds
         self._catalog_writing = asyncio.Lock()  # one catalog write at a time; a write covers the calls behind it
@@ -145,8 +152,11 @@ class DurableState:
     async def restore_catalog(self, core: ControllerCore) -> None:
         """The catalog from the last snapshot, each entry's files read again on a thread (a file provably the
         one hashed is not hashed again; a changed one comes back under its new version or not at all)."""
+        copied = False
         try:
             data = await asyncio.to_thread(self.catalog_store.get)
+            if not data and self.catalog_copy is not None:  # a new cluster (its head lost): the copy off it
+                data, copied = await asyncio.to_thread(self.catalog_copy.get), True
             if not data:
                 return
             saved = await asyncio.to_thread(catalog_store.decode, data)
@@ -159,6 +169,7 @@ class DurableState:
         self._catalog_saved = -1  # what changed (a new version, an entry left out) is saved at the next chance
         self.catalog_restored = {k: v for k, v in restored._asdict().items() if isinstance(v, int)}
         self.catalog_restored["entries"] = len(restored.entries)
+        self.catalog_restored["from_copy"] = int(copied)
         log.info("restored the catalog: %s", self.catalog_restored)
 
     async def save_catalog(self, core: ControllerCore) -> None:
@@ -172,7 +183,9 @@ class DurableState:
             try:  # the snapshot holds at least every change up to ``generation`` (the catalog is thread-safe)
                 data = await asyncio.to_thread(self.catalog.take, core.catalog, paths)
                 await asyncio.to_thread(self.catalog_store.put, data)
-            except Exception as e:  # GCS unreachable: the health loop tries again
+                if self.catalog_copy is not None:
+                    await asyncio.to_thread(self.catalog_copy.put, data)
+            except Exception as e:  # GCS (or the copy's storage) unreachable: the health loop tries again
                 log.warning("could not save the catalog: %s", e)
                 return
             self._catalog_saved = generation
