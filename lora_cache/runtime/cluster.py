@@ -32,7 +32,7 @@ from pathlib import Path
 import ray
 
 from lora_cache.errors import ConfigError, LoraCacheError
-from lora_cache.runtime import ray_compat, reaper
+from lora_cache.runtime import full_disk, ray_compat, reaper
 
 CONNECT_TIMEOUT_S = 5.0  # TCP connect to the GCS port
 GCS_ANSWER_TIMEOUT_S = 15.0  # the first GCS call; Ray alone would wait 40 s
@@ -258,7 +258,8 @@ def local_only() -> None:
 
 def connect(address: str, namespace: str, observe: ObserveConfig | None = None) -> None:
     """``ray.init`` on an embedded local Ray (``address`` empty: always a new cluster, advertised on 127.0.0.1;
-    ``RAY_ADDRESS`` is for ``--address auto``) or on the cluster at ``address``. Its processes die with this
+    ``RAY_ADDRESS`` is for ``--address auto``) or on the cluster at ``address``. Every worker process of the job
+    keeps running when Ray's temp disk is full (``full_disk``). Its processes die with this
     one, even SIGKILLed (Ray's reaper); Ray's own gRPC servers still bind every interface (token auth guards
     them; docs/known-issues.md)."""
     observe = observe or ObserveConfig(worker_logs=False)
@@ -266,7 +267,8 @@ def connect(address: str, namespace: str, observe: ObserveConfig | None = None) 
     if not address:  # a fresh cluster of this process's own, whatever RAY_ADDRESS or a `ray start` left says
         local_only()
         ray.init(address="local", _node_ip_address="127.0.0.1", namespace=namespace, include_dashboard=False,
-                 _metrics_export_port=observe.metrics_port or None, **observe.init_kwargs())  # type: ignore[arg-type]
+                 _metrics_export_port=observe.metrics_port or None, runtime_env=full_disk.runtime_env(),
+                 **observe.init_kwargs())  # type: ignore[arg-type]
         reaper.watch_tree()  # what Ray's reaper leaves of it when this process is SIGKILLed
         gcs = ray.get_runtime_context().gcs_address
         print(f"lora-cache: started a Ray cluster of this process's own at {gcs}; services on this machine join it "
@@ -282,7 +284,8 @@ def connect(address: str, namespace: str, observe: ObserveConfig | None = None) 
     check_token_settings(gcs)
     check_reachable(gcs, address)
     check_gcs(gcs)
-    ray.init(address=gcs, namespace=namespace, **observe.init_kwargs())  # type: ignore[arg-type]
+    ray.init(address=gcs, namespace=namespace, runtime_env=full_disk.runtime_env(),
+             **observe.init_kwargs())  # type: ignore[arg-type]
     alive = sum(1 for n in ray.nodes() if n["Alive"])
     print(f"lora-cache: joined the Ray cluster at {gcs} ({alive} nodes alive, token auth "
           f"{'on' if auth_mode() == 'token' else 'off'})", flush=True)
