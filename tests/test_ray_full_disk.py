@@ -81,8 +81,10 @@ def small_fs() -> Iterator[Path]:
 @pytest.mark.ray
 @pytest.mark.skipif(shutil.which("mount") is None, reason="needs mount(8)")
 def test_an_actor_sigkilled_while_rays_temp_disk_is_full_restarts(small_fs: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
-    env.update(PYTHONPATH=str(ROOT), RAY_TMPDIR=str(small_fs), TMPDIR=str(small_fs))
+    # No PYTHONPATH: the driver imports this checkout's lora_cache from its cwd, as `serve` run from a clone does,
+    # and the worker runs the hook before that path is on its own (the hook must not need it).
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "PYTHONPATH")}
+    env.update(RAY_TMPDIR=str(small_fs), TMPDIR=str(small_fs))
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(small_fs)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     lines = [line for line in done.stdout.splitlines() if line.startswith(("FULL", "RESTARTED", "NOT RESTARTED"))]

@@ -8,7 +8,9 @@ restarted, dies on its first call, and so on until space is freed. Ray's own C++
 
 ``tolerate_full_disk`` is the job's ``worker_process_setup_hook`` (``connect``, so every process of the service
 runs it before its first task): output that finds no space is dropped and counted (``TolerantStream.dropped``);
-any other error is raised as before.
+any other error is raised as before. It is shipped by value (this module's code, pickled), never imported by name:
+Ray runs the hook before it puts the driver's ``sys.path`` on the worker's, so a name could resolve to another
+lora-cache installed on the node, or to none, and a hook that fails to load kills every worker of the job.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import errno
 import sys
 from typing import Any, TextIO
 
-HOOK = "lora_cache.runtime.full_disk.tolerate_full_disk"  # importable on every node: lora_cache is installed there
+from ray import cloudpickle
+
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -58,6 +61,7 @@ def tolerate_full_disk() -> None:
             setattr(sys, name, TolerantStream(stream))
 
 
-def runtime_env() -> dict[str, str]:
-    """The job's runtime environment that installs the hook in every worker process."""
-    return {"worker_process_setup_hook": HOOK}
+def runtime_env() -> dict[str, Any]:
+    """The job's runtime environment that installs the hook in every worker process, by value (stdlib only)."""
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    return {"worker_process_setup_hook": tolerate_full_disk}
