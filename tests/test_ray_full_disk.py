@@ -2,24 +2,23 @@
 
 Ray writes a worker process's markers to its stdout file in the session's logs; on a full disk that write raised in
 Ray's task executor and the process exited, so a restarted actor died on its first call until space was freed
-(``lora_cache/runtime/full_disk.py``). A real small file system (tmpfs, mounted where this process may) holds an
-embedded cluster's temp dir; ``/dev/full`` is the full disk of the stream test, which needs no mount.
+(``lora_cache/runtime/full_disk.py``). A real small file system (tmpfs, mounted where this process may:
+tests/small_fs.py) holds an embedded cluster's temp dir; ``/dev/full`` is the stream test's full disk (no mount).
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from lora_cache.runtime.full_disk import TolerantStream, tolerate_full_disk
+from tests.small_fs import mounted_tmpfs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,23 +62,11 @@ ray.shutdown()
 
 @pytest.fixture
 def small_fs() -> Iterator[Path]:
-    """A 256 MiB tmpfs at a short path (Ray's socket paths must stay under 108 bytes); skipped where mounting is not
-    allowed (not root, no CAP_SYS_ADMIN)."""
-    where = Path(tempfile.mkdtemp(prefix="lcfd-", dir="/tmp"))
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(where)], capture_output=True,
-                             text=True)
-    if mounted.returncode:
-        where.rmdir()
-        pytest.skip(f"cannot mount a small file system here: {mounted.stderr.strip()}")
-    try:
+    with mounted_tmpfs("256m") as where:
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-        shutil.rmtree(where, ignore_errors=True)
 
 
 @pytest.mark.ray
-@pytest.mark.skipif(shutil.which("mount") is None, reason="needs mount(8)")
 def test_an_actor_sigkilled_while_rays_temp_disk_is_full_restarts(small_fs: Path) -> None:
     # No PYTHONPATH: the driver imports this checkout's lora_cache from its cwd, as `serve` run from a clone does,
     # and the worker runs the hook before that path is on its own (the hook must not need it).
