@@ -30,7 +30,8 @@ from lora_cache.adapters.peft import WEIGHTS_FILE, AdapterSpec
 from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
 from lora_cache.adapters.shards import shard_layout
 from lora_cache.adapters.synth import write_adapter
-from lora_cache.errors import AdapterChangedError
+from lora_cache.errors import AdapterChangedError, AdapterPathError
+from tests.small_fs import fill, mounted_tmpfs
 from workers.cache import WorkerCache, WorkerConfig
 from workers.control.outbox import Outbox
 from workers.control.rank import WorkerControl
@@ -339,3 +340,24 @@ def test_a_rank_parses_only_the_adapters_it_loads_and_a_bad_first_load_changes_n
             cache.stage(bad)
     finally:
         cache.close()
+
+
+def test_a_pin_that_finds_a_full_disk_refuses_the_read_naming_the_pin_dir_and_the_fix(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 46: the read failed with a bare "[Errno 28] No space left on device" (the pin directory is in the
+    temporary directory by default, often Ray's temp disk)."""
+    spec = catalog(root).register("a", root / "a")
+    with mounted_tmpfs("1m") as small:
+        pins = small / "pins"
+        pins.mkdir(mode=0o700)
+        fill(small)
+        monkeypatch.setenv("LORA_CACHE_PIN_DIR", str(pins))
+        with pytest.raises(AdapterPathError) as info:
+            read(spec, "content")
+        message = str(info.value)
+        assert f"{pins}, where identity versions' contents are pinned, has no room" in message, message
+        assert "free space there, or set LORA_CACHE_PIN_DIR to a private directory with room" in message, message
+        assert list(pins.iterdir()) == []  # no half-written pin left
+        (small / "fill").unlink()
+        assert read(spec, "content").isfinite().all()  # room again: the same read pins and serves

@@ -8,12 +8,14 @@ GCS, agents and metrics listened beyond the machine. And a SIGKILLed `serve` lef
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from lora_cache.runtime import ray_compat
 from tests.serving import make_adapters, read_until, serve_argv
 from tests.waiting import wait_for
 
@@ -103,3 +105,38 @@ def test_embedded_serve_listens_on_loopback_only_and_a_sigkill_leaves_nothing(tm
         if proc.poll() is None:
             proc.kill()
         proc.communicate()
+
+
+def test_a_service_joins_an_embedded_serves_cluster_by_its_loopback_address(tmp_path: Path) -> None:
+    """Issue 46: Ray made ``--address 127.0.0.1:PORT`` the machine's address, where the embedded cluster does
+    not listen ("no Ray cluster answers at 192.0.2.2:PORT"); a second ``serve`` now joins it on loopback."""
+    make_adapters(tmp_path / "ad", 2, cwd=ROOT)
+    token = tmp_path / "token"
+    token.write_text(secrets.token_hex(32))
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_MODE")}
+    env.update(PYTHONPATH=str(ROOT), RAY_AUTH_TOKEN_PATH=str(token))
+    if ray_compat.has_token_auth():
+        env["RAY_AUTH_MODE"] = "token"
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        head = subprocess.Popen(serve_argv(tmp_path / "ad", "--no-worker-logs", "--replicas", "0"), cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        procs.append(head)
+        started = next(line for line in read_until(head, "lora-cache serving:") if "cluster of this process" in line)
+        gcs = started.split("--address ")[1].strip()
+        assert gcs.startswith("127.0.0.1:"), started
+        joiner = subprocess.Popen(
+            serve_argv(tmp_path / "ad", "--no-worker-logs", "--replicas", "0", "--address", gcs, "--service", "other"),
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        procs.append(joiner)
+        lines = read_until(joiner, "lora-cache serving:")
+        assert any(f"joined the Ray cluster at {gcs} (1 nodes alive" in line for line in lines), lines
+    finally:
+        for proc in reversed(procs):  # the joiner first: its cluster is the head's
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            proc.communicate()

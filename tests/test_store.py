@@ -43,6 +43,7 @@ from lora_cache.errors import (
     ConfigError,
 )
 from lora_cache.runtime.cliargs import shell_path
+from lora_cache.vocab import NAMESPACE
 from tests.s3_server import S3Server, free_port, set_env
 from tests.waiting import wait_for
 from workers.cache import WorkerCache, WorkerConfig
@@ -96,14 +97,16 @@ def catalog_for(root: str, max_rank: int = BIG_RANK, timeout_s: float = 20.0) ->
 def cache_for(tmp_path: Path) -> Iterator[Callable[..., WorkerCache]]:
     caches: list[WorkerCache] = []
 
-    def make(catalog: AdapterCatalog, disk: Path | None = None, **disk_kw: Any) -> WorkerCache:
+    def make(
+        catalog: AdapterCatalog, disk: Path | None = None, service: str = NAMESPACE, **disk_kw: Any
+    ) -> WorkerCache:
         config = WorkerConfig(
             num_slots=2,
             device="cpu",
             host=HostTierConfig(host_bytes=16 << 20, read_threads=2, pin=False),
             disk=DiskTierConfig(disk_cache=str(disk or tmp_path / "disk"), **disk_kw),
         )
-        caches.append(WorkerCache(config, catalog))
+        caches.append(WorkerCache(config, catalog, service=service))
         return caches[-1]
 
     yield make
@@ -395,7 +398,7 @@ def test_a_rank_takes_a_store_registration_without_asking_the_store(
     # ... and the rank's first fetch proves the version it took: the replaced object is refused
     with pytest.raises(AdapterChangedError, match="was replaced in the store"):
         cache.prefetch("adapter-000").result(timeout=30)
-    assert disk_files(tmp_path / "disk") == []
+    assert disk_files(tmp_path / "disk" / NAMESPACE) == []
     cache.prefetch("adapter-001").result(timeout=30)
     assert_serves(cache, "adapter-001", local["adapter-001"] / WEIGHTS_FILE)
     # carried metadata that is not the version's own is refused, never taken
@@ -497,7 +500,7 @@ def test_a_load_fetches_once_per_node_and_serves_the_registered_bytes(
     assert rank1.stats()["disk_hits"] == 1
     rank0.prefetch("big-000").result(timeout=30)  # several parts
     assert_serves(rank0, "big-000", local["big-000"] / WEIGHTS_FILE)
-    assert not [f for f in disk_files(tmp_path / "disk") if ".part." in f]
+    assert not [f for f in disk_files(tmp_path / "disk" / NAMESPACE) if ".part." in f]
     rank0.check_integrity()
 
 
@@ -527,7 +530,7 @@ def test_an_object_replaced_after_registration_is_refused_and_nothing_is_kept(
         f"registered as version {spec.version}",
     ):
         cache.prefetch("adapter-000").result(timeout=30)
-    assert disk_files(tmp_path / "disk") == []
+    assert disk_files(tmp_path / "disk" / NAMESPACE) == []
     assert cache.residency() == [] and cache.host.arena.used_bytes == 0
     cache.check_integrity()
 
@@ -561,7 +564,7 @@ def test_an_object_replaced_mid_fetch_is_never_served_nor_mixed(
     cache = cache_for(catalog, fetch_parallel=1, fetch_part_bytes=1 << 20)
     with pytest.raises(AdapterChangedError, match="was replaced in the store"):
         cache.prefetch("big-000").result(timeout=30)
-    assert disk_files(tmp_path / "disk") == []  # not a byte of the mixed file is kept
+    assert disk_files(tmp_path / "disk" / NAMESPACE) == []  # not a byte of the mixed file is kept
     assert cache.residency() == [] and cache.host.arena.used_bytes == 0
     # the new object, registered again, is a new version and serves its own bytes
     monkeypatch.undo()
@@ -581,7 +584,7 @@ def test_a_tampered_disk_copy_is_never_served(
     catalog.register("adapter-001", f"{root}/adapter-001")
     first = cache_for(catalog)
     first.prefetch("adapter-001").result(timeout=30)
-    copy = next(p for p in (tmp_path / "disk").iterdir() if p.suffix == ".safetensors")
+    copy = next(p for p in (tmp_path / "disk" / NAMESPACE).iterdir() if p.suffix == ".safetensors")
     st = copy.stat()
     data = bytearray(copy.read_bytes())
     data[-3:] = b"\x00\x00\x00"
@@ -602,7 +605,7 @@ def test_a_copy_whose_bytes_differ_from_its_proof_is_refused_then_fetched_again(
     catalog = catalog_for(root)
     catalog.register("adapter-001", f"{root}/adapter-001")
     cache_for(catalog).prefetch("adapter-001").result(timeout=30)
-    proof = next(p for p in (tmp_path / "disk").iterdir() if p.suffix == ".crc")
+    proof = next(p for p in (tmp_path / "disk" / NAMESPACE).iterdir() if p.suffix == ".crc")
     saved = json.loads(proof.read_text())
     crcs = bytearray(base64.b64decode(saved["b"]))
     crcs[0] ^= 0xFF  # the data file untouched (same identity), its bytes no longer what the proof says
@@ -610,7 +613,7 @@ def test_a_copy_whose_bytes_differ_from_its_proof_is_refused_then_fetched_again(
     other = cache_for(catalog)  # another rank of the node
     with pytest.raises(AdapterChangedError, match="are not the ones registered"):
         other.prefetch("adapter-001").result(timeout=30)
-    assert not [f for f in disk_files(tmp_path / "disk") if f.endswith((".safetensors", ".crc"))]
+    assert not [f for f in disk_files(tmp_path / "disk" / NAMESPACE) if f.endswith((".safetensors", ".crc"))]
     other.prefetch("adapter-001").result(timeout=30)
     assert_serves(other, "adapter-001", local["adapter-001"] / WEIGHTS_FILE)
     assert other.stats()["disk_fetches"] == 1
@@ -625,7 +628,7 @@ def test_a_full_disk_tier_refuses_before_fetching(
     cache = cache_for(catalog, disk_cache_bytes=2 << 20)
     with pytest.raises(CapacityError, match=r"big-000.*more than the whole disk tier .*raise --disk-cache-bytes"):
         cache.prefetch("big-000").result(timeout=30)
-    assert disk_files(tmp_path / "disk") == []
+    assert disk_files(tmp_path / "disk" / NAMESPACE) == []
     # room held by a read in progress is not taken: a second tier of the node cannot evict it
     tier = DiskTier(DiskTierConfig(disk_cache=str(tmp_path / "d2"), disk_cache_bytes=1 << 16))  # one small copy
     other = catalog.register("adapter-002", f"{root}/adapter-002")
@@ -639,6 +642,34 @@ def test_a_full_disk_tier_refuses_before_fetching(
         assert spec.source is not None and Path(spec.source.path).exists()
     assert tier.evictions == 1
     assert big.file_bytes > 2 << 20 and 2 * small.file_bytes > 1 << 16 > small.file_bytes
+
+
+def test_two_services_on_one_node_never_evict_each_others_disk_copies(
+    store: tuple[S3Server, str], cache_for: Callable[..., WorkerCache], tmp_path: Path
+) -> None:
+    """Issue 46: services on one node shared one disk-tier directory, so one service's cap evicted another's
+    copies. Each has its own now, under the same --disk-cache; a service's ranks still share theirs, and its cap."""
+    _, root = store
+    catalog = catalog_for(root)
+    names = ("adapter-000", "adapter-001", "adapter-002")
+    sizes = [catalog.register(name, f"{root}/{name}").file_bytes for name in names]
+    one_copy = max(max(sizes), 1 << 16)  # holds any one copy, not two
+    assert 2 * min(sizes) > one_copy, sizes
+    a = cache_for(catalog, disk_cache_bytes=one_copy, service="svc-a")
+    b = cache_for(catalog, disk_cache_bytes=one_copy, service="svc-b")
+    assert (a.disk.dir, b.disk.dir) == (tmp_path / "disk" / "svc-a", tmp_path / "disk" / "svc-b")
+    a.prefetch("adapter-000").result(timeout=30)
+    held_by_a = disk_files(a.disk.dir)
+    assert any(f.endswith(".safetensors") for f in held_by_a), held_by_a
+    b.prefetch("adapter-001").result(timeout=30)
+    b.prefetch("adapter-002").result(timeout=30)  # b's cap is full: b evicts its own older copy, never a's
+    assert b.disk.evictions == 1 and a.disk.evictions == 0
+    assert disk_files(a.disk.dir) == held_by_a
+    a_again = cache_for(catalog, disk_cache_bytes=one_copy, service="svc-a")  # another rank of service a
+    a_again.prefetch("adapter-001").result(timeout=30)
+    assert a_again.disk.evictions == 1 and not set(held_by_a) & set(disk_files(a.disk.dir)), "a's ranks share a cap"
+    with pytest.raises(ConfigError, match="not a service name"):
+        DiskTierConfig(disk_cache=str(tmp_path / "disk")).directory("../svc-b")
 
 
 def test_the_store_timeout_is_a_deadline_for_the_whole_call(
@@ -702,7 +733,7 @@ def test_a_stalled_server_times_out_and_a_dead_one_fails_cleanly(
                 cache.prefetch("adapter-000").result(timeout=60)
         finally:
             own.resume()
-        assert disk_files(tmp_path / "disk") == []
+        assert disk_files(tmp_path / "disk" / NAMESPACE) == []
         cache.prefetch("adapter-000").result(timeout=30)  # the server is back: the same load works
         assert_serves(cache, "adapter-000", local["adapter-000"] / WEIGHTS_FILE)
         fetch_hook(monkeypatch, own.kill)  # dies after the first part of four
@@ -712,7 +743,7 @@ def test_a_stalled_server_times_out_and_a_dead_one_fails_cleanly(
             r"answer or broke off",
         ):
             cache.prefetch("big-000").result(timeout=60)
-        assert [f for f in disk_files(tmp_path / "disk") if "big" in f or ".part." in f] == []
+        assert [f for f in disk_files(tmp_path / "disk" / NAMESPACE) if "big" in f or ".part." in f] == []
         assert [r["adapter"] for r in cache.residency()] == ["adapter-000"]
         cache.check_integrity()
 

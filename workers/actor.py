@@ -58,7 +58,8 @@ class WorkerActor:
         self.outbox = Outbox(name, flush_s)
         t0 = time.perf_counter()
         self.cache = WorkerCache(config, self.catalog, on_ready=self._loaded, compute_stream=compute,
-                                 on_change=self.outbox.push)  # every change, whoever made it
+                                 on_change=self.outbox.push,  # every change, whoever made it
+                                 service=ray.get_runtime_context().namespace)  # the service's, its job's namespace
         self.cache_init_s = time.perf_counter() - t0  # slots, host arena (pinned), reader processes
         self.engine = HostedEngine(self.cache)
         self.metrics = WorkerMetrics(replica, config.tp_rank, self.cache.stats)

@@ -25,7 +25,7 @@ from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shapes import MODULE_ORDER
 from lora_cache.adapters.shards import ShardLayout, max_shard_numel, shard_layout
 from lora_cache.errors import ConfigError
-from lora_cache.vocab import AdapterKey, Delta, ReadinessRecord
+from lora_cache.vocab import NAMESPACE, AdapterKey, Delta, ReadinessRecord
 from workers.counters import resident_prefetches
 from workers.gpu.acquire import Acquirer, AdapterRef, Batch
 from workers.gpu.loads import LoadPath, SlotBook
@@ -114,7 +114,7 @@ class WorkerCache:
 
     def __init__(self, config: WorkerConfig, catalog: AdapterCatalog,
                  on_ready: Callable[[ReadinessRecord], None] | None = None, compute_stream: Any = None,
-                 on_change: Callable[[Delta], None] | None = None) -> None:
+                 on_change: Callable[[Delta], None] | None = None, service: str = NAMESPACE) -> None:
         # the host tier's size resolved once (host_bytes 0: a share of this host's memory over its GPU ranks)
         config = replace(config, host=config.host.sized(ranks_on_host(config.tp)))
         self.config, self.catalog = config, catalog
@@ -132,7 +132,8 @@ class WorkerCache:
         self.meta = SlotMeta(config.num_slots, catalog.shape.num_layers, MODULE_ORDER, self.device,
                              max_rank=catalog.config.max_rank, dims=shard_dims(catalog.shape, config.tp),
                              slot_numel=self.slot_numel)
-        self.disk = DiskTier(config.disk, catalog.config.store_timeout_s)  # adapters from an object store
+        # adapters from an object store, in the service's own directory on this node
+        self.disk = DiskTier(config.disk, catalog.config.store_timeout_s, service)
         self.host = HostTier(config.host, ranks_on_host(config.tp), self.disk)
         self.book = SlotBook(config.num_slots, on_change)  # slots, loads, counters; its lock guards them
         self.host.on_change = functools.partial(_host_changed, self.book)  # what the host tier holds, as deltas too

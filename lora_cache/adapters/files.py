@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -367,16 +368,25 @@ def publish_pin(source: WeightsSource, crcs: BlockCrcs) -> BlockCrcs:
     """Pin ``crcs`` as the content of ``source``'s version on this machine, unless a read pinned it first
     (atomically: the first ``link`` wins); the content pinned, the first reader's."""
     path = _pin_path(source.version)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".pin-")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(_pin_bytes(source, crcs))
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".pin-")
         try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pinned = load_pin(source)
-            assert pinned is not None, f"{path} exists and was not read"
-            return pinned
-        return crcs
-    finally:
-        os.unlink(tmp)
+            with os.fdopen(fd, "wb") as f:
+                f.write(_pin_bytes(source, crcs))
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pinned = load_pin(source)
+                assert pinned is not None, f"{path} exists and was not read"
+                return pinned
+            return crcs
+        finally:
+            os.unlink(tmp)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise AdapterPathError(
+            f"{path.parent}, where identity versions' contents are pinned, has no room ({e.strerror}): the read of "
+            f"{source.path} is refused until its version's content is pinned for every process of this machine; "
+            f"free space there, or set LORA_CACHE_PIN_DIR to a private directory with room (a pin takes 4 bytes per "
+            "MiB of adapter)") from e

@@ -4,7 +4,9 @@ On its own, ``ray.init(address=...)`` waits 20 s and says only "Failed to connec
 wants a token this process lacks or does not match, and waits minutes on an address nobody answers.
 ``connect`` checks first, in order, each failure with its own message:
 
-1. the address: ``auto`` means ``RAY_ADDRESS`` or the cluster ``ray start`` last started on this machine;
+1. the address: ``auto`` means ``RAY_ADDRESS`` or the cluster ``ray start`` last started on this machine; Ray
+   turns a loopback host into the machine's address, which an embedded ``serve``'s cluster (on 127.0.0.1 only)
+   does not answer on: a loopback address that only loopback answers is joined on loopback (``loopback_join``);
 2. this process's token settings: ``RAY_AUTH_MODE`` (``token`` is refused on a Ray without token auth), and
    the token Ray would read (``RAY_AUTH_TOKEN``, else the file ``RAY_AUTH_TOKEN_PATH``, else
    ``~/.ray/auth_token``); a set but unreadable or empty ``RAY_AUTH_TOKEN_PATH`` would abort the process inside Ray;
@@ -19,6 +21,7 @@ it on by itself when joining ``auto`` with a token on disk, never for an explici
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
@@ -29,7 +32,7 @@ from pathlib import Path
 import ray
 
 from lora_cache.errors import ConfigError, LoraCacheError
-from lora_cache.runtime import ray_compat, reaper
+from lora_cache.runtime import full_disk, ray_compat, reaper
 
 CONNECT_TIMEOUT_S = 5.0  # TCP connect to the GCS port
 GCS_ANSWER_TIMEOUT_S = 15.0  # the first GCS call; Ray alone would wait 40 s
@@ -156,6 +159,42 @@ def resolve_address(address: str) -> str:
     return str(resolved)
 
 
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a hostname
+        return False
+
+
+def _answers(host: str, port: int, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
+    try:
+        with socket.create_connection((host.strip("[]"), port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def loopback_join(address: str, gcs: str) -> str | None:
+    """The loopback GCS address to join when ``address`` names this machine by a loopback host and the cluster
+    there listens on loopback only (an embedded ``serve``'s); None: join ``gcs`` as Ray resolved it.
+
+    Ray resolves a loopback host to the machine's address (``gcs``) and looks for this node's raylet at that
+    address; an embedded cluster advertises 127.0.0.1 and answers nowhere else, so Ray would fail at the
+    machine's address. A cluster of ``ray start`` listens on every interface and advertises the machine's
+    address: Ray's resolution is right for it, and kept."""
+    given = os.environ.get("RAY_ADDRESS", "") if address == "auto" else address
+    host, _, port = given.rpartition(":")
+    gcs_host = gcs.rpartition(":")[0]
+    if not port.isdigit() or not _is_loopback(host) or _is_loopback(gcs_host):
+        return None
+    if _answers(gcs_host, int(port), timeout_s=1.0) or not _answers("127.0.0.1", int(port)):
+        return None
+    return f"127.0.0.1:{port}"
+
+
 def check_reachable(gcs: str, address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
     """Step 3: something accepts TCP connections at the GCS port."""
     host, _, port = gcs.rpartition(":")
@@ -219,7 +258,8 @@ def local_only() -> None:
 
 def connect(address: str, namespace: str, observe: ObserveConfig | None = None) -> None:
     """``ray.init`` on an embedded local Ray (``address`` empty: always a new cluster, advertised on 127.0.0.1;
-    ``RAY_ADDRESS`` is for ``--address auto``) or on the cluster at ``address``. Its processes die with this
+    ``RAY_ADDRESS`` is for ``--address auto``) or on the cluster at ``address``. Every worker process of the job
+    keeps running when Ray's temp disk is full (``full_disk``). Its processes die with this
     one, even SIGKILLed (Ray's reaper); Ray's own gRPC servers still bind every interface (token auth guards
     them; docs/known-issues.md)."""
     observe = observe or ObserveConfig(worker_logs=False)
@@ -227,16 +267,25 @@ def connect(address: str, namespace: str, observe: ObserveConfig | None = None) 
     if not address:  # a fresh cluster of this process's own, whatever RAY_ADDRESS or a `ray start` left says
         local_only()
         ray.init(address="local", _node_ip_address="127.0.0.1", namespace=namespace, include_dashboard=False,
-                 _metrics_export_port=observe.metrics_port or None, **observe.init_kwargs())  # type: ignore[arg-type]
+                 _metrics_export_port=observe.metrics_port or None, runtime_env=full_disk.runtime_env(),
+                 **observe.init_kwargs())  # type: ignore[arg-type]
         reaper.watch_tree()  # what Ray's reaper leaves of it when this process is SIGKILLed
+        gcs = ray.get_runtime_context().gcs_address
+        print(f"lora-cache: started a Ray cluster of this process's own at {gcs}; services on this machine join it "
+              f"with --address {gcs}", flush=True)
         return
     if address == "auto":  # what ray.init("auto") does: token mode when a token is on disk and the mode is unset
         ray_compat.enable_token_auth_if_token_available()
     gcs = resolve_address(address)
+    loopback = loopback_join(address, gcs)
+    if loopback is not None:  # this node is the cluster's 127.0.0.1 node, as the embedded one advertised it
+        local_only()
+        gcs = loopback
     check_token_settings(gcs)
     check_reachable(gcs, address)
     check_gcs(gcs)
-    ray.init(address=gcs, namespace=namespace, **observe.init_kwargs())  # type: ignore[arg-type]
+    ray.init(address=gcs, namespace=namespace, runtime_env=full_disk.runtime_env(),
+             **observe.init_kwargs())  # type: ignore[arg-type]
     alive = sum(1 for n in ray.nodes() if n["Alive"])
     print(f"lora-cache: joined the Ray cluster at {gcs} ({alive} nodes alive, token auth "
           f"{'on' if auth_mode() == 'token' else 'off'})", flush=True)

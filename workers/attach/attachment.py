@@ -167,7 +167,7 @@ class Attachment:
         self.catalog = AdapterCatalog(catalog)
         self.outbox = Outbox(self.name, config.flush_s, send=transport.send_deltas, incarnation=hello.incarnation)
         self.cache = WorkerCache(worker, self.catalog, on_ready=on_ready, compute_stream=compute_stream,
-                                 on_change=self.outbox.push)
+                                 on_change=self.outbox.push, service=config.service)
         self.control = WorkerControl(config.replica, self.catalog, self.cache, self.outbox)
         self.node = transport.node
         self.served = CallLoop(self.name, self.wid, transport, self.control, self.node, config.poll_s,

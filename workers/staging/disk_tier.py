@@ -12,7 +12,9 @@ version is proven on every read from every tier. A copy whose identity no longer
 and fetched again; one whose bytes do not (torn by a crash: a copy is not fsync'ed) fails that read and is
 dropped, so the next load fetches it again.
 
-Every rank on a node shares the directory: a file lock per entry (``locks/NAME.lock``) makes one process fetch
+Each service has a directory of its own, ``SERVICE`` under ``--disk-cache`` (its name: ``serve --service``), so
+that one service's copies and cap never evict another's (docs/decisions.md, "the disk tier per service").
+Every rank of the service on a node shares it: a file lock per entry (``locks/NAME.lock``) makes one process fetch
 while the others wait for its copy (shared lock: read; exclusive: fetch or evict), and a lock on the
 directory (``.lock``) orders the room-making. A copy is evicted (oldest use first, by its proof's mtime) only
 when no process holds it. An adapter larger than the tier, or a tier whose every byte is held by reads in
@@ -45,6 +47,7 @@ from lora_cache.adapters.objects import StoreSource
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.store import client
 from lora_cache.errors import AdapterChangedError, AdapterFormatError, CapacityError, ConfigError
+from lora_cache.vocab import NAMESPACE, check_service_name
 from workers.staging.store_fetch import fetch_object
 
 log = logging.getLogger(__name__)
@@ -58,8 +61,9 @@ class DiskTierConfig:
         default="",
         metadata={
             "path": True,
-            "help": "directory of the local disk tier for adapters from an object store (shared by the "
-            "node's ranks); empty: lora-cache-disk under the system's temporary directory",
+            "help": "directory of the local disk tiers for adapters from an object store: each service keeps its "
+            "copies in a subdirectory named after it (shared by its ranks on the node); empty: lora-cache-disk-UID "
+            "under the system's temporary directory",
         },
     )
     disk_cache_bytes: int = field(
@@ -88,8 +92,10 @@ class DiskTierConfig:
                 f"{BLOCK_BYTES} (the CRC block); 8 MiB is the default"
             )
 
-    def directory(self) -> Path:
-        return Path(self.disk_cache or Path(tempfile.gettempdir()) / f"lora-cache-disk-{os.getuid()}")
+    def directory(self, service: str = NAMESPACE) -> Path:
+        """The disk tier of ``service`` on this node: its own subdirectory, whoever else uses ``disk_cache``."""
+        check_service_name(service, "the disk tier's service")  # a path component: no "/", no ".."
+        return Path(self.disk_cache or Path(tempfile.gettempdir()) / f"lora-cache-disk-{os.getuid()}") / service
 
 
 def entry_name(source: StoreSource) -> str:
@@ -100,9 +106,9 @@ def entry_name(source: StoreSource) -> str:
 class DiskTier:
     """Local copies of store objects, by version. ``held`` gives a proven copy and holds it while used."""
 
-    def __init__(self, config: DiskTierConfig, timeout_s: float = 20.0) -> None:
+    def __init__(self, config: DiskTierConfig, timeout_s: float = 20.0, service: str = NAMESPACE) -> None:
         self.config, self.timeout_s = config, timeout_s
-        self.dir = config.directory()
+        self.dir = config.directory(service)  # this service's alone: another's cap never evicts its copies
         self._lock = threading.Lock()  # protects _flights and the counters
         self._flights: dict[str, Future[WeightsSource]] = {}  # name -> this process's fetch in flight
         self._stager: ThreadPoolExecutor | None = None
