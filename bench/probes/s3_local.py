@@ -149,16 +149,17 @@ SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Co
 
 class ThrottleProxy:
     """127.0.0.1:``port`` -> ``upstream``, an HTTP proxy that admits ``rate`` requests a second (a token bucket of
-    ``burst``) and answers the rest ``503 SlowDown`` with S3's XML error, as a store asked too fast does. Requests
+    ``burst``) and at most ``concurrent`` at once (0: no bound), and answers the rest ``503 SlowDown`` with S3's XML
+    error, as a store asked too fast does. Requests
     pass whole, their headers (the signature's ``Host`` included) as sent; each answer is read whole and passed on.
     It counts what it ``passed`` and ``throttled``."""
 
-    def __init__(self, upstream: str, rate: float, burst: int) -> None:
+    def __init__(self, upstream: str, rate: float, burst: int, concurrent: int = 0) -> None:
         import http.client
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-        self.rate, self.burst = rate, burst
-        self.passed = self.throttled = 0
+        self.rate, self.burst, self.concurrent = rate, burst, concurrent
+        self.passed = self.throttled = self.in_flight = 0
         self._tokens, self._at = float(burst), time.monotonic()
         self._lock = threading.Lock()
         host, _, port = upstream.removeprefix("http://").partition(":")
@@ -199,6 +200,8 @@ class ThrottleProxy:
                         self.wfile.write(data)
                 finally:
                     up.close()
+                    with proxy._lock:
+                        proxy.in_flight -= 1
 
             do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _any
 
@@ -212,9 +215,10 @@ class ThrottleProxy:
             now = time.monotonic()
             self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.rate)
             self._at = now
-            if self._tokens >= 1.0:
+            if self._tokens >= 1.0 and (not self.concurrent or self.in_flight < self.concurrent):
                 self._tokens -= 1.0
                 self.passed += 1
+                self.in_flight += 1
                 return True
             self.throttled += 1
             return False

@@ -202,14 +202,12 @@ def call(s3: Any, bucket: str, key: str, fn: Callable[[], Any], version: str = "
 
     pace = getattr(s3, "lora_cache_pace", None) or StorePace(1 << 20)  # a client made elsewhere: no window
     try:
-        return pace.paced(fn, time.monotonic() + s3.meta.config.read_timeout)
+        return pace.paced(fn, s3.meta.config.read_timeout)
     except StoreThrottled as e:
         raise AdapterStoreError(
             f"s3://{bucket}/{key}: the store at {endpoint(s3)} kept asking to slow down ({e.cause}; {e}, "
             f"{int(pace.window)} requests in flight now) until the call's --store-timeout-s; retry later, read "
             "fewer adapters at once (--store-reads), or raise --store-timeout-s") from e.cause
-    except TimeoutError as e:
-        raise AdapterStoreError(f"s3://{bucket}/{key}: {endpoint(s3)}: {e}; retry later") from e
     except (BotoCoreError, ClientError, OSError) as e:
         raise store_error(e, bucket, key, s3, version, etag) from e
 

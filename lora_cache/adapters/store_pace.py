@@ -9,8 +9,11 @@ registrar keeping ``store_reads`` requests in flight then failed a batch's adapt
 rule): every answer that is not a throttle widens it by ``1 / window`` (one more request per window's worth of
 answers), a throttle halves it (once per ``CUT_S``: a burst of throttles from one crowded moment is one signal),
 never below one. ``paced`` runs one request in a turn of the window and, when the store throttles it, waits a
-jittered, doubling backoff ("full jitter") and asks again, for as long as the call's deadline
-(``--store-timeout-s``) allows; past it, the throttle is the call's error, saying the store throttled and what to do.
+jittered, doubling backoff ("full jitter") and asks again, for as long as the time the store has taken (its answers
+and the backoffs) stays within the call's ``--store-timeout-s``; past it, the throttle is the call's error, saying
+the store throttled and what to do. The wait for a turn is not counted: it is this client's own queue (32 reads
+behind a window of 2 would otherwise fail for waiting on each other, not on the store), and it moves as answers
+come, each within its own timeout.
 The window starts at the client's pool size (``store_reads``): a store that never throttles is never slowed.
 """
 
@@ -65,38 +68,38 @@ class StorePace:
         self._last_cut = float("-inf")
         self._cond = threading.Condition()
 
-    def paced(self, request: Callable[[], T], deadline: float) -> T:
+    def paced(self, request: Callable[[], T], timeout_s: float) -> T:
         """``request()`` in a turn of the window, asked again after a backoff while the store throttles it and the
-        deadline (``time.monotonic()``) allows; raises ``StoreThrottled`` past it, and the request's other errors
-        as they are."""
-        tries, waited = 0, 0.0
+        time the store has taken (its answers and the backoffs, not the wait for a turn: that is this client's own
+        queue, and it moves as answers come) stays within ``timeout_s``; raises ``StoreThrottled`` past it, and the
+        request's other errors as they are."""
+        tries, waited, spent = 0, 0.0, 0.0
         while True:
-            self._take(deadline)
+            self._take()
+            start = time.monotonic()
             try:
                 answer = request()
             except Exception as e:
+                spent += time.monotonic() - start
                 if not throttled(e):
                     self._give(ok=True)  # the store answered: no sign it is crowded
                     raise
                 self._give(ok=False)
                 tries += 1
                 delay = random.uniform(0.0, min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (tries - 1)))
-                if time.monotonic() + delay >= deadline:
+                if spent + delay >= timeout_s:
                     raise StoreThrottled(e, tries, waited) from e
                 time.sleep(delay)
                 waited += delay
+                spent += delay
                 continue
             self._give(ok=True)
             return answer
 
-    def _take(self, deadline: float) -> None:
+    def _take(self) -> None:
         with self._cond:
             while self.in_flight >= max(1, int(self.window)):
-                left = deadline - time.monotonic()
-                if left <= 0:  # the wait for a turn is part of the call's deadline
-                    raise TimeoutError(f"no turn among the store's {int(self.window)} requests in flight "
-                                       "before the call's deadline")
-                self._cond.wait(left)
+                self._cond.wait()  # each request in flight ends within its own timeout: a turn comes
             self.in_flight += 1
 
     def _give(self, ok: bool) -> None:
