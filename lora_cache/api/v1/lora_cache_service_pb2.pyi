@@ -612,16 +612,18 @@ class ApplyResult(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., rejected_stale: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RankResidency(_message.Message):
-    __slots__ = ("adapter", "version", "state", "refs")
+    __slots__ = ("adapter", "version", "state", "refs", "acquired")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REFS_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRED_FIELD_NUMBER: _ClassVar[int]
     adapter: str
     version: str
     state: ResidencyState
     refs: int
-    def __init__(self, adapter: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[ResidencyState, str]] = ..., refs: _Optional[int] = ...) -> None: ...
+    acquired: bool
+    def __init__(self, adapter: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[ResidencyState, str]] = ..., refs: _Optional[int] = ..., acquired: _Optional[bool] = ...) -> None: ...
 
 class WorkerReport(_message.Message):
     __slots__ = ("replica", "rank", "tp", "model", "incarnation", "seq", "node", "slots", "host_bytes", "adapters", "epoch", "residencies", "host_shards", "reports_host")
@@ -699,20 +701,22 @@ class CallAnswer(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., apply: _Optional[_Union[ApplyResult, _Mapping]] = ..., describe: _Optional[_Union[WorkerReport, _Mapping]] = ..., registered_version: _Optional[str] = ..., unregistered: _Optional[bool] = ..., stats_json: _Optional[str] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., registered: _Optional[_Union[RankRegistrations, _Mapping]] = ...) -> None: ...
 
 class ResidencyDelta(_message.Message):
-    __slots__ = ("seq", "adapter", "version", "state", "error", "read_s")
+    __slots__ = ("seq", "adapter", "version", "state", "error", "read_s", "acquired")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     READ_S_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRED_FIELD_NUMBER: _ClassVar[int]
     seq: int
     adapter: str
     version: str
     state: ResidencyState
     error: str
     read_s: float
-    def __init__(self, seq: _Optional[int] = ..., adapter: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[ResidencyState, str]] = ..., error: _Optional[str] = ..., read_s: _Optional[float] = ...) -> None: ...
+    acquired: bool
+    def __init__(self, seq: _Optional[int] = ..., adapter: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[ResidencyState, str]] = ..., error: _Optional[str] = ..., read_s: _Optional[float] = ..., acquired: _Optional[bool] = ...) -> None: ...
 
 class ResidencyDeltas(_message.Message):
     __slots__ = ("incarnation", "deltas")
