@@ -21,6 +21,8 @@ from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.adapters.peft import WEIGHTS_FILE, AdapterSpec, KnownVersion
 from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
 from lora_cache.adapters.synth import write_adapter
+from lora_cache.api.client import LoraCacheClient
+from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
 from lora_cache.controller import registrations
 from lora_cache.controller.core import ControllerConfig, ControllerCore
 from lora_cache.controller.fanout import RankAnswers, Sent, WorkerFanout
@@ -239,6 +241,33 @@ def test_a_registration_a_restarting_rank_did_not_answer_is_registered_and_says_
         assert d.error is None and d.rank_errors == () and d.name in core.catalog
         assert d.rank_pending == (f"{worker_name(WorkerId('r', 1))}: no answer (ConnectionError); given it when it "
                                   "is adopted again or restarts",)
+
+
+def test_a_registrations_answer_over_grpc_names_the_ranks_it_is_pending_on(world) -> None:
+    """The same over the gateway's RegisterAdapters: the real servicer and client in front of a real ``Registrar``
+    (a stand-in for the actor's forwarding only): the item is registered, with no error, and says which rank
+    gets it later (``RegisteredAdapter.ranks_pending``)."""
+    core, _, _, log, root = world
+    links = SimpleNamespace(handles={WorkerId("r", 0): _Rank(restarting=True)})
+
+    async def plan() -> None:
+        log.append("plan")
+
+    registrar = Registrar(core, WorkerFanout(links), set(), plan)  # type: ignore[arg-type]
+    async def no_hints(batches: list[Any]) -> list[Any]:
+        raise AssertionError("no hint is sent here")
+
+    controller = SimpleNamespace(register_adapters=SimpleNamespace(remote=registrar.register),
+                                 hint_batches=SimpleNamespace(remote=no_hints))
+    gw = start_gateway_thread(GatewayConfig(grpc_port=0), controller)
+    try:
+        with LoraCacheClient(gw.target) as lc:
+            (done,) = lc.register_many([("a2", str(root / "a2"))])
+    finally:
+        gw.stop()
+    assert done.error is None and done.version == core.catalog.get("a2").version and done.rank_errors == ()
+    assert done.rank_pending == (f"{worker_name(WorkerId('r', 0))}: no answer (ConnectionError); given it when it "
+                                 "is adopted again or restarts",)
 
 
 def test_a_name_being_unregistered_is_refused_and_left_as_it_was(world) -> None:
