@@ -15,7 +15,7 @@ slots intact). Bounded: ``PER_SLOT`` entries per slot per rank, the least recent
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from lora_cache.vocab import Command, Prefetch, WorkerId
 
@@ -57,6 +57,12 @@ class Claims:
     def forget_replica(self, replica: str) -> None:
         for w in [w for w in self.vouched if w.replica == replica]:
             del self.vouched[w]
+
+    def check_integrity(self, slots: Callable[[WorkerId], int]) -> None:
+        """Every rank's entries within its bound (``slots``: a rank's slot count)."""
+        for worker, book in self.vouched.items():
+            assert len(book) <= max(MIN_ENTRIES, PER_SLOT * slots(worker)), f"{worker}: {len(book)} claims"
+            assert set(book.values()) <= {"commanded", "acquired", "adopted"}, f"{worker}: {set(book.values())}"
 
     def counts(self) -> dict[str, int]:
         """How many vouched loads each way, fleet-wide (``status``)."""

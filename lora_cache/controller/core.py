@@ -407,3 +407,5 @@ class ControllerCore:
         assert all(str(w) in view.workers(w.replica) for w in self.lost.down), "a lost rank the fleet lacks"
         self.planner.check_integrity()
         self.readiness.check_integrity()
+        assert all(w.replica in view.replicas() for w in self.admission.claims.vouched), "claims of a replica gone"
+        self.admission.claims.check_integrity(lambda w: view.capacity(str(w)).slots)
