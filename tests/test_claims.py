@@ -209,3 +209,33 @@ def test_a_restarted_controller_registers_nothing_a_rank_reports_and_believes_it
     assert core.status()["vouched_loads"] == {"adopted": 1}
     assert "planted@v-planted is not a registered version" in core.status()["recent_refusals"][-1]
     core.check_integrity()
+
+
+def test_the_drain_reads_a_real_ranks_full_report_with_its_marker(fleet) -> None:
+    """The drain before an unregistration (``WorkerFanout.holders``) reads each rank's ``describe()`` rows, which
+    gained the ``acquired`` field: a real rank's report (``WorkerControl.describe``) still names what it holds."""
+    from types import SimpleNamespace
+
+    from lora_cache.controller.fanout import WorkerFanout
+    from workers.control.outbox import Outbox as RankOutbox
+    from workers.control.rank import WorkerControl
+
+    core, ranks = fleet
+    cache, _, _ = ranks[R0]
+    outbox = RankOutbox("w", 0.01, send=lambda name, incarnation, batch: None)
+    try:
+        control = WorkerControl("r0", core.catalog, cache, outbox)
+        batch = cache.acquire(["adapter-003"])
+        cache.settle()
+        cache.release(batch)
+        rows = control.describe("node")["residency"]
+    finally:
+        outbox.close()
+    assert [(a, s, acquired) for a, _, s, _, acquired in rows] == [("adapter-003", "ready", True)]
+
+    class Handle:
+        describe = SimpleNamespace(remote=lambda: asyncio.sleep(0, result={"residency": rows}))
+
+    fanout = WorkerFanout(SimpleNamespace(handles={R0: Handle()}))  # type: ignore[arg-type]
+    held = asyncio.run(fanout.holders("adapter-003", 5.0))
+    assert held == {R0: {core.catalog.get("adapter-003").version}}

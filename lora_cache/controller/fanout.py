@@ -113,7 +113,7 @@ class WorkerFanout:
             if isinstance(report, BaseException):  # lost: it comes back empty (worker_started)
                 log.warning("worker %s did not report while draining %s: %s", wid, name, report)
                 continue
-            versions = {v for a, v, _, _ in report["residency"] if a == name}
+            versions = {v for a, v, *_ in report["residency"] if a == name}
             if versions:
                 held[wid] = versions
         return held
