@@ -246,7 +246,7 @@ def test_a_registration_a_restarting_rank_did_not_answer_is_registered_and_says_
 def test_a_registrations_answer_over_grpc_names_the_ranks_it_is_pending_on(world) -> None:
     """The same over the gateway's RegisterAdapters: the real servicer and client in front of a real ``Registrar``
     (a stand-in for the actor's forwarding only): the item is registered, with no error, and says which rank
-    gets it later (``RegisteredAdapter.ranks_pending``)."""
+    gets it later (``RegisteredAdapter.pending_ranks``)."""
     core, _, _, log, root = world
     links = SimpleNamespace(handles={WorkerId("r", 0): _Rank(restarting=True)})
 

@@ -265,7 +265,7 @@ def _register_request(items: Iterable[tuple[str, str]]) -> pb.RegisterAdaptersRe
 def _registered(r: pb.RegisterAdaptersResponse) -> list[Registered]:
     return [Registered(a.name, a.version, a.previous_version,
                        ClientError(_CODE_NAMES.get(a.error.code, "UNKNOWN"), a.error.message)
-                       if a.HasField("error") else None, tuple(a.rank_errors), tuple(a.ranks_pending))
+                       if a.HasField("error") else None, tuple(a.rank_errors), tuple(a.pending_ranks))
             for a in r.adapters]
 
 

@@ -314,20 +314,20 @@ class RegisterAdaptersRequest(_message.Message):
     def __init__(self, adapters: _Optional[_Iterable[_Union[RegisterAdapterRequest, _Mapping]]] = ...) -> None: ...
 
 class RegisteredAdapter(_message.Message):
-    __slots__ = ("name", "version", "previous_version", "error", "rank_errors", "ranks_pending")
+    __slots__ = ("name", "version", "previous_version", "error", "rank_errors", "pending_ranks")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RANK_ERRORS_FIELD_NUMBER: _ClassVar[int]
-    RANKS_PENDING_FIELD_NUMBER: _ClassVar[int]
+    PENDING_RANKS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     previous_version: str
     error: RegisterError
     rank_errors: _containers.RepeatedScalarFieldContainer[str]
-    ranks_pending: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., previous_version: _Optional[str] = ..., error: _Optional[_Union[RegisterError, _Mapping]] = ..., rank_errors: _Optional[_Iterable[str]] = ..., ranks_pending: _Optional[_Iterable[str]] = ...) -> None: ...
+    pending_ranks: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., previous_version: _Optional[str] = ..., error: _Optional[_Union[RegisterError, _Mapping]] = ..., rank_errors: _Optional[_Iterable[str]] = ..., pending_ranks: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterError(_message.Message):
     __slots__ = ("code", "message")
