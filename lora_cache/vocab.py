@@ -153,11 +153,22 @@ class Delta(NamedTuple):
     # the host tier's: "staged" (a whole shard read in) | "unstaged" (dropped by its LRU)
     record: ReadinessRecord | None = None
     error: str = ""
+    acquired: bool = False  # "loading"/"ready": the rank's own load (its engine's acquire that missed, an arrival's
+    # early load, a direct prefetch call), not a controller's command
 
 
-# (seq, adapter, version, state, error[, read_s]): a Delta as sent, numbered; read_s (READY only): the seconds the
-# load read its shard from storage (0: a host-tier hit; absent from older senders)
-DeltaRow = tuple[int, str, str, str, str] | tuple[int, str, str, str, str, float]
+# (seq, adapter, version, state, error[, read_s[, acquired]]): a Delta as sent, numbered; read_s (READY only): the
+# seconds the load read its shard from storage (0: a host-tier hit; absent from older senders); acquired: the rank
+# started the load itself, not a command (the controller believes a READY only of a load it commanded or one so
+# marked: lora_cache/controller/claims.py; absent from older senders: False)
+DeltaRow = (tuple[int, str, str, str, str] | tuple[int, str, str, str, str, float]
+            | tuple[int, str, str, str, str, float, bool])
+
+
+def delta_row(seq: int, delta: Delta) -> tuple[int, str, str, str, str, float, bool]:
+    """``delta`` as sent, numbered ``seq`` (``workers/control/outbox.py``)."""
+    read_s = delta.record.disk_ms / 1e3 if delta.record is not None else 0.0  # READY: its store read
+    return (seq, delta.adapter, delta.version, delta.state, delta.error, read_s, delta.acquired)
 
 # -- the relay of an attached rank (workers/attach/attachment.py) ---------------------------------------------------
 Call = tuple[int, str, tuple[Any, ...]]  # (call id, method, arguments)

@@ -17,7 +17,7 @@ from lora_cache.controller.links import Link, WorkerLinks
 from lora_cache.errors import ConfigError, ConflictError, NotFoundError
 from lora_cache.planner import PlannerConfig
 from lora_cache.routing.advice import RouteRequest
-from lora_cache.vocab import AdapterKey, Delta, Evict, Prefetch, Stage, WorkerId, worker_name
+from lora_cache.vocab import AdapterKey, Delta, Evict, Prefetch, Stage, WorkerId, delta_row, worker_name
 from tests.planner_queries import popularity
 from workers.cache import WorkerCache, WorkerConfig
 from workers.control.commands import CommandGate
@@ -68,7 +68,7 @@ def _deliver(core: ControllerCore, workers, ready: int):
     events = []
     for wid, (_, _, outbox) in workers.items():
         deltas = outbox.drain(("ready", "failed"), ready)
-        events += core.worker_report(wid, [(d.adapter, d.version, d.state, d.error) for d in deltas], now=1.0)
+        events += core.worker_report(wid, [delta_row(0, d)[1:] for d in deltas], now=1.0)
     return events
 
 
@@ -95,7 +95,7 @@ def test_replica_not_ready_until_every_rank(fleet) -> None:
     rank0 = WorkerId("r0", 0)
     workers[rank0][1].apply(plan[rank0])
     deltas = workers[rank0][2].drain(("ready",), 1)
-    assert core.worker_report(rank0, [(d.adapter, d.version, d.state, d.error) for d in deltas], now=1.0) == []
+    assert core.worker_report(rank0, [delta_row(0, d)[1:] for d in deltas], now=1.0) == []
     assert core.readiness.lookup("adapter-002").loading == ("r0",)
 
 
@@ -115,7 +115,8 @@ def _sync_all(core: ControllerCore, workers) -> None:
     for wid, (cache, _, outbox) in workers.items():
         with outbox.cond:
             outbox.deltas = []
-        core.sync_worker(wid, [(r["adapter"], r["version"], r["state"], r["refs"]) for r in cache.residency()])
+        core.sync_worker(wid, [(r["adapter"], r["version"], r["state"], r["refs"], r["acquired"])
+                               for r in cache.residency()])
 
 
 def test_a_queued_adapter_without_gpu_room_is_staged_then_loads_from_the_host_tier(fleet) -> None:
@@ -267,7 +268,7 @@ def test_a_failed_load_is_retried_after_a_backoff_not_in_a_loop(fleet) -> None:
     cache.catalog.register("adapter-000", core.paths["adapter-000"])
     assert not gate.apply(retried).errors
     ready = [d for d in outbox.drain(("ready",), 1) if d.state == "ready"]
-    core.worker_report(rank0, [(d.adapter, d.version, d.state, d.error) for d in ready], now=2.0)
+    core.worker_report(rank0, [delta_row(0, d)[1:] for d in ready], now=2.0)
     assert not core.failures
     core.check_integrity()
 
@@ -335,21 +336,23 @@ def test_popular_adapters_are_staged_into_the_host_tier_the_worker_reports(tmp_p
 def test_a_rank_is_believed_only_for_registered_versions_within_its_slots(fleet) -> None:
     """Issue 35 item 2: a rank's READY for an adapter never registered (or a version the controller does not
     know) made its replica ready for it; a rank could claim more adapters than it has slots. Such claims are
-    refused and counted; a removal is always believed."""
+    refused and counted; a removal is always believed. (The claims say their engine's acquire started the loads:
+    issue 46 refuses any other claim the controller did not command, tests/test_claims.py.)"""
     core, _ = fleet
     r0, r1 = WorkerId("r0", 0), WorkerId("r0", 1)
     version = core.catalog.get("adapter-000").version
     for rank in (r0, r1):
-        assert core.worker_report(rank, [("ghost", "v1", "ready", ""), ("adapter-000", "forged", "ready", "")],
-                                  now=1.0) == []
+        assert core.worker_report(rank, [("ghost", "v1", "ready", "", 0.0, True),
+                                         ("adapter-000", "forged", "ready", "", 0.0, True)], now=1.0) == []
     assert core.readiness.counts()["held"] == 0 and core.status()["refused_reports"] == 4
     assert "ghost@v1 is not a registered version" in core.status()["recent_refusals"][0]
-    events = [e for rank in (r0, r1) for e in core.worker_report(rank, [("adapter-000", version, "ready", "")], 1.0)]
+    events = [e for rank in (r0, r1)
+              for e in core.worker_report(rank, [("adapter-000", version, "ready", "", 0.0, True)], 1.0)]
     assert [e.ready for e in events] == [True], "a registered version is believed"
     others = [(f"adapter-00{k}", core.catalog.get(f"adapter-00{k}").version) for k in (1, 2, 3)]
-    core.worker_report(r0, [(a, v, "ready", "") for a, v in others], now=1.0)  # 2 slots: one more fits
+    core.worker_report(r0, [(a, v, "ready", "", 0.0, True) for a, v in others], now=1.0)  # 2 slots: one more fits
     assert len(core.readiness.holdings("r0", 0)) == 2 and core.status()["refused_reports"] == 6
-    core.sync_worker(r1, [(a, v, "ready", 0) for a, v in [("adapter-000", version), *others]])
+    core.sync_worker(r1, [(a, v, "ready", 0, True) for a, v in [("adapter-000", version), *others]])
     assert len(core.readiness.holdings("r0", 1)) == 2, "a full report beyond the slots"
     assert ("adapter-000", version) in core.readiness.holdings("r0", 1), "what it held first is kept"
     core.worker_report(r0, [("adapter-000", version, "gone", "")], now=1.0)
@@ -368,7 +371,7 @@ def test_a_replica_shape_is_bounded_and_a_replica_with_no_rank_left_leaves(fleet
     assert "forged" not in core.planner.view.replicas()
     version = core.catalog.get("adapter-000").version
     for rank in (0, 1):
-        core.worker_report(WorkerId("r0", rank), [("adapter-000", version, "ready", "")], now=1.0)
+        core.worker_report(WorkerId("r0", rank), [("adapter-000", version, "ready", "", 0.0, True)], now=1.0)
     core.hint("h1", "adapter-001", "r0", 0.0, now=1.0)
     (event,) = core.remove_replica("r0")
     assert not event.ready and core.planner.view.replicas() == () and core.readiness.counts()["replicas"] == 0
@@ -460,7 +463,7 @@ def test_a_closed_lifeline_loses_the_rank_at_once_and_its_late_deltas_are_not_be
         worker = _LifelineWorker({"incarnation": 2, "seq": 0, "residency": []})
         links = _victim_links(core, worker, published.extend)
         for rank in (0, 1):
-            links.receive(worker_name(WorkerId("r0", rank)), 1, [(1, "adapter-000", version, "ready", "")])
+            links.receive(worker_name(WorkerId("r0", rank)), 1, [(1, "adapter-000", version, "ready", "", 0.0, True)])
         assert core.readiness.lookup("adapter-000").ready == ("r0",)
         links.lifelines.watch(victim, worker)
         await _until(lambda: _heard(links), "the lifeline's hello read")
@@ -633,7 +636,7 @@ def test_a_stopping_service_does_not_take_its_workers_orderly_deaths_for_losses(
         for rank in (0, 1):
             links.handles[WorkerId("r0", rank)] = worker
             links.links[WorkerId("r0", rank)] = Link(1, 0)
-            links.receive(worker_name(WorkerId("r0", rank)), 1, [(1, "adapter-000", version, "ready", "")])
+            links.receive(worker_name(WorkerId("r0", rank)), 1, [(1, "adapter-000", version, "ready", "", 0.0, True)])
         links.lifelines.watch(victim, worker)
         await _until(lambda: _heard(links), "the lifeline's hello read")
         links.quiesce()

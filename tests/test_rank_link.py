@@ -37,7 +37,8 @@ def hello(**kw: Any) -> pb.AttachRankRequest:
 def report(incarnation: int = 7) -> dict[str, Any]:
     return {"replica": "replica-0", "rank": 0, "tp": 1, "model": "tiny", "incarnation": incarnation, "seq": 3,
             "node": "host-a", "slots": 2, "host_bytes": 1 << 22, "adapters": {"a": "/r/a"}, "epoch": 11,
-            "residency": [("a", "v1", "ready", 1), ("b", "v2", "loading", 0)], "host": [("a", "v1"), ("c", "v1")]}
+            "residency": [("a", "v1", "ready", 1, False), ("b", "v2", "loading", 0, True)],
+            "host": [("a", "v1"), ("c", "v1")]}
 
 
 class RelayHost:
@@ -108,7 +109,7 @@ def test_the_link_relays_calls_both_ways_and_the_end_of_the_stream_detaches() ->
         assert host.relay is not None and host.relay._polled is None  # the pump's takes are no sign of life
         engine.up.put_nowait(pb.AttachRankRequest(answer=codec.answer(call.call_id, "describe", True, report())))
         assert (await engine.next()).WhichOneof("message") == "adopted"
-        assert host.events[-1] == ("adopted", 7, [("a", "v1", "ready", 1), ("b", "v2", "loading", 0)])
+        assert host.events[-1] == ("adopted", 7, [("a", "v1", "ready", 1, False), ("b", "v2", "loading", 0, True)])
 
         # the controller's apply: typed commands down, an ApplyResult back to its caller
         commands = [Evict("b", "v2", 11), Prefetch("a", "v1", 0, 11), Stage("c", "v3", 2, 11)]
@@ -137,7 +138,8 @@ def test_the_link_relays_calls_both_ways_and_the_end_of_the_stream_detaches() ->
                                                                       {"loads": 3, "load_ms": {"p50": 1.5}})))
         assert await asyncio.wait_for(stats, 10) == {"loads": 3, "load_ms": {"p50": 1.5}}
         assert host.relay._polled is not None
-        assert ("report", 7, [(4, "a", "v1", "gone", "", 0.0), (5, "c", "v3", "failed", "no slot", 0.0)]) in host.events
+        assert ("report", 7, [(4, "a", "v1", "gone", "", 0.0, False),
+                              (5, "c", "v3", "failed", "no slot", 0.0, False)]) in host.events
 
         engine.up.put_nowait(None)  # the engine detaches: the stream ends and the rank leaves
         with pytest.raises(StopAsyncIteration):
@@ -227,9 +229,11 @@ def test_the_codec_round_trips_reports_calls_and_errors() -> None:
     with pytest.raises(RequestError, match=r"residency state 9 is not one of"):
         codec.from_deltas(pb.ResidencyDeltas(deltas=[pb.ResidencyDelta(seq=1, state=pb.ResidencyState.ValueType(9))]))
     rows = [(1, "a", "v1", "loading", ""), (2, "a", "v1", "ready", "", 0.25)]  # an older sender's rows lack read_s
-    assert codec.from_deltas(codec.deltas(5, rows)) == (5, [(1, "a", "v1", "loading", "", 0.0),
-                                                            (2, "a", "v1", "ready", "", 0.25)])
-    host = [(6, "a", "v1", "staged", "", 0.0), (7, "a", "v1", "unstaged", "", 0.0)]  # its host tier, apart
+    assert codec.from_deltas(codec.deltas(5, rows)) == (5, [(1, "a", "v1", "loading", "", 0.0, False),
+                                                            (2, "a", "v1", "ready", "", 0.25, False)])
+    acquired = [(3, "b", "v1", "ready", "", 0.5, True)]  # an acquire's load: the marker crosses the relay
+    assert codec.from_deltas(codec.deltas(5, acquired)) == (5, acquired)
+    host = [(6, "a", "v1", "staged", "", 0.0, False), (7, "a", "v1", "unstaged", "", 0.0, False)]  # its host tier
     assert codec.from_deltas(codec.deltas(5, host)) == (5, host)
     described = {"replica": "r", "rank": 0, "tp": 1, "model": "tiny", "incarnation": 1, "seq": 7, "node": "n",
                  "slots": 2, "host_bytes": 1, "adapters": {}, "epoch": 1, "residency": []}

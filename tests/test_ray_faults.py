@@ -91,7 +91,7 @@ def residency(worker: Any, timeout_s: float = 1.0) -> set[tuple[str, str, str]] 
     """(adapter, version, state) the worker holds; empty if it is dead or restarting, None if it does not
     answer (stopped)."""
     try:
-        return {(a, v, s) for a, v, s, _ in ray.get(worker.describe.remote(), timeout=timeout_s)["residency"]}
+        return {(a, v, s) for a, v, s, *_ in ray.get(worker.describe.remote(), timeout=timeout_s)["residency"]}
     except DEAD:
         return set()
     except ray.exceptions.GetTimeoutError:

@@ -60,7 +60,7 @@ def test_queue_report_reaches_readiness_and_subscriber(service) -> None:
     assert "replica-0" in ray.get(ctl.lookup.remote("adapter-000"))["ready"]
     for rank in (0, 1):  # each rank loaded its own shard; the replica became ready only after both
         residency = ray.get(service.workers[WorkerId("replica-0", rank)].describe.remote())["residency"]
-        assert {("adapter-000", "ready"), ("adapter-001", "ready")} <= {(a, s) for a, _, s, _ in residency}
+        assert {("adapter-000", "ready"), ("adapter-001", "ready")} <= {(a, s) for a, _, s, *_ in residency}
     assert ray.get(ctl.check_integrity.remote())
 
 
@@ -125,7 +125,7 @@ def _status_or_none(ctl):
 
 def _residency_or_empty(worker) -> set[tuple[str, str]]:
     try:
-        return {(a, st) for a, _, st, _ in ray.get(worker.describe.remote(), timeout=5)["residency"]}
+        return {(a, st) for a, _, st, *_ in ray.get(worker.describe.remote(), timeout=5)["residency"]}
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
         return set()
 

@@ -124,7 +124,7 @@ def test_a_rank_killed_mid_load_keeps_its_replica_unready_for_that_adapter_only(
         wait_ready(ctl, a, replica, 60)
     survivor, victim = service.workers[WorkerId(replica, 0)], service.workers[WorkerId(replica, 1)]
     before = ray.get(victim.describe.remote())
-    held = {(a, s) for a, _, s, _ in ray.get(survivor.describe.remote())["residency"] if a in others}
+    held = {(a, s) for a, _, s, *_ in ray.get(survivor.describe.remote())["residency"] if a in others}
     loads_before = len(ray.get(survivor.load_log.remote()))
     gate = ray.remote(Gate).remote()
     ray.get(victim.arm_fault.remote("before_copy", target, gate))
@@ -144,7 +144,7 @@ def test_a_rank_killed_mid_load_keeps_its_replica_unready_for_that_adapter_only(
             break
     report = ray.get(victim.describe.remote())
     assert report["incarnation"] != before["incarnation"], "ready before the rank restarted"
-    assert (target, "ready") in {(a, s) for a, _, s, _ in report["residency"]}, "ready before the new rank loaded it"
+    assert (target, "ready") in {(a, s) for a, _, s, *_ in report["residency"]}, "ready before the new rank loaded it"
 
     assert held <= residency(survivor), "the survivor's other adapters left their slots"
     new_loads = [r.adapter for _, r in ray.get(survivor.load_log.remote())[loads_before:]]
@@ -156,6 +156,6 @@ def test_a_rank_killed_mid_load_keeps_its_replica_unready_for_that_adapter_only(
 
 def residency(worker) -> set[tuple[str, str]]:
     try:
-        return {(a, s) for a, _, s, _ in ray.get(worker.describe.remote(), timeout=5)["residency"]}
+        return {(a, s) for a, _, s, *_ in ray.get(worker.describe.remote(), timeout=5)["residency"]}
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
         return set()

@@ -11,6 +11,7 @@ import asyncio
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,11 +21,14 @@ from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.adapters.peft import WEIGHTS_FILE, AdapterSpec, KnownVersion
 from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
 from lora_cache.adapters.synth import write_adapter
+from lora_cache.api.client import LoraCacheClient
+from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
 from lora_cache.controller import registrations
 from lora_cache.controller.core import ControllerConfig, ControllerCore
-from lora_cache.controller.fanout import Sent
+from lora_cache.controller.fanout import RankAnswers, Sent, WorkerFanout
 from lora_cache.controller.registrations import Registrar, Turns
 from lora_cache.errors import AdapterFormatError, AdapterPathError, ConflictError, NotFoundError
+from lora_cache.vocab import WorkerId, worker_name
 
 
 def adapter(directory: Path, seed: int) -> Path:
@@ -47,9 +51,10 @@ class Links:
         self.most_outstanding = max(self.most_outstanding, self.outstanding)
         return Sent(entries, [])
 
-    async def registered(self, sent: Sent) -> list[list[str]]:
+    async def registered(self, sent: Sent) -> list[RankAnswers]:
         self.outstanding -= 1
-        return [[f"replica/0: {self.refuse[name]}"] if name in self.refuse else [] for name, _, _ in sent.entries]
+        return [RankAnswers([f"replica/0: {self.refuse[name]}"] if name in self.refuse else [], [])
+                for name, _, _ in sent.entries]
 
 
 class Held:
@@ -200,6 +205,69 @@ def test_a_rank_that_refuses_a_version_is_named_in_the_items_result(world) -> No
     assert done[0].rank_errors == () and done[1].error is None
     assert done[1].rank_errors == ("replica/0: AdapterChangedError: its copy differs",)
     assert "a1" in core.catalog  # registered: the controller's catalog is the truth, the rank's loads fail
+
+
+class _Rank:
+    """A worker's handle whose ``register_adapters`` answers (every entry taken) or, ``restarting``, raises as Ray
+    does for a call to a worker that died or restarts while the call is in flight."""
+
+    def __init__(self, restarting: bool) -> None:
+        self.restarting, self.register_adapters = restarting, self
+
+    def remote(self, entries: list[Any]) -> Any:
+        async def answer() -> list[tuple[str, str]]:
+            if self.restarting:
+                raise ConnectionError("the actor died unexpectedly before finishing this task")
+            return [(known.version if known else "", "") for _, _, known in entries]
+        return asyncio.ensure_future(answer())
+
+
+def test_a_registration_a_restarting_rank_did_not_answer_is_registered_and_says_so(world) -> None:
+    """Issue 46 item 3a: during a worker restart, registrations answered FAILED_PRECONDITION ("no answer") though
+    the controller had applied them: a rank that did not answer counted as a rank that refused. Now it is named
+    apart (``rank_pending``: it is given the registration when it is adopted again or restarts) and is no error;
+    a refusal still is one. Through the real ``WorkerFanout``."""
+    core, _, _, log, root = world
+
+    links = SimpleNamespace(handles={WorkerId("r", 0): _Rank(restarting=False),
+                                     WorkerId("r", 1): _Rank(restarting=True)})
+
+    async def plan() -> None:
+        log.append("plan")
+
+    registrar = Registrar(core, WorkerFanout(links), set(), plan)  # type: ignore[arg-type]
+    done = run(registrar.register([("a0", str(root / "a0")), ("a1", str(root / "a1"))]))
+    for d in done:
+        assert d.error is None and d.rank_errors == () and d.name in core.catalog
+        assert d.rank_pending == (f"{worker_name(WorkerId('r', 1))}: no answer (ConnectionError); given it when it "
+                                  "is adopted again or restarts",)
+
+
+def test_a_registrations_answer_over_grpc_names_the_ranks_it_is_pending_on(world) -> None:
+    """The same over the gateway's RegisterAdapters: the real servicer and client in front of a real ``Registrar``
+    (a stand-in for the actor's forwarding only): the item is registered, with no error, and says which rank
+    gets it later (``RegisteredAdapter.pending_ranks``)."""
+    core, _, _, log, root = world
+    links = SimpleNamespace(handles={WorkerId("r", 0): _Rank(restarting=True)})
+
+    async def plan() -> None:
+        log.append("plan")
+
+    registrar = Registrar(core, WorkerFanout(links), set(), plan)  # type: ignore[arg-type]
+    async def no_hints(batches: list[Any]) -> list[Any]:
+        raise AssertionError("no hint is sent here")
+
+    controller = SimpleNamespace(register_adapters=SimpleNamespace(remote=registrar.register),
+                                 hint_batches=SimpleNamespace(remote=no_hints))
+    gw = start_gateway_thread(GatewayConfig(grpc_port=0), controller)
+    try:
+        with LoraCacheClient(gw.target) as lc:
+            (done,) = lc.register_many([("a2", str(root / "a2"))])
+    finally:
+        gw.stop()
+    assert done.error is None and done.version == core.catalog.get("a2").version and done.rank_errors == ()
+    assert done.rank_pending == (f"{worker_name(WorkerId('r', 0))}: no answer (ConnectionError); given it when it "
+                                 "is adopted again or restarts",)
 
 
 def test_a_name_being_unregistered_is_refused_and_left_as_it_was(world) -> None:

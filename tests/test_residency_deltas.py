@@ -15,7 +15,7 @@ import pytest
 from lora_cache.adapters.catalog import AdapterCatalog
 from lora_cache.controller.core import ControllerConfig, ControllerCore
 from lora_cache.errors import CapacityError, LoraCacheError
-from lora_cache.vocab import AdapterKey, Delta, Evict, Prefetch, WorkerId
+from lora_cache.vocab import AdapterKey, Delta, Evict, Prefetch, WorkerId, delta_row
 from workers.cache import WorkerCache
 from workers.control.commands import CommandGate
 
@@ -156,7 +156,7 @@ def test_the_outbox_sends_a_ready_delta_with_its_store_read_seconds() -> None:
     finally:
         outbox.close()
     rows = [row for batch in sent for row in batch]
-    assert rows == [(1, A, "v1", "loading", "", 0.0), (2, A, "v1", "ready", "", 0.25)]
+    assert rows == [(1, A, "v1", "loading", "", 0.0, False), (2, A, "v1", "ready", "", 0.25, False)]
 
 
 def test_a_load_that_finds_every_slot_in_use_reports_failed_once(
@@ -311,7 +311,7 @@ def one_worker_core(catalog: AdapterCatalog) -> tuple[ControllerCore, WorkerId]:
 
 def deliver(core: ControllerCore, wid: WorkerId, deltas: Deltas) -> None:
     """The worker's deltas so far, reported to the controller as its outbox would."""
-    core.worker_report(wid, [(d.adapter, d.version, d.state, d.error) for d in deltas.drain()], now=1.0)
+    core.worker_report(wid, [delta_row(0, d)[1:] for d in deltas.drain()], now=1.0)
 
 
 def test_the_controller_sees_engine_loads_without_a_resync(

@@ -129,7 +129,7 @@ def _core(tiny_adapters: Any, adapters: int = 3) -> tuple[ControllerCore, list[s
     for r in range(2):
         core.add_replica(f"replica-{r}", 1, 4)
     version = core.planner.view.adapter(names[0]).version
-    core.worker_report(WorkerId("replica-0", 0), [(names[0], version, "ready", "")], 0.5)
+    core.worker_report(WorkerId("replica-0", 0), [(names[0], version, "ready", "", 0.0, True)], 0.5)  # acquired
     return core, names
 
 

@@ -67,9 +67,9 @@ def served(tiny_adapters: Any) -> Iterator[Served]:
         core.add_replica(f"replica-{r}", 2, 4)
     a, va = names[0], versions[0]
     for rank in (0, 1):  # adapter 0: ready on replica-0, loading on replica-1 (one rank ready, one loading)
-        core.worker_report(WorkerId("replica-0", rank), [(a, va, "ready", "")], 1.0)
-    core.worker_report(WorkerId("replica-1", 0), [(a, va, "ready", "")], 1.0)
-    core.worker_report(WorkerId("replica-1", 1), [(a, va, "loading", "")], 1.0)
+        core.worker_report(WorkerId("replica-0", rank), [(a, va, "ready", "", 0.0, True)], 1.0)  # acquired loads
+    core.worker_report(WorkerId("replica-1", 0), [(a, va, "ready", "", 0.0, True)], 1.0)
+    core.worker_report(WorkerId("replica-1", 1), [(a, va, "loading", "", 0.0, True)], 1.0)
     gw = start_gateway_thread(GatewayConfig(grpc_port=0, max_hints_per_call=MAX_ITEMS), CoreController(core))
     try:
         yield Served(core, gw.target, names, versions)

@@ -128,8 +128,8 @@ def test_prefetch_readiness_record(catalog: AdapterCatalog, make_cache: Callable
     )
     assert 0 <= rec.slot < 3 and rec.disk_ms > 0 and rec.h2d_ms >= 0 and rec.ready_ms >= rec.disk_ms
     assert cache.residency() == [
-        {"adapter": B, "version": spec.version, "slot": rec.slot, "state": "ready", "refs": 0}
-    ]
+        {"adapter": B, "version": spec.version, "slot": rec.slot, "state": "ready", "refs": 0, "acquired": True}
+    ]  # not a controller's command: the rank's own load
     assert_serves(cache, B, rec.slot)
     stats = cache.stats()
     assert (stats["prefetches"], stats["loads"], stats["host_misses"], stats["host_hits"]) == (1, 1, 1, 0)

@@ -153,7 +153,7 @@ class WorkerCache:
 
     # -- control: prefetch / stage / evict (lifecycle steps 4-7) ----------------------------------
     def prefetch(self, name: str, version: str | None = None, *, on_demand: bool = False,
-                 slot_wait_s: float = 0.0) -> Future[ReadinessRecord]:
+                 slot_wait_s: float = 0.0, commanded: bool = False) -> Future[ReadinessRecord]:
         """Start loading ``name`` (idempotent). The future resolves when this rank's shard is READY.
 
         Raises only when no load is started (unknown adapter or version, bad shapes); a started load that
@@ -162,11 +162,13 @@ class WorkerCache:
         them to let go of its entry (FIFO; ``host_waits``), as one that finds every slot loading waits for
         a slot; it fails at once only if nothing in flight could free room.
         ``on_demand``: started by an acquire that missed (not counted as a prefetch); ``slot_wait_s`` (on demand
-        only): how long it waits for a batch to let go of a slot when every slot is held."""
+        only): how long it waits for a batch to let go of a slot when every slot is held; ``commanded``: the
+        controller's command (``CommandGate``); any other load is the rank's own, and its deltas say so
+        (``Delta.acquired``: the controller believes a READY only of a load it commanded or one so marked)."""
         spec = self.catalog.get(name, version)
         layout = self.shards.layout(spec)  # bad shapes fail here, before anything is reserved
         return self.load_path.start(spec, AdapterKey(name, spec.version), layout, self.shards.plan(spec), on_demand,
-                                    slot_wait_s)
+                                    slot_wait_s, commanded)
 
     def stage(self, name: str, version: str | None = None) -> Future[HostEntry] | None:
         """Read this rank's shard of ``name`` into the host tier, with no slot (idempotent): what the planner
@@ -271,7 +273,8 @@ class WorkerCache:
     def residency(self) -> list[dict[str, object]]:
         with self.book.lock:
             return [{"adapter": s.key.name, "version": s.key.version, "slot": s.index, "state": s.state.value,
-                     "refs": s.refs} for s in self.book.table.slots if s.key is not None]
+                     "refs": s.refs, "acquired": not self.book.loads[s.index].commanded}  # the rank's own load
+                    for s in self.book.table.slots if s.key is not None]
 
     def stats(self) -> dict[str, object]:
         table = self.book.table

@@ -69,6 +69,7 @@ class SimController:
         config = ControllerConfig(catalog=catalog.config, planner=planner, router=router or RouterConfig())
         self.core = ControllerCore(config, epoch=1)
         self.core.catalog = catalog  # the actor's catalog reads adapter files; the simulated one is in memory
+        self.core.admission.catalog = catalog  # what a rank's claim is checked against: the same one
         self.plan_interval_s, self.sync_s = plan_interval_s, sync_s
         self.workers: dict[WorkerId, SimWorker] = {}
         self._outbox: dict[WorkerId, list[Delta]] = {}  # deltas gathering until their batch is sent
@@ -85,8 +86,8 @@ class SimController:
 
     def start(self) -> None:
         """Adopt the workers from their full reports (oracle residency included), then run the timer."""
-        for wid, worker in self.workers.items():
-            self.core.sync_worker(wid, worker.describe(), worker.hosted())
+        for wid, worker in self.workers.items():  # as a restarted controller's adoption: believed once
+            self.core.sync_worker(wid, worker.describe(), worker.hosted(), adopting=True)
         self.loop.after(self.plan_interval_s, self._timer)
 
     # -- inputs, sent now, taken after the report latency --------------------------------------------

@@ -44,7 +44,7 @@ from workers.engine.admission import CopyClock
 from workers.gpu.slots import SlotPhase, SlotTable
 
 # (adapter, version, loading|ready|gone|failed, error, read_s): what the controller takes (read_s: a READY's store read)
-Delta = tuple[str, str, str, str, float]
+Delta = tuple[str, str, str, str, float, bool]
 
 
 class LoadRecord(NamedTuple):
@@ -77,6 +77,7 @@ class SimLoad:
     nbytes: int
     start_s: float
     prefetched: bool
+    commanded: bool = False  # started by a controller's command, not by the rank's own engine (``Delta.acquired``)
     issued: Signal = field(default_factory=Signal)  # a slot is reserved and the copy issued (or the load failed)
     ready: Signal = field(default_factory=Signal)  # READY (ok) or failed
     host_hit: bool = False
@@ -122,9 +123,10 @@ class SimWorker:
         slot = self.table.lookup(self.keys[name])
         return slot is not None and slot.state is SlotPhase.READY
 
-    def describe(self) -> list[tuple[str, str, str, int]]:
+    def describe(self) -> list[tuple[str, str, str, int, bool]]:
         """The worker's full residency report (``WorkerActor.describe()['residency']``)."""
-        return [(s.key.name, s.key.version, s.state.value, s.refs) for s in self.table.slots if s.key is not None]
+        return [(s.key.name, s.key.version, s.state.value, s.refs, not self._loads[s.index].commanded)
+                for s in self.table.slots if s.key is not None]
 
     def hosted(self) -> list[tuple[str, str]]:
         """What its host tier holds whole (``WorkerActor.describe()['host']``)."""
@@ -157,7 +159,7 @@ class SimWorker:
             elif isinstance(command, Stage):
                 self.stage(command.adapter)
             else:
-                self.prefetch(command.adapter)
+                self.prefetch(command.adapter, commanded=True)
 
     def _restate(self, key: AdapterKey) -> None:
         """``WorkerCache.restate``: the state of a held adapter again (nothing if absent)."""
@@ -165,11 +167,13 @@ class SimWorker:
         if slot is not None:
             self._changed(key, "in_use" if slot.refs else slot.state.value)
 
-    def _changed(self, key: AdapterKey, state: str, error: str = "", read_s: float = 0.0) -> None:
-        """One residency change, reported at once (``WorkerCache.on_change``); ``read_s``: a READY's store read."""
-        self.push((key.name, key.version, state, error, read_s))
+    def _changed(self, key: AdapterKey, state: str, error: str = "", read_s: float = 0.0,
+                 acquired: bool = False) -> None:
+        """One residency change, reported at once (``WorkerCache.on_change``); ``read_s``: a READY's store read;
+        ``acquired``: a load an acquire started (``Delta.acquired``)."""
+        self.push((key.name, key.version, state, error, read_s, acquired))
 
-    def prefetch(self, name: str, on_demand: bool = False) -> SimLoad:
+    def prefetch(self, name: str, on_demand: bool = False, commanded: bool = False) -> SimLoad:
         """Start loading ``name`` (idempotent): the load in flight or done, or a new one."""
         key = self.keys[name]
         slot = self.table.lookup(key)
@@ -177,7 +181,8 @@ class SimWorker:
             return self._loads[slot.index]
         if key in self._pending:
             return self._pending[key]
-        load = self._pending[key] = SimLoad(key, self.nbytes[name], self.loop.now, prefetched=not on_demand)
+        load = self._pending[key] = SimLoad(key, self.nbytes[name], self.loop.now, prefetched=not on_demand,
+                                            commanded=commanded)
         self.counters.prefetches += not on_demand
         self.counters.demand_loads += on_demand
         try:
@@ -269,7 +274,7 @@ class SimWorker:
         if evicted is not None:
             self._retire(self._loads.pop(index))
             self._changed(evicted, "gone")
-        self._changed(load.key, "loading")
+        self._changed(load.key, "loading", acquired=not load.commanded)
         load.slot = index
         self._loads[index] = self._pending.pop(load.key)
         now = self.loop.now
@@ -284,7 +289,7 @@ class SimWorker:
         """The copy completed: READY (step 7), counters, the record; waiters try again."""
         now = self.loop.now
         self.table.mark_ready(load.slot)
-        self._changed(load.key, "ready", read_s=load.disk_ms / 1e3)
+        self._changed(load.key, "ready", read_s=load.disk_ms / 1e3, acquired=not load.commanded)
         c = self.counters
         c.loads += 1
         c.bytes_host_to_gpu += load.nbytes

@@ -187,6 +187,7 @@ class Registered(NamedTuple):
     previous_version: str  # "" if the name was new
     error: ClientError | None = None  # a RegisterAdapters item that was not registered (its name is unchanged)
     rank_errors: tuple[str, ...] = ()  # ranks that refused the version (registered; their loads of it fail)
+    rank_pending: tuple[str, ...] = ()  # ranks that did not answer (restarting): registered, given it when back
 
 
 # -- messages <-> Python values, shared by both clients ---------------------------------------------------
@@ -273,7 +274,8 @@ def _register_request(items: Iterable[tuple[str, str]]) -> pb.RegisterAdaptersRe
 def _registered(r: pb.RegisterAdaptersResponse) -> list[Registered]:
     return [Registered(a.name, a.version, a.previous_version,
                        ClientError(_CODE_NAMES.get(a.error.code, "UNKNOWN"), a.error.message)
-                       if a.HasField("error") else None, tuple(a.rank_errors)) for a in r.adapters]
+                       if a.HasField("error") else None, tuple(a.rank_errors), tuple(a.pending_ranks))
+            for a in r.adapters]
 
 
 def _unregister_request(name: str, drain_timeout_s: float | None) -> pb.UnregisterAdapterRequest:

@@ -20,10 +20,9 @@ from lora_cache.adapters.objects import StoreSource
 from lora_cache.adapters.peft import KnownVersion
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.validate import RequestError
-from lora_cache.vocab import Command, Evict, Prefetch, Stage
+from lora_cache.vocab import Command, DeltaRow, Evict, Prefetch, Stage
 
 Call = tuple[int, str, tuple[Any, ...]]  # (call id, method, arguments): lora_cache/link/relay.py's
-DeltaRow = tuple[int, str, str, str, str] | tuple[int, str, str, str, str, float]  # workers/control/outbox.py's
 
 
 class RelayedCallError(errors.LoraCacheError):
@@ -203,8 +202,8 @@ def report(d: dict[str, Any]) -> pb.WorkerReport:
     return pb.WorkerReport(
         replica=d["replica"], rank=d["rank"], tp=d["tp"], model=d["model"], incarnation=d["incarnation"], seq=d["seq"],
         node=d["node"], slots=d["slots"], host_bytes=d["host_bytes"], adapters=d["adapters"], epoch=d["epoch"],
-        residencies=[pb.RankResidency(adapter=a, version=v, state=state(s), refs=refs) for a, v, s, refs in
-                     d["residency"]],
+        residencies=[pb.RankResidency(adapter=r[0], version=r[1], state=state(r[2]), refs=r[3],
+                                      acquired=len(r) > 4 and r[4] is True) for r in d["residency"]],
         host_shards=[pb.HostShard(adapter=a, version=v) for a, v in d.get("host") or ()],
         reports_host=d.get("host") is not None)
 
@@ -212,7 +211,7 @@ def report(d: dict[str, Any]) -> pb.WorkerReport:
 def from_report(m: pb.WorkerReport) -> dict[str, Any]:
     return {"replica": m.replica, "rank": m.rank, "tp": m.tp, "model": m.model, "incarnation": m.incarnation,
             "seq": m.seq, "node": m.node, "slots": m.slots, "host_bytes": m.host_bytes, "adapters": dict(m.adapters),
-            "epoch": m.epoch, "residency": [(r.adapter, r.version, state_name(r.state), r.refs)
+            "epoch": m.epoch, "residency": [(r.adapter, r.version, state_name(r.state), r.refs, r.acquired)
                                             for r in m.residencies],
             "host": [(h.adapter, h.version) for h in m.host_shards] if m.reports_host else None}
 
@@ -233,11 +232,13 @@ def state_name(value: int) -> str:
 def deltas(incarnation: int, batch: list[DeltaRow]) -> pb.ResidencyDeltas:
     return pb.ResidencyDeltas(incarnation=incarnation, deltas=[
         pb.ResidencyDelta(seq=row[0], adapter=row[1], version=row[2], state=state(row[3]), error=row[4],
-                          read_s=float(row[5]) if len(row) > 5 else 0.0) for row in batch])
+                          read_s=float(row[5]) if len(row) > 5 else 0.0,
+                          acquired=bool(row[6]) if len(row) > 6 else False) for row in batch])
 
 
 def from_deltas(m: pb.ResidencyDeltas) -> tuple[int, list[DeltaRow]]:
-    return m.incarnation, [(d.seq, d.adapter, d.version, state_name(d.state), d.error, _read_s(d)) for d in m.deltas]
+    return m.incarnation, [(d.seq, d.adapter, d.version, state_name(d.state), d.error, _read_s(d), d.acquired)
+                           for d in m.deltas]
 
 
 def _read_s(d: pb.ResidencyDelta) -> float:

@@ -202,7 +202,7 @@ class Servicer:
         done = await self.controller.register_adapters.remote([item for _, item in call.items]) if call.items else []
         for (i, _), d in zip(call.items, done):
             answers[i] = pb.RegisteredAdapter(name=d.name, version=d.version, previous_version=d.previous,
-                                              rank_errors=d.rank_errors)
+                                              rank_errors=d.rank_errors, pending_ranks=d.rank_pending)
             if d.error is not None:
                 answers[i].error.CopyFrom(_register_error(d.error))
         return pb.RegisterAdaptersResponse(adapters=[answers[i] for i in range(len(request.adapters))])

@@ -138,7 +138,7 @@ def cmd_register(ns: argparse.Namespace) -> int:
         for start in range(0, len(items), ns.batch):
             done += lc.register_many(items[start:start + ns.batch])
     _print([{**d._asdict(), "error": None if d.error is None else {"code": d.error.code, "message": d.error.message},
-             "rank_errors": list(d.rank_errors)} for d in done])
+             "rank_errors": list(d.rank_errors), "rank_pending": list(d.rank_pending)} for d in done])
     return EXIT_FAILED if any(d.error is not None for d in done) else 0
 
 

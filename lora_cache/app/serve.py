@@ -201,6 +201,8 @@ def register_directory(controller: Any, root: str | Path, timeout_s: float = 20.
             print(f"lora-cache serve: adapter {d.name} was not registered: {d.error}", file=sys.stderr, flush=True)
         for error in d.rank_errors:
             print(f"lora-cache serve: adapter {d.name}@{d.version}: {error}", file=sys.stderr, flush=True)
+        for pending in d.rank_pending:  # registered: the rank is given it when it is back
+            print(f"lora-cache serve: adapter {d.name}@{d.version}: {pending}", file=sys.stderr, flush=True)
     return done
 
 

@@ -3,7 +3,8 @@
 Files:
 - ``core.py``: ``ControllerCore``, plain Python: catalog + planner + readiness index; checks every input.
 - ``lost_ranks.py``: ``LostRanks``: ranks lost and not heard from since, the plans withheld from their replicas.
-- ``admission.py``: ``ReportAdmission``: which residency claims of a rank the readiness index takes.
+- ``admission.py``: ``ReportAdmission``: which residency claims of a rank the readiness index and the planner take.
+- ``claims.py``: ``Claims``: per rank, the loads commanded, acquired or adopted (what admission believes).
 - ``readiness.py``: replica-level readiness from per-rank reports, the sequenced event log subscribers
   read, and the ``Doorbell`` that wakes their long polls.
 - ``links.py``: ``WorkerLinks``, the controller's side of each worker: handles, delta streams (incarnation,
@@ -22,5 +23,5 @@ through the links into the core -> the readiness index emits replica events -> t
 After a restart the catalog is restored first, then the links rebuild the core's view from the workers'
 reports (invariant 6), then the planner's snapshot is restored, then the actor plans. Imports run one way:
 actor -> control_loop -> links -> adoption -> core; actor -> registrations -> links -> core -> (lost_ranks,
-admission) -> readiness; actor -> snapshots -> catalog_store -> core; only the application imports actor.py.
+admission -> claims) -> readiness; actor -> snapshots -> catalog_store -> core; only the application imports actor.py.
 """

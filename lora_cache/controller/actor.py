@@ -68,7 +68,9 @@ class ControllerActor:
 
     async def register_adapter_info(self, name: str, path: str) -> tuple[str, str]:
         """``register_adapter``, answering (its version, the version it replaced or ""). A rank that refused the
-        version fails the call (the controller has registered it: its loads there fail until fixed)."""
+        version fails the call (the controller has registered it: its loads there fail until fixed); a rank that
+        did not answer (restarting) does not: the registration is durable and that rank is given it when it is
+        adopted again or restarts (issue 46 item 3a: it answered FAILED_PRECONDITION, "no answer", though applied)."""
         (done,) = await self.register_adapters([(name, path)])
         if done.error is not None:
             raise done.error

@@ -1,8 +1,10 @@
 """Adoption: the workers that exist when the controller (re)starts, taken from their own reports (invariant 6).
 
 After a controller restart, ``rebuild`` asks every worker actor it finds by name for its full report, all at
-once, each for ``call_timeout_s`` at most, registers what they hold that the restored catalog lacks, and
-has the links adopt each one. A worker that does not answer in time (its node was lost with the
+once, each for ``call_timeout_s`` at most, and has the links adopt each one: what a rank holds of the versions
+the durable catalog restored is believed, once (its loads were commanded by the controller's predecessor, or
+acquired); nothing a rank reports registers an adapter (a report names paths, and an attached endpoint's is the
+engine's own word: issue 46). A worker that does not answer in time (its node was lost with the
 controller's) is a lost rank until it answers: ``adopt_late`` asks it again from the health loop, one call
 each, and adopts it then (every registration replayed, a plan sent). A split of ``WorkerLinks`` along its
 seam: what adopting one report does (``adopt``) and everything after stays there; this module finds the
@@ -21,7 +23,6 @@ from typing import Any, Protocol, TypeVar
 import ray
 
 from lora_cache.controller.core import ControllerCore
-from lora_cache.errors import LoraCacheError
 from lora_cache.vocab import WorkerId, parse_worker_name, worker_name
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class Adopter(Protocol):
     named: Callable[[], list[str]]
     replan: Callable[[], Awaitable[None]]
 
-    def adopt(self, handle: Any, info: dict[str, Any]) -> WorkerId: ...
+    def adopt(self, handle: Any, info: dict[str, Any], restart: bool = False) -> WorkerId: ...
 
     def lose(self, wid: WorkerId) -> None: ...
 
@@ -77,11 +78,8 @@ class Adoption:
         controller serves meanwhile, and that rank counts as lost (its replica is ready for nothing)."""
         names = self.links.named()
         answers = await asyncio.gather(*(self._report(name) for name in names))
-        infos = [a for a in answers if a is not None]
-        for _, info in infos:
-            await self._learn_adapters(info)
-        for handle, info in infos:
-            self.links.adopt(handle, info)
+        for handle, info in (a for a in answers if a is not None):
+            self.links.adopt(handle, info, restart=True)
         for wid in self.unadopted:  # a rank of a replica that its other ranks brought back: lost until it answers
             view = self.links.core.planner.view
             if wid.replica in view.replicas() and str(wid) in view.workers(wid.replica):
@@ -130,25 +128,10 @@ class Adoption:
                 log.warning("could not adopt %s: %s", worker_name(wid), e)
                 self.unadopted.pop(wid, None)  # dead for good
             return False
-        # not ``_learn_adapters``: the catalog was rebuilt without it, and a name unregistered since would come back
         if self.unadopted.pop(wid, None) is not handle or wid in self.links.handles:
             return False
-        self.links.adopt(handle, info)
+        self.links.adopt(handle, info, restart=True)  # its loads predate the restart, as the rebuild's
         log.info("adopted %s, which did not answer the rebuild", worker_name(wid))
         await self.links.replay([handle])
         await self.links.replan()
         return True
-
-    async def _learn_adapters(self, info: dict[str, Any]) -> None:
-        """Register what a worker reports and the catalog lacks (its files read on a thread: the loop answers
-        meanwhile); an adapter registered by a call in the meantime is left as that call made it."""
-        for adapter, path in info["adapters"].items():
-            if adapter in self.links.core.catalog:
-                continue
-            try:
-                spec = await asyncio.to_thread(self.links.core.read_adapter, adapter, path)
-            except LoraCacheError as e:  # its files changed or went: the worker's copy is refused at its next load
-                log.warning("could not learn adapter %s from %s (%s): %s", adapter, info["replica"], path, e)
-                continue
-            if adapter not in self.links.core.catalog:
-                self.links.core.add_adapter(spec, path)

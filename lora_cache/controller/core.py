@@ -16,7 +16,7 @@ import torch
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.peft import AdapterSpec, KnownVersion
 from lora_cache.adapters.shards import shard_layout
-from lora_cache.controller.admission import ReportAdmission
+from lora_cache.controller.admission import ReportAdmission, ResidencyRow
 from lora_cache.controller.lost_ranks import LostRanks
 from lora_cache.controller.readiness import RankState, ReadinessEvent, ReadinessIndex
 from lora_cache.errors import ConfigError, LoraCacheError, NotFoundError
@@ -98,8 +98,8 @@ class ControllerConfig:
 
 HOST_STATES = ("staged", "unstaged")  # a worker's host tier gained or dropped a shard (its slots did not change)
 
-# one change a worker reported: (adapter, version, state, error[, read_s]) (``vocab.DeltaRow`` less its seq)
-ReportRow = tuple[str, str, str, str] | tuple[str, str, str, str, float]
+# one change a worker reported: (adapter, version, state, error[, read_s[, acquired]]) (``vocab.DeltaRow`` less its seq)
+ReportRow = tuple[str, str, str, str] | tuple[str, str, str, str, float] | tuple[str, str, str, str, float, bool]
 
 _STATE = {"loading": (RankState.LOADING, SlotState.LOADING), "ready": (RankState.READY, SlotState.READY),
           "in_use": (RankState.READY, SlotState.IN_USE)}  # a refused evict: held by a running batch
@@ -124,7 +124,8 @@ class ControllerCore:
         self.limits = RoutingLimits()  # replicas' admission limits and the requests routed there (routing advice)
         # measured load times and requests' leads (routing advice: an idle replica READY by arrival ranks first)
         self.clock = LoadClock(config.router.cold_s, config.router.staged_s)
-        # residency a rank claims and the controller believes (registered versions, its slots), refusals counted
+        # residency a rank claims and the controller believes (registered versions it commanded, the rank acquired or a
+        # restart adopted, within its slots), refusals counted
         self.admission = ReportAdmission(self.catalog, self.planner.view, self.readiness)
 
     # -- adapters and topology ------------------------------------------------------------------
@@ -183,6 +184,7 @@ class ControllerCore:
         self.lost.forget_replica(replica)
         self.failures = {k: f for k, f in self.failures.items() if k[0].replica != replica}
         self.limits.forget(replica)
+        self.admission.claims.forget_replica(replica)
         return self.readiness.remove_replica(replica)
 
     def worker_lost(self, worker: WorkerId, gone: bool = True, now: float = 0.0) -> list[ReadinessEvent]:
@@ -192,6 +194,8 @@ class ControllerCore:
         self.check_worker(worker)
         if gone:
             self.lost.lose(worker, now)
+        else:  # a new incarnation: what vouched for its predecessor's loads vouches for nothing it holds
+            self.admission.claims.forget(worker)
         self.planner.report_residency(str(worker), [])
         self.planner.report_host(str(worker), full=True)  # a restart's host tier is empty; a hung one's is resynced
         self.failures = {k: f for k, f in self.failures.items() if k[0] != worker}
@@ -255,7 +259,8 @@ class ControllerCore:
         self.check_worker(worker)
         self.lost.heard_from(worker)
         events: list[ReadinessEvent] = []
-        for adapter, version, state, error, *read in deltas:
+        for adapter, version, state, error, *rest in deltas:
+            read, acquired = rest[:1], len(rest) > 1 and rest[1] is True
             if state in HOST_STATES:  # its host tier, apart from the slots: routing's, no readiness
                 shard = [AdapterKey(adapter, version)]
                 if state == "staged":
@@ -277,33 +282,36 @@ class ControllerCore:
                     self.clock.read(self.planner.view.shard_bytes(worker.replica, adapter), float(read[0]))
             if state in ("gone", "failed"):
                 self.clock.dropped(str(worker), adapter, version)
+            believed = rank_state is None or self.admission.admits(worker, adapter, version, acquired)
             if state == "gone":
                 self.planner.drop_residency(str(worker), adapter, version)
-            elif slot_state is not None and adapter in self.catalog:  # an unregistered one is drained, not planned
+            elif slot_state is not None and adapter in self.catalog and believed:  # an unregistered one: drained
                 self.planner.update_residency(str(worker), ResidencyEntry(adapter, version, slot_state))
-            if rank_state is None or self.admission.admits(worker, adapter, version):  # the slot counts for the planner
+            if believed:  # a claim refused reaches neither the readiness index nor the planner (Route's view)
                 events += self.readiness.report(worker.replica, worker.rank, adapter, version, rank_state)
         return events
 
-    def sync_worker(self, worker: WorkerId, entries: Iterable[tuple[str, str, str, int]],
-                    host: Iterable[tuple[str, str]] | None = None) -> list[ReadinessEvent]:
+    def sync_worker(self, worker: WorkerId, entries: Iterable[ResidencyRow],
+                    host: Iterable[tuple[str, str]] | None = None, adopting: bool = False) -> list[ReadinessEvent]:
         """A full residency report (controller restart, or a resync after lost deltas): it replaces what
         was known of the worker, including commands assumed done. Readiness changes only where the
         report differs, so a resync that finds nothing new publishes nothing. ``host``: what its host tier
-        holds (None: a rank that does not report it; what its deltas said is kept)."""
+        holds (None: a rank that does not report it; what its deltas said is kept). Only what ``admission``
+        believes counts (``adopting``: a restarted controller's first report of the rank, believed for
+        registered versions within its slots, once: ``claims.py``)."""
         self.check_worker(worker)
         self.lost.heard_from(worker)  # it answered with its full report: alive
         if host is not None:
             self.planner.report_host(str(worker), [AdapterKey(a, v) for a, v in host], full=True)
-        entries = [(a, v, s, refs) for a, v, s, refs in entries if s in _STATE]
         before = self.readiness.holdings(worker.replica, worker.rank)
+        believed = self.admission.admitted(worker, [e for e in entries if e[2] in _STATE], before, adopting)
         planned = [ResidencyEntry(a, v, SlotState.IN_USE if refs else _STATE[s][1], refs)
-                   for a, v, s, refs in entries if a in self.catalog]
+                   for a, v, s, refs in believed if a in self.catalog]
         held = {(e.adapter, e.version) for e in planned}
         planned += [ResidencyEntry(a, v, SlotState.LOADING) for (w, a, v), f in sorted(self.failures.items())
                     if w == worker and not f.released and (a, v) not in held and a in self.catalog]  # backing off
         self.planner.report_residency(str(worker), planned)  # every slot it fills counts (an evict may follow)
-        now = {(a, v): _STATE[s][0] for a, v, s, _ in self.admission.admitted(worker, entries, before)}
+        now = {(a, v): _STATE[s][0] for a, v, s, _ in believed}
         events: list[ReadinessEvent] = []
         for (a, v) in sorted(before.keys() - now.keys()):
             events += self.readiness.report(worker.replica, worker.rank, a, v, None)
@@ -337,6 +345,8 @@ class ControllerCore:
                 self.lost.withheld.add(WorkerId(replica, int(rank)))
                 continue
             out[WorkerId(replica, int(rank))] = list(w.commands)
+            self.admission.claims.commanded(WorkerId(replica, int(rank)), w.commands,
+                                            self.planner.view.capacity(w.worker).slots)
             self.commands_sent += len(w.commands)
             self._time_prefetches(w.worker, replica, w.commands, now)
         return out
@@ -372,6 +382,7 @@ class ControllerCore:
                 "lost_ranks": {str(w): t for w, t in sorted(self.lost.lost_at.items())},
                 "recent_losses": list(self.lost.recent_losses), "refused_reports": self.admission.refused_reports,
                 "recent_refusals": list(self.admission.recent_refusals),
+                "vouched_loads": self.admission.claims.counts(),
                 "warming": {"on": self.planner.warming, **self.clock.gate(self.planner.view.max_bytes(),
                                                                          self.config.planner.warm_min_miss_s)}}
 
@@ -396,3 +407,5 @@ class ControllerCore:
         assert all(str(w) in view.workers(w.replica) for w in self.lost.down), "a lost rank the fleet lacks"
         self.planner.check_integrity()
         self.readiness.check_integrity()
+        assert all(w.replica in view.replicas() for w in self.admission.claims.vouched), "claims of a replica gone"
+        self.admission.claims.check_integrity(lambda w: view.capacity(str(w)).slots)

@@ -26,6 +26,15 @@ log = logging.getLogger(__name__)
 Registration = tuple[str, str, KnownVersion | None]  # (name, path, the version as the controller hashed it)
 
 
+class RankAnswers(NamedTuple):
+    """How the ranks took one registration: those that refused it, and those that did not answer (dead or
+    restarting): not a refusal, the durable catalog has it and such a rank is given every registration when it is
+    adopted again or says it restarted (``WorkerLinks.replay``)."""
+
+    refused: list[str]
+    pending: list[str]
+
+
 class Sent(NamedTuple):
     """Registrations submitted to the workers, and each worker's call (``WorkerFanout.registered`` reads them)."""
 
@@ -46,21 +55,26 @@ class WorkerFanout:
         of any command a later plan sends for those versions; ``registered`` collects their answers."""
         return Sent(entries, [(wid, h.register_adapters.remote(entries)) for wid, h in self.links.handles.items()])
 
-    async def registered(self, sent: Sent) -> list[list[str]]:
-        """The ranks' answers to ``sent``: per entry, the errors of the ranks that did not register it."""
-        errors: list[list[str]] = [[] for _ in sent.entries]
+    async def registered(self, sent: Sent) -> list[RankAnswers]:
+        """The ranks' answers to ``sent``, per entry: the ranks that refused it (with why) and those that did not
+        answer (a worker restarting, or dead: it gets every registration when it is adopted again or restarts)."""
+        out = [RankAnswers([], []) for _ in sent.entries]
         answers = await asyncio.gather(*(ref for _, ref in sent.calls), return_exceptions=True)
         for (wid, _), answer in zip(sent.calls, answers):
             if isinstance(answer, BaseException):  # lost: a restarted worker gets them again (worker_started)
-                log.warning("worker %s did not answer %d registrations: %s", wid, len(sent.entries), answer)
-                answer = [("", f"no answer ({type(answer).__name__}: {answer})")] * len(sent.entries)
+                log.warning("worker %s did not answer %d registrations (%s: %s); it gets them when it is adopted "
+                            "again or restarts", wid, len(sent.entries), type(answer).__name__, answer)
+                for ranks in out:
+                    ranks.pending.append(f"{worker_name(wid)}: no answer ({type(answer).__name__}); given it when it "
+                                         "is adopted again or restarts")
+                continue
             for k, (_, error) in enumerate(answer):
                 if error:
-                    errors[k].append(f"{worker_name(wid)}: {error}")
-        for entry, errs in zip(sent.entries, errors):
-            for error in errs:
+                    out[k].refused.append(f"{worker_name(wid)}: {error}")
+        for entry, ranks in zip(sent.entries, out):
+            for error in ranks.refused:
                 log.warning("adapter %s@%s was refused by %s", entry[0], entry[2].version if entry[2] else "?", error)
-        return errors
+        return out
 
     async def drain(self, name: str, timeout_s: float) -> list[str]:
         """Evict ``name`` until no worker holds it; the versions evicted. ConflictError if it is registered
@@ -99,7 +113,7 @@ class WorkerFanout:
             if isinstance(report, BaseException):  # lost: it comes back empty (worker_started)
                 log.warning("worker %s did not report while draining %s: %s", wid, name, report)
                 continue
-            versions = {v for a, v, _, _ in report["residency"] if a == name}
+            versions = {v for a, v, *_ in report["residency"] if a == name}
             if versions:
                 held[wid] = versions
         return held

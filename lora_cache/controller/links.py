@@ -88,14 +88,16 @@ class WorkerLinks:
         self.rejected = 0  # commands workers refused as from an older epoch
 
     # -- adoption (invariant 6) -----------------------------------------------------------------
-    def adopt(self, handle: Any, info: dict[str, Any]) -> WorkerId:
-        """Take a worker's full report as the truth about it (its replica is added if new: ConfigError if
-        the replica exists with another TP size or slot count)."""
+    def adopt(self, handle: Any, info: dict[str, Any], restart: bool = False) -> WorkerId:
+        """Take a worker's full report as the truth about it, as far as the controller believes it (its replica is
+        added if new: ConfigError if the replica exists with another TP size or slot count). ``restart``: found
+        by a restarted controller, whose predecessor commanded its loads: what it holds of the registered
+        versions is believed, once (``ControllerCore.sync_worker``'s ``adopting``)."""
         wid = WorkerId(info["replica"], info["rank"])
         self.core.add_replica(info["replica"], info["tp"], info["slots"], info.get("host_bytes"))
         self.handles[wid] = handle
         self.links[wid] = Link(info["incarnation"], info["seq"])
-        self.publish(self.core.sync_worker(wid, info["residency"], info.get("host")))
+        self.publish(self.core.sync_worker(wid, info["residency"], info.get("host"), adopting=restart))
         self.lifelines.watch(wid, handle)
         return wid
 
@@ -136,8 +138,8 @@ class WorkerLinks:
                               f"{self.core.catalog.shape.name!r}; attach with the service's model")
         if wid in self.handles:
             self._new_incarnation(wid, incarnation)  # drops what the predecessor held
-        # not ``Adoption._learn_adapters``: an attached process does not register adapters (a forged report named
-        # adapters never registered, and the controller took them); the operators' registrations stand
+        # a new attach: nothing it reports was commanded (a new process holds nothing), and nothing a rank reports
+        # registers an adapter (the operators' registrations, restored from the durable catalog, stand)
         self.adopt(handle, info)
         self.attached.add(wid)
 

@@ -49,6 +49,9 @@ class Registered(NamedTuple):
     previous: str = ""  # the version it replaced; "" if the name was new
     error: LoraCacheError | None = None  # why not: its name is as it was before the call
     rank_errors: tuple[str, ...] = ()  # ranks that refused the version (it is registered; their loads fail)
+    # ranks that did not answer in time (restarting, or dead): it is registered (the durable catalog has it) and they
+    # are given it when they are adopted again or restart; not an error
+    rank_pending: tuple[str, ...] = ()
 
 
 class Turns:
@@ -175,9 +178,10 @@ class Registrar:
         return True
 
     async def _answered(self, items: list[Item], sent: Sent, results: list[Registered | None]) -> None:
-        for item, errors in zip(items, await self.fanout.registered(sent)):
-            if errors:
-                results[item.at] = results[item.at]._replace(rank_errors=tuple(errors))  # type: ignore[union-attr]
+        for item, ranks in zip(items, await self.fanout.registered(sent)):
+            if ranks.refused or ranks.pending:
+                results[item.at] = results[item.at]._replace(  # type: ignore[union-attr]
+                    rank_errors=tuple(ranks.refused), rank_pending=tuple(ranks.pending))
 
 
 def _check_item(name: object, path: object, first: int | None) -> None:

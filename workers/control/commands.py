@@ -97,7 +97,7 @@ class CommandGate:
             self.cache.stage(command.adapter, command.version)  # no room or a failed read: counted there
             return None
         assert isinstance(command, Prefetch)
-        future = self.cache.prefetch(command.adapter, command.version)
+        future = self.cache.prefetch(command.adapter, command.version, commanded=True)
         failed = future.exception() if future.done() else None  # e.g. no host-tier room: reported "failed"
         # every slot held by running batches is counted (prefetch_no_room), not an error to log
         return None if failed is None or isinstance(failed, SlotsBusyError) else str(failed)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lora_cache.vocab import Delta, DeltaRow
+from lora_cache.vocab import Delta, DeltaRow, delta_row
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,7 @@ class Outbox:
         with self._cond:
             self.seq += 1
             if len(self._pending) < self.max_pending:  # bounded: past it, the controller sees a gap
-                read_s = delta.record.disk_ms / 1e3 if delta.record is not None else 0.0  # READY: its store read
-                self._pending.append((self.seq, delta.adapter, delta.version, delta.state, delta.error, read_s))
+                self._pending.append(delta_row(self.seq, delta))
             self._cond.notify()
 
     def _run(self) -> None:

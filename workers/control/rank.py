@@ -79,7 +79,8 @@ class WorkerControl:
                 "incarnation": self.outbox.incarnation, "seq": seq, "node": node,
                 "slots": config.num_slots, "host_bytes": config.host.host_bytes, "adapters": dict(self.paths),
                 "epoch": self.gate.epoch,
-                "residency": [(r["adapter"], r["version"], r["state"], r["refs"]) for r in self.cache.residency()],
+                "residency": [(r["adapter"], r["version"], r["state"], r["refs"], r.get("acquired") is True)
+                              for r in self.cache.residency()],
                 "host": [(k.name, k.version) for k in self.cache.host.contents()]}  # its host tier, apart
 
     def stats(self) -> dict[str, object]:

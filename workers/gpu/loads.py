@@ -60,10 +60,13 @@ class SlotBook:
         self._changes: deque[Delta] = deque()  # residency changes not yet handed to on_change, oldest first
         self._reporting = threading.RLock()  # one thread hands changes over at a time (keeps their order)
 
-    def changed(self, key: AdapterKey, state: str, record: ReadinessRecord | None = None, error: str = "") -> None:
-        """Queue one residency change (caller holds the lock, so the queue is in the order of the changes)."""
+    def changed(self, key: AdapterKey, state: str, record: ReadinessRecord | None = None, error: str = "",
+                acquired: bool = False) -> None:
+        """Queue one residency change (caller holds the lock, so the queue is in the order of the changes);
+        ``acquired``: a load the rank started itself, not a command (the controller believes its READY:
+        controller/claims.py)."""
         if self.on_change is not None:
-            self._changes.append(Delta(key.name, key.version, state, record, error))
+            self._changes.append(Delta(key.name, key.version, state, record, error, acquired))
 
     def report(self) -> None:
         """Hand the queued changes to ``on_change``, oldest first (caller does not hold the lock).
@@ -135,7 +138,7 @@ class LoadPath:
         self.watcher = CompletionWatcher(streams, self._finish)
 
     def start(self, spec: AdapterSpec, key: AdapterKey, layout: ShardLayout, plan: ChunkPlan,
-              on_demand: bool, slot_wait_s: float = 0.0) -> Future[ReadinessRecord]:
+              on_demand: bool, slot_wait_s: float = 0.0, commanded: bool = False) -> Future[ReadinessRecord]:
         """Load ``key`` unless it has a slot or a load already (idempotent); its future (``WorkerCache.prefetch``)."""
         book = self.book
         with book.lock:
@@ -144,7 +147,8 @@ class LoadPath:
                 return book.loads[slot.index].future
             if key in book.pending:
                 return book.pending[key].future
-            load = SlotLoad(key, layout, plan, prefetched=not on_demand, slot_wait_s=slot_wait_s if on_demand else 0.0)
+            load = SlotLoad(key, layout, plan, prefetched=not on_demand, slot_wait_s=slot_wait_s if on_demand else 0.0,
+                            commanded=commanded)
             book.pending[key] = load
             book.counters.prefetches += not on_demand
             book.counters.demand_loads += on_demand
@@ -259,7 +263,7 @@ class LoadPath:
                 if evicted is not None:
                     book.retire(load.slot)
                     book.changed(evicted, "gone")
-                book.changed(load.key, "loading")
+                book.changed(load.key, "loading", acquired=not load.commanded)
                 book.loads[load.slot] = book.pending.pop(load.key)
                 load.mark("slot")
         if error is not None:  # failed once its read has ended: the tier holds the shard (a host hit next time)
@@ -346,7 +350,7 @@ class LoadPath:
                 book.counters.disk_ms.add(record.disk_ms)
             book.counters.h2d_ms.add(record.h2d_ms)
             book.counters.ready_ms.add(record.ready_ms)
-            book.changed(load.key, "ready", record)
+            book.changed(load.key, "ready", record, acquired=not load.commanded)
         self.host.release(load.key, load.entry)
         try:
             if self.on_ready is not None:

@@ -314,18 +314,20 @@ class RegisterAdaptersRequest(_message.Message):
     def __init__(self, adapters: _Optional[_Iterable[_Union[RegisterAdapterRequest, _Mapping]]] = ...) -> None: ...
 
 class RegisteredAdapter(_message.Message):
-    __slots__ = ("name", "version", "previous_version", "error", "rank_errors")
+    __slots__ = ("name", "version", "previous_version", "error", "rank_errors", "pending_ranks")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RANK_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_RANKS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     previous_version: str
     error: RegisterError
     rank_errors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., previous_version: _Optional[str] = ..., error: _Optional[_Union[RegisterError, _Mapping]] = ..., rank_errors: _Optional[_Iterable[str]] = ...) -> None: ...
+    pending_ranks: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., previous_version: _Optional[str] = ..., error: _Optional[_Union[RegisterError, _Mapping]] = ..., rank_errors: _Optional[_Iterable[str]] = ..., pending_ranks: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterError(_message.Message):
     __slots__ = ("code", "message")
@@ -612,16 +614,18 @@ class ApplyResult(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., rejected_stale: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RankResidency(_message.Message):
-    __slots__ = ("adapter", "version", "state", "refs")
+    __slots__ = ("adapter", "version", "state", "refs", "acquired")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REFS_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRED_FIELD_NUMBER: _ClassVar[int]
     adapter: str
     version: str
     state: ResidencyState
     refs: int
-    def __init__(self, adapter: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[ResidencyState, str]] = ..., refs: _Optional[int] = ...) -> None: ...
+    acquired: bool
+    def __init__(self, adapter: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[ResidencyState, str]] = ..., refs: _Optional[int] = ..., acquired: _Optional[bool] = ...) -> None: ...
 
 class WorkerReport(_message.Message):
     __slots__ = ("replica", "rank", "tp", "model", "incarnation", "seq", "node", "slots", "host_bytes", "adapters", "epoch", "residencies", "host_shards", "reports_host")
@@ -699,20 +703,22 @@ class CallAnswer(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., apply: _Optional[_Union[ApplyResult, _Mapping]] = ..., describe: _Optional[_Union[WorkerReport, _Mapping]] = ..., registered_version: _Optional[str] = ..., unregistered: _Optional[bool] = ..., stats_json: _Optional[str] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., registered: _Optional[_Union[RankRegistrations, _Mapping]] = ...) -> None: ...
 
 class ResidencyDelta(_message.Message):
-    __slots__ = ("seq", "adapter", "version", "state", "error", "read_s")
+    __slots__ = ("seq", "adapter", "version", "state", "error", "read_s", "acquired")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     READ_S_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRED_FIELD_NUMBER: _ClassVar[int]
     seq: int
     adapter: str
     version: str
     state: ResidencyState
     error: str
     read_s: float
-    def __init__(self, seq: _Optional[int] = ..., adapter: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[ResidencyState, str]] = ..., error: _Optional[str] = ..., read_s: _Optional[float] = ...) -> None: ...
+    acquired: bool
+    def __init__(self, seq: _Optional[int] = ..., adapter: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[ResidencyState, str]] = ..., error: _Optional[str] = ..., read_s: _Optional[float] = ..., acquired: _Optional[bool] = ...) -> None: ...
 
 class ResidencyDeltas(_message.Message):
     __slots__ = ("incarnation", "deltas")
