@@ -54,7 +54,8 @@ VICTIM_REPLICA = "replica-0"
 HELD = ["adapter-000", "adapter-001"]  # ready on the victim's replica before the kill
 # The controller learns of a SIGKILLed rank when the kernel closes its lifeline: after the process's memory is torn
 # down (Linux frees the address space before the files), 25-35 ms per resident GB on this 2-core machine
-# (python -m bench.probes.kill_close: 0.7 ms at 0 MB, 37.5 at 1 GB, 106 at 4 GB), plus a turn of the controller's
+# (python -m bench.probes.kill_close: 0.7 ms at 0 MB, 37.5 at 1 GB, 106 at 4 GB; CUDA-pinned memory costs nothing,
+# 0.3 ms at 16 GB on an H200 host), plus a turn of the controller's
 # loop, which is what a loaded machine stretches (91-210 ms for a 0.3 GB victim beside three busy test runs on
 # this machine, 67 ms quiet). The bound asserted: DETECT_BASE_S, for the loop, plus DETECT_PER_GB_S per GB the
 # victim held (it was up to 1.4 s before the lifeline, when Ray's restart told it).
