@@ -9,7 +9,6 @@ acquired loads, ``WorkerLinks`` and ``Adoption`` for the restart (workers that a
 from __future__ import annotations
 
 import asyncio
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,8 @@ from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.controller.core import ControllerConfig, ControllerCore
 from lora_cache.controller.links import WorkerLinks
 from lora_cache.routing.advice import RouteRequest
-from lora_cache.vocab import Delta, Prefetch, WorkerId, delta_row, worker_name
+from lora_cache.vocab import Prefetch, WorkerId, delta_row, worker_name
+from tests.test_control import Outbox as ControlOutbox
 from workers.cache import WorkerCache, WorkerConfig
 from workers.control.commands import CommandGate
 from workers.staging.host_config import HostTierConfig
@@ -28,17 +28,8 @@ from workers.staging.host_config import HostTierConfig
 R0, R1 = WorkerId("r0", 0), WorkerId("r1", 0)  # two TP-1 replicas of two slots each
 
 
-class Outbox:
+class Outbox(ControlOutbox):
     """A rank's deltas as its outbox numbers them; ``take(n)`` waits (bounded, no sleeps) for n READYs."""
-
-    def __init__(self) -> None:
-        self.deltas: list[Delta] = []
-        self.cond = threading.Condition()
-
-    def push(self, delta: Delta) -> None:
-        with self.cond:
-            self.deltas.append(delta)
-            self.cond.notify_all()
 
     def take(self, ready: int) -> list[tuple[Any, ...]]:
         with self.cond:
