@@ -112,8 +112,11 @@ def test_controller_restart_rebuilds_from_workers(service) -> None:
     wait_for(lambda: seen.append(_status_or_none(ctl)) or (seen[-1] or {}).get("epoch", epoch) > epoch,
              "controller restart with a larger epoch", timeout=60)
     status = seen[-1]
-    assert status["workers"] == 4 and status["adapters"] == 8
-    assert "replica-0" in ray.get(ctl.lookup.remote("adapter-006"))["ready"]  # rebuilt from reports
+    found = ray.get(ctl.lookup.remote("adapter-006"))
+    if not (status["workers"] == 4 and status["adapters"] == 8 and "replica-0" in found["ready"]):
+        # what the ranks say they hold, for the message (failed once in 4 fresh-clone runs, cause not yet seen)
+        held = {str(w): sorted(_residency_or_empty(h)) for w, h in sorted(service.workers.items())}
+        pytest.fail(f"not rebuilt from the reports: status {status}, lookup {found}, ranks {held}")
 
 
 def _status_or_none(ctl):

@@ -49,13 +49,32 @@ def test_one_copy_of_as_much_of_the_catalog_as_fits_before_any_second() -> None:
     planner.check_integrity()
 
 
-def test_requested_adapters_first_by_count_per_byte_then_unseen_smallest_first() -> None:
+def test_requested_adapters_first_then_unseen_smallest_first() -> None:
     """One replica, room for 3 shards: the requested adapter first, then the never-requested ones by size."""
     planner = make(replicas=1, adapters=5, host_bytes=600, sizes={0: 150, 1: 100, 2: 50, 3: 100, 4: 100})
     planner.record_request("a4", "r0", 0.0)
     stages = warm_stages(planner, 0.0)["r0/w0"]
     assert [s.adapter for s in stages] == ["a4", "a2", "a1"]  # 100 + 50 + 100 of 300, then a3 (100) fits no more
     assert [s.priority for s in stages] == sorted(s.priority for s in stages)
+
+
+def test_requested_adapters_by_the_store_time_a_copy_saves_per_byte() -> None:
+    """A copy saves a miss's store read: a large shard costs more to hold and more to miss. Where a read's time is
+    its bytes (no reads timed yet, or a device), the busier adapter comes first whatever its size (a0: 2 requests,
+    400 bytes, before a1: 1 request, 100 bytes; by count per byte a1 came first and a busy rank-64 adapter was left
+    to the store); where a read costs mostly a fixed latency (an object store far away), the smaller saves more
+    per byte."""
+    def order(read_s: Any) -> list[str]:
+        planner = make(replicas=1, adapters=2, host_bytes=2000, sizes={0: 400, 1: 100})
+        planner.set_warming(True, read_s)
+        for _ in range(2):
+            planner.record_request("a0", "r0", 0.0)
+        planner.record_request("a1", "r0", 0.0)
+        return [s.adapter for s in warm_stages(planner, 0.0)["r0/w0"]]
+
+    assert order(None) == ["a0", "a1"]
+    assert order(lambda n: n / 1e9) == ["a0", "a1"]  # 1 GB/s, no fixed cost: the count decides
+    assert order(lambda n: 0.05 + n / 1e12) == ["a1", "a0"]  # 50 ms a read whatever its size: the small first
 
 
 def test_second_copies_only_once_every_adapter_has_one() -> None:

@@ -335,7 +335,7 @@ class ControllerCore:
     # -- decisions (steps 3-4) ------------------------------------------------------------------
     def plan(self, now: float, full: bool = False) -> dict[WorkerId, list[Command]]:
         self.planner.set_warming(self.clock.miss_hurts(self.planner.view.max_bytes(),
-                                                       self.config.planner.warm_min_miss_s))
+                                                       self.config.planner.warm_min_miss_s), self.clock.read_s)
         plan = self.planner.plan_all(now) if full else self.planner.plan(now)
         out: dict[WorkerId, list[Command]] = {}
         down = self.lost.replicas()

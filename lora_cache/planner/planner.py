@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from lora_cache.planner.commands import Plan
 from lora_cache.planner.config import PlannerConfig
@@ -118,10 +118,14 @@ class Planner:
         self._fleet.add_worker(replica, worker, capacity)
         self._replan.mark(replica)
 
-    def set_warming(self, on: bool) -> None:
+    def set_warming(self, on: bool, read_s: Callable[[int], float | None] | None = None) -> None:
         """Whether the host tiers are warmed ahead of demand (``warming.py``): the controller turns it on once it
-        has measured that a miss costs at least ``warm_min_miss_s`` more than a host hit (0: always on)."""
+        has measured that a miss costs at least ``warm_min_miss_s`` more than a host hit (0: always on).
+        ``read_s``: what a store read of a shard of n bytes takes as the workers timed it (None: not timed yet),
+        which weighs the warm set's choice."""
         self._replan.warm_enabled = on or self.config.warm_min_miss_s == 0
+        if read_s is not None:
+            self._replan.warming.read_s = read_s
 
     @property
     def warming(self) -> bool:

@@ -6,9 +6,17 @@ sees the whole catalog and every replica's host tier, so it fills them ahead of 
 bandwidth (the workers read warm stages one at a time, only while no load is in flight:
 ``workers.warming.WarmQueue``), as one cache:
 
-1. Adapters are taken by expected value per byte: the fleet-wide decayed count per byte, most requested first;
-   then every adapter never requested, smallest shard first (with nothing known, each is as likely as the next,
-   so the smallest cover the most first touches per byte), ties by a hash of the name (no catalog order bias).
+1. Adapters are taken by the store time a host copy saves per byte: the fleet-wide decayed count times what a
+   miss of that shard costs (the workers' own store reads, fitted as fixed + per byte: ``read_s``) over its bytes,
+   most first. Where a read's time is mostly bytes (a device, a fast object store) that is the count itself: a
+   rank-64 shard costs four times a rank-16 one to hold and four times as much to miss (ranking by count per byte,
+   as before 2026-11-29, left the busiest rank-64 adapters to the store: 5 of 7 requests of one missed in the
+   fitted simulator); a fixed cost per read (an object store's latency) favours the small. Then every adapter
+   never requested, smallest shard first (with nothing known, each is as likely as the next, so the smallest cover
+   the most first touches per byte), ties by a hash of the name (no catalog order bias). The busiest adapters,
+   which GPU slots hold, take warm budget too: their host copies are what a slot evicted under churn loads from
+   (a warm set that skipped them helped one replica and lost on two sharing one device: bench/reports/issue-42.md,
+   "the warm set's value").
 2. One copy of each before any second: an adapter goes to the first replica of its rendezvous order (the order
    the routing advice's sticky cold picks and the planner's homes follow, ``rendezvous.py``) whose warm budget
    still fits its shard: so the fleet's host memory holds as much of the catalog as fits, and a request for an
@@ -27,6 +35,7 @@ Plain Python: no clock of its own, the same inputs give the same assignment.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from lora_cache.planner.popularity import RankedCounts
 from lora_cache.planner.rendezvous import preference, rendezvous_hash
@@ -39,6 +48,7 @@ class WarmBook:
 
     def __init__(self, share: float, refresh_s: float) -> None:
         self.share, self.refresh_s = share, refresh_s
+        self.read_s: Callable[[int], float | None] = _no_fit  # a store read of a shard of n bytes, seconds
         self._shape = -1
         self._assigned_at = -math.inf
         self._warm: dict[str, tuple[AdapterKey, ...]] = {}  # replica -> its warm keys, most valuable first
@@ -78,7 +88,7 @@ class WarmBook:
         self.copies = {}
         if not left:
             return {}
-        order = _by_value(fleet, counts)
+        order = _by_value(fleet, counts, self.read_s)
         for name in order:  # one copy each, in rendezvous order
             self._place(fleet, name, left, out, skip=())
             if not any(left.values()):
@@ -113,11 +123,22 @@ def _budgets(fleet: FleetState, share: float) -> dict[str, int]:
     return out
 
 
-def _by_value(fleet: FleetState, counts: RankedCounts) -> list[str]:
-    """Requested adapters by count per byte, then the never-requested, smallest first, ties by hash."""
+def _no_fit(nbytes: int) -> float | None:
+    return None
+
+
+def _by_value(fleet: FleetState, counts: RankedCounts, read_s: Callable[[int], float | None]) -> list[str]:
+    """Requested adapters by the store time a copy saves per byte (count x a read's seconds / bytes; with no reads
+    timed yet, a read's time in proportion to its bytes: the count), then the never-requested, smallest first,
+    ties by hash."""
     catalog = fleet.catalog
-    requested = sorted((name for name in catalog if counts.get(name) > 0),
-                       key=lambda a: (-counts.get(a) / catalog[a].bytes_per_rank, a))
+
+    def saved(name: str) -> float:
+        nbytes = catalog[name].bytes_per_rank
+        cost = read_s(nbytes) if nbytes > 0 else None
+        return counts.get(name) * (1.0 if cost is None or cost <= 0 else cost / nbytes * (1 << 30))
+
+    requested = sorted((name for name in catalog if counts.get(name) > 0), key=lambda a: (-saved(a), a))
     unseen = sorted((name for name in catalog if counts.get(name) <= 0),
                     key=lambda a: (catalog[a].bytes_per_rank, rendezvous_hash(a, ""), a))
     return requested + unseen

@@ -157,6 +157,13 @@ class LoadClock:
         got = self._reads.predict(nbytes)
         return got is not None and got >= min_gain_s
 
+    def read_s(self, nbytes: float) -> float | None:
+        """What a worker's store read of a shard of ``nbytes`` takes, as the workers timed their reads (``read``);
+        None before ``WARM_MIN_SAMPLES`` of them (the warm set's weighing, ``planner/warming.py``)."""
+        if self._reads.n < WARM_MIN_SAMPLES:
+            return None
+        return self._reads.predict(nbytes)
+
     def gate(self, nbytes: float, min_gain_s: float) -> dict[str, float]:
         """What ``miss_hurts`` reads, for status: a shard of ``nbytes`` loaded from storage and from the host tier
         (seconds), the weight of the storage loads timed, and the gain asked for."""
