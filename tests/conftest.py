@@ -6,6 +6,7 @@ import faulthandler
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,10 @@ _real_stderr: Any = None  # the terminal's stderr, duplicated before pytest capt
 def pytest_configure(config: pytest.Config) -> None:
     global _real_stderr
     _real_stderr = os.fdopen(os.dup(2), "w")  # capture is suspended while plugins configure
+    # the run's own directory of demand-read markers (workers/staging/node_reads.py), inherited by the Ray clusters
+    # the tests start: a service running beside the tests on this machine neither holds their warm stages back nor
+    # is held back by them
+    os.environ.setdefault("LORA_CACHE_READS_DIR", tempfile.mkdtemp(prefix="lora-cache-reads-"))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -5,7 +5,8 @@ stages (``workers.staging.warming.WarmQueue``'s): a split of ``bench/sim/worker.
 the page cache at the calibration's cost, or from a ``SimStore``), fetches that wait FIFO for room held by loads in
 flight; it tells ``on_change`` what it holds as it changes ("staged" once read, "unstaged" when the LRU drops it),
 as the real tier's deltas do. ``SimWarmQueue``: speculative stages, one at a time, only while no other read is in
-flight or waiting. The tier is counted in bytes; the real arena's fragmentation is not modelled.
+flight or waiting, nor a demand read of another rank on the same store
+(``workers.staging.node_reads``). The tier is counted in bytes; the real arena's fragmentation is not modelled.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class _Staged:
     staged: Signal  # fires when the read ends (failed: the fetch waited for room that never came)
     refs: int = 1
     read_ms: float = 0.0
+    speculative: bool = False  # a warm stage's read: no demand read for the node's other ranks (``NodeReads``)
 
 
 class SimHostTier:
@@ -40,6 +42,8 @@ class SimHostTier:
         """``store``: where a miss reads from (``bench.sim.store``: device, s3); None: the page cache."""
         self.loop, self.calibration, self.capacity = loop, calibration, capacity
         self.store = store
+        if store is not None:
+            store.tiers.append(self)  # the node's ranks on that store: their warm stages yield to its demand reads
         self._busy = 0  # store reads: reader threads busy
         self._queue: deque[tuple[AdapterKey, _Staged]] = deque()  # store reads waiting for a reader thread
         self.entries: OrderedDict[AdapterKey, _Staged] = OrderedDict()  # oldest first
@@ -53,7 +57,8 @@ class SimHostTier:
         # told (key, True) once a read put a shard here, (key, False) when the LRU drops it (``HostTier.on_change``)
         self.on_change: Callable[[AdapterKey, bool], None] | None = None
 
-    def fetch(self, key: AdapterKey, nbytes: int, count: bool = True, wait: bool = False) -> tuple[_Staged, bool]:
+    def fetch(self, key: AdapterKey, nbytes: int, count: bool = True, wait: bool = False,
+              speculative: bool = False) -> tuple[_Staged, bool]:
         """The staged entry (referenced) and whether it was a hit; CapacityError if it cannot be staged.
         ``count``: a lookup for a GPU load (``HostTier.fetch``), not a stage ahead of one. ``wait``: with
         every byte held by loads in flight, wait (FIFO) for room instead (``HostTier.fetch``'s rules)."""
@@ -67,7 +72,7 @@ class SimHostTier:
         if nbytes > self.capacity:
             raise CapacityError(f"host tier ({self.capacity} bytes) can never stage {key}: its shard ({nbytes} "
                                 f"bytes) is larger than the whole tier; raise host_bytes to at least {nbytes} bytes")
-        entry = _Staged(nbytes, Signal())
+        entry = _Staged(nbytes, Signal(), speculative=speculative)
         if not self._waiting and self._make_room(nbytes):  # no room taken ahead of a wait
             self._read(key, entry)
         elif wait and (self._waiting or self._may_free()):
@@ -96,6 +101,10 @@ class SimHostTier:
             self.on_read(start, end)
         entry.read_ms = (end - start) * 1e3
         self.loop.at(end, self._read_done, key, entry)
+
+    def demand_reading(self) -> bool:
+        """A read that is not a warm stage's in flight or waiting (``NodeReads``: what the node's other ranks see)."""
+        return bool(self._waiting) or any(not e.speculative and not e.staged.done for e in self.entries.values())
 
     def waiting(self) -> int:
         """Fetches waiting for room, and store reads waiting for a reader thread."""
@@ -202,7 +211,9 @@ class SimWarmQueue:
         """Start the next warm stage if no other read is in flight or waiting."""
         while self._queued and not self._reading:
             now = self.loop.now
-            if self.host.read_ends(now) or self.host.waiting():
+            others = self.host.store.tiers if self.host.store is not None else []
+            if self.host.read_ends(now) or self.host.waiting() or any(
+                    t.demand_reading() for t in others if t is not self.host):  # ``NodeReads.busy``
                 ends = [end for end in self.host.read_ends(now) if end < math.inf]  # a store read's end is unknown
                 wake = min(ends) if ends else now + 0.01
                 if wake < self._wake or self._wake <= now:

@@ -96,6 +96,7 @@ class SimStore:
         else:
             raise ValueError(f"no simulated store for {model.kind!r} (page-cache reads are the host tier's own)")
         self.on_disk: dict[str, Signal] = {}  # s3: the node's disk tier (fetched, or being fetched)
+        self.tiers: list[Any] = []  # the host tiers that read from it (``SimHostTier``: the node's ranks)
         self.fetches = 0
 
     def read(self, name: str, nbytes: int, done: Callable[[], None]) -> None:

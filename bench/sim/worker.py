@@ -105,7 +105,7 @@ class SimWorker:
         self.pins = SimPins(self.table, self._loads, keys, max_batch)  # the engine's pins on READY slots (step 9)
         self._copy_free = -math.inf  # when the copy stream is idle (free from the start, before t=0 too)
         self.copies: CopyClock | None = None  # pipelined: measured copies (``CopyClock``), set by the replica
-        self.warm = SimWarmQueue(loop, host, keys, self.stage)  # speculative stages (``WarmQueue``)
+        self.warm = SimWarmQueue(loop, host, keys, functools.partial(self.stage, speculative=True))  # ``WarmQueue``
         host.on_change = lambda key, present: self._changed(key, "staged" if present else "unstaged")
 
     # -- state --------------------------------------------------------------------------------------
@@ -194,14 +194,15 @@ class SimWorker:
         entry.staged.then(functools.partial(self._staged, load, entry))
         return load
 
-    def stage(self, name: str) -> bool:
+    def stage(self, name: str, speculative: bool = False) -> bool:
         """``WorkerCache.stage``: read the shard into the host tier with no slot; whether a read started.
-        Like the real one it never waits for room: no room (or loads waiting for it) is a stage failure."""
+        Like the real one it never waits for room: no room (or loads waiting for it) is a stage failure.
+        ``speculative``: a warm stage's (``HostTier.speculative``: its read is no demand read for the node)."""
         key = self.keys[name]
         if self.table.lookup(key) is not None or key in self._pending:
             return False
         try:
-            entry, hit = self.host.fetch(key, self.nbytes[name], count=False)
+            entry, hit = self.host.fetch(key, self.nbytes[name], count=False, speculative=speculative)
         except CapacityError:
             self.counters.stage_failures += 1
             return False

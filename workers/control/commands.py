@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from lora_cache.errors import LoraCacheError, SlotsBusyError
 from lora_cache.vocab import ApplyResult, Command, Delta, Evict, Prefetch, Stage
@@ -70,8 +71,8 @@ class CommandGate:
         with self._lock:
             if self._warm is None:
                 host = self.cache.host
-                self._warm = WarmQueue(self.cache.stage, lambda: host.reading() > 0, self._shard_bytes,
-                                       host.config.warm_read_bytes_per_s / host.ranks_here)
+                self._warm = WarmQueue(self._warm_stage, lambda: host.reading() > 0 or host.node.busy() > 0,
+                                       self._shard_bytes, host.config.warm_read_bytes_per_s / host.ranks_here)
             return self._warm
 
     def close(self) -> None:
@@ -80,6 +81,11 @@ class CommandGate:
             warm, self._warm = self._warm, None
         if warm is not None:
             warm.close()
+
+    def _warm_stage(self, name: str, version: str) -> Any:
+        """A warm stage's read: the host tier leaves no demand-read marker for it (``node_reads``)."""
+        with self.cache.host.speculative():
+            return self.cache.stage(name, version)
 
     def _shard_bytes(self, name: str, version: str) -> int:
         return self.cache.layout_of(name, version).nbytes

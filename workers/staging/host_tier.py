@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -34,6 +34,7 @@ from workers.reads.finite import check_finite
 from workers.staging.arena import ALIGN, Block, HostArena
 from workers.staging.disk_tier import DiskTier
 from workers.staging.host_config import HostTierConfig
+from workers.staging.node_reads import NodeReads
 from workers.staging.tier_reads import ProcessReads, ThreadReads
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ class HostEntry:
     listeners: list[ChunkListener] = field(default_factory=list)  # fetchers told of each chunk, until done
     lock: threading.Lock = field(default_factory=threading.Lock)  # protects staged and listeners
     marks: list[tuple[str, float]] = field(default_factory=list)  # (phase, perf_counter) of its read (probes)
+    speculative: bool = False  # read by a warm stage: no demand-read marker for the node (``node_reads``)
+    node_mark: str = ""  # its demand-read marker while it is read ("" for none)
 
     @property
     def num_chunks(self) -> int:
@@ -144,12 +147,16 @@ def _tell(on_chunk: ChunkListener, entry: HostEntry, count: int) -> None:
 class HostTier:
     """Staged shards by adapter key. ``fetch`` takes a reference; ``release`` drops it."""
 
-    def __init__(self, config: HostTierConfig, ranks_here: int = 1, disk: DiskTier | None = None) -> None:
+    def __init__(self, config: HostTierConfig, ranks_here: int = 1, disk: DiskTier | None = None,
+                 node: NodeReads | None = None) -> None:
         """``ranks_here``: GPU ranks on this host, whose cores ``read_parallel`` 0 (auto) shares, and whose memory
         ``host_bytes`` 0 (auto) does. ``disk``: the local disk tier that adapters from an object store are read
-        from (``workers.staging.disk_tier``)."""
+        from (``workers.staging.disk_tier``). ``node``: where this rank marks its demand reads for the node's other
+        ranks, whose warm stages wait for them (``workers.staging.node_reads``; default: the node's directory)."""
         config = config.sized(ranks_here)
         self.config = config
+        self.node = node if node is not None else NodeReads()
+        self._local_flags = threading.local()  # ``speculative``: the fetches of this thread are warm stages
         self.ranks_here = max(1, ranks_here)  # GPU ranks on this host: they share its warm read rate
         self.disk = disk
         self.reads = config.reads_for(config.pin and torch.cuda.is_available())
@@ -206,6 +213,8 @@ class HostTier:
                 waiting.refs += 1
             else:
                 entry, waiting = self._miss(spec, layout, tuple(chunks), wait)
+                if entry is not None:
+                    entry.speculative = getattr(self._local_flags, "speculative", False)
             if on_chunk is None:  # told of no chunk: if the read fails, this fetcher never lets go (``_failed``)
                 if entry is not None:
                     entry.blind += 1
@@ -225,11 +234,27 @@ class HostTier:
             self._dispatch(spec, entry)
         return entry.ready, hit
 
+    @contextlib.contextmanager
+    def speculative(self) -> Iterator[None]:
+        """The fetches of this thread within are warm stages: their reads leave no demand-read marker."""
+        self._local_flags.speculative = True
+        try:
+            yield
+        finally:
+            self._local_flags.speculative = False
+
     def _dispatch(self, spec: AdapterSpec, entry: HostEntry) -> None:
         """Start a new entry's read: sent to idle reader processes from this thread where it can be (a file on
-        this host; ``ProcessReads.begin``), its replies then collected on the pool; else read on the pool."""
-        started = self._reader.begin(spec, entry) if spec.store is None else None
-        self._pool.submit(self._read, spec, entry, started)
+        this host; ``ProcessReads.begin``), its replies then collected on the pool; else read on the pool. A
+        demand read (not a warm stage's) is marked for the node's other ranks until it ends."""
+        if not entry.speculative:
+            entry.node_mark = self.node.mark()
+        try:
+            started = self._reader.begin(spec, entry) if spec.store is None else None
+            self._pool.submit(self._read, spec, entry, started)
+        except BaseException:
+            self.node.unmark(entry.node_mark)
+            raise
 
     def _miss(self, spec: AdapterSpec, layout: ShardLayout, chunks: tuple[slice, ...],
               wait: bool) -> tuple[HostEntry | None, _Wait | None]:
@@ -392,7 +417,14 @@ class HostTier:
                                                 "nothing was staged"))
 
     def _read(self, spec: AdapterSpec, entry: HostEntry, started: Callable[[], int] | None = None) -> None:
-        """Read ``entry`` (on the pool), or finish the read ``started`` in the fetching thread (``_dispatch``)."""
+        """Read ``entry`` (on the pool), or finish the read ``started`` in the fetching thread (``_dispatch``); its
+        demand-read marker goes when the read ends, whichever way."""
+        try:
+            self._read_marked(spec, entry, started)
+        finally:
+            self.node.unmark(entry.node_mark)
+
+    def _read_marked(self, spec: AdapterSpec, entry: HostEntry, started: Callable[[], int] | None) -> None:
         if started is None:
             entry.marks.append(("read", time.perf_counter()))
         t0 = next(t for name, t in entry.marks if name == "read")

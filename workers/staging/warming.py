@@ -47,6 +47,7 @@ class WarmQueue:
         self._stamp = clock()
         self._closed = False
         self.started = self.dropped = self.failed = 0
+        self.held = 0  # looks at the queue that found another read in flight (or the rate limit spent)
         self._thread = threading.Thread(target=self._run, name="lora-warm", daemon=True)
         self._thread.start()
 
@@ -88,6 +89,7 @@ class WarmQueue:
                 key = next(iter(self._queued))
             if self._busy() or not self._take_tokens(key):
                 with self._lock:
+                    self.held += 1
                     self._lock.wait(self.poll_s)  # another read is in flight, or the rate limit: look again soon
                 continue
             self._begin(key)

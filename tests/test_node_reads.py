@@ -1,0 +1,164 @@
+"""Demand reads seen across the node's processes (workers/staging/node_reads.py): a rank's warm stages wait while
+another rank's demand read is in flight on the store they share, and never for a process that is gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import workers.staging.tier_reads as tier_reads_module
+from lora_cache.adapters.peft import AdapterSpec
+from lora_cache.adapters.shards import ShardLayout
+from lora_cache.vocab import AdapterKey, Stage
+from tests.waiting import wait_for
+from workers.control.commands import CommandGate
+from workers.staging.node_reads import MAX_READ_S, NodeReads, started
+
+HOLDER = """
+import sys
+from pathlib import Path
+from workers.staging.node_reads import NodeReads
+reads = NodeReads(Path(sys.argv[1]))
+print(reads.mark(), flush=True)
+sys.stdin.readline()  # held until the test kills it
+"""
+
+
+def me(tag: str) -> str:
+    """An identity of this (live) process of its own."""
+    return f"{os.getpid()}-{started(os.getpid())}.{tag}"
+
+
+@pytest.fixture
+def reads_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "reads"
+    monkeypatch.setenv("LORA_CACHE_READS_DIR", str(path))  # what a HostTier made in the test marks in
+    return path
+
+
+@pytest.fixture
+def holder(reads_dir: Path) -> Iterator[subprocess.Popen[str]]:
+    """Another process of the node with a demand read in flight (its marker written before this yields)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(reads_dir)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip(), "the holder wrote no marker"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_a_demand_read_of_another_process_counts_until_it_ends(reads_dir: Path) -> None:
+    mine, other = NodeReads(reads_dir, ident=me("a")), NodeReads(reads_dir, ident=me("b"))
+    name = mine.mark()
+    assert name and mine.busy() == 0, "its own reads are its host tier's business"
+    assert other.busy() == 1
+    mine.unmark(name)
+    mine.unmark(name)  # idempotent
+    assert other.busy() == 0
+
+
+def test_a_killed_process_s_marker_neither_counts_nor_stays(reads_dir: Path,
+                                                          holder: subprocess.Popen[str]) -> None:
+    """A rank SIGKILLed mid-read leaves its marker behind: it must not stop the node's warm stages for good."""
+    ours = NodeReads(reads_dir)
+    assert ours.busy() == 1, "a live process's read in flight"
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(timeout=30)
+    assert ours.busy() == 0
+    assert list(reads_dir.iterdir()) == [], "the dead process's marker is removed"
+
+
+def test_a_marker_older_than_any_read_is_a_leftover(reads_dir: Path) -> None:
+    """A process that hangs (or a PID that is the marker's own but stuck) holds the node's warm stages for
+    ``MAX_READ_S`` at most."""
+    NodeReads(reads_dir, ident=me("a")).mark()
+    later = NodeReads(reads_dir, ident=me("b"), clock=lambda: time.time() + MAX_READ_S + 1)
+    assert later.busy() == 0 and list(reads_dir.iterdir()) == []
+
+
+def test_a_directory_that_cannot_be_written_costs_the_yield_only(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    reads = NodeReads(blocker / "reads")  # below a file: never a directory
+    assert reads.mark() == "" and reads.busy() == 0
+    reads.unmark("")
+    assert "give the directory write access" in caplog.text
+
+
+@pytest.fixture
+def gated_reads(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """read_shard blocks until the returned event is set."""
+    gate, real = threading.Event(), tier_reads_module.read_shard
+
+    def read(spec: AdapterSpec, lay: ShardLayout, dest: torch.Tensor, *rest: Any) -> int:
+        assert gate.wait(timeout=30), "test gate never opened"
+        return real(spec, lay, dest, *rest)
+
+    monkeypatch.setattr(tier_reads_module, "read_shard", read)
+    return gate
+
+
+def test_a_load_s_read_is_marked_while_it_runs_and_a_warm_stage_s_is_not(
+        reads_dir: Path, gated_reads: threading.Event, tiny_adapters: Callable[..., list[Path]],
+        make_catalog: Callable[..., Any], make_cache: Callable[..., Any]) -> None:
+    paths = tiny_adapters(count=2)
+    cache = make_cache(make_catalog(paths[0].parent))
+    other = NodeReads(reads_dir, ident=me("other"))
+    with cache.host.speculative():
+        warm = cache.stage(paths[1].name)
+    load = cache.prefetch(paths[0].name)
+    assert other.busy() == 1, "the load's read is the node's one demand read in flight (the warm one is not)"
+    gated_reads.set()
+    load.result(timeout=60)
+    assert warm is not None
+    warm.result(timeout=60)
+    assert other.busy() == 0 and list(reads_dir.iterdir()) == [], "the marker goes with its read"
+    cache.check_integrity()
+
+
+def test_a_failed_read_leaves_no_marker(reads_dir: Path, tiny_adapters: Callable[..., list[Path]],
+                                        make_catalog: Callable[..., Any], make_cache: Callable[..., Any]) -> None:
+    paths = tiny_adapters(count=1)
+    cache = make_cache(make_catalog(paths[0].parent))
+    weights = paths[0] / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:64])  # truncated after registration: the read fails
+    with pytest.raises(Exception):  # noqa: B017 - which error is the read's business; the marker is this test's
+        cache.prefetch(paths[0].name).result(timeout=60)
+    assert list(reads_dir.iterdir()) == []
+    cache.check_integrity()
+
+
+def test_a_warm_stage_waits_while_another_rank_s_demand_read_is_in_flight(
+        reads_dir: Path, holder: subprocess.Popen[str], tiny_adapters: Callable[..., list[Path]],
+        make_catalog: Callable[..., Any], make_cache: Callable[..., Any]) -> None:
+    """The rule the simulator's two replicas on one device needed (bench/reports/issue-42.md, "the warm set's
+    value"): no warm read starts while another process on the node reads for a waiting request."""
+    paths = tiny_adapters(count=1)
+    cache = make_cache(make_catalog(paths[0].parent))
+    gate = CommandGate(cache, lambda delta: None)
+    key = AdapterKey(paths[0].name, cache.catalog.current(paths[0].name))
+    try:
+        assert gate.apply([Stage(key.name, key.version, 0, 1, speculative=True)]).accepted == 1
+        warm = gate.warm_queue()
+        held = warm.held
+        wait_for(lambda: warm.held > held + 2, what="the warm stage looked again and was held back")
+        assert warm.pending() == 1
+        assert not cache.host.contains(key) and cache.host.reading() == 0
+        holder.send_signal(signal.SIGKILL)  # its read is over (the process with it)
+        holder.wait(timeout=30)
+        wait_for(lambda: cache.host.contains(key), what="the warm stage read once the node's demand read ended")
+    finally:
+        gate.close()

@@ -1,0 +1,139 @@
+"""Demand reads in flight on this node, seen by every rank's process on it (lifecycle step 5: reads by priority).
+
+The ranks of one node share its store: one device, one network link to an object store. A rank's warm stages
+(``workers.staging.warming``) wait while its own host tier reads, but another rank's demand read, a load a
+request waits for, shared the store with them: on two replicas of one host that sharing cost `global` more store
+time per request than warming saved (bench/reports/issue-42.md, "the warm set's value"). So each demand read
+leaves a marker file for as long as it runs, in a directory the node's ranks share, and a warm stage waits while
+any other process's marker is there.
+
+A marker is named ``PID-START-SEQ`` (``START``: the process's start time, so a reused PID is not taken for the
+dead process); ``busy`` counts the markers of other live processes and removes those of dead ones. A marker older
+than ``MAX_READ_S`` is ignored and removed (a process that hangs with a read in flight must not stop every warm
+stage of its node for good). Marking is best effort: a directory that cannot be written costs the yield only,
+never a read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MAX_READ_S = 600.0  # a demand read in flight longer than this is taken for a leftover
+ENV = "LORA_CACHE_READS_DIR"  # where the markers go, if set (one directory per node; its ranks share it)
+
+
+def default_dir() -> Path:
+    """One directory per user and node: ``LORA_CACHE_READS_DIR`` if set (tests give each run its own), else in
+    shared memory where there is some (no disk writes per read)."""
+    if os.environ.get(ENV):
+        return Path(os.environ[ENV])
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return base / f"lora-cache-reads-{os.getuid()}"
+
+
+def started(pid: int) -> str:
+    """The process's start time in clock ticks since boot (``/proc/PID/stat`` field 22); "0" where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "0"
+    return stat.rsplit(")", 1)[-1].split()[19]
+
+
+class NodeReads:
+    """This process's demand-read markers, and whether other processes on the node have any (module docstring)."""
+
+    def __init__(self, path: Path | None = None, ident: str | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        """``ident``: this process's marker prefix (``PID-START``; ``PID-START.TAG`` gives several in one process their
+        own, as the tests do)."""
+        self.path = path if path is not None else default_dir()
+        self.ident = ident if ident is not None else f"{os.getpid()}-{started(os.getpid())}"
+        self._clock = clock
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
+        self._warned = False
+        try:
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as e:
+            self._warn(e)
+
+    def mark(self) -> str:
+        """Leave a marker for a demand read starting now; its name ('' if it could not be written)."""
+        name = f"{self.ident}-{next(self._seq)}"
+        try:
+            fd = os.open(self.path / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except OSError as e:
+            self._warn(e)
+            return ""
+        os.close(fd)
+        return name
+
+    def unmark(self, name: str) -> None:
+        """The read ``name`` marked is over (succeeded or failed)."""
+        if name:
+            try:
+                os.unlink(self.path / name)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                self._warn(e)
+
+    def busy(self) -> int:
+        """Demand reads in flight in other live processes on this node (leftovers of dead ones removed)."""
+        try:
+            entries = list(os.scandir(self.path))
+        except OSError:
+            return 0
+        now, alive, count = self._clock(), dict[str, bool](), 0
+        for entry in entries:
+            ident = entry.name.rsplit("-", 1)[0]
+            if ident == self.ident:
+                continue
+            if ident not in alive:
+                alive[ident] = _alive(ident)
+            try:
+                stale = not alive[ident] or now - entry.stat().st_mtime > MAX_READ_S
+            except FileNotFoundError:
+                continue  # its read ended meanwhile
+            if stale:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+                continue
+            count += 1
+        return count
+
+    def _warn(self, error: OSError) -> None:
+        with self._lock:
+            if self._warned:
+                return
+            self._warned = True
+        log.warning("demand reads are not marked in %s (%s): other ranks' warm stages on this node will not "
+                    "yield to this one's loads; give the directory write access", self.path, error)
+
+
+def _alive(ident: str) -> bool:
+    """Whether the process ``PID-START`` still runs (the same process: its start time matches)."""
+    pid_text, _, start = ident.partition("-")
+    try:
+        pid = int(pid_text)
+    except ValueError:
+        return False  # not a marker of ours
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process under that PID: its start time says whether it is the marker's
+    start = start.split(".", 1)[0]  # ``START.TAG``: several identities of one process (tests)
+    return start in ("0", started(pid))
