@@ -129,6 +129,25 @@ def test_a_load_s_read_is_marked_while_it_runs_and_a_warm_stage_s_is_not(
     cache.check_integrity()
 
 
+def test_a_load_that_joins_a_warm_read_in_flight_marks_it(
+        reads_dir: Path, gated_reads: threading.Event, tiny_adapters: Callable[..., list[Path]],
+        make_catalog: Callable[..., Any], make_cache: Callable[..., Any]) -> None:
+    """Single flight: a load of a shard a warm stage is reading waits for that read, so the node's other ranks
+    must yield to it from then on (and the marker still goes with the read)."""
+    paths = tiny_adapters(count=1)
+    cache = make_cache(make_catalog(paths[0].parent))
+    other = NodeReads(reads_dir, ident=me("other"))
+    with cache.host.speculative():
+        warm = cache.stage(paths[0].name)
+    assert warm is not None and other.busy() == 0
+    load = cache.prefetch(paths[0].name)
+    assert other.busy() == 1, "the warm read now serves a load"
+    gated_reads.set()
+    load.result(timeout=60)
+    assert other.busy() == 0 and list(reads_dir.iterdir()) == []
+    cache.check_integrity()
+
+
 def test_a_failed_read_leaves_no_marker(reads_dir: Path, tiny_adapters: Callable[..., list[Path]],
                                         make_catalog: Callable[..., Any], make_cache: Callable[..., Any]) -> None:
     paths = tiny_adapters(count=1)

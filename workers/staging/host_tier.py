@@ -79,7 +79,8 @@ class HostEntry:
     lock: threading.Lock = field(default_factory=threading.Lock)  # protects staged and listeners
     marks: list[tuple[str, float]] = field(default_factory=list)  # (phase, perf_counter) of its read (probes)
     speculative: bool = False  # read by a warm stage: no demand-read marker for the node (``node_reads``)
-    node_mark: str = ""  # its demand-read marker while it is read ("" for none)
+    node_mark: str = ""  # its demand-read marker while it is read ("" for none); under ``lock``
+    read_over: bool = False  # its read ended (no marker may be left for it any more); under ``lock``
 
     @property
     def num_chunks(self) -> int:
@@ -228,6 +229,8 @@ class HostTier:
         if waiting is not None:
             return waiting.ready, hit
         assert entry is not None
+        if hit and entry.speculative and not getattr(self._local_flags, "speculative", False):
+            self._demanded(entry)  # a load joins a warm stage's read: the node's other ranks now yield to it
         if on_chunk is not None:
             entry.listen(_listener(on_chunk, hit))
         if not hit:
@@ -243,17 +246,28 @@ class HostTier:
         finally:
             self._local_flags.speculative = False
 
+    def _demanded(self, entry: HostEntry) -> None:
+        """Mark ``entry``'s read in flight as a demand read, unless it is over or marked already."""
+        with entry.lock:
+            if not entry.read_over and not entry.node_mark:
+                entry.node_mark = self.node.mark()
+
+    def _unmark(self, entry: HostEntry) -> None:
+        with entry.lock:
+            name, entry.node_mark, entry.read_over = entry.node_mark, "", True
+        self.node.unmark(name)
+
     def _dispatch(self, spec: AdapterSpec, entry: HostEntry) -> None:
         """Start a new entry's read: sent to idle reader processes from this thread where it can be (a file on
         this host; ``ProcessReads.begin``), its replies then collected on the pool; else read on the pool. A
         demand read (not a warm stage's) is marked for the node's other ranks until it ends."""
         if not entry.speculative:
-            entry.node_mark = self.node.mark()
+            self._demanded(entry)
         try:
             started = self._reader.begin(spec, entry) if spec.store is None else None
             self._pool.submit(self._read, spec, entry, started)
         except BaseException:
-            self.node.unmark(entry.node_mark)
+            self._unmark(entry)
             raise
 
     def _miss(self, spec: AdapterSpec, layout: ShardLayout, chunks: tuple[slice, ...],
@@ -422,7 +436,7 @@ class HostTier:
         try:
             self._read_marked(spec, entry, started)
         finally:
-            self.node.unmark(entry.node_mark)
+            self._unmark(entry)
 
     def _read_marked(self, spec: AdapterSpec, entry: HostEntry, started: Callable[[], int] | None) -> None:
         if started is None:
