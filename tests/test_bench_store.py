@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import socket
 import subprocess
 import sys
@@ -97,11 +98,10 @@ def test_a_read_with_drop_page_cache_drops_that_files_pages(catalog: AdapterCata
 
 def test_drop_pages_advises_dontneed_on_the_file(catalog: AdapterCatalog, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[int, int, int, int]] = []
-    real = host_tier_module.os.posix_fadvise
-    monkeypatch.setattr(host_tier_module.os, "posix_fadvise", lambda fd, o, n, a: (calls.append((fd, o, n, a)),
-                                                                                    real(fd, o, n, a)))
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, o, n, a: (calls.append((fd, o, n, a)), real(fd, o, n, a)))
     host_tier_module.drop_pages(catalog.get(catalog.names()[0]))
-    assert len(calls) == 1 and calls[0][1:] == (0, 0, host_tier_module.os.POSIX_FADV_DONTNEED)
+    assert len(calls) == 1 and calls[0][1:] == (0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def test_the_store_option_reaches_the_workers_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

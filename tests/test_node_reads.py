@@ -117,7 +117,7 @@ def test_a_load_s_read_is_marked_while_it_runs_and_a_warm_stage_s_is_not(
     paths = tiny_adapters(count=2)
     cache = make_cache(make_catalog(paths[0].parent))
     other = NodeReads(reads_dir, ident=me("other"))
-    with cache.host.speculative():
+    with cache.host.demand.speculative():
         warm = cache.stage(paths[1].name)
     load = cache.prefetch(paths[0].name)
     assert other.busy() == 1, "the load's read is the node's one demand read in flight (the warm one is not)"
@@ -137,7 +137,7 @@ def test_a_load_that_joins_a_warm_read_in_flight_marks_it(
     paths = tiny_adapters(count=1)
     cache = make_cache(make_catalog(paths[0].parent))
     other = NodeReads(reads_dir, ident=me("other"))
-    with cache.host.speculative():
+    with cache.host.demand.speculative():
         warm = cache.stage(paths[0].name)
     assert warm is not None and other.busy() == 0
     load = cache.prefetch(paths[0].name)

@@ -103,9 +103,16 @@ def test_worker_killed_is_dropped_then_reloaded(service) -> None:
 
 
 def test_controller_restart_rebuilds_from_workers(service) -> None:
+    """A restarted controller has the ranks' residency from their reports and its planner's inputs from its last
+    snapshot (written at most once a second: ``DurableConfig.period_s``). The kill waits for the snapshot that holds
+    the queue report: without it the restarted controller planned replica-0 from the queue before (adapter-000 and
+    -001, and adapter-002's hint), evicted adapter-006 and the lookup found it nowhere (fresh-clone CI, 2026-11-29,
+    twice in five runs; the message named the restored queue depth 2)."""
     ctl = service.controller
     ray.get(ctl.report_queue.remote("replica-0", [("adapter-006", time.time())]))
     wait_ready(ctl, "adapter-006", "replica-0", 30)
+    wait_for(lambda: _snapshot_queue("replica-0") == ["adapter-006"], "the queue report in the durable snapshot",
+             timeout=30)
     epoch = ray.get(ctl.status.remote())["epoch"]
     ray.kill(ctl, no_restart=False)
     seen: list[dict] = []  # ray.kill is asynchronous: the old process may still answer the first calls
@@ -117,6 +124,16 @@ def test_controller_restart_rebuilds_from_workers(service) -> None:
         # what the ranks say they hold, for the message (failed once in 4 fresh-clone runs, cause not yet seen)
         held = {str(w): sorted(_residency_or_empty(h)) for w, h in sorted(service.workers.items())}
         pytest.fail(f"not rebuilt from the reports: status {status}, lookup {found}, ranks {held}")
+
+
+def _snapshot_queue(replica: str) -> list[str]:
+    """The adapters of ``replica``'s queue in the controller's last durable snapshot (Ray's GCS key-value store)."""
+    import json
+
+    from lora_cache.controller.snapshots import DurableConfig, KvStore
+
+    data = KvStore(DurableConfig().key, "lora-cache").get()
+    return [] if not data else [a for a, _ in json.loads(data)["queues"].get(replica, [])]
 
 
 def _status_or_none(ctl):

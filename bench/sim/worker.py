@@ -197,7 +197,7 @@ class SimWorker:
     def stage(self, name: str, speculative: bool = False) -> bool:
         """``WorkerCache.stage``: read the shard into the host tier with no slot; whether a read started.
         Like the real one it never waits for room: no room (or loads waiting for it) is a stage failure.
-        ``speculative``: a warm stage's (``HostTier.speculative``: its read is no demand read for the node)."""
+        ``speculative``: a warm stage's (``DemandMarks.speculative``: its read is no demand read for the node)."""
         key = self.keys[name]
         if self.table.lookup(key) is not None or key in self._pending:
             return False

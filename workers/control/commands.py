@@ -71,7 +71,7 @@ class CommandGate:
         with self._lock:
             if self._warm is None:
                 host = self.cache.host
-                self._warm = WarmQueue(self._warm_stage, lambda: host.reading() > 0 or host.node.busy() > 0,
+                self._warm = WarmQueue(self._warm_stage, lambda: host.reading() > 0 or host.demand.node.busy() > 0,
                                        self._shard_bytes, host.config.warm_read_bytes_per_s / host.ranks_here)
             return self._warm
 
@@ -84,7 +84,7 @@ class CommandGate:
 
     def _warm_stage(self, name: str, version: str) -> Any:
         """A warm stage's read: the host tier leaves no demand-read marker for it (``node_reads``)."""
-        with self.cache.host.speculative():
+        with self.cache.host.demand.speculative():
             return self.cache.stage(name, version)
 
     def _shard_bytes(self, name: str, version: str) -> int:

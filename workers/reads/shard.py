@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import mmap
 import os
@@ -55,6 +56,8 @@ from workers.reads.proof import (
     settle_blocks,
 )
 from workers.reads.threads import ReadPool, run_in_order
+
+log = logging.getLogger(__name__)
 
 
 def read_shard(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor, verify: str = "sample",
@@ -371,3 +374,20 @@ def _copy_slices(mapped: mmap.mmap, index: dict[str, FileTensor], entries: tuple
     torch._foreach_copy_(targets, sources)  # one call, the GIL released for every copy
     return read
 
+
+def drop_pages(spec: AdapterSpec) -> None:
+    """``drop_page_cache``: the pages of ``spec``'s weights file leave the page cache (``POSIX_FADV_DONTNEED``,
+    after its read, on the thread that ran or collected it), so its next read comes from the device. The page
+    cache is the file's, not the fd's: readers in other processes need not do it themselves. A file system that
+    keeps no page cache (tmpfs) ignores it; a failure is logged, never the read's."""
+    path = spec.source.path if spec.source is not None else None
+    if path is None or not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        log.warning("could not drop the pages of %s from the page cache: %s", path, e)

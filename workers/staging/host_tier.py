@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -31,32 +30,15 @@ from lora_cache.adapters.shards import ShardLayout
 from lora_cache.errors import CapacityError, ConfigError, NotFoundError
 from lora_cache.vocab import AdapterKey  # one name@version key for planner and workers
 from workers.reads.finite import check_finite
+from workers.reads.shard import drop_pages  # re-exported: ``host_tier.drop_pages`` (tests patch it here)
 from workers.staging.arena import ALIGN, Block, HostArena
 from workers.staging.disk_tier import DiskTier
 from workers.staging.host_config import HostTierConfig
-from workers.staging.node_reads import NodeReads
+from workers.staging.node_reads import DemandMarks, NodeReads
 from workers.staging.tier_reads import ProcessReads, ThreadReads
 
 log = logging.getLogger(__name__)
 ChunkListener = Callable[["HostEntry", int], None]  # told how many chunks of an entry are staged so far
-
-
-def drop_pages(spec: AdapterSpec) -> None:
-    """``drop_page_cache``: the pages of ``spec``'s weights file leave the page cache (``POSIX_FADV_DONTNEED``,
-    after its read, on the thread that ran or collected it), so its next read comes from the device. The page
-    cache is the file's, not the fd's: readers in other processes need not do it themselves. A file system that
-    keeps no page cache (tmpfs) ignores it; a failure is logged, never the read's."""
-    path = spec.source.path if spec.source is not None else None
-    if path is None or not hasattr(os, "posix_fadvise"):
-        return
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    except OSError as e:
-        log.warning("could not drop the pages of %s from the page cache: %s", path, e)
 
 
 @dataclass
@@ -156,8 +138,7 @@ class HostTier:
         ranks, whose warm stages wait for them (``workers.staging.node_reads``; default: the node's directory)."""
         config = config.sized(ranks_here)
         self.config = config
-        self.node = node if node is not None else NodeReads()
-        self._local_flags = threading.local()  # ``speculative``: the fetches of this thread are warm stages
+        self.demand = DemandMarks(node)  # its demand reads, marked for the node's other ranks
         self.ranks_here = max(1, ranks_here)  # GPU ranks on this host: they share its warm read rate
         self.disk = disk
         self.reads = config.reads_for(config.pin and torch.cuda.is_available())
@@ -215,7 +196,7 @@ class HostTier:
             else:
                 entry, waiting = self._miss(spec, layout, tuple(chunks), wait)
                 if entry is not None:
-                    entry.speculative = getattr(self._local_flags, "speculative", False)
+                    entry.speculative = self.demand.warm
             if on_chunk is None:  # told of no chunk: if the read fails, this fetcher never lets go (``_failed``)
                 if entry is not None:
                     entry.blind += 1
@@ -229,45 +210,25 @@ class HostTier:
         if waiting is not None:
             return waiting.ready, hit
         assert entry is not None
-        if hit and entry.speculative and not getattr(self._local_flags, "speculative", False):
-            self._demanded(entry)  # a load joins a warm stage's read: the node's other ranks now yield to it
+        if hit and entry.speculative and not self.demand.warm:
+            self.demand.demand(entry)  # a load joins a warm stage's read: the node's other ranks now yield to it
         if on_chunk is not None:
             entry.listen(_listener(on_chunk, hit))
         if not hit:
             self._dispatch(spec, entry)
         return entry.ready, hit
 
-    @contextlib.contextmanager
-    def speculative(self) -> Iterator[None]:
-        """The fetches of this thread within are warm stages: their reads leave no demand-read marker."""
-        self._local_flags.speculative = True
-        try:
-            yield
-        finally:
-            self._local_flags.speculative = False
-
-    def _demanded(self, entry: HostEntry) -> None:
-        """Mark ``entry``'s read in flight as a demand read, unless it is over or marked already."""
-        with entry.lock:
-            if not entry.read_over and not entry.node_mark:
-                entry.node_mark = self.node.mark()
-
-    def _unmark(self, entry: HostEntry) -> None:
-        with entry.lock:
-            name, entry.node_mark, entry.read_over = entry.node_mark, "", True
-        self.node.unmark(name)
-
     def _dispatch(self, spec: AdapterSpec, entry: HostEntry) -> None:
         """Start a new entry's read: sent to idle reader processes from this thread where it can be (a file on
         this host; ``ProcessReads.begin``), its replies then collected on the pool; else read on the pool. A
         demand read (not a warm stage's) is marked for the node's other ranks until it ends."""
         if not entry.speculative:
-            self._demanded(entry)
+            self.demand.demand(entry)
         try:
             started = self._reader.begin(spec, entry) if spec.store is None else None
             self._pool.submit(self._read, spec, entry, started)
         except BaseException:
-            self._unmark(entry)
+            self.demand.end(entry)
             raise
 
     def _miss(self, spec: AdapterSpec, layout: ShardLayout, chunks: tuple[slice, ...],
@@ -434,42 +395,39 @@ class HostTier:
         """Read ``entry`` (on the pool), or finish the read ``started`` in the fetching thread (``_dispatch``); its
         demand-read marker goes when the read ends, whichever way."""
         try:
-            self._read_marked(spec, entry, started)
-        finally:
-            self._unmark(entry)
-
-    def _read_marked(self, spec: AdapterSpec, entry: HostEntry, started: Callable[[], int] | None) -> None:
-        if started is None:
-            entry.marks.append(("read", time.perf_counter()))
-        t0 = next(t for name, t in entry.marks if name == "read")
-        try:
-            if started is not None:
-                entry.bytes_read = started()
-                if self.config.drop_page_cache:
-                    drop_pages(spec)
-            else:
-                with self._local(spec) as local:  # an adapter from a store: its proven copy on this node's disk
-                    entry.bytes_read = self._reader.read(local, entry)
+            if started is None:
+                entry.marks.append(("read", time.perf_counter()))
+            t0 = next(t for name, t in entry.marks if name == "read")
+            try:
+                if started is not None:
+                    entry.bytes_read = started()
                     if self.config.drop_page_cache:
-                        drop_pages(local)
-            entry.progress(entry.num_chunks)  # a reader that reports no chunks: all of them at once (proven finite)
-        except BaseException as e:  # a failed read leaves the tier as it was, and tells every waiter
-            self._failed(entry, e)
-            return
-        entry.read_ms = (time.perf_counter() - t0) * 1e3
-        entry.marks.append(("read end", time.perf_counter()))
-        with self._lock:
-            self.bytes_read += entry.bytes_read
-            dropped = entry.dropped  # its adapter unregistered while it was read: never served
-            if not dropped:
-                entry.whole = True
-                self._changes.append((entry.key, True))  # before the result: no eviction of it can be queued ahead
-        if dropped:
-            self._failed(entry, _unregistered(entry.key))
-            return
-        self._report()  # its "staged" reaches on_change before the result, as a slot's "ready" does its future
-        entry.ready.set_result(entry)
-        self._wake()  # done: if nobody references it any more, its room is the LRU's (and the change is reported)
+                        drop_pages(spec)
+                else:
+                    with self._local(spec) as local:  # an adapter from a store: its proven copy on this node's disk
+                        entry.bytes_read = self._reader.read(local, entry)
+                        if self.config.drop_page_cache:
+                            drop_pages(local)
+                entry.progress(entry.num_chunks)  # a reader that reports no chunks: all of them at once (proven finite)
+            except BaseException as e:  # a failed read leaves the tier as it was, and tells every waiter
+                self._failed(entry, e)
+                return
+            entry.read_ms = (time.perf_counter() - t0) * 1e3
+            entry.marks.append(("read end", time.perf_counter()))
+            with self._lock:
+                self.bytes_read += entry.bytes_read
+                dropped = entry.dropped  # its adapter unregistered while it was read: never served
+                if not dropped:
+                    entry.whole = True
+                    self._changes.append((entry.key, True))  # before the result: no eviction of it can be queued ahead
+            if dropped:
+                self._failed(entry, _unregistered(entry.key))
+                return
+            self._report()  # its "staged" reaches on_change before the result, as a slot's "ready" does its future
+            entry.ready.set_result(entry)
+            self._wake()  # done: if nobody references it any more, its room is the LRU's (and the change is reported)
+        finally:
+            self.demand.end(entry)
 
     def _failed(self, entry: HostEntry, error: BaseException) -> None:
         """``entry``'s read failed, or its adapter was unregistered while it was read (no reader writes into it any

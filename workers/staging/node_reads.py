@@ -23,8 +23,9 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -137,3 +138,46 @@ def _alive(ident: str) -> bool:
         pass  # another user's process under that PID: its start time says whether it is the marker's
     start = start.split(".", 1)[0]  # ``START.TAG``: several identities of one process (tests)
     return start in ("0", started(pid))
+
+
+class Marked(Protocol):
+    """A host-tier entry as the marks see it (``HostEntry``): its lock, its marker, whether its read is over."""
+
+    lock: threading.Lock
+    node_mark: str
+    read_over: bool
+
+
+class DemandMarks:
+    """A host tier's side of ``NodeReads``: its reads are demand reads, marked while they run, except those a warm
+    stage starts (fetches made within ``speculative()`` on the warm queue's thread)."""
+
+    def __init__(self, node: NodeReads | None = None) -> None:
+        self.node = node if node is not None else NodeReads()
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def speculative(self) -> Iterator[None]:
+        """The fetches of this thread within are warm stages: their reads leave no marker."""
+        self._local.on = True
+        try:
+            yield
+        finally:
+            self._local.on = False
+
+    @property
+    def warm(self) -> bool:
+        """Whether this thread's fetches are warm stages now."""
+        return bool(getattr(self._local, "on", False))
+
+    def demand(self, entry: Marked) -> None:
+        """Mark ``entry``'s read as a demand read (also one a load joined in flight), unless it is over or marked."""
+        with entry.lock:
+            if not entry.read_over and not entry.node_mark:
+                entry.node_mark = self.node.mark()
+
+    def end(self, entry: Marked) -> None:
+        """``entry``'s read ended, whichever way: its marker goes, and none is left for it later."""
+        with entry.lock:
+            name, entry.node_mark, entry.read_over = entry.node_mark, "", True
+        self.node.unmark(name)
