@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from hypothesis import settings
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import workers.staging.tier_reads as tier_reads
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec, peft_key
 from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
@@ -235,3 +237,17 @@ def make_cache() -> Iterator[Callable[..., WorkerCache]]:
     yield make
     for cache in caches:
         cache.close()
+
+
+@pytest.fixture
+def gated_reads(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[str]]:
+    """read_shard blocks until the returned event is set; the list records every read."""
+    gate, reads, real = threading.Event(), [], tier_reads.read_shard
+
+    def read(spec: AdapterSpec, lay: ShardLayout, dest: torch.Tensor, *rest: Any) -> int:
+        reads.append(spec.name)
+        assert gate.wait(timeout=10), "test gate never opened"
+        return real(spec, lay, dest, *rest)
+
+    monkeypatch.setattr(tier_reads, "read_shard", read)
+    return gate, reads

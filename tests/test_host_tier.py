@@ -9,7 +9,6 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -267,20 +266,6 @@ def test_cancelled_waits_fail_and_hold_nothing(catalog: AdapterCatalog, tier: Ho
     for i in range(8):
         tier.release(key(big(catalog, i)))
     tier.check_integrity()
-
-
-@pytest.fixture
-def gated_reads(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[str]]:
-    """read_shard blocks until the returned event is set; the list records every read."""
-    gate, reads, real = threading.Event(), [], tier_reads_module.read_shard
-
-    def read(spec: AdapterSpec, lay: ShardLayout, dest: torch.Tensor, *rest: Any) -> int:
-        reads.append(spec.name)
-        assert gate.wait(timeout=10), "test gate never opened"
-        return real(spec, lay, dest, *rest)
-
-    monkeypatch.setattr(tier_reads_module, "read_shard", read)
-    return gate, reads
 
 
 @pytest.mark.parametrize("threads", [2, 8])

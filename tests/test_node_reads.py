@@ -14,11 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-import workers.staging.tier_reads as tier_reads_module
-from lora_cache.adapters.peft import AdapterSpec
-from lora_cache.adapters.shards import ShardLayout
 from lora_cache.vocab import AdapterKey, Stage
 from tests.waiting import wait_for
 from workers.control.commands import CommandGate
@@ -98,21 +94,8 @@ def test_a_directory_that_cannot_be_written_costs_the_yield_only(tmp_path: Path,
     assert "give the directory write access" in caplog.text
 
 
-@pytest.fixture
-def gated_reads(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """read_shard blocks until the returned event is set."""
-    gate, real = threading.Event(), tier_reads_module.read_shard
-
-    def read(spec: AdapterSpec, lay: ShardLayout, dest: torch.Tensor, *rest: Any) -> int:
-        assert gate.wait(timeout=30), "test gate never opened"
-        return real(spec, lay, dest, *rest)
-
-    monkeypatch.setattr(tier_reads_module, "read_shard", read)
-    return gate
-
-
 def test_a_load_s_read_is_marked_while_it_runs_and_a_warm_stage_s_is_not(
-        reads_dir: Path, gated_reads: threading.Event, tiny_adapters: Callable[..., list[Path]],
+        reads_dir: Path, gated_reads: tuple[threading.Event, list[str]], tiny_adapters: Callable[..., list[Path]],
         make_catalog: Callable[..., Any], make_cache: Callable[..., Any]) -> None:
     paths = tiny_adapters(count=2)
     cache = make_cache(make_catalog(paths[0].parent))
@@ -121,7 +104,7 @@ def test_a_load_s_read_is_marked_while_it_runs_and_a_warm_stage_s_is_not(
         warm = cache.stage(paths[1].name)
     load = cache.prefetch(paths[0].name)
     assert other.busy() == 1, "the load's read is the node's one demand read in flight (the warm one is not)"
-    gated_reads.set()
+    gated_reads[0].set()
     load.result(timeout=60)
     assert warm is not None
     warm.result(timeout=60)
@@ -130,7 +113,7 @@ def test_a_load_s_read_is_marked_while_it_runs_and_a_warm_stage_s_is_not(
 
 
 def test_a_load_that_joins_a_warm_read_in_flight_marks_it(
-        reads_dir: Path, gated_reads: threading.Event, tiny_adapters: Callable[..., list[Path]],
+        reads_dir: Path, gated_reads: tuple[threading.Event, list[str]], tiny_adapters: Callable[..., list[Path]],
         make_catalog: Callable[..., Any], make_cache: Callable[..., Any]) -> None:
     """Single flight: a load of a shard a warm stage is reading waits for that read, so the node's other ranks
     must yield to it from then on (and the marker still goes with the read)."""
@@ -142,7 +125,7 @@ def test_a_load_that_joins_a_warm_read_in_flight_marks_it(
     assert warm is not None and other.busy() == 0
     load = cache.prefetch(paths[0].name)
     assert other.busy() == 1, "the warm read now serves a load"
-    gated_reads.set()
+    gated_reads[0].set()
     load.result(timeout=60)
     assert other.busy() == 0 and list(reads_dir.iterdir()) == []
     cache.check_integrity()

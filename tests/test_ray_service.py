@@ -128,12 +128,10 @@ def test_controller_restart_rebuilds_from_workers(service) -> None:
 
 def _snapshot_queue(replica: str) -> list[str]:
     """The adapters of ``replica``'s queue in the controller's last durable snapshot (Ray's GCS key-value store)."""
-    import json
-
-    from lora_cache.controller.snapshots import DurableConfig, KvStore
+    from lora_cache.controller.snapshots import DurableConfig, KvStore, decode
 
     data = KvStore(DurableConfig().key, "lora-cache").get()
-    return [] if not data else [a for a, _ in json.loads(data)["queues"].get(replica, [])]
+    return [] if not data else [a for a, _ in decode(data)["queues"].get(replica, [])]
 
 
 def _status_or_none(ctl):

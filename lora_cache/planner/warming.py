@@ -136,7 +136,7 @@ def _by_value(fleet: FleetState, counts: RankedCounts, read_s: Callable[[int], f
     def saved(name: str) -> float:
         nbytes = catalog[name].bytes_per_rank
         cost = read_s(nbytes) if nbytes > 0 else None
-        return counts.get(name) * (1.0 if cost is None or cost <= 0 else cost / nbytes * (1 << 30))
+        return counts.get(name) * (cost / nbytes if cost else 1.0)
 
     requested = sorted((name for name in catalog if counts.get(name) > 0), key=lambda a: (-saved(a), a))
     unseen = sorted((name for name in catalog if counts.get(name) <= 0),

@@ -211,7 +211,7 @@ class HostTier:
             return waiting.ready, hit
         assert entry is not None
         if hit and entry.speculative and not self.demand.warm:
-            self.demand.demand(entry)  # a load joins a warm stage's read: the node's other ranks now yield to it
+            self.demand.mark(entry)  # a load joins a warm stage's read: the node's other ranks now yield to it
         if on_chunk is not None:
             entry.listen(_listener(on_chunk, hit))
         if not hit:
@@ -223,12 +223,12 @@ class HostTier:
         this host; ``ProcessReads.begin``), its replies then collected on the pool; else read on the pool. A
         demand read (not a warm stage's) is marked for the node's other ranks until it ends."""
         if not entry.speculative:
-            self.demand.demand(entry)
+            self.demand.mark(entry)
         try:
             started = self._reader.begin(spec, entry) if spec.store is None else None
-            self._pool.submit(self._read, spec, entry, started)
+            self._pool.submit(self._read, spec, entry, started).add_done_callback(lambda _: self.demand.unmark(entry))
         except BaseException:
-            self.demand.end(entry)
+            self.demand.unmark(entry)
             raise
 
     def _miss(self, spec: AdapterSpec, layout: ShardLayout, chunks: tuple[slice, ...],
@@ -392,42 +392,38 @@ class HostTier:
                                                 "nothing was staged"))
 
     def _read(self, spec: AdapterSpec, entry: HostEntry, started: Callable[[], int] | None = None) -> None:
-        """Read ``entry`` (on the pool), or finish the read ``started`` in the fetching thread (``_dispatch``); its
-        demand-read marker goes when the read ends, whichever way."""
+        """Read ``entry`` (on the pool), or finish the read ``started`` in the fetching thread (``_dispatch``)."""
+        if started is None:
+            entry.marks.append(("read", time.perf_counter()))
+        t0 = next(t for name, t in entry.marks if name == "read")
         try:
-            if started is None:
-                entry.marks.append(("read", time.perf_counter()))
-            t0 = next(t for name, t in entry.marks if name == "read")
-            try:
-                if started is not None:
-                    entry.bytes_read = started()
+            if started is not None:
+                entry.bytes_read = started()
+                if self.config.drop_page_cache:
+                    drop_pages(spec)
+            else:
+                with self._local(spec) as local:  # an adapter from a store: its proven copy on this node's disk
+                    entry.bytes_read = self._reader.read(local, entry)
                     if self.config.drop_page_cache:
-                        drop_pages(spec)
-                else:
-                    with self._local(spec) as local:  # an adapter from a store: its proven copy on this node's disk
-                        entry.bytes_read = self._reader.read(local, entry)
-                        if self.config.drop_page_cache:
-                            drop_pages(local)
-                entry.progress(entry.num_chunks)  # a reader that reports no chunks: all of them at once (proven finite)
-            except BaseException as e:  # a failed read leaves the tier as it was, and tells every waiter
-                self._failed(entry, e)
-                return
-            entry.read_ms = (time.perf_counter() - t0) * 1e3
-            entry.marks.append(("read end", time.perf_counter()))
-            with self._lock:
-                self.bytes_read += entry.bytes_read
-                dropped = entry.dropped  # its adapter unregistered while it was read: never served
-                if not dropped:
-                    entry.whole = True
-                    self._changes.append((entry.key, True))  # before the result: no eviction of it can be queued ahead
-            if dropped:
-                self._failed(entry, _unregistered(entry.key))
-                return
-            self._report()  # its "staged" reaches on_change before the result, as a slot's "ready" does its future
-            entry.ready.set_result(entry)
-            self._wake()  # done: if nobody references it any more, its room is the LRU's (and the change is reported)
-        finally:
-            self.demand.end(entry)
+                        drop_pages(local)
+            entry.progress(entry.num_chunks)  # a reader that reports no chunks: all of them at once (proven finite)
+        except BaseException as e:  # a failed read leaves the tier as it was, and tells every waiter
+            self._failed(entry, e)
+            return
+        entry.read_ms = (time.perf_counter() - t0) * 1e3
+        entry.marks.append(("read end", time.perf_counter()))
+        with self._lock:
+            self.bytes_read += entry.bytes_read
+            dropped = entry.dropped  # its adapter unregistered while it was read: never served
+            if not dropped:
+                entry.whole = True
+                self._changes.append((entry.key, True))  # before the result: no eviction of it can be queued ahead
+        if dropped:
+            self._failed(entry, _unregistered(entry.key))
+            return
+        self._report()  # its "staged" reaches on_change before the result, as a slot's "ready" does its future
+        entry.ready.set_result(entry)
+        self._wake()  # done: if nobody references it any more, its room is the LRU's (and the change is reported)
 
     def _failed(self, entry: HostEntry, error: BaseException) -> None:
         """``entry``'s read failed, or its adapter was unregistered while it was read (no reader writes into it any

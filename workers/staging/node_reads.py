@@ -170,13 +170,13 @@ class DemandMarks:
         """Whether this thread's fetches are warm stages now."""
         return bool(getattr(self._local, "on", False))
 
-    def demand(self, entry: Marked) -> None:
+    def mark(self, entry: Marked) -> None:
         """Mark ``entry``'s read as a demand read (also one a load joined in flight), unless it is over or marked."""
         with entry.lock:
             if not entry.read_over and not entry.node_mark:
                 entry.node_mark = self.node.mark()
 
-    def end(self, entry: Marked) -> None:
+    def unmark(self, entry: Marked) -> None:
         """``entry``'s read ended, whichever way: its marker goes, and none is left for it later."""
         with entry.lock:
             name, entry.node_mark, entry.read_over = entry.node_mark, "", True
