@@ -7,8 +7,12 @@ The group meets through a file store in a fresh temporary directory: no ports to
 
 from __future__ import annotations
 
+import faulthandler
+import gc
+import logging
 import os
 import pickle
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -70,6 +74,7 @@ def spawn(fn: Callable[[Comm], T], world: int, device_kind: str) -> T:
 
 
 def _rank_main(rank: int, fn: Callable[[Comm], Any], world: int, device_kind: str, tmp: str) -> None:
+    faulthandler.enable(all_threads=True)  # a crash prints every thread's Python stack (the child's stderr)
     backend = "nccl" if device_kind == "cuda" else "gloo"
     if device_kind == "cuda":
         torch.cuda.set_device(rank)
@@ -83,3 +88,21 @@ def _rank_main(rank: int, fn: Callable[[Comm], Any], world: int, device_kind: st
             (Path(tmp) / "result.pkl").write_bytes(pickle.dumps(result))
     finally:
         dist.destroy_process_group()
+    _leave()
+
+
+def _leave() -> None:
+    """End a rank whose work is done (its result written, its groups destroyed) without interpreter finalization.
+
+    A gloo group's C++ worker threads may still drop the last reference to a tensor while the interpreter
+    finalizes; taking the GIL then ends the thread by a forced unwind, and the process aborts ("terminate called
+    without an active exception", SIGABRT; pytorch/pytorch#190489). A CI run lost a passing TP-2 test that way
+    (rank 1 of test_feed's late-registration run, 2026-11-29). So the groups are collected here, while the
+    interpreter is whole, and the process then exits at once. A rank that raised does not come here: spawn reports
+    its traceback, as before.
+    """
+    gc.collect()  # process groups held only by cycles (the engine's) are destroyed now, their threads joined
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
