@@ -75,6 +75,10 @@ class SlotsBusyError(CapacityError):
     request's load waited ``slot_wait_s`` for one in vain."""
 
 
+class PermissionDeniedError(LoraCacheError):
+    """The caller's credential may not do this (e.g. an engine credential bound to another replica)."""
+
+
 class ConflictError(LoraCacheError):
     """The request is valid but conflicts with an operation in progress (e.g. an adapter draining)."""
 

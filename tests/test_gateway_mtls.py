@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -17,7 +18,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from lora_cache.api.auth import Credentials
+from lora_cache.api.auth import Credentials, Grant
 from lora_cache.api.client import ClientConfig, ClientError, LoraCacheClient
 from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
 from lora_cache.api.servicer import SERVICE_NAME
@@ -197,3 +198,21 @@ def test_the_ray_serve_router_speaks_tls_and_presents_its_certificate(pki: Pki, 
     (tmp_path / "x.pem").write_text("not a certificate")
     with pytest.raises(ConfigError, match="holds no PEM block"):
         RouterSettings(tls_ca=str(tmp_path / "x.pem"))
+
+
+def test_client_identities_bind_their_engine_role_and_bad_bindings_are_named(pki: Pki, tmp_path: Path) -> None:
+    def roles(doc: object) -> dict[str, Grant]:
+        (tmp_path / "roles.json").write_text(json.dumps(doc))
+        return GatewayConfig(grpc_host="localhost", grpc_port=0, tls_cert=str(pki.server.cert),
+                             tls_key=str(pki.server.key), tls_client_ca=str(pki.ca.cert),
+                             tls_client_roles=str(tmp_path / "roles.json")).client_roles()
+
+    got = roles({"router-1": ["router"], "engine-0": {"roles": ["engine"], "replicas": ["replica-0"]}})
+    assert got == {"router-1": Grant(frozenset({"router"})),
+                   "engine-0": Grant(frozenset({"engine"}), frozenset({"replica-0"}))}
+    for doc, expected in [({"e": {"roles": ["engine"], "replicas": []}}, "has replicas []; give a non-empty list"),
+                          ({"e": {"roles": ["engine"], "replicas": ["a b"]}}, "has replicas"),
+                          ({"e": {"roles": ["engine"], "replica": ["r"]}}, "give only 'roles' and 'replicas'"),
+                          ({"e": {"replicas": ["r"]}}, "has roles None")]:
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            roles(doc)

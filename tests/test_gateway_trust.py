@@ -17,11 +17,13 @@ from typing import Any
 import grpc
 import pytest
 
-from lora_cache.api.callers import CallRate, token_digest
+from lora_cache.api.auth import ROLES, Allowed, Credentials, Grant
+from lora_cache.api.callers import CallRate, check_speaks_for, speaks_for, token_digest
 from lora_cache.api.gateway import GatewayConfig, is_loopback, start_gateway_thread
+from lora_cache.api.servicer import SERVICE_NAME
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc
-from lora_cache.errors import CapacityError, ConfigError
+from lora_cache.errors import CapacityError, ConfigError, PermissionDeniedError
 from tests.test_gateway import StallController
 from tests.test_gateway_limits import WatchedController, _auth
 from tests.waiting import wait_for
@@ -128,3 +130,46 @@ def test_leaked_streams_of_one_router_do_not_lock_out_another_router_behind_the_
                 s.cancel()
     finally:
         gw.stop()
+
+
+# -- engine credentials bound to their replicas (issue 46, item 1) ----------------------------------------------
+def test_engine_tokens_bind_to_replicas_and_malformed_lines_are_named(tmp_path: Path) -> None:
+    (tmp_path / "all").write_text("all-token\n")
+    (tmp_path / "engines").write_text("any-engine\neng-0 replica-0\neng-01 replica-0 replica-1\nall-token replica-9\n")
+    grants = GatewayConfig(token_file=str(tmp_path / "all"), engine_token_file=str(tmp_path / "engines")).token_grants()
+    assert grants["any-engine"] == Grant(frozenset({"engine"}), None)
+    assert grants["eng-0"] == Grant(frozenset({"engine"}), frozenset({"replica-0"}))
+    assert grants["eng-01"].replicas == frozenset({"replica-0", "replica-1"})
+    assert grants["all-token"] == Grant(frozenset(ROLES), None)  # the every-role token stays unbound
+    assert Credentials(grants).unbound_engines() == 2
+    (tmp_path / "routers").write_text("r1\nr2 replica-0\n")
+    with pytest.raises(ConfigError, match=r"router_token_file .* line 2 has 2 words; give one token a line"):
+        GatewayConfig(router_token_file=str(tmp_path / "routers"))
+    (tmp_path / "bad").write_text("eng replica/0\n")
+    with pytest.raises(ConfigError, match=r"line 1: replica 'replica/0' is not a replica name"):
+        GatewayConfig(engine_token_file=str(tmp_path / "bad"))
+
+
+def test_a_call_speaks_for_the_replicas_of_its_bound_engine_grants_only() -> None:
+    """``Credentials.judge``: what the gateway sets for the call's handler (``speaks_for``)."""
+    creds = Credentials({"eng-0": Grant(frozenset({"engine"}), frozenset({"replica-0"})),
+                         "eng-any": frozenset({"engine"}),
+                         "both": Grant(frozenset({"engine", "router"}), frozenset({"replica-1"}))},
+                        {"engine-cert": Grant(frozenset({"engine"}), frozenset({"replica-2"}))}, mutual_tls=True)
+    report, attach = f"/{SERVICE_NAME}/ReportQueue", f"/{SERVICE_NAME}/AttachRank"
+    assert creds.judge(report, "Bearer eng-0", []) == Allowed(frozenset({"replica-0"}))
+    assert creds.judge(attach, "Bearer eng-any", []) == Allowed(None)
+    assert creds.judge(report, "Bearer both", []) == Allowed(None)  # its router role reports any queue
+    assert creds.judge(attach, "Bearer both", []) == Allowed(frozenset({"replica-1"}))  # attaching is the engine's
+    assert creds.judge(attach, "Bearer eng-0", ["engine-cert"]) == Allowed(frozenset({"replica-0", "replica-2"}))
+    assert creds.judge(attach, None, ["engine-cert"]) == Allowed(frozenset({"replica-2"}))
+    assert creds.judge(attach, "Bearer eng-any", ["engine-cert"]) == Allowed(None)
+    token = speaks_for.set(frozenset({"replica-0"}))
+    try:
+        check_speaks_for("replica-0", "ReportQueue")
+        with pytest.raises(PermissionDeniedError, match="ReportQueue for replica 'replica-1' refused: this engine "
+                                                        "credential speaks for 'replica-0' only"):
+            check_speaks_for("replica-1", "ReportQueue")
+    finally:
+        speaks_for.reset(token)
+    check_speaks_for("replica-1", "ReportQueue")  # outside a bound call: any replica

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 
 import grpc
 import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
 
 ray = pytest.importorskip("ray")
 
@@ -86,6 +87,8 @@ def served(tmp_path_factory):
         )
         for role in ("router", "engine"):
             (root.parent / f"{root.name}-{role}").write_text(f"{role}-token")
+        with (root.parent / f"{root.name}-engine").open("a") as engines:  # replica-1's own engine credential
+            engines.write("\nreplica-1-token replica-1\n")
         gateway = start_gateway_thread(
             GatewayConfig(
                 grpc_port=0,
@@ -413,6 +416,38 @@ def test_a_forged_engine_rank_is_not_believed_and_leaves_when_it_detaches(served
     wait_for(lambda: "forged" not in ray.get(ctl.status.remote())["replicas"], "the forged replica to leave", 30)
     (advice,) = stub.Route(pb.RouteRequest(items=[pb.RouteItem(adapter=registered)]), metadata=ROUTER, timeout=30).items
     assert "forged" not in [r.replica for r in advice.replicas]
+    assert ray.get(ctl.check_integrity.remote())
+
+
+def _queued(adapter: str) -> pb.QueuedRequest:
+    arrived = Timestamp()
+    arrived.GetCurrentTime()
+    return pb.QueuedRequest(adapter=adapter, arrival_time=arrived)
+
+
+def test_an_engine_credential_bound_to_its_replica_speaks_for_no_other(served) -> None:
+    """Issue 46 item 1: a bound engine token reports its own replica's queue and attaches as it, and is refused
+    (PERMISSION_DENIED, naming the replica and its binding) for any other, changing nothing there. (Before: any
+    engine token reported any replica's queue, and the controller planned from it.)"""
+    svc, stub = served
+    ctl = svc.controller
+    own = (("authorization", "Bearer replica-1-token"),)
+    ray.get(ctl.report_queue.remote("replica-0", [("adapter-001", time.time())]))
+    forged = pb.ReportQueueRequest(replica="replica-0", requests=[_queued(f"adapter-00{k}") for k in range(4)])
+    code, message = _code(lambda: stub.ReportQueue(forged, metadata=own, timeout=30))
+    assert code == grpc.StatusCode.PERMISSION_DENIED, (code, message)
+    assert "replica 'replica-0'" in message and "speaks for 'replica-1' only" in message
+    assert ray.get(ctl.status.remote())["queue_depths"]["replica-0"] == 1  # replica-0's own report stands
+    answer = stub.ReportQueue(pb.ReportQueueRequest(replica="replica-1", requests=[_queued("adapter-002")]),
+                              metadata=own, timeout=30)
+    assert answer.queue_depth == 1 and ray.get(ctl.status.remote())["queue_depths"]["replica-1"] == 1
+    code, message = _code(lambda: Rank(stub, metadata=own, replica="forged").next())
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "AttachRank for replica 'forged' refused" in message
+    assert "forged" not in ray.get(ctl.status.remote())["replicas"]
+    # the unbound engine token and a router keep speaking for any replica (a router reports the queues it holds)
+    assert stub.ReportQueue(forged, metadata=ROUTER, timeout=30).queue_depth == 4
+    ray.get(ctl.report_queue.remote("replica-0", []))
+    ray.get(ctl.report_queue.remote("replica-1", []))
     assert ray.get(ctl.check_integrity.remote())
 
 

@@ -5,19 +5,24 @@ under mutual TLS (``--tls-client-ca``), a client certificate that CA signed, who
 SAN) ``--tls-client-roles`` names. Its roles are those of its token and its certificate together; the RPC
 needs one of them (``RPC_ROLES``: routers, engines, operators). No known credential: UNAUTHENTICATED (an
 unknown certificate identity: PERMISSION_DENIED naming it); a credential without the role: PERMISSION_DENIED
-naming the role and the flag. The verdict (``Credentials.verdict``) is plain Python; ``CallerCheck`` runs it in
+naming the role and the flag. The verdict (``Credentials.judge``) is plain Python; ``CallerCheck`` runs it in
 each call, where the certificate the TLS handshake verified is known.
+
+An engine credential may be bound to the replicas it speaks for (``Grant.replicas``: a line ``TOKEN REPLICA...``
+of ``--engine-token-file``, or ``{"roles": ["engine"], "replicas": [...]}`` in ``--tls-client-roles``). A call
+whose right to its RPC comes only from bound engine grants carries those replicas (``speaks_for``, set for the
+call's handler); ``ReportQueue`` and ``AttachRank`` then refuse any other replica (``check_speaks_for``).
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, NamedTuple
 
 import grpc
 
-from lora_cache.api.callers import certificate_names
+from lora_cache.api.callers import certificate_names, speaks_for
 from lora_cache.api.servicer import SERVICE_NAME
 
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # served without a credential: load balancers probe them
@@ -38,41 +43,74 @@ class Denial(NamedTuple):
     why: str
 
 
-class Credentials:
-    """The accepted bearer tokens and client-certificate identities, each with its roles."""
+class Grant(NamedTuple):
+    """What one credential (a token, a certificate identity) may do: its roles, and the replicas its engine role
+    speaks for (None: any replica, as every credential did before bindings)."""
 
-    def __init__(self, tokens: dict[str, frozenset[str]], identities: dict[str, frozenset[str]] | None = None,
-                 mutual_tls: bool = False) -> None:
-        self._tokens = [(f"Bearer {t}".encode(), roles) for t, roles in tokens.items()]
-        self.identities = identities or {}
+    roles: frozenset[str]
+    replicas: frozenset[str] | None = None
+
+
+class Allowed(NamedTuple):
+    """A call that may go on; ``replicas``: the only replicas it may speak for (None: any)."""
+
+    replicas: frozenset[str] | None
+
+
+def _grant(roles: frozenset[str] | Grant) -> Grant:
+    return roles if isinstance(roles, Grant) else Grant(roles)
+
+
+class Credentials:
+    """The accepted bearer tokens and client-certificate identities, each with its grant (roles, or a ``Grant``)."""
+
+    def __init__(self, tokens: Mapping[str, frozenset[str] | Grant],
+                 identities: Mapping[str, frozenset[str] | Grant] | None = None, mutual_tls: bool = False) -> None:
+        self._tokens = [(f"Bearer {t}".encode(), _grant(g)) for t, g in tokens.items()]
+        self.identities = {name: _grant(g) for name, g in (identities or {}).items()}
         self.mutual_tls = mutual_tls  # the TLS handshake already refused callers without a certificate of the CA
 
-    def roles_of(self, sent: str | bytes) -> frozenset[str] | None:
-        """The roles of the token sent (None: no known token); every token is compared, in constant time each."""
+    def grant_of(self, sent: str | bytes) -> Grant | None:
+        """The grant of the token sent (None: no known token); every token is compared, in constant time each."""
         raw = sent.encode() if isinstance(sent, str) else sent
-        found = [roles for expected, roles in self._tokens if hmac.compare_digest(raw, expected)]
-        return frozenset().union(*found) if found else None
+        found = [grant for expected, grant in self._tokens if hmac.compare_digest(raw, expected)]
+        return found[0] if found else None  # tokens are distinct (the config merges a token's files)
+
+    def roles_of(self, sent: str | bytes) -> frozenset[str] | None:
+        grant = self.grant_of(sent)
+        return grant.roles if grant is not None else None
 
     def verdict(self, method: str, sent: str | bytes | None, names: list[str]) -> Denial | None:
-        """None when the call (``method``; the ``authorization`` value ``sent``; its certificate's ``names``) may
-        go on, else how it is refused."""
-        token_roles = None if sent is None or not self._tokens else self.roles_of(sent)
-        if sent is not None and self._tokens and token_roles is None:
+        """None when the call may go on (``judge``), else how it is refused."""
+        judged = self.judge(method, sent, names)
+        return judged if isinstance(judged, Denial) else None
+
+    def judge(self, method: str, sent: str | bytes | None, names: list[str]) -> Denial | Allowed:
+        """Whether the call (``method``; the ``authorization`` value ``sent``; its certificate's ``names``) may go
+        on, and for which replicas; else how it is refused."""
+        token = None if sent is None or not self._tokens else self.grant_of(sent)
+        if sent is not None and self._tokens and token is None:
             return Denial(grpc.StatusCode.UNAUTHENTICATED, "the bearer token is wrong; give the gateway's token "
                           "(lora_cache.api.client: token=...; CLI: --token-file)")
-        cert_roles = next((self.identities[n] for n in names if n in self.identities), None)
-        if token_roles is None and cert_roles is None:
+        cert = next((self.identities[n] for n in names if n in self.identities), None)
+        grants = [g for g in (token, cert) if g is not None]
+        if not grants:
             return self._unknown(names)
-        roles = (token_roles or frozenset()) | (cert_roles or frozenset())
+        roles = frozenset().union(*(g.roles for g in grants))
         rpc = method.rsplit("/", 1)[-1]
         needed = RPC_ROLES.get(rpc, frozenset(ROLES)) if method.startswith(f"/{SERVICE_NAME}/") else frozenset(ROLES)
         if roles & needed:
-            return None
+            return Allowed(_bound(grants, needed))
         flags = [f"--{r}-token-file" for r in sorted(needed)] + (["--tls-client-roles"] if self.mutual_tls else [])
         return Denial(grpc.StatusCode.PERMISSION_DENIED,
                       f"{rpc} needs the {' or '.join(sorted(needed))} role; this caller has the "
                       f"{', '.join(sorted(roles)) or 'no'} role: call with a credential from {' or '.join(flags)} "
                       "(or --token-file, every role)")
+
+    def unbound_engines(self) -> int:
+        """Credentials with the engine role that speak for any replica (the gateway warns of them)."""
+        grants = [g for _, g in self._tokens] + list(self.identities.values())
+        return sum(1 for g in grants if "engine" in g.roles and g.replicas is None)
 
     def _unknown(self, names: list[str]) -> Denial:
         if self.mutual_tls and names:
@@ -83,6 +121,15 @@ class Credentials:
         return Denial(grpc.StatusCode.UNAUTHENTICATED,
                       "the call has no bearer token; this server requires metadata 'authorization: Bearer <token>' "
                       "(lora_cache.api.client: token=...; CLI: --token-file)")
+
+
+def _bound(grants: list[Grant], needed: frozenset[str]) -> frozenset[str] | None:
+    """The replicas a call may speak for: any (None) if a grant gives it a needed role other than a bound engine
+    role, else the replicas of its bound engine grants."""
+    engine = [g for g in grants if "engine" in (g.roles & needed)]
+    if any(g.roles & (needed - {"engine"}) for g in grants) or any(g.replicas is None for g in engine):
+        return None
+    return frozenset().union(*(g.replicas or () for g in engine))
 
 
 class CallerCheck(grpc.aio.ServerInterceptor):
@@ -102,7 +149,11 @@ class CallerCheck(grpc.aio.ServerInterceptor):
         method = details.method
 
         def denial(context: grpc.aio.ServicerContext) -> Denial | None:
-            return self.credentials.verdict(method, sent, certificate_names(context.auth_context() or {}))
+            judged = self.credentials.judge(method, sent, certificate_names(context.auth_context() or {}))
+            if isinstance(judged, Denial):
+                return judged
+            speaks_for.set(judged.replicas)  # this call's task: its handler runs in it
+            return None
 
         return _checked(handler, denial)
 

@@ -7,6 +7,8 @@ routers sharing one token are one client wherever they run.
 
 - ``StreamLimits``: long-lived streams (``WatchReadiness``, ``AttachRank``) open at once, per client and in all.
 - ``CallRate``: unary calls per client, a token bucket each (``calls_per_client_s``, ``call_burst_per_client``).
+- ``speaks_for``: the replicas the current call's credential may speak for (``auth.Grant``), checked by
+  ``check_speaks_for`` where a call names a replica as its own (``ReportQueue``, ``AttachRank``).
 
 Beyond a limit the call is refused at once with CapacityError (RESOURCE_EXHAUSTED) naming the limit and its
 flag; other clients are not affected. Plain Python: the servicer passes in the client's name.
@@ -15,13 +17,14 @@ flag; other clients are not affected. Plain Python: the servicer passes in the c
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from lora_cache.errors import CapacityError
+from lora_cache.errors import CapacityError, PermissionDeniedError
 
 MAX_RATE_CLIENTS = 65536  # buckets kept at most; full ones (idle clients) go first, then the longest unused
 
@@ -122,3 +125,17 @@ class CallRate:
                 del self.buckets[client]
         while len(self.buckets) > self.max_clients:
             self.buckets.popitem(last=False)
+
+
+# The replicas the current call may speak for (None: any; also every call of a gateway without authentication).
+speaks_for: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar("speaks_for", default=None)
+
+
+def check_speaks_for(replica: str, rpc: str) -> None:
+    """PermissionDeniedError unless the current call may speak for ``replica`` (its credential's binding)."""
+    bound = speaks_for.get()
+    if bound is not None and replica not in bound:
+        raise PermissionDeniedError(
+            f"{rpc} for replica {replica[:64]!r} refused: this engine credential speaks for "
+            f"{', '.join(repr(r) for r in sorted(bound)[:8])} only; use that replica's own credential (a line "
+            "'TOKEN REPLICA' of --engine-token-file, or its identity's replicas in --tls-client-roles)")

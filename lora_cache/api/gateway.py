@@ -37,12 +37,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from lora_cache.api.auth import ROLES, CallerCheck, Credentials
+from lora_cache.adapters.catalog import NAME_RE
+from lora_cache.api.auth import ROLES, CallerCheck, Credentials, Grant
 from lora_cache.api.callers import CallRate, StreamLimits
 from lora_cache.api.ingest import FLUSH_S as INGEST_FLUSH_S
 from lora_cache.api.ingest import HintIngest
 from lora_cache.api.servicer import SERVICE_NAME, Servicer, generic_handler
 from lora_cache.api.tls import check_client_ca, check_tls_pair
+from lora_cache.api.validate import NAME_FORM
 from lora_cache.errors import ConfigError
 
 MiB = 1 << 20
@@ -74,7 +76,9 @@ class GatewayConfig:
         "file of the bearer tokens of routers (one a line: one per router, each its own client for the limits): "
         "Hint, CancelHint, Lookup, Route, WatchReadiness, ReportQueue, Status"})
     engine_token_file: str = field(default="", metadata={"path": True, "help":
-        "file of the bearer token of engines: AttachRank, ReportQueue, Status"})
+        "file of the bearer tokens of engines: AttachRank, ReportQueue, Status; a line 'TOKEN REPLICA...' binds "
+        "the token to those replicas (it may attach and report queues for them only), a bare 'TOKEN' speaks for "
+        "any replica (warned of at start)"})
     operator_token_file: str = field(default="", metadata={"path": True, "help":
         "file of the bearer token of operators: RegisterAdapter(s), UnregisterAdapter, Status"})
     max_streams_per_client: int = field(default=64, metadata={
@@ -90,7 +94,8 @@ class GatewayConfig:
         "(with --tls-cert, and --tls-client-roles or tokens)"})
     tls_client_roles: str = field(default="", metadata={"path": True, "help":
         'JSON file of client certificate identities (subject CN or a SAN) and their roles, '
-        '{"router-1": ["router"], "ops": ["operator"]}'})
+        '{"router-1": ["router"], "ops": ["operator"]}; an engine bound to its replicas: '
+        '{"engine-0": {"roles": ["engine"], "replicas": ["replica-0"]}}'})
     calls_per_client_s: float = field(default=2000.0, metadata={
         "help": "unary calls a second one client (its certificate, token, or without either its address) may make "
                 "on average; beyond it calls get RESOURCE_EXHAUSTED"})
@@ -153,22 +158,33 @@ class GatewayConfig:
                                   "give --tls-client-roles (identities and their roles), or token files")
         self.client_roles()  # the roles file readable and well-formed
 
-    def client_roles(self) -> dict[str, frozenset[str]]:
-        """Each client certificate identity of ``tls_client_roles`` and its roles (empty: no file)."""
+    def client_roles(self) -> dict[str, Grant]:
+        """Each client certificate identity of ``tls_client_roles`` and its grant (empty: no file): a list of roles
+        (any replica), or ``{"roles": [...], "replicas": [...]}`` binding its engine role to those replicas."""
         if not self.tls_client_roles:
             return {}
-        fix = 'give a JSON object of identities and their roles, e.g. {"router-1": ["router"]}'
+        fix = ('give a JSON object of identities and their roles, e.g. {"router-1": ["router"], "engine-0": '
+               '{"roles": ["engine"], "replicas": ["replica-0"]}}')
         try:
             doc = json.loads(Path(self.tls_client_roles).read_text())
         except (OSError, ValueError) as e:
             raise ConfigError(f"tls_client_roles {self.tls_client_roles!r} cannot be read as JSON ({e}); {fix}") from e
         if not isinstance(doc, dict) or not doc:
             raise ConfigError(f"tls_client_roles {self.tls_client_roles!r} is not a non-empty JSON object; {fix}")
-        for identity, roles in doc.items():
+        out = {}
+        for identity, value in doc.items():
+            roles, replicas = (value.get("roles"), value.get("replicas")) if isinstance(value, dict) else (value, None)
+            where = f"tls_client_roles {self.tls_client_roles!r}: identity {identity[:64]!r}"
+            if isinstance(value, dict) and set(value) - {"roles", "replicas"}:
+                raise ConfigError(f"{where} has keys {sorted(value)[:8]}; give only 'roles' and 'replicas'")
             if not isinstance(roles, list) or not roles or not set(roles) <= set(ROLES):
-                raise ConfigError(f"tls_client_roles {self.tls_client_roles!r}: identity {identity[:64]!r} has roles "
-                                  f"{str(roles)[:64]}; give a list of {', '.join(ROLES)}")
-        return {identity: frozenset(roles) for identity, roles in doc.items()}
+                raise ConfigError(f"{where} has roles {str(roles)[:64]}; give a list of {', '.join(ROLES)}")
+            if replicas is not None and (not isinstance(replicas, list) or not replicas
+                                         or not all(isinstance(r, str) and NAME_RE.match(r) for r in replicas)):
+                raise ConfigError(f"{where} has replicas {str(replicas)[:64]}; give a non-empty list of replica "
+                                  f"names ({NAME_FORM}), or leave 'replicas' out: any replica")
+            out[identity] = Grant(frozenset(roles), None if replicas is None else frozenset(replicas))
+        return out
 
     def authenticated(self) -> bool:
         """Whether every call but health checks must prove who it is (a bearer token or a client certificate)."""
@@ -211,20 +227,31 @@ class GatewayConfig:
         raise ConfigError(f"no token carries the {role} role; give --{role}-token-file (or --token-file, every role)")
 
     def role_tokens(self) -> dict[str, frozenset[str]]:
-        """Each accepted token and the roles it carries (empty: auth is off). ``token``/``token_file`` carries
-        every role (what it meant before roles); a role's own file, that role. A token in several files
-        carries all their roles."""
-        out: dict[str, set[str]] = {}
+        """Each accepted token and the roles it carries (empty: auth is off)."""
+        return {token: grant.roles for token, grant in self.token_grants().items()}
+
+    def token_grants(self) -> dict[str, Grant]:
+        """Each accepted token and its grant. ``token``/``token_file`` carries every role (what it meant before
+        roles) for any replica; a role's own file, that role. A line ``TOKEN REPLICA...`` of the engine file binds
+        that engine token to those replicas (the only ones it may speak for); a bare ``TOKEN`` speaks for any. A
+        token in several files carries all their roles; any of them unbound leaves it unbound."""
+        roles: dict[str, set[str]] = {}
+        bound: dict[str, set[str] | None] = {}
         if (token := self.bearer_token()) is not None:
-            out[token] = set(ROLES)
+            roles[token], bound[token] = set(ROLES), None
         for role in ROLES:
             if path := getattr(self, f"{role}_token_file"):
-                for token in _read_tokens(f"{role}_token_file", path):
-                    out.setdefault(token, set()).add(role)
-        for token in out:
+                for token, replicas in _read_tokens(f"{role}_token_file", path, bindable=role == "engine"):
+                    roles.setdefault(token, set()).add(role)
+                    if token not in bound or replicas is None:
+                        bound[token] = None if replicas is None else set(replicas)
+                    elif (held := bound[token]) is not None:
+                        held.update(replicas)
+        for token in roles:
             if not (token.isascii() and token.isprintable() and " " not in token):
                 raise ConfigError("a bearer token must be printable ASCII without spaces (it travels in a header)")
-        return {t: frozenset(r) for t, r in out.items()}
+        return {t: Grant(frozenset(r), None if (b := bound.get(t)) is None else frozenset(b))
+                for t, r in roles.items()}
 
 
 def is_loopback(host: str) -> bool:
@@ -238,16 +265,29 @@ def is_loopback(host: str) -> bool:
         return False  # a name (or 0.0.0.0's kin): it may resolve beyond this machine
 
 
-def _read_tokens(name: str, value: str) -> list[str]:
+def _read_tokens(name: str, value: str, bindable: bool = False) -> list[tuple[str, tuple[str, ...] | None]]:
     """The tokens of a role's file, one a line: one per client (a router each), each its own client for the
-    per-client limits."""
+    per-client limits; with ``bindable`` (the engine file) a line may name the replicas its token speaks for after
+    it (``TOKEN REPLICA...``; None: a bare token, any replica)."""
     path = Path(value)
     if not path.is_file():
         raise ConfigError(f"{name} {value!r} is not a file; write the token into it")
-    tokens = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    if not tokens:
+    out: list[tuple[str, tuple[str, ...] | None]] = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        words = line.split()
+        if not words:
+            continue
+        if len(words) > 1 and not bindable:
+            raise ConfigError(f"{name} {value!r} line {number} has {len(words)} words; give one token a line (only "
+                              "--engine-token-file binds a token to replicas: 'TOKEN REPLICA...')")
+        for replica in words[1:]:
+            if not NAME_RE.match(replica):
+                raise ConfigError(f"{name} {value!r} line {number}: replica {replica[:64]!r} is not a replica name; "
+                                  f"give 'TOKEN REPLICA...' with names of {NAME_FORM}")
+        out.append((words[0], tuple(words[1:]) if len(words) > 1 else None))
+    if not out:
         raise ConfigError(f"{name} {value!r} is empty; write the token into it")
-    return tokens
+    return out
 
 
 class HealthWatch:
@@ -362,7 +402,7 @@ def _credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
 async def start_gateway(config: GatewayConfig, controller: Any, health_name: str = "") -> Gateway:
     """Serve LoraCacheService (+ health, reflection) for ``controller`` on the running event loop;
     ``health_name``: the service's own name in the health service (besides "" and the API's)."""
-    tokens = config.role_tokens()
+    tokens = config.token_grants()
     if config.insecure and not config.authenticated() and not is_loopback(config.grpc_host):
         log.warning("lora-cache gateway on %s:%s has NO AUTHENTICATION (--insecure): anyone who reaches the port "
                     "may register, unregister and attach; give --token-file (with --tls-cert/--tls-key) to close it",
@@ -373,7 +413,12 @@ async def start_gateway(config: GatewayConfig, controller: Any, health_name: str
                ("grpc.so_reuseport", 0),
                # the clients' keepalive (client.KEEPALIVE) on streams that may say nothing for minutes
                ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000), ("grpc.http2.max_ping_strikes", 0)]
-    check = CallerCheck(Credentials(tokens, config.client_roles(), bool(config.tls_client_ca)))
+    callers = Credentials(tokens, config.client_roles(), bool(config.tls_client_ca))
+    if config.authenticated() and (unbound := callers.unbound_engines()):
+        log.warning("lora-cache gateway: %d engine credential(s) speak for any replica (an engine holding one may "
+                    "report another replica's queue or attach as it); bind each to its replica: a line 'TOKEN "
+                    "REPLICA' of --engine-token-file, or 'replicas' in --tls-client-roles", unbound)
+    check = CallerCheck(callers)
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs,
                              interceptors=[check] if config.authenticated() else None)
     total = max(1, min(config.max_streams, config.max_concurrent_rpcs // 2))  # unary calls keep half the slots

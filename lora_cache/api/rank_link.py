@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.api import relay_codec as codec
 from lora_cache.api import validate
+from lora_cache.api.callers import check_speaks_for
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.validate import RequestError
 from lora_cache.controller.core import MAX_SLOTS, MAX_TP
@@ -121,6 +122,7 @@ class RankLink:
         except StopAsyncIteration:
             raise RequestError("the AttachRank stream ended before its AttachHello; send the hello first") from None
         hello = check_hello(first)
+        check_speaks_for(hello.replica, "AttachRank")  # before anything is made for it
         name = worker_name(WorkerId(hello.replica, hello.rank))
         host = self.host_for(name)
         catalog = await host.catalog()  # NotFoundError without a controller; nothing made yet

@@ -19,14 +19,14 @@ import grpc
 import ray
 
 from lora_cache.api import validate
-from lora_cache.api.callers import CallRate, StreamLimits, client_of
+from lora_cache.api.callers import CallRate, StreamLimits, check_speaks_for, client_of
 from lora_cache.api.ingest import HintIngest
 from lora_cache.api.rank_link import RankHost, RankLink
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.watch_hub import WatchHub
 from lora_cache.controller.core import HintOutcome
 from lora_cache.controller.readiness import ReadinessEvent, Resync
-from lora_cache.errors import CapacityError, ConflictError, LoraCacheError, NotFoundError
+from lora_cache.errors import CapacityError, ConflictError, LoraCacheError, NotFoundError, PermissionDeniedError
 from lora_cache.routing.advice import RouteAdvice
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ _CODES: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], grpc.
       ConnectionError), grpc.StatusCode.UNAVAILABLE),
     (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (ConflictError, grpc.StatusCode.FAILED_PRECONDITION),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (LoraCacheError, grpc.StatusCode.INVALID_ARGUMENT),  # RequestError, ConfigError, AdapterError, ...
 )
 
@@ -162,6 +163,7 @@ class Servicer:
 
     async def report_queue(self, request: pb.ReportQueueRequest) -> pb.ReportQueueResponse:
         replica, entries = validate.queue(request, self.max_items)
+        check_speaks_for(replica, "ReportQueue")  # an engine credential bound to its replicas speaks for no other
         await self.controller.report_queue.remote(replica, entries)
         return pb.ReportQueueResponse(queue_depth=len(entries))
 
