@@ -21,6 +21,8 @@ def main() -> None:
     from workers.staging.host_config import HostTierConfig
 
     config = AttachConfig(replica=args["replica"], gateway=args["gateway"], token=args.get("token", ""),
+                          tls_ca=args.get("tls_ca", ""), tls_client_cert=args.get("tls_client_cert", ""),
+                          tls_client_key=args.get("tls_client_key", ""),
                           poll_s=0.5, liveness_s=args.get("liveness_s", 10.0),
                           name_wait_s=args.get("name_wait_s", 30.0), max_adapters=args.get("max_adapters", 0),
                           max_running=args.get("max_running", 0))

@@ -176,13 +176,38 @@ def test_the_relay_fails_waiting_calls_and_pings_once_the_process_stops_polling(
     ({"gateway": "h:99999"}, r"gateway 'h:99999' is not host:port"),
     ({"gateway": "h:50051", "address": "10.0.0.1:6379"},
      r"address \('10.0.0.1:6379'\) and gateway \('h:50051'\) are both set: .* give one"),
-    ({"token": "t"}, r"token, token_file and tls_ca are the gateway's: set gateway='host:port'"),
+    ({"token": "t"}, r"token, token_file, tls_ca and tls_client_cert/key are the gateway's: set gateway='host:port'"),
+    ({"tls_client_cert": "/c"}, r"tls_client_cert/key are the gateway's"),
     ({"gateway": "h:1", "token": "t", "token_file": "/x"}, "both token and token_file are set"),
     ({"gateway": "h:1", "token_file": "/nonexistent/token"}, r"token_file '/nonexistent/token' is not a file"),
 ])
 def test_attach_config_through_the_gateway_names_the_value_and_the_fix(kwargs, message) -> None:
     with pytest.raises(ConfigError, match=message):
         AttachConfig(**({"replica": "replica-0"} | kwargs))
+
+
+def test_attach_config_client_certificate_is_checked_before_anything_starts(tmp_path) -> None:
+    """The rank's client certificate (mutual TLS): both files, with tls_ca, and a key of that certificate."""
+    from tests.test_gateway_mtls import _issue
+
+    ca, ca_cert, ca_key = _issue(tmp_path, "ca", None, ca=True)
+    one, two = (_issue(tmp_path, n, (ca_cert, ca_key))[0] for n in ("engine-1", "engine-2"))
+    base = {"replica": "replica-0", "gateway": "h:1", "tls_ca": str(ca.cert)}
+    ok = AttachConfig(**base, tls_client_cert=str(one.cert), tls_client_key=str(one.key))
+    assert ok.tls_client_cert == str(one.cert)
+    for kwargs, message in [
+        ({"tls_client_cert": str(one.cert)}, "tls_client_cert .* and tls_client_key .* go together"),
+        ({"tls_client_cert": str(one.cert), "tls_client_key": str(two.key)},
+         "tls_client_key .* is not the private key of tls_client_cert"),
+        ({"tls_client_cert": str(one.key), "tls_client_key": str(one.cert)},
+         "swap --tls-client-cert and --tls-client-key"),
+        ({"tls_client_cert": str(tmp_path / "none.crt"), "tls_client_key": str(one.key)},
+         "tls_client_cert .* is not a file; give the path of this rank's client certificate"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            AttachConfig(**(base | kwargs))
+    with pytest.raises(ConfigError, match="give tls_ca too"):
+        AttachConfig(replica="replica-0", gateway="h:1", tls_client_cert=str(one.cert), tls_client_key=str(one.key))
 
 
 def test_attach_through_a_gateway_nobody_serves_fails_fast_and_names_it() -> None:

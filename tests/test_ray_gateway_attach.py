@@ -268,6 +268,52 @@ def test_the_gateway_refuses_a_stream_without_its_token_and_a_taken_rank(fleet: 
         engine.close()
 
 
+def test_an_engine_presents_its_client_certificate_and_speaks_for_its_own_replica_only(
+        fleet: Fleet, tmp_path: Path) -> None:
+    """Issue 46 items 1-2: an engine outside Ray attaches through a mutual-TLS gateway with its client certificate
+    (``AttachConfig.tls_client_cert``), whose identity is bound to its replica: it attaches and reports its queue;
+    an engine whose identity is bound to another replica is refused naming both, and nothing is made for it. (Before:
+    an attached engine could present no certificate, so it could not attach under --tls-client-ca.)"""
+    from tests.test_gateway_mtls import _issue  # certificates of a test CA, made with ``cryptography``
+
+    ca, ca_cert, ca_key = _issue(tmp_path, "test-ca", None, ca=True)
+    server = _issue(tmp_path, "localhost", (ca_cert, ca_key))[0]
+    mine, other = (_issue(tmp_path, n, (ca_cert, ca_key))[0] for n in ("engine-g", "engine-x"))
+    (tmp_path / "roles.json").write_text(json.dumps({
+        "engine-g": {"roles": ["engine"], "replicas": [REPLICA]},
+        "engine-x": {"roles": ["engine"], "replicas": ["replica-x"]}}))
+    config = GatewayConfig(grpc_host="localhost", grpc_port=0, tls_cert=str(server.cert), tls_key=str(server.key),
+                           tls_client_ca=str(ca.cert), tls_client_roles=str(tmp_path / "roles.json"))
+    gateway = start_gateway_thread(config, fleet.controller)
+    try:
+        def engine(who: Any, **args: Any) -> EngineProc:
+            return EngineProc(fleet, gateway=f"localhost:{gateway.port}", token="", tls_ca=str(ca.cert),
+                              tls_client_cert=str(who.cert), tls_client_key=str(who.key), **args)
+
+        stranger = engine(other, name_wait_s=0.0)
+        try:
+            assert stranger.hello["error"] == "GatewayLinkError", stranger.hello
+            assert "AttachRank for replica 'replica-g' refused" in stranger.hello["message"]
+            assert "speaks for 'replica-x' only" in stranger.hello["message"]
+        finally:
+            stranger.close()
+        assert not named(RANK0)
+        own = engine(mine)
+        try:
+            assert own.hello["attached"] == RANK0 and not own.hello["ray"]
+            own.call("queue", adapters=["adapter-003"])  # ReportQueue under its certificate, for its own replica
+            wait_for(lambda: ray.get(fleet.controller.status.remote())["queue_depths"].get(REPLICA) == 1,
+                     "its queue report", timeout=90)
+            own.call("queue", adapters=[])
+            own.call("detach")
+            assert own.proc.wait(60) == 0
+        finally:
+            own.close()
+        wait_for(lambda: not named(RANK0), "the endpoint killed", timeout=90)
+    finally:
+        gateway.stop()
+
+
 def test_the_answers_codec_keeps_the_controllers_types() -> None:
     """What the controller reads of a relayed apply (``_collect``) survives the trip."""
     from lora_cache.vocab import ApplyResult

@@ -18,37 +18,43 @@ MAX_PEM_BYTES = 1 << 20  # a certificate chain or key is a few KiB; more is not 
 _BLOCK = re.compile(r"-----BEGIN ([A-Z0-9 ]+)-----")
 
 
-def check_tls_pair(cert: str, key: str) -> None:
-    """ConfigError naming ``--tls-cert`` or ``--tls-key``, the file and the fix, unless ``key`` is the private
-    key of the first certificate in ``cert``."""
-    cert_kinds, key_kinds = _kinds("tls_cert", cert), _kinds("tls_key", key)
+def check_tls_pair(cert: str, key: str, cert_option: str = "tls_cert", key_option: str = "tls_key") -> None:
+    """ConfigError naming the option (``tls_cert``/``tls_key``, or a client's ``cert_option``/``key_option``), the
+    file and the fix, unless ``key`` is the private key of the first certificate in ``cert``."""
+    c, k = cert_option, key_option
+    whose = "server" if c == "tls_cert" else "client"
+    cert_kinds, key_kinds = _kinds(c, cert), _kinds(k, key)
     if "CERTIFICATE" not in cert_kinds:
-        swapped = any(k.endswith("PRIVATE KEY") for k in cert_kinds) and "CERTIFICATE" in key_kinds
-        raise ConfigError(f"tls_cert {cert!r} holds no PEM certificate ('-----BEGIN CERTIFICATE-----')"
-                          + ("; it holds a private key and tls_key holds the certificate: swap --tls-cert and "
-                             "--tls-key" if swapped else "; give the server's certificate chain in PEM"))
-    private = [k for k in key_kinds if k.endswith("PRIVATE KEY")]
+        swapped = any(kind.endswith("PRIVATE KEY") for kind in cert_kinds) and "CERTIFICATE" in key_kinds
+        raise ConfigError(f"{c} {cert!r} holds no PEM certificate ('-----BEGIN CERTIFICATE-----')"
+                          + (f"; it holds a private key and {k} holds the certificate: swap {_flag(c)} and "
+                             f"{_flag(k)}" if swapped else f"; give the {whose}'s certificate chain in PEM"))
+    private = [kind for kind in key_kinds if kind.endswith("PRIVATE KEY")]
     if not private:
-        raise ConfigError(f"tls_key {key!r} holds no PEM private key ('-----BEGIN PRIVATE KEY-----')"
-                          + ("; it holds a certificate: give the private key of --tls-cert"
-                             if "CERTIFICATE" in key_kinds else "; give the private key of --tls-cert in PEM"))
+        raise ConfigError(f"{k} {key!r} holds no PEM private key ('-----BEGIN PRIVATE KEY-----')"
+                          + (f"; it holds a certificate: give the private key of {_flag(c)}"
+                             if "CERTIFICATE" in key_kinds else f"; give the private key of {_flag(c)} in PEM"))
     if "ENCRYPTED PRIVATE KEY" in private:
-        raise ConfigError(f"tls_key {key!r} is encrypted; gRPC cannot ask for its passphrase: give an unencrypted "
+        raise ConfigError(f"{k} {key!r} is encrypted; gRPC cannot ask for its passphrase: give an unencrypted "
                           f"key (openssl pkey -in {key} -out KEY.pem) and keep it readable by this user only")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         context.load_verify_locations(cadata=Path(cert).read_text(errors="replace"))
     except ssl.SSLError as e:
-        raise ConfigError(f"tls_cert {cert!r} does not parse as X.509 ({e.reason or e}); give a PEM certificate "
+        raise ConfigError(f"{c} {cert!r} does not parse as X.509 ({e.reason or e}); give a PEM certificate "
                           "chain as issued (e.g. openssl x509 -in FILE -noout -text shows it)") from e
     try:
         context.load_cert_chain(cert, key)
     except ssl.SSLError as e:
         if e.reason == "KEY_VALUES_MISMATCH":
-            raise ConfigError(f"tls_key {key!r} is not the private key of tls_cert {cert!r} (their public keys "
+            raise ConfigError(f"{k} {key!r} is not the private key of {c} {cert!r} (their public keys "
                               "differ); give the key the certificate was issued for") from e
-        raise ConfigError(f"tls_key {key!r} does not load with tls_cert {cert!r} ({e.reason or e}); give the "
+        raise ConfigError(f"{k} {key!r} does not load with {c} {cert!r} ({e.reason or e}); give the "
                           "PEM private key of the certificate") from e
+
+
+def _flag(option: str) -> str:
+    return "--" + option.replace("_", "-")
 
 
 def check_client_ca(ca: str) -> None:

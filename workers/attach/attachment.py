@@ -44,6 +44,7 @@ import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.shards import ShardLayout
+from lora_cache.api.tls import check_tls_pair
 from lora_cache.errors import ConfigError
 from lora_cache.link.relay import RELAYED, EndpointStaleError, Relay
 from lora_cache.vocab import (
@@ -84,6 +85,9 @@ class AttachConfig:
     token_file: str = field(default="", metadata={"path": True, "help": "file holding the gateway's bearer token"})
     tls_ca: str = field(default="", metadata={"path": True, "help": "PEM file of the CA that signed the "
                                                                     "gateway's certificate (the stream uses TLS)"})
+    tls_client_cert: str = field(default="", metadata={"path": True, "help": "PEM certificate this rank presents "
+                                                       "to a gateway with --tls-client-ca (mutual TLS; with tls_ca)"})
+    tls_client_key: str = field(default="", metadata={"path": True, "help": "PEM private key of tls_client_cert"})
     flush_s: float = field(default=0.005, metadata={"help": "gather residency deltas this long per push"})
     poll_s: float = field(default=1.0, metadata={"help": "the serve thread's long poll for controller calls"})
     liveness_s: float = field(default=5.0, metadata={"help": "the endpoint fails the controller's ping when the "
@@ -120,9 +124,10 @@ class AttachConfig:
 
     def _check_gateway(self) -> None:
         if not self.gateway:
-            if self.token or self.token_file or self.tls_ca:
-                raise ConfigError("token, token_file and tls_ca are the gateway's: set gateway='host:port' to attach "
-                                  "through it, or leave them empty to join the Ray cluster")
+            if self.token or self.token_file or self.tls_ca or self.tls_client_cert or self.tls_client_key:
+                raise ConfigError("token, token_file, tls_ca and tls_client_cert/key are the gateway's: set "
+                                  "gateway='host:port' to attach through it, or leave them empty to join the Ray "
+                                  "cluster")
             return
         host, _, port = self.gateway.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) <= 65535:
@@ -134,10 +139,19 @@ class AttachConfig:
                               "the Ray cluster at address, or attaches from outside it through the gateway; give one")
         if self.token and self.token_file:
             raise ConfigError("both token and token_file are set; give one (token_file keeps it off the command line)")
-        for name in ("token_file", "tls_ca"):
+        what = {"token_file": "the gateway's bearer token", "tls_ca": "the gateway's CA certificate (PEM)",
+                "tls_client_cert": "this rank's client certificate (PEM)", "tls_client_key": "its private key (PEM)"}
+        for name, thing in what.items():
             if getattr(self, name) and not Path(getattr(self, name)).is_file():
-                raise ConfigError(f"{name} {getattr(self, name)!r} is not a file; give the path of the gateway's "
-                                  + ("bearer token" if name == "token_file" else "CA certificate (PEM)"))
+                raise ConfigError(f"{name} {getattr(self, name)!r} is not a file; give the path of {thing}")
+        if bool(self.tls_client_cert) != bool(self.tls_client_key):
+            raise ConfigError(f"tls_client_cert ({self.tls_client_cert!r}) and tls_client_key "
+                              f"({self.tls_client_key!r}) go together; give both to present a client certificate")
+        if self.tls_client_cert and not self.tls_ca:
+            raise ConfigError(f"tls_client_cert ({self.tls_client_cert!r}) is presented in a TLS handshake; give "
+                              "tls_ca too, the CA that signed the gateway's certificate")
+        if self.tls_client_cert:
+            check_tls_pair(self.tls_client_cert, self.tls_client_key, "tls_client_cert", "tls_client_key")
 
     def bearer_token(self) -> str | None:
         """The gateway's token, or None when it has no auth."""
@@ -291,7 +305,8 @@ def transport_for(config: AttachConfig, name: str) -> RankTransport:
     if config.gateway:
         from workers.attach.grpc_transport import GrpcTransport
 
-        return GrpcTransport(config.gateway, name, config.bearer_token(), config.tls_ca or None)
+        return GrpcTransport(config.gateway, name, config.bearer_token(), config.tls_ca or None,
+                             (config.tls_client_cert, config.tls_client_key) if config.tls_client_cert else None)
     from workers.attach.ray_transport import RayTransport
 
     return RayTransport(config.address, name, config.service)

@@ -51,9 +51,13 @@ class GatewayLinkError(LoraCacheError, ConnectionError):
 class GrpcTransport(RankTransport):
     """The rank's ``AttachRank`` stream to the gateway at ``target`` (see the module docstring)."""
 
-    def __init__(self, target: str, name: str, token: str | None = None, tls_ca: str | None = None) -> None:
+    def __init__(self, target: str, name: str, token: str | None = None, tls_ca: str | None = None,
+                 client_pair: tuple[str, str] | None = None) -> None:
+        """``client_pair``: the PEM certificate and key files this rank presents (mutual TLS; with ``tls_ca``)."""
         self.target, self.name, self.node = target, name, socket.gethostname()
-        credentials = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()) if tls_ca else None
+        cert, key = (Path(client_pair[0]).read_bytes(), Path(client_pair[1]).read_bytes()) if client_pair else (None,
+                                                                                                               None)
+        credentials = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes(), key, cert) if tls_ca else None
         options = KEEPALIVE  # an idle AttachRank stream through a NAT or load balancer stays up, or is found dead
         self._channel = (grpc.secure_channel(target, credentials, options) if credentials
                          else grpc.insecure_channel(target, options))
