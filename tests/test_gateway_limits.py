@@ -43,7 +43,7 @@ class WatchedController(StallController):
     async def _lookup_adapter(self, adapter: str) -> dict[str, Any]:
         raise NotFoundError(f"adapter {adapter!r} is not registered")  # as the real one: it names the adapter
 
-    async def _register_adapter_info(self, name: str, path: str) -> tuple[str, str]:
+    async def _register_adapter_info(self, name: str, path: str, request_id: str = "") -> tuple[str, str]:
         raise AdapterError(f"{path!r} is not under an adapter root")
 
     async def _begin_watch(self, replica: str | None, adapter: str | None) -> int:
@@ -113,6 +113,11 @@ def test_oversized_names_and_paths_name_the_limit_and_do_not_echo_the_value() ->
                 lambda: stub.RegisterAdapter(pb.RegisterAdapterRequest(name="ok", path="a\0b"), timeout=30)
             )
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "NUL byte" in message
+            for bad in ("has space", "x" * 129):  # a registration's request id (issue 46 item 3a)
+                code, message = code_of(lambda: stub.RegisterAdapter(
+                    pb.RegisterAdapterRequest(name="ok", path="/a", request_id=bad), timeout=30))  # noqa: B023
+                assert code == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in message, message
+                assert "1-128 printable ASCII characters without spaces" in message and len(message) < 1000
             # a malformed hint is rejected by itself (issue 46): the call answers, its rejection names the limit
             answer = stub.Hint(
                 pb.HintRequest(hints=[pb.PrefetchHint(hint_id="h" * 50_000, adapter="a", replica="r")]), timeout=30

@@ -108,7 +108,7 @@ def test_with_no_rank_attached_a_restarted_controller_keeps_its_catalog_and_neve
 
         shutil.copytree(root / "adapter-002", root / "alt")
         old0 = versions("adapter-000")[-1]
-        new0, previous = ray.get(ctl.register_adapter_info.remote("adapter-000", str(root / "alt")))
+        new0, previous = ray.get(ctl.register_adapter_info.remote("adapter-000", str(root / "alt"), "req-alt"))
         assert previous == old0 and versions("adapter-000") == [old0, new0]
         before = {a: versions(a) for a in ("adapter-000", "adapter-001", "adapter-002", "adapter-003")}
         status = ray.get(ctl.status.remote())
@@ -117,6 +117,13 @@ def test_with_no_rank_attached_a_restarted_controller_keeps_its_catalog_and_neve
         assert after["adapters"] == 4 and after["workers"] == 0, after
         assert {a: versions(a) for a in before} == before, "the catalog came back otherwise"
         assert after["catalog_restored"]["entries"] == 4 and after["catalog_restored"]["changed"] == 0
+        # issue 46 item 3a: the registration's answer was lost; its retry by request id, after the restart, is
+        # answered as the first was (not "previous: new0") and registers nothing
+        assert after["request_ids"]["restored"] >= 1, after["request_ids"]
+        retry = ray.get(ctl.register_adapter_info.remote("adapter-000", str(root / "alt"), "req-alt"))
+        assert retry == (new0, old0) and versions("adapter-000") == [old0, new0]
+        with pytest.raises(ray.exceptions.RayTaskError, match="id 'req-alt' was used for adapter 'adapter-000'"):
+            ray.get(ctl.register_adapter_info.remote("adapter-001", str(root / "alt"), "req-alt"))
 
         (root / "adapter-001" / WEIGHTS_FILE).write_bytes((root / "adapter-003" / WEIGHTS_FILE).read_bytes())
         shutil.rmtree(root / "adapter-003")

@@ -257,7 +257,11 @@ def test_a_registrations_answer_over_grpc_names_the_ranks_it_is_pending_on(world
     async def no_hints(batches: list[Any]) -> list[Any]:
         raise AssertionError("no hint is sent here")
 
-    controller = SimpleNamespace(register_adapters=SimpleNamespace(remote=registrar.register),
+    async def register(items: list[tuple[str, str]], request_ids: list[str]) -> list[Any]:
+        assert all(request_ids)  # the client gives every item an id
+        return await registrar.register(items)
+
+    controller = SimpleNamespace(register_adapters=SimpleNamespace(remote=register),
                                  hint_batches=SimpleNamespace(remote=no_hints))
     gw = start_gateway_thread(GatewayConfig(grpc_port=0), controller)
     try:

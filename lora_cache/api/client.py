@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,10 +34,10 @@ from lora_cache.errors import ConfigError, LoraCacheError
 TOKEN_ENV = "LORA_CACHE_TOKEN"
 REGISTER_S_PER_ITEM = 0.5  # RegisterAdapters' deadline grows by this per item (an 8B adapter hashes in ~0.13 s)
 
-# Calls that change nothing, or that the server deduplicates (hint ids, registration by content), are
-# retried on UNAVAILABLE; ReportQueue (a replica's queue now) is too: the next report replaces it.
-# RegisterAdapter(s) is not retried by the channel (it may hash for seconds); neither is Unregister.
-IDEMPOTENT = ("Hint", "CancelHint", "ReportQueue", "Lookup", "Route", "Status")
+# Calls that change nothing, or that the server deduplicates (hint ids; registrations by their request id, which
+# this client gives every item), are retried on UNAVAILABLE; ReportQueue (a replica's queue now) is too: the next
+# report replaces it. UnregisterAdapter is not.
+IDEMPOTENT = ("Hint", "CancelHint", "ReportQueue", "Lookup", "Route", "Status", "RegisterAdapter", "RegisterAdapters")
 # Three attempts within ~0.15 s of backoff: a gateway that restarts or a connection that was reset is
 # covered; one that stays down answers UNAVAILABLE well within the call's deadline (not DEADLINE_EXCEEDED).
 RETRY_POLICY = {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.5s", "backoffMultiplier": 2,
@@ -267,8 +268,14 @@ def _routes(r: pb.RouteResponse) -> list[Route]:
 _CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
 
 
-def _register_request(items: Iterable[tuple[str, str]]) -> pb.RegisterAdaptersRequest:
-    return pb.RegisterAdaptersRequest(adapters=[pb.RegisterAdapterRequest(name=n, path=p) for n, p in items])
+def _register_request(items: Iterable[tuple[str, str] | tuple[str, str, str]]) -> pb.RegisterAdaptersRequest:
+    """Each (name, path[, request id]) item; an item without an id gets a fresh one (a retry of this request,
+    by the channel or by the caller with the same request, is then answered as the first was)."""
+    return pb.RegisterAdaptersRequest(adapters=[_register_item(*item) for item in items])
+
+
+def _register_item(name: str, path: str, request_id: str | None = None) -> pb.RegisterAdapterRequest:
+    return pb.RegisterAdapterRequest(name=name, path=path, request_id=request_id or uuid.uuid4().hex)
 
 
 def _registered(r: pb.RegisterAdaptersResponse) -> list[Registered]:
@@ -371,12 +378,15 @@ class LoraCacheClient(_Base):
     def status(self) -> pb.StatusResponse:
         return self._call(self.stub.Status, pb.StatusRequest())
 
-    def register(self, name: str, path: str) -> Registered:
-        r = self._call(self.stub.RegisterAdapter, pb.RegisterAdapterRequest(name=name, path=path))
+    def register(self, name: str, path: str, request_id: str | None = None) -> Registered:
+        """Register ``name`` at ``path``. ``request_id`` (default: a fresh one): a call again with the same id, name
+        and path, after an answer was lost, is answered as the first was and registers nothing."""
+        r = self._call(self.stub.RegisterAdapter, _register_item(name, path, request_id))
         return Registered(r.name, r.version, r.previous_version)
 
-    def register_many(self, items: Iterable[tuple[str, str]]) -> list[Registered]:
-        """Register (name, path) items in one call, each by itself: an item's ``error`` says why it was not."""
+    def register_many(self, items: Iterable[tuple[str, str] | tuple[str, str, str]]) -> list[Registered]:
+        """Register (name, path[, request id]) items in one call, each by itself: an item's ``error`` says why it
+        was not."""
         request = _register_request(items)
         wait = self.timeout_s + REGISTER_S_PER_ITEM * len(request.adapters)
         return _registered(self._call(self.stub.RegisterAdapters, request, wait))
@@ -462,11 +472,11 @@ class AsyncLoraCacheClient(_Base):
     async def status(self) -> pb.StatusResponse:
         return await self._call(self.stub.Status, pb.StatusRequest())
 
-    async def register(self, name: str, path: str) -> Registered:
-        r = await self._call(self.stub.RegisterAdapter, pb.RegisterAdapterRequest(name=name, path=path))
+    async def register(self, name: str, path: str, request_id: str | None = None) -> Registered:
+        r = await self._call(self.stub.RegisterAdapter, _register_item(name, path, request_id))
         return Registered(r.name, r.version, r.previous_version)
 
-    async def register_many(self, items: Iterable[tuple[str, str]]) -> list[Registered]:
+    async def register_many(self, items: Iterable[tuple[str, str] | tuple[str, str, str]]) -> list[Registered]:
         request = _register_request(items)
         wait = self.timeout_s + REGISTER_S_PER_ITEM * len(request.adapters)
         return _registered(await self._call(self.stub.RegisterAdapters, request, wait))

@@ -193,15 +193,16 @@ class Servicer:
                 yield pb.WatchReadinessResponse(events=[_event(e) for e in batch.events])
 
     async def register_adapter(self, request: pb.RegisterAdapterRequest) -> pb.RegisterAdapterResponse:
-        name, path = validate.register(request)
-        version, previous = await self.controller.register_adapter_info.remote(name, path)
+        name, path, request_id = validate.register(request)
+        version, previous = await self.controller.register_adapter_info.remote(name, path, request_id)
         return pb.RegisterAdapterResponse(name=name, version=version, previous_version=previous)
 
     async def register_adapters(self, request: pb.RegisterAdaptersRequest) -> pb.RegisterAdaptersResponse:
         call = validate.register_many(request, self.max_items)
         answers = {i: pb.RegisteredAdapter(name=request.adapters[i].name, error=_register_error(e))
                    for i, e in call.malformed.items()}
-        done = await self.controller.register_adapters.remote([item for _, item in call.items]) if call.items else []
+        done = await self.controller.register_adapters.remote(
+            [(n, p) for _, (n, p, _) in call.items], [r for _, (_, _, r) in call.items]) if call.items else []
         for (i, _), d in zip(call.items, done):
             answers[i] = pb.RegisteredAdapter(name=d.name, version=d.version, previous_version=d.previous,
                                               rank_errors=d.rank_errors, pending_ranks=d.rank_pending)

@@ -192,7 +192,8 @@ def watch(request: pb.WatchReadinessRequest) -> tuple[str | None, str | None, in
     return optional_name("replica", request.replica), optional_name("adapter", request.adapter), after
 
 
-def register(request: pb.RegisterAdapterRequest, where: str = "") -> tuple[str, str]:
+def register(request: pb.RegisterAdapterRequest, where: str = "") -> tuple[str, str, str]:
+    """(name, path, request id or "")."""
     if len(request.path) > MAX_PATH_CHARS:
         raise RequestError(f"path{where} has {len(request.path)} characters, more than {MAX_PATH_CHARS}; give the "
                            "adapter's directory by a shorter path (relative to an adapter root)")
@@ -201,13 +202,16 @@ def register(request: pb.RegisterAdapterRequest, where: str = "") -> tuple[str, 
     if not request.path:
         raise RequestError(f"path{where} is empty; give the directory of adapter {show(request.name)} under an adapter "
                            "root")
-    return name("name", request.name, where), request.path
+    if request.request_id and not _hint_id_ok(request.request_id):
+        raise RequestError(f"request_id{where} {show(request.request_id)} is malformed: use 1-128 printable ASCII "
+                           "characters without spaces (a UUID, say), or leave it empty")
+    return name("name", request.name, where), request.path, request.request_id
 
 
 class RegisterCall(NamedTuple):
     """A checked RegisterAdapters call: the well-formed items (with their positions), the malformed ones' errors."""
 
-    items: list[tuple[int, tuple[str, str]]]  # (position in the batch, (name, path))
+    items: list[tuple[int, tuple[str, str, str]]]  # (position in the batch, (name, path, request id or ""))
     malformed: dict[int, RequestError]  # position -> why (answered for that item alone)
 
 

@@ -22,6 +22,7 @@ from lora_cache.controller.core import ControllerConfig, ControllerCore, HintOut
 from lora_cache.controller.fanout import WorkerFanout
 from lora_cache.controller.readiness import Doorbell, EventsLost, ReadinessEvent, WatchBatch
 from lora_cache.controller.registrations import Registered, Registrar
+from lora_cache.controller.request_ids import Item, RequestIds
 from lora_cache.controller.resolver import Resolver
 from lora_cache.controller.snapshots import DurableConfig, DurableState
 from lora_cache.errors import ConflictError, LoraCacheError, NotFoundError
@@ -46,7 +47,8 @@ class ControllerActor:
         self.metrics = ControllerMetrics(config.planner.policy)
         self.bell = Doorbell()
         # the start latch, the health rounds, plan-and-send; it owns the links to the workers
-        self.loop = ControlLoop(self.core, self.durable, self.metrics, self.bell, health_s, sync_s)
+        self.request_ids = RequestIds()  # registrations' answers by the client's request id (retries)
+        self.loop = ControlLoop(self.core, self.durable, self.metrics, self.bell, health_s, sync_s, self.request_ids)
         self.links = self.loop.links
         self.draining: set[str] = set()  # unregistered adapters that workers may still hold
         self.fanout = WorkerFanout(self.links)  # one question to every worker: registrations, drains, stats
@@ -66,12 +68,12 @@ class ControllerActor:
         version, _ = await self.register_adapter_info(name, path)
         return version
 
-    async def register_adapter_info(self, name: str, path: str) -> tuple[str, str]:
+    async def register_adapter_info(self, name: str, path: str, request_id: str = "") -> tuple[str, str]:
         """``register_adapter``, answering (its version, the version it replaced or ""). A rank that refused the
         version fails the call (the controller has registered it: its loads there fail until fixed); a rank that
         did not answer (restarting) does not: the registration is durable and that rank is given it when it is
         adopted again or restarts (issue 46 item 3a: it answered FAILED_PRECONDITION, "no answer", though applied)."""
-        (done,) = await self.register_adapters([(name, path)])
+        (done,) = await self.register_adapters([(name, path)], [request_id])
         if done.error is not None:
             raise done.error
         if done.rank_errors:
@@ -79,12 +81,17 @@ class ControllerActor:
                                 f"{len(done.rank_errors)} rank(s) refused it: {'; '.join(done.rank_errors)}")
         return done.version, done.previous
 
-    async def register_adapters(self, items: list[tuple[str, str]]) -> list[Registered]:
+    async def register_adapters(self, items: list[tuple[str, str]],
+                                request_ids: list[str] | None = None) -> list[Registered]:
         """Register many (name, path) items, each by itself (its own error, its name left as it was), with
-        the files read on a thread; one plan after (``registrations.Registrar``). In the items' order."""
+        the files read on a thread; one plan after (``registrations.Registrar``). In the items' order.
+        ``request_ids`` (one per item, "" for none): an id answered before is answered the same again
+        (``request_ids.RequestIds``)."""
         await self.loop.start()
-        done = await self.registrar.register(items)
+        ids = request_ids or [""] * len(items)
+        done = await self.request_ids.run([Item(n, p, r) for (n, p), r in zip(items, ids)], self.registrar.register)
         await self.durable.save_catalog(self.core)  # what was answered registered survives a restart
+        await self.durable.save_answers(self.request_ids)  # ... and so does its answer, for a retry by its id
         return done
 
     async def resolve_adapter(self, name: str) -> str:
@@ -267,7 +274,10 @@ class ControllerActor:
         return {**self.core.status(), "workers": len(self.links.handles), "rejected_commands": self.links.rejected,
                 "started_at": self.started_at, "first_plan_at": self.loop.first_plan_at,
                 "restored": self.durable.restored, "snapshots_written": self.durable.snapshots.writes,
-                "catalog_restored": self.durable.catalog_restored, "catalog_snapshots": self.durable.catalog.writes,
+                "catalog_restored": self.durable.catalog_restored,
+                "request_ids": {"kept": len(self.request_ids), "repeats": self.request_ids.repeats,
+                                "restored": self.durable.answers_restored},
+                "catalog_snapshots": self.durable.catalog.writes,
                 "catalog_snapshot_bytes": self.durable.catalog.bytes, "resolver": self.resolver.stats()}
 
     async def worker_stats(self, timeout_s: float = 2.0) -> list[dict[str, object]]:

@@ -17,6 +17,7 @@ from collections import Counter
 from lora_cache.controller.core import ControllerCore
 from lora_cache.controller.links import WorkerLinks
 from lora_cache.controller.readiness import Doorbell
+from lora_cache.controller.request_ids import RequestIds
 from lora_cache.controller.snapshots import DurableState
 from lora_cache.runtime.metrics import ControllerMetrics
 
@@ -25,8 +26,8 @@ class ControlLoop:
     """Starts the controller once, runs its health rounds, plans and sends; owns the links to the workers."""
 
     def __init__(self, core: ControllerCore, durable: DurableState, metrics: ControllerMetrics, bell: Doorbell,
-                 health_s: float, sync_s: float) -> None:
-        self.core, self.durable, self.metrics = core, durable, metrics
+                 health_s: float, sync_s: float, request_ids: RequestIds | None = None) -> None:
+        self.core, self.durable, self.metrics, self.request_ids = core, durable, metrics, request_ids
         self.links = WorkerLinks(core, metrics, bell.ring, self.plan, call_timeout_s=10 * health_s)
         self.health_s, self.sync_s = health_s, sync_s
         self.first_plan_at: float | None = None  # the restart blip ends here
@@ -39,6 +40,8 @@ class ControlLoop:
             if self._started:
                 return
             await self.durable.restore_catalog(self.core)  # the registrations, versions proven or hashed again
+            if self.request_ids is not None:
+                await self.durable.restore_answers(self.request_ids)  # a retry by request id: the same answer
             await self.links.adoption.rebuild()  # adopt the workers that already exist, from their reports
             await self.durable.restore(self.core.planner)
             self._started = True

@@ -21,7 +21,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lora_cache.controller import catalog_store
 from lora_cache.controller.catalog_copy import CatalogCopy, check_location
@@ -29,6 +29,9 @@ from lora_cache.controller.catalog_store import CatalogSnapshots
 from lora_cache.controller.core import ControllerCore
 from lora_cache.errors import ConfigError
 from lora_cache.planner import Planner
+
+if TYPE_CHECKING:
+    from lora_cache.controller.request_ids import RequestIds
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +140,10 @@ class DurableState:
         self.catalog_restored: dict[str, int] = {}
         self._catalog_saved = -1  # the catalog generation the last snapshot written holds
         self._catalog_writing = asyncio.Lock()  # one catalog write at a time; a write covers the calls behind it
+        self.answers_store = KvStore(f"{config.catalog_key}/request-ids", namespace)  # request_ids.py
+        self.answers_restored = 0
+        self._answers_saved = 0  # the RequestIds generation the last write holds
+        self._answers_writing = asyncio.Lock()
 
     async def restore(self, planner: Planner) -> None:
         """Hints, queues and popularity from the last snapshot a predecessor wrote (none on a first start)."""
@@ -190,6 +197,32 @@ class DurableState:
                 return
             self._catalog_saved = generation
             self.catalog.writes += 1
+
+    async def save_answers(self, ids: RequestIds) -> None:
+        """Write the answers of registrations by request id if they changed since the last write; returns once a
+        write holding every answer kept before the call is done (or failed: logged; the next call writes)."""
+        wanted = ids.generation
+        async with self._answers_writing:
+            if self._answers_saved >= wanted:
+                return
+            generation, data = ids.generation, ids.encode()
+            try:
+                await asyncio.to_thread(self.answers_store.put, data)
+            except Exception as e:  # GCS unreachable: a retry by id after a restart then registers again
+                log.warning("could not save the registrations' request-id answers: %s", e)
+                return
+            self._answers_saved = generation
+
+    async def restore_answers(self, ids: RequestIds) -> None:
+        """The answers a predecessor kept, so a retry by request id after a restart gets the same answer."""
+        try:
+            data = await asyncio.to_thread(self.answers_store.get)
+            if data:
+                self.answers_restored = ids.load(data)
+                log.info("restored %d registrations' request-id answers", self.answers_restored)
+        except Exception as e:  # unreadable: retries by id register again (the catalog is as it was)
+            log.warning("could not restore the request-id answers (%s: %s); retries by id register again",
+                        type(e).__name__, e)
 
     async def persist(self, planner: Planner) -> None:
         """A snapshot of what only the controller knows, if due and changed (the write runs on a thread)."""

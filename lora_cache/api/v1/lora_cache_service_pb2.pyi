@@ -290,12 +290,14 @@ class WatchReadinessResponse(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[ReadinessEvent, _Mapping]]] = ..., resync: _Optional[_Union[ReadinessResync, _Mapping]] = ...) -> None: ...
 
 class RegisterAdapterRequest(_message.Message):
-    __slots__ = ("name", "path")
+    __slots__ = ("name", "path", "request_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+    request_id: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class RegisterAdapterResponse(_message.Message):
     __slots__ = ("name", "version", "previous_version")
