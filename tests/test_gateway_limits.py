@@ -38,12 +38,12 @@ class WatchedController(StallController):
         self.begin_watch = _Remote(self._begin_watch)
         self.poll_events = _Remote(self._poll_events)
         self.lookup_adapter = _Remote(self._lookup_adapter)
-        self.register_adapter_info = _Remote(self._register_adapter_info)
+        self.register_one = _Remote(self._register_one)
 
     async def _lookup_adapter(self, adapter: str) -> dict[str, Any]:
         raise NotFoundError(f"adapter {adapter!r} is not registered")  # as the real one: it names the adapter
 
-    async def _register_adapter_info(self, name: str, path: str, request_id: str = "") -> tuple[str, str]:
+    async def _register_one(self, name: str, path: str, request_id: str = "") -> Any:
         raise AdapterError(f"{path!r} is not under an adapter root")
 
     async def _begin_watch(self, replica: str | None, adapter: str | None) -> int:

@@ -261,14 +261,21 @@ def test_a_registrations_answer_over_grpc_names_the_ranks_it_is_pending_on(world
         assert all(request_ids)  # the client gives every item an id
         return await registrar.register(items)
 
+    async def register_one(name: str, path: str, request_id: str) -> Any:  # the actor's, for one item
+        (one,) = await register([(name, path)], [request_id])
+        return one
+
     controller = SimpleNamespace(register_adapters=SimpleNamespace(remote=register),
+                                 register_one=SimpleNamespace(remote=register_one),
                                  hint_batches=SimpleNamespace(remote=no_hints))
     gw = start_gateway_thread(GatewayConfig(grpc_port=0), controller)
     try:
         with LoraCacheClient(gw.target) as lc:
             (done,) = lc.register_many([("a2", str(root / "a2"))])
+            single = lc.register("a1", str(root / "a1"))  # RegisterAdapter names them too (its pending_ranks)
     finally:
         gw.stop()
+    assert single.version == core.catalog.get("a1").version and len(single.rank_pending) == 1
     assert done.error is None and done.version == core.catalog.get("a2").version and done.rank_errors == ()
     assert done.rank_pending == (f"{worker_name(WorkerId('r', 0))}: no answer (ConnectionError); given it when it "
                                  "is adopted again or restarts",)

@@ -382,7 +382,7 @@ class LoraCacheClient(_Base):
         """Register ``name`` at ``path``. ``request_id`` (default: a fresh one): a call again with the same id, name
         and path, after an answer was lost, is answered as the first was and registers nothing."""
         r = self._call(self.stub.RegisterAdapter, _register_item(name, path, request_id))
-        return Registered(r.name, r.version, r.previous_version)
+        return Registered(r.name, r.version, r.previous_version, rank_pending=tuple(r.pending_ranks))
 
     def register_many(self, items: Iterable[tuple[str, str] | tuple[str, str, str]]) -> list[Registered]:
         """Register (name, path[, request id]) items in one call, each by itself: an item's ``error`` says why it
@@ -474,7 +474,7 @@ class AsyncLoraCacheClient(_Base):
 
     async def register(self, name: str, path: str, request_id: str | None = None) -> Registered:
         r = await self._call(self.stub.RegisterAdapter, _register_item(name, path, request_id))
-        return Registered(r.name, r.version, r.previous_version)
+        return Registered(r.name, r.version, r.previous_version, rank_pending=tuple(r.pending_ranks))
 
     async def register_many(self, items: Iterable[tuple[str, str] | tuple[str, str, str]]) -> list[Registered]:
         request = _register_request(items)

@@ -194,8 +194,9 @@ class Servicer:
 
     async def register_adapter(self, request: pb.RegisterAdapterRequest) -> pb.RegisterAdapterResponse:
         name, path, request_id = validate.register(request)
-        version, previous = await self.controller.register_adapter_info.remote(name, path, request_id)
-        return pb.RegisterAdapterResponse(name=name, version=version, previous_version=previous)
+        done = await self.controller.register_one.remote(name, path, request_id)
+        return pb.RegisterAdapterResponse(name=name, version=done.version, previous_version=done.previous,
+                                          pending_ranks=done.rank_pending)
 
     async def register_adapters(self, request: pb.RegisterAdaptersRequest) -> pb.RegisterAdaptersResponse:
         call = validate.register_many(request, self.max_items)

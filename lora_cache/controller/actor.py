@@ -69,17 +69,23 @@ class ControllerActor:
         return version
 
     async def register_adapter_info(self, name: str, path: str, request_id: str = "") -> tuple[str, str]:
-        """``register_adapter``, answering (its version, the version it replaced or ""). A rank that refused the
-        version fails the call (the controller has registered it: its loads there fail until fixed); a rank that
-        did not answer (restarting) does not: the registration is durable and that rank is given it when it is
-        adopted again or restarts (issue 46 item 3a: it answered FAILED_PRECONDITION, "no answer", though applied)."""
+        """``register_adapter``, answering (its version, the version it replaced or "")."""
+        done = await self.register_one(name, path, request_id)
+        return done.version, done.previous
+
+    async def register_one(self, name: str, path: str, request_id: str = "") -> Registered:
+        """Register one adapter: its ``Registered`` (the ranks that did not answer named in ``rank_pending``), or the
+        item's error raised. A rank that refused the version fails the call (the controller has registered it: its
+        loads there fail until fixed); a rank that did not answer (restarting) does not: the registration is
+        durable and that rank is given it when it is adopted again or restarts (issue 46 item 3a: it answered
+        FAILED_PRECONDITION, "no answer", though applied)."""
         (done,) = await self.register_adapters([(name, path)], [request_id])
         if done.error is not None:
             raise done.error
         if done.rank_errors:
             raise ConflictError(f"adapter {name!r} is registered as version {done.version}, but "
                                 f"{len(done.rank_errors)} rank(s) refused it: {'; '.join(done.rank_errors)}")
-        return done.version, done.previous
+        return done
 
     async def register_adapters(self, items: list[tuple[str, str]],
                                 request_ids: list[str] | None = None) -> list[Registered]:

@@ -300,14 +300,16 @@ class RegisterAdapterRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class RegisterAdapterResponse(_message.Message):
-    __slots__ = ("name", "version", "previous_version")
+    __slots__ = ("name", "version", "previous_version", "pending_ranks")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PENDING_RANKS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     previous_version: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., previous_version: _Optional[str] = ...) -> None: ...
+    pending_ranks: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., previous_version: _Optional[str] = ..., pending_ranks: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterAdaptersRequest(_message.Message):
     __slots__ = ("adapters",)
