@@ -150,6 +150,7 @@ class Delta(NamedTuple):
     adapter: str
     version: str
     state: str  # "loading" (a slot was taken) | "ready" | "gone" (slot freed) | "failed" (no slot) | "in_use";
+    # "no_room" (a prefetch found every slot held by running batches: not there, not a failure);
     # the host tier's: "staged" (a whole shard read in) | "unstaged" (dropped by its LRU)
     record: ReadinessRecord | None = None
     error: str = ""

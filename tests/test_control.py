@@ -11,7 +11,7 @@ import pytest
 
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.adapters.synth import SynthConfig, make_adapters
-from lora_cache.controller.core import ControllerConfig, ControllerCore
+from lora_cache.controller.core import NO_ROOM_RETRY_S, ControllerConfig, ControllerCore
 from lora_cache.controller.fanout import WorkerFanout
 from lora_cache.controller.links import Link, WorkerLinks
 from lora_cache.errors import ConfigError, ConflictError, NotFoundError
@@ -269,6 +269,41 @@ def test_a_failed_load_is_retried_after_a_backoff_not_in_a_loop(fleet) -> None:
     assert not gate.apply(retried).errors
     ready = [d for d in outbox.drain(("ready",), 1) if d.state == "ready"]
     core.worker_report(rank0, [delta_row(0, d)[1:] for d in ready], now=2.0)
+    assert not core.failures
+    core.check_integrity()
+
+
+def test_a_prefetch_without_room_is_planned_again_soon_and_is_no_failure(fleet) -> None:
+    """Issue 46 (back-pressure, not failure): a prefetch that finds both slots held by a running batch reports
+    "no_room"; the controller counts it apart (``prefetch_no_room``; no load failure, none in recent failures),
+    keeps it counted as loading for ``NO_ROOM_RETRY_S``, never doubled, then plans it again; once the batch let go,
+    it loads. (Before: "failed", a load failure with its doubling backoff.)"""
+    core, workers = fleet
+    rank0 = WorkerId("r0", 0)
+    cache, gate, outbox = workers[rank0]
+    held = cache.acquire(["adapter-001", "adapter-002"])
+    cache.settle()
+    outbox.drain(("ready",), 2)
+    for round_ in range(2):  # twice: the backoff stays NO_ROOM_RETRY_S
+        t = 1.0 + round_
+        core.report_queue("r0", [("adapter-000", t)], now=t)
+        commands = core.plan(now=t)[rank0]
+        assert [c.adapter for c in commands if isinstance(c, Prefetch)] == ["adapter-000"]
+        assert not gate.apply(commands).errors
+        (no_room,) = [d for d in outbox.drain(("no_room",), 1) if d.state == "no_room"]
+        core.worker_report(rank0, [delta_row(0, no_room)[1:]], now=t)
+        status = core.status()
+        assert (status["load_failures"], status["prefetch_no_room"]) == (0, round_ + 1)
+        assert status["recent_failures"] == [] and not any(d.state == "failed" for d in outbox.deltas)
+        core.retry_failed(now=t + NO_ROOM_RETRY_S / 2)
+        assert rank0 not in core.plan(now=t + NO_ROOM_RETRY_S / 2)  # not in a tight loop
+        core.retry_failed(now=t + NO_ROOM_RETRY_S)
+    cache.release(held)
+    retried = core.plan(now=3.0)[rank0]
+    assert [c.adapter for c in retried if isinstance(c, Prefetch)] == ["adapter-000"]
+    assert not gate.apply(retried).errors
+    ready = [d for d in outbox.drain(("ready",), 1) if d.state == "ready" and d.adapter == "adapter-000"]
+    core.worker_report(rank0, [delta_row(0, d)[1:] for d in ready], now=3.1)
     assert not core.failures
     core.check_integrity()
 

@@ -131,7 +131,8 @@ def test_the_link_relays_calls_both_ways_and_the_end_of_the_stream_detaches() ->
 
         engine.up.put_nowait(pb.AttachRankRequest(alive=pb.RankAlive()))  # a sign of life reaches the relay
         engine.up.put_nowait(pb.AttachRankRequest(deltas=codec.deltas(7, [(4, "a", "v1", "gone", ""),
-                                                                          (5, "c", "v3", "failed", "no slot")])))
+                                                                          (5, "c", "v3", "failed", "no slot"),
+                                                                          (6, "d", "v4", "no_room", "all held")])))
         stats = asyncio.ensure_future(host.relay.call("stats"))  # the deltas went first: the stats call follows
         call = (await engine.next()).call
         engine.up.put_nowait(pb.AttachRankRequest(answer=codec.answer(call.call_id, "stats", True,
@@ -139,7 +140,8 @@ def test_the_link_relays_calls_both_ways_and_the_end_of_the_stream_detaches() ->
         assert await asyncio.wait_for(stats, 10) == {"loads": 3, "load_ms": {"p50": 1.5}}
         assert host.relay._polled is not None
         assert ("report", 7, [(4, "a", "v1", "gone", "", 0.0, False),
-                              (5, "c", "v3", "failed", "no slot", 0.0, False)]) in host.events
+                              (5, "c", "v3", "failed", "no slot", 0.0, False),
+                              (6, "d", "v4", "no_room", "all held", 0.0, False)]) in host.events
 
         engine.up.put_nowait(None)  # the engine detaches: the stream ends and the rank leaves
         with pytest.raises(StopAsyncIteration):

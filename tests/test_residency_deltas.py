@@ -68,10 +68,10 @@ def engine_step(cache: WorkerCache, names: list[str]) -> None:
 def replay(deltas: list[tuple[str, str]]) -> dict[str, str]:
     """What the deltas add up to (adapter -> loading | ready), checking each adapter's transitions."""
     state: dict[str, str] = {}
-    allowed = {None: {"loading", "failed"}, "loading": {"ready"}, "ready": {"gone"}}  # no restates here
+    allowed = {None: {"loading", "failed", "no_room"}, "loading": {"ready"}, "ready": {"gone"}}  # no restates here
     for adapter, new in deltas:
         assert new in allowed[state.get(adapter)], f"{adapter}: {state.get(adapter)} -> {new} in {deltas}"
-        if new in ("gone", "failed"):
+        if new in ("gone", "failed", "no_room"):
             state.pop(adapter, None)
         else:
             state[adapter] = new
@@ -159,7 +159,7 @@ def test_the_outbox_sends_a_ready_delta_with_its_store_read_seconds() -> None:
     assert rows == [(1, A, "v1", "loading", "", 0.0, False), (2, A, "v1", "ready", "", 0.25, False)]
 
 
-def test_a_load_that_finds_every_slot_in_use_reports_failed_once(
+def test_a_prefetch_that_finds_every_slot_in_use_reports_no_room_once(
     catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]
 ) -> None:
     deltas = Deltas()
@@ -169,7 +169,7 @@ def test_a_load_that_finds_every_slot_in_use_reports_failed_once(
     cache.settle()
     with pytest.raises(CapacityError):
         cache.prefetch(B).result(timeout=10)
-    assert deltas.take() == [(A, "loading"), (A, "ready"), (B, "failed")]
+    assert deltas.take() == [(A, "loading"), (A, "ready"), (B, "no_room")]  # not there, and not a failure
     cache.release(held)
     cache.check_integrity()
 

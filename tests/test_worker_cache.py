@@ -332,8 +332,8 @@ def test_a_prefetch_without_room_is_counted_not_a_command_error(
     catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]
 ) -> None:
     """Issue 46: a prefetch that finds every slot held by running batches is counted (``prefetch_no_room``, not
-    ``load_failures``) and its command is no error for the controller to log; its "failed" delta still tells the
-    controller the adapter is not there (the delta protocol's word for "a load ended without a slot")."""
+    ``load_failures``) and its command is no error for the controller to log; its "no_room" delta tells the
+    controller the adapter is not there, and that no load failed (before: "failed", a failure's backoff)."""
     deltas: list[Delta] = []
     cache = make_cache(catalog, num_slots=1)
     cache.book.on_change = deltas.append
@@ -342,7 +342,8 @@ def test_a_prefetch_without_room_is_counted_not_a_command_error(
     control = CommandGate(cache, deltas.append)
     version = catalog.get(B).version
     result = control.apply([Prefetch(B, version, priority=0, epoch=1)])
-    wait_for(lambda: any(d.adapter == B and d.state == "failed" for d in deltas), "B's failed delta", 10)
+    wait_for(lambda: any(d.adapter == B and d.state == "no_room" for d in deltas), "B's no_room delta", 10)
+    assert not any(d.state == "failed" for d in deltas)
     assert result.errors == () and result.accepted == 1
     stats = cache.stats()
     assert (stats["prefetch_no_room"], stats["load_failures"]) == (1, 0)

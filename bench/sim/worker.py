@@ -15,8 +15,9 @@ The slot bookkeeping is the real ``workers.gpu.slots.SlotTable`` and the counter
 - ``pins`` (pins.py) are ``acquire_ready`` (the overlap rule's pins); ``evict`` frees only idle READY slots;
 - every residency change goes to the controller as one delta, whoever made it, as ``WorkerCache``
   reports them to the worker actor's outbox (``on_change``): "gone" for the slot ``SlotTable.reserve``
-  evicts, then "loading" when a load takes a slot, "ready", "gone" for ``evict``, "failed" for a
-  started load that found no GPU room, or no host-tier room with nothing in flight to free it;
+  evicts, then "loading" when a load takes a slot, "ready", "gone" for ``evict``, "no_room" for a
+  prefetch that found no GPU room (counted apart, not a failure), "failed" for a request's load that found
+  none, or no host-tier room with nothing in flight to free it;
 - ``apply`` is ``CommandGate.apply``: evicts, then prefetches; an evict refused because the adapter is
   loading or in use reports its state again (``WorkerCache.restate``: "in_use" if a batch holds it).
   A simulated command always names a known adapter, so no prefetch is refused.
@@ -270,7 +271,7 @@ class SimWorker:
                 return
             del self._pending[load.key]
             self.host.release(load.key)
-            self._reject(load, "no slot")
+            self._reject(load, "no slot", no_room=load.prefetched)
             return
         if evicted is not None:
             self._retire(self._loads.pop(index))
@@ -314,9 +315,13 @@ class SimWorker:
         return {s.key.name: (self._loads[s.index].nbytes, self._loads[s.index].issued_s) for s in self.table.slots
                 if s.key is not None and s.state is SlotPhase.LOADING}
 
-    def _reject(self, load: SimLoad, error: str) -> None:
-        self.counters.load_failures += 1
-        self._changed(load.key, "failed", error)
+    def _reject(self, load: SimLoad, error: str, no_room: bool = False) -> None:
+        """``no_room``: a prefetch found every slot held (as the worker's: counted apart, "no_room", no failure)."""
+        if no_room:
+            self.counters.prefetch_no_room += 1
+        else:
+            self.counters.load_failures += 1
+        self._changed(load.key, "no_room" if no_room else "failed", error)
         load.issued.fire(self.loop.now, ok=False)
         load.ready.fire(self.loop.now, ok=False)
 

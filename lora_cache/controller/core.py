@@ -48,6 +48,9 @@ def check_shape(replica: str, tp: object, slots: object) -> None:
             raise ConfigError(f"replica {replica!r}: {what} is {str(value)[:40]}; give an integer from 1 to {bound}")
 
 
+NO_ROOM_RETRY_S = 0.5  # a prefetch that found no room is planned again after this (a batch's end frees a slot)
+
+
 class Failure(NamedTuple):
     """A load that failed on a worker: how often in a row, when to try again, and why."""
 
@@ -117,6 +120,7 @@ class ControllerCore:
         self.commands_sent = 0
         self.failures: dict[tuple[WorkerId, str, str], Failure] = {}  # (worker, adapter, version) -> last failure
         self.load_failures = 0
+        self.prefetch_no_room = 0  # prefetches a rank had no room for (every slot held): not failures
         self.recent_failures: deque[str] = deque(maxlen=20)
         self.hints_received = self.hints_accepted = 0  # hints given / taken (the rest ignored)
         self.routes_asked = 0  # requests routing advice was asked for
@@ -275,12 +279,15 @@ class ControllerCore:
                 self.failures[key] = Failure(times, now + min(60.0, 0.5 * 2 ** (times - 1)), error)
                 self.load_failures += 1
                 self.recent_failures.append(f"{worker} {adapter}@{version}: {error}")
+            elif state == "no_room":  # every slot held by running batches: tried again soon, no failure counted
+                self.failures[key] = Failure(0, now + NO_ROOM_RETRY_S, error)
+                self.prefetch_no_room += 1
             elif state == "ready":
                 self.failures.pop(key, None)
                 self.clock.ready(str(worker), adapter, version, now)
                 if read and read[0] > 0 and adapter in self.catalog:
                     self.clock.read(self.planner.view.shard_bytes(worker.replica, adapter), float(read[0]))
-            if state in ("gone", "failed"):
+            if state in ("gone", "failed", "no_room"):
                 self.clock.dropped(str(worker), adapter, version)
             believed = rank_state is None or self.admission.admits(worker, adapter, version, acquired)
             if state == "gone":
@@ -378,7 +385,8 @@ class ControllerCore:
                 "hints_received": self.hints_received, "hints_accepted": self.hints_accepted,
                 "active_hints": {r: len(self.planner.view.hints(r)) for r in self.planner.view.replicas()},
                 "routes_asked": self.routes_asked,
-                "load_failures": self.load_failures, "recent_failures": list(self.recent_failures),
+                "load_failures": self.load_failures, "prefetch_no_room": self.prefetch_no_room,
+                "recent_failures": list(self.recent_failures),
                 "lost_ranks": {str(w): t for w, t in sorted(self.lost.lost_at.items())},
                 "recent_losses": list(self.lost.recent_losses), "refused_reports": self.admission.refused_reports,
                 "recent_refusals": list(self.admission.recent_refusals),

@@ -252,7 +252,7 @@ class LoadPath:
                 if load.prefetched:  # no room ahead of need: counted apart from failed loads, not a command error
                     book.pending.pop(load.key, None)
                     book.counters.prefetch_no_room += 1
-                    book.changed(load.key, "failed", error=str(e))  # the controller learns it is not there
+                    book.changed(load.key, "no_room", error=str(e))  # not there, and not a failed load
                 else:  # a request's load: it waited slot_wait_s (or may not wait) for a batch to let go
                     error = self._waited(load, e)
                     self._drop(load, error)

@@ -48,6 +48,7 @@ class ResidencyState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RESIDENCY_STATE_FAILED: _ClassVar[ResidencyState]
     RESIDENCY_STATE_HOST_STAGED: _ClassVar[ResidencyState]
     RESIDENCY_STATE_HOST_DROPPED: _ClassVar[ResidencyState]
+    RESIDENCY_STATE_NO_ROOM: _ClassVar[ResidencyState]
 HINT_PRIORITY_UNSPECIFIED: HintPriority
 HINT_PRIORITY_NORMAL: HintPriority
 HINT_PRIORITY_HIGH: HintPriority
@@ -71,6 +72,7 @@ RESIDENCY_STATE_GONE: ResidencyState
 RESIDENCY_STATE_FAILED: ResidencyState
 RESIDENCY_STATE_HOST_STAGED: ResidencyState
 RESIDENCY_STATE_HOST_DROPPED: ResidencyState
+RESIDENCY_STATE_NO_ROOM: ResidencyState
 
 class PrefetchHint(_message.Message):
     __slots__ = ("hint_id", "adapter", "replica", "expected_in", "priority")
