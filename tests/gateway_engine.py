@@ -1,6 +1,6 @@
 """An engine process outside the Ray cluster, for tests/test_ray_gateway_attach.py: it attaches one rank
 through the gateway (``AttachConfig(gateway=...)``) and obeys one JSON command per stdin line, answering
-one JSON line on stdout: ``residency``, ``step`` (acquire + release), ``queue``, ``stats``, ``detach``.
+one JSON line on stdout: ``residency``, ``step`` (acquire + release), ``queue``, ``resolve``, ``stats``, ``detach``.
 
     python tests/gateway_engine.py '{"replica": "replica-g", "gateway": "127.0.0.1:50051", "token": "..."}'
 """
@@ -55,6 +55,12 @@ def run(rank: Any, command: dict[str, Any]) -> Any:
     if op == "queue":
         rank.report_queue([(a, time.time()) for a in command["adapters"]])
         return True
+    if op == "resolve":  # a request for a name not registered yet: registered on demand, then in this catalog
+        try:
+            return {"version": rank.resolve(command["adapter"], command.get("timeout_s", 30.0)),
+                    "catalog": rank.catalog.get(command["adapter"]).version}
+        except Exception as e:  # the controller's typed refusal, as the engine sees it
+            return {"error": type(e).__name__, "message": str(e)}
     if op == "stats":
         served = rank.served
         return {**rank.control.stats(), "calls": served.calls, "errors": served.errors, "lost": repr(served.lost),

@@ -200,6 +200,33 @@ def test_a_process_that_stops_serving_is_a_dead_rank(fleet) -> None:
         rank.detach()
 
 
+def test_an_attached_rank_resolves_a_new_adapter_under_a_root(fleet) -> None:
+    """Issue 44 item 4: a rank attached through Ray (what the Ray Serve integration's replicas are) resolves a name
+    nobody registered: the controller registers it from the adapter root, and ``resolve`` returns once this rank's
+    catalog holds that version, which it then acquires; a name under no root raises the controller's
+    ``NotFoundError`` itself. (Before: the seam had no call for it; ``CacheReplica`` refused the name.)"""
+    import shutil
+
+    from lora_cache.errors import NotFoundError
+
+    service, gcs, root = fleet
+    shutil.copytree(root / "adapter-002", root / "tenant-ray")
+    rank = attach(AttachConfig(replica="replica-n", address=gcs), worker(0, tp=1, slots=2))
+    try:
+        assert "tenant-ray" not in rank.catalog
+        version = rank.resolve("tenant-ray")
+        assert rank.catalog.get("tenant-ray").version == version
+        assert ray.get(service.controller.lookup_adapter.remote("tenant-ray"))["version"] == version
+        batch = rank.acquire(["tenant-ray"])
+        assert batch.keys[0].version == version
+        rank.release(batch)
+        with pytest.raises(NotFoundError, match="tenant-nowhere"):
+            rank.resolve("tenant-nowhere")
+    finally:
+        rank.detach()
+        shutil.rmtree(root / "tenant-ray", ignore_errors=True)
+
+
 def test_a_call_longer_than_liveness_is_not_a_dead_process(fleet) -> None:
     """A controller call that runs past ``liveness_s`` (on a GPU, registering dozens of 8B adapters took 9.7 s
     in one batch and every call failed as stale) keeps its process alive: the heartbeat covers it, the call

@@ -314,6 +314,37 @@ def test_an_engine_presents_its_client_certificate_and_speaks_for_its_own_replic
         gateway.stop()
 
 
+def test_an_engine_outside_ray_resolves_a_new_adapter_under_a_root(fleet: Fleet, tmp_path: Path) -> None:
+    """Issue 44 item 4: an engine attached through the gateway gets a request for a name nobody registered; its
+    ``resolve`` (the ResolveAdapter RPC) has the controller register it from the adapter root, and returns once
+    the rank's own catalog holds that version; a name under no root is NOT_FOUND, typed, for the engine. (Before:
+    the attach seam had no call for it and refused the name.)"""
+    import shutil
+
+    root = Path(ray.get(fleet.controller.catalog_config.remote(), timeout=30).adapter_roots[0])
+    shutil.copytree(root / "adapter-001", root / "tenant-new")  # a new tenant's adapter, arrived after the start
+    engine = EngineProc(fleet)
+    try:
+        assert engine.hello["attached"] == RANK0
+        got = engine.call("resolve", adapter="tenant-new")
+        version = fleet.stub.Lookup(pb.LookupRequest(adapter="tenant-new"), metadata=AUTH, timeout=30).version
+        assert got == {"version": version, "catalog": version}, got
+        missing = engine.call("resolve", adapter="tenant-ghost")
+        assert missing["error"] == "NotFoundError" and "tenant-ghost" in missing["message"], missing
+        assert engine.call("resolve", adapter="tenant-new")["version"] == version  # known now: no call
+        from lora_cache.api.client import ClientError, LoraCacheClient
+
+        with LoraCacheClient(fleet.gateway.target, token=TOKEN) as router:  # a router's ResolveAdapter, too
+            assert router.resolve("tenant-new") == version
+            with pytest.raises(ClientError) as info:
+                router.resolve("tenant-ghost")
+            assert info.value.code == "NOT_FOUND"
+        engine.call("detach")
+    finally:
+        engine.close()
+        shutil.rmtree(root / "tenant-new", ignore_errors=True)
+
+
 def test_the_answers_codec_keeps_the_controllers_types() -> None:
     """What the controller reads of a relayed apply (``_collect``) survives the trip."""
     from lora_cache.vocab import ApplyResult

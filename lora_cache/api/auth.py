@@ -32,6 +32,7 @@ ROLES = ("router", "engine", "operator")
 RPC_ROLES: dict[str, frozenset[str]] = {
     **dict.fromkeys(("Hint", "CancelHint", "Lookup", "Route", "WatchReadiness"), frozenset({"router"})),
     "ReportQueue": frozenset({"router", "engine"}),  # engines report their waiting queues
+    "ResolveAdapter": frozenset({"router", "engine"}),  # a request for a name not yet registered
     "AttachRank": frozenset({"engine"}),
     **dict.fromkeys(("RegisterAdapter", "RegisterAdapters", "UnregisterAdapter"), frozenset({"operator"})),
     "Status": frozenset(ROLES),

@@ -37,7 +37,8 @@ REGISTER_S_PER_ITEM = 0.5  # RegisterAdapters' deadline grows by this per item (
 # Calls that change nothing, or that the server deduplicates (hint ids; registrations by their request id, which
 # this client gives every item), are retried on UNAVAILABLE; ReportQueue (a replica's queue now) is too: the next
 # report replaces it. UnregisterAdapter is not.
-IDEMPOTENT = ("Hint", "CancelHint", "ReportQueue", "Lookup", "Route", "Status", "RegisterAdapter", "RegisterAdapters")
+IDEMPOTENT = ("Hint", "CancelHint", "ReportQueue", "Lookup", "Route", "Status", "RegisterAdapter", "RegisterAdapters",
+              "ResolveAdapter")
 # Three attempts within ~0.15 s of backoff: a gateway that restarts or a connection that was reset is
 # covered; one that stays down answers UNAVAILABLE well within the call's deadline (not DEADLINE_EXCEEDED).
 RETRY_POLICY = {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.5s", "backoffMultiplier": 2,
@@ -391,6 +392,12 @@ class LoraCacheClient(_Base):
         wait = self.timeout_s + REGISTER_S_PER_ITEM * len(request.adapters)
         return _registered(self._call(self.stub.RegisterAdapters, request, wait))
 
+    def resolve(self, name: str, timeout_s: float | None = None) -> str:
+        """The current version of ``name``, registered on demand if nobody did and it lies under an adapter root
+        (NOT_FOUND, RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED as a ClientError otherwise)."""
+        return str(self._call(self.stub.ResolveAdapter, pb.ResolveAdapterRequest(name=name),
+                              timeout_s or self.timeout_s).version)
+
     def unregister(self, name: str, drain_timeout_s: float | None = None) -> list[str]:
         """Remove ``name`` once no running batch uses it; the versions evicted."""
         wait = (drain_timeout_s or 30.0) + self.timeout_s
@@ -471,6 +478,10 @@ class AsyncLoraCacheClient(_Base):
 
     async def status(self) -> pb.StatusResponse:
         return await self._call(self.stub.Status, pb.StatusRequest())
+
+    async def resolve(self, name: str, timeout_s: float | None = None) -> str:
+        r = await self._call(self.stub.ResolveAdapter, pb.ResolveAdapterRequest(name=name), timeout_s or self.timeout_s)
+        return str(r.version)
 
     async def register(self, name: str, path: str, request_id: str | None = None) -> Registered:
         r = await self._call(self.stub.RegisterAdapter, _register_item(name, path, request_id))

@@ -74,11 +74,11 @@ class GatewayConfig:
                                                      "command lines are visible to other users)"})
     router_token_file: str = field(default="", metadata={"path": True, "help":
         "file of the bearer tokens of routers (one a line: one per router, each its own client for the limits): "
-        "Hint, CancelHint, Lookup, Route, WatchReadiness, ReportQueue, Status"})
+        "Hint, CancelHint, Lookup, Route, WatchReadiness, ReportQueue, ResolveAdapter, Status"})
     engine_token_file: str = field(default="", metadata={"path": True, "help":
-        "file of the bearer tokens of engines: AttachRank, ReportQueue, Status; a line 'TOKEN REPLICA...' binds "
-        "the token to those replicas (it may attach and report queues for them only), a bare 'TOKEN' speaks for "
-        "any replica (warned of at start)"})
+        "file of the bearer tokens of engines: AttachRank, ReportQueue, ResolveAdapter, Status; a line "
+        "'TOKEN REPLICA...' binds the token to those replicas (it may attach and report queues for them only), a "
+        "bare 'TOKEN' speaks for any replica (warned of at start)"})
     operator_token_file: str = field(default="", metadata={"path": True, "help":
         "file of the bearer token of operators: RegisterAdapter(s), UnregisterAdapter, Status"})
     max_streams_per_client: int = field(default=64, metadata={

@@ -211,6 +211,11 @@ class Servicer:
                 answers[i].error.CopyFrom(_register_error(d.error))
         return pb.RegisterAdaptersResponse(adapters=[answers[i] for i in range(len(request.adapters))])
 
+    async def resolve_adapter(self, request: pb.ResolveAdapterRequest) -> pb.ResolveAdapterResponse:
+        name = validate.name("name", request.name)
+        version = await self.controller.resolve_adapter.remote(name)
+        return pb.ResolveAdapterResponse(name=name, version=version)
+
     async def unregister_adapter(self, request: pb.UnregisterAdapterRequest) -> pb.UnregisterAdapterResponse:
         name = validate.name("name", request.name)
         evicted = await self.controller.unregister_adapter.remote(name, validate.drain_timeout(request))
@@ -253,6 +258,7 @@ RPCS: dict[str, tuple[type[Any], str]] = {  # rpc name -> (request message, Serv
     "RegisterAdapters": (pb.RegisterAdaptersRequest, "register_adapters"),
     "UnregisterAdapter": (pb.UnregisterAdapterRequest, "unregister_adapter"),
     "Status": (pb.StatusRequest, "status"),
+    "ResolveAdapter": (pb.ResolveAdapterRequest, "resolve_adapter"),
     "AttachRank": (pb.AttachRankRequest, "attach_rank"),
 }
 

@@ -278,11 +278,9 @@ class CacheReplica:
         (``ranks`` False: over rank 0 alone, no round trip: its newest READY, else its current one)."""
         deadline = time.monotonic() + self.config.acquire_timeout_s
         while True:
-            if adapter not in self.rank.catalog:
-                raise NotFoundError(
-                    f"adapter {adapter!r} is not registered with lora-cache; register it "
-                    "(`lora-cache register NAME PATH`) before sending requests for it"
-                )
+            if adapter not in self.rank.catalog:  # registered on demand if it lies under an adapter root, else
+                # the controller's typed refusal: NotFoundError (under no root), CapacityError, ResolveTimeoutError
+                self.rank.resolve(adapter, max(0.1, deadline - time.monotonic()))
             rows = [self.rank.version_rows([adapter])]
             if ranks:
                 rows += ray.get([r.rows.remote([adapter]) for r in self.ranks])

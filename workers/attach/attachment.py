@@ -45,7 +45,7 @@ import torch
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.shards import ShardLayout
 from lora_cache.api.tls import check_tls_pair
-from lora_cache.errors import ConfigError
+from lora_cache.errors import ConfigError, ResolveTimeoutError
 from lora_cache.link.relay import RELAYED, EndpointStaleError, Relay
 from lora_cache.vocab import (
     NAMESPACE,
@@ -66,6 +66,8 @@ from workers.gpu.acquire import AdapterRef, Batch
 __all__ = ["RELAYED", "AttachConfig", "Attachment", "EndpointStaleError", "Relay", "attach"]
 
 log = logging.getLogger(__name__)
+
+RESOLVE_WAIT_S = 30.0  # ``Attachment.resolve``: the whole wait for an adapter registered on demand to reach the rank
 
 
 @dataclass(frozen=True)
@@ -225,6 +227,26 @@ class Attachment:
     def prefetch(self, name: str, version: str | None = None) -> Future[ReadinessRecord]:
         """Start loading ``name`` (``version``: exactly that one) unless resident; the future is its readiness."""
         return self.cache.prefetch(name, version)
+
+    def resolve(self, name: str, timeout_s: float = RESOLVE_WAIT_S) -> str:
+        """The version of ``name`` in this rank's catalog, registered on demand by the controller if nobody did and
+        it lies under an adapter root (request-time resolution: one lookup per name at the controller however many
+        requests ask, its deadline and caps). Returns once this rank's catalog holds that version (the controller
+        hands a registration to every rank); within ``timeout_s`` in all. Raises the controller's typed refusal:
+        ``NotFoundError`` (under no root), ``CapacityError`` (over its caps), ``ResolveTimeoutError``, or the
+        adapter's own error (a bad file at that place)."""
+        catalog = self.catalog
+        if name in catalog:
+            return catalog.get(name).version
+        deadline = time.monotonic() + timeout_s
+        version = self.transport.resolve(name, timeout_s)
+        while not (name in catalog and version in catalog.versions(name)):
+            if time.monotonic() > deadline:
+                raise ResolveTimeoutError(f"adapter {name!r} was registered on demand as version {version}, but it "
+                                          f"did not reach rank {self.worker.tp_rank} of {self.config.replica} within "
+                                          f"{timeout_s:g} s; check `lora-cache status` (a rank restarting)")
+            time.sleep(0.01)  # the controller's registration call to this rank is on its way (its serve thread)
+        return version
 
     def ready_names(self) -> set[str]:
         return self.cache.ready_names()

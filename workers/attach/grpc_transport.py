@@ -26,7 +26,14 @@ from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.api import relay_codec as codec
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc
-from lora_cache.errors import ConfigError, ConflictError, LoraCacheError, NotFoundError
+from lora_cache.errors import (
+    CapacityError,
+    ConfigError,
+    ConflictError,
+    LoraCacheError,
+    NotFoundError,
+    ResolveTimeoutError,
+)
 from lora_cache.vocab import Answer, Call, DeltaRow
 from workers.attach.transport import Hello, RankTransport
 
@@ -35,7 +42,8 @@ ADOPT_S = 120.0  # the controller adopts the rank within this (the Ray transport
 CLOSE_S = 30.0  # a detach waits this long for the gateway to drop the rank
 
 _DOMAIN = {grpc.StatusCode.NOT_FOUND: NotFoundError, grpc.StatusCode.FAILED_PRECONDITION: ConflictError,
-           grpc.StatusCode.INVALID_ARGUMENT: ConfigError, grpc.StatusCode.UNAUTHENTICATED: ConfigError}
+           grpc.StatusCode.INVALID_ARGUMENT: ConfigError, grpc.StatusCode.UNAUTHENTICATED: ConfigError,
+           grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityError, grpc.StatusCode.DEADLINE_EXCEEDED: ResolveTimeoutError}
 
 
 # HTTP/2 pings on the AttachRank stream, as the routers' client sends them (lora_cache/api/client.py KEEPALIVE;
@@ -183,6 +191,18 @@ class GrpcTransport(RankTransport):
             requests.append(pb.QueuedRequest(adapter=adapter, arrival_time=stamp))
         self._stub.ReportQueue(pb.ReportQueueRequest(replica=replica, requests=requests), metadata=self._metadata,
                                timeout=30)
+
+    def resolve(self, name: str, timeout_s: float) -> str:
+        try:
+            answer = self._stub.ResolveAdapter(pb.ResolveAdapterRequest(name=name), metadata=self._metadata,
+                                               timeout=timeout_s)
+        except grpc.RpcError as e:
+            if not isinstance(e, grpc.Call) or e.code() == grpc.StatusCode.UNAVAILABLE:
+                raise GatewayLinkError(f"{self.name}: resolving {name!r}: the gateway at {self.target} is "
+                                       f"unreachable ({e})") from e
+            raise _DOMAIN.get(e.code(), GatewayLinkError)(f"{e.details()} (gateway {self.target}, "
+                                                            f"{e.code().name})") from e
+        return str(answer.version)
 
     # -- leaving ------------------------------------------------------------------------------------
     def close(self, hello: Hello) -> None:

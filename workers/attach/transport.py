@@ -73,5 +73,11 @@ class RankTransport(ABC):
         """The replica's waiting queue, (adapter, arrival time.time()) in order."""
 
     @abstractmethod
+    def resolve(self, name: str, timeout_s: float) -> str:
+        """The current version of ``name``, registered on demand by the controller if it lies under an adapter root
+        (the controller's ``Resolver``); its typed refusal raised: ``NotFoundError``, ``CapacityError``,
+        ``ResolveTimeoutError``, or the adapter's own error."""
+
+    @abstractmethod
     def close(self, hello: Hello) -> None:
         """Leave: the controller drops what the rank held, the endpoint goes. Idempotent."""

@@ -349,6 +349,20 @@ class RegisterAdaptersResponse(_message.Message):
     adapters: _containers.RepeatedCompositeFieldContainer[RegisteredAdapter]
     def __init__(self, adapters: _Optional[_Iterable[_Union[RegisteredAdapter, _Mapping]]] = ...) -> None: ...
 
+class ResolveAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ResolveAdapterResponse(_message.Message):
+    __slots__ = ("name", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+
 class UnregisterAdapterRequest(_message.Message):
     __slots__ = ("name", "drain_timeout")
     NAME_FIELD_NUMBER: _ClassVar[int]

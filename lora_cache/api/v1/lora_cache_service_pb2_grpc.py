@@ -86,6 +86,11 @@ class LoraCacheServiceStub:
                 request_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.StatusRequest.SerializeToString,
                 response_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.ResolveAdapter = channel.unary_unary(
+                '/lora_cache.v1.LoraCacheService/ResolveAdapter',
+                request_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.ResolveAdapterRequest.SerializeToString,
+                response_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.ResolveAdapterResponse.FromString,
+                _registered_method=True)
         self.AttachRank = channel.stream_stream(
                 '/lora_cache.v1.LoraCacheService/AttachRank',
                 request_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.AttachRankRequest.SerializeToString,
@@ -191,6 +196,19 @@ class LoraCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResolveAdapter(self, request, context):
+        """ResolveAdapter answers the current version of an adapter, registering it on demand when nobody
+        did and it lies under one of the server's adapter roots (a directory ROOT/NAME, a store prefix):
+        one lookup per name however many calls wait, a deadline, caps on names at once and bytes. For
+        a router or an engine that has a request for a name it does not know. Errors: NOT_FOUND (under
+        no root, or on-demand registration is off), RESOURCE_EXHAUSTED (over the caps), DEADLINE_EXCEEDED
+        (the deadline passed; the lookup goes on for the next call), INVALID_ARGUMENT (a bad name or a
+        bad adapter at that place).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AttachRank(self, request_iterator, context):
         """AttachRank attaches one TP rank of an engine process outside the Ray cluster (docs/integrating.md,
         "Outside the Ray cluster"): the gateway hosts the rank's endpoint in the cluster and relays the
@@ -258,6 +276,11 @@ def add_LoraCacheServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.StatusRequest.FromString,
                     response_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.StatusResponse.SerializeToString,
+            ),
+            'ResolveAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolveAdapter,
+                    request_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.ResolveAdapterRequest.FromString,
+                    response_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.ResolveAdapterResponse.SerializeToString,
             ),
             'AttachRank': grpc.stream_stream_rpc_method_handler(
                     servicer.AttachRank,
@@ -537,6 +560,33 @@ class LoraCacheService:
             '/lora_cache.v1.LoraCacheService/Status',
             lora__cache_dot_v1_dot_lora__cache__service__pb2.StatusRequest.SerializeToString,
             lora__cache_dot_v1_dot_lora__cache__service__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolveAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lora_cache.v1.LoraCacheService/ResolveAdapter',
+            lora__cache_dot_v1_dot_lora__cache__service__pb2.ResolveAdapterRequest.SerializeToString,
+            lora__cache_dot_v1_dot_lora__cache__service__pb2.ResolveAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
