@@ -227,6 +227,33 @@ def test_an_attached_rank_resolves_a_new_adapter_under_a_root(fleet) -> None:
         shutil.rmtree(root / "tenant-ray", ignore_errors=True)
 
 
+def test_a_serve_rank_waits_what_is_left_of_the_lease_for_a_slot(fleet) -> None:
+    """Issue 46 (back-pressure): rank k of a Serve replica waits for a slot only what rank 0's wait left of the
+    lease's ``slot_wait_s``, so one lease waits about ``slot_wait_s`` in all, not once per rank. Here the replica's
+    config allows 30 s; rank 1, its one slot held, is given 0.2 s left and fails after it with the wait named."""
+    from lora_cache.integrations.serve_replica import RankActor, ReplicaCacheConfig
+    from lora_cache.vocab import AdapterKey
+
+    service, _, _ = fleet
+    config = ReplicaCacheConfig(tp=2, num_slots=1, slot_wait_s=30.0,
+                                worker={"host": HostTierConfig(host_bytes=1 << 22, pin=False)})
+    actor = RankActor.remote(config, "replica-l", 1)
+    try:
+        def key(name: str) -> AdapterKey:
+            return AdapterKey(name, ray.get(service.controller.lookup_adapter.remote(name))["version"])
+
+        assert ray.get(actor.acquire.remote("held", key("adapter-001")), timeout=60) == 0
+        started = time.monotonic()
+        with pytest.raises(ray.exceptions.RayTaskError, match=r"waited 0\.2 s \(slot_wait_s\)"):
+            ray.get(actor.acquire.remote("late", key("adapter-002"), 0.2), timeout=60)
+        assert time.monotonic() - started < 10  # not the config's 30 s
+        ray.get(actor.release.remote("held"), timeout=30)
+        assert ray.get(actor.acquire.remote("late", key("adapter-002"), 0.2), timeout=60) == 0  # room: no wait
+    finally:
+        ray.get(actor.detach.remote(), timeout=60)
+        ray.kill(actor)
+
+
 def test_a_call_longer_than_liveness_is_not_a_dead_process(fleet) -> None:
     """A controller call that runs past ``liveness_s`` (on a GPU, registering dozens of 8B adapters took 9.7 s
     in one batch and every call failed as stale) keeps its process alive: the heartbeat covers it, the call

@@ -62,6 +62,9 @@ class ReplicaCacheConfig:
     token_file: str = field(default="", metadata={"help": "the gateway's bearer token file"})
     tls_ca: str = field(default="", metadata={"help": "PEM file of the CA that signed the gateway's certificate "
                                                       "(set: attach over TLS)"})
+    tls_client_cert: str = field(default="", metadata={"help": "PEM certificate the ranks present to a gateway with "
+                                                               "--tls-client-ca (with tls_ca)"})
+    tls_client_key: str = field(default="", metadata={"help": "PEM private key of tls_client_cert"})
     acquire_timeout_s: float = field(
         default=30.0,
         metadata={"help": "longest wait for the ranks to agree on a version (a re-registration on its way)"},
@@ -100,7 +103,8 @@ class ReplicaCacheConfig:
         from workers.attach.attachment import AttachConfig
 
         return AttachConfig(replica=replica, address=self.address, gateway=self.gateway, token_file=self.token_file,
-                            tls_ca=self.tls_ca)
+                            tls_ca=self.tls_ca, tls_client_cert=self.tls_client_cert,
+                            tls_client_key=self.tls_client_key)
 
 
 def _attach(config: ReplicaCacheConfig, replica: str, rank: int) -> Attachment:
@@ -123,19 +127,21 @@ class RankActor:
         self.calls["rows"] += 1
         return self.rank.version_rows(names)
 
-    def acquire(self, lease: str, key: AdapterKey) -> int:
+    def acquire(self, lease: str, key: AdapterKey, slot_wait_s: float | None = None) -> int:
+        """Hold exactly ``key`` for ``lease``; ``slot_wait_s``: what is left of the lease's wait for a slot (rank 0
+        waited first), default the whole ``ReplicaCacheConfig.slot_wait_s``."""
         self.calls["acquire"] += 1
-        batch = self.rank.acquire([key], slot_wait_s=self.slot_wait_s)
+        batch = self.rank.acquire([key], slot_wait_s=self.slot_wait_s if slot_wait_s is None else slot_wait_s)
         self.leases[lease] = batch
         return int(batch.slots[0])
 
-    def hold(self, lease: str, key: AdapterKey) -> int:
+    def hold(self, lease: str, key: AdapterKey, slot_wait_s: float | None = None) -> int:
         """``acquire`` exactly ``key``, or -1 (nothing held) when this rank does not know that version (yet)."""
         self.calls["hold"] += 1
         catalog = self.rank.catalog
         if key.name not in catalog or key.version not in catalog.versions(key.name):
             return -1
-        return self.acquire(lease, key)
+        return self.acquire(lease, key, slot_wait_s)
 
     def prefetch(self, name: str) -> None:
         """``name``'s current version READY here (loaded if not); blocks until it is (a failed load raises)."""
@@ -227,9 +233,11 @@ class CacheReplica:
 
     def _hold(self, ident: str, key: AdapterKey, exact: bool = False) -> Lease | None:
         """``key`` held on every rank, or None (nothing held) when a rank does not know it and not ``exact``."""
+        deadline = time.monotonic() + self.config.slot_wait_s  # the lease's one wait for a slot, over every rank
         batch = self.rank.acquire([key], slot_wait_s=self.config.slot_wait_s)  # a turn, not a failure, if all held
         try:
-            ask = [(r.acquire if exact else r.hold).remote(ident, key) for r in self.ranks]
+            left = max(0.0, deadline - time.monotonic())  # what rank 0's wait left to the others (waiting at once)
+            ask = [(r.acquire if exact else r.hold).remote(ident, key, left) for r in self.ranks]
             slots = [int(batch.slots[0]), *ray.get(ask)]
         except BaseException:
             self._let_go(ident, batch)
