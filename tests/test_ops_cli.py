@@ -206,7 +206,9 @@ def test_idempotent_calls_are_retried_on_unavailable() -> None:
     assert options["grpc.keepalive_time_ms"] > 0 and dict(KEEPALIVE) == {k: options[k] for k in dict(KEEPALIVE)}
     config = json.loads(options["grpc.service_config"])
     retried = {n["method"] for c in config["methodConfig"] for n in c["name"]}
-    assert {"Lookup", "Route", "Status", "Hint"} <= retried and "RegisterAdapters" not in retried
+    # registrations carry the client's request id (issue 46 item 3a): a retry is answered as the first was
+    assert {"Lookup", "Route", "Status", "Hint", "RegisterAdapter", "RegisterAdapters"} <= retried
+    assert "UnregisterAdapter" not in retried
     from workers.attach.grpc_transport import KEEPALIVE as ATTACH_KEEPALIVE
 
     assert ATTACH_KEEPALIVE == KEEPALIVE, "the AttachRank stream pings as the routers' client does"

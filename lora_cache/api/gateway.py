@@ -43,9 +43,9 @@ from lora_cache.api.callers import CallRate, StreamLimits
 from lora_cache.api.ingest import FLUSH_S as INGEST_FLUSH_S
 from lora_cache.api.ingest import HintIngest
 from lora_cache.api.servicer import SERVICE_NAME, Servicer, generic_handler
-from lora_cache.api.tls import check_client_ca, check_tls_pair
 from lora_cache.api.validate import NAME_FORM
 from lora_cache.errors import ConfigError
+from lora_cache.runtime.tls import check_client_ca, check_tls_pair
 
 MiB = 1 << 20
 log = logging.getLogger(__name__)

@@ -44,9 +44,9 @@ import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.shards import ShardLayout
-from lora_cache.api.tls import check_tls_pair
 from lora_cache.errors import ConfigError, ResolveTimeoutError
 from lora_cache.link.relay import RELAYED, EndpointStaleError, Relay
+from lora_cache.runtime.tls import check_tls_pair
 from lora_cache.vocab import (
     NAMESPACE,
     AdapterKey,

@@ -1,4 +1,5 @@
-"""The gateway's TLS material, checked before anything starts: which file is wrong, and why.
+"""TLS material (the gateway's pair and client CA, an attached rank's client certificate), checked before anything
+starts: which file is wrong, and why.
 
 gRPC reports a bad certificate or key only when the port is bound, as a bare "failed to add port"; checked
 here, each mistake names its file and the fix: a file that holds no PEM certificate (or key), the two files
