@@ -77,10 +77,6 @@ class Credentials:
         found = [grant for expected, grant in self._tokens if hmac.compare_digest(raw, expected)]
         return found[0] if found else None  # tokens are distinct (the config merges a token's files)
 
-    def roles_of(self, sent: str | bytes) -> frozenset[str] | None:
-        grant = self.grant_of(sent)
-        return grant.roles if grant is not None else None
-
     def verdict(self, method: str, sent: str | bytes | None, names: list[str]) -> Denial | None:
         """None when the call may go on (``judge``), else how it is refused."""
         judged = self.judge(method, sent, names)

@@ -10,7 +10,7 @@ from typing import Any
 import ray
 
 from lora_cache.adapters.catalog import CatalogConfig
-from lora_cache.errors import LoraCacheError, ResolveTimeoutError
+from lora_cache.errors import ResolveTimeoutError
 from lora_cache.link.endpoint import controller_handle, create_endpoint
 from lora_cache.runtime.cluster import connect
 from lora_cache.vocab import NAMESPACE, Answer, Call, WorkerId
@@ -86,15 +86,11 @@ class RayTransport(RankTransport):
         ray.get(self.controller().report_queue.remote(replica, entries), timeout=30)
 
     def resolve(self, name: str, timeout_s: float) -> str:
-        try:
+        try:  # a refusal (NotFoundError, CapacityError, ...) arrives as a RayTaskError that is also an instance of it
             return str(ray.get(self.controller().resolve_adapter.remote(name), timeout=timeout_s))
         except ray.exceptions.GetTimeoutError as e:
             raise ResolveTimeoutError(f"resolving adapter {name!r}: no answer from the controller within "
                                       f"{timeout_s:g} s; try again, or register it") from e
-        except ray.exceptions.RayTaskError as e:  # the controller's typed refusal, as itself
-            if isinstance(e.cause, LoraCacheError):
-                raise e.cause from None
-            raise
 
     def close(self, hello: Hello) -> None:
         """Tell the controller (it drops what the rank held at once), then kill the endpoint."""
