@@ -42,6 +42,7 @@ from lora_cache.api.gateway import GatewayConfig, start_gateway_thread  # noqa: 
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb  # noqa: E402
 from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc  # noqa: E402
 from lora_cache.app.serve import ServeConfig, start, wait_ready  # noqa: E402
+from lora_cache.controller.links import PING_TIMEOUT_S  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
 from lora_cache.vocab import WorkerId  # noqa: E402
 from tests.ray_local import init_local  # noqa: E402
@@ -62,6 +63,12 @@ HELD = ["adapter-000", "adapter-001"]  # ready on the victim's replica before th
 # victim held (it was up to 1.4 s before the lifeline, when Ray's restart told it).
 DETECT_BASE_S = 0.5
 DETECT_PER_GB_S = 0.1
+# A hung (SIGSTOP) rank keeps its lifeline: the pings find it. One goes out every HEALTH_S (the controller's default)
+# and a rank that leaves one unanswered for PING_TIMEOUT_S is lost; stopped just after it answered one, it is found
+# HEALTH_S + PING_TIMEOUT_S later, plus a turn of the loop (DETECT_BASE_S). The CI's stop 50 asserted 2.0 s, the
+# worst case without the turn, and found one in 2.01 s (then behind the round's plan and snapshots as well).
+HEALTH_S = 0.5
+HUNG_FOUND_S = HEALTH_S + PING_TIMEOUT_S + DETECT_BASE_S
 
 
 class Sample(NamedTuple):
@@ -265,8 +272,8 @@ def test_a_sigkilled_rank_is_never_advertised_ready_once_the_controller_knows(se
     assert ray.get(ctl.check_integrity.remote())
 
 
-def test_a_stopped_rank_leaves_the_routes_and_the_hints_within_2_s_and_returns(served) -> None:
-    """SIGSTOP (a hung or unreachable rank: its lifeline stays open): pings find it within 2 s; its replica
+def test_a_stopped_rank_leaves_the_routes_and_the_hints_once_pinged_and_returns(served) -> None:
+    """SIGSTOP (a hung or unreachable rank: its lifeline stays open): pings find it (``HUNG_FOUND_S``); its replica
     leaves the ranking and takes no hints; after SIGCONT it reports and comes back."""
     svc, stub = served
     ctl = svc.controller
@@ -295,7 +302,7 @@ def test_a_stopped_rank_leaves_the_routes_and_the_hints_within_2_s_and_returns(s
     print(
         f"SIGSTOP of {wid}: found lost after {t_found - t_stop:.2f} s; back {time.time() - t_cont:.2f} s after SIGCONT"
     )
-    assert t_found - t_stop < 2.0, f"found after {t_found - t_stop:.2f} s"
+    assert t_found - t_stop < HUNG_FOUND_S, f"found after {t_found - t_stop:.2f} s, beyond {HUNG_FOUND_S} s"
     assert replica in ranked()
     assert ray.get(ctl.check_integrity.remote())
 

@@ -578,7 +578,7 @@ def test_readiness_callback_errors_do_not_break_loads(
         raise RuntimeError("consumer is down")
 
     cache = make_cache(catalog, on_ready=broken)
-    with caplog.at_level(logging.ERROR, logger="workers.gpu.copies"):
+    with caplog.at_level(logging.ERROR, logger="workers.gpu.loads"):
         for name in (A, B, C, D):
             rec = cache.prefetch(name).result(timeout=10)
             assert rec.adapter == name
@@ -589,6 +589,31 @@ def test_readiness_callback_errors_do_not_break_loads(
         cache.check_integrity()
         cache.close()  # joins the watcher: every handler error has been logged
     assert sum("readiness handler failed" in r.getMessage() for r in caplog.records) == 4
+
+
+def test_a_load_is_logged_ready_before_any_report_of_it(
+    catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``on_ready`` (the rank's READY log, the time a test measures a reload from) precedes the READY delta:
+    once the load's lock is released, another thread's ``report()`` may hand the queued READY over at once
+    (the CI's stop 50: a Lookup answered READY before the worker's load log said so). That other thread is
+    pinned here: a report runs inside the host tier's release, between the lock and the rest of ``_finish``."""
+    order: list[tuple[str, str, str]] = []
+    cache = make_cache(catalog, on_ready=lambda r: order.append(("logged", r.adapter, "ready")))
+    cache.book.on_change = lambda d: order.append(("reported", d.adapter, d.state))
+    release = cache.host.release
+
+    def release_then_report(*args: Any) -> None:
+        release(*args)
+        cache.book.report()  # what any other thread that queued a change may do now
+
+    monkeypatch.setattr(cache.host, "release", release_then_report)
+    for name in (A, B):
+        cache.prefetch(name).result(timeout=10)
+    for name in (A, B):
+        seen = [kind for kind, adapter, state in order if adapter == name and state == "ready"]
+        assert seen == ["logged", "reported"], order
+    cache.check_integrity()
 
 
 # -- versions ---------------------------------------------------------------------------------------------

@@ -2,10 +2,13 @@
 
 ``ControllerActor`` (actor.py) holds only its remote API; what runs between the calls is here. ``start`` runs
 once, before any call is answered: the catalog restored, the workers adopted from their reports (invariant 6),
-hints, queues and popularity restored, then the health loop started. Each health round retries failed loads
-past their backoff, resyncs every worker each ``sync_s`` (anti-entropy), asks the workers that did not answer
-the rebuild again, pings, replans the whole fleet and persists the snapshots. ``plan`` asks the core for
-commands and sends them through the links (the callback the links and the registrar replan with).
+hints, queues and popularity restored, then the health loop and the pings started. Each health round retries
+failed loads past their backoff, resyncs every worker each ``sync_s`` (anti-entropy), asks the workers that did
+not answer the rebuild again, replans the whole fleet and persists the snapshots. The pings run on their own,
+every ``health_s``: a hung rank is found within ``health_s`` + the ping's timeout, however long a round's plan
+and snapshots take (a large catalog's save, a loaded machine: the CI's stop 50 found one 2.01 s late).
+``plan`` asks the core for commands and sends them through the links (the callback the links and the registrar
+replan with).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class ControlLoop:
         self.first_plan_at: float | None = None  # the restart blip ends here
         self._started = False
         self._health: asyncio.Task[None] | None = None
+        self._pings: asyncio.Task[None] | None = None
         self._start_lock = asyncio.Lock()  # one start: every call awaits it before it is answered
 
     async def start(self) -> None:
@@ -47,12 +51,14 @@ class ControlLoop:
             self._started = True
             if not self.links.quiet:
                 self._health = asyncio.get_running_loop().create_task(self._health_loop())
+                self._pings = asyncio.get_running_loop().create_task(self._ping_loop())
 
     def stop(self) -> None:
         """No more health rounds, lifelines or pings (the service's owner is stopping it)."""
         self.links.quiesce()
-        if self._health is not None:
-            self._health.cancel()
+        for task in (self._health, self._pings):
+            if task is not None:
+                task.cancel()
 
     async def _health_loop(self) -> None:
         last_sync = time.monotonic()
@@ -64,10 +70,15 @@ class ControlLoop:
                 last_sync = time.monotonic()
                 await self.links.resync_all()
             self.links.adoption.adopt_late()  # workers that did not answer the rebuild (node lost): asked again
-            await self.links.ping_all()
             await self.plan(full=True)
             await self.durable.persist(self.core.planner)
             await self.durable.save_catalog(self.core)
+
+    async def _ping_loop(self) -> None:
+        """Every worker pinged each ``health_s`` (a round waits at most the ping's timeout for a hung one)."""
+        while True:
+            await asyncio.sleep(self.health_s)
+            await self.links.ping_all()
 
     async def plan(self, full: bool = False) -> None:
         t0 = time.perf_counter()

@@ -342,6 +342,11 @@ class LoadPath:
                                  self.streams.elapsed_ms(load.start_event, load.ready_event),
                                  (time.perf_counter() - load.t0) * 1e3, load.layout.nbytes, load.host_hit)
         book = self.book
+        if self.on_ready is not None:  # first: what a rank logs as READY precedes anything it reports. Once the
+            try:  # lock below is released, another thread's report() may send this READY at once.
+                self.on_ready(record)
+            except Exception:  # a callback's failure is not the load's
+                log.exception("readiness handler failed for %s", load.key)
         with book.lock:
             book.table.mark_ready(load.slot)
             book.counters.loads += 1
@@ -352,14 +357,10 @@ class LoadPath:
             book.counters.ready_ms.add(record.ready_ms)
             book.changed(load.key, "ready", record, acquired=not load.commanded)
         self.host.release(load.key, load.entry)
-        try:
-            if self.on_ready is not None:
-                self.on_ready(record)  # before the report: what a rank logs as READY precedes what it tells
-        finally:
-            book.report()
-            load.mark("ready")
-            load.future.set_result(record)
-            self._retry_waiters()
+        book.report()
+        load.mark("ready")
+        load.future.set_result(record)
+        self._retry_waiters()
 
     def _fail(self, load: SlotLoad, error: BaseException) -> None:
         with self.book.lock:
