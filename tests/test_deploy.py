@@ -144,6 +144,35 @@ def test_ray_token_auth_is_on_for_every_node_and_the_token_goes_to_each(name: st
 
 
 @pytest.mark.parametrize("name", CLUSTER_CONFIGS)
+def test_the_head_starts_ray_on_the_operators_redis_only_when_one_is_set(name: str, tmp_path: Path) -> None:
+    """Issue 46 item 5: the head's `ray start` runs, in bash as Ray's SSH runner runs it, against a `ray` that
+    prints its environment and arguments. With LORA_CACHE_GCS_REDIS (as head_setup_commands exports it) the GCS
+    is pointed at that Redis, under the cluster's own namespace, with the password if one is set; without it (the
+    configs' default: empty) nothing of Redis reaches Ray."""
+    config = load(name)
+    (command,) = [c for c in config["head_start_ray_commands"] if "ray start --head" in c]
+    setup = " ".join(config["head_setup_commands"])
+    assert "echo 'export LORA_CACHE_GCS_REDIS=' >> ~/.bashrc" in setup, "the setting (off) is not where it is said"
+    fake = tmp_path / "ray"
+    fake.write_text('#!/bin/sh\necho "addr=${RAY_REDIS_ADDRESS-unset} ns=${RAY_external_storage_namespace-unset}"\n'
+                    'echo "args=$*"\n')
+    fake.chmod(0o755)
+
+    def run(**env: str) -> str:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "LORA_CACHE_GCS"))}
+        done = subprocess.run(["bash", "-c", command.replace("ulimit -n 65536;", "")], capture_output=True, text=True,
+                              env={**clean, "PATH": f"{tmp_path}:{clean['PATH']}", **env}, timeout=30)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    off = run(LORA_CACHE_GCS_REDIS="")
+    assert "addr=unset ns=unset" in off and "redis" not in off.split("args=")[1], off
+    on = run(LORA_CACHE_GCS_REDIS="10.0.0.5:6379", LORA_CACHE_GCS_REDIS_PASSWORD="s3cret")
+    assert f"addr=10.0.0.5:6379 ns={config['cluster_name']}" in on, on
+    assert "--head --port=6379" in on and on.rstrip().endswith("--redis-password=s3cret"), on
+
+
+@pytest.mark.parametrize("name", CLUSTER_CONFIGS)
 def test_nodes_install_the_ray_version_tested_here(name: str) -> None:
     pins = set(re.findall(r"ray\[default\]==([\w.]+)", " ".join(load(name)["setup_commands"])))
     assert pins == {ray.__version__}, f"{name} installs Ray {pins}; this checkout tests {ray.__version__}"
@@ -223,13 +252,13 @@ def test_runtime_env_is_valid_and_uploads_only_the_sources() -> None:
     env = yaml.safe_load((DEPLOY / "runtime_env.yaml").read_text())
     assert set(env) <= RuntimeEnv.known_fields
     RuntimeEnv(**env)  # Ray's type checks of each field
-    for pattern in (".git", ".device", ".ci-venv", "__pycache__", "*.egg-info"):  # .ci-venv: CI's virtualenv
+    for pattern in (".git", ".device", ".ci-venv", ".ci-redis", "__pycache__", "*.egg-info"):  # .ci-*: CI's own
         assert pattern in env["excludes"]
     files: list[Path] = []  # what Ray would zip, by these excludes alone (.gitignore not counted)
     _dir_travel(REPO, [_get_excludes(REPO, env["excludes"])], lambda p: files.append(p) if p.is_file() else None,
                 include_gitignore=False)
     parts = {part for f in files for part in f.relative_to(REPO).parts}
-    assert not parts & {".git", ".device", ".ci-venv", "__pycache__", ".mypy_cache"}, sorted(parts)[:20]
+    assert not parts & {".git", ".device", ".ci-venv", ".ci-redis", "__pycache__", ".mypy_cache"}, sorted(parts)[:20]
     assert not any(p.endswith(".egg-info") for p in parts)
     assert {"bench", "lora_cache", "workers", "pyproject.toml"} <= parts
     assert sum(f.stat().st_size for f in files) < 32 << 20
