@@ -14,7 +14,7 @@ import torch
 
 from lora_cache.adapters.files import FileIdentity, settled_at
 from lora_cache.adapters.synth import SynthConfig, make_adapters, make_named_adapters
-from lora_cache.errors import ConfigError, NotFoundError
+from lora_cache.errors import CapacityError, ConfigError, NotFoundError, ResolveTimeoutError
 from tests.waiting import wait_for
 from workers.cache import WorkerCache
 from workers.engine import ADMISSION, EngineConfig, Request, run_engine
@@ -321,6 +321,43 @@ def test_a_hosted_engine_takes_submits_for_what_its_catalog_has_at_the_call(late
         cache.catalog.register("late-a", Path(cfg.adapters) / "later" / "late-a")
         hosted.submit([Request(1, "late-a", 3, 1)])
         assert [r.rid for r in hosted.feed.take()[0]] == [1]
+    finally:
+        if hosted.engine is not None:
+            hosted.engine.close()
+        hosted.close()
+        engine.close()
+
+
+def test_a_hosted_engine_submit_whose_resolved_name_never_reaches_the_rank_times_out_and_submits_nothing(
+        late_root: Path) -> None:
+    """The controller answered a resolution (here: a version that no registration call brings to this rank, as
+    when the rank restarts meanwhile): the submit waits ``resolve_s`` at most, then refuses the whole call with
+    ``ResolveTimeoutError`` naming its requests, the version and the rank; nothing of it is submitted. A refusal
+    from the controller keeps its own class (``refusal``). The real resolution, through the controller:
+    tests/test_ray_versions.py::test_the_hosted_engine_serves_a_name_registered_by_nobody_once_it_resolves_it."""
+    cfg = config(late_root)
+    engine = RankEngine(cfg, Comm())
+    cache = engine.cache
+    assert isinstance(cache, WorkerCache)
+    asked: list[str] = []
+
+    def resolve(name: str, timeout_s: float) -> str:
+        asked.append(name)
+        if name == "late-b":
+            raise CapacityError("over the controller's --resolve-parallel")
+        return "v-never-arrives"
+
+    hosted = HostedEngine(cache, resolve=resolve, resolve_s=0.3)
+    try:
+        hosted.build(cfg, Rendezvous("127.0.0.1", 0, 1), 0)
+        assert hosted.feed is not None
+        t0 = time.monotonic()
+        with pytest.raises(ResolveTimeoutError, match=r"requests \[1, 2\] .*'late-a'.*v-never-arrives.*rank 0"):
+            hosted.submit([Request(0, ADAPTERS[0], 3, 1), Request(1, "late-a", 3, 1), Request(2, "late-a", 4, 1)])
+        assert 0.3 <= time.monotonic() - t0 < 5 and asked == ["late-a"]  # one resolution per name
+        with pytest.raises(CapacityError, match=r"requests \[3\] .*--resolve-parallel"):
+            hosted.submit([Request(3, "late-b", 3, 1)])
+        assert hosted.feed.take() == ([], False)  # nothing of either refused call
     finally:
         if hosted.engine is not None:
             hosted.engine.close()

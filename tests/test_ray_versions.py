@@ -27,6 +27,7 @@ from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES  # noqa: E402
 from lora_cache.adapters.shards import shard_layout  # noqa: E402
 from lora_cache.adapters.synth import SynthConfig, make_adapters, write_adapter  # noqa: E402
 from lora_cache.app.serve import ServeConfig, Service, start, wait_ready  # noqa: E402
+from lora_cache.errors import NotFoundError  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
 from lora_cache.vocab import WorkerId  # noqa: E402
 from tests.ray_local import init_local  # noqa: E402
@@ -44,6 +45,7 @@ pytestmark = pytest.mark.ray
 TINY = SHAPES["tiny"]
 HOT = "adapter-000"  # re-registered under traffic
 VERSIONS = 4
+NEW = "tenant-new"  # under a root (the versions directory), registered by nobody: resolved on demand
 
 
 class Fleet(NamedTuple):
@@ -57,6 +59,7 @@ def fleet(tmp_path_factory):
     root: Path = tmp_path_factory.mktemp("adapters")
     versions: Path = tmp_path_factory.mktemp("versions")  # not under root: not registered at start
     make_adapters(root, SynthConfig(model="tiny", count=6, rank="8,16"))
+    write_adapter(versions / NEW, TINY, 8, 16.0, list(MODULE_ORDER), torch.float32, torch.Generator().manual_seed(7))
     for v in range(VERSIONS):
         write_adapter(versions / f"{HOT}-v{v}", TINY, 16 if v % 2 else 8, 16.0, list(MODULE_ORDER), torch.float32,
                       torch.Generator().manual_seed(1000 + v))
@@ -159,3 +162,38 @@ def residency(worker) -> set[tuple[str, str]]:
         return {(a, s) for a, _, s, *_ in ray.get(worker.describe.remote(), timeout=5)["residency"]}
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
         return set()
+
+
+def test_the_hosted_engine_serves_a_name_registered_by_nobody_once_it_resolves_it(fleet: Fleet) -> None:
+    """Issue 44 items 1 and 4 for the reference engine: a streaming run's rank 0 takes a submit naming an adapter
+    nobody registered that lies under an adapter root; the submit has the controller register it (request-time
+    resolution) and returns once rank 0's catalog holds it; both ranks serve it at that version. A name under no
+    root refuses its whole submit with the controller's NotFoundError, naming its requests, and the run goes on.
+    (Before: ``HostedEngine.submit`` refused any name rank 0's catalog lacked, "register it first".)"""
+    service, ctl, replica = fleet.svc, fleet.svc.controller, "replica-1"
+    ranks = [service.workers[WorkerId(replica, k)] for k in (0, 1)]
+    with pytest.raises(ray.exceptions.RayTaskError, match="not registered"):
+        ray.get(ctl.lookup_adapter.remote(NEW))
+    engine = EngineConfig(adapters=str(fleet.root), model="tiny", device="cpu", tp=2, num_slots=3, max_adapters=2,
+                          max_running=4, max_prefill_tokens=24, max_seq_len=32, max_rank=16, admission="overlap",
+                          audit_steps=True, host=HostTierConfig(host_bytes=1 << 22, pin=False))
+    meet = ray.get(ranks[0].engine_rendezvous.remote(2), timeout=60)
+    ray.get([h.engine_build.remote(engine, meet) for h in ranks], timeout=300)
+    start_wall = time.time()
+    runs = [ranks[0].engine_run.remote([], start_wall, 0, True, True), ranks[1].engine_run.remote([], start_wall)]
+    ray.get(ranks[0].engine_submit.remote([Request(0, "adapter-001", 3, 2), Request(1, NEW, 3, 2)]), timeout=60)
+    version = ray.get(ctl.lookup_adapter.remote(NEW), timeout=30)["version"]  # registered by the submit
+    with pytest.raises(NotFoundError, match=r"requests \[3\] \(nothing of this call was submitted\).*'nowhere'"):
+        ray.get(ranks[0].engine_submit.remote([Request(2, NEW, 4, 1), Request(3, "nowhere", 3, 1)]), timeout=60)
+    ray.get(ranks[0].engine_submit.remote([Request(4, NEW, 5, 1)]), timeout=60)
+    ray.get(ranks[0].engine_end_stream.remote(), timeout=60)
+    result = ray.get(runs[0], timeout=300)
+    ray.get(runs[1], timeout=60)
+    records = {r.rid: r for r in result.records}
+    assert sorted(records) == [0, 1, 4], "the refused submit's requests ran, or an accepted one did not"
+    for rid in (1, 4):
+        assert records[rid].ok and records[rid].version == version, records[rid]
+        for rank in result.ranks:  # both ranks computed it at the resolved version, never another
+            keys = {key for audit in rank.audit for r, key in zip(audit.rids, audit.keys) if r == rid}
+            assert keys == {f"{NEW}@{version}"}, (rank.rank, rid, keys)
+    assert ray.get(ctl.check_integrity.remote())

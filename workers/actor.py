@@ -28,6 +28,7 @@ from lora_cache.runtime import heap
 from lora_cache.runtime.metrics import WorkerMetrics
 from lora_cache.vocab import CONTROLLER_NAME, ApplyResult, Command, ReadinessRecord
 from workers import faults
+from workers.attach.ray_transport import resolve_at
 from workers.cache import WorkerCache, WorkerConfig
 from workers.control.outbox import Outbox
 from workers.control.rank import WorkerControl
@@ -39,6 +40,12 @@ from workers.gpu.streams import resolve_device
 from workers.reads.shard import read_shard
 
 log = logging.getLogger(__name__)
+
+
+def _resolve(name: str, timeout_s: float) -> str:
+    """The controller of this worker's service (its namespace) registers ``name`` on demand: request-time resolution
+    for the hosted engine's submits."""
+    return resolve_at(ray.get_actor(CONTROLLER_NAME), name, timeout_s)
 
 
 @ray.remote(max_restarts=-1, concurrency_groups={"engine": 1, "feed": 1, "finished": 1, "lifeline": 4})
@@ -61,7 +68,7 @@ class WorkerActor:
                                  on_change=self.outbox.push,  # every change, whoever made it
                                  service=ray.get_runtime_context().namespace)  # the service's, its job's namespace
         self.cache_init_s = time.perf_counter() - t0  # slots, host arena (pinned), reader processes
-        self.engine = HostedEngine(self.cache)
+        self.engine = HostedEngine(self.cache, resolve=_resolve)  # a new name under a root: registered on demand
         self.metrics = WorkerMetrics(replica, config.tp_rank, self.cache.stats)
         self.loads: deque[tuple[float, ReadinessRecord]] = deque(maxlen=4096)
         self.metrics.start()

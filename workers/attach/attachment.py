@@ -44,7 +44,7 @@ import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.shards import ShardLayout
-from lora_cache.errors import ConfigError, ResolveTimeoutError
+from lora_cache.errors import ConfigError
 from lora_cache.link.relay import RELAYED, EndpointStaleError, Relay
 from lora_cache.runtime.tls import check_tls_pair
 from lora_cache.vocab import (
@@ -56,6 +56,7 @@ from lora_cache.vocab import (
     worker_name,
 )
 from workers.attach.calls import CallLoop
+from workers.attach.seam import RESOLVE_WAIT_S, resolve_here
 from workers.attach.transport import Hello, RankTransport
 from workers.attach.versions import VersionExchange
 from workers.cache import WorkerCache, WorkerConfig
@@ -67,7 +68,6 @@ __all__ = ["RELAYED", "AttachConfig", "Attachment", "EndpointStaleError", "Relay
 
 log = logging.getLogger(__name__)
 
-RESOLVE_WAIT_S = 30.0  # ``Attachment.resolve``: the whole wait for an adapter registered on demand to reach the rank
 
 
 @dataclass(frozen=True)
@@ -235,18 +235,8 @@ class Attachment:
         hands a registration to every rank); within ``timeout_s`` in all. Raises the controller's typed refusal:
         ``NotFoundError`` (under no root), ``CapacityError`` (over its caps), ``ResolveTimeoutError``, or the
         adapter's own error (a bad file at that place)."""
-        catalog = self.catalog
-        if name in catalog:
-            return catalog.get(name).version
-        deadline = time.monotonic() + timeout_s
-        version = self.transport.resolve(name, timeout_s)
-        while not (name in catalog and version in catalog.versions(name)):
-            if time.monotonic() > deadline:
-                raise ResolveTimeoutError(f"adapter {name!r} was registered on demand as version {version}, but it "
-                                          f"did not reach rank {self.worker.tp_rank} of {self.config.replica} within "
-                                          f"{timeout_s:g} s; check `lora-cache status` (a rank restarting)")
-            time.sleep(0.01)  # the controller's registration call to this rank is on its way (its serve thread)
-        return version
+        return resolve_here(self.catalog, name, self.transport.resolve, timeout_s,
+                            f"rank {self.worker.tp_rank} of {self.config.replica}")
 
     def ready_names(self) -> set[str]:
         return self.cache.ready_names()

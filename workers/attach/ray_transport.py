@@ -26,6 +26,17 @@ def ray_up(who: str) -> None:
                               "link is gone: attach again after ray.init()")
 
 
+def resolve_at(controller: Any, name: str, timeout_s: float) -> str:
+    """The controller's ``resolve_adapter`` over Ray: the current version of ``name``, registered on demand if it
+    lies under an adapter root. A refusal (NotFoundError, CapacityError, ...) arrives as a RayTaskError that is also
+    an instance of it; no answer within ``timeout_s`` is a ``ResolveTimeoutError``."""
+    try:
+        return str(ray.get(controller.resolve_adapter.remote(name), timeout=timeout_s))
+    except ray.exceptions.GetTimeoutError as e:
+        raise ResolveTimeoutError(f"resolving adapter {name!r}: no answer from the controller within "
+                                  f"{timeout_s:g} s; try again, or register it") from e
+
+
 class RayTransport(RankTransport):
     """The rank's link when its process is in the Ray cluster (or joins it at ``address``): it owns its
     endpoint, polls it, and calls the controller actor directly."""
@@ -86,11 +97,7 @@ class RayTransport(RankTransport):
         ray.get(self.controller().report_queue.remote(replica, entries), timeout=30)
 
     def resolve(self, name: str, timeout_s: float) -> str:
-        try:  # a refusal (NotFoundError, CapacityError, ...) arrives as a RayTaskError that is also an instance of it
-            return str(ray.get(self.controller().resolve_adapter.remote(name), timeout=timeout_s))
-        except ray.exceptions.GetTimeoutError as e:
-            raise ResolveTimeoutError(f"resolving adapter {name!r}: no answer from the controller within "
-                                      f"{timeout_s:g} s; try again, or register it") from e
+        return resolve_at(self.controller(), name, timeout_s)
 
     def close(self, hello: Hello) -> None:
         """Tell the controller (it drops what the rank held at once), then kill the endpoint."""

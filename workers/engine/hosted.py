@@ -19,8 +19,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from lora_cache.errors import ConfigError, NotFoundError
-from workers.attach.seam import EngineCache
+from lora_cache.errors import ConfigError, LoraCacheError, NotFoundError
+from workers.attach.seam import RESOLVE_WAIT_S, EngineCache, refusal, resolve_here
 from workers.control.outbox import QueueSender
 from workers.engine.admission import ADMISSION
 from workers.engine.config import EngineConfig
@@ -63,8 +63,12 @@ class HostedEngine:
     A run is given its requests up front, or (``streaming``) rank 0 takes them as a router submits them
     (``submit``, ``end_stream``) and tells which finished (``finished``): the ``Feed`` made at ``build``."""
 
-    def __init__(self, cache: EngineCache) -> None:
+    def __init__(self, cache: EngineCache, resolve: Callable[[str, float], str] | None = None,
+                 resolve_s: float = RESOLVE_WAIT_S) -> None:
         self.cache = cache
+        # how a name this rank's catalog lacks is registered on demand (the controller's ``resolve_adapter``);
+        # None: it is refused. ``resolve_s``: a submit's whole wait for its new names
+        self.resolve, self.resolve_s = resolve, resolve_s
         self.config: EngineConfig | None = None
         self.comm: Comm | None = None
         self.engine: RankEngine | None = None
@@ -118,17 +122,29 @@ class HostedEngine:
     # -- a streaming run's feed (rank 0; any thread) ----------------------------------------------------
     def submit(self, requests: Sequence[Request]) -> None:
         """Hand requests to the running engine. It serves every adapter this rank's catalog has (registered before
-        or after ``build``: the loop adds new names to its version exchange, on every rank). A request for an
-        adapter the catalog lacks now is refused here, with nothing of the call submitted: ``NotFoundError`` names
-        it (a registration still on its way: register first, then submit; once the controller's register returned,
-        a submit is accepted, and the request waits until every rank has the version). One accepted but whose
-        adapter is unregistered before the loop takes it fails alone."""
+        or after ``build``: the loop adds new names to its version exchange, on every rank). A name the catalog
+        lacks is resolved first (``resolve``: registered on demand by the controller when it lies under an adapter
+        root; one call per name, the whole submit within ``resolve_s``), and the call returns once this rank's
+        catalog has it: the request then waits in the engine until every rank has the version. A name that cannot
+        be resolved (under no root, over the controller's caps, timed out, a bad file) refuses the whole call with
+        nothing of it submitted, naming its requests and the controller's reason; without ``resolve``,
+        ``NotFoundError``. A request accepted but whose adapter is unregistered before the loop takes it fails
+        alone. Submits are served in order (one at a time): a resolution delays the submits after it."""
         feed = self._feed()
         catalog = self.cache.catalog
         if unknown := sorted({r.adapter for r in requests if r.adapter is not None and r.adapter not in catalog}):
             rids = [r.rid for r in requests if r.adapter in unknown][:8]
-            raise NotFoundError(f"requests {rids}: {unknown_adapter(unknown[0])}"
-                                + (f" (also {unknown[1:8]})" if len(unknown) > 1 else ""))
+            if self.resolve is None:
+                raise NotFoundError(f"requests {rids}: {unknown_adapter(unknown[0])}"
+                                    + (f" (also {unknown[1:8]})" if len(unknown) > 1 else ""))
+            deadline = time.monotonic() + self.resolve_s
+            for name in unknown:
+                try:
+                    resolve_here(catalog, name, self.resolve, max(0.1, deadline - time.monotonic()),
+                                 f"rank {self.cache.worker.tp_rank} of this replica")
+                except LoraCacheError as e:
+                    mine = [r.rid for r in requests if r.adapter == name][:8]
+                    raise refusal(e, f"requests {mine} (nothing of this call was submitted)") from e
         feed.submit(requests)
 
     def end_stream(self) -> None:
