@@ -69,7 +69,6 @@ __all__ = ["RELAYED", "AttachConfig", "Attachment", "EndpointStaleError", "Relay
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class AttachConfig:
     """Which replica an engine process's rank joins (its rank and TP size are in ``WorkerConfig``), how it
