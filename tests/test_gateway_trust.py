@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -145,9 +146,14 @@ def test_engine_tokens_bind_to_replicas_and_malformed_lines_are_named(tmp_path: 
     (tmp_path / "routers").write_text("r1\nr2 replica-0\n")
     with pytest.raises(ConfigError, match=r"router_token_file .* line 2 has 2 words; give one token a line"):
         GatewayConfig(router_token_file=str(tmp_path / "routers"))
-    (tmp_path / "bad").write_text("eng replica/0\n")
-    with pytest.raises(ConfigError, match=r"line 1: replica 'replica/0' is not a replica name"):
-        GatewayConfig(engine_token_file=str(tmp_path / "bad"))
+    (tmp_path / "ranks").write_text("eng-0-1 replica-0/1 replica-2\n")  # issue 46 item 1: "(and rank)"
+    ranked = GatewayConfig(engine_token_file=str(tmp_path / "ranks")).token_grants()
+    assert ranked["eng-0-1"].replicas == frozenset({"replica-0/1", "replica-2"})
+    for bad in ("replica/x", "replica/", "/0", "replica/0/1", "replica/-1", "replica/12345", "r@/0"):
+        (tmp_path / "bad").write_text(f"eng {bad}\n")
+        with pytest.raises(ConfigError, match=rf"line 1: '{re.escape(bad)}' is not a replica or a rank; give "
+                                              r"'TOKEN REPLICA\.\.\.', each REPLICA \(every rank\) or REPLICA/RANK"):
+            GatewayConfig(engine_token_file=str(tmp_path / "bad"))
 
 
 def test_a_call_speaks_for_the_replicas_of_its_bound_engine_grants_only() -> None:
@@ -173,3 +179,17 @@ def test_a_call_speaks_for_the_replicas_of_its_bound_engine_grants_only() -> Non
     finally:
         speaks_for.reset(token)
     check_speaks_for("replica-1", "ReportQueue")  # outside a bound call: any replica
+    token = speaks_for.set(frozenset({"replica-0/1", "replica-2"}))  # one rank of replica-0, all of replica-2
+    try:
+        check_speaks_for("replica-0", "AttachRank", 1)
+        check_speaks_for("replica-2", "AttachRank", 0)
+        check_speaks_for("replica-0", "ReportQueue")  # its replica's queue: any of its ranks speaks for it
+        with pytest.raises(PermissionDeniedError, match=r"AttachRank for replica 'replica-0' rank 0 refused: this "
+                                                        r"engine credential speaks for 'replica-0/1', 'replica-2'"):
+            check_speaks_for("replica-0", "AttachRank", 0)
+        with pytest.raises(PermissionDeniedError, match="ReportQueue for replica 'replica-1' refused"):
+            check_speaks_for("replica-1", "ReportQueue")
+        with pytest.raises(PermissionDeniedError, match="AttachRank for replica 'replica-01' rank 1 refused"):
+            check_speaks_for("replica-01", "AttachRank", 1)  # a prefix of another name is not that replica
+    finally:
+        speaks_for.reset(token)

@@ -95,7 +95,7 @@ def served(tmp_path_factory):
         for role in ("router", "engine"):
             (root.parent / f"{root.name}-{role}").write_text(f"{role}-token")
         with (root.parent / f"{root.name}-engine").open("a") as engines:  # replica-1's own engine credential
-            engines.write("\nreplica-1-token replica-1\n")
+            engines.write("\nreplica-1-token replica-1\nreplica-1-rank-1-token replica-1/1 solo/0\n")
         gateway = start_gateway_thread(
             GatewayConfig(
                 grpc_port=0,
@@ -449,13 +449,37 @@ def test_an_engine_credential_bound_to_its_replica_speaks_for_no_other(served) -
                               metadata=own, timeout=30)
     assert answer.queue_depth == 1 and ray.get(ctl.status.remote())["queue_depths"]["replica-1"] == 1
     code, message = _code(lambda: Rank(stub, metadata=own, replica="forged").next())
-    assert code == grpc.StatusCode.PERMISSION_DENIED and "AttachRank for replica 'forged' refused" in message
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "AttachRank for replica 'forged' rank 0 refused" in message
     assert "forged" not in ray.get(ctl.status.remote())["replicas"]
     # the unbound engine token and a router keep speaking for any replica (a router reports the queues it holds)
     assert stub.ReportQueue(forged, metadata=ROUTER, timeout=30).queue_depth == 4
     ray.get(ctl.report_queue.remote("replica-0", []))
     ray.get(ctl.report_queue.remote("replica-1", []))
     assert ray.get(ctl.check_integrity.remote())
+
+
+def test_an_engine_credential_bound_to_one_rank_attaches_as_that_rank_only(served) -> None:
+    """Issue 46 item 1's "(and rank)": a token bound to ``replica-1/1`` and ``solo/0`` is refused AttachRank as rank 0
+    of replica-1 (PERMISSION_DENIED naming the rank and the binding, before anything is made), attaches as solo's
+    rank 0, and reports replica-1's queue (its replica's), not replica-0's."""
+    svc, stub = served
+    rank1 = (("authorization", "Bearer replica-1-rank-1-token"),)
+    code, message = _code(lambda: Rank(stub, metadata=rank1, replica="replica-1", rank=0, tp=2).next())
+    assert code == grpc.StatusCode.PERMISSION_DENIED, (code, message)
+    assert "AttachRank for replica 'replica-1' rank 0 refused" in message and "'replica-1/1' only" in message
+    solo = Rank(stub, metadata=rank1, replica="solo")  # bound to solo/0 as well: attaches as that rank
+    assert solo.next().WhichOneof("message") == "attached"
+    solo.serve_until_adopted()
+    solo.close()
+    wait_for(lambda: "solo" not in ray.get(svc.controller.status.remote())["replicas"], "solo to leave", 30)
+    answer = stub.ReportQueue(pb.ReportQueueRequest(replica="replica-1", requests=[_queued("adapter-002")]),
+                              metadata=rank1, timeout=30)
+    assert answer.queue_depth == 1
+    code, message = _code(lambda: stub.ReportQueue(pb.ReportQueueRequest(replica="replica-0"), metadata=rank1,
+                                                   timeout=30))
+    assert code == grpc.StatusCode.PERMISSION_DENIED, (code, message)
+    ray.get(svc.controller.report_queue.remote("replica-1", []))
+    assert ray.get(svc.controller.check_integrity.remote())
 
 
 def test_hellos_waiting_for_a_taken_name_do_not_lock_out_the_next_rank(served) -> None:

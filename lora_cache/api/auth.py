@@ -11,7 +11,8 @@ each call, where the certificate the TLS handshake verified is known.
 An engine credential may be bound to the replicas it speaks for (``Grant.replicas``: a line ``TOKEN REPLICA...``
 of ``--engine-token-file``, or ``{"roles": ["engine"], "replicas": [...]}`` in ``--tls-client-roles``). A call
 whose right to its RPC comes only from bound engine grants carries those replicas (``speaks_for``, set for the
-call's handler); ``ReportQueue`` and ``AttachRank`` then refuse any other replica (``check_speaks_for``).
+call's handler); ``ReportQueue`` and ``AttachRank`` then refuse any other replica (``check_speaks_for``). An
+entry ``REPLICA/RANK`` binds it to one rank: ``AttachRank`` as that rank only, ``ReportQueue`` for its replica.
 """
 
 from __future__ import annotations

@@ -131,11 +131,18 @@ class CallRate:
 speaks_for: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar("speaks_for", default=None)
 
 
-def check_speaks_for(replica: str, rpc: str) -> None:
-    """PermissionDeniedError unless the current call may speak for ``replica`` (its credential's binding)."""
+def check_speaks_for(replica: str, rpc: str, rank: int | None = None) -> None:
+    """PermissionDeniedError unless the current call may speak for ``replica`` (its credential's binding): bound to
+    the replica, or, for a call of one of its ranks (``rank``: AttachRank), to ``REPLICA/RANK``; a call for the
+    replica as a whole (ReportQueue: ``rank`` None) is allowed to a credential bound to any of its ranks."""
     bound = speaks_for.get()
-    if bound is not None and replica not in bound:
-        raise PermissionDeniedError(
-            f"{rpc} for replica {replica[:64]!r} refused: this engine credential speaks for "
-            f"{', '.join(repr(r) for r in sorted(bound)[:8])} only; use that replica's own credential (a line "
-            "'TOKEN REPLICA' of --engine-token-file, or its identity's replicas in --tls-client-roles)")
+    if bound is None or replica in bound:
+        return
+    if f"{replica}/{rank}" in bound if rank is not None else any(b.startswith(f"{replica}/") for b in bound):
+        return
+    who = f"replica {replica[:64]!r}" + (f" rank {rank}" if rank is not None else "")
+    raise PermissionDeniedError(
+        f"{rpc} for {who} refused: this engine credential speaks for "
+        f"{', '.join(repr(r) for r in sorted(bound)[:8])} only; use that replica's (or rank's) own credential (a "
+        "line 'TOKEN REPLICA' or 'TOKEN REPLICA/RANK' of --engine-token-file, or its identity's replicas in "
+        "--tls-client-roles)")

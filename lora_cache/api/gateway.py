@@ -37,13 +37,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from lora_cache.adapters.catalog import NAME_RE
 from lora_cache.api.auth import ROLES, CallerCheck, Credentials, Grant
 from lora_cache.api.callers import CallRate, StreamLimits
 from lora_cache.api.ingest import FLUSH_S as INGEST_FLUSH_S
 from lora_cache.api.ingest import HintIngest
 from lora_cache.api.servicer import SERVICE_NAME, Servicer, generic_handler
-from lora_cache.api.validate import NAME_FORM
+from lora_cache.api.validate import BINDING_FORM, binding_ok
 from lora_cache.errors import ConfigError
 from lora_cache.runtime.tls import check_client_ca, check_tls_pair
 
@@ -77,8 +76,8 @@ class GatewayConfig:
         "Hint, CancelHint, Lookup, Route, WatchReadiness, ReportQueue, ResolveAdapter, Status"})
     engine_token_file: str = field(default="", metadata={"path": True, "help":
         "file of the bearer tokens of engines: AttachRank, ReportQueue, ResolveAdapter, Status; a line "
-        "'TOKEN REPLICA...' binds the token to those replicas (it may attach and report queues for them only), a "
-        "bare 'TOKEN' speaks for any replica (warned of at start)"})
+        "'TOKEN REPLICA...' binds the token to those replicas (it may attach and report queues for them only; "
+        "REPLICA/RANK: that rank of it), a bare 'TOKEN' speaks for any replica (warned of at start)"})
     operator_token_file: str = field(default="", metadata={"path": True, "help":
         "file of the bearer token of operators: RegisterAdapter(s), UnregisterAdapter, Status"})
     max_streams_per_client: int = field(default=64, metadata={
@@ -95,7 +94,7 @@ class GatewayConfig:
     tls_client_roles: str = field(default="", metadata={"path": True, "help":
         'JSON file of client certificate identities (subject CN or a SAN) and their roles, '
         '{"router-1": ["router"], "ops": ["operator"]}; an engine bound to its replicas: '
-        '{"engine-0": {"roles": ["engine"], "replicas": ["replica-0"]}}'})
+        '{"engine-0": {"roles": ["engine"], "replicas": ["replica-0"]}} (or "replica-0/1": that rank only)'})
     calls_per_client_s: float = field(default=2000.0, metadata={
         "help": "unary calls a second one client (its certificate, token, or without either its address) may make "
                 "on average; beyond it calls get RESOURCE_EXHAUSTED"})
@@ -180,9 +179,9 @@ class GatewayConfig:
             if not isinstance(roles, list) or not roles or not set(roles) <= set(ROLES):
                 raise ConfigError(f"{where} has roles {str(roles)[:64]}; give a list of {', '.join(ROLES)}")
             if replicas is not None and (not isinstance(replicas, list) or not replicas
-                                         or not all(isinstance(r, str) and NAME_RE.match(r) for r in replicas)):
-                raise ConfigError(f"{where} has replicas {str(replicas)[:64]}; give a non-empty list of replica "
-                                  f"names ({NAME_FORM}), or leave 'replicas' out: any replica")
+                                         or not all(binding_ok(r) for r in replicas)):
+                raise ConfigError(f"{where} has replicas {str(replicas)[:64]}; give a non-empty list of "
+                                  f"{BINDING_FORM}, or leave 'replicas' out: any replica")
             out[identity] = Grant(frozenset(roles), None if replicas is None else frozenset(replicas))
         return out
 
@@ -281,9 +280,9 @@ def _read_tokens(name: str, value: str, bindable: bool = False) -> list[tuple[st
             raise ConfigError(f"{name} {value!r} line {number} has {len(words)} words; give one token a line (only "
                               "--engine-token-file binds a token to replicas: 'TOKEN REPLICA...')")
         for replica in words[1:]:
-            if not NAME_RE.match(replica):
-                raise ConfigError(f"{name} {value!r} line {number}: replica {replica[:64]!r} is not a replica name; "
-                                  f"give 'TOKEN REPLICA...' with names of {NAME_FORM}")
+            if not binding_ok(replica):
+                raise ConfigError(f"{name} {value!r} line {number}: {replica[:64]!r} is not a replica or a rank; "
+                                  f"give 'TOKEN REPLICA...', each {BINDING_FORM}")
         out.append((words[0], tuple(words[1:]) if len(words) > 1 else None))
     if not out:
         raise ConfigError(f"{name} {value!r} is empty; write the token into it")

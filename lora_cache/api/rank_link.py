@@ -122,7 +122,7 @@ class RankLink:
         except StopAsyncIteration:
             raise RequestError("the AttachRank stream ended before its AttachHello; send the hello first") from None
         hello = check_hello(first)
-        check_speaks_for(hello.replica, "AttachRank")  # before anything is made for it
+        check_speaks_for(hello.replica, "AttachRank", hello.rank)  # before anything is made for it
         name = worker_name(WorkerId(hello.replica, hello.rank))
         host = self.host_for(name)
         catalog = await host.catalog()  # NotFoundError without a controller; nothing made yet

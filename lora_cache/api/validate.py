@@ -28,10 +28,19 @@ MAX_EXPECTED_S = 3600.0
 DEFAULT_DRAIN_S, MAX_DRAIN_S = 30.0, 600.0
 NAME_FORM = "1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
 HINT_ID_FORM = "1-128 printable ASCII characters without spaces (a request id works)"
+BINDING_FORM = f"REPLICA (every rank) or REPLICA/RANK (that rank only), REPLICA of {NAME_FORM}"
 PRIORITIES = frozenset(pb.HintPriority.values())
 
 _name_ok = NAME_RE.match
 _hint_id_ok = HINT_ID_RE.fullmatch
+
+
+def binding_ok(entry: object) -> bool:
+    """Whether ``entry`` binds an engine credential: a replica's name, or ``REPLICA/RANK`` for one of its ranks."""
+    if not isinstance(entry, str):
+        return False
+    replica, slash, rank = entry.partition("/")
+    return bool(_name_ok(replica)) and (not slash or (rank.isdigit() and rank.isascii() and len(rank) <= 4))
 
 
 MAX_PATH_CHARS = 4096  # an adapter path in a request (PATH_MAX on Linux)
