@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -59,7 +61,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # the run's own directory of demand-read markers (workers/staging/node_reads.py), inherited by the Ray clusters
     # the tests start: a service running beside the tests on this machine neither holds their warm stages back nor
     # is held back by them
-    os.environ.setdefault("LORA_CACHE_READS_DIR", tempfile.mkdtemp(prefix="lora-cache-reads-"))
+    if "LORA_CACHE_READS_DIR" not in os.environ:  # removed at the end of the run (one was left in /tmp per run)
+        reads = tempfile.mkdtemp(prefix="lora-cache-reads-")
+        os.environ["LORA_CACHE_READS_DIR"] = reads
+        atexit.register(shutil.rmtree, reads, ignore_errors=True)
 
 
 @pytest.hookimpl(hookwrapper=True)
