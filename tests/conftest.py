@@ -67,6 +67,14 @@ def pytest_configure(config: pytest.Config) -> None:
         atexit.register(shutil.rmtree, reads, ignore_errors=True)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """After pytest's own fault handler let go: a crash at interpreter exit still prints every thread's stack
+    (stop 51's first fresh-clone run passed every test, then ended in SIGSEGV with nothing to say where)."""
+    if _real_stderr is not None:
+        faulthandler.enable(file=_real_stderr, all_threads=True)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """A hung test ends the run at once with every thread's stack, instead of eating CI's whole 90 minutes and

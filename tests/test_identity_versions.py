@@ -254,14 +254,18 @@ def test_a_rank_on_another_machine_refuses_an_identity_version_and_says_how(
     cache = WorkerCache(
         WorkerConfig(num_slots=1, device="cpu", host=HostTierConfig(host_bytes=1 << 20, pin=False)), rank
     )
+    # no controller here: its deltas go nowhere (the default send would retry them through Ray for the rest of the
+    # run, into whichever test's cluster is up: a thread of this test called Ray in tests/test_ray_gcs_ft.py)
+    outbox = Outbox("r/0", flush_s=60.0, send=lambda *_: None)
     try:
-        control = WorkerControl("r", rank, cache, Outbox("r/0", flush_s=60.0))
+        control = WorkerControl("r", rank, cache, outbox)
         assert control.register_adapter("a", str(root / "a"), known) == controller.version  # same machine: taken
         for module in (files_module, peft_module, catalog_module):  # the rank now runs on another boot
             monkeypatch.setattr(module, "HOST", "another-boot")
         with pytest.raises(AdapterChangedError, match=r"another machine.*--local-versions content"):
             control.register_adapter("a", str(root / "a"), known)
     finally:
+        outbox.close()
         cache.close()
 
 
@@ -279,8 +283,11 @@ def test_a_content_version_stays_one_once_its_file_settles(root: Path, monkeypat
     cache = WorkerCache(
         WorkerConfig(num_slots=1, device="cpu", host=HostTierConfig(host_bytes=1 << 20, pin=False)), rank
     )
+    # no controller here: its deltas go nowhere (the default send would retry them through Ray for the rest of the
+    # run, into whichever test's cluster is up: a thread of this test called Ray in tests/test_ray_gcs_ft.py)
+    outbox = Outbox("r/0", flush_s=60.0, send=lambda *_: None)
     try:
-        control = WorkerControl("r", rank, cache, Outbox("r/0", flush_s=60.0))
+        control = WorkerControl("r", rank, cache, outbox)
         assert control.register_adapter("a", str(root / "a"), racy.known) == racy.version
     finally:
         cache.close()
@@ -311,8 +318,11 @@ def test_a_rank_parses_only_the_adapters_it_loads_and_a_bad_first_load_changes_n
     cache = WorkerCache(
         WorkerConfig(num_slots=2, device="cpu", host=HostTierConfig(host_bytes=1 << 20, pin=False)), rank
     )
+    # no controller here: its deltas go nowhere (the default send would retry them through Ray for the rest of the
+    # run, into whichever test's cluster is up: a thread of this test called Ray in tests/test_ray_gcs_ft.py)
+    outbox = Outbox("r/0", flush_s=60.0, send=lambda *_: None)
     try:
-        control = WorkerControl("r", rank, cache, Outbox("r/0", flush_s=60.0))
+        control = WorkerControl("r", rank, cache, outbox)
         for name in names:
             assert control.register_adapter(name, str(root / name), specs[name].known) == specs[name].version
         assert rank.parsed() == [] and rank.parses == 0 and (control.taken, control.hashed) == (len(names), 0)

@@ -377,7 +377,8 @@ def test_a_rank_takes_a_store_registration_without_asking_the_store(
     server.forget_requests()
     rank = catalog_for(root)
     cache = cache_for(rank)
-    control = WorkerControl("replica-0", rank, cache, Outbox("replica-0/0", flush_s=60.0))
+    outbox = Outbox("replica-0/0", flush_s=60.0, send=lambda *_: None)  # no controller here: nothing to Ray
+    control = WorkerControl("replica-0", rank, cache, outbox)
     assert all(not why for _, why in control.register_adapters(knowns))
     assert server.requests() == []  # not one request to the store from the rank
     assert control.taken == len(specs) and control.hashed == 0
@@ -406,6 +407,7 @@ def test_a_rank_takes_a_store_registration_without_asking_the_store(
     assert other is not None and spec.known is not None
     with pytest.raises(AdapterChangedError, match="carried config and header are not those of version"):
         rank.read("adapter-000", str(spec.path), spec.known._replace(meta=other.meta), carried=True)
+    outbox.close()
 
 
 def test_register_dir_lists_the_adapter_prefixes_under_a_store_prefix(store: tuple[S3Server, str]) -> None:
