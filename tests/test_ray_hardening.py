@@ -466,7 +466,7 @@ def test_an_engine_credential_bound_to_one_rank_attaches_as_that_rank_only(serve
     rank1 = (("authorization", "Bearer replica-1-rank-1-token"),)
     code, message = _code(lambda: Rank(stub, metadata=rank1, replica="replica-1", rank=0, tp=2).next())
     assert code == grpc.StatusCode.PERMISSION_DENIED, (code, message)
-    assert "AttachRank for replica 'replica-1' rank 0 refused" in message and "'replica-1/1' only" in message
+    assert "AttachRank for replica 'replica-1' rank 0 refused" in message and "'replica-1/1', 'solo/0' only" in message
     solo = Rank(stub, metadata=rank1, replica="solo")  # bound to solo/0 as well: attaches as that rank
     assert solo.next().WhichOneof("message") == "attached"
     solo.serve_until_adopted()
