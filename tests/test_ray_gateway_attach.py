@@ -293,7 +293,7 @@ def test_an_engine_presents_its_client_certificate_and_speaks_for_its_own_replic
         stranger = engine(other, name_wait_s=0.0)
         try:
             assert stranger.hello["error"] == "GatewayLinkError", stranger.hello
-            assert "AttachRank for replica 'replica-g' refused" in stranger.hello["message"]
+            assert "AttachRank for replica 'replica-g' rank 0 refused" in stranger.hello["message"]
             assert "speaks for 'replica-x' only" in stranger.hello["message"]
         finally:
             stranger.close()
