@@ -242,6 +242,13 @@ def test_reader_processes_share_the_pin(root: Path) -> None:
             t.close()
 
 
+def quiet_outbox() -> Outbox:
+    """A rank's outbox with no controller behind it: its deltas go nowhere. The default send would retry them
+    through Ray for the rest of the run, into whichever test's cluster is up (a thread of this module once called
+    Ray in tests/test_ray_gcs_ft.py). Close it when done."""
+    return Outbox("r/0", flush_s=60.0, send=lambda *_: None)
+
+
 def test_a_rank_on_another_machine_refuses_an_identity_version_and_says_how(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -254,9 +261,7 @@ def test_a_rank_on_another_machine_refuses_an_identity_version_and_says_how(
     cache = WorkerCache(
         WorkerConfig(num_slots=1, device="cpu", host=HostTierConfig(host_bytes=1 << 20, pin=False)), rank
     )
-    # no controller here: its deltas go nowhere (the default send would retry them through Ray for the rest of the
-    # run, into whichever test's cluster is up: a thread of this test called Ray in tests/test_ray_gcs_ft.py)
-    outbox = Outbox("r/0", flush_s=60.0, send=lambda *_: None)
+    outbox = quiet_outbox()
     try:
         control = WorkerControl("r", rank, cache, outbox)
         assert control.register_adapter("a", str(root / "a"), known) == controller.version  # same machine: taken
@@ -283,13 +288,12 @@ def test_a_content_version_stays_one_once_its_file_settles(root: Path, monkeypat
     cache = WorkerCache(
         WorkerConfig(num_slots=1, device="cpu", host=HostTierConfig(host_bytes=1 << 20, pin=False)), rank
     )
-    # no controller here: its deltas go nowhere (the default send would retry them through Ray for the rest of the
-    # run, into whichever test's cluster is up: a thread of this test called Ray in tests/test_ray_gcs_ft.py)
-    outbox = Outbox("r/0", flush_s=60.0, send=lambda *_: None)
+    outbox = quiet_outbox()
     try:
         control = WorkerControl("r", rank, cache, outbox)
         assert control.register_adapter("a", str(root / "a"), racy.known) == racy.version
     finally:
+        outbox.close()
         cache.close()
     with open(file_of(racy), "r+b") as f:  # other bytes: a new version, as before
         f.write((root / "b" / WEIGHTS_FILE).read_bytes())
@@ -318,9 +322,7 @@ def test_a_rank_parses_only_the_adapters_it_loads_and_a_bad_first_load_changes_n
     cache = WorkerCache(
         WorkerConfig(num_slots=2, device="cpu", host=HostTierConfig(host_bytes=1 << 20, pin=False)), rank
     )
-    # no controller here: its deltas go nowhere (the default send would retry them through Ray for the rest of the
-    # run, into whichever test's cluster is up: a thread of this test called Ray in tests/test_ray_gcs_ft.py)
-    outbox = Outbox("r/0", flush_s=60.0, send=lambda *_: None)
+    outbox = quiet_outbox()
     try:
         control = WorkerControl("r", rank, cache, outbox)
         for name in names:
@@ -349,6 +351,7 @@ def test_a_rank_parses_only_the_adapters_it_loads_and_a_bad_first_load_changes_n
         with pytest.raises(AdapterChangedError):
             cache.stage(bad)
     finally:
+        outbox.close()
         cache.close()
 
 
