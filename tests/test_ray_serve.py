@@ -13,6 +13,8 @@ succeeds. The module shares one cluster (tests run in file order; the last stops
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -121,6 +123,12 @@ def _where(served: App) -> str:
     )
 
 
+def _history(served: App, adapter: str) -> str:
+    """``adapter``'s readiness events the controller still keeps, oldest first (a failure's detail)."""
+    events = served.client.watch(adapter=adapter, after_seq=0, duration_s=1.0)
+    return "; ".join(f"{getattr(e, 'seq', '-')} {getattr(e, 'replica', '')} {getattr(e, 'ready', e)}" for e in events)
+
+
 def _ready_on(served: App, adapter: str) -> set[str]:
     return set(served.client.lookup(adapter).ready)
 
@@ -128,6 +136,16 @@ def _ready_on(served: App, adapter: str) -> set[str]:
 def _router(served: App) -> Any:
     """The deployment's ``LoraCacheRouter`` in this process (the handle's; Serve's private path to it)."""
     return served.handle._router._asyncio_router._request_router
+
+
+def _router_state(served: App) -> str:
+    """The router's own state (a failure's detail): its counts, whether its stream is live, its in-flight counts."""
+    router = _router(served)
+    down = router._down_until - time.monotonic()
+    return (
+        f"router {id(router):#x}: counts {router.counts}, live {router._live}, down for {max(0.0, down):.1f} s "
+        f"more (last: {router.last_down or 'never'}), in flight {dict(router._inflight)}, sent {router._sent}"
+    )
 
 
 def _heard(served: App) -> dict[str, set[str]]:
@@ -159,9 +177,48 @@ def test_the_router_prefers_a_replica_where_the_adapter_is_ready(served: App) ->
         )
         for _ in range(3):  # one at a time: every replica has room, so the router's first choice takes it
             first = _router(served).counts["ready_first"]
+            heard = _heard(served).get(adapter, set())
             result = served.call(adapter)
-            assert _router(served).counts["ready_first"] > first, f"{adapter}: no READY replica ranked first"
-            assert result["hit"], f"{adapter} was not READY on {result['replica']} when the request arrived"
+            assert _router(served).counts["ready_first"] > first, (
+                f"{adapter}: no READY replica ranked first; the router had heard it READY on {heard} before the call; "
+                f"it went to {result['replica']} (hit {result['hit']}); {_router_state(served)}; now {_where(served)}"
+            )
+            assert result["hit"], (
+                f"{adapter} was not READY on {result['replica']} when the request arrived ({result}); the router "
+                f"had heard it READY on {heard} before the call; {_router_state(served)}; now {_where(served)}; "
+                f"its events: {_history(served, adapter)}"
+            )
+
+
+def test_a_hint_past_its_deadline_pauses_the_hints_not_the_ranking(served: App) -> None:
+    """A busy controller answers a Hint after the router's deadline (under a burst on CI's 2 cores, 0.5 s passed):
+    the router sends no hints for ``retry_s`` and goes on ranking by the readiness stream, a READY replica first.
+    Before, it routed by Serve's own rule for ``retry_s`` (here 60 s) and the stream was closed. The deadlines are
+    real: the router's is set below any round trip through the gateway to the controller."""
+    router, adapter = _router(served), ADAPTERS[0]
+    settings = router.settings
+    served.call(adapter)
+    wait_for(partial(_router_knows, served, adapter), f"{adapter} ready somewhere, and the router heard so", 30)
+    paused = router.counts["hint_pauses"]
+    router.settings = dataclasses.replace(settings, hint_timeout_s=1e-4)
+    try:
+        served.call(adapter)
+        wait_for(
+            lambda: router.counts["hint_pauses"] > paused,
+            "a hint past its deadline",
+            30,
+            detail=lambda: _router_state(served),
+        )
+        calls, first = router.counts["hint_calls"], router.counts["ready_first"]
+        for _ in range(3):
+            served.call(adapter)
+        assert router.counts["ready_first"] >= first + 3, _router_state(served)  # more where Serve asked again
+        assert router._live and router._down_until <= time.monotonic(), _router_state(served)
+        assert router.counts["hint_calls"] == calls, "hints were sent while paused"
+        assert "DEADLINE_EXCEEDED" in router.last_pause and not router.last_down, _router_state(served)
+    finally:
+        router.settings = settings
+        router._hints_until = 0.0  # the module's later tests hint again at once (retry_s here is 60 s)
 
 
 def test_the_router_hints_the_controller_as_it_routes(served: App) -> None:

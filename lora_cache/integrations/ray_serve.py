@@ -23,8 +23,9 @@ among equals. Nothing on a request's path waits for lora-cache.
 Once Serve has routed a request, the router sends ``Hint(adapter, replica)`` from a task of its own: at once where
 the adapter was not READY (a load to start there), else batched; when the request completes it withdraws the hint
 (``CancelHint``, batched), so the controller plans for requests in flight only. Before the stream's first answer,
-and for ``retry_s`` after the stream or a hint failed, requests are routed by Serve's own rule (power of two choices
-among the replicas its multiplex affinity or locality prefers): a request never fails or waits for lora-cache.
+and for ``retry_s`` after the stream broke or a hint call failed, requests are routed by Serve's own rule (power of
+two choices among the replicas its multiplex affinity or locality prefers): a request never fails or waits for
+lora-cache. A hint call past its deadline or rate-limited (a busy controller) pauses only the hints for ``retry_s``.
 
 The router is built on Serve's public router API only (``ray.serve.request_router``: ``RequestRouter`` with
 ``FIFOMixin``, ``MultiplexMixin`` and ``LocalityMixin``, in the order of Ray's guide to custom request routers); Serve's
@@ -77,6 +78,7 @@ from lora_cache.routing.ranking import ReplicaLoad, Residence, RouterConfig, ran
 from lora_cache.routing.traffic import Traffic
 
 log = logging.getLogger(__name__)
+_SLOW = frozenset({"DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"})  # busy, not gone: a hint call so ended pauses hints
 
 _SNAPSHOT = 2**63  # a WatchReadiness cursor past any controller's newest event: the stream opens with a resync
 
@@ -93,7 +95,8 @@ class RouterSettings:
         default=5.0,
         metadata={
             "help": "after lora-cache failed (the readiness stream broke, a Hint failed), route by Serve's own "
-            "ranking this long before connecting again"
+            "ranking this long before connecting again; after a Hint past its deadline (a busy controller), send "
+            "no hints this long (the ranking goes on)"
         },
     )
     hints: str = field(
@@ -226,6 +229,9 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
         self._down_until = 0.0  # monotonic: until then, Serve's own ranking (lora-cache failed)
         self._watching: asyncio.Task[None] | None = None  # the readiness stream's reader (started on first use)
         self._live = False  # the stream's snapshot arrived since it (re)connected: its readiness is current
+        self.last_down = ""  # why lora-cache's ranking was last given up for Serve's own (empty: never)
+        self._hints_until = 0.0  # monotonic: until then no hints are sent (a Hint or CancelHint was too slow)
+        self.last_pause = ""  # why hints were last paused (empty: never)
         self._ready: dict[str, dict[str, set[str]]] = {}  # adapter -> replica -> versions READY there
         self._sent: dict[str, dict[str, float]] = {}  # adapter -> replica this router sent it to -> until (loading)
         self._inflight: dict[ReplicaID, int] = {}  # this router's requests on each replica, routed not completed
@@ -249,6 +255,7 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
             "hint_calls": 0,
             "cancel_calls": 0,
             "hint_errors": 0,
+            "hint_pauses": 0,  # hint calls past their deadline or rate-limited: hints paused, the ranking goes on
         }
 
     # -- choosing (one iteration per Serve routing attempt; nothing awaited) ---------------------------------------
@@ -365,6 +372,7 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
             )
         self._down_until = time.monotonic() + self.settings.retry_s
         self._live = False
+        self.last_down = why
         if self._watching is not None and self._watching is not asyncio.current_task():
             self._watching.cancel()  # a new stream after retry_s starts from a new snapshot
 
@@ -392,7 +400,7 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
             sent[replica] = now + self.settings.loading_s
         if (
             self.settings.hints == "none"
-            or time.monotonic() < self._down_until
+            or time.monotonic() < max(self._down_until, self._hints_until)
             or (ready and self.settings.hints == "cold")
         ):
             return
@@ -444,7 +452,9 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
             self.counts["hint_errors"] += len(result.rejections)  # each answered alone (a replica gone meanwhile)
         except ClientError as e:
             self.counts["hint_errors"] += len(hints)
-            if e.code != "NOT_FOUND":  # NOT_FOUND: a replica gone meanwhile (the batch is dropped), not lora-cache
+            if e.code in _SLOW:
+                self._pause_hints(f"Hint failed ({e})")
+            elif e.code != "NOT_FOUND":  # NOT_FOUND: a replica gone meanwhile (the batch is dropped), not lora-cache
                 self._went_down(f"Hint failed ({e})")
             return
         if then_cancel:
@@ -456,7 +466,20 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
             await self._lora().cancel_hint(*hint_ids, timeout_s=self.settings.hint_timeout_s)
         except ClientError as e:  # the hints expire at the controller (hint_ttl_s)
             self.counts["hint_errors"] += len(hint_ids)
-            self._went_down(f"CancelHint failed ({e})")
+            if e.code in _SLOW:
+                self._pause_hints(f"CancelHint failed ({e})")
+            else:
+                self._went_down(f"CancelHint failed ({e})")
+
+    def _pause_hints(self, why: str) -> None:
+        """lora-cache answered too slowly or asked to slow down: no hints for ``retry_s`` (a busy controller is not
+        sent more; cancels of hints sent before still go); the ranking goes on from the live stream."""
+        if time.monotonic() >= self._hints_until:
+            log.warning("lora-cache at %s: %s; no hints for %.1f s (routing by its readiness goes on)",
+                        self.settings.server, why, self.settings.retry_s)
+        self.counts["hint_pauses"] += 1
+        self._hints_until = time.monotonic() + self.settings.retry_s
+        self.last_pause = why
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
