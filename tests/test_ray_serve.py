@@ -81,6 +81,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
         served = App(service, gateway, None, LoraCacheClient(gateway.target, timeout_s=10))
         try:
             cache = ReplicaCacheConfig(num_slots=3, worker={"host": HostTierConfig(host_bytes=16 << 20, pin=False)})
+            # No HTTP proxy: the tests call through handles, and on a loaded 2-core machine the proxy actor's start
+            # was once cancelled past Serve's own timeout, failing the module's set-up.
+            serve.start(proxy_location="Disabled")
             served.handle = serve.run(
                 app("lora-cache", gateway.target, REPLICAS, cache, retry_s=60.0),
                 name="lora",
