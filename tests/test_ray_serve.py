@@ -169,7 +169,11 @@ def _router_knows(served: App, adapter: str) -> set[str]:
 def test_the_router_prefers_a_replica_where_the_adapter_is_ready(served: App) -> None:
     """Once the router has heard that an adapter is READY somewhere, it ranks such a replica first and the request
     finds its adapter READY there. Where: any replica READY by then. The planner may add a copy between the wait
-    and the call (a home of a hot adapter), and the router may take it: the wait's set is not the only answer."""
+    and the call (a home of a hot adapter), and the router may take it: the wait's set is not the only answer.
+    Serve may still send a request elsewhere (its queue-length check of the first pick timed out, 0.1 s at first,
+    under load): the router counts it (``off_first``), and then the request need not find its adapter READY; most
+    requests must go where the router ranked."""
+    calls, off_before = 0, _router(served).counts["off_first"]
     for adapter in ADAPTERS[:4]:
         served.call(adapter)  # loaded where it went, if it was READY nowhere
         wait_for(
@@ -179,18 +183,20 @@ def test_the_router_prefers_a_replica_where_the_adapter_is_ready(served: App) ->
             detail=lambda: _where(served),
         )
         for _ in range(3):  # one at a time: every replica has room, so the router's first choice takes it
-            first = _router(served).counts["ready_first"]
+            first, off = _router(served).counts["ready_first"], _router(served).counts["off_first"]
             heard = _heard(served).get(adapter, set())
             result = served.call(adapter)
+            calls += 1
             assert _router(served).counts["ready_first"] > first, (
                 f"{adapter}: no READY replica ranked first; the router had heard it READY on {heard} before the call; "
                 f"it went to {result['replica']} (hit {result['hit']}); {_router_state(served)}; now {_where(served)}"
             )
-            assert result["hit"], (
+            assert result["hit"] or _router(served).counts["off_first"] > off, (
                 f"{adapter} was not READY on {result['replica']} when the request arrived ({result}); the router "
                 f"had heard it READY on {heard} before the call; {_router_state(served)}; now {_where(served)}; "
                 f"its events: {_history(served, adapter)}"
             )
+    assert _router(served).counts["off_first"] - off_before < calls / 2, _router_state(served)
 
 
 def test_a_hint_past_its_deadline_pauses_the_hints_not_the_ranking(served: App) -> None:

@@ -52,8 +52,7 @@ import asyncio
 import logging
 import random
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
 from ray.serve.config import RequestRouterConfig
@@ -68,142 +67,23 @@ from ray.serve.request_router import (
 )
 
 from lora_cache.api.client import AsyncLoraCacheClient, ClientError, Hint, ReadinessEvent, Resync
-from lora_cache.errors import ConfigError
-from lora_cache.integrations.serve_replica import CacheReplica as CacheReplica  # re-exported: the public names
+from lora_cache.integrations.router_settings import RouterSettings as RouterSettings  # re-exported: the public names
+from lora_cache.integrations.serve_replica import CacheReplica as CacheReplica
 from lora_cache.integrations.serve_replica import Lease as Lease
 from lora_cache.integrations.serve_replica import RankActor as RankActor
 from lora_cache.integrations.serve_replica import ReplicaCacheConfig as ReplicaCacheConfig
 from lora_cache.integrations.serve_replica import replica_name as replica_name
-from lora_cache.routing.ranking import ReplicaLoad, Residence, RouterConfig, rank
+from lora_cache.routing.ranking import ReplicaLoad, Residence, rank
 from lora_cache.routing.traffic import Traffic
 
 log = logging.getLogger(__name__)
 _SLOW = frozenset({"DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"})  # busy, not gone: a hint call so ended pauses hints
 
+_FIRST_KEPT = 4096  # first picks kept for requests not yet routed (older ones were cancelled)
 _SNAPSHOT = 2**63  # a WatchReadiness cursor past any controller's newest event: the stream opens with a resync
 
 
 # -- the router ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RouterSettings:
-    """``LoraCacheRouter``'s settings (``RequestRouterConfig.request_router_kwargs``)."""
-
-    server: str = field(default="127.0.0.1:50051", metadata={"help": "the lora-cache gateway, host:port"})
-    token: str = field(default="", metadata={"help": "the gateway's bearer token, if it has one"})
-    hint_timeout_s: float = field(default=0.5, metadata={"help": "deadline of a Hint call (sent after routing)"})
-    retry_s: float = field(
-        default=5.0,
-        metadata={
-            "help": "after lora-cache failed (the readiness stream broke, a Hint failed), route by Serve's own "
-            "ranking this long before connecting again; after a Hint past its deadline (a busy controller), send "
-            "no hints this long (the ranking goes on)"
-        },
-    )
-    hints: str = field(
-        default="all",
-        metadata={
-            "help": "which routed requests the controller is hinted of: all (every one, batched: its plans and "
-            "popularity), cold (only those sent where the adapter was not READY), or none"
-        },
-    )
-    hint_batch_s: float = field(
-        default=0.02,
-        metadata={
-            "help": "hints of routed requests, and the cancels of completed ones, are sent together, one Hint and one "
-            "CancelHint call this often (0: one per request)"
-        },
-    )
-    cold_hint_now: bool = field(
-        default=True,
-        metadata={
-            "help": "a hint for a request sent where its adapter is not READY leaves at once, not with the next "
-            "batch: the planner hears of the need before the replica's own load lands (batched, a global plan "
-            "evicted what the replica loaded for the request before its hint came; bench/RESULTS.md)"
-        },
-    )
-    epsilon: float = field(
-        default=0.25,
-        metadata={"help": "load bound of the ranking (lora-cache's RouterConfig.epsilon), over this router's requests"},
-    )
-    min_bound: float = field(
-        default=8.0, metadata={"help": "requests in flight every replica may take before the bound applies"}
-    )
-    traffic_s: float = field(
-        default=0.0,
-        metadata={
-            "help": "half-life of the router's count of requests sent to each replica lately: a cold adapter goes to "
-            "the replica with the fewest (RouterConfig.cold_traffic), not to its hash pick alone; 0 (the default): "
-            "hash order. Off: it balanced traffic but not slots, and loaded more than the hash order in 3 of 5 "
-            "paired runs (bench/RESULTS.md, issue 32 sixth round)"
-        },
-    )
-    tls_ca: str = field(default="", metadata={
-        "help": "the CA that signed the gateway's certificate (its --tls-cert): PEM text, or a file readable where "
-                "the router runs; set: the router speaks TLS (the ray up configs' gateway does)"})
-    tls_client_cert: str = field(default="", metadata={
-        "help": "the certificate this router presents to a gateway that asks for one (--tls-client-ca): PEM text "
-                "or a file; with tls_client_key"})
-    tls_client_key: str = field(default="", metadata={"help": "its private key: PEM text or a file"})
-    loading_s: float = field(
-        default=5.0,
-        metadata={
-            "help": "a replica this router sent an adapter to (not READY there) ranks as loading it this long, "
-            "until the readiness stream says READY: the adapter's next requests follow the first"
-        },
-    )
-
-    def __post_init__(self) -> None:
-        host, _, port = self.server.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(
-                f"server {self.server!r} is not host:port; give the lora-cache gateway's address, e.g. 127.0.0.1:50051"
-            )
-        if not 0 < self.hint_timeout_s <= 10:
-            raise ConfigError(
-                f"hint_timeout_s is {self.hint_timeout_s}; give a short positive deadline (<= 10 s): a router "
-                "must not pile up calls to lora-cache"
-            )
-        if self.retry_s < 0 or self.loading_s < 0 or self.traffic_s < 0:
-            raise ConfigError(
-                f"retry_s ({self.retry_s}), loading_s ({self.loading_s}) and traffic_s ({self.traffic_s}) must be "
-                ">= 0 seconds"
-            )
-        if self.hints not in ("cold", "all", "none"):
-            raise ConfigError(f"hints is {self.hints!r}; give cold, all or none")
-        if not 0 <= self.hint_batch_s <= 1:
-            raise ConfigError(f"hint_batch_s is {self.hint_batch_s}; give [0, 1] s")
-        RouterConfig(epsilon=self.epsilon, min_bound=self.min_bound)  # the ranking's own checks
-        if bool(self.tls_client_cert) != bool(self.tls_client_key):
-            raise ConfigError("tls_client_cert and tls_client_key go together; give both to present a certificate")
-        for name in ("tls_ca", "tls_client_cert", "tls_client_key"):
-            self._pem(name)  # a file that is not there, or not PEM, fails at deployment
-
-    def _pem(self, name: str) -> bytes | None:
-        """Setting ``name`` as PEM bytes (given as text, or read from the file it names); None if unset."""
-        value = getattr(self, name)
-        if not value:
-            return None
-        if value.lstrip().startswith("-----BEGIN"):
-            return value.encode()
-        try:
-            data = Path(value).read_bytes()
-        except OSError as e:
-            raise ConfigError(f"{name} {value!r} cannot be read ({e.strerror}); give PEM text, or a file readable "
-                              "where the router runs") from e
-        if b"-----BEGIN" not in data:
-            raise ConfigError(f"{name} {value!r} holds no PEM block; give the PEM file (or its text)")
-        return data
-
-    def client(self) -> AsyncLoraCacheClient:
-        """The router's client of the gateway: its token, TLS (``tls_ca``) and certificate if set."""
-        return AsyncLoraCacheClient(self.server, token=self.token or None, timeout_s=self.hint_timeout_s,
-                                    root_certificates=self._pem("tls_ca"), client_cert=self._pem("tls_client_cert"),
-                                    client_key=self._pem("tls_client_key"))
-
-    def ranking(self) -> RouterConfig:
-        return RouterConfig(epsilon=self.epsilon, min_bound=self.min_bound, cold_traffic=self.traffic_s > 0)
-
-
 def router_config(**settings: Any) -> RequestRouterConfig:
     """A deployment's ``request_router_config`` with ``LoraCacheRouter`` (``settings``: ``RouterSettings``)."""
     return RequestRouterConfig(
@@ -235,6 +115,7 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
         self._ready: dict[str, dict[str, set[str]]] = {}  # adapter -> replica -> versions READY there
         self._sent: dict[str, dict[str, float]] = {}  # adapter -> replica this router sent it to -> until (loading)
         self._inflight: dict[ReplicaID, int] = {}  # this router's requests on each replica, routed not completed
+        self._first: dict[str, str] = {}  # internal request id -> the READY replica ranked first, until routed
         self._traffic = Traffic(self.settings.traffic_s)  # this router's requests sent to each replica lately
         self._names: dict[ReplicaID, str] = {}  # replica_name of each replica seen (until it dies)
         self._routed: dict[str, ReplicaID] = {}  # internal request id -> its replica, until completed
@@ -248,6 +129,7 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
             "rank_ms": 0.0,  # time choose_replicas spent ranking, in all (no call to lora-cache is on this path)
             "advised": 0,  # requests ranked by lora-cache's rule
             "ready_first": 0,  # of those, where a replica with the adapter READY (and room under the bound) led
+            "off_first": 0,  # of those, sent elsewhere (Serve's queue-length check: first full or slow; FIFO hand-off)
             "fallback": 0,  # requests with an adapter ranked by Serve's own rule (lora-cache down, stream not up)
             "events": 0,  # readiness events (and resyncs) taken from the stream
             "watch_starts": 0,
@@ -268,7 +150,7 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
             if self._live and time.monotonic() >= self._down_until:
                 assert pending_request is not None
                 began = time.perf_counter()
-                ranked = self._rank(adapter, candidate_replicas)
+                ranked = self._rank(adapter, candidate_replicas, pending_request.metadata.internal_request_id)
                 self.counts["rank_ms"] += (time.perf_counter() - began) * 1e3
                 pending_request.routing_context.should_backoff = True  # every rank full: Serve backs off, retries
                 self.counts["advised"] += 1
@@ -293,7 +175,7 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
         pool = [r for r in candidates if r.replica_id in allowed]
         return [random.sample(pool, min(2, len(pool)))] if pool else []
 
-    def _rank(self, adapter: str, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
+    def _rank(self, adapter: str, candidates: list[RunningReplica], rid: str) -> list[list[RunningReplica]]:
         """The candidates by lora-cache's ranking (``lora_cache.routing.ranking.rank``: residency under a load
         bound, sticky cold picks), one per rank: READY from the stream, loading where this router sent the adapter
         lately, the load this router's requests in flight there."""
@@ -311,7 +193,13 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
             load = float(self._inflight.get(r.replica_id, 0))
             views.append(ReplicaLoad(name, where, load, recent=self._traffic.get(name, now)))
         ranked = rank(adapter, views, self._ranking)
-        self.counts["ready_first"] += ranked[0].reason is Residence.READY and ranked[0].within_bound
+        if ranked[0].reason is Residence.READY and ranked[0].within_bound:
+            self.counts["ready_first"] += 1
+            self._first[rid] = ranked[0].replica  # where it should go; Serve's queue-length check may say otherwise
+            while len(self._first) > _FIRST_KEPT:  # requests cancelled before they were routed
+                del self._first[next(iter(self._first))]
+        else:
+            self._first.pop(rid, None)
         return [[by_name[r.replica]] for r in ranked]
 
     def _name(self, replica_id: ReplicaID) -> str:
@@ -386,6 +274,8 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
         rid = pending_request.metadata.internal_request_id
         self._routed[rid] = replica_id
         self._inflight[replica_id] = self._inflight.get(replica_id, 0) + 1
+        first = self._first.pop(rid, None)
+        self.counts["off_first"] += first is not None and first != self._name(replica_id)
         adapter = pending_request.metadata.multiplexed_model_id
         if not adapter:
             return
