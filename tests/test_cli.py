@@ -14,7 +14,7 @@ import torch
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, content_version
 from lora_cache.adapters.shapes import DEFAULT_MODEL, MODULE_ORDER, SHAPES
 from lora_cache.adapters.shards import shard_layout
-from lora_cache.adapters.synth import SynthConfig
+from lora_cache.adapters.synth import SynthConfig, make_named_adapters
 from lora_cache.app.cli import main
 from lora_cache.errors import ConfigError
 
@@ -62,6 +62,19 @@ def test_make_adapters_with_mixed_ranks(made: list[Path], tmp_path: Path) -> Non
     again = tmp_path / "again"
     assert main(["make-adapters", str(again), "--count", "3", "--rank", "8,16", "--seed", "7"]) == 0
     assert [content_version(again / p.name) for p in made] == [content_version(p) for p in made]  # seeded
+
+
+def test_named_adapters_written_by_several_processes_are_the_bytes_one_process_writes(tmp_path: Path) -> None:
+    names = ["adapter-007", "tenant-b", "adapter-001", "x"]
+    config = SynthConfig(model="tiny", count=len(names), rank="8,16,32", seed=3)
+    alone = make_named_adapters(tmp_path / "one", config, names)
+    spread = make_named_adapters(tmp_path / "three", config, names, jobs=3)
+    assert [p.name for p in spread] == names  # in the order given, each under its own name
+    assert [json.loads((p / CONFIG_FILE).read_text())["r"] for p in spread] == [8, 16, 32, 8]  # ranks in turn
+    assert [content_version(p) for p in spread] == [content_version(p) for p in alone]
+    with pytest.raises(ConfigError, match="jobs is 0"):
+        make_named_adapters(tmp_path / "none", config, names, jobs=0)
+    assert not (tmp_path / "none").exists()  # refused before anything is written
 
 
 def test_inspect_json(made: list[Path], capsys: pytest.CaptureFixture[str]) -> None:

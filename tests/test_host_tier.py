@@ -1,4 +1,5 @@
-"""The host tier: hits/misses, LRU-by-bytes eviction, references, capacity, single-flight reads, failures."""
+"""The host tier: hits/misses, eviction by bytes (read-once entries first, then LRU), references, capacity,
+single-flight reads, failures."""
 
 from __future__ import annotations
 
@@ -131,6 +132,47 @@ def test_lru_eviction_order(catalog: AdapterCatalog, tier: HostTier) -> None:
     staged(tier, big(catalog, 9))
     assert not tier.contains(key(big(catalog, 2))) and tier.contains(key(big(catalog, 0)))
     assert (tier.misses, tier.hits) == (10, 1)
+    tier.check_integrity()
+
+
+def test_a_shard_read_once_goes_before_one_used_again_or_warmed_then_the_oldest_protected(
+    catalog: AdapterCatalog, tier: HostTier
+) -> None:
+    """Scan resistance (``workers.staging.eviction``): tail reads never push out a copy used twice or a warm stage's
+    copy while a read-once copy is idle; with none left, the oldest protected copy goes (nothing is kept forever)."""
+    staged(tier, big(catalog, 0))
+    with tier.demand.speculative():
+        staged(tier, big(catalog, 1))  # a warm stage's copy
+    for i in range(2, 8):
+        staged(tier, big(catalog, i))
+    staged(tier, big(catalog, 0))  # used again
+    assert [tier._entries[key(big(catalog, i))].protected for i in range(8)] == [True, True] + [False] * 6
+    for i in (8, 9):  # two tail reads: each pushes out the oldest read-once copy, not the older protected ones
+        staged(tier, big(catalog, i))
+    assert resident(tier) == [f"big-{i:03d}" for i in (1, 4, 5, 6, 7, 0, 8, 9)]
+    assert tier.order.ghosts() == [key(big(catalog, 2)), key(big(catalog, 3))]
+    for i in range(10, 16):  # small ones, read once: the oldest read-once big ones (4, 5, 6) make room
+        staged(tier, small(catalog, i))
+    assert resident(tier) == ["big-001", "big-007", "big-000", "big-008", "big-009"] + \
+        [f"small-{i:03d}" for i in range(10, 16)]
+    for name in resident(tier)[1:]:  # all used again: every copy is protected now
+        staged(tier, catalog.get(name))
+    protected = [k for k, e in tier._entries.items() if e.protected]
+    assert len(protected) == len(tier._entries) and protected[0] == key(big(catalog, 1))
+    staged(tier, big(catalog, 2))  # came back: the ghost history makes it protected, and room is made from the oldest
+    assert tier._entries[key(big(catalog, 2))].protected and tier.order.returned == 1
+    assert not tier.contains(protected[0]) and key(big(catalog, 2)) not in tier.order.ghosts()
+    tier.check_integrity()
+
+
+def test_an_unregistered_adapter_leaves_the_ghost_history(catalog: AdapterCatalog, tier: HostTier) -> None:
+    for i in range(9):
+        staged(tier, big(catalog, i))
+    assert tier.order.ghosts() == [key(big(catalog, 0))]
+    tier.drop_adapter("big-000")
+    assert tier.order.ghosts() == []
+    staged(tier, big(catalog, 0))  # registered again, it starts read-once
+    assert not tier._entries[key(big(catalog, 0))].protected and tier.order.returned == 0
     tier.check_integrity()
 
 

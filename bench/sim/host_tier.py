@@ -1,7 +1,8 @@
 """One rank's pinned host tier in simulated time (``workers.staging.host_tier.HostTier``'s rules) and its warm
 stages (``workers.staging.warming.WarmQueue``'s): a split of ``bench/sim/worker.py`` along its seam (lifecycle step 5).
 
-``SimHostTier``: staged shards by key, LRU by bytes, single-flight reads on ``read_threads`` reader threads (from
+``SimHostTier``: staged shards by key, counted in bytes, let go of in ``workers.staging.eviction``'s order
+(probationary, then protected, each oldest first), single-flight reads on ``read_threads`` reader threads (from
 the page cache at the calibration's cost, or from a ``SimStore``), fetches that wait FIFO for room held by loads in
 flight; it tells ``on_change`` what it holds as it changes ("staged" once read, "unstaged" when the LRU drops it),
 as the real tier's deltas do. ``SimWarmQueue``: speculative stages, one at a time, only while no other read is in
@@ -23,6 +24,7 @@ from bench.sim.events import Loop, Signal
 from bench.sim.store import SimStore
 from lora_cache.errors import CapacityError
 from lora_cache.vocab import AdapterKey
+from workers.staging.eviction import EvictionOrder, victim
 
 
 @dataclass(eq=False)
@@ -32,10 +34,11 @@ class _Staged:
     refs: int = 1
     read_ms: float = 0.0
     speculative: bool = False  # a warm stage's read: no demand read for the node's other ranks (``NodeReads``)
+    protected: bool = False  # ``HostEntry.protected``: let go of after every idle unprotected entry
 
 
 class SimHostTier:
-    """The pinned host tier of one rank: staged shards, LRU by bytes, single-flight reads, references."""
+    """The pinned host tier of one rank: staged shards, bytes, eviction order, single-flight reads, references."""
 
     def __init__(self, loop: Loop, calibration: Calibration, capacity: int, read_threads: int,
                  store: SimStore | None = None) -> None:
@@ -48,6 +51,7 @@ class SimHostTier:
         self._queue: deque[tuple[AdapterKey, _Staged]] = deque()  # store reads waiting for a reader thread
         self.entries: OrderedDict[AdapterKey, _Staged] = OrderedDict()  # oldest first
         self.used = 0
+        self.order = EvictionOrder(capacity)  # which idle entry goes first (``HostTier.order``)
         self.hits = self.misses = self.bytes_read = self.waits = 0
         self._waiting: OrderedDict[AdapterKey, _Staged] = OrderedDict()  # fetches waiting for room, FIFO
         # heap: when each reader thread is free (FIFO pool); free from the start, which may be before t=0 (settle_s)
@@ -66,6 +70,7 @@ class SimHostTier:
         if entry is not None:  # staged, or a read in flight or waiting (single flight)
             if key in self.entries:
                 self.entries.move_to_end(key)
+                entry.protected = True  # used again
             entry.refs += 1
             self.hits += count
             return entry, True
@@ -74,6 +79,7 @@ class SimHostTier:
                                 f"bytes) is larger than the whole tier; raise host_bytes to at least {nbytes} bytes")
         entry = _Staged(nbytes, Signal(), speculative=speculative)
         if not self._waiting and self._make_room(nbytes):  # no room taken ahead of a wait
+            entry.protected = self.order.admitted(key, speculative)
             self._read(key, entry)
         elif wait and (self._waiting or self._may_free()):
             self._waiting[key] = entry
@@ -153,17 +159,19 @@ class SimHostTier:
         self._admit()  # unreferenced once read (a stage's entry): its room is the LRU's
 
     def _make_room(self, nbytes: int) -> bool:
-        """Evict idle staged entries (LRU) until ``nbytes`` fit; False (evicting none) if they are not enough."""
+        """Evict idle staged entries (``victim``'s order) until ``nbytes`` fit; False (evicting none) if they are
+        not enough."""
         idle = sum(e.nbytes for e in self.entries.values() if e.refs == 0 and e.staged.done)
         if self.used - idle + nbytes > self.capacity:
             return False
         while self.used + nbytes > self.capacity:
-            victim = next((k for k, e in self.entries.items() if e.refs == 0 and e.staged.done), None)
-            if victim is None:
+            key = victim(self.entries.items(), lambda e: e.refs == 0 and e.staged.done)
+            if key is None:
                 return False
-            self.used -= self.entries.pop(victim).nbytes
+            self.used -= (gone := self.entries.pop(key).nbytes)
+            self.order.evicted(key, gone)
             if self.on_change is not None:
-                self.on_change(victim, False)
+                self.on_change(key, False)
         return True
 
     def _may_free(self) -> bool:
@@ -180,12 +188,14 @@ class SimHostTier:
                 return
             del self._waiting[key]
             if fits:
+                entry.protected = self.order.admitted(key, entry.speculative)
                 self._read(key, entry)
             else:
                 entry.staged.fire(self.loop.now, ok=False)
 
     def check_integrity(self) -> None:
         assert self.used == sum(e.nbytes for e in self.entries.values()) <= self.capacity, "host bytes disagree"
+        self.order.check_integrity()
         assert not set(self._waiting) & set(self.entries), "a waiting fetch already has an entry"
         assert not self._waiting or self._may_free(), "a fetch waits with nothing in flight to free room"
 

@@ -22,8 +22,9 @@ The slot bookkeeping is the real ``workers.gpu.slots.SlotTable`` and the counter
   loading or in use reports its state again (``WorkerCache.restate``: "in_use" if a batch holds it).
   A simulated command always names a known adapter, so no prefetch is refused.
 
-The host tier is counted in bytes (LRU of unreferenced staged shards); the real arena's fragmentation
-is not modelled. Every rank of a replica holds shards of one size (TP splits are even).
+The host tier is counted in bytes (unreferenced staged shards let go of in ``workers.staging.eviction``'s
+order); the real arena's fragmentation is not modelled. Every rank of a replica holds shards of one size
+(TP splits are even).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The pinned host tier: packed shards staged in a bounded arena, LRU by bytes, single-flight reads.
+"""The pinned host tier: packed shards staged in a bounded arena, single-flight reads; a shard read once for a
+demand is let go of before one used again or warmed (``workers.staging.eviction``).
 
 Reads are dispatched on a thread pool (blocking file I/O off the caller's thread) and run where the
 config's ``reads`` strategy says (``workers.staging.tier_reads``): in reader processes that share the arena (a
@@ -33,6 +34,7 @@ from workers.reads.finite import check_finite
 from workers.reads.shard import drop_pages  # re-exported: ``host_tier.drop_pages`` (tests patch it here)
 from workers.staging.arena import ALIGN, Block, HostArena
 from workers.staging.disk_tier import DiskTier
+from workers.staging.eviction import EvictionOrder, victim
 from workers.staging.host_config import HostTierConfig
 from workers.staging.node_reads import DemandMarks, NodeReads
 from workers.staging.tier_reads import ProcessReads, ThreadReads
@@ -61,6 +63,7 @@ class HostEntry:
     lock: threading.Lock = field(default_factory=threading.Lock)  # protects staged and listeners
     marks: list[tuple[str, float]] = field(default_factory=list)  # (phase, perf_counter) of its read (probes)
     speculative: bool = False  # read by a warm stage: no demand-read marker for the node (``node_reads``)
+    protected: bool = False  # let go of after every idle unprotected entry (``workers.staging.eviction``)
     node_mark: str = ""  # its demand-read marker while it is read ("" for none); under ``lock``
     read_over: bool = False  # its read ended (no marker may be left for it any more); under ``lock``
 
@@ -155,11 +158,11 @@ class HostTier:
         self._pool = ThreadPoolExecutor(config.read_threads, thread_name_prefix="lora-read")
         self._lock = threading.Lock()  # protects _entries, _orphans, _waiting, the counters and the arena
         self._entries: OrderedDict[AdapterKey, HostEntry] = OrderedDict()  # LRU order, oldest first
+        self.order = EvictionOrder(config.host_bytes)  # which idle entry goes first: probationary, then protected
         self._orphans: list[HostEntry] = []  # failed reads whose staged chunks loads may still be copying
         self._waiting: OrderedDict[AdapterKey, _Wait] = OrderedDict()  # fetches waiting for room, FIFO
         self._closing = False  # no more waits (the tier is closing)
-        self.hits = self.misses = self.bytes_read = 0
-        self.waits = 0  # fetches that waited for room held by others in flight
+        self.hits = self.misses = self.bytes_read = self.waits = 0  # waits: fetches that waited for room
         # what the tier holds, as it changes: (key, True) once a read put a shard here whole, (key, False) when the
         # shard leaves (the LRU's room, ``drop``). Queued under ``_lock`` (in the order of the changes), handed to
         # ``on_change`` by ``_report`` once the lock is released, one thread at a time (the order is kept).
@@ -190,13 +193,14 @@ class HostTier:
             hit = entry is not None or waiting is not None  # staged, or a read in flight or waiting (single flight)
             if entry is not None:
                 self._entries.move_to_end(key)
-                entry.refs += 1
+                entry.refs, entry.protected = entry.refs + 1, True  # used again
             elif waiting is not None:
                 waiting.refs += 1
             else:
                 entry, waiting = self._miss(spec, layout, tuple(chunks), wait)
                 if entry is not None:
                     entry.speculative = self.demand.warm
+                    entry.protected = self.order.admitted(key, entry.speculative)
             if on_chunk is None:  # told of no chunk: if the read fails, this fetcher never lets go (``_failed``)
                 if entry is not None:
                     entry.blind += 1
@@ -287,6 +291,7 @@ class HostTier:
         with self._lock:
             used = self.arena.used_bytes
             waits = [(k, self._waiting.pop(k)) for k in [k for k in self._waiting if k.name == name]]
+            self.order.forget(name)
             for key in [k for k in self._entries if k.name == name]:
                 entry = self._entries.pop(key)
                 entry.dropped = True
@@ -315,17 +320,18 @@ class HostTier:
             return entry is not None and entry.ready.done() and entry.ready.exception() is None
 
     def _allocate(self, nbytes: int) -> Block | None:
-        """A block, evicting idle staged entries (LRU) for it; None if those are not enough (lock held):
+        """A block, evicting idle staged entries for it (``victim``'s order); None if not enough (lock held):
         then none is evicted unless their bytes would have been (first fit may still find them scattered)."""
         idle = sum(e.block.nbytes for e in self._entries.values() if e.refs == 0 and e.ready.done())
         if self.arena.capacity - self.arena.used_bytes + idle < nbytes:
             return None
         while (block := self.arena.alloc(nbytes)) is None:
-            victim = next((k for k, e in self._entries.items() if e.refs == 0 and e.ready.done()), None)
-            if victim is None:
+            key = victim(self._entries.items(), lambda e: e.refs == 0 and e.ready.done())
+            if key is None:
                 return None
-            self.arena.free(self._entries.pop(victim).block)
-            self._changes.append((victim, False))
+            self.arena.free(gone := self._entries.pop(key).block)
+            self.order.evicted(key, gone.nbytes)
+            self._changes.append((key, False))
         return block
 
     def _may_free(self) -> bool:
@@ -361,7 +367,7 @@ class HostTier:
             layout = waiting.layout
             entry = HostEntry(key, layout, block, self.arena.view(block, layout.dtype, layout.numel), waiting.ready,
                               refs=waiting.refs, chunks=waiting.chunks, listeners=waiting.listeners,
-                              blind=waiting.blind)
+                              blind=waiting.blind, protected=self.order.admitted(key, False))
             self._entries[key] = entry
             started.append((waiting.spec, entry))
         return started, failed
@@ -481,6 +487,7 @@ class HostTier:
     def check_integrity(self) -> None:
         with self._lock:
             self.arena.check_integrity()
+            self.order.check_integrity()
             held = [*self._entries.values(), *self._orphans]
             assert self.arena.used_bytes == sum(e.block.nbytes for e in held), \
                 "arena blocks and host entries disagree"

@@ -1,0 +1,89 @@
+"""The host tiers' eviction order (``workers.staging.eviction``), the plain core the real tier and the simulator's
+share: the victim is always idle, read-once before protected, oldest first; the ghost history stays within the
+tier's bytes and gives protection back once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lora_cache.vocab import AdapterKey
+from workers.staging.eviction import EvictionOrder, victim
+
+
+@dataclass
+class Entry:
+    nbytes: int
+    protected: bool = False
+    refs: int = 0
+
+
+def k(i: int) -> AdapterKey:
+    return AdapterKey(f"a{i}", "v1")
+
+
+def test_the_victim_is_the_oldest_idle_read_once_entry_else_the_oldest_idle_protected_one() -> None:
+    entries = {k(0): Entry(1, protected=True), k(1): Entry(1, refs=1), k(2): Entry(1), k(3): Entry(1)}
+    idle = lambda e: e.refs == 0  # noqa: E731
+    assert victim(entries.items(), idle) == k(2)
+    entries[k(2)].protected = entries[k(3)].protected = True
+    assert victim(entries.items(), idle) == k(0)
+    for e in entries.values():
+        e.refs = 1
+    assert victim(entries.items(), idle) is None
+
+
+def test_a_key_let_go_of_comes_back_protected_once_and_the_history_is_bounded_by_bytes() -> None:
+    order = EvictionOrder(capacity=10)
+    assert not order.admitted(k(0), speculative=False) and order.admitted(k(1), speculative=True)
+    for i in range(4):
+        order.evicted(k(i), 4)  # 16 bytes let go of: only the newest two fit in 10
+    assert order.ghosts() == [k(2), k(3)]
+    assert order.admitted(k(3), speculative=False) and order.returned == 1
+    assert not order.admitted(k(3), speculative=False)  # once: a second read of it is read-once again
+    assert not order.admitted(k(0), speculative=False)  # fell out of the history
+    order.evicted(k(2), 6)  # again: its bytes are its latest
+    order.check_integrity()
+    order.forget("a2")
+    assert order.ghosts() == [] and order.returned == 1
+    with pytest.raises(ValueError, match="capacity is -1"):
+        EvictionOrder(-1)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["fetch", "warm", "evict", "ref", "unref", "forget"]),
+                          st.integers(0, 7), st.integers(1, 5)), max_size=60))
+def test_the_order_holds_its_rules_under_any_sequence(ops: list[tuple[str, int, int]]) -> None:
+    order = EvictionOrder(capacity=12)
+    entries: dict[AdapterKey, Entry] = {}
+    for op, i, n in ops:
+        key = k(i)
+        if op in ("fetch", "warm"):
+            if key in entries:
+                entries[key].protected = True  # used again
+                entries[key] = entries.pop(key)  # most recent last
+            else:
+                was_ghost = key in order.ghosts()
+                entries[key] = Entry(n, protected=order.admitted(key, op == "warm"))
+                assert entries[key].protected == (op == "warm" or was_ghost)
+        elif op == "evict":
+            gone = victim(entries.items(), lambda e: e.refs == 0)
+            idle = [x for x, e in entries.items() if e.refs == 0]
+            if gone is None:
+                assert not idle
+                continue
+            read_once = [x for x in idle if not entries[x].protected]
+            assert gone == (read_once[0] if read_once else idle[0])
+            order.evicted(gone, entries.pop(gone).nbytes)
+            assert order.ghosts()[-1] == gone  # remembered newest last
+        elif op == "ref" and key in entries:
+            entries[key].refs += 1
+        elif op == "unref" and key in entries and entries[key].refs:
+            entries[key].refs -= 1
+        elif op == "forget":
+            order.forget(key.name)
+            assert key not in order.ghosts()
+        order.check_integrity()
+        assert not set(order.ghosts()) & set(entries)  # a key is staged or remembered, never both
