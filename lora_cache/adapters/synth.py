@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,7 +94,9 @@ def make_named_adapters(out: str | Path, config: SynthConfig, names: list[str], 
     from concurrent.futures import ProcessPoolExecutor
 
     # spawn: the parent may hold torch's threads (fork would copy their locks mid-use)
-    with ProcessPoolExecutor(min(jobs, len(names)), mp_context=multiprocessing.get_context("spawn")) as pool:
+    threads = max(1, (os.cpu_count() or 1) // jobs)  # torch's threads in each: oversubscribed, they crawl
+    with ProcessPoolExecutor(min(jobs, len(names)), mp_context=multiprocessing.get_context("spawn"),
+                             initializer=torch.set_num_threads, initargs=(threads,)) as pool:
         return list(pool.map(_write_named, *zip(*work)))
 
 
