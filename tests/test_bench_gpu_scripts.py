@@ -209,3 +209,16 @@ def test_issue42_runs_each_part_with_its_store_and_router(tmp_path: Path) -> Non
     assert "--store device --router lora-cache --policies global" in runs[1]
     assert "--store page-cache --router affinity" in runs[2]
     assert all("--warmup-requests 300" in r and "--replicas 2" in r for r in runs)
+
+
+def test_issue42_full_host_tier_part_overrides_the_host_bytes_and_routes_the_oracle_by_route(tmp_path: Path) -> None:
+    """dev2-full: a host tier that holds the catalog, three bench.runs; the oracle behind Route (no lower bound behind
+    affinity at 4 adapter lanes); the last --host-bytes wins in argparse, so the part's is after the common one."""
+    runs = _dry("issue42.sh", str(tmp_path), "dev2-full", "dev2-oracle-route", SEED="1")
+    assert len(runs) == 4
+    for run in runs[:3]:
+        hosts = [run[i + 1] for i, a in enumerate(run) if a == "--host-bytes"]
+        assert hosts[-1] == "25769803776" and "--workload-seed" in run and run[run.index("--workload-seed") + 1] == "1"
+    assert [" ".join(r[r.index("--router"):r.index("--router") + 4]) for r in runs] == [
+        "--router lora-cache --policies global", "--router affinity --policies queue,global",
+        "--router lora-cache --policies oracle", "--router lora-cache --policies oracle"]

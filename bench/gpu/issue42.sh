@@ -9,6 +9,11 @@
 #   dev2-aff     2 replicas x TP 1, device store, affinity router: queue, global, oracle (--check-sim)
 #   dev2-route   2 replicas x TP 1, device store, Route (lora-cache router): global (--check-sim)
 #   dev2-oracle  2 replicas x TP 1, device store: the oracle alone (where dev2-aff's step limit cut it)
+#   dev2-oracle-route  2 replicas x TP 1, device store, Route: the oracle (behind affinity at --max-adapters 4 the
+#                oracle spreads every adapter over both replicas' adapter lanes and is no lower bound)
+#   dev2-full    2 replicas x TP 1, device store, a host tier of FULL_HOST_BYTES [24 GiB] per rank (holds the
+#                catalog), workload seed SEED [0]: global behind Route, queue and global behind affinity, the
+#                oracle behind Route; one bench.run each
 #   dev2-ll      2 replicas x TP 1, device store, least-loaded router: overlap
 #   dev1         1 replica, device store: queue, global, oracle (--check-sim)
 #   pc2-aff      2 replicas x TP 1, page-cache store, affinity: queue, global
@@ -44,6 +49,11 @@ for part in "$@"; do
     dev2-aff)   run "$part" "${two[@]}" --store device --router affinity --policies queue,global,oracle --check-sim ;;
     dev2-route) run "$part" "${two[@]}" --store device --router lora-cache --policies global --check-sim ;;
     dev2-oracle) run "$part" "${two[@]}" --store device --router affinity --policies oracle ;;
+    dev2-oracle-route) run "$part" "${two[@]}" --store device --router lora-cache --policies oracle ;;
+    dev2-full)  full=(--host-bytes "${FULL_HOST_BYTES:-25769803776}" --workload-seed "${SEED:-0}" --store device)
+                run "dev2-full-route-s${SEED:-0}" "${two[@]}" "${full[@]}" --router lora-cache --policies global
+                run "dev2-full-aff-s${SEED:-0}" "${two[@]}" "${full[@]}" --router affinity --policies queue,global
+                run "dev2-full-oracle-s${SEED:-0}" "${two[@]}" "${full[@]}" --router lora-cache --policies oracle ;;
     dev2-ll)    run "$part" "${two[@]}" --store device --router least-loaded --policies overlap ;;
     dev1)       run "$part" --replicas 1 --arrivals "poisson:$rate" --store device --policies queue,global,oracle --check-sim ;;
     pc2-aff)    run "$part" "${two[@]}" --store page-cache --router affinity --policies queue,global ;;
