@@ -108,7 +108,8 @@ def ensure_adapters(root: Path, model: str, ranks: str, names: Sequence[str]) ->
         root.mkdir(parents=True, exist_ok=True)
         (root / MADE_HERE).touch()
         jobs = min(16, os.cpu_count() or 1) if len(missing) > 8 else 1  # an 8B catalog: ~2 min in one process
-        make_named_adapters(root, SynthConfig(model=model, count=len(missing), rank=ranks), missing, jobs=jobs)
+        make_named_adapters(root, SynthConfig(model=model, count=len(names), rank=ranks), list(names), jobs=jobs,
+                            skip=have)  # each name's rank by its place in the workload, made now or before
     elif missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ConfigError(f"adapters: {root} lacks {len(missing)} of the workload's {len(names)} adapters "

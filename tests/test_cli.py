@@ -72,6 +72,11 @@ def test_named_adapters_written_by_several_processes_are_the_bytes_one_process_w
     assert [p.name for p in spread] == names  # in the order given, each under its own name
     assert [json.loads((p / CONFIG_FILE).read_text())["r"] for p in spread] == [8, 16, 32, 8]  # ranks in turn
     assert [content_version(p) for p in spread] == [content_version(p) for p in alone]
+    (tmp_path / "parts").mkdir()
+    first = make_named_adapters(tmp_path / "parts", config, names, skip={"tenant-b", "x"})
+    rest = make_named_adapters(tmp_path / "parts", config, names, jobs=2, skip={"adapter-007", "adapter-001"})
+    assert [p.name for p in first] == ["adapter-007", "adapter-001"] and [p.name for p in rest] == ["tenant-b", "x"]
+    assert [content_version(tmp_path / "parts" / n) for n in names] == [content_version(p) for p in alone]
     with pytest.raises(ConfigError, match="jobs is 0"):
         make_named_adapters(tmp_path / "none", config, names, jobs=0)
     assert not (tmp_path / "none").exists()  # refused before anything is written
@@ -353,6 +358,20 @@ def test_the_benchmark_makes_the_adapters_a_trace_names(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"lacks 4 of the workload's 4 adapters \(adapter-007, adapter-085"):
         adapter_dir(BenchConfig(model="tiny", adapters=str(theirs)), wanted)
     assert sorted(p.name for p in theirs.iterdir()) == ["mine-000"]
+
+
+def test_a_benchmark_catalog_completed_in_parts_holds_what_a_whole_one_does(tmp_path: Path) -> None:
+    """Each adapter's rank is its place in the workload's names, whether it is made with the rest or later (it was
+    its place among the missing ones: a catalog made for 1 adapter, then 4, had ranks 8, 8, 16, 8, not 8, 16, 8, 16)."""
+    from bench.run import BenchConfig, adapter_dir
+
+    wanted = [f"adapter-{i:03d}" for i in range(4)]
+    whole = Path(adapter_dir(BenchConfig(model="tiny", adapter_ranks="8,16", out=str(tmp_path / "whole")), wanted))
+    part = BenchConfig(model="tiny", adapter_ranks="8,16", out=str(tmp_path / "part"))
+    adapter_dir(part, wanted[:1])
+    root = Path(adapter_dir(part, wanted))
+    assert [json.loads((root / n / CONFIG_FILE).read_text())["r"] for n in wanted] == [8, 16, 8, 16]
+    assert [content_version(root / n) for n in wanted] == [content_version(whole / n) for n in wanted]
 
 
 def test_bare_command_lists_every_command_and_version_is_cheap(capsys: pytest.CaptureFixture[str]) -> None:

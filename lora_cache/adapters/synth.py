@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,22 +81,27 @@ def make_adapters(out: str | Path, config: SynthConfig) -> list[Path]:
                           config.target_list(), dtype, gen) for i in range(config.count)]
 
 
-def make_named_adapters(out: str | Path, config: SynthConfig, names: list[str], jobs: int = 1) -> list[Path]:
+def make_named_adapters(out: str | Path, config: SynthConfig, names: list[str], jobs: int = 1,
+                        skip: Collection[str] = ()) -> list[Path]:
     """Adapters under ``out`` named ``names`` (whatever they are: a trace's own), ranks used in turn in the
     order given. Each adapter's weights are seeded by ``config.seed`` and its name alone, so making one
-    again, or among other names, writes the same bytes (the same version). ``jobs`` > 1: written by that many
-    processes (an 8B catalog of 100 adapters: ~2 minutes in one process), each adapter the same bytes."""
+    again, or among other names, writes the same bytes (the same version). ``skip``: names not written (those
+    made already), each still counted in the ranks' turn, so a catalog completed in parts holds the ranks a whole
+    one does. ``jobs`` > 1: written by that many processes (an 8B catalog of 100 adapters: ~2 minutes in one
+    process), each adapter the same bytes. Returns the paths written."""
     if jobs < 1:
         raise ConfigError(f"jobs is {jobs}; give 1 or more processes")
-    work = [(str(out), config, i, name) for i, name in enumerate(names)]
-    if jobs == 1 or len(names) < 2:
+    work = [(str(out), config, i, name) for i, name in enumerate(names) if name not in skip]
+    if not work:
+        return []
+    if jobs == 1 or len(work) < 2:
         return [_write_named(*w) for w in work]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     # spawn: the parent may hold torch's threads (fork would copy their locks mid-use)
     threads = max(1, (os.cpu_count() or 1) // jobs)  # torch's threads in each: oversubscribed, they crawl
-    with ProcessPoolExecutor(min(jobs, len(names)), mp_context=multiprocessing.get_context("spawn"),
+    with ProcessPoolExecutor(min(jobs, len(work)), mp_context=multiprocessing.get_context("spawn"),
                              initializer=torch.set_num_threads, initargs=(threads,)) as pool:
         return list(pool.map(_write_named, *zip(*work)))
 
