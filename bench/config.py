@@ -14,6 +14,7 @@ from bench.policies import parse_policies
 from bench.router.rules import RULES
 from bench.store import StoreModel, parse_store
 from lora_cache.errors import ConfigError
+from workers.staging.eviction import EVICTION
 
 ENGINES = ("real", "sim")
 
@@ -78,6 +79,9 @@ class BenchConfig:
         "help": "pinned host tier bytes per rank, the same for every policy (default 16 GiB: a quarter of a 512 GiB "
                 "host's memory over its 8 GPU ranks); 0: the host tier's auto size (a share of this host's available "
                 "memory over its GPU ranks), resolved once on the driver"})
+    host_eviction: str = field(default="lru", metadata={
+        "help": "the host tier's eviction order, the same for every policy: lru | segmented (read-once shards "
+                "first; workers/staging/eviction.py)"})
     gpus: str = field(default="auto", metadata={"help": "real engine on GPUs: auto | yes | no"})
     calibration: str = field(default="h200-llama8b", metadata={
         "path": "name_or_file", "help": "sim costs: a name under bench/calibration "
@@ -103,6 +107,9 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ConfigError(f"engine {self.engine!r} is not one of {ENGINES}")
+        if self.host_eviction not in EVICTION:
+            raise ConfigError(f"host_eviction {self.host_eviction!r} is not one of {', '.join(EVICTION)}; pick one "
+                              "(lru is the default)")
         if self.scenario and self.scenario not in SCENARIOS:
             raise ConfigError(f"scenario {self.scenario!r} is not one of {', '.join(SCENARIOS)}")
         if self.gpus not in ("auto", "yes", "no"):

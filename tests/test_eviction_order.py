@@ -37,7 +37,7 @@ def test_the_victim_is_the_oldest_idle_read_once_entry_else_the_oldest_idle_prot
 
 
 def test_a_key_let_go_of_comes_back_protected_once_and_the_history_is_bounded_by_bytes() -> None:
-    order = EvictionOrder(capacity=10)
+    order = EvictionOrder(capacity=10)  # segmented: the strategy these rules are for
     assert not order.admitted(k(0), speculative=False) and order.admitted(k(1), speculative=True)
     for i in range(4):
         order.evicted(k(i), 4)  # 16 bytes let go of: only the newest two fit in 10
@@ -51,6 +51,44 @@ def test_a_key_let_go_of_comes_back_protected_once_and_the_history_is_bounded_by
     assert order.ghosts() == [] and order.returned == 1
     with pytest.raises(ValueError, match="capacity is -1"):
         EvictionOrder(-1)
+    with pytest.raises(ValueError, match="eviction 'mru' is not one of lru, segmented"):
+        EvictionOrder(10, "mru")
+
+
+def test_lru_protects_nothing_and_remembers_nothing() -> None:
+    order = EvictionOrder(capacity=10, kind="lru")
+    assert not order.admitted(k(0), speculative=True) and not order.segmented
+    order.evicted(k(0), 4)
+    assert order.ghosts() == [] and not order.admitted(k(0), speculative=False) and order.returned == 0
+
+
+def test_the_simulators_tier_lets_go_in_the_real_tiers_order() -> None:
+    """``bench.sim.host_tier`` with ``segmented``: the sequence of tests/test_host_tier.py's scan-resistance test,
+    in bytes (eight shards fill the tier), leaves the same shards."""
+    from bench.sim.calibration import load_calibration
+    from bench.sim.events import Loop
+    from bench.sim.host_tier import SimHostTier
+
+    loop = Loop()
+    tier = SimHostTier(loop, load_calibration("h200-llama8b"), 8 << 20, read_threads=1, eviction="segmented")
+
+    def staged(i: int, speculative: bool = False) -> None:
+        entry, _ = tier.fetch(k(i), 1 << 20, speculative=speculative)
+        loop.run(lambda: entry.staged.done)
+        tier.release(k(i))
+
+    staged(0)
+    staged(1, speculative=True)
+    for i in range(2, 8):
+        staged(i)
+    staged(0)  # used again
+    for i in (8, 9):
+        staged(i)
+    assert [key.name for key in tier.entries] == ["a1", "a4", "a5", "a6", "a7", "a0", "a8", "a9"]
+    assert tier.order.ghosts() == [k(2), k(3)]
+    staged(2)  # came back protected
+    assert tier.entries[k(2)].protected and tier.order.returned == 1
+    tier.check_integrity()
 
 
 @given(st.lists(st.tuples(st.sampled_from(["fetch", "warm", "evict", "ref", "unref", "forget"]),

@@ -40,11 +40,11 @@ def catalog(
 
 
 @contextlib.contextmanager
-def open_tier(reads: str, threads: int, parallel: int = 0) -> Iterator[HostTier]:
+def open_tier(reads: str, threads: int, parallel: int = 0, eviction: str = "lru") -> Iterator[HostTier]:
     """A 1 MiB unpinned tier reading on its threads or in reader processes that share its arena, each read
     split over ``parallel`` threads (0: the default); closed on the way out."""
     tier = HostTier(HostTierConfig(host_bytes=MiB, read_threads=threads, pin=False, reads=reads,
-                                   read_parallel=parallel))
+                                   read_parallel=parallel, eviction=eviction))
     try:
         assert tier.reads == reads
         if reads == "process":  # every reader process up first (a bound, not a timing: they start slowly on a
@@ -135,11 +135,18 @@ def test_lru_eviction_order(catalog: AdapterCatalog, tier: HostTier) -> None:
     tier.check_integrity()
 
 
+@pytest.fixture
+def segmented() -> Iterator[HostTier]:
+    with open_tier("thread", 4, eviction="segmented") as tier:
+        yield tier
+
+
 def test_a_shard_read_once_goes_before_one_used_again_or_warmed_then_the_oldest_protected(
-    catalog: AdapterCatalog, tier: HostTier
+    catalog: AdapterCatalog, segmented: HostTier
 ) -> None:
-    """Scan resistance (``workers.staging.eviction``): tail reads never push out a copy used twice or a warm stage's
+    """Scan resistance (``eviction="segmented"``): tail reads never push out a copy used twice or a warm stage's
     copy while a read-once copy is idle; with none left, the oldest protected copy goes (nothing is kept forever)."""
+    tier = segmented
     staged(tier, big(catalog, 0))
     with tier.demand.speculative():
         staged(tier, big(catalog, 1))  # a warm stage's copy
@@ -165,7 +172,8 @@ def test_a_shard_read_once_goes_before_one_used_again_or_warmed_then_the_oldest_
     tier.check_integrity()
 
 
-def test_an_unregistered_adapter_leaves_the_ghost_history(catalog: AdapterCatalog, tier: HostTier) -> None:
+def test_an_unregistered_adapter_leaves_the_ghost_history(catalog: AdapterCatalog, segmented: HostTier) -> None:
+    tier = segmented
     for i in range(9):
         staged(tier, big(catalog, i))
     assert tier.order.ghosts() == [key(big(catalog, 0))]
@@ -407,6 +415,15 @@ def test_release_errors(catalog: AdapterCatalog, thread_tier: HostTier) -> None:
     assert tier._entries[key(spec)].refs == 0
 
 
+def test_the_default_order_is_lru_even_for_warm_stages(catalog: AdapterCatalog, thread_tier: HostTier) -> None:
+    with thread_tier.demand.speculative():
+        staged(thread_tier, big(catalog, 0))  # a warm stage's copy
+    for i in range(1, 9):
+        staged(thread_tier, big(catalog, i))
+    assert not thread_tier.contains(key(big(catalog, 0))) and thread_tier.order.ghosts() == []
+    assert not any(e.protected for e in thread_tier._entries.values())
+
+
 def test_host_tier_config_errors() -> None:
     with pytest.raises(ConfigError, match=r"host_bytes \(1000\) must be at least 1 MiB"):
         HostTierConfig(host_bytes=1000)
@@ -414,6 +431,8 @@ def test_host_tier_config_errors() -> None:
         HostTierConfig(read_threads=0)
     with pytest.raises(ConfigError, match=r"reads 'fork' is not one of auto, thread, process"):
         HostTierConfig(reads="fork")
+    with pytest.raises(ConfigError, match=r"eviction 'lfu' is not one of lru, segmented"):
+        HostTierConfig(eviction="lfu")
     assert HostTierConfig().reads_for(pinned=True) == "process" and HostTierConfig().reads_for(pinned=False) == "thread"
     assert HostTierConfig(reads="thread").reads_for(pinned=True) == "thread"
 

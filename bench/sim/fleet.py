@@ -138,6 +138,8 @@ class SimConfig:
     adapter_ranks: str = field(default="16,64", metadata={"help": "LoRA ranks given to the adapters in turn"})
     host_bytes: int = field(default=2 << 30, metadata={"help": "pinned host tier bytes per rank"})
     read_threads: int = field(default=4, metadata={"help": "disk reader threads per rank"})
+    host_eviction: str = field(default="lru", metadata={
+        "help": "the host tier's eviction order: lru | segmented (HostTierConfig.eviction)"})
     series_s: float = field(default=1.0, metadata={"help": "time-series bucket, simulated seconds"})
     mid_step_reads: bool = field(default=False, metadata={
         "help": "a disk read that starts during a step's compute slows it for the time it overlaps it (as "
@@ -289,7 +291,8 @@ class _Fleet:
         self.controller.core.limits.declare(name, engine.max_adapters, engine.max_running)  # the engine's own
         ranks = []
         for k in range(config.tp):
-            host = SimHostTier(self.loop, calibration, config.host_bytes, config.read_threads, self.store)
+            host = SimHostTier(self.loop, calibration, config.host_bytes, config.read_threads, self.store,
+                               config.host_eviction)
             worker = SimWorker(name, k, engine.num_slots, self.loop, calibration, keys, nbytes, host,
                                config.max_running + config.max_adapters,
                                functools.partial(self.controller.push, WorkerId(name, k)), self.loads.append)

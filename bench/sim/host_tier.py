@@ -41,8 +41,9 @@ class SimHostTier:
     """The pinned host tier of one rank: staged shards, bytes, eviction order, single-flight reads, references."""
 
     def __init__(self, loop: Loop, calibration: Calibration, capacity: int, read_threads: int,
-                 store: SimStore | None = None) -> None:
-        """``store``: where a miss reads from (``bench.sim.store``: device, s3); None: the page cache."""
+                 store: SimStore | None = None, eviction: str = "lru") -> None:
+        """``store``: where a miss reads from (``bench.sim.store``: device, s3); None: the page cache. ``eviction``:
+        ``HostTierConfig.eviction``."""
         self.loop, self.calibration, self.capacity = loop, calibration, capacity
         self.store = store
         if store is not None:
@@ -51,7 +52,7 @@ class SimHostTier:
         self._queue: deque[tuple[AdapterKey, _Staged]] = deque()  # store reads waiting for a reader thread
         self.entries: OrderedDict[AdapterKey, _Staged] = OrderedDict()  # oldest first
         self.used = 0
-        self.order = EvictionOrder(capacity)  # which idle entry goes first (``HostTier.order``)
+        self.order = EvictionOrder(capacity, eviction)  # which idle entry goes first (``HostTier.order``)
         self.hits = self.misses = self.bytes_read = self.waits = 0
         self._waiting: OrderedDict[AdapterKey, _Staged] = OrderedDict()  # fetches waiting for room, FIFO
         # heap: when each reader thread is free (FIFO pool); free from the start, which may be before t=0 (settle_s)
@@ -70,7 +71,7 @@ class SimHostTier:
         if entry is not None:  # staged, or a read in flight or waiting (single flight)
             if key in self.entries:
                 self.entries.move_to_end(key)
-                entry.protected = True  # used again
+                entry.protected = entry.protected or self.order.segmented  # used again
             entry.refs += 1
             self.hits += count
             return entry, True

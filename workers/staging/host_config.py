@@ -10,6 +10,7 @@ from pathlib import Path
 from lora_cache.errors import ConfigError
 from workers.reads.proof import VERIFY
 from workers.reads.threads import AUTO_MAX, auto_readers, host_cores
+from workers.staging.eviction import EVICTION
 from workers.staging.tier_reads import READS
 
 MAX_READ_PARALLEL = 64
@@ -94,6 +95,8 @@ class HostTierConfig:
         "help": "the store read rate this node's warm stages (speculative reads ahead of demand, "
                 "workers/staging/warming.py) may use, in bytes per second, shared evenly by its GPU ranks (object "
                 "stores bill and throttle); reads for requests are never held back by it (0: no limit)"})
+    eviction: str = field(default="lru", metadata={
+        "help": "which idle shard the tier lets go of first: " + "; ".join(f"{k} ({v})" for k, v in EVICTION.items())})
     drop_page_cache: bool = field(default=False, metadata={
         "help": "drop an adapter file's pages after its shard is read: the pinned host tier is the node's copy, so "
                 "the page cache does not hold a second one (and a benchmark reads from the device as a cold store "
@@ -122,6 +125,9 @@ class HostTierConfig:
                               "e.g. 200000000 (0: no limit on warm reads)")
         if self.reads not in ("auto", *READS):
             raise ConfigError(f"reads {self.reads!r} is not one of auto, {', '.join(READS)}; pick one of them")
+        if self.eviction not in EVICTION:
+            raise ConfigError(f"eviction {self.eviction!r} is not one of {', '.join(EVICTION)}; pick one of them "
+                              "(lru is the default)")
         if self.verify not in VERIFY:
             raise ConfigError(f"verify {self.verify!r} is not one of {', '.join(VERIFY)}; pick one of them "
                               "(sample is the default)")

@@ -158,7 +158,7 @@ class HostTier:
         self._pool = ThreadPoolExecutor(config.read_threads, thread_name_prefix="lora-read")
         self._lock = threading.Lock()  # protects _entries, _orphans, _waiting, the counters and the arena
         self._entries: OrderedDict[AdapterKey, HostEntry] = OrderedDict()  # LRU order, oldest first
-        self.order = EvictionOrder(config.host_bytes)  # which idle entry goes first: probationary, then protected
+        self.order = EvictionOrder(config.host_bytes, config.eviction)  # which idle entry goes first (``eviction``)
         self._orphans: list[HostEntry] = []  # failed reads whose staged chunks loads may still be copying
         self._waiting: OrderedDict[AdapterKey, _Wait] = OrderedDict()  # fetches waiting for room, FIFO
         self._closing = False  # no more waits (the tier is closing)
@@ -193,7 +193,7 @@ class HostTier:
             hit = entry is not None or waiting is not None  # staged, or a read in flight or waiting (single flight)
             if entry is not None:
                 self._entries.move_to_end(key)
-                entry.refs, entry.protected = entry.refs + 1, True  # used again
+                entry.refs, entry.protected = entry.refs + 1, entry.protected or self.order.segmented  # used again
             elif waiting is not None:
                 waiting.refs += 1
             else:
