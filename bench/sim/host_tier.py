@@ -2,7 +2,7 @@
 stages (``workers.staging.warming.WarmQueue``'s): a split of ``bench/sim/worker.py`` along its seam (lifecycle step 5).
 
 ``SimHostTier``: staged shards by key, counted in bytes, let go of in ``workers.staging.eviction``'s order
-(probationary, then protected, each oldest first), single-flight reads on ``read_threads`` reader threads (from
+(``SimConfig.host_eviction``: LRU by default), single-flight reads on ``read_threads`` reader threads (from
 the page cache at the calibration's cost, or from a ``SimStore``), fetches that wait FIFO for room held by loads in
 flight; it tells ``on_change`` what it holds as it changes ("staged" once read, "unstaged" when the LRU drops it),
 as the real tier's deltas do. ``SimWarmQueue``: speculative stages, one at a time, only while no other read is in

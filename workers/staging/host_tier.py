@@ -1,5 +1,5 @@
-"""The pinned host tier: packed shards staged in a bounded arena, single-flight reads; a shard read once for a
-demand is let go of before one used again or warmed (``workers.staging.eviction``).
+"""The pinned host tier: packed shards staged in a bounded arena, single-flight reads; idle shards let go of in its
+``eviction`` strategy's order (``workers.staging.eviction``: least recently used by default).
 
 Reads are dispatched on a thread pool (blocking file I/O off the caller's thread) and run where the
 config's ``reads`` strategy says (``workers.staging.tier_reads``): in reader processes that share the arena (a
