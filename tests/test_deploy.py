@@ -295,6 +295,8 @@ def test_a_job_upload_leaves_out_the_raw_results_and_stays_small(tmp_path: Path,
     assert "/results/" in (REPO / ".rayignore").read_text().splitlines()
     names, size = _ray_upload(tmp_path, load(runtime_env) if runtime_env else {}, include_gitignore)
     assert not [n for n in names if n.startswith("results/")], [n for n in names if n.startswith("results/")][:5]
+    assert not [n for n in names if n.startswith("bench/reports/data/")]  # the reports' raw results, in git
+    assert "bench/reports/issue-42.md" in names  # the reports themselves travel
     assert {"bench/run.py", "bench/RESULTS.md", "bench/calibration/h200-llama8b.json", ".rayignore"} <= set(names)
     if runtime_env:
         from ray._private.runtime_env.packaging import _get_excludes
