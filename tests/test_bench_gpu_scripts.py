@@ -211,6 +211,18 @@ def test_issue42_runs_each_part_with_its_store_and_router(tmp_path: Path) -> Non
     assert all("--warmup-requests 300" in r and "--replicas 2" in r for r in runs)
 
 
+def test_issue42_pair_part_names_each_run_by_seed_and_adapter_lanes(tmp_path: Path) -> None:
+    """dev2-pair: `global` behind Route and `queue` behind affinity for one seed, each a bench.run whose directory
+    names the seed and --max-adapters (calls for several seeds write beside each other)."""
+    runs = _dry("issue42.sh", str(tmp_path), "dev2-pair", SEED="2", MAX_ADAPTERS="8")
+    assert len(runs) == 2
+    assert [" ".join(r[r.index("--router"):r.index("--router") + 4]) for r in runs] == [
+        "--router lora-cache --policies global", "--router affinity --policies queue"]
+    for run, name in zip(runs, ("dev2-route-m8-s2", "dev2-queue-m8-s2")):
+        assert run[run.index("--workload-seed") + 1] == "2" and run[run.index("--max-adapters") + 1] == "8"
+        assert run[run.index("--out") + 1] == str(tmp_path / name)
+
+
 def test_issue42_full_host_tier_part_overrides_the_host_bytes_and_routes_the_oracle_by_route(tmp_path: Path) -> None:
     """dev2-full: a host tier that holds the catalog, three bench.runs; the oracle behind Route (no lower bound behind
     affinity at 4 adapter lanes); the last --host-bytes wins in argparse, so the part's is after the common one."""

@@ -14,6 +14,9 @@
 #   dev2-full    2 replicas x TP 1, device store, a host tier of FULL_HOST_BYTES [24 GiB] per rank (holds the
 #                catalog), workload seed SEED [0]: global behind Route, queue and global behind affinity, the
 #                oracle behind Route; one bench.run each
+#   dev2-pair    2 replicas x TP 1, device store, workload seed SEED [0]: `global` behind Route, then `queue` behind
+#                affinity (the pair a goal is judged on; with MAX_ADAPTERS=8 the engine's larger batch), one
+#                bench.run each, named by the seed and MAX_ADAPTERS, so that calls for several seeds sum up
 #   dev2-ll      2 replicas x TP 1, device store, least-loaded router: overlap
 #   dev1         1 replica, device store: queue, global, oracle (--check-sim)
 #   pc2-aff      2 replicas x TP 1, page-cache store, affinity: queue, global
@@ -54,6 +57,9 @@ for part in "$@"; do
                 run "dev2-full-route-s${SEED:-0}" "${two[@]}" "${full[@]}" --router lora-cache --policies global
                 run "dev2-full-aff-s${SEED:-0}" "${two[@]}" "${full[@]}" --router affinity --policies queue,global
                 run "dev2-full-oracle-s${SEED:-0}" "${two[@]}" "${full[@]}" --router lora-cache --policies oracle ;;
+    dev2-pair)  pair=(--workload-seed "${SEED:-0}" --store device)
+                run "dev2-route-m${MAX_ADAPTERS:-4}-s${SEED:-0}" "${two[@]}" "${pair[@]}" --router lora-cache --policies global
+                run "dev2-queue-m${MAX_ADAPTERS:-4}-s${SEED:-0}" "${two[@]}" "${pair[@]}" --router affinity --policies queue ;;
     dev2-ll)    run "$part" "${two[@]}" --store device --router least-loaded --policies overlap ;;
     dev1)       run "$part" --replicas 1 --arrivals "poisson:$rate" --store device --policies queue,global,oracle --check-sim ;;
     pc2-aff)    run "$part" "${two[@]}" --store page-cache --router affinity --policies queue,global ;;

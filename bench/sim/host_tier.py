@@ -71,7 +71,7 @@ class SimHostTier:
         if entry is not None:  # staged, or a read in flight or waiting (single flight)
             if key in self.entries:
                 self.entries.move_to_end(key)
-                entry.protected = entry.protected or self.order.segmented  # used again
+                entry.protected = self.order.used_again(entry.protected)
             entry.refs += 1
             self.hits += count
             return entry, True

@@ -2,13 +2,12 @@
 ``lru``, the least recently used (the default), or ``segmented``, where a one-off read never pushes out a copy that
 is used again or that the controller asked to keep warm.
 
-A plain LRU lets every demand read of a rarely asked-for adapter push
-out the least recently used copy, and with a Zipf catalog most demand reads are of such adapters: in the fitted
-simulator (1 replica, device store, 4 GiB host tier, ``--max-adapters 8``) the 11th most requested adapter was
-read from the device on 6 of its 7 requests, each time pushed out by tail reads between them, while the
-controller's warm stages (``lora_cache/planner/warming.py``) were pushed out as fast as they came
-(bench/reports/issue-42.md, "the host tier's eviction order"). So under ``segmented`` a tier's entries are of two
-kinds, as in segmented LRU / 2Q:
+A plain LRU lets every demand read of a rarely asked-for adapter push out the least recently used copy, and with a
+Zipf catalog most demand reads are of such adapters: in the fitted simulator (1 replica, device store, 4 GiB host
+tier, ``--max-adapters 8``) the 11th most requested adapter was read from the device on 6 of its 7 requests, each
+time pushed out by tail reads between them, while the controller's warm stages (``lora_cache/planner/warming.py``)
+were pushed out as fast as they came (bench/reports/issue-42.md, "the host tier's eviction order"). So under
+``segmented`` a tier's entries are of two kinds, as in segmented LRU / 2Q:
 
 - **protected**: read by a warm stage (the controller's plan for this tier), fetched again once staged (used
   twice), or read again soon after the tier let go of it (its key is still in the ghost history below);
@@ -75,6 +74,10 @@ class EvictionOrder:
             self._ghost_bytes -= nbytes
             self.returned += 1
         return speculative or nbytes is not None
+
+    def used_again(self, protected: bool) -> bool:
+        """A staged entry fetched again: whether it is protected from now on (under ``segmented``, always)."""
+        return protected or self.segmented
 
     def evicted(self, key: AdapterKey, nbytes: int) -> None:
         """The tier let go of ``key``'s idle entry to make room: remembered, newest last, within the capacity."""

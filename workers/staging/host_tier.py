@@ -193,7 +193,7 @@ class HostTier:
             hit = entry is not None or waiting is not None  # staged, or a read in flight or waiting (single flight)
             if entry is not None:
                 self._entries.move_to_end(key)
-                entry.refs, entry.protected = entry.refs + 1, entry.protected or self.order.segmented  # used again
+                entry.refs, entry.protected = entry.refs + 1, self.order.used_again(entry.protected)
             elif waiting is not None:
                 waiting.refs += 1
             else:
