@@ -42,7 +42,7 @@ def auto_warmup(spec: WorkloadSpec, names: Sequence[str], replicas: int, slots: 
     full = 0
     for i, r in enumerate(sorted(drawn.requests, key=lambda r: (r.arrival_s, r.rid))[:cap]):
         s = seen[i % replicas]
-        if len(s) < want:
+        if r.adapter is not None and len(s) < want:  # a request for the base model loads nothing
             s.add(r.adapter)
             full += len(s) == want
         if full == replicas:

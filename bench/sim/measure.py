@@ -35,6 +35,7 @@ from bench.sim.calibration import Calibration, fit_calibration
 from bench.sim.fleet import SimConfig, simulate
 from bench.workloads import Workload, WorkloadSpec
 from lora_cache.adapters.synth import SynthConfig, make_adapters
+from workers.cache import WorkerCache
 from workers.engine.config import EngineConfig
 from workers.engine.engine import run_engine
 from workers.engine.rank import RankEngine, load_catalog
@@ -84,6 +85,8 @@ def _median_ms(engine: RankEngine, plan: StepPlan, repeats: int) -> float:
 def time_loads(engine: RankEngine) -> list[dict[str, object]]:
     """Every adapter loaded from disk, then again from the host tier."""
     cache, rows = engine.cache, list[dict[str, object]]()
+    if not isinstance(cache, WorkerCache):
+        raise TypeError(f"time_loads needs the engine's own WorkerCache to evict from, not {type(cache).__name__}")
     for name in engine.names:
         cache.evict(name)
     for _ in range(2):  # cold, then host-tier hits
