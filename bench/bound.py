@@ -1,6 +1,7 @@
 """What no policy that cannot see the future can beat: a floor under every figure of a run but the oracle's.
 
-``python -m bench.bound RESULTS [RESULTS ...]`` (a ``bench.run`` results file, either engine).
+``python -m bench.bound RESULTS [RESULTS ...]`` (a ``bench.run`` results file, either engine); ``bench.run`` puts the
+same floors in its results (``floor``) and under its table.
 
 The benchmark's ``zipf`` and ``uniform`` popularities draw each request's adapter independently of every other
 request, from fixed probabilities (the independent reference model; ``zipf:A,K`` with a new ranking in each of K
@@ -147,6 +148,9 @@ def for_results(doc: Mapping[str, Any], quantile: float = 0.99, read_gbps: float
     lead = float(bench.get("hint_lead_s") or 0.0)
     wait = {n: nbytes[n] / rate - lead for n in names}
     replicas = int(bench["replicas"])
+    if int(bench["host_bytes"]) <= 0:
+        raise ConfigError("the run's host tier was sized automatically (--host-bytes 0) and its bytes are not in the "
+                          "results; rerun with --host-bytes N to have a floor")
     return online_floor(prob, nbytes, wait, replicas * int(bench["slots"]), replicas * int(bench["host_bytes"]),
                         quantile)
 

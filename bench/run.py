@@ -148,6 +148,9 @@ def run(bench: BenchConfig, spec: WorkloadSpec) -> dict[str, Any]:
     cold = {c.policy: figures(c) for _, c in halves if c is not None}
     doc["cold_start"] = cold
     doc["table"] = _headline(bench, store, described) + "\n\n" + doc["table"] + _cold_table(cold, described)
+    doc["floor"] = _floor(doc)
+    if doc["floor"] is not None:
+        doc["table"] += _floor_line(doc["floor"])
     if bench.engine == "real" and bench.check_sim:
         doc["sim_check"] = _check_sim(bench, policies, workload, runs, doc["figures"])
     write_results(Path(bench.out) / "results.json", doc)
@@ -160,6 +163,24 @@ def _headline(bench: BenchConfig, store: StoreModel, described: dict[str, Any]) 
             f"policy; warm-up: {described['warmup_requests']} requests ({described['warmup_s']:.1f} s, the same "
             f"arrival process) before the measured window of {described['requests']} requests. The table is the "
             "measured window (steady state); the cold start (the warm-up) is the last table.")
+
+
+def _floor(doc: dict[str, Any]) -> dict[str, float] | None:
+    """The floors no online policy beats on this run's fleet and workload (``bench/bound.py``); None where none
+    holds (a popularity without fixed probabilities, a store never read, an auto-sized host tier)."""
+    from bench.bound import for_results
+
+    try:
+        return dataclasses.asdict(for_results(doc))
+    except ConfigError:
+        return None
+
+
+def _floor_line(floor: dict[str, float]) -> str:
+    return (f"\n\nfloor for any online policy on this fleet and popularity (python -m bench.bound): "
+            f"{floor['missed'] * 100:.2f}% of requests miss every tier, {floor['stall_ms']:.1f} ms load wait per "
+            f"request, p{floor['quantile'] * 100:g} load wait {floor['tail_ms']:.0f} ms (the oracle, a slot per "
+            "adapter, is below it)")
 
 
 def _cold_table(cold: dict[str, dict[str, Any]], described: dict[str, Any]) -> str:

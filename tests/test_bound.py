@@ -89,7 +89,7 @@ def test_a_popularity_without_fixed_probabilities_is_refused_by_name(popularity:
 
 def test_bad_inputs_are_refused() -> None:
     one = ({"a": 1.0}, {"a": 10}, {"a": 1.0})
-    with pytest.raises(ConfigError, match="quantile is 1.0"):
+    with pytest.raises(ConfigError, match=r"quantile is 1\.0"):
         online_floor(*one, slots=0, host_bytes=0, quantile=1.0)
     with pytest.raises(ConfigError, match="shard size"):
         online_floor({"a": 1.0}, {"a": 0}, {"a": 1.0}, 0, 0)
@@ -111,9 +111,13 @@ def test_a_simulated_runs_results_give_its_floors(tmp_path: Path, capsys: pytest
     assert all(sizes[ld["adapter"]] == ld["nbytes"] for ld in doc["loads"]["queue"])
     bound = for_results(doc)
     assert 0 < bound.missed < 1 and doc["figures"]["queue"]["mean_load_wait_ms"] >= bound.stall_ms
+    assert doc["floor"]["missed"] == pytest.approx(bound.missed) and "floor for any online policy" in doc["table"]
     assert main([str(out / "results.json")]) == 0
     assert str(out / "results.json") in capsys.readouterr().out
     doc["loads"] = {"queue": []}  # nothing read: no read time known
     with pytest.raises(ConfigError, match="--read-gbps"):
         for_results(doc)
     assert for_results(doc, read_gbps=1.2).missed == pytest.approx(bound.missed)
+    doc["config"]["bench"]["host_bytes"] = 0  # auto-sized: its bytes are not in the results
+    with pytest.raises(ConfigError, match="--host-bytes N"):
+        for_results(doc, read_gbps=1.2)
