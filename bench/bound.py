@@ -136,6 +136,9 @@ def fastest_read(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> float | Non
 def for_results(doc: Mapping[str, Any], quantile: float = 0.99, read_gbps: float | None = None) -> Bound:
     """The floors for a ``bench.run`` results document's fleet, workload and store."""
     bench, workload = doc["config"]["bench"], doc["config"]["workload"]
+    if int(bench.get("num_layers") or 0):
+        raise ConfigError(f"the run ran {bench['num_layers']} layers of {bench['model']} (--num-layers), so its shards "
+                          "are not the whole model's; the floor is for whole models: rerun without --num-layers")
     count = int(workload["adapters"])
     names = [f"adapter-{i:0{max(3, len(str(count - 1)))}d}" for i in range(count)]  # WorkloadSpec.adapter_names
     prob = probabilities(str(workload["popularity"]), names)

@@ -118,6 +118,10 @@ def test_a_simulated_runs_results_give_its_floors(tmp_path: Path, capsys: pytest
     with pytest.raises(ConfigError, match="--read-gbps"):
         for_results(doc)
     assert for_results(doc, read_gbps=1.2).missed == pytest.approx(bound.missed)
+    doc["config"]["bench"]["num_layers"] = 2  # a cut model: its shards are not the whole model's
+    with pytest.raises(ConfigError, match="--num-layers"):
+        for_results(doc, read_gbps=1.2)
+    doc["config"]["bench"]["num_layers"] = 0
     doc["config"]["bench"]["host_bytes"] = 0  # auto-sized: its bytes are not in the results
     with pytest.raises(ConfigError, match="--host-bytes N"):
         for_results(doc, read_gbps=1.2)
