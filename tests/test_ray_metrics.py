@@ -120,8 +120,9 @@ def test_metrics_reach_the_prometheus_endpoint(cluster) -> None:
     while time.monotonic() < deadline:
         samples = scrape(port)
         if all(total(samples, name, **labels) > 0 for name, labels in want.items()) and all(
-                total(samples, name, rank=r, outcome=o) == n for (name, r, o), n in settled.items()):
-            break
+                total(samples, name, rank=r, outcome=o) == n for (name, r, o), n in settled.items()) and all(
+                total(samples, "ray_lora_cache_prefetch_accuracy", rank=r) > 0 for r in ("0", "1")):
+            break  # the accuracy gauge too: a scrape once had both ranks' retirements and one rank's gauge absent
         time.sleep(0.5)
     missing = [name for name, labels in want.items() if total(samples, name, **labels) <= 0]
     assert not missing, f"not exported: {missing}; got {sorted({n for n, _, _ in samples})}"
