@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.workloads import parse_popularity
+from bench.workloads import Popularity, WorkloadSpec, parse_popularity
 from lora_cache.adapters.shapes import resolve_model
 from lora_cache.errors import ConfigError
 
@@ -50,13 +50,18 @@ class Bound:
     quantile: float
 
 
-def probabilities(popularity: str, names: Sequence[str]) -> dict[str, float]:
-    """Each adapter's probability per request under ``popularity`` (the benchmark's Zipf: rank i of ``names`` has
-    weight 1 / (i + 1) ** A; in a phased Zipf each phase ranks the names anew, with the same weights)."""
+def _independent(popularity: str) -> Popularity:
     spec = parse_popularity(popularity)
     if spec.kind not in IRM:
         raise ConfigError(f"popularity {popularity!r} does not draw requests independently from fixed probabilities; "
                           f"the floor holds for {' or '.join(IRM)} only (bursty, distinct and trace runs have none)")
+    return spec
+
+
+def probabilities(popularity: str, names: Sequence[str]) -> dict[str, float]:
+    """Each adapter's probability per request under ``popularity`` (the benchmark's Zipf: rank i of ``names`` has
+    weight 1 / (i + 1) ** A; in a phased Zipf each phase ranks the names anew, with the same weights)."""
+    spec = _independent(popularity)
     if not names:
         raise ConfigError("no adapters: give the run's adapter names")
     weights = [1.0 if spec.kind == "uniform" else 1.0 / (i + 1) ** spec.alpha for i in range(len(names))]
@@ -108,22 +113,11 @@ def shard_bytes(model: str, ranks: Sequence[int], names: Sequence[str], tp: int,
                 dtype: str = "bfloat16") -> dict[str, int]:
     """Each adapter's bytes per TP rank as the benchmark writes them (name i has rank ``ranks[i % len(ranks)]``,
     every targeted module of ``model``)."""
-    import torch
-
     from bench.sim.controller import SyntheticCatalog
-    from lora_cache.adapters.shards import shard_layout
+    from bench.sim.fleet import shard_bytes as sizes
 
-    shape = resolve_model(model)
-    catalog = SyntheticCatalog(shape, {n: ranks[i % len(ranks)] for i, n in enumerate(names)}, dtype)
-    by_rank: dict[int, int] = {}
-    out = {}
-    for name in names:
-        rank = catalog.ranks[name]
-        if rank not in by_rank:
-            by_rank[rank] = shard_layout(catalog.read(name, f"simulated/{name}"), shape, tp, 0,
-                                         getattr(torch, dtype)).nbytes
-        out[name] = by_rank[rank]
-    return out
+    catalog = SyntheticCatalog(resolve_model(model), {n: ranks[i % len(ranks)] for i, n in enumerate(names)}, dtype)
+    return sizes(catalog, tp, dtype)
 
 
 def fastest_read(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> float | None:
@@ -139,8 +133,9 @@ def for_results(doc: Mapping[str, Any], quantile: float = 0.99, read_gbps: float
     if int(bench.get("num_layers") or 0):
         raise ConfigError(f"the run ran {bench['num_layers']} layers of {bench['model']} (--num-layers), so its shards "
                           "are not the whole model's; the floor is for whole models: rerun without --num-layers")
+    _independent(str(workload["popularity"]))  # before the names: a trace's are in its file
     count = int(workload["adapters"])
-    names = [f"adapter-{i:0{max(3, len(str(count - 1)))}d}" for i in range(count)]  # WorkloadSpec.adapter_names
+    names = WorkloadSpec(popularity=str(workload["popularity"]), num_adapters=count).adapter_names(0)
     prob = probabilities(str(workload["popularity"]), names)
     ranks = [int(r) for r in str(bench["adapter_ranks"]).split(",")]
     nbytes = shard_bytes(str(bench["model"]), ranks, names, int(bench["tp"]))

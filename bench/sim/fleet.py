@@ -250,10 +250,10 @@ class _Fleet:
         for name in names:
             self.controller.core.register_adapter(name, f"simulated/{name}")
         keys = {n: AdapterKey(n, catalog.get(n).version) for n in names}
-        nbytes = _shard_bytes(catalog, config.tp, calibration.slot_dtype)
+        nbytes = shard_bytes(catalog, config.tp, calibration.slot_dtype)
         model = parse_store(config.store)  # one store for the fleet's host (the benchmark's machine)
         self.store = None if model.kind == "page-cache" else SimStore(
-            model, loop, calibration, _shard_bytes(catalog, 1, calibration.slot_dtype))
+            model, loop, calibration, shard_bytes(catalog, 1, calibration.slot_dtype))
         self.ranks_at_warmup: list[dict[str, object]] | None = None
         if config.host_bytes < max(nbytes.values()):
             raise ConfigError(f"host_bytes ({config.host_bytes}) must hold one shard ({max(nbytes.values())} bytes "
@@ -404,13 +404,14 @@ class _Fleet:
         self.controller.core.check_integrity()
 
 
-def _shard_bytes(catalog: SyntheticCatalog, tp: int, dtype: str) -> dict[str, int]:
-    """Bytes of one rank's shard of every adapter (every rank's shard has the same size: even TP splits)."""
+def shard_bytes(catalog: SyntheticCatalog, tp: int, dtype: str) -> dict[str, int]:
+    """Bytes of one rank's shard of every adapter the catalog has a rank for, registered or not (every rank's
+    shard has the same size: even TP splits); ``bench.bound`` sizes a run's adapters with it too."""
     by_rank: dict[int, int] = {}
     out = {}
-    for name in catalog.names():
-        spec = catalog.get(name)
-        if spec.max_rank not in by_rank:
-            by_rank[spec.max_rank] = shard_layout(spec, catalog.shape, tp, 0, getattr(torch, dtype)).nbytes
-        out[name] = by_rank[spec.max_rank]
+    for name, rank in catalog.ranks.items():
+        if rank not in by_rank:
+            spec = catalog.read(name, f"simulated/{name}")
+            by_rank[rank] = shard_layout(spec, catalog.shape, tp, 0, getattr(torch, dtype)).nbytes
+        out[name] = by_rank[rank]
     return out
