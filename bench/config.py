@@ -15,6 +15,7 @@ from bench.router.rules import RULES
 from bench.store import StoreModel, parse_store
 from lora_cache.errors import ConfigError
 from workers.staging.eviction import EVICTION
+from workers.staging.host_config import TIERS
 
 ENGINES = ("real", "sim")
 
@@ -82,6 +83,10 @@ class BenchConfig:
     host_eviction: str = field(default="lru", metadata={
         "help": "the host tier's eviction order, the same for every policy: lru | segmented (read-once shards "
                 "first; workers/staging/eviction.py)"})
+    host_tiers: str = field(default="inclusive", metadata={
+        "help": "whether GPU slots and the host tier may hold one shard both, the same for every policy: inclusive | "
+                "exclusive (a GPU load lets go of its host copy; a slot's eviction writes the shard back; "
+                "workers/staging/host_config.py)"})
     gpus: str = field(default="auto", metadata={"help": "real engine on GPUs: auto | yes | no"})
     calibration: str = field(default="h200-llama8b", metadata={
         "path": "name_or_file", "help": "sim costs: a name under bench/calibration "
@@ -110,6 +115,9 @@ class BenchConfig:
         if self.host_eviction not in EVICTION:
             raise ConfigError(f"host_eviction {self.host_eviction!r} is not one of {', '.join(EVICTION)}; pick one "
                               "(lru is the default)")
+        if self.host_tiers not in TIERS:
+            raise ConfigError(f"host_tiers {self.host_tiers!r} is not one of {', '.join(TIERS)}; pick one "
+                              "(inclusive is the default)")
         if self.scenario and self.scenario not in SCENARIOS:
             raise ConfigError(f"scenario {self.scenario!r} is not one of {', '.join(SCENARIOS)}")
         if self.gpus not in ("auto", "yes", "no"):

@@ -85,6 +85,7 @@ class RealConfig:
     worker_cpus: float = 0.25
     host_bytes: int = 2 << 30
     host_eviction: str = "lru"  # HostTierConfig.eviction
+    host_tiers: str = "inclusive"  # HostTierConfig.tiers
     timeout_s: float = 900.0  # one policy's whole run
     engine: dict[str, Any] = field(default_factory=dict)  # further EngineConfig fields (e.g. share_weights)
     attach: bool = False  # engine ranks in processes of their own, attached through the seam
@@ -143,6 +144,7 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
     worker = WorkerConfig(num_slots=slots, dtype=config.dtype,
                           max_batch=max(256, config.max_running + config.max_adapters),
                           host=HostTierConfig(host_bytes=config.host_bytes, eviction=config.host_eviction,
+                                              tiers=config.host_tiers,
                                               drop_page_cache=config.store_model().kind == "device"),
                           disk=_disk_tier(config, policy))
     engine = EngineConfig(model=config.model, num_layers=config.num_layers, tp=config.tp, num_slots=slots,

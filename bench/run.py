@@ -201,7 +201,7 @@ def _run_real(bench: BenchConfig, policies: Sequence[BenchPolicy], root: str, na
                       slots=bench.slots, max_rank=bench.max_rank, max_running=bench.max_running,
                       max_adapters=bench.max_adapters, max_prefill_tokens=bench.max_prefill_tokens,
                       max_seq_len=bench.max_seq_len, hint_lead_s=bench.hint_lead_s, gpus=gpus,
-                      host_bytes=bench.host_bytes, host_eviction=bench.host_eviction,
+                      host_bytes=bench.host_bytes, host_eviction=bench.host_eviction, host_tiers=bench.host_tiers,
                       dtype="bfloat16" if gpus else "float32", timeout_s=bench.timeout_s,
                       # one set of random base weights for every layer: the same math and bytes read per
                       # layer (far beyond any cache), a fraction of the start-up time and memory

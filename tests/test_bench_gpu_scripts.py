@@ -223,6 +223,18 @@ def test_issue42_pair_part_names_each_run_by_seed_and_adapter_lanes(tmp_path: Pa
         assert run[run.index("--out") + 1] == str(tmp_path / name)
 
 
+def test_issue42_tiers_part_runs_global_behind_route_under_both_tiers_for_one_seed(tmp_path: Path) -> None:
+    """dev2-tiers: the A/B of exclusive host tiers in one call, each run named by its tiers; the part's --host-tiers is
+    after the common one (TIERS), so it is the one argparse keeps."""
+    runs = _dry("issue42.sh", str(tmp_path), "dev2-tiers", SEED="3", MAX_ADAPTERS="8", TIERS="exclusive")
+    assert len(runs) == 2
+    for run, tiers in zip(runs, ("inclusive", "exclusive")):
+        assert [run[i + 1] for i, a in enumerate(run) if a == "--host-tiers"][-1] == tiers
+        assert run[run.index("--out") + 1] == str(tmp_path / f"dev2-route-m8-s3-{tiers}")
+        assert " ".join(run[run.index("--router"):run.index("--router") + 4]) == "--router lora-cache --policies global"
+        assert build_parser().parse_args(run[run.index("bench.run") + 1:]).host_tiers == tiers
+
+
 def test_issue42_full_host_tier_part_overrides_the_host_bytes_and_routes_the_oracle_by_route(tmp_path: Path) -> None:
     """dev2-full: a host tier that holds the catalog, three bench.runs; the oracle behind Route (no lower bound behind
     affinity at 4 adapter lanes); the last --host-bytes wins in argparse, so the part's is after the common one."""

@@ -188,6 +188,19 @@ def test_concurrent_misses_wait_for_host_room_instead_of_failing() -> None:
     assert totals["host_hits"] + totals["host_misses"] == totals["loads"]
 
 
+def test_exclusive_tiers_write_evicted_shards_back_and_serve_every_request() -> None:
+    """``host_tiers`` exclusive in the simulator (``LoadPath.write_back``'s rules): shards evicted from slots come
+    back into the host tier with no store read, a READY slot's shard keeps no idle host copy (``check``), and every
+    request is served with the books balanced."""
+    config = dataclasses.replace(SMALL, host_tiers="exclusive")
+    result = run("global", config)
+    totals = result.totals()
+    assert all(r.ok for r in result.records) and len(result.records) == len(workload().requests)
+    assert totals["host_written_back"] > 0
+    assert totals["host_hits"] + totals["host_misses"] == totals["prefetches"] + totals["demand_loads"]
+    assert run("global").totals()["host_written_back"] == 0  # inclusive: nothing written back
+
+
 def test_the_same_seed_gives_identical_records() -> None:
     a = run("global")  # the cached run (integrity checks on: they do not change the records)
     b = simulate(SMALL, BENCH_POLICIES["global"], workload(), H200)
@@ -553,20 +566,21 @@ def test_bad_calibrations_and_configs_are_refused(tmp_path: Path) -> None:
 # the engine's prefetch of a held-back adapter was refused for room and its WAIT round re-ran at the same
 # instant forever. A rank with nothing loading for its held-back adapters now polls.
 @example(policy="global", tp=1, slots=1, replicas=3, arrivals="poisson:40", popularity="distinct", host_shards=2,
-         seed=395)
+         seed=395, tiers="inclusive")
 @given(policy=st.sampled_from(list(BENCH_POLICIES)), tp=st.sampled_from([1, 2]), slots=st.integers(1, 4),
        replicas=st.integers(1, 3), arrivals=st.sampled_from(["poisson:4", "poisson:40", "inflight:3"]),
        popularity=st.sampled_from(["uniform", "zipf:1.5", "bursty:2,3", "distinct"]),
-       host_shards=st.sampled_from([2, 100]), seed=st.integers(0, 1000))
+       host_shards=st.sampled_from([2, 100]), seed=st.integers(0, 1000),
+       tiers=st.sampled_from(["inclusive", "exclusive"]))
 def test_any_small_fleet_finishes_every_request_with_its_books_balanced(
         policy: str, tp: int, slots: int, replicas: int, arrivals: str, popularity: str, host_shards: int,
-        seed: int) -> None:
+        seed: int, tiers: str) -> None:
     """Every request leaves (served, or failed with an error when its load found no room), nothing stalls,
     and the slot tables, host tiers and controller stay consistent (``check``) whatever the fleet. (A host
     tier of two shards is less than some fleets' loads in flight: a load that finds no host room waits for
     one of them, as the real one does.)"""
     config = SimConfig(replicas=replicas, tp=tp, slots=slots, max_adapters=min(slots, 2), max_running=4,
-                       host_bytes=host_shards * (320 << 20))
+                       host_bytes=host_shards * (320 << 20), host_tiers=tiers)
     spec = WorkloadSpec(arrivals=arrivals, popularity=popularity, requests=24, random_input_len=64,
                         random_output_len=6, workload_seed=seed)
     wl = make_workload(spec, spec.adapter_names(slots))

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.vocab import AdapterKey
+from tests.waiting import wait_for
 from tests.worker_queries import forget_last_use
 from workers.cache import WorkerCache, WorkerConfig
 from workers.staging.host_config import HostTierConfig
@@ -209,6 +210,38 @@ def test_pipelined_layer_reads_its_chunk_after_a_slow_copy(tmp_path: Path, wait:
         torch.cuda.synchronize()
         assert torch.equal(seen, want[last.start : last.stop]) == wait
         cache.settle()
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("delay_cycles", [0, 200_000_000])
+def test_an_evicted_slot_is_written_back_before_the_next_load_overwrites_it(tmp_path: Path, delay_cycles: int) -> None:
+    """Exclusive tiers on real streams: one slot; B's load evicts A, whose shard is copied back to the host tier on the
+    copy stream ahead of B's copies into that slot (held back by a spin on the copy stream, so that a write-back
+    issued after B's first copy, or seen complete before it ran, would hold B's bytes or none). A's host entry is
+    served only once its copy completed and holds A's file bytes; the load of A after it is a host hit."""
+    catalog = _catalog(tmp_path, 2, rank="64")
+    cache = WorkerCache(WorkerConfig(num_slots=1, device="cuda",
+                                     host=HostTierConfig(host_bytes=64 << 20, tiers="exclusive")), catalog)
+    try:
+        assert cache.host.arena.wait_pinned(60)
+        a, b = "adapter-000", "adapter-001"
+        cache.prefetch(a).result(timeout=30)
+        key_a = AdapterKey(a, catalog.get(a).version)
+        assert not cache.host.contains(key_a)
+        copy_stream = cache.streams.copy_stream  # type: ignore[attr-defined]
+        with torch.cuda.stream(copy_stream):
+            torch.cuda._sleep(delay_cycles)  # the copies queued next wait behind it
+        record = cache.prefetch(b).result(timeout=60)
+        assert torch.equal(cache.pool[record.slot, : cache.layout_of(b).numel].cpu(), _file_shard(cache, b))
+        wait_for(lambda: cache.host.contains(key_a), "A's write-back seen complete")  # stream order: before B's
+        assert cache.host.contains(key_a) and cache.host.written_back == 1
+        entry = cache.host._entries[key_a]
+        assert torch.equal(entry.tensor[: cache.layout_of(a).numel], _file_shard(cache, a))
+        again = cache.prefetch(a).result(timeout=30)
+        assert again.host_hit
+        assert torch.equal(cache.pool[again.slot, : cache.layout_of(a).numel].cpu(), _file_shard(cache, a))
         cache.check_integrity()
     finally:
         cache.close()

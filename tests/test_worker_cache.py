@@ -81,6 +81,15 @@ def assert_slot_holds(cache: WorkerCache, slot: int, layout: ShardLayout, want: 
         )
 
 
+def assert_host_holds(packed: torch.Tensor, layout: ShardLayout, want: Entries) -> None:
+    """A packed shard (a host entry's ``tensor``, ``layout``'s 1-D order) holds ``want``'s matrices."""
+    for (layer, module, ab), tensor in want.items():
+        e = layout.entry(layer, module, ab)
+        assert torch.equal(packed[e.offset : e.offset + e.numel].view(e.shape), tensor), (
+            f"host copy of {layout.adapter}@{layout.version} layer {layer} {module}.lora_{ab}"
+        )
+
+
 def assert_serves(cache: WorkerCache, name: str, slot: int) -> None:
     assert_slot_holds(cache, slot, *current(cache, name))
 
@@ -744,6 +753,8 @@ class CacheMachine(RuleBasedStateMachine):
     references equal the held batches, counters add up.
     """
 
+    TIERS = "inclusive"  # HostTierConfig.tiers
+
     def __init__(self) -> None:
         super().__init__()
         self.root = Path(tempfile.mkdtemp(prefix="lora-cache-sm-"))
@@ -758,12 +769,13 @@ class CacheMachine(RuleBasedStateMachine):
             WorkerConfig(
                 num_slots=self.n,
                 device="cpu",
-                host=HostTierConfig(host_bytes=1 << 20, read_threads=2, pin=False),
+                host=HostTierConfig(host_bytes=1 << 20, read_threads=2, pin=False, tiers=self.TIERS),
             ),
             self.catalog,
             on_ready=self.records.append,
         )
         self.weights = {n: current(self.cache, n) for n in NAMES}
+        self.shards = {self.key(n): self.weights[n] for n in NAMES}  # every version's layout and weights
         self.held: list[tuple[Batch, list[tuple[AdapterKey, ShardLayout, Entries]]]] = []
         self.lookups = 0
         self.rewrites = 0
@@ -846,6 +858,7 @@ class CacheMachine(RuleBasedStateMachine):
         )
         assert self.catalog.register(name, spec.path).version != spec.version
         self.weights[name] = current(self.cache, name)
+        self.shards[self.key(name)] = self.weights[name]
 
     @invariant()
     def consistent(self) -> None:
@@ -871,6 +884,8 @@ class CacheMachine(RuleBasedStateMachine):
         assert s["loads"] == len(self.records) and s["bytes_host_to_gpu"] == sum(
             r.nbytes for r in self.records
         )
+        for key in cache.host.contents():  # a staged or written-back shard is its own version's bytes (invariant 1)
+            assert_host_holds(cache.host._entries[key].tensor, *self.shards[key])
 
     def teardown(self) -> None:
         try:
@@ -886,6 +901,26 @@ class CacheMachine(RuleBasedStateMachine):
 
 CacheMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
 TestCacheMachine = CacheMachine.TestCase
+
+
+class ExclusiveCacheMachine(CacheMachine):
+    """The same steps with exclusive tiers: every evicted slot's shard written back into the host tier (the host
+    tier's bytes checked against every version after each step), and no shard both READY in a slot and whole on
+    the host once the rank is quiet."""
+
+    TIERS = "exclusive"
+
+    @invariant()
+    def one_tier_each(self) -> None:
+        self.cache.settle()
+        wait_for(lambda: not self.cache.host.reading(), "write-backs landed")
+        event(f"shards written back: {min(3, self.cache.host.written_back)}+")
+        both = self.cache.ready_keys() & set(self.cache.host.contents())
+        assert not both, f"{both} held READY in a slot and whole on the host"
+
+
+ExclusiveCacheMachine.TestCase.settings = settings(max_examples=20, stateful_step_count=30, deadline=None)
+TestExclusiveCacheMachine = ExclusiveCacheMachine.TestCase
 
 
 class _GatedStreams(CpuStreams):

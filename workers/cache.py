@@ -141,7 +141,8 @@ class WorkerCache:
         self.shards = RankShards(catalog, config.tp, config.tp_rank, self.dtype, config.chunk_bytes)
         self.acquirer = Acquirer(self.book, catalog, self.streams, self.device, config.max_batch, config.on_miss,
                                  config.tp_rank, functools.partial(self.prefetch, on_demand=True))
-        self.load_path = LoadPath(self.book, self.host, self.streams, self.pool, self.meta, config.tp_rank, on_ready)
+        self.load_path = LoadPath(self.book, self.host, self.streams, self.pool, self.meta, config.tp_rank, on_ready,
+                                  catalog.__contains__)
 
     @property
     def on_change(self) -> Callable[[Delta], None] | None:
@@ -196,9 +197,11 @@ class WorkerCache:
             slot = self.book.table.lookup(key)
             if slot is None or not self.book.table.evict(key):
                 return False
+            self.load_path.write_back(slot.index)  # exclusive tiers: the shard back into the host tier
             self.book.retire(slot.index)
             self.book.changed(key, "gone")
         self.book.report()
+        self.host.report()
         return True
 
     def restate(self, name: str, version: str) -> None:
@@ -281,9 +284,9 @@ class WorkerCache:
         with self.book.lock:
             snap = self.counters.snapshot()
             snap.update(host_hits=self.host.hits, host_misses=self.host.misses, host_waits=self.host.waits,
-                        bytes_disk_to_host=self.host.bytes_read, slots_ready=table.count(SlotPhase.READY),
-                        slots_loading=table.count(SlotPhase.LOADING), host_bytes_used=self.host.arena.used_bytes,
-                        **resident_prefetches(self.book.loads.values()))
+                        host_written_back=self.host.written_back, bytes_disk_to_host=self.host.bytes_read,
+                        slots_ready=table.count(SlotPhase.READY), slots_loading=table.count(SlotPhase.LOADING),
+                        host_bytes_used=self.host.arena.used_bytes, **resident_prefetches(self.book.loads.values()))
         snap.update(self.disk.stats())
         return snap
 

@@ -17,6 +17,9 @@
 #   dev2-pair    2 replicas x TP 1, device store, workload seed SEED [0]: `global` behind Route, then `queue` behind
 #                affinity (the pair a goal is judged on; with MAX_ADAPTERS=8 the engine's larger batch), one
 #                bench.run each, named by the seed and MAX_ADAPTERS, so that calls for several seeds sum up
+#   dev2-tiers   2 replicas x TP 1, device store, workload seed SEED [0]: `global` behind Route with inclusive, then
+#                exclusive host tiers (--host-tiers: a GPU load lets go of its host copy, an evicted slot's shard is
+#                written back), one bench.run each, named by MAX_ADAPTERS, the seed and the tiers (an A/B in one call)
 #   dev2-ll      2 replicas x TP 1, device store, least-loaded router: overlap
 #   dev1         1 replica, device store: queue, global, oracle (--check-sim)
 #   pc2-aff      2 replicas x TP 1, page-cache store, affinity: queue, global
@@ -28,7 +31,8 @@
 # The workload: Zipf 1.5 over NUM_ADAPTERS [100] adapters of ranks 16 and 64 (Llama-3.1-8B shapes), Poisson RATE
 # [4] requests/s per replica, REQUESTS [200] measured after WARMUP [300] warm-up requests (bench/warmup.py: long
 # enough for the warm stages to fill the host tiers at the device's ~1.2 GB/s), the host tier
-# HOST_BYTES [4 GiB] per rank: about a quarter of the catalog's shard bytes. Each run is killed after STEP_LIMIT
+# HOST_BYTES [4 GiB] per rank: about a quarter of the catalog's shard bytes, its tiers TIERS [inclusive] (every part
+# but dev2-tiers, which names its own). Each run is killed after STEP_LIMIT
 # [280] s. Exit status: the number of runs that failed.
 set -u
 . "$(dirname "$0")/lib.sh"
@@ -39,7 +43,7 @@ rate=${RATE:-4}
 limit=${STEP_LIMIT:-280}
 common=(--engine real --model "$model" --adapter-ranks 16,64 --adapters "$adapters" --no-plots --scenario zipf
         --num-adapters "${NUM_ADAPTERS:-100}" --requests "${REQUESTS:-200}" --host-bytes "${HOST_BYTES:-4294967296}"
-        --max-adapters "${MAX_ADAPTERS:-4}" --warmup-requests "${WARMUP:-300}")
+        --max-adapters "${MAX_ADAPTERS:-4}" --warmup-requests "${WARMUP:-300}" --host-tiers "${TIERS:-inclusive}")
 [ "${DRY:-0}" = 1 ] || nvidia-smi -L
 run() {  # NAME ARGS...
   local name=$1; shift
@@ -60,6 +64,10 @@ for part in "$@"; do
     dev2-pair)  pair=(--workload-seed "${SEED:-0}" --store device)
                 run "dev2-route-m${MAX_ADAPTERS:-4}-s${SEED:-0}" "${two[@]}" "${pair[@]}" --router lora-cache --policies global
                 run "dev2-queue-m${MAX_ADAPTERS:-4}-s${SEED:-0}" "${two[@]}" "${pair[@]}" --router affinity --policies queue ;;
+    dev2-tiers) for tiers in inclusive exclusive; do  # the last --host-tiers wins in argparse
+                  run "dev2-route-m${MAX_ADAPTERS:-4}-s${SEED:-0}-$tiers" "${two[@]}" --workload-seed "${SEED:-0}" \
+                    --store device --router lora-cache --policies global --host-tiers "$tiers"
+                done ;;
     dev2-ll)    run "$part" "${two[@]}" --store device --router least-loaded --policies overlap ;;
     dev1)       run "$part" --replicas 1 --arrivals "poisson:$rate" --store device --policies queue,global,oracle --check-sim ;;
     pc2-aff)    run "$part" "${two[@]}" --store page-cache --router affinity --policies queue,global ;;

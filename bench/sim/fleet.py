@@ -140,6 +140,9 @@ class SimConfig:
     read_threads: int = field(default=4, metadata={"help": "disk reader threads per rank"})
     host_eviction: str = field(default="lru", metadata={
         "help": "the host tier's eviction order: lru | segmented (HostTierConfig.eviction)"})
+    host_tiers: str = field(default="inclusive", metadata={
+        "help": "whether GPU slots and the host tier may hold one shard both: inclusive | exclusive "
+                "(HostTierConfig.tiers)"})
     series_s: float = field(default=1.0, metadata={"help": "time-series bucket, simulated seconds"})
     mid_step_reads: bool = field(default=False, metadata={
         "help": "a disk read that starts during a step's compute slows it for the time it overlaps it (as "
@@ -292,7 +295,7 @@ class _Fleet:
         ranks = []
         for k in range(config.tp):
             host = SimHostTier(self.loop, calibration, config.host_bytes, config.read_threads, self.store,
-                               config.host_eviction)
+                               config.host_eviction, config.host_tiers)
             worker = SimWorker(name, k, engine.num_slots, self.loop, calibration, keys, nbytes, host,
                                config.max_running + config.max_adapters,
                                functools.partial(self.controller.push, WorkerId(name, k)), self.loads.append)

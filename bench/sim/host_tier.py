@@ -41,10 +41,11 @@ class SimHostTier:
     """The pinned host tier of one rank: staged shards, bytes, eviction order, single-flight reads, references."""
 
     def __init__(self, loop: Loop, calibration: Calibration, capacity: int, read_threads: int,
-                 store: SimStore | None = None, eviction: str = "lru") -> None:
+                 store: SimStore | None = None, eviction: str = "lru", tiers: str = "inclusive") -> None:
         """``store``: where a miss reads from (``bench.sim.store``: device, s3); None: the page cache. ``eviction``:
-        ``HostTierConfig.eviction``."""
+        ``HostTierConfig.eviction``; ``tiers``: ``HostTierConfig.tiers`` (exclusive: ``write_back``, ``drop``)."""
         self.loop, self.calibration, self.capacity = loop, calibration, capacity
+        self.exclusive = tiers == "exclusive"
         self.store = store
         if store is not None:
             store.tiers.append(self)  # the node's ranks on that store: their warm stages yield to its demand reads
@@ -54,6 +55,7 @@ class SimHostTier:
         self.used = 0
         self.order = EvictionOrder(capacity, eviction)  # which idle entry goes first (``HostTier.order``)
         self.hits = self.misses = self.bytes_read = self.waits = 0
+        self.written_back = 0  # shards taken back from a GPU slot (``write_back``)
         self._waiting: OrderedDict[AdapterKey, _Staged] = OrderedDict()  # fetches waiting for room, FIFO
         # heap: when each reader thread is free (FIFO pool); free from the start, which may be before t=0 (settle_s)
         self._readers = [-math.inf] * read_threads
@@ -158,6 +160,38 @@ class SimHostTier:
             self.on_change(key, True)
         entry.staged.fire(self.loop.now)
         self._admit()  # unreferenced once read (a stage's entry): its room is the LRU's
+
+    def write_back(self, key: AdapterKey, nbytes: int, done_s: float) -> bool:
+        """``HostTier.write_back``: take in the shard a GPU slot lets go of, whole at ``done_s`` (its device-to-host
+        copy's end; a fetch meanwhile joins it); False, nothing changed, if the tier holds or reads it already, a
+        fetch waits for room, or idle entries cannot make room for it."""
+        if key in self.entries or self._waiting or nbytes > self.capacity or not self._make_room(nbytes):
+            return False
+        entry = _Staged(nbytes, Signal(), refs=0, speculative=True)  # no store read: nothing for the node to yield to
+        entry.protected = self.order.admitted(key, False) or self.order.used_again(False)
+        self.entries[key] = entry
+        self.used += nbytes
+        self.written_back += 1
+        self.loop.at(done_s, self._written, key, entry)
+        return True
+
+    def _written(self, key: AdapterKey, entry: _Staged) -> None:
+        if self.on_change is not None:
+            self.on_change(key, True)
+        entry.staged.fire(self.loop.now)
+        self._admit()
+
+    def drop(self, key: AdapterKey) -> bool:
+        """``HostTier.drop``: let go of an idle, staged entry now (exclusive tiers: once its GPU load is READY)."""
+        entry = self.entries.get(key)
+        if entry is None or entry.refs or not entry.staged.done:
+            return False
+        del self.entries[key]
+        self.used -= entry.nbytes
+        if self.on_change is not None:
+            self.on_change(key, False)
+        self._admit()
+        return True
 
     def _make_room(self, nbytes: int) -> bool:
         """Evict idle staged entries (``victim``'s order) until ``nbytes`` fit; False (evicting none) if they are

@@ -137,14 +137,14 @@ class SimWorker:
     def counts(self) -> dict[str, int]:
         """The integer counters of ``stats()`` (cheap: no latency summaries)."""
         host = {"host_hits": self.host.hits, "host_misses": self.host.misses, "host_waits": self.host.waits,
-                "bytes_disk_to_host": self.host.bytes_read}
+                "host_written_back": self.host.written_back, "bytes_disk_to_host": self.host.bytes_read}
         return {k: host[k] if k in host else getattr(self.counters, k) for k in STATS_COUNTERS}
 
     def stats(self) -> dict[str, object]:
         """``WorkerCache.stats()``'s keys."""
         snap = self.counters.snapshot()
         snap.update(host_hits=self.host.hits, host_misses=self.host.misses, host_waits=self.host.waits,
-                    bytes_disk_to_host=self.host.bytes_read,
+                    host_written_back=self.host.written_back, bytes_disk_to_host=self.host.bytes_read,
                     slots_ready=self.table.count(SlotPhase.READY), slots_loading=self.table.count(SlotPhase.LOADING),
                     host_bytes_used=self.host.used, **resident_prefetches(self._loads.values()))
         return snap
@@ -218,6 +218,7 @@ class SimWorker:
         slot = self.table.lookup(key)
         if slot is None or not self.table.evict(key):
             return False
+        self._write_back(key)
         self._retire(self._loads.pop(slot.index))
         self._changed(key, "gone")
         return True
@@ -275,6 +276,7 @@ class SimWorker:
             self._reject(load, "no slot", no_room=load.prefetched)
             return
         if evicted is not None:
+            self._write_back(evicted)  # on the copy stream ahead of this load's copy
             self._retire(self._loads.pop(index))
             self._changed(evicted, "gone")
         self._changed(load.key, "loading", acquired=not load.commanded)
@@ -303,12 +305,25 @@ class SimWorker:
         if self.copies is not None:  # the copy's time on the stream to READY, as the engine's events measure it
             self.copies.copied(load.nbytes, (load.h2d_ms + self.calibration.load_fixed_ms) / 1e3, now)
         self.host.release(load.key)
+        if self.host.exclusive:  # ``LoadPath._finish``: the slot holds it now
+            self.host.drop(load.key)
         self.on_load(LoadRecord(self.replica, self.rank, load.key.name, load.start_s, now, load.nbytes,
                                 load.host_hit, load.disk_ms, load.h2d_ms, load.prefetched))
         load.ready.fire(now)
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             self._place(waiter)
+
+    def _write_back(self, key: AdapterKey) -> None:
+        """``LoadPath.write_back``: exclusive tiers copy an evicted slot's shard back into the host tier, on the copy
+        stream (at the host-to-device rate: PCIe's two directions alike)."""
+        if not self.host.exclusive:
+            return
+        nbytes = self.nbytes[key.name]
+        start = max(self.loop.now, self._copy_free)
+        end = start + self.calibration.h2d_s(nbytes)
+        if self.host.write_back(key, nbytes, end):
+            self._copy_free = end
 
     def issued_copies(self) -> dict[str, tuple[int, float]]:
         """Adapters LOADING here (a slot taken: the read done, the copy issued) -> (bytes, when the copy was
@@ -335,4 +350,9 @@ class SimWorker:
         for s in self.table.slots:
             assert (s.key is not None) == (s.index in self._loads), f"slot {s.index} and its load disagree"
         assert not set(self._pending) & {s.key for s in self.table.slots}, "a pending load already has a slot"
+        if self.host.exclusive:  # a READY slot's shard has no idle host copy (``LoadPath._finish`` dropped it)
+            held = self.host.entries
+            both = [k for s in self.table.slots if s.state is SlotPhase.READY and (k := s.key) is not None
+                    and k in held and held[k].staged.done and not held[k].refs]
+            assert not both, f"{both} READY in a slot with an idle host copy (exclusive tiers)"
         self.host.check_integrity()

@@ -159,8 +159,23 @@ class SlotLoad:
         self.issued.set()
 
 
+@dataclass(eq=False)
+class WriteBack:
+    """Exclusive tiers: a shard's device-to-host copy from the slot it is evicted from into its new host entry
+    (``HostTier.write_back``), watched as a load's last copy is; the entry is served once ``ready_event`` completed."""
+
+    key: AdapterKey
+    entry: Any  # the host entry it fills
+    ready_event: Any
+    copy_due: float  # perf_counter time before which the copy cannot have completed
+
+    def mark(self, phase: str) -> None:
+        """No phases are kept for a write-back (``SlotLoad.mark``'s interface)."""
+
+
 class CompletionWatcher:
-    """Polls the ready events of issued copies; calls ``on_done(load)`` for each that completed.
+    """Polls the ready events of issued copies; calls ``on_done(load)`` for each that completed (or the callback
+    it was added with: a write-back's).
 
     Each wake-up takes the GIL from the engine's launching thread, so it polls little: it sleeps until the
     earliest moment a load's last copies could have completed (``SlotLoad.copy_due``: their bytes at a rate no
@@ -172,21 +187,23 @@ class CompletionWatcher:
                  max_poll_s: float = 500e-6) -> None:
         self.streams, self.on_done, self.poll_s, self.max_poll_s = streams, on_done, poll_s, max_poll_s
         self._cond = threading.Condition()  # protects _pending and _closed
-        self._pending: list[tuple[SlotLoad, float]] = []  # loads in flight, and when each was handed over
+        # loads in flight (or write-backs), when each was handed over, and what to call once it completed
+        self._pending: list[tuple[SlotLoad | WriteBack, float, Callable[[Any], None]]] = []
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="lora-ready-watcher", daemon=True)
         self._thread.start()
 
-    def add(self, load: SlotLoad) -> None:
+    def add(self, load: SlotLoad | WriteBack, on_done: Callable[[Any], None] | None = None) -> None:
+        """Watch ``load``'s ready event; ``on_done`` (default: the watcher's) is called with it once it completed."""
         load.mark("watch")
         with self._cond:
-            self._pending.append((load, time.perf_counter()))
+            self._pending.append((load, time.perf_counter(), on_done or self.on_done))
             self._cond.notify()
 
     def _next_poll(self, now: float) -> float:
         """When to look again (caller holds the lock; something is pending)."""
         return min(max(load.copy_due, now + min(self.max_poll_s, max(self.poll_s, (now - since) / 32)))
-                   for load, since in self._pending)
+                   for load, since, _ in self._pending)
 
     def _run(self) -> None:
         while True:
@@ -195,17 +212,17 @@ class CompletionWatcher:
                     self._cond.wait()
                 if self._closed and not self._pending:
                     return
-                done = [ld for ld, _ in self._pending if self.streams.done(ld.ready_event)]
-                self._pending = [(ld, t) for ld, t in self._pending if ld not in done]
-            for load in done:
-                self._deliver(load)
+                done = [p for p in self._pending if self.streams.done(p[0].ready_event)]
+                self._pending = [p for p in self._pending if p not in done]
+            for load, _, then in done:
+                self._deliver(load, then)
             with self._cond:
                 if self._pending and not done:  # an add() wakes it early: the new load may be due sooner
                     self._cond.wait(max(0.0, self._next_poll(time.perf_counter()) - time.perf_counter()))
 
-    def _deliver(self, load: SlotLoad) -> None:
+    def _deliver(self, load: SlotLoad | WriteBack, on_done: Callable[[Any], None]) -> None:
         try:
-            self.on_done(load)
+            on_done(load)
         except Exception:  # a broken readiness consumer must not stop later loads from becoming READY
             log.exception("readiness handler failed for %s", load.key)
 

@@ -32,7 +32,7 @@ from lora_cache.errors import CapacityError, SlotsBusyError
 from lora_cache.vocab import AdapterKey, Delta, ReadinessRecord
 from workers import faults
 from workers.counters import CacheCounters
-from workers.gpu.copies import CompletionWatcher, SlotLoad
+from workers.gpu.copies import H2D_FASTEST_BPS, CompletionWatcher, SlotLoad, WriteBack
 from workers.gpu.slots import SlotPhase, SlotTable
 from workers.gpu.streams import CpuStreams
 from workers.kernels.meta import SlotMeta
@@ -129,9 +129,13 @@ class LoadPath:
     each slot's kernel metadata (``meta``), READY (and ``on_ready``) once the last chunk's copy completed."""
 
     def __init__(self, book: SlotBook, host: HostTier, streams: CpuStreams, pool: torch.Tensor, meta: SlotMeta,
-                 tp_rank: int, on_ready: Callable[[ReadinessRecord], None] | None) -> None:
+                 tp_rank: int, on_ready: Callable[[ReadinessRecord], None] | None,
+                 registered: Callable[[str], bool] = lambda name: True) -> None:
+        """``registered(name)``: whether the adapter is still in the catalog (an evicted shard of an unregistered one
+        is not written back: exclusive tiers, ``HostTierConfig.tiers``)."""
         self.book, self.host, self.streams, self.pool, self.meta = book, host, streams, pool, meta
-        self.tp_rank, self.on_ready = tp_rank, on_ready
+        self.tp_rank, self.on_ready, self.registered = tp_rank, on_ready, registered
+        self.exclusive = host.config.tiers == "exclusive"
         # staged, waiting for a slot (book.lock): for a load in flight to finish, or (on demand) for a batch to let go
         self.slot_waiters: list[tuple[SlotLoad, HostEntry]] = []
         book.on_room = self._retry_waiters
@@ -261,6 +265,7 @@ class LoadPath:
                 if load.wait_timer is not None:
                     load.wait_timer.cancel()
                 if evicted is not None:
+                    self.write_back(load.slot)  # issued before this load's copies, on the same copy stream
                     book.retire(load.slot)
                     book.changed(evicted, "gone")
                 book.changed(load.key, "loading", acquired=not load.commanded)
@@ -271,10 +276,35 @@ class LoadPath:
             entry.ready.add_done_callback(functools.partial(self._reject_staged, load, entry, error))
             return None
         book.report()
+        self.host.report()  # the host entries a write-back's room took
         write_meta = functools.partial(self._write_meta, load)
         load.place(self.streams, self.pool[load.slot, : load.layout.numel], entry.tensor, book.last_use[load.slot],
                    write_meta, self._issued)
         load.placed.set()
+
+    def write_back(self, slot: int) -> None:
+        """Exclusive tiers: copy the shard of the READY load leaving ``slot`` back into the host tier (caller holds
+        the lock, before the slot is retired). The copy is issued now, on the copy stream, so every later copy into
+        the slot (a new load's, queued on that stream behind it) runs after it; the host entry is the slot's own
+        key, name@version, and is served only once the copy's event completed (``HostTier.written``: the watcher).
+        Nothing is written back for a tier that keeps host copies, or an unregistered adapter; a tier with no
+        room for it, or one that holds it already, leaves it out (``HostTier.write_back``)."""
+        gone = self.book.loads[slot]
+        if not self.exclusive or not self.registered(gone.key.name):
+            return
+        numel = gone.layout.numel
+
+        def copy(dst: torch.Tensor) -> object:
+            return self.streams.copy_chunk(dst, self.pool[slot, :numel], label=("write-back", slot), timed=False)[1]
+
+        taken = self.host.write_back(gone.key, gone.layout, gone.plan.entry_spans, copy)
+        if taken is not None:
+            entry, event = taken
+            due = time.perf_counter() + gone.layout.nbytes / H2D_FASTEST_BPS
+            self.watcher.add(WriteBack(gone.key, entry, event, due), self._written)
+
+    def _written(self, write: WriteBack) -> None:
+        self.host.written(write.entry)
 
     def _write_meta(self, load: SlotLoad, stream: object) -> None:
         """The slot's kernel metadata, queued after its first copy (marked for the probes' phase split)."""
@@ -357,6 +387,8 @@ class LoadPath:
             book.counters.ready_ms.add(record.ready_ms)
             book.changed(load.key, "ready", record, acquired=not load.commanded)
         self.host.release(load.key, load.entry)
+        if self.exclusive:  # the slot holds the shard now: its host copy goes (written back when the slot is evicted)
+            self.host.drop(load.key)
         book.report()
         load.mark("ready")
         load.future.set_result(record)

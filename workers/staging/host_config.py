@@ -20,6 +20,13 @@ THREADS_PER_PROCESS = 4  # of a read split over processes, by default (issue 30:
 AUTO_SHARE = 0.25  # of this host's available memory, for its ranks' host tiers together (host_bytes 0)
 AUTO_MAX_BYTES = 16 << 30  # the operator's cap per rank on the auto size, by default (pinning: ~0.5 s a GiB)
 AUTO_MIN_BYTES = 256 << 20  # the auto size never goes below this (a small or busy host)
+TIERS = {
+    "inclusive": "a GPU-resident shard keeps its host copy: a slot it is evicted from loads it again from there, if "
+                 "the host tier's eviction order kept it",
+    "exclusive": "a shard is held by one tier at a time: a GPU load lets go of its host copy once READY, and a slot's "
+                 "eviction writes the shard back into the host tier (a device-to-host copy on the copy stream, no "
+                 "store read), so the host tier holds other adapters than the GPU slots do",
+}
 MEMINFO = Path("/proc/meminfo")
 CGROUP = Path("/sys/fs/cgroup")
 
@@ -97,6 +104,9 @@ class HostTierConfig:
                 "stores bill and throttle); reads for requests are never held back by it (0: no limit)"})
     eviction: str = field(default="lru", metadata={
         "help": "which idle shard the tier lets go of first: " + "; ".join(f"{k} ({v})" for k, v in EVICTION.items())})
+    tiers: str = field(default="inclusive", metadata={
+        "help": "whether the GPU slots and the host tier may hold the same shard: " + "; ".join(
+            f"{k} ({v})" for k, v in TIERS.items())})
     drop_page_cache: bool = field(default=False, metadata={
         "help": "drop an adapter file's pages after its shard is read: the pinned host tier is the node's copy, so "
                 "the page cache does not hold a second one (and a benchmark reads from the device as a cold store "
@@ -128,6 +138,9 @@ class HostTierConfig:
         if self.eviction not in EVICTION:
             raise ConfigError(f"eviction {self.eviction!r} is not one of {', '.join(EVICTION)}; pick one of them "
                               "(lru is the default)")
+        if self.tiers not in TIERS:
+            raise ConfigError(f"tiers {self.tiers!r} is not one of {', '.join(TIERS)}; pick one of them "
+                              "(inclusive is the default)")
         if self.verify not in VERIFY:
             raise ConfigError(f"verify {self.verify!r} is not one of {', '.join(VERIFY)}; pick one of them "
                               "(sample is the default)")

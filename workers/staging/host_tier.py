@@ -22,112 +22,25 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shards import ShardLayout
-from lora_cache.errors import CapacityError, ConfigError, NotFoundError
+from lora_cache.errors import CapacityError, ConfigError
 from lora_cache.vocab import AdapterKey  # one name@version key for planner and workers
-from workers.reads.finite import check_finite
 from workers.reads.shard import drop_pages  # re-exported: ``host_tier.drop_pages`` (tests patch it here)
 from workers.staging.arena import ALIGN, Block, HostArena
 from workers.staging.disk_tier import DiskTier
 from workers.staging.eviction import EvictionOrder, victim
 from workers.staging.host_config import HostTierConfig
+from workers.staging.host_entry import HostEntry, Wait, chunk_listener, unregistered  # HostEntry re-exported
 from workers.staging.node_reads import DemandMarks, NodeReads
 from workers.staging.tier_reads import ProcessReads, ThreadReads
 
 log = logging.getLogger(__name__)
-ChunkListener = Callable[["HostEntry", int], None]  # told how many chunks of an entry are staged so far
-
-
-@dataclass
-class HostEntry:
-    key: AdapterKey
-    layout: ShardLayout
-    block: Block
-    tensor: torch.Tensor  # 1-D view of the arena, layout.dtype, layout.numel elements
-    ready: Future[HostEntry]
-    refs: int = 0
-    read_ms: float = 0.0
-    bytes_read: int = 0
-    chunks: tuple[slice, ...] = ()  # ranges of layout.entries read one after another (empty: one chunk)
-    staged: int = 0  # chunks in place so far
-    checked: int = 0  # chunks proven finite so far (``progress``, on the read's one publishing thread)
-    blind: int = 0  # references of fetches told of no chunk (no ``on_chunk``): a failed read drops them itself
-    dropped: bool = False  # out of the index (its adapter unregistered): never served again, freed once let go
-    whole: bool = False  # its "staged" change was queued: its leaving is reported too
-    listeners: list[ChunkListener] = field(default_factory=list)  # fetchers told of each chunk, until done
-    lock: threading.Lock = field(default_factory=threading.Lock)  # protects staged and listeners
-    marks: list[tuple[str, float]] = field(default_factory=list)  # (phase, perf_counter) of its read (probes)
-    speculative: bool = False  # read by a warm stage: no demand-read marker for the node (``node_reads``)
-    protected: bool = False  # let go of after every idle unprotected entry (``workers.staging.eviction``)
-    node_mark: str = ""  # its demand-read marker while it is read ("" for none); under ``lock``
-    read_over: bool = False  # its read ended (no marker may be left for it any more); under ``lock``
-
-    @property
-    def num_chunks(self) -> int:
-        return max(1, len(self.chunks))
-
-    def listen(self, on_chunk: ChunkListener) -> None:
-        """Tell ``on_chunk`` how many chunks are staged now (if any) and as more land."""
-        with self.lock:
-            staged = self.staged
-            if staged < self.num_chunks:
-                self.listeners.append(on_chunk)
-        if staged:
-            _tell(on_chunk, self, staged)
-
-    def progress(self, count: int) -> None:
-        """The read has put the first ``count`` chunks in place (reader thread): each new one is proven finite
-        (``workers.reads.finite``) before anyone is told of it; ``NonFiniteWeightsError`` fails the read."""
-        for k in range(self.checked, min(count, self.num_chunks)):
-            check_finite(str(self.key), self.layout, self.tensor,
-                         self.layout.entries[self.chunks[k] if self.chunks else slice(None)])
-            self.checked = k + 1
-        with self.lock:
-            self.staged = max(self.staged, count)
-            listeners = list(self.listeners)
-            if self.staged >= self.num_chunks:
-                self.listeners.clear()
-        for on_chunk in listeners:
-            _tell(on_chunk, self, count)
-
-    def forget(self) -> None:
-        """A failed read: nobody is told of more chunks (the entry's future carries the error)."""
-        with self.lock:
-            self.listeners.clear()
-
-
-@dataclass(eq=False)
-class _Wait:
-    """A fetch waiting for host room (no block yet): its entry is made when it is admitted."""
-
-    spec: AdapterSpec
-    layout: ShardLayout
-    chunks: tuple[slice, ...]
-    ready: Future[HostEntry] = field(default_factory=Future)  # becomes the entry's ``ready``
-    refs: int = 1
-    blind: int = 0  # as ``HostEntry.blind``
-    listeners: list[ChunkListener] = field(default_factory=list)
-
-
-def _listener(on_chunk: Callable[[HostEntry, int, bool], None], hit: bool) -> ChunkListener:
-    return lambda entry, count: on_chunk(entry, count, hit)
-
-
-def _unregistered(key: AdapterKey) -> NotFoundError:
-    return NotFoundError(f"adapter {key.name} was unregistered while its shard {key} was read or waited for host "
-                         "room; nothing of it is served: register it again to load it")
-
-
-def _tell(on_chunk: ChunkListener, entry: HostEntry, count: int) -> None:
-    try:
-        on_chunk(entry, count)
-    except Exception:  # a broken listener must not fail the read that other fetchers share
-        log.exception("chunk listener of %s failed", entry.key)
+__all__ = ["HostEntry", "HostTier", "drop_pages"]
 
 
 class HostTier:
@@ -160,9 +73,10 @@ class HostTier:
         self._entries: OrderedDict[AdapterKey, HostEntry] = OrderedDict()  # LRU order, oldest first
         self.order = EvictionOrder(config.host_bytes, config.eviction)  # which idle entry goes first (``eviction``)
         self._orphans: list[HostEntry] = []  # failed reads whose staged chunks loads may still be copying
-        self._waiting: OrderedDict[AdapterKey, _Wait] = OrderedDict()  # fetches waiting for room, FIFO
+        self._waiting: OrderedDict[AdapterKey, Wait] = OrderedDict()  # fetches waiting for room, FIFO
         self._closing = False  # no more waits (the tier is closing)
         self.hits = self.misses = self.bytes_read = self.waits = 0  # waits: fetches that waited for room
+        self.written_back = 0  # shards taken back from a GPU slot (exclusive tiers: ``write_back``)
         # what the tier holds, as it changes: (key, True) once a read put a shard here whole, (key, False) when the
         # shard leaves (the LRU's room, ``drop``). Queued under ``_lock`` (in the order of the changes), handed to
         # ``on_change`` by ``_report`` once the lock is released, one thread at a time (the order is kept).
@@ -209,7 +123,7 @@ class HostTier:
             self.hits += count and hit
             self.misses += count and not hit
             if waiting is not None and on_chunk is not None:  # told from the read, once it is admitted
-                waiting.listeners.append(_listener(on_chunk, hit))
+                waiting.listeners.append(chunk_listener(on_chunk, hit))
         self._report()
         if waiting is not None:
             return waiting.ready, hit
@@ -217,7 +131,7 @@ class HostTier:
         if hit and entry.speculative and not self.demand.warm:
             self.demand.mark(entry)  # a load joins a warm stage's read: the node's other ranks now yield to it
         if on_chunk is not None:
-            entry.listen(_listener(on_chunk, hit))
+            entry.listen(chunk_listener(on_chunk, hit))
         if not hit:
             self._dispatch(spec, entry)
         return entry.ready, hit
@@ -236,7 +150,7 @@ class HostTier:
             raise
 
     def _miss(self, spec: AdapterSpec, layout: ShardLayout, chunks: tuple[slice, ...],
-              wait: bool) -> tuple[HostEntry | None, _Wait | None]:
+              wait: bool) -> tuple[HostEntry | None, Wait | None]:
         """A new entry for a miss (caller holds the lock), or its wait for room; CapacityError if neither."""
         key = AdapterKey(spec.name, spec.version)
         size = -(-layout.nbytes // ALIGN) * ALIGN
@@ -252,7 +166,7 @@ class HostTier:
             return entry, None
         if not wait or self._closing or not (self._waiting or self._may_free()):
             raise self._full(key, layout.nbytes)
-        waiting = self._waiting[key] = _Wait(spec, layout, chunks)
+        waiting = self._waiting[key] = Wait(spec, layout, chunks)
         self.waits += 1
         return None, waiting
 
@@ -304,10 +218,62 @@ class HostTier:
             freed = used - self.arena.used_bytes
             admitted = self._admit()
         for key, waiting in waits:
-            waiting.ready.set_exception(_unregistered(key))
+            waiting.ready.set_exception(unregistered(key))
         self._start(admitted)
         self._report()
         return freed
+
+    def write_back(self, key: AdapterKey, layout: ShardLayout, chunks: Sequence[slice],
+                   copy: Callable[[torch.Tensor], Any]) -> tuple[HostEntry, Any] | None:
+        """Exclusive tiers (``HostTierConfig.tiers``): take in the shard a GPU slot lets go of from the slot itself,
+        no store read. ``copy(dst)`` issues the slot's device-to-host copy into the new entry and returns its event;
+        it is issued under the tier's lock, and the caller issues it before anything can reuse the slot (it holds
+        the slot book's lock; the next load's copies queue behind it on the one copy stream). The entry, and that
+        event, or None with nothing changed: the tier holds or reads the key already, a fetch waits for room (a
+        write-back never takes room ahead of a needed read), the arena is still being pinned (or failed to be),
+        the room would not come from idle entries, or the copy could not be issued. Until ``written`` is told the
+        copy completed the entry is not served (``contains``, chunks): a fetch meanwhile joins it as a read in
+        flight. Its changes are reported by the caller's ``report`` once it holds no lock."""
+        with self._lock:
+            if (self._closing or key in self._entries or self._waiting or self.arena.pin_pending
+                    or self.arena.pin_error):
+                return None
+            block = self._allocate(layout.nbytes)
+            if block is None:
+                return None
+            entry = HostEntry(key, layout, block, self.arena.view(block, layout.dtype, layout.numel), Future(),
+                              chunks=tuple(chunks))
+            entry.checked = entry.num_chunks  # the slot's bytes were proven finite when they were read
+            try:
+                event = copy(entry.tensor)
+            except Exception:
+                log.exception("write-back of %s not issued; the shard leaves the GPU as before", key)
+                self.arena.free(block)
+                return None
+            entry.protected = self.order.admitted(key, False) or self.order.used_again(False)
+            self._entries[key] = entry
+            self.written_back += 1
+        return entry, event
+
+    def written(self, entry: HostEntry) -> None:
+        """A write-back's copy completed (the caller's watcher): the entry is served from now on, as a read that
+        ended; an adapter unregistered meanwhile is freed instead (``drop_adapter``)."""
+        with self._lock:
+            dropped = entry.dropped
+            if not dropped:
+                entry.whole = True
+                self._changes.append((entry.key, True))
+        if dropped:
+            self._failed(entry, unregistered(entry.key))
+            return
+        entry.progress(entry.num_chunks)  # tells fetchers that joined it meanwhile
+        self._report()
+        entry.ready.set_result(entry)
+        self._wake()
+
+    def report(self) -> None:
+        """Hand the queued changes of what the tier holds to ``on_change`` (a caller that held a lock meanwhile)."""
+        self._report()
 
     def reading(self) -> int:
         """Reads in flight or waiting for room: while any, a warm stage waits (``workers.staging.warming``)."""
@@ -345,7 +311,7 @@ class HostTier:
                              f"{held} bytes are held by loads in flight; raise host_bytes or load fewer adapters "
                              "at once")
 
-    def _admit(self) -> tuple[list[tuple[AdapterSpec, HostEntry]], list[tuple[_Wait, CapacityError]]]:
+    def _admit(self) -> tuple[list[tuple[AdapterSpec, HostEntry]], list[tuple[Wait, CapacityError]]]:
         """Give the room there is to waiting fetches, oldest first (lock held): the entries to read, and
         the waits that can never be admitted (nothing left that could free room). The head of the line
         waits for room rather than let later, smaller shards pass it (no starvation). Dropped entries read and let
@@ -354,7 +320,7 @@ class HostTier:
             self._orphans = [o for o in self._orphans if o is not gone]
             self.arena.free(gone.block)
         started: list[tuple[AdapterSpec, HostEntry]] = []
-        failed: list[tuple[_Wait, CapacityError]] = []
+        failed: list[tuple[Wait, CapacityError]] = []
         while self._waiting:
             key, waiting = next(iter(self._waiting.items()))
             block = self._allocate(waiting.layout.nbytes)
@@ -372,7 +338,7 @@ class HostTier:
             started.append((waiting.spec, entry))
         return started, failed
 
-    def _start(self, admitted: tuple[list[tuple[AdapterSpec, HostEntry]], list[tuple[_Wait, CapacityError]]]) -> None:
+    def _start(self, admitted: tuple[list[tuple[AdapterSpec, HostEntry]], list[tuple[Wait, CapacityError]]]) -> None:
         """Start the reads of admitted waits, fail those that never will be (lock not held: callbacks run)."""
         started, failed = admitted
         for spec, entry in started:
@@ -425,7 +391,7 @@ class HostTier:
                 entry.whole = True
                 self._changes.append((entry.key, True))  # before the result: no eviction of it can be queued ahead
         if dropped:
-            self._failed(entry, _unregistered(entry.key))
+            self._failed(entry, unregistered(entry.key))
             return
         self._report()  # its "staged" reaches on_change before the result, as a slot's "ready" does its future
         entry.ready.set_result(entry)

@@ -1,0 +1,200 @@
+"""Exclusive tiers (``HostTierConfig.tiers``, issue 42): a GPU load lets go of its host copy once READY, and a slot's
+eviction writes the shard back into the host tier from the slot (a device-to-host copy on the copy stream, no store
+read). Pinned here: the write-back is issued before any later copy into that slot, the host entry is served only once
+its copy completed and holds the evicted version's own bytes, a write-back that cannot be issued or whose adapter is
+unregistered meanwhile leaves nothing behind, and a load that asks for the shard meanwhile joins it."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lora_cache.adapters.catalog import AdapterCatalog
+from lora_cache.errors import ConfigError
+from lora_cache.vocab import AdapterKey, Delta
+from tests.test_worker_cache import assert_host_holds, assert_serves, current, slot_of
+from tests.waiting import wait_for
+from tests.worker_queries import use_streams
+from workers.cache import WorkerCache, WorkerConfig
+from workers.gpu.streams import CpuStreams
+from workers.staging.host_config import HostTierConfig
+
+A, B, C = "adapter-000", "adapter-001", "adapter-002"
+
+
+@pytest.fixture
+def catalog(tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog]) -> AdapterCatalog:
+    return make_catalog(tiny_adapters(count=3, rank="8,16")[0].parent)
+
+
+@pytest.fixture
+def make() -> Iterator[Callable[..., WorkerCache]]:
+    """``make(catalog, num_slots, tiers="exclusive", deferred=False)``: a CPU cache, its deltas in ``.deltas``;
+    ``deferred``: its copy stream runs copies only when a test drains it (``CpuStreams``), traced."""
+    caches: list[WorkerCache] = []
+
+    def build(catalog: AdapterCatalog, num_slots: int = 2, tiers: str = "exclusive",
+              deferred: bool = False) -> WorkerCache:
+        config = WorkerConfig(num_slots=num_slots, device="cpu", chunk_bytes=0,
+                              host=HostTierConfig(host_bytes=1 << 20, read_threads=2, pin=False, tiers=tiers))
+        cache = WorkerCache(config, catalog)
+        caches.append(cache)
+        deltas: list[Delta] = []
+        cache.on_change = deltas.append
+        cache.deltas = deltas  # type: ignore[attr-defined]
+        if deferred:
+            streams = CpuStreams(cache.device, deferred=True)
+            streams.trace = deque(maxlen=4096)
+            use_streams(cache, streams)
+        return cache
+
+    yield build
+    for cache in caches:
+        cache.close()
+
+
+def key(cache: WorkerCache, name: str) -> AdapterKey:
+    return AdapterKey(name, cache.catalog.get(name).version)
+
+
+def ready(cache: WorkerCache, name: str) -> None:
+    """Load ``name`` and wait until it is READY (draining a deferred copy stream meanwhile)."""
+    future = cache.prefetch(name)
+    drain_until(cache, future.done, f"{name} READY")
+    future.result()
+
+
+def drain_until(cache: WorkerCache, condition: Callable[[], Any], what: str) -> None:
+    def step() -> Any:
+        cache.streams.run_copies()
+        return condition()
+
+    wait_for(step, what)
+
+
+def landed(cache: WorkerCache, name: str) -> None:
+    drain_until(cache, lambda: cache.host.contains(key(cache, name)), f"{name} written back")
+
+
+def test_a_ready_load_lets_go_of_its_host_copy_and_an_eviction_writes_the_slot_back(
+        catalog: AdapterCatalog, make: Callable[..., WorkerCache]) -> None:
+    cache = make(catalog)
+    ready(cache, A)
+    assert not cache.host.contains(key(cache, A)), "a READY shard kept its host copy"
+    assert Delta(A, key(cache, A).version, "unstaged") in cache.deltas  # type: ignore[attr-defined]
+    assert cache.host.arena.used_bytes == 0
+    read = cache.host.bytes_read
+    assert cache.evict(A)
+    landed(cache, A)
+    assert cache.host.written_back == 1 and cache.stats()["host_written_back"] == 1
+    assert cache.host.bytes_read == read, "a write-back read the store"
+    layout, want = current(cache, A)
+    assert_host_holds(cache.host._entries[key(cache, A)].tensor, layout, want)
+    assert Delta(A, key(cache, A).version, "staged") in cache.deltas  # type: ignore[attr-defined]
+    record = cache.prefetch(A).result(timeout=30)  # from the written-back copy: a host hit, no read
+    assert record.host_hit and cache.host.bytes_read == read
+    assert_serves(cache, A, record.slot)
+    assert not cache.host.contains(key(cache, A))
+    cache.check_integrity()
+
+
+def test_the_write_back_is_issued_before_the_next_load_into_its_slot_and_served_only_once_it_completed(
+        catalog: AdapterCatalog, make: Callable[..., WorkerCache]) -> None:
+    """One slot, a deferred copy stream: B's load evicts A; A's copy out of the slot must be queued before B's copies
+    into it (one stream runs them in order), and A's host entry is not served while that copy has not run. Had the
+    write-back been issued after B's first copy, A's entry would hold B's bytes."""
+    cache = make(catalog, num_slots=1, deferred=True)
+    ready(cache, A)
+    streams = cache.streams
+    assert streams.trace is not None
+    streams.trace.clear()
+    future = cache.prefetch(B)
+    wait_for(lambda: len(streams.trace) >= 2, "the write-back and B's first copy issued")  # type: ignore[arg-type]
+    assert not cache.host.contains(key(cache, A)), "a write-back served before its copy ran"
+    assert cache.host.reading() == 1  # in flight: a warm stage waits for it, a fetch joins it
+    labels = [op[1] for op in streams.trace if op[0] == "copy"]
+    assert labels[0] == ("write-back", 0), f"copies issued in the order {labels}"
+    assert all(label[0] == 0 and label != ("write-back", 0) for label in labels[1:])  # B's chunks, into slot 0
+    drain_until(cache, future.done, "B READY")
+    assert_serves(cache, B, future.result().slot)
+    landed(cache, A)
+    assert_host_holds(cache.host._entries[key(cache, A)].tensor, *current(cache, A))
+    cache.check_integrity()
+
+
+def test_a_load_that_asks_for_a_shard_being_written_back_joins_the_copy(
+        catalog: AdapterCatalog, make: Callable[..., WorkerCache]) -> None:
+    cache = make(catalog, deferred=True)
+    ready(cache, A)
+    read, hits = cache.host.bytes_read, cache.host.hits
+    assert cache.evict(A)
+    assert not cache.host.contains(key(cache, A))
+    future = cache.prefetch(A)  # the write-back is queued, not run: the load waits for it, with no read of its own
+    assert cache.host.hits == hits + 1
+    drain_until(cache, future.done, "A READY again")
+    record = future.result()
+    assert record.host_hit and cache.host.bytes_read == read
+    assert_serves(cache, A, record.slot)
+    cache.check_integrity()
+
+
+def test_a_write_back_that_cannot_be_issued_leaves_the_host_tier_as_it_was(
+        catalog: AdapterCatalog, make: Callable[..., WorkerCache], monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = make(catalog)
+    ready(cache, A)
+    ready(cache, B)
+    cache.stage(C).result(timeout=30)  # an idle entry the write-back would not need to displace
+    before = (cache.host.contents(), cache.host.arena.used_bytes)
+    real_copy = cache.streams.copy_chunk
+
+    def failing(dst: Any, src: Any, *args: Any, label: object = None, **kw: Any) -> Any:
+        if isinstance(label, tuple) and label[0] == "write-back":
+            raise RuntimeError("copy refused (the test's fault)")
+        return real_copy(dst, src, *args, label=label, **kw)
+
+    monkeypatch.setattr(cache.streams, "copy_chunk", failing)
+    assert cache.evict(A)  # the eviction itself goes ahead, as it would without exclusive tiers
+    assert (cache.host.contents(), cache.host.arena.used_bytes) == before
+    assert cache.host.written_back == 0 and slot_of(cache, A) is None
+    monkeypatch.undo()
+    record = cache.prefetch(A).result(timeout=30)  # read from its file again: right bytes
+    assert not record.host_hit
+    assert_serves(cache, A, record.slot)
+    cache.check_integrity()
+
+
+def test_an_adapter_unregistered_while_its_shard_is_written_back_is_never_served(
+        catalog: AdapterCatalog, make: Callable[..., WorkerCache]) -> None:
+    cache = make(catalog, deferred=True)
+    ready(cache, A)
+    assert cache.evict(A)
+    k = key(cache, A)
+    catalog.unregister(A)
+    assert cache.host.drop_adapter(A) == 0  # in flight: its block is freed once the copy completed
+    drain_until(cache, lambda: cache.host.arena.used_bytes == 0, "the write-back's block freed once its copy ran")
+    assert not cache.host.contains(k) and k not in cache.host.contents()
+    cache.check_integrity()
+    ready(cache, B)
+    b = key(cache, B)
+    catalog.unregister(B)
+    assert cache.evict(B, b.version)  # a slot of an adapter no longer registered is not written back at all
+    assert cache.host.written_back == 1 and cache.host.arena.used_bytes == 0
+    cache.check_integrity()
+
+
+def test_inclusive_tiers_keep_the_host_copy_and_write_nothing_back(
+        catalog: AdapterCatalog, make: Callable[..., WorkerCache]) -> None:
+    cache = make(catalog, tiers="inclusive")
+    ready(cache, A)
+    assert cache.host.contains(key(cache, A))
+    assert cache.evict(A)
+    assert cache.host.written_back == 0 and cache.host.contains(key(cache, A))
+
+
+def test_tiers_must_be_named() -> None:
+    with pytest.raises(ConfigError, match="tiers 'both' is not one of inclusive, exclusive"):
+        HostTierConfig(tiers="both")
