@@ -221,6 +221,7 @@ def test_issue42_pair_part_names_each_run_by_seed_and_adapter_lanes(tmp_path: Pa
     for run, name in zip(runs, ("dev2-route-m8-s2", "dev2-queue-m8-s2")):
         assert run[run.index("--workload-seed") + 1] == "2" and run[run.index("--max-adapters") + 1] == "8"
         assert run[run.index("--out") + 1] == str(tmp_path / name)
+    assert _dry("issue42.sh", str(tmp_path), "dev2-queue", SEED="2", MAX_ADAPTERS="8") == runs[1:]  # the second alone
 
 
 def test_issue42_tiers_part_runs_global_behind_route_under_both_tiers_for_one_seed(tmp_path: Path) -> None:

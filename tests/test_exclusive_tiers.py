@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+import workers.gpu.loads as loads_module
 from lora_cache.adapters.catalog import AdapterCatalog
 from lora_cache.errors import ConfigError
 from lora_cache.vocab import AdapterKey, Delta
@@ -54,6 +55,7 @@ def make() -> Iterator[Callable[..., WorkerCache]]:
 
     yield build
     for cache in caches:
+        cache.streams.run_copies()  # a deferred stream's queued copies run (a failed test's too): close waits for them
         cache.close()
 
 
@@ -117,13 +119,46 @@ def test_the_write_back_is_issued_before_the_next_load_into_its_slot_and_served_
     assert not cache.host.contains(key(cache, A)), "a write-back served before its copy ran"
     assert cache.host.reading() == 1  # in flight: a warm stage waits for it, a fetch joins it
     labels = [op[1] for op in streams.trace if op[0] == "copy"]
-    assert labels[0] == ("write-back", 0), f"copies issued in the order {labels}"
-    assert all(label[0] == 0 and label != ("write-back", 0) for label in labels[1:])  # B's chunks, into slot 0
+    assert labels[0] == ("write-back", 0, 0), f"copies issued in the order {labels}"
+    assert all(label[0] == 0 for label in labels[1:])  # B's chunks, into slot 0
     drain_until(cache, future.done, "B READY")
     assert_serves(cache, B, future.result().slot)
     landed(cache, A)
     assert_host_holds(cache.host._entries[key(cache, A)].tensor, *current(cache, A))
     cache.check_integrity()
+
+
+def test_each_copy_into_the_slot_waits_for_the_write_back_pieces_of_the_range_it_overwrites(
+        catalog: AdapterCatalog, make: Callable[..., WorkerCache], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The write-back is copied out in pieces (on a GPU: its own stream, beside the copies in), an event each; every
+    chunk of the next load into that slot names, among the events it waits for, the last piece that overlaps the
+    range it overwrites, so no byte of the evicted shard is overwritten before it is copied out."""
+    monkeypatch.setattr(loads_module, "WRITE_BACK_PIECE_BYTES", 1)  # as many pieces as allowed, even for tiny shards
+    cache = make(catalog, num_slots=1, deferred=True)
+    ready(cache, A)
+    streams = cache.streams
+    assert streams.trace is not None
+    streams.trace.clear()
+    a_numel = cache.layout_of(A).numel
+    future = cache.prefetch(B)
+    drain_until(cache, future.done, "B READY")
+    copies = [op for op in streams.trace if op[0] == "copy"]
+    pieces = [(op[1][2], op[3]) for op in copies if op[1][0] == "write-back"]  # (start, event)
+    assert len(pieces) == loads_module.WRITE_BACK_PIECES and pieces[0][0] == 0
+    ends = [start for start, _ in pieces[1:]] + [a_numel]
+    plan = cache.plan_of(B)
+    ins = copies[len(pieces):]  # B's copies, each from its first chunk to the next copy's (staged chunks join)
+    firsts = [op[1][1] for op in ins]
+    for op, following in zip(ins, [*firsts[1:], len(plan.chunks)], strict=True):
+        after, seq = op[2], op[1][1]
+        stop = plan.chunks[following - 1].stop
+        waited = after if isinstance(after, tuple) else (after,)
+        want = next((ev for end, (_, ev) in zip(ends, pieces, strict=True) if end >= stop), pieces[-1][1])
+        assert want in waited, f"B's copy {seq} (to element {stop}) does not wait for the piece that covers it"
+    assert_serves(cache, B, future.result().slot)
+    landed(cache, A)
+    assert_host_holds(cache.host._entries[key(cache, A)].tensor, *current(cache, A))
+    assert not cache.book.vacating, "a READY load left its slot's write-back pieces behind"
 
 
 def test_a_load_that_asks_for_a_shard_being_written_back_joins_the_copy(

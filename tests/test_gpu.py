@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import workers.gpu.loads as loads_module
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.vocab import AdapterKey
@@ -215,12 +216,16 @@ def test_pipelined_layer_reads_its_chunk_after_a_slow_copy(tmp_path: Path, wait:
         cache.close()
 
 
-@pytest.mark.parametrize("delay_cycles", [0, 200_000_000])
-def test_an_evicted_slot_is_written_back_before_the_next_load_overwrites_it(tmp_path: Path, delay_cycles: int) -> None:
-    """Exclusive tiers on real streams: one slot; B's load evicts A, whose shard is copied back to the host tier on the
-    copy stream ahead of B's copies into that slot (held back by a spin on the copy stream, so that a write-back
-    issued after B's first copy, or seen complete before it ran, would hold B's bytes or none). A's host entry is
-    served only once its copy completed and holds A's file bytes; the load of A after it is a host hit."""
+@pytest.mark.parametrize(("stream", "delay_cycles"), [("back", 0), ("back", 200_000_000), ("copy", 200_000_000)])
+def test_an_evicted_slot_is_written_back_before_the_next_load_overwrites_it(tmp_path: Path, stream: str,
+                                                                           delay_cycles: int,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exclusive tiers on real streams: one slot; B's load evicts A, whose shard is copied out to the host tier on the
+    write-back stream in pieces while B's copies into that slot wait, range by range, for the pieces they overwrite.
+    A spin holds back the write-back stream (B's copies must wait for it: without the cross-stream waits A's entry
+    would hold some of B's bytes) or the copy stream. A's host entry is served only once its copy completed and
+    holds A's file bytes, B's slot holds B's; the load of A after it is a host hit."""
+    monkeypatch.setattr(loads_module, "WRITE_BACK_PIECE_BYTES", 4096)  # the tiny shard in the most pieces allowed
     catalog = _catalog(tmp_path, 2, rank="64")
     cache = WorkerCache(WorkerConfig(num_slots=1, device="cuda",
                                      host=HostTierConfig(host_bytes=64 << 20, tiers="exclusive")), catalog)
@@ -230,9 +235,9 @@ def test_an_evicted_slot_is_written_back_before_the_next_load_overwrites_it(tmp_
         cache.prefetch(a).result(timeout=30)
         key_a = AdapterKey(a, catalog.get(a).version)
         assert not cache.host.contains(key_a)
-        copy_stream = cache.streams.copy_stream  # type: ignore[attr-defined]
-        with torch.cuda.stream(copy_stream):
-            torch.cuda._sleep(delay_cycles)  # the copies queued next wait behind it
+        held = getattr(cache.streams, f"{stream}_stream")
+        with torch.cuda.stream(held):
+            torch.cuda._sleep(delay_cycles)  # the copies queued next on it wait behind it
         record = cache.prefetch(b).result(timeout=60)
         assert torch.equal(cache.pool[record.slot, : cache.layout_of(b).numel].cpu(), _file_shard(cache, b))
         wait_for(lambda: cache.host.contains(key_a), "A's write-back seen complete")  # stream order: before B's

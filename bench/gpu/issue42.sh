@@ -17,6 +17,7 @@
 #   dev2-pair    2 replicas x TP 1, device store, workload seed SEED [0]: `global` behind Route, then `queue` behind
 #                affinity (the pair a goal is judged on; with MAX_ADAPTERS=8 the engine's larger batch), one
 #                bench.run each, named by the seed and MAX_ADAPTERS, so that calls for several seeds sum up
+#   dev2-queue   dev2-pair's second run alone: `queue` behind affinity for SEED
 #   dev2-tiers   2 replicas x TP 1, device store, workload seed SEED [0]: `global` behind Route with inclusive, then
 #                exclusive host tiers (--host-tiers: a GPU load lets go of its host copy, an evicted slot's shard is
 #                written back), one bench.run each, named by MAX_ADAPTERS, the seed and the tiers (an A/B in one call)
@@ -64,6 +65,8 @@ for part in "$@"; do
     dev2-pair)  pair=(--workload-seed "${SEED:-0}" --store device)
                 run "dev2-route-m${MAX_ADAPTERS:-4}-s${SEED:-0}" "${two[@]}" "${pair[@]}" --router lora-cache --policies global
                 run "dev2-queue-m${MAX_ADAPTERS:-4}-s${SEED:-0}" "${two[@]}" "${pair[@]}" --router affinity --policies queue ;;
+    dev2-queue) run "dev2-queue-m${MAX_ADAPTERS:-4}-s${SEED:-0}" "${two[@]}" --workload-seed "${SEED:-0}" --store device \
+                  --router affinity --policies queue ;;
     dev2-tiers) for tiers in inclusive exclusive; do  # the last --host-tiers wins in argparse
                   run "dev2-route-m${MAX_ADAPTERS:-4}-s${SEED:-0}-$tiers" "${two[@]}" --workload-seed "${SEED:-0}" \
                     --store device --router lora-cache --policies global --host-tiers "$tiers"

@@ -43,6 +43,7 @@ from lora_cache.errors import CapacityError
 from lora_cache.vocab import AdapterKey, Command, Evict, Stage
 from workers.counters import STATS_COUNTERS, CacheCounters, resident_prefetches
 from workers.engine.admission import CopyClock
+from workers.gpu.loads import WRITE_BACK_PIECE_BYTES, WRITE_BACK_PIECES
 from workers.gpu.slots import SlotPhase, SlotTable
 
 # (adapter, version, loading|ready|gone|failed, error, read_s): what the controller takes (read_s: a READY's store read)
@@ -106,6 +107,8 @@ class SimWorker:
         self._waiters: list[SimLoad] = []  # staged, waiting for a load to finish to free a slot
         self.pins = SimPins(self.table, self._loads, keys, max_batch)  # the engine's pins on READY slots (step 9)
         self._copy_free = -math.inf  # when the copy stream is idle (free from the start, before t=0 too)
+        self._back_free = -math.inf  # when the write-back stream is idle (exclusive tiers)
+        self._vacating: dict[int, tuple[float, float, int]] = {}  # slot -> its write-back's (start, end, pieces)
         self.copies: CopyClock | None = None  # pipelined: measured copies (``CopyClock``), set by the replica
         self.warm = SimWarmQueue(loop, host, keys, functools.partial(self.stage, speculative=True))  # ``WarmQueue``
         host.on_change = lambda key, present: self._changed(key, "staged" if present else "unstaged")
@@ -218,7 +221,7 @@ class SimWorker:
         slot = self.table.lookup(key)
         if slot is None or not self.table.evict(key):
             return False
-        self._write_back(key)
+        self._write_back(key, slot.index)
         self._retire(self._loads.pop(slot.index))
         self._changed(key, "gone")
         return True
@@ -276,7 +279,7 @@ class SimWorker:
             self._reject(load, "no slot", no_room=load.prefetched)
             return
         if evicted is not None:
-            self._write_back(evicted)  # on the copy stream ahead of this load's copy
+            self._write_back(evicted, index)  # its copy out, which this load's copy in follows piece by piece
             self._retire(self._loads.pop(index))
             self._changed(evicted, "gone")
         self._changed(load.key, "loading", acquired=not load.commanded)
@@ -284,7 +287,13 @@ class SimWorker:
         self._loads[index] = self._pending.pop(load.key)
         now = self.loop.now
         start = max(now, self._copy_free)
-        self._copy_free = start + self.calibration.h2d_s(load.nbytes)
+        end = start + self.calibration.h2d_s(load.nbytes)
+        if index in self._vacating:  # ``SlotLoad.place``'s ``vacate``: each range after the piece that copies it out
+            out_start, out_end, pieces = self._vacating[index]
+            start = max(start, out_start + (out_end - out_start) / pieces)
+            copy_s = self.calibration.h2d_s(load.nbytes)
+            end = max(start + copy_s, out_end + copy_s / pieces)
+        self._copy_free = end
         load.h2d_ms = (self._copy_free - start) * 1e3
         load.issued_s = now
         load.issued.fire(now)
@@ -294,6 +303,7 @@ class SimWorker:
         """The copy completed: READY (step 7), counters, the record; waiters try again."""
         now = self.loop.now
         self.table.mark_ready(load.slot)
+        self._vacating.pop(load.slot, None)
         self._changed(load.key, "ready", read_s=load.disk_ms / 1e3, acquired=not load.commanded)
         c = self.counters
         c.loads += 1
@@ -314,16 +324,18 @@ class SimWorker:
         for waiter in waiters:
             self._place(waiter)
 
-    def _write_back(self, key: AdapterKey) -> None:
-        """``LoadPath.write_back``: exclusive tiers copy an evicted slot's shard back into the host tier, on the copy
-        stream (at the host-to-device rate: PCIe's two directions alike)."""
+    def _write_back(self, key: AdapterKey, index: int) -> None:
+        """``LoadPath.write_back``: exclusive tiers copy an evicted slot's shard back into the host tier, on the
+        write-back stream (at the host-to-device rate: PCIe's two directions alike) in ``WRITE_BACK_PIECES`` pieces,
+        which the next copy into the slot follows (``_place``)."""
         if not self.host.exclusive:
             return
         nbytes = self.nbytes[key.name]
-        start = max(self.loop.now, self._copy_free)
+        start = max(self.loop.now, self._back_free)
         end = start + self.calibration.h2d_s(nbytes)
         if self.host.write_back(key, nbytes, end):
-            self._copy_free = end
+            self._back_free = end
+            self._vacating[index] = (start, end, max(1, min(WRITE_BACK_PIECES, nbytes // WRITE_BACK_PIECE_BYTES)))
 
     def issued_copies(self) -> dict[str, tuple[int, float]]:
         """Adapters LOADING here (a slot taken: the read done, the copy issued) -> (bytes, when the copy was

@@ -39,6 +39,8 @@ from workers.kernels.meta import SlotMeta
 from workers.staging.host_tier import HostEntry, HostTier
 
 log = logging.getLogger(__name__)
+WRITE_BACK_PIECES = 8  # a write-back is copied out in up to this many pieces, so that a load into the slot follows it
+WRITE_BACK_PIECE_BYTES = 8 << 20  # ... of at least this many bytes each (a copy this size runs near the PCIe peak)
 
 
 class SlotBook:
@@ -54,6 +56,8 @@ class SlotBook:
         self.loads: dict[int, SlotLoad] = {}  # slot -> its load (LOADING or READY)
         self.pending: dict[AdapterKey, SlotLoad] = {}  # staging on the host, no slot yet
         self.last_use: list[Any] = [None] * num_slots  # compute-done event of the slot's last batch
+        # exclusive tiers: the write-back pieces (end element, event) of a slot's evicted shard, for its next load
+        self.vacating: dict[int, tuple[tuple[int, Any], ...]] = {}
         self.broken: set[int] = set()  # slots whose load failed mid-way while a batch held them: freed at 0 refs
         self.on_change = on_change
         self.on_room: Callable[[], None] | None = None  # a slot became idle or free in drop_refs (LoadPath's waiters)
@@ -243,6 +247,7 @@ class LoadPath:
         """Reserve a slot and copy the staged chunks; if only loads in flight stand in the way, wait for
         one to finish."""
         book = self.book
+        vacate: tuple[tuple[int, Any], ...] = ()
         with book.lock:
             if load.error is not None:  # its read failed first: _read_done dropped it
                 return
@@ -270,6 +275,9 @@ class LoadPath:
                     book.changed(evicted, "gone")
                 book.changed(load.key, "loading", acquired=not load.commanded)
                 book.loads[load.slot] = book.pending.pop(load.key)
+                # the write-back of the slot's last shard, to wait for; kept until a load into the slot is READY (one
+                # that fails midway may leave ranges it never copied into, which the next load must still wait for)
+                vacate = book.vacating.get(load.slot, ())
                 load.mark("slot")
         if error is not None:  # failed once its read has ended: the tier holds the shard (a host hit next time)
             load.fail(error)
@@ -279,27 +287,35 @@ class LoadPath:
         self.host.report()  # the host entries a write-back's room took
         write_meta = functools.partial(self._write_meta, load)
         load.place(self.streams, self.pool[load.slot, : load.layout.numel], entry.tensor, book.last_use[load.slot],
-                   write_meta, self._issued)
+                   write_meta, self._issued, vacate)
         load.placed.set()
 
     def write_back(self, slot: int) -> None:
         """Exclusive tiers: copy the shard of the READY load leaving ``slot`` back into the host tier (caller holds
-        the lock, before the slot is retired). The copy is issued now, on the copy stream, so every later copy into
-        the slot (a new load's, queued on that stream behind it) runs after it; the host entry is the slot's own
-        key, name@version, and is served only once the copy's event completed (``HostTier.written``: the watcher).
+        the lock, before the slot is retired). The copy is issued now, on the write-back stream, in pieces with an
+        event each (``book.vacating``), and every later copy into the slot (a new load's) waits for the pieces of the
+        range it overwrites (``SlotLoad.place``'s ``vacate``); the host entry is the slot's own key, name@version, and
+        is served only once the last piece's event completed (``HostTier.written``: the watcher).
         Nothing is written back for a tier that keeps host copies, or an unregistered adapter; a tier with no
         room for it, or one that holds it already, leaves it out (``HostTier.write_back``)."""
         gone = self.book.loads[slot]
         if not self.exclusive or not self.registered(gone.key.name):
             return
         numel = gone.layout.numel
+        size = max(1, -(-numel // max(1, min(WRITE_BACK_PIECES, gone.layout.nbytes // WRITE_BACK_PIECE_BYTES))))
+        pieces: list[tuple[int, Any]] = []
 
-        def copy(dst: torch.Tensor) -> object:
-            return self.streams.copy_chunk(dst, self.pool[slot, :numel], label=("write-back", slot), timed=False)[1]
+        def copy(dst: torch.Tensor) -> object:  # in pieces on the write-back stream, an event each
+            for start in range(0, numel, size):
+                stop = min(numel, start + size)
+                pieces.append((stop, self.streams.copy_back(dst[start:stop], self.pool[slot, start:stop],
+                                                            label=("write-back", slot, start))))
+            return pieces[-1][1]
 
         taken = self.host.write_back(gone.key, gone.layout, gone.plan.entry_spans, copy)
         if taken is not None:
             entry, event = taken
+            self.book.vacating[slot] = tuple(pieces)  # the next load into the slot waits for them, range by range
             due = time.perf_counter() + gone.layout.nbytes / H2D_FASTEST_BPS
             self.watcher.add(WriteBack(gone.key, entry, event, due), self._written)
 
@@ -379,6 +395,7 @@ class LoadPath:
                 log.exception("readiness handler failed for %s", load.key)
         with book.lock:
             book.table.mark_ready(load.slot)
+            book.vacating.pop(load.slot, None)  # every copy into the slot completed, after the write-back's pieces
             book.counters.loads += 1
             book.counters.bytes_host_to_gpu += record.nbytes
             if not record.host_hit:

@@ -10,7 +10,10 @@ logs copy-stream waits, chunk copies, compute events and compute waits in issue 
 ordering invariants (chunk events, last-use events: invariant 2).
 
 A load is issued as layer-ordered chunks (``lora_cache.adapters.chunks``): ``copy_chunk`` once per chunk, the
-first one after the slot's ``last_use`` event, each recording its own event on ``copy_stream``.
+first one after the slot's ``last_use`` event, each recording its own event on ``copy_stream``. With exclusive tiers
+an evicted slot's shard is copied out first (``copy_back``, on ``back_stream``: PCIe runs both directions at once), in
+pieces with an event each, and each chunk of the load into that slot waits only for the pieces of the range it
+overwrites (``SlotLoad.place``'s ``vacate``).
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ class CpuStreams:
     def copy_chunk(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None,
                    then: Callable[[Any], None] | None = None, label: object = None,
                    timed: bool = True) -> tuple[Any, Any]:
-        """On the copy stream: wait for ``after`` (a slot's last use), copy ``src`` into ``dst``, then
+        """On the copy stream: wait for ``after`` (a slot's last use; or a tuple of events: also the write-back of the
+        range it overwrites), copy ``src`` into ``dst``, then
         ``then(copy_stream)`` (e.g. the slot's kernel metadata: its host work overlaps the copy); returns
         (start, done) events (``timed`` False: no start event, None; a load times its copies from its first
         chunk's start)."""
@@ -71,6 +75,11 @@ class CpuStreams:
                 return start, end
         run()
         return start, end
+
+    def copy_back(self, dst: torch.Tensor, src: torch.Tensor, label: object = None) -> Any:
+        """On the write-back stream (here: the one deferred queue, in issue order): copy ``src`` (a slot) into ``dst``
+        (the host); returns its event (exclusive tiers: ``LoadPath.write_back``)."""
+        return self.copy_chunk(dst, src, label=label, timed=False)[1]
 
     def run_copies(self, until: Any = None) -> None:
         """Deferred mode: run queued copies in order, up to ``until`` (all of them if None)."""
@@ -117,6 +126,7 @@ class CudaStreams(CpuStreams):
     def __init__(self, device: torch.device, compute_stream: torch.cuda.Stream | None = None) -> None:
         super().__init__(device, deferred=False)
         self.copy_stream = torch.cuda.Stream(device)
+        self.back_stream = torch.cuda.Stream(device)  # write-backs: device-to-host, beside the loads' copies in
         self.compute_stream = compute_stream or torch.cuda.current_stream(device)
 
     def copy_chunk(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None,
@@ -125,8 +135,9 @@ class CudaStreams(CpuStreams):
         ready = torch.cuda.Event(enable_timing=True)
         start = torch.cuda.Event(enable_timing=True) if timed else None
         with torch.cuda.stream(self.copy_stream):
-            if after is not None:  # the previous adapter's last batch must be done with this slot
-                self.copy_stream.wait_event(after)
+            for event in after if isinstance(after, tuple) else (after,):
+                if event is not None:  # the previous adapter's last batch, or its write-back, done with this range
+                    self.copy_stream.wait_event(event)
             if start is not None:
                 start.record(self.copy_stream)
             dst.copy_(src, non_blocking=True)  # one H2D copy of a chunk of the packed shard, from pinned memory
@@ -134,6 +145,15 @@ class CudaStreams(CpuStreams):
                 then(self.copy_stream)  # valid once the first chunk's event is, as it is queued before that event
             ready.record(self.copy_stream)
         return start, ready
+
+    def copy_back(self, dst: torch.Tensor, src: torch.Tensor, label: object = None) -> Any:
+        """On ``back_stream``: PCIe carries it beside the copies in, and a load into the slot waits only for the part
+        it overwrites (``SlotLoad.place``'s ``vacate``)."""
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self.back_stream):
+            dst.copy_(src, non_blocking=True)  # into the pinned arena
+            done.record(self.back_stream)
+        return done
 
     def record_compute(self, label: object = None) -> Any:
         event = torch.cuda.Event()

@@ -43,6 +43,24 @@ log = logging.getLogger(__name__)
 __all__ = ["HostEntry", "HostTier", "drop_pages"]
 
 
+def local_copy(disk: DiskTier | None, spec: AdapterSpec) -> contextlib.AbstractContextManager[AdapterSpec]:
+    """What a read of ``spec`` reads: its own file, or for an adapter in an object store its proven copy on this
+    node's ``disk`` tier, held while it is read."""
+    if spec.store is None:
+        return contextlib.nullcontext(spec)
+    if disk is None:
+        raise ConfigError(f"adapter {spec.name} is in an object store ({spec.path}) but this host tier has no disk "
+                          "tier to fetch it into; build it with HostTier(..., disk=DiskTier(...))")
+    return disk.held(spec)
+
+
+def no_room(host_bytes: int, held: Sequence[HostEntry], key: AdapterKey, nbytes: int) -> CapacityError:
+    """The error of a fetch that finds the tier's bytes ``held`` by loads in flight."""
+    taken = sum(e.block.nbytes for e in held)
+    return CapacityError(f"host tier ({host_bytes} bytes) cannot stage {key} ({nbytes} bytes): {taken} bytes are held "
+                         "by loads in flight; raise host_bytes or load fewer adapters at once")
+
+
 class HostTier:
     """Staged shards by adapter key. ``fetch`` takes a reference; ``release`` drops it."""
 
@@ -124,7 +142,7 @@ class HostTier:
             self.misses += count and not hit
             if waiting is not None and on_chunk is not None:  # told from the read, once it is admitted
                 waiting.listeners.append(chunk_listener(on_chunk, hit))
-        self._report()
+        self.report()
         if waiting is not None:
             return waiting.ready, hit
         assert entry is not None
@@ -165,7 +183,7 @@ class HostTier:
             self._entries[key] = entry
             return entry, None
         if not wait or self._closing or not (self._waiting or self._may_free()):
-            raise self._full(key, layout.nbytes)
+            raise no_room(self.config.host_bytes, (*self._entries.values(), *self._orphans), key, layout.nbytes)
         waiting = self._waiting[key] = Wait(spec, layout, chunks)
         self.waits += 1
         return None, waiting
@@ -178,7 +196,7 @@ class HostTier:
             entry.refs -= 1
             admitted = self._admit()
         self._start(admitted)
-        self._report()
+        self.report()
 
     def release_failed(self, entry: HostEntry) -> None:
         """Drop a reference on an entry whose read failed, once no copy reads its staged chunks any more;
@@ -195,7 +213,7 @@ class HostTier:
             self._changes.append((key, False))
             admitted = self._admit()
         self._start(admitted)
-        self._report()
+        self.report()
         return True
 
     def drop_adapter(self, name: str) -> int:
@@ -220,7 +238,7 @@ class HostTier:
         for key, waiting in waits:
             waiting.ready.set_exception(unregistered(key))
         self._start(admitted)
-        self._report()
+        self.report()
         return freed
 
     def write_back(self, key: AdapterKey, layout: ShardLayout, chunks: Sequence[slice],
@@ -267,13 +285,9 @@ class HostTier:
             self._failed(entry, unregistered(entry.key))
             return
         entry.progress(entry.num_chunks)  # tells fetchers that joined it meanwhile
-        self._report()
+        self.report()
         entry.ready.set_result(entry)
         self._wake()
-
-    def report(self) -> None:
-        """Hand the queued changes of what the tier holds to ``on_change`` (a caller that held a lock meanwhile)."""
-        self._report()
 
     def reading(self) -> int:
         """Reads in flight or waiting for room: while any, a warm stage waits (``workers.staging.warming``)."""
@@ -305,12 +319,6 @@ class HostTier:
         will be dropped) or still being read, or an orphan that loads still copy from (lock held)."""
         return bool(self._orphans) or any(e.refs or not e.ready.done() for e in self._entries.values())
 
-    def _full(self, key: AdapterKey, nbytes: int) -> CapacityError:
-        held = sum(e.block.nbytes for e in (*self._entries.values(), *self._orphans))
-        return CapacityError(f"host tier ({self.config.host_bytes} bytes) cannot stage {key} ({nbytes} bytes): "
-                             f"{held} bytes are held by loads in flight; raise host_bytes or load fewer adapters "
-                             "at once")
-
     def _admit(self) -> tuple[list[tuple[AdapterSpec, HostEntry]], list[tuple[Wait, CapacityError]]]:
         """Give the room there is to waiting fetches, oldest first (lock held): the entries to read, and
         the waits that can never be admitted (nothing left that could free room). The head of the line
@@ -328,7 +336,8 @@ class HostTier:
                 break
             del self._waiting[key]
             if block is None:
-                failed.append((waiting, self._full(key, waiting.layout.nbytes)))
+                failed.append((waiting, no_room(self.config.host_bytes, (*self._entries.values(), *self._orphans), key,
+                                                waiting.layout.nbytes)))
                 continue
             layout = waiting.layout
             entry = HostEntry(key, layout, block, self.arena.view(block, layout.dtype, layout.numel), waiting.ready,
@@ -351,7 +360,7 @@ class HostTier:
         with self._lock:
             admitted = self._admit() if self._waiting else ([], [])
         self._start(admitted)
-        self._report()
+        self.report()
 
     def cancel_waits(self) -> None:
         """Fail every fetch still waiting for room, and refuse new waits (the tier, or its cache, is closing).
@@ -374,7 +383,7 @@ class HostTier:
                 if self.config.drop_page_cache:
                     drop_pages(spec)
             else:
-                with self._local(spec) as local:  # an adapter from a store: its proven copy on this node's disk
+                with local_copy(self.disk, spec) as local:  # a store's adapter: its copy on this disk
                     entry.bytes_read = self._reader.read(local, entry)
                     if self.config.drop_page_cache:
                         drop_pages(local)
@@ -393,7 +402,7 @@ class HostTier:
         if dropped:
             self._failed(entry, unregistered(entry.key))
             return
-        self._report()  # its "staged" reaches on_change before the result, as a slot's "ready" does its future
+        self.report()  # its "staged" reaches on_change before the result, as a slot's "ready" does its future
         entry.ready.set_result(entry)
         self._wake()  # done: if nobody references it any more, its room is the LRU's (and the change is reported)
 
@@ -415,10 +424,11 @@ class HostTier:
             admitted = self._admit()
         entry.ready.set_exception(error)
         self._start(admitted)
-        self._report()
+        self.report()
 
-    def _report(self) -> None:
-        """Hand the queued changes of what the tier holds to ``on_change``, oldest first (lock not held)."""
+    def report(self) -> None:
+        """Hand the queued changes of what the tier holds to ``on_change``, oldest first (lock not held; also a
+        caller that held a lock meanwhile, e.g. around a write-back)."""
         with self._reporting:
             while True:
                 with self._lock:
@@ -435,14 +445,6 @@ class HostTier:
         """The shards staged here whole (read and not failed), oldest use first: a full report's host part."""
         with self._lock:
             return [k for k, e in self._entries.items() if e.ready.done() and e.ready.exception() is None]
-
-    def _local(self, spec: AdapterSpec) -> contextlib.AbstractContextManager[AdapterSpec]:
-        if spec.store is None:
-            return contextlib.nullcontext(spec)
-        if self.disk is None:
-            raise ConfigError(f"adapter {spec.name} is in an object store ({spec.path}) but this host tier has no disk "
-                              "tier to fetch it into; build it with HostTier(..., disk=DiskTier(...))")
-        return self.disk.held(spec)
 
     def close(self) -> None:
         self.cancel_waits()
