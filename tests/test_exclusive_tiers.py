@@ -177,24 +177,32 @@ def test_a_load_that_asks_for_a_shard_being_written_back_joins_the_copy(
     cache.check_integrity()
 
 
+@pytest.mark.parametrize("fails_at", [0, 1])
 def test_a_write_back_that_cannot_be_issued_leaves_the_host_tier_as_it_was(
-        catalog: AdapterCatalog, make: Callable[..., WorkerCache], monkeypatch: pytest.MonkeyPatch) -> None:
+        catalog: AdapterCatalog, make: Callable[..., WorkerCache], monkeypatch: pytest.MonkeyPatch,
+        fails_at: int) -> None:
+    """The copy out refused at its first piece, or after one was issued (that one is waited for before the tier
+    frees the block it wrote into)."""
+    monkeypatch.setattr(loads_module, "WRITE_BACK_PIECE_BYTES", 1)
     cache = make(catalog)
     ready(cache, A)
     ready(cache, B)
     cache.stage(C).result(timeout=30)  # an idle entry the write-back would not need to displace
     before = (cache.host.contents(), cache.host.arena.used_bytes)
-    real_copy = cache.streams.copy_chunk
+    real_copy = cache.streams.copy_back
+    issued: list[object] = []
 
-    def failing(dst: Any, src: Any, *args: Any, label: object = None, **kw: Any) -> Any:
-        if isinstance(label, tuple) and label[0] == "write-back":
+    def failing(dst: Any, src: Any, label: object = None) -> Any:
+        if len(issued) == fails_at:
             raise RuntimeError("copy refused (the test's fault)")
-        return real_copy(dst, src, *args, label=label, **kw)
+        issued.append(label)
+        return real_copy(dst, src, label=label)
 
-    monkeypatch.setattr(cache.streams, "copy_chunk", failing)
+    monkeypatch.setattr(cache.streams, "copy_back", failing)
     assert cache.evict(A)  # the eviction itself goes ahead, as it would without exclusive tiers
     assert (cache.host.contents(), cache.host.arena.used_bytes) == before
-    assert cache.host.written_back == 0 and slot_of(cache, A) is None
+    assert cache.host.written_back == 0 and slot_of(cache, A) is None and len(issued) == fails_at
+    assert not cache.book.vacating  # nothing for the next load into the slot to wait for
     monkeypatch.undo()
     record = cache.prefetch(A).result(timeout=30)  # read from its file again: right bytes
     assert not record.host_hit

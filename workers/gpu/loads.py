@@ -270,7 +270,7 @@ class LoadPath:
                 if load.wait_timer is not None:
                     load.wait_timer.cancel()
                 if evicted is not None:
-                    self.write_back(load.slot)  # issued before this load's copies, on the same copy stream
+                    self.write_back(load.slot)  # copied out first: this load's copies wait for it, range by range
                     book.retire(load.slot)
                     book.changed(evicted, "gone")
                 book.changed(load.key, "loading", acquired=not load.commanded)
@@ -306,10 +306,15 @@ class LoadPath:
         pieces: list[tuple[int, Any]] = []
 
         def copy(dst: torch.Tensor) -> object:  # in pieces on the write-back stream, an event each
-            for start in range(0, numel, size):
-                stop = min(numel, start + size)
-                pieces.append((stop, self.streams.copy_back(dst[start:stop], self.pool[slot, start:stop],
-                                                            label=("write-back", slot, start))))
+            try:
+                for start in range(0, numel, size):
+                    stop = min(numel, start + size)
+                    pieces.append((stop, self.streams.copy_back(dst[start:stop], self.pool[slot, start:stop],
+                                                                label=("write-back", slot, start))))
+            except BaseException:  # the tier frees ``dst``: no piece issued may still write it or read the slot
+                if pieces:
+                    self.streams.host_wait(pieces[-1][1])
+                raise
             return pieces[-1][1]
 
         taken = self.host.write_back(gone.key, gone.layout, gone.plan.entry_spans, copy)
