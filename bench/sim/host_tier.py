@@ -168,7 +168,7 @@ class SimHostTier:
         if key in self.entries or self._waiting or nbytes > self.capacity or not self._make_room(nbytes):
             return False
         entry = _Staged(nbytes, Signal(), refs=0, speculative=True)  # no store read: nothing for the node to yield to
-        entry.protected = self.order.admitted(key, False) or self.order.used_again(False)
+        entry.protected = self.order.written_back(key)
         self.entries[key] = entry
         self.used += nbytes
         self.written_back += 1

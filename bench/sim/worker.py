@@ -287,11 +287,11 @@ class SimWorker:
         self._loads[index] = self._pending.pop(load.key)
         now = self.loop.now
         start = max(now, self._copy_free)
-        end = start + self.calibration.h2d_s(load.nbytes)
+        copy_s = self.calibration.h2d_s(load.nbytes)
+        end = start + copy_s
         if index in self._vacating:  # ``SlotLoad.place``'s ``vacate``: each range after the piece that copies it out
             out_start, out_end, pieces = self._vacating[index]
             start = max(start, out_start + (out_end - out_start) / pieces)
-            copy_s = self.calibration.h2d_s(load.nbytes)
             end = max(start + copy_s, out_end + copy_s / pieces)
         self._copy_free = end
         load.h2d_ms = (self._copy_free - start) * 1e3

@@ -79,6 +79,11 @@ class EvictionOrder:
         """A staged entry fetched again: whether it is protected from now on (under ``segmented``, always)."""
         return protected or self.segmented
 
+    def written_back(self, key: AdapterKey) -> bool:
+        """A slot's shard written back into the tier (exclusive tiers): whether its entry is protected. It was loaded
+        into a slot, so it was used: under ``segmented``, always (and it leaves the ghost history, if it was there)."""
+        return self.admitted(key, False) or self.used_again(False)
+
     def evicted(self, key: AdapterKey, nbytes: int) -> None:
         """The tier let go of ``key``'s idle entry to make room: remembered, newest last, within the capacity."""
         if not self.segmented:

@@ -24,8 +24,8 @@ TIERS = {
     "inclusive": "a GPU-resident shard keeps its host copy: a slot it is evicted from loads it again from there, if "
                  "the host tier's eviction order kept it",
     "exclusive": "a shard is held by one tier at a time: a GPU load lets go of its host copy once READY, and a slot's "
-                 "eviction writes the shard back into the host tier (a device-to-host copy on the copy stream, no "
-                 "store read), so the host tier holds other adapters than the GPU slots do",
+                 "eviction writes the shard back into the host tier (a device-to-host copy in pieces on a stream of its own, "
+                 "no store read), so the host tier holds other adapters than the GPU slots do",
 }
 MEMINFO = Path("/proc/meminfo")
 CGROUP = Path("/sys/fs/cgroup")

@@ -268,7 +268,7 @@ class HostTier:
                 log.exception("write-back of %s not issued; the shard leaves the GPU as before", key)
                 self.arena.free(block)
                 return None
-            entry.protected = self.order.admitted(key, False) or self.order.used_again(False)
+            entry.protected = self.order.written_back(key)
             self._entries[key] = entry
             self.written_back += 1
         return entry, event
