@@ -83,7 +83,7 @@ class BenchConfig:
     host_eviction: str = field(default="lru", metadata={
         "help": "the host tier's eviction order, the same for every policy: lru | segmented (read-once shards "
                 "first; workers/staging/eviction.py)"})
-    host_tiers: str = field(default="inclusive", metadata={
+    host_tiers: str = field(default="exclusive", metadata={
         "help": "whether GPU slots and the host tier may hold one shard both, the same for every policy: inclusive | "
                 "exclusive (a GPU load lets go of its host copy; a slot's eviction writes the shard back; "
                 "workers/staging/host_config.py)"})

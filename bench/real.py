@@ -85,7 +85,7 @@ class RealConfig:
     worker_cpus: float = 0.25
     host_bytes: int = 2 << 30
     host_eviction: str = "lru"  # HostTierConfig.eviction
-    host_tiers: str = "inclusive"  # HostTierConfig.tiers
+    host_tiers: str = "exclusive"  # HostTierConfig.tiers
     timeout_s: float = 900.0  # one policy's whole run
     engine: dict[str, Any] = field(default_factory=dict)  # further EngineConfig fields (e.g. share_weights)
     attach: bool = False  # engine ranks in processes of their own, attached through the seam
@@ -390,7 +390,8 @@ def _collect(policy: BenchPolicy, fleet: Fleet, results: list[Any], start_wall: 
                       **engines[(replica, rank)].gc})  # the engine process's collector pauses
         loads += [{"t_s": t - start_wall, "replica": replica, "rank": rank, "adapter": rec.adapter,
                    "nbytes": rec.nbytes, "ready_ms": rec.ready_ms, "h2d_ms": rec.h2d_ms, "disk_ms": rec.disk_ms,
-                   "host_hit": rec.host_hit} for t, rec in logs[(replica, rank)] if t >= since_wall]
+                   "host_hit": rec.host_hit, "after_write_back": rec.after_write_back}
+                  for t, rec in logs[(replica, rank)] if t >= since_wall]
     steps = [{"replica": replica, "t_s": s.wall_s - start_wall, **s._asdict()}  # t_s: the loads' clock
              for replica, res in zip(replicas, results) for s in res.ranks[0].step_log]
     return PolicyRun(policy.name, "real", records, stats, sorted(loads, key=lambda x: x["t_s"]), steps)

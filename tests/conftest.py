@@ -227,7 +227,8 @@ def file_slices() -> Callable[[AdapterSpec, ShardLayout], dict[tuple[int, str, s
 
 @pytest.fixture
 def make_cache() -> Iterator[Callable[..., WorkerCache]]:
-    """``make_cache(catalog, num_slots=3, **worker_config)``: a CPU WorkerCache, closed after the test."""
+    """``make_cache(catalog, num_slots=3, host_bytes=1 MiB, on_ready=None, tiers="exclusive", **worker_config)``: a
+    CPU WorkerCache, closed after the test."""
     caches: list[WorkerCache] = []
 
     def make(
@@ -235,12 +236,13 @@ def make_cache() -> Iterator[Callable[..., WorkerCache]]:
         num_slots: int = 3,
         host_bytes: int = 1 << 20,
         on_ready: Callable[..., None] | None = None,
+        tiers: str = "exclusive",
         **kw: Any,
     ) -> WorkerCache:
         config = WorkerConfig(
             num_slots=num_slots,
             device="cpu",
-            host=HostTierConfig(host_bytes=host_bytes, read_threads=2, pin=False),
+            host=HostTierConfig(host_bytes=host_bytes, read_threads=2, pin=False, tiers=tiers),
             **kw,
         )
         cache = WorkerCache(config, catalog, on_ready=on_ready)

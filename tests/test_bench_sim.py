@@ -176,7 +176,9 @@ def test_concurrent_misses_wait_for_host_room_instead_of_failing() -> None:
     850 requests ("on-demand load of adapter-129 failed: no GPU slot or host-tier room"; found by trying
     400-2,000 requests on seeds 0-5). Now the load that finds every host byte held by loads in flight waits
     for one of them (counted in host_waits), and every request is served."""
-    config = SimConfig(replicas=8, slots=8, max_adapters=8, routing="round-robin", host_bytes=2 << 30)
+    # inclusive tiers: the case that raised (exclusive ones free a shard's host bytes once it is READY: no waits here)
+    config = SimConfig(replicas=8, slots=8, max_adapters=8, routing="round-robin", host_bytes=2 << 30,
+                       host_tiers="inclusive")
     spec = WorkloadSpec(arrivals="poisson:32", popularity="bursty:40,80,80", num_adapters=200, requests=850,
                         workload_seed=2)
     result = simulate(config, BENCH_POLICIES["ondemand"], make_workload(spec, spec.adapter_names(8)), H200,
@@ -192,13 +194,13 @@ def test_exclusive_tiers_write_evicted_shards_back_and_serve_every_request() -> 
     """``host_tiers`` exclusive in the simulator (``LoadPath.write_back``'s rules): shards evicted from slots come
     back into the host tier with no store read, a READY slot's shard keeps no idle host copy (``check``), and every
     request is served with the books balanced."""
-    config = dataclasses.replace(SMALL, host_tiers="exclusive")
-    result = run("global", config)
+    result = run("global")  # exclusive: the default
     totals = result.totals()
     assert all(r.ok for r in result.records) and len(result.records) == len(workload().requests)
     assert totals["host_written_back"] > 0
     assert totals["host_hits"] + totals["host_misses"] == totals["prefetches"] + totals["demand_loads"]
-    assert run("global").totals()["host_written_back"] == 0  # inclusive: nothing written back
+    inclusive = run("global", dataclasses.replace(SMALL, host_tiers="inclusive"))
+    assert inclusive.totals()["host_written_back"] == 0  # nothing written back
 
 
 def test_the_same_seed_gives_identical_records() -> None:
@@ -334,7 +336,10 @@ def test_least_loaded_routing_spreads_requests() -> None:
 
 # -- calibration -------------------------------------------------------------------------------------
 def test_fitting_the_simulators_own_logs_recovers_its_calibration() -> None:
-    result = simulate(SMALL, BENCH_POLICIES["ondemand"], workload(), EXACT, check=True)
+    """Inclusive tiers: every host hit's copy is the copy alone (under exclusive ones most follow a write-back of
+    their slot here, and the fit keeps them where fewer than two others hit the host tier)."""
+    result = simulate(dataclasses.replace(SMALL, host_tiers="inclusive"), BENCH_POLICIES["ondemand"], workload(),
+                      EXACT, check=True)
     fitted = fit_calibration([s.as_log() for s in result.steps], [ld.as_log() for ld in result.loads], base=EXACT)
     assert fitted.prefill_per_token_ms == pytest.approx(EXACT.prefill_per_token_ms, rel=1e-6)
     assert fitted.prefill_base_ms == pytest.approx(EXACT.prefill_base_ms, rel=1e-6)
@@ -501,7 +506,10 @@ def test_sim_check_recovers_a_simulated_run_from_its_own_logs() -> None:
     from bench.sim.check import NoisyCalibration, compare, step_ratios
     from bench.sim.job import run_policies
 
-    bench = BenchConfig(engine="sim", replicas=SMALL.replicas, slots=SMALL.slots, max_adapters=SMALL.max_adapters)
+    # inclusive tiers: under exclusive ones most host hits here follow a write-back of their slot, and a copy's time
+    # fitted from them holds the waits that the simulator then charges again (docs/known-issues.md)
+    bench = BenchConfig(engine="sim", replicas=SMALL.replicas, slots=SMALL.slots, max_adapters=SMALL.max_adapters,
+                        host_tiers="inclusive")
     policy = BENCH_POLICIES["ondemand"]
     (run_,) = run_policies(bench, [policy], workload(), {}, EXACT)
     out = compare(bench, [policy], workload(), {"ondemand": figures(run_)}, {"ondemand": run_.steps},

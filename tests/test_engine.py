@@ -587,6 +587,10 @@ def test_copy_clock_predicts_from_the_slowest_fit_and_the_stream_order() -> None
     assert four is not None and four < 0.006
     assert clock.in_time({"a": (4000, 0.0)}, 0.0) == {"a"}
     assert clock.in_time({"a": (4000, 0.0), "b": (4000, 0.0001)}, 0.0) == {"a"}  # b queues behind a
+    # exclusive tiers: a copy into a slot being written back lands after that copy out (the third value) and its own
+    assert clock.in_time({"a": (1000, 0.0, 0)}, 0.0) == {"a"}
+    assert clock.in_time({"a": (1000, 0.0, 4000)}, 0.0) == set()  # 4000 out then 1000 in: past the 6 ms budget
+    assert clock.in_time({"a": (1000, 0.0, 1000)}, 0.0) == ({"a"} if 2 * clock.copy_s(1000) <= 0.006 else set())
     clock.copied(0, 0.0, 0.004)  # a copy seen landing at 4 ms: one issued before it started on the stream then
     assert clock.in_time({"a": (4000, -0.001)}, 0.0) == set()
     with pytest.raises(ValueError, match="layers is 0"):

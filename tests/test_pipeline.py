@@ -83,7 +83,12 @@ def test_chunk_plan_refuses_bad_input() -> None:
 def deferred_cache(tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog],
                    make_cache: Callable[..., WorkerCache]) -> WorkerCache:
     """A cache whose copy stream is deferred (copies run when waited on) and traced, a chunk per layer."""
-    cache = make_cache(make_catalog(tiny_adapters(3, rank="16")[0].parent), num_slots=1, chunk_bytes=0)
+    return _deferred(tiny_adapters, make_catalog, make_cache, "exclusive")
+
+
+def _deferred(tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog],
+              make_cache: Callable[..., WorkerCache], tiers: str) -> WorkerCache:
+    cache = make_cache(make_catalog(tiny_adapters(3, rank="16")[0].parent), num_slots=1, chunk_bytes=0, tiers=tiers)
     streams = CpuStreams(cache.device, deferred=True)
     streams.trace = deque(maxlen=4096)
     use_streams(cache, streams)  # (the index uploads keep their own: untraced)
@@ -141,10 +146,17 @@ def test_whole_acquire_waits_on_the_last_chunk(deferred_cache: WorkerCache) -> N
     cache.check_integrity()
 
 
-def test_slot_reuse_waits_on_the_last_use_of_every_chunk(deferred_cache: WorkerCache) -> None:
+@pytest.mark.parametrize("tiers", ["inclusive", "exclusive"])
+def test_slot_reuse_waits_on_the_last_use_of_every_chunk(
+    tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog],
+    make_cache: Callable[..., WorkerCache], tiers: str
+) -> None:
     """Invariant 2 with chunks: a load into a reused slot issues its first chunk after a wait on the event
-    its previous adapter's last batch recorded at release, and every later chunk behind it on the copy stream."""
-    cache, streams = deferred_cache, deferred_cache.streams
+    its previous adapter's last batch recorded at release, and every later chunk behind it on the copy stream.
+    Exclusive tiers: the evicted shard's write-back is issued before it, and each chunk also waits for the piece
+    of the write-back that covers its range (never for the release again)."""
+    cache = _deferred(tiny_adapters, make_catalog, make_cache, tiers)
+    streams = cache.streams
     assert isinstance(streams, CpuStreams) and streams.trace is not None
     for name in ("adapter-000", "adapter-001", "adapter-002", "adapter-000"):
         batch = cache.acquire([name], pipelined=True)
@@ -156,17 +168,31 @@ def test_slot_reuse_waits_on_the_last_use_of_every_chunk(deferred_cache: WorkerC
         cache.check_integrity()
     ops = list(streams.trace)
     releases = [i for i, op in enumerate(ops) if op[0] == "compute"]
-    firsts = [i for i, op in enumerate(ops) if op[0] == "copy" and op[1][1] == 0]
+    copies_in = [i for i, op in enumerate(ops) if op[0] == "copy" and op[1][0] != "write-back"]
+    backs = [i for i, op in enumerate(ops) if op[0] == "copy" and op[1][0] == "write-back"]
+    firsts = [i for i in copies_in if ops[i][1][1] == 0]
     assert len(firsts) == 4 and len(releases) == 4
+    assert (len(backs) > 0) == (tiers == "exclusive")
     for k, i in enumerate(firsts):
-        after = ops[i][2]
+        after = _events(ops[i][2])
         if k == 0:
-            assert after is None  # a fresh slot
+            assert after == ()  # a fresh slot
             continue
         last_release = max(j for j in releases if j < i)
-        assert after is ops[last_release][2], "the first chunk waits on the slot's last use"
-        later = [op for op in ops[i + 1 :] if op[0] == "copy" and op[1][0] == ops[i][1][0]]
-        assert all(op[2] is None for op in later[: len(cache.plan_of('adapter-000').chunks) - 1])
+        assert any(a is ops[last_release][2] for a in after), "the first chunk waits on the slot's last use"
+        if tiers == "exclusive":
+            back = [j for j in backs if last_release < j < i]
+            assert back, "the evicted shard is written back before the next load's first chunk"
+            assert any(a is ops[back[0]][3] for a in after), "and the first chunk waits for its first piece"
+        later = [j for j in copies_in if j > i and ops[j][1][0] == ops[i][1][0]]
+        for j in later[: len(cache.plan_of('adapter-000').chunks) - 1]:
+            assert not any(a is ops[last_release][2] for a in _events(ops[j][2]))  # behind the first on the stream
+            assert tiers == "exclusive" or ops[j][2] is None
+
+
+def _events(after: object) -> tuple[object, ...]:
+    """A traced copy's ``after``: None, one event, or a tuple of them (``copy_chunk``)."""
+    return () if after is None else after if isinstance(after, tuple) else (after,)
 
 
 def test_a_chunk_of_a_failed_load_raises_for_its_waiters(deferred_cache: WorkerCache) -> None:

@@ -110,7 +110,9 @@ def test_a_cold_load_and_a_hit_split_into_phases_that_add_up(catalog: AdapterCat
 def test_reader_processes_are_taken_last_used_first(catalog: AdapterCatalog) -> None:
     """One read at a time goes to the process that read last: warm (the entries, the header's index and the
     plan it keeps per rank pattern), where taken in turn each process paid for them on its first read."""
-    host = HostTierConfig(host_bytes=1 << 20, read_threads=3, read_split=1, pin=False, reads="process")
+    # inclusive tiers: each round drops the host copy itself to read again (exclusive ones write it back at eviction)
+    host = HostTierConfig(host_bytes=1 << 20, read_threads=3, read_split=1, pin=False, reads="process",
+                          tiers="inclusive")
     cache = WorkerCache(WorkerConfig(num_slots=2, device="cpu", host=host), catalog)
     try:
         reader = cache.host._reader

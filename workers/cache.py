@@ -259,14 +259,16 @@ class WorkerCache:
             return {s.key for s in self.book.table.slots if s.key is not None and s.state is SlotPhase.LOADING
                     and self.book.loads[s.index].issued.is_set() and self.book.loads[s.index].error is None}
 
-    def issued_copies(self) -> dict[AdapterKey, tuple[int, float]]:
+    def issued_copies(self) -> dict[AdapterKey, tuple[int, float, int]]:
         """``issued_keys`` -> (the bytes of each one's copy, the ``perf_counter`` time its first chunk's copy was
-        issued): what ``workers.engine.admission.CopyClock`` predicts its landing from."""
+        issued, the bytes of the write-back its copies follow: 0 for none): what
+        ``workers.engine.admission.CopyClock`` predicts its landing from."""
         with self.book.lock:
-            loads = [(s.key, self.book.loads[s.index]) for s in self.book.table.slots
+            loads = [(s.index, s.key, self.book.loads[s.index]) for s in self.book.table.slots
                      if s.key is not None and s.state is SlotPhase.LOADING]
-            return {key: (load.layout.nbytes, next((t for phase, t in load.marks if phase == "issue 0"), load.t0))
-                    for key, load in loads if load.issued.is_set() and load.error is None}
+            return {key: (load.layout.nbytes, next((t for phase, t in load.marks if phase == "issue 0"), load.t0),
+                          _behind(self.book, index, self.pool.element_size()))
+                    for index, key, load in loads if load.issued.is_set() and load.error is None}
 
     def ready_names(self) -> set[str]:
         """Adapters READY here (any version): the engine's readiness report, without ``residency``'s rows."""
@@ -318,3 +320,10 @@ class WorkerCache:
     def close(self) -> None:
         self.load_path.close()  # loads waiting for host room fail, issued copies complete, the host tier closes
         self.disk.close()
+
+
+def _behind(book: SlotBook, slot: int, element_size: int) -> int:
+    """The bytes of the write-back of ``slot``'s last shard that a copy into it still follows (caller holds the
+    book's lock): its last piece's end, in the pool's elements (``LoadPath.write_back``); 0 for none."""
+    pieces = book.vacating.get(slot, ())
+    return pieces[-1][0] * element_size if pieces else 0

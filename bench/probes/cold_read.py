@@ -116,8 +116,10 @@ class Rank:
         """A fresh worker cache with ``readers`` reader threads per read (0: auto), reads where ``reads`` says
         (``HostTierConfig.reads``), checked as ``verify`` says, warmed by one load."""
         self.close()
+        # inclusive tiers: the probe times reads and copies, and drops the host copy itself between them (an
+        # exclusive tier's write-back at each eviction would put a device-to-host copy between every two timings)
         host = HostTierConfig(host_bytes=self.nbytes + (4 << 20), read_parallel=readers, pin=self.gpu, reads=reads,
-                              verify=verify, read_split=split, read_threads=max(4, split))
+                              verify=verify, read_split=split, read_threads=max(4, split), tiers="inclusive")
         self.cache = WorkerCache(WorkerConfig(num_slots=1, tp=self.cfg["tp"], tp_rank=self.rank, dtype="bfloat16",
                                               device=self.device, host=host), self.catalog)
         self.cache.prefetch(NAME).result(timeout=600)  # reader processes started, the path warm

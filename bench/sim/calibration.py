@@ -52,7 +52,9 @@ cannot tell (slot dtype, control latencies, disk costs without a host-tier miss)
 - Loads: host->GPU from the loads that hit the host tier (``h2d_ms`` on ``nbytes``: the slope gives
   ``h2d_gbps``), or from every load when fewer than two hit it: a load read from disk streams its chunks
   to the GPU as they are read, so its ``h2d_ms`` spans the read (2.5-3 GB/s on the H100 against 20-40
-  for host hits, 2026-11-25; fitting every load charged the simulator's serial read-then-copy twice);
+  for host hits, 2026-11-25; fitting every load charged the simulator's serial read-then-copy twice),
+  leaving out copies that followed a write-back of their slot (exclusive tiers: their chunks waited for the
+  copy out's pieces, which the simulator charges itself) where two others are left;
   disk->host from the loads that missed the host tier (``disk_ms`` on ``nbytes``: ``disk_fixed_ms``
   and ``disk_gbps``); both by the same least squares (slow reads, beside other reads or steps, are
   costs of that run, not stalls: only rows over ``OUTLIER_FACTOR`` times their fit are dropped).
@@ -229,8 +231,9 @@ def fit_calibration(steps: Iterable[Mapping[str, Any]], loads: Iterable[Mapping[
             raise ConfigError("fit_calibration: no loads in the log and no base calibration to take their costs "
                               "from; a run must load at least one adapter, or pass base=")
         return computed  # an oracle alone: every adapter resident before its clock; the load costs are the base's
-    copies = [ld for ld in loads if ld["host_hit"]]
-    copies = copies if len(copies) >= 2 else loads  # a read's chunks are copied while it reads: not a copy's time
+    hits = [ld for ld in loads if ld["host_hit"]]  # a read's chunks are copied while it reads: not a copy's time
+    alone = [ld for ld in hits if not ld.get("after_write_back")]  # the others waited for a slot's copy out
+    copies = alone if len(alone) >= 2 else hits if len(hits) >= 2 else loads
     nbytes = np.array([ld["nbytes"] for ld in copies], dtype=np.float64)
     h2d = np.array([ld["h2d_ms"] for ld in copies], dtype=np.float64)
     copy_fixed, h2d_gbps = _fit_rate(nbytes, h2d, "h2d", info)

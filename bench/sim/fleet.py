@@ -140,7 +140,7 @@ class SimConfig:
     read_threads: int = field(default=4, metadata={"help": "disk reader threads per rank"})
     host_eviction: str = field(default="lru", metadata={
         "help": "the host tier's eviction order: lru | segmented (HostTierConfig.eviction)"})
-    host_tiers: str = field(default="inclusive", metadata={
+    host_tiers: str = field(default="exclusive", metadata={
         "help": "whether GPU slots and the host tier may hold one shard both: inclusive | exclusive "
                 "(HostTierConfig.tiers)"})
     series_s: float = field(default=1.0, metadata={"help": "time-series bucket, simulated seconds"})

@@ -41,7 +41,7 @@ class SimHostTier:
     """The pinned host tier of one rank: staged shards, bytes, eviction order, single-flight reads, references."""
 
     def __init__(self, loop: Loop, calibration: Calibration, capacity: int, read_threads: int,
-                 store: SimStore | None = None, eviction: str = "lru", tiers: str = "inclusive") -> None:
+                 store: SimStore | None = None, eviction: str = "lru", tiers: str = "exclusive") -> None:
         """``store``: where a miss reads from (``bench.sim.store``: device, s3); None: the page cache. ``eviction``:
         ``HostTierConfig.eviction``; ``tiers``: ``HostTierConfig.tiers`` (exclusive: ``write_back``, ``drop``)."""
         self.loop, self.calibration, self.capacity = loop, calibration, capacity

@@ -63,13 +63,14 @@ class LoadRecord(NamedTuple):
     disk_ms: float  # the read alone (0 on a host-tier hit)
     h2d_ms: float  # the copy alone
     prefetched: bool  # False: started by an acquire that missed
+    after_write_back: bool = False  # its copy followed a write-back of the slot (exclusive tiers)
 
     def as_log(self) -> dict[str, object]:
         """The fields ``fit_calibration`` reads (those of ``workers.gpu.copies.ReadinessRecord``, and the real
         load log's READY time ``t_s``, replica and rank)."""
         return {"nbytes": self.nbytes, "ready_ms": (self.ready_s - self.start_s) * 1e3, "h2d_ms": self.h2d_ms,
                 "disk_ms": self.disk_ms, "host_hit": self.host_hit, "t_s": self.ready_s, "replica": self.replica,
-                "rank": self.rank}
+                "rank": self.rank, "after_write_back": self.after_write_back}
 
 
 @dataclass(eq=False)
@@ -88,6 +89,7 @@ class SimLoad:
     disk_ms: float = 0.0
     h2d_ms: float = 0.0
     issued_s: float = 0.0  # when its copy was issued (queued on the rank's copy stream)
+    after_write_back: bool = False  # its copy followed the slot's write-back (``_vacating``)
     used: bool = False  # some batch acquired (or pinned) it: prefetch accuracy
 
 
@@ -108,7 +110,8 @@ class SimWorker:
         self.pins = SimPins(self.table, self._loads, keys, max_batch)  # the engine's pins on READY slots (step 9)
         self._copy_free = -math.inf  # when the copy stream is idle (free from the start, before t=0 too)
         self._back_free = -math.inf  # when the write-back stream is idle (exclusive tiers)
-        self._vacating: dict[int, tuple[float, float, int]] = {}  # slot -> its write-back's (start, end, pieces)
+        # slot -> its write-back's (start, end, pieces, bytes)
+        self._vacating: dict[int, tuple[float, float, int, int]] = {}
         self.copies: CopyClock | None = None  # pipelined: measured copies (``CopyClock``), set by the replica
         self.warm = SimWarmQueue(loop, host, keys, functools.partial(self.stage, speculative=True))  # ``WarmQueue``
         host.on_change = lambda key, present: self._changed(key, "staged" if present else "unstaged")
@@ -290,7 +293,8 @@ class SimWorker:
         copy_s = self.calibration.h2d_s(load.nbytes)
         end = start + copy_s
         if index in self._vacating:  # ``SlotLoad.place``'s ``vacate``: each range after the piece that copies it out
-            out_start, out_end, pieces = self._vacating[index]
+            out_start, out_end, pieces, _ = self._vacating[index]
+            load.after_write_back = True
             start = max(start, out_start + (out_end - out_start) / pieces)
             end = max(start + copy_s, out_end + copy_s / pieces)
         self._copy_free = end
@@ -318,7 +322,7 @@ class SimWorker:
         if self.host.exclusive:  # ``LoadPath._finish``: the slot holds it now
             self.host.drop(load.key)
         self.on_load(LoadRecord(self.replica, self.rank, load.key.name, load.start_s, now, load.nbytes,
-                                load.host_hit, load.disk_ms, load.h2d_ms, load.prefetched))
+                                load.host_hit, load.disk_ms, load.h2d_ms, load.prefetched, load.after_write_back))
         load.ready.fire(now)
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
@@ -335,13 +339,15 @@ class SimWorker:
         end = start + self.calibration.h2d_s(nbytes)
         if self.host.write_back(key, nbytes, end):
             self._back_free = end
-            self._vacating[index] = (start, end, max(1, min(WRITE_BACK_PIECES, nbytes // WRITE_BACK_PIECE_BYTES)))
+            pieces = max(1, min(WRITE_BACK_PIECES, nbytes // WRITE_BACK_PIECE_BYTES))
+            self._vacating[index] = (start, end, pieces, nbytes)
 
-    def issued_copies(self) -> dict[str, tuple[int, float]]:
+    def issued_copies(self) -> dict[str, tuple[int, float, int]]:
         """Adapters LOADING here (a slot taken: the read done, the copy issued) -> (bytes, when the copy was
-        issued) (``WorkerCache.issued_copies``)."""
-        return {s.key.name: (self._loads[s.index].nbytes, self._loads[s.index].issued_s) for s in self.table.slots
-                if s.key is not None and s.state is SlotPhase.LOADING}
+        issued, the bytes of the write-back it follows) (``WorkerCache.issued_copies``)."""
+        return {s.key.name: (self._loads[s.index].nbytes, self._loads[s.index].issued_s,
+                             self._vacating[s.index][3] if s.index in self._vacating else 0)
+                for s in self.table.slots if s.key is not None and s.state is SlotPhase.LOADING}
 
     def _reject(self, load: SimLoad, error: str, no_room: bool = False) -> None:
         """``no_room``: a prefetch found every slot held (as the worker's: counted apart, "no_room", no failure)."""

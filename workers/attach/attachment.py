@@ -248,7 +248,7 @@ class Attachment:
         """The exact versions LOADING on this rank with every copy issued (READY within a copy's time)."""
         return self.cache.issued_keys()
 
-    def issued_copies(self) -> dict[AdapterKey, tuple[int, float]]:
+    def issued_copies(self) -> dict[AdapterKey, tuple[int, float, int]]:
         """``issued_keys`` -> (the bytes of each one's copy, ``perf_counter`` when it was issued): the engine
         predicts when each lands (``workers.engine.admission.CopyClock``)."""
         return self.cache.issued_copies()

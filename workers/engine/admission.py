@@ -46,10 +46,11 @@ class CopyClock:
     the stream in the order issued, the first no sooner than the last copy seen landing (each starts at its
     issue or when the one before it ends: a copy issued behind others waits for them). A step reaches its
     last layer ``(layers - 1) / layers`` of its compute after it starts, the shortest of the last
-    ``STEP_WINDOW`` steps measured. Until a copy and a step have been measured nothing is in time: the request
-    waits for READY, as under ``overlap``. No rate is assumed: on a card whose copies run slower than its steps
-    (a congested link, a large adapter beside a short decode step) LOADING requests wait instead of holding a
-    batch at a layer.
+    ``STEP_WINDOW`` steps measured. A copy that follows a write-back of its slot (exclusive tiers) lands no
+    sooner than that copy out and then its own (``in_time``). Until a copy and a step have been measured nothing
+    is in time: the request waits for READY, as under ``overlap``. No rate is assumed: on a card whose copies run
+    slower than its steps (a congested link, a large adapter beside a short decode step) LOADING requests wait
+    instead of holding a batch at a layer.
     """
 
     def __init__(self, layers: int) -> None:
@@ -92,16 +93,24 @@ class CopyClock:
         """The longest a copy of ``nbytes`` is predicted to take on the stream (None before any copy)."""
         return self._model[0] + self._model[1] * nbytes if self._model is not None else None
 
-    def in_time(self, issued: Mapping[K, tuple[int, float]], now: float) -> set[K]:
-        """Of the copies issued and not landed (key -> (bytes, when issued)), those predicted to land within a
-        step's time to its last layer from ``now``, the stream taking them in the order issued."""
+    def in_time(self, issued: Mapping[K, tuple[int, float] | tuple[int, float, int]], now: float) -> set[K]:
+        """Of the copies issued and not landed (key -> (bytes, when issued[, bytes written back first])), those
+        predicted to land within a step's time to its last layer from ``now``, the stream taking them in the order
+        issued. A copy into a slot whose last shard is being written back (exclusive tiers: the third value, the
+        bytes of that copy out, issued with it on the write-back stream) waits, chunk by chunk, for the pieces of
+        the range it overwrites: it is taken to land no sooner than the whole copy out, at the measured copy rate
+        (PCIe's two directions alike), and then the whole copy in: later than it can, never sooner."""
         budget = self.budget_s()
         if not issued or budget is None or self._model is None:
             return set()
+        fixed, per_byte = self._model
         out: set[K] = set()
         end = self._free
-        for key, (nbytes, at) in sorted(issued.items(), key=lambda kv: kv[1][1]):
-            end = max(end, at) + self._model[0] + self._model[1] * nbytes
+        for key, copy in sorted(issued.items(), key=lambda kv: kv[1][1]):
+            nbytes, at = copy[0], copy[1]
+            end = max(end, at) + fixed + per_byte * nbytes
+            if len(copy) > 2 and copy[2] > 0:
+                end = max(end, at + 2 * fixed + per_byte * (copy[2] + nbytes))
             if end - now <= budget:
                 out.add(key)
         return out

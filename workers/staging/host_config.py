@@ -24,8 +24,8 @@ TIERS = {
     "inclusive": "a GPU-resident shard keeps its host copy: a slot it is evicted from loads it again from there, if "
                  "the host tier's eviction order kept it",
     "exclusive": "a shard is held by one tier at a time: a GPU load lets go of its host copy once READY, and a slot's "
-                 "eviction writes the shard back into the host tier (a device-to-host copy in pieces on a stream of its own, "
-                 "no store read), so the host tier holds other adapters than the GPU slots do",
+                 "eviction writes the shard back into the host tier (a device-to-host copy in pieces on a stream of "
+                 "its own, no store read), so the host tier holds other adapters than the GPU slots do",
 }
 MEMINFO = Path("/proc/meminfo")
 CGROUP = Path("/sys/fs/cgroup")
@@ -104,7 +104,7 @@ class HostTierConfig:
                 "stores bill and throttle); reads for requests are never held back by it (0: no limit)"})
     eviction: str = field(default="lru", metadata={
         "help": "which idle shard the tier lets go of first: " + "; ".join(f"{k} ({v})" for k, v in EVICTION.items())})
-    tiers: str = field(default="inclusive", metadata={
+    tiers: str = field(default="exclusive", metadata={
         "help": "whether the GPU slots and the host tier may hold the same shard: " + "; ".join(
             f"{k} ({v})" for k, v in TIERS.items())})
     drop_page_cache: bool = field(default=False, metadata={
