@@ -243,7 +243,10 @@ def test_issue42_full_host_tier_part_overrides_the_host_bytes_and_routes_the_ora
     assert len(runs) == 4
     for run in runs[:3]:
         hosts = [run[i + 1] for i, a in enumerate(run) if a == "--host-bytes"]
-        assert hosts[-1] == "25769803776" and "--workload-seed" in run and run[run.index("--workload-seed") + 1] == "1"
+        assert hosts[-1] == "25769803776"
+    for run in runs:
+        assert "--workload-seed" in run and run[run.index("--workload-seed") + 1] == "1"
+    assert runs[3][runs[3].index("--out") + 1].endswith("dev2-oracle-route-s1")
     assert [" ".join(r[r.index("--router"):r.index("--router") + 4]) for r in runs] == [
         "--router lora-cache --policies global", "--router affinity --policies queue,global",
         "--router lora-cache --policies oracle", "--router lora-cache --policies oracle"]

@@ -9,8 +9,9 @@
 #   dev2-aff     2 replicas x TP 1, device store, affinity router: queue, global, oracle (--check-sim)
 #   dev2-route   2 replicas x TP 1, device store, Route (lora-cache router): global (--check-sim)
 #   dev2-oracle  2 replicas x TP 1, device store: the oracle alone (where dev2-aff's step limit cut it)
-#   dev2-oracle-route  2 replicas x TP 1, device store, Route: the oracle (behind affinity at --max-adapters 4 the
-#                oracle spreads every adapter over both replicas' adapter lanes and is no lower bound)
+#   dev2-oracle-route  2 replicas x TP 1, device store, Route, workload seed SEED [0]: the oracle (behind affinity at
+#                --max-adapters 4 the oracle spreads every adapter over both replicas' adapter lanes and is no lower
+#                bound), named by the seed
 #   dev2-full    2 replicas x TP 1, device store, a host tier of FULL_HOST_BYTES [24 GiB] per rank (holds the
 #                catalog), workload seed SEED [0]: global behind Route, queue and global behind affinity, the
 #                oracle behind Route; one bench.run each
@@ -32,7 +33,7 @@
 # The workload: Zipf 1.5 over NUM_ADAPTERS [100] adapters of ranks 16 and 64 (Llama-3.1-8B shapes), Poisson RATE
 # [4] requests/s per replica, REQUESTS [200] measured after WARMUP [300] warm-up requests (bench/warmup.py: long
 # enough for the warm stages to fill the host tiers at the device's ~1.2 GB/s), the host tier
-# HOST_BYTES [4 GiB] per rank: about a quarter of the catalog's shard bytes, its tiers TIERS [inclusive] (every part
+# HOST_BYTES [4 GiB] per rank: about a quarter of the catalog's shard bytes, its tiers TIERS [exclusive] (every part
 # but dev2-tiers, which names its own). Each run is killed after STEP_LIMIT
 # [280] s. Exit status: the number of runs that failed.
 set -u
@@ -44,7 +45,7 @@ rate=${RATE:-4}
 limit=${STEP_LIMIT:-280}
 common=(--engine real --model "$model" --adapter-ranks 16,64 --adapters "$adapters" --no-plots --scenario zipf
         --num-adapters "${NUM_ADAPTERS:-100}" --requests "${REQUESTS:-200}" --host-bytes "${HOST_BYTES:-4294967296}"
-        --max-adapters "${MAX_ADAPTERS:-4}" --warmup-requests "${WARMUP:-300}" --host-tiers "${TIERS:-inclusive}")
+        --max-adapters "${MAX_ADAPTERS:-4}" --warmup-requests "${WARMUP:-300}" --host-tiers "${TIERS:-exclusive}")
 [ "${DRY:-0}" = 1 ] || nvidia-smi -L
 run() {  # NAME ARGS...
   local name=$1; shift
@@ -57,7 +58,8 @@ for part in "$@"; do
     dev2-aff)   run "$part" "${two[@]}" --store device --router affinity --policies queue,global,oracle --check-sim ;;
     dev2-route) run "$part" "${two[@]}" --store device --router lora-cache --policies global --check-sim ;;
     dev2-oracle) run "$part" "${two[@]}" --store device --router affinity --policies oracle ;;
-    dev2-oracle-route) run "$part" "${two[@]}" --store device --router lora-cache --policies oracle ;;
+    dev2-oracle-route) run "dev2-oracle-route-s${SEED:-0}" "${two[@]}" --workload-seed "${SEED:-0}" --store device \
+                  --router lora-cache --policies oracle ;;
     dev2-full)  full=(--host-bytes "${FULL_HOST_BYTES:-25769803776}" --workload-seed "${SEED:-0}" --store device)
                 run "dev2-full-route-s${SEED:-0}" "${two[@]}" "${full[@]}" --router lora-cache --policies global
                 run "dev2-full-aff-s${SEED:-0}" "${two[@]}" "${full[@]}" --router affinity --policies queue,global
