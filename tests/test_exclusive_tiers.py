@@ -1,8 +1,10 @@
-"""Exclusive tiers (``HostTierConfig.tiers``, issue 42): a GPU load lets go of its host copy once READY, and a slot's
-eviction writes the shard back into the host tier from the slot (a device-to-host copy on the copy stream, no store
-read). Pinned here: the write-back is issued before any later copy into that slot, the host entry is served only once
-its copy completed and holds the evicted version's own bytes, a write-back that cannot be issued or whose adapter is
-unregistered meanwhile leaves nothing behind, and a load that asks for the shard meanwhile joins it."""
+"""Exclusive tiers (``HostTierConfig.tiers``, the default since issue 42's tenth session): a GPU load lets go of its
+host copy once READY, and a slot's eviction writes the shard back into the host tier from the slot (a device-to-host
+copy in pieces on a stream of its own, no store read). Pinned here: the write-back is issued before any later copy into
+that slot, the host entry is served only once its copy completed and holds the evicted version's own bytes, a
+write-back that cannot be issued or whose adapter is unregistered meanwhile leaves nothing behind, a load that asks for
+the shard meanwhile joins it, and a copy into the slot is reported as following the write-back (the pipelined
+admission's landing estimate, the calibration fit)."""
 
 from __future__ import annotations
 
@@ -111,6 +113,7 @@ def test_the_write_back_is_issued_before_the_next_load_into_its_slot_and_served_
     write-back been issued after B's first copy, A's entry would hold B's bytes."""
     cache = make(catalog, num_slots=1, deferred=True)
     ready(cache, A)
+    assert not cache.prefetch(A).result().after_write_back  # a fresh slot: nothing to follow
     streams = cache.streams
     assert streams.trace is not None
     streams.trace.clear()
@@ -121,8 +124,12 @@ def test_the_write_back_is_issued_before_the_next_load_into_its_slot_and_served_
     labels = [op[1] for op in streams.trace if op[0] == "copy"]
     assert labels[0] == ("write-back", 0, 0), f"copies issued in the order {labels}"
     assert all(label[0] == 0 for label in labels[1:])  # B's chunks, into slot 0
+    # the pipelined admission's landing estimate counts the copy out that B's copies follow (CopyClock.in_time)
+    wait_for(lambda: key(cache, B) in cache.issued_copies(), "every copy of B issued")
+    assert cache.issued_copies()[key(cache, B)][2] == cache.layout_of(A).nbytes
     drain_until(cache, future.done, "B READY")
     assert_serves(cache, B, future.result().slot)
+    assert future.result().after_write_back  # its h2d_ms holds the wait: the calibration fit knows
     landed(cache, A)
     assert_host_holds(cache.host._entries[key(cache, A)].tensor, *current(cache, A))
     cache.check_integrity()
