@@ -323,7 +323,10 @@ class WorkerCache:
 
 
 def _behind(book: SlotBook, slot: int, element_size: int) -> int:
-    """The bytes of the write-back of ``slot``'s last shard that a copy into it still follows (caller holds the
-    book's lock): its last piece's end, in the pool's elements (``LoadPath.write_back``); 0 for none."""
+    """The bytes of the write-back of ``slot``'s last shard that a copy into it follows (caller holds the book's
+    lock): the whole copy out, though the copy waits only for the pieces its range overwrites (``SlotLoad._vacated``):
+    the copy out may itself start late, queued behind other write-backs on its stream, which the landing estimate
+    does not see (counting only the pieces let the simulator's copies at 2 GB/s land after their layer); 0 for
+    none."""
     pieces = book.vacating.get(slot, ())
     return pieces[-1][0] * element_size if pieces else 0
