@@ -142,7 +142,7 @@ class ReadinessRecord(NamedTuple):
     ready_ms: float  # from the request to load until READY
     nbytes: int
     host_hit: bool
-    after_write_back: bool = False  # its copies followed a write-back of the slot (exclusive tiers): h2d_ms is longer
+    after_write_back: bool = False  # its copies followed a write-back of the slot's last shard (exclusive tiers)
 
 
 class Delta(NamedTuple):

@@ -249,8 +249,8 @@ class Attachment:
         return self.cache.issued_keys()
 
     def issued_copies(self) -> dict[AdapterKey, tuple[int, float, int]]:
-        """``issued_keys`` -> (the bytes of each one's copy, ``perf_counter`` when it was issued): the engine
-        predicts when each lands (``workers.engine.admission.CopyClock``)."""
+        """``issued_keys`` -> (the bytes of each one's copy, ``perf_counter`` when it was issued, the bytes of the
+        write-back it follows): the engine predicts when each lands (``workers.engine.admission.CopyClock``)."""
         return self.cache.issued_copies()
 
     def version_rows(self, names: Sequence[str], failed_loads: Sequence[str] = (),
