@@ -43,7 +43,7 @@ from lora_cache.errors import CapacityError
 from lora_cache.vocab import AdapterKey, Command, Evict, Stage
 from workers.counters import STATS_COUNTERS, CacheCounters, resident_prefetches
 from workers.engine.admission import CopyClock
-from workers.gpu.loads import WRITE_BACK_PIECE_BYTES, WRITE_BACK_PIECES
+from workers.gpu.loads import write_back_pieces
 from workers.gpu.slots import SlotPhase, SlotTable
 
 # (adapter, version, loading|ready|gone|failed, error, read_s): what the controller takes (read_s: a READY's store read)
@@ -330,7 +330,7 @@ class SimWorker:
 
     def _write_back(self, key: AdapterKey, index: int) -> None:
         """``LoadPath.write_back``: exclusive tiers copy an evicted slot's shard back into the host tier, on the
-        write-back stream (at the host-to-device rate: PCIe's two directions alike) in ``WRITE_BACK_PIECES`` pieces,
+        write-back stream (at the host-to-device rate: PCIe's two directions alike) in ``write_back_pieces`` pieces,
         which the next copy into the slot follows (``_place``)."""
         if not self.host.exclusive:
             return
@@ -339,8 +339,7 @@ class SimWorker:
         end = start + self.calibration.h2d_s(nbytes)
         if self.host.write_back(key, nbytes, end):
             self._back_free = end
-            pieces = max(1, min(WRITE_BACK_PIECES, nbytes // WRITE_BACK_PIECE_BYTES))
-            self._vacating[index] = (start, end, pieces, nbytes)
+            self._vacating[index] = (start, end, write_back_pieces(nbytes), nbytes)
 
     def issued_copies(self) -> dict[str, tuple[int, float, int]]:
         """Adapters LOADING here (a slot taken: the read done, the copy issued) -> (bytes, when the copy was

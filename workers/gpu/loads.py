@@ -43,6 +43,11 @@ WRITE_BACK_PIECES = 8  # a write-back is copied out in up to this many pieces, s
 WRITE_BACK_PIECE_BYTES = 8 << 20  # ... of at least this many bytes each (a copy this size runs near the PCIe peak)
 
 
+def write_back_pieces(nbytes: int) -> int:
+    """How many pieces a write-back of a shard of ``nbytes`` is copied out in (the real and simulated workers')."""
+    return max(1, min(WRITE_BACK_PIECES, nbytes // WRITE_BACK_PIECE_BYTES))
+
+
 class SlotBook:
     """A rank's slots and loads, shared by its cache and its load path under ``lock``.
 
@@ -302,7 +307,7 @@ class LoadPath:
         if not self.exclusive or not self.registered(gone.key.name):
             return
         numel = gone.layout.numel
-        size = max(1, -(-numel // max(1, min(WRITE_BACK_PIECES, gone.layout.nbytes // WRITE_BACK_PIECE_BYTES))))
+        size = max(1, -(-numel // write_back_pieces(gone.layout.nbytes)))
         pieces: list[tuple[int, Any]] = []
 
         def copy(dst: torch.Tensor) -> object:  # in pieces on the write-back stream, an event each
