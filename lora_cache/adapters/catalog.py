@@ -12,6 +12,7 @@ from pathlib import Path
 from lora_cache.adapters.files import HOST, FileIdentity, WeightsSource
 from lora_cache.adapters.objects import StoreUrl, is_store_url
 from lora_cache.adapters.peft import WEIGHTS_FILE, AdapterSpec, KnownVersion, config_digest, read_adapter
+from lora_cache.adapters.pushed import default_push_dir
 from lora_cache.adapters.roots import AdapterRoots
 from lora_cache.adapters.shapes import ModelShape, resolve_model
 from lora_cache.errors import (
@@ -60,6 +61,13 @@ class CatalogConfig:
     resolve_bytes: int = field(default=1 << 40, metadata={
         "help": "weight bytes the adapters registered on demand may add up to; past it, on-demand registration "
                 "is refused (register explicitly, or raise this)"})
+    push_dir: str = field(default="", metadata={"path": True, "help": (
+        "where versions pushed from a trainer's memory are kept, in the PEFT layout, one directory per service, "
+        "adapter and version tag (empty: /dev/shm/lora-cache-pushed-UID, the node's shared memory: no disk); "
+        "every process of the service takes adapters from under it as from an adapter root")})
+    push_bytes: int = field(default=8 << 30, metadata={
+        "help": "bytes the versions pushed to this service may take in push_dir (the current and keep_versions "
+                "older versions of each pushed adapter); a push past it is refused"})
     resolve_miss_s: float = field(default=5.0, metadata={
         "help": "seconds a name found under no root is answered 'not found' without asking the roots again"})
 
@@ -81,12 +89,21 @@ class CatalogConfig:
             raise ConfigError(f"resolve_s {self.resolve_s} must be in 0..600 (0: off), resolve_parallel "
                               f"{self.resolve_parallel} in 1..256, resolve_bytes {self.resolve_bytes} >= 0, "
                               f"resolve_miss_s {self.resolve_miss_s} in 0..3600")
+        if self.push_bytes < 0:
+            raise ConfigError(f"push_bytes must be >= 0, got {self.push_bytes}; 0 refuses every push")
+        if is_store_url(self.push_dir):
+            raise ConfigError(f"push_dir {self.push_dir!r} must be a local directory (pushed versions are kept in "
+                              "node memory), not an object-store URL")
         for root in self.adapter_roots:
             if is_store_url(root):
                 StoreUrl.parse(root)  # a malformed URL fails here, before anything starts
 
     def shape(self) -> ModelShape:
         return resolve_model(self.model)
+
+    def push_root(self) -> Path:
+        """The directory pushed versions are kept under (``lora_cache.adapters.pushed``)."""
+        return Path(self.push_dir).expanduser() if self.push_dir else default_push_dir()
 
 
 MAX_PARSED = 256  # parsed specs of lazily registered versions a catalog keeps (LRU); beyond, parsed again on use
@@ -178,9 +195,11 @@ class AdapterCatalog:
 
             return read_store_adapter(check_name(name), self.store_url(str(path)), self.shape, self.config.max_rank,
                                       self.config.store_timeout_s, known, carried)
-        directory = self._local().resolve(path)
-        return read_adapter(check_name(name), directory, self.shape, self.config.max_rank, self.roots, known,
-                            identity=self.config.local_versions == "identity")
+        pushed = self._pushed(path)
+        roots = pushed or self._local()
+        directory = roots.resolve(path)
+        return read_adapter(check_name(name), directory, self.shape, self.config.max_rank, roots, known,
+                            identity=self.config.local_versions == "identity" and pushed is None)
 
     def store_url(self, url: str) -> StoreUrl:
         """``url`` parsed, if it is under one of the store roots (the store's counterpart of ``AdapterRoots``)."""
@@ -190,6 +209,19 @@ class AdapterCatalog:
             raise AdapterPathError(f"{url} is outside the object-store adapter roots ({roots}); add its prefix to "
                                    "--adapter-roots (s3://BUCKET/PREFIX) or register it from under one")
         return parsed
+
+    def _pushed(self, path: str | Path) -> AdapterRoots | None:
+        """The push root's ``AdapterRoots`` if ``path`` lies under it (a pushed version: its content is hashed into
+        its version, never taken from its identity), else None."""
+        root = self.config.push_root()
+        try:
+            raw = Path(path).expanduser()
+            if not raw.is_absolute() or not raw.resolve().is_relative_to(root.resolve()):
+                return None
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            return AdapterRoots((root,))
+        except (OSError, ValueError):
+            return None
 
     def _local(self) -> AdapterRoots:
         if self.roots is None:
@@ -211,11 +243,12 @@ class AdapterCatalog:
             source = known.source
             if not known.host or known.host != HOST or source.racy or is_store_url(path):
                 return None
-            directory = self._local().resolve(path)
+            roots = self._pushed(path) or self._local()
+            directory = roots.resolve(path)
             try:
                 same = FileIdentity.of(os.stat(source.path)) == source.identity and Path(
                     os.path.realpath(directory / WEIGHTS_FILE)) == Path(source.path)
-                same = same and config_digest(self._local(), directory) == known.config_digest
+                same = same and config_digest(roots, directory) == known.config_digest
             except (OSError, LoraCacheError):
                 return None  # the eager read says why, as before
             if not same:
@@ -344,6 +377,12 @@ class AdapterCatalog:
                 raise NotFoundError(self._unknown(name))
             spec, older = self._specs[name], list(self._older.get(name, {}).values())
         return self._built(spec), [self._built(o) for o in older]
+
+    def paths(self, name: str) -> set[Path]:
+        """Where each version of ``name`` the catalog keeps lives (local directories only; none if unknown)."""
+        with self._lock:
+            entries = [self._specs[name], *self._older.get(name, {}).values()] if name in self._specs else []
+        return {e.path for e in entries if isinstance(e.path, Path)}
 
     def versions(self, name: str) -> list[str]:
         """Loadable versions of ``name``, oldest first; the last is the current one."""

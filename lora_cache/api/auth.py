@@ -35,7 +35,8 @@ RPC_ROLES: dict[str, frozenset[str]] = {
     "ReportQueue": frozenset({"router", "engine"}),  # engines report their waiting queues
     "ResolveAdapter": frozenset({"router", "engine"}),  # a request for a name not yet registered
     "AttachRank": frozenset({"engine"}),
-    **dict.fromkeys(("RegisterAdapter", "RegisterAdapters", "UnregisterAdapter"), frozenset({"operator"})),
+    **dict.fromkeys(("RegisterAdapter", "RegisterAdapters", "UnregisterAdapter", "PushAdapter"),
+                    frozenset({"operator"})),  # a trainer pushes with an operator's credential
     "Status": frozenset(ROLES),
 }
 

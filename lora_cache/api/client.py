@@ -31,6 +31,7 @@ from lora_cache.api.client_values import (
     HintRejected,
     HintResult,
     Lookup,
+    Pushed,
     ReadinessEvent,
     Registered,
     Resync,
@@ -62,6 +63,7 @@ __all__ = [
 ]  # the values are client_values', named here as before
 
 TOKEN_ENV = "LORA_CACHE_TOKEN"
+PUSH_BYTES_PER_S = 50e6  # a push's deadline grows by its bytes at this rate (the gateway, the hash, the ranks)
 REGISTER_S_PER_ITEM = 0.5  # RegisterAdapters' deadline grows by this per item (an 8B adapter hashes in ~0.13 s)
 
 # Calls that change nothing, or that the server deduplicates (hint ids; registrations by their request id, which
@@ -221,6 +223,21 @@ class LoraCacheClient(_Base):
         wait = self.timeout_s + REGISTER_S_PER_ITEM * len(request.adapters)
         return msg.registered(self._call(self.stub.RegisterAdapters, request, wait))
 
+    def push(self, name: str, tensors: Any, config: Any, tag: str | int | None = None,
+             timeout_s: float | None = None) -> Pushed:
+        """Push a new version of ``name`` from this process's memory (no file written): ``tensors`` PEFT-named
+        (CPU or GPU) or safetensors bytes, ``config`` PEFT's LoraConfig (a dict, JSON, or ``peft.LoraConfig``),
+        ``tag`` the trainer's version (a step number; None: the content's hash). It becomes the current version
+        once every rank has it registered; a refused push (INVALID_ARGUMENT naming the tensor) changes nothing."""
+        config_bytes, weights = msg.push_payload(tensors, config)
+        wait = (timeout_s or self.timeout_s) + len(weights) / PUSH_BYTES_PER_S
+        try:
+            stream = self.stub.PushAdapter(msg.push_messages(name, tag, config_bytes, weights),
+                                           timeout=wait, metadata=self._metadata)
+            return msg.pushed(next(iter(stream)))
+        except grpc.RpcError as e:
+            raise ClientError.from_rpc(e) from e
+
     def resolve(self, name: str, timeout_s: float | None = None) -> str:
         """The current version of ``name``, registered on demand if nobody did and it lies under an adapter root
         (NOT_FOUND, RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED as a ClientError otherwise)."""
@@ -307,6 +324,20 @@ class AsyncLoraCacheClient(_Base):
 
     async def status(self) -> pb.StatusResponse:
         return await self._call(self.stub.Status, pb.StatusRequest())
+
+    async def push(self, name: str, tensors: Any, config: Any, tag: str | int | None = None,
+                   timeout_s: float | None = None) -> Pushed:
+        """``LoraCacheClient.push``."""
+        config_bytes, weights = msg.push_payload(tensors, config)
+        wait = (timeout_s or self.timeout_s) + len(weights) / PUSH_BYTES_PER_S
+        try:
+            stream = self.stub.PushAdapter(msg.push_messages(name, tag, config_bytes, weights),
+                                           timeout=wait, metadata=self._metadata)
+            async for response in stream:
+                return msg.pushed(response)
+        except grpc.RpcError as e:
+            raise ClientError.from_rpc(e) from e
+        raise ClientError("UNKNOWN", f"push of {name!r} ended with no answer; push again")
 
     async def resolve(self, name: str, timeout_s: float | None = None) -> str:
         r = await self._call(self.stub.ResolveAdapter, pb.ResolveAdapterRequest(name=name), timeout_s or self.timeout_s)

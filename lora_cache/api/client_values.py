@@ -6,7 +6,7 @@ data: no channel, no call."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -116,6 +116,55 @@ class Registered(NamedTuple):
     error: ClientError | None = None  # a RegisterAdapters item that was not registered (its name is unchanged)
     rank_errors: tuple[str, ...] = ()  # ranks that refused the version (registered; their loads of it fail)
     rank_pending: tuple[str, ...] = ()  # ranks that did not answer (restarting): registered, given it when back
+
+
+class Pushed(NamedTuple):
+    """A push's answer: its tag, its version in the catalog (a content hash), the version it replaced."""
+
+    name: str
+    tag: str
+    version: str
+    previous_version: str  # "" if the name was new
+    rank_pending: tuple[str, ...] = ()  # ranks that did not answer (restarting): given it when back
+
+
+PUSH_CHUNK_BYTES = 1 << 20  # weights per PushAdapter message: well under any gateway's max_message_bytes
+
+
+def push_payload(tensors: Any, config: Any) -> tuple[bytes, bytes]:
+    """(adapter_config.json's bytes, safetensors bytes) of a push. ``tensors``: a dict of PEFT-named tensors (on the
+    CPU or a GPU; copied to the CPU) or safetensors bytes already; ``config``: PEFT's LoraConfig as a dict, JSON
+    text or bytes, or an object with ``to_dict()`` (``peft.LoraConfig``)."""
+    from lora_cache.adapters.pushed import config_json
+
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    if isinstance(config, dict):
+        config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}  # PEFT keeps sets
+    if isinstance(tensors, (bytes, bytearray, memoryview)):
+        return config_json(config), bytes(tensors)
+    if not isinstance(tensors, dict) or not tensors:
+        raise ClientError("INVALID_ARGUMENT", f"push tensors must be a non-empty dict of name -> tensor (PEFT's "
+                          f"names, e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight) or "
+                          f"safetensors bytes, got {type(tensors).__name__}")
+    from safetensors.torch import save
+
+    cpu = {str(k): v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    return config_json(config), save(cpu, metadata={"format": "pt"})
+
+
+def push_messages(name: str, tag: str | int | None, config: bytes, weights: bytes,
+                  chunk_bytes: int = PUSH_CHUNK_BYTES) -> Iterator[Any]:
+    """The ``PushAdapterRequest`` stream of one push: the name, tag, config and size first, then the weights."""
+    view = memoryview(weights)
+    yield pb.PushAdapterRequest(name=name, tag="" if tag is None else str(tag), config_json=config,
+                                total_bytes=len(view), weights=bytes(view[:chunk_bytes]))
+    for start in range(chunk_bytes, len(view), chunk_bytes):
+        yield pb.PushAdapterRequest(weights=bytes(view[start:start + chunk_bytes]))
+
+
+def pushed(r: Any) -> Pushed:
+    return Pushed(r.name, r.tag, r.version, r.previous_version, tuple(r.pending_ranks))
 
 
 # -- messages <-> Python values, shared by both clients ---------------------------------------------------

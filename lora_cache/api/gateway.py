@@ -61,6 +61,9 @@ class GatewayConfig:
         "help": "address the gRPC gateway listens on (0.0.0.0 or [::] to expose it beyond this machine)"})
     grpc_port: int = field(default=50051, metadata={"help": "gRPC gateway port (0: any free port)"})
     max_message_bytes: int = field(default=4 * MiB, metadata={"help": "largest gRPC message received or sent"})
+    max_push_bytes: int = field(default=4 << 30, metadata={
+        "help": "largest weights one PushAdapter stream may carry (the gateway holds one push whole before it "
+                "forwards it; an 8B rank-64 adapter is ~0.35 GB)"})
     max_concurrent_rpcs: int = field(default=1024, metadata={
         "help": "RPCs served at once (streams included); beyond it calls get RESOURCE_EXHAUSTED"})
     max_hints_per_call: int = field(default=4096, metadata={
@@ -109,6 +112,8 @@ class GatewayConfig:
             raise ConfigError("grpc_host is empty; give an address to listen on, e.g. 127.0.0.1 or 0.0.0.0")
         if not 0 <= self.grpc_port <= 65535:
             raise ConfigError(f"grpc_port is {self.grpc_port}; give a port in 0..65535 (0: any free port)")
+        if self.max_push_bytes < 0:
+            raise ConfigError(f"max_push_bytes is {self.max_push_bytes}; give a size in bytes (0 refuses pushes)")
         if not 64 * 1024 <= self.max_message_bytes < 2**31:
             raise ConfigError(f"max_message_bytes is {self.max_message_bytes}; give 64 KiB to 2 GiB - 1, "
                               f"e.g. {4 * MiB} (4 MiB)")
@@ -424,7 +429,8 @@ async def start_gateway(config: GatewayConfig, controller: Any, health_name: str
     streams = StreamLimits(min(config.max_streams_per_client, total), total)
     calls = CallRate(config.calls_per_client_s, config.call_burst_per_client)
     server.add_generic_rpc_handlers((generic_handler(Servicer(controller, ingest, config.max_hints_per_call,
-                                                              streams=streams, calls=calls)),))
+                                                              streams=streams, calls=calls,
+                                                              max_push_bytes=config.max_push_bytes)),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

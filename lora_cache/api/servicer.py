@@ -21,6 +21,7 @@ import ray
 from lora_cache.api import validate
 from lora_cache.api.callers import CallRate, StreamLimits, check_speaks_for, client_of
 from lora_cache.api.ingest import HintIngest
+from lora_cache.api.push_stream import gather
 from lora_cache.api.rank_link import RankHost, RankLink
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.watch_hub import WatchHub
@@ -133,8 +134,9 @@ class Servicer:
 
     def __init__(self, controller: Any, ingest: HintIngest, max_items: int, watch_poll_s: float = WATCH_POLL_S,
                  rank_host: Callable[[str], RankHost] | None = None, streams: StreamLimits | None = None,
-                 calls: CallRate | None = None):
+                 calls: CallRate | None = None, max_push_bytes: int = 4 << 30):
         self.controller, self.ingest = controller, ingest
+        self.max_push_bytes = max_push_bytes  # the largest push's weights (``GatewayConfig.max_push_bytes``)
         self.max_items, self.watch_poll_s = max_items, watch_poll_s
         self.streams = streams or StreamLimits(per_client=64, total=256)
         self.calls = calls or CallRate(per_s=2000.0, burst=4000)  # unary calls per client (GatewayConfig's defaults)
@@ -238,6 +240,15 @@ class Servicer:
             ingest_queued_hints=self.ingest.queued, ingest_queue_capacity=self.ingest.capacity,
             ingest_rejected_calls=self.ingest.rejected)
 
+    async def push_adapter(self, requests: AsyncIterator[pb.PushAdapterRequest],
+                           ) -> AsyncIterator[pb.PushAdapterResponse]:
+        """A version pushed from a trainer's memory: the stream gathered and checked here (``push_stream``), then
+        the controller checks, keeps and registers it; one answer."""
+        body = await gather(requests, self.max_push_bytes)
+        done = await self.controller.push_adapter.remote(body.name, body.tag, body.config, body.weights)
+        yield pb.PushAdapterResponse(name=done.name, tag=done.tag, version=done.version,
+                                     previous_version=done.previous, pending_ranks=done.rank_pending)
+
     def attach_rank(self, requests: AsyncIterator[pb.AttachRankRequest]) -> AsyncIterator[pb.AttachRankResponse]:
         """An engine's rank from outside the Ray cluster: the gateway hosts its endpoint (``rank_link``)."""
         return RankLink(self.rank_host).run(requests)
@@ -260,6 +271,7 @@ RPCS: dict[str, tuple[type[Any], str]] = {  # rpc name -> (request message, Serv
     "Status": (pb.StatusRequest, "status"),
     "ResolveAdapter": (pb.ResolveAdapterRequest, "resolve_adapter"),
     "AttachRank": (pb.AttachRankRequest, "attach_rank"),
+    "PushAdapter": (pb.PushAdapterRequest, "push_adapter"),
 }
 
 

@@ -20,6 +20,7 @@ from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.controller.control_loop import ControlLoop
 from lora_cache.controller.core import ControllerConfig, ControllerCore, HintOutcome
 from lora_cache.controller.fanout import WorkerFanout
+from lora_cache.controller.pushes import Pushed, Pushes
 from lora_cache.controller.readiness import Doorbell, EventsLost, ReadinessEvent, WatchBatch
 from lora_cache.controller.registrations import Registered, Registrar
 from lora_cache.controller.request_ids import Item, RequestIds
@@ -54,6 +55,7 @@ class ControllerActor:
         self.fanout = WorkerFanout(self.links)  # one question to every worker: registrations, drains, stats
         self.registrar = Registrar(self.core, self.fanout, self.draining, self.loop.plan)
         self.resolver = Resolver(self.core.catalog, self._register_on_demand)  # request-time registration
+        self.pushes = Pushes(self.core, self.registrar, ray.get_runtime_context().namespace)  # from trainers' memory
         heap.freeze()  # plans and hints are not stalled by full collections walking Ray's objects
 
     # -- topology and adapters ------------------------------------------------------------------
@@ -111,6 +113,15 @@ class ControllerActor:
         (done,) = await self.register_adapters([(name, path)])
         return done.version, done.error
 
+    async def push_adapter(self, name: str, tag: str | int | None, config: bytes, weights: bytes) -> Pushed:
+        """A version of ``name`` pushed from a trainer's memory (``pushes.py``): ``config`` the PEFT config's JSON
+        bytes, ``weights`` the safetensors bytes, or an ObjectRef of them passed at the top level (Ray resolves
+        it here: the bytes never pass through the gateway). Its ``Pushed``, or the error (nothing changed)."""
+        await self.loop.start()
+        done = await self.pushes.push(name, tag, config, weights)
+        await self.durable.save_catalog(self.core)  # what was answered registered survives a restart
+        return done
+
     async def unregister_adapter(self, name: str, timeout_s: float = 30.0) -> list[str]:
         """Stop all new use of ``name``, then wait until no worker holds it; the versions evicted.
 
@@ -132,6 +143,7 @@ class ControllerActor:
         evicted = await self.fanout.drain(name, timeout_s)
         await self.fanout.unregister_adapter(name)
         self.draining.discard(name)
+        await self.pushes.forget(name)
         return evicted
 
     async def worker_started(self, name: str, incarnation: int, adopt: bool = False) -> None:

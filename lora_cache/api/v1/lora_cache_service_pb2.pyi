@@ -313,6 +313,34 @@ class RegisterAdapterResponse(_message.Message):
     pending_ranks: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., previous_version: _Optional[str] = ..., pending_ranks: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class PushAdapterRequest(_message.Message):
+    __slots__ = ("name", "tag", "config_json", "total_bytes", "weights")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tag: str
+    config_json: bytes
+    total_bytes: int
+    weights: bytes
+    def __init__(self, name: _Optional[str] = ..., tag: _Optional[str] = ..., config_json: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., weights: _Optional[bytes] = ...) -> None: ...
+
+class PushAdapterResponse(_message.Message):
+    __slots__ = ("name", "tag", "version", "previous_version", "pending_ranks")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PENDING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tag: str
+    version: str
+    previous_version: str
+    pending_ranks: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., tag: _Optional[str] = ..., version: _Optional[str] = ..., previous_version: _Optional[str] = ..., pending_ranks: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class RegisterAdaptersRequest(_message.Message):
     __slots__ = ("adapters",)
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]

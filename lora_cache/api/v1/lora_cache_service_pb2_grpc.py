@@ -81,6 +81,11 @@ class LoraCacheServiceStub:
                 request_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.UnregisterAdapterRequest.SerializeToString,
                 response_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.UnregisterAdapterResponse.FromString,
                 _registered_method=True)
+        self.PushAdapter = channel.stream_stream(
+                '/lora_cache.v1.LoraCacheService/PushAdapter',
+                request_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.PushAdapterRequest.SerializeToString,
+                response_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.PushAdapterResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/lora_cache.v1.LoraCacheService/Status',
                 request_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.StatusRequest.SerializeToString,
@@ -189,6 +194,19 @@ class LoraCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushAdapter(self, request_iterator, context):
+        """PushAdapter takes a new version of an adapter from a trainer's memory, with no file written by the
+        trainer: the first message names the adapter, its version tag (a step number; empty: the content's
+        hash), its PEFT config and the weights' size; every message carries the next bytes of the weights
+        (safetensors), in order, in chunks under the gateway's message limit. The push is checked whole
+        (config, every tensor's name, shape, dtype and rank) before anything is kept; then it becomes the
+        adapter's current version, registered on every rank, as RegisterAdapter would make it, and each rank
+        reads only its own shard. A stream cut short, or a push refused, changes nothing. One answer, at the end.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Status reports replicas, workers, residency counts, hit rates and queue depths.
         """
@@ -271,6 +289,11 @@ def add_LoraCacheServiceServicer_to_server(servicer, server):
                     servicer.UnregisterAdapter,
                     request_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.UnregisterAdapterRequest.FromString,
                     response_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.UnregisterAdapterResponse.SerializeToString,
+            ),
+            'PushAdapter': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushAdapter,
+                    request_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.PushAdapterRequest.FromString,
+                    response_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.PushAdapterResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -533,6 +556,33 @@ class LoraCacheService:
             '/lora_cache.v1.LoraCacheService/UnregisterAdapter',
             lora__cache_dot_v1_dot_lora__cache__service__pb2.UnregisterAdapterRequest.SerializeToString,
             lora__cache_dot_v1_dot_lora__cache__service__pb2.UnregisterAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushAdapter(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/lora_cache.v1.LoraCacheService/PushAdapter',
+            lora__cache_dot_v1_dot_lora__cache__service__pb2.PushAdapterRequest.SerializeToString,
+            lora__cache_dot_v1_dot_lora__cache__service__pb2.PushAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

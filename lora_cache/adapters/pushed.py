@@ -1,0 +1,189 @@
+"""Adapters pushed from a trainer's memory (lifecycle step 0; issue 44 item 2): checked, then kept in node memory.
+
+A trainer (an RL or online fine-tuning loop) pushes a new version of adapter ``A`` from its own process: its
+tensors and PEFT config, with a version tag of its own (a step number) or none (the content's hash). The
+controller checks the push before anything is kept (``check_push``: the config and every tensor's name, shape,
+dtype and rank against the model, as a registration checks a file, naming what is wrong), then writes it once
+into the node's shared memory (``PushArea``: ``/dev/shm``, no disk) in the PEFT layout, and registers that
+directory as any other version: its content hashed into the version, every rank taking it without hashing
+again, and each rank reading only its own shard's slices from it (``workers.reads``). So a pushed version is
+served, kept, proven and retired by the same machinery as a file's (docs/decisions.md, "Pushed versions live
+in node memory").
+
+A version's directory is ``ROOT/SERVICE/NAME/TAG`` (``SERVICE``: the controller's Ray namespace, so two
+services never share or retire each other's pushes). It is written under a temporary name and renamed whole: a
+push cut short leaves no half-written version, and the name's current version is the one before. The same tag
+pushed again with the same bytes is the same version; with other bytes it is refused (a tag names one
+content). ``retire`` removes the directories of versions the catalog no longer keeps; an open read of one
+keeps its bytes until it closes (unlink semantics).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from lora_cache.adapters.header import MAX_HEADER_BYTES, parse_header
+from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec, built_spec, parse_config
+from lora_cache.adapters.shapes import ModelShape
+from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, ConflictError
+
+ENV = "LORA_CACHE_PUSH_DIR"  # where pushed versions go, if set (tests give each run its own)
+TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+TMP_PREFIX = ".push-"  # a version being written (renamed whole when complete)
+
+
+def default_push_dir() -> Path:
+    """``LORA_CACHE_PUSH_DIR`` if set, else one directory per user in shared memory (no disk writes)."""
+    if os.environ.get(ENV):
+        return Path(os.environ[ENV])
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return base / f"lora-cache-pushed-{os.getuid()}"
+
+
+def check_tag(tag: object) -> str:
+    """A version tag (a trainer's step, ``"step-8"``): 1-64 characters of letters, digits, ``.``, ``_``, ``-``."""
+    if isinstance(tag, int) and not isinstance(tag, bool) and tag >= 0:
+        tag = str(tag)
+    if not isinstance(tag, str) or not TAG_RE.match(tag):
+        raise ConfigError(f"push version tag {tag!r} is not valid: give 1-64 letters, digits, '.', '_' or '-' "
+                          "starting with a letter or digit (a step number such as 8 or 'step-8'), or none for the "
+                          "content's hash")
+    return tag
+
+
+def content_tag(config_bytes: bytes, weights: bytes | memoryview) -> str:
+    """The tag of a push that names none: a hash of its config and weights (the same bytes, the same tag)."""
+    digest = hashlib.blake2b(config_bytes, digest_size=8)
+    digest.update(weights)
+    return f"c{digest.hexdigest()}"
+
+
+def check_push(name: str, config_bytes: bytes, weights: bytes | memoryview, shape: ModelShape,
+               max_rank: int) -> AdapterSpec:
+    """The pushed adapter validated as a registration validates a file (config, then every tensor of the
+    safetensors bytes against ``shape`` and ``max_rank``), before anything is written: AdapterFormatError
+    naming what is wrong and the fix. The spec's path and version are placeholders (``<pushed>``)."""
+    where = Path(f"<pushed {name}>")
+    view = memoryview(weights).cast("B")
+    if len(view) < 8:
+        raise AdapterFormatError(f"pushed weights of {name} are {len(view)} bytes, not safetensors; push the "
+                                 "tensors (the client serializes them) or safetensors.torch.save's bytes")
+    n = int.from_bytes(view[:8], "little")
+    if not 0 < n <= min(len(view) - 8, MAX_HEADER_BYTES):
+        raise AdapterFormatError(f"pushed weights of {name} are not safetensors (a header of {n} bytes in "
+                                 f"{len(view)}); push safetensors.torch.save's bytes")
+    try:
+        header = parse_header(bytes(view[8:8 + n]), len(view))
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise AdapterFormatError(f"pushed weights of {name} are not readable safetensors ({e}); push "
+                                 "safetensors.torch.save's bytes") from e
+    config = parse_config(config_bytes, where / CONFIG_FILE)
+    return built_spec(name, where, config, header, shape, max_rank, "<pushed>", len(view), None, "")
+
+
+class PushArea:
+    """One service's pushed versions in node memory (the module's docstring); thread-safe."""
+
+    def __init__(self, root: Path, service: str, max_bytes: int) -> None:
+        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", service):
+            raise ConfigError(f"push area service name {service!r} must be a plain directory name")
+        self.root = root
+        self.dir = root / service
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+
+    def path(self, name: str, tag: str) -> Path:
+        return self.dir / name / tag
+
+    def used(self) -> int:
+        """Bytes of every version this service keeps pushed."""
+        total = 0
+        for weights in self.dir.glob(f"*/*/{WEIGHTS_FILE}"):
+            try:
+                total += weights.stat().st_size
+            except FileNotFoundError:
+                continue
+        return total
+
+    def write(self, name: str, tag: str, config_bytes: bytes, weights: bytes | memoryview) -> tuple[Path, bool]:
+        """``NAME/TAG`` holding the push, written whole or not at all; and whether it was new (False: the same
+        bytes were pushed under this tag before). ConflictError if the tag holds other bytes; CapacityError past
+        ``max_bytes``."""
+        target = self.path(name, tag)
+        size = memoryview(weights).nbytes
+        with self._lock:
+            if target.is_dir():
+                if _same(target, config_bytes, weights):
+                    return target, False
+                raise ConflictError(f"version tag {tag!r} of adapter {name!r} was pushed before with other weights or "
+                                    "config; a tag names one content: push under a new tag (the next step)")
+            used = self.used()
+            if used + size > self.max_bytes:
+                raise CapacityError(f"pushing {name}@{tag} ({size} bytes) would take the service's pushed versions "
+                                    f"to {used + size} bytes, over push_bytes ({self.max_bytes}); keep fewer versions "
+                                    "(keep_versions), unregister adapters no longer trained, or raise push_bytes")
+            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=target.parent))
+            try:
+                (tmp / CONFIG_FILE).write_bytes(config_bytes)
+                with open(tmp / WEIGHTS_FILE, "wb") as f:
+                    f.write(weights)
+                os.rename(tmp, target)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        return target, True
+
+    def retire(self, name: str, keep: set[Path]) -> list[str]:
+        """Remove ``name``'s pushed versions (and leftovers of cut pushes) not in ``keep``; the tags removed."""
+        removed = []
+        with self._lock:
+            parent = self.dir / name
+            if not parent.is_dir():
+                return []
+            kept = {p.resolve() for p in keep}
+            for child in parent.iterdir():
+                if child.resolve() in kept:
+                    continue
+                shutil.rmtree(child, ignore_errors=True)
+                if not child.name.startswith(TMP_PREFIX):
+                    removed.append(child.name)
+            if not any(parent.iterdir()):
+                parent.rmdir()
+        return sorted(removed)
+
+    def holds(self, path: str | Path) -> bool:
+        """Whether ``path`` is a pushed version's directory of this area."""
+        try:
+            return Path(path).resolve().parent.parent == self.dir.resolve()
+        except OSError:
+            return False
+
+
+def _same(target: Path, config_bytes: bytes, weights: bytes | memoryview) -> bool:
+    try:
+        if (target / CONFIG_FILE).read_bytes() != config_bytes:
+            return False
+        view = memoryview(weights).cast("B")
+        if (target / WEIGHTS_FILE).stat().st_size != len(view):
+            return False
+        return (target / WEIGHTS_FILE).read_bytes() == bytes(view)
+    except OSError:
+        return False
+
+
+def config_json(config: dict[str, Any] | str | bytes) -> bytes:
+    """A PEFT config as the bytes written to ``adapter_config.json``."""
+    if isinstance(config, bytes):
+        return config
+    if isinstance(config, str):
+        return config.encode()
+    return json.dumps(config, sort_keys=True).encode()

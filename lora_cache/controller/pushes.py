@@ -1,0 +1,78 @@
+"""Pushes from a trainer's memory, on the controller (lifecycle step 0; issue 44 item 2).
+
+``Pushes.push`` takes one pushed version (a name, a tag, the PEFT config's bytes and the safetensors bytes of
+its weights, from the gateway's ``PushAdapter`` stream or a Ray object reference) and:
+1. checks it off the event loop (``pushed.check_push``): a bad name, tag, config or tensor is refused here,
+   naming what is wrong, before anything is written or sent to a rank;
+2. writes it whole into the service's push area (``pushed.PushArea``: node memory, renamed into place);
+3. registers that directory as any registration does (``Registrar``: its content hashed into the version, every
+   rank given it with that version, in the name's turn among registrations): the name's current version
+   changes only once it is registered; a push that fails at any step leaves the previous version current, and
+   its directory is removed again;
+4. retires the name's pushed versions the catalog no longer keeps (``keep_versions``).
+An unregistered adapter's pushed versions go with it (``forget``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import NamedTuple
+
+from lora_cache.adapters.catalog import check_name
+from lora_cache.adapters.pushed import PushArea, check_push, check_tag, content_tag
+from lora_cache.controller.core import ControllerCore
+from lora_cache.controller.registrations import Registrar
+from lora_cache.errors import ConflictError
+
+
+class Pushed(NamedTuple):
+    """A push's answer: the name, the trainer's tag, the version registered (a content hash), the version it
+    replaced ("" if the name was new), and the ranks that did not answer (given it when they come back)."""
+
+    name: str
+    tag: str
+    version: str
+    previous: str
+    rank_pending: tuple[str, ...] = ()
+
+
+class Pushes:
+    """The controller's side of pushed versions (the module's docstring)."""
+
+    def __init__(self, core: ControllerCore, registrar: Registrar, service: str) -> None:
+        catalog = core.config.catalog
+        self.core, self.registrar = core, registrar
+        self.area = PushArea(catalog.push_root(), service, catalog.push_bytes)
+        self.pushes = self.refused = 0
+
+    async def push(self, name: str, tag: str | int | None, config_bytes: bytes, weights: bytes) -> Pushed:
+        """Check, keep and register one pushed version (the module's docstring); its ``Pushed``, or the error."""
+        try:
+            check_name(name)
+            tag = content_tag(config_bytes, weights) if tag in (None, "") else check_tag(tag)
+            catalog = self.core.catalog
+            await asyncio.to_thread(check_push, name, config_bytes, weights, catalog.shape, catalog.config.max_rank)
+            path, new = await asyncio.to_thread(self.area.write, name, tag, config_bytes, weights)
+        except Exception:
+            self.refused += 1
+            raise
+        try:
+            (done,) = await self.registrar.register([(name, str(path))])
+            if done.error is not None:
+                raise done.error
+            if done.rank_errors:
+                raise ConflictError(f"pushed {name}@{tag} is registered as version {done.version}, but "
+                                    f"{len(done.rank_errors)} rank(s) refused it: {'; '.join(done.rank_errors)}")
+        except BaseException:
+            if new and Path(path) not in self.core.catalog.paths(name):
+                await asyncio.to_thread(self.area.retire, name, self.core.catalog.paths(name))
+            self.refused += 1
+            raise
+        self.pushes += 1
+        await asyncio.to_thread(self.area.retire, name, self.core.catalog.paths(name))
+        return Pushed(name, tag, done.version, done.previous, done.rank_pending)
+
+    async def forget(self, name: str) -> None:
+        """``name`` was unregistered: its pushed versions go."""
+        await asyncio.to_thread(self.area.retire, name, set())

@@ -1,0 +1,186 @@
+"""Pushes from a trainer's memory on the CPU (issue 44 item 2): the check before anything is kept, the push area's
+whole-or-nothing writes, tags, cap and retirement, a pushed directory's content version, and the gateway's
+gathering of a ``PushAdapter`` stream (a stream cut short reaches nobody)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load, save
+
+from lora_cache.adapters import peft
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, content_version
+from lora_cache.adapters.pushed import PushArea, check_push, check_tag, content_tag
+from lora_cache.adapters.shapes import resolve_model
+from lora_cache.adapters.synth import SynthConfig, make_adapters
+from lora_cache.api import client_values as msg
+from lora_cache.api.push_stream import gather
+from lora_cache.api.v1 import lora_cache_service_pb2 as pb
+from lora_cache.api.validate import RequestError
+from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, ConflictError
+
+TINY = resolve_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def pushed_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A tiny rank-8 adapter's tensors and PEFT config, as a trainer holds them."""
+    (directory,) = make_adapters(tmp_path_factory.mktemp("src"), SynthConfig(model="tiny", count=1, rank="8"))
+    tensors = load((directory / WEIGHTS_FILE).read_bytes())
+    return tensors, json.loads((directory / CONFIG_FILE).read_text())
+
+
+def payload(tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> tuple[bytes, bytes]:
+    return msg.push_payload(tensors, config)
+
+
+def test_a_good_push_passes_the_check_with_its_modules(pushed_pair: Any) -> None:
+    tensors, config = pushed_pair
+    spec = check_push("a", *payload(tensors, config), TINY, max_rank=16)
+    assert len(spec.modules) * 2 == len(tensors) and spec.max_rank == 8
+
+
+@pytest.mark.parametrize("spoil, fragment", [
+    ("shape", "shape"),
+    ("dtype", "dtype"),
+    ("layer", "layer 999"),
+    ("module", "fancy_proj"),
+    ("rank", "rank"),
+    ("not-safetensors", "safetensors"),
+    ("config", "config"),
+])
+def test_a_bad_push_is_refused_naming_what_is_wrong(pushed_pair: Any, spoil: str, fragment: str) -> None:
+    tensors, config = dict(pushed_pair[0]), dict(pushed_pair[1])
+    key = next(k for k in sorted(tensors) if k.endswith("lora_A.weight"))
+    max_rank = 16
+    if spoil == "shape":
+        tensors[key] = torch.zeros(tensors[key].shape[0], tensors[key].shape[1] + 1, dtype=tensors[key].dtype)
+    elif spoil == "dtype":
+        tensors[key] = tensors[key].to(torch.float32)
+    elif spoil == "layer":
+        tensors[key.replace("layers.0.", "layers.999.")] = tensors.pop(key)
+    elif spoil == "module":
+        key = next(k for k in sorted(tensors) if "down_proj" in k)
+        tensors[key.replace("down_proj", "fancy_proj")] = tensors.pop(key)
+    elif spoil == "rank":
+        max_rank = 4
+    config_bytes, weights = payload(tensors, config)
+    if spoil == "not-safetensors":
+        weights = b"\x10" + b"\0" * 7 + b"not json"
+    if spoil == "config":
+        config_bytes = b"{not json"
+    with pytest.raises(AdapterFormatError) as e:
+        check_push("a", config_bytes, weights, TINY, max_rank)
+    assert fragment in str(e.value).lower(), str(e.value)
+
+
+def test_tags_are_checked_and_a_content_tag_follows_the_bytes() -> None:
+    assert check_tag(8) == "8" and check_tag("step-8") == "step-8"
+    for bad in ("", "../x", "a b", -1, True, "x" * 65):
+        with pytest.raises(ConfigError, match="tag"):
+            check_tag(bad)
+    assert content_tag(b"c", b"w1") == content_tag(b"c", b"w1") != content_tag(b"c", b"w2")
+
+
+def test_the_area_writes_whole_refuses_a_reused_tag_and_retires(tmp_path: Path, pushed_pair: Any) -> None:
+    area = PushArea(tmp_path, "svc", max_bytes=1 << 30)
+    config_bytes, weights = payload(*pushed_pair)
+    path, new = area.write("a", "1", config_bytes, weights)
+    assert new and path == tmp_path / "svc" / "a" / "1"
+    assert (path / WEIGHTS_FILE).read_bytes() == weights and (path / CONFIG_FILE).read_bytes() == config_bytes
+    assert area.write("a", "1", config_bytes, weights) == (path, False)  # the same bytes again: the same version
+    other = bytearray(weights)
+    other[-1] ^= 1
+    with pytest.raises(ConflictError, match="new tag"):
+        area.write("a", "1", config_bytes, bytes(other))
+    second, _ = area.write("a", "2", config_bytes, bytes(other))
+    assert area.used() == 2 * len(weights)
+    assert area.retire("a", {second}) == ["1"] and not path.exists() and second.is_dir()
+    assert area.retire("a", set()) == ["2"] and not (tmp_path / "svc" / "a").exists()
+    assert PushArea(tmp_path, "other", 1 << 30).used() == 0  # another service's area is its own
+
+
+def test_a_write_cut_midway_leaves_nothing(tmp_path: Path, pushed_pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    area = PushArea(tmp_path, "svc", max_bytes=1 << 30)
+
+    def cut(*_: Any) -> None:
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(os, "rename", cut)
+    with pytest.raises(OSError):
+        area.write("a", "1", *payload(*pushed_pair))
+    assert list((tmp_path / "svc" / "a").iterdir()) == []
+
+
+def test_a_push_over_the_cap_is_refused_before_it_is_written(tmp_path: Path, pushed_pair: Any) -> None:
+    config_bytes, weights = payload(*pushed_pair)
+    area = PushArea(tmp_path, "svc", max_bytes=len(weights) + 10)
+    area.write("a", "1", config_bytes, weights)
+    with pytest.raises(CapacityError, match="push_bytes"):
+        area.write("b", "1", config_bytes, weights)
+    assert not (tmp_path / "svc" / "b" / "1").exists()
+
+
+def test_a_pushed_directory_takes_a_content_version_even_where_files_take_identity(
+        tmp_path: Path, pushed_pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``local_versions='identity'`` a settled file's version comes from its stat; a pushed version's
+    always from its bytes (another node's copy must prove the same version)."""
+    monkeypatch.setattr(peft, "settled_at", lambda *_: True)  # every file settled: identity would apply
+    (tmp_path / "roots").mkdir()
+    catalog = AdapterCatalog(CatalogConfig(adapter_roots=(str(tmp_path / "roots"),), model="tiny", max_rank=16,
+                                           push_dir=str(tmp_path / "push")))
+    area = PushArea(catalog.config.push_root(), "svc", 1 << 30)
+    path, _ = area.write("a", "1", *payload(*pushed_pair))
+    spec = catalog.register("a", str(path))
+    assert spec.version == content_version(path)
+    assert catalog.paths("a") == {path.resolve()}
+    shutil.copytree(path, tmp_path / "roots" / "b")  # the same files under an adapter root: an identity version
+    assert catalog.register("b", str(tmp_path / "roots" / "b")).version != spec.version
+
+
+def test_the_client_payload_takes_gpu_or_cpu_tensors_and_peft_configs(pushed_pair: Any) -> None:
+    tensors, config = pushed_pair
+
+    class LoraConfig:  # PEFT's config object: to_dict(), sets for target_modules
+        def to_dict(self) -> dict[str, Any]:
+            return {**config, "target_modules": set(config["target_modules"])}
+
+    config_bytes, weights = msg.push_payload(tensors, LoraConfig())
+    assert json.loads(config_bytes)["target_modules"] == sorted(config["target_modules"])
+    assert load(weights).keys() == tensors.keys()
+    assert msg.push_payload(save(tensors), config)[1] == save(tensors)
+    with pytest.raises(msg.ClientError, match="dict"):
+        msg.push_payload([], config)
+
+
+async def _stream(messages: list[Any]) -> AsyncIterator[Any]:
+    for m in messages:
+        yield m
+
+
+def test_the_gateway_gathers_a_stream_and_refuses_one_cut_short_or_overlong(pushed_pair: Any) -> None:
+    config_bytes, weights = payload(*pushed_pair)
+    messages = list(msg.push_messages("a", 7, config_bytes, weights, chunk_bytes=1000))
+    body = asyncio.run(gather(_stream(messages), max_bytes=1 << 30))
+    assert (body.name, body.tag, body.config, bytes(body.weights)) == ("a", "7", config_bytes, weights)
+    with pytest.raises(RequestError, match="ended after"):
+        asyncio.run(gather(_stream(messages[:-1]), max_bytes=1 << 30))
+    with pytest.raises(RequestError, match="more than"):
+        asyncio.run(gather(_stream([*messages, pb.PushAdapterRequest(weights=b"x")]), max_bytes=1 << 30))
+    with pytest.raises(RequestError, match="max_push_bytes"):
+        asyncio.run(gather(_stream(messages), max_bytes=len(weights) - 1))
+    with pytest.raises(RequestError, match="only the first"):
+        asyncio.run(gather(_stream([messages[0], pb.PushAdapterRequest(name="b", weights=b"x")]), 1 << 30))
+    with pytest.raises(RequestError, match="config_json"):
+        asyncio.run(gather(_stream([pb.PushAdapterRequest(name="a", total_bytes=100)]), 1 << 30))
+    with pytest.raises(RequestError, match="empty"):
+        asyncio.run(gather(_stream([]), 1 << 30))

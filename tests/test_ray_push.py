@@ -1,0 +1,162 @@
+"""Pushes from a trainer's memory on a real local Ray cluster (issue 44 item 2): one replica at TP 2, its two ranks
+each loading only its own shard of what was pushed, over the gRPC gateway's ``PushAdapter`` stream and over a Ray
+object reference; a refused push, a stream cut short and a reused tag leave the current version serving, and
+versions the catalog no longer keeps leave node memory."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import grpc  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import load  # noqa: E402
+
+from lora_cache.adapters.catalog import CatalogConfig  # noqa: E402
+from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE  # noqa: E402
+from lora_cache.adapters.synth import SynthConfig, make_adapters  # noqa: E402
+from lora_cache.api import client_values as msg  # noqa: E402
+from lora_cache.api.client import ClientError, LoraCacheClient  # noqa: E402
+from lora_cache.api.gateway import GatewayConfig, start_gateway_thread  # noqa: E402
+from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc  # noqa: E402
+from lora_cache.app.serve import ServeConfig, start  # noqa: E402
+from lora_cache.integrations.ray_push import push_in_ray  # noqa: E402
+from lora_cache.planner import PlannerConfig  # noqa: E402
+from tests.ray_local import init_local  # noqa: E402
+from workers.cache import WorkerConfig  # noqa: E402
+from workers.staging.host_config import HostTierConfig  # noqa: E402
+
+pytestmark = pytest.mark.ray
+TOKEN = "push-token"
+SERVICE = "lora-cache"  # the namespace the cluster runs in: the push area's service directory
+
+
+class World(NamedTuple):
+    service: Any
+    client: LoraCacheClient
+    target: str
+    area: Path  # this service's push area
+    tensors: dict[str, torch.Tensor]
+    config: dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    root = tmp_path_factory.mktemp("adapters")
+    make_adapters(root, SynthConfig(model="tiny", count=2, rank="8"))
+    src = root / "adapter-001"
+    tensors = load((src / WEIGHTS_FILE).read_bytes())
+    config = json.loads((src / CONFIG_FILE).read_text())
+    push_dir = tmp_path_factory.mktemp("push")
+    init_local(num_cpus=2, namespace=SERVICE, include_dashboard=False, log_to_driver=False)
+    try:
+        svc = start(ServeConfig(adapters=str(root), replicas=1, tp=2),
+                    CatalogConfig(model="tiny", max_rank=16, keep_versions=1, push_dir=str(push_dir)),
+                    PlannerConfig(), WorkerConfig(num_slots=4, host=HostTierConfig(host_bytes=1 << 22, pin=False)))
+        gw = start_gateway_thread(GatewayConfig(grpc_port=0, token=TOKEN), svc.controller)
+        client = LoraCacheClient(gw.target, token=TOKEN, timeout_s=60)
+        yield World(svc, client, gw.target, push_dir / SERVICE, tensors, config)
+        client.close()
+        gw.stop()
+        svc.stop()
+    finally:
+        ray.shutdown()
+
+
+def scaled(tensors: dict[str, torch.Tensor], by: float) -> dict[str, torch.Tensor]:
+    return {k: (v.float() * by).to(v.dtype) for k, v in tensors.items()}
+
+
+def current(world: World, name: str) -> str:
+    return str(ray.get(world.service.controller.lookup_adapter.remote(name), timeout=30)["version"])
+
+
+def served_on_every_rank(world: World, name: str, pushed: dict[str, torch.Tensor], version: str) -> None:
+    """Each rank loads ``name`` (its current version, ``version``) and holds exactly its own shard of the
+    pushed tensors: the slot's bytes equal its slices of the version's file, and that file's tensors equal what
+    the trainer pushed; each rank's shard is a part of the adapter, not all of it."""
+    spec_dir = next(p for p in world.area.glob(f"{name}/*") if (p / WEIGHTS_FILE).is_file()
+                    and _same(load((p / WEIGHTS_FILE).read_bytes()), pushed))
+    total = sum(t.numel() * t.element_size() for t in pushed.values())
+    ranks = []
+    for handle in world.service.workers.values():
+        (record,) = ray.get(handle.preload.remote([name]), timeout=60)
+        assert record.version == version
+        check = ray.get(handle.verify.remote(name, version), timeout=60)
+        assert check["max_abs_diff"] == 0.0, check
+        assert 0 < check["nbytes"] < total, (check, total)  # its shard only
+        ranks.append(check["rank"])
+    assert sorted(ranks) == [0, 1] and spec_dir.parent.name == name
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_push_over_grpc_serves_on_both_ranks_and_a_new_one_replaces_it(world: World) -> None:
+    first = world.client.push("trained", world.tensors, world.config, tag=1)
+    assert (first.name, first.tag, first.previous_version) == ("trained", "1", "")
+    assert current(world, "trained") == first.version
+    served_on_every_rank(world, "trained", world.tensors, first.version)
+
+    second_tensors = scaled(world.tensors, 2.0)
+    second = world.client.push("trained", second_tensors, world.config, tag=2)
+    assert second.previous_version == first.version != second.version
+    served_on_every_rank(world, "trained", second_tensors, second.version)
+    assert world.client.push("trained", second_tensors, world.config, tag=2).version == second.version  # again
+
+
+def test_a_refused_a_cut_and_a_conflicting_push_leave_the_current_version(world: World) -> None:
+    base = world.client.push("steady", world.tensors, world.config, tag="step-1")
+    before = sorted(p.name for p in (world.area / "steady").iterdir())
+
+    bad = dict(world.tensors)
+    key = next(k for k in sorted(bad) if k.endswith("lora_A.weight"))
+    bad[key] = torch.zeros(bad[key].shape[0] + 1, bad[key].shape[1], dtype=bad[key].dtype)  # a rank the B's lack
+    with pytest.raises(ClientError) as refused:
+        world.client.push("steady", bad, world.config, tag="step-2")
+    assert refused.value.code == "INVALID_ARGUMENT" and "lora_A has shape [9" in refused.value.message, refused.value
+
+    config_bytes, weights = msg.push_payload(scaled(world.tensors, 3.0), world.config)
+    messages = list(msg.push_messages("steady", "step-3", config_bytes, weights, chunk_bytes=4096))
+    with grpc.insecure_channel(world.target) as channel:  # a trainer that dies after the first half
+        stub = pb_grpc.LoraCacheServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as cut:
+            next(iter(stub.PushAdapter(iter(messages[: len(messages) // 2]),
+                                       metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=30)))
+    assert cut.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ended after" in cut.value.details()
+
+    with pytest.raises(ClientError) as conflict:  # the tag already names other bytes
+        world.client.push("steady", scaled(world.tensors, 5.0), world.config, tag="step-1")
+    assert conflict.value.code == "FAILED_PRECONDITION" and "new tag" in conflict.value.message
+
+    assert current(world, "steady") == base.version
+    assert sorted(p.name for p in (world.area / "steady").iterdir()) == before
+    served_on_every_rank(world, "steady", world.tensors, base.version)
+
+
+def test_a_push_by_ray_reference_and_older_versions_retire(world: World) -> None:
+    versions = []
+    for step in (10, 11, 12):
+        tensors = scaled(world.tensors, 1.0 + step / 10)
+        done = push_in_ray("by-ref", tensors, world.config, tag=step)
+        versions.append(done.version)
+        served_on_every_rank(world, "by-ref", tensors, done.version)
+    # keep_versions=1: the current version and one older stay in node memory; the oldest is gone
+    assert sorted(p.name for p in (world.area / "by-ref").iterdir()) == ["11", "12"]
+    ray.get(world.service.controller.unregister_adapter.remote("by-ref"), timeout=60)
+    assert not (world.area / "by-ref").exists()
+
+
+def test_a_push_of_unknown_name_syntax_or_tag_is_refused_before_anything_is_kept(world: World) -> None:
+    for name, tag, fragment in (("bad name", 1, "name"), ("ok", "../x", "tag")):
+        with pytest.raises(ClientError) as e:
+            world.client.push(name, world.tensors, world.config, tag=tag)
+        assert e.value.code == "INVALID_ARGUMENT" and fragment in e.value.message.lower()
+    assert not (world.area / "ok").exists()
