@@ -6,6 +6,7 @@ versions the catalog no longer keeps leave node memory."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -19,7 +20,9 @@ import torch  # noqa: E402
 from safetensors.torch import load  # noqa: E402
 
 from lora_cache.adapters.catalog import CatalogConfig  # noqa: E402
-from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE  # noqa: E402
+from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, read_adapter  # noqa: E402
+from lora_cache.adapters.shapes import SHAPES  # noqa: E402
+from lora_cache.adapters.shards import shard_layout  # noqa: E402
 from lora_cache.adapters.synth import SynthConfig, make_adapters  # noqa: E402
 from lora_cache.api import client_values as msg  # noqa: E402
 from lora_cache.api.client import ClientError, LoraCacheClient  # noqa: E402
@@ -28,8 +31,13 @@ from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc  # noqa: E4
 from lora_cache.app.serve import ServeConfig, start  # noqa: E402
 from lora_cache.integrations.ray_push import push_in_ray  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
+from lora_cache.vocab import WorkerId  # noqa: E402
 from tests.ray_local import init_local  # noqa: E402
+from tests.version_audit import check_steps  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
+from workers.engine import EngineConfig, Request  # noqa: E402
+from workers.engine.rank import slot_digest  # noqa: E402
+from workers.reads.shard import read_shard  # noqa: E402
 from workers.staging.host_config import HostTierConfig  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -38,6 +46,7 @@ SERVICE = "lora-cache"  # the namespace the cluster runs in: the push area's ser
 
 
 class World(NamedTuple):
+    root: Path  # the adapters registered at start
     service: Any
     client: LoraCacheClient
     target: str
@@ -61,7 +70,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                     PlannerConfig(), WorkerConfig(num_slots=4, host=HostTierConfig(host_bytes=1 << 22, pin=False)))
         gw = start_gateway_thread(GatewayConfig(grpc_port=0, token=TOKEN), svc.controller)
         client = LoraCacheClient(gw.target, token=TOKEN, timeout_s=60)
-        yield World(svc, client, gw.target, push_dir / SERVICE, tensors, config)
+        yield World(root, svc, client, gw.target, push_dir / SERVICE, tensors, config)
         client.close()
         gw.stop()
         svc.stop()
@@ -160,3 +169,55 @@ def test_a_push_of_unknown_name_syntax_or_tag_is_refused_before_anything_is_kept
             world.client.push(name, world.tensors, world.config, tag=tag)
         assert e.value.code == "INVALID_ARGUMENT" and fragment in e.value.message.lower()
     assert not (world.area / "ok").exists()
+
+
+def expected_digest(directory: Path, name: str, rank: int) -> str:
+    """The digest of rank ``rank``'s shard of the version in ``directory`` (a push area directory, or the root's)."""
+    spec = read_adapter(name, directory, SHAPES["tiny"], 16)
+    layout = shard_layout(spec, SHAPES["tiny"], 2, rank, torch.bfloat16)  # the workers' slot dtype (WorkerConfig)
+    staged = torch.empty(layout.numel, dtype=layout.dtype)
+    read_shard(spec, layout, staged)
+    return slot_digest(staged)
+
+
+def test_pushes_under_traffic_keep_one_version_per_step_on_every_rank(world: World, tmp_path: Path) -> None:
+    """Invariant 1 while a trainer pushes: a hosted TP-2 engine serves a stream of requests for ``live`` while new
+    versions are pushed under it (alternately over gRPC and by Ray reference). Every request is served; both ranks
+    computed each item with the same version, the one its request was admitted with; and each slot held exactly
+    that version's bytes (a digest of the rank's shard of what the trainer pushed, from the test's own copy: the
+    push area retires versions past ``keep_versions`` meanwhile)."""
+    hot = "live"
+    ranks = [world.service.workers[WorkerId("replica-0", k)] for k in (0, 1)]
+    copies: dict[str, Path] = {}  # version -> the test's copy of what was pushed
+
+    def push(step: int) -> None:
+        tensors = scaled(world.tensors, 1.0 + step / 10)
+        done = (world.client.push(hot, tensors, world.config, tag=step) if step % 2 == 0
+                else push_in_ray(hot, tensors, world.config, tag=step))
+        assert done.version not in copies
+        copies[done.version] = tmp_path / str(step)
+        copies[done.version].mkdir()
+        config_bytes, weights = msg.push_payload(tensors, world.config)
+        (copies[done.version] / CONFIG_FILE).write_bytes(config_bytes)
+        (copies[done.version] / WEIGHTS_FILE).write_bytes(weights)
+
+    push(0)
+    engine = EngineConfig(adapters=str(world.root), model="tiny", device="cpu", tp=2, num_slots=4, max_adapters=2,
+                          max_running=4, max_prefill_tokens=24, max_seq_len=32, max_rank=16, audit_steps=True,
+                          host=HostTierConfig(host_bytes=1 << 22, pin=False))
+    meet = ray.get(ranks[0].engine_rendezvous.remote(2), timeout=60)
+    ray.get([h.engine_build.remote(engine, meet) for h in ranks], timeout=300)
+    requests = [Request(i, hot if i % 3 else "adapter-000", 3 + i % 4, 2 + i % 3, 0.04 * i) for i in range(90)]
+    start_wall = time.time() + 1.0
+    runs = [ranks[0].engine_run.remote(requests, start_wall, 0, True), ranks[1].engine_run.remote(requests, start_wall)]
+    step = 0
+    while ray.wait(runs, num_returns=2, timeout=0.0)[1]:  # push while the engine serves
+        step += 1
+        push(step)
+        ray.wait(runs, num_returns=2, timeout=0.3)  # pacing only: every check below is per step
+    result = ray.get(runs[0])
+    assert step >= 3, "the run ended before the adapter was pushed under it"
+    checked, served = check_steps(result.records, [stats.audit for stats in result.ranks], hot,
+                                  lambda name, v: copies[v] if name == hot else world.root / name, expected_digest)
+    print(f"{step} pushes under traffic, {checked} slot digests checked, versions served {served}")
+    assert ray.get(world.service.controller.check_integrity.remote())

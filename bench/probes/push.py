@@ -1,0 +1,137 @@
+"""Push to READY (issue 44 items 2 and 5): a trainer pushes new versions of one adapter; how long until every rank
+of a TP replica holds the new version READY, against one host-to-device copy of the shards in the same run.
+
+Starts the embedded service (controller + one replica of ``--tp`` workers, GPU or ``--cpu``) with the gRPC gateway,
+loads version 0 of the adapter, then pushes ``--pushes`` new versions in turn, alternately over the gateway
+(``LoraCacheClient.push``: the ``PushAdapter`` stream) and by Ray object reference (``push_in_ray``). For each:
+
+- ``answer_ms``: from the call to its answer (the stream or the object store, the check, the write into node
+  memory, the content hash, every rank's registration);
+- ``ready_ms``: from the call to the replica's readiness event for the new version (a one-request queue reported at
+  once, as a request for it would): every rank READY;
+- each rank's slot is checked against its slices of the pushed version's file (``verify``: max |diff| 0).
+
+The reference is ``copy_probe``: each rank's plain pinned host-to-device copy of its shard's bytes, all ranks at
+once (on ``--cpu``: a memcpy), so ``ready_over_copy`` is the goal's ratio (<= 1.3x).
+
+    python -m bench.probes.push --tp 2 --out /tmp/push.json                  # on a 2-GPU machine
+    python -m bench.probes.push --tp 2 --cpu --out /tmp/push.json            # anywhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import torch
+from safetensors.torch import load
+
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE
+from lora_cache.adapters.shards import shard_layout
+from lora_cache.adapters.synth import SynthConfig, make_adapters
+from lora_cache.api.client import LoraCacheClient
+from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
+from lora_cache.app.serve import ServeConfig, start
+from lora_cache.integrations.ray_push import push_in_ray
+from lora_cache.planner import PlannerConfig
+from lora_cache.vocab import WorkerId
+from workers.cache import WorkerConfig
+from workers.staging.host_config import HostTierConfig
+
+NAME = "trained"
+
+
+def wait_ready(controller, cursor: int, version: str, timeout_s: float = 120.0) -> tuple[float, int]:
+    """Block until replica-0's ready event for ``NAME@version``; (wall time seen, new cursor)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        events = ray.get(controller.wait_events.remote(cursor, "replica-0", NAME, 5.0))
+        seen = time.time()
+        for e in events:
+            cursor = max(cursor, e.seq)
+            if e.ready and e.version == version:
+                return seen, cursor
+    raise TimeoutError(f"replica-0 never became ready for {NAME}@{version}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--pushes", type=int, default=6)
+    ap.add_argument("--cpu", action="store_true", help="CPU workers (no GPU needed)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="push-src-"))
+    (src,) = make_adapters(root, SynthConfig(model=args.model, count=1, rank=str(args.rank), seed=3))
+    tensors = load((src / WEIGHTS_FILE).read_bytes())
+    config = json.loads((src / CONFIG_FILE).read_text())
+    dtype = torch.float32 if args.cpu else torch.bfloat16
+    catalog_config = CatalogConfig(adapter_roots=(str(root),), model=args.model, max_rank=args.rank,
+                                   push_dir=tempfile.mkdtemp(prefix="push-area-", dir="/dev/shm"))
+    ray.init(address="local", num_cpus=8, num_gpus=0 if args.cpu else args.tp, namespace="lora-cache",
+             include_dashboard=False)
+    svc = start(ServeConfig(replicas=1, tp=args.tp, gpus=not args.cpu, worker_cpus=1.0, adapters=str(root)),
+                catalog_config, PlannerConfig(policy="queue"),
+                WorkerConfig(num_slots=4, dtype="float32" if args.cpu else "bfloat16",
+                             host=HostTierConfig(host_bytes=2 << 30, pin=not args.cpu)))
+    gw = start_gateway_thread(GatewayConfig(grpc_port=0, token="probe"), svc.controller)
+    client = LoraCacheClient(gw.target, token="probe", timeout_s=120)
+    try:
+        ctl, rows, cursor = svc.controller, [], 0
+        workers = [svc.workers[WorkerId("replica-0", r)] for r in range(args.tp)]
+        spec = AdapterCatalog(catalog_config).register("src", str(src))
+        shard = [shard_layout(spec, spec_shape(catalog_config), args.tp, r, dtype).nbytes for r in range(args.tp)]
+        for step in range(args.pushes + 1):
+            pushed = {k: (v.float() * (1.0 + step / 100)).to(v.dtype) for k, v in tensors.items()}
+            how = "grpc" if step % 2 == 0 else "ray"
+            t0 = time.time()
+            done = (client.push(NAME, pushed, config, tag=step) if how == "grpc"
+                    else push_in_ray(NAME, pushed, config, tag=step))
+            t_answer = time.time()
+            ray.get(ctl.report_queue.remote("replica-0", [(NAME, t_answer)]))
+            t_ready, cursor = wait_ready(ctl, cursor, done.version)
+            checks = ray.get([w.verify.remote(NAME, done.version) for w in workers])
+            assert all(c["max_abs_diff"] == 0.0 for c in checks), checks
+            assert [c["nbytes"] for c in checks] == shard, (checks, shard)
+            rows.append({"step": step, "how": how, "answer_ms": (t_answer - t0) * 1e3,
+                         "ready_ms": (t_ready - t0) * 1e3, "version": done.version})
+            print(f"push {step} ({how}): answered {rows[-1]['answer_ms']:8.1f} ms, every rank READY "
+                  f"{rows[-1]['ready_ms']:8.1f} ms", flush=True)
+        together = ray.get([w.copy_probe.remote(n) for w, n in zip(workers, shard)])
+        measured = rows[1:]  # step 0 is the first version (a cold start): not a push of a new version
+        copy_ms = max(together)
+        summary = {"shard_bytes": shard, "copy_ms_together": together,
+                   "median_answer_ms": statistics.median(r["answer_ms"] for r in measured),
+                   "median_ready_ms": statistics.median(r["ready_ms"] for r in measured),
+                   "median_ready_ms_grpc": statistics.median(r["ready_ms"] for r in measured if r["how"] == "grpc"),
+                   "median_ready_ms_ray": statistics.median(r["ready_ms"] for r in measured if r["how"] == "ray")}
+        summary["ready_over_copy"] = summary["median_ready_ms"] / copy_ms
+        out = {"tp": args.tp, "model": args.model, "rank": args.rank, "cpu": args.cpu, "host": platform.node(),
+               "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+               "date": time.strftime("%Y-%m-%d"), "rows": rows, "summary": summary}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2))
+        print(json.dumps(summary, indent=2))
+    finally:
+        client.close()
+        gw.stop()
+        svc.stop()
+        ray.shutdown()
+
+
+def spec_shape(config: CatalogConfig):  # type: ignore[no-untyped-def]
+    return config.shape()
+
+
+if __name__ == "__main__":
+    main()
