@@ -22,6 +22,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from bench.version_check import check_steps  # noqa: E402
 from lora_cache.adapters.catalog import CatalogConfig  # noqa: E402
 from lora_cache.adapters.peft import read_adapter  # noqa: E402
 from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES  # noqa: E402
@@ -30,7 +31,6 @@ from lora_cache.adapters.synth import SynthConfig, make_adapters, write_adapter 
 from lora_cache.app.serve import ServeConfig, Service, start  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
 from tests.ray_local import init_local  # noqa: E402
-from tests.version_audit import check_steps  # noqa: E402
 from workers.attach.attachment import AttachConfig  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402

@@ -19,6 +19,7 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load  # noqa: E402
 
+from bench.version_check import check_steps  # noqa: E402
 from lora_cache.adapters.catalog import CatalogConfig  # noqa: E402
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, read_adapter  # noqa: E402
 from lora_cache.adapters.shapes import SHAPES  # noqa: E402
@@ -33,7 +34,6 @@ from lora_cache.integrations.ray_push import push_in_ray  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
 from lora_cache.vocab import WorkerId  # noqa: E402
 from tests.ray_local import init_local  # noqa: E402
-from tests.version_audit import check_steps  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
 from workers.engine import EngineConfig, Request  # noqa: E402
 from workers.engine.rank import slot_digest  # noqa: E402

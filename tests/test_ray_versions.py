@@ -21,6 +21,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from bench.version_check import check_steps  # noqa: E402
 from lora_cache.adapters.catalog import CatalogConfig  # noqa: E402
 from lora_cache.adapters.peft import read_adapter  # noqa: E402
 from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES  # noqa: E402
@@ -31,7 +32,6 @@ from lora_cache.errors import NotFoundError  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
 from lora_cache.vocab import WorkerId  # noqa: E402
 from tests.ray_local import init_local  # noqa: E402
-from tests.version_audit import check_steps  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
 from workers.engine import EngineConfig, Request  # noqa: E402

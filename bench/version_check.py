@@ -1,7 +1,8 @@
-"""The per-step check of the versions tests (invariant 1 under re-registration), one way for every engine path.
+"""The per-step check of invariant 1 under new versions, one way for every engine path and the worked example.
 
 ``tests/test_ray_versions.py`` (the hosted engine) and ``tests/test_ray_attach_versions.py`` (the engine on the
-public seam) run a TP-2 engine while ``hot`` is re-registered, then hand the run's records and both ranks' step
+public seam) run a TP-2 engine while ``hot`` is re-registered (``tests/test_ray_push.py`` and
+``bench/probes/push_loop.py``: while new versions of it are pushed), then hand the run's records and both ranks' step
 audits here: every request served, more than one version of ``hot`` served, both ranks ran the same steps with
 the same ``adapter@version`` per item, each item computed with the version its request was admitted with, and
 each slot held exactly that version's bytes (``expected(directory, name, rank)``: the digest of the rank's shard

@@ -1,0 +1,170 @@
+"""Worked example (issue 44 item 7): a trainer pushes a new version every second while requests keep coming; the
+version each request ran on is recorded, and checked.
+
+What it runs, on one machine (CPU by default; ``--gpu`` on a GPU host):
+- the embedded service: a controller and one replica of ``--tp`` ranks, with the gRPC gateway;
+- a trainer thread: every ``--push-every`` seconds it takes its tensors one step further and pushes them as
+  ``--adapter`` (tag = the step), alternately over the gateway (``LoraCacheClient.push``) and by Ray object
+  reference (``push_in_ray``), keeping its own copy of what it pushed;
+- the reference engine hosted on the replica's ranks, serving ``--rate`` requests a second for ``--seconds``, two
+  in three for the pushed adapter and the rest for another, each admitted with the adapter's version current then.
+
+At the end, for every request: the version it ran on (``--out``: one JSON line per request). Then the check of
+invariant 1 (``bench/version_check.py``): every request was served; both ranks ran the same steps, each item
+with the version its request was admitted with; and each slot held exactly that version's bytes, the digest of
+the rank's shard of what the trainer pushed under it.
+
+    python -m bench.probes.push_loop --seconds 20 --out /tmp/push_loop.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import ray
+import torch
+from safetensors.torch import load
+
+from bench.version_check import check_steps
+from lora_cache.adapters.catalog import CatalogConfig
+from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, read_adapter
+from lora_cache.adapters.shards import shard_layout
+from lora_cache.adapters.synth import SynthConfig, make_adapters
+from lora_cache.api.client import LoraCacheClient
+from lora_cache.api.client_values import push_payload
+from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
+from lora_cache.app.serve import ServeConfig, start
+from lora_cache.integrations.ray_push import push_in_ray
+from lora_cache.planner import PlannerConfig
+from lora_cache.vocab import WorkerId
+from workers.cache import WorkerConfig
+from workers.engine import EngineConfig, Request
+from workers.engine.rank import slot_digest
+from workers.reads.shard import read_shard
+from workers.staging.host_config import HostTierConfig
+
+
+class Trainer:
+    """Pushes a new version every ``every`` seconds until stopped; keeps a copy of each (version -> directory)."""
+
+    def __init__(self, client: LoraCacheClient, name: str, tensors: dict[str, torch.Tensor], config: dict,
+                 every: float, copies: Path) -> None:
+        self.client, self.name, self.tensors, self.config = client, name, tensors, config
+        self.every, self.copies = every, copies
+        self.versions: dict[str, Path] = {}
+        self.log: list[dict[str, object]] = []
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.step = 0
+
+    def push(self) -> None:
+        step = self.step
+        tensors = {k: (v.float() * (1.0 + step / 10)).to(v.dtype) for k, v in self.tensors.items()}  # "training"
+        how = "grpc" if step % 2 == 0 else "ray"
+        t0 = time.time()
+        done = (self.client.push(self.name, tensors, self.config, tag=step) if how == "grpc"
+                else push_in_ray(self.name, tensors, self.config, tag=step))
+        copy = self.copies / str(step)
+        copy.mkdir()
+        config_bytes, weights = push_payload(tensors, self.config)
+        (copy / CONFIG_FILE).write_bytes(config_bytes)
+        (copy / WEIGHTS_FILE).write_bytes(weights)
+        self.versions[done.version] = copy
+        self.log.append({"step": step, "how": how, "version": done.version, "answer_ms": (time.time() - t0) * 1e3})
+        self.step += 1
+
+    def run(self) -> None:
+        try:
+            while not self.stop.wait(self.every):
+                self.push()
+        except BaseException as e:  # reported by main
+            self.error = e
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=20.0, help="how long requests keep coming")
+    ap.add_argument("--push-every", type=float, default=1.0)
+    ap.add_argument("--rate", type=float, default=10.0, help="requests per second")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--gpu", action="store_true", help="GPU ranks (default: CPU)")
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--adapter", default="trained")
+    ap.add_argument("--out", required=True, help="one JSON line per request: its adapter and the version it ran on")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="push-loop-"))
+    make_adapters(work / "adapters", SynthConfig(model=args.model, count=2, rank="8"))
+    src = work / "adapters" / "adapter-001"
+    tensors, config = load((src / WEIGHTS_FILE).read_bytes()), json.loads((src / CONFIG_FILE).read_text())
+    catalog = CatalogConfig(adapter_roots=(str(work / "adapters"),), model=args.model, max_rank=16, keep_versions=2,
+                            push_dir=str(work / "push") if not Path("/dev/shm").is_dir() else "")
+    host = HostTierConfig(host_bytes=64 << 20, pin=args.gpu)
+    ray.init(address="local", num_cpus=4, num_gpus=args.tp if args.gpu else 0, namespace="lora-cache",
+             include_dashboard=False, log_to_driver=False)
+    svc = start(ServeConfig(adapters=str(work / "adapters"), replicas=1, tp=args.tp, gpus=args.gpu), catalog,
+                PlannerConfig(), WorkerConfig(num_slots=4, host=host))
+    gw = start_gateway_thread(GatewayConfig(grpc_port=0, token="example"), svc.controller)
+    client = LoraCacheClient(gw.target, token="example", timeout_s=120)
+    (work / "copies").mkdir()
+    trainer = Trainer(client, args.adapter, tensors, config, args.push_every, work / "copies")
+    try:
+        trainer.push()  # version 0, before the first request
+        ranks = [svc.workers[WorkerId("replica-0", k)] for k in range(args.tp)]
+        engine = EngineConfig(adapters=str(work / "adapters"), model=args.model, device="cuda" if args.gpu else "cpu",
+                              tp=args.tp, num_slots=4, max_adapters=2, max_running=8, max_prefill_tokens=64,
+                              max_seq_len=64, max_rank=16, audit_steps=True, host=host)
+        meet = ray.get(ranks[0].engine_rendezvous.remote(args.tp), timeout=60)
+        ray.get([h.engine_build.remote(engine, meet) for h in ranks], timeout=600)
+        count = int(args.seconds * args.rate)
+        requests = [Request(i, args.adapter if i % 3 else "adapter-000", 4 + i % 5, 3 + i % 4, i / args.rate)
+                    for i in range(count)]
+        start_wall = time.time() + 1.0
+        runs = [ranks[0].engine_run.remote(requests, start_wall, 0, True),
+                *[h.engine_run.remote(requests, start_wall) for h in ranks[1:]]]
+        pusher = threading.Thread(target=trainer.run, name="trainer", daemon=True)
+        pusher.start()
+        result = ray.get(runs[0], timeout=args.seconds * 10 + 300)
+        audits = [result.ranks[k].audit for k in range(args.tp)]
+        ray.get(runs[1:])
+        trainer.stop.set()
+        pusher.join(timeout=120)
+        if trainer.error is not None:
+            raise trainer.error
+        tags = {row["version"]: row["step"] for row in trainer.log}
+        with open(args.out, "w") as f:
+            for r in result.records:
+                f.write(json.dumps({"rid": r.rid, "adapter": r.adapter, "version": r.version, "ok": r.ok,
+                                    "pushed_step": tags.get(r.version) if r.adapter == args.adapter else None}) + "\n")
+
+        shape = catalog.shape()
+
+        def expected(directory: Path, name: str, rank: int) -> str:
+            spec = read_adapter(name, directory, shape, 16)
+            layout = shard_layout(spec, shape, args.tp, rank, torch.bfloat16)  # the workers' slot dtype
+            staged = torch.empty(layout.numel, dtype=layout.dtype)
+            read_shard(spec, layout, staged)
+            return slot_digest(staged)
+
+        checked, served = check_steps(result.records, audits[:2], args.adapter,
+                                      lambda name, v: trainer.versions[v] if name == args.adapter
+                                      else work / "adapters" / name, expected)
+        pushes = [row["answer_ms"] for row in trainer.log]
+        print(f"{len(result.records)} requests served while {len(trainer.log)} versions were pushed "
+              f"(answers {min(pushes):.0f}-{max(pushes):.0f} ms); {served} versions of {args.adapter} served; "
+              f"{checked} slot digests checked: every step of both ranks ran the version its request was admitted "
+              f"with, and held that version's bytes. Per request: {args.out}")
+    finally:
+        client.close()
+        gw.stop()
+        svc.stop()
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
