@@ -142,6 +142,7 @@ def test_a_pushed_directory_takes_a_content_version_even_where_files_take_identi
     path, _ = area.write("a", "1", *payload(*pushed_pair))
     spec = catalog.register("a", str(path))
     assert spec.version == content_version(path)
+    assert spec.source is not None and not spec.source.racy  # sealed: every rank takes it on its identity at once
     assert catalog.paths("a") == {path.resolve()}
     shutil.copytree(path, tmp_path / "roots" / "b")  # the same files under an adapter root: an identity version
     assert catalog.register("b", str(tmp_path / "roots" / "b")).version != spec.version

@@ -108,8 +108,14 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def hashed(world: World) -> list[int]:
+    return [ray.get(h.stats.remote())["registrations_hashed"] for h in world.service.workers.values()]
+
+
 def test_a_push_over_grpc_serves_on_both_ranks_and_a_new_one_replaces_it(world: World) -> None:
+    before = hashed(world)
     first = world.client.push("trained", world.tensors, world.config, tag=1)
+    assert hashed(world) == before  # each rank took the controller's version on its proof: no second hash
     assert (first.name, first.tag, first.previous_version) == ("trained", "1", "")
     assert current(world, "trained") == first.version
     served_on_every_rank(world, "trained", world.tensors, first.version)

@@ -199,7 +199,8 @@ class AdapterCatalog:
         roots = pushed or self._local()
         directory = roots.resolve(path)
         return read_adapter(check_name(name), directory, self.shape, self.config.max_rank, roots, known,
-                            identity=self.config.local_versions == "identity" and pushed is None)
+                            identity=self.config.local_versions == "identity" and pushed is None,
+                            sealed=pushed is not None)
 
     def store_url(self, url: str) -> StoreUrl:
         """``url`` parsed, if it is under one of the store roots (the store's counterpart of ``AdapterRoots``)."""

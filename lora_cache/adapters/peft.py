@@ -33,6 +33,7 @@ from lora_cache.adapters import patterns
 from lora_cache.adapters.files import (
     HOST,
     MAX_CONFIG_BYTES,
+    RACY_NS,
     BlockCrcs,
     OpenFile,
     WeightsSource,
@@ -254,7 +255,7 @@ class AdapterSpec:
 
 def read_adapter(name: str, directory: Path, shape: ModelShape, max_rank: int,
                  roots: AdapterRoots | None = None, known: KnownVersion | None = None,
-                 identity: bool = False) -> AdapterSpec:
+                 identity: bool = False, sealed: bool = False) -> AdapterSpec:
     """Validate a PEFT adapter directory against ``shape`` from its config and safetensors header.
 
     Its files must resolve under ``roots`` (by default the directory itself). ``known``: the version another
@@ -262,7 +263,9 @@ def read_adapter(name: str, directory: Path, shape: ModelShape, max_rank: int,
     otherwise, with ``identity`` and a settled file (its last change ``RACY_NS`` or more ago), the version comes
     from the file's identity, config and header (``files.identity_version``: the weights are not read, the
     first read pins their content); else the weights are hashed here. Either way the spec has whatever version
-    this process found (the caller compares)."""
+    this process found (the caller compares). ``sealed``: the file is written once, whole, and never again (the
+    push area's, ``pushed.PushArea``): no later write can share its timestamp tick, so it is not racy however
+    recently it was written (its hashed version is proven by its identity at once, on every rank)."""
     if not directory.is_dir():
         raise AdapterFormatError(f"adapter directory {directory} does not exist; check the path")
     roots = roots or AdapterRoots((directory,))
@@ -286,6 +289,8 @@ def read_adapter(name: str, directory: Path, shape: ModelShape, max_rank: int,
             digest = hashlib.blake2b(config_bytes, digest_size=8)
             header_crc, block_crcs = digest_weights(f.fd, f.identity, weights, digest, header_bytes)
             unchanged_since_open(f.fd, weights, f.identity)  # the bytes hashed are the file's, as opened
+            if sealed:  # its racy window is over by construction (the docstring): registered as if after it
+                registered_ns = max(registered_ns, f.identity.ctime_ns + RACY_NS)
             source = WeightsSource(str(f.real), digest.hexdigest(), f.identity, header_bytes, header_crc, block_crcs,
                                    registered_ns)
         header = read_header(f.fd, header_bytes, f.identity.size, weights)  # the file this fd holds, not the path's
