@@ -152,6 +152,16 @@ def test_checks_runs_the_parts_asked_and_skips_tp_without_the_gpus(tmp_path: Pat
     assert [c[2] for c in _dry("checks.sh", str(tmp_path), "tp", DRY_GPUS="2")] == ["bench.probes.tp_ready"]
 
 
+def test_checks_push_part_runs_the_push_probe_at_both_shapes_with_options_it_accepts(tmp_path: Path) -> None:
+    from bench.probes.push import build_parser as push_parser
+
+    commands = _dry("checks.sh", str(tmp_path), "push", DRY_GPUS="2")
+    assert [c[2] for c in commands] == ["bench.probes.push", "bench.probes.push"]
+    parsed = [push_parser().parse_args(c[3:]) for c in commands]
+    assert [(a.tp, a.model, a.rank) for a in parsed] == [(2, "llama-3.1-8b", 16), (2, "llama-3.1-70b", 64)]
+    assert _dry("checks.sh", str(tmp_path), "push", DRY_GPUS="1") == []  # no TP 2 on one GPU
+
+
 def test_issue30_reads_runs_each_shape_with_its_phases_then_the_tests_and_the_summary(tmp_path: Path) -> None:
     commands = _dry("issue30_reads.sh", str(tmp_path), ADAPTERS=str(tmp_path / "ad"))
     assert commands[0][:2] == ["bash", "-c"]

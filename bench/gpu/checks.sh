@@ -10,6 +10,8 @@
 #   pipeline  "$PYTHON" -m bench.probes.pipeline: what a missed adapter adds to a prefill, chunked copies
 #   tp        "$PYTHON" -m bench.probes.tp_ready --tp TP: one TP replica on Ray (needs TP GPUs; skipped with fewer)
 #   engine    "$PYTHON" -m workers.engine alone: TP 1 ondemand and overlap, TP 2 overlap (with 2 GPUs)
+#   push      "$PYTHON" -m bench.probes.push --tp TP: a trainer's pushes to READY on every rank against the shards'
+#             host-to-device copy, MODEL at rank 16 and llama-3.1-70b at rank 64 (needs TP GPUs; skipped with fewer)
 # Options, from the environment (defaults in brackets):
 #   MODEL [llama-3.1-8b]: the model shape of kernels, tp and engine   TP [2]: the tp part's size
 #   TESTS_K []: a pytest -k filter for the tests part (e.g. "not real_shape and not tp2")
@@ -22,7 +24,7 @@ model=${MODEL:-llama-3.1-8b}
 tp=${TP:-2}
 adapters=${ADAPTERS:-${TMPDIR:-/tmp}/lora-cache-engine-adapters-$model}
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(tests kernels datapath pipeline tp engine)
+[ ${#parts[@]} -gt 0 ] || parts=(tests kernels datapath pipeline tp engine push)
 have=$(gpus)
 engine=("$PYTHON" -m workers.engine --adapters "$adapters" --make-adapters 8 --model "$model" --device cuda
         --requests 64 --num-slots 4 --rate 20 --json)
@@ -42,7 +44,13 @@ for part in "${parts[@]}"; do
               step engine_tp1_overlap "${engine[@]}" --tp 1 --admission overlap
               if [ "$have" -ge 2 ]; then step engine_tp2_overlap "${engine[@]}" --tp 2 --admission overlap
               else echo "=== engine_tp2_overlap: skipped, $have GPU"; fi ;;
-    *) echo "unknown part $part (tests, kernels, datapath, pipeline, tp, engine)" >&2; exit 2 ;;
+    push)     if [ "$have" -ge "$tp" ]; then
+                step "push-$model-r16" "$PYTHON" -m bench.probes.push --tp "$tp" --model "$model" --rank 16 \
+                     --pushes 6 --out "$out/push-$model-r16.json"
+                step push-llama-3.1-70b-r64 "$PYTHON" -m bench.probes.push --tp "$tp" --model llama-3.1-70b \
+                     --rank 64 --pushes 3 --out "$out/push-llama-3.1-70b-r64.json"
+              else echo "=== push: skipped, $have GPUs"; fi ;;
+    *) echo "unknown part $part (tests, kernels, datapath, pipeline, tp, engine, push)" >&2; exit 2 ;;
   esac
 done
 exit "$failed"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -61,7 +62,7 @@ def wait_ready(controller, cursor: int, version: str, timeout_s: float = 120.0) 
     raise TimeoutError(f"replica-0 never became ready for {NAME}@{version}")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--model", default="llama-3.1-8b")
@@ -69,7 +70,11 @@ def main() -> None:
     ap.add_argument("--pushes", type=int, default=6)
     ap.add_argument("--cpu", action="store_true", help="CPU workers (no GPU needed)")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="push-src-"))
     (src,) = make_adapters(root, SynthConfig(model=args.model, count=1, rank=str(args.rank), seed=3))
@@ -77,7 +82,7 @@ def main() -> None:
     config = json.loads((src / CONFIG_FILE).read_text())
     dtype = torch.float32 if args.cpu else torch.bfloat16
     catalog_config = CatalogConfig(adapter_roots=(str(root),), model=args.model, max_rank=args.rank,
-                                   push_dir=tempfile.mkdtemp(prefix="push-area-", dir="/dev/shm"))
+                                   push_dir=tempfile.mkdtemp(prefix="push-area-", dir=memory_dir()))
     ray.init(address="local", num_cpus=8, num_gpus=0 if args.cpu else args.tp, namespace="lora-cache",
              include_dashboard=False)
     svc = start(ServeConfig(replicas=1, tp=args.tp, gpus=not args.cpu, worker_cpus=1.0, adapters=str(root)),
@@ -127,6 +132,17 @@ def main() -> None:
         gw.stop()
         svc.stop()
         ray.shutdown()
+
+
+def memory_dir() -> str:
+    """/dev/shm where it has room for the pushes (a container's may be 64 MiB), else the temporary directory."""
+    try:
+        stat = os.statvfs("/dev/shm")
+        if stat.f_bavail * stat.f_frsize >= 16 << 30:
+            return "/dev/shm"
+    except OSError:
+        pass
+    return tempfile.gettempdir()
 
 
 def spec_shape(config: CatalogConfig):  # type: ignore[no-untyped-def]
