@@ -122,6 +122,7 @@ def main() -> None:
                    "median_ready_ms_ray": statistics.median(r["ready_ms"] for r in measured if r["how"] == "ray")}
         summary["ready_over_copy"] = summary["median_ready_ms"] / copy_ms
         out = {"tp": args.tp, "model": args.model, "rank": args.rank, "cpu": args.cpu, "host": platform.node(),
+               "push_dir": catalog_config.push_dir,
                "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
                "date": time.strftime("%Y-%m-%d"), "rows": rows, "summary": summary}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
