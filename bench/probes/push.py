@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--pushes", type=int, default=6)
+    ap.add_argument("--pushes", type=int, default=6, help="new versions pushed after the first (at least 1)")
     ap.add_argument("--cpu", action="store_true", help="CPU workers (no GPU needed)")
     ap.add_argument("--out", required=True)
     return ap
@@ -118,8 +119,8 @@ def main() -> None:
         summary = {"shard_bytes": shard, "copy_ms_together": together,
                    "median_answer_ms": statistics.median(r["answer_ms"] for r in measured),
                    "median_ready_ms": statistics.median(r["ready_ms"] for r in measured),
-                   "median_ready_ms_grpc": statistics.median(r["ready_ms"] for r in measured if r["how"] == "grpc"),
-                   "median_ready_ms_ray": statistics.median(r["ready_ms"] for r in measured if r["how"] == "ray")}
+                   "median_ready_ms_grpc": _median([r["ready_ms"] for r in measured if r["how"] == "grpc"]),
+                   "median_ready_ms_ray": _median([r["ready_ms"] for r in measured if r["how"] == "ray"])}
         summary["ready_over_copy"] = summary["median_ready_ms"] / copy_ms
         out = {"tp": args.tp, "model": args.model, "rank": args.rank, "cpu": args.cpu, "host": platform.node(),
                "push_dir": catalog_config.push_dir,
@@ -133,6 +134,12 @@ def main() -> None:
         gw.stop()
         svc.stop()
         ray.shutdown()
+        shutil.rmtree(catalog_config.push_dir, ignore_errors=True)  # node memory: the pushes kept there
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None  # one push is over one path only
 
 
 def memory_dir() -> str:
