@@ -43,6 +43,9 @@ from workers.staging.host_config import HostTierConfig  # noqa: E402
 pytestmark = pytest.mark.ray
 TOKEN = "push-token"
 SERVICE = "lora-cache"  # the namespace the cluster runs in: the push area's service directory
+# older versions kept: a version pushed over stays loadable for the requests admitted on it while KEEP more are
+# pushed (the traffic test pushes one every ~0.5 s; a request waits far less for its load)
+KEEP = 4
 
 
 class World(NamedTuple):
@@ -66,7 +69,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     init_local(num_cpus=2, namespace=SERVICE, include_dashboard=False, log_to_driver=False)
     try:
         svc = start(ServeConfig(adapters=str(root), replicas=1, tp=2),
-                    CatalogConfig(model="tiny", max_rank=16, keep_versions=1, push_dir=str(push_dir)),
+                    CatalogConfig(model="tiny", max_rank=16, keep_versions=KEEP, push_dir=str(push_dir)),
                     PlannerConfig(), WorkerConfig(num_slots=4, host=HostTierConfig(host_bytes=1 << 22, pin=False)))
         gw = start_gateway_thread(GatewayConfig(grpc_port=0, token=TOKEN), svc.controller)
         client = LoraCacheClient(gw.target, token=TOKEN, timeout_s=60)
@@ -158,13 +161,14 @@ def test_a_refused_a_cut_and_a_conflicting_push_leave_the_current_version(world:
 
 def test_a_push_by_ray_reference_and_older_versions_retire(world: World) -> None:
     versions = []
-    for step in (10, 11, 12):
+    steps = list(range(10, 12 + KEEP))
+    for step in steps:
         tensors = scaled(world.tensors, 1.0 + step / 10)
         done = push_in_ray("by-ref", tensors, world.config, tag=step)
         versions.append(done.version)
         served_on_every_rank(world, "by-ref", tensors, done.version)
-    # keep_versions=1: the current version and one older stay in node memory; the oldest is gone
-    assert sorted(p.name for p in (world.area / "by-ref").iterdir()) == ["11", "12"]
+    # keep_versions=KEEP: the current version and KEEP older ones stay in node memory; the oldest is gone
+    assert sorted(int(p.name) for p in (world.area / "by-ref").iterdir()) == steps[1:]
     ray.get(world.service.controller.unregister_adapter.remote("by-ref"), timeout=60)
     assert not (world.area / "by-ref").exists()
 
@@ -220,10 +224,38 @@ def test_pushes_under_traffic_keep_one_version_per_step_on_every_rank(world: Wor
     while ray.wait(runs, num_returns=2, timeout=0.0)[1]:  # push while the engine serves
         step += 1
         push(step)
-        ray.wait(runs, num_returns=2, timeout=0.3)  # pacing only: every check below is per step
+        ray.wait(runs, num_returns=2, timeout=0.5)  # pacing only: every check below is per step
     result = ray.get(runs[0])
     assert step >= 3, "the run ended before the adapter was pushed under it"
     checked, served = check_steps(result.records, [stats.audit for stats in result.ranks], hot,
                                   lambda name, v: copies[v] if name == hot else world.root / name, expected_digest)
     print(f"{step} pushes under traffic, {checked} slot digests checked, versions served {served}")
     assert ray.get(world.service.controller.check_integrity.remote())
+
+
+def _status_or_none(ctl: Any) -> dict[str, Any] | None:
+    try:
+        return dict(ray.get(ctl.status.remote(), timeout=5))
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
+        return None
+
+
+def test_a_restarted_controller_keeps_a_pushed_version_and_takes_new_pushes(world: World) -> None:
+    """Last in the module (it restarts the controller): the pushed version outlives the controller's process (its
+    files are in node memory, its registration in the durable catalog), is still the current one and served from
+    its own bytes on both ranks; a push after the restart is taken as before."""
+    pushed = world.client.push("durable", world.tensors, world.config, tag=1)
+    ctl = world.service.controller
+    epoch = int(ray.get(ctl.status.remote(), timeout=30)["epoch"])
+    seen: list[dict[str, Any]] = []
+    ray.kill(ctl, no_restart=False)  # asynchronous: the old process may still answer the first calls
+    deadline = time.monotonic() + 60
+    while not (seen and seen[-1].get("epoch", epoch) > epoch):
+        assert time.monotonic() < deadline, "the controller did not restart with a larger epoch"
+        seen.append(_status_or_none(ctl) or {})
+        time.sleep(0.2)
+    assert current(world, "durable") == pushed.version
+    served_on_every_rank(world, "durable", world.tensors, pushed.version)
+    again = world.client.push("durable", scaled(world.tensors, 2.0), world.config, tag=2)
+    assert again.previous_version == pushed.version
+    served_on_every_rank(world, "durable", scaled(world.tensors, 2.0), again.version)

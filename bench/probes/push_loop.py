@@ -102,7 +102,7 @@ def main() -> None:
     make_adapters(work / "adapters", SynthConfig(model=args.model, count=2, rank="8"))
     src = work / "adapters" / "adapter-001"
     tensors, config = load((src / WEIGHTS_FILE).read_bytes()), json.loads((src / CONFIG_FILE).read_text())
-    catalog = CatalogConfig(adapter_roots=(str(work / "adapters"),), model=args.model, max_rank=16, keep_versions=2,
+    catalog = CatalogConfig(adapter_roots=(str(work / "adapters"),), model=args.model, max_rank=16,
                             push_dir=str(work / "push") if not Path("/dev/shm").is_dir() else "")
     host = HostTierConfig(host_bytes=64 << 20, pin=args.gpu)
     ray.init(address="local", num_cpus=4, num_gpus=args.tp if args.gpu else 0, namespace="lora-cache",
