@@ -96,7 +96,7 @@ def main() -> None:
         ctl, rows, cursor = svc.controller, [], 0
         workers = [svc.workers[WorkerId("replica-0", r)] for r in range(args.tp)]
         spec = AdapterCatalog(catalog_config).register("src", str(src))
-        shard = [shard_layout(spec, spec_shape(catalog_config), args.tp, r, dtype).nbytes for r in range(args.tp)]
+        shard = [shard_layout(spec, catalog_config.shape(), args.tp, r, dtype).nbytes for r in range(args.tp)]
         for step in range(args.pushes + 1):
             pushed = {k: (v.float() * (1.0 + step / 100)).to(v.dtype) for k, v in tensors.items()}
             how = "grpc" if step % 2 == 0 else "ray"
@@ -151,10 +151,6 @@ def memory_dir() -> str:
     except OSError:
         pass
     return tempfile.gettempdir()
-
-
-def spec_shape(config: CatalogConfig):  # type: ignore[no-untyped-def]
-    return config.shape()
 
 
 if __name__ == "__main__":

@@ -170,6 +170,8 @@ class AdapterCatalog:
         local = tuple(Path(r) for r in config.adapter_roots if not is_store_url(r))
         self.store_roots = tuple(StoreUrl.parse(r) for r in config.adapter_roots if is_store_url(r))
         self.roots = AdapterRoots(local) if local or not self.store_roots else None  # None: store-only
+        self.push_root = config.push_root().resolve()  # pushed versions' directories (``_pushed``), resolved once
+        self._push_roots: AdapterRoots | None = None  # made (and the directory created) at the first pushed path
         self._lock = threading.Lock()  # protects _specs, _older and generation
         self._specs: dict[str, AdapterSpec | Registered] = {}  # name -> current version
         self._older: dict[str, OrderedDict[str, AdapterSpec | Registered]] = {}  # name -> version -> spec, oldest first
@@ -214,13 +216,14 @@ class AdapterCatalog:
     def _pushed(self, path: str | Path) -> AdapterRoots | None:
         """The push root's ``AdapterRoots`` if ``path`` lies under it (a pushed version: its content is hashed into
         its version, never taken from its identity), else None."""
-        root = self.config.push_root()
         try:
             raw = Path(path).expanduser()
-            if not raw.is_absolute() or not raw.resolve().is_relative_to(root.resolve()):
+            if not raw.is_absolute() or not raw.resolve().is_relative_to(self.push_root):
                 return None
-            root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            return AdapterRoots((root,))
+            if self._push_roots is None:
+                self.push_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self._push_roots = AdapterRoots((self.push_root,))
+            return self._push_roots
         except (OSError, ValueError):
             return None
 

@@ -16,7 +16,6 @@ An unregistered adapter's pushed versions go with it (``forget``).
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import NamedTuple
 
 from lora_cache.adapters.catalog import check_name
@@ -65,7 +64,7 @@ class Pushes:
                 raise ConflictError(f"pushed {name}@{tag} is registered as version {done.version}, but "
                                     f"{len(done.rank_errors)} rank(s) refused it: {'; '.join(done.rank_errors)}")
         except BaseException:
-            if new and Path(path) not in self.core.catalog.paths(name):
+            if new:  # what it wrote goes, unless the catalog keeps it after all
                 await asyncio.to_thread(self.area.retire, name, self.core.catalog.paths(name))
             self.refused += 1
             raise
