@@ -26,9 +26,10 @@ def push_in_ray(name: str, tensors: Any, config: Any, tag: str | int | None = No
     """Push a version of ``name`` from this Ray process's memory (the module's docstring); ``service``: the
     service's namespace (default: this process's). Its ``Pushed``, or the controller's error (nothing changed)."""
     config_bytes, weights = push_payload(tensors, config)
+    controller = controller_handle(service)  # held: a method of a temporary handle keeps only a weak reference
     ref = ray.put(weights)
     try:
-        done: ControllerPushed = ray.get(controller_handle(service).push_adapter.remote(name, tag, config_bytes, ref),
+        done: ControllerPushed = ray.get(controller.push_adapter.remote(name, tag, config_bytes, ref),
                                          timeout=timeout_s)
     finally:
         del ref  # the controller's copy is in node memory once it answers: the store may free ours
