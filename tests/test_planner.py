@@ -371,6 +371,49 @@ def test_stale_version_in_use_stays_until_released() -> None:
     assert evicted(plan, "r0/w0") == []
 
 
+def test_the_version_ready_everywhere_stays_until_the_new_one_is_ready_on_every_rank() -> None:
+    """A new version becomes a replica's default only when every rank holds it READY (issue 44 item 3): until then
+    the older version READY on every rank is kept (the engine admits requests at it) beside the new one's loads,
+    and it goes once the new one is READY everywhere."""
+    planner = make(slots=2)
+    hold(planner, "r0", "a1")
+    queue(planner, "r0", "a1")
+    planner.plan(1.0)
+    planner.register_adapter(AdapterInfo("a1", "v2", 100))
+    plan = planner.plan(1.0)
+    for worker in ("r0/w0", "r0/w1"):
+        assert prefetched(plan, worker) == ["a1"] and evicted(plan, worker) == []
+    planner.report_residency("r0/w0", [ResidencyEntry("a1", "v1", READY), ResidencyEntry("a1", "v2", READY)])
+    planner.report_residency("r0/w1", [ResidencyEntry("a1", "v1", READY), ResidencyEntry("a1", "v2", LOADING)])
+    plan = planner.plan(1.1)
+    assert evicted(plan, "r0/w0") == [] and evicted(plan, "r0/w1") == [], "v2 is not READY on r0/w1 yet"
+    planner.report_residency("r0/w1", [ResidencyEntry("a1", "v1", READY), ResidencyEntry("a1", "v2", READY)])
+    plan = planner.plan(1.2)
+    for worker in ("r0/w0", "r0/w1"):
+        commands = plan.for_worker(worker)
+        assert commands is not None and commands.evicts == (Evict("a1", "v1", 7),), worker
+
+
+def test_the_older_version_makes_room_for_its_new_one_when_nothing_else_can() -> None:
+    """With one slot, the version READY everywhere gives its slot to its new version (requests then wait for it,
+    as they would without the bridge); a version ready on one rank only is no bridge at all."""
+    planner = make(slots=1)
+    hold(planner, "r0", "a1")
+    queue(planner, "r0", "a1")
+    planner.plan(1.0)
+    planner.register_adapter(AdapterInfo("a1", "v2", 100))
+    plan = planner.plan(1.0)
+    for worker in ("r0/w0", "r0/w1"):
+        commands = plan.for_worker(worker)
+        assert commands is not None and commands.evicts == (Evict("a1", "v1", 7),), worker
+        assert commands.prefetches == (Prefetch("a1", "v2", 0, 7),)
+    planner = make(slots=2)
+    planner.report_residency("r0/w0", [ResidencyEntry("a1", "v1", READY)])
+    queue(planner, "r0", "a1")
+    planner.register_adapter(AdapterInfo("a1", "v2", 100))
+    assert evicted(planner.plan(1.0), "r0/w0") == ["a1"], "v1 is READY on one rank only: never served, evicted"
+
+
 def test_byte_budget_is_checked_besides_slots() -> None:
     infos = [AdapterInfo("huge", "v1", 500), AdapterInfo("mid", "v1", 300), AdapterInfo("tiny", "v1", 100)]
     planner = Planner(PlannerConfig(), 0, infos, [ReplicaSpec("r", ("w",), 4, 400)])

@@ -90,6 +90,49 @@ def test_the_catalog_keeps_older_versions_only_from_their_own_files(tmp_path: Pa
         catalog.get("a", v1)
 
 
+def test_an_older_version_in_use_outlives_the_bound_and_retires_once_its_use_ends(tmp_path: Path) -> None:
+    """Retirement by use (issue 44 item 3): past ``keep_versions``, a version some user holds stays loadable; a
+    ``trim`` after its use ended retires it; the newest ``keep_versions`` older ones stay whatever their use; a
+    version rewritten in place goes at once (its bytes are gone); a user that leaves keeps nothing."""
+    make_versions(tmp_path)
+    for n in range(3, 5):
+        shutil.copytree(tmp_path / f"a-v{n % 3}", tmp_path / f"a-v{n}")
+        (tmp_path / f"a-v{n}" / "adapter_config.json").write_text(
+            (tmp_path / f"a-v{n}" / "adapter_config.json").read_text().replace("{", '{"x": %d, ' % n, 1))
+    catalog = AdapterCatalog(CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny", max_rank=16, keep_versions=1))
+    held: set[str] = set()
+
+    def in_use(name: str) -> set[str]:
+        return held if name == "a" else set()
+
+    catalog.use(in_use)
+    v = [catalog.register("a", tmp_path / f"a-v{n}").version for n in range(2)]
+    held.add(v[0])  # a rank's slot holds v0 (a request admitted on it)
+    v += [catalog.register("a", tmp_path / f"a-v{n}").version for n in range(2, 5)]
+    assert len(set(v)) == 5
+    assert catalog.versions("a") == [v[0], v[3], v[4]], "v0 in use, v3 the one kept by the bound, v4 current"
+    assert catalog.get("a", v[0]).version == v[0]
+    assert catalog.trim("a") == [] and catalog.versions("a") == [v[0], v[3], v[4]], "still in use: kept"
+    held.clear()
+    generation = catalog.generation
+    assert catalog.trim("a") == [v[0]] and catalog.versions("a") == [v[3], v[4]]
+    assert catalog.generation == generation + 1 and catalog.trim("a") == []
+    with pytest.raises(NotFoundError, match="keep_versions"):
+        catalog.get("a", v[0])
+    held.add(v[3])
+    catalog.register("a", tmp_path / "a-v4")  # the same version again: nothing moves
+    assert catalog.versions("a") == [v[3], v[4]]
+    shutil.copytree(tmp_path / "a-v0", tmp_path / "a-v3", dirs_exist_ok=True)  # v3's files rewritten in place
+    (tmp_path / "a-v3" / "adapter_config.json").write_text((tmp_path / "a-v0" / "adapter_config.json").read_text())
+    assert catalog.register("a", tmp_path / "a-v3").version == v[0]
+    assert catalog.versions("a") == [v[4], v[0]], "v3's bytes are gone even though it was in use"
+    held.add(v[4])
+    catalog.unuse(in_use)
+    catalog.unuse(in_use)  # twice: nothing
+    catalog.register("a", tmp_path / "a-v1")
+    assert catalog.versions("a") == [v[0], v[1]], "v4 was held by a user that left: retired by the bound"
+
+
 def view_of(*ranks: dict[str, tuple[str | None, str | None]], failed: str = "", step: str = "") -> ReducedVersions:
     """The replica view of ranks that each name, per adapter, (current version, READY version); an adapter a
     rank does not name is not registered there."""
@@ -367,6 +410,19 @@ class VersionsMachine(RuleBasedStateMachine):
             cache.check_integrity()
 
     @invariant()
+    def a_version_in_a_slot_stays_loadable_and_only_those_outlive_the_bound(self) -> None:
+        """Retirement by use (issue 44 item 3): every version a slot of a rank holds is loadable from that rank's
+        catalog; of the older versions past ``keep_versions`` (1 here), each is one a slot holds."""
+        for cache, catalog in zip(self.caches, self.catalogs):
+            held = {(str(r["adapter"]), str(r["version"])) for r in cache.residency()}
+            for name, version in held:
+                assert catalog.get(name, version).version == version, f"{name}@{version} is held but not loadable"
+            for name in NAMES:
+                older = catalog.versions(name)[:-1]
+                for version in older[: max(0, len(older) - 1)]:
+                    assert (name, version) in held, f"{name}@{version} is past keep_versions and held by no slot"
+
+    @invariant()
     def failed_requests_never_report_tokens_as_ok(self) -> None:
         for record in self.scheduler.records():
             if record.error is not None:
@@ -384,9 +440,10 @@ TestVersionsOverlap.settings = settings(max_examples=150, stateful_step_count=50
 
 
 def test_a_rank_that_cannot_hold_the_admitted_version_fails_the_request_never_uses_another() -> None:
-    """Rank 1 learns of two re-registrations (keep_versions=1: the admitted version is no longer loadable
-    there) and loses the admitted version's slot between two steps: its next step holds nothing for the
-    request (slot -1, never the current version), and the request fails at the next round."""
+    """Rank 1 learns of two re-registrations (keep_versions=1: the admitted version is past the bound, loadable
+    only while a slot there holds it) and loses the admitted version's slot between two steps (forced): the
+    version retires, its next step holds nothing for the request (slot -1, never the current version), and the
+    request fails at the next round."""
     m = VersionsMachine()
 
     def no_event(_: str) -> None:  # outside hypothesis: no event counter
@@ -401,10 +458,12 @@ def test_a_rank_that_cannot_hold_the_admitted_version_fails_the_request_never_us
         assert isinstance(admitted, AdapterKey)
         m.reregister("a", 1, rank=1)
         m.reregister("a", 2, rank=1)
-        with pytest.raises(NotFoundError):
-            m.catalogs[1].get("a", admitted.version)
+        # past keep_versions, the admitted version stays loadable while a slot here holds it (retired by use) ...
+        assert m.catalogs[1].get("a", admitted.version).version == admitted.version
         m.evict("a", rank=1)
         assert all(r["adapter"] != "a" for r in m.caches[1].residency())
+        with pytest.raises(NotFoundError):  # ... and retires once no slot does
+            m.catalogs[1].get("a", admitted.version)
         m.round()  # a decode step: rank 1 holds nothing for the request
         assert m.plan.kind != PREFILL and m.step_failed[1] == {"a"} and not m.step_failed[0]
         assert all(r["version"] != m.catalogs[1].get("a").version for r in m.caches[1].residency()

@@ -143,6 +143,9 @@ class WorkerCache:
                                  config.tp_rank, functools.partial(self.prefetch, on_demand=True))
         self.load_path = LoadPath(self.book, self.host, self.streams, self.pool, self.meta, config.tp_rank, on_ready,
                                   catalog.__contains__)
+        # an older version a slot here holds stays loadable past keep_versions; it retires once no slot holds it
+        catalog.use(self.book.versions_held)
+        self.book.on_freed = catalog.trim
 
     @property
     def on_change(self) -> Callable[[Delta], None] | None:
@@ -318,6 +321,7 @@ class WorkerCache:
         self.host.check_integrity()
 
     def close(self) -> None:
+        self.catalog.unuse(self.book.versions_held)
         self.load_path.close()  # loads waiting for host room fail, issued copies complete, the host tier closes
         self.disk.close()
 

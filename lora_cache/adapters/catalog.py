@@ -6,6 +6,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,8 +39,9 @@ class CatalogConfig:
         "named model shape or path to its config.json (empty: the adapters' base_model_name_or_path)")})
     max_rank: int = field(default=64, metadata={"help": "largest LoRA rank served (sizes the GPU slots)"})
     keep_versions: int = field(default=4, metadata={
-        "help": "older versions of a re-registered adapter kept loadable (from their own files) for the "
-                "requests admitted on them"})
+        "help": "older versions of a re-registered adapter kept loadable (from their own files), the newest "
+                "first; an older one still in use (held by a rank: a request admitted on it) stays loadable "
+                "past this bound and retires once no rank holds it"})
     local_versions: str = field(default="identity", metadata={
         "help": "how a local adapter file's version is established: 'identity' (from its stat identity, config "
                 "and header, no weights read at registration; the first read on the machine pins its content; "
@@ -157,12 +159,14 @@ def check_name(name: str) -> str:
 class AdapterCatalog:
     """Registered adapters by name. Thread-safe; re-registering new content yields a new version.
 
-    Each name has one current version (what new work gets) and up to ``keep_versions`` older ones that
-    stay loadable by exact version, for requests admitted on them before a re-registration (invariant
-    1: a request keeps its version to the end). An older version is kept only if it lives in other
-    files than the new one: a re-registration from the same directory means its files were rewritten,
-    and their old bytes are gone. ``generation`` grows with every change, so callers can cache what
-    they derive from the current versions."""
+    Each name has one current version (what new work gets) and older ones that stay loadable by exact
+    version, for requests admitted on them before a re-registration (invariant 1: a request keeps its
+    version to the end): the ``keep_versions`` newest older ones, and past that bound those still in use
+    (``use``: the versions of a name a user holds, e.g. a rank's slots or the fleet's residency), each
+    retired once it is no longer (``trim``, called by that user when its use ends). An older version is kept
+    only if it lives in other files than the new one: a re-registration from the same directory means its
+    files were rewritten, and their old bytes are gone. ``generation`` grows with every change, so callers
+    can cache what they derive from the current versions."""
 
     def __init__(self, config: CatalogConfig, shape: ModelShape | None = None) -> None:
         self.config = config
@@ -178,6 +182,10 @@ class AdapterCatalog:
         self._parsed: OrderedDict[tuple[str, str], AdapterSpec] = OrderedDict()  # lazily registered, parsed (LRU)
         self.parses = 0  # specs built from lazily registered versions (first load or stage, or after the LRU)
         self.generation = 0
+        # who uses versions (``use``): each maps a name to the versions of it in use there, kept past
+        # ``keep_versions`` until ``trim`` finds them unused; called without the catalog's lock held (a user may
+        # take its own locks in it, e.g. a rank's slot book)
+        self._users: list[Callable[[str], Collection[str]]] = []
 
     def register(self, name: str, path: str | Path, known: KnownVersion | None = None) -> AdapterSpec:
         """Validate the adapter at ``path`` (under a root) and make it the current version of ``name``."""
@@ -279,12 +287,53 @@ class AdapterCatalog:
                 older.pop(spec.version, None)
                 for version in [v for v, s in older.items() if s.weights == spec.weights]:
                     del older[version]  # rewritten in place: that version's bytes are gone
-                while len(older) > self.config.keep_versions:
-                    older.popitem(last=False)
                 if not older:
                     del self._older[name]
             self.generation += 1
+        self.trim(name)  # past the bound: the oldest ones no longer in use retire
         return spec
+
+    def trim(self, name: str) -> list[str]:
+        """Retire the older versions of ``name`` past ``keep_versions`` that are no longer in use (``use``); the
+        versions retired (none: nothing changed). A user calls it when a use ends (a slot freed)."""
+        with self._lock:
+            if len(self._older.get(name, ())) <= self.config.keep_versions:
+                return []  # nothing past the bound: the common case, without asking the owner
+        used = self._used(name)
+        with self._lock:
+            dropped = self._trim_locked(name, used)
+            if dropped:
+                self.generation += 1
+            return dropped
+
+    def use(self, in_use: Callable[[str], Collection[str]]) -> None:
+        """Keep the older versions ``in_use(name)`` names loadable past ``keep_versions`` until a ``trim`` finds
+        them no longer in use: a rank's slots, the fleet's residency. ``in_use`` is called without the catalog's
+        lock held and must not call the catalog."""
+        self._users.append(in_use)
+
+    def unuse(self, in_use: Callable[[str], Collection[str]]) -> None:
+        """Stop asking ``in_use`` (its owner closed); what it kept retires at the next ``trim`` or registration."""
+        if in_use in self._users:
+            self._users.remove(in_use)
+
+    def _used(self, name: str) -> frozenset[str]:
+        return frozenset(v for in_use in list(self._users) for v in in_use(name))
+
+    def _trim_locked(self, name: str, used: frozenset[str]) -> list[str]:
+        """Drop the older versions of ``name`` behind the ``keep_versions`` newest that are not in ``used``
+        (caller holds the lock); the versions dropped."""
+        older = self._older.get(name)
+        if older is None:
+            return []
+        stale = list(older)[: max(0, len(older) - self.config.keep_versions)]
+        dropped = [v for v in stale if v not in used]
+        for version in dropped:
+            del older[version]
+            self._parsed.pop((name, version), None)
+        if not older:
+            del self._older[name]
+        return dropped
 
     def unregister(self, name: str) -> AdapterSpec | Registered:
         with self._lock:
@@ -353,14 +402,11 @@ class AdapterCatalog:
         catalog's); nothing if it is the current version or the name is not registered."""
         with self._lock:
             current = self._specs.get(spec.name)
-            if (current is None or current.version == spec.version or current.weights == spec.weights
-                    or not self.config.keep_versions):
+            if current is None or current.version == spec.version or current.weights == spec.weights:
                 return
-            older = self._older.setdefault(spec.name, OrderedDict())
-            older[spec.version] = spec
-            while len(older) > self.config.keep_versions:
-                older.popitem(last=False)
+            self._older.setdefault(spec.name, OrderedDict())[spec.version] = spec
             self.generation += 1
+        self.trim(spec.name)
 
     def known(self, name: str) -> KnownVersion | None:
         """The current version of ``name`` as hashed here (None if not registered, or not read from disk)."""

@@ -56,6 +56,7 @@ class ControllerActor:
         self.registrar = Registrar(self.core, self.fanout, self.draining, self.loop.plan)
         self.resolver = Resolver(self.core.catalog, self._register_on_demand)  # request-time registration
         self.pushes = Pushes(self.core, self.registrar, ray.get_runtime_context().namespace)  # from trainers' memory
+        self.loop.retire = self.pushes.retire_released  # versions no rank holds any more, past keep_versions
         heap.freeze()  # plans and hints are not stalled by full collections walking Ray's objects
 
     # -- topology and adapters ------------------------------------------------------------------

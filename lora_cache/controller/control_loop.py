@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 from lora_cache.controller.core import ControllerCore
 from lora_cache.controller.links import WorkerLinks
@@ -34,6 +35,8 @@ class ControlLoop:
         self.links = WorkerLinks(core, metrics, bell.ring, self.plan, call_timeout_s=10 * health_s)
         self.health_s, self.sync_s = health_s, sync_s
         self.first_plan_at: float | None = None  # the restart blip ends here
+        # each health round: older versions the ranks let go of retired, with their pushed files (the actor's)
+        self.retire: Callable[[], Awaitable[object]] | None = None
         self._started = False
         self._health: asyncio.Task[None] | None = None
         self._pings: asyncio.Task[None] | None = None
@@ -65,6 +68,8 @@ class ControlLoop:
         while True:
             await asyncio.sleep(self.health_s)
             self.core.retry_failed(time.time())
+            if self.retire is not None:
+                await self.retire()
             self.metrics.ready_counts(self.core.readiness.ready_per_replica())
             if time.monotonic() - last_sync >= self.sync_s:  # anti-entropy: whatever was lost is repaired
                 last_sync = time.monotonic()

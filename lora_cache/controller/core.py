@@ -116,6 +116,7 @@ class ControllerCore:
         self.catalog = AdapterCatalog(config.catalog)
         self.planner = Planner(config.planner, epoch)
         self.readiness = ReadinessIndex(start_seq=epoch)
+        self.catalog.use(self.readiness.versions_held)  # an older version some rank holds stays loadable
         self.paths: dict[str, str] = {}  # adapter -> registered path, replayed to new workers
         self.commands_sent = 0
         self.failures: dict[tuple[WorkerId, str, str], Failure] = {}  # (worker, adapter, version) -> last failure
@@ -131,6 +132,13 @@ class ControllerCore:
         # residency a rank claims and the controller believes (registered versions it commanded, the rank acquired or a
         # restart adopted, within its slots), refusals counted
         self.admission = ReportAdmission(self.catalog, self.planner.view, self.readiness)
+
+    def retire_released(self) -> dict[str, list[str]]:
+        """The older versions past ``keep_versions`` retired now that no rank holds them (``AdapterCatalog.trim`` of
+        each adapter some rank let go of a version of since the last call): name -> versions retired."""
+        names, self.readiness.released = self.readiness.released, set()
+        retired = {name: self.catalog.trim(name) for name in sorted(names) if name in self.catalog}
+        return {name: versions for name, versions in retired.items() if versions}
 
     # -- adapters and topology ------------------------------------------------------------------
     def register_adapter(self, name: str, path: str) -> str:

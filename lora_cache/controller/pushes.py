@@ -9,7 +9,9 @@ its weights, from the gateway's ``PushAdapter`` stream or a Ray object reference
    rank given it with that version, in the name's turn among registrations): the name's current version
    changes only once it is registered; a push that fails at any step leaves the previous version current, and
    its directory is removed again;
-4. retires the name's pushed versions the catalog no longer keeps (``keep_versions``).
+4. retires the name's pushed versions the catalog no longer keeps: past ``keep_versions`` and held by no rank (a
+   version a request was admitted on stays while a rank holds it); those the ranks let go of later retire in the
+   controller's health rounds (``retire_released``).
 An unregistered adapter's pushed versions go with it (``forget``).
 """
 
@@ -71,6 +73,14 @@ class Pushes:
         self.pushes += 1
         await asyncio.to_thread(self.area.retire, name, self.core.catalog.paths(name))
         return Pushed(name, tag, done.version, done.previous, done.rank_pending)
+
+    async def retire_released(self) -> list[str]:
+        """Retire the older versions past ``keep_versions`` that no rank holds any more, and their pushed directories
+        (``ControllerCore.retire_released``); the names that had some."""
+        retired = self.core.retire_released()
+        for name in retired:
+            await asyncio.to_thread(self.area.retire, name, self.core.catalog.paths(name))
+        return sorted(retired)
 
     async def forget(self, name: str) -> None:
         """``name`` was unregistered: its pushed versions go."""

@@ -77,6 +77,7 @@ class ReadinessIndex:
     start_seq: int = 0  # the controller passes its epoch, so sequence numbers grow across restarts
     _seq: int = 0
     _floor: int = 0  # the newest sequence number whose event is no longer in the log (start_seq at first)
+    released: set[str] = field(default_factory=set)  # adapters a rank let go of a version of since last taken
 
     def __post_init__(self) -> None:
         self._seq = max(self._seq, self.start_seq)
@@ -106,7 +107,12 @@ class ReadinessIndex:
             ranks[rank] = state
         if not ranks:
             del self._ranks[key]
+            self.released.add(adapter)  # a version may have left its last rank: the catalog's ``trim`` asks
         return self._update(key, tp)
+
+    def versions_held(self, adapter: str) -> set[str]:
+        """The versions of ``adapter`` some rank holds (any state): the controller's catalog keeps them loadable."""
+        return {v for (_, a, v) in list(self._ranks) if a == adapter}  # a copy: safe from another thread
 
     def drop_rank(self, replica: str, rank: int) -> list[ReadinessEvent]:
         """A worker was lost or restarted empty: forget everything it held."""

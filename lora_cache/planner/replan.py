@@ -26,6 +26,7 @@ from lora_cache.planner.homes import HomeBook
 from lora_cache.planner.horizon import Horizon
 from lora_cache.planner.policies import POLICIES, Room
 from lora_cache.planner.popularity import Popularity
+from lora_cache.planner.records import SlotState
 from lora_cache.planner.staging import fitting
 from lora_cache.planner.state import FleetState
 from lora_cache.planner.view import ReplicaView, Target
@@ -182,7 +183,8 @@ class Replanner:
         if warm is not None:
             taken = set(target.keys) | set(target.staged) | view.resident  # a rank holds it: its host tier too
             warm_keys = self._warm_fitting(view, target, tuple(k for k in warm.warm(replica) if k not in taken))
-        diffs = (self._diff(worker, replica, target, warm_keys) for worker in fleet.workers[replica])
+        bridges = self._bridges(replica, target)
+        diffs = (self._diff(worker, replica, target, warm_keys, bridges) for worker in fleet.workers[replica])
         return [commands for commands in diffs if commands is not None]
 
     def _warm_fitting(self, view: ReplicaView, target: Target, keys: tuple[AdapterKey, ...]) -> tuple[AdapterKey, ...]:
@@ -202,8 +204,27 @@ class Replanner:
         return frozenset(key for key in view.resident if counts.get(key.name) > 0
                          and all(fleet.replica_of[w] == replica for w in fleet.holders.get(key.name, ())))
 
-    def _diff(self, worker: str, replica: str, target: Target,
-              warm: tuple[AdapterKey, ...] = ()) -> WorkerCommands | None:
+    def _bridges(self, replica: str, target: Target) -> frozenset[AdapterKey]:
+        """The older versions ``replica`` serves its target's adapters at until their current versions are READY on
+        every rank: for each target key not READY (or in use) on all its workers, the other versions of that adapter
+        that are. A new version becomes the replica's default only when every rank holds it READY (the engine
+        admits a request at the version READY everywhere: ``workers.attach.versions``), so the one it replaces stays
+        until then (issue 44 item 3), unless the new one needs its room (``_diff``)."""
+        residencies = [self._fleet.residency[w] for w in self._fleet.workers[replica]]
+        if not residencies:
+            return frozenset()
+        names = {k.name: k for k in target.keys}
+        older = {k for k in residencies[0] if k.name in names and k != names[k.name]}
+        if not older:
+            return frozenset()
+
+        def everywhere(key: AdapterKey) -> bool:
+            return all((r := held.get(key)) is not None and r.state is not SlotState.LOADING for held in residencies)
+
+        return frozenset(k for k in older if everywhere(k) and not everywhere(names[k.name]))
+
+    def _diff(self, worker: str, replica: str, target: Target, warm: tuple[AdapterKey, ...] = (),
+              bridges: frozenset[AdapterKey] = frozenset()) -> WorkerCommands | None:
         """One worker's commands to move from what it holds to `target`, within its own capacity.
 
         Stages go once per stretch of time that the target wants them: a key is staged again only after
@@ -213,15 +234,23 @@ class Replanner:
         fleet = self._fleet
         held = fleet.residency[worker]
         wanted = set(target.keys)
-        evicts = sorted(k for k, r in held.items() if k not in wanted and not r.pinned)
+        evicts = sorted(k for k, r in held.items() if k not in wanted and not r.pinned and k not in bridges)
         room = Room(fleet.capacity[worker])
         for key in held.keys() - set(evicts):
             room.take(fleet.bytes_of(key))
+        kept = sorted(k for k in bridges if k in held and not held[k].pinned)  # may make room for new versions
         prefetches: list[tuple[int, AdapterKey]] = []
         for priority, key in enumerate(target.keys):
+            mine = [k for k in kept if k.name == key.name]
+            while key not in held and not room.fits(fleet.bytes_of(key)) and mine:
+                bridge = mine.pop()  # its own new version needs the room: requests wait for it, as without one
+                kept.remove(bridge)
+                evicts.append(bridge)
+                room.give(fleet.bytes_of(bridge))
             if key not in held and room.fits(fleet.bytes_of(key)):
                 room.take(fleet.bytes_of(key))
                 prefetches.append((priority, key))
+        evicts.sort()
         sent = fleet.staged.get(worker, frozenset())
         staging = [key for key in target.staged if key not in held]
         stages = [(len(target.keys) + i, key) for i, key in enumerate(staging) if key not in sent]

@@ -167,10 +167,12 @@ class FleetState:
     def set_residency(self, worker: str, held: dict[AdapterKey, Residency]) -> bool:
         """Replace a worker's residency; whether anything a plan depends on changed.
 
-        A plan depends on which versions are held and which are pinned, not on LOADING vs READY.
+        A plan depends on which versions are held and which are pinned, not on LOADING vs READY, except where a
+        worker holds two versions of one adapter: a new version turning READY ends the old one's bridge
+        (``replan._bridges``).
         """
         old = self.residency[worker]
-        changed = old.keys() != held.keys() or _pinned(old) != _pinned(held)
+        changed = old.keys() != held.keys() or _pinned(old) != _pinned(held) or _bridging(old, held)
         for name in {k.name for k in old} - {k.name for k in held}:
             self._unhold(name, worker)
         for key in held:
@@ -256,3 +258,10 @@ def _keep_nonempty(table: dict[str, frozenset[AdapterKey]], worker: str, keys: I
         table[worker] = kept
     else:
         table.pop(worker, None)
+
+
+def _bridging(old: dict[AdapterKey, Residency], new: dict[AdapterKey, Residency]) -> bool:
+    """Whether a version turned READY (or back to LOADING) while its worker holds another version of its adapter."""
+    flipped = [k for k, r in new.items() if (o := old.get(k)) is not None
+               and (o.state is SlotState.LOADING) != (r.state is SlotState.LOADING)]
+    return any(sum(k.name == f.name for k in new) > 1 for f in flipped)

@@ -67,6 +67,10 @@ class SlotBook:
         self.on_change = on_change
         self.on_room: Callable[[], None] | None = None  # a slot became idle or free in drop_refs (LoadPath's waiters)
         self._changes: deque[Delta] = deque()  # residency changes not yet handed to on_change, oldest first
+        # a slot's adapter left it ("gone", "failed"): its name is handed to ``on_freed`` by ``report`` (the cache's
+        # catalog retires the older versions no slot holds any more: ``AdapterCatalog.trim``)
+        self.on_freed: Callable[[str], object] | None = None
+        self._freed: deque[str] = deque()
         self._reporting = threading.RLock()  # one thread hands changes over at a time (keeps their order)
 
     def changed(self, key: AdapterKey, state: str, record: ReadinessRecord | None = None, error: str = "",
@@ -76,6 +80,8 @@ class SlotBook:
         controller/claims.py)."""
         if self.on_change is not None:
             self._changes.append(Delta(key.name, key.version, state, record, error, acquired))
+        if state in ("gone", "failed") and self.on_freed is not None:
+            self._freed.append(key.name)
 
     def report(self) -> None:
         """Hand the queued changes to ``on_change``, oldest first (caller does not hold the lock).
@@ -90,6 +96,19 @@ class SlotBook:
                         self.on_change(delta)
                 except Exception:  # a broken consumer must not break loads; the controller's resync repairs
                     log.exception("residency change %s not reported", delta)
+            while self._freed:
+                name = self._freed.popleft()
+                try:
+                    if self.on_freed is not None:
+                        self.on_freed(name)
+                except Exception:  # the versions stay loadable until the next trim: nothing is lost
+                    log.exception("older versions of %s not retired", name)
+
+    def versions_held(self, name: str) -> set[str]:
+        """The versions of ``name`` in a slot (any state) or on their way to one here (takes the lock)."""
+        with self.lock:
+            held = {s.key.version for s in self.table.slots if s.key is not None and s.key.name == name}
+            return held | {k.version for k in self.pending if k.name == name}
 
     def retire(self, slot: int) -> None:
         """The table freed ``slot`` (caller holds the lock): forget its load, counted for prefetch accuracy."""
