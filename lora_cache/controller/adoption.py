@@ -57,7 +57,7 @@ class Adopter(Protocol):
 
     def adopt(self, handle: Any, info: dict[str, Any], restart: bool = False) -> WorkerId: ...
 
-    def lose(self, wid: WorkerId) -> None: ...
+    def lose(self, wid: WorkerId, cause: str = "") -> None: ...
 
     async def replay(self, handles: list[Any]) -> None: ...
 
@@ -83,7 +83,7 @@ class Adoption:
         for wid in self.unadopted:  # a rank of a replica that its other ranks brought back: lost until it answers
             view = self.links.core.planner.view
             if wid.replica in view.replicas() and str(wid) in view.workers(wid.replica):
-                self.links.lose(wid)
+                self.links.lose(wid, "not adopted at a restart: its replica's other ranks were")
 
     async def _report(self, name: str) -> tuple[Any, dict[str, Any]] | None:
         """A worker's handle and full report, or None: gone (not adopted), or not answering within

@@ -199,13 +199,15 @@ class ControllerCore:
         self.admission.claims.forget_replica(replica)
         return self.readiness.remove_replica(replica)
 
-    def worker_lost(self, worker: WorkerId, gone: bool = True, now: float = 0.0) -> list[ReadinessEvent]:
+    def worker_lost(self, worker: WorkerId, gone: bool = True, now: float = 0.0,
+                    cause: str = "") -> list[ReadinessEvent]:
         """A worker died or restarted empty: drop what it held, the replica is replanned. ``gone``: it is dead,
         hung or detached (not a restart that answers): its replica takes no routed requests until the worker
-        is heard from again (a report or a full report); ``now``: when it was found lost (``lost_at``)."""
+        is heard from again (a report or a full report); ``now``: when it was found lost (``lost_at``); ``cause``: how
+        (``status()["loss_causes"]``)."""
         self.check_worker(worker)
         if gone:
-            self.lost.lose(worker, now)
+            self.lost.lose(worker, now, cause)
         else:  # a new incarnation: what vouched for its predecessor's loads vouches for nothing it holds
             self.admission.claims.forget(worker)
         self.planner.report_residency(str(worker), [])
@@ -396,7 +398,8 @@ class ControllerCore:
                 "load_failures": self.load_failures, "prefetch_no_room": self.prefetch_no_room,
                 "recent_failures": list(self.recent_failures),
                 "lost_ranks": {str(w): t for w, t in sorted(self.lost.lost_at.items())},
-                "recent_losses": list(self.lost.recent_losses), "refused_reports": self.admission.refused_reports,
+                "recent_losses": list(self.lost.recent_losses),
+                "loss_causes": list(self.lost.loss_causes), "refused_reports": self.admission.refused_reports,
                 "recent_refusals": list(self.admission.recent_refusals),
                 "vouched_loads": self.admission.claims.counts(),
                 "warming": {"on": self.planner.warming, **self.clock.gate(self.planner.view.max_bytes(),

@@ -39,7 +39,7 @@ class Linked(Protocol):
     links: dict[WorkerId, Any]  # each worker's ``Link``: its ``incarnation`` names the process linked now
     attached: set[WorkerId]
 
-    def lose(self, wid: WorkerId) -> None: ...
+    def lose(self, wid: WorkerId, cause: str = "") -> None: ...
 
     def forget(self, wid: WorkerId) -> None: ...
 
@@ -112,7 +112,7 @@ class Lifelines:
                     return
                 if wid not in links.core.lost.down and self._death(nonce):
                     log.warning("worker %s is lost (%s): dropping its residency", wid, type(e).__name__)
-                    links.lose(wid)
+                    links.lose(wid, f"lifeline call failed ({type(e).__name__})")
             finally:
                 # calls that never connect (a worker dead for good, or not up yet) are retried ever less often
                 retry_s = LIFELINE_RETRY_S if nonce in self._heard else min(LIFELINE_RETRY_MAX_S, 2 * retry_s)
@@ -186,6 +186,7 @@ class Lifelines:
             self._connected.discard(nonce)  # its end is counted here: the call's own failure, later, is not again
             if self._current(call, late):
                 log.warning("worker %s closed its lifeline (its process died): dropping its residency", call.wid)
-                self.links.lose(call.wid)  # an attached one is forgotten when its call fails (ActorDiedError)
+                # an attached one is forgotten when its call fails (ActorDiedError)
+                self.links.lose(call.wid, "lifeline closed")
         finally:
             writer.close()

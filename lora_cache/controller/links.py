@@ -156,7 +156,7 @@ class WorkerLinks:
         """An attached rank is gone for good (detached, or its endpoint died): it is lost, its handle dropped;
         once no rank of its replica is left, the replica leaves the fleet (a process that attaches again
         adds it anew)."""
-        self.lose(wid)
+        self.lose(wid, "forgotten (detached, or its endpoint died)")
         self.handles.pop(wid, None)
         self.links.pop(wid, None)
         self.attached.discard(wid)
@@ -257,15 +257,15 @@ class WorkerLinks:
             if wid not in self.core.lost.down:
                 log.warning("worker %s is not answering (%s): dropping its residency", wid,
                             type(answer).__name__)  # dead, restarting or hung
-            self.lose(wid)
+            self.lose(wid, f"ping unanswered within {self.ping_timeout_s} s ({type(answer).__name__})")
 
-    def lose(self, wid: WorkerId) -> None:
+    def lose(self, wid: WorkerId, cause: str = "") -> None:
         """``wid`` is dead, hung or gone: its replica stops being ready for what it held, now (before any
         later lookup, route or event is answered), and leaves the plans and the routes until it reports."""
         if self.quiet:
             return  # the whole service is stopping: nothing will be served again
         self.losses[wid] = self.losses.get(wid, 0) + 1
-        self.publish(self.core.worker_lost(wid, now=time.time()))
+        self.publish(self.core.worker_lost(wid, now=time.time(), cause=cause))
 
     @property
     def quiet(self) -> bool:

@@ -21,9 +21,12 @@ class LostRanks:
         self.withheld: set[WorkerId] = set()  # workers whose plans were not sent (their replica was down)
         self.lost_at: dict[WorkerId, float] = {}  # when each rank in ``down`` was found lost (wall clock)
         self.recent_losses: deque[tuple[str, float]] = deque(maxlen=64)  # (worker, when found lost), newest last
+        self.loss_causes: deque[tuple[str, float, str]] = deque(maxlen=64)  # (worker, when, how it was found lost)
 
-    def lose(self, worker: WorkerId, now: float) -> None:
-        """``worker`` was found lost at ``now`` (a rank already lost keeps its first time)."""
+    def lose(self, worker: WorkerId, now: float, cause: str = "") -> None:
+        """``worker`` was found lost at ``now`` (a rank already lost keeps its first time); ``cause``: how (a ping
+        unanswered, its lifeline closed, ...), kept in ``loss_causes`` for whoever asks why."""
+        self.loss_causes.append((str(worker), now, cause))
         if worker not in self.down:
             self.down.add(worker)
             self.lost_at[worker] = now
