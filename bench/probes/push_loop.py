@@ -90,6 +90,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=20.0, help="how long requests keep coming")
     ap.add_argument("--push-every", type=float, default=1.0)
+    ap.add_argument("--keep-versions", type=int, default=4,
+                    help="older versions kept past those a rank holds (the catalog's keep_versions)")
     ap.add_argument("--rate", type=float, default=10.0, help="requests per second")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--gpu", action="store_true", help="GPU ranks (default: CPU)")
@@ -103,6 +105,7 @@ def main() -> None:
     src = work / "adapters" / "adapter-001"
     tensors, config = load((src / WEIGHTS_FILE).read_bytes()), json.loads((src / CONFIG_FILE).read_text())
     catalog = CatalogConfig(adapter_roots=(str(work / "adapters"),), model=args.model, max_rank=16,
+                            keep_versions=args.keep_versions,
                             push_dir=str(work / "push") if not Path("/dev/shm").is_dir() else "")
     host = HostTierConfig(host_bytes=64 << 20, pin=args.gpu)
     ray.init(address="local", num_cpus=4, num_gpus=args.tp if args.gpu else 0, namespace="lora-cache",
@@ -142,6 +145,9 @@ def main() -> None:
                 f.write(json.dumps({"rid": r.rid, "adapter": r.adapter, "version": r.version, "ok": r.ok,
                                     "pushed_step": tags.get(r.version) if r.adapter == args.adapter else None}) + "\n")
 
+        failed = [r for r in result.records if not r.ok]
+        print(f"{len(failed)} of {len(result.records)} requests failed (keep_versions {args.keep_versions}, a push "
+              f"every {args.push_every} s)" + "".join(f"\n  {r.rid}: {r.error}" for r in failed[:5]))
         shape = catalog.shape()
 
         def expected(directory: Path, name: str, rank: int) -> str:

@@ -6,7 +6,6 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from lora_cache.adapters.files import HOST, FileIdentity, WeightsSource
 from lora_cache.adapters.objects import StoreUrl, is_store_url
 from lora_cache.adapters.peft import WEIGHTS_FILE, AdapterSpec, KnownVersion, config_digest, read_adapter
 from lora_cache.adapters.pushed import default_push_dir
+from lora_cache.adapters.retirement import Retirement
 from lora_cache.adapters.roots import AdapterRoots
 from lora_cache.adapters.shapes import ModelShape, resolve_model
 from lora_cache.errors import (
@@ -182,10 +182,9 @@ class AdapterCatalog:
         self._parsed: OrderedDict[tuple[str, str], AdapterSpec] = OrderedDict()  # lazily registered, parsed (LRU)
         self.parses = 0  # specs built from lazily registered versions (first load or stage, or after the LRU)
         self.generation = 0
-        # who uses versions (``use``): each maps a name to the versions of it in use there, kept past
-        # ``keep_versions`` until ``trim`` finds them unused; called without the catalog's lock held (a user may
-        # take its own locks in it, e.g. a rank's slot book)
-        self._users: list[Callable[[str], Collection[str]]] = []
+        # older versions retired by use past keep_versions (``retirement.py``): ``use``/``unuse`` its users, ``trim``
+        self.retirement = Retirement(self)
+        self.use, self.unuse, self.trim = self.retirement.use, self.retirement.unuse, self.retirement.trim
 
     def register(self, name: str, path: str | Path, known: KnownVersion | None = None) -> AdapterSpec:
         """Validate the adapter at ``path`` (under a root) and make it the current version of ``name``."""
@@ -292,48 +291,6 @@ class AdapterCatalog:
             self.generation += 1
         self.trim(name)  # past the bound: the oldest ones no longer in use retire
         return spec
-
-    def trim(self, name: str) -> list[str]:
-        """Retire the older versions of ``name`` past ``keep_versions`` that are no longer in use (``use``); the
-        versions retired (none: nothing changed). A user calls it when a use ends (a slot freed)."""
-        with self._lock:
-            if len(self._older.get(name, ())) <= self.config.keep_versions:
-                return []  # nothing past the bound: the common case, without asking the owner
-        used = self._used(name)
-        with self._lock:
-            dropped = self._trim_locked(name, used)
-            if dropped:
-                self.generation += 1
-            return dropped
-
-    def use(self, in_use: Callable[[str], Collection[str]]) -> None:
-        """Keep the older versions ``in_use(name)`` names loadable past ``keep_versions`` until a ``trim`` finds
-        them no longer in use: a rank's slots, the fleet's residency. ``in_use`` is called without the catalog's
-        lock held and must not call the catalog."""
-        self._users.append(in_use)
-
-    def unuse(self, in_use: Callable[[str], Collection[str]]) -> None:
-        """Stop asking ``in_use`` (its owner closed); what it kept retires at the next ``trim`` or registration."""
-        if in_use in self._users:
-            self._users.remove(in_use)
-
-    def _used(self, name: str) -> frozenset[str]:
-        return frozenset(v for in_use in list(self._users) for v in in_use(name))
-
-    def _trim_locked(self, name: str, used: frozenset[str]) -> list[str]:
-        """Drop the older versions of ``name`` behind the ``keep_versions`` newest that are not in ``used``
-        (caller holds the lock); the versions dropped."""
-        older = self._older.get(name)
-        if older is None:
-            return []
-        stale = list(older)[: max(0, len(older) - self.config.keep_versions)]
-        dropped = [v for v in stale if v not in used]
-        for version in dropped:
-            del older[version]
-            self._parsed.pop((name, version), None)
-        if not older:
-            del self._older[name]
-        return dropped
 
     def unregister(self, name: str) -> AdapterSpec | Registered:
         with self._lock:

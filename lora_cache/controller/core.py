@@ -133,13 +133,6 @@ class ControllerCore:
         # restart adopted, within its slots), refusals counted
         self.admission = ReportAdmission(self.catalog, self.planner.view, self.readiness)
 
-    def retire_released(self) -> dict[str, list[str]]:
-        """The older versions past ``keep_versions`` retired now that no rank holds them (``AdapterCatalog.trim`` of
-        each adapter some rank let go of a version of since the last call): name -> versions retired."""
-        names, self.readiness.released = self.readiness.released, set()
-        retired = {name: self.catalog.trim(name) for name in sorted(names) if name in self.catalog}
-        return {name: versions for name, versions in retired.items() if versions}
-
     # -- adapters and topology ------------------------------------------------------------------
     def register_adapter(self, name: str, path: str) -> str:
         """Read, validate and hash the adapter at ``path`` and make it the current version of ``name`` (both

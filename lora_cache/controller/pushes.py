@@ -75,12 +75,15 @@ class Pushes:
         return Pushed(name, tag, done.version, done.previous, done.rank_pending)
 
     async def retire_released(self) -> list[str]:
-        """Retire the older versions past ``keep_versions`` that no rank holds any more, and their pushed directories
-        (``ControllerCore.retire_released``); the names that had some."""
-        retired = self.core.retire_released()
+        """Retire the older versions past ``keep_versions`` that no rank holds any more (``AdapterCatalog.trim`` of
+        each adapter a rank let go of a version of since the last call: ``ReadinessIndex.released``), and their
+        pushed directories; the names that had some."""
+        core = self.core
+        names, core.readiness.released = core.readiness.released, set()
+        retired = [name for name in sorted(names) if name in core.catalog and core.catalog.trim(name)]
         for name in retired:
             await asyncio.to_thread(self.area.retire, name, self.core.catalog.paths(name))
-        return sorted(retired)
+        return retired
 
     async def forget(self, name: str) -> None:
         """``name`` was unregistered: its pushed versions go."""
