@@ -20,13 +20,14 @@ from lora_cache.adapters import peft
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, content_version
 from lora_cache.adapters.pushed import PushArea, check_push, check_tag, content_tag
+from lora_cache.adapters.refs import split_ref, version_of
 from lora_cache.adapters.shapes import resolve_model
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.api import client_values as msg
 from lora_cache.api.push_stream import gather
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
-from lora_cache.api.validate import RequestError
-from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, ConflictError
+from lora_cache.api.validate import RequestError, adapter_ref
+from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, ConflictError, NotFoundError
 
 TINY = resolve_model("tiny")
 
@@ -143,7 +144,7 @@ def test_a_pushed_directory_takes_a_content_version_even_where_files_take_identi
     spec = catalog.register("a", str(path))
     assert spec.version == content_version(path)
     assert spec.source is not None and not spec.source.racy  # sealed: every rank takes it on its identity at once
-    assert catalog.paths("a") == {path.resolve()}
+    assert set(catalog.paths("a").values()) == {path.resolve()}
     shutil.copytree(path, tmp_path / "roots" / "b")  # the same files under an adapter root: an identity version
     assert catalog.register("b", str(tmp_path / "roots" / "b")).version != spec.version
 
@@ -185,3 +186,34 @@ def test_the_gateway_gathers_a_stream_and_refuses_one_cut_short_or_overlong(push
         asyncio.run(gather(_stream([pb.PushAdapterRequest(name="a", total_bytes=100)]), 1 << 30))
     with pytest.raises(RequestError, match="empty"):
         asyncio.run(gather(_stream([]), 1 << 30))
+
+
+def test_a_reference_names_a_kept_version_by_version_or_by_its_pushed_tag(tmp_path: Path, pushed_pair: Any) -> None:
+    """``NAME@REF`` (issue 44 item 3): an exact version the catalog keeps, or the tag a kept version was pushed
+    under; a version no longer kept, an unknown tag or name, or a malformed reference is a clear error."""
+    (tmp_path / "roots").mkdir()
+    catalog = AdapterCatalog(CatalogConfig(adapter_roots=(str(tmp_path / "roots"),), model="tiny", max_rank=16,
+                                           keep_versions=1, push_dir=str(tmp_path / "push")))
+    area = PushArea(catalog.config.push_root(), "svc", 1 << 30)
+    tensors, config = pushed_pair
+    versions = []
+    for step in (7, 8, 9):
+        path, _ = area.write("a", str(step), *payload({k: v * step for k, v in tensors.items()}, config))
+        versions.append(catalog.register("a", str(path)).version)
+    assert split_ref("a") == ("a", None) and split_ref("a@7") == ("a", "7")
+    assert version_of(catalog, "a", "9") == versions[2] == catalog.current("a")
+    assert version_of(catalog, "a", "8") == versions[1] and version_of(catalog, "a", versions[1]) == versions[1]
+    with pytest.raises(NotFoundError, match=r"no version or pushed tag '7' kept.*tags \['8', '9'\]"):
+        version_of(catalog, "a", "7")  # past keep_versions (1) and held by no user: retired
+    with pytest.raises(NotFoundError, match="not registered"):
+        version_of(catalog, "b", "1")
+    shutil.copytree(tmp_path / "push", tmp_path / "roots" / "c")  # a directory named 9 under a root is no tag
+    catalog.register("c", str(next((tmp_path / "roots" / "c").glob("*/a/9"))))
+    with pytest.raises(NotFoundError, match="tags \\[\\]"):
+        version_of(catalog, "c", "9")
+    for bad in ("a@", "a@../x", "bad name@1", "@1", "a@b@c"):
+        with pytest.raises(AdapterFormatError):
+            split_ref(bad)
+    with pytest.raises(RequestError, match="NAME@VERSION"):
+        adapter_ref("adapter", "a@")
+    assert adapter_ref("adapter", "a@7") == "a@7"

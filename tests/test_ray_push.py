@@ -30,6 +30,7 @@ from lora_cache.api.client import ClientError, LoraCacheClient  # noqa: E402
 from lora_cache.api.gateway import GatewayConfig, start_gateway_thread  # noqa: E402
 from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc  # noqa: E402
 from lora_cache.app.serve import ServeConfig, start  # noqa: E402
+from lora_cache.errors import AdapterFormatError, NotFoundError  # noqa: E402
 from lora_cache.integrations.ray_push import push_in_ray  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
 from lora_cache.vocab import WorkerId  # noqa: E402
@@ -193,6 +194,30 @@ def test_a_push_by_ray_reference_and_older_versions_retire(world: World) -> None
     assert not (world.area / "by-ref").exists()
 
 
+def test_a_lookup_names_a_pushed_version_by_its_tag_or_its_version(world: World) -> None:
+    """Issue 44 item 3: ``Lookup("NAME@TAG")`` answers for the version pushed under that tag (where it is READY or
+    loading), as ``NAME@VERSION`` does; a tag no longer kept is NOT_FOUND naming those kept, a malformed one
+    INVALID_ARGUMENT."""
+    name, versions = "tagged", {}
+    for step in (30, 31):
+        tensors = scaled(world.tensors, 1.0 + step / 10)
+        versions[step] = world.client.push(name, tensors, world.config, tag=step).version
+    served_on_every_rank(world, name, tensors, versions[31])
+    wait_until(lambda: "replica-0" in world.client.lookup(f"{name}@31").ready, f"{name}@31 READY on replica-0", 30)
+    assert world.client.lookup(f"{name}@31").version == versions[31] == world.client.lookup(name).version
+    old = world.client.lookup(f"{name}@30")
+    assert old.version == versions[30] and old == world.client.lookup(f"{name}@{versions[30]}")._replace(
+        adapter=f"{name}@30")
+    assert "replica-0" not in old.ready, "only the current version was loaded"
+    with pytest.raises(ClientError) as e:
+        world.client.lookup(f"{name}@29")
+    assert e.value.code == "NOT_FOUND" and "tags ['30', '31']" in str(e.value)
+    with pytest.raises(ClientError) as e:
+        world.client.lookup(f"{name}@")
+    assert e.value.code == "INVALID_ARGUMENT"
+    ray.get(world.service.controller.unregister_adapter.remote(name), timeout=60)
+
+
 def test_a_push_of_unknown_name_syntax_or_tag_is_refused_before_anything_is_kept(world: World) -> None:
     for name, tag, fragment in (("bad name", 1, "name"), ("ok", "../x", "tag")):
         with pytest.raises(ClientError) as e:
@@ -251,6 +276,43 @@ def test_pushes_under_traffic_keep_one_version_per_step_on_every_rank(world: Wor
                                   lambda name, v: copies[v] if name == hot else world.root / name, expected_digest)
     print(f"{step} pushes under traffic, {checked} slot digests checked, versions served {served}")
     assert ray.get(world.service.controller.check_integrity.remote())
+
+
+def test_the_hosted_engine_serves_a_request_at_the_version_it_names(world: World) -> None:
+    """Issue 44 item 3 on the reference engine: a streaming run takes requests naming a pushed version by its tag
+    (``A@40``) or by its version, beside requests naming the adapter alone (the newest READY everywhere); each runs
+    on both ranks at exactly the version it named. A tag no longer kept, or a malformed one, refuses its whole
+    submit, naming the request, and the run goes on."""
+    name, versions = "named", {}
+    for step in (39, 40, 41, 42):
+        versions[step] = world.client.push(name, scaled(world.tensors, 1.0 + step / 10), world.config,
+                                           tag=step).version
+    ranks = [world.service.workers[WorkerId("replica-0", k)] for k in (0, 1)]
+    engine = EngineConfig(adapters=str(world.root), model="tiny", device="cpu", tp=2, num_slots=4, max_adapters=2,
+                          max_running=4, max_prefill_tokens=24, max_seq_len=32, max_rank=16, audit_steps=True,
+                          host=HostTierConfig(host_bytes=1 << 22, pin=False))
+    meet = ray.get(ranks[0].engine_rendezvous.remote(2), timeout=60)
+    ray.get([h.engine_build.remote(engine, meet) for h in ranks], timeout=300)
+    start_wall = time.time()
+    runs = [ranks[0].engine_run.remote([], start_wall, 0, True, True), ranks[1].engine_run.remote([], start_wall)]
+    wanted = {0: (name, versions[42]), 1: (f"{name}@41", versions[41]), 2: (f"{name}@{versions[42]}", versions[42]),
+              3: (f"{name}@41", versions[41]), 4: (name, versions[42])}
+    ray.get(ranks[0].engine_submit.remote([Request(rid, a, 3, 2) for rid, (a, _) in wanted.items()]), timeout=60)
+    with pytest.raises(NotFoundError, match=r"request 5 \(nothing of this call was submitted\).*no version or pushed"):
+        ray.get(ranks[0].engine_submit.remote([Request(5, f"{name}@39", 3, 1), Request(6, name, 3, 1)]), timeout=60)
+    with pytest.raises(AdapterFormatError, match="request 7"):
+        ray.get(ranks[0].engine_submit.remote([Request(7, f"{name}@../x", 3, 1)]), timeout=60)
+    ray.get(ranks[0].engine_end_stream.remote(), timeout=60)
+    result = ray.get(runs[0], timeout=300)
+    ray.get(runs[1], timeout=60)
+    records = {r.rid: r for r in result.records}
+    assert sorted(records) == sorted(wanted), "a refused submit's request ran, or an accepted one did not"
+    for rid, (_, version) in wanted.items():
+        assert records[rid].ok and records[rid].version == version, records[rid]
+        for rank in result.ranks:  # both ranks computed it at exactly that version, never another
+            keys = {key for audit in rank.audit for r, key in zip(audit.rids, audit.keys) if r == rid}
+            assert keys == {f"{name}@{version}"}, (rank.rank, rid, keys)
+    ray.get(world.service.controller.unregister_adapter.remote(name), timeout=60)
 
 
 def _status_or_none(ctl: Any) -> dict[str, Any] | None:

@@ -14,6 +14,7 @@ succeeds. The module shares one cluster (tests run in file order; the last stops
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import time
 from collections.abc import Iterator
 from functools import partial
@@ -21,12 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from safetensors.torch import load, save
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 from examples.ray_serve_lora import app  # noqa: E402
 from lora_cache.adapters.catalog import CatalogConfig  # noqa: E402
+from lora_cache.adapters.peft import WEIGHTS_FILE  # noqa: E402
 from lora_cache.adapters.synth import SynthConfig, make_adapters  # noqa: E402
 from lora_cache.api.client import LoraCacheClient  # noqa: E402
 from lora_cache.api.gateway import GatewayConfig, start_gateway_thread  # noqa: E402
@@ -365,6 +368,23 @@ def test_a_tp2_replica_leases_one_version_on_both_ranks(served: App) -> None:
             timeout=30,
             detail=lambda: _where(served),
         )
+        # issue 44 item 3: a request names one version (NAME@VERSION); both ranks hold exactly it, the older one too
+        import ray
+
+        hot = ADAPTERS[1]
+        old = served.client.lookup(hot).version
+        root = Path(ray.get(served.service.controller.catalog_config.remote()).adapter_roots[0])
+        renewed = root / f"{hot}-v2"
+        shutil.copytree(root / hot, renewed)
+        weights = load((renewed / WEIGHTS_FILE).read_bytes())
+        (renewed / WEIGHTS_FILE).write_bytes(save({k: v * 2 for k, v in weights.items()}))
+        new = served.client.register(hot, str(renewed)).version
+        assert new != old
+        for version in (old, new, old):
+            r = handle.options(multiplexed_model_id=f"{hot}@{version}").remote({}).result(timeout_s=60)
+            assert r["key"] == (hot, version) and len(r["slots"]) == 2 and min(r["slots"]) >= 0, r
+        with pytest.raises(Exception, match="no version or pushed tag 'feedbeef' kept"):
+            handle.options(multiplexed_model_id=f"{hot}@feedbeef").remote({}).result(timeout_s=60)
     finally:
         serve.delete("tp2")
     wait_for(  # the Serve replica went with its app: its lora-cache replica leaves the fleet

@@ -98,7 +98,7 @@ def test_an_older_version_in_use_outlives_the_bound_and_retires_once_its_use_end
     for n in range(3, 5):
         shutil.copytree(tmp_path / f"a-v{n % 3}", tmp_path / f"a-v{n}")
         (tmp_path / f"a-v{n}" / "adapter_config.json").write_text(
-            (tmp_path / f"a-v{n}" / "adapter_config.json").read_text().replace("{", '{"x": %d, ' % n, 1))
+            (tmp_path / f"a-v{n}" / "adapter_config.json").read_text().replace("{", f'{{"x": {n}, ', 1))
     catalog = AdapterCatalog(CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny", max_rank=16, keep_versions=1))
     held: set[str] = set()
 
@@ -287,6 +287,7 @@ class VersionsMachine(RuleBasedStateMachine):
         self.step_failed: list[set[str]] = [set() for _ in range(TP)]
         self.expected: dict[tuple[AdapterKey, int], str] = {}  # (version, rank) -> digest of its shard
         self.admitted: dict[int, str] = {}  # rid -> the version it was admitted with
+        self.named: dict[int, str] = {}  # rid -> the version its request named (``A@VERSION``)
         self.dirs = {AdapterKey(n, content_version(self.root / f"{n}-v{i}")): self.root / f"{n}-v{i}"
                      for n in NAMES for i in range(VERSIONS)}
         self.now, self.rid, self.steps, self.checked = 0.0, 0, 0, 0
@@ -306,6 +307,19 @@ class VersionsMachine(RuleBasedStateMachine):
         self.scheduler.live[request.rid] = _Live(request)
         self.scheduler.pending.append(request)
         self.rid += 1
+
+    @rule(name=st.sampled_from(NAMES), pick=st.integers(0, VERSIONS), length=st.integers(1, 4),
+          out=st.integers(1, 4))
+    def arrive_named(self, name: str, pick: int, length: int, out: int) -> None:
+        """A request naming one version (``A@VERSION``, issue 44 item 3), one rank 0's catalog keeps (the submit
+        resolves it there): a row of its own in the exchange, appended on every rank as the engine's take does."""
+        versions = self.catalogs[0].versions(name)
+        ref = f"{name}@{versions[pick % len(versions)]}"
+        if ref not in self.reports[0].index:
+            for report in self.reports:
+                report.append([ref])
+        self.named[self.rid] = versions[pick % len(versions)]
+        self.arrive(ref, length, out)
 
     @rule(name=st.sampled_from(NAMES), version=st.integers(0, VERSIONS - 1), rank=st.integers(0, TP - 1))
     def reregister(self, name: str, version: int, rank: int) -> None:
@@ -336,7 +350,7 @@ class VersionsMachine(RuleBasedStateMachine):
             self.pins[k] = pinned
         reports = [self.reports[k].rows(self.caches[k].ready_keys(), (), self.step_failed[k]) for k in range(TP)]
         self.step_failed = [set() for _ in range(TP)]
-        view = ReducedVersions(reduce_min(reports), NAMES, self.reports[0].codes)
+        view = ReducedVersions(reduce_min(reports), self.reports[0].names, self.reports[0].codes)
         if failed := view.step_failures():
             self.scheduler.fail_step(failed)
             self.record("a rank could not hold a version: its requests failed")
@@ -367,6 +381,9 @@ class VersionsMachine(RuleBasedStateMachine):
                       "admitted at an older version (the current one not READY everywhere)"
                       if v.current is not None else "admitted while the ranks' catalogs disagree")
             assert self.admitted[it.rid] == it.version, "a request changed version mid-flight"
+            if it.rid in self.named:
+                assert it.ref == AdapterKey(it.adapter.partition("@")[0], self.named[it.rid]), "not the version named"
+                self.record("a request naming its version ran")
             held = []
             for k, batch in enumerate(batches):
                 slot = dict(zip(batch.adapters, batch.slots))[it.ref]

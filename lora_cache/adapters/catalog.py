@@ -385,11 +385,12 @@ class AdapterCatalog:
             spec, older = self._specs[name], list(self._older.get(name, {}).values())
         return self._built(spec), [self._built(o) for o in older]
 
-    def paths(self, name: str) -> set[Path]:
-        """Where each version of ``name`` the catalog keeps lives (local directories only; none if unknown)."""
+    def paths(self, name: str) -> dict[str, Path]:
+        """Where each version of ``name`` the catalog keeps lives: version -> directory, oldest first (local
+        directories only; none if unknown)."""
         with self._lock:
-            entries = [self._specs[name], *self._older.get(name, {}).values()] if name in self._specs else []
-        return {e.path for e in entries if isinstance(e.path, Path)}
+            entries = [*self._older.get(name, {}).values(), self._specs[name]] if name in self._specs else []
+        return {e.version: e.path for e in entries if isinstance(e.path, Path)}
 
     def versions(self, name: str) -> list[str]:
         """Loadable versions of ``name``, oldest first; the last is the current one."""

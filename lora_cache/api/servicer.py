@@ -170,7 +170,7 @@ class Servicer:
         return pb.ReportQueueResponse(queue_depth=len(entries))
 
     async def lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
-        adapter = validate.name("adapter", request.adapter)
+        adapter = validate.adapter_ref("adapter", request.adapter)
         found = await self.controller.lookup_adapter.remote(adapter)
         return pb.LookupResponse(adapter=found["adapter"], version=found["version"],
                                  ready_replicas=found["ready"], loading_replicas=found["loading"])

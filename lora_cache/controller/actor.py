@@ -17,6 +17,7 @@ import time
 import ray
 
 from lora_cache.adapters.catalog import CatalogConfig
+from lora_cache.adapters.refs import split_ref, version_of
 from lora_cache.controller.control_loop import ControlLoop
 from lora_cache.controller.core import ControllerConfig, ControllerCore, HintOutcome
 from lora_cache.controller.fanout import WorkerFanout
@@ -213,8 +214,14 @@ class ControllerActor:
         return {"ready": list(found.ready), "loading": list(found.loading)}
 
     async def lookup_adapter(self, adapter: str) -> dict[str, object]:
-        """Where the current version of a registered adapter is ready or loading (NotFoundError if unknown)."""
+        """Where the current version of a registered adapter is ready or loading (NotFoundError if unknown); or,
+        for ``NAME@REF`` (``adapters/refs.py``: a kept version, or the tag it was pushed under), that very version."""
         await self.loop.start()
+        name, ref = split_ref(adapter)
+        if ref is not None:
+            version = version_of(self.core.catalog, name, ref)
+            found = self.core.readiness.lookup(name, version)
+            return {"adapter": adapter, "version": version, "ready": list(found.ready), "loading": list(found.loading)}
         version = self.core.catalog.get(adapter).version
         found = self.core.readiness.lookup(adapter)
         ready = [r for r in found.ready if self.core.readiness.is_ready(r, adapter, version)]

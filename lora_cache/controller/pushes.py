@@ -67,11 +67,11 @@ class Pushes:
                                     f"{len(done.rank_errors)} rank(s) refused it: {'; '.join(done.rank_errors)}")
         except BaseException:
             if new:  # what it wrote goes, unless the catalog keeps it after all
-                await asyncio.to_thread(self.area.retire, name, self.core.catalog.paths(name))
+                await asyncio.to_thread(self.area.retire, name, set(self.core.catalog.paths(name).values()))
             self.refused += 1
             raise
         self.pushes += 1
-        await asyncio.to_thread(self.area.retire, name, self.core.catalog.paths(name))
+        await asyncio.to_thread(self.area.retire, name, set(self.core.catalog.paths(name).values()))
         return Pushed(name, tag, done.version, done.previous, done.rank_pending)
 
     async def retire_released(self) -> list[str]:
@@ -82,7 +82,7 @@ class Pushes:
         names, core.readiness.released = core.readiness.released, set()
         retired = [name for name in sorted(names) if name in core.catalog and core.catalog.trim(name)]
         for name in retired:
-            await asyncio.to_thread(self.area.retire, name, self.core.catalog.paths(name))
+            await asyncio.to_thread(self.area.retire, name, set(self.core.catalog.paths(name).values()))
         return retired
 
     async def forget(self, name: str) -> None:

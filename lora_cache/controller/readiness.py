@@ -139,9 +139,11 @@ class ReadinessIndex:
     def is_ready(self, replica: str, adapter: str, version: str) -> bool:
         return (replica, adapter, version) in self._ready
 
-    def lookup(self, adapter: str) -> Lookup:
-        ready = sorted({r for r, a, _ in self._ready if a == adapter})
-        loading = sorted({r for r, a, _ in self._ranks if a == adapter} - set(ready))
+    def lookup(self, adapter: str, version: str | None = None) -> Lookup:
+        """Replicas where ``adapter`` (any version, or exactly ``version``) is READY on every rank, and those where
+        some rank holds it and not all have it READY."""
+        ready = sorted({r for r, a, v in self._ready if a == adapter and version in (None, v)})
+        loading = sorted({r for r, a, v in self._ranks if a == adapter and version in (None, v)} - set(ready))
         return Lookup(adapter, tuple(ready), tuple(loading))
 
     def events_after(self, seq: int, replica: str | None = None, adapter: str | None = None,

@@ -138,6 +138,7 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
             "cancel_calls": 0,
             "hint_errors": 0,
             "hint_pauses": 0,  # hint calls past their deadline or rate-limited: hints paused, the ranking goes on
+            "hints_dropped": 0,  # hints batched before a pause (or lora-cache went down), not sent during it
         }
 
     # -- choosing (one iteration per Serve routing attempt; nothing awaited) ---------------------------------------
@@ -324,6 +325,10 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
             self._flush = None
         hints, self._pending = list(self._pending.values()), {}
         cancels, self._cancels = self._cancels, []
+        if hints and time.monotonic() < max(self._down_until, self._hints_until):  # paused since they were batched
+            self.counts["hints_dropped"] += len(hints)  # (a CancelHint too slow): none is sent while paused
+            self._done_early.difference_update(h.hint_id for h in hints)
+            hints = []
         if hints:
             then = [h.hint_id for h in hints if h.hint_id in self._done_early]
             self._done_early.difference_update(then)

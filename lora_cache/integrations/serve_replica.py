@@ -26,6 +26,7 @@ import ray
 from ray import serve
 from ray.serve.request_router import ReplicaID
 
+from lora_cache.adapters.refs import split_ref, version_of
 from lora_cache.errors import ConfigError, NotFoundError
 from lora_cache.vocab import AdapterKey
 
@@ -143,9 +144,10 @@ class RankActor:
             return -1
         return self.acquire(lease, key, slot_wait_s)
 
-    def prefetch(self, name: str) -> None:
-        """``name``'s current version READY here (loaded if not); blocks until it is (a failed load raises)."""
-        self.rank.prefetch(name).result()
+    def prefetch(self, name: str, version: str | None = None) -> None:
+        """``name``'s current version (or exactly ``version``) READY here (loaded if not); blocks until it is (a
+        failed load raises)."""
+        self.rank.prefetch(name, version).result()
 
     def counts(self) -> dict[str, int]:
         """Calls taken, by method: a request's lease costs one (``hold``) where the ranks know its version."""
@@ -214,22 +216,44 @@ class CacheReplica:
 
         One round trip to the other ranks: rank 0 picks the version (its newest READY, else its current one) and
         every other rank holds exactly that one; only where a rank does not know it (a re-registration on its way)
-        do the ranks exchange their versions first (``_agree``). Either way every rank holds one exact version."""
+        do the ranks exchange their versions first (``_agree``). Either way every rank holds one exact version.
+
+        ``adapter`` may name one version, ``NAME@VERSION`` or ``NAME@TAG`` (the tag a trainer pushed it under:
+        ``lora_cache.adapters.refs``): every rank holds exactly that one, loaded where it is not; a version no longer
+        kept is ``NotFoundError`` naming those that are."""
         if not adapter:
             raise NotFoundError(
                 "the request names no adapter: send it with "
                 "handle.options(multiplexed_model_id=...) or the serve_multiplexed_model_id header"
             )
+        name, ref = split_ref(adapter)
         ident = f"{self.name}-{next(self._ids)}"
-        self._queue(+1, ident, adapter)
+        self._queue(+1, ident, name)
         try:
+            if ref is not None:
+                return self._hold_named(ident, name, ref)
             held = self._hold(ident, self._agree(adapter, ranks=False))
             if held is None:
                 held = self._hold(ident, self._agree(adapter), exact=True)
             assert held is not None  # exact: every rank acquires the agreed version (or raises)
             return held
         finally:
-            self._queue(-1, ident, adapter)
+            self._queue(-1, ident, name)
+
+    def _hold_named(self, ident: str, name: str, ref: str) -> Lease:
+        """Exactly the version ``ref`` stands for on every rank; a rank that does not know it yet (its registration
+        on its way) is asked again until ``acquire_timeout_s``."""
+        if name not in self.rank.catalog:  # on demand under an adapter root, or the controller's typed refusal
+            self.rank.resolve(name, self.config.acquire_timeout_s)
+        key = AdapterKey(name, version_of(self.rank.catalog, name, ref))
+        deadline = time.monotonic() + self.config.acquire_timeout_s
+        while (held := self._hold(ident, key)) is None:
+            if time.monotonic() > deadline:
+                raise NotFoundError(f"the {self.config.tp} ranks of {self.name} do not all know {key} after "
+                                    f"{self.config.acquire_timeout_s} s (a registration that did not reach every "
+                                    "rank, or a version retired there); check `lora-cache status`")
+            time.sleep(0.01)  # a registration on its way to the other ranks: poll its arrival
+        return held
 
     def _hold(self, ident: str, key: AdapterKey, exact: bool = False) -> Lease | None:
         """``key`` held on every rank, or None (nothing held) when a rank does not know it and not ``exact``."""
@@ -267,12 +291,14 @@ class CacheReplica:
         ranks when rank 0 has it READY (the controller plans the ranks of a replica alike; the engine's own
         version exchange settles the rest). Returns whether it was READY on rank 0 on arrival. A load that fails
         here is left to the engine's own acquire (which loads on a miss, or fails the request with why)."""
-        name = adapter or serve.get_multiplexed_model_id()
-        if name in self.rank.ready_names():
+        name, ref = split_ref(adapter or serve.get_multiplexed_model_id())
+        version = None if ref is None else version_of(self.rank.catalog, name, ref)  # NAME@REF: exactly that one
+        if (name in self.rank.ready_names() if version is None
+                else AdapterKey(name, version) in self.rank.ready_keys()):
             return True
         waits: list[Any] = [
-            asyncio.wrap_future(self.rank.prefetch(name)),
-            *(r.prefetch.remote(name) for r in self.ranks),
+            asyncio.wrap_future(self.rank.prefetch(name, version)),
+            *(r.prefetch.remote(name, version) for r in self.ranks),
         ]
         for outcome in await asyncio.gather(*waits, return_exceptions=True):
             if isinstance(outcome, BaseException):

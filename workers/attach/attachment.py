@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.refs import split_ref, version_of
 from lora_cache.adapters.shards import ShardLayout
 from lora_cache.errors import ConfigError
 from lora_cache.link.relay import RELAYED, EndpointStaleError, Relay
@@ -236,6 +237,15 @@ class Attachment:
         adapter's own error (a bad file at that place)."""
         return resolve_here(self.catalog, name, self.transport.resolve, timeout_s,
                             f"rank {self.worker.tp_rank} of {self.config.replica}")
+
+    def key_of(self, adapter: str, timeout_s: float = RESOLVE_WAIT_S) -> AdapterKey:
+        """The exact version a request's adapter reference stands for here: ``NAME@VERSION`` or ``NAME@TAG`` (the
+        tag a trainer pushed it under: ``lora_cache.adapters.refs``), or a bare name's current version (resolved on
+        demand as ``resolve`` does). ``acquire`` it on every rank: each holds exactly that version.
+        ``NotFoundError`` for a version no longer kept, naming those that are."""
+        name, ref = split_ref(adapter)
+        version = self.resolve(name, timeout_s)
+        return AdapterKey(name, version if ref is None else version_of(self.catalog, name, ref))
 
     def ready_names(self) -> set[str]:
         return self.cache.ready_names()

@@ -20,6 +20,11 @@ exactly. A version is served to new requests only when it is READY on every rank
 (current) version is, new requests get the old one if that is READY everywhere, and the new one is
 prefetched. A request keeps its version to its end: its rank holds the old slot until it is released.
 
+A request may name one version, ``A@VERSION`` (issue 44 item 3; the engine's submit turns a tag into its version:
+``lora_cache.adapters.refs``): such a name has a row of its own, whose CUR is that version's code if this rank's
+catalog keeps it (loadable) and whose RDY and ISS follow that version only, so its requests are admitted at
+exactly that version once it is READY on every rank, whatever the adapter's current version.
+
 The names grow at run time (``RankVersions.append``): rank 0 adds the names its catalog registered since, in
 the round's broadcast plan (``StepPlan.names``), and every rank appends them, in that order, before the next
 exchange. On a rank whose catalog has not taken a new name's registration yet the name reports ``PENDING``
@@ -108,16 +113,18 @@ class RankVersions:
         rdy = np.zeros_like(cur)
         iss = np.zeros_like(cur)
         for key in ready:
+            code = self._code(key.version)
+            if (j := self.index.get(f"{key.name}@{key.version}")) is not None:
+                rdy[j] = code  # a row naming this very version
             i = self.index.get(key.name)
             if i is None:
                 continue
-            code = self._code(key.version)
             if rdy[i] != cur[i] and (code == cur[i] or code > rdy[i]):  # the current version wins
                 rdy[i] = code
         for key in issued:
-            i = self.index.get(key.name)
-            if i is not None and self._code(key.version) == cur[i]:
-                iss[i] = cur[i]
+            for i in (self.index.get(key.name), self.index.get(f"{key.name}@{key.version}")):
+                if i is not None and self._code(key.version) == cur[i]:
+                    iss[i] = cur[i]
         iss = np.where((rdy == cur) & (cur > 0), cur, iss)  # READY counts as issued (some rank may lag)
         out[:, CUR], out[:, CUR_NEG], out[:, RDY], out[:, RDY_NEG] = cur, -cur, rdy, -rdy
         out[:, ISS] = iss
@@ -139,15 +146,20 @@ class RankVersions:
             return
         self._code_of, self.codes = {}, {}  # bounded: what the catalog keeps, plus resident versions
         for i, name in enumerate(self.names):
+            base, _, pinned = name.partition("@")  # "A@VERSION": a row of that version alone
             try:
-                versions = self.catalog.versions(name)
+                versions = self.catalog.versions(base)
             except NotFoundError:  # unregistered here, or (never here yet) its registration on its way
+                versions = []
+            if pinned and pinned not in versions:  # not (or no longer) kept here, or its registration on its way
+                versions = []
+            if not versions:
                 self._cur[i] = 0 if self._seen[i] else PENDING
                 continue
             self._seen[i] = True
             for version in versions:
                 self._code(version)
-            self._cur[i] = self._code(versions[-1])
+            self._cur[i] = self._code(pinned or versions[-1])
         self._generation = generation
 
 

@@ -128,6 +128,10 @@ def _take(feed: Feed, scheduler: Scheduler, engine: RankEngine) -> tuple[str, ..
     exchange's names and those fails alone: the loop goes on."""
     new, closed = feed.take()
     added = engine.new_names()
+    index = engine.index
+    # requests naming one version (``A@VERSION``, made so by the submit): a row of the exchange each, on every rank
+    named = sorted({r.adapter for r in new if r.adapter and "@" in r.adapter and r.adapter not in index})
+    added += tuple(n for n in named if n not in added)
     if new:
         known: Collection[str] = engine.index if not added else {*engine.index, *added}
         scheduler.add(new, known)

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from lora_cache.adapters.refs import split_ref, version_of
 from lora_cache.errors import ConfigError, LoraCacheError, NotFoundError
 from workers.attach.seam import RESOLVE_WAIT_S, EngineCache, refusal, resolve_here
 from workers.control.outbox import QueueSender
@@ -129,11 +130,23 @@ class HostedEngine:
         be resolved (under no root, over the controller's caps, timed out, a bad file) refuses the whole call with
         nothing of it submitted, naming its requests and the controller's reason; without ``resolve``,
         ``NotFoundError``. A request accepted but whose adapter is unregistered before the loop takes it fails
-        alone. Submits are served in order (one at a time): a resolution delays the submits after it."""
+        alone. Submits are served in order (one at a time): a resolution delays the submits after it.
+
+        A request may name one version of its adapter, ``A@VERSION`` or ``A@TAG`` (the tag a trainer pushed it
+        under: ``lora_cache.adapters.refs``): it runs on exactly that version on every rank, once it is READY on all
+        of them (loaded if it is not). A version this rank's catalog does not keep refuses the whole call."""
         feed = self._feed()
         catalog = self.cache.catalog
-        if unknown := sorted({r.adapter for r in requests if r.adapter is not None and r.adapter not in catalog}):
-            rids = [r.rid for r in requests if r.adapter in unknown][:8]
+        requests = list(requests)
+        for r in requests:
+            if r.adapter and "@" in r.adapter:
+                try:
+                    split_ref(r.adapter)
+                except LoraCacheError as e:
+                    raise refusal(e, f"request {r.rid} (nothing of this call was submitted)") from e
+        names = {r.adapter.partition("@")[0] for r in requests if r.adapter is not None}
+        if unknown := sorted(n for n in names if n not in catalog):
+            rids = [r.rid for r in requests if r.adapter and r.adapter.partition("@")[0] in unknown][:8]
             if self.resolve is None:
                 raise NotFoundError(f"requests {rids}: {unknown_adapter(unknown[0])}"
                                     + (f" (also {unknown[1:8]})" if len(unknown) > 1 else ""))
@@ -143,8 +156,15 @@ class HostedEngine:
                     resolve_here(catalog, name, self.resolve, max(0.1, deadline - time.monotonic()),
                                  f"rank {self.cache.worker.tp_rank} of this replica")
                 except LoraCacheError as e:
-                    mine = [r.rid for r in requests if r.adapter == name][:8]
+                    mine = [r.rid for r in requests if r.adapter and r.adapter.partition("@")[0] == name][:8]
                     raise refusal(e, f"requests {mine} (nothing of this call was submitted)") from e
+        for i, r in enumerate(requests):  # named versions: their names resolved above, each to its exact version
+            if r.adapter and "@" in r.adapter:
+                name, ref = split_ref(r.adapter)
+                try:
+                    requests[i] = r._replace(adapter=f"{name}@{version_of(catalog, name, ref or '')}")
+                except LoraCacheError as e:
+                    raise refusal(e, f"request {r.rid} (nothing of this call was submitted)") from e
         feed.submit(requests)
 
     def end_stream(self) -> None:

@@ -248,7 +248,7 @@ class RankEngine:
                 # no room right now (every slot held, or the host tier full of loads in flight) is not the
                 # adapter's failure: it stays wanted and is prefetched again next round
                 if not isinstance(error, CapacityError):
-                    failed.append(ref.name if isinstance(ref, AdapterKey) else ref)
+                    failed += _row_names(ref)
                 del self._loads[ref]
             elif self.loading and load.done() and self._clocked.get(ref) is not load:
                 self._clocked[ref] = load
@@ -350,7 +350,7 @@ class RankEngine:
         self._prefetch(plan.prefetch)  # after acquire: a load cannot evict what this step holds
         slot_of = dict(zip(batch.adapters, batch.slots)) if batch is not None else {}
         if batch is not None and batch.failed:
-            self._step_failed |= {ref.name if isinstance(ref, AdapterKey) else ref for ref, _ in batch.failed}
+            self._step_failed |= {n for ref, _ in batch.failed for n in _row_names(ref)}
         items = list(plan.items)  # rank 0's order on every rank: the all-reduce adds row i to row i
         with self._on_stream():
             out = self._forward(plan.kind == PREFILL, items, slot_of, batch.waits if batch is not None else None)
@@ -469,3 +469,8 @@ class RankEngine:
             self.cache.close()
         return self.stats
 
+
+def _row_names(ref: AdapterRef) -> tuple[str, ...]:
+    """The version exchange's rows a load or hold of ``ref`` answers for: its adapter's, and a version's own row
+    (``A@VERSION``: the requests that named it)."""
+    return (ref.name, str(ref)) if isinstance(ref, AdapterKey) else (ref,)

@@ -47,9 +47,17 @@ class Item(NamedTuple):
 
 
 def _ref(adapter: str | None, version: str | None) -> AdapterRef | None:
-    if adapter is None or version is None:
-        return adapter
-    return AdapterKey(adapter, version)
+    if adapter is None:
+        return None
+    name, _, pinned = adapter.partition("@")
+    if pinned:  # a request naming one version (``A@VERSION``): exactly that one
+        return AdapterKey(name, pinned)
+    return adapter if version is None else AdapterKey(adapter, version)
+
+
+def base_name(adapter: str) -> str:
+    """The adapter a request names, without the version it may name (``A@VERSION`` -> ``A``)."""
+    return adapter.partition("@")[0]
 
 
 class StepPlan(NamedTuple):
@@ -233,7 +241,7 @@ class Scheduler:
         for item in self._last_items:
             if item.adapter in adapters:
                 live = self.live[item.rid]
-                live.error = (f"adapter {item.adapter}@{item.version} could not be held on every TP rank "
+                live.error = (f"adapter {item.ref} could not be held on every TP rank "
                               "(its version is no longer loadable there); the request was stopped")
                 if self.running.pop(item.rid, None) is not None:
                     self.free_rows.append(live.row)
@@ -251,8 +259,9 @@ class Scheduler:
         is still seen once: the controller counts it and fulfils its hint (else the hint would linger
         as pending, crowding out fresh ones, until it expires)."""
         items = plan.items if plan is not None and plan.kind == PREFILL else ()
-        admitted = [(it.adapter, self.live[it.rid].request.arrival_s) for it in items if it.adapter is not None]
-        return admitted + [(lv.request.adapter, lv.request.arrival_s) for lv in self.waiting
+        admitted = [(base_name(it.adapter), self.live[it.rid].request.arrival_s) for it in items
+                    if it.adapter is not None]
+        return admitted + [(base_name(lv.request.adapter), lv.request.arrival_s) for lv in self.waiting
                            if lv.request.adapter is not None]
 
     # -- helpers -------------------------------------------------------------------------------------
@@ -387,6 +396,8 @@ class Scheduler:
 def _is_ready(ref: AdapterRef, ready: Mapping[str, Readiness], versions: Mapping[str, AdapterVersions] | None) -> bool:
     """Whether ``ref`` is READY on every rank: its adapter is, at that very version."""
     name = ref.name if isinstance(ref, AdapterKey) else ref
+    if isinstance(ref, AdapterKey) and ready.get(str(ref)) is Readiness.READY:  # a request naming this version
+        return True
     if ready.get(name, Readiness.NOT_READY) is not Readiness.READY:
         return False
     return versions is None or not isinstance(ref, AdapterKey) or versions[name].serve == ref.version

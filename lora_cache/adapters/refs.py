@@ -1,0 +1,56 @@
+"""Adapter references: a name, or one of its versions by version or by the trainer's tag (issue 44 item 3).
+
+A request, a lookup or a lease names an adapter as ``A`` (the version the replica serves: its newest READY on
+every rank, else its current one) or as ``A@REF``, one exact version kept by the catalog: ``REF`` is a version
+(``A@3f9c...``, as registrations and readiness events name it) or the tag a trainer pushed it under (``A@7``, the
+push area's directory of that version). Names cannot hold ``@``, so the split is unambiguous. A version is found
+only while the catalog keeps it (the current one, the ``keep_versions`` newest older ones, older ones in use:
+``retirement.py``); an exact version wins over a tag that spells the same.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lora_cache.adapters.catalog import AdapterCatalog, check_name
+from lora_cache.adapters.pushed import TAG_RE
+from lora_cache.errors import AdapterFormatError, NotFoundError
+
+SEP = "@"
+
+
+def split_ref(text: str) -> tuple[str, str | None]:
+    """``"A"`` -> ``("A", None)``; ``"A@REF"`` -> ``("A", "REF")``, each part checked (the name as a registration
+    checks it, the reference as a tag or version)."""
+    if not isinstance(text, str):
+        raise AdapterFormatError(f"adapter reference {text!r} is not a string: give NAME or NAME@VERSION")
+    name, sep, ref = text.partition(SEP)
+    check_name(name)
+    if not sep:
+        return name, None
+    if not TAG_RE.match(ref):
+        raise AdapterFormatError(f"adapter reference {text!r} names no version after '@': give NAME@VERSION or "
+                                 "NAME@TAG (1-64 letters, digits, '.', '_' or '-'), or NAME alone for the version "
+                                 "the replica serves")
+    return name, ref
+
+
+def version_of(catalog: AdapterCatalog, name: str, ref: str) -> str:
+    """The version of ``name`` that ``ref`` stands for: a version the catalog keeps, or the tag a kept version
+    was pushed under; ``NotFoundError`` naming what is kept otherwise."""
+    versions = catalog.versions(name)  # NotFoundError for a name not registered, naming the fix
+    if ref in versions:
+        return ref
+    tags = {path.name: version for version, path in catalog.paths(name).items() if _pushed(catalog, path)}
+    if ref in tags:
+        return tags[ref]
+    raise NotFoundError(f"adapter {name!r} has no version or pushed tag {ref!r} kept; kept: versions "
+                        f"{versions[-8:]}, tags {sorted(tags)[-8:]} (older ones retire past keep_versions once no "
+                        f"rank holds them); name one of those, or {name!r} alone for the version served")
+
+
+def _pushed(catalog: AdapterCatalog, path: Path) -> bool:
+    try:
+        return path.resolve().parent.parent.parent == catalog.push_root  # PUSH_ROOT/SERVICE/NAME/TAG
+    except OSError:
+        return False
