@@ -371,16 +371,21 @@ def test_stale_version_in_use_stays_until_released() -> None:
     assert evicted(plan, "r0/w0") == []
 
 
-def test_the_version_ready_everywhere_stays_until_the_new_one_is_ready_on_every_rank() -> None:
-    """A new version becomes a replica's default only when every rank holds it READY (issue 44 item 3): until then
-    the older version READY on every rank is kept (the engine admits requests at it) beside the new one's loads,
-    and it goes once the new one is READY everywhere."""
-    planner = make(slots=2)
+def renewed(slots: int) -> tuple[Planner, Plan]:
+    """Replica r0 holds a1@v1 READY on both ranks with a request queued for it; then a1@v2 is registered: the plan."""
+    planner = make(slots=slots)
     hold(planner, "r0", "a1")
     queue(planner, "r0", "a1")
     planner.plan(1.0)
     planner.register_adapter(AdapterInfo("a1", "v2", 100))
-    plan = planner.plan(1.0)
+    return planner, planner.plan(1.0)
+
+
+def test_the_version_ready_everywhere_stays_until_the_new_one_is_ready_on_every_rank() -> None:
+    """A new version becomes a replica's default only when every rank holds it READY (issue 44 item 3): until then
+    the older version READY on every rank is kept (the engine admits requests at it) beside the new one's loads,
+    and it goes once the new one is READY everywhere."""
+    planner, plan = renewed(slots=2)
     for worker in ("r0/w0", "r0/w1"):
         assert prefetched(plan, worker) == ["a1"] and evicted(plan, worker) == []
     planner.report_residency("r0/w0", [ResidencyEntry("a1", "v1", READY), ResidencyEntry("a1", "v2", READY)])
@@ -397,12 +402,7 @@ def test_the_version_ready_everywhere_stays_until_the_new_one_is_ready_on_every_
 def test_the_older_version_makes_room_for_its_new_one_when_nothing_else_can() -> None:
     """With one slot, the version READY everywhere gives its slot to its new version (requests then wait for it,
     as they would without the bridge); a version ready on one rank only is no bridge at all."""
-    planner = make(slots=1)
-    hold(planner, "r0", "a1")
-    queue(planner, "r0", "a1")
-    planner.plan(1.0)
-    planner.register_adapter(AdapterInfo("a1", "v2", 100))
-    plan = planner.plan(1.0)
+    _, plan = renewed(slots=1)
     for worker in ("r0/w0", "r0/w1"):
         commands = plan.for_worker(worker)
         assert commands is not None and commands.evicts == (Evict("a1", "v1", 7),), worker

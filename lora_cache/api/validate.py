@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, TypeVar
 from google.protobuf.message import DecodeError, Message
 
 from lora_cache.adapters.catalog import NAME_RE
-from lora_cache.adapters.refs import split_ref
+from lora_cache.adapters.pushed import TAG_RE
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.errors import LoraCacheError
 from lora_cache.routing.advice import RouteRequest
@@ -77,12 +77,12 @@ def name(field: str, value: str, where: str = "") -> str:
 
 
 def adapter_ref(field: str, value: str) -> str:
-    """An adapter's name, or ``NAME@REF``: one version of it by version or by the tag it was pushed under."""
-    try:
-        split_ref(value)
-    except LoraCacheError as e:
-        raise RequestError(f"{field} {show(value)} is malformed: use {NAME_FORM}, or NAME@VERSION / NAME@TAG for "
-                           f"one version ({e})") from e
+    """An adapter's name, or ``NAME@REF``: one version of it by version or by the tag it was pushed under (the
+    value is shown cut short, never echoed whole)."""
+    name, sep, ref = value.partition("@")
+    if not _name_ok(name) or (sep and not TAG_RE.match(ref)):
+        raise RequestError(f"{field} {show(value)} is malformed: use {NAME_FORM}, or NAME@VERSION / NAME@TAG (1-64 "
+                           "letters, digits, '.', '_' or '-') for one version")
     return value
 
 
