@@ -43,7 +43,11 @@ from lora_cache.vocab import (
 log = logging.getLogger(__name__)
 
 REPLAY_ENTRIES = 256  # registrations per call when a worker is given all of them
-PING_TIMEOUT_S = 1.5  # a worker that does not answer a ping in this long is lost (its replica leaves the plans)
+PING_TIMEOUT_S = 1.5  # a ping unanswered this long is a miss
+# misses in a row that make a worker lost (its replica leaves the plans): one slow answer on a loaded machine is not a
+# hang (the CI's 2 cores: a rank just restarted by Ray missed one while its reader processes started, 2026-11-30);
+# a dead process is found by its lifeline at once, whatever this says
+PING_MISSES = 2
 
 
 class Link(NamedTuple):
@@ -77,6 +81,7 @@ class WorkerLinks:
         self.call_timeout_s = call_timeout_s
         self.find, self.named = find, named  # a worker's handle by name; the names of those that exist
         self.ping_timeout_s = min(call_timeout_s, PING_TIMEOUT_S)
+        self.missed: dict[WorkerId, tuple[int, Any]] = {}  # pings in a row unanswered, and by which handle
         self.handles: dict[WorkerId, Any] = {}
         self.links: dict[WorkerId, Link] = {}  # each worker's incarnation and the last delta applied
         self.losses: dict[WorkerId, int] = {}  # how often each worker was found lost: a report read before
@@ -244,20 +249,27 @@ class WorkerLinks:
         task.add_done_callback(lambda _: self.resyncing.discard(wid))
 
     async def ping_all(self) -> None:
-        """One ping each, all at once; a worker that does not answer in ``call_timeout_s`` lost what it held
-        (dropped in the workers' order). One hung worker delays the others' checks by no more than that."""
+        """One ping each, all at once; a worker that leaves ``PING_MISSES`` in a row unanswered within
+        ``ping_timeout_s`` lost what it held (dropped in the workers' order). One hung worker delays the others'
+        checks by no more than that."""
         pinged = list(self.handles.items())
         answers = await asyncio.gather(*(asyncio.wait_for(h.ping.remote(), timeout=self.ping_timeout_s)
                                          for _, h in pinged), return_exceptions=True)
         for (wid, handle), answer in zip(pinged, answers):
             if not isinstance(answer, BaseException) or self.quiet:
+                self.missed.pop(wid, None)
                 continue
             if self.handles.get(wid) is not handle:
                 continue  # re-attached meanwhile (a new process under the name): that one is not lost
+            missed = self.missed[wid] = (self.missed[wid][0] + 1 if self.missed.get(wid, (0, None))[1] is handle
+                                         else 1, handle)
+            if missed[0] < PING_MISSES:
+                continue
             if wid not in self.core.lost.down:
                 log.warning("worker %s is not answering (%s): dropping its residency", wid,
                             type(answer).__name__)  # dead, restarting or hung
-            self.lose(wid, f"ping unanswered within {self.ping_timeout_s} s ({type(answer).__name__})")
+            self.lose(wid, f"{missed[0]} pings in a row unanswered within {self.ping_timeout_s} s "
+                           f"({type(answer).__name__})")
 
     def lose(self, wid: WorkerId, cause: str = "") -> None:
         """``wid`` is dead, hung or gone: its replica stops being ready for what it held, now (before any
