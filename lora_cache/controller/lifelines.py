@@ -63,6 +63,7 @@ class Lifelines:
         self._connected: set[str] = set()  # nonces of lifeline calls whose connection is open now
         self._heard: set[str] = set()  # nonces of running calls whose connection's hello was read
         self._server: asyncio.Server | None = None  # where workers open their lifelines
+        self._open: set[asyncio.StreamWriter] = set()  # the lifeline connections open now (closed by ``close``)
         self.closed = False  # the service is being stopped: nothing is watched any more
 
     def watch(self, wid: WorkerId, handle: Any) -> None:
@@ -84,7 +85,9 @@ class Lifelines:
         for wid in list(self.tasks):
             self.drop(wid)
         if self._server is not None:
-            self._server.close()
+            self._server.close()  # takes no new connection; the open ones are closed here: their handlers end by
+        for writer in list(self._open):  # themselves, even where a cancellation at the loop's end is lost (the
+            writer.close()  # CI's hang of 2026-11-30 in test_control.py, in asyncio.run's task cancellation)
 
     async def _keep(self, wid: WorkerId, handle: Any) -> None:
         links = self.links
@@ -164,7 +167,10 @@ class Lifelines:
     async def _opened(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One worker's lifeline: its first line is the nonce of the call that opened it; its end (closed or
         reset) is the worker's death if that call is still the worker's current one."""
+        self._open.add(writer)
         try:
+            if self.closed:
+                return
             try:
                 line = await asyncio.wait_for(reader.readline(), LIFELINE_HELLO_S)
             except (TimeoutError, ConnectionError, OSError):
@@ -189,4 +195,5 @@ class Lifelines:
                 # an attached one is forgotten when its call fails (ActorDiedError)
                 self.links.lose(call.wid, "lifeline closed")
         finally:
+            self._open.discard(writer)
             writer.close()
