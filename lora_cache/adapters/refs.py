@@ -50,7 +50,5 @@ def version_of(catalog: AdapterCatalog, name: str, ref: str) -> str:
 
 
 def _pushed(catalog: AdapterCatalog, path: Path) -> bool:
-    try:
-        return path.resolve().parent.parent.parent == catalog.push_root  # PUSH_ROOT/SERVICE/NAME/TAG
-    except OSError:
-        return False
+    """Whether ``path`` (resolved, as the catalog keeps it) is a pushed version's: PUSH_ROOT/SERVICE/NAME/TAG."""
+    return path.parent.parent.parent == catalog.push_root

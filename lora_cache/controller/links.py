@@ -261,14 +261,15 @@ class WorkerLinks:
                 continue
             if self.handles.get(wid) is not handle:
                 continue  # re-attached meanwhile (a new process under the name): that one is not lost
-            missed = self.missed[wid] = (self.missed[wid][0] + 1 if self.missed.get(wid, (0, None))[1] is handle
-                                         else 1, handle)
-            if missed[0] < PING_MISSES:
+            count, by = self.missed.get(wid, (0, None))
+            count = count + 1 if by is handle else 1  # a new process under the name starts again
+            self.missed[wid] = (count, handle)
+            if count < PING_MISSES:
                 continue
             if wid not in self.core.lost.down:
                 log.warning("worker %s is not answering (%s): dropping its residency", wid,
                             type(answer).__name__)  # dead, restarting or hung
-            self.lose(wid, f"{missed[0]} pings in a row unanswered within {self.ping_timeout_s} s "
+            self.lose(wid, f"{count} pings in a row unanswered within {self.ping_timeout_s} s "
                            f"({type(answer).__name__})")
 
     def lose(self, wid: WorkerId, cause: str = "") -> None:

@@ -18,6 +18,7 @@ An unregistered adapter's pushed versions go with it (``forget``).
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import NamedTuple
 
 from lora_cache.adapters.catalog import check_name
@@ -67,11 +68,11 @@ class Pushes:
                                     f"{len(done.rank_errors)} rank(s) refused it: {'; '.join(done.rank_errors)}")
         except BaseException:
             if new:  # what it wrote goes, unless the catalog keeps it after all
-                await asyncio.to_thread(self.area.retire, name, set(self.core.catalog.paths(name).values()))
+                await asyncio.to_thread(self.area.retire, name, self._kept(name))
             self.refused += 1
             raise
         self.pushes += 1
-        await asyncio.to_thread(self.area.retire, name, set(self.core.catalog.paths(name).values()))
+        await asyncio.to_thread(self.area.retire, name, self._kept(name))
         return Pushed(name, tag, done.version, done.previous, done.rank_pending)
 
     async def retire_released(self) -> list[str]:
@@ -82,8 +83,12 @@ class Pushes:
         names, core.readiness.released = core.readiness.released, set()
         retired = [name for name in sorted(names) if name in core.catalog and core.catalog.trim(name)]
         for name in retired:
-            await asyncio.to_thread(self.area.retire, name, set(self.core.catalog.paths(name).values()))
+            await asyncio.to_thread(self.area.retire, name, self._kept(name))
         return retired
+
+    def _kept(self, name: str) -> set[Path]:
+        """The directories of the versions of ``name`` the catalog keeps (the push area keeps those)."""
+        return set(self.core.catalog.paths(name).values())
 
     async def forget(self, name: str) -> None:
         """``name`` was unregistered: its pushed versions go."""

@@ -28,7 +28,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.engine import EngineResult, Hooks, serve_rank
 from workers.engine.feed import Feed
 from workers.engine.rank import RankEngine
-from workers.engine.scheduler import unknown_adapter
+from workers.engine.scheduler import base_name, unknown_adapter
 from workers.engine.tp import Comm
 from workers.engine.workload import Request
 
@@ -138,15 +138,16 @@ class HostedEngine:
         feed = self._feed()
         catalog = self.cache.catalog
         requests = list(requests)
-        for r in requests:
+        named: dict[int, tuple[str, str]] = {}  # index -> (name, reference) of the requests naming a version
+        for i, r in enumerate(requests):
             if r.adapter and "@" in r.adapter:
                 try:
-                    split_ref(r.adapter)
+                    named[i] = split_ref(r.adapter)  # type: ignore[assignment]  # "@" in it: a reference
                 except LoraCacheError as e:
                     raise refusal(e, f"request {r.rid} (nothing of this call was submitted)") from e
-        names = {r.adapter.partition("@")[0] for r in requests if r.adapter is not None}
+        names = {base_name(r.adapter) for r in requests if r.adapter is not None}
         if unknown := sorted(n for n in names if n not in catalog):
-            rids = [r.rid for r in requests if r.adapter and r.adapter.partition("@")[0] in unknown][:8]
+            rids = [r.rid for r in requests if r.adapter and base_name(r.adapter) in unknown][:8]
             if self.resolve is None:
                 raise NotFoundError(f"requests {rids}: {unknown_adapter(unknown[0])}"
                                     + (f" (also {unknown[1:8]})" if len(unknown) > 1 else ""))
@@ -156,15 +157,13 @@ class HostedEngine:
                     resolve_here(catalog, name, self.resolve, max(0.1, deadline - time.monotonic()),
                                  f"rank {self.cache.worker.tp_rank} of this replica")
                 except LoraCacheError as e:
-                    mine = [r.rid for r in requests if r.adapter and r.adapter.partition("@")[0] == name][:8]
+                    mine = [r.rid for r in requests if r.adapter and base_name(r.adapter) == name][:8]
                     raise refusal(e, f"requests {mine} (nothing of this call was submitted)") from e
-        for i, r in enumerate(requests):  # named versions: their names resolved above, each to its exact version
-            if r.adapter and "@" in r.adapter:
-                name, ref = split_ref(r.adapter)
-                try:
-                    requests[i] = r._replace(adapter=f"{name}@{version_of(catalog, name, ref or '')}")
-                except LoraCacheError as e:
-                    raise refusal(e, f"request {r.rid} (nothing of this call was submitted)") from e
+        for i, (name, ref) in named.items():  # their names resolved above: each to its exact version
+            try:
+                requests[i] = requests[i]._replace(adapter=f"{name}@{version_of(catalog, name, ref)}")
+            except LoraCacheError as e:
+                raise refusal(e, f"request {requests[i].rid} (nothing of this call was submitted)") from e
         feed.submit(requests)
 
     def end_stream(self) -> None:
