@@ -13,7 +13,7 @@ from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.controller.core import NO_ROOM_RETRY_S, ControllerConfig, ControllerCore
 from lora_cache.controller.fanout import WorkerFanout
-from lora_cache.controller.links import Link, WorkerLinks
+from lora_cache.controller.links import PING_MISSES, Link, WorkerLinks
 from lora_cache.errors import ConfigError, ConflictError, NotFoundError
 from lora_cache.planner import PlannerConfig
 from lora_cache.routing.advice import RouteRequest
@@ -592,6 +592,61 @@ def test_a_killed_ranks_lifeline_call_failing_after_its_restart_does_not_lose_it
         for _ in range(20):
             await asyncio.sleep(0.01)
         assert victim not in core.lost.down, "the killed process's call, failing late, lost the restarted rank"
+        links.lifelines.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), SCENARIO_S))
+    core.check_integrity()
+
+
+class _SlowPingWorker(_LifelineWorker):
+    """A rank whose pings fail while it is dead (Ray restarting it) and, once back, are answered only when
+    ``answer`` is set (a process just restarted on a loaded machine): a round's ping waits for it at most
+    the links' ``ping_timeout_s``."""
+
+    def __init__(self, report: dict[str, Any]) -> None:
+        super().__init__(report)
+        self.answer = asyncio.Event()
+
+    async def _ping(self) -> bool:
+        if self.dead:
+            raise ConnectionError("ActorUnavailableError: the actor is restarting")
+        await self.answer.wait()
+        return True
+
+
+def test_a_restarted_rank_starts_its_count_of_missed_pings_again(fleet) -> None:
+    """The fresh-clone CI of stop 56: a rank SIGKILLed by one test and restarted by Ray (the same actor handle) was
+    lost again at the next test's first slow ping, because the pings that failed while it restarted were still
+    counted: one slow answer lost a rank, whatever ``PING_MISSES`` said. A new incarnation starts the count again,
+    and a round sent before it reported does not count against it."""
+    core, _ = fleet
+    victim = WorkerId("r0", 1)
+
+    async def scenario() -> None:
+        worker = _SlowPingWorker({"incarnation": 2, "seq": 0, "residency": []})
+        links = _victim_links(core, worker)
+        links.handles[WorkerId("r0", 0)] = _LifelineWorker({})  # the stand-in answers its pings
+        links.ping_timeout_s = 0.05
+        worker.dead = True  # Ray restarts it: every ping fails, more than PING_MISSES in a row
+        for _ in range(PING_MISSES + 1):
+            await links.ping_all()
+        assert victim in core.lost.down
+        worker.dead = False
+        stale = asyncio.ensure_future(links.ping_all())  # a round sent to the restarting process, answered late
+        await asyncio.sleep(0)
+        await links.resync(victim)  # the restarted process (incarnation 2) reported: back
+        assert victim not in core.lost.down
+        await stale
+        assert victim not in core.lost.down, "a round sent before the restart reported counted against the new one"
+        for missed in range(1, PING_MISSES):
+            await links.ping_all()  # the new process misses pings (loaded), fewer than PING_MISSES in a row
+            assert victim not in core.lost.down, f"a restarted rank lost after {missed} missed ping(s)"
+        await links.ping_all()
+        assert victim in core.lost.down, f"{PING_MISSES} missed pings in a row did not lose the restarted rank"
+        worker.answer.set()
+        await links.resync(victim)
+        await links.ping_all()
+        assert victim not in core.lost.down and victim not in links.missed
         links.lifelines.close()
 
     asyncio.run(asyncio.wait_for(scenario(), SCENARIO_S))

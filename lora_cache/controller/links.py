@@ -81,7 +81,8 @@ class WorkerLinks:
         self.call_timeout_s = call_timeout_s
         self.find, self.named = find, named  # a worker's handle by name; the names of those that exist
         self.ping_timeout_s = min(call_timeout_s, PING_TIMEOUT_S)
-        self.missed: dict[WorkerId, tuple[int, Any]] = {}  # pings in a row unanswered, and by which handle
+        # pings in a row unanswered, and by which process (its handle and incarnation)
+        self.missed: dict[WorkerId, tuple[int, tuple[Any, int | None]]] = {}
         self.handles: dict[WorkerId, Any] = {}
         self.links: dict[WorkerId, Link] = {}  # each worker's incarnation and the last delta applied
         self.losses: dict[WorkerId, int] = {}  # how often each worker was found lost: a report read before
@@ -252,18 +253,20 @@ class WorkerLinks:
         """One ping each, all at once; a worker that leaves ``PING_MISSES`` in a row unanswered within
         ``ping_timeout_s`` lost what it held (dropped in the workers' order). One hung worker delays the others'
         checks by no more than that."""
-        pinged = list(self.handles.items())
+        pinged = [(wid, handle, self._incarnation(wid)) for wid, handle in self.handles.items()]
         answers = await asyncio.gather(*(asyncio.wait_for(h.ping.remote(), timeout=self.ping_timeout_s)
-                                         for _, h in pinged), return_exceptions=True)
-        for (wid, handle), answer in zip(pinged, answers):
+                                         for _, h, _ in pinged), return_exceptions=True)
+        for (wid, handle, incarnation), answer in zip(pinged, answers):
             if not isinstance(answer, BaseException) or self.quiet:
                 self.missed.pop(wid, None)
                 continue
-            if self.handles.get(wid) is not handle:
-                continue  # re-attached meanwhile (a new process under the name): that one is not lost
+            if self.handles.get(wid) is not handle or self._incarnation(wid) != incarnation:
+                continue  # a new process under the name reported meanwhile: the miss was its predecessor's
             count, by = self.missed.get(wid, (0, None))
-            count = count + 1 if by is handle else 1  # a new process under the name starts again
-            self.missed[wid] = (count, handle)
+            # a new process under the name starts again: a new handle (attached), or the same one (Ray restarted
+            # the actor) with a new incarnation reported
+            count = count + 1 if by == (handle, incarnation) else 1
+            self.missed[wid] = (count, (handle, incarnation))
             if count < PING_MISSES:
                 continue
             if wid not in self.core.lost.down:
@@ -271,6 +274,10 @@ class WorkerLinks:
                             type(answer).__name__)  # dead, restarting or hung
             self.lose(wid, f"{count} pings in a row unanswered within {self.ping_timeout_s} s "
                            f"({type(answer).__name__})")
+
+    def _incarnation(self, wid: WorkerId) -> int | None:
+        link = self.links.get(wid)
+        return None if link is None else link.incarnation
 
     def lose(self, wid: WorkerId, cause: str = "") -> None:
         """``wid`` is dead, hung or gone: its replica stops being ready for what it held, now (before any
