@@ -90,3 +90,52 @@ def test_whole_call_errors() -> None:
         advise(Planner(PlannerConfig(), 1, [AdapterInfo("a0", "v1", 100)]).view, [RouteRequest("a0")], CONFIG)
     with pytest.raises(NotFoundError, match=r"loads name unknown replicas \['r9'\]"):
         advise(fleet(2).view, [RouteRequest("a0")], CONFIG, loads={"r9": 1.0})
+
+
+def test_a_named_version_is_routed_where_that_version_is_ready() -> None:
+    """Issue 44 item 3: a request admitted on (or naming) a version kept beside the current one goes where that
+    very version is READY, not where the current one is; a reference that names nothing kept fails alone."""
+    planner = fleet(3)
+    for w in ("r0/w0", "r0/w1"):
+        hold(planner, w, "a0", SlotState.READY)  # the current version, v1
+    for w in ("r1/w0", "r1/w1"):  # the older version v0, still kept (a request in flight uses it)
+        planner.update_residency(w, ResidencyEntry("a0", "v0", SlotState.READY, 0))
+    kept = {"v0": "v0", "step-7": "v0", "v1": "v1"}  # versions, and the tag v0 was pushed under
+
+    def resolve(name: str, ref: str) -> str:
+        if name != "a0" or ref not in kept:
+            raise NotFoundError(f"adapter {name!r} has no version or pushed tag {ref!r} kept")
+        return kept[ref]
+
+    items = [RouteRequest("a0@step-7"), RouteRequest("a0", "v0"), RouteRequest("a0"), RouteRequest("a0@v1"),
+             RouteRequest("a0@v9"), RouteRequest("ghost@v0")]
+    out = advise(planner.view, items, CONFIG, resolve=resolve)
+    assert [(a.adapter, a.version) for a in out[:4]] == [("a0", "v0"), ("a0", "v0"), ("a0", "v1"), ("a0", "v1")]
+    alone = [advise(planner.view, [i], CONFIG, resolve=resolve)[0] for i in items[:4]]  # each in an idle fleet
+    assert [(a.ranked[0].replica, a.ranked[0].reason) for a in alone] == [
+        ("r1", Residence.READY), ("r1", Residence.READY), ("r0", Residence.READY), ("r0", Residence.READY)]
+    assert all(r.reason is not Residence.READY for r in alone[0].ranked[1:]), "v1's replica ranked READY for v0"
+    assert isinstance(out[4].error, NotFoundError) and "'v9'" in str(out[4].error) and out[4].ranked == []
+    assert isinstance(out[5].error, NotFoundError) and "adapter 'ghost' is not registered" in str(out[5].error)
+    (old,) = advise(planner.view, [RouteRequest("a0", "v0")], CONFIG)  # without a resolver: the current one only
+    assert isinstance(old.error, ConflictError)
+
+
+def test_a_named_version_takes_an_engine_lane_of_its_own() -> None:
+    """Two versions of one adapter are two adapters to an engine's ``max_adapters`` (it admits ``A@VERSION`` as a
+    row of its own): a replica whose one lane runs ``a0`` is full for ``a0@v0``."""
+    from lora_cache.routing.limits import RoutingLimits
+
+    planner = fleet(2)
+    for r in ("r0", "r1"):
+        for w in (f"{r}/w0", f"{r}/w1"):
+            hold(planner, w, "a0", SlotState.READY)
+            planner.update_residency(w, ResidencyEntry("a0", "v0", SlotState.READY, 0))
+    limits = RoutingLimits()
+    for r in ("r0", "r1"):
+        limits.declare(r, max_adapters=1, max_running=8)
+    out = advise(planner.view, [RouteRequest("a0"), RouteRequest("a0@v0"), RouteRequest("a0")], CONFIG,
+                 limits=limits, resolve=lambda name, ref: ref)
+    first, named, again = (a.ranked[0].replica for a in out)
+    assert named != first, "the named version was sent to the replica whose one lane runs the current version"
+    assert again == first, "a second request of the current version left the replica already running it"

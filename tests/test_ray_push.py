@@ -194,10 +194,10 @@ def test_a_push_by_ray_reference_and_older_versions_retire(world: World) -> None
     assert not (world.area / "by-ref").exists()
 
 
-def test_a_lookup_names_a_pushed_version_by_its_tag_or_its_version(world: World) -> None:
+def test_a_lookup_and_a_route_name_a_pushed_version_by_its_tag_or_its_version(world: World) -> None:
     """Issue 44 item 3: ``Lookup("NAME@TAG")`` answers for the version pushed under that tag (where it is READY or
     loading), as ``NAME@VERSION`` does; a tag no longer kept is NOT_FOUND naming those kept, a malformed one
-    INVALID_ARGUMENT."""
+    INVALID_ARGUMENT. ``Route`` ranks each item by where the version it names is."""
     name, versions = "tagged", {}
     for step in (30, 31):
         tensors = scaled(world.tensors, 1.0 + step / 10)
@@ -215,6 +215,17 @@ def test_a_lookup_names_a_pushed_version_by_its_tag_or_its_version(world: World)
     with pytest.raises(ClientError) as e:
         world.client.lookup(f"{name}@")
     assert e.value.code == "INVALID_ARGUMENT"
+    # Route takes the same references: each item is ranked by where its own version is (the current one READY on
+    # replica-0, the older one nowhere), and a bad reference fails alone
+    routed = world.client.route([f"{name}@31", f"{name}@30", (name, versions[30]), f"{name}@29",
+                                 (f"{name}@30", versions[30]), name])
+    assert [(r.adapter, r.version, r.error is None) for r in routed] == [
+        (name, versions[31], True), (name, versions[30], True), (name, versions[30], True),
+        (f"{name}@29", "", False), (f"{name}@30", versions[30], False), (name, versions[31], True)]
+    reasons = {r.replica: r.reason for r in routed[0].replicas}
+    assert reasons["replica-0"] == "ready" and {r.replica: r.reason for r in routed[1].replicas}["replica-0"] != "ready"
+    assert routed[3].error.code == "NOT_FOUND" and "tags ['30', '31']" in routed[3].error.message
+    assert routed[4].error.code == "INVALID_ARGUMENT" and "names a version twice" in routed[4].error.message
     ray.get(world.service.controller.unregister_adapter.remote(name), timeout=60)
 
 

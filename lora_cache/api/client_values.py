@@ -65,7 +65,8 @@ class Lookup(NamedTuple):
 
 
 class RouteItem(NamedTuple):
-    """One request to route (``version`` empty: the current one; ``request_id`` is echoed back)."""
+    """One request to route (``adapter`` ``A`` or ``A@REF`` for one kept version; ``version`` empty: the current
+    one, else a kept version of ``A``; ``request_id`` is echoed back)."""
 
     adapter: str
     version: str = ""

@@ -197,9 +197,12 @@ def route(request: pb.RouteRequest, limit: int) -> RouteCall:
 
 def _route_item(i: int, item: pb.RouteItem) -> RouteRequest:
     where = f" (item {i})"
-    name("adapter", item.adapter, where)
+    adapter_ref(f"adapter{where}", item.adapter)
     if item.version:
         name("version", item.version, where)
+        if "@" in item.adapter:
+            raise RequestError(f"item {i} names a version twice (adapter {show(item.adapter)}, version "
+                               f"{show(item.version)}); give NAME@REF or NAME with a version, not both")
     if item.request_id and not _hint_id_ok(item.request_id):
         raise RequestError(f"request_id {show(item.request_id)}{where} is malformed: use {HINT_ID_FORM}, "
                            "or leave it empty")

@@ -246,15 +246,16 @@ class ControllerActor:
         adapter nobody registered that lies under an adapter root has it registered first (``resolve_adapter``);
         an item whose resolution failed carries that failure (not found, over capacity, timed out)."""
         await self.loop.start()
-        unknown = sorted({i.adapter for i in items if i.adapter not in self.core.catalog}) if self.resolver.on() else []
+        names = {i.adapter.partition("@")[0] for i in items}  # ``A@REF``: a version of A (``adapters/refs.py``)
+        unknown = sorted(n for n in names if n not in self.core.catalog) if self.resolver.on() else []
         found = await asyncio.gather(*(self.resolver.resolve(a) for a in unknown), return_exceptions=True)
         for e in found:
             if isinstance(e, BaseException) and not isinstance(e, LoraCacheError):
                 raise e  # a bug, not an answer
         failed = {a: e for a, e in zip(unknown, found) if isinstance(e, LoraCacheError)}
         advice = self.core.route(items, outstanding)
-        return [a._replace(error=failed[a.adapter]) if a.error is not None and a.adapter in failed else a
-                for a in advice]
+        return [a._replace(error=failed[name]) if a.error is not None and (name := a.adapter.partition("@")[0])
+                in failed else a for a in advice]
 
     async def begin_watch(self, replica: str | None = None, adapter: str | None = None) -> int:
         """Check a readiness subscriber's filters (NotFoundError for unknown names); the current cursor."""

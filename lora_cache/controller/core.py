@@ -15,6 +15,7 @@ import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.peft import AdapterSpec, KnownVersion
+from lora_cache.adapters.refs import version_of
 from lora_cache.adapters.shards import shard_layout
 from lora_cache.controller.admission import ReportAdmission, ResidencyRow
 from lora_cache.controller.lost_ranks import LostRanks
@@ -379,7 +380,8 @@ class ControllerCore:
         (1.12x the best simple router against 1.05 allowed)."""
         self.routes_asked += len(items)
         return advise(self.planner.view, items, self.config.router, loads, down=self.lost.replicas(),
-                      limits=self.limits, clock=self.clock, hosted=self.planner.warming)
+                      limits=self.limits, clock=self.clock, hosted=self.planner.warming,
+                      resolve=lambda name, ref: version_of(self.catalog, name, ref))
 
     def status(self) -> dict[str, object]:
         return {"epoch": self.epoch, "adapters": len(self.catalog), "replicas": list(self.planner.view.replicas()),

@@ -10,7 +10,7 @@ does, that count is the replica's load, else the queue depth plus the active hin
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import NamedTuple
 
 from lora_cache.errors import ConflictError, LoraCacheError, NotFoundError
@@ -22,7 +22,8 @@ from lora_cache.vocab import AdapterKey
 
 
 class RouteRequest(NamedTuple):
-    """One request to route: its adapter, the version it was admitted with ('' = current), its tokens."""
+    """One request to route: its adapter (``A``, or ``A@REF`` for one kept version: ``advise``'s ``resolve``), the
+    version it was admitted with ('' = current), its tokens."""
 
     adapter: str
     version: str = ""
@@ -102,12 +103,17 @@ def replica_loads(view: FleetView, key: AdapterKey, loads: Mapping[str, float],
 def advise(view: FleetView, items: Sequence[RouteRequest], config: RouterConfig,
            loads: Mapping[str, float] | None = None, down: Collection[str] = (),
            limits: RoutingLimits | None = None, clock: LoadClock | None = None,
-           hosted: bool = True) -> list[RouteAdvice]:
+           hosted: bool = True, resolve: Resolve | None = None) -> list[RouteAdvice]:
     """Ranked replicas for every item, in order (``lora_cache.routing.ranking.route_batch``); an item naming an
-    unknown adapter or a version that is not current gets its own error and takes no load. ``limits``: the
+    unknown adapter or a version not kept gets its own error and takes no load. ``limits``: the
     replicas' admission limits and requests in flight; each item's first pick is recorded there. ``clock``: the
     measured load times and the requests' lead (``lora_cache.routing.clock``). ``hosted``: the shards the ranks
-    reported in their host tiers count as staged (the controller's choice: ``ControllerCore.route``)."""
+    reported in their host tiers count as staged (the controller's choice: ``ControllerCore.route``).
+
+    ``resolve(name, ref)``: the version kept for a reference (``lora_cache.adapters.refs.version_of``), or a
+    ``LoraCacheError``. With it, an item may name one version other than the current one (``A@REF``, or a version
+    of its own): it is ranked by where that very version is READY, loading or staged, and takes an engine lane
+    of its own (``A@VERSION``, as the engine admits it). Without it only the current version is routed."""
     loads = dict(loads or {})
     if not view.replicas():
         raise ConflictError("no replicas to route to; start some (lora-cache serve --replicas N) or wait for "
@@ -119,29 +125,44 @@ def advise(view: FleetView, items: Sequence[RouteRequest], config: RouterConfig,
     if unknown:
         raise NotFoundError(f"loads name unknown replicas {unknown}; known replicas: {list(view.replicas())}")
     views: dict[str, list[ReplicaLoad]] = {}
-    errors: list[LoraCacheError | None] = []
-    for item in items:
-        errors.append(_check(view, item))
-        if errors[-1] is None and item.adapter not in views:
-            views[item.adapter] = replica_loads(view, view.adapter(item.adapter).key, loads, down, limits,
-                                                clock, hosted)
-    good = [RouteItem(i.adapter, i.tokens) for i, e in zip(items, errors) if e is None]
+    targets: list[AdapterKey | LoraCacheError] = [_target(view, item, resolve) for item in items]
+    for key in targets:
+        if isinstance(key, AdapterKey) and _lane(view, key) not in views:
+            views[_lane(view, key)] = replica_loads(view, key, loads, down, limits, clock, hosted)
+    good = [RouteItem(_lane(view, k), i.tokens) for i, k in zip(items, targets) if isinstance(k, AdapterKey)]
     batch = route_batch(good, views, config, clock.lead_s if clock is not None else 0.0)
     if limits is not None:
         limits.record((i.adapter, r[0].replica) for i, r in zip(good, batch))
     ranked = iter(batch)
-    return [RouteAdvice(i.adapter, view.adapter(i.adapter).version, next(ranked)) if e is None
-            else RouteAdvice(i.adapter, i.version, [], e) for i, e in zip(items, errors)]
+    return [RouteAdvice(k.name, k.version, next(ranked)) if isinstance(k, AdapterKey)
+            else RouteAdvice(i.adapter, i.version, [], k) for i, k in zip(items, targets)]
 
 
-def _check(view: FleetView, item: RouteRequest) -> LoraCacheError | None:
+Resolve = Callable[[str, str], str]  # (name, reference) -> the version kept for it; raises LoraCacheError
+
+
+def _lane(view: FleetView, key: AdapterKey) -> str:
+    """What the ranking and the engine's lanes call ``key``: its name for the current version, ``A@VERSION``
+    for another (a distinct adapter to the engine, which admits it as a row of its own)."""
+    return key.name if key.version == view.adapter(key.name).version else str(key)
+
+
+def _target(view: FleetView, item: RouteRequest, resolve: Resolve | None) -> AdapterKey | LoraCacheError:
+    """The version ``item`` is to be routed for, or its own error."""
+    name, _, ref = item.adapter.partition("@")
+    ref = ref or item.version
     try:
-        current = view.adapter(item.adapter).version
+        current = view.adapter(name).version
     except LoraCacheError:
-        return NotFoundError(f"adapter {item.adapter!r} is not registered; register it first (lora-cache register "
+        return NotFoundError(f"adapter {name!r} is not registered; register it first (lora-cache register "
                              "NAME PATH) or route the request without an adapter")
-    if item.version and item.version != current:
-        return ConflictError(f"version {item.version!r} of adapter {item.adapter!r} is not current ({current!r}); "
+    if not ref or ref == current:
+        return AdapterKey(name, current)
+    if resolve is None:
+        return ConflictError(f"version {ref!r} of adapter {name!r} is not current ({current!r}); "
                              "route with the current version or an empty one (a request admitted with an old "
                              "version finishes where it runs)")
-    return None
+    try:
+        return AdapterKey(name, resolve(name, ref))
+    except LoraCacheError as e:
+        return e
