@@ -124,8 +124,17 @@ def test_acquire_and_step_make_no_host_sync(tmp_path: Path) -> None:
         cache.close()
 
 
+def _where(cache: WorkerCache) -> str:
+    """Where this process runs work against ``cache``: its device and streams, against the process's current ones (a
+    race test's batch runs on the current stream, which must be the cache's compute stream)."""
+    return (f"cache on {cache.device} (pool {cache.pool.device}), compute stream {cache.streams.compute_stream}; "
+            f"current device {torch.cuda.current_device()}, current stream {torch.cuda.current_stream()}, "
+            f"{torch.cuda.device_count()} GPUs")
+
+
 def _race_once(cache: WorkerCache, delay_cycles: int, wait_for_last_use: bool) -> bool:
     """A slow batch reads slot 0 while a prefetch wants it; True if the batch saw only its own weights."""
+    assert torch.cuda.current_stream(cache.pool.device) == cache.streams.compute_stream, _where(cache)
     own = cache.pool[0].clone()
     batch = cache.acquire(["adapter-000"])
     seen = torch.empty_like(own)
@@ -149,7 +158,8 @@ def test_stream_race_batch_sees_its_own_adapter(tmp_path: Path, delay_cycles: in
     try:
         for name in ("adapter-001", "adapter-000"):  # both staged on the host; adapter-000 in the only slot
             cache.prefetch(name).result(timeout=30)
-        assert all(_race_once(cache, delay_cycles, wait_for_last_use=True) for _ in range(3))
+        seen = [_race_once(cache, delay_cycles, wait_for_last_use=True) for _ in range(3)]
+        assert all(seen), f"a batch saw another adapter's weights in {seen.count(False)} of 3 races; {_where(cache)}"
         cache.check_integrity()
     finally:
         cache.close()
@@ -177,7 +187,8 @@ def test_stream_race_chunked_loads_wait_on_every_chunks_last_use(tmp_path: Path,
         assert len(cache.plan_of("adapter-000").chunks) == catalog.shape.num_layers > 1
         for name in ("adapter-001", "adapter-000"):
             cache.prefetch(name).result(timeout=30)
-        assert all(_race_once(cache, delay_cycles, wait_for_last_use=True) for _ in range(3))
+        seen = [_race_once(cache, delay_cycles, wait_for_last_use=True) for _ in range(3)]
+        assert all(seen), f"a batch saw another adapter's weights in {seen.count(False)} of 3 races; {_where(cache)}"
         cache.check_integrity()
     finally:
         cache.close()

@@ -414,6 +414,59 @@ def test_the_older_version_makes_room_for_its_new_one_when_nothing_else_can() ->
     assert evicted(planner.plan(1.0), "r0/w0") == ["a1"], "v1 is READY on one rank only: never served, evicted"
 
 
+@pytest.mark.parametrize("policy", ["global", "queue"])
+def test_a_version_a_waiting_request_names_is_prefetched_there_and_kept_while_it_waits(policy: str) -> None:
+    """Issue 44 item 3: a queued request naming an older version (``A@VERSION``, still kept) has that version
+    prefetched on its replica beside the current one, after the target's keys and only where room is left; it is not
+    evicted while a request waits for it, and goes once none does."""
+    planner = make(policy, slots=3)
+    planner.register_adapter(AdapterInfo("a1", "v2", 100))  # v1 stays loadable (the catalog keeps it)
+    planner.report_queue("r0", [QueueEntry("a1", 0.0, "v1"), QueueEntry("a1", 0.5), QueueEntry("a2", 0.7)], 1.0)
+    plan = planner.plan(1.0)
+    for worker in ("r0/w0", "r0/w1"):
+        commands = plan.for_worker(worker)
+        assert commands is not None
+        got = [(c.adapter, c.version) for c in commands.prefetches]
+        assert set(got) == {("a1", "v2"), ("a2", "v1"), ("a1", "v1")}, got
+        assert got[-1] == ("a1", "v1"), "the named version before the target's own keys"
+    for worker in ("r0/w0", "r0/w1"):
+        planner.report_residency(worker, [ResidencyEntry("a1", "v1", READY), ResidencyEntry("a1", "v2", READY),
+                                          ResidencyEntry("a2", "v1", READY)])
+    planner.report_queue("r0", [QueueEntry("a1", 0.0, "v1"), QueueEntry("a3", 0.8)], 1.1)  # a3 needs a slot
+    plan = planner.plan(1.1)
+    assert all(("a1", "v1") not in {(c.adapter, c.version) for c in plan.for_worker(w).evicts}
+               for w in ("r0/w0", "r0/w1") if plan.for_worker(w) is not None), "evicted while a request waits"
+    planner.report_queue("r0", [QueueEntry("a3", 0.8)], 1.2)  # the named request was admitted and finished
+    for worker in ("r0/w0", "r0/w1"):
+        planner.report_residency(worker, [ResidencyEntry("a1", "v1", READY), ResidencyEntry("a3", "v1", READY),
+                                          ResidencyEntry("a2", "v1", READY)])
+    planner.register_adapter(AdapterInfo("a4", "v1", 100))
+    planner.report_queue("r0", [QueueEntry("a4", 0.9)], 1.3)
+    plan = planner.plan(1.3)
+    assert any(("a1", "v1") in {(c.adapter, c.version) for c in plan.for_worker(w).evicts}
+               for w in ("r0/w0", "r0/w1") if plan.for_worker(w) is not None), "kept with nobody waiting"
+    planner.check_integrity()
+
+
+def test_a_hint_naming_a_version_prefetches_it_and_a_current_one_is_no_extra() -> None:
+    """A near hint naming an older version prefetches it on the hinted replica; naming the current version is the
+    same as naming none; durable state keeps the named versions of hints and queues."""
+    planner = make(slots=2)
+    planner.register_adapter(AdapterInfo("a1", "v2", 100))
+    assert planner.add_hint(Hint("h1", "a1", "r0", 1.0, version="v1"), 1.0)
+    assert planner.add_hint(Hint("h2", "a2", "r0", 1.0, version="v1"), 1.0)  # a2's current version
+    plan = planner.plan(1.0)
+    got = sorted((c.adapter, c.version) for c in plan.for_worker("r0/w0").prefetches)
+    assert ("a1", "v1") in got and got.count(("a2", "v1")) <= 1, got
+    planner.report_queue("r0", [QueueEntry("a3", 0.5, "v0")], 1.0)
+    state = json.loads(json.dumps(planner.export_state()))
+    fresh = make(slots=2)
+    fresh.register_adapter(AdapterInfo("a1", "v2", 100))
+    fresh.restore_state(state, 1.0)
+    assert fresh.view.queue("r0") == (QueueEntry("a3", 0.5, "v0"),)
+    assert {h.version for h in fresh.view.hints("r0")} == {"v1"}
+
+
 def test_byte_budget_is_checked_besides_slots() -> None:
     infos = [AdapterInfo("huge", "v1", 500), AdapterInfo("mid", "v1", 300), AdapterInfo("tiny", "v1", 100)]
     planner = Planner(PlannerConfig(), 0, infos, [ReplicaSpec("r", ("w",), 4, 400)])

@@ -100,8 +100,9 @@ def test_a_bad_item_fails_alone_and_the_good_ones_are_routed(served: Served) -> 
     assert "lora-cache register" in routes[1].error.message
     assert routes[2].error is not None and routes[2].error.code == "INVALID_ARGUMENT"
     assert "adapter '-bad name' (item 2) is malformed" in routes[2].error.message
-    assert routes[3].error is not None and routes[3].error.code == "FAILED_PRECONDITION"
-    assert "version 'v0ld' of adapter" in routes[3].error.message and "current" in routes[3].error.message
+    assert routes[3].error is not None and routes[3].error.code == "NOT_FOUND"  # a version not kept (issue 44)
+    assert "no version or pushed tag 'v0ld' kept" in routes[3].error.message
+    assert "kept: versions" in routes[3].error.message
     assert len(routes[0].replicas) == len(routes[4].replicas) == 2  # max_replicas
 
 

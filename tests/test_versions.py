@@ -491,3 +491,42 @@ def test_a_rank_that_cannot_hold_the_admitted_version_fails_the_request_never_us
         assert record.version == admitted.version and not m.scheduler.running
     finally:
         m.teardown()
+
+
+def test_a_version_a_waiting_request_or_a_hint_names_is_kept_and_prefetched_then_retires(tmp_path: Path) -> None:
+    """Issue 44 item 3: a queued request (``A@VERSION`` in the engine's queue report) or a hint naming an older
+    version keeps it loadable past ``keep_versions`` and has it prefetched on that replica; once nothing names it,
+    the next retirement round retires it. A version not kept only drops its own queue entry; a hint naming one is
+    rejected alone."""
+    import asyncio
+
+    from lora_cache.controller.core import ControllerConfig, ControllerCore
+    from lora_cache.controller.pushes import Pushes
+    from lora_cache.planner import PlannerConfig, QueueEntry
+
+    make_versions(tmp_path / "src")
+    catalog = CatalogConfig(adapter_roots=(str(tmp_path / "src"),), model="tiny", max_rank=16, keep_versions=1,
+                            push_dir=str(tmp_path / "pushes"))
+    core = ControllerCore(ControllerConfig(catalog=catalog, planner=PlannerConfig(policy="queue")), epoch=3)
+    core.add_replica("r0", tp=TP, slots=3)
+    v = [core.register_adapter("a", str(tmp_path / "src" / "a-v0")),
+         core.register_adapter("a", str(tmp_path / "src" / "a-v1"))]
+    core.register_adapter("b", str(tmp_path / "src" / "b-v0"))
+    core.report_queue("r0", [(f"a@{v[0]}", 1.0), ("b", 1.1), ("a@0000000000000000", 1.2)], now=1.2)
+    assert core.planner.view.queue("r0") == (QueueEntry("a", 1.0, v[0]), QueueEntry("b", 1.1))
+    outcome, = core.hint_batches([[("h1", f"a@{v[0]}", "r0", 5.0), ("h2", "a@nope", "r0", 5.0)]], now=1.2)
+    assert outcome.accepted == 1 and [r.index for r in outcome.rejections] == [1]
+    assert "'nope'" in str(outcome.rejections[0].error)
+    v.append(core.register_adapter("a", str(tmp_path / "src" / "a-v2")))
+    assert core.catalog.versions("a") == v, "v0 is past keep_versions 1 but a waiting request names it: kept"
+    plan = core.planner.plan(1.3)
+    got = {(c.adapter, c.version) for w in core.planner.view.workers("r0") if (cmd := plan.for_worker(w))
+           for c in cmd.prefetches}
+    assert ("a", v[0]) in got and ("b", core.catalog.get("b").version) in got, got
+    pushes = Pushes(core, None, "svc")  # type: ignore[arg-type]
+    assert asyncio.run(pushes.retire_released()) == [] and core.catalog.versions("a") == v, "named: kept"
+    core.report_queue("r0", [("b", 1.1)], now=1.4)  # the named request was admitted and finished
+    assert core.cancel_hint("h1", now=1.4)
+    assert asyncio.run(pushes.retire_released()) == ["a"] and core.catalog.versions("a") == v[1:]
+    assert core.named == set()
+    core.check_integrity()

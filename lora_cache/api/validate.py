@@ -76,13 +76,17 @@ def name(field: str, value: str, where: str = "") -> str:
     return value
 
 
-def adapter_ref(field: str, value: str) -> str:
+def _ref_ok(value: str) -> bool:
+    base, sep, ref = value.partition("@")
+    return bool(_name_ok(base)) and (not sep or TAG_RE.match(ref) is not None)
+
+
+def adapter_ref(field: str, value: str, where: str = "") -> str:
     """An adapter's name, or ``NAME@REF``: one version of it by version or by the tag it was pushed under (the
     value is shown cut short, never echoed whole)."""
-    name, sep, ref = value.partition("@")
-    if not _name_ok(name) or (sep and not TAG_RE.match(ref)):
-        raise RequestError(f"{field} {show(value)} is malformed: use {NAME_FORM}, or NAME@VERSION / NAME@TAG (1-64 "
-                           "letters, digits, '.', '_' or '-') for one version")
+    if not _ref_ok(value):
+        raise RequestError(f"{field} {show(value)}{where} is malformed: use {NAME_FORM}, or NAME@VERSION / "
+                           "NAME@TAG (1-64 letters, digits, '.', '_' or '-') for one version")
     return value
 
 
@@ -129,7 +133,7 @@ def per_item(items: Sequence[Item],
 
 def _hint(i: int, h: pb.PrefetchHint) -> HintTuple:
     hint_id, adapter, replica, priority = h.hint_id, h.adapter, h.replica, h.priority
-    if not (_hint_id_ok(hint_id) and _name_ok(adapter) and _name_ok(replica)) or priority not in PRIORITIES:
+    if not (_hint_id_ok(hint_id) and _ref_ok(adapter) and _name_ok(replica)) or priority not in PRIORITIES:
         raise RequestError(_bad_hint(i, h))
     expected = 0.0
     if h.HasField("expected_in"):
@@ -145,9 +149,10 @@ def _bad_hint(i: int, h: pb.PrefetchHint) -> str:
     if not _hint_id_ok(h.hint_id):
         return f"{where}: hint_id {show(h.hint_id)} is malformed: use {HINT_ID_FORM}"
     where = f"{where} ({show(h.hint_id)})"
-    for field in ("adapter", "replica"):
-        if not _name_ok(getattr(h, field)):
-            return f"{where}: {field} {show(getattr(h, field))} is malformed: use {NAME_FORM}"
+    if not _ref_ok(h.adapter):
+        return f"{where}: adapter {show(h.adapter)} is malformed: use {NAME_FORM}, or NAME@VERSION / NAME@TAG"
+    if not _name_ok(h.replica):
+        return f"{where}: replica {show(h.replica)} is malformed: use {NAME_FORM}"
     return (f"{where}: priority {h.priority} is not a HintPriority; use HINT_PRIORITY_NORMAL or "
             "HINT_PRIORITY_HIGH")
 
@@ -168,7 +173,7 @@ def queue(request: pb.ReportQueueRequest, limit: int) -> tuple[str, list[tuple[s
                            f"server's max_hints_per_call ({limit}); report the first {limit} (the head matters most)")
     entries = []
     for i, r in enumerate(request.requests):
-        name("adapter", r.adapter, f" (queue position {i})")
+        adapter_ref("adapter", r.adapter, f" (queue position {i})")  # NAME@REF: a request naming one version
         if not r.HasField("arrival_time"):
             raise RequestError(f"queue position {i} ({show(r.adapter)}) has no arrival_time; set it to when the "
                                "request arrived (it tells new arrivals from ones already reported)")
@@ -197,7 +202,7 @@ def route(request: pb.RouteRequest, limit: int) -> RouteCall:
 
 def _route_item(i: int, item: pb.RouteItem) -> RouteRequest:
     where = f" (item {i})"
-    adapter_ref(f"adapter{where}", item.adapter)
+    adapter_ref("adapter", item.adapter, where)
     if item.version:
         name("version", item.version, where)
         if "@" in item.adapter:

@@ -23,6 +23,7 @@ from lora_cache.controller.readiness import RankState, ReadinessEvent, Readiness
 from lora_cache.errors import ConfigError, LoraCacheError, NotFoundError
 from lora_cache.planner import (
     AdapterInfo,
+    FleetView,
     Hint,
     Planner,
     PlannerConfig,
@@ -80,6 +81,13 @@ class HintOutcome(NamedTuple):
     rejections: tuple[HintRejection, ...] = ()
 
 
+def named_versions(view: FleetView, adapter: str) -> set[str]:
+    """The versions of ``adapter`` that waiting requests or active hints name (issue 44 item 3): kept loadable while
+    they do, whatever their age (``AdapterCatalog.use``)."""
+    named = {e.version for r in view.replicas() for e in view.queue(r) if e.adapter == adapter and e.version}
+    return named | {h.version for r in view.replicas() for h in view.hints(r) if h.adapter == adapter and h.version}
+
+
 def _checked(memo: dict[str, LoraCacheError | None], check: Callable[[str], None], name: str) -> LoraCacheError | None:
     """Why ``check(name)`` refuses ``name`` (None: it passes), asked once per name (a batch names few, often)."""
     if name not in memo:
@@ -117,7 +125,10 @@ class ControllerCore:
         self.catalog = AdapterCatalog(config.catalog)
         self.planner = Planner(config.planner, epoch)
         self.readiness = ReadinessIndex(start_seq=epoch)
-        self.catalog.use(self.readiness.versions_held)  # an older version some rank holds stays loadable
+        # an older version some rank holds, or a waiting request or a hint names, stays loadable
+        self.catalog.use(lambda adapter: self.readiness.versions_held(adapter) | named_versions(self.planner.view,
+                                                                                                adapter))
+        self.named: set[str] = set()  # adapters some queue or hint named a version of since the last retirement
         self.paths: dict[str, str] = {}  # adapter -> registered path, replayed to new workers
         self.commands_sent = 0
         self.failures: dict[tuple[WorkerId, str, str], Failure] = {}  # (worker, adapter, version) -> last failure
@@ -212,11 +223,21 @@ class ControllerCore:
 
     # -- inputs (steps 1-3) ---------------------------------------------------------------------
     def report_queue(self, replica: str, adapters: Iterable[tuple[str, float]], now: float) -> None:
-        entries = [QueueEntry(a, t) for a, t in adapters]
+        """A replica's waiting requests, each ``(A, arrival)`` or ``(A@REF, arrival)`` for a request naming one
+        version (``adapters/refs.py``): that version is kept and prefetched there while it waits. An unknown adapter
+        fails the report; a version no longer kept only its own entry (its request fails alone at admission)."""
         self.check_replica(replica)
-        for e in entries:
-            self.check_adapter(e.adapter)
+        entries = []
+        for ref, t in adapters:
+            name, _, tag = ref.partition("@")
+            self.check_adapter(name)
+            try:
+                entries.append(QueueEntry(name, t, version_of(self.catalog, name, tag) if tag else ""))
+            except LoraCacheError:
+                continue  # not kept (any more): its request fails alone, naming the versions kept
+        before = self.planner.view.queue(replica)
         self.planner.report_queue(replica, entries, now)
+        self.named |= {e.adapter for e in (*before, *entries) if e.version}  # retired once nothing names them
 
     def hint(self, hint_id: str, adapter: str, replica: str, expected_s: float, now: float) -> bool:
         self.check_replica(replica)
@@ -237,12 +258,19 @@ class ControllerCore:
         hints: list[Hint] = []
         rejected: list[HintRejection] = []
         for i, (hint_id, adapter, replica, dt) in enumerate(batch):
-            error = _checked(replicas, self.check_replica, replica) or _checked(adapters, self.check_adapter, adapter)
+            name, _, tag = adapter.partition("@")  # ``A@REF``: one version of A (``adapters/refs.py``)
+            error = _checked(replicas, self.check_replica, replica) or _checked(adapters, self.check_adapter, name)
+            try:
+                version = version_of(self.catalog, name, tag) if tag and error is None else ""
+            except LoraCacheError as e:
+                error = e
             if error is not None:
                 rejected.append(HintRejection(i, hint_id, error))
                 continue
             self.clock.lead(dt)
-            hints.append(Hint(hint_id, adapter, replica, now + max(0.0, dt)))
+            hints.append(Hint(hint_id, name, replica, now + max(0.0, dt), version))
+            if version:
+                self.named.add(name)
         down = self.lost.replicas()  # a hint to a replica with a lost rank is ignored: nothing is planned there
         taken = sum(hint.replica not in down and self.planner.add_hint(hint, now) for hint in hints)
         self.hints_received += len(hints)  # the rejected never reached the planner

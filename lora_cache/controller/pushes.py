@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from lora_cache.adapters.catalog import check_name
 from lora_cache.adapters.pushed import PushArea, check_push, check_tag, content_tag
-from lora_cache.controller.core import ControllerCore
+from lora_cache.controller.core import ControllerCore, named_versions
 from lora_cache.controller.registrations import Registrar
 from lora_cache.errors import ConflictError
 
@@ -80,7 +80,9 @@ class Pushes:
         each adapter a rank let go of a version of since the last call: ``ReadinessIndex.released``), and their
         pushed directories; the names that had some."""
         core = self.core
-        names, core.readiness.released = core.readiness.released, set()
+        names, core.readiness.released = core.readiness.released | core.named, set()
+        # a version a waiting request or a hint names is kept until they are gone (``named_versions``): asked again
+        core.named = {name for name in core.named if name in core.catalog and named_versions(core.planner.view, name)}
         retired = [name for name in sorted(names) if name in core.catalog and core.catalog.trim(name)]
         for name in retired:
             await asyncio.to_thread(self.area.retire, name, self._kept(name))

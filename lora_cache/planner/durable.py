@@ -37,8 +37,10 @@ def export_state(hints: HintBook, queues: Mapping[str, tuple[QueueEntry, ...]], 
     popular, whose loss costs the least)."""
     return {
         "format": FORMAT,
-        "hints": [[h.hint_id, h.adapter, h.replica, h.expected_s] for h in hints.active.values()],
-        "queues": {r: [[e.adapter, e.arrival_s] for e in q] for r, q in queues.items()},
+        "hints": [[h.hint_id, h.adapter, h.replica, h.expected_s, *([h.version] if h.version else [])]
+                  for h in hints.active.values()],
+        "queues": {r: [[e.adapter, e.arrival_s, *([e.version] if e.version else [])] for e in q]
+                   for r, q in queues.items()},
         "popularity": {
             "landmark_s": popularity.landmark_s,
             "fleet": _top(popularity.fleet, max_counts),
@@ -55,8 +57,8 @@ def restore_state(state: Mapping[str, Any], now: float, hints: HintBook, horizon
         raise ValueError(f"controller state has format {state.get('format')!r}, this controller reads {FORMAT}")
     skipped, touched = 0, set()
     taken_hints = 0
-    for hint_id, adapter, replica, expected_s in state["hints"]:
-        hint = Hint(str(hint_id), str(adapter), str(replica), float(expected_s))
+    for hint_id, adapter, replica, expected_s, *version in state["hints"]:  # a named version's, since issue 44
+        hint = Hint(str(hint_id), str(adapter), str(replica), float(expected_s), str(version[0]) if version else "")
         if adapter in catalog and replica in replicas and hints.add(hint, now):
             horizon.watch(hint, now, hints.active)
             taken_hints += 1
@@ -65,7 +67,7 @@ def restore_state(state: Mapping[str, Any], now: float, hints: HintBook, horizon
             skipped += 1
     taken_queues = 0
     for replica, entries in state["queues"].items():
-        queue = tuple(QueueEntry(str(a), float(t)) for a, t in entries if a in catalog)
+        queue = tuple(QueueEntry(str(a), float(t), str(v[0]) if v else "") for a, t, *v in entries if a in catalog)
         skipped += len(entries) - len(queue)
         if replica in replicas and queue and replica not in queues:  # a fresher report wins
             queues[replica] = queue

@@ -284,11 +284,14 @@ class Planner:
         assert self._popularity.fleet.values.keys() <= catalog.keys(), "counts for unknown adapters"
 
 
-def _queue_entry(fleet: FleetState, replica: str, entry: QueueEntry) -> QueueEntry:
-    adapter, arrival_s = entry
+def _queue_entry(fleet: FleetState, replica: str, entry: QueueEntry | tuple[str, float]) -> QueueEntry:
+    adapter, arrival_s, *named = entry
     fleet.require_adapter(adapter, f"the queue of replica {replica!r}")
     check_time(f"arrival_s of a queued request for {adapter!r} at {replica!r}", arrival_s)
-    return QueueEntry(adapter, arrival_s)
+    version = named[0] if named else ""
+    if version:
+        check_id(f"version of a queued request for {adapter!r} at {replica!r}", version)
+    return QueueEntry(adapter, arrival_s, version)
 
 
 def _residency_entry(fleet: FleetState, worker: str, entry: ResidencyEntry) -> tuple[AdapterKey, Residency]:

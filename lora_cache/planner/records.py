@@ -52,10 +52,12 @@ class ResidencyEntry(NamedTuple):
 
 
 class QueueEntry(NamedTuple):
-    """A waiting request of a replica: its adapter and when it arrived (identifies new arrivals)."""
+    """A waiting request of a replica: its adapter and when it arrived (identifies new arrivals); ``version``: the
+    one version it names (``A@VERSION``, issue 44 item 3), or "" for the version the replica serves."""
 
     adapter: str
     arrival_s: float
+    version: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,12 +117,15 @@ class Hint:
     adapter: str
     replica: str
     expected_s: float
+    version: str = ""  # the one version its request names (issue 44 item 3); "": the version the replica serves
 
     def __post_init__(self) -> None:
         check_id("hint id", self.hint_id)
         check_id(f"adapter of hint {self.hint_id!r}", self.adapter)
         check_id(f"replica of hint {self.hint_id!r}", self.replica)
         check_time(f"expected_s of hint {self.hint_id!r}", self.expected_s)
+        if self.version:
+            check_id(f"version of hint {self.hint_id!r}", self.version)
 
 
 def check_id(what: str, value: object) -> None:

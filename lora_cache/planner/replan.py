@@ -16,7 +16,7 @@ give the same plan.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from lora_cache.planner.commands import Plan, WorkerCommands
@@ -26,7 +26,7 @@ from lora_cache.planner.homes import HomeBook
 from lora_cache.planner.horizon import Horizon
 from lora_cache.planner.policies import POLICIES, Room
 from lora_cache.planner.popularity import Popularity
-from lora_cache.planner.records import SlotState
+from lora_cache.planner.records import Capacity, SlotState
 from lora_cache.planner.staging import fitting
 from lora_cache.planner.state import FleetState
 from lora_cache.planner.view import ReplicaView, Target
@@ -126,11 +126,13 @@ class Replanner:
                 resident.add(key)
                 if residency.pinned:
                     pinned.add(key)
-        queued = _unique(e.adapter for e in fleet.queues.get(replica, ()))
+        current = fleet.is_current  # a request naming another version wants that one (``_named``), not this one
+        queued = _unique(e.adapter for e in fleet.queues.get(replica, ()) if current(e.adapter, e.version))
         hinted: tuple[str, ...] = ()
         far: tuple[str, ...] = ()
         if self.policy.uses_hints:
-            near_hints, far_hints = self._horizon.split(self._hints.for_replica(replica), now or 0.0)
+            near_hints, far_hints = self._horizon.split(
+                [h for h in self._hints.for_replica(replica) if current(h.adapter, h.version)], now or 0.0)
             hinted = _unique(h.adapter for h in near_hints if h.adapter not in set(queued))
             far = _unique(h.adapter for h in far_hints if h.adapter not in set(queued) | set(hinted))
         return ReplicaView(replica, fleet.replica_capacity(replica), frozenset(resident),
@@ -184,8 +186,21 @@ class Replanner:
             taken = set(target.keys) | set(target.staged) | view.resident  # a rank holds it: its host tier too
             warm_keys = self._warm_fitting(view, target, tuple(k for k in warm.warm(replica) if k not in taken))
         bridges = self._bridges(replica, target)
-        diffs = (self._diff(worker, replica, target, warm_keys, bridges) for worker in fleet.workers[replica])
+        named = self._named(replica, target, now)
+        diffs = (self._diff(worker, replica, target, warm_keys, bridges, named) for worker in fleet.workers[replica])
         return [commands for commands in diffs if commands is not None]
+
+    def _named(self, replica: str, target: Target, now: float) -> tuple[AdapterKey, ...]:
+        """The versions other than the current one that ``replica``'s waiting requests name (``A@VERSION``, issue
+        44 item 3), then its near hints', in queue (then expected) order: wanted there beside the target, after
+        its keys (prefetched where room is left, and not evicted while a request waits for them)."""
+        fleet = self._fleet
+        named = [AdapterKey(e.adapter, e.version) for e in fleet.queues.get(replica, ()) if e.version]
+        if self.policy.uses_hints:
+            near, _ = self._horizon.split(self._hints.for_replica(replica), now)
+            named += [AdapterKey(h.adapter, h.version) for h in near if h.version]
+        keys = set(target.keys)
+        return tuple(k for k in dict.fromkeys(named) if k not in keys and not fleet.is_current(k.name, k.version))
 
     def _warm_fitting(self, view: ReplicaView, target: Target, keys: tuple[AdapterKey, ...]) -> tuple[AdapterKey, ...]:
         """The prefix of the warm ``keys`` whose bytes fit the host tier beside the target's own stages: what a
@@ -224,7 +239,8 @@ class Replanner:
         return frozenset(k for k in older if everywhere(k) and not everywhere(names[k.name]))
 
     def _diff(self, worker: str, replica: str, target: Target, warm: tuple[AdapterKey, ...] = (),
-              bridges: frozenset[AdapterKey] = frozenset()) -> WorkerCommands | None:
+              bridges: frozenset[AdapterKey] = frozenset(),
+              named: tuple[AdapterKey, ...] = ()) -> WorkerCommands | None:
         """One worker's commands to move from what it holds to `target`, within its own capacity.
 
         Stages go once per stretch of time that the target wants them: a key is staged again only after
@@ -233,15 +249,16 @@ class Replanner:
         still on the host refreshes its place in the LRU, and one the LRU dropped is read again."""
         fleet = self._fleet
         held = fleet.residency[worker]
-        wanted = set(target.keys)
+        keys = _with_named(target, named, fleet.capacity[worker], fleet.bytes_of)
+        wanted = set(keys)
         evicts = sorted(k for k, r in held.items() if k not in wanted and not r.pinned and k not in bridges)
         room = Room(fleet.capacity[worker])
         for key in held.keys() - set(evicts):
             room.take(fleet.bytes_of(key))
         kept = sorted(k for k in bridges if k in held and not held[k].pinned)  # may make room for new versions
         prefetches: list[tuple[int, AdapterKey]] = []
-        for priority, key in enumerate(target.keys):
-            mine = [k for k in kept if k.name == key.name]
+        for priority, key in enumerate(keys):
+            mine = [k for k in kept if k.name == key.name and key not in named]
             while key not in held and not room.fits(fleet.bytes_of(key)) and mine:
                 bridge = mine.pop()  # its own new version needs the room: requests wait for it, as without one
                 kept.remove(bridge)
@@ -253,12 +270,12 @@ class Replanner:
         evicts.sort()
         sent = fleet.staged.get(worker, frozenset())
         staging = [key for key in target.staged if key not in held]
-        stages = [(len(target.keys) + i, key) for i, key in enumerate(staging) if key not in sent]
+        stages = [(len(keys) + i, key) for i, key in enumerate(staging) if key not in sent]
         warming = [key for key in warm if key not in held]
         assignment, warm_sent = self._warm_sent.get(worker, (-1, frozenset()))
         if assignment != self.warming.assignments:
             warm_sent = frozenset()
-        first = len(target.keys) + len(staging)
+        first = len(keys) + len(staging)
         speculative = [(first + i, key) for i, key in enumerate(warming) if key not in warm_sent]
         self._warm_sent[worker] = (self.warming.assignments, warm_sent | {k for _, k in speculative})
         fleet.set_staged(worker, staging)  # warm stages: routing counts them once the worker reports them read
@@ -275,6 +292,24 @@ class Replanner:
             tuple(Prefetch(k.name, k.version, p, self.epoch) for p, k in prefetches),
             tuple(Stage(k.name, k.version, p, self.epoch) for p, k in stages)
             + tuple(Stage(k.name, k.version, p, self.epoch, speculative=True) for p, k in speculative))
+
+
+def _with_named(target: Target, named: tuple[AdapterKey, ...], capacity: Capacity,
+                bytes_of: Callable[[AdapterKey], int]) -> tuple[AdapterKey, ...]:
+    """The keys a worker is to hold, most urgent first: the target's demanded keys (pinned, queued, hinted), then the
+    versions waiting requests name (``named``), then the target's speculative keys that still fit beside them (a
+    version a request waits for outranks a guess)."""
+    if not named:
+        return target.keys
+    room = Room(capacity)
+    keys = []
+    for key in (*(k for k in target.keys if k not in target.speculative), *named,
+                *(k for k in target.keys if k in target.speculative)):
+        if key in target.speculative and not room.fits(bytes_of(key)):
+            continue
+        room.take(bytes_of(key))
+        keys.append(key)
+    return tuple(keys)
 
 
 def _unique(names: Iterable[str]) -> tuple[str, ...]:

@@ -66,6 +66,10 @@ class FleetState:
         """Bytes of one rank's shard (every version of an adapter is assumed the catalog's size)."""
         return self.catalog[key.name].bytes_per_rank
 
+    def is_current(self, adapter: str, version: str) -> bool:
+        """Whether a request naming ``version`` of ``adapter`` ("": none) wants its current version."""
+        return not version or version == self.catalog[adapter].version
+
     def min_bytes(self) -> int:
         if self._min_bytes is None and self.catalog:  # an empty catalog caches nothing: 1 would go stale
             self._min_bytes = min(a.bytes_per_rank for a in self.catalog.values())

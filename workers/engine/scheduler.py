@@ -252,16 +252,17 @@ class Scheduler:
         return [self.live[rid].record() for rid in sorted(self.live)]
 
     def queue(self, plan: StepPlan | None = None) -> list[tuple[str, float]]:
-        """(adapter, arrival) of every waiting request with an adapter, in queue order: what an engine
+        """(adapter or ``A@VERSION``, arrival) of every waiting request with an adapter, in queue order: what an engine
         reports to the controller (lifecycle step 1; new arrivals count towards popularity there).
 
         ``plan``: the requests it admits lead the report, so a request admitted in the round it arrived
         is still seen once: the controller counts it and fulfils its hint (else the hint would linger
         as pending, crowding out fresh ones, until it expires)."""
         items = plan.items if plan is not None and plan.kind == PREFILL else ()
-        admitted = [(base_name(it.adapter), self.live[it.rid].request.arrival_s) for it in items
-                    if it.adapter is not None]
-        return admitted + [(base_name(lv.request.adapter), lv.request.arrival_s) for lv in self.waiting
+        admitted = [(it.adapter, self.live[it.rid].request.arrival_s) for it in items if it.adapter is not None]
+        # a request naming one version is reported as it names it (``A@VERSION``): the controller keeps that version
+        # and prefetches it here while the request waits
+        return admitted + [(lv.request.adapter, lv.request.arrival_s) for lv in self.waiting
                            if lv.request.adapter is not None]
 
     # -- helpers -------------------------------------------------------------------------------------
