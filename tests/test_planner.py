@@ -467,6 +467,27 @@ def test_a_hint_naming_a_version_prefetches_it_and_a_current_one_is_no_extra() -
     assert {h.version for h in fresh.view.hints("r0")} == {"v1"}
 
 
+def test_a_named_version_displaces_what_is_kept_for_its_value_alone() -> None:
+    """Found by the Ray push test: every slot held by incumbents (resident, nothing asks for them) left a hinted
+    older version no room, so it was never prefetched. A version a hint or a waiting request names outranks what
+    the target keeps for its value alone; it never displaces what a request waits for."""
+    planner = make(slots=2)
+    hold(planner, "r0", "a2", "a3")  # incumbents: resident, neither queued nor hinted
+    planner.register_adapter(AdapterInfo("a1", "v2", 100))
+    assert planner.add_hint(Hint("h1", "a1", "r0", 1.0, version="v1"), 1.0)
+    plan = planner.plan(1.0)
+    for worker in ("r0/w0", "r0/w1"):
+        commands = plan.for_worker(worker)
+        assert commands is not None and (commands.prefetches[0].adapter, commands.prefetches[0].version) == ("a1", "v1")
+        assert commands.evicts and {e.adapter for e in commands.evicts} <= {"a2", "a3"}
+    planner = make(slots=2)
+    hold(planner, "r0", "a2", "a3")
+    queue(planner, "r0", "a2", "a3")  # both wanted by waiting requests: the named version waits for room
+    planner.register_adapter(AdapterInfo("a1", "v2", 100))
+    assert planner.add_hint(Hint("h1", "a1", "r0", 1.0, version="v1"), 1.0)
+    assert evicted(planner.plan(1.0), "r0/w0") == []
+
+
 def test_byte_budget_is_checked_besides_slots() -> None:
     infos = [AdapterInfo("huge", "v1", 500), AdapterInfo("mid", "v1", 300), AdapterInfo("tiny", "v1", 100)]
     planner = Planner(PlannerConfig(), 0, infos, [ReplicaSpec("r", ("w",), 4, 400)])

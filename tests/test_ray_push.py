@@ -226,6 +226,13 @@ def test_a_lookup_and_a_route_name_a_pushed_version_by_its_tag_or_its_version(wo
     assert reasons["replica-0"] == "ready" and {r.replica: r.reason for r in routed[1].replicas}["replica-0"] != "ready"
     assert routed[3].error.code == "NOT_FOUND" and "tags ['30', '31']" in routed[3].error.message
     assert routed[4].error.code == "INVALID_ARGUMENT" and "names a version twice" in routed[4].error.message
+    # a hint naming the older version has it prefetched there (and kept while the hint is active); one naming a
+    # version not kept is rejected alone
+    taken = world.client.hint([(f"old-{name}", f"{name}@30", "replica-0"), (f"gone-{name}", f"{name}@29", "replica-0")])
+    assert taken.accepted == 1 and [r.index for r in taken.rejections] == [1], taken
+    wait_until(lambda: "replica-0" in world.client.lookup(f"{name}@30").ready, f"{name}@30 prefetched by its hint", 30)
+    (again,) = world.client.route([f"{name}@30"])
+    assert {r.replica: r.reason for r in again.replicas}["replica-0"] == "ready"
     ray.get(world.service.controller.unregister_adapter.remote(name), timeout=60)
 
 

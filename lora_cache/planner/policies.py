@@ -144,7 +144,7 @@ def build_target(view: ReplicaView, scorer: Scorer, needed: tuple[str, ...],
     target = tuple(keys) + tuple(far_in) + tuple(k for _, k in popular) + tuple(homes)
     homeless = [k for k in wanted if k not in chosen] + [k for k in far if k not in target]
     staged = plan_stages(view, scorer, homeless, target, config) if stage else ()
-    return Target(target, frozenset(k for _, k in admitted) | frozenset(homes), staged)
+    return Target(target, frozenset(k for _, k in admitted) | frozenset(homes), staged, len(keys) + len(far_in))
 
 
 def _homes(view: ReplicaView, scorer: Scorer, held: set[AdapterKey], kept: list[Scored],

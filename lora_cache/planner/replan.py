@@ -297,18 +297,20 @@ class Replanner:
 def _with_named(target: Target, named: tuple[AdapterKey, ...], capacity: Capacity,
                 bytes_of: Callable[[AdapterKey], int]) -> tuple[AdapterKey, ...]:
     """The keys a worker is to hold, most urgent first: the target's demanded keys (pinned, queued, hinted), then the
-    versions waiting requests name (``named``), then the target's speculative keys that still fit beside them (a
-    version a request waits for outranks a guess)."""
+    versions waiting requests and hints name (``named``), then the target's other keys (incumbents kept, speculation,
+    homes) that still fit beside them: a version a request waits for outranks what is kept for its value alone."""
     if not named:
         return target.keys
+    demanded = len(target.keys) if target.demanded < 0 else target.demanded
     room = Room(capacity)
     keys = []
-    for key in (*(k for k in target.keys if k not in target.speculative), *named,
-                *(k for k in target.keys if k in target.speculative)):
-        if key in target.speculative and not room.fits(bytes_of(key)):
-            continue
+    for key in (*target.keys[:demanded], *named):
         room.take(bytes_of(key))
         keys.append(key)
+    for key in target.keys[demanded:]:
+        if room.fits(bytes_of(key)):
+            room.take(bytes_of(key))
+            keys.append(key)
     return tuple(keys)
 
 

@@ -48,6 +48,8 @@ class Target(NamedTuple):
     keys: tuple[AdapterKey, ...]
     speculative: frozenset[AdapterKey]  # admitted for popularity alone (not pinned, queued or hinted)
     staged: tuple[AdapterKey, ...] = ()  # needed, given no GPU room: into the host tiers, in need order
+    demanded: int = -1  # how many of ``keys`` lead for a request (pinned, queued, hinted); the rest are kept or
+    # admitted for their value alone (incumbents, speculation, homes); -1: all of them
 
 
 class Scorer(Protocol):
