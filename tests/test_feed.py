@@ -133,6 +133,45 @@ def test_an_engine_serves_requests_submitted_while_it_runs(adapters: Path) -> No
         torch.testing.assert_close(rec.outputs, upfront[rid].outputs, rtol=1e-4, atol=1e-4)
 
 
+def test_idle_named_rows_leave_the_running_exchange_and_come_back_when_named_again(
+        adapters: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 44 item 3: a request naming one version (``A@VERSION``) adds a row to the version exchange; once no
+    request names it (none kept idle here), the loop drops it, and a later request naming it adds it again and runs
+    at exactly that version: the exchange does not grow with every version ever named."""
+    import workers.engine.engine as engine_module
+    from workers.attach.versions import RankVersions
+
+    monkeypatch.setattr(engine_module, "NAMED_ROWS_IDLE", 0)
+    drops: list[tuple[str, ...]] = []
+    drop = RankVersions.drop
+    monkeypatch.setattr(RankVersions, "drop", lambda self, names: (drops.append(tuple(names)) if names else None,
+                                                                   drop(self, names))[1])
+    cfg = config(adapters, admission="ondemand")
+    version = load_catalog(cfg).get(ADAPTERS[0]).version
+    named = f"{ADAPTERS[0]}@{version}"
+    waves = [[Request(rid, named, 3, 2, 0.0) for rid in range(2)],
+             [Request(rid, ADAPTERS[1], 3, 2, 0.0) for rid in range(2, 6)],
+             [Request(rid, named, 3, 2, 0.0) for rid in range(6, 8)]]
+    feed = Feed()
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(serve_rank, cfg, ADMISSION["ondemand"](), (), Comm(), None, Hooks(time.time(), feed=feed))
+        done: list[int] = []
+        for wave in waves:
+            feed.submit([r._replace(arrival_s=0.0) for r in wave])
+            while len(done) < wave[-1].rid + 1:
+                done += feed.finished(30.0) or []
+            if wave is waves[1]:
+                wait_for(lambda: (named,) in drops, "the idle named row dropped", timeout=30)
+        feed.close()
+        while feed.finished(30.0) is not None:
+            pass
+        result = run.result(timeout=120)
+    records = {r.rid: r for r in result.records}
+    assert sorted(records) == list(range(8)) and all(r.ok for r in records.values()), records
+    assert all(records[rid].version == version for rid in (0, 1, 6, 7)), "a named request ran at another version"
+    assert drops.count((named,)) >= 1
+
+
 def test_a_request_for_an_adapter_the_engine_does_not_serve_fails_alone_and_the_run_goes_on(adapters: Path) -> None:
     """An adapter the catalog never registered: the request fails with an error naming it and the fix, and the
     run serves the requests before and after it (it once raised KeyError in the loop, ending the run: every

@@ -46,6 +46,7 @@ from workers.attach.versions import (
 from workers.cache import WorkerCache, WorkerConfig
 from workers.engine.admission import ADMISSION
 from workers.engine.config import EngineConfig
+from workers.engine.engine import NamedRows
 from workers.engine.rank import slot_digest
 from workers.engine.scheduler import PREFILL, STOP, WAIT, Scheduler, _Live
 from workers.engine.workload import Request
@@ -321,6 +322,16 @@ class VersionsMachine(RuleBasedStateMachine):
         self.named[self.rid] = versions[pick % len(versions)]
         self.arrive(ref, length, out)
 
+    @rule()
+    def drop_idle_rows(self) -> None:
+        """Rank 0 drops every named row no request uses (``NamedRows`` keeping none idle, the harshest), every rank
+        the same rows at the same round, as the engine's loop does with its plan's ``dropped``."""
+        dropped = NamedRows(keep=0).dropped(self.reports[0].names, self.scheduler.named_in_use())
+        for report in self.reports:
+            report.drop(dropped)
+        if dropped:
+            self.record("idle named rows dropped")
+
     @rule(name=st.sampled_from(NAMES), version=st.integers(0, VERSIONS - 1), rank=st.integers(0, TP - 1))
     def reregister(self, name: str, version: int, rank: int) -> None:
         """Registration reaches one rank now, the other later (or never, until drawn)."""
@@ -530,3 +541,31 @@ def test_a_version_a_waiting_request_or_a_hint_names_is_kept_and_prefetched_then
     assert asyncio.run(pushes.retire_released()) == ["a"] and core.catalog.versions("a") == v[1:]
     assert core.named == set()
     core.check_integrity()
+
+
+def test_idle_named_rows_leave_the_exchange_least_recently_used_first(tmp_path: Path) -> None:
+    """Issue 44 item 3: every version a request names gets a row of the version exchange; rows no pending, waiting
+    or running request names go once more than ``keep`` are idle, least recently used first, on every rank at
+    once; the other rows keep their reports; a later request naming one appends it again."""
+    make_versions(tmp_path)
+    catalog = AdapterCatalog(CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny", max_rank=16))
+    v = [catalog.register("a", tmp_path / f"a-v{i}").version for i in range(VERSIONS)]
+    catalog.register("b", tmp_path / "b-v0")
+    report = RankVersions(catalog, ("a", "b"))
+    named = [f"a@{x}" for x in v]
+    report.append(named)
+    rows = NamedRows(keep=1)
+    assert rows.dropped(report.names, set(named)) == ()  # all in use
+    assert rows.dropped(report.names, {named[2]}) == (named[0],), "two idle, one kept: the first to go"
+    report.drop((named[0],))
+    assert report.names == ["a", "b", named[1], named[2]] and report.index[named[2]] == 3
+    got = report.rows([AdapterKey("a", v[2]), AdapterKey("a", v[1])]).numpy()
+    assert got[report.index[named[1]], RDY] == version_code(v[1])
+    assert got[report.index[named[2]], RDY] == version_code(v[2])
+    assert got[report.index["a"], RDY] == version_code(v[2]), "the name's own row still says its current version"
+    assert rows.dropped(report.names, set()) == (named[1],) and rows.last == {named[2]: rows.round - 1}
+    report.drop((named[1],))
+    with pytest.raises(ValueError, match="not in the version exchange"):
+        report.drop((named[1],))
+    report.append([named[0]])  # named again: a row of its own again
+    assert report.names[-1] == named[0]

@@ -103,6 +103,21 @@ class RankVersions:
         self._cur = np.concatenate([self._cur, np.zeros(len(names), dtype=np.int64)])
         self._generation = -1  # the catalog generation ``_cur`` was computed at (-1: recompute)
 
+    def drop(self, names: Sequence[str]) -> None:
+        """Remove the rows of ``names`` (named versions no request uses any more: ``workers.engine.engine.NamedRows``),
+        every rank the same names at the same round, as ``append``; a name it lacks is an error (the ranks would
+        diverge). A later request naming one appends its row again."""
+        if not names:
+            return
+        if missing := sorted(n for n in names if n not in self.index):
+            raise ValueError(f"names {missing[:8]} are not in the version exchange; drop only rows rank 0 found idle")
+        gone = set(names)
+        keep = np.array([n not in gone for n in self.names], dtype=bool)
+        self.names = [n for n in self.names if n not in gone]
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self._seen, self._cur = self._seen[keep], self._cur[keep]
+        self._generation = -1
+
     def rows(self, ready: Iterable[AdapterKey], failed_loads: Iterable[str] = (),
              failed_steps: Iterable[str] = (), issued: Iterable[AdapterKey] = ()) -> torch.Tensor:
         """This rank's report: [len(names), COLUMNS] int64 (``ready``: the versions READY here; ``issued``:

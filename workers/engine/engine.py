@@ -89,7 +89,7 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
             t0 += hooks.start_wall - time.time()
             time.sleep(max(0.0, t0 - time.perf_counter()))
         wall0 = time.time() - (time.perf_counter() - t0)
-        plan, queue = StepPlan(STOP), None
+        plan, queue, named_rows = StepPlan(STOP), None, NamedRows(NAMED_ROWS_IDLE)
         while True:
             vec = comm.min_control(engine.readiness(plan.wanted))  # every rule: the versions (invariant 1)
             added: tuple[str, ...] = ()
@@ -98,8 +98,9 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
                 added = _take(feed, scheduler, engine)
             elif scheduler is not None:
                 added = engine.new_names()
-            plan = comm.broadcast(_plan(scheduler, time.perf_counter() - t0, engine, vec, added))
-            engine.add_names(plan.names)  # every rank, this round: the next exchange has their rows
+            dropped = named_rows.dropped(engine.names, scheduler.named_in_use()) if scheduler is not None else ()
+            plan = comm.broadcast(_plan(scheduler, time.perf_counter() - t0, engine, vec, added, dropped))
+            engine.add_names(plan.names, plan.dropped)  # every rank, this round: the next exchange has these rows
             if scheduler is not None and hooks.on_queue is not None and (now := scheduler.queue(plan)) != queue:
                 queue = now
                 hooks.on_queue([(a, wall0 + t) for a, t in now])
@@ -141,7 +142,7 @@ def _take(feed: Feed, scheduler: Scheduler, engine: RankEngine) -> tuple[str, ..
 
 
 def _plan(scheduler: Scheduler | None, now: float, engine: RankEngine, reduced: torch.Tensor,
-          added: tuple[str, ...] = ()) -> StepPlan | None:
+          added: tuple[str, ...] = (), dropped: tuple[str, ...] = ()) -> StepPlan | None:
     """Rank 0: the ranks' reduced reports -> failures of the last step, then the next plan (carrying ``added``,
     the names every rank appends to the exchange after it; their requests wait a round: no version yet)."""
     if scheduler is None:
@@ -150,4 +151,30 @@ def _plan(scheduler: Scheduler | None, now: float, engine: RankEngine, reduced: 
     if failed := view.step_failures():
         scheduler.fail_step(failed)
     plan = scheduler.plan(now, view.readiness(), view.versions())
-    return plan._replace(names=added) if added else plan
+    return plan._replace(names=added, dropped=dropped) if added or dropped else plan
+
+
+NAMED_ROWS_IDLE = 64  # rows of named versions no request uses that stay in the exchange (the most recently used)
+
+
+class NamedRows:
+    """Rank 0: which rows of named versions (``A@VERSION``, one per version a request named) to drop from the version
+    exchange, so that it does not grow with every version requests ever named (an RL loop names a new one every
+    few seconds). A row some pending, waiting or running request names stays; of the others, the ``keep`` used
+    most recently stay too (a request naming one again is admitted without the round a new row waits); the rest
+    go, least recently used first."""
+
+    def __init__(self, keep: int = NAMED_ROWS_IDLE) -> None:
+        self.keep = keep
+        self.round = 0
+        self.last: dict[str, int] = {}  # named row -> the last round a request used it (or it joined)
+
+    def dropped(self, names: Sequence[str], used: set[str]) -> tuple[str, ...]:
+        """The rows of ``names`` (the exchange's now) to drop this round, given the named versions in ``used``."""
+        self.round += 1
+        named = [n for n in names if "@" in n]
+        last = {n: self.round if n in used or n not in self.last else self.last[n] for n in named}
+        idle = sorted((last[n], i, n) for i, n in enumerate(named) if n not in used)  # ties: the older row first
+        out = tuple(n for _, _, n in idle[: max(0, len(idle) - self.keep)])
+        self.last = {n: t for n, t in last.items() if n not in out}
+        return out

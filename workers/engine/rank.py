@@ -219,8 +219,10 @@ class RankEngine:
         index = self.versions.index
         return tuple(n for n in self.catalog.names() if n not in index)
 
-    def add_names(self, names: tuple[str, ...]) -> None:
-        """Append the round's new names (from rank 0's plan), on every rank before the next exchange."""
+    def add_names(self, names: tuple[str, ...], dropped: tuple[str, ...] = ()) -> None:
+        """Drop the round's idle named rows and append its new names (from rank 0's plan), on every rank before the
+        next exchange."""
+        self.versions.drop(dropped)
         if names:
             self.versions.append(names)
 

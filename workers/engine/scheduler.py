@@ -74,6 +74,8 @@ class StepPlan(NamedTuple):
     # feed do not sleep for arrivals, they meet rank 0 in the next round's collectives)
     names: tuple[str, ...] = ()  # adapters rank 0's catalog registered since the last round: every rank appends
     # them to its version exchange, in this order, before the next round's (``RankVersions.append``)
+    dropped: tuple[str, ...] = ()  # rows of named versions (``A@VERSION``) no request uses, idle longest: every rank
+    # drops them from its exchange with the round's new names (``RankVersions.drop``, ``engine.NamedRows``)
 
 
 @dataclass
@@ -185,6 +187,12 @@ class Scheduler:
     def end(self) -> None:
         """End of stream: the plan stops once every request added is done."""
         self.streaming = False
+
+    def named_in_use(self) -> set[str]:
+        """The named versions (``A@VERSION``) of the requests not done: pending, waiting or running."""
+        live = (*self.running.values(), *self.waiting)
+        refs = [r.adapter for r in self.pending] + [lv.request.adapter for lv in live]
+        return {a for a in refs if a and "@" in a}
 
     def take_finished(self) -> list[int]:
         """Request ids done (all tokens out, or failed) since the last call, in the order they finished."""
