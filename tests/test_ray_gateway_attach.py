@@ -339,10 +339,22 @@ def test_an_engine_outside_ray_resolves_a_new_adapter_under_a_root(fleet: Fleet,
             with pytest.raises(ClientError) as info:
                 router.resolve("tenant-ghost")
             assert info.value.code == "NOT_FOUND"
+            # a router that hints before it routes: the name resolves in the background, then the hint is taken
+            shutil.copytree(root / "adapter-002", root / "tenant-hinted")
+            hinted = router.hint([("h-tenant-hinted", "tenant-hinted", REPLICA)])
+            assert (hinted.accepted, hinted.ignored, hinted.rejections) == (0, 1, ()), hinted
+
+            def taken() -> bool:
+                status = ray.get(fleet.controller.status.remote())
+                return status["active_hints"].get(REPLICA, 0) >= 1 and status["resolver"]["hints_waiting"] == 0
+
+            wait_for(taken, "the hint taken once its name resolved", timeout=60)
+            assert router.lookup("tenant-hinted").version
         engine.call("detach")
     finally:
         engine.close()
         shutil.rmtree(root / "tenant-new", ignore_errors=True)
+        shutil.rmtree(root / "tenant-hinted", ignore_errors=True)
 
 
 def test_the_answers_codec_keeps_the_controllers_types() -> None:

@@ -136,3 +136,37 @@ def test_a_thousand_requests_for_one_name_ask_the_store_once(
         assert set(found) == {core.catalog.get("adapter-002").version} and proxy.passed == 2, proxy.passed
         missing = asyncio.run(many("ghost")) + asyncio.run(many("ghost"))
         assert all(isinstance(e, NotFoundError) for e in missing) and proxy.passed == 3, proxy.passed
+
+
+def test_a_hint_for_a_name_under_a_root_is_taken_once_it_resolves_and_one_found_nowhere_is_dropped(root: Path) -> None:
+    """Issue 44 item 4: ``Hint`` resolved nothing: a hint for a new tenant's adapter was rejected NOT_FOUND, so a
+    router that hints before it routes got nothing prefetched. Now such a hint (a known replica, a name nobody
+    registered) is answered as ignored, not taken yet, and hinted again once the name resolves in the background
+    (prefetched then); a name under no root is dropped and counted; a hint to an unknown replica stays rejected."""
+    from lora_cache.controller.resolver import unregistered_hints
+
+    core, resolver = resolver_for(CatalogConfig(adapter_roots=(str(root),), model="tiny"))
+    core.add_replica("r0", tp=1, slots=2)
+    batch = [("h1", "adapter-001", "r0", 5.0), ("h2", "adapter-001@v9", "r0", 5.0), ("h3", "ghost", "r0", 5.0),
+             ("h4", "adapter-002", "nowhere", 5.0)]
+
+    async def scenario() -> None:
+        outcomes = core.hint_batches([batch], now=1.0)
+        (outcome,), waiting = unregistered_hints([batch], outcomes, core.catalog, core.planner.view.replicas())
+        assert (outcome.accepted, outcome.ignored) == (0, 3) and [r.index for r in outcome.rejections] == [3]
+        assert sorted(waiting) == ["adapter-001", "ghost"] and len(waiting["adapter-001"]) == 2
+        taken: list[int] = []
+        for name, hints in waiting.items():
+            async def again(hints: list = hints) -> None:
+                taken.extend(o.accepted for o in core.hint_batches([hints], now=2.0))
+
+            resolver.later(name, again)
+        while resolver.stats()["hints_waiting"]:
+            await asyncio.sleep(0.01)
+        assert taken == [1], "adapter-001's plain hint taken; its hint naming a version not kept rejected alone"
+        assert "adapter-001" in core.catalog and "ghost" not in core.catalog
+        assert resolver.stats()["hints_dropped"] == 1 and resolver.lookups == 2
+        assert [h.adapter for h in core.planner.view.hints("r0")] == ["adapter-001"]
+
+    asyncio.run(scenario())
+    core.check_integrity()

@@ -25,7 +25,7 @@ from lora_cache.controller.pushes import Pushed, Pushes
 from lora_cache.controller.readiness import Doorbell, EventsLost, ReadinessEvent, WatchBatch
 from lora_cache.controller.registrations import Registered, Registrar
 from lora_cache.controller.request_ids import Item, RequestIds
-from lora_cache.controller.resolver import Resolver
+from lora_cache.controller.resolver import HintTuple, Resolver, unregistered_hints
 from lora_cache.controller.snapshots import DurableConfig, DurableState
 from lora_cache.errors import ConflictError, LoraCacheError, NotFoundError
 from lora_cache.routing.advice import RouteAdvice, RouteRequest
@@ -183,7 +183,18 @@ class ControllerActor:
     async def hint_batches(self, batches: list[list[tuple[str, str, str, float]]]) -> list[HintOutcome]:
         """Many callers' hint batches at once (the gateway coalesces them), each hint by itself; one plan."""
         await self.loop.start()
-        outcomes = self.core.hint_batches(batches, time.time())
+        asked = time.time()
+        outcomes = self.core.hint_batches(batches, asked)
+        if self.resolver.on():  # a name nobody registered under a root: resolved, then hinted (``resolver.py``)
+            outcomes, waiting = unregistered_hints(batches, outcomes, self.core.catalog,
+                                                   self.core.planner.view.replicas())
+            for name, hints in waiting.items():
+                async def again(hints: list[HintTuple] = hints) -> None:
+                    late = time.time() - asked  # the hints' expected times counted from when they were sent
+                    self.core.hint_batches([[(i, a, r, max(0.0, dt - late)) for i, a, r, dt in hints]], time.time())
+                    await self.loop.plan()
+
+                self.resolver.later(name, again)
         self.metrics.hint_outcome(sum(o.accepted for o in outcomes), sum(o.ignored for o in outcomes))
         await self.loop.plan()
         return outcomes

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lora_cache.adapters.catalog import AdapterCatalog, check_name
 from lora_cache.adapters.objects import is_store_url
@@ -32,6 +33,9 @@ from lora_cache.errors import (
     NotFoundError,
     ResolveTimeoutError,
 )
+
+if TYPE_CHECKING:
+    from lora_cache.controller.core import HintOutcome
 
 Register = Callable[[str, str], Awaitable[tuple[str, LoraCacheError | None]]]  # (name, path) -> (version, error)
 
@@ -46,6 +50,8 @@ class Resolver:
         self._missing: dict[str, float] = {}  # name -> until when it is answered "not found" (time.monotonic())
         self.resolved_bytes = 0  # weights registered on demand so far
         self.lookups = self.resolved = self.refused = 0  # counted for status
+        self._later: set[asyncio.Task[None]] = set()  # background resolutions for hints (``later``)
+        self.hints_dropped = 0  # hints whose name could not be resolved
 
     def on(self) -> bool:
         return self.config.resolve_s > 0 and bool(self.config.adapter_roots)
@@ -110,6 +116,48 @@ class Resolver:
         return NotFoundError(f"adapter {name!r} is not registered; register it first (lora-cache register NAME "
                              f"PATH), or put it under an adapter root: {why}")
 
+    def later(self, name: str, then: Callable[[], Awaitable[None]]) -> None:
+        """Resolve ``name`` in the background, for a caller that does not wait (a hint), then ``then()`` once it is
+        registered; a refusal (not found, over capacity, timed out) only counts (``hints_dropped``)."""
+        async def run() -> None:
+            try:
+                await self.resolve(name)
+            except LoraCacheError:
+                self.hints_dropped += 1
+                return
+            await then()
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._later.add(task)  # held: the loop keeps only a weak reference to a task
+        task.add_done_callback(self._later.discard)
+
     def stats(self) -> dict[str, int]:
         return {"lookups": self.lookups, "resolved": self.resolved, "refused": self.refused,
-                "resolved_bytes": self.resolved_bytes, "in_flight": len(self._flights)}
+                "resolved_bytes": self.resolved_bytes, "in_flight": len(self._flights),
+                "hints_waiting": len(self._later), "hints_dropped": self.hints_dropped}
+
+
+HintTuple = tuple[str, str, str, float]  # (hint id, adapter or A@REF, replica, expected in s)
+
+
+def unregistered_hints(batches: list[list[HintTuple]], outcomes: list[HintOutcome], catalog: AdapterCatalog,
+                       replicas: Collection[str]) -> tuple[list[HintOutcome], dict[str, list[HintTuple]]]:
+    """The hints refused only because nobody registered their adapter (a known replica, an unknown name): taken
+    out of the rejections and answered as ignored (not taken now), with the hints by name, to be hinted again once
+    the name resolves (``Resolver.later``): a router that hints a new tenant's request before routing it by
+    ``Route`` gets it prefetched as soon as it is registered."""
+    waiting: dict[str, list[HintTuple]] = {}
+    out = []
+    for batch, outcome in zip(batches, outcomes):
+        kept = []
+        for rejection in outcome.rejections:
+            hint = batch[rejection.index]
+            name = hint[1].partition("@")[0]
+            if isinstance(rejection.error, NotFoundError) and hint[2] in replicas and name not in catalog:
+                waiting.setdefault(name, []).append(hint)
+            else:
+                kept.append(rejection)
+        deferred = len(outcome.rejections) - len(kept)
+        out.append(outcome._replace(ignored=outcome.ignored + deferred, rejections=tuple(kept)) if deferred
+                   else outcome)
+    return out, waiting
