@@ -141,8 +141,9 @@ def test_a_thousand_requests_for_one_name_ask_the_store_once(
 def test_a_hint_for_a_name_under_a_root_is_taken_once_it_resolves_and_one_found_nowhere_is_dropped(root: Path) -> None:
     """Issue 44 item 4: ``Hint`` resolved nothing: a hint for a new tenant's adapter was rejected NOT_FOUND, so a
     router that hints before it routes got nothing prefetched. Now such a hint (a known replica, a name nobody
-    registered) is answered as ignored, not taken yet, and hinted again once the name resolves in the background
-    (prefetched then); a name under no root is dropped and counted; a hint to an unknown replica stays rejected."""
+    registered, a root may hold) is answered as ignored, not taken yet, and hinted again once the name resolves in
+    the background (prefetched then); a name under no root is rejected as before (or, looked up in the background,
+    dropped and counted); a hint to an unknown replica stays rejected."""
     from lora_cache.controller.resolver import unregistered_hints
 
     core, resolver = resolver_for(CatalogConfig(adapter_roots=(str(root),), model="tiny"))
@@ -152,9 +153,12 @@ def test_a_hint_for_a_name_under_a_root_is_taken_once_it_resolves_and_one_found_
 
     async def scenario() -> None:
         outcomes = core.hint_batches([batch], now=1.0)
-        (outcome,), waiting = unregistered_hints([batch], outcomes, core.catalog, core.planner.view.replicas())
-        assert (outcome.accepted, outcome.ignored) == (0, 3) and [r.index for r in outcome.rejections] == [3]
-        assert sorted(waiting) == ["adapter-001", "ghost"] and len(waiting["adapter-001"]) == 2
+        (outcome,), waiting = unregistered_hints([batch], outcomes, core.catalog, core.planner.view.replicas(),
+                                                 resolver.may_find)
+        assert (outcome.accepted, outcome.ignored) == (0, 2) and [r.index for r in outcome.rejections] == [2, 3]
+        assert "'ghost' is not registered" in str(outcome.rejections[0].error), "under no root: rejected as before"
+        assert sorted(waiting) == ["adapter-001"] and len(waiting["adapter-001"]) == 2
+        waiting["ghost"] = [("h5", "ghost", "r0", 5.0)]  # a name a store root might have held: looked up, not found
         taken: list[int] = []
         for name, hints in waiting.items():
             async def again(hints: list = hints) -> None:
@@ -167,6 +171,9 @@ def test_a_hint_for_a_name_under_a_root_is_taken_once_it_resolves_and_one_found_
         assert "adapter-001" in core.catalog and "ghost" not in core.catalog
         assert resolver.stats()["hints_dropped"] == 1 and resolver.lookups == 2
         assert [h.adapter for h in core.planner.view.hints("r0")] == ["adapter-001"]
+        assert resolver.may_find("adapter-002")
+        resolver.forgot("adapter-002")  # an operator unregistered it: a hint does not bring it back
+        assert not resolver.may_find("adapter-002") and not resolver.may_find("ghost")
 
     asyncio.run(scenario())
     core.check_integrity()

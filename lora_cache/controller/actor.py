@@ -138,6 +138,7 @@ class ControllerActor:
                 await turn.wait()
                 self.core.unregister_adapter(name, time.time())  # NotFoundError if it is not registered
                 self.draining.add(name)
+                self.resolver.forgot(name)  # a hint does not register it again from a root
             finally:
                 turn.done()
             await self.loop.plan()
@@ -187,7 +188,7 @@ class ControllerActor:
         outcomes = self.core.hint_batches(batches, asked)
         if self.resolver.on():  # a name nobody registered under a root: resolved, then hinted (``resolver.py``)
             outcomes, waiting = unregistered_hints(batches, outcomes, self.core.catalog,
-                                                   self.core.planner.view.replicas())
+                                                   self.core.planner.view.replicas(), self.resolver.may_find)
             for name, hints in waiting.items():
                 async def again(hints: list[HintTuple] = hints) -> None:
                     late = time.time() - asked  # the hints' expected times counted from when they were sent

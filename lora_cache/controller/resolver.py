@@ -52,6 +52,9 @@ class Resolver:
         self.lookups = self.resolved = self.refused = 0  # counted for status
         self._later: set[asyncio.Task[None]] = set()  # background resolutions for hints (``later``)
         self.hints_dropped = 0  # hints whose name could not be resolved
+        # names an operator unregistered (the newest 4096): a hint never registers one again (``may_find``); a
+        # request (``resolve``) still may, as it may any name under a root
+        self.unregistered: dict[str, None] = {}
 
     def on(self) -> bool:
         return self.config.resolve_s > 0 and bool(self.config.adapter_roots)
@@ -116,6 +119,24 @@ class Resolver:
         return NotFoundError(f"adapter {name!r} is not registered; register it first (lora-cache register NAME "
                              f"PATH), or put it under an adapter root: {why}")
 
+    def forgot(self, name: str) -> None:
+        """An operator unregistered ``name``: hints for it are refused as before, not resolved (``may_find``)."""
+        self.unregistered.pop(name, None)
+        self.unregistered[name] = None
+        if len(self.unregistered) > 4096:
+            del self.unregistered[next(iter(self.unregistered))]
+
+    def may_find(self, name: str) -> bool:
+        """Whether a lookup of ``name`` could find it, asked without one: a valid name not found lately, and a store
+        root (only a lookup tells), or a local root holding its directory (a stat)."""
+        if not self.on() or self._missing.get(name, 0.0) > time.monotonic() or name in self.unregistered:
+            return False
+        try:
+            check_name(name)
+        except LoraCacheError:
+            return False
+        return any(is_store_url(root) or (Path(root) / name).is_dir() for root in self.config.adapter_roots)
+
     def later(self, name: str, then: Callable[[], Awaitable[None]]) -> None:
         """Resolve ``name`` in the background, for a caller that does not wait (a hint), then ``then()`` once it is
         registered; a refusal (not found, over capacity, timed out) only counts (``hints_dropped``)."""
@@ -141,11 +162,13 @@ HintTuple = tuple[str, str, str, float]  # (hint id, adapter or A@REF, replica, 
 
 
 def unregistered_hints(batches: list[list[HintTuple]], outcomes: list[HintOutcome], catalog: AdapterCatalog,
-                       replicas: Collection[str]) -> tuple[list[HintOutcome], dict[str, list[HintTuple]]]:
-    """The hints refused only because nobody registered their adapter (a known replica, an unknown name): taken
-    out of the rejections and answered as ignored (not taken now), with the hints by name, to be hinted again once
-    the name resolves (``Resolver.later``): a router that hints a new tenant's request before routing it by
-    ``Route`` gets it prefetched as soon as it is registered."""
+                       replicas: Collection[str], may_find: Callable[[str], bool],
+                       ) -> tuple[list[HintOutcome], dict[str, list[HintTuple]]]:
+    """The hints refused only because nobody registered their adapter (a known replica, an unknown name a root may
+    hold: ``Resolver.may_find``): taken out of the rejections and answered as ignored (not taken now), with the
+    hints by name, to be hinted again once the name resolves (``Resolver.later``): a router that hints a new
+    tenant's request before routing it by ``Route`` gets it prefetched as soon as it is registered. A name no root
+    holds stays rejected (NOT_FOUND, as before)."""
     waiting: dict[str, list[HintTuple]] = {}
     out = []
     for batch, outcome in zip(batches, outcomes):
@@ -153,7 +176,8 @@ def unregistered_hints(batches: list[list[HintTuple]], outcomes: list[HintOutcom
         for rejection in outcome.rejections:
             hint = batch[rejection.index]
             name = hint[1].partition("@")[0]
-            if isinstance(rejection.error, NotFoundError) and hint[2] in replicas and name not in catalog:
+            if (isinstance(rejection.error, NotFoundError) and hint[2] in replicas and name not in catalog
+                    and may_find(name)):
                 waiting.setdefault(name, []).append(hint)
             else:
                 kept.append(rejection)
