@@ -139,3 +139,19 @@ def test_a_named_version_takes_an_engine_lane_of_its_own() -> None:
     first, named, again = (a.ranked[0].replica for a in out)
     assert named != first, "the named version was sent to the replica whose one lane runs the current version"
     assert again == first, "a second request of the current version left the replica already running it"
+
+
+def test_a_queued_request_naming_a_version_holds_that_versions_lane() -> None:
+    """A waiting request for ``a0@v0`` runs in the engine's lane of ``a0@v0`` (a row of its own), not ``a0``'s: the
+    routing limits count it there, as ``Route`` counts a routed one (``_lane``)."""
+    from lora_cache.routing.advice import replica_loads
+    from lora_cache.routing.limits import RoutingLimits
+
+    planner = fleet(2)
+    planner.report_queue("r0", [QueueEntry("a0", 0.0, "v0"), QueueEntry("a0", 0.1), QueueEntry("a0", 0.2, "v1")], 1.0)
+    limits = RoutingLimits()
+    for r in ("r0", "r1"):
+        limits.declare(r, max_adapters=1, max_running=8)
+    loads = {r.replica: r for r in replica_loads(planner.view, AdapterKey("a0", "v1"), {}, limits=limits)}
+    assert loads["r0"].flying == {"a0@v0": 1, "a0": 2}, loads["r0"].flying
+    assert not loads["r1"].flying

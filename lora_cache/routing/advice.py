@@ -90,7 +90,9 @@ def replica_loads(view: FleetView, key: AdapterKey, loads: Mapping[str, float],
         item = ReplicaLoad(replica, where, load, ready_s=ready_s(view, replica, key, where, clock),
                            arriving=arriving)
         if limits is not None:
-            waiting = [] if given is not None else [q.adapter for q in queue] + [h.adapter for h in hints]
+            named = [(q.adapter, q.version) for q in queue] + [(h.adapter, h.version) for h in hints]
+            waiting = [] if given is not None else [  # a request naming a version: a lane of its own, as the engine's
+                _lane(view, AdapterKey(a, v or view.adapter(a).version)) for a, v in named]
             lim = limits.limits(replica)
             slots = min((view.capacity(w).slots for w in view.workers(replica)), default=0)
             item = item._replace(flying=limits.flying(replica, given, waiting), max_adapters=lim.max_adapters,
