@@ -488,6 +488,19 @@ def test_a_named_version_displaces_what_is_kept_for_its_value_alone() -> None:
     assert evicted(planner.plan(1.0), "r0/w0") == []
 
 
+def test_a_bridge_a_waiting_request_names_does_not_give_way_to_its_new_version() -> None:
+    """With one slot, the version READY everywhere gives its slot to its new version, unless a waiting request names
+    it (``A@VERSION``): then it stays, and the new version waits for room."""
+    planner, _ = renewed(slots=1)
+    planner.report_queue("r0", [QueueEntry("a1", 0.0, "v1"), QueueEntry("a1", 0.1)], 1.05)
+    for worker in ("r0/w0", "r0/w1"):
+        planner.report_residency(worker, [ResidencyEntry("a1", "v1", READY)])  # the eviction was refused meanwhile
+    plan = planner.plan(1.1)
+    for worker in ("r0/w0", "r0/w1"):
+        assert evicted(plan, worker) == [], "the named bridge was evicted for its new version"
+    planner.check_integrity()
+
+
 def test_byte_budget_is_checked_besides_slots() -> None:
     infos = [AdapterInfo("huge", "v1", 500), AdapterInfo("mid", "v1", 300), AdapterInfo("tiny", "v1", 100)]
     planner = Planner(PlannerConfig(), 0, infos, [ReplicaSpec("r", ("w",), 4, 400)])

@@ -258,7 +258,8 @@ class Replanner:
         kept = sorted(k for k in bridges if k in held and not held[k].pinned)  # may make room for new versions
         prefetches: list[tuple[int, AdapterKey]] = []
         for priority, key in enumerate(keys):
-            mine = [k for k in kept if k.name == key.name and key not in named]
+            # a bridge gives way to its own new version, unless a waiting request or a hint names it
+            mine = [k for k in kept if k.name == key.name and key not in named and k not in named]
             while key not in held and not room.fits(fleet.bytes_of(key)) and mine:
                 bridge = mine.pop()  # its own new version needs the room: requests wait for it, as without one
                 kept.remove(bridge)
