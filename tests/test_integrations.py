@@ -178,3 +178,14 @@ def test_the_routers_cold_picks_balance_the_replicas_traffic_whatever_their_name
         shares.append(max(sum(r in where[a] for a in requests) for r in replicas) / len(requests))
     assert max(shares) <= 0.6, shares
     assert sum(shares) / len(shares) <= 0.45, shares
+
+
+def test_the_router_reads_a_named_version_as_ready_only_where_that_version_is() -> None:
+    """Issue 44 item 3: a multiplexed id ``A@VERSION`` is READY only on replicas the stream shows READY at that very
+    version; ``A`` at any version of it; a tag (no version the stream shows) nowhere: ranked by load, as cold."""
+    from lora_cache.integrations.ray_serve import ready_replicas
+
+    ready = {"a": {"r0": {"v1"}, "r1": {"v1", "v2"}}, "b": {"r2": {"v9"}}}
+    assert ready_replicas(ready, "a") == {"r0", "r1"}
+    assert ready_replicas(ready, "a@v2") == {"r1"} and ready_replicas(ready, "a@v1") == {"r0", "r1"}
+    assert ready_replicas(ready, "a@step-7") == set() and ready_replicas(ready, "c") == set()

@@ -84,6 +84,16 @@ _SNAPSHOT = 2**63  # a WatchReadiness cursor past any controller's newest event:
 
 
 # -- the router ----------------------------------------------------------------------------------------------
+def ready_replicas(ready: dict[str, dict[str, set[str]]], model_id: str) -> set[str]:
+    """The replicas READY for a multiplexed model id, from the readiness stream's ``adapter -> replica -> versions``:
+    for ``A``, those READY at some version of it (the engine serves the one READY on every rank); for ``A@VERSION``,
+    those READY at exactly that version (issue 44 item 3). ``A@TAG`` names no version the stream shows: none (ranked
+    by load, as a cold adapter; its hint still has the controller prefetch that version)."""
+    name, _, version = model_id.partition("@")
+    where = ready.get(name, {})
+    return set(where) if not version else {replica for replica, versions in where.items() if version in versions}
+
+
 def router_config(**settings: Any) -> RequestRouterConfig:
     """A deployment's ``request_router_config`` with ``LoraCacheRouter`` (``settings``: ``RouterSettings``)."""
     return RequestRouterConfig(
@@ -181,7 +191,7 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
         bound, sticky cold picks), one per rank: READY from the stream, loading where this router sent the adapter
         lately, the load this router's requests in flight there."""
         now = time.monotonic()
-        ready = self._ready.get(adapter, {})
+        ready = ready_replicas(self._ready, adapter)
         sent = self._sent.get(adapter, {})
         by_name: dict[str, RunningReplica] = {}
         views = []
@@ -282,7 +292,7 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
             return
         replica = self._name(replica_id)
         self._traffic.add(replica, time.monotonic())
-        ready = replica in self._ready.get(adapter, {})
+        ready = replica in ready_replicas(self._ready, adapter)
         if not ready:  # its load starts there (the hint, or the replica's own miss): the next requests follow it
             now = time.monotonic()
             sent = self._sent.setdefault(adapter, {})
