@@ -595,3 +595,21 @@ def test_copy_clock_predicts_from_the_slowest_fit_and_the_stream_order() -> None
     assert clock.in_time({"a": (4000, -0.001)}, 0.0) == set()
     with pytest.raises(ValueError, match="layers is 0"):
         CopyClock(layers=0)
+
+
+def test_requests_given_at_start_may_name_a_version(adapters: Path, tp1_ondemand: EngineResult) -> None:
+    """Issue 44 item 3: a request list given at start may name one version (``A@VERSION``), as a streaming submit may:
+    it runs at exactly that version, with the outputs of the same request naming the adapter alone (its one kept
+    version); a version not kept is refused before anything runs, naming the request and what is kept."""
+    config = engine_config(adapters, admission="ondemand")
+    version = load_catalog(config).get(FULL[0]).version
+    named = [r._replace(adapter=f"{FULL[0]}@{version}") if r.adapter == FULL[0] else r for r in REQUESTS]
+    result = run_engine(config, named)
+    for rid, r in enumerate(named):
+        rec = result.records[rid]
+        assert rec.ok and rec.adapter == r.adapter, rec
+        if r.adapter == f"{FULL[0]}@{version}":
+            assert rec.version == version
+            torch.testing.assert_close(rec.outputs, tp1_ondemand.records[rid].outputs, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ConfigError, match=r"request 0: adapter 'adapter-000' has no version or pushed tag 'nope' kept"):
+        run_engine(config, [REQUESTS[0]._replace(adapter=f"{FULL[0]}@nope")])

@@ -26,6 +26,9 @@ from typing import NamedTuple
 
 import torch
 
+from lora_cache.adapters.catalog import AdapterCatalog
+from lora_cache.adapters.refs import split_ref, version_of
+from lora_cache.errors import ConfigError, LoraCacheError
 from lora_cache.runtime import heap
 from workers.attach.versions import ReducedVersions
 from workers.engine.admission import ADMISSION, AdmissionRule
@@ -58,13 +61,32 @@ class Hooks(NamedTuple):
 
 
 def run_engine(config: EngineConfig, requests: Sequence[Request]) -> EngineResult:
-    """Serve ``requests`` on one replica of ``config.tp`` ranks (processes when tp > 1)."""
-    check_requests(requests, config, load_catalog(config).names())
+    """Serve ``requests`` on one replica of ``config.tp`` ranks (processes when tp > 1); a request may name one
+    version its catalog keeps (``A@VERSION`` or ``A@TAG``: ``pinned_refs``)."""
+    catalog = load_catalog(config)
+    requests = pinned_refs(requests, catalog)
+    check_requests(requests, config, catalog.names())
     rule = ADMISSION[config.admission]()  # made here: ranks get it pickled (a rule class must be importable)
     serve = functools.partial(serve_rank, config, rule, tuple(requests))
     if config.tp == 1:
         return serve(Comm())
     return spawn(serve, config.tp, config.device_kind())
+
+
+def pinned_refs(requests: Sequence[Request], catalog: AdapterCatalog) -> list[Request]:
+    """``requests`` with each reference to one version (``A@VERSION``, ``A@TAG``) made its exact version
+    (``A@VERSION``), as a streaming submit makes them (``HostedEngine.submit``); ConfigError naming the request and
+    the versions kept for one that names a version this catalog does not keep, before anything runs."""
+    out = []
+    for r in requests:
+        if r.adapter and "@" in r.adapter:
+            try:
+                name, ref = split_ref(r.adapter)
+                r = r._replace(adapter=f"{name}@{version_of(catalog, name, ref or '')}")
+            except LoraCacheError as e:
+                raise ConfigError(f"request {r.rid}: {e}") from e
+        out.append(r)
+    return out
 
 
 def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Request, ...], comm: Comm,
@@ -82,6 +104,9 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
     heap.freeze()  # no full collection walks the built engine mid-run (a ~100 ms stall; lora_cache/runtime/heap.py)
     try:
         comm.barrier()  # every rank built: the clock starts now (or at hooks.start_wall)
+        if comm.rank == 0:  # the versions the requests given at start name: a row each (as a submit's, ``_take``)
+            engine.add_names(tuple(sorted({r.adapter for r in requests if r.adapter and "@" in r.adapter}
+                                          - set(engine.index))))
         if comm.world > 1:  # one names list for the version exchange: rank 0's (a rank's catalog may lag at build)
             engine.adopt(comm.broadcast(engine.names if comm.rank == 0 else None))
         t0 = time.perf_counter()

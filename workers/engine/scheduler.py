@@ -117,12 +117,13 @@ def unknown_adapter(name: str) -> str:
 
 
 def check_requests(requests: Sequence[Request], config: EngineConfig, adapters: Sequence[str]) -> None:
-    """Every request must fit the engine: a clear error naming the first that does not."""
+    """Every request must fit the engine: a clear error naming the first that does not (a request naming one
+    version, ``A@VERSION``, by its adapter's name: ``engine.pinned_refs`` checked the version)."""
     known = set(adapters)
     if len({r.rid for r in requests}) != len(requests):
         raise ConfigError("request ids (rid) must be unique")
     for r in requests:
-        if r.adapter is not None and r.adapter not in known:
+        if r.adapter is not None and base_name(r.adapter) not in known:
             raise ConfigError(f"request {r.rid} names adapter {r.adapter!r}, which is not registered; "
                               f"known: {sorted(known)[:8]}{' ...' if len(known) > 8 else ''}")
         if r.input_len < 1 or r.output_len < 1:
