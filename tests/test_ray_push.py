@@ -233,6 +233,21 @@ def test_a_lookup_and_a_route_name_a_pushed_version_by_its_tag_or_its_version(wo
     wait_until(lambda: "replica-0" in world.client.lookup(f"{name}@30").ready, f"{name}@30 prefetched by its hint", 30)
     (again,) = world.client.route([f"{name}@30"])
     assert {r.replica: r.reason for r in again.replicas}["replica-0"] == "ready"
+    # the readiness stream filtered on one version: only that version's events (the current one's were READY too)
+    from lora_cache.api.client_values import ReadinessEvent, Resync
+
+    seen: list[ReadinessEvent] = []
+    for event in world.client.watch(adapter=f"{name}@30", after_seq=0, duration_s=30):
+        if isinstance(event, Resync):
+            assert all(k[2] == versions[30] for k in event.ready if k[1] == name), event
+            continue
+        seen.append(event)
+        if event.ready and event.replica == "replica-0":
+            break
+    assert seen and all(e.adapter == name and e.version == versions[30] for e in seen), seen
+    with pytest.raises(ClientError) as gone:
+        next(iter(world.client.watch(adapter=f"{name}@29", duration_s=5)))
+    assert gone.value.code == "NOT_FOUND"
     ray.get(world.service.controller.unregister_adapter.remote(name), timeout=60)
 
 

@@ -217,7 +217,8 @@ def _route_item(i: int, item: pb.RouteItem) -> RouteRequest:
 def watch(request: pb.WatchReadinessRequest) -> tuple[str | None, str | None, int | None]:
     """(replica filter, adapter filter, cursor or None for 'from now')."""
     after = request.after_seq if request.HasField("after_seq") else None
-    return optional_name("replica", request.replica), optional_name("adapter", request.adapter), after
+    adapter = adapter_ref("adapter", request.adapter) if request.adapter else None  # NAME@REF: one version's events
+    return optional_name("replica", request.replica), adapter, after
 
 
 def register(request: pb.RegisterAdapterRequest, where: str = "") -> tuple[str, str, str]:

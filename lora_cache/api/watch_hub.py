@@ -13,7 +13,8 @@ subscriber's cursor in order, or a resync, never a silent gap.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from lora_cache.controller.readiness import ReadinessEvent, Resync, WatchBatch
@@ -60,7 +61,19 @@ class WatchHub:
         self._task: asyncio.Task[None] | None = None
 
     async def watch(self, replica: str | None, adapter: str | None, after: int | None) -> AsyncIterator[WatchBatch]:
-        """The batches for one subscriber from ``after`` (None: from now); NotFoundError for unknown filters."""
+        """The batches for one subscriber from ``after`` (None: from now); NotFoundError for unknown filters.
+        ``adapter`` ``A@REF`` (a kept version, or the tag it was pushed under): that version's events only."""
+        version = None
+        if adapter is not None and "@" in adapter:
+            version = str((await self.controller.lookup_adapter.remote(adapter))["version"])  # NotFoundError: not kept
+            adapter = adapter.partition("@")[0]
+        async with contextlib.aclosing(self._watch(replica, adapter, after)) as batches:  # its subscriber goes at once
+            async for batch in batches:
+                if (mine := _of_version(batch, version)) is not None:
+                    yield mine
+
+    async def _watch(self, replica: str | None, adapter: str | None,
+                     after: int | None) -> AsyncGenerator[WatchBatch, None]:
         newest: int = await self.controller.begin_watch.remote(replica, adapter)
         cursor = newest if after is None else after
         sub = _Subscriber(replica, adapter)
@@ -125,3 +138,14 @@ def _after(batch: WatchBatch, cursor: int) -> int:
 def _mine(r: Resync, cursor: int, replica: str | None, adapter: str | None) -> Resync:
     ready = tuple(k for k in r.ready if replica in (None, k[0]) and adapter in (None, k[1]))
     return Resync(r.resume_after, cursor, ready, r.reason)
+
+
+def _of_version(batch: WatchBatch, version: str | None) -> WatchBatch | None:
+    """``batch`` as a subscriber to one version sees it (None: nothing left; ``version`` None: all of it)."""
+    if version is None:
+        return batch
+    if batch.resync is not None:
+        r = batch.resync
+        return WatchBatch([], r._replace(ready=tuple(k for k in r.ready if k[2] == version)))
+    events = [e for e in batch.events if e.version == version]
+    return WatchBatch(events) if events else None
