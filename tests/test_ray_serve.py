@@ -202,6 +202,33 @@ def test_the_router_prefers_a_replica_where_the_adapter_is_ready(served: App) ->
     assert _router(served).counts["off_first"] - off_before < calls / 2, _router_state(served)
 
 
+def test_the_router_takes_a_tag_for_the_version_it_names(served: App) -> None:
+    """Issue 44 item 3: a multiplexed id ``A@TAG`` (a trainer's step) names no version the readiness stream shows; the
+    router looks the tag up once, in the background (never on a request's path), and then ranks the replica where
+    that version is READY first, as for ``A@VERSION``."""
+    import json
+
+    from lora_cache.adapters.peft import CONFIG_FILE
+
+    root = Path(ray.get(served.service.controller.catalog_config.remote()).adapter_roots[0])
+    src = root / ADAPTERS[0]
+    name = "tagged-serve"
+    version = served.client.push(name, load((src / WEIGHTS_FILE).read_bytes()),
+                                 json.loads((src / CONFIG_FILE).read_text()), tag=5).version
+    try:
+        first = served.call(f"{name}@5")  # the replica's lease resolves the tag itself
+        router = _router(served)
+        wait_for(lambda: router._tags.get(f"{name}@5") == f"{name}@{version}", "the tag looked up", timeout=30,
+                 detail=lambda: str(router._tags))
+        wait_for(lambda: first["replica"] in _heard(served).get(name, set()), "its READY heard", timeout=30,
+                 detail=lambda: _router_state(served))
+        before = router.counts["ready_first"]
+        again = served.call(f"{name}@5")
+        assert router.counts["ready_first"] > before, (again, _router_state(served))
+    finally:
+        ray.get(served.service.controller.unregister_adapter.remote(name), timeout=60)
+
+
 def test_a_hint_past_its_deadline_pauses_the_hints_not_the_ranking(served: App) -> None:
     """A busy controller answers a Hint after the router's deadline (under a burst on CI's 2 cores, 0.5 s passed):
     the router sends no hints for ``retry_s`` and goes on ranking by the readiness stream, a READY replica first.

@@ -128,6 +128,7 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
         self._first: dict[str, str] = {}  # internal request id -> the READY replica ranked first, until routed
         self._traffic = Traffic(self.settings.traffic_s)  # this router's requests sent to each replica lately
         self._names: dict[ReplicaID, str] = {}  # replica_name of each replica seen (until it dies)
+        self._tags: dict[str, str] = {}  # model id A@TAG -> A@VERSION, looked up once (a tag names one content)
         self._routed: dict[str, ReplicaID] = {}  # internal request id -> its replica, until completed
         self._tasks: set[asyncio.Task[None]] = set()  # hint calls in flight (kept referenced)
         self._pending: dict[str, Hint] = {}  # request id -> its hint, waiting for the next batch
@@ -191,7 +192,7 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
         bound, sticky cold picks), one per rank: READY from the stream, loading where this router sent the adapter
         lately, the load this router's requests in flight there."""
         now = time.monotonic()
-        ready = ready_replicas(self._ready, adapter)
+        ready = ready_replicas(self._ready, self._exact(adapter))
         sent = self._sent.get(adapter, {})
         by_name: dict[str, RunningReplica] = {}
         views = []
@@ -256,6 +257,26 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
         if not where:
             del self._ready[event.adapter]
 
+    def _exact(self, model_id: str) -> str:
+        """``A@TAG`` as the ``A@VERSION`` it names once looked up (``Lookup``, in the background: never on a request's
+        path; until then, and for a tag the controller does not keep, the id itself); any other id as it is."""
+        name, _, ref = model_id.partition("@")
+        if not ref or model_id in self._tags or any(ref in v for v in self._ready.get(name, {}).values()):
+            return self._tags.get(model_id, model_id)
+        self._tags[model_id] = model_id  # asked once: the lookup below replaces it
+        while len(self._tags) > _FIRST_KEPT:
+            del self._tags[next(iter(self._tags))]
+
+        async def look_up() -> None:
+            try:
+                self._tags[model_id] = f"{name}@{(await self._lora().lookup(model_id)).version}"
+            except Exception:  # not kept (yet), or lora-cache unreachable: ranked by load meanwhile, asked again later
+                self.counts["tags_unknown"] = self.counts.get("tags_unknown", 0) + 1
+                asyncio.get_running_loop().call_later(self.settings.retry_s, self._tags.pop, model_id, None)
+
+        self._spawn(look_up())
+        return model_id
+
     def _spawn(self, call: Any) -> None:
         task = asyncio.get_running_loop().create_task(call)
         self._tasks.add(task)
@@ -292,7 +313,7 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
             return
         replica = self._name(replica_id)
         self._traffic.add(replica, time.monotonic())
-        ready = replica in ready_replicas(self._ready, adapter)
+        ready = replica in ready_replicas(self._ready, self._exact(adapter))
         if not ready:  # its load starts there (the hint, or the replica's own miss): the next requests follow it
             now = time.monotonic()
             sent = self._sent.setdefault(adapter, {})
