@@ -326,7 +326,7 @@ class VersionsMachine(RuleBasedStateMachine):
     def drop_idle_rows(self) -> None:
         """Rank 0 drops every named row no request uses (``NamedRows`` keeping none idle, the harshest), every rank
         the same rows at the same round, as the engine's loop does with its plan's ``dropped``."""
-        dropped = NamedRows(keep=0).dropped(self.reports[0].names, self.scheduler.named_in_use())
+        dropped = NamedRows(keep=0).dropped(self.reports[0].named, self.scheduler.named_in_use())
         for report in self.reports:
             report.drop(dropped)
         if dropped:
@@ -451,6 +451,12 @@ class VersionsMachine(RuleBasedStateMachine):
                     assert (name, version) in held, f"{name}@{version} is past keep_versions and held by no slot"
 
     @invariant()
+    def the_named_rows_are_those_of_the_exchange_in_its_order(self) -> None:
+        """``RankVersions.named`` (what ``NamedRows`` reads, not every name) follows the appends and drops."""
+        for report in self.reports:
+            assert report.named == [n for n in report.names if "@" in n]
+
+    @invariant()
     def failed_requests_never_report_tokens_as_ok(self) -> None:
         for record in self.scheduler.records():
             if record.error is not None:
@@ -555,17 +561,18 @@ def test_idle_named_rows_leave_the_exchange_least_recently_used_first(tmp_path: 
     named = [f"a@{x}" for x in v]
     report.append(named)
     rows = NamedRows(keep=1)
-    assert rows.dropped(report.names, set(named)) == ()  # all in use
-    assert rows.dropped(report.names, {named[2]}) == (named[0],), "two idle, one kept: the first to go"
+    assert rows.dropped(report.named, set(named)) == ()  # all in use
+    assert rows.dropped(report.named, {named[2]}) == (named[0],), "two idle, one kept: the first to go"
     report.drop((named[0],))
     assert report.names == ["a", "b", named[1], named[2]] and report.index[named[2]] == 3
+    assert report.named == [named[1], named[2]], "the named rows, kept apart in the exchange's order"
     got = report.rows([AdapterKey("a", v[2]), AdapterKey("a", v[1])]).numpy()
     assert got[report.index[named[1]], RDY] == version_code(v[1])
     assert got[report.index[named[2]], RDY] == version_code(v[2])
     assert got[report.index["a"], RDY] == version_code(v[2]), "the name's own row still says its current version"
-    assert rows.dropped(report.names, set()) == (named[1],) and rows.last == {named[2]: rows.round - 1}
+    assert rows.dropped(report.named, set()) == (named[1],) and rows.last == {named[2]: rows.round - 1}
     report.drop((named[1],))
     with pytest.raises(ValueError, match="not in the version exchange"):
         report.drop((named[1],))
     report.append([named[0]])  # named again: a row of its own again
-    assert report.names[-1] == named[0]
+    assert report.names[-1] == named[0] and report.named == [named[2], named[0]]

@@ -83,6 +83,8 @@ class RankVersions:
         self.catalog = catalog
         self.names: list[str] = []
         self.index: dict[str, int] = {}
+        self.named: list[str] = []  # the rows of named versions (``A@VERSION``), in exchange order: kept here so that
+        # rank 0's round (``NamedRows.dropped``) reads these few, not every name of the exchange
         self._seen = np.zeros(0, dtype=bool)  # per name: registered here at some point (else PENDING)
         self._cur = np.zeros(0, dtype=np.int64)
         self._code_of: dict[str, int] = {}  # version -> code (cached: hashing per round costs)
@@ -99,6 +101,7 @@ class RankVersions:
                              "names rank 0 found new")
         self.names = [*self.names, *names]
         self.index = {n: i for i, n in enumerate(self.names)}
+        self.named = [*self.named, *(n for n in names if "@" in n)]
         self._seen = np.concatenate([self._seen, np.zeros(len(names), dtype=bool)])
         self._cur = np.concatenate([self._cur, np.zeros(len(names), dtype=np.int64)])
         self._generation = -1  # the catalog generation ``_cur`` was computed at (-1: recompute)
@@ -115,6 +118,7 @@ class RankVersions:
         keep = np.array([n not in gone for n in self.names], dtype=bool)
         self.names = [n for n in self.names if n not in gone]
         self.index = {n: i for i, n in enumerate(self.names)}
+        self.named = [n for n in self.named if n not in gone]
         self._seen, self._cur = self._seen[keep], self._cur[keep]
         self._generation = -1
 

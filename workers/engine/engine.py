@@ -123,7 +123,9 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
                 added = _take(feed, scheduler, engine)
             elif scheduler is not None:
                 added = engine.new_names()
-            dropped = named_rows.dropped(engine.names, scheduler.named_in_use()) if scheduler is not None else ()
+            dropped: tuple[str, ...] = ()
+            if scheduler is not None:  # of the named rows alone (``RankVersions.named``), not every name: each round
+                dropped = named_rows.dropped(engine.versions.named, scheduler.named_in_use())
             plan = comm.broadcast(_plan(scheduler, time.perf_counter() - t0, engine, vec, added, dropped))
             engine.add_names(plan.names, plan.dropped)  # every rank, this round: the next exchange has these rows
             if scheduler is not None and hooks.on_queue is not None and (now := scheduler.queue(plan)) != queue:
@@ -194,10 +196,11 @@ class NamedRows:
         self.round = 0
         self.last: dict[str, int] = {}  # named row -> the last round a request used it (or it joined)
 
-    def dropped(self, names: Sequence[str], used: set[str]) -> tuple[str, ...]:
-        """The rows of ``names`` (the exchange's now) to drop this round, given the named versions in ``used``."""
+    def dropped(self, named: Sequence[str], used: set[str]) -> tuple[str, ...]:
+        """The rows of ``named`` (the exchange's named rows now, in its order: ``RankVersions.named``) to drop this
+        round, given the named versions in ``used``. It takes those rows alone, not every name of the exchange: this
+        runs every round and the exchange grows with every adapter registered."""
         self.round += 1
-        named = [n for n in names if "@" in n]
         last = {n: self.round if n in used or n not in self.last else self.last[n] for n in named}
         idle = sorted((last[n], i, n) for i, n in enumerate(named) if n not in used)  # ties: the older row first
         out = tuple(n for _, _, n in idle[: max(0, len(idle) - self.keep)])
