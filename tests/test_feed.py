@@ -14,7 +14,7 @@ import torch
 
 from lora_cache.adapters.files import FileIdentity, settled_at
 from lora_cache.adapters.synth import SynthConfig, make_adapters, make_named_adapters
-from lora_cache.errors import CapacityError, ConfigError, NotFoundError, ResolveTimeoutError
+from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, NotFoundError, ResolveTimeoutError
 from tests.waiting import wait_for
 from workers.cache import WorkerCache
 from workers.engine import ADMISSION, EngineConfig, Request, run_engine
@@ -397,6 +397,36 @@ def test_a_hosted_engine_submit_whose_resolved_name_never_reaches_the_rank_times
         with pytest.raises(CapacityError, match=r"requests \[3\] .*--resolve-parallel"):
             hosted.submit([Request(3, "late-b", 3, 1)])
         assert hosted.feed.take() == ([], False)  # nothing of either refused call
+    finally:
+        if hosted.engine is not None:
+            hosted.engine.close()
+        hosted.close()
+        engine.close()
+
+
+def test_a_hosted_engine_submit_pins_each_reference_to_its_exact_version_or_refuses_the_whole_call(
+        late_root: Path) -> None:
+    """``HostedEngine.submit`` turns ``A@VERSION`` and ``A@TAG`` into the exact version (``engine.pinned_refs``),
+    after resolving names. A malformed reference is refused before any name is resolved (so its unknown name is not
+    the error); one naming a version the catalog does not keep is refused with ``NotFoundError``; either names the
+    request and submits nothing of the call. The Ray twins: tests/test_ray_push.py, tests/test_ray_versions.py."""
+    cfg = config(late_root)
+    engine = RankEngine(cfg, Comm())
+    cache = engine.cache
+    assert isinstance(cache, WorkerCache)
+    hosted = HostedEngine(cache)
+    try:
+        hosted.build(cfg, Rendezvous("127.0.0.1", 0, 1), 0)
+        assert hosted.feed is not None
+        with pytest.raises(AdapterFormatError, match=r"^request 1 \(nothing of this call was submitted\): .*'late-a@'"):
+            hosted.submit([Request(0, ADAPTERS[0], 3, 1), Request(1, "late-a@", 3, 1)])
+        with pytest.raises(NotFoundError, match=r"^request 2 \(nothing of this call was submitted\): adapter "
+                                                r"'adapter-000' has no version or pushed tag 'zzz' kept"):
+            hosted.submit([Request(0, ADAPTERS[0], 3, 1), Request(2, f"{ADAPTERS[0]}@zzz", 3, 1)])
+        assert hosted.feed.take() == ([], False)  # nothing of either refused call
+        version = cache.catalog.current(ADAPTERS[0])
+        hosted.submit([Request(3, f"{ADAPTERS[0]}@{version}", 3, 1), Request(4, ADAPTERS[1], 3, 1)])
+        assert [r.adapter for r in hosted.feed.take()[0]] == [f"{ADAPTERS[0]}@{version}", ADAPTERS[1]]
     finally:
         if hosted.engine is not None:
             hosted.engine.close()

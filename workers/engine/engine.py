@@ -73,10 +73,17 @@ def run_engine(config: EngineConfig, requests: Sequence[Request]) -> EngineResul
     return spawn(serve, config.tp, config.device_kind())
 
 
-def pinned_refs(requests: Sequence[Request], catalog: AdapterCatalog) -> list[Request]:
+def _bad_ref(request: Request, error: LoraCacheError) -> LoraCacheError:
+    return ConfigError(f"request {request.rid}: {error}")
+
+
+def pinned_refs(requests: Sequence[Request], catalog: AdapterCatalog,
+                refuse: Callable[[Request, LoraCacheError], LoraCacheError] = _bad_ref) -> list[Request]:
     """``requests`` with each reference to one version (``A@VERSION``, ``A@TAG``) made its exact version
-    (``A@VERSION``), as a streaming submit makes them (``HostedEngine.submit``); ConfigError naming the request and
-    the versions kept for one that names a version this catalog does not keep, before anything runs."""
+    (``A@VERSION``), for a run (``run_engine``) and a streaming submit (``HostedEngine.submit``) alike; for a
+    request whose reference is malformed or names a version this catalog does not keep, raises ``refuse(request,
+    error)`` from the error: by default a ConfigError naming the request and the versions kept, before anything
+    runs (the submit passes its own, which keeps the error's class for its remote callers)."""
     out = []
     for r in requests:
         if r.adapter and "@" in r.adapter:
@@ -84,7 +91,7 @@ def pinned_refs(requests: Sequence[Request], catalog: AdapterCatalog) -> list[Re
                 name, ref = split_ref(r.adapter)
                 r = r._replace(adapter=f"{name}@{version_of(catalog, name, ref or '')}")
             except LoraCacheError as e:
-                raise ConfigError(f"request {r.rid}: {e}") from e
+                raise refuse(r, e) from e
         out.append(r)
     return out
 

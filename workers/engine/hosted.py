@@ -19,13 +19,13 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from lora_cache.adapters.refs import split_ref, version_of
+from lora_cache.adapters.refs import split_ref
 from lora_cache.errors import ConfigError, LoraCacheError, NotFoundError
 from workers.attach.seam import RESOLVE_WAIT_S, EngineCache, refusal, resolve_here
 from workers.control.outbox import QueueSender
 from workers.engine.admission import ADMISSION
 from workers.engine.config import EngineConfig
-from workers.engine.engine import EngineResult, Hooks, serve_rank
+from workers.engine.engine import EngineResult, Hooks, pinned_refs, serve_rank
 from workers.engine.feed import Feed
 from workers.engine.rank import RankEngine
 from workers.engine.scheduler import base_name, unknown_adapter
@@ -56,6 +56,12 @@ def _node_ip() -> str:
         return str(ray.util.get_node_ip_address())
     except Exception:  # outside Ray (tests of this module alone)
         return "127.0.0.1"
+
+
+def _refused(request: Request, error: LoraCacheError) -> LoraCacheError:
+    """A submit's refusal of ``request`` for its reference (malformed, or naming no version kept): the error's own
+    class (``refusal``: a remote caller catches ``NotFoundError``), saying that nothing of the call went in."""
+    return refusal(error, f"request {request.rid} (nothing of this call was submitted)")
 
 
 class HostedEngine:
@@ -138,13 +144,12 @@ class HostedEngine:
         feed = self._feed()
         catalog = self.cache.catalog
         requests = list(requests)
-        named: dict[int, tuple[str, str]] = {}  # index -> (name, reference) of the requests naming a version
-        for i, r in enumerate(requests):
+        for r in requests:  # malformed references first: refused before any name is resolved for them
             if r.adapter and "@" in r.adapter:
                 try:
-                    named[i] = split_ref(r.adapter)  # type: ignore[assignment]  # "@" in it: a reference
+                    split_ref(r.adapter)
                 except LoraCacheError as e:
-                    raise refusal(e, f"request {r.rid} (nothing of this call was submitted)") from e
+                    raise _refused(r, e) from e
         names = {base_name(r.adapter) for r in requests if r.adapter is not None}
         if unknown := sorted(n for n in names if n not in catalog):
             rids = [r.rid for r in requests if r.adapter and base_name(r.adapter) in unknown][:8]
@@ -159,11 +164,7 @@ class HostedEngine:
                 except LoraCacheError as e:
                     mine = [r.rid for r in requests if r.adapter and base_name(r.adapter) == name][:8]
                     raise refusal(e, f"requests {mine} (nothing of this call was submitted)") from e
-        for i, (name, ref) in named.items():  # their names resolved above: each to its exact version
-            try:
-                requests[i] = requests[i]._replace(adapter=f"{name}@{version_of(catalog, name, ref)}")
-            except LoraCacheError as e:
-                raise refusal(e, f"request {requests[i].rid} (nothing of this call was submitted)") from e
+        requests = pinned_refs(requests, catalog, _refused)  # their names resolved above: each to its exact version
         feed.submit(requests)
 
     def end_stream(self) -> None:
