@@ -35,6 +35,20 @@ def split_ref(text: str) -> tuple[str, str | None]:
     return name, ref
 
 
+def base_name(ref: str) -> str:
+    """``"A"`` or ``"A@REF"`` -> ``"A"``, not checked: for a reference checked at the edge already (``split_ref``,
+    ``lora_cache/api/validate.py``), or on a path where a bad one must not raise here but fail later with its own
+    error (an unknown name's ``NotFoundError``), or pass through as it is."""
+    return ref.partition(SEP)[0]
+
+
+def split_unchecked(ref: str) -> tuple[str, str]:
+    """``"A"`` -> ``("A", "")``; ``"A@REF"`` -> ``("A", "REF")``: ``split_ref`` without its checks, for the same
+    callers as ``base_name`` (no version named: ``""``, as ``"A@"`` gives; the caller's later check decides)."""
+    name, _, ref_part = ref.partition(SEP)
+    return name, ref_part
+
+
 def version_of(catalog: AdapterCatalog, name: str, ref: str) -> str:
     """The version of ``name`` that ``ref`` stands for: a version the catalog keeps, or the tag a kept version
     was pushed under; ``NotFoundError`` naming what is kept otherwise."""

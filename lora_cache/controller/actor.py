@@ -17,7 +17,7 @@ import time
 import ray
 
 from lora_cache.adapters.catalog import CatalogConfig
-from lora_cache.adapters.refs import split_ref, version_of
+from lora_cache.adapters.refs import base_name, split_ref, version_of
 from lora_cache.controller.control_loop import ControlLoop
 from lora_cache.controller.core import ControllerConfig, ControllerCore, HintOutcome
 from lora_cache.controller.fanout import WorkerFanout
@@ -258,7 +258,7 @@ class ControllerActor:
         adapter nobody registered that lies under an adapter root has it registered first (``resolve_adapter``);
         an item whose resolution failed carries that failure (not found, over capacity, timed out)."""
         await self.loop.start()
-        names = {i.adapter.partition("@")[0] for i in items}  # ``A@REF``: a version of A (``adapters/refs.py``)
+        names = {base_name(i.adapter) for i in items}  # ``A@REF``: a version of A (``adapters/refs.py``)
         unknown = sorted(n for n in names if n not in self.core.catalog) if self.resolver.on() else []
         found = await asyncio.gather(*(self.resolver.resolve(a) for a in unknown), return_exceptions=True)
         for e in found:
@@ -266,7 +266,7 @@ class ControllerActor:
                 raise e  # a bug, not an answer
         failed = {a: e for a, e in zip(unknown, found) if isinstance(e, LoraCacheError)}
         advice = self.core.route(items, outstanding)
-        return [a._replace(error=failed[name]) if a.error is not None and (name := a.adapter.partition("@")[0])
+        return [a._replace(error=failed[name]) if a.error is not None and (name := base_name(a.adapter))
                 in failed else a for a in advice]
 
     async def begin_watch(self, replica: str | None = None, adapter: str | None = None) -> int:

@@ -15,7 +15,7 @@ import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.peft import AdapterSpec, KnownVersion
-from lora_cache.adapters.refs import version_of
+from lora_cache.adapters.refs import split_unchecked, version_of
 from lora_cache.adapters.shards import shard_layout
 from lora_cache.controller.admission import ReportAdmission, ResidencyRow
 from lora_cache.controller.lost_ranks import LostRanks
@@ -229,7 +229,7 @@ class ControllerCore:
         self.check_replica(replica)
         entries = []
         for ref, t in adapters:
-            name, _, tag = ref.partition("@")
+            name, tag = split_unchecked(ref)  # checked below: an unknown name fails the report
             self.check_adapter(name)
             try:
                 entries.append(QueueEntry(name, t, version_of(self.catalog, name, tag) if tag else ""))
@@ -258,7 +258,7 @@ class ControllerCore:
         hints: list[Hint] = []
         rejected: list[HintRejection] = []
         for i, (hint_id, adapter, replica, dt) in enumerate(batch):
-            name, _, tag = adapter.partition("@")  # ``A@REF``: one version of A (``adapters/refs.py``)
+            name, tag = split_unchecked(adapter)  # ``A@REF``: one version of A, checked below (a rejection of its own)
             error = _checked(replicas, self.check_replica, replica) or _checked(adapters, self.check_adapter, name)
             try:
                 version = version_of(self.catalog, name, tag) if tag and error is None else ""

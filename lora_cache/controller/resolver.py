@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from lora_cache.adapters.catalog import AdapterCatalog, check_name
 from lora_cache.adapters.objects import is_store_url
+from lora_cache.adapters.refs import base_name
 from lora_cache.errors import (
     AdapterMissingError,
     CapacityError,
@@ -175,7 +176,7 @@ def unregistered_hints(batches: list[list[HintTuple]], outcomes: list[HintOutcom
         kept = []
         for rejection in outcome.rejections:
             hint = batch[rejection.index]
-            name = hint[1].partition("@")[0]
+            name = base_name(hint[1])
             if (isinstance(rejection.error, NotFoundError) and hint[2] in replicas and name not in catalog
                     and may_find(name)):
                 waiting.setdefault(name, []).append(hint)

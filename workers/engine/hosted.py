@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from lora_cache.adapters.refs import split_ref
+from lora_cache.adapters.refs import base_name, split_ref
 from lora_cache.errors import ConfigError, LoraCacheError, NotFoundError
 from workers.attach.seam import RESOLVE_WAIT_S, EngineCache, refusal, resolve_here
 from workers.control.outbox import QueueSender
@@ -28,7 +28,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.engine import EngineResult, Hooks, pinned_refs, serve_rank
 from workers.engine.feed import Feed
 from workers.engine.rank import RankEngine
-from workers.engine.scheduler import base_name, unknown_adapter
+from workers.engine.scheduler import unknown_adapter
 from workers.engine.tp import Comm
 from workers.engine.workload import Request
 

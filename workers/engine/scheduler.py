@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from lora_cache.adapters.refs import base_name
 from lora_cache.errors import ConfigError
 from lora_cache.vocab import AdapterKey
 from workers.attach.versions import AdapterVersions, Readiness
@@ -53,11 +54,6 @@ def _ref(adapter: str | None, version: str | None) -> AdapterRef | None:
     if pinned:  # a request naming one version (``A@VERSION``): exactly that one
         return AdapterKey(name, pinned)
     return adapter if version is None else AdapterKey(adapter, version)
-
-
-def base_name(adapter: str) -> str:
-    """The adapter a request names, without the version it may name (``A@VERSION`` -> ``A``)."""
-    return adapter.partition("@")[0]
 
 
 class StepPlan(NamedTuple):
