@@ -80,6 +80,10 @@ log = logging.getLogger(__name__)
 _SLOW = frozenset({"DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"})  # busy, not gone: a hint call so ended pauses hints
 
 _FIRST_KEPT = 4096  # first picks kept for requests not yet routed (older ones were cancelled)
+# Tags looked up kept (``_exact``: model id A@TAG -> A@VERSION), oldest out first. Bounded because a trainer pushes
+# a new tag every few seconds for as long as it runs. 4096 (the size it had when it shared _FIRST_KEPT) holds the few
+# live tags of about a thousand adapters at once; one pushed out costs a background Lookup again, not a request's wait.
+_TAGS_KEPT = 4096
 _SNAPSHOT = 2**63  # a WatchReadiness cursor past any controller's newest event: the stream opens with a resync
 
 
@@ -264,7 +268,7 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
         if not ref or model_id in self._tags or any(ref in v for v in self._ready.get(name, {}).values()):
             return self._tags.get(model_id, model_id)
         self._tags[model_id] = model_id  # asked once: the lookup below replaces it
-        while len(self._tags) > _FIRST_KEPT:
+        while len(self._tags) > _TAGS_KEPT:
             del self._tags[next(iter(self._tags))]
 
         async def look_up() -> None:
