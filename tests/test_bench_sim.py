@@ -86,14 +86,19 @@ def test_p99_ttft_ordering_for_zipf_with_four_adapters_per_slot(seed: int) -> No
 def test_at_a_realistic_lead_global_beats_the_engine_baselines(seed: int) -> None:
     """At a 50 ms router lead (the default: a router that forwards within milliseconds) the order holds and
     global's p99 is <= 0.75x queue's and overlap's (issue 20's goal). Seeds 0-3: 0.59-0.67x queue; the
-    oracle's gap stays open (global 1.47-1.73x the oracle: cold adapters have no lead to load in)."""
+    oracle's gap stays open (global 1.47-1.73x the oracle: cold adapters have no lead to load in). The engine
+    baselines are ordered on the mean: their p99s are one store read each, 132.2 (queue) and 132.1 ms (ondemand) at
+    seed 2 once a copy after a write-back waited only for the pieces of its range."""
     config = dataclasses.replace(ORDERING, hint_lead_s=0.05)
     spec = WorkloadSpec(arrivals="poisson:12", popularity="zipf:1.5", requests=600, random_input_len=512,
                         random_output_len=128, workload_seed=seed)
     wl = make_workload(spec, spec.adapter_names(config.slots))
-    p99 = {p: float(simulate(config, BENCH_POLICIES[p], wl, H200).summary()["p99_ttft_ms"])
-           for p in ("oracle", "global", "queue", "overlap", "ondemand")}
-    assert p99["oracle"] <= p99["global"] <= p99["queue"] <= p99["ondemand"], p99
+    runs = {p: simulate(config, BENCH_POLICIES[p], wl, H200).summary()
+            for p in ("oracle", "global", "queue", "overlap", "ondemand")}
+    p99 = {p: float(s["p99_ttft_ms"]) for p, s in runs.items()}
+    mean = {p: float(s["mean_ttft_ms"]) for p, s in runs.items()}
+    assert p99["oracle"] <= p99["global"] <= min(p99["queue"], p99["ondemand"]), p99
+    assert mean["oracle"] <= mean["global"] <= mean["queue"] <= mean["ondemand"], mean
     assert p99["global"] <= 0.75 * min(p99["queue"], p99["overlap"]), p99
 
 
@@ -498,18 +503,19 @@ def test_fit_recovers_known_costs_through_load_waits_noise_and_stalls(waited_pre
         assert raw.prefill_s(500, 1) > 2 * truth.prefill_s(500, 1), "not subtracted, the waits would be compute"
 
 
-def test_sim_check_recovers_a_simulated_run_from_its_own_logs() -> None:
+@pytest.mark.parametrize("tiers", ["inclusive", "exclusive"])
+def test_sim_check_recovers_a_simulated_run_from_its_own_logs(tiers: str) -> None:
     """``bench.sim.check.compare`` on a run of the simulator itself: fitted from that run's logs, the
-    simulation reproduces its TTFT; the noisy runs' band holds it; no stalls."""
+    simulation reproduces its TTFT; the noisy runs' band holds it; no stalls. Under exclusive tiers most host hits
+    here follow a write-back of their slot and the fit leaves those copies out, so it is near, not exact: within
+    0.5% (0.9% when a copy after a write-back waited for the whole copy out, not for the pieces of its range)."""
     from bench.config import BenchConfig
     from bench.figures import figures
     from bench.sim.check import NoisyCalibration, compare, step_ratios
     from bench.sim.job import run_policies
 
-    # inclusive tiers: under exclusive ones most host hits here follow a write-back of their slot, and a copy's time
-    # fitted from them holds the waits that the simulator then charges again (docs/known-issues.md)
     bench = BenchConfig(engine="sim", replicas=SMALL.replicas, slots=SMALL.slots, max_adapters=SMALL.max_adapters,
-                        host_tiers="inclusive")
+                        host_tiers=tiers)
     policy = BENCH_POLICIES["ondemand"]
     (run_,) = run_policies(bench, [policy], workload(), {}, EXACT)
     out = compare(bench, [policy], workload(), {"ondemand": figures(run_)}, {"ondemand": run_.steps},
@@ -517,8 +523,11 @@ def test_sim_check_recovers_a_simulated_run_from_its_own_logs() -> None:
     entry = out["policies"]["ondemand"]
     assert out["within_15pct"] and "stalls" not in out
     for key in ("mean_ttft_ms", "p99_ttft_ms"):
-        assert abs(entry[key]["error"]) < 0.01, entry
-        assert entry[key]["real_in_band"], entry
+        assert abs(entry[key]["error"]) < (0.01 if tiers == "inclusive" else 0.005), entry
+        assert entry[key]["real_in_band"] or tiers == "exclusive", entry
+    if tiers == "exclusive":
+        assert any(ld["after_write_back"] for ld in run_.loads), "no copy after a write-back: the case is not run"
+        return
     ratios = step_ratios(run_.steps, EXACT)
     assert ratios and all(r == pytest.approx(1.0) for r in ratios), "the sim's own steps cost exactly their fit"
     noisy = NoisyCalibration.wrap(H200, {"decode": [0.5, 2.0], "prefill": [3.0]}, seed=3)

@@ -126,6 +126,7 @@ def test_the_write_back_is_issued_before_the_next_load_into_its_slot_and_served_
     assert all(label[0] == 0 for label in labels[1:])  # B's chunks, into slot 0
     # the pipelined admission's landing estimate counts the copy out that B's copies follow (CopyClock.in_time)
     wait_for(lambda: key(cache, B) in cache.issued_copies(), "every copy of B issued")
+    # B's range (rank 16) covers A's (rank 8): the whole copy out, none of it run yet
     assert cache.issued_copies()[key(cache, B)][2] == cache.layout_of(A).nbytes
     drain_until(cache, future.done, "B READY")
     assert_serves(cache, B, future.result().slot)
@@ -166,6 +167,29 @@ def test_each_copy_into_the_slot_waits_for_the_write_back_pieces_of_the_range_it
     landed(cache, A)
     assert_host_holds(cache.host._entries[key(cache, A)].tensor, *current(cache, A))
     assert not cache.book.vacating, "a READY load left its slot's write-back pieces behind"
+
+
+def test_a_copys_landing_counts_the_write_back_bytes_ahead_of_its_range_and_no_others() -> None:
+    """``write_back_ahead`` (what ``CopyClock`` counts a copy's landing from): the pieces of the slot's own write-back
+    up to the one covering the copy's range, every piece of an earlier write-back still running (one stream, in
+    order), none complete, none of a write-back issued after; 0 once the slot's own pieces are complete."""
+    done: set[str] = set()
+    vacating = {3: ((10, "a0"), (20, "a1")),  # slot 3's write-back, issued first
+                1: ((10, "b0"), (20, "b1"), (30, "b2"), (40, "b3")),  # slot 1's, then
+                0: ((40, "c0"),)}  # issued after slot 1's: it does not hold a copy into slot 1
+
+    def ahead(slot: int, numel: int) -> int:
+        return loads_module.write_back_ahead(vacating, slot, numel, 2, done.__contains__)
+
+    assert ahead(1, 15) == (20 + 20) * 2  # slot 3's whole write-back, then slot 1's first two pieces
+    assert ahead(1, 40) == ahead(1, 99) == (20 + 40) * 2  # the whole copy out, no more
+    assert ahead(3, 5) == 10 * 2 and ahead(2, 40) == 0  # slot 2: nothing to follow
+    done.update({"a0", "b0"})
+    assert ahead(1, 15) == (10 + 10) * 2  # complete pieces are not counted
+    done.update({"a1", "b1"})
+    assert ahead(1, 15) == 0 and ahead(1, 40) == 20 * 2  # its range is out; a longer copy still waits
+    done.update({"b2", "b3"})
+    assert ahead(1, 40) == 0 and ahead(0, 40) == 40 * 2
 
 
 def test_a_load_that_asks_for_a_shard_being_written_back_joins_the_copy(

@@ -264,13 +264,14 @@ class WorkerCache:
 
     def issued_copies(self) -> dict[AdapterKey, tuple[int, float, int]]:
         """``issued_keys`` -> (the bytes of each one's copy, the ``perf_counter`` time its first chunk's copy was
-        issued, the bytes of the write-back its copies follow: 0 for none): what
-        ``workers.engine.admission.CopyClock`` predicts its landing from."""
+        issued, the bytes the write-back stream had still to copy out, when it took its slot, before the range it
+        overwrites was out: 0 for none, ``SlotLoad.behind``): what ``workers.engine.admission.CopyClock`` predicts
+        its landing from."""
         with self.book.lock:
             loads = [(s.index, s.key, self.book.loads[s.index]) for s in self.book.table.slots
                      if s.key is not None and s.state is SlotPhase.LOADING]
             return {key: (load.layout.nbytes, next((t for phase, t in load.marks if phase == "issue 0"), load.t0),
-                          _behind(self.book, index, self.pool.element_size()))
+                          load.behind)
                     for index, key, load in loads if load.issued.is_set() and load.error is None}
 
     def ready_names(self) -> set[str]:
@@ -324,13 +325,3 @@ class WorkerCache:
         self.catalog.unuse(self.book.versions_held)
         self.load_path.close()  # loads waiting for host room fail, issued copies complete, the host tier closes
         self.disk.close()
-
-
-def _behind(book: SlotBook, slot: int, element_size: int) -> int:
-    """The bytes of the write-back of ``slot``'s last shard that a copy into it follows (caller holds the book's
-    lock): the whole copy out, though the copy waits only for the pieces its range overwrites (``SlotLoad._vacated``):
-    the copy out may itself start late, queued behind other write-backs on its stream, which the landing estimate
-    does not see (counting only the pieces let the simulator's copies at 2 GB/s land after their layer); 0 for
-    none."""
-    pieces = book.vacating.get(slot, ())
-    return pieces[-1][0] * element_size if pieces else 0

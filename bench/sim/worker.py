@@ -90,6 +90,7 @@ class SimLoad:
     h2d_ms: float = 0.0
     issued_s: float = 0.0  # when its copy was issued (queued on the rank's copy stream)
     after_write_back: bool = False  # its copy followed the slot's write-back (``_vacating``)
+    behind: int = 0  # write-back bytes ahead of its range when it took its slot (``SlotLoad.behind``)
     used: bool = False  # some batch acquired (or pinned) it: prefetch accuracy
 
 
@@ -111,7 +112,7 @@ class SimWorker:
         self._copy_free = -math.inf  # when the copy stream is idle (free from the start, before t=0 too)
         self._back_free = -math.inf  # when the write-back stream is idle (exclusive tiers)
         # slot -> its write-back's (start, end, pieces, bytes)
-        self._vacating: dict[int, tuple[float, float, int, int]] = {}
+        self._vacating: dict[int, Vacating] = {}
         self.copies: CopyClock | None = None  # pipelined: measured copies (``CopyClock``), set by the replica
         self.warm = SimWarmQueue(loop, host, keys, functools.partial(self.stage, speculative=True))  # ``WarmQueue``
         host.on_change = lambda key, present: self._changed(key, "staged" if present else "unstaged")
@@ -295,8 +296,10 @@ class SimWorker:
         if index in self._vacating:  # ``SlotLoad.place``'s ``vacate``: each range after the piece that copies it out
             out_start, out_end, pieces, _ = self._vacating[index]
             load.after_write_back = True
+            load.behind = _write_back_ahead(self._vacating, index, load.nbytes, now)
             start = max(start, out_start + (out_end - out_start) / pieces)
-            end = max(start + copy_s, out_end + copy_s / pieces)
+            covered = out_start + (out_end - out_start) * _covering(self._vacating[index], load.nbytes) / pieces
+            end = max(start + copy_s, covered + copy_s / pieces)
         self._copy_free = end
         load.h2d_ms = (self._copy_free - start) * 1e3
         load.issued_s = now
@@ -343,9 +346,9 @@ class SimWorker:
 
     def issued_copies(self) -> dict[str, tuple[int, float, int]]:
         """Adapters LOADING here (a slot taken: the read done, the copy issued) -> (bytes, when the copy was
-        issued, the bytes of the write-back it follows) (``WorkerCache.issued_copies``)."""
-        return {s.key.name: (self._loads[s.index].nbytes, self._loads[s.index].issued_s,
-                             self._vacating[s.index][3] if s.index in self._vacating else 0)
+        issued, the write-back bytes ahead of its range when it took its slot: ``SimLoad.behind``)
+        (``WorkerCache.issued_copies``)."""
+        return {s.key.name: (self._loads[s.index].nbytes, self._loads[s.index].issued_s, self._loads[s.index].behind)
                 for s in self.table.slots if s.key is not None and s.state is SlotPhase.LOADING}
 
     def _reject(self, load: SimLoad, error: str, no_room: bool = False) -> None:
@@ -373,3 +376,31 @@ class SimWorker:
                     and k in held and held[k].staged.done and not held[k].refs]
             assert not both, f"{both} READY in a slot with an idle host copy (exclusive tiers)"
         self.host.check_integrity()
+
+
+Vacating = tuple[float, float, int, int]  # a slot's write-back: (start, end, pieces, bytes), on the write-back stream
+
+
+def _covering(out: Vacating, nbytes: int) -> int:
+    """How many pieces of the write-back ``out`` a copy of ``nbytes`` into its slot waits for: those of the range it
+    overwrites, up to the one that covers its last byte (``SlotLoad._vacated``)."""
+    _, _, pieces, size = out
+    return min(pieces, max(1, -(-nbytes // max(1, -(-size // pieces)))))
+
+
+def _write_back_ahead(vacating: dict[int, Vacating], index: int, nbytes: int, now: float) -> int:
+    """``workers.gpu.loads.write_back_ahead``: the bytes the write-back stream still has to copy out, as of ``now``,
+    before a copy of ``nbytes`` into slot ``index`` may copy its last chunk (pieces complete not counted, one in
+    flight whole); 0 if none of the slot's pieces is still to come."""
+    if index not in vacating or vacating[index][1] <= now:
+        return 0
+    mine = vacating[index][0]
+    total = 0
+    for slot, (start, end, pieces, size) in vacating.items():
+        if start > mine or end <= now:
+            continue  # the stream runs them in the order issued: one issued after it does not hold it
+        piece = -(-size // pieces)
+        upto = _covering(vacating[index], nbytes) if slot == index else pieces
+        total += sum(min(piece, size - j * piece) for j in range(upto)
+                     if start + (end - start) * (j + 1) / pieces > now)
+    return total

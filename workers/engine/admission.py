@@ -47,7 +47,8 @@ class CopyClock:
     issue or when the one before it ends: a copy issued behind others waits for them). A step reaches its
     last layer ``(layers - 1) / layers`` of its compute after it starts, the shortest of the last
     ``STEP_WINDOW`` steps measured. A copy that follows a write-back of its slot (exclusive tiers) lands no
-    sooner than that copy out and then its own (``in_time``). Until a copy and a step have been measured nothing
+    sooner than the write-back stream has copied out what it held ahead of the copy's range when the copy took its
+    slot, and then the copy itself (``in_time``). Until a copy and a step have been measured nothing
     is in time: the request waits for READY, as under ``overlap``. No rate is assumed: on a card whose copies run
     slower than its steps (a congested link, a large adapter beside a short decode step) LOADING requests wait
     instead of holding a batch at a layer.
@@ -94,12 +95,14 @@ class CopyClock:
         return self._model[0] + self._model[1] * nbytes if self._model is not None else None
 
     def in_time(self, issued: Mapping[K, tuple[int, float] | tuple[int, float, int]], now: float) -> set[K]:
-        """Of the copies issued and not landed (key -> (bytes, when issued[, bytes written back first])), those
-        predicted to land within a step's time to its last layer from ``now``, the stream taking them in the order
-        issued. A copy into a slot whose last shard is being written back (exclusive tiers: the third value, the
-        bytes of that copy out, issued with it on the write-back stream) waits, chunk by chunk, for the pieces of
-        the range it overwrites: it is taken to land no sooner than the whole copy out, at the measured copy rate
-        (PCIe's two directions alike), and then the whole copy in: later than it can, never sooner."""
+        """Of the copies issued and not landed (key -> (bytes, when issued[, bytes to be written back first])),
+        those predicted to land within a step's time to its last layer from ``now``, the stream taking them in the
+        order issued. A copy into a slot whose last shard is being written back (exclusive tiers) waits, chunk by
+        chunk, for the pieces of the range it overwrites; the third value is what the write-back stream had still
+        to copy out, when the copy took its slot, before the last of those pieces (``workers.gpu.loads.
+        write_back_ahead``: earlier write-backs queued ahead included). The copy is taken to land no sooner than
+        those bytes out from its issue, at the measured copy rate (PCIe's two directions alike), and then the whole
+        copy in: later than it can, never sooner."""
         budget = self.budget_s()
         if not issued or budget is None or self._model is None:
             return set()

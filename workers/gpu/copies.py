@@ -63,6 +63,7 @@ class SlotLoad:
     _claimed: bool = False  # someone is placing it (takes its slot)
     entry: Any = None  # the host entry its chunks are copied from (once one is staged)
     vacate: tuple[tuple[int, Any], ...] = ()  # its slot's write-back pieces in flight: (end element, event)
+    behind: int = 0  # bytes the write-back stream had to copy out, when it took its slot, before its range was out
     marks: list[tuple[str, float]] = field(default_factory=list)  # (phase, perf_counter) as it goes (probes)
     _cond: threading.Condition = field(default_factory=threading.Condition)  # protects the fields above it
 

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -46,6 +46,36 @@ WRITE_BACK_PIECE_BYTES = 8 << 20  # ... of at least this many bytes each (a copy
 def write_back_pieces(nbytes: int) -> int:
     """How many pieces a write-back of a shard of ``nbytes`` is copied out in (the real and simulated workers')."""
     return max(1, min(WRITE_BACK_PIECES, nbytes // WRITE_BACK_PIECE_BYTES))
+
+
+def write_back_ahead(vacating: Mapping[int, tuple[tuple[int, Any], ...]], slot: int, numel: int, element_size: int,
+                     done: Callable[[Any], bool]) -> int:
+    """The bytes the write-back stream has still to copy out, as of now, before a copy of ``numel`` elements into
+    ``slot`` may copy its last chunk (``SlotBook.vacating``, under its lock); 0 if no write-back of the slot is in
+    flight. What ``workers.engine.admission.CopyClock`` counts a copy's landing from (``SlotLoad.behind``).
+
+    The copy waits only for the pieces of the range it overwrites (``SlotLoad._vacated``): the slot's own pieces up
+    to the one that covers its last element. The pieces run on one stream in the order issued (``vacating``'s
+    order: ``LoadPath.write_back``), so every piece of an earlier write-back still running goes first. Pieces
+    already complete are not counted; one in flight counts whole (later than it can land, never sooner). Until
+    2026-11-30 (fourteenth session) the slot's whole copy out was counted: a rank-16 copy after a rank-64
+    write-back was charged four times its wait, and a write-back queued behind others was missed (a copy admitted
+    as LOADING landed after its layer, in the simulator at 2 GB/s)."""
+    own = vacating.get(slot, ())
+    if not own or all(done(event) for _, event in own):
+        return 0
+    total = 0
+    for index, pieces in vacating.items():
+        begin = 0
+        for end, event in pieces:
+            if not done(event):
+                total += (end - begin) * element_size
+            begin = end
+            if index == slot and end >= numel:
+                break
+        if index == slot:
+            break
+    return total
 
 
 class SlotBook:
@@ -302,6 +332,8 @@ class LoadPath:
                 # the write-back of the slot's last shard, to wait for; kept until a load into the slot is READY (one
                 # that fails midway may leave ranges it never copied into, which the next load must still wait for)
                 vacate = book.vacating.get(load.slot, ())
+                load.behind = write_back_ahead(book.vacating, load.slot, load.layout.numel,
+                                               self.pool.element_size(), self.streams.done)
                 load.mark("slot")
         if error is not None:  # failed once its read has ended: the tier holds the shard (a host hit next time)
             load.fail(error)
@@ -344,6 +376,7 @@ class LoadPath:
         taken = self.host.write_back(gone.key, gone.layout, gone.plan.entry_spans, copy)
         if taken is not None:
             entry, event = taken
+            self.book.vacating.pop(slot, None)  # re-entered last: the dict's order is the write-back stream's
             self.book.vacating[slot] = tuple(pieces)  # the next load into the slot waits for them, range by range
             due = time.perf_counter() + gone.layout.nbytes / H2D_FASTEST_BPS
             self.watcher.add(WriteBack(gone.key, entry, event, due), self._written)
