@@ -251,6 +251,8 @@ def test_an_evicted_slot_is_written_back_before_the_next_load_overwrites_it(tmp_
             torch.cuda._sleep(delay_cycles)  # the copies queued next on it wait behind it
         record = cache.prefetch(b).result(timeout=60)
         assert torch.equal(cache.pool[record.slot, : cache.layout_of(b).numel].cpu(), _file_shard(cache, b))
+        if stream == "back" and delay_cycles:  # the landing estimate saw A's pieces queued behind the spin (events)
+            assert cache.book.loads[record.slot].behind == cache.layout_of(a).nbytes
         wait_for(lambda: cache.host.contains(key_a), "A's write-back seen complete")  # stream order: before B's
         assert cache.host.contains(key_a) and cache.host.written_back == 1
         entry = cache.host._entries[key_a]
