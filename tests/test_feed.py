@@ -3,11 +3,14 @@ and a TP 1 engine on the CPU serving a stream submitted while it runs (no Ray)."
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -340,31 +343,38 @@ def test_adapters_registered_while_the_engine_runs_are_served_with_their_own_wei
         torch.testing.assert_close(records[rid].outputs, reference[rid].outputs, rtol=1e-4, atol=1e-4)
 
 
+@contextlib.contextmanager
+def hosted_engine(root: Path, **kwargs: Any) -> Iterator[tuple[HostedEngine, WorkerCache, EngineConfig]]:
+    """A ``HostedEngine`` built over a ``RankEngine``'s catalog and cache (what a worker lends it), closed after."""
+    cfg = config(root)
+    engine = RankEngine(cfg, Comm())
+    cache = engine.cache
+    assert isinstance(cache, WorkerCache)
+    hosted = HostedEngine(cache, **kwargs)
+    try:
+        hosted.build(cfg, Rendezvous("127.0.0.1", 0, 1), 0)
+        assert hosted.feed is not None
+        yield hosted, cache, cfg
+    finally:
+        if hosted.engine is not None:
+            hosted.engine.close()
+        hosted.close()
+        engine.close()
+
+
 def test_a_hosted_engine_takes_submits_for_what_its_catalog_has_at_the_call(late_root: Path) -> None:
     """The race of a submit with a registration, defined: ``HostedEngine.submit`` checks rank 0's catalog at the
     call. Not registered yet: refused with ``NotFoundError`` naming it and the fix, nothing of the call submitted
     (the caller registers first, or retries once its registration returned); registered by then, before or after
     the engine was built: accepted (the loop adds the name to its version exchange; ``_take`` reads the catalog
     after taking the requests, so the name is there). (Before: refused until the replica restarted.)"""
-    cfg = config(late_root)
-    engine = RankEngine(cfg, Comm())  # the catalog and cache a worker would lend the hosted engine
-    cache = engine.cache
-    assert isinstance(cache, WorkerCache)
-    hosted = HostedEngine(cache)
-    try:
-        hosted.build(cfg, Rendezvous("127.0.0.1", 0, 1), 0)
-        assert hosted.feed is not None
+    with hosted_engine(late_root) as (hosted, cache, cfg):
         with pytest.raises(NotFoundError, match=r"requests \[1\]: adapter 'late-a' is not registered in this replica"):
             hosted.submit([Request(0, ADAPTERS[0], 3, 1), Request(1, "late-a", 3, 1)])
         assert hosted.feed.take() == ([], False)  # nothing of the refused call
         cache.catalog.register("late-a", Path(cfg.adapters) / "later" / "late-a")
         hosted.submit([Request(1, "late-a", 3, 1)])
         assert [r.rid for r in hosted.feed.take()[0]] == [1]
-    finally:
-        if hosted.engine is not None:
-            hosted.engine.close()
-        hosted.close()
-        engine.close()
 
 
 def test_a_hosted_engine_submit_whose_resolved_name_never_reaches_the_rank_times_out_and_submits_nothing(
@@ -374,10 +384,6 @@ def test_a_hosted_engine_submit_whose_resolved_name_never_reaches_the_rank_times
     ``ResolveTimeoutError`` naming its requests, the version and the rank; nothing of it is submitted. A refusal
     from the controller keeps its own class (``refusal``). The real resolution, through the controller:
     tests/test_ray_versions.py::test_the_hosted_engine_serves_a_name_registered_by_nobody_once_it_resolves_it."""
-    cfg = config(late_root)
-    engine = RankEngine(cfg, Comm())
-    cache = engine.cache
-    assert isinstance(cache, WorkerCache)
     asked: list[str] = []
 
     def resolve(name: str, timeout_s: float) -> str:
@@ -386,10 +392,7 @@ def test_a_hosted_engine_submit_whose_resolved_name_never_reaches_the_rank_times
             raise CapacityError("over the controller's --resolve-parallel")
         return "v-never-arrives"
 
-    hosted = HostedEngine(cache, resolve=resolve, resolve_s=0.3)
-    try:
-        hosted.build(cfg, Rendezvous("127.0.0.1", 0, 1), 0)
-        assert hosted.feed is not None
+    with hosted_engine(late_root, resolve=resolve, resolve_s=0.3) as (hosted, _, _):
         t0 = time.monotonic()
         with pytest.raises(ResolveTimeoutError, match=r"requests \[1, 2\] .*'late-a'.*v-never-arrives.*rank 0"):
             hosted.submit([Request(0, ADAPTERS[0], 3, 1), Request(1, "late-a", 3, 1), Request(2, "late-a", 4, 1)])
@@ -397,11 +400,6 @@ def test_a_hosted_engine_submit_whose_resolved_name_never_reaches_the_rank_times
         with pytest.raises(CapacityError, match=r"requests \[3\] .*--resolve-parallel"):
             hosted.submit([Request(3, "late-b", 3, 1)])
         assert hosted.feed.take() == ([], False)  # nothing of either refused call
-    finally:
-        if hosted.engine is not None:
-            hosted.engine.close()
-        hosted.close()
-        engine.close()
 
 
 def test_a_hosted_engine_submit_pins_each_reference_to_its_exact_version_or_refuses_the_whole_call(
@@ -410,14 +408,7 @@ def test_a_hosted_engine_submit_pins_each_reference_to_its_exact_version_or_refu
     after resolving names. A malformed reference is refused before any name is resolved (so its unknown name is not
     the error); one naming a version the catalog does not keep is refused with ``NotFoundError``; either names the
     request and submits nothing of the call. The Ray twins: tests/test_ray_push.py, tests/test_ray_versions.py."""
-    cfg = config(late_root)
-    engine = RankEngine(cfg, Comm())
-    cache = engine.cache
-    assert isinstance(cache, WorkerCache)
-    hosted = HostedEngine(cache)
-    try:
-        hosted.build(cfg, Rendezvous("127.0.0.1", 0, 1), 0)
-        assert hosted.feed is not None
+    with hosted_engine(late_root) as (hosted, cache, _):
         with pytest.raises(AdapterFormatError, match=r"^request 1 \(nothing of this call was submitted\): .*'late-a@'"):
             hosted.submit([Request(0, ADAPTERS[0], 3, 1), Request(1, "late-a@", 3, 1)])
         with pytest.raises(NotFoundError, match=r"^request 2 \(nothing of this call was submitted\): adapter "
@@ -427,8 +418,3 @@ def test_a_hosted_engine_submit_pins_each_reference_to_its_exact_version_or_refu
         version = cache.catalog.current(ADAPTERS[0])
         hosted.submit([Request(3, f"{ADAPTERS[0]}@{version}", 3, 1), Request(4, ADAPTERS[1], 3, 1)])
         assert [r.adapter for r in hosted.feed.take()[0]] == [f"{ADAPTERS[0]}@{version}", ADAPTERS[1]]
-    finally:
-        if hosted.engine is not None:
-            hosted.engine.close()
-        hosted.close()
-        engine.close()
