@@ -260,10 +260,11 @@ def _check_sim(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Wo
                runs: list[PolicyRun], real: dict[str, Any]) -> dict[str, Any]:
     """The simulator on this run's configuration, with costs fitted from this run's logs; ``real``: the
     run's figures by policy (as written)."""
-    from bench.sim.check import compare
+    from bench.sim.check import compare, submit_lags
 
     return compare(bench, policies, workload, real,
-                   [s for run in runs for s in run.steps], [x for run in runs for x in run.loads])
+                   [s for run in runs for s in run.steps], [x for run in runs for x in run.loads],
+                   lags={run.policy: submit_lags(run.routing, workload) for run in runs})
 
 
 def _host() -> dict[str, Any]:

@@ -33,7 +33,7 @@ import json
 import math
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -162,6 +162,9 @@ class Workload:
     requests: list[Request]
     inflight: int  # 0: open loop (arrival_s); N > 0: closed loop, arrival_s are 0 and the driver releases them
     warmup: int = 0  # the first ``warmup`` requests (rids) are the warm-up, played before the measured window
+    # rid -> seconds from its arrival to its submission reaching the engine (the simulator's open loop; empty: at
+    # arrival). ``bench.sim.check`` replays a real run's (its router's ``submitted_s``): TTFT still counts from arrival
+    submit_lag_s: Mapping[int, float] = field(default_factory=dict)
 
     def describe(self) -> dict[str, object]:
         """The spec and what was drawn, for the results JSON."""

@@ -503,6 +503,30 @@ def test_fit_recovers_known_costs_through_load_waits_noise_and_stalls(waited_pre
         assert raw.prefill_s(500, 1) > 2 * truth.prefill_s(500, 1), "not subtracted, the waits would be compute"
 
 
+def test_the_check_replays_each_requests_submission_lag_and_ttft_still_counts_from_its_arrival() -> None:
+    """``Workload.submit_lag_s`` (``bench.sim.check`` replays a real run's router lags): a request reaches its
+    replica that long after its arrival, never sooner, and its TTFT counts from the arrival, so it includes the lag.
+    ``submit_lags`` reads a real run's ``submitted_s`` on the run's clock: a time before the arrival counts 0, a rid
+    the workload lacks is left out, and a closed loop (no arrival times) has none."""
+    from bench.sim.check import submit_lags
+
+    base = workload()
+    lags = {r.rid: 0.02 * (r.rid % 3) for r in base.requests}  # 0, 20 and 40 ms in turn
+    played = simulate(SMALL, BENCH_POLICIES["queue"], dataclasses.replace(base, submit_lag_s=lags), H200, check=True)
+    at = {r.rid: r.arrival_s for r in base.requests}
+    assert all(rec.prefill_s is not None and rec.prefill_s >= at[rec.rid] + lags[rec.rid] - 1e-9
+               and rec.arrival_s == at[rec.rid] for rec in played.records)
+    plain = {rec.rid: rec.ttft_s for rec in run("queue").records}
+    late = [rec.ttft_s - plain[rec.rid] for rec in played.records if lags[rec.rid] == 0.04]
+    assert sum(late) / len(late) > 0.03, "a 40 ms lag is in the TTFT"
+    first, second = base.requests[0], base.requests[1]
+    routing = {"submitted_s": {str(first.rid): first.arrival_s + 0.005, str(second.rid): second.arrival_s - 0.001,
+                               "999999": 1.0}}
+    assert submit_lags(routing, base) == pytest.approx({first.rid: 0.005, second.rid: 0.0})
+    assert submit_lags({}, base) == {}
+    assert submit_lags(routing, workload("inflight:4")) == {}
+
+
 @pytest.mark.parametrize("tiers", ["inclusive", "exclusive"])
 def test_sim_check_recovers_a_simulated_run_from_its_own_logs(tiers: str) -> None:
     """``bench.sim.check.compare`` on a run of the simulator itself: fitted from that run's logs, the

@@ -84,10 +84,12 @@ Logs = list[dict[str, Any]] | Mapping[str, list[dict[str, Any]]]
 
 def compare(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workload,
             real: Mapping[str, Mapping[str, Any]], steps: Logs, loads: Logs, *, fit: str = "pooled",
-            noise: int = 0, seed: int = 0, warm_min_miss_s: float = PlannerConfig.warm_min_miss_s) -> dict[str, Any]:
+            noise: int = 0, seed: int = 0, warm_min_miss_s: float = PlannerConfig.warm_min_miss_s,
+            lags: Mapping[str, Mapping[int, float]] | None = None) -> dict[str, Any]:
     """``real``: each policy's figures; ``steps``/``loads``: the real run's logs the costs are fitted from, as
     one list or by policy (``fit='per-policy'`` needs them by policy). ``noise``: noisy runs per policy.
-    ``warm_min_miss_s``: the warming gate the real run's controller had (``run_warm_gate``)."""
+    ``warm_min_miss_s``: the warming gate the real run's controller had (``run_warm_gate``). ``lags``: by policy,
+    each request's lag from its arrival to its submission in the real run (``submit_lags``), replayed."""
     if fit not in FITS:
         raise ValueError(f"fit {fit!r}: use one of {FITS}")
     by_policy = isinstance(steps, Mapping)
@@ -120,7 +122,8 @@ def compare(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workl
             calib = fit_store(calib, [own_loads], store)
             out.setdefault("calibrations", {})[policy.name] = dataclasses.asdict(calib)
         config: dict[str, Any] = {}
-        (sim,) = run_policies(bench, [policy], workload, config, calib, warm_min_miss_s)
+        played = dataclasses.replace(workload, submit_lag_s=(lags or {}).get(policy.name, {}))
+        (sim,) = run_policies(bench, [policy], played, config, calib, warm_min_miss_s)
         r, s = real[policy.name], figures(split_run(sim, workload.warmup)[0])  # the measured window, as the real
         entry: dict[str, Any] = {k: {"real": r[k], "sim": s[k], "error": s[k] / r[k] - 1 if r[k] else math.inf}
                                  for k in KEYS}
@@ -136,7 +139,7 @@ def compare(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workl
                       for kind in ("prefill", "decode")}
             ratios.update(load_ratios(own_loads, calib))
             sim_config = SimConfig(**config["sim"])  # as run_policies made it, without a progress bar per run
-            runs = [figures(split_run(simulate(sim_config, policy, workload,
+            runs = [figures(split_run(simulate(sim_config, policy, played,
                                                NoisyCalibration.wrap(calib, ratios, seed + i))
                                       .as_policy_run(policy.name, 0.0), workload.warmup)[0]) for i in range(noise)]
             for k in KEYS:
@@ -295,9 +298,23 @@ def check(doc: dict[str, Any], fit: str = "pooled", noise: int = 0) -> dict[str,
     warmup = int(w.get("warmup_requests", 0) or 0)  # the run's warm-up, replayed; its logs are the measured window's
     workload = warm_workload(spec, names, warmup, bench.replicas, bench.slots)[0] if warmup else \
         make_workload(spec, names)
+    routing = doc.get("routing") or {}
     return compare(bench, [BENCH_POLICIES[p] for p in doc["figures"]], workload, doc["figures"],
                    estimate_gaps(doc["requests"], doc["steps"]), doc["loads"], fit=fit, noise=noise,
-                   warm_min_miss_s=run_warm_gate(doc))
+                   warm_min_miss_s=run_warm_gate(doc),
+                   lags={p: submit_lags(routing.get(p) or {}, workload) for p in doc["figures"]})
+
+
+def submit_lags(routing: Mapping[str, Any], workload: Workload) -> dict[int, float]:
+    """rid -> seconds from its arrival to its submission in a real run (its router's ``submitted_s``, on the
+    run's clock), for the simulator to replay (``Workload.submit_lag_s``): on two H200s the router submitted 0.6-1.2 ms
+    after arrival on average, up to 16 ms, and without it the simulated wait before prefill was 1.8-3.8 ms short of
+    the real one on every run (bench/reports/issue-42.md). None before 0; runs that logged none (older ones,
+    closed loops): empty, every request at its arrival."""
+    submitted = routing.get("submitted_s") or {}
+    arrival = {r.rid: r.arrival_s for r in workload.requests}
+    return {int(rid): max(0.0, float(t) - arrival[int(rid)]) for rid, t in submitted.items()
+            if int(rid) in arrival and not workload.inflight}
 
 
 def format_comparison(out: Mapping[str, Any]) -> str:

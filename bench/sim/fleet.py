@@ -355,8 +355,9 @@ class _Fleet:
         self.replica_of[rid] = index
         if self.policy.hints and request.adapter is not None and not self.workload.inflight:
             self.controller.hint(f"hint-{rid}", request.adapter, self.replicas[index].name, request.arrival_s - now)
-        if request.arrival_s > now:
-            self.loop.at(request.arrival_s, self._dispatch, rid)
+        at = request.arrival_s + self.workload.submit_lag_s.get(rid, 0.0)  # a real run's submission, replayed
+        if at > now:
+            self.loop.at(at, self._dispatch, rid)
         else:
             self._dispatch(rid)
 
