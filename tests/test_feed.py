@@ -377,6 +377,38 @@ def test_a_hosted_engine_takes_submits_for_what_its_catalog_has_at_the_call(late
         assert [r.rid for r in hosted.feed.take()[0]] == [1]
 
 
+def test_a_submit_resolving_a_new_name_holds_up_no_other_and_the_end_of_stream_waits_for_it(late_root: Path) -> None:
+    """Submits run side by side (the worker actor takes ``SUBMITS`` at once): while one waits for a new name's
+    resolution, a submit of a registered adapter goes straight into the feed; ``end_stream`` called meanwhile waits
+    for the resolving submit, so its requests go in before the end of the stream; a submit after it is refused,
+    naming its requests. (Before: submits ran one at a time, so the second waited up to ``resolve_s``.)"""
+    asked, release = threading.Event(), threading.Event()
+
+    with contextlib.ExitStack() as stack:
+        def resolve(name: str, timeout_s: float) -> str:  # the controller: registers it on this rank, after a while
+            asked.set()
+            assert release.wait(30), "the test never released the resolution"
+            return cache.catalog.register(name, late_root / "later" / name).version
+
+        hosted, cache, _ = stack.enter_context(hosted_engine(late_root, resolve=resolve))
+        feed = hosted.feed
+        assert feed is not None
+        pool = stack.enter_context(ThreadPoolExecutor(3))
+        slow = pool.submit(hosted.submit, [Request(1, "late-b", 3, 1)])
+        assert asked.wait(10), "the first submit never asked for its name"
+        pool.submit(hosted.submit, [Request(2, ADAPTERS[0], 3, 1)]).result(timeout=10)  # not behind the first
+        assert [r.rid for r in feed.take()[0]] == [2] and not slow.done()
+        ended = pool.submit(hosted.end_stream)
+        wait_for(lambda: feed._closing, "end_stream began")
+        assert not ended.done(), "the end of the stream overtook a submit begun before it"
+        with pytest.raises(ConfigError, match=r"requests \[3\] submitted after the end of the stream"):
+            hosted.submit([Request(3, ADAPTERS[0], 3, 1)])
+        release.set()
+        slow.result(timeout=10)
+        ended.result(timeout=10)
+        assert feed.take() == ([Request(1, "late-b", 3, 1)], True)  # in, then the end
+
+
 def test_a_hosted_engine_submit_whose_resolved_name_never_reaches_the_rank_times_out_and_submits_nothing(
         late_root: Path) -> None:
     """The controller answered a resolution (here: a version that no registration call brings to this rank, as

@@ -48,12 +48,18 @@ def _resolve(name: str, timeout_s: float) -> str:
     return resolve_at(ray.get_actor(CONTROLLER_NAME), name, timeout_s)
 
 
-@ray.remote(max_restarts=-1, concurrency_groups={"engine": 1, "feed": 1, "finished": 1, "lifeline": 4})
+SUBMITS = 8  # a streaming run's submits taken at once: one resolving a new name (up to resolve_s) holds up no other
+
+
+@ray.remote(max_restarts=-1, concurrency_groups={"engine": 1, "submit": SUBMITS, "feed": 1, "finished": 1,
+                                                 "lifeline": 4})
 class WorkerActor:
     """Control calls (apply, describe, ...) run one at a time in the default group, in order; an engine
     hosted here (the benchmark's real path) runs its loop in the ``engine`` group beside them, takes a
-    streaming run's requests in the ``feed`` group (in order: the end of stream comes last) and answers
-    the long poll for finished ones in ``finished``. ``ping`` and the controller's ``lifeline`` (its death
+    streaming run's requests in the ``submit`` group (up to ``SUBMITS`` at once: a submit that resolves a new name
+    on demand does not hold up the others; before 2026-11-30 one at a time, so it did, up to ``resolve_s``), ends
+    the stream in ``feed`` (after every submit begun before it: ``Feed.submitting``) and answers the long poll for
+    finished ones in ``finished``. ``ping`` and the controller's ``lifeline`` (its death
     watch) run in ``lifeline`` (a lifeline left by a controller that restarted ends within its timeout)."""
 
     def __init__(self, name: str, replica: str, config: WorkerConfig, catalog: CatalogConfig,
@@ -220,7 +226,7 @@ class WorkerActor:
             self.engine.close()
             heap.freeze()  # the run thawed the heap: collect what the engine left, freeze the rest again
 
-    @ray.method(concurrency_group="feed")
+    @ray.method(concurrency_group="submit")
     def engine_submit(self, requests: list[Request]) -> None:
         self.engine.submit(requests)
 

@@ -6,7 +6,9 @@ so every rank of a replica runs the same requests in the same order by construct
 
 Router side: ``submit`` (a request's arrival time stays its ``arrival_s``: the scheduler admits it at
 the first round at or after both that time and its delivery, and TTFT counts from ``arrival_s``),
-``close`` (end of stream: the loop stops once every request is done) and ``finished`` (a long poll for
+``submitting`` (a submit under way, its new names resolving first: several at once, none held up by another's
+resolution; ``close`` waits for those begun before it), ``close`` (end of stream: the loop stops once every
+request is done) and ``finished`` (a long poll for
 request ids done since the last call; None once the run is over). Engine side: ``take`` (what came
 since the last take, and whether the stream is closed), ``arrival`` (a future done on the next submit
 or close: a WAIT round waits on it beside its loads), ``watch`` (a callback told of each submit at once,
@@ -16,8 +18,9 @@ and ``done``; ``stop`` ends the run's polls.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 
 from lora_cache.errors import ConfigError
@@ -32,18 +35,36 @@ class Feed:
         self._changed = threading.Condition(self._lock)  # finished ids or stop: wakes ``finished``
         self._new: list[Request] = []  # submitted, not yet taken by the loop
         self._closed = False  # end of stream: nothing more will be submitted
+        self._closing = False  # ``close`` was called: no submit may begin (those under way finish first)
+        self._submitting = 0  # submits under way (``submitting``)
+        self._settled = threading.Condition(self._lock)  # a submit under way ended: wakes ``close``
         self._stopped = False  # the run is over (the loop left)
         self._arrival: Future[None] = Future()  # done on the next submit/close after a take
         self._done: list[int] = []  # finished, not yet polled
         self._watch: Callable[[list[Request]], None] | None = None  # told of each submit (``watch``)
 
     # -- the router's side ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def submitting(self, rids: Sequence[int]) -> Iterator[None]:
+        """A submit of requests ``rids`` under way (its new names resolving, then ``submit``): any number at once,
+        so a slow one holds up no other; ``close`` waits for every one begun before it, so the end of stream still
+        comes after the requests submitted before it. One begun after ``close`` is refused (ConfigError)."""
+        with self._lock:
+            if self._closing or self._closed:
+                raise ConfigError(_after_close(rids))
+            self._submitting += 1
+        try:
+            yield
+        finally:
+            with self._settled:
+                self._submitting -= 1
+                self._settled.notify_all()
+
     def submit(self, requests: Iterable[Request]) -> None:
         batch = list(requests)
         with self._lock:
             if self._closed:
-                raise ConfigError(f"requests {[r.rid for r in batch][:8]} submitted after the end of the stream; "
-                                  "submit every request before close()")
+                raise ConfigError(_after_close([r.rid for r in batch]))
             self._new += batch
             self._wake()
             watch = self._watch
@@ -51,8 +72,12 @@ class Feed:
             watch(batch)
 
     def close(self) -> None:
-        """End of stream: the loop stops once every request submitted so far is done."""
-        with self._lock:
+        """End of stream: the loop stops once every request submitted so far is done. Waits for the submits under
+        way (``submitting``): their requests go in before the end."""
+        with self._settled:
+            self._closing = True
+            while self._submitting:
+                self._settled.wait()
             self._closed = True
             self._wake()
 
@@ -102,3 +127,7 @@ class Feed:
     def _wake(self) -> None:
         if not self._arrival.done():
             self._arrival.set_result(None)
+
+
+def _after_close(rids: Sequence[int]) -> str:
+    return f"requests {list(rids)[:8]} submitted after the end of the stream; submit every request before close()"

@@ -136,14 +136,19 @@ class HostedEngine:
         be resolved (under no root, over the controller's caps, timed out, a bad file) refuses the whole call with
         nothing of it submitted, naming its requests and the controller's reason; without ``resolve``,
         ``NotFoundError``. A request accepted but whose adapter is unregistered before the loop takes it fails
-        alone. Submits are served in order (one at a time): a resolution delays the submits after it.
+        alone. Submits run side by side (``Feed.submitting``): one resolving a new name holds up no other, and
+        ``end_stream`` waits for the submits begun before it.
 
         A request may name one version of its adapter, ``A@VERSION`` or ``A@TAG`` (the tag a trainer pushed it
         under: ``lora_cache.adapters.refs``): it runs on exactly that version on every rank, once it is READY on all
         of them (loaded if it is not). A version this rank's catalog does not keep refuses the whole call."""
-        feed = self._feed()
-        catalog = self.cache.catalog
         requests = list(requests)
+        feed = self._feed()
+        with feed.submitting([r.rid for r in requests]):
+            self._submit(feed, requests)
+
+    def _submit(self, feed: Feed, requests: list[Request]) -> None:
+        catalog = self.cache.catalog
         for r in requests:  # malformed references first: refused before any name is resolved for them
             if r.adapter and "@" in r.adapter:
                 try:
@@ -168,6 +173,7 @@ class HostedEngine:
         feed.submit(requests)
 
     def end_stream(self) -> None:
+        """The end of the stream, after every submit begun before it (it waits for those still resolving)."""
         self._feed().close()
 
     def finished(self, timeout_s: float = 1.0) -> list[int] | None:
