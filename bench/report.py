@@ -87,7 +87,8 @@ def _document(config: dict[str, Any], sections: dict[str, dict[str, Any]]) -> di
 def _record(r: Any) -> dict[str, Any]:
     return {"rid": r.rid, "adapter": r.adapter, "input_len": r.input_len, "output_len": r.output_len,
             "arrival_s": r.arrival_s, "prefill_s": r.prefill_s, "first_token_s": r.token_s[0] if r.token_s else None,
-            "finish_s": r.token_s[-1] if r.token_s else None, "load_wait_s": r.load_wait_s, "error": r.error}
+            "finish_s": r.token_s[-1] if r.token_s else None, "load_wait_s": r.load_wait_s, "error": r.error,
+            "received_s": getattr(r, "received_s", None)}
 
 
 def read_results(path: Path) -> dict[str, Any]:

@@ -264,7 +264,7 @@ def _check_sim(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Wo
 
     return compare(bench, policies, workload, real,
                    [s for run in runs for s in run.steps], [x for run in runs for x in run.loads],
-                   lags={run.policy: submit_lags(run.routing, workload) for run in runs})
+                   lags={run.policy: submit_lags(run.routing, workload, run.records) for run in runs})
 
 
 def _host() -> dict[str, Any]:

@@ -524,6 +524,9 @@ def test_the_check_replays_each_requests_submission_lag_and_ttft_still_counts_fr
                                "999999": 1.0}}
     assert submit_lags(routing, base) == pytest.approx({first.rid: 0.005, second.rid: 0.0})
     assert submit_lags({}, base) == {}
+    # where rank 0 logged when its feed got a request, that is the lag (the Ray call to it included)
+    got = [{"rid": first.rid, "received_s": first.arrival_s + 0.007}, {"rid": second.rid, "received_s": None}]
+    assert submit_lags(routing, base, got) == pytest.approx({first.rid: 0.007, second.rid: 0.0})
     assert submit_lags(routing, workload("inflight:4")) == {}
 
 

@@ -130,7 +130,10 @@ def test_an_engine_serves_requests_submitted_while_it_runs(adapters: Path) -> No
         assert rec.prefill_s is not None
         assert rec.arrival_s == r.arrival_s < delivered <= rec.prefill_s  # admitted when it got there
         assert rec.token_s[0] - rec.arrival_s > delivered - r.arrival_s  # TTFT counts the delivery's delay
+        assert rec.received_s is not None and delivered <= rec.received_s <= rec.prefill_s  # logged on the run's clock
+    assert all(records[r.rid].received_s is not None for r in requests[:6])
     upfront = {r.rid: r for r in run_engine(cfg, requests).records}
+    assert all(r.received_s is None for r in upfront.values())  # given up front: no submission to log
     for rid, rec in records.items():
         assert rec.outputs is not None
         torch.testing.assert_close(rec.outputs, upfront[rid].outputs, rtol=1e-4, atol=1e-4)

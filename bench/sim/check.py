@@ -302,19 +302,26 @@ def check(doc: dict[str, Any], fit: str = "pooled", noise: int = 0) -> dict[str,
     return compare(bench, [BENCH_POLICIES[p] for p in doc["figures"]], workload, doc["figures"],
                    estimate_gaps(doc["requests"], doc["steps"]), doc["loads"], fit=fit, noise=noise,
                    warm_min_miss_s=run_warm_gate(doc),
-                   lags={p: submit_lags(routing.get(p) or {}, workload) for p in doc["figures"]})
+                   lags={p: submit_lags(routing.get(p) or {}, workload, doc["requests"].get(p, ()))
+                         for p in doc["figures"]})
 
 
-def submit_lags(routing: Mapping[str, Any], workload: Workload) -> dict[int, float]:
-    """rid -> seconds from its arrival to its submission in a real run (its router's ``submitted_s``, on the
-    run's clock), for the simulator to replay (``Workload.submit_lag_s``): on two H200s the router submitted 0.6-1.2 ms
-    after arrival on average, up to 16 ms, and without it the simulated wait before prefill was 1.8-3.8 ms short of
-    the real one on every run (bench/reports/issue-42.md). None before 0; runs that logged none (older ones,
-    closed loops): empty, every request at its arrival."""
-    submitted = routing.get("submitted_s") or {}
+def submit_lags(routing: Mapping[str, Any], workload: Workload, records: Sequence[Any] = ()) -> dict[int, float]:
+    """rid -> seconds from its arrival to its submission reaching the engine in a real run, for the simulator to
+    replay (``Workload.submit_lag_s``): when rank 0's feed got it (the records' ``received_s``, logged since
+    2026-11-30), else when the router sent it (its ``submitted_s``: the Ray call to rank 0 not counted). On two
+    H200s the router sent 0.6-1.2 ms after arrival on average, up to 16 ms, and without any lag the simulated wait
+    before prefill was 1.8-3.8 ms short of the real one on every run (bench/reports/issue-42.md). None before 0;
+    runs that logged neither (older ones, closed loops): empty, every request at its arrival."""
+    if workload.inflight:
+        return {}
     arrival = {r.rid: r.arrival_s for r in workload.requests}
-    return {int(rid): max(0.0, float(t) - arrival[int(rid)]) for rid, t in submitted.items()
-            if int(rid) in arrival and not workload.inflight}
+    sent = {int(rid): float(t) for rid, t in (routing.get("submitted_s") or {}).items()}
+    for r in records:
+        rid, got = (r["rid"], r.get("received_s")) if isinstance(r, Mapping) else (r.rid, r.received_s)
+        if got is not None:
+            sent[int(rid)] = float(got)
+    return {rid: max(0.0, t - arrival[rid]) for rid, t in sent.items() if rid in arrival}
 
 
 def format_comparison(out: Mapping[str, Any]) -> str:

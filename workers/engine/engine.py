@@ -19,6 +19,7 @@ what it wants). Ranks other than rank 0 see requests only in plans: on them this
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -109,6 +110,7 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
         feed.watch(engine.arrivals.arrived)  # an arrival's adapter is pinned or loaded at once, not at the next round
     scheduler = Scheduler(config, rule, requests, hooks.inflight, feed is not None) if comm.rank == 0 else None
     heap.freeze()  # no full collection walks the built engine mid-run (a ~100 ms stall; lora_cache/runtime/heap.py)
+    wall0: float | None = None
     try:
         comm.barrier()  # every rank built: the clock starts now (or at hooks.start_wall)
         if comm.rank == 0:  # the versions the requests given at start name: a row each (as a submit's, ``_take``)
@@ -153,7 +155,11 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
         stats = engine.close()
         heap.thaw()
     ranks = comm.gather(stats)
-    return EngineResult(scheduler.records() if scheduler is not None else [], ranks)
+    records = scheduler.records() if scheduler is not None else []
+    if feed is not None and wall0 is not None:  # when each streamed submit reached rank 0 (bench.sim.check replays it)
+        received = feed.received(wall0)
+        records = [dataclasses.replace(r, received_s=received.get(r.rid)) for r in records]
+    return EngineResult(records, ranks)
 
 
 def _take(feed: Feed, scheduler: Scheduler, engine: RankEngine) -> tuple[str, ...]:

@@ -24,6 +24,7 @@ class RequestRecord:
     error: str | None = None
     outputs: torch.Tensor | None = field(default=None, repr=False)  # [tokens, hidden] float32, if recorded
     version: str | None = None  # the adapter version it was admitted with, on every rank (None: unversioned)
+    received_s: float | None = None  # a streamed submit's: when rank 0's feed got it (this clock); None: given up front
 
     @property
     def ok(self) -> bool:
