@@ -328,10 +328,14 @@ class ActorFleet:
         self._fed.append(self.ranks[replica][0].engine_submit.remote(requests))  # checked by end_streams
 
     def end_streams(self) -> None:
-        """Every replica's end of stream, after its submissions (one actor call group: in order); raises if
-        a submission failed."""
-        self._fed += [hs[0].engine_end_stream.remote() for hs in self.ranks.values()]
-        ray.get(self._fed, timeout=60)
+        """Every replica's end of stream, once its submissions returned (they run side by side on rank 0: an end
+        sent behind a submit could start before it); raises if a submission failed."""
+        fed, self._fed = self._fed, []
+        try:
+            ray.get(fed, timeout=60)
+        finally:  # every replica's stream ends, a failed submission or not: its run returns
+            ends = [hs[0].engine_end_stream.remote() for hs in self.ranks.values()]
+            ray.get(ends, timeout=60)
 
     def finished(self, replica: str, timeout_s: float) -> list[int] | None:
         return ray.get(self.ranks[replica][0].engine_finished.remote(timeout_s),  # type: ignore[no-any-return]

@@ -58,7 +58,8 @@ class WorkerActor:
     hosted here (the benchmark's real path) runs its loop in the ``engine`` group beside them, takes a
     streaming run's requests in the ``submit`` group (up to ``SUBMITS`` at once: a submit that resolves a new name
     on demand does not hold up the others; before 2026-11-30 one at a time, so it did, up to ``resolve_s``), ends
-    the stream in ``feed`` (after every submit begun before it: ``Feed.submitting``) and answers the long poll for
+    the stream in ``feed`` (after every submit begun before it: ``Feed.submitting``; a caller ends it once its
+    submits returned, as a submit sent before the end may not have begun) and answers the long poll for
     finished ones in ``finished``. ``ping`` and the controller's ``lifeline`` (its death
     watch) run in ``lifeline`` (a lifeline left by a controller that restarted ends within its timeout)."""
 
