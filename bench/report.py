@@ -88,7 +88,7 @@ def _record(r: Any) -> dict[str, Any]:
     return {"rid": r.rid, "adapter": r.adapter, "input_len": r.input_len, "output_len": r.output_len,
             "arrival_s": r.arrival_s, "prefill_s": r.prefill_s, "first_token_s": r.token_s[0] if r.token_s else None,
             "finish_s": r.token_s[-1] if r.token_s else None, "load_wait_s": r.load_wait_s, "error": r.error,
-            "received_s": getattr(r, "received_s", None)}
+            "received_s": r.received_s}
 
 
 def read_results(path: Path) -> dict[str, Any]:

@@ -381,11 +381,16 @@ class SimWorker:
 Vacating = tuple[float, float, int, int]  # a slot's write-back: (start, end, pieces, bytes), on the write-back stream
 
 
+def _piece(out: Vacating) -> int:
+    """The bytes of each piece of the write-back ``out`` (the last may be shorter)."""
+    _, _, pieces, size = out
+    return max(1, -(-size // pieces))
+
+
 def _covering(out: Vacating, nbytes: int) -> int:
     """How many pieces of the write-back ``out`` a copy of ``nbytes`` into its slot waits for: those of the range it
     overwrites, up to the one that covers its last byte (``SlotLoad._vacated``)."""
-    _, _, pieces, size = out
-    return min(pieces, max(1, -(-nbytes // max(1, -(-size // pieces)))))
+    return min(out[2], max(1, -(-nbytes // _piece(out))))
 
 
 def _write_back_ahead(vacating: dict[int, Vacating], index: int, nbytes: int, now: float) -> int:
@@ -396,11 +401,12 @@ def _write_back_ahead(vacating: dict[int, Vacating], index: int, nbytes: int, no
         return 0
     mine = vacating[index][0]
     total = 0
-    for slot, (start, end, pieces, size) in vacating.items():
+    for slot, out in vacating.items():
+        start, end, pieces, size = out
         if start > mine or end <= now:
             continue  # the stream runs them in the order issued: one issued after it does not hold it
-        piece = -(-size // pieces)
-        upto = _covering(vacating[index], nbytes) if slot == index else pieces
+        piece = _piece(out)
+        upto = _covering(out, nbytes) if slot == index else pieces
         total += sum(min(piece, size - j * piece) for j in range(upto)
                      if start + (end - start) * (j + 1) / pieces > now)
     return total
