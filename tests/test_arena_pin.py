@@ -63,7 +63,7 @@ def test_a_load_before_the_pinning_ends_waits_for_it_then_succeeds(
         record = load.result(timeout=60)
         assert not arena.pin_pending and arena.pin_error == "" and arena.pin_waiters == 0
         spec, layout = catalog.get(name), cache.layout_of(name)
-        slot = cache.pool[record.slot]
+        slot = cache.shard(record.slot)
         for (layer, module, ab), want in file_slices(spec, layout).items():
             e = layout.entry(layer, module, ab)
             assert torch.equal(slot[e.offset : e.offset + e.numel].view(e.shape), want)

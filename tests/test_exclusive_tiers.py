@@ -161,6 +161,10 @@ def test_each_copy_into_the_slot_waits_for_the_write_back_pieces_of_the_range_it
         after, seq = op[2], op[1][1]
         stop = plan.chunks[following - 1].stop
         waited = after if isinstance(after, tuple) else (after,)
+        start = plan.chunks[seq].start
+        if start >= a_numel:  # past A's shard: nothing of A's to wait for (issue 43: pages A never held)
+            assert not [ev for _, ev in pieces if ev in waited], f"B's copy {seq} waits for A's write-back"
+            continue
         want = next((ev for end, (_, ev) in zip(ends, pieces, strict=True) if end >= stop), pieces[-1][1])
         assert want in waited, f"B's copy {seq} (to element {stop}) does not wait for the piece that covers it"
     assert_serves(cache, B, future.result().slot)
@@ -170,20 +174,26 @@ def test_each_copy_into_the_slot_waits_for_the_write_back_pieces_of_the_range_it
 
 
 def test_a_copys_landing_counts_the_write_back_bytes_ahead_of_its_range_and_no_others() -> None:
-    """``write_back_ahead`` (what ``CopyClock`` counts a copy's landing from): the pieces of the slot's own write-back
-    up to the one covering the copy's range, every piece of an earlier write-back still running (one stream, in
-    order), none complete, none of a write-back issued after; 0 once the slot's own pieces are complete."""
+    """``write_back_ahead`` (what ``CopyClock`` counts a copy's landing from): the pieces being written back from the
+    pool range a copy overwrites, up to the last one issued over it, and every piece issued before that still running
+    (one stream, in order), none complete, none issued after; 0 once its range is out. Issue 43: a range may span
+    the pages of several evicted adapters, and waits for the last of their write-backs."""
     done: set[str] = set()
-    vacating = {3: ((10, "a0"), (20, "a1")),  # slot 3's write-back, issued first
-                1: ((10, "b0"), (20, "b1"), (30, "b2"), (40, "b3")),  # slot 1's, then
-                0: ((40, "c0"),)}  # issued after slot 1's: it does not hold a copy into slot 1
+    base = {3: 300, 1: 100, 0: 0, 2: 200}  # where each slot's pages start (pool elements)
+    vacating = [(300, 310, "a0"), (310, 320, "a1"),  # slot 3's write-back, issued first
+                (100, 110, "b0"), (110, 120, "b1"), (120, 130, "b2"), (130, 140, "b3"),  # slot 1's, then
+                (0, 40, "c0")]  # issued after slot 1's: it does not hold a copy into slot 1
 
     def ahead(slot: int, numel: int) -> int:
-        return loads_module.write_back_ahead(vacating, slot, numel, 2, done.__contains__)
+        return loads_module.write_back_ahead(vacating, base[slot], base[slot] + numel, 2, done.__contains__)
 
     assert ahead(1, 15) == (20 + 20) * 2  # slot 3's whole write-back, then slot 1's first two pieces
     assert ahead(1, 40) == ahead(1, 99) == (20 + 40) * 2  # the whole copy out, no more
     assert ahead(3, 5) == 10 * 2 and ahead(2, 40) == 0  # slot 2: nothing to follow
+    # a copy into pages that held two evicted adapters (slot 3's tail, then pages written back last) waits for both
+    vacating.append((320, 330, "d0"))
+    assert loads_module.write_back_ahead(vacating, 315, 325, 2, done.__contains__) == (20 + 40 + 40 + 10) * 2
+    vacating.pop()
     done.update({"a0", "b0"})
     assert ahead(1, 15) == (10 + 10) * 2  # complete pieces are not counted
     done.update({"a1", "b1"})

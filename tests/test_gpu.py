@@ -52,7 +52,7 @@ def test_side_stream_load_matches_file(tmp_path: Path, tp: int) -> None:
             record = cache.prefetch("adapter-001").result(timeout=30)
             assert record.h2d_ms > 0 and record.tp_rank == cache.config.tp_rank
             layout = cache.layout_of("adapter-001")
-            got = cache.pool[record.slot, : layout.numel].cpu()
+            got = cache.shard(record.slot)[: layout.numel].cpu()
             assert torch.equal(got, _file_shard(cache, "adapter-001"))
             cache.check_integrity()
     finally:
@@ -74,7 +74,7 @@ def test_parallel_reads_of_llama_shards_load_the_files_slices(tmp_path: Path, re
             record = cache.prefetch("adapter-000").result(timeout=120)
             layout = cache.layout_of("adapter-000")
             assert len(cache.plan_of("adapter-000").chunks) > 1 and record.disk_ms > 0
-            assert torch.equal(cache.pool[record.slot, : layout.numel].cpu(), _file_shard(cache, "adapter-000"))
+            assert torch.equal(cache.shard(record.slot)[: layout.numel].cpu(), _file_shard(cache, "adapter-000"))
             cache.check_integrity()
         finally:
             cache.close()
@@ -92,7 +92,7 @@ def test_staged_shard_loads_as_a_host_hit_into_a_slot_that_matches_the_file(tmp_
         record = cache.prefetch("adapter-002").result(timeout=30)
         assert record.host_hit and record.disk_ms == 0.0 and record.h2d_ms > 0
         layout = cache.layout_of("adapter-002")
-        assert torch.equal(cache.pool[record.slot, : layout.numel].cpu(), _file_shard(cache, "adapter-002"))
+        assert torch.equal(cache.shard(record.slot)[: layout.numel].cpu(), _file_shard(cache, "adapter-002"))
         cache.check_integrity()
     finally:
         cache.close()
@@ -214,7 +214,7 @@ def test_pipelined_layer_reads_its_chunk_after_a_slow_copy(tmp_path: Path, wait:
             assert batch.waits is not None
             if wait:
                 batch.waits.before(catalog.shape.num_layers - 1)
-            seen = cache.pool[batch.slots[0], last.start : last.stop].clone()
+            seen = cache.shard(batch.slots[0])[last.start : last.stop].clone()
         finally:
             torch.cuda.set_sync_debug_mode("default")
         batch.waits.finish()
@@ -250,7 +250,7 @@ def test_an_evicted_slot_is_written_back_before_the_next_load_overwrites_it(tmp_
         with torch.cuda.stream(held):
             torch.cuda._sleep(delay_cycles)  # the copies queued next on it wait behind it
         record = cache.prefetch(b).result(timeout=60)
-        assert torch.equal(cache.pool[record.slot, : cache.layout_of(b).numel].cpu(), _file_shard(cache, b))
+        assert torch.equal(cache.shard(record.slot)[: cache.layout_of(b).numel].cpu(), _file_shard(cache, b))
         if stream == "back" and delay_cycles:  # the landing estimate saw A's pieces queued behind the spin (events)
             assert cache.book.loads[record.slot].behind == cache.layout_of(a).nbytes
         wait_for(lambda: cache.host.contains(key_a), "A's write-back seen complete")  # stream order: before B's
@@ -259,7 +259,7 @@ def test_an_evicted_slot_is_written_back_before_the_next_load_overwrites_it(tmp_
         assert torch.equal(entry.tensor[: cache.layout_of(a).numel], _file_shard(cache, a))
         again = cache.prefetch(a).result(timeout=30)
         assert again.host_hit
-        assert torch.equal(cache.pool[again.slot, : cache.layout_of(a).numel].cpu(), _file_shard(cache, a))
+        assert torch.equal(cache.shard(again.slot)[: cache.layout_of(a).numel].cpu(), _file_shard(cache, a))
         cache.check_integrity()
     finally:
         cache.close()

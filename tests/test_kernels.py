@@ -492,12 +492,14 @@ def test_worker_cache_writes_slot_meta_with_each_load(tmp_path: Path, tiny_adapt
     for name in [*names, names[0]]:  # the third load reuses a slot: its row is overwritten
         slot = cache.prefetch(name).result(timeout=30).slot
         layout, spec = cache.layout_of(name), catalog.get(name)
+        base = cache.book.table.slots[slot].first_page * cache.page_numel  # the pool's offsets: from its pages' start
+        assert torch.equal(cache.shard(slot), cache.pool[slot, base : base + layout.numel])
         for m in spec.modules:
             i = (slot, m.layer, cache.meta.module_index(m.module))
             assert int(cache.meta.rank[i]) == m.rank
             assert float(cache.meta.scale[i]) == torch.tensor(m.scaling, dtype=torch.float32).item()
-            assert cache.meta.a_off[i] == layout.entry(m.layer, m.module, "A").offset
-            assert cache.meta.b_off[i] == layout.entry(m.layer, m.module, "B").offset
+            assert cache.meta.a_off[i] == base + layout.entry(m.layer, m.module, "A").offset
+            assert cache.meta.b_off[i] == base + layout.entry(m.layer, m.module, "B").offset
     assert cache.meta.dims == shard_dims(SHAPES["tiny"], 2)
     cache.check_integrity()
 

@@ -116,13 +116,13 @@ def test_pipelined_acquire_waits_layer_by_layer_on_chunk_events(deferred_cache: 
     assert batch.waits is not None and cache.residency()[0]["state"] == "loading"
     want, slot = file_shard(cache, name), batch.slots[0]
     c0, c1 = plan.chunks
-    assert not torch.equal(cache.pool[slot, c0.start : c0.stop], want[c0.start : c0.stop]), "nothing copied yet"
+    assert not torch.equal(cache.shard(slot)[c0.start : c0.stop], want[c0.start : c0.stop]), "nothing copied yet"
     batch.waits.before(0)  # layer 0's op: the compute stream waits on chunk 0 only
-    assert torch.equal(cache.pool[slot, c0.start : c0.stop], want[c0.start : c0.stop])
-    assert not torch.equal(cache.pool[slot, c1.start : c1.stop], want[c1.start : c1.stop]), "chunk 1 still in flight"
+    assert torch.equal(cache.shard(slot)[c0.start : c0.stop], want[c0.start : c0.stop])
+    assert not torch.equal(cache.shard(slot)[c1.start : c1.stop], want[c1.start : c1.stop]), "chunk 1 still in flight"
     assert cache.meta.host_rank[slot].sum() > 0, "the slot's kernel metadata travels with chunk 0"
     batch.waits.before(1)
-    assert torch.equal(cache.pool[slot, : c1.stop], want)
+    assert torch.equal(cache.shard(slot)[: c1.stop], want)
     waits = [op[1] for op in streams.trace if op[0] == "compute_wait"]
     copies = [op[3] for op in streams.trace if op[0] == "copy"]
     assert waits == copies, "one stream wait per chunk, in layer order, on exactly that chunk's event"
@@ -138,7 +138,7 @@ def test_whole_acquire_waits_on_the_last_chunk(deferred_cache: WorkerCache) -> N
     cache, streams = deferred_cache, deferred_cache.streams
     batch = cache.acquire(["adapter-001"])  # overlap / ondemand: the whole adapter before the step
     assert batch.waits is None
-    assert torch.equal(cache.pool[batch.slots[0], : cache.layout_of("adapter-001").numel],
+    assert torch.equal(cache.shard(batch.slots[0])[: cache.layout_of("adapter-001").numel],
                        file_shard(cache, "adapter-001"))
     last = [op for op in streams.trace if op[0] == "copy"][-1][3]
     assert [op[1] for op in streams.trace if op[0] == "compute_wait"] == [last]

@@ -288,7 +288,7 @@ def test_a_host_hit_is_copied_in_one_copy_with_every_chunk_on_its_event(
         spec, layout = catalog.get(name), cache.layout_of(name)
         for (layer, module, ab), want in file_slices(spec, layout).items():
             e = layout.entry(layer, module, ab)
-            assert torch.equal(cache.pool[record.slot, e.offset : e.offset + e.numel].view(e.shape), want)
+            assert torch.equal(cache.shard(record.slot)[e.offset : e.offset + e.numel].view(e.shape), want)
         cache.check_integrity()
     finally:
         cache.close()

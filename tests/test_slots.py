@@ -26,7 +26,7 @@ def test_free_loading_ready() -> None:
     table = SlotTable(2)
     assert table.count(SlotPhase.FREE) == 2 and table.lookup(k("a")) is None
     index, evicted = table.reserve(k("a"))
-    assert (index, evicted) == (0, None)
+    assert (index, evicted) == (0, ())
     slot = table.lookup(k("a"))
     assert (
         slot is table.slots[0] and slot.state is SlotPhase.LOADING and slot.key == k("a") and slot.refs == 0
@@ -50,7 +50,7 @@ def test_fail_frees_the_slot() -> None:
     table.fail(index)
     assert table.slots[0].state is SlotPhase.FREE and table.lookup(k("a")) is None
     table.check_integrity()
-    assert table.reserve(k("b")) == (0, None)  # the failed slot is usable again
+    assert table.reserve(k("b")) == (0, ())  # the failed slot is usable again
     table.incref(0)
     with pytest.raises(AssertionError, match="cannot fail slot 0"):
         table.fail(0)  # a load with waiters holding references is not failed under them
@@ -93,11 +93,11 @@ def test_lru_order_of_idle_slots() -> None:
     table.incref(a)
     table.decref(a)  # using a makes it the most recent
     index, evicted = table.reserve(k("d"))
-    assert (index, evicted) == (b, k("b"))
+    assert (index, evicted) == (b, ((b, k("b")),))
     table.mark_ready(index)
-    assert table.reserve(k("e")) == (c, k("c"))
+    assert table.reserve(k("e")) == (c, ((c, k("c")),))
     table.mark_ready(c)
-    assert table.reserve(k("f")) == (a, k("a"))
+    assert table.reserve(k("f")) == (a, ((a, k("a")),))
     table.check_integrity()
 
 
@@ -108,9 +108,9 @@ def test_free_slots_before_eviction() -> None:
     assert table.evict(k("a"))
     c, evicted_c = table.reserve(k("c"))
     d, evicted_d = table.reserve(k("d"))
-    assert evicted_c is evicted_d is None and {c, d} == {0, 1, 2} - {b}  # the unused slot and a's freed one
+    assert evicted_c == evicted_d == () and {c, d} == {0, 1, 2} - {b}  # the unused slot and a's freed one
     assert a in (c, d)
-    assert table.reserve(k("e")) == (b, k("b"))  # only now is an idle slot evicted
+    assert table.reserve(k("e")) == (b, ((b, k("b")),))  # only now is an idle slot evicted
 
 
 def test_capacity_error_when_all_busy() -> None:
@@ -118,7 +118,7 @@ def test_capacity_error_when_all_busy() -> None:
     table.reserve(k("loading"))
     table.incref(ready(table, "held"))
     ready(table, "idle")
-    assert table.reserve(k("x"))[1] == k("idle")  # the one idle slot goes
+    assert [e.key for e in table.reserve(k("x"))[1]] == [k("idle")]  # the one idle slot goes
     with pytest.raises(CapacityError) as e:
         table.reserve(k("y"))
     msg = str(e.value)
@@ -168,12 +168,12 @@ class SlotMachine(RuleBasedStateMachine):
             return
         if len(self.state) < self.n:
             index, evicted = self.table.reserve(k(name))
-            assert evicted is None and index not in self.slot_of.values()
+            assert evicted == () and index not in self.slot_of.values()
         elif self.lru:
             victim = self.lru[0]
             assert self.refs[victim] == 0
             index, evicted = self.table.reserve(k(name))
-            assert evicted == k(victim) and index == self.slot_of[victim]
+            assert evicted == ((self.slot_of[victim], k(victim)),) and index == self.slot_of[victim]
             self.drop(victim)
         else:
             with pytest.raises(CapacityError):

@@ -705,7 +705,8 @@ def test_tp_rank_cache_holds_its_slices(
     assert_serves(cache, B, rec.slot)
     assert cache.slot_view(rec.slot, layout, 0, "q_proj", "B").shape == (64 // tp, 16)
     assert cache.slot_view(rec.slot, layout, 1, "down_proj", "A").shape == (16, 128 // tp)
-    assert cache.slot_numel >= layout.numel and cache.pool.shape == (3, cache.slot_numel)
+    assert cache.slot_numel >= layout.numel
+    assert cache.pool.shape == (3, 3 * cache.slot_numel) and cache.pool_bytes == 3 * cache.slot_numel * 2
 
 
 def test_worker_config_errors(tmp_path: Path, catalog: AdapterCatalog) -> None:

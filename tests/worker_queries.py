@@ -35,4 +35,5 @@ def forget_last_use(cache: WorkerCache, slot: int) -> None:
     """Drop ``slot``'s last-use event: the next load into it no longer waits for the batch that read it last
     (the control of a race test: what a loader without last-use events would do)."""
     with cache.book.lock:
-        cache.book.last_use[slot] = None
+        for page in cache.book.table.slots[slot].page_range:
+            cache.book.last_use[page] = None

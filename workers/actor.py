@@ -131,7 +131,7 @@ class WorkerActor:
             raise NotFoundError(f"adapter {name}@{layout.version} is not READY on {self.name}; prefetch it first")
         staged = torch.empty(layout.numel, dtype=layout.dtype)
         read_shard(self.catalog.get(name, layout.version), layout, staged)
-        resident = self.cache.pool[int(slot), : layout.numel].cpu()  # type: ignore[call-overload]
+        resident = self.cache.shard(int(slot)).cpu()  # type: ignore[call-overload]
         worst = max(float((resident[e.offset:e.offset + e.numel].float()
                            - staged[e.offset:e.offset + e.numel].float()).abs().max()) for e in layout.entries)
         return {"adapter": name, "rank": self.config.tp_rank, "slot": slot, "nbytes": layout.nbytes,

@@ -28,10 +28,11 @@ from lora_cache.errors import ConfigError
 from lora_cache.vocab import NAMESPACE, AdapterKey, Delta, ReadinessRecord
 from workers.counters import resident_prefetches
 from workers.gpu.acquire import Acquirer, AdapterRef, Batch
-from workers.gpu.loads import LoadPath, SlotBook
+from workers.gpu.book import SlotBook
+from workers.gpu.loads import LoadPath
 from workers.gpu.slots import SlotPhase
 from workers.gpu.streams import make_streams, resolve_device
-from workers.kernels.meta import SlotMeta, shard_dims
+from workers.kernels.meta import OFFSET_ALIGN, SlotMeta, shard_dims
 from workers.reads.threads import ranks_on_host
 from workers.staging.disk_tier import DiskTier, DiskTierConfig
 from workers.staging.host_config import HostTierConfig
@@ -44,8 +45,14 @@ ON_MISS = ("load", "error")  # acquire of a non-resident adapter: load it on dem
 class WorkerConfig:
     """One TP rank's cache: slots, dtype, device and its host tier."""
 
-    num_slots: int = field(default=8, metadata={"help": "GPU slots, each holding one adapter's shard",
+    num_slots: int = field(default=8, metadata={"help": "GPU slots: the most adapters resident at once (each holds "
+                                                        "one adapter's shard, in a run of pages)",
                                                 "aliases": ("--slots",)})
+    page_rank: int = field(default=0, metadata={
+        "help": "GPU pages sized for a shard of this LoRA rank: an adapter takes the pages its own rank needs "
+                "(0: the catalog's max_rank, one page per adapter)"})
+    pool_pages: int = field(default=0, metadata={
+        "help": "GPU pages in the pool (0: as many as num_slots shards of the max rank take, the slots' bytes)"})
     tp: int = field(default=1, metadata={"help": "tensor-parallel size of the replica"})
     tp_rank: int = field(default=0, metadata={"help": "this worker's TP rank"})
     dtype: str = field(default="bfloat16", metadata={"help": "slot dtype: bfloat16, float16 or float32"})
@@ -61,6 +68,9 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.num_slots < 1:
             raise ConfigError(f"num_slots must be >= 1, got {self.num_slots}")
+        if self.page_rank < 0 or self.pool_pages < 0:
+            raise ConfigError(f"page_rank ({self.page_rank}) and pool_pages ({self.pool_pages}) must be >= 0 "
+                              "(0: pages of the max rank's size, and as many as num_slots of them)")
         if self.tp < 1 or not 0 <= self.tp_rank < self.tp:
             raise ConfigError(f"tp_rank {self.tp_rank} must be in 0..{self.tp - 1} for tp {self.tp}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
@@ -90,6 +100,26 @@ class RankShards:
         layout = self.layout(spec)
         return chunk_plan(layout.entries, layout.numel, self.catalog.shape.num_layers, self.dtype.itemsize,
                           self.chunk_bytes)
+
+
+def pool_pages(config: WorkerConfig, catalog: AdapterCatalog, slot_numel: int,
+               dtype: torch.dtype) -> tuple[int, int]:
+    """(elements of a page, pages in the pool) for ``config`` (issue 43): pages sized for a shard of ``page_rank``
+    (aligned for the kernels), and ``pool_pages`` of them, or as many as ``num_slots`` shards of the max rank take.
+    A bad setting is refused here, naming it, before anything is allocated."""
+    max_rank = catalog.config.max_rank
+    if config.page_rank > max_rank:
+        raise ConfigError(f"page_rank {config.page_rank} is above the catalog's max_rank {max_rank}: a page would "
+                          f"hold more than the largest shard; give 1..{max_rank} (0: one page per adapter)")
+    paged = bool(config.page_rank) and config.page_rank < max_rank
+    page = max_shard_numel(catalog.shape, config.tp, config.page_rank, dtype) if paged else slot_numel
+    page = -(-page // OFFSET_ALIGN) * OFFSET_ALIGN
+    per_slot = -(-slot_numel // page)  # the pages of a shard of the max rank
+    pages = config.pool_pages or (config.num_slots * slot_numel // page if paged else config.num_slots)
+    if pages < per_slot:
+        raise ConfigError(f"pool_pages {pages} cannot hold one adapter of rank {max_rank} ({per_slot} pages of "
+                          f"rank {config.page_rank or max_rank}); give pool_pages >= {per_slot} or lower max_rank")
+    return page, pages
 
 
 def _host_changed(book: SlotBook, key: AdapterKey, present: bool) -> None:
@@ -127,7 +157,12 @@ class WorkerCache:
                               f"({slot_bytes / 2**20:.1f} MiB for {catalog.shape.name}, rank {catalog.config.max_rank}"
                               f", TP {config.tp}); raise host_bytes or lower max_rank")
         self.streams = make_streams(self.device, compute_stream)
-        self.pool = torch.empty((config.num_slots, self.slot_numel), dtype=self.dtype, device=self.device)
+        self.page_numel, num_pages = pool_pages(config, catalog, self.slot_numel, self.dtype)
+        # the pool's pages one after another; the kernels see it as [num_slots, elements] with a row stride of 0,
+        # so that a slot's row is the whole pool and its offsets are the pool's (its pages' start added: meta.write)
+        self.pool = torch.empty(num_pages * self.page_numel, dtype=self.dtype, device=self.device).as_strided(
+            (config.num_slots, num_pages * self.page_numel), (0, 1))
+        self.pool_bytes = num_pages * self.page_numel * self.dtype.itemsize  # the GPU bytes of every page
         # the kernels' per-slot offsets / ranks / scalings; a reused slot's row is overwritten by its next load
         self.meta = SlotMeta(config.num_slots, catalog.shape.num_layers, MODULE_ORDER, self.device,
                              max_rank=catalog.config.max_rank, dims=shard_dims(catalog.shape, config.tp),
@@ -135,14 +170,14 @@ class WorkerCache:
         # adapters from an object store, in the service's own directory on this node
         self.disk = DiskTier(config.disk, catalog.config.store_timeout_s, service)
         self.host = HostTier(config.host, ranks_on_host(config.tp), self.disk)
-        self.book = SlotBook(config.num_slots, on_change)  # slots, loads, counters; its lock guards them
+        self.book = SlotBook(config.num_slots, on_change, num_pages)  # slots, pages, loads, counters; under its lock
         self.host.on_change = functools.partial(_host_changed, self.book)  # what the host tier holds, as deltas too
         self.counters = self.book.counters
         self.shards = RankShards(catalog, config.tp, config.tp_rank, self.dtype, config.chunk_bytes)
         self.acquirer = Acquirer(self.book, catalog, self.streams, self.device, config.max_batch, config.on_miss,
                                  config.tp_rank, functools.partial(self.prefetch, on_demand=True))
         self.load_path = LoadPath(self.book, self.host, self.streams, self.pool, self.meta, config.tp_rank, on_ready,
-                                  catalog.__contains__)
+                                  catalog.__contains__, self.page_numel)
         # an older version a slot here holds stays loadable past keep_versions; it retires once no slot holds it
         catalog.use(self.book.versions_held)
         self.book.on_freed = catalog.trim
@@ -299,12 +334,13 @@ class WorkerCache:
     def slot_view(self, slot: int, layout: ShardLayout, layer: int, module: str, ab: str) -> torch.Tensor:
         """One matrix of a resident shard, as a view of the pool (for engines and tests)."""
         e = layout.entry(layer, module, ab)
-        return self.pool[slot, e.offset : e.offset + e.numel].view(e.shape)
+        return self.shard(slot)[e.offset : e.offset + e.numel].view(e.shape)
 
-    def layout_in(self, slot: int) -> ShardLayout:
-        """The layout of the shard loaded (or loading) in ``slot``."""
+    def shard(self, slot: int) -> torch.Tensor:
+        """The packed shard ``slot`` holds (or is loading), as a view of the pool's pages."""
         with self.book.lock:
-            return self.book.loads[slot].layout
+            return self.load_path.shard(slot)
+
 
     def layout_of(self, name: str, version: str | None = None) -> ShardLayout:
         return self.shards.layout(self.catalog.get(name, version))

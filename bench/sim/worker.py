@@ -122,7 +122,7 @@ class SimWorker:
         """The oracle: every adapter READY before t=0 (no load, no counter)."""
         for name in names:
             index, evicted = self.table.reserve(self.keys[name])
-            assert evicted is None, "preload needs a slot per adapter"
+            assert not evicted, "preload needs a slot per adapter"
             self.table.mark_ready(index)
             load = self._loads[index] = SimLoad(self.keys[name], self.nbytes[name], 0.0, prefetched=False)
             load.issued.fire(0.0)
@@ -282,10 +282,11 @@ class SimWorker:
             self.host.release(load.key)
             self._reject(load, "no slot", no_room=load.prefetched)
             return
-        if evicted is not None:
-            self._write_back(evicted, index)  # its copy out, which this load's copy in follows piece by piece
+        for gone in evicted:  # one page per slot here (slots of the max rank): the slot it takes, if any
+            assert gone.slot == index, "the simulator's slots are one page each"
+            self._write_back(gone.key, index)  # its copy out, which this load's copy in follows piece by piece
             self._retire(self._loads.pop(index))
-            self._changed(evicted, "gone")
+            self._changed(gone.key, "gone")
         self._changed(load.key, "loading", acquired=not load.commanded)
         load.slot = index
         self._loads[index] = self._pending.pop(load.key)

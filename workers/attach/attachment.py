@@ -44,7 +44,6 @@ import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.refs import split_ref, version_of
-from lora_cache.adapters.shards import ShardLayout
 from lora_cache.errors import ConfigError
 from lora_cache.link.relay import RELAYED, EndpointStaleError, Relay
 from lora_cache.runtime.tls import check_tls_pair
@@ -192,15 +191,17 @@ class Attachment:
         self._queue = QueueSender(lambda entries: transport.send_queue(config.replica, entries))
         # what the engine's kernels and scheduler read of the cache (the reference engine runs on these alone),
         # fixed for the cache's life:
-        self.pool: torch.Tensor = self.cache.pool  # [num_slots, slot_numel]: every slot's packed shard
+        # [num_slots, pool elements], each row the whole pool (row stride 0): a slot's offsets (meta) are the pool's
+        self.pool: torch.Tensor = self.cache.pool
         self.meta: Any = self.cache.meta  # SlotMeta: per-slot offsets, ranks and scalings, written with each load
         self.device: torch.device = self.cache.device
         self.dtype: torch.dtype = self.cache.dtype
         self.streams: Any = self.cache.streams  # copy_stream, compute_stream (the one given to attach), events
 
     # -- the engine's calls (lifecycle step 9) ------------------------------------------------------
-    def layout_in(self, slot: int) -> ShardLayout:
-        return self.cache.layout_in(slot)
+    def shard(self, slot: int) -> torch.Tensor:
+        """The packed shard ``slot`` holds, as a view of the pool's pages."""
+        return self.cache.shard(slot)
 
     def acquire(self, adapters: Sequence[AdapterRef], *, partial: bool = False, pipelined: bool = False,
                 slot_wait_s: float = 0.0) -> Batch:

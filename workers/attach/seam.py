@@ -12,7 +12,6 @@ from typing import Any, Protocol
 import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog
-from lora_cache.adapters.shards import ShardLayout
 from lora_cache.errors import LoraCacheError, ResolveTimeoutError
 from lora_cache.vocab import AdapterKey, ReadinessRecord
 from workers.cache import WorkerConfig
@@ -39,7 +38,7 @@ class EngineCache(Protocol):
     @property
     def meta(self) -> Any: ...
 
-    def layout_in(self, slot: int) -> ShardLayout: ...
+    def shard(self, slot: int) -> torch.Tensor: ...
     def acquire(self, adapters: Sequence[AdapterRef], *, partial: bool = False, pipelined: bool = False,
                 slot_wait_s: float = 0.0) -> Batch: ...
     def acquire_ready(self, adapters: Sequence[AdapterRef]) -> Batch | None: ...

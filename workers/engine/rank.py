@@ -393,7 +393,7 @@ class RankEngine:
                 continue
             keys.append(str(key))
             if str(key) not in digests:
-                digests[str(key)] = slot_digest(self.cache.pool[slot, : self.cache.layout_in(slot).numel])
+                digests[str(key)] = slot_digest(self.cache.shard(slot))
         return StepAudit(kind, tuple(it.rid for it in items), tuple(keys), digests)
 
     def _forward(self, prefill: bool, items: list[Item], slot_of: dict[AdapterRef, int],

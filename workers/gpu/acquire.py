@@ -18,9 +18,9 @@ import torch
 from lora_cache.adapters.catalog import AdapterCatalog
 from lora_cache.errors import LoraCacheError, NotFoundError, SlotsBusyError
 from lora_cache.vocab import AdapterKey, ReadinessRecord
+from workers.gpu.book import SlotBook
 from workers.gpu.chunk_waits import ChunkWaits
 from workers.gpu.copies import LoadFailed
-from workers.gpu.loads import SlotBook
 from workers.gpu.slot_index import IndexUploader
 from workers.gpu.slots import SlotPhase
 

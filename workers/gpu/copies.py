@@ -62,7 +62,8 @@ class SlotLoad:
     _copy: tuple[Any, ...] | None = None  # (streams, dst, src, after, then, on_issued) once it has a slot
     _claimed: bool = False  # someone is placing it (takes its slot)
     entry: Any = None  # the host entry its chunks are copied from (once one is staged)
-    vacate: tuple[tuple[int, Any], ...] = ()  # its slot's write-back pieces in flight: (end element, event)
+    vacate: tuple[tuple[int, int, Any], ...] = ()  # write-back pieces in flight over its range: (start, end, event)
+    base: int = 0  # the pool element its shard starts at (its slot's first page)
     behind: int = 0  # bytes the write-back stream had to copy out, when it took its slot, before its range was out
     marks: list[tuple[str, float]] = field(default_factory=list)  # (phase, perf_counter) as it goes (probes)
     _cond: threading.Condition = field(default_factory=threading.Condition)  # protects the fields above it
@@ -90,14 +91,15 @@ class SlotLoad:
         if on_issued is not None:
             on_issued(self)
 
-    def place(self, streams: CpuStreams, dst: torch.Tensor, src: torch.Tensor, after: Any,
+    def place(self, streams: CpuStreams, dst: torch.Tensor, src: torch.Tensor, after: tuple[Any, ...],
               then: Callable[[Any], None], on_issued: Callable[[SlotLoad], None],
-              vacate: tuple[tuple[int, Any], ...] = ()) -> None:
-        """The load has its slot ``dst``: issue every chunk staged so far; the first waits for ``after``
-        (the slot's last use) and runs ``then`` (its kernel metadata) before its copy. ``on_issued``
-        runs once, after the last chunk's copy is issued, outside this load's lock. ``vacate``: the slot's
-        write-back in flight (exclusive tiers), (end element, event) of each piece in order; each copy also waits for
-        the last piece that overlaps the range it overwrites (the pieces complete in order, on one stream)."""
+              vacate: tuple[tuple[int, int, Any], ...] = ()) -> None:
+        """The load has its slot's pages ``dst``: issue every chunk staged so far; the first waits for ``after``
+        (the last use of every page it takes) and runs ``then`` (its kernel metadata) before its copy. ``on_issued``
+        runs once, after the last chunk's copy is issued, outside this load's lock. ``vacate``: the write-backs in
+        flight over its range (exclusive tiers), (start, end, event) of each piece in ``dst``'s elements, in issue
+        order; each copy also waits for the last piece that overlaps the range it overwrites (the pieces complete
+        in order, on one stream)."""
         with self._cond:
             self.vacate = vacate
             self._copy = (streams, dst, src, after, then, on_issued)
@@ -123,9 +125,10 @@ class SlotLoad:
                 last += 1
             stop = self.plan.chunks[last].stop
             first = c.seq == 0
-            waits = (after if first else None, self._vacated(stop))
+            vacated = self._vacated(c.start, stop)
+            waits = (*(after if first else ()), *(() if vacated is None else (vacated,)))
             start, event = streams.copy_chunk(dst[c.start : stop], src[c.start : stop],
-                                              waits if waits[1] is not None else waits[0], then if first else None,
+                                              waits[0] if len(waits) == 1 else waits or None, then if first else None,
                                               label=(self.slot, c.seq), timed=first)
             if first:
                 self.start_event = start
@@ -139,11 +142,10 @@ class SlotLoad:
             self.copy_due = time.perf_counter() + issued * src.element_size() / H2D_FASTEST_BPS
         return on_issued if before < total == len(self.events) else None
 
-    def _vacated(self, stop: int) -> Any:
-        """The event after which the slot's elements below ``stop`` are copied out (None: no write-back)."""
-        if not self.vacate:
-            return None
-        return next((event for end, event in self.vacate if end >= stop), self.vacate[-1][1])
+    def _vacated(self, start: int, stop: int) -> Any:
+        """The event after which the elements ``start`` .. ``stop`` of its range are copied out (None: no
+        write-back over them): the last piece issued that overlaps them."""
+        return next((event for begin, end, event in reversed(self.vacate) if begin < stop and end > start), None)
 
     def chunk_event(self, index: int) -> Any:
         """Chunk ``index``'s event, waiting on the host until its copy is issued (its bytes staged, the

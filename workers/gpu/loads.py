@@ -7,9 +7,8 @@ them; each staged chunk is copied on the copy stream after the slot's last use; 
 sees the last chunk's event complete and the slot becomes READY. A load that fails leaves the rank as it
 was (its slot freed once no batch holds it, its host entry released).
 
-``SlotBook`` is what the cache and its load path share under one lock: the slot table, the load in each
-slot, loads with no slot yet, each slot's last use, the counters, and the queue of residency changes
-(step 7). The cache (``workers/cache.py``) composes both; nothing here imports it.
+``SlotBook`` (``workers/gpu/book.py``) is what the cache and its load path share under one lock. The cache
+(``workers/cache.py``) composes both; nothing here imports it.
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ import functools
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -29,11 +27,11 @@ from lora_cache.adapters.chunks import ChunkPlan
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shards import ShardLayout
 from lora_cache.errors import CapacityError, SlotsBusyError
-from lora_cache.vocab import AdapterKey, Delta, ReadinessRecord
+from lora_cache.vocab import AdapterKey, ReadinessRecord
 from workers import faults
-from workers.counters import CacheCounters
+from workers.gpu.book import SlotBook
 from workers.gpu.copies import H2D_FASTEST_BPS, CompletionWatcher, SlotLoad, WriteBack
-from workers.gpu.slots import SlotPhase, SlotTable
+from workers.gpu.slots import SlotPhase
 from workers.gpu.streams import CpuStreams
 from workers.kernels.meta import SlotMeta
 from workers.staging.host_tier import HostEntry, HostTier
@@ -48,138 +46,25 @@ def write_back_pieces(nbytes: int) -> int:
     return max(1, min(WRITE_BACK_PIECES, nbytes // WRITE_BACK_PIECE_BYTES))
 
 
-def write_back_ahead(vacating: Mapping[int, tuple[tuple[int, Any], ...]], slot: int, numel: int, element_size: int,
+def write_back_ahead(vacating: Sequence[tuple[int, int, Any]], start: int, stop: int, element_size: int,
                      done: Callable[[Any], bool]) -> int:
-    """The bytes the write-back stream has still to copy out, as of now, before a copy of ``numel`` elements into
-    ``slot`` may copy its last chunk (``SlotBook.vacating``, under its lock); 0 if no write-back of the slot is in
-    flight. What ``workers.engine.admission.CopyClock`` counts a copy's landing from (``SlotLoad.behind``).
+    """The bytes the write-back stream has still to copy out, as of now, before a copy into the pool's elements
+    ``start`` .. ``stop`` may copy its last chunk (``SlotBook.vacating``, under its lock); 0 if no write-back of that
+    range is in flight. What ``workers.engine.admission.CopyClock`` counts a copy's landing from
+    (``SlotLoad.behind``).
 
-    The copy waits only for the pieces of the range it overwrites (``SlotLoad._vacated``): the slot's own pieces up
-    to the one that covers its last element. The pieces run on one stream in the order issued (``vacating``'s
-    order: ``LoadPath.write_back``), so every piece of an earlier write-back still running goes first. Pieces
-    already complete are not counted; one in flight counts whole (later than it can land, never sooner). Until
-    2026-11-30 (fourteenth session) the slot's whole copy out was counted: a rank-16 copy after a rank-64
-    write-back was charged four times its wait, and a write-back queued behind others was missed (a copy admitted
-    as LOADING landed after its layer, in the simulator at 2 GB/s)."""
-    own = vacating.get(slot, ())
-    if not own or all(done(event) for _, event in own):
-        return 0
-    total = 0
-    for index, pieces in vacating.items():
-        begin = 0
-        for end, event in pieces:
-            if not done(event):
-                total += (end - begin) * element_size
-            begin = end
-            if index == slot and end >= numel:
-                break
-        if index == slot:
-            break
-    return total
-
-
-class SlotBook:
-    """A rank's slots and loads, shared by its cache and its load path under ``lock``.
-
-    ``on_change`` gets one ``Delta`` per residency change: queued under the lock (so in the order of the
-    changes), handed over by ``report`` once the lock is released."""
-
-    def __init__(self, num_slots: int, on_change: Callable[[Delta], None] | None) -> None:
-        self.lock = threading.Lock()  # protects table, loads, pending, last_use, broken, counters, LoadPath's waiters
-        self.table = SlotTable(num_slots)
-        self.counters = CacheCounters()
-        self.loads: dict[int, SlotLoad] = {}  # slot -> its load (LOADING or READY)
-        self.pending: dict[AdapterKey, SlotLoad] = {}  # staging on the host, no slot yet
-        self.last_use: list[Any] = [None] * num_slots  # compute-done event of the slot's last batch
-        # exclusive tiers: the write-back pieces (end element, event) of a slot's evicted shard, for its next load
-        self.vacating: dict[int, tuple[tuple[int, Any], ...]] = {}
-        self.broken: set[int] = set()  # slots whose load failed mid-way while a batch held them: freed at 0 refs
-        self.on_change = on_change
-        self.on_room: Callable[[], None] | None = None  # a slot became idle or free in drop_refs (LoadPath's waiters)
-        self._changes: deque[Delta] = deque()  # residency changes not yet handed to on_change, oldest first
-        # a slot's adapter left it ("gone", "failed"): its name is handed to ``on_freed`` by ``report`` (the cache's
-        # catalog retires the older versions no slot holds any more: ``AdapterCatalog.trim``)
-        self.on_freed: Callable[[str], object] | None = None
-        self._freed: deque[str] = deque()
-        self._reporting = threading.RLock()  # one thread hands changes over at a time (keeps their order)
-
-    def changed(self, key: AdapterKey, state: str, record: ReadinessRecord | None = None, error: str = "",
-                acquired: bool = False) -> None:
-        """Queue one residency change (caller holds the lock, so the queue is in the order of the changes);
-        ``acquired``: a load the rank started itself, not a command (the controller believes its READY:
-        controller/claims.py)."""
-        if self.on_change is not None:
-            self._changes.append(Delta(key.name, key.version, state, record, error, acquired))
-        if state in ("gone", "failed") and self.on_freed is not None:
-            self._freed.append(key.name)
-
-    def report(self) -> None:
-        """Hand the queued changes to ``on_change``, oldest first (caller does not hold the lock).
-
-        Whoever queued a change calls this after releasing the lock; one thread hands over at a time, so
-        a change is never reported before one that happened earlier, and none waits for a later call."""
-        with self._reporting:
-            while self._changes:
-                delta = self._changes.popleft()
-                try:
-                    if self.on_change is not None:
-                        self.on_change(delta)
-                except Exception:  # a broken consumer must not break loads; the controller's resync repairs
-                    log.exception("residency change %s not reported", delta)
-            while self._freed:
-                name = self._freed.popleft()
-                try:
-                    if self.on_freed is not None:
-                        self.on_freed(name)
-                except Exception:  # the versions stay loadable until the next trim: nothing is lost
-                    log.exception("older versions of %s not retired", name)
-
-    def versions_held(self, name: str) -> set[str]:
-        """The versions of ``name`` in a slot (any state) or on their way to one here (takes the lock)."""
-        with self.lock:
-            held = {s.key.version for s in self.table.slots if s.key is not None and s.key.name == name}
-            return held | {k.version for k in self.pending if k.name == name}
-
-    def retire(self, slot: int) -> None:
-        """The table freed ``slot`` (caller holds the lock): forget its load, counted for prefetch accuracy."""
-        load = self.loads.pop(slot)
-        self.counters.retired(load.prefetched, load.used)
-
-    def free_failed(self, slot: int) -> None:
-        """A failed load's slot, held by no batch, is free again (caller holds the lock)."""
-        self.loads.pop(slot)
-        self.table.fail(slot)
-
-    def drop_refs(self, held: list[int], last_use: Any) -> None:
-        """Let go of a batch's slots; ``last_use`` (if not None) is the event of its kernels' completion."""
-        room = False
-        with self.lock:
-            for index in held:
-                if last_use is not None:
-                    self.last_use[index] = last_use
-                self.table.decref(index)
-                if self.table.slots[index].refs == 0:
-                    room = True
-                    if index in self.broken:
-                        self.broken.discard(index)
-                        self.free_failed(index)
-        if room and self.on_room is not None:
-            self.on_room()
-
-    def check_integrity(self, done: Callable[[Any], bool]) -> None:
-        """The table, the loads and the slots agree; ``done(event)``: whether a copy's event completed."""
-        with self.lock:
-            self.table.check_integrity()
-            for s in self.table.slots:
-                assert (s.key is not None) == (s.index in self.loads), f"slot {s.index} and its load disagree"
-                if s.key is not None:
-                    assert self.loads[s.index].key == s.key, f"slot {s.index} load is for another adapter"
-                    load = self.loads[s.index]
-                    if s.state is SlotPhase.READY:  # invariant 4: READY only once every chunk's copy completed
-                        assert load.ready_event is not None and done(load.ready_event), \
-                            f"slot {s.index} READY before its last chunk's copy completed"
-            assert all(self.table.slots[i].refs > 0 for i in self.broken), "a failed slot is held by no batch"
-            assert not set(self.pending) & {s.key for s in self.table.slots}, "a pending load already has a slot"
+    The copy waits only for the pieces of the range it overwrites (``SlotLoad._vacated``). The pieces run on one
+    stream in the order issued (``vacating``'s order: ``LoadPath.write_back``), so every piece issued before the
+    last one it overwrites goes first, of whatever slot. Pieces already complete are not counted; one in flight
+    counts whole (later than it can land, never sooner). Until 2026-11-30 (fourteenth session) the slot's whole
+    copy out was counted: a rank-16 copy after a rank-64 write-back was charged four times its wait, and a
+    write-back queued behind others was missed (a copy admitted as LOADING landed after its layer, in the
+    simulator at 2 GB/s). Since issue 43 a range may overlap the write-backs of several evicted adapters' pages."""
+    last = -1
+    for i, (begin, end, event) in enumerate(vacating):
+        if begin < stop and end > start and not done(event):
+            last = i
+    return sum((end - begin) * element_size for begin, end, event in vacating[: last + 1] if not done(event))
 
 
 class LoadPath:
@@ -188,10 +73,15 @@ class LoadPath:
 
     def __init__(self, book: SlotBook, host: HostTier, streams: CpuStreams, pool: torch.Tensor, meta: SlotMeta,
                  tp_rank: int, on_ready: Callable[[ReadinessRecord], None] | None,
-                 registered: Callable[[str], bool] = lambda name: True) -> None:
-        """``registered(name)``: whether the adapter is still in the catalog (an evicted shard of an unregistered one
-        is not written back: exclusive tiers, ``HostTierConfig.tiers``)."""
+                 registered: Callable[[str], bool] = lambda name: True, page_numel: int | None = None) -> None:
+        """``pool``: the kernels' view, ``[num_slots, pool elements]`` with a row stride of 0 (every row is the
+        whole pool: a slot's offsets are the pool's, ``WorkerCache``); ``page_numel``: the elements of a page
+        (default: the pool over its pages, ``book.table.num_pages``). ``registered(name)``: whether the adapter is
+        still in the catalog (an evicted shard of an unregistered one is not written back: exclusive tiers,
+        ``HostTierConfig.tiers``)."""
         self.book, self.host, self.streams, self.pool, self.meta = book, host, streams, pool, meta
+        self.flat = pool[0]  # the pool's elements, pages one after another
+        self.page_numel = page_numel or self.flat.numel() // book.table.num_pages
         self.tp_rank, self.on_ready, self.registered = tp_rank, on_ready, registered
         self.exclusive = host.config.tiers == "exclusive"
         # staged, waiting for a slot (book.lock): for a load in flight to finish, or (on demand) for a batch to let go
@@ -301,12 +191,12 @@ class LoadPath:
         """Reserve a slot and copy the staged chunks; if only loads in flight stand in the way, wait for
         one to finish."""
         book = self.book
-        vacate: tuple[tuple[int, Any], ...] = ()
+        vacate: tuple[tuple[int, int, Any], ...] = ()
         with book.lock:
             if load.error is not None:  # its read failed first: _read_done dropped it
                 return
             try:
-                load.slot, evicted = book.table.reserve(load.key)
+                load.slot, evicted = book.table.reserve(load.key, self.pages_for(load.layout.numel))
             except CapacityError as e:
                 if any(s.state is SlotPhase.LOADING and s.refs == 0 for s in book.table.slots) or self._may_wait(load):
                     self.slot_waiters.append((load, entry))  # retried by _finish, or by a batch's release
@@ -323,17 +213,21 @@ class LoadPath:
                 error = None
                 if load.wait_timer is not None:
                     load.wait_timer.cancel()
-                if evicted is not None:
-                    self.write_back(load.slot)  # copied out first: this load's copies wait for it, range by range
-                    book.retire(load.slot)
-                    book.changed(evicted, "gone")
+                for gone in evicted:  # oldest first, each copied out before this load's copies overwrite its pages
+                    self.write_back(gone.slot)
+                    book.retire(gone.slot)
+                    book.changed(gone.key, "gone")
                 book.changed(load.key, "loading", acquired=not load.commanded)
                 book.loads[load.slot] = book.pending.pop(load.key)
-                # the write-back of the slot's last shard, to wait for; kept until a load into the slot is READY (one
-                # that fails midway may leave ranges it never copied into, which the next load must still wait for)
-                vacate = book.vacating.get(load.slot, ())
-                load.behind = write_back_ahead(book.vacating, load.slot, load.layout.numel,
-                                               self.pool.element_size(), self.streams.done)
+                load.base = book.table.slots[load.slot].first_page * self.page_numel
+                after = book.after(load.slot)
+                # the write-backs in flight of the pages it takes, to wait for, in its own coordinates (one that
+                # failed midway left ranges it never copied into: the pieces stay until they complete)
+                book.prune(self.streams.done)
+                start, stop = load.base, load.base + load.layout.numel
+                vacate = tuple((max(b, start) - start, min(e, stop) - start, event)
+                               for b, e, event in book.vacating if b < stop and e > start)
+                load.behind = write_back_ahead(book.vacating, start, stop, self.pool.element_size(), self.streams.done)
                 load.mark("slot")
         if error is not None:  # failed once its read has ended: the tier holds the shard (a host hit next time)
             load.fail(error)
@@ -342,9 +236,18 @@ class LoadPath:
         book.report()
         self.host.report()  # the host entries a write-back's room took
         write_meta = functools.partial(self._write_meta, load)
-        load.place(self.streams, self.pool[load.slot, : load.layout.numel], entry.tensor, book.last_use[load.slot],
+        load.place(self.streams, self.flat[load.base : load.base + load.layout.numel], entry.tensor, after,
                    write_meta, self._issued, vacate)
         load.placed.set()
+
+    def pages_for(self, numel: int) -> int:
+        """The pages a shard of ``numel`` elements takes (a run of them: ``SlotTable.reserve``)."""
+        return max(1, -(-numel // self.page_numel))
+
+    def shard(self, slot: int) -> torch.Tensor:
+        """The elements of the shard ``slot`` holds (caller holds the lock, or knows the slot stays put)."""
+        load = self.book.loads[slot]
+        return self.flat[load.base : load.base + load.layout.numel]
 
     def write_back(self, slot: int) -> None:
         """Exclusive tiers: copy the shard of the READY load leaving ``slot`` back into the host tier (caller holds
@@ -357,27 +260,26 @@ class LoadPath:
         gone = self.book.loads[slot]
         if not self.exclusive or not self.registered(gone.key.name):
             return
-        numel = gone.layout.numel
+        numel, base = gone.layout.numel, gone.base
         size = max(1, -(-numel // write_back_pieces(gone.layout.nbytes)))
-        pieces: list[tuple[int, Any]] = []
+        pieces: list[tuple[int, int, Any]] = []
 
         def copy(dst: torch.Tensor) -> object:  # in pieces on the write-back stream, an event each
             try:
                 for start in range(0, numel, size):
                     stop = min(numel, start + size)
-                    pieces.append((stop, self.streams.copy_back(dst[start:stop], self.pool[slot, start:stop],
-                                                                label=("write-back", slot, start))))
+                    pieces.append((base + start, base + stop, self.streams.copy_back(
+                        dst[start:stop], self.flat[base + start : base + stop], label=("write-back", slot, start))))
             except BaseException:  # the tier frees ``dst``: no piece issued may still write it or read the slot
                 if pieces:
-                    self.streams.host_wait(pieces[-1][1])
+                    self.streams.host_wait(pieces[-1][2])
                 raise
-            return pieces[-1][1]
+            return pieces[-1][2]
 
         taken = self.host.write_back(gone.key, gone.layout, gone.plan.entry_spans, copy)
         if taken is not None:
             entry, event = taken
-            self.book.vacating.pop(slot, None)  # re-entered last: the dict's order is the write-back stream's
-            self.book.vacating[slot] = tuple(pieces)  # the next load into the slot waits for them, range by range
+            self.book.vacating.extend(pieces)  # the loads into these pages wait for them, range by range
             due = time.perf_counter() + gone.layout.nbytes / H2D_FASTEST_BPS
             self.watcher.add(WriteBack(gone.key, entry, event, due), self._written)
 
@@ -387,7 +289,7 @@ class LoadPath:
     def _write_meta(self, load: SlotLoad, stream: object) -> None:
         """The slot's kernel metadata, queued after its first copy (marked for the probes' phase split)."""
         load.mark("meta")
-        self.meta.write(load.slot, load.layout, None, stream)
+        self.meta.write(load.slot, load.layout, None, stream, base=load.base)
         load.mark("meta end")
 
     def _reject_staged(self, load: SlotLoad, entry: HostEntry, error: BaseException, read: Future[HostEntry]) -> None:
@@ -458,7 +360,7 @@ class LoadPath:
                 log.exception("readiness handler failed for %s", load.key)
         with book.lock:
             book.table.mark_ready(load.slot)
-            book.vacating.pop(load.slot, None)  # every copy into the slot completed, after the write-back's pieces
+            book.prune(self.streams.done)  # every copy into its pages completed, after the write-backs over them
             book.counters.loads += 1
             book.counters.bytes_host_to_gpu += record.nbytes
             if not record.host_hit:

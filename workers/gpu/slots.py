@@ -1,7 +1,16 @@
-"""GPU slot bookkeeping, plain Python: per-slot state, reference counts, LRU of idle ready slots.
+"""GPU slot bookkeeping, plain Python: per-slot state, reference counts, LRU of idle ready slots, and the pool's
+pages each slot holds.
 
 A slot is FREE, LOADING (reserved, copy not yet complete) or READY. Eviction takes only READY slots
 with no references (invariants 2 and 3); LOADING slots are never handed to another adapter.
+
+Issue 43: a slot is a row of the kernels' metadata, not a fixed share of the pool. The pool is ``num_pages``
+pages, and a slot holds a run of contiguous pages, as many as its shard needs (a rank-16 adapter a quarter of a
+rank-64 one's): one H2D copy per chunk still lands in one range, and the kernels read the shard at the slot's
+offsets, unchanged. A load that needs ``k`` pages takes the run of ``k`` free or idle pages whose evicted
+adapters were least recently used (ties: fewer evicted, then the lowest page). With one page per slot (pages
+sized for the largest rank, the default) this is the plain LRU of slots it was before. Why runs and not S-LoRA's
+scattered pages: docs/architecture.md, "GPU memory in pages".
 """
 
 from __future__ import annotations
@@ -9,6 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 from lora_cache.errors import SlotsBusyError
 from lora_cache.vocab import AdapterKey
@@ -28,13 +38,29 @@ class Slot:
     state: SlotPhase = SlotPhase.FREE
     key: AdapterKey | None = None
     refs: int = 0
+    first_page: int = 0  # the run of pages it holds: first_page .. first_page + pages - 1 (none while FREE)
+    pages: int = 0
+
+    @property
+    def page_range(self) -> range:
+        return range(self.first_page, self.first_page + self.pages)
+
+
+class Evicted(NamedTuple):
+    """An adapter a reservation evicted: the slot it left and its key."""
+
+    slot: int
+    key: AdapterKey
 
 
 class SlotTable:
-    """Which adapter each slot holds. Not thread-safe: the worker cache's lock guards it."""
+    """Which adapter each slot holds, and which pages. Not thread-safe: the worker cache's lock guards it."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, num_pages: int | None = None) -> None:
         self.slots = [Slot(i) for i in range(num_slots)]
+        self.num_pages = num_slots if num_pages is None else num_pages
+        assert self.num_pages >= 1, f"a pool of {self.num_pages} pages"
+        self.owner: list[int] = [-1] * self.num_pages  # the slot holding each page, -1: free
         self._by_key: dict[AdapterKey, int] = {}
         self._free: deque[int] = deque(range(num_slots))
         self._idle: OrderedDict[int, None] = OrderedDict()  # READY and unreferenced, LRU first
@@ -43,22 +69,63 @@ class SlotTable:
         index = self._by_key.get(key)
         return None if index is None else self.slots[index]
 
-    def reserve(self, key: AdapterKey) -> tuple[int, AdapterKey | None]:
-        """A slot for ``key`` in LOADING state, and the adapter evicted to make room (if any)."""
+    def reserve(self, key: AdapterKey, pages: int = 1) -> tuple[int, tuple[Evicted, ...]]:
+        """A slot holding a run of ``pages`` pages for ``key``, in LOADING state, and the adapters evicted to make
+        room (oldest first; none if free pages and a free slot sufficed)."""
         assert key not in self._by_key, f"{key} already has slot {self._by_key[key]}"
-        evicted = None
-        if self._free:
-            index = self._free.popleft()
-        elif self._idle:
-            index, _ = self._idle.popitem(last=False)
-            evicted = self._drop(index)
-        else:
-            raise SlotsBusyError(f"no GPU slot for {key}: all {len(self.slots)} slots are loading or in use; "
-                                "release finished batches or configure more slots")
+        if not 1 <= pages <= self.num_pages:
+            raise SlotsBusyError(f"no GPU room for {key}: its shard needs {pages} pages and the pool has "
+                                 f"{self.num_pages}; configure more pages (pool_pages) or larger ones (page_rank)")
+        first, victims = self._window(pages)
+        if first < 0:
+            raise SlotsBusyError(f"no GPU slot for {key}: all {len(self.slots)} slots are loading or in use (no run "
+                                 f"of {pages} of the {self.num_pages} pages is free or idle); release finished "
+                                 "batches or configure more slots")
+        evicted = tuple(Evicted(v, self._evict_idle(v)) for v in victims)
+        index = victims[0] if victims else self._free.popleft()
+        if victims:
+            self._free.remove(index)
         slot = self.slots[index]
-        slot.state, slot.key = SlotPhase.LOADING, key
+        slot.state, slot.key, slot.first_page, slot.pages = SlotPhase.LOADING, key, first, pages
+        for p in slot.page_range:
+            self.owner[p] = index
         self._by_key[key] = index
         return index, evicted
+
+    def _window(self, pages: int) -> tuple[int, list[int]]:
+        """The first page of the run to take, and the idle slots to evict for it, LRU first; (-1, []) if none."""
+        rank = {index: i for i, index in enumerate(self._idle)}  # LRU position of each idle slot
+        best: tuple[int, int, int] | None = None
+        best_victims: list[int] = []
+        p = 0
+        while p + pages <= self.num_pages:
+            victims: list[int] = []
+            for q in range(p, p + pages):
+                owner = self.owner[q]
+                if owner >= 0 and owner not in rank:  # loading or in use: no run through it
+                    p = q + 1
+                    break
+                if owner >= 0 and (not victims or victims[-1] != owner):
+                    victims.append(owner)
+            else:
+                if not victims and not self._free:  # free pages but every slot taken: one slot must go too
+                    victims = [i for i in self._idle][:1]
+                    if not victims:
+                        p += 1
+                        continue
+                victims.sort(key=rank.__getitem__)
+                score = (rank[victims[-1]] if victims else -1, len(victims), p)
+                if best is None or score < best:
+                    best, best_victims = score, victims
+                p += 1
+        return (-1, []) if best is None else (best[2], best_victims)
+
+    def _evict_idle(self, index: int) -> AdapterKey:
+        del self._idle[index]
+        key = self._drop(index)
+        assert key is not None
+        self._free.append(index)
+        return key
 
     def mark_ready(self, index: int) -> None:
         slot = self.slots[index]
@@ -68,7 +135,7 @@ class SlotTable:
             self._idle[index] = None
 
     def fail(self, index: int) -> None:
-        """A load that never reached the GPU: the slot becomes free again."""
+        """A load that never reached the GPU: the slot (and its pages) become free again."""
         slot = self.slots[index]
         assert slot.state is SlotPhase.LOADING and slot.refs == 0, f"cannot fail slot {index}: {slot}"
         self._drop(index)
@@ -92,14 +159,15 @@ class SlotTable:
         index = self._by_key.get(key)
         if index is None or index not in self._idle:
             return False
-        del self._idle[index]
-        self._drop(index)
-        self._free.append(index)
+        self._evict_idle(index)
         return True
 
     def _drop(self, index: int) -> AdapterKey | None:
         slot = self.slots[index]
         key, slot.key, slot.state = slot.key, None, SlotPhase.FREE
+        for p in slot.page_range:
+            self.owner[p] = -1
+        slot.first_page = slot.pages = 0
         if key is not None:
             del self._by_key[key]
         return key
@@ -107,14 +175,22 @@ class SlotTable:
     def count(self, state: SlotPhase) -> int:
         return sum(s.state is state for s in self.slots)
 
+    def free_pages(self) -> int:
+        return self.owner.count(-1)
+
     def check_integrity(self) -> None:
         for s in self.slots:
             assert s.refs >= 0, f"slot {s.index} has negative refs"
             assert (s.state is SlotPhase.FREE) == (s.key is None), f"slot {s.index}: state/key mismatch {s}"
             assert s.state is not SlotPhase.FREE or s.refs == 0, f"free slot {s.index} has references"
+            assert (s.state is SlotPhase.FREE) == (s.pages == 0), f"slot {s.index}: pages and state disagree {s}"
             assert (s.index in self._idle) == (s.state is SlotPhase.READY and s.refs == 0), f"idle list wrong: {s}"
             assert (s.index in self._free) == (s.state is SlotPhase.FREE), f"free list wrong: {s}"
+            assert all(self.owner[p] == s.index for p in s.page_range), f"slot {s.index} does not own its pages"
             if s.key is not None:
                 assert self._by_key[s.key] == s.index, f"index of {s.key} is wrong"
+        # no page shared by two live slots: each owned page is in its owner's run, and only there
+        assert sum(s.pages for s in self.slots) == self.num_pages - self.free_pages(), "a page has two owners"
+        assert all(o == -1 or p in self.slots[o].page_range for p, o in enumerate(self.owner)), "stale page owner"
         assert len(self._by_key) == sum(s.key is not None for s in self.slots), "key index has stale entries"
         assert len(set(self._free)) == len(self._free), "free list has duplicates"

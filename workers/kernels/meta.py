@@ -70,9 +70,10 @@ KNOWN_LAYOUTS = 64  # rank patterns whose checked rows a SlotMeta keeps (a fleet
 class SlotMeta:
     """Per-slot device tables of offsets, ranks and scalings; see the module docstring.
 
-    Device views, each ``[num_slots, num_layers, len(modules)]``: ``a_off``/``b_off`` (int64, elements
-    from the slot's start), ``rank`` (int32, 0 = not adapted), ``scale`` (float32). The same views of
-    the pinned host staging rows (``host_*``) mirror what was last written, for the CPU reference path.
+    Device views, each ``[num_slots, num_layers, len(modules)]``: ``a_off``/``b_off`` (int64, elements from the
+    start of the slot's row of the pool: a worker's pool rows all start at its first element, so these are the
+    pool's own offsets, ``WorkerCache``), ``rank`` (int32, 0 = not adapted), ``scale`` (float32). The same views
+    of the pinned host staging rows (``host_*``) mirror what was last written, for the CPU reference path.
     """
 
     def __init__(self, num_slots: int, num_layers: int, modules: tuple[str, ...], device: torch.device, *,
@@ -89,7 +90,7 @@ class SlotMeta:
         self.device, self.max_rank, self.slot_numel = concrete(device), max_rank, slot_numel
         self.dims: dict[str, tuple[int, int]] = dict(dims or {})  # module -> shard (in, out); learned if not given
         self.dtype: torch.dtype | None = None  # dtype of the layouts written (the pool's dtype)
-        self.numel = [0] * num_slots  # elements of the slot each row's offsets reach
+        self.numel = [0] * num_slots  # elements of the pool row each row's offsets reach
         self.max_numel = 0  # the largest of them: what a pool's slots must hold
         # bumped whenever something the kernel wrappers check changes (dims, dtype, a larger max_numel), so
         # their validated launch plans (``plans``: args.py, at most MAX_PLANS) are keyed by it and never stale
@@ -119,8 +120,10 @@ class SlotMeta:
             raise KeyError(f"module {name!r} has no SlotMeta column; known modules: {list(self.modules)}")
         return self._index[name]
 
-    def write(self, slot: int, layout: ShardLayout, spec: AdapterSpec | None = None, stream: Any = None) -> None:
-        """Fill ``slot``'s row for ``layout`` (one non-blocking copy on ``stream``, default: current).
+    def write(self, slot: int, layout: ShardLayout, spec: AdapterSpec | None = None, stream: Any = None,
+              base: int = 0) -> None:
+        """Fill ``slot``'s row for ``layout`` (one non-blocking copy on ``stream``, default: current), its offsets
+        counted from the pool element ``base`` (where the slot's pages start: a multiple of ``OFFSET_ALIGN``).
 
         A layout of a rank pattern written before (``layout.entries`` and ``layout.modules``, both shared by the
         adapters of a pattern: ``shards._packed``, ``peft._interned``) is checked once: its finished row is kept,
@@ -141,7 +144,13 @@ class SlotMeta:
                     self._rows.clear()
                 self._rows[key] = (layout.entries, layout.modules, (layout.dtype, layout.numel),
                                    self._host[slot].clone())
-        self._set_numel(slot, layout.numel)
+        if base:
+            if base < 0 or base % OFFSET_ALIGN:
+                raise ValueError(f"slot {slot}: its shard starts at pool element {base}; give a multiple of "
+                                 f"{OFFSET_ALIGN} (a page boundary)")
+            self.host_a_off[slot] += base
+            self.host_b_off[slot] += base
+        self._set_numel(slot, base + layout.numel)
         self._upload(slot, stream)
 
     def _fill(self, slot: int, layout: ShardLayout, spec: AdapterSpec | None) -> None:

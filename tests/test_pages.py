@@ -1,0 +1,288 @@
+"""Issue 43: adapter memory in pages. A slot holds a run of contiguous pages, as many as its own rank needs; the
+pool's bytes hold more small adapters than slots of the largest rank did; a load into pages that held several
+adapters waits for every batch that read any of them and for each one's write-back; no page is ever shared by two
+live adapters (a state machine of reserve / ready / fail / acquire / release / evict against a brute-force model);
+bad settings are clear errors before anything is allocated."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from lora_cache.adapters.catalog import AdapterCatalog
+from lora_cache.errors import CapacityError, ConfigError
+from lora_cache.vocab import AdapterKey
+from tests.test_exclusive_tiers import drain_until
+from tests.test_worker_cache import assert_host_holds, assert_slot_holds, current
+from tests.worker_queries import use_streams
+from workers.cache import WorkerCache
+from workers.gpu.slots import SlotPhase, SlotTable
+from workers.gpu.streams import CpuStreams
+from workers.kernels.meta import BatchMeta
+from workers.kernels.reference import lora_apply_ref
+
+SMALL, LARGE = 16, 64  # the issue's mix: most tenants at rank 16, a few at 64
+
+
+@pytest.fixture
+def mixed(tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog]) -> AdapterCatalog:
+    """Six rank-16 adapters (000-002, 004-006) and two rank-64 ones (003, 007); max_rank 64."""
+    return make_catalog(tiny_adapters(count=8, rank=f"{SMALL},{SMALL},{SMALL},{LARGE}")[0].parent, max_rank=LARGE)
+
+
+def rank_of(catalog: AdapterCatalog, name: str) -> int:
+    return max(m.rank for m in catalog.get(name).modules)
+
+
+def small_and_large(catalog: AdapterCatalog) -> tuple[list[str], list[str]]:
+    names = catalog.names()
+    return [n for n in names if rank_of(catalog, n) == SMALL], [n for n in names if rank_of(catalog, n) == LARGE]
+
+
+def test_a_paged_pool_holds_four_times_the_small_adapters_in_the_bytes_of_the_slots(
+        mixed: AdapterCatalog, make_cache: Callable[..., WorkerCache]) -> None:
+    """The 16/64 mix at equal GPU bytes: two slots of the largest rank hold two rank-16 adapters; the same bytes
+    in pages of rank 16 hold eight of them (or a rank-64 one and four rank-16 ones), each serving its own bytes."""
+    small, large = small_and_large(mixed)
+    slots = make_cache(mixed, num_slots=2, host_bytes=8 << 20)
+    paged = make_cache(mixed, num_slots=8, page_rank=SMALL, pool_pages=8, host_bytes=8 << 20)
+    assert paged.pool_bytes == slots.pool_bytes and paged.page_numel * 4 == slots.slot_numel
+    for cache in (slots, paged):
+        for name in small:
+            cache.prefetch(name).result(timeout=30)
+        cache.settle()
+    assert len(slots.ready_keys()) == 2 and len(paged.ready_keys()) == len(small) == 6
+    for r in paged.residency():
+        assert_slot_holds(paged, r["slot"], *current(paged, r["adapter"]))  # type: ignore[arg-type]
+    # 4 contiguous pages: the run whose newest evicted adapter was least recently used (pages 0-3: the four oldest),
+    # not the one with fewest (pages 4-7: the two newest, beside the two free pages)
+    paged.prefetch(large[0]).result(timeout=30)
+    paged.settle()
+    held = {r["adapter"]: r["slot"] for r in paged.residency()}
+    assert set(held) == {large[0], *small[4:]} and paged.book.table.free_pages() == 2
+    for name, slot in held.items():
+        assert_slot_holds(paged, slot, *current(paged, name))
+    paged.check_integrity()
+
+
+def test_a_load_over_several_evicted_adapters_waits_for_each_ones_last_batch_and_write_back(
+        mixed: AdapterCatalog, make_cache: Callable[..., WorkerCache]) -> None:
+    """Invariant 2 in pages: a rank-64 load into the pages of four rank-16 adapters issues its first copy after the
+    event of every batch that read any of them, and each copy after the write-back pieces of the range it
+    overwrites; the evicted shards reach the host tier intact, and the new one serves its own bytes."""
+    small, large = small_and_large(mixed)
+    cache = make_cache(mixed, num_slots=4, page_rank=SMALL, pool_pages=4, chunk_bytes=0, host_bytes=8 << 20)
+    streams = CpuStreams(cache.device, deferred=True)
+    streams.trace = deque(maxlen=4096)
+    use_streams(cache, streams)
+    for name in small[:4]:
+        batch = cache.acquire([name])
+        cache.release(batch)
+    drain_until(cache, lambda: len(cache.ready_keys()) == 4, "four rank-16 adapters READY")
+    releases = [op[2] for op in streams.trace if op[0] == "compute"]
+    assert len(releases) == 4
+    streams.trace.clear()
+    future = cache.prefetch(large[0])
+    drain_until(cache, future.done, "the rank-64 adapter READY")
+    record = future.result()
+    ops = list(streams.trace)
+    backs = [(op[1][1], op[3]) for op in ops if op[0] == "copy" and op[1][0] == "write-back"]
+    ins = [op for op in ops if op[0] == "copy" and op[1][0] != "write-back"]
+    assert {slot for slot, _ in backs} == {0, 1, 2, 3}, "each evicted adapter is written back"
+    first = ins[0][2] if isinstance(ins[0][2], tuple) else (ins[0][2],)
+    assert all(any(e is r for e in first) for r in releases), "the first copy waits for every page's last batch"
+    assert ops.index(ins[0]) > max(ops.index(op) for op in ops if op[0] == "copy" and op[1][0] == "write-back")
+    assert_slot_holds(cache, record.slot, *current(cache, large[0]))
+    for name in small[:4]:
+        drain_until(cache, lambda n=name: cache.host.contains(AdapterKey(n, mixed.get(n).version)), f"{name} back")
+        assert_host_holds(cache.host._entries[AdapterKey(name, mixed.get(name).version)].tensor,
+                          *current(cache, name))
+    assert not cache.book.vacating, "the write-backs over its pages completed before it was READY"
+    cache.check_integrity()
+
+
+def test_a_held_page_blocks_the_run_through_it_and_nothing_changes(
+        mixed: AdapterCatalog, make_cache: Callable[..., WorkerCache]) -> None:
+    """A rank-64 load finds every run of four pages crossing a page a batch holds: it fails clearly, naming the
+    pages, and the resident adapters (held or not) stay as they were."""
+    small, large = small_and_large(mixed)
+    cache = make_cache(mixed, num_slots=4, page_rank=SMALL, pool_pages=4, host_bytes=8 << 20)
+    for name in small[:4]:
+        cache.prefetch(name).result(timeout=30)
+    cache.settle()
+    batch = cache.acquire([small[2]])  # one page held: no run of four is free or idle
+    before = sorted((r["adapter"], r["slot"]) for r in cache.residency())
+    with pytest.raises(CapacityError, match=r"no run of 4 of the 4 pages is free or idle"):
+        cache.acquire([large[0]])
+    assert sorted((r["adapter"], r["slot"]) for r in cache.residency()) == before
+    cache.release(batch)
+    cache.prefetch(large[0]).result(timeout=30)  # released: the run is idle now
+    cache.check_integrity()
+
+
+def test_the_kernels_read_each_adapter_at_its_own_rank_from_its_pages(
+        mixed: AdapterCatalog, make_cache: Callable[..., WorkerCache]) -> None:
+    """The LoRA delta the kernels' twin computes from a paged pool is each adapter's own ``x @ A.T @ B.T * scale``,
+    for a batch mixing rank-16 and rank-64 adapters in runs of pages (the kernels read the same offsets)."""
+    small, large = small_and_large(mixed)
+    cache = make_cache(mixed, num_slots=4, page_rank=SMALL, pool_pages=8, dtype="float32", host_bytes=8 << 20)
+    chosen = [small[0], large[0], small[1]]
+    batch = cache.acquire(chosen)
+    gen = torch.Generator().manual_seed(0)
+    module, layer = "q_proj", 1
+    d_in, d_out = cache.meta.dims[module]
+    x = torch.randn(6, d_in, generator=gen)
+    y = torch.zeros(6, d_out)
+    meta = BatchMeta(6, 6, cache.device, num_slots=4)
+    meta.set_segments([2, 2, 2], batch.slots)
+    lora_apply_ref(x, y, cache.pool, cache.meta, meta, layer, [module])
+    for i, (name, slot) in enumerate(zip(chosen, batch.slots, strict=True)):
+        _, want = current(cache, name)
+        a, b = want[(layer, module, "A")].float(), want[(layer, module, "B")].float()
+        scale = next(m.scaling for m in mixed.get(name).modules if (m.layer, m.module) == (layer, module))
+        expect = (x[2 * i : 2 * i + 2] @ a.T) @ b.T * scale
+        torch.testing.assert_close(y[2 * i : 2 * i + 2], expect, rtol=1e-5, atol=1e-5)
+        assert cache.book.table.slots[slot].pages == (4 if name in large else 1)
+    cache.release(batch)
+
+
+@pytest.mark.parametrize(("setting", "match"), [
+    ({"page_rank": 65}, r"page_rank 65 is above the catalog's max_rank 64"),
+    ({"page_rank": SMALL, "pool_pages": 3}, r"pool_pages 3 cannot hold one adapter of rank 64 \(4 pages of rank 16\)"),
+    ({"page_rank": -1}, r"page_rank \(-1\) and pool_pages \(0\) must be >= 0"),
+])
+def test_bad_page_settings_are_refused_before_anything_is_allocated(
+        mixed: AdapterCatalog, make_cache: Callable[..., WorkerCache], setting: dict[str, int], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        make_cache(mixed, num_slots=4, host_bytes=8 << 20, **setting)
+
+
+# -- the page table against a brute-force model ---------------------------------------------------------------
+NAMES = tuple("abcdefg")
+SIZES = {"a": 1, "b": 1, "c": 2, "d": 1, "e": 3, "f": 1, "g": 2}  # pages each adapter's shard takes
+
+
+def k(name: str) -> AdapterKey:
+    return AdapterKey(name, "v1")
+
+
+class PageMachine(RuleBasedStateMachine):
+    """``SlotTable`` with runs of pages: 4 slots over 6 pages. The model keeps each adapter's state, references and
+    pages; a reservation must succeed exactly when some run of its pages is free or idle (with a slot to spare, or
+    an idle adapter to give one up), evict only idle adapters, and among the runs pick the one whose newest victim
+    was least recently used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slots, self.pages = 4, 6
+        self.table = SlotTable(self.slots, self.pages)
+        self.state: dict[str, str] = {}
+        self.refs: dict[str, int] = {}
+        self.run: dict[str, range] = {}
+        self.lru: list[str] = []  # idle adapters, least recently used first
+
+    def idle(self, name: str) -> None:
+        if self.state[name] == "ready" and self.refs[name] == 0:
+            self.lru.append(name)
+
+    def drop(self, name: str) -> None:
+        del self.state[name], self.refs[name], self.run[name]
+        if name in self.lru:
+            self.lru.remove(name)
+
+    def best(self, size: int) -> tuple[int, int, int] | None:
+        """(newest victim's LRU position or -1, victims, first page) of the best run, by brute force."""
+        owner = {p: n for n, r in self.run.items() for p in r}
+        choices = []
+        for first in range(self.pages - size + 1):
+            names = {owner[p] for p in range(first, first + size) if p in owner}
+            if any(n not in self.lru for n in names):
+                continue
+            if not names and len(self.state) == self.slots:
+                if not self.lru:
+                    continue
+                names = {self.lru[0]}
+            choices.append((max((self.lru.index(n) for n in names), default=-1), len(names), first))
+        return min(choices) if choices else None
+
+    @rule(name=st.sampled_from(NAMES))
+    def reserve(self, name: str) -> None:
+        if name in self.state:
+            return
+        size, best = SIZES[name], self.best(SIZES[name])
+        if best is None:
+            with pytest.raises(CapacityError):
+                self.table.reserve(k(name), size)
+            return
+        index, evicted = self.table.reserve(k(name), size)
+        gone = {e.key.name for e in evicted}
+        assert all(n in self.lru for n in gone), f"evicted {gone}, not all idle ({self.lru})"
+        assert self.table.slots[index].first_page == best[2] and len(gone) == best[1]
+        for n in gone:
+            self.drop(n)
+        self.state[name], self.refs[name], self.run[name] = "loading", 0, range(best[2], best[2] + size)
+
+    @rule(name=st.sampled_from(NAMES))
+    def mark_ready(self, name: str) -> None:
+        if self.state.get(name) != "loading":
+            return
+        self.table.mark_ready(self.table._by_key[k(name)])
+        self.state[name] = "ready"
+        self.idle(name)
+
+    @rule(name=st.sampled_from(NAMES))
+    def fail(self, name: str) -> None:
+        if self.state.get(name) != "loading" or self.refs[name]:
+            return
+        self.table.fail(self.table._by_key[k(name)])
+        self.drop(name)
+
+    @rule(name=st.sampled_from(NAMES))
+    def acquire(self, name: str) -> None:
+        if name not in self.state:
+            return
+        self.table.incref(self.table._by_key[k(name)])
+        self.refs[name] += 1
+        if name in self.lru:
+            self.lru.remove(name)
+
+    @rule(name=st.sampled_from(NAMES))
+    def release(self, name: str) -> None:
+        if not self.refs.get(name):
+            return
+        self.table.decref(self.table._by_key[k(name)])
+        self.refs[name] -= 1
+        self.idle(name)
+
+    @rule(name=st.sampled_from(NAMES))
+    def evict(self, name: str) -> None:
+        expected = self.state.get(name) == "ready" and self.refs[name] == 0
+        assert self.table.evict(k(name)) == expected
+        if expected:
+            self.drop(name)
+
+    @invariant()
+    def no_page_is_shared_and_the_table_matches_the_model(self) -> None:
+        self.table.check_integrity()
+        owners = [-1] * self.pages
+        for name, run in self.run.items():
+            slot = self.table.lookup(k(name))
+            assert slot is not None and slot.page_range == run and slot.state.value == self.state[name]
+            assert slot.refs == self.refs[name]
+            for p in run:
+                assert owners[p] == -1, f"page {p} held by two live adapters"
+                owners[p] = slot.index
+        assert owners == self.table.owner
+        assert self.table.count(SlotPhase.FREE) == self.slots - len(self.state)
+        assert [self.table.slots[i].key for i in self.table._idle] == [k(n) for n in self.lru]
+
+
+PageMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestPageMachine = PageMachine.TestCase
