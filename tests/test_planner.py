@@ -897,3 +897,19 @@ def test_remove_adapter_forgets_it_everywhere_and_replans_who_used_it() -> None:
     with pytest.raises(UnknownAdapterError, match="unknown adapter 'a1'"):
         popularity(planner, "a1", 1.5)
     planner.check_integrity()
+
+
+def test_a_paged_gpu_pool_is_counted_in_whole_pages() -> None:
+    """Issue 43: a worker whose GPU pool has pages reports its bytes and page; the planner counts each shard in
+    whole pages (a 60-byte shard takes a 100-byte page), so it plans what the pages hold, not what the bytes
+    would: 4 of the 8 queued adapters in 400 bytes of 100-byte pages, where 6 fit in 400 plain bytes."""
+    waiting = [f"a{i}" for i in range(8)]
+    planner = make("queue", slots=8, tp=1, bytes_per_rank=60, bytes_per_worker=400, max_prefetches_per_plan=8)
+    queue(planner, "r0", *waiting)
+    assert prefetched(planner.plan(1.0), "r0/w0") == waiting[:6]
+    planner = make("queue", slots=8, tp=1, bytes_per_rank=60, bytes_per_worker=400, max_prefetches_per_plan=8)
+    planner.set_capacity("r0/w0", 8, 400, None, page_bytes=100)
+    queue(planner, "r0", *waiting)
+    assert prefetched(planner.plan(1.0), "r0/w0") == waiting[:4]
+    with pytest.raises(PlannerInputError, match="page_bytes of worker 'r0/w0' is 0"):
+        planner.set_capacity("r0/w0", 8, 400, None, page_bytes=0)

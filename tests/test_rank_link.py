@@ -242,6 +242,9 @@ def test_the_codec_round_trips_reports_calls_and_errors() -> None:
     assert codec.from_report(codec.report({**described, "host": [("a", "v1")]}))["host"] == [("a", "v1")]
     assert codec.from_report(codec.report({**described, "host": []}))["host"] == []
     assert codec.from_report(codec.report(described))["host"] is None  # an older rank: host tier not reported
+    paged = codec.from_report(codec.report({**described, "gpu_bytes": 4096, "page_bytes": 1024}))  # issue 43
+    assert (paged["gpu_bytes"], paged["page_bytes"]) == (4096, 1024)
+    assert "page_bytes" not in codec.from_report(codec.report(described))  # slots of the largest rank
     for bad_read in (-1.0, float("nan"), 1e9):
         delta = pb.ResidencyDelta(seq=3, adapter="a", state=pb.RESIDENCY_STATE_READY, read_s=bad_read)
         forged = pb.ResidencyDeltas(deltas=[delta])

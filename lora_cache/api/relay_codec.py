@@ -206,7 +206,7 @@ def report(d: dict[str, Any]) -> pb.WorkerReport:
         residencies=[pb.RankResidency(adapter=r[0], version=r[1], state=state(r[2]), refs=r[3],
                                       acquired=len(r) > 4 and r[4] is True) for r in d["residency"]],
         host_shards=[pb.HostShard(adapter=a, version=v) for a, v in d.get("host") or ()],
-        reports_host=d.get("host") is not None)
+        reports_host=d.get("host") is not None, gpu_bytes=d.get("gpu_bytes") or 0, page_bytes=d.get("page_bytes") or 0)
 
 
 def from_report(m: pb.WorkerReport) -> dict[str, Any]:
@@ -214,7 +214,8 @@ def from_report(m: pb.WorkerReport) -> dict[str, Any]:
             "seq": m.seq, "node": m.node, "slots": m.slots, "host_bytes": m.host_bytes, "adapters": dict(m.adapters),
             "epoch": m.epoch, "residency": [(r.adapter, r.version, state_name(r.state), r.refs, r.acquired)
                                             for r in m.residencies],
-            "host": [(h.adapter, h.version) for h in m.host_shards] if m.reports_host else None}
+            "host": [(h.adapter, h.version) for h in m.host_shards] if m.reports_host else None,
+            **({"gpu_bytes": m.gpu_bytes, "page_bytes": m.page_bytes} if m.page_bytes else {})}
 
 
 # -- deltas (up) and the catalog (down) ------------------------------------------------------------

@@ -175,9 +175,12 @@ class ControllerCore:
         self.paths.pop(name, None)
         return spec.version
 
-    def add_replica(self, replica: str, tp: int, slots: int, host_bytes: int | None = None) -> list[WorkerId]:
-        """Idempotent: a replica already adopted from its workers' reports is kept as it is.
-        ``host_bytes``: each rank's host tier as the workers report it (bounds predictive staging)."""
+    def add_replica(self, replica: str, tp: int, slots: int, host_bytes: int | None = None,
+                    gpu_bytes: int | None = None, page_bytes: int | None = None) -> list[WorkerId]:
+        """Idempotent: a replica already adopted from its workers' reports is kept as it is, but for the bytes of
+        a paged GPU pool its workers report (issue 43). ``host_bytes``: each rank's host tier as the workers report
+        it (bounds predictive staging); ``gpu_bytes`` / ``page_bytes``: each rank's GPU pool and its page, where
+        it has pages (the planner counts GPU room in bytes, a shard in whole pages; else in slots)."""
         check_shape(replica, tp, slots)
         workers = [WorkerId(replica, k) for k in range(tp)]
         if replica in self.planner.view.replicas():
@@ -187,10 +190,14 @@ class ControllerCore:
             if (have := self.planner.view.capacity(str(workers[0])).slots) != slots:
                 raise ConfigError(f"replica {replica!r} already exists with {have} slots per worker, not {slots}; "
                                   f"give every rank of a replica the same num_slots ({have})")
-            return workers
-        self.planner.add_replica(ReplicaSpec(replica, tuple(map(str, workers)), slots,
-                                             host_bytes_per_worker=host_bytes))
-        self.readiness.add_replica(replica, tp)
+        else:
+            self.planner.add_replica(ReplicaSpec(replica, tuple(map(str, workers)), slots,
+                                                 host_bytes_per_worker=host_bytes))
+            self.readiness.add_replica(replica, tp)
+        for wid in workers if gpu_bytes is not None else ():
+            have_capacity = self.planner.view.capacity(str(wid))
+            if (have_capacity.bytes, have_capacity.page_bytes) != (gpu_bytes, page_bytes):
+                self.planner.set_capacity(str(wid), slots, gpu_bytes, have_capacity.host_bytes, page_bytes)
         return workers
 
     def remove_replica(self, replica: str) -> list[ReadinessEvent]:

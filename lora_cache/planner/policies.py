@@ -49,16 +49,18 @@ Scored = tuple[float, AdapterKey]  # (value per byte, key)
 
 
 class Room:
-    """Free slots and bytes while a target is built; may go negative while over capacity."""
+    """Free slots and bytes while a target is built; may go negative while over capacity. A shard's bytes count
+    in whole pages of the pool where it has them (``Capacity.gpu_bytes``)."""
 
-    __slots__ = ("bytes", "slots")
+    __slots__ = ("bytes", "capacity", "slots")
 
     def __init__(self, capacity: Capacity) -> None:
+        self.capacity = capacity
         self.slots = capacity.slots
         self.bytes = capacity.bytes
 
     def fits(self, size: int) -> bool:
-        return self.slots >= 1 and (self.bytes is None or self.bytes >= size)
+        return self.slots >= 1 and (self.bytes is None or self.bytes >= self.capacity.gpu_bytes(size))
 
     def over(self) -> bool:
         return self.slots < 0 or (self.bytes is not None and self.bytes < 0)
@@ -66,7 +68,7 @@ class Room:
     def take(self, size: int, sign: int = 1) -> None:
         self.slots -= sign
         if self.bytes is not None:
-            self.bytes -= sign * size
+            self.bytes -= sign * self.capacity.gpu_bytes(size)
 
     def give(self, size: int) -> None:
         self.take(size, -1)
@@ -312,7 +314,7 @@ def _speculate(view: ReplicaView, scorer: Scorer, chosen: set[AdapterKey],
 def _victims(kept: list[Scored], score: float, size: int, room: Room, view: ReplicaView,
              hysteresis: float) -> int:
     """How many of the weakest incumbents must go for `size` to fit, each beaten by `score`; 0: no way."""
-    trial = Room(Capacity(room.slots, room.bytes))
+    trial = Room(room.capacity._replace(slots=room.slots, bytes=room.bytes))
     for count, (resident_score, key) in enumerate(kept, start=1):
         if not score > resident_score * (1.0 + hysteresis):
             return 0
@@ -323,7 +325,7 @@ def _victims(kept: list[Scored], score: float, size: int, room: Room, view: Repl
 
 
 def _has_room(room: Room, min_bytes: int) -> bool:
-    return room.slots >= 1 and (room.bytes is None or room.bytes >= min_bytes)
+    return room.slots >= 1 and (room.bytes is None or room.bytes >= room.capacity.gpu_bytes(min_bytes))
 
 
 def _beats(score: float, kept: list[Scored], hysteresis: float) -> bool:
@@ -332,7 +334,7 @@ def _beats(score: float, kept: list[Scored], hysteresis: float) -> bool:
 
 def _placeable(view: ReplicaView, size: int) -> bool:
     budget = view.capacity.bytes
-    return view.capacity.slots >= 1 and (budget is None or size <= budget)
+    return view.capacity.slots >= 1 and (budget is None or view.capacity.gpu_bytes(size) <= budget)
 
 
 def _size(view: ReplicaView, key: AdapterKey) -> int:

@@ -17,11 +17,19 @@ from lora_cache.vocab import AdapterKey
 
 class Capacity(NamedTuple):
     """What one worker may hold: a number of slots and, if set, a byte budget for all of them; and the
-    bytes of its pinned host tier as the worker reports them (None: unknown, nothing is staged ahead)."""
+    bytes of its pinned host tier as the worker reports them (None: unknown, nothing is staged ahead).
+    ``page_bytes``: the GPU pool's page (issue 43: a shard takes whole pages, so its bytes count rounded up to
+    them; None: no pages, a shard counts its own bytes)."""
 
     slots: int
     bytes: int | None = None
     host_bytes: int | None = None
+    page_bytes: int | None = None
+
+    def gpu_bytes(self, size: int) -> int:
+        """The GPU bytes a shard of ``size`` bytes takes here: whole pages, if the pool has them."""
+        page = self.page_bytes
+        return size if not page else -(-size // page) * page
 
 
 class SlotState(Enum):
@@ -140,7 +148,7 @@ def check_time(what: str, value: object) -> None:
 
 
 def check_capacity(what: str, capacity: Capacity) -> None:
-    slots, budget, host = capacity
+    slots, budget, host, page = capacity
     if not _is_int(slots) or slots < 0:
         raise PlannerInputError(f"slots of {what} is {slots!r}; "
                                 "give the number of adapter slots (an int >= 0)")
@@ -150,6 +158,9 @@ def check_capacity(what: str, capacity: Capacity) -> None:
     if host is not None and (not _is_int(host) or host < 0):
         raise PlannerInputError(f"host_bytes of {what} is {host!r}; give the bytes of the worker's host tier "
                                 "(an int >= 0) or None if unknown (no predictive staging)")
+    if page is not None and (not _is_int(page) or page < 1):
+        raise PlannerInputError(f"page_bytes of {what} is {page!r}; give the bytes of a page of the GPU pool "
+                                "(an int >= 1) or None if the pool has no pages")
 
 
 def _is_int(value: object) -> bool:

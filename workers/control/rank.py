@@ -74,9 +74,12 @@ class WorkerControl:
     def describe(self, node: str) -> dict[str, object]:
         """Who this rank is and everything it holds: the controller rebuilds from this."""
         seq = self.outbox.seq  # first: every delta up to it is reflected in the residency read after it
-        config = self.cache.config
-        return {"replica": self.replica, "rank": config.tp_rank, "tp": config.tp, "model": self.catalog.shape.name,
-                "incarnation": self.outbox.incarnation, "seq": seq, "node": node,
+        config, cache = self.cache.config, self.cache
+        # a paged GPU pool (issue 43): the planner counts its room in bytes, a shard in whole pages
+        paged = ({"gpu_bytes": cache.pool_bytes, "page_bytes": cache.page_numel * cache.dtype.itemsize}
+                 if cache.page_numel < cache.slot_numel else {})
+        return {**paged, "replica": self.replica, "rank": config.tp_rank, "tp": config.tp,
+                "model": self.catalog.shape.name, "incarnation": self.outbox.incarnation, "seq": seq, "node": node,
                 "slots": config.num_slots, "host_bytes": config.host.host_bytes, "adapters": dict(self.paths),
                 "epoch": self.gate.epoch,
                 "residency": [(r["adapter"], r["version"], r["state"], r["refs"], r.get("acquired") is True)

@@ -676,7 +676,7 @@ class RankResidency(_message.Message):
     def __init__(self, adapter: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[ResidencyState, str]] = ..., refs: _Optional[int] = ..., acquired: _Optional[bool] = ...) -> None: ...
 
 class WorkerReport(_message.Message):
-    __slots__ = ("replica", "rank", "tp", "model", "incarnation", "seq", "node", "slots", "host_bytes", "adapters", "epoch", "residencies", "host_shards", "reports_host")
+    __slots__ = ("replica", "rank", "tp", "model", "incarnation", "seq", "node", "slots", "host_bytes", "adapters", "epoch", "residencies", "host_shards", "reports_host", "gpu_bytes", "page_bytes")
     class AdaptersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -698,6 +698,8 @@ class WorkerReport(_message.Message):
     RESIDENCIES_FIELD_NUMBER: _ClassVar[int]
     HOST_SHARDS_FIELD_NUMBER: _ClassVar[int]
     REPORTS_HOST_FIELD_NUMBER: _ClassVar[int]
+    GPU_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     replica: str
     rank: int
     tp: int
@@ -712,7 +714,9 @@ class WorkerReport(_message.Message):
     residencies: _containers.RepeatedCompositeFieldContainer[RankResidency]
     host_shards: _containers.RepeatedCompositeFieldContainer[HostShard]
     reports_host: bool
-    def __init__(self, replica: _Optional[str] = ..., rank: _Optional[int] = ..., tp: _Optional[int] = ..., model: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., node: _Optional[str] = ..., slots: _Optional[int] = ..., host_bytes: _Optional[int] = ..., adapters: _Optional[_Mapping[str, str]] = ..., epoch: _Optional[int] = ..., residencies: _Optional[_Iterable[_Union[RankResidency, _Mapping]]] = ..., host_shards: _Optional[_Iterable[_Union[HostShard, _Mapping]]] = ..., reports_host: _Optional[bool] = ...) -> None: ...
+    gpu_bytes: int
+    page_bytes: int
+    def __init__(self, replica: _Optional[str] = ..., rank: _Optional[int] = ..., tp: _Optional[int] = ..., model: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., node: _Optional[str] = ..., slots: _Optional[int] = ..., host_bytes: _Optional[int] = ..., adapters: _Optional[_Mapping[str, str]] = ..., epoch: _Optional[int] = ..., residencies: _Optional[_Iterable[_Union[RankResidency, _Mapping]]] = ..., host_shards: _Optional[_Iterable[_Union[HostShard, _Mapping]]] = ..., reports_host: _Optional[bool] = ..., gpu_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class HostShard(_message.Message):
     __slots__ = ("adapter", "version")
