@@ -64,6 +64,11 @@ class BenchConfig:
     slots: int = field(default=8, metadata={"help": "GPU adapter slots per rank, equal for every policy but the "
                                                     "oracle (which has one per adapter)"})
     max_rank: int = field(default=64, metadata={"help": "largest LoRA rank (sizes the slots)"})
+    page_rank: int = field(default=0, metadata={
+        "help": "GPU pages sized for this LoRA rank, every policy but the oracle (issue 43; 0: one page per slot). "
+                "Equal bytes to --slots S of max_rank: --pool-pages S*max_rank/page_rank and --slots the most "
+                "adapters at once"})
+    pool_pages: int = field(default=0, metadata={"help": "GPU pages per rank (0: --slots adapters of max_rank)"})
     max_running: int = field(default=32, metadata={"help": "most requests running per replica"})
     max_adapters: int = field(default=4, metadata={"help": "most distinct adapters per batch"})
     max_prefill_tokens: int = field(default=4096, metadata={"help": "prompt tokens per prefill step"})
@@ -132,6 +137,9 @@ class BenchConfig:
         if self.warmup_requests < -1:
             raise ConfigError(f"--warmup-requests {self.warmup_requests}: give a count >= 0, or -1 (auto: until "
                               "every replica's GPU slots are full)")
+        if (self.page_rank or self.pool_pages) and self.engine != "real":
+            raise ConfigError(f"--page-rank / --pool-pages (a paged GPU pool) run on the real engine only; the "
+                              f"simulator counts slots of max_rank: give --engine real, not {self.engine!r}")
         if self.attach and self.engine != "real":
             raise ConfigError(f"--attach runs the real engine's ranks in their own processes; it needs --engine real, "
                               f"not {self.engine!r}")

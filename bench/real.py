@@ -141,13 +141,14 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
                tick: Callable[[float], None] = lambda _: None) -> PolicyRun:
     """Serve ``workload`` under ``policy``; ``tick(fraction of the stream's time elapsed)`` for progress."""
     slots = len(names) if policy.oracle else config.slots
-    worker = WorkerConfig(num_slots=slots, dtype=config.dtype,
+    pages = {} if policy.oracle else {"page_rank": config.page_rank, "pool_pages": config.pool_pages}
+    worker = WorkerConfig(num_slots=slots, dtype=config.dtype, **pages,
                           max_batch=max(256, config.max_running + config.max_adapters),
                           host=HostTierConfig(host_bytes=config.host_bytes, eviction=config.host_eviction,
                                               tiers=config.host_tiers,
                                               drop_page_cache=config.store_model().kind == "device"),
                           disk=_disk_tier(config, policy))
-    engine = EngineConfig(model=config.model, num_layers=config.num_layers, tp=config.tp, num_slots=slots,
+    engine = EngineConfig(model=config.model, num_layers=config.num_layers, tp=config.tp, num_slots=slots, **pages,
                           max_rank=config.max_rank, max_running=config.max_running,
                           max_adapters=min(config.max_adapters, slots), max_prefill_tokens=config.max_prefill_tokens,
                           max_seq_len=config.max_seq_len, admission=policy.admission, **config.engine)

@@ -131,6 +131,21 @@ def test_tp2_outputs_equal_tp1(tp1_ondemand: EngineResult, tp2_overlap: EngineRe
         torch.testing.assert_close(two.outputs, one.outputs, rtol=1e-4, atol=1e-4)
 
 
+def test_a_paged_pool_computes_what_slots_do(adapters: Path, tp1_ondemand: EngineResult) -> None:
+    """Issue 43: the engine on a pool of rank-16 pages (ranks 4, 8 and 16 in one page each, two adapters of the max
+    rank's bytes in all) serves the stream with the outputs of slots of the max rank, request by request; a pool
+    too small for a batch's max_adapters of the max rank is refused before serving, naming the fix."""
+    config = engine_config(adapters, admission="ondemand", page_rank=16, pool_pages=8)
+    paged = run_engine(config, REQUESTS)
+    check_served(paged, config, REQUESTS)
+    for one, two in zip(tp1_ondemand.records, paged.records, strict=True):
+        assert one.outputs is not None and two.outputs is not None
+        torch.testing.assert_close(two.outputs, one.outputs, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match=r"pool_pages 7 cannot hold a batch's max_adapters \(2\) adapters of rank "
+                                          r"64 \(4 pages each\): give pool_pages >= 8"):
+        run_engine(engine_config(adapters, page_rank=16, pool_pages=7), REQUESTS)
+
+
 # -- the LoRA math against an explicit computation ------------------------------------------------------
 def lora_weights(spec: AdapterSpec) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]:
     """(layer, module) -> (A, B, scaling) straight from the adapter file."""

@@ -28,6 +28,9 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata={"help": "compute and slot dtype (auto: bfloat16 on cuda, "
                                                          "float32 on cpu)"})
     num_slots: int = field(default=8, metadata={"help": "GPU adapter slots per rank"})
+    page_rank: int = field(default=0, metadata={"help": "GPU pages sized for this LoRA rank (0: one page per slot); "
+                                                        "see WorkerConfig"})
+    pool_pages: int = field(default=0, metadata={"help": "GPU pages per rank (0: num_slots adapters of max_rank)"})
     chunk_bytes: int = field(default=4 << 20, metadata={
         "help": "least bytes of a load's layer-ordered chunks (0: a chunk per layer); see WorkerConfig"})
     max_rank: int = field(default=64, metadata={"help": "largest LoRA rank served (sizes the slots)"})

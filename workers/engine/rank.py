@@ -176,10 +176,18 @@ class RankEngine:
 
     def _make_cache(self) -> WorkerCache:
         c = self.config
-        worker = WorkerConfig(num_slots=c.num_slots, tp=c.tp, tp_rank=self.comm.rank,
+        worker = WorkerConfig(num_slots=c.num_slots, page_rank=c.page_rank, pool_pages=c.pool_pages, tp=c.tp,
+                              tp_rank=self.comm.rank,
                               dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
                               max_batch=c.max_running + c.max_adapters, host=c.host, chunk_bytes=c.chunk_bytes)
-        return WorkerCache(worker, self.catalog, compute_stream=self.stream)
+        cache = WorkerCache(worker, self.catalog, compute_stream=self.stream)
+        per_adapter = cache.load_path.pages_for(cache.slot_numel)  # the pages of an adapter of max_rank
+        if cache.book.table.num_pages < c.max_adapters * per_adapter:
+            cache.close()
+            raise ConfigError(f"pool_pages {cache.book.table.num_pages} cannot hold a batch's max_adapters "
+                              f"({c.max_adapters}) adapters of rank {self.catalog.config.max_rank} ({per_adapter} "
+                              f"pages each): give pool_pages >= {c.max_adapters * per_adapter} or lower max_adapters")
+        return cache
 
     def _make_model(self) -> ShardedModel:
         c, shape = self.config, self.config.shape()
