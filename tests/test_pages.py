@@ -153,6 +153,42 @@ def test_the_kernels_read_each_adapter_at_its_own_rank_from_its_pages(
     cache.release(batch)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["sgmv", "bgmv"])
+def test_the_triton_kernels_read_a_paged_pool_as_their_twin_does(
+        mixed: AdapterCatalog, make_cache: Callable[..., WorkerCache], mode: str) -> None:
+    """On a GPU: the Triton kernels over a paged pool (a row stride of 0, each adapter's offsets from its pages,
+    rank-16 and rank-64 adapters side by side) compute what the torch twin computes from the same pool."""
+    from workers.kernels import lora_apply
+
+    small, large = small_and_large(mixed)
+    cache = make_cache(mixed, num_slots=4, page_rank=SMALL, pool_pages=8, device="cuda", host_bytes=8 << 20)
+    chosen = [small[0], large[0], small[1], large[1]]
+    for name in chosen[:3]:
+        cache.prefetch(name).result(timeout=60)
+    batch = cache.acquire(chosen[:3])
+    torch.cuda.synchronize()
+    modules = ["q_proj", "k_proj", "v_proj"]
+    d_in = cache.meta.dims["q_proj"][0]
+    width = sum(cache.meta.dims[m][1] for m in modules)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(12, d_in, generator=gen, device="cuda").to(cache.dtype)
+    meta = BatchMeta(12, 12, cache.device, num_slots=4)
+    if mode == "sgmv":
+        meta.set_segments([4, 4, 4], batch.slots)
+    else:
+        meta.set_tokens([batch.slots[i % 3] for i in range(12)])
+    for layer in range(mixed.shape.num_layers):
+        got, want = torch.zeros(12, width, device="cuda", dtype=cache.dtype), torch.zeros(12, width, device="cuda",
+                                                                                           dtype=cache.dtype)
+        lora_apply(x, got, cache.pool, cache.meta, meta, layer, modules, mode)
+        lora_apply_ref(x, want, cache.pool, cache.meta, meta, layer, modules)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+        assert want.abs().sum() > 0
+    cache.release(batch)
+
+
 @pytest.mark.parametrize(("setting", "match"), [
     ({"page_rank": 65}, r"page_rank 65 is above the catalog's max_rank 64"),
     ({"page_rank": SMALL, "pool_pages": 3}, r"pool_pages 3 cannot hold one adapter of rank 64 \(4 pages of rank 16\)"),

@@ -70,6 +70,9 @@ class KernelBenchConfig:
     sweep_grid: str = field(default="block_k=128,256,512;num_warps=4,8;waves=4,8",
                             metadata={"help": "BGMV knob values to combine: NAME=V1,V2;NAME=..."})
     only_overhead: bool = field(default=False, metadata={"help": "measure only the wrappers' Python cost"})
+    paged: bool = field(default=False, metadata={
+        "help": "the worker's paged pool (issue 43): one flat buffer read through a row stride of 0, each adapter's "
+                "offsets from its pages' start, the adapters in a shuffled order of pages"})
     smoke: bool = field(default=False, metadata={"help": "tiny shapes on the CPU (checks the script runs)"})
 
     def ints(self, name: str) -> list[int]:
@@ -163,8 +166,10 @@ def mix_slots(mix: str, tokens: int, rng: np.random.Generator) -> tuple[int, np.
 
 
 def build_case(shape: ModelShape, modules: list[str], rank: int, tokens: int, mix: str, mode: str,
-               dtype: torch.dtype, device: torch.device, seed: int = 0, chunk: int | None = None) -> Case:
-    """One layer's adapters, one per slot, and a batch of ``tokens`` using them as ``mix`` says."""
+               dtype: torch.dtype, device: torch.device, seed: int = 0, chunk: int | None = None,
+               paged: bool = False) -> Case:
+    """One layer's adapters, one per slot, and a batch of ``tokens`` using them as ``mix`` says; ``paged``: the
+    pool as the worker lays out a paged one (``WorkerCache``: a flat buffer, row stride 0, absolute offsets)."""
     one_layer = dataclasses.replace(shape, num_layers=1)
     num_slots, token_slots = mix_slots(mix, tokens, np.random.default_rng(seed))
     spec = AdapterSpec("bench", Path("bench"), AdapterConfig(r=rank, lora_alpha=rank, target_modules=tuple(modules)),
@@ -173,8 +178,11 @@ def build_case(shape: ModelShape, modules: list[str], rank: int, tokens: int, mi
     pool = torch.randn(num_slots, layout.numel, device=device).to(dtype) * 0.05
     meta = SlotMeta(num_slots, 1, MODULE_ORDER, device, max_rank=rank, dims=shard_dims(one_layer, 1),
                     slot_numel=layout.numel)
+    order = np.random.default_rng(seed + 1).permutation(num_slots) if paged else range(num_slots)
     for slot in range(num_slots):
-        meta.write(slot, layout, spec)
+        meta.write(slot, layout, spec, base=int(order[slot]) * layout.numel if paged else 0)
+    if paged:
+        pool = pool.reshape(-1).as_strided((num_slots, num_slots * layout.numel), (0, 1))
     batch = BatchMeta(tokens, tokens, device, num_slots=num_slots, chunk_tokens=chunk)
     if mode == "sgmv":
         grouped = np.sort(token_slots)
@@ -225,7 +233,7 @@ def sweep(shape: ModelShape, modules: list[str], cfg: KernelBenchConfig, dtype: 
     for rank, mix, tokens in itertools.product(cfg.ints("ranks"), cfg.names("mixes"), cfg.ints("tokens")):
         if tokens < 16:
             continue
-        case = build_case(shape, modules, rank, tokens, mix, "bgmv", dtype, device)
+        case = build_case(shape, modules, rank, tokens, mix, "bgmv", dtype, device, paged=cfg.paged)
         for knobs in grid:
             try:
                 with tuned("bgmv", **knobs):
@@ -299,7 +307,7 @@ def overhead(cfg: KernelBenchConfig, dtype: torch.dtype, device: torch.device) -
     tokens, rank = (3, max(cfg.ints("ranks"))) if cfg.smoke else (32, 64)
     rows = []
     for mode in cfg.names("modes"):
-        case = build_case(shape, list(modules), rank, tokens, "uniform4", mode, dtype, device)
+        case = build_case(shape, list(modules), rank, tokens, "uniform4", mode, dtype, device, paged=cfg.paged)
         args = (case.x, case.y, case.pool, case.meta, case.batch, 0, modules)
         kernel = KERNELS[mode]
         row: dict[str, Any] = {"mode": mode, "tokens": tokens, "rank": rank}
@@ -331,7 +339,7 @@ def run(cfg: KernelBenchConfig, progress: Path | None = None) -> dict[str, Any]:
     rows = result["rows"]
     for mode, rank, mix, tokens in itertools.product(cfg.names("modes"), cfg.ints("ranks"), cfg.names("mixes"),
                                                      cfg.ints("tokens")):
-        case = build_case(shape, modules, rank, tokens, mix, mode, dtype, device)
+        case = build_case(shape, modules, rank, tokens, mix, mode, dtype, device, paged=cfg.paged)
         rows.append({"mode": mode, "rank": rank, "mix": mix, "tokens": tokens,
                      **measure(case, modules, mode, cfg, peak)})
         print(_line(rows[-1]), flush=True)
