@@ -22,11 +22,12 @@ from lora_cache.vocab import AdapterKey
 from tests.test_exclusive_tiers import drain_until
 from tests.test_worker_cache import assert_host_holds, assert_slot_holds, current
 from tests.worker_queries import use_streams
-from workers.cache import WorkerCache
+from workers.cache import WorkerCache, WorkerConfig
 from workers.gpu.slots import SlotPhase, SlotTable
 from workers.gpu.streams import CpuStreams
 from workers.kernels.meta import BatchMeta
 from workers.kernels.reference import lora_apply_ref
+from workers.staging.host_config import HostTierConfig
 
 SMALL, LARGE = 16, 64  # the mix: most tenants at rank 16, a few at 64
 
@@ -163,7 +164,9 @@ def test_the_triton_kernels_read_a_paged_pool_as_their_twin_does(
     from workers.kernels import lora_apply
 
     small, large = small_and_large(mixed)
-    cache = make_cache(mixed, num_slots=4, page_rank=SMALL, pool_pages=8, device="cuda", host_bytes=8 << 20)
+    config = WorkerConfig(num_slots=4, page_rank=SMALL, pool_pages=8, device="cuda",
+                          host=HostTierConfig(host_bytes=8 << 20, read_threads=2, pin=False))
+    cache = WorkerCache(config, mixed)
     chosen = [small[0], large[0], small[1], large[1]]
     for name in chosen[:3]:
         cache.prefetch(name).result(timeout=60)
@@ -187,6 +190,7 @@ def test_the_triton_kernels_read_a_paged_pool_as_their_twin_does(
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
         assert want.abs().sum() > 0
     cache.release(batch)
+    cache.close()
 
 
 @pytest.mark.parametrize(("setting", "match"), [
