@@ -137,9 +137,6 @@ class BenchConfig:
         if self.warmup_requests < -1:
             raise ConfigError(f"--warmup-requests {self.warmup_requests}: give a count >= 0, or -1 (auto: until "
                               "every replica's GPU slots are full)")
-        if (self.page_rank or self.pool_pages) and self.engine != "real":
-            raise ConfigError(f"--page-rank / --pool-pages (a paged GPU pool) run on the real engine only; the "
-                              f"simulator counts slots of max_rank: give --engine real, not {self.engine!r}")
         if self.attach and self.engine != "real":
             raise ConfigError(f"--attach runs the real engine's ranks in their own processes; it needs --engine real, "
                               f"not {self.engine!r}")

@@ -75,6 +75,8 @@ class RealConfig:
     tp: int = 1
     slots: int = 8  # GPU slots per rank (equal for every policy but the oracle)
     max_rank: int = 64
+    page_rank: int = 0  # GPU pages sized for this rank (issue 43; 0: slots of max_rank)
+    pool_pages: int = 0  # GPU pages per rank (0: slots adapters of max_rank)
     max_running: int = 32
     max_adapters: int = 4
     max_prefill_tokens: int = 4096
@@ -141,14 +143,16 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
                tick: Callable[[float], None] = lambda _: None) -> PolicyRun:
     """Serve ``workload`` under ``policy``; ``tick(fraction of the stream's time elapsed)`` for progress."""
     slots = len(names) if policy.oracle else config.slots
-    pages = {} if policy.oracle else {"page_rank": config.page_rank, "pool_pages": config.pool_pages}
-    worker = WorkerConfig(num_slots=slots, dtype=config.dtype, **pages,
+    page_rank = 0 if policy.oracle else config.page_rank  # the oracle: a slot per adapter
+    pool_pages = 0 if policy.oracle else config.pool_pages
+    worker = WorkerConfig(num_slots=slots, dtype=config.dtype, page_rank=page_rank, pool_pages=pool_pages,
                           max_batch=max(256, config.max_running + config.max_adapters),
                           host=HostTierConfig(host_bytes=config.host_bytes, eviction=config.host_eviction,
                                               tiers=config.host_tiers,
                                               drop_page_cache=config.store_model().kind == "device"),
                           disk=_disk_tier(config, policy))
-    engine = EngineConfig(model=config.model, num_layers=config.num_layers, tp=config.tp, num_slots=slots, **pages,
+    engine = EngineConfig(model=config.model, num_layers=config.num_layers, tp=config.tp, num_slots=slots,
+                          page_rank=page_rank, pool_pages=pool_pages,
                           max_rank=config.max_rank, max_running=config.max_running,
                           max_adapters=min(config.max_adapters, slots), max_prefill_tokens=config.max_prefill_tokens,
                           max_seq_len=config.max_seq_len, admission=policy.admission, **config.engine)

@@ -198,7 +198,8 @@ def _run_real(bench: BenchConfig, policies: Sequence[BenchPolicy], root: str, na
 
     gpus = bench.use_gpus()
     real = RealConfig(model=bench.model, num_layers=bench.num_layers, replicas=bench.replicas, tp=bench.tp,
-                      slots=bench.slots, max_rank=bench.max_rank, max_running=bench.max_running,
+                      slots=bench.slots, max_rank=bench.max_rank, page_rank=bench.page_rank,
+                      pool_pages=bench.pool_pages, max_running=bench.max_running,
                       max_adapters=bench.max_adapters, max_prefill_tokens=bench.max_prefill_tokens,
                       max_seq_len=bench.max_seq_len, hint_lead_s=bench.hint_lead_s, gpus=gpus,
                       host_bytes=bench.host_bytes, host_eviction=bench.host_eviction, host_tiers=bench.host_tiers,

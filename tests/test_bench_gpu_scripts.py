@@ -32,7 +32,7 @@ def _dry(script: str, *args: str, **env: str) -> list[list[str]]:
 
 def test_the_dated_scripts_are_gone() -> None:
     assert SCRIPTS == ["checks.sh", "cold_path.sh", "fleets.sh", "fleets_i31.sh", "issue30.sh", "issue30_reads.sh",
-                       "issue30_small.sh", "issue42.sh", "parallel.sh", "serve.sh", "suite.sh"]
+                       "issue30_small.sh", "issue42.sh", "issue43.sh", "parallel.sh", "serve.sh", "suite.sh"]
     assert not list((ROOT / "bench").glob("gpu_*.sh"))
 
 

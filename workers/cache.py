@@ -22,7 +22,7 @@ import torch
 from lora_cache.adapters.catalog import AdapterCatalog
 from lora_cache.adapters.chunks import MIN_CHUNK_BYTES, ChunkPlan, chunk_plan
 from lora_cache.adapters.peft import AdapterSpec
-from lora_cache.adapters.shapes import MODULE_ORDER
+from lora_cache.adapters.shapes import MODULE_ORDER, ModelShape
 from lora_cache.adapters.shards import ShardLayout, max_shard_numel, shard_layout
 from lora_cache.errors import ConfigError
 from lora_cache.vocab import NAMESPACE, AdapterKey, Delta, ReadinessRecord
@@ -102,17 +102,16 @@ class RankShards:
                           self.chunk_bytes)
 
 
-def pool_pages(config: WorkerConfig, catalog: AdapterCatalog, slot_numel: int,
-               dtype: torch.dtype) -> tuple[int, int]:
+def pool_pages(config: WorkerConfig, shape: ModelShape, max_rank: int, dtype: torch.dtype) -> tuple[int, int]:
     """(elements of a page, pages in the pool) for ``config`` (issue 43): pages sized for a shard of ``page_rank``
-    (aligned for the kernels), and ``pool_pages`` of them, or as many as ``num_slots`` shards of the max rank take.
-    A bad setting is refused here, naming it, before anything is allocated."""
-    max_rank = catalog.config.max_rank
+    (aligned for the kernels), and ``pool_pages`` of them, or as many as ``num_slots`` shards of ``max_rank`` take.
+    A bad setting is refused here, naming it, before anything is allocated (the simulator sizes its pool here too)."""
+    slot_numel = max_shard_numel(shape, config.tp, max_rank, dtype)
     if config.page_rank > max_rank:
         raise ConfigError(f"page_rank {config.page_rank} is above the catalog's max_rank {max_rank}: a page would "
                           f"hold more than the largest shard; give 1..{max_rank} (0: one page per adapter)")
     paged = bool(config.page_rank) and config.page_rank < max_rank
-    page = max_shard_numel(catalog.shape, config.tp, config.page_rank, dtype) if paged else slot_numel
+    page = max_shard_numel(shape, config.tp, config.page_rank, dtype) if paged else slot_numel
     page = -(-page // OFFSET_ALIGN) * OFFSET_ALIGN
     per_slot = -(-slot_numel // page)  # the pages of a shard of the max rank
     pages = config.pool_pages or (config.num_slots * slot_numel // page if paged else config.num_slots)
@@ -157,7 +156,7 @@ class WorkerCache:
                               f"({slot_bytes / 2**20:.1f} MiB for {catalog.shape.name}, rank {catalog.config.max_rank}"
                               f", TP {config.tp}); raise host_bytes or lower max_rank")
         self.streams = make_streams(self.device, compute_stream)
-        self.page_numel, num_pages = pool_pages(config, catalog, self.slot_numel, self.dtype)
+        self.page_numel, num_pages = pool_pages(config, catalog.shape, catalog.config.max_rank, self.dtype)
         # the pool's pages one after another; the kernels see it as [num_slots, elements] with a row stride of 0,
         # so that a slot's row is the whole pool and its offsets are the pool's (its pages' start added: meta.write)
         self.pool = torch.empty(num_pages * self.page_numel, dtype=self.dtype, device=self.device).as_strided(

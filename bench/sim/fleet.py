@@ -52,6 +52,7 @@ from lora_cache.planner import PlannerConfig
 from lora_cache.routing.advice import RouteRequest
 from lora_cache.routing.ranking import RouterConfig
 from lora_cache.vocab import AdapterKey, WorkerId
+from workers.cache import WorkerConfig, pool_pages
 from workers.counters import STATS_COUNTERS, STATS_SUMMARIES
 from workers.engine.admission import ADMISSION
 from workers.engine.config import EngineConfig
@@ -135,6 +136,8 @@ class SimConfig:
                 "take this long; 0: warm from the start, as real runs before the gate did, bench.sim.check)"})
     model: str = field(default="llama-3.1-8b", metadata={"help": "model shape (decides adapter shard bytes)"})
     max_rank: int = field(default=64, metadata={"help": "largest LoRA rank (sizes the slots)"})
+    page_rank: int = field(default=0, metadata={"help": "GPU pages sized for this rank (0: slots of max_rank)"})
+    pool_pages: int = field(default=0, metadata={"help": "GPU pages per rank (0: slots adapters of max_rank)"})
     adapter_ranks: str = field(default="16,64", metadata={"help": "LoRA ranks given to the adapters in turn"})
     host_bytes: int = field(default=2 << 30, metadata={"help": "pinned host tier bytes per rank"})
     read_threads: int = field(default=4, metadata={"help": "disk reader threads per rank"})
@@ -263,6 +266,8 @@ class _Fleet:
                               f"at rank {max(ranks)}, TP {config.tp}); raise host_bytes")
         slots = len(names) if policy.oracle else config.slots
         engine = EngineConfig(model=config.model, tp=config.tp, device="cpu", num_slots=slots, max_rank=config.max_rank,
+                              page_rank=0 if policy.oracle else config.page_rank,  # the oracle: a slot per adapter
+                              pool_pages=0 if policy.oracle else config.pool_pages,
                               max_running=config.max_running, max_adapters=config.max_adapters,
                               max_prefill_tokens=config.max_prefill_tokens, admission=policy.admission,
                               max_seq_len=max(2, *(r.input_len + r.output_len for r in self.requests)))
@@ -290,7 +295,8 @@ class _Fleet:
                      nbytes: dict[str, int]) -> None:
         """A replica's TP workers (the oracle's with every adapter READY), known to the controller."""
         config = self.config
-        self.controller.core.add_replica(name, config.tp, engine.num_slots, config.host_bytes)
+        pool = self._pool(engine, calibration)
+        self.controller.core.add_replica(name, config.tp, engine.num_slots, config.host_bytes, *pool)
         self.controller.core.limits.declare(name, engine.max_adapters, engine.max_running)  # the engine's own
         ranks = []
         for k in range(config.tp):
@@ -298,7 +304,8 @@ class _Fleet:
                                config.host_eviction, config.host_tiers)
             worker = SimWorker(name, k, engine.num_slots, self.loop, calibration, keys, nbytes, host,
                                config.max_running + config.max_adapters,
-                               functools.partial(self.controller.push, WorkerId(name, k)), self.loads.append)
+                               functools.partial(self.controller.push, WorkerId(name, k)), self.loads.append,
+                               *self._pages(engine, calibration))
             if self.policy.oracle:
                 worker.preload(self.workload.adapters)
             self.controller.add_worker(WorkerId(name, k), worker)
@@ -307,6 +314,21 @@ class _Fleet:
         self.replicas.append(SimReplica(name, engine, ADMISSION[self.policy.admission](), ranks, self.loop,
                                         calibration, self.hooks, resolve_model(config.model).num_layers,
                                         config.mid_step_reads))
+
+    def _pages(self, engine: EngineConfig, calibration: Calibration) -> tuple[int | None, int | None]:
+        """(pages, page bytes) of a rank's paged pool (``workers.cache.pool_pages``), or (None, None): slots."""
+        if not engine.page_rank or engine.page_rank >= engine.max_rank:
+            return None, None
+        dtype = getattr(torch, calibration.slot_dtype)
+        worker = WorkerConfig(num_slots=engine.num_slots, page_rank=engine.page_rank, pool_pages=engine.pool_pages,
+                              tp=engine.tp)
+        page, pages = pool_pages(worker, resolve_model(self.config.model), engine.max_rank, dtype)
+        return pages, page * dtype.itemsize
+
+    def _pool(self, engine: EngineConfig, calibration: Calibration) -> tuple[int | None, int | None]:
+        """(GPU bytes, page bytes) a paged rank reports to the controller (``WorkerControl.describe``), or Nones."""
+        pages, page_bytes = self._pages(engine, calibration)
+        return (None, None) if pages is None or page_bytes is None else (pages * page_bytes, page_bytes)
 
     # -- the run -------------------------------------------------------------------------------------
     def run(self) -> SimResult:

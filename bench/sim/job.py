@@ -31,7 +31,8 @@ def sim_config(bench: BenchConfig, workload: Workload | None = None,
     warm = workload.requests[workload.warmup].arrival_s if workload is not None and workload.warmup and \
         not workload.inflight and workload.warmup < len(workload.requests) else -1.0
     return SimConfig(model=bench.model, replicas=bench.replicas, tp=bench.tp, slots=bench.slots,
-                     max_rank=bench.max_rank, adapter_ranks=bench.adapter_ranks, max_running=bench.max_running,
+                     max_rank=bench.max_rank, page_rank=bench.page_rank, pool_pages=bench.pool_pages,
+                     adapter_ranks=bench.adapter_ranks, max_running=bench.max_running,
                      max_adapters=bench.max_adapters, max_prefill_tokens=bench.max_prefill_tokens,
                      hint_lead_s=bench.hint_lead_s, host_bytes=bench.host_bytes, routing=bench.router,
                      host_eviction=bench.host_eviction, host_tiers=bench.host_tiers,

@@ -92,6 +92,7 @@ class SimLoad:
     after_write_back: bool = False  # its copy followed the slot's write-back (``_vacating``)
     behind: int = 0  # write-back bytes ahead of its range when it took its slot (``SlotLoad.behind``)
     used: bool = False  # some batch acquired (or pinned) it: prefetch accuracy
+    pages: range = range(0)  # the run of the pool's pages its slot holds (a paged pool)
 
 
 class SimWorker:
@@ -99,11 +100,17 @@ class SimWorker:
 
     def __init__(self, replica: str, rank: int, slots: int, loop: Loop, calibration: Calibration,
                  keys: Mapping[str, AdapterKey], nbytes: Mapping[str, int], host: SimHostTier, max_batch: int,
-                 push: Callable[[Delta], None], on_load: Callable[[LoadRecord], None]) -> None:
+                 push: Callable[[Delta], None], on_load: Callable[[LoadRecord], None], pages: int | None = None,
+                 page_bytes: int | None = None) -> None:
+        """``pages`` / ``page_bytes``: a paged pool (issue 43; ``workers.cache.pool_pages``): a shard takes the run of
+        whole pages its bytes need; None: slots of the largest rank, one page each."""
         self.replica, self.rank = replica, rank
         self.loop, self.calibration, self.keys, self.nbytes, self.host = loop, calibration, keys, nbytes, host
         self.max_batch, self.push, self.on_load = max_batch, push, on_load
-        self.table = SlotTable(slots)
+        self.table = SlotTable(slots, pages)
+        self.page_bytes = page_bytes if pages is not None else None
+        # a paged pool's write-backs in flight, issue order: (pages, start, end, bytes) (``SlotBook.vacating``)
+        self._out: list[tuple[range, float, float, int]] = []
         self.counters = CacheCounters()
         self._loads: dict[int, SimLoad] = {}  # slot -> its load (LOADING or READY)
         self._pending: dict[AdapterKey, SimLoad] = {}  # staging on the host, no slot yet
@@ -121,7 +128,7 @@ class SimWorker:
     def preload(self, names: Sequence[str]) -> None:
         """The oracle: every adapter READY before t=0 (no load, no counter)."""
         for name in names:
-            index, evicted = self.table.reserve(self.keys[name])
+            index, evicted = self.table.reserve(self.keys[name], self._pages(self.nbytes[name]))
             assert not evicted, "preload needs a slot per adapter"
             self.table.mark_ready(index)
             load = self._loads[index] = SimLoad(self.keys[name], self.nbytes[name], 0.0, prefetched=False)
@@ -273,7 +280,7 @@ class SimWorker:
     def _place(self, load: SimLoad) -> None:
         """Reserve a slot and issue the copy; if only loads in flight stand in the way, wait for one."""
         try:
-            index, evicted = self.table.reserve(load.key)
+            index, evicted = self.table.reserve(load.key, self._pages(load.nbytes))
         except CapacityError:
             if any(s.state is SlotPhase.LOADING and s.refs == 0 for s in self.table.slots):
                 self._waiters.append(load)
@@ -282,19 +289,22 @@ class SimWorker:
             self.host.release(load.key)
             self._reject(load, "no slot", no_room=load.prefetched)
             return
-        for gone in evicted:  # one page per slot here (slots of the max rank): the slot it takes, if any
-            assert gone.slot == index, "the simulator's slots are one page each"
-            self._write_back(gone.key, index)  # its copy out, which this load's copy in follows piece by piece
-            self._retire(self._loads.pop(index))
+        for gone in evicted:  # slots of the max rank: the slot it takes, if any; a paged pool: any, oldest first
+            assert self.page_bytes is not None or gone.slot == index, "slots of the max rank are one page each"
+            self._write_back(gone.key, gone.slot)  # its copy out, which this load's copy in follows piece by piece
+            self._retire(self._loads.pop(gone.slot))
             self._changed(gone.key, "gone")
         self._changed(load.key, "loading", acquired=not load.commanded)
         load.slot = index
+        load.pages = self.table.slots[index].page_range
         self._loads[index] = self._pending.pop(load.key)
         now = self.loop.now
         start = max(now, self._copy_free)
         copy_s = self.calibration.h2d_s(load.nbytes)
         end = start + copy_s
-        if index in self._vacating:  # ``SlotLoad.place``'s ``vacate``: each range after the piece that copies it out
+        if self.page_bytes is not None:
+            start, end = self._after_paged_write_backs(load, start, end, copy_s, now)
+        elif index in self._vacating:  # ``SlotLoad.place``'s ``vacate``: each range after the piece that copies it out
             out_start, out_end, pieces, _ = self._vacating[index]
             load.after_write_back = True
             load.behind = _write_back_ahead(self._vacating, index, load.nbytes, now)
@@ -312,6 +322,7 @@ class SimWorker:
         now = self.loop.now
         self.table.mark_ready(load.slot)
         self._vacating.pop(load.slot, None)
+        self._out = [w for w in self._out if w[2] > now]  # a paged pool's write-backs that ended
         self._changed(load.key, "ready", read_s=load.disk_ms / 1e3, acquired=not load.commanded)
         c = self.counters
         c.loads += 1
@@ -343,7 +354,29 @@ class SimWorker:
         end = start + self.calibration.h2d_s(nbytes)
         if self.host.write_back(key, nbytes, end):
             self._back_free = end
-            self._vacating[index] = (start, end, write_back_pieces(nbytes), nbytes)
+            if self.page_bytes is not None:
+                self._out.append((self._loads[index].pages, start, end, nbytes))
+            else:
+                self._vacating[index] = (start, end, write_back_pieces(nbytes), nbytes)
+
+    def _pages(self, nbytes: int) -> int:
+        """The pages a shard of ``nbytes`` takes (``LoadPath.pages_for``): one per slot of the max rank."""
+        return 1 if self.page_bytes is None else max(1, -(-nbytes // self.page_bytes))
+
+    def _after_paged_write_backs(self, load: SimLoad, start: float, end: float, copy_s: float,
+                                 now: float) -> tuple[float, float]:
+        """A paged pool (``LoadPath._place``): the copy into ``load``'s pages follows the write-backs in flight over
+        any of them, whoever held them: it starts after the first one's first piece and ends no sooner than a piece's
+        copy after the last one (the pieces of a range, as on one slot); ``behind`` counts the write-back bytes issued
+        up to the last one over its pages (``write_back_ahead``)."""
+        over = [i for i, w in enumerate(self._out) if w[2] > now and set(w[0]) & set(load.pages)]
+        if not over:
+            return start, end
+        load.after_write_back = True
+        load.behind = sum(w[3] for w in self._out[: over[-1] + 1] if w[2] > now)
+        first, last = self._out[over[0]], self._out[over[-1]]
+        start = max(start, first[1] + (first[2] - first[1]) / write_back_pieces(first[3]))
+        return start, max(start + copy_s, last[2] + copy_s / write_back_pieces(load.nbytes))
 
     def issued_copies(self) -> dict[str, tuple[int, float, int]]:
         """Adapters LOADING here (a slot taken: the read done, the copy issued) -> (bytes, when the copy was

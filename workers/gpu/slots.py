@@ -114,11 +114,12 @@ class SlotTable:
                         p += 1
                         continue
                 victims.sort(key=rank.__getitem__)
-                score = (rank[victims[-1]] if victims else -1, len(victims), p)
+                # single pages from the pool's start, runs from its end: free pages stay together between them
+                score = (rank[victims[-1]] if victims else -1, len(victims), p if pages == 1 else -p)
                 if best is None or score < best:
                     best, best_victims = score, victims
                 p += 1
-        return (-1, []) if best is None else (best[2], best_victims)
+        return (-1, []) if best is None else (abs(best[2]), best_victims)
 
     def _evict_idle(self, index: int) -> AdapterKey:
         del self._idle[index]
