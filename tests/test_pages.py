@@ -217,7 +217,8 @@ class PageMachine(RuleBasedStateMachine):
     """``SlotTable`` with runs of pages: 4 slots over 6 pages. The model keeps each adapter's state, references and
     pages; a reservation must succeed exactly when some run of its pages is free or idle (with a slot to spare, or
     an idle adapter to give one up), evict only idle adapters, and among the runs pick the one whose newest victim
-    was least recently used (ties: fewer victims, then single pages from the pool's start and runs from its end)."""
+    was least recently used (ties: fewer victims, fewer pages evicted, then single pages from the pool's start and
+    runs from its end)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -249,12 +250,12 @@ class PageMachine(RuleBasedStateMachine):
                 if not self.lru:
                     continue
                 names = {self.lru[0]}
-            # ties: single pages from the pool's start, runs from its end
+            # ties: fewer pages evicted, then single pages from the pool's start, runs from its end
             choices.append((max((self.lru.index(n) for n in names), default=-1), len(names),
-                            first if size == 1 else -first))
+                            sum(len(self.run[n]) for n in names), first if size == 1 else -first))
         if not choices:
             return None
-        newest, count, first = min(choices)
+        newest, count, _, first = min(choices)
         return newest, count, abs(first)
 
     @rule(name=st.sampled_from(NAMES))

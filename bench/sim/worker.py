@@ -128,7 +128,7 @@ class SimWorker:
     def preload(self, names: Sequence[str]) -> None:
         """The oracle: every adapter READY before t=0 (no load, no counter)."""
         for name in names:
-            index, evicted = self.table.reserve(self.keys[name], self._pages(self.nbytes[name]))
+            index, evicted = self.table.reserve(self.keys[name], _pages(self.nbytes[name], self.page_bytes))
             assert not evicted, "preload needs a slot per adapter"
             self.table.mark_ready(index)
             load = self._loads[index] = SimLoad(self.keys[name], self.nbytes[name], 0.0, prefetched=False)
@@ -280,7 +280,7 @@ class SimWorker:
     def _place(self, load: SimLoad) -> None:
         """Reserve a slot and issue the copy; if only loads in flight stand in the way, wait for one."""
         try:
-            index, evicted = self.table.reserve(load.key, self._pages(load.nbytes))
+            index, evicted = self.table.reserve(load.key, _pages(load.nbytes, self.page_bytes))
         except CapacityError:
             if any(s.state is SlotPhase.LOADING and s.refs == 0 for s in self.table.slots):
                 self._waiters.append(load)
@@ -303,7 +303,7 @@ class SimWorker:
         copy_s = self.calibration.h2d_s(load.nbytes)
         end = start + copy_s
         if self.page_bytes is not None:
-            start, end = self._after_paged_write_backs(load, start, end, copy_s, now)
+            start, end = _after_paged_write_backs(self._out, load, start, end, copy_s, now)
         elif index in self._vacating:  # ``SlotLoad.place``'s ``vacate``: each range after the piece that copies it out
             out_start, out_end, pieces, _ = self._vacating[index]
             load.after_write_back = True
@@ -358,25 +358,6 @@ class SimWorker:
                 self._out.append((self._loads[index].pages, start, end, nbytes))
             else:
                 self._vacating[index] = (start, end, write_back_pieces(nbytes), nbytes)
-
-    def _pages(self, nbytes: int) -> int:
-        """The pages a shard of ``nbytes`` takes (``LoadPath.pages_for``): one per slot of the max rank."""
-        return 1 if self.page_bytes is None else max(1, -(-nbytes // self.page_bytes))
-
-    def _after_paged_write_backs(self, load: SimLoad, start: float, end: float, copy_s: float,
-                                 now: float) -> tuple[float, float]:
-        """A paged pool (``LoadPath._place``): the copy into ``load``'s pages follows the write-backs in flight over
-        any of them, whoever held them: it starts after the first one's first piece and ends no sooner than a piece's
-        copy after the last one (the pieces of a range, as on one slot); ``behind`` counts the write-back bytes issued
-        up to the last one over its pages (``write_back_ahead``)."""
-        over = [i for i, w in enumerate(self._out) if w[2] > now and set(w[0]) & set(load.pages)]
-        if not over:
-            return start, end
-        load.after_write_back = True
-        load.behind = sum(w[3] for w in self._out[: over[-1] + 1] if w[2] > now)
-        first, last = self._out[over[0]], self._out[over[-1]]
-        start = max(start, first[1] + (first[2] - first[1]) / write_back_pieces(first[3]))
-        return start, max(start + copy_s, last[2] + copy_s / write_back_pieces(load.nbytes))
 
     def issued_copies(self) -> dict[str, tuple[int, float, int]]:
         """Adapters LOADING here (a slot taken: the read done, the copy issued) -> (bytes, when the copy was
@@ -444,3 +425,24 @@ def _write_back_ahead(vacating: dict[int, Vacating], index: int, nbytes: int, no
         total += sum(min(piece, size - j * piece) for j in range(upto)
                      if start + (end - start) * (j + 1) / pieces > now)
     return total
+
+
+def _pages(nbytes: int, page_bytes: int | None) -> int:
+    """The pages a shard of ``nbytes`` takes (``LoadPath.pages_for``): one per slot of the max rank (no pages)."""
+    return 1 if page_bytes is None else max(1, -(-nbytes // page_bytes))
+
+
+def _after_paged_write_backs(out: list[tuple[range, float, float, int]], load: SimLoad, start: float, end: float,
+                             copy_s: float, now: float) -> tuple[float, float]:
+    """A paged pool (``LoadPath._place``): the copy into ``load``'s pages follows the write-backs in flight over
+    any of them (``out``, issue order), whoever held them: it starts after the first one's first piece and ends no
+    sooner than a piece's copy after the last one (the pieces of a range, as on one slot); ``behind`` counts the
+    write-back bytes issued up to the last one over its pages (``write_back_ahead``)."""
+    over = [i for i, w in enumerate(out) if w[2] > now and set(w[0]) & set(load.pages)]
+    if not over:
+        return start, end
+    load.after_write_back = True
+    load.behind = sum(w[3] for w in out[: over[-1] + 1] if w[2] > now)
+    first, last = out[over[0]], out[over[-1]]
+    start = max(start, first[1] + (first[2] - first[1]) / write_back_pieces(first[3]))
+    return start, max(start + copy_s, last[2] + copy_s / write_back_pieces(load.nbytes))

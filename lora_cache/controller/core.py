@@ -433,7 +433,10 @@ class ControllerCore:
                 "recent_refusals": list(self.admission.recent_refusals),
                 "vouched_loads": self.admission.claims.counts(),
                 "warming": {"on": self.planner.warming, **self.clock.gate(self.planner.view.max_bytes(),
-                                                                         self.config.planner.warm_min_miss_s)}}
+                                                                         self.config.planner.warm_min_miss_s)},
+                # what each rank may hold as the planner counts it: slots, and a paged pool's bytes and page
+                "capacity": {w: self.planner.view.capacity(w)._asdict() for r in self.planner.view.replicas()
+                             for w in self.planner.view.workers(r)}}
 
     # -- checks -------------------------------------------------------------------------------------
     def check_replica(self, replica: str) -> None:

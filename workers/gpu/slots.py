@@ -7,10 +7,12 @@ with no references (invariants 2 and 3); LOADING slots are never handed to anoth
 Issue 43: a slot is a row of the kernels' metadata, not a fixed share of the pool. The pool is ``num_pages``
 pages, and a slot holds a run of contiguous pages, as many as its shard needs (a rank-16 adapter a quarter of a
 rank-64 one's): one H2D copy per chunk still lands in one range, and the kernels read the shard at the slot's
-offsets, unchanged. A load that needs ``k`` pages takes the run of ``k`` free or idle pages whose evicted
-adapters were least recently used (ties: fewer evicted, then the lowest page). With one page per slot (pages
-sized for the largest rank, the default) this is the plain LRU of slots it was before. Why runs and not S-LoRA's
-scattered pages: docs/architecture.md, "GPU memory in pages".
+offsets, unchanged. A load that needs ``k`` pages takes the run of ``k`` free or idle pages whose newest evicted
+adapter was least recently used (ties: fewer evicted, fewer pages evicted; then single pages from the pool's start
+and runs from its end, so that free pages stay together between them: without it the planner's bytes fitted where
+no run was free, and the simulator's `global` made 8x the loads). With one page per slot (pages sized for the
+largest rank, the default) this is the plain LRU of slots it was before. Why runs and not S-LoRA's
+scattered pages: docs/decisions.md, "GPU memory in runs of contiguous pages".
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ class SlotTable:
     def _window(self, pages: int) -> tuple[int, list[int]]:
         """The first page of the run to take, and the idle slots to evict for it, LRU first; (-1, []) if none."""
         rank = {index: i for i, index in enumerate(self._idle)}  # LRU position of each idle slot
-        best: tuple[int, int, int] | None = None
+        best: tuple[int, int, int, int] | None = None
         best_victims: list[int] = []
         p = 0
         while p + pages <= self.num_pages:
@@ -115,11 +117,12 @@ class SlotTable:
                         continue
                 victims.sort(key=rank.__getitem__)
                 # single pages from the pool's start, runs from its end: free pages stay together between them
-                score = (rank[victims[-1]] if victims else -1, len(victims), p if pages == 1 else -p)
+                score = (rank[victims[-1]] if victims else -1, len(victims),
+                         sum(self.slots[v].pages for v in victims), p if pages == 1 else -p)
                 if best is None or score < best:
                     best, best_victims = score, victims
                 p += 1
-        return (-1, []) if best is None else (abs(best[2]), best_victims)
+        return (-1, []) if best is None else (abs(best[3]), best_victims)
 
     def _evict_idle(self, index: int) -> AdapterKey:
         del self._idle[index]
