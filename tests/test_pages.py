@@ -220,10 +220,13 @@ class PageMachine(RuleBasedStateMachine):
     was least recently used (ties: fewer victims, fewer pages evicted, then single pages from the pool's start and
     runs from its end)."""
 
+    SLOTS, PAGES, SIZES = 4, 6, SIZES
+
     def __init__(self) -> None:
         super().__init__()
-        self.slots, self.pages = 4, 6
+        self.slots, self.pages = self.SLOTS, self.PAGES
         self.table = SlotTable(self.slots, self.pages)
+        self.slot_of: dict[str, int] = {}
         self.state: dict[str, str] = {}
         self.refs: dict[str, int] = {}
         self.run: dict[str, range] = {}
@@ -234,7 +237,7 @@ class PageMachine(RuleBasedStateMachine):
             self.lru.append(name)
 
     def drop(self, name: str) -> None:
-        del self.state[name], self.refs[name], self.run[name]
+        del self.state[name], self.refs[name], self.run[name], self.slot_of[name]
         if name in self.lru:
             self.lru.remove(name)
 
@@ -262,7 +265,7 @@ class PageMachine(RuleBasedStateMachine):
     def reserve(self, name: str) -> None:
         if name in self.state:
             return
-        size, best = SIZES[name], self.best(SIZES[name])
+        size, best = self.SIZES[name], self.best(self.SIZES[name])
         if best is None:
             with pytest.raises(CapacityError):
                 self.table.reserve(k(name), size)
@@ -271,9 +274,12 @@ class PageMachine(RuleBasedStateMachine):
         gone = {e.key.name for e in evicted}
         assert all(n in self.lru for n in gone), f"evicted {gone}, not all idle ({self.lru})"
         assert self.table.slots[index].first_page == best[2] and len(gone) == best[1]
+        assert [e.key.name for e in evicted] == sorted(gone, key=self.lru.index), "evicted oldest first"
+        assert not evicted or index == self.slot_of[evicted[0].key.name], "the oldest evicted adapter's slot is reused"
         for n in gone:
             self.drop(n)
         self.state[name], self.refs[name], self.run[name] = "loading", 0, range(best[2], best[2] + size)
+        self.slot_of[name] = index
 
     @rule(name=st.sampled_from(NAMES))
     def mark_ready(self, name: str) -> None:
@@ -301,7 +307,11 @@ class PageMachine(RuleBasedStateMachine):
 
     @rule(name=st.sampled_from(NAMES))
     def release(self, name: str) -> None:
-        if not self.refs.get(name):
+        if name not in self.state:
+            return
+        if self.refs[name] == 0:  # a release without an acquire is refused, refs stay at zero
+            with pytest.raises(AssertionError):
+                self.table.decref(self.table._by_key[k(name)])
             return
         self.table.decref(self.table._by_key[k(name)])
         self.refs[name] -= 1
@@ -332,3 +342,13 @@ class PageMachine(RuleBasedStateMachine):
 
 PageMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestPageMachine = PageMachine.TestCase
+
+
+class OnePagePerSlot(PageMachine):
+    """The default pool (pages of the max rank, one per slot): the plain LRU of slots, the evicted slot reused."""
+
+    SLOTS, PAGES, SIZES = 3, 3, dict.fromkeys(NAMES, 1)
+
+
+OnePagePerSlot.TestCase.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
+TestOnePagePerSlot = OnePagePerSlot.TestCase

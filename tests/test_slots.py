@@ -1,11 +1,9 @@
-"""The slot table: FREE / LOADING / READY, references, LRU of idle slots, capacity; a state machine."""
+"""The slot table: FREE / LOADING / READY, references, LRU of idle slots, capacity (its state machine, pages
+and all: tests/test_pages.py)."""
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from lora_cache.errors import CapacityError
 from lora_cache.vocab import AdapterKey
@@ -137,106 +135,4 @@ def test_misuse_asserts() -> None:
     with pytest.raises(AssertionError, match="is free, not loading"):
         table.mark_ready(1)
 
-
-NAMES = tuple("abcdef")
-
-
-class SlotMachine(RuleBasedStateMachine):
-    """The table against a plain model: key -> (state, refs), and the LRU list of idle keys."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 3
-        self.table = SlotTable(self.n)
-        self.state: dict[str, str] = {}  # name -> "loading" / "ready"
-        self.refs: dict[str, int] = {}
-        self.lru: list[str] = []  # idle (ready, no refs), least recent first
-        self.slot_of: dict[str, int] = {}
-
-    def idle(self, name: str) -> None:
-        if self.state[name] == "ready" and self.refs[name] == 0:
-            self.lru.append(name)
-
-    def drop(self, name: str) -> None:
-        del self.state[name], self.refs[name], self.slot_of[name]
-        if name in self.lru:
-            self.lru.remove(name)
-
-    @rule(name=st.sampled_from(NAMES))
-    def reserve(self, name: str) -> None:
-        if name in self.state:
-            return
-        if len(self.state) < self.n:
-            index, evicted = self.table.reserve(k(name))
-            assert evicted == () and index not in self.slot_of.values()
-        elif self.lru:
-            victim = self.lru[0]
-            assert self.refs[victim] == 0
-            index, evicted = self.table.reserve(k(name))
-            assert evicted == ((self.slot_of[victim], k(victim)),) and index == self.slot_of[victim]
-            self.drop(victim)
-        else:
-            with pytest.raises(CapacityError):
-                self.table.reserve(k(name))
-            return
-        self.state[name], self.refs[name], self.slot_of[name] = "loading", 0, index
-
-    @rule(name=st.sampled_from(NAMES))
-    def mark_ready(self, name: str) -> None:
-        if self.state.get(name) != "loading":
-            return
-        self.table.mark_ready(self.slot_of[name])
-        self.state[name] = "ready"
-        self.idle(name)
-
-    @rule(name=st.sampled_from(NAMES))
-    def fail(self, name: str) -> None:
-        if self.state.get(name) != "loading" or self.refs[name]:
-            return
-        self.table.fail(self.slot_of[name])
-        self.drop(name)
-
-    @rule(name=st.sampled_from(NAMES))
-    def incref(self, name: str) -> None:
-        if name not in self.state:
-            return
-        self.table.incref(self.slot_of[name])
-        self.refs[name] += 1
-        if name in self.lru:
-            self.lru.remove(name)
-
-    @rule(name=st.sampled_from(NAMES))
-    def decref(self, name: str) -> None:
-        if name not in self.state:
-            return
-        if self.refs[name] == 0:  # a release without an acquire is refused, refs stay at zero
-            with pytest.raises(AssertionError):
-                self.table.decref(self.slot_of[name])
-            return
-        self.table.decref(self.slot_of[name])
-        self.refs[name] -= 1
-        self.idle(name)
-
-    @rule(name=st.sampled_from(NAMES))
-    def evict(self, name: str) -> None:
-        expected = self.state.get(name) == "ready" and self.refs[name] == 0
-        assert self.table.evict(k(name)) == expected
-        if expected:
-            self.drop(name)
-
-    @invariant()
-    def matches_the_model(self) -> None:
-        self.table.check_integrity()
-        assert all(s.refs >= 0 for s in self.table.slots)
-        for name, state in self.state.items():
-            slot = self.table.lookup(k(name))
-            assert (
-                slot is not None and slot.index == self.slot_of[name]
-            )  # referenced slots keep their adapter
-            assert slot.state.value == state and slot.refs == self.refs[name]
-        assert sum(s.key is not None for s in self.table.slots) == len(self.state)
-        assert list(self.table._idle) == [self.slot_of[n] for n in self.lru]  # LRU order of idle slots
-
-
-SlotMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
-TestSlotMachine = SlotMachine.TestCase
+# the state machine of the table (slots and their pages) against a model: tests/test_pages.py
