@@ -144,6 +144,14 @@ class BenchConfig:
     def store_model(self) -> StoreModel:
         return parse_store(self.store)
 
+    def byte_slots(self) -> int:
+        """The slots of ``max_rank`` the GPU bytes of a rank amount to: ``slots`` for slots, the pool's pages over
+        the pages of a max-rank shard for a paged pool (issue 43; a shard's size is linear in its rank). The
+        workload's adapters count from it, so a paged run at equal bytes gets the slots' catalog."""
+        if not self.page_rank or self.page_rank >= self.max_rank or not self.pool_pages:
+            return self.slots
+        return max(1, self.pool_pages * self.page_rank // self.max_rank)
+
     def use_gpus(self) -> bool:
         if self.gpus != "auto":
             return self.gpus == "yes"

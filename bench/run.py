@@ -121,10 +121,11 @@ def ensure_adapters(root: Path, model: str, ranks: str, names: Sequence[str]) ->
 def run(bench: BenchConfig, spec: WorkloadSpec) -> dict[str, Any]:
     bench = sized(bench)  # host_bytes 0: resolved once here, for every policy
     policies = parse_policies(bench.policies)
-    slots_for_names = bench.slots
+    slots_for_names = bench.byte_slots()  # a paged pool: the catalog of the slots its bytes equal
     names = spec.adapter_names(slots_for_names)
     check_router(bench, spec)
-    workload, names = warm_workload(spec, names, bench.warmup_requests, bench.replicas, bench.slots)
+    # the same warm-up (and measured window) as the slots the bytes equal: a paged run compares with them
+    workload, names = warm_workload(spec, names, bench.warmup_requests, bench.replicas, slots_for_names)
     if bench.engine == "real":
         root = adapter_dir(bench, names)
     store = bench.store_model()

@@ -302,6 +302,25 @@ def test_measured_figures_exclude_the_warmup(tmp_path: Path) -> None:
     assert "GiB per rank, the same for every policy" in doc["table"]
 
 
+def test_a_paged_run_at_equal_bytes_gets_the_slots_catalog_and_warm_up(tmp_path: Path) -> None:
+    """Issue 43: ``--slots 32 --page-rank 16 --pool-pages 32`` holds the bytes of 8 slots of rank 64; the benchmark
+    draws the catalog and the auto warm-up of those 8 slots, so the measured windows compare (with its 32 rows
+    they were 4x the adapters and a warm-up until 32 were seen)."""
+    from bench.run import run
+
+    common = dict(engine="sim", policies="queue", quick=True, model="llama-3.1-8b", adapter_ranks="16,64",
+                  replicas=1, max_adapters=4, host_bytes=4 << 30, warmup_requests=-1, plots=False)
+    spec = WorkloadSpec(requests=40, arrivals="poisson:8", popularity="zipf:1.0", random_input_len=64,
+                        random_output_len=8)
+    slots = run(BenchConfig(slots=8, out=str(tmp_path / "slots"), **common), spec)  # type: ignore[arg-type]
+    paged = BenchConfig(slots=32, page_rank=16, pool_pages=32, out=str(tmp_path / "paged"), **common)  # type: ignore[arg-type]
+    assert paged.byte_slots() == 8 and BenchConfig(slots=8).byte_slots() == 8
+    doc = run(paged, spec)
+    for key in ("adapters", "warmup_requests"):
+        assert doc["config"]["workload"][key] == slots["config"]["workload"][key], key
+    assert doc["figures"]["queue"]["completed"] == 40
+
+
 def test_split_run_counters_come_from_the_snapshot() -> None:
     from bench.figures import PolicyRun
     from workers.engine.timings import RequestRecord
