@@ -438,7 +438,8 @@ def _after_paged_write_backs(out: list[tuple[range, float, float, int]], load: S
     any of them (``out``, issue order), whoever held them: it starts after the first one's first piece and ends no
     sooner than a piece's copy after the last one (the pieces of a range, as on one slot); ``behind`` counts the
     write-back bytes issued up to the last one over its pages (``write_back_ahead``)."""
-    over = [i for i, w in enumerate(out) if w[2] > now and set(w[0]) & set(load.pages)]
+    pages = load.pages
+    over = [i for i, w in enumerate(out) if w[2] > now and w[0].start < pages.stop and pages.start < w[0].stop]
     if not over:
         return start, end
     load.after_write_back = True

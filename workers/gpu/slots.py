@@ -17,6 +17,7 @@ scattered pages: docs/decisions.md, "GPU memory in runs of contiguous pages".
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from enum import Enum
@@ -111,7 +112,7 @@ class SlotTable:
                     victims.append(owner)
             else:
                 if not victims and not self._free:  # free pages but every slot taken: one slot must go too
-                    victims = [i for i in self._idle][:1]
+                    victims = list(itertools.islice(self._idle, 1))
                     if not victims:
                         p += 1
                         continue
