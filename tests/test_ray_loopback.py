@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = str(Path(sys.executable).parent)  # ray, lora-cache and python of this interpreter come first on PATH
 OBJECT_STORE_BYTES = 128 << 20  # per node: small, so /dev/shm of a CI container suffices
 TOKEN_AUTH = ray_compat.has_token_auth()
+WORKER_PORTS = 20000  # node i's workers bind 20000 + 2000 i .. + 1999
 
 
 def free_ports(n: int) -> list[int]:
@@ -95,7 +96,12 @@ class Loopback:
 
     def _node_args(self, i: int) -> list[str]:
         metrics, agent, agent_grpc, runtime_env = self.node_ports[4 * i: 4 * i + 4]
+        # Each raylet hands its workers ports from its own range, in order and without probing; two nodes on one
+        # host with Ray's default range (10002-19999 for both) gave two workers port 10005 and one died at start
+        # (CI, stop 58). Disjoint ranges below the ephemeral ports (32768+) that free_ports draws from.
+        low = WORKER_PORTS + 2000 * i
         return ["--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--num-gpus", "0",
+                "--min-worker-port", str(low), "--max-worker-port", str(low + 1999),
                 "--object-store-memory", str(OBJECT_STORE_BYTES), "--metrics-export-port", str(metrics),
                 "--dashboard-agent-listen-port", str(agent), "--dashboard-agent-grpc-port", str(agent_grpc),
                 "--runtime-env-agent-port", str(runtime_env), "--temp-dir", str(self.root / "ray"),
