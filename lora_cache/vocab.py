@@ -152,11 +152,28 @@ class Delta(NamedTuple):
     version: str
     state: str  # "loading" (a slot was taken) | "ready" | "gone" (slot freed) | "failed" (no slot) | "in_use";
     # "no_room" (a prefetch found every slot held by running batches: not there, not a failure);
-    # the host tier's: "staged" (a whole shard read in) | "unstaged" (dropped by its LRU)
+    # the host tier's: "staged" (a whole shard read in) | "unstaged" (dropped by its LRU);
+    # the GPU pool's: "capacity" (it lent or took back pages: ``capacity_delta``; no adapter)
     record: ReadinessRecord | None = None
     error: str = ""
     acquired: bool = False  # "loading"/"ready": the rank's own load (its engine's acquire that missed, an arrival's
     # early load, a direct prefetch call), not a controller's command
+
+
+def capacity_delta(gpu_bytes: int, page_bytes: int) -> Delta:
+    """A rank's GPU pool now holds ``gpu_bytes`` for adapters in pages of ``page_bytes`` (issue 43 item 3: a pool
+    that lends pages to its engine and takes them back). No adapter; the two figures ride in ``version``, so that
+    the delta keeps its place in the rank's numbered stream after the evictions the lending made."""
+    return Delta("", f"{gpu_bytes}:{page_bytes}", "capacity")
+
+
+def capacity_of(delta_version: str) -> tuple[int, int]:
+    """(gpu_bytes, page_bytes) of a "capacity" delta's ``version`` (``capacity_delta``); ValueError if malformed."""
+    gpu, _, page = delta_version.partition(":")
+    gpu_bytes, page_bytes = int(gpu), int(page)
+    if gpu_bytes < 0 or page_bytes <= 0:
+        raise ValueError(f"capacity {delta_version!r}: give gpu_bytes >= 0 and page_bytes > 0 as 'GPU:PAGE'")
+    return gpu_bytes, page_bytes
 
 
 # (seq, adapter, version, state, error[, read_s[, acquired]]): a Delta as sent, numbered; read_s (READY only): the

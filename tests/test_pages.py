@@ -1,8 +1,10 @@
 """Issue 43: adapter memory in pages. A slot holds a run of contiguous pages, as many as its own rank needs; the
 pool's bytes hold more small adapters than slots of the largest rank did; a load into pages that held several
 adapters waits for every batch that read any of them and for each one's write-back; no page is ever shared by two
-live adapters (a state machine of reserve / ready / fail / acquire / release / evict against a brute-force model);
-bad settings are clear errors before anything is allocated."""
+live adapters (a state machine of reserve / ready / fail / acquire / release / evict / lend / reclaim against a
+brute-force model); bad settings are clear errors before anything is allocated. A pool that breathes (item 3): pages
+lent to the engine are never placed under a load, never taken from a loading or in-use adapter, and the engine's
+writes follow the last batch that read them."""
 
 from __future__ import annotations
 
@@ -231,6 +233,7 @@ class PageMachine(RuleBasedStateMachine):
         self.refs: dict[str, int] = {}
         self.run: dict[str, range] = {}
         self.lru: list[str] = []  # idle adapters, least recently used first
+        self.lent: set[int] = set()  # pages lent to the engine
 
     def idle(self, name: str) -> None:
         if self.state[name] == "ready" and self.refs[name] == 0:
@@ -247,7 +250,7 @@ class PageMachine(RuleBasedStateMachine):
         choices = []
         for first in range(self.pages - size + 1):
             names = {owner[p] for p in range(first, first + size) if p in owner}
-            if any(n not in self.lru for n in names):
+            if any(n not in self.lru for n in names) or self.lent & set(range(first, first + size)):
                 continue
             if not names and len(self.state) == self.slots:
                 if not self.lru:
@@ -324,16 +327,66 @@ class PageMachine(RuleBasedStateMachine):
         if expected:
             self.drop(name)
 
+    def free(self) -> list[int]:
+        held = {p for r in self.run.values() for p in r}
+        return [p for p in range(self.pages) if p not in held and p not in self.lent]
+
+    @rule(count=st.integers(1, 4), keep=st.sets(st.sampled_from(NAMES), max_size=2))
+    def lend(self, count: int, keep: set[str]) -> None:
+        """Free pages first, from the shortest free stretches (each from its end); then idle adapters, least
+        recently used first, those kept last; never a loading or in-use one; too many: refused, nothing changes."""
+        free, idle_pages = self.free(), sum(len(self.run[n]) for n in self.lru)
+        if count > len(free) + idle_pages:
+            before = list(self.table.owner)
+            with pytest.raises(CapacityError, match=f"cannot give back {count} GPU pages"):
+                self.table.lend(count, {k(n) for n in keep})
+            assert self.table.owner == before
+            return
+        pages, evicted = self.table.lend(count, {k(n) for n in keep})
+        gone: list[str] = []
+        for n in sorted(self.lru, key=lambda n: n in keep):
+            if len(free) >= count:
+                break
+            free += list(self.run[n])
+            gone.append(n)
+        assert [e.key.name for e in evicted] == gone
+        for n in gone:
+            self.drop(n)
+        stretches: list[list[int]] = []
+        for p in sorted(free):
+            if stretches and stretches[-1][-1] == p - 1:
+                stretches[-1].append(p)
+            else:
+                stretches.append([p])
+        want: list[int] = []
+        for stretch in sorted(stretches, key=len):
+            want += stretch[-(count - len(want)):]
+            if len(want) == count:
+                break
+        assert pages == tuple(sorted(want)), (pages, want)
+        self.lent |= set(pages)
+
+    @rule(page=st.integers(0, 5))
+    def reclaim(self, page: int) -> None:
+        if page not in self.lent:  # never lent, or taken back already: refused, nothing changes
+            before = list(self.table.owner)
+            with pytest.raises(ConfigError, match="cannot take back pages"):
+                self.table.reclaim([page])
+            assert self.table.owner == before
+            return
+        self.table.reclaim([page])
+        self.lent.discard(page)
+
     @invariant()
     def no_page_is_shared_and_the_table_matches_the_model(self) -> None:
         self.table.check_integrity()
-        owners = [-1] * self.pages
+        owners = [-2 if p in self.lent else -1 for p in range(self.pages)]
         for name, run in self.run.items():
             slot = self.table.lookup(k(name))
             assert slot is not None and slot.page_range == run and slot.state.value == self.state[name]
             assert slot.refs == self.refs[name]
             for p in run:
-                assert owners[p] == -1, f"page {p} held by two live adapters"
+                assert owners[p] == -1, f"page {p} held by two live adapters, or held and lent"
                 owners[p] = slot.index
         assert owners == self.table.owner
         assert self.table.count(SlotPhase.FREE) == self.slots - len(self.state)

@@ -11,6 +11,7 @@ from workers.gpu.streams import CpuStreams
 def use_streams(cache: WorkerCache, streams: CpuStreams) -> None:
     """Run the cache's loads, completions and waits on ``streams`` (the index uploads keep their own)."""
     cache.streams = cache.acquirer.streams = cache.load_path.streams = cache.load_path.watcher.streams = streams
+    cache.lender.streams = streams
 
 
 def slots_in(cache: WorkerCache, phase: SlotPhase) -> int:

@@ -29,6 +29,7 @@ from lora_cache.vocab import NAMESPACE, AdapterKey, Delta, ReadinessRecord
 from workers.counters import resident_prefetches
 from workers.gpu.acquire import Acquirer, AdapterRef, Batch
 from workers.gpu.book import SlotBook
+from workers.gpu.lend import PoolLender
 from workers.gpu.loads import LoadPath
 from workers.gpu.slots import SlotPhase
 from workers.gpu.streams import make_streams, resolve_device
@@ -177,6 +178,9 @@ class WorkerCache:
                                  config.tp_rank, functools.partial(self.prefetch, on_demand=True))
         self.load_path = LoadPath(self.book, self.host, self.streams, self.pool, self.meta, config.tp_rank, on_ready,
                                   catalog.__contains__, self.page_numel)
+        # the pool lends whole pages to its engine and takes them back (issue 43 item 3)
+        self.lender = PoolLender(self.book, self.load_path, self.host, self.streams, self.load_path.flat,
+                                 self.page_numel)
         # an older version a slot here holds stays loadable past keep_versions; it retires once no slot holds it
         catalog.use(self.book.versions_held)
         self.book.on_freed = catalog.trim

@@ -35,7 +35,7 @@ _KINDS: dict[type[Any], pb.RelayedCommandKind] = {
 _STATES: dict[str, pb.ResidencyState] = {"loading": pb.RESIDENCY_STATE_LOADING, "ready": pb.RESIDENCY_STATE_READY,
            "in_use": pb.RESIDENCY_STATE_IN_USE, "gone": pb.RESIDENCY_STATE_GONE, "failed": pb.RESIDENCY_STATE_FAILED,
            "staged": pb.RESIDENCY_STATE_HOST_STAGED, "unstaged": pb.RESIDENCY_STATE_HOST_DROPPED,
-           "no_room": pb.RESIDENCY_STATE_NO_ROOM}
+           "no_room": pb.RESIDENCY_STATE_NO_ROOM, "capacity": pb.RESIDENCY_STATE_CAPACITY}
 _STATE_NAMES: dict[int, str] = {int(v): k for k, v in _STATES.items()}
 _ERRORS: dict[str, type[errors.LoraCacheError]] = {
     cls.__name__: cls for cls in vars(errors).values()
@@ -227,8 +227,8 @@ def state_name(value: int) -> str:
     try:
         return _STATE_NAMES[value]
     except KeyError:
-        raise RequestError(f"residency state {value} is not one of {sorted(_STATE_NAMES)}; send "
-                           "LOADING, READY, IN_USE, GONE, FAILED, HOST_STAGED, HOST_DROPPED or NO_ROOM") from None
+        raise RequestError(f"residency state {value} is not one of {sorted(_STATE_NAMES)}; send LOADING, READY, "
+                           "IN_USE, GONE, FAILED, HOST_STAGED, HOST_DROPPED, NO_ROOM or CAPACITY") from None
 
 
 def deltas(incarnation: int, batch: list[DeltaRow]) -> pb.ResidencyDeltas:

@@ -6,6 +6,7 @@ is checked here first, so a bad report or hint is a clear error and changes noth
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from lora_cache.routing.advice import RouteAdvice, RouteRequest, advise
 from lora_cache.routing.clock import LoadClock
 from lora_cache.routing.limits import RoutingLimits
 from lora_cache.routing.ranking import RouterConfig
-from lora_cache.vocab import AdapterKey, Command, Prefetch, WorkerId
+from lora_cache.vocab import AdapterKey, Command, Prefetch, WorkerId, capacity_of
 
 MAX_TP = 64  # ranks per replica: a replica's shape is checked against these before anything is kept
 MAX_SLOTS = 65_536  # slots per rank
@@ -108,6 +109,7 @@ class ControllerConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
 
 
+log = logging.getLogger(__name__)
 HOST_STATES = ("staged", "unstaged")  # a worker's host tier gained or dropped a shard (its slots did not change)
 
 # one change a worker reported: (adapter, version, state, error[, read_s[, acquired]]) (``vocab.DeltaRow`` less its seq)
@@ -199,6 +201,19 @@ class ControllerCore:
             if (have_capacity.bytes, have_capacity.page_bytes) != (gpu_bytes, page_bytes):
                 self.planner.set_capacity(str(wid), slots, gpu_bytes, have_capacity.host_bytes, page_bytes)
         return workers
+
+    def set_gpu_capacity(self, worker: WorkerId, capacity: str) -> None:
+        """``worker``'s GPU pool now holds this many bytes for adapters ("GPU_BYTES:PAGE_BYTES", a "capacity"
+        delta's version): the planner counts its room in them from its next plan. A malformed figure is logged and
+        ignored (the rank's next full report repairs it), never fatal to the rest of its report."""
+        try:
+            gpu_bytes, page_bytes = capacity_of(capacity)
+        except ValueError as e:
+            log.warning("worker %s reported a GPU capacity the controller cannot read: %s", worker, e)
+            return
+        have = self.planner.view.capacity(str(worker))
+        if (have.bytes, have.page_bytes) != (gpu_bytes, page_bytes):
+            self.planner.set_capacity(str(worker), have.slots, gpu_bytes, have.host_bytes, page_bytes)
 
     def remove_replica(self, replica: str) -> list[ReadinessEvent]:
         """A replica with no rank left (its attached ranks detached or died): it leaves the fleet (plans,
@@ -304,6 +319,9 @@ class ControllerCore:
         events: list[ReadinessEvent] = []
         for adapter, version, state, error, *rest in deltas:
             read, acquired = rest[:1], len(rest) > 1 and rest[1] is True
+            if state == "capacity":  # its GPU pool lent pages to its engine or took them back (issue 43 item 3)
+                self.set_gpu_capacity(worker, version)
+                continue
             if state in HOST_STATES:  # its host tier, apart from the slots: routing's, no readiness
                 shard = [AdapterKey(adapter, version)]
                 if state == "staged":

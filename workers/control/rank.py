@@ -76,8 +76,10 @@ class WorkerControl:
         seq = self.outbox.seq  # first: every delta up to it is reflected in the residency read after it
         config, cache = self.cache.config, self.cache
         # a paged GPU pool (issue 43): the planner counts its room in bytes, a shard in whole pages
-        paged = ({"gpu_bytes": cache.pool_bytes, "page_bytes": cache.page_numel * cache.dtype.itemsize}
-                 if cache.page_numel < cache.slot_numel else {})
+        # (or one that lent pages to its engine, item 3: its bytes for adapters now)
+        capacity = cache.lender.capacity_bytes()
+        paged = ({"gpu_bytes": capacity, "page_bytes": cache.lender.page_bytes}
+                 if cache.page_numel < cache.slot_numel or capacity < cache.pool_bytes else {})
         return {**paged, "replica": self.replica, "rank": config.tp_rank, "tp": config.tp,
                 "model": self.catalog.shape.name, "incarnation": self.outbox.incarnation, "seq": seq, "node": node,
                 "slots": config.num_slots, "host_bytes": config.host.host_bytes, "adapters": dict(self.paths),

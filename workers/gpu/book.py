@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from lora_cache.vocab import AdapterKey, Delta, ReadinessRecord
+from lora_cache.vocab import AdapterKey, Delta, ReadinessRecord, capacity_delta
 from workers.counters import CacheCounters
 from workers.gpu.copies import SlotLoad
 from workers.gpu.slots import SlotPhase, SlotTable
@@ -77,6 +77,25 @@ class SlotBook:
                         self.on_freed(name)
                 except Exception:  # the versions stay loadable until the next trim: nothing is lost
                     log.exception("older versions of %s not retired", name)
+
+    def resized(self, gpu_bytes: int, page_bytes: int) -> None:
+        """Queue the pool's new capacity for adapters (caller holds the lock): after the evictions that made it,
+        in the same ordered stream (``capacity_delta``)."""
+        if self.on_change is not None:
+            self._changes.append(capacity_delta(gpu_bytes, page_bytes))
+
+    def lent_after(self, pages: tuple[int, ...], page_numel: int) -> tuple[Any, ...]:
+        """What a page lent to the engine must wait for before the engine writes it (caller holds the lock): the
+        last batch that read it (invariant 2) and every write-back in flight that copies it out (``prune`` first).
+        The pages' last use is forgotten here: the engine's use of them is its own until it gives them back."""
+        events: list[Any] = []
+        for p in pages:
+            start, stop = p * page_numel, (p + 1) * page_numel
+            for event in (self.last_use[p], *(e for b, s, e in self.vacating if b < stop and s > start)):
+                if event is not None and not any(event is e for e in events):
+                    events.append(event)
+            self.last_use[p] = None
+        return tuple(events)
 
     def versions_held(self, name: str) -> set[str]:
         """The versions of ``name`` in a slot (any state) or on their way to one here (takes the lock)."""

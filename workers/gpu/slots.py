@@ -13,17 +13,23 @@ and runs from its end, so that free pages stay together between them: without it
 no run was free, and the simulator's `global` made 8x the loads). With one page per slot (pages sized for the
 largest rank, the default) this is the plain LRU of slots it was before. Why runs and not S-LoRA's
 scattered pages: docs/decisions.md, "GPU memory in runs of contiguous pages".
+
+A pool that breathes (issue 43 item 3): ``lend`` gives whole pages back to the engine (free pages first, then those
+of idle adapters, least recently used first, the adapters the caller would keep last); a lent page is neither free
+nor held, no load is placed over it, and ``reclaim`` returns it. Pages held by loading or in-use adapters are never
+lent: asking for more than the free and idle pages is refused before anything changes.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict, deque
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
 
-from lora_cache.errors import SlotsBusyError
+from lora_cache.errors import ConfigError, SlotsBusyError
 from lora_cache.vocab import AdapterKey
 
 
@@ -49,6 +55,9 @@ class Slot:
         return range(self.first_page, self.first_page + self.pages)
 
 
+FREE_PAGE, LENT_PAGE = -1, -2  # ``SlotTable.owner`` of a page no slot holds: free, or lent to the engine
+
+
 class Evicted(NamedTuple):
     """An adapter a reservation evicted: the slot it left and its key."""
 
@@ -63,7 +72,7 @@ class SlotTable:
         self.slots = [Slot(i) for i in range(num_slots)]
         self.num_pages = num_slots if num_pages is None else num_pages
         assert self.num_pages >= 1, f"a pool of {self.num_pages} pages"
-        self.owner: list[int] = [-1] * self.num_pages  # the slot holding each page, -1: free
+        self.owner: list[int] = [FREE_PAGE] * self.num_pages  # the slot holding each page, or FREE / LENT_PAGE
         self._by_key: dict[AdapterKey, int] = {}
         self._free: deque[int] = deque(range(num_slots))
         self._idle: OrderedDict[int, None] = OrderedDict()  # READY and unreferenced, LRU first
@@ -81,8 +90,9 @@ class SlotTable:
                                  f"{self.num_pages}; configure more pages (pool_pages) or larger ones (page_rank)")
         first, victims = self._window(pages)
         if first < 0:
+            lent = f", {self.lent_pages()} lent to the engine" if self.lent_pages() else ""
             raise SlotsBusyError(f"no GPU slot for {key}: all {len(self.slots)} slots are loading or in use (no run "
-                                 f"of {pages} of the {self.num_pages} pages is free or idle); release finished "
+                                 f"of {pages} of the {self.num_pages} pages{lent} is free or idle); release finished "
                                  "batches or configure more slots")
         evicted = tuple(Evicted(v, self._evict_idle(v)) for v in victims)
         index = victims[0] if victims else self._free.popleft()
@@ -105,7 +115,7 @@ class SlotTable:
             victims: list[int] = []
             for q in range(p, p + pages):
                 owner = self.owner[q]
-                if owner >= 0 and owner not in rank:  # loading or in use: no run through it
+                if owner == LENT_PAGE or (owner >= 0 and owner not in rank):  # lent, loading or in use: no run
                     p = q + 1
                     break
                 if owner >= 0 and (not victims or victims[-1] != owner):
@@ -131,6 +141,67 @@ class SlotTable:
         assert key is not None
         self._free.append(index)
         return key
+
+    def lend(self, count: int, keep: Container[AdapterKey] = ()) -> tuple[tuple[int, ...], tuple[Evicted, ...]]:
+        """``count`` pages lent to the engine (issue 43 item 3), and the adapters evicted for them, oldest first.
+
+        Free pages go first, those in the shortest free stretches first (long ones stay for runs); then idle adapters
+        are evicted, least recently used first, those in ``keep`` (needed soon) last. A page held by a loading or
+        in-use adapter is never lent: asking for more pages than are free or idle raises ``SlotsBusyError`` and
+        changes nothing."""
+        if count < 1:
+            raise ConfigError(f"lend {count} pages: give back at least one page")
+        idle_pages = sum(self.slots[i].pages for i in self._idle)
+        free = self.free_pages()
+        if count > free + idle_pages:
+            busy = self.num_pages - free - idle_pages - self.lent_pages()
+            raise SlotsBusyError(f"cannot give back {count} GPU pages: {free} are free and {idle_pages} held by idle "
+                                 f"adapters; {busy} are held by loading or in-use adapters and "
+                                 f"{self.lent_pages()} are lent already; ask for at most {free + idle_pages} pages "
+                                 "now, or again once batches release their adapters")
+        order = sorted(self._idle, key=lambda i: self.slots[i].key in keep)  # stable: LRU within each group
+        evicted: list[Evicted] = []
+        for index in order:
+            if free >= count:
+                break
+            free += self.slots[index].pages
+            evicted.append(Evicted(index, self._evict_idle(index)))
+        pages = self._fragments(count)
+        for p in pages:
+            self.owner[p] = LENT_PAGE
+        return pages, tuple(evicted)
+
+    def _fragments(self, count: int) -> tuple[int, ...]:
+        """``count`` free pages, from the shortest stretches of free pages first, each from its end."""
+        stretches: list[range] = []
+        p = 0
+        while p < self.num_pages:
+            if self.owner[p] != FREE_PAGE:
+                p += 1
+                continue
+            start = p
+            while p < self.num_pages and self.owner[p] == FREE_PAGE:
+                p += 1
+            stretches.append(range(start, p))
+        pages: list[int] = []
+        for stretch in sorted(stretches, key=len):
+            pages += reversed(stretch[-(count - len(pages)):])
+            if len(pages) == count:
+                break
+        return tuple(sorted(pages))
+
+    def reclaim(self, pages: Iterable[int]) -> None:
+        """Lent pages back in the pool, free; a page not lent is refused, naming it, and nothing changes."""
+        pages = list(pages)
+        wrong = [p for p in pages if not 0 <= p < self.num_pages or self.owner[p] != LENT_PAGE]
+        if wrong or len(set(pages)) != len(pages):
+            raise ConfigError(f"cannot take back pages {wrong or pages}: only pages lent (SlotTable.lend) and each "
+                              f"once; {self.lent_pages()} of {self.num_pages} are lent now")
+        for p in pages:
+            self.owner[p] = FREE_PAGE
+
+    def lent_pages(self) -> int:
+        return self.owner.count(LENT_PAGE)
 
     def mark_ready(self, index: int) -> None:
         slot = self.slots[index]
@@ -171,7 +242,7 @@ class SlotTable:
         slot = self.slots[index]
         key, slot.key, slot.state = slot.key, None, SlotPhase.FREE
         for p in slot.page_range:
-            self.owner[p] = -1
+            self.owner[p] = FREE_PAGE
         slot.first_page = slot.pages = 0
         if key is not None:
             del self._by_key[key]
@@ -181,7 +252,7 @@ class SlotTable:
         return sum(s.state is state for s in self.slots)
 
     def free_pages(self) -> int:
-        return self.owner.count(-1)
+        return self.owner.count(FREE_PAGE)
 
     def check_integrity(self) -> None:
         for s in self.slots:
@@ -195,7 +266,8 @@ class SlotTable:
             if s.key is not None:
                 assert self._by_key[s.key] == s.index, f"index of {s.key} is wrong"
         # no page shared by two live slots: each owned page is in its owner's run, and only there
-        assert sum(s.pages for s in self.slots) == self.num_pages - self.free_pages(), "a page has two owners"
-        assert all(o == -1 or p in self.slots[o].page_range for p, o in enumerate(self.owner)), "stale page owner"
+        held = self.num_pages - self.free_pages() - self.lent_pages()
+        assert sum(s.pages for s in self.slots) == held, "a page has two owners"
+        assert all(o < 0 or p in self.slots[o].page_range for p, o in enumerate(self.owner)), "stale page owner"
         assert len(self._by_key) == sum(s.key is not None for s in self.slots), "key index has stale entries"
         assert len(set(self._free)) == len(self._free), "free list has duplicates"

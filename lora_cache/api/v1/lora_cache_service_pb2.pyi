@@ -49,6 +49,7 @@ class ResidencyState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RESIDENCY_STATE_HOST_STAGED: _ClassVar[ResidencyState]
     RESIDENCY_STATE_HOST_DROPPED: _ClassVar[ResidencyState]
     RESIDENCY_STATE_NO_ROOM: _ClassVar[ResidencyState]
+    RESIDENCY_STATE_CAPACITY: _ClassVar[ResidencyState]
 HINT_PRIORITY_UNSPECIFIED: HintPriority
 HINT_PRIORITY_NORMAL: HintPriority
 HINT_PRIORITY_HIGH: HintPriority
@@ -73,6 +74,7 @@ RESIDENCY_STATE_FAILED: ResidencyState
 RESIDENCY_STATE_HOST_STAGED: ResidencyState
 RESIDENCY_STATE_HOST_DROPPED: ResidencyState
 RESIDENCY_STATE_NO_ROOM: ResidencyState
+RESIDENCY_STATE_CAPACITY: ResidencyState
 
 class PrefetchHint(_message.Message):
     __slots__ = ("hint_id", "adapter", "replica", "expected_in", "priority")
