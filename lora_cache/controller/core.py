@@ -119,6 +119,21 @@ _STATE = {"loading": (RankState.LOADING, SlotState.LOADING), "ready": (RankState
           "in_use": (RankState.READY, SlotState.IN_USE)}  # a refused evict: held by a running batch
 
 
+def set_gpu_capacity(planner: Planner, worker: WorkerId, capacity: str) -> None:
+    """``worker``'s GPU pool now holds this many bytes for adapters ("GPU_BYTES:PAGE_BYTES", a "capacity" delta's
+    version: issue 43 item 3, a pool that lent pages to its engine or took them back): the planner counts its room
+    in them from its next plan. A malformed figure is logged and ignored (the rank's next full report repairs it),
+    never fatal to the rest of its report."""
+    try:
+        gpu_bytes, page_bytes = capacity_of(capacity)
+    except ValueError as e:
+        log.warning("worker %s reported a GPU capacity the controller cannot read: %s", worker, e)
+        return
+    have = planner.view.capacity(str(worker))
+    if (have.bytes, have.page_bytes) != (gpu_bytes, page_bytes):
+        planner.set_capacity(str(worker), have.slots, gpu_bytes, have.host_bytes, page_bytes)
+
+
 class ControllerCore:
     """What the controller knows and decides; no Ray, no clocks (``now`` is passed in)."""
 
@@ -201,19 +216,6 @@ class ControllerCore:
             if (have_capacity.bytes, have_capacity.page_bytes) != (gpu_bytes, page_bytes):
                 self.planner.set_capacity(str(wid), slots, gpu_bytes, have_capacity.host_bytes, page_bytes)
         return workers
-
-    def set_gpu_capacity(self, worker: WorkerId, capacity: str) -> None:
-        """``worker``'s GPU pool now holds this many bytes for adapters ("GPU_BYTES:PAGE_BYTES", a "capacity"
-        delta's version): the planner counts its room in them from its next plan. A malformed figure is logged and
-        ignored (the rank's next full report repairs it), never fatal to the rest of its report."""
-        try:
-            gpu_bytes, page_bytes = capacity_of(capacity)
-        except ValueError as e:
-            log.warning("worker %s reported a GPU capacity the controller cannot read: %s", worker, e)
-            return
-        have = self.planner.view.capacity(str(worker))
-        if (have.bytes, have.page_bytes) != (gpu_bytes, page_bytes):
-            self.planner.set_capacity(str(worker), have.slots, gpu_bytes, have.host_bytes, page_bytes)
 
     def remove_replica(self, replica: str) -> list[ReadinessEvent]:
         """A replica with no rank left (its attached ranks detached or died): it leaves the fleet (plans,
@@ -320,7 +322,7 @@ class ControllerCore:
         for adapter, version, state, error, *rest in deltas:
             read, acquired = rest[:1], len(rest) > 1 and rest[1] is True
             if state == "capacity":  # its GPU pool lent pages to its engine or took them back (issue 43 item 3)
-                self.set_gpu_capacity(worker, version)
+                set_gpu_capacity(self.planner, worker, version)
                 continue
             if state in HOST_STATES:  # its host tier, apart from the slots: routing's, no readiness
                 shard = [AdapterKey(adapter, version)]
