@@ -15,7 +15,6 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -28,14 +27,12 @@ from lora_cache.runtime import heap
 from lora_cache.runtime.metrics import WorkerMetrics
 from lora_cache.vocab import CONTROLLER_NAME, ApplyResult, Command, ReadinessRecord
 from workers import faults
+from workers.actor_engine import HostedEngineCalls
 from workers.attach.ray_transport import resolve_at
 from workers.cache import WorkerCache, WorkerConfig
 from workers.control.outbox import Outbox
 from workers.control.rank import WorkerControl
-from workers.engine.config import EngineConfig
-from workers.engine.engine import EngineResult
-from workers.engine.hosted import HostedEngine, Rendezvous, rendezvous
-from workers.engine.workload import Request
+from workers.engine.hosted import HostedEngine
 from workers.gpu.streams import resolve_device
 from workers.reads.shard import read_shard
 
@@ -53,7 +50,7 @@ SUBMITS = 8  # a streaming run's submits taken at once: one resolving a new name
 
 @ray.remote(max_restarts=-1, concurrency_groups={"engine": 1, "submit": SUBMITS, "feed": 1, "finished": 1,
                                                  "lifeline": 4})
-class WorkerActor:
+class WorkerActor(HostedEngineCalls):
     """Control calls (apply, describe, ...) run one at a time in the default group, in order; an engine
     hosted here (the benchmark's real path) runs its loop in the ``engine`` group beside them, takes a
     streaming run's requests in the ``submit`` group (up to ``SUBMITS`` at once: a submit that resolves a new name
@@ -195,50 +192,11 @@ class WorkerActor:
                 except TimeoutError:
                     continue
 
-    # -- a hosted engine (bench.run --engine real) --------------------------------------------------
-    def preload(self, names: list[str], timeout_s: float = 600.0) -> list[ReadinessRecord]:
-        """Load every named adapter, one at a time (the host tier stages a bounded number of shards at
-        once), and wait until each is READY here: the oracle's infinite cache."""
-        return [self.cache.prefetch(n).result(timeout=timeout_s) for n in names]
-
-    @ray.method(concurrency_group="engine")
-    def engine_rendezvous(self, world: int) -> Rendezvous:
-        return rendezvous(world)
-
-    @ray.method(concurrency_group="engine")
-    def engine_build(self, config: EngineConfig, meet: Rendezvous) -> dict[str, float]:
-        """Build this rank's engine; returns the seconds its start-up phases took (this cache's too)."""
-        return {"cache_init_s": self.cache_init_s, **self.engine.build(config, meet, self.config.tp_rank)}
-
-    @ray.method(concurrency_group="engine")
-    def engine_run(self, requests: list[Request], start_wall: float, inflight: int = 0,
-                   report_queue: bool = False, streaming: bool = False) -> EngineResult:
-        """Serve ``requests`` from ``start_wall`` (time.time()); rank 0 reports its queue if asked and, if
-        ``streaming``, takes the requests ``engine_submit`` brings until ``engine_end_stream``."""
-        report: Callable[[list[tuple[str, float]]], None] | None = None
-        if report_queue:
-            controller = ray.get_actor(CONTROLLER_NAME)
-
-            def report(queue: list[tuple[str, float]]) -> None:
-                ray.get(controller.report_queue.remote(self.replica, queue), timeout=30)
-        try:
-            return HostedEngine.strip(self.engine.run(requests, start_wall, inflight, report, streaming))
-        finally:
-            self.engine.close()
-            heap.freeze()  # the run thawed the heap: collect what the engine left, freeze the rest again
-
-    @ray.method(concurrency_group="submit")
-    def engine_submit(self, requests: list[Request]) -> None:
-        self.engine.submit(requests)
-
-    @ray.method(concurrency_group="feed")
-    def engine_end_stream(self) -> None:
-        self.engine.end_stream()
-
-    @ray.method(concurrency_group="finished")
-    def engine_finished(self, timeout_s: float = 1.0) -> list[int] | None:
-        """Request ids done since the last call (a long poll); None once the run is over."""
-        return self.engine.finished(timeout_s)
+    def resize_pool(self, lent_bytes: int, keep: list[str] | None = None) -> dict[str, object]:
+        """The operator's or an engine's ask: lend ``lent_bytes`` of the GPU pool to the engine in all (whole pages;
+        more than now: idle adapters evicted, ``keep`` last; less: leases taken back, newest first). Issue 43
+        item 3; ``WorkerControl.resize_pool``."""
+        return self.control.resize_pool(lent_bytes, keep or ())
 
     def shutdown(self) -> None:
         self._stopping.set()

@@ -8,13 +8,16 @@ rebuilds from, and the cache's counters. Plain Python; the hosts only forward to
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from lora_cache.adapters.catalog import AdapterCatalog, check_carried
 from lora_cache.adapters.peft import KnownVersion
-from lora_cache.errors import LoraCacheError
+from lora_cache.errors import ConfigError, LoraCacheError
 from lora_cache.vocab import ApplyResult, Command
 from workers.cache import WorkerCache
 from workers.control.commands import CommandGate
 from workers.control.outbox import Outbox
+from workers.gpu.lend import Lease
 
 
 class WorkerControl:
@@ -24,6 +27,7 @@ class WorkerControl:
         self.replica, self.catalog, self.cache, self.outbox = replica, catalog, cache, outbox
         self.gate = CommandGate(cache, outbox.push)
         self.paths: dict[str, str] = {}  # adapter -> the path it was registered from (reported to the controller)
+        self.leases: list[Lease] = []  # the pool's pages lent by resize_pool, oldest first
         self.taken = self.hashed = 0  # registrations taken on the controller's word (same file) / hashed here
 
     def register_adapter(self, name: str, path: str, known: KnownVersion | None = None) -> str:
@@ -67,6 +71,27 @@ class WorkerControl:
             self.catalog.unregister(name)  # first: no new fetch of it starts after the drop
         self.cache.host.drop_adapter(name)
         return known
+
+    def resize_pool(self, lent_bytes: int, keep: Collection[str] = ()) -> dict[str, object]:
+        """Lend ``lent_bytes`` of the GPU pool to the engine in all (issue 43 item 3): more than now lends the
+        difference (``PoolLender.give_back``: whole pages, free first, then idle adapters, ``keep`` last; refused
+        whole, changing nothing, if the free and idle pages fall short); less takes leases back, newest first, and
+        lends what is still short. Returns the pool's capacity, what is lent (whole pages) and what was evicted."""
+        if lent_bytes < 0:
+            raise ConfigError(f"resize_pool({lent_bytes}): give the bytes to lend in all, >= 0 (0: take all back)")
+        lender = self.cache.lender
+        while self.leases and self._lent() > lent_bytes:  # the newest leases back first
+            lender.take_back(self.leases.pop())
+        evicted: tuple[str, ...] = ()
+        if lent_bytes > self._lent():  # never fails after a take-back: the pages just freed cover it
+            lease = lender.give_back(lent_bytes - self._lent(), keep)
+            self.leases.append(lease)
+            evicted = lease.evicted
+        return {"capacity_bytes": lender.capacity_bytes(), "lent_bytes": self._lent(),
+                "page_bytes": lender.page_bytes, "evicted": list(evicted)}
+
+    def _lent(self) -> int:
+        return sum(lease.nbytes for lease in self.leases)
 
     def apply(self, commands: list[Command]) -> ApplyResult:
         return self.gate.apply(commands)
