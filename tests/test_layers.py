@@ -118,7 +118,7 @@ WORKERS_FLOORS: tuple[tuple[str, ...], ...] = (
     ("workers.control",),  # steps 4, 7: commands, the outbox, what the controller calls on a rank
     ("workers.attach",),  # steps 4, 9: the engine seam, its transports, the version exchange
     ("workers.engine",),  # the reference engine, over the seam
-    ("workers.actor",),  # the worker actor: hosts a rank's control and an engine rank
+    ("workers.actor", "workers.actor_engine"),  # the worker actor: hosts a rank's control and an engine rank
 )
 
 
