@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+from lora_cache.errors import ConfigError
 from lora_cache.planner import (
     AdapterInfo,
     Hint,
@@ -229,6 +230,31 @@ def test_a_home_displaces_only_an_incumbent_worth_clearly_less_by_the_live_count
     assert loaded == {order[0]: {"a0"}} and list(evicted) == [order[0]]
     assert home_book(planner).assignments == assignments
     planner.check_integrity()
+
+
+def test_a_copy_its_requests_touched_just_now_lingers_before_a_home_displaces_it() -> None:
+    """Regression (tests/test_ray_serve.py's READY-first test, CI 7676240): a router ranked a replica first for an
+    adapter it had heard READY there, and the plan that followed the previous request's completion evicted that copy
+    for a home before the request arrived. A copy the replica's requests touched (here: a hint given and withdrawn)
+    within ``linger_s`` is displaced by no home; after it, the home takes its place as before."""
+    planner, cold = full_fleet(cold_weight=100.0)
+    order = preference("a0", planner.view.replicas())
+    held_at(planner, order[-1], {order[-1]: 110}, 1.0)
+    assert changes(planner.plan_all(2.1)) == ({}, {})
+    for i, victim in enumerate(sorted(cold[order[0]])):  # what a0's home would displace, touched just now
+        planner.add_hint(Hint(f"h-cold-{i}", victim, order[0], 2.15), 2.1)
+    for i in range(len(cold[order[0]])):
+        planner.cancel_hint(f"h-cold-{i}", 2.15)  # their requests completed
+    planner.record_request("a0", order[-1], 2.2, weight=100)  # a0 is worth a home at order[0] now
+    assert changes(planner.plan_all(2.2)) == ({}, {}), "a copy touched 0.05 s ago was displaced"
+    loaded, evicted = changes(planner.plan_all(2.15 + planner.config.linger_s + 0.01))  # the linger passed
+    assert loaded == {order[0]: {"a0"}} and list(evicted) == [order[0]]
+    planner.check_integrity()
+
+
+def test_a_bad_linger_is_refused_with_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"linger_s is -1.0; give a finite number of seconds >= 0"):
+        PlannerConfig(linger_s=-1.0)
 
 
 def test_the_homes_are_reassigned_only_when_what_they_rest_on_changes() -> None:

@@ -23,6 +23,10 @@ class PlannerConfig:
     hysteresis: float = field(default=0.25, metadata={
         "help": "a popularity prefetch evicts a resident only if its value per byte is more than "
                 "(1 + hysteresis) times the resident's"})
+    linger_s: float = field(default=1.0, metadata={
+        "help": "a copy a replica's requests touched (a hint given or withdrawn, a request queued or leaving the "
+                "queue) within this many seconds is displaced by no speculative load and no home, only by needed ones: "
+                "a router may have ranked it READY, and its request be on its way (0: off)"})
     max_prefetches_per_plan: int = field(default=4, metadata={
         "help": "popularity prefetches per replica per plan (queued and hinted adapters are not limited)"})
     max_staged_per_replica: int = field(default=4, metadata={
@@ -98,6 +102,8 @@ class PlannerConfig:
         if not _finite(self.local_weight) or not 0.0 <= self.local_weight <= 1.0:
             raise ConfigError(f"local_weight is {self.local_weight!r}; give a weight in [0, 1] "
                               "(0: fleet-wide counts only, 1: the replica's own counts only)")
+        if not _finite(self.linger_s) or self.linger_s < 0:
+            raise ConfigError(f"linger_s is {self.linger_s!r}; give a finite number of seconds >= 0, e.g. 1.0 (0: off)")
         if not _finite(self.hysteresis) or self.hysteresis < 0:
             raise ConfigError(f"hysteresis is {self.hysteresis!r}; give a margin >= 0, e.g. 0.25 (a popular "
                               "adapter must be worth 25% more per byte than the resident it would evict)")

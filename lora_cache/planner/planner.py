@@ -156,6 +156,8 @@ class Planner:
         old = self._fleet.queues.get(replica, ())
         if queue == old:
             return
+        for entry in (*old, *queue):  # waiting, or just left the queue to run: its copy lingers (linger_s)
+            self._popularity.touch(entry.adapter, replica, now)
         if queue:
             self._fleet.queues[replica] = queue
         else:
@@ -187,6 +189,7 @@ class Planner:
         check_id("hint id", hint_id)
         hint = self._hints.cancel(hint_id, now)
         if hint is not None:
+            self._popularity.touch(hint.adapter, hint.replica, now)  # its request ran there, or is about to
             self._replan.hints_changed({hint.replica})
         return hint is not None
 

@@ -134,8 +134,10 @@ def build_target(view: ReplicaView, scorer: Scorer, needed: tuple[str, ...],
     homed = {h.key: h.per_copy for h in view.homes if h.per_copy > 0} if speculate else {}
     kept = _trim(_incumbents(view, chosen, scorer, homed), room, view)
     far = _needed_keys(view, view.far_hinted, chosen)
-    far_held = [sk for sk in kept if sk[1] in far]  # speculation may not displace these (no thrash)
-    kept = [sk for sk in kept if sk[1] not in far]
+    # speculation and homes may not displace these: far hints' (no thrash), and copies requests touched just now
+    # (a router may have ranked them READY and their request be on its way: ``PlannerConfig.linger_s``)
+    far_held = [sk for sk in kept if sk[1] in far or sk[1] in view.lingering]
+    kept = [sk for sk in kept if sk[1] not in far and sk[1] not in view.lingering]
     held = chosen | {k for _, k in far_held}
     admitted = _speculate(view, scorer, held, kept, room, config) if speculate else []
     held |= {k for _, k in admitted}

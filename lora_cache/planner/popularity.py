@@ -81,6 +81,7 @@ class Popularity:
         self.started_s: float | None = None  # the first time passed: how long the counts have been kept
         self.fleet = RankedCounts()
         self.local: dict[str, RankedCounts] = {}
+        self.touched: dict[str, dict[str, float]] = {}  # replica -> adapter -> when its requests last touched it
 
     def advance(self, now: float) -> None:
         """Move to `now` (the caller guarantees time never goes back); rescale if counts grew large."""
@@ -101,6 +102,29 @@ class Popularity:
         if local is None:
             local = self.local[replica] = RankedCounts(self.max_tracked_per_replica)
         local.add(adapter, amount)
+        self.touch(adapter, replica, now)
+
+    def touch(self, adapter: str, replica: str, now: float) -> None:
+        """A request for ``adapter`` at ``replica`` did something at ``now`` (hinted, queued, left the queue, its
+        hint withdrawn): ``recent`` reads it (``PlannerConfig.linger_s``)."""
+        seen = self.touched.setdefault(replica, {})
+        seen.pop(adapter, None)
+        seen[adapter] = now  # insertion order is time order: the oldest first
+        if len(seen) > 2 * self.max_tracked_per_replica:  # bounded, whoever reads it
+            for name in list(seen)[: len(seen) - self.max_tracked_per_replica]:
+                del seen[name]
+
+    def recent(self, replica: str, now: float, window_s: float) -> set[str]:
+        """The adapters ``replica``'s requests touched within ``window_s`` of ``now``; older ones are forgotten."""
+        seen = self.touched.get(replica)
+        if not seen:
+            return set()
+        while seen:
+            name, when = next(iter(seen.items()))
+            if when >= now - window_s:
+                break
+            del seen[name]
+        return set(seen)
 
     def decayed(self, adapter: str, now: float, replica: str | None = None) -> float:
         """The decayed count at `now` (>= the last time given): fleet-wide, or at one replica."""
@@ -111,11 +135,14 @@ class Popularity:
 
     def drop_replica(self, replica: str) -> None:
         self.local.pop(replica, None)
+        self.touched.pop(replica, None)
 
     def forget(self, adapter: str) -> None:
         """An unregistered adapter: its counts go, fleet-wide and at every replica."""
         for counts in (self.fleet, *self.local.values()):
             counts.forget(adapter)
+        for seen in self.touched.values():
+            seen.pop(adapter, None)
 
     def scorer(self, replica: str, n_replicas: int, local_weight: float,
                catalog: Mapping[str, AdapterInfo], min_bytes: int, now: float | None = None) -> ReplicaScorer:

@@ -176,6 +176,9 @@ class Replanner:
         scorer = self._popularity.scorer(replica, len(fleet.workers), self.config.local_weight,
                                          fleet.catalog, fleet.min_bytes(), now)
         view = self.view(replica, now)
+        if self.config.linger_s > 0 and now is not None:
+            recent = self._popularity.recent(replica, now, self.config.linger_s)
+            view = view._replace(lingering=frozenset(k for k in view.resident if k.name in recent))
         if homes is not None:
             view = view._replace(homes=homes.homes(replica), last_copies=self._last_copies(replica, view, homes))
         target = self.policy.target(view, scorer, self.config)

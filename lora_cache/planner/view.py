@@ -40,6 +40,8 @@ class ReplicaView(NamedTuple):
     max_bytes: int = 0  # the largest shard in the catalog (0: unknown): bounds a candidate's rate by its score
     last_copies: frozenset[AdapterKey] = frozenset()  # residents held nowhere else, of adapters with requests, while
     # the fleet's slots hold the catalog: no home displaces them (homes.py; it would leave them nowhere)
+    lingering: frozenset[AdapterKey] = frozenset()  # residents this replica's requests touched within ``linger_s``:
+    # neither speculation nor a home displaces them (a router may have ranked them READY; policies.build_target)
 
 
 class Target(NamedTuple):
