@@ -44,6 +44,7 @@ def make(policy: str = "global", replicas: int = 1, tp: int = 2, slots: int = 2,
     config.setdefault("speculate_min_rate", 0.0)
     config.setdefault("stage_min_rate", 0.0)
     config.setdefault("warm_host_share", 0.0)  # warming ahead of demand: test_warming.py
+    config.setdefault("linger_s", 0.0)  # copies touched just now kept: test_homes.py, and the test below
     specs = [ReplicaSpec(f"r{r}", tuple(f"r{r}/w{k}" for k in range(tp)), slots, bytes_per_worker, host_bytes)
              for r in range(replicas)]
     infos = [AdapterInfo(f"a{i}", "v1", bytes_per_rank) for i in range(adapters)]
@@ -314,6 +315,19 @@ def test_hysteresis_margin_guards_popularity_evictions(challenger: int, swaps: b
     popular(planner, "r0", {"a1": 10, "a2": challenger})  # 12 <= 10 * 1.25 < 13
     plan = planner.plan_all(1.0)
     assert (evicted(plan, "r0/w0"), prefetched(plan, "r0/w0")) == ((["a1"], ["a2"]) if swaps else ([], []))
+
+
+def test_speculation_displaces_no_copy_a_request_touched_within_linger_s() -> None:
+    """The swap above, but a1's request at r0 was just now (a router may have ranked r0 READY for the next one):
+    a1 lingers ``linger_s`` before the more popular a2 takes its place."""
+    planner = make(slots=1, hysteresis=0.25, linger_s=1.0)
+    hold(planner, "r0", "a1")
+    popular(planner, "r0", {"a1": 10, "a2": 13}, now=1.0)
+    plan = planner.plan_all(1.5)
+    assert (evicted(plan, "r0/w0"), prefetched(plan, "r0/w0")) == ([], [])
+    plan = planner.plan_all(2.01)
+    assert (evicted(plan, "r0/w0"), prefetched(plan, "r0/w0")) == (["a1"], ["a2"])
+    planner.check_integrity()
 
 
 def test_a_just_prefetched_adapter_is_not_evicted_by_the_next_plan() -> None:

@@ -228,8 +228,8 @@ def test_the_codec_round_trips_reports_calls_and_errors() -> None:
     assert isinstance(other, codec.RelayedCallError) and str(other) == "ZeroDivisionError: oops"
     stats = codec.answer(1, "stats", True, {"gpu_hits": 2, "load_ms": {"p99": 3.0}})
     assert json.loads(stats.stats_json) == {"gpu_hits": 2, "load_ms": {"p99": 3.0}}
-    with pytest.raises(RequestError, match=r"residency state 9 is not one of"):
-        codec.from_deltas(pb.ResidencyDeltas(deltas=[pb.ResidencyDelta(seq=1, state=pb.ResidencyState.ValueType(9))]))
+    with pytest.raises(RequestError, match=r"residency state 10 is not one of"):  # 9: CAPACITY (issue 43 item 3)
+        codec.from_deltas(pb.ResidencyDeltas(deltas=[pb.ResidencyDelta(seq=1, state=pb.ResidencyState.ValueType(10))]))
     rows = [(1, "a", "v1", "loading", ""), (2, "a", "v1", "ready", "", 0.25)]  # an older sender's rows lack read_s
     assert codec.from_deltas(codec.deltas(5, rows)) == (5, [(1, "a", "v1", "loading", "", 0.0, False),
                                                             (2, "a", "v1", "ready", "", 0.25, False)])
