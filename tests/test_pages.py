@@ -405,3 +405,25 @@ class OnePagePerSlot(PageMachine):
 
 OnePagePerSlot.TestCase.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
 TestOnePagePerSlot = OnePagePerSlot.TestCase
+
+
+def test_the_planner_values_a_shard_per_page_rounded_byte() -> None:
+    """Issue 43 item 2: an adapter's value is weighed per GPU byte it takes, whole pages where the pool has them. A
+    shard one byte over a page takes two: a little more traffic does not make it worth more per byte than a
+    one-page shard (per its own bytes it would), and the ranking (Fagin's bound over the page-rounded smallest shard)
+    agrees with the scores."""
+    from lora_cache.planner import AdapterInfo, Capacity
+    from lora_cache.planner.popularity import Popularity
+
+    catalog = {"one": AdapterInfo("one", "v1", 100), "two": AdapterInfo("two", "v1", 101),
+               "big": AdapterInfo("big", "v1", 400)}
+    popularity = Popularity(60.0, 100)
+    for name, count in (("one", 10.0), ("two", 10.5), ("big", 30.0)):
+        popularity.observe(name, "r0", 0.0, weight=count)
+    plain = popularity.scorer("r0", 1, 0.5, catalog, 100, 0.0)
+    paged = popularity.scorer("r0", 1, 0.5, catalog, 100, 0.0, Capacity(4, 400, None, 100).gpu_bytes)
+    assert plain.score("two") > plain.score("one") and paged.score("two") < paged.score("one")
+    assert paged.score("two") == pytest.approx(plain.score("two") * 101 / 200)
+    assert [name for _, name in plain.ranked()] == ["two", "one", "big"]
+    assert [name for _, name in paged.ranked()] == ["one", "big", "two"]  # 0.1, 0.075, 0.0525 per byte
+    assert all(score == paged.score(name) for score, name in paged.ranked())

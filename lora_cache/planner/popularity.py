@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_left, insort
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from lora_cache.planner.records import AdapterInfo
 
@@ -145,11 +145,14 @@ class Popularity:
             seen.pop(adapter, None)
 
     def scorer(self, replica: str, n_replicas: int, local_weight: float,
-               catalog: Mapping[str, AdapterInfo], min_bytes: int, now: float | None = None) -> ReplicaScorer:
+               catalog: Mapping[str, AdapterInfo], min_bytes: int, now: float | None = None,
+               cost: Callable[[int], int] | None = None) -> ReplicaScorer:
+        """``cost``: the GPU bytes a shard of n bytes takes on this replica (whole pages of a paged pool:
+        ``Capacity.gpu_bytes``; None: its own bytes)."""
         fleet_weight = (1.0 - local_weight) / max(1, n_replicas)
         local = self.local.get(replica)
         return ReplicaScorer(self.fleet, local, fleet_weight, local_weight, catalog, min_bytes,
-                             self.per_second(now))
+                             self.per_second(now), cost)
 
     def per_second(self, now: float | None) -> float:
         """Scaled count -> requests per second at `now`: a decayed count of a steady rate r converges to
@@ -182,19 +185,22 @@ class Popularity:
 
 
 class ReplicaScorer:
-    """An adapter's expected value on one replica, per byte of its shard.
+    """An adapter's expected value on one replica, per GPU byte its shard takes there.
 
     value = fleet_weight * fleet count + local_weight * the replica's count (scaled counts: only
-    ratios and order are meaningful, and both are the same at every time).
+    ratios and order are meaningful, and both are the same at every time). The bytes are the shard's rounded up
+    to the pool's pages where it has them (``cost``, issue 43 item 2): a rank-24 shard in pages of rank 16 takes
+    two pages and is worth keeping per those bytes, not per its own.
     """
 
     def __init__(self, fleet: RankedCounts, local: RankedCounts | None, fleet_weight: float,
                  local_weight: float, catalog: Mapping[str, AdapterInfo], min_bytes: int,
-                 per_second: float = 0.0) -> None:
+                 per_second: float = 0.0, cost: Callable[[int], int] | None = None) -> None:
         self._fleet, self._local = fleet, local
         self._fleet_weight, self._local_weight = fleet_weight, local_weight
         self._catalog = catalog
-        self._min_bytes = min_bytes
+        self._cost = cost or (lambda size: size)  # monotone: the Fagin bound below holds with cost(min_bytes)
+        self._min_bytes = self._cost(min_bytes)
         self._per_second = per_second  # scaled value -> requests per second at the plan's time
 
     def value(self, adapter: str, local_at_least: float = 0.0) -> float:
@@ -210,16 +216,16 @@ class ReplicaScorer:
         """Whether no adapter scoring ``score`` or less can be expected at ``min_rate`` (its value is at most
         ``score`` x the largest shard): a scan of ``ranked()`` for such a rate may stop there. False when the
         largest shard is unknown (0)."""
-        return max_bytes > 0 and score * max_bytes * self._per_second < min_rate
+        return max_bytes > 0 and score * self._cost(max_bytes) * self._per_second < min_rate
 
     def score(self, adapter: str) -> float:
-        return self.value(adapter) / self._catalog[adapter].bytes_per_rank
+        return self.value(adapter) / self._cost(self._catalog[adapter].bytes_per_rank)
 
     def home_score(self, adapter: str, per_copy: float) -> float:
         """``score`` as it will be once a router that follows residency sends this replica its share of the
         adapter's traffic: the replica's count taken as at least ``per_copy`` (homes.py). So a hot adapter's
         new home is valued by what it will serve, not by the little it was sent while resident elsewhere."""
-        return self.value(adapter, per_copy) / self._catalog[adapter].bytes_per_rank
+        return self.value(adapter, per_copy) / self._cost(self._catalog[adapter].bytes_per_rank)
 
     def ranked(self) -> Iterator[tuple[float, str]]:
         """(score, adapter) for every adapter with a positive score, best first, ties by name.
@@ -252,6 +258,6 @@ class ReplicaScorer:
         seen.add(adapter)
         info = self._catalog.get(adapter)
         if info is not None:
-            score = self.value(adapter) / info.bytes_per_rank
+            score = self.value(adapter) / self._cost(info.bytes_per_rank)
             if score > 0.0:
                 heapq.heappush(heap, (-score, adapter))

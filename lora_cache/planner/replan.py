@@ -174,7 +174,8 @@ class Replanner:
                       now: float) -> list[WorkerCommands]:
         fleet = self._fleet
         scorer = self._popularity.scorer(replica, len(fleet.workers), self.config.local_weight,
-                                         fleet.catalog, fleet.min_bytes(), now)
+                                         fleet.catalog, fleet.min_bytes(), now,
+                                         fleet.replica_capacity(replica).gpu_bytes)  # per page-rounded byte
         view = self.view(replica, now)
         if self.config.linger_s > 0 and now is not None:
             recent = self._popularity.recent(replica, now, self.config.linger_s)
