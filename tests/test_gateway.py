@@ -707,6 +707,54 @@ def test_python_client_and_cli(served: Served, tmp_path: Path, capsys: pytest.Ca
 
 
 @pytest.mark.ray
+def test_an_operator_lends_a_replicas_pool_to_its_engine_and_takes_it_back(
+        served: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 43 item 3 through the gateway: ResizePool lends whole pages of each rank's GPU pool (here a page is a
+    slot), and the controller plans within what is left; asking for more than is free or idle is
+    RESOURCE_EXHAUSTED and changes nothing; an unknown replica is NOT_FOUND; the CLI's ``pool --lend-bytes 0`` takes
+    every page back."""
+    import ray
+
+    ctl = served.service.controller
+
+    def capacity(want: int) -> int | None:
+        deadline = time.monotonic() + 30
+        while True:
+            have = ray.get(ctl.status.remote())["capacity"]["replica-1/0"]["bytes"]
+            if have == want or time.monotonic() > deadline:
+                return have
+            time.sleep(0.1)
+
+    with LoraCacheClient(served.gateway.target, token=TOKEN) as lc:
+        lent = lc.resize_pool("replica-1", 1)
+        page = lent.ranks[0].page_bytes
+        assert lent.replica == "replica-1" and [r.rank for r in lent.ranks] == [0]
+        assert (lent.ranks[0].lent_bytes, lent.ranks[0].capacity_bytes) == (page, 5 * page)
+        try:
+            assert capacity(5 * page) == 5 * page
+            with pytest.raises(ClientError, match=r"RESOURCE_EXHAUSTED: cannot give back 7 GPU pages"):
+                lc.resize_pool("replica-1", 8 * page)  # 8 pages in all: 7 more, and the pool has 6
+            again = lc.resize_pool("replica-1", page)  # what is lent already: nothing changes
+            assert (again.ranks[0].lent_bytes, list(again.ranks[0].evicted_adapters)) == (page, [])
+            with pytest.raises(ClientError, match=r"NOT_FOUND: replica 'ghost' is not known"):
+                lc.resize_pool("ghost", page)
+            with pytest.raises(ClientError, match=r"INVALID_ARGUMENT: keep_adapters '..' \(keep_adapters\[0\]\) is "
+                                                  r"malformed"):
+                lc.resize_pool("replica-1", page, keep=[".."])
+        finally:
+            parser = argparse.ArgumentParser()
+            add_client_commands(parser.add_subparsers(dest="command", required=True))
+            (tmp_path / "token").write_text(TOKEN)
+            ns = parser.parse_args(["pool", "--replica", "replica-1", "--lend-bytes", "0", "--server",
+                                    served.gateway.target, "--token-file", str(tmp_path / "token")])
+            assert ns.func(ns) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["replica"] == "replica-1" and out["ranks"][0]["lent_bytes"] == 0
+        assert out["ranks"][0]["capacity_bytes"] == 6 * page
+        assert capacity(6 * page) == 6 * page
+
+
+@pytest.mark.ray
 def test_register_adapters_answers_every_item_and_a_bad_one_fails_alone(served: Served, tmp_path: Path,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     stub, root = served.stub, served.root

@@ -182,3 +182,61 @@ def test_a_rank_that_lent_pages_describes_its_capacity_to_a_restarted_controller
         cache.lender.take_back(lease, last_use=cache.streams.record_compute())  # the engine's last use of them
     finally:
         outbox.close()
+
+
+class _Rank:
+    """A rank's control surface called as the controller calls a worker actor (``handle.method.remote(...)``,
+    awaited), over a real ``WorkerControl`` in this process: the call runs on a thread, as the actor's would."""
+
+    def __init__(self, control: object) -> None:
+        self.control = control
+
+    def __getattr__(self, method: str) -> object:
+        import asyncio
+        from types import SimpleNamespace
+
+        return SimpleNamespace(remote=lambda *args: asyncio.to_thread(getattr(self.control, method), *args))
+
+
+def test_a_replica_whose_rank_refuses_to_lend_is_put_back_as_it_was(
+        mixed: AdapterCatalog, make_cache: Callable[..., WorkerCache], tmp_path: Path) -> None:
+    """``WorkerFanout.resize_pool`` over a TP-2 replica: rank 0 lends, rank 1 cannot (a batch holds its pages); the
+    error is rank 1's, and rank 0 is put back to what it lent before, so the replica's ranks stay alike."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from lora_cache.controller.fanout import WorkerFanout
+    from workers.control.outbox import Outbox
+    from workers.control.rank import WorkerControl
+
+    small, _ = small_and_large(mixed)
+    make_adapters(tmp_path, SynthConfig(model="tiny", count=1, rank="8"))
+    core = ControllerCore(ControllerConfig(CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny", max_rank=8)), 1)
+    core.add_replica("r0", 2, 8)
+    outboxes = [Outbox(f"w{k}", 0.01, send=lambda name, inc, batch: None) for k in range(2)]
+    try:
+        caches = [paged(mixed, make_cache, []) for _ in range(2)]
+        for cache in caches:
+            for name in small[:6]:
+                cache.prefetch(name).result(timeout=30)
+            cache.settle()
+        batch = caches[1].acquire(small[:4])  # rank 1: 4 pages in use, 4 free or idle; rank 0: all 8
+        handles = {WorkerId("r0", k): _Rank(WorkerControl("r0", mixed, caches[k], outboxes[k])) for k in range(2)}
+        links = SimpleNamespace(core=core, handles=handles, attached=set(), call_timeout_s=10.0)
+        fanout = WorkerFanout(links)  # type: ignore[arg-type]
+        page = caches[0].lender.page_bytes
+        assert [r["lent_bytes"] for r in asyncio.run(fanout.resize_pool("r0", 2 * page, []))] == [2 * page] * 2
+        with pytest.raises(CapacityError, match="cannot give back 4 GPU pages"):
+            asyncio.run(fanout.resize_pool("r0", 6 * page, []))
+        assert [c.lender.capacity_bytes() for c in caches] == [6 * page] * 2, "rank 0 put back to 2 pages lent"
+        links.attached = {WorkerId("r0", 1)}
+        with pytest.raises(ConfigError, match=r"ranks \['r0/1'\] are an attached engine's"):
+            asyncio.run(fanout.resize_pool("r0", 0, []))
+        links.attached = set()
+        caches[1].release(batch)
+        assert [r["lent_bytes"] for r in asyncio.run(fanout.resize_pool("r0", 0, []))] == [0, 0]
+        for cache in caches:
+            cache.check_integrity()
+    finally:
+        for outbox in outboxes:
+            outbox.close()

@@ -89,7 +89,8 @@ def test_a_pool_that_lends_pages_reports_its_capacity_and_the_planner_plans_with
     assert len(resident) <= 1, resident  # two pages hold one rank-16 shard
     assert ray.get(worker.stats.remote())["load_failures"] == 0
     back = ray.get(worker.resize_pool.remote(0))
-    assert back == {"capacity_bytes": 4 * page, "lent_bytes": 0, "page_bytes": page, "evicted": []}
+    assert back == {"capacity_bytes": 4 * page, "lent_bytes": 0, "page_bytes": page, "evicted": [],
+                    "was_lent_bytes": 2 * page}
     assert _capacity(ctl, "replica-0/0", 4 * page)["bytes"] == 4 * page
     ray.get(ctl.report_queue.remote("replica-0", [(a, time.time()) for a in ADAPTERS[:2]]))
     for adapter in ADAPTERS[:2]:

@@ -210,6 +210,12 @@ class LoraCacheClient(_Base):
     def status(self) -> pb.StatusResponse:
         return self._call(self.stub.Status, pb.StatusRequest())
 
+    def resize_pool(self, replica: str, lent_bytes: int, keep: Iterable[str] = ()) -> pb.ResizePoolResponse:
+        """Every rank of ``replica`` lends ``lent_bytes`` of its GPU adapter pool to its engine in all, whole pages
+        (0: every page back); ``keep``: adapters needed soon, evicted last. Each rank's pool afterwards."""
+        return self._call(self.stub.ResizePool, pb.ResizePoolRequest(replica=replica, lent_bytes=lent_bytes,
+                                                                      keep_adapters=list(keep)))
+
     def register(self, name: str, path: str, request_id: str | None = None) -> Registered:
         """Register ``name`` at ``path``. ``request_id`` (default: a fresh one): a call again with the same id, name
         and path, after an answer was lost, is answered as the first was and registers nothing."""
@@ -324,6 +330,11 @@ class AsyncLoraCacheClient(_Base):
 
     async def status(self) -> pb.StatusResponse:
         return await self._call(self.stub.Status, pb.StatusRequest())
+
+    async def resize_pool(self, replica: str, lent_bytes: int, keep: Iterable[str] = ()) -> pb.ResizePoolResponse:
+        """``LoraCacheClient.resize_pool``."""
+        return await self._call(self.stub.ResizePool, pb.ResizePoolRequest(replica=replica, lent_bytes=lent_bytes,
+                                                                            keep_adapters=list(keep)))
 
     async def push(self, name: str, tensors: Any, config: Any, tag: str | int | None = None,
                    timeout_s: float | None = None) -> Pushed:

@@ -82,7 +82,8 @@ class GatewayConfig:
         "'TOKEN REPLICA...' binds the token to those replicas (it may attach and report queues for them only; "
         "REPLICA/RANK: that rank of it), a bare 'TOKEN' speaks for any replica (warned of at start)"})
     operator_token_file: str = field(default="", metadata={"path": True, "help":
-        "file of the bearer token of operators: RegisterAdapter(s), UnregisterAdapter, Status"})
+        "file of the bearer token of operators: RegisterAdapter(s), UnregisterAdapter, PushAdapter, ResizePool, "
+        "Status"})
     max_streams_per_client: int = field(default=64, metadata={
         "help": "WatchReadiness and AttachRank streams one client (address and token) holds at once"})
     max_streams: int = field(default=256, metadata={

@@ -223,6 +223,15 @@ class Servicer:
         evicted = await self.controller.unregister_adapter.remote(name, validate.drain_timeout(request))
         return pb.UnregisterAdapterResponse(name=name, evicted_versions=evicted)
 
+    async def resize_pool(self, request: pb.ResizePoolRequest) -> pb.ResizePoolResponse:
+        replica = validate.name("replica", request.replica)
+        keep = [validate.name("keep_adapters", k, f" (keep_adapters[{i}])")
+                for i, k in enumerate(request.keep_adapters)]
+        ranks = await self.controller.resize_pool.remote(replica, int(request.lent_bytes), keep)
+        return pb.ResizePoolResponse(replica=replica, ranks=[
+            pb.RankPool(rank=r["rank"], capacity_bytes=r["capacity_bytes"], lent_bytes=r["lent_bytes"],
+                        page_bytes=r["page_bytes"], evicted_adapters=r["evicted"]) for r in ranks])
+
     async def status(self, request: pb.StatusRequest) -> pb.StatusResponse:
         status, workers = await asyncio.gather(self.controller.status.remote(), self.controller.worker_stats.remote())
         reached = [w["stats"] for w in workers if w["stats"] is not None]
@@ -269,6 +278,7 @@ RPCS: dict[str, tuple[type[Any], str]] = {  # rpc name -> (request message, Serv
     "RegisterAdapters": (pb.RegisterAdaptersRequest, "register_adapters"),
     "UnregisterAdapter": (pb.UnregisterAdapterRequest, "unregister_adapter"),
     "Status": (pb.StatusRequest, "status"),
+    "ResizePool": (pb.ResizePoolRequest, "resize_pool"),
     "ResolveAdapter": (pb.ResolveAdapterRequest, "resolve_adapter"),
     "AttachRank": (pb.AttachRankRequest, "attach_rank"),
     "PushAdapter": (pb.PushAdapterRequest, "push_adapter"),

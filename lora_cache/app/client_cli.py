@@ -1,4 +1,4 @@
-"""``lora-cache hint | cancel-hint | lookup | route | watch | status | register | unregister``: the client
+"""``lora-cache hint | cancel-hint | lookup | route | watch | status | register | unregister | pool``: the client
 on the command line (``register`` also registers many adapters in batches: ``NAME=PATH ...``, ``--dir DIR``).
 
 ``cli.build_parser`` adds these with ``add_client_commands(sub)``. Connection options come from
@@ -178,6 +178,18 @@ def cmd_unregister(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pool(ns: argparse.Namespace) -> int:
+    with _client(ns) as lc:
+        _print(proto_json(lc.resize_pool(ns.replica, ns.lend_bytes, ns.keep)))
+    return 0
+
+
+def _bytes(value: str) -> int:
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of bytes (an integer >= 0)")
+    return int(value)
+
+
 def register_path(path: str) -> str:
     """The path ``register`` sends: one that exists from here, as the shell user means it (absolute), else
     as given (the server takes a relative path from its first adapter root)."""
@@ -247,10 +259,20 @@ def add_client_commands(sub: Any) -> None:
     p.add_argument("--drain-timeout-s", type=float, help="wait this long for in-use references (default: 30)")
     p.set_defaults(func=cmd_unregister)
 
+    p = sub.add_parser("pool", help="lend part of every GPU adapter pool of a replica's ranks to their engine, or take "
+                       "it back (JSON: each rank's pool after)")
+    p.add_argument("--replica", required=True)
+    p.add_argument("--lend-bytes", type=_bytes, required=True,
+                   help="bytes each rank lends in all, whole pages (0: every page back)")
+    p.add_argument("--keep", action="append", default=[], metavar="ADAPTER",
+                   help="an adapter needed soon, evicted last (repeat)")
+    p.set_defaults(func=cmd_pool)
+
     for parser in sub.choices.values():
         if parser.get_default("func") in _COMMANDS:
             add_config_args(parser, ClientConfig)
 
 
-_COMMANDS = (cmd_hint, cmd_cancel_hint, cmd_lookup, cmd_route, cmd_watch, cmd_status, cmd_register, cmd_unregister)
-CLIENT_COMMANDS = ("hint", "cancel-hint", "lookup", "route", "watch", "status", "register", "unregister")
+_COMMANDS = (cmd_hint, cmd_cancel_hint, cmd_lookup, cmd_route, cmd_watch, cmd_status, cmd_register, cmd_unregister,
+             cmd_pool)
+CLIENT_COMMANDS = ("hint", "cancel-hint", "lookup", "route", "watch", "status", "register", "unregister", "pool")

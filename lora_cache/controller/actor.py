@@ -319,6 +319,14 @@ class ControllerActor:
                 "catalog_snapshots": self.durable.catalog.writes,
                 "catalog_snapshot_bytes": self.durable.catalog.bytes, "resolver": self.resolver.stats()}
 
+    async def resize_pool(self, replica: str, lent_bytes: int,
+                          keep: list[str] | None = None) -> list[dict[str, object]]:
+        """Every rank of ``replica`` lends ``lent_bytes`` of its GPU pool to its engine in all (a pool that breathes,
+        issue 43 item 3; ``WorkerFanout.resize_pool``): each rank's pool afterwards. The ranks report their new
+        capacity themselves (a "capacity" delta), and the planner plans within it."""
+        await self.loop.start()
+        return await self.fanout.resize_pool(replica, lent_bytes, list(keep or ()))
+
     async def worker_stats(self, timeout_s: float = 2.0) -> list[dict[str, object]]:
         """Each worker's cache counters (``stats`` None if it did not answer in time) and slot count."""
         await self.loop.start()

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 from lora_cache.adapters.peft import KnownVersion
 from lora_cache.controller.links import WorkerLinks
-from lora_cache.errors import ConflictError
+from lora_cache.errors import ConfigError, ConflictError, NotFoundError
 from lora_cache.vocab import Evict, WorkerId, worker_name
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,37 @@ class WorkerFanout:
             if isinstance(outcome, BaseException):
                 log.warning("worker %s did not unregister %s: %s (a restarted controller may adopt it again)",
                             wid, name, outcome)
+
+    async def resize_pool(self, replica: str, lent_bytes: int, keep: list[str]) -> list[dict[str, object]]:
+        """Every rank of ``replica`` lends ``lent_bytes`` of its GPU pool to its engine in all (issue 43 item 3,
+        ``WorkerControl.resize_pool``), in rank order; each rank's answer. A rank that refuses (its free and idle
+        pages fall short) or does not answer puts every rank that had answered back as it was, and its error is
+        raised. An attached engine's rank is refused before any is asked: its engine lends its own pages."""
+        self.links.core.check_replica(replica)
+        if lent_bytes < 0:
+            raise ConfigError(f"lent_bytes is {lent_bytes}; give the bytes each rank lends in all, >= 0")
+        wids = [w for w in sorted(self.links.handles) if w.replica == replica]
+        attached = [str(w) for w in wids if w in self.links.attached]
+        if attached:
+            raise ConfigError(f"ranks {attached} are an attached engine's: its engine lends its own pool's pages "
+                              "(cache.lender.give_back in its process), not the operator")
+        if not wids:
+            raise NotFoundError(f"replica {replica!r} has no rank linked now; try again once it has")
+        done: list[tuple[WorkerId, dict[str, object]]] = []
+        for wid in wids:
+            try:
+                answer = await asyncio.wait_for(self.links.handles[wid].resize_pool.remote(lent_bytes, keep),
+                                                self.links.call_timeout_s)
+            except Exception as e:
+                for back, was in reversed(done):  # every rank as it was: a replica lends the same on each rank
+                    try:
+                        await asyncio.wait_for(self.links.handles[back].resize_pool.remote(was["was_lent_bytes"], []),
+                                               self.links.call_timeout_s)
+                    except Exception as undo:  # its next full report tells the controller what it holds
+                        log.warning("worker %s not put back after a refused resize: %s", back, undo)
+                raise getattr(e, "cause", None) or e from None
+            done.append((wid, answer))
+        return [{"rank": wid.rank, **answer} for wid, answer in done]
 
     # -- queries ------------------------------------------------------------------------------------
     async def stats(self, timeout_s: float) -> list[dict[str, object]]:

@@ -76,10 +76,11 @@ class WorkerControl:
         """Lend ``lent_bytes`` of the GPU pool to the engine in all (issue 43 item 3): more than now lends the
         difference (``PoolLender.give_back``: whole pages, free first, then idle adapters, ``keep`` last; refused
         whole, changing nothing, if the free and idle pages fall short); less takes leases back, newest first, and
-        lends what is still short. Returns the pool's capacity, what is lent (whole pages) and what was evicted."""
+        lends what is still short. Returns the pool's capacity, what is lent (whole pages), what was evicted, and
+        what was lent before (``was_lent_bytes``: a replica's other ranks are put back to it if one refuses)."""
         if lent_bytes < 0:
             raise ConfigError(f"resize_pool({lent_bytes}): give the bytes to lend in all, >= 0 (0: take all back)")
-        lender = self.cache.lender
+        lender, was = self.cache.lender, self._lent()
         while self.leases and self._lent() > lent_bytes:  # the newest leases back first
             lender.take_back(self.leases.pop())
         evicted: tuple[str, ...] = ()
@@ -88,7 +89,7 @@ class WorkerControl:
             self.leases.append(lease)
             evicted = lease.evicted
         return {"capacity_bytes": lender.capacity_bytes(), "lent_bytes": self._lent(),
-                "page_bytes": lender.page_bytes, "evicted": list(evicted)}
+                "page_bytes": lender.page_bytes, "evicted": list(evicted), "was_lent_bytes": was}
 
     def _lent(self) -> int:
         return sum(lease.nbytes for lease in self.leases)

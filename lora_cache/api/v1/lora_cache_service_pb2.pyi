@@ -413,6 +413,38 @@ class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ResizePoolRequest(_message.Message):
+    __slots__ = ("replica", "lent_bytes", "keep_adapters")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    LENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    lent_bytes: int
+    keep_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, replica: _Optional[str] = ..., lent_bytes: _Optional[int] = ..., keep_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RankPool(_message.Message):
+    __slots__ = ("rank", "capacity_bytes", "lent_bytes", "page_bytes", "evicted_adapters")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    capacity_bytes: int
+    lent_bytes: int
+    page_bytes: int
+    evicted_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., lent_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., evicted_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ResizePoolResponse(_message.Message):
+    __slots__ = ("replica", "ranks")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    ranks: _containers.RepeatedCompositeFieldContainer[RankPool]
+    def __init__(self, replica: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankPool, _Mapping]]] = ...) -> None: ...
+
 class CacheCounters(_message.Message):
     __slots__ = ("gpu_hits", "gpu_misses", "host_hits", "host_misses", "gpu_hit_rate", "host_hit_rate")
     GPU_HITS_FIELD_NUMBER: _ClassVar[int]

@@ -91,6 +91,11 @@ class LoraCacheServiceStub:
                 request_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.StatusRequest.SerializeToString,
                 response_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.ResizePool = channel.unary_unary(
+                '/lora_cache.v1.LoraCacheService/ResizePool',
+                request_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.ResizePoolRequest.SerializeToString,
+                response_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.ResizePoolResponse.FromString,
+                _registered_method=True)
         self.ResolveAdapter = channel.unary_unary(
                 '/lora_cache.v1.LoraCacheService/ResolveAdapter',
                 request_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.ResolveAdapterRequest.SerializeToString,
@@ -214,6 +219,19 @@ class LoraCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResizePool(self, request, context):
+        """ResizePool lends part of every GPU adapter pool of a replica's ranks to their engine, or takes it
+        back (a pool that breathes): lent_bytes is what each rank lends in all, in whole pages (0: all
+        back). A rank lends free pages first, then those of idle adapters, least recently used first,
+        the ones named in keep last; never a page a loading or in-use adapter holds. Errors:
+        RESOURCE_EXHAUSTED (a rank's free and idle pages fall short: every rank is put back as it was),
+        NOT_FOUND (no such replica), INVALID_ARGUMENT (an attached engine's rank: its engine lends its own
+        pages). Operators only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ResolveAdapter(self, request, context):
         """ResolveAdapter answers the current version of an adapter, registering it on demand when nobody
         did and it lies under one of the server's adapter roots (a directory ROOT/NAME, a store prefix):
@@ -299,6 +317,11 @@ def add_LoraCacheServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.StatusRequest.FromString,
                     response_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.StatusResponse.SerializeToString,
+            ),
+            'ResizePool': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResizePool,
+                    request_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.ResizePoolRequest.FromString,
+                    response_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.ResizePoolResponse.SerializeToString,
             ),
             'ResolveAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.ResolveAdapter,
@@ -610,6 +633,33 @@ class LoraCacheService:
             '/lora_cache.v1.LoraCacheService/Status',
             lora__cache_dot_v1_dot_lora__cache__service__pb2.StatusRequest.SerializeToString,
             lora__cache_dot_v1_dot_lora__cache__service__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResizePool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lora_cache.v1.LoraCacheService/ResizePool',
+            lora__cache_dot_v1_dot_lora__cache__service__pb2.ResizePoolRequest.SerializeToString,
+            lora__cache_dot_v1_dot_lora__cache__service__pb2.ResizePoolResponse.FromString,
             options,
             channel_credentials,
             insecure,
