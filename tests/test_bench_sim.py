@@ -215,7 +215,7 @@ def test_concurrent_misses_wait_for_host_room_instead_of_failing() -> None:
 
 
 def test_exclusive_tiers_write_evicted_shards_back_and_serve_every_request() -> None:
-    """``host_tiers`` exclusive in the simulator (``LoadPath.write_back``'s rules): shards evicted from slots come
+    """``host_tiers`` exclusive in the simulator (``LoadPath.vacate``'s rules): shards evicted from slots come
     back into the host tier with no store read, a READY slot's shard keeps no idle host copy (``check``), and every
     request is served with the books balanced."""
     result = run("global")  # exclusive: the default

@@ -40,14 +40,19 @@ def paged(mixed: AdapterCatalog, make_cache: Callable[..., WorkerCache], changes
     return cache
 
 
+def loaded(cache: WorkerCache, names: list[str]) -> None:
+    """``names`` READY in ``cache``, in order (the least recently used first)."""
+    for name in names:
+        cache.prefetch(name).result(timeout=30)
+    cache.settle()
+
+
 def test_give_back_lends_free_pages_then_idle_adapters_oldest_first_and_reports_the_new_capacity(
         mixed: AdapterCatalog, make_cache: Callable[..., WorkerCache]) -> None:
     changes: list[Delta] = []
     cache = paged(mixed, make_cache, changes)
     small, large = small_and_large(mixed)
-    for name in small[:6]:
-        cache.prefetch(name).result(timeout=30)
-    cache.settle()
+    loaded(cache, small[:6])
     page = cache.lender.page_bytes
     assert cache.lender.capacity_bytes() == cache.pool_bytes == 8 * page
     batch = cache.acquire([small[0]])  # the oldest, but in use: never lent
@@ -85,9 +90,7 @@ def test_give_back_beyond_what_is_free_or_idle_is_refused_and_changes_nothing(
     changes: list[Delta] = []
     cache = paged(mixed, make_cache, changes)
     small, _ = small_and_large(mixed)
-    for name in small[:6]:
-        cache.prefetch(name).result(timeout=30)
-    cache.settle()
+    loaded(cache, small[:6])
     batch = cache.acquire(small[:3])  # 3 pages in use: 2 free + 3 idle = 5 may be lent, not 6
     before, changes[:] = sorted((r["adapter"], r["slot"], r["state"]) for r in cache.residency()), []
     page = cache.lender.page_bytes
@@ -217,9 +220,7 @@ def test_a_replica_whose_rank_refuses_to_lend_is_put_back_as_it_was(
     try:
         caches = [paged(mixed, make_cache, []) for _ in range(2)]
         for cache in caches:
-            for name in small[:6]:
-                cache.prefetch(name).result(timeout=30)
-            cache.settle()
+            loaded(cache, small[:6])
         batch = caches[1].acquire(small[:4])  # rank 1: 4 pages in use, 4 free or idle; rank 0: all 8
         handles = {WorkerId("r0", k): _Rank(WorkerControl("r0", mixed, caches[k], outboxes[k])) for k in range(2)}
         links = SimpleNamespace(core=core, handles=handles, attached=set(), call_timeout_s=10.0)

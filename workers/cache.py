@@ -238,9 +238,7 @@ class WorkerCache:
             slot = self.book.table.lookup(key)
             if slot is None or not self.book.table.evict(key):
                 return False
-            self.load_path.write_back(slot.index)  # exclusive tiers: the shard back into the host tier
-            self.book.retire(slot.index)
-            self.book.changed(key, "gone")
+            self.load_path.vacate(slot.index)  # retired, "gone"; exclusive tiers: the shard back into the host tier
         self.book.report()
         self.host.report()
         return True

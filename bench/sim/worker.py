@@ -344,7 +344,7 @@ class SimWorker:
             self._place(waiter)
 
     def _write_back(self, key: AdapterKey, index: int) -> None:
-        """``LoadPath.write_back``: exclusive tiers copy an evicted slot's shard back into the host tier, on the
+        """``LoadPath.vacate``: exclusive tiers copy an evicted slot's shard back into the host tier, on the
         write-back stream (at the host-to-device rate: PCIe's two directions alike) in ``write_back_pieces`` pieces,
         which the next copy into the slot follows (``_place``)."""
         if not self.host.exclusive:

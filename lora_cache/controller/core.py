@@ -129,6 +129,11 @@ def set_gpu_capacity(planner: Planner, worker: WorkerId, capacity: str) -> None:
     except ValueError as e:
         log.warning("worker %s reported a GPU capacity the controller cannot read: %s", worker, e)
         return
+    _set_gpu_bytes(planner, worker, gpu_bytes, page_bytes)
+
+
+def _set_gpu_bytes(planner: Planner, worker: WorkerId, gpu_bytes: int | None, page_bytes: int | None) -> None:
+    """``worker``'s GPU pool bytes and page, kept as the planner's capacity (its slots and host tier unchanged)."""
     have = planner.view.capacity(str(worker))
     if (have.bytes, have.page_bytes) != (gpu_bytes, page_bytes):
         planner.set_capacity(str(worker), have.slots, gpu_bytes, have.host_bytes, page_bytes)
@@ -212,9 +217,7 @@ class ControllerCore:
                                                  host_bytes_per_worker=host_bytes))
             self.readiness.add_replica(replica, tp)
         for wid in workers if gpu_bytes is not None else ():
-            have_capacity = self.planner.view.capacity(str(wid))
-            if (have_capacity.bytes, have_capacity.page_bytes) != (gpu_bytes, page_bytes):
-                self.planner.set_capacity(str(wid), slots, gpu_bytes, have_capacity.host_bytes, page_bytes)
+            _set_gpu_bytes(self.planner, wid, gpu_bytes, page_bytes)
         return workers
 
     def remove_replica(self, replica: str) -> list[ReadinessEvent]:

@@ -156,8 +156,8 @@ class Planner:
         old = self._fleet.queues.get(replica, ())
         if queue == old:
             return
-        for entry in (*old, *queue):  # waiting, or just left the queue to run: its copy lingers (linger_s)
-            self._popularity.touch(entry.adapter, replica, now)
+        for entry in [e for e in old if e not in set(queue)]:  # left the queue to run: its copy lingers; a waiting
+            self._popularity.touch(entry.adapter, replica, now)  # one is needed, and its arrival was observed
         if queue:
             self._fleet.queues[replica] = queue
         else:

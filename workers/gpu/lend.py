@@ -70,9 +70,7 @@ class PoolLender:
             keys = {s.key for s in book.table.slots if s.key is not None and s.key.name in keep}
             pages, evicted = book.table.lend(count, keys)
             for gone in evicted:  # oldest first, each copied out before the engine may write its pages
-                self.load_path.write_back(gone.slot)
-                book.retire(gone.slot)
-                book.changed(gone.key, "gone")
+                self.load_path.vacate(gone.slot)
             book.prune(self.streams.done)
             after = book.lent_after(pages, self.page_numel)
             book.resized(self._capacity(), self.page_bytes)

@@ -54,7 +54,7 @@ def write_back_ahead(vacating: Sequence[tuple[int, int, Any]], start: int, stop:
     (``SlotLoad.behind``).
 
     The copy waits only for the pieces of the range it overwrites (``SlotLoad._vacated``). The pieces run on one
-    stream in the order issued (``vacating``'s order: ``LoadPath.write_back``), so every piece issued before the
+    stream in the order issued (``vacating``'s order: ``LoadPath.vacate``), so every piece issued before the
     last one it overwrites goes first, of whatever slot. Pieces already complete are not counted; one in flight
     counts whole (later than it can land, never sooner). Until 2026-11-30 (fourteenth session) the slot's whole
     copy out was counted: a rank-16 copy after a rank-64 write-back was charged four times its wait, and a
@@ -214,9 +214,7 @@ class LoadPath:
                 if load.wait_timer is not None:
                     load.wait_timer.cancel()
                 for gone in evicted:  # oldest first, each copied out before this load's copies overwrite its pages
-                    self.write_back(gone.slot)
-                    book.retire(gone.slot)
-                    book.changed(gone.key, "gone")
+                    self.vacate(gone.slot)
                 book.changed(load.key, "loading", acquired=not load.commanded)
                 book.loads[load.slot] = book.pending.pop(load.key)
                 load.base = book.table.slots[load.slot].first_page * self.page_numel
@@ -249,15 +247,17 @@ class LoadPath:
         load = self.book.loads[slot]
         return self.flat[load.base : load.base + load.layout.numel]
 
-    def write_back(self, slot: int) -> None:
-        """Exclusive tiers: copy the shard of the READY load leaving ``slot`` back into the host tier (caller holds
-        the lock, before the slot is retired). The copy is issued now, on the write-back stream, in pieces with an
-        event each (``book.vacating``), and every later copy into the slot (a new load's) waits for the pieces of the
-        range it overwrites (``SlotLoad.place``'s ``vacate``); the host entry is the slot's own key, name@version, and
-        is served only once the last piece's event completed (``HostTier.written``: the watcher).
-        Nothing is written back for a tier that keeps host copies, or an unregistered adapter; a tier with no
-        room for it, or one that holds it already, leaves it out (``HostTier.write_back``)."""
+    def vacate(self, slot: int) -> None:
+        """The slot table evicted ``slot``'s adapter (caller holds the lock): its load is retired, its "gone" queued,
+        and under exclusive tiers its shard copied back into the host tier. The copy is issued now, on the write-back
+        stream, in pieces with an event each (``book.vacating``), and every later copy into the slot (a new load's)
+        waits for the pieces of the range it overwrites (``SlotLoad.place``'s ``vacate``); the host entry is the
+        slot's own key, name@version, and is served only once the last piece's event completed (``HostTier.written``:
+        the watcher). Nothing is written back for a tier that keeps host copies, or an unregistered adapter; a tier
+        with no room for it, or one that holds it already, leaves it out (``HostTier.write_back``)."""
         gone = self.book.loads[slot]
+        self.book.retire(slot)
+        self.book.changed(gone.key, "gone")
         if not self.exclusive or not self.registered(gone.key.name):
             return
         numel, base = gone.layout.numel, gone.base

@@ -78,7 +78,7 @@ class CpuStreams:
 
     def copy_back(self, dst: torch.Tensor, src: torch.Tensor, label: object = None) -> Any:
         """On the write-back stream (here: the one deferred queue, in issue order): copy ``src`` (a slot) into ``dst``
-        (the host); returns its event (exclusive tiers: ``LoadPath.write_back``)."""
+        (the host); returns its event (exclusive tiers: ``LoadPath.vacate``)."""
         return self.copy_chunk(dst, src, label=label, timed=False)[1]
 
     def run_copies(self, until: Any = None) -> None:
