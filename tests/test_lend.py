@@ -241,3 +241,85 @@ def test_a_replica_whose_rank_refuses_to_lend_is_put_back_as_it_was(
     finally:
         for outbox in outboxes:
             outbox.close()
+
+
+def _lend_race_once(tmp_path: Path, wait_for_write_back: bool) -> tuple[bool, bool]:
+    """On a GPU, one page of a one-slot pool: adapter-000 in it, its write-back held up on the write-back stream,
+    the page lent and written by the engine on its compute stream, taken back while a slow engine op still
+    writes it, then adapter-001 loaded into it. Returns (adapter-000's written-back host copy is its own weights,
+    the page holds exactly adapter-001's shard)."""
+    import torch
+
+    from workers.cache import WorkerConfig
+    from workers.staging.host_config import HostTierConfig
+
+    make_adapters(tmp_path, SynthConfig(model="tiny", count=2, rank="16"))
+    catalog = AdapterCatalog(CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny", max_rank=16))
+    catalog.register_dir(tmp_path)
+    cache = WorkerCache(WorkerConfig(num_slots=1, device="cuda", host=HostTierConfig(host_bytes=64 << 20)), catalog)
+    try:
+        staged = cache.stage("adapter-001")
+        assert staged is not None
+        staged.result(timeout=30)
+        first = cache.prefetch("adapter-000").result(timeout=30)
+        numel = cache.layout_of("adapter-000").numel
+        own = cache.shard(first.slot)[:numel].clone()
+        streams = cache.streams
+        torch.cuda.synchronize()
+        with torch.cuda.stream(streams.back_stream):  # type: ignore[attr-defined]
+            torch.cuda._sleep(300_000_000)  # the write-back stream is busy: adapter-000's copy out runs late
+        lease = cache.lender.give_back(1)
+        assert lease.evicted == (f"adapter-000@{first.version}",)
+        with torch.cuda.stream(streams.compute_stream):  # type: ignore[attr-defined]
+            if wait_for_write_back:
+                cache.lender.wait(lease)
+            lease.views[0].fill_(7.0)  # the engine writes its page
+            torch.cuda._sleep(300_000_000)
+            lease.views[0].fill_(9.0)  # ... and still writes it, late, after handing it back below
+        cache.lender.take_back(lease)
+        second = cache.prefetch("adapter-001").result(timeout=60)  # a host hit: its copy is issued at once
+        torch.cuda.synchronize()
+        loaded_ok = torch.equal(cache.shard(second.slot)[: cache.layout_of("adapter-001").numel].cpu(),
+                                _file_shard(cache, "adapter-001"))
+        again = cache.prefetch("adapter-000").result(timeout=60)  # from the written-back host copy, not the file
+        torch.cuda.synchronize()
+        assert again.host_hit
+        kept_ok = torch.equal(cache.shard(again.slot)[:numel], own)
+        cache.check_integrity()
+        return kept_ok, loaded_ok
+    finally:
+        cache.close()
+
+
+def _file_shard(cache: WorkerCache, name: str) -> object:
+    from tests.test_gpu import _file_shard as file_shard
+
+    return file_shard(cache, name)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_engine_writes_a_lent_page_after_its_write_back_and_a_load_after_the_engine() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import tempfile
+
+    for _ in range(3):
+        with tempfile.TemporaryDirectory() as root:
+            assert _lend_race_once(Path(root), wait_for_write_back=True) == (True, True)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_lent_page_race_is_real_without_the_lease_wait() -> None:
+    """The control: an engine that writes its lent page without ``wait(lease)`` corrupts the evicted adapter's
+    written-back host copy (the next load from it is not the adapter's weights)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        kept_ok, _ = _lend_race_once(Path(root), wait_for_write_back=False)
+    assert not kept_ok
