@@ -13,6 +13,8 @@
 #   lend      the lending tests on the GPU (tests/test_lend.py -m gpu: the engine's writes follow the evicted shard's
 #             write-back, the next load follows the engine's last use), then bench.probes.give_back --device cuda
 #             (give_back.json: the time to give back GIVE_GB [1] GB under load)
+#   kv        the engine's borrowed KV rows on the GPU (tests/test_kv_rows.py -m gpu: decode graphs for own rows,
+#             eager steps over lent pages, the outputs of own rows) and the engine's other GPU tests
 #   bytes-seed  bench.run --engine real, the `seed` scenario (16 adapters of ranks 16 and 64, uniform), one
 #             replica, the page cache, `queue` and `global` (POLICIES), workload seed SEED [0]: 8 slots of rank 64,
 #             then the same bytes as 32 pages of rank 16 (15 slots), each run its own directory
@@ -51,6 +53,9 @@ for part in "$@"; do
       step lend_tests "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_lend.py
       step give_back "$PYTHON" -m bench.probes.give_back --device cuda --model "$model" --give-gb "${GIVE_GB:-1}" \
         --out "$out/give_back.json" ;;
+    kv)
+      step kv_tests "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_kv_rows.py tests/test_engine.py \
+        -k "not real_shape and not tp2" ;;
     bytes-seed)
       pair "bytes-seed-s${SEED:-0}" --scenario seed --num-adapters 16 --max-adapters 8 --warmup-requests 100 \
         --requests 200 --store page-cache --workload-seed "${SEED:-0}" ;;

@@ -63,6 +63,7 @@ from workers.cache import WorkerCache, WorkerConfig
 from workers.control.outbox import Outbox, QueueSender
 from workers.control.rank import WorkerControl
 from workers.gpu.acquire import AdapterRef, Batch
+from workers.gpu.lend import PoolLender
 
 __all__ = ["RELAYED", "AttachConfig", "Attachment", "EndpointStaleError", "Relay", "attach"]
 
@@ -199,6 +200,12 @@ class Attachment:
         self.streams: Any = self.cache.streams  # copy_stream, compute_stream (the one given to attach), events
 
     # -- the engine's calls (lifecycle step 9) ------------------------------------------------------
+    @property
+    def lender(self) -> PoolLender:
+        """The pool that breathes: lends whole pages to this engine and takes them back (``workers.gpu.lend``); the
+        evictions and the new capacity reach the controller through this rank's outbox."""
+        return self.cache.lender
+
     def shard(self, slot: int) -> torch.Tensor:
         """The packed shard ``slot`` holds, as a view of the pool's pages."""
         return self.cache.shard(slot)

@@ -35,6 +35,11 @@ class EngineConfig:
         "help": "least bytes of a load's layer-ordered chunks (0: a chunk per layer); see WorkerConfig"})
     max_rank: int = field(default=64, metadata={"help": "largest LoRA rank served (sizes the slots)"})
     max_running: int = field(default=32, metadata={"help": "most requests running (prefilled, decoding) at once"})
+    kv_rows: int = field(default=0, metadata={
+        "help": "KV rows of the engine's own (0: max_running); past them, up to max_running, requests run in rows "
+                "borrowed from the adapter pool's idle pages as the batch grows (workers/engine/kv_rows.py)"})
+    kv_return_s: float = field(default=1.0, metadata={
+        "help": "borrowed KV rows unused this long go back to the adapter pool"})
     max_adapters: int = field(default=4, metadata={"help": "most distinct adapters among running requests"})
     max_prefill_tokens: int = field(default=4096, metadata={"help": "prompt tokens per prefill step"})
     max_seq_len: int = field(default=2048, metadata={"help": "longest input + output of a request (KV rows)"})
@@ -63,6 +68,11 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_seq_len < 2:
             raise ConfigError(f"max_seq_len must be >= 2 (one prompt and one output token), got {self.max_seq_len}")
+        if not 0 <= self.kv_rows <= self.max_running:
+            raise ConfigError(f"kv_rows must be within 0..max_running ({self.max_running}), got {self.kv_rows}; "
+                              "0 keeps max_running rows of the engine's own (nothing borrowed)")
+        if self.kv_return_s < 0:
+            raise ConfigError(f"kv_return_s must be >= 0, got {self.kv_return_s}")
         if self.agree_timeout_s < 0:
             raise ConfigError(f"agree_timeout_s must be >= 0 (0: no limit), got {self.agree_timeout_s}")
         if self.chunk_bytes < 0:

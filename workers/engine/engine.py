@@ -35,6 +35,7 @@ from workers.attach.versions import ReducedVersions
 from workers.engine.admission import ADMISSION, AdmissionRule
 from workers.engine.config import EngineConfig
 from workers.engine.feed import Feed
+from workers.engine.kv_rows import split_report
 from workers.engine.rank import RankEngine, RankStats, load_catalog
 from workers.engine.scheduler import STOP, Scheduler, StepPlan, check_requests
 from workers.engine.timings import RequestRecord, summarize
@@ -187,10 +188,11 @@ def _plan(scheduler: Scheduler | None, now: float, engine: RankEngine, reduced: 
     the names every rank appends to the exchange after it; their requests wait a round: no version yet)."""
     if scheduler is None:
         return None
+    reduced, kv_held = split_report(reduced, engine.kv_lend)
     view = ReducedVersions(reduced, engine.names, engine.versions.codes)
     if failed := view.step_failures():
         scheduler.fail_step(failed)
-    plan = scheduler.plan(now, view.readiness(), view.versions())
+    plan = scheduler.plan(now, view.readiness(), view.versions(), kv_held)
     return plan._replace(names=added, dropped=dropped) if added or dropped else plan
 
 

@@ -28,6 +28,7 @@ from workers.engine.admission import ADMISSION, CopyClock
 from workers.engine.arrivals import Arrivals
 from workers.engine.config import EngineConfig
 from workers.engine.graphs import DecodeGraphs
+from workers.engine.kv_rows import borrowed_rows, kv_report, plan_adapters
 from workers.engine.lora import LoraOp
 from workers.engine.model import KVCache, Rope, ShardedModel, StepInputs, build_model, prompt_states
 from workers.engine.scheduler import PREFILL, WAIT, Item, StepPlan
@@ -112,6 +113,7 @@ class RankStats:
     gc: dict[str, float] = field(default_factory=dict)  # heap.Pauses.summary() over the engine's life
     step_log: list[StepLog] = field(default_factory=list)
     audit: list[StepAudit] = field(default_factory=list)  # per step, if the config audits steps
+    kv: dict[str, Any] = field(default_factory=dict)  # borrowed KV rows (``BorrowedRows.summary``), if any
 
 
 class RankEngine:
@@ -148,9 +150,10 @@ class RankEngine:
         self._names_generation = self.catalog.generation  # rank 0: the catalog generation its names were read at
         self.versions = RankVersions(self.catalog, self.catalog.names())  # this rank's part of the version exchange
         self.lora = LoraOp(self.cache, max(config.max_prefill_tokens, config.max_running), config.max_running)
-        self.pad_row = config.max_running  # one KV row past the scheduler's: the decode graphs' padding
+        self.pad_row = config.kv_rows or config.max_running  # one past the own KV rows: the graphs' padding
         with self._on_stream():
             self.model = self._make_model()
+            self.kv_lend = borrowed_rows(config, self.model.kv, self.cache, self.pad_row)
             self.last = torch.zeros(config.max_running + 1, self.model.shape.hidden_size, dtype=self.dtype,
                                     device=self.device)  # each KV row's last output: its request's next input
         self.graphs = (DecodeGraphs(self.model, self.lora, self.last, self.stream, max_running=config.max_running,
@@ -191,7 +194,7 @@ class RankEngine:
 
     def _make_model(self) -> ShardedModel:
         c, shape = self.config, self.config.shape()
-        kv = KVCache(c.layers, c.max_running + 1, shape.num_kv_heads // c.tp, c.max_seq_len, shape.head_dim, self.dtype,
+        kv = KVCache(c.layers, self.pad_row + 1, shape.num_kv_heads // c.tp, c.max_seq_len, shape.head_dim, self.dtype,
                      self.device)
         rope = Rope(shape.head_dim, c.max_seq_len, c.rope_theta, self.device) if c.rope else None
         return build_model(shape, c.layers, tp=c.tp, rank=self.comm.rank, seed=c.seed, share=c.share_weights,
@@ -245,7 +248,7 @@ class RankEngine:
         the acquire loads it again (that very version) and the step counts the wait."""
         start = time.perf_counter()
         try:
-            return self._readiness(wanted)
+            return kv_report(self._readiness(wanted), self.kv_lend)
         finally:
             self._readiness_s += time.perf_counter() - start
 
@@ -289,6 +292,9 @@ class RankEngine:
         if plan.wanted or self._pinned is not None:
             self.pin(plan.wanted)  # what the prefetches below may not evict
         self.arrivals.release_taken(plan.wanted)  # the round's pins hold the taken arrivals' adapters it wants
+        if self.kv_lend is not None:  # borrowed KV rows to the plan's count, before the step that may run in them
+            with self._on_stream():
+                self.kv_lend.adjust(plan.kv_rows, plan_adapters(plan))
         if plan.kind == WAIT:
             self._prefetch(plan.prefetch)
             self._wait(plan, arrival)
@@ -407,7 +413,7 @@ class RankEngine:
     def _forward(self, prefill: bool, items: list[Item], slot_of: dict[AdapterRef, int],
                  waits: ChunkWaits | None = None) -> torch.Tensor:
         slots = [slot_of[it.ref] if it.ref is not None else -1 for it in items]
-        if not prefill and self.graphs is not None:
+        if not prefill and self.graphs is not None and all(it.row < self.pad_row for it in items):
             if waits is not None:  # a graph waits on no event: the stream waits for whole adapters first
                 waits.finish()
             return self.graphs.run([it.row for it in items], [it.start for it in items], slots)
@@ -446,7 +452,8 @@ class RankEngine:
         captures every decode graph (``graphs.py``). Every rank calls this at once; the KV rows it writes
         are overwritten by the next prefill of each row."""
         c = self.config
-        sizes = sorted({1, 3, min(16, c.max_running), c.max_running})
+        own = self.pad_row  # the own KV rows: no row is borrowed before the clock
+        sizes = sorted({min(n, own) for n in (1, 3, min(16, c.max_running), c.max_running)})
         with self._on_stream():
             for n in sizes:
                 prompt = max(1, min(17, c.max_prefill_tokens // n, c.max_seq_len - 1))
@@ -473,6 +480,9 @@ class RankEngine:
         self.stats.gc = self.pauses.summary()
         self.arrivals.close()
         self.unpin()
+        if self.kv_lend is not None:
+            self.kv_lend.close()
+            self.stats.kv = self.kv_lend.summary()
         self.stats.cache = self.cache.stats()
         self.cache.check_integrity()
         if isinstance(self.cache, WorkerCache) and self.owns_cache:

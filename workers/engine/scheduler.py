@@ -23,6 +23,7 @@ from lora_cache.vocab import AdapterKey
 from workers.attach.versions import AdapterVersions, Readiness
 from workers.engine.admission import AdmissionRule
 from workers.engine.config import EngineConfig
+from workers.engine.kv_rows import RowBook
 from workers.engine.timings import RequestRecord
 from workers.engine.workload import Request
 from workers.gpu.acquire import AdapterRef
@@ -72,6 +73,8 @@ class StepPlan(NamedTuple):
     # them to its version exchange, in this order, before the next round's (``RankVersions.append``)
     dropped: tuple[str, ...] = ()  # rows of named versions (``A@VERSION``) no request uses, idle longest: every rank
     # drops them from its exchange with the round's new names (``RankVersions.drop``, ``engine.NamedRows``)
+    kv_rows: int = 0  # KV rows borrowed from the adapter pool that every rank holds from this round on
+    # (``workers.engine.kv_rows``: grown for requests short of a row, given back once unused)
 
 
 @dataclass
@@ -156,7 +159,9 @@ class Scheduler:
         self.pending = deque(sorted(requests, key=self._order))  # not arrived yet
         self.waiting: list[_Live] = []  # arrived, not admitted, in arrival order
         self.running: dict[int, _Live] = {}  # admitted, in admission order
-        self.free_rows = deque(range(config.max_running))  # KV rows
+        own = config.kv_rows or config.max_running
+        self.rows = RowBook(own, config.max_running - own, config.kv_return_s)  # KV rows: own, then borrowed
+        self._short = 0  # the last admission pass: requests that would start but for a KV row
         self._blocked: dict[AdapterRef, None] = {}  # adapters of requests that fit now but wait for their load
         self._last_items: tuple[Item, ...] = ()  # the last step's items (a rank's failure there fails them)
         self._upgraded: set[AdapterKey] = set()  # re-registered versions prefetched once already
@@ -198,10 +203,18 @@ class Scheduler:
 
     # -- one round -----------------------------------------------------------------------------------
     def plan(self, now: float, ready: Mapping[str, Readiness],
-             versions: Mapping[str, AdapterVersions] | None = None) -> StepPlan:
+             versions: Mapping[str, AdapterVersions] | None = None, kv_held: int = 0) -> StepPlan:
         """``ready``: each adapter's state on the replica (of the version it serves); ``versions``: which
         version it serves (``workers.attach.versions``), or None to run unversioned (names only: the
-        simulator, a single catalog)."""
+        simulator, a single catalog); ``kv_held``: the borrowed KV rows every rank holds (the minimum)."""
+        plan = self._plan(now, ready, versions, kv_held)
+        if not self.rows.borrowable or plan.kind == STOP:
+            return plan
+        return plan._replace(kv_rows=self.rows.plan(now, self._short))
+
+    def _plan(self, now: float, ready: Mapping[str, Readiness], versions: Mapping[str, AdapterVersions] | None,
+              kv_held: int) -> StepPlan:
+        self.rows.held = kv_held
         self._arrive(now)
         if self.rule.prefetch or versions is not None:
             self._fail_broken(ready)
@@ -236,7 +249,7 @@ class Scheduler:
                 live.outputs.append(outputs[item.rid])
             if len(live.token_s) == live.request.output_len:
                 del self.running[item.rid]
-                self.free_rows.append(live.row)
+                self.rows.give(live.row)
                 self._finished.append(item.rid)
 
     def fail_step(self, adapters: Collection[str]) -> None:
@@ -249,7 +262,7 @@ class Scheduler:
                 live.error = (f"adapter {item.ref} could not be held on every TP rank "
                               "(its version is no longer loadable there); the request was stopped")
                 if self.running.pop(item.rid, None) is not None:
-                    self.free_rows.append(live.row)
+                    self.rows.give(live.row)
                     self._finished.append(item.rid)
         self._last_items = ()
 
@@ -344,7 +357,7 @@ class Scheduler:
                     admits: Callable[[Request, Readiness], bool]) -> list[_Live]:
         adapters, tokens = self._running_adapters(), 0
         new: list[_Live] = []
-        self._blocked = {}
+        self._blocked, self._short = {}, 0
         for live in self.waiting:
             r = live.request
             version = versions[r.adapter].serve if versions is not None and r.adapter is not None else None
@@ -353,13 +366,17 @@ class Scheduler:
             else:
                 live.unagreed_since = None
             ref = _ref(r.adapter, version)
-            room = len(self.running) + len(new) < self.config.max_running
-            fits = (room and tokens + r.input_len <= self.config.max_prefill_tokens
-                    and (ref is None or ref in adapters or len(adapters) < self.config.max_adapters))
-            if not fits:
+            room = len(self.running) + len(new) < self.rows.capacity()
+            bounds = (tokens + r.input_len <= self.config.max_prefill_tokens
+                      and (ref is None or ref in adapters or len(adapters) < self.config.max_adapters))
+            state = Readiness.READY if r.adapter is None else ready.get(r.adapter, Readiness.NOT_READY)
+            agreed = versions is None or r.adapter is None or version is not None
+            if not (room and bounds):
+                below = len(self.running) + len(new) + self._short < self.config.max_running
+                if bounds and below and agreed and admits(r, state):
+                    self._short += 1  # it would start but for a KV row: one more borrowed (``RowBook.plan``)
                 live.unblock(now)  # held back by bounds now, not by its adapter
                 continue
-            state = Readiness.READY if r.adapter is None else ready.get(r.adapter, Readiness.NOT_READY)
             if (versions is not None and r.adapter is not None and version is None) or not admits(r, state):
                 live.blocked_since = now if live.blocked_since is None else live.blocked_since
                 if ref is not None and (versions is None or version is not None):
@@ -374,7 +391,7 @@ class Scheduler:
         return new
 
     def _start(self, live: _Live, now: float) -> Item:
-        live.row, live.prefill_s = self.free_rows.popleft(), now
+        live.row, live.prefill_s = self.rows.take(), now
         self.running[live.request.rid] = live
         return Item(live.request.rid, live.request.adapter, live.row, 0, live.request.input_len, live.version)
 

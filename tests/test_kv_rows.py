@@ -1,0 +1,161 @@
+"""Issue 43 item 3, the engine's side: KV rows borrowed from the adapter pool as the batch grows.
+
+The reference engine keeps ``kv_rows`` KV rows of its own and runs up to ``max_running`` requests: the rows past its
+own are whole pool pages lent by the rank's ``PoolLender`` (idle adapters evicted, never an in-use one, never below a
+batch's room), held on every TP rank before a request starts in one, and given back once unused. Held here: a
+request computes the same outputs in a borrowed row as in an own one (TP 1 and TP 2, on the CPU; with CUDA graphs
+on a GPU); the rows are grown only for requests short of a row, never taken below one in use, and given back
+after ``kv_return_s``; a pool with no page to spare lends none and the stream is served in the own rows; bad
+settings are refused before serving, naming the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lora_cache.errors import CapacityError, ConfigError
+from tests.test_engine import REQUESTS, adapters, check_served, engine_config  # noqa: F401  (adapters: a fixture)
+from workers.engine import EngineResult, Request, run_engine
+from workers.engine.kv_rows import RowBook
+
+# every request at once: the batch outgrows one own row at the first round
+BURST = [r._replace(arrival_s=0.0) for r in REQUESTS]
+
+
+def borrowing(**kw: object) -> dict[str, object]:
+    """One own KV row, up to 4 running: 16 pages of rank 16, of which 8 stay for a batch's 2 adapters of rank 64."""
+    return dict(admission="ondemand", page_rank=16, pool_pages=16, num_slots=6, kv_rows=1, kv_return_s=0.0) | kw
+
+
+@pytest.fixture(scope="module")
+def own_rows(adapters: Path) -> EngineResult:  # noqa: F811
+    return run_engine(engine_config(adapters, admission="ondemand", page_rank=16, pool_pages=16, num_slots=6), BURST)
+
+
+def same_outputs(a: EngineResult, b: EngineResult, tol: float = 1e-5) -> None:
+    for one, two in zip(a.records, b.records, strict=True):
+        assert one.outputs is not None and two.outputs is not None
+        torch.testing.assert_close(two.outputs, one.outputs, rtol=tol, atol=tol)
+
+
+def batched_over(result: EngineResult, rows: int) -> bool:
+    """Whether some step ran more requests than ``rows`` (so some ran in a borrowed row)."""
+    ends: dict[float, int] = {}
+    for r in result.records:
+        for t in r.token_s:
+            ends[t] = ends.get(t, 0) + 1
+    return max(ends.values()) > rows
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_requests_in_borrowed_rows_compute_what_own_rows_do(adapters: Path, own_rows: EngineResult,  # noqa: F811
+                                                            tp: int) -> None:
+    config = engine_config(adapters, **borrowing(tp=tp, admission="ondemand" if tp == 1 else "overlap"))
+    result = run_engine(config, BURST)
+    check_served(result, config, BURST)
+    assert batched_over(result, 1), "the burst ran in borrowed rows"
+    assert not batched_over(own_rows, 4)
+    same_outputs(own_rows, result, 1e-5 if tp == 1 else 1e-4)
+    kv = [s.kv for s in result.ranks]
+    assert all(k["rows_borrowed"] >= 1 for k in kv), kv
+    assert all(s.cache["load_failures"] == 0 for s in result.ranks)
+
+
+def test_a_pool_with_no_page_to_spare_lends_none_and_serves_in_its_own_rows(adapters: Path,  # noqa: F811
+                                                                            own_rows: EngineResult) -> None:
+    """8 pages of rank 16 are exactly a batch's 2 adapters of rank 64: nothing may be lent, nothing fails."""
+    config = engine_config(adapters, **borrowing(pool_pages=8))
+    result = run_engine(config, BURST)
+    check_served(result, config, BURST)
+    assert not batched_over(result, 1)
+    kv = result.ranks[0].kv
+    assert kv["rows_borrowed"] == 0 and kv["refused"] >= 1, kv
+    same_outputs(own_rows, result)
+
+
+@pytest.mark.parametrize(("kw", "words"), [
+    (dict(kv_rows=5), "kv_rows must be within 0..max_running (4), got 5"),
+    (dict(kv_rows=-1), "kv_rows must be within 0..max_running (4), got -1"),
+    (dict(kv_return_s=-1.0), "kv_return_s must be >= 0"),
+    (dict(page_rank=1, pool_pages=128, max_seq_len=2048, max_prefill_tokens=24),
+     r"slab of one layer \(65536 elements, \[2, 2048, 16\]\) is larger than a pool page \(2048 elements\); "
+     "lower max_seq_len, raise page_rank"),
+])
+def test_bad_kv_row_settings_are_refused_before_serving(adapters: Path, kw: dict[str, object],  # noqa: F811
+                                                        words: str) -> None:
+    with pytest.raises(ConfigError, match=words if "\\" in words else words.replace("(", r"\(").replace(")", r"\)")):
+        run_engine(engine_config(adapters, **borrowing(**kw)), [Request(0, None, 2, 1)])
+
+
+# -- the rule (rank 0's RowBook), on its own --------------------------------------------------------------
+def test_rows_are_own_first_then_the_lowest_borrowed_one_every_rank_holds() -> None:
+    book = RowBook(2, 3, return_s=1.0)
+    assert book.plan(0.0, short=0) == 0
+    assert [book.take(), book.take()] == [0, 1] and book.capacity() == 2
+    with pytest.raises(CapacityError, match="no KV row free: 2 own rows and 0 borrowed ones in use"):
+        book.take()
+    assert book.plan(0.0, short=5) == 3, "grown for the requests short of a row, up to the borrowable rows"
+    book.held = 2  # one rank could lend only two
+    assert [book.take(), book.take()] == [3, 4] and book.capacity() == 4
+    book.give(3)
+    assert book.take() == 3
+
+
+def test_borrowed_rows_go_back_after_return_s_and_never_below_one_in_use() -> None:
+    book = RowBook(1, 3, return_s=1.0)
+    book.take()
+    assert book.plan(0.0, short=3) == 3
+    book.held = 3
+    rows = [book.take() for _ in range(3)]
+    assert rows == [2, 3, 4]
+    book.give(2)
+    book.give(3)  # the top row (4) is still in use
+    assert book.plan(1.0, short=0) == 3 and book.plan(5.0, short=0) == 3
+    book.give(4)
+    assert book.plan(6.0, short=0) == 3, "unused since 6.0: kept a while"
+    assert book.plan(6.5, short=1) == 3
+    assert book.plan(7.0, short=0) == 0, "given back after return_s"
+    book.held = 0
+    assert book.plan(7.5, short=1) == 1
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(st.sampled_from(["take", "give", "plan", "report"]), st.integers(0, 4)), max_size=60))
+def test_the_plan_never_drops_a_row_in_use_and_takes_only_rows_every_rank_holds(ops: list[tuple[str, int]]) -> None:
+    book = RowBook(2, 3, return_s=0.5)
+    running: list[int] = []
+    now = 0.0
+    for op, n in ops:
+        now += 0.3
+        if op == "take" and len(running) < book.capacity():
+            row = book.take()
+            assert row not in running and (row < 2 or 3 <= row < 3 + book.held)
+            running.append(row)
+        elif op == "give" and running:
+            book.give(running.pop(n % len(running)))
+        elif op == "plan":
+            target = book.plan(now, short=n)
+            assert target <= 3
+            assert target >= max((r - 2 for r in running if r > 2), default=0), "a row in use is never given back"
+        elif op == "report":  # the ranks did what the last plan asked, or some could lend less
+            book.held = max(min(book.target, n), max((r - 2 for r in running if r > 2), default=0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_borrowed_rows_with_decode_graphs_compute_what_own_rows_do(adapters: Path) -> None:  # noqa: F811
+    """On a GPU: steps whose rows are all own replay the decode graphs, steps with a borrowed row run eagerly over
+    the lent pages; the outputs are the own rows' run's."""
+    from tests.test_engine import gpu_config
+
+    own = run_engine(gpu_config(adapters, dtype="float32", page_rank=16, pool_pages=16, num_slots=6), BURST)
+    config = gpu_config(adapters, dtype="float32", page_rank=16, pool_pages=16, num_slots=6, kv_rows=1,
+                        kv_return_s=0.0)
+    result = run_engine(config, BURST)
+    check_served(result, config, BURST)
+    assert batched_over(result, 1) and result.ranks[0].kv["rows_borrowed"] >= 1
+    same_outputs(own, result, 1e-4)
