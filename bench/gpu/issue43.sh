@@ -15,6 +15,8 @@
 #             (give_back.json: the time to give back GIVE_GB [1] GB under load)
 #   kv        the engine's borrowed KV rows on the GPU (tests/test_kv_rows.py -m gpu: decode graphs for own rows,
 #             eager steps over lent pages, the outputs of own rows) and the engine's other GPU tests
+#   kv-trade  bench.probes.kv_trade (kv_trade.json): a fixed engine (32 own KV rows) against a breathing one (8 own
+#             rows, the other rows' bytes as adapter pages it borrows back) on a quiet-burst-quiet workload
 #   bytes-seed  bench.run --engine real, the `seed` scenario (16 adapters of ranks 16 and 64, uniform), one
 #             replica, the page cache, `queue` and `global` (POLICIES), workload seed SEED [0]: 8 slots of rank 64,
 #             then the same bytes as 32 pages of rank 16 (15 slots), each run its own directory
@@ -56,6 +58,8 @@ for part in "$@"; do
     kv)
       step kv_tests "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_kv_rows.py tests/test_engine.py \
         -k "not real_shape and not tp2" ;;
+    kv-trade)
+      step kv_trade "$PYTHON" -m bench.probes.kv_trade --model "$model" --out "$out/kv_trade.json" ;;
     bytes-seed)
       pair "bytes-seed-s${SEED:-0}" --scenario seed --num-adapters 16 --max-adapters 8 --warmup-requests 100 \
         --requests 200 --store page-cache --workload-seed "${SEED:-0}" ;;
