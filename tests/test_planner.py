@@ -515,6 +515,20 @@ def test_a_bridge_a_waiting_request_names_does_not_give_way_to_its_new_version()
     planner.check_integrity()
 
 
+def test_a_bridge_on_a_worker_over_its_capacity_goes_first() -> None:
+    """Found by the planner's state machine (random profile, 2026-12-01): a worker with one slot reported both the
+    new version (loading) and the old one (READY, a bridge until the new one is READY everywhere). The new version
+    needed no prefetch, so no room was asked for and the bridge stayed: the worker planned over its capacity. A
+    bridge is never needed: on a worker over its capacity it is evicted first (unless a waiting request names it)."""
+    planner = make(tp=1, slots=1)
+    queue(planner, "r0", "a1")
+    planner.register_adapter(AdapterInfo("a1", "v2", 100))
+    planner.report_residency("r0/w0", [ResidencyEntry("a1", "v1", READY), ResidencyEntry("a1", "v2", LOADING)])
+    plan = planner.plan(1.0)
+    assert evicted(plan, "r0/w0") == ["a1"] and plan.for_worker("r0/w0").evicts[0].version == "v1"
+    planner.check_integrity()
+
+
 def test_byte_budget_is_checked_besides_slots() -> None:
     infos = [AdapterInfo("huge", "v1", 500), AdapterInfo("mid", "v1", 300), AdapterInfo("tiny", "v1", 100)]
     planner = Planner(PlannerConfig(), 0, infos, [ReplicaSpec("r", ("w",), 4, 400)])

@@ -260,6 +260,11 @@ class Replanner:
         for key in held.keys() - set(evicts):
             room.take(fleet.bytes_of(key))
         kept = sorted(k for k in bridges if k in held and not held[k].pinned)  # may make room for new versions
+        while room.over() and (spare := [k for k in kept if k not in named]):  # a worker over its capacity (it
+            bridge = spare.pop()  # reported more than it holds room for): a bridge is not needed, so it goes first
+            kept.remove(bridge)
+            evicts.append(bridge)
+            room.give(fleet.bytes_of(bridge))
         prefetches: list[tuple[int, AdapterKey]] = []
         for priority, key in enumerate(keys):
             # a bridge gives way to its own new version, unless a waiting request or a hint names it
