@@ -67,8 +67,9 @@ def test_requests_in_borrowed_rows_compute_what_own_rows_do(adapters: Path, own_
 
 def test_a_pool_with_no_page_to_spare_lends_none_and_serves_in_its_own_rows(adapters: Path,  # noqa: F811
                                                                             own_rows: EngineResult) -> None:
-    """8 pages of rank 16 are exactly a batch's 2 adapters of rank 64: nothing may be lent, nothing fails."""
-    config = engine_config(adapters, **borrowing(pool_pages=8))
+    """10 pages of rank 16: the own row and the padding row (a page each) lent at start, and 8 pages, exactly a
+    batch's 2 adapters of rank 64, that may not be lent: no row is borrowed, nothing fails."""
+    config = engine_config(adapters, **borrowing(pool_pages=10))
     result = run_engine(config, BURST)
     check_served(result, config, BURST)
     assert not batched_over(result, 1)
@@ -84,6 +85,8 @@ def test_a_pool_with_no_page_to_spare_lends_none_and_serves_in_its_own_rows(adap
     (dict(page_rank=1, pool_pages=128, max_seq_len=2048, max_prefill_tokens=24),
      r"slab of one layer \(65536 elements, \[2, 2048, 16\]\) is larger than a pool page \(2048 elements\); "
      "lower max_seq_len, raise page_rank"),
+    (dict(pool_pages=9), r"the pool \(9 pages\) cannot lend 2 KV rows of 1 pages each beside a batch's adapters "
+                         r"\(8 pages\); give pool_pages >= 10 or fewer kv_rows"),
 ])
 def test_bad_kv_row_settings_are_refused_before_serving(adapters: Path, kw: dict[str, object],  # noqa: F811
                                                         words: str) -> None:

@@ -7,8 +7,9 @@
 Two reference engines (``run_engine``, one rank) serve the same requests with the same GPU bytes for KV rows and
 adapter pages together:
 - ``fixed``: ``max_running`` KV rows of its own and a pool of ``--pages`` pages of rank ``--rank``;
-- ``breathing``: ``--own-rows`` rows of its own, the other rows' bytes added to its pool as pages
-  (``EngineConfig.kv_rows``): its batch borrows them back as it grows (``workers/engine/kv_rows.py``).
+- ``breathing``: the fixed engine's KV bytes added to its pool as pages (``EngineConfig.kv_rows``): it keeps
+  ``--own-rows`` rows (and the padding row) there from the start, the rest hold adapters until its batch borrows
+  them back as it grows (``workers/engine/kv_rows.py``).
 The requests: Zipf 1.5 over ``--adapters`` adapters of rank ``--rank`` (one page each), a quiet phase, a burst,
 then quiet again. Reported per engine: mean / p99 TTFT per phase, GPU hit rate, loads, the largest batch, rows
 borrowed and the host time of a row's give-back. CPU (tiny shapes) or one GPU.
@@ -100,8 +101,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     page_numel, _ = pool_pages(WorkerConfig(num_slots=1, page_rank=args.rank, pool_pages=1), shape, args.rank, dtype)
     slab = shape.num_kv_heads * args.max_seq_len * shape.head_dim
-    per_row = -(-2 * layers // (page_numel // slab))  # pages a borrowed row takes (``BorrowedRows``)
-    extra = (args.max_running - args.own_rows) * per_row
+    per_row = -(-2 * layers // ((page_numel - shape.head_dim + 1) // slab))  # pages a row takes (``BorrowedRows``)
+    extra = (args.max_running + 1) * per_row  # every row of the fixed engine's KV cache (and its padding row)
     common: dict[str, Any] = dict(model=args.model, num_layers=args.layers, device=args.device,
                                   max_running=args.max_running, max_adapters=args.max_adapters, max_rank=args.rank,
                                   page_rank=args.rank, max_seq_len=args.max_seq_len,

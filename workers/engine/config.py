@@ -36,8 +36,9 @@ class EngineConfig:
     max_rank: int = field(default=64, metadata={"help": "largest LoRA rank served (sizes the slots)"})
     max_running: int = field(default=32, metadata={"help": "most requests running (prefilled, decoding) at once"})
     kv_rows: int = field(default=0, metadata={
-        "help": "KV rows of the engine's own (0: max_running); past them, up to max_running, requests run in rows "
-                "borrowed from the adapter pool's idle pages as the batch grows (workers/engine/kv_rows.py)"})
+        "help": "KV rows kept in the adapter pool's pages, lent at start (0: the engine's own KV cache of "
+                "max_running rows); past them, up to max_running, rows borrowed from the pool's idle pages as the "
+                "batch grows and given back when it shrinks (workers/engine/kv_rows.py)"})
     kv_return_s: float = field(default=1.0, metadata={
         "help": "borrowed KV rows unused this long go back to the adapter pool"})
     max_adapters: int = field(default=4, metadata={"help": "most distinct adapters among running requests"})

@@ -1,8 +1,9 @@
-"""KV rows borrowed from the adapter pool as the batch grows (issue 43 item 3: the pool that breathes, its engine).
+"""The engine's KV cache in the adapter pool, its rows borrowed as the batch grows (issue 43 item 3, the engine).
 
-The engine keeps ``kv_rows`` KV rows of its own (its ``KVCache``; one more is the decode graphs' padding row). Up to
-``max_running`` requests may run: the rows past its own are borrowed from the rank's adapter pool, whole pages lent
-by ``PoolLender.give_back``, and given back when the batch shrinks. The rule (rank 0 decides, every rank follows):
+With ``kv_rows`` > 0 the engine keeps its KV cache in the rank's adapter pool: ``kv_rows`` rows (and the decode
+graphs' padding row) are whole pages lent by the pool at start (``PoolLender.give_back``) and kept; up to
+``max_running`` requests may run, the rows past the own ones borrowed from the pool as the batch grows and given
+back when it shrinks. The rule (rank 0 decides, every rank follows):
 
 - **Grow** when a request could start now but for a KV row: its adapter admissible, the step's prompt tokens and
   distinct adapters within bounds, every own row and every borrowed row in use. The round's plan asks every rank to
@@ -17,9 +18,11 @@ by ``PoolLender.give_back``, and given back when the batch shrinks. The rule (ra
   (``take_back``), and the adapter pool grows by their pages (a "capacity" delta to the controller). Rows are taken
   from the lowest borrowed id, so the top ones empty first.
 
-A borrowed row's keys and values per layer (a slab ``[kv_heads / tp, max_seq_len, head_dim]`` each) lie inside the
-lent pages, a whole number of slabs per page. Steps with a borrowed row run eagerly (the decode graphs read the own
-rows by index): the cost of a batch larger than the own KV cache, paid only while it is.
+A row's keys and values per layer (a slab ``[kv_heads / tp, max_seq_len, head_dim]`` each) lie inside its lent
+pages, a whole number of slabs per page, wherever the pages are. ``PooledKV`` keeps a device table of every row's
+slab offsets; a decode step stores and gathers its items' keys and values through it (the same ops and bytes as
+the own cache's gather of rows out of order), so the decode graphs capture the table and replay over any rows,
+borrowed or not. Why: docs/decisions.md, "The reference engine keeps its KV cache in the adapter pool".
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 
 from lora_cache.errors import CapacityError, ConfigError
 from lora_cache.vocab import AdapterKey
+from workers.engine.model import StepInputs, StepTables
 from workers.gpu.lend import Lease, PoolLender
 
 if TYPE_CHECKING:
@@ -100,25 +105,107 @@ class RowBook:
         return self.target
 
 
-class BorrowedRows:
-    """One rank's borrowed KV rows: a lease of whole pool pages per row, its per-layer K and V slabs views of them
-    (``KVCache.borrowed``). ``adjust`` grows or shrinks them to the plan's count; ``held`` is this rank's count."""
+class PooledKV:
+    """The engine's KV cache in the adapter pool's pages (``kv_rows``): each row's per-layer K and V slabs
+    ``[kv_heads, max_len, head_dim]`` lie in pages the pool lent, wherever they are. A device table of every row's
+    slab offsets (``bases``, in rows of ``head_dim`` elements; refilled when rows come and go, never reallocated)
+    lets a decode step store and gather its items' keys and values through it, the same ops for any rows: the
+    decode graphs capture the table, not the rows. A prefill reads each row's slabs as views."""
 
-    def __init__(self, kv: Any, lender: PoolLender, first: int, most: int, layers: int, slab: tuple[int, int, int],
-                 reserve_bytes: int) -> None:
-        self.kv, self.lender, self.first, self.most, self.layers, self.slab = kv, lender, first, most, layers, slab
+    def __init__(self, flat: torch.Tensor, layers: int, slab: tuple[int, int, int], rows: int,
+                 device: torch.device) -> None:
+        kv_heads, max_len, head_dim = slab
+        self.layers, self.slab, self.head_dim = layers, slab, head_dim
+        self.flat2d = flat[: flat.numel() // head_dim * head_dim].view(-1, head_dim)
+        self.bases = torch.zeros((rows, layers, 2), dtype=torch.int64, device=device)
+        self.head_off = torch.arange(kv_heads, device=device) * max_len  # a head's first row within a slab
+        self.keys_at = torch.arange(max_len, device=device)
+        self.slabs: dict[int, list[torch.Tensor]] = {}  # row -> [K0, V0, K1, V1, ...] views of the pool
+
+    def place(self, row: int, offsets: list[int]) -> None:
+        """Row ``row``'s slabs start at these element offsets of the pool (2 per layer, K then V; multiples of
+        ``head_dim``), zeroed; on the current (compute) stream."""
+        numel = self.slab[0] * self.slab[1] * self.slab[2]
+        flat = self.flat2d.view(-1)
+        self.slabs[row] = [flat[at : at + numel].view(self.slab) for at in offsets]
+        for view in self.slabs[row]:
+            view.zero_()
+        table = torch.tensor(offsets, dtype=torch.int64).view(self.layers, 2) // self.head_dim
+        self.bases[row].copy_(table.to(self.bases.device, non_blocking=True))
+
+    def alias(self, row: int, to: int) -> None:
+        """Row ``row`` (given back) points at row ``to``'s slabs: a plan that used it by mistake would write those,
+        never the pool's pages that went back to adapters."""
+        self.slabs.pop(row, None)
+        self.bases[row].copy_(self.bases[to])
+
+    def row(self, layer: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if (slabs := self.slabs.get(row)) is None:
+            raise LookupError(f"KV row {row} is not held on this rank (held: {sorted(self.slabs)}): a plan ran a "
+                              "request in a row this rank does not hold")
+        return slabs[2 * layer], slabs[2 * layer + 1]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs,
+               tables: StepTables) -> torch.Tensor:
+        """``KVCache.attend`` over the pooled rows: the same math, the rows found through ``bases``."""
+        if step.prefill:
+            outs = []
+            for row, first, n in step.spans:
+                kr, vr = self.row(layer, row)
+                kr[:, :n] = k[first : first + n].transpose(0, 1)
+                vr[:, :n] = v[first : first + n].transpose(0, 1)
+                o = F.scaled_dot_product_attention(q[first : first + n].transpose(0, 1)[None], kr[None, :, :n],
+                                                   vr[None, :, :n], is_causal=True, enable_gqa=True)
+                outs.append(o[0].transpose(0, 1))
+            return torch.cat(outs).flatten(1)
+        base = self.bases[:, layer].index_select(0, step.rows)  # [items, 2]: each item's K and V slab
+        at = base[:, :, None] + self.head_off[None, None, :]  # [items, 2, kv_heads]: each head's key 0
+        put = at + step.positions[:, None, None]
+        self.flat2d.index_copy_(0, put[:, 0].reshape(-1), k.reshape(-1, self.head_dim))
+        self.flat2d.index_copy_(0, put[:, 1].reshape(-1), v.reshape(-1, self.head_dim))
+        rows = (at[..., None] + self.keys_at[: step.kv_len]).reshape(at.shape[0], 2, -1)  # [items, 2, heads * len]
+        items, kv_heads = at.shape[0], at.shape[2]
+        keys = self.flat2d.index_select(0, rows[:, 0].reshape(-1)).view(items, kv_heads, step.kv_len, -1)
+        values = self.flat2d.index_select(0, rows[:, 1].reshape(-1)).view(items, kv_heads, step.kv_len, -1)
+        o = F.scaled_dot_product_attention(q.reshape(items, kv_heads, -1, q.shape[-1]), keys, values,
+                                           attn_mask=tables.bias)
+        return o.flatten(1)  # [items, heads * hd]
+
+
+class BorrowedRows:
+    """One rank's KV rows in the pool: ``permanent`` rows lent at start and kept (the own rows and the graphs'
+    padding row, ids ``0 .. first - 1``), then up to ``most`` borrowed ones (ids ``first ...``), a lease of whole
+    pages each (``PooledKV`` holds their slabs). ``adjust`` grows or shrinks the borrowed ones to the plan's count;
+    ``held`` is this rank's count of them."""
+
+    def __init__(self, lender: PoolLender, first: int, most: int, layers: int, slab: tuple[int, int, int],
+                 reserve_bytes: int, device: torch.device) -> None:
+        self.lender, self.first, self.most, self.layers, self.slab = lender, first, most, layers, slab
         self.reserve_bytes = reserve_bytes  # never lent: a batch's max_adapters adapters of the max rank
         self.slab_numel = slab[0] * slab[1] * slab[2]
-        page_numel = lender.page_bytes // lender.flat.element_size()
-        self.per_page = page_numel // self.slab_numel
-        if most and self.per_page < 1:
-            raise ConfigError(f"kv_rows: a borrowed KV row's slab of one layer ({self.slab_numel} elements, "
-                              f"{list(slab)}) is larger than a pool page ({page_numel} elements); lower max_seq_len, "
-                              "raise page_rank, or set kv_rows to max_running (no borrowed rows)")
-        self.pages_per_row = -(-2 * layers // max(1, self.per_page))
+        self.page_numel = lender.page_bytes // lender.flat.element_size()
+        self.per_page = (self.page_numel - (slab[2] - 1)) // self.slab_numel  # slabs start at head_dim multiples
+        if self.per_page < 1:
+            raise ConfigError(f"kv_rows: a KV row's slab of one layer ({self.slab_numel} elements, {list(slab)}) is "
+                              f"larger than a pool page ({self.page_numel} elements); lower max_seq_len, raise "
+                              "page_rank, or set kv_rows to 0 (the engine's own KV cache)")
+        self.pages_per_row = -(-2 * layers // self.per_page)
+        self.kv = PooledKV(lender.flat, layers, slab, first + most, device)
         self.leases: list[Lease] = []
         self.refused = 0  # rounds a rank could not lend a row asked for (no free or idle pages)
-        self.borrow_ms: list[float] = []  # host time of each row's give_back
+        self.borrow_ms: list[float] = []  # host time of each borrowed row's give_back
+        for row in range(first):  # the own rows and the padding row, lent for the engine's life
+            lease = self._lend(())
+            if lease is None:
+                pages = (lender.capacity_bytes() + row * self.row_bytes()) // lender.page_bytes  # before this start
+                raise ConfigError(f"kv_rows: the pool ({pages} pages) cannot "
+                                  f"lend {first} KV rows of {self.pages_per_row} pages each beside a batch's "
+                                  f"adapters ({-(-reserve_bytes // lender.page_bytes)} pages); give pool_pages >= "
+                                  f"{first * self.pages_per_row + -(-reserve_bytes // lender.page_bytes)} or fewer "
+                                  "kv_rows")
+            self._place(row, lease)
+        self.own_leases, self.leases = self.leases, []
+        self.refused, self.borrow_ms = 0, []
 
     @property
     def held(self) -> int:
@@ -129,69 +216,78 @@ class BorrowedRows:
 
     def adjust(self, target: int, keep: Collection[str] = ()) -> None:
         """Hold ``target`` borrowed rows (at most ``most``): lend rows of pages (``keep``: adapter names evicted last)
-        until a rank's pool cannot, or give the top ones back. Called by every rank at the same round, before the
-        step, with the step's adapters held (never lent)."""
+        until the pool cannot, or give the top ones back. Called by every rank at the same round, before the step,
+        on the compute stream, with the step's adapters held (never lent)."""
         target = min(target, self.most)
         while self.held < target:
-            if self.lender.capacity_bytes() - self.row_bytes() < self.reserve_bytes:
-                self.refused += 1  # the pages left must hold a whole batch's adapters: no request fails for room
-                return
             start = time.perf_counter()
-            try:
-                lease = self.lender.give_back(self.row_bytes(), keep)
-            except CapacityError:
+            lease = self._lend(keep)
+            if lease is None:
                 self.refused += 1
                 return
             self.borrow_ms.append((time.perf_counter() - start) * 1e3)
-            self.lender.wait(lease)  # on the compute stream: the engine's writes follow the pages' last readers
-            self.kv.borrowed[self.first + self.held] = self._slabs(lease)
-            self.leases.append(lease)
+            self._place(self.first + self.held, lease)
         while self.held > target:
             self.give_back_top()
 
     def give_back_top(self) -> None:
-        """Return the highest borrowed row's pages; the first load into them waits for the compute stream's
-        position now (every step that used the row was issued before)."""
+        """Return the highest borrowed row's pages: its table entry points at the padding row first, then the
+        first load into the pages waits for the compute stream's position (every step that used it was issued)."""
         lease = self.leases.pop()
-        self.kv.borrowed.pop(self.first + self.held, None)
+        self.kv.alias(self.first + self.held, self.first - 1)
         self.lender.take_back(lease)
 
     def close(self) -> None:
         while self.leases:
             self.give_back_top()
+        for lease in reversed(self.own_leases):
+            self.lender.take_back(lease)
+        self.own_leases = []
 
-    def _slabs(self, lease: Lease) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per layer K and V ``[kv_heads, max_len, head_dim]`` views of the lease's pages, zeroed (on the compute
-        stream: after ``wait``)."""
-        views = []
+    def _lend(self, keep: Collection[str]) -> Lease | None:
+        """A row's pages, or None if lending them would leave less than a batch's room (or the pool refuses)."""
+        if self.lender.capacity_bytes() - self.row_bytes() < self.reserve_bytes:
+            return None  # the pages left must hold a whole batch's adapters: no request fails for room
+        try:
+            return self.lender.give_back(self.row_bytes(), keep)
+        except CapacityError:
+            return None
+
+    def _place(self, row: int, lease: Lease) -> None:
+        self.lender.wait(lease)  # on the compute stream: the engine's writes follow the pages' last readers
+        offsets = []
         for j in range(2 * self.layers):
             page, at = divmod(j, self.per_page)
-            view = lease.views[page][at * self.slab_numel : (at + 1) * self.slab_numel].view(self.slab)
-            view.zero_()
-            views.append(view)
-        return views[0::2], views[1::2]
+            start = lease.pages[page] * self.page_numel
+            start = -(-start // self.slab[2]) * self.slab[2]  # a head_dim multiple: ``PooledKV`` indexes rows
+            offsets.append(start + at * self.slab_numel)
+        self.kv.place(row, offsets)
+        self.leases.append(lease)
 
     def summary(self) -> dict[str, Any]:
         """What the rank borrowed over its life (``RankStats.kv``)."""
         ms = sorted(self.borrow_ms)
         return {"rows_borrowed": len(ms), "refused": self.refused, "row_bytes": self.row_bytes(),
-                "borrow_ms_p50": ms[len(ms) // 2] if ms else None, "borrow_ms_max": ms[-1] if ms else None}
+                "own_rows": self.first, "borrow_ms_p50": ms[len(ms) // 2] if ms else None,
+                "borrow_ms_max": ms[-1] if ms else None}
 
 
-def borrowed_rows(config: EngineConfig, kv: Any, cache: Any, own: int) -> BorrowedRows | None:
-    """A rank's borrowed rows past its ``own`` (``kv_rows``), up to max_running; None: none configured. ``cache``:
-    the engine's (a worker's ``WorkerCache`` or an ``Attachment``), whose pool lends the pages."""
-    if own >= config.max_running:
+def borrowed_rows(config: EngineConfig, cache: Any, device: torch.device) -> BorrowedRows | None:
+    """A rank's KV rows in the pool (``kv_rows`` > 0): its own rows and the padding row lent at start, up to
+    max_running borrowed as the batch grows; None: ``kv_rows`` 0, the engine's own ``KVCache``. ``cache``: the
+    engine's (a worker's ``WorkerCache`` or an ``Attachment``), whose pool lends the pages."""
+    if not config.kv_rows:
         return None
     lender = getattr(cache, "lender", None)
     if lender is None:
-        raise ConfigError(f"kv_rows {config.kv_rows} < max_running {config.max_running} borrows KV rows from the "
-                          "adapter pool, and this engine's cache lends no pages; set kv_rows to 0")
+        raise ConfigError(f"kv_rows {config.kv_rows} keeps the KV cache in the adapter pool, and this engine's cache "
+                          "lends no pages; set kv_rows to 0")
     shape = config.shape()
     slab = (shape.num_kv_heads // config.tp, config.max_seq_len, shape.head_dim)
     inner = getattr(cache, "cache", cache)  # an attachment's WorkerCache, or the cache itself
     reserve = config.max_adapters * inner.load_path.pages_for(inner.slot_numel) * lender.page_bytes
-    return BorrowedRows(kv, lender, own + 1, config.max_running - own, config.layers, slab, reserve)
+    return BorrowedRows(lender, config.kv_rows + 1, config.max_running - config.kv_rows, config.layers, slab,
+                        reserve, device)
 
 
 def plan_adapters(plan: StepPlan) -> set[str]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -148,26 +148,22 @@ def decode_bias(step: StepInputs, dtype: torch.dtype) -> torch.Tensor:
     return bias[:, None, None, : step.kv_len]
 
 
+class KVStore(Protocol):
+    """Where a step's keys and values go and come from: the engine's own ``KVCache``, or its rows in the adapter
+    pool (``engine.kv_rows.PooledKV``)."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs,
+               tables: StepTables) -> torch.Tensor: ...
+
+
 class KVCache:
-    """Per layer [rows, kv_heads / tp, max_len, head_dim] keys and values; one row per running request. Rows past
-    them are borrowed from the adapter pool (``borrowed``: row -> per-layer K and V slabs, ``engine.kv_rows``)."""
+    """Per layer [rows, kv_heads / tp, max_len, head_dim] keys and values; one row per running request."""
 
     def __init__(self, layers: int, rows: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         size = (rows, kv_heads, max_len, head_dim)
-        self.own = rows
         self.k = [torch.zeros(size, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(size, dtype=dtype, device=device) for _ in range(layers)]
-        self.borrowed: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-
-    def row(self, layer: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row ``row``'s keys and values of ``layer``, [kv_heads, max_len, hd] each: the cache's own or borrowed."""
-        if row < self.own:
-            return self.k[layer][row], self.v[layer][row]
-        if (slabs := self.borrowed.get(row)) is None:
-            raise LookupError(f"KV row {row} is neither one of the {self.own} own rows nor borrowed (borrowed: "
-                              f"{sorted(self.borrowed)}): a plan ran a request in a row this rank does not hold")
-        return slabs[0][layer], slabs[1][layer]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs,
                tables: StepTables) -> torch.Tensor:
@@ -176,22 +172,18 @@ class KVCache:
         if step.prefill:
             outs = []
             for row, first, n in step.spans:
-                kr, vr = self.row(layer, row)
-                kr[:, :n] = k[first : first + n].transpose(0, 1)
-                vr[:, :n] = v[first : first + n].transpose(0, 1)
-                o = F.scaled_dot_product_attention(q[first : first + n].transpose(0, 1)[None], kr[None, :, :n],
-                                                   vr[None, :, :n], is_causal=True, enable_gqa=True)
+                kc[row, :, :n] = k[first : first + n].transpose(0, 1)
+                vc[row, :, :n] = v[first : first + n].transpose(0, 1)
+                o = F.scaled_dot_product_attention(q[first : first + n].transpose(0, 1)[None], kc[row : row + 1, :, :n],
+                                                   vc[row : row + 1, :, :n], is_causal=True, enable_gqa=True)
                 outs.append(o[0].transpose(0, 1))
             return torch.cat(outs).flatten(1)
-        if self.borrowed and any(row >= self.own for row, _, _ in step.spans):
-            keys, values = self._gather(layer, k, v, step)
-        else:
-            kc[step.rows, :, step.positions], vc[step.rows, :, step.positions] = k, v
-            if tables.kv_rows is not None:  # the items' rows in order: attend over a view of the cache, no copy
-                keys, values = kc[tables.kv_rows, :, : step.kv_len], vc[tables.kv_rows, :, : step.kv_len]
-            else:  # [items, kv_heads, kv_len, hd]
-                keys = kc[:, :, : step.kv_len].index_select(0, step.rows)
-                values = vc[:, :, : step.kv_len].index_select(0, step.rows)
+        kc[step.rows, :, step.positions], vc[step.rows, :, step.positions] = k, v
+        if tables.kv_rows is not None:  # the items' rows in order: attend over a view of the cache, no copy
+            keys, values = kc[tables.kv_rows, :, : step.kv_len], vc[tables.kv_rows, :, : step.kv_len]
+        else:  # [items, kv_heads, kv_len, hd]
+            keys = kc[:, :, : step.kv_len].index_select(0, step.rows)
+            values = vc[:, :, : step.kv_len].index_select(0, step.rows)
         # one query per item: the `group` query heads of a KV head (h // group, as enable_gqa maps them) are
         # that head's query rows, so plain SDPA does grouped-query attention without repeating K and V
         items, kv_heads = keys.shape[:2]
@@ -199,25 +191,11 @@ class KVCache:
                                            attn_mask=tables.bias)
         return o.flatten(1)  # [items, heads * hd]
 
-    def _gather(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-                step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode step with a borrowed row: each item's token stored in its own row, then the items' keys and
-        values stacked [items, kv_heads, kv_len, hd] (a copy, as ``index_select`` makes for rows out of order)."""
-        keys, values = [], []
-        for i, (row, _, _) in enumerate(step.spans):
-            kr, vr = self.row(layer, row)
-            position = step.positions[i : i + 1]
-            kr.index_copy_(1, position, k[i : i + 1].transpose(0, 1))
-            vr.index_copy_(1, position, v[i : i + 1].transpose(0, 1))
-            keys.append(kr[:, : step.kv_len])
-            values.append(vr[:, : step.kv_len])
-        return torch.stack(keys), torch.stack(values)
-
 
 class ShardedModel:
     """The decoder layers of one TP rank; ``forward`` runs one step and returns each item's output."""
 
-    def __init__(self, shape: ModelShape, layers: list[LayerWeights], final_norm: torch.Tensor, kv: KVCache,
+    def __init__(self, shape: ModelShape, layers: list[LayerWeights], final_norm: torch.Tensor, kv: KVStore,
                  tp: int, lora: LoraFn, all_reduce: AllReduce, rope: Rope | None) -> None:
         self.shape, self.layers, self.final_norm, self.kv = shape, layers, final_norm, kv
         self.lora, self.all_reduce, self.rope = lora, all_reduce, rope
@@ -261,7 +239,7 @@ class ShardedModel:
 
 
 def build_model(shape: ModelShape, num_layers: int, *, tp: int, rank: int, seed: int, share: bool,
-                dtype: torch.dtype, device: torch.device, kv: KVCache, lora: LoraFn, all_reduce: AllReduce,
+                dtype: torch.dtype, device: torch.device, kv: KVStore, lora: LoraFn, all_reduce: AllReduce,
                 rope: Rope | None) -> ShardedModel:
     """Random weights for ``num_layers`` layers (one set reused if ``share``), sliced for ``rank``."""
     layers: list[LayerWeights] = []

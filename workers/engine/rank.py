@@ -30,7 +30,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.graphs import DecodeGraphs
 from workers.engine.kv_rows import borrowed_rows, kv_report, plan_adapters
 from workers.engine.lora import LoraOp
-from workers.engine.model import KVCache, Rope, ShardedModel, StepInputs, build_model, prompt_states
+from workers.engine.model import KVCache, KVStore, Rope, ShardedModel, StepInputs, build_model, prompt_states
 from workers.engine.scheduler import PREFILL, WAIT, Item, StepPlan
 from workers.engine.tp import Comm
 from workers.gpu.acquire import AdapterRef, Batch, resolve
@@ -152,8 +152,8 @@ class RankEngine:
         self.lora = LoraOp(self.cache, max(config.max_prefill_tokens, config.max_running), config.max_running)
         self.pad_row = config.kv_rows or config.max_running  # one past the own KV rows: the graphs' padding
         with self._on_stream():
+            self.kv_lend = borrowed_rows(config, self.cache, self.device)  # kv_rows: the KV cache in the pool
             self.model = self._make_model()
-            self.kv_lend = borrowed_rows(config, self.model.kv, self.cache, self.pad_row)
             self.last = torch.zeros(config.max_running + 1, self.model.shape.hidden_size, dtype=self.dtype,
                                     device=self.device)  # each KV row's last output: its request's next input
         self.graphs = (DecodeGraphs(self.model, self.lora, self.last, self.stream, max_running=config.max_running,
@@ -194,8 +194,9 @@ class RankEngine:
 
     def _make_model(self) -> ShardedModel:
         c, shape = self.config, self.config.shape()
-        kv = KVCache(c.layers, self.pad_row + 1, shape.num_kv_heads // c.tp, c.max_seq_len, shape.head_dim, self.dtype,
-                     self.device)
+        kv: KVStore = (self.kv_lend.kv if self.kv_lend is not None else
+                       KVCache(c.layers, self.pad_row + 1, shape.num_kv_heads // c.tp, c.max_seq_len,
+                               shape.head_dim, self.dtype, self.device))
         rope = Rope(shape.head_dim, c.max_seq_len, c.rope_theta, self.device) if c.rope else None
         return build_model(shape, c.layers, tp=c.tp, rank=self.comm.rank, seed=c.seed, share=c.share_weights,
                            dtype=self.dtype, device=self.device, kv=kv, lora=self.lora,
@@ -413,7 +414,7 @@ class RankEngine:
     def _forward(self, prefill: bool, items: list[Item], slot_of: dict[AdapterRef, int],
                  waits: ChunkWaits | None = None) -> torch.Tensor:
         slots = [slot_of[it.ref] if it.ref is not None else -1 for it in items]
-        if not prefill and self.graphs is not None and all(it.row < self.pad_row for it in items):
+        if not prefill and self.graphs is not None:
             if waits is not None:  # a graph waits on no event: the stream waits for whole adapters first
                 waits.finish()
             return self.graphs.run([it.row for it in items], [it.start for it in items], slots)
@@ -481,7 +482,8 @@ class RankEngine:
         self.arrivals.close()
         self.unpin()
         if self.kv_lend is not None:
-            self.kv_lend.close()
+            with self._on_stream():
+                self.kv_lend.close()
             self.stats.kv = self.kv_lend.summary()
         self.stats.cache = self.cache.stats()
         self.cache.check_integrity()
