@@ -10,7 +10,10 @@ settings are refused before serving, naming the fix."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -162,3 +165,73 @@ def test_gpu_borrowed_rows_with_decode_graphs_compute_what_own_rows_do(adapters:
     check_served(result, config, BURST)
     assert batched_over(result, 1) and result.ranks[0].kv["rows_borrowed"] >= 1
     same_outputs(own, result, 1e-4)
+
+
+# -- a rank's rows in the pool (BorrowedRows, PooledKV), on a real worker cache ------------------------------------
+def test_pooled_rows_are_whole_lent_pages_each_its_own_and_given_back_rows_point_at_the_padding_row(
+        tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., Any],
+        make_cache: Callable[..., Any]) -> None:
+    from workers.engine.kv_rows import BorrowedRows
+
+    catalog = make_catalog(tiny_adapters(count=4, rank="16")[0].parent, max_rank=16)
+    cache = make_cache(catalog, num_slots=8, page_rank=16, pool_pages=8, host_bytes=8 << 20)
+    lender = cache.lender
+    full = lender.capacity_bytes()
+    rows = BorrowedRows(lender, first=2, most=3, layers=2, slab=(2, 32, 16), reserve_bytes=2 * lender.page_bytes,
+                        device=cache.device)
+    assert lender.capacity_bytes() == full - 2 * rows.row_bytes(), "the own row and the padding row, lent at start"
+    rows.adjust(5)
+    assert rows.held == 3 and rows.refused == 0
+    rows.adjust(5)  # the pool keeps 2 pages for a batch: a fourth row is never lent
+    spans = [(int(v.data_ptr()), int(v.data_ptr()) + v.numel() * v.element_size())
+             for row in range(5) for v in rows.kv.slabs[row]]
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), "no two slabs share a byte"
+    pages = {p for lease in (*rows.own_leases, *rows.leases) for p in lease.pages}
+    assert len(pages) == 5 * rows.pages_per_row
+    assert lender.capacity_bytes() >= rows.reserve_bytes
+    rows.adjust(1)
+    assert rows.held == 1 and sorted(rows.kv.slabs) == [0, 1, 2]
+    for row in (3, 4):
+        assert torch.equal(rows.kv.bases[row], rows.kv.bases[1]), "a returned row points at the padding row"
+    rows.close()
+    assert lender.capacity_bytes() == full
+    cache.check_integrity()
+    cache.close()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=6, unique=True), st.integers(1, 32), st.integers(0, 9))
+def test_pooled_kv_decode_computes_what_the_own_kv_cache_does(rows: list[int], kv_len: int, seed: int) -> None:
+    """The torch twin: the same keys and values written through ``PooledKV``'s table (slabs scattered in a flat
+    buffer, out of order) and into a ``KVCache``, a decode step's attention over any rows is the same."""
+    from workers.engine.kv_rows import PooledKV
+    from workers.engine.model import KVCache, StepInputs, step_tables
+
+    g = torch.Generator().manual_seed(seed)
+    layers, kvh, max_len, hd, heads = 2, 2, 32, 16, 4
+    own = KVCache(layers, 6, kvh, max_len, hd, torch.float32, torch.device("cpu"))
+    slab = kvh * max_len * hd
+    flat = torch.zeros(40 * slab + 7 * hd)
+    pooled = PooledKV(flat, layers, (kvh, max_len, hd), 6, torch.device("cpu"))
+    order = torch.randperm(36, generator=g).tolist()  # each row's 2 * layers slabs anywhere in the buffer
+    for row in range(6):
+        pooled.place(row, [7 * hd + order[4 * row + j] * slab for j in range(2 * layers)])
+        for layer in range(layers):
+            k, v = torch.randn(2, kvh, max_len, hd, generator=g)
+            own.k[layer][row].copy_(k)
+            own.v[layer][row].copy_(v)
+            pk, pv = pooled.row(layer, row)
+            pk.copy_(k)
+            pv.copy_(v)
+    positions = torch.randint(0, kv_len, (len(rows),), generator=g)
+    positions[0] = kv_len - 1
+    step = StepInputs(False, (), positions, torch.tensor(rows), torch.arange(len(rows)), kv_len)
+    tables = step_tables(step, None, torch.float32)
+    for layer in range(layers):
+        q = torch.randn(len(rows), heads, hd, generator=g)
+        k, v = torch.randn(2, len(rows), kvh, hd, generator=g)
+        got, want = pooled.attend(layer, q, k, v, step, tables), own.attend(layer, q, k, v, step, tables)
+        torch.testing.assert_close(got, want)
+        for i, row in enumerate(rows):  # the step's token stored in each item's row
+            assert torch.equal(pooled.row(layer, row)[0][:, int(positions[i])], k[i])
