@@ -33,11 +33,10 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from lora_cache.errors import CapacityError, ConfigError
 from lora_cache.vocab import AdapterKey
-from workers.engine.model import StepInputs, StepTables
+from workers.engine.model import StepInputs, StepTables, attend_decode, attend_prefill
 from workers.gpu.lend import Lease, PoolLender
 
 if TYPE_CHECKING:
@@ -149,15 +148,7 @@ class PooledKV:
                tables: StepTables) -> torch.Tensor:
         """``KVCache.attend`` over the pooled rows: the same math, the rows found through ``bases``."""
         if step.prefill:
-            outs = []
-            for row, first, n in step.spans:
-                kr, vr = self.row(layer, row)
-                kr[:, :n] = k[first : first + n].transpose(0, 1)
-                vr[:, :n] = v[first : first + n].transpose(0, 1)
-                o = F.scaled_dot_product_attention(q[first : first + n].transpose(0, 1)[None], kr[None, :, :n],
-                                                   vr[None, :, :n], is_causal=True, enable_gqa=True)
-                outs.append(o[0].transpose(0, 1))
-            return torch.cat(outs).flatten(1)
+            return attend_prefill(lambda row: self.row(layer, row), q, k, v, step)
         base = self.bases[:, layer].index_select(0, step.rows)  # [items, 2]: each item's K and V slab
         at = base[:, :, None] + self.head_off[None, None, :]  # [items, 2, kv_heads]: each head's key 0
         put = at + step.positions[:, None, None]
@@ -167,9 +158,7 @@ class PooledKV:
         items, kv_heads = at.shape[0], at.shape[2]
         keys = self.flat2d.index_select(0, rows[:, 0].reshape(-1)).view(items, kv_heads, step.kv_len, -1)
         values = self.flat2d.index_select(0, rows[:, 1].reshape(-1)).view(items, kv_heads, step.kv_len, -1)
-        o = F.scaled_dot_product_attention(q.reshape(items, kv_heads, -1, q.shape[-1]), keys, values,
-                                           attn_mask=tables.bias)
-        return o.flatten(1)  # [items, heads * hd]
+        return attend_decode(q, keys, values, tables)
 
 
 class BorrowedRows:

@@ -170,26 +170,39 @@ class KVCache:
         """Store k, v [T, kv_heads, hd] at the step's positions; causal attention of q [T, heads, hd]."""
         kc, vc = self.k[layer], self.v[layer]
         if step.prefill:
-            outs = []
-            for row, first, n in step.spans:
-                kc[row, :, :n] = k[first : first + n].transpose(0, 1)
-                vc[row, :, :n] = v[first : first + n].transpose(0, 1)
-                o = F.scaled_dot_product_attention(q[first : first + n].transpose(0, 1)[None], kc[row : row + 1, :, :n],
-                                                   vc[row : row + 1, :, :n], is_causal=True, enable_gqa=True)
-                outs.append(o[0].transpose(0, 1))
-            return torch.cat(outs).flatten(1)
+            return attend_prefill(lambda row: (kc[row], vc[row]), q, k, v, step)
         kc[step.rows, :, step.positions], vc[step.rows, :, step.positions] = k, v
         if tables.kv_rows is not None:  # the items' rows in order: attend over a view of the cache, no copy
             keys, values = kc[tables.kv_rows, :, : step.kv_len], vc[tables.kv_rows, :, : step.kv_len]
         else:  # [items, kv_heads, kv_len, hd]
             keys = kc[:, :, : step.kv_len].index_select(0, step.rows)
             values = vc[:, :, : step.kv_len].index_select(0, step.rows)
-        # one query per item: the `group` query heads of a KV head (h // group, as enable_gqa maps them) are
-        # that head's query rows, so plain SDPA does grouped-query attention without repeating K and V
-        items, kv_heads = keys.shape[:2]
-        o = F.scaled_dot_product_attention(q.reshape(items, kv_heads, -1, q.shape[-1]), keys, values,
-                                           attn_mask=tables.bias)
-        return o.flatten(1)  # [items, heads * hd]
+        return attend_decode(q, keys, values, tables)
+
+
+def attend_prefill(row: Callable[[int], tuple[torch.Tensor, torch.Tensor]], q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, step: StepInputs) -> torch.Tensor:
+    """A prefill's keys and values into each item's KV row (``row``: its [kv_heads, max_len, hd] K and V), then
+    causal attention over them, item by item."""
+    outs = []
+    for r, first, n in step.spans:
+        kr, vr = row(r)
+        kr[:, :n] = k[first : first + n].transpose(0, 1)
+        vr[:, :n] = v[first : first + n].transpose(0, 1)
+        o = F.scaled_dot_product_attention(q[first : first + n].transpose(0, 1)[None], kr[None, :, :n],
+                                           vr[None, :, :n], is_causal=True, enable_gqa=True)
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs).flatten(1)
+
+
+def attend_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: StepTables) -> torch.Tensor:
+    """One query per item over its keys and values [items, kv_heads, kv_len, hd] -> [items, heads * hd]."""
+    # the `group` query heads of a KV head (h // group, as enable_gqa maps them) are that head's query rows, so
+    # plain SDPA does grouped-query attention without repeating K and V
+    items, kv_heads = keys.shape[:2]
+    o = F.scaled_dot_product_attention(q.reshape(items, kv_heads, -1, q.shape[-1]), keys, values,
+                                       attn_mask=tables.bias)
+    return o.flatten(1)
 
 
 class ShardedModel:
