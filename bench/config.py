@@ -70,6 +70,10 @@ class BenchConfig:
                 "adapters at once"})
     pool_pages: int = field(default=0, metadata={"help": "GPU pages per rank (0: --slots adapters of max_rank)"})
     max_running: int = field(default=32, metadata={"help": "most requests running per replica"})
+    kv_rows: int = field(default=0, metadata={
+        "help": "real engine: KV rows kept in the adapter pool (0: the engine's own KV cache); past them, up to "
+                "--max-running, rows borrowed from the pool as the batch grows (workers/engine/kv_rows.py). Give "
+                "--pool-pages room for the KV rows too"})
     max_adapters: int = field(default=4, metadata={"help": "most distinct adapters per batch"})
     max_prefill_tokens: int = field(default=4096, metadata={"help": "prompt tokens per prefill step"})
     max_seq_len: int = field(default=2048, metadata={"help": "longest input + output"})
@@ -137,6 +141,9 @@ class BenchConfig:
         if self.warmup_requests < -1:
             raise ConfigError(f"--warmup-requests {self.warmup_requests}: give a count >= 0, or -1 (auto: until "
                               "every replica's GPU slots are full)")
+        if self.kv_rows and self.engine != "real":
+            raise ConfigError(f"--kv-rows {self.kv_rows}: the simulator does not model the engine's KV cache; it needs "
+                              f"--engine real, not {self.engine!r}")
         if self.attach and self.engine != "real":
             raise ConfigError(f"--attach runs the real engine's ranks in their own processes; it needs --engine real, "
                               f"not {self.engine!r}")

@@ -155,7 +155,9 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
                           page_rank=page_rank, pool_pages=pool_pages,
                           max_rank=config.max_rank, max_running=config.max_running,
                           max_adapters=min(config.max_adapters, slots), max_prefill_tokens=config.max_prefill_tokens,
-                          max_seq_len=config.max_seq_len, admission=policy.admission, **config.engine)
+                          max_seq_len=config.max_seq_len, admission=policy.admission,
+                          # the oracle (an adapter per slot) keeps its own KV cache: its pool holds every adapter
+                          **{k: v for k, v in config.engine.items() if not (policy.oracle and k == "kv_rows")})
     serve = serve_config(config, adapters_dir, engine)
     catalog = CatalogConfig(adapter_roots=(adapters_dir,), model=config.model, max_rank=config.max_rank)
     if workload.inflight and config.router != "round-robin":
@@ -396,7 +398,8 @@ def _collect(policy: BenchPolicy, fleet: Fleet, results: list[Any], start_wall: 
         then = before[(replica, rank)]
         stats.append({"replica": replica, "rank": rank, **{k: v - then[k] if k in COUNTERS else v
                                                            for k, v in now.items() if k not in SUMMARIES},
-                      **engines[(replica, rank)].gc})  # the engine process's collector pauses
+                      **engines[(replica, rank)].gc,  # the engine process's collector pauses
+                      **({"kv": engines[(replica, rank)].kv} if engines[(replica, rank)].kv else {})})  # kv_rows
         loads += [{"t_s": t - start_wall, "replica": replica, "rank": rank, "adapter": rec.adapter,
                    "nbytes": rec.nbytes, "ready_ms": rec.ready_ms, "h2d_ms": rec.h2d_ms, "disk_ms": rec.disk_ms,
                    "host_hit": rec.host_hit, "after_write_back": rec.after_write_back}

@@ -207,7 +207,8 @@ def _run_real(bench: BenchConfig, policies: Sequence[BenchPolicy], root: str, na
                       dtype="bfloat16" if gpus else "float32", timeout_s=bench.timeout_s,
                       # one set of random base weights for every layer: the same math and bytes read per
                       # layer (far beyond any cache), a fraction of the start-up time and memory
-                      engine={"share_weights": True}, attach=bench.attach, router=bench.router,
+                      engine={"share_weights": True, **({"kv_rows": bench.kv_rows} if bench.kv_rows else {})},
+                      attach=bench.attach, router=bench.router,
                       store=bench.store, disk_root=str(Path(bench.out).resolve() / "disk-tier"))
     config["real"] = dataclasses.asdict(real)
     with contextlib.ExitStack() as stack:

@@ -235,3 +235,33 @@ def test_pooled_kv_decode_computes_what_the_own_kv_cache_does(rows: list[int], k
         torch.testing.assert_close(got, want)
         for i, row in enumerate(rows):  # the step's token stored in each item's row
             assert torch.equal(pooled.row(layer, row)[0][:, int(positions[i])], k[i])
+
+
+def test_the_benchmark_refuses_kv_rows_on_the_simulator() -> None:
+    from bench.config import BenchConfig
+
+    with pytest.raises(ConfigError, match="--kv-rows 2: the simulator does not model the engine's KV cache; it needs "
+                                          "--engine real"):
+        BenchConfig(engine="sim", kv_rows=2)
+
+
+@pytest.mark.ray
+def test_the_benchmark_serves_with_hosted_engines_whose_kv_cache_is_in_the_pool(tmp_path: Path) -> None:
+    """``bench.run --quick --kv-rows 1``: two replicas of hosted engines (worker actors on a real local Ray) keep
+    one KV row each in the adapter pool and borrow more as their batches grow, while the controller plans the pool
+    they leave: every request is served, and the ranks report the rows they borrowed."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "bench.run", "--quick", "--kv-rows", "1", "--page-rank", "16",
+                           "--pool-pages", "24", "--arrivals", "poisson:60", "--policies", "global", "--out",
+                           str(tmp_path), "--no-plots"], cwd=root, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    doc = json.loads((tmp_path / "results.json").read_text())
+    requests = doc["config"]["workload"]["requests"]
+    assert (doc["figures"]["global"]["completed"], doc["figures"]["global"]["failed"]) == (requests, 0)
+    kv = [r["kv"] for r in doc["ranks"]["global"]]
+    assert len(kv) == 2 and all(k["own_rows"] == 2 for k in kv), kv  # the own row and the padding row
+    assert sum(k["rows_borrowed"] for k in kv) >= 1, kv
