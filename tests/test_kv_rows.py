@@ -184,16 +184,24 @@ def test_pooled_rows_are_whole_lent_pages_each_its_own_and_given_back_rows_point
     assert rows.held == 3 and rows.refused == 0
     rows.adjust(5)  # the pool keeps 2 pages for a batch: a fourth row is never lent
     spans = [(int(v.data_ptr()), int(v.data_ptr()) + v.numel() * v.element_size())
-             for row in range(5) for v in rows.kv.slabs[row]]
+             for row in range(5) for layer in range(2) for v in rows.kv.row(layer, row)]
     spans.sort()
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), "no two slabs share a byte"
     pages = {p for lease in (*rows.own_leases, *rows.leases) for p in lease.pages}
     assert len(pages) == 5 * rows.pages_per_row
     assert lender.capacity_bytes() >= rows.reserve_bytes
     rows.adjust(1)
-    assert rows.held == 1 and sorted(rows.kv.slabs) == [0, 1, 2]
+    assert rows.held == 1 and sorted(rows.kv.held) == [0, 1, 2]
     for row in (3, 4):
-        assert torch.equal(rows.kv.bases[row], rows.kv.bases[1]), "a returned row points at the padding row"
+        assert torch.equal(rows.kv.table[row], rows.kv.table[1]), "a returned row points at the padding row"
+    page = rows.page_numel * cache.pool.element_size()
+    for row in range(3):  # each slab inside one of its row's lent pages
+        lent = {p for lease in (*rows.own_leases, *rows.leases) for p in lease.pages}
+        for layer in range(2):
+            for view in rows.kv.row(layer, row):
+                first = (view.data_ptr() - lender.flat.data_ptr()) // page
+                last = (view.data_ptr() + view.numel() * view.element_size() - 1 - lender.flat.data_ptr()) // page
+                assert first == last and first in lent
     rows.close()
     assert lender.capacity_bytes() == full
     cache.check_integrity()
@@ -211,12 +219,10 @@ def test_pooled_kv_decode_computes_what_the_own_kv_cache_does(rows: list[int], k
     g = torch.Generator().manual_seed(seed)
     layers, kvh, max_len, hd, heads = 2, 2, 32, 16, 4
     own = KVCache(layers, 6, kvh, max_len, hd, torch.float32, torch.device("cpu"))
-    slab = kvh * max_len * hd
-    flat = torch.zeros(40 * slab + 7 * hd)
-    pooled = PooledKV(flat, layers, (kvh, max_len, hd), 6, torch.device("cpu"))
-    order = torch.randperm(36, generator=g).tolist()  # each row's 2 * layers slabs anywhere in the buffer
+    pooled = PooledKV(torch.zeros(40 * kvh * max_len * hd + 7), layers, (kvh, max_len, hd), 6, torch.device("cpu"))
+    order = torch.randperm(40, generator=g).tolist()  # each row's 2 * layers slabs anywhere in the buffer
     for row in range(6):
-        pooled.place(row, [7 * hd + order[4 * row + j] * slab for j in range(2 * layers)])
+        pooled.place(row, [order[4 * row + j] for j in range(2 * layers)])
         for layer in range(layers):
             k, v = torch.randn(2, kvh, max_len, hd, generator=g)
             own.k[layer][row].copy_(k)

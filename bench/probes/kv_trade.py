@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     page_numel, _ = pool_pages(WorkerConfig(num_slots=1, page_rank=args.rank, pool_pages=1), shape, args.rank, dtype)
     slab = shape.num_kv_heads * args.max_seq_len * shape.head_dim
-    per_row = -(-2 * layers // ((page_numel - shape.head_dim + 1) // slab))  # pages a row takes (``BorrowedRows``)
+    per_page = (page_numel if page_numel % slab == 0 else page_numel - slab + 1) // slab  # as ``BorrowedRows``
+    per_row = -(-2 * layers // per_page)  # pages a row takes
     extra = (args.max_running + 1) * per_row  # every row of the fixed engine's KV cache (and its padding row)
     common: dict[str, Any] = dict(model=args.model, num_layers=args.layers, device=args.device,
                                   max_running=args.max_running, max_adapters=args.max_adapters, max_rank=args.rank,

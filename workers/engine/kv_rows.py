@@ -19,10 +19,10 @@ back when it shrinks. The rule (rank 0 decides, every rank follows):
   from the lowest borrowed id, so the top ones empty first.
 
 A row's keys and values per layer (a slab ``[kv_heads / tp, max_seq_len, head_dim]`` each) lie inside its lent
-pages, a whole number of slabs per page, wherever the pages are. ``PooledKV`` keeps a device table of every row's
-slab offsets; a decode step stores and gathers its items' keys and values through it (the same ops and bytes as
-the own cache's gather of rows out of order), so the decode graphs capture the table and replay over any rows,
-borrowed or not. Why: docs/decisions.md, "The reference engine keeps its KV cache in the adapter pool".
+pages, a whole number of slabs per page, wherever the pages are. ``PooledKV`` views the pool as slabs and keeps a
+device table of every row's slab numbers; a decode step stores and gathers its items' keys and values through it
+(the own cache's ops and bytes for rows out of order), so the decode graphs capture the table and replay over any
+rows, borrowed or not. Why: docs/decisions.md, "The reference engine keeps its KV cache in the adapter pool".
 """
 
 from __future__ import annotations
@@ -105,59 +105,51 @@ class RowBook:
 
 
 class PooledKV:
-    """The engine's KV cache in the adapter pool's pages (``kv_rows``): each row's per-layer K and V slabs
-    ``[kv_heads, max_len, head_dim]`` lie in pages the pool lent, wherever they are. A device table of every row's
-    slab offsets (``bases``, in rows of ``head_dim`` elements; refilled when rows come and go, never reallocated)
-    lets a decode step store and gather its items' keys and values through it, the same ops for any rows: the
-    decode graphs capture the table, not the rows. A prefill reads each row's slabs as views."""
+    """The engine's KV cache in the adapter pool's pages (``kv_rows``): the pool viewed as slabs ``[kv_heads,
+    max_len, head_dim]`` (``slabs``), each row's per-layer K and V slabs among those its lent pages hold, wherever
+    they are. A device table of every row's slab numbers (``table``: refilled when rows come and go, never
+    reallocated) lets a decode step store and gather its items' keys and values through it with the own cache's
+    ops (an index per item, the same bytes): the decode graphs capture the table, not the rows. A prefill reads each
+    row's slabs as views."""
 
     def __init__(self, flat: torch.Tensor, layers: int, slab: tuple[int, int, int], rows: int,
                  device: torch.device) -> None:
-        kv_heads, max_len, head_dim = slab
-        self.layers, self.slab, self.head_dim = layers, slab, head_dim
-        self.flat2d = flat[: flat.numel() // head_dim * head_dim].view(-1, head_dim)
-        self.bases = torch.zeros((rows, layers, 2), dtype=torch.int64, device=device)
-        self.head_off = torch.arange(kv_heads, device=device) * max_len  # a head's first row within a slab
-        self.keys_at = torch.arange(max_len, device=device)
-        self.slabs: dict[int, list[torch.Tensor]] = {}  # row -> [K0, V0, K1, V1, ...] views of the pool
+        self.layers, self.slab = layers, slab
+        numel = slab[0] * slab[1] * slab[2]
+        self.slabs = flat[: flat.numel() // numel * numel].view(-1, *slab)
+        self.table = torch.zeros((rows, layers, 2), dtype=torch.int64, device=device)
+        self.held: dict[int, list[int]] = {}  # row -> its slab numbers [K0, V0, K1, V1, ...]
 
-    def place(self, row: int, offsets: list[int]) -> None:
-        """Row ``row``'s slabs start at these element offsets of the pool (2 per layer, K then V; multiples of
-        ``head_dim``), zeroed; on the current (compute) stream."""
-        numel = self.slab[0] * self.slab[1] * self.slab[2]
-        flat = self.flat2d.view(-1)
-        self.slabs[row] = [flat[at : at + numel].view(self.slab) for at in offsets]
-        for view in self.slabs[row]:
-            view.zero_()
-        table = torch.tensor(offsets, dtype=torch.int64).view(self.layers, 2) // self.head_dim
-        self.bases[row].copy_(table.to(self.bases.device, non_blocking=True))
+    def place(self, row: int, numbers: list[int]) -> None:
+        """Row ``row``'s slabs are these (2 per layer, K then V), zeroed; on the current (compute) stream."""
+        for n in numbers:
+            self.slabs[n].zero_()
+        self.held[row] = numbers
+        table = torch.tensor(numbers, dtype=torch.int64).view(self.layers, 2)
+        self.table[row].copy_(table.to(self.table.device, non_blocking=True))
 
     def alias(self, row: int, to: int) -> None:
         """Row ``row`` (given back) points at row ``to``'s slabs: a plan that used it by mistake would write those,
         never the pool's pages that went back to adapters."""
-        self.slabs.pop(row, None)
-        self.bases[row].copy_(self.bases[to])
+        self.held.pop(row, None)
+        self.table[row].copy_(self.table[to])
 
     def row(self, layer: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if (slabs := self.slabs.get(row)) is None:
-            raise LookupError(f"KV row {row} is not held on this rank (held: {sorted(self.slabs)}): a plan ran a "
+        if (numbers := self.held.get(row)) is None:
+            raise LookupError(f"KV row {row} is not held on this rank (held: {sorted(self.held)}): a plan ran a "
                               "request in a row this rank does not hold")
-        return slabs[2 * layer], slabs[2 * layer + 1]
+        return self.slabs[numbers[2 * layer]], self.slabs[numbers[2 * layer + 1]]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs,
                tables: StepTables) -> torch.Tensor:
-        """``KVCache.attend`` over the pooled rows: the same math, the rows found through ``bases``."""
+        """``KVCache.attend`` over the pooled rows: the same math and ops, each item's slabs found in ``table``."""
         if step.prefill:
             return attend_prefill(lambda row: self.row(layer, row), q, k, v, step)
-        base = self.bases[:, layer].index_select(0, step.rows)  # [items, 2]: each item's K and V slab
-        at = base[:, :, None] + self.head_off[None, None, :]  # [items, 2, kv_heads]: each head's key 0
-        put = at + step.positions[:, None, None]
-        self.flat2d.index_copy_(0, put[:, 0].reshape(-1), k.reshape(-1, self.head_dim))
-        self.flat2d.index_copy_(0, put[:, 1].reshape(-1), v.reshape(-1, self.head_dim))
-        rows = (at[..., None] + self.keys_at[: step.kv_len]).reshape(at.shape[0], 2, -1)  # [items, 2, heads * len]
-        items, kv_heads = at.shape[0], at.shape[2]
-        keys = self.flat2d.index_select(0, rows[:, 0].reshape(-1)).view(items, kv_heads, step.kv_len, -1)
-        values = self.flat2d.index_select(0, rows[:, 1].reshape(-1)).view(items, kv_heads, step.kv_len, -1)
+        at = self.table[:, layer].index_select(0, step.rows)  # [items, 2]: each item's K and V slab
+        ks, vs = at[:, 0], at[:, 1]
+        self.slabs[ks, :, step.positions], self.slabs[vs, :, step.positions] = k, v
+        keys = self.slabs[:, :, : step.kv_len].index_select(0, ks)  # [items, kv_heads, kv_len, hd]
+        values = self.slabs[:, :, : step.kv_len].index_select(0, vs)
         return attend_decode(q, keys, values, tables)
 
 
@@ -173,7 +165,9 @@ class BorrowedRows:
         self.reserve_bytes = reserve_bytes  # never lent: a batch's max_adapters adapters of the max rank
         self.slab_numel = slab[0] * slab[1] * slab[2]
         self.page_numel = lender.page_bytes // lender.flat.element_size()
-        self.per_page = (self.page_numel - (slab[2] - 1)) // self.slab_numel  # slabs start at head_dim multiples
+        # the slabs a page holds whole, wherever it starts (``PooledKV`` numbers them from the pool's start)
+        aligned = self.page_numel % self.slab_numel == 0
+        self.per_page = (self.page_numel if aligned else self.page_numel - self.slab_numel + 1) // self.slab_numel
         if self.per_page < 1:
             raise ConfigError(f"kv_rows: a KV row's slab of one layer ({self.slab_numel} elements, {list(slab)}) is "
                               f"larger than a pool page ({self.page_numel} elements); lower max_seq_len, raise "
@@ -244,13 +238,11 @@ class BorrowedRows:
 
     def _place(self, row: int, lease: Lease) -> None:
         self.lender.wait(lease)  # on the compute stream: the engine's writes follow the pages' last readers
-        offsets = []
+        numbers = []
         for j in range(2 * self.layers):
             page, at = divmod(j, self.per_page)
-            start = lease.pages[page] * self.page_numel
-            start = -(-start // self.slab[2]) * self.slab[2]  # a head_dim multiple: ``PooledKV`` indexes rows
-            offsets.append(start + at * self.slab_numel)
-        self.kv.place(row, offsets)
+            numbers.append(-(-lease.pages[page] * self.page_numel // self.slab_numel) + at)  # the page's first whole
+        self.kv.place(row, numbers)
         self.leases.append(lease)
 
     def summary(self) -> dict[str, Any]:
