@@ -204,6 +204,12 @@ def test_pooled_rows_are_whole_lent_pages_each_its_own_and_given_back_rows_point
                 assert first == last and first in lent
     rows.close()
     assert lender.capacity_bytes() == full
+    small = (2, 32, 16)
+    with pytest.raises(ConfigError, match=r"the pool \(8 pages\) cannot lend 5 KV rows of 1 pages each beside a "
+                                          r"batch's adapters \(4 pages\); give pool_pages >= 9"):
+        BorrowedRows(lender, first=5, most=0, layers=2, slab=small, reserve_bytes=4 * lender.page_bytes,
+                     device=cache.device)
+    assert lender.capacity_bytes() == full, "a refused start gives back what it lent"
     cache.check_integrity()
     cache.close()
 

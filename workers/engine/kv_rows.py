@@ -174,21 +174,22 @@ class BorrowedRows:
                               "page_rank, or set kv_rows to 0 (the engine's own KV cache)")
         self.pages_per_row = -(-2 * layers // self.per_page)
         self.kv = PooledKV(lender.flat, layers, slab, first + most, device)
-        self.leases: list[Lease] = []
+        self.own_leases: list[Lease] = []  # the own rows' and the padding row's, for the engine's life
+        self.leases: list[Lease] = []  # the borrowed rows', lowest row first
         self.refused = 0  # rounds a rank could not lend a row asked for (no free or idle pages)
         self.borrow_ms: list[float] = []  # host time of each borrowed row's give_back
         for row in range(first):  # the own rows and the padding row, lent for the engine's life
             lease = self._lend(())
             if lease is None:
                 pages = (lender.capacity_bytes() + row * self.row_bytes()) // lender.page_bytes  # before this start
+                self.close()  # what this start lent goes back: a refused start leaves the pool as it was
                 raise ConfigError(f"kv_rows: the pool ({pages} pages) cannot "
                                   f"lend {first} KV rows of {self.pages_per_row} pages each beside a batch's "
                                   f"adapters ({-(-reserve_bytes // lender.page_bytes)} pages); give pool_pages >= "
                                   f"{first * self.pages_per_row + -(-reserve_bytes // lender.page_bytes)} or fewer "
                                   "kv_rows")
             self._place(row, lease)
-        self.own_leases, self.leases = self.leases, []
-        self.refused, self.borrow_ms = 0, []
+            self.own_leases.append(lease)
 
     @property
     def held(self) -> int:
@@ -210,6 +211,7 @@ class BorrowedRows:
                 return
             self.borrow_ms.append((time.perf_counter() - start) * 1e3)
             self._place(self.first + self.held, lease)
+            self.leases.append(lease)
         while self.held > target:
             self.give_back_top()
 
@@ -221,6 +223,7 @@ class BorrowedRows:
         self.lender.take_back(lease)
 
     def close(self) -> None:
+        """Every row's pages back to the pool: the borrowed ones, then the own ones (those a refused start lent too)."""
         while self.leases:
             self.give_back_top()
         for lease in reversed(self.own_leases):
@@ -243,7 +246,6 @@ class BorrowedRows:
             page, at = divmod(j, self.per_page)
             numbers.append(-(-lease.pages[page] * self.page_numel // self.slab_numel) + at)  # the page's first whole
         self.kv.place(row, numbers)
-        self.leases.append(lease)
 
     def summary(self) -> dict[str, Any]:
         """What the rank borrowed over its life (``RankStats.kv``)."""
