@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray
+import torch
 
 from bench.attached import ProcessFleet
 from bench.figures import PolicyRun
@@ -48,6 +49,7 @@ from bench.router.real import Router, served_as_routed
 from bench.router.rules import make_rule
 from bench.store import StoreModel, parse_store
 from lora_cache.adapters.catalog import CatalogConfig
+from lora_cache.adapters.shards import max_shard_numel
 from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
 from lora_cache.app.serve import ServeConfig, Service, start
 from lora_cache.errors import ConfigError
@@ -55,8 +57,10 @@ from lora_cache.planner import PlannerConfig
 from lora_cache.runtime import heap
 from lora_cache.vocab import CONTROLLER_NAME, NAMESPACE, ReadinessRecord
 from workers.cache import WorkerConfig
+from workers.cache import pool_pages as pool_of
 from workers.counters import STATS_COUNTERS, STATS_SUMMARIES
 from workers.engine.config import EngineConfig
+from workers.engine.kv_rows import check_pool
 from workers.engine.workload import Request
 from workers.staging.disk_tier import DiskTierConfig
 from workers.staging.host_config import HostTierConfig
@@ -158,6 +162,10 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
                           max_seq_len=config.max_seq_len, admission=policy.admission,
                           # the oracle (an adapter per slot) keeps its own KV cache: its pool holds every adapter
                           **{k: v for k, v in config.engine.items() if not (policy.oracle and k == "kv_rows")})
+    if engine.kv_rows:  # the KV rows in the pool: refused here, before the service starts, if they cannot fit
+        page, pages = pool_of(worker, engine.shape(), config.max_rank, getattr(torch, config.dtype))
+        check_pool(engine, page, pages, -(-max_shard_numel(engine.shape(), config.tp, config.max_rank,
+                                                           getattr(torch, config.dtype)) // page))
     serve = serve_config(config, adapters_dir, engine)
     catalog = CatalogConfig(adapter_roots=(adapters_dir,), model=config.model, max_rank=config.max_rank)
     if workload.inflight and config.router != "round-robin":

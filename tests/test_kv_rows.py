@@ -282,3 +282,19 @@ def test_the_benchmark_serves_with_engines_whose_kv_cache_is_in_the_pool(tmp_pat
     assert sum(k["rows_borrowed"] for k in kv) >= 1, kv
     if "--attach" in fleet:  # one replica: both ranks were told to borrow (a copy in flight may delay one)
         assert all(k["rows_borrowed"] >= 1 for k in kv), kv
+
+
+def test_a_pool_too_small_for_the_kv_rows_is_refused_before_anything_starts(adapters: Path) -> None:  # noqa: F811
+    """``check_pool`` (``bench.run --kv-rows`` calls it before the service starts) holds the bound a rank's
+    ``BorrowedRows`` holds at start: the own rows, the padding row and a batch's adapters fit the pool, or a clear
+    error names the pool size to give."""
+    from workers.cache import WorkerConfig, pool_pages
+    from workers.engine.kv_rows import check_pool
+
+    config = engine_config(adapters, **borrowing())
+    page, _ = pool_pages(WorkerConfig(num_slots=6, page_rank=16, pool_pages=16), config.shape(), 64, torch.float32)
+    check_pool(config, page, 10, 4)  # 2 rows of a page each and 2 adapters of 4 pages
+    with pytest.raises(ConfigError, match=r"the pool \(9 pages\) cannot lend 2 KV rows of 1 pages each beside a "
+                                          r"batch's adapters \(8 pages\); give pool_pages >= 10 or fewer kv_rows"):
+        check_pool(config, page, 9, 4)
+    check_pool(engine_config(adapters), page, 1, 4)  # kv_rows 0: the engine's own KV cache, nothing to check

@@ -165,14 +165,7 @@ class BorrowedRows:
         self.reserve_bytes = reserve_bytes  # never lent: a batch's max_adapters adapters of the max rank
         self.slab_numel = slab[0] * slab[1] * slab[2]
         self.page_numel = lender.page_bytes // lender.flat.element_size()
-        # the slabs a page holds whole, wherever it starts (``PooledKV`` numbers them from the pool's start)
-        aligned = self.page_numel % self.slab_numel == 0
-        self.per_page = (self.page_numel if aligned else self.page_numel - self.slab_numel + 1) // self.slab_numel
-        if self.per_page < 1:
-            raise ConfigError(f"kv_rows: a KV row's slab of one layer ({self.slab_numel} elements, {list(slab)}) is "
-                              f"larger than a pool page ({self.page_numel} elements); lower max_seq_len, raise "
-                              "page_rank, or set kv_rows to 0 (the engine's own KV cache)")
-        self.pages_per_row = -(-2 * layers // self.per_page)
+        self.per_page, self.pages_per_row = row_pages(slab, layers, self.page_numel)
         self.kv = PooledKV(lender.flat, layers, slab, first + most, device)
         self.own_leases: list[Lease] = []  # the own rows' and the padding row's, for the engine's life
         self.leases: list[Lease] = []  # the borrowed rows', lowest row first
@@ -183,11 +176,7 @@ class BorrowedRows:
             if lease is None:
                 pages = (lender.capacity_bytes() + row * self.row_bytes()) // lender.page_bytes  # before this start
                 self.close()  # what this start lent goes back: a refused start leaves the pool as it was
-                raise ConfigError(f"kv_rows: the pool ({pages} pages) cannot "
-                                  f"lend {first} KV rows of {self.pages_per_row} pages each beside a batch's "
-                                  f"adapters ({-(-reserve_bytes // lender.page_bytes)} pages); give pool_pages >= "
-                                  f"{first * self.pages_per_row + -(-reserve_bytes // lender.page_bytes)} or fewer "
-                                  "kv_rows")
+                refuse_pool(pages, first, self.pages_per_row, -(-reserve_bytes // lender.page_bytes))
             self._place(row, lease)
             self.own_leases.append(lease)
 
@@ -253,6 +242,36 @@ class BorrowedRows:
         return {"rows_borrowed": len(ms), "refused": self.refused, "row_bytes": self.row_bytes(),
                 "own_rows": self.first, "borrow_ms_p50": ms[len(ms) // 2] if ms else None,
                 "borrow_ms_max": ms[-1] if ms else None}
+
+
+def row_pages(slab: tuple[int, int, int], layers: int, page_numel: int) -> tuple[int, int]:
+    """(slabs a page holds whole wherever it starts, pages a KV row takes); a slab larger than a page is refused."""
+    slab_numel = slab[0] * slab[1] * slab[2]
+    per_page = (page_numel if page_numel % slab_numel == 0 else page_numel - slab_numel + 1) // slab_numel
+    if per_page < 1:
+        raise ConfigError(f"kv_rows: a KV row's slab of one layer ({slab_numel} elements, {list(slab)}) is larger "
+                          f"than a pool page ({page_numel} elements); lower max_seq_len, raise page_rank, or set "
+                          "kv_rows to 0 (the engine's own KV cache)")
+    return per_page, -(-2 * layers // per_page)
+
+
+def refuse_pool(pages: int, rows: int, row_pages: int, reserve_pages: int) -> None:
+    raise ConfigError(f"kv_rows: the pool ({pages} pages) cannot lend {rows} KV rows of {row_pages} pages each beside "
+                      f"a batch's adapters ({reserve_pages} pages); give pool_pages >= "
+                      f"{rows * row_pages + reserve_pages} or fewer kv_rows")
+
+
+def check_pool(config: EngineConfig, page_numel: int, pages: int, adapter_pages: int) -> None:
+    """Before anything starts: a pool of ``pages`` pages of ``page_numel`` elements can lend the engine's own KV rows
+    and its padding row beside a batch's ``max_adapters`` adapters of ``adapter_pages`` pages each (the bound
+    ``BorrowedRows`` holds at start); a clear error naming the fix if not."""
+    if not config.kv_rows:
+        return
+    shape = config.shape()
+    _, per_row = row_pages((shape.num_kv_heads // config.tp, config.max_seq_len, shape.head_dim), config.layers,
+                           page_numel)
+    if pages - (config.kv_rows + 1) * per_row < config.max_adapters * adapter_pages:
+        refuse_pool(pages, config.kv_rows + 1, per_row, config.max_adapters * adapter_pages)
 
 
 def borrowed_rows(config: EngineConfig, cache: Any, device: torch.device) -> BorrowedRows | None:
