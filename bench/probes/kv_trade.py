@@ -31,6 +31,7 @@ from lora_cache.adapters.shapes import resolve_model
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from workers.cache import WorkerConfig, pool_pages
 from workers.engine import EngineConfig, EngineResult, Request, run_engine
+from workers.engine.kv_rows import row_pages
 from workers.staging.host_config import HostTierConfig
 
 
@@ -100,9 +101,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     layers = args.layers or shape.num_layers
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     page_numel, _ = pool_pages(WorkerConfig(num_slots=1, page_rank=args.rank, pool_pages=1), shape, args.rank, dtype)
-    slab = shape.num_kv_heads * args.max_seq_len * shape.head_dim
-    per_page = (page_numel if page_numel % slab == 0 else page_numel - slab + 1) // slab  # as ``BorrowedRows``
-    per_row = -(-2 * layers // per_page)  # pages a row takes
+    _, per_row = row_pages((shape.num_kv_heads, args.max_seq_len, shape.head_dim), layers, page_numel)
     extra = (args.max_running + 1) * per_row  # every row of the fixed engine's KV cache (and its padding row)
     common: dict[str, Any] = dict(model=args.model, num_layers=args.layers, device=args.device,
                                   max_running=args.max_running, max_adapters=args.max_adapters, max_rank=args.rank,

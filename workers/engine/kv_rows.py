@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Collection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -87,20 +87,15 @@ class RowBook:
         if not self.borrowable:
             return 0
         top = max(self.used, default=self.own) - self.own  # rows up to the highest in use stay
-        want = min(self.borrowable, len(self.used) + short)
-        if want > self.held or top >= self.held:  # growing (or a report behind what is in use): no return now
+        floor = max(min(self.borrowable, len(self.used) + short), top)  # the rows wanted now
+        if floor >= self.held:  # growing, or holding what is wanted: nothing to give back
             self._unused_since = None
-            self.target = max(want, top)
-            return self.target
-        if self.held > max(want, top):
+            self.target = floor
+        else:  # rows unused above the floor: given back once unused for return_s
             self._unused_since = now if self._unused_since is None else self._unused_since
-            if now - self._unused_since >= self.return_s:
-                self._unused_since = None
-                self.target = max(want, top)
-                return self.target
-        else:
-            self._unused_since = None
-        self.target = self.held
+            returning = now - self._unused_since >= self.return_s
+            self._unused_since = None if returning else self._unused_since
+            self.target = floor if returning else self.held
         return self.target
 
 
@@ -244,6 +239,12 @@ class BorrowedRows:
                 "borrow_ms_max": ms[-1] if ms else None}
 
 
+def kv_slab(config: EngineConfig) -> tuple[int, int, int]:
+    """One layer's K (or V) of one KV row on one rank: [kv_heads / tp, max_seq_len, head_dim]."""
+    shape = config.shape()
+    return shape.num_kv_heads // config.tp, config.max_seq_len, shape.head_dim
+
+
 def row_pages(slab: tuple[int, int, int], layers: int, page_numel: int) -> tuple[int, int]:
     """(slabs a page holds whole wherever it starts, pages a KV row takes); a slab larger than a page is refused."""
     slab_numel = slab[0] * slab[1] * slab[2]
@@ -255,7 +256,7 @@ def row_pages(slab: tuple[int, int, int], layers: int, page_numel: int) -> tuple
     return per_page, -(-2 * layers // per_page)
 
 
-def refuse_pool(pages: int, rows: int, row_pages: int, reserve_pages: int) -> None:
+def refuse_pool(pages: int, rows: int, row_pages: int, reserve_pages: int) -> NoReturn:
     raise ConfigError(f"kv_rows: the pool ({pages} pages) cannot lend {rows} KV rows of {row_pages} pages each beside "
                       f"a batch's adapters ({reserve_pages} pages); give pool_pages >= "
                       f"{rows * row_pages + reserve_pages} or fewer kv_rows")
@@ -267,9 +268,7 @@ def check_pool(config: EngineConfig, page_numel: int, pages: int, adapter_pages:
     ``BorrowedRows`` holds at start); a clear error naming the fix if not."""
     if not config.kv_rows:
         return
-    shape = config.shape()
-    _, per_row = row_pages((shape.num_kv_heads // config.tp, config.max_seq_len, shape.head_dim), config.layers,
-                           page_numel)
+    _, per_row = row_pages(kv_slab(config), config.layers, page_numel)
     if pages - (config.kv_rows + 1) * per_row < config.max_adapters * adapter_pages:
         refuse_pool(pages, config.kv_rows + 1, per_row, config.max_adapters * adapter_pages)
 
@@ -284,8 +283,7 @@ def borrowed_rows(config: EngineConfig, cache: Any, device: torch.device) -> Bor
     if lender is None:
         raise ConfigError(f"kv_rows {config.kv_rows} keeps the KV cache in the adapter pool, and this engine's cache "
                           "lends no pages; set kv_rows to 0")
-    shape = config.shape()
-    slab = (shape.num_kv_heads // config.tp, config.max_seq_len, shape.head_dim)
+    slab = kv_slab(config)
     inner = getattr(cache, "cache", cache)  # an attachment's WorkerCache, or the cache itself
     reserve = config.max_adapters * inner.load_path.pages_for(inner.slot_numel) * lender.page_bytes
     return BorrowedRows(lender, config.kv_rows + 1, config.max_running - config.kv_rows, config.layers, slab,
