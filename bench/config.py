@@ -151,13 +151,15 @@ class BenchConfig:
     def store_model(self) -> StoreModel:
         return parse_store(self.store)
 
-    def byte_slots(self) -> int:
+    def byte_slots(self, kv_pages: int = 0) -> int:
         """The slots of ``max_rank`` the GPU bytes of a rank amount to: ``slots`` for slots, the pool's pages over
         the pages of a max-rank shard for a paged pool (issue 43; a shard's size is linear in its rank). The
-        workload's adapters count from it, so a paged run at equal bytes gets the slots' catalog."""
+        workload's adapters count from it, so a paged run at equal bytes gets the slots' catalog. ``kv_pages``: the
+        pages of the engine's own KV cache a ``--kv-rows`` pool holds too (``bench.real.own_kv_pages``), left out,
+        so that run gets the catalog of the run with its own KV cache beside the rest of the pool."""
         if not self.page_rank or self.page_rank >= self.max_rank or not self.pool_pages:
             return self.slots
-        return max(1, self.pool_pages * self.page_rank // self.max_rank)
+        return max(1, (self.pool_pages - kv_pages) * self.page_rank // self.max_rank)
 
     def use_gpus(self) -> bool:
         if self.gpus != "auto":

@@ -60,12 +60,13 @@ from workers.cache import WorkerConfig
 from workers.cache import pool_pages as pool_of
 from workers.counters import STATS_COUNTERS, STATS_SUMMARIES
 from workers.engine.config import EngineConfig
-from workers.engine.kv_rows import check_pool
+from workers.engine.kv_rows import check_pool, kv_slab, row_pages
 from workers.engine.workload import Request
 from workers.staging.disk_tier import DiskTierConfig
 from workers.staging.host_config import HostTierConfig
 
 if TYPE_CHECKING:
+    from bench.config import BenchConfig
     from bench.workloads import Workload
 
 
@@ -135,6 +136,17 @@ def serve_config(config: RealConfig, adapters_dir: str, engine: EngineConfig) ->
     return ServeConfig(adapters=adapters_dir, replicas=0 if config.attach else config.replicas, tp=config.tp,
                        gpus=config.gpus, worker_cpus=config.worker_cpus, max_adapters=engine.max_adapters,
                        max_running=engine.max_running)
+
+
+def own_kv_pages(bench: BenchConfig) -> int:
+    """The pool pages the engine's own KV cache (``max_running`` rows and the padding row) takes on a rank: what a
+    ``--kv-rows`` pool holds beyond the adapters' bytes of the run with its own KV cache it is compared with."""
+    engine = EngineConfig(model=bench.model, num_layers=bench.num_layers, tp=bench.tp, num_slots=bench.slots,
+                          max_rank=bench.max_rank, max_running=bench.max_running, max_seq_len=bench.max_seq_len)
+    worker = WorkerConfig(num_slots=bench.slots, tp=bench.tp, page_rank=bench.page_rank, pool_pages=bench.pool_pages)
+    dtype = torch.bfloat16 if bench.use_gpus() else torch.float32
+    page, _ = pool_of(worker, engine.shape(), bench.max_rank, dtype)
+    return (bench.max_running + 1) * row_pages(kv_slab(engine), engine.layers, page)[1]
 
 
 def route(requests: list[Request], replicas: int) -> list[list[Request]]:

@@ -121,7 +121,8 @@ def ensure_adapters(root: Path, model: str, ranks: str, names: Sequence[str]) ->
 def run(bench: BenchConfig, spec: WorkloadSpec) -> dict[str, Any]:
     bench = sized(bench)  # host_bytes 0: resolved once here, for every policy
     policies = parse_policies(bench.policies)
-    slots_for_names = bench.byte_slots()  # a paged pool: the catalog of the slots its bytes equal
+    # a paged pool: the catalog of the slots its bytes equal (with --kv-rows, less the engine's own KV cache)
+    slots_for_names = bench.byte_slots(_own_kv_pages(bench) if bench.kv_rows else 0)
     names = spec.adapter_names(slots_for_names)
     check_router(bench, spec)
     # the same warm-up (and measured window) as the slots the bytes equal: a paged run compares with them
@@ -191,6 +192,12 @@ def _cold_table(cold: dict[str, dict[str, Any]], described: dict[str, Any]) -> s
 
     return (f"\n\ncold start (the warm-up's {described['warmup_requests']} requests, "
             f"{described['warmup_s']:.1f} s):\n\n" + table(cold, []).split("\n\n")[0])
+
+
+def _own_kv_pages(bench: BenchConfig) -> int:
+    from bench.real import own_kv_pages  # torch: only for the real engine, which --kv-rows needs
+
+    return own_kv_pages(bench)
 
 
 def _run_real(bench: BenchConfig, policies: Sequence[BenchPolicy], root: str, names: list[str], workload: Workload,

@@ -298,3 +298,20 @@ def test_a_pool_too_small_for_the_kv_rows_is_refused_before_anything_starts(adap
                                           r"batch's adapters \(8 pages\); give pool_pages >= 10 or fewer kv_rows"):
         check_pool(config, page, 9, 4)
     check_pool(engine_config(adapters), page, 1, 4)  # kv_rows 0: the engine's own KV cache, nothing to check
+
+
+def test_a_kv_rows_run_gets_the_catalog_of_the_run_with_its_own_kv_cache() -> None:
+    """At equal GPU bytes, ``--kv-rows`` gives the pool the bytes of the engine's own KV cache too (max_running rows
+    and the padding row): the workload's catalog and auto warm-up count the adapters' share only, so the run compares
+    with the one whose engine keeps its own KV cache beside the rest of the pool (the same adapters, the same check
+    that there are more adapters than slots)."""
+    from bench.config import BenchConfig
+    from bench.real import own_kv_pages
+
+    common = dict(engine="real", model="llama-3.1-8b", max_rank=64, page_rank=16, slots=15, gpus="no")
+    own = BenchConfig(pool_pages=32, **common)  # type: ignore[arg-type]
+    pooled = BenchConfig(pool_pages=164, kv_rows=8, **common)  # type: ignore[arg-type]
+    kv = own_kv_pages(pooled)  # 33 rows, each 32 layers' K and V at max_seq_len 2048 in 4 pages of 8B rank 16
+    assert kv == 33 * 4
+    assert own.byte_slots() == pooled.byte_slots(kv) == 8
+    assert pooled.byte_slots() == 41  # without the KV cache's share: 16 adapters would be refused as too few

@@ -17,9 +17,10 @@
 #             eager steps over lent pages, the outputs of own rows) and the engine's other GPU tests
 #   kv-trade  bench.probes.kv_trade (kv_trade.json): a fixed engine (32 own KV rows) against a breathing one (8 own
 #             rows, the other rows' bytes as adapter pages it borrows back) on a quiet-burst-quiet workload
-#   bytes-kv  bench.run --engine real, the `seed` scenario, one replica, `queue` and `global` (POLICIES), SEED [0]:
-#             32 pages of rank 16 and the engine's own KV cache, then the same pages plus the KV cache's bytes as
-#             pages (33 rows of 4 pages at max_seq_len 2048) with --kv-rows KV_ROWS [8]: the KV cache in the pool
+#   bytes-kv  bench.run --engine real, SCENARIO [seed] (or zipf: as bytes-zipf), one replica, `queue` and `global`
+#             (POLICIES), SEED [0]: 32 pages of rank 16 and the engine's own KV cache, then the same pages plus the
+#             KV cache's bytes as pages (33 rows of 4 pages at max_seq_len 2048) with --kv-rows KV_ROWS [8]: the KV
+#             cache in the pool
 #   bytes-seed  bench.run --engine real, the `seed` scenario (16 adapters of ranks 16 and 64, uniform), one
 #             replica, the page cache, `queue` and `global` (POLICIES), workload seed SEED [0]: 8 slots of rank 64,
 #             then the same bytes as 32 pages of rank 16 (15 slots), each run its own directory
@@ -65,12 +66,20 @@ for part in "$@"; do
       step kv_trade "$PYTHON" -m bench.probes.kv_trade --model "$model" --out "$out/kv_trade.json" ;;
     bytes-kv)
       kv=(--engine real --model "$model" --adapter-ranks 16,64 --no-plots --policies "${POLICIES:-queue,global}"
-          --max-rank 64 --scenario seed --num-adapters 16 --max-adapters 8 --warmup-requests 100 --requests 200
-          --store page-cache --workload-seed "${SEED:-0}" --slots 15 --page-rank 16)
-      step "bytes-kv-s${SEED:-0}-own" timeout -k 15 "$limit" "$PYTHON" -m bench.run "${kv[@]}" --pool-pages 32 \
-        --out "$out/bytes-kv-s${SEED:-0}-own"
-      step "bytes-kv-s${SEED:-0}-pool" timeout -k 15 "$limit" "$PYTHON" -m bench.run "${kv[@]}" --pool-pages 164 \
-        --kv-rows "${KV_ROWS:-8}" --out "$out/bytes-kv-s${SEED:-0}-pool" ;;
+          --max-rank 64 --workload-seed "${SEED:-0}" --slots 15 --page-rank 16)
+      if [ "${SCENARIO:-seed}" = zipf ]; then
+        kv+=(--scenario zipf --num-adapters 100 --adapters "$adapters" --max-adapters 4 --warmup-requests 150
+             --requests 200 --arrivals poisson:4 --host-bytes 4294967296 --store device)
+      else
+        kv+=(--scenario seed --num-adapters 16 --max-adapters 8 --warmup-requests 100 --requests 200 --store page-cache)
+      fi
+      name="bytes-kv-${SCENARIO:-seed}-s${SEED:-0}"
+      step "$name-own" timeout -k 15 "$limit" "$PYTHON" -m bench.run "${kv[@]}" --pool-pages 32 --out "$out/$name-own"
+      step "$name-pool" timeout -k 15 "$limit" "$PYTHON" -m bench.run "${kv[@]}" --pool-pages 164 \
+        --kv-rows "${KV_ROWS:-8}" --out "$out/$name-pool"
+      for run in own pool; do
+        if [ -f "$out/$name-$run/results.json" ]; then gzip -f "$out/$name-$run/results.json"; fi
+      done ;;
     bytes-seed)
       pair "bytes-seed-s${SEED:-0}" --scenario seed --num-adapters 16 --max-adapters 8 --warmup-requests 100 \
         --requests 200 --store page-cache --workload-seed "${SEED:-0}" ;;
