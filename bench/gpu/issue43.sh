@@ -20,7 +20,7 @@
 #   bytes-kv  bench.run --engine real, SCENARIO [seed] (or zipf: as bytes-zipf), one replica, `queue` and `global`
 #             (POLICIES), SEED [0]: 32 pages of rank 16 and the engine's own KV cache, then the same pages plus the
 #             KV cache's bytes as pages (33 rows of 4 pages at max_seq_len 2048) with --kv-rows KV_ROWS [8]: the KV
-#             cache in the pool
+#             cache in the pool; SLOTS [15]: the adapters a pool may hold at once (metadata rows), for both runs
 #   bytes-seed  bench.run --engine real, the `seed` scenario (16 adapters of ranks 16 and 64, uniform), one
 #             replica, the page cache, `queue` and `global` (POLICIES), workload seed SEED [0]: 8 slots of rank 64,
 #             then the same bytes as 32 pages of rank 16 (15 slots), each run its own directory
@@ -66,14 +66,14 @@ for part in "$@"; do
       step kv_trade "$PYTHON" -m bench.probes.kv_trade --model "$model" --out "$out/kv_trade.json" ;;
     bytes-kv)
       kv=(--engine real --model "$model" --adapter-ranks 16,64 --no-plots --policies "${POLICIES:-queue,global}"
-          --max-rank 64 --workload-seed "${SEED:-0}" --slots 15 --page-rank 16)
+          --max-rank 64 --workload-seed "${SEED:-0}" --slots "${SLOTS:-15}" --page-rank 16)
       if [ "${SCENARIO:-seed}" = zipf ]; then
         kv+=(--scenario zipf --num-adapters 100 --adapters "$adapters" --max-adapters 4 --warmup-requests 150
              --requests 200 --arrivals poisson:4 --host-bytes 4294967296 --store device)
       else
         kv+=(--scenario seed --num-adapters 16 --max-adapters 8 --warmup-requests 100 --requests 200 --store page-cache)
       fi
-      name="bytes-kv-${SCENARIO:-seed}-s${SEED:-0}"
+      name="bytes-kv-${SCENARIO:-seed}-s${SEED:-0}-slots${SLOTS:-15}"
       step "$name-own" timeout -k 15 "$limit" "$PYTHON" -m bench.run "${kv[@]}" --pool-pages 32 --out "$out/$name-own"
       step "$name-pool" timeout -k 15 "$limit" "$PYTHON" -m bench.run "${kv[@]}" --pool-pages 164 \
         --kv-rows "${KV_ROWS:-8}" --out "$out/$name-pool"
