@@ -14,6 +14,7 @@ registrations and hints survive that, and a new ``serve`` on the same cluster, i
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import signal
 import sys
 import threading
@@ -102,6 +103,10 @@ class Service:
     workers: dict[WorkerId, Any]
     groups: list[Any]
     owns_ray: bool
+    # this service's pushed versions (node memory), removed by an orderly stop when nothing could restore the catalog
+    # that names them: a local Ray of this process's own (its GCS snapshot goes with it) and no catalog copy.
+    # None: kept (a cluster joined outlives this process, and a service started on it again restores the catalog)
+    push_area: Path | None = None
 
     def stop(self) -> None:
         # The controller stops watching first, then dies first: otherwise it sees each worker die and logs
@@ -120,6 +125,8 @@ class Service:
             remove_placement_group(pg)
         if self.owns_ray:
             ray.shutdown()
+        if self.push_area is not None:  # after the controller and the ranks: nothing writes or reads them now
+            shutil.rmtree(self.push_area, ignore_errors=True)
 
 
 def _await_death(actor: Any, timeout_s: float) -> None:
@@ -174,7 +181,10 @@ def start(serve: ServeConfig, catalog: CatalogConfig, planner: PlannerConfig, wo
         if owns:
             ray.shutdown()
         raise ServiceTakenError(f"--service {serve.service!r} was started by another process just now: {e}") from e
-    service = Service(serve.service, controller, {}, [], owns)
+    # pushed versions outlive the service only where a restored catalog could name them again
+    embedded = owns and not serve.address
+    push_area = catalog.push_root() / serve.service if embedded and not serve.catalog_copy else None
+    service = Service(serve.service, controller, {}, [], owns, push_area)
     try:
         for i in range(serve.replicas):
             _start_replica(service, f"replica-{i}", serve, catalog, worker)
