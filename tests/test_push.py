@@ -14,10 +14,13 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load, save
 
 from lora_cache.adapters import peft
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.header import parse_header
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, content_version
 from lora_cache.adapters.pushed import PushArea, check_push, check_tag, content_tag
 from lora_cache.adapters.refs import base_name, split_ref, split_unchecked, version_of
@@ -158,10 +161,42 @@ def test_the_client_payload_takes_gpu_or_cpu_tensors_and_peft_configs(pushed_pai
 
     config_bytes, weights = msg.push_payload(tensors, LoraConfig())
     assert json.loads(config_bytes)["target_modules"] == sorted(config["target_modules"])
-    assert load(weights).keys() == tensors.keys()
+    assert load(bytes(weights)).keys() == tensors.keys()
+    # one dtype (an adapter's): the bytes safetensors writes, so a pushed version's content hash is as it was
+    assert bytes(weights) == save(tensors, metadata={"format": "pt"})
     assert msg.push_payload(save(tensors), config)[1] == save(tensors)
     with pytest.raises(msg.ClientError, match="dict"):
         msg.push_payload([], config)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8,
+                                            torch.bool, torch.float8_e4m3fn]),
+                          st.lists(st.integers(0, 5), max_size=3)), min_size=1, max_size=6))
+def test_the_one_pass_payload_is_the_safetensors_of_its_tensors(specs: list[tuple[torch.dtype, list[int]]]) -> None:
+    """``safetensors_bytes`` (the push's payload, one copy per tensor) is a safetensors file the format's own loader
+    reads back to the same tensors, bit for bit, whatever the dtypes and shapes (empty and 0-d ones too), with the
+    tensors ``safetensors.torch.save`` would list, and the same bytes each time (a pushed version's content hash);
+    a dtype the format lacks is refused, naming the tensor."""
+    from lora_cache.adapters.serialize import safetensors_bytes
+
+    g = torch.Generator().manual_seed(len(specs))
+    tensors = {f"t{i}.weight": (torch.randn(shape, generator=g) * 4).to(dtype)
+               for i, (dtype, shape) in enumerate(specs)}
+    tensors["strided.weight"] = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()  # not contiguous
+    out = safetensors_bytes(tensors, {"format": "pt"})
+    back = load(bytes(out))
+    assert back.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape
+        assert torch.equal(back[name].reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8))
+    contiguous = {name: t.contiguous() for name, t in tensors.items()}
+    saved = save(contiguous, metadata={"format": "pt"})  # the same header (the data may lie in another order)
+    n, m = int.from_bytes(bytes(out[:8]), "little"), int.from_bytes(saved[:8], "little")
+    assert parse_header(bytes(out[8:8 + n]), len(out)) == parse_header(saved[8:8 + m], len(saved))
+    assert bytes(safetensors_bytes(tensors, {"format": "pt"})) == bytes(out)  # the same tensors, the same version
+    with pytest.raises(AdapterFormatError, match=r"tensor bad\.weight has dtype torch\.complex64"):
+        safetensors_bytes({"bad.weight": torch.zeros(2, dtype=torch.complex64)})
 
 
 async def _stream(messages: list[Any]) -> AsyncIterator[Any]:

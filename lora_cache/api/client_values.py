@@ -132,10 +132,11 @@ class Pushed(NamedTuple):
 PUSH_CHUNK_BYTES = 1 << 20  # weights per PushAdapter message: well under any gateway's max_message_bytes
 
 
-def push_payload(tensors: Any, config: Any) -> tuple[bytes, bytes]:
+def push_payload(tensors: Any, config: Any) -> tuple[bytes, bytes | memoryview]:
     """(adapter_config.json's bytes, safetensors bytes) of a push. ``tensors``: a dict of PEFT-named tensors (on the
-    CPU or a GPU; copied to the CPU) or safetensors bytes already; ``config``: PEFT's LoraConfig as a dict, JSON
-    text or bytes, or an object with ``to_dict()`` (``peft.LoraConfig``)."""
+    CPU or a GPU; each copied once into the payload, ``serialize.safetensors_bytes``, a view of one buffer) or
+    safetensors bytes already; ``config``: PEFT's LoraConfig as a dict, JSON text or bytes, or
+    an object with ``to_dict()`` (``peft.LoraConfig``)."""
     from lora_cache.adapters.pushed import config_json
 
     if hasattr(config, "to_dict"):
@@ -148,10 +149,10 @@ def push_payload(tensors: Any, config: Any) -> tuple[bytes, bytes]:
         raise ClientError("INVALID_ARGUMENT", f"push tensors must be a non-empty dict of name -> tensor (PEFT's "
                           f"names, e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight) or "
                           f"safetensors bytes, got {type(tensors).__name__}")
-    from safetensors.torch import save
+    from lora_cache.adapters.serialize import safetensors_bytes
 
-    cpu = {str(k): v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    return config_json(config), save(cpu, metadata={"format": "pt"})
+    weights = safetensors_bytes({str(k): v for k, v in tensors.items()}, {"format": "pt"})
+    return config_json(config), memoryview(weights.data)
 
 
 def push_messages(name: str, tag: str | int | None, config: bytes, weights: bytes,
