@@ -113,6 +113,43 @@ def test_the_area_writes_whole_refuses_a_reused_tag_and_retires(tmp_path: Path, 
     assert PushArea(tmp_path, "other", 1 << 30).used() == 0  # another service's area is its own
 
 
+def test_a_push_hashed_from_memory_is_the_version_its_file_hashes_to_and_is_taken_only_while_it_is_that_file(
+        tmp_path: Path, pushed_pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pushed.digest`` (the push hashed from its bytes while they are written) gives what registration hashing the
+    written file gives: the content version, the header's CRC, every block's CRC. Its ``known`` lets the file's
+    registration skip reading the weights, and only while the file is the one written: a file changed after it
+    is hashed again, under its new content's version."""
+    from lora_cache.adapters.pushed import digest
+
+    tensors, config = pushed_pair
+    tensors = {k: v.repeat(40, 1) if "lora_A" in k else v.repeat(1, 40) for k, v in tensors.items()}  # > 1 block
+    config = {**config, "r": 8 * 40}
+    area = PushArea(tmp_path, "svc", max_bytes=1 << 30)
+    config_bytes, weights = payload(tensors, config)
+    content = digest(config_bytes, weights)
+    assert f"c{content.version}" == content_tag(config_bytes, weights)
+    path, _ = area.write("a", "1", config_bytes, weights)
+    roots = peft.AdapterRoots((tmp_path,))
+    hashed = peft.read_adapter("a", path, TINY, 1024, roots, sealed=True)
+    assert hashed.source is not None and len(hashed.source.block_crcs) > 1
+    assert (content.version, content.header_bytes, content.header_crc, content.block_crcs) == \
+        (hashed.version, hashed.source.header_bytes, hashed.source.header_crc, hashed.source.block_crcs)
+    known = content.known(path)
+
+    def unread(*_: Any) -> Any:
+        raise AssertionError("the weights were read back")
+
+    with monkeypatch.context() as m:
+        m.setattr(peft, "digest_weights", unread)
+        taken = peft.read_adapter("a", path, TINY, 1024, roots, known, sealed=True)
+    assert taken.version == hashed.version and not taken.source.racy  # type: ignore[union-attr]
+    other = bytearray(weights)
+    other[-1] ^= 1
+    (path / WEIGHTS_FILE).write_bytes(bytes(other))  # not how the area writes: a file changed after the push
+    changed = peft.read_adapter("a", path, TINY, 1024, roots, known, sealed=True)
+    assert changed.version not in (known.version, "") and changed.version == digest(config_bytes, other).version
+
+
 def test_a_write_cut_midway_leaves_nothing(tmp_path: Path, pushed_pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     area = PushArea(tmp_path, "svc", max_bytes=1 << 30)
 
@@ -255,3 +292,52 @@ def test_a_reference_names_a_kept_version_by_version_or_by_its_pushed_tag(tmp_pa
     with pytest.raises(RequestError, match="NAME@VERSION"):
         adapter_ref("adapter", "a@")
     assert adapter_ref("adapter", "a@7") == "a@7"
+
+
+def test_a_retire_while_a_push_is_registered_keeps_its_directory(tmp_path: Path, pushed_pair: Any) -> None:
+    """Between a push's write and its registration, a retire of its name (another push's, or a health round's
+    ``retire_released``) took the directory the catalog was about to name, and the ranks found it gone (seen in
+    the push traffic test under load). A push's directory is kept from before its write until it is registered or
+    refused; one the catalog refused goes. The read of the registration is held at its start (a real ``Registrar`` and
+    ``ControllerCore``; the workers are the registration tests' fake links), the retire runs there."""
+    from lora_cache.controller.core import ControllerConfig, ControllerCore
+    from lora_cache.controller.pushes import Pushes
+    from lora_cache.controller.registrations import Registrar
+    from tests.test_registrations import Held, Links
+
+    tensors, config = pushed_pair
+    core = ControllerCore(ControllerConfig(catalog=CatalogConfig(model="tiny", max_rank=16,
+                                                                 adapter_roots=(str(tmp_path),),
+                                                                 push_dir=str(tmp_path / "push"))), epoch=1)
+    held = Held(core)
+    links = Links([])
+
+    async def plan() -> None:
+        pass
+
+    draining: set[str] = set()
+    pushes = Pushes(core, Registrar(core, links, draining, plan), "svc")  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        first = await pushes.push("a", 1, *payload(tensors, config))
+        held.hold("a")
+        second = asyncio.ensure_future(pushes.push("a", 2, *payload(scaled(tensors), config)))
+        await held.until_arrived("a")  # written, its registration's read not started
+        directory = pushes.area.path("a", "2")
+        assert directory.is_dir()
+        assert await asyncio.to_thread(pushes.area.retire, "a", pushes._kept("a")) == []  # what a retire takes
+        assert directory.is_dir()
+        held.release["a"].set()
+        done = await second
+        assert done.version != first.version and core.catalog.get("a").version == done.version
+        assert directory.is_dir() and not pushes.unregistered
+        draining.add("a")  # a push the catalog refuses (its name being unregistered): its directory goes
+        with pytest.raises(ConflictError, match="being unregistered"):
+            await pushes.push("a", 3, *payload(scaled(tensors, 3.0), config))
+        assert not pushes.area.path("a", "3").exists() and not pushes.unregistered
+
+    asyncio.run(scenario())
+
+
+def scaled(tensors: dict[str, torch.Tensor], by: float = 2.0) -> dict[str, torch.Tensor]:
+    return {k: (v.float() * by).to(v.dtype) for k, v in tensors.items()}

@@ -27,11 +27,14 @@ import re
 import shutil
 import tempfile
 import threading
+import time
+import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from lora_cache.adapters.files import BLOCK_BYTES, HOST, RACY_NS, BlockCrcs, FileIdentity, WeightsSource
 from lora_cache.adapters.header import MAX_HEADER_BYTES, parse_header
-from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec, built_spec, parse_config
+from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec, KnownVersion, built_spec, parse_config
 from lora_cache.adapters.shapes import ModelShape
 from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, ConflictError
 
@@ -64,6 +67,38 @@ def content_tag(config_bytes: bytes, weights: bytes | memoryview) -> str:
     digest = hashlib.blake2b(config_bytes, digest_size=8)
     digest.update(weights)
     return f"c{digest.hexdigest()}"
+
+
+class PushDigest(NamedTuple):
+    """A push's content as registration would hash its file, taken from the push's bytes in memory (``digest``)."""
+
+    version: str  # blake2b-8 of the config's bytes and then the weights': ``peft.read_adapter``'s content version
+    config_digest: str
+    header_bytes: int
+    header_crc: int
+    block_crcs: BlockCrcs
+
+    def known(self, directory: Path) -> KnownVersion:
+        """The version of the pushed directory as written (``PushArea.write``), for its registration to take
+        without reading the weights back (``peft.proves``: the same file, identity, config and header, or they
+        are hashed after all). Sealed: its racy window is over by construction, as ``read_adapter`` counts it."""
+        weights = (directory / WEIGHTS_FILE).resolve()
+        identity = FileIdentity.of(os.stat(weights))
+        source = WeightsSource(str(weights), self.version, identity, self.header_bytes, self.header_crc,
+                               self.block_crcs, max(time.time_ns(), identity.ctime_ns + RACY_NS))
+        return KnownVersion(self.version, self.config_digest, HOST, source)
+
+
+def digest(config_bytes: bytes, weights: bytes | memoryview) -> PushDigest:
+    """The content version, header CRC and block CRCs of a push (checked by ``check_push``) from its bytes: one
+    pass, as ``files.digest_weights`` makes over the file, so the file need not be read back to register it."""
+    view = memoryview(weights).cast("B")
+    version = hashlib.blake2b(config_bytes, digest_size=8)
+    version.update(view)
+    header_bytes = 8 + int.from_bytes(view[:8], "little")
+    crcs = BlockCrcs(zlib.crc32(view[at:at + BLOCK_BYTES]) for at in range(0, len(view), BLOCK_BYTES))
+    return PushDigest(version.hexdigest(), hashlib.blake2b(config_bytes, digest_size=8).hexdigest(), header_bytes,
+                      zlib.crc32(view[:header_bytes]), crcs)
 
 
 def check_push(name: str, config_bytes: bytes, weights: bytes | memoryview, shape: ModelShape,

@@ -6,7 +6,8 @@ its weights, from the gateway's ``PushAdapter`` stream or a Ray object reference
    naming what is wrong, before anything is written or sent to a rank;
 2. writes it whole into the service's push area (``pushed.PushArea``: node memory, renamed into place);
 3. registers that directory as any registration does (``Registrar``: its content hashed into the version, every
-   rank given it with that version, in the name's turn among registrations): the name's current version
+   rank given it with that version, in the name's turn among registrations; the hash taken from the push's bytes
+   while they are written, ``pushed.digest``, so the file is not read back): the name's current version
    changes only once it is registered; a push that fails at any step leaves the previous version current, and
    its directory is removed again;
 4. retires the name's pushed versions the catalog no longer keeps: past ``keep_versions`` and held by no rank (a
@@ -18,11 +19,12 @@ An unregistered adapter's pushed versions go with it (``forget``).
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
 from lora_cache.adapters.catalog import check_name
-from lora_cache.adapters.pushed import PushArea, check_push, check_tag, content_tag
+from lora_cache.adapters.pushed import PushArea, PushDigest, check_push, check_tag, digest
 from lora_cache.controller.core import ControllerCore, named_versions
 from lora_cache.controller.registrations import Registrar
 from lora_cache.errors import ConflictError
@@ -47,33 +49,54 @@ class Pushes:
         self.core, self.registrar = core, registrar
         self.area = PushArea(catalog.push_root(), service, catalog.push_bytes)
         self.pushes = self.refused = 0
+        self.unregistered: Counter[Path] = Counter()  # pushes' directories not yet registered (or refused)
 
     async def push(self, name: str, tag: str | int | None, config_bytes: bytes, weights: bytes) -> Pushed:
         """Check, keep and register one pushed version (the module's docstring); its ``Pushed``, or the error."""
+        content: PushDigest | None = None
         try:
             check_name(name)
-            tag = content_tag(config_bytes, weights) if tag in (None, "") else check_tag(tag)
+            tag = None if tag in (None, "") else check_tag(tag)
             catalog = self.core.catalog
             await asyncio.to_thread(check_push, name, config_bytes, weights, catalog.shape, catalog.config.max_rank)
-            path, new = await asyncio.to_thread(self.area.write, name, tag, config_bytes, weights)
+            if tag is None:  # the content's hash names it: hashed before it is written
+                content = await asyncio.to_thread(digest, config_bytes, weights)
+                tag = f"c{content.version}"
         except Exception:
             self.refused += 1
             raise
+        target, new = self.area.path(name, tag), False
+        self.unregistered[target] += 1  # from before its write until it is registered or refused: no retire takes it
         try:
-            (done,) = await self.registrar.register([(name, str(path))])
+            if content is None:  # hashed from memory while it is written (both off the GIL)
+                content, (path, new) = await asyncio.gather(asyncio.to_thread(digest, config_bytes, weights),
+                                                            asyncio.to_thread(self.area.write, name, tag,
+                                                                              config_bytes, weights))
+            else:
+                path, new = await asyncio.to_thread(self.area.write, name, tag, config_bytes, weights)
+            assert content is not None
+            # registered under the version hashed from memory: its file is not read back (``PushDigest.known``)
+            (done,) = await self.registrar.register([(name, str(path))], {str(path): content.known(path)})
             if done.error is not None:
                 raise done.error
             if done.rank_errors:
                 raise ConflictError(f"pushed {name}@{tag} is registered as version {done.version}, but "
                                     f"{len(done.rank_errors)} rank(s) refused it: {'; '.join(done.rank_errors)}")
         except BaseException:
+            self._registered(target)
             if new:  # what it wrote goes, unless the catalog keeps it after all
                 await asyncio.to_thread(self.area.retire, name, self._kept(name))
             self.refused += 1
             raise
+        self._registered(target)
         self.pushes += 1
         await asyncio.to_thread(self.area.retire, name, self._kept(name))
         return Pushed(name, tag, done.version, done.previous, done.rank_pending)
+
+    def _registered(self, target: Path) -> None:
+        self.unregistered[target] -= 1
+        if not self.unregistered[target]:
+            del self.unregistered[target]
 
     async def retire_released(self) -> list[str]:
         """Retire the older versions past ``keep_versions`` that no rank holds any more (``AdapterCatalog.trim`` of
@@ -89,8 +112,10 @@ class Pushes:
         return retired
 
     def _kept(self, name: str) -> set[Path]:
-        """The directories of the versions of ``name`` the catalog keeps (the push area keeps those)."""
-        return set(self.core.catalog.paths(name).values())
+        """The directories of the versions of ``name`` the catalog keeps, and of its pushes being written or
+        registered (a retire computed meanwhile, by another push of the name or a health round, would take a
+        directory the catalog is about to name, and the ranks would find it gone): the push area keeps those."""
+        return set(self.core.catalog.paths(name).values()) | {p for p in self.unregistered if p.parent.name == name}
 
     async def forget(self, name: str) -> None:
         """``name`` was unregistered: its pushed versions go."""

@@ -22,13 +22,13 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from lora_cache.adapters.catalog import check_name
 from lora_cache.adapters.objects import is_store_url
-from lora_cache.adapters.peft import AdapterSpec
+from lora_cache.adapters.peft import AdapterSpec, KnownVersion
 from lora_cache.controller.core import ControllerCore
 from lora_cache.controller.fanout import Sent, WorkerFanout
 from lora_cache.errors import AdapterFormatError, ConflictError, LoraCacheError
@@ -103,6 +103,7 @@ class Item(NamedTuple):
     name: str
     path: str
     turn: Turn
+    known: KnownVersion | None = None  # hashed already (a push's): taken if the file proves it
 
 
 class Read(NamedTuple):
@@ -121,8 +122,11 @@ class Registrar:
         self.core, self.fanout, self.draining, self.plan = core, fanout, draining, plan
         self.turns = Turns()
 
-    async def register(self, items: list[tuple[str, str]]) -> list[Registered]:
-        """Register every (name, path), each by itself; one plan after. Answers in the items' order."""
+    async def register(self, items: list[tuple[str, str]],
+                       known: Mapping[str, KnownVersion] | None = None) -> list[Registered]:
+        """Register every (name, path), each by itself; one plan after. Answers in the items' order. ``known``: by
+        path, a version hashed already (a push's, from its bytes in memory), taken if the file opened proves it
+        is the file it was hashed for (``peft.proves``; else the file is hashed here)."""
         results: list[Registered | None] = [None] * len(items)
         todo: list[Item] = []
         seen: dict[str, int] = {}
@@ -133,7 +137,7 @@ class Registrar:
                 results[i] = Registered(str(name), error=e)
                 continue
             seen[name] = i
-            todo.append(Item(i, name, path, self.turns.take(name)))
+            todo.append(Item(i, name, path, self.turns.take(name), (known or {}).get(path)))
         try:
             await self._register(todo, results)
         finally:
@@ -238,7 +242,7 @@ def _read_chunk(core: ControllerCore, pending: deque[Item], pool: ThreadPoolExec
 def _read_one(core: ControllerCore, item: Item) -> Read:
     """One item read: its spec, or its own error (nothing changes)."""
     try:  # the current version's proof: the same file again (re-registered unchanged) is not hashed again
-        return Read(item, core.read_adapter(item.name, item.path, core.catalog.known(item.name)), None)
+        return Read(item, core.read_adapter(item.name, item.path, item.known or core.catalog.known(item.name)), None)
     except LoraCacheError as e:
         return Read(item, None, e)
     except OSError as e:  # an unreadable directory or file: the item's own error, as any bad file
