@@ -155,7 +155,7 @@ def push_payload(tensors: Any, config: Any) -> tuple[bytes, bytes | memoryview]:
     return config_json(config), memoryview(weights.data)
 
 
-def push_messages(name: str, tag: str | int | None, config: bytes, weights: bytes,
+def push_messages(name: str, tag: str | int | None, config: bytes, weights: bytes | memoryview,
                   chunk_bytes: int = PUSH_CHUNK_BYTES) -> Iterator[Any]:
     """The ``PushAdapterRequest`` stream of one push: the name, tag, config and size first, then the weights."""
     view = memoryview(weights)
