@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+import numpy as np
 import ray
 
 from lora_cache.api import validate
@@ -254,7 +255,9 @@ class Servicer:
         """A version pushed from a trainer's memory: the stream gathered and checked here (``push_stream``), then
         the controller checks, keeps and registers it; one answer."""
         body = await gather(requests, self.max_push_bytes)
-        done = await self.controller.push_adapter.remote(body.name, body.tag, body.config, body.weights)
+        # as an array: Ray hands the controller the one copy in its object store to read in place
+        weights = np.frombuffer(body.weights, dtype=np.uint8)
+        done = await self.controller.push_adapter.remote(body.name, body.tag, body.config, weights)
         yield pb.PushAdapterResponse(name=done.name, tag=done.tag, version=done.version,
                                      previous_version=done.previous, pending_ranks=done.rank_pending)
 
