@@ -42,8 +42,11 @@ pair() {  # NAME ARGS...: the slots' run, then the paged one at the same bytes
     local extra=(--slots 8)
     [ "$pool" = paged ] && extra=(--slots 15 --page-rank 16 --pool-pages 32)
     step "$name-$pool" timeout -k 15 "$limit" "$PYTHON" -m bench.run "${common[@]}" "${extra[@]}" --out "$out/$name-$pool"
-    if [ -f "$out/$name-$pool/results.json" ]; then gzip -f "$out/$name-$pool/results.json"; fi
+    gz "$out/$name-$pool"
   done
+}
+gz() {  # DIR: its results.json compressed, where the run wrote one
+  if [ -f "$1/results.json" ]; then gzip -f "$1/results.json"; fi
 }
 for part in "$@"; do
   case $part in
@@ -77,9 +80,8 @@ for part in "$@"; do
       step "$name-own" timeout -k 15 "$limit" "$PYTHON" -m bench.run "${kv[@]}" --pool-pages 32 --out "$out/$name-own"
       step "$name-pool" timeout -k 15 "$limit" "$PYTHON" -m bench.run "${kv[@]}" --pool-pages 164 \
         --kv-rows "${KV_ROWS:-8}" --out "$out/$name-pool"
-      for run in own pool; do
-        if [ -f "$out/$name-$run/results.json" ]; then gzip -f "$out/$name-$run/results.json"; fi
-      done ;;
+      gz "$out/$name-own"
+      gz "$out/$name-pool" ;;
     bytes-seed)
       pair "bytes-seed-s${SEED:-0}" --scenario seed --num-adapters 16 --max-adapters 8 --warmup-requests 100 \
         --requests 200 --store page-cache --workload-seed "${SEED:-0}" ;;

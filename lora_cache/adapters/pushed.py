@@ -64,9 +64,7 @@ def check_tag(tag: object) -> str:
 
 def content_tag(config_bytes: bytes, weights: bytes | memoryview) -> str:
     """The tag of a push that names none: a hash of its config and weights (the same bytes, the same tag)."""
-    digest = hashlib.blake2b(config_bytes, digest_size=8)
-    digest.update(weights)
-    return f"c{digest.hexdigest()}"
+    return digest(config_bytes, weights).tag
 
 
 class PushDigest(NamedTuple):
@@ -77,6 +75,11 @@ class PushDigest(NamedTuple):
     header_bytes: int
     header_crc: int
     block_crcs: BlockCrcs
+
+    @property
+    def tag(self) -> str:
+        """The tag of a push that names none (``content_tag``): its content version."""
+        return f"c{self.version}"
 
     def known(self, directory: Path) -> KnownVersion:
         """The version of the pushed directory as written (``PushArea.write``), for its registration to take
@@ -93,12 +96,12 @@ def digest(config_bytes: bytes, weights: bytes | memoryview) -> PushDigest:
     """The content version, header CRC and block CRCs of a push (checked by ``check_push``) from its bytes: one
     pass, as ``files.digest_weights`` makes over the file, so the file need not be read back to register it."""
     view = memoryview(weights).cast("B")
-    version = hashlib.blake2b(config_bytes, digest_size=8)
+    config = hashlib.blake2b(config_bytes, digest_size=8)
+    version = config.copy()
     version.update(view)
     header_bytes = 8 + int.from_bytes(view[:8], "little")
     crcs = BlockCrcs(zlib.crc32(view[at:at + BLOCK_BYTES]) for at in range(0, len(view), BLOCK_BYTES))
-    return PushDigest(version.hexdigest(), hashlib.blake2b(config_bytes, digest_size=8).hexdigest(), header_bytes,
-                      zlib.crc32(view[:header_bytes]), crcs)
+    return PushDigest(version.hexdigest(), config.hexdigest(), header_bytes, zlib.crc32(view[:header_bytes]), crcs)
 
 
 def check_push(name: str, config_bytes: bytes, weights: bytes | memoryview, shape: ModelShape,

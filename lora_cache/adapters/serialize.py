@@ -28,6 +28,7 @@ def safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str
     """The safetensors bytes of ``tensors`` (names sorted), as a writable uint8 array over one buffer: what
     ``safetensors.torch.save`` gives, with one copy of each tensor. A dtype the format lacks is refused, naming it."""
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    placed: list[tuple[torch.Tensor, int, int]] = []  # each tensor and its data's [begin, end)
     offset = 0
     for name in sorted(tensors):
         t = tensors[name]
@@ -36,6 +37,7 @@ def safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str
                                      "float32, float16 or bfloat16 weights")
         size = t.numel() * t.element_size()
         header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        placed.append((t, offset, offset + size))
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
@@ -44,9 +46,7 @@ def safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str
     out[:8] = np.frombuffer(len(head).to_bytes(8, "little"), dtype=np.uint8)
     out[8:start] = np.frombuffer(head, dtype=np.uint8)
     flat = torch.from_numpy(out)
-    for name in sorted(tensors):
-        t = tensors[name].detach()
-        begin, end = header[name]["data_offsets"]  # type: ignore[index]
+    for t, begin, end in placed:
         if end > begin:
-            flat[start + begin:start + end].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+            flat[start + begin:start + end].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
     return out

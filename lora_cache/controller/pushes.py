@@ -61,7 +61,7 @@ class Pushes:
             await asyncio.to_thread(check_push, name, config_bytes, weights, catalog.shape, catalog.config.max_rank)
             if tag is None:  # the content's hash names it: hashed before it is written
                 content = await asyncio.to_thread(digest, config_bytes, weights)
-                tag = f"c{content.version}"
+                tag = content.tag
         except Exception:
             self.refused += 1
             raise
