@@ -17,11 +17,13 @@ import time
 from collections import deque
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.peft import KnownVersion
+from lora_cache.adapters.pushed import PushArea
 from lora_cache.errors import NotFoundError
 from lora_cache.runtime import heap
 from lora_cache.runtime.metrics import WorkerMetrics
@@ -30,6 +32,7 @@ from workers import faults
 from workers.actor_engine import HostedEngineCalls
 from workers.attach.ray_transport import resolve_at
 from workers.cache import WorkerCache, WorkerConfig
+from workers.control.node_copies import NodeCopies
 from workers.control.outbox import Outbox
 from workers.control.rank import WorkerControl
 from workers.engine.hosted import HostedEngine
@@ -45,6 +48,12 @@ def _resolve(name: str, timeout_s: float) -> str:
     return resolve_at(ray.get_actor(CONTROLLER_NAME), name, timeout_s)
 
 
+def _fetch_pushed(name: str, tag: str) -> tuple[bytes, np.ndarray]:
+    """The bytes of a pushed version, from the controller's node memory (``Pushes.payload``)."""
+    return ray.get(ray.get_actor(CONTROLLER_NAME).pushed_payload.remote(name, tag), timeout=PAYLOAD_S)  # type: ignore
+
+
+PAYLOAD_S = 120.0  # a pushed version's bytes from another node (a 70B rank-64 adapter is ~1.6 GB)
 SUBMITS = 8  # a streaming run's submits taken at once: one resolving a new name (up to resolve_s) holds up no other
 
 
@@ -76,7 +85,10 @@ class WorkerActor(HostedEngineCalls):
         self.metrics = WorkerMetrics(replica, config.tp_rank, self.cache.stats)
         self.loads: deque[tuple[float, ReadinessRecord]] = deque(maxlen=4096)
         self.metrics.start()
-        self.control = WorkerControl(replica, self.catalog, self.cache, self.outbox)
+        context = ray.get_runtime_context()
+        copies = NodeCopies(PushArea(catalog.push_root(), context.namespace, catalog.push_bytes), context.get_node_id(),
+                            _fetch_pushed)  # a pushed version in another node's memory: copied to this one
+        self.control = WorkerControl(replica, self.catalog, self.cache, self.outbox, copies)
         self._stopping = threading.Event()  # set at shutdown: the controller's lifeline returns
         # A restarted worker holds nothing: say so, so the controller forgets its predecessor. ValueError:
         # no controller yet (it adopts this worker from describe() when it starts).
@@ -151,6 +163,10 @@ class WorkerActor(HostedEngineCalls):
     def register_adapters(self, entries: list[tuple[str, str, KnownVersion | None]]) -> list[tuple[str, str]]:
         """Many registrations in one call, each by itself: (version, "") or ("", why not) per entry."""
         return self.control.register_adapters(entries)
+
+    def drop_pushed(self, name: str, tags: list[str], node: str, area: str) -> list[str]:
+        """The controller retired pushed versions ``tags`` of ``name``: this node's copies of them go."""
+        return self.control.copies.drop(name, tags, node, area) if self.control.copies is not None else []
 
     def apply(self, commands: list[Command]) -> ApplyResult:
         return self.control.apply(commands)

@@ -20,6 +20,7 @@ keeps its bytes until it closes (unlink semantics).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -29,8 +30,11 @@ import tempfile
 import threading
 import time
 import zlib
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from lora_cache.adapters.files import BLOCK_BYTES, HOST, RACY_NS, BlockCrcs, FileIdentity, WeightsSource
 from lora_cache.adapters.header import MAX_HEADER_BYTES, parse_header
@@ -177,11 +181,21 @@ class PushArea:
                 os.rename(tmp, target)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
+                # another process wrote the same version meanwhile (two ranks of a node copying one push)
+                if target.is_dir() and _same(target, config_bytes, weights):
+                    return target, False
                 raise
         return target, True
 
-    def retire(self, name: str, keep: set[Path]) -> list[str]:
-        """Remove ``name``'s pushed versions (and leftovers of cut pushes) not in ``keep``; the tags removed."""
+    def read(self, name: str, tag: str) -> tuple[bytes, np.ndarray]:
+        """The config's bytes and the weights' bytes (uint8) of the version ``NAME/TAG`` kept here: what a rank
+        on another node copies into its own node's area (``workers.control.node_copies``)."""
+        target = self.path(name, tag)
+        return (target / CONFIG_FILE).read_bytes(), np.fromfile(target / WEIGHTS_FILE, dtype=np.uint8)
+
+    def retire(self, name: str, keep: set[Path], leftovers: bool = True) -> list[str]:
+        """Remove ``name``'s pushed versions not in ``keep`` (and, with ``leftovers``, what cut pushes left:
+        not in a node copy's area, where another rank may be writing one); the tags removed."""
         removed = []
         with self._lock:
             parent = self.dir / name
@@ -189,14 +203,20 @@ class PushArea:
                 return []
             kept = {p.resolve() for p in keep}
             for child in parent.iterdir():
-                if child.resolve() in kept:
+                if child.resolve() in kept or (not leftovers and child.name.startswith(TMP_PREFIX)):
                     continue
                 shutil.rmtree(child, ignore_errors=True)
                 if not child.name.startswith(TMP_PREFIX):
                     removed.append(child.name)
-            if not any(parent.iterdir()):
-                parent.rmdir()
+            with contextlib.suppress(OSError):  # another rank of the node may be writing into it
+                if not any(parent.iterdir()):
+                    parent.rmdir()
         return sorted(removed)
+
+    def drop(self, name: str, tags: Collection[str]) -> list[str]:
+        """Remove ``name``'s versions ``tags`` (those its controller retired) and nothing else; the tags removed."""
+        keep = {child for child in (self.dir / name).glob("*") if child.name not in set(tags)}
+        return self.retire(name, keep, leftovers=False)
 
     def holds(self, path: str | Path) -> bool:
         """Whether ``path`` is a pushed version's directory of this area."""

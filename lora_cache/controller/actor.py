@@ -124,6 +124,10 @@ class ControllerActor:
         await self.durable.save_catalog(self.core)  # what was answered registered survives a restart
         return done
 
+    async def pushed_payload(self, name: str, tag: str) -> tuple[bytes, object]:
+        """A pushed version's config and weights bytes, for a rank on another node to copy (``Pushes.payload``)."""
+        return await self.pushes.payload(name, tag)
+
     async def unregister_adapter(self, name: str, timeout_s: float = 30.0) -> list[str]:
         """Stop all new use of ``name``, then wait until no worker holds it; the versions evicted.
 

@@ -127,6 +127,16 @@ class WorkerFanout:
                 log.warning("worker %s did not unregister %s: %s (a restarted controller may adopt it again)",
                             wid, name, outcome)
 
+    async def drop_pushed(self, name: str, tags: list[str], node: str, area: str) -> None:
+        """The ranks on other nodes drop their copies of ``name``'s pushed versions ``tags`` (the controller, on
+        ``node`` with its push area at ``area``, retired them: ``Pushes._retire``)."""
+        for wid, outcome in zip(self.links.handles, await asyncio.gather(
+                *(asyncio.wait_for(h.drop_pushed.remote(name, tags, node, area), self.links.call_timeout_s)
+                  for h in self.links.handles.values()), return_exceptions=True)):
+            if isinstance(outcome, BaseException):
+                log.warning("worker %s did not drop its copies of %s@%s: %s (they go when it forgets the name)",
+                            wid, name, ",".join(tags), outcome)
+
     async def resize_pool(self, replica: str, lent_bytes: int, keep: list[str]) -> list[dict[str, object]]:
         """Every rank of ``replica`` lends ``lent_bytes`` of its GPU pool to its engine in all (issue 43 item 3,
         ``WorkerControl.resize_pool``), in rank order; each rank's answer. A rank that refuses (its free and idle

@@ -14,6 +14,12 @@ its weights, from the gateway's ``PushAdapter`` stream or a Ray object reference
    version a request was admitted on stays while a rank holds it); those the ranks let go of later retire in the
    controller's health rounds (``retire_released``).
 An unregistered adapter's pushed versions go with it (``forget``).
+
+A rank on another node has no copy of the controller's node memory: it asks for the version's bytes
+(``payload``, only for a version the catalog keeps or a push being registered), proves them against the version it
+was given and keeps a copy in its own node's push area (``workers.control.node_copies``); the versions retired here
+are then dropped from those copies too (``WorkerFanout.drop_pushed``, only for names some rank copied), and an
+unregistered name's copies go when each rank forgets it.
 """
 
 from __future__ import annotations
@@ -23,11 +29,14 @@ from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
+import ray
+
 from lora_cache.adapters.catalog import check_name
 from lora_cache.adapters.pushed import PushArea, PushDigest, check_push, check_tag, digest
 from lora_cache.controller.core import ControllerCore, named_versions
 from lora_cache.controller.registrations import Registrar
-from lora_cache.errors import ConflictError
+from lora_cache.errors import ConflictError, NotFoundError
 
 
 class Pushed(NamedTuple):
@@ -50,6 +59,8 @@ class Pushes:
         self.area = PushArea(catalog.push_root(), service, catalog.push_bytes)
         self.pushes = self.refused = 0
         self.unregistered: Counter[Path] = Counter()  # pushes' directories not yet registered (or refused)
+        self.copied: set[str] = set()  # names some rank on another node copied a version of (``payload``)
+        self.node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
 
     async def push(self, name: str, tag: str | int | None, config_bytes: bytes, weights: bytes) -> Pushed:
         """Check, keep and register one pushed version (the module's docstring); its ``Pushed``, or the error."""
@@ -90,7 +101,7 @@ class Pushes:
             raise
         self._registered(target)
         self.pushes += 1
-        await asyncio.to_thread(self.area.retire, name, self._kept(name))
+        await self._retire(name)
         return Pushed(name, tag, done.version, done.previous, done.rank_pending)
 
     def _registered(self, target: Path) -> None:
@@ -108,8 +119,24 @@ class Pushes:
         core.named = {name for name in core.named if name in core.catalog and named_versions(core.planner.view, name)}
         retired = [name for name in sorted(names) if name in core.catalog and core.catalog.trim(name)]
         for name in retired:
-            await asyncio.to_thread(self.area.retire, name, self._kept(name))
+            await self._retire(name)
         return retired
+
+    async def _retire(self, name: str) -> None:
+        """Remove the pushed versions of ``name`` the catalog no longer keeps, here and in other nodes' copies."""
+        removed = await asyncio.to_thread(self.area.retire, name, self._kept(name))
+        if removed and name in self.copied:
+            await self.registrar.fanout.drop_pushed(name, removed, self.node, str(self.area.dir))
+
+    async def payload(self, name: str, tag: str) -> tuple[bytes, np.ndarray]:
+        """The bytes of pushed version ``NAME/TAG`` (its config's and its weights'), for a rank on another node to
+        copy (the module's docstring); NotFoundError unless the catalog keeps it or it is being registered."""
+        path = self.area.path(check_name(name), check_tag(tag))
+        if path.resolve() not in {p.resolve() for p in self._kept(name)} or not path.is_dir():
+            raise NotFoundError(f"pushed version {name}@{tag} is not kept by this service (retired, never pushed, or "
+                                "another service's); register the name's current version again")
+        self.copied.add(name)
+        return await asyncio.to_thread(self.area.read, name, tag)
 
     def _kept(self, name: str) -> set[Path]:
         """The directories of the versions of ``name`` the catalog keeps, and of its pushes being written or

@@ -16,6 +16,7 @@ from lora_cache.errors import ConfigError, LoraCacheError
 from lora_cache.vocab import ApplyResult, Command
 from workers.cache import WorkerCache
 from workers.control.commands import CommandGate
+from workers.control.node_copies import NodeCopies
 from workers.control.outbox import Outbox
 from workers.gpu.lend import Lease
 
@@ -23,8 +24,10 @@ from workers.gpu.lend import Lease
 class WorkerControl:
     """One rank's control surface; ``replica`` and the cache's config say which rank it is."""
 
-    def __init__(self, replica: str, catalog: AdapterCatalog, cache: WorkerCache, outbox: Outbox) -> None:
+    def __init__(self, replica: str, catalog: AdapterCatalog, cache: WorkerCache, outbox: Outbox,
+                 copies: NodeCopies | None = None) -> None:
         self.replica, self.catalog, self.cache, self.outbox = replica, catalog, cache, outbox
+        self.copies = copies  # pushed versions copied to this node (a worker actor's; None: read where registered)
         self.gate = CommandGate(cache, outbox.push)
         self.paths: dict[str, str] = {}  # adapter -> the path it was registered from (reported to the controller)
         self.leases: list[Lease] = []  # the pool's pages lent by resize_pool, oldest first
@@ -37,14 +40,17 @@ class WorkerControl:
         a stat and the config prove the file unchanged on the controller's machine (or the store version came with
         its config and header), nothing is parsed now: only the version's identity is kept until the adapter is
         first loaded or staged here, when the full read and the same checks run (``AdapterCatalog.add_lazy``)."""
+        registered = path  # reported to the controller as it named it
+        if self.copies is not None:  # a pushed version in another node's memory: this node's copy of it
+            path, known = self.copies.localize(name, path, known)
         if self.catalog.add_lazy(name, path, known) is not None:  # proven by a stat and the config: parsed at
-            self.paths[name] = path  # its first load or stage here (``AdapterCatalog.get``), checked again then
+            self.paths[name] = registered  # its first load or stage here (``AdapterCatalog.get``), checked then
             self.taken += 1
             return known.version  # type: ignore[union-attr]
         spec = check_carried(name, self.catalog.read(name, path, known, carried=True), known)  # a store version:
         # no request to the store
         self.catalog.add(spec)
-        self.paths[name] = path
+        self.paths[name] = registered
         if known is not None and (spec.store or spec.source) is known.source:  # taken as proven, not re-read
             self.taken += 1
         else:
@@ -70,6 +76,8 @@ class WorkerControl:
         if known:
             self.catalog.unregister(name)  # first: no new fetch of it starts after the drop
         self.cache.host.drop_adapter(name)
+        if self.copies is not None:
+            self.copies.forget(name)
         return known
 
     def resize_pool(self, lent_bytes: int, keep: Collection[str] = ()) -> dict[str, object]:
@@ -117,4 +125,7 @@ class WorkerControl:
     def stats(self) -> dict[str, object]:
         return {**self.cache.stats(), "epoch": self.gate.epoch, "commands_accepted": self.gate.accepted,
                 "commands_rejected": self.gate.rejected, "registrations_taken": self.taken,
-                "registrations_hashed": self.hashed}
+                "registrations_hashed": self.hashed,
+                # pushed versions this rank copied into its node's memory from another node's / found there
+                "pushed_copied": self.copies.copied if self.copies else 0,
+                "pushed_reused": self.copies.reused if self.copies else 0}
