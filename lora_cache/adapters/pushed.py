@@ -97,14 +97,24 @@ class PushDigest(NamedTuple):
 
 
 def digest(config_bytes: bytes, weights: bytes | memoryview) -> PushDigest:
-    """The content version, header CRC and block CRCs of a push (checked by ``check_push``) from its bytes: one
-    pass, as ``files.digest_weights`` makes over the file, so the file need not be read back to register it."""
+    """The content version, header CRC and block CRCs of a push (checked by ``check_push``) from its bytes, as
+    ``files.digest_weights`` makes them over the file, so the file need not be read back to register it: the hash
+    and the CRCs side by side on two threads (on one, the CRCs added half the hash's time)."""
     view = memoryview(weights).cast("B")
     config = hashlib.blake2b(config_bytes, digest_size=8)
     version = config.copy()
-    version.update(view)
+    blocks: list[int] = []  # the blocks' CRCs on a thread of their own while the version is hashed (both free the GIL)
+    crc_thread = threading.Thread(target=lambda: blocks.extend(
+        zlib.crc32(view[at:at + BLOCK_BYTES]) for at in range(0, len(view), BLOCK_BYTES)), name="push-crcs")
+    crc_thread.start()
+    try:
+        version.update(view)
+    finally:
+        crc_thread.join()
+    if len(blocks) != -(-len(view) // BLOCK_BYTES):
+        raise RuntimeError(f"the block CRCs of a push stopped after {len(blocks)} blocks (see the thread's error)")
     header_bytes = 8 + int.from_bytes(view[:8], "little")
-    crcs = BlockCrcs(zlib.crc32(view[at:at + BLOCK_BYTES]) for at in range(0, len(view), BLOCK_BYTES))
+    crcs = BlockCrcs(blocks)
     return PushDigest(version.hexdigest(), config.hexdigest(), header_bytes, zlib.crc32(view[:header_bytes]), crcs)
 
 
