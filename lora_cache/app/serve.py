@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ from workers.cache import WorkerConfig
 
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 REGISTER_BATCH = 1000  # adapters per register_adapters call of serve --adapters
+REGISTER_MODES = ("wait", "background")  # serve once every adapter is registered, or once they are listed
 
 
 class ServiceTakenError(ConfigError):
@@ -76,6 +78,10 @@ class ServeConfig:
                                                            "declared to routing advice (0: not declared)"})
     max_running: int = field(default=0, metadata={"help": "the replicas' engines' most requests running at once, "
                                                           "declared to routing advice (0: not declared)"})
+    register: str = field(default="wait", metadata={
+        "help": "wait: serve once every adapter under --adapters is registered; background: serve once they are "
+                "listed, and register them in the background (a request for one not reached yet registers it on "
+                "demand: --adapters must lie under --adapter-roots, and --resolve-s be > 0)"})
     catalog_copy: str = field(default="", metadata={
         "help": "keep a copy of the catalog here, off the Ray cluster (an absolute directory on storage that outlives "
                 "the head node, or s3://BUCKET/PREFIX): a service started on a new cluster restores its registrations "
@@ -88,6 +94,12 @@ class ServeConfig:
         if self.max_adapters < 0 or self.max_running < 0:
             raise ConfigError(f"max_adapters ({self.max_adapters}) and max_running ({self.max_running}) must be >= 0 "
                               "(the engines' admission limits; 0: not declared)")
+        if self.register not in REGISTER_MODES:
+            raise ConfigError(f"register {self.register!r} is not one of {REGISTER_MODES} (wait: serve once every "
+                              "adapter is registered; background: once they are listed)")
+        if self.register == "background" and not self.adapters:
+            raise ConfigError("register 'background' registers the adapters under --adapters: give --adapters DIR "
+                              "or s3://BUCKET/PREFIX, or leave --register at 'wait'")
         if self.placement not in STRATEGIES:
             raise ConfigError(f"placement {self.placement!r} is not one of {STRATEGIES}")
         if self.catalog_copy:
@@ -157,6 +169,8 @@ def _bundle(serve: ServeConfig) -> dict[str, float]:
 
 def start(serve: ServeConfig, catalog: CatalogConfig, planner: PlannerConfig, worker: WorkerConfig,
           router: RouterConfig | None = None, observe: ObserveConfig | None = None) -> Service:
+    if serve.register == "background":
+        check_background(serve, catalog)  # before Ray starts
     owns = not ray.is_initialized()
     if owns:  # embedded, or join --address; unreachable or token-refused clusters fail fast (cluster.py)
         connect(serve.address, serve.service, observe)
@@ -173,6 +187,12 @@ def start(serve: ServeConfig, catalog: CatalogConfig, planner: PlannerConfig, wo
     adapters = shell_path(serve.adapters) if serve.adapters else None  # the actors run elsewhere (s3://: as given)
     if adapters and not catalog.adapter_roots:
         catalog = dataclasses.replace(catalog, adapter_roots=(adapters,))
+    try:
+        listing = Listing(adapters, catalog.store_timeout_s) if adapters else None  # a store: while actors start
+    except BaseException:
+        if owns:
+            ray.shutdown()
+        raise
     try:  # owned by this process (no lifetime="detached"): it goes when this process goes
         controller = ControllerActor.options(name=CONTROLLER_NAME, namespace=serve.service).remote(
             ControllerConfig(catalog, planner, router or RouterConfig()),
@@ -188,12 +208,58 @@ def start(serve: ServeConfig, catalog: CatalogConfig, planner: PlannerConfig, wo
     try:
         for i in range(serve.replicas):
             _start_replica(service, f"replica-{i}", serve, catalog, worker)
-        if adapters:
-            register_directory(controller, adapters, catalog.store_timeout_s)
+        if listing is not None:
+            items = listing.items()
+            if serve.register == "background":
+                waiting = ray.get(controller.register_later.remote(items))
+                print(f"lora-cache serve: {len(items)} adapters listed under {adapters}; {waiting} registering in "
+                      "the background (each registered on demand if asked for first)", flush=True)
+            else:
+                register_items(controller, items)
     except BaseException:
         service.stop()
         raise
     return service
+
+
+def check_background(serve: ServeConfig, catalog: CatalogConfig) -> None:
+    """``--register background`` serves adapters not registered yet through request-time resolution: it must be on
+    (``resolve_s`` > 0) and reach ``--adapters`` (under one of ``--adapter-roots``, if given); ConfigError if not."""
+    if catalog.resolve_s <= 0:
+        raise ConfigError("--register background serves an adapter not registered yet by registering it on demand, "
+                          f"but --resolve-s is {catalog.resolve_s}: give --resolve-s > 0, or --register wait")
+    adapters = serve.adapters if is_store_url(serve.adapters) else shell_path(serve.adapters)
+    if catalog.adapter_roots and not any(_under(adapters, root) for root in catalog.adapter_roots):
+        raise ConfigError(f"--register background registers on demand from --adapter-roots, and --adapters "
+                          f"{adapters} lies under none of {', '.join(catalog.adapter_roots)}: add it to "
+                          "--adapter-roots, or --register wait")
+
+
+def _under(path: str, root: str) -> bool:
+    if is_store_url(path) or is_store_url(root):
+        return is_store_url(path) and is_store_url(root) and StoreUrl.parse(path).under(StoreUrl.parse(root))
+    return Path(path).resolve().is_relative_to(Path(shell_path(root)).resolve())
+
+
+class Listing:
+    """The adapters under ``--adapters``: a directory listed at once (a bad one refused before any actor starts), an
+    object-store prefix on a thread while the actors start (its pages are round trips)."""
+
+    def __init__(self, root: str, timeout_s: float) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        if is_store_url(root):
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-cache-listing")
+            self._future = self._pool.submit(adapter_items, root, timeout_s)
+        else:
+            self._items = adapter_items(root, timeout_s)
+
+    def items(self) -> list[tuple[str, str]]:
+        if self._pool is None:
+            return self._items
+        try:
+            return self._future.result()
+        finally:
+            self._pool.shutdown(wait=False)
 
 
 def register_directory(controller: Any, root: str | Path, timeout_s: float = 20.0,
@@ -202,7 +268,11 @@ def register_directory(controller: Any, root: str | Path, timeout_s: float = 20.
     ``s3://bucket/prefix``) in ``register_adapters`` batches: the controller reads each batch on a thread, tells
     the workers, and plans once per batch. An adapter that cannot be registered is printed with its error (the
     fix in it) and left out; the others serve."""
-    items = adapter_items(root, timeout_s)
+    return register_items(controller, adapter_items(root, timeout_s), batch)
+
+
+def register_items(controller: Any, items: list[tuple[str, str]], batch: int = REGISTER_BATCH) -> list[Registered]:
+    """``register_directory`` of the (name, path) items listed already."""
     done: list[Registered] = []
     for start in range(0, len(items), batch):
         done += ray.get(controller.register_adapters.remote(items[start:start + batch]))

@@ -16,8 +16,9 @@ import time
 
 import ray
 
-from lora_cache.adapters.catalog import CatalogConfig
+from lora_cache.adapters.catalog import CatalogConfig, check_name
 from lora_cache.adapters.refs import base_name, split_ref, version_of
+from lora_cache.controller.backlog import Backlog
 from lora_cache.controller.control_loop import ControlLoop
 from lora_cache.controller.core import ControllerConfig, ControllerCore, HintOutcome
 from lora_cache.controller.fanout import WorkerFanout
@@ -27,7 +28,7 @@ from lora_cache.controller.registrations import Registered, Registrar
 from lora_cache.controller.request_ids import Item, RequestIds
 from lora_cache.controller.resolver import HintTuple, Resolver, unregistered_hints
 from lora_cache.controller.snapshots import DurableConfig, DurableState
-from lora_cache.errors import ConflictError, LoraCacheError, NotFoundError
+from lora_cache.errors import ConfigError, ConflictError, LoraCacheError, NotFoundError
 from lora_cache.routing.advice import RouteAdvice, RouteRequest
 from lora_cache.runtime import heap
 from lora_cache.runtime.metrics import ControllerMetrics
@@ -58,6 +59,9 @@ class ControllerActor:
         self.resolver = Resolver(self.core.catalog, self._register_on_demand)  # request-time registration
         self.pushes = Pushes(self.core, self.registrar, ray.get_runtime_context().namespace)  # from trainers' memory
         self.loop.retire = self.pushes.retire_released  # versions no rank holds any more, past keep_versions
+        # listed at start, registered in the background (serve --register background); on demand meanwhile
+        self.backlog = Backlog(self.register_adapters, lambda name: name not in self.core.catalog
+                               and name not in self.draining and name not in self.resolver.unregistered)
         heap.freeze()  # plans and hints are not stalled by full collections walking Ray's objects
 
     # -- topology and adapters ------------------------------------------------------------------
@@ -103,6 +107,16 @@ class ControllerActor:
         await self.durable.save_catalog(self.core)  # what was answered registered survives a restart
         await self.durable.save_answers(self.request_ids)  # ... and so does its answer, for a retry by its id
         return done
+
+    async def register_later(self, items: list[tuple[str, str]]) -> int:
+        """Register (name, path) items in the background, in order (``backlog.py``; each not yet registered when
+        its batch comes); a request for one not reached yet registers it on demand. The adapters waiting now."""
+        await self.loop.start()
+        for name, path in items:  # the whole list checked before any is queued: a bad one refuses the call
+            check_name(name)
+            if not isinstance(path, str) or not path:
+                raise ConfigError(f"register_later: adapter {name!r} has path {path!r}; give a directory or s3:// URL")
+        return self.backlog.add(list(items))
 
     async def resolve_adapter(self, name: str) -> str:
         """The version of ``name``, registered on demand if it lies under an adapter root and nobody registered it
@@ -321,7 +335,8 @@ class ControllerActor:
                 "request_ids": {"kept": len(self.request_ids), "repeats": self.request_ids.repeats,
                                 "restored": self.durable.answers_restored},
                 "catalog_snapshots": self.durable.catalog.writes,
-                "catalog_snapshot_bytes": self.durable.catalog.bytes, "resolver": self.resolver.stats()}
+                "catalog_snapshot_bytes": self.durable.catalog.bytes, "resolver": self.resolver.stats(),
+                "backlog": self.backlog.stats()}
 
     async def resize_pool(self, replica: str, lent_bytes: int,
                           keep: list[str] | None = None) -> list[dict[str, object]]:

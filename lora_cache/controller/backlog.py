@@ -1,0 +1,85 @@
+"""Adapters listed at start and registered in the background (lifecycle step 0; issue 44 item 6).
+
+``serve --adapters s3://BUCKET/PREFIX --register background`` lists the prefix once and hands the controller every
+adapter found; the service serves at once. Registering 10,000 store adapters asks the store 20,000 requests (a
+config and the weights' first range each): at a store's rate of a few hundred a second, minutes, during which
+``--register wait`` (the default) serves nothing. In the background instead:
+
+- the ``Backlog`` registers the listed adapters through the actor's ``register_adapters`` (so each batch is read
+  ``store_reads`` at a time, saved in the durable catalog, and given to every rank as any registration), one batch
+  of ``BATCH`` at a time, in the listing's order;
+- a request for an adapter not registered yet is registered on demand under its root (``Resolver``: one lookup per
+  name; it does not wait for the backlog), so every listed adapter serves from the start, the first request of one
+  not yet reached paying its registration (a few store round trips);
+- a name is skipped when its batch comes if it is registered by then (on demand, or by an operator's call), being
+  unregistered, or was unregistered since the listing (an operator's unregistration is never undone by the backlog).
+
+A controller that restarts keeps what the backlog registered (the durable catalog) and loses the rest of it: those
+adapters still serve, registered on demand. Plain asyncio; the actor owns the task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+from lora_cache.controller.registrations import Registered
+
+log = logging.getLogger(__name__)
+
+BATCH = 256  # adapters per register_adapters call: one durable save and one plan per batch
+Register = Callable[[list[tuple[str, str]]], Awaitable[list[Registered]]]
+
+
+class Backlog:
+    """Listed adapters registered in the background, in order (the module's docstring). ``wanted(name)``: whether
+    the name still needs registering when its batch comes."""
+
+    def __init__(self, register: Register, wanted: Callable[[str], bool], batch: int = BATCH) -> None:
+        self.register, self.wanted, self.batch = register, wanted, batch
+        self.queue: deque[tuple[str, str]] = deque()
+        self.in_flight = 0  # adapters of the batch being registered
+        self.registered = self.skipped = self.failed = 0
+        self.task: asyncio.Task[None] | None = None
+
+    def add(self, items: list[tuple[str, str]]) -> int:
+        """Queue ``items`` (name, path) after those already queued; the adapters waiting now."""
+        self.queue.extend(items)
+        if items and (self.task is None or self.task.done()):
+            self.task = asyncio.get_running_loop().create_task(self._run(), name="lora-cache-backlog")
+        return len(self.queue) + self.in_flight
+
+    async def _run(self) -> None:
+        while self.queue:
+            chunk: list[tuple[str, str]] = []
+            while self.queue and len(chunk) < self.batch:
+                name, path = self.queue.popleft()
+                if self.wanted(name):
+                    chunk.append((name, path))
+                else:
+                    self.skipped += 1
+            if not chunk:
+                continue
+            self.in_flight = len(chunk)
+            try:
+                done = await self.register(chunk)
+            except Exception as e:  # the whole call failed (never expected: each item gets its own error)
+                log.warning("the background registration of %d adapters (%s ...) failed: %s: %s", len(chunk),
+                            chunk[0][0], type(e).__name__, e)
+                self.failed += len(chunk)
+                continue
+            finally:
+                self.in_flight = 0
+            for d in done:
+                if d.error is None:
+                    self.registered += 1
+                    continue
+                self.failed += 1
+                log.warning("adapter %s was not registered in the background: %s", d.name, d.error)
+
+    def stats(self) -> dict[str, int]:
+        """What waits, what was registered, skipped (registered meanwhile, or unregistered) and refused."""
+        return {"waiting": len(self.queue) + self.in_flight, "registered": self.registered,
+                "skipped": self.skipped, "failed": self.failed}
