@@ -5,11 +5,15 @@ is its own version) uploaded to moto's S3 server (a process of its own); in fron
 every request ``--latency-ms`` on its way (``s3_local``: a store that far away). Per latency, a fresh embedded Ray
 whose processes reach the store through the proxy, the service started (``start_s``) and the prefix registered as
 ``serve --adapters s3://...`` registers it: listed once, then read ``store_reads`` adapters at a time
-(``register_s``; ``serving_s`` the two). Also per run: the requests the store was asked per adapter (the proxy's
-count), and the server's own request rate in the same run (``server_rps``: 2,000 config GETs from 32 threads,
-straight to the server and through the proxy), the reference a registration is bounded by.
+(``register_s``; ``serving_s`` the two). With ``--register background`` the service serves once the prefix is
+listed (``serving_s``) and registers the adapters in the background (``all_s``), ``--asks`` adapters asked for at
+random meanwhile (``ask_ms``: registered on demand if the backlog has not reached them). Also per run: the
+requests the store was asked per adapter (the proxy's count), and the server's own request rate in the same run
+(``server_rps``: 2,000 config GETs from 32 threads, straight to the server and through the proxy), the reference a
+registration is bounded by.
 
     python -m bench.probes.store_catalog --counts 1000,10000 --latency-ms 0,20 --out results/store_catalog.json
+    python -m bench.probes.store_catalog --counts 10000 --latency-ms 0,20 --register background,wait --out F
 """
 
 from __future__ import annotations
@@ -70,8 +74,54 @@ def measure(store: str, proxy: LatencyProxy, count: int, ns: argparse.Namespace)
         service.stop()
     finally:
         ray.shutdown()
-    return {"start_s": round(started, 2), "register_s": round(registered, 2),
+    return {"register": "wait", "start_s": round(started, 2), "register_s": round(registered, 2),
             "serving_s": round(started + registered, 2), "requests_per_adapter": round(asked / count, 2)}
+
+
+def measure_background(store: str, proxy: LatencyProxy, count: int, ns: argparse.Namespace) -> dict[str, Any]:
+    """``serve --adapters STORE --register background``: serving once listed (``serving_s``, Ray's start included),
+    ``--asks`` adapters at random then asked for in turn while the backlog runs (``ask_ms``: each request's
+    registration on demand, or its lookup if the backlog came first), and every adapter registered (``all_s``)."""
+    import os
+    import random
+
+    import ray
+
+    from lora_cache.adapters.catalog import CatalogConfig
+    from lora_cache.app.serve import ServeConfig, start
+    from lora_cache.planner import PlannerConfig
+    from workers.cache import WorkerConfig
+    from workers.staging.host_config import HostTierConfig
+
+    os.environ["AWS_ENDPOINT_URL"] = proxy.url  # every process of the cluster reaches the store through the proxy
+    chunks = proxy.chunks
+    t0 = time.perf_counter()
+    ray.init(address="local", num_cpus=ns.cpus, namespace="lora-cache", include_dashboard=False)
+    try:
+        catalog = CatalogConfig(adapter_roots=(store,), model="tiny", max_rank=16, store_reads=ns.store_reads)
+        service = start(ServeConfig(adapters=store, replicas=1, tp=ns.tp, register="background"), catalog,
+                        PlannerConfig(), WorkerConfig(num_slots=2, host=HostTierConfig(host_bytes=1 << 26, pin=False)))
+        serving = time.perf_counter() - t0
+        controller = service.controller
+        at_serving = ray.get(controller.status.remote())["adapters"]
+        names = [f"adapter-{k:05d}" for k in random.Random(0).sample(range(count), min(ns.asks, count))]
+        asks = []
+        for name in names:
+            t = time.perf_counter()
+            ray.get(controller.resolve_adapter.remote(name), timeout=120)
+            asks.append((time.perf_counter() - t) * 1e3)
+        while (status := ray.get(controller.status.remote()))["backlog"]["waiting"]:
+            time.sleep(0.2)
+        every = time.perf_counter() - t0
+        asked = proxy.chunks - chunks
+        assert status["adapters"] == count and not status["backlog"]["failed"], (status["adapters"], status["backlog"])
+        service.stop()
+    finally:
+        ray.shutdown()
+    return {"register": "background", "serving_s": round(serving, 2), "registered_at_serving": at_serving,
+            "ask_ms": [round(a, 1) for a in asks], "ask_ms_median": round(sorted(asks)[len(asks) // 2], 1),
+            "all_s": round(every, 2), "backlog": status["backlog"], "resolver": status["resolver"],
+            "requests_per_adapter": round(asked / count, 2)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -83,11 +133,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=2, help="workers (one replica)")
     parser.add_argument("--cpus", type=int, default=2, help="CPUs of the embedded Ray")
     parser.add_argument("--cache", default="/tmp/lora-cache-bench-catalog", help="where the adapters are made")
+    parser.add_argument("--register", default="wait", help="comma-separated: wait (serve once every adapter is "
+                        "registered), background (serve once listed)")
+    parser.add_argument("--asks", type=int, default=16, help="background: adapters asked for at random once serving")
     parser.add_argument("--out", help="also write the results here (JSON)")
     ns = parser.parse_args(argv)
     counts = [int(c) for c in ns.counts.split(",") if c.strip()]
     latencies = [float(v) for v in ns.latency_ms.split(",") if v.strip()]
-    results = []
+    results: list[dict[str, Any]] = []
     with moto_server() as endpoint:
         for count in counts:
             root = Path(ns.cache) / "tiny-r8" / str(count)
@@ -99,10 +152,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for latency in latencies:
                 with LatencyProxy(endpoint, latency / 1e3) as proxy:
                     rps = {"direct": round(server_rps(endpoint, keys)), "proxied": round(server_rps(proxy.url, keys))}
-                    row = {"count": count, "latency_ms": latency, "store_reads": ns.store_reads,
-                           "upload_s": round(uploaded, 1), "server_rps": rps,
-                           **measure(f"s3://{BUCKET}/{count}", proxy, count, ns)}
-                record(row, results)
+                    for mode in ns.register.split(","):
+                        how = measure_background if mode == "background" else measure
+                        row = {"count": count, "latency_ms": latency, "store_reads": ns.store_reads,
+                               "upload_s": round(uploaded, 1), "server_rps": rps,
+                               **how(f"s3://{BUCKET}/{count}", proxy, count, ns)}
+                        record(row, results)
     write_results(ns.out, results)
     return 0
 

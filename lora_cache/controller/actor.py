@@ -18,7 +18,7 @@ import ray
 
 from lora_cache.adapters.catalog import CatalogConfig, check_name
 from lora_cache.adapters.refs import base_name, split_ref, version_of
-from lora_cache.controller.backlog import Backlog
+from lora_cache.controller.backlog import Backlog, background_reads
 from lora_cache.controller.control_loop import ControlLoop
 from lora_cache.controller.core import ControllerConfig, ControllerCore, HintOutcome
 from lora_cache.controller.fanout import WorkerFanout
@@ -60,7 +60,7 @@ class ControllerActor:
         self.pushes = Pushes(self.core, self.registrar, ray.get_runtime_context().namespace)  # from trainers' memory
         self.loop.retire = self.pushes.retire_released  # versions no rank holds any more, past keep_versions
         # listed at start, registered in the background (serve --register background); on demand meanwhile
-        self.backlog = Backlog(self.register_adapters, lambda name: name not in self.core.catalog
+        self.backlog = Backlog(self._register_backlog, lambda name: name not in self.core.catalog
                                and name not in self.draining and name not in self.resolver.unregistered)
         heap.freeze()  # plans and hints are not stalled by full collections walking Ray's objects
 
@@ -117,6 +117,13 @@ class ControllerActor:
             if not isinstance(path, str) or not path:
                 raise ConfigError(f"register_later: adapter {name!r} has path {path!r}; give a directory or s3:// URL")
         return self.backlog.add(list(items))
+
+    async def _register_backlog(self, items: list[tuple[str, str]]) -> list[Registered]:
+        """A batch of the backlog, registered with fewer store reads at once than the store client holds
+        (``backlog.background_reads``): a request's registration on demand meanwhile finds a connection free."""
+        done = await self.registrar.register(items, store_reads=background_reads(self.core.catalog.config.store_reads))
+        await self.durable.save_catalog(self.core)  # what was registered survives a restart
+        return done
 
     async def resolve_adapter(self, name: str) -> str:
         """The version of ``name``, registered on demand if it lies under an adapter root and nobody registered it

@@ -5,9 +5,9 @@ adapter found; the service serves at once. Registering 10,000 store adapters ask
 config and the weights' first range each): at a store's rate of a few hundred a second, minutes, during which
 ``--register wait`` (the default) serves nothing. In the background instead:
 
-- the ``Backlog`` registers the listed adapters through the actor's ``register_adapters`` (so each batch is read
-  ``store_reads`` at a time, saved in the durable catalog, and given to every rank as any registration), one batch
-  of ``BATCH`` at a time, in the listing's order;
+- the ``Backlog`` registers the listed adapters through the actor's ``Registrar`` (so each batch is saved in the
+  durable catalog and given to every rank as any registration), one batch of ``BATCH`` at a time, in the listing's
+  order, reading ``background_reads`` of them at once: a quarter of ``store_reads`` is left to requests;
 - a request for an adapter not registered yet is registered on demand under its root (``Resolver``: one lookup per
   name; it does not wait for the backlog), so every listed adapter serves from the start, the first request of one
   not yet reached paying its registration (a few store round trips);
@@ -30,6 +30,12 @@ from lora_cache.controller.registrations import Registered
 log = logging.getLogger(__name__)
 
 BATCH = 256  # adapters per register_adapters call: one durable save and one plan per batch
+
+
+def background_reads(store_reads: int) -> int:
+    """Store reads the backlog keeps in flight: three quarters of ``store_reads`` (at the default, 24 of the store
+    client's 32 connections), so a request's registration on demand does not queue behind the backlog's."""
+    return max(1, store_reads - max(1, store_reads // 4))
 Register = Callable[[list[tuple[str, str]]], Awaitable[list[Registered]]]
 
 

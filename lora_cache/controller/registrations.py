@@ -122,11 +122,12 @@ class Registrar:
         self.core, self.fanout, self.draining, self.plan = core, fanout, draining, plan
         self.turns = Turns()
 
-    async def register(self, items: list[tuple[str, str]],
-                       known: Mapping[str, KnownVersion] | None = None) -> list[Registered]:
+    async def register(self, items: list[tuple[str, str]], known: Mapping[str, KnownVersion] | None = None,
+                       store_reads: int = 0) -> list[Registered]:
         """Register every (name, path), each by itself; one plan after. Answers in the items' order. ``known``: by
         path, a version hashed already (a push's, from its bytes in memory), taken if the file opened proves it
-        is the file it was hashed for (``peft.proves``; else the file is hashed here)."""
+        is the file it was hashed for (``peft.proves``; else the file is hashed here). ``store_reads``: object-store
+        items read at once (0: the catalog's ``store_reads``; the background registration leaves some to requests)."""
         results: list[Registered | None] = [None] * len(items)
         todo: list[Item] = []
         seen: dict[str, int] = {}
@@ -139,7 +140,7 @@ class Registrar:
             seen[name] = i
             todo.append(Item(i, name, path, self.turns.take(name), (known or {}).get(path)))
         try:
-            await self._register(todo, results)
+            await self._register(todo, results, store_reads)
         finally:
             for item in todo:
                 item.turn.done()  # on any exit: a later call of the name never waits forever
@@ -147,9 +148,9 @@ class Registrar:
             await self.plan()
         return [r or Registered(items[i][0], error=_lost(items[i][0])) for i, r in enumerate(results)]
 
-    async def _register(self, todo: list[Item], results: list[Registered | None]) -> None:
+    async def _register(self, todo: list[Item], results: list[Registered | None], store_reads: int = 0) -> None:
         sent: deque[tuple[list[Item], Sent]] = deque()
-        async for chunk in _read(self.core, todo):
+        async for chunk in _read(self.core, todo, store_reads):
             for read in chunk:
                 await read.item.turn.wait()
             applied = [read.item for read in chunk if self._apply(read, results)]
@@ -203,11 +204,12 @@ def _lost(name: str) -> LoraCacheError:  # never expected: every item gets a res
     return LoraCacheError(f"adapter {name!r} was not registered (the call ended early); register it again")
 
 
-async def _read(core: ControllerCore, todo: list[Item]) -> AsyncIterator[list[Read]]:
+async def _read(core: ControllerCore, todo: list[Item], store_reads: int = 0) -> AsyncIterator[list[Read]]:
     """The items read on a thread in chunks, the next chunk read while the caller applies this one."""
     pending = deque(todo)
     stores = any(is_store_url(item.path) for item in todo)
-    pool = ThreadPoolExecutor(core.catalog.config.store_reads, "lora-cache-store-reads") if stores else None
+    reads = store_reads or core.catalog.config.store_reads
+    pool = ThreadPoolExecutor(reads, "lora-cache-store-reads") if stores else None
     try:
         ahead = asyncio.ensure_future(asyncio.to_thread(_read_chunk, core, pending, pool)) if pending else None
         while ahead is not None:
