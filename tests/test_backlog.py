@@ -73,3 +73,31 @@ def test_a_batch_whose_call_fails_is_counted_and_the_next_goes_on() -> None:
         return backlog
 
     assert asyncio.run(run()).stats() == {"waiting": 0, "registered": 2, "skipped": 0, "failed": 2}
+
+
+def test_a_requests_registration_holds_the_backlogs_reads_unless_its_name_is_in_the_batch_being_read() -> None:
+    async def run() -> list[bool]:
+        seen: list[bool] = []
+        inside = asyncio.Event()
+        release = asyncio.Event()
+
+        async def register(items: list[tuple[str, str]]) -> list[Registered]:
+            inside.set()
+            await release.wait()
+            return [Registered(name, version="v1") for name, _ in items]
+
+        backlog = Backlog(register, lambda name: True, batch=2)
+        seen.append(backlog.gate.is_set())  # open: nothing asked
+        backlog.add([("a", "/x/a"), ("b", "/x/b"), ("c", "/x/c")])
+        await inside.wait()  # the batch (a, b) is being read
+        async with backlog.yielding("c"), backlog.yielding("z"):  # two requests' registrations at once
+            seen.append(backlog.gate.is_set())  # closed: the backlog starts no read meanwhile
+        seen.append(backlog.gate.is_set())  # open again once both ended
+        async with backlog.yielding("a"):  # a is in the batch being read: the request waits for it, reads go on
+            seen.append(backlog.gate.is_set())
+        release.set()
+        assert backlog.task is not None
+        await backlog.task
+        return seen
+
+    assert asyncio.run(run()) == [True, False, True, True]

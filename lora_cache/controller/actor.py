@@ -60,6 +60,7 @@ class ControllerActor:
         self.pushes = Pushes(self.core, self.registrar, ray.get_runtime_context().namespace)  # from trainers' memory
         self.loop.retire = self.pushes.retire_released  # versions no rank holds any more, past keep_versions
         # listed at start, registered in the background (serve --register background); on demand meanwhile
+        self.saving: set[asyncio.Task[None]] = set()  # durable saves behind registrations on demand
         self.backlog = Backlog(self._register_backlog, lambda name: name not in self.core.catalog
                                and name not in self.draining and name not in self.resolver.unregistered)
         heap.freeze()  # plans and hints are not stalled by full collections walking Ray's objects
@@ -121,7 +122,8 @@ class ControllerActor:
     async def _register_backlog(self, items: list[tuple[str, str]]) -> list[Registered]:
         """A batch of the backlog, registered with fewer store reads at once than the store client holds
         (``backlog.background_reads``): a request's registration on demand meanwhile finds a connection free."""
-        done = await self.registrar.register(items, store_reads=background_reads(self.core.catalog.config.store_reads))
+        done = await self.registrar.register(items, store_reads=background_reads(self.core.catalog.config.store_reads),
+                                             gate=self.backlog.gate)
         await self.durable.save_catalog(self.core)  # what was registered survives a restart
         return done
 
@@ -133,8 +135,17 @@ class ControllerActor:
         return await self.resolver.resolve(name)
 
     async def _register_on_demand(self, name: str, path: str) -> tuple[str, LoraCacheError | None]:
-        (done,) = await self.register_adapters([(name, path)])
+        """A request's registration (``Resolver``): the backlog's store reads yield to it, and it answers without
+        waiting for the durable catalog's save (saved behind it: a restart before then resolves it again)."""
+        async with self.backlog.yielding(name):
+            (done,) = await self.registrar.register([(name, path)])
+        self._save_later()
         return done.version, done.error
+
+    def _save_later(self) -> None:
+        task = asyncio.get_running_loop().create_task(self.durable.save_catalog(self.core))
+        self.saving.add(task)  # held: the loop keeps only a weak reference
+        task.add_done_callback(self.saving.discard)
 
     async def push_adapter(self, name: str, tag: str | int | None, config: bytes, weights: bytes) -> Pushed:
         """A version of ``name`` pushed from a trainer's memory (``pushes.py``): ``config`` the PEFT config's JSON

@@ -7,7 +7,8 @@ config and the weights' first range each): at a store's rate of a few hundred a 
 
 - the ``Backlog`` registers the listed adapters through the actor's ``Registrar`` (so each batch is saved in the
   durable catalog and given to every rank as any registration), one batch of ``BATCH`` at a time, in the listing's
-  order, reading ``background_reads`` of them at once: a quarter of ``store_reads`` is left to requests;
+  order, reading ``background_reads`` of them at once (a quarter of ``store_reads`` is left to requests) and
+  starting none while a request's registration reads the store (``yielding``, up to ``YIELD_S`` a read);
 - a request for an adapter not registered yet is registered on demand under its root (``Resolver``: one lookup per
   name; it does not wait for the backlog), so every listed adapter serves from the start, the first request of one
   not yet reached paying its registration (a few store round trips);
@@ -21,9 +22,11 @@ adapters still serve, registered on demand. Plain asyncio; the actor owns the ta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from lora_cache.controller.registrations import Registered
 
@@ -46,16 +49,19 @@ class Backlog:
     def __init__(self, register: Register, wanted: Callable[[str], bool], batch: int = BATCH) -> None:
         self.register, self.wanted, self.batch = register, wanted, batch
         self.queue: deque[tuple[str, str]] = deque()
-        self.in_flight = 0  # adapters of the batch being registered
+        self.current: set[str] = set()  # the names of the batch being registered
         self.registered = self.skipped = self.failed = 0
         self.task: asyncio.Task[None] | None = None
+        self.gate = threading.Event()  # open unless a request's registration reads the store (``yielding``)
+        self.gate.set()
+        self._yielding = 0
 
     def add(self, items: list[tuple[str, str]]) -> int:
         """Queue ``items`` (name, path) after those already queued; the adapters waiting now."""
         self.queue.extend(items)
         if items and (self.task is None or self.task.done()):
             self.task = asyncio.get_running_loop().create_task(self._run(), name="lora-cache-backlog")
-        return len(self.queue) + self.in_flight
+        return len(self.queue) + len(self.current)
 
     async def _run(self) -> None:
         while self.queue:
@@ -68,7 +74,7 @@ class Backlog:
                     self.skipped += 1
             if not chunk:
                 continue
-            self.in_flight = len(chunk)
+            self.current = {name for name, _ in chunk}
             try:
                 done = await self.register(chunk)
             except Exception as e:  # the whole call failed (never expected: each item gets its own error)
@@ -77,7 +83,7 @@ class Backlog:
                 self.failed += len(chunk)
                 continue
             finally:
-                self.in_flight = 0
+                self.current = set()
             for d in done:
                 if d.error is None:
                     self.registered += 1
@@ -85,7 +91,24 @@ class Backlog:
                 self.failed += 1
                 log.warning("adapter %s was not registered in the background: %s", d.name, d.error)
 
+    @contextlib.asynccontextmanager
+    async def yielding(self, name: str) -> AsyncIterator[None]:
+        """While a request's registration of ``name`` runs: the backlog starts no store read (those in flight
+        finish), unless ``name`` is in its batch being read (the request waits for that batch's registration of it,
+        in the name's turn: held reads would hold the request)."""
+        if name in self.current:
+            yield
+            return
+        self._yielding += 1
+        self.gate.clear()
+        try:
+            yield
+        finally:
+            self._yielding -= 1
+            if not self._yielding:
+                self.gate.set()
+
     def stats(self) -> dict[str, int]:
         """What waits, what was registered, skipped (registered meanwhile, or unregistered) and refused."""
-        return {"waiting": len(self.queue) + self.in_flight, "registered": self.registered,
+        return {"waiting": len(self.queue) + len(self.current), "registered": self.registered,
                 "skipped": self.skipped, "failed": self.failed}

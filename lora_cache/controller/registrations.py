@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 CHUNK_ITEMS = 64  # adapters read, applied and sent to the workers together
 CHUNK_BYTES = 256 << 20  # ... or fewer, once their files add up to this (a rank that must hash them takes ~0.3 s)
 STORE_CHUNK_ITEMS = 256  # object-store adapters read together: metadata only, ``store_reads`` at a time
+YIELD_S = 1.0  # the longest a gated store read waits for requests' reads (a steady stream of them never starves it)
 MAX_SENT = 2  # chunks sent to the workers and not yet answered, before the oldest is awaited
 
 
@@ -123,11 +125,13 @@ class Registrar:
         self.turns = Turns()
 
     async def register(self, items: list[tuple[str, str]], known: Mapping[str, KnownVersion] | None = None,
-                       store_reads: int = 0) -> list[Registered]:
+                       store_reads: int = 0, gate: threading.Event | None = None) -> list[Registered]:
         """Register every (name, path), each by itself; one plan after. Answers in the items' order. ``known``: by
         path, a version hashed already (a push's, from its bytes in memory), taken if the file opened proves it
         is the file it was hashed for (``peft.proves``; else the file is hashed here). ``store_reads``: object-store
-        items read at once (0: the catalog's ``store_reads``; the background registration leaves some to requests)."""
+        items read at once (0: the catalog's ``store_reads``; the background registration leaves some to requests);
+        ``gate``: each store read waits (up to ``YIELD_S``) while it is closed (the background registration's reads
+        yield to a request's)."""
         results: list[Registered | None] = [None] * len(items)
         todo: list[Item] = []
         seen: dict[str, int] = {}
@@ -140,7 +144,7 @@ class Registrar:
             seen[name] = i
             todo.append(Item(i, name, path, self.turns.take(name), (known or {}).get(path)))
         try:
-            await self._register(todo, results, store_reads)
+            await self._register(todo, results, store_reads, gate)
         finally:
             for item in todo:
                 item.turn.done()  # on any exit: a later call of the name never waits forever
@@ -148,9 +152,10 @@ class Registrar:
             await self.plan()
         return [r or Registered(items[i][0], error=_lost(items[i][0])) for i, r in enumerate(results)]
 
-    async def _register(self, todo: list[Item], results: list[Registered | None], store_reads: int = 0) -> None:
+    async def _register(self, todo: list[Item], results: list[Registered | None], store_reads: int = 0,
+                        gate: threading.Event | None = None) -> None:
         sent: deque[tuple[list[Item], Sent]] = deque()
-        async for chunk in _read(self.core, todo, store_reads):
+        async for chunk in _read(self.core, todo, store_reads, gate):
             for read in chunk:
                 await read.item.turn.wait()
             applied = [read.item for read in chunk if self._apply(read, results)]
@@ -204,31 +209,40 @@ def _lost(name: str) -> LoraCacheError:  # never expected: every item gets a res
     return LoraCacheError(f"adapter {name!r} was not registered (the call ended early); register it again")
 
 
-async def _read(core: ControllerCore, todo: list[Item], store_reads: int = 0) -> AsyncIterator[list[Read]]:
+async def _read(core: ControllerCore, todo: list[Item], store_reads: int = 0,
+                gate: threading.Event | None = None) -> AsyncIterator[list[Read]]:
     """The items read on a thread in chunks, the next chunk read while the caller applies this one."""
     pending = deque(todo)
     stores = any(is_store_url(item.path) for item in todo)
     reads = store_reads or core.catalog.config.store_reads
     pool = ThreadPoolExecutor(reads, "lora-cache-store-reads") if stores else None
     try:
-        ahead = asyncio.ensure_future(asyncio.to_thread(_read_chunk, core, pending, pool)) if pending else None
+        ahead = asyncio.ensure_future(asyncio.to_thread(_read_chunk, core, pending, pool, gate)) if pending else None
         while ahead is not None:
             chunk = await ahead
-            ahead = asyncio.ensure_future(asyncio.to_thread(_read_chunk, core, pending, pool)) if pending else None
+            ahead = (asyncio.ensure_future(asyncio.to_thread(_read_chunk, core, pending, pool, gate)) if pending
+                     else None)
             yield chunk
     finally:
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _read_chunk(core: ControllerCore, pending: deque[Item], pool: ThreadPoolExecutor | None = None) -> list[Read]:
+def _read_chunk(core: ControllerCore, pending: deque[Item], pool: ThreadPoolExecutor | None = None,
+                gate: threading.Event | None = None) -> list[Read]:
     """Items taken from ``pending`` and read (on a thread: nothing changes) until a chunk is full; a run of
-    object-store items is read on ``pool``, in the items' order."""
+    object-store items is read on ``pool``, in the items' order, each after ``gate`` opens (or ``YIELD_S``)."""
     if pool is not None and pending and is_store_url(pending[0].path):
         run: list[Item] = []
         while pending and len(run) < STORE_CHUNK_ITEMS and is_store_url(pending[0].path):
             run.append(pending.popleft())
-        return list(pool.map(lambda item: _read_one(core, item), run))
+
+        def gated(item: Item) -> Read:
+            if gate is not None:
+                gate.wait(YIELD_S)
+            return _read_one(core, item)
+
+        return list(pool.map(gated, run))
     chunk: list[Read] = []
     size = 0
     while pending and len(chunk) < CHUNK_ITEMS and size < CHUNK_BYTES:
