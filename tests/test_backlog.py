@@ -101,3 +101,28 @@ def test_a_requests_registration_holds_the_backlogs_reads_unless_its_name_is_in_
         return seen
 
     assert asyncio.run(run()) == [True, False, True, True]
+
+
+def test_what_is_left_is_the_batch_being_read_then_the_queue_and_an_unregistered_name_leaves_it() -> None:
+    async def run() -> tuple[list[tuple[str, str]], list[tuple[str, str]], bool, bool]:
+        inside, release = asyncio.Event(), asyncio.Event()
+
+        async def register(items: list[tuple[str, str]]) -> list[Registered]:
+            inside.set()
+            await release.wait()
+            return [Registered(name, version="v1") for name, _ in items]
+
+        backlog = Backlog(register, lambda name: True, batch=2)
+        backlog.add([(n, f"/x/{n}") for n in "abcde"])
+        await inside.wait()
+        left = backlog.left()  # what a restart would go on with now
+        removed, absent = backlog.forget("d"), backlog.forget("zz")
+        after = backlog.left()
+        release.set()
+        assert backlog.task is not None
+        await backlog.task
+        return left, after, removed, absent
+
+    left, after, removed, absent = asyncio.run(run())
+    assert [n for n, _ in left] == list("abcde") and [n for n, _ in after] == list("abce")
+    assert removed and not absent

@@ -2,13 +2,15 @@
 own; issue 44 item 6): the service serves once the prefix is listed, an adapter the background registration has not
 reached registers on demand at the version a registration gives, every other adapter is read once (one config
 request each: no second registration of one registered on demand), and an adapter an operator unregistered is not
-registered again by the backlog. Bad settings are refused before Ray starts."""
+registered again by the backlog, nor after a restart; a controller killed mid-way goes on with what was left. Bad
+settings are refused before Ray starts."""
 
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -82,6 +84,62 @@ def test_a_listed_store_catalog_serves_at_once_and_registers_each_adapter_once(t
         for name in names:
             asked = sum(f"/{name}/" in path for path in configs)
             assert asked == 1 or (name in (last, gone) and asked <= 2), (name, asked)
+
+
+
+def _status_or_none(controller: Any) -> dict[str, Any] | None:
+    try:
+        return ray.get(controller.status.remote(), timeout=5)
+    except Exception:  # restarting
+        return None
+
+
+def test_a_restarted_controller_goes_on_with_the_backlog_and_keeps_an_unregistration(tmp_path: Path) -> None:
+    """The controller is killed while its background registration waits on a stopped store (SIGSTOP: the batch
+    being read cannot end); the restarted one restores the catalog and goes on with what was left, so every listed
+    adapter is registered in the end, except one an operator unregistered before the kill."""
+    count = 300
+    make_adapters(tmp_path, SynthConfig(model="tiny", count=count, rank="8"))
+    names = sorted(d.name for d in tmp_path.iterdir())
+    with S3Server() as server:
+        server.client().create_bucket(Bucket=BUCKET)
+        for d in sorted(tmp_path.iterdir()):
+            server.upload_dir(BUCKET, f"tenants/{d.name}", d)
+        saved = dict(os.environ)
+        os.environ.update(server.env)
+        init_local(num_cpus=2, namespace="lora-cache", include_dashboard=False, log_to_driver=False,
+                   runtime_env={"env_vars": server.env})
+        try:
+            # one read at a time (store_reads 2, a quarter kept for requests): the backlog takes seconds
+            service = start(ServeConfig(adapters=f"s3://{BUCKET}/tenants", replicas=1, tp=1, register="background"),
+                            CatalogConfig(model="tiny", max_rank=16, store_reads=2), PlannerConfig(),
+                            WorkerConfig(num_slots=2, host=HostTierConfig(host_bytes=1 << 22, pin=False)))
+            try:
+                controller = service.controller
+                gone = names[-1]  # queued behind the rest: registered on demand, then unregistered by an operator
+                ray.get(controller.resolve_adapter.remote(gone), timeout=60)
+                ray.get(controller.unregister_adapter.remote(gone), timeout=60)
+                server.pause()  # the batch being read waits on the store
+                try:
+                    before = ray.get(controller.status.remote(), timeout=30)
+                    assert before["backlog"]["waiting"] > 0, before["backlog"]  # killed mid-way, as meant
+                    ray.kill(controller, no_restart=False)
+                finally:
+                    server.resume()
+                seen: list[dict[str, Any]] = []  # ray.kill is asynchronous: the old process may answer first
+                wait_for(lambda: seen.append(_status_or_none(controller) or {}) or
+                         seen[-1].get("epoch", before["epoch"]) > before["epoch"], "the controller restarted", 60)
+                assert seen[-1]["backlog"]["restored"] > 0, seen[-1]["backlog"]
+                wait_for(lambda: (_status_or_none(controller) or {}).get("adapters") == count - 1,
+                         "every listed adapter registered but the unregistered one", 120)
+                with pytest.raises(NotFoundError):
+                    ray.get(controller.lookup_adapter.remote(gone), timeout=30)
+            finally:
+                service.stop()
+        finally:
+            ray.shutdown()
+            os.environ.clear()
+            os.environ.update(saved)
 
 
 def test_background_registration_refuses_bad_settings_before_ray_starts(tmp_path: Path) -> None:

@@ -63,6 +63,7 @@ class ControllerActor:
         self.saving: set[asyncio.Task[None]] = set()  # durable saves behind registrations on demand
         self.backlog = Backlog(self._register_backlog, lambda name: name not in self.core.catalog
                                and name not in self.draining and name not in self.resolver.unregistered)
+        self.loop.started = self._restore_backlog  # a predecessor's backlog goes on
         heap.freeze()  # plans and hints are not stalled by full collections walking Ray's objects
 
     # -- topology and adapters ------------------------------------------------------------------
@@ -117,7 +118,9 @@ class ControllerActor:
             check_name(name)
             if not isinstance(path, str) or not path:
                 raise ConfigError(f"register_later: adapter {name!r} has path {path!r}; give a directory or s3:// URL")
-        return self.backlog.add(list(items))
+        waiting = self.backlog.add(list(items))
+        await self.durable.save_backlog(self.backlog.left())  # a restart goes on with it
+        return waiting
 
     async def _register_backlog(self, items: list[tuple[str, str]]) -> list[Registered]:
         """A batch of the backlog, registered with fewer store reads at once than the store client holds
@@ -125,7 +128,12 @@ class ControllerActor:
         done = await self.registrar.register(items, store_reads=background_reads(self.core.catalog.config.store_reads),
                                              gate=self.backlog.gate)
         await self.durable.save_catalog(self.core)  # what was registered survives a restart
+        await self.durable.save_backlog(list(self.backlog.queue))  # ... and what is left goes on after a restart
         return done
+
+    async def _restore_backlog(self) -> None:
+        if items := await self.durable.restore_backlog():
+            self.backlog.add(items)
 
     async def resolve_adapter(self, name: str) -> str:
         """The version of ``name``, registered on demand if it lies under an adapter root and nobody registered it
@@ -175,6 +183,8 @@ class ControllerActor:
                 self.core.unregister_adapter(name, time.time())  # NotFoundError if it is not registered
                 self.draining.add(name)
                 self.resolver.forgot(name)  # a hint does not register it again from a root
+                if self.backlog.forget(name):  # ... nor the background registration, after a restart too
+                    await self.durable.save_backlog(self.backlog.left())
             finally:
                 turn.done()
             await self.loop.plan()
@@ -354,7 +364,7 @@ class ControllerActor:
                                 "restored": self.durable.answers_restored},
                 "catalog_snapshots": self.durable.catalog.writes,
                 "catalog_snapshot_bytes": self.durable.catalog.bytes, "resolver": self.resolver.stats(),
-                "backlog": self.backlog.stats()}
+                "backlog": {**self.backlog.stats(), "restored": self.durable.backlog_restored}}
 
     async def resize_pool(self, replica: str, lent_bytes: int,
                           keep: list[str] | None = None) -> list[dict[str, object]]:

@@ -15,8 +15,9 @@ config and the weights' first range each): at a store's rate of a few hundred a 
 - a name is skipped when its batch comes if it is registered by then (on demand, or by an operator's call), being
   unregistered, or was unregistered since the listing (an operator's unregistration is never undone by the backlog).
 
-A controller that restarts keeps what the backlog registered (the durable catalog) and loses the rest of it: those
-adapters still serve, registered on demand. Plain asyncio; the actor owns the task.
+What is left of it is saved with the durable state after each batch (and when an operator unregisters a queued
+name): a controller that restarts goes on with it, after its catalog is restored (``DurableState.save_backlog``).
+Plain asyncio; the actor owns the task and the saves.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Backlog:
         self.register, self.wanted, self.batch = register, wanted, batch
         self.queue: deque[tuple[str, str]] = deque()
         self.current: set[str] = set()  # the names of the batch being registered
+        self.batch_items: list[tuple[str, str]] = []  # ... and its items
         self.registered = self.skipped = self.failed = 0
         self.task: asyncio.Task[None] | None = None
         self.gate = threading.Event()  # open unless a request's registration reads the store (``yielding``)
@@ -74,7 +76,7 @@ class Backlog:
                     self.skipped += 1
             if not chunk:
                 continue
-            self.current = {name for name, _ in chunk}
+            self.current, self.batch_items = {name for name, _ in chunk}, chunk
             try:
                 done = await self.register(chunk)
             except Exception as e:  # the whole call failed (never expected: each item gets its own error)
@@ -83,13 +85,25 @@ class Backlog:
                 self.failed += len(chunk)
                 continue
             finally:
-                self.current = set()
+                self.current, self.batch_items = set(), []
             for d in done:
                 if d.error is None:
                     self.registered += 1
                     continue
                 self.failed += 1
                 log.warning("adapter %s was not registered in the background: %s", d.name, d.error)
+
+    def left(self) -> list[tuple[str, str]]:
+        """What is not registered yet, in order: the batch being read, then the queue (what a restart goes on with)."""
+        return [item for item in self.batch_items if item[0] in self.current] + list(self.queue)
+
+    def forget(self, name: str) -> bool:
+        """An operator unregistered ``name``: it leaves the queue (and, once saved, what a restart goes on with);
+        whether it was queued."""
+        kept = [item for item in self.queue if item[0] != name]
+        found = len(kept) < len(self.queue)
+        self.queue = deque(kept)
+        return found
 
     @contextlib.asynccontextmanager
     async def yielding(self, name: str) -> AsyncIterator[None]:

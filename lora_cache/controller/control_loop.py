@@ -37,6 +37,7 @@ class ControlLoop:
         self.first_plan_at: float | None = None  # the restart blip ends here
         # each health round: older versions the ranks let go of retired, with their pushed files (the actor's)
         self.retire: Callable[[], Awaitable[object]] | None = None
+        self.started: Callable[[], Awaitable[object]] | None = None  # once started (the actor's backlog restored)
         self._started = False
         self._health: asyncio.Task[None] | None = None
         self._pings: asyncio.Task[None] | None = None
@@ -52,6 +53,8 @@ class ControlLoop:
             await self.links.adoption.rebuild()  # adopt the workers that already exist, from their reports
             await self.durable.restore(self.core.planner)
             self._started = True
+            if self.started is not None:
+                await self.started()
             if not self.links.quiet:
                 self._health = asyncio.get_running_loop().create_task(self._health_loop())
                 self._pings = asyncio.get_running_loop().create_task(self._ping_loop())

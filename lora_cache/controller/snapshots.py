@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -141,6 +142,8 @@ class DurableState:
         self._catalog_saved = -1  # the catalog generation the last snapshot written holds
         self._catalog_writing = asyncio.Lock()  # one catalog write at a time; a write covers the calls behind it
         self.answers_store = KvStore(f"{config.catalog_key}/request-ids", namespace)  # request_ids.py
+        self.backlog_store = KvStore(f"{config.catalog_key}/backlog", namespace)  # backlog.py: what is left of it
+        self.backlog_restored = 0
         self.answers_restored = 0
         self._answers_saved = 0  # the RequestIds generation the last write holds
         self._answers_writing = asyncio.Lock()
@@ -223,6 +226,25 @@ class DurableState:
         except Exception as e:  # unreadable: retries by id register again (the catalog is as it was)
             log.warning("could not restore the request-id answers (%s: %s); retries by id register again",
                         type(e).__name__, e)
+
+    async def save_backlog(self, items: list[tuple[str, str]]) -> None:
+        """What is left of the background registration (``backlog.py``), for a restarted controller to go on with."""
+        data = zlib.compress(json.dumps(items).encode())
+        try:
+            await asyncio.to_thread(self.backlog_store.put, data)
+        except Exception as e:  # GCS unreachable: a restart before the next save registers those on demand only
+            log.warning("could not save the background registration's %d adapters: %s", len(items), e)
+
+    async def restore_backlog(self) -> list[tuple[str, str]]:
+        """What a predecessor left of its background registration (none on a first start, or unreadable)."""
+        try:
+            data = await asyncio.to_thread(self.backlog_store.get)
+            items = [(str(n), str(p)) for n, p in json.loads(zlib.decompress(data))] if data else []
+        except Exception as e:  # unreadable: those adapters register on demand only
+            log.warning("could not restore the background registration (%s: %s)", type(e).__name__, e)
+            return []
+        self.backlog_restored = len(items)
+        return items
 
     async def persist(self, planner: Planner) -> None:
         """A snapshot of what only the controller knows, if due and changed (the write runs on a thread)."""
