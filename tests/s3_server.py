@@ -90,6 +90,12 @@ class S3Server:
         for f in sorted(directory.iterdir()):
             s3.put_object(Bucket=bucket, Key=f"{prefix}/{f.name}", Body=f.read_bytes())
 
+    def upload_adapters(self, bucket: str, prefix: str, root: Path) -> None:
+        """A new ``bucket`` holding every adapter directory under ``root`` as ``prefix/<its name>/``."""
+        self.client().create_bucket(Bucket=bucket)
+        for d in sorted(root.iterdir()):
+            self.upload_dir(bucket, f"{prefix}/{d.name}", d)
+
     def requests(self) -> list[tuple[str, str]]:
         """(method, path?query) of every request answered since the start or ``forget_requests``."""
         assert self.log is not None, "start the server with record=True"

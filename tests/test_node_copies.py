@@ -1,8 +1,8 @@
 """A rank's node copies of pushed versions on the CPU (``workers.control.node_copies``; issue 44 item 2 on more than
 one node): the controller's node area and a rank's node area are two real push areas; ``fetch`` reads the
 controller's as ``Pushes.payload`` does. A copy is taken only once it hashes to the registered version, a stale copy
-under the tag is replaced, two ranks of a node copying one version both take one copy, and drops touch only the
-tags retired. The same path on two Ray nodes: ``tests/test_ray_push_nodes.py``."""
+under the tag is replaced, two ranks of a node taking one version at once fetch it once and both take one copy, and
+drops touch only the tags retired. The same path on two Ray nodes: ``tests/test_ray_push_nodes.py``."""
 
 from __future__ import annotations
 
@@ -94,27 +94,29 @@ def test_a_stale_copy_under_the_tag_is_replaced_and_other_bytes_from_the_control
     assert not node.path("a", "1").exists()
 
 
-def test_two_ranks_of_a_node_copying_one_version_at_once_both_take_one_copy(world: Any) -> None:
+def test_two_ranks_of_a_node_taking_one_version_at_once_fetch_it_once_and_both_take_one_copy(world: Any) -> None:
     controller, node_root, path, known, (_, weights) = world
-    both_fetched = threading.Barrier(2)  # both hold the bytes before either writes: their writes meet
+    calls: list[str] = []
+    both_ready = threading.Barrier(2)  # both ranks take the registration at once
 
-    def fetch(name: str, tag: str) -> tuple[bytes, np.ndarray]:
-        got = controller.read(name, tag)
-        both_fetched.wait(timeout=30)
-        return got
-
-    # two processes' areas: each its own lock, as two ranks' are
-    ranks = [NodeCopies(PushArea(node_root.root, SERVICE, 1 << 30), "node-b", fetch) for _ in range(2)]
+    # two processes' areas: each its own lock object, as two ranks' are; the node's file lock is shared
+    ranks = [NodeCopies(PushArea(node_root.root, SERVICE, 1 << 30), "node-b", fetch_from(controller, calls))
+             for _ in range(2)]
     out: list[Any] = [None, None]
-    threads = [threading.Thread(target=lambda k=k: out.__setitem__(k, ranks[k].localize("a", path, known)))
-               for k in range(2)]
+
+    def take(k: int) -> None:
+        both_ready.wait(timeout=30)
+        out[k] = ranks[k].localize("a", path, known)
+
+    threads = [threading.Thread(target=take, args=(k,)) for k in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
     assert out[0][0] == out[1][0] == str(node_root.path("a", "1"))
-    assert [p.name for p in (node_root.dir / "a").iterdir()] == ["1"]  # one copy, no leftover
+    assert sorted(p.name for p in (node_root.dir / "a").iterdir()) == ["1"]  # one copy, no leftover
     assert (node_root.path("a", "1") / WEIGHTS_FILE).read_bytes() == bytes(weights)
+    assert calls == ["a@1"] and sorted(r.copied for r in ranks) == [0, 1]  # it crossed to the node once
 
 
 def test_drops_take_only_the_retired_tags_never_a_copy_being_written_nor_the_controllers_area(world: Any) -> None:

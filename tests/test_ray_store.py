@@ -45,9 +45,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     local = tmp_path_factory.mktemp("adapters")
     make_adapters(local, SynthConfig(model="tiny", count=3, rank="8,16"))
     with S3Server(record=True) as server:
-        server.client().create_bucket(Bucket=BUCKET)
-        for d in sorted(local.iterdir()):
-            server.upload_dir(BUCKET, f"tenants/{d.name}", d)
+        server.upload_adapters(BUCKET, "tenants", local)
         saved = dict(os.environ)
         os.environ.update(server.env)  # as an operator sets AWS_* for serve and the cluster's processes
         init_local(

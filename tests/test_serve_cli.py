@@ -42,9 +42,7 @@ def test_serve_from_a_store_prefix_takes_the_model_from_the_adapters_configs(tmp
 
     make_adapters(tmp_path / "ad", 3)
     with S3Server() as server:
-        server.client().create_bucket(Bucket="serve-bkt")
-        for d in sorted((tmp_path / "ad").iterdir()):
-            server.upload_dir("serve-bkt", f"team/{d.name}", d)
+        server.upload_adapters("serve-bkt", "team", tmp_path / "ad")
         done = subprocess.run(serve_argv("s3://serve-bkt/team", "--duration", "2"), cwd=tmp_path, capture_output=True,
                               text=True, timeout=180, env={**os.environ, **server.env})
     assert done.returncode == 0, done.stderr[-2000:]

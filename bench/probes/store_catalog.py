@@ -19,8 +19,9 @@ registration is bounded by.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -44,46 +45,13 @@ def server_rps(endpoint: str, keys: list[str], requests: int = 2000, threads: in
     return requests / (time.perf_counter() - t0)
 
 
-def measure(store: str, proxy: LatencyProxy, count: int, ns: argparse.Namespace) -> dict[str, Any]:
+@contextlib.contextmanager
+def serving(store: str, proxy: LatencyProxy, ns: argparse.Namespace, adapters: str = "",
+            register: str = "wait") -> Iterator[tuple[Any, float, Any]]:
+    """A fresh embedded Ray whose processes reach the store through ``proxy``, and the service started on it (one
+    replica of ``--tp`` CPU workers, ``STORE`` an adapter root): (the service, seconds from ``ray.init`` to
+    ``start``'s return, its catalog config). Stopped, and Ray shut down, on the way out."""
     import os
-
-    import ray
-
-    from lora_cache.adapters.catalog import CatalogConfig
-    from lora_cache.app.serve import ServeConfig, register_directory, start
-    from lora_cache.planner import PlannerConfig
-    from workers.cache import WorkerConfig
-    from workers.staging.host_config import HostTierConfig
-
-    os.environ["AWS_ENDPOINT_URL"] = proxy.url  # every process of the cluster reaches the store through the proxy
-    t0 = time.perf_counter()
-    ray.init(address="local", num_cpus=ns.cpus, namespace="lora-cache", include_dashboard=False)
-    try:
-        catalog = CatalogConfig(adapter_roots=(store,), model="tiny", max_rank=16, store_reads=ns.store_reads)
-        service = start(ServeConfig(replicas=1, tp=ns.tp), catalog, PlannerConfig(),
-                        WorkerConfig(num_slots=2, host=HostTierConfig(host_bytes=1 << 26, pin=False)))
-        started = time.perf_counter() - t0
-        chunks = proxy.chunks
-        t1 = time.perf_counter()
-        done = register_directory(service.controller, store, catalog.store_timeout_s)
-        registered = time.perf_counter() - t1
-        asked = proxy.chunks - chunks
-        status = ray.get(service.controller.status.remote())
-        failed = [d.name for d in done if d.error is not None]
-        assert status["adapters"] == count and not failed, (status["adapters"], failed[:5])
-        service.stop()
-    finally:
-        ray.shutdown()
-    return {"register": "wait", "start_s": round(started, 2), "register_s": round(registered, 2),
-            "serving_s": round(started + registered, 2), "requests_per_adapter": round(asked / count, 2)}
-
-
-def measure_background(store: str, proxy: LatencyProxy, count: int, ns: argparse.Namespace) -> dict[str, Any]:
-    """``serve --adapters STORE --register background``: serving once listed (``serving_s``, Ray's start included),
-    ``--asks`` adapters at random then asked for in turn while the backlog runs (``ask_ms``: each request's
-    registration on demand, or its lookup if the backlog came first), and every adapter registered (``all_s``)."""
-    import os
-    import random
 
     import ray
 
@@ -94,14 +62,48 @@ def measure_background(store: str, proxy: LatencyProxy, count: int, ns: argparse
     from workers.staging.host_config import HostTierConfig
 
     os.environ["AWS_ENDPOINT_URL"] = proxy.url  # every process of the cluster reaches the store through the proxy
-    chunks = proxy.chunks
     t0 = time.perf_counter()
     ray.init(address="local", num_cpus=ns.cpus, namespace="lora-cache", include_dashboard=False)
     try:
         catalog = CatalogConfig(adapter_roots=(store,), model="tiny", max_rank=16, store_reads=ns.store_reads)
-        service = start(ServeConfig(adapters=store, replicas=1, tp=ns.tp, register="background"), catalog,
+        service = start(ServeConfig(adapters=adapters, replicas=1, tp=ns.tp, register=register), catalog,
                         PlannerConfig(), WorkerConfig(num_slots=2, host=HostTierConfig(host_bytes=1 << 26, pin=False)))
-        serving = time.perf_counter() - t0
+        try:
+            yield service, time.perf_counter() - t0, catalog
+        finally:
+            service.stop()
+    finally:
+        ray.shutdown()
+
+
+def measure(store: str, proxy: LatencyProxy, count: int, ns: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    from lora_cache.app.serve import register_directory
+
+    with serving(store, proxy, ns) as (service, started, catalog):
+        chunks = proxy.chunks
+        t1 = time.perf_counter()
+        done = register_directory(service.controller, store, catalog.store_timeout_s)
+        registered = time.perf_counter() - t1
+        asked = proxy.chunks - chunks
+        status = ray.get(service.controller.status.remote())
+        failed = [d.name for d in done if d.error is not None]
+        assert status["adapters"] == count and not failed, (status["adapters"], failed[:5])
+    return {"register": "wait", "start_s": round(started, 2), "register_s": round(registered, 2),
+            "serving_s": round(started + registered, 2), "requests_per_adapter": round(asked / count, 2)}
+
+
+def measure_background(store: str, proxy: LatencyProxy, count: int, ns: argparse.Namespace) -> dict[str, Any]:
+    """``serve --adapters STORE --register background``: serving once listed (``serving_s``, Ray's start included),
+    ``--asks`` adapters at random then asked for in turn while the backlog runs (``ask_ms``: each request's
+    registration on demand, or its lookup if the backlog came first), and every adapter registered (``all_s``)."""
+    import random
+
+    import ray
+
+    chunks, t0 = proxy.chunks, time.perf_counter()
+    with serving(store, proxy, ns, adapters=store, register="background") as (service, started, _):
         controller = service.controller
         at_serving = ray.get(controller.status.remote())["adapters"]
         names = [f"adapter-{k:05d}" for k in random.Random(0).sample(range(count), min(ns.asks, count))]
@@ -115,10 +117,7 @@ def measure_background(store: str, proxy: LatencyProxy, count: int, ns: argparse
         every = time.perf_counter() - t0
         asked = proxy.chunks - chunks
         assert status["adapters"] == count and not status["backlog"]["failed"], (status["adapters"], status["backlog"])
-        service.stop()
-    finally:
-        ray.shutdown()
-    return {"register": "background", "serving_s": round(serving, 2), "registered_at_serving": at_serving,
+    return {"register": "background", "serving_s": round(started, 2), "registered_at_serving": at_serving,
             "ask_ms": [round(a, 1) for a in asks], "ask_ms_median": round(sorted(asks)[len(asks) // 2], 1),
             "all_s": round(every, 2), "backlog": status["backlog"], "resolver": status["resolver"],
             "requests_per_adapter": round(asked / count, 2)}

@@ -203,9 +203,8 @@ class PushArea:
         target = self.path(name, tag)
         return (target / CONFIG_FILE).read_bytes(), np.fromfile(target / WEIGHTS_FILE, dtype=np.uint8)
 
-    def retire(self, name: str, keep: set[Path], leftovers: bool = True) -> list[str]:
-        """Remove ``name``'s pushed versions not in ``keep`` (and, with ``leftovers``, what cut pushes left:
-        not in a node copy's area, where another rank may be writing one); the tags removed."""
+    def retire(self, name: str, keep: set[Path]) -> list[str]:
+        """Remove ``name``'s pushed versions (and leftovers of cut pushes) not in ``keep``; the tags removed."""
         removed = []
         with self._lock:
             parent = self.dir / name
@@ -213,20 +212,32 @@ class PushArea:
                 return []
             kept = {p.resolve() for p in keep}
             for child in parent.iterdir():
-                if child.resolve() in kept or (not leftovers and child.name.startswith(TMP_PREFIX)):
+                if child.resolve() in kept:
                     continue
                 shutil.rmtree(child, ignore_errors=True)
                 if not child.name.startswith(TMP_PREFIX):
                     removed.append(child.name)
-            with contextlib.suppress(OSError):  # another rank of the node may be writing into it
-                if not any(parent.iterdir()):
-                    parent.rmdir()
+            self._prune(parent)
         return sorted(removed)
 
     def drop(self, name: str, tags: Collection[str]) -> list[str]:
-        """Remove ``name``'s versions ``tags`` (those its controller retired) and nothing else; the tags removed."""
-        keep = {child for child in (self.dir / name).glob("*") if child.name not in set(tags)}
-        return self.retire(name, keep, leftovers=False)
+        """Remove ``name``'s versions ``tags`` and nothing else (in a node copy's area, where another rank may be
+        writing a copy: its ``.push-*`` directory stays); the tags removed."""
+        removed = []
+        with self._lock:
+            for tag in sorted(set(tags)):
+                version = self.path(name, check_tag(tag))
+                if version.is_dir():
+                    shutil.rmtree(version, ignore_errors=True)
+                    removed.append(tag)
+            self._prune(self.dir / name)
+        return removed
+
+    @staticmethod
+    def _prune(parent: Path) -> None:
+        with contextlib.suppress(OSError):  # gone, or another rank of the node is writing into it
+            if not any(parent.iterdir()):
+                parent.rmdir()
 
     def holds(self, path: str | Path) -> bool:
         """Whether ``path`` is a pushed version's directory of this area."""

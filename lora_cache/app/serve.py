@@ -228,17 +228,19 @@ def check_background(serve: ServeConfig, catalog: CatalogConfig) -> None:
     if catalog.resolve_s <= 0:
         raise ConfigError("--register background serves an adapter not registered yet by registering it on demand, "
                           f"but --resolve-s is {catalog.resolve_s}: give --resolve-s > 0, or --register wait")
-    adapters = serve.adapters if is_store_url(serve.adapters) else shell_path(serve.adapters)
-    if catalog.adapter_roots and not any(_under(adapters, root) for root in catalog.adapter_roots):
+    if not catalog.adapter_roots:
+        return  # --adapters becomes the root
+    if is_store_url(serve.adapters):  # as the catalog takes a path under a root (``AdapterCatalog.store_url``)
+        url = StoreUrl.parse(serve.adapters)
+        under = any(url.under(StoreUrl.parse(r)) for r in catalog.adapter_roots if is_store_url(r))
+    else:  # ... and ``AdapterRoots.resolve``: the real path under a root's real path (a root need not exist yet)
+        real = Path(shell_path(serve.adapters)).resolve()
+        under = any(real.is_relative_to(Path(shell_path(r)).resolve()) for r in catalog.adapter_roots
+                    if not is_store_url(r))
+    if not under:
         raise ConfigError(f"--register background registers on demand from --adapter-roots, and --adapters "
-                          f"{adapters} lies under none of {', '.join(catalog.adapter_roots)}: add it to "
+                          f"{serve.adapters} lies under none of {', '.join(catalog.adapter_roots)}: add it to "
                           "--adapter-roots, or --register wait")
-
-
-def _under(path: str, root: str) -> bool:
-    if is_store_url(path) or is_store_url(root):
-        return is_store_url(path) and is_store_url(root) and StoreUrl.parse(path).under(StoreUrl.parse(root))
-    return Path(path).resolve().is_relative_to(Path(shell_path(root)).resolve())
 
 
 class Listing:

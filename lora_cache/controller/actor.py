@@ -16,7 +16,7 @@ import time
 
 import ray
 
-from lora_cache.adapters.catalog import CatalogConfig, check_name
+from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.adapters.refs import base_name, split_ref, version_of
 from lora_cache.controller.backlog import Backlog, background_reads
 from lora_cache.controller.control_loop import ControlLoop
@@ -24,11 +24,11 @@ from lora_cache.controller.core import ControllerConfig, ControllerCore, HintOut
 from lora_cache.controller.fanout import WorkerFanout
 from lora_cache.controller.pushes import Pushed, Pushes
 from lora_cache.controller.readiness import Doorbell, EventsLost, ReadinessEvent, WatchBatch
-from lora_cache.controller.registrations import Registered, Registrar
+from lora_cache.controller.registrations import Registered, Registrar, check_item
 from lora_cache.controller.request_ids import Item, RequestIds
 from lora_cache.controller.resolver import HintTuple, Resolver, unregistered_hints
 from lora_cache.controller.snapshots import DurableConfig, DurableState
-from lora_cache.errors import ConfigError, ConflictError, LoraCacheError, NotFoundError
+from lora_cache.errors import ConflictError, LoraCacheError, NotFoundError
 from lora_cache.routing.advice import RouteAdvice, RouteRequest
 from lora_cache.runtime import heap
 from lora_cache.runtime.metrics import ControllerMetrics
@@ -115,9 +115,7 @@ class ControllerActor:
         its batch comes); a request for one not reached yet registers it on demand. The adapters waiting now."""
         await self.loop.start()
         for name, path in items:  # the whole list checked before any is queued: a bad one refuses the call
-            check_name(name)
-            if not isinstance(path, str) or not path:
-                raise ConfigError(f"register_later: adapter {name!r} has path {path!r}; give a directory or s3:// URL")
+            check_item(name, path, None)
         waiting = self.backlog.add(list(items))
         await self.durable.save_backlog(self.backlog.left())  # a restart goes on with it
         return waiting

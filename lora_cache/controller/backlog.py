@@ -48,10 +48,9 @@ class Backlog:
     the name still needs registering when its batch comes."""
 
     def __init__(self, register: Register, wanted: Callable[[str], bool], batch: int = BATCH) -> None:
-        self.register, self.wanted, self.batch = register, wanted, batch
+        self.register, self.wanted, self.batch_size = register, wanted, batch
         self.queue: deque[tuple[str, str]] = deque()
-        self.current: set[str] = set()  # the names of the batch being registered
-        self.batch_items: list[tuple[str, str]] = []  # ... and its items
+        self.reading: dict[str, str] = {}  # the batch being registered: name -> path, in order
         self.registered = self.skipped = self.failed = 0
         self.task: asyncio.Task[None] | None = None
         self.gate = threading.Event()  # open unless a request's registration reads the store (``yielding``)
@@ -63,12 +62,12 @@ class Backlog:
         self.queue.extend(items)
         if items and (self.task is None or self.task.done()):
             self.task = asyncio.get_running_loop().create_task(self._run(), name="lora-cache-backlog")
-        return len(self.queue) + len(self.current)
+        return len(self.queue) + len(self.reading)
 
     async def _run(self) -> None:
         while self.queue:
             chunk: list[tuple[str, str]] = []
-            while self.queue and len(chunk) < self.batch:
+            while self.queue and len(chunk) < self.batch_size:
                 name, path = self.queue.popleft()
                 if self.wanted(name):
                     chunk.append((name, path))
@@ -76,7 +75,7 @@ class Backlog:
                     self.skipped += 1
             if not chunk:
                 continue
-            self.current, self.batch_items = {name for name, _ in chunk}, chunk
+            self.reading = dict(chunk)
             try:
                 done = await self.register(chunk)
             except Exception as e:  # the whole call failed (never expected: each item gets its own error)
@@ -85,7 +84,7 @@ class Backlog:
                 self.failed += len(chunk)
                 continue
             finally:
-                self.current, self.batch_items = set(), []
+                self.reading = {}
             for d in done:
                 if d.error is None:
                     self.registered += 1
@@ -95,7 +94,7 @@ class Backlog:
 
     def left(self) -> list[tuple[str, str]]:
         """What is not registered yet, in order: the batch being read, then the queue (what a restart goes on with)."""
-        return [item for item in self.batch_items if item[0] in self.current] + list(self.queue)
+        return [*self.reading.items(), *self.queue]
 
     def forget(self, name: str) -> bool:
         """An operator unregistered ``name``: it leaves the queue (and, once saved, what a restart goes on with);
@@ -110,7 +109,7 @@ class Backlog:
         """While a request's registration of ``name`` runs: the backlog starts no store read (those in flight
         finish), unless ``name`` is in its batch being read (the request waits for that batch's registration of it,
         in the name's turn: held reads would hold the request)."""
-        if name in self.current:
+        if name in self.reading:
             yield
             return
         self._yielding += 1
@@ -124,5 +123,5 @@ class Backlog:
 
     def stats(self) -> dict[str, int]:
         """What waits, what was registered, skipped (registered meanwhile, or unregistered) and refused."""
-        return {"waiting": len(self.queue) + len(self.current), "registered": self.registered,
+        return {"waiting": len(self.queue) + len(self.reading), "registered": self.registered,
                 "skipped": self.skipped, "failed": self.failed}

@@ -120,9 +120,7 @@ class WorkerFanout:
 
     async def unregister_adapter(self, name: str) -> None:
         """The workers forget it too, or a restarted controller would adopt it again from their reports."""
-        for wid, outcome in zip(self.links.handles, await asyncio.gather(
-                *(asyncio.wait_for(h.unregister_adapter.remote(name), self.links.call_timeout_s)
-                  for h in self.links.handles.values()), return_exceptions=True)):
+        for wid, outcome in await self._every("unregister_adapter", name):
             if isinstance(outcome, BaseException):
                 log.warning("worker %s did not unregister %s: %s (a restarted controller may adopt it again)",
                             wid, name, outcome)
@@ -130,12 +128,18 @@ class WorkerFanout:
     async def drop_pushed(self, name: str, tags: list[str], node: str, area: str) -> None:
         """The ranks on other nodes drop their copies of ``name``'s pushed versions ``tags`` (the controller, on
         ``node`` with its push area at ``area``, retired them: ``Pushes._retire``)."""
-        for wid, outcome in zip(self.links.handles, await asyncio.gather(
-                *(asyncio.wait_for(h.drop_pushed.remote(name, tags, node, area), self.links.call_timeout_s)
-                  for h in self.links.handles.values()), return_exceptions=True)):
+        for wid, outcome in await self._every("drop_pushed", name, tags, node, area):
             if isinstance(outcome, BaseException):
                 log.warning("worker %s did not drop its copies of %s@%s: %s (they go when it forgets the name)",
                             wid, name, ",".join(tags), outcome)
+
+    async def _every(self, method: str, *args: Any) -> list[tuple[WorkerId, object]]:
+        """``method(*args)`` on every linked worker at once, each bounded by the links' call timeout: (worker, its
+        answer or its exception)."""
+        handles = list(self.links.handles.items())
+        outcomes = await asyncio.gather(*(asyncio.wait_for(getattr(h, method).remote(*args), self.links.call_timeout_s)
+                                          for _, h in handles), return_exceptions=True)
+        return [(wid, outcome) for (wid, _), outcome in zip(handles, outcomes)]
 
     async def resize_pool(self, replica: str, lent_bytes: int, keep: list[str]) -> list[dict[str, object]]:
         """Every rank of ``replica`` lends ``lent_bytes`` of its GPU pool to its engine in all (issue 43 item 3,

@@ -137,7 +137,7 @@ class Registrar:
         seen: dict[str, int] = {}
         for i, (name, path) in enumerate(items):  # every item checked (and its turn taken) before any read
             try:
-                _check_item(name, path, seen.get(name))
+                check_item(name, path, seen.get(name))
             except LoraCacheError as e:
                 results[i] = Registered(str(name), error=e)
                 continue
@@ -194,7 +194,7 @@ class Registrar:
                     rank_errors=tuple(ranks.refused), rank_pending=tuple(ranks.pending))
 
 
-def _check_item(name: object, path: object, first: int | None) -> None:
+def check_item(name: object, path: object, first: int | None) -> None:
     """A bad item is refused before anything is read: its name, its path, a name given twice."""
     check_name(name)  # type: ignore[arg-type]
     if not isinstance(path, str) or not path:

@@ -16,15 +16,19 @@ has nothing to copy or drop.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import fcntl
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, KnownVersion
-from lora_cache.adapters.pushed import PushArea, digest
+from lora_cache.adapters.pushed import TMP_PREFIX, PushArea, digest
 from lora_cache.errors import ConflictError
 
+LOCK_FILE = ".copying"  # in the node's push area: one rank of a node copies at a time
 Fetch = Callable[[str, str], tuple[bytes, np.ndarray]]  # (name, tag) -> the controller's (config, weights) bytes
 
 
@@ -46,6 +50,10 @@ class NodeCopies:
         local = self.area.path(name, pushed.name)
         if local == pushed and local.is_dir():
             return path, known  # the controller's node (or one sharing its area): its own file, proved as ever
+        with self._node_lock():  # one rank of the node fetches; the others then find its copy and prove it
+            return self._take(name, pushed.name, local, known)
+
+    def _take(self, name: str, tag: str, local: Path, known: KnownVersion) -> tuple[str, KnownVersion]:
         if local.is_dir():
             config, weights = (local / CONFIG_FILE).read_bytes(), (local / WEIGHTS_FILE).read_bytes()
             found = digest(config, weights)
@@ -53,17 +61,28 @@ class NodeCopies:
                 self.reused += 1
                 self.names.add(name)
                 return str(local), found.known(local)
-            self.area.drop(name, [pushed.name])  # another content under this tag: a service's leftover, replaced
-        config, array = self.fetch(name, pushed.name)
+            self.area.drop(name, [tag])  # another content under this tag: a service's leftover, replaced
+        config, array = self.fetch(name, tag)
         content = digest(config, array.data)
         if content.version != known.version:
-            raise ConflictError(f"the controller's bytes of pushed {name}@{pushed.name} hash to version "
+            raise ConflictError(f"the controller's bytes of pushed {name}@{tag} hash to version "
                                 f"{content.version}, not the registered {known.version} (pushed again meanwhile?): "
                                 "not copied; the next registration of the name brings the current one")
-        copy, _ = self.area.write(name, pushed.name, config, array.data)
+        copy, _ = self.area.write(name, tag, config, array.data)
         self.copied += 1
         self.names.add(name)
         return str(copy), content.known(copy)
+
+    @contextlib.contextmanager
+    def _node_lock(self) -> Iterator[None]:
+        """Held by one rank of this node at a time (``flock`` on a file in the node's area: ranks are processes)."""
+        self.area.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.area.dir / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def drop(self, name: str, tags: list[str], node: str, area: str) -> list[str]:
         """The controller on ``node`` (its push area ``area``) retired ``name``'s ``tags``: this node's copies of them
@@ -77,4 +96,5 @@ class NodeCopies:
         if name not in self.names:
             return []
         self.names.discard(name)
-        return self.area.drop(name, [p.name for p in (self.area.dir / name).glob("*")])
+        return self.area.drop(name, [p.name for p in (self.area.dir / name).glob("*")
+                                     if not p.name.startswith(TMP_PREFIX)])
