@@ -6,7 +6,7 @@ FIFO cannot hang it, refused unless a regular file), reads it exactly once, and 
 
 - the file's identity ``(st_dev, st_ino, size, mtime_ns, ctime_ns)`` before and after the read, which must
   agree (a file changed while registered is refused);
-- the content version (a hash of the config's and the weights' bytes, ``peft.content_version``);
+- the content version (a hash of the config's bytes and of each block of the weights, ``content_version_of``);
 - a CRC-32 of the safetensors header and of every ``BLOCK_BYTES`` block of the weights.
 
 Or, for a settled file with ``local_versions="identity"`` (the default), an *identity version*
@@ -251,18 +251,41 @@ def _check_ends(fd: int, size: int, what: Path) -> None:
                               "wait until it is written completely and register again")
 
 
-def digest_weights(fd: int, identity: FileIdentity, what: Path, version_digest: hashlib.blake2b,
-                   header_bytes: int) -> tuple[int, BlockCrcs]:
-    """One pass over the weights: feeds ``version_digest``; returns the header's CRC and every block's."""
-    crcs, header_crc, head = [], 0, b""
+def digest_weights(fd: int, identity: FileIdentity, what: Path, config: bytes,
+                   header_bytes: int) -> tuple[str, int, BlockCrcs]:
+    """One pass over the weights: their content version (with the config's bytes, ``content_version_of``), the
+    header's CRC and every block's CRC."""
+    crcs, hashes, head = [], [], b""
     for block in _chunks(fd, identity.size, what):
-        version_digest.update(block)
+        hashes.append(block_hash(block))
         crcs.append(zlib.crc32(block))
         if len(head) < header_bytes:
             head += block[: header_bytes - len(head)]
     _check_ends(fd, identity.size, what)
-    header_crc = zlib.crc32(head)
-    return header_crc, BlockCrcs(crcs)
+    return content_version_of(config, identity.size, hashes), zlib.crc32(head), BlockCrcs(crcs)
+
+
+# -- content versions: the config's bytes and the hash of every weights block ------------------------------
+
+CONTENT_SCHEME = b"lora-cache content version 2\0"  # version 1 hashed the weights in one stream
+
+
+def block_hash(block: bytes | memoryview) -> bytes:
+    """The hash of one ``BLOCK_BYTES`` block of weights (the last may be shorter). A content version hashes these,
+    not the weights in one stream, so that a push's blocks hash on several cores at once (``pushed.digest``)."""
+    return hashlib.blake2b(block, digest_size=16).digest()
+
+
+def content_version_of(config: bytes, size: int, block_hashes: Iterable[bytes]) -> str:
+    """The content version of an adapter: a hash of its config's bytes, its weights' size and the hash of each
+    of its weights' blocks in order (``block_hash``); the same bytes give the same version however they are read."""
+    digest = hashlib.blake2b(CONTENT_SCHEME, digest_size=8)
+    digest.update(len(config).to_bytes(8, "little"))
+    digest.update(config)
+    digest.update(size.to_bytes(8, "little"))
+    for hashed in block_hashes:
+        digest.update(hashed)
+    return digest.hexdigest()
 
 
 def header_matches(fd: int, header_bytes: int, header_crc: int) -> bool:

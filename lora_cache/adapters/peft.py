@@ -286,12 +286,11 @@ def read_adapter(name: str, directory: Path, shape: ModelShape, max_rank: int,
             source = WeightsSource(str(f.real), identity_version(f.real, f.identity, config_bytes, head), f.identity,
                                    header_bytes, zlib.crc32(head), BlockCrcs(b""), registered_ns)
         else:
-            digest = hashlib.blake2b(config_bytes, digest_size=8)
-            header_crc, block_crcs = digest_weights(f.fd, f.identity, weights, digest, header_bytes)
+            version, header_crc, block_crcs = digest_weights(f.fd, f.identity, weights, config_bytes, header_bytes)
             unchanged_since_open(f.fd, weights, f.identity)  # the bytes hashed are the file's, as opened
             if sealed:  # its racy window is over by construction (the docstring): registered as if after it
                 registered_ns = max(registered_ns, f.identity.ctime_ns + RACY_NS)
-            source = WeightsSource(str(f.real), digest.hexdigest(), f.identity, header_bytes, header_crc, block_crcs,
+            source = WeightsSource(str(f.real), version, f.identity, header_bytes, header_crc, block_crcs,
                                    registered_ns)
         header = read_header(f.fd, header_bytes, f.identity.size, weights)  # the file this fd holds, not the path's
         unchanged_since_open(f.fd, weights, f.identity)
@@ -468,8 +467,7 @@ def content_version(directory: Path) -> str:
     """A short hash of adapter_config.json and the weights: the adapter's version (as ``read_adapter`` finds it,
     confined to the directory)."""
     roots = AdapterRoots((directory,))
-    digest = hashlib.blake2b(_read_config_bytes(roots, directory), digest_size=8)
+    config = _read_config_bytes(roots, directory)
     weights = directory / WEIGHTS_FILE
     with open_adapter_file(roots, weights, f"{weights} is missing") as f:
-        digest_weights(f.fd, f.identity, weights, digest, 0)
-    return digest.hexdigest()
+        return digest_weights(f.fd, f.identity, weights, config, 0)[0]

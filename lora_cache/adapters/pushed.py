@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import mmap
 import os
 import re
 import shutil
@@ -31,12 +32,22 @@ import threading
 import time
 import zlib
 from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from lora_cache.adapters.files import BLOCK_BYTES, HOST, RACY_NS, BlockCrcs, FileIdentity, WeightsSource
+from lora_cache.adapters.files import (
+    BLOCK_BYTES,
+    HOST,
+    RACY_NS,
+    BlockCrcs,
+    FileIdentity,
+    WeightsSource,
+    block_hash,
+    content_version_of,
+)
 from lora_cache.adapters.header import MAX_HEADER_BYTES, parse_header
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec, KnownVersion, built_spec, parse_config
 from lora_cache.adapters.shapes import ModelShape
@@ -45,6 +56,9 @@ from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, Co
 ENV = "LORA_CACHE_PUSH_DIR"  # where pushed versions go, if set (tests give each run its own)
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 TMP_PREFIX = ".push-"  # a version being written (renamed whole when complete)
+PASS_THREADS = 16  # threads at most for a push's hash and write (``passes``)
+PASS_BYTES = 8 * BLOCK_BYTES  # the bytes one thread takes at a time in those passes
+_PASSES_LOCK = threading.Lock()
 
 
 def default_push_dir() -> Path:
@@ -74,7 +88,7 @@ def content_tag(config_bytes: bytes, weights: bytes | memoryview) -> str:
 class PushDigest(NamedTuple):
     """A push's content as registration would hash its file, taken from the push's bytes in memory (``digest``)."""
 
-    version: str  # blake2b-8 of the config's bytes and then the weights': ``peft.read_adapter``'s content version
+    version: str  # ``files.content_version_of``: ``peft.read_adapter``'s content version
     config_digest: str
     header_bytes: int
     header_crc: int
@@ -98,24 +112,54 @@ class PushDigest(NamedTuple):
 
 def digest(config_bytes: bytes, weights: bytes | memoryview) -> PushDigest:
     """The content version, header CRC and block CRCs of a push (checked by ``check_push``) from its bytes, as
-    ``files.digest_weights`` makes them over the file, so the file need not be read back to register it: the hash
-    and the CRCs side by side on two threads (on one, the CRCs added half the hash's time)."""
+    ``files.digest_weights`` makes them over the file, so the file need not be read back to register it: each
+    block hashed and CRC'd once, the blocks spread over ``passes()`` threads (both free the GIL)."""
     view = memoryview(weights).cast("B")
-    config = hashlib.blake2b(config_bytes, digest_size=8)
-    version = config.copy()
-    blocks: list[int] = []  # the blocks' CRCs on a thread of their own while the version is hashed (both free the GIL)
-    crc_thread = threading.Thread(target=lambda: blocks.extend(
-        zlib.crc32(view[at:at + BLOCK_BYTES]) for at in range(0, len(view), BLOCK_BYTES)), name="push-crcs")
-    crc_thread.start()
-    try:
-        version.update(view)
-    finally:
-        crc_thread.join()
-    if len(blocks) != -(-len(view) // BLOCK_BYTES):
-        raise RuntimeError(f"the block CRCs of a push stopped after {len(blocks)} blocks (see the thread's error)")
+    spans = passes().map(lambda at: _span(view[at:at + PASS_BYTES]), range(0, len(view), PASS_BYTES))
+    hashes, blocks = zip(*[block for span in spans for block in span]) if len(view) else ((), ())
     header_bytes = 8 + int.from_bytes(view[:8], "little")
-    crcs = BlockCrcs(blocks)
-    return PushDigest(version.hexdigest(), config.hexdigest(), header_bytes, zlib.crc32(view[:header_bytes]), crcs)
+    return PushDigest(content_version_of(config_bytes, len(view), hashes),
+                      hashlib.blake2b(config_bytes, digest_size=8).hexdigest(), header_bytes,
+                      zlib.crc32(view[:header_bytes]), BlockCrcs(blocks))
+
+
+def write_spread(path: Path, data: bytes | memoryview) -> None:
+    """A new file at ``path`` holding ``data``, copied in by ``passes()``' threads at once through a shared
+    mapping (a ``write`` to one file is one thread's copy: tmpfs serializes writers of a file)."""
+    src = np.frombuffer(data, dtype=np.uint8)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, src.nbytes)
+        if not src.nbytes:
+            return
+        with mmap.mmap(fd, src.nbytes) as mapped:
+            _copy_spread(np.frombuffer(mapped, dtype=np.uint8), src)  # no view of the mapping outlives the call
+    finally:
+        os.close(fd)
+
+
+def _copy_spread(dst: np.ndarray, src: np.ndarray) -> None:
+    list(passes().map(lambda at: np.copyto(dst[at:at + PASS_BYTES], src[at:at + PASS_BYTES]),
+                      range(0, src.nbytes, PASS_BYTES)))
+
+
+def _span(span: memoryview) -> list[tuple[bytes, int]]:
+    """The hash and CRC of each block of ``span`` (whole blocks from a block's start, the last may be short)."""
+    return [(block_hash(span[at:at + BLOCK_BYTES]), zlib.crc32(span[at:at + BLOCK_BYTES]))
+            for at in range(0, len(span), BLOCK_BYTES)]
+
+
+_PASSES: list[ThreadPoolExecutor] = []
+
+
+def passes() -> ThreadPoolExecutor:
+    """The threads a push's passes over its bytes share (``digest``, ``PushArea.write``): one per core, up to
+    ``PASS_THREADS`` (memory bandwidth, not cores, bounds them past that)."""
+    if not _PASSES:
+        with _PASSES_LOCK:
+            if not _PASSES:
+                _PASSES.append(ThreadPoolExecutor(min(PASS_THREADS, os.cpu_count() or 1), "push-pass"))
+    return _PASSES[0]
 
 
 def check_push(name: str, config_bytes: bytes, weights: bytes | memoryview, shape: ModelShape,
@@ -186,8 +230,7 @@ class PushArea:
             tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=target.parent))
             try:
                 (tmp / CONFIG_FILE).write_bytes(config_bytes)
-                with open(tmp / WEIGHTS_FILE, "wb") as f:
-                    f.write(weights)
+                write_spread(tmp / WEIGHTS_FILE, weights)
                 os.rename(tmp, target)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -2,7 +2,8 @@
 
 ``safetensors.torch.save`` copies each tensor to bytes and then joins them (two passes over the weights, ~1 GB/s
 on a CPU core); ``safetensors_bytes`` lays out the header first and copies each tensor once into its place in one
-buffer (a GPU tensor straight from the device into it). The result is a safetensors file's bytes that the format's
+buffer (a GPU tensor straight from the device into it; CPU tensors in groups on the push's threads,
+``pushed.passes``). The result is a safetensors file's bytes that the format's
 own loader reads back (``tests/test_push.py``): a header of JSON padded with spaces to a multiple of 8, the tensors
 back to back in the header's (name) order, each tensor's ``data_offsets`` from the header's end. For tensors of one
 dtype (an adapter's) these are the very bytes ``safetensors.torch.save`` writes (it orders data by dtype, then name),
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from lora_cache.adapters.pushed import PASS_BYTES, passes
 from lora_cache.errors import AdapterFormatError
 
 DTYPE_NAMES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.float8_e5m2: "F8_E5M2",
@@ -45,8 +47,20 @@ def safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str
     out = np.empty(start + offset, dtype=np.uint8)
     out[:8] = np.frombuffer(len(head).to_bytes(8, "little"), dtype=np.uint8)
     out[8:start] = np.frombuffer(head, dtype=np.uint8)
-    flat = torch.from_numpy(out)
-    for t, begin, end in placed:
-        if end > begin:
+    if any(t.device.type != "cpu" for t, _, _ in placed):  # from a device: one copy after another, as it serves them
+        flat = torch.from_numpy(out)
+        for t, begin, end in placed:
             flat[start + begin:start + end].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        return out
+
+    def copy(group: list[tuple[torch.Tensor, int, int]]) -> None:  # numpy's copies: one thread each, GIL free
+        for t, begin, end in group:
+            out[start + begin:start + end] = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+    groups: list[list[tuple[torch.Tensor, int, int]]] = [[]]
+    for t, begin, end in placed:  # about PASS_BYTES a group, each copied by one of the push's threads
+        if groups[-1] and end - groups[-1][0][1] > PASS_BYTES:
+            groups.append([])
+        groups[-1].append((t, begin, end))
+    list(passes().map(copy, groups))
     return out

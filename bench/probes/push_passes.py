@@ -1,0 +1,124 @@
+"""A push's passes over its bytes, each against its one-thread form, in one process (issue 44 item 5).
+
+For an adapter of ``--model`` at ``--rank`` (bf16 tensors of its shapes, random values), times:
+
+- ``payload``: the client's safetensors bytes (``serialize.safetensors_bytes``, CPU tensors copied in groups on the
+  push's threads) against ``safetensors.torch.save`` (one thread, two passes);
+- ``digest``: the content version and every block's CRC (``pushed.digest``: each block hashed and CRC'd on the push's
+  threads, the block hashes then hashed) against one stream of blake2b over the bytes and a CRC pass (the version
+  before content version 2);
+- ``write``: the bytes into a new file of the push area's file system (``pushed.write_spread``: copied in through a
+  shared mapping by the push's threads) against one ``write`` call;
+- ``memcpy``: one numpy copy of the bytes into a fresh buffer (the reference: what one pass over the bytes costs
+  here).
+
+Each is run ``--repeats`` times (the median and the range are reported); files are written under ``--dir``
+(default: the push area's own file system, ``/dev/shm``).
+
+    python -m bench.probes.push_passes --model llama-3.1-8b --rank 16 --out /tmp/passes.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from lora_cache.adapters.files import BLOCK_BYTES
+from lora_cache.adapters.pushed import PASS_THREADS, default_push_dir, digest, write_spread
+from lora_cache.adapters.serialize import safetensors_bytes
+from lora_cache.adapters.peft import peft_key
+from lora_cache.adapters.shapes import MODULES, resolve_model
+
+
+def tensors_of(model: str, rank: int) -> dict[str, torch.Tensor]:
+    """bf16 LoRA tensors of every module of ``model`` at ``rank``, in PEFT's names."""
+    shape = resolve_model(model)
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for layer in range(shape.num_layers):
+        for module in MODULES:
+            d_in, d_out = shape.dims(module)
+            out[peft_key(layer, module, "A")] = torch.randn(rank, d_in, generator=gen).to(torch.bfloat16)
+            out[peft_key(layer, module, "B")] = torch.randn(d_out, rank, generator=gen).to(torch.bfloat16)
+    return out
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> dict[str, float]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
+
+
+def one_stream(config: bytes, data: np.ndarray) -> None:
+    """The content version before version 2: one blake2b stream over the config and the weights, and the CRCs."""
+    stream = hashlib.blake2b(config, digest_size=8)
+    stream.update(data.data)
+    view = data.data
+    [zlib.crc32(view[at:at + BLOCK_BYTES]) for at in range(0, len(view), BLOCK_BYTES)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dir", default="", help="where the files are written (default: the push area's parent)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    tensors = tensors_of(args.model, args.rank)
+    data = safetensors_bytes(tensors)
+    config = json.dumps({"r": args.rank, "lora_alpha": 2 * args.rank}).encode()
+    where = Path(args.dir) if args.dir else default_push_dir().parent
+    scratch = Path(tempfile.mkdtemp(prefix="push-passes-", dir=where))
+    files = iter(range(1 << 30))
+
+    def spread() -> None:
+        path = scratch / f"s{next(files)}"
+        write_spread(path, data.data)
+        path.unlink()
+
+    def plain() -> None:
+        path = scratch / f"p{next(files)}"
+        with open(path, "wb") as f:
+            f.write(data.data)
+        path.unlink()
+
+    try:
+        rows = {
+            "payload": timed(lambda: safetensors_bytes(tensors), args.repeats),
+            "payload_one_thread": timed(lambda: safetensors.torch.save(tensors), args.repeats),
+            "digest": timed(lambda: digest(config, data.data), args.repeats),
+            "digest_one_stream": timed(lambda: one_stream(config, data), args.repeats),
+            "write": timed(spread, args.repeats),
+            "write_one_call": timed(plain, args.repeats),
+            "memcpy": timed(lambda: np.array(data, copy=True), args.repeats),
+        }
+    finally:
+        for leftover in scratch.iterdir():
+            leftover.unlink()
+        scratch.rmdir()
+    result = {"model": args.model, "rank": args.rank, "bytes": int(data.nbytes), "cpus": os.cpu_count(),
+              "threads": min(PASS_THREADS, os.cpu_count() or 1), "dir": str(where), "rows": rows,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
