@@ -32,7 +32,8 @@ def _dry(script: str, *args: str, **env: str) -> list[list[str]]:
 
 def test_the_dated_scripts_are_gone() -> None:
     assert SCRIPTS == ["checks.sh", "cold_path.sh", "fleets.sh", "fleets_i31.sh", "issue30.sh", "issue30_reads.sh",
-                       "issue30_small.sh", "issue42.sh", "issue43.sh", "parallel.sh", "serve.sh", "suite.sh"]
+                       "issue30_small.sh", "issue42.sh", "issue43.sh", "issue44_push.sh", "parallel.sh", "serve.sh",
+                       "suite.sh"]
     assert not list((ROOT / "bench").glob("gpu_*.sh"))
 
 
@@ -260,3 +261,24 @@ def test_issue42_full_host_tier_part_overrides_the_host_bytes_and_routes_the_ora
     assert [" ".join(r[r.index("--router"):r.index("--router") + 4]) for r in runs] == [
         "--router lora-cache --policies global", "--router affinity --policies queue,global",
         "--router lora-cache --policies oracle", "--router lora-cache --policies oracle"]
+
+
+def test_issue44_push_runs_the_passes_then_each_push_probe_for_this_tree_and_then_the_old_one(tmp_path: Path) -> None:
+    from bench.probes.push import build_parser as push_parser
+
+    old = tmp_path / "old"
+    old.mkdir()
+    commands = _dry("issue44_push.sh", str(tmp_path / "out"), OLD=str(old), SITE=str(tmp_path / "site"), ROUNDS="2",
+                    DRY_GPUS="2")
+    assert [c[2] for c in commands[:2]] == ["bench.probes.push_passes"] * 2
+    pushes = commands[2:]
+    assert len(pushes) == 6 and [c[0] for c in pushes] == ["python", "env"] * 3
+    for now, before in zip(pushes[::2], pushes[1::2]):
+        args = push_parser().parse_args(now[3:])
+        assert args.tp == 2 and args.out.startswith(str(tmp_path / "out"))
+        assert before[:6] == ["env", "-C", str(old), f"PYTHONPATH={tmp_path / 'site'}:{old}", "python", "-m"]
+        old_args = push_parser().parse_args(before[7:])
+        assert (old_args.tp, old_args.model, old_args.rank, old_args.pushes) == (2, args.model, args.rank, args.pushes)
+        assert old_args.out != args.out
+    assert [push_parser().parse_args(c[3:]).model for c in pushes[::2]] == ["llama-3.1-8b"] * 2 + ["llama-3.1-70b"]
+    assert len(_dry("issue44_push.sh", str(tmp_path / "out2"))) == 5  # no OLD: this tree's probes alone

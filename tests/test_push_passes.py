@@ -1,0 +1,116 @@
+"""A push's passes over its bytes on several threads (issue 44 item 5): the content version (version 2: the config,
+the size and each block's hash) is the same however the bytes are read and however many threads hash them; the
+push area's file written through a shared mapping holds exactly the bytes and is settled when the write returns;
+the client's payload copied in groups is safetensors' own bytes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save
+
+from lora_cache.adapters import pushed
+from lora_cache.adapters.files import BLOCK_BYTES, FileIdentity, digest_weights
+from lora_cache.adapters.pushed import PASS_BYTES, digest, write_spread
+from lora_cache.adapters.serialize import safetensors_bytes
+
+SIZES = [9, BLOCK_BYTES - 1, BLOCK_BYTES, BLOCK_BYTES + 1, PASS_BYTES, PASS_BYTES + 1, 2 * PASS_BYTES + 3 * BLOCK_BYTES]
+
+
+def weights_of(size: int, seed: int) -> bytes:
+    """``size`` bytes led by a safetensors length prefix (what ``digest`` reads of a header), the rest random."""
+    body = bytearray(torch.randint(0, 256, (size,), generator=torch.Generator().manual_seed(seed),
+                                   dtype=torch.uint8).numpy().tobytes())
+    body[:8] = min(64, size - 8).to_bytes(8, "little")
+    return bytes(body)
+
+
+def file_digest(path: Path, config: bytes, header_bytes: int) -> tuple[str, int, tuple[int, ...]]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        version, header_crc, crcs = digest_weights(fd, FileIdentity.of(os.fstat(fd)), path, config, header_bytes)
+    finally:
+        os.close(fd)
+    return version, header_crc, tuple(crcs)
+
+
+@contextlib.contextmanager
+def pass_threads(n: int) -> Iterator[None]:
+    """The push's passes on ``n`` threads of their own while the block runs (``pushed.passes``)."""
+    pool, saved = ThreadPoolExecutor(n, "test-pass"), list(pushed._PASSES)
+    pushed._PASSES[:] = [pool]
+    try:
+        yield
+    finally:
+        pushed._PASSES[:] = saved
+        pool.shutdown()
+
+
+@settings(max_examples=12, deadline=None)
+@given(size=st.sampled_from(SIZES), seed=st.integers(0, 3), n=st.sampled_from([1, 3, 8]))
+def test_a_content_version_is_the_same_however_its_bytes_are_read(tmp_path_factory: pytest.TempPathFactory,
+                                                                    size: int, seed: int, n: int) -> None:
+    """The version, the header's CRC and every block's CRC of a push hashed from memory on ``n`` threads are those
+    of its file hashed in one pass, at every size about a block's and a thread's span's edges."""
+    data = weights_of(size, seed)
+    path = tmp_path_factory.mktemp("v") / "w"
+    path.write_bytes(data)
+    with pass_threads(n):
+        content = digest(b"{}", data)
+    assert (content.version, content.header_crc, tuple(content.block_crcs)) == \
+        file_digest(path, b"{}", content.header_bytes)
+    assert len(content.block_crcs) == -(-size // BLOCK_BYTES)
+
+
+def test_other_bytes_config_or_order_give_another_version() -> None:
+    """A byte changed in any block, two blocks swapped, a byte more or less, or another config: another version."""
+    data = weights_of(3 * BLOCK_BYTES + 17, 0)
+    variants = [data]
+    for at in (8, BLOCK_BYTES - 1, 2 * BLOCK_BYTES + 5, len(data) - 1):
+        flipped = bytearray(data)
+        flipped[at] ^= 1
+        variants.append(bytes(flipped))
+    variants += [data[:BLOCK_BYTES] + data[2 * BLOCK_BYTES:3 * BLOCK_BYTES] + data[BLOCK_BYTES:2 * BLOCK_BYTES]
+                 + data[3 * BLOCK_BYTES:], data + b"\0", data[:-1]]
+    with pass_threads(4):
+        versions = {digest(b"{}", v).version for v in variants} | {digest(b'{"r":8}', data).version}
+    assert len(versions) == len(variants) + 1
+
+
+def test_a_spread_write_holds_the_bytes_and_is_settled_when_it_returns(tmp_path: Path) -> None:
+    """``write_spread`` leaves exactly the bytes (at span edges too), its file's identity does not change after it
+    returns (the push's version is proven by that identity on every rank), it never writes over a file already
+    there, and an empty write leaves an empty file."""
+    for size in (PASS_BYTES - 1, PASS_BYTES, 2 * PASS_BYTES + 7):
+        data = weights_of(size, size)
+        path = tmp_path / f"w{size}"
+        with pass_threads(4):
+            write_spread(path, data)
+        first = FileIdentity.of(os.stat(path))
+        assert path.read_bytes() == data
+        assert FileIdentity.of(os.stat(path)) == first
+        with pytest.raises(FileExistsError):
+            write_spread(path, b"other bytes")
+        assert path.read_bytes() == data
+    write_spread(tmp_path / "empty", b"")
+    assert (tmp_path / "empty").read_bytes() == b""
+
+
+def test_a_payload_copied_in_groups_is_safetensors_own_bytes() -> None:
+    """CPU tensors of one dtype, more than one thread's span of them, copied in groups on 3 threads: the bytes
+    ``safetensors.torch.save`` writes (so a version does not depend on how the client copied its tensors)."""
+    g = torch.Generator().manual_seed(1)
+    tensors = {f"layers.{i}.lora_{ab}.weight": torch.randn(shape, generator=g).to(torch.bfloat16)
+               for i in range(12) for ab, shape in (("A", (8, 4096)), ("B", (300_000, 8)))}
+    tensors["big.lora_B.weight"] = torch.randn(PASS_BYTES // 2 + 3, generator=g).to(torch.bfloat16)
+    assert sum(t.numel() * 2 for t in tensors.values()) > 4 * PASS_BYTES
+    with pass_threads(3):
+        assert bytes(safetensors_bytes(tensors)) == save(tensors)
