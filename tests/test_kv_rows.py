@@ -78,7 +78,9 @@ def test_a_pool_with_no_page_to_spare_lends_none_and_serves_in_its_own_rows(adap
     assert not batched_over(result, 1)
     kv = result.ranks[0].kv
     assert kv["rows_borrowed"] == 0 and kv["refused"] >= 1, kv
-    same_outputs(own_rows, result)
+    # fewer pages than own_rows' pool: other batches, so fp32 sums in another order (4.8e-5 apart on an AMD EPYC's
+    # kernels, 0 on others); another adapter's or version's weights are 0.1-1 apart
+    same_outputs(own_rows, result, 1e-4)
 
 
 @pytest.mark.parametrize(("kw", "words"), [
