@@ -6,6 +6,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -414,12 +415,15 @@ class AdapterCatalog:
     def _unknown(self, name: str) -> str:
         return f"adapter {name!r} is not registered; register it first (lora-cache register NAME PATH)"
 
-    def register_dir(self, parent: str | Path) -> list[AdapterSpec]:
-        """Register every adapter directory directly under ``parent`` by its directory name."""
+    def register_dir(self, parent: str | Path, known: Mapping[str, KnownVersion] | None = None) -> list[AdapterSpec]:
+        """Register every adapter directory directly under ``parent`` by its directory name (``known``: versions
+        another process hashed, by name, taken where this open proves the same file: ``register``)."""
         if is_store_url(parent):
             from lora_cache.adapters.store import list_adapters
 
             found = list_adapters(self.store_url(str(parent)), self.config.store_timeout_s)
             return [self.register(name, str(url)) for name, url in found]
         base = self._local().resolve(parent)
-        return [self.register(d.name, d) for d in sorted(base.iterdir()) if (d / "adapter_config.json").is_file()]
+        known = known or {}
+        return [self.register(d.name, d, known.get(d.name)) for d in sorted(base.iterdir())
+                if (d / "adapter_config.json").is_file()]

@@ -22,12 +22,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog
+from lora_cache.adapters.peft import KnownVersion
 from lora_cache.adapters.refs import split_ref, version_of
 from lora_cache.errors import ConfigError, LoraCacheError
 from lora_cache.runtime import heap
@@ -36,7 +37,7 @@ from workers.engine.admission import ADMISSION, AdmissionRule
 from workers.engine.config import EngineConfig
 from workers.engine.feed import Feed
 from workers.engine.kv_rows import split_report
-from workers.engine.rank import RankEngine, RankStats, load_catalog
+from workers.engine.rank import RankEngine, RankStats, known_versions, load_catalog
 from workers.engine.scheduler import STOP, Scheduler, StepPlan, check_requests
 from workers.engine.timings import RequestRecord, summarize
 from workers.engine.tp import Comm, spawn
@@ -69,7 +70,8 @@ def run_engine(config: EngineConfig, requests: Sequence[Request]) -> EngineResul
     requests = pinned_refs(requests, catalog)
     check_requests(requests, config, catalog.names())
     rule = ADMISSION[config.admission]()  # made here: ranks get it pickled (a rule class must be importable)
-    serve = functools.partial(serve_rank, config, rule, tuple(requests))
+    # every rank takes the versions this catalog found (``load_catalog``): they agree on each adapter's version
+    serve = functools.partial(serve_rank, config, rule, tuple(requests), known=known_versions(catalog))
     if config.tp == 1:
         return serve(Comm())
     return spawn(serve, config.tp, config.device_kind())
@@ -99,11 +101,13 @@ def pinned_refs(requests: Sequence[Request], catalog: AdapterCatalog,
 
 
 def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Request, ...], comm: Comm,
-               engine: RankEngine | None = None, hooks: Hooks | None = None) -> EngineResult:
+               engine: RankEngine | None = None, hooks: Hooks | None = None,
+               known: Mapping[str, KnownVersion] | None = None) -> EngineResult:
     """One rank's whole run (rank 0 also schedules and records); ``engine``: built already (over a worker's
-    cache, see ``RankEngine``), or None to build one here. The engine is closed at the end."""
+    cache, see ``RankEngine``), or None to build one here, its catalog taking the driver's ``known`` versions.
+    The engine is closed at the end."""
     if engine is None:
-        engine = RankEngine(config, comm)
+        engine = RankEngine(config, comm, known=known)
         engine.warm_up()
     hooks = hooks or Hooks()
     feed = hooks.feed if comm.rank == 0 else None

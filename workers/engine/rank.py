@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
+from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -18,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.peft import KnownVersion
 from lora_cache.errors import CapacityError, ConfigError, LoraCacheError
 from lora_cache.runtime import heap
 from lora_cache.vocab import AdapterKey, ReadinessRecord
@@ -44,17 +46,26 @@ def _key_or_none(catalog: AdapterCatalog, ref: AdapterRef) -> AdapterKey | None:
         return None
 
 
-def load_catalog(config: EngineConfig) -> AdapterCatalog:
-    """Every adapter directory under ``config.adapters``, registered by its directory name."""
+def load_catalog(config: EngineConfig, known: Mapping[str, KnownVersion] | None = None) -> AdapterCatalog:
+    """Every adapter directory under ``config.adapters``, registered by its directory name. ``known``: the versions
+    the driver's catalog found (``known_versions``), taken where this open proves the same file: a TP rank
+    registering a file a moment after the driver must not version it otherwise (a file written just before is
+    hashed by content while racy and versioned by its identity once settled: ranks on either side of that moment
+    would agree on no version)."""
     if not config.adapters:
         raise ConfigError("adapters: no directory given; pass --adapters DIR (make some with "
                           f"`lora-cache make-adapters DIR --model {config.model}`)")
     catalog = AdapterCatalog(CatalogConfig(adapter_roots=(config.adapters,), model=config.model,
                                            max_rank=config.max_rank), config.shape())
-    if not catalog.register_dir(config.adapters):
+    if not catalog.register_dir(config.adapters, known or {}):
         raise ConfigError(f"adapters: {config.adapters} holds no adapter directories (with adapter_config.json); "
                           f"make some with `lora-cache make-adapters {config.adapters} --model {config.model}`")
     return catalog
+
+
+def known_versions(catalog: AdapterCatalog) -> dict[str, KnownVersion]:
+    """Each registered name's version as ``catalog`` hashed it, for the ranks' ``load_catalog``."""
+    return {name: known for name in catalog.names() if (known := catalog.known(name)) is not None}
 
 
 # one-prompt prefill lengths run at warm-up: 1, odd and multiple-of-16 lengths in every token tile size
@@ -119,10 +130,11 @@ class RankStats:
 class RankEngine:
     """Everything one TP rank owns."""
 
-    def __init__(self, config: EngineConfig, comm: Comm, cache: EngineCache | None = None) -> None:
+    def __init__(self, config: EngineConfig, comm: Comm, cache: EngineCache | None = None,
+                 known: Mapping[str, KnownVersion] | None = None) -> None:
         """``cache``: run over an existing rank's cache (a worker actor's ``WorkerCache``, or an attached
         process's ``Attachment``, the public seam; the controller drives either) and its catalog and compute
-        stream; None: make one from ``config``."""
+        stream; None: make one from ``config``, its catalog taking the driver's ``known`` versions."""
         self.config, self.comm = config, comm
         self.owns_cache = cache is None
         if cache is None:
@@ -130,7 +142,7 @@ class RankEngine:
             self.device = torch.device("cuda", comm.rank) if cuda else torch.device("cpu")
             self.dtype = config.torch_dtype()
             self.stream: Any = torch.cuda.Stream(self.device) if cuda else None  # the compute stream
-            self.catalog = load_catalog(config)
+            self.catalog = load_catalog(config, known)
             self.cache: EngineCache = self._make_cache()
         else:
             self.device, self.dtype, self.catalog, self.cache = cache.device, cache.dtype, cache.catalog, cache
