@@ -41,9 +41,10 @@ from workers.engine import (
 )
 from workers.engine.__main__ import main
 from workers.engine.admission import CopyClock, Overlap
+from workers.engine.catalog import load_catalog
 from workers.engine.feed import Feed
 from workers.engine.model import final_norm_weight, full_weights, prompt_states
-from workers.engine.rank import RankEngine, load_catalog
+from workers.engine.rank import RankEngine
 from workers.engine.scheduler import DECODE, PREFILL, WAIT, Scheduler, StepPlan
 from workers.engine.tp import Comm
 from workers.staging import tier_reads

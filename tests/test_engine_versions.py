@@ -14,7 +14,7 @@ from lora_cache.adapters import peft
 from lora_cache.adapters.files import RACY_NS
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from tests.test_engine import engine_config
-from workers.engine.rank import known_versions, load_catalog
+from workers.engine.catalog import known_versions, load_catalog
 
 
 def test_a_rank_registering_after_the_racy_window_takes_the_drivers_version(tmp_path: Path,

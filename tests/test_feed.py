@@ -21,10 +21,11 @@ from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, No
 from tests.waiting import wait_for
 from workers.cache import WorkerCache
 from workers.engine import ADMISSION, EngineConfig, Request, run_engine
+from workers.engine.catalog import load_catalog
 from workers.engine.engine import EngineResult, Hooks, serve_rank
 from workers.engine.feed import Feed
 from workers.engine.hosted import HostedEngine, Rendezvous
-from workers.engine.rank import RankEngine, load_catalog
+from workers.engine.rank import RankEngine
 from workers.engine.scheduler import IDLE_WAIT_S, PREFILL, STOP, WAIT, Scheduler
 from workers.engine.tp import Comm, spawn
 from workers.staging.host_config import HostTierConfig

@@ -36,9 +36,10 @@ from bench.sim.fleet import SimConfig, simulate
 from bench.workloads import Workload, WorkloadSpec
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from workers.cache import WorkerCache
+from workers.engine.catalog import load_catalog
 from workers.engine.config import EngineConfig
 from workers.engine.engine import run_engine
-from workers.engine.rank import RankEngine, load_catalog
+from workers.engine.rank import RankEngine
 from workers.engine.scheduler import DECODE, PREFILL, Item, StepPlan
 from workers.engine.tp import Comm
 from workers.engine.workload import WorkloadConfig, make_requests

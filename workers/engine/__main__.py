@@ -16,9 +16,9 @@ from pathlib import Path
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.errors import LoraCacheError
 from lora_cache.runtime.cliargs import add_config_args, config_from_args
+from workers.engine.catalog import load_catalog
 from workers.engine.config import EngineConfig
 from workers.engine.engine import EngineResult, run_engine
-from workers.engine.rank import load_catalog
 from workers.engine.timings import RequestRecord, format_summary
 from workers.engine.workload import WorkloadConfig, make_requests
 

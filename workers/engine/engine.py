@@ -34,10 +34,11 @@ from lora_cache.errors import ConfigError, LoraCacheError
 from lora_cache.runtime import heap
 from workers.attach.versions import ReducedVersions
 from workers.engine.admission import ADMISSION, AdmissionRule
+from workers.engine.catalog import known_versions, load_catalog
 from workers.engine.config import EngineConfig
 from workers.engine.feed import Feed
 from workers.engine.kv_rows import split_report
-from workers.engine.rank import RankEngine, RankStats, known_versions, load_catalog
+from workers.engine.rank import RankEngine, RankStats
 from workers.engine.scheduler import STOP, Scheduler, StepPlan, check_requests
 from workers.engine.timings import RequestRecord, summarize
 from workers.engine.tp import Comm, spawn

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.catalog import AdapterCatalog
 from lora_cache.adapters.peft import KnownVersion
 from lora_cache.errors import CapacityError, ConfigError, LoraCacheError
 from lora_cache.runtime import heap
@@ -28,6 +28,7 @@ from workers.attach.versions import RankVersions
 from workers.cache import WorkerCache, WorkerConfig
 from workers.engine.admission import ADMISSION, CopyClock
 from workers.engine.arrivals import Arrivals
+from workers.engine.catalog import load_catalog
 from workers.engine.config import EngineConfig
 from workers.engine.graphs import DecodeGraphs
 from workers.engine.kv_rows import borrowed_rows, kv_report, plan_adapters
@@ -44,28 +45,6 @@ def _key_or_none(catalog: AdapterCatalog, ref: AdapterRef) -> AdapterKey | None:
         return resolve(catalog, ref)
     except LoraCacheError:
         return None
-
-
-def load_catalog(config: EngineConfig, known: Mapping[str, KnownVersion] | None = None) -> AdapterCatalog:
-    """Every adapter directory under ``config.adapters``, registered by its directory name. ``known``: the versions
-    the driver's catalog found (``known_versions``), taken where this open proves the same file: a TP rank
-    registering a file a moment after the driver must not version it otherwise (a file written just before is
-    hashed by content while racy and versioned by its identity once settled: ranks on either side of that moment
-    would agree on no version)."""
-    if not config.adapters:
-        raise ConfigError("adapters: no directory given; pass --adapters DIR (make some with "
-                          f"`lora-cache make-adapters DIR --model {config.model}`)")
-    catalog = AdapterCatalog(CatalogConfig(adapter_roots=(config.adapters,), model=config.model,
-                                           max_rank=config.max_rank), config.shape())
-    if not catalog.register_dir(config.adapters, known or {}):
-        raise ConfigError(f"adapters: {config.adapters} holds no adapter directories (with adapter_config.json); "
-                          f"make some with `lora-cache make-adapters {config.adapters} --model {config.model}`")
-    return catalog
-
-
-def known_versions(catalog: AdapterCatalog) -> dict[str, KnownVersion]:
-    """Each registered name's version as ``catalog`` hashed it, for the ranks' ``load_catalog``."""
-    return {name: known for name in catalog.names() if (known := catalog.known(name)) is not None}
 
 
 # one-prompt prefill lengths run at warm-up: 1, odd and multiple-of-16 lengths in every token tile size
