@@ -1,6 +1,8 @@
 """An engine process outside the Ray cluster, for tests/test_ray_gateway_attach.py: it attaches one rank
 through the gateway (``AttachConfig(gateway=...)``) and obeys one JSON command per stdin line, answering
-one JSON line on stdout: ``residency``, ``step`` (acquire + release), ``queue``, ``resolve``, ``stats``, ``detach``.
+one JSON line on stdout: ``residency``, ``step`` (acquire + release), ``queue``, ``resolve``, ``pushed`` (a pushed
+version's copy here and the slot's bytes against it), ``stats``, ``detach``. ``push_dir``: this process's push area
+(``LORA_CACHE_PUSH_DIR``), as another machine's.
 
     python tests/gateway_engine.py '{"replica": "replica-g", "gateway": "127.0.0.1:50051", "token": "..."}'
 """
@@ -16,6 +18,12 @@ from typing import Any
 
 def main() -> None:
     args = json.loads(sys.argv[1])
+    if args.get("push_dir"):
+        import os
+
+        from lora_cache.adapters.pushed import ENV
+
+        os.environ[ENV] = args["push_dir"]
     from workers.attach.attachment import AttachConfig, attach
     from workers.cache import WorkerConfig
     from workers.staging.host_config import HostTierConfig
@@ -61,6 +69,21 @@ def run(rank: Any, command: dict[str, Any]) -> Any:
                     "catalog": rank.catalog.get(command["adapter"]).version}
         except Exception as e:  # the controller's typed refusal, as the engine sees it
             return {"error": type(e).__name__, "message": str(e)}
+    if op == "pushed":  # the current version of a pushed name: where this rank reads it, and its slot against it
+        import torch
+
+        from workers.reads.shard import read_shard
+
+        spec = rank.catalog.get(command["adapter"])
+        batch = rank.acquire([command["adapter"]])
+        try:
+            layout = rank.cache.layout_of(spec.name, spec.version)
+            staged = torch.empty(layout.numel, dtype=layout.dtype)
+            read_shard(spec, layout, staged)
+            same = torch.equal(rank.cache.shard(batch.slots[0]).cpu()[:layout.numel], staged)
+        finally:
+            rank.release(batch)
+        return {"version": spec.version, "path": str(spec.path), "slot_is_the_file": same}
     if op == "stats":
         served = rank.served
         return {**rank.control.stats(), "calls": served.calls, "errors": served.errors, "lost": repr(served.lost),

@@ -345,3 +345,56 @@ def test_an_endpoint_imports_what_it_unpickles_before_its_first_call(fleet) -> N
         assert loaded == ["lora_cache.vocab"]
     finally:
         ray.kill(endpoint, no_restart=True)
+
+
+def test_an_attached_rank_off_the_controllers_push_area_serves_pushed_versions_from_its_own_copy(
+        fleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 44 item 2 on the attach seam: an engine's rank whose machine does not hold the controller's push area
+    (here: its process names another, as another machine's memory is apart) takes each pushed version by fetching
+    its bytes through its transport, proving them, and keeping a copy in its own area; its slot then holds that
+    copy's slices of exactly what the trainer pushed. Versions the controller retires leave the copy too (the
+    relayed ``drop_pushed``), and an unregistered name leaves nothing. (Before: its loads failed, naming a missing
+    directory.)"""
+    import json
+
+    import torch
+    from safetensors.torch import load
+
+    from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE
+    from lora_cache.adapters.pushed import ENV
+    from lora_cache.integrations.ray_push import push_in_ray
+    from workers.reads.shard import read_shard
+
+    service, gcs, root = fleet
+    name = "trained-attached"
+    tensors = load((root / "adapter-001" / WEIGHTS_FILE).read_bytes())
+    config = json.loads((root / "adapter-001" / CONFIG_FILE).read_text())
+    area = tmp_path / "engine-machine-memory"
+    monkeypatch.setenv(ENV, str(area))  # this process's push area; the controller's is its own
+    rank = attach(AttachConfig(replica="replica-p", address=gcs), worker(0, tp=1, slots=2))
+    kept = lambda: sorted(p.name for p in (area / "lora-cache" / name).glob("*") if not p.name.startswith("."))  # noqa: E731
+    try:
+        for step in (1, 2, 3, 4, 5, 6):
+            pushed = {k: (v.float() * (1 + step / 10)).to(v.dtype) for k, v in tensors.items()}
+            done = push_in_ray(name, pushed, config, tag=step, timeout_s=120)
+            assert not done.rank_pending, done
+            spec = rank.catalog.get(name)
+            assert spec.version == done.version and Path(str(spec.path)).is_relative_to(area), spec.path
+            held = load((Path(str(spec.path)) / WEIGHTS_FILE).read_bytes())
+            assert held.keys() == pushed.keys() and all(torch.equal(held[k], pushed[k]) for k in held)
+            batch = rank.acquire([name])
+            try:
+                layout = rank.cache.layout_of(name, done.version)
+                staged = torch.empty(layout.numel, dtype=layout.dtype)
+                read_shard(spec, layout, staged)
+                resident = rank.cache.shard(batch.slots[0]).cpu()
+                assert torch.equal(resident[:layout.numel], staged), f"step {step}: the slot is not the copy's slices"
+            finally:
+                rank.release(batch)
+        assert rank.control.stats()["pushed_copied"] == 6
+        # older versions no request holds retire from the controller's area, and then from this machine's copy
+        waiting.wait_for(lambda: "1" not in kept() and "6" in kept(), f"version 1 dropped here ({kept()})", timeout=60)
+        ray.get(service.controller.unregister_adapter.remote(name), timeout=60)
+        waiting.wait_for(lambda: not kept(), f"no copy left after the unregistration ({kept()})", timeout=30)
+    finally:
+        rank.detach()

@@ -363,3 +363,41 @@ def test_the_answers_codec_keeps_the_controllers_types() -> None:
 
     _, ok, value = codec.from_answer(codec.answer(1, "apply", True, ApplyResult(1, 2, ("e",))), "apply")
     assert ok and value == ApplyResult(1, 2, ("e",)) and value.rejected_stale == 2
+
+
+def test_an_engine_outside_ray_on_another_machine_serves_pushed_versions_from_its_own_copy(
+        fleet: Fleet, tmp_path: Path) -> None:
+    """Issue 44 item 2 through the gateway: an engine whose machine does not hold the controller's push area (its
+    own push area here) fetches each pushed version over ``FetchPushed``, proves it and keeps a copy, and its slot
+    holds that copy's slices of exactly what the trainer pushed; retired versions leave its copy (the relayed
+    ``drop_pushed``) and an unregistered name leaves nothing. (Before: its registrations of pushes failed.)"""
+    from safetensors.torch import load
+
+    from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE
+    from lora_cache.integrations.ray_push import push_in_ray
+
+    name = "trained-remote"
+    root = Path(ray.get(fleet.controller.catalog_config.remote(), timeout=30).adapter_roots[0])
+    tensors = load((root / "adapter-001" / WEIGHTS_FILE).read_bytes())
+    config = json.loads((root / "adapter-001" / CONFIG_FILE).read_text())
+    area = tmp_path / "engine-machine-memory"
+    kept = lambda: sorted(p.name for p in (area / "lora-cache" / name).glob("*") if not p.name.startswith("."))  # noqa: E731
+    engine = EngineProc(fleet, push_dir=str(area))
+    try:
+        assert engine.hello["attached"] == RANK0 and not engine.hello["ray"]
+        for step in (1, 2, 3, 4, 5, 6):
+            pushed = {k: (v.float() * (1 + step / 10)).to(v.dtype) for k, v in tensors.items()}
+            done = push_in_ray(name, pushed, config, tag=step, timeout_s=120)
+            assert not done.rank_pending, done
+            got = engine.call("pushed", adapter=name)
+            assert got["version"] == done.version and got["slot_is_the_file"], got
+            assert Path(got["path"]) == area / "lora-cache" / name / str(step)
+            held = load((area / "lora-cache" / name / str(step) / WEIGHTS_FILE).read_bytes())
+            assert held.keys() == pushed.keys() and all(bool((held[k] == pushed[k]).all()) for k in held)
+        assert engine.call("stats")["pushed_copied"] == 6
+        wait_for(lambda: "1" not in kept() and "6" in kept(), f"version 1 dropped here ({kept()})", timeout=60)
+        ray.get(fleet.controller.unregister_adapter.remote(name), timeout=60)
+        wait_for(lambda: not kept(), f"no copy left after the unregistration ({kept()})", timeout=30)
+        engine.call("detach")
+    finally:
+        engine.close()

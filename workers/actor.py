@@ -32,7 +32,7 @@ from workers import faults
 from workers.actor_engine import HostedEngineCalls
 from workers.attach.ray_transport import resolve_at
 from workers.cache import WorkerCache, WorkerConfig
-from workers.control.node_copies import NodeCopies
+from workers.control.node_copies import NodeCopies, fetch_payload
 from workers.control.outbox import Outbox
 from workers.control.rank import WorkerControl
 from workers.engine.hosted import HostedEngine
@@ -50,10 +50,9 @@ def _resolve(name: str, timeout_s: float) -> str:
 
 def _fetch_pushed(name: str, tag: str) -> tuple[bytes, np.ndarray]:
     """The bytes of a pushed version, from the controller's node memory (``Pushes.payload``)."""
-    return ray.get(ray.get_actor(CONTROLLER_NAME).pushed_payload.remote(name, tag), timeout=PAYLOAD_S)  # type: ignore
+    return fetch_payload(ray.get_actor(CONTROLLER_NAME), name, tag)
 
 
-PAYLOAD_S = 120.0  # a pushed version's bytes from another node (a 70B rank-64 adapter is ~1.6 GB)
 SUBMITS = 8  # a streaming run's submits taken at once: one resolving a new name (up to resolve_s) holds up no other
 
 
@@ -166,7 +165,7 @@ class WorkerActor(HostedEngineCalls):
 
     def drop_pushed(self, name: str, tags: list[str], node: str, area: str) -> list[str]:
         """The controller retired pushed versions ``tags`` of ``name``: this node's copies of them go."""
-        return self.control.copies.drop(name, tags, node, area) if self.control.copies is not None else []
+        return self.control.drop_pushed(name, tags, node, area)
 
     def apply(self, commands: list[Command]) -> ApplyResult:
         return self.control.apply(commands)

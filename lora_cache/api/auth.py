@@ -35,6 +35,7 @@ RPC_ROLES: dict[str, frozenset[str]] = {
     "ReportQueue": frozenset({"router", "engine"}),  # engines report their waiting queues
     "ResolveAdapter": frozenset({"router", "engine"}),  # a request for a name not yet registered
     "AttachRank": frozenset({"engine"}),
+    "FetchPushed": frozenset({"engine"}),  # an attached rank's copy of a pushed version
     **dict.fromkeys(("RegisterAdapter", "RegisterAdapters", "UnregisterAdapter", "PushAdapter", "ResizePool"),
                     frozenset({"operator"})),  # a trainer pushes with an operator's credential
     "Status": frozenset(ROLES),

@@ -120,6 +120,9 @@ def call(c: Call) -> pb.RelayedCall:
         out.unregister_adapter.name = args[0]
     elif method == "stats":
         out.stats.SetInParent()
+    elif method == "drop_pushed":
+        name, tags, node, area = args
+        out.drop_pushed.CopyFrom(pb.DropPushedCopies(name=name, tags=tags, node=node, area=area))
     else:
         raise ValueError(f"no relayed call named {method!r}")  # internal: the endpoint's methods are RELAYED
     return out
@@ -137,6 +140,9 @@ def from_call(m: pb.RelayedCall) -> Call:
         return m.call_id, "unregister_adapter", (m.unregister_adapter.name,)
     if kind in ("describe", "stats"):
         return m.call_id, kind, ()
+    if kind == "drop_pushed":
+        drop = m.drop_pushed
+        return m.call_id, "drop_pushed", (drop.name, list(drop.tags), drop.node, drop.area)
     raise RequestError(f"relayed call {m.call_id} names no call ({kind!r}); the gateway is newer than this "
                        "engine's lora-cache: upgrade it")
 
@@ -160,6 +166,8 @@ def answer(ident: int, method: str, ok: bool, value: Any) -> pb.CallAnswer:
         out.unregistered = bool(value)
     elif method == "stats":
         out.stats_json = json.dumps(value)
+    elif method == "drop_pushed":
+        out.dropped.tags.extend(value)
     else:
         raise ValueError(f"no relayed call named {method!r}")
     return out
@@ -177,7 +185,7 @@ def from_answer(m: pb.CallAnswer, method: str) -> tuple[int, bool, Any]:
         return m.call_id, False, error
     expected = {"apply": "apply", "describe": "describe", "register_adapter": "registered_version",
                 "register_adapters": "registered", "unregister_adapter": "unregistered",
-                "stats": "stats_json"}[method]
+                "stats": "stats_json", "drop_pushed": "dropped"}[method]
     if kind != expected:
         raise RequestError(f"call {m.call_id} was {method}, whose answer is {expected} or error, not {kind!r}; "
                            "answer each RelayedCall with the result of its own call")
@@ -191,6 +199,8 @@ def from_answer(m: pb.CallAnswer, method: str) -> tuple[int, bool, Any]:
         return m.call_id, True, [(r.version, r.error) for r in m.registered.results]
     if kind == "unregistered":
         return m.call_id, True, m.unregistered
+    if kind == "dropped":
+        return m.call_id, True, list(m.dropped.tags)
     try:
         return m.call_id, True, json.loads(m.stats_json)
     except json.JSONDecodeError as e:

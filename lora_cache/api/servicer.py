@@ -21,6 +21,7 @@ import ray
 
 from lora_cache.api import validate
 from lora_cache.api.callers import CallRate, StreamLimits, check_speaks_for, client_of
+from lora_cache.api.client_values import PUSH_CHUNK_BYTES
 from lora_cache.api.ingest import HintIngest
 from lora_cache.api.push_stream import gather
 from lora_cache.api.rank_link import RankHost, RankLink
@@ -261,6 +262,16 @@ class Servicer:
         yield pb.PushAdapterResponse(name=done.name, tag=done.tag, version=done.version,
                                      previous_version=done.previous, pending_ranks=done.rank_pending)
 
+    async def fetch_pushed(self, request: pb.FetchPushedRequest) -> AsyncIterator[pb.FetchPushedResponse]:
+        """A pushed version's bytes, for an attached rank whose machine lacks the controller's push area
+        (``Pushes.payload``: only a version the service keeps), in messages of ``PUSH_CHUNK_BYTES``."""
+        name = validate.name("name", request.name)
+        config, weights = await self.controller.pushed_payload.remote(name, request.tag)
+        view = memoryview(weights).cast("B")
+        yield pb.FetchPushedResponse(config_json=config, total_bytes=len(view), weights=bytes(view[:PUSH_CHUNK_BYTES]))
+        for start in range(PUSH_CHUNK_BYTES, len(view), PUSH_CHUNK_BYTES):
+            yield pb.FetchPushedResponse(weights=bytes(view[start:start + PUSH_CHUNK_BYTES]))
+
     def attach_rank(self, requests: AsyncIterator[pb.AttachRankRequest]) -> AsyncIterator[pb.AttachRankResponse]:
         """An engine's rank from outside the Ray cluster: the gateway hosts its endpoint (``rank_link``)."""
         return RankLink(self.rank_host).run(requests)
@@ -284,6 +295,7 @@ RPCS: dict[str, tuple[type[Any], str]] = {  # rpc name -> (request message, Serv
     "ResizePool": (pb.ResizePoolRequest, "resize_pool"),
     "ResolveAdapter": (pb.ResolveAdapterRequest, "resolve_adapter"),
     "AttachRank": (pb.AttachRankRequest, "attach_rank"),
+    "FetchPushed": (pb.FetchPushedRequest, "fetch_pushed"),
     "PushAdapter": (pb.PushAdapterRequest, "push_adapter"),
 }
 

@@ -65,6 +65,9 @@ class Endpoint:
     async def stats(self) -> Any:
         return await self.relay.call("stats")
 
+    async def drop_pushed(self, name: str, tags: list[str], node: str, area: str) -> Any:
+        return await self.relay.call("drop_pushed", name, tags, node, area)
+
     async def ping(self) -> bool:
         self.relay.check_live()
         return True

@@ -19,7 +19,7 @@ from lora_cache.errors import LoraCacheError
 from lora_cache.vocab import Call
 
 # what the controller calls
-RELAYED = ("apply", "describe", "register_adapter", "register_adapters", "unregister_adapter", "stats")
+RELAYED = ("apply", "describe", "register_adapter", "register_adapters", "unregister_adapter", "stats", "drop_pushed")
 
 
 class EndpointStaleError(LoraCacheError, ConnectionError):

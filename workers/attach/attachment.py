@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.pushed import PushArea
 from lora_cache.adapters.refs import split_ref, version_of
 from lora_cache.errors import ConfigError
 from lora_cache.link.relay import RELAYED, EndpointStaleError, Relay
@@ -60,6 +61,7 @@ from workers.attach.seam import RESOLVE_WAIT_S, resolve_here
 from workers.attach.transport import Hello, RankTransport
 from workers.attach.versions import VersionExchange
 from workers.cache import WorkerCache, WorkerConfig
+from workers.control.node_copies import NodeCopies
 from workers.control.outbox import Outbox, QueueSender
 from workers.control.rank import WorkerControl
 from workers.gpu.acquire import AdapterRef, Batch
@@ -184,7 +186,10 @@ class Attachment:
         self.outbox = Outbox(self.name, config.flush_s, send=transport.send_deltas, incarnation=hello.incarnation)
         self.cache = WorkerCache(worker, self.catalog, on_ready=on_ready, compute_stream=compute_stream,
                                  on_change=self.outbox.push, service=config.service)
-        self.control = WorkerControl(config.replica, self.catalog, self.cache, self.outbox)
+        # a pushed version in memory of a node other than this process's (or under another push area): copied here
+        copies = NodeCopies(PushArea(self.catalog.config.push_root(), config.service, self.catalog.config.push_bytes),
+                            transport.node, transport.fetch_pushed)
+        self.control = WorkerControl(config.replica, self.catalog, self.cache, self.outbox, copies)
         self.node = transport.node
         self.served = CallLoop(self.name, self.wid, transport, self.control, self.node, config.poll_s,
                                config.max_call_s)

@@ -52,7 +52,8 @@ class CallLoop:
         handlers: dict[str, Callable[..., Any]] = {
             "apply": self.control.apply, "describe": lambda: self.control.describe(self.node),
             "register_adapter": self.control.register_adapter, "register_adapters": self.control.register_adapters,
-            "unregister_adapter": self.control.unregister_adapter, "stats": self.control.stats}
+            "unregister_adapter": self.control.unregister_adapter, "stats": self.control.stats,
+            "drop_pushed": self.control.drop_pushed}
         assert set(handlers) == set(RELAYED)
         while not self.stopping.is_set():
             try:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from lora_cache.adapters.catalog import CatalogConfig
@@ -36,6 +37,7 @@ from lora_cache.errors import (
 )
 from lora_cache.vocab import Answer, Call, DeltaRow
 from workers.attach.transport import Hello, RankTransport
+from workers.control.node_copies import PAYLOAD_S
 
 OPEN_S = 60.0  # the gateway answers a hello within this (plus the hello's name_wait_s)
 ADOPT_S = 120.0  # the controller adopts the rank within this (the Ray transport's wait too)
@@ -203,6 +205,34 @@ class GrpcTransport(RankTransport):
             raise _DOMAIN.get(e.code(), GatewayLinkError)(f"{e.details()} (gateway {self.target}, "
                                                             f"{e.code().name})") from e
         return str(answer.version)
+
+    def fetch_pushed(self, name: str, tag: str) -> tuple[bytes, np.ndarray]:
+        """The gateway's ``FetchPushed`` stream gathered: (config, weights as uint8); a stream that ends short of
+        the size its first message announced (or runs past it) is a ``GatewayLinkError``, nothing taken."""
+        config, weights, filled = b"", np.empty(0, dtype=np.uint8), -1  # -1: no message yet
+        try:
+            stream = self._stub.FetchPushed(pb.FetchPushedRequest(name=name, tag=tag), metadata=self._metadata,
+                                            timeout=PAYLOAD_S)
+            for message in stream:
+                if filled < 0:  # the first message: the config and the whole size
+                    config, weights, filled = bytes(message.config_json), np.empty(message.total_bytes, np.uint8), 0
+                chunk = np.frombuffer(message.weights, dtype=np.uint8)
+                if filled + chunk.size > weights.size:
+                    stream.cancel()
+                    filled = -2  # past the size announced
+                    break
+                weights[filled:filled + chunk.size] = chunk
+                filled += chunk.size
+        except grpc.RpcError as e:
+            if not isinstance(e, grpc.Call) or e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                raise GatewayLinkError(f"{self.name}: fetching pushed {name}@{tag}: the gateway at {self.target} is "
+                                       f"unreachable ({e})") from e
+            raise _DOMAIN.get(e.code(), GatewayLinkError)(f"{e.details()} (gateway {self.target}, "
+                                                          f"{e.code().name})") from e
+        if filled != weights.size:
+            raise GatewayLinkError(f"{self.name}: the gateway's bytes of pushed {name}@{tag} were not the "
+                                   f"{weights.size} it announced; nothing was copied, the next registration retries")
+        return config, weights
 
     # -- leaving ------------------------------------------------------------------------------------
     def close(self, hello: Hello) -> None:

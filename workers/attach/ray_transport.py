@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import ray
 
 from lora_cache.adapters.catalog import CatalogConfig
@@ -15,6 +16,7 @@ from lora_cache.link.endpoint import controller_handle, create_endpoint
 from lora_cache.runtime.cluster import connect
 from lora_cache.vocab import NAMESPACE, Answer, Call, WorkerId
 from workers.attach.transport import DeltaRow, Hello, RankTransport
+from workers.control.node_copies import fetch_payload
 from workers.control.outbox import ControllerReport
 
 
@@ -98,6 +100,9 @@ class RayTransport(RankTransport):
 
     def resolve(self, name: str, timeout_s: float) -> str:
         return resolve_at(self.controller(), name, timeout_s)
+
+    def fetch_pushed(self, name: str, tag: str) -> tuple[bytes, np.ndarray]:
+        return fetch_payload(self.controller(), name, tag)
 
     def close(self, hello: Hello) -> None:
         """Tell the controller (it drops what the rank held at once), then kill the endpoint."""

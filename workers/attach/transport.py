@@ -2,10 +2,10 @@
 
 ``RankTransport`` is everything ``Attachment`` needs beyond its own process: announce the rank (and get
 the controller's catalog config), take the controller's relayed calls and answer them, say it is alive
-while a long call runs, push residency deltas and queue reports, and leave. ``RayTransport``
-(``workers/attach/ray_transport.py``) joins the Ray cluster and creates the rank's endpoint actor itself;
-``GrpcTransport`` (``workers/attach/grpc_transport.py``) reaches the gateway over one ``AttachRank`` stream and
-the gateway hosts the endpoint (docs/integrating.md, "Outside the Ray cluster").
+while a long call runs, push residency deltas and queue reports, fetch a pushed version's bytes, and leave.
+``RayTransport`` (``workers/attach/ray_transport.py``) joins the Ray cluster and creates the rank's endpoint
+actor itself; ``GrpcTransport`` (``workers/attach/grpc_transport.py``) reaches the gateway over one ``AttachRank``
+stream and the gateway hosts the endpoint (docs/integrating.md, "Outside the Ray cluster").
 
 Threads: ``take``/``answer``/``alive`` are called from the serve and heartbeat threads, ``send_deltas``
 from the outbox's, ``send_queue`` from the queue sender's; implementations are thread-safe.
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from typing import NamedTuple
+
+import numpy as np
 
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.vocab import Answer, Call, DeltaRow
@@ -77,6 +79,12 @@ class RankTransport(ABC):
         """The current version of ``name``, registered on demand by the controller if it lies under an adapter root
         (the controller's ``Resolver``); its typed refusal raised: ``NotFoundError``, ``CapacityError``,
         ``ResolveTimeoutError``, or the adapter's own error."""
+
+    @abstractmethod
+    def fetch_pushed(self, name: str, tag: str) -> tuple[bytes, np.ndarray]:
+        """The bytes of pushed version ``NAME/TAG`` (its config's, its weights' as uint8) from the controller's node
+        memory, for a rank whose own node lacks them (``workers.control.node_copies``); the controller's
+        ``NotFoundError`` if it keeps no such version."""
 
     @abstractmethod
     def close(self, hello: Hello) -> None:

@@ -21,6 +21,7 @@ import fcntl
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +31,14 @@ from lora_cache.errors import ConflictError
 
 LOCK_FILE = ".copying"  # in the node's push area: one rank of a node copies at a time
 Fetch = Callable[[str, str], tuple[bytes, np.ndarray]]  # (name, tag) -> the controller's (config, weights) bytes
+PAYLOAD_S = 120.0  # a pushed version's bytes from another node (a 70B rank-64 adapter is ~1.6 GB)
+
+
+def fetch_payload(controller: Any, name: str, tag: str) -> tuple[bytes, np.ndarray]:
+    """A ``Fetch`` over Ray: the controller actor's ``pushed_payload`` (``Pushes.payload``), its refusal raised."""
+    import ray
+
+    return ray.get(controller.pushed_payload.remote(name, tag), timeout=PAYLOAD_S)  # type: ignore[no-any-return]
 
 
 class NodeCopies:

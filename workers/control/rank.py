@@ -27,7 +27,7 @@ class WorkerControl:
     def __init__(self, replica: str, catalog: AdapterCatalog, cache: WorkerCache, outbox: Outbox,
                  copies: NodeCopies | None = None) -> None:
         self.replica, self.catalog, self.cache, self.outbox = replica, catalog, cache, outbox
-        self.copies = copies  # pushed versions copied to this node (a worker actor's; None: read where registered)
+        self.copies = copies  # pushed versions copied to this node (None: read where registered)
         self.gate = CommandGate(cache, outbox.push)
         self.paths: dict[str, str] = {}  # adapter -> the path it was registered from (reported to the controller)
         self.leases: list[Lease] = []  # the pool's pages lent by resize_pool, oldest first
@@ -79,6 +79,11 @@ class WorkerControl:
         if self.copies is not None:
             self.copies.forget(name)
         return known
+
+    def drop_pushed(self, name: str, tags: list[str], node: str, area: str) -> list[str]:
+        """The controller retired pushed versions ``tags`` of ``name``: this node's copies of them go (the tags
+        removed; none where this rank reads where registered)."""
+        return self.copies.drop(name, tags, node, area) if self.copies is not None else []
 
     def resize_pool(self, lent_bytes: int, keep: Collection[str] = ()) -> dict[str, object]:
         """Lend ``lent_bytes`` of the GPU pool to the engine in all (issue 43 item 3): more than now lends the

@@ -329,6 +329,24 @@ class PushAdapterRequest(_message.Message):
     weights: bytes
     def __init__(self, name: _Optional[str] = ..., tag: _Optional[str] = ..., config_json: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., weights: _Optional[bytes] = ...) -> None: ...
 
+class FetchPushedRequest(_message.Message):
+    __slots__ = ("name", "tag")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tag: str
+    def __init__(self, name: _Optional[str] = ..., tag: _Optional[str] = ...) -> None: ...
+
+class FetchPushedResponse(_message.Message):
+    __slots__ = ("config_json", "total_bytes", "weights")
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    config_json: bytes
+    total_bytes: int
+    weights: bytes
+    def __init__(self, config_json: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., weights: _Optional[bytes] = ...) -> None: ...
+
 class PushAdapterResponse(_message.Message):
     __slots__ = ("name", "tag", "version", "previous_version", "pending_ranks")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -668,7 +686,7 @@ class RankStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RelayedCall(_message.Message):
-    __slots__ = ("call_id", "apply", "describe", "register_adapter", "unregister_adapter", "stats", "register_adapters")
+    __slots__ = ("call_id", "apply", "describe", "register_adapter", "unregister_adapter", "stats", "register_adapters", "drop_pushed")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     APPLY_FIELD_NUMBER: _ClassVar[int]
     DESCRIBE_FIELD_NUMBER: _ClassVar[int]
@@ -676,6 +694,7 @@ class RelayedCall(_message.Message):
     UNREGISTER_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     REGISTER_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    DROP_PUSHED_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     apply: ApplyCommands
     describe: DescribeRank
@@ -683,7 +702,26 @@ class RelayedCall(_message.Message):
     unregister_adapter: UnregisterRankAdapter
     stats: RankStatsRequest
     register_adapters: RegisterRankAdapters
-    def __init__(self, call_id: _Optional[int] = ..., apply: _Optional[_Union[ApplyCommands, _Mapping]] = ..., describe: _Optional[_Union[DescribeRank, _Mapping]] = ..., register_adapter: _Optional[_Union[RegisterRankAdapter, _Mapping]] = ..., unregister_adapter: _Optional[_Union[UnregisterRankAdapter, _Mapping]] = ..., stats: _Optional[_Union[RankStatsRequest, _Mapping]] = ..., register_adapters: _Optional[_Union[RegisterRankAdapters, _Mapping]] = ...) -> None: ...
+    drop_pushed: DropPushedCopies
+    def __init__(self, call_id: _Optional[int] = ..., apply: _Optional[_Union[ApplyCommands, _Mapping]] = ..., describe: _Optional[_Union[DescribeRank, _Mapping]] = ..., register_adapter: _Optional[_Union[RegisterRankAdapter, _Mapping]] = ..., unregister_adapter: _Optional[_Union[UnregisterRankAdapter, _Mapping]] = ..., stats: _Optional[_Union[RankStatsRequest, _Mapping]] = ..., register_adapters: _Optional[_Union[RegisterRankAdapters, _Mapping]] = ..., drop_pushed: _Optional[_Union[DropPushedCopies, _Mapping]] = ...) -> None: ...
+
+class DropPushedCopies(_message.Message):
+    __slots__ = ("name", "tags", "node", "area")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    AREA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    node: str
+    area: str
+    def __init__(self, name: _Optional[str] = ..., tags: _Optional[_Iterable[str]] = ..., node: _Optional[str] = ..., area: _Optional[str] = ...) -> None: ...
+
+class DroppedCopies(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ApplyResult(_message.Message):
     __slots__ = ("accepted", "rejected_stale", "errors")
@@ -769,7 +807,7 @@ class CallError(_message.Message):
     def __init__(self, error_class: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class CallAnswer(_message.Message):
-    __slots__ = ("call_id", "apply", "describe", "registered_version", "unregistered", "stats_json", "error", "registered")
+    __slots__ = ("call_id", "apply", "describe", "registered_version", "unregistered", "stats_json", "error", "registered", "dropped")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     APPLY_FIELD_NUMBER: _ClassVar[int]
     DESCRIBE_FIELD_NUMBER: _ClassVar[int]
@@ -778,6 +816,7 @@ class CallAnswer(_message.Message):
     STATS_JSON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     apply: ApplyResult
     describe: WorkerReport
@@ -786,7 +825,8 @@ class CallAnswer(_message.Message):
     stats_json: str
     error: CallError
     registered: RankRegistrations
-    def __init__(self, call_id: _Optional[int] = ..., apply: _Optional[_Union[ApplyResult, _Mapping]] = ..., describe: _Optional[_Union[WorkerReport, _Mapping]] = ..., registered_version: _Optional[str] = ..., unregistered: _Optional[bool] = ..., stats_json: _Optional[str] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., registered: _Optional[_Union[RankRegistrations, _Mapping]] = ...) -> None: ...
+    dropped: DroppedCopies
+    def __init__(self, call_id: _Optional[int] = ..., apply: _Optional[_Union[ApplyResult, _Mapping]] = ..., describe: _Optional[_Union[WorkerReport, _Mapping]] = ..., registered_version: _Optional[str] = ..., unregistered: _Optional[bool] = ..., stats_json: _Optional[str] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., registered: _Optional[_Union[RankRegistrations, _Mapping]] = ..., dropped: _Optional[_Union[DroppedCopies, _Mapping]] = ...) -> None: ...
 
 class ResidencyDelta(_message.Message):
     __slots__ = ("seq", "adapter", "version", "state", "error", "read_s", "acquired")

@@ -106,6 +106,11 @@ class LoraCacheServiceStub:
                 request_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.AttachRankRequest.SerializeToString,
                 response_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.AttachRankResponse.FromString,
                 _registered_method=True)
+        self.FetchPushed = channel.unary_stream(
+                '/lora_cache.v1.LoraCacheService/FetchPushed',
+                request_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.FetchPushedRequest.SerializeToString,
+                response_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.FetchPushedResponse.FromString,
+                _registered_method=True)
 
 
 class LoraCacheServiceServicer:
@@ -260,6 +265,18 @@ class LoraCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchPushed(self, request, context):
+        """FetchPushed streams the bytes of a pushed version the service keeps (PushAdapter), for an attached
+        rank whose machine does not hold the controller's push area: it copies them into its own and proves
+        them against the version it was given before it reads them. The first message carries the config
+        and the weights' whole size, every message the next bytes of the weights. Errors: INVALID_ARGUMENT
+        (a bad name or tag), NOT_FOUND (no such pushed version kept: retired, never pushed, another
+        service's).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LoraCacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -332,6 +349,11 @@ def add_LoraCacheServiceServicer_to_server(servicer, server):
                     servicer.AttachRank,
                     request_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.AttachRankRequest.FromString,
                     response_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.AttachRankResponse.SerializeToString,
+            ),
+            'FetchPushed': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchPushed,
+                    request_deserializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.FetchPushedRequest.FromString,
+                    response_serializer=lora__cache_dot_v1_dot_lora__cache__service__pb2.FetchPushedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -714,6 +736,33 @@ class LoraCacheService:
             '/lora_cache.v1.LoraCacheService/AttachRank',
             lora__cache_dot_v1_dot_lora__cache__service__pb2.AttachRankRequest.SerializeToString,
             lora__cache_dot_v1_dot_lora__cache__service__pb2.AttachRankResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchPushed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/lora_cache.v1.LoraCacheService/FetchPushed',
+            lora__cache_dot_v1_dot_lora__cache__service__pb2.FetchPushedRequest.SerializeToString,
+            lora__cache_dot_v1_dot_lora__cache__service__pb2.FetchPushedResponse.FromString,
             options,
             channel_credentials,
             insecure,
