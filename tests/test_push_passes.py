@@ -17,9 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save
 
-from lora_cache.adapters import pushed
+from lora_cache.adapters import passes
 from lora_cache.adapters.files import BLOCK_BYTES, FileIdentity, digest_weights
-from lora_cache.adapters.pushed import PASS_BYTES, digest, write_spread
+from lora_cache.adapters.passes import PASS_BYTES
+from lora_cache.adapters.pushed import digest, write_spread
 from lora_cache.adapters.serialize import safetensors_bytes
 
 SIZES = [9, BLOCK_BYTES - 1, BLOCK_BYTES, BLOCK_BYTES + 1, PASS_BYTES, PASS_BYTES + 1, 2 * PASS_BYTES + 3 * BLOCK_BYTES]
@@ -44,13 +45,13 @@ def file_digest(path: Path, config: bytes, header_bytes: int) -> tuple[str, int,
 
 @contextlib.contextmanager
 def pass_threads(n: int) -> Iterator[None]:
-    """The push's passes on ``n`` threads of their own while the block runs (``pushed.passes``)."""
-    pool, saved = ThreadPoolExecutor(n, "test-pass"), list(pushed._PASSES)
-    pushed._PASSES[:] = [pool]
+    """The push's passes on ``n`` threads of their own while the block runs (``passes.passes``)."""
+    pool, saved = ThreadPoolExecutor(n, "test-pass"), list(passes._POOL)
+    passes._POOL[:] = [pool]
     try:
         yield
     finally:
-        pushed._PASSES[:] = saved
+        passes._POOL[:] = saved
         pool.shutdown()
 
 

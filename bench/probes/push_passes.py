@@ -37,8 +37,9 @@ import safetensors.torch
 import torch
 
 from lora_cache.adapters.files import BLOCK_BYTES
+from lora_cache.adapters.passes import PASS_THREADS
 from lora_cache.adapters.peft import peft_key
-from lora_cache.adapters.pushed import PASS_THREADS, default_push_dir, digest, write_spread
+from lora_cache.adapters.pushed import default_push_dir, digest, write_spread
 from lora_cache.adapters.serialize import safetensors_bytes
 from lora_cache.adapters.shapes import MODULES, resolve_model
 

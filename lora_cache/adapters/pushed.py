@@ -32,7 +32,6 @@ import threading
 import time
 import zlib
 from collections.abc import Collection
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -49,6 +48,7 @@ from lora_cache.adapters.files import (
     content_version_of,
 )
 from lora_cache.adapters.header import MAX_HEADER_BYTES, parse_header
+from lora_cache.adapters.passes import PASS_BYTES, passes
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec, KnownVersion, built_spec, parse_config
 from lora_cache.adapters.shapes import ModelShape
 from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, ConflictError
@@ -56,9 +56,6 @@ from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, Co
 ENV = "LORA_CACHE_PUSH_DIR"  # where pushed versions go, if set (tests give each run its own)
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 TMP_PREFIX = ".push-"  # a version being written (renamed whole when complete)
-PASS_THREADS = 16  # threads at most for a push's hash and write (``passes``)
-PASS_BYTES = 8 * BLOCK_BYTES  # the bytes one thread takes at a time in those passes
-_PASSES_LOCK = threading.Lock()
 
 
 def default_push_dir() -> Path:
@@ -147,19 +144,6 @@ def _span(span: memoryview) -> list[tuple[bytes, int]]:
     """The hash and CRC of each block of ``span`` (whole blocks from a block's start, the last may be short)."""
     return [(block_hash(span[at:at + BLOCK_BYTES]), zlib.crc32(span[at:at + BLOCK_BYTES]))
             for at in range(0, len(span), BLOCK_BYTES)]
-
-
-_PASSES: list[ThreadPoolExecutor] = []
-
-
-def passes() -> ThreadPoolExecutor:
-    """The threads a push's passes over its bytes share (``digest``, ``PushArea.write``): one per core, up to
-    ``PASS_THREADS`` (memory bandwidth, not cores, bounds them past that)."""
-    if not _PASSES:
-        with _PASSES_LOCK:
-            if not _PASSES:
-                _PASSES.append(ThreadPoolExecutor(min(PASS_THREADS, os.cpu_count() or 1), "push-pass"))
-    return _PASSES[0]
 
 
 def check_push(name: str, config_bytes: bytes, weights: bytes | memoryview, shape: ModelShape,

@@ -3,7 +3,7 @@
 ``safetensors.torch.save`` copies each tensor to bytes and then joins them (two passes over the weights, ~1 GB/s
 on a CPU core); ``safetensors_bytes`` lays out the header first and copies each tensor once into its place in one
 buffer (a GPU tensor straight from the device into it; CPU tensors in groups on the push's threads,
-``pushed.passes``). The result is a safetensors file's bytes that the format's
+``passes``). The result is a safetensors file's bytes that the format's
 own loader reads back (``tests/test_push.py``): a header of JSON padded with spaces to a multiple of 8, the tensors
 back to back in the header's (name) order, each tensor's ``data_offsets`` from the header's end. For tensors of one
 dtype (an adapter's) these are the very bytes ``safetensors.torch.save`` writes (it orders data by dtype, then name),
@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from lora_cache.adapters.pushed import PASS_BYTES, passes
+from lora_cache.adapters.passes import PASS_BYTES, passes
 from lora_cache.errors import AdapterFormatError
 
 DTYPE_NAMES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.float8_e5m2: "F8_E5M2",

@@ -1,0 +1,31 @@
+"""The threads a push's passes over its bytes share (lifecycle step 0; issue 44 item 5).
+
+A push's bytes are copied and hashed several times on their way (the client's payload, the content version and
+block CRCs, the write into node memory, a node copy's proof), each pass one core's memory bandwidth on one thread.
+``passes()`` is one pool per process that those passes split their bytes over, ``PASS_BYTES`` a task: numpy's
+copies, blake2b and CRC-32 free the GIL, so the pass runs on as many cores as the pool has (up to
+``PASS_THREADS``: past that, memory bandwidth, not cores, bounds them). A task never waits for another task of
+the pool, so passes may run at once.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from lora_cache.adapters.files import BLOCK_BYTES
+
+PASS_THREADS = 16  # threads at most in the pool
+PASS_BYTES = 8 * BLOCK_BYTES  # the bytes one task takes (whole blocks, so a block's hash is one task's)
+_LOCK = threading.Lock()
+_POOL: list[ThreadPoolExecutor] = []  # made at the first pass (not at import: a forked process makes its own)
+
+
+def passes() -> ThreadPoolExecutor:
+    """This process's pool for passes over a push's bytes: one thread per core, up to ``PASS_THREADS``."""
+    if not _POOL:
+        with _LOCK:
+            if not _POOL:
+                _POOL.append(ThreadPoolExecutor(min(PASS_THREADS, os.cpu_count() or 1), "push-pass"))
+    return _POOL[0]
