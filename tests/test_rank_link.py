@@ -213,8 +213,10 @@ def test_the_codec_round_trips_reports_calls_and_errors() -> None:
     for c in [(1, "describe", ()), (2, "stats", ()), (3, "unregister_adapter", ("a",)),
               (4, "register_adapter", ("a", "/r/a", None)), (5, "apply", ([Prefetch("a", "v", 3, 9)],)),
               (6, "register_adapter", ("a", "/r/a", known)),
-              (7, "register_adapters", ([("a", "/r/a", known), ("b", "/r/b", None)],))]:
+              (7, "register_adapters", ([("a", "/r/a", known), ("b", "/r/b", None)],)),
+              (9, "drop_pushed", ("a", ["3", "step-4"], "node-1", "/dev/shm/lora-cache-pushed-0/svc"))]:
         assert codec.from_call(codec.call(c)) == c
+    assert codec.from_answer(codec.answer(9, "drop_pushed", True, ["3"]), "drop_pushed") == (9, True, ["3"])
     answered = codec.answer(7, "register_adapters", True, [("v1", ""), ("", "AdapterChangedError: changed")])
     assert codec.from_answer(answered, "register_adapters") == (7, True, [("v1", ""), ("", "AdapterChangedError: "
                                                                                         "changed")])
