@@ -399,5 +399,13 @@ def test_an_engine_outside_ray_on_another_machine_serves_pushed_versions_from_it
         ray.get(fleet.controller.unregister_adapter.remote(name), timeout=60)
         wait_for(lambda: not kept(), f"no copy left after the unregistration ({kept()})", timeout=30)
         engine.call("detach")
+        # FetchPushed's refusals: a version not kept, a bad name, a bad tag, each naming it
+        for ask, code, fragment in [((name, "6"), grpc.StatusCode.NOT_FOUND, "not kept"),
+                                    (("../up", "6"), grpc.StatusCode.INVALID_ARGUMENT, "name"),
+                                    (("adapter-001", "a b"), grpc.StatusCode.INVALID_ARGUMENT, "tag")]:
+            with pytest.raises(grpc.RpcError) as info:
+                list(fleet.stub.FetchPushed(pb.FetchPushedRequest(name=ask[0], tag=ask[1]), metadata=AUTH,
+                                            timeout=30))
+            assert info.value.code() == code and fragment in info.value.details(), info.value.details()
     finally:
         engine.close()
