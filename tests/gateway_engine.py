@@ -33,7 +33,8 @@ def main() -> None:
                           tls_client_key=args.get("tls_client_key", ""),
                           poll_s=0.5, liveness_s=args.get("liveness_s", 10.0),
                           name_wait_s=args.get("name_wait_s", 30.0), max_adapters=args.get("max_adapters", 0),
-                          max_running=args.get("max_running", 0))
+                          max_running=args.get("max_running", 0), **({"service": args["service"]} if "service" in args
+                                                                        else {}))
     worker = WorkerConfig(num_slots=3, tp=args.get("tp", 1), tp_rank=args.get("rank", 0), device="cpu",
                           dtype="float32", host=HostTierConfig(host_bytes=1 << 22, pin=False))
     try:

@@ -46,6 +46,7 @@ class RelayHost:
 
     def __init__(self, catalog: CatalogConfig | None = None, registrations: dict[str, str] | None = None) -> None:
         self.relay: Relay | None = None
+        self.service = "svc"
         self.events: list[Any] = []
         self.config = catalog or CatalogConfig(adapter_roots=("/r",), model="tiny", max_rank=16)
         self.registrations = registrations or {}

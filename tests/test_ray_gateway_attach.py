@@ -370,7 +370,8 @@ def test_an_engine_outside_ray_on_another_machine_serves_pushed_versions_from_it
     """Issue 44 item 2 through the gateway: an engine whose machine does not hold the controller's push area (its
     own push area here) fetches each pushed version over ``FetchPushed``, proves it and keeps a copy, and its slot
     holds that copy's slices of exactly what the trainer pushed; retired versions leave its copy (the relayed
-    ``drop_pushed``) and an unregistered name leaves nothing. (Before: its registrations of pushes failed.)"""
+    ``drop_pushed``) and an unregistered name leaves nothing; its copies lie under the gateway's service whatever its
+    own ``AttachConfig.service`` says. (Before: its registrations of pushes failed.)"""
     from safetensors.torch import load
 
     from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE
@@ -382,7 +383,8 @@ def test_an_engine_outside_ray_on_another_machine_serves_pushed_versions_from_it
     config = json.loads((root / "adapter-001" / CONFIG_FILE).read_text())
     area = tmp_path / "engine-machine-memory"
     kept = lambda: sorted(p.name for p in (area / "lora-cache" / name).glob("*") if not p.name.startswith("."))  # noqa: E731
-    engine = EngineProc(fleet, push_dir=str(area))
+    # its AttachConfig.service names no service (through the gateway the service is the gateway's, told in Attached)
+    engine = EngineProc(fleet, push_dir=str(area), service="not-the-gateways")
     try:
         assert engine.hello["attached"] == RANK0 and not engine.hello["ray"]
         for step in (1, 2, 3, 4, 5, 6):

@@ -28,6 +28,7 @@ class RayRankHost:
     def __init__(self, controller: Any, name: str) -> None:
         self.controller, self.name = controller, name
         self.endpoint: Any = None
+        self.service = ray.get_runtime_context().namespace  # the gateway's: its controller's and endpoints'
 
     async def catalog(self) -> CatalogConfig:
         config: CatalogConfig = await self.controller.catalog_config.remote()

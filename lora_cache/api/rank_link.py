@@ -50,6 +50,8 @@ _LEAVING: set[asyncio.Future[None]] = set()  # ranks leaving (worker_detached, e
 class RankHost(Protocol):
     """What a link needs of the cluster for one rank (``lora_cache/api/rank_host.py``: Ray)."""
 
+    service: str  # the service's name (its Ray namespace), told to the rank in ``Attached``
+
     async def catalog(self) -> CatalogConfig: ...
     async def open(self, hello: pb.AttachHello) -> None: ...  # make the endpoint (ConflictError if taken)
     async def adopt(self, hello: pb.AttachHello) -> None: ...  # worker_started(adopt=True)
@@ -139,7 +141,7 @@ class RankLink:
         self.hello = hello
         tasks: list[asyncio.Task[None]] = []
         try:
-            yield pb.AttachRankResponse(attached=codec.attached(catalog, model, name))
+            yield pb.AttachRankResponse(attached=codec.attached(catalog, model, name, host.service))
             tasks = [asyncio.ensure_future(f) for f in (self._read(requests, host, name), self._pump(host),
                                                          self._adopt(host, hello))]
             while (item := await self._out.get()) is not _END:

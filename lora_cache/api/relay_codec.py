@@ -260,10 +260,11 @@ def _read_s(d: pb.ResidencyDelta) -> float:
     return d.read_s
 
 
-def attached(config: CatalogConfig, model: str, name: str) -> pb.Attached:
-    """``model``: the resolved shape name (the config's may be a path on the controller's host)."""
+def attached(config: CatalogConfig, model: str, name: str, service: str = "") -> pb.Attached:
+    """``model``: the resolved shape name (the config's may be a path on the controller's host); ``service``: the
+    service's name (its Ray namespace)."""
     return pb.Attached(model=model, max_rank=config.max_rank, adapter_roots=list(config.adapter_roots),
-                       keep_versions=config.keep_versions, worker_name=name)
+                       keep_versions=config.keep_versions, worker_name=name, service=service)
 
 
 def from_attached(m: pb.Attached) -> CatalogConfig:

@@ -187,8 +187,9 @@ class Attachment:
         self.cache = WorkerCache(worker, self.catalog, on_ready=on_ready, compute_stream=compute_stream,
                                  on_change=self.outbox.push, service=config.service)
         # a pushed version in memory of a node other than this process's (or under another push area): copied here
-        copies = NodeCopies(PushArea(self.catalog.config.push_root(), config.service, self.catalog.config.push_bytes),
-                            transport.node, transport.fetch_pushed)
+        catalog_config = self.catalog.config
+        copies = NodeCopies(PushArea(catalog_config.push_root(), transport.service or config.service,
+                                     catalog_config.push_bytes), transport.node, transport.fetch_pushed)
         self.control = WorkerControl(config.replica, self.catalog, self.cache, self.outbox, copies)
         self.node = transport.node
         self.served = CallLoop(self.name, self.wid, transport, self.control, self.node, config.poll_s,

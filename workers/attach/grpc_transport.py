@@ -121,6 +121,7 @@ class GrpcTransport(RankTransport):
                     self._calls.put(call)
                 elif kind == "attached":
                     self._catalog = codec.from_attached(message.attached)
+                    self.service = message.attached.service  # "" from an older gateway
                     self._attached.set()
                 elif kind == "adopted":
                     self._adopted.set()

@@ -42,6 +42,7 @@ class RankTransport(ABC):
     """The attached rank's link to the controller (see the module docstring)."""
 
     node: str = ""  # where the rank runs, for its describe report
+    service: str = ""  # the service's name as the control plane gave it ("": AttachConfig.service's)
 
     @abstractmethod
     def open(self, hello: Hello) -> CatalogConfig:

@@ -871,18 +871,20 @@ class AttachRankRequest(_message.Message):
     def __init__(self, hello: _Optional[_Union[AttachHello, _Mapping]] = ..., answer: _Optional[_Union[CallAnswer, _Mapping]] = ..., deltas: _Optional[_Union[ResidencyDeltas, _Mapping]] = ..., alive: _Optional[_Union[RankAlive, _Mapping]] = ...) -> None: ...
 
 class Attached(_message.Message):
-    __slots__ = ("model", "max_rank", "adapter_roots", "keep_versions", "worker_name")
+    __slots__ = ("model", "max_rank", "adapter_roots", "keep_versions", "worker_name", "service")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_RANK_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ROOTS_FIELD_NUMBER: _ClassVar[int]
     KEEP_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_rank: int
     adapter_roots: _containers.RepeatedScalarFieldContainer[str]
     keep_versions: int
     worker_name: str
-    def __init__(self, model: _Optional[str] = ..., max_rank: _Optional[int] = ..., adapter_roots: _Optional[_Iterable[str]] = ..., keep_versions: _Optional[int] = ..., worker_name: _Optional[str] = ...) -> None: ...
+    service: str
+    def __init__(self, model: _Optional[str] = ..., max_rank: _Optional[int] = ..., adapter_roots: _Optional[_Iterable[str]] = ..., keep_versions: _Optional[int] = ..., worker_name: _Optional[str] = ..., service: _Optional[str] = ...) -> None: ...
 
 class RankAdopted(_message.Message):
     __slots__ = ()
