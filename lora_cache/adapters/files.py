@@ -257,8 +257,9 @@ def digest_weights(fd: int, identity: FileIdentity, what: Path, config: bytes,
     header's CRC and every block's CRC."""
     crcs, hashes, head = [], [], b""
     for block in _chunks(fd, identity.size, what):
-        hashes.append(block_hash(block))
-        crcs.append(zlib.crc32(block))
+        hashed, crc = block_digest(block)
+        hashes.append(hashed)
+        crcs.append(crc)
         if len(head) < header_bytes:
             head += block[: header_bytes - len(head)]
     _check_ends(fd, identity.size, what)
@@ -274,6 +275,11 @@ def block_hash(block: bytes | memoryview) -> bytes:
     """The hash of one ``BLOCK_BYTES`` block of weights (the last may be shorter). A content version hashes these,
     not the weights in one stream, so that a push's blocks hash on several cores at once (``pushed.digest``)."""
     return hashlib.blake2b(block, digest_size=16).digest()
+
+
+def block_digest(block: bytes | memoryview) -> tuple[bytes, int]:
+    """One block's hash (``block_hash``) and CRC-32: what a content version and a read's check take of it."""
+    return block_hash(block), zlib.crc32(block)
 
 
 def content_version_of(config: bytes, size: int, block_hashes: Iterable[bytes]) -> str:

@@ -44,7 +44,7 @@ from lora_cache.adapters.files import (
     BlockCrcs,
     FileIdentity,
     WeightsSource,
-    block_hash,
+    block_digest,
     content_version_of,
 )
 from lora_cache.adapters.header import MAX_HEADER_BYTES, parse_header
@@ -142,8 +142,7 @@ def _copy_spread(dst: np.ndarray, src: np.ndarray) -> None:
 
 def _span(span: memoryview) -> list[tuple[bytes, int]]:
     """The hash and CRC of each block of ``span`` (whole blocks from a block's start, the last may be short)."""
-    return [(block_hash(span[at:at + BLOCK_BYTES]), zlib.crc32(span[at:at + BLOCK_BYTES]))
-            for at in range(0, len(span), BLOCK_BYTES)]
+    return [block_digest(span[at:at + BLOCK_BYTES]) for at in range(0, len(span), BLOCK_BYTES)]
 
 
 def check_push(name: str, config_bytes: bytes, weights: bytes | memoryview, shape: ModelShape,

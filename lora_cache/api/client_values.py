@@ -158,11 +158,18 @@ def push_payload(tensors: Any, config: Any) -> tuple[bytes, bytes | memoryview]:
 def push_messages(name: str, tag: str | int | None, config: bytes, weights: bytes | memoryview,
                   chunk_bytes: int = PUSH_CHUNK_BYTES) -> Iterator[Any]:
     """The ``PushAdapterRequest`` stream of one push: the name, tag, config and size first, then the weights."""
-    view = memoryview(weights)
+    view = memoryview(weights).cast("B")
+    chunks = byte_chunks(view, chunk_bytes)
     yield pb.PushAdapterRequest(name=name, tag="" if tag is None else str(tag), config_json=config,
-                                total_bytes=len(view), weights=bytes(view[:chunk_bytes]))
-    for start in range(chunk_bytes, len(view), chunk_bytes):
-        yield pb.PushAdapterRequest(weights=bytes(view[start:start + chunk_bytes]))
+                                total_bytes=len(view), weights=next(chunks, b""))
+    for chunk in chunks:
+        yield pb.PushAdapterRequest(weights=chunk)
+
+
+def byte_chunks(view: memoryview, chunk_bytes: int = PUSH_CHUNK_BYTES) -> Iterator[bytes]:
+    """``view``'s bytes in messages' worth of ``chunk_bytes`` (a push's weights, up or down the wire)."""
+    for start in range(0, len(view), chunk_bytes):
+        yield bytes(view[start:start + chunk_bytes])
 
 
 def pushed(r: Any) -> Pushed:

@@ -21,7 +21,7 @@ import ray
 
 from lora_cache.api import validate
 from lora_cache.api.callers import CallRate, StreamLimits, check_speaks_for, client_of
-from lora_cache.api.client_values import PUSH_CHUNK_BYTES
+from lora_cache.api.client_values import byte_chunks
 from lora_cache.api.ingest import HintIngest
 from lora_cache.api.push_stream import gather
 from lora_cache.api.rank_link import RankHost, RankLink
@@ -264,13 +264,15 @@ class Servicer:
 
     async def fetch_pushed(self, request: pb.FetchPushedRequest) -> AsyncIterator[pb.FetchPushedResponse]:
         """A pushed version's bytes, for an attached rank whose machine lacks the controller's push area
-        (``Pushes.payload``: only a version the service keeps), in messages of ``PUSH_CHUNK_BYTES``."""
+        (``Pushes.payload``: only a version the service keeps), in messages of ``PUSH_CHUNK_BYTES``
+        (``byte_chunks``)."""
         name = validate.name("name", request.name)
         config, weights = await self.controller.pushed_payload.remote(name, request.tag)
         view = memoryview(weights).cast("B")
-        yield pb.FetchPushedResponse(config_json=config, total_bytes=len(view), weights=bytes(view[:PUSH_CHUNK_BYTES]))
-        for start in range(PUSH_CHUNK_BYTES, len(view), PUSH_CHUNK_BYTES):
-            yield pb.FetchPushedResponse(weights=bytes(view[start:start + PUSH_CHUNK_BYTES]))
+        chunks = byte_chunks(view)
+        yield pb.FetchPushedResponse(config_json=config, total_bytes=len(view), weights=next(chunks, b""))
+        for chunk in chunks:
+            yield pb.FetchPushedResponse(weights=chunk)
 
     def attach_rank(self, requests: AsyncIterator[pb.AttachRankRequest]) -> AsyncIterator[pb.AttachRankResponse]:
         """An engine's rank from outside the Ray cluster: the gateway hosts its endpoint (``rank_link``)."""

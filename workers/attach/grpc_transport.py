@@ -210,17 +210,17 @@ class GrpcTransport(RankTransport):
     def fetch_pushed(self, name: str, tag: str) -> tuple[bytes, np.ndarray]:
         """The gateway's ``FetchPushed`` stream gathered: (config, weights as uint8); a stream that ends short of
         the size its first message announced (or runs past it) is a ``GatewayLinkError``, nothing taken."""
-        config, weights, filled = b"", np.empty(0, dtype=np.uint8), -1  # -1: no message yet
+        first, weights, filled = None, np.empty(0, dtype=np.uint8), 0
         try:
             stream = self._stub.FetchPushed(pb.FetchPushedRequest(name=name, tag=tag), metadata=self._metadata,
                                             timeout=PAYLOAD_S)
             for message in stream:
-                if filled < 0:  # the first message: the config and the whole size
-                    config, weights, filled = bytes(message.config_json), np.empty(message.total_bytes, np.uint8), 0
+                if first is None:  # the config and the whole size
+                    first, weights = message, np.empty(message.total_bytes, dtype=np.uint8)
                 chunk = np.frombuffer(message.weights, dtype=np.uint8)
-                if filled + chunk.size > weights.size:
+                if filled + chunk.size > weights.size:  # past the size announced: counted short below
                     stream.cancel()
-                    filled = -2  # past the size announced
+                    filled = -1
                     break
                 weights[filled:filled + chunk.size] = chunk
                 filled += chunk.size
@@ -230,10 +230,10 @@ class GrpcTransport(RankTransport):
                                        f"unreachable ({e})") from e
             raise _DOMAIN.get(e.code(), GatewayLinkError)(f"{e.details()} (gateway {self.target}, "
                                                           f"{e.code().name})") from e
-        if filled != weights.size:
+        if first is None or filled != weights.size:
             raise GatewayLinkError(f"{self.name}: the gateway's bytes of pushed {name}@{tag} were not the "
                                    f"{weights.size} it announced; nothing was copied, the next registration retries")
-        return config, weights
+        return bytes(first.config_json), weights
 
     # -- leaving ------------------------------------------------------------------------------------
     def close(self, hello: Hello) -> None:
