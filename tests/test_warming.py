@@ -51,7 +51,8 @@ def test_one_copy_of_as_much_of_the_catalog_as_fits_before_any_second() -> None:
 
 def test_requested_adapters_first_then_unseen_smallest_first() -> None:
     """One replica, room for 3 shards: the requested adapter first, then the never-requested ones by size."""
-    planner = make(replicas=1, adapters=5, host_bytes=600, sizes={0: 150, 1: 100, 2: 50, 3: 100, 4: 100})
+    # 650 bytes of shards: more than the tier (600), so the share (300) bounds the warm set
+    planner = make(replicas=1, adapters=5, host_bytes=600, sizes={0: 300, 1: 100, 2: 50, 3: 100, 4: 100})
     planner.record_request("a4", "r0", 0.0)
     stages = warm_stages(planner, 0.0)["r0/w0"]
     assert [s.adapter for s in stages] == ["a4", "a2", "a1"]  # 100 + 50 + 100 of 300, then a3 (100) fits no more
@@ -75,6 +76,26 @@ def test_requested_adapters_by_the_store_time_a_copy_saves_per_byte() -> None:
     assert order(None) == ["a0", "a1"]
     assert order(lambda n: n / 1e9) == ["a0", "a1"]  # 1 GB/s, no fixed cost: the count decides
     assert order(lambda n: 0.05 + n / 1e12) == ["a1", "a0"]  # 50 ms a read whatever its size: the small first
+
+
+@pytest.mark.parametrize("replicas, host_bytes", [(1, 1000), (2, 500)])
+def test_host_tiers_that_hold_the_catalog_warm_all_of_it_whatever_the_share(replicas: int, host_bytes: int) -> None:
+    """800 bytes of shards: more than the share's budgets (500 in all), within the whole tiers (1,000 in all). Every
+    adapter gets its one copy, each tier within its whole bytes, and no second copy: those stay within the share
+    (the first copies took more than it). With one more adapter the catalog outgrows the tiers, and the share bounds
+    the warm set again."""
+    planner = make(replicas=replicas, adapters=8, host_bytes=host_bytes)
+    for _ in range(3):
+        planner.record_request("a3", "r0", 0.0)
+    stages = warm_stages(planner, 0.0)
+    placed = sorted(s.adapter for keys in stages.values() for s in keys)
+    assert placed == sorted(f"a{i}" for i in range(8)), "each adapter warmed exactly once"
+    for worker, keys in stages.items():
+        assert len(keys) * 100 <= host_bytes, f"{worker} warms more than its tier holds"
+    planner.check_integrity()
+
+    bigger = make(replicas=replicas, adapters=11, host_bytes=host_bytes)  # 1,100 bytes: the share's 500 in all
+    assert sum(len(keys) for keys in warm_stages(bigger, 0.0).values()) * 100 <= replicas * host_bytes // 2
 
 
 def test_second_copies_only_once_every_adapter_has_one() -> None:
