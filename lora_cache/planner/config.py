@@ -47,7 +47,8 @@ class PlannerConfig:
         "help": "global policy: share of each replica's host tier (the smallest rank's) that the fleet-wide warm "
                 "placement fills ahead of demand with idle store bandwidth: one copy of as much of the catalog as "
                 "fits across the fleet, most requested per byte first, then never-requested adapters smallest "
-                "first, in rendezvous order (planner/warming.py; 0: no warming)"})
+                "first, in rendezvous order; where one copy of the catalog fits the whole tiers but not this share "
+                "of them, every adapter gets its copy in the whole tiers (planner/warming.py; 0: no warming)"})
     warm_min_miss_s: float = field(default=0.15, metadata={
         "help": "warm only where a miss hurts: once the workers' own reads from storage of the largest shard take "
                 "at least this long (their READY reports carry each read's time; routing's load clock fits them). "
