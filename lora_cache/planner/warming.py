@@ -28,9 +28,9 @@ A replica's warm budget is ``warm_host_share`` of the host tier its workers repo
 rest stays with the host tier's LRU (shards of GPU-resident and recently evicted adapters, needed stages). Where
 one copy of the whole catalog does not fit the fleet's warm budgets but fits its whole host tiers, the first copies
 take the whole tiers (nothing is left to pass through them; second copies stay within the share): at 0.5 a tier
-that held the catalog was left half empty, and the fitted simulator's one replica (a 20 GiB tier for 19.5 GiB of
-shards, device store, 250 requests of warm-up) read 4 of 150 measured requests' adapters from the store, 0.46-0.59
-of the gap to the oracle closed; with the whole tier, none and all of it (bench/reports/issue-42.md). An
+that held the catalog was left half empty: one replica on one H200 with a 24 GiB tier for 19.5 GiB of shards
+(device store, 250 requests of warm-up) read 4 of 150 measured requests' adapters from the device, its p99 one
+such read (347 ms); with the whole tier, none (p99 75 ms; bench/reports/issue-42.md). An
 assignment is kept until the fleet's shape changes or ``refresh_s`` passes (counts drift slowly); the re-planner
 sends each warm key once per assignment, as a speculative ``Stage``; routing counts a warm copy once the worker
 reports it read (``FleetState.hosted``), not when it is sent.
