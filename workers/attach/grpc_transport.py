@@ -210,7 +210,7 @@ class GrpcTransport(RankTransport):
     def fetch_pushed(self, name: str, tag: str) -> tuple[bytes, np.ndarray]:
         """The gateway's ``FetchPushed`` stream gathered: (config, weights as uint8); a stream that ends short of
         the size its first message announced (or runs past it) is a ``GatewayLinkError``, nothing taken."""
-        first, weights, filled = None, np.empty(0, dtype=np.uint8), 0
+        first, weights, filled, overrun = None, np.empty(0, dtype=np.uint8), 0, False
         try:
             stream = self._stub.FetchPushed(pb.FetchPushedRequest(name=name, tag=tag), metadata=self._metadata,
                                             timeout=PAYLOAD_S)
@@ -218,9 +218,9 @@ class GrpcTransport(RankTransport):
                 if first is None:  # the config and the whole size
                     first, weights = message, np.empty(message.total_bytes, dtype=np.uint8)
                 chunk = np.frombuffer(message.weights, dtype=np.uint8)
-                if filled + chunk.size > weights.size:  # past the size announced: counted short below
+                overrun = filled + chunk.size > weights.size  # past the size announced
+                if overrun:
                     stream.cancel()
-                    filled = -1
                     break
                 weights[filled:filled + chunk.size] = chunk
                 filled += chunk.size
@@ -230,7 +230,7 @@ class GrpcTransport(RankTransport):
                                        f"unreachable ({e})") from e
             raise _DOMAIN.get(e.code(), GatewayLinkError)(f"{e.details()} (gateway {self.target}, "
                                                           f"{e.code().name})") from e
-        if first is None or filled != weights.size:
+        if first is None or overrun or filled != weights.size:
             raise GatewayLinkError(f"{self.name}: the gateway's bytes of pushed {name}@{tag} were not the "
                                    f"{weights.size} it announced; nothing was copied, the next registration retries")
         return bytes(first.config_json), weights
