@@ -27,6 +27,7 @@ The oracle preloads every adapter (slots for all of them) before the clock start
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
 import sys
 import tempfile
@@ -224,7 +225,11 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
         return run
     finally:
         _teardown(heap.thaw, gateway.stop if gateway is not None else None,
-                  fleet.stop if fleet is not None else None, service.stop)
+                  fleet.stop if fleet is not None else None, service.stop,
+                  # s3: the policy's fetched copies, once its workers are gone (a catalog's worth per policy
+                  # would otherwise fill the machine's disk over a run of several)
+                  functools.partial(shutil.rmtree, worker.disk.disk_cache, ignore_errors=True)
+                  if config.store_model().kind == "s3" else None)
 
 
 def _teardown(*steps: Callable[[], None] | None) -> None:

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -30,6 +31,7 @@ from lora_cache.errors import ConfigError
 
 STORES = ("page-cache", "device", "s3:BANDWIDTH,LATENCY")
 BUCKET = "bench-adapters"
+UPLOADS = 16  # the catalog's files put into moto at once
 _BW = re.compile(r"^(\d+(?:\.\d+)?)\s*(MB|GB)(?:ps|/s)$", re.IGNORECASE)
 _LAT = re.compile(r"^(\d+(?:\.\d+)?)\s*ms$", re.IGNORECASE)
 
@@ -124,8 +126,11 @@ def moto_server(timeout_s: float = 30.0) -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # every object in the server's memory (moto spools one past 5 MB to a temporary file): a benchmark catalog of
+    # 20 GB would otherwise take a third copy of it on the machine's disk, beside the files and the disk tier
+    env = {**os.environ, "MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(1 << 40)}
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(port), "-H", "127.0.0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -157,11 +162,21 @@ def s3_store(model: StoreModel, root: str | Path, names: list[str]) -> Iterator[
         s3 = boto3.session.Session().client("s3", endpoint_url=direct, region_name="us-east-1",
                                             aws_access_key_id="bench", aws_secret_access_key="bench")
         s3.create_bucket(Bucket=BUCKET)
+        files = [(name, f) for name in names for f in sorted((Path(root) / name).iterdir()) if f.is_file()]
+
+        def put(item: tuple[str, Path]) -> int:
+            name, f = item
+            body = f.read_bytes()
+            s3.put_object(Bucket=BUCKET, Key=f"adapters/{name}/{f.name}", Body=body)
+            return len(body)
+
         t0 = time.perf_counter()
-        for name in names:
-            for f in sorted((Path(root) / name).iterdir()):
-                if f.is_file():
-                    s3.put_object(Bucket=BUCKET, Key=f"adapters/{name}/{f.name}", Body=f.read_bytes())
-        print(f"store: {len(names)} adapters uploaded to moto in {time.perf_counter() - t0:.1f} s; served through "
-              f"the proxy at {proxy.url}: {model.describe()}", file=sys.stderr)
+        # Several uploads at once: moto's server takes each PUT at ~60-150 MB/s of one core, so one at a time a
+        # benchmark catalog of 20 GB took minutes before the first request (boto3's clients are thread-safe).
+        with ThreadPoolExecutor(UPLOADS) as pool:
+            total = sum(pool.map(put, files))
+        took = time.perf_counter() - t0
+        print(f"store: {len(names)} adapters ({total / 1e9:.2f} GB) uploaded to moto in {took:.1f} s "
+              f"({total / 1e6 / max(took, 1e-9):.0f} MB/s); served through the proxy at {proxy.url}: "
+              f"{model.describe()}", file=sys.stderr)
         yield f"s3://{BUCKET}/adapters", {**STORE_ENV, "AWS_ENDPOINT_URL": proxy.url}

@@ -114,6 +114,7 @@ class Stage:
     priority: int
     epoch: int
     speculative: bool = False  # a warm stage (planner/warming.py): read only while no load is in flight
+    disk: bool = False  # a disk warm stage (speculative): fetch a store adapter's object into the node's disk tier only
 
 
 Command = Prefetch | Evict | Stage

@@ -43,7 +43,7 @@ from lora_cache.errors import (
     ConfigError,
 )
 from lora_cache.runtime.cliargs import shell_path
-from lora_cache.vocab import NAMESPACE
+from lora_cache.vocab import NAMESPACE, Stage
 from tests.s3_server import S3Server, free_port, set_env
 from tests.waiting import wait_for
 from workers.cache import WorkerCache, WorkerConfig
@@ -518,6 +518,84 @@ def test_stage_fetches_into_the_disk_tier_ahead_of_need(
     wait_for(lambda: cache.disk.contains(spec.store), "adapter-002 in the disk tier")  # type: ignore[arg-type]
 
 
+def test_a_disk_warm_stage_fetches_the_object_into_the_disk_tier_only(
+    store: tuple[S3Server, str], local: dict[str, Path], cache_for: Callable[..., WorkerCache], tmp_path: Path
+) -> None:
+    """The planner's ``Stage(disk=True)`` (a disk warm stage): the store adapter's object lands in the node's disk
+    tier and nothing in the host tier or a slot; a later load reads the disk copy (no second fetch) and serves the
+    registered bytes. A host warm stage of a key queued for the disk makes it a host one. A disk stage of an object
+    replaced in the store since it was registered is refused, counted, and leaves nothing behind."""
+    from workers.control.commands import CommandGate
+
+    server, root = store
+    catalog = catalog_for(root)
+    specs = {n: catalog.register(n, f"{root}/{n}") for n in ("adapter-000", "adapter-001", "adapter-002")}
+    cache = cache_for(catalog)
+    gate = CommandGate(cache, lambda delta: None)
+    v = {n: s.version for n, s in specs.items()}
+    gate.apply([Stage("adapter-001", v["adapter-001"], 0, 0, speculative=True, disk=True)])
+    wait_for(lambda: cache.disk.contains(specs["adapter-001"].store), "adapter-001 in the disk tier")  # type: ignore[arg-type]
+    wait_for(lambda: gate.warm_queue().pending() == 0, "the disk stage done")
+    assert cache.host.contents() == [] and cache.residency() == [], "a disk stage reads nothing into the host tier"
+    assert cache.disk.stats()["disk_fetches"] == 1
+    cache.prefetch("adapter-001").result(timeout=30)
+    assert cache.disk.stats()["disk_fetches"] == 1 and cache.disk.stats()["disk_hits"] >= 1, "the load read the copy"
+    assert_serves(cache, "adapter-001", local["adapter-001"] / WEIGHTS_FILE)
+    replace_object(server, specs["adapter-000"], (local["adapter-002"] / WEIGHTS_FILE).read_bytes())
+    gate.apply([Stage("adapter-000", v["adapter-000"], 0, 1, speculative=True, disk=True)])
+    wait_for(lambda: cache.disk.stats()["disk_stage_failures"] == 1, "the replaced object's stage refused")
+    wait_for(lambda: gate.warm_queue().pending() == 0, "the disk stage done")
+    assert not cache.disk.contains(specs["adapter-000"].store)  # type: ignore[arg-type]
+    assert not [f for f in disk_files(tmp_path / "disk" / NAMESPACE) if "part" in f], "nothing half-fetched kept"
+    gate.apply([Stage("adapter-002", v["adapter-002"], 0, 2, speculative=True, disk=True),
+                Stage("adapter-002", v["adapter-002"], 1, 2, speculative=True)])  # the host's own warm stage
+    wait_for(lambda: any(k.name == "adapter-002" for k in cache.host.contents()), "adapter-002 read into the host")
+    gate.close()
+    cache.check_integrity()
+
+
+def test_a_disk_warm_stages_fetch_yields_the_store_to_demand_until_a_read_joins_it(
+    store: tuple[S3Server, str], local: dict[str, Path], cache_for: Callable[..., WorkerCache],
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Speculative reads yield the store at once (issue 42 item 3): while a demand read is on the node, a disk warm
+    stage's fetch takes nothing more from the store; a read that needs that very object joins the fetch, which then
+    yields no more (no read waits behind a paused fetch of its own adapter); with no demand it runs straight on."""
+    import threading
+
+    monkeypatch.setattr(disk_tier, "YIELD_MAX_S", 120.0)  # it yields for as long as the demand lasts here
+    _, root = store
+    catalog = catalog_for(root)
+    big = catalog.register("big-000", f"{root}/big-000")  # four 1 MiB blocks: a pause before each
+    small = catalog.register("adapter-000", f"{root}/adapter-000")
+    cache = cache_for(catalog)
+    demand = threading.Event()
+    demand.set()
+    staged = cache.disk.stage(big, demand.is_set)
+    assert staged is not None
+    wait_for(lambda: cache.disk.yields == 1, "the warm fetch yielding to the demand read")
+    assert not staged.done() and not cache.disk.contains(big.store)  # type: ignore[arg-type]
+    joined: list[bool] = []
+
+    def read() -> None:  # a load of the same adapter: its read waits for the fetch and promotes it
+        with cache.disk.held(big) as local_spec:
+            joined.append(local_spec.source is not None)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    staged.result(timeout=60)  # the demand still on: the fetch ran on once the read joined it
+    reader.join(timeout=60)
+    assert joined == [True] and cache.disk.stats()["disk_fetches"] == 1
+    demand.clear()
+    again = cache.disk.stage(small, demand.is_set)
+    assert again is not None
+    again.result(timeout=60)
+    assert cache.disk.contains(small.store) and cache.disk.yields == 1  # type: ignore[arg-type]
+    cache.prefetch("big-000").result(timeout=30)
+    assert_serves(cache, "big-000", local["big-000"] / WEIGHTS_FILE)
+    cache.check_integrity()
+
+
 def test_an_object_replaced_after_registration_is_refused_and_nothing_is_kept(
     store: tuple[S3Server, str], local: dict[str, Path], cache_for: Callable[..., WorkerCache], tmp_path: Path
 ) -> None:
@@ -542,8 +620,9 @@ def fetch_hook(monkeypatch: pytest.MonkeyPatch, after_first_part: Callable[[], N
     real: the server's object replaced, the server stopped or killed)."""
     real = disk_tier.fetch_object
 
-    def hooked(s3: Any, source: Any, fd: int, parallel: int, part_bytes: int, on_part: Any = None) -> Any:
-        return real(s3, source, fd, parallel, part_bytes, lambda k: after_first_part() if k == 0 else None)
+    def hooked(s3: Any, source: Any, fd: int, parallel: int, part_bytes: int, on_part: Any = None,
+               pause: Any = None) -> Any:
+        return real(s3, source, fd, parallel, part_bytes, lambda k: after_first_part() if k == 0 else None, pause)
 
     monkeypatch.setattr(disk_tier, "fetch_object", hooked)
 

@@ -15,9 +15,12 @@ from lora_cache.vocab import Stage
 
 
 def make(replicas: int = 3, adapters: int = 12, host_bytes: int | None = 1000, policy: str = "global",
-         sizes: dict[int, int] | None = None, **config: object) -> Planner:
-    specs = [ReplicaSpec(f"r{r}", (f"r{r}/w0",), 2, None, host_bytes) for r in range(replicas)]
-    infos = [AdapterInfo(f"a{i}", "v1", (sizes or {}).get(i, 100)) for i in range(adapters)]
+         sizes: dict[int, int] | None = None, disk_bytes: int | None = None, objects: dict[int, int] | None = None,
+         **config: object) -> Planner:
+    """``disk_bytes``: each rank's part of its node's disk tier; ``objects``: adapter index -> its object's bytes in
+    a store (the others are local files)."""
+    specs = [ReplicaSpec(f"r{r}", (f"r{r}/w0",), 2, None, host_bytes, disk_bytes) for r in range(replicas)]
+    infos = [AdapterInfo(f"a{i}", "v1", (sizes or {}).get(i, 100), (objects or {}).get(i, 0)) for i in range(adapters)]
     config.setdefault("warm_host_share", 0.5)
     config.setdefault("warm_min_miss_s", 0.0)  # warm without measuring: the controller's gate is tested below
     for name in ("place_homes", "max_prefetches_per_plan", "stage_host_share"):  # GPU placement and popularity
@@ -25,9 +28,10 @@ def make(replicas: int = 3, adapters: int = 12, host_bytes: int | None = 1000, p
     return Planner(PlannerConfig(policy=policy, **config), 1, infos, specs)  # type: ignore[arg-type]
 
 
-def warm_stages(planner: Planner, now: float) -> dict[str, list[Stage]]:
+def warm_stages(planner: Planner, now: float, disk: bool = False) -> dict[str, list[Stage]]:
+    """Each worker's warm stages in the next plan: host ones, or (``disk``) disk ones."""
     plan = planner.plan_all(now)
-    out = {c.worker: [s for s in c.stages if s.speculative] for c in plan.workers}
+    out = {c.worker: [s for s in c.stages if s.speculative and s.disk == disk] for c in plan.workers}
     return {w: keys for w, keys in out.items() if keys}
 
 
@@ -132,7 +136,59 @@ def test_an_unregistered_adapter_leaves_the_warm_sets_at_once() -> None:
     planner.check_integrity()
 
 
+def test_disk_tiers_keep_the_store_adapters_the_host_tiers_cannot_in_the_same_order() -> None:
+    """One replica, a host warm budget of 2 shards (400 bytes at share 0.5), a disk budget of 4 objects (0.8 x 500
+    bytes of disk): the store adapters after the host's warm set, in its order, go to the disk tier only, within its
+    bytes (counting the host's own: they are fetched through it); adapters of local files never; each stage once
+    per assignment, after the host's."""
+    objects = {i: 100 for i in range(8) if i != 3}  # a3 is local files
+    planner = make(replicas=1, adapters=8, host_bytes=400, disk_bytes=500, objects=objects, sizes={0: 200},
+                   warm_disk_share=0.8)
+    planner.record_request("a5", "r0", 0.0)
+    host = [s.adapter for s in warm_stages(planner, 0.0)["r0/w0"]]
+    assert len(host) == 2 and host[0] == "a5", "requested first, then one unseen 100-byte adapter"
+    book = planner._replan.warming
+    disk = [k.name for k in book.warm_disk("r0")]
+    assert "a3" not in disk and not set(host) & set(disk), "local files, or what the host tier warms"
+    assert sum(objects[int(n[1:])] for n in [*host, *disk]) <= 400, "the disk budget holds the host's too"
+    assert len(disk) == 2, "as many store adapters as the disk's budget holds beyond the host's"
+    order = [k.name for k in book._disk["r0"]]
+    assert order[:2] == host, "the disk set follows the warm set's order"
+    planner2 = make(replicas=1, adapters=8, host_bytes=400, disk_bytes=500, objects=objects, sizes={0: 200},
+                    warm_disk_share=0.8)
+    planner2.record_request("a5", "r0", 0.0)
+    plan = planner2.plan_all(0.0).for_worker("r0/w0")
+    assert plan is not None
+    stages = [s for s in plan.stages if s.speculative]
+    assert [s.adapter for s in stages if s.disk] == disk and all(s.speculative for s in stages)
+    last_host = max(s.priority for s in stages if not s.disk)
+    assert all(s.priority > last_host for s in stages if s.disk), "disk stages after the host's"
+    assert warm_stages(planner2, 1.0, disk=True) == {}, "sent once per assignment"
+    assert {s.adapter for s in warm_stages(planner2, 6.0, disk=True)["r0/w0"]} == set(disk), "again at the next"
+    planner2.check_integrity()
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_one_disk_copy_of_every_store_adapter_before_any_second_and_none_without_a_disk(replicas: int) -> None:
+    objects = {i: 100 for i in range(12)}
+    planner = make(replicas=replicas, adapters=12, host_bytes=200, disk_bytes=2000, objects=objects,
+                   warm_disk_share=0.8)
+    warm_stages(planner, 0.0)
+    book = planner._replan.warming
+    placed = [k.name for r in ("r0", "r1", "r2") for k in book._disk.get(r, ())]
+    assert sorted(set(placed)) == sorted(f"a{i}" for i in range(12)), "every store adapter on some node's disk"
+    assert len(placed) == 12, "one copy each: no second copy of an adapter nobody asked for"
+    planner.check_integrity()
+    assert warm_stages(make(replicas=replicas, objects=objects), 0.0, disk=True) == {}, "no disk tier reported"
+    assert warm_stages(make(replicas=replicas, objects=objects, disk_bytes=2000, warm_disk_share=0.0), 0.0,
+                       disk=True) == {}, "share 0"
+    assert warm_stages(make(replicas=replicas, disk_bytes=2000), 0.0, disk=True) == {}, "local files only"
+    assert warm_stages(make(replicas=replicas, objects=objects, disk_bytes=2000, policy="queue"), 0.0,
+                       disk=True) == {}, "the queue policy"
+
+
 @pytest.mark.parametrize(("field", "value", "fragment"), [
+    ("warm_disk_share", 1.5, "warm_disk_share is 1.5; give a share in [0, 1]"),
     ("warm_host_share", 1.5, "warm_host_share is 1.5; give a share in [0, 1]"),
     ("warm_host_share", -0.1, "give a share in [0, 1]"),
     ("warm_refresh_s", 0.0, "warm_refresh_s is 0.0; give seconds > 0"),

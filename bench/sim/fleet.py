@@ -48,7 +48,7 @@ from lora_cache.adapters.shards import shard_layout
 from lora_cache.adapters.synth import SynthConfig
 from lora_cache.controller.core import ControllerCore
 from lora_cache.errors import ConfigError
-from lora_cache.planner import PlannerConfig
+from lora_cache.planner import AdapterInfo, PlannerConfig
 from lora_cache.routing.advice import RouteRequest
 from lora_cache.routing.ranking import RouterConfig
 from lora_cache.vocab import AdapterKey, WorkerId
@@ -59,6 +59,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.scheduler import check_requests
 from workers.engine.timings import RequestRecord, summarize
 from workers.engine.workload import Request
+from workers.staging.disk_tier import DiskTierConfig
 
 COUNTERS, RESERVOIRS = STATS_COUNTERS, STATS_SUMMARIES  # as WorkerCache.stats(); the load records have the latencies
 
@@ -258,8 +259,15 @@ class _Fleet:
         keys = {n: AdapterKey(n, catalog.get(n).version) for n in names}
         nbytes = shard_bytes(catalog, config.tp, calibration.slot_dtype)
         model = parse_store(config.store)  # one store for the fleet's host (the benchmark's machine)
-        self.store = None if model.kind == "page-cache" else SimStore(
-            model, loop, calibration, shard_bytes(catalog, 1, calibration.slot_dtype))
+        objects = shard_bytes(catalog, 1, calibration.slot_dtype)
+        self.store = None if model.kind == "page-cache" else SimStore(model, loop, calibration, objects)
+        self.disk_bytes: int | None = None  # s3: each rank's part of the node's disk tier, as a worker reports it
+        if model.kind == "s3":  # the controller learns a store adapter's object from its registration (disk warming)
+            for name in names:  # as ControllerCore.add_adapter registers a store version
+                per_rank = shard_layout(catalog.get(name), catalog.shape, 1, 0, torch.bfloat16).nbytes
+                self.controller.core.planner.register_adapter(AdapterInfo(name, keys[name].version, per_rank,
+                                                                          objects[name]))
+            self.disk_bytes = DiskTierConfig().disk_cache_bytes // max(1, config.replicas * config.tp)
         self.ranks_at_warmup: list[dict[str, object]] | None = None
         if config.host_bytes < max(nbytes.values()):
             raise ConfigError(f"host_bytes ({config.host_bytes}) must hold one shard ({max(nbytes.values())} bytes "
@@ -296,7 +304,8 @@ class _Fleet:
         """A replica's TP workers (the oracle's with every adapter READY), known to the controller."""
         config = self.config
         pool = self._pool(engine, calibration)
-        self.controller.core.add_replica(name, config.tp, engine.num_slots, config.host_bytes, *pool)
+        self.controller.core.add_replica(name, config.tp, engine.num_slots, config.host_bytes, *pool,
+                                         disk_bytes=self.disk_bytes)
         self.controller.core.limits.declare(name, engine.max_adapters, engine.max_running)  # the engine's own
         ranks = []
         for k in range(config.tp):

@@ -243,13 +243,15 @@ class SimWarmQueue:
                  stage: Callable[[str], bool]) -> None:
         """``stage(name)``: the worker's stage (True if it started a read or found one)."""
         self.loop, self.host, self.keys, self.stage = loop, host, keys, stage
-        self._queued: OrderedDict[str, None] = OrderedDict()  # warm stages not started, in order sent
+        self._queued: OrderedDict[str, bool] = OrderedDict()  # warm stages not started, in order sent: disk-only?
         self._reading = False  # a warm read in flight (one at a time)
         self._wake = math.inf  # when a look at the queue is scheduled (inf: none)
 
-    def add(self, name: str) -> None:
-        if name not in self._queued:
-            self._queued[name] = None
+    def add(self, name: str, disk: bool = False) -> None:
+        """A warm stage (``disk``: a disk warm stage, the object fetched into the node's disk tier only; a host one
+        of a name queued for the disk makes it a host one, as ``CommandGate`` does)."""
+        if name not in self._queued or not disk:
+            self._queued[name] = disk
         self.pump()
 
     def pump(self) -> None:
@@ -265,8 +267,14 @@ class SimWarmQueue:
                     self._wake = wake
                     self.loop.at(wake, self.pump)
                 return
-            name, _ = self._queued.popitem(last=False)
-            if name in self.keys and self.stage(name):
+            name, disk = self._queued.popitem(last=False)
+            if disk:
+                copy = self.host.store.fetch(name, background=True) if self.host.store is not None and \
+                    name in self.keys else None
+                if copy is not None and not copy.done:
+                    self._reading = True
+                    copy.then(lambda _: self._done())
+            elif name in self.keys and self.stage(name):
                 self._reading = True
                 self.host.entries[self.keys[name]].staged.then(lambda _: self._done())
 

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -30,46 +31,65 @@ from bench.sim.calibration import GB, Calibration
 from bench.sim.events import Loop, Signal
 from bench.store import StoreModel
 
+YIELD_WARM_FETCHES = True  # a disk warm stage's fetch moves only while no demand fetch does
+
 
 class SharedLink:
-    """Transfers sharing ``bytes_per_s`` equally (processor sharing), each after a wait of ``fixed_s``."""
+    """Transfers sharing ``bytes_per_s`` equally (processor sharing), each after a wait of ``fixed_s``. A background
+    transfer moves only while no foreground one does (it yields the link at once); ``promote`` makes it foreground."""
 
     def __init__(self, loop: Loop, bytes_per_s: float, fixed_s: float) -> None:
         self.loop, self.rate, self.fixed_s = loop, bytes_per_s, fixed_s
-        self.active: list[list[object]] = []  # [remaining bytes, done]
+        self.active: list[list[object]] = []  # [remaining bytes, done, background]
         self.last = 0.0
         self.gen = 0  # the scheduled completion that is current (older ones are stale)
         self.busy_s = 0.0  # simulated time with a transfer on the link
         self.moved = 0
+        self._promoted: set[int] = set()  # background transfers a demand joined (ids of their ``done``)
 
-    def start(self, nbytes: int, done: Callable[[], None], slowdown: float = 1.0) -> None:
+    def start(self, nbytes: int, done: Callable[[], None], slowdown: float = 1.0, background: bool = False) -> None:
         """Move ``nbytes``, then call ``done``; ``slowdown``: the transfer takes that many times its share's time
         (it holds the link for ``nbytes * slowdown`` bytes' worth; ``moved`` counts ``nbytes``)."""
         self.moved += nbytes
-        self.loop.after(self.fixed_s, self._join, nbytes * slowdown, done)
+        self.loop.after(self.fixed_s, self._join, nbytes * slowdown, done, background)
+
+    def promote(self, done: Callable[[], None]) -> None:
+        """The background transfer that ends with ``done`` moves as a foreground one from now (a demand joined it)."""
+        self._advance()
+        for a in self.active:
+            if a[1] is done:
+                a[2] = False
+        self._promoted.add(id(done))  # one still waiting for its first byte joins as foreground
+        self._schedule()
+
+    def _moving(self) -> list[list[object]]:
+        fore = [a for a in self.active if not a[2]]
+        return fore or self.active
 
     def _advance(self) -> None:
         now = self.loop.now
         if self.active:
-            per = (now - self.last) * self.rate / len(self.active)
-            for a in self.active:
+            moving = self._moving()
+            per = (now - self.last) * self.rate / len(moving)
+            for a in moving:
                 a[0] = float(a[0]) - per  # type: ignore[arg-type]
             self.busy_s += now - self.last
         self.last = now
 
-    def _join(self, nbytes: float, done: Callable[[], None]) -> None:
+    def _join(self, nbytes: float, done: Callable[[], None], background: bool = False) -> None:
         if math.isinf(self.rate) or nbytes <= 0:
             done()
             return
         self._advance()
-        self.active.append([float(nbytes), done])
+        self.active.append([float(nbytes), done, background and id(done) not in self._promoted])
         self._schedule()
 
     def _schedule(self) -> None:
         self.gen += 1
         if self.active:
-            least = min(float(a[0]) for a in self.active)  # type: ignore[arg-type]
-            self.loop.after(max(0.0, least) * len(self.active) / self.rate, self._tick, self.gen)
+            moving = self._moving()
+            least = min(float(a[0]) for a in moving)  # type: ignore[arg-type]
+            self.loop.after(max(0.0, least) * len(moving) / self.rate, self._tick, self.gen)
 
     def _tick(self, gen: int) -> None:
         if gen != self.gen:
@@ -96,6 +116,7 @@ class SimStore:
         else:
             raise ValueError(f"no simulated store for {model.kind!r} (page-cache reads are the host tier's own)")
         self.on_disk: dict[str, Signal] = {}  # s3: the node's disk tier (fetched, or being fetched)
+        self._fire: dict[str, Callable[[], None]] = {}  # fetches in flight: what ends each (``SharedLink.promote``)
         self.tiers: list[Any] = []  # the host tiers that read from it (``SimHostTier``: the node's ranks)
         self.fetches = 0
 
@@ -103,13 +124,31 @@ class SimStore:
         if self.model.kind == "device":  # the reader's copies ride on the device's transfer (module docstring)
             self.link.start(nbytes, done, self.calibration.device_slowdown())
             return
+        copy = self.fetch(name)
+        assert copy is not None
+        local = self.calibration.disk_s(nbytes)
+        copy.then(lambda _: self.loop.after(local, done))
+
+    def fetch(self, name: str, background: bool = False) -> Signal | None:
+        """s3: ``name``'s object in the node's disk tier (fired once there; the fetch in flight, or a new one):
+        ``DiskTier.held``'s single flight; ``background``: a disk warm stage's fetch, which yields the store to
+        demand fetches (``YIELD_WARM_FETCHES``) until a demand joins it. None for a store with no disk tier."""
+        if self.model.kind != "s3":
+            return None
         copy = self.on_disk.get(name)
         if copy is None:
             copy = self.on_disk[name] = Signal()
             self.fetches += 1
-            self.link.start(self.object_bytes[name], lambda: copy.fire(self.loop.now))
-        local = self.calibration.disk_s(nbytes)
-        copy.then(lambda _: self.loop.after(local, done))
+            fire = functools.partial(self._fetched, name, copy)
+            self._fire[name] = fire
+            self.link.start(self.object_bytes[name], fire, background=background and YIELD_WARM_FETCHES)
+        elif not background and not copy.done and name in self._fire:
+            self.link.promote(self._fire.pop(name))
+        return copy
+
+    def _fetched(self, name: str, copy: Signal) -> None:
+        self._fire.pop(name, None)
+        copy.fire(self.loop.now)
 
     def stats(self) -> dict[str, float]:
         return {"store_fetches": self.fetches, "store_bytes": self.link.moved, "store_busy_s": self.link.busy_s}
@@ -133,8 +172,8 @@ def fit_store(calib: Calibration, runs: Sequence[Sequence[Mapping[str, Any]]], m
     clock). ``device``: ``device_gbps`` is the bytes the misses read over the time any of them was reading (the
     device's delivered bandwidth while busy, the reader's own work included: it overlaps the transfer),
     ``device_fixed_ms`` 0; ``disk_*`` are not used by a device read. ``s3``: the store's latency and bandwidth are the
-    proxy's, as stated; the local read after a fetch (``disk_*``) is fitted from the misses of adapters already
-    fetched in that run (every miss after an adapter's first)."""
+    proxy's, as stated; the local read after a fetch (``disk_*``) is fitted from the misses that found the copy on
+    disk: every miss after an adapter's first in that run, and any faster than the store could have sent it."""
     from bench.sim.calibration import _fit_rate
 
     info = info if info is not None else {}
@@ -155,7 +194,10 @@ def fit_store(calib: Calibration, runs: Sequence[Sequence[Mapping[str, Any]]], m
         for loads in runs:
             seen: set[str] = set()
             for _, _, ld in _read_spans(loads):
-                if ld.get("adapter") in seen:
+                # a read faster than the store could have sent its bytes found the copy on disk (a warm stage's
+                # fetch, or one before the log began: with disk warming few reads are an adapter's second)
+                fetch_ms = model.latency_ms + float(ld["nbytes"]) / (model.mbps * 1e3)
+                if ld.get("adapter") in seen or float(ld["disk_ms"]) < 0.8 * fetch_ms:
                     local.append(ld)
                 seen.add(str(ld.get("adapter")))
         if len(local) >= 2:

@@ -171,7 +171,7 @@ class SimWorker:
                 if not self.evict(command.adapter):
                     self._restate(self.keys[command.adapter])
             elif isinstance(command, Stage) and command.speculative:
-                self.warm.add(command.adapter)
+                self.warm.add(command.adapter, command.disk)
             elif isinstance(command, Stage):
                 self.stage(command.adapter)
             else:

@@ -136,7 +136,7 @@ def _set_gpu_bytes(planner: Planner, worker: WorkerId, gpu_bytes: int | None, pa
     """``worker``'s GPU pool bytes and page, kept as the planner's capacity (its slots and host tier unchanged)."""
     have = planner.view.capacity(str(worker))
     if (have.bytes, have.page_bytes) != (gpu_bytes, page_bytes):
-        planner.set_capacity(str(worker), have.slots, gpu_bytes, have.host_bytes, page_bytes)
+        planner.set_capacity(str(worker), have.slots, gpu_bytes, have.host_bytes, page_bytes, have.disk_bytes)
 
 
 class ControllerCore:
@@ -186,7 +186,8 @@ class ControllerCore:
         learns its shard size; ``path`` is what workers are given. Its version."""
         layout = shard_layout(spec, self.catalog.shape, 1, 0, torch.bfloat16)  # before any change: it may refuse
         self.catalog.add(spec)
-        self.planner.register_adapter(AdapterInfo(spec.name, spec.version, layout.nbytes))
+        self.planner.register_adapter(AdapterInfo(spec.name, spec.version, layout.nbytes,  # a store's: its object,
+                                                  spec.store.size if spec.store is not None else 0))  # disk-warmed
         self.paths[spec.name] = path
         return spec.version
 
@@ -198,11 +199,13 @@ class ControllerCore:
         return spec.version
 
     def add_replica(self, replica: str, tp: int, slots: int, host_bytes: int | None = None,
-                    gpu_bytes: int | None = None, page_bytes: int | None = None) -> list[WorkerId]:
+                    gpu_bytes: int | None = None, page_bytes: int | None = None,
+                    disk_bytes: int | None = None) -> list[WorkerId]:
         """Idempotent: a replica already adopted from its workers' reports is kept as it is, but for the bytes of
         a paged GPU pool its workers report (issue 43). ``host_bytes``: each rank's host tier as the workers report
         it (bounds predictive staging); ``gpu_bytes`` / ``page_bytes``: each rank's GPU pool and its page, where
-        it has pages (the planner counts GPU room in bytes, a shard in whole pages; else in slots)."""
+        it has pages (the planner counts GPU room in bytes, a shard in whole pages; else in slots); ``disk_bytes``:
+        each rank's part of its node's disk tier (bounds disk warming)."""
         check_shape(replica, tp, slots)
         workers = [WorkerId(replica, k) for k in range(tp)]
         if replica in self.planner.view.replicas():
@@ -214,7 +217,7 @@ class ControllerCore:
                                   f"give every rank of a replica the same num_slots ({have})")
         else:
             self.planner.add_replica(ReplicaSpec(replica, tuple(map(str, workers)), slots,
-                                                 host_bytes_per_worker=host_bytes))
+                                                 host_bytes_per_worker=host_bytes, disk_bytes_per_worker=disk_bytes))
             self.readiness.add_replica(replica, tp)
         for wid in workers if gpu_bytes is not None else ():
             _set_gpu_bytes(self.planner, wid, gpu_bytes, page_bytes)

@@ -101,7 +101,7 @@ class WorkerLinks:
         versions is believed, once (``ControllerCore.sync_worker``'s ``adopting``)."""
         wid = WorkerId(info["replica"], info["rank"])
         self.core.add_replica(info["replica"], info["tp"], info["slots"], info.get("host_bytes"), info.get("gpu_bytes"),
-                              info.get("page_bytes"))
+                              info.get("page_bytes"), info.get("disk_bytes"))
         self.handles[wid] = handle
         self.links[wid] = Link(info["incarnation"], info["seq"])
         self.publish(self.core.sync_worker(wid, info["residency"], info.get("host"), adopting=restart))

@@ -49,6 +49,11 @@ class PlannerConfig:
                 "fits across the fleet, most requested per byte first, then never-requested adapters smallest "
                 "first, in rendezvous order; where one copy of the catalog fits the whole tiers but not this share "
                 "of them, every adapter gets its copy in the whole tiers (planner/warming.py; 0: no warming)"})
+    warm_disk_share: float = field(default=0.8, metadata={
+        "help": "global policy: share of each node's disk tier (each rank's part of it) that the fleet-wide warm "
+                "placement fills ahead of demand with the objects of adapters from an object store, in the warm "
+                "set's order and placement, beyond what the host tiers keep: a first touch then reads the node's "
+                "disk, not the store (planner/warming.py; 0: none; adapters of local files never)"})
     warm_min_miss_s: float = field(default=0.15, metadata={
         "help": "warm only where a miss hurts: once the workers' own reads from storage of the largest shard take "
                 "at least this long (their READY reports carry each read's time; routing's load clock fits them). "
@@ -120,6 +125,9 @@ class PlannerConfig:
         if not _finite(self.warm_host_share) or not 0.0 <= self.warm_host_share <= 1.0:
             raise ConfigError(f"warm_host_share is {self.warm_host_share!r}; give a share in [0, 1], e.g. 0.5 "
                               "(0: no warming ahead of demand)")
+        if not _finite(self.warm_disk_share) or not 0.0 <= self.warm_disk_share <= 1.0:
+            raise ConfigError(f"warm_disk_share is {self.warm_disk_share!r}; give a share in [0, 1], e.g. 0.8 "
+                              "(0: no disk warming ahead of demand)")
         if not _finite(self.warm_min_miss_s) or self.warm_min_miss_s < 0:
             raise ConfigError(f"warm_min_miss_s is {self.warm_min_miss_s!r}; give seconds >= 0, e.g. 0.15 (0: warm "
                               "without measuring what a miss costs)")

@@ -109,10 +109,11 @@ class Planner:
         self._replan.forget_workers()
 
     def add_worker(self, replica: str, worker: str, slots: int, bytes_per_worker: int | None = None,
-                   host_bytes: int | None = None, page_bytes: int | None = None) -> None:
+                   host_bytes: int | None = None, page_bytes: int | None = None,
+                   disk_bytes: int | None = None) -> None:
         """A new (or replacement) TP rank of `replica`, holding nothing yet."""
         check_id("worker id", worker)
-        capacity = Capacity(slots, bytes_per_worker, host_bytes, page_bytes)
+        capacity = Capacity(slots, bytes_per_worker, host_bytes, page_bytes, disk_bytes)
         check_capacity(f"worker {worker!r}", capacity)
         self._fleet.require_replica(replica, "add_worker")
         self._fleet.add_worker(replica, worker, capacity)
@@ -139,9 +140,11 @@ class Planner:
         self._replan.forget_workers()
 
     def set_capacity(self, worker: str, slots: int, bytes_per_worker: int | None = None,
-                     host_bytes: int | None = None, page_bytes: int | None = None) -> None:
-        """What ``worker`` may hold, as it reports it (a paged GPU pool: its bytes and page, issue 43)."""
-        capacity = Capacity(slots, bytes_per_worker, host_bytes, page_bytes)
+                     host_bytes: int | None = None, page_bytes: int | None = None,
+                     disk_bytes: int | None = None) -> None:
+        """What ``worker`` may hold, as it reports it (a paged GPU pool: its bytes and page, issue 43; its part of
+        its node's disk tier)."""
+        capacity = Capacity(slots, bytes_per_worker, host_bytes, page_bytes, disk_bytes)
         check_capacity(f"worker {worker!r}", capacity)
         replica = self._fleet.require_worker(worker, "set_capacity")
         if self._fleet.set_capacity(worker, capacity):

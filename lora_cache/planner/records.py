@@ -25,6 +25,7 @@ class Capacity(NamedTuple):
     bytes: int | None = None
     host_bytes: int | None = None
     page_bytes: int | None = None
+    disk_bytes: int | None = None  # this rank's part of its node's disk tier (store adapters' objects; None: none)
 
     def gpu_bytes(self, size: int) -> int:
         """The GPU bytes a shard of ``size`` bytes takes here: whole pages, if the pool has them."""
@@ -75,6 +76,7 @@ class AdapterInfo:
     name: str
     version: str
     bytes_per_rank: int
+    object_bytes: int = 0  # an adapter from an object store: its object's bytes (a disk tier holds it whole); else 0
     key: AdapterKey = field(init=False, repr=False, compare=False)  # (name, version), made once
 
     def __post_init__(self) -> None:
@@ -83,6 +85,9 @@ class AdapterInfo:
         if not _is_int(self.bytes_per_rank) or self.bytes_per_rank < 1:
             raise PlannerInputError(f"bytes_per_rank of adapter {self.name!r} is {self.bytes_per_rank!r}; "
                                     "give the size in bytes of one rank's shard (an int >= 1)")
+        if not _is_int(self.object_bytes) or self.object_bytes < 0:
+            raise PlannerInputError(f"object_bytes of adapter {self.name!r} is {self.object_bytes!r}; give the bytes "
+                                    "of its object in a store (an int >= 1), or 0 for an adapter of local files")
         object.__setattr__(self, "key", AdapterKey(self.name, self.version))
 
 
@@ -95,6 +100,7 @@ class ReplicaSpec:
     slots_per_worker: int
     bytes_per_worker: int | None = None
     host_bytes_per_worker: int | None = None  # each rank's host tier (predictive staging's bound)
+    disk_bytes_per_worker: int | None = None  # each rank's part of its node's disk tier (disk warming's bound)
 
     def __post_init__(self) -> None:
         check_id("replica id", self.replica_id)
@@ -110,7 +116,8 @@ class ReplicaSpec:
 
     @property
     def capacity(self) -> Capacity:
-        return Capacity(self.slots_per_worker, self.bytes_per_worker, self.host_bytes_per_worker)
+        return Capacity(self.slots_per_worker, self.bytes_per_worker, self.host_bytes_per_worker,
+                        disk_bytes=self.disk_bytes_per_worker)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +155,7 @@ def check_time(what: str, value: object) -> None:
 
 
 def check_capacity(what: str, capacity: Capacity) -> None:
-    slots, budget, host, page = capacity
+    slots, budget, host, page, disk = capacity
     if not _is_int(slots) or slots < 0:
         raise PlannerInputError(f"slots of {what} is {slots!r}; "
                                 "give the number of adapter slots (an int >= 0)")
@@ -161,6 +168,9 @@ def check_capacity(what: str, capacity: Capacity) -> None:
     if page is not None and (not _is_int(page) or page < 1):
         raise PlannerInputError(f"page_bytes of {what} is {page!r}; give the bytes of a page of the GPU pool "
                                 "(an int >= 1) or None if the pool has no pages")
+    if disk is not None and (not _is_int(disk) or disk < 0):
+        raise PlannerInputError(f"disk_bytes of {what} is {disk!r}; give the bytes of the worker's part of its "
+                                "node's disk tier (an int >= 0) or None if it has none (no disk warming)")
 
 
 def _is_int(value: object) -> bool:

@@ -44,6 +44,7 @@ class PlannerStats:
     evicts: int = 0
     stages: int = 0
     warm_stages: int = 0  # speculative stages sent (warming.py), resends at each warm assignment included
+    disk_stages: int = 0  # disk warm stages sent (warming.py, point 4), likewise
     hints_ignored: int = 0  # duplicates, stale, cancelled before arrival, or over the per-replica limit
 
 
@@ -62,9 +63,11 @@ class Replanner:
         self.policy = POLICIES[config.policy]()
         self.homes = HomeBook(config.home_min_rate, config.home_refresh_s, config.home_spread,
                               config.home_min_window_s)  # fleet placement (homes.py)
-        self.warming = WarmBook(config.warm_host_share, config.warm_refresh_s)  # host tiers ahead (warming.py)
+        self.warming = WarmBook(config.warm_host_share, config.warm_refresh_s,  # host and disk tiers ahead
+                                config.warm_disk_share)  # (warming.py)
         self.warm_enabled = config.warm_min_miss_s == 0  # until the controller has measured that a miss hurts
-        self._warm_sent: dict[str, tuple[int, frozenset[AdapterKey]]] = {}  # worker -> (assignment, warm keys sent)
+        # worker -> (assignment, warm keys sent, disk warm keys sent)
+        self._warm_sent: dict[str, tuple[int, frozenset[AdapterKey], frozenset[AdapterKey]]] = {}
         self.dirty: set[str] = set()  # replicas whose plan inputs changed since they were last planned
         self._fleet, self._hints, self._horizon, self._popularity = fleet, hints, horizon, popularity
 
@@ -186,12 +189,16 @@ class Replanner:
         if target is None:
             return []
         warm_keys: tuple[AdapterKey, ...] = ()
+        disk_keys: tuple[AdapterKey, ...] = ()
         if warm is not None:
             taken = set(target.keys) | set(target.staged) | view.resident  # a rank holds it: its host tier too
             warm_keys = self._warm_fitting(view, target, tuple(k for k in warm.warm(replica) if k not in taken))
+            taken |= set(warm_keys)
+            disk_keys = tuple(k for k in warm.warm_disk(replica) if k not in taken)
         bridges = self._bridges(replica, target)
         named = self._named(replica, target, now)
-        diffs = (self._diff(worker, replica, target, warm_keys, bridges, named) for worker in fleet.workers[replica])
+        diffs = (self._diff(worker, replica, target, warm_keys, bridges, named, disk_keys)
+                 for worker in fleet.workers[replica])
         return [commands for commands in diffs if commands is not None]
 
     def _named(self, replica: str, target: Target, now: float) -> tuple[AdapterKey, ...]:
@@ -244,13 +251,14 @@ class Replanner:
 
     def _diff(self, worker: str, replica: str, target: Target, warm: tuple[AdapterKey, ...] = (),
               bridges: frozenset[AdapterKey] = frozenset(),
-              named: tuple[AdapterKey, ...] = ()) -> WorkerCommands | None:
+              named: tuple[AdapterKey, ...] = (), disk: tuple[AdapterKey, ...] = ()) -> WorkerCommands | None:
         """One worker's commands to move from what it holds to `target`, within its own capacity.
 
         Stages go once per stretch of time that the target wants them: a key is staged again only after
         it has left the target's stages (loaded, or no longer needed) and come back. Warm stages (``warm``,
         speculative, after the target's) go once per warm assignment: sent again at each, a stage of a shard
-        still on the host refreshes its place in the LRU, and one the LRU dropped is read again."""
+        still on the host refreshes its place in the LRU, and one the LRU dropped is read again. Disk warm stages
+        (``disk``: store adapters fetched into the node's disk tier only) go last, once per warm assignment too."""
         fleet = self._fleet
         held = fleet.residency[worker]
         keys = _with_named(target, named, fleet.capacity[worker], fleet.bytes_of)
@@ -282,26 +290,31 @@ class Replanner:
         staging = [key for key in target.staged if key not in held]
         stages = [(len(keys) + i, key) for i, key in enumerate(staging) if key not in sent]
         warming = [key for key in warm if key not in held]
-        assignment, warm_sent = self._warm_sent.get(worker, (-1, frozenset()))
+        assignment, warm_sent, disk_sent = self._warm_sent.get(worker, (-1, frozenset(), frozenset()))
         if assignment != self.warming.assignments:
-            warm_sent = frozenset()
+            warm_sent = disk_sent = frozenset()
         first = len(keys) + len(staging)
         speculative = [(first + i, key) for i, key in enumerate(warming) if key not in warm_sent]
-        self._warm_sent[worker] = (self.warming.assignments, warm_sent | {k for _, k in speculative})
+        first += len(warming)
+        to_disk = [(first + i, key) for i, key in enumerate(k for k in disk if k not in held) if key not in disk_sent]
+        self._warm_sent[worker] = (self.warming.assignments, warm_sent | {k for _, k in speculative},
+                                   disk_sent | {k for _, k in to_disk})
         fleet.set_staged(worker, staging)  # warm stages: routing counts them once the worker reports them read
-        if not evicts and not prefetches and not stages and not speculative:
+        if not evicts and not prefetches and not stages and not speculative and not to_disk:
             return None
         fleet.apply(worker, evicts, [key for _, key in prefetches])
         self.stats.evicts += len(evicts)
         self.stats.prefetches += len(prefetches)
         self.stats.stages += len(stages)
         self.stats.warm_stages += len(speculative)
+        self.stats.disk_stages += len(to_disk)
         return WorkerCommands(
             worker, replica,
             tuple(Evict(k.name, k.version, self.epoch) for k in evicts),
             tuple(Prefetch(k.name, k.version, p, self.epoch) for p, k in prefetches),
             tuple(Stage(k.name, k.version, p, self.epoch) for p, k in stages)
-            + tuple(Stage(k.name, k.version, p, self.epoch, speculative=True) for p, k in speculative))
+            + tuple(Stage(k.name, k.version, p, self.epoch, speculative=True) for p, k in speculative)
+            + tuple(Stage(k.name, k.version, p, self.epoch, speculative=True, disk=True) for p, k in to_disk))
 
 
 def _with_named(target: Target, named: tuple[AdapterKey, ...], capacity: Capacity,

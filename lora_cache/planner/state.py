@@ -166,8 +166,9 @@ class FleetState:
         budgets = [c.bytes for c in caps if c.bytes is not None]
         hosts = [c.host_bytes for c in caps if c.host_bytes is not None]
         pages = [c.page_bytes for c in caps if c.page_bytes is not None]
+        disks = [c.disk_bytes for c in caps if c.disk_bytes is not None]
         return Capacity(min(c.slots for c in caps), min(budgets) if budgets else None, min(hosts) if hosts else None,
-                        max(pages) if pages else None)
+                        max(pages) if pages else None, min(disks) if disks else None)
 
     # -- residency --------------------------------------------------------------------------------
     def set_residency(self, worker: str, held: dict[AdapterKey, Residency]) -> bool:

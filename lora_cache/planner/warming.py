@@ -24,6 +24,14 @@ bandwidth (the workers read warm stages one at a time, only while no load is in 
 3. With room left once every adapter has its copy, requested adapters get a second copy on their next replica
    (the router overflows a hot adapter there), most requested first, until the budgets are spent.
 
+4. Where adapters come from an object store, each node's disk tier (``workers.staging.disk_tier``: whole objects,
+   far more bytes than host memory) is filled the same way beyond the host tiers: the store adapters in the same
+   order and placement (one copy each, then second copies of requested ones), within ``warm_disk_share`` of each
+   replica's part of its node's disk tier (counting the objects the host warm set fetches through it), are sent as
+   ``Stage(disk=True)``: fetched whole, read into no host tier. A first touch then reads the node's disk (~90 ms for an
+   8B rank-64 adapter) instead of the store (seconds at 200 MB/s). Those fetches yield the store at once to any demand
+   read of the node (``DiskTier.stage``): the catalog fills with the store's idle bandwidth only.
+
 A replica's warm budget is ``warm_host_share`` of the host tier its workers report (the smallest rank's); the
 rest stays with the host tier's LRU (shards of GPU-resident and recently evicted adapters, needed stages). Where
 one copy of the whole catalog does not fit the fleet's warm budgets but fits its whole host tiers, the first copies
@@ -32,8 +40,8 @@ that held the catalog was left half empty: one replica on one H200 with a 24 GiB
 (device store, 250 requests of warm-up) read 4 of 150 measured requests' adapters from the device, its p99 one
 such read (347 ms); with the whole tier, none (p99 75 ms; bench/reports/issue-42.md). An
 assignment is kept until the fleet's shape changes or ``refresh_s`` passes (counts drift slowly); the re-planner
-sends each warm key once per assignment, as a speculative ``Stage``; routing counts a warm copy once the worker
-reports it read (``FleetState.hosted``), not when it is sent.
+sends each warm key once per assignment, as a speculative ``Stage`` (the disk's after the host's); routing counts
+a warm copy once the worker reports it read (``FleetState.hosted``), not when it is sent.
 Plain Python: no clock of its own, the same inputs give the same assignment.
 """
 
@@ -43,6 +51,7 @@ import math
 from collections.abc import Callable
 
 from lora_cache.planner.popularity import RankedCounts
+from lora_cache.planner.records import AdapterInfo
 from lora_cache.planner.rendezvous import preference, rendezvous_hash
 from lora_cache.planner.state import FleetState
 from lora_cache.vocab import AdapterKey
@@ -51,14 +60,17 @@ from lora_cache.vocab import AdapterKey
 class WarmBook:
     """Each replica's warm set (the class's module docstring), kept across plans."""
 
-    def __init__(self, share: float, refresh_s: float) -> None:
-        self.share, self.refresh_s = share, refresh_s
+    def __init__(self, share: float, refresh_s: float, disk_share: float = 0.0) -> None:
+        self.share, self.refresh_s, self.disk_share = share, refresh_s, disk_share
         self.read_s: Callable[[int], float | None] = _no_fit  # a store read of a shard of n bytes, seconds
         self._shape = -1
         self._assigned_at = -math.inf
         self._warm: dict[str, tuple[AdapterKey, ...]] = {}  # replica -> its warm keys, most valuable first
         self.copies: dict[str, int] = {}  # adapter -> warm copies in the fleet (last assignment)
         self._limits: dict[str, int] = {}  # replica -> the bytes its warm set may take (last assignment)
+        self._disk: dict[str, tuple[AdapterKey, ...]] = {}  # replica -> store adapters its node's disk keeps
+        self.disk_copies: dict[str, int] = {}  # adapter -> disk warm copies in the fleet (last assignment)
+        self._disk_limits: dict[str, int] = {}  # replica -> the object bytes its disk warm set may take
         self.assignments = 0
 
     def refresh(self, fleet: FleetState, counts: RankedCounts, now: float) -> None:
@@ -66,17 +78,28 @@ class WarmBook:
         if fleet.shape == self._shape and now - self._assigned_at < self.refresh_s:
             return
         self._shape, self._assigned_at = fleet.shape, now
-        self._warm = self._assign(fleet, counts)
+        order = _by_value(fleet, counts, self.read_s)
+        self._warm = self._assign(fleet, counts, order)
+        self._disk = self._assign_disk(fleet, counts, order)
         self.assignments += 1
 
     def warm(self, replica: str) -> tuple[AdapterKey, ...]:
         """``replica``'s warm keys, most valuable first (empty for a replica not in the last assignment)."""
         return self._warm.get(replica, ())
 
+    def warm_disk(self, replica: str) -> tuple[AdapterKey, ...]:
+        """The store adapters ``replica``'s node keeps in its disk tier beyond its warm keys (their host stages fetch
+        those), most valuable first: fetched whole from the store, read into no host tier (point 4 of the module
+        docstring)."""
+        host = set(self._warm.get(replica, ()))
+        return tuple(k for k in self._disk.get(replica, ()) if k not in host)
+
     def forget(self, adapter: str) -> None:
         """An unregistered adapter: drop it from the assignment at once (the next refresh would too)."""
         self._warm = {r: tuple(k for k in keys if k.name != adapter) for r, keys in self._warm.items()}
+        self._disk = {r: tuple(k for k in keys if k.name != adapter) for r, keys in self._disk.items()}
         self.copies.pop(adapter, None)
+        self.disk_copies.pop(adapter, None)
 
     def check_integrity(self, fleet: FleetState) -> None:
         if fleet.shape != self._shape:
@@ -85,37 +108,72 @@ class WarmBook:
             assert len(set(keys)) == len(keys), f"a warm key repeats on {replica}"
             used = sum(fleet.catalog[k.name].bytes_per_rank for k in keys if k.name in fleet.catalog)
             assert used <= self._limits.get(replica, 0), f"{replica}'s warm set ({used} B) exceeds its budget"
+        for replica, keys in self._disk.items():
+            assert len(set(keys)) == len(keys), f"a disk warm key repeats on {replica}"
+            infos = [fleet.catalog[k.name] for k in keys if k.name in fleet.catalog]
+            assert all(i.object_bytes > 0 for i in infos), f"{replica}'s disk warm set holds an adapter of local files"
+            used = sum(i.object_bytes for i in infos)
+            assert used <= self._disk_limits.get(replica, 0), f"{replica}'s disk warm set ({used} B) exceeds its budget"
 
-    def _assign(self, fleet: FleetState, counts: RankedCounts) -> dict[str, tuple[AdapterKey, ...]]:
+    def _assign(self, fleet: FleetState, counts: RankedCounts, order: list[str]) -> dict[str, tuple[AdapterKey, ...]]:
         shared = _budgets(fleet, self.share)
         first = self._limits = _first_copy_budgets(fleet, shared)
-        left = dict(first)
-        out: dict[str, list[AdapterKey]] = {r: [] for r in left}
         self.copies = {}
-        if not left:
-            return {}
-        order = _by_value(fleet, counts, self.read_s)
-        for name in order:  # one copy each, in rendezvous order
-            self._place(fleet, name, left, out, skip=())
-            if not any(left.values()):
-                break
-        left = {r: max(0, shared[r] - (first[r] - room)) for r, room in left.items()}  # second copies: the share's
-        requested = [name for name in order if counts.get(name) > 0 and self.copies.get(name) == 1]
-        for name in requested:  # then second copies of requested adapters, where room is left
-            holder = tuple(r for r, keys in out.items() if fleet.catalog[name].key in keys)
-            self._place(fleet, name, left, out, skip=holder)
-        return {r: tuple(keys) for r, keys in out.items() if keys}
+        return _spread(fleet, counts, order, first, shared, lambda info: info.bytes_per_rank, self.copies)
 
-    def _place(self, fleet: FleetState, name: str, left: dict[str, int], out: dict[str, list[AdapterKey]],
-               skip: tuple[str, ...]) -> None:
-        info = fleet.catalog[name]
-        fits = [r for r, room in left.items() if room >= info.bytes_per_rank and r not in skip]
-        if not fits:
-            return
-        replica = preference(name, fits)[0]
-        left[replica] -= info.bytes_per_rank
-        out[replica].append(info.key)
-        self.copies[name] = self.copies.get(name, 0) + 1
+    def _assign_disk(self, fleet: FleetState, counts: RankedCounts,
+                     order: list[str]) -> dict[str, tuple[AdapterKey, ...]]:
+        """Point 4: the store adapters, in the warm set's order, placed as it is within the disk tiers' budgets."""
+        budgets = self._disk_limits = _disk_budgets(fleet, self.disk_share)
+        self.disk_copies = {}
+        stored = [name for name in order if fleet.catalog[name].object_bytes > 0]
+        return _spread(fleet, counts, stored, budgets, budgets, lambda info: info.object_bytes, self.disk_copies)
+
+
+def _spread(fleet: FleetState, counts: RankedCounts, order: list[str], first: dict[str, int], shared: dict[str, int],
+            size: Callable[[AdapterInfo], int], copies: dict[str, int]) -> dict[str, tuple[AdapterKey, ...]]:
+    """``order``'s adapters over the replicas: one copy each in rendezvous order within ``first``'s bytes, then
+    second copies of requested adapters within what ``shared``'s leave (points 2 and 3); ``copies`` counts them."""
+    left = dict(first)
+    out: dict[str, list[AdapterKey]] = {r: [] for r in left}
+    if not left:
+        return {}
+    for name in order:  # one copy each, in rendezvous order
+        _place(fleet, name, left, out, (), size, copies)
+        if not any(left.values()):
+            break
+    left = {r: max(0, shared[r] - (first[r] - room)) for r, room in left.items()}  # second copies: the share's
+    requested = [name for name in order if counts.get(name) > 0 and copies.get(name) == 1]
+    for name in requested:  # then second copies of requested adapters, where room is left
+        holder = tuple(r for r, keys in out.items() if fleet.catalog[name].key in keys)
+        _place(fleet, name, left, out, holder, size, copies)
+    return {r: tuple(keys) for r, keys in out.items() if keys}
+
+
+def _place(fleet: FleetState, name: str, left: dict[str, int], out: dict[str, list[AdapterKey]],
+           skip: tuple[str, ...], size: Callable[[AdapterInfo], int], copies: dict[str, int]) -> None:
+    info = fleet.catalog[name]
+    nbytes = size(info)
+    fits = [r for r, room in left.items() if room >= nbytes and r not in skip]
+    if not fits:
+        return
+    replica = preference(name, fits)[0]
+    left[replica] -= nbytes
+    out[replica].append(info.key)
+    copies[name] = copies.get(name, 0) + 1
+
+
+def _disk_budgets(fleet: FleetState, share: float) -> dict[str, int]:
+    """Each replica's disk warm budget in object bytes: ``share`` of its ranks' part of their node's disk tier
+    (replicas with no disk tier reported, or slotless: none)."""
+    out: dict[str, int] = {}
+    for replica in sorted(fleet.workers):
+        if not fleet.workers[replica] or share <= 0:
+            continue
+        capacity = fleet.replica_capacity(replica)
+        if capacity.disk_bytes and capacity.slots >= 1:
+            out[replica] = int(capacity.disk_bytes * share)
+    return out
 
 
 def _budgets(fleet: FleetState, share: float) -> dict[str, int]:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from lora_cache.errors import LoraCacheError, SlotsBusyError
-from lora_cache.vocab import ApplyResult, Command, Delta, Evict, Prefetch, Stage
+from lora_cache.vocab import AdapterKey, ApplyResult, Command, Delta, Evict, Prefetch, Stage
 from workers.cache import WorkerCache
 from workers.staging.warming import WarmQueue
 
@@ -40,6 +40,7 @@ class CommandGate:
         self.epoch = 0
         self._lock = threading.Lock()  # protects epoch, the counters and _warm
         self._warm: WarmQueue | None = None  # speculative stages (warm_queue)
+        self._to_disk: set[AdapterKey] = set()  # the queued speculative stages that fetch into the disk tier only
         self.accepted = self.rejected = 0
 
     def apply(self, commands: Iterable[Command]) -> ApplyResult:
@@ -83,12 +84,22 @@ class CommandGate:
             warm.close()
 
     def _warm_stage(self, name: str, version: str) -> Any:
-        """A warm stage's read: the host tier leaves no demand-read marker for it (``node_reads``)."""
+        """A warm stage's read: the host tier leaves no demand-read marker for it (``node_reads``). A disk warm
+        stage fetches the store adapter's object into the node's disk tier and reads nothing into the host tier."""
+        with self._lock:
+            key = AdapterKey(name, version)
+            to_disk = key in self._to_disk
+            self._to_disk.discard(key)
+        if to_disk:
+            return self.cache.stage_disk(name, version)
         with self.cache.host.demand.speculative():
             return self.cache.stage(name, version)
 
     def _shard_bytes(self, name: str, version: str) -> int:
-        return self.cache.layout_of(name, version).nbytes
+        """What a warm stage moves, for the read rate limit: the shard; a disk warm stage's, the whole object."""
+        with self._lock:
+            to_disk = AdapterKey(name, version) in self._to_disk
+        return self.cache.object_bytes(name, version) if to_disk else self.cache.layout_of(name, version).nbytes
 
     def _apply_one(self, command: Command) -> str | None:
         """Why the command failed at once, or None; the cache reports the changes it makes."""
@@ -97,7 +108,14 @@ class CommandGate:
                 self.cache.restate(command.adapter, command.version)  # absent: nothing to say
             return None
         if isinstance(command, Stage) and command.speculative:
-            self.warm_queue().offer(command.adapter, command.version)  # read once the host tier is idle
+            queue = self.warm_queue()
+            with self._lock:  # a host warm stage of a key queued for the disk makes it a host one (it fetches too)
+                key = AdapterKey(command.adapter, command.version)
+                if command.disk and (not queue.holds(key) or key in self._to_disk):
+                    self._to_disk.add(key)
+                else:
+                    self._to_disk.discard(key)
+            queue.offer(command.adapter, command.version)  # read (or fetched) once the host tier is idle
             return None
         if isinstance(command, Stage):
             self.cache.stage(command.adapter, command.version)  # no room or a failed read: counted there

@@ -122,6 +122,8 @@ class WorkerControl:
         return {**paged, "replica": self.replica, "rank": config.tp_rank, "tp": config.tp,
                 "model": self.catalog.shape.name, "incarnation": self.outbox.incarnation, "seq": seq, "node": node,
                 "slots": config.num_slots, "host_bytes": config.host.host_bytes, "adapters": dict(self.paths),
+                # its part of the node's disk tier (every rank of this service here shares it): disk warming's bound
+                "disk_bytes": config.disk.disk_cache_bytes // max(1, cache.host.ranks_here),
                 "epoch": self.gate.epoch,
                 "residency": [(r["adapter"], r["version"], r["state"], r["refs"], r.get("acquired") is True)
                               for r in self.cache.residency()],

@@ -36,7 +36,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +51,8 @@ from lora_cache.vocab import NAMESPACE, check_service_name
 from workers.staging.store_fetch import fetch_object
 
 log = logging.getLogger(__name__)
+YIELD_MAX_S = 2.0  # the longest a disk warm stage's fetch yields the store at a time (``DiskTier._pause``)
+YIELD_POLL_S = 0.005  # how often a yielding fetch looks whether the demand reads ended
 
 
 @dataclass(frozen=True)
@@ -111,25 +113,33 @@ class DiskTier:
         self.dir = config.directory(service)  # this service's alone: another's cap never evicts its copies
         self._lock = threading.Lock()  # protects _flights and the counters
         self._flights: dict[str, Future[WeightsSource]] = {}  # name -> this process's fetch in flight
+        # name -> what a disk warm stage's fetch in flight yields to (``stage``'s ``busy``); a read that joins the
+        # fetch takes it out: from then on the fetch is that read's own and yields to nothing
+        self._yielding: dict[str, Callable[[], bool]] = {}
+        self.yielded_s = 0.0  # time disk warm stages' fetches spent yielding the store (protected by _lock)
+        self.yields = 0  # pauses in which a disk warm stage's fetch found a demand read and yielded
         self._stager: ThreadPoolExecutor | None = None
         self.hits = self.fetches = self.fetched_bytes = self.evictions = self.stage_failures = 0
 
     # -- reads ------------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def held(self, spec: AdapterSpec) -> Iterator[AdapterSpec]:
+    def held(self, spec: AdapterSpec, busy: Callable[[], bool] | None = None) -> Iterator[AdapterSpec]:
         """``spec`` with ``source`` its local copy's (fetched if need be), which no process evicts until the
-        ``with`` ends; ``spec`` itself for an adapter not in a store."""
+        ``with`` ends; ``spec`` itself for an adapter not in a store. ``busy``: a disk warm stage's (``stage``)."""
         if spec.store is None:
             yield spec
             return
         name = entry_name(spec.store)
+        if busy is None:  # a read that needs it: a warm stage's fetch of it in flight here yields no more (its
+            with self._lock:  # entry lock keeps this read out until the fetch ends)
+                self._yielding.pop(name, None)
         fd = self._entry_lock(name, fcntl.LOCK_SH)
         try:
             local = self._proof(name, spec.store)
             if local is None:
                 os.close(fd)
                 fd = -1
-                self._fetch_once(name, spec.store)
+                self._fetch_once(name, spec.store, busy)
                 fd = self._entry_lock(name, fcntl.LOCK_SH)
                 local = self._proof(name, spec.store)
                 if local is None:  # evicted between the fetch and this lock: rare, fetched once more
@@ -158,20 +168,23 @@ class DiskTier:
             if fd >= 0:
                 os.close(fd)
 
-    def stage(self, spec: AdapterSpec) -> Future[None] | None:
+    def stage(self, spec: AdapterSpec, busy: Callable[[], bool] | None = None) -> Future[None] | None:
         """Fetch ``spec``'s object into the tier in the background (the planner's stage, ahead of need); None
-        for an adapter not in a store. A failure is logged and counted (``stage_failures``), not raised."""
+        for an adapter not in a store. A failure is logged and counted (``stage_failures``), not raised.
+        ``busy``: a disk warm stage's, which yields the store at once: while ``busy()`` (a demand read on this
+        node) its fetch reads no more of the object (the store's bandwidth goes to the demand), up to ``YIELD_MAX_S``
+        at a time; a read that needs the object joins the fetch and it yields no more."""
         if spec.store is None:
             return None
         with self._lock:
             if self._stager is None:
                 self._stager = ThreadPoolExecutor(2, thread_name_prefix="lora-disk-stage")
             stager = self._stager
-        return stager.submit(self._stage, spec)
+        return stager.submit(self._stage, spec, busy)
 
-    def _stage(self, spec: AdapterSpec) -> None:
+    def _stage(self, spec: AdapterSpec, busy: Callable[[], bool] | None = None) -> None:
         try:
-            with self.held(spec):
+            with self.held(spec, busy):
                 pass
         except Exception as e:  # staging is advice: the load that needs it reports the error
             with self._lock:
@@ -196,14 +209,16 @@ class DiskTier:
             self._stager.shutdown(wait=True, cancel_futures=True)
 
     # -- one fetch per node ----------------------------------------------------------------------------
-    def _fetch_once(self, name: str, source: StoreSource) -> None:
+    def _fetch_once(self, name: str, source: StoreSource, busy: Callable[[], bool] | None = None) -> None:
         """The copy of ``source`` in place: fetched by this thread, or by the one (of any process here) already
-        fetching it, whose end this waits for."""
+        fetching it, whose end this waits for. ``busy``: a disk warm stage's fetch (it yields: ``stage``)."""
         with self._lock:
             flight = self._flights.get(name)
             mine = flight is None
             if mine:
                 flight = self._flights[name] = Future()
+                if busy is not None:
+                    self._yielding[name] = busy
         assert flight is not None
         if not mine:
             flight.result()
@@ -213,7 +228,7 @@ class DiskTier:
             try:
                 local = self._proof(name, source)
                 if local is None:
-                    local = self._fetch(name, source)
+                    local = self._fetch(name, source, self._pause(name) if busy is not None else None)
             finally:
                 os.close(fd)
             flight.set_result(local)
@@ -223,14 +238,40 @@ class DiskTier:
         finally:
             with self._lock:
                 del self._flights[name]
+                self._yielding.pop(name, None)
 
-    def _fetch(self, name: str, source: StoreSource) -> WeightsSource:
-        """Fetch ``source`` into ``name`` (caller holds its entry lock exclusively)."""
+    def _pause(self, name: str) -> Callable[[], None]:
+        """A disk warm stage's pause before each block it reads: while its ``busy`` says a demand read is on this
+        node, and no read joined its fetch, it reads nothing (the socket's flow control holds the store back), for
+        ``YIELD_MAX_S`` at most at a time (a read of another process here that waits for this very object, which
+        this process cannot see, waits that much longer)."""
+
+        def pause() -> None:
+            start = now = time.monotonic()
+            while now - start < YIELD_MAX_S:
+                with self._lock:
+                    busy = self._yielding.get(name)
+                if busy is None or not busy():
+                    break
+                if now == start:
+                    with self._lock:
+                        self.yields += 1
+                time.sleep(YIELD_POLL_S)
+                now = time.monotonic()
+            if now > start:
+                with self._lock:
+                    self.yielded_s += now - start
+
+        return pause
+
+    def _fetch(self, name: str, source: StoreSource, pause: Callable[[], None] | None = None) -> WeightsSource:
+        """Fetch ``source`` into ``name`` (caller holds its entry lock exclusively); ``pause``: ``_pause``'s."""
         part = self.dir / f"{name}.part.{os.getpid()}"
         fd = self._reserve(source, part)
         try:
             s3 = client(self.timeout_s, pool=max(32, self.config.fetch_parallel))
-            crcs = fetch_object(s3, source, fd, self.config.fetch_parallel, self.config.fetch_part_bytes)
+            crcs = fetch_object(s3, source, fd, self.config.fetch_parallel, self.config.fetch_part_bytes,
+                                pause=pause)
             # no fsync (a quarter of a fetch's time here): a copy torn by a crash is caught by its first read in
             # any process (a fresh copy is racy: every block read is checked against its proof) and dropped
             path = self.dir / f"{name}.safetensors"

@@ -40,10 +40,12 @@ def part_spans(size: int, part_bytes: int) -> list[tuple[int, int]]:
 
 
 def fetch_object(
-    s3: Any, source: StoreSource, fd: int, parallel: int, part_bytes: int, on_part: Callable[[int], None] | None = None
+    s3: Any, source: StoreSource, fd: int, parallel: int, part_bytes: int, on_part: Callable[[int], None] | None = None,
+    pause: Callable[[], None] | None = None,
 ) -> BlockCrcs:
     """Every byte of ``source`` written to ``fd`` (a file of ``source.size`` bytes) by ranged GETs of that very
-    version; the CRC of each block. ``on_part(k)``: told when part k is written (progress; a test's hook)."""
+    version; the CRC of each block. ``on_part(k)``: told when part k is written (progress; a test's hook).
+    ``pause()``: called before each block is taken from the socket (a speculative fetch yielding the store)."""
     spans = part_spans(source.size, part_bytes)
     crcs = [0] * -(-source.size // BLOCK_BYTES)
 
@@ -51,6 +53,8 @@ def fetch_object(
         start, nbytes = spans[k]
 
         def write(offset: int, piece: memoryview) -> None:  # one block (pieces are block-aligned), or the end
+            if pause is not None:
+                pause()
             written = 0
             while written < len(piece):
                 written += os.pwrite(fd, piece[written:], offset + written)

@@ -63,6 +63,11 @@ class WarmQueue:
                 self.dropped += 1
             self._lock.notify()
 
+    def holds(self, key: AdapterKey) -> bool:
+        """Whether ``key``'s stage is queued or in flight."""
+        with self._lock:
+            return key == self._reading or key in self._queued
+
     def pending(self) -> int:
         with self._lock:
             return len(self._queued) + (self._reading is not None)
