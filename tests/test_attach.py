@@ -43,7 +43,7 @@ def test_a_rank_joins_its_replica_only_with_the_same_tp_and_slots(tmp_path: Path
     # a rank with a paged GPU pool (issue 43) reports its bytes and page: the planner counts its room in them
     core.add_replica("r0", 2, 4, gpu_bytes=4096, page_bytes=1024)
     for wid in (WorkerId("r0", 0), WorkerId("r0", 1)):
-        assert core.planner.view.capacity(str(wid)) == (4, 4096, None, 1024)
+        assert core.planner.view.capacity(str(wid)) == (4, 4096, None, 1024, None)
     core.check_integrity()
 
 

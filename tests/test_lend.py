@@ -158,10 +158,10 @@ def test_the_controller_plans_within_the_capacity_a_rank_reports(tmp_path: Path)
     incarnation, rows = relay_codec.from_deltas(relay_codec.deltas(3, [row]))  # the gateway's transport too
     assert incarnation == 3 and rows == [row]
     core.worker_report(WorkerId("r0", 1), [row[1:5]], now=1.0)
-    assert core.planner.view.capacity("r0/1") == (4, 2048, None, 1024)
-    assert core.planner.view.capacity("r0/0") == (4, 4096, None, 1024), "each rank reports its own"
+    assert core.planner.view.capacity("r0/1") == (4, 2048, None, 1024, None)
+    assert core.planner.view.capacity("r0/0") == (4, 4096, None, 1024, None), "each rank reports its own"
     core.worker_report(WorkerId("r0", 1), [("", "lots:of", "capacity", "")], now=2.0)  # malformed: ignored
-    assert core.planner.view.capacity("r0/1") == (4, 2048, None, 1024)
+    assert core.planner.view.capacity("r0/1") == (4, 2048, None, 1024, None)
     assert capacity_of("0:1024") == (0, 1024)
     with pytest.raises(ValueError, match="give gpu_bytes >= 0 and page_bytes > 0"):
         capacity_of("4096:0")

@@ -208,6 +208,9 @@ def test_an_answer_of_the_wrong_kind_names_the_call_and_the_fix() -> None:
 
 def test_the_codec_round_trips_reports_calls_and_errors() -> None:
     assert codec.from_report(codec.report(report())) == report()
+    assert codec.from_report(codec.report({**report(), "disk_bytes": 64 << 30}))["disk_bytes"] == 64 << 30
+    for stage in (Stage("c", "v3", 2, 11, True), Stage("c", "v3", 2, 11, True, True), Stage("c", "v3", 2, 11)):
+        assert codec.from_command(codec.command(stage)) == stage  # a disk warm stage stays one over the link
     known = KnownVersion("v1", "c0ffee", "boot", WeightsSource("/r/a/adapter_model.safetensors", "v1",
                                                                 FileIdentity(1, 2, 3 << 20, -4, 5), 64, 7,
                                                                 BlockCrcs([0, 1, 0xFFFFFFFF]), 6))

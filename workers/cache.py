@@ -346,21 +346,6 @@ class WorkerCache:
     def layout_of(self, name: str, version: str | None = None) -> ShardLayout:
         return self.shards.layout(self.catalog.get(name, version))
 
-    def object_bytes(self, name: str, version: str | None = None) -> int:
-        """The bytes of ``name``'s object in its store (0 for an adapter of local files)."""
-        store = self.catalog.get(name, version).store
-        return store.size if store is not None else 0
-
-    def stage_disk(self, name: str, version: str | None = None) -> Future[None] | None:
-        """Fetch ``name``'s object from its store into this node's disk tier, reading nothing into the host tier (a
-        disk warm stage: the planner's ``Stage(disk=True)``); its future, or None for an adapter of local files.
-        Raises only for an unknown adapter or version; a failed fetch is counted (``disk_stage_failures``) and
-        leaves the tier as it was (``DiskTier.stage``). Its fetch yields the store at once to any demand read of
-        this node (a host-tier read in flight here, or another rank's demand read: ``node_reads``)."""
-        host = self.host
-        return self.disk.stage(self.catalog.get(name, version),
-                               lambda: host.reading() > 0 or host.demand.node.busy() > 0)
-
     def settle(self, timeout: float = 10.0) -> None:
         """Wait until every load now in flight has ended (READY or failed; its residency change reported
         before its future resolves): for tests, and callers that want a quiet cache. No sleeps."""

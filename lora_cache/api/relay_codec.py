@@ -46,7 +46,8 @@ _ERRORS: dict[str, type[errors.LoraCacheError]] = {
 def command(c: Command) -> pb.RelayedCommand:
     priority = 0 if isinstance(c, Evict) else c.priority
     return pb.RelayedCommand(kind=_KINDS[type(c)], adapter=c.adapter, version=c.version, priority=priority,
-                             epoch=c.epoch, speculative=isinstance(c, Stage) and c.speculative)
+                             epoch=c.epoch, speculative=isinstance(c, Stage) and c.speculative,
+                             disk=isinstance(c, Stage) and c.disk)
 
 
 def from_command(m: pb.RelayedCommand) -> Command:
@@ -55,7 +56,7 @@ def from_command(m: pb.RelayedCommand) -> Command:
     if m.kind == pb.RELAYED_COMMAND_KIND_PREFETCH:
         return Prefetch(m.adapter, m.version, m.priority, m.epoch)
     if m.kind == pb.RELAYED_COMMAND_KIND_STAGE:
-        return Stage(m.adapter, m.version, m.priority, m.epoch, m.speculative)
+        return Stage(m.adapter, m.version, m.priority, m.epoch, m.speculative, m.disk)
     raise RequestError(f"command kind {m.kind} of {m.adapter!r} is not PREFETCH, EVICT or STAGE; the gateway is "
                        "newer than this engine's lora-cache: upgrade it")
 
@@ -216,7 +217,8 @@ def report(d: dict[str, Any]) -> pb.WorkerReport:
         residencies=[pb.RankResidency(adapter=r[0], version=r[1], state=state(r[2]), refs=r[3],
                                       acquired=len(r) > 4 and r[4] is True) for r in d["residency"]],
         host_shards=[pb.HostShard(adapter=a, version=v) for a, v in d.get("host") or ()],
-        reports_host=d.get("host") is not None, gpu_bytes=d.get("gpu_bytes") or 0, page_bytes=d.get("page_bytes") or 0)
+        reports_host=d.get("host") is not None, gpu_bytes=d.get("gpu_bytes") or 0, page_bytes=d.get("page_bytes") or 0,
+        disk_bytes=d.get("disk_bytes") or 0)
 
 
 def from_report(m: pb.WorkerReport) -> dict[str, Any]:
@@ -225,7 +227,8 @@ def from_report(m: pb.WorkerReport) -> dict[str, Any]:
             "epoch": m.epoch, "residency": [(r.adapter, r.version, state_name(r.state), r.refs, r.acquired)
                                             for r in m.residencies],
             "host": [(h.adapter, h.version) for h in m.host_shards] if m.reports_host else None,
-            **({"gpu_bytes": m.gpu_bytes, "page_bytes": m.page_bytes} if m.page_bytes else {})}
+            **({"gpu_bytes": m.gpu_bytes, "page_bytes": m.page_bytes} if m.page_bytes else {}),
+            **({"disk_bytes": m.disk_bytes} if m.disk_bytes else {})}
 
 
 # -- deltas (up) and the catalog (down) ------------------------------------------------------------

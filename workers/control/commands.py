@@ -90,8 +90,10 @@ class CommandGate:
             key = AdapterKey(name, version)
             to_disk = key in self._to_disk
             self._to_disk.discard(key)
-        if to_disk:
-            return self.cache.stage_disk(name, version)
+        if to_disk:  # the object into the node's disk tier, nothing into the host tier; its fetch yields the store
+            host = self.cache.host  # at once to any demand read of this node (DiskTier.stage)
+            return self.cache.disk.stage(self.cache.catalog.get(name, version),
+                                         lambda: host.reading() > 0 or host.demand.node.busy() > 0)
         with self.cache.host.demand.speculative():
             return self.cache.stage(name, version)
 
@@ -99,7 +101,8 @@ class CommandGate:
         """What a warm stage moves, for the read rate limit: the shard; a disk warm stage's, the whole object."""
         with self._lock:
             to_disk = AdapterKey(name, version) in self._to_disk
-        return self.cache.object_bytes(name, version) if to_disk else self.cache.layout_of(name, version).nbytes
+        store = self.cache.catalog.get(name, version).store
+        return store.size if to_disk and store is not None else self.cache.layout_of(name, version).nbytes
 
     def _apply_one(self, command: Command) -> str | None:
         """Why the command failed at once, or None; the cache reports the changes it makes."""

@@ -566,20 +566,22 @@ class AttachHello(_message.Message):
     def __init__(self, replica: _Optional[str] = ..., rank: _Optional[int] = ..., tp: _Optional[int] = ..., num_slots: _Optional[int] = ..., model: _Optional[str] = ..., incarnation: _Optional[int] = ..., liveness_s: _Optional[float] = ..., start_s: _Optional[float] = ..., name_wait_s: _Optional[float] = ..., max_adapters: _Optional[int] = ..., max_running: _Optional[int] = ...) -> None: ...
 
 class RelayedCommand(_message.Message):
-    __slots__ = ("kind", "adapter", "version", "priority", "epoch", "speculative")
+    __slots__ = ("kind", "adapter", "version", "priority", "epoch", "speculative", "disk")
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     kind: RelayedCommandKind
     adapter: str
     version: str
     priority: int
     epoch: int
     speculative: bool
-    def __init__(self, kind: _Optional[_Union[RelayedCommandKind, str]] = ..., adapter: _Optional[str] = ..., version: _Optional[str] = ..., priority: _Optional[int] = ..., epoch: _Optional[int] = ..., speculative: _Optional[bool] = ...) -> None: ...
+    disk: bool
+    def __init__(self, kind: _Optional[_Union[RelayedCommandKind, str]] = ..., adapter: _Optional[str] = ..., version: _Optional[str] = ..., priority: _Optional[int] = ..., epoch: _Optional[int] = ..., speculative: _Optional[bool] = ..., disk: _Optional[bool] = ...) -> None: ...
 
 class ApplyCommands(_message.Message):
     __slots__ = ("commands",)
@@ -748,7 +750,7 @@ class RankResidency(_message.Message):
     def __init__(self, adapter: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[ResidencyState, str]] = ..., refs: _Optional[int] = ..., acquired: _Optional[bool] = ...) -> None: ...
 
 class WorkerReport(_message.Message):
-    __slots__ = ("replica", "rank", "tp", "model", "incarnation", "seq", "node", "slots", "host_bytes", "adapters", "epoch", "residencies", "host_shards", "reports_host", "gpu_bytes", "page_bytes")
+    __slots__ = ("replica", "rank", "tp", "model", "incarnation", "seq", "node", "slots", "host_bytes", "adapters", "epoch", "residencies", "host_shards", "reports_host", "gpu_bytes", "page_bytes", "disk_bytes")
     class AdaptersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -772,6 +774,7 @@ class WorkerReport(_message.Message):
     REPORTS_HOST_FIELD_NUMBER: _ClassVar[int]
     GPU_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     replica: str
     rank: int
     tp: int
@@ -788,7 +791,8 @@ class WorkerReport(_message.Message):
     reports_host: bool
     gpu_bytes: int
     page_bytes: int
-    def __init__(self, replica: _Optional[str] = ..., rank: _Optional[int] = ..., tp: _Optional[int] = ..., model: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., node: _Optional[str] = ..., slots: _Optional[int] = ..., host_bytes: _Optional[int] = ..., adapters: _Optional[_Mapping[str, str]] = ..., epoch: _Optional[int] = ..., residencies: _Optional[_Iterable[_Union[RankResidency, _Mapping]]] = ..., host_shards: _Optional[_Iterable[_Union[HostShard, _Mapping]]] = ..., reports_host: _Optional[bool] = ..., gpu_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+    disk_bytes: int
+    def __init__(self, replica: _Optional[str] = ..., rank: _Optional[int] = ..., tp: _Optional[int] = ..., model: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., node: _Optional[str] = ..., slots: _Optional[int] = ..., host_bytes: _Optional[int] = ..., adapters: _Optional[_Mapping[str, str]] = ..., epoch: _Optional[int] = ..., residencies: _Optional[_Iterable[_Union[RankResidency, _Mapping]]] = ..., host_shards: _Optional[_Iterable[_Union[HostShard, _Mapping]]] = ..., reports_host: _Optional[bool] = ..., gpu_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ...) -> None: ...
 
 class HostShard(_message.Message):
     __slots__ = ("adapter", "version")
