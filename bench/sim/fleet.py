@@ -24,6 +24,7 @@ per adapter, all READY before t=0 (an infinite cache with zero load cost).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,7 +49,7 @@ from lora_cache.adapters.shards import shard_layout
 from lora_cache.adapters.synth import SynthConfig
 from lora_cache.controller.core import ControllerCore
 from lora_cache.errors import ConfigError
-from lora_cache.planner import AdapterInfo, PlannerConfig
+from lora_cache.planner import PlannerConfig
 from lora_cache.routing.advice import RouteRequest
 from lora_cache.routing.ranking import RouterConfig
 from lora_cache.vocab import AdapterKey, WorkerId
@@ -263,10 +264,9 @@ class _Fleet:
         self.store = None if model.kind == "page-cache" else SimStore(model, loop, calibration, objects)
         self.disk_bytes: int | None = None  # s3: each rank's part of the node's disk tier, as a worker reports it
         if model.kind == "s3":  # the controller learns a store adapter's object from its registration (disk warming)
-            for name in names:  # as ControllerCore.add_adapter registers a store version
-                per_rank = shard_layout(catalog.get(name), catalog.shape, 1, 0, torch.bfloat16).nbytes
-                self.controller.core.planner.register_adapter(AdapterInfo(name, keys[name].version, per_rank,
-                                                                          objects[name]))
+            plans = self.controller.core.planner  # as ControllerCore.add_adapter registers a store version
+            for name in names:
+                plans.register_adapter(dataclasses.replace(plans.view.adapter(name), object_bytes=objects[name]))
             self.disk_bytes = DiskTierConfig().disk_cache_bytes // max(1, config.replicas * config.tp)
         self.ranks_at_warmup: list[dict[str, object]] | None = None
         if config.host_bytes < max(nbytes.values()):

@@ -31,8 +31,6 @@ from bench.sim.calibration import GB, Calibration
 from bench.sim.events import Loop, Signal
 from bench.store import StoreModel
 
-YIELD_WARM_FETCHES = True  # a disk warm stage's fetch moves only while no demand fetch does
-
 
 class SharedLink:
     """Transfers sharing ``bytes_per_s`` equally (processor sharing), each after a wait of ``fixed_s``. A background
@@ -40,26 +38,27 @@ class SharedLink:
 
     def __init__(self, loop: Loop, bytes_per_s: float, fixed_s: float) -> None:
         self.loop, self.rate, self.fixed_s = loop, bytes_per_s, fixed_s
-        self.active: list[list[object]] = []  # [remaining bytes, done, background]
+        self.active: list[list[object]] = []  # the transfers moving: [remaining bytes, done, background]
         self.last = 0.0
         self.gen = 0  # the scheduled completion that is current (older ones are stale)
         self.busy_s = 0.0  # simulated time with a transfer on the link
         self.moved = 0
-        self._promoted: set[int] = set()  # background transfers a demand joined (ids of their ``done``)
 
-    def start(self, nbytes: int, done: Callable[[], None], slowdown: float = 1.0, background: bool = False) -> None:
+    def start(self, nbytes: int, done: Callable[[], None], slowdown: float = 1.0,
+              background: bool = False) -> list[object]:
         """Move ``nbytes``, then call ``done``; ``slowdown``: the transfer takes that many times its share's time
-        (it holds the link for ``nbytes * slowdown`` bytes' worth; ``moved`` counts ``nbytes``)."""
+        (it holds the link for ``nbytes * slowdown`` bytes' worth; ``moved`` counts ``nbytes``). The transfer's
+        record, for ``promote``."""
         self.moved += nbytes
-        self.loop.after(self.fixed_s, self._join, nbytes * slowdown, done, background)
+        transfer: list[object] = [float(nbytes * slowdown), done, background]
+        self.loop.after(self.fixed_s, self._join, transfer)
+        return transfer
 
-    def promote(self, done: Callable[[], None]) -> None:
-        """The background transfer that ends with ``done`` moves as a foreground one from now (a demand joined it)."""
+    def promote(self, transfer: list[object]) -> None:
+        """A background ``transfer`` moves as a foreground one from now (a demand joined it), even if it is still
+        waiting for its first byte."""
         self._advance()
-        for a in self.active:
-            if a[1] is done:
-                a[2] = False
-        self._promoted.add(id(done))  # one still waiting for its first byte joins as foreground
+        transfer[2] = False
         self._schedule()
 
     def _moving(self) -> list[list[object]]:
@@ -76,12 +75,12 @@ class SharedLink:
             self.busy_s += now - self.last
         self.last = now
 
-    def _join(self, nbytes: float, done: Callable[[], None], background: bool = False) -> None:
-        if math.isinf(self.rate) or nbytes <= 0:
-            done()
+    def _join(self, transfer: list[object]) -> None:
+        if math.isinf(self.rate) or float(transfer[0]) <= 0:  # type: ignore[arg-type]
+            transfer[1]()  # type: ignore[operator]
             return
         self._advance()
-        self.active.append([float(nbytes), done, background and id(done) not in self._promoted])
+        self.active.append(transfer)
         self._schedule()
 
     def _schedule(self) -> None:
@@ -116,7 +115,7 @@ class SimStore:
         else:
             raise ValueError(f"no simulated store for {model.kind!r} (page-cache reads are the host tier's own)")
         self.on_disk: dict[str, Signal] = {}  # s3: the node's disk tier (fetched, or being fetched)
-        self._fire: dict[str, Callable[[], None]] = {}  # fetches in flight: what ends each (``SharedLink.promote``)
+        self._background: dict[str, list[object]] = {}  # disk warm fetches in flight: their transfers
         self.tiers: list[Any] = []  # the host tiers that read from it (``SimHostTier``: the node's ranks)
         self.fetches = 0
 
@@ -132,22 +131,23 @@ class SimStore:
     def fetch(self, name: str, background: bool = False) -> Signal | None:
         """s3: ``name``'s object in the node's disk tier (fired once there; the fetch in flight, or a new one):
         ``DiskTier.held``'s single flight; ``background``: a disk warm stage's fetch, which yields the store to
-        demand fetches (``YIELD_WARM_FETCHES``) until a demand joins it. None for a store with no disk tier."""
+        demand fetches until a demand joins it. None for a store with no disk tier."""
         if self.model.kind != "s3":
             return None
         copy = self.on_disk.get(name)
         if copy is None:
             copy = self.on_disk[name] = Signal()
             self.fetches += 1
-            fire = functools.partial(self._fetched, name, copy)
-            self._fire[name] = fire
-            self.link.start(self.object_bytes[name], fire, background=background and YIELD_WARM_FETCHES)
-        elif not background and not copy.done and name in self._fire:
-            self.link.promote(self._fire.pop(name))
+            transfer = self.link.start(self.object_bytes[name], functools.partial(self._fetched, name, copy),
+                                       background=background)
+            if background:
+                self._background[name] = transfer
+        elif not background and name in self._background:
+            self.link.promote(self._background.pop(name))
         return copy
 
     def _fetched(self, name: str, copy: Signal) -> None:
-        self._fire.pop(name, None)
+        self._background.pop(name, None)
         copy.fire(self.loop.now)
 
     def stats(self) -> dict[str, float]:

@@ -69,7 +69,6 @@ class WarmBook:
         self.copies: dict[str, int] = {}  # adapter -> warm copies in the fleet (last assignment)
         self._limits: dict[str, int] = {}  # replica -> the bytes its warm set may take (last assignment)
         self._disk: dict[str, tuple[AdapterKey, ...]] = {}  # replica -> store adapters its node's disk keeps
-        self.disk_copies: dict[str, int] = {}  # adapter -> disk warm copies in the fleet (last assignment)
         self._disk_limits: dict[str, int] = {}  # replica -> the object bytes its disk warm set may take
         self.assignments = 0
 
@@ -99,7 +98,6 @@ class WarmBook:
         self._warm = {r: tuple(k for k in keys if k.name != adapter) for r, keys in self._warm.items()}
         self._disk = {r: tuple(k for k in keys if k.name != adapter) for r, keys in self._disk.items()}
         self.copies.pop(adapter, None)
-        self.disk_copies.pop(adapter, None)
 
     def check_integrity(self, fleet: FleetState) -> None:
         if fleet.shape != self._shape:
@@ -125,9 +123,8 @@ class WarmBook:
                      order: list[str]) -> dict[str, tuple[AdapterKey, ...]]:
         """Point 4: the store adapters, in the warm set's order, placed as it is within the disk tiers' budgets."""
         budgets = self._disk_limits = _disk_budgets(fleet, self.disk_share)
-        self.disk_copies = {}
         stored = [name for name in order if fleet.catalog[name].object_bytes > 0]
-        return _spread(fleet, counts, stored, budgets, budgets, lambda info: info.object_bytes, self.disk_copies)
+        return _spread(fleet, counts, stored, budgets, budgets, lambda info: info.object_bytes, {})
 
 
 def _spread(fleet: FleetState, counts: RankedCounts, order: list[str], first: dict[str, int], shared: dict[str, int],
