@@ -14,6 +14,7 @@ from bench.policies import parse_policies
 from bench.router.rules import RULES
 from bench.store import StoreModel, parse_store
 from lora_cache.errors import ConfigError
+from lora_cache.routing.ranking import RouterConfig
 from workers.staging.eviction import EVICTION
 from workers.staging.host_config import TIERS
 
@@ -85,6 +86,9 @@ class BenchConfig:
                 "least-loaded (fewest routed and not finished) | affinity (the least-loaded replica where the "
                 "adapter is ready, else the least loaded) | lora-cache (the controller's routing advice, the "
                 "gateway's Route); closed-loop arrivals (inflight:N) on --engine real are routed round-robin"})
+    join_over: float = field(default=RouterConfig.join_over, metadata={
+        "help": "the lora-cache router's RouterConfig.join_over, on either engine (1: off; 2: a replica running the "
+                "request's adapter with no adapter waiting for a lane may take twice the load bound)"})
     host_bytes: int = field(default=REAL_HOST_BYTES, metadata={
         "help": "pinned host tier bytes per rank, the same for every policy (default 16 GiB: a quarter of a 512 GiB "
                 "host's memory over its 8 GPU ranks); 0: the host tier's auto size (a share of this host's available "
@@ -135,6 +139,7 @@ class BenchConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         parse_policies(self.policies)
+        RouterConfig(join_over=self.join_over)  # a clear error for a bad value before anything starts
         if self.router not in RULES:  # the simulator's ROUTERS are these rules too
             raise ConfigError(f"router {self.router!r} is not registered; choose one of {', '.join(RULES)}")
         parse_store(self.store)

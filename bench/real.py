@@ -55,6 +55,7 @@ from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
 from lora_cache.app.serve import ServeConfig, Service, start
 from lora_cache.errors import ConfigError
 from lora_cache.planner import PlannerConfig
+from lora_cache.routing.ranking import RouterConfig
 from lora_cache.runtime import heap
 from lora_cache.vocab import CONTROLLER_NAME, NAMESPACE, ReadinessRecord
 from workers.cache import WorkerConfig
@@ -98,6 +99,7 @@ class RealConfig:
     engine: dict[str, Any] = field(default_factory=dict)  # further EngineConfig fields (e.g. share_weights)
     attach: bool = False  # engine ranks in processes of their own, attached through the seam
     router: str = "round-robin"  # the routing rule (bench.router.rules.RULES)
+    join_over: float = RouterConfig.join_over  # the controller's routing advice (RouterConfig.join_over)
     store: str = "page-cache"  # bench.store: page-cache | device (pages dropped) | s3:... (adapters_dir is s3://)
     disk_root: str = ""  # s3: each policy's disk tier is a fresh directory under it (empty: a temporary one)
     # the controller's warming gate (PlannerConfig.warm_min_miss_s), recorded with the run: bench.sim.check replays it
@@ -189,7 +191,7 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
     phases = Phases(t_begin)
     _refuse_running_service()
     planner = PlannerConfig(policy=policy.planner, warm_min_miss_s=config.warm_min_miss_s)
-    service = start(serve, catalog, planner, worker)
+    service = start(serve, catalog, planner, worker, RouterConfig(join_over=config.join_over))
     phases.mark("service_s")  # Ray actors (workers with their caches) up, every adapter registered
     gateway = None
     replicas = [f"replica-{i}" for i in range(config.replicas)]

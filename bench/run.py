@@ -215,7 +215,7 @@ def _run_real(bench: BenchConfig, policies: Sequence[BenchPolicy], root: str, na
                       # one set of random base weights for every layer: the same math and bytes read per
                       # layer (far beyond any cache), a fraction of the start-up time and memory
                       engine={"share_weights": True, **({"kv_rows": bench.kv_rows} if bench.kv_rows else {})},
-                      attach=bench.attach, router=bench.router,
+                      attach=bench.attach, router=bench.router, join_over=bench.join_over,
                       store=bench.store, disk_root=str(Path(bench.out).resolve() / "disk-tier"))
     config["real"] = dataclasses.asdict(real)
     with contextlib.ExitStack() as stack:

@@ -227,6 +227,30 @@ def test_a_request_joins_its_adapters_running_batch_and_not_one_queued_behind_ot
     assert rank("a", [queued, ready], config)[0].replica == "r1"
 
 
+def test_join_over_lets_a_request_join_its_running_batch_past_the_bound_only_where_no_lane_is_waited_for() -> None:
+    """Issue 42: overflow of a hot adapter to another replica holds a lane there for a whole request."""
+    hot = ReplicaLoad("r0", Residence.READY, 12.0, {"a": 10, "b": 2}, max_adapters=4, scarce=True)  # a runs
+    cold = ReplicaLoad("r1", Residence.COLD, 4.0, {"c": 2, "d": 2}, max_adapters=4, scarce=True)  # two lanes free
+    cap = bound([12.0, 4.0], RouterConfig().epsilon, 1.0, RouterConfig().min_bound)
+    assert cap < 13.0 <= 2 * cap  # one more request takes r0 past the bound, not past twice it
+    assert rank("a", [hot, cold], RouterConfig())[0].replica == "r1"  # off (1.0): today's bound
+    over = RouterConfig(join_over=2.0)
+    assert [r.replica for r in rank("a", [hot, cold], over)] == ["r0", "r1"]
+    assert rank("a", [hot, cold], over)[0].within_bound
+    # an adapter waits for a lane there: joining keeps the lane busy longer, so the bound holds as before
+    waiting = hot._replace(flying={"a": 8, "b": 2, "e": 1, "f": 1, "g": 1})
+    assert waiting.runs("a") and rank("a", [waiting, cold], over)[0].replica == "r1"
+    # a replica that does not run the adapter gets no wider bound, nor does one past twice the bound
+    assert rank("b", [hot._replace(flying={"a": 12}), cold], over)[0].replica == "r1"
+    others = [cold, cold._replace(replica="r2", load=0.0, flying={}), cold._replace(replica="r3", load=0.0, flying={})]
+    assert rank("a", [hot, *others], over)[0].replica == "r0"  # 13 <= 2 x 8 (the bound of 4 replicas, min_bound)
+    assert rank("a", [hot._replace(load=20.0), *others], over)[0].replica != "r0"  # 21 > 2 x 8
+    # lanes not scarce (max_adapters = slots): joining saves nothing, the bound holds
+    assert rank("a", [hot._replace(scarce=False), cold._replace(scarce=False)], over)[0].replica == "r1"
+    with pytest.raises(ConfigError, match=r"join_over is 0\.5; give a number >= 1"):
+        RouterConfig(join_over=0.5)
+
+
 def test_a_full_replica_ranks_last_and_a_batch_counts_its_own_picks_as_in_flight() -> None:
     config = RouterConfig()
     full = ReplicaLoad("r0", Residence.READY, 4.0, {"a": 4}, max_adapters=4, max_running=4)

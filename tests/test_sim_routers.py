@@ -54,3 +54,22 @@ def test_router_names_are_checked() -> None:
     with pytest.raises(ConfigError, match="--router affinity routes open-loop arrivals only on --engine real"):
         check_router(BenchConfig(engine="real", router="affinity"), WorkloadSpec(arrivals="inflight:8"))
     check_router(BenchConfig(engine="sim", router="affinity"), WorkloadSpec(arrivals="inflight:8"))
+
+
+def test_join_over_reaches_the_simulated_controllers_routing_advice_and_is_checked_before_a_run() -> None:
+    """``--join-over`` (RouterConfig.join_over, issue 42) on the simulator: a fleet whose lanes are scarcer than its
+    slots routes differently with it, every request still served, every integrity check holding."""
+    from bench.sim.job import sim_config
+
+    assert sim_config(BenchConfig(engine="sim", join_over=2.0)).join_over == 2.0
+    with pytest.raises(ConfigError, match=r"join_over is 0\.5; give a number >= 1"):
+        BenchConfig(engine="sim", join_over=0.5)
+    spec = WorkloadSpec(arrivals="poisson:10", popularity="zipf:1.5", requests=300, num_adapters=40,
+                        random_input_len=512, random_output_len=128, workload_seed=0)
+    wl = make_workload(spec, spec.adapter_names(8))
+    scarce = SimConfig(replicas=2, tp=1, slots=8, max_adapters=4, hint_lead_s=0.05, routing="lora-cache")
+    runs = {j: simulate(dataclasses.replace(scarce, join_over=j), BENCH_POLICIES["global"], wl, H200, check=True)
+            for j in (1.0, 2.0)}
+    for result in runs.values():
+        assert [r.rid for r in result.records] == [r.rid for r in wl.requests] and all(r.ok for r in result.records)
+    assert [r.token_s for r in runs[1.0].records] != [r.token_s for r in runs[2.0].records]

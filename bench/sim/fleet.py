@@ -124,6 +124,8 @@ class SimConfig:
         "help": "the router knows (routes, hints) a request this long before it dispatches it (0.05: forwards "
                 "within milliseconds; 0.5: a router that queues requests)"})
     routing: str = field(default="least-loaded", metadata={"help": f"router: {' | '.join(ROUTERS)}"})
+    join_over: float = field(default=RouterConfig.join_over, metadata={
+        "help": "the lora-cache router's RouterConfig.join_over (where ``simulate`` is given no RouterConfig)"})
     plan_interval_s: float = field(default=0.5, metadata={
         "help": "the controller's timer: retry failed loads and replan the whole fleet"})
     sync_s: float = field(default=5.0, metadata={"help": "the controller resyncs every worker's residency this often"})
@@ -254,7 +256,7 @@ class _Fleet:
                                 stage_host_share=config.stage_share, warm_host_share=config.warm_share,
                                 warm_min_miss_s=config.warm_min_miss_s)
         self.controller = SimController(loop, calibration, planner, catalog, config.plan_interval_s, config.sync_s,
-                                        router or RouterConfig())
+                                        router or RouterConfig(join_over=config.join_over))
         for name in names:
             self.controller.core.register_adapter(name, f"simulated/{name}")
         keys = {n: AdapterKey(n, catalog.get(n).version) for n in names}

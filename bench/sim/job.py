@@ -35,6 +35,7 @@ def sim_config(bench: BenchConfig, workload: Workload | None = None,
                      adapter_ranks=bench.adapter_ranks, max_running=bench.max_running,
                      max_adapters=bench.max_adapters, max_prefill_tokens=bench.max_prefill_tokens,
                      hint_lead_s=bench.hint_lead_s, host_bytes=bench.host_bytes, routing=bench.router,
+                     join_over=bench.join_over,
                      host_eviction=bench.host_eviction, host_tiers=bench.host_tiers,
                      store=bench.store, warmup_s=warm, warm_min_miss_s=warm_min_miss_s)
 

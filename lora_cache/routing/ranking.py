@@ -24,7 +24,11 @@ likeliest to free its lane soonest (issue 31: on the routing grid's light-load f
 whole request decided p99, and residency or load chose the replica whose batch had just started; bench/RESULTS.md).
 With more lanes the same proxy for the first batch to end cost more than it saved. Where a batch admits fewer
 adapters than the replica's slots, a replica whose batch runs the adapter ranks first within the bound (the request
-joins that batch and takes no lane).
+joins that batch and takes no lane). ``join_over`` (1, off) widens the bound for such a replica where no adapter waits
+for a lane there: overflow of a hot adapter to another replica holds one of its lanes for a whole request, and with
+Zipf 1.5 traffic the two hottest adapters then held two lanes on each replica, leaving the tail two (issue 42). At 2
+it lowered Route's mean at every load below saturation and raised it 3% (p99 5%) at Zipf 1.0 with every replica's
+lanes oversubscribed, so it stays off (bench/reports/issue-42.md, "Joins past the load bound").
 
 Within the bound, where lanes are not scarce, an idle replica (nothing in flight) where the adapter will be READY by
 the request's arrival ranks first (``idle_ready``): its expected time to READY there (``ReplicaLoad.ready_s``: 0
@@ -133,6 +137,12 @@ class RouterConfig:
     join: bool = field(default=True, metadata={
         "help": "a replica where the adapter's requests run (its batch runs it) ranks first within the bound, "
                 "where its batch admits fewer adapters than its slots (a request that joins saves a lane)"})
+    join_over: float = field(default=1.0, metadata={
+        "help": "where lanes are scarce, a replica whose batch runs the request's adapter and where no adapter waits "
+                "for a lane counts as within the bound up to join_over x the bound (1: the bound as for any "
+                "replica): there the request takes no lane, while overflow elsewhere holds a lane for a whole "
+                "request; 2 lowered Route's mean 2-21% at Zipf 1.5 and raised it 3% at Zipf 1.0 with the lanes "
+                "saturated (bench/reports/issue-42.md, 'Joins past the load bound')"})
     idle_ready: bool = field(default=True, metadata={
         "help": "where lanes are not scarce, an idle replica (nothing in flight) where the adapter will be READY by "
                 "the request's arrival (its measured load time within the requests' lead, both from "
@@ -161,6 +171,9 @@ class RouterConfig:
                 "because their hashes do (a router that counts its own traffic: LoraCacheRouter)"})
 
     def __post_init__(self) -> None:
+        if not 1 <= self.join_over < math.inf:
+            raise ConfigError(f"join_over is {self.join_over}; give a number >= 1 (1: a replica running the "
+                              "request's adapter is bound like any other; 2: it may take up to twice the bound)")
         if not 0 <= self.epsilon < math.inf:
             raise ConfigError(f"epsilon is {self.epsilon}; give a number >= 0 (0.25: no replica above 1.25x the "
                               "fleet mean while another has room; 0: strict balance, residency only breaks ties)")
@@ -254,10 +267,12 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
     share = bound([r.load for r in replicas], config.epsilon, weight) if config.weigh_over else math.inf
     out = []
     for r in replicas:
-        within = r.load + weight <= cap
         short = r.lanes_short(adapter)
         full = bool(r.max_running) and r.load + weight > r.max_running
         joins = r.scarce and r.runs(adapter)  # joining saves a lane only where lanes are scarcer than slots
+        # a join where no adapter waits for a lane may go past the bound (join_over): it takes no lane there
+        free = joins and config.join and len(r.flying) <= r.max_adapters
+        within = r.load + weight <= (cap * config.join_over if free else cap)
         wait = r.load * config.request_s + config.penalty_s(r.residence) + short * config.lane_s
         h = rendezvous_hash(adapter, r.replica)
         if short or full:  # it cannot start there now: last; fewest lanes short, then residency (a cold adapter
