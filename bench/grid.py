@@ -71,8 +71,9 @@ class Point(NamedTuple):
             workload_seed=0,
         )
 
-    def fleet(self, router: str) -> SimConfig:
+    def fleet(self, router: str, join_over: float = 1.0) -> SimConfig:
         return SimConfig(
+            join_over=join_over,
             replicas=self.replicas,
             tp=self.tp,
             slots=SLOTS,
@@ -139,13 +140,13 @@ def select(points: Iterable[Point], patterns: str) -> list[Point]:
     return [p for p in points if any(fnmatch.fnmatchcase(p.name, pat) for pat in pats)]
 
 
-def run_point(point: Point, calibration: Calibration, policy: str = "global") -> Outcome:
+def run_point(point: Point, calibration: Calibration, policy: str = "global", join_over: float = 1.0) -> Outcome:
     spec = point.spec(calibration)
     workload = make_workload(spec, spec.adapter_names(SLOTS))
     figures = {}
     for router in ROUTERS:
         t0 = time.perf_counter()
-        s = simulate(point.fleet(router), BENCH_POLICIES[policy], workload, calibration).summary()
+        s = simulate(point.fleet(router, join_over), BENCH_POLICIES[policy], workload, calibration).summary()
         figures[router] = {
             "mean_ttft_ms": s["mean_ttft_ms"],
             "p99_ttft_ms": s["p99_ttft_ms"],
@@ -155,7 +156,8 @@ def run_point(point: Point, calibration: Calibration, policy: str = "global") ->
     return Outcome(point, figures)
 
 
-def run_grid(points: Sequence[Point], calibration: str, out: Path | None, log: TextIO) -> list[Outcome]:
+def run_grid(points: Sequence[Point], calibration: str, out: Path | None, log: TextIO,
+             join_over: float = 1.0) -> list[Outcome]:
     if not points:
         raise ConfigError(
             f"the grid selection is empty; check --points (shell patterns over names like {full_grid()[0].name})"
@@ -163,7 +165,7 @@ def run_grid(points: Sequence[Point], calibration: str, out: Path | None, log: T
     cal = load_calibration(calibration)
     outcomes = []
     for point in points:
-        o = run_point(point, cal)
+        o = run_point(point, cal, join_over=join_over)
         outcomes.append(o)
         print(line(o), file=log, flush=True)
         if out is not None:

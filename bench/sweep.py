@@ -37,6 +37,7 @@ from bench.run import run
 from bench.sim import ROUTERS
 from bench.workloads import WorkloadSpec
 from lora_cache.errors import ConfigError, LoraCacheError
+from lora_cache.routing.ranking import RouterConfig
 
 # 4 GiB host tier per rank, every policy the same (the sweep's figures were taken with it). At 2 GiB,
 # 8 rank-64 misses at once no longer fail: the last waits for host room (host_waits; docs/known-issues.md)
@@ -174,9 +175,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "(bench/grid.py: global behind Route against affinity and least-loaded)")
     p.add_argument("--points", default="", help="--grid: comma list of shell patterns over point names "
                    "(e.g. 'r2-*-m1-*'; default: every point)")
+    p.add_argument("--join-over", type=float, default=1.0, help="--grid: the lora-cache router's "
+                   "RouterConfig.join_over (1: off)")
     ns = p.parse_args(argv)
     if ns.grid:
-        return grid_main(ns.grid, ns.points, ns.calibration, Path(ns.out))
+        return grid_main(ns.grid, ns.points, ns.calibration, Path(ns.out), ns.join_over)
     scenarios = [s for s in ns.scenarios.split(",") if s]
     routers = [r for r in ns.routers.split(",") if r]
     try:
@@ -202,11 +205,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def grid_main(name: str, points: str, calibration: str, out: Path) -> int:
+def grid_main(name: str, points: str, calibration: str, out: Path, join_over: float = 1.0) -> int:
     try:
         if name not in GRIDS:
             raise ConfigError(f"grid {name!r} is not one of {', '.join(GRIDS)}")
-        outcomes = run_grid(select(GRIDS[name](), points), calibration, out, sys.stderr)
+        RouterConfig(join_over=join_over)  # a clear error before any point runs
+        outcomes = run_grid(select(GRIDS[name](), points), calibration, out, sys.stderr, join_over)
     except LoraCacheError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
