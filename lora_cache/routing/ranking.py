@@ -27,7 +27,7 @@ adapters than the replica's slots, a replica whose batch runs the adapter ranks 
 joins that batch and takes no lane). ``join_over`` (1, off) widens the bound for such a replica where no adapter waits
 for a lane there: overflow of a hot adapter to another replica holds one of its lanes for a whole request, and with
 Zipf 1.5 traffic the two hottest adapters then held two lanes on each replica, leaving the tail two (issue 42). At 2
-it lowered Route's mean at every load below saturation and raised it 3% (p99 5%) at Zipf 1.0 with every replica's
+it lowered Route's mean at most loads below saturation and raised it 2% (p99 5%) at Zipf 1.0 with every replica's
 lanes oversubscribed, so it stays off (bench/reports/issue-42.md, "Joins past the load bound").
 
 Within the bound, where lanes are not scarce, an idle replica (nothing in flight) where the adapter will be READY by
@@ -141,7 +141,7 @@ class RouterConfig:
         "help": "where lanes are scarce, a replica whose batch runs the request's adapter and where no adapter waits "
                 "for a lane counts as within the bound up to join_over x the bound (1: the bound as for any "
                 "replica): there the request takes no lane, while overflow elsewhere holds a lane for a whole "
-                "request; 2 lowered Route's mean 2-21% at Zipf 1.5 and raised it 3% at Zipf 1.0 with the lanes "
+                "request; 2 lowered Route's mean up to 21% at Zipf 1.5 and raised it 2% at Zipf 1.0 with the lanes "
                 "saturated (bench/reports/issue-42.md, 'Joins past the load bound')"})
     idle_ready: bool = field(default=True, metadata={
         "help": "where lanes are not scarce, an idle replica (nothing in flight) where the adapter will be READY by "
