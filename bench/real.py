@@ -191,7 +191,7 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
     phases = Phases(t_begin)
     _refuse_running_service()
     planner = PlannerConfig(policy=policy.planner, warm_min_miss_s=config.warm_min_miss_s)
-    service = start(serve, catalog, planner, worker, RouterConfig(join_over=config.join_over))
+    service = start(serve, catalog, planner, worker, router=RouterConfig(join_over=config.join_over))
     phases.mark("service_s")  # Ray actors (workers with their caches) up, every adapter registered
     gateway = None
     replicas = [f"replica-{i}" for i in range(config.replicas)]

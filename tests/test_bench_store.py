@@ -109,8 +109,8 @@ def test_the_store_option_reaches_the_workers_config(monkeypatch: pytest.MonkeyP
 
     seen: dict[str, Any] = {}
 
-    def start(serve: Any, catalog: Any, planner: Any, worker: Any) -> Any:
-        seen["worker"] = worker
+    def start(serve: Any, catalog: Any, planner: Any, worker: Any, router: Any = None) -> Any:
+        seen["worker"], seen["router"] = worker, router
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(real, "start", start)
@@ -123,6 +123,12 @@ def test_the_store_option_reaches_the_workers_config(monkeypatch: pytest.MonkeyP
         assert seen["worker"].host.drop_page_cache is drop
         if disk:
             assert seen["worker"].disk.disk_cache == str(tmp_path / disk) and seen["worker"].disk.fetch_part_bytes == 0
+        assert seen["router"].join_over == 1.0  # the controller's routing advice as a service's default
+    # --join-over (issue 42) reaches the controller's routing advice on the real engine too
+    with pytest.raises(RuntimeError, match="stop here"):
+        real.run_policy(real.RealConfig(join_over=2.0), BENCH_POLICIES["global"], "/nowhere", ["a-000", "a-001"],
+                        workload)
+    assert seen["router"].join_over == 2.0
 
 
 # -- the proxy ----------------------------------------------------------------------------------------------
