@@ -30,6 +30,7 @@ from bench.sim import SimConfig, simulate
 from bench.sim.calibration import Calibration, load_calibration
 from bench.workloads import WorkloadSpec, make_workload
 from lora_cache.errors import ConfigError
+from lora_cache.routing.ranking import RouterConfig
 
 SLOTS = 8
 ROUTERS = ("lora-cache", "affinity", "least-loaded")
@@ -71,7 +72,7 @@ class Point(NamedTuple):
             workload_seed=0,
         )
 
-    def fleet(self, router: str, join_over: float = 1.0) -> SimConfig:
+    def fleet(self, router: str, join_over: float = RouterConfig.join_over) -> SimConfig:
         return SimConfig(
             join_over=join_over,
             replicas=self.replicas,
@@ -140,7 +141,8 @@ def select(points: Iterable[Point], patterns: str) -> list[Point]:
     return [p for p in points if any(fnmatch.fnmatchcase(p.name, pat) for pat in pats)]
 
 
-def run_point(point: Point, calibration: Calibration, policy: str = "global", join_over: float = 1.0) -> Outcome:
+def run_point(point: Point, calibration: Calibration, policy: str = "global",
+              join_over: float = RouterConfig.join_over) -> Outcome:
     spec = point.spec(calibration)
     workload = make_workload(spec, spec.adapter_names(SLOTS))
     figures = {}
@@ -157,7 +159,7 @@ def run_point(point: Point, calibration: Calibration, policy: str = "global", jo
 
 
 def run_grid(points: Sequence[Point], calibration: str, out: Path | None, log: TextIO,
-             join_over: float = 1.0) -> list[Outcome]:
+             join_over: float = RouterConfig.join_over) -> list[Outcome]:
     if not points:
         raise ConfigError(
             f"the grid selection is empty; check --points (shell patterns over names like {full_grid()[0].name})"

@@ -175,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "(bench/grid.py: global behind Route against affinity and least-loaded)")
     p.add_argument("--points", default="", help="--grid: comma list of shell patterns over point names "
                    "(e.g. 'r2-*-m1-*'; default: every point)")
-    p.add_argument("--join-over", type=float, default=1.0, help="--grid: the lora-cache router's "
+    p.add_argument("--join-over", type=float, default=RouterConfig.join_over, help="--grid: the lora-cache router's "
                    "RouterConfig.join_over (1: off)")
     ns = p.parse_args(argv)
     if ns.grid:
@@ -205,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def grid_main(name: str, points: str, calibration: str, out: Path, join_over: float = 1.0) -> int:
+def grid_main(name: str, points: str, calibration: str, out: Path, join_over: float = RouterConfig.join_over) -> int:
     try:
         if name not in GRIDS:
             raise ConfigError(f"grid {name!r} is not one of {', '.join(GRIDS)}")
