@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
+from bench.ports import free_port
 from lora_cache.errors import ConfigError
 
 STORES = ("page-cache", "device", "s3:BANDWIDTH,LATENCY")
@@ -123,9 +124,7 @@ def moto_server(timeout_s: float = 30.0) -> Iterator[str]:
     """moto's S3 server (``python -m moto.server``) as its own process on 127.0.0.1, no authentication; its URL."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # every object in the server's memory (moto spools one past 5 MB to a temporary file): a benchmark catalog of
     # 20 GB would otherwise take a third copy of it on the machine's disk, beside the files and the disk tier
     env = {**os.environ, "MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(1 << 40)}

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.ports import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 UNPACKED = ROOT / ".ci-redis"
 
@@ -40,12 +42,6 @@ def find_server() -> tuple[str, dict[str, str]] | None:
         env["LD_LIBRARY_PATH"] = os.pathsep.join([*libs, env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
         return str(server), env
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def ping(port: int) -> bool:

@@ -19,15 +19,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench.ports import free_port
 from tests.waiting import wait_for
 
 NO_AUTH_SETUP = 3  # requests moto answers before it enforces IAM: the test user, its policy, its key
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class S3Server:

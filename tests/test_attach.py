@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.ports import free_port
 from bench.run import BenchConfig
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.adapters.synth import SynthConfig, make_adapters
@@ -61,7 +62,6 @@ def test_attach_outside_any_cluster_fails_fast_and_names_the_address() -> None:
     """An engine process whose address reaches no Ray cluster (outside it, or the head down) is told so at
     once, before anything is built; it never starts a Ray of its own (docs/integrating.md, outside the
     cluster)."""
-    import socket
 
     import ray
 
@@ -71,9 +71,7 @@ def test_attach_outside_any_cluster_fails_fast_and_names_the_address() -> None:
 
     if ray.is_initialized():  # an earlier test of this session left Ray up: attach would not connect at all
         pytest.skip("this process is already in a Ray cluster")
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     with pytest.raises(ClusterUnreachableError, match=f"127.0.0.1:{port}"):
         attach(AttachConfig(replica="replica-0", address=f"127.0.0.1:{port}"), WorkerConfig(device="cpu"))
 
@@ -217,14 +215,11 @@ def test_attach_config_client_certificate_is_checked_before_anything_starts(tmp_
 def test_attach_through_a_gateway_nobody_serves_fails_fast_and_names_it() -> None:
     """The engine's side alone: no gateway listens at the address, so the hello gets no answer and the
     error says where it looked; nothing is left running."""
-    import socket
 
     from workers.attach.attachment import attach
     from workers.attach.grpc_transport import GatewayLinkError
     from workers.cache import WorkerConfig
 
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     with pytest.raises(GatewayLinkError, match=f"the gateway at 127.0.0.1:{port} is unreachable"):
         attach(AttachConfig(replica="replica-0", gateway=f"127.0.0.1:{port}"), WorkerConfig(device="cpu"))

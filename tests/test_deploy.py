@@ -25,6 +25,7 @@ import ray
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config  # test-only private Ray: see below
 
+from bench.ports import free_port
 from lora_cache.api.gateway import GatewayConfig
 from lora_cache.app.cli import build_parser
 from lora_cache.app.serve import ServeConfig
@@ -311,12 +312,6 @@ def test_readme_submit_command_uses_the_runtime_env() -> None:
 
 
 # -- lora-cache serve where it cannot join: fails fast, says which failure and its fix ---------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _no_ray_env() -> dict[str, str]:
     """This environment without RAY_* (RAY_ADDRESS, RAY_AUTH_MODE, ...): the test sets what it needs."""
     return {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
@@ -324,7 +319,7 @@ def _no_ray_env() -> dict[str, str]:
 
 def test_serve_against_an_unreachable_cluster_fails_fast_with_the_fix() -> None:
     env = _no_ray_env()
-    address = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
     t0 = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "lora_cache.app.cli", "serve", "--address", address,
                            "--model", "tiny"], env=env, capture_output=True, text=True, timeout=60)
@@ -348,7 +343,7 @@ def test_an_unreadable_token_path_is_refused_before_ray_reads_it(tmp_path: Path,
     monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "missing"))  # Ray would abort the process on it
     with pytest.raises(ClusterAuthError, match=r"is not a readable file holding a token.*ray get-auth-token"):
-        connect(f"127.0.0.1:{_free_port()}", "lora-cache")
+        connect(f"127.0.0.1:{free_port()}", "lora-cache")
     assert not ray.is_initialized()
 
 

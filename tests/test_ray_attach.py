@@ -16,6 +16,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from bench.ports import free_port  # noqa: E402
 from lora_cache.adapters.catalog import CatalogConfig  # noqa: E402
 from lora_cache.adapters.synth import SynthConfig, make_adapters  # noqa: E402
 from lora_cache.app.serve import ServeConfig, start  # noqa: E402
@@ -109,7 +110,7 @@ def test_engine_processes_attach_serve_and_recover(fleet) -> None:
         engine = EngineConfig(model="tiny", tp=2, device="cpu", dtype="float32", num_slots=3, max_rank=16,
                               max_adapters=2, max_running=4, max_prefill_tokens=32, max_seq_len=32, host=HOST)
         requests = [Request(i, f"adapter-00{i % 4}", 4 + i % 3, 2, 0.01 * i) for i in range(6)]
-        meet = Rendezvous("127.0.0.1", _free_port(), 2)
+        meet = Rendezvous("127.0.0.1", free_port(), 2)
         for f in [p.submit("build", engine, meet) for p in ranks]:
             f.result(timeout=300)
         start_wall = time.time() + 0.5
@@ -293,14 +294,6 @@ def _named(name: str) -> bool:
         return True
     except ValueError:
         return False
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_the_benchmark_runs_its_engine_ranks_attached(tmp_path: Path) -> None:

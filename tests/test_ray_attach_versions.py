@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
-import socket
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -22,6 +21,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from bench.ports import free_port  # noqa: E402
 from bench.version_check import check_steps  # noqa: E402
 from lora_cache.adapters.catalog import CatalogConfig  # noqa: E402
 from lora_cache.adapters.peft import read_adapter  # noqa: E402
@@ -96,12 +96,6 @@ def expected_digest(directory: Path, name: str, rank: int) -> str:
     return slot_digest(staged)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize("admission", ["ondemand", "overlap"])
 def test_reregistration_under_traffic_through_the_attached_path(fleet: Fleet, admission: str) -> None:
     ctl, replica = fleet.svc.controller, f"attached-{admission}"
@@ -133,7 +127,7 @@ def test_reregistration_under_traffic_through_the_attached_path(fleet: Fleet, ad
             audit_steps=True,
             host=HOST,
         )
-        meet = Rendezvous("127.0.0.1", _free_port(), 2)
+        meet = Rendezvous("127.0.0.1", free_port(), 2)
         for f in [p.submit("build", engine, meet) for p in ranks]:
             f.result(timeout=300)
         requests = [Request(i, HOT if i % 3 else "adapter-001", 3 + i % 4, 2 + i % 3, 0.04 * i) for i in range(90)]

@@ -17,7 +17,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 import pytest
 import ray
 
+from bench.ports import free_ports
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.api.client import Hint, LoraCacheClient
 from lora_cache.runtime import ray_compat
@@ -38,19 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = str(Path(sys.executable).parent)  # ray, lora-cache and python of this interpreter come first on PATH
 OBJECT_STORE_BYTES = 128 << 20  # per node: small, so /dev/shm of a CI container suffices
 TOKEN_AUTH = ray_compat.has_token_auth()
-WORKER_PORTS = 20000  # node i's workers bind 20000 + 2000 i .. + 1999
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free right now (all bound at once, then released)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+WORKER_PORTS = 20000  # node i's workers bind 20000 + 2000 i .. + 1999 (below bench.ports.LOW)
 
 
 def stop_group(pgid: int, grace_s: float = 3.0) -> None:
@@ -98,7 +86,7 @@ class Loopback:
         metrics, agent, agent_grpc, runtime_env = self.node_ports[4 * i: 4 * i + 4]
         # Each raylet hands its workers ports from its own range, in order and without probing; two nodes on one
         # host with Ray's default range (10002-19999 for both) gave two workers port 10005 and one died at start
-        # (CI, stop 58). Disjoint ranges below the ephemeral ports (32768+) that free_ports draws from.
+        # (CI, stop 58). Disjoint ranges below the ports free_ports draws from (bench.ports.LOW+).
         low = WORKER_PORTS + 2000 * i
         return ["--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--num-gpus", "0",
                 "--min-worker-port", str(low), "--max-worker-port", str(low + 1999),
@@ -124,11 +112,22 @@ class Loopback:
         self.ray_start(["--address", self.gcs, *self._node_args(1)])
 
     def deaths(self) -> str:
-        """What the GCS logged about nodes it found dead or unhealthy (a failure's detail)."""
-        lines = [line.strip() for log in self.root.glob("ray/session_latest/logs/gcs_server*")
-                 for line in log.read_text(errors="replace").splitlines()
-                 if "dead" in line.lower() or "health check" in line.lower()]
-        return "\nGCS on nodes' health:\n" + "\n".join(lines[-20:])
+        """What the nodes' daemons logged about failing (a failure's detail): the GCS on nodes found dead or
+        unhealthy, and every daemon's errors and exits (both nodes log into the one ``--temp-dir``)."""
+        logs = self.root / "ray" / "session_latest" / "logs"
+        out = []
+        for log in sorted(logs.glob("*")):
+            if not log.is_file() or not log.name.startswith(("gcs_server", "raylet", "dashboard_agent",
+                                                              "runtime_env_agent", "monitor")):
+                continue
+            gcs = log.name.startswith("gcs_server")
+            lines = [line.strip() for line in log.read_text(errors="replace").splitlines()
+                     if (gcs and ("dead" in line.lower() or "health check" in line.lower()))
+                     or " E " in line[:40] or " C " in line[:40] or "Traceback" in line or "Error" in line
+                     or "exit" in line.lower() or "address already in use" in line.lower()]
+            if lines:
+                out.append(f"{log.name}:\n  " + "\n  ".join(lines[-12:]))
+        return "\nThe nodes' daemons on failing:\n" + "\n".join(out)
 
     def stop(self) -> None:
         for pgid in reversed(self.groups):
@@ -196,7 +195,10 @@ def test_serve_joins_two_nodes_hint_ready_then_benchmark_job(loopback: Loopback,
                                  capture_output=True, text=True, timeout=150)
         assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:] + loopback.deaths()
         assert f"(2 nodes alive, token auth {'on' if TOKEN_AUTH else 'off'})" in started.stdout
-        wait_for_line(log, "lora-cache serving:", 120)
+        try:
+            wait_for_line(log, "lora-cache serving:", 120)
+        except AssertionError as e:
+            raise AssertionError(f"{e}{loopback.deaths()}") from None
         print(f"serve joined and placed in {time.monotonic() - t0:.1f} s")
         nodes = worker_nodes(loopback)  # the replica's two ranks, one on each node
         assert len(nodes) == 2 and len(set(nodes.values())) == 2, nodes

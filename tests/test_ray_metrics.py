@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 import ray
 
+from bench.ports import free_port
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.app.serve import ServeConfig, start, wait_ready
@@ -24,12 +24,6 @@ pytestmark = pytest.mark.ray
 
 SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$')
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int) -> list[tuple[str, dict[str, str], float]]:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from bench.ports import free_port
 from tests.serving import CLI, make_adapters, serve_argv
 
 pytestmark = pytest.mark.ray
@@ -22,9 +22,7 @@ def test_serve_starts_and_stops_cleanly(tmp_path: Path) -> None:
     hang over 150 s in Ray's retries); ``--address auto`` is what follows RAY_ADDRESS."""
     make_adapters("rt/ad", 3, cwd=tmp_path)
     cmd = serve_argv("rt/ad", "--tp", "2", "--duration", "2")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
     done = subprocess.run(
         cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180, env={**os.environ, "RAY_ADDRESS": dead}
     )

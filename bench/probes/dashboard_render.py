@@ -30,7 +30,8 @@ from typing import Any
 
 import ray
 
-from bench.probes.s3_local import free_port, moto_server, upload
+from bench.ports import free_port
+from bench.probes.s3_local import moto_server, upload
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.app.serve import ServeConfig, start

@@ -37,7 +37,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -46,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.ports import free_port
 from bench.probes.serve_inputs import DEVICES, adapters_for, check, dtype, engine_overrides, max_rank, workload
 
 
@@ -105,9 +105,7 @@ def _serve_process(args: argparse.Namespace, root: str, policy: str) -> _ServePr
 
     from lora_cache.api.client import ClientError, LoraCacheClient
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     argv = [sys.executable, "-m", "lora_cache.app.cli", "serve", "--address", ray.get_runtime_context().gcs_address,
             "--replicas", "0", "--adapters", root, "--model", args.model, "--max-rank", str(max_rank(args)),
             "--policy", policy,
