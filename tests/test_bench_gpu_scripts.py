@@ -282,3 +282,14 @@ def test_issue44_push_runs_the_passes_then_each_push_probe_for_this_tree_and_the
         assert old_args.out != args.out
     assert [push_parser().parse_args(c[3:]).model for c in pushes[::2]] == ["llama-3.1-8b"] * 2 + ["llama-3.1-70b"]
     assert len(_dry("issue44_push.sh", str(tmp_path / "out2"))) == 5  # no OLD: this tree's probes alone
+
+
+def test_issue44_push_times_request_time_resolution_on_the_gpu_when_asked(tmp_path: Path) -> None:
+    from bench.probes.resolve_ttft import build_parser as resolve_parser
+
+    commands = _dry("issue44_push.sh", str(tmp_path / "out"), PARTS="resolve", RESOLVE_RANKS="16 64")
+    assert [c[2] for c in commands] == ["bench.probes.resolve_ttft"] * 2
+    parsed = [resolve_parser().parse_args(c[3:]) for c in commands]
+    assert [(a.model, a.rank, a.device, a.latency_ms) for a in parsed] == [("llama-3.1-8b", 16, "cuda", "0,20"),
+                                                                           ("llama-3.1-8b", 64, "cuda", "0,20")]
+    assert all(a.out.startswith(str(tmp_path / "out")) for a in parsed)

@@ -8,7 +8,10 @@
 # the 70B rank-64 one once with PUSHES70 [3]. OLD=DIR: a copy of an earlier tree (`git archive`), whose push probes
 # run after this tree's in the same call (its own PYTHONPATH: SITE [PYTHONPATH's first entry, the device site] and DIR), so that before and after
 # share the machine and the hour. JSON per run under OUT (push8b-now-1.json, push8b-old-1.json, ...,
-# passes-8b.json, passes-70b.json). Exit status: the number of runs that failed.
+# passes-8b.json, passes-70b.json). PARTS [passes push]: which parts run, of passes, push and resolve (request-time
+# resolution timed on the GPU, bench.probes.resolve_ttft: 8B adapters of RESOLVE_RANKS [16 64] in moto's S3 server,
+# RESOLVE_LATENCY [0,20] ms added per store request, RESOLVE_PAIRS [6]; resolve-8b-rR.json). Exit status: the number
+# of runs that failed.
 set -u
 . "$(dirname "$0")/lib.sh"
 tp=${TP:-$([ "$(gpus)" -ge 2 ] && echo 2 || echo 1)}
@@ -25,11 +28,22 @@ push() {  # NAME MODEL RANK PUSHES: this tree's probe, then the old tree's
       --model "$model" --rank "$rank" --pushes "$n" --out "$out/$name-old.json"
   fi
 }
-step passes-8b "$PYTHON" -m bench.probes.push_passes --model llama-3.1-8b --rank 16 --out "$out/passes-8b.json"
-step passes-70b "$PYTHON" -m bench.probes.push_passes --model llama-3.1-70b --rank 64 --repeats 3 \
-  --out "$out/passes-70b.json"
-for round in $(seq "${ROUNDS:-2}"); do
-  push "push8b-$round" llama-3.1-8b 16 "${PUSHES8:-6}"
-done
-push push70b llama-3.1-70b 64 "${PUSHES70:-3}"
+parts=" ${PARTS:-passes push} "
+if [[ $parts == *" passes "* ]]; then
+  step passes-8b "$PYTHON" -m bench.probes.push_passes --model llama-3.1-8b --rank 16 --out "$out/passes-8b.json"
+  step passes-70b "$PYTHON" -m bench.probes.push_passes --model llama-3.1-70b --rank 64 --repeats 3 \
+    --out "$out/passes-70b.json"
+fi
+if [[ $parts == *" push "* ]]; then
+  for round in $(seq "${ROUNDS:-2}"); do
+    push "push8b-$round" llama-3.1-8b 16 "${PUSHES8:-6}"
+  done
+  push push70b llama-3.1-70b 64 "${PUSHES70:-3}"
+fi
+if [[ $parts == *" resolve "* ]]; then
+  for rank in ${RESOLVE_RANKS:-16 64}; do
+    step "resolve-8b-r$rank" "$PYTHON" -m bench.probes.resolve_ttft --model llama-3.1-8b --rank "$rank" --device cuda \
+      --latency-ms "${RESOLVE_LATENCY:-0,20}" --pairs "${RESOLVE_PAIRS:-6}" --cpus 8 --out "$out/resolve-8b-r$rank.json"
+  done
+fi
 exit "$failed"

@@ -16,6 +16,10 @@ registered adapter) goes before all of them, apart: the worker's first store rea
 for one more new name in one submit: the controller's resolver counts one lookup however many ask.
 
     python -m bench.probes.resolve_ttft --latency-ms 0,20 --pairs 6 --out results/resolve_ttft.json
+    python -m bench.probes.resolve_ttft --model llama-3.1-8b --rank 16 --device cuda ...   # on a GPU
+
+``--model`` and ``--rank`` size the adapters and the engine (random base weights of that model's shapes, all its
+layers); ``--device cuda`` runs the engine and its cache on the GPU, the host tier pinned.
 """
 
 from __future__ import annotations
@@ -55,16 +59,18 @@ def measure(store: str, proxy: LatencyProxy, names: list[str], ns: argparse.Name
     ahead, new, herd, warm = names[:pairs], names[pairs:2 * pairs], names[2 * pairs], names[2 * pairs + 1]
     ray.init(address="local", num_cpus=ns.cpus, namespace="lora-cache", include_dashboard=False)
     try:
-        host = HostTierConfig(host_bytes=1 << 26, pin=False)
-        service = start(ServeConfig(replicas=1, tp=1), CatalogConfig(adapter_roots=(store,), model="tiny", max_rank=8),
-                        PlannerConfig(policy="queue"), WorkerConfig(num_slots=4, host=host))
+        gpu = ns.device != "cpu"
+        host = HostTierConfig(host_bytes=max(1 << 26, 8 * ns.adapter_bytes), pin=gpu)
+        service = start(ServeConfig(replicas=1, tp=1, gpus=gpu),
+                        CatalogConfig(adapter_roots=(store,), model=ns.model, max_rank=ns.rank),
+                        PlannerConfig(policy="queue"), WorkerConfig(num_slots=4, host=host, device=ns.device))
         ctl = service.controller
         done = ray.get(ctl.register_adapters.remote([(n, f"{store}/{n}") for n in [*ahead, warm]]), timeout=120)
         assert not [d.name for d in done if d.error is not None], done
         rank = service.workers[WorkerId("replica-0", 0)]
-        engine = EngineConfig(adapters=store, model="tiny", device="cpu", tp=1, num_slots=4, max_adapters=4,
-                              max_running=8, max_prefill_tokens=64, max_seq_len=64, max_rank=8, admission="overlap",
-                              host=host)
+        engine = EngineConfig(adapters=store, model=ns.model, device=ns.device, tp=1, num_slots=4, max_adapters=4,
+                              max_running=8, max_prefill_tokens=64, max_seq_len=64, max_rank=ns.rank,
+                              admission="overlap", host=host)
         meet = ray.get(rank.engine_rendezvous.remote(1), timeout=60)
         ray.get(rank.engine_build.remote(engine, meet), timeout=300)
         start_wall = time.time()
@@ -120,7 +126,7 @@ def measure(store: str, proxy: LatencyProxy, names: list[str], ns: argparse.Name
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.probes.resolve_ttft", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--latency-ms", default="0,20", help="comma-separated latencies added per store request")
@@ -128,19 +134,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--herd", type=int, default=32, help="requests for one new name in one submit")
     parser.add_argument("--cpus", type=int, default=2, help="CPUs of the embedded Ray")
     parser.add_argument("--cache", default="/tmp/lora-cache-bench-resolve", help="where the adapters are made")
+    parser.add_argument("--model", default="tiny", help="the adapters' and the engine's model shapes")
+    parser.add_argument("--rank", type=int, default=8, help="the adapters' LoRA rank")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the engine and its cache on the GPU")
     parser.add_argument("--out", help="also write the results here (JSON)")
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
     latencies = [float(v) for v in ns.latency_ms.split(",") if v.strip()]
     count = 2 * ns.pairs + 2
-    root = Path(ns.cache) / "tiny-r8" / str(count)
-    make_adapters(root, "tiny", 8, count)
+    root = Path(ns.cache) / f"{ns.model}-r{ns.rank}" / str(count)
+    ns.adapter_bytes = make_adapters(root, ns.model, ns.rank, count) // count
     names = sorted(d.name for d in root.iterdir())
     results: list[dict[str, Any]] = []
     with moto_server() as endpoint:
         upload(sorted(root.iterdir()), BUCKET, PREFIX)
         for latency in latencies:
             with LatencyProxy(endpoint, latency / 1e3) as proxy:
-                row = {"latency_ms": latency, "pairs": ns.pairs, "herd": ns.herd,
+                row = {"latency_ms": latency, "pairs": ns.pairs, "herd": ns.herd, "model": ns.model, "rank": ns.rank,
+                       "device": ns.device,
                        **measure(f"s3://{BUCKET}/{PREFIX}", proxy, names, ns)}
             record(row, results)
     write_results(ns.out, results)
