@@ -15,6 +15,7 @@ from bench.router.rules import RULES
 from bench.store import StoreModel, parse_store
 from lora_cache.errors import ConfigError
 from lora_cache.routing.ranking import RouterConfig
+from workers.staging.disk_tier import DiskTierConfig
 from workers.staging.eviction import EVICTION
 from workers.staging.host_config import TIERS
 
@@ -115,6 +116,10 @@ class BenchConfig:
                 "policy and after every shard read: reads come from the device) | s3:BANDWIDTH,LATENCY, e.g. "
                 "s3:200MBps,30ms (a real S3 server behind a throttling proxy: BANDWIDTH shared by every fetch, "
                 "LATENCY before each response's first byte; workers fetch into a fresh disk tier per policy)"})
+    disk_bytes: int = field(default=DiskTierConfig.disk_cache_bytes, metadata={
+        "help": "s3: bytes of the node's disk tier (the store's copies, LRU by bytes), the same for every policy, on "
+                "either engine (default: the service's own, 64 GiB; below the catalog's objects, copies are evicted "
+                "and fetched again)"})
     warmup_requests: int = field(default=-1, metadata={
         "help": "requests played before the measured window, from the same arrival process (bench/warmup.py): "
                 "-1 (auto): until every replica has seen as many distinct adapters as it has GPU slots (its slots "
@@ -143,6 +148,9 @@ class BenchConfig:
         if self.router not in RULES:  # the simulator's ROUTERS are these rules too
             raise ConfigError(f"router {self.router!r} is not registered; choose one of {', '.join(RULES)}")
         parse_store(self.store)
+        if self.disk_bytes < 1:
+            raise ConfigError(f"--disk-bytes {self.disk_bytes}: give the node's disk tier in bytes, >= 1 (default "
+                              f"{DiskTierConfig.disk_cache_bytes}: 64 GiB)")
         if self.warmup_requests < -1:
             raise ConfigError(f"--warmup-requests {self.warmup_requests}: give a count >= 0, or -1 (auto: until "
                               "every replica's GPU slots are full)")

@@ -129,6 +129,11 @@ def test_the_store_option_reaches_the_workers_config(monkeypatch: pytest.MonkeyP
         real.run_policy(real.RealConfig(join_over=2.0), BENCH_POLICIES["global"], "/nowhere", ["a-000", "a-001"],
                         workload)
     assert seen["router"].join_over == 2.0
+    # --disk-bytes sizes each policy's disk tier on the real engine as in the simulator
+    with pytest.raises(RuntimeError, match="stop here"):
+        real.run_policy(real.RealConfig(store="s3:100MBps,5ms", disk_root=str(tmp_path), disk_bytes=12 << 30),
+                        BENCH_POLICIES["global"], "/nowhere", ["a-000", "a-001"], workload)
+    assert seen["worker"].disk.disk_cache_bytes == 12 << 30
 
 
 # -- the proxy ----------------------------------------------------------------------------------------------
@@ -263,6 +268,43 @@ def test_a_disk_warm_fetch_yields_the_store_to_demand_until_a_demand_joins_it() 
     loop.run(lambda: bool(demand) and late.done)
     assert demand[0] == pytest.approx(t0 + 0.15 + 0.0015)  # half its bytes alone, half sharing with the joined one
     assert late.time == pytest.approx(t0 + 0.2) and store.fetches == 4
+
+
+def test_the_simulated_disk_tier_evicts_the_copy_used_longest_ago_that_no_read_holds() -> None:
+    """``--disk-bytes`` below the catalog: a fetch that does not fit evicts copies LRU by bytes, as ``DiskTier`` does;
+    a copy a read holds (from its ask to its local read's end) or one being fetched is never evicted; a copy
+    evicted is fetched again on its next read; where every copy is held the fetch goes over, counted."""
+    loop = Loop()
+    calib = Calibration(disk_fixed_ms=1.0, disk_gbps=10.0)
+    store = SimStore(parse_store("s3:100MBps,0ms"), loop, calib, {n: 10_000_000 for n in "abcd"}, disk_bytes=25_000_000)
+
+    def read(name: str) -> None:
+        done: list[float] = []
+        store.read(name, 1_000_000, lambda: done.append(loop.now))
+        loop.run(lambda: bool(done))
+
+    read("a")
+    read("b")
+    read("a")  # a hit: "b" is now the copy used longest ago
+    assert (store.fetches, store.evictions, store.disk_used) == (2, 0, 20_000_000)
+    read("c")  # 30 MB would not fit 25: "b" goes, not "a"
+    assert set(store.on_disk) == {"a", "c"} and store.evictions == 1 and store.disk_used == 20_000_000
+    read("b")  # fetched again, evicting "a" (used before "c")
+    assert set(store.on_disk) == {"c", "b"} and (store.fetches, store.evictions) == (4, 2)
+    # a held copy stays: a read of "c" asked (its fetch done, its local read not yet) while "d" is fetched
+    held: list[float] = []
+    store.read("c", 1_000_000, lambda: held.append(loop.now))
+    late: list[float] = []
+    store.read("d", 1_000_000, lambda: late.append(loop.now))
+    assert "c" in store.on_disk and "b" not in store.on_disk  # "b" was free to go, "c" was held
+    loop.run(lambda: bool(held) and bool(late))
+    # every copy held: a fetch goes over the bytes, counted, and nothing held is evicted
+    waits = [[] for _ in range(3)]  # type: list[list[float]]
+    for name, w in zip("abc", waits):
+        store.read(name, 1_000_000, lambda w=w: w.append(loop.now))
+    assert store.disk_over >= 1 and {"a", "b", "c"} <= set(store.on_disk)
+    loop.run(lambda: all(waits))
+    assert store.stats()["disk_over"] == store.disk_over and store.stats()["disk_evictions"] == store.evictions
 
 
 def test_disk_warming_fills_the_node_with_the_store_adapters_ahead_of_demand(tmp_path: Path) -> None:

@@ -126,6 +126,8 @@ class SimConfig:
     routing: str = field(default="least-loaded", metadata={"help": f"router: {' | '.join(ROUTERS)}"})
     join_over: float = field(default=RouterConfig.join_over, metadata={
         "help": "the lora-cache router's RouterConfig.join_over (where ``simulate`` is given no RouterConfig)"})
+    disk_bytes: int = field(default=DiskTierConfig.disk_cache_bytes, metadata={
+        "help": "s3: bytes of the node's disk tier (LRU by bytes; bench/sim/store.py)"})
     plan_interval_s: float = field(default=0.5, metadata={
         "help": "the controller's timer: retry failed loads and replan the whole fleet"})
     sync_s: float = field(default=5.0, metadata={"help": "the controller resyncs every worker's residency this often"})
@@ -175,6 +177,8 @@ class SimConfig:
             raise ConfigError(f"max_staged is {self.max_staged!r}; give an int >= 0 (0: no host-tier staging)")
         if self.routing not in ROUTERS:
             raise ConfigError(f"routing {self.routing!r} is not registered; choose one of {', '.join(ROUTERS)}")
+        if isinstance(self.disk_bytes, bool) or not isinstance(self.disk_bytes, int) or self.disk_bytes < 1:
+            raise ConfigError(f"disk_bytes is {self.disk_bytes!r}; give the node's disk tier in bytes, an int >= 1")
         if not 0 <= self.hint_lead_s < float("inf"):
             raise ConfigError(f"hint_lead_s is {self.hint_lead_s}; give seconds >= 0, e.g. 0.5")
         for name in ("plan_interval_s", "sync_s", "series_s"):
@@ -263,13 +267,14 @@ class _Fleet:
         nbytes = shard_bytes(catalog, config.tp, calibration.slot_dtype)
         model = parse_store(config.store)  # one store for the fleet's host (the benchmark's machine)
         objects = shard_bytes(catalog, 1, calibration.slot_dtype)
-        self.store = None if model.kind == "page-cache" else SimStore(model, loop, calibration, objects)
+        self.store = None if model.kind == "page-cache" else SimStore(model, loop, calibration, objects,
+                                                                      config.disk_bytes)
         self.disk_bytes: int | None = None  # s3: each rank's part of the node's disk tier, as a worker reports it
         if model.kind == "s3":  # the controller learns a store adapter's object from its registration (disk warming)
             plans = self.controller.core.planner  # as ControllerCore.add_adapter registers a store version
             for name in names:
                 plans.register_adapter(dataclasses.replace(plans.view.adapter(name), object_bytes=objects[name]))
-            self.disk_bytes = DiskTierConfig().disk_cache_bytes // max(1, config.replicas * config.tp)
+            self.disk_bytes = config.disk_bytes // max(1, config.replicas * config.tp)
         self.ranks_at_warmup: list[dict[str, object]] | None = None
         if config.host_bytes < max(nbytes.values()):
             raise ConfigError(f"host_bytes ({config.host_bytes}) must hold one shard ({max(nbytes.values())} bytes "

@@ -11,10 +11,13 @@
   link counted every read twice: on the H200 device runs of 2026-11-28 the simulated misses took 359 ms for
   273 MB against the real 174 ms for 270 MB, and the real reads replayed through the link alone take
   0.99-1.05x their logged time in sum (those that overlapped another read 0.96-1.14x);
-- ``s3``: the node's disk tier (every adapter fetched once per node, whole, single flight, never evicted: the
-  disk tier's 64 GiB default holds a benchmark's catalog) in front of a ``SharedLink`` of the store's bandwidth,
-  each fetch waiting the store's latency before its first byte; after the fetch (or at once if the copy is on
-  disk) the shard is read from the local copy at page-cache cost (``disk_s``).
+- ``s3``: the node's disk tier (every adapter fetched whole, single flight per node) in front of a ``SharedLink``
+  of the store's bandwidth, each fetch waiting the store's latency before its first byte; after the fetch (or at
+  once if the copy is on disk) the shard is read from the local copy at page-cache cost (``disk_s``). The tier
+  holds ``disk_bytes`` (``--disk-bytes``; the service's 64 GiB default holds a benchmark's catalog of 100): a
+  fetch that does not fit evicts the copies used longest ago that no read holds (a read holds its copy from its
+  ask until its local read ends; a fetch in flight is not evicted), as ``DiskTier`` evicts by its proofs' mtimes;
+  where every copy is held the fetch goes ahead over the bytes (counted: ``disk_over``; the real tier refuses it).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -106,8 +110,9 @@ class SimStore:
     of ``name`` (``nbytes``) is in its host tier. ``object_bytes``: each adapter's whole file (s3 fetches)."""
 
     def __init__(self, model: StoreModel, loop: Loop, calibration: Calibration,
-                 object_bytes: Mapping[str, int]) -> None:
+                 object_bytes: Mapping[str, int], disk_bytes: int | None = None) -> None:
         self.model, self.loop, self.calibration, self.object_bytes = model, loop, calibration, object_bytes
+        self.disk_bytes = disk_bytes  # s3: the node's disk tier (None: unbounded)
         if model.kind == "device":
             self.link = SharedLink(loop, calibration.device_gbps * GB, calibration.device_fixed_ms / 1e3)
         elif model.kind == "s3":
@@ -115,18 +120,50 @@ class SimStore:
         else:
             raise ValueError(f"no simulated store for {model.kind!r} (page-cache reads are the host tier's own)")
         self.on_disk: dict[str, Signal] = {}  # s3: the node's disk tier (fetched, or being fetched)
+        self.disk_used = 0  # bytes of on_disk's copies, fetched or being fetched
+        self._used_at: OrderedDict[str, None] = OrderedDict()  # fetched copies, the one used longest ago first
+        self._held: Counter[str] = Counter()  # reads of a copy from their ask until their local read ends
         self._background: dict[str, list[object]] = {}  # disk warm fetches in flight: their transfers
         self.tiers: list[Any] = []  # the host tiers that read from it (``SimHostTier``: the node's ranks)
-        self.fetches = 0
+        self.fetches = self.evictions = self.disk_over = 0
 
     def read(self, name: str, nbytes: int, done: Callable[[], None]) -> None:
         if self.model.kind == "device":  # the reader's copies ride on the device's transfer (module docstring)
             self.link.start(nbytes, done, self.calibration.device_slowdown())
             return
+        self._held[name] += 1  # before the fetch: its room-making never evicts the copy this read asks for
         copy = self.fetch(name)
         assert copy is not None
         local = self.calibration.disk_s(nbytes)
-        copy.then(lambda _: self.loop.after(local, done))
+        copy.then(lambda _: self.loop.after(local, functools.partial(self._read, name, done)))
+
+    def _read(self, name: str, done: Callable[[], None]) -> None:
+        self._held[name] -= 1
+        if not self._held[name]:
+            del self._held[name]
+        self._used(name)
+        done()
+
+    def _used(self, name: str) -> None:
+        if name in self.on_disk and self.on_disk[name].done:
+            self._used_at[name] = None
+            self._used_at.move_to_end(name)
+
+    def _make_room(self, nbytes: int) -> None:
+        """Evict the fetched copies used longest ago that no read holds until ``nbytes`` more fit (the module's
+        docstring); where none can go, the fetch goes over the tier's bytes (``disk_over``)."""
+        if self.disk_bytes is None:
+            return
+        for name in list(self._used_at):
+            if self.disk_used + nbytes <= self.disk_bytes:
+                return
+            if self._held[name]:
+                continue
+            del self._used_at[name], self.on_disk[name]
+            self.disk_used -= self.object_bytes[name]
+            self.evictions += 1
+        if self.disk_used + nbytes > self.disk_bytes:
+            self.disk_over += 1
 
     def fetch(self, name: str, background: bool = False) -> Signal | None:
         """s3: ``name``'s object in the node's disk tier (fired once there; the fetch in flight, or a new one):
@@ -136,7 +173,9 @@ class SimStore:
             return None
         copy = self.on_disk.get(name)
         if copy is None:
+            self._make_room(self.object_bytes[name])
             copy = self.on_disk[name] = Signal()
+            self.disk_used += self.object_bytes[name]
             self.fetches += 1
             transfer = self.link.start(self.object_bytes[name], functools.partial(self._fetched, name, copy),
                                        background=background)
@@ -144,14 +183,18 @@ class SimStore:
                 self._background[name] = transfer
         elif not background and name in self._background:
             self.link.promote(self._background.pop(name))
+        elif copy.done:  # a warm stage of a copy on disk counts as a use, as ``DiskTier._proof`` touches its proof
+            self._used(name)
         return copy
 
     def _fetched(self, name: str, copy: Signal) -> None:
         self._background.pop(name, None)
         copy.fire(self.loop.now)
+        self._used(name)
 
     def stats(self) -> dict[str, float]:
-        return {"store_fetches": self.fetches, "store_bytes": self.link.moved, "store_busy_s": self.link.busy_s}
+        return {"store_fetches": self.fetches, "store_bytes": self.link.moved, "store_busy_s": self.link.busy_s,
+                "disk_evictions": self.evictions, "disk_over": self.disk_over}
 
 
 def _read_spans(loads: Sequence[Mapping[str, Any]]) -> list[tuple[float, float, Mapping[str, Any]]]:
