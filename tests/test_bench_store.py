@@ -69,6 +69,15 @@ def test_bad_warmup_is_refused() -> None:
         BenchConfig(warmup_requests=-2)
 
 
+def test_a_bad_disk_tier_size_is_refused_naming_the_option_on_both_engines() -> None:
+    from bench.sim.fleet import SimConfig
+
+    with pytest.raises(ConfigError, match=r"--disk-bytes 0: give the node's disk tier in bytes, >= 1 \(default"):
+        BenchConfig(disk_bytes=0)
+    with pytest.raises(ConfigError, match=r"disk_bytes is 0\.5; give the node's disk tier in bytes"):
+        SimConfig(disk_bytes=0.5)  # type: ignore[arg-type]
+
+
 # -- the worker's drop_page_cache ---------------------------------------------------------------------------------
 @pytest.fixture
 def catalog(tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog]) -> AdapterCatalog:
