@@ -18,8 +18,10 @@ for one more new name in one submit: the controller's resolver counts one lookup
     python -m bench.probes.resolve_ttft --latency-ms 0,20 --pairs 6 --out results/resolve_ttft.json
     python -m bench.probes.resolve_ttft --model llama-3.1-8b --rank 16 --device cuda ...   # on a GPU
 
-Each latency's pass has a disk tier of its own (a pass never reads another's copies), and every object is read
-once from the server before the first pass (a server's first GETs are slower). ``--model`` and ``--rank`` size the
+Each latency's pass has a disk tier of its own (a pass never reads another's copies), fetching each object in one
+GET as the benchmark does (moto answers each ranged GET by copying the whole object: an 8B rank-64 adapter in 8
+ranges took ~7.8 s on the GPU host), and every object is read once from the server before the first pass (a
+server's first GETs are slower). ``--model`` and ``--rank`` size the
 adapters and the engine (random base weights of that model's shapes, all its
 layers); ``--device cuda`` runs the engine and its cache on the GPU, the host tier pinned.
 """
@@ -87,7 +89,8 @@ def measure(store: str, proxy: LatencyProxy, names: list[str], ns: argparse.Name
         service = start(ServeConfig(replicas=1, tp=1, gpus=gpu),
                         CatalogConfig(adapter_roots=(store,), model=ns.model, max_rank=ns.rank),
                         PlannerConfig(policy="queue"),
-                        WorkerConfig(num_slots=4, host=host, device=ns.device, disk=DiskTierConfig(disk_cache=disk)))
+                        WorkerConfig(num_slots=4, host=host, device=ns.device,
+                                   disk=DiskTierConfig(disk_cache=disk, fetch_part_bytes=0)))
         ctl = service.controller
         done = ray.get(ctl.register_adapters.remote([(n, f"{store}/{n}") for n in [*ahead, warm]]), timeout=120)
         assert not [d.name for d in done if d.error is not None], done
