@@ -28,9 +28,8 @@ def ephemeral_low() -> int:
         return 32768
 
 
-def free_ports(n: int, host: str = "0.0.0.0") -> list[int]:
-    """``n`` distinct ports free on ``host`` (default: every address) now, below the ephemeral range (the
-    module's docstring)."""
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on every address now, below the ephemeral range (the module's docstring)."""
     high = ephemeral_low()
     if high - LOW < 4 * n:
         raise RuntimeError(f"the ephemeral ports start at {high} (ip_local_port_range): too few ports below it, from "
@@ -46,7 +45,7 @@ def free_ports(n: int, host: str = "0.0.0.0") -> list[int]:
                 continue
             s = socket.socket()
             try:
-                s.bind((host, port))
+                s.bind(("0.0.0.0", port))
             except OSError:
                 s.close()
                 continue
@@ -61,6 +60,6 @@ def free_ports(n: int, host: str = "0.0.0.0") -> list[int]:
     raise RuntimeError(f"fewer than {n} free ports in {LOW}..{high - 1} (below the ephemeral range)")
 
 
-def free_port(host: str = "0.0.0.0") -> int:
-    """One port free on ``host`` now, below the ephemeral range (the module's docstring)."""
-    return free_ports(1, host)[0]
+def free_port() -> int:
+    """One port free on every address now, below the ephemeral range (the module's docstring)."""
+    return free_ports(1)[0]

@@ -52,9 +52,8 @@ def _ms(values: list[float]) -> float:
 
 def read_all(bucket: str, prefix: str, threads: int = 8) -> float:
     """Every object under ``prefix`` read once, straight from the server (not through the proxy); the seconds taken.
-    moto's first GET of an object after its upload is slower than the next (docs/known-issues.md): on one H200 the
-    first latency's pass took 0.65 s to the first token of an 8B rank-16 adapter registered ahead, 8.5 s for rank 64,
-    so every pass comes after one read of everything."""
+    moto's first GET of an object after its upload is slower than the next (docs/known-issues.md: 1.97 s against
+    0.4-0.6 s for 300 MiB on the 2-core container), so every pass comes after one read of everything."""
     import boto3
 
     s3 = boto3.client("s3")
@@ -66,8 +65,10 @@ def read_all(bucket: str, prefix: str, threads: int = 8) -> float:
     return time.perf_counter() - t0
 
 
-def measure(store: str, proxy: LatencyProxy, names: list[str], ns: argparse.Namespace, disk: str) -> dict[str, Any]:
-    """One latency's pass (the module's docstring); ``disk``: a fresh disk tier, so no pass reads another's copies."""
+def measure(store: str, proxy: LatencyProxy, names: list[str], ns: argparse.Namespace, disk: str,
+            adapter_bytes: int) -> dict[str, Any]:
+    """One latency's pass (the module's docstring); ``disk``: a fresh disk tier, so no pass reads another's copies;
+    ``adapter_bytes``: one adapter's, which sizes the host tier (8 of them)."""
     import ray
 
     from lora_cache.adapters.catalog import CatalogConfig
@@ -85,7 +86,7 @@ def measure(store: str, proxy: LatencyProxy, names: list[str], ns: argparse.Name
     ray.init(address="local", num_cpus=ns.cpus, namespace="lora-cache", include_dashboard=False)
     try:
         gpu = ns.device != "cpu"
-        host = HostTierConfig(host_bytes=max(1 << 26, 8 * ns.adapter_bytes), pin=gpu)
+        host = HostTierConfig(host_bytes=max(1 << 26, 8 * adapter_bytes), pin=gpu)
         service = start(ServeConfig(replicas=1, tp=1, gpus=gpu),
                         CatalogConfig(adapter_roots=(store,), model=ns.model, max_rank=ns.rank),
                         PlannerConfig(policy="queue"),
@@ -173,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     latencies = [float(v) for v in ns.latency_ms.split(",") if v.strip()]
     count = 2 * ns.pairs + 2
     root = Path(ns.cache) / f"{ns.model}-r{ns.rank}" / str(count)
-    ns.adapter_bytes = make_adapters(root, ns.model, ns.rank, count) // count
+    adapter_bytes = make_adapters(root, ns.model, ns.rank, count) // count
     names = sorted(d.name for d in root.iterdir())
     results: list[dict[str, Any]] = []
     with moto_server() as endpoint, tempfile.TemporaryDirectory(prefix="resolve-ttft-disk-") as disks:
@@ -184,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             with LatencyProxy(endpoint, latency / 1e3) as proxy:
                 row = {"latency_ms": latency, "pairs": ns.pairs, "herd": ns.herd, "model": ns.model, "rank": ns.rank,
                        "device": ns.device,
-                       **measure(f"s3://{BUCKET}/{PREFIX}", proxy, names, ns, f"{disks}/{i}")}
+                       **measure(f"s3://{BUCKET}/{PREFIX}", proxy, names, ns, f"{disks}/{i}", adapter_bytes)}
             record(row, results)
     write_results(ns.out, results)
     return 0
