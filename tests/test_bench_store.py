@@ -279,6 +279,30 @@ def test_a_disk_warm_fetch_yields_the_store_to_demand_until_a_demand_joins_it() 
     assert late.time == pytest.approx(t0 + 0.2) and store.fetches == 4
 
 
+def test_a_host_warm_reads_fetch_yields_the_store_to_demand_until_a_load_joins_it() -> None:
+    """The simulated ``DemandMarks.yields``: a warm stage's host read of an object not on the node's disk fetches it
+    in the background (it moves only while no demand fetch does); a load that joins the warm read's entry makes
+    the fetch a foreground one, and the entry a demand read for the node's other ranks."""
+    loop = Loop()
+    calib = Calibration(disk_fixed_ms=1.0, disk_gbps=10.0)
+    store = SimStore(parse_store("s3:100MBps,0ms"), loop, calib, {n: 10_000_000 for n in ("warm", "hot", "late", "x")})
+    rank0, rank1 = SimHostTier(loop, calib, 1 << 30, 4, store), SimHostTier(loop, calib, 1 << 30, 4, store)
+    warm, _ = rank0.fetch(AdapterKey("warm", "v"), 1_000_000, count=False, speculative=True)
+    hot: list[float] = []
+    loop.at(0.05, lambda: rank1.fetch(AdapterKey("hot", "v"), 1_000_000)[0].staged.then(lambda _: hot.append(loop.now)))
+    loop.run(lambda: bool(hot) and warm.staged.done)
+    assert hot[0] == pytest.approx(0.05 + 0.1 + 0.001 + 0.0001)  # the whole store: the warm fetch yielded at once
+    assert warm.staged.time == pytest.approx(0.05 + 0.1 + 0.05 + 0.001 + 0.0001)  # then went on: its half left
+    t0 = loop.now
+    late, _ = rank0.fetch(AdapterKey("late", "v"), 1_000_000, count=False, speculative=True)
+    x, _ = rank1.fetch(AdapterKey("x", "v"), 1_000_000)  # a demand fetch: the warm one yields...
+    loop.at(t0 + 0.05, lambda: rank0.fetch(AdapterKey("late", "v"), 1_000_000))  # ...until a load joins its entry
+    loop.run(lambda: x.staged.done and late.staged.done)
+    assert not late.speculative and rank0.demand_reading() is False  # a demand read once joined (now over)
+    assert x.staged.time == pytest.approx(t0 + 0.15 + 0.0011)  # half its bytes alone, half sharing with the joined
+    assert late.staged.time == pytest.approx(t0 + 0.2 + 0.0011) and store.fetches == 4
+
+
 def test_the_simulated_disk_tier_evicts_the_copy_used_longest_ago_that_no_read_holds() -> None:
     """``--disk-bytes`` below the catalog: a fetch that does not fit evicts copies LRU by bytes, as ``DiskTier`` does;
     a copy a read holds (from its ask to its local read's end) or one being fetched is never evicted; a copy

@@ -53,6 +53,7 @@ from workers.control.rank import WorkerControl
 from workers.staging import disk_tier
 from workers.staging.disk_tier import DiskTier, DiskTierConfig
 from workers.staging.host_config import HostTierConfig
+from workers.staging.node_reads import NodeReads, started
 
 BUCKET = "adapters-bkt"
 BIG_RANK = 512  # float32 tiny-shaped at this rank: 4 MiB, four 1 MiB parts
@@ -594,6 +595,43 @@ def test_a_disk_warm_stages_fetch_yields_the_store_to_demand_until_a_read_joins_
     assert cache.disk.contains(small.store) and cache.disk.yields == 1  # type: ignore[arg-type]
     cache.prefetch("big-000").result(timeout=30)
     assert_serves(cache, "big-000", local["big-000"] / WEIGHTS_FILE)
+    cache.check_integrity()
+
+
+def test_a_host_warm_stages_fetch_yields_the_store_to_demand_until_a_load_joins_it(
+    store: tuple[S3Server, str], local: dict[str, Path], cache_for: Callable[..., WorkerCache],
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Speculative reads yield the store at once (issue 42 item 3), a host warm stage's too: while another process
+    on the node has a demand read, a warm stage's read of a store adapter not on the node's disk fetches nothing
+    more of its object; a load of that adapter joins the read, which then yields no more though the demand is still
+    on, and the slot serves the registered bytes; with no demand a warm read runs straight on."""
+    monkeypatch.setattr(disk_tier, "YIELD_MAX_S", 120.0)  # it yields for as long as the demand lasts here
+    _, root = store
+    catalog = catalog_for(root)
+    big = catalog.register("big-000", f"{root}/big-000")  # four 1 MiB blocks: a pause before each
+    small = catalog.register("adapter-000", f"{root}/adapter-000")
+    cache = cache_for(catalog)
+    node = cache.host.demand.node
+    other = NodeReads(node.path, ident=f"{os.getpid()}-{started(os.getpid())}.other-rank")
+    marker = other.mark()  # another rank's load reading on this node
+    assert marker and node.busy() == 1
+    with cache.host.demand.speculative():
+        warm = cache.stage("big-000")
+    assert warm is not None
+    wait_for(lambda: cache.disk.yields >= 1, "the warm read's fetch yielding to the other rank's demand read")
+    assert not warm.done() and not cache.disk.contains(big.store)  # type: ignore[arg-type]
+    cache.prefetch("big-000").result(timeout=60)  # joins the warm read: it runs on, the other demand still on
+    warm.result(timeout=5)
+    assert cache.disk.stats()["disk_fetches"] == 1 and node.busy() == 1
+    assert_serves(cache, "big-000", local["big-000"] / WEIGHTS_FILE)
+    other.unmark(marker)
+    yields = cache.disk.yields
+    with cache.host.demand.speculative():
+        again = cache.stage("adapter-000")
+    assert again is not None
+    again.result(timeout=60)
+    assert cache.disk.contains(small.store) and cache.disk.yields == yields  # type: ignore[arg-type]
     cache.check_integrity()
 
 

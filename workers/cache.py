@@ -223,12 +223,19 @@ class WorkerCache:
         softly instead, so that staging never holds back, or takes room ahead of, a load that is needed.
         Raises only for an unknown adapter or version, or bad shapes. A failed read is counted there too
         and leaves the tier as it was. The entry keeps no reference: it is the LRU's like any other, and
-        ``stages`` counts the reads a stage started."""
+        ``stages`` counts the reads a stage started. A warm stage's (within ``host.demand.speculative()``) fetch of
+        a store adapter's object yields the store to demand reads until a load joins it (``DemandMarks.yields``)."""
         spec = self.catalog.get(name, version)
         layout = self.shards.layout(spec)
-        if spec.store is not None and not self.host.contains(AdapterKey(name, spec.version)):
+        key, warm = AdapterKey(name, spec.version), self.host.demand.warm
+        if spec.store is not None and not warm and not self.host.contains(key):
             self.disk.stage(spec)  # from the store to this node's disk, even where the host tier has no room
-        return self.load_path.stage(spec, AdapterKey(name, spec.version), layout, self.shards.plan(spec))
+        staged = self.load_path.stage(spec, key, layout, self.shards.plan(spec))
+        if staged is None and warm and spec.store is not None and not self.host.contains(key):
+            # a warm stage with no host room: the object to the node's disk only, yielding the store as the warm
+            # stage's own read would (its read fetches through the disk: ``DemandMarks.yields``)
+            self.disk.stage(spec, lambda: self.host.reading() > 0 or self.host.demand.node.busy() > 0)
+        return staged
 
     def evict(self, name: str, version: str | None = None) -> bool:
         """Free the adapter's slot if it is READY and unused; False if absent, loading or in use."""

@@ -74,6 +74,10 @@ class SimHostTier:
             if key in self.entries:
                 self.entries.move_to_end(key)
                 entry.protected = self.order.used_again(entry.protected)
+            if entry.speculative and not speculative and not entry.staged.done:  # ``DemandMarks.join``: a demand
+                entry.speculative = False  # read now, whose store fetch yields no more
+                if self.store is not None:
+                    self.store.promote(key.name)
             entry.refs += 1
             self.hits += count
             return entry, True
@@ -131,7 +135,8 @@ class SimHostTier:
             self._busy += 1
             span = (self.loop.now, math.inf)
             self._reads.append(span)
-            self.store.read(key.name, entry.nbytes, functools.partial(self._store_done, key, entry, span))
+            self.store.read(key.name, entry.nbytes, functools.partial(self._store_done, key, entry, span),
+                            background=entry.speculative)  # a warm stage's fetch yields (``DemandMarks.yields``)
 
     def _store_done(self, key: AdapterKey, entry: _Staged, span: tuple[float, float]) -> None:
         self._busy -= 1

@@ -127,12 +127,14 @@ class SimStore:
         self.tiers: list[Any] = []  # the host tiers that read from it (``SimHostTier``: the node's ranks)
         self.fetches = self.evictions = self.disk_over = 0
 
-    def read(self, name: str, nbytes: int, done: Callable[[], None]) -> None:
+    def read(self, name: str, nbytes: int, done: Callable[[], None], background: bool = False) -> None:
+        """``background``: a warm stage's read, whose fetch (if the copy is not on disk) yields the store to demand
+        fetches until a demand joins it (``promote``), as ``DemandMarks.yields`` makes the real one."""
         if self.model.kind == "device":  # the reader's copies ride on the device's transfer (module docstring)
             self.link.start(nbytes, done, self.calibration.device_slowdown())
             return
         self._held[name] += 1  # before the fetch: its room-making never evicts the copy this read asks for
-        copy = self.fetch(name)
+        copy = self.fetch(name, background)
         assert copy is not None
         local = self.calibration.disk_s(nbytes)
         copy.then(lambda _: self.loop.after(local, functools.partial(self._read, name, done)))
@@ -186,6 +188,12 @@ class SimStore:
         elif copy.done:  # a warm stage of a copy on disk counts as a use, as ``DiskTier._proof`` touches its proof
             self._used(name)
         return copy
+
+    def promote(self, name: str) -> None:
+        """A demand joined the warm read fetching ``name`` (on another path than ``fetch``): its fetch in flight, if
+        a background one, moves as a foreground one from now."""
+        if name in self._background:
+            self.link.promote(self._background.pop(name))
 
     def _fetched(self, name: str, copy: Signal) -> None:
         self._background.pop(name, None)

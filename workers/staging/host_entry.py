@@ -43,6 +43,7 @@ class HostEntry:
     lock: threading.Lock = field(default_factory=threading.Lock)  # protects staged and listeners
     marks: list[tuple[str, float]] = field(default_factory=list)  # (phase, perf_counter) of its read (probes)
     speculative: bool = False  # read by a warm stage: no demand-read marker for the node (``node_reads``)
+    joined: bool = False  # a load joined a warm stage's read: its store fetch yields no more (``DemandMarks.yields``)
     protected: bool = False  # let go of after every idle unprotected entry (``workers.staging.eviction``)
     node_mark: str = ""  # its demand-read marker while it is read ("" for none); under ``lock``
     read_over: bool = False  # its read ended (no marker may be left for it any more); under ``lock``

@@ -43,15 +43,17 @@ log = logging.getLogger(__name__)
 __all__ = ["HostEntry", "HostTier", "drop_pages"]
 
 
-def local_copy(disk: DiskTier | None, spec: AdapterSpec) -> contextlib.AbstractContextManager[AdapterSpec]:
+def local_copy(disk: DiskTier | None, spec: AdapterSpec,
+               busy: Callable[[], bool] | None = None) -> contextlib.AbstractContextManager[AdapterSpec]:
     """What a read of ``spec`` reads: its own file, or for an adapter in an object store its proven copy on this
-    node's ``disk`` tier, held while it is read."""
+    node's ``disk`` tier, held while it is read. ``busy``: a warm stage's read, whose store fetch yields to demand
+    reads while ``busy()`` (``DiskTier.held``)."""
     if spec.store is None:
         return contextlib.nullcontext(spec)
     if disk is None:
         raise ConfigError(f"adapter {spec.name} is in an object store ({spec.path}) but this host tier has no disk "
                           "tier to fetch it into; build it with HostTier(..., disk=DiskTier(...))")
-    return disk.held(spec)
+    return disk.held(spec, busy)
 
 
 def no_room(host_bytes: int, held: Sequence[HostEntry], key: AdapterKey, nbytes: int) -> CapacityError:
@@ -147,7 +149,7 @@ class HostTier:
             return waiting.ready, hit
         assert entry is not None
         if hit and entry.speculative and not self.demand.warm:
-            self.demand.mark(entry)  # a load joins a warm stage's read: the node's other ranks now yield to it
+            self.demand.join(entry)  # a load joins a warm stage's read: the node's other ranks yield to it, it to none
         if on_chunk is not None:
             entry.listen(chunk_listener(on_chunk, hit))
         if not hit:
@@ -383,7 +385,9 @@ class HostTier:
                 if self.config.drop_page_cache:
                     drop_pages(spec)
             else:
-                with local_copy(self.disk, spec) as local:  # a store's adapter: its copy on this disk
+                busy = self.demand.yields(entry, lambda: self.reading() > self.config.read_threads) \
+                    if entry.speculative else None
+                with local_copy(self.disk, spec, busy) as local:  # a store's adapter: its copy on this disk
                     entry.bytes_read = self._reader.read(local, entry)
                     if self.config.drop_page_cache:
                         drop_pages(local)

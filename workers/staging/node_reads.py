@@ -146,6 +146,7 @@ class Marked(Protocol):
     lock: threading.Lock
     node_mark: str
     read_over: bool
+    joined: bool
 
 
 class DemandMarks:
@@ -155,6 +156,8 @@ class DemandMarks:
     def __init__(self, node: NodeReads | None = None) -> None:
         self.node = node if node is not None else NodeReads()
         self._local = threading.local()
+        self._lock = threading.Lock()
+        self._demand: set[int] = set()  # ids of this tier's entries whose demand reads run (marked or not)
 
     @contextlib.contextmanager
     def speculative(self) -> Iterator[None]:
@@ -174,10 +177,39 @@ class DemandMarks:
         """Mark ``entry``'s read as a demand read (also one a load joined in flight), unless it is over or marked."""
         with entry.lock:
             if not entry.read_over and not entry.node_mark:
+                with self._lock:
+                    self._demand.add(id(entry))
                 entry.node_mark = self.node.mark()
+
+    def join(self, entry: Marked) -> None:
+        """A load joined the warm stage's read of ``entry``: a demand read from now, whose store fetch yields no
+        more (``yields``)."""
+        entry.joined = True
+        self.mark(entry)
 
     def unmark(self, entry: Marked) -> None:
         """``entry``'s read ended, whichever way: its marker goes, and none is left for it later."""
         with entry.lock:
             name, entry.node_mark, entry.read_over = entry.node_mark, "", True
+            with self._lock:
+                self._demand.discard(id(entry))
         self.node.unmark(name)
+
+    def yields(self, entry: Marked, crowded: Callable[[], bool]) -> Callable[[], bool]:
+        """What the warm stage's read of ``entry`` yields the store to where its adapter's object is not on the
+        node's disk yet (``DiskTier.held``'s ``busy``): a demand read of this tier or of another process on the node,
+        until a load joins ``entry``; never while ``crowded()`` (a read of this tier waits for a reader thread, which
+        may be the one the yielding read holds). A speculative read never holds the store against a demand one (issue 42 item
+        3): before 2026-12-02 only disk warm stages yielded, and a host warm stage's fetch of a whole object took
+        the store from the demand reads that came while it ran (in the simulator, two replicas on one node with a
+        disk tier smaller than the catalog: ``global`` up to 4.81x ``queue``'s mean TTFT, bench/reports/issue-42.md,
+        "Host warm reads that yield the store")."""
+
+        def busy() -> bool:
+            if entry.joined or crowded():
+                return False
+            with self._lock:
+                here = bool(self._demand)
+            return here or self.node.busy() > 0
+
+        return busy
