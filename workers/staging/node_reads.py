@@ -199,11 +199,11 @@ class DemandMarks:
         """What the warm stage's read of ``entry`` yields the store to where its adapter's object is not on the
         node's disk yet (``DiskTier.held``'s ``busy``): a demand read of this tier or of another process on the node,
         until a load joins ``entry``; never while ``crowded()`` (a read of this tier waits for a reader thread, which
-        may be the one the yielding read holds). A speculative read never holds the store against a demand one (issue 42 item
-        3): before 2026-12-02 only disk warm stages yielded, and a host warm stage's fetch of a whole object took
-        the store from the demand reads that came while it ran (in the simulator, two replicas on one node with a
-        disk tier smaller than the catalog: ``global`` up to 4.81x ``queue``'s mean TTFT, bench/reports/issue-42.md,
-        "Host warm reads that yield the store")."""
+        may be the one the yielding read holds). A speculative read never holds the store against a demand one
+        (issue 42 item 3): before 2026-12-02 only disk warm stages yielded, and a host warm stage's fetch of a whole
+        object took the store from the demand reads that came while it ran (in the simulator, two replicas on one
+        node with a disk tier smaller than the catalog: ``global`` up to 4.81x ``queue``'s mean TTFT,
+        bench/reports/issue-42.md, "Host warm reads yield the store")."""
 
         def busy() -> bool:
             if entry.joined or crowded():
