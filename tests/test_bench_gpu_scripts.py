@@ -263,6 +263,16 @@ def test_issue42_full_host_tier_part_overrides_the_host_bytes_and_routes_the_ora
         "--router lora-cache --policies oracle", "--router lora-cache --policies oracle"]
 
 
+def test_issue42_s3_part_gives_the_disk_tier_its_size_when_asked_and_names_the_run_by_it(tmp_path: Path) -> None:
+    """s3-1: one replica on the S3 store; DISK_BYTES, where given, is the node's disk tier (``--disk-bytes``, a
+    bench.run option) and names the run; without it the service's default (no option)."""
+    (sized,) = _dry("issue42.sh", str(tmp_path), "s3-1", DISK_BYTES=str(8 << 30), POLICIES="global", SEED="1")
+    assert sized[sized.index("--disk-bytes") + 1] == str(8 << 30) and sized[sized.index("--policies") + 1] == "global"
+    assert sized[sized.index("--out") + 1].endswith("s3-1-m4-s1-d8-global")
+    (default,) = _dry("issue42.sh", str(tmp_path), "s3-1")
+    assert "--disk-bytes" not in default and default[default.index("--out") + 1].endswith("s3-1-m4-s0-queue-global")
+
+
 def test_issue44_push_runs_the_passes_then_each_push_probe_for_this_tree_and_then_the_old_one(tmp_path: Path) -> None:
     from bench.probes.push import build_parser as push_parser
 

@@ -32,7 +32,8 @@
 #                is lent; one policy per call fits STEP_LIMIT with the warm-up)
 #   s3-1         1 replica, the S3 store (moto's server behind the throttling proxy, bench/store.py) at S3
 #                [s3:200MBps,30ms], workload seed SEED [0]: POLICIES [queue,global] in one bench.run (the catalog is
-#                uploaded once per run), named by MAX_ADAPTERS, the seed and the policies
+#                uploaded once per run), named by MAX_ADAPTERS, the seed, DISK_BYTES (the node's disk tier, if given;
+#                default the service's 64 GiB, which holds the catalog) and the policies
 # The workload: Zipf 1.5 over NUM_ADAPTERS [100] adapters of ranks 16 and 64 (Llama-3.1-8B shapes), Poisson RATE
 # [4] requests/s per replica, REQUESTS [200] measured after WARMUP [300] warm-up requests (bench/warmup.py: long
 # enough for the warm stages to fill the host tiers at the device's ~1.2 GB/s), the host tier
@@ -85,8 +86,10 @@ for part in "$@"; do
                 run "dev2-route-s${SEED:-0}" "${two[@]}" "${seed[@]}" --store device --router lora-cache --policies global ;;
     dev1-seed)  run "dev1-s${SEED:-0}${POLICIES:+-${POLICIES//,/-}}" --replicas 1 --arrivals "poisson:$rate" --workload-seed "${SEED:-0}" \
                   --store device --policies "${POLICIES:-queue,global,oracle}" ;;
-    s3-1)       p=${POLICIES:-queue,global}; run "s3-1-m${MAX_ADAPTERS:-4}-s${SEED:-0}-${p//,/-}" --replicas 1 --arrivals "poisson:$rate" \
-                  --workload-seed "${SEED:-0}" --store "${S3:-s3:200MBps,30ms}" --policies "$p"
+    s3-1)       p=${POLICIES:-queue,global}; d=${DISK_BYTES:+-d$((DISK_BYTES >> 30))}
+                run "s3-1-m${MAX_ADAPTERS:-4}-s${SEED:-0}$d-${p//,/-}" --replicas 1 --arrivals "poisson:$rate" \
+                  --workload-seed "${SEED:-0}" --store "${S3:-s3:200MBps,30ms}" --policies "$p" \
+                  ${DISK_BYTES:+--disk-bytes "$DISK_BYTES"}
                 rm -rf "$out"/s3-1-*/disk-tier ;;  # the runs' fetched copies (bench.run removes each policy's)
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
