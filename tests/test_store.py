@@ -556,6 +556,18 @@ def test_a_disk_warm_stage_fetches_the_object_into_the_disk_tier_only(
     cache.check_integrity()
 
 
+def yielding_cache(store: tuple[S3Server, str], cache_for: Callable[..., WorkerCache],
+                   monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerCache, AdapterSpec, AdapterSpec]:
+    """A cache over the store whose warm fetches yield for as long as a demand lasts, and two adapters registered:
+    one of four 1 MiB blocks (a pause before each) and a small one."""
+    monkeypatch.setattr(disk_tier, "YIELD_MAX_S", 120.0)
+    _, root = store
+    catalog = catalog_for(root)
+    big = catalog.register("big-000", f"{root}/big-000")
+    small = catalog.register("adapter-000", f"{root}/adapter-000")
+    return cache_for(catalog), big, small
+
+
 def test_a_disk_warm_stages_fetch_yields_the_store_to_demand_until_a_read_joins_it(
     store: tuple[S3Server, str], local: dict[str, Path], cache_for: Callable[..., WorkerCache],
     monkeypatch: pytest.MonkeyPatch
@@ -565,12 +577,7 @@ def test_a_disk_warm_stages_fetch_yields_the_store_to_demand_until_a_read_joins_
     yields no more (no read waits behind a paused fetch of its own adapter); with no demand it runs straight on."""
     import threading
 
-    monkeypatch.setattr(disk_tier, "YIELD_MAX_S", 120.0)  # it yields for as long as the demand lasts here
-    _, root = store
-    catalog = catalog_for(root)
-    big = catalog.register("big-000", f"{root}/big-000")  # four 1 MiB blocks: a pause before each
-    small = catalog.register("adapter-000", f"{root}/adapter-000")
-    cache = cache_for(catalog)
+    cache, big, small = yielding_cache(store, cache_for, monkeypatch)
     demand = threading.Event()
     demand.set()
     staged = cache.disk.stage(big, demand.is_set)
@@ -606,12 +613,7 @@ def test_a_host_warm_stages_fetch_yields_the_store_to_demand_until_a_load_joins_
     on the node has a demand read, a warm stage's read of a store adapter not on the node's disk fetches nothing
     more of its object; a load of that adapter joins the read, which then yields no more though the demand is still
     on, and the slot serves the registered bytes; with no demand a warm read runs straight on."""
-    monkeypatch.setattr(disk_tier, "YIELD_MAX_S", 120.0)  # it yields for as long as the demand lasts here
-    _, root = store
-    catalog = catalog_for(root)
-    big = catalog.register("big-000", f"{root}/big-000")  # four 1 MiB blocks: a pause before each
-    small = catalog.register("adapter-000", f"{root}/adapter-000")
-    cache = cache_for(catalog)
+    cache, big, small = yielding_cache(store, cache_for, monkeypatch)
     node = cache.host.demand.node
     other = NodeReads(node.path, ident=f"{os.getpid()}-{started(os.getpid())}.other-rank")
     marker = other.mark()  # another rank's load reading on this node
