@@ -3,6 +3,7 @@ another rank's demand read is in flight on the store they share, and never for a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 from lora_cache.vocab import AdapterKey, Stage
 from tests.waiting import wait_for
 from workers.control.commands import CommandGate
-from workers.staging.node_reads import MAX_READ_S, NodeReads, started
+from workers.staging.node_reads import MAX_READ_S, DemandMarks, NodeReads, started
 
 HOLDER = """
 import sys
@@ -99,6 +100,50 @@ def test_a_directory_that_cannot_be_written_costs_the_yield_only(tmp_path: Path,
     assert reads.mark() == "" and reads.busy() == 0
     reads.unmark("")
     assert "give the directory write access" in caplog.text
+
+
+@dataclasses.dataclass
+class _Entry:
+    """A host-tier entry as the marks see it (``Marked``)."""
+
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    node_mark: str = ""
+    read_over: bool = False
+    joined: bool = False
+
+
+def test_a_warm_read_yields_to_demand_here_or_on_the_node_until_a_load_joins_it_never_while_crowded(
+        tmp_path: Path) -> None:
+    """``DemandMarks.yields``: a warm read's store fetch yields while this tier or another process of the node has a
+    demand read, even one whose marker could not be written; not while a read of this tier waits for a reader
+    thread (the warm read may hold the one it needs); never again once a load joined it."""
+    marks = DemandMarks(NodeReads(tmp_path / "reads", ident=me("a")))
+    other = NodeReads(tmp_path / "reads", ident=me("b"))
+    warm, demand = _Entry(), _Entry()
+    crowded = threading.Event()
+    busy = marks.yields(warm, crowded.is_set)
+    assert not busy(), "no demand read: the warm read runs on"
+    marks.mark(demand)
+    assert demand.node_mark and busy(), "this tier's demand read"
+    crowded.set()
+    assert not busy(), "a read of this tier waits for a thread"
+    crowded.clear()
+    marks.unmark(demand)
+    assert not busy()
+    name = other.mark()
+    assert busy(), "another process's demand read on the node"
+    marks.join(warm)
+    assert warm.joined and warm.node_mark and not busy(), "a load joined: it yields no more"
+    other.unmark(name)
+    marks.unmark(warm)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    unmarked = DemandMarks(NodeReads(blocker / "reads", ident=me("c")))  # markers cannot be written
+    lone, load = _Entry(), _Entry()
+    unmarked.mark(load)
+    assert load.node_mark == "" and unmarked.yields(lone, lambda: False)(), "its own demand counts unmarked"
+    unmarked.unmark(load)
+    assert not unmarked.yields(lone, lambda: False)()
 
 
 def test_a_load_s_read_is_marked_while_it_runs_and_a_warm_stage_s_is_not(
