@@ -637,6 +637,38 @@ def test_a_host_warm_stages_fetch_yields_the_store_to_demand_until_a_load_joins_
     cache.check_integrity()
 
 
+def test_a_warm_fetch_yields_no_more_once_another_process_of_the_node_waits_for_its_object(
+    store: tuple[S3Server, str], local: dict[str, Path], cache_for: Callable[..., WorkerCache],
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A demand marker says that a read runs on the node, not which object it waits for: a rank's read of the very
+    object another rank's warm fetch is fetching (its file lock keeps the read out) says so (``awaiting``), and the
+    fetch runs on at once, though demand reads stay on the node; the reader then finds the copy, fetched once."""
+    import threading
+
+    cache, big, _ = yielding_cache(store, cache_for, monkeypatch)
+    staged = cache.disk.stage(big, lambda: True)  # the node is busy for as long as the test runs
+    assert staged is not None
+    wait_for(lambda: cache.disk.yields == 1, "the warm fetch yielding")
+    other = DiskTier(DiskTierConfig(disk_cache=str(tmp_path / "disk")))  # another rank's tier: its own file locks
+    read: list[str] = []
+
+    def demand() -> None:
+        with other.held(big) as local_spec:
+            read.append(str(local_spec.source.path))  # type: ignore[union-attr]
+
+    reader = threading.Thread(target=demand)
+    reader.start()
+    staged.result(timeout=60)  # without the signal each of its four blocks would wait YIELD_MAX_S (120 s)
+    reader.join(timeout=60)
+    assert read and cache.disk.stats()["disk_fetches"] == 1 and other.stats()["disk_fetches"] == 0
+    assert other.stats()["disk_hits"] == 1 and cache.disk.yielded_s < 60
+    cache.prefetch("big-000").result(timeout=30)
+    assert_serves(cache, "big-000", local["big-000"] / WEIGHTS_FILE)
+    other.close()
+    cache.check_integrity()
+
+
 def test_an_object_replaced_after_registration_is_refused_and_nothing_is_kept(
     store: tuple[S3Server, str], local: dict[str, Path], cache_for: Callable[..., WorkerCache], tmp_path: Path
 ) -> None:

@@ -48,6 +48,7 @@ from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.store import client
 from lora_cache.errors import AdapterChangedError, AdapterFormatError, CapacityError, ConfigError
 from lora_cache.vocab import NAMESPACE, check_service_name
+from workers.staging.node_reads import awaited, awaiting
 from workers.staging.store_fetch import fetch_object
 
 log = logging.getLogger(__name__)
@@ -125,16 +126,20 @@ class DiskTier:
     @contextlib.contextmanager
     def held(self, spec: AdapterSpec, busy: Callable[[], bool] | None = None) -> Iterator[AdapterSpec]:
         """``spec`` with ``source`` its local copy's (fetched if need be), which no process evicts until the
-        ``with`` ends; ``spec`` itself for an adapter not in a store. ``busy``: a disk warm stage's (``stage``)."""
+        ``with`` ends; ``spec`` itself for an adapter not in a store. ``busy``: a warm stage's, whose fetch yields
+        (``stage``; a host warm read's: ``DemandMarks.yields``)."""
         if spec.store is None:
             yield spec
             return
         name = entry_name(spec.store)
-        if busy is None:  # a read that needs it: a warm stage's fetch of it in flight here yields no more (its
-            with self._lock:  # entry lock keeps this read out until the fetch ends)
+        want = contextlib.ExitStack()
+        if busy is None:  # a read that needs it: a warm stage's fetch of it in flight here, or in another process
+            with self._lock:  # of the node, yields no more (its entry lock keeps this read out until it ends)
                 self._yielding.pop(name, None)
-        fd = self._entry_lock(name, fcntl.LOCK_SH)
+            want.enter_context(awaiting(self._ensure_dir() / "locks", name))
+        fd = -1
         try:
+            fd = self._entry_lock(name, fcntl.LOCK_SH)
             local = self._proof(name, spec.store)
             if local is None:
                 os.close(fd)
@@ -157,6 +162,7 @@ class DiskTier:
             else:
                 with self._lock:
                     self.hits += 1
+            want.close()
             try:
                 yield dataclasses.replace(spec, source=local)
             except AdapterChangedError:  # the copy is not what its proof says (torn by a crash): dropped, fetched
@@ -165,6 +171,7 @@ class DiskTier:
                 self._evict(name)
                 raise
         finally:
+            want.close()
             if fd >= 0:
                 os.close(fd)
 
@@ -173,7 +180,8 @@ class DiskTier:
         for an adapter not in a store. A failure is logged and counted (``stage_failures``), not raised.
         ``busy``: a disk warm stage's, which yields the store at once: while ``busy()`` (a demand read on this
         node) its fetch reads no more of the object (the store's bandwidth goes to the demand), up to ``YIELD_MAX_S``
-        at a time; a read that needs the object joins the fetch and it yields no more."""
+        at a time; a read that needs the object, of this process or another of the node (``awaiting``), joins the
+        fetch and it yields no more."""
         if spec.store is None:
             return None
         with self._lock:
@@ -211,7 +219,7 @@ class DiskTier:
     # -- one fetch per node ----------------------------------------------------------------------------
     def _fetch_once(self, name: str, source: StoreSource, busy: Callable[[], bool] | None = None) -> None:
         """The copy of ``source`` in place: fetched by this thread, or by the one (of any process here) already
-        fetching it, whose end this waits for. ``busy``: a disk warm stage's fetch (it yields: ``stage``)."""
+        fetching it, whose end this waits for. ``busy``: a warm stage's fetch (it yields: ``stage``)."""
         with self._lock:
             flight = self._flights.get(name)
             mine = flight is None
@@ -241,17 +249,16 @@ class DiskTier:
                 self._yielding.pop(name, None)
 
     def _pause(self, name: str) -> Callable[[], None]:
-        """A disk warm stage's pause before each block it reads: while its ``busy`` says a demand read is on this
-        node, and no read joined its fetch, it reads nothing (the socket's flow control holds the store back), for
-        ``YIELD_MAX_S`` at most at a time (a read of another process here that waits for this very object, which
-        this process cannot see, waits that much longer)."""
+        """A warm stage's pause before each block it reads: while its ``busy`` says a demand read is on this node,
+        and no read joined its fetch nor waits for this very object in another process of the node (``awaiting``),
+        it reads nothing (the socket's flow control holds the store back), for ``YIELD_MAX_S`` at most at a time."""
 
         def pause() -> None:
             start = now = time.monotonic()
             while now - start < YIELD_MAX_S:
                 with self._lock:
                     busy = self._yielding.get(name)
-                if busy is None or not busy():
+                if busy is None or not busy() or awaited(self.dir / "locks", name):
                     break
                 if now == start:
                     with self._lock:

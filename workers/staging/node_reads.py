@@ -17,6 +17,7 @@ never a read.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import logging
 import os
@@ -213,3 +214,33 @@ class DemandMarks:
             return here or self.node.busy() > 0
 
         return busy
+
+
+@contextlib.contextmanager
+def awaiting(locks: Path, name: str) -> Iterator[None]:
+    """A demand read of this node waits for the disk tier's object ``name`` (its proven copy, or a fetch of it by
+    this or another process) while within: such a fetch, if a warm stage's that yields the store, yields no more
+    (``awaited``; a marker says that a demand read runs, not which object it waits for). A shared ``flock`` on
+    ``locks/NAME.want``: the kernel lets go of it with its process, so a reader killed while it waits leaves nothing
+    that counts."""
+    fd = os.open(locks / f"{name}.want", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def awaited(locks: Path, name: str) -> bool:
+    """Whether a demand read of any process on this node waits for the object ``name`` (``awaiting``)."""
+    try:
+        fd = os.open(locks / f"{name}.want", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
