@@ -621,7 +621,7 @@ def test_a_host_warm_stages_fetch_yields_the_store_to_demand_until_a_load_joins_
     with cache.host.demand.speculative():
         warm = cache.stage("big-000")
     assert warm is not None
-    wait_for(lambda: cache.disk.yields >= 1, "the warm read's fetch yielding to the other rank's demand read")
+    wait_for(lambda: cache.disk.stats()["disk_yields"] >= 1, "the warm fetch yielding to the other rank's demand")
     assert not warm.done() and not cache.disk.contains(big.store)  # type: ignore[arg-type]
     cache.prefetch("big-000").result(timeout=60)  # joins the warm read: it runs on, the other demand still on
     warm.result(timeout=5)

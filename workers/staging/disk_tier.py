@@ -210,6 +210,8 @@ class DiskTier:
                 "disk_fetched_bytes": self.fetched_bytes,
                 "disk_evictions": self.evictions,
                 "disk_stage_failures": self.stage_failures,
+                "disk_yields": self.yields,  # warm fetches' pauses for demand reads (disk or host warm stages')
+                "disk_yielded_ms": round(self.yielded_s * 1e3),
             }
 
     def close(self) -> None:
