@@ -234,7 +234,7 @@ class WorkerCache:
         if staged is None and warm and spec.store is not None and not self.host.contains(key):
             # a warm stage with no host room: the object to the node's disk only, yielding the store as the warm
             # stage's own read would (its read fetches through the disk: ``DemandMarks.yields``)
-            self.disk.stage(spec, lambda: self.host.reading() > 0 or self.host.demand.node.busy() > 0)
+            self.disk.stage(spec, self.host.demand.busy)
         return staged
 
     def evict(self, name: str, version: str | None = None) -> bool:

@@ -72,7 +72,7 @@ class CommandGate:
         with self._lock:
             if self._warm is None:
                 host = self.cache.host
-                self._warm = WarmQueue(self._warm_stage, self._reads_busy, self._shard_bytes,
+                self._warm = WarmQueue(self._warm_stage, host.demand.busy, self._shard_bytes,
                                        host.config.warm_read_bytes_per_s / host.ranks_here)
             return self._warm
 
@@ -91,14 +91,9 @@ class CommandGate:
             to_disk = key in self._to_disk
             self._to_disk.discard(key)
         if to_disk:  # the object into the node's disk tier, nothing into the host tier; its fetch yields the store
-            return self.cache.disk.stage(self.cache.catalog.get(name, version), self._reads_busy)  # (DiskTier.stage)
+            return self.cache.disk.stage(self.cache.catalog.get(name, version), self.cache.host.demand.busy)
         with self.cache.host.demand.speculative():
             return self.cache.stage(name, version)
-
-    def _reads_busy(self) -> bool:
-        """A read in flight in this rank's host tier, or a demand read of the node's: what warm stages wait for."""
-        host = self.cache.host
-        return host.reading() > 0 or host.demand.node.busy() > 0
 
     def _shard_bytes(self, name: str, version: str) -> int:
         """What a warm stage moves, for the read rate limit: the shard; a disk warm stage's, the whole object."""

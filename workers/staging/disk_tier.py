@@ -136,7 +136,7 @@ class DiskTier:
         if busy is None:  # a read that needs it: a warm stage's fetch of it in flight here, or in another process
             with self._lock:  # of the node, yields no more (its entry lock keeps this read out until it ends)
                 self._yielding.pop(name, None)
-            want.enter_context(awaiting(self._ensure_dir() / "locks", name))
+            want.enter_context(awaiting(self._open_lock(f"{name}.want")))
         fd = -1
         try:
             fd = self._entry_lock(name, fcntl.LOCK_SH)
@@ -238,7 +238,8 @@ class DiskTier:
             try:
                 local = self._proof(name, source)
                 if local is None:
-                    local = self._fetch(name, source, self._pause(name) if busy is not None else None)
+                    with self._pause(name) if busy is not None else contextlib.nullcontext() as pause:
+                        local = self._fetch(name, source, pause)
             finally:
                 os.close(fd)
             flight.set_result(local)
@@ -250,17 +251,19 @@ class DiskTier:
                 del self._flights[name]
                 self._yielding.pop(name, None)
 
-    def _pause(self, name: str) -> Callable[[], None]:
-        """A warm stage's pause before each block it reads: while its ``busy`` says a demand read is on this node,
-        and no read joined its fetch nor waits for this very object in another process of the node (``awaiting``),
-        it reads nothing (the socket's flow control holds the store back), for ``YIELD_MAX_S`` at most at a time."""
+    @contextlib.contextmanager
+    def _pause(self, name: str) -> Iterator[Callable[[], None]]:
+        """A warm fetch's pause before each block: while its ``busy`` says a demand read is on this node, and no read
+        joined it nor waits for its object in another process (``awaiting``; the want file opened once a fetch), it
+        reads nothing (the socket's flow control holds the store back), ``YIELD_MAX_S`` at most at a time."""
+        want = self._open_lock(f"{name}.want")
 
         def pause() -> None:
             start = now = time.monotonic()
             while now - start < YIELD_MAX_S:
                 with self._lock:
                     busy = self._yielding.get(name)
-                if busy is None or not busy() or awaited(self.dir / "locks", name):
+                if busy is None or not busy() or awaited(want):
                     break
                 if now == start:
                     with self._lock:
@@ -271,7 +274,10 @@ class DiskTier:
                 with self._lock:
                     self.yielded_s += now - start
 
-        return pause
+        try:
+            yield pause
+        finally:
+            os.close(want)
 
     def _fetch(self, name: str, source: StoreSource, pause: Callable[[], None] | None = None) -> WeightsSource:
         """Fetch ``source`` into ``name`` (caller holds its entry lock exclusively); ``pause``: ``_pause``'s."""
@@ -392,14 +398,22 @@ class DiskTier:
 
     def _entry_lock(self, name: str, how: int) -> int:
         """An fd of ``locks/NAME.lock`` locked ``how`` (flock); the caller closes it to unlock."""
-        locks = self._ensure_dir() / "locks"
-        fd = os.open(locks / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = self._open_lock(f"{name}.lock")
         try:
             fcntl.flock(fd, how)
         except BaseException:
             os.close(fd)
             raise
         return fd
+
+    def _open_lock(self, file: str) -> int:
+        """An fd of ``locks/FILE``, made if need be (the directory too, only when it is missing)."""
+        path = self.dir / "locks" / file
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:
+            self._ensure_dir()
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
 
     def _ensure_dir(self) -> Path:
         try:

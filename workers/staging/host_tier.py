@@ -74,7 +74,7 @@ class HostTier:
         ranks, whose warm stages wait for them (``workers.staging.node_reads``; default: the node's directory)."""
         config = config.sized(ranks_here)
         self.config = config
-        self.demand = DemandMarks(node)  # its demand reads, marked for the node's other ranks
+        self.demand = DemandMarks(node, self.reading)  # its demand reads, marked for the node's other ranks
         self.ranks_here = max(1, ranks_here)  # GPU ranks on this host: they share its warm read rate
         self.disk = disk
         self.reads = config.reads_for(config.pin and torch.cuda.is_available())

@@ -154,8 +154,10 @@ class DemandMarks:
     """A host tier's side of ``NodeReads``: its reads are demand reads, marked while they run, except those a warm
     stage starts (fetches made within ``speculative()`` on the warm queue's thread)."""
 
-    def __init__(self, node: NodeReads | None = None) -> None:
+    def __init__(self, node: NodeReads | None = None, reading: Callable[[], int] = lambda: 0) -> None:
+        """``reading``: how many reads of the tier are in flight (``HostTier.reading``), for ``busy``."""
         self.node = node if node is not None else NodeReads()
+        self._reading = reading
         self._local = threading.local()
         self._lock = threading.Lock()
         self._demand: set[int] = set()  # ids of this tier's entries whose demand reads run (marked or not)
@@ -173,6 +175,11 @@ class DemandMarks:
     def warm(self) -> bool:
         """Whether this thread's fetches are warm stages now."""
         return bool(getattr(self._local, "on", False))
+
+    def busy(self) -> bool:
+        """What a warm stage waits for before it starts, and a disk warm stage's fetch yields the store to: a read in
+        flight in this tier (of either kind), or a demand read of another process on the node."""
+        return self._reading() > 0 or self.node.busy() > 0
 
     def mark(self, entry: Marked) -> None:
         """Mark ``entry``'s read as a demand read (also one a load joined in flight), unless it is over or marked."""
@@ -217,13 +224,12 @@ class DemandMarks:
 
 
 @contextlib.contextmanager
-def awaiting(locks: Path, name: str) -> Iterator[None]:
-    """A demand read of this node waits for the disk tier's object ``name`` (its proven copy, or a fetch of it by
-    this or another process) while within: such a fetch, if a warm stage's that yields the store, yields no more
-    (``awaited``; a marker says that a demand read runs, not which object it waits for). A shared ``flock`` on
-    ``locks/NAME.want``: the kernel lets go of it with its process, so a reader killed while it waits leaves nothing
-    that counts."""
-    fd = os.open(locks / f"{name}.want", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+def awaiting(fd: int) -> Iterator[None]:
+    """A demand read of this node waits for the disk tier's object whose ``locks/NAME.want`` file ``fd`` is open
+    on (its proven copy, or a fetch of it by this or another process) while within; ``fd`` is closed at the end.
+    Such a fetch, if a warm stage's that yields the store, yields no more (``awaited``; a marker says that a demand
+    read runs, not which object it waits for). A shared ``flock``: the kernel lets go of it with its process, so a
+    reader killed while it waits leaves nothing that counts."""
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         yield
@@ -231,16 +237,12 @@ def awaiting(locks: Path, name: str) -> Iterator[None]:
         os.close(fd)
 
 
-def awaited(locks: Path, name: str) -> bool:
-    """Whether a demand read of any process on this node waits for the object ``name`` (``awaiting``)."""
-    try:
-        fd = os.open(locks / f"{name}.want", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError:
-        return False
+def awaited(fd: int) -> bool:
+    """Whether a demand read of any process on this node waits for the object whose want file ``fd`` is open on
+    (``awaiting``): the caller opens it once for all its polls."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
-    finally:
-        os.close(fd)
+    fcntl.flock(fd, fcntl.LOCK_UN)
     return False
