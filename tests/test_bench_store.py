@@ -33,6 +33,7 @@ from lora_cache.adapters.shapes import SHAPES
 from lora_cache.adapters.shards import shard_layout
 from lora_cache.errors import ConfigError
 from lora_cache.vocab import AdapterKey
+from workers.staging.disk_tier import DiskTierConfig
 from workers.staging.host_tier import HostTier, HostTierConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -338,6 +339,38 @@ def test_the_simulated_disk_tier_evicts_the_copy_used_longest_ago_that_no_read_h
     assert store.disk_over >= 1 and {"a", "b", "c"} <= set(store.on_disk)
     loop.run(lambda: all(waits))
     assert store.stats()["disk_over"] == store.disk_over and store.stats()["disk_evictions"] == store.evictions
+
+
+@pytest.mark.parametrize("saturated", [True, False])
+def test_a_simulated_host_eviction_makes_the_disk_copy_most_recent_while_demand_saturates_the_store(
+        saturated: bool) -> None:
+    """``DiskTier.let_go`` in the simulator: while the rank's demand reads waited for the store ``victim_share`` of
+    the last minute, a shard the host tier evicts makes its disk copy the most recent, so the disk keeps it over a
+    copy read from the disk later; once the store has been idle (the share decayed) the disk's LRU is by reads."""
+    loop = Loop()
+    calib = Calibration(disk_fixed_ms=1.0, disk_gbps=10.0)
+    mb = 1_000_000
+    store = SimStore(parse_store("s3:1MBps,0ms"), loop, calib, {n: 60 * mb for n in "abc"}, disk_bytes=150 * mb)
+    tier = SimHostTier(loop, calib, 2 * mb, 4, store)  # two shards of 1 MB
+    assert tier.victim_share == DiskTierConfig().victim_share == 0.3
+
+    def read(name: str) -> None:
+        key = AdapterKey(name, "v1")
+        entry, _ = tier.fetch(key, mb)
+        loop.run(lambda: entry.staged.done)
+        tier.release(key)
+
+    read("a")  # 60 s waiting for the store each: the share is 1 - 1/e, then more
+    read("b")
+    assert tier.store_share.share() > 0.8 and set(store.on_disk) == {"a", "b"}
+    if not saturated:  # five idle minutes: the share decays below victim_share
+        loop.at(loop.now + 300.0, lambda: None)
+        loop.run(lambda: False)
+        assert tier.store_share.share() < 0.01
+    read("c")  # the host tier lets go of "a" (its oldest) for it, then the disk of one copy
+    assert AdapterKey("a", "v1") not in tier.entries
+    assert set(store.on_disk) == ({"a", "c"} if saturated else {"b", "c"})
+    assert tier.store_share.share() > (0.3 if saturated else 0.0)
 
 
 def test_disk_warming_fills_the_node_with_the_store_adapters_ahead_of_demand(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ another rank's demand read is in flight on the store they share, and never for a
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ import pytest
 from lora_cache.vocab import AdapterKey, Stage
 from tests.waiting import wait_for
 from workers.control.commands import CommandGate
-from workers.staging.node_reads import MAX_READ_S, DemandMarks, NodeReads, started
+from workers.staging.node_reads import MAX_READ_S, DemandMarks, NodeReads, StoreShare, started
 
 HOLDER = """
 import sys
@@ -216,3 +217,22 @@ def test_a_warm_stage_waits_while_another_rank_s_demand_read_is_in_flight(
         wait_for(lambda: cache.host.contains(key), what="the warm stage read once the node's demand read ended")
     finally:
         gate.close()
+
+
+def test_the_store_share_is_the_decayed_share_of_time_a_demand_read_waited_for_the_store() -> None:
+    """``StoreShare``: an exponentially weighted share over ``tau_s`` of the time with at least one demand read
+    waiting (overlapping waits count once), what ``DiskTier.let_go`` compares with ``victim_share``."""
+    now = [0.0]
+    share = StoreShare(tau_s=60.0, clock=lambda: now[0])
+    assert share.share() == 0.0
+    with share.waiting():
+        now[0] = 60.0
+        assert share.share() == pytest.approx(1 - math.exp(-1))  # read while waiting: the wait so far counts
+        with share.waiting():  # a second wait at once adds nothing
+            now[0] = 120.0
+    assert share.share() == pytest.approx(1 - math.exp(-2))
+    now[0] = 180.0  # a minute idle: it decays
+    assert share.share() == pytest.approx((1 - math.exp(-2)) * math.exp(-1))
+    share.add(1)
+    share.add(-1)  # a wait of no time adds nothing
+    assert share.share() == pytest.approx((1 - math.exp(-2)) * math.exp(-1))

@@ -44,7 +44,7 @@ from lora_cache.errors import (
     ConfigError,
 )
 from lora_cache.runtime.cliargs import shell_path
-from lora_cache.vocab import NAMESPACE, Stage
+from lora_cache.vocab import NAMESPACE, AdapterKey, Stage
 from tests.s3_server import S3Server, set_env
 from tests.waiting import wait_for
 from workers.cache import WorkerCache, WorkerConfig
@@ -53,7 +53,7 @@ from workers.control.rank import WorkerControl
 from workers.staging import disk_tier
 from workers.staging.disk_tier import DiskTier, DiskTierConfig
 from workers.staging.host_config import HostTierConfig
-from workers.staging.node_reads import NodeReads, started
+from workers.staging.node_reads import NodeReads, StoreShare, started
 
 BUCKET = "adapters-bkt"
 BIG_RANK = 512  # float32 tiny-shaped at this rank: 4 MiB, four 1 MiB parts
@@ -637,6 +637,65 @@ def test_a_host_warm_stages_fetch_yields_the_store_to_demand_until_a_load_joins_
     cache.check_integrity()
 
 
+@pytest.mark.parametrize("saturated", [True, False])
+def test_a_copy_the_host_tier_lets_go_of_becomes_the_disk_tiers_most_recent_while_demand_saturates_the_store(
+    store: tuple[S3Server, str], tmp_path: Path, saturated: bool
+) -> None:
+    """While the rank's demand reads wait for the store ``victim_share`` of the last minute (the store saturated),
+    the disk tier is a victim cache of the node's memory: when a host tier evicts a store adapter's shard, its disk
+    copy becomes the most recent, so the disk keeps it over a copy read from here more lately (a hot adapter is
+    served from memory and never read from the disk: by its reads alone the LRU lets it go first). With the store
+    not saturated the LRU is by reads alone. The kept copy still proves its version and serves the registered bytes."""
+    server, root = store
+    prefix = root.removeprefix(f"s3://{BUCKET}/")
+    dirs = make_adapters(tmp_path / "mid", SynthConfig(model="tiny", count=3, rank="128", dtype="float32",
+                                                          prefix="mid"))
+    for d in dirs:
+        server.upload_dir(BUCKET, f"{prefix}/{d.name}", d)
+    catalog = catalog_for(root, max_rank=128)
+    specs = [catalog.register(d.name, f"{root}/{d.name}") for d in dirs]
+    config = WorkerConfig(num_slots=2, device="cpu", host=HostTierConfig(host_bytes=1 << 20, pin=False),
+                          disk=DiskTierConfig(disk_cache=str(tmp_path / "disk")))
+    probe = WorkerCache(config, catalog)
+    shard = max(probe.layout_of(s.name).nbytes for s in specs)
+    probe.close()
+    nbytes = max(s.file_bytes for s in specs)  # two shards fit the host tier, two objects the disk tier, not three
+    host = HostTierConfig(host_bytes=max(1 << 20, 2 * shard + shard // 2), pin=False)
+    disk = dataclasses.replace(config.disk, disk_cache_bytes=5 * nbytes // 2)
+    config = dataclasses.replace(config, host=host, disk=disk)
+    cache = WorkerCache(config, catalog)
+    now = [0.0]
+    cache.disk.store_share = StoreShare(clock=lambda: now[0])  # the rank's time waiting for the store, on a clock here
+    try:
+        proofs = [cache.disk.dir / f"{disk_tier.entry_name(s.store)}.crc" for s in specs]  # type: ignore[arg-type]
+        for i in (0, 1):  # warm stages: no disk stage of their own beside the host read (``WorkerCache.stage``)
+            with cache.host.demand.speculative():
+                staged = cache.stage(dirs[i].name)
+            assert staged is not None
+            staged.result(timeout=30)
+            os.utime(proofs[i], (time.time() - 20 + 10 * i,) * 2)  # mid-000 read from the disk longest ago
+        if saturated:  # a demand read waited for the store the last minute: 1 - 1/e of it, past victim_share 0.3
+            with cache.disk.store_share.waiting():
+                now[0] += 60.0
+        assert cache.disk.store_share.share() == pytest.approx(0.632 if saturated else 0.0, abs=1e-3)
+        with cache.host.demand.speculative():  # the host tier lets go of mid-000 for it, then the disk of one copy
+            staged = cache.stage(dirs[2].name)
+        assert staged is not None
+        staged.result(timeout=30)
+        assert cache.stats()["disk_touches"] == int(saturated)
+        assert [p.exists() for p in proofs] == [saturated, not saturated, True]
+        keys = [AdapterKey(s.name, s.version) for s in specs]
+        assert not cache.host.contains(keys[0]) and cache.host.contains(keys[2])
+        kept = 0 if saturated else 1
+        fetches = cache.stats()["disk_fetches"]
+        cache.prefetch(dirs[kept].name).result(timeout=30)  # from the kept copy: no fetch, the registered bytes
+        assert cache.stats()["disk_fetches"] == fetches == 3
+        assert_serves(cache, dirs[kept].name, dirs[kept] / WEIGHTS_FILE)
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
 def test_a_warm_fetch_yields_no_more_once_another_process_of_the_node_waits_for_its_object(
     store: tuple[S3Server, str], local: dict[str, Path], cache_for: Callable[..., WorkerCache],
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
@@ -913,3 +972,9 @@ def test_store_urls_parse_and_nest() -> None:
         StoreUrl.parse("s3:///key")
     assert dataclasses.replace(CatalogConfig(adapter_roots=("s3://bkt/p",))).adapter_roots == ("s3://bkt/p",)
     assert shell_path("s3://bkt/p") == "s3://bkt/p"  # an option's URL is not made a path of this machine
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5, float("nan")])
+def test_a_bad_victim_share_is_refused_naming_it_and_the_range(share: float) -> None:
+    with pytest.raises(ConfigError, match=r"victim_share is .*; give a share in \[0, 1\], e.g. 0.3 \(1: never\)"):
+        DiskTierConfig(victim_share=share)

@@ -24,7 +24,9 @@ from bench.sim.events import Loop, Signal
 from bench.sim.store import SimStore
 from lora_cache.errors import CapacityError
 from lora_cache.vocab import AdapterKey
+from workers.staging.disk_tier import DiskTierConfig
 from workers.staging.eviction import EvictionOrder, victim
+from workers.staging.node_reads import StoreShare
 
 
 @dataclass(eq=False)
@@ -56,6 +58,10 @@ class SimHostTier:
         self.order = EvictionOrder(capacity, eviction)  # which idle entry goes first (``HostTier.order``)
         self.hits = self.misses = self.bytes_read = self.waits = 0
         self.written_back = 0  # shards taken back from a GPU slot (``write_back``)
+        # how much of the last minute this rank's demand reads waited for the store (``DiskTier.store_share``), and
+        # past which an evicted shard's disk copy becomes the most recent (``DiskTier.let_go``)
+        self.store_share = StoreShare(clock=lambda: loop.now)
+        self.victim_share = DiskTierConfig().victim_share
         self._waiting: OrderedDict[AdapterKey, _Staged] = OrderedDict()  # fetches waiting for room, FIFO
         # heap: when each reader thread is free (FIFO pool); free from the start, which may be before t=0 (settle_s)
         self._readers = [-math.inf] * read_threads
@@ -135,10 +141,16 @@ class SimHostTier:
             self._busy += 1
             span = (self.loop.now, math.inf)
             self._reads.append(span)
-            self.store.read(key.name, entry.nbytes, functools.partial(self._store_done, key, entry, span),
+            copy = self.store.on_disk.get(key.name)  # a demand read of an object not on the disk waits for the store
+            waits = not entry.speculative and self.store.model.kind == "s3" and not (copy is not None and copy.done)
+            if waits:
+                self.store_share.add(1)
+            self.store.read(key.name, entry.nbytes, functools.partial(self._store_done, key, entry, span, waits),
                             background=entry.speculative)  # a warm stage's fetch yields (``DemandMarks.yields``)
 
-    def _store_done(self, key: AdapterKey, entry: _Staged, span: tuple[float, float]) -> None:
+    def _store_done(self, key: AdapterKey, entry: _Staged, span: tuple[float, float], waited: bool) -> None:
+        if waited:
+            self.store_share.add(-1)
         self._busy -= 1
         start, end = span[0], self.loop.now
         self._reads[self._reads.index(span)] = (start, end)
@@ -210,6 +222,8 @@ class SimHostTier:
                 return False
             self.used -= (gone := self.entries.pop(key).nbytes)
             self.order.evicted(key, gone)
+            if self.store is not None and 1 > self.victim_share <= self.store_share.share():
+                self.store.touch(key.name)  # ``DiskTier.let_go``: the disk a victim cache while the store is saturated
             if self.on_change is not None:
                 self.on_change(key, False)
         return True

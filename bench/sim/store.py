@@ -151,6 +151,11 @@ class SimStore:
             self._used_at[name] = None
             self._used_at.move_to_end(name)
 
+    def touch(self, name: str) -> None:
+        """A host tier let go of ``name`` while demand saturates the store: its copy here, if fetched, becomes the
+        most recent (``DiskTier.let_go``)."""
+        self._used(name)
+
     def _make_room(self, nbytes: int) -> None:
         """Evict the fetched copies used longest ago that no read holds until ``nbytes`` more fit (the module's
         docstring); where none can go, the fetch goes over the tier's bytes (``disk_over``)."""

@@ -52,6 +52,7 @@ class SlotLoad:
     events: list[Any] = field(default_factory=list)  # one per chunk issued, in chunk order
     error: BaseException | None = None  # the load failed (chunks not issued yet never will be)
     prefetched: bool = True  # started ahead of need (prefetch), not by an acquire that missed
+    store: Any = None  # its object in a store (``StoreSource``), if any: an evicted write-back touches its disk copy
     commanded: bool = False  # started by a controller's command (``CommandGate``), not by the rank's own engine
     used: bool = False  # some batch acquired it (prefetch accuracy: used before eviction)
     staged_chunks: int = 0  # chunks on the host so far

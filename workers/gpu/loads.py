@@ -100,7 +100,7 @@ class LoadPath:
             if key in book.pending:
                 return book.pending[key].future
             load = SlotLoad(key, layout, plan, prefetched=not on_demand, slot_wait_s=slot_wait_s if on_demand else 0.0,
-                            commanded=commanded)
+                            commanded=commanded, store=spec.store)
             book.pending[key] = load
             book.counters.prefetches += not on_demand
             book.counters.demand_loads += on_demand
@@ -276,7 +276,7 @@ class LoadPath:
                 raise
             return pieces[-1][2]
 
-        taken = self.host.write_back(gone.key, gone.layout, gone.plan.entry_spans, copy)
+        taken = self.host.write_back(gone.key, gone.layout, gone.plan.entry_spans, copy, gone.store)
         if taken is not None:
             entry, event = taken
             self.book.vacating.extend(pieces)  # the loads into these pages wait for them, range by range

@@ -48,7 +48,7 @@ from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.store import client
 from lora_cache.errors import AdapterChangedError, AdapterFormatError, CapacityError, ConfigError
 from lora_cache.vocab import NAMESPACE, check_service_name
-from workers.staging.node_reads import awaited, awaiting
+from workers.staging.node_reads import StoreShare, awaited, awaiting
 from workers.staging.store_fetch import fetch_object
 
 log = logging.getLogger(__name__)
@@ -60,33 +60,27 @@ YIELD_POLL_S = 0.005  # how often a yielding fetch looks whether the demand read
 class DiskTierConfig:
     """Where adapters fetched from an object store are kept on this node, and how they are fetched."""
 
-    disk_cache: str = field(
-        default="",
-        metadata={
-            "path": True,
-            "help": "directory of the local disk tiers for adapters from an object store: each service keeps its "
-            "copies in a subdirectory named after it (shared by its ranks on the node); empty: lora-cache-disk-UID "
-            "under the system's temporary directory",
-        },
-    )
+    disk_cache: str = field(default="", metadata={"path": True, "help": (
+        "directory of the local disk tiers for adapters from an object store: each service keeps its copies in a "
+        "subdirectory named after it (shared by its ranks on the node); empty: lora-cache-disk-UID under the system's "
+        "temporary directory")})
     disk_cache_bytes: int = field(
         default=64 << 30, metadata={"help": "bytes of adapter files the disk tier may hold (LRU by bytes)"}
     )
     fetch_parallel: int = field(default=8, metadata={"help": "ranged GETs of one object at once"})
-    fetch_part_bytes: int = field(
-        default=8 << 20,
-        metadata={
-            "help": "bytes per ranged GET (a multiple of 1 MiB, the CRC block); 0: one GET of the whole object "
-            "(for a store whose ranged GETs cost the whole object, as moto's do)"
-        },
-    )
+    victim_share: float = field(default=0.3, metadata={"help": (
+        "while a rank's demand reads waited for the store this share of the last minute or more, a copy whose adapter "
+        "the rank's host tier lets go of becomes the disk tier's most recent (a victim cache of memory); 1: never")})
+    fetch_part_bytes: int = field(default=8 << 20, metadata={"help": (
+        "bytes per ranged GET (a multiple of 1 MiB, the CRC block); 0: one GET of the whole object (for a store "
+        "whose ranged GETs cost the whole object, as moto's do)")})
 
     def __post_init__(self) -> None:
         if self.disk_cache_bytes < 1 << 16:
-            raise ConfigError(
-                f"disk_cache_bytes ({self.disk_cache_bytes}) must be at least 64 KiB; size it for the "
-                "adapters a node serves (64 GiB by default)"
-            )
+            raise ConfigError(f"disk_cache_bytes ({self.disk_cache_bytes}) must be at least 64 KiB; size it for the "
+                              "adapters a node serves (64 GiB by default)")
+        if not 0 <= self.victim_share <= 1:
+            raise ConfigError(f"victim_share is {self.victim_share!r}; give a share in [0, 1], e.g. 0.3 (1: never)")
         if not 1 <= self.fetch_parallel <= 64:
             raise ConfigError(f"fetch_parallel must be in 1..64, got {self.fetch_parallel}")
         if self.fetch_part_bytes < 0 or self.fetch_part_bytes % BLOCK_BYTES:
@@ -120,7 +114,8 @@ class DiskTier:
         self.yielded_s = 0.0  # time disk warm stages' fetches spent yielding the store (protected by _lock)
         self.yields = 0  # pauses in which a disk warm stage's fetch found a demand read and yielded
         self._stager: ThreadPoolExecutor | None = None
-        self.hits = self.fetches = self.fetched_bytes = self.evictions = self.stage_failures = 0
+        self.store_share = StoreShare()  # how much of the time this process's demand reads wait for the store
+        self.hits = self.fetches = self.fetched_bytes = self.evictions = self.stage_failures = self.touches = 0
 
     # -- reads ------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -144,7 +139,8 @@ class DiskTier:
             if local is None:
                 os.close(fd)
                 fd = -1
-                self._fetch_once(name, spec.store, busy)
+                with self.store_share.waiting() if busy is None else contextlib.nullcontext():
+                    self._fetch_once(name, spec.store, busy)
                 fd = self._entry_lock(name, fcntl.LOCK_SH)
                 local = self._proof(name, spec.store)
                 if local is None:  # evicted between the fetch and this lock: rare, fetched once more
@@ -154,11 +150,8 @@ class DiskTier:
                     fd = self._entry_lock(name, fcntl.LOCK_SH)
                     local = self._proof(name, spec.store)
                     if local is None:
-                        raise CapacityError(
-                            f"the disk tier {self.dir} evicted {spec.store.url} as soon as it was "
-                            "fetched: it is too small for the adapters in use; raise "
-                            "--disk-cache-bytes"
-                        )
+                        raise CapacityError(f"the disk tier {self.dir} evicted {spec.store.url} as soon as it was "
+                                            "fetched: too small for the adapters in use; raise --disk-cache-bytes")
             else:
                 with self._lock:
                     self.hits += 1
@@ -212,6 +205,7 @@ class DiskTier:
                 "disk_stage_failures": self.stage_failures,
                 "disk_yields": self.yields,  # warm fetches' pauses for demand reads (disk or host warm stages')
                 "disk_yielded_ms": round(self.yielded_s * 1e3),
+                "disk_touches": self.touches,  # copies made most recent as a host tier let go of them (``let_go``)
             }
 
     def close(self) -> None:
@@ -336,6 +330,19 @@ class DiskTier:
         with contextlib.suppress(FileNotFoundError):
             os.utime(proof)
         return local
+
+    def let_go(self, source: StoreSource) -> None:
+        """A host tier here evicted ``source``'s adapter. While demand saturates the store (waited for it
+        ``victim_share`` of the last minute: ``store_share``) its copy becomes the most recent: the LRU orders by when
+        the node last held an adapter (a victim cache of memory), not by reads from here, which a hot adapter served
+        from memory never makes. Else nothing: the disk warm set keeps its places (bench/reports/issue-42.md, "The
+        disk a victim cache")."""
+        if self.store_share.share() < self.config.victim_share or self.config.victim_share >= 1:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(self.dir / f"{entry_name(source)}.crc")
+            with self._lock:
+                self.touches += 1
 
     # -- room ------------------------------------------------------------------------------------------
     def _reserve(self, source: StoreSource, part: Path) -> int:
@@ -474,17 +481,9 @@ def _preallocate(fd: int, source: StoreSource, directory: Path) -> None:
 
 
 def _write_proof(path: Path, local: WeightsSource) -> None:
-    data = json.dumps(
-        {
-            "v": local.version,
-            "w": local.path,
-            "id": list(local.identity),
-            "hb": local.header_bytes,
-            "hc": local.header_crc,
-            "b": base64.b64encode(local.block_crcs.packed).decode(),
-            "t": local.registered_ns,
-        }
-    )
+    data = json.dumps({"v": local.version, "w": local.path, "id": list(local.identity), "hb": local.header_bytes,
+                       "hc": local.header_crc, "b": base64.b64encode(local.block_crcs.packed).decode(),
+                       "t": local.registered_ns})
     tmp = path.with_name(path.name + f".tmp.{os.getpid()}.{threading.get_ident()}")
     tmp.write_text(data)
     os.replace(tmp, path)

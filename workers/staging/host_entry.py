@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lora_cache.adapters.objects import StoreSource
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shards import ShardLayout
 from lora_cache.errors import NotFoundError
@@ -44,6 +45,7 @@ class HostEntry:
     marks: list[tuple[str, float]] = field(default_factory=list)  # (phase, perf_counter) of its read (probes)
     speculative: bool = False  # read by a warm stage: no demand-read marker for the node (``node_reads``)
     joined: bool = False  # a load joined a warm stage's read: its store fetch yields no more (``DemandMarks.yields``)
+    store: StoreSource | None = None  # its adapter's store object: its node disk copy is touched when it is evicted
     protected: bool = False  # let go of after every idle unprotected entry (``workers.staging.eviction``)
     node_mark: str = ""  # its demand-read marker while it is read ("" for none); under ``lock``
     read_over: bool = False  # its read ended (no marker may be left for it any more); under ``lock``

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from lora_cache.adapters.objects import StoreSource
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shards import ShardLayout
 from lora_cache.errors import CapacityError, ConfigError
@@ -181,7 +182,7 @@ class HostTier:
         block = None if self._waiting else self._allocate(layout.nbytes)  # no room taken ahead of a wait
         if block is not None:
             entry = HostEntry(key, layout, block, self.arena.view(block, layout.dtype, layout.numel), Future(),
-                              refs=1, chunks=chunks)
+                              refs=1, chunks=chunks, store=spec.store)
             self._entries[key] = entry
             return entry, None
         if not wait or self._closing or not (self._waiting or self._may_free()):
@@ -244,7 +245,8 @@ class HostTier:
         return freed
 
     def write_back(self, key: AdapterKey, layout: ShardLayout, chunks: Sequence[slice],
-                   copy: Callable[[torch.Tensor], Any]) -> tuple[HostEntry, Any] | None:
+                   copy: Callable[[torch.Tensor], Any],
+                   store: StoreSource | None = None) -> tuple[HostEntry, Any] | None:
         """Exclusive tiers (``HostTierConfig.tiers``): take in the shard a GPU slot lets go of from the slot itself,
         no store read. ``copy(dst)`` issues the slot's device-to-host copy into the new entry and returns its event;
         it is issued under the tier's lock, and the caller issues it before anything can reuse the slot (it holds
@@ -253,7 +255,8 @@ class HostTier:
         write-back never takes room ahead of a needed read), the arena is still being pinned (or failed to be),
         the room would not come from idle entries, or the copy could not be issued. Until ``written`` is told the
         copy completed the entry is not served (``contains``, chunks): a fetch meanwhile joins it as a read in
-        flight. Its changes are reported by the caller's ``report`` once it holds no lock."""
+        flight. Its changes are reported by the caller's ``report`` once it holds no lock. ``store``: the adapter's
+        object in a store, if any (its disk copy is touched when the entry is evicted)."""
         with self._lock:
             if (self._closing or key in self._entries or self._waiting or self.arena.pin_pending
                     or self.arena.pin_error):
@@ -262,7 +265,7 @@ class HostTier:
             if block is None:
                 return None
             entry = HostEntry(key, layout, block, self.arena.view(block, layout.dtype, layout.numel), Future(),
-                              chunks=tuple(chunks))
+                              chunks=tuple(chunks), store=store)
             entry.checked = entry.num_chunks  # the slot's bytes were proven finite when they were read
             try:
                 event = copy(entry.tensor)
@@ -311,8 +314,11 @@ class HostTier:
             key = victim(self._entries.items(), lambda e: e.refs == 0 and e.ready.done())
             if key is None:
                 return None
-            self.arena.free(gone := self._entries.pop(key).block)
-            self.order.evicted(key, gone.nbytes)
+            gone = self._entries.pop(key)
+            self.arena.free(gone.block)
+            self.order.evicted(key, gone.block.nbytes)
+            if gone.store is not None and self.disk is not None:  # it leaves this rank's memory: where the store
+                self.disk.let_go(gone.store)  # is saturated its disk copy becomes the most recent (``DiskTier.let_go``)
             self._changes.append((key, False))
         return block
 
@@ -344,7 +350,7 @@ class HostTier:
             layout = waiting.layout
             entry = HostEntry(key, layout, block, self.arena.view(block, layout.dtype, layout.numel), waiting.ready,
                               refs=waiting.refs, chunks=waiting.chunks, listeners=waiting.listeners,
-                              blind=waiting.blind, protected=self.order.admitted(key, False))
+                              blind=waiting.blind, protected=self.order.admitted(key, False), store=waiting.spec.store)
             self._entries[key] = entry
             started.append((waiting.spec, entry))
         return started, failed

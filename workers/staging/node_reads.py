@@ -20,6 +20,7 @@ import contextlib
 import fcntl
 import itertools
 import logging
+import math
 import os
 import tempfile
 import threading
@@ -246,3 +247,37 @@ def awaited(fd: int) -> bool:
         return True
     fcntl.flock(fd, fcntl.LOCK_UN)
     return False
+
+
+class StoreShare:
+    """The share of the last ``tau_s`` seconds (exponentially weighted) in which a demand read of this process waited
+    for the store (its object not on the node's disk yet): how saturated the store is with demand. Thread-safe."""
+
+    def __init__(self, tau_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.tau_s, self._clock = tau_s, clock
+        self._lock = threading.Lock()
+        self._share, self._at, self._waiting = 0.0, clock(), 0
+
+    def share(self) -> float:
+        with self._lock:
+            return self._now(self._clock())
+
+    def _now(self, now: float) -> float:
+        kept = math.exp(-max(0.0, now - self._at) / self.tau_s)
+        return self._share * kept + (1.0 - kept) * (self._waiting > 0)
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Within: a demand read of this process waits for the store."""
+        self.add(1)
+        try:
+            yield
+        finally:
+            self.add(-1)
+
+    def add(self, delta: int) -> None:
+        """One more (``delta`` 1) or one less (-1) demand read waiting for the store (``waiting``; the simulator's)."""
+        with self._lock:
+            now = self._clock()
+            self._share, self._at = self._now(now), now
+            self._waiting += delta
