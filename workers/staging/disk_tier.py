@@ -132,6 +132,7 @@ class DiskTier:
             with self._lock:  # of the node, yields no more (its entry lock keeps this read out until it ends)
                 self._yielding.pop(name, None)
             want.enter_context(awaiting(self._open_lock(f"{name}.want")))
+            want.enter_context(self.store_share.waiting())  # until its copy is here (a hit: no time at all)
         fd = -1
         try:
             fd = self._entry_lock(name, fcntl.LOCK_SH)
@@ -139,8 +140,7 @@ class DiskTier:
             if local is None:
                 os.close(fd)
                 fd = -1
-                with self.store_share.waiting() if busy is None else contextlib.nullcontext():
-                    self._fetch_once(name, spec.store, busy)
+                self._fetch_once(name, spec.store, busy)
                 fd = self._entry_lock(name, fcntl.LOCK_SH)
                 local = self._proof(name, spec.store)
                 if local is None:  # evicted between the fetch and this lock: rare, fetched once more
