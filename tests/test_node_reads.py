@@ -236,3 +236,8 @@ def test_the_store_share_is_the_decayed_share_of_time_a_demand_read_waited_for_t
     share.add(1)
     share.add(-1)  # a wait of no time adds nothing
     assert share.share() == pytest.approx((1 - math.exp(-2)) * math.exp(-1))
+    # the share is 0.318 now: past 0.3, not 0.4; a threshold of 1 is never past
+    assert share.past(0.3) and not share.past(0.4) and share.past(0.0) and not share.past(1.0)
+    with share.waiting():
+        now[0] = 10_000.0  # waiting all the time: the share reaches 1, and 1 still means never
+        assert share.share() == pytest.approx(1.0) and not share.past(1.0)

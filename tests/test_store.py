@@ -696,6 +696,57 @@ def test_a_copy_the_host_tier_lets_go_of_becomes_the_disk_tiers_most_recent_whil
         cache.close()
 
 
+def test_a_shard_written_back_from_a_slot_keeps_its_store_object_so_its_eviction_touches_the_disk_copy(
+    store: tuple[S3Server, str], tmp_path: Path
+) -> None:
+    """Exclusive tiers: a slot's shard written back into the host tier carries its store object (``SlotLoad.store``
+    into ``HostTier.write_back``), so when the host tier evicts that entry while demand saturates the store its disk
+    copy becomes the most recent, as for a staged entry; the copy still serves the registered bytes."""
+    server, root = store
+    prefix = root.removeprefix(f"s3://{BUCKET}/")
+    dirs = make_adapters(tmp_path / "wb", SynthConfig(model="tiny", count=4, rank="128", dtype="float32", prefix="wb"))
+    for d in dirs:
+        server.upload_dir(BUCKET, f"{prefix}/{d.name}", d)
+    catalog = catalog_for(root, max_rank=128)
+    specs = [catalog.register(d.name, f"{root}/{d.name}") for d in dirs]
+    config = WorkerConfig(num_slots=1, device="cpu", host=HostTierConfig(host_bytes=1 << 20, pin=False),
+                          disk=DiskTierConfig(disk_cache=str(tmp_path / "disk")))
+    probe = WorkerCache(config, catalog)
+    shard = max(probe.layout_of(s.name).nbytes for s in specs)
+    probe.close()
+    host = HostTierConfig(host_bytes=max(1 << 20, 2 * shard + shard // 2), pin=False)  # two shards, not three
+    assert host.tiers == "exclusive"
+    cache = WorkerCache(dataclasses.replace(config, host=host), catalog)
+    now = [0.0]
+    cache.disk.store_share = StoreShare(clock=lambda: now[0])
+    try:
+        keys = [AdapterKey(s.name, s.version) for s in specs]
+        proofs = [cache.disk.dir / f"{disk_tier.entry_name(s.store)}.crc" for s in specs]  # type: ignore[arg-type]
+        cache.prefetch(dirs[0].name).result(timeout=30)  # into the one slot; its host copy let go once READY
+        cache.prefetch(dirs[1].name).result(timeout=30)  # takes the slot: wb-000's shard is written back
+        wait_for(lambda: cache.host.contains(keys[0]), "wb-000's shard written back into the host tier")
+        assert cache.stats()["disk_fetches"] == 2
+        old = time.time() - 100
+        os.utime(proofs[0], (old, old))
+        with cache.disk.store_share.waiting():  # demand waited for the store the last minute: past victim_share
+            now[0] += 60.0
+        assert cache.disk.store_share.past(cache.config.disk.victim_share)
+        for i in (2, 3):  # warm stages fill the tier: the written-back wb-000, least recently used, goes
+            with cache.host.demand.speculative():
+                staged = cache.stage(dirs[i].name)
+            assert staged is not None
+            staged.result(timeout=30)
+        assert not cache.host.contains(keys[0])
+        assert cache.stats()["disk_touches"] == 1
+        assert proofs[0].stat().st_mtime > old + 50  # the written-back entry's copy is the disk's most recent now
+        cache.prefetch(dirs[0].name).result(timeout=30)  # from that copy: no fetch, the registered bytes
+        assert cache.stats()["disk_fetches"] == 4
+        assert_serves(cache, dirs[0].name, dirs[0] / WEIGHTS_FILE)
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
 def test_a_warm_fetch_yields_no_more_once_another_process_of_the_node_waits_for_its_object(
     store: tuple[S3Server, str], local: dict[str, Path], cache_for: Callable[..., WorkerCache],
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path

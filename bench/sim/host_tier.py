@@ -222,7 +222,7 @@ class SimHostTier:
                 return False
             self.used -= (gone := self.entries.pop(key).nbytes)
             self.order.evicted(key, gone)
-            if self.store is not None and 1 > self.victim_share <= self.store_share.share():
+            if self.store is not None and self.store_share.past(self.victim_share):
                 self.store.touch(key.name)  # ``DiskTier.let_go``: the disk a victim cache while the store is saturated
             if self.on_change is not None:
                 self.on_change(key, False)

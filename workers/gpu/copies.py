@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from lora_cache.adapters.chunks import ChunkPlan
+from lora_cache.adapters.objects import StoreSource
 from lora_cache.adapters.shards import ShardLayout
 from lora_cache.vocab import AdapterKey, ReadinessRecord
 from workers.gpu.streams import CpuStreams
@@ -52,7 +53,7 @@ class SlotLoad:
     events: list[Any] = field(default_factory=list)  # one per chunk issued, in chunk order
     error: BaseException | None = None  # the load failed (chunks not issued yet never will be)
     prefetched: bool = True  # started ahead of need (prefetch), not by an acquire that missed
-    store: Any = None  # its object in a store (``StoreSource``), if any: an evicted write-back touches its disk copy
+    store: StoreSource | None = None  # its object in a store, if any: an evicted write-back touches its disk copy
     commanded: bool = False  # started by a controller's command (``CommandGate``), not by the rank's own engine
     used: bool = False  # some batch acquired it (prefetch accuracy: used before eviction)
     staged_chunks: int = 0  # chunks on the host so far

@@ -337,7 +337,7 @@ class DiskTier:
         the node last held an adapter (a victim cache of memory), not by reads from here, which a hot adapter served
         from memory never makes. Else nothing: the disk warm set keeps its places (bench/reports/issue-42.md, "The
         disk a victim cache")."""
-        if self.store_share.share() < self.config.victim_share or self.config.victim_share >= 1:
+        if not self.store_share.past(self.config.victim_share):
             return
         with contextlib.suppress(FileNotFoundError):
             os.utime(self.dir / f"{entry_name(source)}.crc")

@@ -262,6 +262,10 @@ class StoreShare:
         with self._lock:
             return self._now(self._clock())
 
+    def past(self, threshold: float) -> bool:
+        """Whether demand saturates the store: the share is at least ``threshold``, a share below 1 (1: never)."""
+        return threshold < 1 and self.share() >= threshold
+
     def _now(self, now: float) -> float:
         kept = math.exp(-max(0.0, now - self._at) / self.tau_s)
         return self._share * kept + (1.0 - kept) * (self._waiting > 0)
