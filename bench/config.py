@@ -102,6 +102,9 @@ class BenchConfig:
                 "exclusive (a GPU load lets go of its host copy; a slot's eviction writes the shard back; "
                 "workers/staging/host_config.py)"})
     gpus: str = field(default="auto", metadata={"help": "real engine on GPUs: auto | yes | no"})
+    gpu_share: float = field(default=1.0, metadata={
+        "help": "real engine on GPUs: the share of one GPU each rank asks for (0.5: two replicas of --tp 1 on each "
+                "GPU, sharing its copy engines and compute; lora-cache serve --gpu-share)"})
     calibration: str = field(default="h200-llama8b", metadata={
         "path": "name_or_file", "help": "sim costs: a name under bench/calibration "
                                                                         "or a JSON file"})
@@ -157,6 +160,13 @@ class BenchConfig:
         if self.kv_rows and self.engine != "real":
             raise ConfigError(f"--kv-rows {self.kv_rows}: the simulator does not model the engine's KV cache; it needs "
                               f"--engine real, not {self.engine!r}")
+        if not 0 < self.gpu_share <= 1 or (self.gpu_share != 1 and self.gpus == "no"):
+            raise ConfigError(f"--gpu-share {self.gpu_share}: give the share of one GPU each rank asks for, in (0, 1], "
+                              "with GPUs (not --gpus no)")
+        if self.gpu_share != 1 and (self.engine != "real" or self.attach):
+            raise ConfigError(f"--gpu-share {self.gpu_share}: GPUs shared by replicas are the service's worker actors' "
+                              f"(--engine real without --attach); the simulator models a GPU per rank, so give "
+                              f"--gpu-share 1 with --engine {self.engine}{' --attach' if self.attach else ''}")
         if self.attach and self.engine != "real":
             raise ConfigError(f"--attach runs the real engine's ranks in their own processes; it needs --engine real, "
                               f"not {self.engine!r}")

@@ -90,6 +90,7 @@ class RealConfig:
     max_seq_len: int = 2048
     hint_lead_s: float = 0.05  # a router that forwards within milliseconds (0.5: one that queues)
     gpus: bool = False
+    gpu_share: float = 1.0  # the share of one GPU each rank asks for (ServeConfig.gpu_share)
     dtype: str = "float32"  # slots and compute; bfloat16 on GPUs
     worker_cpus: float = 0.25
     host_bytes: int = 2 << 30
@@ -138,7 +139,8 @@ def serve_config(config: RealConfig, adapters_dir: str, engine: EngineConfig) ->
     limits (Route's adapter lanes) declared the way serve declares them (``--max-adapters``/``--max-running``);
     attached ranks (``attach``: no replicas here) declare them in their hello (``bench.attached``)."""
     return ServeConfig(adapters=adapters_dir, replicas=0 if config.attach else config.replicas, tp=config.tp,
-                       gpus=config.gpus, worker_cpus=config.worker_cpus, max_adapters=engine.max_adapters,
+                       gpus=config.gpus, gpu_share=config.gpu_share if config.gpus else 1.0,
+                       worker_cpus=config.worker_cpus, max_adapters=engine.max_adapters,
                        max_running=engine.max_running)
 
 

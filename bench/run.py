@@ -205,11 +205,15 @@ def _run_real(bench: BenchConfig, policies: Sequence[BenchPolicy], root: str, na
     from bench.real import RealConfig
 
     gpus = bench.use_gpus()
+    if bench.gpu_share != 1 and not gpus:
+        raise ConfigError(f"--gpu-share {bench.gpu_share}: this run's engine is on the CPU (--gpus {bench.gpus}), "
+                          "where there is no GPU to share; give --gpus yes on a GPU host, or leave --gpu-share at 1")
     real = RealConfig(model=bench.model, num_layers=bench.num_layers, replicas=bench.replicas, tp=bench.tp,
                       slots=bench.slots, max_rank=bench.max_rank, page_rank=bench.page_rank,
                       pool_pages=bench.pool_pages, max_running=bench.max_running,
                       max_adapters=bench.max_adapters, max_prefill_tokens=bench.max_prefill_tokens,
                       max_seq_len=bench.max_seq_len, hint_lead_s=bench.hint_lead_s, gpus=gpus,
+                      gpu_share=bench.gpu_share,
                       host_bytes=bench.host_bytes, host_eviction=bench.host_eviction, host_tiers=bench.host_tiers,
                       dtype="bfloat16" if gpus else "float32", timeout_s=bench.timeout_s,
                       # one set of random base weights for every layer: the same math and bytes read per

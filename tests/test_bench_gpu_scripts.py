@@ -235,6 +235,19 @@ def test_issue42_pair_part_names_each_run_by_seed_and_adapter_lanes(tmp_path: Pa
     assert _dry("issue42.sh", str(tmp_path), "dev2-queue", SEED="2", MAX_ADAPTERS="8") == runs[1:]  # the second alone
 
 
+def test_issue42_shared_gpu_part_runs_two_replicas_of_half_a_gpu_behind_route_and_affinity(tmp_path: Path) -> None:
+    """sh2: two replicas of TP 1 sharing one GPU (--gpu-share 0.5), `global` behind Route and behind affinity and
+    `queue` behind affinity, each a bench.run named by the store, the lanes and the seed."""
+    runs = _dry("issue42.sh", str(tmp_path), "sh2", SEED="1", MAX_ADAPTERS="8", SH2_STORE="s3:200MBps,30ms")
+    assert [" ".join(r[r.index("--router"):r.index("--router") + 4]) for r in runs] == [
+        "--router lora-cache --policies global", "--router affinity --policies global",
+        "--router affinity --policies queue"]
+    for run, name in zip(runs, ("sh2-route-global-s3-m8-s1", "sh2-aff-global-s3-m8-s1", "sh2-aff-queue-s3-m8-s1")):
+        assert run[run.index("--gpu-share") + 1] == "0.5" and run[run.index("--replicas") + 1] == "2"
+        assert run[run.index("--tp") + 1] == "1" and run[run.index("--store") + 1] == "s3:200MBps,30ms"
+        assert run[run.index("--workload-seed") + 1] == "1" and run[run.index("--out") + 1] == str(tmp_path / name)
+
+
 def test_issue42_tiers_part_runs_global_behind_route_under_both_tiers_for_one_seed(tmp_path: Path) -> None:
     """dev2-tiers: the A/B of exclusive host tiers in one call, each run named by its tiers; the part's --host-tiers is
     after the common one (TIERS), so it is the one argparse keeps."""

@@ -34,6 +34,10 @@
 #                [s3:200MBps,30ms], workload seed SEED [0]: POLICIES [queue,global] in one bench.run (the catalog is
 #                uploaded once per run), named by MAX_ADAPTERS, the seed, DISK_BYTES (the node's disk tier, if given;
 #                default the service's 64 GiB, which holds the catalog) and the policies
+#   sh2          2 replicas x TP 1 sharing ONE GPU (--gpu-share 0.5: where only one-GPU hosts are lent; the two
+#                engines share its compute and copy engines, so not the 2-GPU fleet), the store SH2_STORE [device],
+#                workload seed SEED [0]: `global` behind Route, `global` behind affinity, `queue` behind affinity,
+#                one bench.run each, named by the store, MAX_ADAPTERS and the seed (Route against affinity, item 5)
 # The workload: Zipf 1.5 over NUM_ADAPTERS [100] adapters of ranks 16 and 64 (Llama-3.1-8B shapes), Poisson RATE
 # [4] requests/s per replica, REQUESTS [200] measured after WARMUP [300] warm-up requests (bench/warmup.py: long
 # enough for the warm stages to fill the host tiers at the device's ~1.2 GB/s), the host tier
@@ -91,6 +95,13 @@ for part in "$@"; do
                   --workload-seed "${SEED:-0}" --store "${S3:-s3:200MBps,30ms}" --policies "$p" \
                   ${DISK_BYTES:+--disk-bytes "$DISK_BYTES"}
                 rm -rf "$out"/s3-1-*/disk-tier ;;  # the runs' fetched copies (bench.run removes each policy's)
+    sh2)        st=${SH2_STORE:-device}; sh=(--replicas 2 --tp 1 --gpu-share 0.5 --arrivals "poisson:$((rate * 2))"
+                    --workload-seed "${SEED:-0}" --store "$st")
+                tag="${st%%:*}-m${MAX_ADAPTERS:-4}-s${SEED:-0}"
+                run "sh2-route-global-$tag" "${sh[@]}" --router lora-cache --policies global
+                run "sh2-aff-global-$tag" "${sh[@]}" --router affinity --policies global
+                run "sh2-aff-queue-$tag" "${sh[@]}" --router affinity --policies queue
+                rm -rf "$out"/sh2-*/disk-tier ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done

@@ -74,6 +74,9 @@ class ServeConfig:
     placement_timeout_s: float = field(default=60.0, metadata={"help": "give up placing a replica after this"})
     worker_cpus: float = field(default=0.25, metadata={"help": "CPUs reserved per worker"})
     gpus: bool = field(default=False, metadata={"help": "one GPU per worker (default: CPU workers)"})
+    gpu_share: float = field(default=1.0, metadata={
+        "help": "with --gpus, the share of one GPU each worker asks Ray for: below 1, replicas of TP 1 share GPUs "
+                "(0.5: two on each), their engines' memory and compute together on it"})
     max_adapters: int = field(default=0, metadata={"help": "the replicas' engines' most distinct adapters per batch, "
                                                            "declared to routing advice (0: not declared)"})
     max_running: int = field(default=0, metadata={"help": "the replicas' engines' most requests running at once, "
@@ -102,8 +105,21 @@ class ServeConfig:
                               "or s3://BUCKET/PREFIX, or leave --register at 'wait'")
         if self.placement not in STRATEGIES:
             raise ConfigError(f"placement {self.placement!r} is not one of {STRATEGIES}")
+        self._check_gpu_share()
         if self.catalog_copy:
             check_location(self.catalog_copy)  # before Ray starts
+
+    def _check_gpu_share(self) -> None:
+        if not 0 < self.gpu_share <= 1:
+            raise ConfigError(f"gpu_share {self.gpu_share!r}: give the share of one GPU each worker asks for, in "
+                              "(0, 1] (e.g. 0.5: two replicas of TP 1 on each GPU)")
+        if self.gpu_share < 1 and not self.gpus:
+            raise ConfigError(f"gpu_share {self.gpu_share!r} is the share of a GPU each worker asks for: it needs "
+                              "--gpus (CPU workers ask for none); add --gpus or leave --gpu-share at 1")
+        if self.gpu_share < 1 and self.tp > 1:
+            raise ConfigError(f"gpu_share {self.gpu_share!r} with tp {self.tp}: the ranks of a replica could land on "
+                              "one GPU, where NCCL refuses two ranks of one communicator; share GPUs between "
+                              "replicas of --tp 1, or leave --gpu-share at 1")
 
 
 @dataclass
@@ -164,7 +180,7 @@ def check_service_free(service: str) -> None:
 
 
 def _bundle(serve: ServeConfig) -> dict[str, float]:
-    return {"CPU": serve.worker_cpus, **({"GPU": 1.0} if serve.gpus else {})}
+    return {"CPU": serve.worker_cpus, **({"GPU": serve.gpu_share} if serve.gpus else {})}
 
 
 def start(serve: ServeConfig, catalog: CatalogConfig, planner: PlannerConfig, worker: WorkerConfig,
@@ -316,7 +332,7 @@ def _start_replica(service: Service, replica: str, serve: ServeConfig, catalog: 
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
         service.workers[wid] = WorkerActor.options(
             name=worker_name(wid), namespace=serve.service, num_cpus=serve.worker_cpus,
-            num_gpus=1 if serve.gpus else 0, scheduling_strategy=strategy,
+            num_gpus=serve.gpu_share if serve.gpus else 0, scheduling_strategy=strategy,
         ).remote(worker_name(wid), replica, config, catalog)
     ray.get([h.ping.remote() for h in service.workers.values()])
     ray.get(service.controller.add_replica.remote(replica, serve.tp, worker.num_slots))
