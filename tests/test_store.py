@@ -637,6 +637,33 @@ def test_a_host_warm_stages_fetch_yields_the_store_to_demand_until_a_load_joins_
     cache.check_integrity()
 
 
+def _store_share_cache(store: tuple[S3Server, str], tmp_path: Path, prefix: str, count: int, num_slots: int,
+                       disk_objects: float = 0.0) -> tuple[list[Path], list[AdapterSpec], WorkerCache, list[float]]:
+    """``count`` tiny adapters of ``prefix`` in the S3 server, registered, and a CPU cache whose host tier holds two
+    of their shards, not three (its disk tier ``disk_objects`` objects, if given), its ``StoreShare`` on the returned
+    clock (``now[0]``): the rank's time waiting for the store, set by the test."""
+    server, root = store
+    dirs = make_adapters(tmp_path / prefix, SynthConfig(model="tiny", count=count, rank="128", dtype="float32",
+                                                           prefix=prefix))
+    for d in dirs:
+        server.upload_dir(BUCKET, f"{root.removeprefix(f's3://{BUCKET}/')}/{d.name}", d)
+    catalog = catalog_for(root, max_rank=128)
+    specs = [catalog.register(d.name, f"{root}/{d.name}") for d in dirs]
+    config = WorkerConfig(num_slots=num_slots, device="cpu", host=HostTierConfig(host_bytes=1 << 20, pin=False),
+                          disk=DiskTierConfig(disk_cache=str(tmp_path / "disk")))
+    probe = WorkerCache(config, catalog)
+    shard = max(probe.layout_of(s.name).nbytes for s in specs)
+    probe.close()
+    host = HostTierConfig(host_bytes=max(1 << 20, 2 * shard + shard // 2), pin=False)
+    disk = config.disk
+    if disk_objects:
+        disk = dataclasses.replace(disk, disk_cache_bytes=int(disk_objects * max(s.file_bytes for s in specs)))
+    cache = WorkerCache(dataclasses.replace(config, host=host, disk=disk), catalog)
+    now = [0.0]
+    cache.disk.store_share = StoreShare(clock=lambda: now[0])
+    return dirs, specs, cache, now
+
+
 @pytest.mark.parametrize("saturated", [True, False])
 def test_a_copy_the_host_tier_lets_go_of_becomes_the_disk_tiers_most_recent_while_demand_saturates_the_store(
     store: tuple[S3Server, str], tmp_path: Path, saturated: bool
@@ -646,26 +673,7 @@ def test_a_copy_the_host_tier_lets_go_of_becomes_the_disk_tiers_most_recent_whil
     copy becomes the most recent, so the disk keeps it over a copy read from here more lately (a hot adapter is
     served from memory and never read from the disk: by its reads alone the LRU lets it go first). With the store
     not saturated the LRU is by reads alone. The kept copy still proves its version and serves the registered bytes."""
-    server, root = store
-    prefix = root.removeprefix(f"s3://{BUCKET}/")
-    dirs = make_adapters(tmp_path / "mid", SynthConfig(model="tiny", count=3, rank="128", dtype="float32",
-                                                          prefix="mid"))
-    for d in dirs:
-        server.upload_dir(BUCKET, f"{prefix}/{d.name}", d)
-    catalog = catalog_for(root, max_rank=128)
-    specs = [catalog.register(d.name, f"{root}/{d.name}") for d in dirs]
-    config = WorkerConfig(num_slots=2, device="cpu", host=HostTierConfig(host_bytes=1 << 20, pin=False),
-                          disk=DiskTierConfig(disk_cache=str(tmp_path / "disk")))
-    probe = WorkerCache(config, catalog)
-    shard = max(probe.layout_of(s.name).nbytes for s in specs)
-    probe.close()
-    nbytes = max(s.file_bytes for s in specs)  # two shards fit the host tier, two objects the disk tier, not three
-    host = HostTierConfig(host_bytes=max(1 << 20, 2 * shard + shard // 2), pin=False)
-    disk = dataclasses.replace(config.disk, disk_cache_bytes=5 * nbytes // 2)
-    config = dataclasses.replace(config, host=host, disk=disk)
-    cache = WorkerCache(config, catalog)
-    now = [0.0]
-    cache.disk.store_share = StoreShare(clock=lambda: now[0])  # the rank's time waiting for the store, on a clock here
+    dirs, specs, cache, now = _store_share_cache(store, tmp_path, "mid", 3, num_slots=2, disk_objects=2.5)
     try:
         proofs = [cache.disk.dir / f"{disk_tier.entry_name(s.store)}.crc" for s in specs]  # type: ignore[arg-type]
         for i in (0, 1):  # warm stages: no disk stage of their own beside the host read (``WorkerCache.stage``)
@@ -702,23 +710,8 @@ def test_a_shard_written_back_from_a_slot_keeps_its_store_object_so_its_eviction
     """Exclusive tiers: a slot's shard written back into the host tier carries its store object (``SlotLoad.store``
     into ``HostTier.write_back``), so when the host tier evicts that entry while demand saturates the store its disk
     copy becomes the most recent, as for a staged entry; the copy still serves the registered bytes."""
-    server, root = store
-    prefix = root.removeprefix(f"s3://{BUCKET}/")
-    dirs = make_adapters(tmp_path / "wb", SynthConfig(model="tiny", count=4, rank="128", dtype="float32", prefix="wb"))
-    for d in dirs:
-        server.upload_dir(BUCKET, f"{prefix}/{d.name}", d)
-    catalog = catalog_for(root, max_rank=128)
-    specs = [catalog.register(d.name, f"{root}/{d.name}") for d in dirs]
-    config = WorkerConfig(num_slots=1, device="cpu", host=HostTierConfig(host_bytes=1 << 20, pin=False),
-                          disk=DiskTierConfig(disk_cache=str(tmp_path / "disk")))
-    probe = WorkerCache(config, catalog)
-    shard = max(probe.layout_of(s.name).nbytes for s in specs)
-    probe.close()
-    host = HostTierConfig(host_bytes=max(1 << 20, 2 * shard + shard // 2), pin=False)  # two shards, not three
-    assert host.tiers == "exclusive"
-    cache = WorkerCache(dataclasses.replace(config, host=host), catalog)
-    now = [0.0]
-    cache.disk.store_share = StoreShare(clock=lambda: now[0])
+    dirs, specs, cache, now = _store_share_cache(store, tmp_path, "wb", 4, num_slots=1)
+    assert cache.config.host.tiers == "exclusive"
     try:
         keys = [AdapterKey(s.name, s.version) for s in specs]
         proofs = [cache.disk.dir / f"{disk_tier.entry_name(s.store)}.crc" for s in specs]  # type: ignore[arg-type]
