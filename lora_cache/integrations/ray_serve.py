@@ -139,6 +139,8 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
         self._hinted: set[str] = set()  # requests whose hint was sent, until completed (then cancelled)
         self._cancels: list[str] = []  # hints of completed requests, waiting for the next batch
         self._done_early: set[str] = set()  # requests completed while their hint waited for its batch
+        self._flying: set[str] = set()  # hints sent whose Hint call has not answered yet
+        self._done_flying: set[str] = set()  # requests completed while their hint's call was in flight
         self._flush: asyncio.TimerHandle | None = None  # the next batch's send, when one is waiting
         self.counts: dict[str, float] = {
             "rank_ms": 0.0,  # time choose_replicas spent ranking, in all (no call to lora-cache is on this path)
@@ -344,8 +346,11 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
             self._done_early.add(internal_request_id)  # and is withdrawn right after it
         elif internal_request_id in self._hinted:
             self._hinted.discard(internal_request_id)
-            self._cancels.append(internal_request_id)
-            self._batch(now=False)
+            if internal_request_id in self._flying:  # a cancel sent now could reach the controller before the hint
+                self._done_flying.add(internal_request_id)  # and find nothing: withdrawn once the Hint answers
+            else:
+                self._cancels.append(internal_request_id)
+                self._batch(now=False)
 
     def _batch(self, now: bool) -> None:
         if now or self.settings.hint_batch_s == 0:
@@ -368,6 +373,7 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
             then = [h.hint_id for h in hints if h.hint_id in self._done_early]
             self._done_early.difference_update(then)
             self._hinted.update(h.hint_id for h in hints if h.hint_id not in then)
+            self._flying.update(h.hint_id for h in hints)
             self._spawn(self._hint(hints, then))
         if cancels:
             self._spawn(self._cancel(cancels))
@@ -376,19 +382,29 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
         """Send ``hints``; then withdraw those whose requests completed before they left (after the hint, so
         the cancel cannot overtake it)."""
         self.counts["hint_calls"] += 1
+        ids = {h.hint_id for h in hints}
         try:
             result = await self._lora().hint_within(hints, self.settings.hint_timeout_s)
             self.counts["hints"] += len(hints) - len(result.rejections)
             self.counts["hint_errors"] += len(result.rejections)  # each answered alone (a replica gone meanwhile)
         except ClientError as e:
+            self._flying -= ids
+            self._done_flying -= ids
             self.counts["hint_errors"] += len(hints)
             if e.code in _SLOW:
                 self._pause_hints(f"Hint failed ({e})")
             elif e.code != "NOT_FOUND":  # NOT_FOUND: a replica gone meanwhile (the batch is dropped), not lora-cache
                 self._went_down(f"Hint failed ({e})")
             return
-        if then_cancel:
-            await self._cancel(then_cancel)
+        except BaseException:
+            self._flying -= ids
+            self._done_flying -= ids
+            raise
+        self._flying -= ids
+        late = ids & self._done_flying  # completed while the call was in flight: withdrawn now, after the hint
+        self._done_flying -= late
+        if then_cancel or late:
+            await self._cancel([*then_cancel, *sorted(late)])
 
     async def _cancel(self, hint_ids: list[str]) -> None:
         self.counts["cancel_calls"] += 1
@@ -418,6 +434,7 @@ class LoraCacheRouter(FIFOMixin, MultiplexMixin, LocalityMixin, RequestRouter):
         self._routed = {rid: r for rid, r in self._routed.items() if r != replica_id}
         self._hinted -= gone  # the controller dropped the replica's hints with it
         self._done_early -= gone
+        self._done_flying -= gone
         self._pending = {rid: h for rid, h in self._pending.items() if rid not in gone}
         name = self._names.pop(replica_id, None) or replica_name(replica_id)  # the stream says NOT_READY for its
         # adapters once the controller drops it; until then it is not ranked READY here
