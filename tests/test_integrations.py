@@ -1,12 +1,17 @@
 """The Ray Serve integration's plain parts, without a cluster: settings that name the value and the fix, the
 one mapping of Serve replica ids to lora-cache replica names that the router and the replicas share, the router's
-fallback (Serve's rule on the mixins' answers), and the integrations' use of Ray's public API only.
+fallback (Serve's rule on the mixins' answers), the order of a hint and its withdrawal (a real gateway in a thread,
+no cluster), and the integrations' use of Ray's public API only.
 (The integration on a real Serve app: tests/test_ray_serve.py.)"""
 
 from __future__ import annotations
 
 import ast
+import asyncio
 import random
+import threading
+import time
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -189,3 +194,81 @@ def test_the_router_reads_a_named_version_as_ready_only_where_that_version_is() 
     assert ready_replicas(ready, "a") == {"r0", "r1"}
     assert ready_replicas(ready, "a@v2") == {"r1"} and ready_replicas(ready, "a@v1") == {"r0", "r1"}
     assert ready_replicas(ready, "a@step-7") == set() and ready_replicas(ready, "c") == set()
+
+
+class _GatedController:
+    """A real ``ControllerCore`` behind the ``.remote`` surface the gateway's hint paths use; each hint batch waits
+    at the controller until ``release`` is set (``arrived`` says one is there). ``log``: what the core took, in
+    order: ("hint", ids) once applied, ("cancel", ids, how many were active)."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+        self.arrived, self.release = threading.Event(), threading.Event()
+        self.log: list[tuple[Any, ...]] = []
+        self.hint_batches = SimpleNamespace(remote=self._hint_batches)
+        self.cancel_hints = SimpleNamespace(remote=self._cancel_hints)
+        self.status = SimpleNamespace(remote=self._status)
+        self.worker_stats = SimpleNamespace(remote=self._worker_stats)
+
+    async def _hint_batches(self, batches: list[Any]) -> list[Any]:
+        self.arrived.set()
+        await asyncio.get_running_loop().run_in_executor(None, self.release.wait)
+        outcomes = self.core.hint_batches(batches, time.time())
+        self.log.append(("hint", [h[0] for b in batches for h in b]))
+        return outcomes
+
+    async def _cancel_hints(self, hint_ids: list[str]) -> int:
+        cancelled = sum(self.core.cancel_hint(h, time.time()) for h in hint_ids)
+        self.log.append(("cancel", list(hint_ids), cancelled))
+        return cancelled
+
+    async def _status(self) -> dict[str, Any]:
+        return dict(self.core.status())
+
+    async def _worker_stats(self) -> list[Any]:
+        return []
+
+
+def test_a_request_completed_while_its_hint_is_in_flight_is_withdrawn_after_the_hint_lands(tiny_adapters) -> None:
+    """The fresh-clone CI's one failure (2026-12-02): a request completed while its Hint call was still in flight
+    had its CancelHint sent at once; the cancel overtook the hint at the controller (a cancel of an id not active is
+    nothing), the hint landed after it and stayed a need for the planner's hint_ttl_s. Pinned with a barrier: the
+    hint waits at a real controller core behind a real gateway while the request completes; its cancel is sent only
+    once the Hint answers, and withdraws it."""
+    from lora_cache.adapters.catalog import CatalogConfig
+    from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
+    from lora_cache.controller.core import ControllerConfig, ControllerCore
+
+    path = tiny_adapters(1)[0]
+    core = ControllerCore(
+        ControllerConfig(CatalogConfig(adapter_roots=(str(path.parent),), model="tiny", max_rank=16)), epoch=1
+    )
+    core.register_adapter(path.name, str(path))
+    replica = _replica_id("LoraEngine", "abc123xy")
+    core.add_replica(replica_name(replica), 1, 2)
+    ctl = _GatedController(core)
+    gw = start_gateway_thread(GatewayConfig(grpc_port=0), ctl)
+
+    async def scenario() -> LoraCacheRouter:
+        router = LoraCacheRouter.__new__(LoraCacheRouter)  # Serve's own constructor needs a running deployment
+        router.initialize_state(**asdict(RouterSettings(server=gw.target, hint_batch_s=0, hint_timeout_s=10)))
+        pending = SimpleNamespace(metadata=SimpleNamespace(internal_request_id="req-1", multiplexed_model_id=path.name))
+        router.on_request_routed(pending, replica, None)  # type: ignore[arg-type]
+        (hint_call,) = router._tasks
+        await asyncio.get_running_loop().run_in_executor(None, ctl.arrived.wait)  # the hint is at the controller
+        router.on_request_completed(replica, "req-1")
+        await asyncio.gather(*(t for t in list(router._tasks) if t is not hint_call))  # a cancel sent now lands now
+        ctl.release.set()
+        while router._tasks:
+            await asyncio.gather(*list(router._tasks))
+        return router
+
+    try:
+        router = asyncio.run(scenario())
+    finally:
+        ctl.release.set()
+        gw.stop()
+    assert ctl.log == [("hint", ["req-1"]), ("cancel", ["req-1"], 1)], "the cancel overtook its hint"
+    assert core.planner.view.hints(replica_name(replica)) == (), "a completed request's hint is still a need"
+    assert not (router._flying or router._done_flying or router._hinted), "the router still tracks the request"
+    assert (router.counts["hint_calls"], router.counts["cancel_calls"], router.counts["hint_errors"]) == (1, 1, 0)
