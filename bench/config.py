@@ -15,7 +15,7 @@ from bench.router.rules import RULES
 from bench.store import StoreModel, parse_store
 from lora_cache.errors import ConfigError
 from lora_cache.routing.ranking import RouterConfig
-from workers.staging.disk_tier import DiskTierConfig
+from workers.staging.disk_tier import FETCH_ORDERS, DiskTierConfig
 from workers.staging.eviction import EVICTION
 from workers.staging.host_config import TIERS
 
@@ -123,6 +123,9 @@ class BenchConfig:
         "help": "s3: bytes of the node's disk tier (the store's copies, LRU by bytes), the same for every policy, on "
                 "either engine (default: the service's own, 64 GiB; below the catalog's objects, copies are evicted "
                 "and fetched again)"})
+    fetch_order: str = field(default=DiskTierConfig.fetch_order, metadata={
+        "help": "s3: how the node's demand fetches share the store, on either engine (DiskTierConfig.fetch_order): "
+                "soonest (one at a time, the one that would end soonest alone first) | shared (all at once)"})
     warmup_requests: int = field(default=-1, metadata={
         "help": "requests played before the measured window, from the same arrival process (bench/warmup.py): "
                 "-1 (auto): until every replica has seen as many distinct adapters as it has GPU slots (its slots "
@@ -154,6 +157,8 @@ class BenchConfig:
         if self.disk_bytes < 1:
             raise ConfigError(f"--disk-bytes {self.disk_bytes}: give the node's disk tier in bytes, >= 1 (default "
                               f"{DiskTierConfig.disk_cache_bytes}: 64 GiB)")
+        if self.fetch_order not in FETCH_ORDERS:
+            raise ConfigError(f"--fetch-order {self.fetch_order!r}: give one of {', '.join(FETCH_ORDERS)}")
         if self.warmup_requests < -1:
             raise ConfigError(f"--warmup-requests {self.warmup_requests}: give a count >= 0, or -1 (auto: until "
                               "every replica's GPU slots are full)")

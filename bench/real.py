@@ -104,6 +104,7 @@ class RealConfig:
     store: str = "page-cache"  # bench.store: page-cache | device (pages dropped) | s3:... (adapters_dir is s3://)
     disk_root: str = ""  # s3: each policy's disk tier is a fresh directory under it (empty: a temporary one)
     disk_bytes: int = DiskTierConfig.disk_cache_bytes  # s3: the node's disk tier (DiskTierConfig.disk_cache_bytes)
+    fetch_order: str = DiskTierConfig.fetch_order  # s3: how the node's demand fetches share the store
     # the controller's warming gate (PlannerConfig.warm_min_miss_s), recorded with the run: bench.sim.check replays it
     warm_min_miss_s: float = PlannerConfig.warm_min_miss_s
 
@@ -262,7 +263,8 @@ def _disk_tier(config: RealConfig, policy: BenchPolicy) -> DiskTierConfig:
         return DiskTierConfig()
     root = Path(config.disk_root or tempfile.mkdtemp(prefix="bench-disk-tier-")) / policy.name
     shutil.rmtree(root, ignore_errors=True)
-    return DiskTierConfig(disk_cache=str(root), disk_cache_bytes=config.disk_bytes, fetch_part_bytes=0)
+    return DiskTierConfig(disk_cache=str(root), disk_cache_bytes=config.disk_bytes, fetch_part_bytes=0,
+                          fetch_order=config.fetch_order)
 
 
 class _Snapshot:

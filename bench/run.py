@@ -220,7 +220,7 @@ def _run_real(bench: BenchConfig, policies: Sequence[BenchPolicy], root: str, na
                       # layer (far beyond any cache), a fraction of the start-up time and memory
                       engine={"share_weights": True, **({"kv_rows": bench.kv_rows} if bench.kv_rows else {})},
                       attach=bench.attach, router=bench.router, join_over=bench.join_over,
-                      store=bench.store, disk_bytes=bench.disk_bytes,
+                      store=bench.store, disk_bytes=bench.disk_bytes, fetch_order=bench.fetch_order,
                       disk_root=str(Path(bench.out).resolve() / "disk-tier"))
     config["real"] = dataclasses.asdict(real)
     with contextlib.ExitStack() as stack:

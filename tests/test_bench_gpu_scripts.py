@@ -248,6 +248,17 @@ def test_issue42_shared_gpu_part_runs_two_replicas_of_half_a_gpu_behind_route_an
         assert run[run.index("--workload-seed") + 1] == "1" and run[run.index("--out") + 1] == str(tmp_path / name)
 
 
+def test_issue42_order_part_runs_the_shared_gpu_fleet_once_per_demand_fetch_order(tmp_path: Path) -> None:
+    """sh2-order: sh2's fleet on the S3 store, `global` behind Route once with the node's demand fetches in order and
+    once sharing the store (an A/B in one call), each run named by its order; the orders parse."""
+    runs = _dry("issue42.sh", str(tmp_path), "sh2-order", SEED="2")
+    assert len(runs) == 2
+    for run, order in zip(runs, ("soonest", "shared")):
+        args = build_parser().parse_args(run[run.index("bench.run") + 1:])
+        assert (args.fetch_order, args.store, args.replicas, args.gpu_share) == (order, "s3:200MBps,30ms", 2, 0.5)
+        assert run[run.index("--out") + 1] == str(tmp_path / f"sh2-order-{order}-global-lora-cache-s3-m4-s2")
+
+
 def test_issue42_tiers_part_runs_global_behind_route_under_both_tiers_for_one_seed(tmp_path: Path) -> None:
     """dev2-tiers: the A/B of exclusive host tiers in one call, each run named by its tiers; the part's --host-tiers is
     after the common one (TIERS), so it is the one argparse keeps."""

@@ -33,7 +33,7 @@ from lora_cache.adapters.shapes import SHAPES
 from lora_cache.adapters.shards import shard_layout
 from lora_cache.errors import ConfigError
 from lora_cache.vocab import AdapterKey
-from workers.staging.disk_tier import DiskTierConfig
+from workers.staging.disk_tier import FETCH_ORDERS, DiskTierConfig
 from workers.staging.host_tier import HostTier, HostTierConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -221,6 +221,39 @@ def test_a_shared_link_shares_its_bandwidth() -> None:
     assert done["a"] == pytest.approx(2.0) and done["b"] == pytest.approx(2.0)  # each at half the bandwidth
 
 
+@pytest.mark.parametrize("order", FETCH_ORDERS)
+def test_the_nodes_demand_fetches_move_one_at_a_time_the_one_that_ends_soonest_alone_first(order: str) -> None:
+    """The simulated ``NodeFetches`` (``fetch_order`` "soonest"): of the demand fetches whose bytes come, one moves
+    at a time, the one that would end soonest alone (its first byte's time plus its bytes at the link's rate), then
+    the one placed first; a smaller one that comes later passes at once if it would end sooner (the one it passes
+    waits, its bytes so far kept), and waits if it comes after the larger would have ended. "shared": processor
+    sharing."""
+    loop = Loop()
+    calib = Calibration(disk_fixed_ms=1.0, disk_gbps=10.0)
+    sizes = {"big": 40_000_000, "big2": 40_000_000, "small": 10_000_000, "late": 10_000_000}
+    store = SimStore(parse_store("s3:100MBps,0ms"), loop, calib, sizes, fetch_order=order)
+    copies = {"big": store.fetch("big"), "big2": store.fetch("big2")}  # alone: both to 0.4
+    loop.at(0.1, lambda: copies.setdefault("small", store.fetch("small")))  # alone: to 0.2, ahead of both
+    loop.at(0.45, lambda: copies.setdefault("late", store.fetch("late")))  # alone: to 0.55, behind both
+    loop.run(lambda: len(copies) == 4 and all(c is not None and c.done for c in copies.values()))
+    done = {name: c.time for name, c in copies.items() if c is not None}
+    if order == "soonest":  # big to 0.1 (10 MB); small to 0.2; big's 30 MB to 0.5; big2 to 0.9; late to 1.0
+        assert done == pytest.approx({"big": 0.5, "small": 0.2, "big2": 0.9, "late": 1.0})
+    else:  # two share to 0.1, three to 0.4 (small in), two to 0.45, three to 0.75 (late in), two to 1.0
+        assert done == pytest.approx({"small": 0.4, "late": 0.75, "big": 1.0, "big2": 1.0})
+
+
+def test_a_bad_fetch_order_is_refused_naming_it_and_the_choices() -> None:
+    from bench.sim.fleet import SimConfig
+
+    with pytest.raises(ConfigError, match=r"--fetch-order 'fifo': give one of soonest, shared"):
+        BenchConfig(fetch_order="fifo")
+    with pytest.raises(ConfigError, match=r"fetch_order is 'fifo'; give one of soonest, shared"):
+        SimConfig(fetch_order="fifo")
+    with pytest.raises(ConfigError, match=r"fetch_order is 'fifo'; give one of soonest, shared"):
+        DiskTierConfig(fetch_order="fifo")
+
+
 def read_times(store: str, reads: int, nbytes: int = 50_000_000) -> list[float]:
     """When each of ``reads`` misses started at once on one rank's host tier are staged."""
     loop = Loop()
@@ -256,12 +289,15 @@ def test_s3_fetches_once_per_node_after_the_latency_then_reads_the_local_copy() 
         assert e.staged.time == pytest.approx(0.03 + 0.1 + 0.001 + 0.0005)
 
 
-def test_a_disk_warm_fetch_yields_the_store_to_demand_until_a_demand_joins_it() -> None:
+@pytest.mark.parametrize("order", FETCH_ORDERS)
+def test_a_disk_warm_fetch_yields_the_store_to_demand_until_a_demand_joins_it(order: str) -> None:
     """The simulated ``DiskTier.stage(busy=...)``: a background (disk warm) fetch moves only while no demand fetch
-    does; a demand read of the object it is fetching makes it foreground."""
+    does; a demand read of the object it is fetching makes it foreground (then, in order, it takes its turn behind
+    the demand fetch that came first)."""
     loop = Loop()
     calib = Calibration(disk_fixed_ms=1.0, disk_gbps=10.0)
-    store = SimStore(parse_store("s3:100MBps,0ms"), loop, calib, {n: 10_000_000 for n in ("warm", "hot", "late", "x")})
+    store = SimStore(parse_store("s3:100MBps,0ms"), loop, calib, {n: 10_000_000 for n in ("warm", "hot", "late", "x")},
+                     fetch_order=order)
     warm = store.fetch("warm", background=True)
     assert warm is not None
     hot: list[float] = []
@@ -276,17 +312,20 @@ def test_a_disk_warm_fetch_yields_the_store_to_demand_until_a_demand_joins_it() 
     store.read("x", 5_000_000, lambda: demand.append(loop.now))  # a demand fetch: the warm one yields...
     loop.at(t0 + 0.05, lambda: store.read("late", 5_000_000, lambda: None))  # ...until a demand joins it
     loop.run(lambda: bool(demand) and late.done)
-    assert demand[0] == pytest.approx(t0 + 0.15 + 0.0015)  # half its bytes alone, half sharing with the joined one
+    # shared: half its bytes alone, half sharing with the joined one; in order: alone (it came first)
+    assert demand[0] == pytest.approx(t0 + (0.15 if order == "shared" else 0.1) + 0.0015)
     assert late.time == pytest.approx(t0 + 0.2) and store.fetches == 4
 
 
-def test_a_host_warm_reads_fetch_yields_the_store_to_demand_until_a_load_joins_it() -> None:
+@pytest.mark.parametrize("order", FETCH_ORDERS)
+def test_a_host_warm_reads_fetch_yields_the_store_to_demand_until_a_load_joins_it(order: str) -> None:
     """The simulated ``DemandMarks.yields``: a warm stage's host read of an object not on the node's disk fetches it
     in the background (it moves only while no demand fetch does); a load that joins the warm read's entry makes
     the fetch a foreground one, and the entry a demand read for the node's other ranks."""
     loop = Loop()
     calib = Calibration(disk_fixed_ms=1.0, disk_gbps=10.0)
-    store = SimStore(parse_store("s3:100MBps,0ms"), loop, calib, {n: 10_000_000 for n in ("warm", "hot", "late", "x")})
+    store = SimStore(parse_store("s3:100MBps,0ms"), loop, calib, {n: 10_000_000 for n in ("warm", "hot", "late", "x")},
+                     fetch_order=order)
     rank0, rank1 = SimHostTier(loop, calib, 1 << 30, 4, store), SimHostTier(loop, calib, 1 << 30, 4, store)
     warm, _ = rank0.fetch(AdapterKey("warm", "v"), 1_000_000, count=False, speculative=True)
     hot: list[float] = []
@@ -300,7 +339,8 @@ def test_a_host_warm_reads_fetch_yields_the_store_to_demand_until_a_load_joins_i
     loop.at(t0 + 0.05, lambda: rank0.fetch(AdapterKey("late", "v"), 1_000_000))  # ...until a load joins its entry
     loop.run(lambda: x.staged.done and late.staged.done)
     assert not late.speculative and rank0.demand_reading() is False  # a demand read once joined (now over)
-    assert x.staged.time == pytest.approx(t0 + 0.15 + 0.0011)  # half its bytes alone, half sharing with the joined
+    # shared: half its bytes alone, half sharing with the joined one; in order: alone (it came first)
+    assert x.staged.time == pytest.approx(t0 + (0.15 if order == "shared" else 0.1) + 0.0011)
     assert late.staged.time == pytest.approx(t0 + 0.2 + 0.0011) and store.fetches == 4
 
 

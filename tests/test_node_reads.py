@@ -20,7 +20,15 @@ import pytest
 from lora_cache.vocab import AdapterKey, Stage
 from tests.waiting import wait_for
 from workers.control.commands import CommandGate
-from workers.staging.node_reads import MAX_READ_S, DemandMarks, NodeReads, StoreShare, started
+from workers.staging.node_reads import (
+    FETCHES_DIR,
+    MAX_READ_S,
+    DemandMarks,
+    NodeFetches,
+    NodeReads,
+    StoreShare,
+    started,
+)
 
 HOLDER = """
 import sys
@@ -41,7 +49,8 @@ def gone(other: NodeReads, reads_dir: Path) -> None:
     """The read's marker goes with its read: once the reading thread is done with it. That is after the load's
     result, which its last chunk's copy may give first (chunks are copied as they arrive): the CI machine, loaded,
     showed the marker still there at the result (2026-11-29). Bounded, never a sleep."""
-    wait_for(lambda: other.busy() == 0 and not list(reads_dir.iterdir()), "the marker to go with its read", 10)
+    wait_for(lambda: other.busy() == 0 and not [p for p in reads_dir.iterdir() if p.name != FETCHES_DIR],
+             "the marker to go with its read", 10)
 
 
 @pytest.fixture
@@ -93,6 +102,74 @@ def test_a_marker_older_than_any_read_is_a_leftover(reads_dir: Path) -> None:
     assert later.busy() == 0 and list(reads_dir.iterdir()) == []
 
 
+FETCH_HOLDER = """
+import sys
+from pathlib import Path
+from workers.staging.node_reads import NodeFetches
+print(NodeFetches(Path(sys.argv[1])).enter(1), flush=True)  # one byte, now: ahead of any fetch entered later
+sys.stdin.readline()  # held until the test kills it
+"""
+
+
+def test_the_nodes_demand_fetches_take_the_store_soonest_end_alone_first(reads_dir: Path) -> None:
+    """``NodeFetches`` (issue 42, a store slower than demand): a fetch waits while a live one of the node comes before
+    it, of any process, its own too: one that would end sooner had it the store alone (its first byte's time plus its
+    bytes at the store's rate), or as soon and placed first. A smaller object's fetch that comes later passes a
+    larger one's only by the difference of their times alone: one that comes after the larger would have ended
+    waits behind it (no large fetch waits for ever). One that ended holds nothing; '' (no marker) never waits. The
+    markers sit in the reads directory's ``FETCHES_DIR``, which no demand-read count takes for a marker."""
+    path, now = reads_dir / FETCHES_DIR, [1000.0]
+    a = NodeFetches(path, ident=me("a"), clock=lambda: now[0])
+    b = NodeFetches(path, ident=me("b"), clock=lambda: now[0])
+    assert a.rate == b.rate == 200e6
+    big = a.enter(400_000_000)  # alone: 2 s, to 1002
+    now[0] += 0.5
+    small = b.enter(100_000_000)  # to 1001: ahead
+    same = a.enter(300_000_000)  # to 1002 as well, placed later: behind ``big``
+    now[0] += 1.6
+    late = b.enter(10_000_000)  # to 1002.15: after the big one would have ended alone, it waits behind it
+    assert all((big, small, same, late))
+    assert a.ahead(big) and not b.ahead(small) and a.ahead(same) and b.ahead(late)
+    b.leave(small)
+    assert not a.ahead(big), "the sooner fetch ended: the next in the order moves"
+    assert a.ahead(same) and b.ahead(late), "a fetch that would end as soon, placed first, comes first (its own too)"
+    a.leave(big)
+    a.leave(big)  # idempotent
+    assert not a.ahead(same) and b.ahead(late) and not a.ahead("")
+    assert NodeReads(reads_dir, ident=me("c")).busy() == 0, "the fetches' directory is not a demand read"
+    a.leave(same)
+    assert not b.ahead(late)
+    b.leave(late)
+    assert list(path.iterdir()) == []
+    b.moved(100_000_000, 1.0)  # a fetch moved alone at 100 MB/s: the rate halves toward it
+    assert b.rate == pytest.approx(150e6)
+    b.moved(1_000, 1.0)  # too little to time
+    assert b.rate == pytest.approx(150e6)
+
+
+def test_a_dead_or_hung_fetch_holds_no_other_fetch(reads_dir: Path) -> None:
+    """A rank SIGKILLed mid-fetch leaves its marker: it must not hold the node's fetches behind it for good; a marker
+    older than ``MAX_READ_S`` (a hung process) is a leftover too. Both are removed."""
+    path = reads_dir / FETCHES_DIR
+    proc = subprocess.Popen([sys.executable, "-c", FETCH_HOLDER, str(path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip(), "the holder entered no fetch"
+        mine = NodeFetches(path, ident=me("a"))
+        name = mine.enter(2)
+        assert mine.ahead(name), "a live process's fetch that ends sooner comes first"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert not mine.ahead(name) and [p.name for p in path.iterdir()] == [name], "the dead one's marker is removed"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    hung = NodeFetches(path, ident=me("b"), clock=lambda: time.time() - 1).enter(1)  # ahead of ``name``
+    assert hung and mine.ahead(name), "a live process's fetch that ends sooner comes first"
+    later = NodeFetches(path, ident=me("c"), clock=lambda: time.time() + MAX_READ_S + 1)
+    assert not later.ahead(name) and [p.name for p in path.iterdir()] == [name]
+
+
 def test_a_directory_that_cannot_be_written_costs_the_yield_only(tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     blocker = tmp_path / "a-file"
@@ -100,6 +177,9 @@ def test_a_directory_that_cannot_be_written_costs_the_yield_only(tmp_path: Path,
     reads = NodeReads(blocker / "reads")  # below a file: never a directory
     assert reads.mark() == "" and reads.busy() == 0
     reads.unmark("")
+    fetches = NodeFetches(blocker / "reads" / FETCHES_DIR)  # the fetches share the store, never stop
+    assert fetches.enter(1) == "" and not fetches.ahead("")
+    fetches.leave("")
     assert "give the directory write access" in caplog.text
 
 

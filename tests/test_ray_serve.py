@@ -140,8 +140,15 @@ def _ready_on(served: App, adapter: str) -> set[str]:
 
 
 def _router(served: App) -> Any:
-    """The deployment's ``LoraCacheRouter`` in this process (the handle's; Serve's private path to it)."""
-    return served.handle._router._asyncio_router._request_router
+    """The deployment's ``LoraCacheRouter`` in this process (the handle's; Serve's private path to it). Serve makes it
+    on the handle's first use, on the handle's event loop, once the deployment's replicas reach it: a test run alone
+    (no request before it) initialises the handle and waits for that."""
+    handle = served.handle
+    if not handle.is_initialized:
+        handle._init()
+    inner = handle._router._asyncio_router
+    wait_for(lambda: inner._request_router is not None, "the handle's request router made", timeout=60)
+    return inner._request_router
 
 
 def _router_state(served: App) -> str:

@@ -53,7 +53,7 @@ from workers.control.rank import WorkerControl
 from workers.staging import disk_tier
 from workers.staging.disk_tier import DiskTier, DiskTierConfig
 from workers.staging.host_config import HostTierConfig
-from workers.staging.node_reads import NodeReads, StoreShare, started
+from workers.staging.node_reads import NodeFetches, NodeReads, StoreShare, started
 
 BUCKET = "adapters-bkt"
 BIG_RANK = 512  # float32 tiny-shaped at this rank: 4 MiB, four 1 MiB parts
@@ -740,6 +740,54 @@ def test_a_shard_written_back_from_a_slot_keeps_its_store_object_so_its_eviction
         cache.close()
 
 
+@pytest.mark.parametrize("order", ["soonest", "shared"])
+def test_a_demand_fetch_waits_its_turn_behind_one_that_ends_sooner_never_one_that_ends_later(
+    store: tuple[S3Server, str], local: dict[str, Path], cache_for: Callable[..., WorkerCache],
+    monkeypatch: pytest.MonkeyPatch, order: str
+) -> None:
+    """The node's demand fetches take the store one at a time, the one that would end soonest alone first (issue 42:
+    a burst of cold adapters shared the store and ended late all together): while another rank's fetch that ends
+    sooner moves, a demand fetch reads nothing more of its object (a far larger one's fetch, also in flight, does not
+    hold it); once that one ends it runs on, its copy proven and served, and the store's rate it measured is what
+    the order counts from then on. ``fetch_order="shared"``: nothing holds it. Its marker goes with it."""
+    import threading
+
+    monkeypatch.setattr(disk_tier, "YIELD_MAX_S", 120.0)  # a pause lasts until the smaller fetch ends
+    _, root = store
+    catalog = catalog_for(root)
+    big = catalog.register("big-000", f"{root}/big-000")
+    cache = cache_for(catalog, fetch_order=order)
+    assert big.store is not None
+    path = NodeFetches().path
+    other = NodeFetches(path, ident=f"{os.getpid()}-{started(os.getpid())}.other-rank")
+    smaller, larger = other.enter(1), other.enter(big.store.size * 2000)  # ends at once; in 40 s (at 200 MB/s)
+    fetched = threading.Event()
+
+    def demand() -> None:
+        with cache.disk.held(big):
+            fetched.set()
+
+    reader = threading.Thread(target=demand)
+    reader.start()
+    try:
+        if order == "soonest":
+            wait_for(lambda: cache.disk.stats()["disk_turns"] >= 1, "the fetch waiting for the smaller one")
+            assert not fetched.is_set() and not cache.disk.contains(big.store)
+            other.leave(smaller)
+        reader.join(timeout=60)
+        assert fetched.is_set() and cache.disk.stats()["disk_fetches"] == 1
+        assert cache.disk.stats()["disk_turns"] == (1 if order == "soonest" else 0)
+        left = [larger] if order == "soonest" else sorted([smaller, larger])
+        assert sorted(p.name for p in path.iterdir()) == left, "the fetch's own marker went with it"
+    finally:
+        other.leave(smaller)
+        other.leave(larger)
+        reader.join(timeout=60)
+    cache.prefetch("big-000").result(timeout=30)
+    assert_serves(cache, "big-000", local["big-000"] / WEIGHTS_FILE)
+    cache.check_integrity()
+
+
 def test_a_warm_fetch_yields_no_more_once_another_process_of_the_node_waits_for_its_object(
     store: tuple[S3Server, str], local: dict[str, Path], cache_for: Callable[..., WorkerCache],
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
@@ -823,6 +871,8 @@ def test_an_object_replaced_mid_fetch_is_never_served_nor_mixed(
         cache.prefetch("big-000").result(timeout=30)
     assert disk_files(tmp_path / "disk" / NAMESPACE) == []  # not a byte of the mixed file is kept
     assert cache.residency() == [] and cache.host.arena.used_bytes == 0
+    mine = f"-{os.getpid()}-{started(os.getpid())}-"
+    assert not [p for p in NodeFetches().path.glob("*") if mine in p.name], "the failed fetch left its turn behind"
     # the new object, registered again, is a new version and serves its own bytes
     monkeypatch.undo()
     set_env(monkeypatch, server.env)

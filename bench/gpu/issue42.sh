@@ -38,6 +38,9 @@
 #                engines share its compute and copy engines, so not the 2-GPU fleet), the store SH2_STORE [device],
 #                workload seed SEED [0]: `global` behind Route, `global` behind affinity, `queue` behind affinity,
 #                one bench.run each, named by the store, MAX_ADAPTERS and the seed (Route against affinity, item 5)
+#   sh2-order    sh2's fleet on SH2_STORE [s3:200MBps,30ms]: POL [global] behind ROUTER [lora-cache] once per demand
+#                fetch order in ORDERS [soonest shared] (--fetch-order: the node's demand fetches one at a time, the one
+#                that ends soonest alone first, or all at once), one bench.run each (an A/B in one call)
 # The workload: Zipf 1.5 over NUM_ADAPTERS [100] adapters of ranks 16 and 64 (Llama-3.1-8B shapes), Poisson RATE
 # [4] requests/s per replica, REQUESTS [200] measured after WARMUP [300] warm-up requests (bench/warmup.py: long
 # enough for the warm stages to fill the host tiers at the device's ~1.2 GB/s), the host tier
@@ -102,6 +105,14 @@ for part in "$@"; do
                 run "sh2-aff-global-$tag" "${sh[@]}" --router affinity --policies global
                 run "sh2-aff-queue-$tag" "${sh[@]}" --router affinity --policies queue
                 rm -rf "$out"/sh2-*/disk-tier ;;
+    sh2-order)  st=${SH2_STORE:-s3:200MBps,30ms}; sh=(--replicas 2 --tp 1 --gpu-share 0.5 --arrivals "poisson:$((rate * 2))"
+                    --workload-seed "${SEED:-0}" --store "$st")
+                tag="${st%%:*}-m${MAX_ADAPTERS:-4}-s${SEED:-0}"
+                for o in ${ORDERS:-soonest shared}; do
+                  run "sh2-order-$o-${POL:-global}-${ROUTER:-lora-cache}-$tag" "${sh[@]}" --router "${ROUTER:-lora-cache}" \
+                    --policies "${POL:-global}" --fetch-order "$o"
+                  rm -rf "$out"/sh2-order-*/disk-tier
+                done ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done

@@ -60,7 +60,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.scheduler import check_requests
 from workers.engine.timings import RequestRecord, summarize
 from workers.engine.workload import Request
-from workers.staging.disk_tier import DiskTierConfig
+from workers.staging.disk_tier import FETCH_ORDERS, DiskTierConfig
 
 COUNTERS, RESERVOIRS = STATS_COUNTERS, STATS_SUMMARIES  # as WorkerCache.stats(); the load records have the latencies
 
@@ -128,6 +128,8 @@ class SimConfig:
         "help": "the lora-cache router's RouterConfig.join_over (where ``simulate`` is given no RouterConfig)"})
     disk_bytes: int = field(default=DiskTierConfig.disk_cache_bytes, metadata={
         "help": "s3: bytes of the node's disk tier (LRU by bytes; bench/sim/store.py)"})
+    fetch_order: str = field(default=DiskTierConfig.fetch_order, metadata={
+        "help": "s3: how the node's demand fetches share the store: soonest | shared (bench/sim/store.py)"})
     plan_interval_s: float = field(default=0.5, metadata={
         "help": "the controller's timer: retry failed loads and replan the whole fleet"})
     sync_s: float = field(default=5.0, metadata={"help": "the controller resyncs every worker's residency this often"})
@@ -179,6 +181,8 @@ class SimConfig:
             raise ConfigError(f"routing {self.routing!r} is not registered; choose one of {', '.join(ROUTERS)}")
         if isinstance(self.disk_bytes, bool) or not isinstance(self.disk_bytes, int) or self.disk_bytes < 1:
             raise ConfigError(f"disk_bytes is {self.disk_bytes!r}; give the node's disk tier in bytes, an int >= 1")
+        if self.fetch_order not in FETCH_ORDERS:
+            raise ConfigError(f"fetch_order is {self.fetch_order!r}; give one of {', '.join(FETCH_ORDERS)}")
         if not 0 <= self.hint_lead_s < float("inf"):
             raise ConfigError(f"hint_lead_s is {self.hint_lead_s}; give seconds >= 0, e.g. 0.5")
         for name in ("plan_interval_s", "sync_s", "series_s"):
@@ -268,7 +272,7 @@ class _Fleet:
         model = parse_store(config.store)  # one store for the fleet's host (the benchmark's machine)
         objects = shard_bytes(catalog, 1, calibration.slot_dtype)
         self.store = None if model.kind == "page-cache" else SimStore(model, loop, calibration, objects,
-                                                                      config.disk_bytes)
+                                                                      config.disk_bytes, config.fetch_order)
         self.disk_bytes: int | None = None  # s3: each rank's part of the node's disk tier, as a worker reports it
         if model.kind == "s3":  # the controller learns a store adapter's object from its registration (disk warming)
             plans = self.controller.core.planner  # as ControllerCore.add_adapter registers a store version

@@ -37,7 +37,8 @@ def sim_config(bench: BenchConfig, workload: Workload | None = None,
                      hint_lead_s=bench.hint_lead_s, host_bytes=bench.host_bytes, routing=bench.router,
                      join_over=bench.join_over,
                      host_eviction=bench.host_eviction, host_tiers=bench.host_tiers,
-                     store=bench.store, disk_bytes=bench.disk_bytes, warmup_s=warm, warm_min_miss_s=warm_min_miss_s)
+                     store=bench.store, disk_bytes=bench.disk_bytes, fetch_order=bench.fetch_order, warmup_s=warm,
+                     warm_min_miss_s=warm_min_miss_s)
 
 
 def run_policies(bench: BenchConfig, policies: Sequence[BenchPolicy], workload: Workload, config: dict[str, Any],

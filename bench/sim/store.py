@@ -18,12 +18,16 @@
   fetch that does not fit evicts the copies used longest ago that no read holds (a read holds its copy from its
   ask until its local read ends; a fetch in flight is not evicted), as ``DiskTier`` evicts by its proofs' mtimes;
   where every copy is held the fetch goes ahead over the bytes (counted: ``disk_over``; the real tier refuses it).
+  With ``fetch_order`` "soonest" (the default, ``DiskTierConfig.fetch_order``) one demand fetch moves at a time, the
+  one that would end soonest alone first (its first byte's time plus its bytes at the link's rate: ``SharedLink``'s
+  ``ordered``), as ``NodeFetches`` orders the real ones (at the rate their fetches measured); "shared": all at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -34,15 +38,21 @@ import numpy as np
 from bench.sim.calibration import GB, Calibration
 from bench.sim.events import Loop, Signal
 from bench.store import StoreModel
+from workers.staging.disk_tier import DiskTierConfig
 
 
 class SharedLink:
     """Transfers sharing ``bytes_per_s`` equally (processor sharing), each after a wait of ``fixed_s``. A background
-    transfer moves only while no foreground one does (it yields the link at once); ``promote`` makes it foreground."""
+    transfer moves only while no foreground one does (it yields the link at once); ``promote`` makes it foreground.
+    ``ordered`` (``DiskTierConfig.fetch_order`` "soonest", ``NodeFetches``): one foreground transfer moves at a time,
+    the one that would end soonest alone first: the time it became a foreground transfer with bytes coming, plus its
+    bytes at the link's rate (then the one placed first)."""
 
-    def __init__(self, loop: Loop, bytes_per_s: float, fixed_s: float) -> None:
-        self.loop, self.rate, self.fixed_s = loop, bytes_per_s, fixed_s
-        self.active: list[list[object]] = []  # the transfers moving: [remaining bytes, done, background]
+    def __init__(self, loop: Loop, bytes_per_s: float, fixed_s: float, ordered: bool = False) -> None:
+        self.loop, self.rate, self.fixed_s, self.ordered = loop, bytes_per_s, fixed_s, ordered
+        # the transfers moving: [remaining bytes, done, background, (bytes, -1) until placed, then (end alone, turn)]
+        self.active: list[list[object]] = []
+        self._turns = itertools.count()
         self.last = 0.0
         self.gen = 0  # the scheduled completion that is current (older ones are stale)
         self.busy_s = 0.0  # simulated time with a transfer on the link
@@ -54,7 +64,7 @@ class SharedLink:
         (it holds the link for ``nbytes * slowdown`` bytes' worth; ``moved`` counts ``nbytes``). The transfer's
         record, for ``promote``."""
         self.moved += nbytes
-        transfer: list[object] = [float(nbytes * slowdown), done, background]
+        transfer: list[object] = [float(nbytes * slowdown), done, background, (nbytes, -1)]
         self.loop.after(self.fixed_s, self._join, transfer)
         return transfer
 
@@ -63,10 +73,18 @@ class SharedLink:
         waiting for its first byte."""
         self._advance()
         transfer[2] = False
+        if any(a is transfer for a in self.active):  # its bytes come: its turn from now (else at its first, ``_join``)
+            self._place(transfer)
         self._schedule()
+
+    def _place(self, transfer: list[object]) -> None:
+        place: tuple[float, int] = transfer[3]  # type: ignore[assignment]
+        transfer[3] = (self.loop.now + place[0] / self.rate, next(self._turns))
 
     def _moving(self) -> list[list[object]]:
         fore = [a for a in self.active if not a[2]]
+        if self.ordered and fore:
+            return [min(fore, key=lambda a: a[3])]  # type: ignore[arg-type, return-value]
         return fore or self.active
 
     def _advance(self) -> None:
@@ -84,6 +102,8 @@ class SharedLink:
             transfer[1]()  # type: ignore[operator]
             return
         self._advance()
+        if not transfer[2]:
+            self._place(transfer)
         self.active.append(transfer)
         self._schedule()
 
@@ -110,13 +130,14 @@ class SimStore:
     of ``name`` (``nbytes``) is in its host tier. ``object_bytes``: each adapter's whole file (s3 fetches)."""
 
     def __init__(self, model: StoreModel, loop: Loop, calibration: Calibration,
-                 object_bytes: Mapping[str, int], disk_bytes: int | None = None) -> None:
+                 object_bytes: Mapping[str, int], disk_bytes: int | None = None,
+                 fetch_order: str = DiskTierConfig.fetch_order) -> None:
         self.model, self.loop, self.calibration, self.object_bytes = model, loop, calibration, object_bytes
         self.disk_bytes = disk_bytes  # s3: the node's disk tier (None: unbounded)
         if model.kind == "device":
             self.link = SharedLink(loop, calibration.device_gbps * GB, calibration.device_fixed_ms / 1e3)
         elif model.kind == "s3":
-            self.link = SharedLink(loop, model.mbps * 1e6, model.latency_ms / 1e3)
+            self.link = SharedLink(loop, model.mbps * 1e6, model.latency_ms / 1e3, fetch_order == "soonest")
         else:
             raise ValueError(f"no simulated store for {model.kind!r} (page-cache reads are the host tier's own)")
         self.on_disk: dict[str, Signal] = {}  # s3: the node's disk tier (fetched, or being fetched)

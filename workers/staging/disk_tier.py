@@ -12,6 +12,10 @@ version is proven on every read from every tier. A copy whose identity no longer
 and fetched again; one whose bytes do not (torn by a crash: a copy is not fsync'ed) fails that read and is
 dropped, so the next load fetches it again.
 
+The node's demand fetches (of every service and rank on it) take the store's bandwidth one at a time, the one that
+would end soonest alone first (``node_reads.NodeFetches``, ``fetch_order``); warm stages' fetches yield to any demand
+read.
+
 Each service has a directory of its own, ``SERVICE`` under ``--disk-cache`` (its name: ``serve --service``), so
 that one service's copies and cap never evict another's (docs/decisions.md, "the disk tier per service").
 Every rank of the service on a node shares it: a file lock per entry (``locks/NAME.lock``) makes one process fetch
@@ -48,12 +52,13 @@ from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.store import client
 from lora_cache.errors import AdapterChangedError, AdapterFormatError, CapacityError, ConfigError
 from lora_cache.vocab import NAMESPACE, check_service_name
-from workers.staging.node_reads import StoreShare, awaited, awaiting
+from workers.staging.node_reads import NodeFetches, StoreShare, awaited, awaiting
 from workers.staging.store_fetch import fetch_object
 
 log = logging.getLogger(__name__)
 YIELD_MAX_S = 2.0  # the longest a disk warm stage's fetch yields the store at a time (``DiskTier._pause``)
 YIELD_POLL_S = 0.005  # how often a yielding fetch looks whether the demand reads ended
+FETCH_ORDERS = ("soonest", "shared")  # DiskTierConfig.fetch_order
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,9 @@ class DiskTierConfig:
     victim_share: float = field(default=0.3, metadata={"help": (
         "while a rank's demand reads waited for the store this share of the last minute or more, a copy whose adapter "
         "the rank's host tier lets go of becomes the disk tier's most recent (a victim cache of memory); 1: never")})
+    fetch_order: str = field(default="soonest", metadata={"help": (
+        "how the node's demand fetches share the store: soonest (one moves at a time, the one that would end soonest "
+        "alone first: a burst of cold adapters does not end late all together) or shared (all at once)")})
     fetch_part_bytes: int = field(default=8 << 20, metadata={"help": (
         "bytes per ranged GET (a multiple of 1 MiB, the CRC block); 0: one GET of the whole object (for a store "
         "whose ranged GETs cost the whole object, as moto's do)")})
@@ -81,6 +89,8 @@ class DiskTierConfig:
                               "adapters a node serves (64 GiB by default)")
         if not 0 <= self.victim_share <= 1:
             raise ConfigError(f"victim_share is {self.victim_share!r}; give a share in [0, 1], e.g. 0.3 (1: never)")
+        if self.fetch_order not in FETCH_ORDERS:
+            raise ConfigError(f"fetch_order is {self.fetch_order!r}; give one of {', '.join(FETCH_ORDERS)}")
         if not 1 <= self.fetch_parallel <= 64:
             raise ConfigError(f"fetch_parallel must be in 1..64, got {self.fetch_parallel}")
         if self.fetch_part_bytes < 0 or self.fetch_part_bytes % BLOCK_BYTES:
@@ -109,12 +119,15 @@ class DiskTier:
         self._lock = threading.Lock()  # protects _flights and the counters
         self._flights: dict[str, Future[WeightsSource]] = {}  # name -> this process's fetch in flight
         # name -> what a disk warm stage's fetch in flight yields to (``stage``'s ``busy``); a read that joins the
-        # fetch takes it out: from then on the fetch is that read's own and yields to nothing
+        # fetch takes it out: from then on the fetch is that read's own, a demand fetch (``_pause``)
         self._yielding: dict[str, Callable[[], bool]] = {}
         self.yielded_s = 0.0  # time disk warm stages' fetches spent yielding the store (protected by _lock)
         self.yields = 0  # pauses in which a disk warm stage's fetch found a demand read and yielded
         self._stager: ThreadPoolExecutor | None = None
         self.store_share = StoreShare()  # how much of the time this process's demand reads wait for the store
+        self.node_fetches = NodeFetches() if config.fetch_order == "soonest" else None
+        self.turns = 0  # pauses in which a demand fetch waited for one ahead of it on the node (``NodeFetches``)
+        self.turn_wait_s = 0.0  # their time (protected by _lock)
         self.hits = self.fetches = self.fetched_bytes = self.evictions = self.stage_failures = self.touches = 0
 
     # -- reads ------------------------------------------------------------------------------------------
@@ -174,7 +187,8 @@ class DiskTier:
         ``busy``: a disk warm stage's, which yields the store at once: while ``busy()`` (a demand read on this
         node) its fetch reads no more of the object (the store's bandwidth goes to the demand), up to ``YIELD_MAX_S``
         at a time; a read that needs the object, of this process or another of the node (``awaiting``), joins the
-        fetch and it yields no more."""
+        fetch and it is a demand fetch from then on (it yields no more; it takes its turn among the node's demand
+        fetches: ``_pause``)."""
         if spec.store is None:
             return None
         with self._lock:
@@ -205,6 +219,8 @@ class DiskTier:
                 "disk_stage_failures": self.stage_failures,
                 "disk_yields": self.yields,  # warm fetches' pauses for demand reads (disk or host warm stages')
                 "disk_yielded_ms": round(self.yielded_s * 1e3),
+                "disk_turns": self.turns,  # demand fetches' pauses for a smaller (or older) one on the node
+                "disk_turn_wait_ms": round(self.turn_wait_s * 1e3),
                 "disk_touches": self.touches,  # copies made most recent as a host tier let go of them (``let_go``)
             }
 
@@ -232,7 +248,7 @@ class DiskTier:
             try:
                 local = self._proof(name, source)
                 if local is None:
-                    with self._pause(name) if busy is not None else contextlib.nullcontext() as pause:
+                    with self._pause(name, source.size, warm=busy is not None) as pause:
                         local = self._fetch(name, source, pause)
             finally:
                 os.close(fd)
@@ -246,32 +262,68 @@ class DiskTier:
                 self._yielding.pop(name, None)
 
     @contextlib.contextmanager
-    def _pause(self, name: str) -> Iterator[Callable[[], None]]:
-        """A warm fetch's pause before each block: while its ``busy`` says a demand read is on this node, and no read
-        joined it nor waits for its object in another process (``awaiting``; the want file opened once a fetch), it
-        reads nothing (the socket's flow control holds the store back), ``YIELD_MAX_S`` at most at a time."""
-        want = self._open_lock(f"{name}.want")
+    def _pause(self, name: str, nbytes: int, warm: bool) -> Iterator[Callable[[], None] | None]:
+        """The pause before each block of a fetch of ``name`` (``nbytes``), ``YIELD_MAX_S`` at most at a time (the
+        socket's flow control holds the store back meanwhile); None where it never pauses.
+        - A warm stage's fetch (``warm``) reads nothing while its ``busy`` says a demand read is on this node, until a
+          read joins it (of this process, or of another that waits for its object: ``awaiting``; the want file
+          opened once a fetch); from then on it is a demand fetch.
+        - A demand fetch reads nothing while a demand fetch of the node comes before it (``NodeFetches``: the one
+          that would end soonest alone first, from its first byte), where ``fetch_order`` is "soonest"; the time
+          it moved, less its waits, is the store's rate ``NodeFetches`` orders by (``moved``)."""
+        fetches = self.node_fetches
+        if not warm and fetches is None:
+            yield None
+            return
+        want = self._open_lock(f"{name}.want") if warm else -1
+        turn, entered, joined, entering = "", False, not warm, threading.Lock()
+        began, waited = 0.0, 0.0  # its first block's time, and its waits for its turn since
 
         def pause() -> None:
+            nonlocal turn, entered, joined, began, waited
             start = now = time.monotonic()
+            waited_turn = False
             while now - start < YIELD_MAX_S:
-                with self._lock:
-                    busy = self._yielding.get(name)
-                if busy is None or not busy() or awaited(want):
-                    break
-                if now == start:
+                if not joined:
                     with self._lock:
-                        self.yields += 1
+                        busy = self._yielding.get(name)
+                    if busy is None or awaited(want):
+                        joined = True
+                    elif not busy():
+                        break
+                if joined:
+                    if fetches is None:
+                        break
+                    with entering:  # once (a fetch's parts call it from several threads), at its first block, not
+                        if not entered:  # while it waits for its first byte: none waits on it for the store's latency
+                            turn, entered, began = fetches.enter(nbytes), True, time.monotonic()
+                    if not fetches.ahead(turn):
+                        break
+                if now == start:
+                    waited_turn = joined
+                    with self._lock:
+                        self.turns += joined
+                        self.yields += not joined
                 time.sleep(YIELD_POLL_S)
                 now = time.monotonic()
             if now > start:
                 with self._lock:
-                    self.yielded_s += now - start
+                    if waited_turn:
+                        self.turn_wait_s += now - start
+                        waited += now - start
+                    else:
+                        self.yielded_s += now - start
 
         try:
             yield pause
+            if fetches is not None and entered and not warm:  # done: the store's rate, alone (a joined warm fetch
+                fetches.moved(nbytes, time.monotonic() - began - waited)  # moved part of it while yielding: not timed)
         finally:
-            os.close(want)
+            if fetches is not None:
+                with entering:
+                    fetches.leave(turn)
+            if want >= 0:
+                os.close(want)
 
     def _fetch(self, name: str, source: StoreSource, pause: Callable[[], None] | None = None) -> WeightsSource:
         """Fetch ``source`` into ``name`` (caller holds its entry lock exclusively); ``pause``: ``_pause``'s."""

@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 MAX_READ_S = 600.0  # a demand read in flight longer than this is taken for a leftover
 ENV = "LORA_CACHE_READS_DIR"  # where the markers go, if set (one directory per node; its ranks share it)
+FETCHES_DIR = ".fetches"  # in it: the node's demand fetches from a store, in their order (``NodeFetches``)
+RATE_PRIOR = 200e6  # bytes/s: the store's rate ``NodeFetches`` orders by until its own fetches measured one
 
 
 def default_dir() -> Path:
@@ -101,7 +103,7 @@ class NodeReads:
         now, alive, count = self._clock(), dict[str, bool](), 0
         for entry in entries:
             ident = entry.name.rsplit("-", 1)[0]
-            if ident == self.ident:
+            if ident == self.ident or entry.name.startswith("."):  # its own, or not a marker (``FETCHES_DIR``)
                 continue
             if ident not in alive:
                 alive[ident] = _alive(ident)
@@ -285,3 +287,92 @@ class StoreShare:
             now = self._clock()
             self._share, self._at = self._now(now), now
             self._waiting += delta
+
+
+class NodeFetches:
+    """The node's demand fetches from an object store, in the order they take its bandwidth: the one that would end
+    soonest had it the store alone - its first byte's time plus its bytes at the store's rate - first; a fetch reads
+    nothing while another live one of the node comes before it (``ahead``). Each fetch leaves a marker for as long as
+    it runs, named ``END-PID-START-SEQ`` (``END`` in ns, zero-padded: the names sort in that order), in
+    ``FETCHES_DIR`` of the directory of ``NodeReads``' markers. The rate is this process's measure of the fetches
+    that moved alone (``moved``), ``RATE_PRIOR`` until one did.
+
+    Why (issue 42, a store slower than demand): the store's bandwidth is shared by every fetch in flight, so a burst
+    of cold adapters' fetches all end late together (a rank-16 object beside four rank-64 ones takes five times its
+    own time); one at a time, the first ends at once and the requests behind it wait less. By the end it would have
+    alone, not by size: a small fetch that comes later passes a large one only by the difference of their times
+    alone, so no large fetch waits behind a stream of small ones for ever (smallest-first did: a rank-64 adapter's
+    load waited 7 s at the p99 where sharing took 4.6; bench/reports/issue-42.md). The order is kept per block read
+    (``DiskTier``). A marker of a dead process, or older than ``MAX_READ_S``, is removed; a directory that cannot be
+    written leaves the fetches unordered (shared), never stops one."""
+
+    def __init__(self, path: Path | None = None, ident: str | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.path = path if path is not None else default_dir() / FETCHES_DIR
+        self.ident = ident if ident is not None else f"{os.getpid()}-{started(os.getpid())}"
+        self._clock = clock
+        self._seq = itertools.count()
+        self._warned = threading.Event()
+        self.rate = RATE_PRIOR  # bytes/s of the store, as this process's fetches that moved alone measured it
+
+    def enter(self, nbytes: int) -> str:
+        """A demand fetch of an object of ``nbytes`` whose bytes begin to come now: its marker ('' if it could not be
+        written). The directory is made by the first fetch (a service of local files makes none)."""
+        end = int((self._clock() + nbytes / self.rate) * 1e9)
+        name = f"{end:020d}-{self.ident}-{next(self._seq)}"
+        for attempt in range(2):
+            try:
+                os.close(os.open(self.path / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+                return name
+            except FileNotFoundError as e:
+                if attempt:
+                    self._warn(e)
+                    return ""
+                try:
+                    self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+                except OSError as made:
+                    self._warn(made)
+                    return ""
+            except OSError as e:
+                self._warn(e)
+                return ""
+        return ""
+
+    def leave(self, name: str) -> None:
+        """The fetch ``name`` entered is over (succeeded or failed)."""
+        if name:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path / name)
+
+    def ahead(self, name: str) -> bool:
+        """Whether a live demand fetch of this node (this process's too) comes before ``name`` (never for '')."""
+        if not name:
+            return False
+        try:
+            entries = [e for e in os.scandir(self.path) if e.name < name]
+        except OSError:
+            return False
+        now = self._clock()
+        for entry in entries:
+            ident = "-".join(entry.name.split("-")[1:3])
+            try:
+                stale = (ident != self.ident and not _alive(ident)) or now - entry.stat().st_mtime > MAX_READ_S
+            except FileNotFoundError:
+                continue  # it ended meanwhile
+            if not stale:
+                return True
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+        return False
+
+    def moved(self, nbytes: int, seconds: float) -> None:
+        """A demand fetch moved ``nbytes`` alone in ``seconds``: the store's rate, as the order counts it from now
+        (the mean of the last few, weighted to the newest; fetches too short to time say nothing)."""
+        if nbytes >= 1 << 22 and seconds > 0.02:
+            self.rate = 0.5 * self.rate + 0.5 * nbytes / seconds
+
+    def _warn(self, error: OSError) -> None:
+        if not self._warned.is_set():
+            self._warned.set()
+            log.warning("demand fetches are not ordered in %s (%s): they share the store's bandwidth; give the "
+                        "directory write access", self.path, error)
