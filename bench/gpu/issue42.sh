@@ -40,7 +40,8 @@
 #                one bench.run each, named by the store, MAX_ADAPTERS and the seed (Route against affinity, item 5)
 #   sh2-order    sh2's fleet on SH2_STORE [s3:200MBps,30ms]: POL [global] behind ROUTER [lora-cache] once per demand
 #                fetch order in ORDERS [soonest shared] (--fetch-order: the node's demand fetches one at a time, the one
-#                that ends soonest alone first, or all at once), one bench.run each (an A/B in one call)
+#                that ends soonest alone first, or all at once), the node's disk tier DISK_BYTES if given, one bench.run
+#                each (an A/B in one call)
 # The workload: Zipf 1.5 over NUM_ADAPTERS [100] adapters of ranks 16 and 64 (Llama-3.1-8B shapes), Poisson RATE
 # [4] requests/s per replica, REQUESTS [200] measured after WARMUP [300] warm-up requests (bench/warmup.py: long
 # enough for the warm stages to fill the host tiers at the device's ~1.2 GB/s), the host tier
@@ -110,7 +111,7 @@ for part in "$@"; do
                 tag="${st%%:*}-m${MAX_ADAPTERS:-4}-s${SEED:-0}"
                 for o in ${ORDERS:-soonest shared}; do
                   run "sh2-order-$o-${POL:-global}-${ROUTER:-lora-cache}-$tag" "${sh[@]}" --router "${ROUTER:-lora-cache}" \
-                    --policies "${POL:-global}" --fetch-order "$o"
+                    --policies "${POL:-global}" --fetch-order "$o" ${DISK_BYTES:+--disk-bytes "$DISK_BYTES"}
                   rm -rf "$out"/sh2-order-*/disk-tier
                 done ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
