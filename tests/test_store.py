@@ -50,7 +50,7 @@ from tests.waiting import wait_for
 from workers.cache import WorkerCache, WorkerConfig
 from workers.control.outbox import Outbox
 from workers.control.rank import WorkerControl
-from workers.staging import disk_tier
+from workers.staging import disk_tier, fetch_pace
 from workers.staging.disk_tier import DiskTier, DiskTierConfig
 from workers.staging.host_config import HostTierConfig
 from workers.staging.node_reads import NodeFetches, NodeReads, StoreShare, started
@@ -560,7 +560,7 @@ def yielding_cache(store: tuple[S3Server, str], cache_for: Callable[..., WorkerC
                    monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerCache, AdapterSpec, AdapterSpec]:
     """A cache over the store whose warm fetches yield for as long as a demand lasts, and two adapters registered:
     one of four 1 MiB blocks (a pause before each) and a small one."""
-    monkeypatch.setattr(disk_tier, "YIELD_MAX_S", 120.0)
+    monkeypatch.setattr(fetch_pace, "YIELD_MAX_S", 120.0)
     _, root = store
     catalog = catalog_for(root)
     big = catalog.register("big-000", f"{root}/big-000")
@@ -582,7 +582,7 @@ def test_a_disk_warm_stages_fetch_yields_the_store_to_demand_until_a_read_joins_
     demand.set()
     staged = cache.disk.stage(big, demand.is_set)
     assert staged is not None
-    wait_for(lambda: cache.disk.yields == 1, "the warm fetch yielding to the demand read")
+    wait_for(lambda: cache.disk.pace.yields == 1, "the warm fetch yielding to the demand read")
     assert not staged.done() and not cache.disk.contains(big.store)  # type: ignore[arg-type]
     joined: list[bool] = []
 
@@ -599,7 +599,7 @@ def test_a_disk_warm_stages_fetch_yields_the_store_to_demand_until_a_read_joins_
     again = cache.disk.stage(small, demand.is_set)
     assert again is not None
     again.result(timeout=60)
-    assert cache.disk.contains(small.store) and cache.disk.yields == 1  # type: ignore[arg-type]
+    assert cache.disk.contains(small.store) and cache.disk.pace.yields == 1  # type: ignore[arg-type]
     cache.prefetch("big-000").result(timeout=30)
     assert_serves(cache, "big-000", local["big-000"] / WEIGHTS_FILE)
     cache.check_integrity()
@@ -628,12 +628,12 @@ def test_a_host_warm_stages_fetch_yields_the_store_to_demand_until_a_load_joins_
     assert cache.disk.stats()["disk_fetches"] == 1 and node.busy() == 1
     assert_serves(cache, "big-000", local["big-000"] / WEIGHTS_FILE)
     other.unmark(marker)
-    yields = cache.disk.yields
+    yields = cache.disk.pace.yields
     with cache.host.demand.speculative():
         again = cache.stage("adapter-000")
     assert again is not None
     again.result(timeout=60)
-    assert cache.disk.contains(small.store) and cache.disk.yields == yields  # type: ignore[arg-type]
+    assert cache.disk.contains(small.store) and cache.disk.pace.yields == yields  # type: ignore[arg-type]
     cache.check_integrity()
 
 
@@ -752,7 +752,7 @@ def test_a_demand_fetch_waits_its_turn_behind_one_that_ends_sooner_never_one_tha
     the order counts from then on. ``fetch_order="shared"``: nothing holds it. Its marker goes with it."""
     import threading
 
-    monkeypatch.setattr(disk_tier, "YIELD_MAX_S", 120.0)  # a pause lasts until the smaller fetch ends
+    monkeypatch.setattr(fetch_pace, "YIELD_MAX_S", 120.0)  # a pause lasts until the smaller fetch ends
     _, root = store
     catalog = catalog_for(root)
     big = catalog.register("big-000", f"{root}/big-000")
@@ -800,7 +800,7 @@ def test_a_warm_fetch_yields_no_more_once_another_process_of_the_node_waits_for_
     cache, big, _ = yielding_cache(store, cache_for, monkeypatch)
     staged = cache.disk.stage(big, lambda: True)  # the node is busy for as long as the test runs
     assert staged is not None
-    wait_for(lambda: cache.disk.yields == 1, "the warm fetch yielding")
+    wait_for(lambda: cache.disk.pace.yields == 1, "the warm fetch yielding")
     other = DiskTier(DiskTierConfig(disk_cache=str(tmp_path / "disk")))  # another rank's tier: its own file locks
     read: list[str] = []
 
@@ -813,7 +813,7 @@ def test_a_warm_fetch_yields_no_more_once_another_process_of_the_node_waits_for_
     staged.result(timeout=60)  # without the signal each of its four blocks would wait YIELD_MAX_S (120 s)
     reader.join(timeout=60)
     assert read and cache.disk.stats()["disk_fetches"] == 1 and other.stats()["disk_fetches"] == 0
-    assert other.stats()["disk_hits"] == 1 and cache.disk.yielded_s < 60
+    assert other.stats()["disk_hits"] == 1 and cache.disk.pace.yielded_s < 60
     cache.prefetch("big-000").result(timeout=30)
     assert_serves(cache, "big-000", local["big-000"] / WEIGHTS_FILE)
     other.close()

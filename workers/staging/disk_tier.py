@@ -52,12 +52,11 @@ from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.store import client
 from lora_cache.errors import AdapterChangedError, AdapterFormatError, CapacityError, ConfigError
 from lora_cache.vocab import NAMESPACE, check_service_name
-from workers.staging.node_reads import NodeFetches, StoreShare, awaited, awaiting
+from workers.staging.fetch_pace import FetchPace
+from workers.staging.node_reads import NodeFetches, StoreShare, awaiting
 from workers.staging.store_fetch import fetch_object
 
 log = logging.getLogger(__name__)
-YIELD_MAX_S = 2.0  # the longest a disk warm stage's fetch yields the store at a time (``DiskTier._pause``)
-YIELD_POLL_S = 0.005  # how often a yielding fetch looks whether the demand reads ended
 FETCH_ORDERS = ("soonest", "shared")  # DiskTierConfig.fetch_order
 
 
@@ -118,16 +117,9 @@ class DiskTier:
         self.dir = config.directory(service)  # this service's alone: another's cap never evicts its copies
         self._lock = threading.Lock()  # protects _flights and the counters
         self._flights: dict[str, Future[WeightsSource]] = {}  # name -> this process's fetch in flight
-        # name -> what a disk warm stage's fetch in flight yields to (``stage``'s ``busy``); a read that joins the
-        # fetch takes it out: from then on the fetch is that read's own, a demand fetch (``_pause``)
-        self._yielding: dict[str, Callable[[], bool]] = {}
-        self.yielded_s = 0.0  # time disk warm stages' fetches spent yielding the store (protected by _lock)
-        self.yields = 0  # pauses in which a disk warm stage's fetch found a demand read and yielded
+        self.pace = FetchPace(NodeFetches() if config.fetch_order == "soonest" else None)  # the fetches' pauses
         self._stager: ThreadPoolExecutor | None = None
         self.store_share = StoreShare()  # how much of the time this process's demand reads wait for the store
-        self.node_fetches = NodeFetches() if config.fetch_order == "soonest" else None
-        self.turns = 0  # pauses in which a demand fetch waited for one ahead of it on the node (``NodeFetches``)
-        self.turn_wait_s = 0.0  # their time (protected by _lock)
         self.hits = self.fetches = self.fetched_bytes = self.evictions = self.stage_failures = self.touches = 0
 
     # -- reads ------------------------------------------------------------------------------------------
@@ -142,8 +134,7 @@ class DiskTier:
         name = entry_name(spec.store)
         want = contextlib.ExitStack()
         if busy is None:  # a read that needs it: a warm stage's fetch of it in flight here, or in another process
-            with self._lock:  # of the node, yields no more (its entry lock keeps this read out until it ends)
-                self._yielding.pop(name, None)
+            self.pace.forget(name)  # of the node, yields no more (its entry lock keeps this read out until it ends)
             want.enter_context(awaiting(self._open_lock(f"{name}.want")))
             want.enter_context(self.store_share.waiting())  # until its copy is here (a hit: no time at all)
         fd = -1
@@ -188,7 +179,7 @@ class DiskTier:
         node) its fetch reads no more of the object (the store's bandwidth goes to the demand), up to ``YIELD_MAX_S``
         at a time; a read that needs the object, of this process or another of the node (``awaiting``), joins the
         fetch and it is a demand fetch from then on (it yields no more; it takes its turn among the node's demand
-        fetches: ``_pause``)."""
+        fetches: ``FetchPace``)."""
         if spec.store is None:
             return None
         with self._lock:
@@ -217,11 +208,8 @@ class DiskTier:
                 "disk_fetched_bytes": self.fetched_bytes,
                 "disk_evictions": self.evictions,
                 "disk_stage_failures": self.stage_failures,
-                "disk_yields": self.yields,  # warm fetches' pauses for demand reads (disk or host warm stages')
-                "disk_yielded_ms": round(self.yielded_s * 1e3),
-                "disk_turns": self.turns,  # demand fetches' pauses for a smaller (or older) one on the node
-                "disk_turn_wait_ms": round(self.turn_wait_s * 1e3),
                 "disk_touches": self.touches,  # copies made most recent as a host tier let go of them (``let_go``)
+                **self.pace.stats(),
             }
 
     def close(self) -> None:
@@ -238,7 +226,7 @@ class DiskTier:
             if mine:
                 flight = self._flights[name] = Future()
                 if busy is not None:
-                    self._yielding[name] = busy
+                    self.pace.yielding(name, busy)
         assert flight is not None
         if not mine:
             flight.result()
@@ -248,7 +236,8 @@ class DiskTier:
             try:
                 local = self._proof(name, source)
                 if local is None:
-                    with self._pause(name, source.size, warm=busy is not None) as pause:
+                    want = self._open_lock(f"{name}.want") if busy is not None else -1  # closed by the pause
+                    with self.pace.pause(name, source.size, want) as pause:
                         local = self._fetch(name, source, pause)
             finally:
                 os.close(fd)
@@ -259,74 +248,10 @@ class DiskTier:
         finally:
             with self._lock:
                 del self._flights[name]
-                self._yielding.pop(name, None)
-
-    @contextlib.contextmanager
-    def _pause(self, name: str, nbytes: int, warm: bool) -> Iterator[Callable[[], None] | None]:
-        """The pause before each block of a fetch of ``name`` (``nbytes``), ``YIELD_MAX_S`` at most at a time (the
-        socket's flow control holds the store back meanwhile); None where it never pauses.
-        - A warm stage's fetch (``warm``) reads nothing while its ``busy`` says a demand read is on this node, until a
-          read joins it (of this process, or of another that waits for its object: ``awaiting``; the want file
-          opened once a fetch); from then on it is a demand fetch.
-        - A demand fetch reads nothing while a demand fetch of the node comes before it (``NodeFetches``: the one
-          that would end soonest alone first, from its first byte), where ``fetch_order`` is "soonest"; the time
-          it moved, less its waits, is the store's rate ``NodeFetches`` orders by (``moved``)."""
-        fetches = self.node_fetches
-        if not warm and fetches is None:
-            yield None
-            return
-        want = self._open_lock(f"{name}.want") if warm else -1
-        turn, entered, joined, entering = "", False, not warm, threading.Lock()
-        began, waited = 0.0, 0.0  # its first block's time, and its waits for its turn since
-
-        def pause() -> None:
-            nonlocal turn, entered, joined, began, waited
-            start = now = time.monotonic()
-            waited_turn = False
-            while now - start < YIELD_MAX_S:
-                if not joined:
-                    with self._lock:
-                        busy = self._yielding.get(name)
-                    if busy is None or awaited(want):
-                        joined = True
-                    elif not busy():
-                        break
-                if joined:
-                    if fetches is None:
-                        break
-                    with entering:  # once (a fetch's parts call it from several threads), at its first block, not
-                        if not entered:  # while it waits for its first byte: none waits on it for the store's latency
-                            turn, entered, began = fetches.enter(nbytes), True, time.monotonic()
-                    if not fetches.ahead(turn):
-                        break
-                if now == start:
-                    waited_turn = joined
-                    with self._lock:
-                        self.turns += joined
-                        self.yields += not joined
-                time.sleep(YIELD_POLL_S)
-                now = time.monotonic()
-            if now > start:
-                with self._lock:
-                    if waited_turn:
-                        self.turn_wait_s += now - start
-                        waited += now - start
-                    else:
-                        self.yielded_s += now - start
-
-        try:
-            yield pause
-            if fetches is not None and entered and not warm:  # done: the store's rate, alone (a joined warm fetch
-                fetches.moved(nbytes, time.monotonic() - began - waited)  # moved part of it while yielding: not timed)
-        finally:
-            if fetches is not None:
-                with entering:
-                    fetches.leave(turn)
-            if want >= 0:
-                os.close(want)
+            self.pace.forget(name)
 
     def _fetch(self, name: str, source: StoreSource, pause: Callable[[], None] | None = None) -> WeightsSource:
-        """Fetch ``source`` into ``name`` (caller holds its entry lock exclusively); ``pause``: ``_pause``'s."""
+        """Fetch ``source`` into ``name`` (caller holds its entry lock exclusively); ``pause``: ``FetchPace``'s."""
         part = self.dir / f"{name}.part.{os.getpid()}"
         fd = self._reserve(source, part)
         try:
