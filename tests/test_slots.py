@@ -125,6 +125,35 @@ def test_capacity_error_when_all_busy() -> None:
     table.check_integrity()
 
 
+def test_a_fence_keeps_every_ready_slot_until_lifted_and_the_lru_order_with_it() -> None:
+    """What an engine reports READY stays until its step holds it: under a fence no READY slot, idle or held, is
+    evicted, reserved over or lent (a load finds no room); lifted, the slots idle all along return in their LRU
+    places, one used meanwhile as the most recent, and one held all along stays held."""
+    table = SlotTable(5)
+    a, b, c, held = ready(table, "a"), ready(table, "b"), ready(table, "c"), ready(table, "held")
+    table.incref(held)
+    table.fence()
+    assert table.fenced and not table.evict(k("a")) and not table.evict(k("c"))
+    table.check_integrity()
+    loading, evicted = table.reserve(k("new"))  # the free slot, nothing evicted
+    assert evicted == ()
+    with pytest.raises(CapacityError):
+        table.reserve(k("more"))
+    with pytest.raises(CapacityError):
+        table.lend(2)
+    table.decref(held)  # let go of under the fence: still kept
+    table.incref(b)  # used under the fence (a step's acquire) ...
+    table.decref(b)
+    table.mark_ready(loading)  # ... a load that lands meanwhile was never offered: evictable
+    assert table.evict(k("new"))
+    table.check_integrity()
+    assert table.unfence() and not table.fenced and not table.unfence()
+    table.check_integrity()
+    assert table.reserve(k("x"))[1] == ()  # the slot "new" left
+    order = [table.reserve(k(f"x{i}"))[1][0].slot for i in range(4)]
+    assert order == [a, c, b, held]  # a and c in their places; b and held, used under the fence, after them
+
+
 def test_misuse_asserts() -> None:
     table = SlotTable(2)
     ready(table, "a")

@@ -47,8 +47,9 @@ from workers.cache import WorkerCache, WorkerConfig
 from workers.engine.admission import ADMISSION
 from workers.engine.config import EngineConfig
 from workers.engine.engine import NamedRows
-from workers.engine.rank import slot_digest
-from workers.engine.scheduler import PREFILL, STOP, WAIT, Scheduler, _Live
+from workers.engine.rank import RankEngine, slot_digest
+from workers.engine.scheduler import PREFILL, STOP, WAIT, Item, Scheduler, StepPlan, _Live
+from workers.engine.tp import Comm
 from workers.engine.workload import Request
 from workers.reads.shard import read_shard
 from workers.staging.host_config import HostTierConfig
@@ -351,15 +352,21 @@ class VersionsMachine(RuleBasedStateMachine):
         for _ in range(3):
             self.round()
 
-    @rule()
-    def round(self) -> None:
+    @rule(window=st.booleans())
+    def round(self, window: bool = False) -> None:
         self.now += 0.01
-        for k, cache in enumerate(self.caches):  # RankEngine.readiness: pin the wanted, report
+        for k, cache in enumerate(self.caches):  # RankEngine.readiness: pin the wanted, report (fenced)
             pinned = cache.acquire_ready(self.plan.wanted)
             if self.pins[k] is not None:
                 cache.release(self.pins[k])
             self.pins[k] = pinned
-        reports = [self.reports[k].rows(self.caches[k].ready_keys(), (), self.step_failed[k]) for k in range(TP)]
+        reports = [self.reports[k].rows(self.caches[k].ready_keys(fence=True), (), self.step_failed[k])
+                   for k in range(TP)]
+        if window:  # the controller's evictions between the report and the step: nothing offered leaves
+            for cache in self.caches:
+                for r in cache.residency():
+                    assert not cache.evict(str(r["adapter"]), str(r["version"])), f"{r} left under the fence"
+            self.record("evictions between the report and the step")
         self.step_failed = [set() for _ in range(TP)]
         view = ReducedVersions(reduce_min(reports), self.reports[0].names, self.reports[0].codes)
         if failed := view.step_failures():
@@ -369,6 +376,7 @@ class VersionsMachine(RuleBasedStateMachine):
         self.record(f"plan {plan.kind}")
         if plan.kind in (WAIT, STOP):
             for cache in self.caches:
+                cache.unfence()
                 for ref in plan.prefetch:
                     cache.prefetch(ref.name, ref.version) if isinstance(ref, AdapterKey) else cache.prefetch(ref)
                 cache.settle()
@@ -377,6 +385,12 @@ class VersionsMachine(RuleBasedStateMachine):
 
     def _step(self, plan, view: ReducedVersions) -> None:
         named = [it.ref for it in plan.items if it.ref is not None]
+        for k, cache in enumerate(self.caches):  # RankEngine.execute: pin the plan's wanted, then lift the fence
+            pinned = cache.acquire_ready(plan.wanted)
+            if self.pins[k] is not None:
+                cache.release(self.pins[k])
+            self.pins[k] = pinned
+            cache.unfence()
         batches = [cache.acquire(named + list(plan.hold), partial=True) for cache in self.caches]
         for it in plan.items:
             if it.adapter is None:
@@ -507,6 +521,46 @@ def test_a_rank_that_cannot_hold_the_admitted_version_fails_the_request_never_us
         assert record.version == admitted.version and not m.scheduler.running
     finally:
         m.teardown()
+
+
+def test_what_a_rank_reports_ready_stays_until_the_round_holds_it_so_an_admitted_older_version_never_retires(
+        tmp_path: Path) -> None:
+    """The window between a rank's report and its step (the Ray push test's one failure): ``a``'s older version
+    v0, past ``keep_versions`` (loadable only while a slot holds it), is READY and offered for admission; the
+    controller's evict of it, or a load that needs its room, comes before the step. Under the report's fence the
+    evict is refused and the load waits; the step holds v0 for the request admitted on it (no rank failure), and
+    once the round holds what it runs the load takes the other idle slot. Without the fence the evict frees v0's
+    slot, v0 retires, and the request fails on this rank."""
+    make_versions(tmp_path)
+    catalog = AdapterCatalog(CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny", max_rank=16, keep_versions=1))
+    v0 = catalog.register("a", tmp_path / "a-v0").version
+    for name in ("b", "c"):
+        catalog.register(name, tmp_path / f"{name}-v0")
+    cache = WorkerCache(WorkerConfig(num_slots=2, dtype="float32", device="cpu", max_batch=8,
+                                     host=HostTierConfig(host_bytes=1 << 20, read_threads=2, pin=False)), catalog)
+    config = EngineConfig(model="tiny", device="cpu", num_slots=2, max_adapters=2, max_running=3,
+                          max_prefill_tokens=16, max_seq_len=16, max_rank=16, audit_steps=True)
+    engine = RankEngine(config, Comm(), cache=cache)
+    try:
+        cache.prefetch("a").result(timeout=30)
+        cache.prefetch("b").result(timeout=30)
+        for n in (1, 2):
+            catalog.register("a", tmp_path / f"a-v{n}")
+        assert catalog.get("a", v0).version == v0, "past the bound, held by a slot: loadable"
+        engine.readiness(())  # the report: v0 READY here
+        assert not cache.evict("a", v0), "the controller's evict in the window is refused"
+        load = cache.prefetch("c")  # needs a slot: waits for the fence, takes neither a@v0 nor b
+        assert not load.done() and catalog.get("a", v0).version == v0
+        admitted = AdapterKey("a", v0)
+        engine.execute(StepPlan(PREFILL, (Item(0, "a", 0, 0, 3, v0),), (), (), (admitted,)))
+        assert [step.keys for step in engine.stats.audit] == [(str(admitted),)], "the step held v0"
+        assert load.result(timeout=30) is not None and AdapterKey("c", catalog.current("c")) in cache.ready_keys()
+        assert admitted in cache.ready_keys() and "b" not in cache.ready_names(), "the load took b's idle slot"
+        assert engine.readiness((admitted,))[0] is not None
+        assert engine._step_failed == set() and not cache.evict("a", v0), "pinned while its request runs"
+    finally:
+        engine.close()
+        cache.close()
 
 
 def test_a_version_a_waiting_request_or_a_hint_names_is_kept_and_prefetched_then_retires(tmp_path: Path) -> None:

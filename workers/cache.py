@@ -293,10 +293,21 @@ class WorkerCache:
         return self.config
 
     # -- introspection ------------------------------------------------------------------------------
-    def ready_keys(self) -> set[AdapterKey]:
-        """Adapter versions READY here."""
+    def ready_keys(self, fence: bool = False) -> set[AdapterKey]:
+        """Adapter versions READY here; ``fence``: each stays resident until ``unfence`` (an engine's report: what it
+        offers for admission is still here when its step holds it; ``workers.gpu.slots``, the fence)."""
         with self.book.lock:
+            if fence:
+                self.book.table.fence()
             return {s.key for s in self.book.table.slots if s.key is not None and s.state is SlotPhase.READY}
+
+    def unfence(self) -> None:
+        """Lift ``ready_keys``' fence (nothing if none): the slots it kept may be evicted again, and loads that
+        waited for room retry."""
+        with self.book.lock:
+            room = self.book.table.unfence()
+        if room and self.book.on_room is not None:
+            self.book.on_room()
 
     def issued_keys(self) -> set[AdapterKey]:
         """Adapter versions still LOADING here whose every copy is issued (the read done): READY within a

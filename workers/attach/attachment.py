@@ -264,9 +264,14 @@ class Attachment:
     def ready_names(self) -> set[str]:
         return self.cache.ready_names()
 
-    def ready_keys(self) -> set[AdapterKey]:
-        """The exact versions READY on this rank."""
-        return self.cache.ready_keys()
+    def ready_keys(self, fence: bool = False) -> set[AdapterKey]:
+        """The exact versions READY on this rank; ``fence``: each stays resident until ``unfence`` (an engine's
+        report, kept until its step's ``acquire`` holds what it admitted)."""
+        return self.cache.ready_keys(fence)
+
+    def unfence(self) -> None:
+        """Lift ``ready_keys``' fence: its slots may be evicted again."""
+        self.cache.unfence()
 
     def issued_keys(self) -> set[AdapterKey]:
         """The exact versions LOADING on this rank with every copy issued (READY within a copy's time)."""
@@ -278,11 +283,14 @@ class Attachment:
         return self.cache.issued_copies()
 
     def version_rows(self, names: Sequence[str], failed_loads: Sequence[str] = (),
-                     failed_steps: Sequence[str] = ()) -> torch.Tensor:
+                     failed_steps: Sequence[str] = (), fence: bool = False) -> torch.Tensor:
         """This rank's row per adapter of ``names`` for the version exchange (``workers.attach.versions``):
         reduce the ranks' rows with an element-wise MIN (``torch.distributed`` all-reduce, or ``reduce_min``)
-        and give the result to rank 0's ``agree``."""
-        return self.versions.rows(names, self.cache.ready_keys(), failed_loads, failed_steps)
+        and give the result to rank 0's ``agree``. ``fence``: every version the rows offer as READY stays resident
+        until ``unfence`` (call it once the step's ``acquire`` holds what was admitted, or on a round with no step):
+        otherwise an older version evicted between the rows and the acquire may retire, and the requests admitted on
+        it fail on this rank. Loads that need a fenced slot's room wait for the fence to lift."""
+        return self.versions.rows(names, self.cache.ready_keys(fence), failed_loads, failed_steps)
 
     def agree(self, reduced: torch.Tensor | Sequence[torch.Tensor],
               names: Sequence[str]) -> dict[str, AdapterKey | None]:

@@ -261,7 +261,9 @@ class RankEngine:
                 self.clock.copied(record.nbytes, record.h2d_ms / 1e3, time.perf_counter())
         # LOADING: the copies issued here that land before a step's last layer, at the measured rates
         issued = self.clock.in_time(self.cache.issued_copies(), time.perf_counter()) if self.loading else ()
-        rows = self.versions.rows(self.cache.ready_keys(), failed, self._step_failed, issued)
+        # what this report offers for admission stays here until the round's plan holds it (``execute``): an older
+        # version evicted meanwhile may retire, and a request admitted on it would fail on this rank
+        rows = self.versions.rows(self.cache.ready_keys(fence=True), failed, self._step_failed, issued)
         self._step_failed = set()
         return rows
 
@@ -283,6 +285,7 @@ class RankEngine:
         """``arrival`` (rank 0 of a streaming run): done when a request is submitted; it ends a WAIT."""
         if plan.wanted or self._pinned is not None:
             self.pin(plan.wanted)  # what the prefetches below may not evict
+        self.cache.unfence()  # the report's fence: the plan's running versions are pinned (``Scheduler._wanted``)
         self.arrivals.release_taken(plan.wanted)  # the round's pins hold the taken arrivals' adapters it wants
         if self.kv_lend is not None:  # borrowed KV rows to the plan's count, before the step that may run in them
             with self._on_stream():
@@ -472,6 +475,7 @@ class RankEngine:
         self.stats.gc = self.pauses.summary()
         self.arrivals.close()
         self.unpin()
+        self.cache.unfence()
         if self.kv_lend is not None:
             with self._on_stream():
                 self.kv_lend.close()

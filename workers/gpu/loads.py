@@ -188,8 +188,8 @@ class LoadPath:
             book.broken.add(load.slot)
 
     def _place(self, load: SlotLoad, entry: HostEntry) -> None:
-        """Reserve a slot and copy the staged chunks; if only loads in flight stand in the way, wait for
-        one to finish."""
+        """Reserve a slot and copy the staged chunks; if only loads in flight or a fence (``SlotTable.fence``)
+        stand in the way, wait for one to finish or the fence to lift."""
         book = self.book
         vacate: tuple[tuple[int, int, Any], ...] = ()
         with book.lock:
@@ -198,7 +198,8 @@ class LoadPath:
             try:
                 load.slot, evicted = book.table.reserve(load.key, self.pages_for(load.layout.numel))
             except CapacityError as e:
-                if any(s.state is SlotPhase.LOADING and s.refs == 0 for s in book.table.slots) or self._may_wait(load):
+                if (book.table.fenced or any(s.state is SlotPhase.LOADING and s.refs == 0 for s in book.table.slots)
+                        or self._may_wait(load)):  # a fence lifts within an engine's round (``unfence``)
                     self.slot_waiters.append((load, entry))  # retried by _finish, or by a batch's release
                     return
                 error: CapacityError | None = e

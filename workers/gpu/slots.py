@@ -18,6 +18,12 @@ A pool that breathes (issue 43 item 3): ``lend`` gives whole pages back to the e
 of idle adapters, least recently used first, the adapters the caller would keep last); a lent page is neither free
 nor held, no load is placed over it, and ``reclaim`` returns it. Pages held by loading or in-use adapters are never
 lent: asking for more than the free and idle pages is refused before anything changes.
+
+A fence (``fence``/``unfence``): what an engine reports READY stays resident until its step holds it. Between the
+report that offers a version for admission and the step's acquire, the controller's evictions and other loads'
+room could take an idle READY slot; an older version past ``keep_versions`` then retires and the admitted request
+fails on that rank. A fenced slot is neither idle nor referenced: no eviction, reservation or lending takes it, and
+it returns to the LRU list in its place (its use, if any, counted) when the fence lifts.
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ class SlotTable:
         self._by_key: dict[AdapterKey, int] = {}
         self._free: deque[int] = deque(range(num_slots))
         self._idle: OrderedDict[int, None] = OrderedDict()  # READY and unreferenced, LRU first
+        self._fenced: dict[int, bool] = {}  # READY slots kept until ``unfence`` -> whether idle (and unused) since
 
     def lookup(self, key: AdapterKey) -> Slot | None:
         index = self._by_key.get(key)
@@ -222,13 +229,44 @@ class SlotTable:
         assert slot.state is not SlotPhase.FREE, f"slot {index} is free"
         slot.refs += 1
         self._idle.pop(index, None)
+        if index in self._fenced:
+            self._fenced[index] = False  # used: the most recently used once the fence lifts
 
     def decref(self, index: int) -> None:
         slot = self.slots[index]
         assert slot.refs > 0, f"slot {index} released more often than acquired"
         slot.refs -= 1
-        if slot.refs == 0 and slot.state is SlotPhase.READY:
+        if slot.refs == 0 and slot.state is SlotPhase.READY and index not in self._fenced:
             self._idle[index] = None
+
+    def fence(self) -> None:
+        """Keep every READY slot, idle or held, from eviction, reservation and lending until ``unfence`` (the
+        module's docstring): the idle ones leave the LRU list, their order kept."""
+        self.unfence()
+        self._fenced = {i: True for i in self._idle}
+        self._fenced.update((s.index, False) for s in self.slots if s.state is SlotPhase.READY
+                            and s.index not in self._fenced)
+        self._idle.clear()
+
+    def unfence(self) -> bool:
+        """Lift the fence: the fenced slots idle now go back to the LRU list, those idle all along in their old
+        places (the least recently used first), those used meanwhile as the most recent. True if any went back."""
+        if not self._fenced:
+            return False
+        fenced, self._fenced = self._fenced, {}
+        back = [i for i in fenced if self.slots[i].state is SlotPhase.READY and self.slots[i].refs == 0]
+        for i in reversed([i for i in back if fenced[i]]):
+            self._idle[i] = None
+            self._idle.move_to_end(i, last=False)
+        for i in back:
+            if not fenced[i]:
+                self._idle[i] = None
+        return bool(back)
+
+    @property
+    def fenced(self) -> bool:
+        """Whether a fence keeps some slot now (a load that found no room may wait for it to lift)."""
+        return bool(self._fenced)
 
     def evict(self, key: AdapterKey) -> bool:
         """Free ``key``'s slot if it is READY and unreferenced; False if it is absent or busy."""
@@ -260,7 +298,9 @@ class SlotTable:
             assert (s.state is SlotPhase.FREE) == (s.key is None), f"slot {s.index}: state/key mismatch {s}"
             assert s.state is not SlotPhase.FREE or s.refs == 0, f"free slot {s.index} has references"
             assert (s.state is SlotPhase.FREE) == (s.pages == 0), f"slot {s.index}: pages and state disagree {s}"
-            assert (s.index in self._idle) == (s.state is SlotPhase.READY and s.refs == 0), f"idle list wrong: {s}"
+            assert (s.index in self._idle) == (s.state is SlotPhase.READY and s.refs == 0
+                                               and s.index not in self._fenced), f"idle list wrong: {s}"
+            assert s.index not in self._fenced or s.state is SlotPhase.READY, f"a fence on a slot not READY: {s}"
             assert (s.index in self._free) == (s.state is SlotPhase.FREE), f"free list wrong: {s}"
             assert all(self.owner[p] == s.index for p in s.page_range), f"slot {s.index} does not own its pages"
             if s.key is not None:
