@@ -184,6 +184,7 @@ class WorkerCache:
         # an older version a slot here holds stays loadable past keep_versions; it retires once no slot holds it
         catalog.use(self.book.versions_held)
         self.book.on_freed = catalog.trim
+        self.unfence = self.book.unfence  # lifts ``ready_keys``' fence (the engine's ``EngineCache.unfence``)
 
     @property
     def on_change(self) -> Callable[[Delta], None] | None:
@@ -300,14 +301,6 @@ class WorkerCache:
             if fence:
                 self.book.table.fence()
             return {s.key for s in self.book.table.slots if s.key is not None and s.state is SlotPhase.READY}
-
-    def unfence(self) -> None:
-        """Lift ``ready_keys``' fence (nothing if none): the slots it kept may be evicted again, and loads that
-        waited for room retry."""
-        with self.book.lock:
-            room = self.book.table.unfence()
-        if room and self.book.on_room is not None:
-            self.book.on_room()
 
     def issued_keys(self) -> set[AdapterKey]:
         """Adapter versions still LOADING here whose every copy is issued (the read done): READY within a

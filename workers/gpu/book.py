@@ -145,6 +145,14 @@ class SlotBook:
         if room and self.on_room is not None:
             self.on_room()
 
+    def unfence(self) -> None:
+        """Lift the table's fence (``SlotTable.fence``; nothing if none): the slots it kept may be evicted again, and
+        loads that waited for room retry."""
+        with self.lock:
+            room = self.table.unfence()
+        if room and self.on_room is not None:
+            self.on_room()
+
     def check_integrity(self, done: Callable[[Any], bool]) -> None:
         """The table, the loads and the slots agree; ``done(event)``: whether a copy's event completed."""
         with self.lock:
