@@ -72,40 +72,43 @@ class FetchPace:
         turn, entered, joined, entering = "", False, not warm, threading.Lock()
         began, waited = 0.0, 0.0  # its first block's time, and its waits for its turn since
 
+        def holds() -> str | None:
+            """What holds the fetch back now: "yield" (a warm fetch, for a demand read), "turn" (a demand fetch of
+            the node before it), or None."""
+            nonlocal turn, entered, joined, began
+            if not joined:
+                with self._lock:
+                    busy = self._yielding.get(name)
+                if busy is not None and not awaited(want):
+                    return "yield" if busy() else None
+                joined = True  # a read of the object joined it: a demand fetch from now on
+            if fetches is None:
+                return None
+            with entering:  # once (a fetch's parts call it from several threads), at its first block, not while it
+                if not entered:  # waits for its first byte: none waits on it for the store's latency
+                    turn, entered, began = fetches.enter(nbytes), True, time.monotonic()
+            return "turn" if fetches.ahead(turn) else None
+
         def pause() -> None:
-            nonlocal turn, entered, joined, began, waited
+            nonlocal waited
+            kind = holds()
+            if kind is None:
+                return
+            with self._lock:  # counted as the wait begins: a watcher sees the fetch held back while it is
+                self.turns += kind == "turn"
+                self.yields += kind == "yield"
             start = now = time.monotonic()
-            waited_turn = False
             while now - start < YIELD_MAX_S:
-                if not joined:
-                    with self._lock:
-                        busy = self._yielding.get(name)
-                    if busy is None or awaited(want):
-                        joined = True
-                    elif not busy():
-                        break
-                if joined:
-                    if fetches is None:
-                        break
-                    with entering:  # once (a fetch's parts call it from several threads), at its first block, not
-                        if not entered:  # while it waits for its first byte: none waits on it for the store's latency
-                            turn, entered, began = fetches.enter(nbytes), True, time.monotonic()
-                    if not fetches.ahead(turn):
-                        break
-                if now == start:
-                    waited_turn = joined
-                    with self._lock:
-                        self.turns += joined
-                        self.yields += not joined
                 time.sleep(YIELD_POLL_S)
                 now = time.monotonic()
-            if now > start:
-                with self._lock:
-                    if waited_turn:
-                        self.turn_wait_s += now - start
-                        waited += now - start
-                    else:
-                        self.yielded_s += now - start
+                if holds() is None:
+                    break
+            with self._lock:
+                if kind == "turn":
+                    self.turn_wait_s += now - start
+                    waited += now - start
+                else:
+                    self.yielded_s += now - start
 
         try:
             yield pause

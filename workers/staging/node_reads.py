@@ -313,6 +313,7 @@ class NodeFetches:
         self._clock = clock
         self._seq = itertools.count()
         self._warned = threading.Event()
+        self._made = False  # the directory, by this process
         self.rate = RATE_PRIOR  # bytes/s of the store, as this process's fetches that moved alone measured it
 
     def enter(self, nbytes: int) -> str:
@@ -320,23 +321,16 @@ class NodeFetches:
         written). The directory is made by the first fetch (a service of local files makes none)."""
         end = int((self._clock() + nbytes / self.rate) * 1e9)
         name = f"{end:020d}-{self.ident}-{next(self._seq)}"
-        for attempt in range(2):
-            try:
-                os.close(os.open(self.path / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-                return name
-            except FileNotFoundError as e:
-                if attempt:
-                    self._warn(e)
-                    return ""
-                try:
-                    self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-                except OSError as made:
-                    self._warn(made)
-                    return ""
-            except OSError as e:
-                self._warn(e)
-                return ""
-        return ""
+        try:
+            if not self._made:  # made again after a clean-up took it
+                self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self._made = True
+            os.close(os.open(self.path / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            return name
+        except OSError as e:
+            self._made = self._made and not isinstance(e, FileNotFoundError)
+            self._warn(e)
+            return ""
 
     def leave(self, name: str) -> None:
         """The fetch ``name`` entered is over (succeeded or failed)."""
