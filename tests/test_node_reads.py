@@ -23,6 +23,8 @@ from workers.control.commands import CommandGate
 from workers.staging.node_reads import (
     FETCHES_DIR,
     MAX_READ_S,
+    RATE_FILE,
+    RATE_PRIOR,
     DemandMarks,
     NodeFetches,
     NodeReads,
@@ -145,6 +147,41 @@ def test_the_nodes_demand_fetches_take_the_store_soonest_end_alone_first(reads_d
     assert b.rate == pytest.approx(150e6)
     b.moved(1_000, 1.0)  # too little to time
     assert b.rate == pytest.approx(150e6)
+
+
+RATE_MEASURER = """
+import sys
+from pathlib import Path
+from workers.staging.node_reads import NodeFetches
+fetches = NodeFetches(Path(sys.argv[1]))
+fetches.leave(fetches.enter(1))  # a fetch made the directory
+fetches.moved(100_000_000, 1.0)  # and moved alone at 100 MB/s
+print(fetches.rate, flush=True)
+"""
+
+
+def test_the_stores_rate_one_rank_measured_orders_every_ranks_fetches(reads_dir: Path) -> None:
+    """Two ranks of a node count the same fetch's end alike: the rate a fetch that moved alone measured in one process
+    (another rank's) orders the next fetch of every process (``RATE_FILE``), not ``RATE_PRIOR`` until each process has
+    measured its own; each measure folds into the node's. A reading that is not a rate leaves each process's last."""
+    path, now = reads_dir / FETCHES_DIR, [1000.0]
+    mine = NodeFetches(path, ident=me("a"), clock=lambda: now[0])
+    assert mine.node_rate() == RATE_PRIOR, "no fetch of the node measured one yet"
+    other = subprocess.run([sys.executable, "-c", RATE_MEASURER, str(path)], capture_output=True, text=True,
+                           check=True, cwd=Path(__file__).resolve().parents[1], timeout=60)
+    assert float(other.stdout) == 150e6  # the prior halved toward 100 MB/s
+    name = mine.enter(300_000_000)
+    assert int(name.split("-")[0]) == 1_002_000_000_000, "2 s at the node's 150 MB/s (1.5 s at this process's prior)"
+    mine.leave(name)
+    mine.moved(300_000_000, 1.0)  # folds into the node's: 150 -> 225 MB/s
+    third = NodeFetches(path, ident=me("c"), clock=lambda: now[0])
+    assert mine.rate == third.node_rate() == 225e6
+    assert sorted(p.name for p in path.iterdir()) == [RATE_FILE], "no marker or half-written reading left"
+    for junk in ("", "fast", "inf", "-1"):
+        (path / RATE_FILE).write_text(junk)
+        assert third.node_rate() == 225e6, junk
+    third.leave(third.enter(1))
+    assert third.moved(1_000, 1.0) is None and (path / RATE_FILE).read_text() == "-1", "too little to time"
 
 
 def test_a_dead_or_hung_fetch_holds_no_other_fetch(reads_dir: Path) -> None:

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 MAX_READ_S = 600.0  # a demand read in flight longer than this is taken for a leftover
 ENV = "LORA_CACHE_READS_DIR"  # where the markers go, if set (one directory per node; its ranks share it)
 FETCHES_DIR = ".fetches"  # in it: the node's demand fetches from a store, in their order (``NodeFetches``)
-RATE_PRIOR = 200e6  # bytes/s: the store's rate ``NodeFetches`` orders by until its own fetches measured one
+RATE_PRIOR = 200e6  # bytes/s: the store's rate ``NodeFetches`` orders by until a fetch of the node measured one
+RATE_FILE = "rate"  # in ``FETCHES_DIR``: the node's measure of that rate, bytes/s as text (sorts after every marker)
 
 
 def default_dir() -> Path:
@@ -294,8 +295,10 @@ class NodeFetches:
     soonest had it the store alone - its first byte's time plus its bytes at the store's rate - first; a fetch reads
     nothing while another live one of the node comes before it (``ahead``). Each fetch leaves a marker for as long as
     it runs, named ``END-PID-START-SEQ`` (``END`` in ns, zero-padded: the names sort in that order), in
-    ``FETCHES_DIR`` of the directory of ``NodeReads``' markers. The rate is this process's measure of the fetches
-    that moved alone (``moved``), ``RATE_PRIOR`` until one did.
+    ``FETCHES_DIR`` of the directory of ``NodeReads``' markers. The rate is the node's: every process's fetches that
+    moved alone (``moved``) fold their measure into ``RATE_FILE`` there, and each fetch reads it as it enters, so two
+    ranks count the same fetch's end alike (until 2026-12-03 each process kept its own, 200 MB/s until one of its own
+    fetches had moved alone); ``RATE_PRIOR`` until any did.
 
     Why (issue 42, a store slower than demand): the store's bandwidth is shared by every fetch in flight, so a burst
     of cold adapters' fetches all end late together (a rank-16 object beside four rank-64 ones takes five times its
@@ -314,12 +317,12 @@ class NodeFetches:
         self._seq = itertools.count()
         self._warned = threading.Event()
         self._made = False  # the directory, by this process
-        self.rate = RATE_PRIOR  # bytes/s of the store, as this process's fetches that moved alone measured it
+        self.rate = RATE_PRIOR  # bytes/s of the store, as the node measured it when this process last looked
 
     def enter(self, nbytes: int) -> str:
         """A demand fetch of an object of ``nbytes`` whose bytes begin to come now: its marker ('' if it could not be
         written). The directory is made by the first fetch (a service of local files makes none)."""
-        end = int((self._clock() + nbytes / self.rate) * 1e9)
+        end = int((self._clock() + nbytes / self.node_rate()) * 1e9)
         name = f"{end:020d}-{self.ident}-{next(self._seq)}"
         try:
             if not self._made:  # made again after a clean-up took it
@@ -359,11 +362,29 @@ class NodeFetches:
                 os.unlink(entry.path)
         return False
 
+    def node_rate(self) -> float:
+        """The store's rate as the node measured it last (``RATE_FILE``; this process's last reading where there is
+        none, or it cannot be read: ``rate``)."""
+        try:
+            rate = float((self.path / RATE_FILE).read_text())
+        except (OSError, ValueError):
+            return self.rate
+        if math.isfinite(rate) and rate > 0:
+            self.rate = rate
+        return self.rate
+
     def moved(self, nbytes: int, seconds: float) -> None:
-        """A demand fetch moved ``nbytes`` alone in ``seconds``: the store's rate, as the order counts it from now
-        (the mean of the last few, weighted to the newest; fetches too short to time say nothing)."""
-        if nbytes >= 1 << 22 and seconds > 0.02:
-            self.rate = 0.5 * self.rate + 0.5 * nbytes / seconds
+        """A demand fetch moved ``nbytes`` alone in ``seconds``: the store's rate, as every fetch of the node counts it
+        from now (the mean of the last few of the node's, weighted to the newest; fetches too short to time say
+        nothing). Two processes that measure at once may each fold into the same reading, one's result kept: an
+        estimate, never a lost fetch."""
+        if nbytes < 1 << 22 or seconds <= 0.02:
+            return
+        self.rate = 0.5 * self.node_rate() + 0.5 * nbytes / seconds
+        staged = self.path / f"{RATE_FILE}.{self.ident}.{threading.get_ident()}.tmp"
+        with contextlib.suppress(OSError):  # a directory that cannot be written: ``enter`` warns of it
+            staged.write_text(repr(self.rate))
+            os.replace(staged, self.path / RATE_FILE)  # whole, never a half-written number
 
     def _warn(self, error: OSError) -> None:
         if not self._warned.is_set():
