@@ -35,6 +35,7 @@ import re
 import stat
 import sys
 import tempfile
+import threading
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -159,6 +160,14 @@ class BlockCrcs(Sequence[int]):
 
     def __reduce__(self) -> tuple[type[BlockCrcs], tuple[bytes]]:
         return BlockCrcs, (self.packed,)
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole: a reader in any process sees the old text or the new, never half (written
+    beside it under a name of this process and thread, then renamed over it; no fsync: a cache's notes, not data)."""
+    part = path.with_name(f"{path.name}.tmp.{os.getpid()}.{threading.get_ident()}")
+    part.write_text(text)
+    os.replace(part, path)
 
 
 def file_kind(mode: int) -> str:

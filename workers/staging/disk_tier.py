@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lora_cache.adapters.files import BLOCK_BYTES, BlockCrcs, FileIdentity, WeightsSource
+from lora_cache.adapters.files import BLOCK_BYTES, BlockCrcs, FileIdentity, WeightsSource, replace_text
 from lora_cache.adapters.objects import StoreSource
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.store import client
@@ -461,9 +461,7 @@ def _write_proof(path: Path, local: WeightsSource) -> None:
     data = json.dumps({"v": local.version, "w": local.path, "id": list(local.identity), "hb": local.header_bytes,
                        "hc": local.header_crc, "b": base64.b64encode(local.block_crcs.packed).decode(),
                        "t": local.registered_ns})
-    tmp = path.with_name(path.name + f".tmp.{os.getpid()}.{threading.get_ident()}")
-    tmp.write_text(data)
-    os.replace(tmp, path)
+    replace_text(path, data)
 
 
 def _read_proof(path: Path) -> WeightsSource:

@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
+from lora_cache.adapters.files import replace_text
+
 log = logging.getLogger(__name__)
 
 MAX_READ_S = 600.0  # a demand read in flight longer than this is taken for a leftover
@@ -381,10 +383,8 @@ class NodeFetches:
         if nbytes < 1 << 22 or seconds <= 0.02:
             return
         self.rate = 0.5 * self.node_rate() + 0.5 * nbytes / seconds
-        staged = self.path / f"{RATE_FILE}.{self.ident}.{threading.get_ident()}.tmp"
         with contextlib.suppress(OSError):  # a directory that cannot be written: ``enter`` warns of it
-            staged.write_text(repr(self.rate))
-            os.replace(staged, self.path / RATE_FILE)  # whole, never a half-written number
+            replace_text(self.path / RATE_FILE, repr(self.rate))
 
     def _warn(self, error: OSError) -> None:
         if not self._warned.is_set():
