@@ -236,6 +236,57 @@ def test_the_one_pass_payload_is_the_safetensors_of_its_tensors(specs: list[tupl
         safetensors_bytes({"bad.weight": torch.zeros(2, dtype=torch.complex64)})
 
 
+def _device_tensors(device: str) -> dict[str, torch.Tensor]:
+    """Tensors of several dtypes and shapes on ``device`` (one not contiguous, one empty, one 0-d)."""
+    g = torch.Generator().manual_seed(7)
+    tensors = {f"m{i:02d}.lora_A.weight": torch.randn(16, 40 + i, generator=g).to(torch.bfloat16) for i in range(12)}
+    tensors |= {"n.bias": torch.randn(5, generator=g).to(torch.float16), "o.steps": torch.tensor(3),
+                "p.empty": torch.zeros(0, 4), "q.mask": torch.tensor([True, False, True]),
+                "r.strided": torch.arange(24, dtype=torch.float32).reshape(4, 6).t()}
+    return {k: v.to(device) for k, v in tensors.items()}
+
+
+def test_device_tensors_are_gathered_in_runs_of_one_device_back_to_back_within_the_limit() -> None:
+    """``device_runs`` cuts the file's off-CPU tensors where the device changes, where a tensor elsewhere lies
+    between two, and past the gather's limit (a tensor larger than it alone); ``copy_run`` puts a run's bytes where
+    the header says (here on CPU tensors: the same code gathers a GPU's)."""
+    from lora_cache.adapters.serialize import copy_run, device_runs
+
+    t = [torch.full((n,), i, dtype=torch.uint8) for i, n in enumerate([4, 4, 8, 20, 4, 4])]
+    at = [0, 4, 8, 16, 36, 40, 44]
+    placed = [(x, at[i], at[i + 1]) for i, x in enumerate(t)]
+    runs = device_runs(placed[:2] + placed[3:], limit=16)  # placed[2] lies elsewhere (another device, the CPU)
+    assert [[p[1] for p in run] for run in runs] == [[0, 4], [16], [36, 40]]
+    assert [[p[1] for p in run] for run in device_runs(placed, limit=1 << 20)] == [[0, 4, 8, 16, 36, 40]]
+    data = torch.zeros(44, dtype=torch.uint8).numpy()
+    for run in runs:
+        copy_run(data, run)
+    assert data.tolist() == [0] * 4 + [1] * 4 + [0] * 8 + [3] * 20 + [4] * 4 + [5] * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("small", [True, False])
+def test_a_trainers_gpu_tensors_become_the_bytes_of_their_cpu_copies(small: bool,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A push of GPU tensors (gathered on the device in runs, through pinned stages to the host) is byte for byte
+    the payload of the same tensors on the CPU and what ``safetensors.torch.save`` writes of them, with a CPU tensor
+    among them; with runs, stages and the threads' pieces cut small (64, 100 and 48 bytes: a tensor in many stages,
+    a stage in pieces, each stage used again) or as they are."""
+    from lora_cache.adapters import serialize
+
+    if small:
+        for knob, value in (("GATHER_BYTES", 64), ("STAGE_BYTES", 100), ("PASS_BYTES", 48)):
+            monkeypatch.setattr(serialize, knob, value)
+    on_cpu = _device_tensors("cpu")
+    mixed = _device_tensors("cuda") | {"m05.lora_A.weight": on_cpu["m05.lora_A.weight"]}
+    out = serialize.safetensors_bytes(mixed, {"format": "pt"})
+    assert bytes(out) == bytes(serialize.safetensors_bytes(on_cpu, {"format": "pt"}))
+    back = load(bytes(out))
+    assert all(torch.equal(back[k].view(torch.uint8), v.contiguous().view(torch.uint8)) if v.dim() else
+               torch.equal(back[k], v) for k, v in on_cpu.items())
+
+
 async def _stream(messages: list[Any]) -> AsyncIterator[Any]:
     for m in messages:
         yield m

@@ -10,22 +10,27 @@
 # share the machine and the hour. JSON per run under OUT (push8b-now-1.json, push8b-old-1.json, ...,
 # passes-8b.json, passes-70b.json). PARTS [passes push]: which parts run, of passes, push and resolve (request-time
 # resolution timed on the GPU, bench.probes.resolve_ttft: 8B adapters of RESOLVE_RANKS [16 64] in moto's S3 server,
-# RESOLVE_LATENCY [0,20] ms added per store request, RESOLVE_PAIRS [6]; resolve-8b-rR.json). Exit status: the number
-# of runs that failed.
+# RESOLVE_LATENCY [0,20] ms added per store request, RESOLVE_PAIRS [6]; resolve-8b-rR.json). ARGS: more arguments of
+# every push probe (e.g. "--source gpu": the pushed tensors on GPU 0; "--one-gpu" with TP=2: both ranks on GPU 0); the
+# old tree runs this tree's probe (copied into it), so that both take the same arguments. PUSHES70=0 leaves the 70B
+# out. Exit status: the number of runs that failed.
 set -u
 . "$(dirname "$0")/lib.sh"
 tp=${TP:-$([ "$(gpus)" -ge 2 ] && echo 2 || echo 1)}
 site=${SITE:-${PYTHONPATH:-}}
 site=${site%%:*}
 old=${OLD:+$(cd "$OLD" && pwd)}
+[ -z "$old" ] || cp bench/probes/push.py "$old/bench/probes/push.py"  # one probe, one set of arguments
 [ "${DRY:-0}" = 1 ] || nvidia-smi -L
 push() {  # NAME MODEL RANK PUSHES: this tree's probe, then the old tree's
   local name=$1 model=$2 rank=$3 n=$4
+  # shellcheck disable=SC2086  # ARGS: words
   step "$name-now" "$PYTHON" -m bench.probes.push --tp "$tp" --model "$model" --rank "$rank" --pushes "$n" \
-    --out "$out/$name-now.json"
+    ${ARGS:-} --out "$out/$name-now.json"
   if [ -n "$old" ]; then
+    # shellcheck disable=SC2086
     step "$name-old" env -C "$old" PYTHONPATH="$site:$old" "$PYTHON" -m bench.probes.push --tp "$tp" \
-      --model "$model" --rank "$rank" --pushes "$n" --out "$out/$name-old.json"
+      --model "$model" --rank "$rank" --pushes "$n" ${ARGS:-} --out "$out/$name-old.json"
   fi
 }
 parts=" ${PARTS:-passes push} "
@@ -38,7 +43,7 @@ if [[ $parts == *" push "* ]]; then
   for round in $(seq "${ROUNDS:-2}"); do
     push "push8b-$round" llama-3.1-8b 16 "${PUSHES8:-6}"
   done
-  push push70b llama-3.1-70b 64 "${PUSHES70:-3}"
+  [ "${PUSHES70:-3}" = 0 ] || push push70b llama-3.1-70b 64 "${PUSHES70:-3}"
 fi
 if [[ $parts == *" resolve "* ]]; then
   for rank in ${RESOLVE_RANKS:-16 64}; do

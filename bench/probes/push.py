@@ -14,8 +14,14 @@ loads version 0 of the adapter, then pushes ``--pushes`` new versions in turn, a
 The reference is ``copy_probe``: each rank's plain pinned host-to-device copy of its shard's bytes, all ranks at
 once (on ``--cpu``: a memcpy), so ``ready_over_copy`` is the goal's ratio (<= 1.3x).
 
+``--source gpu`` pushes tensors that lie on the GPU (a trainer's, the RL case: the client gathers them on the device
+and copies them out in one transfer), ``cpu`` tensors in host memory. ``--one-gpu`` puts every rank of the replica on
+GPU 0 (a one-GPU host measuring TP 2: the ranks' copies then share one link, the reference's too; Ray is told of
+``--tp`` GPUs and leaves ``CUDA_VISIBLE_DEVICES`` alone).
+
     python -m bench.probes.push --tp 2 --out /tmp/push.json                  # on a 2-GPU machine
     python -m bench.probes.push --tp 2 --cpu --out /tmp/push.json            # anywhere
+    python -m bench.probes.push --tp 2 --one-gpu --source gpu --out /tmp/push.json   # a one-GPU host
 """
 
 from __future__ import annotations
@@ -70,12 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--pushes", type=int, default=6, help="new versions pushed after the first (at least 1)")
     ap.add_argument("--cpu", action="store_true", help="CPU workers (no GPU needed)")
+    ap.add_argument("--source", choices=("cpu", "gpu"), default="cpu",
+                    help="where the pushed tensors lie: host memory, or GPU 0 (a trainer's)")
+    ap.add_argument("--one-gpu", action="store_true", help="every rank on GPU 0 (TP > 1 on a one-GPU host)")
     ap.add_argument("--out", required=True)
     return ap
 
 
 def main() -> None:
     args = build_parser().parse_args()
+    if args.source == "gpu" and args.cpu:
+        raise SystemExit("--source gpu pushes tensors that lie on a GPU: leave out --cpu")
+    if args.one_gpu:  # set before Ray starts: its workers inherit it and each sees GPU 0
+        os.environ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
 
     root = Path(tempfile.mkdtemp(prefix="push-src-"))
     (src,) = make_adapters(root, SynthConfig(model=args.model, count=1, rank=str(args.rank), seed=3))
@@ -94,12 +107,15 @@ def main() -> None:
     client = LoraCacheClient(gw.target, token="probe", timeout_s=120)
     try:
         ctl, rows, cursor = svc.controller, [], 0
+        device = "cuda:0" if args.source == "gpu" else "cpu"
         workers = [svc.workers[WorkerId("replica-0", r)] for r in range(args.tp)]
         spec = AdapterCatalog(catalog_config).register("src", str(src))
         shard = [shard_layout(spec, catalog_config.shape(), args.tp, r, dtype).nbytes for r in range(args.tp)]
         for step in range(args.pushes + 1):
-            pushed = {k: (v.float() * (1.0 + step / 100)).to(v.dtype) for k, v in tensors.items()}
+            pushed = {k: (v.float() * (1.0 + step / 100)).to(v.dtype).to(device) for k, v in tensors.items()}
             how = "grpc" if step % 2 == 0 else "ray"
+            if device != "cpu":
+                torch.cuda.synchronize()  # the tensors made: the push starts from them in place
             t0 = time.time()
             done = (client.push(NAME, pushed, config, tag=step) if how == "grpc"
                     else push_in_ray(NAME, pushed, config, tag=step))
@@ -122,7 +138,8 @@ def main() -> None:
                    "median_ready_ms_grpc": _median([r["ready_ms"] for r in measured if r["how"] == "grpc"]),
                    "median_ready_ms_ray": _median([r["ready_ms"] for r in measured if r["how"] == "ray"])}
         summary["ready_over_copy"] = summary["median_ready_ms"] / copy_ms
-        out = {"tp": args.tp, "model": args.model, "rank": args.rank, "cpu": args.cpu, "host": platform.node(),
+        out = {"tp": args.tp, "model": args.model, "rank": args.rank, "cpu": args.cpu, "source": args.source,
+               "one_gpu": args.one_gpu, "host": platform.node(),
                "push_dir": catalog_config.push_dir,
                "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
                "date": time.strftime("%Y-%m-%d"), "rows": rows, "summary": summary}

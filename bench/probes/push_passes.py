@@ -10,7 +10,10 @@ For an adapter of ``--model`` at ``--rank`` (bf16 tensors of its shapes, random 
 - ``write``: the bytes into a new file of the push area's file system (``pushed.write_spread``: copied in through a
   shared mapping by the push's threads) against one ``write`` call;
 - ``memcpy``: one numpy copy of the bytes into a fresh buffer (the reference: what one pass over the bytes costs
-  here).
+  here);
+- where a GPU is seen, ``payload_gpu``: the payload of the same tensors on GPU 0 (a trainer's: gathered on the device
+  in runs, one transfer each) against ``payload_gpu_per_tensor`` (one synchronous transfer per tensor into its place,
+  the form before), and ``d2h``: one device-to-host copy of the weights' bytes into a fresh buffer (the reference).
 
 Each is run ``--repeats`` times (the median and the range are reported); files are written under ``--dir``
 (default: the push area's own file system, ``/dev/shm``).
@@ -36,6 +39,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from lora_cache.adapters import pushed, serialize
 from lora_cache.adapters.files import BLOCK_BYTES
 from lora_cache.adapters.passes import PASS_THREADS
 from lora_cache.adapters.peft import peft_key
@@ -74,14 +78,39 @@ def one_stream(config: bytes, data: np.ndarray) -> None:
     [zlib.crc32(view[at:at + BLOCK_BYTES]) for at in range(0, len(view), BLOCK_BYTES)]
 
 
+def gpu_rows(tensors: dict[str, torch.Tensor], repeats: int) -> dict[str, dict[str, float]]:
+    """The payload of ``tensors`` put on GPU 0, gathered (now) and one tensor at a time (before), and one plain
+    device-to-host copy of as many bytes (``main``'s docstring)."""
+    on_gpu = {k: v.cuda() for k, v in tensors.items()}
+    flat = torch.cat([v.reshape(-1).view(torch.uint8) for v in on_gpu.values()])
+    torch.cuda.synchronize()
+
+    def per_tensor() -> None:  # the payload's device branch before the gather
+        out = np.empty(flat.numel(), dtype=np.uint8)
+        host, at = torch.from_numpy(out), 0
+        for name in sorted(on_gpu):
+            t = on_gpu[name].reshape(-1).view(torch.uint8)
+            host[at:at + t.numel()].copy_(t)
+            at += t.numel()
+
+    return {"payload_gpu": timed(lambda: safetensors_bytes(on_gpu), repeats),
+            "payload_gpu_per_tensor": timed(per_tensor, repeats),
+            "d2h": timed(lambda: torch.from_numpy(np.empty(flat.numel(), dtype=np.uint8)).copy_(flat), repeats)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dir", default="", help="where the files are written (default: the push area's parent)")
+    ap.add_argument("--pass-bytes", type=int, default=0,
+                    help="the bytes of one task of the push's threads, in MiB (default: PASS_BYTES as built)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.pass_bytes:  # every pass that splits its bytes into tasks of the pool
+        for module in (pushed, serialize):
+            module.PASS_BYTES = args.pass_bytes << 20  # type: ignore[attr-defined]
     tensors = tensors_of(args.model, args.rank)
     data = safetensors_bytes(tensors)
     config = json.dumps({"r": args.rank, "lora_alpha": 2 * args.rank}).encode()
@@ -110,11 +139,15 @@ def main() -> None:
             "write_one_call": timed(plain, args.repeats),
             "memcpy": timed(lambda: np.array(data, copy=True), args.repeats),
         }
+        if torch.cuda.is_available():
+            rows |= gpu_rows(tensors, args.repeats)
     finally:
         for leftover in scratch.iterdir():
             leftover.unlink()
         scratch.rmdir()
     result = {"model": args.model, "rank": args.rank, "bytes": int(data.nbytes), "cpus": os.cpu_count(),
+              "pass_bytes": pushed.PASS_BYTES,
+              "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "",
               "threads": min(PASS_THREADS, os.cpu_count() or 1), "dir": str(where), "rows": rows,
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -1,25 +1,34 @@
 """Tensors as safetensors bytes in one pass (lifecycle step 0: a push's payload, issue 44 item 5).
 
-``safetensors.torch.save`` copies each tensor to bytes and then joins them (two passes over the weights, ~1 GB/s
-on a CPU core); ``safetensors_bytes`` lays out the header first and copies each tensor once into its place in one
-buffer (a GPU tensor straight from the device into it; CPU tensors in groups on the push's threads,
-``passes``). The result is a safetensors file's bytes that the format's
-own loader reads back (``tests/test_push.py``): a header of JSON padded with spaces to a multiple of 8, the tensors
-back to back in the header's (name) order, each tensor's ``data_offsets`` from the header's end. For tensors of one
-dtype (an adapter's) these are the very bytes ``safetensors.torch.save`` writes (it orders data by dtype, then name),
-so a pushed version's content hash did not change with it.
+``safetensors.torch.save`` copies each tensor to bytes and then joins them (two passes over the weights, ~1 GB/s on
+a CPU core); ``safetensors_bytes`` lays out the header first and copies each tensor once into its place in one
+buffer: CPU tensors in groups on the push's threads (``passes``); a trainer's GPU tensors gathered on their device
+(one kernel for up to ``GATHER_BYTES`` of consecutive tensors) and copied to the host in one transfer each, not one
+synchronous transfer per tensor (an 8B rank-16 adapter has 448). The result is a safetensors file's bytes that the
+format's own loader reads back (``tests/test_push.py``): a header of JSON padded with spaces to a multiple of 8, the
+tensors back to back in the header's (name) order, each tensor's ``data_offsets`` from the header's end. For tensors
+of one dtype (an adapter's) these are the very bytes ``safetensors.torch.save`` writes (it orders data by dtype,
+then name), so a pushed version's content hash did not change with it.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Mapping
+from concurrent.futures import Future
 
 import numpy as np
 import torch
 
 from lora_cache.adapters.passes import PASS_BYTES, passes
 from lora_cache.errors import AdapterFormatError
+
+GATHER_BYTES = 256 << 20  # a trainer's GPU tensors are gathered on their device this much at a time
+STAGE_BYTES = 32 << 20  # ... and cross to the host through two pinned stages of this size (``to_host``)
+_STAGE_LOCK = threading.Lock()
+_STAGES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+Placed = tuple[torch.Tensor, int, int]  # a tensor and its data's [begin, end) in the file's data section
 
 DTYPE_NAMES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.float8_e5m2: "F8_E5M2",
                torch.float8_e4m3fn: "F8_E4M3", torch.int16: "I16", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -30,7 +39,7 @@ def safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str
     """The safetensors bytes of ``tensors`` (names sorted), as a writable uint8 array over one buffer: what
     ``safetensors.torch.save`` gives, with one copy of each tensor. A dtype the format lacks is refused, naming it."""
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
-    placed: list[tuple[torch.Tensor, int, int]] = []  # each tensor and its data's [begin, end)
+    placed: list[Placed] = []  # each tensor and its data's [begin, end)
     offset = 0
     for name in sorted(tensors):
         t = tensors[name]
@@ -47,20 +56,84 @@ def safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str
     out = np.empty(start + offset, dtype=np.uint8)
     out[:8] = np.frombuffer(len(head).to_bytes(8, "little"), dtype=np.uint8)
     out[8:start] = np.frombuffer(head, dtype=np.uint8)
-    if any(t.device.type != "cpu" for t, _, _ in placed):  # from a device: one copy after another, as it serves them
-        flat = torch.from_numpy(out)
-        for t, begin, end in placed:
-            flat[start + begin:start + end].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-        return out
+    on_cpu = [p for p in placed if p[0].device.type == "cpu"]
+    for run in device_runs([p for p in placed if p[0].device.type != "cpu"]):
+        copy_run(out[start:], run)
 
-    def copy(group: list[tuple[torch.Tensor, int, int]]) -> None:  # numpy's copies: one thread each, GIL free
+    def copy(group: list[Placed]) -> None:  # numpy's copies: one thread each, GIL free
         for t, begin, end in group:
-            out[start + begin:start + end] = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            out[start + begin:start + end] = as_bytes(t).numpy()
 
-    groups: list[list[tuple[torch.Tensor, int, int]]] = [[]]
-    for t, begin, end in placed:  # about PASS_BYTES a group, each copied by one of the push's threads
+    groups: list[list[Placed]] = [[]]
+    for t, begin, end in on_cpu:  # about PASS_BYTES a group, each copied by one of the push's threads
         if groups[-1] and end - groups[-1][0][1] > PASS_BYTES:
             groups.append([])
         groups[-1].append((t, begin, end))
-    list(passes().map(copy, groups))
+    list(passes().map(copy, [g for g in groups if g]))
     return out
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a 1-D uint8 tensor on its device (a copy only where ``t`` is not contiguous)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def device_runs(placed: list[Placed], limit: int = 0) -> list[list[Placed]]:
+    """``placed`` (tensors off the CPU, in file order, each with its data's [begin, end)) cut into runs each gathered
+    in one kernel and copied in one transfer: tensors of one device that lie back to back in the file, up to
+    ``limit`` bytes a run (``GATHER_BYTES``: the gather's own device memory; a larger tensor is a run alone)."""
+    limit = limit or GATHER_BYTES
+    runs: list[list[Placed]] = []
+    for t, begin, end in placed:
+        last = runs[-1] if runs else None
+        if (last is None or last[-1][2] != begin or last[-1][0].device != t.device
+                or end - last[0][1] > limit):
+            runs.append([])
+        runs[-1].append((t, begin, end))
+    return runs
+
+
+def copy_run(data: np.ndarray, run: list[Placed]) -> None:
+    """Copy ``run`` (``device_runs``) into ``data`` (the file's data section): gathered into one buffer on its
+    device, then to the host through pinned stages (``to_host``)."""
+    pieces = [as_bytes(t) for t, _, _ in run]
+    gathered = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    dst = data[run[0][1]:run[-1][2]]
+    if gathered.device.type == "cuda":
+        to_host(dst, gathered)
+    else:
+        torch.from_numpy(dst).copy_(gathered)
+
+
+def to_host(dst: np.ndarray, src: torch.Tensor) -> None:
+    """Copy the bytes of ``src`` (1-D uint8 on a GPU) into ``dst`` (pageable host memory). A transfer into pageable
+    memory runs at a few GB/s on one thread (the driver's own bounce buffer: 4 GB/s on an H200's host); here each
+    ``STAGE_BYTES`` goes to a pinned stage at the link's rate while the push's threads copy the stage before out of
+    the other one (``passes``), so the bytes cross at about the threads' copy rate. The stages are this process's
+    (two per device, made at its first push from a GPU, kept), one transfer at a time."""
+    stream = torch.cuda.current_stream(src.device)  # after whatever the trainer's stream wrote into the tensors
+    with _STAGE_LOCK, torch.cuda.device(src.device):
+        stages = _stages(src.device)
+        copies: list[list[Future[None]]] = [[], []]  # each stage's host copies in flight
+        for k, at in enumerate(range(0, src.numel(), STAGE_BYTES)):
+            stage, n = stages[k % 2], min(STAGE_BYTES, src.numel() - at)
+            for done in copies[k % 2]:  # the stage's last copy out is over before the link writes it again
+                done.result()
+            stage[:n].copy_(src[at:at + n], non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record(stream)
+            landed.synchronize()
+            host = stage[:n].numpy()
+            copies[k % 2] = [passes().submit(np.copyto, dst[at + b:at + min(b + PASS_BYTES, n)],
+                                             host[b:min(b + PASS_BYTES, n)])
+                             for b in range(0, n, PASS_BYTES)]
+        for done in copies[0] + copies[1]:
+            done.result()
+
+
+def _stages(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """This process's two pinned stages for ``device`` (``to_host``; under ``_STAGE_LOCK``)."""
+    if device not in _STAGES or _STAGES[device][0].numel() != STAGE_BYTES:
+        _STAGES[device] = (torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True),
+                           torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True))
+    return _STAGES[device]
