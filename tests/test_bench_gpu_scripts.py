@@ -316,6 +316,12 @@ def test_issue44_push_runs_the_passes_then_each_push_probe_for_this_tree_and_the
         assert old_args.out != args.out
     assert [push_parser().parse_args(c[3:]).model for c in pushes[::2]] == ["llama-3.1-8b"] * 2 + ["llama-3.1-70b"]
     assert len(_dry("issue44_push.sh", str(tmp_path / "out2"))) == 5  # no OLD: this tree's probes alone
+    # ARGS reach both trees' probes (the old tree runs this tree's probe); PUSHES70=0 leaves the 70B out
+    shared = _dry("issue44_push.sh", str(tmp_path / "out3"), OLD=str(old), SITE=str(tmp_path / "site"), ROUNDS="1",
+                  PUSHES70="0", PARTS="push", ARGS="--source gpu --one-gpu", TP="2")
+    parsed = [push_parser().parse_args(shared[0][3:]), push_parser().parse_args(shared[1][7:])]
+    assert len(shared) == 2 and all((a.source, a.one_gpu, a.tp, a.model) == ("gpu", True, 2, "llama-3.1-8b")
+                                    for a in parsed)
 
 
 def test_issue44_push_times_request_time_resolution_on_the_gpu_when_asked(tmp_path: Path) -> None:

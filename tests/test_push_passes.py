@@ -115,3 +115,21 @@ def test_a_payload_copied_in_groups_is_safetensors_own_bytes() -> None:
     assert sum(t.numel() * 2 for t in tensors.values()) > 4 * PASS_BYTES
     with pass_threads(3):
         assert bytes(safetensors_bytes(tensors)) == save(tensors)
+
+
+@pytest.mark.parametrize("threads", [1, 3, 16])
+def test_a_hashing_pass_gives_every_thread_whole_blocks_up_to_the_limit(threads: int) -> None:
+    """``task_bytes``: whole blocks, at most the limit; below it, the blocks dealt out in one round (at most one task
+    a thread, each as long as the longest a thread would have with one block a task: the same makespan)."""
+    from lora_cache.adapters.passes import task_bytes
+
+    with pass_threads(threads):
+        for nbytes in (0, 1, BLOCK_BYTES, 11 * BLOCK_BYTES + 5, 84 << 20, 1 << 31):
+            task = task_bytes(nbytes, PASS_BYTES)
+            assert task % BLOCK_BYTES == 0 and BLOCK_BYTES <= task <= PASS_BYTES
+            blocks = -(-nbytes // BLOCK_BYTES)
+            if task < PASS_BYTES:
+                assert -(-nbytes // task) <= threads
+                assert task // BLOCK_BYTES == max(1, -(-blocks // threads))
+            if nbytes >= threads * PASS_BYTES:
+                assert task == PASS_BYTES

@@ -20,7 +20,9 @@ tp=${TP:-$([ "$(gpus)" -ge 2 ] && echo 2 || echo 1)}
 site=${SITE:-${PYTHONPATH:-}}
 site=${site%%:*}
 old=${OLD:+$(cd "$OLD" && pwd)}
-[ -z "$old" ] || cp bench/probes/push.py "$old/bench/probes/push.py"  # one probe, one set of arguments
+if [ -n "$old" ] && [ "${DRY:-0}" != 1 ]; then  # one probe, one set of arguments
+  mkdir -p "$old/bench/probes" && cp bench/probes/push.py "$old/bench/probes/push.py"
+fi
 [ "${DRY:-0}" = 1 ] || nvidia-smi -L
 push() {  # NAME MODEL RANK PUSHES: this tree's probe, then the old tree's
   local name=$1 model=$2 rank=$3 n=$4

@@ -10,20 +10,30 @@ What it runs, on one machine (CPU by default; ``--gpu`` on a GPU host):
   in three for the pushed adapter and the rest for another, each admitted with the adapter's version current then.
 
 At the end, for every request: the version it ran on (``--out``: one JSON line per request). Then the check of
-invariant 1 (``bench/version_check.py``): every request was served; both ranks ran the same steps, each item
+invariant 1 (``bench/version_check.py``): every request was served; every rank ran the same steps, each item
 with the version its request was admitted with; and each slot held exactly that version's bytes, the digest of
 the rank's shard of what the trainer pushed under it.
 
+Whether a push stalls the running batches (issue 44 item 5): rank 0's steps are split into those that overlap a
+push (from its call to ``PUSH_TAIL_S`` after its answer, when the ranks load it) and the others, and the step
+times of each kind compared (``--summary``: JSON). Run it with ``--no-audit`` for that: auditing a step digests its
+slots on the host (a synchronization per step), and the version check then covers the requests' versions only.
+``--source gpu`` keeps the trainer's tensors on the GPU (an RL trainer's).
+
     python -m bench.probes.push_loop --seconds 20 --out /tmp/push_loop.jsonl
+    python -m bench.probes.push_loop --gpu --tp 1 --model llama-3.1-8b --source gpu --no-audit --rate 20 \
+        --out /tmp/pl.jsonl --summary /tmp/pl.json                             # one GPU: do pushes stall steps?
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import ray
@@ -44,17 +54,20 @@ from lora_cache.planner import PlannerConfig
 from lora_cache.vocab import WorkerId
 from workers.cache import WorkerConfig
 from workers.engine import EngineConfig, Request
-from workers.engine.rank import slot_digest
+from workers.engine.rank import StepLog, slot_digest
 from workers.reads.shard import read_shard
 from workers.staging.host_config import HostTierConfig
+
+PUSH_TAIL_S = 0.2  # after a push's answer, the ranks' loads of it: still the push's, for the stall figures
 
 
 class Trainer:
     """Pushes a new version every ``every`` seconds until stopped; keeps a copy of each (version -> directory)."""
 
     def __init__(self, client: LoraCacheClient, name: str, tensors: dict[str, torch.Tensor], config: dict,
-                 every: float, copies: Path) -> None:
-        self.client, self.name, self.tensors, self.config = client, name, tensors, config
+                 every: float, copies: Path, device: str = "cpu") -> None:
+        self.client, self.name, self.config = client, name, config
+        self.tensors = {k: v.to(device) for k, v in tensors.items()}
         self.every, self.copies = every, copies
         self.versions: dict[str, Path] = {}
         self.log: list[dict[str, object]] = []
@@ -66,16 +79,20 @@ class Trainer:
         step = self.step
         tensors = {k: (v.float() * (1.0 + step / 10)).to(v.dtype) for k, v in self.tensors.items()}  # "training"
         how = "grpc" if step % 2 == 0 else "ray"
+        if next(iter(tensors.values())).is_cuda:
+            torch.cuda.synchronize()  # the step's tensors made: the push starts from them
         t0 = time.time()
         done = (self.client.push(self.name, tensors, self.config, tag=step) if how == "grpc"
                 else push_in_ray(self.name, tensors, self.config, tag=step))
+        answered = time.time()
         copy = self.copies / str(step)
         copy.mkdir()
         config_bytes, weights = push_payload(tensors, self.config)
         (copy / CONFIG_FILE).write_bytes(config_bytes)
         (copy / WEIGHTS_FILE).write_bytes(weights)
         self.versions[done.version] = copy
-        self.log.append({"step": step, "how": how, "version": done.version, "answer_ms": (time.time() - t0) * 1e3})
+        self.log.append({"step": step, "how": how, "version": done.version, "t0": t0,
+                         "answer_ms": (answered - t0) * 1e3})
         self.step += 1
 
     def run(self) -> None:
@@ -98,7 +115,13 @@ def main() -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--adapter", default="trained")
     ap.add_argument("--out", required=True, help="one JSON line per request: its adapter and the version it ran on")
+    ap.add_argument("--audit", action=argparse.BooleanOptionalAction, default=True,
+                    help="digest every step's slots and check them against the pushed bytes (a host sync a step)")
+    ap.add_argument("--source", choices=("cpu", "gpu"), default="cpu", help="where the trainer's tensors lie")
+    ap.add_argument("--summary", default="", help="write the run's figures here (JSON): pushes, steps by push")
     args = ap.parse_args()
+    if args.source == "gpu" and not args.gpu:
+        raise SystemExit("--source gpu keeps the trainer's tensors on a GPU: add --gpu")
 
     work = Path(tempfile.mkdtemp(prefix="push-loop-"))
     make_adapters(work / "adapters", SynthConfig(model=args.model, count=2, rank="8"))
@@ -107,7 +130,7 @@ def main() -> None:
     catalog = CatalogConfig(adapter_roots=(str(work / "adapters"),), model=args.model, max_rank=16,
                             keep_versions=args.keep_versions,
                             push_dir=str(work / "push") if not Path("/dev/shm").is_dir() else "")
-    host = HostTierConfig(host_bytes=64 << 20, pin=args.gpu)
+    host = HostTierConfig(host_bytes=(64 << 20) if args.model == "tiny" else (2 << 30), pin=args.gpu)
     ray.init(address="local", num_cpus=4, num_gpus=args.tp if args.gpu else 0, namespace="lora-cache",
              include_dashboard=False, log_to_driver=False)
     svc = start(ServeConfig(adapters=str(work / "adapters"), replicas=1, tp=args.tp, gpus=args.gpu), catalog,
@@ -115,13 +138,14 @@ def main() -> None:
     gw = start_gateway_thread(GatewayConfig(grpc_port=0, token="example"), svc.controller)
     client = LoraCacheClient(gw.target, token="example", timeout_s=120)
     (work / "copies").mkdir()
-    trainer = Trainer(client, args.adapter, tensors, config, args.push_every, work / "copies")
+    trainer = Trainer(client, args.adapter, tensors, config, args.push_every, work / "copies",
+                      "cuda:0" if args.source == "gpu" else "cpu")
     try:
         trainer.push()  # version 0, before the first request
         ranks = [svc.workers[WorkerId("replica-0", k)] for k in range(args.tp)]
         engine = EngineConfig(adapters=str(work / "adapters"), model=args.model, device="cuda" if args.gpu else "cpu",
                               tp=args.tp, num_slots=4, max_adapters=2, max_running=8, max_prefill_tokens=64,
-                              max_seq_len=64, max_rank=16, audit_steps=True, host=host)
+                              max_seq_len=64, max_rank=16, audit_steps=args.audit, host=host)
         meet = ray.get(ranks[0].engine_rendezvous.remote(args.tp), timeout=60)
         ray.get([h.engine_build.remote(engine, meet) for h in ranks], timeout=600)
         count = int(args.seconds * args.rate)
@@ -157,19 +181,57 @@ def main() -> None:
             read_shard(spec, layout, staged)
             return slot_digest(staged)
 
-        checked, served = check_steps(result.records, audits[:2], args.adapter,
-                                      lambda name, v: trainer.versions[v] if name == args.adapter
-                                      else work / "adapters" / name, expected)
-        pushes = [row["answer_ms"] for row in trainer.log]
+        pushes = [float(row["answer_ms"]) for row in trainer.log]  # type: ignore[arg-type]
+        stalls = push_stalls(result.ranks[0].step_log, trainer.log)
         print(f"{len(result.records)} requests served while {len(trainer.log)} versions were pushed "
-              f"(answers {min(pushes):.0f}-{max(pushes):.0f} ms); {served} versions of {args.adapter} served; "
-              f"{checked} slot digests checked: every step of both ranks ran the version its request was admitted "
-              f"with, and held that version's bytes. Per request: {args.out}")
+              f"(answers {min(pushes):.0f}-{max(pushes):.0f} ms); steps during a push / the others: "
+              + json.dumps(stalls))
+        if args.audit:
+            checked, served = check_steps(result.records, audits, args.adapter,
+                                          lambda name, v: trainer.versions[v] if name == args.adapter
+                                          else work / "adapters" / name, expected)
+            print(f"{served} versions of {args.adapter} served; {checked} slot digests checked: every step of every "
+                  f"rank ran the version its request was admitted with, and held that version's bytes. Per request: "
+                  f"{args.out}")
+        else:
+            assert not failed, [r.error for r in failed]
+            served = len({r.version for r in result.records if r.adapter == args.adapter})
+            print(f"{served} versions of {args.adapter} served (steps not audited: --no-audit)")
+        if args.summary:
+            Path(args.summary).write_text(json.dumps(
+                {"model": args.model, "tp": args.tp, "gpu": args.gpu, "source": args.source, "audit": args.audit,
+                 "rate": args.rate, "seconds": args.seconds, "push_every": args.push_every,
+                 "requests": len(result.records), "served_versions": served, "pushes": trainer.log,
+                 "steps": stalls, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, indent=2))
     finally:
         client.close()
         gw.stop()
         svc.stop()
         ray.shutdown()
+
+
+def push_stalls(steps: Sequence[StepLog], pushes: Sequence[dict[str, object]]) -> dict[str, dict[str, float]]:
+    """Rank 0's step times (ms) by kind, for the steps that overlap a push (its call to ``PUSH_TAIL_S`` after its
+    answer) and for the others: count, median, p90, max; and the ratio of the medians (1.0: no stall)."""
+    windows = [(float(p["t0"]), float(p["t0"]) + float(p["answer_ms"]) / 1e3 + PUSH_TAIL_S)  # type: ignore[arg-type]
+               for p in pushes]
+    out: dict[str, dict[str, float]] = {}
+    for kind in ("decode", "prefill"):
+        during: list[float] = []
+        other: list[float] = []
+        for step in steps:
+            if step.kind != kind:
+                continue
+            end = step.wall_s + step.ms / 1e3
+            (during if any(a < end and step.wall_s < b for a, b in windows) else other).append(step.ms)
+        for name, values in (("during_push", during), ("other", other)):
+            values.sort()
+            out[f"{kind}_{name}"] = ({"count": len(values), "median_ms": statistics.median(values),
+                                      "p90_ms": values[int(0.9 * (len(values) - 1))], "max_ms": values[-1]}
+                                     if values else {"count": 0})
+        if during and other:
+            out[f"{kind}_ratio"] = {"median": statistics.median(during) / statistics.median(other)}
+    return out
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ from lora_cache.adapters.files import (
     content_version_of,
 )
 from lora_cache.adapters.header import MAX_HEADER_BYTES, parse_header
-from lora_cache.adapters.passes import PASS_BYTES, passes
+from lora_cache.adapters.passes import PASS_BYTES, passes, task_bytes
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec, KnownVersion, built_spec, parse_config
 from lora_cache.adapters.shapes import ModelShape
 from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, ConflictError
@@ -112,7 +112,8 @@ def digest(config_bytes: bytes, weights: bytes | memoryview) -> PushDigest:
     ``files.digest_weights`` makes them over the file, so the file need not be read back to register it: each
     block hashed and CRC'd once, the blocks spread over ``passes()`` threads (both free the GIL)."""
     view = memoryview(weights).cast("B")
-    spans = passes().map(lambda at: _span(view[at:at + PASS_BYTES]), range(0, len(view), PASS_BYTES))
+    task = task_bytes(len(view), PASS_BYTES)
+    spans = passes().map(lambda at: _span(view[at:at + task]), range(0, len(view), task))
     hashes, blocks = zip(*[block for span in spans for block in span]) if len(view) else ((), ())
     header_bytes = 8 + int.from_bytes(view[:8], "little")
     return PushDigest(content_version_of(config_bytes, len(view), hashes),
