@@ -7,7 +7,9 @@ drops touch only the tags retired. The same path on two Ray nodes: ``tests/test_
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ import numpy as np
 import pytest
 from safetensors.torch import load
 
+from lora_cache.adapters import pushed
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE
 from lora_cache.adapters.pushed import TMP_PREFIX, PushArea, digest
@@ -134,3 +137,26 @@ def test_drops_take_only_the_retired_tags_never_a_copy_being_written_nor_the_con
     # forgetting the name takes this node's copies (not one being written); a rank that took none takes nothing
     assert shared.forget("a") == [] and controller.path("a", "1").is_dir()
     assert copies.forget("a") == ["2"] and [p.name for p in (node.dir / "a").iterdir()] == [writing.name]
+
+
+def test_a_version_left_half_written_by_a_dead_writer_is_swept_and_a_live_one_is_not(world: Any) -> None:
+    """A rank killed while it wrote a version into its node's area left a ``.push-*`` directory: the next write or
+    drop on that node removes it once it is older than any live write (``STALE_WRITE_S``), whatever adapter it
+    was of; one written now stays, and so do the versions."""
+    _, node, _, _, (config_bytes, weights) = world
+    node.write("a", "1", config_bytes, weights)
+    dead = node.dir / "a" / f"{TMP_PREFIX}dead"
+    other = node.dir / "b" / f"{TMP_PREFIX}dead"
+    live = node.dir / "a" / f"{TMP_PREFIX}live"
+    for d in (dead, other, live):
+        d.mkdir(parents=True)
+        (d / WEIGHTS_FILE).write_bytes(b"half")
+    old = time.time() - pushed.STALE_WRITE_S - 5
+    for d in (dead, other):
+        os.utime(d, (old, old))
+    node.write("a", "2", config_bytes, weights)
+    assert sorted(p.name for p in (node.dir / "a").iterdir()) == sorted(["1", "2", live.name])
+    assert not other.exists()
+    os.utime(live, (old, old))
+    assert node.drop("a", ["1"]) == ["1"]
+    assert sorted(p.name for p in (node.dir / "a").iterdir()) == ["2"]

@@ -56,6 +56,7 @@ from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, Co
 ENV = "LORA_CACHE_PUSH_DIR"  # where pushed versions go, if set (tests give each run its own)
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 TMP_PREFIX = ".push-"  # a version being written (renamed whole when complete)
+STALE_WRITE_S = 600.0  # a version being written this long ago is a dead writer's (a 70B rank-64 one takes ~1 s)
 
 
 def default_push_dir() -> Path:
@@ -210,6 +211,7 @@ class PushArea:
                 raise CapacityError(f"pushing {name}@{tag} ({size} bytes) would take the service's pushed versions "
                                     f"to {used + size} bytes, over push_bytes ({self.max_bytes}); keep fewer versions "
                                     "(keep_versions), unregister adapters no longer trained, or raise push_bytes")
+            self._sweep()
             target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=target.parent))
             try:
@@ -252,6 +254,7 @@ class PushArea:
         writing a copy: its ``.push-*`` directory stays); the tags removed."""
         removed = []
         with self._lock:
+            self._sweep()
             for tag in sorted(set(tags)):
                 version = self.path(name, check_tag(tag))
                 if version.is_dir():
@@ -259,6 +262,21 @@ class PushArea:
                     removed.append(tag)
             self._prune(self.dir / name)
         return removed
+
+    def _sweep(self) -> list[str]:
+        """Remove the versions being written that are older than ``STALE_WRITE_S``: a writer that died midway (a rank
+        killed while it copied a version to its node) left them, and nothing else would free that node memory before
+        the machine restarts. A live write is never that old. The directories removed (under the lock)."""
+        swept = []
+        for tmp in self.dir.glob(f"*/{TMP_PREFIX}*"):
+            try:
+                stale = time.time() - tmp.stat().st_mtime > STALE_WRITE_S
+            except FileNotFoundError:  # renamed into place or removed by its writer meanwhile
+                continue
+            if stale:
+                shutil.rmtree(tmp, ignore_errors=True)
+                swept.append(f"{tmp.parent.name}/{tmp.name}")
+        return swept
 
     @staticmethod
     def _prune(parent: Path) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 
 import numpy as np
 import torch
@@ -115,18 +115,21 @@ def to_host(dst: np.ndarray, src: torch.Tensor) -> None:
     with _STAGE_LOCK, torch.cuda.device(src.device):
         stages = _stages(src.device)
         copies: list[list[Future[None]]] = [[], []]  # each stage's host copies in flight
-        for k, at in enumerate(range(0, src.numel(), STAGE_BYTES)):
-            stage, n = stages[k % 2], min(STAGE_BYTES, src.numel() - at)
-            for done in copies[k % 2]:  # the stage's last copy out is over before the link writes it again
-                done.result()
-            stage[:n].copy_(src[at:at + n], non_blocking=True)
-            landed = torch.cuda.Event()
-            landed.record(stream)
-            landed.synchronize()
-            host = stage[:n].numpy()
-            copies[k % 2] = [passes().submit(np.copyto, dst[at + b:at + min(b + PASS_BYTES, n)],
-                                             host[b:min(b + PASS_BYTES, n)])
-                             for b in range(0, n, PASS_BYTES)]
+        try:
+            for k, at in enumerate(range(0, src.numel(), STAGE_BYTES)):
+                stage, n = stages[k % 2], min(STAGE_BYTES, src.numel() - at)
+                for done in copies[k % 2]:  # the stage's last copy out is over before the link writes it again
+                    done.result()
+                stage[:n].copy_(src[at:at + n], non_blocking=True)
+                landed = torch.cuda.Event()
+                landed.record(stream)
+                landed.synchronize()
+                host = stage[:n].numpy()
+                copies[k % 2] = [passes().submit(np.copyto, dst[at + b:at + min(b + PASS_BYTES, n)],
+                                                 host[b:min(b + PASS_BYTES, n)])
+                                 for b in range(0, n, PASS_BYTES)]
+        finally:  # no copy out of a stage outlives the lock (the next push writes the stages), even on an error
+            wait(copies[0] + copies[1])
         for done in copies[0] + copies[1]:
             done.result()
 
