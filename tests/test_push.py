@@ -249,7 +249,9 @@ def _device_tensors(device: str) -> dict[str, torch.Tensor]:
 def test_device_tensors_are_gathered_in_runs_of_one_device_back_to_back_within_the_limit() -> None:
     """``device_runs`` cuts the file's off-CPU tensors where the device changes, where a tensor elsewhere lies
     between two, and past the gather's limit (a tensor larger than it alone); ``copy_run`` puts a run's bytes where
-    the header says (here on CPU tensors: the same code gathers a GPU's)."""
+    the header says (here on CPU tensors: the same code gathers a GPU's), or each tensor by itself where the gather
+    finds no memory."""
+    from lora_cache.adapters import serialize
     from lora_cache.adapters.serialize import copy_run, device_runs
 
     t = [torch.full((n,), i, dtype=torch.uint8) for i, n in enumerate([4, 4, 8, 20, 4, 4])]
@@ -262,6 +264,16 @@ def test_device_tensors_are_gathered_in_runs_of_one_device_back_to_back_within_t
     for run in runs:
         copy_run(data, run)
     assert data.tolist() == [0] * 4 + [1] * 4 + [0] * 8 + [3] * 20 + [4] * 4 + [5] * 4
+    # a device with no room for the gather: each tensor of the run crosses by itself, to the same bytes
+    def full(pieces: list[torch.Tensor]) -> torch.Tensor:
+        raise torch.OutOfMemoryError("out of memory (the test's)")
+
+    again = torch.zeros(44, dtype=torch.uint8).numpy()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(serialize.torch, "cat", full)
+        for run in runs:
+            copy_run(again, run)
+    assert again.tolist() == data.tolist()
 
 
 @pytest.mark.gpu
@@ -272,7 +284,7 @@ def test_a_trainers_gpu_tensors_become_the_bytes_of_their_cpu_copies(small: bool
     """A push of GPU tensors (gathered on the device in runs, through pinned stages to the host) is byte for byte
     the payload of the same tensors on the CPU and what ``safetensors.torch.save`` writes of them, with a CPU tensor
     among them; with runs, stages and the threads' pieces cut small (64, 100 and 48 bytes: a tensor in many stages,
-    a stage in pieces, each stage used again) or as they are."""
+    a stage in pieces, each stage used again) or as they are; and with no device memory for the gather."""
     from lora_cache.adapters import serialize
 
     if small:
@@ -282,6 +294,15 @@ def test_a_trainers_gpu_tensors_become_the_bytes_of_their_cpu_copies(small: bool
     mixed = _device_tensors("cuda") | {"m05.lora_A.weight": on_cpu["m05.lora_A.weight"]}
     out = serialize.safetensors_bytes(mixed, {"format": "pt"})
     assert bytes(out) == bytes(serialize.safetensors_bytes(on_cpu, {"format": "pt"}))
+    cat = torch.cat
+
+    def full(pieces: list[torch.Tensor]) -> torch.Tensor:  # a trainer's GPU with no room for the gather
+        if pieces[0].is_cuda:
+            raise torch.OutOfMemoryError("CUDA out of memory (the test's)")
+        return cat(pieces)
+
+    monkeypatch.setattr(serialize.torch, "cat", full)
+    assert bytes(serialize.safetensors_bytes(mixed, {"format": "pt"})) == bytes(out)  # each tensor by itself
     back = load(bytes(out))
     assert all(torch.equal(back[k].view(torch.uint8), v.contiguous().view(torch.uint8)) if v.dim() else
                torch.equal(back[k], v) for k, v in on_cpu.items())

@@ -95,9 +95,15 @@ def device_runs(placed: list[Placed], limit: int = 0) -> list[list[Placed]]:
 
 def copy_run(data: np.ndarray, run: list[Placed]) -> None:
     """Copy ``run`` (``device_runs``) into ``data`` (the file's data section): gathered into one buffer on its
-    device, then to the host through pinned stages (``to_host``)."""
+    device, then to the host through pinned stages (``to_host``); where the device has no room for the gather, each
+    tensor of the run by itself."""
     pieces = [as_bytes(t) for t, _, _ in run]
-    gathered = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    try:
+        gathered = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    except torch.OutOfMemoryError:  # a trainer's GPU too full for the gather: each tensor crosses by itself
+        for (_, begin, end), piece in zip(run, pieces):
+            copy_run(data, [(piece, begin, end)])
+        return
     dst = data[run[0][1]:run[-1][2]]
     if gathered.device.type == "cuda":
         to_host(dst, gathered)
