@@ -3,12 +3,12 @@
 ``safetensors.torch.save`` copies each tensor to bytes and then joins them (two passes over the weights, ~1 GB/s on
 a CPU core); ``safetensors_bytes`` lays out the header first and copies each tensor once into its place in one
 buffer: CPU tensors in groups on the push's threads (``passes``); a trainer's GPU tensors gathered on their device
-(one kernel for up to ``GATHER_BYTES`` of consecutive tensors) and copied to the host in one transfer each, not one
-synchronous transfer per tensor (an 8B rank-16 adapter has 448). The result is a safetensors file's bytes that the
-format's own loader reads back (``tests/test_push.py``): a header of JSON padded with spaces to a multiple of 8, the
-tensors back to back in the header's (name) order, each tensor's ``data_offsets`` from the header's end. For tensors
-of one dtype (an adapter's) these are the very bytes ``safetensors.torch.save`` writes (it orders data by dtype,
-then name), so a pushed version's content hash did not change with it.
+(one kernel for up to ``GATHER_BYTES`` of consecutive tensors) and copied to the host through two pinned stages, not
+one synchronous transfer per tensor (an 8B rank-16 adapter has 448). The result is a safetensors file's bytes that
+the format's own loader reads back (``tests/test_push.py``): a header of JSON padded with spaces to a multiple of 8,
+the tensors back to back in the header's (name) order, each tensor's ``data_offsets`` from the header's end. For
+tensors of one dtype (an adapter's) these are the very bytes ``safetensors.torch.save`` writes (it orders data by
+dtype, then name), so a pushed version's content hash did not change with it.
 """
 
 from __future__ import annotations
