@@ -332,6 +332,32 @@ def test_the_gateway_gathers_a_stream_and_refuses_one_cut_short_or_overlong(push
         asyncio.run(gather(_stream([]), 1 << 30))
 
 
+@pytest.mark.parametrize("size", [0, 1, 999, 1000, 1001, 250_000])
+@pytest.mark.parametrize("chunk", [1000, 200_000])
+def test_a_push_on_the_wire_is_protobufs_bytes_and_the_gateway_takes_its_weights_in_place(size: int,
+                                                                                         chunk: int) -> None:
+    """The client's wire form of a push (``push_wire``, no message object per chunk) is byte for byte protobuf's
+    serialization of ``push_messages``, lengths of one to three varint bytes included; the gateway takes each later
+    message's weights in place (``parse_request``) and gathers the same push; a body in any other layout is decoded
+    as protobuf would (another encoder may add fields), and one that is not a message is refused."""
+    from lora_cache.api.push_stream import Weights, parse_request
+
+    weights = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    wire = list(msg.push_wire("a", 7, b'{"r": 8}', weights, chunk_bytes=chunk))
+    assert wire == [m.SerializeToString() for m in msg.push_messages("a", 7, b'{"r": 8}', weights, chunk_bytes=chunk)]
+    parsed = [parse_request(raw) for raw in wire]
+    assert isinstance(parsed[0], pb.PushAdapterRequest) and all(isinstance(m, Weights) for m in parsed[1:])
+    assert [bytes(m.weights) for m in parsed] == [m.weights for m in map(pb.PushAdapterRequest.FromString, wire)]
+    if size > 8:  # a push's weights hold at least a safetensors header's length
+        body = asyncio.run(gather(_stream(parsed), max_bytes=1 << 30))
+        assert (body.name, body.tag, body.config, bytes(body.weights)) == ("a", "7", b'{"r": 8}', weights)
+    other = msg.weights_wire(memoryview(b"xyz")) + b"\x20\x03"  # weights, then a field more (total_bytes 3)
+    assert parse_request(other) == pb.PushAdapterRequest(weights=b"xyz", total_bytes=3)
+    for broken in (b"\x2a\x05abc", b"\x2a\x80"):  # a length past the body's end; a varint cut short
+        with pytest.raises(RequestError, match="not a valid"):
+            parse_request(broken)
+
+
 def test_a_reference_names_a_kept_version_by_version_or_by_its_pushed_tag(tmp_path: Path, pushed_pair: Any) -> None:
     """``NAME@REF`` (issue 44 item 3): an exact version the catalog keeps, or the tag a kept version was pushed
     under; a version no longer kept, an unknown tag or name, or a malformed reference is a clear error."""

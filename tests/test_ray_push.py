@@ -139,6 +139,27 @@ def test_a_push_over_grpc_serves_on_both_ranks_and_a_new_one_replaces_it(world: 
     assert world.client.push("trained", second_tensors, world.config, tag=2).version == second.version  # again
 
 
+def test_the_asyncio_client_pushes_the_same_wire_form(world: World) -> None:
+    """``AsyncLoraCacheClient.push`` sends the push on the wire as the sync client does (``push_wire``, through
+    ``push_call`` on an asyncio channel): the version serves on both ranks, each its own shard."""
+    import asyncio
+
+    from lora_cache.api.client import AsyncLoraCacheClient
+
+    tensors = scaled(world.tensors, 7.0)
+
+    async def push() -> Any:
+        client = AsyncLoraCacheClient(world.target, token=TOKEN, timeout_s=60)
+        try:
+            return await client.push("async-trained", tensors, world.config, tag="a1")
+        finally:
+            await client.close()
+
+    done = asyncio.run(push())
+    assert (done.name, done.tag) == ("async-trained", "a1") and current(world, "async-trained") == done.version
+    served_on_every_rank(world, "async-trained", tensors, done.version)
+
+
 def test_a_refused_a_cut_and_a_conflicting_push_leave_the_current_version(world: World) -> None:
     base = world.client.push("steady", world.tensors, world.config, tag="step-1")
     before = sorted(p.name for p in (world.area / "steady").iterdir())

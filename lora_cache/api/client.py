@@ -64,6 +64,14 @@ __all__ = [
 
 TOKEN_ENV = "LORA_CACHE_TOKEN"
 PUSH_BYTES_PER_S = 50e6  # a push's deadline grows by its bytes at this rate (the gateway, the hash, the ranks)
+PUSH_METHOD = f"/{pb.DESCRIPTOR.services_by_name['LoraCacheService'].full_name}/PushAdapter"
+
+
+def push_call(channel: Any) -> Any:
+    """``PushAdapter`` on ``channel`` (sync or asyncio) taking its messages as the bytes on the wire
+    (``client_values.push_wire``: no message objects for the weights)."""
+    return channel.stream_stream(PUSH_METHOD, request_serializer=None,
+                                 response_deserializer=pb.PushAdapterResponse.FromString)
 REGISTER_S_PER_ITEM = 0.5  # RegisterAdapters' deadline grows by this per item (an 8B adapter hashes in ~0.13 s)
 
 # Calls that change nothing, or that the server deduplicates (hint ids; registrations by their request id, which
@@ -238,8 +246,8 @@ class LoraCacheClient(_Base):
         config_bytes, weights = msg.push_payload(tensors, config)
         wait = (timeout_s or self.timeout_s) + len(weights) / PUSH_BYTES_PER_S
         try:
-            stream = self.stub.PushAdapter(msg.push_messages(name, tag, config_bytes, weights),
-                                           timeout=wait, metadata=self._metadata)
+            stream = push_call(self.channel)(msg.push_wire(name, tag, config_bytes, weights), timeout=wait,
+                                             metadata=self._metadata)
             return msg.pushed(next(iter(stream)))
         except grpc.RpcError as e:
             raise ClientError.from_rpc(e) from e
@@ -342,8 +350,8 @@ class AsyncLoraCacheClient(_Base):
         config_bytes, weights = msg.push_payload(tensors, config)
         wait = (timeout_s or self.timeout_s) + len(weights) / PUSH_BYTES_PER_S
         try:
-            stream = self.stub.PushAdapter(msg.push_messages(name, tag, config_bytes, weights),
-                                           timeout=wait, metadata=self._metadata)
+            stream = push_call(self.channel)(msg.push_wire(name, tag, config_bytes, weights), timeout=wait,
+                                             metadata=self._metadata)
             async for response in stream:
                 return msg.pushed(response)
         except grpc.RpcError as e:

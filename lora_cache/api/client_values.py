@@ -166,6 +166,31 @@ def push_messages(name: str, tag: str | int | None, config: bytes, weights: byte
         yield pb.PushAdapterRequest(weights=chunk)
 
 
+WEIGHTS_FIELD = b"\x2a"  # PushAdapterRequest.weights on the wire: field 5, length-delimited (protobuf's encoding)
+
+
+def push_wire(name: str, tag: str | int | None, config: bytes, weights: bytes | memoryview,
+              chunk_bytes: int = PUSH_CHUNK_BYTES) -> Iterator[bytes]:
+    """``push_messages`` as the bytes on the wire: the first message serialized, each later one built straight
+    from the weights (``weights_wire``: one copy of them, where a message object costs three: the chunk, the
+    message, its serialization). Byte for byte what protobuf writes for the same messages."""
+    view = memoryview(weights).cast("B")
+    yield pb.PushAdapterRequest(name=name, tag="" if tag is None else str(tag), config_json=config,
+                                total_bytes=len(view), weights=bytes(view[:chunk_bytes])).SerializeToString()
+    for start in range(chunk_bytes, len(view), chunk_bytes):
+        yield weights_wire(view[start:start + chunk_bytes])
+
+
+def weights_wire(chunk: memoryview) -> bytes:
+    """A ``PushAdapterRequest`` of ``chunk`` alone, serialized: field 5's tag, the length as a varint, the bytes."""
+    n, length = len(chunk), bytearray()
+    while n > 0x7F:
+        length.append(n & 0x7F | 0x80)
+        n >>= 7
+    length.append(n)
+    return b"".join((WEIGHTS_FIELD, length, chunk))
+
+
 def byte_chunks(view: memoryview, chunk_bytes: int = PUSH_CHUNK_BYTES) -> Iterator[bytes]:
     """``view``'s bytes in messages' worth of ``chunk_bytes`` (a push's weights, up or down the wire)."""
     for start in range(0, len(view), chunk_bytes):

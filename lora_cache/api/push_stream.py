@@ -12,9 +12,41 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
-from lora_cache.api.validate import RequestError, show
+from lora_cache.api.v1 import lora_cache_service_pb2 as pb
+from lora_cache.api.validate import RequestError, parse, show
 
 MAX_CONFIG_BYTES = 1 << 20  # a PEFT config is a few KiB
+
+
+WEIGHTS_TAG = 0x2A  # PushAdapterRequest.weights on the wire: field 5, length-delimited
+
+
+class Weights(NamedTuple):
+    """A later message of a push that holds weights alone, not decoded: its bytes where gRPC put them."""
+
+    weights: memoryview
+    name: str = ""
+    tag: str = ""
+    config_json: bytes = b""
+    total_bytes: int = 0
+
+
+def parse_request(raw: bytes) -> Any:
+    """One ``PushAdapterRequest`` body: a message of weights alone as protobuf writes it (field 5's tag, a varint
+    length, the bytes to the body's end: every encoder's form of it) taken in place (``Weights``); any other body
+    (the first message, a later one with other fields) decoded, a malformed one refused (``validate.parse``)."""
+    view = memoryview(raw)
+    if len(view) > 1 and view[0] == WEIGHTS_TAG:
+        length, at, shift = 0, 1, 0
+        while at < len(view) and at <= 10:
+            byte = view[at]
+            length |= (byte & 0x7F) << shift
+            at, shift = at + 1, shift + 7
+            if not byte & 0x80:
+                if at + length == len(view):
+                    return Weights(view[at:])
+                break
+    return parse(pb.PushAdapterRequest, raw)
 
 
 class PushBody(NamedTuple):
@@ -25,7 +57,8 @@ class PushBody(NamedTuple):
 
 
 async def gather(requests: AsyncIterator[Any], max_bytes: int) -> PushBody:
-    """The whole push of ``requests`` (``PushAdapterRequest`` messages), checked (the module's docstring)."""
+    """The whole push of ``requests`` (``PushAdapterRequest`` messages, or ``Weights`` of ``parse_request``),
+    checked (the module's docstring)."""
     first = None
     buffer = bytearray()
     filled = 0

@@ -11,6 +11,7 @@ bodies itself, so bytes that are not the request message are INVALID_ARGUMENT, n
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -23,7 +24,7 @@ from lora_cache.api import validate
 from lora_cache.api.callers import CallRate, StreamLimits, check_speaks_for, client_of
 from lora_cache.api.client_values import byte_chunks
 from lora_cache.api.ingest import HintIngest
-from lora_cache.api.push_stream import gather
+from lora_cache.api.push_stream import gather, parse_request
 from lora_cache.api.rank_link import RankHost, RankLink
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.watch_hub import WatchHub
@@ -351,17 +352,22 @@ def _streaming(method: Streaming, request_cls: type[Any], limits: StreamLimits,
     return handle
 
 
-def _bidi(method: Callable[[AsyncIterator[Any]], AsyncIterator[Any]], request_cls: type[Any], limits: StreamLimits,
-          rpc: str) -> Callable[..., AsyncIterator[Any]]:
+def _bidi(method: Callable[[AsyncIterator[Any]], AsyncIterator[Any]], parse: Callable[[bytes], Any],
+          limits: StreamLimits, rpc: str) -> Callable[..., AsyncIterator[Any]]:
     async def handle(raw_requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         async def requests() -> AsyncIterator[Any]:
             async for raw in raw_requests:
-                yield validate.parse(request_cls, raw)
+                yield parse(raw)
 
         async for response in _answered(lambda: _held(limits, rpc, context, lambda: method(requests())), context):
             yield response
 
     return handle
+
+
+STREAM_PARSERS: dict[str, Callable[[bytes], Any]] = {  # client streams whose bodies are not all decoded
+    "PushAdapter": parse_request,  # a push's weights taken where gRPC put them (``push_stream.parse_request``)
+}
 
 
 def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
@@ -371,7 +377,8 @@ def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
     for rpc, (request_cls, attr) in RPCS.items():
         method = getattr(servicer, attr)
         if service.methods_by_name[rpc].client_streaming:
-            handlers[rpc] = grpc.stream_stream_rpc_method_handler(_bidi(method, request_cls, servicer.streams, rpc),
+            parse = STREAM_PARSERS.get(rpc) or functools.partial(validate.parse, request_cls)
+            handlers[rpc] = grpc.stream_stream_rpc_method_handler(_bidi(method, parse, servicer.streams, rpc),
                                                                   response_serializer=_serialize)
         elif service.methods_by_name[rpc].server_streaming:
             handlers[rpc] = grpc.unary_stream_rpc_method_handler(_streaming(method, request_cls, servicer.streams, rpc),
