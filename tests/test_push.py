@@ -439,3 +439,13 @@ def test_a_retire_while_a_push_is_registered_keeps_its_directory(tmp_path: Path,
 
 def scaled(tensors: dict[str, torch.Tensor], by: float = 2.0) -> dict[str, torch.Tensor]:
     return {k: (v.float() * by).to(v.dtype) for k, v in tensors.items()}
+
+
+def test_the_wire_probe_streams_both_forms_whole() -> None:
+    """``bench.probes.push_wire`` pushes the same weights through both forms to a real gRPC server, each gathered
+    whole (its figures are the two forms' times)."""
+    from bench.probes.push_wire import measure
+
+    result = measure((3 << 20) + 5, 1)
+    assert result["bytes"] == (3 << 20) + 5 and set(result["median_ms"]) == {"messages", "wire"}
+    assert all(len(v) == 1 and v[0] > 0 for v in result["ms"].values())
