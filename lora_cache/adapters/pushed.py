@@ -263,11 +263,10 @@ class PushArea:
             self._prune(self.dir / name)
         return removed
 
-    def _sweep(self) -> list[str]:
+    def _sweep(self) -> None:
         """Remove the versions being written that are older than ``STALE_WRITE_S``: a writer that died midway (a rank
         killed while it copied a version to its node) left them, and nothing else would free that node memory before
-        the machine restarts. A live write is never that old. The directories removed (under the lock)."""
-        swept = []
+        the machine restarts. A live write is never that old (under the lock)."""
         for tmp in self.dir.glob(f"*/{TMP_PREFIX}*"):
             try:
                 stale = time.time() - tmp.stat().st_mtime > STALE_WRITE_S
@@ -275,8 +274,6 @@ class PushArea:
                 continue
             if stale:
                 shutil.rmtree(tmp, ignore_errors=True)
-                swept.append(f"{tmp.parent.name}/{tmp.name}")
-        return swept
 
     @staticmethod
     def _prune(parent: Path) -> None:

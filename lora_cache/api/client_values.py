@@ -159,11 +159,15 @@ def push_messages(name: str, tag: str | int | None, config: bytes, weights: byte
                   chunk_bytes: int = PUSH_CHUNK_BYTES) -> Iterator[Any]:
     """The ``PushAdapterRequest`` stream of one push: the name, tag, config and size first, then the weights."""
     view = memoryview(weights).cast("B")
-    chunks = byte_chunks(view, chunk_bytes)
-    yield pb.PushAdapterRequest(name=name, tag="" if tag is None else str(tag), config_json=config,
-                                total_bytes=len(view), weights=next(chunks, b""))
-    for chunk in chunks:
+    yield first_message(name, tag, config, view, chunk_bytes)
+    for chunk in byte_chunks(view[chunk_bytes:], chunk_bytes):
         yield pb.PushAdapterRequest(weights=chunk)
+
+
+def first_message(name: str, tag: str | int | None, config: bytes, view: memoryview, chunk_bytes: int) -> Any:
+    """A push's first message: the name, tag, config and size, and the weights' first chunk."""
+    return pb.PushAdapterRequest(name=name, tag="" if tag is None else str(tag), config_json=config,
+                                 total_bytes=len(view), weights=bytes(view[:chunk_bytes]))
 
 
 WEIGHTS_FIELD = b"\x2a"  # PushAdapterRequest.weights on the wire: field 5, length-delimited (protobuf's encoding)
@@ -175,8 +179,7 @@ def push_wire(name: str, tag: str | int | None, config: bytes, weights: bytes | 
     from the weights (``weights_wire``: one copy of them, where a message object costs three: the chunk, the
     message, its serialization). Byte for byte what protobuf writes for the same messages."""
     view = memoryview(weights).cast("B")
-    yield pb.PushAdapterRequest(name=name, tag="" if tag is None else str(tag), config_json=config,
-                                total_bytes=len(view), weights=bytes(view[:chunk_bytes])).SerializeToString()
+    yield first_message(name, tag, config, view, chunk_bytes).SerializeToString()
     for start in range(chunk_bytes, len(view), chunk_bytes):
         yield weights_wire(view[start:start + chunk_bytes])
 
