@@ -22,6 +22,7 @@ from lora_cache.adapters.files import BLOCK_BYTES, FileIdentity, digest_weights
 from lora_cache.adapters.passes import PASS_BYTES
 from lora_cache.adapters.pushed import digest, write_spread
 from lora_cache.adapters.serialize import safetensors_bytes
+from lora_cache.errors import ConfigError
 
 SIZES = [9, BLOCK_BYTES - 1, BLOCK_BYTES, BLOCK_BYTES + 1, PASS_BYTES, PASS_BYTES + 1, 2 * PASS_BYTES + 3 * BLOCK_BYTES]
 
@@ -133,3 +134,17 @@ def test_a_hashing_pass_gives_every_thread_whole_blocks_up_to_the_limit(threads:
                 assert task // BLOCK_BYTES == max(1, -(-blocks // threads))
             if nbytes >= threads * PASS_BYTES:
                 assert task == PASS_BYTES
+
+
+def test_the_pass_threads_are_the_operators_or_one_per_usable_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(passes.THREADS_ENV, raising=False)
+    usable = len(os.sched_getaffinity(0))
+    assert passes.pass_threads() == min(passes.PASS_THREADS, usable)
+    monkeypatch.setenv(passes.THREADS_ENV, "4")
+    assert passes.pass_threads() == 4  # an operator leaving the node's other cores to its engines
+    monkeypatch.setenv(passes.THREADS_ENV, "40")
+    assert passes.pass_threads() == 40  # past PASS_THREADS if asked
+    for bad in ("0", "-2", "four", "2.5", "1000"):
+        monkeypatch.setenv(passes.THREADS_ENV, bad)
+        with pytest.raises(ConfigError, match=f"LORA_CACHE_PUSH_THREADS={bad!r}.*whole number from 1 to 256"):
+            passes.pass_threads()

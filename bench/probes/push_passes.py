@@ -41,7 +41,7 @@ import torch
 
 from lora_cache.adapters import pushed, serialize
 from lora_cache.adapters.files import BLOCK_BYTES
-from lora_cache.adapters.passes import PASS_THREADS
+from lora_cache.adapters.passes import pass_threads
 from lora_cache.adapters.peft import peft_key
 from lora_cache.adapters.pushed import default_push_dir, digest, write_spread
 from lora_cache.adapters.serialize import safetensors_bytes
@@ -148,7 +148,7 @@ def main() -> None:
     result = {"model": args.model, "rank": args.rank, "bytes": int(data.nbytes), "cpus": os.cpu_count(),
               "pass_bytes": pushed.PASS_BYTES,
               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "",
-              "threads": min(PASS_THREADS, os.cpu_count() or 1), "dir": str(where), "rows": rows,
+              "threads": pass_threads(), "dir": str(where), "rows": rows,
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

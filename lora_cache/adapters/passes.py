@@ -15,8 +15,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from lora_cache.adapters.files import BLOCK_BYTES
+from lora_cache.errors import ConfigError
 
-PASS_THREADS = 16  # threads at most in the pool
+PASS_THREADS = 16  # threads at most in the pool (unless THREADS_ENV says otherwise)
+THREADS_ENV = "LORA_CACHE_PUSH_THREADS"
 PASS_BYTES = 8 * BLOCK_BYTES  # the bytes one task takes (whole blocks, so a block's hash is one task's)
 _LOCK = threading.Lock()
 _POOL: list[ThreadPoolExecutor] = []  # made at the first pass (not at import: a forked process makes its own)
@@ -31,10 +33,23 @@ def task_bytes(nbytes: int, limit: int = 0) -> int:
     return max(BLOCK_BYTES, min(limit or PASS_BYTES, blocks * BLOCK_BYTES))
 
 
+def pass_threads() -> int:
+    """The pool's threads: ``LORA_CACHE_PUSH_THREADS`` if set (an operator leaving cores to a node's engines), else
+    one per core this process may run on, up to ``PASS_THREADS``."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if not raw:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return min(PASS_THREADS, cores)
+    if not raw.isdigit() or not 1 <= int(raw) <= 256:
+        raise ConfigError(f"{THREADS_ENV}={raw!r} is not a thread count: give a whole number from 1 to 256 (the "
+                          "threads a push's passes over its bytes use), or leave it unset for one per core")
+    return int(raw)
+
+
 def passes() -> ThreadPoolExecutor:
-    """This process's pool for passes over a push's bytes: one thread per core, up to ``PASS_THREADS``."""
+    """This process's pool for passes over a push's bytes (``pass_threads()`` threads)."""
     if not _POOL:
         with _LOCK:
             if not _POOL:
-                _POOL.append(ThreadPoolExecutor(min(PASS_THREADS, os.cpu_count() or 1), "push-pass"))
+                _POOL.append(ThreadPoolExecutor(pass_threads(), "push-pass"))
     return _POOL[0]
