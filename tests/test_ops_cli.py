@@ -46,7 +46,7 @@ def serve_fails(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 
 
 def test_serve_checks_paths_sizes_ports_and_files_before_ray_starts(
-    adapters: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    adapters: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 34: each of these became a Ray traceback 9-12 s after start (or named a flag that does not exist,
     or asked "which base model?" for a directory that was not there)."""
@@ -71,6 +71,9 @@ def test_serve_checks_paths_sizes_ports_and_files_before_ray_starts(
     assert "grpc_host '0.0.0.0' listens beyond this machine" in err and "--token-file" in err and "--insecure" in err
     err = serve_fails(capsys, "--adapters", str(adapters), "--service", "Bad_Name")
     assert "--service 'Bad_Name' is not a service name" in err
+    monkeypatch.setenv("LORA_CACHE_PUSH_THREADS", "many")  # read by the controller's pushes: refused at the start
+    err = serve_fails(capsys, "--adapters", str(adapters))
+    assert "LORA_CACHE_PUSH_THREADS='many' is not a thread count" in err and "whole number from 1 to 256" in err
 
 
 def test_serve_options_are_grouped_by_the_config_they_build() -> None:

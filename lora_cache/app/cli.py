@@ -129,6 +129,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     serve_config = config_from_args(ServeConfig, ns)
     catalog = config_from_args(CatalogConfig, ns)
     worker = config_from_args(WorkerConfig, ns)
+    preflight.check_environment()
     preflight.check_adapters(serve_config.adapters, catalog)
     model = choose_model(catalog.model, serve_config.adapters or None, timeout_s=catalog.store_timeout_s)
     if model != catalog.model:

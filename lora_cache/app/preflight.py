@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from lora_cache.adapters.catalog import CatalogConfig
+from lora_cache.adapters.passes import pass_threads
 from lora_cache.adapters.shapes import resolve_model
 from lora_cache.adapters.shards import max_shard_numel
 from lora_cache.api.gateway import GatewayConfig
@@ -36,6 +37,12 @@ def check_directory(option: str, value: str, what: str) -> None:
         raise UsageError(f"{option} {value}: no such directory; give {what} (or create it)")
     if not path.is_dir():
         raise UsageError(f"{option} {value}: not a directory; give {what}")
+
+
+def check_environment() -> None:
+    """The settings ``serve``'s processes read from the environment: ``LORA_CACHE_PUSH_THREADS`` (the pool a push's
+    passes use in the controller, which inherits it), refused here rather than at the first push."""
+    pass_threads()
 
 
 def check_adapters(adapters: str, catalog: CatalogConfig) -> None:
@@ -88,6 +95,7 @@ def check_port(gateway: GatewayConfig) -> None:
 
 def check_serve(adapters: str, catalog: CatalogConfig, worker: WorkerConfig, tp: int, gateway: GatewayConfig) -> None:
     """Every check above, before Ray starts (``catalog.model`` already chosen)."""
+    check_environment()
     check_adapters(adapters, catalog)
     check_sizes(catalog, worker, tp)
     check_port(gateway)
