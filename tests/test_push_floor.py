@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from bench.probes.push_floor import _checksum, shard_bytes
+from workers.gpu.copies import host_copy_ms
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,6 +26,10 @@ def test_a_ranks_shard_is_the_push_probes() -> None:
     assert shard_bytes("llama-3.1-8b", 16, 1, None) == 83_886_080  # the push probe's 8B rank-16 shard at TP 1
     assert shard_bytes("llama-3.1-8b", 16, 2, None) < 83_886_080 < 2 * shard_bytes("llama-3.1-8b", 16, 2, None)
     assert shard_bytes("llama-3.1-8b", 16, 2, 1.5) == 3 << 19
+
+
+def test_the_reference_copy_is_timed_on_the_cpu_as_on_a_device() -> None:
+    assert host_copy_ms(torch.device("cpu"), 1 << 20, repeats=3) > 0  # a memcpy there; a pinned copy on a GPU
 
 
 def test_the_checksum_tells_a_slice_at_another_offset_or_of_another_length() -> None:

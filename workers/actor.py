@@ -36,6 +36,7 @@ from workers.control.node_copies import NodeCopies, fetch_payload
 from workers.control.outbox import Outbox
 from workers.control.rank import WorkerControl
 from workers.engine.hosted import HostedEngine
+from workers.gpu.copies import host_copy_ms
 from workers.gpu.streams import resolve_device
 from workers.reads.shard import read_shard
 
@@ -111,23 +112,7 @@ class WorkerActor(HostedEngineCalls):
     def copy_probe(self, nbytes: int, repeats: int = 5) -> float:
         """Median ms of a plain pinned-host -> device copy of ``nbytes`` on this worker's device: the
         reference a shard load is measured against, in the same process and run."""
-        device = self.cache.device
-        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        times = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                dst.copy_(src, non_blocking=True)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                dst.copy_(src)
-                times.append((time.perf_counter() - t0) * 1e3)
-        return sorted(times)[len(times) // 2]
+        return host_copy_ms(self.cache.device, nbytes, repeats)
 
     def verify(self, name: str, version: str | None = None) -> dict[str, object]:
         """Compare the resident shard of ``name`` (its current version, or ``version``) with this rank's slices

@@ -42,6 +42,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from lora_cache.adapters.shapes import resolve_model
 from lora_cache.adapters.shards import max_shard_numel
+from workers.gpu.copies import host_copy_ms
 
 DTYPE = torch.bfloat16  # the pushed adapter's weights
 
@@ -101,22 +102,7 @@ class Rank:
 
     def copy_probe(self, repeats: int) -> float:
         """Median ms of a plain pinned-host -> device copy of ``dst``'s bytes (a memcpy on the CPU)."""
-        cuda = self.device.type == "cuda"
-        src = torch.empty(self.dst.numel(), dtype=torch.uint8, pin_memory=cuda)
-        times = []
-        for _ in range(repeats):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                self.dst.copy_(src, non_blocking=True)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                self.dst.copy_(src)
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return host_copy_ms(self.device, self.dst.numel(), repeats)
 
 
 def _checksum(data: torch.Tensor) -> int:

@@ -91,11 +91,3 @@ def check_port(gateway: GatewayConfig) -> None:
                 f"--grpc-port {gateway.grpc_port} on --grpc-host {gateway.grpc_host}: {why}; choose "
                 "another --grpc-port (0: any free port) or stop what listens there"
             ) from e
-
-
-def check_serve(adapters: str, catalog: CatalogConfig, worker: WorkerConfig, tp: int, gateway: GatewayConfig) -> None:
-    """Every check above, before Ray starts (``catalog.model`` already chosen)."""
-    check_environment()
-    check_adapters(adapters, catalog)
-    check_sizes(catalog, worker, tp)
-    check_port(gateway)

@@ -30,6 +30,29 @@ COPY_MAX_BYTES = 64 << 20  # staged chunks copied together, at most (a copy of >
 H2D_FASTEST_BPS = 64e9  # above any pinned host -> GPU copy measured (53-55 GB/s, PCIe Gen5 x16): never late
 
 
+def host_copy_ms(device: torch.device, nbytes: int, repeats: int = 5) -> float:
+    """Median ms of a plain pinned-host -> ``device`` copy of ``nbytes`` (a memcpy on the CPU): the reference a
+    shard's load or a push is measured against, in the same process and run (``WorkerActor.copy_probe``,
+    ``bench.probes.push_floor``)."""
+    cuda = device.type == "cuda"
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 class LoadFailed(RuntimeError):
     """Raised to a waiter on a chunk of a load that failed; ``__cause__`` is the load's own error."""
 
