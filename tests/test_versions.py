@@ -629,3 +629,50 @@ def test_idle_named_rows_leave_the_exchange_least_recently_used_first(tmp_path: 
         report.drop((named[1],))
     report.append([named[0]])  # named again: a row of its own again
     assert report.names[-1] == named[0] and report.named == [named[2], named[0]]
+
+
+def test_an_older_version_a_submitted_or_waiting_request_names_outlives_registrations_until_its_row_goes(
+        tmp_path: Path) -> None:
+    """Issue 44 item 3, the window between a submit and the load: a request pinned to ``a@v0`` (v0 past
+    ``keep_versions`` once a newer version registers, no slot holding it yet) keeps v0 in the rank's catalog while it
+    waits in the feed and then while a row of the version exchange names it (waiting for a lane or a load, on every
+    rank: the rows come from rank 0's plan); once the row goes, v0 retires. Before, the registration retired v0 at
+    once on a rank no slot of which held it, and the request, accepted, failed there."""
+    from workers.engine.hosted import HostedEngine, Rendezvous
+
+    make_versions(tmp_path)
+    catalog = AdapterCatalog(CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny", max_rank=16, keep_versions=1))
+    v = [catalog.register("a", tmp_path / f"a-v{n}").version for n in range(2)]
+    catalog.register("b", tmp_path / "b-v0")
+    cache = WorkerCache(WorkerConfig(num_slots=2, dtype="float32", device="cpu", max_batch=8,
+                                     host=HostTierConfig(host_bytes=1 << 20, read_threads=2, pin=False)), catalog)
+    config = EngineConfig(model="tiny", device="cpu", num_slots=2, max_adapters=2, max_running=3,
+                          max_prefill_tokens=16, max_seq_len=16, max_rank=16)
+    hosted = HostedEngine(cache)
+    users = len(catalog.retirement.users)
+    try:
+        hosted.build(config, Rendezvous("127.0.0.1", 0, 1), 0)
+        engine, feed = hosted.engine, hosted.feed
+        assert engine is not None and feed is not None
+        hosted.submit([Request(1, f"a@{v[0]}", 3, 1), Request(2, "b", 3, 1)])
+        v.append(catalog.register("a", tmp_path / "a-v2").version)  # v0 is now past the bound; no slot holds it
+        assert catalog.versions("a") == v, "a submitted request names v0: kept"
+        taken, _ = feed.take()
+        assert [r.adapter for r in taken] == [f"a@{v[0]}", "b"]
+        engine.add_names((f"a@{v[0]}",))  # the loop's take: a row of the exchange names v0 (every rank's plan)
+        catalog.trim("a")
+        assert catalog.versions("a") == v, "the row names v0: kept while its request waits for a lane or a load"
+        assert cache.prefetch("a", v[0]).result(timeout=30).version == v[0], "and loadable"
+        assert cache.evict("a", v[0])
+        assert catalog.versions("a") == v, "its slot let go of it: the row still keeps it"
+        engine.add_names((), dropped=(f"a@{v[0]}",))  # no request names it any more: the row goes, v0 retires
+        assert catalog.versions("a") == v[1:] and catalog.current("a") == v[2]
+        with pytest.raises(NotFoundError):
+            catalog.get("a", v[0])
+    finally:
+        if hosted.engine is not None:
+            hosted.engine.close()
+        hosted.close()
+        left = len(catalog.retirement.users)
+        cache.close()
+    assert left == users, "the engine and its feed stop naming versions once closed"

@@ -122,6 +122,13 @@ class RankVersions:
         self._seen, self._cur = self._seen[keep], self._cur[keep]
         self._generation = -1
 
+    def named_versions(self, name: str) -> set[str]:
+        """The versions of ``name`` the named rows (``A@VERSION``) name: what a rank's catalog keeps past
+        ``keep_versions`` for the requests that named them (``RankEngine``'s catalog user). Safe from any thread:
+        ``named`` is replaced whole on a change, never mutated."""
+        prefix = f"{name}@"
+        return {ref[len(prefix):] for ref in self.named if ref.startswith(prefix)}
+
     def rows(self, ready: Iterable[AdapterKey], failed_loads: Iterable[str] = (),
              failed_steps: Iterable[str] = (), issued: Iterable[AdapterKey] = ()) -> torch.Tensor:
         """This rank's report: [len(names), COLUMNS] int64 (``ready``: the versions READY here; ``issued``:

@@ -110,6 +110,14 @@ class Feed:
         with self._lock:
             self._watch = callback
 
+    def named_versions(self, name: str) -> set[str]:
+        """The versions of ``name`` that requests submitted and not yet taken name (``A@VERSION``, as a submit pins
+        them): a catalog user (``AdapterCatalog.use``), so that a registration between a submit and the loop's take
+        (which gives the version a row of the exchange: ``RankEngine.named_versions``) does not retire it."""
+        prefix = f"{name}@"
+        with self._lock:
+            return {r.adapter[len(prefix):] for r in self._new if r.adapter and r.adapter.startswith(prefix)}
+
     def take(self) -> tuple[list[Request], bool]:
         """Requests submitted since the last take, and whether the stream is closed."""
         with self._lock:

@@ -105,7 +105,11 @@ class HostedEngine:
         self.engine = RankEngine(config, self.comm, self.cache)  # model and KV cache built before the clock
         t2 = time.perf_counter()
         self.engine.warm_up()
+        if self.feed is not None:  # a build after a run: the last run's feed keeps nothing any more
+            self.cache.catalog.unuse(self.feed.named_versions)
         self.feed = Feed() if rank == 0 else None  # before the run starts: a submit may come first
+        if self.feed is not None:  # a version a submitted request names stays until the loop takes it
+            self.cache.catalog.use(self.feed.named_versions)
         return {"group_s": t1 - t0, "model_s": t2 - t1, "warm_up_s": time.perf_counter() - t2}
 
     def run(self, requests: Sequence[Request], start_wall: float, inflight: int = 0,
@@ -187,6 +191,8 @@ class HostedEngine:
         return self.feed
 
     def close(self) -> None:
+        if self.feed is not None:
+            self.cache.catalog.unuse(self.feed.named_versions)
         if self.comm is not None and self.comm.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
         self.comm = self.config = self.engine = None

@@ -20,6 +20,7 @@ import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog
 from lora_cache.adapters.peft import KnownVersion
+from lora_cache.adapters.refs import base_name
 from lora_cache.errors import CapacityError, ConfigError, LoraCacheError
 from lora_cache.runtime import heap
 from lora_cache.vocab import AdapterKey, ReadinessRecord
@@ -167,6 +168,8 @@ class RankEngine:
                                  self.prefetching)
         self.pauses = heap.Pauses()  # the collector's stalls, per step in the log (stopped by close)
         self.pauses.start()
+        self.named_versions = lambda name: self.versions.named_versions(name)  # kept while a row names it (``adopt``)
+        self.catalog.use(self.named_versions)
 
     def _make_cache(self) -> WorkerCache:
         c = self.config
@@ -228,6 +231,8 @@ class RankEngine:
         self.versions.drop(dropped)
         if names:
             self.versions.append(names)
+        for name in sorted({base_name(ref) for ref in dropped}):  # their versions retire unless kept otherwise
+            self.catalog.trim(name)
 
     # -- readiness and versions (every round) -------------------------------------------------------------
     def readiness(self, wanted: tuple[AdapterRef, ...]) -> torch.Tensor:
@@ -471,6 +476,7 @@ class RankEngine:
             self.stream.synchronize()  # the step's tokens are ready: what an engine's sampling waits for
 
     def close(self) -> RankStats:
+        self.catalog.unuse(self.named_versions)
         self.pauses.stop()
         self.stats.gc = self.pauses.summary()
         self.arrivals.close()
