@@ -454,3 +454,79 @@ def test_a_hosted_engine_submit_pins_each_reference_to_its_exact_version_or_refu
         version = cache.catalog.current(ADAPTERS[0])
         hosted.submit([Request(3, f"{ADAPTERS[0]}@{version}", 3, 1), Request(4, ADAPTERS[1], 3, 1)])
         assert [r.adapter for r in hosted.feed.take()[0]] == [f"{ADAPTERS[0]}@{version}", ADAPTERS[1]]
+
+
+OLDER = 6  # versions of "ver": v0 named by a request, then 5 more registered (past the default keep_versions, 4)
+
+
+@pytest.fixture(scope="module")
+def versions_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ADAPTERS, and ``versions/ver-vN``: one adapter's versions (different weights), not registered at build."""
+    from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
+    from lora_cache.adapters.synth import write_adapter
+
+    root = tmp_path_factory.mktemp("named-versions")
+    make_adapters(root, SynthConfig(model="tiny", count=len(ADAPTERS), rank="8"))
+    for n in range(OLDER):
+        write_adapter(root / "versions" / f"ver-v{n}", SHAPES["tiny"], 8, 16.0, list(MODULE_ORDER), torch.float32,
+                      torch.Generator().manual_seed(1000 + n))
+    files = [p for p in root.rglob("*") if p.is_file()]
+    wait_for(lambda: all(settled_at(FileIdentity.of(p.stat()), time.time_ns()) for p in files),
+             "the versions' files settled (identity versions)", 10)
+    return root
+
+
+def _named_rank(cfg: EngineConfig, comm: Comm) -> tuple[EngineResult, str, list[str]]:
+    """One rank of a streaming run in which a request pinned to ``ver``'s older version v0 waits (its arrival is
+    later) while every rank registers newer versions past ``keep_versions``, each once its own exchange has the
+    request's row. Returns rank 0's result, v0, and this rank's versions of ``ver`` after its registrations."""
+    engine = RankEngine(cfg, comm)
+    engine.warm_up()
+    versions = Path(cfg.adapters) / "versions"
+    v0 = engine.catalog.register("ver", versions / "ver-v0").version
+    engine.catalog.register("ver", versions / "ver-v1")  # v1 current, v0 older (within the bound)
+    feed = Feed() if comm.rank == 0 else None
+    stop = threading.Event()
+    after: list[str] = []
+
+    def register_once_named() -> None:  # on every rank: the controller's registrations, once the row is here
+        while f"ver@{v0}" not in engine.versions.named:
+            if stop.wait(0.005):
+                return
+        for n in range(2, OLDER):
+            engine.catalog.register("ver", versions / f"ver-v{n}")
+        after.extend(engine.catalog.versions("ver"))
+        if feed is not None:
+            done: list[int] = []
+            _finish(feed, done, {0, 1})
+            feed.close()
+
+    if feed is not None:  # the router: the request on v0 arrives 1.5 s into the run (not admitted, not loaded yet)
+        feed.submit([Request(0, ADAPTERS[0], 3, 2), Request(1, f"ver@{v0}", 3, 2, arrival_s=1.5)])
+    helper = threading.Thread(target=register_once_named, daemon=True)
+    helper.start()
+    try:
+        result = serve_rank(cfg, ADMISSION[cfg.admission](), (), comm, engine, Hooks(feed=feed))
+    finally:
+        stop.set()
+    helper.join(30)
+    return result, v0, after
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_request_pinned_to_an_older_version_outlives_the_registrations_past_the_bound(
+        versions_root: Path, tp: int) -> None:
+    """Issue 44 item 3: a request admitted on ``ver@v0`` while v0 is an older version waits (here for its arrival;
+    in service for a lane or a load); meanwhile every rank registers newer versions until v0 is past
+    ``keep_versions`` with no slot holding it. The request's row of the version exchange keeps v0 on every rank, so
+    it is served on v0 everywhere (the step audit); before, each rank's registration retired v0 and the request
+    failed. (TP 2: each rank registers once its own exchange has the row, as the round that brings it ends.)"""
+    cfg = config(versions_root, tp=tp, admission="ondemand", audit_steps=True)
+    result, v0, after = _named_rank(cfg, Comm()) if tp == 1 else spawn(functools.partial(_named_rank, cfg), tp, "cpu")
+    assert v0 in after and len(after) == OLDER, f"rank 0 retired v0 under its request: {after}"
+    records = {r.rid: r for r in result.records}
+    assert records[0].ok and records[1].ok, records[1].error
+    assert records[1].version == v0
+    for rank in result.ranks:
+        keys = {key for audit in rank.audit for r, key in zip(audit.rids, audit.keys) if r == 1}
+        assert keys == {f"ver@{v0}"}, (rank.rank, keys)
