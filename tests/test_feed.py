@@ -7,7 +7,7 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -298,14 +298,21 @@ def _late_rank(cfg: EngineConfig, flags: Path, comm: Comm) -> tuple[EngineResult
             engine.catalog.register("late-b", later / "late-b")
             (flags / "b-registered").touch()
 
-    helper = threading.Thread(target=drive if comm.rank == 0 else follow, daemon=True)
-    helper.start()
+    result = _serve_beside(cfg, comm, engine, feed, drive if comm.rank == 0 else follow, stop)
+    return result, early
+
+
+def _serve_beside(cfg: EngineConfig, comm: Comm, engine: RankEngine, feed: Feed | None,
+                  helper: Callable[[], None], stop: threading.Event) -> EngineResult:
+    """Serve a streaming run on this rank with ``helper`` running beside it on a thread (the router and the
+    controller's registrations); ``stop`` is set once the run is over."""
+    thread = threading.Thread(target=helper, daemon=True)
+    thread.start()
     try:
-        result = serve_rank(cfg, ADMISSION[cfg.admission](), (), comm, engine, Hooks(feed=feed))
+        return serve_rank(cfg, ADMISSION[cfg.admission](), (), comm, engine, Hooks(feed=feed))
     finally:
         stop.set()
-    helper.join(30)
-    return result, early
+        thread.join(30)
 
 
 @pytest.mark.parametrize("tp,admission", [(1, "ondemand"), (2, "overlap")])
@@ -503,14 +510,7 @@ def _named_rank(cfg: EngineConfig, comm: Comm) -> tuple[EngineResult, str, list[
 
     if feed is not None:  # the router: the request on v0 arrives 1.5 s into the run (not admitted, not loaded yet)
         feed.submit([Request(0, ADAPTERS[0], 3, 2), Request(1, f"ver@{v0}", 3, 2, arrival_s=1.5)])
-    helper = threading.Thread(target=register_once_named, daemon=True)
-    helper.start()
-    try:
-        result = serve_rank(cfg, ADMISSION[cfg.admission](), (), comm, engine, Hooks(feed=feed))
-    finally:
-        stop.set()
-    helper.join(30)
-    return result, v0, after
+    return _serve_beside(cfg, comm, engine, feed, register_once_named, stop), v0, after
 
 
 @pytest.mark.parametrize("tp", [1, 2])
