@@ -15,15 +15,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lora_cache.adapters.refs import base_name
+
 
 def check_steps(records: Sequence[Any], audits: Sequence[Sequence[Any]], hot: str,
                 directory: Callable[[str, str], Path], expected: Callable[[Path, str, int], str]) -> tuple[int, int]:
     """Assert the invariants above; returns (slot digests checked, versions of ``hot`` served)."""
     assert all(r.ok for r in records), [r.error for r in records if not r.ok]
-    served = {r.version for r in records if r.adapter == hot}
+    served = {r.version for r in records if r.adapter and base_name(r.adapter) == hot}  # ``A`` or a pinned ``A@V``
     assert len(served) >= 2, f"every request got one version ({served}): no re-registration reached the steps"
     assert audits and all(len(a) == len(audits[0]) > 0 for a in audits), "every rank ran the same steps"
-    version_of = {r.rid: f"{r.adapter}@{r.version}" for r in records if r.adapter is not None}
+    version_of = {r.rid: f"{base_name(r.adapter)}@{r.version}" for r in records if r.adapter is not None}
     checked = 0
     for steps in zip(*audits):
         step0 = steps[0]

@@ -43,6 +43,7 @@ from safetensors.torch import load
 from bench.version_check import check_steps
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, read_adapter
+from lora_cache.adapters.refs import base_name
 from lora_cache.adapters.shards import shard_layout
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.api.client import LoraCacheClient
@@ -119,6 +120,13 @@ def main() -> None:
                     help="digest every step's slots and check them against the pushed bytes (a host sync a step)")
     ap.add_argument("--source", choices=("cpu", "gpu"), default="cpu", help="where the trainer's tensors lie")
     ap.add_argument("--summary", default="", help="write the run's figures here (JSON): pushes, steps by push")
+    ap.add_argument("--admission", default=EngineConfig.admission,
+                    help="the engine's admission rule (workers.engine.admission.ADMISSION); ondemand loads an "
+                         "adapter only when its request is admitted, so a request waits unloaded for a lane")
+    ap.add_argument("--staleness", type=int, default=-1,
+                    help="K >= 0: each request for the pushed adapter names the version K pushes behind the newest "
+                         "(ADAPTER@STEP, as an RL trainer's rollouts on a lagging policy do), submitted as it arrives "
+                         "to a streaming run; -1 (default): given up front, each admitted on the version current then")
     args = ap.parse_args()
     if args.source == "gpu" and not args.gpu:
         raise SystemExit("--source gpu keeps the trainer's tensors on a GPU: add --gpu")
@@ -145,17 +153,21 @@ def main() -> None:
         ranks = [svc.workers[WorkerId("replica-0", k)] for k in range(args.tp)]
         engine = EngineConfig(adapters=str(work / "adapters"), model=args.model, device="cuda" if args.gpu else "cpu",
                               tp=args.tp, num_slots=4, max_adapters=2, max_running=8, max_prefill_tokens=64,
-                              max_seq_len=64, max_rank=16, audit_steps=args.audit, host=host)
+                              max_seq_len=64, max_rank=16, audit_steps=args.audit, host=host,
+                              admission=args.admission)
         meet = ray.get(ranks[0].engine_rendezvous.remote(args.tp), timeout=60)
         ray.get([h.engine_build.remote(engine, meet) for h in ranks], timeout=600)
         count = int(args.seconds * args.rate)
         requests = [Request(i, args.adapter if i % 3 else "adapter-000", 4 + i % 5, 3 + i % 4, i / args.rate)
                     for i in range(count)]
         start_wall = time.time() + 1.0
-        runs = [ranks[0].engine_run.remote(requests, start_wall, 0, True),
-                *[h.engine_run.remote(requests, start_wall) for h in ranks[1:]]]
+        streaming = args.staleness >= 0
+        runs = [ranks[0].engine_run.remote([] if streaming else requests, start_wall, 0, True, streaming),
+                *[h.engine_run.remote([] if streaming else requests, start_wall) for h in ranks[1:]]]
         pusher = threading.Thread(target=trainer.run, name="trainer", daemon=True)
         pusher.start()
+        refused = submit_stale(ranks[0], requests, trainer, args.adapter, args.staleness, start_wall) \
+            if streaming else []
         result = ray.get(runs[0], timeout=args.seconds * 10 + 300)
         audits = [result.ranks[k].audit for k in range(args.tp)]
         ray.get(runs[1:])
@@ -166,12 +178,16 @@ def main() -> None:
         tags = {row["version"]: row["step"] for row in trainer.log}
         with open(args.out, "w") as f:
             for r in result.records:
+                ours = r.adapter is not None and base_name(r.adapter) == args.adapter  # ``A`` or a pinned ``A@V``
                 f.write(json.dumps({"rid": r.rid, "adapter": r.adapter, "version": r.version, "ok": r.ok,
-                                    "pushed_step": tags.get(r.version) if r.adapter == args.adapter else None}) + "\n")
+                                    "pushed_step": tags.get(r.version) if ours else None}) + "\n")
 
         failed = [r for r in result.records if not r.ok]
         print(f"{len(failed)} of {len(result.records)} requests failed (keep_versions {args.keep_versions}, a push "
               f"every {args.push_every} s)" + "".join(f"\n  {r.rid}: {r.error}" for r in failed[:5]))
+        if streaming:
+            print(f"{len(refused)} of {count} submits refused (each names the version {args.staleness} pushes behind "
+                  "the newest)" + "".join(f"\n  {e}" for e in refused[:5]))
         shape = catalog.shape()
 
         def expected(directory: Path, name: str, rank: int) -> str:
@@ -194,13 +210,15 @@ def main() -> None:
                   f"rank ran the version its request was admitted with, and held that version's bytes. Per request: "
                   f"{args.out}")
         else:
-            assert not failed, [r.error for r in failed]
-            served = len({r.version for r in result.records if r.adapter == args.adapter})
+            assert not failed and not refused, ([r.error for r in failed], refused)
+            served = len({r.version for r in result.records if r.adapter and base_name(r.adapter) == args.adapter})
             print(f"{served} versions of {args.adapter} served (steps not audited: --no-audit)")
         if args.summary:
             Path(args.summary).write_text(json.dumps(
                 {"model": args.model, "tp": args.tp, "gpu": args.gpu, "source": args.source, "audit": args.audit,
                  "rate": args.rate, "seconds": args.seconds, "push_every": args.push_every,
+                 "staleness": args.staleness, "keep_versions": args.keep_versions, "failed": len(failed),
+                 "refused": len(refused),
                  "requests": len(result.records), "served_versions": served, "pushes": trainer.log,
                  "steps": stalls, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, indent=2))
     finally:
@@ -208,6 +226,24 @@ def main() -> None:
         gw.stop()
         svc.stop()
         ray.shutdown()
+
+
+def submit_stale(rank0: object, requests: Sequence[Request], trainer: Trainer, adapter: str, staleness: int,
+                 start_wall: float) -> list[str]:
+    """Submit each request to the streaming run at its arrival, naming ``adapter``'s version ``staleness`` pushes
+    behind the newest the trainer has pushed then (``ADAPTER@STEP``); then end the stream. The refusals (a submit
+    naming a version no longer kept is refused whole: ``HostedEngine.submit``)."""
+    refused: list[str] = []
+    for r in requests:
+        time.sleep(max(0.0, start_wall + r.arrival_s - time.time()))
+        if r.adapter == adapter:
+            r = r._replace(adapter=f"{adapter}@{max(0, trainer.step - 1 - staleness)}")
+        try:
+            ray.get(rank0.engine_submit.remote([r]), timeout=60)  # type: ignore[attr-defined]
+        except Exception as e:  # a refusal names the request and the version: counted, the stream goes on
+            refused.append(f"{r.rid} {r.adapter}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    ray.get(rank0.engine_end_stream.remote(), timeout=60)  # type: ignore[attr-defined]
+    return refused
 
 
 def push_stalls(steps: Sequence[StepLog], pushes: Sequence[dict[str, object]]) -> dict[str, dict[str, float]]:
