@@ -23,7 +23,7 @@ from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.header import parse_header
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, content_version
 from lora_cache.adapters.pushed import PushArea, check_push, check_tag, content_tag
-from lora_cache.adapters.refs import base_name, split_ref, split_unchecked, version_of
+from lora_cache.adapters.refs import base_name, split_ref, split_unchecked, version_of, versions_named
 from lora_cache.adapters.shapes import resolve_model
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.api import client_values as msg
@@ -387,6 +387,8 @@ def test_a_reference_names_a_kept_version_by_version_or_by_its_pushed_tag(tmp_pa
         assert split_unchecked(bad) == tuple(bad.partition("@")[::2])  # the unchecked twins never raise: a path
         assert base_name(bad) == bad.partition("@")[0]  # that checks later (or never) keeps its own behaviour
     assert split_unchecked("a") == ("a", "") and split_unchecked("a@7") == ("a", "7") and base_name("a@7") == "a"
+    # what a holder of pinned references keeps: only the exact name's, never a bare name, an empty ref or another's
+    assert versions_named(["a@1", "a", "b@2", None, "a@", "ab@3", "a@x"], "a") == {"1", "x"}
     with pytest.raises(RequestError, match="NAME@VERSION"):
         adapter_ref("adapter", "a@")
     assert adapter_ref("adapter", "a@7") == "a@7"

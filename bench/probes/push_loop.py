@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import ray
 import torch
@@ -228,7 +229,7 @@ def main() -> None:
         ray.shutdown()
 
 
-def submit_stale(rank0: object, requests: Sequence[Request], trainer: Trainer, adapter: str, staleness: int,
+def submit_stale(rank0: Any, requests: Sequence[Request], trainer: Trainer, adapter: str, staleness: int,
                  start_wall: float) -> list[str]:
     """Submit each request to the streaming run at its arrival, naming ``adapter``'s version ``staleness`` pushes
     behind the newest the trainer has pushed then (``ADAPTER@STEP``); then end the stream. The refusals (a submit
@@ -239,10 +240,10 @@ def submit_stale(rank0: object, requests: Sequence[Request], trainer: Trainer, a
         if r.adapter == adapter:
             r = r._replace(adapter=f"{adapter}@{max(0, trainer.step - 1 - staleness)}")
         try:
-            ray.get(rank0.engine_submit.remote([r]), timeout=60)  # type: ignore[attr-defined]
+            ray.get(rank0.engine_submit.remote([r]), timeout=60)
         except Exception as e:  # a refusal names the request and the version: counted, the stream goes on
             refused.append(f"{r.rid} {r.adapter}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    ray.get(rank0.engine_end_stream.remote(), timeout=60)  # type: ignore[attr-defined]
+    ray.get(rank0.engine_end_stream.remote(), timeout=60)
     return refused
 
 

@@ -10,6 +10,7 @@ only while the catalog keeps it (the current one, the ``keep_versions`` newest o
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 from lora_cache.adapters.catalog import AdapterCatalog, check_name
@@ -47,6 +48,12 @@ def split_unchecked(ref: str) -> tuple[str, str]:
     callers as ``base_name`` (no version named: ``""``, as ``"A@"`` gives; the caller's later check decides)."""
     name, _, ref_part = ref.partition(SEP)
     return name, ref_part
+
+
+def versions_named(refs: Iterable[str | None], name: str) -> set[str]:
+    """The references among ``refs`` that name one version of ``name`` (``"A@REF"``), each as its ``REF``: what a
+    holder of pinned references keeps in a catalog past ``keep_versions`` (``AdapterCatalog.use``)."""
+    return {ref for r in refs if r and (split := split_unchecked(r))[0] == name and (ref := split[1])}
 
 
 def version_of(catalog: AdapterCatalog, name: str, ref: str) -> str:

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog
+from lora_cache.adapters.refs import versions_named
 from lora_cache.errors import NotFoundError
 from lora_cache.vocab import AdapterKey
 from workers.lru import BoundedLRU
@@ -126,8 +127,7 @@ class RankVersions:
         """The versions of ``name`` the named rows (``A@VERSION``) name: what a rank's catalog keeps past
         ``keep_versions`` for the requests that named them (``RankEngine``'s catalog user). Safe from any thread:
         ``named`` is replaced whole on a change, never mutated."""
-        prefix = f"{name}@"
-        return {ref[len(prefix):] for ref in self.named if ref.startswith(prefix)}
+        return versions_named(self.named, name)
 
     def rows(self, ready: Iterable[AdapterKey], failed_loads: Iterable[str] = (),
              failed_steps: Iterable[str] = (), issued: Iterable[AdapterKey] = ()) -> torch.Tensor:

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 
+from lora_cache.adapters.refs import versions_named
 from lora_cache.errors import ConfigError
 from workers.engine.workload import Request
 
@@ -114,9 +115,8 @@ class Feed:
         """The versions of ``name`` that requests submitted and not yet taken name (``A@VERSION``, as a submit pins
         them): a catalog user (``AdapterCatalog.use``), so that a registration between a submit and the loop's take
         (which gives the version a row of the exchange: ``RankEngine.named_versions``) does not retire it."""
-        prefix = f"{name}@"
         with self._lock:
-            return {r.adapter[len(prefix):] for r in self._new if r.adapter and r.adapter.startswith(prefix)}
+            return versions_named((r.adapter for r in self._new), name)
 
     def take(self) -> tuple[list[Request], bool]:
         """Requests submitted since the last take, and whether the stream is closed."""
