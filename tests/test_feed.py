@@ -530,3 +530,57 @@ def test_a_request_pinned_to_an_older_version_outlives_the_registrations_past_th
     for rank in result.ranks:
         keys = {key for audit in rank.audit for r, key in zip(audit.rids, audit.keys) if r == 1}
         assert keys == {f"ver@{v0}"}, (rank.rank, keys)
+
+
+def _behind_rank(cfg: EngineConfig, flag: Path, comm: Comm) -> tuple[EngineResult, str]:
+    """One rank of a streaming run at TP 2 in which the registrations that put ``ver``'s v0 past ``keep_versions``
+    reach rank 1 first; only then (``flag``) does rank 0 accept a request pinned to v0, which its own catalog still
+    keeps, and take the registrations once the request's row is in its exchange. Returns rank 0's result and v0."""
+    engine = RankEngine(cfg, comm)
+    engine.warm_up()
+    versions = Path(cfg.adapters) / "versions"
+    v0 = engine.catalog.register("ver", versions / "ver-v0").version
+    engine.catalog.register("ver", versions / "ver-v1")
+    feed = Feed() if comm.rank == 0 else None
+    stop = threading.Event()
+
+    def registrations() -> None:  # the controller's, one rank at a time
+        if feed is None:
+            for n in range(2, OLDER):
+                engine.catalog.register("ver", versions / f"ver-v{n}")
+            flag.write_text(" ".join(engine.catalog.versions("ver")))
+            return
+        if not _flag(flag, stop):
+            return
+        feed.submit([Request(1, f"ver@{v0}", 3, 2)])  # accepted: rank 0's catalog keeps v0
+        while f"ver@{v0}" not in engine.versions.named:
+            if stop.wait(0.005):
+                return
+        for n in range(2, OLDER):
+            engine.catalog.register("ver", versions / f"ver-v{n}")
+        done: list[int] = []
+        _finish(feed, done, {0, 1})
+        feed.close()
+
+    if feed is not None:
+        feed.submit([Request(0, ADAPTERS[0], 3, 2)])
+    return _serve_beside(cfg, comm, engine, feed, registrations, stop), v0
+
+
+def test_a_request_rank_0_admits_on_a_version_another_rank_saw_pass_the_bound_is_served_on_it(
+        versions_root: Path, tmp_path: Path) -> None:
+    """Issue 44 item 3 at TP 2, registrations reaching the ranks one at a time: rank 1 takes five newer versions of
+    ``ver`` first (v0 past ``keep_versions`` there, no slot holding it), then rank 0, which still keeps v0, accepts a
+    request pinned to it. Rank 1 keeps v0 on rank 0's word (``workers.engine.releases``), so the request is served
+    on v0 on both ranks (the step audit). Before, rank 1 retired v0 at its own registration and the request failed
+    there."""
+    cfg = config(versions_root, tp=2, admission="ondemand", audit_steps=True)
+    flag = tmp_path / "rank1-registered"
+    result, v0 = spawn(functools.partial(_behind_rank, cfg, flag), 2, "cpu")
+    assert v0 in flag.read_text().split(), "rank 1 held v0 past its bound, for rank 0's word"
+    records = {r.rid: r for r in result.records}
+    assert records[0].ok and records[1].ok, records[1].error
+    assert records[1].version == v0
+    for rank in result.ranks:
+        keys = {key for audit in rank.audit for r, key in zip(audit.rids, audit.keys) if r == 1}
+        assert keys == {f"ver@{v0}"}, (rank.rank, keys)

@@ -676,3 +676,45 @@ def test_an_older_version_a_submitted_or_waiting_request_names_outlives_registra
         left = len(catalog.retirement.users)
         cache.close()
     assert left == users, "the engine and its feed stop naming versions once closed"
+
+
+def test_a_rank_past_zero_retires_an_older_version_only_on_rank_0s_word(tmp_path: Path) -> None:
+    """Issue 44 item 3, registrations reaching a TP replica's ranks one at a time: rank 0 alone admits requests, and
+    accepts ``a@v0`` while its own catalog keeps v0. So rank 1's catalog, which took the registrations that put v0
+    past ``keep_versions`` first, keeps v0 (loadable) until rank 0's catalog retires it and the round's plan says so
+    (``Releases``); then it goes there too, unless a use of rank 1's own still names it. Rank 0's trims are what it
+    sends, each once. Before, rank 1 retired v0 at its own registration, and a request rank 0 then admitted on v0
+    failed on rank 1 (tests/test_feed.py runs it whole at TP 2)."""
+    from workers.engine.releases import HELD_MAX, Releases
+
+    make_versions(tmp_path)
+    cat0, cat1 = (AdapterCatalog(CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny", max_rank=16,
+                                               keep_versions=1)) for _ in range(2))
+    held_here: set[str] = set()  # rank 1's own use (a slot holding a version)
+    rank0, rank1 = Releases(cat0, 0, 2, lambda name: ()), Releases(cat1, 1, 2, lambda name: held_here)
+    solo = Releases(AdapterCatalog(CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny", max_rank=16)), 0, 1,
+                    lambda name: ())
+    try:
+        assert not solo.catalog.retirement.gates and not solo.catalog.retirement.watchers, "TP 1: no word to wait for"
+        v = [cat1.register("a", tmp_path / f"a-v{n}").version for n in range(VERSIONS)]
+        assert cat1.versions("a") == v, "rank 1 ran ahead: it holds what rank 0 has not retired"
+        assert [cat0.register("a", tmp_path / f"a-v{n}").version for n in range(2)] == v[:2]
+        assert rank0.take() == (), "rank 0 keeps v0 (within its bound): nothing to send; a request may take v0"
+        assert cat1.get("a", v[0]).version == v[0], "rank 1 can load it for such a request"
+        for n in range(2, VERSIONS):
+            cat0.register("a", tmp_path / f"a-v{n}")
+        retired = rank0.take()
+        assert retired == tuple(f"a@{x}" for x in v[:-2]) and rank0.take() == (), "each of rank 0's trims, once"
+        held_here.add(v[0])
+        rank1.release(retired)
+        assert cat1.versions("a") == [v[0], *v[-2:]], "released: gone from rank 1 but for its own use's"
+        held_here.clear()
+        cat1.trim("a")
+        assert cat1.versions("a") == v[-2:], "its use over: rank 0 had said so already"
+        assert rank1._released == {}, "nothing left to hold once gone"
+    finally:
+        for r in (rank0, rank1, solo):
+            r.close()
+    assert not cat0.retirement.watchers and not cat1.retirement.gates and not cat1.retirement.users, "closed"
+    stale = [f"x{n}" for n in range(HELD_MAX + 6)]  # versions rank 0 never retires (it never had them): bounded
+    assert rank1._gate("a", stale) == set(stale[:6]), "past HELD_MAX unused versions, the oldest go without a word"

@@ -7,6 +7,11 @@ controller those any rank reports. ``trim`` retires the older versions past the 
 calls it when a use ends (a slot freed, a rank's report of one gone), and the catalog after each registration.
 A version whose files were rewritten in place goes at once whatever its use (the catalog's ``add``): its bytes
 are gone. docs/decisions.md, "A version retires by use, past a bound", says why use and not a lease or a timer.
+
+Where one process decides for several (a TP replica: rank 0 admits every request, so only it knows what a request
+submitted there names before the other ranks hear of it), the others ``gate`` their retirement on its word: a
+gate names the versions it lets go (``Gate``), and rank 0 ``watch``es what its own trims retire, to send it to
+them (``workers.engine.releases``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ if TYPE_CHECKING:
     from lora_cache.adapters.catalog import AdapterCatalog
 
 InUse = Callable[[str], Collection[str]]  # a name -> the versions of it in use there
+Gate = Callable[[str, list[str]], Collection[str]]  # a name, its unused versions past the bound -> those it lets go
+Watcher = Callable[[str, list[str]], None]  # a name, the versions a trim retired
 
 
 class Retirement:
@@ -26,6 +33,8 @@ class Retirement:
     def __init__(self, catalog: AdapterCatalog) -> None:
         self.catalog = catalog
         self.users: list[InUse] = []
+        self.gates: list[Gate] = []
+        self.watchers: list[Watcher] = []
 
     def use(self, in_use: InUse) -> None:
         """Keep the older versions ``in_use(name)`` names loadable past ``keep_versions`` until a ``trim`` finds
@@ -38,6 +47,25 @@ class Retirement:
         if in_use in self.users:
             self.users.remove(in_use)
 
+    def gate(self, gate: Gate) -> None:
+        """Retire an unused version past the bound only once every gate lets it go (``gate(name, stale)``: the name
+        and its unused versions past the bound, oldest first; called without the catalog's lock, as a user is);
+        ``ungate`` it when its owner closes."""
+        self.gates.append(gate)
+
+    def ungate(self, gate: Gate) -> None:
+        if gate in self.gates:
+            self.gates.remove(gate)
+
+    def watch(self, watcher: Watcher) -> None:
+        """Call ``watcher(name, versions)`` after each trim that retired versions (outside the catalog's lock; it
+        must not call the catalog); ``unwatch`` it when its owner closes."""
+        self.watchers.append(watcher)
+
+    def unwatch(self, watcher: Watcher) -> None:
+        if watcher in self.watchers:
+            self.watchers.remove(watcher)
+
     def trim(self, name: str) -> list[str]:
         """Retire the older versions of ``name`` past ``keep_versions`` that no user names any more; the versions
         retired (none: nothing changed, and the catalog's ``generation`` stays)."""
@@ -46,12 +74,19 @@ class Retirement:
             if len(catalog._older.get(name, ())) <= catalog.config.keep_versions:
                 return []  # nothing past the bound: the common case, without asking the users
         used = frozenset(v for in_use in list(self.users) for v in in_use(name))
+        gates = list(self.gates)
+        if gates:  # asked of the unused versions past the bound, as the lock saw them
+            with catalog._lock:
+                seen = list(catalog._older.get(name, ()))
+                unused = [v for v in seen[: max(0, len(seen) - catalog.config.keep_versions)] if v not in used]
+            allowed = [set(gate(name, unused)) for gate in gates] if unused else []
+            used |= {v for v in unused if not all(v in a for a in allowed)}
         with catalog._lock:
             older = catalog._older.get(name)
             if older is None:
                 return []
             stale = list(older)[: max(0, len(older) - catalog.config.keep_versions)]
-            dropped = [v for v in stale if v not in used]
+            dropped = [v for v in stale if v not in used and (not gates or v in unused)]
             for version in dropped:
                 del older[version]
                 catalog._parsed.pop((name, version), None)
@@ -59,4 +94,7 @@ class Retirement:
                 del catalog._older[name]
             if dropped:
                 catalog.generation += 1
-            return dropped
+        if dropped:
+            for watcher in list(self.watchers):
+                watcher(name, dropped)
+        return dropped

@@ -142,7 +142,7 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
             if scheduler is not None:  # of the named rows alone (``RankVersions.named``), not every name: each round
                 dropped = named_rows.dropped(engine.versions.named, scheduler.named_in_use())
             plan = comm.broadcast(_plan(scheduler, time.perf_counter() - t0, engine, vec, added, dropped))
-            engine.add_names(plan.names, plan.dropped)  # every rank, this round: the next exchange has these rows
+            engine.add_names(plan.names, plan.dropped, plan.retired)  # every rank, this round: the next exchange
             if scheduler is not None and hooks.on_queue is not None and (now := scheduler.queue(plan)) != queue:
                 queue = now
                 hooks.on_queue([(a, wall0 + t) for a, t in now])
@@ -198,7 +198,8 @@ def _plan(scheduler: Scheduler | None, now: float, engine: RankEngine, reduced: 
     if failed := view.step_failures():
         scheduler.fail_step(failed)
     plan = scheduler.plan(now, view.readiness(), view.versions(), kv_held)
-    return plan._replace(names=added, dropped=dropped) if added or dropped else plan
+    retired = engine.releases.take() if engine.releases.world > 1 else ()
+    return plan._replace(names=added, dropped=dropped, retired=retired) if added or dropped or retired else plan
 
 
 NAMED_ROWS_IDLE = 64  # rows of named versions no request uses that stay in the exchange (the most recently used)

@@ -1,9 +1,8 @@
 """One TP rank of a replica: its worker cache, model shard, KV cache and LoRA op; runs the planned steps.
 
-Every rank runs the same plan (rank 0 schedules). A step: ``acquire`` the batch's adapters (and the
-running requests', so a load never evicts them), start the plan's prefetches, run the layers on the
-compute stream, ``release`` (lifecycle step 9), then wait for the step's tokens like an engine that
-samples them.
+Every rank runs the same plan (rank 0 schedules). A step: ``acquire`` the batch's adapters (and the running
+requests', so a load never evicts them), start the plan's prefetches, run the layers on the compute stream,
+``release`` (lifecycle step 9), then wait for the step's tokens like an engine that samples them.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from workers.engine.graphs import DecodeGraphs
 from workers.engine.kv_rows import borrowed_rows, kv_report, plan_adapters
 from workers.engine.lora import LoraOp
 from workers.engine.model import KVCache, KVStore, Rope, ShardedModel, StepInputs, build_model, prompt_states
+from workers.engine.releases import Releases
 from workers.engine.scheduler import PREFILL, WAIT, Item, StepPlan
 from workers.engine.tp import Comm
 from workers.gpu.acquire import AdapterRef, Batch, resolve
@@ -168,8 +168,7 @@ class RankEngine:
                                  self.prefetching)
         self.pauses = heap.Pauses()  # the collector's stalls, per step in the log (stopped by close)
         self.pauses.start()
-        self.named_versions = lambda name: self.versions.named_versions(name)  # kept while a row names it (``adopt``)
-        self.catalog.use(self.named_versions)
+        self.releases = Releases(self.catalog, comm.rank, comm.world, lambda name: self.versions.named_versions(name))
 
     def _make_cache(self) -> WorkerCache:
         c = self.config
@@ -225,9 +224,10 @@ class RankEngine:
         index = self.versions.index
         return tuple(n for n in self.catalog.names() if n not in index)
 
-    def add_names(self, names: tuple[str, ...], dropped: tuple[str, ...] = ()) -> None:
-        """Drop the round's idle named rows and append its new names (from rank 0's plan), on every rank before the
-        next exchange."""
+    def add_names(self, names: tuple[str, ...], dropped: tuple[str, ...] = (), retired: tuple[str, ...] = ()) -> None:
+        """Drop the round's idle named rows, append its new names, retire what rank 0 retired (rank 0's plan's: the
+        rows kept while named, ``releases.py``), on every rank before the next exchange."""
+        self.releases.release(retired)
         self.versions.drop(dropped)
         if names:
             self.versions.append(names)
@@ -476,7 +476,7 @@ class RankEngine:
             self.stream.synchronize()  # the step's tokens are ready: what an engine's sampling waits for
 
     def close(self) -> RankStats:
-        self.catalog.unuse(self.named_versions)
+        self.releases.close()
         self.pauses.stop()
         self.stats.gc = self.pauses.summary()
         self.arrivals.close()

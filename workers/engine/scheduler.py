@@ -73,6 +73,8 @@ class StepPlan(NamedTuple):
     # them to its version exchange, in this order, before the next round's (``RankVersions.append``)
     dropped: tuple[str, ...] = ()  # rows of named versions (``A@VERSION``) no request uses, idle longest: every rank
     # drops them from its exchange with the round's new names (``RankVersions.drop``, ``engine.NamedRows``)
+    retired: tuple[str, ...] = ()  # ``A@VERSION`` rank 0's catalog retired since the last round: the other ranks
+    # retire them too, only them (``workers.engine.releases``)
     kv_rows: int = 0  # KV rows borrowed from the adapter pool that every rank holds from this round on
     # (``workers.engine.kv_rows``: grown for requests short of a row, given back once unused)
 

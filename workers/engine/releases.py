@@ -1,0 +1,94 @@
+"""A TP replica's older versions retire on rank 0's word (lifecycle step 0 on the ranks; issue 44 item 3).
+
+Registrations reach a replica's ranks one at a time, and rank 0 alone admits requests: a request pinned to an
+older version ``A@v0`` is accepted while rank 0's catalog keeps v0, and the other ranks hear of it only in the round
+that gives its version a row of the exchange. So a rank k > 0 whose catalog retired v0 on its own (a registration
+that reached it first, or one between rank 0's take and that round) could not load the request's version, and
+the request failed there. Now only rank 0's catalog retires by its own bound and users; each of its trims is
+sent to every rank in the round's plan (``StepPlan.retired``), and the others' catalogs retire an unused version
+past the bound only once rank 0 has (their ``Retirement`` gate). Rank 0 never admits a version its catalog
+retired, so what it sends is safe everywhere. A version rank 0 never retires (it never had it) is held on the
+others at most ``HELD_MAX`` versions past the bound, oldest going first.
+
+It also holds the rank's other tie to its catalog's retirement: the versions the exchange's named rows name stay
+loadable while a row names them (``named``: ``RankVersions.named_versions``, on every rank).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from lora_cache.adapters.catalog import AdapterCatalog
+from lora_cache.adapters.refs import base_name
+from lora_cache.adapters.retirement import InUse
+from lora_cache.errors import NotFoundError
+
+HELD_MAX = 64  # unused versions past the bound a rank k > 0 holds for rank 0's word, per name
+
+
+class Releases:
+    """One rank's side (the module's docstring): rank 0 ``take``s what its catalog retired since the last round;
+    every other rank ``release``s it from the plan. A single rank (TP 1) neither watches nor gates."""
+
+    def __init__(self, catalog: AdapterCatalog, rank: int, world: int, named: InUse) -> None:
+        self.catalog, self.rank, self.world, self.named = catalog, rank, world, named
+        catalog.use(named)
+        self._lock = threading.Lock()  # trims run on registration threads, rounds on the engine's
+        self._retired: list[str] = []  # rank 0: ``NAME@VERSION`` its catalog retired, not yet sent
+        self._released: dict[str, set[str]] = {}  # rank k: name -> versions rank 0 retired, still in this catalog
+        if world > 1 and rank == 0:
+            catalog.retirement.watch(self._watched)
+        elif world > 1:
+            catalog.retirement.gate(self._gate)
+            catalog.retirement.watch(self._gone)
+
+    def _gone(self, name: str, versions: list[str]) -> None:
+        """Rank k > 0: versions its catalog retired need no word any more."""
+        with self._lock:
+            if kept := self._released.get(name, set()) - set(versions):
+                self._released[name] = kept
+            else:
+                self._released.pop(name, None)
+
+    def _watched(self, name: str, versions: list[str]) -> None:
+        with self._lock:
+            self._retired += [f"{name}@{v}" for v in versions]
+
+    def _gate(self, name: str, unused: list[str]) -> set[str]:
+        with self._lock:
+            released = self._released.get(name, set())
+        return {v for i, v in enumerate(unused) if v in released or i < len(unused) - HELD_MAX}
+
+    def take(self) -> tuple[str, ...]:
+        """Rank 0: the versions its catalog retired since the last call, for the round's plan."""
+        with self._lock:
+            out, self._retired = tuple(self._retired), []
+        return out
+
+    def release(self, retired: tuple[str, ...]) -> None:
+        """Rank k > 0: rank 0 retired these (the round's plan): retire them here too unless a use here keeps them."""
+        if self.rank == 0 or not retired:
+            return
+        names: dict[str, set[str]] = {}
+        for ref in retired:
+            names.setdefault(base_name(ref), set()).add(ref[len(base_name(ref)) + 1:])
+        with self._lock:
+            for name, versions in names.items():
+                self._released.setdefault(name, set()).update(versions)
+        for name in sorted(names):
+            self.catalog.trim(name)
+            try:
+                left = set(self.catalog.versions(name))
+            except NotFoundError:  # unregistered meanwhile: every version went
+                left = set()
+            with self._lock:  # a version this catalog lacks (never had, or gone) needs no word
+                if kept := self._released.get(name, set()) & left:
+                    self._released[name] = kept
+                else:
+                    self._released.pop(name, None)
+
+    def close(self) -> None:
+        self.catalog.unuse(self.named)
+        self.catalog.retirement.unwatch(self._watched)
+        self.catalog.retirement.unwatch(self._gone)
+        self.catalog.retirement.ungate(self._gate)
