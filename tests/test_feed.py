@@ -524,6 +524,11 @@ def test_a_request_pinned_to_an_older_version_outlives_the_registrations_past_th
     cfg = config(versions_root, tp=tp, admission="ondemand", audit_steps=True)
     result, v0, after = _named_rank(cfg, Comm()) if tp == 1 else spawn(functools.partial(_named_rank, cfg), tp, "cpu")
     assert v0 in after and len(after) == OLDER, f"rank 0 retired v0 under its request: {after}"
+    _served_on(result, v0)
+
+
+def _served_on(result: EngineResult, v0: str) -> None:
+    """Requests 0 and 1 were served, request 1 on ``ver@v0`` on every rank (the step audit), never another version."""
     records = {r.rid: r for r in result.records}
     assert records[0].ok and records[1].ok, records[1].error
     assert records[1].version == v0
@@ -578,9 +583,4 @@ def test_a_request_rank_0_admits_on_a_version_another_rank_saw_pass_the_bound_is
     flag = tmp_path / "rank1-registered"
     result, v0 = spawn(functools.partial(_behind_rank, cfg, flag), 2, "cpu")
     assert v0 in flag.read_text().split(), "rank 1 held v0 past its bound, for rank 0's word"
-    records = {r.rid: r for r in result.records}
-    assert records[0].ok and records[1].ok, records[1].error
-    assert records[1].version == v0
-    for rank in result.ranks:
-        keys = {key for audit in rank.audit for r, key in zip(audit.rids, audit.keys) if r == 1}
-        assert keys == {f"ver@{v0}"}, (rank.rank, keys)
+    _served_on(result, v0)

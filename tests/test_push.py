@@ -451,3 +451,68 @@ def test_the_wire_probe_streams_both_forms_whole() -> None:
     result = measure((3 << 20) + 5, 1)
     assert result["bytes"] == (3 << 20) + 5 and set(result["median_ms"]) == {"messages", "wire"}
     assert all(len(v) == 1 and v[0] > 0 for v in result["ms"].values())
+
+
+def test_a_retired_pushed_version_lingers_and_a_request_reported_after_its_retirement_keeps_it(
+        tmp_path: Path, pushed_pair: Any) -> None:
+    """Issue 44 item 3, the controller's window: an engine's rank 0 accepts ``a@TAG`` while its own catalog keeps that
+    version, and the controller hears of the request only in the engine's next queue report. A push that put the
+    version past ``keep_versions`` meanwhile retired it at the controller, and its directory went at once, so the
+    request failed on every rank. Now the directory lingers ``LINGER_ROUNDS`` health rounds; a queue report naming
+    the version (by tag or version) keeps it again, as the oldest older version, for as long as it is named; then it
+    retires and its directory goes. One never named goes after the rounds, not before. (A real ``Registrar`` and
+    ``ControllerCore``; the workers are the registration tests' fake links.)"""
+    from lora_cache.controller.core import ControllerConfig, ControllerCore
+    from lora_cache.controller.pushes import LINGER_ROUNDS, Pushes
+    from lora_cache.controller.registrations import Registrar
+    from tests.test_registrations import Links
+
+    tensors, config = pushed_pair
+    core = ControllerCore(ControllerConfig(catalog=CatalogConfig(model="tiny", max_rank=16, keep_versions=1,
+                                                                 adapter_roots=(str(tmp_path),),
+                                                                 push_dir=str(tmp_path / "push"))), epoch=1)
+    core.add_replica("r0", tp=1, slots=2)
+
+    async def plan() -> None:
+        pass
+
+    pushes = Pushes(core, Registrar(core, Links([]), set(), plan), "svc")  # type: ignore[arg-type]
+
+    async def rounds(n: int) -> None:
+        for _ in range(n):
+            await pushes.retire_released()
+
+    async def scenario() -> None:
+        v = [(await pushes.push("a", step, *payload(scaled(tensors, 1.0 + step), config))).version
+             for step in range(1, 4)]
+        one, two = pushes.area.path("a", "1"), pushes.area.path("a", "2")
+        assert core.catalog.versions("a") == v[1:], "v1 is past keep_versions 1 with no use: retired"
+        assert one.is_dir() and set(pushes.lingering["a"]) == {v[0]}, "its directory lingers"
+        core.report_queue("r0", [("a@1", 1.0)], now=1.0)  # the request rank 0 accepted before the push of 3
+        assert core.catalog.versions("a") == v and core.planner.view.queue("r0")[0].version == v[0], "kept again"
+        assert not pushes.lingering.get("a")
+        await rounds(LINGER_ROUNDS + 1)
+        assert core.catalog.versions("a") == v and one.is_dir(), "named by a waiting request: kept"
+        core.report_queue("r0", [], now=2.0)  # served and gone
+        await rounds(1)
+        assert core.catalog.versions("a") == v[1:] and one.is_dir(), "retired again; its directory lingers"
+        await rounds(LINGER_ROUNDS - 1)
+        assert one.is_dir(), "not before the rounds"
+        await rounds(1)
+        assert not one.exists() and not pushes.lingering, "then it goes"
+        await pushes.push("a", 4, *payload(scaled(tensors, 5.0), config))  # v2 retired: never named
+        await rounds(LINGER_ROUNDS - 1)
+        assert two.is_dir()
+        await rounds(1)
+        assert not two.exists() and pushes.area.path("a", "3").is_dir() and pushes.area.path("a", "4").is_dir()
+        core.report_queue("r0", [("a@2", 3.0)], now=3.0)  # too late: dropped alone, as before
+        assert core.planner.view.queue("r0") == ()
+        await pushes.push("a", 5, *payload(scaled(tensors, 6.0), config))  # v3 lingers
+        assert pushes.area.path("a", "3").is_dir()
+        pushes.area.max_bytes = pushes.area.used()  # no room for another: the lingering one makes it
+        await pushes.push("a", 6, *payload(scaled(tensors, 7.0), config))  # and v4 lingers after it
+        assert sorted(p.name for p in (pushes.area.dir / "a").iterdir()) == ["4", "5", "6"]
+        assert [spec.path.name for spec, _ in pushes.lingering["a"].values()] == ["4"]
+        core.check_integrity()
+
+    asyncio.run(scenario())

@@ -10,7 +10,7 @@ only while the catalog keeps it (the current one, the ``keep_versions`` newest o
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from lora_cache.adapters.catalog import AdapterCatalog, check_name
@@ -56,9 +56,19 @@ def versions_named(refs: Iterable[str | None], name: str) -> set[str]:
     return {ref for r in refs if r and (split := split_unchecked(r))[0] == name and (ref := split[1])}
 
 
-def version_of(catalog: AdapterCatalog, name: str, ref: str) -> str:
+def version_of(catalog: AdapterCatalog, name: str, ref: str, revive: Callable[[str, str], bool] | None = None) -> str:
     """The version of ``name`` that ``ref`` stands for: a version the catalog keeps, or the tag a kept version
-    was pushed under; ``NotFoundError`` naming what is kept otherwise."""
+    was pushed under; ``NotFoundError`` naming what is kept otherwise. ``revive(name, ref)``: asked first of a ``ref``
+    not kept, which it may keep again (a pushed version retired moments ago: ``controller.pushes.Pushes.revive``)."""
+    try:
+        return _kept_version(catalog, name, ref)
+    except NotFoundError:
+        if revive is None or not revive(name, ref):
+            raise
+    return _kept_version(catalog, name, ref)
+
+
+def _kept_version(catalog: AdapterCatalog, name: str, ref: str) -> str:
     versions = catalog.versions(name)  # NotFoundError for a name not registered, naming the fix
     if ref in versions:
         return ref

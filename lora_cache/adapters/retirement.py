@@ -16,15 +16,17 @@ them (``workers.engine.releases``).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from lora_cache.adapters.catalog import AdapterCatalog
+    from lora_cache.adapters.catalog import AdapterCatalog, Registered
+    from lora_cache.adapters.peft import AdapterSpec
 
 InUse = Callable[[str], Collection[str]]  # a name -> the versions of it in use there
 Gate = Callable[[str, list[str]], Collection[str]]  # a name, its unused versions past the bound -> those it lets go
-Watcher = Callable[[str, list[str]], None]  # a name, the versions a trim retired
+Watcher = Callable[[str, "list[AdapterSpec | Registered]"], None]  # a name, the versions a trim retired
 
 
 class Retirement:
@@ -58,13 +60,28 @@ class Retirement:
             self.gates.remove(gate)
 
     def watch(self, watcher: Watcher) -> None:
-        """Call ``watcher(name, versions)`` after each trim that retired versions (outside the catalog's lock; it
-        must not call the catalog); ``unwatch`` it when its owner closes."""
+        """Call ``watcher(name, specs)`` after each trim that retired versions, with their specs, oldest first
+        (outside the catalog's lock; it must not call the catalog); ``unwatch`` it when its owner closes."""
         self.watchers.append(watcher)
 
     def unwatch(self, watcher: Watcher) -> None:
         if watcher in self.watchers:
             self.watchers.remove(watcher)
+
+    def restore(self, spec: AdapterSpec | Registered) -> bool:
+        """Keep ``spec`` again as the oldest of its name's older versions (one retired moments ago, past the bound,
+        that a request turns out to name: ``controller.pushes.Pushes.revive``; its caller's use keeps it, as no trim
+        runs here); False if the name is not registered or has that version already."""
+        catalog = self.catalog
+        with catalog._lock:
+            current = catalog._specs.get(spec.name)
+            if current is None or current.version == spec.version or spec.version in catalog._older.get(spec.name, {}):
+                return False
+            older = catalog._older.setdefault(spec.name, OrderedDict())
+            older[spec.version] = spec
+            older.move_to_end(spec.version, last=False)
+            catalog.generation += 1
+            return True
 
     def trim(self, name: str) -> list[str]:
         """Retire the older versions of ``name`` past ``keep_versions`` that no user names any more; the versions
@@ -87,8 +104,8 @@ class Retirement:
                 return []
             stale = list(older)[: max(0, len(older) - catalog.config.keep_versions)]
             dropped = [v for v in stale if v not in used and (not gates or v in unused)]
+            specs = [older.pop(version) for version in dropped]
             for version in dropped:
-                del older[version]
                 catalog._parsed.pop((name, version), None)
             if not older:
                 del catalog._older[name]
@@ -96,5 +113,5 @@ class Retirement:
                 catalog.generation += 1
         if dropped:
             for watcher in list(self.watchers):
-                watcher(name, dropped)
+                watcher(name, specs)
         return dropped

@@ -151,6 +151,8 @@ class ControllerCore:
         self.catalog.use(lambda adapter: self.readiness.versions_held(adapter) | named_versions(self.planner.view,
                                                                                                 adapter))
         self.named: set[str] = set()  # adapters some queue or hint named a version of since the last retirement
+        # a version retired moments ago that a queue report or hint names: kept again if it can be (``Pushes.revive``)
+        self.revive: Callable[[str, str], bool] = lambda name, ref: False
         self.paths: dict[str, str] = {}  # adapter -> registered path, replayed to new workers
         self.commands_sent = 0
         self.failures: dict[tuple[WorkerId, str, str], Failure] = {}  # (worker, adapter, version) -> last failure
@@ -262,7 +264,7 @@ class ControllerCore:
             name, tag = split_unchecked(ref)  # checked below: an unknown name fails the report
             self.check_adapter(name)
             try:
-                entries.append(QueueEntry(name, t, version_of(self.catalog, name, tag) if tag else ""))
+                entries.append(QueueEntry(name, t, version_of(self.catalog, name, tag, self.revive) if tag else ""))
             except LoraCacheError:
                 continue  # not kept (any more): its request fails alone, naming the versions kept
         before = self.planner.view.queue(replica)
@@ -291,7 +293,7 @@ class ControllerCore:
             name, tag = split_unchecked(adapter)  # ``A@REF``: one version of A, checked below (a rejection of its own)
             error = _checked(replicas, self.check_replica, replica) or _checked(adapters, self.check_adapter, name)
             try:
-                version = version_of(self.catalog, name, tag) if tag and error is None else ""
+                version = version_of(self.catalog, name, tag, self.revive) if tag and error is None else ""
             except LoraCacheError as e:
                 error = e
             if error is not None:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import threading
 
-from lora_cache.adapters.catalog import AdapterCatalog
+from lora_cache.adapters.catalog import AdapterCatalog, Registered
+from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.refs import base_name
 from lora_cache.adapters.retirement import InUse
 from lora_cache.errors import NotFoundError
@@ -42,17 +43,17 @@ class Releases:
             catalog.retirement.gate(self._gate)
             catalog.retirement.watch(self._gone)
 
-    def _gone(self, name: str, versions: list[str]) -> None:
+    def _gone(self, name: str, specs: list[AdapterSpec | Registered]) -> None:
         """Rank k > 0: versions its catalog retired need no word any more."""
         with self._lock:
-            if kept := self._released.get(name, set()) - set(versions):
+            if kept := self._released.get(name, set()) - {s.version for s in specs}:
                 self._released[name] = kept
             else:
                 self._released.pop(name, None)
 
-    def _watched(self, name: str, versions: list[str]) -> None:
+    def _watched(self, name: str, specs: list[AdapterSpec | Registered]) -> None:
         with self._lock:
-            self._retired += [f"{name}@{v}" for v in versions]
+            self._retired += [f"{name}@{s.version}" for s in specs]
 
     def _gate(self, name: str, unused: list[str]) -> set[str]:
         with self._lock:
