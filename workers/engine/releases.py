@@ -25,6 +25,8 @@ from lora_cache.adapters.retirement import InUse
 from lora_cache.errors import NotFoundError
 
 HELD_MAX = 64  # unused versions past the bound a rank k > 0 holds for rank 0's word, per name
+RETIRED_MAX = 4096  # rank 0's retirements kept for the next plan (an engine built but not serving: the oldest go;
+# the other ranks then hold those until HELD_MAX)
 
 
 class Releases:
@@ -54,6 +56,7 @@ class Releases:
     def _watched(self, name: str, specs: list[AdapterSpec | Registered]) -> None:
         with self._lock:
             self._retired += [f"{name}@{s.version}" for s in specs]
+            del self._retired[:-RETIRED_MAX]
 
     def _gate(self, name: str, unused: list[str]) -> set[str]:
         with self._lock:
