@@ -222,6 +222,20 @@ def test_issue42_runs_each_part_with_its_store_and_router(tmp_path: Path) -> Non
     assert all("--warmup-requests 300" in r and "--replicas 2" in r for r in runs)
 
 
+def test_issue42_gives_a_run_that_makes_the_catalog_more_time(tmp_path: Path) -> None:
+    """A run that finds ADAPTERS short of the catalog makes it within its step (a fresh machine): it gets MAKE_S more
+    than STEP_LIMIT (the first policy of a fresh machine was cut at 175 s, twice); with the catalog there,
+    STEP_LIMIT."""
+    empty, full = tmp_path / "empty", tmp_path / "full"
+    for i in range(3):
+        (full / f"adapter-{i:03d}").mkdir(parents=True)
+        (full / f"adapter-{i:03d}" / "adapter_config.json").write_text("{}")
+    env = {"NUM_ADAPTERS": "3", "STEP_LIMIT": "175", "MAKE_S": "200"}
+    (fresh,) = _dry("issue42.sh", str(tmp_path / "o1"), "dev1-seed", ADAPTERS=str(empty), **env)
+    (warm,) = _dry("issue42.sh", str(tmp_path / "o2"), "dev1-seed", ADAPTERS=str(full), **env)
+    assert fresh[:4] == ["timeout", "-k", "15", "375"] and warm[:4] == ["timeout", "-k", "15", "175"]
+
+
 def test_issue42_pair_part_names_each_run_by_seed_and_adapter_lanes(tmp_path: Path) -> None:
     """dev2-pair: `global` behind Route and `queue` behind affinity for one seed, each a bench.run whose directory
     names the seed and --max-adapters (calls for several seeds write beside each other)."""

@@ -47,7 +47,8 @@
 # enough for the warm stages to fill the host tiers at the device's ~1.2 GB/s), the host tier
 # HOST_BYTES [4 GiB] per rank: about a quarter of the catalog's shard bytes, its tiers TIERS [exclusive] (every part
 # but dev2-tiers, which names its own). Each run is killed after STEP_LIMIT
-# [280] s. Exit status: the number of runs that failed.
+# [280] s; a run that finds ADAPTERS short of the catalog (a fresh machine: it makes the adapters first, ~2 min for
+# the 8B catalog) gets MAKE_S [300] s more. Exit status: the number of runs that failed.
 set -u
 . "$(dirname "$0")/lib.sh"
 [ $# -gt 0 ] || set -- dev2-aff dev2-route
@@ -59,9 +60,13 @@ common=(--engine real --model "$model" --adapter-ranks 16,64 --adapters "$adapte
         --num-adapters "${NUM_ADAPTERS:-100}" --requests "${REQUESTS:-200}" --host-bytes "${HOST_BYTES:-4294967296}"
         --max-adapters "${MAX_ADAPTERS:-4}" --warmup-requests "${WARMUP:-300}" --host-tiers "${TIERS:-exclusive}")
 [ "${DRY:-0}" = 1 ] || nvidia-smi -L
+made() {  # whether ADAPTERS holds NUM_ADAPTERS adapters already (else the next run makes them within its limit)
+  [ "$(find "$adapters" -maxdepth 2 -name adapter_config.json 2>/dev/null | wc -l)" -ge "${NUM_ADAPTERS:-100}" ]
+}
 run() {  # NAME ARGS...
-  local name=$1; shift
-  step "$name" timeout -k 15 "$limit" "$PYTHON" -m bench.run "${common[@]}" "$@" --out "$out/$name"
+  local name=$1 this=$limit; shift
+  made || this=$((limit + ${MAKE_S:-300}))
+  step "$name" timeout -k 15 "$this" "$PYTHON" -m bench.run "${common[@]}" "$@" --out "$out/$name"
   if [ -f "$out/$name/results.json" ]; then gzip -f "$out/$name/results.json"; fi
 }
 two=(--replicas 2 --tp 1 --arrivals "poisson:$((rate * 2))")
