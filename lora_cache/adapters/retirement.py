@@ -92,18 +92,20 @@ class Retirement:
                 return []  # nothing past the bound: the common case, without asking the users
         used = frozenset(v for in_use in list(self.users) for v in in_use(name))
         gates = list(self.gates)
-        if gates:  # asked of the unused versions past the bound, as the lock saw them
+        let_go: set[str] = set()  # with gates: the unused versions past the bound, as the lock saw them, all let go
+        if gates:
             with catalog._lock:
                 seen = list(catalog._older.get(name, ()))
-                unused = [v for v in seen[: max(0, len(seen) - catalog.config.keep_versions)] if v not in used]
-            allowed = [set(gate(name, unused)) for gate in gates] if unused else []
-            used |= {v for v in unused if not all(v in a for a in allowed)}
+            unused = [v for v in seen[: max(0, len(seen) - catalog.config.keep_versions)] if v not in used]
+            let_go = set(unused)
+            for gate in gates:
+                let_go &= set(gate(name, unused))
         with catalog._lock:
             older = catalog._older.get(name)
             if older is None:
                 return []
             stale = list(older)[: max(0, len(older) - catalog.config.keep_versions)]
-            dropped = [v for v in stale if v not in used and (not gates or v in unused)]
+            dropped = [v for v in stale if v not in used and (not gates or v in let_go)]
             specs = [older.pop(version) for version in dropped]
             for version in dropped:
                 catalog._parsed.pop((name, version), None)

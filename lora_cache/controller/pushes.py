@@ -72,6 +72,7 @@ class Pushes:
         self.copied: set[str] = set()  # names some rank on another node copied a version of (``payload``)
         self.node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         self.rounds = 0  # health rounds (``retire_released``)
+        self._area_dir = self.area.dir.resolve()  # a retired version's path under it: pushed here (``_retired``)
         self._lock = threading.Lock()  # ``lingering``: trims run on registration threads too
         # name -> version -> (its spec, the round it was retired in): retired pushed versions whose directory lingers
         self.lingering: dict[str, dict[str, tuple[AdapterSpec | Registered, int]]] = {}
@@ -143,9 +144,8 @@ class Pushes:
 
     def _retired(self, name: str, specs: list[AdapterSpec | Registered]) -> None:
         """The catalog retired these versions: those pushed here linger (the module's docstring)."""
-        area = self.area.dir.resolve()
         pushed = {s.version: (s, self.rounds) for s in specs
-                  if isinstance(s.path, Path) and s.path.is_relative_to(area)}
+                  if isinstance(s.path, Path) and s.path.is_relative_to(self._area_dir)}
         if pushed:  # trims run on registration threads too
             with self._lock:
                 self.lingering.setdefault(name, {}).update(pushed)

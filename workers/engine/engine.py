@@ -198,7 +198,7 @@ def _plan(scheduler: Scheduler | None, now: float, engine: RankEngine, reduced: 
     if failed := view.step_failures():
         scheduler.fail_step(failed)
     plan = scheduler.plan(now, view.readiness(), view.versions(), kv_held)
-    retired = engine.releases.take() if engine.releases.world > 1 else ()
+    retired = engine.releases.take()  # () at TP 1: nothing is watched
     return plan._replace(names=added, dropped=dropped, retired=retired) if added or dropped or retired else plan
 
 

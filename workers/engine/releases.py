@@ -20,7 +20,7 @@ import threading
 
 from lora_cache.adapters.catalog import AdapterCatalog, Registered
 from lora_cache.adapters.peft import AdapterSpec
-from lora_cache.adapters.refs import base_name
+from lora_cache.adapters.refs import split_unchecked
 from lora_cache.adapters.retirement import InUse
 from lora_cache.errors import NotFoundError
 
@@ -34,11 +34,12 @@ class Releases:
     every other rank ``release``s it from the plan. A single rank (TP 1) neither watches nor gates."""
 
     def __init__(self, catalog: AdapterCatalog, rank: int, world: int, named: InUse) -> None:
-        self.catalog, self.rank, self.world, self.named = catalog, rank, world, named
+        self.catalog, self.rank, self.named = catalog, rank, named
         catalog.use(named)
         self._lock = threading.Lock()  # trims run on registration threads, rounds on the engine's
         self._retired: list[str] = []  # rank 0: ``NAME@VERSION`` its catalog retired, not yet sent
-        self._released: dict[str, set[str]] = {}  # rank k: name -> versions rank 0 retired, still in this catalog
+        # rank k: name -> versions rank 0 retired that this catalog has (dropped here as it retires them: ``_gone``)
+        self._released: dict[str, set[str]] = {}
         if world > 1 and rank == 0:
             catalog.retirement.watch(self._watched)
         elif world > 1:
@@ -75,21 +76,16 @@ class Releases:
             return
         names: dict[str, set[str]] = {}
         for ref in retired:
-            names.setdefault(base_name(ref), set()).add(ref[len(base_name(ref)) + 1:])
-        with self._lock:
-            for name, versions in names.items():
-                self._released.setdefault(name, set()).update(versions)
+            name, version = split_unchecked(ref)
+            names.setdefault(name, set()).add(version)
         for name in sorted(names):
-            self.catalog.trim(name)
-            try:
-                left = set(self.catalog.versions(name))
+            try:  # a version this catalog lacks (never had, or gone) needs no word
+                have = names[name] & set(self.catalog.versions(name))
             except NotFoundError:  # unregistered meanwhile: every version went
-                left = set()
-            with self._lock:  # a version this catalog lacks (never had, or gone) needs no word
-                if kept := self._released.get(name, set()) & left:
-                    self._released[name] = kept
-                else:
-                    self._released.pop(name, None)
+                continue
+            with self._lock:
+                self._released.setdefault(name, set()).update(have)
+            self.catalog.trim(name)
 
     def close(self) -> None:
         self.catalog.unuse(self.named)
