@@ -43,10 +43,11 @@ class CoreController:
         with self.lock:
             return self.core.hint_batches(batches, 2.0)
 
-    async def _route(self, items: list[RouteRequest], outstanding: dict[str, float] | None = None) -> list[RouteAdvice]:
+    async def _route(self, items: list[RouteRequest], outstanding: dict[str, float] | None = None,
+                     finished: Any = ()) -> list[RouteAdvice]:
         await asyncio.sleep(0)
         with self.lock:
-            return self.core.route(items, outstanding)
+            return self.core.route(items, outstanding, finished)
 
 
 class Served(NamedTuple):
@@ -127,6 +128,29 @@ def test_a_burst_spreads_and_the_routers_loads_count(served: Served) -> None:
     picks = [r.replicas[0].replica for r in burst]
     assert picks[0] == "replica-0" and len(set(picks)) > 1  # the resident replica first, then the overflow
     assert busy[0].replicas[0].replica != "replica-0" and not busy[0].replicas[-1].within_bound
+
+
+def test_the_routers_finishes_reach_the_advice_and_a_malformed_one_fails_the_call(served: Served) -> None:
+    """``finished`` (issue 42): each request the router says finished takes its adapter's pick back on that
+    replica, so the adapters Route counts in flight are the ones still running; a malformed entry fails the whole
+    call, naming the field, the entry and the fix."""
+    a, b = served.names[0], served.names[1]
+    with LoraCacheClient(served.target) as lc:
+        (first,) = lc.route([b], outstanding=dict.fromkeys(["replica-0", "replica-1", "replica-2"], 0))
+        where = first.replicas[0].replica
+        assert served.core.limits.flying(where, 1, []) == {b: 1}
+        (then,) = lc.route([a], outstanding={**dict.fromkeys(["replica-0", "replica-1", "replica-2"], 0), where: 1},
+                           finished=[(where, b), ("replica-2", "never-routed")])
+        went = then.replicas[0].replica
+        assert served.core.limits.flying(where, 5, []) == ({a: 1} if went == where else {})
+        for bad, fragment in [(("-x", a), "replica '-x' (finished_requests 0) is malformed"),
+                              (("replica-0", "b@"), "adapter 'b@' (finished_requests 0) is malformed")]:
+            with pytest.raises(ClientError) as e:
+                lc.route([a], finished=[bad])
+            assert e.value.code == "INVALID_ARGUMENT" and fragment in e.value.message, e.value
+        with pytest.raises(ClientError) as e:
+            lc.route([a], finished=[("replica-0", a)] * (MAX_ITEMS + 1))
+        assert "reports 17 finished requests, more than this server's max_hints_per_call (16)" in e.value.message
 
 
 def test_the_stubs_alone_and_the_cli(served: Served, capsys: pytest.CaptureFixture[str]) -> None:

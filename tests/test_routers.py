@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 
 import pytest
 
@@ -127,7 +128,7 @@ class CoreView:
     def __init__(self, planner: Planner, config: RouterConfig) -> None:
         self.planner, self.config = planner, config
 
-    def route(self, items: list[RouteRequest], loads: dict[str, float] | None = None) -> list:
+    def route(self, items: list[RouteRequest], loads: dict[str, float] | None = None, finished: Any = ()) -> list:
         return advise(self.planner.view, items, self.config, loads)
 
 
@@ -139,7 +140,7 @@ def test_batched_picks_equal_the_simulators_single_picks(name: str, config: Rout
     planner = planner_fleet(rng)
     gateway = PlannerGateway(planner, config)
     outstanding = [rng.randrange(6) for _ in NAMES]
-    ctx = RouteContext(NAMES, outstanding, lambda a, i: NAMES[i] in gateway.ready(a), CoreView(planner, config))  # type: ignore[arg-type]
+    ctx = RouteContext(NAMES, outstanding, lambda a, i: NAMES[i] in gateway.ready(a), CoreView(planner, config), [])  # type: ignore[arg-type]
     sim, real = ROUTERS[name](), make_rule(name)
     state = dict(zip(NAMES, outstanding))
     for _ in range(5):  # batches of 1..7 due together, some for the base model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections import Counter
 
 import pytest
 from hypothesis import given, settings
@@ -311,3 +312,51 @@ def test_lane_frees_is_the_earliest_newest_pick_of_the_running_batches() -> None
     assert flight.lane_frees("r", 4, 2) == 2  # a runs (newest pick 3), b runs (2), c waits: b frees first
     assert flight.lane_frees("r", 2, 2) == 3  # the newest two in flight only: a (3) and c (4) run
     assert flight.lane_frees("r", 4, 1) == 3 and flight.lane_frees("r", 0, 2) == flight.lane_frees("x", 3, 2) == 0
+
+
+@given(st.lists(st.tuples(st.sampled_from(["r0", "r1"]), st.sampled_from("abcd"), st.booleans(), st.integers(0, 50)),
+                max_size=60))
+def test_with_finishes_told_the_adapters_in_flight_are_exactly_the_unfinished_requests(
+        ops: list[tuple[str, str, bool, int]]) -> None:
+    """Issue 42 (the routing grid's r2-a50-l0.9-zipf1-m8-tp1): requests end in any order; once the router tells
+    each finish, the adapters Route counts in flight on a replica are the unfinished requests', whatever the
+    order (each finish takes back its adapter's oldest pick: which of an adapter's requests ended changes no
+    count), and a finish naming nothing in flight changes nothing."""
+    from lora_cache.routing.limits import RoutingLimits
+
+    limits = RoutingLimits()
+    live: dict[str, list[str]] = {"r0": [], "r1": []}  # the truth: adapters of unfinished requests, routed order
+    for replica, adapter, route, pick in ops:
+        if route or not live[replica]:
+            limits.record([(adapter, replica)])
+            live[replica].append(adapter)
+        else:  # any unfinished request of the replica ends, not the oldest
+            done = live[replica].pop(pick % len(live[replica]))
+            assert limits.finish([(replica, done)]) == 1
+        assert limits.finish([(replica, "z")]) == 0  # nothing of it in flight: no change
+        for r, adapters in live.items():
+            assert limits.flying(r, len(adapters), []) == Counter(adapters), (r, adapters)
+            # with more counted in flight than remembered (a router that lost a finish) no more is invented
+            assert limits.flying(r, len(adapters) + 3, []) == Counter(adapters)
+
+
+def test_a_request_goes_where_its_adapter_still_runs_once_the_newer_request_there_finished() -> None:
+    """One lane per replica: r1's request of c was routed first, then r0's a and b; b (the newer) finished. Told,
+    Route knows a still runs on r0 and a new request of a joins it there; guessing the oldest pick ended first,
+    it took r0 to run b and sent the request to r1, whose lane c holds (it waits there for a whole request)."""
+    from lora_cache.routing.limits import RoutingLimits
+
+    def fleet(limits: RoutingLimits) -> list[ReplicaLoad]:
+        loads = {"r0": 1.0, "r1": 1.0}
+        return [ReplicaLoad(r, Residence.READY, load, limits.flying(r, load, []), max_adapters=1, scarce=True,
+                            frees=limits.lane_frees(r, load)) for r, load in loads.items()]
+
+    told, guessed = RoutingLimits(), RoutingLimits()
+    for limits in (told, guessed):
+        for r in ("r0", "r1"):
+            limits.declare(r, max_adapters=1)
+        limits.record([("c", "r1"), ("a", "r0"), ("b", "r0")])
+    told.finish([("r0", "b")])
+    assert told.flying("r0", 1.0, []) == {"a": 1} and guessed.flying("r0", 1.0, []) == {"b": 1}
+    assert rank("a", fleet(told), RouterConfig())[0].replica == "r0"
+    assert rank("a", fleet(guessed), RouterConfig())[0].replica == "r1"  # the guess: both a lane short, r1 older

@@ -61,11 +61,19 @@ def served_as_routed(choices: dict[int, str], results: dict[str, Any]) -> dict[s
 
 
 class GatewayRoutes:
-    """The rules' ``Gateway`` over gRPC: ``Lookup`` for affinity, ``Route`` for lora-cache; counts its calls."""
+    """The rules' ``Gateway`` over gRPC: ``Lookup`` for affinity, ``Route`` for lora-cache; counts its calls. The
+    requests the router saw finish (``done``, from its watcher threads) go with the next ``Route`` call, each once
+    (its ``finished``: the adapters still in flight on each replica, not a guess from the order of the picks)."""
 
     def __init__(self, client: LoraCacheClient) -> None:
         self.client = client
-        self.lookups = self.routes = 0
+        self.lookups = self.routes = self.told = 0
+        self._lock = threading.Lock()
+        self._done: list[tuple[str, str]] = []  # (replica, adapter) finished since the last Route call
+
+    def done(self, replica: str, adapter: str) -> None:
+        with self._lock:
+            self._done.append((replica, adapter))
 
     def ready(self, adapter: str) -> tuple[str, ...]:
         self.lookups += 1
@@ -73,8 +81,17 @@ class GatewayRoutes:
 
     def first(self, adapters: Sequence[str], loads: Mapping[str, int]) -> list[str]:
         self.routes += 1
+        with self._lock:
+            finished, self._done = self._done, []
+        try:
+            answer = self.client.route([RouteItem(a) for a in adapters], outstanding=dict(loads), finished=finished)
+        except BaseException:
+            with self._lock:  # told with the next call instead
+                self._done[:0] = finished
+            raise
+        self.told += len(finished)
         out = []
-        for advice in self.client.route([RouteItem(a) for a in adapters], outstanding=dict(loads)):
+        for advice in answer:
             if advice.error is not None:
                 raise advice.error
             if not advice.replicas:
@@ -101,6 +118,7 @@ class Router(threading.Thread):
         self.rule: Rule = make_rule(rule)
         self.fleet, self.replicas, self.rule_name = fleet, replicas, rule
         self.todo = deque(sorted(requests, key=lambda r: (r.arrival_s, r.rid)))  # routed at arrival - lead_s
+        self.adapter_of = {r.rid: r.adapter for r in requests}  # a finish told to Route names its adapter
         self.due: list[tuple[float, int, str, Request]] = []  # routed, submitted at arrival: a heap
         self.start_wall, self.lead_s, self.policy = start_wall, lead_s, policy
         self._lock = threading.Lock()  # protects loads and finished_on (the watchers write them)
@@ -202,6 +220,10 @@ class Router(threading.Thread):
             with self._lock:
                 self.loads[replica] -= len(rids)
                 self.finished_on.update(dict.fromkeys(rids, replica))
+            if isinstance(self.gateway, GatewayRoutes) and self.rule_name == "lora-cache":
+                for rid in rids:
+                    if (adapter := self.adapter_of.get(rid)) is not None:
+                        self.gateway.done(replica, adapter)
 
     def stop(self) -> None:
         self._halt.set()
@@ -222,8 +244,8 @@ class Router(threading.Thread):
 
     def describe(self) -> dict[str, Any]:
         """The routing of the run, for results.json."""
-        calls = {"route_calls": self.gateway.routes, "lookup_calls": self.gateway.lookups} if isinstance(
-            self.gateway, GatewayRoutes) else {}
+        calls = {"route_calls": self.gateway.routes, "lookup_calls": self.gateway.lookups,
+                 "finishes_told": self.gateway.told} if isinstance(self.gateway, GatewayRoutes) else {}
         return {"router": self.rule_name, "choices": {str(k): v for k, v in sorted(self.choices.items())},
                 "hints": {str(k): v for k, v in sorted(self.hinted.items())}, "hint_calls": self.hint_calls, **calls,
                 "submit_lag_ms": lag_summary(list(self.lag_s.values())),

@@ -72,6 +72,7 @@ class RouteContext(NamedTuple):
     outstanding: list[int]  # per replica: requests routed there and not finished
     resident: Callable[[str, int], bool]  # the adapter is READY on every rank of replica i (the engines' report)
     controller: ControllerCore
+    finished: list[tuple[str, str]]  # lora-cache: (replica, adapter) of requests finished since the last Route
 
 
 class SimGateway:
@@ -85,8 +86,10 @@ class SimGateway:
         return [name for i, name in enumerate(self.ctx.names) if self.ctx.resident(adapter, i)]
 
     def first(self, adapters: Sequence[str], loads: Mapping[str, int]) -> list[str]:
+        finished = list(self.ctx.finished)
+        self.ctx.finished.clear()  # each finish told once, as the real router's (``bench.router.real``)
         advice = self.ctx.controller.route([RouteRequest(a) for a in adapters],
-                                           {name: float(n) for name, n in loads.items()})
+                                           {name: float(n) for name, n in loads.items()}, finished)
         for item in advice:
             if item.error is not None:
                 raise item.error
@@ -300,7 +303,7 @@ class _Fleet:
         self.router = ROUTERS[config.routing]()
         self.outstanding = [0] * config.replicas
         self.route_context = RouteContext([r.name for r in self.replicas], self.outstanding, self._resident,
-                                          self.controller.core)
+                                          self.controller.core, [])
         self.replica_of = [-1] * len(self.requests)
         self.ready_on_arrival = [False] * len(self.requests)
         self.finished = 0
@@ -417,6 +420,9 @@ class _Fleet:
 
     def _done(self, rid: int, t: float) -> None:
         self.outstanding[self.replica_of[rid]] -= 1
+        adapter = self.requests[rid].adapter
+        if self.config.routing == "lora-cache" and adapter is not None:  # told with the router's next Route call
+            self.route_context.finished.append((self.replicas[self.replica_of[rid]].name, adapter))
         self.finished += 1
         if self.workload.inflight and self.released < len(self.requests):
             self._release()

@@ -193,10 +193,12 @@ class LoraCacheClient(_Base):
         return msg.lookup(self._call(self.stub.Lookup, pb.LookupRequest(adapter=adapter)))
 
     def route(self, items: Iterable[str | RouteItem | tuple[Any, ...]], outstanding: dict[str, int] | None = None,
-              max_replicas: int = 0) -> list[Route]:
+              max_replicas: int = 0, finished: Iterable[tuple[str, str]] = ()) -> list[Route]:
         """Replicas ranked for each request's adapter (an adapter name or a ``RouteItem``), in order;
-        ``outstanding``: your own in-flight count per replica; ``max_replicas``: per item (0: all)."""
-        return msg.routes(self._call(self.stub.Route, msg.route_request(items, outstanding, max_replicas)))
+        ``outstanding``: your own in-flight count per replica; ``max_replicas``: per item (0: all); ``finished``:
+        with ``outstanding``, your requests that finished since your last call, each once, as (replica, adapter
+        as routed): Route then knows which adapters still run where (a replica's adapter lanes)."""
+        return msg.routes(self._call(self.stub.Route, msg.route_request(items, outstanding, max_replicas, finished)))
 
     def watch(self, replica: str | None = None, adapter: str | None = None, after_seq: int | None = None,
               duration_s: float | None = None) -> Iterator[ReadinessEvent | Resync]:
@@ -311,9 +313,10 @@ class AsyncLoraCacheClient(_Base):
         return msg.lookup(await self._call(self.stub.Lookup, pb.LookupRequest(adapter=adapter)))
 
     async def route(self, items: Iterable[str | RouteItem | tuple[Any, ...]], outstanding: dict[str, int] | None = None,
-                    max_replicas: int = 0, timeout_s: float | None = None) -> list[Route]:
+                    max_replicas: int = 0, timeout_s: float | None = None,
+                    finished: Iterable[tuple[str, str]] = ()) -> list[Route]:
         """As ``LoraCacheClient.route``; ``timeout_s``: this call's deadline (a router's is short)."""
-        request = msg.route_request(items, outstanding, max_replicas)
+        request = msg.route_request(items, outstanding, max_replicas, finished)
         return msg.routes(await self._call(self.stub.Route, request, timeout_s))
 
     async def hint_within(self, hints: Iterable[Hint | tuple[Any, ...]], timeout_s: float) -> HintResult:

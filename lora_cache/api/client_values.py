@@ -261,10 +261,11 @@ _REASONS = {pb.ROUTE_REASON_READY: "ready", pb.ROUTE_REASON_LOADING: "loading", 
 
 
 def route_request(items: Iterable[str | RouteItem | tuple[Any, ...]], outstanding: dict[str, int] | None,
-                   max_replicas: int) -> pb.RouteRequest:
+                   max_replicas: int, finished: Iterable[tuple[str, str]] = ()) -> pb.RouteRequest:
     out = [RouteItem(x) if isinstance(x, str) else RouteItem(*x) for x in items]
     return pb.RouteRequest(items=[pb.RouteItem(**i._asdict()) for i in out], outstanding_requests=outstanding or {},
-                           max_replicas=max_replicas)
+                           max_replicas=max_replicas,
+                           finished_requests=[pb.FinishedRequest(replica=r, adapter=a) for r, a in finished])
 
 
 def routes(r: pb.RouteResponse) -> list[Route]:

@@ -180,7 +180,8 @@ class Servicer:
 
     async def route(self, request: pb.RouteRequest) -> pb.RouteResponse:
         call = validate.route(request, self.max_items)
-        advice = await self.controller.route.remote([item for _, item in call.items], call.outstanding)
+        advice = await self.controller.route.remote([item for _, item in call.items], call.outstanding,
+                                                    call.finished)
         answers: dict[int, pb.RouteAdvice] = {i: pb.RouteAdvice(adapter=request.items[i].adapter,
                                                                 version=request.items[i].version,
                                                                 request_id=call.request_ids[i], error=_route_error(e))

@@ -189,6 +189,7 @@ class RouteCall(NamedTuple):
     request_ids: list[str]  # by position
     outstanding: dict[str, float]  # the router's in-flight counts per replica
     max_replicas: int  # 0: all
+    finished: list[tuple[str, str]]  # (replica, adapter): the router's requests finished since its last call
 
 
 def route(request: pb.RouteRequest, limit: int) -> RouteCall:
@@ -196,8 +197,15 @@ def route(request: pb.RouteRequest, limit: int) -> RouteCall:
     count("route items", len(request.items), limit)
     outstanding = {name("replica", r, " (a key of outstanding_requests)"): float(n)
                    for r, n in sorted(request.outstanding_requests.items())}
+    if len(request.finished_requests) > limit:
+        raise RequestError(f"the call reports {len(request.finished_requests)} finished requests, more than this "
+                           f"server's max_hints_per_call ({limit}); send the rest with the next call")
+    finished = [(name("replica", f.replica, f" (finished_requests {i})"),
+                 adapter_ref("adapter", f.adapter, f" (finished_requests {i})"))
+                for i, f in enumerate(request.finished_requests)]
     good, malformed = per_item(request.items, _route_item)
-    return RouteCall(good, malformed, [item.request_id for item in request.items], outstanding, request.max_replicas)
+    return RouteCall(good, malformed, [item.request_id for item in request.items], outstanding, request.max_replicas,
+                     finished)
 
 
 def _route_item(i: int, item: pb.RouteItem) -> RouteRequest:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 
 import ray
 
@@ -297,8 +298,10 @@ class ControllerActor:
         lim = self.core.limits.limits(replica)
         return lim.max_adapters, lim.max_running
 
-    async def route(self, items: list[RouteRequest], outstanding: dict[str, float] | None = None) -> list[RouteAdvice]:
-        """Routing advice for a batch (ControllerCore.route); per-item errors ride in the advice. An item naming an
+    async def route(self, items: list[RouteRequest], outstanding: dict[str, float] | None = None,
+                    finished: Sequence[tuple[str, str]] = ()) -> list[RouteAdvice]:
+        """Routing advice for a batch (ControllerCore.route; ``finished``: the router's requests that finished since
+        its last call, as (replica, adapter)); per-item errors ride in the advice. An item naming an
         adapter nobody registered that lies under an adapter root has it registered first (``resolve_adapter``);
         an item whose resolution failed carries that failure (not found, over capacity, timed out)."""
         await self.loop.start()
@@ -309,7 +312,7 @@ class ControllerActor:
             if isinstance(e, BaseException) and not isinstance(e, LoraCacheError):
                 raise e  # a bug, not an answer
         failed = {a: e for a, e in zip(unknown, found) if isinstance(e, LoraCacheError)}
-        advice = self.core.route(items, outstanding)
+        advice = self.core.route(items, outstanding, finished)
         return [a._replace(error=failed[name]) if a.error is not None and (name := base_name(a.adapter))
                 in failed else a for a in advice]
 

@@ -434,14 +434,18 @@ class ControllerCore:
                 staged = view.holding(worker, info.key)[1] if info.version == c.version else False
                 self.clock.sent(worker, c.adapter, c.version, view.shard_bytes(replica, c.adapter), staged, now)
 
-    def route(self, items: list[RouteRequest], loads: dict[str, float] | None = None) -> list[RouteAdvice]:
+    def route(self, items: list[RouteRequest], loads: dict[str, float] | None = None,
+              finished: Iterable[tuple[str, str]] = ()) -> list[RouteAdvice]:
         """Routing advice (step 1): replicas ranked for each request's adapter, from residency, the plan in
-        flight, queues and hints (``lora_cache.routing.advice``); ``loads``: the router's own in-flight counts.
+        flight, queues and hints (``lora_cache.routing.advice``); ``loads``: the router's own in-flight counts;
+        ``finished``: its requests that finished since its last call, (replica, adapter) each (``RoutingLimits.finish``:
+        the adapters in flight are then the ones still running, not the newest picks).
         The shards the ranks reported in their host tiers count as staged only where a miss hurts (warming on:
         the workers' reads measured slow, ``LoadClock.miss_hurts``): on a store the page cache holds, a host copy
         saves a few ms, and ranking it above a cold replica cost the routing grid's uniform-m4 fleet its p99
         (1.12x the best simple router against 1.05 allowed)."""
         self.routes_asked += len(items)
+        self.limits.finish(finished)
         return advise(self.planner.view, items, self.config.router, loads, down=self.lost.replicas(),
                       limits=self.limits, clock=self.clock, hosted=self.planner.warming,
                       resolve=lambda name, ref: version_of(self.catalog, name, ref))

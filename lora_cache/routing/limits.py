@@ -17,7 +17,14 @@ controller can know them:
 
 - with the router's own in-flight counts (``Route``'s ``outstanding_requests``): the adapters of the
   newest ``count`` requests the advice sent there (``InFlight``: every first pick is recorded; the
-  oldest are taken to have finished first);
+  oldest are taken to have finished first), less the requests the router said finished (``Route``'s
+  ``finished_requests``: the oldest pick of that adapter there goes, ``InFlight.finish``). Requests end in no fixed
+  order (their outputs differ in length: uniform in 1-128 tokens on the routing grid), so the oldest-first
+  guess alone kept adapters whose requests had ended and dropped ones still running: at 8 lanes on two
+  replicas under heavy load (r2-a50-l0.9-zipf1-m8-tp1) Route sent a request for a new adapter to the replica
+  it thought one lane short while the other really was, and its p99 was 1.21x affinity's (median of 5 seeds;
+  issue 42, bench/reports/issue-42.md). A router that reports its finishes gives the exact adapters in flight;
+  one that does not is ranked as before;
 - without: the replica's reported waiting queue and its active hints (requests routed there, not yet
   queued).
 
@@ -56,6 +63,19 @@ class InFlight:
     def record(self, replica: str, adapter: str) -> None:
         self._seq += 1
         self._picks.setdefault(replica, deque(maxlen=self.keep)).append((adapter, self._seq))
+
+    def finish(self, replica: str, adapter: str) -> bool:
+        """A request of ``adapter`` the router sent to ``replica`` finished: its oldest pick there goes (which of
+        an adapter's requests ended does not change the adapters in flight). False where none is remembered
+        (forgotten, never routed here, or told twice): nothing changes."""
+        picks = self._picks.get(replica)
+        if not picks:
+            return False
+        for i, (name, _) in enumerate(picks):
+            if name == adapter:
+                del picks[i]
+                return True
+        return False
 
     def newest(self, replica: str, count: float) -> Counter[str]:
         """Adapters of the newest ``count`` picks of ``replica`` (the requests still in flight), with counts."""
@@ -128,3 +148,8 @@ class RoutingLimits:
         """First picks the router takes: (adapter, replica) pairs, in order."""
         for adapter, replica in picks:
             self.in_flight.record(replica, adapter)
+
+    def finish(self, done: Iterable[tuple[str, str]]) -> int:
+        """Requests the router says finished: (replica, adapter) pairs (``InFlight.finish``); how many matched a
+        remembered pick."""
+        return sum(self.in_flight.finish(replica, adapter) for replica, adapter in done)

@@ -183,7 +183,7 @@ class RouteItem(_message.Message):
     def __init__(self, adapter: _Optional[str] = ..., version: _Optional[str] = ..., request_id: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("items", "outstanding_requests", "max_replicas")
+    __slots__ = ("items", "outstanding_requests", "max_replicas", "finished_requests")
     class OutstandingRequestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -194,10 +194,20 @@ class RouteRequest(_message.Message):
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     OUTSTANDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[RouteItem]
     outstanding_requests: _containers.ScalarMap[str, int]
     max_replicas: int
-    def __init__(self, items: _Optional[_Iterable[_Union[RouteItem, _Mapping]]] = ..., outstanding_requests: _Optional[_Mapping[str, int]] = ..., max_replicas: _Optional[int] = ...) -> None: ...
+    finished_requests: _containers.RepeatedCompositeFieldContainer[FinishedRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[RouteItem, _Mapping]]] = ..., outstanding_requests: _Optional[_Mapping[str, int]] = ..., max_replicas: _Optional[int] = ..., finished_requests: _Optional[_Iterable[_Union[FinishedRequest, _Mapping]]] = ...) -> None: ...
+
+class FinishedRequest(_message.Message):
+    __slots__ = ("replica", "adapter")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    adapter: str
+    def __init__(self, replica: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class RankedReplica(_message.Message):
     __slots__ = ("replica", "reason", "expected_wait", "within_bound")
