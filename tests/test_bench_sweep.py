@@ -55,3 +55,9 @@ def test_unknown_scenarios_and_routers_are_refused_with_the_choices(capsys: pyte
     assert sweep.main(["--routers", "random", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "'nope'" in err and "'random'" in err and "fleet32-zipf0.9" in err and "lora-cache" in err
+    assert sweep.main(["--grid", "routing-quick", "--seeds", "0,x", "--out", str(tmp_path)]) == 2
+    assert sweep.main(["--grid", "routing-quick", "--seeds", "1,1", "--out", str(tmp_path)]) == 2
+    assert sweep.main(["--grid", "routing-quick", "--jobs", "0", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--seeds is '0,x'; give a comma list of workload seeds" in err
+    assert "grid seeds [1, 1]: give distinct workload seeds" in err and "--jobs is 0" in err
