@@ -187,9 +187,8 @@ def run_point(point: Point, calibration: Calibration, policy: str = "global",
     return figures
 
 
-def _judged(point: Point, calibration: str, join_over: float, seeds: tuple[int, ...]) -> Outcome:
-    cal = load_calibration(calibration)
-    return Outcome(point, tuple(run_point(point, cal, join_over=join_over, seed=s) for s in seeds), seeds)
+def _judged(point: Point, calibration: Calibration, join_over: float, seeds: tuple[int, ...]) -> Outcome:
+    return Outcome(point, tuple(run_point(point, calibration, join_over=join_over, seed=s) for s in seeds), seeds)
 
 
 def run_grid(points: Sequence[Point], calibration: str, out: Path | None, log: TextIO,
@@ -203,7 +202,7 @@ def run_grid(points: Sequence[Point], calibration: str, out: Path | None, log: T
         raise ConfigError(f"grid seeds {list(seeds)}: give distinct workload seeds >= 0 (e.g. --seeds 0,1,2,3)")
     if jobs < 1:
         raise ConfigError(f"--jobs is {jobs}; give 1 or more processes")
-    load_calibration(calibration)  # a clear error before any point runs
+    cal, picked = load_calibration(calibration), tuple(seeds)  # a clear error before any point runs
     outcomes: list[Outcome] = []
 
     def done(o: Outcome) -> None:
@@ -214,14 +213,13 @@ def run_grid(points: Sequence[Point], calibration: str, out: Path | None, log: T
             (out / "routing.json").write_text(json.dumps([as_dict(x) for x in outcomes], indent=1))
             (out / "routing.md").write_text(table(outcomes) + "\n")
 
-    seeds = tuple(seeds)
     if jobs == 1:
         for point in points:
-            done(_judged(point, calibration, join_over, seeds))
+            done(_judged(point, cal, join_over, picked))
     else:
         with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
-            for o in pool.map(_judged, points, itertools.repeat(calibration), itertools.repeat(join_over),
-                              itertools.repeat(seeds)):
+            for o in pool.map(_judged, points, itertools.repeat(cal), itertools.repeat(join_over),
+                              itertools.repeat(picked)):
                 done(o)
     return outcomes
 

@@ -118,7 +118,8 @@ class Router(threading.Thread):
         self.rule: Rule = make_rule(rule)
         self.fleet, self.replicas, self.rule_name = fleet, replicas, rule
         self.todo = deque(sorted(requests, key=lambda r: (r.arrival_s, r.rid)))  # routed at arrival - lead_s
-        self.adapter_of = {r.rid: r.adapter for r in requests}  # a finish told to Route names its adapter
+        # lora-cache: each finished request's adapter, told to Route with its next call (``GatewayRoutes.done``)
+        self.adapter_of = {r.rid: r.adapter for r in requests} if rule == "lora-cache" else {}
         self.due: list[tuple[float, int, str, Request]] = []  # routed, submitted at arrival: a heap
         self.start_wall, self.lead_s, self.policy = start_wall, lead_s, policy
         self._lock = threading.Lock()  # protects loads and finished_on (the watchers write them)
@@ -220,10 +221,9 @@ class Router(threading.Thread):
             with self._lock:
                 self.loads[replica] -= len(rids)
                 self.finished_on.update(dict.fromkeys(rids, replica))
-            if isinstance(self.gateway, GatewayRoutes) and self.rule_name == "lora-cache":
-                for rid in rids:
-                    if (adapter := self.adapter_of.get(rid)) is not None:
-                        self.gateway.done(replica, adapter)
+            for rid in rids:
+                if (adapter := self.adapter_of.get(rid)) is not None and isinstance(self.gateway, GatewayRoutes):
+                    self.gateway.done(replica, adapter)
 
     def stop(self) -> None:
         self._halt.set()

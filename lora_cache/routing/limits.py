@@ -21,10 +21,10 @@ controller can know them:
   ``finished_requests``: the oldest pick of that adapter there goes, ``InFlight.finish``). Requests end in no fixed
   order (their outputs differ in length: uniform in 1-128 tokens on the routing grid), so the oldest-first
   guess alone kept adapters whose requests had ended and dropped ones still running: at 8 lanes on two
-  replicas under heavy load (r2-a50-l0.9-zipf1-m8-tp1) Route sent a request for a new adapter to the replica
-  it thought one lane short while the other really was, and its p99 was 1.21x affinity's (median of 5 seeds;
-  issue 42, bench/reports/issue-42.md). A router that reports its finishes gives the exact adapters in flight;
-  one that does not is ranked as before;
+  replicas under heavy load (r2-a50-l0.9-zipf1-m8-tp1) Route believed both replicas three lanes short for a new
+  adapter's request and sent it to the one really four short (the other was one short); its p99 was 1.21x
+  affinity's (median of 5 seeds; issue 42, bench/reports/issue-42.md). A router that reports its finishes
+  gives the exact adapters in flight; one that does not is ranked as before;
 - without: the replica's reported waiting queue and its active hints (requests routed there, not yet
   queued).
 
