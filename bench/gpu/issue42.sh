@@ -37,7 +37,8 @@
 #   sh2          2 replicas x TP 1 sharing ONE GPU (--gpu-share 0.5: where only one-GPU hosts are lent; the two
 #                engines share its compute and copy engines, so not the 2-GPU fleet), the store SH2_STORE [device],
 #                workload seed SEED [0]: `global` behind Route, `global` behind affinity, `queue` behind affinity,
-#                one bench.run each, named by the store, MAX_ADAPTERS and the seed (Route against affinity, item 5)
+#                one bench.run each, named by the store, MAX_ADAPTERS and the seed (Route against affinity, item 5);
+#                SH2_RUNS [route-global aff-global aff-queue] picks and orders them (three do not fit one call)
 #   sh2-order    sh2's fleet on SH2_STORE [s3:200MBps,30ms]: POL [global] behind ROUTER [lora-cache] once per demand
 #                fetch order in ORDERS [soonest shared] (--fetch-order: the node's demand fetches one at a time, the one
 #                that ends soonest alone first, or all at once), the node's disk tier DISK_BYTES if given, one bench.run
@@ -107,9 +108,14 @@ for part in "$@"; do
     sh2)        st=${SH2_STORE:-device}; sh=(--replicas 2 --tp 1 --gpu-share 0.5 --arrivals "poisson:$((rate * 2))"
                     --workload-seed "${SEED:-0}" --store "$st")
                 tag="${st%%:*}-m${MAX_ADAPTERS:-4}-s${SEED:-0}"
-                run "sh2-route-global-$tag" "${sh[@]}" --router lora-cache --policies global
-                run "sh2-aff-global-$tag" "${sh[@]}" --router affinity --policies global
-                run "sh2-aff-queue-$tag" "${sh[@]}" --router affinity --policies queue
+                for r in ${SH2_RUNS:-route-global aff-global aff-queue}; do
+                  case $r in
+                    route-global) run "sh2-$r-$tag" "${sh[@]}" --router lora-cache --policies global ;;
+                    aff-global)   run "sh2-$r-$tag" "${sh[@]}" --router affinity --policies global ;;
+                    aff-queue)    run "sh2-$r-$tag" "${sh[@]}" --router affinity --policies queue ;;
+                    *) echo "SH2_RUNS: unknown run $r; give route-global, aff-global or aff-queue" >&2; exit 2 ;;
+                  esac
+                done
                 rm -rf "$out"/sh2-*/disk-tier ;;
     sh2-order)  st=${SH2_STORE:-s3:200MBps,30ms}; sh=(--replicas 2 --tp 1 --gpu-share 0.5 --arrivals "poisson:$((rate * 2))"
                     --workload-seed "${SEED:-0}" --store "$st")
