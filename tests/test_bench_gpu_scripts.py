@@ -262,6 +262,20 @@ def test_issue42_shared_gpu_part_runs_two_replicas_of_half_a_gpu_behind_route_an
         assert run[run.index("--workload-seed") + 1] == "1" and run[run.index("--out") + 1] == str(tmp_path / name)
 
 
+def test_issue42_shared_gpu_part_runs_the_runs_sh2_runs_names_in_its_order_and_refuses_an_unknown_one(
+        tmp_path: Path) -> None:
+    """SH2_RUNS picks sh2's runs and their order (three do not fit one device call); a name it does not know fails
+    the script before any run, naming the ones it knows."""
+    runs = _dry("issue42.sh", str(tmp_path), "sh2", SEED="2", SH2_RUNS="aff-global route-global")
+    assert [r[r.index("--out") + 1] for r in runs] == [str(tmp_path / "sh2-aff-global-device-m4-s2"),
+                                                      str(tmp_path / "sh2-route-global-device-m4-s2")]
+    done = subprocess.run(["bash", str(GPU / "issue42.sh"), str(tmp_path), "sh2"],
+                          env={**os.environ, "DRY": "1", "PYTHON": "python", "SH2_RUNS": "route-global route-queue"},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "=== " not in done.stdout
+    assert "SH2_RUNS: unknown run route-queue; give route-global, aff-global or aff-queue" in done.stderr
+
+
 def test_issue42_order_part_runs_the_shared_gpu_fleet_once_per_demand_fetch_order(tmp_path: Path) -> None:
     """sh2-order: sh2's fleet on the S3 store, `global` behind Route once with the node's demand fetches in order and
     once sharing the store (an A/B in one call), each run named by its order; the orders parse."""

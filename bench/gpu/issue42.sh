@@ -108,12 +108,17 @@ for part in "$@"; do
     sh2)        st=${SH2_STORE:-device}; sh=(--replicas 2 --tp 1 --gpu-share 0.5 --arrivals "poisson:$((rate * 2))"
                     --workload-seed "${SEED:-0}" --store "$st")
                 tag="${st%%:*}-m${MAX_ADAPTERS:-4}-s${SEED:-0}"
-                for r in ${SH2_RUNS:-route-global aff-global aff-queue}; do
+                runs=${SH2_RUNS:-route-global aff-global aff-queue}
+                for r in $runs; do  # every name checked before the first run starts
+                  case $r in route-global|aff-global|aff-queue) ;;
+                    *) echo "SH2_RUNS: unknown run $r; give route-global, aff-global or aff-queue" >&2; exit 2 ;;
+                  esac
+                done
+                for r in $runs; do
                   case $r in
                     route-global) run "sh2-$r-$tag" "${sh[@]}" --router lora-cache --policies global ;;
                     aff-global)   run "sh2-$r-$tag" "${sh[@]}" --router affinity --policies global ;;
                     aff-queue)    run "sh2-$r-$tag" "${sh[@]}" --router affinity --policies queue ;;
-                    *) echo "SH2_RUNS: unknown run $r; give route-global, aff-global or aff-queue" >&2; exit 2 ;;
                   esac
                 done
                 rm -rf "$out"/sh2-*/disk-tier ;;
