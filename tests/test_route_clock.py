@@ -166,3 +166,53 @@ def test_route_keeps_the_ready_replica_when_the_load_would_not_finish_in_time(ti
     fresh, names = _core(tiny_adapters)  # nothing measured, no hint: no lead, the prior (0.1 s) for a load
     (light,) = fresh.route([RouteRequest(names[0])], {"replica-0": 2.0, "replica-1": 0.0})
     assert light.ranked[0].replica == "replica-0"
+
+
+def _scarce(ready_late_s: float, lead: float, idle: int = 2, runs_here: bool = False) -> list[ReplicaLoad]:
+    """Four replicas of 4 adapter lanes, scarcer than their slots: the adapter READY on a busy replica-0, and
+    ``idle`` idle replicas where it would be READY ``ready_late_s`` after the request's arrival."""
+    flying = {"a": 1, "b": 1} if runs_here else {"b": 1, "c": 1}
+    fleet = [ReplicaLoad("replica-0", Residence.READY, 2.0, flying, 4, scarce=True, ready_s=0.0)]
+    for i in range(1, 4):
+        busy = i > idle
+        fleet.append(ReplicaLoad(f"replica-{i}", Residence.COLD, 1.0 if busy else 0.0, {"d": 1} if busy else {}, 4,
+                                 scarce=True, ready_s=lead + ready_late_s))
+    return fleet
+
+
+def test_where_lanes_are_scarce_an_idle_replica_ready_within_a_prefill_of_arrival_ranks_first_while_idle_ones_abound(
+) -> None:
+    """Issue 42: on light-load fleets of 4 lanes at TP 4 (r8-a50-l0.3-uniform-m4-tp4: p99 1.185x least-loaded's,
+    median of seeds 0-2) Route sent a request where its adapter was READY behind one to three others while an idle
+    replica would have loaded it within a few ms of its arrival. Where lanes are scarce the idle-replica rule stays
+    off while the fleet's idle replicas are few (an idle replica's lanes are what the requests no busy replica can
+    start need), and a join still ranks first (it takes no lane)."""
+    lead, config = 0.05, RouterConfig()
+    assert config.idle_share == 0.25 and config.idle_late_s == 0.03
+    first = rank("a", _scarce(0.02, lead), config, lead_s=lead)[0]
+    assert first.replica in ("replica-1", "replica-2") and first.reason is Residence.COLD
+    assert rank("a", _scarce(0.05, lead), config, lead_s=lead)[0].replica == "replica-0"  # READY too late there
+    assert rank("a", _scarce(0.02, lead, idle=1), config, lead_s=lead)[0].replica == "replica-0"  # one idle: few
+    assert rank("a", _scarce(0.02, lead, runs_here=True), config, lead_s=lead)[0].replica == "replica-0"  # a join
+    off = RouterConfig(idle_share=float("inf"))
+    assert rank("a", _scarce(0.02, lead), off, lead_s=lead)[0].replica == "replica-0"
+    plenty = [r._replace(scarce=False) for r in _scarce(0.02, lead)]  # lanes not scarce: idle_ready as before
+    assert rank("a", plenty, config, lead_s=lead)[0].replica == "replica-0"
+    for bad in ({"idle_share": -0.1}, {"idle_share": float("nan")}, {"idle_late_s": -1.0},
+                {"idle_late_s": float("inf")}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            RouterConfig(**bad)  # type: ignore[arg-type]
+
+
+@given(replicas, leads)
+def test_where_lanes_are_scarce_and_few_replicas_are_idle_the_idle_share_rule_changes_nothing(
+    rows: list[tuple[Residence, int, float]], lead: float
+) -> None:
+    fleet = [r._replace(max_adapters=4, scarce=True) for r in _fleet(rows)]
+    idle = sum(1 for r in fleet if r.load <= 0)
+    ranked = rank("a", fleet, RouterConfig(), lead_s=lead)
+    if idle < max(2, 0.25 * len(fleet)):
+        assert ranked == rank("a", fleet, RouterConfig(idle_share=float("inf")), lead_s=lead)
+    elif any(r.load <= 0 and r.ready_s <= lead + 0.03 for r in fleet):  # idle ones abound (no joins here): one
+        first = next(r for r in fleet if r.replica == ranked[0].replica)  # READY within a prefill of arrival first
+        assert first.load <= 0 and first.ready_s <= lead + 0.03

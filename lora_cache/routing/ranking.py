@@ -40,7 +40,12 @@ no replica is idle (heavy load), residency decides as before, so the adapter sta
 routing grid's light-load fleets whose lanes are not scarce, Route sent requests to a busy replica where the adapter
 was READY while an idle one would have loaded it in time; bench/RESULTS.md). Where lanes are scarce an idle
 replica's free lanes are what the requests no busy replica can start need, and the rule cost more than it saved
-there (``idle_scarce``, off; bench/RESULTS.md).
+there (``idle_scarce``, off; bench/RESULTS.md), save while the fleet has idle replicas to spare (``idle_share``: at
+least a quarter of them, and two, idle): then an idle replica where the adapter will be READY within ``idle_late_s``
+(one prefill step) of the request's arrival ranks first after the joins (issue 42: on light-load fleets of 4 lanes
+and TP 4 Route sent a request where its adapter was READY behind one to three others while least-loaded sent it to
+an idle replica that loaded it within a few ms of its arrival; bench/reports/issue-42.md, "Idle replicas where lanes
+are scarce").
 
 Cold replicas with room are taken in a per-(adapter, replica) hash order (``sticky``, rendezvous hashing: an
 adapter resident nowhere goes to the same replicas every time, whose planners then see its traffic and keep it), or
@@ -162,7 +167,16 @@ class RouterConfig:
     prefill_s: float = field(default=0.03, metadata={
         "help": "weigh_arrivals: expected seconds of one arriving request's prefill ahead of a new one"})
     idle_scarce: bool = field(default=False, metadata={
-        "help": "idle_ready also where lanes are scarce (max_adapters < slots): measured, it cost more than it saved"})
+        "help": "idle_ready also where lanes are scarce (max_adapters < slots), before joins: measured, it cost more "
+                "than it saved"})
+    idle_share: float = field(default=0.25, metadata={
+        "help": "where lanes are scarce, an idle replica where the adapter will be READY within idle_late_s of the "
+                "request's arrival ranks first after joins while at least this share of the replicas (and at least "
+                "two) are idle: the fleet's free lanes are then plenty, and a busy replica makes the request wait for "
+                "its step in progress (inf: off)"})
+    idle_late_s: float = field(default=0.03, metadata={
+        "help": "idle_share: how long past the request's arrival its adapter may become READY on the idle replica "
+                "(about one prefill step, what it would wait behind on a busy replica)"})
     token_weight: float = field(default=0.0, metadata={
         "help": "extra load units per prompt token of a routed request (0: every request weighs 1)"})
     cold_traffic: bool = field(default=False, metadata={
@@ -180,8 +194,11 @@ class RouterConfig:
         if not self.cold_slack >= 0:
             raise ConfigError(f"cold_slack is {self.cold_slack}; give a number >= 0 (1: hash order among the "
                               "replicas within one request of the least loaded; inf: hash order within the bound)")
+        if not self.idle_share >= 0:
+            raise ConfigError(f"idle_share is {self.idle_share}; give a share >= 0 (0.25: the rule applies while a "
+                              "quarter of the replicas are idle; inf: off)")
         for name in ("min_bound", "request_s", "loading_s", "staged_s", "cold_s", "lane_s", "token_weight",
-                     "prefill_s"):
+                     "prefill_s", "idle_late_s"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ConfigError(f"{name} is {getattr(self, name)}; give a finite number >= 0")
 
@@ -265,6 +282,9 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
     cold_wait = cold_floor * config.request_s + config.cold_s
     # the bound without min_bound (weigh_over only: rank runs on every request's path)
     share = bound([r.load for r in replicas], config.epsilon, weight) if config.weigh_over else math.inf
+    # idle_share: where lanes are scarce, the idle-replica rule holds only while the fleet has idle replicas to spare
+    idle = sum(1 for r in replicas if r.load <= 0)
+    spare = config.idle_share < math.inf and idle >= max(2.0, config.idle_share * len(replicas))
     out = []
     for r in replicas:
         short = r.lanes_short(adapter)
@@ -286,6 +306,8 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
             key = (0, -1, wait, r.load)
         elif config.idle_ready and r.load <= 0 and r.ready_s <= lead_s and (config.idle_scarce or not r.scarce):
             key = (0, -2, r.residence.order, h)  # it starts on arrival there: first
+        elif config.idle_ready and r.load <= 0 and r.scarce and spare and r.ready_s <= lead_s + config.idle_late_s:
+            key = (0, -0.75, r.residence.order, h)  # lanes scarce, idle replicas to spare: first after joins
         elif config.weigh_arrivals and not r.scarce and r.load + weight <= (r.max_adapters or config.min_bound):
             # a lane free for every request in flight: the request starts once its adapter is READY and the
             # requests arriving before it have had their prefills; the earliest start first, then residency
