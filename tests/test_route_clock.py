@@ -209,10 +209,12 @@ def test_where_lanes_are_scarce_and_few_replicas_are_idle_the_idle_share_rule_ch
     rows: list[tuple[Residence, int, float]], lead: float
 ) -> None:
     fleet = [r._replace(max_adapters=4, scarce=True) for r in _fleet(rows)]
+    config = RouterConfig()
     idle = sum(1 for r in fleet if r.load <= 0)
-    ranked = rank("a", fleet, RouterConfig(), lead_s=lead)
-    if idle < max(2, 0.25 * len(fleet)):
+    ranked = rank("a", fleet, config, lead_s=lead)
+    late = lead + config.idle_late_s
+    if idle < max(2, config.idle_share * len(fleet)):
         assert ranked == rank("a", fleet, RouterConfig(idle_share=float("inf")), lead_s=lead)
-    elif any(r.load <= 0 and r.ready_s <= lead + 0.03 for r in fleet):  # idle ones abound (no joins here): one
-        first = next(r for r in fleet if r.replica == ranked[0].replica)  # READY within a prefill of arrival first
-        assert first.load <= 0 and first.ready_s <= lead + 0.03
+    elif any(r.load <= 0 and r.ready_s <= late for r in fleet):  # idle ones abound (no joins here): one READY
+        first = next(r for r in fleet if r.replica == ranked[0].replica)  # within a prefill of arrival first
+        assert first.load <= 0 and first.ready_s <= late

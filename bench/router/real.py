@@ -221,9 +221,10 @@ class Router(threading.Thread):
             with self._lock:
                 self.loads[replica] -= len(rids)
                 self.finished_on.update(dict.fromkeys(rids, replica))
-            for rid in rids:
-                if (adapter := self.adapter_of.get(rid)) is not None and isinstance(self.gateway, GatewayRoutes):
-                    self.gateway.done(replica, adapter)
+            if isinstance(self.gateway, GatewayRoutes):  # only Route is told (adapter_of is empty for other rules)
+                for rid in rids:
+                    if (adapter := self.adapter_of.get(rid)) is not None:
+                        self.gateway.done(replica, adapter)
 
     def stop(self) -> None:
         self._halt.set()

@@ -283,8 +283,8 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
     # the bound without min_bound (weigh_over only: rank runs on every request's path)
     share = bound([r.load for r in replicas], config.epsilon, weight) if config.weigh_over else math.inf
     # idle_share: where lanes are scarce, the idle-replica rule holds only while the fleet has idle replicas to spare
-    idle = sum(1 for r in replicas if r.load <= 0)
-    spare = config.idle_share < math.inf and idle >= max(2.0, config.idle_share * len(replicas))
+    # (inf: never, as no count reaches it)
+    spare = sum(1 for r in replicas if r.load <= 0) >= max(2.0, config.idle_share * len(replicas))
     out = []
     for r in replicas:
         short = r.lanes_short(adapter)
