@@ -252,6 +252,46 @@ def test_join_over_lets_a_request_join_its_running_batch_past_the_bound_only_whe
         RouterConfig(join_over=0.5)
 
 
+def test_a_join_ranks_first_only_while_the_fleets_adapters_in_flight_fill_a_share_of_its_lanes() -> None:
+    """Issue 42: on 64 replicas of 4 lanes with 50 adapters at Zipf 1.5 about 23 adapters were in flight over 256
+    lanes, and joins stacked the hot adapter's requests five or six deep on the replicas running it while replicas
+    holding it READY had one or none. Where the distinct adapters in flight fill less than ``join_lanes`` of the
+    fleet's lanes, a join ranks as any READY replica, least expected wait first; at or above it, first as before."""
+    config = RouterConfig()
+    assert config.join_lanes == 0.15
+    running = ReplicaLoad("r0", Residence.READY, 3.0, {"a": 3}, max_adapters=4, scarce=True)
+    few = [running] + [ReplicaLoad(f"r{i}", Residence.READY, 1.0, {"b": 1}, max_adapters=4, scarce=True)
+                       for i in range(1, 8)]  # 2 adapters in flight over 32 lanes
+    first = rank("a", few, config)[0]
+    assert first.replica != "r0" and first.reason is Residence.READY and first.within_bound
+    assert rank("a", few, RouterConfig(join_lanes=0.0))[0].replica == "r0"  # 0: joins always first
+    many = [running] + [r._replace(flying={f"b{i}": 1}) for i, r in enumerate(few[1:])]  # 8 over 32 lanes: 0.25
+    assert rank("a", many, config)[0].replica == "r0"
+    assert rank("a", many, RouterConfig(join_lanes=0.25))[0].replica == "r0"  # the share reached: crowded
+    assert rank("a", many, RouterConfig(join_lanes=0.26))[0].replica != "r0"
+    for bad in (-0.1, 1.5, math.nan):
+        with pytest.raises(ConfigError, match=r"join_lanes is .*give a share of the fleet's lanes from 0 to 1"):
+            RouterConfig(join_lanes=bad)
+
+
+in_flight = st.dictionaries(st.sampled_from("abcdefgh"), st.integers(1, 3), max_size=5)
+scarce_fleets = st.lists(st.tuples(residences, st.integers(0, 10), in_flight), min_size=1, max_size=10).map(
+    lambda rows: [ReplicaLoad(f"replica-{i}", res, float(load), flying, max_adapters=4, scarce=True)
+                  for i, (res, load, flying) in enumerate(rows)])
+
+
+@given(scarce_fleets, st.sampled_from([0.0, 0.1, 0.15, 0.3, 1.0]))
+def test_join_lanes_turns_joins_off_below_the_share_and_changes_nothing_at_or_above_it(
+        fleet: list[ReplicaLoad], share: float) -> None:
+    config = RouterConfig(join_lanes=share)
+    ranked = rank("a", fleet, config)
+    in_flight_now = len({a for r in fleet for a in r.flying})
+    if in_flight_now >= share * 4 * len(fleet):
+        assert ranked == rank("a", fleet, RouterConfig(join_lanes=0.0))
+    else:
+        assert ranked == rank("a", fleet, RouterConfig(join=False))
+
+
 def test_a_full_replica_ranks_last_and_a_batch_counts_its_own_picks_as_in_flight() -> None:
     config = RouterConfig()
     full = ReplicaLoad("r0", Residence.READY, 4.0, {"a": 4}, max_adapters=4, max_running=4)

@@ -28,7 +28,13 @@ joins that batch and takes no lane). ``join_over`` (1, off) widens the bound for
 for a lane there: overflow of a hot adapter to another replica holds one of its lanes for a whole request, and with
 Zipf 1.5 traffic the two hottest adapters then held two lanes on each replica, leaving the tail two (issue 42). At 2
 it lowered Route's mean at most loads below saturation and raised it 2% (p99 5%) at Zipf 1.0 with every replica's
-lanes oversubscribed, so it stays off (bench/reports/issue-42.md, "Joins past the load bound").
+lanes oversubscribed, so it stays off (bench/reports/issue-42.md, "Joins past the load bound"). A join ranks first
+only while the distinct adapters in flight across the fleet fill at least ``join_lanes`` (15%) of its lanes (its
+replicas' ``max_adapters`` summed); below that the lane it saves is worth nothing, and it ranks as any replica where
+the adapter is READY, least expected wait first (issue 42: on 64 replicas of 4 lanes with 50 adapters at Zipf 1.5
+about 23 adapters were in flight over 256 lanes, and joins up to ``min_bound`` stacked the hot adapter's requests
+five or six deep on the replicas running it while replicas holding it READY idled: p99 1.18x and mean 1.07x the
+better simple router; bench/reports/issue-42.md, "Joins where lanes are plenty").
 
 Within the bound, where lanes are not scarce, an idle replica (nothing in flight) where the adapter will be READY by
 the request's arrival ranks first (``idle_ready``): its expected time to READY there (``ReplicaLoad.ready_s``: 0
@@ -142,6 +148,13 @@ class RouterConfig:
     join: bool = field(default=True, metadata={
         "help": "a replica where the adapter's requests run (its batch runs it) ranks first within the bound, "
                 "where its batch admits fewer adapters than its slots (a request that joins saves a lane)"})
+    join_lanes: float = field(default=0.15, metadata={
+        "help": "where lanes are scarce, a join ranks first only while the distinct adapters in flight across the "
+                "fleet fill at least this share of its lanes (its replicas' max_adapters summed); below it a join "
+                "ranks as any replica where the adapter is READY (least expected wait first): the fleet's lanes hold "
+                "its adapters in flight many times over, so saving one saves nothing, and joins stacked a hot "
+                "adapter's requests on the replicas running it while replicas holding it READY idled (0: joins "
+                "always first)"})
     join_over: float = field(default=1.0, metadata={
         "help": "where lanes are scarce, a replica whose batch runs the request's adapter and where no adapter waits "
                 "for a lane counts as within the bound up to join_over x the bound (1: the bound as for any "
@@ -197,6 +210,9 @@ class RouterConfig:
         if not self.idle_share >= 0:
             raise ConfigError(f"idle_share is {self.idle_share}; give a share >= 0 (0.25: the rule applies while a "
                               "quarter of the replicas are idle; inf: off)")
+        if not 0 <= self.join_lanes <= 1:
+            raise ConfigError(f"join_lanes is {self.join_lanes}; give a share of the fleet's lanes from 0 to 1 (0.15: "
+                              "joins rank first while the adapters in flight fill 15% of the lanes; 0: always)")
         for name in ("min_bound", "request_s", "loading_s", "staged_s", "cold_s", "lane_s", "token_weight",
                      "prefill_s", "idle_late_s"):
             if not 0 <= getattr(self, name) < math.inf:
@@ -285,6 +301,9 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
     # idle_share: where lanes are scarce, the idle-replica rule holds only while the fleet has idle replicas to spare
     # (inf: never, as no count reaches it)
     spare = sum(1 for r in replicas if r.load <= 0) >= max(2.0, config.idle_share * len(replicas))
+    # join_lanes: a join saves a lane, worth something only while the fleet's adapters in flight fill its lanes
+    lanes = sum(r.max_adapters for r in replicas) if config.join and config.join_lanes > 0 else 0
+    crowded = not lanes or len({a for r in replicas for a in r.flying}) >= config.join_lanes * lanes
     out = []
     for r in replicas:
         short = r.lanes_short(adapter)
@@ -302,7 +321,7 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
             key: tuple[float, ...] = (2, short, age, r.residence.order, r.load, wait)
         elif not within:
             key = (1, r.load, r.residence.order, wait)
-        elif joins and config.join:  # its adapter's requests run there: it joins their batch
+        elif joins and config.join and crowded:  # its adapter's requests run there: it joins their batch
             key = (0, -1, wait, r.load)
         elif config.idle_ready and r.load <= 0 and r.ready_s <= lead_s and (config.idle_scarce or not r.scarce):
             key = (0, -2, r.residence.order, h)  # it starts on arrival there: first
