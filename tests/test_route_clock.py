@@ -8,6 +8,7 @@ while an idle replica would have loaded it before the request arrived
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -186,20 +187,28 @@ def test_where_lanes_are_scarce_an_idle_replica_ready_within_a_prefill_of_arriva
     median of seeds 0-2) Route sent a request where its adapter was READY behind one to three others while an idle
     replica would have loaded it within a few ms of its arrival. Where lanes are scarce the idle-replica rule stays
     off while the fleet's idle replicas are few (an idle replica's lanes are what the requests no busy replica can
-    start need), and a join still ranks first (it takes no lane)."""
+    start need), and a join still ranks first (it takes no lane); with ``idle_joins`` (off) the idle replica ranks
+    before the join while the idle lanes could take every adapter in flight."""
     lead, config = 0.05, RouterConfig()
     assert config.idle_share == 0.25 and config.idle_late_s == 0.03
     first = rank("a", _scarce(0.02, lead), config, lead_s=lead)[0]
     assert first.replica in ("replica-1", "replica-2") and first.reason is Residence.COLD
     assert rank("a", _scarce(0.05, lead), config, lead_s=lead)[0].replica == "replica-0"  # READY too late there
     assert rank("a", _scarce(0.02, lead, idle=1), config, lead_s=lead)[0].replica == "replica-0"  # one idle: few
-    assert rank("a", _scarce(0.02, lead, runs_here=True), config, lead_s=lead)[0].replica == "replica-0"  # a join
+    assert config.idle_joins == math.inf  # off: a join first
+    assert rank("a", _scarce(0.02, lead, runs_here=True), config, lead_s=lead)[0].replica == "replica-0"
+    # idle_joins: before the join while the two idle replicas' 8 lanes take idle_joins x the 3 adapters in flight
+    for factor, first_reason in ((1.0, Residence.COLD), (2.5, Residence.COLD), (3.0, Residence.READY)):
+        ranked = rank("a", _scarce(0.02, lead, runs_here=True), RouterConfig(idle_joins=factor), lead_s=lead)
+        assert ranked[0].reason is first_reason, factor
+    one_idle = rank("a", _scarce(0.02, lead, idle=1, runs_here=True), RouterConfig(idle_joins=1.0), lead_s=lead)
+    assert one_idle[0].replica == "replica-0"  # one idle replica: no idle_share rule at all
     off = RouterConfig(idle_share=float("inf"))
     assert rank("a", _scarce(0.02, lead), off, lead_s=lead)[0].replica == "replica-0"
     plenty = [r._replace(scarce=False) for r in _scarce(0.02, lead)]  # lanes not scarce: idle_ready as before
     assert rank("a", plenty, config, lead_s=lead)[0].replica == "replica-0"
-    for bad in ({"idle_share": -0.1}, {"idle_share": float("nan")}, {"idle_late_s": -1.0},
-                {"idle_late_s": float("inf")}):
+    for bad in ({"idle_joins": -1.0}, {"idle_joins": math.nan}, {"idle_share": -0.1}, {"idle_share": float("nan")},
+                {"idle_late_s": -1.0}, {"idle_late_s": float("inf")}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             RouterConfig(**bad)  # type: ignore[arg-type]
 
@@ -217,4 +226,26 @@ def test_where_lanes_are_scarce_and_few_replicas_are_idle_the_idle_share_rule_ch
         assert ranked == rank("a", fleet, RouterConfig(idle_share=float("inf")), lead_s=lead)
     elif any(r.load <= 0 and r.ready_s <= late for r in fleet):  # idle ones abound (no joins here): one READY
         first = next(r for r in fleet if r.replica == ranked[0].replica)  # within a prefill of arrival first
+        assert first.load <= 0 and first.ready_s <= late
+
+
+@given(replicas, leads, st.sampled_from([1, 2, 4]))
+def test_idle_replicas_rank_before_joins_only_while_their_lanes_could_take_every_adapter_in_flight(
+    rows: list[tuple[Residence, int, float]], lead: float, lanes: int
+) -> None:
+    """``idle_joins`` at 1: with fewer idle lanes than distinct adapters in flight, the ranking is the default one
+    (idle replicas after joins); with as many, an idle replica READY within a prefill of arrival ranks first, joins
+    or not."""
+    fleet = [r._replace(max_adapters=lanes, scarce=True, flying={"a" if i % 2 else f"x{i % 3}": int(r.load)}
+                        if r.load > 0 else {}) for i, r in enumerate(_fleet(rows))]
+    config = RouterConfig(idle_joins=1.0)
+    ranked = rank("a", fleet, config, lead_s=lead)
+    idle_lanes = sum(r.max_adapters for r in fleet if r.load <= 0)
+    in_flight = len({a for r in fleet for a in r.flying})
+    spare = sum(1 for r in fleet if r.load <= 0) >= max(2, config.idle_share * len(fleet))
+    late = lead + config.idle_late_s
+    if idle_lanes < in_flight:
+        assert ranked == rank("a", fleet, RouterConfig(), lead_s=lead)
+    elif spare and any(r.load <= 0 and r.ready_s <= late for r in fleet):
+        first = next(r for r in fleet if r.replica == ranked[0].replica)
         assert first.load <= 0 and first.ready_s <= late

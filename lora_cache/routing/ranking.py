@@ -51,7 +51,12 @@ least a quarter of them, and two, idle): then an idle replica where the adapter 
 (one prefill step) of the request's arrival ranks first after the joins (issue 42: on light-load fleets of 4 lanes
 and TP 4 Route sent a request where its adapter was READY behind one to three others while least-loaded sent it to
 an idle replica that loaded it within a few ms of its arrival; bench/reports/issue-42.md, "Idle replicas where lanes
-are scarce").
+are scarce"). ``idle_joins`` (off: inf) puts it before them while the idle replicas' lanes number at least
+``idle_joins`` x the distinct adapters in flight across the fleet: a join saves a lane, worth nothing while idle lanes
+could take every adapter in flight once more (on 64 one-lane replicas with bursty traffic over 50 adapters, two thirds
+of them idle, joins queued requests behind their adapter's batch while 16 replicas never got one: p99 1.44x
+least-loaded's, 1.03x with it at 1). It stays off: it moved r8-a50-l0.3-uniform-m4-tp4's p99 (median of 10 seeds)
+from 1.015x to 1.054x the better simple router's (bench/reports/issue-42.md, "Idle replicas before joins").
 
 Cold replicas with room are taken in a per-(adapter, replica) hash order (``sticky``, rendezvous hashing: an
 adapter resident nowhere goes to the same replicas every time, whose planners then see its traffic and keep it), or
@@ -184,12 +189,18 @@ class RouterConfig:
                 "than it saved"})
     idle_share: float = field(default=0.25, metadata={
         "help": "where lanes are scarce, an idle replica where the adapter will be READY within idle_late_s of the "
-                "request's arrival ranks first after joins while at least this share of the replicas (and at least "
-                "two) are idle: the fleet's free lanes are then plenty, and a busy replica makes the request wait for "
-                "its step in progress (inf: off)"})
+                "request's arrival ranks first (after joins, or before them: idle_joins) while at least this share "
+                "of the replicas (and at least two) are idle: the fleet's free lanes are then plenty, and a busy "
+                "replica makes the request wait for its step in progress (inf: off)"})
     idle_late_s: float = field(default=0.03, metadata={
         "help": "idle_share: how long past the request's arrival its adapter may become READY on the idle replica "
                 "(about one prefill step, what it would wait behind on a busy replica)"})
+    idle_joins: float = field(default=math.inf, metadata={
+        "help": "idle_share's idle replica ranks before a replica the request would join while the idle replicas' "
+                "lanes number at least idle_joins x the distinct adapters in flight across the fleet (a join saves a "
+                "lane, worth nothing while idle lanes could take every adapter in flight once more; inf, the "
+                "default: after the joins always; 1 fixed a 64-replica one-lane fleet and moved a light 8-replica "
+                "fleet's p99 past its bound, bench/reports/issue-42.md, 'Idle replicas before joins')"})
     token_weight: float = field(default=0.0, metadata={
         "help": "extra load units per prompt token of a routed request (0: every request weighs 1)"})
     cold_traffic: bool = field(default=False, metadata={
@@ -207,6 +218,9 @@ class RouterConfig:
         if not self.cold_slack >= 0:
             raise ConfigError(f"cold_slack is {self.cold_slack}; give a number >= 0 (1: hash order among the "
                               "replicas within one request of the least loaded; inf: hash order within the bound)")
+        if not self.idle_joins >= 0:
+            raise ConfigError(f"idle_joins is {self.idle_joins}; give a number >= 0 (1: idle replicas before joins "
+                              "while their lanes match the adapters in flight; inf: after joins always)")
         if not self.idle_share >= 0:
             raise ConfigError(f"idle_share is {self.idle_share}; give a share >= 0 (0.25: the rule applies while a "
                               "quarter of the replicas are idle; inf: off)")
@@ -302,8 +316,13 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
     # (inf: never, as no count reaches it)
     spare = sum(1 for r in replicas if r.load <= 0) >= max(2.0, config.idle_share * len(replicas))
     # join_lanes: a join saves a lane, worth something only while the fleet's adapters in flight fill its lanes
+    in_flight = len({a for r in replicas for a in r.flying})
     lanes = sum(r.max_adapters for r in replicas) if config.join and config.join_lanes > 0 else 0
-    crowded = not lanes or len({a for r in replicas for a in r.flying}) >= config.join_lanes * lanes
+    crowded = not lanes or in_flight >= config.join_lanes * lanes
+    # idle_joins: idle replicas to spare rank before joins while their lanes could take every adapter in flight
+    # (inf: never, as no count reaches inf x the adapters, nor nan where none are in flight)
+    idle_lanes = sum(r.max_adapters for r in replicas if r.load <= 0)
+    before_joins = spare and idle_lanes >= config.idle_joins * in_flight
     out = []
     for r in replicas:
         short = r.lanes_short(adapter)
@@ -326,7 +345,8 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
         elif config.idle_ready and r.load <= 0 and r.ready_s <= lead_s and (config.idle_scarce or not r.scarce):
             key = (0, -2, r.residence.order, h)  # it starts on arrival there: first
         elif config.idle_ready and r.load <= 0 and r.scarce and spare and r.ready_s <= lead_s + config.idle_late_s:
-            key = (0, -0.75, r.residence.order, h)  # lanes scarce, idle replicas to spare: first after joins
+            # lanes scarce, idle replicas to spare: first (idle_joins), or first after joins
+            key = (0, -2 if before_joins else -0.75, r.residence.order, h)
         elif config.weigh_arrivals and not r.scarce and r.load + weight <= (r.max_adapters or config.min_bound):
             # a lane free for every request in flight: the request starts once its adapter is READY and the
             # requests arriving before it have had their prefills; the earliest start first, then residency
