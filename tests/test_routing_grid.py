@@ -11,6 +11,7 @@ running batch was routed earliest (``RouterConfig.oldest_first``): Route 87.7 / 
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import pytest
 
@@ -114,21 +115,11 @@ def test_where_lanes_are_plenty_route_spreads_a_hot_adapter_over_the_replicas_ho
     stacked five or six deep on the replicas running it while replicas holding it READY had one or none (p99 1.165x,
     mean 1.071x the better simple router's at seed 0). With ``RouterConfig.join_lanes`` a join ranks first only while
     the adapters in flight fill 15% of the fleet's lanes: it holds; with joins always first the loss comes back."""
-    from bench.policies import BENCH_POLICIES
-    from bench.sim.fleet import simulate
-    from bench.workloads import make_workload
     from lora_cache.routing.ranking import RouterConfig
 
-    point = grid.select(grid.full_grid(), "r64-a50-l0.6-zipf1.5-m4-tp4")[0]
-    cal = load_calibration("h200-llama8b")
-    on = grid.run_point(point, cal, seed=0)
-    best = {k: min(on["affinity"][k], on["least-loaded"][k]) for k in ("mean_ttft_ms", "p99_ttft_ms")}
+    on, best, off = _route_with("r64-a50-l0.6-zipf1.5-m4-tp4", RouterConfig(join_lanes=0.0))
     assert on["lora-cache"]["p99_ttft_ms"] <= grid.P99_LIMIT * best["p99_ttft_ms"], on
     assert on["lora-cache"]["mean_ttft_ms"] <= grid.MEAN_LIMIT * best["mean_ttft_ms"], on
-    spec = point.spec(cal, 0)
-    workload = make_workload(spec, spec.adapter_names(grid.SLOTS))
-    off = simulate(point.fleet("lora-cache"), BENCH_POLICIES["global"], workload, cal,
-                   router=RouterConfig(join_lanes=0.0)).summary()
     assert off["p99_ttft_ms"] > grid.P99_LIMIT * best["p99_ttft_ms"], off
     assert off["mean_ttft_ms"] > grid.MEAN_LIMIT * best["mean_ttft_ms"], off
 
@@ -140,20 +131,27 @@ def test_with_idle_joins_route_takes_idle_replicas_before_joins_on_a_large_one_l
     ``RouterConfig.idle_joins`` 1 (off by default: it moved a light 8-replica fleet's p99 past its bound) an idle
     replica where the adapter will be READY within a prefill of the arrival ranks before joins while the idle
     replicas' lanes could take every adapter in flight: it holds."""
+    from lora_cache.routing.ranking import RouterConfig
+
+    off, best, on = _route_with("r64-a50-l0.6-bursty-m1-tp4", RouterConfig(idle_joins=1.0))
+    assert off["lora-cache"]["p99_ttft_ms"] > grid.P99_LIMIT * best["p99_ttft_ms"], off
+    assert off["lora-cache"]["mean_ttft_ms"] > grid.MEAN_LIMIT * best["mean_ttft_ms"], off
+    assert on["p99_ttft_ms"] <= grid.P99_LIMIT * best["p99_ttft_ms"], on
+    assert on["mean_ttft_ms"] <= grid.MEAN_LIMIT * best["mean_ttft_ms"], on
+
+
+def _route_with(name: str, router: Any) -> tuple[Any, dict[str, float], dict[str, float]]:
+    """A grid point at seed 0 with the default settings (every router's figures), the better simple router's mean
+    and p99, and Route alone under ``router`` (a RouterConfig)."""
     from bench.policies import BENCH_POLICIES
     from bench.sim.fleet import simulate
     from bench.workloads import make_workload
-    from lora_cache.routing.ranking import RouterConfig
 
-    point = grid.select(grid.full_grid(), "r64-a50-l0.6-bursty-m1-tp4")[0]
+    point = grid.select(grid.full_grid(), name)[0]
     cal = load_calibration("h200-llama8b")
-    off = grid.run_point(point, cal, seed=0)
-    best = {k: min(off["affinity"][k], off["least-loaded"][k]) for k in ("mean_ttft_ms", "p99_ttft_ms")}
-    assert off["lora-cache"]["p99_ttft_ms"] > grid.P99_LIMIT * best["p99_ttft_ms"], off
-    assert off["lora-cache"]["mean_ttft_ms"] > grid.MEAN_LIMIT * best["mean_ttft_ms"], off
+    default = grid.run_point(point, cal, seed=0)
+    best = {k: min(default["affinity"][k], default["least-loaded"][k]) for k in ("mean_ttft_ms", "p99_ttft_ms")}
     spec = point.spec(cal, 0)
     workload = make_workload(spec, spec.adapter_names(grid.SLOTS))
-    on = simulate(point.fleet("lora-cache"), BENCH_POLICIES["global"], workload, cal,
-                  router=RouterConfig(idle_joins=1.0)).summary()
-    assert on["p99_ttft_ms"] <= grid.P99_LIMIT * best["p99_ttft_ms"], on
-    assert on["mean_ttft_ms"] <= grid.MEAN_LIMIT * best["mean_ttft_ms"], on
+    other = simulate(point.fleet("lora-cache"), BENCH_POLICIES["global"], workload, cal, router=router).summary()
+    return default, best, other

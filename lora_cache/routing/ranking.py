@@ -314,15 +314,15 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
     share = bound([r.load for r in replicas], config.epsilon, weight) if config.weigh_over else math.inf
     # idle_share: where lanes are scarce, the idle-replica rule holds only while the fleet has idle replicas to spare
     # (inf: never, as no count reaches it)
-    spare = sum(1 for r in replicas if r.load <= 0) >= max(2.0, config.idle_share * len(replicas))
-    # join_lanes: a join saves a lane, worth something only while the fleet's adapters in flight fill its lanes
-    in_flight = len({a for r in replicas for a in r.flying})
-    lanes = sum(r.max_adapters for r in replicas) if config.join and config.join_lanes > 0 else 0
-    crowded = not lanes or in_flight >= config.join_lanes * lanes
+    idle = [r for r in replicas if r.load <= 0]
+    spare = len(idle) >= max(2.0, config.idle_share * len(replicas))
+    # join_lanes: a join saves a lane, worth something only while the fleet's adapters in flight fill its lanes;
     # idle_joins: idle replicas to spare rank before joins while their lanes could take every adapter in flight
-    # (inf: never, as no count reaches inf x the adapters, nor nan where none are in flight)
-    idle_lanes = sum(r.max_adapters for r in replicas if r.load <= 0)
-    before_joins = spare and idle_lanes >= config.idle_joins * in_flight
+    lanes = sum(r.max_adapters for r in replicas) if config.join and config.join_lanes > 0 else 0
+    weigh_idle = spare and config.idle_joins < math.inf
+    in_flight = len({a for r in replicas for a in r.flying}) if lanes or weigh_idle else 0
+    crowded = not lanes or in_flight >= config.join_lanes * lanes
+    before_joins = weigh_idle and sum(r.max_adapters for r in idle) >= config.idle_joins * in_flight
     out = []
     for r in replicas:
         short = r.lanes_short(adapter)
