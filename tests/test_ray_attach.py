@@ -288,6 +288,48 @@ def test_a_call_longer_than_liveness_is_not_a_dead_process(fleet) -> None:
         rank.detach()
 
 
+def test_a_call_that_ends_during_the_detach_ends_the_serve_thread_quietly(fleet) -> None:
+    """A controller call still running when the rank detaches (the detach kills the endpoint and clears it, then
+    waits for the serve thread) finishes with nobody to answer: the serve thread ends without an error escaping
+    it and the rank is not counted lost. Before, its answer read the cleared endpoint and the thread died with
+    ``'NoneType' object has no attribute 'answer'`` (seen in a full CI run, 2026-12-05)."""
+    _, gcs, _ = fleet
+    rank = attach(AttachConfig(replica="replica-d", address=gcs, poll_s=0.2, liveness_s=1.0), worker(0, tp=1, slots=2))
+    gate, entered = threading.Event(), threading.Event()
+    real = rank.control.describe
+    escaped: list[BaseException | None] = []
+    hook = threading.excepthook
+
+    def held(node):  # the call runs until the test lets it go
+        entered.set()
+        assert gate.wait(60)
+        return real(node)
+
+    def caught(args) -> None:
+        if args.thread is rank.served.thread:
+            escaped.append(args.exc_value)
+        else:
+            hook(args)
+
+    threading.excepthook = caught
+    try:
+        endpoint = ray.get_actor(rank.name, namespace="lora-cache")
+        rank.control.describe = held
+        endpoint.describe.remote()
+        assert entered.wait(30)
+        leaving = threading.Thread(target=rank.detach)
+        leaving.start()
+        waiting.wait_for(lambda: rank.transport.endpoint is None, "the detach closed the endpoint", timeout=60)
+        gate.set()  # the call ends after its endpoint is gone
+        leaving.join(timeout=120)
+        assert not leaving.is_alive() and not rank.served.thread.is_alive()
+        assert escaped == [] and rank.served.lost is None, (escaped, rank.served.lost)
+    finally:
+        gate.set()
+        threading.excepthook = hook
+        rank.detach()
+
+
 def _named(name: str) -> bool:
     try:
         ray.get_actor(name, namespace="lora-cache")

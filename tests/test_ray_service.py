@@ -54,7 +54,11 @@ def test_queue_report_reaches_readiness_and_subscriber(service) -> None:
     ctl = service.controller
     cursor = 0
     ray.get(ctl.report_queue.remote("replica-0", [("adapter-000", time.time()), ("adapter-001", time.time())]))
-    wait_ready(ctl, "adapter-001", "replica-0", 30)
+    # both queued adapters become ready; in no promised order: the two loads read on parallel reader threads, so
+    # adapter-001 may be ready on both ranks before adapter-000 (under the full CI run it once was: asserting
+    # adapter-000 ready at adapter-001's readiness failed with `'replica-0' in []`)
+    for adapter in ("adapter-001", "adapter-000"):
+        wait_ready(ctl, adapter, "replica-0", 30)
     events = ray.get(ctl.wait_events.remote(cursor, "replica-0", "adapter-001", 5.0))
     assert events and events[-1].ready and events[-1].replica == "replica-0"
     assert "replica-0" in ray.get(ctl.lookup.remote("adapter-000"))["ready"]

@@ -64,7 +64,15 @@ class CallLoop:
                     self.lost = e
                 return
             for call in calls:  # each answered as it finishes: a batch of slow calls (registering many
-                self.transport.answer([self._run(handlers, call)])  # adapters) is not a silent process
+                answer = self._run(handlers, call)  # adapters) is not a silent process
+                try:
+                    self.transport.answer([answer])
+                except Exception as e:  # detached while the call ran (nobody waits for it now), or the link is gone
+                    if not self.stopping.is_set():
+                        log.warning("%s: could not answer the controller (%s); this rank no longer receives "
+                                    "commands", self.name, e)
+                        self.lost = e
+                    return
 
     def _heartbeat(self) -> None:
         """While a controller call runs (a registration hashing a large adapter, a describe of thousands of

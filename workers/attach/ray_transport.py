@@ -77,19 +77,25 @@ class RayTransport(RankTransport):
                     timeout=120)
 
     def take(self, timeout_s: float) -> list[Call]:
-        ray_up(self.name)
+        endpoint = self._open_endpoint()
         try:
-            return ray.get(self.endpoint.take.remote(timeout_s), timeout=timeout_s + 60)
+            return ray.get(endpoint.take.remote(timeout_s), timeout=timeout_s + 60)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
             raise ConnectionError(f"{self.name}: endpoint lost ({e})") from e
 
-    def answer(self, results: list[Answer]) -> None:
+    def _open_endpoint(self) -> Any:
+        """The endpoint, or ConnectionError once ``close`` killed it (a call that finished during the detach)."""
         ray_up(self.name)
-        self.endpoint.answer.remote(results)
+        endpoint = self.endpoint  # read once: close() clears it from the detaching thread
+        if endpoint is None:
+            raise ConnectionError(f"{self.name}: detached; the endpoint is closed")
+        return endpoint
+
+    def answer(self, results: list[Answer]) -> None:
+        self._open_endpoint().answer.remote(results)
 
     def alive(self) -> None:
-        ray_up(self.name)
-        self.endpoint.answer.remote([])  # an empty answer: only a sign of life
+        self._open_endpoint().answer.remote([])  # an empty answer: only a sign of life
 
     def send_deltas(self, name: str, incarnation: int, batch: list[DeltaRow]) -> None:
         self._report(name, incarnation, batch)
