@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from collections import Counter
@@ -11,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lora_cache.errors import ConfigError, ConflictError
+from lora_cache.planner.rendezvous import rendezvous_hash
 from lora_cache.routing.ranking import (
     ReplicaLoad,
     Residence,
@@ -150,20 +152,42 @@ def test_traffic_counts_decay_by_half_each_half_life_and_forget_a_replica() -> N
 
 
 @given(st.lists(st.integers(0, 6), min_size=2, max_size=12), st.sampled_from(["a", "b", "adapter-017"]),
-       st.sampled_from([0.0, 1.0, 2.0]))
-def test_cold_picks_go_where_the_adapter_starts_soonest(loads: list[int], adapter: str, slack: float) -> None:
+       st.sampled_from([0.0, 1.0, 2.0]), st.sampled_from([0, 2, 3]))
+def test_cold_picks_go_where_the_adapter_starts_soonest(loads: list[int], adapter: str, slack: float,
+                                                        ties: int) -> None:
     """Issue 31: where adapter lanes are scarce (max_adapters < slots), an adapter resident nowhere goes to the
     hash-preferred replica among those within cold_slack of the least loaded (where it starts soonest), the same
-    one whatever the loads of the others; where they are not, to its hash-preferred replica as before."""
-    config = RouterConfig(min_bound=8.0, cold_slack=slack)
+    one whatever the loads of the others; where they are not, to its hash-preferred replica as before. Issue 42:
+    where ``cold_ties`` or more share the least load, among those alone."""
+    config = RouterConfig(min_bound=8.0, cold_slack=slack, cold_ties=ties)
     plain = [ReplicaLoad(f"replica-{i}", Residence.COLD, float(x)) for i, x in enumerate(loads)]
     idle = [r._replace(load=0.0) for r in plain]
     assert rank(adapter, plain, config)[0].replica == rank(adapter, idle, config)[0].replica
     fleet = [r._replace(scarce=True) for r in plain]
     pick = rank(adapter, fleet, config)[0].replica
-    soon = [r for r in fleet if r.load <= min(loads) + slack]
-    assert {r.replica: r.load for r in fleet}[pick] <= min(loads) + slack
+    within = 0.0 if ties and loads.count(min(loads)) >= ties else slack
+    soon = [r for r in fleet if r.load <= min(loads) + within]
+    assert {r.replica: r.load for r in fleet}[pick] <= min(loads) + within
     assert pick == rank(adapter, [r._replace(load=0.0) for r in soon], config)[0].replica
+
+
+def test_cold_picks_hash_among_the_least_loaded_where_enough_share_that_load() -> None:
+    """Issue 42: two cold replicas idle and two one request behind, and an adapter whose hash prefers one behind: the
+    pick is an idle one (``cold_ties=2``; off by default); with ``cold_ties=0``, or with one idle replica only, the
+    hash decides within ``cold_slack`` (1) as before, so a lone idle replica does not take every cold pick."""
+    fleet = [ReplicaLoad(f"replica-{i}", Residence.COLD, float(x), scarce=True) for i, x in enumerate([1, 0, 1, 0])]
+
+    def preferred(adapter: str) -> ReplicaLoad:
+        return min(fleet, key=lambda r: rendezvous_hash(adapter, r.replica))
+
+    adapter = next(a for a in (f"adapter-{i}" for i in range(100)) if preferred(a).load == 1.0)
+    config = RouterConfig(min_bound=8.0, cold_ties=2)
+    assert rank(adapter, fleet, config)[0].replica in {"replica-1", "replica-3"}
+    assert rank(adapter, fleet, dataclasses.replace(config, cold_ties=0))[0].replica == preferred(adapter).replica
+    one_idle = [r._replace(load=1.0) if r.replica == "replica-3" else r for r in fleet]
+    assert rank(adapter, one_idle, config)[0].replica == preferred(adapter).replica
+    with pytest.raises(ConfigError, match=r"cold_ties is -1; give a whole number >= 0"):
+        RouterConfig(cold_ties=-1)
 
 
 def test_expected_wait_counts_the_queue_and_the_adapter_load() -> None:

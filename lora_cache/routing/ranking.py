@@ -58,29 +58,34 @@ of them idle, joins queued requests behind their adapter's batch while 16 replic
 least-loaded's, 1.03x with it at 1). It stays off: it moved r8-a50-l0.3-uniform-m4-tp4's p99 (median of 10 seeds)
 from 1.015x to 1.054x the better simple router's (bench/reports/issue-42.md, "Idle replicas before joins").
 
-Cold replicas with room are taken in a per-(adapter, replica) hash order (``sticky``, rendezvous hashing: an
-adapter resident nowhere goes to the same replicas every time, whose planners then see its traffic and keep it), or
-least loaded first (``sticky=False``). Where adapter lanes are scarce (``scarce``: ``max_adapters`` < slots),
-sticky picks hash only among the cold replicas where the request would start soonest: those that can start it now
-whose load is within ``cold_slack`` of the least loaded of them (issue 31: on a 64-replica fleet with 5,000
-adapters, most resident nowhere, hash order over every replica within the bound sent them to busy replicas while
-others idled; bench/RESULTS.md). ``weigh_cold`` (off) ranks a resident replica after those cold ones when its
-queue's expected wait exceeds theirs plus a load; measured on every fleet, it did not pay (bench/RESULTS.md).
-``weigh_over`` (off) applies it only where lanes are not scarce and the resident replica's load would exceed the
-fleet's proportional bound (``(1 + epsilon)`` x the mean, without ``min_bound``): at light load ``min_bound`` let the
-one replica where a hot adapter was READY take 3-7 requests while the others held 1-2, and its requests then arrived
-during each other's prefill steps and waited for them (issue 31: r8-a500-l0.3-zipf1.5-m8-tp4's p99, 1.135x -> 0.973x
-the better simple router with it; at heavy load the proportional bound is mostly above every replica's load, so
-residency decides as before). It stays off: the cold picks it adds cost 1-3% of the mean on light-load fleets of
-one-rank replicas, whose loads do not fit the lead (bench/RESULTS.md). ``weigh_arrivals`` (off) ranks, where lanes are
-not scarce and a replica has a lane free for every request in flight (its load within ``max_adapters``), by the
-request's expected start there: the later of its adapter's READY (``ready_s`` past the lead) and the prefills of the
-requests routed there that have not started (``ReplicaLoad.arriving``: its active hints and queue, ``prefill_s``
-each), then residency; replicas past their lanes rank by residency after them (issue 31, sixth round: on the routing
-grid's light-load fleets the tail was requests sent where one or two others were about to arrive). In the simulator (32
-replicas, Zipf 0.9 over 200 adapters, 64 requests/s, lead 0.05 s; bench/RESULTS.md) the share of requests whose
-adapter was ready on arrival under ``global`` placement is 0.955 with the defaults, 0.899 with least-loaded cold
-picks, 0.864 with ``min_bound=0`` and 0.831 with both (residency-only routing: 0.890).
+Cold replicas with room are taken in a per-(adapter, replica) hash order (``sticky``, rendezvous hashing: an adapter
+resident nowhere goes to the same replicas every time, whose planners then see its traffic and keep it), or least loaded
+first (``sticky=False``). Where adapter lanes are scarce (``scarce``: ``max_adapters`` < slots), sticky picks hash only
+among the cold replicas where the request would start soonest: those that can start it now whose load is within
+``cold_slack`` of the least loaded of them (issue 31: on a 64-replica fleet with 5,000 adapters, most resident nowhere,
+hash order over every replica within the bound sent them to busy replicas while others idled; bench/RESULTS.md).
+``cold_ties`` (off) drops that slack where at least that many of them share the least load: one request's slack keeps a
+lone least-loaded replica from taking every cold pick, but where several are least loaded it sends cold picks to busy
+replicas too (issue 42: at 2, on 64 replicas of 4 lanes with 5,000 adapters at light load, p99 1.141x -> 1.026x the
+better simple router, and r8-a500-l0.3-uniform-m4-tp4 1.108x -> 1.032x; it stays off because on heavy-load fleets of 8
+replicas at 4 lanes Route's mean rose 1-3%, bench/reports/issue-42.md, "Cold picks among tied replicas"; on two replicas
+it never changes a pick). ``weigh_cold`` (off) ranks a resident replica after those cold ones when its queue's expected
+wait exceeds theirs plus a load; measured on every fleet, it did not pay (bench/RESULTS.md). ``weigh_over`` (off)
+applies it only where lanes are not scarce and the resident replica's load would exceed the fleet's proportional bound
+(``(1 + epsilon)`` x the mean, without ``min_bound``): at light load ``min_bound`` let the one replica where a hot
+adapter was READY take 3-7 requests while the others held 1-2, and its requests then arrived during each other's prefill
+steps and waited for them (issue 31: r8-a500-l0.3-zipf1.5-m8-tp4's p99, 1.135x -> 0.973x the better simple router with
+it; at heavy load the proportional bound is mostly above every replica's load, so residency decides as before). It stays
+off: the cold picks it adds cost 1-3% of the mean on light-load fleets of one-rank replicas, whose loads do not fit the
+lead (bench/RESULTS.md). ``weigh_arrivals`` (off) ranks, where lanes are not scarce and a replica has a lane free for
+every request in flight (its load within ``max_adapters``), by the request's expected start there: the later of its
+adapter's READY (``ready_s`` past the lead) and the prefills of the requests routed there that have not started
+(``ReplicaLoad.arriving``: its active hints and queue, ``prefill_s`` each), then residency; replicas past their lanes
+rank by residency after them (issue 31, sixth round: on the routing grid's light-load fleets the tail was requests sent
+where one or two others were about to arrive). In the simulator (32 replicas, Zipf 0.9 over 200 adapters, 64 requests/s,
+lead 0.05 s; bench/RESULTS.md) the share of requests whose adapter was ready on arrival under ``global`` placement is
+0.955 with the defaults, 0.899 with least-loaded cold picks, 0.864 with ``min_bound=0`` and 0.831 with both
+(residency-only routing: 0.890).
 
 Deterministic: the same inputs give the same ranking (ties by the hash, then the replica's name).
 A batch is routed in order, each item's pick adding its weight to that replica's load, so a burst of
@@ -134,6 +139,11 @@ class RouterConfig:
         "help": "sticky cold picks where lanes are scarce (max_adapters < slots): an adapter goes to its "
                 "hash-preferred replica among those that can start it and whose load is within cold_slack of the "
                 "least loaded of them (where it starts soonest; inf: the hash-preferred replica within the bound)"})
+    cold_ties: int = field(default=0, metadata={
+        "help": "where at least this many cold replicas that can start the request share the least load, sticky "
+                "cold picks hash among those alone (cold_slack does not apply); fewer: within cold_slack, so one "
+                "least-loaded replica does not take every cold pick; 0 (the default): cold_slack always (2 helps "
+                "light-load fleets of many replicas and costs heavy-load ones 1-3% of the mean: bench/RESULTS.md)"})
     weigh_cold: bool = field(default=False, metadata={
         "help": "a replica where the adapter is resident ranks after the soonest cold replicas when its expected "
                 "wait (its load x request_s) exceeds theirs plus the load (cold_s): ready on a busy replica against "
@@ -218,6 +228,9 @@ class RouterConfig:
         if not self.cold_slack >= 0:
             raise ConfigError(f"cold_slack is {self.cold_slack}; give a number >= 0 (1: hash order among the "
                               "replicas within one request of the least loaded; inf: hash order within the bound)")
+        if not (isinstance(self.cold_ties, int) and self.cold_ties >= 0):
+            raise ConfigError(f"cold_ties is {self.cold_ties!r}; give a whole number >= 0 (2: cold picks hash among "
+                              "the least-loaded cold replicas where two or more share that load; 0: off)")
         if not self.idle_joins >= 0:
             raise ConfigError(f"idle_joins is {self.idle_joins}; give a number >= 0 (1: idle replicas before joins "
                               "while their lanes match the adapters in flight; inf: after joins always)")
@@ -309,6 +322,9 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
                   and not r.lanes_short(adapter) and not (r.max_running and r.load + weight > r.max_running)]
     cold_floor = min(cold_loads, default=0.0)
     cold_any = bool(cold_loads)
+    # cold_ties: enough replicas share the least load for the hash to spread cold picks among them alone
+    ties = config.cold_ties and sum(1 for load in cold_loads if load <= cold_floor) >= config.cold_ties
+    cold_slack = 0.0 if ties else config.cold_slack
     cold_wait = cold_floor * config.request_s + config.cold_s
     # the bound without min_bound (weigh_over only: rank runs on every request's path)
     share = bound([r.load for r in replicas], config.epsilon, weight) if config.weigh_over else math.inf
@@ -356,7 +372,7 @@ def rank(adapter: str, replicas: Sequence[ReplicaLoad], config: RouterConfig, we
             tie = float(h) if config.sticky and r.residence is Residence.COLD else r.load
             key = (0, -0.5, start, r.residence.order, tie)
         elif config.sticky and r.residence is Residence.COLD:
-            soon = not r.scarce or r.load <= cold_floor + config.cold_slack  # lanes not scarce: hash order
+            soon = not r.scarce or r.load <= cold_floor + cold_slack  # lanes not scarce: hash order
             first = r.recent if config.cold_traffic else 0.0  # the replica sent fewest requests lately first
             key = (0, r.residence.order, 0 if soon else 1, first if soon else r.load, h)
         elif (config.sticky and cold_any and wait > cold_wait
