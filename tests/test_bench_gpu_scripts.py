@@ -361,3 +361,15 @@ def test_issue44_push_times_request_time_resolution_on_the_gpu_when_asked(tmp_pa
     assert [(a.model, a.rank, a.device, a.latency_ms) for a in parsed] == [("llama-3.1-8b", 16, "cuda", "0,20"),
                                                                            ("llama-3.1-8b", 64, "cuda", "0,20")]
     assert all(a.out.startswith(str(tmp_path / "out")) for a in parsed)
+
+
+def test_issue44_push_loop_part_alternates_the_pass_niceness_with_options_the_probe_accepts(tmp_path: Path) -> None:
+    from bench.probes.push_loop import build_parser as loop_parser
+
+    commands = _dry("issue44_push.sh", str(tmp_path), PARTS="loop", LOOP_ROUNDS="3")
+    settings = [c[1] for c in commands]  # env LORA_CACHE_PUSH_NICE=N python -m ...
+    assert settings == [f"LORA_CACHE_PUSH_NICE={n}" for n in (0, 10, 10, 0, 0, 10)]  # reversed every other round
+    assert {c[4] for c in commands} == {"bench.probes.push_loop"}
+    parsed = [loop_parser().parse_args(c[5:]) for c in commands]
+    assert all(a.gpu and a.tp == 1 and a.source == "gpu" and not a.audit for a in parsed)
+    assert len({a.summary for a in parsed}) == 6

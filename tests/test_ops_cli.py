@@ -74,6 +74,10 @@ def test_serve_checks_paths_sizes_ports_and_files_before_ray_starts(
     monkeypatch.setenv("LORA_CACHE_PUSH_THREADS", "many")  # read by the controller's pushes: refused at the start
     err = serve_fails(capsys, "--adapters", str(adapters))
     assert "LORA_CACHE_PUSH_THREADS='many' is not a thread count" in err and "whole number from 1 to 256" in err
+    monkeypatch.delenv("LORA_CACHE_PUSH_THREADS")
+    monkeypatch.setenv("LORA_CACHE_PUSH_NICE", "-5")  # a push's passes above the engines: refused at the start
+    err = serve_fails(capsys, "--adapters", str(adapters))
+    assert "LORA_CACHE_PUSH_NICE='-5' is not a niceness" in err and "whole number from 0" in err
 
 
 def test_serve_options_are_grouped_by_the_config_they_build() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -148,3 +149,35 @@ def test_the_pass_threads_are_the_operators_or_one_per_usable_core(monkeypatch: 
         monkeypatch.setenv(passes.THREADS_ENV, bad)
         with pytest.raises(ConfigError, match=f"LORA_CACHE_PUSH_THREADS={bad!r}.*whole number from 1 to 256"):
             passes.pass_threads()
+
+
+def _own_niceness() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.parametrize("setting, nicer", [("", passes.PASS_NICE), ("0", 0), ("3", 3), ("19", 19)])
+def test_the_pass_threads_run_nicer_than_the_process_that_pushes(monkeypatch: pytest.MonkeyPatch, setting: str,
+                                                                 nicer: int) -> None:
+    """A push's passes yield the cores to the engines beside them: each pool thread's niceness is the pushing
+    thread's plus ``pass_nice()`` (at most 19), the pushing thread's own is unchanged, and a pass still runs."""
+    monkeypatch.setenv(passes.NICE_ENV, setting)
+    own = _own_niceness()
+    saved = list(passes._POOL)
+    passes._POOL[:] = []
+    try:
+        pool = passes.passes()
+        seen = set(pool.map(lambda _: (_own_niceness(), threading.get_native_id()), range(64)))
+        assert {n for n, _ in seen} == {min(19, own + nicer)}
+        assert all(tid != threading.get_native_id() for _, tid in seen)
+        assert _own_niceness() == own
+        assert digest(b"{}", weights_of(PASS_BYTES + 1, 0)).version  # the pass itself is unchanged
+    finally:
+        passes._POOL[:] = saved
+        pool.shutdown()
+
+
+def test_a_pass_niceness_that_is_not_one_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    for bad in ("-1", "20", "ten", "2.5"):
+        monkeypatch.setenv(passes.NICE_ENV, bad)
+        with pytest.raises(ConfigError, match=f"LORA_CACHE_PUSH_NICE={bad!r}.*whole number from 0.*to 19"):
+            passes.pass_nice()

@@ -13,7 +13,11 @@
 # RESOLVE_LATENCY [0,20] ms added per store request, RESOLVE_PAIRS [6]; resolve-8b-rR.json). ARGS: more arguments of
 # every push probe (e.g. "--source gpu": the pushed tensors on GPU 0; "--one-gpu" with TP=2: both ranks on GPU 0); the
 # old tree runs this tree's probe (copied into it), so that both take the same arguments. PUSHES70=0 leaves the 70B
-# out. Exit status: the number of runs that failed.
+# out. PARTS may name loop: does a push stall the running batches? A push every second against the 8B reference engine
+# (bench.probes.push_loop, the trainer's tensors on the GPU, TP 1, RATE [20] requests a second for LOOP_S [30] s) with
+# the push's pass threads at each niceness of NICES [0 10] (LORA_CACHE_PUSH_NICE) in turn, LOOP_ROUNDS [3] rounds, the
+# order reversed every other round (neither setting always first on a warming machine); loop-nN-R.json (the
+# summary: steps overlapping a push against the others) and .jsonl. Exit status: the number of runs that failed.
 set -u
 . "$(dirname "$0")/lib.sh"
 tp=${TP:-$([ "$(gpus)" -ge 2 ] && echo 2 || echo 1)}
@@ -51,6 +55,20 @@ if [[ $parts == *" resolve "* ]]; then
   for rank in ${RESOLVE_RANKS:-16 64}; do
     step "resolve-8b-r$rank" "$PYTHON" -m bench.probes.resolve_ttft --model llama-3.1-8b --rank "$rank" --device cuda \
       --latency-ms "${RESOLVE_LATENCY:-0,20}" --pairs "${RESOLVE_PAIRS:-6}" --cpus 8 --out "$out/resolve-8b-r$rank.json"
+  done
+fi
+if [[ $parts == *" loop "* ]]; then
+  read -r -a nices <<< "${NICES:-0 10}"
+  for round in $(seq "${LOOP_ROUNDS:-3}"); do
+    order=("${nices[@]}")
+    if [ $((round % 2)) = 0 ]; then
+      order=(); for ((i = ${#nices[@]} - 1; i >= 0; i--)); do order+=("${nices[i]}"); done
+    fi
+    for nice in "${order[@]}"; do
+      step "loop-n$nice-$round" env LORA_CACHE_PUSH_NICE="$nice" "$PYTHON" -m bench.probes.push_loop --gpu --tp 1 \
+        --model llama-3.1-8b --source gpu --no-audit --rate "${RATE:-20}" --seconds "${LOOP_S:-30}" \
+        --summary "$out/loop-n$nice-$round.json" --out "$out/loop-n$nice-$round.jsonl"
+    done
   done
 fi
 exit "$failed"

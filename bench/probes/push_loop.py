@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import threading
@@ -43,6 +44,7 @@ from safetensors.torch import load
 
 from bench.version_check import check_steps
 from lora_cache.adapters.catalog import CatalogConfig
+from lora_cache.adapters.passes import pass_nice, pass_threads, passes
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, read_adapter
 from lora_cache.adapters.refs import base_name
 from lora_cache.adapters.shards import shard_layout
@@ -105,7 +107,7 @@ class Trainer:
             self.error = e
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=20.0, help="how long requests keep coming")
     ap.add_argument("--push-every", type=float, default=1.0)
@@ -128,7 +130,11 @@ def main() -> None:
                     help="K >= 0: each request for the pushed adapter names the version K pushes behind the newest "
                          "(ADAPTER@STEP, as an RL trainer's rollouts on a lagging policy do), submitted as it arrives "
                          "to a streaming run; -1 (default): given up front, each admitted on the version current then")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.source == "gpu" and not args.gpu:
         raise SystemExit("--source gpu keeps the trainer's tensors on a GPU: add --gpu")
 
@@ -219,6 +225,9 @@ def main() -> None:
                 {"model": args.model, "tp": args.tp, "gpu": args.gpu, "source": args.source, "audit": args.audit,
                  "rate": args.rate, "seconds": args.seconds, "push_every": args.push_every,
                  "staleness": args.staleness, "keep_versions": args.keep_versions, "failed": len(failed),
+                 "pass_threads": pass_threads(), "pass_nice": pass_nice(),
+                 "pass_niceness_seen": passes().submit(lambda: os.getpriority(
+                     os.PRIO_PROCESS, threading.get_native_id())).result(),
                  "refused": len(refused),
                  "requests": len(result.records), "served_versions": served, "pushes": trainer.log,
                  "steps": stalls, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, indent=2))

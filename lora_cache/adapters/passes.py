@@ -6,10 +6,16 @@ block CRCs, the write into node memory, a node copy's proof), each pass one core
 copies, blake2b and CRC-32 free the GIL, so the pass runs on as many cores as the pool has (up to
 ``PASS_THREADS``: past that, memory bandwidth, not cores, bounds them). A task never waits for another task of
 the pool, so passes may run at once.
+
+The pool's threads run at a lower CPU priority than the process's others (``pass_nice()``, ``PASS_NICE`` unless
+``LORA_CACHE_PUSH_NICE`` says otherwise): a push is background work beside the engines of its node, whose eager
+kernel launches (prefill) need a core the moment they run. Where cores are idle a nice thread runs as fast as any;
+where an engine's thread and a pass contend, the engine's runs first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +25,8 @@ from lora_cache.errors import ConfigError
 
 PASS_THREADS = 16  # threads at most in the pool (unless THREADS_ENV says otherwise)
 THREADS_ENV = "LORA_CACHE_PUSH_THREADS"
+PASS_NICE = 10  # the pool threads' niceness over the process's own (unless NICE_ENV says otherwise)
+NICE_ENV = "LORA_CACHE_PUSH_NICE"
 PASS_BYTES = 8 * BLOCK_BYTES  # the bytes one task takes (whole blocks, so a block's hash is one task's)
 _LOCK = threading.Lock()
 _POOL: list[ThreadPoolExecutor] = []  # made at the first pass (not at import: a forked process makes its own)
@@ -46,10 +54,31 @@ def pass_threads() -> int:
     return int(raw)
 
 
+def pass_nice() -> int:
+    """How much nicer than the process a pool thread runs: ``LORA_CACHE_PUSH_NICE`` if set (0: the same priority as
+    the engine beside it), else ``PASS_NICE``."""
+    raw = os.environ.get(NICE_ENV, "").strip()
+    if not raw:
+        return PASS_NICE
+    if not raw.isdigit() or not 0 <= int(raw) <= 19:
+        raise ConfigError(f"{NICE_ENV}={raw!r} is not a niceness: give a whole number from 0 (a push's passes at the "
+                          f"engines' priority) to 19 (only on idle cores), or leave it unset for {PASS_NICE}")
+    return int(raw)
+
+
+def _lower_priority(nice: int) -> None:
+    """A pool thread's start: its own niceness raised by ``nice`` (Linux keeps one per thread; raising it needs no
+    privilege). Where the platform has none, the thread runs at the process's priority."""
+    if nice and hasattr(os, "setpriority"):
+        tid = threading.get_native_id()
+        with contextlib.suppress(OSError):  # a sandbox that refuses it: the pass still runs, at the process's priority
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+
+
 def passes() -> ThreadPoolExecutor:
-    """This process's pool for passes over a push's bytes (``pass_threads()`` threads)."""
+    """This process's pool for passes over a push's bytes (``pass_threads()`` threads, ``pass_nice()`` nicer)."""
     if not _POOL:
         with _LOCK:
             if not _POOL:
-                _POOL.append(ThreadPoolExecutor(pass_threads(), "push-pass"))
+                _POOL.append(ThreadPoolExecutor(pass_threads(), "push-pass", _lower_priority, (pass_nice(),)))
     return _POOL[0]

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from lora_cache.adapters.catalog import CatalogConfig
-from lora_cache.adapters.passes import pass_threads
+from lora_cache.adapters.passes import pass_nice, pass_threads
 from lora_cache.adapters.shapes import resolve_model
 from lora_cache.adapters.shards import max_shard_numel
 from lora_cache.api.gateway import GatewayConfig
@@ -40,9 +40,11 @@ def check_directory(option: str, value: str, what: str) -> None:
 
 
 def check_environment() -> None:
-    """The settings ``serve``'s processes read from the environment: ``LORA_CACHE_PUSH_THREADS`` (the pool a push's
-    passes use in the controller, which inherits it), refused here rather than at the first push."""
+    """The settings ``serve``'s processes read from the environment: ``LORA_CACHE_PUSH_THREADS`` and
+    ``LORA_CACHE_PUSH_NICE`` (the pool a push's passes use in the controller, which inherits them), refused here
+    rather than at the first push."""
     pass_threads()
+    pass_nice()
 
 
 def check_adapters(adapters: str, catalog: CatalogConfig) -> None:
