@@ -7,10 +7,12 @@ copies, blake2b and CRC-32 free the GIL, so the pass runs on as many cores as th
 ``PASS_THREADS``: past that, memory bandwidth, not cores, bounds them). A task never waits for another task of
 the pool, so passes may run at once.
 
-The pool's threads run at a lower CPU priority than the process's others (``pass_nice()``, ``PASS_NICE`` unless
-``LORA_CACHE_PUSH_NICE`` says otherwise): a push is background work beside the engines of its node, whose eager
-kernel launches (prefill) need a core the moment they run. Where cores are idle a nice thread runs as fast as any;
-where an engine's thread and a pass contend, the engine's runs first.
+An operator may run the pool's threads at a lower CPU priority than the process's others (``LORA_CACHE_PUSH_NICE``,
+``pass_nice()``): a push is background work beside the engines of its node, whose eager kernel launches (prefill)
+need a core the moment they run; where cores are idle a nice thread runs as fast as any, where an engine's thread
+and a pass contend, the engine's runs first. Off by default (``PASS_NICE`` 0): on one H200 with 16 cores, a push
+every second beside the 8B reference engine, prefill steps overlapping a push were 1.01-1.10x the others at
+niceness 0 and at 10 alike (bench/reports/issue-44.md, "Do a push's passes stall prefill: their priority").
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from lora_cache.errors import ConfigError
 
 PASS_THREADS = 16  # threads at most in the pool (unless THREADS_ENV says otherwise)
 THREADS_ENV = "LORA_CACHE_PUSH_THREADS"
-PASS_NICE = 10  # the pool threads' niceness over the process's own (unless NICE_ENV says otherwise)
+PASS_NICE = 0  # the pool threads' niceness over the process's own (unless NICE_ENV says otherwise)
 NICE_ENV = "LORA_CACHE_PUSH_NICE"
 PASS_BYTES = 8 * BLOCK_BYTES  # the bytes one task takes (whole blocks, so a block's hash is one task's)
 _LOCK = threading.Lock()
@@ -56,7 +58,7 @@ def pass_threads() -> int:
 
 def pass_nice() -> int:
     """How much nicer than the process a pool thread runs: ``LORA_CACHE_PUSH_NICE`` if set (0: the same priority as
-    the engine beside it), else ``PASS_NICE``."""
+    the engine beside it; 19: only what the engines leave), else ``PASS_NICE``."""
     raw = os.environ.get(NICE_ENV, "").strip()
     if not raw:
         return PASS_NICE
