@@ -59,20 +59,21 @@ class CallLoop:
             try:
                 calls = self.transport.take(self.poll_s)
             except Exception as e:  # the endpoint was killed (detach) or died: the controller sees a dead worker
-                if not self.stopping.is_set():
-                    log.warning("%s: endpoint lost (%s); this rank no longer receives commands", self.name, e)
-                    self.lost = e
+                self._gone("endpoint lost", e)
                 return
             for call in calls:  # each answered as it finishes: a batch of slow calls (registering many
                 answer = self._run(handlers, call)  # adapters) is not a silent process
                 try:
                     self.transport.answer([answer])
                 except Exception as e:  # detached while the call ran (nobody waits for it now), or the link is gone
-                    if not self.stopping.is_set():
-                        log.warning("%s: could not answer the controller (%s); this rank no longer receives "
-                                    "commands", self.name, e)
-                        self.lost = e
+                    self._gone("could not answer the controller", e)
                     return
+
+    def _gone(self, what: str, error: Exception) -> None:
+        """The serve thread ends on ``error`` from the transport: quietly while detaching, else the rank is lost."""
+        if not self.stopping.is_set():
+            log.warning("%s: %s (%s); this rank no longer receives commands", self.name, what, error)
+            self.lost = error
 
     def _heartbeat(self) -> None:
         """While a controller call runs (a registration hashing a large adapter, a describe of thousands of
