@@ -373,3 +373,8 @@ def test_issue44_push_loop_part_alternates_the_pass_niceness_with_options_the_pr
     parsed = [loop_parser().parse_args(c[5:]) for c in commands]
     assert all(a.gpu and a.tp == 1 and a.source == "gpu" and not a.audit for a in parsed)
     assert len({a.summary for a in parsed}) == 6
+    commands = _dry("issue44_push.sh", str(tmp_path), PARTS="loop", LOOP_ROUNDS="2", SOURCES="cpu gpu", NICES="0")
+    parsed = [loop_parser().parse_args(c[5:]) for c in commands]
+    assert [a.source for a in parsed] == ["cpu", "gpu", "gpu", "cpu"]  # where the trainer's tensors are, alternated
+    assert [Path(a.summary).name for a in parsed] == ["loop-cpu-n0-1.json", "loop-gpu-n0-1.json", "loop-gpu-n0-2.json",
+                                                      "loop-cpu-n0-2.json"]

@@ -14,10 +14,12 @@
 # every push probe (e.g. "--source gpu": the pushed tensors on GPU 0; "--one-gpu" with TP=2: both ranks on GPU 0); the
 # old tree runs this tree's probe (copied into it), so that both take the same arguments. PUSHES70=0 leaves the 70B
 # out. PARTS may name loop: does a push stall the running batches? A push every second against the 8B reference engine
-# (bench.probes.push_loop, the trainer's tensors on the GPU, TP 1, RATE [20] requests a second for LOOP_S [30] s) with
-# the push's pass threads at each niceness of NICES [0 10] (LORA_CACHE_PUSH_NICE) in turn, LOOP_ROUNDS [3] rounds, the
-# order reversed every other round (neither setting always first on a warming machine); loop-nN-R.json (the
-# summary: steps overlapping a push against the others) and .jsonl. Exit status: the number of runs that failed.
+# (bench.probes.push_loop, TP 1, RATE [20] requests a second for LOOP_S [30] s), once for each of the trainer's tensors
+# on each of SOURCES [gpu] (gpu: the engine's GPU, as a colocated RL trainer's; cpu) and the push's pass threads at each
+# niceness of NICES [0 10] (LORA_CACHE_PUSH_NICE), LOOP_ROUNDS [3] rounds, the order reversed every other round
+# (neither setting always first on a warming machine); loop-nN-R.json (loop-SOURCE-nN-R.json where SOURCES names
+# several; the summary: steps overlapping a push against the others) and .jsonl. Exit status: the number of runs that
+# failed.
 set -u
 . "$(dirname "$0")/lib.sh"
 tp=${TP:-$([ "$(gpus)" -ge 2 ] && echo 2 || echo 1)}
@@ -58,16 +60,22 @@ if [[ $parts == *" resolve "* ]]; then
   done
 fi
 if [[ $parts == *" loop "* ]]; then
+  read -r -a sources <<< "${SOURCES:-gpu}"
   read -r -a nices <<< "${NICES:-0 10}"
+  variants=()
+  for source in "${sources[@]}"; do for nice in "${nices[@]}"; do variants+=("$source:$nice"); done; done
   for round in $(seq "${LOOP_ROUNDS:-3}"); do
-    order=("${nices[@]}")
+    order=("${variants[@]}")
     if [ $((round % 2)) = 0 ]; then
-      order=(); for ((i = ${#nices[@]} - 1; i >= 0; i--)); do order+=("${nices[i]}"); done
+      order=(); for ((i = ${#variants[@]} - 1; i >= 0; i--)); do order+=("${variants[i]}"); done
     fi
-    for nice in "${order[@]}"; do
-      step "loop-n$nice-$round" env LORA_CACHE_PUSH_NICE="$nice" "$PYTHON" -m bench.probes.push_loop --gpu --tp 1 \
-        --model llama-3.1-8b --source gpu --no-audit --rate "${RATE:-20}" --seconds "${LOOP_S:-30}" \
-        --summary "$out/loop-n$nice-$round.json" --out "$out/loop-n$nice-$round.jsonl"
+    for variant in "${order[@]}"; do
+      source=${variant%%:*} nice=${variant#*:}
+      name=loop-n$nice-$round
+      [ "${#sources[@]}" = 1 ] || name=loop-$source-n$nice-$round
+      step "$name" env LORA_CACHE_PUSH_NICE="$nice" "$PYTHON" -m bench.probes.push_loop --gpu --tp 1 \
+        --model llama-3.1-8b --source "$source" --no-audit --rate "${RATE:-20}" --seconds "${LOOP_S:-30}" \
+        --summary "$out/$name.json" --out "$out/$name.jsonl"
     done
   done
 fi
