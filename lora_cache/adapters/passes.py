@@ -12,7 +12,8 @@ An operator may run the pool's threads at a lower CPU priority than the process'
 need a core the moment they run; where cores are idle a nice thread runs as fast as any, where an engine's thread
 and a pass contend, the engine's runs first. Off by default (``PASS_NICE`` 0): on one H200 with 16 cores, a push
 every second beside the 8B reference engine, prefill steps overlapping a push were 1.01-1.10x the others at
-niceness 0 and at 10 alike (bench/reports/issue-44.md, "Do a push's passes stall prefill: their priority").
+niceness 0 and at 10 alike (bench/reports/issue-44.md, "Item 5: do a push's passes stall prefill? Their CPU
+priority").
 """
 
 from __future__ import annotations
