@@ -117,6 +117,7 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
     scheduler = Scheduler(config, rule, requests, hooks.inflight, feed is not None) if comm.rank == 0 else None
     heap.freeze()  # no full collection walks the built engine mid-run (a ~100 ms stall; lora_cache/runtime/heap.py)
     wall0: float | None = None
+    clock0: float | None = None  # the run's clock start, as time.perf_counter()
     try:
         comm.barrier()  # every rank built: the clock starts now (or at hooks.start_wall)
         if comm.rank == 0:  # the versions the requests given at start name: a row each (as a submit's, ``_take``)
@@ -129,6 +130,7 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
             t0 += hooks.start_wall - time.time()
             time.sleep(max(0.0, t0 - time.perf_counter()))
         wall0 = time.time() - (time.perf_counter() - t0)
+        clock0 = t0
         plan, queue, named_rows = StepPlan(STOP), None, NamedRows(NAMED_ROWS_IDLE)
         while True:
             vec = comm.min_control(engine.readiness(plan.wanted))  # every rule: the versions (invariant 1)
@@ -162,8 +164,8 @@ def serve_rank(config: EngineConfig, rule: AdmissionRule, requests: tuple[Reques
         heap.thaw()
     ranks = comm.gather(stats)
     records = scheduler.records() if scheduler is not None else []
-    if feed is not None and wall0 is not None:  # when each streamed submit reached rank 0 (bench.sim.check replays it)
-        received = feed.received(wall0)
+    if feed is not None and clock0 is not None:  # when each streamed submit reached rank 0 (bench.sim.check replays it)
+        received = feed.received(clock0)
         records = [dataclasses.replace(r, received_s=received.get(r.rid)) for r in records]
     return EngineResult(records, ranks)
 

@@ -39,7 +39,7 @@ class Feed:
         self._closed = False  # end of stream: nothing more will be submitted
         self._closing = False  # ``close`` was called: no submit may begin (those under way finish first)
         self._submitting = 0  # submits under way (``submitting``)
-        self._received: dict[int, float] = {}  # rid -> time.time() its submit reached the feed (``received``)
+        self._received: dict[int, float] = {}  # rid -> time.perf_counter() its submit reached the feed (``received``)
         self._settled = threading.Condition(self._lock)  # a submit under way ended: wakes ``close``
         self._stopped = False  # the run is over (the loop left)
         self._arrival: Future[None] = Future()  # done on the next submit/close after a take
@@ -69,7 +69,7 @@ class Feed:
             if self._closed:
                 raise ConfigError(_after_close([r.rid for r in batch]))
             self._new += batch
-            now = time.time()
+            now = time.perf_counter()  # the run's own clock (a wall clock may be slewed or stepped meanwhile)
             for r in batch:
                 self._received.setdefault(r.rid, now)
             self._wake()
@@ -87,11 +87,12 @@ class Feed:
             self._closed = True
             self._wake()
 
-    def received(self, wall0: float) -> dict[int, float]:
-        """rid -> when its submit reached the feed, in seconds after ``wall0`` (the run's clock start as
-        ``time.time()``): how late a router's submission arrives, which TTFT counts (``RequestRecord.received_s``)."""
+    def received(self, t0: float) -> dict[int, float]:
+        """rid -> when its submit reached the feed, in seconds after ``t0`` (the run's clock start as
+        ``time.perf_counter()``, the clock its steps are timed on): how late a router's submission arrives, which TTFT
+        counts (``RequestRecord.received_s``)."""
         with self._lock:
-            return {rid: t - wall0 for rid, t in self._received.items()}
+            return {rid: t - t0 for rid, t in self._received.items()}
 
     def finished(self, timeout_s: float = 1.0) -> list[int] | None:
         """Request ids finished (served or failed) since the last call, waiting up to ``timeout_s`` for one;
