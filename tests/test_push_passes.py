@@ -54,7 +54,8 @@ def pass_threads(n: int) -> Iterator[None]:
         yield
     finally:
         passes._POOL[:] = saved
-        pool.shutdown()
+        if pool is not None:
+            pool.shutdown()
 
 
 @settings(max_examples=12, deadline=None)
@@ -164,8 +165,9 @@ def test_the_pass_threads_run_nicer_than_the_process_that_pushes(monkeypatch: py
     own = _own_niceness()
     saved = list(passes._POOL)
     passes._POOL[:] = []
+    pool = None
     try:
-        pool = passes.passes()
+        pool = passes.passes()  # this setting's own pool; the saved one is put back below
         seen = set(pool.map(lambda _: (_own_niceness(), threading.get_native_id()), range(64)))
         assert {n for n, _ in seen} == {min(19, own + nicer)}
         assert all(tid != threading.get_native_id() for _, tid in seen)
@@ -173,7 +175,8 @@ def test_the_pass_threads_run_nicer_than_the_process_that_pushes(monkeypatch: py
         assert digest(b"{}", weights_of(PASS_BYTES + 1, 0)).version  # the pass itself is unchanged
     finally:
         passes._POOL[:] = saved
-        pool.shutdown()
+        if pool is not None:
+            pool.shutdown()
 
 
 def test_a_pass_niceness_that_is_not_one_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -44,29 +44,34 @@ def task_bytes(nbytes: int, limit: int = 0) -> int:
     return max(BLOCK_BYTES, min(limit or PASS_BYTES, blocks * BLOCK_BYTES))
 
 
+def _env_int(name: str, low: int, high: int, what: str, unset: str) -> int | None:
+    """The whole number ``name`` holds, from ``low`` to ``high``; None where it is unset or blank. Anything else is
+    refused naming the variable, its value, ``what`` the number is and ``unset`` (what leaving it unset gives)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or not low <= int(raw) <= high:
+        raise ConfigError(f"{name}={raw!r} is not {what}: give a whole number from {low} to {high}, "
+                          f"or leave it unset for {unset}")
+    return int(raw)
+
+
 def pass_threads() -> int:
     """The pool's threads: ``LORA_CACHE_PUSH_THREADS`` if set (an operator leaving cores to a node's engines), else
     one per core this process may run on, up to ``PASS_THREADS``."""
-    raw = os.environ.get(THREADS_ENV, "").strip()
-    if not raw:
+    n = _env_int(THREADS_ENV, 1, 256, "a thread count (the threads a push's passes over its bytes use)", "one per core")
+    if n is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         return min(PASS_THREADS, cores)
-    if not raw.isdigit() or not 1 <= int(raw) <= 256:
-        raise ConfigError(f"{THREADS_ENV}={raw!r} is not a thread count: give a whole number from 1 to 256 (the "
-                          "threads a push's passes over its bytes use), or leave it unset for one per core")
-    return int(raw)
+    return n
 
 
 def pass_nice() -> int:
     """How much nicer than the process a pool thread runs: ``LORA_CACHE_PUSH_NICE`` if set (0: the same priority as
     the engine beside it; 19: only what the engines leave), else ``PASS_NICE``."""
-    raw = os.environ.get(NICE_ENV, "").strip()
-    if not raw:
-        return PASS_NICE
-    if not raw.isdigit() or not 0 <= int(raw) <= 19:
-        raise ConfigError(f"{NICE_ENV}={raw!r} is not a niceness: give a whole number from 0 (a push's passes at the "
-                          f"engines' priority) to 19 (only on idle cores), or leave it unset for {PASS_NICE}")
-    return int(raw)
+    n = _env_int(NICE_ENV, 0, 19, "a niceness (0: a push's passes at the engines' priority; 19: only on idle cores)",
+                 str(PASS_NICE))
+    return PASS_NICE if n is None else n
 
 
 def _lower_priority(nice: int) -> None:
