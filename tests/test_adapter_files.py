@@ -412,7 +412,7 @@ def test_a_racy_version_is_checked_until_a_check_after_its_window(
     old = spec.source.identity
     past = old._replace(ctime_ns=old.ctime_ns - 10 * files_module.RACY_NS)  # racy at registration, settled now
     src = spec.source._replace(identity=past, registered_ns=past.ctime_ns + 1)
-    index = proof_module._parse_index(spec.weights.read_bytes()[: src.header_bytes], src.identity.size)
+    index = proof_module.parse_index(spec.weights.read_bytes()[: src.header_bytes], src.identity.size)
     entries = shard_layout(spec, TINY, 1, 0, F32).entries
     every = proof_module._blocks_to_check(src, index, entries, "identity")
     assert src.racy and every == list(range(len(src.block_crcs)))

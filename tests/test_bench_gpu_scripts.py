@@ -378,3 +378,13 @@ def test_issue44_push_loop_part_alternates_the_pass_niceness_with_options_the_pr
     assert [a.source for a in parsed] == ["cpu", "gpu", "gpu", "cpu"]  # where the trainer's tensors are, alternated
     assert [Path(a.summary).name for a in parsed] == ["loop-cpu-n0-1.json", "loop-gpu-n0-1.json", "loop-gpu-n0-2.json",
                                                       "loop-cpu-n0-2.json"]
+
+
+def test_issue44_push_read_part_runs_the_device_read_tests_then_the_probe_at_both_shapes(tmp_path: Path) -> None:
+    from bench.probes.device_read import build_parser as read_parser
+
+    commands = _dry("issue44_push.sh", str(tmp_path), PARTS="read")
+    assert commands[0][-3:] == ["-m", "gpu", "tests/test_device_read.py"]
+    parsed = [read_parser().parse_args(c[3:]) for c in commands[1:]]
+    assert [(a.model, a.rank, a.tp) for a in parsed] == [("llama-3.1-8b", 16, "1,2"), ("llama-3.1-70b", 64, "1,2")]
+    assert [Path(a.out).name for a in parsed] == ["read-8b.json", "read-70b.json"]

@@ -18,8 +18,10 @@
 # on each of SOURCES [gpu] (gpu: the engine's GPU, as a colocated RL trainer's; cpu) and the push's pass threads at each
 # niceness of NICES [0 10] (LORA_CACHE_PUSH_NICE), LOOP_ROUNDS [3] rounds, the order reversed every other round
 # (neither setting always first on a warming machine); loop-nN-R.json (loop-SOURCE-nN-R.json where SOURCES names
-# several; the summary: steps overlapping a push against the others) and .jsonl. Exit status: the number of runs that
-# failed.
+# several; the summary: steps overlapping a push against the others) and .jsonl. PARTS may name read: a rank taking
+# its shard from the trainer's GPU buffer by one gather launch (the device read's GPU tests, then
+# bench.probes.device_read for the 8B rank-16 and the 70B rank-64 at TP READ_TPS [1,2], every rank on GPU r % GPUs;
+# read-8b.json, read-70b.json). Exit status: the number of runs that failed.
 set -u
 . "$(dirname "$0")/lib.sh"
 tp=${TP:-$([ "$(gpus)" -ge 2 ] && echo 2 || echo 1)}
@@ -78,5 +80,12 @@ if [[ $parts == *" loop "* ]]; then
         --summary "$out/$name.json" --out "$out/$name.jsonl"
     done
   done
+fi
+if [[ $parts == *" read "* ]]; then
+  step read-tests "$PYTHON" -m pytest -q -m gpu tests/test_device_read.py
+  step read-8b "$PYTHON" -m bench.probes.device_read --model llama-3.1-8b --rank 16 --tp "${READ_TPS:-1,2}" \
+    --out "$out/read-8b.json"
+  step read-70b "$PYTHON" -m bench.probes.device_read --model llama-3.1-70b --rank 64 --tp "${READ_TPS:-1,2}" \
+    --repeats 10 --out "$out/read-70b.json"
 fi
 exit "$failed"

@@ -200,7 +200,7 @@ def checked_index(fd: int, source: WeightsSource) -> dict[str, FileTensor]:
         raise AdapterChangedError(f"{source.path} changed since it was registered as version {source.version}: its "
                                   "header is not the one registered (rewritten in place, same size and stat "
                                   "times); the read is refused: register it again for a new version")
-    return _parse_index(head, source.identity.size)
+    return parse_index(head, source.identity.size)
 
 
 
@@ -274,11 +274,11 @@ def tensor_index(path: str, version: str, size: int) -> dict[str, FileTensor]:
         if not 0 < n <= size - 8:
             raise AdapterFormatError(f"its safetensors header length {n} does not fit the {size}-byte file")
         f.seek(0)
-        return _parse_index(f.read(8 + n), size)
+        return parse_index(f.read(8 + n), size)
 
 
 @functools.lru_cache(maxsize=512)  # ~50 KiB of header and its index per 8B adapter
-def _parse_index(head: bytes, size: int) -> dict[str, FileTensor]:
+def parse_index(head: bytes, size: int) -> dict[str, FileTensor]:
     """key -> where its bytes are, from a safetensors header (its 8-byte length and its JSON), parsed once per
     header by registration's own parser (``peft.parse_tensors``: every tensor inside the ``size``-byte file)."""
     try:

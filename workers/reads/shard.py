@@ -186,7 +186,7 @@ def _covered(runs: Sequence[Run], size: int) -> tuple[int, ...]:
 def _plan(index: dict[str, FileTensor], entries: tuple[ShardEntry, ...], spans: Sequence[slice], dtype: torch.dtype,
           readers: int, direct: bool, size: int) -> list[_Chunk]:
     """The chunks' tasks and blocks, planned once: adapters of one rank pattern share their header's index
-    (``proof._parse_index``) and their layout's entries (``shards``), so a cold read of any of them plans nothing.
+    (``proof.parse_index``) and their layout's entries (``shards``), so a cold read of any of them plans nothing.
     Keyed by identity, with the index and entries kept alive beside the plan (an id is never reused while
     its plan is kept)."""
     key = (id(index), id(entries), tuple((s.start, s.stop) for s in spans), dtype, readers, direct, size)

@@ -1,0 +1,141 @@
+"""A rank's shard read from a safetensors image in device memory (lifecycle step 5, the device source of a push).
+
+Issue 44 item 5: a trainer pushes a version from its own GPU. Its buffer holds the adapter's safetensors image (the
+8-byte header length, the header, the tensors' bytes: the file a push would write), and a rank that can see that
+memory (CUDA IPC, ``torch.multiprocessing``'s handle and event) takes its shard from it without a host copy:
+
+- ``DeviceRead``: the plan, made once per (header, layout). Every slice the host read would make is a gather
+  segment (``workers.kernels.gather``): a contiguous slice one segment, a column slice one per row, from the same
+  byte arithmetic as the host read (``workers.reads.plan``), so both read the same bytes into the same places. A
+  tensor of another dtype than the slot's is a conversion, copied by torch entry by entry.
+- ``read_image``: on the given stream (a rank's copy stream), after the trainer's event: one gather launch, the
+  conversions, and the proof that the shard is finite as a flag on the device, all without a host sync; the caller
+  reads the flag once the returned event has completed (``finite_or_raise``), as the completion watcher polls.
+
+The bytes themselves are the trainer's promise: its event orders the copy after its writes, and it must not write
+the buffer again until every rank's copy has completed (the push answers only then). This module does not hash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from lora_cache.adapters.shards import ShardEntry, ShardLayout
+from lora_cache.errors import AdapterFormatError
+from workers.kernels.gather import GatherPlan, gather, gather_plan
+from workers.reads.finite import ROW, check_finite
+from workers.reads.plan import FileTensor, contiguous, run_of, span_of, strided_of
+from workers.reads.proof import parse_index
+
+
+class DeviceRead(NamedTuple):
+    """One layout's read from an image: the gather of every slice of the slot's dtype, and the conversions."""
+
+    layout: ShardLayout
+    tensors: Mapping[str, FileTensor]  # where each tensor is in the image
+    gather: GatherPlan
+    converts: tuple[ShardEntry, ...]  # entries whose file tensor has another dtype than the layout's
+    image_bytes: int  # the image's size the plan was made for
+
+
+def image_index(image_head: bytes, image_bytes: int) -> dict[str, FileTensor]:
+    """key -> where its bytes are in an image of ``image_bytes`` bytes whose first bytes are ``image_head`` (the
+    8-byte header length and the header JSON, at least): the file read's own parser, so both agree."""
+    if len(image_head) < 8:
+        raise AdapterFormatError(f"a safetensors image starts with an 8-byte header length; {len(image_head)} bytes "
+                                 "were given: send the image's first 8 + header-length bytes")
+    n = int.from_bytes(image_head[:8], "little")
+    if not 0 < n <= image_bytes - 8 or len(image_head) < 8 + n:
+        raise AdapterFormatError(f"the image's header length {n} does not fit its {image_bytes} bytes and the "
+                                 f"{len(image_head)} header bytes given: send the image's first 8 + {n} bytes")
+    return parse_index(bytes(image_head[:8 + n]), image_bytes)
+
+
+def device_read(index: Mapping[str, FileTensor], layout: ShardLayout, image_bytes: int) -> DeviceRead:
+    """The read of ``layout``'s entries out of an image laid out as ``index`` says. Refused, naming the tensor:
+    an entry whose key the image lacks, or whose slice lies outside the tensor."""
+    segments: list[tuple[int, int, int]] = []
+    converts: list[ShardEntry] = []
+    for e in layout.entries:
+        t = index.get(e.key)
+        if t is None:
+            raise AdapterFormatError(f"adapter {layout.adapter}@{layout.version}: the pushed image has no tensor "
+                                     f"{e.key!r} (layer {e.layer} {e.module}.lora_{e.ab}); push every module the "
+                                     "config names")
+        if len(t.shape) != 2 or e.rows.stop > t.shape[0] or e.cols.stop > t.shape[1]:
+            raise AdapterFormatError(f"adapter {layout.adapter}@{layout.version}: tensor {e.key!r} is "
+                                     f"{list(t.shape)}, too small for its slice rows {e.rows.start}:{e.rows.stop}, "
+                                     f"cols {e.cols.start}:{e.cols.stop}; push the shapes its config implies")
+        if t.dtype != layout.dtype:
+            converts.append(e)
+        elif contiguous(e, t):
+            run = run_of(e, t)
+            segments.append((run.start, run.at, run.nbytes))
+        else:
+            st = strided_of(e, t)
+            segments.extend((st.start + i * st.stride, st.at + i * st.width, st.width) for i in range(st.rows))
+    plan = gather_plan(segments)
+    if plan.src_end > image_bytes:
+        raise AdapterFormatError(f"adapter {layout.adapter}@{layout.version}: its header places tensors up to byte "
+                                 f"{plan.src_end} of a {image_bytes}-byte image; push the whole image")
+    return DeviceRead(layout, index, plan, tuple(converts), image_bytes)
+
+
+def _convert(dest: torch.Tensor, image: torch.Tensor, e: ShardEntry, t: FileTensor) -> None:
+    first, span = span_of(e, t)
+    raw = image[first:first + span]
+    if raw.data_ptr() % t.dtype.itemsize:  # a tensor not aligned to its own dtype in the image: aligned bytes first
+        raw = raw.clone()
+    cols = t.shape[-1]
+    flat = raw.view(t.dtype)
+    src = flat.as_strided((e.shape[0], e.shape[1]), (cols, 1))
+    dest[e.offset:e.offset + e.numel].view(e.shape).copy_(src)
+
+
+def read_image(read: DeviceRead, image: torch.Tensor, dest: torch.Tensor, after: Any = None,
+               stream: Any = None) -> tuple[Any, torch.Tensor]:
+    """Fill ``dest`` (1-D, the layout's dtype, >= its numel, on the image's device) with the shard from ``image``
+    (1-D uint8, the whole image). On CUDA it runs on ``stream`` (default: the current one) after ``after`` (the
+    trainer's event) and returns (an event recorded after the last copy, a device bool: every element finite);
+    read the flag only once the event has completed. On the CPU it runs at once and returns (None, the flag)."""
+    layout = read.layout
+    if image.dtype != torch.uint8 or image.dim() != 1 or image.numel() != read.image_bytes:
+        raise AdapterFormatError(f"adapter {layout.adapter}@{layout.version}: the image is {image.dtype} of shape "
+                                 f"{tuple(image.shape)}, not the {read.image_bytes} bytes (uint8, 1-D) its plan was "
+                                 "made for; open the pushed buffer as sent")
+    if dest.dtype != layout.dtype or dest.dim() != 1 or dest.numel() < layout.numel or dest.device != image.device:
+        raise AdapterFormatError(f"adapter {layout.adapter}@{layout.version}: the destination is {dest.dtype} "
+                                 f"{tuple(dest.shape)} on {dest.device}; give a 1-D {layout.dtype} buffer of at least "
+                                 f"{layout.numel} elements on {image.device}")
+    cuda = image.device.type == "cuda"
+    with torch.cuda.stream(stream) if cuda and stream is not None else contextlib.nullcontext():
+        if cuda and after is not None:
+            torch.cuda.current_stream(image.device).wait_event(after)
+        body = dest[:layout.numel]
+        gather(body.view(torch.uint8), image, read.gather)
+        for e in read.converts:
+            _convert(body, image, e, read.tensors[e.key])
+        n = layout.numel - layout.numel % ROW
+        # NaN and Inf survive any sum: finite row sums prove the shard finite (a float16 row that overflows is
+        # looked at entry by entry by ``finite_or_raise``), with no temporary of the shard's size
+        flag = torch.isfinite(body[:n].view(-1, ROW).sum(1)).all() & torch.isfinite(body[n:].sum())
+        if not cuda:
+            return None, flag
+        done = torch.cuda.Event()
+        done.record()
+        return done, flag
+
+
+def finite_or_raise(read: DeviceRead, dest: torch.Tensor, flag: torch.Tensor) -> None:
+    """After ``read_image``'s event: NonFiniteWeightsError naming the first tensor with a NaN or Inf, if the flag
+    says there is one (only then is each entry looked at)."""
+    if not bool(flag):
+        layout = read.layout
+        body = dest[:layout.numel]
+        check_finite(f"{layout.adapter}@{layout.version}", layout, body.cpu() if body.is_cuda else body,
+                     layout.entries)
+
