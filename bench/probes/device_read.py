@@ -9,7 +9,11 @@ and TP size, in one run:
 
 - ``copy_ms``: the reference, each rank copying its shard's bytes from pinned host memory to its GPU, all at once;
 - ``take_ms``: one Ray call from the trainer to every rank that takes its shard (wait, gather, proof, event) and
-  answers; ``take_first_ms`` the first (the rank opens the buffer and plans the read: once per trainer buffer);
+  answers, the buffer's IPC handle and a new event's sent with each (torch's ``reduce_tensor``); ``take_first_ms``
+  the first (the rank opens the buffer and plans the read: once per trainer buffer; the kernel is compiled at the
+  rank's start, as a rank would); ``take_open_ms``: the same with the trainer's one interprocess event opened once
+  by each rank, so a push's call carries nothing (the trainer records the event before calling); ``inside_*`` the
+  part of each inside the slowest rank;
 - ``gather_ms`` / ``twin_ms``: the gather alone on the rank's stream (CUDA events), by the kernel and by the torch
   twin (one copy per range), the buffer open: what batching the ranges into one launch buys;
 - ``plan_ms``: the rank's plan of the read from the header (once per header and layout);
@@ -42,7 +46,7 @@ from lora_cache.adapters.shapes import MODULE_ORDER, resolve_model
 from lora_cache.adapters.shards import shard_layout
 from lora_cache.adapters.synth import write_adapter
 from workers.gpu.copies import host_copy_ms
-from workers.kernels.gather import gather, gather_reference
+from workers.kernels.gather import gather, gather_plan, gather_reference
 from workers.reads.device import device_read, finite_or_raise, image_index, read_image
 from workers.reads.shard import read_slices
 
@@ -63,6 +67,10 @@ class Rank:
         self.image: torch.Tensor | None = None
         self.read: Any = None
         self.plan_ms = 0.0
+        self.event: Any = None  # the trainer's one interprocess event, opened once (``open_event``)
+        warm = torch.zeros(16, dtype=torch.uint8, device=self.device)  # the kernel compiled at start, as a rank would
+        gather(warm[8:], warm[:8], gather_plan([(0, 0, 8)]))
+        torch.cuda.synchronize(self.device)
 
     def ping(self) -> None:
         return None
@@ -83,6 +91,20 @@ class Rank:
         elif args[-1]:  # open already: this push's event (the trainer's last write before it)
             after = torch.cuda.Event.from_ipc_handle(args[6], args[-2])
         done, flag = read_image(self.read, self.image, self.dest, after=after, stream=self.stream)
+        done.synchronize()
+        finite_or_raise(self.read, self.dest, flag)
+        return (time.perf_counter() - t0) * 1e3
+
+    def open_event(self, handle: bytes) -> None:
+        """Open the trainer's interprocess event once: each later push is a call that carries nothing."""
+        self.event = torch.cuda.Event.from_ipc_handle(self.device, handle)
+
+    def take_open(self) -> float:
+        """``take`` with the buffer and the trainer's event already open: wait on the event (recorded by the trainer
+        before its call), gather, prove finite, wait for the copy. Returns ms inside the rank."""
+        t0 = time.perf_counter()
+        assert self.image is not None, "take opens the trainer's buffer first"
+        done, flag = read_image(self.read, self.image, self.dest, after=self.event, stream=self.stream)
         done.synchronize()
         finite_or_raise(self.read, self.dest, flag)
         return (time.perf_counter() - t0) * 1e3
@@ -160,6 +182,16 @@ def one_tp(spec: AdapterSpec, model: str, tp: int, image: torch.Tensor, head: by
             inside.append(ray.get([r.take.remote(reduce_tensor(image), head) for r in ranks]))
 
         take = timed(push, repeats)
+        event = torch.cuda.Event(interprocess=True)  # one event for every push, opened once by each rank
+        ray.get([r.open_event.remote(event.ipc_handle()) for r in ranks])
+        opened: list[list[float]] = []
+
+        def push_open() -> None:
+            image[-1:].add_(0)  # the trainer's write (a no-op on its last byte), then its event
+            event.record()
+            opened.append(ray.get([r.take_open.remote() for r in ranks]))
+
+        take_open = timed(push_open, repeats)
         same = ray.get([r.equals_file_read.remote() for r in ranks])
         if not all(same):
             raise AssertionError(f"TP {tp}: ranks {[k for k, s in enumerate(same) if not s]} hold other bytes than "
@@ -169,14 +201,18 @@ def one_tp(spec: AdapterSpec, model: str, tp: int, image: torch.Tensor, head: by
         summary: dict[str, Any] = {
             "copy_ms": copy_ms, "call_ms": statistics.median(call[1:]), "take_first_ms": take[0],
             "take_ms": statistics.median(take[1:]), "inside_ms": statistics.median(max(x) for x in inside[1:]),
+            "inside_first_ms": max(inside[0]), "take_open_ms": statistics.median(take_open[1:]),
+            "inside_open_ms": statistics.median(max(x) for x in opened[1:]),
             "gather_ms": max(g["gather_ms"] for g in gathers), "twin_ms": max(g["twin_ms"] for g in gathers),
             "plan_ms": max(g["plan_ms"] for g in gathers), "segments": [g["segments"] for g in gathers],
             "rows": [g["rows"] for g in gathers], "word": [g["word"] for g in gathers],
             "shard_bytes": max(shard_layout(spec, resolve_model(model), tp, k, DTYPE).nbytes for k in range(tp)),
         }
-        for key in ("take_ms", "take_first_ms", "call_ms", "gather_ms", "twin_ms", "inside_ms"):
+        for key in ("take_ms", "take_first_ms", "take_open_ms", "call_ms", "gather_ms", "twin_ms", "inside_ms",
+                    "inside_open_ms"):
             summary[key.replace("_ms", "_over_copy")] = summary[key] / copy_ms
-        return {"tp": tp, "devices": devices, "take_all_ms": take, "call_all_ms": call, "summary": summary,
+        return {"tp": tp, "devices": devices, "take_all_ms": take, "take_open_all_ms": take_open,
+                "call_all_ms": call, "summary": summary,
                 "equal_to_file_read": same}
     finally:
         for r in ranks:
