@@ -252,3 +252,34 @@ def test_an_image_that_does_not_hold_the_layout_is_refused_naming_what_is_missin
         device_module.read_image(read, image, torch.zeros(lay.numel, dtype=F32))
     with pytest.raises(AdapterFormatError, match="header length"):
         device_module.image_index(head[:4], image.numel())
+
+
+# -- the trainer's side: its tensors as one image on their device ---------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_GPU)])
+def test_a_trainers_image_is_the_file_and_every_rank_reads_its_shard_from_it(small: AdapterSpec, device: str) -> None:
+    """The trainer's tensors laid out on their device (``device_image``) are the safetensors file's bytes (what a
+    push writes), and a rank reads from that image what it reads from the file; a second push of the same shapes
+    writes the same buffer in place (the ranks' handles stay open), a buffer of another size is refused."""
+    from safetensors.torch import load_file
+
+    from lora_cache.adapters.serialize import device_image, safetensors_bytes
+
+    tensors = {k: v.to(device) for k, v in load_file(str(small.weights)).items()}
+    image = device_image(tensors, {"format": "pt"})
+    assert image.device.type == device
+    assert bytes(image.cpu().numpy()) == bytes(safetensors_bytes(tensors, {"format": "pt"}))
+    assert bytes(image.cpu().numpy()) == small.weights.read_bytes()  # safetensors' own file of these tensors
+    for rank in range(2):
+        want = file_read(small, SMALL, 2, rank, BF16)
+        got, _, flag = image_read(small, SMALL, 2, rank, BF16, image)
+        assert torch.equal(got[:want.numel()].cpu().view(torch.uint8), want.view(torch.uint8)) and bool(flag)
+    stepped = {k: v * 2 for k, v in tensors.items()}  # the trainer's next step: same shapes, new values
+    again = device_image(stepped, {"format": "pt"}, out=image)
+    assert again.data_ptr() == image.data_ptr()
+    assert bytes(again.cpu().numpy()) == bytes(safetensors_bytes(stepped, {"format": "pt"}))
+    with pytest.raises(AdapterFormatError, match=r"image buffer given is torch\.uint8 \(\d+,\).*pass out=None"):
+        device_image(stepped, {"format": "pt"}, out=image[:-8])
+    with pytest.raises(AdapterFormatError, match="at least one tensor"):
+        device_image({})

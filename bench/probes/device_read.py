@@ -19,7 +19,9 @@ and TP size, in one run:
 - ``plan_ms``: the rank's plan of the read from the header (once per header and layout);
 - ``call_ms``: the same Ray call doing nothing.
 
-Every rank's shard is compared byte for byte with the file read of the same layout (``workers.reads.shard``).
+The trainer's image is made from its tensors on its GPU (``lora_cache.adapters.serialize.device_image``; checked to be
+the adapter's file byte for byte); ``image_ms`` times remaking it in place, the trainer's part of a push. Every
+rank's shard is compared byte for byte with the file read of the same layout (``workers.reads.shard``).
 
     python -m bench.probes.device_read --model llama-3.1-8b --rank 16 --tp 1,2 --out /tmp/device_read.json
 """
@@ -38,10 +40,12 @@ from typing import Any
 
 import ray
 import torch
+from safetensors.torch import load_file
 from torch.multiprocessing.reductions import reduce_tensor
 
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.peft import WEIGHTS_FILE, AdapterSpec
+from lora_cache.adapters.serialize import device_image
 from lora_cache.adapters.shapes import MODULE_ORDER, resolve_model
 from lora_cache.adapters.shards import shard_layout
 from lora_cache.adapters.synth import write_adapter
@@ -233,7 +237,18 @@ def main() -> None:
         catalog = AdapterCatalog(CatalogConfig(adapter_roots=(tmp,), model=args.model, max_rank=args.rank))
         spec = catalog.register("a", Path(tmp) / "a")
         raw = (Path(tmp) / "a" / WEIGHTS_FILE).read_bytes()
-        image = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to("cuda:0")  # the trainer's pushed buffer
+        tensors = {k: v.to("cuda:0") for k, v in load_file(str(Path(tmp) / "a" / WEIGHTS_FILE)).items()}
+        image = device_image(tensors, {"format": "pt"})  # the trainer's pushed buffer, laid out on its GPU
+        if bytes(image.cpu().numpy()) != raw:
+            raise AssertionError("the trainer's image is not the adapter's safetensors file")
+        image_ms = []
+        for _ in range(args.repeats):  # the trainer's part of a push: its tensors into the image, in place
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            device_image(tensors, {"format": "pt"}, out=image)
+            end.record()
+            end.synchronize()
+            image_ms.append(start.elapsed_time(end))
         head = raw[:8 + int.from_bytes(raw[:8], "little")]
         made_s = time.perf_counter() - t0
         ray.init(address="local", num_cpus=max(4, max(tps) + 1), include_dashboard=False)
@@ -242,12 +257,13 @@ def main() -> None:
         finally:
             ray.shutdown()
     out = {"model": args.model, "rank": args.rank, "image_bytes": len(raw), "made_s": made_s,
+           "image_ms": statistics.median(image_ms), "image_all_ms": image_ms,
            "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
            "repeats": args.repeats, "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
-    print(json.dumps({f"tp{r['tp']}": r["summary"] for r in runs}, indent=2))
+    print(json.dumps({"image_ms": out["image_ms"], **{f"tp{r['tp']}": r["summary"] for r in runs}}, indent=2))
 
 
 if __name__ == "__main__":

@@ -35,9 +35,10 @@ DTYPE_NAMES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.fl
                torch.int32: "I32", torch.float32: "F32", torch.int64: "I64", torch.float64: "F64"}
 
 
-def safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> np.ndarray:
-    """The safetensors bytes of ``tensors`` (names sorted), as a writable uint8 array over one buffer: what
-    ``safetensors.torch.save`` gives, with one copy of each tensor. A dtype the format lacks is refused, naming it."""
+def safetensors_layout(tensors: Mapping[str, torch.Tensor],
+                       metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[Placed]]:
+    """(the 8-byte length and the padded header JSON, each tensor with its data's [begin, end) in name order) of the
+    safetensors file of ``tensors``. A dtype the format lacks is refused, naming it."""
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     placed: list[Placed] = []  # each tensor and its data's [begin, end)
     offset = 0
@@ -52,10 +53,16 @@ def safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    start = 8 + len(head)
-    out = np.empty(start + offset, dtype=np.uint8)
-    out[:8] = np.frombuffer(len(head).to_bytes(8, "little"), dtype=np.uint8)
-    out[8:start] = np.frombuffer(head, dtype=np.uint8)
+    return len(head).to_bytes(8, "little") + head, placed
+
+
+def safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> np.ndarray:
+    """The safetensors bytes of ``tensors`` (names sorted), as a writable uint8 array over one buffer: what
+    ``safetensors.torch.save`` gives, with one copy of each tensor. A dtype the format lacks is refused, naming it."""
+    head, placed = safetensors_layout(tensors, metadata)
+    start = len(head)
+    out = np.empty(start + (placed[-1][2] if placed else 0), dtype=np.uint8)
+    out[:start] = np.frombuffer(head, dtype=np.uint8)
     on_cpu = [p for p in placed if p[0].device.type == "cpu"]
     for run in device_runs([p for p in placed if p[0].device.type != "cpu"]):
         copy_run(out[start:], run)
@@ -70,6 +77,34 @@ def safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str
             groups.append([])
         groups[-1].append((t, begin, end))
     list(passes().map(copy, [g for g in groups if g]))
+    return out
+
+
+def device_image(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """The safetensors file of ``tensors`` as one uint8 buffer on their device, written on its current stream: the
+    image a trainer pushes from its GPU (issue 44 item 5), which each rank reads its shard from by CUDA IPC
+    (``workers.reads.device``). ``out``: the buffer of the trainer's last push, written in place when the image
+    has its size (so the ranks' open handles stay valid), else refused naming both sizes. The bytes are
+    ``safetensors_bytes``'s. Every tensor must be on one device."""
+    head, placed = safetensors_layout(tensors, metadata)
+    if not placed:
+        raise AdapterFormatError("a pushed image needs at least one tensor; push the adapter's lora_A and lora_B")
+    devices = {t.device for t, _, _ in placed}
+    if len(devices) != 1:
+        raise AdapterFormatError(f"a pushed image's tensors are on {sorted(map(str, devices))}: gather them on one "
+                                 "device (the one the ranks open) before pushing")
+    device = devices.pop()
+    size = len(head) + placed[-1][2]
+    if out is None:
+        out = torch.empty(size, dtype=torch.uint8, device=device)
+    elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != size or out.device != device:
+        raise AdapterFormatError(f"the image buffer given is {out.dtype} {tuple(out.shape)} on {out.device}, but this "
+                                 f"push's image is {size} bytes (uint8) on {device}: pass out=None for a new buffer "
+                                 "(the ranks open its handle again)")
+    header = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    out[:len(head)].copy_(header.pin_memory() if device.type == "cuda" else header, non_blocking=True)
+    torch.cat([as_bytes(t) for t, _, _ in placed], out=out[len(head):])  # one batched copy on the device
     return out
 
 
