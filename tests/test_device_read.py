@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 import torch
 
@@ -23,6 +24,8 @@ def _build_for_interpreter() -> None:
         module = importlib.import_module("workers.kernels.gather")
         if not module.BUILT_FOR_INTERPRETER:
             importlib.reload(module)
+            if "workers.reads.device" in sys.modules:  # imported earlier: bind it to the rebuilt kernel
+                importlib.reload(sys.modules["workers.reads.device"])
     finally:
         if before is None:
             del os.environ["TRITON_INTERPRET"]
