@@ -7,34 +7,15 @@ On a CPU-only machine the gather kernel runs in Triton's interpreter (built here
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import torch
+
+from tests.interpreted import build_for_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 
 
-def _build_for_interpreter() -> None:
-    """@triton.jit chooses the interpreter at import: rebuild the gather module under it (CPU-only machines)."""
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        module = importlib.import_module("workers.kernels.gather")
-        if not module.BUILT_FOR_INTERPRETER:
-            importlib.reload(module)
-            if "workers.reads.device" in sys.modules:  # imported earlier: bind it to the rebuilt kernel
-                importlib.reload(sys.modules["workers.reads.device"])
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-
-
 if not HAS_CUDA:
-    _build_for_interpreter()
+    build_for_interpreter(["workers.kernels.gather"], ["workers.reads.device"])
 
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402

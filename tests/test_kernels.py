@@ -8,35 +8,15 @@ weights, so it checks the packed layout, the metadata and the kernels together.
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import torch
+
+from tests.interpreted import build_for_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 
 
-def _build_for_interpreter() -> None:
-    """Without a GPU the kernels run in Triton's interpreter, which @triton.jit chooses at import time.
-
-    TRITON_INTERPRET is set only while (re)building the kernel modules and, by ``interpret`` below,
-    during this module's tests: other test modules keep the CPU path of lora_apply (the reference)."""
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        for name in ("workers.kernels.bgmv", "workers.kernels.sgmv"):
-            module = importlib.import_module(name)
-            if not module.BUILT_FOR_INTERPRETER:  # imported earlier (by another test module) for the GPU
-                importlib.reload(module)
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-
-
 if not HAS_CUDA:
-    _build_for_interpreter()
+    build_for_interpreter(("workers.kernels.bgmv", "workers.kernels.sgmv"))
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402

@@ -43,6 +43,7 @@ import torch
 from safetensors.torch import load_file
 from torch.multiprocessing.reductions import reduce_tensor
 
+from bench.probes.push_floor import timed
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.peft import WEIGHTS_FILE, AdapterSpec
 from lora_cache.adapters.serialize import device_image
@@ -148,15 +149,6 @@ class Rank:
 
     def copy_probe(self, repeats: int) -> float:
         return host_copy_ms(self.device, self.layout.nbytes, repeats)
-
-
-def timed(fn: Any, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
 
 
 def build_parser() -> argparse.ArgumentParser:
