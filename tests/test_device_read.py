@@ -73,11 +73,19 @@ def file_read(spec: AdapterSpec, shape: ModelShape, tp: int, rank: int, dtype: t
     return dest
 
 
+def index_of(image: torch.Tensor) -> dict[str, Any]:
+    """Where each tensor is in ``image``, from its first bytes (the header, for these small adapters)."""
+    return device_module.image_index(bytes(image[:64 << 10].cpu().numpy()), image.numel())
+
+
+def plan_read(image: torch.Tensor, lay: Any) -> device_module.DeviceRead:
+    return device_module.device_read(index_of(image), lay, image.numel())
+
+
 def image_read(spec: AdapterSpec, shape: ModelShape, tp: int, rank: int, dtype: torch.dtype,
                image: torch.Tensor) -> tuple[torch.Tensor, device_module.DeviceRead, torch.Tensor]:
     lay = shard_layout(spec, shape, tp, rank, dtype)
-    head = bytes(image[:64 << 10].cpu().numpy().tobytes())
-    read = device_module.device_read(device_module.image_index(head, image.numel()), lay, image.numel())
+    read = plan_read(image, lay)
     dest = torch.full((lay.numel + 5,), float("nan"), dtype=dtype, device=image.device)  # a slot larger than its shard
     if image.is_cuda:
         ready = torch.cuda.Event()
@@ -205,8 +213,7 @@ def test_a_nan_in_the_image_is_named_after_the_copy(tmp_path: Path) -> None:
     spec = adapter(tmp_path, SMALL, 8, BF16)
     image = image_of(spec, "cpu")
     lay = shard_layout(spec, SMALL, 2, 1, BF16)
-    head = bytes(image[:64 << 10].numpy().tobytes())
-    tensors = device_module.image_index(head, image.numel())
+    tensors = index_of(image)
     e = lay.entry(1, "down_proj", "A")  # a column slice: the NaN sits in rank 1's half of row 3
     t = tensors[e.key]
     at = t.start + (3 * t.shape[1] + e.cols.start + 5) * 2
@@ -228,14 +235,13 @@ def test_an_image_that_does_not_hold_the_layout_is_refused_naming_what_is_missin
     with pytest.raises(AdapterFormatError, match=r"has no tensor 'base_model.*lora_A.*push every module"):
         device_module.device_read(device_module.image_index(raw, len(raw)), lay, len(raw))
     image = image_of(spec, "cpu")
-    head = bytes(image[:64 << 10].numpy().tobytes())
-    read = device_module.device_read(device_module.image_index(head, image.numel()), lay, image.numel())
+    read = plan_read(image, lay)
     with pytest.raises(AdapterFormatError, match=f"not the {image.numel()} bytes"):
         device_module.read_image(read, image[:-8], torch.zeros(lay.numel, dtype=BF16))
     with pytest.raises(AdapterFormatError, match=r"give a 1-D torch\.bfloat16 buffer"):
         device_module.read_image(read, image, torch.zeros(lay.numel, dtype=F32))
     with pytest.raises(AdapterFormatError, match="header length"):
-        device_module.image_index(head[:4], image.numel())
+        device_module.image_index(bytes(image[:4].numpy()), image.numel())
 
 
 # -- the trainer's side: its tensors as one image on their device ---------------------------------------------

@@ -76,12 +76,9 @@ class GatherPlan:
 
     def rows(self, word: int) -> list[tuple[int, int, int]]:
         """The kernel's rows in words of ``word`` bytes (a divisor of ``self.word``), each at most a chunk."""
-        step = max(word, self.chunk_bytes // word * word)
-        out = []
-        for s, d, n in self.segments:
-            for k in range(0, n, step):
-                out.append(((s + k) // word, (d + k) // word, min(step, n - k) // word))
-        return out
+        step = self.chunk_bytes  # a multiple of 8, so of every word
+        return [((s + k) // word, (d + k) // word, min(step, n - k) // word)
+                for s, d, n in self.segments for k in range(0, n, step)]
 
     def table(self, device: torch.device, word: int) -> torch.Tensor:
         """The rows as an int64 [rows, 3] tensor on ``device``, made once (an upload per device and word)."""
@@ -163,5 +160,5 @@ def gather(dst: torch.Tensor, src: torch.Tensor, plan: GatherPlan) -> None:
     # views as words: each buffer cut to whole words (the plan's offsets and ends are multiples of the word)
     s = src[:src.numel() // word * word].view(dtype)
     d = dst[:dst.numel() // word * word].view(dtype)
-    block = max(16, BLOCK_BYTES // word) if not interpreting() else 256
+    block = 256 if interpreting() else BLOCK_BYTES // word
     _gather_kernel[(table.shape[0],)](s, d, table, BLOCK=block, num_warps=4)

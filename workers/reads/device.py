@@ -27,7 +27,7 @@ import torch
 from lora_cache.adapters.shards import ShardEntry, ShardLayout
 from lora_cache.errors import AdapterFormatError
 from workers.kernels.gather import GatherPlan, gather, gather_plan
-from workers.reads.finite import ROW, check_finite
+from workers.reads.finite import check_finite, sums_finite
 from workers.reads.plan import FileTensor, contiguous, run_of, span_of, strided_of
 from workers.reads.proof import parse_index
 
@@ -119,10 +119,7 @@ def read_image(read: DeviceRead, image: torch.Tensor, dest: torch.Tensor, after:
         gather(body.view(torch.uint8), image, read.gather)
         for e in read.converts:
             _convert(body, image, e, read.tensors[e.key])
-        n = layout.numel - layout.numel % ROW
-        # NaN and Inf survive any sum: finite row sums prove the shard finite (a float16 row that overflows is
-        # looked at entry by entry by ``finite_or_raise``), with no temporary of the shard's size
-        flag = torch.isfinite(body[:n].view(-1, ROW).sum(1)).all() & torch.isfinite(body[n:].sum())
+        flag = sums_finite(body)  # False only for a NaN, an Inf or an overflowing float16 row: ``finite_or_raise``
         if not cuda:
             return None, flag
         done = torch.cuda.Event()
@@ -135,7 +132,5 @@ def finite_or_raise(read: DeviceRead, dest: torch.Tensor, flag: torch.Tensor) ->
     says there is one (only then is each entry looked at)."""
     if not bool(flag):
         layout = read.layout
-        body = dest[:layout.numel]
-        check_finite(f"{layout.adapter}@{layout.version}", layout, body.cpu() if body.is_cuda else body,
-                     layout.entries)
+        check_finite(f"{layout.adapter}@{layout.version}", layout, dest[:layout.numel].cpu(), layout.entries)
 

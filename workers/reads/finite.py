@@ -48,10 +48,15 @@ def all_finite(t: torch.Tensor) -> bool:
 
 def one_finite(t: torch.Tensor) -> bool:
     """``all_finite`` on this thread: partial sums of ``ROW`` elements (``isfinite`` only if one is not finite)."""
+    return bool(sums_finite(t)) or bool(torch.isfinite(t).all())
+
+
+def sums_finite(t: torch.Tensor) -> torch.Tensor:
+    """A bool tensor on ``t``'s device: every partial sum of ``ROW`` elements of the 1-D ``t`` is finite. True
+    proves ``t`` finite (NaN and Inf survive any sum); False may be a float16 row that overflowed, so only then is
+    ``t`` looked at element by element. No host sync and no temporary of ``t``'s size."""
     n = t.numel() - t.numel() % ROW
-    if bool(torch.isfinite(t[:n].view(-1, ROW).sum(1)).all()) and bool(torch.isfinite(t[n:].sum())):
-        return True
-    return bool(torch.isfinite(t).all())
+    return torch.isfinite(t[:n].view(-1, ROW).sum(1)).all() & torch.isfinite(t[n:].sum())
 
 
 def _pool() -> ThreadPoolExecutor:
