@@ -34,6 +34,7 @@ from workers.gpu.loads import LoadPath
 from workers.gpu.slots import SlotPhase
 from workers.gpu.streams import make_streams, resolve_device
 from workers.kernels.meta import OFFSET_ALIGN, SlotMeta, shard_dims
+from workers.reads.device import ImageReads, ImageShard
 from workers.reads.threads import ranks_on_host
 from workers.staging.disk_tier import DiskTier, DiskTierConfig
 from workers.staging.host_config import HostTierConfig
@@ -185,6 +186,7 @@ class WorkerCache:
         catalog.use(self.book.versions_held)
         self.book.on_freed = catalog.trim
         self.unfence = self.book.unfence  # lifts ``ready_keys``' fence (the engine's ``EngineCache.unfence``)
+        self.image_reads = ImageReads()  # pushed images' read plans, one per header and layout (``load_image``)
 
     @property
     def on_change(self) -> Callable[[Delta], None] | None:
@@ -212,6 +214,23 @@ class WorkerCache:
         layout = self.shards.layout(spec)  # bad shapes fail here, before anything is reserved
         return self.load_path.start(spec, AdapterKey(name, spec.version), layout, self.shards.plan(spec), on_demand,
                                     slot_wait_s, commanded)
+
+    def load_image(self, name: str, version: str, image: torch.Tensor, head: bytes, after: Any = None, *,
+                   commanded: bool = False) -> Future[ReadinessRecord]:
+        """Load this rank's shard of ``name@version`` from a pushed image in device memory (issue 44 item 5): the
+        version's safetensors image, whole (``head``: its first 8 + header-length bytes, as the trainer sent them;
+        ``after``: the trainer's event after its last write), on this rank's device. A slot as any load's, then one
+        gather into it on the copy stream (``workers.reads.device``), READY once it completed and proved finite; a
+        shard that is not finite fails the load and leaves the rank as it was. Idempotent as ``prefetch``.
+
+        The image is taken to be the version's bytes: the caller (the controller's device push) names the version
+        the trainer pushed. Where the version has a file, the image's header must be the file's (its CRC) and its
+        size the file's, or it is refused before anything is reserved."""
+        spec = self.catalog.get(name, version)
+        layout = self.shards.layout(spec)
+        read = self.image_reads.read(spec, layout, head, image)
+        return self.load_path.start_image(AdapterKey(name, spec.version), layout, self.shards.plan(spec),
+                                          ImageShard(read, image, after), commanded)
 
     def stage(self, name: str, version: str | None = None) -> Future[HostEntry] | None:
         """Read this rank's shard of ``name`` into the host tier, with no slot (idempotent): what the planner

@@ -33,6 +33,7 @@ class CacheCounters:
     gpu_misses: int = 0  # acquire had to start a load
     prefetches: int = 0  # loads started ahead of need, by prefetch()
     demand_loads: int = 0  # loads started by an acquire that missed
+    image_loads: int = 0  # prefetches taken from a pushed image on the device (``WorkerCache.load_image``)
     loads: int = 0  # copies that completed
     load_failures: int = 0
     prefetch_no_room: int = 0  # prefetches dropped because every slot was held by running batches (not failures)
@@ -41,6 +42,7 @@ class CacheCounters:
     prefetch_used: int = 0  # prefetched loads a batch acquired before their eviction
     prefetch_unused: int = 0  # prefetched loads evicted without ever being acquired
     bytes_host_to_gpu: int = 0
+    bytes_from_images: int = 0  # shard bytes gathered from pushed images on the device (not host -> GPU)
     stages: int = 0  # host-tier reads started by stage(): a needed adapter's shard read ahead of its slot
     stage_failures: int = 0  # stages refused for host-tier room, or whose read failed
     disk_ms: Reservoir = field(default_factory=Reservoir)  # disk -> host staging, per load that read the disk

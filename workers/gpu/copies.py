@@ -28,6 +28,8 @@ from workers.gpu.streams import CpuStreams
 log = logging.getLogger(__name__)
 COPY_MAX_BYTES = 64 << 20  # staged chunks copied together, at most (a copy of >= 4 MB runs at the pinned peak)
 H2D_FASTEST_BPS = 64e9  # above any pinned host -> GPU copy measured (53-55 GB/s, PCIe Gen5 x16): never late
+GATHER_FASTEST_BPS = 2.5e12  # above a device-to-device gather's bytes per second (it reads and writes each: ~1.3
+# TB/s measured on an H100, 4.8 TB/s of HBM on an H200 halved): a pushed image's read is never seen late
 
 
 def host_copy_ms(device: torch.device, nbytes: int, repeats: int = 5) -> float:
@@ -91,6 +93,8 @@ class SlotLoad:
     base: int = 0  # the pool element its shard starts at (its slot's first page)
     behind: int = 0  # bytes the write-back stream had to copy out, when it took its slot, before its range was out
     marks: list[tuple[str, float]] = field(default_factory=list)  # (phase, perf_counter) as it goes (probes)
+    image: Any = None  # a pushed image's shard (``workers.reads.device.ImageShard``): the slot is filled by its one
+    # gather on the device, not copied from the host; its bytes are served only once proven finite (READY)
     _cond: threading.Condition = field(default_factory=threading.Condition)  # protects the fields above it
 
     @property
@@ -116,10 +120,11 @@ class SlotLoad:
         if on_issued is not None:
             on_issued(self)
 
-    def place(self, streams: CpuStreams, dst: torch.Tensor, src: torch.Tensor, after: tuple[Any, ...],
+    def place(self, streams: CpuStreams, dst: torch.Tensor, src: Any, after: tuple[Any, ...],
               then: Callable[[Any], None], on_issued: Callable[[SlotLoad], None],
               vacate: tuple[tuple[int, int, Any], ...] = ()) -> None:
-        """The load has its slot's pages ``dst``: issue every chunk staged so far; the first waits for ``after``
+        """The load has its slot's pages ``dst``: issue every chunk staged so far (``src``: the staged shard on the
+        host, or a pushed image's ``fill``); the first waits for ``after``
         (the last use of every page it takes) and runs ``then`` (its kernel metadata) before its copy. ``on_issued``
         runs once, after the last chunk's copy is issued, outside this load's lock. ``vacate``: the write-backs in
         flight over its range (exclusive tiers), (start, end, event) of each piece in ``dst``'s elements, in issue
@@ -143,16 +148,18 @@ class SlotLoad:
         while len(self.events) < min(self.staged_chunks, total):
             c = self.plan.chunks[len(self.events)]
             # the staged chunks after it join its copy, up to COPY_MAX_BYTES: a host-tier hit (every chunk
-            # staged at once) is a few large copies, not one per 4 MB chunk; each chunk's event is its copy's
+            # staged at once) is a few large copies, not one per 4 MB chunk; each chunk's event is its copy's.
+            # A pushed image's shard (every chunk "staged" at once) is one fill of the whole shard: one gather.
             last = len(self.events)
-            limit = COPY_MAX_BYTES // src.element_size()
+            limit = self.layout.numel if self.image is not None else COPY_MAX_BYTES // src.element_size()
             while last + 1 < min(self.staged_chunks, total) and self.plan.chunks[last + 1].stop - c.start <= limit:
                 last += 1
             stop = self.plan.chunks[last].stop
             first = c.seq == 0
             vacated = self._vacated(c.start, stop)
             waits = (*(after if first else ()), *(() if vacated is None else (vacated,)))
-            start, event = streams.copy_chunk(dst[c.start : stop], src[c.start : stop],
+            part = src if self.image is not None else src[c.start : stop]  # an image's fill takes the whole shard
+            start, event = streams.copy_chunk(dst[c.start : stop], part,
                                               waits[0] if len(waits) == 1 else waits or None, then if first else None,
                                               label=(self.slot, c.seq), timed=first)
             if first:
@@ -164,7 +171,8 @@ class SlotLoad:
             issued += stop - c.start
             self._cond.notify_all()
         if issued:
-            self.copy_due = time.perf_counter() + issued * src.element_size() / H2D_FASTEST_BPS
+            rate = H2D_FASTEST_BPS if self.image is None else GATHER_FASTEST_BPS
+            self.copy_due = time.perf_counter() + issued * dst.element_size() / rate
         return on_issued if before < total == len(self.events) else None
 
     def _vacated(self, start: int, stop: int) -> Any:
@@ -174,7 +182,9 @@ class SlotLoad:
 
     def chunk_event(self, index: int) -> Any:
         """Chunk ``index``'s event, waiting on the host until its copy is issued (its bytes staged, the
-        slot taken): never a wait for a copy, only for the read that precedes it."""
+        slot taken): never a wait for a copy, only for the read that precedes it. A pushed image's shard is proven
+        finite only once its copy completed: a batch that holds it waits on the host for that (READY) first."""
+        self._proven()
         with self._cond:
             while len(self.events) <= index and self.error is None:
                 self._cond.wait()
@@ -187,9 +197,23 @@ class SlotLoad:
         """The last chunk's event, once every chunk's copy is issued (the host waits for the read, never for
         a copy); raises ``LoadFailed`` if the load failed."""
         self.issued.wait()
+        self._proven()
         if self.error is not None:
             raise LoadFailed(f"{self.key}: its load failed ({self.error})") from self.error
         return self.ready_event
+
+    def _proven(self) -> None:
+        """A pushed image's shard: wait on the host until it is READY or failed (its finite proof runs after its
+        copy, not before as a host read's does), so no batch runs on bytes not proven; a no-op otherwise. Only a
+        batch that asks for a version in the middle of its push waits (~0.1-1 ms)."""
+        if self.image is not None:
+            self.issued.wait()
+            if self.error is None and self._copy is not None:
+                self._copy[0].host_wait(self.ready_event)  # the CPU's deferred copy stream runs it here
+            try:
+                self.future.result()
+            except BaseException as e:
+                raise LoadFailed(f"{self.key}: its load failed ({e})") from e
 
     def fail(self, error: BaseException) -> None:
         """No further chunk will be issued: wake every waiter with the error."""

@@ -85,7 +85,7 @@ class LoadPath:
         self.tp_rank, self.on_ready, self.registered = tp_rank, on_ready, registered
         self.exclusive = host.config.tiers == "exclusive"
         # staged, waiting for a slot (book.lock): for a load in flight to finish, or (on demand) for a batch to let go
-        self.slot_waiters: list[tuple[SlotLoad, HostEntry]] = []
+        self.slot_waiters: list[tuple[SlotLoad, HostEntry | None]] = []
         book.on_room = self._retry_waiters
         self.watcher = CompletionWatcher(streams, self._finish)
 
@@ -111,6 +111,28 @@ class LoadPath:
             self._fail(load, e)
             return load.future
         staged.add_done_callback(functools.partial(self._read_done, load))
+        return load.future
+
+    def start_image(self, key: AdapterKey, layout: ShardLayout, plan: ChunkPlan, shard: Any,
+                    commanded: bool = False) -> Future[ReadinessRecord]:
+        """Load ``key`` from a pushed image on the device (``shard``: ``workers.reads.device.ImageShard``) unless it
+        has a slot or a load already (idempotent, as ``start``): no host tier, no read; a slot as any load's, then
+        one gather into it on the copy stream after the slot's last use and the trainer's event, and READY once
+        its event completed and its finite flag is read (``_finish``)."""
+        book = self.book
+        with book.lock:
+            slot = book.table.lookup(key)
+            if slot is not None:
+                return book.loads[slot.index].future
+            if key in book.pending:
+                return book.pending[key].future
+            load = SlotLoad(key, layout, plan, commanded=commanded, image=shard)
+            book.pending[key] = load
+            book.counters.prefetches += 1
+            book.counters.image_loads += 1
+        load.staged_chunks = len(plan.chunks)  # every byte is on the device already
+        if load.claim():
+            self._place(load, None)
         return load.future
 
     def stage(self, spec: AdapterSpec, key: AdapterKey, layout: ShardLayout,
@@ -187,9 +209,10 @@ class LoadPath:
         else:
             book.broken.add(load.slot)
 
-    def _place(self, load: SlotLoad, entry: HostEntry) -> None:
-        """Reserve a slot and copy the staged chunks; if only loads in flight or a fence (``SlotTable.fence``)
-        stand in the way, wait for one to finish or the fence to lift."""
+    def _place(self, load: SlotLoad, entry: HostEntry | None) -> None:
+        """Reserve a slot and copy the staged chunks (``entry`` None: a pushed image's, ``start_image``); if only
+        loads in flight or a fence (``SlotTable.fence``) stand in the way, wait for one to finish or the fence to
+        lift."""
         book = self.book
         vacate: tuple[tuple[int, int, Any], ...] = ()
         with book.lock:
@@ -230,13 +253,17 @@ class LoadPath:
                 load.mark("slot")
         if error is not None:  # failed once its read has ended: the tier holds the shard (a host hit next time)
             load.fail(error)
-            entry.ready.add_done_callback(functools.partial(self._reject_staged, load, entry, error))
+            if entry is None:
+                self._reject(load, error)
+            else:
+                entry.ready.add_done_callback(functools.partial(self._reject_staged, load, entry, error))
             return None
         book.report()
         self.host.report()  # the host entries a write-back's room took
         write_meta = functools.partial(self._write_meta, load)
-        load.place(self.streams, self.flat[load.base : load.base + load.layout.numel], entry.tensor, after,
-                   write_meta, self._issued, vacate)
+        src = load.image.fill if entry is None else entry.tensor
+        load.place(self.streams, self.flat[load.base : load.base + load.layout.numel], src, after, write_meta,
+                   self._issued, vacate)
         load.placed.set()
 
     def pages_for(self, numel: int) -> int:
@@ -304,6 +331,9 @@ class LoadPath:
         """Every chunk's copy is issued: once the read has also ended (its counts taken), watch the last
         chunk's event (READY when it completes)."""
         load.issued.set()
+        if load.entry is None:  # a pushed image's: no read to wait for
+            self.watcher.add(load)
+            return
         load.entry.ready.add_done_callback(lambda read: self.watcher.add(load) if read.exception() is None else None)
 
     def _retry_waiters(self) -> None:
@@ -344,11 +374,21 @@ class LoadPath:
                                                       "slots are loading or in use"))
             self._drop(load, error)
         load.fail(error)
-        waiting[1].ready.add_done_callback(functools.partial(self._reject_staged, load, waiting[1], error))
+        if waiting[1] is None:
+            self._reject(load, error)
+        else:
+            waiting[1].ready.add_done_callback(functools.partial(self._reject_staged, load, waiting[1], error))
 
     def _finish(self, load: SlotLoad) -> None:
-        """The copy's ready event completed (watcher thread): READY, report (step 7)."""
+        """The copy's ready event completed (watcher thread): READY, report (step 7). A pushed image's shard is
+        READY only if its finite flag says so; else its load fails and its slot frees (``_unproven``)."""
         load.mark("seen")
+        if load.image is not None:
+            try:
+                load.image.check()
+            except Exception as e:
+                self._unproven(load, e)
+                return
         record = ReadinessRecord(load.key.name, load.key.version, self.tp_rank, load.slot, load.disk_ms,
                                  self.streams.elapsed_ms(load.start_event, load.ready_event),
                                  (time.perf_counter() - load.t0) * 1e3, load.layout.nbytes, load.host_hit,
@@ -363,18 +403,32 @@ class LoadPath:
             book.table.mark_ready(load.slot)
             book.prune(self.streams.done)  # every copy into its pages completed, after the write-backs over them
             book.counters.loads += 1
-            book.counters.bytes_host_to_gpu += record.nbytes
-            if not record.host_hit:
+            if load.image is not None:
+                book.counters.bytes_from_images += record.nbytes
+            else:
+                book.counters.bytes_host_to_gpu += record.nbytes
+            if not record.host_hit and load.image is None:
                 book.counters.disk_ms.add(record.disk_ms)
             book.counters.h2d_ms.add(record.h2d_ms)
             book.counters.ready_ms.add(record.ready_ms)
             book.changed(load.key, "ready", record, acquired=not load.commanded)
-        self.host.release(load.key, load.entry)
+        if load.entry is not None:
+            self.host.release(load.key, load.entry)
         if self.exclusive:  # the slot holds the shard now: its host copy goes (written back when the slot is evicted)
             self.host.drop(load.key)
         book.report()
         load.mark("ready")
         load.future.set_result(record)
+        self._retry_waiters()
+
+    def _unproven(self, load: SlotLoad, error: BaseException) -> None:
+        """A pushed image's shard that is not finite (watcher thread, its copy complete): the load fails after it
+        took its slot, as a failed read does (``_abandon``); the rank holds what it held before."""
+        load.fail(error)
+        with self.book.lock:
+            self._abandon(load, error)
+        self.book.report()
+        load.future.set_exception(error)
         self._retry_waiters()
 
     def _fail(self, load: SlotLoad, error: BaseException) -> None:

@@ -13,7 +13,8 @@ A load is issued as layer-ordered chunks (``lora_cache.adapters.chunks``): ``cop
 first one after the slot's ``last_use`` event, each recording its own event on ``copy_stream``. With exclusive tiers
 an evicted slot's shard is copied out first (``copy_back``, on ``back_stream``: PCIe runs both directions at once), in
 pieces with an event each, and each chunk of the load into that slot waits only for the pieces of the range it
-overwrites (``SlotLoad.place``'s ``vacate``).
+overwrites (``SlotLoad.place``'s ``vacate``). A shard taken from a pushed image on the device (``workers.reads.device``)
+is one ``copy_chunk`` whose source is a function that fills the slot on the copy stream (its gather), not a tensor.
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ from typing import Any
 import torch
 
 from lora_cache.errors import ConfigError
+
+
+def fill_or_copy(dst: torch.Tensor, src: torch.Tensor | Callable[[torch.Tensor], None]) -> None:
+    """``src(dst)`` if ``src`` is a function that fills ``dst`` (a pushed image's read), else ``dst.copy_(src)``
+    (non-blocking: a chunk from pinned memory)."""
+    if isinstance(src, torch.Tensor):
+        dst.copy_(src, non_blocking=True)
+    else:
+        src(dst)
 
 
 class HostEvent:
@@ -52,18 +62,19 @@ class CpuStreams:
         self._queue: deque[tuple[Callable[[], None], HostEvent]] = deque()  # deferred copies, issue order
         self.trace: deque[tuple[Any, ...]] | None = None  # set to a deque to log ops (tests)
 
-    def copy_chunk(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None,
+    def copy_chunk(self, dst: torch.Tensor, src: torch.Tensor | Callable[[torch.Tensor], None], after: Any = None,
                    then: Callable[[Any], None] | None = None, label: object = None,
                    timed: bool = True) -> tuple[Any, Any]:
         """On the copy stream: wait for ``after`` (a slot's last use; or a tuple of events: also the write-back of the
-        range it overwrites), copy ``src`` into ``dst``, then
+        range it overwrites), copy ``src`` into ``dst`` (or call ``src(dst)``: a function that fills it, issuing its
+        work on the current stream, the copy stream), then
         ``then(copy_stream)`` (e.g. the slot's kernel metadata: its host work overlaps the copy); returns
         (start, done) events (``timed`` False: no start event, None; a load times its copies from its first
         chunk's start)."""
         start, end = HostEvent(), HostEvent(label, done=not self.deferred)
 
         def run() -> None:
-            dst.copy_(src)
+            fill_or_copy(dst, src)
             if then is not None:
                 then(None)
             end.t, end.done = time.perf_counter(), True
@@ -129,7 +140,7 @@ class CudaStreams(CpuStreams):
         self.back_stream = torch.cuda.Stream(device)  # write-backs: device-to-host, beside the loads' copies in
         self.compute_stream = compute_stream or torch.cuda.current_stream(device)
 
-    def copy_chunk(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None,
+    def copy_chunk(self, dst: torch.Tensor, src: torch.Tensor | Callable[[torch.Tensor], None], after: Any = None,
                    then: Callable[[Any], None] | None = None, label: object = None,
                    timed: bool = True) -> tuple[Any, Any]:
         ready = torch.cuda.Event(enable_timing=True)
@@ -140,7 +151,7 @@ class CudaStreams(CpuStreams):
                     self.copy_stream.wait_event(event)
             if start is not None:
                 start.record(self.copy_stream)
-            dst.copy_(src, non_blocking=True)  # one H2D copy of a chunk of the packed shard, from pinned memory
+            fill_or_copy(dst, src)  # one H2D copy of a chunk of the packed shard, from pinned memory (or a gather)
             if then is not None:  # e.g. the slot's kernel metadata (its host side overlaps the copy just issued):
                 then(self.copy_stream)  # valid once the first chunk's event is, as it is queued before that event
             ready.record(self.copy_stream)

@@ -19,11 +19,14 @@ the buffer again until every rank's copy has completed (the push answers only th
 from __future__ import annotations
 
 import contextlib
+import threading
+import zlib
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
 
+from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shards import ShardEntry, ShardLayout
 from lora_cache.errors import AdapterFormatError
 from workers.kernels.gather import GatherPlan, gather, gather_plan
@@ -134,3 +137,64 @@ def finite_or_raise(read: DeviceRead, dest: torch.Tensor, flag: torch.Tensor) ->
         layout = read.layout
         check_finite(f"{layout.adapter}@{layout.version}", layout, dest[:layout.numel].cpu(), layout.entries)
 
+
+
+class ImageReads:
+    """A rank's read plans of pushed images, one per (header, layout entries): a trainer's next version of an
+    adapter has the same header and layout, so it reuses the plan (the 70B rank-64 shard's plan is ~11,000
+    segments). Keeps the last ``keep`` plans."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self._plans: dict[tuple[bytes, int], DeviceRead] = {}
+        self._lock = threading.Lock()
+
+    def read(self, spec: AdapterSpec, layout: ShardLayout, head: bytes, image: torch.Tensor) -> DeviceRead:
+        """The read of ``layout`` from ``image`` (``head``: its first bytes, the header). Where ``spec`` has a file,
+        an image whose header or size is not the file's is refused, naming both."""
+        where = f"adapter {layout.adapter}@{layout.version}"
+        source = spec.source
+        if image.dtype != torch.uint8 or image.dim() != 1:
+            raise AdapterFormatError(f"{where}: the pushed image is {image.dtype} of shape {tuple(image.shape)}; "
+                                     "send the image as a 1-D uint8 buffer (the safetensors bytes)")
+        if source is not None and (image.numel() != source.identity.size or len(head) < source.header_bytes
+                                   or zlib.crc32(head[:source.header_bytes]) != source.header_crc):
+            raise AdapterFormatError(f"{where}: the pushed image ({image.numel()} bytes, header CRC "
+                                     f"{zlib.crc32(head[:source.header_bytes]):08x}) is not this version's file "
+                                     f"({source.identity.size} bytes, header CRC {source.header_crc:08x}); push "
+                                     "the image of the version named")
+        n = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
+        key = (bytes(head[:8 + n]), image.numel())
+        with self._lock:
+            read = self._plans.get(key)
+        if read is None or read.layout.entries != layout.entries:
+            read = device_read(image_index(head, image.numel()), layout, image.numel())
+            with self._lock:
+                self._plans.pop(key, None)
+                self._plans[key] = read
+                while len(self._plans) > self.keep:
+                    del self._plans[next(iter(self._plans))]
+        return read._replace(layout=layout) if read.layout is not layout else read
+
+
+class ImageShard:
+    """One rank's shard to take from a pushed image into its slot (``WorkerCache.load_image``): ``fill`` is the
+    slot's copy (``streams.copy_chunk``'s source), issuing ``read_image`` on the current stream (the copy stream)
+    after the trainer's event ``after``, the finite flag copied into pinned host memory behind it; ``check``, once
+    the copy's event has completed (the completion watcher), raises ``NonFiniteWeightsError`` naming the tensor if
+    the flag says so, reading only host memory (no sync)."""
+
+    def __init__(self, read: DeviceRead, image: torch.Tensor, after: Any = None) -> None:
+        self.read, self.image, self.after = read, image, after
+        self.flag = torch.ones((), dtype=torch.bool, pin_memory=image.is_cuda)
+        self.dest: torch.Tensor | None = None
+
+    def fill(self, dest: torch.Tensor) -> None:
+        self.dest = dest
+        _, flag = read_image(self.read, self.image, dest, after=self.after)
+        self.flag.copy_(flag, non_blocking=True)  # in stream order: complete when the copy's event is
+
+    def check(self) -> None:
+        if self.dest is None:
+            raise RuntimeError(f"{self.read.layout.adapter}@{self.read.layout.version}: checked before its fill ran")
+        finite_or_raise(self.read, self.dest, self.flag)
