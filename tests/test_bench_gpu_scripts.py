@@ -388,3 +388,14 @@ def test_issue44_push_read_part_runs_the_device_read_tests_then_the_probe_at_bot
     parsed = [read_parser().parse_args(c[3:]) for c in commands[1:]]
     assert [(a.model, a.rank, a.tp) for a in parsed] == [("llama-3.1-8b", 16, "1,2"), ("llama-3.1-70b", 64, "1,2")]
     assert [Path(a.out).name for a in parsed] == ["read-8b.json", "read-70b.json"]
+
+
+def test_issue44_push_slots_part_runs_the_image_load_tests_then_the_probe_at_both_shapes(tmp_path: Path) -> None:
+    from bench.probes.push_slots import build_parser as slots_parser
+
+    commands = _dry("issue44_push.sh", str(tmp_path), PARTS="slots")
+    assert commands[0][-3:] == ["gpu", "tests/test_image_loads.py", "tests/test_device_read.py"]
+    parsed = [slots_parser().parse_args(c[3:]) for c in commands[1:]]
+    assert [(a.model, a.rank, a.tp, a.device) for a in parsed] == [("llama-3.1-8b", 16, "1,2", "cuda"),
+                                                                    ("llama-3.1-70b", 64, "1,2", "cuda")]
+    assert [Path(a.out).name for a in parsed] == ["slots-8b.json", "slots-70b.json"]

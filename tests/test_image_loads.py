@@ -21,10 +21,11 @@ from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.errors import AdapterFormatError, NonFiniteWeightsError
 from lora_cache.vocab import AdapterKey, Delta
 from tests.worker_queries import slots_in, use_streams
-from workers.cache import WorkerCache
+from workers.cache import WorkerCache, WorkerConfig
 from workers.gpu.copies import LoadFailed
 from workers.gpu.slots import SlotPhase
 from workers.gpu.streams import CpuStreams
+from workers.staging.host_config import HostTierConfig
 
 HAS_CUDA = torch.cuda.is_available()
 ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
@@ -195,29 +196,34 @@ def test_a_batch_that_asks_for_an_image_load_in_flight_runs_only_on_a_proven_sha
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_a_slot_filled_from_the_trainers_image_after_its_event_holds_the_files_shard(
-        catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache], tp: int) -> None:
+        catalog: AdapterCatalog, tp: int) -> None:
     """On the GPU: the trainer writes its image on its own stream and records an event; each rank's gather runs on
-    its copy stream after that event (no host sync between), and its slot equals the file load's."""
-    name = catalog.names()[1]
-    spec = catalog.get(name)
+    its copy stream after that event (no host sync between), and its slot equals the file load's; a NaN is caught."""
+    spec, other = catalog.get(catalog.names()[1]), catalog.get(catalog.names()[2])
     image, head = image_of(spec, "cuda")
     staged = image.clone()
+    bad, bad_head = image_of(other, "cuda")
     for rank in range(tp):
-        pushed = make_cache(catalog, tp=tp, tp_rank=rank, device="cuda")
-        loaded = make_cache(catalog, tp=tp, tp_rank=rank, device="cuda")
-        trainer = torch.cuda.Stream()
-        image.zero_()
-        torch.cuda.synchronize()
-        with torch.cuda.stream(trainer):
-            torch.cuda._sleep(20_000_000)  # the trainer still writing when the rank's load is issued
-            image.copy_(staged)
-            written = torch.cuda.Event()
-            written.record()
-        pushed.load_image(name, spec.version, image, head, after=written).result(timeout=60)
-        loaded.prefetch(name).result(timeout=60)
-        assert slot_bytes(pushed, name, spec.version) == slot_bytes(loaded, name, spec.version)
-        with pytest.raises(NonFiniteWeightsError):
-            other = catalog.get(catalog.names()[2])
-            bad, bad_head = image_of(other, "cuda")
-            pushed.load_image(other.name, other.version, with_nan(bad, bad_head), bad_head).result(timeout=60)
-        assert slots_in(pushed, SlotPhase.LOADING) == 0
+        pushed, loaded = (WorkerCache(WorkerConfig(num_slots=3, tp=tp, tp_rank=rank, device="cuda",
+                                                   host=HostTierConfig(host_bytes=1 << 20, pin=False)), catalog)
+                          for _ in range(2))
+        try:
+            trainer = torch.cuda.Stream()
+            image.zero_()
+            torch.cuda.synchronize()
+            with torch.cuda.stream(trainer):
+                torch.cuda._sleep(20_000_000)  # the trainer still writing when the rank's load is issued
+                image.copy_(staged)
+                written = torch.cuda.Event()
+                written.record()
+            pushed.load_image(spec.name, spec.version, image, head, after=written).result(timeout=60)
+            loaded.prefetch(spec.name).result(timeout=60)
+            assert slot_bytes(pushed, spec.name, spec.version) == slot_bytes(loaded, spec.name, spec.version)
+            whole_nan = bad.clone()
+            whole_nan[len(bad_head):].view(torch.int16).fill_(0x7FC0)
+            with pytest.raises(NonFiniteWeightsError):
+                pushed.load_image(other.name, other.version, whole_nan, bad_head).result(timeout=60)
+            assert slots_in(pushed, SlotPhase.LOADING) == 0 and slots_in(pushed, SlotPhase.READY) == 1
+        finally:
+            pushed.close()
+            loaded.close()

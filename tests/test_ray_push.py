@@ -30,7 +30,7 @@ from lora_cache.api.client import ClientError, LoraCacheClient  # noqa: E402
 from lora_cache.api.gateway import GatewayConfig, start_gateway_thread  # noqa: E402
 from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc  # noqa: E402
 from lora_cache.app.serve import ServeConfig, start  # noqa: E402
-from lora_cache.errors import AdapterFormatError, NotFoundError  # noqa: E402
+from lora_cache.errors import AdapterFormatError, NonFiniteWeightsError, NotFoundError  # noqa: E402
 from lora_cache.integrations.ray_push import push_in_ray  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
 from lora_cache.vocab import WorkerId  # noqa: E402
@@ -270,6 +270,43 @@ def test_a_lookup_and_a_route_name_a_pushed_version_by_its_tag_or_its_version(wo
         next(iter(world.client.watch(adapter=f"{name}@29", duration_s=5)))
     assert gone.value.code == "NOT_FOUND"
     ray.get(world.service.controller.unregister_adapter.remote(name), timeout=60)
+
+
+def test_each_rank_takes_its_shard_from_a_trainers_open_image(world: World) -> None:
+    """Issue 44 item 5, the ranks' side of a device push (``WorkerActor.open_image`` / ``load_image``): each rank
+    opens the trainer's buffer once (on the CPU the image travels by value; on a GPU by CUDA IPC) and a push then
+    names it; each rank's slot holds exactly its own shard of the version (checked against the file), with no host
+    read. A buffer not open, or an image with a NaN, is refused on every rank and loads nothing."""
+    tensors = scaled(world.tensors, 1.7)
+    version = push_in_ray("imaged", tensors, world.config, tag=1).version
+    path = next((world.area / "imaged").iterdir()) / WEIGHTS_FILE
+    raw = path.read_bytes()
+    head = raw[:8 + int.from_bytes(raw[:8], "little")]
+    image = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    bad = image.clone()
+    bad[len(head):].view(torch.int16).fill_(0x7FC0)  # every weight a bf16 NaN (each rank proves its own slice)
+    ranks = list(world.service.workers.values())
+    before = [ray.get(h.stats.remote(), timeout=30) for h in ranks]
+    assert not any(r[0] == "imaged" for h in ranks for r in ray.get(h.describe.remote())["residency"])
+    with pytest.raises(NotFoundError, match="not open on this rank"):
+        ray.get(ranks[0].load_image.remote("imaged", version, "trainer-0", head), timeout=30)
+    assert ray.get([h.open_image.remote("nan", bad) for h in ranks]) == [len(raw)] * 2
+    for h in ranks:
+        with pytest.raises(NonFiniteWeightsError):
+            ray.get(h.load_image.remote("imaged", version, "nan", head), timeout=60)
+    assert ray.get([h.open_image.remote("trainer-0", image) for h in ranks]) == [len(raw)] * 2
+    records = ray.get([h.load_image.remote("imaged", version, "trainer-0", head) for h in ranks], timeout=60)
+    assert sorted(r.tp_rank for r in records) == [0, 1] and {r.version for r in records} == {version}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    for h, was in zip(ranks, before, strict=True):
+        check = ray.get(h.verify.remote("imaged", version), timeout=60)
+        assert check["max_abs_diff"] == 0.0 and 0 < check["nbytes"] < total, check
+        now = ray.get(h.stats.remote(), timeout=30)
+        assert now["image_loads"] - was["image_loads"] == 2 and now["load_failures"] - was["load_failures"] == 1
+        assert now["bytes_from_images"] - was["bytes_from_images"] == check["nbytes"]
+        assert now["host_misses"] == was["host_misses"], "the image's load read the file"
+    assert ray.get([h.close_image.remote(b) for h in ranks for b in ("trainer-0", "nan")]) == [True] * 4
+    ray.get(world.service.controller.unregister_adapter.remote("imaged"), timeout=60)
 
 
 def test_a_push_of_unknown_name_syntax_or_tag_is_refused_before_anything_is_kept(world: World) -> None:

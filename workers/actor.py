@@ -32,6 +32,7 @@ from workers import faults
 from workers.actor_engine import HostedEngineCalls
 from workers.attach.ray_transport import resolve_at
 from workers.cache import WorkerCache, WorkerConfig
+from workers.control.images import TrainerImages
 from workers.control.node_copies import NodeCopies, fetch_payload
 from workers.control.outbox import Outbox
 from workers.control.rank import WorkerControl
@@ -89,6 +90,7 @@ class WorkerActor(HostedEngineCalls):
         copies = NodeCopies(PushArea(catalog.push_root(), context.namespace, catalog.push_bytes), context.get_node_id(),
                             _fetch_pushed)  # a pushed version in another node's memory: copied to this one
         self.control = WorkerControl(replica, self.catalog, self.cache, self.outbox, copies)
+        self.images = TrainerImages(self.cache.device)  # trainers' push buffers open here (``load_image``)
         self._stopping = threading.Event()  # set at shutdown: the controller's lifeline returns
         # A restarted worker holds nothing: say so, so the controller forgets its predecessor. ValueError:
         # no controller yet (it adopts this worker from describe() when it starts).
@@ -154,6 +156,19 @@ class WorkerActor(HostedEngineCalls):
 
     def apply(self, commands: list[Command]) -> ApplyResult:
         return self.control.apply(commands)
+
+    def open_image(self, buffer: str, handle: Any, event: bytes | None = None) -> int:
+        """Open a trainer's push buffer on this rank (``workers.control.images``); its size in bytes."""
+        return self.images.open(buffer, handle, event)
+
+    def load_image(self, name: str, version: str, buffer: str, head: bytes, timeout_s: float = 60.0) -> ReadinessRecord:
+        """Load ``name@version`` into a slot from the open trainer buffer ``buffer`` (``WorkerCache.load_image``,
+        after the trainer's event); its readiness record once READY, or the load's error."""
+        image, after = self.images.get(buffer)
+        return self.cache.load_image(name, version, image, head, after, commanded=True).result(timeout_s)
+
+    def close_image(self, buffer: str) -> bool:
+        return self.images.close(buffer)
 
     def describe(self) -> dict[str, object]:
         """Who this worker is and everything it holds: the controller rebuilds from this."""

@@ -21,7 +21,10 @@
 # several; the summary: steps overlapping a push against the others) and .jsonl. PARTS may name read: a rank taking
 # its shard from the trainer's GPU buffer by one gather launch (the device read's GPU tests, then
 # bench.probes.device_read for the 8B rank-16 and the 70B rank-64 at TP READ_TPS [1,2], every rank on GPU r % GPUs;
-# read-8b.json, read-70b.json). Exit status: the number of runs that failed.
+# read-8b.json, read-70b.json). PARTS may name slots: a push taken into the ranks' slots from the trainer's GPU buffer,
+# READY on every rank (the image loads' and the device read's GPU tests, then bench.probes.push_slots, real worker
+# actors, for the 8B rank-16 and the 70B rank-64 at TP READ_TPS [1,2]; slots-8b.json, slots-70b.json). Exit status:
+# the number of runs that failed.
 set -u
 . "$(dirname "$0")/lib.sh"
 tp=${TP:-$([ "$(gpus)" -ge 2 ] && echo 2 || echo 1)}
@@ -87,5 +90,12 @@ if [[ $parts == *" read "* ]]; then
     --out "$out/read-8b.json"
   step read-70b "$PYTHON" -m bench.probes.device_read --model llama-3.1-70b --rank 64 --tp "${READ_TPS:-1,2}" \
     --repeats 10 --out "$out/read-70b.json"
+fi
+if [[ $parts == *" slots "* ]]; then
+  step slots-tests "$PYTHON" -m pytest -q -m gpu tests/test_image_loads.py tests/test_device_read.py
+  step slots-8b "$PYTHON" -m bench.probes.push_slots --model llama-3.1-8b --rank 16 --tp "${READ_TPS:-1,2}" \
+    --out "$out/slots-8b.json"
+  step slots-70b "$PYTHON" -m bench.probes.push_slots --model llama-3.1-70b --rank 64 --tp "${READ_TPS:-1,2}" \
+    --repeats 10 --out "$out/slots-70b.json"
 fi
 exit "$failed"

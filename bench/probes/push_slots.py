@@ -1,0 +1,155 @@
+"""A pushed version taken into the ranks' slots from the trainer's GPU buffer, READY on every rank (issue 44 item 5).
+
+``bench.probes.device_read`` timed a rank's read of its shard into a bare buffer. Here each rank is a real
+``WorkerActor`` (its ``WorkerCache``: slot table, copy stream, completion watcher, readiness record) and the push is
+``load_image``: the trainer's buffer opened once per rank (``open_image``: CUDA IPC, and its one interprocess event),
+then per push the trainer records its event and calls every rank, each reserving a slot, gathering its shard into it on
+its copy stream after that event, proving it finite and answering once READY. Per model and TP size, in one run:
+
+- ``copy_ms``: the reference, each rank copying its shard's bytes from pinned host memory to its GPU, all at once
+  (``WorkerActor.copy_probe``);
+- ``push_ms``: from the trainer's event to every rank's READY answer (median of ``repeats``, the first apart:
+  ``push_first_ms``); ``ready_ms`` / ``gather_ms``: inside the slowest rank, from the call to READY and the gather's
+  own time by CUDA events (the readiness record's ``ready_ms`` / ``h2d_ms``); ``call_ms``: the same Ray call to every
+  rank doing nothing (``ping``).
+
+Between pushes each rank evicts the version (a controller's ``Evict``), outside the timing. Every rank's slot is
+checked against its slices of the file (``WorkerActor.verify``) after the pushes.
+
+    python -m bench.probes.push_slots --model llama-3.1-8b --rank 16 --tp 1,2 --out /tmp/push_slots.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from safetensors.torch import load_file
+from torch.multiprocessing.reductions import reduce_tensor
+
+from bench.probes.push_floor import timed
+from lora_cache.adapters.catalog import CatalogConfig
+from lora_cache.adapters.peft import WEIGHTS_FILE
+from lora_cache.adapters.serialize import device_image
+from lora_cache.adapters.shapes import MODULE_ORDER, resolve_model
+from lora_cache.adapters.synth import write_adapter
+from lora_cache.vocab import Evict
+from workers.actor import WorkerActor
+from workers.cache import WorkerConfig
+from workers.staging.host_config import HostTierConfig
+
+DTYPE = torch.bfloat16
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--tp", default="1,2", help="TP sizes, comma-separated (all ranks on GPU r %% GPUs)")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: a dry run of the probe itself (the image sent by value; no timing that means anything)")
+    ap.add_argument("--out", required=True)
+    return ap
+
+
+def one_tp(root: str, model: str, rank: int, tp: int, image: torch.Tensor, head: bytes,
+           repeats: int) -> dict[str, Any]:
+    cuda = image.is_cuda
+    gpus = torch.cuda.device_count()
+    catalog = CatalogConfig(adapter_roots=(root,), model=model, max_rank=rank)
+    ranks = []
+    for k in range(tp):
+        config = WorkerConfig(num_slots=2, tp=tp, tp_rank=k, device=f"cuda:{k % gpus}" if cuda else "cpu",
+                              host=HostTierConfig(host_bytes=4 << 30, pin=False))
+        ranks.append(WorkerActor.options(num_cpus=1).remote(  # type: ignore[attr-defined]
+            f"probe-{tp}-{k}", "probe", config, catalog))
+    try:
+        versions = ray.get([r.register_adapter.remote("a", str(Path(root) / "a")) for r in ranks], timeout=600)
+        version = versions[0]
+        event = torch.cuda.Event(interprocess=True) if cuda else None  # the trainer's one, opened once by each rank
+        handle = reduce_tensor(image) if cuda else image  # on the CPU (a dry run) the image travels by value
+        sizes = ray.get([r.open_image.remote("trainer", handle, event.ipc_handle() if event else None)
+                         for r in ranks])
+        assert sizes == [image.numel()] * tp
+        records: list[list[Any]] = []
+
+        def push() -> None:
+            image[-1:].add_(0)  # the trainer's last write (a no-op on its last byte), then its event
+            if event is not None:
+                event.record()
+            records.append(ray.get([r.load_image.remote("a", version, "trainer", head) for r in ranks], timeout=120))
+
+        def evict() -> None:
+            ray.get([r.apply.remote([Evict("a", version, 0)]) for r in ranks], timeout=60)
+
+        times = []
+        for _ in range(repeats):
+            times.append(timed(push, 1)[0])
+            evict()
+        push()  # once more, left resident for the check
+        checks = ray.get([r.verify.remote("a", version) for r in ranks], timeout=600)
+        if any(c["max_abs_diff"] != 0.0 for c in checks):
+            raise AssertionError(f"TP {tp}: a rank's slot holds other bytes than its slices of the file: {checks}")
+        shard_bytes = max(int(c["nbytes"]) for c in checks)
+        copy_ms = max(ray.get([r.copy_probe.remote(shard_bytes, repeats) for r in ranks]))  # all ranks at once
+        call = timed(lambda: ray.get([r.ping.remote() for r in ranks]), repeats)
+        ready = [max(rec.ready_ms for rec in recs) for recs in records[:-1]]
+        gather = [max(rec.h2d_ms for rec in recs) for recs in records[:-1]]
+        summary: dict[str, Any] = {
+            "copy_ms": copy_ms, "shard_bytes": shard_bytes, "push_first_ms": times[0],
+            "push_ms": statistics.median(times[1:]), "push_min_ms": min(times[1:]), "push_max_ms": max(times[1:]),
+            "ready_ms": statistics.median(ready[1:]), "gather_ms": statistics.median(gather[1:]),
+            "call_ms": statistics.median(call[1:]),
+        }
+        for key in ("push_ms", "push_first_ms", "push_min_ms", "ready_ms", "gather_ms", "call_ms"):
+            summary[key.replace("_ms", "_over_copy")] = summary[key] / copy_ms
+        return {"tp": tp, "push_all_ms": times, "ready_all_ms": ready, "gather_all_ms": gather, "call_all_ms": call,
+                "summary": summary, "checks": checks}
+    finally:
+        for r in ranks:
+            ray.kill(r)
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no GPU is visible here: this probe times a device path; run it on a GPU host "
+                         "(or --device cpu for a dry run)")
+    tps = [int(x) for x in args.tp.split(",")]
+    os.environ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"  # each rank sees the trainer's GPU
+    shape = resolve_model(args.model)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_adapter(Path(tmp) / "a", shape, args.rank, 2.0 * args.rank, list(MODULE_ORDER), DTYPE,
+                      torch.Generator().manual_seed(5))
+        raw = (Path(tmp) / "a" / WEIGHTS_FILE).read_bytes()
+        tensors = {k: v.to(args.device) for k, v in load_file(str(Path(tmp) / "a" / WEIGHTS_FILE)).items()}
+        image = device_image(tensors, {"format": "pt"})  # the trainer's pushed buffer, laid out on its GPU
+        if bytes(image.cpu().numpy()) != raw:
+            raise AssertionError("the trainer's image is not the adapter's safetensors file")
+        head = raw[:8 + int.from_bytes(raw[:8], "little")]
+        ray.init(address="local", num_cpus=max(4, max(tps) + 1), include_dashboard=False)
+        try:
+            runs = [one_tp(tmp, args.model, args.rank, tp, image, head, args.repeats) for tp in tps]
+        finally:
+            ray.shutdown()
+    out = {"model": args.model, "rank": args.rank, "image_bytes": len(raw), "host": platform.node(),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+           "repeats": args.repeats, "runs": runs}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(json.dumps({f"tp{r['tp']}": r["summary"] for r in runs}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
