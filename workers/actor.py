@@ -91,6 +91,7 @@ class WorkerActor(HostedEngineCalls):
                             _fetch_pushed)  # a pushed version in another node's memory: copied to this one
         self.control = WorkerControl(replica, self.catalog, self.cache, self.outbox, copies)
         self.images = TrainerImages(self.cache.device)  # trainers' push buffers open here (``load_image``)
+        self.image_times: deque[tuple[float, list[tuple[str, float]], float]] = deque(maxlen=256)
         self._stopping = threading.Event()  # set at shutdown: the controller's lifeline returns
         # A restarted worker holds nothing: say so, so the controller forgets its predecessor. ValueError:
         # no controller yet (it adopts this worker from describe() when it starts).
@@ -157,15 +158,27 @@ class WorkerActor(HostedEngineCalls):
     def apply(self, commands: list[Command]) -> ApplyResult:
         return self.control.apply(commands)
 
-    def open_image(self, buffer: str, handle: Any, event: bytes | None = None) -> int:
+    def open_image(self, buffer: str, handle: Any, event: bytes | None = None, head: bytes = b"") -> int:
         """Open a trainer's push buffer on this rank (``workers.control.images``); its size in bytes."""
-        return self.images.open(buffer, handle, event)
+        return self.images.open(buffer, handle, event, head)
 
-    def load_image(self, name: str, version: str, buffer: str, head: bytes, timeout_s: float = 60.0) -> ReadinessRecord:
+    def load_image(self, name: str, version: str, buffer: str, head: bytes = b"",
+                   timeout_s: float = 60.0) -> ReadinessRecord:
         """Load ``name@version`` into a slot from the open trainer buffer ``buffer`` (``WorkerCache.load_image``,
-        after the trainer's event); its readiness record once READY, or the load's error."""
-        image, after = self.images.get(buffer)
-        return self.cache.load_image(name, version, image, head, after, commanded=True).result(timeout_s)
+        after the trainer's event; ``head``: the image's header bytes, if not those it was opened with); its
+        readiness record once READY, or the load's error."""
+        t0 = time.perf_counter()
+        image, after, opened = self.images.get(buffer)
+        record = self.cache.load_image(name, version, image, head or opened, after, commanded=True).result(timeout_s)
+        with self.cache.book.lock:  # its phases (``SlotLoad.marks``), for the probes
+            marks = list(self.cache.book.loads[record.slot].marks) if record.slot in self.cache.book.loads else []
+        self.image_times.append((t0, marks, time.perf_counter()))
+        return record
+
+    def image_log(self) -> list[tuple[float, list[tuple[str, float]], float]]:
+        """(perf_counter at the call, the load's phases, at its answer) of this rank's recent ``load_image`` calls:
+        ``time.perf_counter`` is the machine's monotonic clock, comparable with the caller's on the same node."""
+        return list(self.image_times)
 
     def close_image(self, buffer: str) -> bool:
         return self.images.close(buffer)

@@ -3,7 +3,8 @@
 ``bench.probes.device_read`` timed a rank's read of its shard into a bare buffer. Here each rank is a real
 ``WorkerActor`` (its ``WorkerCache``: slot table, copy stream, completion watcher, readiness record) and the push is
 ``load_image``: the trainer's buffer opened once per rank (``open_image``: CUDA IPC, and its one interprocess event),
-then per push the trainer records its event and calls every rank, each reserving a slot, gathering its shard into it on
+then per push the trainer records its event and calls every rank (the call names the buffer; its header bytes
+were sent with the open), each reserving a slot, gathering its shard into it on
 its copy stream after that event, proving it finite and answering once READY. Per model and TP size, in one run:
 
 - ``copy_ms``: the reference, each rank copying its shard's bytes from pinned host memory to its GPU, all at once
@@ -56,14 +57,45 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--tp", default="1,2", help="TP sizes, comma-separated (all ranks on GPU r %% GPUs)")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--head-each-push", action="store_true",
+                    help="also run every TP size with the image's header bytes sent with each push (as before "
+                         "2026-12-05) instead of once at the open, in the same run")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: a dry run of the probe itself (the image sent by value; no timing that means anything)")
     ap.add_argument("--out", required=True)
     return ap
 
 
+def split_phases(calls: list[tuple[float, float]], logs: list[list[Any]]) -> dict[str, list[float]]:
+    """Where each push's time went, in ms per push (the slowest rank's), from the trainer's call and each rank's
+    ``image_log`` (one monotonic clock on one node): to the rank's method (``arrive``), to its slot (``slot``), its
+    residency reports (``reported``), to the fill's start (``fill``), the read's launches (``filled``), the finite
+    flag's copy (``meta``), the metadata's host work (``meta_end``), to the watcher (``watch``), until it saw the
+    copy done (``seen``), to READY (``ready``), to the method's answer (``answer``) and back to the trainer
+    (``back``)."""
+    out: dict[str, list[float]] = {}
+    for i, (t_call, t_back) in enumerate(calls):
+        per_rank = []
+        for log in logs:
+            t_in, marks, t_out = log[i]
+            at = {name: t for name, t in marks}
+            points = [("arrive", t_in), ("slot", at.get("slot")), ("reported", at.get("reported")),
+                      ("fill", at.get("fill")), ("filled", at.get("filled")), ("meta", at.get("meta")),
+                      ("meta_end", at.get("meta end")), ("watch", at.get("watch")), ("seen", at.get("seen")),
+                      ("ready", at.get("ready")), ("answer", t_out), ("back", t_back)]
+            prev, row = t_call, {}
+            for name, t in points:
+                if t is not None:
+                    row[name] = (t - prev) * 1e3
+                    prev = t
+            per_rank.append(row)
+        for name in per_rank[0]:
+            out.setdefault(name, []).append(max(r.get(name, 0.0) for r in per_rank))
+    return out
+
+
 def one_tp(root: str, model: str, rank: int, tp: int, image: torch.Tensor, head: bytes,
-           repeats: int) -> dict[str, Any]:
+           repeats: int, head_each: bool = False) -> dict[str, Any]:
     cuda = image.is_cuda
     gpus = torch.cuda.device_count()
     catalog = CatalogConfig(adapter_roots=(root,), model=model, max_rank=rank)
@@ -78,16 +110,21 @@ def one_tp(root: str, model: str, rank: int, tp: int, image: torch.Tensor, head:
         version = versions[0]
         event = torch.cuda.Event(interprocess=True) if cuda else None  # the trainer's one, opened once by each rank
         handle = reduce_tensor(image) if cuda else image  # on the CPU (a dry run) the image travels by value
-        sizes = ray.get([r.open_image.remote("trainer", handle, event.ipc_handle() if event else None)
+        sizes = ray.get([r.open_image.remote("trainer", handle, event.ipc_handle() if event else None, head)
                          for r in ranks])
         assert sizes == [image.numel()] * tp
         records: list[list[Any]] = []
+
+        calls: list[tuple[float, float]] = []
 
         def push() -> None:
             image[-1:].add_(0)  # the trainer's last write (a no-op on its last byte), then its event
             if event is not None:
                 event.record()
-            records.append(ray.get([r.load_image.remote("a", version, "trainer", head) for r in ranks], timeout=120))
+            t0 = time.perf_counter()
+            sent = head if head_each else b""  # the header bytes again with each push, or only those of the open
+            records.append(ray.get([r.load_image.remote("a", version, "trainer", sent) for r in ranks], timeout=120))
+            calls.append((t0, time.perf_counter()))
 
         def evict() -> None:
             ray.get([r.apply.remote([Evict("a", version, 0)]) for r in ranks], timeout=60)
@@ -103,6 +140,7 @@ def one_tp(root: str, model: str, rank: int, tp: int, image: torch.Tensor, head:
         shard_bytes = max(int(c["nbytes"]) for c in checks)
         copy_ms = max(ray.get([r.copy_probe.remote(shard_bytes, repeats) for r in ranks]))  # all ranks at once
         call = timed(lambda: ray.get([r.ping.remote() for r in ranks]), repeats)
+        phases = split_phases(calls[:-1], ray.get([r.image_log.remote() for r in ranks]))
         ready = [max(rec.ready_ms for rec in recs) for recs in records[:-1]]
         gather = [max(rec.h2d_ms for rec in recs) for recs in records[:-1]]
         summary: dict[str, Any] = {
@@ -113,7 +151,9 @@ def one_tp(root: str, model: str, rank: int, tp: int, image: torch.Tensor, head:
         }
         for key in ("push_ms", "push_first_ms", "push_min_ms", "ready_ms", "gather_ms", "call_ms"):
             summary[key.replace("_ms", "_over_copy")] = summary[key] / copy_ms
-        return {"tp": tp, "push_all_ms": times, "ready_all_ms": ready, "gather_all_ms": gather, "call_all_ms": call,
+        summary["phases_ms"] = {k: statistics.median(v[1:]) for k, v in phases.items()}
+        return {"tp": tp, "head_each_push": head_each, "push_all_ms": times, "ready_all_ms": ready,
+                "gather_all_ms": gather, "call_all_ms": call,
                 "summary": summary, "checks": checks}
     finally:
         for r in ranks:
@@ -139,7 +179,8 @@ def main() -> None:
         head = raw[:8 + int.from_bytes(raw[:8], "little")]
         ray.init(address="local", num_cpus=max(4, max(tps) + 1), include_dashboard=False)
         try:
-            runs = [one_tp(tmp, args.model, args.rank, tp, image, head, args.repeats) for tp in tps]
+            runs = [one_tp(tmp, args.model, args.rank, tp, image, head, args.repeats, each)
+                    for each in ([False, True] if args.head_each_push else [False]) for tp in tps]
         finally:
             ray.shutdown()
     out = {"model": args.model, "rank": args.rank, "image_bytes": len(raw), "host": platform.node(),
@@ -148,7 +189,8 @@ def main() -> None:
            "repeats": args.repeats, "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
-    print(json.dumps({f"tp{r['tp']}": r["summary"] for r in runs}, indent=2))
+    print(json.dumps({f"tp{r['tp']}{'-head-each' if r['head_each_push'] else ''}": r["summary"] for r in runs},
+                     indent=2))
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ A trainer on the rank's node keeps one buffer per adapter it pushes, its safeten
 (``lora_cache.adapters.serialize.device_image``, rewritten in place for each version), and one interprocess CUDA
 event it records after each rewrite. A rank opens both once (``open``): the buffer from torch's IPC handle
 (``torch.multiprocessing.reductions.reduce_tensor``), the event from its IPC handle. A push is then a call naming
-the buffer (``WorkerCache.load_image`` with ``get``'s image and event): measured on one H100, sending the handle and
-a new event with every push cost 0.6-1.6 ms more than that (bench/reports/issue-44.md).
+the buffer (``WorkerCache.load_image`` with ``get``'s image, event and head): measured on one H100, sending the handle
+and a new event with every push cost 0.6-1.6 ms more than that (bench/reports/issue-44.md).
 
 The event is one for every push: a rank's wait on it, issued when the push's call arrives, orders its gather after
 the trainer's last record, which precedes the call. The trainer records again only for its next push, after this
@@ -32,14 +32,17 @@ class TrainerImages:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._open: dict[str, tuple[torch.Tensor, Any]] = {}  # buffer id -> (the image, the trainer's event)
+        self._open: dict[str, tuple[torch.Tensor, Any, bytes]] = {}  # buffer id -> (image, trainer's event, head)
         self._lock = threading.Lock()
 
     def open(self, buffer: str, handle: torch.Tensor | tuple[Callable[..., torch.Tensor], tuple[Any, ...]],
-             event: bytes | None = None) -> int:
+             event: bytes | None = None, head: bytes = b"") -> int:
         """Open the trainer's buffer ``buffer``: ``handle`` is torch's ``reduce_tensor`` of it (CUDA IPC), or on the
         CPU the image itself; ``event`` the IPC handle of the trainer's one interprocess event (None: its pushes are
-        ordered otherwise). Opening an id again replaces it (a trainer's new buffer). Its size in bytes."""
+        ordered otherwise); ``head``: the image's first 8 + header-length bytes, the same for every version the
+        buffer holds (the same tensors' shapes: ``device_image`` rewrites it in place), so a push need not send
+        them (the 8B rank-16's are ~60 KB, the 70B rank-64's ~140 KB: ~1 ms of a push's call measured on one
+        H100). Opening an id again replaces it (a trainer's new buffer, or new shapes). Its size in bytes."""
         if isinstance(handle, torch.Tensor):
             if handle.device.type == "cuda":
                 raise ConfigError(f"trainer buffer {buffer!r}: a GPU image cannot travel by value; send torch's "
@@ -58,11 +61,12 @@ class TrainerImages:
                               "or push the tensors by value (push_in_ray)")
         after = torch.cuda.Event.from_ipc_handle(image.device, event) if event is not None else None
         with self._lock:
-            self._open[buffer] = (image, after)
+            self._open[buffer] = (image, after, bytes(head))
         return image.numel()
 
-    def get(self, buffer: str) -> tuple[torch.Tensor, Any]:
-        """(the image, the trainer's event or None) of an open buffer; NotFoundError naming it if it is not open."""
+    def get(self, buffer: str) -> tuple[torch.Tensor, Any, bytes]:
+        """(the image, the trainer's event or None, its head as opened) of an open buffer; NotFoundError naming it
+        if it is not open."""
         with self._lock:
             found = self._open.get(buffer)
         if found is None:

@@ -127,6 +127,7 @@ class LoadPath:
             if key in book.pending:
                 return book.pending[key].future
             load = SlotLoad(key, layout, plan, commanded=commanded, image=shard)
+            shard.marks = load.marks
             book.pending[key] = load
             book.counters.prefetches += 1
             book.counters.image_loads += 1
@@ -260,6 +261,7 @@ class LoadPath:
             return None
         book.report()
         self.host.report()  # the host entries a write-back's room took
+        load.mark("reported")
         write_meta = functools.partial(self._write_meta, load)
         src = load.image.fill if entry is None else entry.tensor
         load.place(self.streams, self.flat[load.base : load.base + load.layout.numel], src, after, write_meta,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import zlib
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -188,10 +189,15 @@ class ImageShard:
         self.read, self.image, self.after = read, image, after
         self.flag = torch.ones((), dtype=torch.bool, pin_memory=image.is_cuda)
         self.dest: torch.Tensor | None = None
+        self.marks: list[tuple[str, float]] | None = None  # the load's phases (``SlotLoad.marks``), if it keeps them
 
     def fill(self, dest: torch.Tensor) -> None:
+        if self.marks is not None:
+            self.marks.append(("fill", time.perf_counter()))
         self.dest = dest
         _, flag = read_image(self.read, self.image, dest, after=self.after)
+        if self.marks is not None:
+            self.marks.append(("filled", time.perf_counter()))
         self.flag.copy_(flag, non_blocking=True)  # in stream order: complete when the copy's event is
 
     def check(self) -> None:
