@@ -149,6 +149,7 @@ class WorkerCache:
         # the host tier's size resolved once (host_bytes 0: a share of this host's memory over its GPU ranks)
         config = replace(config, host=config.host.sized(ranks_on_host(config.tp)))
         self.config, self.catalog = config, catalog
+        self.worker = config  # ``config`` under the name ``Attachment`` gives it (``workers.attach.seam.EngineCache``)
         self.device = resolve_device(config.device)
         self.dtype: torch.dtype = getattr(torch, config.dtype)
         self.slot_numel = max_shard_numel(catalog.shape, config.tp, catalog.config.max_rank, self.dtype)
@@ -306,11 +307,6 @@ class WorkerCache:
     def plan_of(self, name: str, version: str | None = None) -> ChunkPlan:
         """The chunk plan of ``name``'s shard here (how its loads are read, copied and waited on)."""
         return self.shards.plan(self.catalog.get(name, version))
-
-    @property
-    def worker(self) -> WorkerConfig:
-        """``config`` under the name ``Attachment`` gives it (``workers.attach.seam.EngineCache``)."""
-        return self.config
 
     # -- introspection ------------------------------------------------------------------------------
     def ready_keys(self, fence: bool = False) -> set[AdapterKey]:

@@ -67,6 +67,13 @@ def write_back_ahead(vacating: Sequence[tuple[int, int, Any]], start: int, stop:
     return sum((end - begin) * element_size for begin, end, event in vacating[: last + 1] if not done(event))
 
 
+def _waited(load: SlotLoad, error: CapacityError) -> SlotsBusyError:
+    """The error of an on-demand load that found every slot held (after its ``slot_wait_s``, if any)."""
+    waited = f"waited {load.slot_wait_s:g} s (slot_wait_s) and " if load.slot_wait_s > 0 else ""
+    return SlotsBusyError(f"{error}; this request's load {waited}found none let go: release finished batches "
+                          "sooner, configure more slots, or raise slot_wait_s")
+
+
 class LoadPath:
     """Loads into one rank's slot ``pool``: staged through ``host``, copied on ``streams``' copy stream with
     each slot's kernel metadata (``meta``), READY (and ``on_ready``) once the last chunk's copy completed."""
@@ -232,7 +239,7 @@ class LoadPath:
                     book.counters.prefetch_no_room += 1
                     book.changed(load.key, "no_room", error=str(e))  # not there, and not a failed load
                 else:  # a request's load: it waited slot_wait_s (or may not wait) for a batch to let go
-                    error = self._waited(load, e)
+                    error = _waited(load, e)
                     self._drop(load, error)
             else:
                 error = None
@@ -360,11 +367,6 @@ class LoadPath:
             load.wait_timer.start()
         return now < load.wait_until
 
-    def _waited(self, load: SlotLoad, error: CapacityError) -> SlotsBusyError:
-        waited = f"waited {load.slot_wait_s:g} s (slot_wait_s) and " if load.slot_wait_s > 0 else ""
-        return SlotsBusyError(f"{error}; this request's load {waited}found none let go: release finished batches "
-                              "sooner, configure more slots, or raise slot_wait_s")
-
     def _expire(self, load: SlotLoad) -> None:
         """Its wait for a slot is over (timer thread): if it still waits, it fails (nothing else changes)."""
         with self.book.lock:
@@ -372,7 +374,7 @@ class LoadPath:
             if waiting is None:  # placed, failed or retrying meanwhile (a retry past the deadline fails itself)
                 return
             self.slot_waiters.remove(waiting)
-            error = self._waited(load, SlotsBusyError(f"no GPU slot for {load.key}: all {len(self.book.table.slots)} "
+            error = _waited(load, SlotsBusyError(f"no GPU slot for {load.key}: all {len(self.book.table.slots)} "
                                                       "slots are loading or in use"))
             self._drop(load, error)
         load.fail(error)
@@ -383,13 +385,18 @@ class LoadPath:
 
     def _finish(self, load: SlotLoad) -> None:
         """The copy's ready event completed (watcher thread): READY, report (step 7). A pushed image's shard is
-        READY only if its finite flag says so; else its load fails and its slot frees (``_unproven``)."""
+        READY only if its finite flag says so; else its load fails and its slot frees."""
         load.mark("seen")
         if load.image is not None:
             try:
                 load.image.check()
-            except Exception as e:
-                self._unproven(load, e)
+            except Exception as e:  # not finite: failed after it took its slot, as a failed read (``_abandon``)
+                load.fail(e)
+                with self.book.lock:
+                    self._abandon(load, e)
+                self.book.report()
+                load.future.set_exception(e)
+                self._retry_waiters()
                 return
         record = ReadinessRecord(load.key.name, load.key.version, self.tp_rank, load.slot, load.disk_ms,
                                  self.streams.elapsed_ms(load.start_event, load.ready_event),
@@ -421,16 +428,6 @@ class LoadPath:
         book.report()
         load.mark("ready")
         load.future.set_result(record)
-        self._retry_waiters()
-
-    def _unproven(self, load: SlotLoad, error: BaseException) -> None:
-        """A pushed image's shard that is not finite (watcher thread, its copy complete): the load fails after it
-        took its slot, as a failed read does (``_abandon``); the rank holds what it held before."""
-        load.fail(error)
-        with self.book.lock:
-            self._abandon(load, error)
-        self.book.report()
-        load.future.set_exception(error)
         self._retry_waiters()
 
     def _fail(self, load: SlotLoad, error: BaseException) -> None:
