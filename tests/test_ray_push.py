@@ -36,6 +36,7 @@ from lora_cache.planner import PlannerConfig  # noqa: E402
 from lora_cache.vocab import WorkerId  # noqa: E402
 from tests.ray_local import init_local  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
+from workers.control.doorbell import Bell, ring_all  # noqa: E402
 from workers.engine import EngineConfig, Request  # noqa: E402
 from workers.engine.rank import slot_digest  # noqa: E402
 from workers.reads.shard import read_shard  # noqa: E402
@@ -276,7 +277,8 @@ def test_each_rank_takes_its_shard_from_a_trainers_open_image(world: World) -> N
     """Issue 44 item 5, the ranks' side of a device push (``WorkerActor.open_image`` / ``load_image``): each rank
     opens the trainer's buffer once (on the CPU the image travels by value; on a GPU by CUDA IPC) and a push then
     names it; each rank's slot holds exactly its own shard of the version (checked against the file), with no host
-    read. A buffer not open, or an image with a NaN, is refused on every rank and loads nothing."""
+    read. A buffer not open, or an image with a NaN, is refused on every rank and loads nothing. The next version
+    comes by each rank's doorbell (a UNIX socket on the node, no Ray call) and is proven the same way."""
     tensors = scaled(world.tensors, 1.7)
     version = push_in_ray("imaged", tensors, world.config, tag=1).version
     path = next((world.area / "imaged").iterdir()) / WEIGHTS_FILE
@@ -305,6 +307,22 @@ def test_each_rank_takes_its_shard_from_a_trainers_open_image(world: World) -> N
         assert now["image_loads"] - was["image_loads"] == 2 and now["load_failures"] - was["load_failures"] == 1
         assert now["bytes_from_images"] - was["bytes_from_images"] == check["nbytes"]
         assert now["host_misses"] == was["host_misses"], "the image's load read the file"
+    # the next version by the doorbell (no Ray call on the push's path): the same proof, its own slots
+    tensors = scaled(world.tensors, 1.9)
+    second = push_in_ray("imaged", tensors, world.config, tag=2).version
+    raw = (world.area / "imaged" / "2" / WEIGHTS_FILE).read_bytes()
+    assert ray.get([h.open_image.remote("trainer-0", torch.frombuffer(bytearray(raw), dtype=torch.uint8), None,
+                                        raw[:8 + int.from_bytes(raw[:8], "little")]) for h in ranks])
+    bells = [Bell(path) for path in ray.get([h.open_doorbell.remote() for h in ranks])]
+    answers = ring_all(bells, [{"buffer": "trainer-0", "name": "imaged", "version": second}] * 2)
+    assert sorted(a["record"]["tp_rank"] for a in answers) == [0, 1]
+    assert {a["record"]["version"] for a in answers} == {second}
+    for h in ranks:
+        assert ray.get(h.verify.remote("imaged", second), timeout=60)["max_abs_diff"] == 0.0
+    with pytest.raises(NotFoundError, match="not open on this rank"):
+        bells[0].ring({"buffer": "closed", "name": "imaged", "version": second})
+    for bell in bells:
+        bell.close()
     assert ray.get([h.close_image.remote(b) for h in ranks for b in ("trainer-0", "nan")]) == [True] * 4
     ray.get(world.service.controller.unregister_adapter.remote("imaged"), timeout=60)
 

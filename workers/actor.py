@@ -32,6 +32,7 @@ from workers import faults
 from workers.actor_engine import HostedEngineCalls
 from workers.attach.ray_transport import resolve_at
 from workers.cache import WorkerCache, WorkerConfig
+from workers.control.doorbell import Doorbell, bell_path
 from workers.control.images import TrainerImages
 from workers.control.node_copies import NodeCopies, fetch_payload
 from workers.control.outbox import Outbox
@@ -92,6 +93,7 @@ class WorkerActor(HostedEngineCalls):
         self.control = WorkerControl(replica, self.catalog, self.cache, self.outbox, copies)
         self.images = TrainerImages(self.cache.device)  # trainers' push buffers open here (``load_image``)
         self.image_times: deque[tuple[float, list[tuple[str, float]], float]] = deque(maxlen=256)
+        self.doorbell: Doorbell | None = None  # a trainer's pushes with no Ray call (``open_doorbell``)
         self._stopping = threading.Event()  # set at shutdown: the controller's lifeline returns
         # A restarted worker holds nothing: say so, so the controller forgets its predecessor. ValueError:
         # no controller yet (it adopts this worker from describe() when it starts).
@@ -183,6 +185,20 @@ class WorkerActor(HostedEngineCalls):
     def close_image(self, buffer: str) -> bool:
         return self.images.close(buffer)
 
+    def open_doorbell(self) -> str:
+        """This rank's push doorbell (``workers.control.doorbell``), started on first use: the path of its UNIX socket,
+        where a trainer on this node asks for ``load_image`` with no Ray call."""
+        if self.doorbell is None:
+            device = self.cache.device
+            setup = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else (lambda: None)
+            self.doorbell = Doorbell(bell_path(self.catalog.config.push_root(), ray.get_runtime_context().namespace,
+                                               self.name), self._rung, setup)
+        return str(self.doorbell.path)
+
+    def _rung(self, request: dict[str, Any]) -> dict[str, Any]:
+        record = self.load_image(str(request["name"]), str(request["version"]), str(request["buffer"]))
+        return {"record": record._asdict()}
+
     def describe(self) -> dict[str, object]:
         """Who this worker is and everything it holds: the controller rebuilds from this."""
         return self.control.describe(ray.get_runtime_context().get_node_id())
@@ -228,6 +244,8 @@ class WorkerActor(HostedEngineCalls):
 
     def shutdown(self) -> None:
         self._stopping.set()
+        if self.doorbell is not None:
+            self.doorbell.close()
         self.metrics.stop()
         self.outbox.close()
         self.control.gate.close()  # the warm stages' driver first: nothing starts a read in a closing tier

@@ -14,10 +14,14 @@ its copy stream after that event, proving it finite and answering once READY. Pe
   own time by CUDA events (the readiness record's ``ready_ms`` / ``h2d_ms``); ``call_ms``: the same Ray call to every
   rank doing nothing (``ping``).
 
+``--via`` names how a push reaches the ranks, each timed in the same run on the same ranks: ``call`` (one Ray call
+per rank), ``call-head`` (the same, the header bytes sent with each push), ``bell`` (each rank's doorbell,
+``workers.control.doorbell``: a UNIX socket on the node, no Ray call on the push's path).
+
 Between pushes each rank evicts the version (a controller's ``Evict``), outside the timing. Every rank's slot is
 checked against its slices of the file (``WorkerActor.verify``) after the pushes.
 
-    python -m bench.probes.push_slots --model llama-3.1-8b --rank 16 --tp 1,2 --out /tmp/push_slots.json
+    python -m bench.probes.push_slots --model llama-3.1-8b --rank 16 --tp 1,2 --via call,bell --out /tmp/push_slots.json
 """
 
 from __future__ import annotations
@@ -43,9 +47,10 @@ from lora_cache.adapters.peft import WEIGHTS_FILE
 from lora_cache.adapters.serialize import device_image
 from lora_cache.adapters.shapes import MODULE_ORDER, resolve_model
 from lora_cache.adapters.synth import write_adapter
-from lora_cache.vocab import Evict
+from lora_cache.vocab import Evict, ReadinessRecord
 from workers.actor import WorkerActor
 from workers.cache import WorkerConfig
+from workers.control.doorbell import Bell, ring_all
 from workers.staging.host_config import HostTierConfig
 
 DTYPE = torch.bfloat16
@@ -57,9 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--tp", default="1,2", help="TP sizes, comma-separated (all ranks on GPU r %% GPUs)")
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--head-each-push", action="store_true",
-                    help="also run every TP size with the image's header bytes sent with each push (as before "
-                         "2026-12-05) instead of once at the open, in the same run")
+    ap.add_argument("--via", default="call,bell",
+                    help="how a push reaches the ranks, comma-separated, each timed in the same run: call (one Ray "
+                         "call per rank), call-head (the same with the image's header bytes sent each push, as before "
+                         "2026-12-05, not once at the open), bell (each rank's doorbell: a UNIX socket, no Ray call)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: a dry run of the probe itself (the image sent by value; no timing that means anything)")
     ap.add_argument("--out", required=True)
@@ -94,8 +100,11 @@ def split_phases(calls: list[tuple[float, float]], logs: list[list[Any]]) -> dic
     return out
 
 
-def one_tp(root: str, model: str, rank: int, tp: int, image: torch.Tensor, head: bytes,
-           repeats: int, head_each: bool = False) -> dict[str, Any]:
+VIAS = ("call", "call-head", "bell")  # one Ray call per rank; the same with the header each push; each rank's doorbell
+
+
+def one_tp(root: str, model: str, rank: int, tp: int, image: torch.Tensor, head: bytes, repeats: int,
+           vias: list[str]) -> list[dict[str, Any]]:
     cuda = image.is_cuda
     gpus = torch.cuda.device_count()
     catalog = CatalogConfig(adapter_roots=(root,), model=model, max_rank=rank)
@@ -113,48 +122,61 @@ def one_tp(root: str, model: str, rank: int, tp: int, image: torch.Tensor, head:
         sizes = ray.get([r.open_image.remote("trainer", handle, event.ipc_handle() if event else None, head)
                          for r in ranks])
         assert sizes == [image.numel()] * tp
-        records: list[list[Any]] = []
+        bells = [Bell(path) for path in ray.get([r.open_doorbell.remote() for r in ranks])]
+        copy_ms = 0.0
+        out = []
+        for via in vias:
+            records: list[list[Any]] = []
+            calls: list[tuple[float, float]] = []
 
-        calls: list[tuple[float, float]] = []
+            def push(via: str = via, records: list[list[Any]] = records, calls: list[tuple[float, float]] = calls
+                     ) -> None:
+                image[-1:].add_(0)  # the trainer's last write (a no-op on its last byte), then its event
+                if event is not None:
+                    event.record()
+                t0 = time.perf_counter()
+                if via == "bell":
+                    answers = ring_all(bells, [{"buffer": "trainer", "name": "a", "version": version}] * tp)
+                    records.append([ReadinessRecord(**a["record"]) for a in answers])
+                else:  # the header bytes again with each push, or only those sent with the open
+                    sent = head if via == "call-head" else b""
+                    records.append(ray.get([r.load_image.remote("a", version, "trainer", sent) for r in ranks],
+                                           timeout=120))
+                calls.append((t0, time.perf_counter()))
 
-        def push() -> None:
-            image[-1:].add_(0)  # the trainer's last write (a no-op on its last byte), then its event
-            if event is not None:
-                event.record()
-            t0 = time.perf_counter()
-            sent = head if head_each else b""  # the header bytes again with each push, or only those of the open
-            records.append(ray.get([r.load_image.remote("a", version, "trainer", sent) for r in ranks], timeout=120))
-            calls.append((t0, time.perf_counter()))
-
-        def evict() -> None:
+            logged = [len(x) for x in ray.get([r.image_log.remote() for r in ranks])]
+            times = []
+            for _ in range(repeats):
+                times.append(timed(push, 1)[0])
+                ray.get([r.apply.remote([Evict("a", version, 0)]) for r in ranks], timeout=60)  # a rank's eviction
+            push()  # once more, left resident for the check
+            checks = ray.get([r.verify.remote("a", version) for r in ranks], timeout=600)
+            if any(c["max_abs_diff"] != 0.0 for c in checks):
+                raise AssertionError(f"TP {tp} {via}: a rank's slot holds other bytes than its slices of the file: "
+                                     f"{checks}")
+            shard_bytes = max(int(c["nbytes"]) for c in checks)
+            if not copy_ms:
+                copy_ms = max(ray.get([r.copy_probe.remote(shard_bytes, repeats) for r in ranks]))  # ranks at once
             ray.get([r.apply.remote([Evict("a", version, 0)]) for r in ranks], timeout=60)
-
-        times = []
-        for _ in range(repeats):
-            times.append(timed(push, 1)[0])
-            evict()
-        push()  # once more, left resident for the check
-        checks = ray.get([r.verify.remote("a", version) for r in ranks], timeout=600)
-        if any(c["max_abs_diff"] != 0.0 for c in checks):
-            raise AssertionError(f"TP {tp}: a rank's slot holds other bytes than its slices of the file: {checks}")
-        shard_bytes = max(int(c["nbytes"]) for c in checks)
-        copy_ms = max(ray.get([r.copy_probe.remote(shard_bytes, repeats) for r in ranks]))  # all ranks at once
-        call = timed(lambda: ray.get([r.ping.remote() for r in ranks]), repeats)
-        phases = split_phases(calls[:-1], ray.get([r.image_log.remote() for r in ranks]))
-        ready = [max(rec.ready_ms for rec in recs) for recs in records[:-1]]
-        gather = [max(rec.h2d_ms for rec in recs) for recs in records[:-1]]
-        summary: dict[str, Any] = {
-            "copy_ms": copy_ms, "shard_bytes": shard_bytes, "push_first_ms": times[0],
-            "push_ms": statistics.median(times[1:]), "push_min_ms": min(times[1:]), "push_max_ms": max(times[1:]),
-            "ready_ms": statistics.median(ready[1:]), "gather_ms": statistics.median(gather[1:]),
-            "call_ms": statistics.median(call[1:]),
-        }
-        for key in ("push_ms", "push_first_ms", "push_min_ms", "ready_ms", "gather_ms", "call_ms"):
-            summary[key.replace("_ms", "_over_copy")] = summary[key] / copy_ms
-        summary["phases_ms"] = {k: statistics.median(v[1:]) for k, v in phases.items()}
-        return {"tp": tp, "head_each_push": head_each, "push_all_ms": times, "ready_all_ms": ready,
-                "gather_all_ms": gather, "call_all_ms": call,
-                "summary": summary, "checks": checks}
+            call = timed(lambda: ray.get([r.ping.remote() for r in ranks]), repeats)
+            logs = [x[n:] for x, n in zip(ray.get([r.image_log.remote() for r in ranks]), logged, strict=True)]
+            phases = split_phases(calls[:-1], logs)
+            ready = [max(rec.ready_ms for rec in recs) for recs in records[:-1]]
+            gather = [max(rec.h2d_ms for rec in recs) for recs in records[:-1]]
+            summary: dict[str, Any] = {
+                "copy_ms": copy_ms, "shard_bytes": shard_bytes, "push_first_ms": times[0],
+                "push_ms": statistics.median(times[1:]), "push_min_ms": min(times[1:]),
+                "push_max_ms": max(times[1:]), "ready_ms": statistics.median(ready[1:]),
+                "gather_ms": statistics.median(gather[1:]), "call_ms": statistics.median(call[1:]),
+            }
+            for key in ("push_ms", "push_first_ms", "push_min_ms", "ready_ms", "gather_ms", "call_ms"):
+                summary[key.replace("_ms", "_over_copy")] = summary[key] / copy_ms
+            summary["phases_ms"] = {k: statistics.median(v[1:]) for k, v in phases.items()}
+            out.append({"tp": tp, "via": via, "push_all_ms": times, "ready_all_ms": ready, "gather_all_ms": gather,
+                        "call_all_ms": call, "summary": summary, "checks": checks})
+        for bell in bells:
+            bell.close()
+        return out
     finally:
         for r in ranks:
             ray.kill(r)
@@ -179,8 +201,9 @@ def main() -> None:
         head = raw[:8 + int.from_bytes(raw[:8], "little")]
         ray.init(address="local", num_cpus=max(4, max(tps) + 1), include_dashboard=False)
         try:
-            runs = [one_tp(tmp, args.model, args.rank, tp, image, head, args.repeats, each)
-                    for each in ([False, True] if args.head_each_push else [False]) for tp in tps]
+            vias = args.via.split(",")
+            runs = [run for tp in tps for run in one_tp(tmp, args.model, args.rank, tp, image, head, args.repeats,
+                                                        vias)]
         finally:
             ray.shutdown()
     out = {"model": args.model, "rank": args.rank, "image_bytes": len(raw), "host": platform.node(),
@@ -189,8 +212,7 @@ def main() -> None:
            "repeats": args.repeats, "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
-    print(json.dumps({f"tp{r['tp']}{'-head-each' if r['head_each_push'] else ''}": r["summary"] for r in runs},
-                     indent=2))
+    print(json.dumps({f"tp{r['tp']}-{r['via']}": r["summary"] for r in runs}, indent=2))
 
 
 if __name__ == "__main__":
