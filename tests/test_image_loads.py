@@ -132,6 +132,19 @@ def test_a_non_finite_image_fails_its_load_and_the_rank_keeps_what_it_held(
     assert slots_in(cache, SlotPhase.READY) == 2
 
 
+def test_huge_but_finite_weights_load_though_their_total_is_past_float32(
+        catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]) -> None:
+    """The device fill proves a shard by its float32 total (``finite.total_finite``); a total past float32's range
+    from finite weights is looked at element by element and loads."""
+    cache = make_cache(catalog)
+    spec = catalog.get(catalog.names()[0])
+    image, head = image_of(spec)
+    huge = image.clone()
+    huge[len(head):].view(torch.int16).fill_(0x7F7F)  # bfloat16 ~3.39e38: finite, its sum is not
+    cache.load_image(spec.name, spec.version, huge, head).result(timeout=30)
+    assert slots_in(cache, SlotPhase.READY) == 1 and cache.counters.load_failures == 0
+
+
 def test_an_image_that_is_not_the_versions_is_refused_before_any_slot_is_taken(
         catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]) -> None:
     cache = make_cache(catalog)

@@ -29,7 +29,7 @@ from lora_cache.vocab import AdapterKey
 from workers.cache import WorkerCache, WorkerConfig
 from workers.kernels.gather import gather
 from workers.reads.device import ImageShard, read_image
-from workers.reads.finite import sums_finite
+from workers.reads.finite import sums_finite, total_finite
 from workers.staging.host_config import HostTierConfig
 
 
@@ -71,6 +71,7 @@ def main() -> None:
             gather(dest.view(torch.uint8), image, read.gather)  # compiled and warm
             out["gather_us"] = host_us(lambda: gather(dest.view(torch.uint8), image, read.gather), args.repeats)
             out["sums_finite_us"] = host_us(lambda: sums_finite(dest), args.repeats)
+            out["total_finite_us"] = host_us(lambda: total_finite(dest), args.repeats)
             out["read_image_us"] = host_us(lambda: read_image(read, image, dest), args.repeats)
             out["event_us"] = host_us(lambda: torch.cuda.Event().record(), args.repeats)
             out["image_shard_us"] = host_us(lambda: ImageShard(read, image), args.repeats)

@@ -31,7 +31,7 @@ from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shards import ShardEntry, ShardLayout
 from lora_cache.errors import AdapterFormatError
 from workers.kernels.gather import GatherPlan, gather, gather_plan
-from workers.reads.finite import check_finite, sums_finite
+from workers.reads.finite import check_finite, total_finite
 from workers.reads.plan import FileTensor, contiguous, run_of, span_of, strided_of
 from workers.reads.proof import parse_index
 
@@ -123,7 +123,7 @@ def read_image(read: DeviceRead, image: torch.Tensor, dest: torch.Tensor, after:
         gather(body.view(torch.uint8), image, read.gather)
         for e in read.converts:
             _convert(body, image, e, read.tensors[e.key])
-        flag = sums_finite(body)  # False only for a NaN, an Inf or an overflowing float16 row: ``finite_or_raise``
+        flag = total_finite(body)  # False only for a NaN, an Inf or a float32 total past its range: ``finite_or_raise``
         if not cuda:
             return None, flag
         done = torch.cuda.Event()
