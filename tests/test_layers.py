@@ -118,7 +118,8 @@ WORKERS_FLOORS: tuple[tuple[str, ...], ...] = (
     ("workers.control",),  # steps 4, 7: commands, the outbox, what the controller calls on a rank
     ("workers.attach",),  # steps 4, 9: the engine seam, its transports, the version exchange
     ("workers.engine",),  # the reference engine, over the seam
-    ("workers.actor", "workers.actor_engine"),  # the worker actor: hosts a rank's control and an engine rank
+    # the worker actor: hosts a rank's control, an engine rank and a trainer's pushes
+    ("workers.actor", "workers.actor_engine", "workers.actor_images"),
 )
 
 

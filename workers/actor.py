@@ -30,9 +30,10 @@ from lora_cache.runtime.metrics import WorkerMetrics
 from lora_cache.vocab import CONTROLLER_NAME, ApplyResult, Command, ReadinessRecord
 from workers import faults
 from workers.actor_engine import HostedEngineCalls
+from workers.actor_images import ImagePushCalls
 from workers.attach.ray_transport import resolve_at
 from workers.cache import WorkerCache, WorkerConfig
-from workers.control.doorbell import Doorbell, bell_path
+from workers.control.doorbell import Doorbell
 from workers.control.images import TrainerImages
 from workers.control.node_copies import NodeCopies, fetch_payload
 from workers.control.outbox import Outbox
@@ -61,7 +62,7 @@ SUBMITS = 8  # a streaming run's submits taken at once: one resolving a new name
 
 @ray.remote(max_restarts=-1, concurrency_groups={"engine": 1, "submit": SUBMITS, "feed": 1, "finished": 1,
                                                  "lifeline": 4})
-class WorkerActor(HostedEngineCalls):
+class WorkerActor(HostedEngineCalls, ImagePushCalls):
     """Control calls (apply, describe, ...) run one at a time in the default group, in order; an engine
     hosted here (the benchmark's real path) runs its loop in the ``engine`` group beside them, takes a
     streaming run's requests in the ``submit`` group (up to ``SUBMITS`` at once: a submit that resolves a new name
@@ -159,45 +160,6 @@ class WorkerActor(HostedEngineCalls):
 
     def apply(self, commands: list[Command]) -> ApplyResult:
         return self.control.apply(commands)
-
-    def open_image(self, buffer: str, handle: Any, event: bytes | None = None, head: bytes = b"") -> int:
-        """Open a trainer's push buffer on this rank (``workers.control.images``); its size in bytes."""
-        return self.images.open(buffer, handle, event, head)
-
-    def load_image(self, name: str, version: str, buffer: str, head: bytes = b"",
-                   timeout_s: float = 60.0) -> ReadinessRecord:
-        """Load ``name@version`` into a slot from the open trainer buffer ``buffer`` (``WorkerCache.load_image``,
-        after the trainer's event; ``head``: the image's header bytes, if not those it was opened with); its
-        readiness record once READY, or the load's error."""
-        t0 = time.perf_counter()
-        image, after, opened = self.images.get(buffer)
-        record = self.cache.load_image(name, version, image, head or opened, after, commanded=True).result(timeout_s)
-        with self.cache.book.lock:  # its phases (``SlotLoad.marks``), for the probes
-            marks = list(self.cache.book.loads[record.slot].marks) if record.slot in self.cache.book.loads else []
-        self.image_times.append((t0, marks, time.perf_counter()))
-        return record
-
-    def image_log(self) -> list[tuple[float, list[tuple[str, float]], float]]:
-        """(perf_counter at the call, the load's phases, at its answer) of this rank's recent ``load_image`` calls:
-        ``time.perf_counter`` is the machine's monotonic clock, comparable with the caller's on the same node."""
-        return list(self.image_times)
-
-    def close_image(self, buffer: str) -> bool:
-        return self.images.close(buffer)
-
-    def open_doorbell(self) -> str:
-        """This rank's push doorbell (``workers.control.doorbell``), started on first use: the path of its UNIX socket,
-        where a trainer on this node asks for ``load_image`` with no Ray call."""
-        if self.doorbell is None:
-            device = self.cache.device
-            setup = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else (lambda: None)
-            self.doorbell = Doorbell(bell_path(self.catalog.config.push_root(), ray.get_runtime_context().namespace,
-                                               self.name), self._rung, setup)
-        return str(self.doorbell.path)
-
-    def _rung(self, request: dict[str, Any]) -> dict[str, Any]:
-        record = self.load_image(str(request["name"]), str(request["version"]), str(request["buffer"]))
-        return {"record": record._asdict()}
 
     def describe(self) -> dict[str, object]:
         """Who this worker is and everything it holds: the controller rebuilds from this."""

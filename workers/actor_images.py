@@ -1,0 +1,70 @@
+"""A trainer's pushes from its GPU buffer, on the worker actor (issue 44 item 5): the buffer opened once
+(``workers.control.images``), each push's load from it (``WorkerCache.load_image``) by a Ray call or by the rank's
+doorbell (``workers.control.doorbell``: no Ray call on the push's path). A mixin of ``workers.actor.WorkerActor`` (its
+seam: a trainer's calls, apart from the controller's), which provides ``cache``, ``catalog``, ``name``, ``images``,
+``image_times`` and ``doorbell``."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import ray
+import torch
+
+from lora_cache.vocab import ReadinessRecord
+from workers.control.doorbell import Doorbell, bell_path
+
+if TYPE_CHECKING:
+    from lora_cache.adapters.catalog import AdapterCatalog
+    from workers.cache import WorkerCache
+    from workers.control.images import TrainerImages
+
+
+class ImagePushCalls:
+    cache: WorkerCache
+    catalog: AdapterCatalog
+    name: str
+    images: TrainerImages
+    image_times: deque[tuple[float, list[tuple[str, float]], float]]
+    doorbell: Doorbell | None
+
+    def open_image(self, buffer: str, handle: Any, event: bytes | None = None, head: bytes = b"") -> int:
+        """Open a trainer's push buffer on this rank (``workers.control.images``); its size in bytes."""
+        return self.images.open(buffer, handle, event, head)
+
+    def load_image(self, name: str, version: str, buffer: str, head: bytes = b"",
+                   timeout_s: float = 60.0) -> ReadinessRecord:
+        """Load ``name@version`` into a slot from the open trainer buffer ``buffer`` (``WorkerCache.load_image``,
+        after the trainer's event; ``head``: the image's header bytes, if not those it was opened with); its
+        readiness record once READY, or the load's error."""
+        t0 = time.perf_counter()
+        image, after, opened = self.images.get(buffer)
+        record = self.cache.load_image(name, version, image, head or opened, after, commanded=True).result(timeout_s)
+        with self.cache.book.lock:  # its phases (``SlotLoad.marks``), for the probes
+            marks = list(self.cache.book.loads[record.slot].marks) if record.slot in self.cache.book.loads else []
+        self.image_times.append((t0, marks, time.perf_counter()))
+        return record
+
+    def image_log(self) -> list[tuple[float, list[tuple[str, float]], float]]:
+        """(perf_counter at the call, the load's phases, at its answer) of this rank's recent ``load_image`` calls:
+        ``time.perf_counter`` is the machine's monotonic clock, comparable with the caller's on the same node."""
+        return list(self.image_times)
+
+    def close_image(self, buffer: str) -> bool:
+        return self.images.close(buffer)
+
+    def open_doorbell(self) -> str:
+        """This rank's push doorbell (``workers.control.doorbell``), started on first use: the path of its UNIX socket,
+        where a trainer on this node asks for ``load_image`` with no Ray call."""
+        if self.doorbell is None:
+            device = self.cache.device
+            setup = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else (lambda: None)
+            self.doorbell = Doorbell(bell_path(self.catalog.config.push_root(), ray.get_runtime_context().namespace,
+                                               self.name), self._rung, setup)
+        return str(self.doorbell.path)
+
+    def _rung(self, request: dict[str, Any]) -> dict[str, Any]:
+        record = self.load_image(str(request["name"]), str(request["version"]), str(request["buffer"]))
+        return {"record": record._asdict()}
