@@ -41,6 +41,7 @@ import torch
 from safetensors.torch import load_file
 from torch.multiprocessing.reductions import reduce_tensor
 
+from bench.probes.device_read import build_parser as device_read_parser
 from bench.probes.push_floor import timed
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.adapters.peft import WEIGHTS_FILE
@@ -57,18 +58,14 @@ DTYPE = torch.bfloat16
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama-3.1-8b")
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--tp", default="1,2", help="TP sizes, comma-separated (all ranks on GPU r %% GPUs)")
-    ap.add_argument("--repeats", type=int, default=20)
+    ap = device_read_parser()  # the same adapter, TP sizes, repeats and output
+    ap.description = __doc__
     ap.add_argument("--via", default="call,bell",
                     help="how a push reaches the ranks, comma-separated, each timed in the same run: call (one Ray "
                          "call per rank), call-head (the same with the image's header bytes sent each push, as before "
                          "2026-12-05, not once at the open), bell (each rank's doorbell: a UNIX socket, no Ray call)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: a dry run of the probe itself (the image sent by value; no timing that means anything)")
-    ap.add_argument("--out", required=True)
     return ap
 
 

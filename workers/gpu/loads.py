@@ -67,6 +67,16 @@ def write_back_ahead(vacating: Sequence[tuple[int, int, Any]], start: int, stop:
     return sum((end - begin) * element_size for begin, end, event in vacating[: last + 1] if not done(event))
 
 
+def _in_flight(book: SlotBook, key: AdapterKey) -> Future[ReadinessRecord] | None:
+    """The future of ``key``'s load if it has a slot or a load on its way to one (caller holds the lock): a start of
+    it again is that load (idempotent)."""
+    slot = book.table.lookup(key)
+    if slot is not None:
+        return book.loads[slot.index].future
+    pending = book.pending.get(key)
+    return None if pending is None else pending.future
+
+
 def _waited(load: SlotLoad, error: CapacityError) -> SlotsBusyError:
     """The error of an on-demand load that found every slot held (after its ``slot_wait_s``, if any)."""
     waited = f"waited {load.slot_wait_s:g} s (slot_wait_s) and " if load.slot_wait_s > 0 else ""
@@ -101,11 +111,8 @@ class LoadPath:
         """Load ``key`` unless it has a slot or a load already (idempotent); its future (``WorkerCache.prefetch``)."""
         book = self.book
         with book.lock:
-            slot = book.table.lookup(key)
-            if slot is not None:
-                return book.loads[slot.index].future
-            if key in book.pending:
-                return book.pending[key].future
+            if (already := _in_flight(book, key)) is not None:
+                return already
             load = SlotLoad(key, layout, plan, prefetched=not on_demand, slot_wait_s=slot_wait_s if on_demand else 0.0,
                             commanded=commanded, store=spec.store)
             book.pending[key] = load
@@ -128,11 +135,8 @@ class LoadPath:
         its event completed and its finite flag is read (``_finish``)."""
         book = self.book
         with book.lock:
-            slot = book.table.lookup(key)
-            if slot is not None:
-                return book.loads[slot.index].future
-            if key in book.pending:
-                return book.pending[key].future
+            if (already := _in_flight(book, key)) is not None:
+                return already
             load = SlotLoad(key, layout, plan, commanded=commanded, image=shard)
             shard.marks = load.marks
             book.pending[key] = load
