@@ -11,7 +11,10 @@ a whole ``WorkerCache.load_image`` from the call to READY (``ready_us``) with it
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import tempfile
 import time
@@ -49,6 +52,8 @@ def main() -> None:
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile the launching thread over the load_image loop (its 40 costliest functions)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,7 +84,10 @@ def main() -> None:
             out["fill_us"] = host_us(lambda: shard.fill(dest), args.repeats)
         out["plan_lookup_us"] = host_us(lambda: cache.image_reads.read(spec, layout, head, image), args.repeats)
         ready, phases = [], []
-        for _ in range(args.repeats):
+        profile = cProfile.Profile() if args.profile else None
+        for k in range(args.repeats):
+            if profile is not None and k == 1:
+                profile.enable()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             cache.load_image("a", spec.version, image, head).result(timeout=60)
@@ -90,6 +98,11 @@ def main() -> None:
                 marks = list(cache.book.loads[slot.index].marks)
             phases.append([(name, (t - t0) * 1e6) for name, t in marks])
             cache.evict("a", spec.version)
+        if profile is not None:
+            profile.disable()
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
+            out["profile"] = text.getvalue().splitlines()
         out["ready_us"] = statistics.median(ready[1:])
         names = [n for n, _ in phases[1]]
         out["phases_us"] = {n: statistics.median(dict(p).get(n, 0.0) for p in phases[1:]) for n in names}
