@@ -420,8 +420,8 @@ class LoadPath:
                 book.counters.bytes_from_images += record.nbytes
             else:
                 book.counters.bytes_host_to_gpu += record.nbytes
-            if not record.host_hit and load.image is None:
-                book.counters.disk_ms.add(record.disk_ms)
+                if not record.host_hit:
+                    book.counters.disk_ms.add(record.disk_ms)
             book.counters.h2d_ms.add(record.h2d_ms)
             book.counters.ready_ms.add(record.ready_ms)
             book.changed(load.key, "ready", record, acquired=not load.commanded)

@@ -101,11 +101,12 @@ def _convert(dest: torch.Tensor, image: torch.Tensor, e: ShardEntry, t: FileTens
 
 
 def read_image(read: DeviceRead, image: torch.Tensor, dest: torch.Tensor, after: Any = None,
-               stream: Any = None) -> tuple[Any, torch.Tensor]:
+               stream: Any = None, record: bool = True) -> tuple[Any, torch.Tensor]:
     """Fill ``dest`` (1-D, the layout's dtype, >= its numel, on the image's device) with the shard from ``image``
     (1-D uint8, the whole image). On CUDA it runs on ``stream`` (default: the current one) after ``after`` (the
     trainer's event) and returns (an event recorded after the last copy, a device bool: every element finite);
-    read the flag only once the event has completed. On the CPU it runs at once and returns (None, the flag)."""
+    read the flag only once the event has completed. On the CPU it runs at once and returns (None, the flag).
+    ``record`` False: no event (None), for a caller whose own event follows (a slot's copy: ``ImageShard``)."""
     layout = read.layout
     if image.dtype != torch.uint8 or image.dim() != 1 or image.numel() != read.image_bytes:
         raise AdapterFormatError(f"adapter {layout.adapter}@{layout.version}: the image is {image.dtype} of shape "
@@ -119,16 +120,21 @@ def read_image(read: DeviceRead, image: torch.Tensor, dest: torch.Tensor, after:
     with torch.cuda.stream(stream) if cuda and stream is not None else contextlib.nullcontext():
         if cuda and after is not None:
             torch.cuda.current_stream(image.device).wait_event(after)
-        body = dest[:layout.numel]
-        gather(body.view(torch.uint8), image, read.gather)
-        for e in read.converts:
-            _convert(body, image, e, read.tensors[e.key])
-        flag = total_finite(body)  # False only for a NaN, an Inf or a float32 total past its range: ``finite_or_raise``
-        if not cuda:
+        flag = _issue(read, image, dest)
+        if not cuda or not record:
             return None, flag
         done = torch.cuda.Event()
         done.record()
         return done, flag
+
+
+def _issue(read: DeviceRead, image: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """The gather, the conversions and the finite flag, on the current stream (``read_image``, checked)."""
+    body = dest[:read.layout.numel]
+    gather(body.view(torch.uint8), image, read.gather)
+    for e in read.converts:
+        _convert(body, image, e, read.tensors[e.key])
+    return total_finite(body)  # False only for a NaN, an Inf or a float32 total past its range: ``finite_or_raise``
 
 
 def finite_or_raise(read: DeviceRead, dest: torch.Tensor, flag: torch.Tensor) -> None:
@@ -158,10 +164,11 @@ class ImageReads:
         if image.dtype != torch.uint8 or image.dim() != 1:
             raise AdapterFormatError(f"{where}: the pushed image is {image.dtype} of shape {tuple(image.shape)}; "
                                      "send the image as a 1-D uint8 buffer (the safetensors bytes)")
+        crc = zlib.crc32(head[:source.header_bytes]) if source is not None else 0
         if source is not None and (image.numel() != source.identity.size or len(head) < source.header_bytes
-                                   or zlib.crc32(head[:source.header_bytes]) != source.header_crc):
+                                   or crc != source.header_crc):
             raise AdapterFormatError(f"{where}: the pushed image ({image.numel()} bytes, header CRC "
-                                     f"{zlib.crc32(head[:source.header_bytes]):08x}) is not this version's file "
+                                     f"{crc:08x}) is not this version's file "
                                      f"({source.identity.size} bytes, header CRC {source.header_crc:08x}); push "
                                      "the image of the version named")
         n = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
@@ -195,7 +202,7 @@ class ImageShard:
         if self.marks is not None:
             self.marks.append(("fill", time.perf_counter()))
         self.dest = dest
-        _, flag = read_image(self.read, self.image, dest, after=self.after)
+        flag = read_image(self.read, self.image, dest, after=self.after, record=False)[1]
         if self.marks is not None:
             self.marks.append(("filled", time.perf_counter()))
         self.flag.copy_(flag, non_blocking=True)  # in stream order: complete when the copy's event is
