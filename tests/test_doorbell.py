@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from lora_cache.errors import ConfigError, NotFoundError
-from workers.control.doorbell import FRAME, MAX_FRAME, Bell, Doorbell, bell_path, recv, ring_all
+from lora_cache.link.bell import FRAME, MAX_FRAME, Bell, bell_path, recv, ring_all
+from workers.control.doorbell import Doorbell
 
 
 @pytest.fixture

@@ -32,11 +32,11 @@ from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc  # noqa: E4
 from lora_cache.app.serve import ServeConfig, start  # noqa: E402
 from lora_cache.errors import AdapterFormatError, NonFiniteWeightsError, NotFoundError  # noqa: E402
 from lora_cache.integrations.ray_push import push_in_ray  # noqa: E402
+from lora_cache.link.bell import Bell, ring_all  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
 from lora_cache.vocab import WorkerId  # noqa: E402
 from tests.ray_local import init_local  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402
-from workers.control.doorbell import Bell, ring_all  # noqa: E402
 from workers.engine import EngineConfig, Request  # noqa: E402
 from workers.engine.rank import slot_digest  # noqa: E402
 from workers.reads.shard import read_shard  # noqa: E402

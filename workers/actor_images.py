@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 import ray
 import torch
 
+from lora_cache.link.bell import bell_path
 from lora_cache.vocab import ReadinessRecord
-from workers.control.doorbell import Doorbell, bell_path
+from workers.control.doorbell import Doorbell
 
 if TYPE_CHECKING:
     from lora_cache.adapters.catalog import AdapterCatalog

@@ -48,10 +48,10 @@ from lora_cache.adapters.peft import WEIGHTS_FILE
 from lora_cache.adapters.serialize import device_image
 from lora_cache.adapters.shapes import MODULE_ORDER, resolve_model
 from lora_cache.adapters.synth import write_adapter
+from lora_cache.link.bell import Bell, ring_all
 from lora_cache.vocab import Evict, ReadinessRecord
 from workers.actor import WorkerActor
 from workers.cache import WorkerConfig
-from workers.control.doorbell import Bell, ring_all
 from workers.staging.host_config import HostTierConfig
 
 DTYPE = torch.bfloat16

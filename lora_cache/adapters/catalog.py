@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lora_cache.adapters.device_source import DeviceSource
+from lora_cache.adapters.device_versions import device_spec
 from lora_cache.adapters.files import HOST, FileIdentity, WeightsSource
 from lora_cache.adapters.objects import StoreUrl, is_store_url
 from lora_cache.adapters.peft import WEIGHTS_FILE, AdapterSpec, KnownVersion, config_digest, read_adapter
@@ -150,6 +152,10 @@ def check_carried(name: str, spec: AdapterSpec, known: KnownVersion | None) -> A
         "same and register the adapter again")
 
 
+def _unknown(name: str) -> str:
+    return f"adapter {name!r} is not registered; register it first (lora-cache register NAME PATH)"
+
+
 def check_name(name: str) -> str:
     if not isinstance(name, str) or not NAME_RE.match(name):
         raise AdapterFormatError(f"adapter name {name!r} is invalid: use 1-128 characters of letters, digits, "
@@ -205,6 +211,12 @@ class AdapterCatalog:
 
             return read_store_adapter(check_name(name), self.store_url(str(path)), self.shape, self.config.max_rank,
                                       self.config.store_timeout_s, known, carried)
+        if known is not None and isinstance(known.source, DeviceSource):  # a device push's, before its node copy
+            if self._pushed(path) is None:
+                raise AdapterPathError(f"device push {name}@{known.source.tag}: {path} is not under the push root "
+                                       f"{self.push_root}; a device version lands only in its service's push area")
+            return device_spec(check_name(name), Path(os.path.realpath(path)), self.shape, self.config.max_rank,
+                               known)
         pushed = self._pushed(path)
         roots = pushed or self._local()
         directory = roots.resolve(path)
@@ -293,10 +305,27 @@ class AdapterCatalog:
         self.trim(name)  # past the bound: the oldest ones no longer in use retire
         return spec
 
+    def promote(self, spec: AdapterSpec) -> bool:
+        """Put ``spec`` in the place of the version of its name with its id, current or older, changing no current
+        version (a device version whose node copy landed: ``device_versions``); False if no version of that id is
+        kept any more (retired, or the name unregistered)."""
+        with self._lock:
+            current = self._specs.get(spec.name)
+            older: Mapping[str, AdapterSpec | Registered] = self._older.get(spec.name, {})
+            if current is not None and current.version == spec.version:
+                self._specs[spec.name] = spec
+            elif spec.version in older:
+                self._older[spec.name][spec.version] = spec
+            else:
+                return False
+            self._parsed.pop((spec.name, spec.version), None)
+            self.generation += 1
+        return True
+
     def unregister(self, name: str) -> AdapterSpec | Registered:
         with self._lock:
             if name not in self._specs:
-                raise NotFoundError(self._unknown(name))
+                raise NotFoundError(_unknown(name))
             self._older.pop(name, None)
             for key in [k for k in self._parsed if k[0] == name]:
                 del self._parsed[key]
@@ -337,7 +366,7 @@ class AdapterCatalog:
         with self._lock:
             spec = self._specs.get(name)
         if spec is None:
-            raise NotFoundError(self._unknown(name))
+            raise NotFoundError(_unknown(name))
         return spec.version
 
     def get(self, name: str, version: str | None = None) -> AdapterSpec:
@@ -346,7 +375,7 @@ class AdapterCatalog:
             spec = self._specs.get(name)
             kept = self._older[name].get(version) if version is not None and name in self._older else None
         if spec is None:
-            raise NotFoundError(self._unknown(name))
+            raise NotFoundError(_unknown(name))
         if version is None or version == spec.version:
             return self._built(spec)
         if kept is None:
@@ -382,7 +411,7 @@ class AdapterCatalog:
         """The current version of ``name`` and the older ones kept, oldest first."""
         with self._lock:
             if name not in self._specs:
-                raise NotFoundError(self._unknown(name))
+                raise NotFoundError(_unknown(name))
             spec, older = self._specs[name], list(self._older.get(name, {}).values())
         return self._built(spec), [self._built(o) for o in older]
 
@@ -397,7 +426,7 @@ class AdapterCatalog:
         """Loadable versions of ``name``, oldest first; the last is the current one."""
         with self._lock:
             if name not in self._specs:
-                raise NotFoundError(self._unknown(name))
+                raise NotFoundError(_unknown(name))
             return [*self._older.get(name, {}), self._specs[name].version]
 
     def names(self) -> list[str]:
@@ -411,9 +440,6 @@ class AdapterCatalog:
     def __len__(self) -> int:
         with self._lock:
             return len(self._specs)
-
-    def _unknown(self, name: str) -> str:
-        return f"adapter {name!r} is not registered; register it first (lora-cache register NAME PATH)"
 
     def register_dir(self, parent: str | Path, known: Mapping[str, KnownVersion] | None = None) -> list[AdapterSpec]:
         """Register every adapter directory directly under ``parent`` by its directory name (``known``: versions

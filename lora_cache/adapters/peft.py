@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from lora_cache.adapters import patterns
+from lora_cache.adapters.device_source import DeviceSource
 from lora_cache.adapters.files import (
     HOST,
     MAX_CONFIG_BYTES,
@@ -211,10 +212,12 @@ class KnownVersion(NamedTuple):
     version: str
     config_digest: str  # blake2b-8 of adapter_config.json's bytes, hex
     host: str  # the boot of the machine that hashed it (``files.HOST``); "" proves nothing
-    source: WeightsSource | StoreSource  # the weights file as hashed (real path, identity, header and block
-    # CRCs), or the store object as registered (ETag, size, header CRC: ``objects.StoreSource``)
-    meta: bytes = b""  # a store version's config and safetensors header as registered (``objects.pack_meta``):
-    # a rank builds the spec from them without asking the store; b"" otherwise (the rank reads them itself)
+    source: WeightsSource | StoreSource | DeviceSource  # the weights file as hashed (real path, identity, header
+    # and block CRCs), the store object as registered (ETag, size, header CRC: ``objects.StoreSource``), or a
+    # trainer's device image before its node copy (``device_source``)
+    meta: bytes = b""  # a store or device version's config and safetensors header as registered
+    # (``objects.pack_meta``): a rank builds the spec from them without asking the store; b"" otherwise (the rank
+    # reads them itself)
 
 
 @dataclass(frozen=True)
@@ -233,7 +236,13 @@ class AdapterSpec:
     store: StoreSource | None = None  # the weights object, for an adapter in an object store (``source`` is None
     # until the disk tier holds a proven copy: ``workers.staging.disk_tier``)
     store_meta: bytes = b""  # the registering process's ``KnownVersion.meta`` (compressed config and header)
-    # for the ranks; a rank's own spec keeps none
+    # for the ranks; a rank's own spec keeps none; a device-only version's too (``device_source``)
+    device: DeviceSource | None = None  # a version pushed from a trainer's device buffer, until its node copy lands
+
+    @property
+    def device_only(self) -> bool:
+        """Held only in a trainer's device buffer (and the slots filled from it): no file to read yet."""
+        return self.device is not None and self.source is None
 
     @property
     def weights(self) -> Path | StoreUrl:
@@ -248,6 +257,8 @@ class AdapterSpec:
         """What another process needs to take this version without hashing (None: not read from disk)."""
         if self.store is not None:
             return KnownVersion(self.version, self.config_digest, "", self.store, self.store_meta)
+        if self.device is not None and self.source is None:
+            return KnownVersion(self.version, self.config_digest, "", self.device, self.store_meta)
         if self.source is None:
             return None
         return KnownVersion(self.version, self.config_digest, HOST, self.source)

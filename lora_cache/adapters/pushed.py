@@ -152,22 +152,30 @@ def check_push(name: str, config_bytes: bytes, weights: bytes | memoryview, shap
     """The pushed adapter validated as a registration validates a file (config, then every tensor of the
     safetensors bytes against ``shape`` and ``max_rank``), before anything is written: AdapterFormatError
     naming what is wrong and the fix. The spec's path and version are placeholders (``<pushed>``)."""
-    where = Path(f"<pushed {name}>")
     view = memoryview(weights).cast("B")
-    if len(view) < 8:
-        raise AdapterFormatError(f"pushed weights of {name} are {len(view)} bytes, not safetensors; push the "
+    n = int.from_bytes(view[:8], "little") if len(view) >= 8 else 0
+    return check_head(name, config_bytes, bytes(view[:8 + min(n, MAX_HEADER_BYTES)]), len(view), shape, max_rank)
+
+
+def check_head(name: str, config_bytes: bytes, head: bytes, size: int, shape: ModelShape,
+               max_rank: int) -> AdapterSpec:
+    """``check_push`` from the image's first bytes only (``head``: its 8-byte length and header) and its size
+    ``size``: what a device push declares of the image in the trainer's buffer (``device_versions``)."""
+    where = Path(f"<pushed {name}>")
+    if size < 8 or len(head) < 8:
+        raise AdapterFormatError(f"pushed weights of {name} are {size} bytes, not safetensors; push the "
                                  "tensors (the client serializes them) or safetensors.torch.save's bytes")
-    n = int.from_bytes(view[:8], "little")
-    if not 0 < n <= min(len(view) - 8, MAX_HEADER_BYTES):
+    n = int.from_bytes(head[:8], "little")
+    if not 0 < n <= min(size - 8, MAX_HEADER_BYTES) or len(head) < 8 + n:
         raise AdapterFormatError(f"pushed weights of {name} are not safetensors (a header of {n} bytes in "
-                                 f"{len(view)}); push safetensors.torch.save's bytes")
+                                 f"{size}, {len(head)} given); push safetensors.torch.save's bytes")
     try:
-        header = parse_header(bytes(view[8:8 + n]), len(view))
+        header = parse_header(bytes(head[8:8 + n]), size)
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise AdapterFormatError(f"pushed weights of {name} are not readable safetensors ({e}); push "
                                  "safetensors.torch.save's bytes") from e
     config = parse_config(config_bytes, where / CONFIG_FILE)
-    return built_spec(name, where, config, header, shape, max_rank, "<pushed>", len(view), None, "")
+    return built_spec(name, where, config, header, shape, max_rank, "<pushed>", size, None, "")
 
 
 class PushArea:

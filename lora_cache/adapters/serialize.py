@@ -87,6 +87,13 @@ def device_image(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str
     (``workers.reads.device``). ``out``: the buffer of the trainer's last push, written in place when the image
     has its size (so the ranks' open handles stay valid), else refused naming both sizes. The bytes are
     ``safetensors_bytes``'s. Every tensor must be on one device."""
+    return image_and_head(tensors, metadata, out)[0]
+
+
+def image_and_head(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, bytes]:
+    """``device_image``, and the image's first bytes (its 8-byte length and header) as host bytes: what a device
+    push declares to the controller (``integrations.device_push``)."""
     head, placed = safetensors_layout(tensors, metadata)
     if not placed:
         raise AdapterFormatError("a pushed image needs at least one tensor; push the adapter's lora_A and lora_B")
@@ -105,7 +112,7 @@ def device_image(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str
     header = torch.frombuffer(bytearray(head), dtype=torch.uint8)
     out[:len(head)].copy_(header.pin_memory() if device.type == "cuda" else header, non_blocking=True)
     torch.cat([as_bytes(t) for t, _, _ in placed], out=out[len(head):])  # one batched copy on the device
-    return out
+    return out, head
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

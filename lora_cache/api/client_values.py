@@ -137,14 +137,8 @@ def push_payload(tensors: Any, config: Any) -> tuple[bytes, bytes | memoryview]:
     CPU or a GPU; each copied once into the payload, ``serialize.safetensors_bytes``, a view of one buffer) or
     safetensors bytes already; ``config``: PEFT's LoraConfig as a dict, JSON text or bytes, or
     an object with ``to_dict()`` (``peft.LoraConfig``)."""
-    from lora_cache.adapters.pushed import config_json
-
-    if hasattr(config, "to_dict"):
-        config = config.to_dict()
-    if isinstance(config, dict):
-        config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}  # PEFT keeps sets
     if isinstance(tensors, (bytes, bytearray, memoryview)):
-        return config_json(config), bytes(tensors)
+        return push_config(config), bytes(tensors)
     if not isinstance(tensors, dict) or not tensors:
         raise ClientError("INVALID_ARGUMENT", f"push tensors must be a non-empty dict of name -> tensor (PEFT's "
                           f"names, e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight) or "
@@ -152,7 +146,19 @@ def push_payload(tensors: Any, config: Any) -> tuple[bytes, bytes | memoryview]:
     from lora_cache.adapters.serialize import safetensors_bytes
 
     weights = safetensors_bytes({str(k): v for k, v in tensors.items()}, {"format": "pt"})
-    return config_json(config), memoryview(weights.data)
+    return push_config(config), memoryview(weights.data)
+
+
+def push_config(config: Any) -> bytes:
+    """adapter_config.json's bytes of a push: ``config`` is PEFT's LoraConfig as a dict, JSON text or bytes, or an
+    object with ``to_dict()`` (``peft.LoraConfig``)."""
+    from lora_cache.adapters.pushed import config_json
+
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    if isinstance(config, dict):
+        config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}  # PEFT keeps sets
+    return config_json(config)
 
 
 def push_messages(name: str, tag: str | int | None, config: bytes, weights: bytes | memoryview,

@@ -15,6 +15,7 @@ from typing import Any
 
 from lora_cache import errors
 from lora_cache.adapters.catalog import CatalogConfig
+from lora_cache.adapters.device_source import DeviceSource
 from lora_cache.adapters.files import BlockCrcs, FileIdentity, WeightsSource
 from lora_cache.adapters.objects import StoreSource
 from lora_cache.adapters.peft import KnownVersion
@@ -63,6 +64,10 @@ def from_command(m: pb.RelayedCommand) -> Command:
 
 def known(k: KnownVersion) -> pb.KnownVersion:
     s = k.source
+    if isinstance(s, DeviceSource):
+        return pb.KnownVersion(version=k.version, config_digest=k.config_digest, host=k.host,
+                               header_bytes=s.header_bytes, header_crc=s.header_crc, meta=k.meta,
+                               device=pb.DeviceImage(tag=s.tag, size=s.size))
     if isinstance(s, StoreSource):
         return pb.KnownVersion(
             version=k.version, config_digest=k.config_digest, host=k.host, header_bytes=s.header_bytes,
@@ -77,6 +82,9 @@ def known(k: KnownVersion) -> pb.KnownVersion:
 
 
 def from_known(m: pb.KnownVersion) -> KnownVersion:
+    if m.HasField("device"):
+        device = DeviceSource(m.device.tag, m.device.size, m.header_bytes, m.header_crc)
+        return KnownVersion(m.version, m.config_digest, m.host, device, m.meta)
     if m.HasField("store"):
         o = m.store
         if not (o.bucket and o.key and o.etag):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import ray
 
@@ -22,6 +23,7 @@ from lora_cache.adapters.refs import base_name, split_ref, version_of
 from lora_cache.controller.backlog import Backlog, background_reads
 from lora_cache.controller.control_loop import ControlLoop
 from lora_cache.controller.core import ControllerConfig, ControllerCore, HintOutcome
+from lora_cache.controller.device_pushes import DevicePushes, Landed
 from lora_cache.controller.fanout import WorkerFanout
 from lora_cache.controller.pushes import Pushed, Pushes
 from lora_cache.controller.readiness import Doorbell, EventsLost, ReadinessEvent, WatchBatch
@@ -59,7 +61,8 @@ class ControllerActor:
         self.registrar = Registrar(self.core, self.fanout, self.draining, self.loop.plan)
         self.resolver = Resolver(self.core.catalog, self._register_on_demand)  # request-time registration
         self.pushes = Pushes(self.core, self.registrar, ray.get_runtime_context().namespace)  # from trainers' memory
-        self.loop.retire = self.pushes.retire_released  # versions no rank holds any more, past keep_versions
+        self.devices = DevicePushes(self.pushes)  # from trainers' device buffers, landed after the ranks took them
+        self.loop.retire = self.devices.health_round  # device pushes never landed; versions no rank holds, past keep
         # listed at start, registered in the background (serve --register background); on demand meanwhile
         self.saving: set[asyncio.Task[None]] = set()  # durable saves behind registrations on demand
         self.backlog = Backlog(self._register_backlog, lambda name: name not in self.core.catalog
@@ -162,6 +165,31 @@ class ControllerActor:
         done = await self.pushes.push(name, tag, config, weights)
         await self.durable.save_catalog(self.core)  # what was answered registered survives a restart
         return done
+
+    async def push_device(self, name: str, tag: str | int, config: bytes, head: bytes, size: int) -> Pushed:
+        """A version of ``name`` pushed from a trainer's device buffer (``device_pushes.py``): registered device-only
+        from its config, its image's header ``head`` and size; the trainer then has its replica's ranks take it from
+        the buffer (their doorbells) and lands its node copy (``land_device``). Its ``Pushed``, or the error."""
+        await self.loop.start()
+        return await self.devices.push(name, tag, config, head, size)
+
+    async def land_device(self, name: str, version: str, config: bytes, weights: bytes) -> Landed:
+        """The node copy of device version ``name@version`` (``DevicePushes.land``): the image's bytes, or an ObjectRef
+        of them at the top level; its ``Landed``, or the error (it stays device-only until it lands or expires)."""
+        await self.loop.start()
+        done = await self.devices.land(name, version, config, weights)
+        await self.durable.save_catalog(self.core)  # a landed version survives a restart
+        return done
+
+    async def replica_ranks(self, replicas: list[str] | None = None) -> dict[str, list[Any]]:
+        """Each replica's rank actors (``replicas``, or every one), in rank order: a trainer opens its device buffer on
+        those of its node and GPU (``integrations.ray_push.DevicePusher``)."""
+        await self.loop.start()
+        out: dict[str, list[tuple[int, Any]]] = {}
+        for wid, handle in self.links.handles.items():
+            if replicas is None or wid.replica in replicas:
+                out.setdefault(wid.replica, []).append((wid.rank, handle))
+        return {replica: [h for _, h in sorted(ranks, key=lambda r: r[0])] for replica, ranks in out.items()}
 
     async def pushed_payload(self, name: str, tag: str) -> tuple[bytes, object]:
         """A pushed version's config and weights bytes, for a rank on another node to copy (``Pushes.payload``)."""

@@ -78,6 +78,7 @@ def known_json(k: KnownVersion, metas: dict[str, bytes] | None = None) -> dict[s
             metas[digest] = k.meta
             d["m"] = digest
         return d
+    assert isinstance(s, WeightsSource), "a device-only version is not saved (entry_json)"
     return {"v": k.version, "c": k.config_digest, "h": k.host, "w": s.path, "id": list(s.identity),
             "hb": s.header_bytes, "hc": s.header_crc, "b": base64.b64encode(s.block_crcs.packed).decode(),
             "t": s.registered_ns}
@@ -97,7 +98,14 @@ def known_from(d: dict[str, Any], metas: dict[str, bytes] | None = None) -> Know
 def entry_json(name: str, path: str, current: AdapterSpec, older: list[AdapterSpec],
                metas: dict[str, bytes] | None = None) -> bytes | None:
     """One entry's encoding (its store metadata into ``metas``); None for a spec not read from disk (a
-    simulator's): nothing to prove it by."""
+    simulator's): nothing to prove it by. A device push's version whose node copy has not landed is left out (no
+    file to take it from after a restart, ``device_source``): the newest version kept before it is saved current."""
+    older = [s for s in older if not s.device_only]
+    if current.device_only:
+        if not older:
+            return None
+        current = older.pop()
+        path = str(current.path)
     versions = [(path, current), *((str(s.path), s) for s in older)]
     if any(s.known is None for _, s in versions):
         return None
@@ -143,7 +151,8 @@ class CatalogSnapshots:
             if n % YIELD_EVERY == YIELD_EVERY - 1:
                 time.sleep(0)
             name, path = current.name, paths.get(current.name, str(current.path))
-            key = (path, (current.version, *(s.version for s in older)))
+            # a device version's node copy landing changes its entry, not its version: marked apart
+            key = (path, tuple(s.version + "~" * s.device_only for s in (current, *older)))
             cached = self._fragments.get(name)
             if cached is not None and cached[0] == key:
                 fragments[name] = cached

@@ -189,7 +189,8 @@ class ControllerCore:
         layout = shard_layout(spec, self.catalog.shape, 1, 0, torch.bfloat16)  # before any change: it may refuse
         self.catalog.add(spec)
         self.planner.register_adapter(AdapterInfo(spec.name, spec.version, layout.nbytes,  # a store's: its object,
-                                                  spec.store.size if spec.store is not None else 0))  # disk-warmed
+                                                  spec.store.size if spec.store is not None else 0,  # disk-warmed
+                                                  spec.device_only))  # a device push's, until it lands
         self.paths[spec.name] = path
         return spec.version
 

@@ -71,10 +71,18 @@ class Planner:
 
     # -- catalog and topology ---------------------------------------------------------------------
     def register_adapter(self, info: AdapterInfo) -> None:
-        """Add an adapter, or make `info` its current version (older versions get evicted)."""
+        """Add an adapter, or make `info` its current version (older versions get evicted). An older version
+        that is a device push's (``AdapterInfo.device_only``) stays where it is: given again with
+        ``device_only=False`` (it landed, or was given up), it is commanded, evicted and retired as any version."""
         if not isinstance(info, AdapterInfo):
             raise PlannerInputError(f"register_adapter got {info!r}; "
                                     "pass an AdapterInfo(name, version, bytes_per_rank)")
+        current = self._fleet.catalog.get(info.name)
+        if current is not None and current.version != info.version and info.key in self._fleet.device_only:
+            if not info.device_only:
+                self._fleet.device_only.discard(info.key)
+                self._replan.adapter_changed(info.name)
+            return
         old = self._fleet.register(info)
         if old is not None and old != info:
             self._replan.adapter_changed(info.name)

@@ -77,6 +77,9 @@ class AdapterInfo:
     version: str
     bytes_per_rank: int
     object_bytes: int = 0  # an adapter from an object store: its object's bytes (a disk tier holds it whole); else 0
+    # a device push's version before its node copy (lora_cache/adapters/device_source.py): loaded by its push only,
+    # never by a command; kept where it is held until it lands
+    device_only: bool = False
     key: AdapterKey = field(init=False, repr=False, compare=False)  # (name, version), made once
 
     def __post_init__(self) -> None:

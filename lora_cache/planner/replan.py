@@ -263,7 +263,9 @@ class Replanner:
         held = fleet.residency[worker]
         keys = _with_named(target, named, fleet.capacity[worker], fleet.bytes_of)
         wanted = set(keys)
-        evicts = sorted(k for k, r in held.items() if k not in wanted and not r.pinned and k not in bridges)
+        pushed = fleet.device_only  # device pushes not landed: kept where held, never loaded by a command
+        evicts = sorted(k for k, r in held.items()
+                        if k not in wanted and not r.pinned and k not in bridges and k not in pushed)
         room = Room(fleet.capacity[worker])
         for key in held.keys() - set(evicts):
             room.take(fleet.bytes_of(key))
@@ -282,21 +284,22 @@ class Replanner:
                 kept.remove(bridge)
                 evicts.append(bridge)
                 room.give(fleet.bytes_of(bridge))
-            if key not in held and room.fits(fleet.bytes_of(key)):
+            if key not in held and key not in pushed and room.fits(fleet.bytes_of(key)):
                 room.take(fleet.bytes_of(key))
                 prefetches.append((priority, key))
         evicts.sort()
         sent = fleet.staged.get(worker, frozenset())
-        staging = [key for key in target.staged if key not in held]
+        staging = [key for key in target.staged if key not in held and key not in pushed]
         stages = [(len(keys) + i, key) for i, key in enumerate(staging) if key not in sent]
-        warming = [key for key in warm if key not in held]
+        warming = [key for key in warm if key not in held and key not in pushed]
         assignment, warm_sent, disk_sent = self._warm_sent.get(worker, (-1, frozenset(), frozenset()))
         if assignment != self.warming.assignments:
             warm_sent = disk_sent = frozenset()
         first = len(keys) + len(staging)
         speculative = [(first + i, key) for i, key in enumerate(warming) if key not in warm_sent]
         first += len(warming)
-        to_disk = [(first + i, key) for i, key in enumerate(k for k in disk if k not in held) if key not in disk_sent]
+        to_disk = [(first + i, key) for i, key in enumerate(k for k in disk if k not in held and k not in pushed)
+                   if key not in disk_sent]
         self._warm_sent[worker] = (self.warming.assignments, warm_sent | {k for _, k in speculative},
                                    disk_sent | {k for _, k in to_disk})
         fleet.set_staged(worker, staging)  # warm stages: routing counts them once the worker reports them read

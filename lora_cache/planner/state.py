@@ -33,6 +33,9 @@ class FleetState:
         self.queues: dict[str, tuple[QueueEntry, ...]] = {}  # replica -> waiting requests (non-empty)
         self.staged: dict[str, frozenset[AdapterKey]] = {}  # worker -> stages sent and still wanted (non-empty)
         self.hosted: dict[str, frozenset[AdapterKey]] = {}  # worker -> shards its host tier holds, reported (non-empty)
+        # device pushes' versions whose node copy has not landed: never prefetched, staged or warmed (nothing to
+        # read), never evicted where held (their only copies until they land); ``land`` ends that
+        self.device_only: set[AdapterKey] = set()
         self._min_bytes: int | None = None  # smallest bytes_per_rank in the catalog; None: recompute
         self._max_bytes: int | None = None  # largest, likewise
         self.shape = 0  # bumped by every change of the catalog, the replicas, their workers or capacities
@@ -85,6 +88,10 @@ class FleetState:
         """Add or replace a catalog entry; the previous entry, if any."""
         old = self.catalog.get(info.name)
         self.catalog[info.name] = info
+        if info.device_only:
+            self.device_only.add(info.key)
+        else:
+            self.device_only.discard(info.key)
         self.shape += 1
         if old is None and self._min_bytes is not None:
             self._min_bytes = min(self._min_bytes, info.bytes_per_rank)
@@ -98,6 +105,7 @@ class FleetState:
 
     def unregister(self, name: str) -> None:
         """Forget an adapter: its catalog entry, every queue entry and every worker's residency of it."""
+        self.device_only = {k for k in self.device_only if k.name != name}
         for replica, queue in list(self.queues.items()):
             kept = tuple(e for e in queue if e.adapter != name)
             if kept:

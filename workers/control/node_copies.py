@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from lora_cache.adapters.device_source import DeviceSource
+from lora_cache.adapters.device_versions import as_copy_of, same_bytes
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, KnownVersion
 from lora_cache.adapters.pushed import TMP_PREFIX, PushArea, digest
 from lora_cache.errors import ConflictError
@@ -54,8 +56,10 @@ class NodeCopies:
         version of this service that this node holds elsewhere or not at all; then this node's copy, proved to be
         ``known``'s version, with that proof (the rank takes it without hashing it again)."""
         pushed = Path(path)
-        if known is None or pushed.parent.name != name or pushed.parent.parent.name != self.area.dir.name:
-            return path, known  # not a push of this service (a pushed version is always registered with its hash)
+        if (known is None or isinstance(known.source, DeviceSource) or pushed.parent.name != name
+                or pushed.parent.parent.name != self.area.dir.name):
+            return path, known  # not a push of this service (a pushed version is always registered with its hash),
+            # or a device push's before its node copy (its ranks take it from the trainer's buffer)
         local = self.area.path(name, pushed.name)
         if local == pushed and local.is_dir():
             return path, known  # the controller's node (or one sharing its area): its own file, proved as ever
@@ -65,22 +69,24 @@ class NodeCopies:
     def _take(self, name: str, tag: str, local: Path, known: KnownVersion) -> tuple[str, KnownVersion]:
         if local.is_dir():
             config, weights = (local / CONFIG_FILE).read_bytes(), (local / WEIGHTS_FILE).read_bytes()
-            found = digest(config, weights)
-            if found.version == known.version:
+            found = as_copy_of(digest(config, weights), local, known)
+            if found is not None:
                 self.reused += 1
                 self.names.add(name)
-                return str(local), found.known(local)
+                return str(local), found
             self.area.drop(name, [tag])  # another content under this tag: a service's leftover, replaced
         config, array = self.fetch(name, tag)
         content = digest(config, array.data)
-        if content.version != known.version:
+        if content.version != known.version and not same_bytes(known, content):
             raise ConflictError(f"the controller's bytes of pushed {name}@{tag} hash to version "
                                 f"{content.version}, not the registered {known.version} (pushed again meanwhile?): "
                                 "not copied; the next registration of the name brings the current one")
         copy, _ = self.area.write(name, tag, config, array.data)
         self.copied += 1
         self.names.add(name)
-        return str(copy), content.known(copy)
+        proven = as_copy_of(content, copy, known)
+        assert proven is not None
+        return str(copy), proven
 
     @contextlib.contextmanager
     def _node_lock(self) -> Iterator[None]:
@@ -107,3 +113,4 @@ class NodeCopies:
         self.names.discard(name)
         return self.area.drop(name, [p.name for p in (self.area.dir / name).glob("*")
                                      if not p.name.startswith(TMP_PREFIX)])
+

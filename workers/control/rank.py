@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from lora_cache.adapters.catalog import AdapterCatalog, check_carried
+from lora_cache.adapters.device_source import DeviceSource
 from lora_cache.adapters.peft import KnownVersion
 from lora_cache.errors import ConfigError, LoraCacheError
 from lora_cache.vocab import ApplyResult, Command
@@ -41,6 +42,8 @@ class WorkerControl:
         its config and header), nothing is parsed now: only the version's identity is kept until the adapter is
         first loaded or staged here, when the full read and the same checks run (``AdapterCatalog.add_lazy``)."""
         registered = path  # reported to the controller as it named it
+        if known is not None and self._device_only(name, known.version):
+            return self._land(name, path, known)
         if self.copies is not None:  # a pushed version in another node's memory: this node's copy of it
             path, known = self.copies.localize(name, path, known)
         if self.catalog.add_lazy(name, path, known) is not None:  # proven by a stat and the config: parsed at
@@ -55,6 +58,29 @@ class WorkerControl:
             self.taken += 1
         else:
             self.hashed += 1
+        return spec.version
+
+    def _device_only(self, name: str, version: str) -> bool:
+        """Whether this rank holds ``name@version`` as a device push's version whose node copy has not landed."""
+        try:
+            return self.catalog.get(name, version).device_only
+        except LoraCacheError:
+            return False
+
+    def _land(self, name: str, path: str, known: KnownVersion) -> str:
+        """The node copy of device version ``known`` landed (``Pushes.land``): its file proven under the same id
+        (this node's copy, on another node) takes the device-only spec's place, current or older, the current
+        version unchanged; a registration of the same device version again changes nothing."""
+        if isinstance(known.source, DeviceSource):
+            return known.version
+        registered = path
+        if self.copies is not None:
+            path, copied = self.copies.localize(name, path, known)
+            known = copied or known
+        spec = check_carried(name, self.catalog.read(name, path, known, carried=True), known)
+        if self.catalog.promote(spec) and self.catalog.current(name) == spec.version:
+            self.paths[name] = registered
+        self.taken += 1
         return spec.version
 
     def register_adapters(self, entries: list[tuple[str, str, KnownVersion | None]]) -> list[tuple[str, str]]:

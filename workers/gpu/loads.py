@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from lora_cache.adapters.chunks import ChunkPlan
+from lora_cache.adapters.device_versions import host_readable
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shards import ShardLayout
 from lora_cache.errors import CapacityError, SlotsBusyError
@@ -113,6 +114,7 @@ class LoadPath:
         with book.lock:
             if (already := _in_flight(book, key)) is not None:
                 return already
+            host_readable(spec)  # a device push's version loads from its image only (``load_image``)
             load = SlotLoad(key, layout, plan, prefetched=not on_demand, slot_wait_s=slot_wait_s if on_demand else 0.0,
                             commanded=commanded, store=spec.store)
             book.pending[key] = load
@@ -153,6 +155,7 @@ class LoadPath:
         with self.book.lock:
             if self.book.table.lookup(key) is not None or key in self.book.pending:
                 return None
+        host_readable(spec)
         try:
             staged, hit = self.host.fetch(spec, layout, count=False, chunks=plan.entry_spans)
         except CapacityError:

@@ -160,7 +160,7 @@ class ImageReads:
         """The read of ``layout`` from ``image`` (``head``: its first bytes, the header). Where ``spec`` has a file,
         an image whose header or size is not the file's is refused, naming both."""
         where = f"adapter {layout.adapter}@{layout.version}"
-        source = spec.source
+        source, device = spec.source, spec.device
         if image.dtype != torch.uint8 or image.dim() != 1:
             raise AdapterFormatError(f"{where}: the pushed image is {image.dtype} of shape {tuple(image.shape)}; "
                                      "send the image as a 1-D uint8 buffer (the safetensors bytes)")
@@ -171,6 +171,12 @@ class ImageReads:
                                      f"{crc:08x}) is not this version's file "
                                      f"({source.identity.size} bytes, header CRC {source.header_crc:08x}); push "
                                      "the image of the version named")
+        crc = zlib.crc32(head[:device.header_bytes]) if device is not None else 0
+        if device is not None and (image.numel() != device.size or len(head) < device.header_bytes
+                                   or crc != device.header_crc):
+            raise AdapterFormatError(f"{where}: the pushed image ({image.numel()} bytes, header CRC {crc:08x}) is not "
+                                     f"the image this device version was pushed as ({device.size} bytes, header CRC "
+                                     f"{device.header_crc:08x}); push the image of the version named")
         n = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
         key = (bytes(head[:8 + n]), image.numel())
         with self._lock:

@@ -628,7 +628,7 @@ class FileIdentity(_message.Message):
     def __init__(self, dev: _Optional[int] = ..., ino: _Optional[int] = ..., size: _Optional[int] = ..., mtime_ns: _Optional[int] = ..., ctime_ns: _Optional[int] = ...) -> None: ...
 
 class KnownVersion(_message.Message):
-    __slots__ = ("version", "config_digest", "host", "weights_path", "identity", "header_bytes", "header_crc", "block_crcs", "registered_ns", "store", "meta")
+    __slots__ = ("version", "config_digest", "host", "weights_path", "identity", "header_bytes", "header_crc", "block_crcs", "registered_ns", "store", "meta", "device")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -640,6 +640,7 @@ class KnownVersion(_message.Message):
     REGISTERED_NS_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     version: str
     config_digest: str
     host: str
@@ -651,7 +652,16 @@ class KnownVersion(_message.Message):
     registered_ns: int
     store: StoreObject
     meta: bytes
-    def __init__(self, version: _Optional[str] = ..., config_digest: _Optional[str] = ..., host: _Optional[str] = ..., weights_path: _Optional[str] = ..., identity: _Optional[_Union[FileIdentity, _Mapping]] = ..., header_bytes: _Optional[int] = ..., header_crc: _Optional[int] = ..., block_crcs: _Optional[bytes] = ..., registered_ns: _Optional[int] = ..., store: _Optional[_Union[StoreObject, _Mapping]] = ..., meta: _Optional[bytes] = ...) -> None: ...
+    device: DeviceImage
+    def __init__(self, version: _Optional[str] = ..., config_digest: _Optional[str] = ..., host: _Optional[str] = ..., weights_path: _Optional[str] = ..., identity: _Optional[_Union[FileIdentity, _Mapping]] = ..., header_bytes: _Optional[int] = ..., header_crc: _Optional[int] = ..., block_crcs: _Optional[bytes] = ..., registered_ns: _Optional[int] = ..., store: _Optional[_Union[StoreObject, _Mapping]] = ..., meta: _Optional[bytes] = ..., device: _Optional[_Union[DeviceImage, _Mapping]] = ...) -> None: ...
+
+class DeviceImage(_message.Message):
+    __slots__ = ("tag", "size")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    tag: str
+    size: int
+    def __init__(self, tag: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class StoreObject(_message.Message):
     __slots__ = ("bucket", "key", "etag", "version_id", "size")

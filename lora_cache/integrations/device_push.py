@@ -1,0 +1,182 @@
+"""A trainer's device pushes (lifecycle step 0; issue 44 item 5): a new version of an adapter READY on the ranks of
+the trainer's replica straight from its GPU, its node copy landed after.
+
+    from lora_cache.integrations.device_push import DevicePusher
+    pusher = DevicePusher("tenant-7", lora_config)
+    for step in ...:
+        train(...)
+        pushed = pusher.push(lora_state_dict, tag=step)  # every rank of the replica READY on step's weights
+    pusher.close()
+
+One push (``lora_cache/controller/device_pushes.py`` for the controller's side):
+1. the tensors are laid into the pusher's image buffer on their device (``serialize.image_and_head``: the
+   safetensors file, written in place once the buffer exists, so the ranks' handles stay valid) and the trainer's
+   one interprocess event is recorded behind the writes; the image's copy to pinned host memory starts on a side
+   stream behind that event (for the node copy, step 4);
+2. the controller registers the version, device-only (one Ray call: its checks, its id);
+3. each rank of the replicas on this node takes its shard from the buffer (``WorkerCache.load_image``), asked by its
+   doorbell (a UNIX socket: no Ray call; ``workers.control.doorbell``): the buffer and the event are opened on each
+   rank once (CUDA IPC), at the first push or when the buffer is new; ``push`` returns when every rank is READY;
+4. once the host copy is complete, the controller is handed it (an ObjectRef) to land the version
+   (``DevicePushes.land``), in the background: ``DevicePushed.landing`` resolves to its ``Landed``. The buffer may
+   be written again as soon as ``push`` returns (the host copy is complete by then).
+
+A replica is pushed to only if every one of its ranks is on this node and opens the buffer (on a GPU: the trainer's
+GPU; CUDA IPC across GPUs is unproven here). Others take the version from its node copy once it lands, as the
+planner sends it. On the CPU (a CPU-only service, the tests) there is no IPC: the image travels to each rank by value
+with every push.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import ray
+import torch
+from torch.multiprocessing.reductions import reduce_tensor
+
+from lora_cache.adapters.serialize import image_and_head
+from lora_cache.api.client_values import push_config
+from lora_cache.controller.pushes import Pushed
+from lora_cache.errors import AdapterFormatError, ConfigError
+from lora_cache.link.bell import Bell, ring_all
+from lora_cache.link.endpoint import controller_handle
+
+
+class DevicePushed(NamedTuple):
+    """One device push: the version registered (``Pushed``'s fields), each rank's readiness record (as the doorbell
+    answers it), the seconds from ``push`` to every rank READY, and the landing of its node copy (an ObjectRef of the
+    controller's ``Landed``: ``ray.get`` it to know the version is loadable anywhere)."""
+
+    name: str
+    tag: str
+    version: str
+    previous: str
+    records: tuple[dict[str, Any], ...]
+    ready_s: float
+    landing: Any
+
+
+class DevicePusher:
+    """A trainer's device pushes of adapter ``name`` (the module's docstring). ``replicas``: those to push to (all
+    of this node's by default); ``service``: the service's namespace (this process's by default)."""
+
+    def __init__(self, name: str, config: Any, replicas: Sequence[str] | None = None, service: str = "",
+                 timeout_s: float = 60.0) -> None:
+        self.controller = controller_handle(service)  # held: a temporary handle's method keeps a weak reference
+        self.name, self.config, self.replicas, self.timeout_s = name, push_config(config), replicas, timeout_s
+        self.buffer = f"{name}-{uuid.uuid4().hex[:12]}"  # this pusher's buffer, as the ranks know it
+        self.image: torch.Tensor | None = None
+        self.event: Any = None  # the trainer's one interprocess event (a GPU image's)
+        self.ranks: list[Any] = []  # the ranks pushed to (every rank of each replica taken)
+        self.bells: list[Bell] = []
+        self._host: torch.Tensor | None = None  # pinned: the image's copy for its landing
+        self._copied: Any = None  # the host copy's event
+
+    def push(self, tensors: Mapping[str, torch.Tensor], tag: str | int) -> DevicePushed:
+        """Push ``tensors`` (PEFT-named, on one device) as version ``tag`` of the adapter (the module's docstring);
+        its ``DevicePushed`` once every rank pushed to is READY, or the error (the previous version serving)."""
+        t0 = time.perf_counter()
+        tensors = {str(k): v for k, v in tensors.items()}
+        image, head = self._image(tensors)
+        opened = image is self.image and image.is_cuda  # a GPU buffer stays open on the ranks; a CPU one travels
+        self.image = image
+        self._copy_out(image)
+        pushed: Pushed = ray.get(self.controller.push_device.remote(self.name, tag, self.config, head, image.numel()),
+                                 timeout=self.timeout_s)
+        if not opened or not self.ranks:
+            self._open(image, head)
+        answers = ring_all(self.bells, [{"buffer": self.buffer, "name": self.name, "version": pushed.version}]
+                           * len(self.bells))
+        ready_s = time.perf_counter() - t0
+        host = self._host_bytes(image)
+        landing = self.controller.land_device.remote(self.name, pushed.version, self.config, ray.put(host))
+        return DevicePushed(pushed.name, pushed.tag, pushed.version, pushed.previous,
+                            tuple(a["record"] for a in answers), ready_s, landing)
+
+    def _image(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, bytes]:
+        """The image of ``tensors`` and its head, written into the last push's buffer where it fits exactly (the same
+        shapes, device and dtypes), else into a new one."""
+        if self.image is not None and self.image.is_cuda:
+            try:
+                return image_and_head(tensors, {"format": "pt"}, self.image)
+            except AdapterFormatError:
+                pass  # new shapes or another device: a new buffer, opened again on the ranks
+        return image_and_head(tensors, {"format": "pt"})
+
+    def _copy_out(self, image: torch.Tensor) -> None:
+        """Record the trainer's event behind the image's writes, and start its copy to pinned host memory behind it."""
+        if not image.is_cuda:
+            return
+        if self.event is None or self._host is None or self._host.numel() != image.numel():
+            self.event = torch.cuda.Event(interprocess=True)
+            self._host = torch.empty(image.numel(), dtype=torch.uint8, pin_memory=True)
+            self.ranks = []  # a new event: opened again with the buffer
+        self.event.record()
+        side = torch.cuda.Stream(image.device)
+        side.wait_event(self.event)
+        with torch.cuda.stream(side):
+            self._host.copy_(image, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _host_bytes(self, image: torch.Tensor) -> np.ndarray:
+        if not image.is_cuda:
+            return image.numpy()
+        assert self._host is not None and self._copied is not None
+        self._copied.synchronize()
+        return self._host.numpy()
+
+    def _open(self, image: torch.Tensor, head: bytes) -> None:
+        """Open the buffer (and its event) on the ranks pushed to, finding them at the first push."""
+        handle = reduce_tensor(image) if image.is_cuda else image
+        event = self.event.ipc_handle() if image.is_cuda else None
+        if not self.ranks:
+            self.ranks = self._local_ranks(handle, event, head)
+        else:
+            ray.get([r.open_image.remote(self.buffer, handle, event, head) for r in self.ranks], timeout=self.timeout_s)
+        if len(self.bells) != len(self.ranks):
+            self.close_bells()
+            paths = ray.get([r.open_doorbell.remote() for r in self.ranks], timeout=self.timeout_s)
+            self.bells = [Bell(p, self.timeout_s) for p in paths]
+
+    def _local_ranks(self, handle: Any, event: bytes | None, head: bytes) -> list[Any]:
+        """Every rank of the replicas whose ranks are all on this node and open the buffer (a rank on another GPU
+        refuses it, naming why); ConfigError naming the fix if none."""
+        node = ray.get_runtime_context().get_node_id()
+        replicas = ray.get(self.controller.replica_ranks.remote(list(self.replicas) if self.replicas else None),
+                           timeout=self.timeout_s)
+        taken: list[Any] = []
+        why: list[str] = []
+        for replica, ranks in sorted(replicas.items()):
+            nodes = {d["node"] for d in ray.get([r.describe.remote() for r in ranks], timeout=self.timeout_s)}
+            if nodes != {node}:
+                why.append(f"{replica}: ranks on another node")
+                continue
+            try:
+                ray.get([r.open_image.remote(self.buffer, handle, event, head) for r in ranks], timeout=self.timeout_s)
+            except ConfigError as e:
+                why.append(f"{replica}: {e}")
+                continue
+            taken += ranks
+        if not taken:
+            raise ConfigError(f"device push of {self.name}: no replica has every rank on this node and able to open "
+                              f"the trainer's buffer ({'; '.join(why) or 'no replicas'}); run the trainer on a "
+                              "replica's node and GPU, or push by value (push_in_ray)")
+        return taken
+
+    def close_bells(self) -> None:
+        for bell in self.bells:
+            bell.close()
+        self.bells = []
+
+    def close(self) -> None:
+        """Let go of the buffer on every rank and the doorbells (the last landing goes on)."""
+        self.close_bells()
+        if self.ranks:
+            ray.get([r.close_image.remote(self.buffer) for r in self.ranks], timeout=self.timeout_s)
+        self.ranks = []
