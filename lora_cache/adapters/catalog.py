@@ -73,6 +73,9 @@ class CatalogConfig:
     push_bytes: int = field(default=8 << 30, metadata={
         "help": "bytes the versions pushed to this service may take in push_dir (the current and keep_versions "
                 "older versions of each pushed adapter); a push past it is refused"})
+    push_land_s: float = field(default=60.0, metadata={
+        "help": "seconds a version pushed from a trainer's GPU buffer may serve before its node copy lands; one not "
+                "landed by then (the trainer died) is given up, and the version before it is current again"})
     resolve_miss_s: float = field(default=5.0, metadata={
         "help": "seconds a name found under no root is answered 'not found' without asking the roots again"})
 
@@ -94,6 +97,9 @@ class CatalogConfig:
             raise ConfigError(f"resolve_s {self.resolve_s} must be in 0..600 (0: off), resolve_parallel "
                               f"{self.resolve_parallel} in 1..256, resolve_bytes {self.resolve_bytes} >= 0, "
                               f"resolve_miss_s {self.resolve_miss_s} in 0..3600")
+        if not 1 <= self.push_land_s <= 3600:
+            raise ConfigError(f"push_land_s must be in 1..3600 seconds, got {self.push_land_s}; a device push's node "
+                              "copy lands within a second of its push")
         if self.push_bytes < 0:
             raise ConfigError(f"push_bytes must be >= 0, got {self.push_bytes}; 0 refuses every push")
         if is_store_url(self.push_dir):

@@ -18,9 +18,9 @@ the order around (docs/decisions.md, "What item 5's goal needs"):
    file's proof replaces the device-only spec, current or older (``AdapterCatalog.promote``), on the controller and
    on every rank (a registration of the same id, which a rank takes as the landing), and the planner may load it
    anywhere. A landing that does not match changes nothing and is refused by name.
-3. ``expire`` (each health round): a device version not landed within ``LAND_S`` (the trainer died, or never
-   copied its buffer) is given up: the planner may evict it, and if it is still its name's current version, the
-   version before it is registered again, so that new work takes a version that can be loaded anywhere.
+3. ``expire`` (each health round): a device version not landed within ``CatalogConfig.push_land_s`` (the trainer
+   died, or never copied its buffer) is given up: the planner may evict it, and if it is still its name's current
+   version, the version before it is registered again, so that new work takes a version that can be loaded anywhere.
 
 A device-only version is not saved in the durable catalog: a restarted controller has the version before it.
 """
@@ -39,9 +39,6 @@ from lora_cache.adapters.pushed import check_head, check_tag, digest
 from lora_cache.controller.pushes import Pushed, Pushes
 from lora_cache.errors import ConfigError, ConflictError, LoraCacheError, NotFoundError
 from lora_cache.planner.records import AdapterInfo
-
-LAND_S = 60.0  # a device version not landed this long after its push is given up (``expire``)
-
 
 class Pending(NamedTuple):
     """A device push registered and not yet landed."""
@@ -68,9 +65,9 @@ class DevicePushes:
     """The controller's side of device pushes (the module's docstring), beside ``Pushes`` (the push area, its
     bookkeeping of directories being written, the registrar)."""
 
-    def __init__(self, pushes: Pushes, land_s: float = LAND_S) -> None:
+    def __init__(self, pushes: Pushes) -> None:
         self.pushes, self.core, self.registrar = pushes, pushes.core, pushes.registrar
-        self.land_s = land_s
+        self.land_s = pushes.core.config.catalog.push_land_s
         self.pending: dict[tuple[str, str], Pending] = {}  # (name, version) -> its push, until it lands or expires
         self.pushed = self.landed = self.expired = self.refused = 0
 

@@ -269,7 +269,8 @@ class Replanner:
         room = Room(fleet.capacity[worker])
         for key in held.keys() - set(evicts):
             room.take(fleet.bytes_of(key))
-        kept = sorted(k for k in bridges if k in held and not held[k].pinned)  # may make room for new versions
+        # bridges may make room for new versions (a device push's not: it is kept where held until it lands)
+        kept = sorted(k for k in bridges if k in held and not held[k].pinned and k not in pushed)
         while room.over() and (spare := [k for k in kept if k not in named]):  # a worker over its capacity (it
             bridge = spare.pop()  # reported more than it holds room for): a bridge is not needed, so it goes first
             kept.remove(bridge)

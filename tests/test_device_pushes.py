@@ -1,0 +1,318 @@
+"""Device pushes' versions before and after their node copy lands (issue 44 item 5; CPU, no Ray): a version registered
+from the trainer's declared image only (``device_versions``), taken by a rank from the image alone and never by a host
+read, then landed under the same id, in place, whether it is still current or a newer version came meanwhile; the
+planner never loads it and keeps it where it is held until it lands; the durable catalog never saves it; a relayed
+registration carries it. The Ray path (a trainer's ``DevicePusher`` to a TP 2 replica) is tests/test_ray_push.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+from safetensors.torch import load
+
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.device_source import DeviceSource
+from lora_cache.adapters.device_versions import as_copy_of, device_known, host_readable, landed_known
+from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec, KnownVersion
+from lora_cache.adapters.pushed import PushArea, check_head, digest
+from lora_cache.adapters.serialize import image_and_head
+from lora_cache.api import relay_codec
+from lora_cache.controller.catalog_store import CatalogSnapshots, decode, entry_json
+from lora_cache.errors import AdapterChangedError, AdapterFormatError, AdapterPathError, ConflictError
+from lora_cache.planner import (
+    AdapterInfo,
+    Planner,
+    PlannerConfig,
+    QueueEntry,
+    ReplicaSpec,
+    ResidencyEntry,
+    SlotState,
+)
+from tests.test_image_loads import slot_bytes
+from workers.cache import WorkerCache, WorkerConfig
+from workers.control.outbox import Outbox
+from workers.control.rank import WorkerControl
+from workers.staging.host_config import HostTierConfig
+
+SERVICE = "svc"
+
+
+class Push(NamedTuple):
+    config: bytes
+    tensors: dict[str, torch.Tensor]
+    image: torch.Tensor
+    head: bytes
+
+
+@pytest.fixture
+def source(tiny_adapters: Callable[..., list[Path]]) -> Path:
+    return tiny_adapters(count=1, rank="8")[0]
+
+
+def declared(source: Path, scale: float = 1.0) -> Push:
+    """What a trainer declares and holds: the config, its tensors (scaled: another step's), their image and head."""
+    tensors = {k: (v.float() * scale).to(v.dtype) for k, v in load((source / WEIGHTS_FILE).read_bytes()).items()}
+    image, head = image_and_head(tensors, {"format": "pt"})
+    return Push((source / CONFIG_FILE).read_bytes(), tensors, image, head)
+
+
+def catalog_at(tmp_path: Path, push: str = "push") -> AdapterCatalog:
+    """A catalog over the tiny adapters' root (``tiny_adapters``) and the push area ``tmp_path / push``."""
+    roots = (str(tmp_path / "adapters"),)
+    return AdapterCatalog(CatalogConfig(adapter_roots=roots, model="tiny", max_rank=16, push_dir=str(tmp_path / push)))
+
+
+def area_of(catalog: AdapterCatalog) -> PushArea:
+    return PushArea(catalog.push_root, SERVICE, 1 << 30)
+
+
+def register_device(catalog: AdapterCatalog, push: Push, name: str, tag: str) -> KnownVersion:
+    """The controller's step 1 on ``catalog``: checked, versioned, registered device-only."""
+    check_head(name, push.config, push.head, push.image.numel(), catalog.shape, catalog.config.max_rank)
+    known = device_known(name, tag, push.config, push.head, push.image.numel())
+    catalog.add(catalog.read(name, str(area_of(catalog).path(name, tag)), known))
+    return known
+
+
+def land(catalog: AdapterCatalog, push: Push, name: str, tag: str, known: KnownVersion) -> KnownVersion:
+    """The controller's step 2: the node copy written, hashed, proven as the image declared, promoted in place."""
+    written, _ = area_of(catalog).write(name, tag, push.config, push.image.numpy())
+    landed = landed_known(digest(push.config, push.image.numpy()), written, known)
+    assert catalog.promote(catalog.read(name, str(written), landed))
+    return landed
+
+
+def test_a_device_version_is_built_from_what_it_carries_and_each_push_has_its_own_id(source: Path,
+                                                                                     tmp_path: Path) -> None:
+    catalog = catalog_at(tmp_path)
+    push = declared(source)
+    known = register_device(catalog, push, "a", "7")
+    spec = catalog.get("a")
+    assert spec.device_only and spec.version == known.version and spec.source is None
+    assert spec.device == DeviceSource("7", push.image.numel(), len(push.head), known.source.header_crc)  # type: ignore[union-attr]
+    from_file = catalog.read("b", str(source))
+    assert (spec.modules, spec.dtype, spec.config, spec.file_bytes) == (
+        from_file.modules, from_file.dtype, from_file.config, from_file.file_bytes)
+    assert spec.known is not None and spec.known.source == spec.device and spec.known.meta
+    again = device_known("a", "7", push.config, push.head, push.image.numel())
+    assert again.version != known.version, "two device pushes shared an id: one's slots could serve the other's bytes"
+    assert not (area_of(catalog).path("a", "7")).exists(), "a device version wrote a file before it landed"
+
+
+def test_a_device_version_is_refused_where_its_declaration_is_wrong(source: Path, tmp_path: Path) -> None:
+    catalog = catalog_at(tmp_path)
+    push = declared(source)
+    shape, rank = catalog.shape, catalog.config.max_rank
+    wrong = dict(push.tensors)
+    key = next(k for k in wrong if "lora_A" in k)
+    wrong[key] = torch.zeros(3, wrong[key].shape[1], dtype=wrong[key].dtype)
+    image, head = image_and_head(wrong, {"format": "pt"})
+    with pytest.raises(AdapterFormatError, match=key.split(".lora_A")[0].rsplit(".", 1)[-1]):
+        check_head("a", push.config, head, image.numel(), shape, rank)
+    with pytest.raises(AdapterFormatError, match="not readable safetensors"):
+        check_head("a", push.config, push.head, push.image.numel() - 64, shape, rank)
+    with pytest.raises(AdapterFormatError, match="not safetensors"):
+        check_head("a", push.config, push.head[:20], push.image.numel(), shape, rank)
+    with pytest.raises(AdapterFormatError, match="not safetensors"):
+        check_head("a", push.config, push.head, len(push.head) - 8, shape, rank)
+    known = device_known("a", "7", push.config, push.head, push.image.numel())
+    with pytest.raises(AdapterPathError, match="push root"):
+        catalog.read("a", str(tmp_path / "elsewhere" / "a" / "7"), known)
+    forged = known._replace(config_digest="0" * 16)
+    with pytest.raises(AdapterChangedError, match="carried config and header"):
+        catalog.read("a", str(area_of(catalog).path("a", "7")), forged)
+    assert "a" not in catalog
+
+
+def test_a_device_version_loads_from_its_image_only_until_it_lands_then_from_its_file(
+        source: Path, tmp_path: Path, make_cache: Callable[..., WorkerCache]) -> None:
+    """Invariant 1 on both paths: the slot filled from the image equals the landed file's load, byte for byte; before
+    it lands, no host read is tried (refused by name); an image that is not the declared one is refused."""
+    catalog = catalog_at(tmp_path)
+    push = declared(source, 1.5)
+    known = register_device(catalog, push, "a", "7")
+    version = known.version
+    cache = make_cache(catalog)
+    with pytest.raises(ConflictError, match="node copy has not landed"):
+        cache.prefetch("a")
+    with pytest.raises(ConflictError, match="node copy has not landed"):
+        cache.stage("a")
+    other = declared(source, 2.5)
+    with pytest.raises(AdapterFormatError, match="not the image this device version was pushed as"):
+        cache.load_image("a", version, other.image, other.head[:-8] + b"        ")
+    cache.load_image("a", version, push.image, push.head).result(timeout=30)
+    assert cache.prefetch("a").result(timeout=30).version == version, "a READY device version refused an acquire"
+    from_image = slot(cache, "a", version)
+    land(catalog, push, "a", "7", known)
+    assert not catalog.get("a").device_only and catalog.get("a").version == version
+    assert cache.evict("a", version)
+    assert cache.prefetch("a").result(timeout=30).version == version
+    assert slot(cache, "a", version) == from_image, "the landed file's load differs from the image's"
+    assert cache.counters.image_loads == 1 and cache.counters.loads == 2
+
+
+def slot(cache: WorkerCache, name: str, version: str) -> bytes:
+    return slot_bytes(cache, name, version)
+
+
+def test_a_landing_replaces_the_version_where_it_is_and_changes_no_current_version(source: Path,
+                                                                                    tmp_path: Path) -> None:
+    catalog = catalog_at(tmp_path)
+    first, second = declared(source, 1.5), declared(source, 2.0)
+    known1 = register_device(catalog, first, "a", "1")
+    known2 = register_device(catalog, second, "a", "2")  # a newer step came before the first landed
+    assert catalog.versions("a") == [known1.version, known2.version]
+    land(catalog, first, "a", "1", known1)
+    assert catalog.current("a") == known2.version and catalog.get("a").device_only
+    older = catalog.get("a", known1.version)
+    assert not older.device_only and older.source is not None and older.source.version == known1.version
+    land(catalog, second, "a", "2", known2)
+    assert catalog.current("a") == known2.version and not catalog.get("a").device_only
+    gone = catalog.get("a")
+    assert not catalog.promote(AdapterSpec(gone.name, gone.path, gone.config, gone.modules, gone.dtype, "f" * 16,
+                                           gone.file_bytes)), "a version the catalog does not keep was promoted"
+
+
+def test_a_landing_of_other_bytes_than_declared_is_refused(source: Path, tmp_path: Path) -> None:
+    catalog = catalog_at(tmp_path)
+    push, wider = declared(source, 1.5), declared(source, 1.5)
+    known = register_device(catalog, push, "a", "7")
+    wider_tensors = {k: torch.cat([v, v]) if "lora_B" in k else v for k, v in wider.tensors.items()}
+    image, _ = image_and_head(wider_tensors, {"format": "pt"})
+    written, _ = area_of(catalog).write("a", "7", push.config, image.numpy())
+    with pytest.raises(AdapterChangedError, match="not the image pushed"):
+        landed_known(digest(push.config, image.numpy()), written, known)
+    assert catalog.get("a").device_only
+
+
+def test_a_copy_on_another_node_is_proven_by_its_blocks_under_the_device_id(source: Path, tmp_path: Path) -> None:
+    catalog = catalog_at(tmp_path)
+    push = declared(source, 1.5)
+    known = register_device(catalog, push, "a", "7")
+    landed = land(catalog, push, "a", "7", known)
+    there = PushArea(tmp_path / "node2", SERVICE, 1 << 30)
+    copy, _ = there.write("a", "7", push.config, push.image.numpy())
+    proven = as_copy_of(digest(push.config, push.image.numpy()), copy, landed)
+    assert proven is not None and proven.version == known.version and proven.source.version == known.version  # type: ignore[union-attr]
+    other = declared(source, 3.0)
+    bad, _ = PushArea(tmp_path / "node3", SERVICE, 1 << 30).write("a", "7", push.config, other.image.numpy())
+    assert as_copy_of(digest(push.config, other.image.numpy()), bad, landed) is None
+
+
+@pytest.fixture
+def control(tmp_path: Path) -> Iterator[WorkerControl]:
+    catalog = catalog_at(tmp_path)
+    cache = WorkerCache(WorkerConfig(num_slots=2, device="cpu", host=HostTierConfig(host_bytes=1 << 20, pin=False)),
+                        catalog)
+    outbox = Outbox("r/0", flush_s=60.0, send=lambda *_: None)
+    try:
+        yield WorkerControl("r", catalog, cache, outbox)
+    finally:
+        outbox.close()
+        cache.close()
+
+
+def test_a_rank_takes_the_landing_as_a_registration_of_the_same_id_in_place(source: Path, tmp_path: Path,
+                                                                            control: WorkerControl) -> None:
+    """As the controller sends them (``submit_registrations``): the device version, a newer one, then the first's
+    landing, over the relay's wire form too (an engine's own process): the current version stays the newer one."""
+    controller = catalog_at(tmp_path)
+    first, second = declared(source, 1.5), declared(source, 2.0)
+    known1, known2 = register_device(controller, first, "a", "1"), register_device(controller, second, "a", "2")
+    area = area_of(controller)
+    wire = [relay_codec.from_known(relay_codec.known(k)) for k in (known1, known2)]
+    assert wire == [known1, known2]
+    assert control.register_adapter("a", str(area.path("a", "1")), wire[0]) == known1.version
+    assert control.register_adapter("a", str(area.path("a", "2")), wire[1]) == known2.version
+    landed = land(controller, first, "a", "1", known1)
+    assert relay_codec.from_known(relay_codec.known(landed)) == landed
+    assert control.register_adapter("a", str(area.path("a", "1")), landed) == known1.version
+    rank = control.catalog
+    assert rank.current("a") == known2.version and rank.get("a").device_only
+    assert not rank.get("a", known1.version).device_only
+    assert control.cache.prefetch("a", known1.version).result(timeout=30).version == known1.version
+    assert control.register_adapter("a", str(area.path("a", "2")), known2) == known2.version  # again: no change
+    assert rank.current("a") == known2.version and rank.versions("a") == [known1.version, known2.version]
+
+
+def test_the_durable_catalog_saves_no_device_only_version(source: Path, tmp_path: Path) -> None:
+    catalog = catalog_at(tmp_path)
+    push = declared(source, 1.5)
+    catalog.register("a", str(source))
+    before = catalog.current("a")
+    known = register_device(catalog, push, "a", "7")
+    current, older = catalog.entry("a")
+    saved = entry_json("a", str(current.path), current, older)
+    assert saved is not None and [v["v"] for v in (k for _, k in json.loads(saved)[1])] == [before]
+    snapshots = CatalogSnapshots()
+    first = decode(snapshots.take(catalog, {}))
+    assert [e.current.known.version for e in first] == [before]
+    land(catalog, push, "a", "7", known)
+    landed = decode(snapshots.take(catalog, {}))  # its entry changed though its versions did not
+    assert [(e.current.known.version, [o.known.version for o in e.older]) for e in landed] == [
+        (known.version, [before])]
+    alone = catalog_at(tmp_path, "push2")
+    register_device(alone, push, "b", "1")
+    current, older = alone.entry("b")
+    assert entry_json("b", str(current.path), current, older) is None
+
+
+def test_host_readable_names_the_version_and_the_fix(source: Path, tmp_path: Path) -> None:
+    catalog = catalog_at(tmp_path)
+    known = register_device(catalog, declared(source), "a", "7")
+    with pytest.raises(ConflictError, match=f"a@{known.version} is a device push \\(tag 7\\)"):
+        host_readable(catalog.get("a"))
+
+
+def planner_with(device_only: bool) -> Planner:
+    spec = ReplicaSpec("r0", ("r0/w0",), 2)
+    planner = Planner(PlannerConfig(policy="global", warm_host_share=0.0, linger_s=0.0), 1,
+                      [AdapterInfo("a", "v1", 100), AdapterInfo("b", "v1", 100)], [spec])
+    planner.plan(0.0)
+    planner.register_adapter(AdapterInfo("a", "d2", 100, device_only=device_only))
+    return planner
+
+
+def commands(planner: Planner, now: float) -> tuple[list[str], list[str]]:
+    plan = planner.plan(now)
+    mine = plan.for_worker("r0/w0")
+    if mine is None:
+        return [], []
+    return ([f"{c.adapter}@{c.version}" for c in mine.prefetches],
+            sorted(f"{c.adapter}@{c.version}" for c in mine.evicts))
+
+
+def test_the_planner_never_loads_a_device_version_and_keeps_it_where_held_until_it_lands() -> None:
+    planner = planner_with(device_only=True)
+    planner.report_queue("r0", [QueueEntry("a", 0.0)], 1.0)
+    assert commands(planner, 1.0)[0] == [], "the planner commanded a load of a version no file holds yet"
+    # held where the trainer pushed it (READY by its push), then not wanted any more: kept, never evicted
+    planner.report_residency("r0/w0", [ResidencyEntry("a", "d2", SlotState.READY, 0)])
+    planner.report_queue("r0", [QueueEntry("b", 0.0)], 2.0)
+    planner.register_adapter(AdapterInfo("a", "d3", 100, device_only=True))  # a newer step; d2 is older now
+    planner.report_queue("r0", [QueueEntry("b", 0.0), QueueEntry("b", 0.1)], 3.0)
+    _, evicts = commands(planner, 3.0)
+    assert "a@d2" not in evicts, "a device version's only copy was evicted before it landed"
+    planner.register_adapter(AdapterInfo("a", "d2", 100))  # d2 landed (an older version): evictable as any
+    assert planner.view.adapter("a").version == "d3", "an older version's landing changed the current version"
+    planner.report_queue("r0", [QueueEntry("b", 0.0)], 4.0)
+    planner.plan(4.0)
+    planner.register_adapter(AdapterInfo("a", "d3", 100))  # the current one landed: loadable
+    planner.report_queue("r0", [QueueEntry("a", 0.0)], 5.0)
+    prefetches, _ = commands(planner, 5.0)
+    assert prefetches == ["a@d3"]
+    planner.check_integrity()
+
+
+def test_a_trainers_image_buffer_is_the_safetensors_file_of_its_tensors(source: Path) -> None:
+    push = declared(source)
+    raw = (source / WEIGHTS_FILE).read_bytes()
+    pushed, saved = load(bytes(push.image.numpy())), load(raw)
+    assert pushed.keys() == saved.keys() and all(torch.equal(pushed[k], saved[k]) for k in saved)
+    assert bytes(push.image[:len(push.head)].numpy()) == push.head
+
