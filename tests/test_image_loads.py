@@ -22,9 +22,11 @@ from lora_cache.errors import AdapterFormatError, NonFiniteWeightsError
 from lora_cache.vocab import AdapterKey, Delta
 from tests.worker_queries import slots_in, use_streams
 from workers.cache import WorkerCache, WorkerConfig
+from workers.control.images import TrainerImages
 from workers.gpu.copies import LoadFailed
 from workers.gpu.slots import SlotPhase
 from workers.gpu.streams import CpuStreams
+from workers.kernels.gather import gather, gather_plan
 from workers.staging.host_config import HostTierConfig
 
 HAS_CUDA = torch.cuda.is_available()
@@ -240,3 +242,19 @@ def test_gpu_a_slot_filled_from_the_trainers_image_after_its_event_holds_the_fil
         finally:
             pushed.close()
             loaded.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_a_gpu_rank_compiles_the_gather_when_it_starts() -> None:
+    """A trainer's first push does not wait for Triton's compiler: the rank's ``TrainerImages`` compiled the gather
+    for every word on a thread at its start, and a gather of a plan never seen runs without compiling again."""
+    images = TrainerImages(torch.device("cuda", 0))
+    images.warming.join(timeout=300)
+    assert images.warm_s is not None and images.warm_s > 0, "the gather was not compiled at the rank's start"
+    src = torch.arange(4096, dtype=torch.int64, device="cuda").view(torch.uint8)
+    dst = torch.zeros_like(src)
+    plan = gather_plan([(8, 16, 1024), (2048, 4000, 64)])
+    gather(dst, src, plan)
+    torch.cuda.synchronize()
+    assert torch.equal(dst[16:1040], src[8:1032]) and torch.equal(dst[4000:4064], src[2048:2112])

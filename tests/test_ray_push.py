@@ -22,15 +22,23 @@ from safetensors.torch import load  # noqa: E402
 from bench.version_check import check_steps  # noqa: E402
 from lora_cache.adapters.catalog import CatalogConfig  # noqa: E402
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, read_adapter  # noqa: E402
+from lora_cache.adapters.serialize import image_and_head  # noqa: E402
 from lora_cache.adapters.shapes import SHAPES  # noqa: E402
 from lora_cache.adapters.shards import shard_layout  # noqa: E402
 from lora_cache.adapters.synth import SynthConfig, make_adapters  # noqa: E402
 from lora_cache.api import client_values as msg  # noqa: E402
 from lora_cache.api.client import ClientError, LoraCacheClient  # noqa: E402
+from lora_cache.api.client_values import push_config  # noqa: E402
 from lora_cache.api.gateway import GatewayConfig, start_gateway_thread  # noqa: E402
 from lora_cache.api.v1 import lora_cache_service_pb2_grpc as pb_grpc  # noqa: E402
 from lora_cache.app.serve import ServeConfig, start  # noqa: E402
-from lora_cache.errors import AdapterFormatError, NonFiniteWeightsError, NotFoundError  # noqa: E402
+from lora_cache.errors import (  # noqa: E402
+    AdapterFormatError,
+    ConflictError,
+    NonFiniteWeightsError,
+    NotFoundError,
+)
+from lora_cache.integrations.device_push import DevicePusher  # noqa: E402
 from lora_cache.integrations.ray_push import push_in_ray  # noqa: E402
 from lora_cache.link.bell import Bell, ring_all  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
@@ -48,6 +56,7 @@ SERVICE = "lora-cache"  # the namespace the cluster runs in: the push area's ser
 # older versions kept past those in use: 1, the tightest bound a trainer would set. A version pushed over stays
 # loadable for the requests admitted on it while a rank holds it, however many are pushed after it (by use)
 KEEP = 1
+LAND_S = 8.0  # a device push not landed this long is given up (its test waits for that)
 
 
 class World(NamedTuple):
@@ -71,7 +80,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     init_local(num_cpus=2, namespace=SERVICE, include_dashboard=False, log_to_driver=False)
     try:
         svc = start(ServeConfig(adapters=str(root), replicas=1, tp=2),
-                    CatalogConfig(model="tiny", max_rank=16, keep_versions=KEEP, push_dir=str(push_dir)),
+                    CatalogConfig(model="tiny", max_rank=16, keep_versions=KEEP, push_dir=str(push_dir),
+                                  push_land_s=LAND_S),
                     PlannerConfig(), WorkerConfig(num_slots=4, host=HostTierConfig(host_bytes=1 << 22, pin=False)))
         gw = start_gateway_thread(GatewayConfig(grpc_port=0, token=TOKEN), svc.controller)
         client = LoraCacheClient(gw.target, token=TOKEN, timeout_s=60)
@@ -429,6 +439,70 @@ def _status_or_none(ctl: Any) -> dict[str, Any] | None:
         return dict(ray.get(ctl.status.remote(), timeout=5))
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
         return None
+
+
+def test_a_device_push_is_ready_on_both_ranks_from_the_buffer_then_lands_under_its_id(world: World) -> None:
+    """Issue 44 item 5 end to end (``DevicePusher``; on the CPU the image travels by value): the version is
+    registered from the trainer's declaration alone, both ranks of the TP 2 replica take their shards from the
+    trainer's buffer by their doorbells (no host read), and its node copy then lands under the same id: each rank's
+    slot equals its slices of that file, whose tensors are the trainer's. The next step replaces it; a tag used
+    already, or tensors of the wrong shapes, are refused before anything changes."""
+    ranks = list(world.service.workers.values())
+    before = [ray.get(h.stats.remote(), timeout=30) for h in ranks]
+    pusher = DevicePusher("devpush", world.config)
+    try:
+        for step, scale in ((1, 1.3), (2, 1.6)):
+            tensors = scaled(world.tensors, scale)
+            pushed = pusher.push(tensors, tag=step)
+            assert sorted(r["tp_rank"] for r in pushed.records) == [0, 1]
+            assert {r["version"] for r in pushed.records} == {pushed.version} and pushed.tag == str(step)
+            assert current(world, "devpush") == pushed.version
+            landed = ray.get(pushed.landing, timeout=60)
+            assert (landed.version, landed.tag) == (pushed.version, str(step)) and landed.content != pushed.version
+            assert _same(load((world.area / "devpush" / str(step) / WEIGHTS_FILE).read_bytes()), tensors)
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            for h in ranks:
+                check = ray.get(h.verify.remote("devpush", pushed.version), timeout=60)  # against the landed file
+                assert check["max_abs_diff"] == 0.0 and 0 < check["nbytes"] < total, check
+        with pytest.raises(ConflictError, match="tagged '2' already"):
+            pusher.push(scaled(world.tensors, 1.9), tag=2)
+        wrong = dict(world.tensors)
+        key = next(k for k in wrong if "lora_B" in k)
+        wrong[key] = torch.cat([wrong[key], wrong[key]])
+        with pytest.raises(AdapterFormatError, match=key.rsplit(".lora_B", 1)[0].rsplit(".", 1)[-1]):
+            pusher.push(wrong, tag=3)
+        assert current(world, "devpush") == pushed.version
+        for h, was in zip(ranks, before, strict=True):
+            now = ray.get(h.stats.remote(), timeout=30)
+            assert now["image_loads"] - was["image_loads"] == 2, "a rank did not take each step from the buffer"
+            assert now["host_misses"] == was["host_misses"], "a device push's load read the host tier"
+        with pytest.raises(NotFoundError, match="waiting for its node copy"):
+            ray.get(world.service.controller.land_device.remote("devpush", pushed.version, b"{}", b""), timeout=30)
+    finally:
+        pusher.close()
+    ray.get(world.service.controller.unregister_adapter.remote("devpush"), timeout=60)
+
+
+def test_a_device_push_never_landed_gives_way_to_the_version_before_it(world: World) -> None:
+    """A trainer that dies after its push registered (before any rank took it, or before its node copy) leaves a
+    version no rank can read: after ``push_land_s`` the version before it is current again on the controller and on
+    both ranks, served from its own file, and the late landing is refused by name."""
+    base = push_in_ray("devgone", world.tensors, world.config, tag=0).version
+    tensors = scaled(world.tensors, 2.2)
+    image, head = image_and_head(tensors, {"format": "pt"})
+    ctl = world.service.controller
+    config = push_config(world.config)
+    dead = ray.get(ctl.push_device.remote("devgone", 1, config, head, image.numel()), timeout=30)
+    assert dead.previous == base and current(world, "devgone") == dead.version
+    for h in world.service.workers.values():  # no rank can load it: nothing reads a file that is not there
+        with pytest.raises(ConflictError, match="node copy has not landed"):
+            ray.get(h.preload.remote(["devgone"]), timeout=60)
+    wait_until(lambda: current(world, "devgone") == base, "the version before the dead push current again",
+               LAND_S + 30)
+    served_on_every_rank(world, "devgone", world.tensors, base)
+    with pytest.raises(NotFoundError, match="given up"):
+        ray.get(ctl.land_device.remote("devgone", dead.version, config, image.numpy()), timeout=30)
+    ray.get(ctl.unregister_adapter.remote("devgone"), timeout=60)
 
 
 def test_a_restarted_controller_keeps_a_pushed_version_and_takes_new_pushes(world: World) -> None:

@@ -14,6 +14,13 @@ loads version 0 of the adapter, then pushes ``--pushes`` new versions in turn, a
 The reference is ``copy_probe``: each rank's plain pinned host-to-device copy of its shard's bytes, all ranks at
 once (on ``--cpu``: a memcpy), so ``ready_over_copy`` is the goal's ratio (<= 1.3x).
 
+``--via device`` pushes from a trainer's device buffer (``DevicePusher``, issue 44 item 5): the version is registered
+device-only, each rank takes its shard from the buffer when its doorbell rings, and ``answer_ms`` is then every rank
+READY by the doorbells' answers; ``landed_ms`` is its node copy landed (after which each slot is checked against the
+landed file). On ``--cpu`` the image travels to each rank by value with every push (no IPC); on a GPU the ranks open
+the trainer's buffer by CUDA IPC once (``--source gpu --one-gpu``: the trainer's GPU is the ranks'). ``--via`` takes a
+list (``grpc,ray``: alternately, the default).
+
 ``--source gpu`` pushes tensors that lie on the GPU (a trainer's, the RL case: the client gathers them on the device
 and copies them out in one transfer), ``cpu`` tensors in host memory. ``--one-gpu`` puts every rank of the replica on
 GPU 0 (a one-GPU host measuring TP 2: the ranks' copies then share one link, the reference's too; Ray is told of
@@ -22,6 +29,7 @@ GPU 0 (a one-GPU host measuring TP 2: the ranks' copies then share one link, the
     python -m bench.probes.push --tp 2 --out /tmp/push.json                  # on a 2-GPU machine
     python -m bench.probes.push --tp 2 --cpu --out /tmp/push.json            # anywhere
     python -m bench.probes.push --tp 2 --one-gpu --source gpu --out /tmp/push.json   # a one-GPU host
+    python -m bench.probes.push --tp 2 --one-gpu --source gpu --via device,ray --out /tmp/push.json
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.api.client import LoraCacheClient
 from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
 from lora_cache.app.serve import ServeConfig, start
+from lora_cache.integrations.device_push import DevicePusher
 from lora_cache.integrations.ray_push import push_in_ray
 from lora_cache.planner import PlannerConfig
 from lora_cache.vocab import WorkerId
@@ -79,12 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--source", choices=("cpu", "gpu"), default="cpu",
                     help="where the pushed tensors lie: host memory, or GPU 0 (a trainer's)")
     ap.add_argument("--one-gpu", action="store_true", help="every rank on GPU 0 (TP > 1 on a one-GPU host)")
+    ap.add_argument("--via", default="grpc,ray", help="the ways pushes go, in turn: grpc, ray, device")
     ap.add_argument("--out", required=True)
     return ap
 
 
 def main() -> None:
     args = build_parser().parse_args()
+    ways = [w for w in args.via.split(",") if w]
+    if not ways or set(ways) - {"grpc", "ray", "device"}:
+        raise SystemExit(f"--via {args.via!r}: give a list of grpc, ray, device")
     if args.source == "gpu" and args.cpu:
         raise SystemExit("--source gpu pushes tensors that lie on a GPU: leave out --cpu")
     if args.one_gpu:  # set before Ray starts: its workers inherit it and each sees GPU 0
@@ -111,24 +124,37 @@ def main() -> None:
         workers = [svc.workers[WorkerId("replica-0", r)] for r in range(args.tp)]
         spec = AdapterCatalog(catalog_config).register("src", str(src))
         shard = [shard_layout(spec, catalog_config.shape(), args.tp, r, dtype).nbytes for r in range(args.tp)]
+        pusher = DevicePusher(NAME, config) if "device" in ways else None
         for step in range(args.pushes + 1):
             pushed = {k: (v.float() * (1.0 + step / 100)).to(v.dtype).to(device) for k, v in tensors.items()}
-            how = "grpc" if step % 2 == 0 else "ray"
+            how = ways[step % len(ways)] if step else ("ray" if ways == ["device"] else ways[0])  # step 0: a version
             if device != "cpu":
                 torch.cuda.synchronize()  # the tensors made: the push starts from them in place
             t0 = time.time()
-            done = (client.push(NAME, pushed, config, tag=step) if how == "grpc"
-                    else push_in_ray(NAME, pushed, config, tag=step))
+            landed_ms = None
+            if how == "device":
+                assert pusher is not None
+                done = pusher.push(pushed, tag=step)
+            else:
+                done = (client.push(NAME, pushed, config, tag=step) if how == "grpc"
+                        else push_in_ray(NAME, pushed, config, tag=step))
             t_answer = time.time()
             ray.get(ctl.report_queue.remote("replica-0", [(NAME, t_answer)]))
             t_ready, cursor = wait_ready(ctl, cursor, done.version)
+            if how == "device":  # each slot is checked against the landed file below
+                landed = ray.get(done.landing, timeout=120)  # type: ignore[union-attr]
+                landed_ms = (time.time() - t0) * 1e3
+                assert landed.version == done.version
             checks = ray.get([w.verify.remote(NAME, done.version) for w in workers])
             assert all(c["max_abs_diff"] == 0.0 for c in checks), checks
             assert [c["nbytes"] for c in checks] == shard, (checks, shard)
             rows.append({"step": step, "how": how, "answer_ms": (t_answer - t0) * 1e3,
-                         "ready_ms": (t_ready - t0) * 1e3, "version": done.version})
+                         "ready_ms": (t_ready - t0) * 1e3, "landed_ms": landed_ms, "version": done.version})
             print(f"push {step} ({how}): answered {rows[-1]['answer_ms']:8.1f} ms, every rank READY "
-                  f"{rows[-1]['ready_ms']:8.1f} ms", flush=True)
+                  f"{rows[-1]['ready_ms']:8.1f} ms" + (f", landed {landed_ms:8.1f} ms" if landed_ms else ""),
+                  flush=True)
+        if pusher is not None:
+            pusher.close()
         together = ray.get([w.copy_probe.remote(n) for w, n in zip(workers, shard)])
         measured = rows[1:]  # step 0 is the first version (a cold start): not a push of a new version
         copy_ms = max(together)
@@ -136,10 +162,16 @@ def main() -> None:
                    "median_answer_ms": statistics.median(r["answer_ms"] for r in measured),
                    "median_ready_ms": statistics.median(r["ready_ms"] for r in measured),
                    "median_ready_ms_grpc": _median([r["ready_ms"] for r in measured if r["how"] == "grpc"]),
-                   "median_ready_ms_ray": _median([r["ready_ms"] for r in measured if r["how"] == "ray"])}
+                   "median_ready_ms_ray": _median([r["ready_ms"] for r in measured if r["how"] == "ray"]),
+                   # a device push's every rank READY is its answer (the doorbells'); the readiness event follows
+                   "median_answer_ms_device": _median([r["answer_ms"] for r in measured if r["how"] == "device"]),
+                   "median_ready_ms_device": _median([r["ready_ms"] for r in measured if r["how"] == "device"]),
+                   "median_landed_ms_device": _median([r["landed_ms"] for r in measured if r["how"] == "device"])}
         summary["ready_over_copy"] = summary["median_ready_ms"] / copy_ms
+        if summary["median_answer_ms_device"] is not None:
+            summary["device_ready_over_copy"] = summary["median_answer_ms_device"] / copy_ms
         out = {"tp": args.tp, "model": args.model, "rank": args.rank, "cpu": args.cpu, "source": args.source,
-               "one_gpu": args.one_gpu, "host": platform.node(),
+               "one_gpu": args.one_gpu, "via": ways, "host": platform.node(),
                "push_dir": catalog_config.push_dir,
                "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
                "date": time.strftime("%Y-%m-%d"), "rows": rows, "summary": summary}

@@ -40,6 +40,7 @@ from lora_cache.controller.pushes import Pushed, Pushes
 from lora_cache.errors import ConfigError, ConflictError, LoraCacheError, NotFoundError
 from lora_cache.planner.records import AdapterInfo
 
+
 class Pending(NamedTuple):
     """A device push registered and not yet landed."""
 

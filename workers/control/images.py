@@ -14,10 +14,14 @@ push answered (every rank READY), so no rank waits on a later write than its own
 the buffer between its record and that answer.
 
 On the CPU (the tests, a CPU-only service) there is no IPC: the trainer sends the image itself, by value.
+
+A GPU rank compiles the gather when it starts, on a thread (``gather.warm``): the first push on a fresh machine
+waited 2.0-2.3 s for Triton's compiler before (bench/reports/issue-44.md).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +29,9 @@ from typing import Any
 import torch
 
 from lora_cache.errors import ConfigError, NotFoundError
+from workers.kernels.gather import warm
+
+log = logging.getLogger(__name__)
 
 
 class TrainerImages:
@@ -34,6 +41,17 @@ class TrainerImages:
         self.device = device
         self._open: dict[str, tuple[torch.Tensor, Any, bytes]] = {}  # buffer id -> (image, trainer's event, head)
         self._lock = threading.Lock()
+        self.warm_s: float | None = None  # the gather compiled at start (``gather.warm``), on a GPU rank
+        self.warming = threading.Thread(target=self._warm, name="lora-gather-warm", daemon=True)
+        if device.type == "cuda":  # on a thread: the rank's start does not wait for the compiler
+            self.warming.start()
+
+    def _warm(self) -> None:
+        try:
+            self.warm_s = warm(self.device)
+        except Exception:  # a warm-up only: the first push compiles it then, as before
+            log.warning("the gather could not be compiled at the rank's start; a trainer's first push compiles it",
+                        exc_info=True)
 
     def open(self, buffer: str, handle: torch.Tensor | tuple[Callable[..., torch.Tensor], tuple[Any, ...]],
              event: bytes | None = None, head: bytes = b"") -> int:

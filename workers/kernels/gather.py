@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -162,3 +163,19 @@ def gather(dst: torch.Tensor, src: torch.Tensor, plan: GatherPlan) -> None:
     d = dst[:dst.numel() // word * word].view(dtype)
     block = 256 if interpreting() else BLOCK_BYTES // word
     _gather_kernel[(table.shape[0],)](s, d, table, BLOCK=block, num_warps=4)
+
+
+def warm(device: torch.device) -> float:
+    """Compile the gather for every word it launches with (one launch each on a scratch buffer of ``device``), so a
+    trainer's first push does not wait for Triton's compiler: it did, 2.0-2.3 s on a fresh H100 (bench/reports/
+    issue-44.md). The seconds it took; nothing to do on the CPU (the twin runs there)."""
+    if device.type != "cuda" or interpreting():
+        return 0.0
+    start = time.perf_counter()
+    with torch.cuda.device(device):
+        src = torch.zeros(64, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        for word in WORDS:  # the widest word each plan's offsets allow: each is its own compiled kernel
+            gather(dst, src, gather_plan([(0, 0, word)]))
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
