@@ -42,7 +42,9 @@ class ImagePushCalls:
         readiness record once READY, or the load's error."""
         t0 = time.perf_counter()
         image, after, opened = self.images.get(buffer)
-        record = self.cache.load_image(name, version, image, head or opened, after, commanded=True).result(timeout_s)
+        # the rank's own load at the trainer's word, not the controller's command: its deltas say so
+        # (``Delta.acquired``), and the controller believes its READY as it believes an engine's acquire's
+        record = self.cache.load_image(name, version, image, head or opened, after).result(timeout_s)
         with self.cache.book.lock:  # its phases (``SlotLoad.marks``), for the probes
             marks = list(self.cache.book.loads[record.slot].marks) if record.slot in self.cache.book.loads else []
         self.image_times.append((t0, marks, time.perf_counter()))
