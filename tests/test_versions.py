@@ -5,7 +5,10 @@ Two TP ranks, each with its own catalog (re-registration reaches them one at a t
 (``reduce_min``), rank 0's ``ReducedVersions`` and ``Scheduler``. A hypothesis state machine re-registers
 adapters on one rank at a time, evicts, and runs rounds; every step it checks that all ranks computed each
 item with the same version, the version the request was admitted with, and that the slot held that
-version's bytes (a digest of the rank's shard read from the version's own files).
+version's bytes (a digest of the rank's shard read from the version's own files). Versions also arrive as device
+pushes (issue 44 item 5): registered device-only on one rank at a time, taken by a rank from the trainer's image
+only, their node copy landed later on each rank under the same id; a rank that cannot load one (no file yet) never
+serves another version's bytes under its id.
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
-from lora_cache.adapters.peft import content_version, read_adapter
+from lora_cache.adapters.device_versions import device_known, landed_known
+from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, KnownVersion, content_version, read_adapter
+from lora_cache.adapters.pushed import PushArea, digest
 from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
 from lora_cache.adapters.shards import shard_layout
 from lora_cache.adapters.synth import write_adapter
-from lora_cache.errors import ConfigError, NotFoundError
+from lora_cache.errors import ConfigError, LoraCacheError, NotFoundError
 from lora_cache.vocab import AdapterKey
 from workers.attach.versions import (
     COLUMNS,
@@ -273,7 +278,11 @@ class VersionsMachine(RuleBasedStateMachine):
         super().__init__()
         self.root = Path(tempfile.mkdtemp(prefix="lora-cache-versions-"))
         make_versions(self.root)
-        config = CatalogConfig(adapter_roots=(str(self.root),), model="tiny", max_rank=16, keep_versions=1)
+        config = CatalogConfig(adapter_roots=(str(self.root),), model="tiny", max_rank=16, keep_versions=1,
+                               push_dir=str(self.root / "pushed"))
+        self.area = PushArea(self.root / "pushed", "svc", 1 << 30)
+        self.pushed: dict[tuple[str, int], KnownVersion] = {}  # a device push of name-v{i}: its version, one per draw
+        self.landed: dict[tuple[str, int], KnownVersion] = {}  # its node copy's proof, once written
         self.catalogs = [AdapterCatalog(config) for _ in range(TP)]
         for catalog in self.catalogs:
             for name in NAMES:
@@ -338,6 +347,60 @@ class VersionsMachine(RuleBasedStateMachine):
         """Registration reaches one rank now, the other later (or never, until drawn)."""
         self.catalogs[rank].register(name, self.root / f"{name}-v{version}")
 
+    @rule(name=st.sampled_from(NAMES), version=st.integers(0, VERSIONS - 1), rank=st.integers(0, TP - 1),
+          ring=st.booleans())
+    def push_device(self, name: str, version: int, rank: int, ring: bool) -> None:
+        """A trainer's device push of ``name-v{version}``'s bytes (``DevicePushes.push``): its id minted once, then
+        registered device-only on one rank now (the other later, or never), and (``ring``) that rank takes its shard
+        from the image (its doorbell). A host load of it is refused there until it lands."""
+        key = (name, version)
+        if key not in self.pushed:
+            directory = self.root / f"{name}-v{version}"
+            raw = (directory / WEIGHTS_FILE).read_bytes()
+            head = raw[:8 + int.from_bytes(raw[:8], "little")]
+            self.pushed[key] = known = device_known(name, f"t{version}", (directory / CONFIG_FILE).read_bytes(),
+                                                    head, len(raw))
+            self.dirs[AdapterKey(name, known.version)] = directory
+        known = self.landed.get(key, self.pushed[key])
+        catalog, path = self.catalogs[rank], str(self.area.path(name, f"t{version}"))
+        try:
+            current = catalog.get(name, known.version)
+        except NotFoundError:
+            current = None
+        if current is None:
+            catalog.add(catalog.read(name, path, known))
+        elif current.device_only and key in self.landed:  # its landing (``WorkerControl._land``)
+            catalog.promote(catalog.read(name, path, known))
+        if ring and catalog.get(name, known.version).device_only:
+            raw = (self.dirs[AdapterKey(name, known.version)] / WEIGHTS_FILE).read_bytes()
+            image = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            self.caches[rank].load_image(name, known.version, image, raw[:8 + int.from_bytes(raw[:8], "little")])
+            self.caches[rank].settle()
+            self.record("a device push taken from the image")
+
+    @rule(name=st.sampled_from(NAMES), version=st.integers(0, VERSIONS - 1), rank=st.integers(0, TP - 1))
+    def land(self, name: str, version: int, rank: int) -> None:
+        """The node copy of a device push lands (``DevicePushes.land``): written and proven once, then promoted on one
+        rank at a time, in place (the current version unchanged)."""
+        key = (name, version)
+        if key not in self.pushed:
+            return
+        if key not in self.landed:
+            directory = self.root / f"{name}-v{version}"
+            config, raw = (directory / CONFIG_FILE).read_bytes(), (directory / WEIGHTS_FILE).read_bytes()
+            written, _ = self.area.write(name, f"t{version}", config, raw)
+            self.landed[key] = landed_known(digest(config, raw), written, self.pushed[key])
+        catalog = self.catalogs[rank]
+        try:
+            held = catalog.get(name, self.pushed[key].version)
+        except NotFoundError:
+            return  # retired here (or never registered on this rank): nothing to land
+        if held.device_only:
+            before = catalog.current(name)
+            assert catalog.promote(catalog.read(name, str(self.area.path(name, f"t{version}")), self.landed[key]))
+            assert catalog.current(name) == before, "a landing changed the current version"
+            self.record("a device push landed")
+
     @rule(name=st.sampled_from(NAMES), rank=st.integers(0, TP - 1))
     def evict(self, name: str, rank: int) -> None:
         """LRU pressure: every idle version of ``name`` leaves the rank (its old ones may not come back)."""
@@ -377,8 +440,7 @@ class VersionsMachine(RuleBasedStateMachine):
         if plan.kind in (WAIT, STOP):
             for cache in self.caches:
                 cache.unfence()
-                for ref in plan.prefetch:
-                    cache.prefetch(ref.name, ref.version) if isinstance(ref, AdapterKey) else cache.prefetch(ref)
+                self._prefetch(cache, plan.prefetch)
                 cache.settle()
             return
         self._step(plan, view)
@@ -423,21 +485,30 @@ class VersionsMachine(RuleBasedStateMachine):
                 self.checked += 1
             self.record(f"item held on {len(held)} of {TP} ranks")
         for cache, batch in zip(self.caches, batches):
-            for ref in plan.prefetch:
-                try:
-                    cache.prefetch(ref.name, ref.version) if isinstance(ref, AdapterKey) else cache.prefetch(ref)
-                except NotFoundError:
-                    self.record("prefetch of a version this rank does not know")
+            self._prefetch(cache, plan.prefetch)
             cache.release(batch)
             cache.settle()
         self.scheduler.finish_step(plan, self.now, 0.0)
         self.steps += 1
 
+    def _prefetch(self, cache: WorkerCache, refs: tuple) -> None:
+        """As ``RankEngine._prefetch``: a load this rank cannot start (a version it does not know; a device push's
+        not landed here) fails alone, and the round goes on."""
+        for ref in refs:
+            try:
+                cache.prefetch(ref.name, ref.version) if isinstance(ref, AdapterKey) else cache.prefetch(ref)
+            except NotFoundError:
+                self.record("prefetch of a version this rank does not know")
+            except LoraCacheError:
+                self.record("prefetch of a device push not landed here: refused")
+
     def _expected(self, key: AdapterKey, rank: int) -> str:
         """The digest of ``rank``'s shard of exactly ``key``, read from that version's own files."""
         if (key, rank) not in self.expected:
             spec = read_adapter(key.name, self.dirs[key], TINY, 16)
-            assert spec.version == key.version
+            # a device push's id is minted, not its content's hash: its bytes are its directory's by construction
+            assert spec.version == key.version or (key.name, key.version) in {
+                (n, k.version) for (n, _), k in self.pushed.items()}
             layout = shard_layout(spec, TINY, TP, rank, torch.float32)
             staged = torch.empty(layout.numel, dtype=layout.dtype)
             read_shard(spec, layout, staged)

@@ -23,8 +23,8 @@ One push (``lora_cache/controller/device_pushes.py`` for the controller's side):
 
 A replica is pushed to only if every one of its ranks is on this node and opens the buffer (on a GPU: the trainer's
 GPU; CUDA IPC across GPUs is unproven here). Others take the version from its node copy once it lands, as the
-planner sends it. On the CPU (a CPU-only service, the tests) there is no IPC: the image travels to each rank by value
-with every push.
+planner sends it. On the CPU (a CPU-only service, the tests) there is no IPC: the image is put in Ray's object store
+with every push, and each rank maps it from there.
 """
 
 from __future__ import annotations
@@ -86,15 +86,17 @@ class DevicePusher:
         opened = image is self.image and image.is_cuda  # a GPU buffer stays open on the ranks; a CPU one travels
         self.image = image
         self._copy_out(image)
+        # on the CPU the image goes into the object store once: each rank maps it from there, and so does the landing
+        stored = None if image.is_cuda else ray.put(image.numpy())
         pushed: Pushed = ray.get(self.controller.push_device.remote(self.name, tag, self.config, head, image.numel()),
                                  timeout=self.timeout_s)
         if not opened or not self.ranks:
-            self._open(image, head)
+            self._open(image, head, stored)
         answers = ring_all(self.bells, [{"buffer": self.buffer, "name": self.name, "version": pushed.version}]
                            * len(self.bells))
         ready_s = time.perf_counter() - t0
-        host = self._host_bytes(image)
-        landing = self.controller.land_device.remote(self.name, pushed.version, self.config, ray.put(host))
+        landing = self.controller.land_device.remote(self.name, pushed.version, self.config,
+                                                     stored if stored is not None else ray.put(self._host_bytes()))
         return DevicePushed(pushed.name, pushed.tag, pushed.version, pushed.previous,
                             tuple(a["record"] for a in answers), ready_s, landing)
 
@@ -124,16 +126,16 @@ class DevicePusher:
             self._copied = torch.cuda.Event()
             self._copied.record()
 
-    def _host_bytes(self, image: torch.Tensor) -> np.ndarray:
-        if not image.is_cuda:
-            return image.numpy()
+    def _host_bytes(self) -> np.ndarray:
+        """The GPU image's host copy (``_copy_out``), once complete."""
         assert self._host is not None and self._copied is not None
         self._copied.synchronize()
         return self._host.numpy()
 
-    def _open(self, image: torch.Tensor, head: bytes) -> None:
-        """Open the buffer (and its event) on the ranks pushed to, finding them at the first push."""
-        handle = reduce_tensor(image) if image.is_cuda else image
+    def _open(self, image: torch.Tensor, head: bytes, stored: Any = None) -> None:
+        """Open the buffer (and its event) on the ranks pushed to, finding them at the first push; ``stored``: a CPU
+        image's ObjectRef."""
+        handle = reduce_tensor(image) if image.is_cuda else stored
         event = self.event.ipc_handle() if image.is_cuda else None
         if not self.ranks:
             self.ranks = self._local_ranks(handle, event, head)

@@ -13,7 +13,8 @@ the trainer's last record, which precedes the call. The trainer records again on
 push answered (every rank READY), so no rank waits on a later write than its own push's. The trainer must not write
 the buffer between its record and that answer.
 
-On the CPU (the tests, a CPU-only service) there is no IPC: the trainer sends the image itself, by value.
+On the CPU (the tests, a CPU-only service) there is no IPC: the trainer sends the image itself, by value, or as an
+array in Ray's object store, which each rank maps without a copy.
 
 A GPU rank compiles the gather when it starts, on a thread (``gather.warm``): the first push on a fresh machine
 waited 2.0-2.3 s for Triton's compiler before (bench/reports/issue-44.md).
@@ -23,9 +24,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from lora_cache.errors import ConfigError, NotFoundError
@@ -53,14 +56,20 @@ class TrainerImages:
             log.warning("the gather could not be compiled at the rank's start; a trainer's first push compiles it",
                         exc_info=True)
 
-    def open(self, buffer: str, handle: torch.Tensor | tuple[Callable[..., torch.Tensor], tuple[Any, ...]],
+    def open(self, buffer: str,
+             handle: torch.Tensor | np.ndarray | tuple[Callable[..., torch.Tensor], tuple[Any, ...]],
              event: bytes | None = None, head: bytes = b"") -> int:
         """Open the trainer's buffer ``buffer``: ``handle`` is torch's ``reduce_tensor`` of it (CUDA IPC), or on the
-        CPU the image itself; ``event`` the IPC handle of the trainer's one interprocess event (None: its pushes are
-        ordered otherwise); ``head``: the image's first 8 + header-length bytes, the same for every version the
-        buffer holds (the same tensors' shapes: ``device_image`` rewrites it in place), so a push need not send
-        them (the 8B rank-16's are ~60 KB, the 70B rank-64's ~140 KB: ~1 ms of a push's call measured on one
-        H100). Opening an id again replaces it (a trainer's new buffer, or new shapes). Its size in bytes."""
+        CPU the image itself (a tensor, or an array mapped from Ray's object store); ``event`` the IPC handle of the
+        trainer's one interprocess event (None: its pushes are ordered otherwise); ``head``: the image's first 8 +
+        header-length bytes, the same for every version the buffer holds (the same tensors' shapes:
+        ``device_image`` rewrites it in place), so a push need not send them (the 8B rank-16's are ~60 KB, the 70B
+        rank-64's ~140 KB: ~1 ms of a push's call measured on one H100). Opening an id again replaces it (a
+        trainer's new buffer, or new shapes). Its size in bytes."""
+        if isinstance(handle, np.ndarray):  # on the CPU: the image mapped from Ray's object store (read-only)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # not writable: a rank only reads an image
+                handle = torch.from_numpy(handle)
         if isinstance(handle, torch.Tensor):
             if handle.device.type == "cuda":
                 raise ConfigError(f"trainer buffer {buffer!r}: a GPU image cannot travel by value; send torch's "
