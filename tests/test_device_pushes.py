@@ -6,10 +6,12 @@ registration carries it. The Ray path (a trainer's ``DevicePusher`` to a TP 2 re
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -23,7 +25,17 @@ from lora_cache.adapters.pushed import PushArea, check_head, digest
 from lora_cache.adapters.serialize import image_and_head
 from lora_cache.api import relay_codec
 from lora_cache.controller.catalog_store import CatalogSnapshots, decode, entry_json
-from lora_cache.errors import AdapterChangedError, AdapterFormatError, AdapterPathError, ConflictError
+from lora_cache.controller.core import ControllerConfig, ControllerCore
+from lora_cache.controller.device_pushes import DevicePushes
+from lora_cache.controller.pushes import Pushes
+from lora_cache.controller.registrations import Registrar
+from lora_cache.errors import (
+    AdapterChangedError,
+    AdapterFormatError,
+    AdapterPathError,
+    ConflictError,
+    NotFoundError,
+)
 from lora_cache.planner import (
     AdapterInfo,
     Planner,
@@ -33,7 +45,9 @@ from lora_cache.planner import (
     ResidencyEntry,
     SlotState,
 )
+from lora_cache.vocab import AdapterKey
 from tests.test_image_loads import slot_bytes
+from tests.test_registrations import Links
 from workers.cache import WorkerCache, WorkerConfig
 from workers.control.outbox import Outbox
 from workers.control.rank import WorkerControl
@@ -316,3 +330,71 @@ def test_a_trainers_image_buffer_is_the_safetensors_file_of_its_tensors(source: 
     assert pushed.keys() == saved.keys() and all(torch.equal(pushed[k], saved[k]) for k in saved)
     assert bytes(push.image[:len(push.head)].numpy()) == push.head
 
+
+
+class Controller(NamedTuple):
+    core: ControllerCore
+    devices: DevicePushes
+    links: Links
+
+
+def controller(tmp_path: Path, land_s: float = 60.0) -> Controller:
+    """The controller's plain parts (core, registrar, pushes; the workers as the registrar sees them: ``Links``)."""
+    catalog = CatalogConfig(adapter_roots=(str(tmp_path / "adapters"),), model="tiny", max_rank=16,
+                            push_dir=str(tmp_path / "push"), push_land_s=land_s)
+    core = ControllerCore(ControllerConfig(catalog=catalog), epoch=1)
+    links = Links([])
+
+    async def plan() -> None:
+        pass
+
+    registrar = Registrar(core, links, set(), plan)  # type: ignore[arg-type]
+    return Controller(core, DevicePushes(Pushes(core, registrar, SERVICE)), links)
+
+
+def test_one_of_two_pushes_of_a_tag_at_once_is_refused_and_a_push_lands_in_place(source: Path,
+                                                                                  tmp_path: Path) -> None:
+    ctl = controller(tmp_path)
+    push = declared(source, 1.5)
+
+    async def both() -> list[Any]:
+        return await asyncio.gather(*(ctl.devices.push("a", 7, push.config, push.head, push.image.numel())
+                                      for _ in range(2)), return_exceptions=True)
+
+    outcomes = asyncio.run(both())
+    pushed = [o for o in outcomes if not isinstance(o, BaseException)]
+    refused = [o for o in outcomes if isinstance(o, BaseException)]
+    assert len(pushed) == 1 and len(refused) == 1 and isinstance(refused[0], ConflictError), outcomes
+    version = pushed[0].version
+    assert ctl.core.catalog.get("a").device_only and AdapterKey("a", version) in ctl.core.planner._fleet.device_only
+    other = declared(source, 2.5)
+    cut = other.image[:-64].numpy()  # not the image declared: refused, nothing changed
+    with pytest.raises(AdapterChangedError, match="not the image pushed"):
+        asyncio.run(ctl.devices.land("a", version, push.config, cut.tobytes()))
+    assert ctl.core.catalog.get("a").device_only and not (ctl.devices.pushes.area.path("a", "7")).exists()
+    landed = asyncio.run(ctl.devices.land("a", version, push.config, push.image.numpy()))
+    assert landed.version == version and landed.content != version
+    spec = ctl.core.catalog.get("a")
+    assert not spec.device_only and spec.version == version
+    assert AdapterKey("a", version) not in ctl.core.planner._fleet.device_only
+    name, _, known = ctl.links.sent[-1][0]
+    assert (name, known.version) == ("a", version) and known.source.version == version  # type: ignore[union-attr]
+    with pytest.raises(NotFoundError, match="waiting for its node copy"):
+        asyncio.run(ctl.devices.land("a", version, push.config, push.image.numpy()))
+
+
+def test_a_push_never_landed_gives_way_to_the_version_before_it(source: Path, tmp_path: Path) -> None:
+    ctl = controller(tmp_path, land_s=1.0)
+    (before,) = asyncio.run(ctl.devices.registrar.register([("a", str(source))]))
+    push = declared(source, 1.5)
+    version = asyncio.run(ctl.devices.push("a", 7, push.config, push.head, push.image.numel())).version
+    assert ctl.core.catalog.current("a") == version
+    assert asyncio.run(ctl.devices.expire(time.monotonic())) == []  # not yet
+    assert asyncio.run(ctl.devices.expire(time.monotonic() + 2.0)) == ["a"]
+    assert ctl.core.catalog.current("a") == before.version
+    assert AdapterKey("a", version) not in ctl.core.planner._fleet.device_only, "a given-up push stays unevictable"
+    with pytest.raises(NotFoundError, match="given up"):
+        asyncio.run(ctl.devices.land("a", version, push.config, push.image.numpy()))
+    alone = asyncio.run(ctl.devices.push("b", 1, push.config, push.head, push.image.numel())).version
+    assert asyncio.run(ctl.devices.expire(time.monotonic() + 2.0)) == ["b"]
+    assert ctl.core.catalog.current("b") == alone, "a new name's only version went with its trainer"

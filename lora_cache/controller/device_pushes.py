@@ -70,6 +70,7 @@ class DevicePushes:
         self.pushes, self.core, self.registrar = pushes, pushes.core, pushes.registrar
         self.land_s = pushes.core.config.catalog.push_land_s
         self.pending: dict[tuple[str, str], Pending] = {}  # (name, version) -> its push, until it lands or expires
+        self.registering: set[tuple[str, str]] = set()  # (name, tag) of pushes being registered (not yet pending)
         self.pushed = self.landed = self.expired = self.refused = 0
 
     async def push(self, name: str, tag: str | int | None, config_bytes: bytes, head: bytes, size: int) -> Pushed:
@@ -93,6 +94,7 @@ class DevicePushes:
         except Exception:
             self.refused += 1
             raise
+        self.registering.add((name, tag))  # no await since the check: a second push of the tag meanwhile is refused
         self.pushes.unregistered[path] += 1  # no retire takes its directory's name meanwhile
         try:
             (done,) = await self.registrar.register([(name, str(path))], {str(path): known})
@@ -102,6 +104,7 @@ class DevicePushes:
             self.refused += 1
             raise
         finally:
+            self.registering.discard((name, tag))
             self.pushes._registered(path)
         self.pending[(name, done.version)] = Pending(tag, known, path, time.monotonic(), done.previous)
         self.pushed += 1
@@ -110,7 +113,7 @@ class DevicePushes:
     def _held(self, name: str, tag: str, path: Path) -> bool:
         """Whether ``name`` has a version tagged ``tag``: pushed (its directory), kept or being registered, or a
         device push of it pending."""
-        return (path.exists() or path in self.pushes._kept(name)
+        return (path.exists() or path in self.pushes._kept(name) or (name, tag) in self.registering
                 or any(n == name and p.tag == tag for (n, _), p in self.pending.items()))
 
     async def land(self, name: str, version: str, config_bytes: bytes, weights: bytes) -> Landed:
@@ -142,8 +145,9 @@ class DevicePushes:
                 turn.done()
         except BaseException:
             self.refused += 1
-            if new:
-                await asyncio.to_thread(pushes.area.retire, name, pushes._kept(name))
+            if new:  # what it wrote goes (the catalog names that directory for the device version: no retire takes
+                # it), so that a landing of the right bytes may write it again
+                await asyncio.to_thread(pushes.area.drop, name, [pending.tag])
             raise
         finally:
             pushes._registered(path)

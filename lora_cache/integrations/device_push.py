@@ -76,6 +76,7 @@ class DevicePusher:
         self.bells: list[Bell] = []
         self._host: torch.Tensor | None = None  # pinned: the image's copy for its landing
         self._copied: Any = None  # the host copy's event
+        self._side: Any = None  # the stream the host copy runs on, behind the trainer's event
 
     def push(self, tensors: Mapping[str, torch.Tensor], tag: str | int) -> DevicePushed:
         """Push ``tensors`` (PEFT-named, on one device) as version ``tag`` of the adapter (the module's docstring);
@@ -117,9 +118,10 @@ class DevicePusher:
         if self.event is None or self._host is None or self._host.numel() != image.numel():
             self.event = torch.cuda.Event(interprocess=True)
             self._host = torch.empty(image.numel(), dtype=torch.uint8, pin_memory=True)
+            self._side = torch.cuda.Stream(image.device)
             self.ranks = []  # a new event: opened again with the buffer
         self.event.record()
-        side = torch.cuda.Stream(image.device)
+        side = self._side
         side.wait_event(self.event)
         with torch.cuda.stream(side):
             self._host.copy_(image, non_blocking=True)
