@@ -399,3 +399,16 @@ def test_issue44_push_slots_part_runs_the_image_load_tests_then_the_probe_at_bot
     assert [(a.model, a.rank, a.tp, a.device) for a in parsed] == [("llama-3.1-8b", 16, "1,2", "cuda"),
                                                                     ("llama-3.1-70b", 64, "1,2", "cuda")]
     assert [Path(a.out).name for a in parsed] == ["slots-8b.json", "slots-70b.json"]
+
+
+def test_issue44_push_device_part_runs_the_trainers_device_push_at_each_tp_and_the_70b(tmp_path: Path) -> None:
+    from bench.probes.push import build_parser as push_parser
+
+    commands = _dry("issue44_push.sh", str(tmp_path), PARTS="device")
+    assert commands[0][-3:] == ["-m", "gpu", "tests/test_image_loads.py"]
+    parsed = [push_parser().parse_args(c[3:]) for c in commands[1:]]
+    assert [(a.model, a.rank, a.tp, a.via, a.source, a.one_gpu) for a in parsed] == [
+        ("llama-3.1-8b", 16, 1, "device,ray", "gpu", True), ("llama-3.1-8b", 16, 2, "device,ray", "gpu", True),
+        ("llama-3.1-70b", 64, 2, "device,ray", "gpu", True)]
+    assert [Path(a.out).name for a in parsed] == ["device-8b-tp1.json", "device-8b-tp2.json", "device-70b-tp2.json"]
+    assert len(_dry("issue44_push.sh", str(tmp_path / "two"), PARTS="device", PUSHES70="0", DEVICE_TPS="1")) == 2
