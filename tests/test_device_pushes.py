@@ -398,3 +398,10 @@ def test_a_push_never_landed_gives_way_to_the_version_before_it(source: Path, tm
     alone = asyncio.run(ctl.devices.push("b", 1, push.config, push.head, push.image.numel())).version
     assert asyncio.run(ctl.devices.expire(time.monotonic() + 2.0)) == ["b"]
     assert ctl.core.catalog.current("b") == alone, "a new name's only version went with its trainer"
+    # an unregistered name's pushes waiting to land go with it: its tag is free again once registered anew
+    again = asyncio.run(ctl.devices.push("c", 1, push.config, push.head, push.image.numel())).version
+    ctl.core.unregister_adapter("c", 0.0)
+    ctl.devices.forget("c")
+    with pytest.raises(NotFoundError, match="waiting for its node copy"):
+        asyncio.run(ctl.devices.land("c", again, push.config, push.image.numpy()))
+    assert asyncio.run(ctl.devices.push("c", 1, push.config, push.head, push.image.numel())).version != again

@@ -220,6 +220,7 @@ class ControllerActor:
         await self.fanout.unregister_adapter(name)
         self.draining.discard(name)
         await self.pushes.forget(name)
+        self.devices.forget(name)
         return evicted
 
     async def worker_started(self, name: str, incarnation: int, adopt: bool = False) -> None:

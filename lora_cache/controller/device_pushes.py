@@ -161,6 +161,11 @@ class DevicePushes:
         info = self.core.planner.view.adapter(name)
         self.core.planner.register_adapter(AdapterInfo(name, version, info.bytes_per_rank, info.object_bytes))
 
+    def forget(self, name: str) -> None:
+        """``name`` was unregistered: its device pushes waiting to land are dropped (a landing of one is refused)."""
+        for key in [k for k in self.pending if k[0] == name]:
+            del self.pending[key]
+
     async def health_round(self) -> list[str]:
         """The controller's health round's retirements: device pushes never landed first (``expire``), then the
         pushed versions no rank holds any more (``Pushes.retire_released``); the names retired."""

@@ -163,8 +163,9 @@ class DevicePusher:
                 continue
             try:
                 ray.get([r.open_image.remote(self.buffer, handle, event, head) for r in ranks], timeout=self.timeout_s)
-            except ConfigError as e:
-                why.append(f"{replica}: {e}")
+            except ConfigError as e:  # e.g. a rank on another GPU: the replica is not pushed to, none of its ranks
+                why.append(f"{replica}: {e}")  # keeps the buffer open
+                ray.get([r.close_image.remote(self.buffer) for r in ranks], timeout=self.timeout_s)
                 continue
             taken += ranks
         if not taken:
