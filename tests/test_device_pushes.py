@@ -219,22 +219,33 @@ def test_a_copy_on_another_node_is_proven_by_its_blocks_under_the_device_id(sour
 
 
 @pytest.fixture
-def control(tmp_path: Path) -> Iterator[WorkerControl]:
-    catalog = catalog_at(tmp_path)
-    cache = WorkerCache(WorkerConfig(num_slots=2, device="cpu", host=HostTierConfig(host_bytes=1 << 20, pin=False)),
-                        catalog)
-    outbox = Outbox("r/0", flush_s=60.0, send=lambda *_: None)
+def ranks(tmp_path: Path) -> Iterator[Callable[[], WorkerControl]]:
+    """``ranks()``: a rank's control surface over its own empty catalog (the push area shared, as on one node)."""
+    made: list[tuple[Outbox, WorkerCache]] = []
+
+    def make() -> WorkerControl:
+        catalog = catalog_at(tmp_path)
+        cache = WorkerCache(WorkerConfig(num_slots=2, device="cpu", host=HostTierConfig(host_bytes=1 << 20,
+                                                                                         pin=False)), catalog)
+        outbox = Outbox("r/0", flush_s=60.0, send=lambda *_: None)
+        made.append((outbox, cache))
+        return WorkerControl("r", catalog, cache, outbox)
+
     try:
-        yield WorkerControl("r", catalog, cache, outbox)
+        yield make
     finally:
-        outbox.close()
-        cache.close()
+        for outbox, cache in made:
+            outbox.close()
+            cache.close()
 
 
-def test_a_rank_takes_the_landing_as_a_registration_of_the_same_id_in_place(source: Path, tmp_path: Path,
-                                                                            control: WorkerControl) -> None:
+def test_a_rank_takes_the_landing_as_a_registration_of_the_same_id_in_place(
+        source: Path, tmp_path: Path, ranks: Callable[[], WorkerControl]) -> None:
     """As the controller sends them (``submit_registrations``): the device version, a newer one, then the first's
-    landing, over the relay's wire form too (an engine's own process): the current version stays the newer one."""
+    landing, over the relay's wire form too (an engine's own process): the current version stays the newer one. A
+    rank that never took the device version (restarted since) takes the landing of an older version, then the
+    current one's registration that follows it (``DevicePushes.land``), and ends at the same current version."""
+    control = ranks()
     controller = catalog_at(tmp_path)
     first, second = declared(source, 1.5), declared(source, 2.0)
     known1, known2 = register_device(controller, first, "a", "1"), register_device(controller, second, "a", "2")
@@ -252,6 +263,12 @@ def test_a_rank_takes_the_landing_as_a_registration_of_the_same_id_in_place(sour
     assert control.cache.prefetch("a", known1.version).result(timeout=30).version == known1.version
     assert control.register_adapter("a", str(area.path("a", "2")), known2) == known2.version  # again: no change
     assert rank.current("a") == known2.version and rank.versions("a") == [known1.version, known2.version]
+    fresh = ranks()
+    assert [v for v, _ in fresh.register_adapters([("a", str(area.path("a", "1")), landed),
+                                                   ("a", str(area.path("a", "2")), known2)])] == [known1.version,
+                                                                                                  known2.version]
+    assert fresh.catalog.current("a") == known2.version and fresh.catalog.versions("a") == rank.versions("a")
+    assert fresh.cache.prefetch("a", known1.version).result(timeout=30).version == known1.version
 
 
 def test_the_durable_catalog_saves_no_device_only_version(source: Path, tmp_path: Path) -> None:

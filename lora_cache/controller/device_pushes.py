@@ -140,7 +140,13 @@ class DevicePushes:
                                         "landed; push the next version")
                 del self.pending[(name, version)]
                 self._loadable(name, version)
-                sent = self.registrar.fanout.submit_registrations([(name, str(written), known)])
+                entries: list[tuple[str, str, KnownVersion | None]] = [(name, str(written), known)]
+                current = self.core.catalog.get(name)
+                if current.version != version and current.known is not None:
+                    # an older version landed: a rank that never took it as a device version (restarted since, or
+                    # it refused it) takes the landing as a registration, current; the current one again after it
+                    entries.append((name, self.core.paths.get(name, str(current.path)), current.known))
+                sent = self.registrar.fanout.submit_registrations(entries)
             finally:
                 turn.done()
         except BaseException:
@@ -151,7 +157,7 @@ class DevicePushes:
             raise
         finally:
             pushes._registered(path)
-        (ranks,) = await self.registrar.fanout.registered(sent)
+        ranks = (await self.registrar.fanout.registered(sent))[0]
         self.landed += 1
         await self.registrar.plan()
         return Landed(name, pending.tag, version, content.version, tuple(ranks.pending))
