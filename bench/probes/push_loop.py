@@ -4,8 +4,10 @@ version each request ran on is recorded, and checked.
 What it runs, on one machine (CPU by default; ``--gpu`` on a GPU host):
 - the embedded service: a controller and one replica of ``--tp`` ranks, with the gRPC gateway;
 - a trainer thread: every ``--push-every`` seconds it takes its tensors one step further and pushes them as
-  ``--adapter`` (tag = the step), alternately over the gateway (``LoraCacheClient.push``) and by Ray object
-  reference (``push_in_ray``), keeping its own copy of what it pushed;
+  ``--adapter`` (tag = the step), in turn over each way of ``--via``: the gateway (``grpc``: ``LoraCacheClient.push``),
+  a Ray object reference (``ray``: ``push_in_ray``) and the trainer's device buffer (``device``: ``DevicePusher``,
+  every rank READY from the buffer by its doorbell, the node copy landed after), keeping its own copy of what it
+  pushed;
 - the reference engine hosted on the replica's ranks, serving ``--rate`` requests a second for ``--seconds``, two
   in three for the pushed adapter and the rest for another, each admitted with the adapter's version current then.
 
@@ -53,6 +55,7 @@ from lora_cache.api.client import LoraCacheClient
 from lora_cache.api.client_values import push_payload
 from lora_cache.api.gateway import GatewayConfig, start_gateway_thread
 from lora_cache.app.serve import ServeConfig, start
+from lora_cache.integrations.device_push import DevicePusher
 from lora_cache.integrations.ray_push import push_in_ray
 from lora_cache.planner import PlannerConfig
 from lora_cache.vocab import WorkerId
@@ -69,8 +72,9 @@ class Trainer:
     """Pushes a new version every ``every`` seconds until stopped; keeps a copy of each (version -> directory)."""
 
     def __init__(self, client: LoraCacheClient, name: str, tensors: dict[str, torch.Tensor], config: dict,
-                 every: float, copies: Path, device: str = "cpu") -> None:
-        self.client, self.name, self.config = client, name, config
+                 every: float, copies: Path, device: str = "cpu", ways: Sequence[str] = ("grpc", "ray")) -> None:
+        self.client, self.name, self.config, self.ways = client, name, config, tuple(ways)
+        self.pusher: DevicePusher | None = None  # made at the first device push
         self.tensors = {k: v.to(device) for k, v in tensors.items()}
         self.every, self.copies = every, copies
         self.versions: dict[str, Path] = {}
@@ -82,12 +86,17 @@ class Trainer:
     def push(self) -> None:
         step = self.step
         tensors = {k: (v.float() * (1.0 + step / 10)).to(v.dtype) for k, v in self.tensors.items()}  # "training"
-        how = "grpc" if step % 2 == 0 else "ray"
+        how = self.ways[step % len(self.ways)] if step else "ray"  # version 0: registered before any request
         if next(iter(tensors.values())).is_cuda:
             torch.cuda.synchronize()  # the step's tensors made: the push starts from them
         t0 = time.time()
-        done = (self.client.push(self.name, tensors, self.config, tag=step) if how == "grpc"
-                else push_in_ray(self.name, tensors, self.config, tag=step))
+        if how == "device":
+            self.pusher = self.pusher or DevicePusher(self.name, self.config)
+            done: Any = self.pusher.push(tensors, tag=step)  # every rank READY; its node copy lands after
+        elif how == "grpc":
+            done = self.client.push(self.name, tensors, self.config, tag=step)
+        else:
+            done = push_in_ray(self.name, tensors, self.config, tag=step)
         answered = time.time()
         copy = self.copies / str(step)
         copy.mkdir()
@@ -126,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--admission", default=EngineConfig.admission,
                     help="the engine's admission rule (workers.engine.admission.ADMISSION); ondemand loads an "
                          "adapter only when its request is admitted, so a request waits unloaded for a lane")
+    ap.add_argument("--via", default="grpc,ray", help="the ways pushes go, in turn: grpc, ray, device")
     ap.add_argument("--staleness", type=int, default=-1,
                     help="K >= 0: each request for the pushed adapter names the version K pushes behind the newest "
                          "(ADAPTER@STEP, as an RL trainer's rollouts on a lagging policy do), submitted as it arrives "
@@ -135,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = build_parser().parse_args()
+    ways = [w for w in args.via.split(",") if w]
+    if not ways or set(ways) - {"grpc", "ray", "device"}:
+        raise SystemExit(f"--via {args.via!r}: give a list of grpc, ray, device")
     if args.source == "gpu" and not args.gpu:
         raise SystemExit("--source gpu keeps the trainer's tensors on a GPU: add --gpu")
 
@@ -154,7 +167,7 @@ def main() -> None:
     client = LoraCacheClient(gw.target, token="example", timeout_s=120)
     (work / "copies").mkdir()
     trainer = Trainer(client, args.adapter, tensors, config, args.push_every, work / "copies",
-                      "cuda:0" if args.source == "gpu" else "cpu")
+                      "cuda:0" if args.source == "gpu" else "cpu", ways)
     try:
         trainer.push()  # version 0, before the first request
         ranks = [svc.workers[WorkerId("replica-0", k)] for k in range(args.tp)]
@@ -182,6 +195,8 @@ def main() -> None:
         pusher.join(timeout=120)
         if trainer.error is not None:
             raise trainer.error
+        if trainer.pusher is not None:
+            trainer.pusher.close()
         tags = {row["version"]: row["step"] for row in trainer.log}
         with open(args.out, "w") as f:
             for r in result.records:
@@ -225,6 +240,7 @@ def main() -> None:
                 {"model": args.model, "tp": args.tp, "gpu": args.gpu, "source": args.source, "audit": args.audit,
                  "rate": args.rate, "seconds": args.seconds, "push_every": args.push_every,
                  "staleness": args.staleness, "keep_versions": args.keep_versions, "failed": len(failed),
+                 "via": ways,
                  "pass_threads": pass_threads(), "pass_nice": pass_nice(),
                  "pass_niceness_seen": passes().submit(lambda: os.getpriority(
                      os.PRIO_PROCESS, threading.get_native_id())).result(),
