@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,6 +46,9 @@ from lora_cache.planner import (
     ResidencyEntry,
     SlotState,
 )
+from lora_cache.routing.advice import ready_s, residence
+from lora_cache.routing.clock import LoadClock
+from lora_cache.routing.ranking import Residence
 from lora_cache.vocab import AdapterKey
 from tests.test_image_loads import slot_bytes
 from tests.test_registrations import Links
@@ -422,3 +426,18 @@ def test_a_push_never_landed_gives_way_to_the_version_before_it(source: Path, tm
     with pytest.raises(NotFoundError, match="waiting for its node copy"):
         asyncio.run(ctl.devices.land("c", again, push.config, push.image.numpy()))
     assert asyncio.run(ctl.devices.push("c", 1, push.config, push.head, push.image.numel())).version != again
+
+
+def test_route_never_expects_a_device_version_ready_where_it_was_not_pushed() -> None:
+    """Routing's expected time to READY (``advice.ready_s``): 0 where the trainer's replica holds it, inf on any other
+    replica until it lands (nothing can read it there), then the measured load time as for any version."""
+    specs = [ReplicaSpec(f"r{r}", (f"r{r}/w0",), 2) for r in range(2)]
+    planner = Planner(PlannerConfig(policy="global"), 1, [AdapterInfo("a", "v1", 100)], specs)
+    planner.register_adapter(AdapterInfo("a", "d2", 100, device_only=True))
+    planner.update_residency("r0/w0", ResidencyEntry("a", "d2", SlotState.READY, 0))
+    key, clock = AdapterKey("a", "d2"), LoadClock()
+    where = {r: residence(planner.view, r, key) for r in ("r0", "r1")}
+    assert where == {"r0": Residence.READY, "r1": Residence.COLD}
+    assert [ready_s(planner.view, r, key, where[r], clock) for r in ("r0", "r1")] == [0.0, math.inf]
+    planner.register_adapter(AdapterInfo("a", "d2", 100))  # landed
+    assert 0 < ready_s(planner.view, "r1", key, Residence.COLD, clock) < math.inf

@@ -36,6 +36,11 @@ class FleetView:
     def adapter(self, name: str) -> AdapterInfo:
         return self._fleet.require_adapter(name, "adapter")
 
+    def device_only(self, key: AdapterKey) -> bool:
+        """Whether ``key`` is a device push's version whose node copy has not landed: it can be made READY only
+        where its trainer pushed it (``AdapterInfo.device_only``)."""
+        return key in self._fleet.device_only
+
     def residency(self, worker: str) -> dict[AdapterKey, Residency]:
         """What the planner believes `worker` holds (its last report plus commands sent since)."""
         self._fleet.require_worker(worker, "residency")

@@ -60,10 +60,12 @@ def ready_s(view: FleetView, replica: str, key: AdapterKey, where: Residence, cl
     """Seconds from now by which ``key`` is most likely READY on ``replica`` if a request of it is routed there now:
     0 where it is READY; else the load time the controller measured (``clock``: the fit plus one standard deviation
     of the samples about it) for its shard at the replica's TP, from the host tier (STAGED) or from storage (COLD;
-    LOADING: half of it, a load in flight being half done on average); without a clock, unknown (inf)."""
+    LOADING: half of it, a load in flight being half done on average); without a clock, unknown (inf). A device
+    push's version not landed (``FleetView.device_only``) is never READY where it is not held or loading: inf there
+    (nothing can read it until its node copy lands)."""
     if where is Residence.READY:
         return 0.0
-    if clock is None:
+    if clock is None or (where is not Residence.LOADING and view.device_only(key)):
         return math.inf
     nbytes = view.shard_bytes(replica, key.name)
     if where is Residence.STAGED:
