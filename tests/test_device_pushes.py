@@ -416,6 +416,9 @@ def test_a_push_never_landed_gives_way_to_the_version_before_it(source: Path, tm
     assert AdapterKey("a", version) not in ctl.core.planner._fleet.device_only, "a given-up push stays unevictable"
     with pytest.raises(NotFoundError, match="given up"):
         asyncio.run(ctl.devices.land("a", version, push.config, push.image.numpy()))
+    refused = asyncio.run(ctl.devices.push("a", 8, push.config, push.head, push.image.numel())).version
+    assert asyncio.run(ctl.devices.withdraw("a", refused)) and ctl.core.catalog.current("a") == before.version
+    assert not asyncio.run(ctl.devices.withdraw("a", refused)), "withdrawn twice"
     alone = asyncio.run(ctl.devices.push("b", 1, push.config, push.head, push.image.numel())).version
     assert asyncio.run(ctl.devices.expire(time.monotonic() + 2.0)) == ["b"]
     assert ctl.core.catalog.current("b") == alone, "a new name's only version went with its trainer"

@@ -473,6 +473,12 @@ def test_a_device_push_is_ready_on_both_ranks_from_the_buffer_then_lands_under_i
                 assert check["max_abs_diff"] == 0.0 and 0 < check["nbytes"] < total, check
         with pytest.raises(ConflictError, match="tagged '2' already"):
             pusher.push(scaled(world.tensors, 1.9), tag=2)
+        poisoned = scaled(world.tensors, 1.7)
+        first = next(iter(poisoned))
+        poisoned[first].view(-1)[0] = float("nan")
+        with pytest.raises(NonFiniteWeightsError):  # a rank refuses it: withdrawn at once, the step before current
+            pusher.push(poisoned, tag=5)
+        assert current(world, "devpush") == pushed.version
         wrong = dict(world.tensors)
         key = next(k for k in wrong if "lora_B" in k)
         wrong[key] = torch.cat([wrong[key], wrong[key]])
@@ -481,7 +487,7 @@ def test_a_device_push_is_ready_on_both_ranks_from_the_buffer_then_lands_under_i
         assert current(world, "devpush") == pushed.version
         for h, was in zip(ranks, before, strict=True):
             now = ray.get(h.stats.remote(), timeout=30)
-            assert now["image_loads"] - was["image_loads"] == 2, "a rank did not take each step from the buffer"
+            assert now["image_loads"] - was["image_loads"] == 3, "a rank did not take each step from the buffer"
         with pytest.raises(NotFoundError, match="waiting for its node copy"):
             ray.get(world.service.controller.land_device.remote("devpush", pushed.version, b"{}", b""), timeout=30)
     finally:

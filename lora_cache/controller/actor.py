@@ -181,6 +181,12 @@ class ControllerActor:
         await self.durable.save_catalog(self.core)  # a landed version survives a restart
         return done
 
+    async def withdraw_device(self, name: str, version: str) -> bool:
+        """Give up a device push now (``DevicePushes.withdraw``: its trainer saw a rank refuse it); the version before
+        it is current again. False if it is not waiting to land."""
+        await self.loop.start()
+        return await self.devices.withdraw(name, version)
+
     async def replica_ranks(self, replicas: list[str] | None = None) -> dict[str, list[Any]]:
         """Each replica's rank actors (``replicas``, or every one), in rank order: a trainer opens its device buffer on
         those of its node and GPU (``integrations.ray_push.DevicePusher``)."""

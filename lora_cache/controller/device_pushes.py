@@ -178,12 +178,26 @@ class DevicePushes:
         await self.expire()
         return await self.pushes.retire_released()
 
+    async def withdraw(self, name: str, version: str) -> bool:
+        """Give up device version ``name@version`` now, as ``expire`` does (its trainer saw a rank refuse it, e.g. a
+        NaN in the image); False if it is not waiting to land."""
+        pending = self.pending.get((name, version))
+        if pending is None:
+            return False
+        await self._give_up([((name, version), pending)])
+        return True
+
     async def expire(self, now: float | None = None) -> list[str]:
-        """Give up the device versions not landed within ``land_s`` (step 3); their names. One that is still its
-        name's current version gives way to the version before it, registered again; one with none before it stays
-        as it is (where it is held, it is served; nowhere else can it be loaded) until its name is pushed again."""
+        """Give up the device versions not landed within ``land_s`` (step 3); their names."""
         now = time.monotonic() if now is None else now
         gone = [(key, p) for key, p in self.pending.items() if now - p.at >= self.land_s]
+        await self._give_up(gone)
+        return [name for (name, _), _ in gone]
+
+    async def _give_up(self, gone: list[tuple[tuple[str, str], Pending]]) -> None:
+        """One still its name's current version gives way to the version before it, registered again; one with none
+        before it stays as it is (where it is held, it is served; nowhere else can it be loaded) until its name is
+        pushed again."""
         for (name, version), pending in gone:
             del self.pending[(name, version)]
             self.expired += 1
@@ -201,4 +215,3 @@ class DevicePushes:
                     continue
             if name in catalog:
                 self._loadable(name, version)  # an older version now: evicted and retired as any
-        return [name for (name, _), _ in gone]

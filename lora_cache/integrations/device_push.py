@@ -19,7 +19,9 @@ One push (``lora_cache/controller/device_pushes.py`` for the controller's side):
    rank once (CUDA IPC), at the first push or when the buffer is new; ``push`` returns when every rank is READY;
 4. once the host copy is complete, the controller is handed it (an ObjectRef) to land the version
    (``DevicePushes.land``), in the background: ``DevicePushed.landing`` resolves to its ``Landed``. The buffer may
-   be written again as soon as ``push`` returns (the host copy is complete by then).
+   be written again as soon as ``push`` returns (the host copy is complete by then). A push a rank refuses (a NaN
+   in the image, a buffer it cannot open) is withdrawn at once (``withdraw_device``): the version before it is
+   current again, and the error is raised.
 
 A replica is pushed to only if every one of its ranks is on this node and opens the buffer (on a GPU: the trainer's
 GPU; CUDA IPC across GPUs is unproven here). Others take the version from its node copy once it lands, as the
@@ -29,6 +31,7 @@ with every push, and each rank maps it from there.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -91,10 +94,15 @@ class DevicePusher:
         stored = None if image.is_cuda else ray.put(image.numpy())
         pushed: Pushed = ray.get(self.controller.push_device.remote(self.name, tag, self.config, head, image.numel()),
                                  timeout=self.timeout_s)
-        if not opened or not self.ranks:
-            self._open(image, head, stored)
-        answers = ring_all(self.bells, [{"buffer": self.buffer, "name": self.name, "version": pushed.version}]
-                           * len(self.bells))
+        try:
+            if not opened or not self.ranks:
+                self._open(image, head, stored)
+            answers = ring_all(self.bells, [{"buffer": self.buffer, "name": self.name, "version": pushed.version}]
+                               * len(self.bells))
+        except BaseException:  # a rank refused it (e.g. a NaN): given up now, the version before it current again
+            with contextlib.suppress(Exception):  # else it expires: the rank's refusal is the error to raise
+                ray.get(self.controller.withdraw_device.remote(self.name, pushed.version), timeout=self.timeout_s)
+            raise
         ready_s = time.perf_counter() - t0
         landing = self.controller.land_device.remote(self.name, pushed.version, self.config,
                                                      stored if stored is not None else ray.put(self._host_bytes()))
