@@ -224,9 +224,10 @@ class WorkerCache:
         gather into it on the copy stream (``workers.reads.device``), READY once it completed and proved finite; a
         shard that is not finite fails the load and leaves the rank as it was. Idempotent as ``prefetch``.
 
-        The image is taken to be the version's bytes: the caller (the controller's device push) names the version
-        the trainer pushed. Where the version has a file, the image's header must be the file's (its CRC) and its
-        size the file's, or it is refused before anything is reserved."""
+        The image is taken to be the version's bytes: the trainer names the version the controller registered for its
+        push (``lora_cache.controller.device_pushes``). Its header must be the one the version was registered with
+        (its CRC) and its size that version's (a device push's declaration, ``DeviceSource``; else the version's
+        file), or it is refused before anything is reserved."""
         spec = self.catalog.get(name, version)
         layout = self.shards.layout(spec)
         read = self.image_reads.read(spec, layout, head, image)
