@@ -333,8 +333,12 @@ def test_the_planner_never_loads_a_device_version_and_keeps_it_where_held_until_
     planner.report_queue("r0", [QueueEntry("b", 0.0), QueueEntry("b", 0.1)], 3.0)
     _, evicts = commands(planner, 3.0)
     assert "a@d2" not in evicts, "a device version's only copy was evicted before it landed"
+    planner.register_adapter(AdapterInfo("a", "d2", 100, device_only=True))  # registered again (d3 given up)
+    assert planner.view.adapter("a").version == "d2" and planner.view.device_only(AdapterKey("a", "d2"))
+    planner.register_adapter(AdapterInfo("a", "d3", 100, device_only=True))
     planner.register_adapter(AdapterInfo("a", "d2", 100))  # d2 landed (an older version): evictable as any
     assert planner.view.adapter("a").version == "d3", "an older version's landing changed the current version"
+    assert not planner.view.device_only(AdapterKey("a", "d2")) and planner.view.device_only(AdapterKey("a", "d3"))
     planner.report_queue("r0", [QueueEntry("b", 0.0)], 4.0)
     planner.plan(4.0)
     planner.register_adapter(AdapterInfo("a", "d3", 100))  # the current one landed: loadable

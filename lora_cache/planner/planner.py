@@ -78,10 +78,10 @@ class Planner:
             raise PlannerInputError(f"register_adapter got {info!r}; "
                                     "pass an AdapterInfo(name, version, bytes_per_rank)")
         current = self._fleet.catalog.get(info.name)
-        if current is not None and current.version != info.version and info.key in self._fleet.device_only:
-            if not info.device_only:
-                self._fleet.device_only.discard(info.key)
-                self._replan.adapter_changed(info.name)
+        if (current is not None and current.version != info.version and not info.device_only
+                and info.key in self._fleet.device_only):  # an older device version landed (or was given up)
+            self._fleet.device_only.discard(info.key)
+            self._replan.adapter_changed(info.name)
             return
         old = self._fleet.register(info)
         if old is not None and old != info:
