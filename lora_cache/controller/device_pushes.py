@@ -136,6 +136,8 @@ class DevicePushes:
             try:
                 await turn.wait()
                 if (name, version) not in self.pending or not self.core.catalog.promote(spec):
+                    if self.pending.pop((name, version), None) is not None and name in self.core.catalog:
+                        self._loadable(name, version)  # retired meanwhile: nothing for the planner to keep
                     raise NotFoundError(f"device push {name}@{version} was given up or retired before its node copy "
                                         "landed; push the next version")
                 del self.pending[(name, version)]
