@@ -39,6 +39,7 @@ from lora_cache.adapters.pushed import check_head, check_tag, digest
 from lora_cache.controller.pushes import Pushed, Pushes
 from lora_cache.errors import ConfigError, ConflictError, LoraCacheError, NotFoundError
 from lora_cache.planner.records import AdapterInfo
+from lora_cache.vocab import AdapterKey
 
 
 class Pending(NamedTuple):
@@ -166,6 +167,8 @@ class DevicePushes:
 
     def _loadable(self, name: str, version: str) -> None:
         """The planner may command, evict and retire ``name@version`` as any version (it landed, or was given up)."""
+        if not self.core.planner.view.device_only(AdapterKey(name, version)):
+            return  # so already: an AdapterInfo of it would make it the planner's current version
         info = self.core.planner.view.adapter(name)
         self.core.planner.register_adapter(AdapterInfo(name, version, info.bytes_per_rank, info.object_bytes))
 
