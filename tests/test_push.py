@@ -425,7 +425,7 @@ def test_a_retire_while_a_push_is_registered_keeps_its_directory(tmp_path: Path,
         await held.until_arrived("a")  # written, its registration's read not started
         directory = pushes.area.path("a", "2")
         assert directory.is_dir()
-        assert await asyncio.to_thread(pushes.area.retire, "a", pushes._kept("a")) == []  # what a retire takes
+        assert await asyncio.to_thread(pushes.area.retire, "a", pushes.kept("a")) == []  # what a retire takes
         assert directory.is_dir()
         held.release["a"].set()
         done = await second

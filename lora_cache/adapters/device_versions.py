@@ -7,7 +7,7 @@ filled from one image can never be taken for another's bytes (invariant 1), what
 ``KnownVersion`` carries the config and header (``objects.pack_meta``), from which every rank builds the spec
 (``device_spec``) without a file, as a store version's.
 
-When the node copy is written (``Pushes.land``), it is hashed as any push's (``pushed.digest``), and the version
+When the node copy is written (``DevicePushes.land``), it is hashed as any push's (``pushed.digest``), and the version
 keeps its id: ``landed_known`` is the file's proof under that id (its identity, header and block CRCs), so every
 rank then takes the file as it takes a pushed file (``peft.proves``), and a rank on another node copies it proven by
 its block CRCs (``workers.control.node_copies``) rather than by the content hash the id is not.
@@ -40,10 +40,11 @@ def device_known(name: str, tag: str, config_bytes: bytes, head: bytes, size: in
         raise AdapterFormatError(f"device push {name}@{tag}: its config and header ({len(config_bytes) + n} bytes) "
                                  "are over what a registration carries to the ranks; push it by value "
                                  "(push_in_ray) instead")
-    digest = hashlib.blake2b(config_bytes, digest_size=8)
+    config_digest = hashlib.blake2b(config_bytes, digest_size=8)
+    digest = config_digest.copy()
     digest.update(f"device\0{name}\0{tag}\0{size}\0".encode() + bytes(head[:n]) + os.urandom(16))
     source = DeviceSource(tag, size, n, zlib.crc32(head[:n]))
-    return KnownVersion(digest.hexdigest(), hashlib.blake2b(config_bytes, digest_size=8).hexdigest(), "", source, meta)
+    return KnownVersion(digest.hexdigest(), config_digest.hexdigest(), "", source, meta)
 
 
 def device_spec(name: str, directory: Path, shape: ModelShape, max_rank: int, known: KnownVersion) -> AdapterSpec:

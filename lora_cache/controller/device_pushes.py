@@ -96,7 +96,7 @@ class DevicePushes:
             self.refused += 1
             raise
         self.registering.add((name, tag))  # no await since the check: a second push of the tag meanwhile is refused
-        self.pushes.unregistered[path] += 1  # no retire takes its directory's name meanwhile
+        self.pushes.claim(path)  # no retire takes its directory's name meanwhile
         try:
             (done,) = await self.registrar.register([(name, str(path))], {str(path): known})
             if done.error is not None:
@@ -106,7 +106,7 @@ class DevicePushes:
             raise
         finally:
             self.registering.discard((name, tag))
-            self.pushes._registered(path)
+            self.pushes.release(path)
         self.pending[(name, done.version)] = Pending(tag, known, path, time.monotonic(), done.previous)
         self.pushed += 1
         return Pushed(name, tag, done.version, done.previous, done.rank_pending)
@@ -114,7 +114,7 @@ class DevicePushes:
     def _held(self, name: str, tag: str, path: Path) -> bool:
         """Whether ``name`` has a version tagged ``tag``: pushed (its directory), kept or being registered, or a
         device push of it pending."""
-        return (path.exists() or path in self.pushes._kept(name) or (name, tag) in self.registering
+        return (path.exists() or path in self.pushes.kept(name) or (name, tag) in self.registering
                 or any(n == name and p.tag == tag for (n, _), p in self.pending.items()))
 
     async def land(self, name: str, version: str, config_bytes: bytes, weights: bytes) -> Landed:
@@ -126,11 +126,11 @@ class DevicePushes:
                                 f"was given up after {self.land_s:.0f} s, or was never pushed here; push the next "
                                 "version")
         pushes, path = self.pushes, pending.path
-        pushes.unregistered[path] += 1
+        pushes.claim(path)
         new = False
         try:
             content, (written, new) = await asyncio.gather(asyncio.to_thread(digest, config_bytes, weights),
-                                                           pushes._write(name, pending.tag, config_bytes, weights))
+                                                           pushes.write(name, pending.tag, config_bytes, weights))
             known = landed_known(content, written, pending.known)
             spec = await asyncio.to_thread(self.core.read_adapter, name, str(written), known)
             turn = self.registrar.turns.take(name)  # in the name's order among its registrations
@@ -159,7 +159,7 @@ class DevicePushes:
                 await asyncio.to_thread(pushes.area.drop, name, [pending.tag])
             raise
         finally:
-            pushes._registered(path)
+            pushes.release(path)
         ranks = (await self.registrar.fanout.registered(sent))[0]
         self.landed += 1
         await self.registrar.plan()

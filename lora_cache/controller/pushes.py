@@ -96,13 +96,13 @@ class Pushes:
             self.refused += 1
             raise
         target, new = self.area.path(name, tag), False
-        self.unregistered[target] += 1  # from before its write until it is registered or refused: no retire takes it
+        self.claim(target)  # from before its write until it is registered or refused: no retire takes it
         try:
             if content is None:  # hashed from memory while it is written (both off the GIL)
                 content, (path, new) = await asyncio.gather(asyncio.to_thread(digest, config_bytes, weights),
-                                                            self._write(name, tag, config_bytes, weights))
+                                                            self.write(name, tag, config_bytes, weights))
             else:
-                path, new = await self._write(name, tag, config_bytes, weights)
+                path, new = await self.write(name, tag, config_bytes, weights)
             assert content is not None
             # registered under the version hashed from memory: its file is not read back (``PushDigest.known``)
             (done,) = await self.registrar.register([(name, str(path))], {str(path): content.known(path)})
@@ -112,17 +112,17 @@ class Pushes:
                 raise ConflictError(f"pushed {name}@{tag} is registered as version {done.version}, but "
                                     f"{len(done.rank_errors)} rank(s) refused it: {'; '.join(done.rank_errors)}")
         except BaseException:
-            self._registered(target)
+            self.release(target)
             if new:  # what it wrote goes, unless the catalog keeps it after all
-                await asyncio.to_thread(self.area.retire, name, self._kept(name))
+                await asyncio.to_thread(self.area.retire, name, self.kept(name))
             self.refused += 1
             raise
-        self._registered(target)
+        self.release(target)
         self.pushes += 1
         await self._retire(name)
         return Pushed(name, tag, done.version, done.previous, done.rank_pending)
 
-    async def _write(self, name: str, tag: str, config_bytes: bytes, weights: bytes) -> tuple[Path, bool]:
+    async def write(self, name: str, tag: str, config_bytes: bytes, weights: bytes) -> tuple[Path, bool]:
         """``PushArea.write`` off the loop; past ``push_bytes`` with versions lingering, they go first (a lingering
         directory is a courtesy to a request not reported yet, never a reason to refuse a push) and it is tried
         again."""
@@ -137,7 +137,12 @@ class Pushes:
                 await self._retire(lingered)
             return await asyncio.to_thread(self.area.write, name, tag, config_bytes, weights)
 
-    def _registered(self, target: Path) -> None:
+    def claim(self, target: Path) -> None:
+        """A version's directory ``target`` is being written or registered: no retire takes it until ``release``."""
+        self.unregistered[target] += 1
+
+    def release(self, target: Path) -> None:
+        """``claim``'s end: ``target`` registered, or refused."""
         self.unregistered[target] -= 1
         if not self.unregistered[target]:
             del self.unregistered[target]
@@ -189,7 +194,7 @@ class Pushes:
 
     async def _retire(self, name: str) -> None:
         """Remove the pushed versions of ``name`` the catalog no longer keeps, here and in other nodes' copies."""
-        removed = await asyncio.to_thread(self.area.retire, name, self._kept(name))
+        removed = await asyncio.to_thread(self.area.retire, name, self.kept(name))
         if removed and name in self.copied:
             await self.registrar.fanout.drop_pushed(name, removed, self.node, str(self.area.dir))
 
@@ -197,13 +202,13 @@ class Pushes:
         """The bytes of pushed version ``NAME/TAG`` (its config's and its weights'), for a rank on another node to
         copy (the module's docstring); NotFoundError unless the catalog keeps it or it is being registered."""
         path = self.area.path(check_name(name), check_tag(tag))
-        if path.resolve() not in {p.resolve() for p in self._kept(name)} or not path.is_dir():
+        if path.resolve() not in {p.resolve() for p in self.kept(name)} or not path.is_dir():
             raise NotFoundError(f"pushed version {name}@{tag} is not kept by this service (retired, never pushed, or "
                                 "another service's); register the name's current version again")
         self.copied.add(name)
         return await asyncio.to_thread(self.area.read, name, tag)
 
-    def _kept(self, name: str) -> set[Path]:
+    def kept(self, name: str) -> set[Path]:
         """The directories of the versions of ``name`` the catalog keeps, and of its pushes being written or
         registered (a retire computed meanwhile, by another push of the name or a health round, would take a
         directory the catalog is about to name, and the ranks would find it gone): the push area keeps those."""

@@ -68,7 +68,7 @@ class WorkerControl:
             return False
 
     def _land(self, name: str, path: str, known: KnownVersion) -> str:
-        """The node copy of device version ``known`` landed (``Pushes.land``): its file proven under the same id
+        """The node copy of device version ``known`` landed (``DevicePushes.land``): its file proven under the same id
         (this node's copy, on another node) takes the device-only spec's place, current or older, the current
         version unchanged; a registration of the same device version again changes nothing."""
         if isinstance(known.source, DeviceSource):

@@ -160,23 +160,23 @@ class ImageReads:
         """The read of ``layout`` from ``image`` (``head``: its first bytes, the header). Where ``spec`` has a file,
         an image whose header or size is not the file's is refused, naming both."""
         where = f"adapter {layout.adapter}@{layout.version}"
-        source, device = spec.source, spec.device
         if image.dtype != torch.uint8 or image.dim() != 1:
             raise AdapterFormatError(f"{where}: the pushed image is {image.dtype} of shape {tuple(image.shape)}; "
                                      "send the image as a 1-D uint8 buffer (the safetensors bytes)")
-        crc = zlib.crc32(head[:source.header_bytes]) if source is not None else 0
-        if source is not None and (image.numel() != source.identity.size or len(head) < source.header_bytes
-                                   or crc != source.header_crc):
-            raise AdapterFormatError(f"{where}: the pushed image ({image.numel()} bytes, header CRC "
-                                     f"{crc:08x}) is not this version's file "
-                                     f"({source.identity.size} bytes, header CRC {source.header_crc:08x}); push "
-                                     "the image of the version named")
-        crc = zlib.crc32(head[:device.header_bytes]) if device is not None else 0
-        if device is not None and (image.numel() != device.size or len(head) < device.header_bytes
-                                   or crc != device.header_crc):
-            raise AdapterFormatError(f"{where}: the pushed image ({image.numel()} bytes, header CRC {crc:08x}) is not "
-                                     f"the image this device version was pushed as ({device.size} bytes, header CRC "
-                                     f"{device.header_crc:08x}); push the image of the version named")
+        declared = []  # (what, size, header bytes, header CRC) the image must match
+        if spec.source is not None:
+            src = spec.source
+            declared.append(("this version's file", src.identity.size, src.header_bytes, src.header_crc))
+        if spec.device is not None:
+            dev = spec.device
+            declared.append(("the image this device version was pushed as", dev.size, dev.header_bytes,
+                             dev.header_crc))
+        for what, size, header_bytes, header_crc in declared:
+            crc = zlib.crc32(head[:header_bytes])
+            if image.numel() != size or len(head) < header_bytes or crc != header_crc:
+                raise AdapterFormatError(f"{where}: the pushed image ({image.numel()} bytes, header CRC {crc:08x}) is "
+                                         f"not {what} ({size} bytes, header CRC {header_crc:08x}); push the image of "
+                                         "the version named")
         n = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
         key = (bytes(head[:8 + n]), image.numel())
         with self._lock:
