@@ -44,6 +44,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import ray
 import torch
@@ -120,7 +121,8 @@ def main() -> None:
     gw = start_gateway_thread(GatewayConfig(grpc_port=0, token="probe"), svc.controller)
     client = LoraCacheClient(gw.target, token="probe", timeout_s=120)
     try:
-        ctl, rows, cursor = svc.controller, [], 0
+        ctl, cursor = svc.controller, 0
+        rows: list[dict[str, Any]] = []
         device = "cuda:0" if args.source == "gpu" else "cpu"
         workers = [svc.workers[WorkerId("replica-0", r)] for r in range(args.tp)]
         spec = AdapterCatalog(catalog_config).register("src", str(src))
@@ -132,11 +134,13 @@ def main() -> None:
             if device != "cpu":
                 torch.cuda.synchronize()  # the tensors made: the push starts from them in place
             t0 = time.time()
-            landed_ms = ready_in_push_ms = None
+            landed_ms = ready_in_push_ms = split_ms = None
+            done: Any
             if how == "device":
                 assert pusher is not None
                 done = pusher.push(pushed, tag=step)
                 ready_in_push_ms = done.ready_s * 1e3  # every rank READY (the doorbells' answers), in the call
+                split_ms = {k: v * 1e3 for k, v in done.split_s.items()}
             else:
                 done = (client.push(NAME, pushed, config, tag=step) if how == "grpc"
                         else push_in_ray(NAME, pushed, config, tag=step))
@@ -152,7 +156,7 @@ def main() -> None:
             assert [c["nbytes"] for c in checks] == shard, (checks, shard)
             rows.append({"step": step, "how": how, "answer_ms": (t_answer - t0) * 1e3,
                          "ready_ms": (t_ready - t0) * 1e3, "landed_ms": landed_ms,
-                         "ready_in_push_ms": ready_in_push_ms, "version": done.version})
+                         "ready_in_push_ms": ready_in_push_ms, "split_ms": split_ms, "version": done.version})
             print(f"push {step} ({how}): answered {rows[-1]['answer_ms']:8.1f} ms, every rank READY "
                   f"{rows[-1]['ready_ms']:8.1f} ms" + (f", landed {landed_ms:8.1f} ms" if landed_ms else ""),
                   flush=True)
@@ -172,6 +176,9 @@ def main() -> None:
                    "median_landed_ms_device": _median([r["landed_ms"] for r in measured if r["how"] == "device"]),
                    "median_ready_in_push_ms_device": _median([r["ready_in_push_ms"] for r in measured
                                                               if r["how"] == "device"])}
+        for part in ("image", "register", "open", "bells"):  # where a device push's time went
+            summary[f"median_{part}_ms_device"] = _median([r["split_ms"][part] for r in measured
+                                                           if r["how"] == "device"])
         summary["ready_over_copy"] = summary["median_ready_ms"] / copy_ms
         if summary["median_ready_in_push_ms_device"] is not None:
             summary["device_ready_over_copy"] = summary["median_ready_in_push_ms_device"] / copy_ms

@@ -62,6 +62,7 @@ class DevicePushed(NamedTuple):
     records: tuple[dict[str, Any], ...]
     ready_s: float
     landing: Any
+    split_s: dict[str, float]
 
 
 class DevicePusher:
@@ -90,24 +91,28 @@ class DevicePusher:
         opened = image is self.image and image.is_cuda  # a GPU buffer stays open on the ranks; a CPU one travels
         self.image = image
         self._copy_out(image)
+        t1 = time.perf_counter()
         # on the CPU the image goes into the object store once: each rank maps it from there, and so does the landing
         stored = None if image.is_cuda else ray.put(image.numpy())
         pushed: Pushed = ray.get(self.controller.push_device.remote(self.name, tag, self.config, head, image.numel()),
                                  timeout=self.timeout_s)
+        t2 = t3 = time.perf_counter()
         try:
             if not opened or not self.ranks:
                 self._open(image, head, stored)
+                t3 = time.perf_counter()
             answers = ring_all(self.bells, [{"buffer": self.buffer, "name": self.name, "version": pushed.version}]
                                * len(self.bells))
         except BaseException:  # a rank refused it (e.g. a NaN): given up now, the version before it current again
             with contextlib.suppress(Exception):  # else it expires: the rank's refusal is the error to raise
                 ray.get(self.controller.withdraw_device.remote(self.name, pushed.version), timeout=self.timeout_s)
             raise
-        ready_s = time.perf_counter() - t0
+        t4 = time.perf_counter()
+        split = {"image": t1 - t0, "register": t2 - t1, "open": t3 - t2, "bells": t4 - t3}
         landing = self.controller.land_device.remote(self.name, pushed.version, self.config,
                                                      stored if stored is not None else ray.put(self._host_bytes()))
         return DevicePushed(pushed.name, pushed.tag, pushed.version, pushed.previous,
-                            tuple(a["record"] for a in answers), ready_s, landing)
+                            tuple(a["record"] for a in answers), t4 - t0, landing, split)
 
     def _image(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, bytes]:
         """The image of ``tensors`` and its head, written into the last push's buffer where it fits exactly (the same
