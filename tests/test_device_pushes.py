@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from lora_cache.api import relay_codec
 from lora_cache.controller.catalog_store import CatalogSnapshots, decode, entry_json
 from lora_cache.controller.core import ControllerConfig, ControllerCore
 from lora_cache.controller.device_pushes import DevicePushes
+from lora_cache.controller.fanout import RankAnswers, Sent
 from lora_cache.controller.pushes import Pushes
 from lora_cache.controller.registrations import Registrar
 from lora_cache.errors import (
@@ -275,6 +277,53 @@ def test_a_rank_takes_the_landing_as_a_registration_of_the_same_id_in_place(
     assert fresh.cache.prefetch("a", known1.version).result(timeout=30).version == known1.version
 
 
+def test_a_doorbell_push_waits_for_its_registration_and_fails_at_once_where_the_rank_refused_it(
+        source: Path, tmp_path: Path, ranks: Callable[[], WorkerControl]) -> None:
+    """The controller answers a device push once it sent the ranks the registration (``answered=False``), so a
+    trainer's doorbell may reach a rank first: the rank's load waits for it (``await_version``), and goes on once it
+    is registered; one this rank refused fails at once, naming why, waiting or not; one that never comes is refused
+    after the wait, naming the version."""
+    control = ranks()
+    controller = catalog_at(tmp_path)
+    area = area_of(controller)
+    good = register_device(controller, declared(source, 1.5), "a", "1")
+    forged = register_device(controller, declared(source, 2.0), "a", "2")._replace(config_digest="0" * 16)
+    with pytest.raises(NotFoundError, match=r"a@.* is not registered on rank r/0: its registration did not come"):
+        control.await_version("a", good.version, 0.0)
+    waiting = threading.Event()
+    wait = control.arrived.wait
+
+    def marked(timeout: float | None = None) -> bool:
+        waiting.set()
+        return wait(timeout)
+
+    control.arrived.wait = marked  # type: ignore[method-assign]
+    outcomes: list[BaseException | None] = []
+
+    def doorbell(version: str) -> None:
+        try:
+            control.await_version("a", version, 60.0)
+            outcomes.append(None)
+        except BaseException as e:
+            outcomes.append(e)
+
+    for known in (good, forged):
+        waiting.clear()
+        waiter = threading.Thread(target=doorbell, args=(known.version,))
+        waiter.start()
+        assert waiting.wait(30)  # the rank's load is waiting for the registration: then it comes
+        answers = control.register_adapters([("a", str(area.path("a", known.source.tag)), known)])  # type: ignore
+        waiter.join(30)
+        assert not waiter.is_alive()
+        assert bool(answers[0][0]) == (known is good), answers
+    assert outcomes[0] is None and control.catalog.get("a", good.version).device_only
+    assert isinstance(outcomes[1], NotFoundError) and "refused it (AdapterChangedError" in str(outcomes[1])
+    waiting.clear()
+    with pytest.raises(NotFoundError, match="refused it"):  # known refused: no wait
+        control.await_version("a", forged.version, 60.0)
+    assert not waiting.is_set()
+
+
 def test_the_durable_catalog_saves_no_device_only_version(source: Path, tmp_path: Path) -> None:
     catalog = catalog_at(tmp_path)
     push = declared(source, 1.5)
@@ -363,18 +412,61 @@ class Controller(NamedTuple):
     links: Links
 
 
-def controller(tmp_path: Path, land_s: float = 60.0) -> Controller:
+def controller(tmp_path: Path, land_s: float = 60.0, links: Links | None = None,
+               plan: Callable[[], Any] | None = None) -> Controller:
     """The controller's plain parts (core, registrar, pushes; the workers as the registrar sees them: ``Links``)."""
     catalog = CatalogConfig(adapter_roots=(str(tmp_path / "adapters"),), model="tiny", max_rank=16,
                             push_dir=str(tmp_path / "push"), push_land_s=land_s)
     core = ControllerCore(ControllerConfig(catalog=catalog), epoch=1)
-    links = Links([])
+    links = links or Links([])
 
-    async def plan() -> None:
+    async def planned() -> None:
         pass
+
+    plan = plan or planned
 
     registrar = Registrar(core, links, set(), plan)  # type: ignore[arg-type]
     return Controller(core, DevicePushes(Pushes(core, registrar, SERVICE)), links)
+
+
+class Unanswered(Links):
+    """Workers that were sent registrations and have not answered yet (until ``answer`` is set)."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.answer = asyncio.Event()
+
+    async def registered(self, sent: Sent) -> list[RankAnswers]:
+        await self.answer.wait()
+        return await super().registered(sent)
+
+
+def test_a_device_push_is_answered_once_the_ranks_were_sent_its_registration(source: Path, tmp_path: Path) -> None:
+    """The trainer rings its ranks once the controller holds the version and sent it to every rank: their
+    answers (logged) and the plan come after, not on the push's path (each rank waits for the registration itself:
+    the test above)."""
+    links, planned = Unanswered(), []
+
+    async def plan() -> None:
+        planned.append(1)
+
+    ctl = controller(tmp_path, links=links, plan=plan)
+    push = declared(source, 1.5)
+
+    async def pushed() -> tuple[Any, int, int]:
+        done = await asyncio.wait_for(ctl.devices.push("a", 3, push.config, push.head, push.image.numel()), 30)
+        before = links.outstanding  # the ranks' answers not yet in
+        links.answer.set()
+        for _ in range(100):  # the answers and the plan, in the background: they finish (no sleep)
+            if not ctl.devices.registrar.background:
+                break
+            await asyncio.wait(set(ctl.devices.registrar.background), timeout=30)
+        return done, before, links.outstanding
+
+    done, before, outstanding = asyncio.run(pushed())
+    assert ctl.core.catalog.get("a").version == done.version and done.rank_pending == ()
+    assert [(n, k.version) for n, _, k in links.sent[-1]] == [("a", done.version)]  # type: ignore[union-attr]
+    assert before == 1 and planned == [1] and outstanding == 0
 
 
 def test_one_of_two_pushes_of_a_tag_at_once_is_refused_and_a_push_lands_in_place(source: Path,

@@ -1,8 +1,8 @@
 """A trainer's pushes from its GPU buffer, on the worker actor (issue 44 item 5): the buffer opened once
 (``workers.control.images``), each push's load from it (``WorkerCache.load_image``) by a Ray call or by the rank's
 doorbell (``workers.control.doorbell``: no Ray call on the push's path). A mixin of ``workers.actor.WorkerActor`` (its
-seam: a trainer's calls, apart from the controller's), which provides ``cache``, ``catalog``, ``name``, ``images``,
-``image_times`` and ``doorbell``."""
+seam: a trainer's calls, apart from the controller's), which provides ``cache``, ``catalog``, ``control``, ``name``,
+``images``, ``image_times`` and ``doorbell``."""
 
 from __future__ import annotations
 
@@ -17,10 +17,13 @@ from lora_cache.link.bell import bell_path
 from lora_cache.vocab import ReadinessRecord
 from workers.control.doorbell import Doorbell
 
+REGISTRATION_S = 30.0  # how long a doorbell's push waits for its version's registration to reach the rank
+
 if TYPE_CHECKING:
     from lora_cache.adapters.catalog import AdapterCatalog
     from workers.cache import WorkerCache
     from workers.control.images import TrainerImages
+    from workers.control.rank import WorkerControl
 
 
 class ImagePushCalls:
@@ -28,6 +31,7 @@ class ImagePushCalls:
     catalog: AdapterCatalog
     name: str
     images: TrainerImages
+    control: WorkerControl
     image_times: deque[tuple[float, list[tuple[str, float]], float]]
     doorbell: Doorbell | None
 
@@ -36,12 +40,16 @@ class ImagePushCalls:
         return self.images.open(buffer, handle, event, head)
 
     def load_image(self, name: str, version: str, buffer: str, head: bytes = b"",
-                   timeout_s: float = 60.0) -> ReadinessRecord:
+                   timeout_s: float = 60.0, registration_s: float = 0.0) -> ReadinessRecord:
         """Load ``name@version`` into a slot from the open trainer buffer ``buffer`` (``WorkerCache.load_image``,
         after the trainer's event; ``head``: the image's header bytes, if not those it was opened with); its
-        readiness record once READY, or the load's error."""
+        readiness record once READY, or the load's error. ``registration_s``: how long to wait for the version's
+        registration to reach this rank (a doorbell's push: ``WorkerControl.await_version``); 0 on a Ray call,
+        whose thread is the one registrations arrive on."""
         t0 = time.perf_counter()
         image, after, opened = self.images.get(buffer)
+        if registration_s > 0:
+            self.control.await_version(name, version, registration_s)  # its registration may be on its way still
         # the rank's own load at the trainer's word, not the controller's command: its deltas say so
         # (``Delta.acquired``), and the controller believes its READY as it believes an engine's acquire's
         record = self.cache.load_image(name, version, image, head or opened, after).result(timeout_s)
@@ -69,5 +77,6 @@ class ImagePushCalls:
         return str(self.doorbell.path)
 
     def _rung(self, request: dict[str, Any]) -> dict[str, Any]:
-        record = self.load_image(str(request["name"]), str(request["version"]), str(request["buffer"]))
+        record = self.load_image(str(request["name"]), str(request["version"]), str(request["buffer"]),
+                                 registration_s=REGISTRATION_S)
         return {"record": record._asdict()}

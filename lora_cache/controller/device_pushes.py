@@ -98,7 +98,8 @@ class DevicePushes:
         self.registering.add((name, tag))  # no await since the check: a second push of the tag meanwhile is refused
         self.pushes.claim(path)  # no retire takes its directory's name meanwhile
         try:
-            (done,) = await self.registrar.register([(name, str(path))], {str(path): known})
+            # answered once the ranks were sent it: each rank the trainer rings waits for it there
+            (done,) = await self.registrar.register([(name, str(path))], {str(path): known}, answered=False)
             if done.error is not None:
                 raise done.error
         except BaseException:

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from lora_cache.adapters.catalog import check_name
 from lora_cache.adapters.objects import is_store_url
@@ -123,15 +123,19 @@ class Registrar:
                  plan: Callable[[], Awaitable[None]]) -> None:
         self.core, self.fanout, self.draining, self.plan = core, fanout, draining, plan
         self.turns = Turns()
+        self.background: set[asyncio.Future[Any]] = set()  # ``_later``'s work until done
 
     async def register(self, items: list[tuple[str, str]], known: Mapping[str, KnownVersion] | None = None,
-                       store_reads: int = 0, gate: threading.Event | None = None) -> list[Registered]:
+                       store_reads: int = 0, gate: threading.Event | None = None,
+                       answered: bool = True) -> list[Registered]:
         """Register every (name, path), each by itself; one plan after. Answers in the items' order. ``known``: by
         path, a version hashed already (a push's, from its bytes in memory), taken if the file opened proves it
         is the file it was hashed for (``peft.proves``; else the file is hashed here). ``store_reads``: object-store
         items read at once (0: the catalog's ``store_reads``; the background registration leaves some to requests);
         ``gate``: each store read waits (up to ``YIELD_S``) while it is closed (the background registration's reads
-        yield to a request's)."""
+        yield to a request's). ``answered`` False: it returns once the workers were sent the registrations, their
+        answers (logged) and the plan after coming in the background (a device push: the ranks it rings wait for
+        the registration themselves; ``rank_errors`` and ``rank_pending`` are then empty)."""
         results: list[Registered | None] = [None] * len(items)
         todo: list[Item] = []
         seen: dict[str, int] = {}
@@ -144,16 +148,24 @@ class Registrar:
             seen[name] = i
             todo.append(Item(i, name, path, self.turns.take(name), (known or {}).get(path)))
         try:
-            await self._register(todo, results, store_reads, gate)
+            await self._register(todo, results, store_reads, gate, answered)
         finally:
             for item in todo:
                 item.turn.done()  # on any exit: a later call of the name never waits forever
-        if todo:
+        if todo and answered:
             await self.plan()
+        elif todo:
+            self._later(self.plan())
         return [r or Registered(items[i][0], error=_lost(items[i][0])) for i, r in enumerate(results)]
 
+    def _later(self, work: Awaitable[Any]) -> None:
+        """``work`` in the background, held until done (the loop keeps only a weak reference to a task)."""
+        task = asyncio.ensure_future(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
     async def _register(self, todo: list[Item], results: list[Registered | None], store_reads: int = 0,
-                        gate: threading.Event | None = None) -> None:
+                        gate: threading.Event | None = None, answered: bool = True) -> None:
         sent: deque[tuple[list[Item], Sent]] = deque()
         async for chunk in _read(self.core, todo, store_reads, gate):
             for read in chunk:
@@ -161,7 +173,11 @@ class Registrar:
             applied = [read.item for read in chunk if self._apply(read, results)]
             if applied:  # no await between the changes and this submission: see WorkerFanout.submit_registrations
                 entries = [(it.name, it.path, self.core.catalog.get(it.name).known) for it in applied]
-                sent.append((applied, self.fanout.submit_registrations(entries)))
+                submitted = self.fanout.submit_registrations(entries)
+                if answered:
+                    sent.append((applied, submitted))
+                else:  # the answers only logged (``WorkerFanout.registered``)
+                    self._later(self.fanout.registered(submitted))
             for read in chunk:
                 read.item.turn.done()
             while len(sent) > MAX_SENT:

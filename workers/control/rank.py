@@ -8,12 +8,14 @@ rebuilds from, and the cache's counters. Plain Python; the hosts only forward to
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Collection
 
 from lora_cache.adapters.catalog import AdapterCatalog, check_carried
 from lora_cache.adapters.device_source import DeviceSource
 from lora_cache.adapters.peft import KnownVersion
-from lora_cache.errors import ConfigError, LoraCacheError
+from lora_cache.errors import ConfigError, LoraCacheError, NotFoundError
 from lora_cache.vocab import ApplyResult, Command
 from workers.cache import WorkerCache
 from workers.control.commands import CommandGate
@@ -33,6 +35,8 @@ class WorkerControl:
         self.paths: dict[str, str] = {}  # adapter -> the path it was registered from (reported to the controller)
         self.leases: list[Lease] = []  # the pool's pages lent by resize_pool, oldest first
         self.taken = self.hashed = 0  # registrations taken on the controller's word (same file) / hashed here
+        self.arrived = threading.Condition()  # notified after each batch of registrations (``await_version``)
+        self.refusals: dict[tuple[str, str], str] = {}  # (name, version) -> why this rank refused it (the last 64)
 
     def register_adapter(self, name: str, path: str, known: KnownVersion | None = None) -> str:
         """Register ``name`` from ``path``; its version. ``known``: the version the controller hashed (lifecycle
@@ -92,7 +96,37 @@ class WorkerControl:
                 out.append((self.register_adapter(name, path, known), ""))
             except (LoraCacheError, OSError, ValueError) as e:  # reported per entry to the controller
                 out.append(("", f"{type(e).__name__}: {e}"))
+                if known is not None:
+                    self.refusals[(name, known.version)] = out[-1][1]
+                    while len(self.refusals) > 64:
+                        del self.refusals[next(iter(self.refusals))]
+        with self.arrived:
+            self.arrived.notify_all()
         return out
+
+    def await_version(self, name: str, version: str, timeout_s: float) -> None:
+        """Return once ``name@version`` is registered on this rank, waiting up to ``timeout_s`` for its registration
+        (a device push's: the controller answers the trainer once it sent the registration, not once every rank
+        took it, and the trainer's doorbell may come first). NotFoundError naming why if this rank refused it or
+        it did not come."""
+        deadline = time.monotonic() + timeout_s
+        with self.arrived:
+            while not self._known(name, version):
+                why = self.refusals.get((name, version))
+                left = deadline - time.monotonic()
+                if why is not None or left <= 0:
+                    raise NotFoundError(f"{name}@{version} is not registered on rank {self.replica}/"
+                                        f"{self.cache.config.tp_rank}: " + (f"it refused it ({why})" if why else
+                                        f"its registration did not come within {timeout_s:.0f} s") +
+                                        "; push the next version")
+                self.arrived.wait(left)
+
+    def _known(self, name: str, version: str) -> bool:
+        try:
+            self.catalog.get(name, version)
+        except LoraCacheError:
+            return False
+        return True
 
     def unregister_adapter(self, name: str) -> bool:
         """Forget ``name`` (the controller drained it first) and drop its shards from the host tier, every version
