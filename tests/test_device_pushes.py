@@ -19,9 +19,10 @@ import pytest
 import torch
 from safetensors.torch import load
 
+from lora_cache.adapters import pushed
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.device_source import DeviceSource
-from lora_cache.adapters.device_versions import as_copy_of, device_known, host_readable, landed_known
+from lora_cache.adapters.device_versions import as_copy_of, device_known, device_spec, host_readable, landed_known
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec, KnownVersion
 from lora_cache.adapters.pushed import PushArea, check_head, digest
 from lora_cache.adapters.serialize import image_and_head
@@ -122,6 +123,30 @@ def test_a_device_version_is_built_from_what_it_carries_and_each_push_has_its_ow
     again = device_known("a", "7", push.config, push.head, push.image.numel())
     assert again.version != known.version, "two device pushes shared an id: one's slots could serve the other's bytes"
     assert not (area_of(catalog).path("a", "7")).exists(), "a device version wrote a file before it landed"
+
+
+def test_a_declaration_parsed_once_builds_each_later_spec_as_a_fresh_parse_would(source: Path,
+                                                                                 tmp_path: Path) -> None:
+    """``head_spec`` keeps the parse and checks of a (config, header): a later push under another name, tag and
+    model limit is still its own spec, equal to a fresh parse's; another header is parsed, not taken from the last."""
+    catalog = catalog_at(tmp_path)
+    push = declared(source)
+    first = register_device(catalog, push, "a", "7")
+    pushed._HEAD_PARTS.clear()
+    fresh = device_spec("b", tmp_path / "b" / "8", catalog.shape, 16, first._replace(version="v8"))
+    again = device_spec("b", tmp_path / "b" / "8", catalog.shape, 16, first._replace(version="v8"))
+    assert again == fresh and (again.name, again.path, again.version) == ("b", tmp_path / "b" / "8", "v8")
+    assert catalog.get("a").version == first.version and catalog.get("a").name == "a"
+    other = next(d for d in (torch.float32, torch.float16) if d != fresh_dtype(fresh))
+    image, head = image_and_head({k: v.to(other) for k, v in push.tensors.items()}, {"format": "pt"})
+    spec = check_head("c", push.config, head, image.numel(), catalog.shape, 64)
+    assert spec.dtype != fresh.dtype and spec.modules == fresh.modules and spec.name == "c"
+    with pytest.raises(AdapterFormatError, match="rank"):  # the model's rank limit is part of what was checked
+        check_head("c", push.config, push.head, push.image.numel(), catalog.shape, 4)
+
+
+def fresh_dtype(spec: AdapterSpec) -> torch.dtype:
+    return getattr(torch, spec.dtype)
 
 
 def test_a_device_version_is_refused_where_its_declaration_is_wrong(source: Path, tmp_path: Path) -> None:

@@ -23,10 +23,9 @@ from pathlib import Path
 
 from lora_cache.adapters.device_source import DeviceSource
 from lora_cache.adapters.files import WeightsSource
-from lora_cache.adapters.header import parse_header
 from lora_cache.adapters.objects import pack_meta, unpack_meta
-from lora_cache.adapters.peft import CONFIG_FILE, AdapterSpec, KnownVersion, built_spec, parse_config
-from lora_cache.adapters.pushed import PushDigest
+from lora_cache.adapters.peft import AdapterSpec, KnownVersion
+from lora_cache.adapters.pushed import PushDigest, head_spec
 from lora_cache.adapters.shapes import ModelShape
 from lora_cache.errors import AdapterChangedError, AdapterFormatError, ConflictError
 
@@ -58,14 +57,13 @@ def device_spec(name: str, directory: Path, shape: ModelShape, max_rank: int, kn
     if (len(head), zlib.crc32(head), config_digest) != (source.header_bytes, source.header_crc, known.config_digest):
         raise AdapterChangedError(f"device push {name}@{source.tag}: the carried config and header are not those of "
                                   f"version {known.version}; refused: push it again")
-    try:
-        header = parse_header(head[8:], source.size)
-    except (ValueError, KeyError, TypeError, RecursionError) as e:
-        raise AdapterFormatError(f"device push {name}@{source.tag}: its header is not readable safetensors ({e}); "
-                                 "push it again") from e
-    config = parse_config(config_bytes, directory / CONFIG_FILE)
-    spec = built_spec(name, directory, config, header, shape, max_rank, known.version, source.size, None,
-                      config_digest)
+
+    def unreadable(e: Exception) -> AdapterFormatError:
+        return AdapterFormatError(f"device push {name}@{source.tag}: its header is not readable safetensors ({e}); "
+                                  "push it again")
+
+    spec = head_spec(name, directory, config_bytes, bytes(head[8:]), source.size, shape, max_rank, known.version,
+                     config_digest, unreadable)
     return dataclasses.replace(spec, store_meta=known.meta, device=source)
 
 

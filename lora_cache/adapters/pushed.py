@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -49,9 +49,18 @@ from lora_cache.adapters.files import (
 )
 from lora_cache.adapters.header import MAX_HEADER_BYTES, parse_header
 from lora_cache.adapters.passes import PASS_BYTES, passes, task_bytes
-from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec, KnownVersion, built_spec, parse_config
+from lora_cache.adapters.peft import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterConfig,
+    AdapterSpec,
+    KnownVersion,
+    LoraModule,
+    built_spec,
+    parse_config,
+)
 from lora_cache.adapters.shapes import ModelShape
-from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, ConflictError
+from lora_cache.errors import AdapterFormatError, CapacityError, ConfigError, ConflictError, LoraCacheError
 
 ENV = "LORA_CACHE_PUSH_DIR"  # where pushed versions go, if set (tests give each run its own)
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -169,13 +178,45 @@ def check_head(name: str, config_bytes: bytes, head: bytes, size: int, shape: Mo
     if not 0 < n <= min(size - 8, MAX_HEADER_BYTES) or len(head) < 8 + n:
         raise AdapterFormatError(f"pushed weights of {name} are not safetensors (a header of {n} bytes in "
                                  f"{size}, {len(head)} given); push safetensors.torch.save's bytes")
-    try:
-        header = parse_header(bytes(head[8:8 + n]), size)
-    except (ValueError, KeyError, TypeError, RecursionError) as e:
-        raise AdapterFormatError(f"pushed weights of {name} are not readable safetensors ({e}); push "
-                                 "safetensors.torch.save's bytes") from e
-    config = parse_config(config_bytes, where / CONFIG_FILE)
-    return built_spec(name, where, config, header, shape, max_rank, "<pushed>", size, None, "")
+
+    def unreadable(e: Exception) -> AdapterFormatError:
+        return AdapterFormatError(f"pushed weights of {name} are not readable safetensors ({e}); push "
+                                  "safetensors.torch.save's bytes")
+
+    return head_spec(name, where, config_bytes, bytes(head[8:8 + n]), size, shape, max_rank, "<pushed>", "",
+                     unreadable)
+
+
+def head_spec(name: str, where: Path, config_bytes: bytes, header: bytes, size: int, shape: ModelShape,
+              max_rank: int, version: str, config_digest: str,
+              unreadable: Callable[[Exception], LoraCacheError]) -> AdapterSpec:
+    """``built_spec`` of a config and a safetensors header (its JSON bytes) for an image of ``size`` bytes at
+    ``where``, parsed and checked once per distinct (config, header, size, model, max rank): a trainer's pushes of
+    an adapter declare the same ones each time, so the controller's check and registration of a device push, and
+    each rank's registration, take the last result (``_HEAD_PARTS``). ``unreadable``: the error for a header that
+    does not parse."""
+    key = (config_bytes, header, size, shape, max_rank)
+    with _HEAD_LOCK:
+        parts = _HEAD_PARTS.get(key)
+    if parts is None:
+        try:
+            parsed = parse_header(header, size)
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise unreadable(e) from e
+        config = parse_config(config_bytes, where / CONFIG_FILE)
+        spec = built_spec(name, where, config, parsed, shape, max_rank, version, size, None, config_digest)
+        with _HEAD_LOCK:
+            _HEAD_PARTS[key] = (spec.config, spec.modules, spec.dtype)
+            while len(_HEAD_PARTS) > MAX_HEAD_PARTS:
+                del _HEAD_PARTS[next(iter(_HEAD_PARTS))]
+        return spec
+    config, modules, dtype = parts
+    return AdapterSpec(name, where, config, modules, dtype, version, size, None, config_digest)
+
+
+_HEAD_PARTS: dict[tuple[bytes, bytes, int, ModelShape, int], tuple[AdapterConfig, tuple[LoraModule, ...], str]] = {}
+MAX_HEAD_PARTS = 16  # distinct (config, header)s kept: an 8B rank-16 header is ~60 KB
+_HEAD_LOCK = threading.Lock()
 
 
 class PushArea:
