@@ -25,7 +25,7 @@ from lora_cache.adapters.device_source import DeviceSource
 from lora_cache.adapters.device_versions import as_copy_of, device_known, device_spec, host_readable, landed_known
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec, KnownVersion
 from lora_cache.adapters.pushed import PushArea, check_head, digest
-from lora_cache.adapters.serialize import image_and_head
+from lora_cache.adapters.serialize import ImageLayout, image_and_head
 from lora_cache.api import relay_codec
 from lora_cache.controller.catalog_store import CatalogSnapshots, decode, entry_json
 from lora_cache.controller.core import ControllerConfig, ControllerCore
@@ -429,6 +429,25 @@ def test_a_trainers_image_buffer_is_the_safetensors_file_of_its_tensors(source: 
     assert pushed.keys() == saved.keys() and all(torch.equal(pushed[k], saved[k]) for k in saved)
     assert bytes(push.image[:len(push.head)].numpy()) == push.head
 
+
+def test_a_trainers_next_push_into_its_kept_layout_is_the_image_a_fresh_layout_makes(source: Path) -> None:
+    """``ImageLayout``: the next step's tensors copied into the buffer's kept places give the very bytes of a
+    fresh image of them; tensors of another name set, shape, dtype or device do not fit (a new image instead), and
+    nothing is written then."""
+    first, second = declared(source, 1.5), declared(source, 2.5)
+    layout = ImageLayout(first.tensors, first.image, first.head)
+    ordered = layout.fits(second.tensors)
+    assert ordered is not None
+    layout.write(ordered)
+    assert torch.equal(first.image, second.image), "the kept layout wrote other bytes than a fresh image"
+    before = first.image.clone()
+    name = next(iter(second.tensors))
+    t = second.tensors[name]
+    for other in ({**second.tensors, name: t.reshape(1, -1)}, {**second.tensors, name: t.to(torch.float64)},
+                  {k: v for k, v in second.tensors.items() if k != name}, {**second.tensors, "extra": t},
+                  {**second.tensors, name: t.to("meta")}):
+        assert layout.fits(other) is None
+    assert torch.equal(first.image, before)
 
 
 class Controller(NamedTuple):

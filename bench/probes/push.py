@@ -151,6 +151,12 @@ def main() -> None:
                 landed = ray.get(done.landing, timeout=120)  # type: ignore[union-attr]
                 landed_ms = (time.time() - t0) * 1e3
                 assert landed.version == done.version
+                # the landed file is the trainer's buffer as pushed: its tensors must be the step's (the slots are
+                # checked against that file below)
+                weights = Path(catalog_config.push_dir) / "lora-cache" / NAME / str(step) / WEIGHTS_FILE
+                written = load(weights.read_bytes())
+                assert written.keys() == pushed.keys() and all(torch.equal(written[k], pushed[k].cpu())
+                                                               for k in written), f"push {step}: landed other bytes"
             checks = ray.get([w.verify.remote(NAME, done.version) for w in workers])
             assert all(c["max_abs_diff"] == 0.0 for c in checks), checks
             assert [c["nbytes"] for c in checks] == shard, (checks, shard)

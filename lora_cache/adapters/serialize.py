@@ -115,6 +115,40 @@ def image_and_head(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, s
     return out, head
 
 
+class ImageLayout:
+    """An image buffer (``image_and_head``'s) and the layout its tensors were written in, for the trainer's next
+    pushes: tensors of the same names, shapes, dtypes and device are copied into their places in one multi-tensor
+    copy on the current stream (``write``), the header left as it was written, with no layout worked out again (an
+    8B rank-16 adapter's 448 tensors: ~2.4 ms of Python on an H100 host, measured, against a 1 ms shard copy)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], image: torch.Tensor, head: bytes) -> None:
+        _, placed = safetensors_layout(tensors)
+        self.image, self.head = image, head
+        self.names = tuple(sorted(tensors))
+        self.keys = frozenset(self.names)
+        self.shapes = [tensors[n].shape for n in self.names]
+        self.dtypes = [tensors[n].dtype for n in self.names]
+        data = image[len(head):]
+        # each tensor's place as a view of its dtype and shape (one dtype an adapter: aligned), so the copy is typed
+        self.views = [data[begin:end].view(t.dtype).view(t.shape) for t, begin, end in placed]
+
+    def fits(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor] | None:
+        """``tensors`` in the layout's order if they are its names, shapes, dtypes and device, else None."""
+        if tensors.keys() != self.keys:
+            return None
+        ordered = [tensors[n] for n in self.names]
+        device = self.image.device
+        if ([t.shape for t in ordered] != self.shapes or [t.dtype for t in ordered] != self.dtypes
+                or any(t.device != device for t in ordered)):
+            return None
+        return ordered
+
+    def write(self, ordered: list[torch.Tensor]) -> None:
+        """Copy ``fits``'s tensors into their places (queued on the current stream)."""
+        with torch.no_grad():
+            torch._foreach_copy_(self.views, ordered)
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bytes as a 1-D uint8 tensor on its device (a copy only where ``t`` is not contiguous)."""
     return t.detach().reshape(-1).view(torch.uint8)

@@ -42,10 +42,10 @@ import ray
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from lora_cache.adapters.serialize import image_and_head
+from lora_cache.adapters.serialize import ImageLayout, image_and_head
 from lora_cache.api.client_values import push_config
 from lora_cache.controller.pushes import Pushed
-from lora_cache.errors import AdapterFormatError, ConfigError
+from lora_cache.errors import ConfigError
 from lora_cache.link.bell import Bell, ring_all
 from lora_cache.link.endpoint import controller_handle
 
@@ -75,6 +75,7 @@ class DevicePusher:
         self.name, self.config, self.replicas, self.timeout_s = name, push_config(config), replicas, timeout_s
         self.buffer = f"{name}-{uuid.uuid4().hex[:12]}"  # this pusher's buffer, as the ranks know it
         self.image: torch.Tensor | None = None
+        self.layout: ImageLayout | None = None  # the GPU buffer's layout, for the next push of the same tensors
         self.event: Any = None  # the trainer's one interprocess event (a GPU image's)
         self.ranks: list[Any] = []  # the ranks pushed to (every rank of each replica taken)
         self.bells: list[Bell] = []
@@ -87,14 +88,26 @@ class DevicePusher:
         its ``DevicePushed`` once every rank pushed to is READY, or the error (the previous version serving)."""
         t0 = time.perf_counter()
         tensors = {str(k): v for k, v in tensors.items()}
-        image, head = self._image(tensors)
+        ordered = self.layout.fits(tensors) if self.layout is not None else None
+        call = None
+        if ordered is not None:  # the last push's buffer and layout: the controller's call goes while the tensors
+            image, head = self.layout.image, self.layout.head  # are copied in (it reads only the header)
+            call = self._register(tag, head, image.numel())
+            try:
+                self.layout.write(ordered)  # type: ignore[union-attr]
+            except BaseException:
+                self._give_up(call)
+                raise
+        else:
+            image, head = image_and_head(tensors, {"format": "pt"})  # a new buffer, opened again on the ranks
+            self.layout = self._layout(tensors, image, head)
         opened = image is self.image and image.is_cuda  # a GPU buffer stays open on the ranks; a CPU one travels
         self.image = image
         self._copy_out(image)
         t1 = time.perf_counter()
         # on the CPU the image goes into the object store once: each rank maps it from there, and so does the landing
         stored = None if image.is_cuda else ray.put(image.numpy())
-        pushed: Pushed = ray.get(self.controller.push_device.remote(self.name, tag, self.config, head, image.numel()),
+        pushed: Pushed = ray.get(call if call is not None else self._register(tag, head, image.numel()),
                                  timeout=self.timeout_s)
         t2 = t3 = time.perf_counter()
         try:
@@ -104,8 +117,7 @@ class DevicePusher:
             answers = ring_all(self.bells, [{"buffer": self.buffer, "name": self.name, "version": pushed.version}]
                                * len(self.bells))
         except BaseException:  # a rank refused it (e.g. a NaN): given up now, the version before it current again
-            with contextlib.suppress(Exception):  # else it expires: the rank's refusal is the error to raise
-                ray.get(self.controller.withdraw_device.remote(self.name, pushed.version), timeout=self.timeout_s)
+            self._withdraw(pushed.version)
             raise
         t4 = time.perf_counter()
         split = {"image": t1 - t0, "register": t2 - t1, "open": t3 - t2, "bells": t4 - t3}
@@ -114,15 +126,29 @@ class DevicePusher:
         return DevicePushed(pushed.name, pushed.tag, pushed.version, pushed.previous,
                             tuple(a["record"] for a in answers), t4 - t0, landing, split)
 
-    def _image(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, bytes]:
-        """The image of ``tensors`` and its head, written into the last push's buffer where it fits exactly (the same
-        shapes, device and dtypes), else into a new one."""
-        if self.image is not None and self.image.is_cuda:
-            try:
-                return image_and_head(tensors, {"format": "pt"}, self.image)
-            except AdapterFormatError:
-                pass  # new shapes or another device: a new buffer, opened again on the ranks
-        return image_and_head(tensors, {"format": "pt"})
+    def _register(self, tag: str | int, head: bytes, size: int) -> Any:
+        """The controller's registration of this push (``push_device``), an ObjectRef."""
+        return self.controller.push_device.remote(self.name, tag, self.config, head, size)
+
+    def _give_up(self, call: Any) -> None:
+        """The push's registration ``call`` went, but the push cannot go on: withdrawn if it was registered."""
+        with contextlib.suppress(Exception):
+            self._withdraw(ray.get(call, timeout=self.timeout_s).version)
+
+    def _withdraw(self, version: str) -> None:
+        with contextlib.suppress(Exception):  # else it expires: the error that stopped the push is the one raised
+            ray.get(self.controller.withdraw_device.remote(self.name, version), timeout=self.timeout_s)
+
+    @staticmethod
+    def _layout(tensors: dict[str, torch.Tensor], image: torch.Tensor, head: bytes) -> ImageLayout | None:
+        """A GPU image's layout, kept for the next push (None on the CPU, whose image travels by value, or where
+        the tensors' places cannot be typed views: mixed dtypes, which the controller refuses anyway)."""
+        if not image.is_cuda:
+            return None
+        try:
+            return ImageLayout(tensors, image, head)
+        except RuntimeError:
+            return None
 
     def _copy_out(self, image: torch.Tensor) -> None:
         """Record the trainer's event behind the image's writes, and start its copy to pinned host memory behind it."""
