@@ -144,10 +144,9 @@ class DevicePusher:
 
     @staticmethod
     def _layout(tensors: dict[str, torch.Tensor], image: torch.Tensor, head: bytes) -> ImageLayout | None:
-        """A GPU image's layout, kept for the next push (None on the CPU, whose image travels by value, or where
-        the tensors' places cannot be typed views: mixed dtypes, which the controller refuses anyway)."""
-        if not image.is_cuda:
-            return None
+        """The image's layout, kept for the next push (a CPU image too: each push puts a copy of it in the object
+        store, so it may be written again); None where the tensors' places cannot be typed views (mixed dtypes,
+        which the controller refuses anyway)."""
         try:
             return ImageLayout(tensors, image, head)
         except RuntimeError:
