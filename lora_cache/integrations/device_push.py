@@ -91,20 +91,21 @@ class DevicePusher:
         its ``DevicePushed`` once every rank pushed to is READY, or the error (the previous version serving)."""
         t0 = time.perf_counter()
         tensors = {str(k): v for k, v in tensors.items()}
-        ordered = self.layout.fits(tensors) if self.layout is not None else None
+        layout = self.layout
+        ordered = layout.fits(tensors) if layout is not None else None
         call = None
-        if ordered is not None:  # the last push's buffer and layout: the controller's call goes while the tensors
-            image, head = self.layout.image, self.layout.head  # are copied in (it reads only the header)
+        if layout is not None and ordered is not None:  # the last push's buffer and layout: the controller's call
+            image, head = layout.image, layout.head  # goes while the tensors are copied in (it reads only the header)
             call = self._register(tag, head, image.numel())
             try:
-                self.layout.write(ordered)  # type: ignore[union-attr]
+                layout.write(ordered)
             except BaseException:
                 self._give_up(call)
                 raise
         else:
             image, head = image_and_head(tensors, {"format": "pt"})  # a new buffer, opened again on the ranks
             self.layout = self._layout(tensors, image, head)
-        opened = image is self.image and image.is_cuda  # a GPU buffer stays open on the ranks; a CPU one travels
+        opened = image is self.image and bool(image.is_cuda)  # a GPU buffer stays open on the ranks; a CPU one travels
         self.image = image
         self._copy_out(image)
         t1 = time.perf_counter()
