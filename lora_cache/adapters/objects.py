@@ -11,7 +11,7 @@ of its copy as a local file's (``workers.staging.disk_tier``).
 
 from __future__ import annotations
 
-import threading
+import functools
 import zlib
 from typing import NamedTuple
 
@@ -85,23 +85,16 @@ class StoreSource(NamedTuple):
 def pack_meta(config: bytes, header: bytes) -> bytes:
     """A store version's config bytes and safetensors header bytes (with its 8-byte length), as registered, in
     one compressed blob for ``KnownVersion.meta``; b"" if it would exceed ``MAX_META_BYTES``."""
-    key = (config, header)
-    packed = _PACKED.get(key)  # a trainer's device pushes declare the same config and header each time
-    if packed is None:
-        packed = zlib.compress(len(config).to_bytes(4, "little") + config + header, 6)
-        with _PACKED_LOCK:
-            _PACKED[key] = packed
-            while len(_PACKED) > MAX_PACKED:
-                del _PACKED[next(iter(_PACKED))]
+    packed = _compressed(config, header)  # a trainer's device pushes declare the same config and header each time
     if len(packed) > MAX_META_BYTES:
         return b""
     shared = _METAS.setdefault(packed, packed) if len(_METAS) < MAX_SHARED_METAS else _METAS.get(packed, packed)
     return shared  # adapters of one shape and config share one blob in the registering process (and its snapshot)
 
 
-_PACKED: dict[tuple[bytes, bytes], bytes] = {}  # the last (config, header)s packed (an 8B header: ~60 KB)
-MAX_PACKED = 16
-_PACKED_LOCK = threading.Lock()
+@functools.lru_cache(maxsize=16)  # the last (config, header)s packed (an 8B header: ~60 KB)
+def _compressed(config: bytes, header: bytes) -> bytes:
+    return zlib.compress(len(config).to_bytes(4, "little") + config + header, 6)
 
 
 _METAS: dict[bytes, bytes] = {}  # each distinct blob once (10,000 8B-shaped adapters of one config: ~5.5 KB in all)
