@@ -406,9 +406,10 @@ def test_issue44_push_device_part_runs_the_trainers_device_push_at_each_tp_and_t
 
     commands = _dry("issue44_push.sh", str(tmp_path), PARTS="device")
     assert commands[0][-3:] == ["-m", "gpu", "tests/test_image_loads.py"]
+    VIA = "device,device-now,ray"  # registered ahead, registered at the call, by Ray reference: in turn
     parsed = [push_parser().parse_args(c[3:]) for c in commands[1:]]
     assert [(a.model, a.rank, a.tp, a.via, a.source, a.one_gpu) for a in parsed] == [
-        ("llama-3.1-8b", 16, 1, "device,ray", "gpu", True), ("llama-3.1-8b", 16, 2, "device,ray", "gpu", True),
-        ("llama-3.1-70b", 64, 2, "device,ray", "gpu", True)]
+        ("llama-3.1-8b", 16, 1, VIA, "gpu", True), ("llama-3.1-8b", 16, 2, VIA, "gpu", True),
+        ("llama-3.1-70b", 64, 2, VIA, "gpu", True)]
     assert [Path(a.out).name for a in parsed] == ["device-8b-tp1.json", "device-8b-tp2.json", "device-70b-tp2.json"]
     assert len(_dry("issue44_push.sh", str(tmp_path / "two"), PARTS="device", PUSHES70="0", DEVICE_TPS="1")) == 2

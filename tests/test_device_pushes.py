@@ -20,16 +20,24 @@ import torch
 from safetensors.torch import load
 
 from lora_cache.adapters import pushed
+from lora_cache.adapters.ahead import MAX_AHEAD
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.device_source import DeviceSource
-from lora_cache.adapters.device_versions import as_copy_of, device_known, device_spec, host_readable, landed_known
+from lora_cache.adapters.device_versions import (
+    as_copy_of,
+    committed,
+    device_known,
+    device_spec,
+    host_readable,
+    landed_known,
+)
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec, KnownVersion
 from lora_cache.adapters.pushed import PushArea, check_head, digest
 from lora_cache.adapters.serialize import ImageLayout, image_and_head
 from lora_cache.api import relay_codec
 from lora_cache.controller.catalog_store import CatalogSnapshots, decode, entry_json
 from lora_cache.controller.core import ControllerConfig, ControllerCore
-from lora_cache.controller.device_pushes import DevicePushes
+from lora_cache.controller.device_pushes import AHEAD_LAND_TIMES, DevicePushes
 from lora_cache.controller.fanout import RankAnswers, Sent
 from lora_cache.controller.pushes import Pushes
 from lora_cache.controller.registrations import Registrar
@@ -52,7 +60,7 @@ from lora_cache.planner import (
 from lora_cache.routing.advice import ready_s, residence
 from lora_cache.routing.clock import LoadClock
 from lora_cache.routing.ranking import Residence
-from lora_cache.vocab import AdapterKey
+from lora_cache.vocab import AdapterKey, WorkerId
 from tests.test_image_loads import slot_bytes
 from tests.test_registrations import Links
 from workers.cache import WorkerCache, WorkerConfig
@@ -584,3 +592,116 @@ def test_route_never_expects_a_device_version_ready_where_it_was_not_pushed() ->
     assert [ready_s(planner.view, r, key, where[r], clock) for r in ("r0", "r1")] == [0.0, math.inf]
     planner.register_adapter(AdapterInfo("a", "d2", 100))  # landed
     assert 0 < ready_s(planner.view, "r1", key, Residence.COLD, clock) < math.inf
+
+
+def test_a_version_registered_ahead_is_current_nowhere_until_its_commit(source: Path, tmp_path: Path) -> None:
+    """``DevicePushes.reserve``: checked and given its id as a push's, held by the controller's catalog and sent to
+    every rank with ``DeviceSource.ahead``, current nowhere, the planner keeping it where a rank loads it and a
+    rank's READY of it believed; its tag held (a push or a second reservation of it refused). ``commit`` makes it
+    current (sent without the flag), and its node copy then lands as any device push's; it is committed once. A push
+    of its tag registered now gives it up."""
+    ctl = controller(tmp_path)
+    (before,) = asyncio.run(ctl.devices.registrar.register([("a", str(source))]))
+    push = declared(source, 1.5)
+    size = push.image.numel()
+    with pytest.raises(NotFoundError, match="push its first version"):
+        asyncio.run(ctl.devices.reserve("new", 1, push.config, push.head, size))
+    ahead = asyncio.run(ctl.devices.reserve("a", 8, push.config, push.head, size))
+    catalog, version = ctl.core.catalog, ahead.version
+    assert (ahead.previous, catalog.current("a"), catalog.versions("a")) == (before.version, before.version,
+                                                                           [before.version])
+    assert catalog.get("a", version).device_only and catalog.ahead.has("a", version)
+    name, _, sent = ctl.links.sent[-1][0]
+    assert (name, sent.version, sent.source.ahead) == ("a", version, True)  # type: ignore[union-attr]
+    assert AdapterKey("a", version) in ctl.core.planner._fleet.device_only
+    assert ctl.core.planner.view.adapter("a").version == before.version, "the planner's current version moved"
+    ctl.core.add_replica("r", 1, 2)
+    assert ctl.core.admission.admits(WorkerId("r", 0), "a", version, acquired=True), "a rank's READY refused"
+    with pytest.raises(ConflictError, match="tagged '8' already"):
+        asyncio.run(ctl.devices.reserve("a", 8, push.config, push.head, size))
+    with pytest.raises(NotFoundError, match="registered ahead and never committed"):
+        asyncio.run(ctl.devices.land("a", version, push.config, push.image.numpy()))
+    done = asyncio.run(ctl.devices.commit("a", version))
+    assert (done.version, done.previous, catalog.current("a")) == (version, before.version, version)
+    assert not catalog.ahead.has("a", version) and catalog.versions("a") == [before.version, version]
+    name, _, sent = ctl.links.sent[-1][0]
+    assert (name, sent.version, sent.source.ahead) == ("a", version, False)  # type: ignore[union-attr]
+    with pytest.raises(NotFoundError, match="waiting for its commit"):
+        asyncio.run(ctl.devices.commit("a", version))
+    landed = asyncio.run(ctl.devices.land("a", version, push.config, push.image.numpy()))
+    assert landed.version == version and not catalog.get("a").device_only
+    # a guess, never a claim: a push of its tag registered now, from a device buffer or by value, gives it up
+    later = declared(source, 2.5)
+    for tag, by_value in ((9, False), (10, True)):
+        guess = asyncio.run(ctl.devices.reserve("a", tag, push.config, push.head, size)).version
+        done = asyncio.run(ctl.devices.pushes.push("a", tag, later.config, later.image.numpy().tobytes())
+                           if by_value else ctl.devices.push("a", tag, push.config, push.head, size))
+        assert catalog.current("a") == done.version != guess and not catalog.ahead.has("a", guess)
+        with pytest.raises(NotFoundError, match="given up"):
+            asyncio.run(ctl.devices.commit("a", guess))
+
+
+def test_a_version_registered_ahead_and_never_committed_is_given_up_leaving_the_current_one(
+        source: Path, tmp_path: Path) -> None:
+    """Given up after ``AHEAD_LAND_TIMES`` x ``push_land_s`` (not after ``push_land_s``: a trainer's step may be long),
+    or at once when withdrawn; a withdrawal while its commit is being registered (a rank refused the image the
+    trainer rang it with) leaves the version before it current and the commit refused."""
+    ctl = controller(tmp_path, land_s=1.0)
+    (before,) = asyncio.run(ctl.devices.registrar.register([("a", str(source))]))
+    push = declared(source, 1.5)
+    size, catalog = push.image.numel(), ctl.core.catalog
+    version = asyncio.run(ctl.devices.reserve("a", 8, push.config, push.head, size)).version
+    assert asyncio.run(ctl.devices.expire(time.monotonic() + 2.0)) == []
+    assert asyncio.run(ctl.devices.expire(time.monotonic() + AHEAD_LAND_TIMES + 1.0)) == ["a"]
+    assert not catalog.ahead.has("a", version) and catalog.current("a") == before.version
+    assert AdapterKey("a", version) not in ctl.core.planner._fleet.device_only
+    with pytest.raises(NotFoundError, match="given up"):
+        asyncio.run(ctl.devices.commit("a", version))
+    again = asyncio.run(ctl.devices.reserve("a", 8, push.config, push.head, size)).version  # the tag is free again
+
+    async def refused_while_committed() -> list[Any]:
+        return await asyncio.gather(ctl.devices.commit("a", again), ctl.devices.withdraw("a", again),
+                                    return_exceptions=True)
+
+    commit, withdrew = asyncio.run(refused_while_committed())
+    assert withdrew is True and isinstance(commit, NotFoundError) and "withdrawn" in str(commit), (commit, withdrew)
+    assert catalog.current("a") == before.version and (("a", again) not in ctl.devices.pending)
+    assert AdapterKey("a", again) not in ctl.core.planner._fleet.device_only
+
+
+def test_a_rank_holds_a_version_registered_ahead_loadable_and_not_current_until_its_commit(
+        source: Path, tmp_path: Path, ranks: Callable[[], WorkerControl]) -> None:
+    """Invariant 1 for a version registered ahead: a rank loads it from the image by its exact version while the
+    name's current version stays the one before (what an unversioned request gets); the commit makes it current with
+    the slot filled from the image unchanged; over the relay's wire too. A name holds at most ``MAX_AHEAD`` (the
+    oldest let go), and one of an unregistered name is refused by the rank, naming the fix."""
+    control = ranks()
+    assert control.register_adapter("a", str(source)) == (base := control.catalog.current("a"))
+    controller_catalog = catalog_at(tmp_path)
+    push = declared(source, 1.5)
+    path = str(area_of(controller_catalog).path("a", "1"))
+    known = device_known("a", "1", push.config, push.head, push.image.numel(), ahead=True)
+    wire = relay_codec.from_known(relay_codec.known(known))
+    assert wire == known and wire.source.ahead  # type: ignore[union-attr]
+    assert control.register_adapter("a", path, wire) == known.version
+    rank = control.catalog
+    assert rank.current("a") == base and rank.versions("a") == [base] and rank.get("a", known.version).device_only
+    cache = control.cache
+    cache.load_image("a", known.version, push.image, push.head).result(timeout=30)
+    assert cache.prefetch("a").result(timeout=30).version == base, "an unversioned acquire took the version ahead"
+    filled = slot(cache, "a", known.version)
+    now = committed(known)
+    assert control.register_adapter("a", path, relay_codec.from_known(relay_codec.known(now))) == known.version
+    assert rank.current("a") == known.version and rank.versions("a") == [base, known.version]
+    assert not rank.ahead.has("a", known.version)
+    assert cache.prefetch("a").result(timeout=30).version == known.version
+    assert slot(cache, "a", known.version) == filled and cache.counters.image_loads == 1
+    many = [device_known("a", str(t), push.config, push.head, push.image.numel(), ahead=True) for t in (2, 3, 4)]
+    for k in many:
+        control.register_adapter("a", str(area_of(controller_catalog).path("a", k.source.tag)), k)  # type: ignore
+    assert [rank.ahead.has("a", k.version) for k in many] == [False, True, True] and MAX_AHEAD == 2
+    with pytest.raises(NotFoundError, match="re-registered"):
+        rank.get("a", many[0].version)
+    stray = device_known("b", "1", push.config, push.head, push.image.numel(), ahead=True)
+    ((version, why),) = control.register_adapters([("b", str(area_of(controller_catalog).path("b", "1")), stray)])
+    assert version == "" and "push its first version" in why and "b" not in rank

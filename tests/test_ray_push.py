@@ -449,8 +449,10 @@ def test_a_device_push_is_ready_on_both_ranks_from_the_buffer_then_lands_under_i
     """Issue 44 item 5 end to end (``DevicePusher``; on the CPU the image travels by value): the version is
     registered from the trainer's declaration alone, both ranks of the TP 2 replica take their shards from the
     trainer's buffer by their doorbells (no host read), and its node copy then lands under the same id: each rank's
-    slot equals its slices of that file, whose tensors are the trainer's. The next step replaces it; a tag used
-    already, or tensors of the wrong shapes, are refused before anything changes."""
+    slot equals its slices of that file, whose tensors are the trainer's. The next step replaces it, registered ahead
+    while the trainer trained (``reserve_device``: the push is the doorbells and the commit); where the controller
+    gave that one up meanwhile, the push registers itself again. A tag used already, or tensors of the wrong shapes,
+    are refused before anything changes."""
     ranks = list(world.service.workers.values())
     before = [ray.get(h.stats.remote(), timeout=30) for h in ranks]
     pusher = DevicePusher("devpush", world.config)
@@ -458,6 +460,7 @@ def test_a_device_push_is_ready_on_both_ranks_from_the_buffer_then_lands_under_i
         for step, scale in ((1, 1.3), (2, 1.6)):
             tensors = scaled(world.tensors, scale)
             pushed = pusher.push(tensors, tag=step)
+            assert ("commit" in pushed.split_s) == (step == 2), pushed.split_s  # step 2 registered ahead
             assert sorted(r["tp_rank"] for r in pushed.records) == [0, 1]
             assert {r["version"] for r in pushed.records} == {pushed.version} and pushed.tag == str(step)
             assert current(world, "devpush") == pushed.version
@@ -471,8 +474,19 @@ def test_a_device_push_is_ready_on_both_ranks_from_the_buffer_then_lands_under_i
             for h in ranks:
                 check = ray.get(h.verify.remote("devpush", pushed.version), timeout=60)  # against the landed file
                 assert check["max_abs_diff"] == 0.0 and 0 < check["nbytes"] < total, check
-        with pytest.raises(ConflictError, match="tagged '2' already"):
-            pusher.push(scaled(world.tensors, 1.9), tag=2)
+        assert pusher._next is not None
+        ahead = ray.get(pusher._next[1], timeout=30).version  # step 3's, registered ahead: given up behind its back
+        assert ray.get(world.service.controller.withdraw_device.remote("devpush", ahead), timeout=30)
+        third = pusher.push(scaled(world.tensors, 1.8), tag=3)
+        assert third.version != ahead and "commit" not in third.split_s and current(world, "devpush") == third.version
+        assert third.previous == pushed.version
+        ray.get(third.landing, timeout=60)
+        for h in ranks:
+            check = ray.get(h.verify.remote("devpush", third.version), timeout=60)
+            assert check["max_abs_diff"] == 0.0, check
+        pushed = third
+        with pytest.raises(ConflictError, match="tagged '3' already"):
+            pusher.push(scaled(world.tensors, 1.9), tag=3)
         poisoned = scaled(world.tensors, 1.7)
         first = next(iter(poisoned))
         poisoned[first].view(-1)[0] = float("nan")
@@ -483,11 +497,11 @@ def test_a_device_push_is_ready_on_both_ranks_from_the_buffer_then_lands_under_i
         key = next(k for k in wrong if "lora_B" in k)
         wrong[key] = torch.cat([wrong[key], wrong[key]])
         with pytest.raises(AdapterFormatError, match=key.rsplit(".lora_B", 1)[0].rsplit(".", 1)[-1]):
-            pusher.push(wrong, tag=3)
+            pusher.push(wrong, tag=6)
         assert current(world, "devpush") == pushed.version
-        for h, was in zip(ranks, before, strict=True):
+        for h, was in zip(ranks, before, strict=True):  # steps 1 and 2, 3 twice (given up, then again), the NaN
             now = ray.get(h.stats.remote(), timeout=30)
-            assert now["image_loads"] - was["image_loads"] == 3, "a rank did not take each step from the buffer"
+            assert now["image_loads"] - was["image_loads"] == 5, "a rank did not take each step from the buffer"
         with pytest.raises(NotFoundError, match="waiting for its node copy"):
             ray.get(world.service.controller.land_device.remote("devpush", pushed.version, b"{}", b""), timeout=30)
     finally:

@@ -24,9 +24,10 @@
 # read-8b.json, read-70b.json). PARTS may name slots: a push taken into the ranks' slots from the trainer's GPU buffer,
 # READY on every rank (the image loads' and the device read's GPU tests, then bench.probes.push_slots, real worker
 # actors, for the 8B rank-16 and the 70B rank-64 at TP READ_TPS [1,2]; slots-8b.json, slots-70b.json). PARTS may name
-# device: a trainer's device push end to end (bench.probes.push --via device,ray --source gpu --one-gpu: the
-# DevicePusher's push registered by the controller, every rank READY from the buffer by its doorbell, the node copy
-# landed after, each slot checked against the landed file; against a push by Ray reference in the same run), the 8B
+# device: a trainer's device push end to end (bench.probes.push --via DEVICE_VIA [device,device-now,ray] --source gpu
+# --one-gpu: the DevicePusher's push registered ahead by the controller (device) or at the call (device-now), every
+# rank READY from the buffer by its doorbell, the node copy landed after, each slot checked against the landed file;
+# against a push by Ray reference in the same run), the 8B
 # rank-16 at each TP of DEVICE_TPS [1 2] with PUSHES8 [6] pushes, the 70B rank-64 at TP 2 with PUSHES70 [3]; the GPU
 # tests of the image loads first; device-8b-tpN.json, device-70b-tp2.json. Exit status: the number of runs that
 # failed.
@@ -104,14 +105,15 @@ if [[ $parts == *" slots "* ]]; then
     --repeats 10 --out "$out/slots-70b.json"
 fi
 if [[ $parts == *" device "* ]]; then
+  dvia=${DEVICE_VIA:-device,device-now,ray}
   step device-tests "$PYTHON" -m pytest -q -m gpu tests/test_image_loads.py
   for dtp in ${DEVICE_TPS:-1 2}; do
     step "device-8b-tp$dtp" "$PYTHON" -m bench.probes.push --tp "$dtp" --model llama-3.1-8b --rank 16 \
-      --pushes "${PUSHES8:-6}" --via device,ray --source gpu --one-gpu --out "$out/device-8b-tp$dtp.json"
+      --pushes "${PUSHES8:-6}" --via "$dvia" --source gpu --one-gpu --out "$out/device-8b-tp$dtp.json"
   done
   if [ "${PUSHES70:-3}" != 0 ]; then
     step device-70b-tp2 "$PYTHON" -m bench.probes.push --tp 2 --model llama-3.1-70b --rank 64 \
-      --pushes "${PUSHES70:-3}" --via device,ray --source gpu --one-gpu --out "$out/device-70b-tp2.json"
+      --pushes "${PUSHES70:-3}" --via "$dvia" --source gpu --one-gpu --out "$out/device-70b-tp2.json"
   fi
 fi
 exit "$failed"

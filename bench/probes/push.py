@@ -18,7 +18,11 @@ once (on ``--cpu``: a memcpy), so ``ready_over_copy`` is the goal's ratio (<= 1.
 device-only, each rank takes its shard from the buffer when its doorbell rings, and ``answer_ms`` is then every rank
 READY by the doorbells' answers (``ready_in_push_ms``: the same, timed inside the call, the goal's figure);
 ``landed_ms`` is its node copy landed (after which each slot is checked against the
-landed file). On ``--cpu`` the image travels to each rank by value with every push (no IPC); on a GPU the ranks open
+landed file). Each device push but the first takes its version registered ahead while the trainer trained
+(``next_tag``: the next device step's), its every rank READY then the doorbells alone; ``device-now`` is a second
+trainer's buffer whose pushes register at the call (``next_tag=None``), the path before, for the ratio in the same
+run (``device_ready_over_copy`` against ``device_now_ready_over_copy``). On ``--cpu`` the image travels to each
+rank by value with every push (no IPC); on a GPU the ranks open
 the trainer's buffer by CUDA IPC once (``--source gpu --one-gpu``: the trainer's GPU is the ranks'). ``--via`` takes a
 list (``grpc,ray``: alternately, the default).
 
@@ -90,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--source", choices=("cpu", "gpu"), default="cpu",
                     help="where the pushed tensors lie: host memory, or GPU 0 (a trainer's)")
     ap.add_argument("--one-gpu", action="store_true", help="every rank on GPU 0 (TP > 1 on a one-GPU host)")
-    ap.add_argument("--via", default="grpc,ray", help="the ways pushes go, in turn: grpc, ray, device")
+    ap.add_argument("--via", default="grpc,ray", help=f"the ways pushes go, in turn: {', '.join(WAYS)}")
     ap.add_argument("--out", required=True)
     return ap
 
@@ -98,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = build_parser().parse_args()
     ways = [w for w in args.via.split(",") if w]
-    if not ways or set(ways) - {"grpc", "ray", "device"}:
-        raise SystemExit(f"--via {args.via!r}: give a list of grpc, ray, device")
+    if not ways or set(ways) - set(WAYS):
+        raise SystemExit(f"--via {args.via!r}: give a list of {', '.join(WAYS)}")
     if args.source == "gpu" and args.cpu:
         raise SystemExit("--source gpu pushes tensors that lie on a GPU: leave out --cpu")
     if args.one_gpu:  # set before Ray starts: its workers inherit it and each sees GPU 0
@@ -127,7 +131,7 @@ def main() -> None:
         workers = [svc.workers[WorkerId("replica-0", r)] for r in range(args.tp)]
         spec = AdapterCatalog(catalog_config).register("src", str(src))
         shard = [shard_layout(spec, catalog_config.shape(), args.tp, r, dtype).nbytes for r in range(args.tp)]
-        pusher = DevicePusher(NAME, config) if "device" in ways else None
+        pushers = {how: DevicePusher(NAME, config) for how in ways if how.startswith("device")}
         for step in range(args.pushes + 1):
             pushed = {k: (v.float() * (1.0 + step / 100)).to(v.dtype).to(device) for k, v in tensors.items()}
             how = ways[step % len(ways)] if step else ("ray" if ways == ["device"] else ways[0])  # step 0: a version
@@ -136,9 +140,9 @@ def main() -> None:
             t0 = time.time()
             landed_ms = ready_in_push_ms = split_ms = None
             done: Any
-            if how == "device":
-                assert pusher is not None
-                done = pusher.push(pushed, tag=step)
+            if how in pushers:  # device: the next device step's version registered ahead; device-now: none
+                ahead = step + len(ways) if how == "device" else None
+                done = pushers[how].push(pushed, tag=step, next_tag=ahead)
                 ready_in_push_ms = done.ready_s * 1e3  # every rank READY (the doorbells' answers), in the call
                 split_ms = {k: v * 1e3 for k, v in done.split_s.items()}
             else:
@@ -147,7 +151,7 @@ def main() -> None:
             t_answer = time.time()
             ray.get(ctl.report_queue.remote("replica-0", [(NAME, t_answer)]))
             t_ready, cursor = wait_ready(ctl, cursor, done.version)
-            if how == "device":  # each slot is checked against the landed file below
+            if how in pushers:  # each slot is checked against the landed file below
                 landed = ray.get(done.landing, timeout=120)  # type: ignore[union-attr]
                 landed_ms = (time.time() - t0) * 1e3
                 assert landed.version == done.version
@@ -166,7 +170,7 @@ def main() -> None:
             print(f"push {step} ({how}): answered {rows[-1]['answer_ms']:8.1f} ms, every rank READY "
                   f"{rows[-1]['ready_ms']:8.1f} ms" + (f", landed {landed_ms:8.1f} ms" if landed_ms else ""),
                   flush=True)
-        if pusher is not None:
+        for pusher in pushers.values():
             pusher.close()
         together = ray.get([w.copy_probe.remote(n) for w, n in zip(workers, shard)])
         measured = rows[1:]  # step 0 is the first version (a cold start): not a push of a new version
@@ -182,12 +186,19 @@ def main() -> None:
                    "median_landed_ms_device": _median([r["landed_ms"] for r in measured if r["how"] == "device"]),
                    "median_ready_in_push_ms_device": _median([r["ready_in_push_ms"] for r in measured
                                                               if r["how"] == "device"])}
-        for part in ("image", "register", "open", "bells"):  # where a device push's time went
-            summary[f"median_{part}_ms_device"] = _median([r["split_ms"][part] for r in measured
-                                                           if r["how"] == "device"])
+        now = [r for r in measured if r["how"] == "device-now"]  # registered at the call, in the same run
+        summary["median_ready_in_push_ms_device_now"] = _median([r["ready_in_push_ms"] for r in now])
+        for part in ("image", "register", "open", "bells", "commit"):  # where a device push's time went
+            for how in pushers:
+                summary[f"median_{part}_ms_{how.replace('-', '_')}"] = _median(
+                    [r["split_ms"][part] for r in measured if r["how"] == how and part in r["split_ms"]])
+        # device pushes that took the version registered ahead (the others registered at the call: the first one,
+        # or one whose guess was given up)
+        summary["device_pushes_ahead"] = sum("commit" in r["split_ms"] for r in measured if r["how"] == "device")
         summary["ready_over_copy"] = summary["median_ready_ms"] / copy_ms
-        if summary["median_ready_in_push_ms_device"] is not None:
-            summary["device_ready_over_copy"] = summary["median_ready_in_push_ms_device"] / copy_ms
+        for key in ("device", "device_now"):
+            if summary[f"median_ready_in_push_ms_{key}"] is not None:
+                summary[f"{key}_ready_over_copy"] = summary[f"median_ready_in_push_ms_{key}"] / copy_ms
         out = {"tp": args.tp, "model": args.model, "rank": args.rank, "cpu": args.cpu, "source": args.source,
                "one_gpu": args.one_gpu, "via": ways, "host": platform.node(),
                "push_dir": catalog_config.push_dir,
@@ -203,6 +214,9 @@ def main() -> None:
         ray.shutdown()
         shutil.rmtree(catalog_config.push_dir, ignore_errors=True)  # node memory: the pushes kept there
         shutil.rmtree(root, ignore_errors=True)
+
+
+WAYS = ("grpc", "ray", "device", "device-now")
 
 
 def _median(values: list[float]) -> float | None:

@@ -92,7 +92,8 @@ class Trainer:
         t0 = time.time()
         if how == "device":
             self.pusher = self.pusher or DevicePusher(self.name, self.config)
-            done: Any = self.pusher.push(tensors, tag=step)  # every rank READY; its node copy lands after
+            # every rank READY; its node copy lands after; the next device step's version registered ahead
+            done: Any = self.pusher.push(tensors, tag=step, next_tag=step + len(self.ways))
         elif how == "grpc":
             done = self.client.push(self.name, tensors, self.config, tag=step)
         else:

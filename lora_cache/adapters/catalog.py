@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lora_cache.adapters.ahead import Ahead
 from lora_cache.adapters.device_source import DeviceSource
 from lora_cache.adapters.device_versions import device_spec
 from lora_cache.adapters.files import HOST, FileIdentity, WeightsSource
@@ -193,6 +194,9 @@ class AdapterCatalog:
         self._specs: dict[str, AdapterSpec | Registered] = {}  # name -> current version
         self._older: dict[str, OrderedDict[str, AdapterSpec | Registered]] = {}  # name -> version -> spec, oldest first
         self._parsed: OrderedDict[tuple[str, str], AdapterSpec] = OrderedDict()  # lazily registered, parsed (LRU)
+        # name -> version -> spec registered ahead of its device push (``ahead.py``), oldest first, until made current
+        self._ahead: dict[str, OrderedDict[str, AdapterSpec]] = {}
+        self.ahead = Ahead(self)  # ``reserve`` / ``drop`` them
         self.parses = 0  # specs built from lazily registered versions (first load or stage, or after the LRU)
         self.generation = 0
         # older versions retired by use past keep_versions (``retirement.py``): ``use``/``unuse`` its users, ``trim``
@@ -298,6 +302,9 @@ class AdapterCatalog:
         with self._lock:
             previous = self._specs.get(name)
             self._specs[name] = spec
+            ahead = self._ahead.get(name)
+            if ahead is not None and ahead.pop(spec.version, None) is not None and not ahead:
+                del self._ahead[name]
             if previous is not None and previous.version != spec.version:
                 self._older.setdefault(name, OrderedDict())[previous.version] = previous
             older = self._older.get(name)
@@ -322,6 +329,8 @@ class AdapterCatalog:
                 self._specs[spec.name] = spec
             elif spec.version in older:
                 self._older[spec.name][spec.version] = spec
+            elif spec.version in self._ahead.get(spec.name, {}):
+                self._ahead[spec.name][spec.version] = spec
             else:
                 return False
             self._parsed.pop((spec.name, spec.version), None)
@@ -333,6 +342,7 @@ class AdapterCatalog:
             if name not in self._specs:
                 raise NotFoundError(_unknown(name))
             self._older.pop(name, None)
+            self._ahead.pop(name, None)
             for key in [k for k in self._parsed if k[0] == name]:
                 del self._parsed[key]
             self.generation += 1
@@ -380,6 +390,8 @@ class AdapterCatalog:
         with self._lock:
             spec = self._specs.get(name)
             kept = self._older[name].get(version) if version is not None and name in self._older else None
+            if kept is None and version is not None and name in self._ahead:
+                kept = self._ahead[name].get(version)
         if spec is None:
             raise NotFoundError(_unknown(name))
         if version is None or version == spec.version:

@@ -23,3 +23,5 @@ class DeviceSource(NamedTuple):
     size: int  # the image's bytes (the safetensors file's)
     header_bytes: int  # 8 + the header's length
     header_crc: int  # CRC-32 of those bytes
+    ahead: bool = False  # registered ahead of its push (``DevicePushes.reserve``): loadable by its exact version
+    # from the trainer's image, not current, until the push's commit registers it again without this flag

@@ -30,9 +30,11 @@ from lora_cache.adapters.shapes import ModelShape
 from lora_cache.errors import AdapterChangedError, AdapterFormatError, ConflictError
 
 
-def device_known(name: str, tag: str, config_bytes: bytes, head: bytes, size: int) -> KnownVersion:
+def device_known(name: str, tag: str, config_bytes: bytes, head: bytes, size: int,
+                 ahead: bool = False) -> KnownVersion:
     """The version of a device push of ``name`` under ``tag`` (checked by ``pushed.check_head``): a new id each
-    call (the module's docstring), carrying its config and header for the ranks."""
+    call (the module's docstring), carrying its config and header for the ranks. ``ahead``: registered ahead of its
+    push (``DeviceSource.ahead``; ``committed`` is the same version made current)."""
     n = 8 + int.from_bytes(head[:8], "little")
     meta = pack_meta(config_bytes, bytes(head[:n]))
     if not meta:
@@ -42,8 +44,16 @@ def device_known(name: str, tag: str, config_bytes: bytes, head: bytes, size: in
     config_digest = hashlib.blake2b(config_bytes, digest_size=8)
     digest = config_digest.copy()
     digest.update(f"device\0{name}\0{tag}\0{size}\0".encode() + bytes(head[:n]) + os.urandom(16))
-    source = DeviceSource(tag, size, n, zlib.crc32(head[:n]))
+    source = DeviceSource(tag, size, n, zlib.crc32(head[:n]), ahead)
     return KnownVersion(digest.hexdigest(), config_digest.hexdigest(), "", source, meta)
+
+
+def committed(known: KnownVersion) -> KnownVersion:
+    """Device version ``known``, registered ahead of its push, as its push's commit registers it: the same id and
+    declaration, current wherever it is registered."""
+    source = known.source
+    assert isinstance(source, DeviceSource)
+    return known._replace(source=source._replace(ahead=False))
 
 
 def device_spec(name: str, directory: Path, shape: ModelShape, max_rank: int, known: KnownVersion) -> AdapterSpec:

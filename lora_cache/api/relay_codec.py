@@ -67,7 +67,7 @@ def known(k: KnownVersion) -> pb.KnownVersion:
     if isinstance(s, DeviceSource):
         return pb.KnownVersion(version=k.version, config_digest=k.config_digest, host=k.host,
                                header_bytes=s.header_bytes, header_crc=s.header_crc, meta=k.meta,
-                               device=pb.DeviceImage(tag=s.tag, size=s.size))
+                               device=pb.DeviceImage(tag=s.tag, size=s.size, ahead=s.ahead))
     if isinstance(s, StoreSource):
         return pb.KnownVersion(
             version=k.version, config_digest=k.config_digest, host=k.host, header_bytes=s.header_bytes,
@@ -83,7 +83,7 @@ def known(k: KnownVersion) -> pb.KnownVersion:
 
 def from_known(m: pb.KnownVersion) -> KnownVersion:
     if m.HasField("device"):
-        device = DeviceSource(m.device.tag, m.device.size, m.header_bytes, m.header_crc)
+        device = DeviceSource(m.device.tag, m.device.size, m.header_bytes, m.header_crc, m.device.ahead)
         return KnownVersion(m.version, m.config_digest, m.host, device, m.meta)
     if m.HasField("store"):
         o = m.store

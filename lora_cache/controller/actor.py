@@ -173,6 +173,19 @@ class ControllerActor:
         await self.loop.start()
         return await self.devices.push(name, tag, config, head, size)
 
+    async def reserve_device(self, name: str, tag: str | int, config: bytes, head: bytes, size: int) -> Pushed:
+        """Register version ``tag`` of ``name`` ahead of its device push (``DevicePushes.reserve``): checked as
+        ``push_device``'s, loadable on every rank by its id, current nowhere until ``commit_device``. Its ``Pushed``
+        (``previous``: the current version now), or the error (nothing changed)."""
+        await self.loop.start()
+        return await self.devices.reserve(name, tag, config, head, size)
+
+    async def commit_device(self, name: str, version: str) -> Pushed:
+        """Make ``name@version``, registered ahead and rung to its trainer's ranks, current (``DevicePushes.commit``);
+        its node copy then lands as a device push's (``land_device``). Its ``Pushed``, or the error."""
+        await self.loop.start()
+        return await self.devices.commit(name, version)
+
     async def land_device(self, name: str, version: str, config: bytes, weights: bytes) -> Landed:
         """The node copy of device version ``name@version`` (``DevicePushes.land``): the image's bytes, or an ObjectRef
         of them at the top level; its ``Landed``, or the error (it stays device-only until it lands or expires)."""

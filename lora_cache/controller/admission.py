@@ -53,7 +53,8 @@ class ReportAdmission:
     def _why_not(self, worker: WorkerId, adapter: str, version: str, vouched: bool) -> str | None:
         """Why a claim of ``adapter@version`` is not believed (None: it is); ``vouched``: the claim brings its
         own reason (an acquire's marker, a restart's adoption)."""
-        if adapter not in self.catalog or version not in self.catalog.versions(adapter):
+        if adapter not in self.catalog or (version not in self.catalog.versions(adapter)
+                                           and not self.catalog.ahead.has(adapter, version)):
             return f"{adapter}@{version} is not a registered version"
         if vouched or self.claims.how(worker, (adapter, version)) is not None:
             return None

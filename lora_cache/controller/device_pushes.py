@@ -32,14 +32,20 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+
 from lora_cache.adapters.catalog import check_name
-from lora_cache.adapters.device_versions import device_known, landed_known
+from lora_cache.adapters.device_versions import committed, device_known, landed_known
 from lora_cache.adapters.peft import KnownVersion
 from lora_cache.adapters.pushed import check_head, check_tag, digest
+from lora_cache.adapters.shards import shard_layout
 from lora_cache.controller.pushes import Pushed, Pushes
 from lora_cache.errors import ConfigError, ConflictError, LoraCacheError, NotFoundError
 from lora_cache.planner.records import AdapterInfo
 from lora_cache.vocab import AdapterKey
+
+AHEAD_LAND_TIMES = 10  # a version registered ahead and never committed is given up after this many times push_land_s
+# (a trainer's step may be long: one registered at its start is committed at its end)
 
 
 class Pending(NamedTuple):
@@ -48,8 +54,9 @@ class Pending(NamedTuple):
     tag: str
     known: KnownVersion
     path: Path  # where its node copy lands (``PushArea.path``)
-    at: float  # time.monotonic() of its registration
-    previous: str  # the version it replaced ("" if its name was new)
+    at: float  # time.monotonic() of its registration (or its commit, for one registered ahead)
+    previous: str  # the version it replaced ("" if its name was new; one registered ahead: the current then)
+    ahead: bool = False  # registered ahead of its push, not yet committed (``reserve``)
 
 
 class Landed(NamedTuple):
@@ -72,10 +79,13 @@ class DevicePushes:
         self.land_s = pushes.core.config.catalog.push_land_s
         self.pending: dict[tuple[str, str], Pending] = {}  # (name, version) -> its push, until it lands or expires
         self.registering: set[tuple[str, str]] = set()  # (name, tag) of pushes being registered (not yet pending)
-        self.pushed = self.landed = self.expired = self.refused = 0
+        self.pushed = self.reserved = self.landed = self.expired = self.refused = 0
+        pushes.displace = self.displace  # a push by value of a tag registered ahead gives that version up first
 
-    async def push(self, name: str, tag: str | int | None, config_bytes: bytes, head: bytes, size: int) -> Pushed:
-        """Register a device push's version (step 1); its ``Pushed``, or the error (nothing changed)."""
+    async def _declared(self, name: str, tag: str | int | None, config_bytes: bytes, head: bytes, size: int,
+                        ahead: bool = False) -> tuple[str, Path, KnownVersion]:
+        """A device push's declaration checked (``push``'s step 1): its tag, where it lands and its version (a new
+        id), or the error (counted)."""
         try:
             check_name(name)
             if tag in (None, ""):
@@ -86,15 +96,24 @@ class DevicePushes:
                 raise ConfigError(f"device push {name}@{tag}: the image's size {size!r} is not a byte count; give "
                                   "the buffer's numel()")
             catalog = self.core.catalog
+            if ahead and name not in catalog:
+                raise NotFoundError(f"adapter {name!r} is not registered: a version is registered ahead of a name's "
+                                    "next device push only; push its first version")
             await asyncio.to_thread(check_head, name, config_bytes, head, size, catalog.shape, catalog.config.max_rank)
             path = self.pushes.area.path(name, tag)
+            if not ahead:
+                await self.displace(name, tag)
             if self._held(name, tag, path):
                 raise ConflictError(f"adapter {name!r} has a version tagged {tag!r} already; a tag names one content: "
                                     "push under the next step's tag")
-            known = device_known(name, tag, config_bytes, head, size)
+            return tag, path, device_known(name, tag, config_bytes, head, size, ahead)
         except Exception:
             self.refused += 1
             raise
+
+    async def push(self, name: str, tag: str | int | None, config_bytes: bytes, head: bytes, size: int) -> Pushed:
+        """Register a device push's version (step 1); its ``Pushed``, or the error (nothing changed)."""
+        tag, path, known = await self._declared(name, tag, config_bytes, head, size)
         self.registering.add((name, tag))  # no await since the check: a second push of the tag meanwhile is refused
         self.pushes.claim(path)  # no retire takes its directory's name meanwhile
         try:
@@ -112,6 +131,81 @@ class DevicePushes:
         self.pushed += 1
         return Pushed(name, tag, done.version, done.previous, done.rank_pending)
 
+    async def reserve(self, name: str, tag: str | int | None, config_bytes: bytes, head: bytes, size: int) -> Pushed:
+        """Register version ``tag`` of ``name`` ahead of its device push (step 1 done before the trainer's step ends:
+        docs/decisions.md, "A device push registered ahead"): checked as ``push``'s, with its own id, every rank and
+        this catalog holding it loadable by that id and current nowhere (``DeviceSource.ahead``), the planner keeping
+        it where a rank loads it. The trainer then rings the ranks with that id, its push's only path to READY, and
+        ``commit`` makes it current. Its ``Pushed`` (``previous``: the current version now), answered once every rank
+        answered; or the error (nothing changed). One never committed is given up as a push never landed."""
+        tag, path, known = await self._declared(name, tag, config_bytes, head, size, ahead=True)
+        self.registering.add((name, tag))
+        self.pushes.claim(path)
+        try:
+            spec = await asyncio.to_thread(self.core.read_adapter, name, str(path), known)
+            turn = self.registrar.turns.take(name)  # in the name's order among its registrations
+            try:
+                await turn.wait()
+                if name in self.registrar.draining or name not in self.core.catalog:
+                    raise ConflictError(f"adapter {name!r} is being unregistered or was unregistered; register it "
+                                        "again, then push its first version")
+                previous = self.core.catalog.current(name)
+                nbytes = shard_layout(spec, self.core.catalog.shape, 1, 0, torch.bfloat16).nbytes  # may refuse
+                self.core.catalog.ahead.reserve(spec)
+                self.core.planner.register_adapter(AdapterInfo(name, spec.version, nbytes, 0, True), ahead=True)
+                sent = self.registrar.fanout.submit_registrations([(name, str(path), known)])
+            finally:
+                turn.done()
+        except BaseException:
+            self.refused += 1
+            raise
+        finally:
+            self.registering.discard((name, tag))
+            self.pushes.release(path)
+        self.pending[(name, known.version)] = Pending(tag, known, path, time.monotonic(), previous, ahead=True)
+        self.reserved += 1
+        ranks = (await self.registrar.fanout.registered(sent))[0]
+        return Pushed(name, tag, known.version, previous, tuple(ranks.pending))
+
+    async def commit(self, name: str, version: str) -> Pushed:
+        """Make ``name@version``, registered ahead (``reserve``) and rung to its trainer's ranks, the name's current
+        version: registered again, in the name's order, without ``DeviceSource.ahead``; its node copy then lands
+        as any device push's (``land``, within ``push_land_s`` of this). Answered once the ranks were sent it. Its
+        ``Pushed``, or the error (NotFoundError: not registered ahead here, e.g. given up after ``push_land_s``)."""
+        pending = self.pending.get((name, version))
+        if pending is None or not pending.ahead:
+            raise NotFoundError(f"no device version {name}@{version} is registered ahead and waiting for its commit: "
+                                f"it was committed already, given up after {self.land_s:.0f} s, or never registered "
+                                "ahead here; push the step again")
+        known, where = committed(pending.known), str(pending.path)
+        self.pushes.claim(pending.path)
+        try:
+            (done,) = await self.registrar.register([(name, where)], {where: known}, answered=False)
+            if done.error is not None:
+                raise done.error
+        except BaseException:
+            self.refused += 1
+            raise
+        finally:
+            self.pushes.release(pending.path)
+        now = pending._replace(known=known, at=time.monotonic(), previous=done.previous, ahead=False)
+        withdrawn = (name, version) not in self.pending  # meanwhile: a rank refused its image (e.g. a NaN)
+        self.pending[(name, version)] = now
+        if withdrawn:
+            await self._give_up([((name, version), now)])  # the version before it current again
+            raise NotFoundError(f"device version {name}@{version} was withdrawn while it was committed (a rank refused "
+                                "its image); push the step again")
+        self.pushed += 1
+        return Pushed(name, pending.tag, done.version, done.previous, done.rank_pending)
+
+    async def displace(self, name: str, tag: str) -> None:
+        """A push of ``name@tag`` registered now (by value, or from a device buffer) gives up the version registered
+        ahead under that tag, if any: a version registered ahead is its trainer's guess at its next push, never a
+        claim on the tag (its commit is then refused, and its trainer's push registers itself)."""
+        gone = [(key, p) for key, p in self.pending.items() if key[0] == name and p.tag == tag and p.ahead]
+        if gone:
+            await self._give_up(gone)
+
     def _held(self, name: str, tag: str, path: Path) -> bool:
         """Whether ``name`` has a version tagged ``tag``: pushed (its directory), kept or being registered, or a
         device push of it pending."""
@@ -122,10 +216,10 @@ class DevicePushes:
         """The node copy of device version ``name@version`` (step 2); its ``Landed``, or the error (the version
         stays device-only until it lands or expires)."""
         pending = self.pending.get((name, version))
-        if pending is None:
+        if pending is None or pending.ahead:
             raise NotFoundError(f"no device push of {name}@{version} is waiting for its node copy: it landed already, "
-                                f"was given up after {self.land_s:.0f} s, or was never pushed here; push the next "
-                                "version")
+                                f"was given up after {self.land_s:.0f} s, was registered ahead and never committed, "
+                                "or was never pushed here; push the next version")
         pushes, path = self.pushes, pending.path
         pushes.claim(path)
         new = False
@@ -194,9 +288,11 @@ class DevicePushes:
         return True
 
     async def expire(self, now: float | None = None) -> list[str]:
-        """Give up the device versions not landed within ``land_s`` (step 3); their names."""
+        """Give up the device versions not landed within ``land_s`` (step 3), and those registered ahead and not
+        committed within ``AHEAD_LAND_TIMES`` times it; their names."""
         now = time.monotonic() if now is None else now
-        gone = [(key, p) for key, p in self.pending.items() if now - p.at >= self.land_s]
+        gone = [(key, p) for key, p in self.pending.items()
+                if now - p.at >= self.land_s * (AHEAD_LAND_TIMES if p.ahead else 1)]
         await self._give_up(gone)
         return [name for (name, _), _ in gone]
 
@@ -208,6 +304,11 @@ class DevicePushes:
             del self.pending[(name, version)]
             self.expired += 1
             catalog = self.core.catalog
+            if pending.ahead:  # never committed: current nowhere; the ranks keep its registration (two a name at
+                catalog.ahead.drop(name, version)  # most, ``MAX_AHEAD``) until their name's next ones
+                if name in catalog:
+                    self._loadable(name, version)
+                continue
             if name in catalog and catalog.current(name) == version:
                 try:
                     before = catalog.get(name, pending.previous) if pending.previous else None

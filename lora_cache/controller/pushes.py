@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -78,6 +79,8 @@ class Pushes:
         self.lingering: dict[str, dict[str, tuple[AdapterSpec | Registered, int]]] = {}
         self.revived: dict[str, set[str]] = {}  # versions ``revive`` kept again, until the next health round
         core.catalog.retirement.watch(self._retired)
+        # a push gives up the device version registered ahead under its tag, if any (``DevicePushes.displace``)
+        self.displace: Callable[[str, str], Awaitable[None]] | None = None
         core.catalog.use(lambda name: self.revived.get(name, ()))
         core.revive = self.revive
 
@@ -95,6 +98,8 @@ class Pushes:
         except Exception:
             self.refused += 1
             raise
+        if self.displace is not None:
+            await self.displace(name, tag)
         target, new = self.area.path(name, tag), False
         self.claim(target)  # from before its write until it is registered or refused: no retire takes it
         try:

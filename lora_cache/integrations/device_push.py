@@ -48,9 +48,11 @@ from torch.multiprocessing.reductions import reduce_tensor
 from lora_cache.adapters.serialize import ImageLayout, image_and_head
 from lora_cache.api.client_values import push_config
 from lora_cache.controller.pushes import Pushed
-from lora_cache.errors import ConfigError
+from lora_cache.errors import ConfigError, LoraCacheError, NotFoundError
 from lora_cache.link.bell import Bell, ring_all
 from lora_cache.link.endpoint import controller_handle
+
+GUESS = object()  # ``DevicePusher.push``'s default next tag: the tag + 1, where it is an integer
 
 
 class DevicePushed(NamedTuple):
@@ -85,14 +87,33 @@ class DevicePusher:
         self._host: torch.Tensor | None = None  # pinned: the image's copy for its landing
         self._copied: Any = None  # the host copy's event
         self._side: Any = None  # the stream the host copy runs on, behind the trainer's event
+        self._next: tuple[str, Any] | None = None  # (tag, ObjectRef of its Pushed): the next push's, registered ahead
 
-    def push(self, tensors: Mapping[str, torch.Tensor], tag: str | int) -> DevicePushed:
+    def push(self, tensors: Mapping[str, torch.Tensor], tag: str | int, next_tag: str | int | object | None = GUESS
+             ) -> DevicePushed:
         """Push ``tensors`` (PEFT-named, on one device) as version ``tag`` of the adapter (the module's docstring);
-        its ``DevicePushed`` once every rank pushed to is READY, or the error (the previous version serving)."""
+        its ``DevicePushed`` once every rank pushed to is READY and the version is current, or the error (the
+        previous version serving). ``next_tag``: the tag of this pusher's next push, registered ahead of it once this
+        one is READY (``DevicePushes.reserve``), so that the next push is the doorbells alone; by default ``tag + 1``
+        where ``tag`` is an integer; None registers none."""
         t0 = time.perf_counter()
         tensors = {str(k): v for k, v in tensors.items()}
         layout = self.layout
         ordered = layout.fits(tensors) if layout is not None else None
+        ahead = self._ahead(str(tag), layout is not None and ordered is not None)
+        if ahead is not None:
+            assert layout is not None and ordered is not None
+            pushed: DevicePushed | None = self._push_ahead(ahead, layout, ordered, t0)
+        else:
+            pushed = None
+        if pushed is None:
+            pushed = self._push(tensors, tag, layout, ordered, t0)
+        self._reserve_next(tag, next_tag)
+        return pushed
+
+    def _push(self, tensors: dict[str, torch.Tensor], tag: str | int, layout: ImageLayout | None,
+              ordered: list[torch.Tensor] | None, t0: float) -> DevicePushed:
+        """A push registered now: the controller's call, then the doorbells."""
         call = None
         if layout is not None and ordered is not None:  # the last push's buffer and layout: the controller's call
             image, head = layout.image, layout.head  # goes while the tensors are copied in (it reads only the header)
@@ -105,30 +126,103 @@ class DevicePusher:
         else:
             image, head = image_and_head(tensors, {"format": "pt"})  # a new buffer, opened again on the ranks
             self.layout = self._layout(tensors, image, head)
-        opened = image is self.image and bool(image.is_cuda)  # a GPU buffer stays open on the ranks; a CPU one travels
-        self.image = image
         self._copy_out(image)
         t1 = time.perf_counter()
-        # on the CPU the image goes into the object store once: each rank maps it from there, and so does the landing
-        stored = None if image.is_cuda else ray.put(image.numpy())
+        stored = self._stored(image)
         pushed: Pushed = ray.get(call if call is not None else self._register(tag, head, image.numel()),
                                  timeout=self.timeout_s)
-        t2 = t3 = time.perf_counter()
-        try:
-            if not opened or not self.ranks:
-                self._open(image, head, stored)
-                t3 = time.perf_counter()
-            answers = ring_all(self.bells, [{"buffer": self.buffer, "name": self.name, "version": pushed.version}]
-                               * len(self.bells))
-        except BaseException:  # a rank refused it (e.g. a NaN): given up now, the version before it current again
-            self._withdraw(pushed.version)
-            raise
+        t2 = time.perf_counter()
+        answers, t3 = self._ring(image, head, stored, pushed.version)
         t4 = time.perf_counter()
         split = {"image": t1 - t0, "register": t2 - t1, "open": t3 - t2, "bells": t4 - t3}
-        landing = self.controller.land_device.remote(self.name, pushed.version, self.config,
-                                                     stored if stored is not None else ray.put(self._host_bytes()))
         return DevicePushed(pushed.name, pushed.tag, pushed.version, pushed.previous,
-                            tuple(a["record"] for a in answers), t4 - t0, landing, split)
+                            tuple(a["record"] for a in answers), t4 - t0, self._land(pushed.version, stored), split)
+
+    def _push_ahead(self, ahead: Pushed, layout: ImageLayout, ordered: list[torch.Tensor],
+                    t0: float) -> DevicePushed | None:
+        """A push registered ahead (``reserve_device``): the tensors copied into the kept layout, the doorbells rung
+        with its id while the controller commits it (``commit_device``). None where the controller had given it up
+        (it waited past ``AHEAD_LAND_TIMES`` x ``push_land_s``): the caller registers the push now instead."""
+        image, head = layout.image, layout.head
+        try:
+            layout.write(ordered)
+        except BaseException:
+            self._drop(ahead.version)
+            raise
+        self._copy_out(image)
+        t1 = time.perf_counter()
+        stored = self._stored(image)
+        commit = self.controller.commit_device.remote(self.name, ahead.version)  # current once every rank is READY
+        answers, t2 = self._ring(image, head, stored, ahead.version)
+        t3 = time.perf_counter()
+        try:
+            pushed: Pushed = ray.get(commit, timeout=self.timeout_s)
+        except NotFoundError:  # given up before its commit: the ranks loaded an id no longer registered; none serves
+            return None  # it by the name (never current), and the planner lets it go
+        except BaseException:
+            self._withdraw(ahead.version)
+            raise
+        t4 = time.perf_counter()
+        split = {"image": t1 - t0, "register": 0.0, "open": t2 - t1, "bells": t3 - t2, "commit": t4 - t3}
+        return DevicePushed(pushed.name, pushed.tag, pushed.version, pushed.previous,
+                            tuple(a["record"] for a in answers), t3 - t0, self._land(pushed.version, stored), split)
+
+    def _stored(self, image: torch.Tensor) -> Any:
+        """On the CPU the image goes into the object store once: each rank maps it from there, and so does the
+        landing; None for a GPU image."""
+        return None if image.is_cuda else ray.put(image.numpy())
+
+    def _ring(self, image: torch.Tensor, head: bytes, stored: Any, version: str) -> tuple[list[dict[str, Any]], float]:
+        """Every rank pushed to takes ``version`` from the buffer (opened first where it is new, or on the CPU):
+        their answers, and when the doorbells were rung. A rank's refusal (e.g. a NaN) withdraws the version, so
+        that the one before it is current again, and is raised."""
+        rung = time.perf_counter()
+        try:
+            if image is not self.image or not image.is_cuda or not self.ranks:
+                self.image = image
+                self._open(image, head, stored)
+                rung = time.perf_counter()
+            return ring_all(self.bells, [{"buffer": self.buffer, "name": self.name, "version": version}]
+                            * len(self.bells)), rung
+        except BaseException:
+            self._withdraw(version)
+            raise
+
+    def _land(self, version: str, stored: Any) -> Any:
+        """The landing of ``version``'s node copy (``land_device``), an ObjectRef."""
+        return self.controller.land_device.remote(self.name, version, self.config,
+                                                  stored if stored is not None else ray.put(self._host_bytes()))
+
+    def _ahead(self, tag: str, fits: bool) -> Pushed | None:
+        """The version registered ahead for this push (``_reserve_next``), if it is this push's tag and the kept
+        layout's (the header it declared); one that is not is given up first."""
+        if self._next is None:
+            return None
+        (next_tag, call), self._next = self._next, None
+        try:
+            ahead: Pushed = ray.get(call, timeout=self.timeout_s)
+        except LoraCacheError:  # refused (e.g. the name was unregistered): this push registers itself
+            return None
+        if next_tag == tag and fits:
+            return ahead
+        self._drop(ahead.version)  # another tag, or other tensors: before this push's registration, which it could
+        return None  # hold up (its tag)
+
+    def _reserve_next(self, tag: str | int, next_tag: str | int | object | None) -> None:
+        """Register the next push's version ahead (``reserve_device``), answered in the background."""
+        if next_tag is GUESS:
+            text = str(tag)
+            next_tag = str(int(text) + 1) if text.isdigit() else None
+        if next_tag is None or self.layout is None:
+            return
+        head, size = self.layout.head, self.layout.image.numel()
+        self._next = (str(next_tag), self.controller.reserve_device.remote(self.name, next_tag, self.config, head,
+                                                                           size))
+
+    def _drop(self, version: str) -> None:
+        """Give up ``version``, registered ahead and not pushed (``withdraw_device``)."""
+        with contextlib.suppress(Exception):
+            ray.get(self.controller.withdraw_device.remote(self.name, version), timeout=self.timeout_s)
 
     def _register(self, tag: str | int, head: bytes, size: int) -> Any:
         """The controller's registration of this push (``push_device``), an ObjectRef."""
@@ -222,7 +316,12 @@ class DevicePusher:
         self.bells = []
 
     def close(self) -> None:
-        """Let go of the buffer on every rank and the doorbells (the last landing goes on)."""
+        """Let go of the buffer on every rank and the doorbells, and of the version registered ahead for the next
+        push (the last landing goes on)."""
+        if self._next is not None:
+            (_, call), self._next = self._next, None
+            with contextlib.suppress(Exception):
+                self._drop(ray.get(call, timeout=self.timeout_s).version)
         self.close_bells()
         if self.ranks:
             ray.get([r.close_image.remote(self.buffer) for r in self.ranks], timeout=self.timeout_s)

@@ -70,14 +70,20 @@ class Planner:
             self.add_replica(spec)
 
     # -- catalog and topology ---------------------------------------------------------------------
-    def register_adapter(self, info: AdapterInfo) -> None:
+    def register_adapter(self, info: AdapterInfo, ahead: bool = False) -> None:
         """Add an adapter, or make `info` its current version (older versions get evicted). An older version
         that is a device push's (``AdapterInfo.device_only``) stays where it is: given again with
-        ``device_only=False`` (it landed, or was given up), it is commanded, evicted and retired as any version."""
+        ``device_only=False`` (it landed, or was given up), it is commanded, evicted and retired as any version.
+        ``ahead``: `info` is a device push's version registered ahead of its push, of an adapter registered here: not
+        current, held as such an older version (where a rank loads it, commanded nowhere) until given again."""
         if not isinstance(info, AdapterInfo):
             raise PlannerInputError(f"register_adapter got {info!r}; "
                                     "pass an AdapterInfo(name, version, bytes_per_rank)")
         current = self._fleet.catalog.get(info.name)
+        if ahead:
+            self._fleet.require_adapter(info.name, "register_adapter(ahead=True)")
+            self._fleet.device_only.add(info.key)
+            return
         if (current is not None and current.version != info.version and not info.device_only
                 and info.key in self._fleet.device_only):  # an older device version landed (or was given up)
             self._fleet.device_only.discard(info.key)

@@ -56,6 +56,10 @@ class WorkerControl:
             return known.version  # type: ignore[union-attr]
         spec = check_carried(name, self.catalog.read(name, path, known, carried=True), known)  # a store version:
         # no request to the store
+        if spec.device is not None and spec.device.ahead:  # a device push's, ahead of it: loadable, not current
+            self.catalog.ahead.reserve(spec)
+            self.taken += 1
+            return spec.version
         self.catalog.add(spec)
         self.paths[name] = registered
         if known is not None and (spec.store or spec.source) is known.source:  # taken as proven, not re-read
@@ -74,8 +78,13 @@ class WorkerControl:
     def _land(self, name: str, path: str, known: KnownVersion) -> str:
         """The node copy of device version ``known`` landed (``DevicePushes.land``): its file proven under the same id
         (this node's copy, on another node) takes the device-only spec's place, current or older, the current
-        version unchanged; a registration of the same device version again changes nothing."""
+        version unchanged. A registration of the same device version again changes nothing, but for the commit of
+        one registered ahead of its push (``DeviceSource.ahead`` no longer set), which makes it current."""
         if isinstance(known.source, DeviceSource):
+            if not known.source.ahead and self.catalog.current(name) != known.version:
+                self.catalog.add(check_carried(name, self.catalog.read(name, path, known, carried=True), known))
+                self.paths[name] = path
+                self.taken += 1
             return known.version
         registered = path
         if self.copies is not None:

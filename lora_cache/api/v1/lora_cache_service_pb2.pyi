@@ -656,12 +656,14 @@ class KnownVersion(_message.Message):
     def __init__(self, version: _Optional[str] = ..., config_digest: _Optional[str] = ..., host: _Optional[str] = ..., weights_path: _Optional[str] = ..., identity: _Optional[_Union[FileIdentity, _Mapping]] = ..., header_bytes: _Optional[int] = ..., header_crc: _Optional[int] = ..., block_crcs: _Optional[bytes] = ..., registered_ns: _Optional[int] = ..., store: _Optional[_Union[StoreObject, _Mapping]] = ..., meta: _Optional[bytes] = ..., device: _Optional[_Union[DeviceImage, _Mapping]] = ...) -> None: ...
 
 class DeviceImage(_message.Message):
-    __slots__ = ("tag", "size")
+    __slots__ = ("tag", "size", "ahead")
     TAG_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     tag: str
     size: int
-    def __init__(self, tag: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+    ahead: bool
+    def __init__(self, tag: _Optional[str] = ..., size: _Optional[int] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class StoreObject(_message.Message):
     __slots__ = ("bucket", "key", "etag", "version_id", "size")
