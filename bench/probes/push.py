@@ -172,6 +172,10 @@ def main() -> None:
                   flush=True)
         for pusher in pushers.values():
             pusher.close()
+        # each rank's own part of a device push: from its doorbell's call to its answer (READY), its first load of
+        # each buffer (the open, the plan) left out
+        logs = ray.get([w.image_log.remote() for w in workers]) if pushers else []
+        rank_ms = [(end - start) * 1e3 for log in logs for start, _, end in log[len(pushers):]]
         together = ray.get([w.copy_probe.remote(n) for w, n in zip(workers, shard)])
         measured = rows[1:]  # step 0 is the first version (a cold start): not a push of a new version
         copy_ms = max(together)
@@ -195,6 +199,7 @@ def main() -> None:
         # device pushes that took the version registered ahead (the others registered at the call: the first one,
         # or one whose guess was given up)
         summary["device_pushes_ahead"] = sum("commit" in r["split_ms"] for r in measured if r["how"] == "device")
+        summary["median_rank_load_ms"] = _median(rank_ms)
         summary["ready_over_copy"] = summary["median_ready_ms"] / copy_ms
         for key in ("device", "device_now"):
             if summary[f"median_ready_in_push_ms_{key}"] is not None:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -152,11 +152,15 @@ class DevicePusher:
         self._copy_out(image)
         t1 = time.perf_counter()
         stored = self._stored(image)
-        commit = self.controller.commit_device.remote(self.name, ahead.version)  # current once every rank is READY
-        answers, t2 = self._ring(image, head, stored, ahead.version)
+        commits: list[Any] = []  # the commit goes while the ranks load: current once every rank is READY
+
+        def commit() -> None:
+            commits.append(self.controller.commit_device.remote(self.name, ahead.version))
+
+        answers, t2 = self._ring(image, head, stored, ahead.version, commit)
         t3 = time.perf_counter()
         try:
-            pushed: Pushed = ray.get(commit, timeout=self.timeout_s)
+            pushed: Pushed = ray.get(commits[0], timeout=self.timeout_s)
         except NotFoundError:  # given up before its commit: the ranks loaded an id no longer registered; none serves
             return None  # it by the name (never current), and the planner lets it go
         except BaseException:
@@ -172,10 +176,11 @@ class DevicePusher:
         landing; None for a GPU image."""
         return None if image.is_cuda else ray.put(image.numpy())
 
-    def _ring(self, image: torch.Tensor, head: bytes, stored: Any, version: str) -> tuple[list[dict[str, Any]], float]:
-        """Every rank pushed to takes ``version`` from the buffer (opened first where it is new, or on the CPU):
-        their answers, and when the doorbells were rung. A rank's refusal (e.g. a NaN) withdraws the version, so
-        that the one before it is current again, and is raised."""
+    def _ring(self, image: torch.Tensor, head: bytes, stored: Any, version: str,
+              meanwhile: Callable[[], None] = lambda: None) -> tuple[list[dict[str, Any]], float]:
+        """Every rank pushed to takes ``version`` from the buffer (opened first where it is new, or on the CPU;
+        ``meanwhile`` runs once the doorbells rang): their answers, and when the doorbells were rung. A rank's refusal
+        (e.g. a NaN) withdraws the version, so that the one before it is current again, and is raised."""
         rung = time.perf_counter()
         try:
             if image is not self.image or not image.is_cuda or not self.ranks:
@@ -183,7 +188,7 @@ class DevicePusher:
                 self._open(image, head, stored)
                 rung = time.perf_counter()
             return ring_all(self.bells, [{"buffer": self.buffer, "name": self.name, "version": version}]
-                            * len(self.bells)), rung
+                            * len(self.bells), meanwhile), rung
         except BaseException:
             self._withdraw(version)
             raise
