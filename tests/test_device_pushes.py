@@ -458,6 +458,29 @@ def test_a_trainers_next_push_into_its_kept_layout_is_the_image_a_fresh_layout_m
     assert torch.equal(first.image, before)
 
 
+def test_a_trainer_that_trains_in_the_buffer_pushes_with_no_copy(source: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DevicePusher.views``' tensors (``ImageLayout.views``), or parameters whose data they are, written in place:
+    the image is then the fresh image of the step's tensors, and their push copies nothing."""
+    first, third = declared(source, 1.5), declared(source, 3.5)
+    layout = ImageLayout(first.tensors, first.image, first.head)
+    views = dict(zip(layout.names, layout.views, strict=True))
+    for name, view in views.items():  # the trainer's step, in place
+        view.copy_(third.tensors[name])
+    params = {}
+    for name, view in views.items():
+        params[name] = torch.nn.Parameter(torch.empty(0, dtype=view.dtype), requires_grad=False)
+        params[name].data = view
+    copies: list[int] = []
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda *a: copies.append(1))
+    for tensors in (views, params):
+        ordered = layout.fits(tensors)
+        assert ordered is not None
+        layout.write(ordered)
+    assert copies == [] and torch.equal(first.image, third.image)
+    layout.write(layout.fits(third.tensors) or [])  # other tensors than the views: copied
+    assert copies == [1]
+
+
 class Controller(NamedTuple):
     core: ControllerCore
     devices: DevicePushes

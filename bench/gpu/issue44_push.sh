@@ -108,12 +108,14 @@ if [[ $parts == *" device "* ]]; then
   dvia=${DEVICE_VIA:-device,device-now,ray}
   step device-tests "$PYTHON" -m pytest -q -m gpu tests/test_image_loads.py
   for dtp in ${DEVICE_TPS:-1 2}; do
+    # shellcheck disable=SC2086  # ARGS: words
     step "device-8b-tp$dtp" "$PYTHON" -m bench.probes.push --tp "$dtp" --model llama-3.1-8b --rank 16 \
-      --pushes "${PUSHES8:-6}" --via "$dvia" --source gpu --one-gpu --out "$out/device-8b-tp$dtp.json"
+      --pushes "${PUSHES8:-6}" --via "$dvia" --source gpu --one-gpu ${ARGS:-} --out "$out/device-8b-tp$dtp.json"
   done
   if [ "${PUSHES70:-3}" != 0 ]; then
+    # shellcheck disable=SC2086
     step device-70b-tp2 "$PYTHON" -m bench.probes.push --tp 2 --model llama-3.1-70b --rank 64 \
-      --pushes "${PUSHES70:-3}" --via "$dvia" --source gpu --one-gpu --out "$out/device-70b-tp2.json"
+      --pushes "${PUSHES70:-3}" --via "$dvia" --source gpu --one-gpu ${ARGS:-} --out "$out/device-70b-tp2.json"
   fi
 fi
 exit "$failed"

@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where the pushed tensors lie: host memory, or GPU 0 (a trainer's)")
     ap.add_argument("--one-gpu", action="store_true", help="every rank on GPU 0 (TP > 1 on a one-GPU host)")
     ap.add_argument("--via", default="grpc,ray", help=f"the ways pushes go, in turn: {', '.join(WAYS)}")
+    ap.add_argument("--in-place", action="store_true",
+                    help="the device way's trainer trains in the pusher's buffer (DevicePusher.views): no copy in")
     ap.add_argument("--out", required=True)
     return ap
 
@@ -114,7 +116,9 @@ def main() -> None:
     tensors = load((src / WEIGHTS_FILE).read_bytes())
     config = json.loads((src / CONFIG_FILE).read_text())
     dtype = torch.float32 if args.cpu else torch.bfloat16
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())  # room for every way's kept versions
     catalog_config = CatalogConfig(adapter_roots=(str(root),), model=args.model, max_rank=args.rank,
+                                   push_bytes=max(8 << 30, 16 * nbytes),
                                    push_dir=tempfile.mkdtemp(prefix="push-area-", dir=memory_dir()))
     ray.init(address="local", num_cpus=8, num_gpus=0 if args.cpu else args.tp, namespace="lora-cache",
              include_dashboard=False)
@@ -140,6 +144,14 @@ def main() -> None:
             t0 = time.time()
             landed_ms = ready_in_push_ms = split_ms = None
             done: Any
+            views = pushers[how].views() if how == "device" and args.in_place else {}
+            if views:  # the trainer trains in the pusher's buffer: its step's weights are written there, not copied
+                for k, v in views.items():
+                    v.copy_(pushed[k])
+                pushed = views
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                t0 = time.time()
             if how in pushers:  # device: the next device step's version registered ahead; device-now: none
                 ahead = step + len(ways) if how == "device" else None
                 done = pushers[how].push(pushed, tag=step, next_tag=ahead)
@@ -175,7 +187,12 @@ def main() -> None:
         # each rank's own part of a device push: from its doorbell's call to its answer (READY), its first load of
         # each buffer (the open, the plan) left out
         logs = ray.get([w.image_log.remote() for w in workers]) if pushers else []
-        rank_ms = [(end - start) * 1e3 for log in logs for start, _, end in log[len(pushers):]]
+        rank_ms = [(end - called) * 1e3 for log in logs for called, _, end in log[len(pushers):]]
+        phases: dict[str, list[float]] = {}  # each phase of a rank's load (``SlotLoad.marks``), from its call
+        for log in logs:
+            for called, marks, _ in log[len(pushers):]:
+                for phase, at in marks:
+                    phases.setdefault(phase, []).append((at - called) * 1e3)
         together = ray.get([w.copy_probe.remote(n) for w, n in zip(workers, shard)])
         measured = rows[1:]  # step 0 is the first version (a cold start): not a push of a new version
         copy_ms = max(together)
@@ -200,6 +217,7 @@ def main() -> None:
         # or one whose guess was given up)
         summary["device_pushes_ahead"] = sum("commit" in r["split_ms"] for r in measured if r["how"] == "device")
         summary["median_rank_load_ms"] = _median(rank_ms)
+        summary["median_rank_phase_ms"] = {phase: _median(at) for phase, at in phases.items()}
         summary["ready_over_copy"] = summary["median_ready_ms"] / copy_ms
         for key in ("device", "device_now"):
             if summary[f"median_ready_in_push_ms_{key}"] is not None:

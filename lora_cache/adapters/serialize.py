@@ -144,7 +144,10 @@ class ImageLayout:
         return ordered
 
     def write(self, ordered: list[torch.Tensor]) -> None:
-        """Copy ``fits``'s tensors into their places (queued on the current stream)."""
+        """Copy ``fits``'s tensors into their places (queued on the current stream); nothing where they are the
+        layout's own views (a trainer that trains in the buffer: ``DevicePusher.views``)."""
+        if all(t is v or t.data_ptr() == v.data_ptr() for t, v in zip(ordered, self.views, strict=True)):
+            return  # (``fits`` checked their shapes and dtypes: the same first byte is the same place)
         with torch.no_grad():
             torch._foreach_copy_(self.views, ordered)
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -111,6 +111,14 @@ class DevicePusher:
         self._reserve_next(tag, next_tag)
         return pushed
 
+    def views(self) -> dict[str, torch.Tensor]:
+        """The image buffer's tensors, by name, as views of it (after a first push; empty before): a trainer that
+        trains in them (e.g. ``param.data = views[name]``) writes the next version in place, and a push of these same
+        tensors copies nothing (``ImageLayout.write``). Valid until a push of other names, shapes or dtypes makes a
+        new buffer."""
+        layout = self.layout
+        return dict(zip(layout.names, layout.views, strict=True)) if layout is not None else {}
+
     def _push(self, tensors: dict[str, torch.Tensor], tag: str | int, layout: ImageLayout | None,
               ordered: list[torch.Tensor] | None, t0: float) -> DevicePushed:
         """A push registered now: the controller's call, then the doorbells."""
@@ -152,15 +160,13 @@ class DevicePusher:
         self._copy_out(image)
         t1 = time.perf_counter()
         stored = self._stored(image)
-        commits: list[Any] = []  # the commit goes while the ranks load: current once every rank is READY
-
-        def commit() -> None:
-            commits.append(self.controller.commit_device.remote(self.name, ahead.version))
-
-        answers, t2 = self._ring(image, head, stored, ahead.version, commit)
+        answers, t2 = self._ring(image, head, stored, ahead.version)
         t3 = time.perf_counter()
+        # committed once every rank is READY, not while they load: its registration reaching the ranks meanwhile
+        # took their time (measured: the doorbells' 2.3 -> 4.2 ms at TP 2, bench/reports/issue-44.md)
         try:
-            pushed: Pushed = ray.get(commits[0], timeout=self.timeout_s)
+            pushed: Pushed = ray.get(self.controller.commit_device.remote(self.name, ahead.version),
+                                     timeout=self.timeout_s)
         except NotFoundError:  # given up before its commit: the ranks loaded an id no longer registered; none serves
             return None  # it by the name (never current), and the planner lets it go
         except BaseException:
@@ -176,11 +182,10 @@ class DevicePusher:
         landing; None for a GPU image."""
         return None if image.is_cuda else ray.put(image.numpy())
 
-    def _ring(self, image: torch.Tensor, head: bytes, stored: Any, version: str,
-              meanwhile: Callable[[], None] = lambda: None) -> tuple[list[dict[str, Any]], float]:
-        """Every rank pushed to takes ``version`` from the buffer (opened first where it is new, or on the CPU;
-        ``meanwhile`` runs once the doorbells rang): their answers, and when the doorbells were rung. A rank's refusal
-        (e.g. a NaN) withdraws the version, so that the one before it is current again, and is raised."""
+    def _ring(self, image: torch.Tensor, head: bytes, stored: Any, version: str) -> tuple[list[dict[str, Any]], float]:
+        """Every rank pushed to takes ``version`` from the buffer (opened first where it is new, or on the CPU):
+        their answers, and when the doorbells were rung. A rank's refusal (e.g. a NaN) withdraws the version, so
+        that the one before it is current again, and is raised."""
         rung = time.perf_counter()
         try:
             if image is not self.image or not image.is_cuda or not self.ranks:
@@ -188,7 +193,7 @@ class DevicePusher:
                 self._open(image, head, stored)
                 rung = time.perf_counter()
             return ring_all(self.bells, [{"buffer": self.buffer, "name": self.name, "version": version}]
-                            * len(self.bells), meanwhile), rung
+                            * len(self.bells)), rung
         except BaseException:
             self._withdraw(version)
             raise

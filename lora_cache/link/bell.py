@@ -15,7 +15,7 @@ import json
 import os
 import socket
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,14 +87,11 @@ class Bell:
         self.sock.close()
 
 
-def ring_all(bells: Sequence[Bell], requests: Sequence[dict[str, Any]],
-             meanwhile: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
-    """Send each bell its request, run ``meanwhile`` (the caller's work while the ranks load), then read every answer
-    (the ranks work at once); the first error answer raised as its ``lora_cache.errors`` class (after every answer is
-    read, so each connection stays in step)."""
+def ring_all(bells: Sequence[Bell], requests: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Send each bell its request, then read every answer (the ranks work at once); the first error answer raised as
+    its ``lora_cache.errors`` class (after every answer is read, so each connection stays in step)."""
     for bell, request in zip(bells, requests, strict=True):
         send(bell.sock, request)
-    meanwhile()
     answers = [recv(bell.sock) for bell in bells]
     for answer in answers:
         if "error" in answer:
