@@ -137,6 +137,8 @@ class ImageLayout:
         if tensors.keys() != self.keys:
             return None
         ordered = [tensors[n] for n in self.names]
+        if all(t is v for t, v in zip(ordered, self.views, strict=True)):
+            return ordered  # the layout's own views (``DevicePusher.views``): nothing to compare
         device = self.image.device
         if ([t.shape for t in ordered] != self.shapes or [t.dtype for t in ordered] != self.dtypes
                 or any(t.device != device for t in ordered)):
@@ -147,7 +149,8 @@ class ImageLayout:
         """Copy ``fits``'s tensors into their places (queued on the current stream); nothing where they are the
         layout's own views (a trainer that trains in the buffer: ``DevicePusher.views``)."""
         if all(t is v or t.data_ptr() == v.data_ptr() for t, v in zip(ordered, self.views, strict=True)):
-            return  # (``fits`` checked their shapes and dtypes: the same first byte is the same place)
+            return  # (``fits`` checked their shapes and dtypes, or they are the views: the same first byte is the
+            # same place)
         with torch.no_grad():
             torch._foreach_copy_(self.views, ordered)
 
