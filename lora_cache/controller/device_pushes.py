@@ -22,6 +22,12 @@ the order around (docs/decisions.md, "What item 5's goal needs"):
    died, or never copied its buffer) is given up: the planner may evict it, and if it is still its name's current
    version, the version before it is registered again, so that new work takes a version that can be loaded anywhere.
 
+``reserve`` does step 1 ahead of the push, while the trainer trains: the version checked and given its id, held by
+every rank and this catalog current nowhere (``DeviceSource.ahead``, ``lora_cache/adapters/ahead.py``), so that the
+push is the trainer's doorbells alone; ``commit`` then makes it current, in the name's order. A push of its tag
+registered now gives it up (``displace``: the trainer's guess, never a claim); one never committed is given up after
+``AHEAD_LAND_TIMES`` x ``push_land_s``.
+
 A device-only version is not saved in the durable catalog: a restarted controller has the version before it.
 """
 

@@ -8,6 +8,13 @@ the trainer's replica straight from its GPU, its node copy landed after.
         pushed = pusher.push(lora_state_dict, tag=step)  # every rank of the replica READY on step's weights
     pusher.close()
 
+Each push has the next one's version registered ahead (``next_tag``: by default ``tag + 1`` for an integer tag;
+``DevicePushes.reserve``), answered while the trainer trains, so that the next push is steps 1 and 3 alone: the
+ranks rung with that id, and the controller's commit (the version made current) once every rank is READY. Where the
+tag, or the tensors' names, shapes or dtypes, are not the ones registered ahead, or the controller gave it up, the
+push registers itself as below. A trainer that trains in the buffer (``views()``: e.g. ``param.data =
+views[name]``) writes each step into the image, and its push copies nothing.
+
 One push (``lora_cache/controller/device_pushes.py`` for the controller's side):
 1. the tensors are laid into the pusher's image buffer on their device (``serialize.image_and_head``: the
    safetensors file; a next push of the same names, shapes and dtypes is one multi-tensor copy into the same buffer's
