@@ -34,7 +34,9 @@ A device-only version is not saved in the durable catalog: a restarted controlle
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -120,19 +122,11 @@ class DevicePushes:
     async def push(self, name: str, tag: str | int | None, config_bytes: bytes, head: bytes, size: int) -> Pushed:
         """Register a device push's version (step 1); its ``Pushed``, or the error (nothing changed)."""
         tag, path, known = await self._declared(name, tag, config_bytes, head, size)
-        self.registering.add((name, tag))  # no await since the check: a second push of the tag meanwhile is refused
-        self.pushes.claim(path)  # no retire takes its directory's name meanwhile
-        try:
+        with self._registering(name, tag, path):
             # answered once the ranks were sent it: each rank the trainer rings waits for it there
             (done,) = await self.registrar.register([(name, str(path))], {str(path): known}, answered=False)
             if done.error is not None:
                 raise done.error
-        except BaseException:
-            self.refused += 1
-            raise
-        finally:
-            self.registering.discard((name, tag))
-            self.pushes.release(path)
         self.pending[(name, done.version)] = Pending(tag, known, path, time.monotonic(), done.previous)
         self.pushed += 1
         return Pushed(name, tag, done.version, done.previous, done.rank_pending)
@@ -145,9 +139,7 @@ class DevicePushes:
         ``commit`` makes it current. Its ``Pushed`` (``previous``: the current version now), answered once every rank
         answered; or the error (nothing changed). One never committed is given up as a push never landed."""
         tag, path, known = await self._declared(name, tag, config_bytes, head, size, ahead=True)
-        self.registering.add((name, tag))
-        self.pushes.claim(path)
-        try:
+        with self._registering(name, tag, path):
             spec = await asyncio.to_thread(self.core.read_adapter, name, str(path), known)
             turn = self.registrar.turns.take(name)  # in the name's order among its registrations
             try:
@@ -162,16 +154,25 @@ class DevicePushes:
                 sent = self.registrar.fanout.submit_registrations([(name, str(path), known)])
             finally:
                 turn.done()
+        self.pending[(name, known.version)] = Pending(tag, known, path, time.monotonic(), previous, ahead=True)
+        self.reserved += 1
+        ranks = (await self.registrar.fanout.registered(sent))[0]
+        return Pushed(name, tag, known.version, previous, tuple(ranks.pending))
+
+    @contextlib.contextmanager
+    def _registering(self, name: str, tag: str, path: Path) -> Iterator[None]:
+        """``name@tag`` being registered (no await since its check: a second push or reservation of the tag meanwhile
+        is refused) into ``path`` (no retire takes that directory's name meanwhile); an error counted as refused."""
+        self.registering.add((name, tag))
+        self.pushes.claim(path)
+        try:
+            yield
         except BaseException:
             self.refused += 1
             raise
         finally:
             self.registering.discard((name, tag))
             self.pushes.release(path)
-        self.pending[(name, known.version)] = Pending(tag, known, path, time.monotonic(), previous, ahead=True)
-        self.reserved += 1
-        ranks = (await self.registrar.fanout.registered(sent))[0]
-        return Pushed(name, tag, known.version, previous, tuple(ranks.pending))
 
     async def commit(self, name: str, version: str) -> Pushed:
         """Make ``name@version``, registered ahead (``reserve``) and rung to its trainer's ranks, the name's current
