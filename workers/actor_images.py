@@ -50,12 +50,17 @@ class ImagePushCalls:
         image, after, opened = self.images.get(buffer)
         if registration_s > 0:
             self.control.await_version(name, version, registration_s)  # its registration may be on its way still
+        t1 = time.perf_counter()
         # the rank's own load at the trainer's word, not the controller's command: its deltas say so
         # (``Delta.acquired``), and the controller believes its READY as it believes an engine's acquire's
-        record = self.cache.load_image(name, version, image, head or opened, after).result(timeout_s)
+        future = self.cache.load_image(name, version, image, head or opened, after)
+        t2 = time.perf_counter()
+        record = future.result(timeout_s)
+        t3 = time.perf_counter()
         with self.cache.book.lock:  # its phases (``SlotLoad.marks``), for the probes
             marks = list(self.cache.book.loads[record.slot].marks) if record.slot in self.cache.book.loads else []
-        self.image_times.append((t0, marks, time.perf_counter()))
+        self.image_times.append((t0, [("registered", t1), *marks, ("started", t2), ("answered", t3)],
+                                 time.perf_counter()))
         return record
 
     def image_log(self) -> list[tuple[float, list[tuple[str, float]], float]]:
