@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where the pushed tensors lie: host memory, or GPU 0 (a trainer's)")
     ap.add_argument("--one-gpu", action="store_true", help="every rank on GPU 0 (TP > 1 on a one-GPU host)")
     ap.add_argument("--via", default="grpc,ray", help=f"the ways pushes go, in turn: {', '.join(WAYS)}")
+    ap.add_argument("--slots", type=int, default=4,
+                    help="each rank's slots (4: every push past the fourth evicts one, written back to the host tier)")
     ap.add_argument("--in-place", action="store_true",
                     help="the device way's trainer trains in the pusher's buffer (DevicePusher.views): no copy in")
     ap.add_argument("--out", required=True)
@@ -124,7 +126,7 @@ def main() -> None:
              include_dashboard=False)
     svc = start(ServeConfig(replicas=1, tp=args.tp, gpus=not args.cpu, worker_cpus=1.0, adapters=str(root)),
                 catalog_config, PlannerConfig(policy="queue"),
-                WorkerConfig(num_slots=4, dtype="float32" if args.cpu else "bfloat16",
+                WorkerConfig(num_slots=args.slots, dtype="float32" if args.cpu else "bfloat16",
                              host=HostTierConfig(host_bytes=2 << 30, pin=not args.cpu)))
     gw = start_gateway_thread(GatewayConfig(grpc_port=0, token="probe"), svc.controller)
     client = LoraCacheClient(gw.target, token="probe", timeout_s=120)
