@@ -475,7 +475,7 @@ def test_a_device_push_is_ready_on_both_ranks_from_the_buffer_then_lands_under_i
                 check = ray.get(h.verify.remote("devpush", pushed.version), timeout=60)  # against the landed file
                 assert check["max_abs_diff"] == 0.0 and 0 < check["nbytes"] < total, check
         assert pusher._next is not None
-        ahead = ray.get(pusher._next[1], timeout=30).version  # step 3's, registered ahead: given up behind its back
+        ahead = pusher._next[1].result(timeout=30).version  # step 3's, registered ahead: given up behind its back
         assert ray.get(world.service.controller.withdraw_device.remote("devpush", ahead), timeout=30)
         third = pusher.push(scaled(world.tensors, 1.8), tag=3)
         assert third.version != ahead and "commit" not in third.split_s and current(world, "devpush") == third.version

@@ -45,6 +45,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -94,7 +95,7 @@ class DevicePusher:
         self._host: torch.Tensor | None = None  # pinned: the image's copy for its landing
         self._copied: Any = None  # the host copy's event
         self._side: Any = None  # the stream the host copy runs on, behind the trainer's event
-        self._next: tuple[str, Any] | None = None  # (tag, ObjectRef of its Pushed): the next push's, registered ahead
+        self._next: tuple[str, Future[Pushed]] | None = None  # (tag, its Pushed): the next push's, registered ahead
 
     def push(self, tensors: Mapping[str, torch.Tensor], tag: str | int, next_tag: str | int | object | None = GUESS
              ) -> DevicePushed:
@@ -215,9 +216,9 @@ class DevicePusher:
         layout's (the header it declared); one that is not is given up first."""
         if self._next is None:
             return None
-        (next_tag, call), self._next = self._next, None
+        (next_tag, answer), self._next = self._next, None
         try:
-            ahead: Pushed = ray.get(call, timeout=self.timeout_s)
+            ahead: Pushed = answer.result(timeout=self.timeout_s)  # answered long since, as a rule
         except LoraCacheError:  # refused (e.g. the name was unregistered): this push registers itself
             return None
         if next_tag == tag and fits:
@@ -233,8 +234,10 @@ class DevicePusher:
         if next_tag is None or self.layout is None:
             return
         head, size = self.layout.head, self.layout.image.numel()
-        self._next = (str(next_tag), self.controller.reserve_device.remote(self.name, next_tag, self.config, head,
-                                                                           size))
+        # its answer as a future, set by Ray's own thread when it comes: the next push reads it with no call into
+        # Ray (a ``ray.get`` of an object long resolved still costs a fraction of a millisecond)
+        call = self.controller.reserve_device.remote(self.name, next_tag, self.config, head, size)
+        self._next = (str(next_tag), call.future())
 
     def _drop(self, version: str) -> None:
         """Give up ``version``, registered ahead and not pushed (``withdraw_device``)."""
@@ -336,9 +339,9 @@ class DevicePusher:
         """Let go of the buffer on every rank and the doorbells, and of the version registered ahead for the next
         push (the last landing goes on)."""
         if self._next is not None:
-            (_, call), self._next = self._next, None
+            (_, answer), self._next = self._next, None
             with contextlib.suppress(Exception):
-                self._drop(ray.get(call, timeout=self.timeout_s).version)
+                self._drop(answer.result(timeout=self.timeout_s).version)
         self.close_bells()
         if self.ranks:
             ray.get([r.close_image.remote(self.buffer) for r in self.ranks], timeout=self.timeout_s)
