@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
-from lora_cache.adapters.device_versions import device_known, landed_known
+from lora_cache.adapters.device_versions import committed, device_known, landed_known
 from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, KnownVersion, content_version, read_adapter
 from lora_cache.adapters.pushed import PushArea, digest
 from lora_cache.adapters.shapes import MODULE_ORDER, SHAPES
@@ -282,6 +282,8 @@ class VersionsMachine(RuleBasedStateMachine):
                                push_dir=str(self.root / "pushed"))
         self.area = PushArea(self.root / "pushed", "svc", 1 << 30)
         self.pushed: dict[tuple[str, int], KnownVersion] = {}  # a device push of name-v{i}: its version, one per draw
+        self.aheads: set[tuple[str, int]] = set()  # those registered ahead of their push (``DeviceSource.ahead``)
+        self.committed: set[tuple[str, int]] = set()  # of those, the ones whose commit came (to some rank)
         self.landed: dict[tuple[str, int], KnownVersion] = {}  # its node copy's proof, once written
         self.catalogs = [AdapterCatalog(config) for _ in range(TP)]
         for catalog in self.catalogs:
@@ -348,26 +350,38 @@ class VersionsMachine(RuleBasedStateMachine):
         self.catalogs[rank].register(name, self.root / f"{name}-v{version}")
 
     @rule(name=st.sampled_from(NAMES), version=st.integers(0, VERSIONS - 1), rank=st.integers(0, TP - 1),
-          ring=st.booleans())
-    def push_device(self, name: str, version: int, rank: int, ring: bool) -> None:
+          ring=st.booleans(), ahead=st.booleans())
+    def push_device(self, name: str, version: int, rank: int, ring: bool, ahead: bool = False) -> None:
         """A trainer's device push of ``name-v{version}``'s bytes (``DevicePushes.push``): its id minted once, then
         registered device-only on one rank now (the other later, or never), and (``ring``) that rank takes its shard
-        from the image (its doorbell). A host load of it is refused there until it lands."""
+        from the image (its doorbell). A host load of it is refused there until it lands. ``ahead`` (at its first
+        draw): registered ahead of its push (``DevicePushes.reserve``), held by exact version and current nowhere
+        until its commit (``commit``)."""
         key = (name, version)
         if key not in self.pushed:
             directory = self.root / f"{name}-v{version}"
             raw = (directory / WEIGHTS_FILE).read_bytes()
             head = raw[:8 + int.from_bytes(raw[:8], "little")]
             self.pushed[key] = known = device_known(name, f"t{version}", (directory / CONFIG_FILE).read_bytes(),
-                                                    head, len(raw))
+                                                    head, len(raw), ahead)
             self.dirs[AdapterKey(name, known.version)] = directory
-        known = self.landed.get(key, self.pushed[key])
+            if ahead:
+                self.aheads.add(key)
+        waiting = key in self.aheads and key not in self.committed  # registered ahead, not yet committed
+        known = self.landed.get(key, committed(self.pushed[key]) if key in self.committed else self.pushed[key])
         catalog, path = self.catalogs[rank], str(self.area.path(name, f"t{version}"))
         try:
             current = catalog.get(name, known.version)
         except NotFoundError:
             current = None
-        if current is None:
+        if current is None and waiting:
+            if name not in catalog:
+                return  # a version is registered ahead of a registered name's next push only
+            before = catalog.current(name)
+            catalog.ahead.reserve(catalog.read(name, path, known))
+            assert catalog.current(name) == before, "a version registered ahead became current"
+            self.record("a device push registered ahead")
+        elif current is None:
             catalog.add(catalog.read(name, path, known))
         elif current.device_only and key in self.landed:  # its landing (``WorkerControl._land``)
             catalog.promote(catalog.read(name, path, known))
@@ -379,11 +393,31 @@ class VersionsMachine(RuleBasedStateMachine):
             self.record("a device push taken from the image")
 
     @rule(name=st.sampled_from(NAMES), version=st.integers(0, VERSIONS - 1), rank=st.integers(0, TP - 1))
+    def commit(self, name: str, version: int, rank: int) -> None:
+        """The commit of a device push registered ahead (``DevicePushes.commit``): the same version registered again
+        without the flag, one rank at a time, current there (``WorkerControl._land``); a rank that never had it
+        registered ahead takes it as a registration."""
+        key = (name, version)
+        if key not in self.aheads or key in self.landed:
+            return
+        self.committed.add(key)
+        known = committed(self.pushed[key])
+        catalog = self.catalogs[rank]
+        try:
+            if catalog.current(name) == known.version:
+                return
+        except NotFoundError:
+            pass
+        catalog.add(catalog.read(name, str(self.area.path(name, f"t{version}")), known))
+        assert catalog.current(name) == known.version and not catalog.ahead.has(name, known.version)
+        self.record("a device push committed")
+
+    @rule(name=st.sampled_from(NAMES), version=st.integers(0, VERSIONS - 1), rank=st.integers(0, TP - 1))
     def land(self, name: str, version: int, rank: int) -> None:
         """The node copy of a device push lands (``DevicePushes.land``): written and proven once, then promoted on one
-        rank at a time, in place (the current version unchanged)."""
+        rank at a time, in place (the current version unchanged); one registered ahead only once committed."""
         key = (name, version)
-        if key not in self.pushed:
+        if key not in self.pushed or (key in self.aheads and key not in self.committed):
             return
         if key not in self.landed:
             directory = self.root / f"{name}-v{version}"

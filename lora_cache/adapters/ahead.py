@@ -9,9 +9,10 @@ trainer's doorbells and nothing else; its commit (the same version registered ag
 current, in the name's order (docs/decisions.md, "A device push registered ahead").
 
 ``Ahead`` holds one catalog's such versions, under the catalog's lock: ``AdapterCatalog.get`` finds them by exact
-version, ``add`` (the commit) takes one out, ``unregister`` drops a name's. A name holds at most ``MAX_AHEAD``: a
-trainer registers one ahead of each push, and one it never pushed (it stopped, or pushed another tag) is let go when
-the next ones come, so a rank whose controller gave it up keeps at most that many.
+version, ``add`` (the commit) takes one out, ``unregister`` drops a name's. A name holds at most ``MAX_AHEAD`` that no
+user holds (``Retirement.users``: a rank's slots): a trainer registers one ahead of each push, and one it never pushed
+(it stopped, or pushed another tag) is let go when the next ones come, so a rank whose controller gave it up keeps at
+most that many, and one a slot was filled with as long as that slot holds it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class Ahead:
         the catalog's ``add`` makes it current or ``drop`` lets it go. NotFoundError if its name is not registered:
         a version is registered ahead of a name's next push only, and the first push registers the name."""
         catalog = self.catalog
+        # the versions of the name its users hold (a rank's slots: one loaded from a lapsed reservation), asked
+        # outside the lock as ``Retirement.trim`` asks them: those are never let go here
+        used = frozenset(v for in_use in list(catalog.retirement.users) for v in in_use(spec.name))
         with catalog._lock:
             current = catalog._specs.get(spec.name)
             if current is None:
@@ -48,8 +52,9 @@ class Ahead:
                 return  # committed already (its commit came first): nothing to hold ahead
             ahead = catalog._ahead.setdefault(spec.name, OrderedDict())
             ahead[spec.version] = spec
-            while len(ahead) > MAX_AHEAD:
-                ahead.popitem(last=False)
+            older = [v for v in ahead if v not in used and v != spec.version]  # never the one just registered
+            for version in older[: max(0, len(ahead) - MAX_AHEAD)]:
+                del ahead[version]  # the oldest first
             catalog.generation += 1
 
     def drop(self, name: str, version: str) -> bool:
