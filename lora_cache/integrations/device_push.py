@@ -157,8 +157,9 @@ class DevicePusher:
     def _push_ahead(self, ahead: Pushed, layout: ImageLayout, ordered: list[torch.Tensor],
                     t0: float) -> DevicePushed | None:
         """A push registered ahead (``reserve_device``): the tensors copied into the kept layout, the doorbells rung
-        with its id while the controller commits it (``commit_device``). None where the controller had given it up
-        (it waited past ``AHEAD_LAND_TIMES`` x ``push_land_s``): the caller registers the push now instead."""
+        with its id, then the controller's commit (``commit_device``) once every rank is READY. None where the
+        controller had given it up (it waited past ``AHEAD_LAND_TIMES`` x ``push_land_s``, or a push of its tag took
+        it): the caller registers the push now instead."""
         image, head = layout.image, layout.head
         try:
             layout.write(ordered)
