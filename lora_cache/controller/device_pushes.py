@@ -185,16 +185,10 @@ class DevicePushes:
                                 f"it was committed already, given up after {self.land_s:.0f} s, or never registered "
                                 "ahead here; push the step again")
         known, where = committed(pending.known), str(pending.path)
-        self.pushes.claim(pending.path)
-        try:
+        with self._registering(name, pending.tag, pending.path):
             (done,) = await self.registrar.register([(name, where)], {where: known}, answered=False)
             if done.error is not None:
                 raise done.error
-        except BaseException:
-            self.refused += 1
-            raise
-        finally:
-            self.pushes.release(pending.path)
         now = pending._replace(known=known, at=time.monotonic(), previous=done.previous, ahead=False)
         withdrawn = (name, version) not in self.pending  # meanwhile: a rank refused its image (e.g. a NaN)
         self.pending[(name, version)] = now

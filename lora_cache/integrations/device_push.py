@@ -164,7 +164,7 @@ class DevicePusher:
         try:
             layout.write(ordered)
         except BaseException:
-            self._drop(ahead.version)
+            self._withdraw(ahead.version)
             raise
         self._copy_out(image)
         t1 = time.perf_counter()
@@ -224,7 +224,7 @@ class DevicePusher:
             return None
         if next_tag == tag and fits:
             return ahead
-        self._drop(ahead.version)  # another tag, or other tensors: before this push's registration, which it could
+        self._withdraw(ahead.version)  # another tag, or other tensors: before this push's registration, which it could
         return None  # hold up (its tag)
 
     def _reserve_next(self, tag: str | int, next_tag: str | int | object | None) -> None:
@@ -240,11 +240,6 @@ class DevicePusher:
         call = self.controller.reserve_device.remote(self.name, next_tag, self.config, head, size)
         self._next = (str(next_tag), call.future())
 
-    def _drop(self, version: str) -> None:
-        """Give up ``version``, registered ahead and not pushed (``withdraw_device``)."""
-        with contextlib.suppress(Exception):
-            ray.get(self.controller.withdraw_device.remote(self.name, version), timeout=self.timeout_s)
-
     def _register(self, tag: str | int, head: bytes, size: int) -> Any:
         """The controller's registration of this push (``push_device``), an ObjectRef."""
         return self.controller.push_device.remote(self.name, tag, self.config, head, size)
@@ -255,6 +250,8 @@ class DevicePusher:
             self._withdraw(ray.get(call, timeout=self.timeout_s).version)
 
     def _withdraw(self, version: str) -> None:
+        """Give up ``version`` (``withdraw_device``): a push that cannot go on, or one registered ahead and not
+        pushed."""
         with contextlib.suppress(Exception):  # else it expires: the error that stopped the push is the one raised
             ray.get(self.controller.withdraw_device.remote(self.name, version), timeout=self.timeout_s)
 
@@ -342,7 +339,7 @@ class DevicePusher:
         if self._next is not None:
             (_, answer), self._next = self._next, None
             with contextlib.suppress(Exception):
-                self._drop(answer.result(timeout=self.timeout_s).version)
+                self._withdraw(answer.result(timeout=self.timeout_s).version)
         self.close_bells()
         if self.ranks:
             ray.get([r.close_image.remote(self.buffer) for r in self.ranks], timeout=self.timeout_s)

@@ -14,7 +14,7 @@ from collections.abc import Collection
 
 from lora_cache.adapters.catalog import AdapterCatalog, check_carried
 from lora_cache.adapters.device_source import DeviceSource
-from lora_cache.adapters.peft import KnownVersion
+from lora_cache.adapters.peft import AdapterSpec, KnownVersion
 from lora_cache.errors import ConfigError, LoraCacheError, NotFoundError
 from lora_cache.vocab import ApplyResult, Command
 from workers.cache import WorkerCache
@@ -54,8 +54,7 @@ class WorkerControl:
             self.paths[name] = registered  # its first load or stage here (``AdapterCatalog.get``), checked then
             self.taken += 1
             return known.version  # type: ignore[union-attr]
-        spec = check_carried(name, self.catalog.read(name, path, known, carried=True), known)  # a store version:
-        # no request to the store
+        spec = self._read(name, path, known)  # a store version: no request to the store
         if spec.device is not None and spec.device.ahead:  # a device push's, ahead of it: loadable, not current
             self.catalog.ahead.reserve(spec)
             self.taken += 1
@@ -82,7 +81,7 @@ class WorkerControl:
         one registered ahead of its push (``DeviceSource.ahead`` no longer set), which makes it current."""
         if isinstance(known.source, DeviceSource):
             if not known.source.ahead and self.catalog.current(name) != known.version:
-                self.catalog.add(check_carried(name, self.catalog.read(name, path, known, carried=True), known))
+                self.catalog.add(self._read(name, path, known))
                 self.paths[name] = path
                 self.taken += 1
             return known.version
@@ -90,11 +89,16 @@ class WorkerControl:
         if self.copies is not None:
             path, copied = self.copies.localize(name, path, known)
             known = copied or known
-        spec = check_carried(name, self.catalog.read(name, path, known, carried=True), known)
+        spec = self._read(name, path, known)
         if self.catalog.promote(spec) and self.catalog.current(name) == spec.version:
             self.paths[name] = registered
         self.taken += 1
         return spec.version
+
+    def _read(self, name: str, path: str, known: KnownVersion | None) -> AdapterSpec:
+        """``name`` at ``path`` read as the version ``known`` carries (its config and header where it carries them),
+        refused if it is another (``check_carried``)."""
+        return check_carried(name, self.catalog.read(name, path, known, carried=True), known)
 
     def register_adapters(self, entries: list[tuple[str, str, KnownVersion | None]]) -> list[tuple[str, str]]:
         """Each (name, path, known) registered by itself: (its version, "") or ("", why not); a bad one fails
