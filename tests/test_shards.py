@@ -296,3 +296,30 @@ def test_real_model_layouts(name: str) -> None:
     for tp in (2, 4, 8):
         lays = [shard_layout(spec, shape, tp, k, BF16) for k in (0, tp - 1)]
         assert lays[0].numel == lays[1].numel == max_shard_numel(shape, tp, 16, BF16) < whole.numel
+
+
+def test_a_ranks_new_version_of_a_pattern_takes_its_entries_and_plan_as_fresh_ones_would_be(
+        catalog: AdapterCatalog) -> None:
+    """``RankShards`` (a pushed version's load, issue 44 item 5): a new version of a module pattern a rank has laid out
+    before gets the layout ``shard_layout`` makes for it (its own name and version, the pattern's entries) and the
+    chunk plan ``chunk_plan`` makes, without recomputing either; another pattern gets its own; a spec equal to a kept
+    one but not it is laid out again (identity, not equality, keys the cache)."""
+    from lora_cache.adapters.chunks import chunk_plan
+    from workers.cache import RankShards
+
+    r8, r16 = catalog.get("adapter-000"), catalog.get("adapter-001")
+    for tp in TPS:
+        shards = RankShards(catalog, tp, tp - 1, BF16, 1 << 12)
+        first = shards.layout(r8)
+        for version in ("v2", "v3"):
+            pushed = dataclasses.replace(r8, name="pushed", version=version)
+            layout, fresh = shards.layout(pushed), shard_layout(pushed, TINY, tp, tp - 1, BF16)
+            assert layout == fresh and layout.entries is first.entries, (tp, version)
+            assert (layout.adapter, layout.version) == ("pushed", version)
+            assert shards.plan(pushed) == chunk_plan(fresh.entries, fresh.numel, TINY.num_layers, 2, 1 << 12)
+            assert shards.plan(pushed) is shards.plan(r8)  # one plan per pattern
+            assert shards.layout(pushed) is layout  # kept for the spec
+        other = shards.layout(r16)
+        assert other == shard_layout(r16, TINY, tp, tp - 1, BF16) and other.entries is not first.entries
+        again = dataclasses.replace(r8)  # equal, not the same object
+        assert shards.layout(again) == first and shards.layout(again) is not first

@@ -165,3 +165,31 @@ def test_misuse_asserts() -> None:
         table.mark_ready(1)
 
 # the state machine of the table (slots and their pages) against a model: tests/test_pages.py
+
+
+def test_the_first_free_page_taken_at_once_is_the_one_the_full_search_takes() -> None:
+    """``SlotTable._window``'s fast path (a one-page shard, a free slot and a free page: the first free page) takes
+    what the full search (``_search``) takes, over tables with loading, idle and used slots of one and two pages,
+    and pages lent to the engine."""
+    import random
+
+    rng = random.Random(7)
+    taken = 0
+    for _ in range(500):
+        table = SlotTable(rng.randint(2, 8), num_pages=rng.randint(8, 16))
+        for i in range(rng.randint(0, 10)):
+            try:
+                index, _ = table.reserve(AdapterKey(f"a{i}", "v"), rng.choice([1, 1, 2]))
+            except CapacityError:
+                break
+            if rng.random() < 0.7:
+                table.mark_ready(index)
+                if rng.random() < 0.3:
+                    table.incref(index)
+            elif rng.random() < 0.3:
+                table.fail(index)
+        if rng.random() < 0.3 and table.free_pages():
+            table.lend(1)
+        assert table._window(1) == table._search(1), table.owner
+        taken += table._window(1)[0] >= 0 and not table._window(1)[1]
+    assert taken > 100  # the case of the fast path (a free page, no eviction) came up often

@@ -93,7 +93,7 @@ class WorkerActor(HostedEngineCalls, ImagePushCalls):
                             _fetch_pushed)  # a pushed version in another node's memory: copied to this one
         self.control = WorkerControl(replica, self.catalog, self.cache, self.outbox, copies)
         self.images = TrainerImages(self.cache.device)  # trainers' push buffers open here (``load_image``)
-        self.image_times: deque[tuple[float, list[tuple[str, float]], float]] = deque(maxlen=256)
+        self.image_times: deque[tuple[float, list[tuple[str, float]], float, dict[str, float]]] = deque(maxlen=256)
         self.doorbell: Doorbell | None = None  # a trainer's pushes with no Ray call (``open_doorbell``)
         self._stopping = threading.Event()  # set at shutdown: the controller's lifeline returns
         # A restarted worker holds nothing: say so, so the controller forgets its predecessor. ValueError:

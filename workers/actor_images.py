@@ -6,6 +6,7 @@ seam: a trainer's calls, apart from the controller's), which provides ``cache``,
 
 from __future__ import annotations
 
+import resource
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,7 @@ class ImagePushCalls:
     name: str
     images: TrainerImages
     control: WorkerControl
-    image_times: deque[tuple[float, list[tuple[str, float]], float]]
+    image_times: deque[tuple[float, list[tuple[str, float]], float, dict[str, float]]]
     doorbell: Doorbell | None
 
     def open_image(self, buffer: str, handle: Any, event: bytes | None = None, head: bytes = b"") -> int:
@@ -46,7 +47,7 @@ class ImagePushCalls:
         readiness record once READY, or the load's error. ``registration_s``: how long to wait for the version's
         registration to reach this rank (a doorbell's push: ``WorkerControl.await_version``); 0 on a Ray call,
         whose thread is the one registrations arrive on."""
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), _thread_use()
         image, after, opened = self.images.get(buffer)
         if registration_s > 0:
             self.control.await_version(name, version, registration_s)  # its registration may be on its way still
@@ -54,18 +55,24 @@ class ImagePushCalls:
         # the rank's own load at the trainer's word, not the controller's command: its deltas say so
         # (``Delta.acquired``), and the controller believes its READY as it believes an engine's acquire's
         future = self.cache.load_image(name, version, image, head or opened, after)
-        t2 = time.perf_counter()
+        t2, issued = time.perf_counter(), _thread_use()
         record = future.result(timeout_s)
-        t3 = time.perf_counter()
+        t3, answered = time.perf_counter(), _thread_use()
         with self.cache.book.lock:  # its phases (``SlotLoad.marks``), for the probes
             marks = list(self.cache.book.loads[record.slot].marks) if record.slot in self.cache.book.loads else []
+        # the calling thread's own CPU time and context switches, to the load's call returning and from it to READY:
+        # CPU time well short of the wall time is a thread that waited (the GIL, a lock, the scheduler)
+        use = {f"{part}_{what}": b - a for part, (x, y) in (("launch", (before, issued)), ("wait", (issued, answered)))
+               for what, a, b in zip(("cpu_s", "voluntary", "involuntary"), x, y, strict=True)}
         self.image_times.append((t0, [("registered", t1), *marks, ("started", t2), ("answered", t3)],
-                                 time.perf_counter()))
+                                 time.perf_counter(), use))
         return record
 
-    def image_log(self) -> list[tuple[float, list[tuple[str, float]], float]]:
-        """(perf_counter at the call, the load's phases, at its answer) of this rank's recent ``load_image`` calls:
-        ``time.perf_counter`` is the machine's monotonic clock, comparable with the caller's on the same node."""
+    def image_log(self) -> list[tuple[float, list[tuple[str, float]], float, dict[str, float]]]:
+        """(perf_counter at the call, the load's phases, at its answer, the calling thread's use: its CPU seconds and
+        context switches to the load's call returning, ``launch_*``, and from there to READY, ``wait_*``) of this
+        rank's recent ``load_image`` calls: ``time.perf_counter`` is the machine's monotonic clock, comparable with the
+        caller's on the same node."""
         return list(self.image_times)
 
     def close_image(self, buffer: str) -> bool:
@@ -85,3 +92,9 @@ class ImagePushCalls:
         record = self.load_image(str(request["name"]), str(request["version"]), str(request["buffer"]),
                                  registration_s=REGISTRATION_S)
         return {"record": record._asdict()}
+
+
+def _thread_use() -> tuple[float, int, int]:
+    """This thread's CPU seconds and its voluntary and involuntary context switches so far."""
+    use = resource.getrusage(resource.RUSAGE_THREAD)
+    return time.thread_time(), use.ru_nvcsw, use.ru_nivcsw

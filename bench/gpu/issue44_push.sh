@@ -29,8 +29,10 @@
 # rank READY from the buffer by its doorbell, the node copy landed after, each slot checked against the landed file;
 # against a push by Ray reference in the same run), the 8B
 # rank-16 at each TP of DEVICE_TPS [1 2] with PUSHES8 [6] pushes, the 70B rank-64 at TP 2 with PUSHES70 [3]; the GPU
-# tests of the image loads first; device-8b-tpN.json, device-70b-tp2.json. Exit status: the number of runs that
-# failed.
+# tests of the image loads first; device-8b-tpN.json, device-70b-tp2.json; with OLD=DIR, each 8B run is followed by
+# the old tree's (device-8b-tpN-old.json). PARTS may name rank: a rank's own part of a device push in one process with
+# no Ray (bench.probes.fill_host: its phases after idle gaps, and what each host step costs alone), at each TP of
+# DEVICE_TPS; rank-load-tpN.json. Exit status: the number of runs that failed.
 set -u
 . "$(dirname "$0")/lib.sh"
 tp=${TP:-$([ "$(gpus)" -ge 2 ] && echo 2 || echo 1)}
@@ -111,11 +113,22 @@ if [[ $parts == *" device "* ]]; then
     # shellcheck disable=SC2086  # ARGS: words
     step "device-8b-tp$dtp" "$PYTHON" -m bench.probes.push --tp "$dtp" --model llama-3.1-8b --rank 16 \
       --pushes "${PUSHES8:-6}" --via "$dvia" --source gpu --one-gpu ${ARGS:-} --out "$out/device-8b-tp$dtp.json"
+    if [ -n "$old" ]; then
+      # shellcheck disable=SC2086
+      step "device-8b-tp$dtp-old" env -C "$old" PYTHONPATH="$site:$old" "$PYTHON" -m bench.probes.push --tp "$dtp" \
+        --model llama-3.1-8b --rank 16 --pushes "${PUSHES8:-6}" --via "$dvia" --source gpu --one-gpu ${ARGS:-} \
+        --out "$out/device-8b-tp$dtp-old.json"
+    fi
   done
   if [ "${PUSHES70:-3}" != 0 ]; then
     # shellcheck disable=SC2086
     step device-70b-tp2 "$PYTHON" -m bench.probes.push --tp 2 --model llama-3.1-70b --rank 64 \
       --pushes "${PUSHES70:-3}" --via "$dvia" --source gpu --one-gpu ${ARGS:-} --out "$out/device-70b-tp2.json"
   fi
+fi
+if [[ $parts == *" rank "* ]]; then
+  for dtp in ${DEVICE_TPS:-1 2}; do
+    step "rank-load-tp$dtp" "$PYTHON" -m bench.probes.fill_host --tp "$dtp" --out "$out/rank-load-tp$dtp.json"
+  done
 fi
 exit "$failed"

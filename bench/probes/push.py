@@ -144,7 +144,7 @@ def main() -> None:
             if device != "cpu":
                 torch.cuda.synchronize()  # the tensors made: the push starts from them in place
             t0 = time.time()
-            landed_ms = ready_in_push_ms = split_ms = None
+            landed_ms = ready_in_push_ms = split_ms = bells = None
             done: Any
             views = pushers[how].views() if how == "device" and args.in_place else {}
             if views:  # the trainer trains in the pusher's buffer: its step's weights are written there, not copied
@@ -158,6 +158,8 @@ def main() -> None:
                 ahead = step + len(ways) if how == "device" else None
                 done = pushers[how].push(pushed, tag=step, next_tag=ahead)
                 ready_in_push_ms = done.ready_s * 1e3  # every rank READY (the doorbells' answers), in the call
+                # the ranks' logs are timed against these (an older tree's pusher, ``OLD=`` of the GPU script, has none)
+                bells = (getattr(pushers[how], "rung_at", 0.0), getattr(pushers[how], "answered_at", 0.0))
                 split_ms = {k: v * 1e3 for k, v in done.split_s.items()}
             else:
                 done = (client.push(NAME, pushed, config, tag=step) if how == "grpc"
@@ -180,7 +182,8 @@ def main() -> None:
             assert [c["nbytes"] for c in checks] == shard, (checks, shard)
             rows.append({"step": step, "how": how, "answer_ms": (t_answer - t0) * 1e3,
                          "ready_ms": (t_ready - t0) * 1e3, "landed_ms": landed_ms,
-                         "ready_in_push_ms": ready_in_push_ms, "split_ms": split_ms, "version": done.version})
+                         "ready_in_push_ms": ready_in_push_ms, "split_ms": split_ms, "version": done.version,
+                         "bells": bells})
             print(f"push {step} ({how}): answered {rows[-1]['answer_ms']:8.1f} ms, every rank READY "
                   f"{rows[-1]['ready_ms']:8.1f} ms" + (f", landed {landed_ms:8.1f} ms" if landed_ms else ""),
                   flush=True)
@@ -189,12 +192,21 @@ def main() -> None:
         # each rank's own part of a device push: from its doorbell's call to its answer (READY), its first load of
         # each buffer (the open, the plan) left out
         logs = ray.get([w.image_log.remote() for w in workers]) if pushers else []
-        rank_ms = [(end - called) * 1e3 for log in logs for called, _, end in log[len(pushers):]]
+        logs = [[(*entry[:3], entry[3] if len(entry) > 3 else {}) for entry in log] for log in logs]  # an older rank's
+        rank_ms = [(end - called) * 1e3 for log in logs for called, _, end, _ in log[len(pushers):]]
         phases: dict[str, list[float]] = {}  # each phase of a rank's load (``SlotLoad.marks``), from its call
+        use: dict[str, list[float]] = {}  # the rank's calling thread: CPU time and context switches (``image_log``)
+        rung = sorted(r["bells"] for r in rows[1:] if r["bells"] and r["bells"][0])
         for log in logs:
-            for called, marks, _ in log[len(pushers):]:
+            for called, marks, end, used in log[len(pushers):]:
                 for phase, at in marks:
                     phases.setdefault(phase, []).append((at - called) * 1e3)
+                for what, value in used.items():
+                    use.setdefault(what, []).append(value * 1e3 if what.endswith("_s") else value)
+                bell = next(((r, a) for r, a in reversed(rung) if r <= called), None)
+                if bell is not None and end <= bell[1]:  # this push's: from its ring to the rank, and the answer back
+                    use.setdefault("bell_to_rank_ms", []).append((called - bell[0]) * 1e3)
+                    use.setdefault("rank_to_trainer_ms", []).append((bell[1] - end) * 1e3)
         together = ray.get([w.copy_probe.remote(n) for w, n in zip(workers, shard)])
         measured = rows[1:]  # step 0 is the first version (a cold start): not a push of a new version
         copy_ms = max(together)
@@ -220,6 +232,7 @@ def main() -> None:
         summary["device_pushes_ahead"] = sum("commit" in r["split_ms"] for r in measured if r["how"] == "device")
         summary["median_rank_load_ms"] = _median(rank_ms)
         summary["median_rank_phase_ms"] = {phase: _median(at) for phase, at in phases.items()}
+        summary["median_rank_use"] = {what: _median(v) for what, v in use.items()}
         summary["ready_over_copy"] = summary["median_ready_ms"] / copy_ms
         for key in ("device", "device_now"):
             if summary[f"median_ready_in_push_ms_{key}"] is not None:

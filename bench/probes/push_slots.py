@@ -80,7 +80,7 @@ def split_phases(calls: list[tuple[float, float]], logs: list[list[Any]]) -> dic
     for i, (t_call, t_back) in enumerate(calls):
         per_rank = []
         for log in logs:
-            t_in, marks, t_out = log[i]
+            t_in, marks, t_out = log[i][:3]
             at = {name: t for name, t in marks}
             points = [("arrive", t_in), ("slot", at.get("slot")), ("reported", at.get("reported")),
                       ("fill", at.get("fill")), ("filled", at.get("filled")), ("meta", at.get("meta")),

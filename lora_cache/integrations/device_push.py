@@ -96,6 +96,7 @@ class DevicePusher:
         self._copied: Any = None  # the host copy's event
         self._side: Any = None  # the stream the host copy runs on, behind the trainer's event
         self._next: tuple[str, Future[Pushed]] | None = None  # (tag, its Pushed): the next push's, registered ahead
+        self.rung_at = self.answered_at = 0.0  # the last push's doorbells rung, and every answer read (perf_counter)
 
     def push(self, tensors: Mapping[str, torch.Tensor], tag: str | int, next_tag: str | int | object | None = GUESS
              ) -> DevicePushed:
@@ -201,8 +202,11 @@ class DevicePusher:
                 self.image = image
                 self._open(image, head, stored)
                 rung = time.perf_counter()
-            return ring_all(self.bells, [{"buffer": self.buffer, "name": self.name, "version": version}]
-                            * len(self.bells)), rung
+            self.rung_at = rung
+            answers = ring_all(self.bells, [{"buffer": self.buffer, "name": self.name, "version": version}]
+                               * len(self.bells))
+            self.answered_at = time.perf_counter()
+            return answers, rung
         except BaseException:
             self._withdraw(version)
             raise

@@ -140,6 +140,7 @@ class LoadPath:
             if (already := _in_flight(book, key)) is not None:
                 return already
             load = SlotLoad(key, layout, plan, commanded=commanded, image=shard)
+            load.marks[:0] = shard.marks or []  # its phases before the load (``WorkerCache.load_image``)
             shard.marks = load.marks
             book.pending[key] = load
             book.counters.prefetches += 1
@@ -230,6 +231,7 @@ class LoadPath:
         lift."""
         book = self.book
         vacate: tuple[tuple[int, int, Any], ...] = ()
+        load.mark("place")
         with book.lock:
             if load.error is not None:  # its read failed first: _read_done dropped it
                 return

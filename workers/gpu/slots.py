@@ -113,7 +113,15 @@ class SlotTable:
         return index, evicted
 
     def _window(self, pages: int) -> tuple[int, list[int]]:
-        """The first page of the run to take, and the idle slots to evict for it, LRU first; (-1, []) if none."""
+        """The first page of the run to take, and the idle slots to evict for it, LRU first; (-1, []) if none. A
+        one-page shard with a free slot and a free page takes the first free page at once: the search's choice (its
+        score (-1, 0, 0, p) beats every other), without its ~0.1 ms of Python over a 64-slot pool (issue 44 item 5)."""
+        if pages == 1 and self._free and FREE_PAGE in self.owner:
+            return self.owner.index(FREE_PAGE), []
+        return self._search(pages)
+
+    def _search(self, pages: int) -> tuple[int, list[int]]:
+        """``_window``'s search over every run of ``pages`` pages, scored."""
         rank = {index: i for i, index in enumerate(self._idle)}  # LRU position of each idle slot
         best: tuple[int, int, int, int] | None = None
         best_victims: list[int] = []

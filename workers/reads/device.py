@@ -198,11 +198,15 @@ class ImageShard:
     the copy's event has completed (the completion watcher), raises ``NonFiniteWeightsError`` naming the tensor if
     the flag says so, reading only host memory (no sync)."""
 
-    def __init__(self, read: DeviceRead, image: torch.Tensor, after: Any = None) -> None:
+    def __init__(self, read: DeviceRead, image: torch.Tensor, after: Any = None,
+                 marks: list[tuple[str, float]] | None = None) -> None:
         self.read, self.image, self.after = read, image, after
         self.flag = torch.ones((), dtype=torch.bool, pin_memory=image.is_cuda)
         self.dest: torch.Tensor | None = None
-        self.marks: list[tuple[str, float]] | None = None  # the load's phases (``SlotLoad.marks``), if it keeps them
+        # the load's phases (``SlotLoad.marks``), if it keeps them: its load takes these first ones over
+        self.marks: list[tuple[str, float]] | None = marks
+        if marks is not None:
+            marks.append(("flag", time.perf_counter()))
 
     def fill(self, dest: torch.Tensor) -> None:
         if self.marks is not None:
@@ -212,6 +216,8 @@ class ImageShard:
         if self.marks is not None:
             self.marks.append(("filled", time.perf_counter()))
         self.flag.copy_(flag, non_blocking=True)  # in stream order: complete when the copy's event is
+        if self.marks is not None:
+            self.marks.append(("flagged", time.perf_counter()))
 
     def check(self) -> None:
         if self.dest is None:
