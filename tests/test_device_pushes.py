@@ -46,6 +46,7 @@ from lora_cache.errors import (
     AdapterFormatError,
     AdapterPathError,
     ConflictError,
+    NonFiniteWeightsError,
     NotFoundError,
 )
 from lora_cache.planner import (
@@ -728,3 +729,56 @@ def test_a_rank_holds_a_version_registered_ahead_loadable_and_not_current_until_
     stray = device_known("b", "1", push.config, push.head, push.image.numel(), ahead=True)
     ((version, why),) = control.register_adapters([("b", str(area_of(controller_catalog).path("b", "1")), stray)])
     assert version == "" and "push its first version" in why and "b" not in rank
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("graph", [True, False], ids=["graph", "launches"])
+def test_gpu_versions_pushed_through_one_buffer_by_its_fill_graph_each_land_as_their_own_bytes(
+        source: Path, tmp_path: Path, tp: int, graph: bool) -> None:
+    """``workers.reads.fill_graph`` (invariant 1): the graph a rank captures at a buffer's first push reads the buffer
+    when it runs. Versions written into one buffer one after another (the trainer's stream still writing when the load
+    is issued, ordered by its event) each fill their slot with their own bytes, equal to their landed file's load; a
+    NaN written into it fails that version's load; one capture a rank; by the watcher and by the caller's settle. The
+    same by launches (a shard over ``FillGraphs.max_bytes``), with the loads' pinned flags kept and reused."""
+    catalog = catalog_at(tmp_path)
+    trainer = torch.cuda.Stream()
+    buffer: torch.Tensor | None = None
+    for rank in range(tp):
+        config = WorkerConfig(num_slots=4, tp=tp, tp_rank=rank, device="cuda",
+                              host=HostTierConfig(host_bytes=1 << 24, pin=False))
+        cache, check = WorkerCache(config, catalog), WorkerCache(config, catalog)
+        if not graph:
+            cache.fill_graphs.max_bytes = 0
+        try:
+            for step, scale in enumerate((1.5, 2.5, 3.5, 4.5)):
+                push, tag = declared(source, scale), f"{rank}-{step}"
+                staged = push.image.cuda()
+                if buffer is None:
+                    buffer = torch.zeros_like(staged)
+                if step == 3:  # every element a NaN (bf16 0x7fc0): in every rank's slices
+                    staged[len(push.head):].view(torch.int16).fill_(0x7FC0)
+                torch.cuda.synchronize()
+                with torch.cuda.stream(trainer):
+                    torch.cuda._sleep(20_000_000)  # still writing when the rank's fill is issued
+                    buffer.copy_(staged)
+                    written = torch.cuda.Event()
+                    written.record()
+                known = register_device(catalog, push, "a", tag)
+                load = cache.load_image("a", known.version, buffer, push.head, after=written,
+                                        settle_s=5.0 if step % 2 else 0.0)
+                if step == 3:
+                    with pytest.raises(NonFiniteWeightsError):
+                        load.result(timeout=60)
+                    continue
+                load.result(timeout=60)
+                land(catalog, push, "a", tag, known)
+                check.prefetch("a").result(timeout=60)
+                assert slot(cache, "a", known.version) == slot(check, "a", known.version), (
+                    f"TP {tp} rank {rank} step {step}: the graph's fill differs from the landed file's load")
+            assert cache.fill_graphs.captures == int(graph) and cache.counters.image_loads == 4
+            assert len(cache.fill_graphs._flags) == 1  # each load's flag given back once read, taken by the next
+        finally:
+            cache.close()
+            check.close()

@@ -9,6 +9,7 @@ variant runs the kernel on the rank's copy stream after the trainer's event."""
 from __future__ import annotations
 
 import threading
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 from lora_cache.adapters.catalog import AdapterCatalog
 from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.errors import AdapterFormatError, NonFiniteWeightsError
-from lora_cache.vocab import AdapterKey, Delta
+from lora_cache.vocab import AdapterKey, Delta, ReadinessRecord
 from tests.worker_queries import slots_in, use_streams
 from workers.cache import WorkerCache, WorkerConfig
 from workers.control.images import TrainerImages
@@ -258,3 +259,76 @@ def test_a_gpu_rank_compiles_the_gather_when_it_starts() -> None:
     gather(dst, src, plan)
     torch.cuda.synchronize()
     assert torch.equal(dst[16:1040], src[8:1032]) and torch.equal(dst[4000:4064], src[2048:2112])
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_a_load_settled_by_its_caller_is_ready_or_failed_when_the_call_returns_and_delivered_once(
+        catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache], finite: bool) -> None:
+    """``settle_s`` (a device push's rank waits for its load anyway): the call makes the load READY itself once its
+    gather completed (here at once: the CPU's copies run as issued), reported once, as the watcher would have; a NaN
+    fails it the same way; the slot's bytes are the file's."""
+    ready: list[ReadinessRecord] = []
+    cache, loaded = make_cache(catalog, on_ready=ready.append), make_cache(catalog)
+    deltas: list[Delta] = []
+    cache.on_change = deltas.append
+    name = catalog.names()[0]
+    spec = catalog.get(name)
+    image, head = image_of(spec)
+    load = cache.load_image(name, spec.version, image if finite else with_nan(image, head), head, settle_s=5.0)
+    assert load.done(), "a settled load returned before it was READY or failed"
+    if finite:
+        loaded.prefetch(name).result(timeout=30)
+        assert slot_bytes(cache, name, spec.version) == slot_bytes(loaded, name, spec.version)
+        assert [r.version for r in ready] == [spec.version] and cache.counters.loads == 1
+        assert [d.state for d in deltas if d.state == "ready"] == ["ready"]
+    else:
+        assert isinstance(load.exception(), NonFiniteWeightsError) and ready == []
+        assert slots_in(cache, SlotPhase.LOADING) == 0 and cache.residency() == []
+    assert not cache.load_path.watcher._pending  # nothing left for the watcher to deliver again
+
+
+def test_a_load_not_done_within_its_settle_time_is_left_to_the_watcher_and_delivered_once(
+        catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]) -> None:
+    """The gather has not run within ``settle_s`` (a deferred copy stream: a trainer's stream still busy): the call
+    returns with the load in flight, and the watcher makes it READY once the copy runs, once."""
+    ready: list[ReadinessRecord] = []
+    cache = make_cache(catalog, on_ready=ready.append)
+    streams = CpuStreams(cache.device, deferred=True)
+    use_streams(cache, streams)
+    name = catalog.names()[1]
+    spec = catalog.get(name)
+    image, head = image_of(spec)
+    load = cache.load_image(name, spec.version, image, head, settle_s=0.01)
+    assert not load.done()
+    streams.run_copies()
+    assert load.result(timeout=30).version == spec.version
+    assert [r.version for r in ready] == [spec.version]
+
+
+def test_the_caller_and_the_watcher_racing_for_one_completed_load_deliver_it_once(
+        catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]) -> None:
+    """``CompletionWatcher.settle`` against the watcher's own poll of the same completed load, the two released at
+    one barrier, many times: exactly one of them delivers it (its callback runs once)."""
+    from workers.gpu.copies import CompletionWatcher
+    from workers.gpu.streams import HostEvent
+
+    streams = CpuStreams(torch.device("cpu"))
+    for _ in range(200):
+        calls: list[object] = []
+        watcher = CompletionWatcher(streams, calls.append, poll_s=1e-6, max_poll_s=1e-6)
+        start = threading.Barrier(2)
+        load = types.SimpleNamespace(ready_event=HostEvent(done=False), copy_due=0.0, key="k", mark=lambda _: None)
+        watcher.add(load)  # type: ignore[arg-type]
+        settled: list[bool] = []
+        caller = threading.Thread(target=_settle_at, args=(start, watcher, load, settled))
+        caller.start()
+        start.wait()
+        load.ready_event.done = True
+        caller.join(timeout=30)
+        watcher.close()
+        assert calls == [load] and settled == [True], f"delivered {len(calls)} times"
+
+
+def _settle_at(start: threading.Barrier, watcher: Any, load: Any, settled: list[bool]) -> None:
+    start.wait()
+    settled.append(watcher.settle(load, 1.0))

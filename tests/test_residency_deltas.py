@@ -368,3 +368,48 @@ def test_prefetch_raises_only_when_no_load_started(reported) -> None:
     with pytest.raises(LoraCacheError, match="not registered"):
         cache.prefetch("ghost")
     assert deltas.take() == []
+
+
+def test_a_loads_deltas_within_the_linger_go_as_one_batch_and_a_bad_linger_is_refused_by_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Outbox.linger_s`` (``LINGER_S``): a load's "loading" and READY pushed within it go in one batch, in order, so
+    one Ray call follows a device push's answer instead of one during its launches; 0 sends each at once. A bad
+    ``LORA_CACHE_OUTBOX_LINGER_S`` is refused naming it and the fix (``preflight.check_environment`` too)."""
+    from lora_cache.app.preflight import check_environment
+    from lora_cache.errors import ConfigError
+    from workers.control.outbox import LINGER_ENV, LINGER_S, Outbox, linger_env
+
+    for linger, batches in ((1.0, 1), (0.0, 2)):
+        sent: list[list] = []
+        first, both, go = threading.Event(), threading.Event(), threading.Event()
+
+        def send(name: str, incarnation: int, batch: list, sent: list[list] = sent, first: threading.Event = first,
+                 both: threading.Event = both, go: threading.Event = go) -> None:
+            sent.append(batch)
+            first.set()
+            if sum(len(b) for b in sent) >= 2:
+                both.set()
+            go.wait(10)  # the first batch's send held until the second delta was pushed: no race on the count
+
+        outbox = Outbox("w", 0.0, send=send, linger_s=linger)
+        try:
+            outbox.push(Delta(A, "v1", "loading"))
+            if linger == 0.0:
+                assert first.wait(10), "an outbox with no linger did not send its first delta"
+            else:  # pushed well within the linger (1 s)
+                assert not first.is_set(), "the first delta went before its linger was over"
+            outbox.push(Delta(A, "v1", "ready"))
+            go.set()
+            assert both.wait(10), "the outbox did not send both deltas"
+        finally:
+            outbox.close()
+        assert [[row[3] for row in b] for b in sent] == ([["loading", "ready"]] if batches == 1
+                                                          else [["loading"], ["ready"]]), (linger, sent)
+    monkeypatch.delenv(LINGER_ENV, raising=False)
+    assert linger_env() == LINGER_S
+    monkeypatch.setenv(LINGER_ENV, "0")
+    assert linger_env() == 0.0
+    for bad in ("soon", "-1", "5"):
+        monkeypatch.setenv(LINGER_ENV, bad)
+        with pytest.raises(ConfigError, match=f"{LINGER_ENV}=.*0 to 1"):
+            check_environment()

@@ -19,6 +19,7 @@ from lora_cache.vocab import ReadinessRecord
 from workers.control.doorbell import Doorbell
 
 REGISTRATION_S = 30.0  # how long a doorbell's push waits for its version's registration to reach the rank
+SETTLE_S = 0.005  # how long a push's call polls its gather itself before leaving it to the completion watcher
 
 if TYPE_CHECKING:
     from lora_cache.adapters.catalog import AdapterCatalog
@@ -54,7 +55,7 @@ class ImagePushCalls:
         t1 = time.perf_counter()
         # the rank's own load at the trainer's word, not the controller's command: its deltas say so
         # (``Delta.acquired``), and the controller believes its READY as it believes an engine's acquire's
-        future = self.cache.load_image(name, version, image, head or opened, after)
+        future = self.cache.load_image(name, version, image, head or opened, after, settle_s=SETTLE_S)
         t2, issued = time.perf_counter(), _thread_use()
         record = future.result(timeout_s)
         t3, answered = time.perf_counter(), _thread_use()

@@ -36,6 +36,7 @@ from workers.gpu.slots import SlotPhase
 from workers.gpu.streams import make_streams, resolve_device
 from workers.kernels.meta import OFFSET_ALIGN, SlotMeta, shard_dims
 from workers.reads.device import ImageReads, ImageShard
+from workers.reads.fill_graph import FillGraphs
 from workers.reads.threads import ranks_on_host
 from workers.staging.disk_tier import DiskTier, DiskTierConfig
 from workers.staging.host_config import HostTierConfig
@@ -220,6 +221,7 @@ class WorkerCache:
         self.book.on_freed = catalog.trim
         self.unfence = self.book.unfence  # lifts ``ready_keys``' fence (the engine's ``EngineCache.unfence``)
         self.image_reads = ImageReads()  # pushed images' read plans, one per header and layout (``load_image``)
+        self.fill_graphs = FillGraphs()  # their fills captured as CUDA graphs, one per buffer and plan (a GPU's)
 
     @property
     def on_change(self) -> Callable[[Delta], None] | None:
@@ -249,7 +251,7 @@ class WorkerCache:
                                     slot_wait_s, commanded)
 
     def load_image(self, name: str, version: str, image: torch.Tensor, head: bytes, after: Any = None, *,
-                   commanded: bool = False) -> Future[ReadinessRecord]:
+                   commanded: bool = False, settle_s: float = 0.0) -> Future[ReadinessRecord]:
         """Load this rank's shard of ``name@version`` from a pushed image in device memory (issue 44 item 5): the
         version's safetensors image, whole (``head``: its first 8 + header-length bytes, as the trainer sent them;
         ``after``: the trainer's event after its last write), on this rank's device. A slot as any load's, then one
@@ -259,7 +261,8 @@ class WorkerCache:
         The image is taken to be the version's bytes: the trainer names the version the controller registered for its
         push (``lora_cache.controller.device_pushes``). Its header must be the one the version was registered with
         (its CRC) and its size that version's (a device push's declaration, ``DeviceSource``; else the version's
-        file), or it is refused before anything is reserved."""
+        file), or it is refused before anything is reserved. ``settle_s``: for a caller that waits for the load, how
+        long this call may wait for the gather it issued and make the load READY itself (``LoadPath.start_image``)."""
         marks = [("spec", time.perf_counter())]  # its phases before the load exists (``SlotLoad.marks``, the probes)
         spec = self.catalog.get(name, version)
         layout = self.shards.layout(spec)
@@ -268,7 +271,8 @@ class WorkerCache:
         plan = self.shards.plan(spec)
         marks.append(("planned", time.perf_counter()))
         return self.load_path.start_image(AdapterKey(name, spec.version), layout, plan,
-                                          ImageShard(read, image, after, marks), commanded)
+                                          ImageShard(read, image, after, marks, self.fill_graphs), commanded,
+                                          settle_s)
 
     def stage(self, name: str, version: str | None = None) -> Future[HostEntry] | None:
         """Read this rank's shard of ``name`` into the host tier, with no slot (idempotent): what the planner

@@ -49,6 +49,7 @@ from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE
 from lora_cache.adapters.pushed import PushArea
 from lora_cache.adapters.serialize import image_and_head
 from lora_cache.adapters.synth import SynthConfig, make_adapters
+from workers.actor_images import SETTLE_S
 from workers.cache import WorkerCache, WorkerConfig
 from workers.kernels.gather import gather
 from workers.reads.finite import sums_finite, total_finite
@@ -216,7 +217,7 @@ def main() -> None:
         known = device_known("a", str(step), config, head, image.numel())
         catalog.add(catalog.read("a", str(area.path("a", str(step))), known))
         t0, before = time.perf_counter(), thread_use()
-        future = cache.load_image("a", known.version, image, head)
+        future = cache.load_image("a", known.version, image, head, settle_s=SETTLE_S)  # as a push's rank calls it
         t1, issued = time.perf_counter(), thread_use()
         record = future.result(60)
         t2, answered = time.perf_counter(), thread_use()
@@ -235,7 +236,7 @@ def main() -> None:
                                                                                           time.gmtime()),
                                "host": {"node": platform.node(), "kernel": Path("/proc/version").read_text().strip(),
                                         "cpus": os.cpu_count(), "switch_interval_s": sys.getswitchinterval()},
-                               "loads": {}}
+                               "loads": {}, "captures": 0}
         profile = cProfile.Profile() if args.profile else None
         for k, gap in enumerate(float(g) for g in args.gaps.split(",") if g):
             rows = []
@@ -261,6 +262,7 @@ def main() -> None:
             text = io.StringIO()
             pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
             out["profile"] = text.getvalue().splitlines()
+        out["captures"] = cache.fill_graphs.captures  # fill graphs made (one: every load after the first replays it)
         spec = catalog.get("a")
         layout = cache.layout_of("a")
         read = cache.image_reads.read(spec, layout, head, image)

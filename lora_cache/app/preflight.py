@@ -22,6 +22,7 @@ from lora_cache.adapters.shards import max_shard_numel
 from lora_cache.api.gateway import GatewayConfig
 from lora_cache.errors import ConfigError
 from workers.cache import WorkerConfig
+from workers.control.outbox import linger_env
 
 
 class UsageError(ConfigError):
@@ -41,10 +42,12 @@ def check_directory(option: str, value: str, what: str) -> None:
 
 def check_environment() -> None:
     """The settings ``serve``'s processes read from the environment: ``LORA_CACHE_PUSH_THREADS`` and
-    ``LORA_CACHE_PUSH_NICE`` (the pool a push's passes use in the controller, which inherits them), refused here
-    rather than at the first push."""
+    ``LORA_CACHE_PUSH_NICE`` (the pool a push's passes use in the controller, which inherits them), and
+    ``LORA_CACHE_OUTBOX_LINGER_S`` (a worker's residency reports, ``workers.control.outbox``), refused here rather than
+    at the first push or a worker's start."""
     pass_threads()
     pass_nice()
+    linger_env()
 
 
 def check_adapters(adapters: str, catalog: CatalogConfig) -> None:

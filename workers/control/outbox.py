@@ -10,15 +10,25 @@ transport otherwise, ``workers/attach/transport.py``).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from lora_cache.errors import ConfigError
 from lora_cache.vocab import Delta, DeltaRow, delta_row
 
 log = logging.getLogger(__name__)
 
+LINGER_ENV = "LORA_CACHE_OUTBOX_LINGER_S"
+# How long a first delta waits before its batch goes (2 ms; the environment variable may set another, 0 for none).
+# A load's deltas come in pairs ("loading", then READY ~1-3 ms later for a device push): sent at once, each is a Ray
+# call whose host work takes the GIL from the thread still loading or answering. Measured on one H100 (a device push's
+# rank, bench/reports/issue-44.md, "the rank's own part"): 1 voluntary context switch in its launches with the linger,
+# 5-8 without, and 0.15-0.25 ms more from its slot to its fill. After the linger both go as one batch, behind the
+# push's answer.
+LINGER_S = 0.002
 
 
 class Outbox:
@@ -32,8 +42,9 @@ class Outbox:
 
     def __init__(self, name: str, flush_s: float, max_pending: int = 100_000,
                  send: Callable[[str, int, list[DeltaRow]], None] | None = None,
-                 incarnation: int | None = None) -> None:
+                 incarnation: int | None = None, linger_s: float | None = None) -> None:
         self.name, self.flush_s, self.max_pending = name, flush_s, max_pending
+        self.linger_s = linger_env() if linger_s is None else linger_s
         self.incarnation = time.time_ns() if incarnation is None else incarnation
         self._deliver = ControllerReport() if send is None else send  # raises when a batch did not go out
         self._cond = threading.Condition()  # protects _pending, seq and _closed
@@ -56,6 +67,11 @@ class Outbox:
                 self._cond.wait_for(lambda: self._pending or self._closed)
                 if self._closed:
                     return
+            if self.linger_s > 0:  # the deltas that follow join this batch (``LINGER_S``), woken by none of them
+                time.sleep(self.linger_s)
+            with self._cond:
+                if self._closed:
+                    return
                 batch, self._pending = self._pending, []
             sent = self._send(batch)
             with self._cond:
@@ -76,6 +92,21 @@ class Outbox:
         with self._cond:
             self._closed = True
             self._cond.notify()
+
+
+def linger_env() -> float:
+    """``LINGER_S``, or the seconds ``LORA_CACHE_OUTBOX_LINGER_S`` gives (refused, naming it, if not 0 to 1)."""
+    text = os.environ.get(LINGER_ENV, "")
+    if not text:
+        return LINGER_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise ConfigError(f"{LINGER_ENV}={text!r}: give the seconds a worker's first residency delta waits for the "
+                          f"ones after it, 0 to 1 (default {LINGER_S}; 0: none)")
+    return value
 
 
 class ControllerReport:

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any
 
 import torch
@@ -130,11 +130,13 @@ class LoadPath:
         return load.future
 
     def start_image(self, key: AdapterKey, layout: ShardLayout, plan: ChunkPlan, shard: Any,
-                    commanded: bool = False) -> Future[ReadinessRecord]:
+                    commanded: bool = False, settle_s: float = 0.0) -> Future[ReadinessRecord]:
         """Load ``key`` from a pushed image on the device (``shard``: ``workers.reads.device.ImageShard``) unless it
         has a slot or a load already (idempotent, as ``start``): no host tier, no read; a slot as any load's, then
         one gather into it on the copy stream after the slot's last use and the trainer's event, and READY once
-        its event completed and its finite flag is read (``_finish``)."""
+        its event completed and its finite flag is read (``_finish``). ``settle_s``: where this call issued the
+        gather, it waits up to that long for it and makes the load READY on this thread
+        (``CompletionWatcher.settle``)."""
         book = self.book
         with book.lock:
             if (already := _in_flight(book, key)) is not None:
@@ -148,6 +150,8 @@ class LoadPath:
         load.staged_chunks = len(plan.chunks)  # every byte is on the device already
         if load.claim():
             self._place(load, None)
+            if settle_s > 0 and load.issued.is_set() and load.error is None and self.watcher.settle(load, settle_s):
+                wait([load.future], timeout=1.0)  # delivered here, or by the watcher, which took it first
         return load.future
 
     def stage(self, spec: AdapterSpec, key: AdapterKey, layout: ShardLayout,

@@ -120,7 +120,7 @@ def read_image(read: DeviceRead, image: torch.Tensor, dest: torch.Tensor, after:
     with torch.cuda.stream(stream) if cuda and stream is not None else contextlib.nullcontext():
         if cuda and after is not None:
             torch.cuda.current_stream(image.device).wait_event(after)
-        flag = _issue(read, image, dest)
+        flag = issue_read(read, image, dest)
         if not cuda or not record:
             return None, flag
         done = torch.cuda.Event()
@@ -128,8 +128,9 @@ def read_image(read: DeviceRead, image: torch.Tensor, dest: torch.Tensor, after:
         return done, flag
 
 
-def _issue(read: DeviceRead, image: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
-    """The gather, the conversions and the finite flag, on the current stream (``read_image``, checked)."""
+def issue_read(read: DeviceRead, image: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """The gather, the conversions and the finite flag, on the current stream (``read_image``, checked; or captured
+    once into a graph, ``workers.reads.fill_graph``)."""
     body = dest[:read.layout.numel]
     gather(body.view(torch.uint8), image, read.gather)
     for e in read.converts:
@@ -199,9 +200,11 @@ class ImageShard:
     the flag says so, reading only host memory (no sync)."""
 
     def __init__(self, read: DeviceRead, image: torch.Tensor, after: Any = None,
-                 marks: list[tuple[str, float]] | None = None) -> None:
+                 marks: list[tuple[str, float]] | None = None, graphs: Any = None) -> None:
         self.read, self.image, self.after = read, image, after
-        self.flag = torch.ones((), dtype=torch.bool, pin_memory=image.is_cuda)
+        self.graphs = graphs  # the rank's ``FillGraphs``: a graph fills the slot where one pays (None: launches)
+        self.flag = (graphs.flag(image.is_cuda) if graphs is not None
+                     else torch.ones((), dtype=torch.bool, pin_memory=image.is_cuda))
         self.dest: torch.Tensor | None = None
         # the load's phases (``SlotLoad.marks``), if it keeps them: its load takes these first ones over
         self.marks: list[tuple[str, float]] | None = marks
@@ -212,14 +215,26 @@ class ImageShard:
         if self.marks is not None:
             self.marks.append(("fill", time.perf_counter()))
         self.dest = dest
-        flag = read_image(self.read, self.image, dest, after=self.after, record=False)[1]
-        if self.marks is not None:
-            self.marks.append(("filled", time.perf_counter()))
-        self.flag.copy_(flag, non_blocking=True)  # in stream order: complete when the copy's event is
+        graph = self.graphs.get(self.read, self.image) if self.graphs is not None else None
+        if graph is not None:  # one graph launch into its landing buffer, copied into the slot, its flag into ours
+            if self.after is not None:
+                torch.cuda.current_stream(self.image.device).wait_event(self.after)
+            graph.fill(dest, self.read.layout.numel, self.flag)
+            if self.marks is not None:
+                self.marks.append(("filled", time.perf_counter()))
+        else:
+            flag = read_image(self.read, self.image, dest, after=self.after, record=False)[1]
+            if self.marks is not None:
+                self.marks.append(("filled", time.perf_counter()))
+            self.flag.copy_(flag, non_blocking=True)  # in stream order: complete when the copy's event is
         if self.marks is not None:
             self.marks.append(("flagged", time.perf_counter()))
 
     def check(self) -> None:
         if self.dest is None:
             raise RuntimeError(f"{self.read.layout.adapter}@{self.read.layout.version}: checked before its fill ran")
-        finite_or_raise(self.read, self.dest, self.flag)
+        try:
+            finite_or_raise(self.read, self.dest, self.flag)
+        finally:
+            if self.graphs is not None:  # read, and its copy long complete: another load may take it
+                self.graphs.give(self.flag)
