@@ -197,6 +197,7 @@ def main() -> None:
         phases: dict[str, list[float]] = {}  # each phase of a rank's load (``SlotLoad.marks``), from its call
         use: dict[str, list[float]] = {}  # the rank's calling thread: CPU time and context switches (``image_log``)
         rung = sorted(r["bells"] for r in rows[1:] if r["bells"] and r["bells"][0])
+        per_push: dict[tuple[float, float], list[tuple[float, float]]] = {}  # each push's ranks, from its ring
         for log in logs:
             for called, marks, end, used in log[len(pushers):]:
                 for phase, at in marks:
@@ -207,6 +208,7 @@ def main() -> None:
                 if bell is not None and end <= bell[1]:  # this push's: from its ring to the rank, and the answer back
                     use.setdefault("bell_to_rank_ms", []).append((called - bell[0]) * 1e3)
                     use.setdefault("rank_to_trainer_ms", []).append((bell[1] - end) * 1e3)
+                    per_push.setdefault(bell, []).append(((called - bell[0]) * 1e3, (end - bell[0]) * 1e3))
         together = ray.get([w.copy_probe.remote(n) for w, n in zip(workers, shard)])
         measured = rows[1:]  # step 0 is the first version (a cold start): not a push of a new version
         copy_ms = max(together)
@@ -233,6 +235,9 @@ def main() -> None:
         summary["median_rank_load_ms"] = _median(rank_ms)
         summary["median_rank_phase_ms"] = {phase: _median(at) for phase, at in phases.items()}
         summary["median_rank_use"] = {what: _median(v) for what, v in use.items()}
+        # each doorbell push: every rank's (call, answer) from the ring, and every answer read, in ms
+        summary["bells_ms"] = [{"ranks": sorted(ranks), "answers_read": (a - r) * 1e3}
+                               for (r, a), ranks in sorted(per_push.items())]
         summary["ready_over_copy"] = summary["median_ready_ms"] / copy_ms
         for key in ("device", "device_now"):
             if summary[f"median_ready_in_push_ms_{key}"] is not None:

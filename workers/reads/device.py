@@ -156,6 +156,27 @@ class ImageReads:
         self.keep = keep
         self._plans: dict[tuple[bytes, int], DeviceRead] = {}
         self._lock = threading.Lock()
+        # the last head seen, by identity (a trainer's buffer's head is one bytes object, ``TrainerImages``): its CRC
+        # per length, and its header as the plans' key, so a push does not hash or copy its ~60 KB again
+        self._head: tuple[bytes, dict[int, int], bytes] | None = None
+
+    def _crc(self, head: bytes, nbytes: int) -> int:
+        last = self._head
+        if last is not None and last[0] is head and nbytes in last[1]:
+            return last[1][nbytes]
+        crc = zlib.crc32(head[:nbytes])
+        if last is not None and last[0] is head:
+            last[1][nbytes] = crc
+        return crc
+
+    def _key(self, head: bytes) -> bytes:
+        last = self._head
+        if last is not None and last[0] is head:
+            return last[2]
+        n = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
+        key = bytes(head[:8 + n])
+        self._head = (head, {}, key)
+        return key
 
     def read(self, spec: AdapterSpec, layout: ShardLayout, head: bytes, image: torch.Tensor) -> DeviceRead:
         """The read of ``layout`` from ``image`` (``head``: its first bytes, the header). Where ``spec`` has a file,
@@ -172,14 +193,14 @@ class ImageReads:
             dev = spec.device
             declared.append(("the image this device version was pushed as", dev.size, dev.header_bytes,
                              dev.header_crc))
+        header = self._key(head)
         for what, size, header_bytes, header_crc in declared:
-            crc = zlib.crc32(head[:header_bytes])
+            crc = self._crc(head, header_bytes)
             if image.numel() != size or len(head) < header_bytes or crc != header_crc:
                 raise AdapterFormatError(f"{where}: the pushed image ({image.numel()} bytes, header CRC {crc:08x}) is "
                                          f"not {what} ({size} bytes, header CRC {header_crc:08x}); push the image of "
                                          "the version named")
-        n = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
-        key = (bytes(head[:8 + n]), image.numel())
+        key = (header, image.numel())
         with self._lock:
             read = self._plans.get(key)
         if read is None or read.layout.entries != layout.entries:
