@@ -180,6 +180,47 @@ def test_loading_means_the_current_version_ready_or_its_copy_issued_on_every_ran
     assert view([{new}, {new}], [set(), set()]).readiness() == view([{new}, {new}], [{new}, {new}]).readiness()
 
 
+def test_a_device_version_loadable_from_its_image_only_is_served_to_no_request_until_its_image_load_is_issued(
+        tmp_path: Path) -> None:
+    """A device push's version, current on every rank but its node copy not landed (``image_only``), cannot be loaded
+    on demand: a request admitted on it failed at its step (measured on one H100 at a trainer's first push,
+    bench/reports/issue-44.md). Until its image load is issued or READY on every rank the replica serves the older
+    version where that is READY everywhere, else nothing (its requests wait, as for a registration on its way); then
+    it; once landed, the current version is served on demand again."""
+    make_versions(tmp_path)
+    catalog = AdapterCatalog(CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny", max_rank=16,
+                                           push_dir=str(tmp_path / "pushed")))
+    area = PushArea(tmp_path / "pushed", "svc", 1 << 30)
+    old = AdapterKey("a", catalog.register("a", tmp_path / "a-v0").version)
+    catalog.register("b", tmp_path / "b-v0")
+    raw = (tmp_path / "a-v1" / WEIGHTS_FILE).read_bytes()
+    known = device_known("a", "1", (tmp_path / "a-v1" / CONFIG_FILE).read_bytes(),
+                         raw[:8 + int.from_bytes(raw[:8], "little")], len(raw))
+    catalog.add(catalog.read("a", str(area.path("a", "1")), known))
+    new = AdapterKey("a", known.version)
+    assert catalog.current("a") == new.version and catalog.get("a").device_only
+    ranks = [RankVersions(catalog, ("a", "b")) for _ in range(TP)]
+
+    def view(ready: list[set[AdapterKey]], issued: list[set[AdapterKey]] | None = None) -> ReducedVersions:
+        rows = [r.rows(ready[k], (), (), (issued or [set()] * TP)[k]) for k, r in enumerate(ranks)]
+        return ReducedVersions(reduce_min(rows), ("a", "b"), ranks[0].codes)
+
+    older_ready = view([{old}, {old}])
+    assert older_ready.versions()["a"].serve == old.version and older_ready.readiness() == {"a": Readiness.READY}
+    nothing = view([set(), set()])  # no version READY everywhere: before, the image-only one was served on demand
+    assert nothing.versions()["a"].serve is None and nothing.readiness() == {}
+    assert view([set(), {new}]).versions()["a"].serve is None  # READY on one rank only
+    loading = view([set(), {new}], [{new}, set()])  # READY on one, its image load issued on the other
+    assert loading.versions()["a"] == AdapterVersions(new.version, new.version)
+    assert loading.readiness() == {"a": Readiness.LOADING}
+    assert view([{new}, {new}]).versions()["a"].serve == new.version
+    written, _ = area.write("a", "1", (tmp_path / "a-v1" / CONFIG_FILE).read_bytes(), np.frombuffer(raw, np.uint8))
+    assert catalog.promote(catalog.read("a", str(written), landed_known(
+        digest((tmp_path / "a-v1" / CONFIG_FILE).read_bytes(), np.frombuffer(raw, np.uint8)), written, known)))
+    assert not catalog.get("a").device_only
+    assert view([set(), set()]).versions()["a"] == AdapterVersions(new.version, new.version)  # on demand again
+
+
 def test_a_name_added_at_run_time_waits_for_every_rank_then_serves_its_one_version(tmp_path: Path) -> None:
     """The exchange grows (``RankVersions.append``, every rank at one round): a name not registered yet on a rank
     is PENDING there, so the replica waits for it (NOT_READY, no version), never FAILED; once every rank has it,

@@ -20,6 +20,7 @@ import hashlib
 import os
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lora_cache.adapters.device_source import DeviceSource
 from lora_cache.adapters.files import WeightsSource
@@ -28,6 +29,9 @@ from lora_cache.adapters.peft import AdapterSpec, KnownVersion
 from lora_cache.adapters.pushed import PushDigest, head_spec
 from lora_cache.adapters.shapes import ModelShape
 from lora_cache.errors import AdapterChangedError, AdapterFormatError, ConflictError
+
+if TYPE_CHECKING:
+    from lora_cache.adapters.catalog import AdapterCatalog
 
 
 def device_known(name: str, tag: str, config_bytes: bytes, head: bytes, size: int,
@@ -123,3 +127,15 @@ def host_readable(spec: AdapterSpec) -> AdapterSpec:
                             "copy has not landed: it loads only from the trainer's buffer, on the replicas the trainer "
                             "pushed to; wait for its node copy (the push's land) or ask for the version before it")
     return spec
+
+
+def image_only(catalog: AdapterCatalog, name: str, version: str) -> bool:
+    """Whether ``catalog`` holds ``name@version`` as a device push's version whose node copy has not landed: loadable
+    from its trainer's image only (``host_readable`` refuses it), so no rank can load it on demand. Nothing is built
+    (a lazily registered version never is one); False for a version not kept. The catalog's friend, as ``Ahead``."""
+    with catalog._lock:
+        entry: object = catalog._specs.get(name)
+        if entry is None or getattr(entry, "version", None) != version:
+            older, ahead = catalog._older.get(name), catalog._ahead.get(name)
+            entry = (older.get(version) if older else None) or (ahead.get(version) if ahead else None)
+    return isinstance(entry, AdapterSpec) and entry.device_only

@@ -15,6 +15,12 @@ one all-reduce of the readiness exchange) tells rank 0 whether the ranks agree:
                 is that code only if every rank has it so (one column: each rank's value is its CUR or 0);
                 rules that read LOADING (``pipelined``) admit a request then, and serve it that version
 
+A current version loadable from a trainer's image only (a device push's whose node copy has not landed:
+``device_versions.image_only``) that is neither READY nor issued here is reported ``PENDING``, as a registration on its
+way: a request may not be served it until its image load is issued (an acquire could not load it on demand; measured on
+one H100, two requests of a worked example failed so at a trainer's first push, bench/reports/issue-44.md), and gets
+the older version if that is READY on every rank.
+
 Rank 0 then admits each request with one ``adapter@version`` (``serve``), which every rank acquires
 exactly. A version is served to new requests only when it is READY on every rank; until the re-registered
 (current) version is, new requests get the old one if that is READY everywhere, and the new one is
@@ -43,6 +49,7 @@ import numpy as np
 import torch
 
 from lora_cache.adapters.catalog import AdapterCatalog
+from lora_cache.adapters.device_versions import image_only
 from lora_cache.adapters.refs import versions_named
 from lora_cache.errors import NotFoundError
 from lora_cache.vocab import AdapterKey
@@ -88,6 +95,7 @@ class RankVersions:
         # rank 0's round (``NamedRows.dropped``) reads these few, not every name of the exchange
         self._seen = np.zeros(0, dtype=bool)  # per name: registered here at some point (else PENDING)
         self._cur = np.zeros(0, dtype=np.int64)
+        self._image = np.zeros(0, dtype=bool)  # per name: its current (or named) version loadable from an image only
         self._code_of: dict[str, int] = {}  # version -> code (cached: hashing per round costs)
         self.codes: dict[int, str] = {}  # code -> version, of the versions this rank knows
         self.append(names)
@@ -105,6 +113,7 @@ class RankVersions:
         self.named = [*self.named, *(n for n in names if "@" in n)]
         self._seen = np.concatenate([self._seen, np.zeros(len(names), dtype=bool)])
         self._cur = np.concatenate([self._cur, np.zeros(len(names), dtype=np.int64)])
+        self._image = np.concatenate([self._image, np.zeros(len(names), dtype=bool)])
         self._generation = -1  # the catalog generation ``_cur`` was computed at (-1: recompute)
 
     def drop(self, names: Sequence[str]) -> None:
@@ -120,7 +129,7 @@ class RankVersions:
         self.names = [n for n in self.names if n not in gone]
         self.index = {n: i for i, n in enumerate(self.names)}
         self.named = [n for n in self.named if n not in gone]
-        self._seen, self._cur = self._seen[keep], self._cur[keep]
+        self._seen, self._cur, self._image = self._seen[keep], self._cur[keep], self._image[keep]
         self._generation = -1
 
     def named_versions(self, name: str) -> set[str]:
@@ -152,6 +161,7 @@ class RankVersions:
                 if i is not None and self._code(key.version) == cur[i]:
                     iss[i] = cur[i]
         iss = np.where((rdy == cur) & (cur > 0), cur, iss)  # READY counts as issued (some rank may lag)
+        cur = np.where(self._image & (iss == 0), PENDING, cur)  # loadable from its image only: not servable yet
         out[:, CUR], out[:, CUR_NEG], out[:, RDY], out[:, RDY_NEG] = cur, -cur, rdy, -rdy
         out[:, ISS] = iss
         out[[self.index[n] for n in failed_loads if n in self.index], FAILED] = -1
@@ -179,6 +189,7 @@ class RankVersions:
                 versions = []
             if pinned and pinned not in versions:  # not (or no longer) kept here, or its registration on its way
                 versions = []
+            self._image[i] = False
             if not versions:
                 self._cur[i] = 0 if self._seen[i] else PENDING
                 continue
@@ -186,6 +197,7 @@ class RankVersions:
             for version in versions:
                 self._code(version)
             self._cur[i] = self._code(pinned or versions[-1])
+            self._image[i] = image_only(self.catalog, base, pinned or versions[-1])
         self._generation = generation
 
 
