@@ -332,3 +332,22 @@ def test_the_caller_and_the_watcher_racing_for_one_completed_load_deliver_it_onc
 def _settle_at(start: threading.Barrier, watcher: Any, load: Any, settled: list[bool]) -> None:
     start.wait()
     settled.append(watcher.settle(load, 1.0))
+
+
+def test_a_cpu_rank_makes_no_fill_graph_and_its_loads_flags_are_its_own(
+        catalog: AdapterCatalog, make_cache: Callable[..., WorkerCache]) -> None:
+    """``FillGraphs`` (``workers.reads.fill_graph``) on the CPU: no graph (the launches it saves are a GPU's), so the
+    CPU rank fills as before; each load gets its own flag, and an unpinned one is not kept for reuse. (The graph path
+    itself, and the reuse of pinned flags, are the ``gpu`` tests' in ``tests/test_device_pushes.py``.)"""
+    cache = make_cache(catalog)
+    name = catalog.names()[0]
+    spec = catalog.get(name)
+    image, head = image_of(spec)
+    read = cache.image_reads.read(spec, cache.layout_of(name), head, image)
+    assert cache.fill_graphs.get(read, image) is None
+    first, second = cache.fill_graphs.flag(False), cache.fill_graphs.flag(False)
+    assert first is not second and not first.is_pinned()
+    cache.fill_graphs.give(first)
+    assert cache.fill_graphs.flag(False) is not first
+    cache.load_image(name, spec.version, image, head).result(timeout=30)
+    assert cache.fill_graphs.captures == 0

@@ -107,15 +107,7 @@ def read_image(read: DeviceRead, image: torch.Tensor, dest: torch.Tensor, after:
     trainer's event) and returns (an event recorded after the last copy, a device bool: every element finite);
     read the flag only once the event has completed. On the CPU it runs at once and returns (None, the flag).
     ``record`` False: no event (None), for a caller whose own event follows (a slot's copy: ``ImageShard``)."""
-    layout = read.layout
-    if image.dtype != torch.uint8 or image.dim() != 1 or image.numel() != read.image_bytes:
-        raise AdapterFormatError(f"adapter {layout.adapter}@{layout.version}: the image is {image.dtype} of shape "
-                                 f"{tuple(image.shape)}, not the {read.image_bytes} bytes (uint8, 1-D) its plan was "
-                                 "made for; open the pushed buffer as sent")
-    if dest.dtype != layout.dtype or dest.dim() != 1 or dest.numel() < layout.numel or dest.device != image.device:
-        raise AdapterFormatError(f"adapter {layout.adapter}@{layout.version}: the destination is {dest.dtype} "
-                                 f"{tuple(dest.shape)} on {dest.device}; give a 1-D {layout.dtype} buffer of at least "
-                                 f"{layout.numel} elements on {image.device}")
+    check_buffers(read, image, dest)
     cuda = image.device.type == "cuda"
     with torch.cuda.stream(stream) if cuda and stream is not None else contextlib.nullcontext():
         if cuda and after is not None:
@@ -126,6 +118,20 @@ def read_image(read: DeviceRead, image: torch.Tensor, dest: torch.Tensor, after:
         done = torch.cuda.Event()
         done.record()
         return done, flag
+
+
+def check_buffers(read: DeviceRead, image: torch.Tensor, dest: torch.Tensor) -> None:
+    """Refused, naming both: an image that is not the 1-D uint8 buffer of the size ``read`` was planned for, or a
+    destination that is not a 1-D buffer of the layout's dtype, of at least its elements, on the image's device."""
+    layout = read.layout
+    if image.dtype != torch.uint8 or image.dim() != 1 or image.numel() != read.image_bytes:
+        raise AdapterFormatError(f"adapter {layout.adapter}@{layout.version}: the image is {image.dtype} of shape "
+                                 f"{tuple(image.shape)}, not the {read.image_bytes} bytes (uint8, 1-D) its plan was "
+                                 "made for; open the pushed buffer as sent")
+    if dest.dtype != layout.dtype or dest.dim() != 1 or dest.numel() < layout.numel or dest.device != image.device:
+        raise AdapterFormatError(f"adapter {layout.adapter}@{layout.version}: the destination is {dest.dtype} "
+                                 f"{tuple(dest.shape)} on {dest.device}; give a 1-D {layout.dtype} buffer of at least "
+                                 f"{layout.numel} elements on {image.device}")
 
 
 def issue_read(read: DeviceRead, image: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
@@ -238,6 +244,7 @@ class ImageShard:
         self.dest = dest
         graph = self.graphs.get(self.read, self.image) if self.graphs is not None else None
         if graph is not None:  # one graph launch into its landing buffer, copied into the slot, its flag into ours
+            check_buffers(self.read, self.image, dest)  # as ``read_image`` does
             if self.after is not None:
                 torch.cuda.current_stream(self.image.device).wait_event(self.after)
             graph.fill(dest, self.read.layout.numel, self.flag)

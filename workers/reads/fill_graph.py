@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from workers.reads.device import DeviceRead, issue_read
+from workers.reads.device import DeviceRead, check_buffers, issue_read
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,7 @@ class FillGraphs:
 def _capture(read: DeviceRead, image: torch.Tensor) -> FillGraph:
     device = image.device
     landing = torch.empty(read.layout.numel, dtype=read.layout.dtype, device=device)
+    check_buffers(read, image, landing)
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
