@@ -19,15 +19,16 @@ One push (``lora_cache/controller/device_pushes.py`` for the controller's side):
 1. the tensors are laid into the pusher's image buffer on their device (``serialize.image_and_head``: the
    safetensors file; a next push of the same names, shapes and dtypes is one multi-tensor copy into the same buffer's
    kept layout, ``serialize.ImageLayout``, so the ranks' handles stay valid) and the trainer's one interprocess event
-   is recorded behind the writes; the image's copy to pinned host memory starts on a side stream behind that event
-   (for the node copy, step 4);
+   is recorded behind the writes;
 2. the controller registers the version, device-only (one Ray call: its checks, its id; sent before the tensors
    are copied in where the layout is kept, since it reads only the header; answered once the ranks were sent the
    registration, which each rank's load waits for if the doorbell comes first);
 3. each rank of the replicas on this node takes its shard from the buffer (``WorkerCache.load_image``), asked by its
    doorbell (a UNIX socket: no Ray call; ``workers.control.doorbell``): the buffer and the event are opened on each
    rank once (CUDA IPC), at the first push or when the buffer is new; ``push`` returns when every rank is READY;
-4. once the host copy is complete, the controller is handed it (an ObjectRef) to land the version
+4. once every rank answered, the image's copy to pinned host memory starts on a side stream behind that event (not
+   before: its bytes on the device-to-host copy engine held up each rank's finite flag, ``_copy_out``); once it is
+   complete, the controller is handed it (an ObjectRef) to land the version
    (``DevicePushes.land``), in the background: ``DevicePushed.landing`` resolves to its ``Landed``. The buffer may
    be written again as soon as ``push`` returns (the host copy is complete by then). A push a rank refuses (a NaN
    in the image, a buffer it cannot open) is withdrawn at once (``withdraw_device``): the version before it is
