@@ -189,15 +189,17 @@ class RankVersions:
                 versions = []
             if pinned and pinned not in versions:  # not (or no longer) kept here, or its registration on its way
                 versions = []
-            self._image[i] = False
             if not versions:
                 self._cur[i] = 0 if self._seen[i] else PENDING
+                self._image[i] = False
                 continue
             self._seen[i] = True
             for version in versions:
                 self._code(version)
-            self._cur[i] = self._code(pinned or versions[-1])
-            self._image[i] = image_only(self.catalog, base, pinned or versions[-1])
+            code = self._code(pinned or versions[-1])
+            if code != self._cur[i] or self._image[i]:  # a new current version, or one that may have landed since
+                self._image[i] = image_only(self.catalog, base, pinned or versions[-1])
+            self._cur[i] = code
         self._generation = generation
 
 
