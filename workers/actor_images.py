@@ -48,7 +48,7 @@ class ImagePushCalls:
         readiness record once READY, or the load's error. ``registration_s``: how long to wait for the version's
         registration to reach this rank (a doorbell's push: ``WorkerControl.await_version``); 0 on a Ray call,
         whose thread is the one registrations arrive on."""
-        t0, before = time.perf_counter(), _thread_use()
+        t0, before = time.perf_counter(), thread_use()
         image, after, opened = self.images.get(buffer)
         if registration_s > 0:
             self.control.await_version(name, version, registration_s)  # its registration may be on its way still
@@ -56,17 +56,13 @@ class ImagePushCalls:
         # the rank's own load at the trainer's word, not the controller's command: its deltas say so
         # (``Delta.acquired``), and the controller believes its READY as it believes an engine's acquire's
         future = self.cache.load_image(name, version, image, head or opened, after, settle_s=SETTLE_S)
-        t2, issued = time.perf_counter(), _thread_use()
+        t2, issued = time.perf_counter(), thread_use()
         record = future.result(timeout_s)
-        t3, answered = time.perf_counter(), _thread_use()
+        t3, answered = time.perf_counter(), thread_use()
         with self.cache.book.lock:  # its phases (``SlotLoad.marks``), for the probes
             marks = list(self.cache.book.loads[record.slot].marks) if record.slot in self.cache.book.loads else []
-        # the calling thread's own CPU time and context switches, to the load's call returning and from it to READY:
-        # CPU time well short of the wall time is a thread that waited (the GIL, a lock, the scheduler)
-        use = {f"{part}_{what}": b - a for part, (x, y) in (("launch", (before, issued)), ("wait", (issued, answered)))
-               for what, a, b in zip(("cpu_s", "voluntary", "involuntary"), x, y, strict=True)}
         self.image_times.append((t0, [("registered", t1), *marks, ("started", t2), ("answered", t3)],
-                                 time.perf_counter(), use))
+                                 time.perf_counter(), use_split(before, issued, answered)))
         return record
 
     def image_log(self) -> list[tuple[float, list[tuple[str, float]], float, dict[str, float]]]:
@@ -95,7 +91,16 @@ class ImagePushCalls:
         return {"record": record._asdict()}
 
 
-def _thread_use() -> tuple[float, int, int]:
+def thread_use() -> tuple[float, int, int]:
     """This thread's CPU seconds and its voluntary and involuntary context switches so far."""
     use = resource.getrusage(resource.RUSAGE_THREAD)
     return time.thread_time(), use.ru_nvcsw, use.ru_nivcsw
+
+
+def use_split(before: tuple[float, int, int], issued: tuple[float, int, int],
+              answered: tuple[float, int, int]) -> dict[str, float]:
+    """The calling thread's CPU seconds and context switches to the load's call returning (``launch_*``) and from it
+    to READY (``wait_*``), from three ``thread_use`` readings: CPU time well short of the wall time is a thread that
+    waited (the GIL, a lock, the scheduler)."""
+    return {f"{part}_{what}": b - a for part, (x, y) in (("launch", (before, issued)), ("wait", (issued, answered)))
+            for what, a, b in zip(("cpu_s", "voluntary", "involuntary"), x, y, strict=True)}

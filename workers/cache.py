@@ -35,6 +35,7 @@ from workers.gpu.loads import LoadPath
 from workers.gpu.slots import SlotPhase
 from workers.gpu.streams import make_streams, resolve_device
 from workers.kernels.meta import OFFSET_ALIGN, SlotMeta, shard_dims
+from workers.lru import BoundedLRU
 from workers.reads.device import ImageReads, ImageShard
 from workers.reads.fill_graph import FillGraphs
 from workers.reads.threads import ranks_on_host
@@ -88,6 +89,9 @@ class WorkerConfig:
                               f"got {self.chunk_bytes}")
 
 
+KEPT_SHARDS = 4096  # versions (and patterns) whose layouts and plans a rank keeps
+
+
 class RankShards:
     """This rank's layout and chunk plan of each adapter version, each computed once per spec (specs are
     immutable; bounded). A new version of a module pattern seen before (its ``modules``, interned by
@@ -98,9 +102,9 @@ class RankShards:
 
     def __init__(self, catalog: AdapterCatalog, tp: int, rank: int, dtype: torch.dtype, chunk_bytes: int) -> None:
         self.catalog, self.tp, self.rank, self.dtype, self.chunk_bytes = catalog, tp, rank, dtype, chunk_bytes
-        self._layouts: dict[tuple[str, str], tuple[AdapterSpec, ShardLayout]] = {}  # by (name, version)
-        self._patterns: dict[int, tuple[Any, ShardLayout]] = {}  # id(modules) -> (modules, a layout of them)
-        self._plans: dict[int, tuple[Any, ChunkPlan]] = {}  # id(entries) -> (entries, their plan)
+        self._layouts: BoundedLRU[tuple[str, str], tuple[AdapterSpec, ShardLayout]] = BoundedLRU(KEPT_SHARDS)
+        self._patterns: BoundedLRU[int, tuple[Any, ShardLayout]] = BoundedLRU(KEPT_SHARDS)  # id(modules) -> a layout
+        self._plans: BoundedLRU[int, tuple[Any, ChunkPlan]] = BoundedLRU(KEPT_SHARDS)  # id(entries) -> their plan
 
     def layout(self, spec: AdapterSpec) -> ShardLayout:
         kept = self._layouts.get((spec.name, spec.version))
@@ -111,8 +115,8 @@ class RankShards:
             layout = replace(seen[1], adapter=spec.name, version=spec.version)
         else:
             layout = shard_layout(spec, self.catalog.shape, self.tp, self.rank, self.dtype)
-            _keep(self._patterns, id(spec.modules), (spec.modules, layout))
-        _keep(self._layouts, (spec.name, spec.version), (spec, layout))
+            self._patterns.put(id(spec.modules), (spec.modules, layout))
+        self._layouts.put((spec.name, spec.version), (spec, layout))
         return layout
 
     def plan(self, spec: AdapterSpec) -> ChunkPlan:
@@ -122,19 +126,8 @@ class RankShards:
             return kept[1]
         plan = chunk_plan(layout.entries, layout.numel, self.catalog.shape.num_layers, self.dtype.itemsize,
                           self.chunk_bytes)
-        _keep(self._plans, id(layout.entries), (layout.entries, plan))
+        self._plans.put(id(layout.entries), (layout.entries, plan))
         return plan
-
-
-KEPT_SHARDS = 4096  # versions (and patterns) whose layouts and plans a rank keeps
-
-
-def _keep(kept: dict[Any, Any], key: Any, value: Any) -> None:
-    """``kept[key] = value``, the oldest let go past ``KEPT_SHARDS``."""
-    kept.pop(key, None)
-    kept[key] = value
-    while len(kept) > KEPT_SHARDS:
-        kept.pop(next(iter(kept)), None)
 
 
 def pool_pages(config: WorkerConfig, shape: ModelShape, max_rank: int, dtype: torch.dtype) -> tuple[int, int]:

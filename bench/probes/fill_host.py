@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import pstats
-import resource
 import socket
 import statistics
 import sys
@@ -49,7 +48,7 @@ from lora_cache.adapters.peft import CONFIG_FILE, WEIGHTS_FILE
 from lora_cache.adapters.pushed import PushArea
 from lora_cache.adapters.serialize import image_and_head
 from lora_cache.adapters.synth import SynthConfig, make_adapters
-from workers.actor_images import SETTLE_S
+from workers.actor_images import SETTLE_S, thread_use, use_split
 from workers.cache import WorkerCache, WorkerConfig
 from workers.kernels.gather import gather
 from workers.reads.finite import sums_finite, total_finite
@@ -68,11 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cProfile the launching thread over the first gap's loads (its 40 costliest functions)")
     ap.add_argument("--out", required=True)
     return ap
-
-
-def thread_use() -> tuple[float, int, int]:
-    use = resource.getrusage(resource.RUSAGE_THREAD)
-    return time.thread_time(), use.ru_nvcsw, use.ru_nivcsw
 
 
 def timed(op: Callable[[], object], repeats: int) -> dict[str, float]:
@@ -223,8 +217,7 @@ def main() -> None:
         t2, answered = time.perf_counter(), thread_use()
         with cache.book.lock:
             marks = list(cache.book.loads[record.slot].marks)
-        use = {f"{part}_{what}": b - a for part, (x, y) in (("launch", (before, issued)), ("wait", (issued, answered)))
-               for what, a, b in zip(("cpu_us", "voluntary", "involuntary"), x, y, strict=True)}
+        use = use_split(before, issued, answered)
         cache.evict("a", known.version)  # the next load takes a free slot
         return t0, [*marks, ("started", t1), ("answered", t2)], t2, use
 
@@ -254,6 +247,7 @@ def main() -> None:
                     phases.setdefault(phase, []).append((at - t0) * 1e6)
                 phases.setdefault("ready_us", []).append((end - t0) * 1e6)
                 for what, value in used.items():
+                    what = what.replace("_cpu_s", "_cpu_us")
                     use.setdefault(what, []).append(value * 1e6 if what.endswith("_us") else value)
             out["loads"][str(gap)] = {"phases_us": {k: statistics.median(v) for k, v in phases.items()},
                                       "use": {k: statistics.median(v) for k, v in use.items()}}

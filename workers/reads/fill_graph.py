@@ -30,9 +30,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from workers.lru import BoundedLRU
 from workers.reads.device import DeviceRead, check_buffers, issue_read
 
 log = logging.getLogger(__name__)
+
+NO_ROOM = object()  # a capture the GPU had no room for: that buffer's loads launch their kernels
 
 GRAPH_MAX_BYTES = 256 << 20  # shards up to this are filled by a graph (the 8B rank-16's: 84 MB at TP 1; the 70B
 # rank-64's, ~0.8 GB at TP 2, are not: their gather is GPU time, and their landing buffer would cost as much again)
@@ -60,8 +63,9 @@ class FillGraphs:
 
     def __init__(self, keep: int = 4, max_bytes: int = GRAPH_MAX_BYTES, flags: int = 16) -> None:
         self.keep, self.max_bytes, self.flags = keep, max_bytes, flags
-        self._graphs: dict[tuple[int, int, int], FillGraph | None] = {}  # None: no room to capture it
-        self._lock = threading.Lock()
+        # (image address, size, id(plan)) -> its graph, or NO_ROOM: the GPU had none for its capture
+        self._graphs: BoundedLRU[tuple[int, int, int], FillGraph | object] = BoundedLRU(keep)
+        self._lock = threading.Lock()  # one capture at a time, and the flags
         self._flags: list[torch.Tensor] = []  # pinned finite flags given back, for the next loads
         self.captures = 0
 
@@ -86,21 +90,20 @@ class FillGraphs:
             return None
         key = (image.data_ptr(), image.numel(), id(read.gather))
         with self._lock:
-            if key in self._graphs:
-                kept = self._graphs[key]
-                if kept is None or kept.plan is read.gather:
-                    return kept
+            kept = self._graphs.get(key)
+            if kept is NO_ROOM:
+                return None
+            if isinstance(kept, FillGraph) and kept.plan is read.gather:
+                return kept
             try:
-                made: FillGraph | None = _capture(read, image)
-                self.captures += 1
+                made = _capture(read, image)
             except torch.OutOfMemoryError:  # the GPU's memory is the engine's: this buffer's loads launch as before
                 log.warning("no GPU room for a %d-byte fill graph of a pushed image; its loads launch their kernels",
                             read.layout.nbytes)
-                made = None
-            self._graphs.pop(key, None)
-            self._graphs[key] = made
-            while len(self._graphs) > self.keep:
-                del self._graphs[next(iter(self._graphs))]
+                self._graphs.put(key, NO_ROOM)
+                return None
+            self.captures += 1
+            self._graphs.put(key, made)
             return made
 
 
