@@ -737,11 +737,14 @@ def test_a_rank_holds_a_version_registered_ahead_loadable_and_not_current_until_
 @pytest.mark.parametrize("graph", [True, False], ids=["graph", "launches"])
 def test_gpu_versions_pushed_through_one_buffer_by_its_fill_graph_each_land_as_their_own_bytes(
         source: Path, tmp_path: Path, tp: int, graph: bool) -> None:
-    """``workers.reads.fill_graph`` (invariant 1): the graph a rank captures at a buffer's first push reads the buffer
-    when it runs. Versions written into one buffer one after another (the trainer's stream still writing when the load
-    is issued, ordered by its event) each fill their slot with their own bytes, equal to their landed file's load; a
-    NaN written into it fails that version's load; one capture a rank; by the watcher and by the caller's settle. The
-    same by launches (a shard over ``FillGraphs.max_bytes``), with the loads' pinned flags kept and reused."""
+    """``workers.reads.fill_graph`` (invariant 1): the graph a rank captures at a buffer's first push into a slot reads
+    the buffer when it runs and writes only that slot. Versions written into one buffer one after another (the
+    trainer's stream still writing when the load is issued, ordered by its event), more than the rank's slots, each
+    fill their slot with their own bytes, equal to their landed file's load; a NaN written into it fails that
+    version's load; slots are reused, a capture per slot at most (later loads replay); by the watcher and by the
+    caller's settle. At the end every version still resident holds its own bytes still (no graph wrote into a slot
+    it was not loading). The same by launches (a shard over ``FillGraphs.max_bytes``), with the loads' pinned flags
+    kept and reused."""
     catalog = catalog_at(tmp_path)
     trainer = torch.cuda.Stream()
     buffer: torch.Tensor | None = None
@@ -751,8 +754,9 @@ def test_gpu_versions_pushed_through_one_buffer_by_its_fill_graph_each_land_as_t
         cache, check = WorkerCache(config, catalog), WorkerCache(config, catalog)
         if not graph:
             cache.fill_graphs.max_bytes = 0
+        expected: dict[str, bytes] = {}  # each loaded version's landed file's load
         try:
-            for step, scale in enumerate((1.5, 2.5, 3.5, 4.5)):
+            for step, scale in enumerate((1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.5)):
                 push, tag = declared(source, scale), f"{rank}-{step}"
                 staged = push.image.cuda()
                 if buffer is None:
@@ -775,9 +779,16 @@ def test_gpu_versions_pushed_through_one_buffer_by_its_fill_graph_each_land_as_t
                 load.result(timeout=60)
                 land(catalog, push, "a", tag, known)
                 check.prefetch("a").result(timeout=60)
-                assert slot(cache, "a", known.version) == slot(check, "a", known.version), (
+                expected[known.version] = slot(check, "a", known.version)
+                assert slot(cache, "a", known.version) == expected[known.version], (
                     f"TP {tp} rank {rank} step {step}: the graph's fill differs from the landed file's load")
-            assert cache.fill_graphs.captures == int(graph) and cache.counters.image_loads == 4
+            with cache.book.lock:
+                resident = [v for v in expected if cache.book.table.lookup(AdapterKey("a", v)) is not None]
+            assert len(resident) >= 2
+            for version in resident:
+                assert slot(cache, "a", version) == expected[version], f"TP {tp} rank {rank}: {version} was overwritten"
+            assert cache.counters.image_loads == 7  # six READY in four slots: slots were reused
+            assert (0 < cache.fill_graphs.captures <= 4) if graph else cache.fill_graphs.captures == 0
             assert len(cache.fill_graphs._flags) == 1  # each load's flag given back once read, taken by the next
         finally:
             cache.close()

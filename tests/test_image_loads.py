@@ -344,7 +344,8 @@ def test_a_cpu_rank_makes_no_fill_graph_and_its_loads_flags_are_its_own(
     spec = catalog.get(name)
     image, head = image_of(spec)
     read = cache.image_reads.read(spec, cache.layout_of(name), head, image)
-    assert cache.fill_graphs.get(read, image) is None
+    dest = torch.empty(read.layout.numel, dtype=read.layout.dtype)
+    assert cache.fill_graphs.get(read, image, dest) is None
     first, second = cache.fill_graphs.flag(False), cache.fill_graphs.flag(False)
     assert first is not second and not first.is_pinned()
     cache.fill_graphs.give(first)

@@ -242,16 +242,17 @@ class ImageShard:
         if self.marks is not None:
             self.marks.append(("fill", time.perf_counter()))
         self.dest = dest
-        graph = self.graphs.get(self.read, self.image) if self.graphs is not None else None
-        if graph is not None:  # one graph launch into its landing buffer, copied into the slot, its flag into ours
-            check_buffers(self.read, self.image, dest)  # as ``read_image`` does
-            if self.after is not None:
-                torch.cuda.current_stream(self.image.device).wait_event(self.after)
-            graph.fill(dest, self.read.layout.numel, self.flag)
+        after = self.after
+        if self.graphs is not None and self.image.is_cuda and after is not None:
+            torch.cuda.current_stream(self.image.device).wait_event(after)  # before a capture's first fill too
+            after = None  # waited for: ``read_image`` below need not again
+        graph = self.graphs.get(self.read, self.image, dest) if self.graphs is not None else None
+        if graph is not None:  # one graph launch into the slot, its flag into ours
+            graph.fill(self.flag)
             if self.marks is not None:
                 self.marks.append(("filled", time.perf_counter()))
         else:
-            flag = read_image(self.read, self.image, dest, after=self.after, record=False)[1]
+            flag = read_image(self.read, self.image, dest, after=after, record=False)[1]
             if self.marks is not None:
                 self.marks.append(("filled", time.perf_counter()))
             self.flag.copy_(flag, non_blocking=True)  # in stream order: complete when the copy's event is
