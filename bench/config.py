@@ -16,7 +16,7 @@ from bench.store import StoreModel, parse_store
 from lora_cache.errors import ConfigError
 from lora_cache.routing.ranking import RouterConfig
 from workers.staging.disk_tier import FETCH_ORDERS, DiskTierConfig
-from workers.staging.eviction import EVICTION
+from workers.staging.eviction import EVICTION, RECENT_S
 from workers.staging.host_config import TIERS
 
 ENGINES = ("real", "sim")
@@ -94,9 +94,13 @@ class BenchConfig:
         "help": "pinned host tier bytes per rank, the same for every policy (default 16 GiB: a quarter of a 512 GiB "
                 "host's memory over its 8 GPU ranks); 0: the host tier's auto size (a share of this host's available "
                 "memory over its GPU ranks), resolved once on the driver"})
-    host_eviction: str = field(default="lru", metadata={
-        "help": "the host tier's eviction order, the same for every policy: lru | segmented (read-once shards "
-                "first; workers/staging/eviction.py)"})
+    host_eviction: str = field(default="popular", metadata={
+        "help": "the host tier's eviction order, the same for every policy: popular (the fleet's least asked-for "
+                "adapters first, by the controller's ranking: LRU where no controller ranks, as for the baselines) | "
+                "lru | segmented (read-once shards first); workers/staging/eviction.py"})
+    host_recent_s: float = field(default=RECENT_S, metadata={
+        "help": "host_eviction popular: a shard touched this many seconds ago or less goes after every other "
+                "(HostTierConfig.recent_s; 0: rank alone)"})
     host_tiers: str = field(default="exclusive", metadata={
         "help": "whether GPU slots and the host tier may hold one shard both, the same for every policy: inclusive | "
                 "exclusive (a GPU load lets go of its host copy; a slot's eviction writes the shard back; "
@@ -138,7 +142,10 @@ class BenchConfig:
             raise ConfigError(f"engine {self.engine!r} is not one of {ENGINES}")
         if self.host_eviction not in EVICTION:
             raise ConfigError(f"host_eviction {self.host_eviction!r} is not one of {', '.join(EVICTION)}; pick one "
-                              "(lru is the default)")
+                              "(popular is the default)")
+        if not (isinstance(self.host_recent_s, (int, float)) and 0 <= self.host_recent_s < float("inf")):
+            raise ConfigError(f"host_recent_s is {self.host_recent_s!r}; give seconds >= 0, e.g. {RECENT_S} (0: rank "
+                              "alone)")
         if self.host_tiers not in TIERS:
             raise ConfigError(f"host_tiers {self.host_tiers!r} is not one of {', '.join(TIERS)}; pick one "
                               "(inclusive is the default)")

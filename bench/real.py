@@ -65,6 +65,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.kv_rows import check_pool, kv_slab, row_pages
 from workers.engine.workload import Request
 from workers.staging.disk_tier import DiskTierConfig
+from workers.staging.eviction import RECENT_S
 from workers.staging.host_config import HostTierConfig
 
 if TYPE_CHECKING:
@@ -94,7 +95,8 @@ class RealConfig:
     dtype: str = "float32"  # slots and compute; bfloat16 on GPUs
     worker_cpus: float = 0.25
     host_bytes: int = 2 << 30
-    host_eviction: str = "lru"  # HostTierConfig.eviction
+    host_eviction: str = "popular"  # HostTierConfig.eviction
+    host_recent_s: float = RECENT_S  # HostTierConfig.recent_s
     host_tiers: str = "exclusive"  # HostTierConfig.tiers
     timeout_s: float = 900.0  # one policy's whole run
     engine: dict[str, Any] = field(default_factory=dict)  # further EngineConfig fields (e.g. share_weights)
@@ -171,6 +173,7 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
     worker = WorkerConfig(num_slots=slots, dtype=config.dtype, page_rank=page_rank, pool_pages=pool_pages,
                           max_batch=max(256, config.max_running + config.max_adapters),
                           host=HostTierConfig(host_bytes=config.host_bytes, eviction=config.host_eviction,
+                                              recent_s=config.host_recent_s,
                                               tiers=config.host_tiers,
                                               drop_page_cache=config.store_model().kind == "device"),
                           disk=_disk_tier(config, policy))

@@ -214,7 +214,8 @@ def _run_real(bench: BenchConfig, policies: Sequence[BenchPolicy], root: str, na
                       max_adapters=bench.max_adapters, max_prefill_tokens=bench.max_prefill_tokens,
                       max_seq_len=bench.max_seq_len, hint_lead_s=bench.hint_lead_s, gpus=gpus,
                       gpu_share=bench.gpu_share,
-                      host_bytes=bench.host_bytes, host_eviction=bench.host_eviction, host_tiers=bench.host_tiers,
+                      host_bytes=bench.host_bytes, host_eviction=bench.host_eviction,
+                      host_recent_s=bench.host_recent_s, host_tiers=bench.host_tiers,
                       dtype="bfloat16" if gpus else "float32", timeout_s=bench.timeout_s,
                       # one set of random base weights for every layer: the same math and bytes read per
                       # layer (far beyond any cache), a fraction of the start-up time and memory

@@ -78,8 +78,8 @@ def parse_worker_name(name: str) -> WorkerId:
 # -- commands, controller -> rank (lifecycle step 4) ---------------------------------------------------
 # Idempotent, tagged with the planner's epoch, so a worker can drop commands from an older controller
 # (invariants 6 and 7). A worker applies its evicts before its prefetches, loads prefetches in priority
-# order (0 first), and stages last. Every rank of a replica is planned from the same target, so one
-# adapter has the same priority on every rank; each rank loads only its own shard.
+# order (0 first), and stages last (a ranking, if any, after them). Every rank of a replica is planned from
+# the same target, so one adapter has the same priority on every rank; each rank loads only its own shard.
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +117,18 @@ class Stage:
     disk: bool = False  # a disk warm stage (speculative): fetch a store adapter's object into the node's disk tier only
 
 
-Command = Prefetch | Evict | Stage
+@dataclass(frozen=True, slots=True)
+class Ranking:
+    """The fleet's adapters by how often they are asked for, most first (the planner's decayed fleet-wide counts), as
+    many as this worker's host tier can use; it replaces the last one. Under the host tier's ``popular`` eviction the
+    idle shard of the adapter ranked lowest, or not ranked, goes first (workers/staging/eviction.py); other orders
+    ignore it. Nothing is loaded or freed, so it has no delta."""
+
+    names: tuple[str, ...]
+    epoch: int
+
+
+Command = Prefetch | Evict | Stage | Ranking
 
 
 class ApplyResult(NamedTuple):

@@ -704,3 +704,17 @@ def test_the_check_replays_the_warming_gate_the_real_run_had() -> None:
     assert run_warm_gate(doc("2026-11-28 15:44:39", {})) == 0.0  # before the gate existed: warmed from the start
     assert WARM_GATE_SINCE > "2026-11-28 15:44:39"
     assert run_warm_gate(doc("2026-11-28 19:00:00", {})) == PlannerConfig.warm_min_miss_s  # unrecorded: the default
+
+
+def test_global_ranks_the_fleet_for_its_host_tiers_and_a_baselines_popular_tier_is_lru() -> None:
+    """Where a miss hurts (the device store; warming on from the start), ``global`` sends its workers the fleet's
+    ranking and its host tiers evict by it; ``queue`` sends none, so its ``popular`` tiers keep the LRU's order: every
+    figure of its run is the LRU run's (invariant: no ranking, no change)."""
+    device = dataclasses.replace(SMALL, store="device", warm_min_miss_s=0.0, host_bytes=1 << 30)  # a few shards
+    popular = dataclasses.replace(device, host_eviction="popular")
+    ranked = simulate(popular, BENCH_POLICIES["global"], workload(), H200, check=True)
+    assert int(ranked.controller["ranking_commands"]) > 0  # type: ignore[call-overload]
+    lru = simulate(device, BENCH_POLICIES["queue"], workload(), H200, check=True)
+    same = simulate(popular, BENCH_POLICIES["queue"], workload(), H200, check=True)
+    assert same.controller["ranking_commands"] == 0
+    assert same.summary() == lru.summary() and same.totals() == lru.totals()

@@ -17,7 +17,7 @@ from lora_cache.controller.links import PING_MISSES, Link, WorkerLinks
 from lora_cache.errors import ConfigError, ConflictError, NotFoundError
 from lora_cache.planner import PlannerConfig
 from lora_cache.routing.advice import RouteRequest
-from lora_cache.vocab import AdapterKey, Delta, Evict, Prefetch, Stage, WorkerId, delta_row, worker_name
+from lora_cache.vocab import AdapterKey, Delta, Evict, Prefetch, Ranking, Stage, WorkerId, delta_row, worker_name
 from tests.planner_queries import popularity
 from workers.cache import WorkerCache, WorkerConfig
 from workers.control.commands import CommandGate
@@ -164,6 +164,38 @@ def test_stage_commands_are_epoch_checked_and_a_bad_one_costs_only_itself(fleet)
     staged = outbox.drain(("staged",), 1)  # waits for the read: its delta races the assertions otherwise
     assert staged == [Delta("adapter-003", version, "staged")] and cache.residency() == []
     cache.check_integrity()
+
+
+def test_the_fleets_ranking_reaches_the_host_tiers_order_epoch_checked_and_without_a_delta(tmp_path: Path) -> None:
+    """``global`` with warming on sends each rank the fleet's most requested adapters, most first (``Ranking``); the
+    gate hands it whole to the host tier's ``popular`` order, refuses one of an older epoch, touches no slot and
+    sends no delta; a tier of another order ignores it."""
+    make_adapters(tmp_path, SynthConfig(model="tiny", count=4, rank="8"))
+    catalog = CatalogConfig(adapter_roots=(str(tmp_path),), model="tiny", max_rank=8)
+    planner = PlannerConfig(place_homes=False, warm_min_miss_s=0.0)  # warm (and rank) without measuring reads
+    core = ControllerCore(ControllerConfig(catalog=catalog, planner=planner), epoch=5)
+    names = [d.name for d in sorted(tmp_path.iterdir())]
+    for name in names:
+        core.register_adapter(name, str(tmp_path / name))
+    core.add_replica("r0", tp=1, slots=2, host_bytes=1 << 20)
+    core.report_queue("r0", [(name, float(t)) for t, name in enumerate(n for i, n in enumerate(names[:3])
+                                                                        for _ in range(1 + i))], now=1.0)
+    core.report_queue("r0", [], now=1.1)  # served: adapter-002 requested 3 times, adapter-001 twice, adapter-000 once
+    rankings = [c for c in core.plan(1.2, full=True)[WorkerId("r0", 0)] if isinstance(c, Ranking)]
+    assert rankings == [Ranking(("adapter-002", "adapter-001", "adapter-000"), 5)]  # never-requested ones: unranked
+    for eviction, kept in (("popular", list(rankings[0].names)), ("lru", [])):
+        cache = WorkerCache(WorkerConfig(num_slots=2, device="cpu", host=HostTierConfig(
+            host_bytes=1 << 20, pin=False, eviction=eviction)), core.catalog)
+        outbox = Outbox()
+        gate = CommandGate(cache, outbox.push)
+        try:
+            assert gate.apply([Ranking(("adapter-003",), 5), rankings[0]]).accepted == 2  # the newer replaces
+            stale = gate.apply([Ranking(("adapter-003",), 4)])
+            assert (stale.accepted, stale.rejected_stale, stale.errors) == (0, 1, ())
+            assert cache.host.order.ranking() == kept
+            assert outbox.deltas == [] and cache.residency() == []
+        finally:
+            cache.close()
 
 
 def test_bad_inputs_are_clear_errors_and_change_nothing(fleet) -> None:

@@ -40,11 +40,12 @@ def catalog(
 
 
 @contextlib.contextmanager
-def open_tier(reads: str, threads: int, parallel: int = 0, eviction: str = "lru") -> Iterator[HostTier]:
+def open_tier(reads: str, threads: int, parallel: int = 0, eviction: str = "lru",
+              recent_s: float = 10.0) -> Iterator[HostTier]:
     """A 1 MiB unpinned tier reading on its threads or in reader processes that share its arena, each read
     split over ``parallel`` threads (0: the default); closed on the way out."""
     tier = HostTier(HostTierConfig(host_bytes=MiB, read_threads=threads, pin=False, reads=reads,
-                                   read_parallel=parallel, eviction=eviction))
+                                   read_parallel=parallel, eviction=eviction, recent_s=recent_s))
     try:
         assert tier.reads == reads
         if reads == "process":  # every reader process up first (a bound, not a timing: they start slowly on a
@@ -182,6 +183,36 @@ def test_an_unregistered_adapter_leaves_the_ghost_history(catalog: AdapterCatalo
     staged(tier, big(catalog, 0))  # registered again, it starts read-once
     assert not tier._entries[key(big(catalog, 0))].protected and tier.order.returned == 0
     tier.check_integrity()
+
+
+@pytest.mark.parametrize("recent_s", [0.0, 3600.0])
+def test_popular_lets_go_of_the_least_asked_for_shard_first_and_is_lru_until_ranked(
+    catalog: AdapterCatalog, recent_s: float
+) -> None:
+    """``eviction="popular"``: with no ranking the LRU's order; ranked, the unranked and then the lowest ranked idle
+    shard go first, a fetch refreshing nothing; a referenced one never. With the window (an hour: every entry
+    touched lately) the ranking still orders them; with none (0) a new read is unranked until ranked. The same
+    sequence as tests/test_eviction_order.py's simulator test."""
+    with open_tier("thread", 4, eviction="popular", recent_s=recent_s) as tier:
+        names = lambda *ix: [f"big-{i:03d}" for i in ix]  # noqa: E731
+        for i in range(9):  # unranked: the LRU's victim (big-000) makes room for the ninth
+            staged(tier, big(catalog, i))
+        assert resident(tier) == names(*range(1, 9))
+        tier.order.ranked(names(3, 1, 8, 6, 2))  # 4, 5, 7 not ranked
+        for i in (9, 0):  # the unranked go first, oldest first
+            staged(tier, big(catalog, i))
+        assert resident(tier) == names(1, 2, 3, 6, 7, 8, 9, 0)
+        entry = staged(tier, big(catalog, 9), release=False)  # a hit, and referenced: never a victim
+        tier.order.ranked(names(3, 1, 6, 8, 0, 2))  # 7 and 9 not ranked
+        staged(tier, big(catalog, 4))  # 7 goes
+        staged(tier, big(catalog, 5))  # a new read is unranked until ranked: 4 goes
+        assert resident(tier) == names(1, 2, 3, 6, 8, 0, 9, 5)
+        tier.order.ranked(names(3, 1, 6, 8, 0, 5, 2))
+        staged(tier, big(catalog, 4))  # 9 is not ranked but held: the lowest ranked idle one (2) goes
+        assert resident(tier) == names(1, 3, 6, 8, 0, 9, 5, 4)
+        tier.release(entry.key)
+        assert tier.order.ranking() == names(3, 1, 6, 8, 0, 5, 2) and tier.order.rankings == 3
+        tier.check_integrity()
 
 
 def test_eviction_is_by_bytes(catalog: AdapterCatalog, tier: HostTier) -> None:
@@ -431,7 +462,7 @@ def test_host_tier_config_errors() -> None:
         HostTierConfig(read_threads=0)
     with pytest.raises(ConfigError, match=r"reads 'fork' is not one of auto, thread, process"):
         HostTierConfig(reads="fork")
-    with pytest.raises(ConfigError, match=r"eviction 'lfu' is not one of lru, segmented"):
+    with pytest.raises(ConfigError, match=r"eviction 'lfu' is not one of popular, lru, segmented"):
         HostTierConfig(eviction="lfu")
     assert HostTierConfig().reads_for(pinned=True) == "process" and HostTierConfig().reads_for(pinned=False) == "thread"
     assert HostTierConfig(reads="thread").reads_for(pinned=True) == "thread"

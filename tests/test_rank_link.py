@@ -22,7 +22,7 @@ from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.validate import RequestError
 from lora_cache.errors import ConfigError, ConflictError, NotFoundError
 from lora_cache.link.relay import Relay
-from lora_cache.vocab import ApplyResult, Evict, Prefetch, Stage
+from lora_cache.vocab import ApplyResult, Evict, Prefetch, Ranking, Stage
 from tests.waiting import wait_for
 
 NAME = "lora-cache-worker:replica-0:0"
@@ -211,6 +211,8 @@ def test_the_codec_round_trips_reports_calls_and_errors() -> None:
     assert codec.from_report(codec.report({**report(), "disk_bytes": 64 << 30}))["disk_bytes"] == 64 << 30
     for stage in (Stage("c", "v3", 2, 11, True), Stage("c", "v3", 2, 11, True, True), Stage("c", "v3", 2, 11)):
         assert codec.from_command(codec.command(stage)) == stage  # a disk warm stage stays one over the link
+    for ranking in (Ranking(("b", "a", "c"), 12), Ranking((), 3)):
+        assert codec.from_command(codec.command(ranking)) == ranking  # the host tier's order, names in order
     known = KnownVersion("v1", "c0ffee", "boot", WeightsSource("/r/a/adapter_model.safetensors", "v1",
                                                                 FileIdentity(1, 2, 3 << 20, -4, 5), 64, 7,
                                                                 BlockCrcs([0, 1, 0xFFFFFFFF]), 6))

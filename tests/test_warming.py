@@ -9,9 +9,10 @@ import pytest
 
 from lora_cache.errors import ConfigError
 from lora_cache.planner import Planner, PlannerConfig
+from lora_cache.planner.popularity import Popularity
 from lora_cache.planner.records import AdapterInfo, ReplicaSpec, ResidencyEntry, SlotState
 from lora_cache.planner.rendezvous import preference
-from lora_cache.vocab import Stage
+from lora_cache.vocab import Ranking, Stage
 
 
 def make(replicas: int = 3, adapters: int = 12, host_bytes: int | None = 1000, policy: str = "global",
@@ -246,3 +247,57 @@ def test_set_warming_off_sends_no_warm_stage_unless_the_gate_is_zero() -> None:
     assert warm_stages(planner, 0.0) == {}, "off until the controller turns it on"
     planner.set_warming(True)
     assert warm_stages(planner, 1.0)
+
+
+def rankings(planner: Planner, now: float) -> dict[str, Ranking]:
+    """Each worker's ranking in the next plan (warming.py, point 5), where one is sent."""
+    return {c.worker: c.ranking for c in planner.plan_all(now).workers if c.ranking is not None}
+
+
+def test_every_rank_gets_the_fleets_ranking_when_it_changed_at_most_every_rank_refresh_s() -> None:
+    """Requested adapters by fleet-wide count, most first, as long as twice the rank's host tier holds them; sent
+    at the first plan, not again while it is unchanged, again once the counts reorder it, never sooner than
+    ``rank_refresh_s`` after the last."""
+    planner = make(replicas=2, adapters=12, host_bytes=300, rank_refresh_s=2.0)  # 600 bytes: six shards ranked
+    for name, times in (("a3", 4), ("a7", 3), ("a1", 2), ("a0", 1)):
+        for _ in range(times):
+            planner.record_request(name, "r1", 0.0)  # on one replica: the counts are the fleet's
+    first = rankings(planner, 0.0)
+    assert first == {w: Ranking(("a3", "a7", "a1", "a0"), 1) for w in ("r0/w0", "r1/w0")}
+    assert rankings(planner, 6.0) == {}, "the same ranking: not sent again"
+    for name in ("a9", "a8", "a6", "a5", "a4", "a2", "a0"):
+        for _ in range(6):
+            planner.record_request(name, "r0", 7.0)
+    assert rankings(planner, 7.5) == {}, "computed at 6.0: not again before 8.0"
+    again = rankings(planner, 8.0)
+    assert set(again) == {"r0/w0", "r1/w0"} and len(again["r0/w0"].names) == 6  # 600 bytes of 100-byte shards
+    assert again["r0/w0"].names[0] == "a0" and "a11" not in again["r0/w0"].names  # a0's 1 + 6 lead; unseen: none
+    planner.check_integrity()
+
+
+def test_no_ranking_where_nothing_is_warmed() -> None:
+    """The queue policy, no host tier, or warming off: no ranking (the tiers' popular order stays LRU's)."""
+    for planner in (make(policy="queue"), make(host_bytes=None), make(warm_host_share=0.0)):
+        planner.record_request("a1", "r0", 0.0)
+        assert rankings(planner, 0.0) == {}
+
+
+@pytest.mark.parametrize("short_s, first", [(15.0, "new"), (0.0, "old")])
+def test_the_ranking_reads_the_larger_of_the_counts_rate_and_the_short_rate(short_s: float, first: str) -> None:
+    """An adapter asked for at 1/s for five minutes, then a new one at 2/s for 20 s: with the 15 s rate the new one
+    ranks first (its traffic now), with the 60 s counts alone the old one still does; an unregistered adapter
+    leaves both, and an adapter no longer asked for falls behind one still asked for."""
+    pop = Popularity(60.0, 100, short_s)
+    for t in range(300):
+        pop.observe("old", "r0", float(t))
+    for i in range(40):
+        pop.observe("new", "r1", 300.0 + i / 2)
+    pop.observe("gone", "r0", 310.0)
+    assert pop.hottest(320.0, 10)[0] == first
+    assert pop.hottest(320.0, 1) == (["new", "old"] if short_s else ["old"])  # each counter's top one
+    pop.forget("gone")
+    assert "gone" not in pop.hottest(320.0, 10)
+    pop.check_integrity()
+    pop.observe("old", "r0", 900.0)  # ten minutes later, the new one long forgotten
+    assert pop.hottest(900.0, 10) == ["old", "new"]
+    pop.check_integrity()

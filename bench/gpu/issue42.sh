@@ -28,8 +28,8 @@
 #   pc2-route    2 replicas x TP 1, page-cache store, Route: global
 #   dev2-seed    2 replicas x TP 1, device store, workload seed SEED [0]: queue, global and the oracle behind
 #                affinity, then global behind Route (one call per seed: the p99 is judged on several runs)
-#   dev1-seed    1 replica, device store, workload seed SEED [0]: POLICIES [queue,global,oracle] (where one GPU
-#                is lent; one policy per call fits STEP_LIMIT with the warm-up)
+#   dev1-seed    1 replica, device store, workload seed SEED [0]: POLICIES [queue,global,oracle], named by both and
+#                HOST_EVICTION if given (where one GPU is lent; one policy per run fits STEP_LIMIT with the warm-up)
 #   s3-1         1 replica, the S3 store (moto's server behind the throttling proxy, bench/store.py) at S3
 #                [s3:200MBps,30ms], workload seed SEED [0]: POLICIES [queue,global] in one bench.run (the catalog is
 #                uploaded once per run), named by MAX_ADAPTERS, the seed, DISK_BYTES (the node's disk tier, if given;
@@ -47,7 +47,7 @@
 # [4] requests/s per replica, REQUESTS [200] measured after WARMUP [300] warm-up requests (bench/warmup.py: long
 # enough for the warm stages to fill the host tiers at the device's ~1.2 GB/s), the host tier
 # HOST_BYTES [4 GiB] per rank: about a quarter of the catalog's shard bytes, its tiers TIERS [exclusive] (every part
-# but dev2-tiers, which names its own). Each run is killed after STEP_LIMIT
+# but dev2-tiers, which names its own), its eviction order HOST_EVICTION [bench.run's default]. Each run is killed after STEP_LIMIT
 # [280] s; a run that finds ADAPTERS short of the catalog (a fresh machine: it makes the adapters first, ~2 min for
 # the 8B catalog) gets MAKE_S [300] s more. Exit status: the number of runs that failed.
 set -u
@@ -59,7 +59,8 @@ rate=${RATE:-4}
 limit=${STEP_LIMIT:-280}
 common=(--engine real --model "$model" --adapter-ranks 16,64 --adapters "$adapters" --no-plots --scenario zipf
         --num-adapters "${NUM_ADAPTERS:-100}" --requests "${REQUESTS:-200}" --host-bytes "${HOST_BYTES:-4294967296}"
-        --max-adapters "${MAX_ADAPTERS:-4}" --warmup-requests "${WARMUP:-300}" --host-tiers "${TIERS:-exclusive}")
+        --max-adapters "${MAX_ADAPTERS:-4}" --warmup-requests "${WARMUP:-300}" --host-tiers "${TIERS:-exclusive}"
+        ${HOST_EVICTION:+--host-eviction "$HOST_EVICTION"})
 [ "${DRY:-0}" = 1 ] || nvidia-smi -L
 made() {  # whether ADAPTERS holds NUM_ADAPTERS adapters already (else the next run makes them within its limit)
   [ "$(find "$adapters" -maxdepth 2 -name adapter_config.json 2>/dev/null | wc -l)" -ge "${NUM_ADAPTERS:-100}" ]
@@ -98,7 +99,7 @@ for part in "$@"; do
     dev2-seed)  seed=(--workload-seed "${SEED:-0}")
                 run "dev2-aff-s${SEED:-0}" "${two[@]}" "${seed[@]}" --store device --router affinity --policies queue,global,oracle
                 run "dev2-route-s${SEED:-0}" "${two[@]}" "${seed[@]}" --store device --router lora-cache --policies global ;;
-    dev1-seed)  run "dev1-s${SEED:-0}${POLICIES:+-${POLICIES//,/-}}" --replicas 1 --arrivals "poisson:$rate" --workload-seed "${SEED:-0}" \
+    dev1-seed)  run "dev1-s${SEED:-0}${POLICIES:+-${POLICIES//,/-}}${HOST_EVICTION:+-$HOST_EVICTION}" --replicas 1 --arrivals "poisson:$rate" --workload-seed "${SEED:-0}" \
                   --store device --policies "${POLICIES:-queue,global,oracle}" ;;
     s3-1)       p=${POLICIES:-queue,global}; d=${DISK_BYTES:+-d$((DISK_BYTES >> 30))}
                 run "s3-1-m${MAX_ADAPTERS:-4}-s${SEED:-0}$d-${p//,/-}" --replicas 1 --arrivals "poisson:$rate" \

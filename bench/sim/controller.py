@@ -28,7 +28,7 @@ from lora_cache.controller.core import HOST_STATES, ControllerConfig, Controller
 from lora_cache.errors import NotFoundError
 from lora_cache.planner import PlannerConfig
 from lora_cache.routing.ranking import RouterConfig
-from lora_cache.vocab import Evict, Prefetch, Stage, WorkerId
+from lora_cache.vocab import Evict, Prefetch, Ranking, Stage, WorkerId
 
 LORA_ALPHA = 32.0  # make-adapters' default; scaling does not change bytes
 NO_FILES_ROOT = str(Path(__file__).resolve().parent)  # catalogs need a root; the synthetic one reads nothing
@@ -74,7 +74,7 @@ class SimController:
         self.workers: dict[WorkerId, SimWorker] = {}
         self._outbox: dict[WorkerId, list[Delta]] = {}  # deltas gathering until their batch is sent
         self._next_sync = sync_s
-        self.messages = self.prefetches = self.evicts = self.stages = 0
+        self.messages = self.prefetches = self.evicts = self.stages = self.rankings = 0
 
     @property
     def report_s(self) -> float:
@@ -137,6 +137,7 @@ class SimController:
                 self.prefetches += sum(isinstance(c, Prefetch) for c in commands)
                 self.evicts += sum(isinstance(c, Evict) for c in commands)
                 self.stages += sum(isinstance(c, Stage) for c in commands)
+                self.rankings += sum(isinstance(c, Ranking) for c in commands)
                 self.loop.after(self.calibration.command_latency_ms / 1e3, self.workers[wid].apply, commands)
 
     def stats(self) -> dict[str, object]:
@@ -145,6 +146,6 @@ class SimController:
         return {"policy": self.core.planner.config.policy, "plans": planner.plans,
                 "replicas_planned": planner.replicas_planned, "messages": self.messages,
                 "prefetch_commands": self.prefetches, "evict_commands": self.evicts,
-                "stage_commands": self.stages,
+                "stage_commands": self.stages, "ranking_commands": self.rankings,
                 "hints_received": status["hints_received"], "hints_accepted": status["hints_accepted"],
                 "load_failures": status["load_failures"]}

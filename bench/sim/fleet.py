@@ -61,6 +61,7 @@ from workers.engine.scheduler import check_requests
 from workers.engine.timings import RequestRecord, summarize
 from workers.engine.workload import Request
 from workers.staging.disk_tier import FETCH_ORDERS, DiskTierConfig
+from workers.staging.eviction import RECENT_S
 
 COUNTERS, RESERVOIRS = STATS_COUNTERS, STATS_SUMMARIES  # as WorkerCache.stats(); the load records have the latencies
 
@@ -152,8 +153,10 @@ class SimConfig:
     adapter_ranks: str = field(default="16,64", metadata={"help": "LoRA ranks given to the adapters in turn"})
     host_bytes: int = field(default=2 << 30, metadata={"help": "pinned host tier bytes per rank"})
     read_threads: int = field(default=4, metadata={"help": "disk reader threads per rank"})
-    host_eviction: str = field(default="lru", metadata={
-        "help": "the host tier's eviction order: lru | segmented (HostTierConfig.eviction)"})
+    host_eviction: str = field(default="popular", metadata={
+        "help": "the host tier's eviction order: popular | lru | segmented (HostTierConfig.eviction)"})
+    host_recent_s: float = field(default=RECENT_S, metadata={
+        "help": "eviction popular: a shard touched this lately goes after every other (HostTierConfig.recent_s)"})
     host_tiers: str = field(default="exclusive", metadata={
         "help": "whether GPU slots and the host tier may hold one shard both: inclusive | exclusive "
                 "(HostTierConfig.tiers)"})
@@ -324,7 +327,7 @@ class _Fleet:
         ranks = []
         for k in range(config.tp):
             host = SimHostTier(self.loop, calibration, config.host_bytes, config.read_threads, self.store,
-                               config.host_eviction, config.host_tiers)
+                               config.host_eviction, config.host_tiers, config.host_recent_s)
             worker = SimWorker(name, k, engine.num_slots, self.loop, calibration, keys, nbytes, host,
                                config.max_running + config.max_adapters,
                                functools.partial(self.controller.push, WorkerId(name, k)), self.loads.append,

@@ -2,11 +2,11 @@
 stages (``workers.staging.warming.WarmQueue``'s): a split of ``bench/sim/worker.py`` along its seam (lifecycle step 5).
 
 ``SimHostTier``: staged shards by key, counted in bytes, let go of in ``workers.staging.eviction``'s order
-(``SimConfig.host_eviction``: LRU by default), single-flight reads on ``read_threads`` reader threads (from
-the page cache at the calibration's cost, or from a ``SimStore``), fetches that wait FIFO for room held by loads in
-flight; it tells ``on_change`` what it holds as it changes ("staged" once read, "unstaged" when the LRU drops it),
-as the real tier's deltas do. ``SimWarmQueue``: speculative stages, one at a time, only while no other read is in
-flight or waiting, nor a demand read of another rank on the same store
+(``SimConfig.host_eviction``: popular by default, LRU until ranked), single-flight reads on ``read_threads`` reader
+threads (from the page cache at the calibration's cost, or from a ``SimStore``), fetches that wait FIFO for room held
+by loads in flight; it tells ``on_change`` what it holds as it changes ("staged" once read, "unstaged" when the tier
+lets go of it), as the real tier's deltas do. ``SimWarmQueue``: speculative stages, one at a time, only while no
+other read is in flight or waiting, nor a demand read of another rank on the same store
 (``workers.staging.node_reads``). The tier is counted in bytes; the real arena's fragmentation is not modelled.
 """
 
@@ -25,7 +25,7 @@ from bench.sim.store import SimStore
 from lora_cache.errors import CapacityError
 from lora_cache.vocab import AdapterKey
 from workers.staging.disk_tier import DiskTierConfig
-from workers.staging.eviction import EvictionOrder, victim
+from workers.staging.eviction import RECENT_S, EvictionOrder
 from workers.staging.node_reads import StoreShare
 
 
@@ -37,13 +37,15 @@ class _Staged:
     read_ms: float = 0.0
     speculative: bool = False  # a warm stage's read: no demand read for the node's other ranks (``NodeReads``)
     protected: bool = False  # ``HostEntry.protected``: let go of after every idle unprotected entry
+    touched: float = 0.0  # ``HostEntry.touched``: its read's start, last fetch or write-back (simulated seconds)
 
 
 class SimHostTier:
     """The pinned host tier of one rank: staged shards, bytes, eviction order, single-flight reads, references."""
 
     def __init__(self, loop: Loop, calibration: Calibration, capacity: int, read_threads: int,
-                 store: SimStore | None = None, eviction: str = "lru", tiers: str = "exclusive") -> None:
+                 store: SimStore | None = None, eviction: str = "lru", tiers: str = "exclusive",
+                 recent_s: float = RECENT_S) -> None:
         """``store``: where a miss reads from (``bench.sim.store``: device, s3); None: the page cache. ``eviction``:
         ``HostTierConfig.eviction``; ``tiers``: ``HostTierConfig.tiers`` (exclusive: ``write_back``, ``drop``)."""
         self.loop, self.calibration, self.capacity = loop, calibration, capacity
@@ -55,7 +57,7 @@ class SimHostTier:
         self._queue: deque[tuple[AdapterKey, _Staged]] = deque()  # store reads waiting for a reader thread
         self.entries: OrderedDict[AdapterKey, _Staged] = OrderedDict()  # oldest first
         self.used = 0
-        self.order = EvictionOrder(capacity, eviction)  # which idle entry goes first (``HostTier.order``)
+        self.order = EvictionOrder(capacity, eviction, recent_s)  # which idle entry goes first (``HostTier.order``)
         self.hits = self.misses = self.bytes_read = self.waits = 0
         self.written_back = 0  # shards taken back from a GPU slot (``write_back``)
         # how much of the last minute this rank's demand reads waited for the store (``DiskTier.store_share``), and
@@ -79,7 +81,7 @@ class SimHostTier:
         if entry is not None:  # staged, or a read in flight or waiting (single flight)
             if key in self.entries:
                 self.entries.move_to_end(key)
-                entry.protected = self.order.used_again(entry.protected)
+                entry.protected, entry.touched = self.order.used_again(entry.protected), self.loop.now
             if entry.speculative and not speculative and not entry.staged.done:  # ``DemandMarks.join``: a demand
                 entry.speculative = False  # read now, whose store fetch yields no more
                 if self.store is not None:
@@ -105,6 +107,7 @@ class SimHostTier:
 
     def _read(self, key: AdapterKey, entry: _Staged) -> None:
         """Stage ``entry`` (its room is made): a read on the first free reader thread."""
+        entry.touched = self.loop.now
         self.entries[key] = entry
         self.used += entry.nbytes
         if self.store is not None:
@@ -185,7 +188,7 @@ class SimHostTier:
         if key in self.entries or self._waiting or nbytes > self.capacity or not self._make_room(nbytes):
             return False
         entry = _Staged(nbytes, Signal(), refs=0, speculative=True)  # no store read: nothing for the node to yield to
-        entry.protected = self.order.written_back(key)
+        entry.protected, entry.touched = self.order.written_back(key), self.loop.now
         self.entries[key] = entry
         self.used += nbytes
         self.written_back += 1
@@ -217,7 +220,7 @@ class SimHostTier:
         if self.used - idle + nbytes > self.capacity:
             return False
         while self.used + nbytes > self.capacity:
-            key = victim(self.entries.items(), lambda e: e.refs == 0 and e.staged.done)
+            key = self.order.victim(self.entries.items(), lambda e: e.refs == 0 and e.staged.done, self.loop.now)
             if key is None:
                 return False
             self.used -= (gone := self.entries.pop(key).nbytes)

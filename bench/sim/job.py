@@ -36,7 +36,7 @@ def sim_config(bench: BenchConfig, workload: Workload | None = None,
                      max_adapters=bench.max_adapters, max_prefill_tokens=bench.max_prefill_tokens,
                      hint_lead_s=bench.hint_lead_s, host_bytes=bench.host_bytes, routing=bench.router,
                      join_over=bench.join_over,
-                     host_eviction=bench.host_eviction, host_tiers=bench.host_tiers,
+                     host_eviction=bench.host_eviction, host_recent_s=bench.host_recent_s, host_tiers=bench.host_tiers,
                      store=bench.store, disk_bytes=bench.disk_bytes, fetch_order=bench.fetch_order, warmup_s=warm,
                      warm_min_miss_s=warm_min_miss_s)
 

@@ -40,7 +40,7 @@ from bench.sim.events import Loop, Signal
 from bench.sim.host_tier import SimHostTier, SimWarmQueue, _Staged
 from bench.sim.pins import SimPins
 from lora_cache.errors import CapacityError
-from lora_cache.vocab import AdapterKey, Command, Evict, Stage
+from lora_cache.vocab import AdapterKey, Command, Evict, Ranking, Stage
 from workers.counters import STATS_COUNTERS, CacheCounters, resident_prefetches
 from workers.engine.admission import CopyClock
 from workers.gpu.loads import write_back_pieces
@@ -170,6 +170,8 @@ class SimWorker:
             if isinstance(command, Evict):
                 if not self.evict(command.adapter):
                     self._restate(self.keys[command.adapter])
+            elif isinstance(command, Ranking):
+                self.host.order.ranked(command.names)
             elif isinstance(command, Stage) and command.speculative:
                 self.warm.add(command.adapter, command.disk)
             elif isinstance(command, Stage):

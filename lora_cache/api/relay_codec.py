@@ -21,7 +21,7 @@ from lora_cache.adapters.objects import StoreSource
 from lora_cache.adapters.peft import KnownVersion
 from lora_cache.api.v1 import lora_cache_service_pb2 as pb
 from lora_cache.api.validate import RequestError
-from lora_cache.vocab import Command, DeltaRow, Evict, Prefetch, Stage
+from lora_cache.vocab import Command, DeltaRow, Evict, Prefetch, Ranking, Stage
 
 Call = tuple[int, str, tuple[Any, ...]]  # (call id, method, arguments): lora_cache/link/relay.py's
 
@@ -32,7 +32,7 @@ class RelayedCallError(errors.LoraCacheError):
 
 _KINDS: dict[type[Any], pb.RelayedCommandKind] = {
     Prefetch: pb.RELAYED_COMMAND_KIND_PREFETCH, Evict: pb.RELAYED_COMMAND_KIND_EVICT,
-    Stage: pb.RELAYED_COMMAND_KIND_STAGE}
+    Stage: pb.RELAYED_COMMAND_KIND_STAGE, Ranking: pb.RELAYED_COMMAND_KIND_RANKING}
 _STATES: dict[str, pb.ResidencyState] = {"loading": pb.RESIDENCY_STATE_LOADING, "ready": pb.RESIDENCY_STATE_READY,
            "in_use": pb.RESIDENCY_STATE_IN_USE, "gone": pb.RESIDENCY_STATE_GONE, "failed": pb.RESIDENCY_STATE_FAILED,
            "staged": pb.RESIDENCY_STATE_HOST_STAGED, "unstaged": pb.RESIDENCY_STATE_HOST_DROPPED,
@@ -45,6 +45,8 @@ _ERRORS: dict[str, type[errors.LoraCacheError]] = {
 
 # -- calls (down) ------------------------------------------------------------------------------------
 def command(c: Command) -> pb.RelayedCommand:
+    if isinstance(c, Ranking):
+        return pb.RelayedCommand(kind=pb.RELAYED_COMMAND_KIND_RANKING, epoch=c.epoch, names=c.names)
     priority = 0 if isinstance(c, Evict) else c.priority
     return pb.RelayedCommand(kind=_KINDS[type(c)], adapter=c.adapter, version=c.version, priority=priority,
                              epoch=c.epoch, speculative=isinstance(c, Stage) and c.speculative,
@@ -58,8 +60,10 @@ def from_command(m: pb.RelayedCommand) -> Command:
         return Prefetch(m.adapter, m.version, m.priority, m.epoch)
     if m.kind == pb.RELAYED_COMMAND_KIND_STAGE:
         return Stage(m.adapter, m.version, m.priority, m.epoch, m.speculative, m.disk)
-    raise RequestError(f"command kind {m.kind} of {m.adapter!r} is not PREFETCH, EVICT or STAGE; the gateway is "
-                       "newer than this engine's lora-cache: upgrade it")
+    if m.kind == pb.RELAYED_COMMAND_KIND_RANKING:
+        return Ranking(tuple(m.names), m.epoch)
+    raise RequestError(f"command kind {m.kind} of {m.adapter!r} is not PREFETCH, EVICT, STAGE or RANKING; the gateway "
+                       "is newer than this engine's lora-cache: upgrade it")
 
 
 def known(k: KnownVersion) -> pb.KnownVersion:

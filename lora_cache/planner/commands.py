@@ -1,26 +1,29 @@
 """The plan that groups what the planner sends to each TP worker (lifecycle step 4): the commands
-themselves (``Prefetch``, ``Evict``, ``Stage``) are words both floors share, in ``lora_cache.vocab``.
+themselves (``Prefetch``, ``Evict``, ``Stage``, ``Ranking``) are words both floors share, in ``lora_cache.vocab``.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from lora_cache.vocab import Command, Evict, Prefetch, Stage
+from lora_cache.vocab import Command, Evict, Prefetch, Ranking, Stage
 
 
 class WorkerCommands(NamedTuple):
-    """One worker's share of a plan: evicts first, then prefetches by priority, then stages."""
+    """One worker's share of a plan: evicts first, then prefetches by priority, then stages, then a new ranking of
+    the fleet's adapters for its host tier's eviction order, if any."""
 
     worker: str
     replica: str
     evicts: tuple[Evict, ...]
     prefetches: tuple[Prefetch, ...]
     stages: tuple[Stage, ...] = ()
+    ranking: Ranking | None = None
 
     @property
     def commands(self) -> tuple[Command, ...]:
-        return self.evicts + self.prefetches + self.stages
+        tail: tuple[Command, ...] = () if self.ranking is None else (self.ranking,)
+        return self.evicts + self.prefetches + self.stages + tail
 
 
 class Plan(NamedTuple):

@@ -64,6 +64,14 @@ class PlannerConfig:
         "help": "the warm placement is reassigned (and its stages sent again, which refreshes their place in each "
                 "host tier's LRU and re-reads any it dropped) at least this often, and at once when the catalog, "
                 "the replicas or their capacities change"})
+    rank_refresh_s: float = field(default=1.0, metadata={
+        "help": "global policy, warming on: the fleet's ranking of its adapters (most requested first, for the host "
+                "tiers' popular eviction order: planner/warming.py, point 5) is sent to a replica's workers when it "
+                "changed, at most this often"})
+    rank_half_life_s: float = field(default=15.0, metadata={
+        "help": "the ranking also reads a fleet-wide request rate of this shorter half-life, and ranks each adapter by "
+                "the larger of its two rates: one popular lately ranks by its traffic now, before the half_life_s "
+                "counts catch up (0: those counts alone)"})
     place_homes: bool = field(default=True, metadata={
         "help": "global policy: a replica's free GPU room takes the adapters that call it home (the first replicas "
                 "of their rendezvous order, as many as their share of the fleet's traffic: homes.py), never "
@@ -133,6 +141,12 @@ class PlannerConfig:
                               "without measuring what a miss costs)")
         if not _finite(self.warm_refresh_s) or self.warm_refresh_s <= 0:
             raise ConfigError(f"warm_refresh_s is {self.warm_refresh_s!r}; give seconds > 0, e.g. 5.0")
+        if not _finite(self.rank_half_life_s) or self.rank_half_life_s < 0:
+            raise ConfigError(f"rank_half_life_s is {self.rank_half_life_s!r}; give seconds >= 0, e.g. 15.0 (0: the "
+                              "half_life_s counts alone)")
+        if not _finite(self.rank_refresh_s) or self.rank_refresh_s < 0:
+            raise ConfigError(f"rank_refresh_s is {self.rank_refresh_s!r}; give seconds >= 0, e.g. 1.0 (0: at every "
+                              "plan where it changed)")
         if not isinstance(self.place_homes, bool):
             raise ConfigError(f"place_homes is {self.place_homes!r}; give True (spread adapters over the fleet's "
                               "free slots at their homes) or False")

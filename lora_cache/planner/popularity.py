@@ -71,14 +71,43 @@ class RankedCounts:
         assert abs(self.total - exact) <= 1e-6 * max(1.0, exact), f"total {self.total} is not the sum {exact}"
 
 
-class Popularity:
-    """Decayed counts of requests per adapter: one fleet-wide counter and one per replica."""
+class FleetRate:
+    """A fleet-wide decayed count of its own half-life, scaled to its own landmark as ``Popularity``'s counts are,
+    read as requests per second (a steady rate r reads r once a few half-lives have passed)."""
 
-    def __init__(self, half_life_s: float, max_tracked_per_replica: int) -> None:
+    def __init__(self, half_life_s: float) -> None:
+        self.half_life_s = half_life_s
+        self.landmark_s: float | None = None
+        self.counts = RankedCounts()
+
+    def observe(self, adapter: str, now: float, weight: float = 1.0) -> None:
+        if self.landmark_s is None:
+            self.landmark_s = now
+        elif (now - self.landmark_s) / self.half_life_s > _RESCALE_EXPONENT:
+            self.counts.rescale(2.0 ** -((now - self.landmark_s) / self.half_life_s))
+            self.landmark_s = now
+        self.counts.add(adapter, weight * 2.0 ** ((now - self.landmark_s) / self.half_life_s))
+
+    def per_second(self, adapter: str, now: float) -> float:
+        if self.landmark_s is None:
+            return 0.0
+        return self.counts.get(adapter) * 2.0 ** -((now - self.landmark_s) / self.half_life_s) * math.log(2.0) / \
+            self.half_life_s
+
+    def top(self, n: int) -> list[str]:
+        return [key for _, key in self.counts.order[:n]]
+
+
+class Popularity:
+    """Decayed counts of requests per adapter: one fleet-wide counter and one per replica; with ``short_half_life_s``
+    also a fleet-wide rate of that shorter half-life, which ``hottest`` reads beside the fleet's counts."""
+
+    def __init__(self, half_life_s: float, max_tracked_per_replica: int, short_half_life_s: float = 0.0) -> None:
         self.half_life_s = half_life_s
         self.max_tracked_per_replica = max_tracked_per_replica
         self.landmark_s: float | None = None  # t0; None until the first call that passes a time
         self.started_s: float | None = None  # the first time passed: how long the counts have been kept
+        self.short = FleetRate(short_half_life_s) if short_half_life_s > 0 else None
         self.fleet = RankedCounts()
         self.local: dict[str, RankedCounts] = {}
         self.touched: dict[str, dict[str, float]] = {}  # replica -> adapter -> when its requests last touched it
@@ -102,6 +131,8 @@ class Popularity:
         if local is None:
             local = self.local[replica] = RankedCounts(self.max_tracked_per_replica)
         local.add(adapter, amount)
+        if self.short is not None:
+            self.short.observe(adapter, now, weight)
         self.touch(adapter, replica, now)
 
     def touch(self, adapter: str, replica: str, now: float) -> None:
@@ -133,6 +164,23 @@ class Popularity:
             return 0.0
         return counts.get(adapter) * 2.0 ** -self._exponent(now)
 
+    def hottest(self, now: float, limit: int) -> list[str]:
+        """The requested adapters by the larger of two rates, most first (ties by name): the fleet's counts (the
+        half-life's) and the short rate's, if kept; of each, its ``limit`` largest. The short rate ranks an adapter
+        that became popular lately as high as its traffic now, before the long counts catch up; the long counts
+        keep a steady one high through a lull (bench/reports/issue-42.md, "the host tier's popular order")."""
+        scale = self.per_second(now)
+        names = dict.fromkeys(key for _, key in self.fleet.order[:limit])
+        short = self.short
+        if short is not None:
+            names.update(dict.fromkeys(short.top(limit)))
+
+        def rate(name: str) -> float:
+            long = self.fleet.get(name) * scale
+            return long if short is None else max(long, short.per_second(name, now))
+
+        return sorted(names, key=lambda name: (-rate(name), name))
+
     def drop_replica(self, replica: str) -> None:
         self.local.pop(replica, None)
         self.touched.pop(replica, None)
@@ -141,6 +189,8 @@ class Popularity:
         """An unregistered adapter: its counts go, fleet-wide and at every replica."""
         for counts in (self.fleet, *self.local.values()):
             counts.forget(adapter)
+        if self.short is not None:
+            self.short.counts.forget(adapter)
         for seen in self.touched.values():
             seen.pop(adapter, None)
 
@@ -174,6 +224,8 @@ class Popularity:
 
     def check_integrity(self) -> None:
         self.fleet.check_integrity()
+        if self.short is not None:
+            self.short.counts.check_integrity()
         for replica, counts in self.local.items():
             counts.check_integrity()
             for key in counts.values:

@@ -16,6 +16,7 @@ give the same plan.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -30,8 +31,8 @@ from lora_cache.planner.records import Capacity, SlotState
 from lora_cache.planner.staging import fitting
 from lora_cache.planner.state import FleetState
 from lora_cache.planner.view import ReplicaView, Target
-from lora_cache.planner.warming import WarmBook
-from lora_cache.vocab import AdapterKey, Evict, Prefetch, Stage
+from lora_cache.planner.warming import RANKING_MAX, WarmBook, ranking
+from lora_cache.vocab import AdapterKey, Evict, Prefetch, Ranking, Stage
 
 
 @dataclass
@@ -68,6 +69,9 @@ class Replanner:
         self.warm_enabled = config.warm_min_miss_s == 0  # until the controller has measured that a miss hurts
         # worker -> (assignment, warm keys sent, disk warm keys sent)
         self._warm_sent: dict[str, tuple[int, frozenset[AdapterKey], frozenset[AdapterKey]]] = {}
+        self._ranked: dict[str, tuple[str, ...]] = {}  # worker -> the last ranking sent it (warming.py, point 5)
+        self._ranked_at: dict[str, float] = {}  # replica -> when its ranking was last computed
+        self._hottest: tuple[float, list[str]] = (-math.inf, [])  # the fleet's order (when, names), for every replica
         self.dirty: set[str] = set()  # replicas whose plan inputs changed since they were last planned
         self._fleet, self._hints, self._horizon, self._popularity = fleet, hints, horizon, popularity
 
@@ -100,11 +104,14 @@ class Replanner:
 
     def forget_replica(self, replica: str) -> None:
         self.dirty.discard(replica)
+        self._ranked_at.pop(replica, None)
 
     def forget_workers(self) -> None:
         """Drop what was sent to workers no longer in the fleet (a replacement starts with an empty host tier)."""
         for worker in [w for w in self._warm_sent if w not in self._fleet.replica_of]:
             del self._warm_sent[worker]
+        for worker in [w for w in self._ranked if w not in self._fleet.replica_of]:
+            del self._ranked[worker]
 
     def forget_adapter(self, adapter: str) -> None:
         self.homes.forget(adapter)
@@ -146,6 +153,8 @@ class Replanner:
         replicas = self._fleet.workers.keys()
         assert self.dirty <= replicas, f"dirty flags for unknown replicas {self.dirty - replicas}"
         assert self._warm_sent.keys() <= self._fleet.replica_of.keys(), "warm stages kept for unknown workers"
+        assert self._ranked.keys() <= self._fleet.replica_of.keys(), "rankings kept for unknown workers"
+        assert self._ranked_at.keys() <= replicas, "ranking times kept for unknown replicas"
         self.warming.check_integrity(self._fleet)
 
     def _plan(self, replicas: list[str], now: float) -> Plan:
@@ -197,9 +206,22 @@ class Replanner:
             disk_keys = tuple(k for k in warm.warm_disk(replica) if k not in taken)
         bridges = self._bridges(replica, target)
         named = self._named(replica, target, now)
-        diffs = (self._diff(worker, replica, target, warm_keys, bridges, named, disk_keys)
+        ranked = self._ranking(replica, view, now) if warm is not None else None
+        diffs = (self._diff(worker, replica, target, warm_keys, bridges, named, disk_keys, ranked)
                  for worker in fleet.workers[replica])
         return [commands for commands in diffs if commands is not None]
+
+    def _ranking(self, replica: str, view: ReplicaView, now: float) -> tuple[str, ...] | None:
+        """The fleet's ranking for ``replica``'s workers (warming.py, point 5), at most every ``rank_refresh_s``
+        (None between: nothing new to send)."""
+        if now - self._ranked_at.get(replica, -math.inf) < self.config.rank_refresh_s:
+            return None
+        self._ranked_at[replica] = now
+        at, names = self._hottest
+        if now - at >= self.config.rank_refresh_s:  # once per refresh for the whole fleet: each replica truncates it
+            names = self._popularity.hottest(now, RANKING_MAX)
+            self._hottest = (now, names)
+        return ranking(self._fleet, names, view.capacity.host_bytes)
 
     def _named(self, replica: str, target: Target, now: float) -> tuple[AdapterKey, ...]:
         """The versions other than the current one that ``replica``'s waiting requests name (``A@VERSION``, issue
@@ -251,7 +273,8 @@ class Replanner:
 
     def _diff(self, worker: str, replica: str, target: Target, warm: tuple[AdapterKey, ...] = (),
               bridges: frozenset[AdapterKey] = frozenset(),
-              named: tuple[AdapterKey, ...] = (), disk: tuple[AdapterKey, ...] = ()) -> WorkerCommands | None:
+              named: tuple[AdapterKey, ...] = (), disk: tuple[AdapterKey, ...] = (),
+              ranked: tuple[str, ...] | None = None) -> WorkerCommands | None:
         """One worker's commands to move from what it holds to `target`, within its own capacity.
 
         Stages go once per stretch of time that the target wants them: a key is staged again only after
@@ -296,6 +319,10 @@ class Replanner:
         assignment, warm_sent, disk_sent = self._warm_sent.get(worker, (-1, frozenset(), frozenset()))
         if assignment != self.warming.assignments:
             warm_sent = disk_sent = frozenset()
+        rank = None
+        if ranked is not None and ranked != self._ranked.get(worker, ()):  # sent where it changed (warming.py, 5)
+            self._ranked[worker] = ranked
+            rank = Ranking(ranked, self.epoch)
         first = len(keys) + len(staging)
         speculative = [(first + i, key) for i, key in enumerate(warming) if key not in warm_sent]
         first += len(warming)
@@ -304,7 +331,7 @@ class Replanner:
         self._warm_sent[worker] = (self.warming.assignments, warm_sent | {k for _, k in speculative},
                                    disk_sent | {k for _, k in to_disk})
         fleet.set_staged(worker, staging)  # warm stages: routing counts them once the worker reports them read
-        if not evicts and not prefetches and not stages and not speculative and not to_disk:
+        if not evicts and not prefetches and not stages and not speculative and not to_disk and rank is None:
             return None
         fleet.apply(worker, evicts, [key for _, key in prefetches])
         self.stats.evicts += len(evicts)
@@ -318,7 +345,8 @@ class Replanner:
             tuple(Prefetch(k.name, k.version, p, self.epoch) for p, k in prefetches),
             tuple(Stage(k.name, k.version, p, self.epoch) for p, k in stages)
             + tuple(Stage(k.name, k.version, p, self.epoch, speculative=True) for p, k in speculative)
-            + tuple(Stage(k.name, k.version, p, self.epoch, speculative=True, disk=True) for p, k in to_disk))
+            + tuple(Stage(k.name, k.version, p, self.epoch, speculative=True, disk=True) for p, k in to_disk),
+            rank)
 
 
 def _with_named(target: Target, named: tuple[AdapterKey, ...], capacity: Capacity,

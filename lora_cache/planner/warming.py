@@ -42,6 +42,14 @@ such read (347 ms); with the whole tier, none (p99 75 ms; bench/reports/issue-42
 assignment is kept until the fleet's shape changes or ``refresh_s`` passes (counts drift slowly); the re-planner
 sends each warm key once per assignment, as a speculative ``Stage`` (the disk's after the host's); routing counts
 a warm copy once the worker reports it read (``FleetState.hosted``), not when it is sent.
+
+5. While it warms, every worker is also sent the fleet's ranking (``ranking``, a ``Ranking`` command): the
+   requested adapters by their fleet-wide request rate, most first (the larger of the decayed counts' rate and a
+   15 s half-life's: ``Popularity.hottest``), as many as twice its host tier holds. A host
+   tier evicting in the ``popular`` order (workers/staging/eviction.py) lets go of the least asked-for idle shard
+   first, so what demand reads and write-backs of tail adapters push out is the tail, not the fleet's 8th most
+   popular adapter. Computed at most every ``rank_refresh_s`` and sent to a worker only when it changed since its
+   last.
 Plain Python: no clock of its own, the same inputs give the same assignment.
 """
 
@@ -195,6 +203,28 @@ def _first_copy_budgets(fleet: FleetState, shared: dict[str, int]) -> dict[str, 
     if catalog <= sum(shared.values()) or catalog > sum(whole.values()):
         return shared
     return whole
+
+
+RANKING_MAX = 4096  # names in one ranking at most (a tier of tiny adapters needs no longer one to order its own)
+
+
+def ranking(fleet: FleetState, hottest: list[str], host_bytes: int | None) -> tuple[str, ...]:
+    """Point 5: the requested adapters, most asked for first (``hottest``: ``Popularity.hottest``), as long as their
+    shards fill twice ``host_bytes`` (a tier never holds more; the rest rank lowest alike), ``RANKING_MAX`` at most;
+    () without a host tier."""
+    if not host_bytes:
+        return ()
+    names: list[str] = []
+    left = 2 * host_bytes
+    for name in hottest:
+        info = fleet.catalog.get(name)
+        if info is None:
+            continue
+        left -= info.bytes_per_rank
+        if left < 0 or len(names) == RANKING_MAX:
+            break
+        names.append(name)
+    return tuple(names)
 
 
 def _no_fit(nbytes: int) -> float | None:

@@ -25,7 +25,7 @@ from ray.util.metrics import Counter, Gauge, Histogram
 SECONDS_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10]
 RANK_TAGS = ("replica", "rank")
 LOADS_KEPT = 100_000  # loads waiting for the next export's observations (past it, the oldest are not observed)
-COMMAND_KINDS = ("prefetch", "evict", "stage")
+COMMAND_KINDS = ("prefetch", "evict", "stage", "ranking")
 
 
 def from_zero(counter: Counter, tags: Mapping[str, str]) -> None:
@@ -57,7 +57,7 @@ class ControllerMetrics:
         from_zero(self.load_failures, {})
 
     def plan(self, seconds: float, full: bool, kinds: Mapping[str, int]) -> None:
-        """One planning pass and the commands it sent, by kind ("prefetch", "evict", "stage")."""
+        """One planning pass and the commands it sent, by kind ("prefetch", "evict", "stage", "ranking")."""
         self.planner_s.observe(seconds, tags={"policy": self.policy, "scope": "full" if full else "dirty"})
         for kind, count in sorted(kinds.items()):
             self.commands.inc(count, tags={"kind": kind})

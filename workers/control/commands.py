@@ -3,7 +3,8 @@
 Every command carries the controller's epoch; a worker remembers the newest epoch it has seen and
 rejects older ones (invariant 6). Commands are idempotent: a repeated prefetch returns the load in
 flight, a repeated evict of an absent adapter does nothing, a repeated stage finds the shard staged
-(invariant 7). A stage changes no slot, so it has no delta; its outcome is in the cache's counters.
+(invariant 7). A stage changes no slot, so it has no delta; its outcome is in the cache's counters. A ranking
+replaces the host tier's last one (its eviction order's, ``workers.staging.eviction``) and changes nothing else.
 
 The residency changes a command makes are reported by the cache (``WorkerCache.on_change``), like
 those an engine makes. The controller assumes its commands took effect, so the gate corrects it where
@@ -20,7 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from lora_cache.errors import LoraCacheError, SlotsBusyError
-from lora_cache.vocab import AdapterKey, ApplyResult, Command, Delta, Evict, Prefetch, Stage
+from lora_cache.vocab import AdapterKey, ApplyResult, Command, Delta, Evict, Prefetch, Ranking, Stage
 from workers.cache import WorkerCache
 from workers.staging.warming import WarmQueue
 
@@ -52,6 +53,10 @@ class CommandGate:
                     rejected += 1
                     continue
                 self.epoch = command.epoch
+            if isinstance(command, Ranking):  # the host tier's eviction order (``EvictionOrder.ranked``); never fails
+                self.cache.host.order.ranked(command.names)
+                accepted += 1
+                continue
             try:
                 error = self._apply_one(command)
             except LoraCacheError as e:  # refused before any load started; a bad command costs that command only
@@ -102,7 +107,7 @@ class CommandGate:
         store = self.cache.catalog.get(name, version).store
         return store.size if to_disk and store is not None else self.cache.layout_of(name, version).nbytes
 
-    def _apply_one(self, command: Command) -> str | None:
+    def _apply_one(self, command: Prefetch | Evict | Stage) -> str | None:
         """Why the command failed at once, or None; the cache reports the changes it makes."""
         if isinstance(command, Evict):
             if not self.cache.evict(command.adapter, command.version):

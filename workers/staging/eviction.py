@@ -1,13 +1,33 @@
 """Which idle shard a host tier lets go of first (lifecycle step 5), a strategy of the tier (``EVICTION``):
-``lru``, the least recently used (the default), or ``segmented``, where a one-off read never pushes out a copy that
-is used again or that the controller asked to keep warm.
+``popular`` (the default), where the shard of the adapter the fleet asks for least goes first (the controller's
+ranking) and one touched lately after every other; ``lru``, the least recently used; or ``segmented``, where a
+one-off read never pushes out a copy that is used again or that the controller asked to keep warm.
 
 A plain LRU lets every demand read of a rarely asked-for adapter push out the least recently used copy, and with a
 Zipf catalog most demand reads are of such adapters: in the fitted simulator (1 replica, device store, 4 GiB host
 tier, ``--max-adapters 8``) the 11th most requested adapter was read from the device on 6 of its 7 requests, each
 time pushed out by tail reads between them, while the controller's warm stages (``lora_cache/planner/warming.py``)
-were pushed out as fast as they came (bench/reports/issue-42.md, "the host tier's eviction order"). So under
-``segmented`` a tier's entries are of two kinds, as in segmented LRU / 2Q:
+were pushed out as fast as they came (bench/reports/issue-42.md, "the host tier's eviction order"). Under exclusive
+tiers every entry is a write-back or a warm stage, and the tier let go of the fleet's 8th most popular adapter under
+write-backs of tail adapters requested once.
+
+``popular``: only the controller counts every request of the fleet, so it sends each rank the fleet's adapters most
+asked for first (a ``Ranking``, lora_cache/vocab.py, when it changed, at most every second: planner/warming.py,
+point 5). By each adapter's request rate, the larger of its 60 s counts' and a 15 s half-life's
+(``Popularity.hottest``), so one that became popular lately ranks by its traffic now. The idle entry of the adapter
+ranked lowest goes first (one not ranked before any ranked one, oldest first among equals), and an entry touched
+(read in, fetched or written back) within the last ``recent_s`` (5 s) goes after every other, ranked the same way
+among themselves: a shard just written back is not let go of before its adapter's requests reach the counts. With
+no ranking received (a tier no controller ranks: a baseline policy's, or where warming is off because a miss is
+cheap) every entry ranks alike and the touched times follow the tier's order, so the order is LRU's exactly.
+Measured in the fitted simulator (bench/reports/issue-42.md, "The host tier lets go of the fleet's least asked-for
+shard first"; Zipf 1.5 over 100 8B adapters, a 4 GiB tier, 2,000 measured requests, seeds 0-5): ``global``'s mean
+0.94-0.99x LRU's on all 24 steady runs (1 and 2 replicas, 4 and 8 lanes), 0.96-0.99x with popularity in four
+phases, 0.98-0.99x on S3; p99 at most 1.002x except single seeds at 4 lanes (up to 1.061x; seeds 6-11 of the same
+fleets at most 1.022x, median 0.99-1.00x); device reads 5-9% fewer. A 60 s count alone lost up to 1.088x p99 in
+phases; a 10 s window with it held phases but kept half the gain.
+
+``segmented``: a tier's entries are of two kinds, as in segmented LRU / 2Q:
 
 - **protected**: read by a warm stage (the controller's plan for this tier), fetched again once staged (used
   twice), or read again soon after the tier let go of it (its key is still in the ghost history below);
@@ -17,15 +37,14 @@ An idle probationary entry goes first, oldest first; a protected one only when n
 oldest first too, so a copy nobody asks for any more still ages out. The ghost history remembers the keys the tier
 let go of, newest last, up to the tier's own capacity in their bytes: an adapter asked for again within about one
 tier's worth of turnover comes back protected (without it, an adapter whose requests are further apart than the
-tail's reads take to fill the tier is read from the store every time). Shared by the real tier
-(``workers.staging.host_tier``) and the simulator's (``bench.sim.host_tier``), so both evict alike.
+tail's reads take to fill the tier is read from the store every time). It is not the default: in the fitted
+simulator it lowers the stall per request on 7 of 8 device, page-cache and s3 rows, but helps the baselines as much
+or more, and on the quick routing grid's saturated point (r2-a50-l0.9-uniform-m4-tp1) Route's mean went from 0.96x
+to 1.004x affinity's (docs/known-issues.md). ``popular`` changes nothing where no ranking comes, so neither the
+baselines nor the page-cache grid move.
 
-Why ``lru`` stays the default: in the fitted simulator ``segmented`` lowers the stall per request on 7 of 8 device,
-page-cache and s3 rows and `global`'s mean on most, but it helps the baselines as much or more, and on the quick
-routing grid's saturated point (r2-a50-l0.9-uniform-m4-tp1) Route's mean went from 0.96x to 1.004x affinity's at the
-grid's seed (Route's own figures unchanged over 6 seeds, affinity's better): a change that helps one scenario and
-moves another the wrong way is not made the default until that point is understood (docs/known-issues.md).
-Plain Python, no clock, no lock of its own (the tier's lock covers it).
+Shared by the real tier (``workers.staging.host_tier``) and the simulator's (``bench.sim.host_tier``), so both evict
+alike. Plain Python, no clock (``victim`` is told the time), no lock of its own (the tier's lock covers it).
 """
 
 from __future__ import annotations
@@ -41,26 +60,35 @@ E = TypeVar("E", bound="Guarded")
 
 class Guarded(Protocol):
     protected: bool
+    touched: float  # when the entry was last read in, fetched or written back (the tier's clock, seconds)
 
 
 EVICTION = {
+    "popular": "the shard of the adapter the fleet asks for least goes first (the controller's ranking), one touched "
+               "in the last recent_s seconds after every other; oldest first among equals; LRU until a ranking comes "
+               "(workers/staging/eviction.py)",
     "lru": "the least recently used idle shard goes first",
     "segmented": "a shard read once for a demand goes before one used again, warmed, or read again soon after it "
                  "left; each kind oldest first (workers/staging/eviction.py)",
 }
+RECENT_S = 5.0  # ``popular``: an entry touched this lately goes after every other (the module docstring)
 
 
 class EvictionOrder:
-    """One host tier's protected flags and ghost history (the module docstring); under ``lru`` nothing is protected
-    and nothing remembered, so ``victim`` takes the oldest idle entry."""
+    """One host tier's protected flags and ghost history, or its ranking (the module docstring); under ``lru``
+    nothing is protected, remembered or ranked, so ``victim`` takes the oldest idle entry."""
 
-    def __init__(self, capacity: int, kind: str = "segmented") -> None:
+    def __init__(self, capacity: int, kind: str = "segmented", recent_s: float = RECENT_S) -> None:
         if capacity < 0:
             raise ValueError(f"capacity is {capacity}; give the tier's bytes, >= 0")
         if kind not in EVICTION:
             raise ValueError(f"eviction {kind!r} is not one of {', '.join(EVICTION)}")
-        self.capacity, self.kind = capacity, kind
+        if not recent_s >= 0:
+            raise ValueError(f"recent_s is {recent_s!r}; give seconds >= 0, e.g. {RECENT_S} (0: no window)")
+        self.capacity, self.kind, self.recent_s = capacity, kind, recent_s
         self.segmented = kind == "segmented"  # whether a fetch of a staged entry protects it (used again)
+        self._rank: dict[str, int] = {}  # ``popular``: adapter -> its place in the last ranking (0: most asked for)
+        self.rankings = 0  # rankings taken
         self._ghosts: OrderedDict[AdapterKey, int] = OrderedDict()  # let go of, oldest first -> bytes
         self._ghost_bytes = 0
         self.returned = 0  # misses that found their key in the ghost history (came back protected)
@@ -96,15 +124,50 @@ class EvictionOrder:
             self._ghost_bytes -= gone
 
     def forget(self, name: str) -> None:
-        """Every version of an unregistered adapter leaves the history (a new registration starts afresh)."""
+        """Every version of an unregistered adapter leaves the history (a new registration starts afresh; the
+        controller's next ranking leaves it out, its counts forgotten too)."""
         for key in [k for k in self._ghosts if k.name == name]:
             self._ghost_bytes -= self._ghosts.pop(key)
+
+    def ranked(self, names: Iterable[str]) -> None:
+        """The controller's ranking (``Ranking.names``, most asked for first) replaces the last one; ignored unless
+        ``popular``. Built aside and put in place by one assignment, so the command's thread needs no tier lock: a
+        ``victim`` meanwhile reads the old ranking or the new one whole."""
+        if self.kind != "popular":
+            return
+        rank: dict[str, int] = {}
+        for name in names:
+            rank.setdefault(name, len(rank))
+        self._rank = rank
+        self.rankings += 1
+
+    def ranking(self) -> list[str]:
+        return list(self._rank)
+
+    def victim(self, entries: Iterable[tuple[AdapterKey, E]], idle: Callable[[E], bool],
+               now: float) -> AdapterKey | None:
+        """The entry to let go of first among ``entries`` (oldest first), None if none is idle: under ``popular``,
+        of the idle entries not touched since ``now - recent_s`` (else of all idle ones) the adapter ranked lowest
+        (one not ranked first), the oldest of equals; otherwise ``victim``'s order."""
+        if self.kind != "popular":
+            return victim(entries, idle)
+        rank = self._rank  # one ranking throughout (``ranked`` may replace it meanwhile)
+        worst, best = len(rank), None  # a place past every ranked one: not ranked
+        since = now - self.recent_s
+        for key, entry in entries:
+            if not idle(entry):
+                continue
+            score = (self.recent_s > 0 and entry.touched > since, -rank.get(key.name, worst))
+            if best is None or score < best[0]:
+                best = (score, key)
+        return None if best is None else best[1]
 
     def ghosts(self) -> list[AdapterKey]:
         return list(self._ghosts)
 
     def check_integrity(self) -> None:
         assert self._ghost_bytes == sum(self._ghosts.values()) <= self.capacity, "ghost history bytes disagree"
+        assert not self._rank or self.kind == "popular", "a ranking kept by an order that does not use it"
 
 
 def victim(entries: Iterable[tuple[AdapterKey, E]], idle: Callable[[E], bool]) -> AdapterKey | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from lora_cache.errors import ConfigError
 from workers.reads.proof import VERIFY
 from workers.reads.threads import AUTO_MAX, auto_readers, host_cores
-from workers.staging.eviction import EVICTION
+from workers.staging.eviction import EVICTION, RECENT_S
 from workers.staging.tier_reads import READS
 
 MAX_READ_PARALLEL = 64
@@ -102,8 +102,12 @@ class HostTierConfig:
         "help": "the store read rate this node's warm stages (speculative reads ahead of demand, "
                 "workers/staging/warming.py) may use, in bytes per second, shared evenly by its GPU ranks (object "
                 "stores bill and throttle); reads for requests are never held back by it (0: no limit)"})
-    eviction: str = field(default="lru", metadata={
+    eviction: str = field(default="popular", metadata={
         "help": "which idle shard the tier lets go of first: " + "; ".join(f"{k} ({v})" for k, v in EVICTION.items())})
+    recent_s: float = field(default=RECENT_S, metadata={
+        "help": "eviction popular: a shard touched (read in, fetched, written back) this many seconds ago or less goes "
+                "after every other, so an adapter newly popular is not let go of before the fleet's counts rank it "
+                "(0: rank alone)"})
     tiers: str = field(default="exclusive", metadata={
         "help": "whether the GPU slots and the host tier may hold the same shard: " + "; ".join(
             f"{k} ({v})" for k, v in TIERS.items())})
@@ -137,7 +141,9 @@ class HostTierConfig:
             raise ConfigError(f"reads {self.reads!r} is not one of auto, {', '.join(READS)}; pick one of them")
         if self.eviction not in EVICTION:
             raise ConfigError(f"eviction {self.eviction!r} is not one of {', '.join(EVICTION)}; pick one of them "
-                              "(lru is the default)")
+                              "(popular is the default)")
+        if not (isinstance(self.recent_s, (int, float)) and 0 <= self.recent_s < float("inf")):
+            raise ConfigError(f"recent_s is {self.recent_s!r}; give seconds >= 0, e.g. {RECENT_S} (0: rank alone)")
         if self.tiers not in TIERS:
             raise ConfigError(f"tiers {self.tiers!r} is not one of {', '.join(TIERS)}; pick one of them "
                               "(inclusive is the default)")

@@ -47,6 +47,7 @@ class HostEntry:
     joined: bool = False  # a load joined a warm stage's read: its store fetch yields no more (``DemandMarks.yields``)
     store: StoreSource | None = None  # its adapter's store object: its node disk copy is touched when it is evicted
     protected: bool = False  # let go of after every idle unprotected entry (``workers.staging.eviction``)
+    touched: float = 0.0  # time.monotonic() of its read's start, its last fetch or its write-back (eviction order)
     node_mark: str = ""  # its demand-read marker while it is read ("" for none); under ``lock``
     read_over: bool = False  # its read ended (no marker may be left for it any more); under ``lock``
 

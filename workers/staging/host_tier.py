@@ -1,5 +1,6 @@
 """The pinned host tier: packed shards staged in a bounded arena, single-flight reads; idle shards let go of in its
-``eviction`` strategy's order (``workers.staging.eviction``: least recently used by default).
+``eviction`` strategy's order (``workers.staging.eviction``: the fleet's least asked-for first by default, LRU
+until the controller ranks).
 
 Reads are dispatched on a thread pool (blocking file I/O off the caller's thread) and run where the
 config's ``reads`` strategy says (``workers.staging.tier_reads``): in reader processes that share the arena (a
@@ -34,7 +35,7 @@ from lora_cache.vocab import AdapterKey  # one name@version key for planner and 
 from workers.reads.shard import drop_pages  # re-exported: ``host_tier.drop_pages`` (tests patch it here)
 from workers.staging.arena import ALIGN, Block, HostArena
 from workers.staging.disk_tier import DiskTier
-from workers.staging.eviction import EvictionOrder, victim
+from workers.staging.eviction import EvictionOrder
 from workers.staging.host_config import HostTierConfig
 from workers.staging.host_entry import HostEntry, Wait, chunk_listener, unregistered  # HostEntry re-exported
 from workers.staging.node_reads import DemandMarks, NodeReads
@@ -92,7 +93,8 @@ class HostTier:
         self._pool = ThreadPoolExecutor(config.read_threads, thread_name_prefix="lora-read")
         self._lock = threading.Lock()  # protects _entries, _orphans, _waiting, the counters and the arena
         self._entries: OrderedDict[AdapterKey, HostEntry] = OrderedDict()  # LRU order, oldest first
-        self.order = EvictionOrder(config.host_bytes, config.eviction)  # which idle entry goes first (``eviction``)
+        # which idle entry goes first (``eviction``)
+        self.order = EvictionOrder(config.host_bytes, config.eviction, config.recent_s)
         self._orphans: list[HostEntry] = []  # failed reads whose staged chunks loads may still be copying
         self._waiting: OrderedDict[AdapterKey, Wait] = OrderedDict()  # fetches waiting for room, FIFO
         self._closing = False  # no more waits (the tier is closing)
@@ -129,6 +131,7 @@ class HostTier:
             if entry is not None:
                 self._entries.move_to_end(key)
                 entry.refs, entry.protected = entry.refs + 1, self.order.used_again(entry.protected)
+                entry.touched = time.monotonic()
             elif waiting is not None:
                 waiting.refs += 1
             else:
@@ -136,6 +139,7 @@ class HostTier:
                 if entry is not None:
                     entry.speculative = self.demand.warm
                     entry.protected = self.order.admitted(key, entry.speculative)
+                    entry.touched = time.monotonic()
             if on_chunk is None:  # told of no chunk: if the read fails, this fetcher never lets go (``_failed``)
                 if entry is not None:
                     entry.blind += 1
@@ -273,7 +277,7 @@ class HostTier:
                 log.exception("write-back of %s not issued; the shard leaves the GPU as before", key)
                 self.arena.free(block)
                 return None
-            entry.protected = self.order.written_back(key)
+            entry.protected, entry.touched = self.order.written_back(key), time.monotonic()
             self._entries[key] = entry
             self.written_back += 1
         return entry, event
@@ -311,7 +315,7 @@ class HostTier:
         if self.arena.capacity - self.arena.used_bytes + idle < nbytes:
             return None
         while (block := self.arena.alloc(nbytes)) is None:
-            key = victim(self._entries.items(), lambda e: e.refs == 0 and e.ready.done())
+            key = self.order.victim(self._entries.items(), lambda e: e.refs == 0 and e.ready.done(), time.monotonic())
             if key is None:
                 return None
             gone = self._entries.pop(key)
@@ -350,7 +354,8 @@ class HostTier:
             layout = waiting.layout
             entry = HostEntry(key, layout, block, self.arena.view(block, layout.dtype, layout.numel), waiting.ready,
                               refs=waiting.refs, chunks=waiting.chunks, listeners=waiting.listeners,
-                              blind=waiting.blind, protected=self.order.admitted(key, False), store=waiting.spec.store)
+                              blind=waiting.blind, protected=self.order.admitted(key, False), store=waiting.spec.store,
+                              touched=time.monotonic())
             self._entries[key] = entry
             started.append((waiting.spec, entry))
         return started, failed

@@ -37,6 +37,7 @@ class RelayedCommandKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RELAYED_COMMAND_KIND_PREFETCH: _ClassVar[RelayedCommandKind]
     RELAYED_COMMAND_KIND_EVICT: _ClassVar[RelayedCommandKind]
     RELAYED_COMMAND_KIND_STAGE: _ClassVar[RelayedCommandKind]
+    RELAYED_COMMAND_KIND_RANKING: _ClassVar[RelayedCommandKind]
 
 class ResidencyState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -65,6 +66,7 @@ RELAYED_COMMAND_KIND_UNSPECIFIED: RelayedCommandKind
 RELAYED_COMMAND_KIND_PREFETCH: RelayedCommandKind
 RELAYED_COMMAND_KIND_EVICT: RelayedCommandKind
 RELAYED_COMMAND_KIND_STAGE: RelayedCommandKind
+RELAYED_COMMAND_KIND_RANKING: RelayedCommandKind
 RESIDENCY_STATE_UNSPECIFIED: ResidencyState
 RESIDENCY_STATE_LOADING: ResidencyState
 RESIDENCY_STATE_READY: ResidencyState
@@ -576,7 +578,7 @@ class AttachHello(_message.Message):
     def __init__(self, replica: _Optional[str] = ..., rank: _Optional[int] = ..., tp: _Optional[int] = ..., num_slots: _Optional[int] = ..., model: _Optional[str] = ..., incarnation: _Optional[int] = ..., liveness_s: _Optional[float] = ..., start_s: _Optional[float] = ..., name_wait_s: _Optional[float] = ..., max_adapters: _Optional[int] = ..., max_running: _Optional[int] = ...) -> None: ...
 
 class RelayedCommand(_message.Message):
-    __slots__ = ("kind", "adapter", "version", "priority", "epoch", "speculative", "disk")
+    __slots__ = ("kind", "adapter", "version", "priority", "epoch", "speculative", "disk", "names")
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -584,6 +586,7 @@ class RelayedCommand(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     DISK_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
     kind: RelayedCommandKind
     adapter: str
     version: str
@@ -591,7 +594,8 @@ class RelayedCommand(_message.Message):
     epoch: int
     speculative: bool
     disk: bool
-    def __init__(self, kind: _Optional[_Union[RelayedCommandKind, str]] = ..., adapter: _Optional[str] = ..., version: _Optional[str] = ..., priority: _Optional[int] = ..., epoch: _Optional[int] = ..., speculative: _Optional[bool] = ..., disk: _Optional[bool] = ...) -> None: ...
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kind: _Optional[_Union[RelayedCommandKind, str]] = ..., adapter: _Optional[str] = ..., version: _Optional[str] = ..., priority: _Optional[int] = ..., epoch: _Optional[int] = ..., speculative: _Optional[bool] = ..., disk: _Optional[bool] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ApplyCommands(_message.Message):
     __slots__ = ("commands",)
