@@ -221,7 +221,7 @@ class Replanner:
         if now - at >= self.config.rank_refresh_s:  # once per refresh for the whole fleet: each replica truncates it
             names = self._popularity.hottest(now, RANKING_MAX)
             self._hottest = (now, names)
-        return ranking(self._fleet, names, view.capacity.host_bytes)
+        return ranking(self._fleet, names, view.capacity.host_bytes, self.warming.warm(replica))
 
     def _named(self, replica: str, target: Target, now: float) -> tuple[AdapterKey, ...]:
         """The versions other than the current one that ``replica``'s waiting requests name (``A@VERSION``, issue

@@ -208,13 +208,15 @@ def _first_copy_budgets(fleet: FleetState, shared: dict[str, int]) -> dict[str, 
 RANKING_MAX = 4096  # names in one ranking at most (a tier of tiny adapters needs no longer one to order its own)
 
 
-def ranking(fleet: FleetState, hottest: list[str], host_bytes: int | None) -> tuple[str, ...]:
+def ranking(fleet: FleetState, hottest: list[str], host_bytes: int | None,
+            warm: tuple[AdapterKey, ...] = ()) -> tuple[str, ...]:
     """Point 5: the requested adapters, most asked for first (``hottest``: ``Popularity.hottest``), as long as their
     shards fill twice ``host_bytes`` (a tier never holds more; the rest rank lowest alike), ``RANKING_MAX`` at most;
-    () without a host tier."""
+    then the replica's ``warm`` keys not yet named, so that a tier keeps what it was told to warm (an adapter never
+    requested yet, staged ahead of its first request) before a tail adapter's write-back; () without a host tier."""
     if not host_bytes:
         return ()
-    names: list[str] = []
+    names: dict[str, None] = {}
     left = 2 * host_bytes
     for name in hottest:
         info = fleet.catalog.get(name)
@@ -223,7 +225,11 @@ def ranking(fleet: FleetState, hottest: list[str], host_bytes: int | None) -> tu
         left -= info.bytes_per_rank
         if left < 0 or len(names) == RANKING_MAX:
             break
-        names.append(name)
+        names[name] = None
+    for key in warm:
+        if len(names) == RANKING_MAX:
+            break
+        names.setdefault(key.name, None)
     return tuple(names)
 
 
