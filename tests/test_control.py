@@ -182,7 +182,8 @@ def test_the_fleets_ranking_reaches_the_host_tiers_order_epoch_checked_and_witho
                                                                         for _ in range(1 + i))], now=1.0)
     core.report_queue("r0", [], now=1.1)  # served: adapter-002 requested 3 times, adapter-001 twice, adapter-000 once
     rankings = [c for c in core.plan(1.2, full=True)[WorkerId("r0", 0)] if isinstance(c, Ranking)]
-    assert rankings == [Ranking(("adapter-002", "adapter-001", "adapter-000"), 5)]  # never-requested ones: unranked
+    # the requested by rate, then the warm key never requested (staged ahead: kept before a tail write-back)
+    assert rankings == [Ranking(("adapter-002", "adapter-001", "adapter-000", "adapter-003"), 5)]
     for eviction, kept in (("popular", list(rankings[0].names)), ("lru", [])):
         cache = WorkerCache(WorkerConfig(num_slots=2, device="cpu", host=HostTierConfig(
             host_bytes=1 << 20, pin=False, eviction=eviction)), core.catalog)

@@ -255,9 +255,9 @@ def rankings(planner: Planner, now: float) -> dict[str, Ranking]:
 
 
 def test_every_rank_gets_the_fleets_ranking_when_it_changed_at_most_every_rank_refresh_s() -> None:
-    """Requested adapters by fleet-wide count, most first, as long as twice the rank's host tier holds them; sent
-    at the first plan, not again while it is unchanged, again once the counts reorder it, never sooner than
-    ``rank_refresh_s`` after the last."""
+    """Requested adapters by fleet-wide rate, most first, as long as twice the rank's host tier holds them, then the
+    replica's warm keys; sent at the first plan, not again while it is unchanged, again once the rates reorder it,
+    never sooner than ``rank_refresh_s`` after the last."""
     planner = make(replicas=2, adapters=12, host_bytes=300, rank_refresh_s=2.0)  # 600 bytes: six shards ranked
     for name, times in (("a3", 4), ("a7", 3), ("a1", 2), ("a0", 1)):
         for _ in range(times):
@@ -270,8 +270,13 @@ def test_every_rank_gets_the_fleets_ranking_when_it_changed_at_most_every_rank_r
             planner.record_request(name, "r0", 7.0)
     assert rankings(planner, 7.5) == {}, "computed at 6.0: not again before 8.0"
     again = rankings(planner, 8.0)
-    assert set(again) == {"r0/w0", "r1/w0"} and len(again["r0/w0"].names) == 6  # 600 bytes of 100-byte shards
-    assert again["r0/w0"].names[0] == "a0" and "a11" not in again["r0/w0"].names  # a0's 1 + 6 lead; unseen: none
+    assert set(again) == {"r0/w0", "r1/w0"}
+    names = again["r0/w0"].names
+    # 600 bytes of 100-byte shards: the six asked for 6 times in the last second (2/s over their 3 s minimum age)
+    # before a0 (7 requests over 8 s) and the rest; then the replica's warm keys the six leave out
+    assert names[:6] == ("a2", "a4", "a5", "a6", "a8", "a9")
+    warm = [k.name for k in planner._replan.warming.warm("r0") if k.name not in names[:6]]
+    assert list(names[6:]) == warm
     planner.check_integrity()
 
 
@@ -283,11 +288,11 @@ def test_no_ranking_where_nothing_is_warmed() -> None:
 
 
 @pytest.mark.parametrize("short_s, first", [(15.0, "new"), (0.0, "old")])
-def test_the_ranking_reads_the_larger_of_the_counts_rate_and_the_short_rate(short_s: float, first: str) -> None:
-    """An adapter asked for at 1/s for five minutes, then a new one at 2/s for 20 s: with the 15 s rate the new one
-    ranks first (its traffic now), with the 60 s counts alone the old one still does; an unregistered adapter
-    leaves both, and an adapter no longer asked for falls behind one still asked for."""
-    pop = Popularity(60.0, 100, short_s)
+def test_the_ranking_reads_each_adapters_rate_now_with_the_short_rate_kept(short_s: float, first: str) -> None:
+    """An adapter asked for at 1/s for five minutes, then a new one at 2/s for 20 s: with the short rate kept (read
+    over the new one's own age, the old one's capped by its time without a request) the new one ranks first; with the
+    60 s counts alone the old one still does. An unregistered adapter leaves every counter."""
+    pop = Popularity(60.0, 100, short_s, 3.0)
     for t in range(300):
         pop.observe("old", "r0", float(t))
     for i in range(40):
@@ -298,6 +303,22 @@ def test_the_ranking_reads_the_larger_of_the_counts_rate_and_the_short_rate(shor
     pop.forget("gone")
     assert "gone" not in pop.hottest(320.0, 10)
     pop.check_integrity()
-    pop.observe("old", "r0", 900.0)  # ten minutes later, the new one long forgotten
+    pop.observe("old", "r0", 900.0)  # ten minutes later, the new one long stopped
     assert pop.hottest(900.0, 10) == ["old", "new"]
+    pop.check_integrity()
+
+
+@pytest.mark.parametrize("idle_k, first", [(3.0, "b"), (0.0, "a")])
+def test_an_adapter_that_stopped_falls_below_one_asked_for_now_within_seconds(idle_k: float, first: str) -> None:
+    """a at 1/s and b at 0.5/s for five minutes, then a stops: 10 s later a ranks at most 3 / 10 = 0.3/s, below b
+    (still 0.5/s); with no cap a's counts keep it first for most of a half-life."""
+    pop = Popularity(60.0, 100, 15.0, idle_k)
+    for t in range(300):
+        pop.observe("a", "r0", float(t))
+        if t % 2 == 0:
+            pop.observe("b", "r0", float(t))
+    assert pop.hottest(300.0, 10) == ["a", "b"]
+    for t in range(300, 311, 2):
+        pop.observe("b", "r0", float(t))
+    assert pop.hottest(310.0, 10)[0] == first
     pop.check_integrity()

@@ -72,6 +72,10 @@ class PlannerConfig:
         "help": "the ranking also reads a fleet-wide request rate of this shorter half-life, and ranks each adapter by "
                 "the larger of its two rates: one popular lately ranks by its traffic now, before the half_life_s "
                 "counts catch up (0: those counts alone)"})
+    rank_idle_k: float = field(default=3.0, metadata={
+        "help": "the ranking reads an adapter not requested for T seconds at no more than rank_idle_k / T requests "
+                "per second, so one that stopped falls below those asked for now within seconds (a steady adapter "
+                "of rate r goes longer than k / r without a request one time in e**k; 0: no cap)"})
     place_homes: bool = field(default=True, metadata={
         "help": "global policy: a replica's free GPU room takes the adapters that call it home (the first replicas "
                 "of their rendezvous order, as many as their share of the fleet's traffic: homes.py), never "
@@ -144,6 +148,8 @@ class PlannerConfig:
         if not _finite(self.rank_half_life_s) or self.rank_half_life_s < 0:
             raise ConfigError(f"rank_half_life_s is {self.rank_half_life_s!r}; give seconds >= 0, e.g. 15.0 (0: the "
                               "half_life_s counts alone)")
+        if not _finite(self.rank_idle_k) or self.rank_idle_k < 0:
+            raise ConfigError(f"rank_idle_k is {self.rank_idle_k!r}; give a number >= 0, e.g. 3.0 (0: no cap)")
         if not _finite(self.rank_refresh_s) or self.rank_refresh_s < 0:
             raise ConfigError(f"rank_refresh_s is {self.rank_refresh_s!r}; give seconds >= 0, e.g. 1.0 (0: at every "
                               "plan where it changed)")

@@ -59,7 +59,8 @@ class Planner:
         self._fleet = FleetState()
         self._hints = HintBook(config.hint_ttl_s, config.max_hints_per_replica, config.max_tombstones)
         self._horizon = Horizon(config.hint_horizon_s)  # far hints only fill free room
-        self._popularity = Popularity(config.half_life_s, config.max_tracked_per_replica, config.rank_half_life_s)
+        self._popularity = Popularity(config.half_life_s, config.max_tracked_per_replica, config.rank_half_life_s,
+                                      config.rank_idle_k)
         self._replan = Replanner(config, epoch, self._fleet, self._hints, self._horizon, self._popularity,
                                  self.stats)  # dirty replicas, the policy, the homes, the diff (replan.py)
         self._now: float | None = None  # the latest time given

@@ -71,16 +71,23 @@ class RankedCounts:
         assert abs(self.total - exact) <= 1e-6 * max(1.0, exact), f"total {self.total} is not the sum {exact}"
 
 
+RANK_MIN_AGE_S = 3.0  # ``Popularity.hottest``: a rate is read over at least this long since the first request
+
+
 class FleetRate:
     """A fleet-wide decayed count of its own half-life, scaled to its own landmark as ``Popularity``'s counts are,
-    read as requests per second (a steady rate r reads r once a few half-lives have passed)."""
+    read as requests per second (a steady rate r reads r once a few half-lives have passed); and each adapter's
+    first and last request and how many (``seen``)."""
 
     def __init__(self, half_life_s: float) -> None:
         self.half_life_s = half_life_s
         self.landmark_s: float | None = None
         self.counts = RankedCounts()
+        self.seen: dict[str, tuple[float, float, float]] = {}  # adapter -> (first request, last request, requests)
 
     def observe(self, adapter: str, now: float, weight: float = 1.0) -> None:
+        first, _, requests = self.seen.get(adapter, (now, now, 0.0))
+        self.seen[adapter] = (first, now, requests + weight)
         if self.landmark_s is None:
             self.landmark_s = now
         elif (now - self.landmark_s) / self.half_life_s > _RESCALE_EXPONENT:
@@ -102,12 +109,14 @@ class Popularity:
     """Decayed counts of requests per adapter: one fleet-wide counter and one per replica; with ``short_half_life_s``
     also a fleet-wide rate of that shorter half-life, which ``hottest`` reads beside the fleet's counts."""
 
-    def __init__(self, half_life_s: float, max_tracked_per_replica: int, short_half_life_s: float = 0.0) -> None:
+    def __init__(self, half_life_s: float, max_tracked_per_replica: int, short_half_life_s: float = 0.0,
+                 idle_k: float = 0.0) -> None:
         self.half_life_s = half_life_s
         self.max_tracked_per_replica = max_tracked_per_replica
         self.landmark_s: float | None = None  # t0; None until the first call that passes a time
         self.started_s: float | None = None  # the first time passed: how long the counts have been kept
         self.short = FleetRate(short_half_life_s) if short_half_life_s > 0 else None
+        self.idle_k = idle_k  # ``hottest``: an adapter not asked for in T seconds ranks at most idle_k / T per second
         self.fleet = RankedCounts()
         self.local: dict[str, RankedCounts] = {}
         self.touched: dict[str, dict[str, float]] = {}  # replica -> adapter -> when its requests last touched it
@@ -165,19 +174,35 @@ class Popularity:
         return counts.get(adapter) * 2.0 ** -self._exponent(now)
 
     def hottest(self, now: float, limit: int) -> list[str]:
-        """The requested adapters by the larger of two rates, most first (ties by name): the fleet's counts (the
-        half-life's) and the short rate's, if kept; of each, its ``limit`` largest. The short rate ranks an adapter
-        that became popular lately as high as its traffic now, before the long counts catch up; the long counts
-        keep a steady one high through a lull (bench/reports/issue-42.md, "the host tier's popular order")."""
+        """The requested adapters by their request rate now, most first (ties by name); of each counter, its
+        ``limit`` largest. With the short rate kept (bench/reports/issue-42.md, "the host tier lets go of the fleet's
+        least asked-for shard first"):
+
+        - the larger of the counts' rate (the half-life's) and the short rate: a steady adapter keeps its place
+          through a lull, and one that became popular lately ranks by its traffic now;
+        - each read over the time since the adapter's first request (``RANK_MIN_AGE_S`` at least) where it had two
+          or more, not over the counters' whole memory: a decayed count of a rate r that began t ago reads
+          r * (1 - 2**(-t / half-life)), so a new adapter at 0.4/s read 0.15/s after 10 s and ranked below the
+          adapters it replaced;
+        - at most ``idle_k / T`` for an adapter not asked for in the last T seconds (for a steady one, T > idle_k /
+          rate one time in e**idle_k): one that stopped falls below the ones asked for now in seconds, not in a
+          half-life."""
         scale = self.per_second(now)
         names = dict.fromkeys(key for _, key in self.fleet.order[:limit])
         short = self.short
-        if short is not None:
-            names.update(dict.fromkeys(short.top(limit)))
+        if short is None:
+            return sorted(names, key=lambda name: (-self.fleet.get(name), name))
+        names.update(dict.fromkeys(short.top(limit)))
 
         def rate(name: str) -> float:
-            long = self.fleet.get(name) * scale
-            return long if short is None else max(long, short.per_second(name, now))
+            long, fast = self.fleet.get(name) * scale, short.per_second(name, now)
+            first, last, requests = short.seen.get(name, (now, now, 0.0))
+            if requests >= 2:  # a rate over the adapter's own age (one request is not a rate)
+                age = max(now - first, RANK_MIN_AGE_S) * math.log(2.0)
+                long /= -math.expm1(-age / self.half_life_s)
+                fast /= -math.expm1(-age / short.half_life_s)
+            best = max(long, fast)
+            return min(best, self.idle_k / (now - last)) if self.idle_k and now > last else best
 
         return sorted(names, key=lambda name: (-rate(name), name))
 
@@ -191,6 +216,7 @@ class Popularity:
             counts.forget(adapter)
         if self.short is not None:
             self.short.counts.forget(adapter)
+            self.short.seen.pop(adapter, None)
         for seen in self.touched.values():
             seen.pop(adapter, None)
 
@@ -226,6 +252,7 @@ class Popularity:
         self.fleet.check_integrity()
         if self.short is not None:
             self.short.counts.check_integrity()
+            assert self.short.counts.values.keys() <= self.short.seen.keys(), "a short rate with no request seen"
         for replica, counts in self.local.items():
             counts.check_integrity()
             for key in counts.values:
