@@ -44,12 +44,13 @@ sends each warm key once per assignment, as a speculative ``Stage`` (the disk's 
 a warm copy once the worker reports it read (``FleetState.hosted``), not when it is sent.
 
 5. While it warms, every worker is also sent the fleet's ranking (``ranking``, a ``Ranking`` command): the
-   requested adapters by their fleet-wide request rate, most first (the larger of the decayed counts' rate and a
-   15 s half-life's: ``Popularity.hottest``), as many as twice its host tier holds. A host
-   tier evicting in the ``popular`` order (workers/staging/eviction.py) lets go of the least asked-for idle shard
-   first, so what demand reads and write-backs of tail adapters push out is the tail, not the fleet's 8th most
-   popular adapter. Computed at most every ``rank_refresh_s`` and sent to a worker only when it changed since its
-   last.
+   requested adapters by their fleet-wide request rate now, most first (``Popularity.hottest``: the larger of the
+   decayed counts' rate and a 15 s half-life's, each over the adapter's own age, capped for one no longer asked
+   for), as many as twice its host tier holds, then its replica's warm keys. A host tier evicting in the ``popular``
+   order (workers/staging/eviction.py) lets go of the lowest ranked idle shard first, so what demand reads and
+   write-backs of tail adapters push out is the tail, not the fleet's 8th most popular adapter nor a warm copy
+   staged ahead of its first request. Computed at most every ``rank_refresh_s`` and sent to a worker only when it
+   changed since its last.
 Plain Python: no clock of its own, the same inputs give the same assignment.
 """
 

@@ -12,20 +12,17 @@ tiers every entry is a write-back or a warm stage, and the tier let go of the fl
 write-backs of tail adapters requested once.
 
 ``popular``: only the controller counts every request of the fleet, so it sends each rank the fleet's adapters most
-asked for first (a ``Ranking``, lora_cache/vocab.py, when it changed, at most every second: planner/warming.py,
-point 5). By each adapter's request rate, the larger of its 60 s counts' and a 15 s half-life's
-(``Popularity.hottest``), so one that became popular lately ranks by its traffic now. The idle entry of the adapter
-ranked lowest goes first (one not ranked before any ranked one, oldest first among equals), and an entry touched
-(read in, fetched or written back) within the last ``recent_s`` (5 s) goes after every other, ranked the same way
-among themselves: a shard just written back is not let go of before its adapter's requests reach the counts. With
-no ranking received (a tier no controller ranks: a baseline policy's, or where warming is off because a miss is
-cheap) every entry ranks alike and the touched times follow the tier's order, so the order is LRU's exactly.
-Measured in the fitted simulator (bench/reports/issue-42.md, "The host tier lets go of the fleet's least asked-for
-shard first"; Zipf 1.5 over 100 8B adapters, a 4 GiB tier, 2,000 measured requests, seeds 0-5): ``global``'s mean
-0.94-0.99x LRU's on all 24 steady runs (1 and 2 replicas, 4 and 8 lanes), 0.96-0.99x with popularity in four
-phases, 0.98-0.99x on S3; p99 at most 1.002x except single seeds at 4 lanes (up to 1.061x; seeds 6-11 of the same
-fleets at most 1.022x, median 0.99-1.00x); device reads 5-9% fewer. A 60 s count alone lost up to 1.088x p99 in
-phases; a 10 s window with it held phases but kept half the gain.
+asked for first, then the rank's replica's warm keys (a ``Ranking``, lora_cache/vocab.py, when it changed, at most
+every second: planner/warming.py, point 5). By each adapter's request rate now (``Popularity.hottest``): the larger
+of its 60 s counts' and a 15 s half-life's, each read over the adapter's own age since its first request, and at most
+3/T for one not asked for in the last T seconds, so one that became popular lately ranks by its traffic now and one
+that stopped falls behind within seconds. The idle entry of the adapter ranked lowest goes first (one not ranked
+before any ranked one, oldest first among equals), and an entry touched (read in, fetched or written back) within the
+last ``recent_s`` (5 s) goes after every other, ranked the same way among themselves: a shard just written back is
+not let go of before the next ranking. With no ranking received (a tier no controller ranks: a baseline policy's, or
+where warming is off because a miss is cheap) every entry ranks alike and the touched times follow the tier's order,
+so the order is LRU's exactly. Measured in the fitted simulator: bench/reports/issue-42.md, "The host tier lets go
+of the fleet's least asked-for shard first".
 
 ``segmented``: a tier's entries are of two kinds, as in segmented LRU / 2Q:
 
