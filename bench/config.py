@@ -94,10 +94,10 @@ class BenchConfig:
         "help": "pinned host tier bytes per rank, the same for every policy (default 16 GiB: a quarter of a 512 GiB "
                 "host's memory over its 8 GPU ranks); 0: the host tier's auto size (a share of this host's available "
                 "memory over its GPU ranks), resolved once on the driver"})
-    host_eviction: str = field(default="popular", metadata={
-        "help": "the host tier's eviction order, the same for every policy: popular (the fleet's least asked-for "
-                "adapters first, by the controller's ranking: LRU where no controller ranks, as for the baselines) | "
-                "lru | segmented (read-once shards first); workers/staging/eviction.py"})
+    host_eviction: str = field(default="lru", metadata={
+        "help": "the host tier's eviction order, the same for every policy: lru (the default) | popular (the "
+                "fleet's least asked-for adapters first, by the controller's ranking: LRU where no controller ranks, "
+                "as for the baselines) | segmented (read-once shards first); workers/staging/eviction.py"})
     host_recent_s: float = field(default=RECENT_S, metadata={
         "help": "host_eviction popular: a shard touched this many seconds ago or less goes after every other "
                 "(HostTierConfig.recent_s; 0: rank alone)"})
@@ -142,7 +142,7 @@ class BenchConfig:
             raise ConfigError(f"engine {self.engine!r} is not one of {ENGINES}")
         if self.host_eviction not in EVICTION:
             raise ConfigError(f"host_eviction {self.host_eviction!r} is not one of {', '.join(EVICTION)}; pick one "
-                              "(popular is the default)")
+                              "(lru is the default)")
         if not (isinstance(self.host_recent_s, (int, float)) and 0 <= self.host_recent_s < float("inf")):
             raise ConfigError(f"host_recent_s is {self.host_recent_s!r}; give seconds >= 0, e.g. {RECENT_S} (0: rank "
                               "alone)")

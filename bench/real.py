@@ -95,7 +95,7 @@ class RealConfig:
     dtype: str = "float32"  # slots and compute; bfloat16 on GPUs
     worker_cpus: float = 0.25
     host_bytes: int = 2 << 30
-    host_eviction: str = "popular"  # HostTierConfig.eviction
+    host_eviction: str = "lru"  # HostTierConfig.eviction
     host_recent_s: float = RECENT_S  # HostTierConfig.recent_s
     host_tiers: str = "exclusive"  # HostTierConfig.tiers
     timeout_s: float = 900.0  # one policy's whole run

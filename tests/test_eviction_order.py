@@ -53,7 +53,7 @@ def test_a_key_let_go_of_comes_back_protected_once_and_the_history_is_bounded_by
     assert order.ghosts() == [] and order.returned == 1
     with pytest.raises(ValueError, match="capacity is -1"):
         EvictionOrder(-1)
-    with pytest.raises(ValueError, match="eviction 'mru' is not one of popular, lru, segmented"):
+    with pytest.raises(ValueError, match="eviction 'mru' is not one of lru, popular, segmented"):
         EvictionOrder(10, "mru")
 
 

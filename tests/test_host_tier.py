@@ -462,7 +462,7 @@ def test_host_tier_config_errors() -> None:
         HostTierConfig(read_threads=0)
     with pytest.raises(ConfigError, match=r"reads 'fork' is not one of auto, thread, process"):
         HostTierConfig(reads="fork")
-    with pytest.raises(ConfigError, match=r"eviction 'lfu' is not one of popular, lru, segmented"):
+    with pytest.raises(ConfigError, match=r"eviction 'lfu' is not one of lru, popular, segmented"):
         HostTierConfig(eviction="lfu")
     assert HostTierConfig().reads_for(pinned=True) == "process" and HostTierConfig().reads_for(pinned=False) == "thread"
     assert HostTierConfig(reads="thread").reads_for(pinned=True) == "thread"

@@ -288,9 +288,8 @@ def run_warm_gate(doc: Mapping[str, Any]) -> float:
 
 def check(doc: dict[str, Any], fit: str = "pooled", noise: int = 0) -> dict[str, Any]:
     """``compare`` for a results.json document of a ``--engine real`` run."""
-    # a run from before --fetch-order (2026-12-03) shared the store among its demand fetches, and one from before
-    # --host-eviction evicted LRU (the default until 2026-12-06): replayed so
-    bench = BenchConfig(**{"fetch_order": "shared", "host_eviction": "lru", **doc["config"]["bench"]})
+    # a run from before --fetch-order (2026-12-03) shared the store among its demand fetches: replayed so
+    bench = BenchConfig(**{"fetch_order": "shared", **doc["config"]["bench"]})
     w = doc["config"]["workload"]
     spec = WorkloadSpec(arrivals=w["arrivals"], popularity=w["popularity"], requests=w["requests"],
                         random_input_len=w["random_input_len"], random_output_len=w["random_output_len"],

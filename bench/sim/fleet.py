@@ -153,8 +153,8 @@ class SimConfig:
     adapter_ranks: str = field(default="16,64", metadata={"help": "LoRA ranks given to the adapters in turn"})
     host_bytes: int = field(default=2 << 30, metadata={"help": "pinned host tier bytes per rank"})
     read_threads: int = field(default=4, metadata={"help": "disk reader threads per rank"})
-    host_eviction: str = field(default="popular", metadata={
-        "help": "the host tier's eviction order: popular | lru | segmented (HostTierConfig.eviction)"})
+    host_eviction: str = field(default="lru", metadata={
+        "help": "the host tier's eviction order: lru | popular | segmented (HostTierConfig.eviction)"})
     host_recent_s: float = field(default=RECENT_S, metadata={
         "help": "eviction popular: a shard touched this lately goes after every other (HostTierConfig.recent_s)"})
     host_tiers: str = field(default="exclusive", metadata={

@@ -2,7 +2,7 @@
 stages (``workers.staging.warming.WarmQueue``'s): a split of ``bench/sim/worker.py`` along its seam (lifecycle step 5).
 
 ``SimHostTier``: staged shards by key, counted in bytes, let go of in ``workers.staging.eviction``'s order
-(``SimConfig.host_eviction``: popular by default, LRU until ranked), single-flight reads on ``read_threads`` reader
+(``SimConfig.host_eviction``: LRU by default), single-flight reads on ``read_threads`` reader
 threads (from the page cache at the calibration's cost, or from a ``SimStore``), fetches that wait FIFO for room held
 by loads in flight; it tells ``on_change`` what it holds as it changes ("staged" once read, "unstaged" when the tier
 lets go of it), as the real tier's deltas do. ``SimWarmQueue``: speculative stages, one at a time, only while no

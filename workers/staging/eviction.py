@@ -1,7 +1,7 @@
 """Which idle shard a host tier lets go of first (lifecycle step 5), a strategy of the tier (``EVICTION``):
-``popular`` (the default), where the shard of the adapter the fleet asks for least goes first (the controller's
-ranking) and one touched lately after every other; ``lru``, the least recently used; or ``segmented``, where a
-one-off read never pushes out a copy that is used again or that the controller asked to keep warm.
+``lru``, the least recently used (the default); ``popular``, where the shard of the adapter the fleet asks for least
+goes first (the controller's ranking) and one touched lately after every other; or ``segmented``, where a one-off
+read never pushes out a copy that is used again or that the controller asked to keep warm.
 
 A plain LRU lets every demand read of a rarely asked-for adapter push out the least recently used copy, and with a
 Zipf catalog most demand reads are of such adapters: in the fitted simulator (1 replica, device store, 4 GiB host
@@ -21,8 +21,11 @@ before any ranked one, oldest first among equals), and an entry touched (read in
 last ``recent_s`` (5 s) goes after every other, ranked the same way among themselves: a shard just written back is
 not let go of before the next ranking. With no ranking received (a tier no controller ranks: a baseline policy's, or
 where warming is off because a miss is cheap) every entry ranks alike and the touched times follow the tier's order,
-so the order is LRU's exactly. Measured in the fitted simulator: bench/reports/issue-42.md, "The host tier lets go
-of the fleet's least asked-for shard first".
+so the order is LRU's exactly. Measured in the fitted simulator (bench/reports/issue-42.md, "The host tier lets go
+of the fleet's least asked-for shard first"): ``global``'s median over seeds lower on every fleet tried. It is not
+the default yet: the routing grid runs ``global`` behind every router, so ``popular`` moves the simple routers'
+figures too (r8-a500-l0.3-uniform-m4-tp4: least-loaded's mean 34.81 -> 34.78 ms, Route's unchanged), and the grid's
+verdicts under it have not been judged again, nor has it run on a GPU (docs/known-issues.md).
 
 ``segmented``: a tier's entries are of two kinds, as in segmented LRU / 2Q:
 
@@ -37,8 +40,7 @@ tier's worth of turnover comes back protected (without it, an adapter whose requ
 tail's reads take to fill the tier is read from the store every time). It is not the default: in the fitted
 simulator it lowers the stall per request on 7 of 8 device, page-cache and s3 rows, but helps the baselines as much
 or more, and on the quick routing grid's saturated point (r2-a50-l0.9-uniform-m4-tp1) Route's mean went from 0.96x
-to 1.004x affinity's (docs/known-issues.md). ``popular`` changes nothing where no ranking comes, so neither the
-baselines nor the page-cache grid move.
+to 1.004x affinity's (docs/known-issues.md).
 
 Shared by the real tier (``workers.staging.host_tier``) and the simulator's (``bench.sim.host_tier``), so both evict
 alike. Plain Python, no clock (``victim`` is told the time), no lock of its own (the tier's lock covers it).
@@ -61,10 +63,10 @@ class Guarded(Protocol):
 
 
 EVICTION = {
+    "lru": "the least recently used idle shard goes first",
     "popular": "the shard of the adapter the fleet asks for least goes first (the controller's ranking), one touched "
                "in the last recent_s seconds after every other; oldest first among equals; LRU until a ranking comes "
                "(workers/staging/eviction.py)",
-    "lru": "the least recently used idle shard goes first",
     "segmented": "a shard read once for a demand goes before one used again, warmed, or read again soon after it "
                  "left; each kind oldest first (workers/staging/eviction.py)",
 }

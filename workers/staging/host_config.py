@@ -102,7 +102,7 @@ class HostTierConfig:
         "help": "the store read rate this node's warm stages (speculative reads ahead of demand, "
                 "workers/staging/warming.py) may use, in bytes per second, shared evenly by its GPU ranks (object "
                 "stores bill and throttle); reads for requests are never held back by it (0: no limit)"})
-    eviction: str = field(default="popular", metadata={
+    eviction: str = field(default="lru", metadata={
         "help": "which idle shard the tier lets go of first: " + "; ".join(f"{k} ({v})" for k, v in EVICTION.items())})
     recent_s: float = field(default=RECENT_S, metadata={
         "help": "eviction popular: a shard touched (read in, fetched, written back) this many seconds ago or less goes "
@@ -141,7 +141,7 @@ class HostTierConfig:
             raise ConfigError(f"reads {self.reads!r} is not one of auto, {', '.join(READS)}; pick one of them")
         if self.eviction not in EVICTION:
             raise ConfigError(f"eviction {self.eviction!r} is not one of {', '.join(EVICTION)}; pick one of them "
-                              "(popular is the default)")
+                              "(lru is the default)")
         if not (isinstance(self.recent_s, (int, float)) and 0 <= self.recent_s < float("inf")):
             raise ConfigError(f"recent_s is {self.recent_s!r}; give seconds >= 0, e.g. {RECENT_S} (0: rank alone)")
         if self.tiers not in TIERS:

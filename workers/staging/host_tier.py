@@ -1,6 +1,5 @@
 """The pinned host tier: packed shards staged in a bounded arena, single-flight reads; idle shards let go of in its
-``eviction`` strategy's order (``workers.staging.eviction``: the fleet's least asked-for first by default, LRU
-until the controller ranks).
+``eviction`` strategy's order (``workers.staging.eviction``: least recently used by default).
 
 Reads are dispatched on a thread pool (blocking file I/O off the caller's thread) and run where the
 config's ``reads`` strategy says (``workers.staging.tier_reads``): in reader processes that share the arena (a
