@@ -9,6 +9,7 @@ The property: Route's p99 TTFT is at most 1.05x, and its mean at most 1.0x, the 
     python -m bench.sweep --grid routing --points 'r2-*' --out grid
     python -m bench.sweep --grid routing-quick --out grid        # the CI subset (tests/test_routing_grid.py)
     python -m bench.sweep --grid routing --seeds 0,1,2,3 --jobs 2 --out grid   # judged on medians of 4 seeds
+    python -m bench.sweep --grid routing --host-eviction popular --out grid     # every fleet's host tier order
 
 A p99 of 400-2,000 requests swings between workload seeds as much as the bound itself (issue 42: five of six points
 that missed at seed 0 held at another), so with ``--seeds`` each point runs every seed (the same fleet, another
@@ -26,6 +27,7 @@ steps of the calibration's costs. So a point at load 0.9 is below saturation for
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import fnmatch
 import itertools
 import json
@@ -41,12 +43,27 @@ from bench.sim.calibration import Calibration, load_calibration
 from bench.workloads import WorkloadSpec, make_workload
 from lora_cache.errors import ConfigError
 from lora_cache.routing.ranking import RouterConfig
+from workers.staging.eviction import EVICTION
 
 SLOTS = 8
 ROUTERS = ("lora-cache", "affinity", "least-loaded")
 P99_LIMIT, MEAN_LIMIT = 1.05, 1.0  # Route against the better of affinity and least-loaded
 POPULARITIES = ("uniform", "zipf:0.6", "zipf:1", "zipf:1.5", "bursty")
 INPUT_LEN, OUTPUT_LEN = 512, 128  # the workload's longest prompt and output (uniform in [1, len])
+
+
+@dataclasses.dataclass(frozen=True)
+class Knobs:
+    """What a grid run sets on every point's fleet beside the point itself (``--join-over``, ``--host-eviction``):
+    the same for all three routers, so each point still compares routers alone."""
+
+    join_over: float = RouterConfig.join_over
+    host_eviction: str = SimConfig.host_eviction
+
+    def __post_init__(self) -> None:  # a clear error before any point runs
+        RouterConfig(join_over=self.join_over)
+        if self.host_eviction not in EVICTION:
+            raise ConfigError(f"--host-eviction is {self.host_eviction!r}; give one of {', '.join(EVICTION)}")
 
 
 class Point(NamedTuple):
@@ -82,9 +99,10 @@ class Point(NamedTuple):
             workload_seed=seed,
         )
 
-    def fleet(self, router: str, join_over: float = RouterConfig.join_over) -> SimConfig:
+    def fleet(self, router: str, knobs: Knobs = Knobs()) -> SimConfig:
         return SimConfig(
-            join_over=join_over,
+            join_over=knobs.join_over,
+            host_eviction=knobs.host_eviction,
             replicas=self.replicas,
             tp=self.tp,
             slots=SLOTS,
@@ -170,14 +188,14 @@ def select(points: Iterable[Point], patterns: str) -> list[Point]:
 
 
 def run_point(point: Point, calibration: Calibration, policy: str = "global",
-              join_over: float = RouterConfig.join_over, seed: int = 0) -> Figures:
+              knobs: Knobs = Knobs(), seed: int = 0) -> Figures:
     """One point at one workload seed: every router's figures."""
     spec = point.spec(calibration, seed)
     workload = make_workload(spec, spec.adapter_names(SLOTS))
     figures = {}
     for router in ROUTERS:
         t0 = time.perf_counter()
-        s = simulate(point.fleet(router, join_over), BENCH_POLICIES[policy], workload, calibration).summary()
+        s = simulate(point.fleet(router, knobs), BENCH_POLICIES[policy], workload, calibration).summary()
         figures[router] = {
             "mean_ttft_ms": s["mean_ttft_ms"],
             "p99_ttft_ms": s["p99_ttft_ms"],
@@ -187,12 +205,12 @@ def run_point(point: Point, calibration: Calibration, policy: str = "global",
     return figures
 
 
-def _judged(point: Point, calibration: Calibration, join_over: float, seeds: tuple[int, ...]) -> Outcome:
-    return Outcome(point, tuple(run_point(point, calibration, join_over=join_over, seed=s) for s in seeds), seeds)
+def _judged(point: Point, calibration: Calibration, knobs: Knobs, seeds: tuple[int, ...]) -> Outcome:
+    return Outcome(point, tuple(run_point(point, calibration, knobs=knobs, seed=s) for s in seeds), seeds)
 
 
 def run_grid(points: Sequence[Point], calibration: str, out: Path | None, log: TextIO,
-             join_over: float = RouterConfig.join_over, seeds: Sequence[int] = (0,), jobs: int = 1) -> list[Outcome]:
+             knobs: Knobs = Knobs(), seeds: Sequence[int] = (0,), jobs: int = 1) -> list[Outcome]:
     """Every point at every seed (``jobs`` points at once, in processes), in the points' order."""
     if not points:
         raise ConfigError(
@@ -215,10 +233,10 @@ def run_grid(points: Sequence[Point], calibration: str, out: Path | None, log: T
 
     if jobs == 1:
         for point in points:
-            done(_judged(point, cal, join_over, picked))
+            done(_judged(point, cal, knobs, picked))
     else:
         with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
-            for o in pool.map(_judged, points, itertools.repeat(cal), itertools.repeat(join_over),
+            for o in pool.map(_judged, points, itertools.repeat(cal), itertools.repeat(knobs),
                               itertools.repeat(picked)):
                 done(o)
     return outcomes

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.config import BenchConfig
-from bench.grid import GRIDS, run_grid, select
+from bench.grid import GRIDS, Knobs, run_grid, select
 from bench.grid import table as grid_table
 from bench.report import cell
 from bench.run import run
@@ -177,13 +177,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "(e.g. 'r2-*-m1-*'; default: every point)")
     p.add_argument("--join-over", type=float, default=RouterConfig.join_over, help="--grid: the lora-cache router's "
                    "RouterConfig.join_over (1: off)")
+    p.add_argument("--host-eviction", default=Knobs.host_eviction, help="--grid: every fleet's host tier order "
+                   "(SimConfig.host_eviction: lru, popular, segmented)")
     p.add_argument("--seeds", default="", help="--grid: comma list of workload seeds; each point runs every seed and "
                    "is judged on the medians of Route's ratios (default: --seed alone)")
     p.add_argument("--jobs", type=int, default=1, help="--grid: points run at once, in processes")
     ns = p.parse_args(argv)
     if ns.grid:
         return grid_main(ns.grid, ns.points, ns.calibration, Path(ns.out), ns.join_over,
-                         ns.seeds or str(ns.seed), ns.jobs)
+                         ns.seeds or str(ns.seed), ns.jobs, ns.host_eviction)
     scenarios = [s for s in ns.scenarios.split(",") if s]
     routers = [r for r in ns.routers.split(",") if r]
     try:
@@ -210,16 +212,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def grid_main(name: str, points: str, calibration: str, out: Path, join_over: float = RouterConfig.join_over,
-              seeds: str = "0", jobs: int = 1) -> int:
+              seeds: str = "0", jobs: int = 1, host_eviction: str = Knobs.host_eviction) -> int:
     try:
         if name not in GRIDS:
             raise ConfigError(f"grid {name!r} is not one of {', '.join(GRIDS)}")
-        RouterConfig(join_over=join_over)  # a clear error before any point runs
+        knobs = Knobs(join_over, host_eviction)  # a clear error before any point runs
         try:
             picked = tuple(int(s) for s in seeds.split(",") if s.strip())
         except ValueError:
             raise ConfigError(f"--seeds is {seeds!r}; give a comma list of workload seeds, e.g. 0,1,2,3") from None
-        outcomes = run_grid(select(GRIDS[name](), points), calibration, out, sys.stderr, join_over, picked, jobs)
+        outcomes = run_grid(select(GRIDS[name](), points), calibration, out, sys.stderr, knobs, picked, jobs)
     except LoraCacheError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

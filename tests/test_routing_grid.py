@@ -170,3 +170,21 @@ def _route_with(name: str, router: Any) -> tuple[Any, dict[str, float], dict[str
     workload = make_workload(spec, spec.adapter_names(grid.SLOTS))
     other = simulate(point.fleet("lora-cache"), BENCH_POLICIES["global"], workload, cal, router=router).summary()
     return default, best, other
+
+
+def test_the_grids_knobs_reach_every_routers_fleet_and_a_bad_one_is_refused_before_any_point_runs(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--join-over`` and ``--host-eviction`` (issue 42: the ``popular`` order is judged on the grid before it is the
+    default) set the same fleet for all three routers, so a point still compares routers alone."""
+    from bench import sweep
+
+    point = grid.quick_grid()[0]
+    knobs = grid.Knobs(join_over=2.0, host_eviction="popular")
+    fleets = [point.fleet(r, knobs) for r in grid.ROUTERS]
+    assert {(f.join_over, f.host_eviction) for f in fleets} == {(2.0, "popular")}
+    assert [f.routing for f in fleets] == list(grid.ROUTERS)
+    assert point.fleet("affinity").host_eviction == "lru" == grid.Knobs().host_eviction  # the simulator's default
+    assert sweep.main(["--grid", "routing", "--host-eviction", "mru", "--out", "/nonexistent/grid"]) == 2
+    assert "--host-eviction is 'mru'; give one of lru, popular, segmented" in capsys.readouterr().err
+    assert sweep.main(["--grid", "routing", "--join-over", "0.5", "--out", "/nonexistent/grid"]) == 2
+    assert "join_over is 0.5" in capsys.readouterr().err
