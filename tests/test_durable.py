@@ -330,3 +330,23 @@ def test_the_catalog_copy_is_written_beside_the_gcs_and_restored_when_the_gcs_ha
     assert CatalogCopy(str(copy), "svc-b").get() is None, "another service's copy is its own"
     with pytest.raises(ConfigError, match="catalog copy 'rel/dir' is not an absolute directory nor s3://"):
         DurableConfig(catalog_copy="rel/dir")
+
+
+def test_a_restored_planner_reads_the_request_rates_of_the_one_it_replaced() -> None:
+    """``Popularity.observed_per_second`` (the rate by which a hot adapter gets its extra homes, homes.py) reads a
+    count over the time it was kept. A restarted controller's counts began at its restart, so the restored counts
+    of the minutes before were read over the seconds since: 2 requests/s read as 37. They are read over the window
+    they were kept for, whether the new planner had counted a request of its own before the restore or not."""
+    before = make(replicas=2)
+    for i in range(40):
+        before.record_request("a5", "r0", 1.0 + 0.5 * i)
+    for own in (False, True):
+        after = make(replicas=2, start=20.5)  # a new controller's clock: the restart is its first time
+        if own:
+            after.record_request("a6", "r1", 20.5)
+        after.restore_state(decode(encode(before, DurableConfig())), 21.0)
+        for planner in (before, after):
+            planner.record_request("a5", "r0", 21.0)
+        rates = [p._popularity.observed_per_second(21.0, 1.0) * p._popularity.fleet.get("a5") for p in (before, after)]
+        assert 1.5 < rates[0] < 2.5 and rates[1] == pytest.approx(rates[0]), (own, rates)
+        after.check_integrity()

@@ -38,9 +38,9 @@ READY, IN_USE, LOADING = SlotState.READY, SlotState.IN_USE, SlotState.LOADING
 # -- helpers ----------------------------------------------------------------------------------------
 def make(policy: str = "global", replicas: int = 1, tp: int = 2, slots: int = 2, adapters: int = 8,
          bytes_per_rank: int = 100, bytes_per_worker: int | None = None, epoch: int = 7,
-         host_bytes: int | None = None, **config: object) -> Planner:
-    """r0..rN, each with workers rK/w0..; adapters a0..aM at version v1. Speculation's rules are tested
-    without its rate gate (the small counts here stand for well under 0.5 requests per second)."""
+         host_bytes: int | None = None, start: float = 0.0, **config: object) -> Planner:
+    """r0..rN, each with workers rK/w0..; adapters a0..aM at version v1, first planned at ``start``. Speculation's
+    rules are tested without its rate gate (the small counts here stand for well under 0.5 requests per second)."""
     config.setdefault("speculate_min_rate", 0.0)
     config.setdefault("stage_min_rate", 0.0)
     config.setdefault("warm_host_share", 0.0)  # warming ahead of demand: test_warming.py
@@ -49,7 +49,7 @@ def make(policy: str = "global", replicas: int = 1, tp: int = 2, slots: int = 2,
              for r in range(replicas)]
     infos = [AdapterInfo(f"a{i}", "v1", bytes_per_rank) for i in range(adapters)]
     planner = Planner(PlannerConfig(policy=policy, **config), epoch, infos, specs)  # type: ignore[arg-type]
-    planner.plan(0.0)  # nothing held, nothing queued: clears the dirty flags of a new fleet
+    planner.plan(start)  # nothing held, nothing queued: clears the dirty flags of a new fleet
     return planner
 
 

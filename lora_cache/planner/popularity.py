@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_left, insort
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from lora_cache.planner.records import AdapterInfo
 
@@ -74,6 +74,31 @@ class RankedCounts:
 RANK_MIN_AGE_S = 3.0  # ``Popularity.hottest``: a rate is read over at least this long since the first request
 
 
+class DecayClock:
+    """The landmark t0 that a set of counters is scaled to, for one half-life (module docstring): an event at ``now``
+    adds ``2**exponent(now)``, a scaled count decays by ``2**-exponent(now)``; ``advance`` rescales the counters and
+    moves t0 to ``now`` once the exponent grows large."""
+
+    def __init__(self, half_life_s: float) -> None:
+        self.half_life_s = half_life_s
+        self.landmark_s: float | None = None  # t0; None until the first time is passed
+
+    def exponent(self, now: float) -> float:
+        assert self.landmark_s is not None
+        return (now - self.landmark_s) / self.half_life_s
+
+    def advance(self, now: float, counters: Iterable[RankedCounts]) -> None:
+        """Move to ``now`` (the caller guarantees time never goes back): the first time passed becomes t0; with a
+        large exponent every one of ``counters`` is rescaled (same order, no overflow) and t0 moves to ``now``."""
+        if self.landmark_s is None:
+            self.landmark_s = now
+        elif self.exponent(now) > _RESCALE_EXPONENT:
+            factor = 2.0 ** -self.exponent(now)
+            for counts in counters:
+                counts.rescale(factor)
+            self.landmark_s = now
+
+
 class FleetRate:
     """A fleet-wide decayed count of its own half-life, scaled to its own landmark as ``Popularity``'s counts are,
     read as requests per second (a steady rate r reads r once a few half-lives have passed); and each adapter's
@@ -81,25 +106,20 @@ class FleetRate:
 
     def __init__(self, half_life_s: float) -> None:
         self.half_life_s = half_life_s
-        self.landmark_s: float | None = None
+        self.clock = DecayClock(half_life_s)
         self.counts = RankedCounts()
         self.seen: dict[str, tuple[float, float, float]] = {}  # adapter -> (first request, last request, requests)
 
     def observe(self, adapter: str, now: float, weight: float = 1.0) -> None:
         first, _, requests = self.seen.get(adapter, (now, now, 0.0))
         self.seen[adapter] = (first, now, requests + weight)
-        if self.landmark_s is None:
-            self.landmark_s = now
-        elif (now - self.landmark_s) / self.half_life_s > _RESCALE_EXPONENT:
-            self.counts.rescale(2.0 ** -((now - self.landmark_s) / self.half_life_s))
-            self.landmark_s = now
-        self.counts.add(adapter, weight * 2.0 ** ((now - self.landmark_s) / self.half_life_s))
+        self.clock.advance(now, (self.counts,))
+        self.counts.add(adapter, weight * 2.0 ** self.clock.exponent(now))
 
     def per_second(self, adapter: str, now: float) -> float:
-        if self.landmark_s is None:
+        if self.clock.landmark_s is None:
             return 0.0
-        return self.counts.get(adapter) * 2.0 ** -((now - self.landmark_s) / self.half_life_s) * math.log(2.0) / \
-            self.half_life_s
+        return self.counts.get(adapter) * 2.0 ** -self.clock.exponent(now) * math.log(2.0) / self.half_life_s
 
     def top(self, n: int) -> list[str]:
         return [key for _, key in self.counts.order[:n]]
@@ -113,7 +133,7 @@ class Popularity:
                  idle_k: float = 0.0) -> None:
         self.half_life_s = half_life_s
         self.max_tracked_per_replica = max_tracked_per_replica
-        self.landmark_s: float | None = None  # t0; None until the first call that passes a time
+        self.clock = DecayClock(half_life_s)  # the landmark t0 of ``fleet`` and ``local``
         self.started_s: float | None = None  # the first time passed: how long the counts have been kept
         self.short = FleetRate(short_half_life_s) if short_half_life_s > 0 else None
         self.idle_k = idle_k  # ``hottest``: an adapter not asked for in T seconds ranks at most idle_k / T per second
@@ -121,15 +141,20 @@ class Popularity:
         self.local: dict[str, RankedCounts] = {}
         self.touched: dict[str, dict[str, float]] = {}  # replica -> adapter -> when its requests last touched it
 
+    @property
+    def landmark_s(self) -> float | None:
+        """t0 of the fleet's and the replicas' counts (durable.py saves and restores it)."""
+        return self.clock.landmark_s
+
+    @landmark_s.setter
+    def landmark_s(self, value: float | None) -> None:
+        self.clock.landmark_s = value
+
     def advance(self, now: float) -> None:
         """Move to `now` (the caller guarantees time never goes back); rescale if counts grew large."""
-        if self.landmark_s is None:
-            self.landmark_s = self.started_s = now
-        elif self._exponent(now) > _RESCALE_EXPONENT:
-            factor = 2.0 ** -self._exponent(now)
-            for counts in (self.fleet, *self.local.values()):
-                counts.rescale(factor)
-            self.landmark_s = now
+        if self.started_s is None:
+            self.started_s = now
+        self.clock.advance(now, (self.fleet, *self.local.values()))
 
     def observe(self, adapter: str, replica: str, now: float, weight: float = 1.0) -> None:
         """Count one request (or `weight` requests) for `adapter` at `replica`, at `now`."""
@@ -259,8 +284,7 @@ class Popularity:
                 assert key in self.fleet.values, f"{key!r} counted at {replica!r} but not fleet-wide"
 
     def _exponent(self, now: float) -> float:
-        assert self.landmark_s is not None
-        return (now - self.landmark_s) / self.half_life_s
+        return self.clock.exponent(now)
 
 
 class ReplicaScorer:
