@@ -714,7 +714,8 @@ def test_global_ranks_the_fleet_for_its_host_tiers_and_a_baselines_popular_tier_
     popular = dataclasses.replace(device, host_eviction="popular")
     ranked = simulate(popular, BENCH_POLICIES["global"], workload(), H200, check=True)
     assert int(ranked.controller["ranking_commands"]) > 0  # type: ignore[call-overload]
+    assert ranked.totals()["host_rankings"] > 0  # taken by the tiers' order, counted as WorkerCache.stats() does
     lru = simulate(device, BENCH_POLICIES["queue"], workload(), H200, check=True)
     same = simulate(popular, BENCH_POLICIES["queue"], workload(), H200, check=True)
     assert same.controller["ranking_commands"] == 0
-    assert same.summary() == lru.summary() and same.totals() == lru.totals()
+    assert same.summary() == lru.summary() and same.totals() == lru.totals() and lru.totals()["host_rankings"] == 0

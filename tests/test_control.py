@@ -194,6 +194,7 @@ def test_the_fleets_ranking_reaches_the_host_tiers_order_epoch_checked_and_witho
             stale = gate.apply([Ranking(("adapter-003",), 4)])
             assert (stale.accepted, stale.rejected_stale, stale.errors) == (0, 1, ())
             assert cache.host.order.ranking() == kept
+            assert cache.stats()["host_rankings"] == (2 if kept else 0)  # the rankings the order took
             assert outbox.deltas == [] and cache.residency() == []
         finally:
             cache.close()

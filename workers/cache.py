@@ -387,6 +387,7 @@ class WorkerCache:
             snap = self.counters.snapshot()
             snap.update(host_hits=self.host.hits, host_misses=self.host.misses, host_waits=self.host.waits,
                         host_written_back=self.host.written_back, bytes_disk_to_host=self.host.bytes_read,
+                        host_rankings=self.host.order.rankings,
                         slots_ready=table.count(SlotPhase.READY), slots_loading=table.count(SlotPhase.LOADING),
                         host_bytes_used=self.host.arena.used_bytes, **resident_prefetches(self.book.loads.values()))
         snap.update(self.disk.stats())

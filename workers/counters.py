@@ -80,5 +80,6 @@ def resident_prefetches(loads: Iterable[_Load]) -> dict[str, int]:
 # What WorkerCache.stats() counts (rather than reports as a level): CacheCounters' counts plus the host
 # tier's, in that order; and its latency summaries (the load records have every load's timings).
 STATS_COUNTERS = (*(f.name for f in fields(CacheCounters) if f.type in (int, "int")),
-                  "host_hits", "host_misses", "host_waits", "host_written_back", "bytes_disk_to_host")
+                  "host_hits", "host_misses", "host_waits", "host_written_back", "bytes_disk_to_host",
+                  "host_rankings")  # Ranking commands its host tier's order took (issue 42's ``popular``)
 STATS_SUMMARIES = tuple(f.name for f in fields(CacheCounters) if f.name not in STATS_COUNTERS)

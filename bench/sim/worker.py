@@ -151,7 +151,8 @@ class SimWorker:
     def counts(self) -> dict[str, int]:
         """The integer counters of ``stats()`` (cheap: no latency summaries)."""
         host = {"host_hits": self.host.hits, "host_misses": self.host.misses, "host_waits": self.host.waits,
-                "host_written_back": self.host.written_back, "bytes_disk_to_host": self.host.bytes_read}
+                "host_written_back": self.host.written_back, "bytes_disk_to_host": self.host.bytes_read,
+                "host_rankings": self.host.order.rankings}
         return {k: host[k] if k in host else getattr(self.counters, k) for k in STATS_COUNTERS}
 
     def stats(self) -> dict[str, object]:
@@ -159,6 +160,7 @@ class SimWorker:
         snap = self.counters.snapshot()
         snap.update(host_hits=self.host.hits, host_misses=self.host.misses, host_waits=self.host.waits,
                     host_written_back=self.host.written_back, bytes_disk_to_host=self.host.bytes_read,
+                    host_rankings=self.host.order.rankings,
                     slots_ready=self.table.count(SlotPhase.READY), slots_loading=self.table.count(SlotPhase.LOADING),
                     host_bytes_used=self.host.used, **resident_prefetches(self._loads.values()))
         return snap
