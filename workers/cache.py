@@ -27,7 +27,7 @@ from lora_cache.adapters.shapes import MODULE_ORDER, ModelShape
 from lora_cache.adapters.shards import ShardLayout, max_shard_numel, shard_layout
 from lora_cache.errors import ConfigError
 from lora_cache.vocab import NAMESPACE, AdapterKey, Delta, ReadinessRecord
-from workers.counters import resident_prefetches
+from workers.counters import host_counts, resident_prefetches
 from workers.gpu.acquire import Acquirer, AdapterRef, Batch
 from workers.gpu.book import SlotBook
 from workers.gpu.lend import PoolLender
@@ -385,10 +385,8 @@ class WorkerCache:
         table = self.book.table
         with self.book.lock:
             snap = self.counters.snapshot()
-            snap.update(host_hits=self.host.hits, host_misses=self.host.misses, host_waits=self.host.waits,
-                        host_written_back=self.host.written_back, bytes_disk_to_host=self.host.bytes_read,
-                        host_rankings=self.host.order.rankings,
-                        slots_ready=table.count(SlotPhase.READY), slots_loading=table.count(SlotPhase.LOADING),
+            snap.update(host_counts(self.host))
+            snap.update(slots_ready=table.count(SlotPhase.READY), slots_loading=table.count(SlotPhase.LOADING),
                         host_bytes_used=self.host.arena.used_bytes, **resident_prefetches(self.book.loads.values()))
         snap.update(self.disk.stats())
         return snap

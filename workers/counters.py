@@ -77,9 +77,32 @@ def resident_prefetches(loads: Iterable[_Load]) -> dict[str, int]:
     return {"prefetch_resident_used": used, "prefetch_resident_unused": unused}
 
 
+class _Ordered(Protocol):
+    rankings: int
+
+
+class _HostTier(Protocol):  # workers.staging.host.HostTier, bench.sim.host_tier.SimHostTier
+    hits: int
+    misses: int
+    waits: int
+    written_back: int
+    bytes_read: int
+
+    @property
+    def order(self) -> _Ordered: ...
+
+
+def host_counts(tier: _HostTier) -> dict[str, int]:
+    """A host tier's counters as ``WorkerCache.stats()`` names them (``host_rankings``: the Ranking commands its
+    order took, issue 42's ``popular``)."""
+    return {"host_hits": tier.hits, "host_misses": tier.misses, "host_waits": tier.waits,
+            "host_written_back": tier.written_back, "bytes_disk_to_host": tier.bytes_read,
+            "host_rankings": tier.order.rankings}
+
+
 # What WorkerCache.stats() counts (rather than reports as a level): CacheCounters' counts plus the host
 # tier's, in that order; and its latency summaries (the load records have every load's timings).
 STATS_COUNTERS = (*(f.name for f in fields(CacheCounters) if f.type in (int, "int")),
                   "host_hits", "host_misses", "host_waits", "host_written_back", "bytes_disk_to_host",
-                  "host_rankings")  # Ranking commands its host tier's order took (issue 42's ``popular``)
+                  "host_rankings")
 STATS_SUMMARIES = tuple(f.name for f in fields(CacheCounters) if f.name not in STATS_COUNTERS)

@@ -41,7 +41,7 @@ from bench.sim.host_tier import SimHostTier, SimWarmQueue, _Staged
 from bench.sim.pins import SimPins
 from lora_cache.errors import CapacityError
 from lora_cache.vocab import AdapterKey, Command, Evict, Ranking, Stage
-from workers.counters import STATS_COUNTERS, CacheCounters, resident_prefetches
+from workers.counters import STATS_COUNTERS, CacheCounters, host_counts, resident_prefetches
 from workers.engine.admission import CopyClock
 from workers.gpu.loads import write_back_pieces
 from workers.gpu.slots import SlotPhase, SlotTable
@@ -150,18 +150,14 @@ class SimWorker:
 
     def counts(self) -> dict[str, int]:
         """The integer counters of ``stats()`` (cheap: no latency summaries)."""
-        host = {"host_hits": self.host.hits, "host_misses": self.host.misses, "host_waits": self.host.waits,
-                "host_written_back": self.host.written_back, "bytes_disk_to_host": self.host.bytes_read,
-                "host_rankings": self.host.order.rankings}
+        host = host_counts(self.host)
         return {k: host[k] if k in host else getattr(self.counters, k) for k in STATS_COUNTERS}
 
     def stats(self) -> dict[str, object]:
         """``WorkerCache.stats()``'s keys."""
         snap = self.counters.snapshot()
-        snap.update(host_hits=self.host.hits, host_misses=self.host.misses, host_waits=self.host.waits,
-                    host_written_back=self.host.written_back, bytes_disk_to_host=self.host.bytes_read,
-                    host_rankings=self.host.order.rankings,
-                    slots_ready=self.table.count(SlotPhase.READY), slots_loading=self.table.count(SlotPhase.LOADING),
+        snap.update(host_counts(self.host))
+        snap.update(slots_ready=self.table.count(SlotPhase.READY), slots_loading=self.table.count(SlotPhase.LOADING),
                     host_bytes_used=self.host.used, **resident_prefetches(self._loads.values()))
         return snap
 
