@@ -92,17 +92,17 @@ class _HostTier(Protocol):  # workers.staging.host.HostTier, bench.sim.host_tier
     def order(self) -> _Ordered: ...
 
 
+HOST_COUNTERS = ("host_hits", "host_misses", "host_waits", "host_written_back", "bytes_disk_to_host", "host_rankings")
+
+
 def host_counts(tier: _HostTier) -> dict[str, int]:
     """A host tier's counters as ``WorkerCache.stats()`` names them (``host_rankings``: the Ranking commands its
     order took, issue 42's ``popular``)."""
-    return {"host_hits": tier.hits, "host_misses": tier.misses, "host_waits": tier.waits,
-            "host_written_back": tier.written_back, "bytes_disk_to_host": tier.bytes_read,
-            "host_rankings": tier.order.rankings}
+    values = (tier.hits, tier.misses, tier.waits, tier.written_back, tier.bytes_read, tier.order.rankings)
+    return dict(zip(HOST_COUNTERS, values, strict=True))
 
 
 # What WorkerCache.stats() counts (rather than reports as a level): CacheCounters' counts plus the host
 # tier's, in that order; and its latency summaries (the load records have every load's timings).
-STATS_COUNTERS = (*(f.name for f in fields(CacheCounters) if f.type in (int, "int")),
-                  "host_hits", "host_misses", "host_waits", "host_written_back", "bytes_disk_to_host",
-                  "host_rankings")
+STATS_COUNTERS = (*(f.name for f in fields(CacheCounters) if f.type in (int, "int")), *HOST_COUNTERS)
 STATS_SUMMARIES = tuple(f.name for f in fields(CacheCounters) if f.name not in STATS_COUNTERS)

@@ -82,12 +82,8 @@ def _merge_popularity(saved: Mapping[str, Any], popularity: Popularity, catalog:
     landmark = saved["landmark_s"]
     if landmark is None:
         return 0, 0
-    if popularity.landmark_s is None:
-        popularity.landmark_s = float(landmark)
-    # The restored counts are as old as their landmark at least (it moves only after 256 half-lives, past which
-    # ``observed_per_second``'s window no longer grows), so they are read over the window they were kept for.
-    popularity.started_s = min(float(landmark), popularity.started_s if popularity.started_s is not None else math.inf)
-    exponent = (float(landmark) - popularity.landmark_s) / popularity.half_life_s
+    popularity.restore_landmark(float(landmark))
+    exponent = popularity.clock.exponent(float(landmark))
     taken = dropped = 0
     counters: list[tuple[str | None, Mapping[str, float]]] = [(None, saved["fleet"])]
     counters += sorted(saved["local"].items())

@@ -105,7 +105,6 @@ class FleetRate:
     first and last request and how many (``seen``)."""
 
     def __init__(self, half_life_s: float) -> None:
-        self.half_life_s = half_life_s
         self.clock = DecayClock(half_life_s)
         self.counts = RankedCounts()
         self.seen: dict[str, tuple[float, float, float]] = {}  # adapter -> (first request, last request, requests)
@@ -121,6 +120,10 @@ class FleetRate:
             return 0.0
         return self.counts.get(adapter) * 2.0 ** -self.clock.exponent(now) * math.log(2.0) / self.half_life_s
 
+    @property
+    def half_life_s(self) -> float:
+        return self.clock.half_life_s
+
     def top(self, n: int) -> list[str]:
         return [key for _, key in self.counts.order[:n]]
 
@@ -131,7 +134,6 @@ class Popularity:
 
     def __init__(self, half_life_s: float, max_tracked_per_replica: int, short_half_life_s: float = 0.0,
                  idle_k: float = 0.0) -> None:
-        self.half_life_s = half_life_s
         self.max_tracked_per_replica = max_tracked_per_replica
         self.clock = DecayClock(half_life_s)  # the landmark t0 of ``fleet`` and ``local``
         self.started_s: float | None = None  # the first time passed: how long the counts have been kept
@@ -142,13 +144,21 @@ class Popularity:
         self.touched: dict[str, dict[str, float]] = {}  # replica -> adapter -> when its requests last touched it
 
     @property
+    def half_life_s(self) -> float:
+        return self.clock.half_life_s
+
+    @property
     def landmark_s(self) -> float | None:
-        """t0 of the fleet's and the replicas' counts (durable.py saves and restores it)."""
+        """t0 of the fleet's and the replicas' counts (durable.py saves it)."""
         return self.clock.landmark_s
 
-    @landmark_s.setter
-    def landmark_s(self, value: float | None) -> None:
-        self.clock.landmark_s = value
+    def restore_landmark(self, landmark_s: float) -> None:
+        """Counts scaled to ``landmark_s`` are about to be restored (durable.py): it becomes t0 if none is set, and
+        the counts are read over the window since then (a landmark moves only after 256 half-lives, past which
+        ``observed_per_second``'s window no longer grows), not over the seconds since this planner started."""
+        if self.clock.landmark_s is None:
+            self.clock.landmark_s = landmark_s
+        self.started_s = min(landmark_s, self.started_s if self.started_s is not None else math.inf)
 
     def advance(self, now: float) -> None:
         """Move to `now` (the caller guarantees time never goes back); rescale if counts grew large."""
@@ -159,7 +169,7 @@ class Popularity:
     def observe(self, adapter: str, replica: str, now: float, weight: float = 1.0) -> None:
         """Count one request (or `weight` requests) for `adapter` at `replica`, at `now`."""
         self.advance(now)
-        amount = weight * 2.0 ** self._exponent(now)
+        amount = weight * 2.0 ** self.clock.exponent(now)
         self.fleet.add(adapter, amount)
         local = self.local.get(replica)
         if local is None:
@@ -196,7 +206,7 @@ class Popularity:
         counts = self.fleet if replica is None else self.local.get(replica)
         if counts is None or self.landmark_s is None:
             return 0.0
-        return counts.get(adapter) * 2.0 ** -self._exponent(now)
+        return counts.get(adapter) * 2.0 ** -self.clock.exponent(now)
 
     def hottest(self, now: float, limit: int) -> list[str]:
         """The requested adapters by their request rate now, most first (ties by name); of each counter, its
@@ -260,7 +270,7 @@ class Popularity:
         r * half_life / ln 2 (an underestimate for the first half-lives of a run or of a new adapter)."""
         if now is None or self.landmark_s is None:
             return 0.0
-        return 2.0 ** -self._exponent(now) * math.log(2.0) / self.half_life_s
+        return 2.0 ** -self.clock.exponent(now) * math.log(2.0) / self.half_life_s
 
     def observed_per_second(self, now: float | None, min_window_s: float) -> float:
         """``per_second`` over the time the counts were kept: a steady rate r counted since ``started_s`` has a
@@ -271,7 +281,7 @@ class Popularity:
             return 0.0
         tau = self.half_life_s / math.log(2.0)
         window = tau * -math.expm1(-max(0.0, now - self.started_s) / tau)
-        return 2.0 ** -self._exponent(now) / max(window, min_window_s)
+        return 2.0 ** -self.clock.exponent(now) / max(window, min_window_s)
 
     def check_integrity(self) -> None:
         self.fleet.check_integrity()
@@ -282,9 +292,6 @@ class Popularity:
             counts.check_integrity()
             for key in counts.values:
                 assert key in self.fleet.values, f"{key!r} counted at {replica!r} but not fleet-wide"
-
-    def _exponent(self, now: float) -> float:
-        return self.clock.exponent(now)
 
 
 class ReplicaScorer:

@@ -23,9 +23,10 @@ not let go of before the next ranking. With no ranking received (a tier no contr
 where warming is off because a miss is cheap) every entry ranks alike and the touched times follow the tier's order,
 so the order is LRU's exactly. Measured in the fitted simulator (bench/reports/issue-42.md, "The host tier lets go
 of the fleet's least asked-for shard first"): ``global``'s median over seeds lower on every fleet tried. It is not
-the default yet: the routing grid runs ``global`` behind every router, so ``popular`` moves the simple routers'
-figures too (r8-a500-l0.3-uniform-m4-tp4: least-loaded's mean 34.81 -> 34.78 ms, Route's unchanged), and the grid's
-verdicts under it have not been judged again, nor has it run on a GPU (docs/known-issues.md).
+the default: on one H100 (one replica, device store, 250 + 250 requests) it was lower on two seeds of four and
+higher on two (median 0.971x LRU's mean), as the simulator predicts for so short a window; a once-seen adapter asked
+for again 20-30 s later goes first here where LRU keeps it. The routing grid's sample holds under it as under LRU
+(bench/reports/issue-42.md, "The `popular` order on a GPU and on the routing grid"; docs/known-issues.md).
 
 ``segmented``: a tier's entries are of two kinds, as in segmented LRU / 2Q:
 
