@@ -1,0 +1,287 @@
+"""A miss on the device store (issue 42): the real path's read of an adapter whose pages are not in the page cache,
+against what the device itself gives, measured in the same run on the same files.
+
+    python -m bench.probes.cold_device --out results/cold_device.json [--model llama-3.1-8b] [--rank 64]
+        [--adapters DIR] [--threads 1,16,64] [--repeats 3] [--device auto]
+    python -m bench.probes.cold_device --model tiny --rank 16 --device cpu --out /tmp/cold_device.json   # anywhere
+
+The benchmark's device store (``bench.run --store device``) drops every adapter file's pages before each policy and
+after each read (``HostTierConfig.drop_page_cache``), so a host-tier miss reads from the device. On the GPU hosts
+those reads ran at 1.3-1.9 GB/s per read (bench/reports/issue-42.md), and a rank-64 8B shard took ~270 ms, more than
+a router's lead hides. Whether that is the device or the path is what this measures. Each figure reads one whole
+adapter file (``adapter_model.safetensors``) after dropping its pages (``POSIX_FADV_DONTNEED``):
+
+- ``buffered_T``: ``T`` threads of 8 MiB ``preadv`` through the page cache (the kernel's readahead);
+- ``direct_T``: ``T`` threads of 8 MiB ``preadv`` with ``O_DIRECT`` into page-aligned memory (no page cache, no
+  readahead: the device's own rate at that queue depth); "unsupported" where the file system refuses ``O_DIRECT``
+  (tmpfs);
+- ``mmap_T``: ``T`` threads copying 8 MiB slices of the file's mapping (page faults: the shape of
+  ``workers.reads.shard.read_shard``, the reader of the real path);
+- ``path``: the real path: ``WorkerCache.prefetch`` of the adapter at TP 1, a host-tier miss each time (the adapter
+  evicted and dropped from the host tier first) to READY, with ``drop_page_cache`` as the benchmark sets it; its
+  store read alone is ``path_read`` (the record's ``disk_ms``).
+
+Each is the median over ``--repeats`` reads, in GB/s of the file's bytes (``path`` of the shard's). The kinds take turns
+over the same few files, so each meets the device as the others do. The device under ``--adapters`` is named
+(``/proc/mounts``, ``/sys/class/block``). The table ends with the path's store read over the fastest reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
+from lora_cache.adapters.synth import SynthConfig, make_adapters
+from lora_cache.errors import ConfigError
+from workers.cache import WorkerCache, WorkerConfig
+from workers.staging.host_config import HostTierConfig
+
+CHUNK = 8 << 20  # bytes per read call of the references
+ALIGN = 4096  # O_DIRECT: offsets, lengths and the buffer's address
+WEIGHTS = "adapter_model.safetensors"
+
+
+def drop(path: Path) -> None:
+    """The file's pages out of the page cache: its next read comes from the device (tmpfs keeps them)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _parallel(threads: int, size: int, work: Callable[[int, int], int]) -> int:
+    """``work(offset, length)`` over the file's 8 MiB chunks, taken in turn by ``threads`` threads; bytes read."""
+    chunks = [(o, min(CHUNK, size - o)) for o in range(0, size, CHUNK)]
+    lock, done, errors = threading.Lock(), [0], []
+
+    def run() -> None:
+        try:
+            while True:
+                with lock:
+                    if not chunks:
+                        return
+                    offset, length = chunks.pop(0)
+                got = work(offset, length)
+                with lock:
+                    done[0] += got
+        except BaseException as e:  # noqa: BLE001 - reported by the caller
+            errors.append(e)
+
+    pool = [threading.Thread(target=run, daemon=True) for _ in range(max(1, threads))]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if errors:
+        raise errors[0]
+    return done[0]
+
+
+def read_buffered(path: Path, threads: int) -> int:
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    local = threading.local()
+
+    def work(offset: int, length: int) -> int:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = bytearray(CHUNK)
+        return os.preadv(fd, [memoryview(buf)[:length]], offset)
+
+    try:
+        got = _parallel(threads, size, work)
+    finally:
+        os.close(fd)
+    if got != size:
+        raise RuntimeError(f"{path}: read {got} of {size} bytes")
+    return size
+
+
+def read_direct(path: Path, threads: int) -> int:
+    """OSError (EINVAL) where the file system refuses O_DIRECT."""
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+    local = threading.local()
+
+    def work(offset: int, length: int) -> int:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = mmap.mmap(-1, CHUNK)  # page-aligned
+        want = -(-length // ALIGN) * ALIGN  # the last chunk rounded up: the read stops at the end of the file
+        return min(length, os.preadv(fd, [memoryview(buf)[:want]], offset))
+
+    try:
+        got = _parallel(threads, size, work)
+    finally:
+        os.close(fd)
+    if got != size:
+        raise RuntimeError(f"{path}: read {got} of {size} bytes with O_DIRECT")
+    return size
+
+
+def read_mmap(path: Path, threads: int) -> int:
+    size = path.stat().st_size
+    dest = torch.empty(size, dtype=torch.uint8)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
+        source = torch.frombuffer(mapped, dtype=torch.uint8)  # a private mapping: read, never written
+
+        def work(offset: int, length: int) -> int:
+            dest[offset : offset + length].copy_(source[offset : offset + length])  # the GIL released
+            return length
+
+        try:
+            got = _parallel(threads, size, work)
+        finally:
+            del source
+    if got != size:
+        raise RuntimeError(f"{path}: copied {got} of {size} bytes")
+    return size
+
+
+def device_of(path: Path) -> dict[str, Any]:
+    """The mount and block device holding ``path`` and the queue settings that bear on a read."""
+    best, info = "", {"mount": "?", "fs": "?", "source": "?"}
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            source, point, fs = line.split()[:3]
+            if str(path.resolve()).startswith(point) and len(point) > len(best):
+                best, info = point, {"mount": point, "fs": fs, "source": source}
+    except OSError:
+        return info
+    name = Path(info["source"]).name
+    block = Path("/sys/class/block") / name
+    if block.exists():
+        queue = block / "queue" if (block / "queue").exists() else block.resolve().parent / "queue"
+        for key in ("rotational", "read_ahead_kb", "nr_requests", "max_sectors_kb"):
+            with_key = queue / key
+            if with_key.exists():
+                info[key] = with_key.read_text().strip()
+        model = block.resolve().parent / "device" / "model"
+        if not model.exists():
+            model = block / "device" / "model"
+        if model.exists():
+            info["model"] = model.read_text().strip()
+    return info
+
+
+def _catalog(root: Path, model: str, rank: int, count: int) -> AdapterCatalog:
+    if not all((root / f"cd{rank}-{i:03d}" / WEIGHTS).exists() for i in range(count)):
+        make_adapters(root, SynthConfig(model=model, count=count, rank=str(rank), prefix=f"cd{rank}", seed=rank))
+    catalog = AdapterCatalog(CatalogConfig(adapter_roots=(str(root),), model=model, max_rank=rank))
+    catalog.register_dir(root)
+    return catalog
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    threads = [int(t) for t in args.threads.split(",")]
+    if args.repeats < 1 or not threads or min(threads) < 1:
+        raise ConfigError(f"--repeats {args.repeats} and --threads {args.threads!r} must be >= 1, e.g. --repeats 3 "
+                          "--threads 1,16,64")
+    root = Path(args.adapters or tempfile.mkdtemp(prefix="cold-device-"))
+    catalog = _catalog(root, args.model, args.rank, args.files)
+    names = [f"cd{args.rank}-{i:03d}" for i in range(args.files)]
+    paths = [root / n / WEIGHTS for n in names]
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
+        "cpu" if args.device == "auto" else args.device)
+    kinds: dict[str, Callable[[Path], int]] = {}
+    for t in threads:
+        kinds[f"buffered_{t}"] = lambda p, t=t: read_buffered(p, t)
+        kinds[f"direct_{t}"] = lambda p, t=t: read_direct(p, t)
+        kinds[f"mmap_{t}"] = lambda p, t=t: read_mmap(p, t)
+    seconds: dict[str, list[float]] = {k: [] for k in (*kinds, "path", "path_read")}
+    unsupported: dict[str, str] = {}
+    nbytes = paths[0].stat().st_size
+    host = HostTierConfig(host_bytes=2 * nbytes + (64 << 20), drop_page_cache=True)
+    cache = WorkerCache(WorkerConfig(num_slots=1, tp=1, tp_rank=0, device=device, host=host), catalog)
+    shard = cache.layout_of(names[0]).nbytes
+    turn = 0
+    try:
+        for _ in range(args.repeats):
+            for kind, read in [*kinds.items(), ("path", None)]:
+                if kind in unsupported:
+                    continue
+                name, path = names[turn % len(names)], paths[turn % len(paths)]
+                turn += 1
+                if read is None:  # the real path: a host-tier miss of a file whose pages are dropped
+                    cache.evict(name)
+                    cache.host.drop_adapter(name)
+                    drop(path)
+                    t0 = time.perf_counter()
+                    record = cache.prefetch(name).result(timeout=600)
+                    seconds["path"].append(time.perf_counter() - t0)
+                    if record.host_hit:
+                        raise RuntimeError(f"{name}: the path's load was a host-tier hit; the probe needs a miss")
+                    seconds["path_read"].append(record.disk_ms / 1e3)
+                    cache.evict(name)
+                    continue
+                drop(path)
+                try:
+                    t0 = time.perf_counter()
+                    read(path)
+                    seconds[kind].append(time.perf_counter() - t0)
+                except OSError as e:
+                    if not kind.startswith("direct_"):
+                        raise
+                    unsupported[kind] = f"{type(e).__name__}: {e}"
+    finally:
+        cache.close()
+    gbps = {k: (shard if k.startswith("path") else nbytes) / statistics.median(v) / 1e9
+            for k, v in seconds.items() if v}
+    references = {k: v for k, v in gbps.items() if not k.startswith("path")}
+    best = max(references, key=references.__getitem__)
+    return {"model": args.model, "rank": args.rank, "file_bytes": nbytes, "shard_bytes": shard, "device": device,
+            "store": device_of(root), "adapters": str(root), "repeats": args.repeats, "GBps": gbps,
+            "ms": {k: statistics.median(v) * 1e3 for k, v in seconds.items() if v}, "unsupported": unsupported,
+            "best_reference": best, "path_read_over_best": gbps["path_read"] / gbps[best],
+            "path_over_best": gbps["path"] / gbps[best]}
+
+
+def table(out: dict[str, Any]) -> str:
+    rows = ["| read | ms | GB/s |", "| --- | ---: | ---: |"]
+    rows += [f"| {k} | {out['ms'][k]:.1f} | {g:.2f} |" for k, g in out["GBps"].items()]
+    rows += [f"| {k} | unsupported | {why} |" for k, why in out["unsupported"].items()]
+    store = ", ".join(f"{k} {v}" for k, v in out["store"].items())
+    return (f"{out['model']} rank {out['rank']}: {out['file_bytes'] / 1e6:.0f} MB per file, on {store}\n"
+            + "\n".join(rows)
+            + f"\n\nthe path's store read / the best reference ({out['best_reference']}): "
+              f"{out['path_read_over_best']:.2f}; prefetch -> READY / it: {out['path_over_best']:.2f}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.probes.cold_device", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--rank", type=int, default=64)
+    parser.add_argument("--adapters", default="", help="directory for the probe's adapters (made if missing)")
+    parser.add_argument("--files", type=int, default=3, help="adapter files the reads take turns over")
+    parser.add_argument("--threads", default="1,16,64", help="reader threads of the references")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="auto", help="the path's device: auto, cuda or cpu")
+    parser.add_argument("--out", default="", help="JSON of every figure")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    out = measure(args)
+    print(table(out))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
