@@ -29,6 +29,7 @@ over the same few files, so each meets the device as the others do. The device u
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import mmap
 import os
@@ -77,7 +78,7 @@ def _parallel(threads: int, size: int, work: Callable[[int, int], int]) -> int:
                 got = work(offset, length)
                 with lock:
                     done[0] += got
-        except BaseException as e:  # noqa: BLE001 - reported by the caller
+        except BaseException as e:  # reported by the caller
             errors.append(e)
 
     pool = [threading.Thread(target=run, daemon=True) for _ in range(max(1, threads))]
@@ -136,16 +137,17 @@ def read_mmap(path: Path, threads: int) -> int:
     size = path.stat().st_size
     dest = torch.empty(size, dtype=torch.uint8)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
-        source = torch.frombuffer(mapped, dtype=torch.uint8)  # a private mapping: read, never written
+        # a private mapping: read, never written; the view goes before the mapping closes
+        views = [torch.frombuffer(mapped, dtype=torch.uint8)]
 
         def work(offset: int, length: int) -> int:
-            dest[offset : offset + length].copy_(source[offset : offset + length])  # the GIL released
+            dest[offset : offset + length].copy_(views[0][offset : offset + length])  # the GIL released
             return length
 
         try:
             got = _parallel(threads, size, work)
         finally:
-            del source
+            views.clear()
     if got != size:
         raise RuntimeError(f"{path}: copied {got} of {size} bytes")
     return size
@@ -198,9 +200,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "cpu" if args.device == "auto" else args.device)
     kinds: dict[str, Callable[[Path], int]] = {}
     for t in threads:
-        kinds[f"buffered_{t}"] = lambda p, t=t: read_buffered(p, t)
-        kinds[f"direct_{t}"] = lambda p, t=t: read_direct(p, t)
-        kinds[f"mmap_{t}"] = lambda p, t=t: read_mmap(p, t)
+        kinds[f"buffered_{t}"] = functools.partial(read_buffered, threads=t)
+        kinds[f"direct_{t}"] = functools.partial(read_direct, threads=t)
+        kinds[f"mmap_{t}"] = functools.partial(read_mmap, threads=t)
     seconds: dict[str, list[float]] = {k: [] for k in (*kinds, "path", "path_read")}
     unsupported: dict[str, str] = {}
     nbytes = paths[0].stat().st_size
