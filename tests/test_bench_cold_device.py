@@ -18,7 +18,7 @@ def test_the_probe_measures_every_read_and_the_paths_miss_on_the_same_files(tmp_
     out = main(["--model", "tiny", "--rank", "16", "--device", "cpu", "--threads", "1,2", "--repeats", "2",
                 "--files", "2", "--adapters", str(tmp_path / "ad"), "--out", str(tmp_path / "cd.json")])
     assert json.loads((tmp_path / "cd.json").read_text())["GBps"] == pytest.approx(out["GBps"])
-    expected = {"buffered_1", "buffered_2", "mmap_1", "mmap_2", "path", "path_read"}
+    expected = {"buffered_1", "buffered_2", "willneed_1", "willneed_2", "mmap_1", "mmap_2", "path", "path_read"}
     direct = {"direct_1", "direct_2"}
     assert expected <= out["GBps"].keys()
     assert direct <= out["GBps"].keys() or direct <= out["unsupported"].keys()  # tmpfs refuses O_DIRECT
@@ -35,6 +35,7 @@ def test_each_reference_reads_the_whole_file(tmp_path: Path) -> None:
     path.write_bytes(data)
     for threads in (1, 3):
         assert read_buffered(path, threads) == len(data) and read_mmap(path, threads) == len(data)
+        assert read_buffered(path, threads, willneed=True) == len(data)
         with contextlib.suppress(OSError):  # a file system without O_DIRECT (tmpfs): the probe names it unsupported
             assert read_direct(path, threads) == len(data)
     assert device_of(path)["mount"] != "?"

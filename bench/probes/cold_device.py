@@ -12,6 +12,7 @@ a router's lead hides. Whether that is the device or the path is what this measu
 adapter file (``adapter_model.safetensors``) after dropping its pages (``POSIX_FADV_DONTNEED``):
 
 - ``buffered_T``: ``T`` threads of 8 MiB ``preadv`` through the page cache (the kernel's readahead);
+- ``willneed_T``: the same after asking for the whole file at once (``POSIX_FADV_WILLNEED``);
 - ``direct_T``: ``T`` threads of 8 MiB ``preadv`` with ``O_DIRECT`` into page-aligned memory (no page cache, no
   readahead: the device's own rate at that queue depth); "unsupported" where the file system refuses ``O_DIRECT``
   (tmpfs);
@@ -91,9 +92,13 @@ def _parallel(threads: int, size: int, work: Callable[[int, int], int]) -> int:
     return done[0]
 
 
-def read_buffered(path: Path, threads: int) -> int:
+def read_buffered(path: Path, threads: int, willneed: bool = False) -> int:
+    """``willneed``: the whole file asked for first (``POSIX_FADV_WILLNEED``: the kernel starts reading all of it at
+    once, so the threads' reads find pages that are arriving rather than each waiting for its own readahead)."""
     size = path.stat().st_size
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    if willneed:
+        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
     local = threading.local()
 
     def work(offset: int, length: int) -> int:
@@ -201,6 +206,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     kinds: dict[str, Callable[[Path], int]] = {}
     for t in threads:
         kinds[f"buffered_{t}"] = functools.partial(read_buffered, threads=t)
+        kinds[f"willneed_{t}"] = functools.partial(read_buffered, threads=t, willneed=True)
         kinds[f"direct_{t}"] = functools.partial(read_direct, threads=t)
         kinds[f"mmap_{t}"] = functools.partial(read_mmap, threads=t)
     seconds: dict[str, list[float]] = {k: [] for k in (*kinds, "path", "path_read")}
