@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -112,6 +113,47 @@ def test_drop_pages_advises_dontneed_on_the_file(catalog: AdapterCatalog, monkey
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, o, n, a: (calls.append((fd, o, n, a)), real(fd, o, n, a)))
     host_tier_module.drop_pages(catalog.get(catalog.names()[0]))
     assert len(calls) == 1 and calls[0][1:] == (0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def test_ask_ahead_asks_for_a_cold_file_whole_and_is_cold_tells_it_from_a_cached_one(
+        catalog: AdapterCatalog, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = catalog.get(catalog.names()[0])
+    calls: list[tuple[int, int, int]] = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, o, n, a: (calls.append((o, n, a)), real(fd, o, n, a)))
+    Path(spec.source.path).read_bytes()
+    assert host_tier_module.is_cold(spec) is False  # just read: in the page cache
+    host_tier_module.drop_pages(spec)
+    calls.clear()
+    host_tier_module.ask_ahead(spec)
+    assert calls == [(0, os.path.getsize(spec.source.path), os.POSIX_FADV_WILLNEED)]
+    gone = SimpleNamespace(source=spec.source._replace(path=str(Path(spec.source.path) / "x")))
+    assert host_tier_module.is_cold(gone) is False  # a missing file: neither raises, the read says what is wrong
+    host_tier_module.ask_ahead(gone)
+
+
+@pytest.mark.parametrize("reads", ["thread", "process"])
+def test_read_ahead_changes_no_byte_of_a_read_and_counts_what_it_asked(catalog: AdapterCatalog, reads: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = catalog.get(catalog.names()[1])
+    layout = shard_layout(spec, SHAPES["tiny"], 1, 0, torch.float32)
+    told: list[bool] = []  # what each read's dispatch found (a probe of its own would start the page's readahead)
+    real = host_tier_module.is_cold
+    monkeypatch.setattr(host_tier_module, "is_cold", lambda s: told.append(real(s)) or told[-1])
+    staged = {}
+    for ahead in (False, True):
+        host_tier_module.drop_pages(spec)  # a file system that keeps its pages (tmpfs, pages not yet written) is warm
+        told.clear()
+        tier = HostTier(HostTierConfig(host_bytes=1 << 20, read_threads=2, pin=False, reads=reads,
+                                       drop_page_cache=True, read_ahead=ahead))
+        try:
+            future, hit = tier.fetch(spec, layout)
+            assert not hit
+            staged[ahead] = future.result(timeout=120).tensor.clone()
+        finally:
+            tier.close()  # waits for the ask ahead too
+        assert len(told) == ahead and tier.asked_ahead == sum(told)  # asked once per cold read, only when on
+    assert torch.equal(staged[False], staged[True])
 
 
 def test_the_store_option_reaches_the_workers_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -20,7 +20,8 @@ adapter file (``adapter_model.safetensors``) after dropping its pages (``POSIX_F
   ``workers.reads.shard.read_shard``, the reader of the real path);
 - ``path``: the real path: ``WorkerCache.prefetch`` of the adapter at TP 1, a host-tier miss each time (the adapter
   evicted and dropped from the host tier first) to READY, with ``drop_page_cache`` as the benchmark sets it; its
-  store read alone is ``path_read`` (the record's ``disk_ms``).
+  store read alone is ``path_read`` (the record's ``disk_ms``); ``path_ahead`` and ``path_ahead_read`` the same with
+  ``HostTierConfig.read_ahead`` (the file asked for whole as its read starts, ``workers.reads.shard.ask_ahead``).
 
 Each is the median over ``--repeats`` reads, in GB/s of the file's bytes (``path`` of the shard's). The kinds take turns
 over the same few files, so each meets the device as the others do. The device under ``--adapters`` is named
@@ -209,30 +210,33 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         kinds[f"willneed_{t}"] = functools.partial(read_buffered, threads=t, willneed=True)
         kinds[f"direct_{t}"] = functools.partial(read_direct, threads=t)
         kinds[f"mmap_{t}"] = functools.partial(read_mmap, threads=t)
-    seconds: dict[str, list[float]] = {k: [] for k in (*kinds, "path", "path_read")}
+    seconds: dict[str, list[float]] = {k: [] for k in (*kinds, "path", "path_read", "path_ahead", "path_ahead_read")}
     unsupported: dict[str, str] = {}
     nbytes = paths[0].stat().st_size
-    host = HostTierConfig(host_bytes=2 * nbytes + (64 << 20), drop_page_cache=True)
-    cache = WorkerCache(WorkerConfig(num_slots=1, tp=1, tp_rank=0, device=device, host=host), catalog)
-    shard = cache.layout_of(names[0]).nbytes
-    turn = 0
+    hosts = {ahead: HostTierConfig(host_bytes=2 * nbytes + (64 << 20), drop_page_cache=True, read_ahead=ahead)
+             for ahead in (False, True)}
+    caches = {ahead: WorkerCache(WorkerConfig(num_slots=1, tp=1, tp_rank=0, device=device, host=host), catalog)
+              for ahead, host in hosts.items()}
+    shard = caches[False].layout_of(names[0]).nbytes
+    turn, asked = 0, 0
     try:
         for _ in range(args.repeats):
-            for kind, read in [*kinds.items(), ("path", None)]:
+            for kind, read in [*kinds.items(), ("path", None), ("path_ahead", None)]:
                 if kind in unsupported:
                     continue
                 name, path = names[turn % len(names)], paths[turn % len(paths)]
                 turn += 1
                 if read is None:  # the real path: a host-tier miss of a file whose pages are dropped
+                    cache = caches[kind == "path_ahead"]
                     cache.evict(name)
                     cache.host.drop_adapter(name)
                     drop(path)
                     t0 = time.perf_counter()
                     record = cache.prefetch(name).result(timeout=600)
-                    seconds["path"].append(time.perf_counter() - t0)
+                    seconds[kind].append(time.perf_counter() - t0)
                     if record.host_hit:
                         raise RuntimeError(f"{name}: the path's load was a host-tier hit; the probe needs a miss")
-                    seconds["path_read"].append(record.disk_ms / 1e3)
+                    seconds[f"{kind}_read"].append(record.disk_ms / 1e3)
                     cache.evict(name)
                     continue
                 drop(path)
@@ -245,7 +249,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         raise
                     unsupported[kind] = f"{type(e).__name__}: {e}"
     finally:
-        cache.close()
+        asked = caches[True].host.asked_ahead
+        for cache in caches.values():
+            cache.close()
     gbps = {k: (shard if k.startswith("path") else nbytes) / statistics.median(v) / 1e9
             for k, v in seconds.items() if v}
     references = {k: v for k, v in gbps.items() if not k.startswith("path")}
@@ -254,7 +260,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "store": device_of(root), "adapters": str(root), "repeats": args.repeats, "GBps": gbps,
             "ms": {k: statistics.median(v) * 1e3 for k, v in seconds.items() if v}, "unsupported": unsupported,
             "best_reference": best, "path_read_over_best": gbps["path_read"] / gbps[best],
-            "path_over_best": gbps["path"] / gbps[best]}
+            "path_over_best": gbps["path"] / gbps[best],
+            "path_ahead_read_over_best": gbps["path_ahead_read"] / gbps[best], "asked_ahead": asked}
 
 
 def table(out: dict[str, Any]) -> str:
@@ -265,7 +272,8 @@ def table(out: dict[str, Any]) -> str:
     return (f"{out['model']} rank {out['rank']}: {out['file_bytes'] / 1e6:.0f} MB per file, on {store}\n"
             + "\n".join(rows)
             + f"\n\nthe path's store read / the best reference ({out['best_reference']}): "
-              f"{out['path_read_over_best']:.2f}; prefetch -> READY / it: {out['path_over_best']:.2f}")
+              f"{out['path_read_over_best']:.2f}; prefetch -> READY / it: {out['path_over_best']:.2f}; with "
+              f"read_ahead: {out['path_ahead_read_over_best']:.2f} ({out['asked_ahead']} reads asked ahead)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -111,6 +111,10 @@ class HostTierConfig:
     tiers: str = field(default="exclusive", metadata={
         "help": "whether the GPU slots and the host tier may hold the same shard: " + "; ".join(
             f"{k} ({v})" for k, v in TIERS.items())})
+    read_ahead: bool = field(default=False, metadata={
+        "help": "ask the kernel for an adapter file that is not in the page cache whole at once, as its read starts "
+                "(POSIX_FADV_WILLNEED, off the readers' threads): a read from the device then runs at the device's "
+                "queue depth, not the readers' (a file in the page cache is left alone)"})
     drop_page_cache: bool = field(default=False, metadata={
         "help": "drop an adapter file's pages after its shard is read: the pinned host tier is the node's copy, so "
                 "the page cache does not hold a second one (and a benchmark reads from the device as a cold store "

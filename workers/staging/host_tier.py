@@ -31,7 +31,7 @@ from lora_cache.adapters.peft import AdapterSpec
 from lora_cache.adapters.shards import ShardLayout
 from lora_cache.errors import CapacityError, ConfigError
 from lora_cache.vocab import AdapterKey  # one name@version key for planner and workers
-from workers.reads.shard import drop_pages  # re-exported: ``host_tier.drop_pages`` (tests patch it here)
+from workers.reads.shard import ask_ahead, drop_pages, is_cold  # drop_pages, is_cold: tests patch them here
 from workers.staging.arena import ALIGN, Block, HostArena
 from workers.staging.disk_tier import DiskTier
 from workers.staging.eviction import EvictionOrder
@@ -90,6 +90,9 @@ class HostTier:
         else:
             self._reader = ThreadReads(self.arena, config.read_threads, config.verify, self.parallel)
         self._pool = ThreadPoolExecutor(config.read_threads, thread_name_prefix="lora-read")
+        # ``read_ahead``: a cold file asked for whole as its read starts, off the readers' threads
+        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="lora-ahead") if config.read_ahead else None
+        self.asked_ahead = 0  # reads whose file was asked for ahead (``read_ahead``)
         self._lock = threading.Lock()  # protects _entries, _orphans, _waiting, the counters and the arena
         self._entries: OrderedDict[AdapterKey, HostEntry] = OrderedDict()  # LRU order, oldest first
         # which idle entry goes first (``eviction``)
@@ -166,6 +169,10 @@ class HostTier:
         demand read (not a warm stage's) is marked for the node's other ranks until it ends."""
         if not entry.speculative:
             self.demand.mark(entry)
+        if self._ahead is not None and spec.store is None and is_cold(spec):  # told before the read touches it
+            with self._lock:
+                self.asked_ahead += 1
+            self._ahead.submit(ask_ahead, spec)
         try:
             started = self._reader.begin(spec, entry) if spec.store is None else None
             self._pool.submit(self._read, spec, entry, started).add_done_callback(lambda _: self.demand.unmark(entry))
@@ -463,6 +470,8 @@ class HostTier:
     def close(self) -> None:
         self.cancel_waits()
         self._pool.shutdown(wait=True, cancel_futures=False)
+        if self._ahead is not None:
+            self._ahead.shutdown(wait=True, cancel_futures=True)
         self._reader.close()
         self.arena.close()
 
