@@ -198,7 +198,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.repeats < 1 or not threads or min(threads) < 1:
         raise ConfigError(f"--repeats {args.repeats} and --threads {args.threads!r} must be >= 1, e.g. --repeats 3 "
                           "--threads 1,16,64")
-    root = Path(args.adapters or tempfile.mkdtemp(prefix="cold-device-"))
+    base = Path(args.adapters or tempfile.mkdtemp(prefix="cold-device-"))
+    root = base / f"{args.model}-r{args.rank}"  # one catalog per rank: a directory of several would exceed max_rank
     catalog = _catalog(root, args.model, args.rank, args.files)
     names = [f"cd{args.rank}-{i:03d}" for i in range(args.files)]
     paths = [root / n / WEIGHTS for n in names]
