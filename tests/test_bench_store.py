@@ -126,7 +126,7 @@ def test_ask_ahead_asks_for_a_cold_file_whole_and_is_cold_tells_it_from_a_cached
     host_tier_module.drop_pages(spec)
     calls.clear()
     host_tier_module.ask_ahead(spec)
-    assert calls == [(0, os.path.getsize(spec.source.path), os.POSIX_FADV_WILLNEED)]
+    assert calls == [(0, 0, os.POSIX_FADV_WILLNEED)]  # the whole file
     gone = SimpleNamespace(source=spec.source._replace(path=str(Path(spec.source.path) / "x")))
     assert host_tier_module.is_cold(gone) is False  # a missing file: neither raises, the read says what is wrong
     host_tier_module.ask_ahead(gone)

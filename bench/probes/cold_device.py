@@ -96,37 +96,27 @@ def _parallel(threads: int, size: int, work: Callable[[int, int], int]) -> int:
 def read_buffered(path: Path, threads: int, willneed: bool = False) -> int:
     """``willneed``: the whole file asked for first (``POSIX_FADV_WILLNEED``: the kernel starts reading all of it at
     once, so the threads' reads find pages that are arriving rather than each waiting for its own readahead)."""
-    size = path.stat().st_size
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    if willneed:
-        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
-    local = threading.local()
-
-    def work(offset: int, length: int) -> int:
-        buf = getattr(local, "buf", None)
-        if buf is None:
-            buf = local.buf = bytearray(CHUNK)
-        return os.preadv(fd, [memoryview(buf)[:length]], offset)
-
-    try:
-        got = _parallel(threads, size, work)
-    finally:
-        os.close(fd)
-    if got != size:
-        raise RuntimeError(f"{path}: read {got} of {size} bytes")
-    return size
+    return _read_whole(path, threads, 0, os.POSIX_FADV_WILLNEED if willneed else None)
 
 
 def read_direct(path: Path, threads: int) -> int:
     """OSError (EINVAL) where the file system refuses O_DIRECT."""
+    return _read_whole(path, threads, os.O_DIRECT)
+
+
+def _read_whole(path: Path, threads: int, flags: int, advice: int | None = None) -> int:
+    """The file by ``threads`` threads of 8 MiB ``preadv`` each into a page-aligned buffer of its own (``flags``:
+    ``O_DIRECT`` or 0; ``advice``: a ``posix_fadvise`` on the whole file first); its bytes, checked all read."""
     size = path.stat().st_size
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
+    if advice is not None:
+        os.posix_fadvise(fd, 0, size, advice)
     local = threading.local()
 
     def work(offset: int, length: int) -> int:
         buf = getattr(local, "buf", None)
         if buf is None:
-            buf = local.buf = mmap.mmap(-1, CHUNK)  # page-aligned
+            buf = local.buf = mmap.mmap(-1, CHUNK)  # page-aligned, as O_DIRECT needs
         want = -(-length // ALIGN) * ALIGN  # the last chunk rounded up: the read stops at the end of the file
         return min(length, os.preadv(fd, [memoryview(buf)[:want]], offset))
 
@@ -135,7 +125,7 @@ def read_direct(path: Path, threads: int) -> int:
     finally:
         os.close(fd)
     if got != size:
-        raise RuntimeError(f"{path}: read {got} of {size} bytes with O_DIRECT")
+        raise RuntimeError(f"{path}: read {got} of {size} bytes" + (" with O_DIRECT" if flags else ""))
     return size
 
 

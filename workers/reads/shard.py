@@ -402,17 +402,7 @@ def ask_ahead(spec: AdapterSpec) -> None:
     readers' positioned reads find their pages arriving instead of each waiting on its own readahead window. Run off
     the read's own threads: the call returns once the reads are queued, which on a deep file can take most of the
     read's time. A failure is logged, never the read's."""
-    path = spec.source.path if spec.source is not None else None
-    if path is None or not hasattr(os, "posix_fadvise"):
-        return
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.posix_fadvise(fd, 0, os.fstat(fd).st_size, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
-    except OSError as e:
-        log.warning("could not ask ahead for %s: %s", path, e)
+    _advise(spec, os.POSIX_FADV_WILLNEED, "ask ahead for")
 
 
 def drop_pages(spec: AdapterSpec) -> None:
@@ -420,14 +410,19 @@ def drop_pages(spec: AdapterSpec) -> None:
     after its read, on the thread that ran or collected it), so its next read comes from the device. The page
     cache is the file's, not the fd's: readers in other processes need not do it themselves. A file system that
     keeps no page cache (tmpfs) ignores it; a failure is logged, never the read's."""
+    _advise(spec, os.POSIX_FADV_DONTNEED, "drop the pages of")
+
+
+def _advise(spec: AdapterSpec, advice: int, what: str) -> None:
+    """``posix_fadvise`` on the whole of ``spec``'s weights file; a failure logged as could not ``what`` it."""
     path = spec.source.path if spec.source is not None else None
     if path is None or not hasattr(os, "posix_fadvise"):
         return
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(fd, 0, 0, advice)
         finally:
             os.close(fd)
     except OSError as e:
-        log.warning("could not drop the pages of %s from the page cache: %s", path, e)
+        log.warning("could not %s %s: %s", what, path, e)
