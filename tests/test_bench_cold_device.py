@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.probes.cold_device import build_parser, device_of, main, read_buffered, read_direct, read_mmap
+from bench.probes.cold_device import build_parser, device_of, main, read_buffered, read_direct, read_mmap, scratch
 from lora_cache.errors import ConfigError
 
 
@@ -33,11 +33,12 @@ def test_each_reference_reads_the_whole_file(tmp_path: Path) -> None:
     data = bytes(range(256)) * 40_000 + b"tail"  # not a multiple of the 8 MiB chunk nor of O_DIRECT's 4 KiB
     path = tmp_path / "f.bin"
     path.write_bytes(data)
+    into = scratch(len(data))
     for threads in (1, 3):
-        assert read_buffered(path, threads) == len(data) and read_mmap(path, threads) == len(data)
-        assert read_buffered(path, threads, willneed=True) == len(data)
+        assert read_buffered(path, threads, into) == len(data) and read_mmap(path, threads, into) == len(data)
+        assert read_buffered(path, threads, into, willneed=True) == len(data)
         with contextlib.suppress(OSError):  # a file system without O_DIRECT (tmpfs): the probe names it unsupported
-            assert read_direct(path, threads) == len(data)
+            assert read_direct(path, threads, into) == len(data)
     assert device_of(path)["mount"] != "?"
 
 

@@ -37,7 +37,6 @@ import mmap
 import os
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,83 +44,47 @@ from typing import Any
 
 import torch
 
+from bench.probes.cold_read import parallel_pieces, parallel_read
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.errors import ConfigError
 from workers.cache import WorkerCache, WorkerConfig
+from workers.reads.shard import drop_pages
 from workers.staging.host_config import HostTierConfig
 
-CHUNK = 8 << 20  # bytes per read call of the references
 ALIGN = 4096  # O_DIRECT: offsets, lengths and the buffer's address
 WEIGHTS = "adapter_model.safetensors"
 
 
-def drop(path: Path) -> None:
-    """The file's pages out of the page cache: its next read comes from the device (tmpfs keeps them)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+def scratch(nbytes: int) -> mmap.mmap:
+    """Where the references read into: page-aligned (as ``O_DIRECT`` needs), ``nbytes`` rounded up to ``ALIGN``,
+    touched once here so that no read's time pays for its first-touch faults."""
+    buf = mmap.mmap(-1, -(-nbytes // ALIGN) * ALIGN)
+    torch.frombuffer(buf, dtype=torch.uint8).zero_()
+    return buf
 
 
-def _parallel(threads: int, size: int, work: Callable[[int, int], int]) -> int:
-    """``work(offset, length)`` over the file's 8 MiB chunks, taken in turn by ``threads`` threads; bytes read."""
-    chunks = [(o, min(CHUNK, size - o)) for o in range(0, size, CHUNK)]
-    lock, done, errors = threading.Lock(), [0], []
-
-    def run() -> None:
-        try:
-            while True:
-                with lock:
-                    if not chunks:
-                        return
-                    offset, length = chunks.pop(0)
-                got = work(offset, length)
-                with lock:
-                    done[0] += got
-        except BaseException as e:  # reported by the caller
-            errors.append(e)
-
-    pool = [threading.Thread(target=run, daemon=True) for _ in range(max(1, threads))]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    if errors:
-        raise errors[0]
-    return done[0]
-
-
-def read_buffered(path: Path, threads: int, willneed: bool = False) -> int:
+def read_buffered(path: Path, threads: int, into: mmap.mmap, willneed: bool = False) -> int:
     """``willneed``: the whole file asked for first (``POSIX_FADV_WILLNEED``: the kernel starts reading all of it at
     once, so the threads' reads find pages that are arriving rather than each waiting for its own readahead)."""
-    return _read_whole(path, threads, 0, os.POSIX_FADV_WILLNEED if willneed else None)
+    return _read_whole(path, threads, into, 0, os.POSIX_FADV_WILLNEED if willneed else None)
 
 
-def read_direct(path: Path, threads: int) -> int:
+def read_direct(path: Path, threads: int, into: mmap.mmap) -> int:
     """OSError (EINVAL) where the file system refuses O_DIRECT."""
-    return _read_whole(path, threads, os.O_DIRECT)
+    return _read_whole(path, threads, into, os.O_DIRECT)
 
 
-def _read_whole(path: Path, threads: int, flags: int, advice: int | None = None) -> int:
-    """The file by ``threads`` threads of 8 MiB ``preadv`` each into a page-aligned buffer of its own (``flags``:
-    ``O_DIRECT`` or 0; ``advice``: a ``posix_fadvise`` on the whole file first); its bytes, checked all read."""
+def _read_whole(path: Path, threads: int, into: mmap.mmap, flags: int, advice: int | None = None) -> int:
+    """The file into ``into`` by ``cold_read``'s reference read (``flags``: ``O_DIRECT`` or 0; ``advice``: a
+    ``posix_fadvise`` on the whole file first); its bytes, checked all read."""
     size = path.stat().st_size
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
-    if advice is not None:
-        os.posix_fadvise(fd, 0, size, advice)
-    local = threading.local()
-
-    def work(offset: int, length: int) -> int:
-        buf = getattr(local, "buf", None)
-        if buf is None:
-            buf = local.buf = mmap.mmap(-1, CHUNK)  # page-aligned, as O_DIRECT needs
-        want = -(-length // ALIGN) * ALIGN  # the last chunk rounded up: the read stops at the end of the file
-        return min(length, os.preadv(fd, [memoryview(buf)[:want]], offset))
-
     try:
-        got = _parallel(threads, size, work)
+        if advice is not None:
+            os.posix_fadvise(fd, 0, size, advice)
+        # the last piece rounded up to ALIGN: the read stops at the end of the file
+        got = parallel_read(fd, memoryview(into), -(-size // ALIGN) * ALIGN, threads)
     finally:
         os.close(fd)
     if got != size:
@@ -129,9 +92,9 @@ def _read_whole(path: Path, threads: int, flags: int, advice: int | None = None)
     return size
 
 
-def read_mmap(path: Path, threads: int) -> int:
+def read_mmap(path: Path, threads: int, into: mmap.mmap) -> int:
     size = path.stat().st_size
-    dest = torch.empty(size, dtype=torch.uint8)
+    dest = torch.frombuffer(into, dtype=torch.uint8)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
         # a private mapping: read, never written; the view goes before the mapping closes
         views = [torch.frombuffer(mapped, dtype=torch.uint8)]
@@ -141,7 +104,7 @@ def read_mmap(path: Path, threads: int) -> int:
             return length
 
         try:
-            got = _parallel(threads, size, work)
+            got = parallel_pieces(size, threads, work)
         finally:
             views.clear()
     if got != size:
@@ -192,18 +155,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     root = base / f"{args.model}-r{args.rank}"  # one catalog per rank: a directory of several would exceed max_rank
     catalog = _catalog(root, args.model, args.rank, args.files)
     names = [f"cd{args.rank}-{i:03d}" for i in range(args.files)]
+    specs = [catalog.get(n) for n in names]
     paths = [root / n / WEIGHTS for n in names]
+    nbytes = paths[0].stat().st_size
+    into = scratch(max(p.stat().st_size for p in paths))
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
         "cpu" if args.device == "auto" else args.device)
     kinds: dict[str, Callable[[Path], int]] = {}
     for t in threads:
-        kinds[f"buffered_{t}"] = functools.partial(read_buffered, threads=t)
-        kinds[f"willneed_{t}"] = functools.partial(read_buffered, threads=t, willneed=True)
-        kinds[f"direct_{t}"] = functools.partial(read_direct, threads=t)
-        kinds[f"mmap_{t}"] = functools.partial(read_mmap, threads=t)
+        kinds[f"buffered_{t}"] = functools.partial(read_buffered, threads=t, into=into)
+        kinds[f"willneed_{t}"] = functools.partial(read_buffered, threads=t, into=into, willneed=True)
+        kinds[f"direct_{t}"] = functools.partial(read_direct, threads=t, into=into)
+        kinds[f"mmap_{t}"] = functools.partial(read_mmap, threads=t, into=into)
     seconds: dict[str, list[float]] = {k: [] for k in (*kinds, "path", "path_read", "path_ahead", "path_ahead_read")}
     unsupported: dict[str, str] = {}
-    nbytes = paths[0].stat().st_size
     hosts = {ahead: HostTierConfig(host_bytes=2 * nbytes + (64 << 20), drop_page_cache=True, read_ahead=ahead)
              for ahead in (False, True)}
     caches = {ahead: WorkerCache(WorkerConfig(num_slots=1, tp=1, tp_rank=0, device=device, host=host), catalog)
@@ -215,13 +180,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             for kind, read in [*kinds.items(), ("path", None), ("path_ahead", None)]:
                 if kind in unsupported:
                     continue
-                name, path = names[turn % len(names)], paths[turn % len(paths)]
+                name, spec, path = names[turn % len(names)], specs[turn % len(specs)], paths[turn % len(paths)]
                 turn += 1
                 if read is None:  # the real path: a host-tier miss of a file whose pages are dropped
                     cache = caches[kind == "path_ahead"]
                     cache.evict(name)
                     cache.host.drop_adapter(name)
-                    drop(path)
+                    drop_pages(spec)  # its next read comes from the device (tmpfs keeps them)
                     t0 = time.perf_counter()
                     record = cache.prefetch(name).result(timeout=600)
                     seconds[kind].append(time.perf_counter() - t0)
@@ -230,7 +195,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     seconds[f"{kind}_read"].append(record.disk_ms / 1e3)
                     cache.evict(name)
                     continue
-                drop(path)
+                drop_pages(spec)
                 try:
                     t0 = time.perf_counter()
                     read(path)

@@ -75,19 +75,33 @@ PIECE = 8 << 20  # the reference's reads
 NAME = "cold"
 
 
-def parallel_read(fd: int, raw: memoryview, nbytes: int, threads: int) -> None:
-    """The reference: ``nbytes`` of the file from its start, ``threads`` threads of ``PIECE``-byte preadv."""
+def parallel_pieces(nbytes: int, threads: int, work: Callable[[int, int], int]) -> int:
+    """``work(offset, length)`` over ``nbytes`` in ``PIECE``-byte pieces, ``threads`` threads taking every
+    ``threads``-th piece; the sum of what ``work`` returned. A thread's error is raised here, once all joined."""
     offsets = list(range(0, nbytes, PIECE))
+    done, errors = [0] * threads, []
 
-    def work(i: int) -> None:
-        for off in offsets[i::threads]:
-            os.preadv(fd, [raw[off : min(nbytes, off + PIECE)]], off)
+    def run(i: int) -> None:
+        try:
+            for off in offsets[i::threads]:
+                done[i] += work(off, min(PIECE, nbytes - off))
+        except Exception as e:  # raised by the caller's thread
+            errors.append(e)
 
-    pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    pool = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
     for t in pool:
         t.start()
     for t in pool:
         t.join()
+    if errors:
+        raise errors[0]
+    return sum(done)
+
+
+def parallel_read(fd: int, raw: memoryview, nbytes: int, threads: int) -> int:
+    """The reference: ``nbytes`` of the file from its start, ``threads`` threads of ``PIECE``-byte preadv; the bytes
+    read (fewer past the file's end)."""
+    return parallel_pieces(nbytes, threads, lambda off, n: os.preadv(fd, [raw[off : off + n]], off))
 
 
 class Rank:
