@@ -25,6 +25,9 @@ def test_the_probe_measures_every_read_and_the_paths_miss_on_the_same_files(tmp_
     assert all(v > 0 for v in out["GBps"].values()) and out["shard_bytes"] > 0 and out["device"] == "cpu"
     assert out["best_reference"] in out["GBps"] and out["path_read_over_best"] > 0
     assert out["store"]["mount"] != "?"  # the mount holding the adapters is named
+    phases = out["phases_ms"]["path"]  # where a miss's time goes, in order
+    assert phases["read"] <= phases["first issue"] <= phases["last issue"] <= phases["seen"] <= phases["answered"]
+    assert phases["proven"] <= phases["last issue"] and phases["h2d"] >= 0
     table = capsys.readouterr().out
     assert "| path_read |" in table and "the path's store read / the best reference" in table
 

@@ -112,6 +112,24 @@ def read_mmap(path: Path, threads: int, into: mmap.mmap) -> int:
     return size
 
 
+def load_phases(cache: WorkerCache, record: Any, answered: float) -> dict[str, float]:
+    """A path load's phases in ms from its start (``SlotLoad.t0``): its host read's start and end
+    (``HostEntry.marks``), its slot taken (``place``), its first and last copies issued, the last chunk proven
+    (``disk_ms``), its last copy's event seen complete (``seen``), the caller's answer, and the copies' own span on
+    the device from the first's start to the last's end (``h2d``, the record's ``h2d_ms``)."""
+    with cache.book.lock:
+        load = cache.book.loads.get(record.slot)
+    if load is None:
+        return {}
+    marks = [*(load.entry.marks if load.entry is not None else []), *load.marks]
+    issued = [t for phase, t in marks if phase.startswith("issue ")]
+    named = {phase: t for phase, t in marks if phase in ("read", "read end", "place", "seen")}
+    if issued:
+        named |= {"first issue": issued[0], "last issue": issued[-1]}
+    out = {phase: (t - load.t0) * 1e3 for phase, t in named.items()}
+    return out | {"proven": record.disk_ms, "answered": (answered - load.t0) * 1e3, "h2d": record.h2d_ms}
+
+
 def device_of(path: Path) -> dict[str, Any]:
     """The mount and block device holding ``path`` and the queue settings that bear on a read."""
     best, info = "", {"mount": "?", "fs": "?", "source": "?"}
@@ -168,6 +186,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         kinds[f"direct_{t}"] = functools.partial(read_direct, threads=t, into=into)
         kinds[f"mmap_{t}"] = functools.partial(read_mmap, threads=t, into=into)
     seconds: dict[str, list[float]] = {k: [] for k in (*kinds, "path", "path_read", "path_ahead", "path_ahead_read")}
+    phases: dict[str, dict[str, list[float]]] = {"path": {}, "path_ahead": {}}
     unsupported: dict[str, str] = {}
     hosts = {ahead: HostTierConfig(host_bytes=2 * nbytes + (64 << 20), drop_page_cache=True, read_ahead=ahead)
              for ahead in (False, True)}
@@ -193,6 +212,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     if record.host_hit:
                         raise RuntimeError(f"{name}: the path's load was a host-tier hit; the probe needs a miss")
                     seconds[f"{kind}_read"].append(record.disk_ms / 1e3)
+                    for phase, at in load_phases(cache, record, time.perf_counter()).items():
+                        phases[kind].setdefault(phase, []).append(at)
                     cache.evict(name)
                     continue
                 drop_pages(spec)
@@ -217,7 +238,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "ms": {k: statistics.median(v) * 1e3 for k, v in seconds.items() if v}, "unsupported": unsupported,
             "best_reference": best, "path_read_over_best": gbps["path_read"] / gbps[best],
             "path_over_best": gbps["path"] / gbps[best],
-            "path_ahead_read_over_best": gbps["path_ahead_read"] / gbps[best], "asked_ahead": asked}
+            "path_ahead_read_over_best": gbps["path_ahead_read"] / gbps[best], "asked_ahead": asked,
+            "phases_ms": {kind: {k: statistics.median(v) for k, v in got.items()} for kind, got in phases.items()}}
 
 
 def table(out: dict[str, Any]) -> str:
@@ -229,7 +251,10 @@ def table(out: dict[str, Any]) -> str:
             + "\n".join(rows)
             + f"\n\nthe path's store read / the best reference ({out['best_reference']}): "
               f"{out['path_read_over_best']:.2f}; prefetch -> READY / it: {out['path_over_best']:.2f}; with "
-              f"read_ahead: {out['path_ahead_read_over_best']:.2f} ({out['asked_ahead']} reads asked ahead)")
+              f"read_ahead: {out['path_ahead_read_over_best']:.2f} ({out['asked_ahead']} reads asked ahead)\n"
+            + "".join(f"\n{kind} phases (ms from the prefetch, medians): "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in sorted(got.items(), key=lambda kv: kv[1]))
+                      for kind, got in out.get("phases_ms", {}).items() if got))
 
 
 def build_parser() -> argparse.ArgumentParser:

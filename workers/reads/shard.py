@@ -407,7 +407,7 @@ def ask_ahead(spec: AdapterSpec) -> None:
 
 def drop_pages(spec: AdapterSpec) -> None:
     """``drop_page_cache``: the pages of ``spec``'s weights file leave the page cache (``POSIX_FADV_DONTNEED``,
-    after its read, on the thread that ran or collected it), so its next read comes from the device. The page
+    after its read is served, on the host tier's one drop thread), so its next read comes from the device. The page
     cache is the file's, not the fd's: readers in other processes need not do it themselves. A file system that
     keeps no page cache (tmpfs) ignores it; a failure is logged, never the read's."""
     _advise(spec, os.POSIX_FADV_DONTNEED, "drop the pages of")
@@ -424,5 +424,7 @@ def _advise(spec: AdapterSpec, advice: int, what: str) -> None:
             os.posix_fadvise(fd, 0, 0, advice)
         finally:
             os.close(fd)
+    except FileNotFoundError:  # gone since its read (a node disk copy let go): its pages went with it
+        return
     except OSError as e:
         log.warning("could not %s %s: %s", what, path, e)
