@@ -21,7 +21,9 @@ adapter file (``adapter_model.safetensors``) after dropping its pages (``POSIX_F
 - ``path``: the real path: ``WorkerCache.prefetch`` of the adapter at TP 1, a host-tier miss each time (the adapter
   evicted and dropped from the host tier first) to READY, with ``drop_page_cache`` as the benchmark sets it; its
   store read alone is ``path_read`` (the record's ``disk_ms``); ``path_ahead`` and ``path_ahead_read`` the same with
-  ``HostTierConfig.read_ahead`` (the file asked for whole as its read starts, ``workers.reads.shard.ask_ahead``).
+  ``HostTierConfig.read_ahead`` (the file asked for whole as its read starts, ``workers.reads.shard.ask_ahead``);
+  ``path_direct`` and ``path_direct_read`` with ``HostTierConfig.direct_reads`` (the runs by ``O_DIRECT`` reads,
+  ``workers.reads.positioned.read_runs_direct``).
 
 Each is the median over ``--repeats`` reads, in GB/s of the file's bytes (``path`` of the shard's). The kinds take turns
 over the same few files, so each meets the device as the others do. The device under ``--adapters`` is named
@@ -31,6 +33,7 @@ over the same few files, so each meets the device as the others do. The device u
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import mmap
@@ -53,6 +56,8 @@ from workers.reads.shard import drop_pages
 from workers.staging.host_config import HostTierConfig
 
 ALIGN = 4096  # O_DIRECT: offsets, lengths and the buffer's address
+PATHS: dict[str, dict[str, Any]] = {  # the real path's kinds: the host tier's settings each reads with
+    "path": {}, "path_ahead": {"read_ahead": True}, "path_direct": {"direct_reads": True}}
 WEIGHTS = "adapter_model.safetensors"
 
 
@@ -185,24 +190,24 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         kinds[f"willneed_{t}"] = functools.partial(read_buffered, threads=t, into=into, willneed=True)
         kinds[f"direct_{t}"] = functools.partial(read_direct, threads=t, into=into)
         kinds[f"mmap_{t}"] = functools.partial(read_mmap, threads=t, into=into)
-    seconds: dict[str, list[float]] = {k: [] for k in (*kinds, "path", "path_read", "path_ahead", "path_ahead_read")}
-    phases: dict[str, dict[str, list[float]]] = {"path": {}, "path_ahead": {}}
+    seconds: dict[str, list[float]] = {k: [] for k in (*kinds, *(f"{p}{r}" for p in PATHS for r in ("", "_read")))}
+    phases: dict[str, dict[str, list[float]]] = {p: {} for p in PATHS}
     unsupported: dict[str, str] = {}
-    hosts = {ahead: HostTierConfig(host_bytes=2 * nbytes + (64 << 20), drop_page_cache=True, read_ahead=ahead)
-             for ahead in (False, True)}
-    caches = {ahead: WorkerCache(WorkerConfig(num_slots=1, tp=1, tp_rank=0, device=device, host=host), catalog)
-              for ahead, host in hosts.items()}
-    shard = caches[False].layout_of(names[0]).nbytes
+    host = HostTierConfig(host_bytes=2 * nbytes + (64 << 20), drop_page_cache=True)
+    caches = {kind: WorkerCache(WorkerConfig(num_slots=1, tp=1, tp_rank=0, device=device,
+                                             host=dataclasses.replace(host, **how)), catalog)
+              for kind, how in PATHS.items()}
+    shard = caches["path"].layout_of(names[0]).nbytes
     turn, asked = 0, 0
     try:
         for _ in range(args.repeats):
-            for kind, read in [*kinds.items(), ("path", None), ("path_ahead", None)]:
+            for kind, read in [*kinds.items(), *((p, None) for p in PATHS)]:
                 if kind in unsupported:
                     continue
                 name, spec, path = names[turn % len(names)], specs[turn % len(specs)], paths[turn % len(paths)]
                 turn += 1
                 if read is None:  # the real path: a host-tier miss of a file whose pages are dropped
-                    cache = caches[kind == "path_ahead"]
+                    cache = caches[kind]
                     cache.evict(name)
                     cache.host.drop_adapter(name)
                     drop_pages(spec)  # its next read comes from the device (tmpfs keeps them)
@@ -226,7 +231,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         raise
                     unsupported[kind] = f"{type(e).__name__}: {e}"
     finally:
-        asked = caches[True].host.asked_ahead
+        asked = caches["path_ahead"].host.asked_ahead
         for cache in caches.values():
             cache.close()
     gbps = {k: (shard if k.startswith("path") else nbytes) / statistics.median(v) / 1e9
@@ -238,7 +243,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "ms": {k: statistics.median(v) * 1e3 for k, v in seconds.items() if v}, "unsupported": unsupported,
             "best_reference": best, "path_read_over_best": gbps["path_read"] / gbps[best],
             "path_over_best": gbps["path"] / gbps[best],
-            "path_ahead_read_over_best": gbps["path_ahead_read"] / gbps[best], "asked_ahead": asked,
+            "path_ahead_read_over_best": gbps["path_ahead_read"] / gbps[best],
+            "path_direct_read_over_best": gbps["path_direct_read"] / gbps[best],
+            "path_direct_over_best": gbps["path_direct"] / gbps[best], "asked_ahead": asked,
             "phases_ms": {kind: {k: statistics.median(v) for k, v in got.items()} for kind, got in phases.items()}}
 
 
@@ -251,7 +258,8 @@ def table(out: dict[str, Any]) -> str:
             + "\n".join(rows)
             + f"\n\nthe path's store read / the best reference ({out['best_reference']}): "
               f"{out['path_read_over_best']:.2f}; prefetch -> READY / it: {out['path_over_best']:.2f}; with "
-              f"read_ahead: {out['path_ahead_read_over_best']:.2f} ({out['asked_ahead']} reads asked ahead)\n"
+              f"read_ahead: {out['path_ahead_read_over_best']:.2f} ({out['asked_ahead']} reads asked ahead); with "
+              f"direct_reads: {out['path_direct_read_over_best']:.2f}, to READY {out['path_direct_over_best']:.2f}\n"
             + "".join(f"\n{kind} phases (ms from the prefetch, medians): "
                       + ", ".join(f"{k} {v:.1f}" for k, v in sorted(got.items(), key=lambda kv: kv[1]))
                       for kind, got in out.get("phases_ms", {}).items() if got))

@@ -5,10 +5,18 @@ cache: runs straight into the packed buffer; a column slice's rows into their pl
 them into this thread's scratch buffer (one call per matrix piece) or one call per row (no byte between rows
 read); conversions into scratch, then copied into place by torch; block CRCs from scratch.
 A read that comes back short (the file was cut while it was read) raises ``FileShrank``.
+
+``read_runs_direct``: the runs by ``O_DIRECT`` reads (``HostTierConfig.direct_reads``): no page cache, so a cold
+file is read at the device's own rate at the readers' queue depth, nothing is copied out of the page cache, and
+no page is left to drop. ``O_DIRECT`` takes only block-aligned offsets, lengths and addresses, and a run's place in
+the packed buffer is not aligned with its place in the file, so each read lands in this thread's page-aligned
+bounce buffer (runs close together in the file by one read) and its runs are copied into place by torch (the GIL
+let go).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -25,6 +33,10 @@ except ImportError:  # pragma: no cover - an image without isal: zlib's (2-3 GB/
 
 MAX_IOV = 1024  # IOV_MAX on Linux: vectors one preadv may take
 _SCRATCH = threading.local()  # each reader thread's buffer for skipped bytes, conversions and CRCs
+DIRECT_ALIGN = 4096  # O_DIRECT: offsets, lengths and addresses aligned to the device's logical block (<= 4 KiB)
+DIRECT_GAP = 64 << 10  # runs at most this far apart in the file are read by one O_DIRECT read, the gap with them
+DIRECT_SPAN = 8 << 20  # one O_DIRECT read's bytes at most (a longer run alone is read whole)
+_BOUNCE = threading.local()  # each reader thread's page-aligned buffer for O_DIRECT reads
 
 
 class FileShrank(EOFError):
@@ -56,6 +68,46 @@ def pread_all(fd: int, into: memoryview, offset: int) -> None:
 def read_runs(fd: int, raw: memoryview, runs: Iterable[Run]) -> None:
     for run in runs:
         pread_all(fd, raw[run.at : run.at + run.nbytes], run.start)
+
+
+def bounce(nbytes: int) -> tuple[memoryview, torch.Tensor]:
+    """This thread's page-aligned buffer for ``O_DIRECT`` reads (an anonymous mapping), at least ``nbytes`` long,
+    as bytes and as a uint8 tensor over the same memory (kept for its next read)."""
+    kept = getattr(_BOUNCE, "kept", None)
+    if kept is None or len(kept[0]) < nbytes:
+        size = -(-max(nbytes, 1 << 20) // mmap.PAGESIZE) * mmap.PAGESIZE
+        mapped = mmap.mmap(-1, size)
+        kept = _BOUNCE.kept = (memoryview(mapped), torch.frombuffer(mapped, dtype=torch.uint8))
+    return kept
+
+
+def read_runs_direct(dfd: int, dest: torch.Tensor, runs: Iterable[Run]) -> None:
+    """``runs`` into ``dest`` (the packed buffer as uint8) by ``O_DIRECT`` reads of ``dfd`` (the file opened with
+    it): runs within ``DIRECT_GAP`` of each other in the file, up to ``DIRECT_SPAN``, by one aligned read into this
+    thread's ``bounce`` buffer, then each copied into place. Only the file's end may make a read short (its size
+    need not be aligned); ``FileShrank`` if it ends before a run does."""
+    ordered = sorted(runs, key=lambda r: r.start)
+    i = 0
+    while i < len(ordered):
+        lo, hi, j = ordered[i].start, ordered[i].start + ordered[i].nbytes, i + 1
+        while (j < len(ordered) and ordered[j].start - hi <= DIRECT_GAP
+               and ordered[j].start + ordered[j].nbytes - lo <= DIRECT_SPAN):
+            hi, j = max(hi, ordered[j].start + ordered[j].nbytes), j + 1
+        first = lo - lo % DIRECT_ALIGN
+        want = -(-hi // DIRECT_ALIGN) * DIRECT_ALIGN - first
+        raw, tensor = bounce(want)
+        done = 0
+        while done < want:
+            got = os.preadv(dfd, [raw[done:want]], first + done)
+            done += max(got, 0)
+            if got <= 0 or got % DIRECT_ALIGN:  # the file's end: an unaligned offset may not be read on from
+                break
+        if first + done < hi:
+            raise FileShrank(hi)
+        for run in ordered[i:j]:
+            at = run.start - first
+            dest[run.at : run.at + run.nbytes].copy_(tensor[at : at + run.nbytes])
+        i = j
 
 
 def read_strided(fd: int, raw: memoryview, s: Strided, rows: bool = False) -> None:
@@ -99,9 +151,13 @@ def convert(fd: int, dest: torch.Tensor, index: Mapping[str, FileTensor], pieces
 
 
 def read_task(fd: int, raw: memoryview, dest: torch.Tensor, index: Mapping[str, FileTensor], task: Task,
-              rows: bool = False) -> None:
-    """One task: its runs, its column slices (``rows``: row by row), its conversions."""
-    read_runs(fd, raw, task.runs)
+              rows: bool = False, direct: int | None = None) -> None:
+    """One task: its runs (``direct``: the file's ``O_DIRECT`` fd, ``read_runs_direct``), its column slices
+    (``rows``: row by row), its conversions."""
+    if direct is None:
+        read_runs(fd, raw, task.runs)
+    elif task.runs:
+        read_runs_direct(direct, dest.view(torch.uint8), task.runs)
     for s in task.strided:
         read_strided(fd, raw, s, rows)
     convert(fd, dest, index, task.converts)

@@ -22,7 +22,7 @@ all ``n`` are in place and proven (one message, and one wake-up of the worker, f
 shard's fixed cost, bench/RESULTS.md, issue 30 item 1, fourth round). A process that dies mid-read fails only
 that read, with an error naming the file; the next read starts a new process.
 
-    python -m workers.reads.processes CONN_FD ARENA_FD ARENA_BYTES PARALLEL     (started by ReaderProcess only)
+    python -m workers.reads.processes CONN_FD ARENA_FD ARENA_BYTES PARALLEL [HOW]   (started by ReaderProcess only)
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ ERRORS: dict[str, type[AdapterFormatError]] = {e.__name__: e for e in (AdapterFo
 class ReaderProcess:
     """One child process that reads shards into the shared arena; used by one thread at a time."""
 
-    def __init__(self, arena_fd: int, arena_bytes: int, parallel: int = 1) -> None:
-        self.arena_fd, self.arena_bytes, self.parallel = arena_fd, arena_bytes, parallel
+    def __init__(self, arena_fd: int, arena_bytes: int, parallel: int = 1, how: str = "preadv") -> None:
+        """``how``: how it reads every shard (``workers.reads.shard.HOW``: "preadv", or "direct")."""
+        self.arena_fd, self.arena_bytes, self.parallel, self.how = arena_fd, arena_bytes, parallel, how
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._ready = False
@@ -75,7 +76,7 @@ class ReaderProcess:
                    PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "workers.reads.processes", str(theirs.fileno()), str(self.arena_fd),
-             str(self.arena_bytes), str(self.parallel)],
+             str(self.arena_bytes), str(self.parallel), self.how],
             pass_fds=(theirs.fileno(), self.arena_fd), env=env, cwd=str(ROOT), stdin=subprocess.DEVNULL)
         theirs.close()
         self._conn = Connection(ours.detach())
@@ -284,7 +285,7 @@ class SplitRead:
         return read
 
 
-def _serve(conn: Connection, arena: torch.Tensor, pool: ReadPool | None) -> None:
+def _serve(conn: Connection, arena: torch.Tensor, pool: ReadPool | None, how: str = "preadv") -> None:
     torch.set_num_threads(1)
     held: dict[int, tuple[ShardEntry, ...]] = {}
     conn.send(("ready", os.getpid()))
@@ -307,7 +308,7 @@ def _serve(conn: Connection, arena: torch.Tensor, pool: ReadPool | None) -> None
                 if k < last:
                     conn.send(("chunk", k))
 
-            read = read_slices(source, held[key], dest, shard, verify, chunks, report, pool, marks=marks,
+            read = read_slices(source, held[key], dest, shard, verify, chunks, report, pool, how, marks=marks,
                                part=tuple(part), readers=readers)
             marks.append(("done", time.perf_counter()))
             conn.send(("ok", read, marks))
@@ -319,7 +320,8 @@ def _serve(conn: Connection, arena: torch.Tensor, pool: ReadPool | None) -> None
 
 
 def main(argv: list[str]) -> None:
-    conn_fd, arena_fd, arena_bytes, parallel = (int(a) for a in argv)
+    conn_fd, arena_fd, arena_bytes, parallel = (int(a) for a in argv[:4])
+    how = argv[4] if len(argv) > 4 else "preadv"
     # MAP_SHARED: the worker sees every byte written. MAP_POPULATE maps every page now: a process's first
     # write to a page of its own mapping faults, which on the H200 host made each read ~10 ms slower
     # (a shard is ~20k pages) until every block of the arena had been written once by every process.
@@ -327,7 +329,7 @@ def main(argv: list[str]) -> None:
     arena = torch.frombuffer(mapped, dtype=torch.uint8)
     pool = ReadPool(parallel, "lora-reader-part") if parallel > 1 else None  # splits each read (workers.reads.threads)
     with Connection(conn_fd) as conn:
-        _serve(conn, arena, pool)
+        _serve(conn, arena, pool, how)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 
 def read_shard(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor, verify: str = "sample",
                chunks: Sequence[slice] | None = None, on_chunk: Callable[[int], None] | None = None,
-               pool: ReadPool | None = None, marks: list[tuple[str, float]] | None = None) -> int:
+               pool: ReadPool | None = None, marks: list[tuple[str, float]] | None = None, how: str = "preadv") -> int:
     """Fill ``dest`` (1-D, ``layout.dtype``, >= ``layout.numel``) with the shard; returns bytes read.
     Fault point ``mid_read`` (``workers.faults``): the file is open and checked, nothing read yet.
 
@@ -70,20 +70,23 @@ def read_shard(spec: AdapterSpec, layout: ShardLayout, dest: torch.Tensor, verif
     ``chunks``: ranges of the layout's entries read one after another (default: one); ``on_chunk(k)`` runs
     once the first ``k`` are in ``dest``, so their host-to-GPU copies can start while the rest is read
     (``lora_cache.adapters.chunks``). ``pool``: reader threads that split the read (``workers.reads.threads``);
-    None: this thread alone. ``marks``: as ``read_slices``'s.
+    None: this thread alone. ``marks``, ``how``: as ``read_slices``'s.
     """
     if spec.source is None:
         raise AdapterFormatError(f"adapter {spec.name}@{spec.version} was not registered from a file; "
                                  "register it from its directory to read it")
     key = AdapterKey(spec.name, spec.version)
     return read_slices(spec.source, layout.entries, dest, f"TP {layout.rank}/{layout.tp}", verify, chunks, on_chunk,
-                       pool, opened=lambda: faults.hit("mid_read", key), marks=marks)
+                       pool, how, opened=lambda: faults.hit("mid_read", key), marks=marks)
 
 
 HOW = {  # how a split read moves its bytes (bench/RESULTS.md, issue 30: "preadv" was the fastest measured)
     "preadv": "positioned reads straight into the buffer; a column slice by one read over its span (the default)",
     "rows": "positioned reads; a column slice row by row (fewer bytes, a call per row)",
     "mmap": "mapped-file copies, split over the threads (probes only: a file cut short under the map raises SIGBUS)",
+    "direct": "as preadv, but a file out of the page cache has its runs read by O_DIRECT through an aligned bounce "
+              "buffer (HostTierConfig.direct_reads); preadv for a file in the page cache, or where the file "
+              "system refuses O_DIRECT",
 }
 
 
@@ -129,9 +132,11 @@ def read_slices(source: WeightsSource, entries: tuple[ShardEntry, ...], dest: to
             with _mapped(fd) as mapped:
                 return _read_parallel(pool, fd, source, index, entries, spans, dest, verify, how, proven, mapped,
                                       marks)
-        # this rank's slices, in file bytes (the plan's: summing the entries again took ~0.1 ms after the last chunk)
-        return _read_parallel(pool, fd, source, index, entries, spans, dest, verify, how, proven, None, marks, part,
-                              readers)
+        with _direct(fd, weights) if how == "direct" and _cold(fd) else contextlib.nullcontext() as dfd:
+            # this rank's slices, in file bytes (the plan's: summing the entries again took ~0.1 ms after the last
+            # chunk)
+            return _read_parallel(pool, fd, source, index, entries, spans, dest, verify, how, proven, None, marks,
+                                  part, readers, dfd)
     except (AdapterChangedError, NonFiniteWeightsError):  # already name the file and the fix
         raise
     except (AdapterFormatError, OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
@@ -248,11 +253,11 @@ def _read_parallel(pool: ReadPool | None, fd: int, source: WeightsSource, index:
                    entries: tuple[ShardEntry, ...], spans: Sequence[slice], dest: torch.Tensor, verify: str, how: str,
                    proven: Callable[[int], None], mapped: mmap.mmap | None = None,
                    marks: list[tuple[str, float]] | None = None, part: tuple[int, int] = (0, 1),
-                   readers: int = 0) -> int:
+                   readers: int = 0, direct: int | None = None) -> int:
     """Every chunk's slices and block checks as tasks on ``pool`` (None: run here, one after another), the checks
     first in each chunk; ``proven(k)`` once chunk k and those before it are done, in order. ``part`` (i, n): only
-    every n-th task of each chunk from the i-th (``read_slices``). Returns the file bytes of the slices (all parts'
-    together: what the rank reads)."""
+    every n-th task of each chunk from the i-th (``read_slices``). ``direct``: the file's ``O_DIRECT`` fd, the runs
+    read by it (``_direct``). Returns the file bytes of the slices (all parts' together: what the rank reads)."""
     raw = memoryview(dest.view(torch.uint8).numpy())  # type: ignore[arg-type]  # dest's bytes, for preadv
     mine, parts = part
     readers = readers or (pool.size if pool is not None else 1)
@@ -263,7 +268,8 @@ def _read_parallel(pool: ReadPool | None, fd: int, source: WeightsSource, index:
     for share in shares:
         tasks: list[Callable[[], None]] = [
             functools.partial(_check_task, fd, source, list(b)) if t is None
-            else functools.partial(_run_task, fd, raw, dest, index, t, source, how, mapped) for b, t in share.work]
+            else functools.partial(_run_task, fd, raw, dest, index, t, source, how, mapped, direct)
+            for b, t in share.work]
         chunks.append(tasks if marks is None else [_timed(t, marks) for t in tasks])
     if marks is not None:
         marks.append(("planned", time.perf_counter()))
@@ -319,13 +325,14 @@ def _timed(task: Callable[[], None], marks: list[tuple[str, float]]) -> Callable
 
 
 def _run_task(fd: int, raw: memoryview, dest: torch.Tensor, index: dict[str, FileTensor], task: Task,
-              source: WeightsSource, how: str, mapped: mmap.mmap | None) -> None:
+              source: WeightsSource, how: str, mapped: mmap.mmap | None, direct: int | None = None) -> None:
     """One reader thread's share of a chunk (``workers.reads.positioned``); ``mapped`` (``how`` mmap): its pieces copied
-    from the mapped file instead."""
+    from the mapped file instead; ``direct``: its runs by ``O_DIRECT`` reads of that fd."""
     try:
         if mapped is not None:
             _copy_slices(mapped, index, task.converts, dest)
-        read_task(fd, raw, dest, index, task._replace(converts=()) if mapped is not None else task, how == "rows")
+        read_task(fd, raw, dest, index, task._replace(converts=()) if mapped is not None else task, how == "rows",
+                  direct)
     except FileShrank as e:
         raise AdapterChangedError(f"{source.path} shrank while it was read (it ended before byte {e.offset} of "
                                   f"{source.identity.size}) since it was registered as version {source.version}; "
@@ -343,6 +350,31 @@ def _check_task(fd: int, source: WeightsSource, blocks: list[int]) -> None:
         raise changed_block(source, bad)
 
 
+
+
+_NO_DIRECT: set[int] = set()  # file systems (st_dev) that refused O_DIRECT: told once each
+
+
+@contextlib.contextmanager
+def _direct(fd: int, weights: Path):  # type: ignore[no-untyped-def]
+    """``how="direct"``: the proven file ``fd`` opened again with ``O_DIRECT`` (through ``/proc/self/fd``: the same
+    open file's inode, whatever the path names now, so every proof of ``fd`` holds for it), or None (the read's
+    runs then go by ``preadv``) where the file system refuses it (tmpfs) or the platform has no ``O_DIRECT``."""
+    flag = getattr(os, "O_DIRECT", 0)
+    dfd = None
+    if flag:
+        try:
+            dfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | flag | os.O_CLOEXEC)
+        except OSError as e:
+            dev = os.fstat(fd).st_dev
+            if dev not in _NO_DIRECT:
+                _NO_DIRECT.add(dev)
+                log.info("%s: O_DIRECT refused (%s); reads of that file system go through the page cache", weights, e)
+    try:
+        yield dfd
+    finally:
+        if dfd is not None:
+            os.close(dfd)
 
 
 @contextlib.contextmanager
@@ -385,14 +417,25 @@ def is_cold(spec: AdapterSpec) -> bool:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            os.preadv(fd, [bytearray(1)], (os.fstat(fd).st_size // 2) & ~4095, os.RWF_NOWAIT)
-            return False
-        except BlockingIOError:
-            return True
+            return _cold(fd)
         finally:
             os.close(fd)
     except OSError as e:
         log.debug("could not tell whether %s is in the page cache: %s", path, e)
+        return False
+
+
+def _cold(fd: int) -> bool:
+    """``is_cold`` of an open file (False where it cannot tell). The probe itself may start that page's readahead:
+    ask once per read, before the read touches the file."""
+    if not hasattr(os, "RWF_NOWAIT"):
+        return False
+    try:
+        os.preadv(fd, [bytearray(1)], (os.fstat(fd).st_size // 2) & ~4095, os.RWF_NOWAIT)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
         return False
 
 

@@ -115,6 +115,11 @@ class HostTierConfig:
         "help": "ask the kernel for an adapter file that is not in the page cache whole at once, as its read starts "
                 "(POSIX_FADV_WILLNEED, off the readers' threads): a read from the device then runs at the device's "
                 "queue depth, not the readers' (a file in the page cache is left alone)"})
+    direct_reads: bool = field(default=False, metadata={
+        "help": "read an adapter file that is out of the page cache with O_DIRECT (one in it, or on a file system "
+                "that refuses O_DIRECT, through the page cache): a store of files on a local device larger than "
+                "memory is read at the device's rate, with no copy out of the page cache and nothing left in it "
+                "(the pinned host tier is the node's copy)"})
     drop_page_cache: bool = field(default=False, metadata={
         "help": "drop an adapter file's pages after its shard is read: the pinned host tier is the node's copy, so "
                 "the page cache does not hold a second one (and a benchmark reads from the device as a cold store "
@@ -154,6 +159,9 @@ class HostTierConfig:
         if self.verify not in VERIFY:
             raise ConfigError(f"verify {self.verify!r} is not one of {', '.join(VERIFY)}; pick one of them "
                               "(sample is the default)")
+        if self.read_ahead and self.direct_reads:
+            raise ConfigError("read_ahead and direct_reads are both on: read_ahead asks the page cache for a file "
+                              "that direct reads never read from it; turn one of them off")
 
     @property
     def auto(self) -> bool:

@@ -83,12 +83,13 @@ class HostTier:
         self.parallel = config.readers(ranks_here, processes)  # reader threads per read
         self.split = config.splits(self.parallel) if processes else 1  # reader processes per read, at most
         self.arena = HostArena(config.host_bytes, config.pin, shared=processes, background=config.pin_background)
+        how = "direct" if config.direct_reads else "preadv"
         if processes:
             self._reader: ThreadReads | ProcessReads = ProcessReads(
                 self.arena, config.read_threads, config.verify, -(-self.parallel // self.split), self.split,
-                self.parallel)
+                self.parallel, how)
         else:
-            self._reader = ThreadReads(self.arena, config.read_threads, config.verify, self.parallel)
+            self._reader = ThreadReads(self.arena, config.read_threads, config.verify, self.parallel, how)
         self._pool = ThreadPoolExecutor(config.read_threads, thread_name_prefix="lora-read")
         # ``read_ahead``: a cold file asked for whole as its read starts, off the readers' threads
         self._ahead = ThreadPoolExecutor(1, thread_name_prefix="lora-ahead") if config.read_ahead else None
