@@ -105,6 +105,10 @@ class BenchConfig:
         "help": "whether GPU slots and the host tier may hold one shard both, the same for every policy: inclusive | "
                 "exclusive (a GPU load lets go of its host copy; a slot's eviction writes the shard back; "
                 "workers/staging/host_config.py)"})
+    direct_reads: bool = field(default=False, metadata={
+        "help": "real engine: the workers read an adapter file that is out of the page cache with O_DIRECT "
+                "(HostTierConfig.direct_reads), the same for every policy: with --store device, a miss reads the "
+                "device with no page cache at all; the simulator takes a device read's speed from its calibration"})
     gpus: str = field(default="auto", metadata={"help": "real engine on GPUs: auto | yes | no"})
     gpu_share: float = field(default=1.0, metadata={
         "help": "real engine on GPUs: the share of one GPU each rank asks for (0.5: two replicas of --tp 1 on each "

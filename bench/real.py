@@ -98,6 +98,7 @@ class RealConfig:
     host_eviction: str = "lru"  # HostTierConfig.eviction
     host_recent_s: float = RECENT_S  # HostTierConfig.recent_s
     host_tiers: str = "exclusive"  # HostTierConfig.tiers
+    direct_reads: bool = False  # HostTierConfig.direct_reads
     timeout_s: float = 900.0  # one policy's whole run
     engine: dict[str, Any] = field(default_factory=dict)  # further EngineConfig fields (e.g. share_weights)
     attach: bool = False  # engine ranks in processes of their own, attached through the seam
@@ -175,7 +176,8 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
                           host=HostTierConfig(host_bytes=config.host_bytes, eviction=config.host_eviction,
                                               recent_s=config.host_recent_s,
                                               tiers=config.host_tiers,
-                                              drop_page_cache=config.store_model().kind == "device"),
+                                              drop_page_cache=config.store_model().kind == "device",
+                                              direct_reads=config.direct_reads),
                           disk=_disk_tier(config, policy))
     engine = EngineConfig(model=config.model, num_layers=config.num_layers, tp=config.tp, num_slots=slots,
                           page_rank=page_rank, pool_pages=pool_pages,
