@@ -290,3 +290,33 @@ def test_a_file_changed_during_a_direct_read_fails_it_and_leaves_the_tier_as_it_
 def test_read_ahead_and_direct_reads_together_are_refused() -> None:
     with pytest.raises(ConfigError, match="read_ahead and direct_reads are both on"):
         HostTierConfig(read_ahead=True, direct_reads=True)
+
+
+def test_a_direct_read_the_device_refuses_is_read_again_through_the_page_cache(
+        direct_dir: Path, make_catalog: Callable[..., Any], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A device whose logical block is larger than 4 KiB refuses the aligned reads themselves (EINVAL), after the
+    open succeeded: each refused task's runs are read again through the page cache, the shard is right, and it is
+    told once, not as a corrupt file."""
+    paths = make_adapters(direct_dir / "ad", SynthConfig(model="tiny", count=2, rank="16", seed=4))
+    catalog: AdapterCatalog = make_catalog(paths[0].parent)
+    refused: list[int] = []
+
+    def refusing(dfd: int, dest: torch.Tensor, runs: Any) -> None:
+        refused.append(dfd)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(positioned, "read_runs_direct", refusing)
+    monkeypatch.setattr(positioned, "_REFUSED", [])
+    monkeypatch.setattr(shard_module, "_cold", lambda fd: True)
+    caplog.set_level(logging.WARNING, logger=positioned.__name__)
+    t = tier("thread")
+    try:
+        for name in catalog.names():
+            spec = catalog.get(name)
+            lay = shard_layout(spec, SHAPES["tiny"], 1, 0, BF16)
+            assert torch.equal(t.fetch(spec, lay)[0].result(timeout=60).tensor, expected(spec, lay))
+    finally:
+        t.close()
+    told = [r for r in caplog.records if "O_DIRECT reads were refused" in r.getMessage()]
+    assert refused and len(told) == 1

@@ -16,6 +16,8 @@ let go).
 
 from __future__ import annotations
 
+import errno
+import logging
 import mmap
 import os
 import threading
@@ -37,6 +39,8 @@ DIRECT_ALIGN = 4096  # O_DIRECT: offsets, lengths and addresses aligned to the d
 DIRECT_GAP = 64 << 10  # runs at most this far apart in the file are read by one O_DIRECT read, the gap with them
 DIRECT_SPAN = 8 << 20  # one O_DIRECT read's bytes at most (a longer run alone is read whole)
 _BOUNCE = threading.local()  # each reader thread's page-aligned buffer for O_DIRECT reads
+_REFUSED: list[OSError] = []  # the first O_DIRECT read refused (EINVAL) in this process: told once
+log = logging.getLogger(__name__)
 
 
 class FileShrank(EOFError):
@@ -157,7 +161,15 @@ def read_task(fd: int, raw: memoryview, dest: torch.Tensor, index: Mapping[str, 
     if direct is None:
         read_runs(fd, raw, task.runs)
     elif task.runs:
-        read_runs_direct(direct, dest.view(torch.uint8), task.runs)
+        try:
+            read_runs_direct(direct, dest.view(torch.uint8), task.runs)
+        except OSError as e:  # a device whose blocks are larger than DIRECT_ALIGN: EINVAL; read them again by fd
+            if e.errno != errno.EINVAL:
+                raise
+            if not _REFUSED:
+                _REFUSED.append(e)
+                log.warning("O_DIRECT reads were refused (%s): reads go through the page cache where that happens", e)
+            read_runs(fd, raw, task.runs)
     for s in task.strided:
         read_strided(fd, raw, s, rows)
     convert(fd, dest, index, task.converts)
