@@ -11,6 +11,7 @@ import pytest
 
 from bench.probes.cold_device import build_parser, device_of, main, read_buffered, read_direct, read_mmap, scratch
 from lora_cache.errors import ConfigError
+from tests.test_direct_reads import direct_refused
 
 
 def test_the_probe_measures_every_read_and_the_paths_miss_on_the_same_files(tmp_path: Path,
@@ -28,6 +29,9 @@ def test_the_probe_measures_every_read_and_the_paths_miss_on_the_same_files(tmp_
     phases = out["phases_ms"]["path"]  # where a miss's time goes, in order
     assert phases["read"] <= phases["first issue"] <= phases["last issue"] <= phases["seen"] <= phases["answered"]
     assert phases["proven"] <= phases["last issue"] and phases["h2d"] >= 0
+    assert phases["direct"] == 0 and out["phases_ms"]["path_ahead"]["direct"] == 0  # only direct_reads goes around
+    if not direct_refused(tmp_path):  # the page cache, where the file system takes O_DIRECT
+        assert out["phases_ms"]["path_direct"]["direct"] == 1
     table = capsys.readouterr().out
     assert "| path_read |" in table and "the path's store read / the best reference" in table
 

@@ -121,7 +121,8 @@ def load_phases(cache: WorkerCache, record: Any, answered: float) -> dict[str, f
     """A path load's phases in ms from its start (``SlotLoad.t0``): its host read's start and end
     (``HostEntry.marks``), its slot taken (``place``), its first and last copies issued, the last chunk proven
     (``disk_ms``), its last copy's event seen complete (``seen``), the caller's answer, and the copies' own span on
-    the device from the first's start to the last's end (``h2d``, the record's ``h2d_ms``)."""
+    the device from the first's start to the last's end (``h2d``, the record's ``h2d_ms``); ``direct`` 1 where its
+    runs were read by ``O_DIRECT`` (``direct_reads`` and a cold file on a file system that takes it), else 0."""
     with cache.book.lock:
         load = cache.book.loads.get(record.slot)
     if load is None:
@@ -132,7 +133,9 @@ def load_phases(cache: WorkerCache, record: Any, answered: float) -> dict[str, f
     if issued:
         named |= {"first issue": issued[0], "last issue": issued[-1]}
     out = {phase: (t - load.t0) * 1e3 for phase, t in named.items()}
-    return out | {"proven": record.disk_ms, "answered": (answered - load.t0) * 1e3, "h2d": record.h2d_ms}
+    direct = float(any(phase == "direct" for phase, _ in marks))  # its runs read by O_DIRECT (1) or not (0)
+    return out | {"proven": record.disk_ms, "answered": (answered - load.t0) * 1e3, "h2d": record.h2d_ms,
+                  "direct": direct}
 
 
 def device_of(path: Path) -> dict[str, Any]:
