@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+import workers.staging.host_tier as host_tier_module
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.files import RACY_NS
 from lora_cache.adapters.shapes import SHAPES
@@ -79,6 +80,11 @@ def cached_pages(path: Path) -> tuple[int, int]:
 
 
 def tier(reads: str, direct: bool = True, host_bytes: int = 1 << 20) -> HostTier:
+    """A tier reading on its threads ("thread"), in one reader process per read ("process"), or split over three
+    ("split": each part decides nothing itself; the tier decided the read's way at dispatch)."""
+    if reads == "split":
+        return HostTier(HostTierConfig(host_bytes=host_bytes, read_threads=3, read_parallel=3, read_split=3, pin=False,
+                                       reads="process", direct_reads=direct))
     return HostTier(HostTierConfig(host_bytes=host_bytes, read_threads=2, read_parallel=3, pin=False, reads=reads,
                                    direct_reads=direct))
 
@@ -169,11 +175,13 @@ def settled_8b(tmp_path_factory: pytest.TempPathFactory) -> AdapterCatalog:
     return catalog
 
 
-@pytest.mark.parametrize("reads", ["thread", "process"])
+@pytest.mark.parametrize("reads", ["thread", "process", "split"])
 def test_a_direct_read_leaves_a_cold_file_out_of_the_page_cache(settled_8b: AdapterCatalog, reads: str) -> None:
     """A 42 MB 8B rank-8 file, its pages dropped: a read through the page cache leaves all of it there, a direct
     read almost none (its header's and one sampled block's reads, and their readahead); both stage the same
-    bytes. A file already in the page cache is read through it (nothing is gained by going around it)."""
+    bytes. A read split over three reader processes reads every part directly: each part used to ask for itself
+    whether the file was cold, and the first one's question (a read of the middle page) could warm it for the
+    others. A file already in the page cache is read through it (nothing is gained by going around it)."""
     spec = settled_8b.get(settled_8b.names()[0])
     weights = Path(str(spec.weights))
     lay = shard_layout(spec, SHAPES["llama-3.1-8b"], 1, 0, BF16)
@@ -190,8 +198,8 @@ def test_a_direct_read_leaves_a_cold_file_out_of_the_page_cache(settled_8b: Adap
         held, pages = cached_pages(weights)
         if direct:
             assert held < pages // 10, f"a direct read left {held} of {pages} pages in the page cache"
-        else:
-            assert held == pages
+        else:  # the measure tells them apart (the kernel may reclaim a few pages of a loaded machine meanwhile)
+            assert held > pages * 9 // 10, f"a page-cache read left only {held} of {pages} pages in the page cache"
     assert torch.equal(shards[True], shards[False])
     if reads == "thread":  # a warm file: no O_DIRECT open at all (seen in this process only)
         opened: list[int] = []
@@ -228,7 +236,7 @@ def test_a_file_system_that_refuses_o_direct_is_read_through_the_page_cache(
         return real_open(path, flags, *args, **kw)
 
     monkeypatch.setattr(shard_module.os, "open", refusing)
-    monkeypatch.setattr(shard_module, "_cold", lambda fd: True)  # as if out of the page cache
+    monkeypatch.setattr(host_tier_module, "is_cold", lambda spec: True)  # as if out of the page cache
     monkeypatch.setattr(shard_module, "_NO_DIRECT", set())
     caplog.set_level(logging.INFO, logger=shard_module.__name__)
     t = tier("thread")
@@ -271,7 +279,7 @@ def test_a_file_changed_during_a_direct_read_fails_it_and_leaves_the_tier_as_it_
         real(dfd, dest, runs)
 
     monkeypatch.setattr(positioned, "read_runs_direct", changed_first)
-    monkeypatch.setattr(shard_module, "_cold", lambda fd: True)
+    monkeypatch.setattr(host_tier_module, "is_cold", lambda spec: True)
     t = tier("thread")
     try:
         before = (list(t._entries), list(t.arena._free), dict(t.arena._used), t.bytes_read)
@@ -308,7 +316,7 @@ def test_a_direct_read_the_device_refuses_is_read_again_through_the_page_cache(
 
     monkeypatch.setattr(positioned, "read_runs_direct", refusing)
     monkeypatch.setattr(positioned, "_REFUSED", [])
-    monkeypatch.setattr(shard_module, "_cold", lambda fd: True)
+    monkeypatch.setattr(host_tier_module, "is_cold", lambda spec: True)
     caplog.set_level(logging.WARNING, logger=positioned.__name__)
     t = tier("thread")
     try:

@@ -22,7 +22,7 @@ all ``n`` are in place and proven (one message, and one wake-up of the worker, f
 shard's fixed cost, bench/RESULTS.md, issue 30 item 1, fourth round). A process that dies mid-read fails only
 that read, with an error naming the file; the next read starts a new process.
 
-    python -m workers.reads.processes CONN_FD ARENA_FD ARENA_BYTES PARALLEL [HOW]   (started by ReaderProcess only)
+    python -m workers.reads.processes CONN_FD ARENA_FD ARENA_BYTES PARALLEL     (started by ReaderProcess only)
 """
 
 from __future__ import annotations
@@ -56,9 +56,8 @@ ERRORS: dict[str, type[AdapterFormatError]] = {e.__name__: e for e in (AdapterFo
 class ReaderProcess:
     """One child process that reads shards into the shared arena; used by one thread at a time."""
 
-    def __init__(self, arena_fd: int, arena_bytes: int, parallel: int = 1, how: str = "preadv") -> None:
-        """``how``: how it reads every shard (``workers.reads.shard.HOW``: "preadv", or "direct")."""
-        self.arena_fd, self.arena_bytes, self.parallel, self.how = arena_fd, arena_bytes, parallel, how
+    def __init__(self, arena_fd: int, arena_bytes: int, parallel: int = 1) -> None:
+        self.arena_fd, self.arena_bytes, self.parallel = arena_fd, arena_bytes, parallel
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._ready = False
@@ -76,7 +75,7 @@ class ReaderProcess:
                    PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "workers.reads.processes", str(theirs.fileno()), str(self.arena_fd),
-             str(self.arena_bytes), str(self.parallel), self.how],
+             str(self.arena_bytes), str(self.parallel)],
             pass_fds=(theirs.fileno(), self.arena_fd), env=env, cwd=str(ROOT), stdin=subprocess.DEVNULL)
         theirs.close()
         self._conn = Connection(ours.detach())
@@ -101,15 +100,16 @@ class ReaderProcess:
 
     @staticmethod
     def job(spec: AdapterSpec, layout: ShardLayout, offset: int, verify: str = "sample",
-            chunks: Sequence[slice] | None = None, readers: int = 0) -> bytes:
-        """What every part of a read is sent, pickled once for all of them (``begin``'s ``job``)."""
+            chunks: Sequence[slice] | None = None, readers: int = 0, how: str = "preadv") -> bytes:
+        """What every part of a read is sent, pickled once for all of them (``begin``'s ``job``); ``how``: as
+        ``reader.read_slices``' ("direct": decided once for the read by its host tier, the same for every part)."""
         return pickle.dumps((spec.source, verify, id(layout.entries), f"TP {layout.rank}/{layout.tp}",
                              str(layout.dtype).removeprefix("torch."), layout.numel, offset,
-                             [(c.start, c.stop) for c in chunks or ()], readers), pickle.HIGHEST_PROTOCOL)
+                             [(c.start, c.stop) for c in chunks or ()], readers, how), pickle.HIGHEST_PROTOCOL)
 
     def begin(self, spec: AdapterSpec, layout: ShardLayout, offset: int, verify: str = "sample",
               chunks: Sequence[slice] | None = None, part: tuple[int, int] = (0, 1), readers: int = 0,
-              job: bytes | None = None) -> None:
+              job: bytes | None = None, how: str = "preadv") -> None:
         """Send the process a read (``read``'s arguments; ``part``, ``readers``: as ``reader.read_slices``'s),
         starting a new process if this one died; its replies come from ``reply``. ``job``: ``job(...)`` of these
         arguments, pickled once by a read split over several processes (their sends follow one another, and each
@@ -129,7 +129,7 @@ class ReaderProcess:
                 self._ready = True
             key = id(layout.entries)
             if job is None:
-                job = self.job(spec, layout, offset, verify, chunks, readers)
+                job = self.job(spec, layout, offset, verify, chunks, readers, how)
             self._conn.send((job, None if key in self._sent else layout.entries, part))
             self._sent[key] = layout.entries
         except (EOFError, OSError, TimeoutError) as e:
@@ -206,14 +206,14 @@ class ReaderProcess:
 def read_split(procs: Sequence[ReaderProcess], spec: AdapterSpec, layout: ShardLayout, offset: int,
                verify: str = "sample", chunks: Sequence[slice] | None = None,
                on_chunk: Callable[[int], None] | None = None, marks: list[tuple[str, float]] | None = None,
-               readers: int = 0) -> int:
+               readers: int = 0, how: str = "preadv") -> int:
     """One read split over several reader processes (as ``ReaderProcess.read``): process i of n reads part i of
     every chunk (``reader.read_slices``' ``part``) into the same arena block, each proving the version for its
     part (the file's identity after each chunk, its share of the block checks; one of them each chunk's sample),
     so no GIL is shared by the threads of different parts. Chunk k is published once every part has it. The
     first error (a changed file stays an ``AdapterChangedError``) is raised once every process has ended its
     part (none writes into the block after the read gave it back); no chunk is published after it."""
-    read = SplitRead(procs, spec, layout, offset, verify, chunks, readers)
+    read = SplitRead(procs, spec, layout, offset, verify, chunks, readers, how)
     read.begin()
     return read.collect(on_chunk, marks)
 
@@ -225,9 +225,10 @@ class SplitRead:
     (``workers.staging.host_tier``: a small shard's fixed cost, bench/RESULTS.md, issue 30 item 1, fourth round)."""
 
     def __init__(self, procs: Sequence[ReaderProcess], spec: AdapterSpec, layout: ShardLayout, offset: int,
-                 verify: str = "sample", chunks: Sequence[slice] | None = None, readers: int = 0) -> None:
+                 verify: str = "sample", chunks: Sequence[slice] | None = None, readers: int = 0,
+                 how: str = "preadv") -> None:
         self.procs, self.spec, self.layout, self.offset = procs, spec, layout, offset
-        self.verify, self.chunks, self.readers = verify, chunks, readers
+        self.verify, self.chunks, self.readers, self.how = verify, chunks, readers, how
         self.error: BaseException | None = None  # the first error, raised by ``collect``
         self.live: dict[Any, ReaderProcess] = {}  # the processes that have a part and have not ended it
 
@@ -238,7 +239,8 @@ class SplitRead:
         for i, proc in enumerate(self.procs):
             try:
                 if job is None and self.spec.source is not None:
-                    job = ReaderProcess.job(self.spec, self.layout, self.offset, self.verify, self.chunks, self.readers)
+                    job = ReaderProcess.job(self.spec, self.layout, self.offset, self.verify, self.chunks, self.readers,
+                                            self.how)
                 proc.begin(self.spec, self.layout, self.offset, self.verify, self.chunks, (i, n), self.readers, job)
             except Exception as e:  # e.g. it died (AdapterFormatError): the parts sent end before it is raised
                 self.error = e
@@ -285,7 +287,7 @@ class SplitRead:
         return read
 
 
-def _serve(conn: Connection, arena: torch.Tensor, pool: ReadPool | None, how: str = "preadv") -> None:
+def _serve(conn: Connection, arena: torch.Tensor, pool: ReadPool | None) -> None:
     torch.set_num_threads(1)
     held: dict[int, tuple[ShardEntry, ...]] = {}
     conn.send(("ready", os.getpid()))
@@ -294,7 +296,7 @@ def _serve(conn: Connection, arena: torch.Tensor, pool: ReadPool | None, how: st
             job, entries, part = conn.recv()
         except (EOFError, ConnectionResetError):
             return
-        source, verify, key, shard, dtype, numel, offset, spans, readers = pickle.loads(job)
+        source, verify, key, shard, dtype, numel, offset, spans, readers, how = pickle.loads(job)
         marks: list[tuple[str, float]] = [("received", time.perf_counter())]  # the job in hand, as before
         if entries is not None:
             held[key] = entries
@@ -320,8 +322,7 @@ def _serve(conn: Connection, arena: torch.Tensor, pool: ReadPool | None, how: st
 
 
 def main(argv: list[str]) -> None:
-    conn_fd, arena_fd, arena_bytes, parallel = (int(a) for a in argv[:4])
-    how = argv[4] if len(argv) > 4 else "preadv"
+    conn_fd, arena_fd, arena_bytes, parallel = (int(a) for a in argv)
     # MAP_SHARED: the worker sees every byte written. MAP_POPULATE maps every page now: a process's first
     # write to a page of its own mapping faults, which on the H200 host made each read ~10 ms slower
     # (a shard is ~20k pages) until every block of the arena had been written once by every process.
@@ -329,7 +330,7 @@ def main(argv: list[str]) -> None:
     arena = torch.frombuffer(mapped, dtype=torch.uint8)
     pool = ReadPool(parallel, "lora-reader-part") if parallel > 1 else None  # splits each read (workers.reads.threads)
     with Connection(conn_fd) as conn:
-        _serve(conn, arena, pool, how)
+        _serve(conn, arena, pool)
 
 
 if __name__ == "__main__":

@@ -84,9 +84,8 @@ HOW = {  # how a split read moves its bytes (bench/RESULTS.md, issue 30: "preadv
     "preadv": "positioned reads straight into the buffer; a column slice by one read over its span (the default)",
     "rows": "positioned reads; a column slice row by row (fewer bytes, a call per row)",
     "mmap": "mapped-file copies, split over the threads (probes only: a file cut short under the map raises SIGBUS)",
-    "direct": "as preadv, but a file out of the page cache has its runs read by O_DIRECT through an aligned bounce "
-              "buffer (HostTierConfig.direct_reads); preadv for a file in the page cache, or where the file "
-              "system refuses O_DIRECT",
+    "direct": "as preadv, but the runs by O_DIRECT reads through an aligned bounce buffer (for a file out of the "
+              "page cache: HostTierConfig.direct_reads); preadv where the file system refuses O_DIRECT",
 }
 
 
@@ -132,7 +131,7 @@ def read_slices(source: WeightsSource, entries: tuple[ShardEntry, ...], dest: to
             with _mapped(fd) as mapped:
                 return _read_parallel(pool, fd, source, index, entries, spans, dest, verify, how, proven, mapped,
                                       marks)
-        with _direct(fd, weights) if how == "direct" and _cold(fd) else contextlib.nullcontext() as dfd:
+        with _direct(fd, weights) if how == "direct" else contextlib.nullcontext() as dfd:
             if marks is not None and dfd is not None:
                 marks.append(("direct", time.perf_counter()))  # its runs by O_DIRECT (the probes count these)
             # this rank's slices, in file bytes (the plan's: summing the entries again took ~0.1 ms after the last
@@ -429,7 +428,8 @@ def is_cold(spec: AdapterSpec) -> bool:
 
 def _cold(fd: int) -> bool:
     """``is_cold`` of an open file (False where it cannot tell). The probe itself may start that page's readahead:
-    ask once per read, before the read touches the file."""
+    ask once per read, before the read touches the file (the host tier asks at dispatch, for every part of a split
+    read at once)."""
     if not hasattr(os, "RWF_NOWAIT"):
         return False
     try:

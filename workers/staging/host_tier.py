@@ -83,13 +83,12 @@ class HostTier:
         self.parallel = config.readers(ranks_here, processes)  # reader threads per read
         self.split = config.splits(self.parallel) if processes else 1  # reader processes per read, at most
         self.arena = HostArena(config.host_bytes, config.pin, shared=processes, background=config.pin_background)
-        how = "direct" if config.direct_reads else "preadv"
         if processes:
             self._reader: ThreadReads | ProcessReads = ProcessReads(
                 self.arena, config.read_threads, config.verify, -(-self.parallel // self.split), self.split,
-                self.parallel, how)
+                self.parallel)
         else:
-            self._reader = ThreadReads(self.arena, config.read_threads, config.verify, self.parallel, how)
+            self._reader = ThreadReads(self.arena, config.read_threads, config.verify, self.parallel)
         self._pool = ThreadPoolExecutor(config.read_threads, thread_name_prefix="lora-read")
         # ``read_ahead``: a cold file asked for whole as its read starts, off the readers' threads
         self._ahead = ThreadPoolExecutor(1, thread_name_prefix="lora-ahead") if config.read_ahead else None
@@ -173,10 +172,14 @@ class HostTier:
         demand read (not a warm stage's) is marked for the node's other ranks until it ends."""
         if not entry.speculative:
             self.demand.mark(entry)
-        if self._ahead is not None and spec.store is None and is_cold(spec):  # told before the read touches it
-            with self._lock:
-                self.asked_ahead += 1
-            self._ahead.submit(ask_ahead, spec)
+        asks = self._ahead is not None or self.config.direct_reads  # each asks whether the file is cold, once
+        if asks and spec.store is None and is_cold(spec):  # told before the read touches it
+            if self.config.direct_reads:  # decided here for the whole read: every part of a split read alike
+                entry.direct = True
+            elif self._ahead is not None:
+                with self._lock:
+                    self.asked_ahead += 1
+                self._ahead.submit(ask_ahead, spec)
         try:
             started = self._reader.begin(spec, entry) if spec.store is None else None
             self._pool.submit(self._read, spec, entry, started).add_done_callback(lambda _: self.demand.unmark(entry))

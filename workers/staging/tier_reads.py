@@ -19,13 +19,18 @@ from workers.staging.arena import HostArena
 if TYPE_CHECKING:
     from workers.staging.host_tier import HostEntry
 
+def how_of(entry: HostEntry) -> str:
+    """How ``entry``'s read moves its bytes (``workers.reads.shard.HOW``): "direct" where its tier found its file out
+    of the page cache with ``direct_reads`` on (``HostEntry.direct``, decided once for the read), else "preadv"."""
+    return "direct" if entry.direct else "preadv"
+
+
 class ThreadReads:
     """Reads in this process, on the tier's threads: where nothing launches GPU work beside them. A read is
     split over ``parallel`` threads of one pool that the tier's reads share (none for 1)."""
 
-    def __init__(self, arena: HostArena, count: int, verify: str, parallel: int = 1, how: str = "preadv") -> None:
-        """``how``: ``workers.reads.shard.HOW``'s "preadv", or "direct" (``HostTierConfig.direct_reads``)."""
-        self.verify, self.how = verify, how
+    def __init__(self, arena: HostArena, count: int, verify: str, parallel: int = 1) -> None:
+        self.verify = verify
         self.pool = ReadPool(parallel) if parallel > 1 else None
 
     def begin(self, spec: AdapterSpec, entry: HostEntry) -> Callable[[], int] | None:
@@ -34,7 +39,7 @@ class ThreadReads:
 
     def read(self, spec: AdapterSpec, entry: HostEntry) -> int:
         return read_shard(spec, entry.layout, entry.tensor, self.verify, entry.chunks, entry.progress, self.pool,
-                          entry.marks, self.how)
+                          entry.marks, how_of(entry))
 
     def close(self) -> None:
         if self.pool is not None:
@@ -50,13 +55,12 @@ class ProcessReads:
     (bench/RESULTS.md, issue 30 item 1)."""
 
     def __init__(self, arena: HostArena, count: int, verify: str, parallel: int = 1, split: int = 1,
-                 readers: int = 0, how: str = "preadv") -> None:
-        """``readers``: the threads of a read split ``split`` ways, for the tasks' size (0: ``parallel``); ``how``:
-        as ``ThreadReads``'."""
+                 readers: int = 0) -> None:
+        """``readers``: the threads of a read split ``split`` ways, for the tasks' size (0: ``parallel``)."""
         self.verify, self.split, self.readers = verify, max(1, split), readers or parallel
         if arena.fd is None:
             raise ConfigError("process reads need a shared arena (HostArena(shared=True))")
-        self._all = [ReaderProcess(arena.fd, arena.capacity, parallel, how) for _ in range(count)]
+        self._all = [ReaderProcess(arena.fd, arena.capacity, parallel) for _ in range(count)]
         self._idle: queue.LifoQueue[ReaderProcess] = queue.LifoQueue()
         self._taking = threading.Lock()  # one read takes its processes at a time
         for proc in reversed(self._all):
@@ -99,7 +103,7 @@ class ProcessReads:
     def _start(self, procs: list[ReaderProcess], spec: AdapterSpec, entry: HostEntry) -> Callable[[], int]:
         entry.marks.append(("reader", time.perf_counter()))
         split = SplitRead(procs, spec, entry.layout, entry.block.offset, self.verify, entry.chunks,
-                          self.readers if len(procs) > 1 else 0)
+                          self.readers if len(procs) > 1 else 0, how_of(entry))
         split.begin()
 
         def collect() -> int:
