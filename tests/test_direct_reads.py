@@ -95,6 +95,18 @@ def expected(spec: Any, lay: ShardLayout) -> torch.Tensor:
     return want
 
 
+def reads_right(catalog: AdapterCatalog, names: list[str]) -> None:
+    """Each of ``names`` read by a direct-reads tier on threads stages the shard a page-cache read does."""
+    t = tier("thread")
+    try:
+        for name in names:
+            spec = catalog.get(name)
+            lay = shard_layout(spec, SHAPES["tiny"], 1, 0, BF16)
+            assert torch.equal(t.fetch(spec, lay)[0].result(timeout=60).tensor, expected(spec, lay))
+    finally:
+        t.close()
+
+
 def test_read_runs_direct_puts_every_run_where_a_positioned_read_does(direct_dir: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs at unaligned offsets, some close enough to share one read, some far apart, one longer than a read's
@@ -239,14 +251,7 @@ def test_a_file_system_that_refuses_o_direct_is_read_through_the_page_cache(
     monkeypatch.setattr(host_tier_module, "is_cold", lambda spec: True)  # as if out of the page cache
     monkeypatch.setattr(shard_module, "_NO_DIRECT", set())
     caplog.set_level(logging.INFO, logger=shard_module.__name__)
-    t = tier("thread")
-    try:
-        for name in catalog.names()[:2]:
-            spec = catalog.get(name)
-            lay = shard_layout(spec, SHAPES["tiny"], 1, 0, BF16)
-            assert torch.equal(t.fetch(spec, lay)[0].result(timeout=60).tensor, expected(spec, lay))
-    finally:
-        t.close()
+    reads_right(catalog, catalog.names()[:2])
     told = [r for r in caplog.records if "O_DIRECT refused" in r.getMessage()]
     assert len(told) == 1 and "through the page cache" in told[0].getMessage()
 
@@ -318,13 +323,6 @@ def test_a_direct_read_the_device_refuses_is_read_again_through_the_page_cache(
     monkeypatch.setattr(positioned, "_REFUSED", [])
     monkeypatch.setattr(host_tier_module, "is_cold", lambda spec: True)
     caplog.set_level(logging.WARNING, logger=positioned.__name__)
-    t = tier("thread")
-    try:
-        for name in catalog.names():
-            spec = catalog.get(name)
-            lay = shard_layout(spec, SHAPES["tiny"], 1, 0, BF16)
-            assert torch.equal(t.fetch(spec, lay)[0].result(timeout=60).tensor, expected(spec, lay))
-    finally:
-        t.close()
+    reads_right(catalog, catalog.names())
     told = [r for r in caplog.records if "O_DIRECT reads were refused" in r.getMessage()]
     assert refused and len(told) == 1
