@@ -11,7 +11,7 @@ import pytest
 
 from bench.probes.cold_device import build_parser, device_of, main, read_buffered, read_direct, read_mmap, scratch
 from lora_cache.errors import ConfigError
-from tests.test_direct_reads import direct_refused
+from tests.pages import direct_refused
 
 
 def test_the_probe_measures_every_read_and_the_paths_miss_on_the_same_files(tmp_path: Path,

@@ -6,10 +6,8 @@ cut short while it is read as any read does, leaving the tier as it was."""
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
-import mmap
 import os
 import random
 import time
@@ -27,6 +25,7 @@ from lora_cache.adapters.shapes import SHAPES
 from lora_cache.adapters.shards import ShardLayout, shard_layout
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.errors import AdapterChangedError, ConfigError
+from tests.pages import cached_pages, direct_refused
 from workers.reads import positioned
 from workers.reads import shard as shard_module
 from workers.reads.plan import Run
@@ -38,45 +37,12 @@ from workers.staging.host_tier import HostTier
 BF16 = torch.bfloat16  # the files' dtype: a shard of it is read as runs (another dtype would be conversions)
 
 
-def direct_refused(path: Path) -> str:
-    """Why ``O_DIRECT`` cannot be tested at ``path`` ("" if it can)."""
-    if not hasattr(os, "O_DIRECT"):
-        return "no O_DIRECT on this platform"
-    probe = path / ".direct-probe"
-    probe.write_bytes(b"\0" * 4096)
-    try:
-        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
-    except OSError as e:
-        return f"the file system under {path} refuses O_DIRECT ({e})"
-    finally:
-        probe.unlink()
-    return ""
-
-
 @pytest.fixture
 def direct_dir(tmp_path: Path) -> Path:
     why = direct_refused(tmp_path)
     if why:
         pytest.skip(why)
     return tmp_path
-
-
-def cached_pages(path: Path) -> tuple[int, int]:
-    """(pages of ``path`` in the page cache, its pages), by ``mincore`` over a mapping no byte of which is read."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    size = path.stat().st_size
-    pages = -(-size // mmap.PAGESIZE)
-    with open(path, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-    try:
-        base = ctypes.c_char.from_buffer(mapped)
-        vec = (ctypes.c_ubyte * pages)()
-        if libc.mincore(ctypes.c_void_p(ctypes.addressof(base)), ctypes.c_size_t(size), vec) != 0:
-            raise OSError(ctypes.get_errno(), "mincore failed")
-        del base
-        return sum(v & 1 for v in vec), pages
-    finally:
-        mapped.close()
 
 
 def tier(reads: str, direct: bool = True, host_bytes: int = 1 << 20) -> HostTier:
