@@ -418,26 +418,14 @@ def is_cold(spec: AdapterSpec) -> bool:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            return _cold(fd)
+            os.preadv(fd, [bytearray(1)], (os.fstat(fd).st_size // 2) & ~4095, os.RWF_NOWAIT)
+            return False
+        except BlockingIOError:
+            return True
         finally:
             os.close(fd)
     except OSError as e:
         log.debug("could not tell whether %s is in the page cache: %s", path, e)
-        return False
-
-
-def _cold(fd: int) -> bool:
-    """``is_cold`` of an open file (False where it cannot tell). The probe itself may start that page's readahead:
-    ask once per read, before the read touches the file (the host tier asks at dispatch, for every part of a split
-    read at once)."""
-    if not hasattr(os, "RWF_NOWAIT"):
-        return False
-    try:
-        os.preadv(fd, [bytearray(1)], (os.fstat(fd).st_size // 2) & ~4095, os.RWF_NOWAIT)
-        return False
-    except BlockingIOError:
-        return True
-    except OSError:
         return False
 
 

@@ -50,7 +50,8 @@ class HostEntry:
     touched: float = 0.0  # time.monotonic() of its read's start, its last fetch or its write-back (eviction order)
     node_mark: str = ""  # its demand-read marker while it is read ("" for none); under ``lock``
     read_over: bool = False  # its read ended (no marker may be left for it any more); under ``lock``
-    direct: bool = False  # its runs read by O_DIRECT: ``direct_reads`` on and its file cold at dispatch
+    how: str = "preadv"  # how its read moves its bytes (``workers.reads.shard.HOW``): "direct" (its runs by
+    # O_DIRECT) where ``direct_reads`` is on and its tier found its file cold at dispatch, once for every reader
 
     @property
     def num_chunks(self) -> int:

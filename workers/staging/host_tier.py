@@ -172,11 +172,11 @@ class HostTier:
         demand read (not a warm stage's) is marked for the node's other ranks until it ends."""
         if not entry.speculative:
             self.demand.mark(entry)
-        asks = self._ahead is not None or self.config.direct_reads  # each asks whether the file is cold, once
-        if asks and spec.store is None and is_cold(spec):  # told before the read touches it
-            if self.config.direct_reads:  # decided here for the whole read: every part of a split read alike
-                entry.direct = True
-            elif self._ahead is not None:
+        # ``direct_reads`` or ``read_ahead`` (never both): told whether the file is cold before the read touches it
+        if (self.config.direct_reads or self._ahead is not None) and spec.store is None and is_cold(spec):
+            if self._ahead is None:  # decided here for the whole read: every part of a split read alike
+                entry.how = "direct"
+            else:
                 with self._lock:
                     self.asked_ahead += 1
                 self._ahead.submit(ask_ahead, spec)

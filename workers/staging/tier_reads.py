@@ -19,12 +19,6 @@ from workers.staging.arena import HostArena
 if TYPE_CHECKING:
     from workers.staging.host_tier import HostEntry
 
-def how_of(entry: HostEntry) -> str:
-    """How ``entry``'s read moves its bytes (``workers.reads.shard.HOW``): "direct" where its tier found its file out
-    of the page cache with ``direct_reads`` on (``HostEntry.direct``, decided once for the read), else "preadv"."""
-    return "direct" if entry.direct else "preadv"
-
-
 class ThreadReads:
     """Reads in this process, on the tier's threads: where nothing launches GPU work beside them. A read is
     split over ``parallel`` threads of one pool that the tier's reads share (none for 1)."""
@@ -39,7 +33,7 @@ class ThreadReads:
 
     def read(self, spec: AdapterSpec, entry: HostEntry) -> int:
         return read_shard(spec, entry.layout, entry.tensor, self.verify, entry.chunks, entry.progress, self.pool,
-                          entry.marks, how_of(entry))
+                          entry.marks, entry.how)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -103,7 +97,7 @@ class ProcessReads:
     def _start(self, procs: list[ReaderProcess], spec: AdapterSpec, entry: HostEntry) -> Callable[[], int]:
         entry.marks.append(("reader", time.perf_counter()))
         split = SplitRead(procs, spec, entry.layout, entry.block.offset, self.verify, entry.chunks,
-                          self.readers if len(procs) > 1 else 0, how_of(entry))
+                          self.readers if len(procs) > 1 else 0, entry.how)
         split.begin()
 
         def collect() -> int:
