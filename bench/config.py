@@ -17,7 +17,7 @@ from lora_cache.errors import ConfigError
 from lora_cache.routing.ranking import RouterConfig
 from workers.staging.disk_tier import FETCH_ORDERS, DiskTierConfig
 from workers.staging.eviction import EVICTION, RECENT_S
-from workers.staging.host_config import TIERS
+from workers.staging.host_config import DIRECT_READS, TIERS
 
 ENGINES = ("real", "sim")
 
@@ -105,10 +105,12 @@ class BenchConfig:
         "help": "whether GPU slots and the host tier may hold one shard both, the same for every policy: inclusive | "
                 "exclusive (a GPU load lets go of its host copy; a slot's eviction writes the shard back; "
                 "workers/staging/host_config.py)"})
-    direct_reads: bool = field(default=False, metadata={
-        "help": "real engine: the workers read an adapter file that is out of the page cache with O_DIRECT "
-                "(HostTierConfig.direct_reads), the same for every policy: with --store device, a miss reads the "
-                "device with no page cache at all; the simulator takes a device read's speed from its calibration"})
+    direct_reads: str = field(default="off", metadata={
+        "help": "real engine: how the workers read an adapter file that is out of the page cache "
+                "(HostTierConfig.direct_reads), the same for every policy: off (through the page cache) | on "
+                "(O_DIRECT: with --store device, a miss reads the device with no page cache at all) | auto (each "
+                "file system and shard size tries both ways and takes the faster, workers/staging/read_ways.py); "
+                "the simulator takes a device read's speed from its calibration"})
     gpus: str = field(default="auto", metadata={"help": "real engine on GPUs: auto | yes | no"})
     gpu_share: float = field(default=1.0, metadata={
         "help": "real engine on GPUs: the share of one GPU each rank asks for (0.5: two replicas of --tp 1 on each "
@@ -153,6 +155,9 @@ class BenchConfig:
         if self.host_tiers not in TIERS:
             raise ConfigError(f"host_tiers {self.host_tiers!r} is not one of {', '.join(TIERS)}; pick one "
                               "(inclusive is the default)")
+        if self.direct_reads not in DIRECT_READS:
+            raise ConfigError(f"direct_reads {self.direct_reads!r} is not one of {', '.join(DIRECT_READS)}; pick one "
+                              "(off is the default)")
         if self.scenario and self.scenario not in SCENARIOS:
             raise ConfigError(f"scenario {self.scenario!r} is not one of {', '.join(SCENARIOS)}")
         if self.gpus not in ("auto", "yes", "no"):

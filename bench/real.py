@@ -98,7 +98,7 @@ class RealConfig:
     host_eviction: str = "lru"  # HostTierConfig.eviction
     host_recent_s: float = RECENT_S  # HostTierConfig.recent_s
     host_tiers: str = "exclusive"  # HostTierConfig.tiers
-    direct_reads: bool = False  # HostTierConfig.direct_reads
+    direct_reads: str = "off"  # HostTierConfig.direct_reads: off | on | auto
     timeout_s: float = 900.0  # one policy's whole run
     engine: dict[str, Any] = field(default_factory=dict)  # further EngineConfig fields (e.g. share_weights)
     attach: bool = False  # engine ranks in processes of their own, attached through the seam

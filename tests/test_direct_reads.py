@@ -45,7 +45,7 @@ def direct_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def tier(reads: str, direct: bool = True, host_bytes: int = 1 << 20) -> HostTier:
+def tier(reads: str, direct: str = "on", host_bytes: int = 1 << 20) -> HostTier:
     """A tier reading on its threads ("thread"), in one reader process per read ("process"), or split over three
     ("split": each part decides nothing itself; the tier decided the read's way at dispatch)."""
     if reads == "split":
@@ -164,7 +164,7 @@ def test_a_direct_read_leaves_a_cold_file_out_of_the_page_cache(settled_8b: Adap
     weights = Path(str(spec.weights))
     lay = shard_layout(spec, SHAPES["llama-3.1-8b"], 1, 0, BF16)
     shards = {}
-    for direct in (False, True):
+    for direct in ("off", "on"):
         drop_pages(spec)
         if cached_pages(weights)[0]:
             pytest.skip(f"{weights}: its pages stay in the page cache after POSIX_FADV_DONTNEED here")
@@ -174,11 +174,11 @@ def test_a_direct_read_leaves_a_cold_file_out_of_the_page_cache(settled_8b: Adap
         finally:
             t.close()
         held, pages = cached_pages(weights)
-        if direct:
+        if direct == "on":
             assert held < pages // 10, f"a direct read left {held} of {pages} pages in the page cache"
         else:  # the measure tells them apart (the kernel may reclaim a few pages of a loaded machine meanwhile)
             assert held > pages * 9 // 10, f"a page-cache read left only {held} of {pages} pages in the page cache"
-    assert torch.equal(shards[True], shards[False])
+    assert torch.equal(shards["on"], shards["off"])
     if reads == "thread":  # a warm file: no O_DIRECT open at all (seen in this process only)
         opened: list[int] = []
         real_open = os.open
@@ -188,12 +188,12 @@ def test_a_direct_read_leaves_a_cold_file_out_of_the_page_cache(settled_8b: Adap
             return real_open(path, flags, *args, **kw)
 
         weights.read_bytes()  # in the page cache whole
-        t = tier(reads, True, host_bytes=lay.nbytes + (8 << 20))
+        t = tier(reads, "on", host_bytes=lay.nbytes + (8 << 20))
         try:
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(os, "open", spy)
                 got = t.fetch(spec, lay)[0].result(timeout=300).tensor
-            assert torch.equal(got, shards[False])
+            assert torch.equal(got, shards["off"])
         finally:
             t.close()
         assert opened and not any(f & os.O_DIRECT for f in opened)
@@ -267,8 +267,19 @@ def test_a_file_changed_during_a_direct_read_fails_it_and_leaves_the_tier_as_it_
 
 
 def test_read_ahead_and_direct_reads_together_are_refused() -> None:
-    with pytest.raises(ConfigError, match="read_ahead and direct_reads are both on"):
-        HostTierConfig(read_ahead=True, direct_reads=True)
+    for mode in ("on", "auto"):
+        with pytest.raises(ConfigError, match=f"read_ahead is on and direct_reads is '{mode}'"):
+            HostTierConfig(read_ahead=True, direct_reads=mode)
+
+
+def test_direct_reads_takes_its_three_settings_and_its_first_form() -> None:
+    """off, on and auto; True and False (the setting's first form, a flag) are on and off; anything else is refused
+    with the choices named."""
+    assert [HostTierConfig(direct_reads=m).direct_reads for m in ("off", "on", "auto")] == ["off", "on", "auto"]
+    assert HostTierConfig(direct_reads=True).direct_reads == "on"  # type: ignore[arg-type]
+    assert HostTierConfig(direct_reads=False).direct_reads == "off"  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="direct_reads 'yes' is not one of off, on, auto"):
+        HostTierConfig(direct_reads="yes")
 
 
 def test_a_direct_read_the_device_refuses_is_read_again_through_the_page_cache(

@@ -22,8 +22,10 @@ adapter file (``adapter_model.safetensors``) after dropping its pages (``POSIX_F
   evicted and dropped from the host tier first) to READY, with ``drop_page_cache`` as the benchmark sets it; its
   store read alone is ``path_read`` (the record's ``disk_ms``); ``path_ahead`` and ``path_ahead_read`` the same with
   ``HostTierConfig.read_ahead`` (the file asked for whole as its read starts, ``workers.reads.shard.ask_ahead``);
-  ``path_direct`` and ``path_direct_read`` with ``HostTierConfig.direct_reads`` (the runs by ``O_DIRECT`` reads,
-  ``workers.reads.positioned.read_runs_direct``).
+  ``path_direct`` and ``path_direct_read`` with ``HostTierConfig.direct_reads`` on (the runs by ``O_DIRECT`` reads,
+  ``workers.reads.positioned.read_runs_direct``); ``path_auto`` and ``path_auto_read`` with it "auto" (its first
+  reads try both ways, then it takes the faster: ``workers.staging.read_ways``; ``auto_ways`` is what its tier
+  measured of each way and chose, ``auto_direct`` how many of its loads went by ``O_DIRECT``).
 
 Each is the median over ``--repeats`` reads, in GB/s of the file's bytes (``path`` of the shard's). The kinds take turns
 over the same few files, so each meets the device as the others do. The device under ``--adapters`` is named
@@ -57,7 +59,8 @@ from workers.staging.host_config import HostTierConfig
 
 ALIGN = 4096  # O_DIRECT: offsets, lengths and the buffer's address
 PATHS: dict[str, dict[str, Any]] = {  # the real path's kinds: the host tier's settings each reads with
-    "path": {}, "path_ahead": {"read_ahead": True}, "path_direct": {"direct_reads": True}}
+    "path": {}, "path_ahead": {"read_ahead": True}, "path_direct": {"direct_reads": "on"},
+    "path_auto": {"direct_reads": "auto"}}
 WEIGHTS = "adapter_model.safetensors"
 
 
@@ -235,6 +238,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     unsupported[kind] = f"{type(e).__name__}: {e}"
     finally:
         asked = caches["path_ahead"].host.asked_ahead
+        ways = caches["path_auto"].host.cold.ways.report()
         for cache in caches.values():
             cache.close()
     gbps = {k: (shard if k.startswith("path") else nbytes) / statistics.median(v) / 1e9
@@ -249,6 +253,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "path_ahead_read_over_best": gbps["path_ahead_read"] / gbps[best],
             "path_direct_read_over_best": gbps["path_direct_read"] / gbps[best],
             "path_direct_over_best": gbps["path_direct"] / gbps[best], "asked_ahead": asked,
+            "path_auto_read_over_best": gbps["path_auto_read"] / gbps[best], "auto_ways": ways,
+            "auto_direct": sum(phases["path_auto"].get("direct", [])),
             "phases_ms": {kind: {k: statistics.median(v) for k, v in got.items()} for kind, got in phases.items()}}
 
 
@@ -262,7 +268,8 @@ def table(out: dict[str, Any]) -> str:
             + f"\n\nthe path's store read / the best reference ({out['best_reference']}): "
               f"{out['path_read_over_best']:.2f}; prefetch -> READY / it: {out['path_over_best']:.2f}; with "
               f"read_ahead: {out['path_ahead_read_over_best']:.2f} ({out['asked_ahead']} reads asked ahead); with "
-              f"direct_reads: {out['path_direct_read_over_best']:.2f}, to READY {out['path_direct_over_best']:.2f}\n"
+              f"direct_reads: {out['path_direct_read_over_best']:.2f}, to READY {out['path_direct_over_best']:.2f}; "
+              f"auto: {out['path_auto_read_over_best']:.2f} ({out['auto_direct']:.0f} direct; {out['auto_ways']})\n"
             + "".join(f"\n{kind} phases (ms from the prefetch, medians): "
                       + ", ".join(f"{k} {v:.1f}" for k, v in sorted(got.items(), key=lambda kv: kv[1]))
                       for kind, got in out.get("phases_ms", {}).items() if got))

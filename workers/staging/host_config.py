@@ -27,6 +27,14 @@ TIERS = {
                  "eviction writes the shard back into the host tier (a device-to-host copy in pieces on a stream of "
                  "its own, no store read), so the host tier holds other adapters than the GPU slots do",
 }
+DIRECT_READS = {
+    "off": "through the page cache (the default)",
+    "on": "with O_DIRECT (one in the page cache, or on a file system that refuses O_DIRECT, through it): a store of "
+          "files on a local device larger than memory is read at the device's rate, with no copy out of the page "
+          "cache and nothing left in it (the pinned host tier is the node's copy)",
+    "auto": "each file system and shard size tries both ways on its first cold reads and then takes the one its "
+            "reads measured faster, trying the other now and then (workers/staging/read_ways.py)",
+}
 MEMINFO = Path("/proc/meminfo")
 CGROUP = Path("/sys/fs/cgroup")
 
@@ -115,11 +123,9 @@ class HostTierConfig:
         "help": "ask the kernel for an adapter file that is not in the page cache whole at once, as its read starts "
                 "(POSIX_FADV_WILLNEED, off the readers' threads): a read from the device then runs at the device's "
                 "queue depth, not the readers' (a file in the page cache is left alone)"})
-    direct_reads: bool = field(default=False, metadata={
-        "help": "read an adapter file that is out of the page cache with O_DIRECT (one in it, or on a file system "
-                "that refuses O_DIRECT, through the page cache): a store of files on a local device larger than "
-                "memory is read at the device's rate, with no copy out of the page cache and nothing left in it "
-                "(the pinned host tier is the node's copy)"})
+    direct_reads: str = field(default="off", metadata={
+        "help": "how an adapter file that is out of the page cache is read: " + "; ".join(
+            f"{k} ({v})" for k, v in DIRECT_READS.items()) + " (True / False: on / off)"})
     drop_page_cache: bool = field(default=False, metadata={
         "help": "drop an adapter file's pages after its shard is read: the pinned host tier is the node's copy, so "
                 "the page cache does not hold a second one (and a benchmark reads from the device as a cold store "
@@ -159,9 +165,15 @@ class HostTierConfig:
         if self.verify not in VERIFY:
             raise ConfigError(f"verify {self.verify!r} is not one of {', '.join(VERIFY)}; pick one of them "
                               "(sample is the default)")
-        if self.read_ahead and self.direct_reads:
-            raise ConfigError("read_ahead and direct_reads are both on: read_ahead asks the page cache for a file "
-                              "that direct reads never read from it; turn one of them off")
+        if isinstance(self.direct_reads, bool):  # the setting's first form (a flag): on or off
+            object.__setattr__(self, "direct_reads", "on" if self.direct_reads else "off")
+        if self.direct_reads not in DIRECT_READS:
+            raise ConfigError(f"direct_reads {self.direct_reads!r} is not one of {', '.join(DIRECT_READS)}; pick one "
+                              "of them (off is the default; auto measures both ways on each file system)")
+        if self.read_ahead and self.direct_reads != "off":
+            raise ConfigError(f"read_ahead is on and direct_reads is {self.direct_reads!r}: read_ahead asks the page "
+                              "cache for a file that direct reads never read from it; turn read_ahead off or set "
+                              "direct_reads off")
 
     @property
     def auto(self) -> bool:

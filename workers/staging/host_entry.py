@@ -19,6 +19,7 @@ from lora_cache.errors import NotFoundError
 from lora_cache.vocab import AdapterKey
 from workers.reads.finite import check_finite
 from workers.staging.arena import Block
+from workers.staging.read_ways import Ticket
 
 log = logging.getLogger(__name__)
 ChunkListener = Callable[["HostEntry", int], None]  # told how many chunks of an entry are staged so far
@@ -51,7 +52,9 @@ class HostEntry:
     node_mark: str = ""  # its demand-read marker while it is read ("" for none); under ``lock``
     read_over: bool = False  # its read ended (no marker may be left for it any more); under ``lock``
     how: str = "preadv"  # how its read moves its bytes (``workers.reads.shard.HOW``): "direct" (its runs by
-    # O_DIRECT) where ``direct_reads`` is on and its tier found its file cold at dispatch, once for every reader
+    # O_DIRECT) where ``direct_reads`` is on (or auto chose it) and its tier found its file cold at dispatch, once for
+    # every reader
+    ticket: Ticket | None = None  # ``direct_reads`` auto: what its read was sent with, to time its way by
 
     @property
     def num_chunks(self) -> int:

@@ -38,6 +38,7 @@ from workers.staging.eviction import EvictionOrder
 from workers.staging.host_config import HostTierConfig
 from workers.staging.host_entry import HostEntry, Wait, chunk_listener, unregistered  # HostEntry re-exported
 from workers.staging.node_reads import DemandMarks, NodeReads
+from workers.staging.read_ways import ColdReads
 from workers.staging.tier_reads import ProcessReads, ThreadReads
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,7 @@ class HostTier:
         ``host_bytes`` 0 (auto) does. ``disk``: the local disk tier that adapters from an object store are read
         from (``workers.staging.disk_tier``). ``node``: where this rank marks its demand reads for the node's other
         ranks, whose warm stages wait for them (``workers.staging.node_reads``; default: the node's directory)."""
-        config = config.sized(ranks_here)
-        self.config = config
+        self.config = config = config.sized(ranks_here)
         self.demand = DemandMarks(node, self.reading)  # its demand reads, marked for the node's other ranks
         self.ranks_here = max(1, ranks_here)  # GPU ranks on this host: they share its warm read rate
         self.disk = disk
@@ -93,13 +93,13 @@ class HostTier:
         # ``read_ahead``: a cold file asked for whole as its read starts, off the readers' threads
         self._ahead = ThreadPoolExecutor(1, thread_name_prefix="lora-ahead") if config.read_ahead else None
         self.asked_ahead = 0  # reads whose file was asked for ahead (``read_ahead``)
-        # ``drop_page_cache``: a read file's pages dropped after its entry is served, off its readers' threads (a
-        # rank-64 8B file's drop took 9-10 ms here, and held each load's READY that long while it ran in ``_read``)
+        # ``drop_page_cache``: a read file's pages dropped after its entry is served, off its readers' threads (an 8B
+        # rank-64 file's drop took 9-10 ms here, and held its load's READY that long when it ran in ``_read``)
         self._drops = ThreadPoolExecutor(1, thread_name_prefix="lora-drop") if config.drop_page_cache else None
+        self.cold = ColdReads(self.reading)  # ``direct_reads`` auto: each cold read's way, as the tier's reads measured
         self._lock = threading.Lock()  # protects _entries, _orphans, _waiting, the counters and the arena
         self._entries: OrderedDict[AdapterKey, HostEntry] = OrderedDict()  # LRU order, oldest first
-        # which idle entry goes first (``eviction``)
-        self.order = EvictionOrder(config.host_bytes, config.eviction, config.recent_s)
+        self.order = EvictionOrder(config.host_bytes, config.eviction, config.recent_s)  # idle entries' order
         self._orphans: list[HostEntry] = []  # failed reads whose staged chunks loads may still be copying
         self._waiting: OrderedDict[AdapterKey, Wait] = OrderedDict()  # fetches waiting for room, FIFO
         self._closing = False  # no more waits (the tier is closing)
@@ -167,19 +167,19 @@ class HostTier:
         return entry.ready, hit
 
     def _dispatch(self, spec: AdapterSpec, entry: HostEntry) -> None:
-        """Start a new entry's read: sent to idle reader processes from this thread where it can be (a file on
-        this host; ``ProcessReads.begin``), its replies then collected on the pool; else read on the pool. A
-        demand read (not a warm stage's) is marked for the node's other ranks until it ends."""
+        """Start a new entry's read: sent to idle reader processes from here where it can be (``ProcessReads.begin``),
+        replies collected on the pool; else read on the pool. A demand read is marked for the node until it ends."""
         if not entry.speculative:
             self.demand.mark(entry)
-        # ``direct_reads`` or ``read_ahead`` (never both): told whether the file is cold before the read touches it
-        if (self.config.direct_reads or self._ahead is not None) and spec.store is None and is_cold(spec):
-            if self._ahead is None:  # decided here for the whole read: every part of a split read alike
-                entry.how = "direct"
-            else:
+        number = self.cold.dispatched()  # every read counts: one sent while another runs times neither
+        # ``direct_reads`` or ``read_ahead`` (never both), for a file found cold before the read touches it
+        if (self.config.direct_reads != "off" or self._ahead) and spec.store is None and is_cold(spec):
+            if self._ahead is not None:
                 with self._lock:
                     self.asked_ahead += 1
                 self._ahead.submit(ask_ahead, spec)
+            else:  # decided here for the whole read: every part of a split read alike
+                self.cold.send(spec, entry, number, self.config.direct_reads)
         try:
             started = self._reader.begin(spec, entry) if spec.store is None else None
             self._pool.submit(self._read, spec, entry, started).add_done_callback(lambda _: self.demand.unmark(entry))
@@ -424,6 +424,7 @@ class HostTier:
             if not dropped:
                 entry.whole = True
                 self._changes.append((entry.key, True))  # before the result: no eviction of it can be queued ahead
+        self.cold.ended(entry)  # auto: a demand read that ran alone is a rate of its way
         if dropped:
             self._failed(entry, unregistered(entry.key))
             return

@@ -1,0 +1,210 @@
+"""``HostTierConfig.direct_reads`` "auto" (issue 42, ``workers.staging.read_ways``): a cold read goes the way its file
+system and size class measured faster. The plain core: it tries both ways first, then takes the faster by median
+and tries the other now and then; classes are apart; a file system that refused ``O_DIRECT`` is read through the page
+cache. The tier: real reads of real files alternate, then follow the choice; only demand reads that ran alone are
+timed; every staged shard is the one a page-cache read stages, whichever way it went."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import workers.staging.host_tier as host_tier_module
+from lora_cache.adapters.catalog import AdapterCatalog
+from lora_cache.adapters.shapes import SHAPES
+from lora_cache.adapters.shards import shard_layout
+from lora_cache.adapters.synth import SynthConfig, make_adapters
+from tests.pages import direct_refused
+from workers.reads.shard import read_shard
+from workers.staging.host_config import HostTierConfig
+from workers.staging.host_tier import HostTier
+from workers.staging.read_ways import WAYS, ReadWays, Ticket, device_of, size_class
+from workers.staging.tier_reads import ThreadReads
+
+BF16 = torch.bfloat16
+MB = 1 << 20
+
+
+def timed(ways: ReadWays, dev: int, nbytes: int, rate: dict[str, float]) -> str:
+    """Send one read and time it at ``rate[way]`` bytes per second; the way it went."""
+    way = ways.way(dev, nbytes)
+    ways.timed(Ticket(dev, size_class(nbytes), way, 1), nbytes, nbytes / rate[way], way == "direct")
+    return way
+
+
+def test_a_class_tries_both_ways_then_takes_the_faster_and_rechecks_the_other() -> None:
+    ways = ReadWays(explore=3, recheck=5)
+    rate = {"direct": 2e9, "preadv": 1.5e9}
+    first = [timed(ways, 1, 300 * MB, rate) for _ in range(6)]
+    assert first == ["direct", "preadv"] * 3  # alternating, direct first
+    assert ways.chosen(1, 300 * MB) == "direct"
+    after = [timed(ways, 1, 300 * MB, rate) for _ in range(10)]  # reads 7..16 of the class: 10 and 15 recheck
+    assert after == ["direct"] * 3 + ["preadv"] + ["direct"] * 4 + ["preadv"] + ["direct"]
+    report = ways.report()[f"1:{size_class(300 * MB)}"]
+    assert report["chosen"] == "direct"
+    assert report["direct"] == {"GBps": pytest.approx(2.0), "timed": 8}  # the newest 8 kept
+    assert report["preadv"] == {"GBps": pytest.approx(1.5), "timed": 5}
+
+
+def test_a_device_that_slows_one_way_down_is_followed() -> None:
+    """The newest rates decide: once direct reads slow below the page cache's, the rechecks bring the choice over."""
+    ways = ReadWays(explore=2, recheck=2)
+    rate = {"direct": 2e9, "preadv": 1e9}
+    for _ in range(6):
+        timed(ways, 1, 80 * MB, rate)
+    assert ways.chosen(1, 80 * MB) == "direct"
+    rate["direct"] = 0.5e9
+    for _ in range(20):
+        timed(ways, 1, 80 * MB, rate)
+    assert ways.chosen(1, 80 * MB) == "preadv"
+
+
+def test_size_classes_and_file_systems_choose_apart() -> None:
+    ways = ReadWays(explore=1, recheck=100)
+    for _ in range(2):
+        timed(ways, 1, 300 * MB, {"direct": 2e9, "preadv": 1e9})  # large reads: direct faster
+        timed(ways, 1, 80 * MB, {"direct": 1e9, "preadv": 2e9})  # small reads: the page cache faster
+        timed(ways, 2, 300 * MB, {"direct": 1e9, "preadv": 2e9})  # another file system
+    assert (ways.chosen(1, 300 * MB), ways.chosen(1, 80 * MB), ways.chosen(2, 300 * MB)) == ("direct", "preadv",
+                                                                                             "preadv")
+    assert ways.chosen(1, 290 * MB) == "direct"  # the same power of two: the same class
+    assert ways.chosen(3, 300 * MB) is None  # never read: nothing chosen yet
+
+
+def test_a_file_system_that_refused_o_direct_is_read_through_the_page_cache_from_then_on() -> None:
+    ways = ReadWays(explore=3, recheck=2)
+    way = ways.way(7, 100 * MB)
+    assert way == "direct"
+    ways.timed(Ticket(7, size_class(100 * MB), way, 1), 100 * MB, 0.05, direct=False)  # it fell back
+    assert [ways.way(7, n) for n in (100 * MB, 300 * MB, 10 * MB)] == ["preadv"] * 3
+    assert ways.chosen(7, 100 * MB) == "preadv" and 7 in ways.refused
+
+
+def test_bad_settings_are_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match="explore is 0 and recheck 5; give explore >= 1"):
+        ReadWays(explore=0, recheck=5)
+    with pytest.raises(ValueError, match="recheck >= 2"):
+        ReadWays(explore=2, recheck=1)
+
+
+@given(st.lists(st.tuples(st.sampled_from([1, 2]), st.sampled_from([16 * MB, 64 * MB, 256 * MB]),
+                          st.floats(0.2e9, 4e9), st.floats(0.2e9, 4e9)), min_size=1, max_size=60))
+def test_outside_its_rechecks_a_class_never_goes_the_way_it_measured_slower(
+        reads: list[tuple[int, int, float, float]]) -> None:
+    """Whatever the rates: once a class has explored, a read that is not its recheck goes the way of the higher
+    median of the rates timed so far; while it explores, each way is tried before either is tried again."""
+    ways = ReadWays(explore=2, recheck=4)
+    seen: dict[tuple[int, int], dict[str, list[float]]] = {}
+    sent: dict[tuple[int, int], int] = {}
+    for dev, nbytes, direct_rate, preadv_rate in reads:
+        key = (dev, size_class(nbytes))
+        got = seen.setdefault(key, {w: [] for w in WAYS})
+        sent[key] = sent.get(key, 0) + 1
+        way = timed(ways, dev, nbytes, {"direct": direct_rate, "preadv": preadv_rate})
+        explored = all(len(v) >= 2 for v in got.values())
+        if explored and sent[key] % 4:
+            medians = {w: sorted(v[-8:])[(len(v[-8:]) - 1) // 2: len(v[-8:]) // 2 + 1] for w, v in got.items()}
+            mean = {w: sum(m) / len(m) for w, m in medians.items()}
+            assert way == max(WAYS, key=lambda w: (mean[w], w == "direct"))
+        elif not explored:
+            assert len(got[way]) == min(len(v) for v in got.values())
+        rate = direct_rate if way == "direct" else preadv_rate
+        got[way].append(nbytes / (nbytes / rate))  # as the core computes it
+
+
+# -- the tier: real reads of real files ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cold_catalog(tmp_path: Path, make_catalog: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> AdapterCatalog:
+    """Twelve tiny rank-16 adapters on a file system that takes ``O_DIRECT``, each read as if out of the page cache
+    (the way a read goes is the thing tested; whether a file is cold is ``is_cold``'s, tested with direct reads)."""
+    why = direct_refused(tmp_path)
+    if why:
+        pytest.skip(why)
+    paths = make_adapters(tmp_path / "ad", SynthConfig(model="tiny", count=12, rank="16", seed=9))
+    monkeypatch.setattr(host_tier_module, "is_cold", lambda spec: True)
+    catalog: AdapterCatalog = make_catalog(paths[0].parent)
+    return catalog
+
+
+def went_direct(entry: Any) -> bool:
+    return any(phase == "direct" for phase, _ in entry.marks)
+
+
+def test_an_auto_tier_tries_both_ways_then_follows_what_its_own_reads_measured(cold_catalog: AdapterCatalog) -> None:
+    """One read at a time: the first four alternate (each really by the way it was sent: an ``O_DIRECT`` open or
+    none), all four are timed, the class then chooses the faster by what they measured, and the next reads go that
+    way but the recheck; every shard is the one a page-cache read stages."""
+    t = HostTier(HostTierConfig(host_bytes=8 * MB, read_threads=2, read_parallel=2, pin=False, reads="thread",
+                                direct_reads="auto"))
+    t.cold.ways = ReadWays(explore=2, recheck=3)
+    first = cold_catalog.get(cold_catalog.names()[0])
+    dev, nbytes = device_of(first), shard_layout(first, SHAPES["tiny"], 1, 0, BF16).nbytes
+    assert dev is not None
+    try:
+        hows, wanted = [], []
+        for i, name in enumerate(cold_catalog.names()[:8], start=1):
+            spec = cold_catalog.get(name)
+            lay = shard_layout(spec, SHAPES["tiny"], 1, 0, BF16)
+            chosen = t.cold.ways.chosen(dev, nbytes)  # what the reads before this one chose
+            if chosen is not None:  # every 3rd read of the class rechecks the other way
+                wanted.append(chosen if i % 3 else next(w for w in WAYS if w != chosen))
+            entry = t.fetch(spec, lay)[0].result(timeout=60)
+            want = torch.zeros(lay.numel, dtype=lay.dtype)
+            read_shard(spec, lay, want)
+            assert torch.equal(entry.tensor, want)
+            assert went_direct(entry) == (entry.how == "direct")  # really sent that way: an O_DIRECT open or none
+            hows.append(entry.how)
+        assert hows[:4] == ["direct", "preadv"] * 2
+        assert hows[4:] == wanted and len(wanted) == 4
+        report = t.cold.ways.report()[f"{dev}:{size_class(nbytes)}"]
+        assert report["chosen"] == t.cold.ways.chosen(dev, nbytes) is not None
+        timed_reads = sum(report[w]["timed"] for w in WAYS)  # type: ignore[index]
+        assert timed_reads == 8, f"every read ran alone, each is timed: {report}"
+        t.check_integrity()
+    finally:
+        t.close()
+
+
+def test_reads_that_overlap_are_not_timed(cold_catalog: AdapterCatalog, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two reads in flight at once (the first held until the second is dispatched): neither is timed, since a shared
+    device's rate says nothing of either way; both stage the right bytes; a read alone after them is timed."""
+    second_sent = threading.Event()
+    real_read = ThreadReads.read
+    held: list[str] = []
+
+    def read(self: ThreadReads, spec: Any, entry: Any) -> int:
+        if not held:
+            held.append(spec.name)
+            assert second_sent.wait(30), "the second read was never dispatched"
+        return real_read(self, spec, entry)
+
+    monkeypatch.setattr(ThreadReads, "read", read)
+    t = HostTier(HostTierConfig(host_bytes=8 * MB, read_threads=2, read_parallel=1, pin=False, reads="thread",
+                                direct_reads="auto"))
+    try:
+        names = cold_catalog.names()
+        specs = [cold_catalog.get(n) for n in names[:3]]
+        lays = [shard_layout(s, SHAPES["tiny"], 1, 0, BF16) for s in specs]
+        first = t.fetch(specs[0], lays[0])[0]
+        second = t.fetch(specs[1], lays[1])[0]
+        second_sent.set()
+        for fut, spec, lay in zip((first, second), specs, lays):
+            want = torch.zeros(lay.numel, dtype=lay.dtype)
+            read_shard(spec, lay, want)
+            assert torch.equal(fut.result(timeout=60).tensor, want)
+        report = t.cold.ways.report()
+        assert all(v[w]["timed"] == 0 for v in report.values() for w in WAYS), report  # type: ignore[index]
+        t.fetch(specs[2], lays[2])[0].result(timeout=60)
+        report = t.cold.ways.report()
+        assert sum(v[w]["timed"] for v in report.values() for w in WAYS) == 1, report  # type: ignore[index]
+    finally:
+        t.close()

@@ -1,0 +1,178 @@
+"""Which way a cold read of a local adapter file goes where ``HostTierConfig.direct_reads`` is "auto" (issue 42):
+through the page cache (positioned reads, ``preadv``) or around it (``O_DIRECT`` through an aligned bounce buffer,
+``direct``), chosen per file system and size class from the host tier's own reads of each way.
+
+Neither way is faster on every device. On a local virtio disk a rank-64 8B shard read 0.84 of the device's best rate
+by ``O_DIRECT`` and 0.73 through the page cache (bench/reports/issue-42.md); a warm file is always read through the
+page cache (``is_cold`` decides before either); and a device whose latency the kernel's readahead hides (a network
+block device, NFS) can be the other way round. So the tier measures instead of assuming:
+
+1. While a (file system, size class) has fewer than ``explore`` reads timed each way, its cold reads alternate
+   between the two ways (``direct`` first).
+2. Then each goes the way whose median rate over its newest ``KEPT`` reads is higher, and every ``recheck``-th read
+   goes the other way, so that a device whose behaviour changes (a busier neighbour, a new volume) is followed.
+3. A read is timed only where it ran alone in its tier (no other read started or running while it ran) and was a
+   demand read (a warm stage yields to demand reads midway): a shared device's rate says nothing of either way.
+4. A file system that refused ``O_DIRECT`` (the read fell back to the page cache: ``workers.reads.shard._direct``)
+   is read through the page cache from then on.
+
+The size class is the shard's bytes rounded up to a power of two: a rank-16 and a rank-64 shard of one model are
+two classes (a small read pays its fixed costs over fewer bytes), and the rates of one class compare like with like.
+Plain Python: the times are given, never read; one lock, since reads end on several reader threads.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+from lora_cache.adapters.peft import AdapterSpec
+
+if TYPE_CHECKING:
+    from workers.staging.host_entry import HostEntry
+
+WAYS = ("direct", "preadv")  # the two ways of a cold read, in the order a class explores them
+EXPLORE = 3  # reads of each way timed before a class chooses
+RECHECK = 32  # then every RECHECK-th read of the class goes the way not chosen
+KEPT = 8  # the newest rates kept per way and class
+
+
+class Ticket(NamedTuple):
+    """What a cold read of an "auto" tier was sent with: its file system, size class and way, and how many reads the
+    tier had dispatched when it was (``HostTier``: one dispatched after it means it did not run alone)."""
+
+    dev: int
+    size: int
+    way: str
+    dispatched: int
+
+
+def size_class(nbytes: int) -> int:
+    """``nbytes`` rounded up to a power of two, as its exponent."""
+    return max(0, nbytes - 1).bit_length()
+
+
+def device_of(spec: AdapterSpec) -> int | None:
+    """The file system (``st_dev``) of ``spec``'s weights file, or None where it has none or cannot be told (the read
+    itself then says what is wrong)."""
+    path = spec.source.path if spec.source is not None else None
+    if path is None:
+        return None
+    try:
+        return os.stat(path).st_dev
+    except OSError:
+        return None
+
+
+class ReadWays:
+    """The cold reads' ways by (file system, size class) and what each way measured (this module's docstring)."""
+
+    def __init__(self, explore: int = EXPLORE, recheck: int = RECHECK) -> None:
+        if explore < 1 or recheck < 2:
+            raise ValueError(f"ReadWays: explore is {explore} and recheck {recheck}; give explore >= 1 (reads of each "
+                             "way timed before a choice) and recheck >= 2 (every recheck-th read tries the other way)")
+        self.explore, self.recheck = explore, recheck
+        self._lock = threading.Lock()
+        self._rates: dict[tuple[int, int], dict[str, deque[float]]] = {}  # (dev, class) -> way -> bytes/s
+        self._sent: dict[tuple[int, int], int] = {}  # (dev, class) -> reads sent a way
+        self.refused: set[int] = set()  # file systems that refused O_DIRECT: the page cache from then on
+
+    def way(self, dev: int, nbytes: int) -> str:
+        """The way the next cold read of ``nbytes`` on file system ``dev`` goes (points 1, 2 and 4)."""
+        key = (dev, size_class(nbytes))
+        with self._lock:
+            if dev in self.refused:
+                return "preadv"
+            rates = self._rates.setdefault(key, {w: deque(maxlen=KEPT) for w in WAYS})
+            sent = self._sent[key] = self._sent.get(key, 0) + 1
+            if any(len(rates[w]) < self.explore for w in WAYS):
+                short = [w for w in WAYS if len(rates[w]) < self.explore]
+                return short[0] if len(short) == 1 else WAYS[(sent - 1) % len(WAYS)]
+            best = _best(rates)
+            return next(w for w in WAYS if w != best) if sent % self.recheck == 0 else best
+
+    def timed(self, ticket: Ticket, nbytes: int, seconds: float, direct: bool) -> None:
+        """A read sent with ``ticket`` moved ``nbytes`` in ``seconds`` alone; ``direct``: whether its runs went by
+        ``O_DIRECT`` (a read sent that way that did not fell back: its file system is ``refused``)."""
+        with self._lock:
+            if ticket.way == "direct" and not direct:
+                self.refused.add(ticket.dev)
+                return
+            if nbytes <= 0 or seconds <= 0:
+                return
+            rates = self._rates.setdefault((ticket.dev, ticket.size), {w: deque(maxlen=KEPT) for w in WAYS})
+            rates[ticket.way].append(nbytes / seconds)
+
+    def chosen(self, dev: int, nbytes: int) -> str | None:
+        """The way a class chose (None while it explores; "preadv" where ``dev`` refused ``O_DIRECT``)."""
+        with self._lock:
+            if dev in self.refused:
+                return "preadv"
+            rates = self._rates.get((dev, size_class(nbytes)))
+            if rates is None or any(len(rates[w]) < self.explore for w in WAYS):
+                return None
+            return _best(rates)
+
+    def report(self) -> dict[str, dict[str, object]]:
+        """Per "dev:class": each way's median GB/s and reads timed, and the way chosen (None while exploring)."""
+        with self._lock:
+            out: dict[str, dict[str, object]] = {}
+            for (dev, size), rates in sorted(self._rates.items()):
+                explored = all(len(rates[w]) >= self.explore for w in WAYS)
+                out[f"{dev}:{size}"] = {
+                    **{w: {"GBps": statistics.median(r) / 1e9 if r else None, "timed": len(r)}
+                       for w, r in rates.items()},
+                    "chosen": "preadv" if dev in self.refused else _best(rates) if explored else None}
+            return out
+
+
+class ColdReads:
+    """The host tier's side of "auto": each read counted as it is dispatched, each cold local file's read sent the way
+    ``ways`` gives (``send``), and a demand read that ran alone timed as a rate of its way once it ends (``ended``)."""
+
+    def __init__(self, reading: Callable[[], int], ways: ReadWays | None = None) -> None:
+        """``reading``: the tier's reads in flight or waiting for room (``HostTier.reading``), the new one included."""
+        self.ways = ways or ReadWays()
+        self._reading = reading
+        self._lock = threading.Lock()
+        self._dispatched = 0  # reads dispatched so far: one sent while another runs means neither ran alone
+
+    def dispatched(self) -> int:
+        """Count a read being dispatched (every read, cold or not, auto or not); its number."""
+        with self._lock:
+            self._dispatched += 1
+            return self._dispatched
+
+    def send(self, spec: AdapterSpec, entry: HostEntry, number: int, mode: str) -> None:
+        """Set the way of ``entry``'s read (the ``number``-th dispatched; its file found cold): by ``O_DIRECT`` where
+        ``direct_reads`` (``mode``) is on; where it is auto, the way ``ways`` gives, with its ticket (a file system that
+        cannot be told: the page cache, untimed)."""
+        if mode == "on":
+            entry.how = "direct"
+            return
+        dev = device_of(spec)
+        if dev is None:
+            return
+        alone = number if self._reading() == 1 else -1  # another read in flight: never timed (-1 matches no count)
+        entry.how = self.ways.way(dev, entry.layout.nbytes)
+        entry.ticket = Ticket(dev, size_class(entry.layout.nbytes), entry.how, alone)
+
+    def ended(self, entry: HostEntry) -> None:
+        """``entry``'s read ended well: a demand read sent with a ticket that no other read was dispatched after is a
+        rate of its way (whether it really went by ``O_DIRECT`` is in its marks)."""
+        ticket = entry.ticket
+        if ticket is None or entry.speculative:
+            return
+        with self._lock:
+            if ticket.dispatched != self._dispatched:
+                return
+        self.ways.timed(ticket, entry.bytes_read, entry.read_ms / 1e3, any(p == "direct" for p, _ in entry.marks))
+
+
+def _best(rates: dict[str, deque[float]]) -> str:
+    """The way of the higher median rate (``direct`` on a tie)."""
+    return max(WAYS, key=lambda w: (statistics.median(rates[w]), w == "direct"))
