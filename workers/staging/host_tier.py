@@ -173,7 +173,7 @@ class HostTier:
             self.demand.mark(entry)
         number = self.cold.dispatched()  # every read counts: one sent while another runs times neither
         # ``direct_reads`` or ``read_ahead`` (never both), for a file found cold before the read touches it
-        if (self.config.direct_reads != "off" or self._ahead) and spec.store is None and is_cold(spec):
+        if (self.config.direct_reads != "off" or self._ahead is not None) and spec.store is None and is_cold(spec):
             if self._ahead is not None:
                 with self._lock:
                     self.asked_ahead += 1
