@@ -142,7 +142,8 @@ def went_direct(entry: Any) -> bool:
 def test_an_auto_tier_tries_both_ways_then_follows_what_its_own_reads_measured(cold_catalog: AdapterCatalog) -> None:
     """One read at a time: the first four alternate (each really by the way it was sent: an ``O_DIRECT`` open or
     none), all four are timed, the class then chooses the faster by what they measured, and the next reads go that
-    way but the recheck; every shard is the one a page-cache read stages."""
+    way but the recheck; every shard is the one a page-cache read stages. Warm stages' reads are timed as well (a
+    local file's warm read yields to nothing midway)."""
     t = HostTier(HostTierConfig(host_bytes=8 * MB, read_threads=2, read_parallel=2, pin=False, reads="thread",
                                 direct_reads="auto"))
     t.cold.ways = ReadWays(explore=2, recheck=3)
@@ -157,7 +158,12 @@ def test_an_auto_tier_tries_both_ways_then_follows_what_its_own_reads_measured(c
             chosen = t.cold.ways.chosen(dev, nbytes)  # what the reads before this one chose
             if chosen is not None:  # every 3rd read of the class rechecks the other way
                 wanted.append(chosen if i % 3 else next(w for w in WAYS if w != chosen))
-            entry = t.fetch(spec, lay)[0].result(timeout=60)
+            if i % 2:  # every other one a warm stage's read: timed alike
+                with t.demand.speculative():
+                    entry = t.fetch(spec, lay, count=False)[0].result(timeout=60)
+                assert entry.speculative
+            else:
+                entry = t.fetch(spec, lay)[0].result(timeout=60)
             want = torch.zeros(lay.numel, dtype=lay.dtype)
             read_shard(spec, lay, want)
             assert torch.equal(entry.tensor, want)
@@ -176,7 +182,9 @@ def test_an_auto_tier_tries_both_ways_then_follows_what_its_own_reads_measured(c
 
 def test_reads_that_overlap_are_not_timed(cold_catalog: AdapterCatalog, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two reads in flight at once (the first held until the second is dispatched): neither is timed, since a shared
-    device's rate says nothing of either way; both stage the right bytes; a read alone after them is timed."""
+    device's rate says nothing of either way, and the second, which started beside the first, is not sent to explore:
+    it goes through the page cache while its class explores. Both stage the right bytes; a read alone after them is
+    timed."""
     second_sent = threading.Event()
     real_read = ThreadReads.read
     held: list[str] = []
@@ -201,6 +209,9 @@ def test_reads_that_overlap_are_not_timed(cold_catalog: AdapterCatalog, monkeypa
             want = torch.zeros(lay.numel, dtype=lay.dtype)
             read_shard(spec, lay, want)
             assert torch.equal(fut.result(timeout=60).tensor, want)
+        assert (first.result().how, first.result().ticket is not None) == ("direct", True)  # started alone: explores
+        assert (second.result().how, second.result().ticket) == ("preadv", None)  # started beside it: untimed
+        assert not went_direct(second.result())
         report = t.cold.ways.report()
         assert all(v[w]["timed"] == 0 for v in report.values() for w in WAYS), report  # type: ignore[index]
         t.fetch(specs[2], lays[2])[0].result(timeout=60)

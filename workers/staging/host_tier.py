@@ -424,7 +424,7 @@ class HostTier:
             if not dropped:
                 entry.whole = True
                 self._changes.append((entry.key, True))  # before the result: no eviction of it can be queued ahead
-        self.cold.ended(entry)  # auto: a demand read that ran alone is a rate of its way
+        self.cold.ended(entry)  # auto: a read that ran alone is a rate of its way
         if dropped:
             self._failed(entry, unregistered(entry.key))
             return

@@ -11,8 +11,9 @@ block device, NFS) can be the other way round. So the tier measures instead of a
    between the two ways (``direct`` first).
 2. Then each goes the way whose median rate over its newest ``KEPT`` reads is higher, and every ``recheck``-th read
    goes the other way, so that a device whose behaviour changes (a busier neighbour, a new volume) is followed.
-3. A read is timed only where it ran alone in its tier (no other read started or running while it ran) and was a
-   demand read (a warm stage yields to demand reads midway): a shared device's rate says nothing of either way.
+3. A read is timed only where it ran alone in its tier (no other read started or running while it ran): a shared
+   device's rate says nothing of either way. Only a read that starts alone is sent to explore or recheck; one that
+   starts beside another goes the chosen way, or through the page cache while its class explores.
 4. A file system that refused ``O_DIRECT`` (the read fell back to the page cache: ``workers.reads.shard._direct``)
    is read through the page cache from then on.
 
@@ -132,7 +133,7 @@ class ReadWays:
 
 class ColdReads:
     """The host tier's side of "auto": each read counted as it is dispatched, each cold local file's read sent the way
-    ``ways`` gives (``send``), and a demand read that ran alone timed as a rate of its way once it ends (``ended``)."""
+    ``ways`` gives (``send``), and a read that ran alone timed as a rate of its way once it ends (``ended``)."""
 
     def __init__(self, reading: Callable[[], int], ways: ReadWays | None = None) -> None:
         """``reading``: the tier's reads in flight or waiting for room (``HostTier.reading``), the new one included."""
@@ -149,23 +150,30 @@ class ColdReads:
 
     def send(self, spec: AdapterSpec, entry: HostEntry, number: int, mode: str) -> None:
         """Set the way of ``entry``'s read (the ``number``-th dispatched; its file found cold): by ``O_DIRECT`` where
-        ``direct_reads`` (``mode``) is on; where it is auto, the way ``ways`` gives, with its ticket (a file system that
-        cannot be told: the page cache, untimed)."""
+        ``direct_reads`` (``mode``) is on. Where it is auto, a read that starts alone goes the way ``ways`` gives (to
+        explore, recheck or follow the choice), with its ticket; one that starts beside another cannot be timed, so it
+        goes the way chosen, or through the page cache while its class explores (no untimed read pays for exploring:
+        on the first GPU host measured, ``O_DIRECT`` read at half the page cache's rate, and a busy service that sent
+        every read to explore read half of them that way). A file system that cannot be told: the page cache."""
         if mode == "on":
             entry.how = "direct"
             return
         dev = device_of(spec)
         if dev is None:
             return
-        alone = number if self._reading() == 1 else -1  # another read in flight: never timed (-1 matches no count)
-        entry.how = self.ways.way(dev, entry.layout.nbytes)
-        entry.ticket = Ticket(dev, size_class(entry.layout.nbytes), entry.how, alone)
+        nbytes = entry.layout.nbytes
+        if self._reading() != 1:  # another read in flight: it is not timed
+            entry.how = self.ways.chosen(dev, nbytes) or "preadv"
+            return
+        entry.how = self.ways.way(dev, nbytes)
+        entry.ticket = Ticket(dev, size_class(nbytes), entry.how, number)
 
     def ended(self, entry: HostEntry) -> None:
-        """``entry``'s read ended well: a demand read sent with a ticket that no other read was dispatched after is a
-        rate of its way (whether it really went by ``O_DIRECT`` is in its marks)."""
+        """``entry``'s read ended well: one sent with a ticket (it started alone) that no other read was dispatched
+        after is a rate of its way (whether it really went by ``O_DIRECT`` is in its marks). Warm stages count too: a
+        local file's warm read yields to nothing midway (only a store fetch does)."""
         ticket = entry.ticket
-        if ticket is None or entry.speculative:
+        if ticket is None:
             return
         with self._lock:
             if ticket.dispatched != self._dispatched:
