@@ -6,6 +6,7 @@ timed; every staged shard is the one a page-cache read stages, whichever way it 
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -53,8 +54,10 @@ def test_a_class_tries_both_ways_then_takes_the_faster_and_rechecks_the_other() 
     assert report["preadv"] == {"GBps": pytest.approx(1.5), "timed": 5}
 
 
-def test_a_device_that_slows_one_way_down_is_followed() -> None:
-    """The newest rates decide: once direct reads slow below the page cache's, the rechecks bring the choice over."""
+def test_a_device_that_slows_one_way_down_is_followed(caplog: pytest.LogCaptureFixture) -> None:
+    """The newest rates decide: once direct reads slow below the page cache's, the rechecks bring the choice over.
+    Each choice and each change of it is logged once, for the operator."""
+    caplog.set_level(logging.INFO, logger="workers.staging.read_ways")
     ways = ReadWays(explore=2, recheck=2)
     rate = {"direct": 2e9, "preadv": 1e9}
     for _ in range(6):
@@ -64,6 +67,9 @@ def test_a_device_that_slows_one_way_down_is_followed() -> None:
     for _ in range(20):
         timed(ways, 1, 80 * MB, rate)
     assert ways.chosen(1, 80 * MB) == "preadv"
+    told = [r.getMessage() for r in caplog.records]
+    assert len(told) == 2 and "now go by O_DIRECT" in told[0] and "now go through the page cache" in told[1], told
+    assert "shards up to 128 MB on file system 1" in told[0]
 
 
 def test_size_classes_and_file_systems_choose_apart() -> None:

@@ -24,6 +24,7 @@ Plain Python: the times are given, never read; one lock, since reads end on seve
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import threading
@@ -35,6 +36,8 @@ from lora_cache.adapters.peft import AdapterSpec
 
 if TYPE_CHECKING:
     from workers.staging.host_entry import HostEntry
+
+log = logging.getLogger(__name__)
 
 WAYS = ("direct", "preadv")  # the two ways of a cold read, in the order a class explores them
 EXPLORE = 3  # reads of each way timed before a class chooses
@@ -106,7 +109,14 @@ class ReadWays:
             if nbytes <= 0 or seconds <= 0:
                 return
             rates = self._rates.setdefault((ticket.dev, ticket.size), {w: deque(maxlen=KEPT) for w in WAYS})
+            before = _best(rates) if _explored(rates, self.explore) else None
             rates[ticket.way].append(nbytes / seconds)
+            after = _best(rates) if _explored(rates, self.explore) else None
+        if after != before:  # what an operator reads to see what auto chose, and when it changed its mind
+            log.info("cold reads of shards up to %d MB on file system %d now go %s (medians: O_DIRECT %.2f GB/s, "
+                     "page cache %.2f GB/s)", (1 << ticket.size) >> 20, ticket.dev,
+                     "by O_DIRECT" if after == "direct" else "through the page cache",
+                     statistics.median(rates["direct"]) / 1e9, statistics.median(rates["preadv"]) / 1e9)
 
     def chosen(self, dev: int, nbytes: int) -> str | None:
         """The way a class chose (None while it explores; "preadv" where ``dev`` refused ``O_DIRECT``)."""
@@ -179,6 +189,10 @@ class ColdReads:
             if ticket.dispatched != self._dispatched:
                 return
         self.ways.timed(ticket, entry.bytes_read, entry.read_ms / 1e3, any(p == "direct" for p, _ in entry.marks))
+
+
+def _explored(rates: dict[str, deque[float]], explore: int) -> bool:
+    return all(len(rates[w]) >= explore for w in WAYS)
 
 
 def _best(rates: dict[str, deque[float]]) -> str:
