@@ -40,18 +40,19 @@ def timed(ways: ReadWays, dev: int, nbytes: int, rate: dict[str, float]) -> str:
     return way
 
 
-def test_a_class_tries_both_ways_then_takes_the_faster_and_rechecks_the_other() -> None:
+def test_a_class_tries_each_way_then_takes_the_fastest_and_rechecks_the_others() -> None:
     ways = ReadWays(explore=3, recheck=5)
-    rate = {"direct": 2e9, "preadv": 1.5e9}
-    first = [timed(ways, 1, 300 * MB, rate) for _ in range(6)]
-    assert first == ["direct", "preadv"] * 3  # alternating, direct first
+    rate = {"direct": 2e9, "preadv": 1.5e9, "ahead": 1e9}
+    first = [timed(ways, 1, 300 * MB, rate) for _ in range(9)]
+    assert first == ["direct", "preadv", "ahead"] * 3  # in turn, direct first
     assert ways.chosen(1, 300 * MB) == "direct"
-    after = [timed(ways, 1, 300 * MB, rate) for _ in range(10)]  # reads 7..16 of the class: 10 and 15 recheck
-    assert after == ["direct"] * 3 + ["preadv"] + ["direct"] * 4 + ["preadv"] + ["direct"]
+    after = [timed(ways, 1, 300 * MB, rate) for _ in range(10)]  # reads 10..19 of the class: 10 and 15 recheck
+    assert after == ["preadv"] + ["direct"] * 4 + ["ahead"] + ["direct"] * 4  # the ways not chosen, in turn
     report = ways.report()[f"1:{size_class(300 * MB)}"]
     assert report["chosen"] == "direct"
     assert report["direct"] == {"GBps": pytest.approx(2.0), "timed": 8}  # the newest 8 kept
-    assert report["preadv"] == {"GBps": pytest.approx(1.5), "timed": 5}
+    assert report["preadv"] == {"GBps": pytest.approx(1.5), "timed": 4}
+    assert report["ahead"] == {"GBps": pytest.approx(1.0), "timed": 4}
 
 
 def test_a_device_that_slows_one_way_down_is_followed(caplog: pytest.LogCaptureFixture) -> None:
@@ -59,7 +60,7 @@ def test_a_device_that_slows_one_way_down_is_followed(caplog: pytest.LogCaptureF
     Each choice and each change of it is logged once, for the operator."""
     caplog.set_level(logging.INFO, logger="workers.staging.read_ways")
     ways = ReadWays(explore=2, recheck=2)
-    rate = {"direct": 2e9, "preadv": 1e9}
+    rate = {"direct": 2e9, "preadv": 1e9, "ahead": 0.8e9}
     for _ in range(6):
         timed(ways, 1, 80 * MB, rate)
     assert ways.chosen(1, 80 * MB) == "direct"
@@ -68,29 +69,32 @@ def test_a_device_that_slows_one_way_down_is_followed(caplog: pytest.LogCaptureF
         timed(ways, 1, 80 * MB, rate)
     assert ways.chosen(1, 80 * MB) == "preadv"
     told = [r.getMessage() for r in caplog.records]
-    assert len(told) == 2 and "now go by O_DIRECT" in told[0] and "now go through the page cache" in told[1], told
-    assert "shards up to 128 MB on file system 1" in told[0]
+    assert len(told) == 2 and "now go by O_DIRECT" in told[0] and "now go through the page cache (" in told[1], told
+    assert "shards up to 128 MB on file system 1" in told[0] and "ahead 0.80 GB/s" in told[0]
 
 
 def test_size_classes_and_file_systems_choose_apart() -> None:
     ways = ReadWays(explore=1, recheck=100)
-    for _ in range(2):
-        timed(ways, 1, 300 * MB, {"direct": 2e9, "preadv": 1e9})  # large reads: direct faster
-        timed(ways, 1, 80 * MB, {"direct": 1e9, "preadv": 2e9})  # small reads: the page cache faster
-        timed(ways, 2, 300 * MB, {"direct": 1e9, "preadv": 2e9})  # another file system
+    for _ in range(3):
+        timed(ways, 1, 300 * MB, {"direct": 2e9, "preadv": 1e9, "ahead": 1e9})  # large reads: direct fastest
+        timed(ways, 1, 80 * MB, {"direct": 1e9, "preadv": 2e9, "ahead": 1e9})  # small reads: the page cache
+        timed(ways, 2, 300 * MB, {"direct": 1e9, "preadv": 1e9, "ahead": 2e9})  # another file system: asked ahead
     assert (ways.chosen(1, 300 * MB), ways.chosen(1, 80 * MB), ways.chosen(2, 300 * MB)) == ("direct", "preadv",
-                                                                                             "preadv")
+                                                                                             "ahead")
     assert ways.chosen(1, 290 * MB) == "direct"  # the same power of two: the same class
     assert ways.chosen(3, 300 * MB) is None  # never read: nothing chosen yet
 
 
-def test_a_file_system_that_refused_o_direct_is_read_through_the_page_cache_from_then_on() -> None:
-    ways = ReadWays(explore=3, recheck=2)
+def test_a_file_system_that_refused_o_direct_is_read_the_other_ways_from_then_on() -> None:
+    ways = ReadWays(explore=2, recheck=2)
     way = ways.way(7, 100 * MB)
     assert way == "direct"
     ways.timed(Ticket(7, size_class(100 * MB), way, 1), 100 * MB, 0.05, direct=False)  # it fell back
-    assert [ways.way(7, n) for n in (100 * MB, 300 * MB, 10 * MB)] == ["preadv"] * 3
-    assert ways.chosen(7, 100 * MB) == "preadv" and 7 in ways.refused
+    assert 7 in ways.refused
+    sent = [timed(ways, 7, n, {"direct": 9e9, "preadv": 1e9, "ahead": 2e9}) for n in (100 * MB, 300 * MB) * 8]
+    assert "direct" not in sent and {"preadv", "ahead"} <= set(sent)
+    assert ways.chosen(7, 100 * MB) == ways.chosen(7, 300 * MB) == "ahead"
+    assert ways.report()[f"7:{size_class(100 * MB)}"]["chosen"] == "ahead"
 
 
 def test_bad_settings_are_refused_with_the_fix() -> None:
@@ -101,28 +105,29 @@ def test_bad_settings_are_refused_with_the_fix() -> None:
 
 
 @given(st.lists(st.tuples(st.sampled_from([1, 2]), st.sampled_from([16 * MB, 64 * MB, 256 * MB]),
-                          st.floats(0.2e9, 4e9), st.floats(0.2e9, 4e9)), min_size=1, max_size=60))
-def test_outside_its_rechecks_a_class_never_goes_the_way_it_measured_slower(
-        reads: list[tuple[int, int, float, float]]) -> None:
-    """Whatever the rates: once a class has explored, a read that is not its recheck goes the way of the higher
-    median of the rates timed so far; while it explores, each way is tried before either is tried again."""
+                          st.floats(0.2e9, 4e9), st.floats(0.2e9, 4e9), st.floats(0.2e9, 4e9)),
+                min_size=1, max_size=60))
+def test_outside_its_rechecks_a_class_never_goes_a_way_it_measured_slower(
+        reads: list[tuple[int, int, float, float, float]]) -> None:
+    """Whatever the rates: once a class has explored, a read that is not its recheck goes the way of the highest
+    median of the rates timed so far; while it explores, each way is tried before any is tried again."""
     ways = ReadWays(explore=2, recheck=4)
     seen: dict[tuple[int, int], dict[str, list[float]]] = {}
     sent: dict[tuple[int, int], int] = {}
-    for dev, nbytes, direct_rate, preadv_rate in reads:
+    for dev, nbytes, *rates in reads:
+        rate = dict(zip(WAYS, rates, strict=True))
         key = (dev, size_class(nbytes))
         got = seen.setdefault(key, {w: [] for w in WAYS})
         sent[key] = sent.get(key, 0) + 1
-        way = timed(ways, dev, nbytes, {"direct": direct_rate, "preadv": preadv_rate})
+        way = timed(ways, dev, nbytes, rate)
         explored = all(len(v) >= 2 for v in got.values())
         if explored and sent[key] % 4:
             medians = {w: sorted(v[-8:])[(len(v[-8:]) - 1) // 2: len(v[-8:]) // 2 + 1] for w, v in got.items()}
             mean = {w: sum(m) / len(m) for w, m in medians.items()}
-            assert way == max(WAYS, key=lambda w: (mean[w], w == "direct"))
+            assert way == max(WAYS, key=lambda w: (mean[w], -WAYS.index(w)))
         elif not explored:
             assert len(got[way]) == min(len(v) for v in got.values())
-        rate = direct_rate if way == "direct" else preadv_rate
-        got[way].append(nbytes / (nbytes / rate))  # as the core computes it
+        got[way].append(nbytes / (nbytes / rate[way]))  # as the core computes it
 
 
 # -- the tier: real reads of real files ----------------------------------------------------------------------------
@@ -145,11 +150,11 @@ def went_direct(entry: Any) -> bool:
     return any(phase == "direct" for phase, _ in entry.marks)
 
 
-def test_an_auto_tier_tries_both_ways_then_follows_what_its_own_reads_measured(cold_catalog: AdapterCatalog) -> None:
-    """One read at a time: the first four alternate (each really by the way it was sent: an ``O_DIRECT`` open or
-    none), all four are timed, the class then chooses the faster by what they measured, and the next reads go that
-    way but the recheck; every shard is the one a page-cache read stages. Warm stages' reads are timed as well (a
-    local file's warm read yields to nothing midway)."""
+def test_an_auto_tier_tries_each_way_then_follows_what_its_own_reads_measured(cold_catalog: AdapterCatalog) -> None:
+    """One read at a time: the first six take the three ways in turn (each really by its way: an ``O_DIRECT`` open or
+    none, the file asked for ahead or not), all are timed, the class then chooses the fastest by what they measured,
+    and the next reads go that way but the recheck; every shard is the one a page-cache read stages. Warm stages'
+    reads are timed as well (a local file's warm read yields to nothing midway)."""
     t = HostTier(HostTierConfig(host_bytes=8 * MB, read_threads=2, read_parallel=2, pin=False, reads="thread",
                                 direct_reads="auto"))
     t.cold.ways = ReadWays(explore=2, recheck=3)
@@ -157,13 +162,15 @@ def test_an_auto_tier_tries_both_ways_then_follows_what_its_own_reads_measured(c
     dev, nbytes = device_of(first), shard_layout(first, SHAPES["tiny"], 1, 0, BF16).nbytes
     assert dev is not None
     try:
-        hows, wanted = [], []
-        for i, name in enumerate(cold_catalog.names()[:8], start=1):
+        sent, wanted = [], []
+        for i, name in enumerate(cold_catalog.names()[:10], start=1):
             spec = cold_catalog.get(name)
             lay = shard_layout(spec, SHAPES["tiny"], 1, 0, BF16)
             chosen = t.cold.ways.chosen(dev, nbytes)  # what the reads before this one chose
-            if chosen is not None:  # every 3rd read of the class rechecks the other way
-                wanted.append(chosen if i % 3 else next(w for w in WAYS if w != chosen))
+            if chosen is not None:  # every 3rd read of the class rechecks a way not chosen, each in turn
+                others = [w for w in WAYS if w != chosen]
+                wanted.append(chosen if i % 3 else others[(i // 3) % len(others)])
+            asked = t.asked_ahead
             if i % 2:  # every other one a warm stage's read: timed alike
                 with t.demand.speculative():
                     entry = t.fetch(spec, lay, count=False)[0].result(timeout=60)
@@ -173,14 +180,16 @@ def test_an_auto_tier_tries_both_ways_then_follows_what_its_own_reads_measured(c
             want = torch.zeros(lay.numel, dtype=lay.dtype)
             read_shard(spec, lay, want)
             assert torch.equal(entry.tensor, want)
-            assert went_direct(entry) == (entry.how == "direct")  # really sent that way: an O_DIRECT open or none
-            hows.append(entry.how)
-        assert hows[:4] == ["direct", "preadv"] * 2
-        assert hows[4:] == wanted and len(wanted) == 4
+            assert entry.ticket is not None
+            assert went_direct(entry) == (entry.ticket.way == "direct") == (entry.how == "direct")
+            assert t.asked_ahead - asked == (entry.ticket.way == "ahead")  # asked ahead exactly when sent that way
+            sent.append(entry.ticket.way)
+        assert sent[:6] == list(WAYS) * 2
+        assert sent[6:] == wanted and len(wanted) == 4
         report = t.cold.ways.report()[f"{dev}:{size_class(nbytes)}"]
         assert report["chosen"] == t.cold.ways.chosen(dev, nbytes) is not None
         timed_reads = sum(report[w]["timed"] for w in WAYS)  # type: ignore[index]
-        assert timed_reads == 8, f"every read ran alone, each is timed: {report}"
+        assert timed_reads == 10, f"every read ran alone, each is timed: {report}"
         t.check_integrity()
     finally:
         t.close()

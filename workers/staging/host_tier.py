@@ -90,8 +90,8 @@ class HostTier:
         else:
             self._reader = ThreadReads(self.arena, config.read_threads, config.verify, self.parallel)
         self._pool = ThreadPoolExecutor(config.read_threads, thread_name_prefix="lora-read")
-        # ``read_ahead``: a cold file asked for whole as its read starts, off the readers' threads
-        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="lora-ahead") if config.read_ahead else None
+        ahead = config.read_ahead or config.direct_reads == "auto"  # a cold file asked for whole, off the readers'
+        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="lora-ahead") if ahead else None  # threads (auto: a way)
         self.asked_ahead = 0  # reads whose file was asked for ahead (``read_ahead``)
         # ``drop_page_cache``: a read file's pages dropped after its entry is served, off its readers' threads (an 8B
         # rank-64 file's drop took 9-10 ms here, and held its load's READY that long when it ran in ``_read``)
@@ -172,14 +172,14 @@ class HostTier:
         if not entry.speculative:
             self.demand.mark(entry)
         number = self.cold.dispatched()  # every read counts: one sent while another runs times neither
-        # ``direct_reads`` or ``read_ahead`` (never both), for a file found cold before the read touches it
-        if (self.config.direct_reads != "off" or self._ahead is not None) and spec.store is None and is_cold(spec):
-            if self._ahead is not None:
+        # ``direct_reads`` or ``read_ahead`` (never both) for a file found cold, decided here for the whole read (every
+        # part of a split read alike); auto's ``ahead`` way asks ahead as ``read_ahead`` does
+        if (self.config.direct_reads != "off" or self.config.read_ahead) and spec.store is None and is_cold(spec):
+            ahead = self.config.read_ahead or self.cold.send(spec, entry, number, self.config.direct_reads)
+            if ahead and self._ahead is not None:
                 with self._lock:
                     self.asked_ahead += 1
                 self._ahead.submit(ask_ahead, spec)
-            else:  # decided here for the whole read: every part of a split read alike
-                self.cold.send(spec, entry, number, self.config.direct_reads)
         try:
             started = self._reader.begin(spec, entry) if spec.store is None else None
             self._pool.submit(self._read, spec, entry, started).add_done_callback(lambda _: self.demand.unmark(entry))

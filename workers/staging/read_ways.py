@@ -1,21 +1,24 @@
 """Which way a cold read of a local adapter file goes where ``HostTierConfig.direct_reads`` is "auto" (issue 42):
-through the page cache (positioned reads, ``preadv``) or around it (``O_DIRECT`` through an aligned bounce buffer,
-``direct``), chosen per file system and size class from the host tier's own reads of each way.
+through the page cache (positioned reads, ``preadv``), the same with the file asked for ahead (``ahead``), or around
+the page cache (``O_DIRECT`` through an aligned bounce buffer, ``direct``), chosen per file system and size class from
+the host tier's own reads of each way.
 
-Neither way is faster on every device. On a local virtio disk a rank-64 8B shard read 0.84 of the device's best rate
-by ``O_DIRECT`` and 0.73 through the page cache (bench/reports/issue-42.md); a warm file is always read through the
-page cache (``is_cold`` decides before either); and a device whose latency the kernel's readahead hides (a network
-block device, NFS) can be the other way round. So the tier measures instead of assuming:
+No way is fastest on every device. On this project's CPU host a rank-64 8B shard read 0.84-1.10 of the device's best
+reference by ``O_DIRECT`` against 0.73-0.84 through the page cache; on an H100 host's disk ``O_DIRECT`` read 0.64 of its
+best, the page cache 0.88 and the page cache asked ahead 1.11 (bench/reports/issue-42.md). A warm file is always read
+through the page cache (``is_cold`` decides first). So the tier measures instead of assuming:
 
-1. While a (file system, size class) has fewer than ``explore`` reads timed each way, its cold reads alternate
-   between the two ways (``direct`` first).
-2. Then each goes the way whose median rate over its newest ``KEPT`` reads is higher, and every ``recheck``-th read
-   goes the other way, so that a device whose behaviour changes (a busier neighbour, a new volume) is followed.
+1. While a (file system, size class) has fewer than ``explore`` reads timed each way, its cold reads take the ways
+   in turn: ``direct``, ``preadv``, and ``ahead`` (through the page cache with the whole file asked for at the read's
+   start, ``POSIX_FADV_WILLNEED``: ``HostTierConfig.read_ahead``'s way).
+2. Then each goes the way whose median rate over its newest ``KEPT`` reads is highest, and every ``recheck``-th read
+   goes another way (each in turn), so that a device whose behaviour changes (a busier neighbour, a new volume) is
+   followed.
 3. A read is timed only where it ran alone in its tier (no other read started or running while it ran): a shared
    device's rate says nothing of either way. Only a read that starts alone is sent to explore or recheck; one that
    starts beside another goes the chosen way, or through the page cache while its class explores.
 4. A file system that refused ``O_DIRECT`` (the read fell back to the page cache: ``workers.reads.shard._direct``)
-   is read through the page cache from then on.
+   is read the other two ways from then on.
 
 The size class is the shard's bytes rounded up to a power of two: a rank-16 and a rank-64 shard of one model are
 two classes (a small read pays its fixed costs over fewer bytes), and the rates of one class compare like with like.
@@ -39,9 +42,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-WAYS = ("direct", "preadv")  # the two ways of a cold read, in the order a class explores them
+WAYS = ("direct", "preadv", "ahead")  # the ways of a cold read, in the order a class explores them
+SAID = {"direct": "by O_DIRECT", "preadv": "through the page cache",
+        "ahead": "through the page cache, the file asked for whole as its read starts"}
 EXPLORE = 3  # reads of each way timed before a class chooses
-RECHECK = 32  # then every RECHECK-th read of the class goes the way not chosen
+RECHECK = 32  # then every RECHECK-th read of the class goes a way not chosen (each in turn)
 KEPT = 8  # the newest rates kept per way and class
 
 
@@ -78,26 +83,29 @@ class ReadWays:
     def __init__(self, explore: int = EXPLORE, recheck: int = RECHECK) -> None:
         if explore < 1 or recheck < 2:
             raise ValueError(f"ReadWays: explore is {explore} and recheck {recheck}; give explore >= 1 (reads of each "
-                             "way timed before a choice) and recheck >= 2 (every recheck-th read tries the other way)")
+                             "way timed before a choice) and recheck >= 2 (every recheck-th read tries another way)")
         self.explore, self.recheck = explore, recheck
         self._lock = threading.Lock()
         self._rates: dict[tuple[int, int], dict[str, deque[float]]] = {}  # (dev, class) -> way -> bytes/s
         self._sent: dict[tuple[int, int], int] = {}  # (dev, class) -> reads sent a way
-        self.refused: set[int] = set()  # file systems that refused O_DIRECT: the page cache from then on
+        self.refused: set[int] = set()  # file systems that refused O_DIRECT: the other ways only from then on
 
     def way(self, dev: int, nbytes: int) -> str:
         """The way the next cold read of ``nbytes`` on file system ``dev`` goes (points 1, 2 and 4)."""
         key = (dev, size_class(nbytes))
         with self._lock:
-            if dev in self.refused:
-                return "preadv"
+            ways = self._ways(dev)
             rates = self._rates.setdefault(key, {w: deque(maxlen=KEPT) for w in WAYS})
             sent = self._sent[key] = self._sent.get(key, 0) + 1
-            if any(len(rates[w]) < self.explore for w in WAYS):
-                short = [w for w in WAYS if len(rates[w]) < self.explore]
-                return short[0] if len(short) == 1 else WAYS[(sent - 1) % len(WAYS)]
-            best = _best(rates)
-            return next(w for w in WAYS if w != best) if sent % self.recheck == 0 else best
+            short = [w for w in ways if len(rates[w]) < self.explore]
+            if short:  # in turn while each is short; the last short one alone once the others have their reads
+                turn = ways[(sent - 1) % len(ways)]
+                return turn if turn in short else short[0]
+            best = _best(rates, ways)
+            if sent % self.recheck:
+                return best
+            others = [w for w in ways if w != best]
+            return others[(sent // self.recheck) % len(others)]
 
     def timed(self, ticket: Ticket, nbytes: int, seconds: float, direct: bool) -> None:
         """A read sent with ``ticket`` moved ``nbytes`` in ``seconds`` alone; ``direct``: whether its runs went by
@@ -108,37 +116,40 @@ class ReadWays:
                 return
             if nbytes <= 0 or seconds <= 0:
                 return
+            ways = self._ways(ticket.dev)
             rates = self._rates.setdefault((ticket.dev, ticket.size), {w: deque(maxlen=KEPT) for w in WAYS})
-            before = _best(rates) if _explored(rates, self.explore) else None
+            before = _best(rates, ways) if _explored(rates, ways, self.explore) else None
             rates[ticket.way].append(nbytes / seconds)
-            after = _best(rates) if _explored(rates, self.explore) else None
-        if after != before:  # what an operator reads to see what auto chose, and when it changed its mind
-            log.info("cold reads of shards up to %d MB on file system %d now go %s (medians: O_DIRECT %.2f GB/s, "
-                     "page cache %.2f GB/s)", (1 << ticket.size) >> 20, ticket.dev,
-                     "by O_DIRECT" if after == "direct" else "through the page cache",
-                     statistics.median(rates["direct"]) / 1e9, statistics.median(rates["preadv"]) / 1e9)
+            after = _best(rates, ways) if _explored(rates, ways, self.explore) else None
+            medians = ", ".join(f"{w} {statistics.median(rates[w]) / 1e9:.2f} GB/s" for w in ways if rates[w])
+        if after is not None and after != before:  # what an operator reads to see what auto chose, and its changes
+            log.info("cold reads of shards up to %d MB on file system %d now go %s (medians: %s)",
+                     (1 << ticket.size) >> 20, ticket.dev, SAID[after], medians)
 
     def chosen(self, dev: int, nbytes: int) -> str | None:
-        """The way a class chose (None while it explores; "preadv" where ``dev`` refused ``O_DIRECT``)."""
+        """The way a class chose (None while it explores)."""
         with self._lock:
-            if dev in self.refused:
-                return "preadv"
+            ways = self._ways(dev)
             rates = self._rates.get((dev, size_class(nbytes)))
-            if rates is None or any(len(rates[w]) < self.explore for w in WAYS):
+            if rates is None or not _explored(rates, ways, self.explore):
                 return None
-            return _best(rates)
+            return _best(rates, ways)
 
     def report(self) -> dict[str, dict[str, object]]:
         """Per "dev:class": each way's median GB/s and reads timed, and the way chosen (None while exploring)."""
         with self._lock:
             out: dict[str, dict[str, object]] = {}
             for (dev, size), rates in sorted(self._rates.items()):
-                explored = all(len(rates[w]) >= self.explore for w in WAYS)
+                ways = self._ways(dev)
                 out[f"{dev}:{size}"] = {
                     **{w: {"GBps": statistics.median(r) / 1e9 if r else None, "timed": len(r)}
                        for w, r in rates.items()},
-                    "chosen": "preadv" if dev in self.refused else _best(rates) if explored else None}
+                    "chosen": _best(rates, ways) if _explored(rates, ways, self.explore) else None}
             return out
+
+    def _ways(self, dev: int) -> tuple[str, ...]:
+        """The ways open on ``dev`` (caller holds the lock): all but ``direct`` where it refused ``O_DIRECT``."""
+        return tuple(w for w in WAYS if w != "direct") if dev in self.refused else WAYS
 
 
 class ColdReads:
@@ -158,8 +169,9 @@ class ColdReads:
             self._dispatched += 1
             return self._dispatched
 
-    def send(self, spec: AdapterSpec, entry: HostEntry, number: int, mode: str) -> None:
-        """Set the way of ``entry``'s read (the ``number``-th dispatched; its file found cold): by ``O_DIRECT`` where
+    def send(self, spec: AdapterSpec, entry: HostEntry, number: int, mode: str) -> bool:
+        """Set the way of ``entry``'s read (the ``number``-th dispatched; its file found cold); True where the file is
+        to be asked for whole ahead (the caller does: ``workers.reads.shard.ask_ahead``). By ``O_DIRECT`` where
         ``direct_reads`` (``mode``) is on. Where it is auto, a read that starts alone goes the way ``ways`` gives (to
         explore, recheck or follow the choice), with its ticket; one that starts beside another cannot be timed, so it
         goes the way chosen, or through the page cache while its class explores (no untimed read pays for exploring:
@@ -167,16 +179,18 @@ class ColdReads:
         every read to explore read half of them that way). A file system that cannot be told: the page cache."""
         if mode == "on":
             entry.how = "direct"
-            return
+            return False
         dev = device_of(spec)
         if dev is None:
-            return
+            return False
         nbytes = entry.layout.nbytes
         if self._reading() != 1:  # another read in flight: it is not timed
-            entry.how = self.ways.chosen(dev, nbytes) or "preadv"
-            return
-        entry.how = self.ways.way(dev, nbytes)
-        entry.ticket = Ticket(dev, size_class(nbytes), entry.how, number)
+            way = self.ways.chosen(dev, nbytes) or "preadv"
+        else:
+            way = self.ways.way(dev, nbytes)
+            entry.ticket = Ticket(dev, size_class(nbytes), way, number)
+        entry.how = "direct" if way == "direct" else "preadv"
+        return way == "ahead"
 
     def ended(self, entry: HostEntry) -> None:
         """``entry``'s read ended well: one sent with a ticket (it started alone) that no other read was dispatched
@@ -191,10 +205,10 @@ class ColdReads:
         self.ways.timed(ticket, entry.bytes_read, entry.read_ms / 1e3, any(p == "direct" for p, _ in entry.marks))
 
 
-def _explored(rates: dict[str, deque[float]], explore: int) -> bool:
-    return all(len(rates[w]) >= explore for w in WAYS)
+def _explored(rates: dict[str, deque[float]], ways: tuple[str, ...], explore: int) -> bool:
+    return all(len(rates[w]) >= explore for w in ways)
 
 
-def _best(rates: dict[str, deque[float]]) -> str:
-    """The way of the higher median rate (``direct`` on a tie)."""
-    return max(WAYS, key=lambda w: (statistics.median(rates[w]), w == "direct"))
+def _best(rates: dict[str, deque[float]], ways: tuple[str, ...]) -> str:
+    """The way of the highest median rate (the earlier in ``WAYS`` on a tie)."""
+    return max(ways, key=lambda w: (statistics.median(rates[w]), -WAYS.index(w)))
