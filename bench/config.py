@@ -109,7 +109,8 @@ class BenchConfig:
         "help": "real engine: how the workers read an adapter file that is out of the page cache "
                 "(HostTierConfig.direct_reads), the same for every policy: off (through the page cache) | on "
                 "(O_DIRECT: with --store device, a miss reads the device with no page cache at all) | auto (each "
-                "file system and shard size tries both ways and takes the faster, workers/staging/read_ways.py); "
+                "file system and shard size tries O_DIRECT, the page cache and the page cache asked ahead, and takes "
+                "the fastest, workers/staging/read_ways.py); "
                 "the simulator takes a device read's speed from its calibration"})
     gpus: str = field(default="auto", metadata={"help": "real engine on GPUs: auto | yes | no"})
     gpu_share: float = field(default=1.0, metadata={

@@ -49,7 +49,7 @@
 # HOST_BYTES [4 GiB] per rank: about a quarter of the catalog's shard bytes, its tiers TIERS [exclusive] (every part
 # but dev2-tiers, which names its own), its eviction order HOST_EVICTION [bench.run's default]; DIRECT=1: the
 # workers read cold adapter files with O_DIRECT (--direct-reads on; dev1-seed's run names end in -direct), DIRECT=auto: each
-# file system and shard size tries both ways and takes the faster (--direct-reads auto; names end in -auto). Each run is
+# file system and shard size tries each way and takes the fastest (--direct-reads auto; names end in -auto). Each run is
 # killed after STEP_LIMIT
 # [280] s; a run that finds ADAPTERS short of the catalog (a fresh machine: it makes the adapters first, ~2 min for
 # the 8B catalog) gets MAKE_S [300] s more. Exit status: the number of runs that failed.

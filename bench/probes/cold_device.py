@@ -24,7 +24,7 @@ adapter file (``adapter_model.safetensors``) after dropping its pages (``POSIX_F
   ``HostTierConfig.read_ahead`` (the file asked for whole as its read starts, ``workers.reads.shard.ask_ahead``);
   ``path_direct`` and ``path_direct_read`` with ``HostTierConfig.direct_reads`` on (the runs by ``O_DIRECT`` reads,
   ``workers.reads.positioned.read_runs_direct``); ``path_auto`` and ``path_auto_read`` with it "auto" (its first
-  reads try both ways, then it takes the faster: ``workers.staging.read_ways``; ``auto_ways`` is what its tier
+  reads try each way, then it takes the fastest: ``workers.staging.read_ways``; ``auto_ways`` is what its tier
   measured of each way and chose, ``auto_direct`` how many of its loads went by ``O_DIRECT``).
 
 Each is the median over ``--repeats`` reads, in GB/s of the file's bytes (``path`` of the shard's). The kinds take turns

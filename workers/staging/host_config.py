@@ -32,8 +32,9 @@ DIRECT_READS = {
     "on": "with O_DIRECT (one in the page cache, or on a file system that refuses O_DIRECT, through it): a store of "
           "files on a local device larger than memory is read at the device's rate, with no copy out of the page "
           "cache and nothing left in it (the pinned host tier is the node's copy)",
-    "auto": "each file system and shard size tries both ways on its first cold reads and then takes the one its "
-            "reads measured faster, trying the other now and then (workers/staging/read_ways.py)",
+    "auto": "each file system and shard size tries O_DIRECT, the page cache, and the page cache with the file asked "
+            "for whole ahead (read_ahead's way) on its first cold reads, then takes the one its reads measured "
+            "fastest, trying the others now and then (workers/staging/read_ways.py)",
 }
 MEMINFO = Path("/proc/meminfo")
 CGROUP = Path("/sys/fs/cgroup")
@@ -169,7 +170,7 @@ class HostTierConfig:
             object.__setattr__(self, "direct_reads", "on" if self.direct_reads else "off")
         if self.direct_reads not in DIRECT_READS:
             raise ConfigError(f"direct_reads {self.direct_reads!r} is not one of {', '.join(DIRECT_READS)}; pick one "
-                              "of them (off is the default; auto measures both ways on each file system)")
+                              "of them (off is the default; auto measures each way on each file system)")
         if self.read_ahead and self.direct_reads != "off":
             raise ConfigError(f"read_ahead is on and direct_reads is {self.direct_reads!r}: read_ahead asks the page "
                               "cache for a file that direct reads never read from it; turn read_ahead off or set "
