@@ -27,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
-from bench.ports import free_port
 from lora_cache.errors import ConfigError
+from lora_cache.runtime.ports import free_port
 
 STORES = ("page-cache", "device", "s3:BANDWIDTH,LATENCY")
 BUCKET = "bench-adapters"

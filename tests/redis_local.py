@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.ports import free_port
+from lora_cache.runtime.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 UNPACKED = ROOT / ".ci-redis"

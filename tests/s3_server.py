@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.ports import free_port
+from lora_cache.runtime.ports import free_port
 from tests.waiting import wait_for
 
 NO_AUTH_SETUP = 3  # requests moto answers before it enforces IAM: the test user, its policy, its key

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.ports import free_port
 from bench.run import BenchConfig
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.app.serve import ServeConfig
 from lora_cache.controller.core import ControllerConfig, ControllerCore
 from lora_cache.errors import ConfigError
+from lora_cache.runtime.ports import free_port
 from lora_cache.vocab import WorkerId
 from workers.attach.attachment import AttachConfig
 

@@ -25,12 +25,12 @@ import ray
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config  # test-only private Ray: see below
 
-from bench.ports import free_port
 from lora_cache.api.gateway import GatewayConfig
 from lora_cache.app.cli import build_parser
 from lora_cache.app.serve import ServeConfig
 from lora_cache.runtime.cliargs import config_from_args
 from lora_cache.runtime.cluster import ClusterAuthError, ClusterUnreachableError, connect
+from lora_cache.runtime.ports import free_port
 
 # Private Ray, test-only (issue 45): what `ray up` and `ray job submit` do with deploy/'s files, which the service
 # never calls; no public API runs Ray's config checks or its working_dir packaging.

@@ -16,13 +16,13 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from bench.ports import free_port  # noqa: E402
 from lora_cache.adapters.catalog import CatalogConfig  # noqa: E402
 from lora_cache.adapters.synth import SynthConfig, make_adapters  # noqa: E402
 from lora_cache.app.serve import ServeConfig, start  # noqa: E402
 from lora_cache.app.serve import wait_ready as serve_wait_ready  # noqa: E402
 from lora_cache.errors import ConfigError, ConflictError  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
+from lora_cache.runtime.ports import free_port  # noqa: E402
 from tests import waiting  # noqa: E402
 from tests.ray_local import init_local  # noqa: E402
 from workers.attach.attachment import AttachConfig, EndpointStaleError, attach  # noqa: E402

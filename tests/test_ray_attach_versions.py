@@ -21,7 +21,6 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from bench.ports import free_port  # noqa: E402
 from bench.version_check import check_steps  # noqa: E402
 from lora_cache.adapters.catalog import CatalogConfig  # noqa: E402
 from lora_cache.adapters.peft import read_adapter  # noqa: E402
@@ -30,6 +29,7 @@ from lora_cache.adapters.shards import shard_layout  # noqa: E402
 from lora_cache.adapters.synth import SynthConfig, make_adapters, write_adapter  # noqa: E402
 from lora_cache.app.serve import ServeConfig, Service, start  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
+from lora_cache.runtime.ports import free_port  # noqa: E402
 from tests.ray_local import init_local  # noqa: E402
 from workers.attach.attachment import AttachConfig  # noqa: E402
 from workers.cache import WorkerConfig  # noqa: E402

@@ -29,11 +29,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from bench.ports import free_port  # noqa: E402
 from lora_cache.adapters.catalog import CatalogConfig  # noqa: E402
 from lora_cache.adapters.synth import SynthConfig, make_adapters  # noqa: E402
 from lora_cache.app.serve import ServeConfig, start, wait_ready  # noqa: E402
 from lora_cache.planner import PlannerConfig  # noqa: E402
+from lora_cache.runtime.ports import free_port  # noqa: E402
 from lora_cache.vocab import WorkerId  # noqa: E402
 from tests.redis_local import ROOT, redis_server  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402

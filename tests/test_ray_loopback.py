@@ -27,10 +27,10 @@ from pathlib import Path
 import pytest
 import ray
 
-from bench.ports import free_ports
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.api.client import Hint, LoraCacheClient
 from lora_cache.runtime import ray_compat
+from lora_cache.runtime.ports import free_ports
 
 pytestmark = pytest.mark.ray
 
@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = str(Path(sys.executable).parent)  # ray, lora-cache and python of this interpreter come first on PATH
 OBJECT_STORE_BYTES = 128 << 20  # per node: small, so /dev/shm of a CI container suffices
 TOKEN_AUTH = ray_compat.has_token_auth()
-WORKER_PORTS = 20000  # node i's workers bind 20000 + 2000 i .. + 1999 (below bench.ports.LOW)
+WORKER_PORTS = 20000  # node i's workers bind 20000 + 2000 i .. + 1999 (below lora_cache.runtime.ports.LOW)
 
 
 def stop_group(pgid: int, grace_s: float = 3.0) -> None:
@@ -86,7 +86,7 @@ class Loopback:
         metrics, agent, agent_grpc, runtime_env = self.node_ports[4 * i: 4 * i + 4]
         # Each raylet hands its workers ports from its own range, in order and without probing; two nodes on one
         # host with Ray's default range (10002-19999 for both) gave two workers port 10005 and one died at start
-        # (CI, stop 58). Disjoint ranges below the ports free_ports draws from (bench.ports.LOW+).
+        # (CI, stop 58). Disjoint ranges below the ports free_ports draws from (lora_cache.runtime.ports.LOW+).
         low = WORKER_PORTS + 2000 * i
         return ["--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--num-gpus", "0",
                 "--min-worker-port", str(low), "--max-worker-port", str(low + 1999),

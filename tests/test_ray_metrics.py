@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import ray
 
-from bench.ports import free_port
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.app.serve import ServeConfig, start, wait_ready
 from lora_cache.planner import PlannerConfig
+from lora_cache.runtime.ports import free_port
 from lora_cache.vocab import WorkerId
 from tests.ray_local import init_local
 from workers.cache import WorkerConfig

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.ports import free_port
+from lora_cache.runtime.ports import free_port
 from tests.serving import CLI, make_adapters, serve_argv
 
 pytestmark = pytest.mark.ray

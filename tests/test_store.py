@@ -21,7 +21,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from bench.ports import free_port
 from bench.probes.s3_local import LatencyProxy, ThrottleProxy
 from lora_cache.adapters.base_model import adapter_bases, choose_model
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
@@ -44,6 +43,7 @@ from lora_cache.errors import (
     ConfigError,
 )
 from lora_cache.runtime.cliargs import shell_path
+from lora_cache.runtime.ports import free_port
 from lora_cache.vocab import NAMESPACE, AdapterKey, Stage
 from tests.s3_server import S3Server, set_env
 from tests.waiting import wait_for

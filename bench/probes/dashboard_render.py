@@ -30,13 +30,13 @@ from typing import Any
 
 import ray
 
-from bench.ports import free_port
 from bench.probes.s3_local import moto_server, upload
 from lora_cache.adapters.catalog import CatalogConfig
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.app.serve import ServeConfig, start
 from lora_cache.planner import PlannerConfig
 from lora_cache.runtime import dashboard
+from lora_cache.runtime.ports import free_port
 from lora_cache.vocab import WorkerId
 from workers.cache import WorkerConfig
 from workers.staging.disk_tier import DiskTierConfig

@@ -45,8 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.ports import free_port
 from bench.probes.serve_inputs import DEVICES, adapters_for, check, dtype, engine_overrides, max_rank, workload
+from lora_cache.runtime.ports import free_port
 
 
 def _phase(routing: str, what: str) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.ports import free_port
+from lora_cache.runtime.ports import free_port
 
 
 @contextlib.contextmanager

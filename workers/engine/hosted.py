@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -21,6 +20,7 @@ import torch.distributed as dist
 
 from lora_cache.adapters.refs import base_name, split_ref
 from lora_cache.errors import ConfigError, LoraCacheError, NotFoundError
+from lora_cache.runtime.ports import free_port
 from workers.attach.seam import RESOLVE_WAIT_S, EngineCache, refusal, resolve_here
 from workers.control.outbox import QueueSender
 from workers.engine.admission import ADMISSION
@@ -42,11 +42,11 @@ class Rendezvous(NamedTuple):
 
 
 def rendezvous(world: int) -> Rendezvous:
-    """Called on rank 0's worker: its node address and a port free now."""
-    host = _node_ip()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return Rendezvous(host, s.getsockname()[1], world)
+    """Called on rank 0's worker: its node address and a port free now, below the kernel's ephemeral range
+    (``lora_cache.runtime.ports``). A port the kernel chose (``bind(0)``, as before 2026-12-07) is an ephemeral one,
+    and an outgoing connection (Ray's gRPC channels) could take it before rank 0's store bound it: the ranks' build
+    then failed with EADDRINUSE (seen once in a CI run, ``tests/test_ray_push_loop.py``)."""
+    return Rendezvous(_node_ip(), free_port(), world)
 
 
 def _node_ip() -> str:

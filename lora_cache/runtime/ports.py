@@ -1,4 +1,6 @@
-"""Ports for servers this process starts in another (moto, the proxy, Redis, a Ray node, ``lora-cache serve``).
+"""Ports for servers this process starts in another (an engine rank's ``torch.distributed`` rendezvous, which rank 0
+serves: ``workers.engine.hosted.rendezvous``; in the tests and the benchmark moto, the proxy, Redis, a Ray node,
+``lora-cache serve``).
 
 A port the kernel chose (``bind(0)``, then released) is an *ephemeral* one, and between the draw and the other
 process's bind any outgoing connection on the machine may take it as its local port: a Ray cluster starting holds

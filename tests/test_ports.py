@@ -1,4 +1,4 @@
-"""bench.ports: ports for a server another process starts, drawn where no outgoing connection can take them."""
+"""lora_cache.runtime.ports: ports for a server another process starts, where no outgoing connection can take them."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import socket
 
 import pytest
 
-from bench import ports
+from lora_cache.runtime import ports
+from workers.engine.hosted import rendezvous
 
 
 def test_ports_are_distinct_free_below_the_ephemeral_range_and_never_handed_out_twice() -> None:
@@ -33,3 +34,12 @@ def test_too_few_ports_below_the_ephemeral_range_is_a_clear_error(monkeypatch: p
     monkeypatch.setattr(ports, "ephemeral_low", lambda: ports.LOW + 10)
     with pytest.raises(RuntimeError, match=r"ip_local_port_range.*raise the range's low end"):
         ports.free_ports(4)
+
+
+def test_an_engine_replicas_ranks_meet_on_a_port_below_the_ephemeral_range() -> None:
+    """Rank 0's ``torch.distributed`` store binds the rendezvous port after it was drawn: a port the kernel chose
+    (``bind(0)``, the rule before) could be taken by an outgoing connection meanwhile (EADDRINUSE in a CI run)."""
+    meet = rendezvous(2)
+    assert ports.LOW <= meet.port < ports.ephemeral_low() and meet.world == 2
+    with socket.socket() as s:
+        s.bind((meet.host, meet.port))  # free where rank 0 binds it
