@@ -112,6 +112,9 @@ class BenchConfig:
                 "file system and shard size tries O_DIRECT, the page cache and the page cache asked ahead, and takes "
                 "the fastest, workers/staging/read_ways.py); "
                 "the simulator takes a device read's speed from its calibration"})
+    read_ahead: bool = field(default=False, metadata={
+        "help": "real engine: the workers ask for an adapter file out of the page cache whole as its read starts "
+                "(HostTierConfig.read_ahead; with --direct-reads off only), the same for every policy"})
     gpus: str = field(default="auto", metadata={"help": "real engine on GPUs: auto | yes | no"})
     gpu_share: float = field(default=1.0, metadata={
         "help": "real engine on GPUs: the share of one GPU each rank asks for (0.5: two replicas of --tp 1 on each "
@@ -159,6 +162,10 @@ class BenchConfig:
         if self.direct_reads not in DIRECT_READS:
             raise ConfigError(f"direct_reads {self.direct_reads!r} is not one of {', '.join(DIRECT_READS)}; pick one "
                               "(off is the default)")
+        if self.read_ahead and self.direct_reads != "off":
+            raise ConfigError(f"--read-ahead with --direct-reads {self.direct_reads}: read-ahead asks the page cache "
+                              "for a file that direct reads never read from it; drop --read-ahead or give "
+                              "--direct-reads off")
         if self.scenario and self.scenario not in SCENARIOS:
             raise ConfigError(f"scenario {self.scenario!r} is not one of {', '.join(SCENARIOS)}")
         if self.gpus not in ("auto", "yes", "no"):

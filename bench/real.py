@@ -99,6 +99,7 @@ class RealConfig:
     host_recent_s: float = RECENT_S  # HostTierConfig.recent_s
     host_tiers: str = "exclusive"  # HostTierConfig.tiers
     direct_reads: str = "off"  # HostTierConfig.direct_reads: off | on | auto
+    read_ahead: bool = False  # HostTierConfig.read_ahead
     timeout_s: float = 900.0  # one policy's whole run
     engine: dict[str, Any] = field(default_factory=dict)  # further EngineConfig fields (e.g. share_weights)
     attach: bool = False  # engine ranks in processes of their own, attached through the seam
@@ -177,7 +178,7 @@ def run_policy(config: RealConfig, policy: BenchPolicy, adapters_dir: str, names
                                               recent_s=config.host_recent_s,
                                               tiers=config.host_tiers,
                                               drop_page_cache=config.store_model().kind == "device",
-                                              direct_reads=config.direct_reads),
+                                              direct_reads=config.direct_reads, read_ahead=config.read_ahead),
                           disk=_disk_tier(config, policy))
     engine = EngineConfig(model=config.model, num_layers=config.num_layers, tp=config.tp, num_slots=slots,
                           page_rank=page_rank, pool_pages=pool_pages,

@@ -216,7 +216,8 @@ def _run_real(bench: BenchConfig, policies: Sequence[BenchPolicy], root: str, na
                       gpu_share=bench.gpu_share,
                       host_bytes=bench.host_bytes, host_eviction=bench.host_eviction,
                       host_recent_s=bench.host_recent_s, host_tiers=bench.host_tiers,
-                      direct_reads=bench.direct_reads, dtype="bfloat16" if gpus else "float32",
+                      direct_reads=bench.direct_reads, read_ahead=bench.read_ahead,
+                      dtype="bfloat16" if gpus else "float32",
                       timeout_s=bench.timeout_s,
                       # one set of random base weights for every layer: the same math and bytes read per
                       # layer (far beyond any cache), a fraction of the start-up time and memory

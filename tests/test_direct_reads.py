@@ -272,6 +272,17 @@ def test_read_ahead_and_direct_reads_together_are_refused() -> None:
             HostTierConfig(read_ahead=True, direct_reads=mode)
 
 
+def test_the_benchmark_refuses_read_ahead_with_direct_reads_before_it_starts() -> None:
+    """``bench.run --read-ahead`` (the A/B of the cold reads' ways in bench/gpu/issue42.sh, DIRECT=ahead) goes with
+    ``--direct-reads off`` only, refused with the fix named before any adapter is made."""
+    from bench.config import BenchConfig
+
+    assert BenchConfig(read_ahead=True).read_ahead
+    for mode in ("on", "auto"):
+        with pytest.raises(ConfigError, match=f"--read-ahead with --direct-reads {mode}.*give --direct-reads off"):
+            BenchConfig(read_ahead=True, direct_reads=mode)
+
+
 def test_direct_reads_takes_its_three_settings_and_its_first_form() -> None:
     """off, on and auto; True and False (the setting's first form, a flag) are on and off; anything else is refused
     with the choices named."""

@@ -49,7 +49,8 @@
 # HOST_BYTES [4 GiB] per rank: about a quarter of the catalog's shard bytes, its tiers TIERS [exclusive] (every part
 # but dev2-tiers, which names its own), its eviction order HOST_EVICTION [bench.run's default]; DIRECT=1: the
 # workers read cold adapter files with O_DIRECT (--direct-reads on; dev1-seed's run names end in -direct), DIRECT=auto: each
-# file system and shard size tries each way and takes the fastest (--direct-reads auto; names end in -auto). Each run is
+# file system and shard size tries each way and takes the fastest (--direct-reads auto; names end in -auto), DIRECT=ahead: a
+# cold file is asked for whole as its read starts (--read-ahead; names end in -ahead). Each run is
 # killed after STEP_LIMIT
 # [280] s; a run that finds ADAPTERS short of the catalog (a fresh machine: it makes the adapters first, ~2 min for
 # the 8B catalog) gets MAKE_S [300] s more. Exit status: the number of runs that failed.
@@ -63,7 +64,8 @@ limit=${STEP_LIMIT:-280}
 common=(--engine real --model "$model" --adapter-ranks 16,64 --adapters "$adapters" --no-plots --scenario zipf
         --num-adapters "${NUM_ADAPTERS:-100}" --requests "${REQUESTS:-200}" --host-bytes "${HOST_BYTES:-4294967296}"
         --max-adapters "${MAX_ADAPTERS:-4}" --warmup-requests "${WARMUP:-300}" --host-tiers "${TIERS:-exclusive}"
-        ${HOST_EVICTION:+--host-eviction "$HOST_EVICTION"} --direct-reads "$(case ${DIRECT:-0} in 1) echo on ;; auto) echo auto ;; *) echo off ;; esac)")
+        ${HOST_EVICTION:+--host-eviction "$HOST_EVICTION"} --direct-reads "$(case ${DIRECT:-0} in 1) echo on ;; auto) echo auto ;; *) echo off ;; esac)"
+        $([ "${DIRECT:-0}" = ahead ] && echo --read-ahead))
 [ "${DRY:-0}" = 1 ] || nvidia-smi -L
 made() {  # whether ADAPTERS holds NUM_ADAPTERS adapters already (else the next run makes them within its limit)
   [ "$(find "$adapters" -maxdepth 2 -name adapter_config.json 2>/dev/null | wc -l)" -ge "${NUM_ADAPTERS:-100}" ]
@@ -102,7 +104,7 @@ for part in "$@"; do
     dev2-seed)  seed=(--workload-seed "${SEED:-0}")
                 run "dev2-aff-s${SEED:-0}" "${two[@]}" "${seed[@]}" --store device --router affinity --policies queue,global,oracle
                 run "dev2-route-s${SEED:-0}" "${two[@]}" "${seed[@]}" --store device --router lora-cache --policies global ;;
-    dev1-seed)  run "dev1-s${SEED:-0}${POLICIES:+-${POLICIES//,/-}}${HOST_EVICTION:+-$HOST_EVICTION}$(case ${DIRECT:-0} in 1) echo -direct ;; auto) echo -auto ;; esac)" --replicas 1 --arrivals "poisson:$rate" --workload-seed "${SEED:-0}" \
+    dev1-seed)  run "dev1-s${SEED:-0}${POLICIES:+-${POLICIES//,/-}}${HOST_EVICTION:+-$HOST_EVICTION}$(case ${DIRECT:-0} in 1) echo -direct ;; auto) echo -auto ;; ahead) echo -ahead ;; esac)" --replicas 1 --arrivals "poisson:$rate" --workload-seed "${SEED:-0}" \
                   --store device --policies "${POLICIES:-queue,global,oracle}" ;;
     s3-1)       p=${POLICIES:-queue,global}; d=${DISK_BYTES:+-d$((DISK_BYTES >> 30))}
                 run "s3-1-m${MAX_ADAPTERS:-4}-s${SEED:-0}$d-${p//,/-}" --replicas 1 --arrivals "poisson:$rate" \
