@@ -1,8 +1,9 @@
 """``HostTierConfig.direct_reads`` "auto" (issue 42, ``workers.staging.read_ways``): a cold read goes the way its file
 system and size class measured faster. The plain core: it tries both ways first, then takes the faster by median
 and tries the other now and then; classes are apart; a file system that refused ``O_DIRECT`` is read through the page
-cache. The tier: real reads of real files alternate, then follow the choice; only demand reads that ran alone are
-timed; every staged shard is the one a page-cache read stages, whichever way it went."""
+cache. The tier: warm stages' real reads of real files alternate, then follow the choice; a read a request waits for
+never tries a way; only reads that ran alone are timed; every staged shard is the one a page-cache read stages,
+whichever way it went."""
 
 from __future__ import annotations
 
@@ -151,31 +152,36 @@ def went_direct(entry: Any) -> bool:
 
 
 def test_an_auto_tier_tries_each_way_then_follows_what_its_own_reads_measured(cold_catalog: AdapterCatalog) -> None:
-    """One read at a time: the first six take the three ways in turn (each really by its way: an ``O_DIRECT`` open or
-    none, the file asked for ahead or not), all are timed, the class then chooses the fastest by what they measured,
-    and the next reads go that way but the recheck; every shard is the one a page-cache read stages. Warm stages'
-    reads are timed as well (a local file's warm read yields to nothing midway)."""
+    """One read at a time: warm stages' reads take the three ways in turn (each really by its way: an ``O_DIRECT``
+    open or none, the file asked for ahead or not) until each has two timed, the class then chooses the fastest by
+    what they measured, and the next warm reads go that way but the recheck. Demand reads never try a way: the page
+    cache while the class explores, the chosen way after; they are timed too. Every read ran alone and is timed;
+    every shard is the one a page-cache read stages."""
     t = HostTier(HostTierConfig(host_bytes=8 * MB, read_threads=2, read_parallel=2, pin=False, reads="thread",
                                 direct_reads="auto"))
     t.cold.ways = ReadWays(explore=2, recheck=3)
     first = cold_catalog.get(cold_catalog.names()[0])
     dev, nbytes = device_of(first), shard_layout(first, SHAPES["tiny"], 1, 0, BF16).nbytes
     assert dev is not None
+    # a demand read first, then warm reads until the class chooses, then demand and warm reads in turn
+    warm = [False, True, True, True, True, True, False, True, False, True, False, True]
     try:
-        sent, wanted = [], []
-        for i, name in enumerate(cold_catalog.names()[:10], start=1):
+        warm_ways, warm_sent, wanted_warm, demand_ways, wanted_demand = [], 0, [], [], []
+        for name, speculative in zip(cold_catalog.names(), warm, strict=True):
             spec = cold_catalog.get(name)
             lay = shard_layout(spec, SHAPES["tiny"], 1, 0, BF16)
             chosen = t.cold.ways.chosen(dev, nbytes)  # what the reads before this one chose
-            if chosen is not None:  # every 3rd read of the class rechecks a way not chosen, each in turn
-                others = [w for w in WAYS if w != chosen]
-                wanted.append(chosen if i % 3 else others[(i // 3) % len(others)])
             asked = t.asked_ahead
-            if i % 2:  # every other one a warm stage's read: timed alike
+            if speculative:
+                warm_sent += 1
+                if chosen is not None:  # every 3rd warm read of the class rechecks a way not chosen, each in turn
+                    others = [w for w in WAYS if w != chosen]
+                    wanted_warm.append(chosen if warm_sent % 3 else others[(warm_sent // 3) % len(others)])
                 with t.demand.speculative():
                     entry = t.fetch(spec, lay, count=False)[0].result(timeout=60)
                 assert entry.speculative
             else:
+                wanted_demand.append(chosen or "preadv")
                 entry = t.fetch(spec, lay)[0].result(timeout=60)
             want = torch.zeros(lay.numel, dtype=lay.dtype)
             read_shard(spec, lay, want)
@@ -183,23 +189,61 @@ def test_an_auto_tier_tries_each_way_then_follows_what_its_own_reads_measured(co
             assert entry.ticket is not None
             assert went_direct(entry) == (entry.ticket.way == "direct") == (entry.how == "direct")
             assert t.asked_ahead - asked == (entry.ticket.way == "ahead")  # asked ahead exactly when sent that way
-            sent.append(entry.ticket.way)
-        assert sent[:6] == list(WAYS) * 2
-        assert sent[6:] == wanted and len(wanted) == 4
+            (warm_ways if speculative else demand_ways).append(entry.ticket.way)
+        # the first demand read timed the page cache, so the warm reads explore: direct, preadv, ahead, direct, ahead
+        assert warm_ways[:5] == ["direct", "preadv", "ahead", "direct", "ahead"]
+        assert warm_ways[5:] == wanted_warm and len(wanted_warm) == 3
+        assert demand_ways == wanted_demand and demand_ways[0] == "preadv" and len(demand_ways) == 4
         report = t.cold.ways.report()[f"{dev}:{size_class(nbytes)}"]
         assert report["chosen"] == t.cold.ways.chosen(dev, nbytes) is not None
         timed_reads = sum(report[w]["timed"] for w in WAYS)  # type: ignore[index]
-        assert timed_reads == 10, f"every read ran alone, each is timed: {report}"
+        assert timed_reads == len(warm), f"every read ran alone, each is timed: {report}"
+        t.check_integrity()
+    finally:
+        t.close()
+
+
+def test_a_read_a_request_waits_for_never_tries_a_way(cold_catalog: AdapterCatalog) -> None:
+    """Demand reads alone, however many, go through the page cache while nothing is chosen (what ``off`` does: a
+    service with no warm stages never leaves it), are timed, and never open ``O_DIRECT`` or ask ahead; once the class
+    has chosen (here ``direct``, measured faster), they go that way."""
+    t = HostTier(HostTierConfig(host_bytes=8 * MB, read_threads=2, read_parallel=2, pin=False, reads="thread",
+                                direct_reads="auto"))
+    t.cold.ways = ReadWays(explore=1, recheck=2)
+    names = cold_catalog.names()
+    first = cold_catalog.get(names[0])
+    dev, nbytes = device_of(first), shard_layout(first, SHAPES["tiny"], 1, 0, BF16).nbytes
+    assert dev is not None
+    try:
+        for name in names[:6]:
+            spec = cold_catalog.get(name)
+            lay = shard_layout(spec, SHAPES["tiny"], 1, 0, BF16)
+            entry = t.fetch(spec, lay)[0].result(timeout=60)
+            assert (entry.how, entry.ticket is not None and entry.ticket.way) == ("preadv", "preadv")
+            assert not went_direct(entry)
+        assert t.asked_ahead == 0
+        report = t.cold.ways.report()[f"{dev}:{size_class(nbytes)}"]
+        assert report["chosen"] is None and report["preadv"]["timed"] == 6  # type: ignore[index]
+        for way, rate in (("direct", 1e12), ("ahead", 1.0)):  # what warm reads would have measured
+            t.cold.ways.timed(Ticket(dev, size_class(nbytes), way, 0), nbytes, nbytes / rate, way == "direct")
+        assert t.cold.ways.chosen(dev, nbytes) == "direct"
+        spec = cold_catalog.get(names[6])
+        lay = shard_layout(spec, SHAPES["tiny"], 1, 0, BF16)
+        entry = t.fetch(spec, lay)[0].result(timeout=60)
+        want = torch.zeros(lay.numel, dtype=lay.dtype)
+        read_shard(spec, lay, want)
+        assert torch.equal(entry.tensor, want)
+        assert entry.how == "direct" and went_direct(entry)
         t.check_integrity()
     finally:
         t.close()
 
 
 def test_reads_that_overlap_are_not_timed(cold_catalog: AdapterCatalog, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two reads in flight at once (the first held until the second is dispatched): neither is timed, since a shared
-    device's rate says nothing of either way, and the second, which started beside the first, is not sent to explore:
-    it goes through the page cache while its class explores. Both stage the right bytes; a read alone after them is
-    timed."""
+    """Two warm stages' reads in flight at once (the first held until the second is dispatched): neither is timed,
+    since a shared device's rate says nothing of either way, and the second, which started beside the first, is not
+    sent to explore: it goes through the page cache while its class explores. Both stage the right bytes; a read
+    alone after them is timed."""
     second_sent = threading.Event()
     real_read = ThreadReads.read
     held: list[str] = []
@@ -217,8 +261,9 @@ def test_reads_that_overlap_are_not_timed(cold_catalog: AdapterCatalog, monkeypa
         names = cold_catalog.names()
         specs = [cold_catalog.get(n) for n in names[:3]]
         lays = [shard_layout(s, SHAPES["tiny"], 1, 0, BF16) for s in specs]
-        first = t.fetch(specs[0], lays[0])[0]
-        second = t.fetch(specs[1], lays[1])[0]
+        with t.demand.speculative():  # warm stages' reads: the ones that explore
+            first = t.fetch(specs[0], lays[0], count=False)[0]
+            second = t.fetch(specs[1], lays[1], count=False)[0]
         second_sent.set()
         for fut, spec, lay in zip((first, second), specs, lays):
             want = torch.zeros(lay.numel, dtype=lay.dtype)

@@ -23,9 +23,10 @@ adapter file (``adapter_model.safetensors``) after dropping its pages (``POSIX_F
   store read alone is ``path_read`` (the record's ``disk_ms``); ``path_ahead`` and ``path_ahead_read`` the same with
   ``HostTierConfig.read_ahead`` (the file asked for whole as its read starts, ``workers.reads.shard.ask_ahead``);
   ``path_direct`` and ``path_direct_read`` with ``HostTierConfig.direct_reads`` on (the runs by ``O_DIRECT`` reads,
-  ``workers.reads.positioned.read_runs_direct``); ``path_auto`` and ``path_auto_read`` with it "auto" (its first
-  reads try each way, then it takes the fastest: ``workers.staging.read_ways``; ``auto_ways`` is what its tier
-  measured of each way and chose, ``auto_direct`` how many of its loads went by ``O_DIRECT``).
+  ``workers.reads.positioned.read_runs_direct``); ``path_auto`` and ``path_auto_read`` with it "auto" (two warm
+  stages' reads of other cold files before each load, untimed here: auto tries its ways on those, and a load goes the
+  way chosen, or through the page cache while it explores, ``workers.staging.read_ways``; ``auto_ways`` is what its
+  tier measured of each way and chose, ``auto_direct`` how many of its loads went by ``O_DIRECT``).
 
 Each is the median over ``--repeats`` reads, in GB/s of the file's bytes (``path`` of the shard's). The kinds take turns
 over the same few files, so each meets the device as the others do. The device under ``--adapters`` is named
@@ -214,6 +215,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 turn += 1
                 if read is None:  # the real path: a host-tier miss of a file whose pages are dropped
                     cache = caches[kind]
+                    if kind == "path_auto":  # auto tries its ways on warm stages' reads only: two before each load
+                        for k in (1, 2):
+                            warm_stage(cache, names[(turn + k) % len(names)], specs[(turn + k) % len(specs)])
                     cache.evict(name)
                     cache.host.drop_adapter(name)
                     drop_pages(spec)  # its next read comes from the device (tmpfs keeps them)
@@ -256,6 +260,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "path_auto_read_over_best": gbps["path_auto_read"] / gbps[best], "auto_ways": ways,
             "auto_direct": sum(phases["path_auto"].get("direct", [])),
             "phases_ms": {kind: {k: statistics.median(v) for k, v in got.items()} for kind, got in phases.items()}}
+
+
+def warm_stage(cache: WorkerCache, name: str, spec: Any) -> None:
+    """A warm stage's read of ``name`` (``spec``) into ``cache``'s host tier as a miss of a file whose pages are
+    dropped, then let go: what "auto" explores its ways with (``workers.staging.read_ways``, point 3)."""
+    cache.evict(name)
+    cache.host.drop_adapter(name)
+    drop_pages(spec)
+    with cache.host.demand.speculative():
+        staged = cache.stage(name)
+    if staged is None:
+        raise RuntimeError(f"{name}: the probe's warm stage found no host room; the probe sizes the tier for two "
+                           "shards")
+    staged.result(timeout=600)
+    cache.host.drop_adapter(name)
 
 
 def table(out: dict[str, Any]) -> str:

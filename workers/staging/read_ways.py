@@ -8,15 +8,18 @@ reference by ``O_DIRECT`` against 0.73-0.84 through the page cache; on an H100 h
 best, the page cache 0.88 and the page cache asked ahead 1.11 (bench/reports/issue-42.md). A warm file is always read
 through the page cache (``is_cold`` decides first). So the tier measures instead of assuming:
 
-1. While a (file system, size class) has fewer than ``explore`` reads timed each way, its cold reads take the ways
-   in turn: ``direct``, ``preadv``, and ``ahead`` (through the page cache with the whole file asked for at the read's
-   start, ``POSIX_FADV_WILLNEED``: ``HostTierConfig.read_ahead``'s way).
+1. While a (file system, size class) has fewer than ``explore`` reads timed each way, its cold reads sent to explore
+   (point 3) take the ways in turn: ``direct``, ``preadv``, and ``ahead`` (through the page cache with the whole
+   file asked for at the read's start, ``POSIX_FADV_WILLNEED``: ``HostTierConfig.read_ahead``'s way).
 2. Then each goes the way whose median rate over its newest ``KEPT`` reads is highest, and every ``recheck``-th read
-   goes another way (each in turn), so that a device whose behaviour changes (a busier neighbour, a new volume) is
-   followed.
+   sent to explore goes another way (each in turn), so that a device whose behaviour changes (a busier neighbour, a
+   new volume) is followed.
 3. A read is timed only where it ran alone in its tier (no other read started or running while it ran): a shared
-   device's rate says nothing of either way. Only a read that starts alone is sent to explore or recheck; one that
-   starts beside another goes the chosen way, or through the page cache while its class explores.
+   device's rate says nothing of either way. Only a warm stage's read that starts alone is sent to explore or
+   recheck: a read a request waits for never pays for trying a way (on an H100 host's disk ``O_DIRECT`` read at half
+   the page cache's rate, and a service that explored with demand reads lost 1.2x its mean TTFT and 1.7x its p99).
+   A demand read goes the chosen way, or through the page cache while its class explores (what ``off`` does), and is
+   timed like any other where it ran alone. A tier with no warm stages never leaves the page cache.
 4. A file system that refused ``O_DIRECT`` (the read fell back to the page cache: ``workers.reads.shard._direct``)
    is read the other two ways from then on.
 
@@ -172,11 +175,11 @@ class ColdReads:
     def send(self, spec: AdapterSpec, entry: HostEntry, number: int, mode: str) -> bool:
         """Set the way of ``entry``'s read (the ``number``-th dispatched; its file found cold); True where the file is
         to be asked for whole ahead (the caller does: ``workers.reads.shard.ask_ahead``). By ``O_DIRECT`` where
-        ``direct_reads`` (``mode``) is on. Where it is auto, a read that starts alone goes the way ``ways`` gives (to
-        explore, recheck or follow the choice), with its ticket; one that starts beside another cannot be timed, so it
-        goes the way chosen, or through the page cache while its class explores (no untimed read pays for exploring:
-        on the first GPU host measured, ``O_DIRECT`` read at half the page cache's rate, and a busy service that sent
-        every read to explore read half of them that way). A file system that cannot be told: the page cache."""
+        ``direct_reads`` (``mode``) is on. Where it is auto (the module's point 3), a warm stage's read that starts
+        alone goes the way ``ways`` gives (to explore, recheck or follow the choice); any other read goes the way
+        chosen, or through the page cache while its class explores. One that starts alone gets its ticket (it is
+        timed if it also ends alone); one that starts beside another cannot be timed. A file system that cannot be
+        told: the page cache."""
         if mode == "on":
             entry.how = "direct"
             return False
@@ -184,10 +187,9 @@ class ColdReads:
         if dev is None:
             return False
         nbytes = entry.layout.nbytes
-        if self._reading() != 1:  # another read in flight: it is not timed
-            way = self.ways.chosen(dev, nbytes) or "preadv"
-        else:
-            way = self.ways.way(dev, nbytes)
+        alone = self._reading() == 1  # another read in flight: neither is timed
+        way = self.ways.way(dev, nbytes) if alone and entry.speculative else self.ways.chosen(dev, nbytes) or "preadv"
+        if alone:
             entry.ticket = Ticket(dev, size_class(nbytes), way, number)
         entry.how = "direct" if way == "direct" else "preadv"
         return way == "ahead"
