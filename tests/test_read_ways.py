@@ -166,7 +166,11 @@ def test_an_auto_tier_tries_each_way_then_follows_what_its_own_reads_measured(co
     # a demand read first, then warm reads until the class chooses, then demand and warm reads in turn
     warm = [False, True, True, True, True, True, False, True, False, True, False, True]
     try:
-        warm_ways, warm_sent, wanted_warm, demand_ways, wanted_demand = [], 0, [], [], []
+        warm_ways: list[str] = []
+        demand_ways: list[str] = []
+        wanted_warm: list[str] = []
+        wanted_demand: list[str] = []
+        warm_sent = 0
         for name, speculative in zip(cold_catalog.names(), warm, strict=True):
             spec = cold_catalog.get(name)
             lay = shard_layout(spec, SHAPES["tiny"], 1, 0, BF16)
