@@ -440,7 +440,7 @@ def _collect(policy: BenchPolicy, fleet: Fleet, results: list[Any], start_wall: 
                       **({"kv": engines[(replica, rank)].kv} if engines[(replica, rank)].kv else {})})  # kv_rows
         loads += [{"t_s": t - start_wall, "replica": replica, "rank": rank, "adapter": rec.adapter,
                    "nbytes": rec.nbytes, "ready_ms": rec.ready_ms, "h2d_ms": rec.h2d_ms, "disk_ms": rec.disk_ms,
-                   "host_hit": rec.host_hit, "after_write_back": rec.after_write_back}
+                   "host_hit": rec.host_hit, "after_write_back": rec.after_write_back, "read_way": rec.read_way}
                   for t, rec in logs[(replica, rank)] if t >= since_wall]
     steps = [{"replica": replica, "t_s": s.wall_s - start_wall, **s._asdict()}  # t_s: the loads' clock
              for replica, res in zip(replicas, results) for s in res.ranks[0].step_log]

@@ -155,6 +155,8 @@ class ReadinessRecord(NamedTuple):
     nbytes: int
     host_hit: bool
     after_write_back: bool = False  # its copies followed a write-back of the slot's last shard (exclusive tiers)
+    read_way: str = ""  # a host-tier miss's read of a local file found cold: direct | preadv | ahead (``HostTierConfig
+    # .direct_reads`` / ``read_ahead``, ``workers.staging.read_ways``); "" for a hit, a warm file, a store object
 
 
 class Delta(NamedTuple):

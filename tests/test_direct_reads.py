@@ -314,3 +314,32 @@ def test_a_direct_read_the_device_refuses_is_read_again_through_the_page_cache(
     reads_right(catalog, catalog.names())
     told = [r for r in caplog.records if "O_DIRECT reads were refused" in r.getMessage()]
     assert refused and len(told) == 1
+
+
+@pytest.mark.parametrize(("how", "way"), [({}, ""), ({"direct_reads": "on"}, "direct"),
+                                          ({"read_ahead": True}, "ahead"), ({"direct_reads": "auto"}, "preadv")])
+def test_a_loads_record_names_the_way_its_cold_read_went(direct_dir: Path, make_catalog: Callable[..., Any],
+                                                         monkeypatch: pytest.MonkeyPatch, how: dict[str, Any],
+                                                         way: str) -> None:
+    """A host-tier miss of a file found cold: its READY record's ``read_way`` is the way its read went (a demand load
+    of an "auto" tier that has chosen nothing goes through the page cache); off (and no ``read_ahead``), nothing is
+    decided, so none is named; a host hit names none either. The bench's load log carries it
+    (``bench.real``), so a run tells which way each miss read."""
+    from workers.cache import WorkerCache, WorkerConfig
+
+    paths = make_adapters(direct_dir / "ad", SynthConfig(model="tiny", count=1, rank="16", seed=6))
+    catalog: AdapterCatalog = make_catalog(paths[0].parent)
+    monkeypatch.setattr(host_tier_module, "is_cold", lambda spec: True)
+    cache = WorkerCache(WorkerConfig(num_slots=1, device="cpu", chunk_bytes=0, dtype="bfloat16",
+                                     host=HostTierConfig(host_bytes=1 << 20, read_threads=2, pin=False,
+                                                         tiers="inclusive", **how)), catalog)
+    try:
+        name = catalog.names()[0]
+        first = cache.prefetch(name).result(timeout=60)
+        assert (first.host_hit, first.read_way) == (False, way)
+        assert cache.evict(name)
+        again = cache.prefetch(name).result(timeout=60)  # the host tier kept its copy (inclusive tiers)
+        assert (again.host_hit, again.read_way) == (True, "")
+        cache.check_integrity()
+    finally:
+        cache.close()

@@ -414,7 +414,7 @@ class LoadPath:
         record = ReadinessRecord(load.key.name, load.key.version, self.tp_rank, load.slot, load.disk_ms,
                                  self.streams.elapsed_ms(load.start_event, load.ready_event),
                                  (time.perf_counter() - load.t0) * 1e3, load.layout.nbytes, load.host_hit,
-                                 bool(load.vacate))
+                                 bool(load.vacate), "" if load.host_hit or load.entry is None else load.entry.way)
         book = self.book
         if self.on_ready is not None:  # first: what a rank logs as READY precedes anything it reports. Once the
             try:  # lock below is released, another thread's report() may send this READY at once.

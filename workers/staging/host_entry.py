@@ -55,6 +55,8 @@ class HostEntry:
     # O_DIRECT) where ``direct_reads`` is on (or auto chose it) and its tier found its file cold at dispatch, once for
     # every reader
     ticket: Ticket | None = None  # ``direct_reads`` auto: what its read was sent with, to time its way by
+    way: str = ""  # the way its read of a local file found cold went (direct | preadv | ahead: ``read_ways.WAYS``);
+    # "" where ``direct_reads`` is off without ``read_ahead``, its file was warm, or it is a store object
 
     @property
     def num_chunks(self) -> int:

@@ -175,7 +175,7 @@ class HostTier:
         # ``direct_reads`` or ``read_ahead`` (never both) for a file found cold, decided here for the whole read (every
         # part of a split read alike); auto's ``ahead`` way asks ahead as ``read_ahead`` does
         if (self.config.direct_reads != "off" or self.config.read_ahead) and spec.store is None and is_cold(spec):
-            ahead = self.config.read_ahead or self.cold.send(spec, entry, number, self.config.direct_reads)
+            ahead = self.cold.send(spec, entry, number, self.config.direct_reads, self.config.read_ahead)
             if ahead and self._ahead is not None:
                 with self._lock:
                     self.asked_ahead += 1

@@ -172,26 +172,28 @@ class ColdReads:
             self._dispatched += 1
             return self._dispatched
 
-    def send(self, spec: AdapterSpec, entry: HostEntry, number: int, mode: str) -> bool:
-        """Set the way of ``entry``'s read (the ``number``-th dispatched; its file found cold); True where the file is
-        to be asked for whole ahead (the caller does: ``workers.reads.shard.ask_ahead``). By ``O_DIRECT`` where
+    def send(self, spec: AdapterSpec, entry: HostEntry, number: int, mode: str, ahead: bool = False) -> bool:
+        """Set the way of ``entry``'s read (the ``number``-th dispatched; its file found cold; ``entry.way`` tells it,
+        for its load's record); True where the file is to be asked for whole ahead (the caller does:
+        ``workers.reads.shard.ask_ahead``): always where ``read_ahead`` (``ahead``) is on. By ``O_DIRECT`` where
         ``direct_reads`` (``mode``) is on. Where it is auto (the module's point 3), a warm stage's read that starts
         alone goes the way ``ways`` gives (to explore, recheck or follow the choice); any other read goes the way
         chosen, or through the page cache while its class explores. One that starts alone gets its ticket (it is
         timed if it also ends alone); one that starts beside another cannot be timed. A file system that cannot be
         told: the page cache."""
-        if mode == "on":
-            entry.how = "direct"
-            return False
+        if ahead or mode == "on":
+            entry.how, entry.way = "preadv" if ahead else "direct", "ahead" if ahead else "direct"
+            return ahead
         dev = device_of(spec)
         if dev is None:
+            entry.way = "preadv"
             return False
         nbytes = entry.layout.nbytes
         alone = self._reading() == 1  # another read in flight: neither is timed
         way = self.ways.way(dev, nbytes) if alone and entry.speculative else self.ways.chosen(dev, nbytes) or "preadv"
         if alone:
             entry.ticket = Ticket(dev, size_class(nbytes), way, number)
-        entry.how = "direct" if way == "direct" else "preadv"
+        entry.how, entry.way = "direct" if way == "direct" else "preadv", way
         return way == "ahead"
 
     def ended(self, entry: HostEntry) -> None:
