@@ -33,8 +33,9 @@ DIRECT_READS = {
           "files on a local device larger than memory is read at the device's rate, with no copy out of the page "
           "cache and nothing left in it (the pinned host tier is the node's copy)",
     "auto": "each file system and shard size tries O_DIRECT, the page cache, and the page cache with the file asked "
-            "for whole ahead (read_ahead's way) on its first cold reads, then takes the one its reads measured "
-            "fastest, trying the others now and then (workers/staging/read_ways.py)",
+            "for whole ahead (read_ahead's way) on its first warm stages' cold reads, then takes the one its reads "
+            "measured fastest, trying the others now and then; a read a request waits for goes the way chosen, or "
+            "through the page cache until one is (workers/staging/read_ways.py)",
 }
 MEMINFO = Path("/proc/meminfo")
 CGROUP = Path("/sys/fs/cgroup")
