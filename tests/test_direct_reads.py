@@ -324,8 +324,11 @@ def test_a_loads_record_names_the_way_its_cold_read_went(direct_dir: Path, make_
     """A host-tier miss of a file found cold: its READY record's ``read_way`` is the way its read went (a demand load
     of an "auto" tier that has chosen nothing goes through the page cache); off (and no ``read_ahead``), nothing is
     decided, so none is named; a host hit names none either. The bench's load log carries it
-    (``bench.real``), so a run tells which way each miss read."""
+    (``bench.real``), so a run tells which way each miss read; the cache's stats count the tier's cold reads by
+    way."""
+    import lora_cache.runtime.metrics as metrics_module
     from workers.cache import WorkerCache, WorkerConfig
+    from workers.counters import COLD_WAYS
 
     paths = make_adapters(direct_dir / "ad", SynthConfig(model="tiny", count=1, rank="16", seed=6))
     catalog: AdapterCatalog = make_catalog(paths[0].parent)
@@ -340,6 +343,9 @@ def test_a_loads_record_names_the_way_its_cold_read_went(direct_dir: Path, make_
         assert cache.evict(name)
         again = cache.prefetch(name).result(timeout=60)  # the host tier kept its copy (inclusive tiers)
         assert (again.host_hit, again.read_way) == (True, "")
+        stats = cache.stats()  # the tier's cold reads by way (demand and warm alike): the one miss, if it went one
+        assert {w: stats[f"cold_{w}"] for w in COLD_WAYS} == {w: int(w == way) for w in COLD_WAYS}
+        assert {f"cold_{w}" for w in COLD_WAYS} <= set(metrics_module._COUNTERS)  # exported as lora_cache_cold_reads
         cache.check_integrity()
     finally:
         cache.close()

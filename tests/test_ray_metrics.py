@@ -69,6 +69,7 @@ def test_counters_are_exported_from_zero_before_anything_happens(cluster) -> Non
              ("ray_lora_cache_load_failures_total", {"rank": "1"}),
              ("ray_lora_cache_misses_total", {"rank": "0", "tier": "gpu"}),
              ("ray_lora_cache_moved_bytes_total", {"rank": "0", "path": "disk_to_host"}),
+             ("ray_lora_cache_cold_reads_total", {"rank": "1", "way": "direct"}),
              ("ray_lora_cache_commands_rejected_total", {"reason": "stale_epoch"}),
              ("ray_lora_cache_load_failures_reported_total", {})]
     deadline, samples = time.monotonic() + 30, []

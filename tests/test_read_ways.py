@@ -202,6 +202,7 @@ def test_an_auto_tier_tries_each_way_then_follows_what_its_own_reads_measured(co
         assert report["chosen"] == t.cold.ways.chosen(dev, nbytes) is not None
         timed_reads = sum(report[w]["timed"] for w in WAYS)  # type: ignore[index]
         assert timed_reads == len(warm), f"every read ran alone, each is timed: {report}"
+        assert t.cold.went == {w: (warm_ways + demand_ways).count(w) for w in WAYS}  # counted by the way each went
         t.check_integrity()
     finally:
         t.close()

@@ -81,6 +81,10 @@ class _Ordered(Protocol):
     rankings: int
 
 
+class _Ways(Protocol):
+    went: dict[str, int]
+
+
 class _HostTier(Protocol):  # workers.staging.host.HostTier, bench.sim.host_tier.SimHostTier
     hits: int
     misses: int
@@ -91,14 +95,21 @@ class _HostTier(Protocol):  # workers.staging.host.HostTier, bench.sim.host_tier
     @property
     def order(self) -> _Ordered: ...
 
+    @property
+    def cold(self) -> _Ways: ...
 
-HOST_COUNTERS = ("host_hits", "host_misses", "host_waits", "host_written_back", "bytes_disk_to_host", "host_rankings")
+
+COLD_WAYS = ("direct", "preadv", "ahead")  # workers.staging.read_ways.WAYS: the ways a cold read goes
+HOST_COUNTERS = ("host_hits", "host_misses", "host_waits", "host_written_back", "bytes_disk_to_host", "host_rankings",
+                 *(f"cold_{way}" for way in COLD_WAYS))
 
 
 def host_counts(tier: _HostTier) -> dict[str, int]:
     """A host tier's counters as ``WorkerCache.stats()`` names them (``host_rankings``: the Ranking commands its
-    order took, issue 42's ``popular``)."""
-    values = (tier.hits, tier.misses, tier.waits, tier.written_back, tier.bytes_read, tier.order.rankings)
+    order took, issue 42's ``popular``; ``cold_<way>``: its reads of local files found cold, demand and warm, by the
+    way each went, ``workers.staging.read_ways``)."""
+    values = (tier.hits, tier.misses, tier.waits, tier.written_back, tier.bytes_read, tier.order.rankings,
+              *(tier.cold.went.get(way, 0) for way in COLD_WAYS))
     return dict(zip(HOST_COUNTERS, values, strict=True))
 
 

@@ -17,7 +17,7 @@ import heapq
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bench.sim.calibration import Calibration
 from bench.sim.events import Loop, Signal
@@ -40,6 +40,14 @@ class _Staged:
     touched: float = 0.0  # ``HostEntry.touched``: its read's start, last fetch or write-back (simulated seconds)
 
 
+@dataclass
+class NoWays:
+    """The simulator's side of ``workers.staging.read_ways.ColdReads``: a simulated read has a time, not a way, so
+    no cold read is counted as going one (``WorkerCache.stats``' ``cold_<way>`` stay 0)."""
+
+    went: dict[str, int] = field(default_factory=dict)
+
+
 class SimHostTier:
     """The pinned host tier of one rank: staged shards, bytes, eviction order, single-flight reads, references."""
 
@@ -60,6 +68,7 @@ class SimHostTier:
         self.order = EvictionOrder(capacity, eviction, recent_s)  # which idle entry goes first (``HostTier.order``)
         self.hits = self.misses = self.bytes_read = self.waits = 0
         self.written_back = 0  # shards taken back from a GPU slot (``write_back``)
+        self.cold = NoWays()
         # how much of the last minute this rank's demand reads waited for the store (``DiskTier.store_share``), and
         # past which an evicted shard's disk copy becomes the most recent (``DiskTier.let_go``)
         self.store_share = StoreShare(clock=lambda: loop.now)

@@ -94,6 +94,10 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         Panel("Host tier in use", "Bytes of each rank's pinned host tier holding shards (its size is --host-bytes).",
               "bytes", (Target(f"max({sel('host_tier_used_bytes', REPLICA)}) by (replica, rank)",
                                "{{replica}}/{{rank}}"),)),
+        Panel("Cold reads by way", "Host-tier reads per second of local adapter files found out of the page cache, "
+              "by the way each went (direct_reads / read_ahead): direct (O_DIRECT), preadv (the page cache), ahead "
+              "(the page cache, the file asked for whole first). None with both off.", "ops",
+              (Target(rate("cold_reads_total", "way", REPLICA), "{{way}}"),)),
     )),
     ("Queues and slots", (
         Panel("Queue depth", "Requests waiting at each replica, as its engine last reported them to the controller.",

@@ -98,6 +98,8 @@ _COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
     "disk_fetched_bytes": ("bytes", {"path": "store_to_disk"}),
     "load_failures": ("load_failures", {}),
     "evictions": ("evictions", {}),
+    # workers.counters.COLD_WAYS (the host tier's cold reads by way; tests/test_direct_reads.py holds them equal)
+    **{f"cold_{way}": ("cold_reads", {"way": way}) for way in ("direct", "preadv", "ahead")},
 }
 
 
@@ -118,6 +120,9 @@ class WorkerMetrics:
             "bytes": Counter("lora_cache_moved_bytes", "bytes copied, by path", tag_keys=(*RANK_TAGS, "path")),
             "load_failures": Counter("lora_cache_load_failures", "loads that failed", tag_keys=RANK_TAGS),
             "evictions": Counter("lora_cache_evictions", "slots freed", tag_keys=RANK_TAGS),
+            "cold_reads": Counter("lora_cache_cold_reads", "host-tier reads of local adapter files found out of the "
+                                  "page cache, by the way each went (HostTierConfig.direct_reads, read_ahead)",
+                                  tag_keys=(*RANK_TAGS, "way")),
         }
         self.accuracy = Gauge("lora_cache_prefetch_accuracy",
                               "prefetched adapters used before eviction / prefetched adapters freed",

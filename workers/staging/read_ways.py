@@ -165,6 +165,7 @@ class ColdReads:
         self._reading = reading
         self._lock = threading.Lock()
         self._dispatched = 0  # reads dispatched so far: one sent while another runs means neither ran alone
+        self.went: dict[str, int] = dict.fromkeys(WAYS, 0)  # cold reads by the way each went (``WorkerCache.stats``)
 
     def dispatched(self) -> int:
         """Count a read being dispatched (every read, cold or not, auto or not); its number."""
@@ -183,18 +184,24 @@ class ColdReads:
         told: the page cache."""
         if ahead or mode == "on":
             entry.how, entry.way = "preadv" if ahead else "direct", "ahead" if ahead else "direct"
-            return ahead
+            return self._went(entry.way) == "ahead"
         dev = device_of(spec)
         if dev is None:
-            entry.way = "preadv"
+            entry.way = self._went("preadv")
             return False
         nbytes = entry.layout.nbytes
         alone = self._reading() == 1  # another read in flight: neither is timed
         way = self.ways.way(dev, nbytes) if alone and entry.speculative else self.ways.chosen(dev, nbytes) or "preadv"
         if alone:
             entry.ticket = Ticket(dev, size_class(nbytes), way, number)
-        entry.how, entry.way = "direct" if way == "direct" else "preadv", way
+        entry.how, entry.way = "direct" if way == "direct" else "preadv", self._went(way)
         return way == "ahead"
+
+    def _went(self, way: str) -> str:
+        """Count a cold read going ``way``; ``way``."""
+        with self._lock:
+            self.went[way] += 1
+        return way
 
     def ended(self, entry: HostEntry) -> None:
         """``entry``'s read ended well: one sent with a ticket (it started alone) that no other read was dispatched
