@@ -99,7 +99,7 @@ class _HostTier(Protocol):  # workers.staging.host.HostTier, bench.sim.host_tier
     def cold(self) -> _Ways: ...
 
 
-COLD_WAYS = ("direct", "preadv", "ahead")  # workers.staging.read_ways.WAYS: the ways a cold read goes
+COLD_WAYS = ("direct", "preadv", "ahead")  # the ways a cold read of a local file goes (workers.staging.read_ways)
 HOST_COUNTERS = ("host_hits", "host_misses", "host_waits", "host_written_back", "bytes_disk_to_host", "host_rankings",
                  *(f"cold_{way}" for way in COLD_WAYS))
 

@@ -218,9 +218,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     if kind == "path_auto":  # auto tries its ways on warm stages' reads only: two before each load
                         for k in (1, 2):
                             warm_stage(cache, names[(turn + k) % len(names)], specs[(turn + k) % len(specs)])
-                    cache.evict(name)
-                    cache.host.drop_adapter(name)
-                    drop_pages(spec)  # its next read comes from the device (tmpfs keeps them)
+                    out_of_tiers(cache, name, spec)
                     t0 = time.perf_counter()
                     record = cache.prefetch(name).result(timeout=600)
                     seconds[kind].append(time.perf_counter() - t0)
@@ -262,12 +260,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "phases_ms": {kind: {k: statistics.median(v) for k, v in got.items()} for kind, got in phases.items()}}
 
 
-def warm_stage(cache: WorkerCache, name: str, spec: Any) -> None:
-    """A warm stage's read of ``name`` (``spec``) into ``cache``'s host tier as a miss of a file whose pages are
-    dropped, then let go: what "auto" explores its ways with (``workers.staging.read_ways``, point 3)."""
+def out_of_tiers(cache: WorkerCache, name: str, spec: Any) -> None:
+    """``name`` (``spec``) out of ``cache``'s slot and host tier and its file's pages dropped: its next read is a
+    host-tier miss from the device (tmpfs keeps the pages)."""
     cache.evict(name)
     cache.host.drop_adapter(name)
     drop_pages(spec)
+
+
+def warm_stage(cache: WorkerCache, name: str, spec: Any) -> None:
+    """A warm stage's read of ``name`` (``spec``) into ``cache``'s host tier as a miss of a file whose pages are
+    dropped, then let go: what "auto" explores its ways with (``workers.staging.read_ways``, point 3)."""
+    out_of_tiers(cache, name, spec)
     with cache.host.demand.speculative():
         staged = cache.stage(name)
     if staged is None:

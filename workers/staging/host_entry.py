@@ -51,12 +51,16 @@ class HostEntry:
     touched: float = 0.0  # time.monotonic() of its read's start, its last fetch or its write-back (eviction order)
     node_mark: str = ""  # its demand-read marker while it is read ("" for none); under ``lock``
     read_over: bool = False  # its read ended (no marker may be left for it any more); under ``lock``
-    how: str = "preadv"  # how its read moves its bytes (``workers.reads.shard.HOW``): "direct" (its runs by
-    # O_DIRECT) where ``direct_reads`` is on (or auto chose it) and its tier found its file cold at dispatch, once for
-    # every reader
     ticket: Ticket | None = None  # ``direct_reads`` auto: what its read was sent with, to time its way by
-    way: str = ""  # the way its read of a local file found cold went (direct | preadv | ahead: ``read_ways.WAYS``);
-    # "" where ``direct_reads`` is off without ``read_ahead``, its file was warm, or it is a store object
+    way: str = ""  # the way its read of a local file found cold went (direct | preadv | ahead: ``read_ways.WAYS``),
+    # decided once at dispatch for every reader; "" where ``direct_reads`` is off without ``read_ahead``, its file was
+    # warm, or it is a store object
+
+    @property
+    def how(self) -> str:
+        """How its read moves its bytes (``workers.reads.shard.HOW``): "direct" (its runs by ``O_DIRECT``) where its
+        way is, else "preadv" (``ahead`` too: the file is asked for whole beside the read)."""
+        return "direct" if self.way == "direct" else "preadv"
 
     @property
     def num_chunks(self) -> int:

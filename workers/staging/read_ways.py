@@ -39,13 +39,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from lora_cache.adapters.peft import AdapterSpec
+from workers.counters import COLD_WAYS
 
 if TYPE_CHECKING:
     from workers.staging.host_entry import HostEntry
 
 log = logging.getLogger(__name__)
 
-WAYS = ("direct", "preadv", "ahead")  # the ways of a cold read, in the order a class explores them
+WAYS = COLD_WAYS  # the ways of a cold read, in the order a class explores them (``WorkerCache.stats`` counts each)
 SAID = {"direct": "by O_DIRECT", "preadv": "through the page cache",
         "ahead": "through the page cache, the file asked for whole as its read starts"}
 EXPLORE = 3  # reads of each way timed before a class chooses
@@ -182,25 +183,24 @@ class ColdReads:
         chosen, or through the page cache while its class explores. One that starts alone gets its ticket (it is
         timed if it also ends alone); one that starts beside another cannot be timed. A file system that cannot be
         told: the page cache."""
+        way = self._way(spec, entry, number, mode, ahead)
+        entry.way = way
+        with self._lock:
+            self.went[way] += 1
+        return way == "ahead"
+
+    def _way(self, spec: AdapterSpec, entry: HostEntry, number: int, mode: str, ahead: bool) -> str:
+        """``send``'s choice (giving ``entry`` its ticket where it starts alone under auto)."""
         if ahead or mode == "on":
-            entry.how, entry.way = "preadv" if ahead else "direct", "ahead" if ahead else "direct"
-            return self._went(entry.way) == "ahead"
+            return "ahead" if ahead else "direct"
         dev = device_of(spec)
         if dev is None:
-            entry.way = self._went("preadv")
-            return False
+            return "preadv"
         nbytes = entry.layout.nbytes
         alone = self._reading() == 1  # another read in flight: neither is timed
         way = self.ways.way(dev, nbytes) if alone and entry.speculative else self.ways.chosen(dev, nbytes) or "preadv"
         if alone:
             entry.ticket = Ticket(dev, size_class(nbytes), way, number)
-        entry.how, entry.way = "direct" if way == "direct" else "preadv", self._went(way)
-        return way == "ahead"
-
-    def _went(self, way: str) -> str:
-        """Count a cold read going ``way``; ``way``."""
-        with self._lock:
-            self.went[way] += 1
         return way
 
     def ended(self, entry: HostEntry) -> None:
