@@ -261,7 +261,7 @@ def _run_policies(bench: BenchConfig, real: Any, policies: Sequence[BenchPolicy]
         for policy in policies:
             try:
                 if real.store_model().kind == "device":  # every policy starts from the device, not the page cache
-                    print(f"store: dropped the pages of {drop_all_pages(root)} adapter files", file=sys.stderr)
+                    print(f"store: {drop_all_pages(root).describe()}", file=sys.stderr)
                 with progress(policy.name) as tick:
                     runs.append(run_policy(real, policy, served, names, workload, tick))
             except Exception as e:  # the other policies still run; the error is in results.json

@@ -3,10 +3,12 @@ whether a file system takes ``O_DIRECT``, and how many of a file's pages the pag
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 from pathlib import Path
+
+from bench.store import cached_pages
+
+__all__ = ["cached_pages", "direct_refused"]
 
 
 def direct_refused(path: Path) -> str:
@@ -22,21 +24,3 @@ def direct_refused(path: Path) -> str:
     finally:
         probe.unlink()
     return ""
-
-
-def cached_pages(path: Path) -> tuple[int, int]:
-    """(pages of ``path`` in the page cache, its pages), by ``mincore`` over a mapping no byte of which is read."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    size = path.stat().st_size
-    pages = -(-size // mmap.PAGESIZE)
-    with open(path, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-    try:
-        base = ctypes.c_char.from_buffer(mapped)
-        vec = (ctypes.c_ubyte * pages)()
-        if libc.mincore(ctypes.c_void_p(ctypes.addressof(base)), ctypes.c_size_t(size), vec) != 0:
-            raise OSError(ctypes.get_errno(), "mincore failed")
-        del base
-        return sum(v & 1 for v in vec), pages
-    finally:
-        mapped.close()

@@ -26,7 +26,7 @@ from bench.sim.calibration import Calibration
 from bench.sim.events import Loop
 from bench.sim.host_tier import SimHostTier
 from bench.sim.store import SharedLink, SimStore, fit_store
-from bench.store import Proxy, StoreModel, parse_store
+from bench.store import Dropped, Proxy, StoreModel, cached_pages, drop_all_pages, parse_store
 from bench.warmup import auto_warmup, split_run, warm_workload
 from bench.workloads import WorkloadSpec
 from lora_cache.adapters.catalog import AdapterCatalog
@@ -79,6 +79,28 @@ def test_a_bad_disk_tier_size_is_refused_naming_the_option_on_both_engines() -> 
         BenchConfig(disk_bytes=0)
     with pytest.raises(ConfigError, match=r"disk_bytes is 0\.5; give the node's disk tier in bytes"):
         SimConfig(disk_bytes=0.5)  # type: ignore[arg-type]
+
+
+# -- the benchmark's drop before each policy's run ----------------------------------------------------------------
+def test_drop_all_pages_leaves_no_page_of_files_just_written_in_the_page_cache(tmp_path: Path) -> None:
+    """The device store's promise: every read of a policy's run comes from the device. A fresh machine makes the
+    adapters right before the first run, and a dirty page is not dropped by ``POSIX_FADV_DONTNEED``: without the
+    write first, a quarter of such a file's pages stayed cached on this machine's ext4 while the rest were being
+    written back, so the first policy's reads were neither the page cache's nor the quiet device's."""
+    files = [tmp_path / "a" / "adapter_model.safetensors", tmp_path / "b" / "adapter_model.safetensors"]
+    for i, f in enumerate(files):
+        f.parent.mkdir()
+        f.write_bytes(os.urandom((16 << 20) + 4096 * i))  # dirty: nothing has written it to the device yet
+    pages = sum(cached_pages(f)[1] for f in files)
+    if sum(cached_pages(f)[0] for f in files) == 0:
+        pytest.skip(f"the file system under {tmp_path} did not cache what was just written")
+    dropped = drop_all_pages(tmp_path)
+    if dropped.cached == pages:
+        pytest.skip(f"the file system under {tmp_path} keeps its pages whatever is asked (tmpfs)")
+    assert dropped == Dropped(files=2, cached=0, pages=pages)
+    assert all(cached_pages(f)[0] == 0 for f in files)
+    assert dropped.describe() == f"dropped the pages of 2 adapter files (0 of {pages} pages still cached)"
+    assert [f.read_bytes()[:8] for f in files]  # still readable: dropped from memory, not lost
 
 
 # -- the worker's drop_page_cache ---------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from bench.probes.cold_read import parallel_pieces, parallel_read
+from bench.store import drop_all_pages
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.errors import ConfigError
@@ -171,6 +172,7 @@ def device_of(path: Path) -> dict[str, Any]:
 def _catalog(root: Path, model: str, rank: int, count: int) -> AdapterCatalog:
     if not all((root / f"cd{rank}-{i:03d}" / WEIGHTS).exists() for i in range(count)):
         make_adapters(root, SynthConfig(model=model, count=count, rank=str(rank), prefix=f"cd{rank}", seed=rank))
+    drop_all_pages(root)  # written to the device first: a fresh file's dirty pages would stay cached
     catalog = AdapterCatalog(CatalogConfig(adapter_roots=(str(root),), model=model, max_rank=rank))
     catalog.register_dir(root)
     return catalog
