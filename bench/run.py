@@ -261,7 +261,9 @@ def _run_policies(bench: BenchConfig, real: Any, policies: Sequence[BenchPolicy]
         for policy in policies:
             try:
                 if real.store_model().kind == "device":  # every policy starts from the device, not the page cache
-                    print(f"store: {drop_all_pages(root).describe()}", file=sys.stderr)
+                    dropped = drop_all_pages(root)
+                    config.setdefault("dropped", {})[policy.name] = dropped._asdict()
+                    print(f"store: {dropped.describe()}", file=sys.stderr)
                 with progress(policy.name) as tick:
                     runs.append(run_policy(real, policy, served, names, workload, tick))
             except Exception as e:  # the other policies still run; the error is in results.json

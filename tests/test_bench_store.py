@@ -652,3 +652,8 @@ def test_a_quick_real_run_per_storage_model(store: str, tmp_path: Path) -> None:
     for policy in ("ondemand", "global"):
         assert doc["figures"][policy]["completed"] == 16 and doc["cold_start"][policy]["completed"] == 8
     assert "cold start" in proc.stdout and "store: " in proc.stdout
+    if store == "device":  # each policy's run starts with no adapter page cached (tmpfs: none can be dropped)
+        for policy in ("ondemand", "global"):
+            dropped = doc["config"]["dropped"][policy]
+            assert dropped["files"] > 0 and dropped["cached"] in (0, dropped["pages"]), dropped
+        assert proc.stderr.count("store: dropped the pages of") == 2
