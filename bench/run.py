@@ -36,7 +36,7 @@ from bench.config import SCENARIOS, BenchConfig
 from bench.figures import PolicyRun, figures
 from bench.policies import BenchPolicy, parse_policies
 from bench.report import progress, write, write_results
-from bench.store import StoreModel, drop_all_pages, s3_store
+from bench.store import StoreModel, drop_all_pages, s3_store, write_back
 from bench.warmup import split_run, warm_workload
 from bench.workloads import Workload, WorkloadSpec
 from lora_cache.errors import ConfigError, LoraCacheError
@@ -110,6 +110,9 @@ def ensure_adapters(root: Path, model: str, ranks: str, names: Sequence[str]) ->
         jobs = min(16, os.cpu_count() or 1) if len(missing) > 8 else 1  # an 8B catalog: ~2 min in one process
         make_named_adapters(root, SynthConfig(model=model, count=len(names), rank=ranks), list(names), jobs=jobs,
                             skip=have)  # each name's rank by its place in the workload, made now or before
+        # on the device before any policy runs: else the first policy's reads (and an S3 store's uploads and
+        # disk-tier writes) share the device with the write-back of what was just made (~21 GB for the 8B catalog)
+        write_back(root)
     elif missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ConfigError(f"adapters: {root} lacks {len(missing)} of the workload's {len(names)} adapters "

@@ -94,9 +94,7 @@ def drop_all_pages(root: str | Path) -> Dropped:
     quarter of a fresh file's pages stayed on this machine's ext4; on the H100 host the first run's rank-64 reads
     took a median 302 ms against 229-233 in the runs after it, whichever policy ran first)."""
     files = cached = pages = 0
-    for path in sorted(Path(root).rglob("*")):
-        if not path.is_file():
-            continue
+    for path in _files(root):
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             os.fsync(fd)
@@ -107,6 +105,24 @@ def drop_all_pages(root: str | Path) -> Dropped:
         held, total = cached_pages(path)
         cached, pages = cached + held, pages + total
     return Dropped(files, cached, pages)
+
+
+def write_back(root: str | Path) -> int:
+    """Every file under ``root`` written to the device (``fsync``), so that nothing made before a run is still being
+    written during it; how many files."""
+    files = 0
+    for path in _files(root):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+            files += 1
+        finally:
+            os.close(fd)
+    return files
+
+
+def _files(root: str | Path) -> list[Path]:
+    return [p for p in sorted(Path(root).rglob("*")) if p.is_file()]
 
 
 def cached_pages(path: Path) -> tuple[int, int]:

@@ -103,6 +103,34 @@ def test_drop_all_pages_leaves_no_page_of_files_just_written_in_the_page_cache(t
     assert [f.read_bytes()[:8] for f in files]  # still readable: dropped from memory, not lost
 
 
+def _advise_dontneed(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_adapters_the_benchmark_makes_are_on_the_device_before_any_policy_runs(tmp_path: Path) -> None:
+    """What ``ensure_adapters`` made is written back before it returns: a page drop with no write of its own then
+    leaves none of their pages cached, since only a dirty page stays. Without the write every page stayed here."""
+    from bench.run import ensure_adapters
+
+    probe = tmp_path / "probe"
+    probe.write_bytes(os.urandom(1 << 16))
+    os.sync()
+    _advise_dontneed(probe)
+    if cached_pages(probe)[0]:
+        pytest.skip(f"the file system under {tmp_path} keeps its pages whatever is asked (tmpfs)")
+    root = tmp_path / "adapters"
+    ensure_adapters(root, "tiny", "8", [f"adapter-{i:03d}" for i in range(3)])
+    files = [p for p in sorted(root.rglob("*")) if p.is_file() and p.stat().st_size]
+    assert len(files) >= 6  # each adapter's config and weights
+    for f in files:
+        _advise_dontneed(f)
+    assert sum(cached_pages(f)[0] for f in files) == 0, "pages of the adapters just made were still dirty"
+
+
 # -- the worker's drop_page_cache ---------------------------------------------------------------------------------
 @pytest.fixture
 def catalog(tiny_adapters: Callable[..., list[Path]], make_catalog: Callable[..., AdapterCatalog]) -> AdapterCatalog:
