@@ -284,3 +284,49 @@ def test_reads_that_overlap_are_not_timed(cold_catalog: AdapterCatalog, monkeypa
         assert sum(v[w]["timed"] for v in report.values() for w in WAYS) == 1, report  # type: ignore[index]
     finally:
         t.close()
+
+
+def test_a_direct_read_whose_runs_the_device_refused_is_not_timed_as_direct(
+        cold_catalog: AdapterCatalog, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device whose logical block is larger than 4 KiB takes the ``O_DIRECT`` open and refuses the aligned reads
+    (EINVAL): the read's runs then go through the page cache (``positioned.read_task``). A warm read sent to explore
+    ``direct`` that went so measured the page cache: it is not a rate of ``direct``, and the file system reads the
+    other two ways from then on. Every shard is a page-cache read's."""
+    import errno
+
+    import workers.reads.positioned as positioned
+
+    def refusing(dfd: int, dest: torch.Tensor, runs: Any) -> None:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(positioned, "read_runs_direct", refusing)
+    monkeypatch.setattr(positioned, "_REFUSED", [])
+    t = HostTier(HostTierConfig(host_bytes=8 * MB, read_threads=2, read_parallel=2, pin=False, reads="thread",
+                                direct_reads="auto"))
+    t.cold.ways = ReadWays(explore=1, recheck=100)
+    names = cold_catalog.names()
+    first = cold_catalog.get(names[0])
+    dev, nbytes = device_of(first), shard_layout(first, SHAPES["tiny"], 1, 0, BF16).nbytes
+    assert dev is not None
+    try:
+        sent: list[str] = []
+        for name in names[:5]:
+            spec = cold_catalog.get(name)
+            lay = shard_layout(spec, SHAPES["tiny"], 1, 0, BF16)
+            with t.demand.speculative():
+                entry = t.fetch(spec, lay, count=False)[0].result(timeout=60)
+            assert entry.ticket is not None
+            sent.append(entry.ticket.way)
+            if entry.ticket.way == "direct":
+                assert {p for p, _ in entry.marks} >= {"direct", "direct refused"}
+            want = torch.zeros(lay.numel, dtype=lay.dtype)
+            read_shard(spec, lay, want)
+            assert torch.equal(entry.tensor, want)
+        assert sent[0] == "direct" and "direct" not in sent[1:], sent  # refused once: never sent that way again
+        assert dev in t.cold.ways.refused
+        report = t.cold.ways.report()[f"{dev}:{size_class(nbytes)}"]
+        assert report["direct"]["timed"] == 0, report  # type: ignore[index]
+        assert report["chosen"] in ("preadv", "ahead")
+        t.check_integrity()
+    finally:
+        t.close()

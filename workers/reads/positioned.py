@@ -155,9 +155,11 @@ def convert(fd: int, dest: torch.Tensor, index: Mapping[str, FileTensor], pieces
 
 
 def read_task(fd: int, raw: memoryview, dest: torch.Tensor, index: Mapping[str, FileTensor], task: Task,
-              rows: bool = False, direct: int | None = None) -> None:
+              rows: bool = False, direct: int | None = None) -> bool:
     """One task: its runs (``direct``: the file's ``O_DIRECT`` fd, ``read_runs_direct``), its column slices
-    (``rows``: row by row), its conversions."""
+    (``rows``: row by row), its conversions. True where its runs were to go by ``O_DIRECT`` and the device refused
+    them (they went through the page cache)."""
+    refused = False
     if direct is None:
         read_runs(fd, raw, task.runs)
     elif task.runs:
@@ -170,9 +172,11 @@ def read_task(fd: int, raw: memoryview, dest: torch.Tensor, index: Mapping[str, 
                 _REFUSED.append(e)
                 log.warning("O_DIRECT reads were refused (%s): reads go through the page cache where that happens", e)
             read_runs(fd, raw, task.runs)
+            refused = True
     for s in task.strided:
         read_strided(fd, raw, s, rows)
     convert(fd, dest, index, task.converts)
+    return refused
 
 
 def bad_block(fd: int, crcs: Sequence[int], size: int, blocks: Iterable[int], block_bytes: int) -> int | None:

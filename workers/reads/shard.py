@@ -265,9 +265,9 @@ def _read_parallel(pool: ReadPool | None, fd: int, source: WeightsSource, index:
     plan = _plan(index, entries, spans, dest.dtype, readers, how != "mmap", source.identity.size)
     checked_at = time.time_ns()  # before any check: the bytes seen are at least this recent
     shares = _parts(plan, [chunk_checks(source, c.blocks, verify) for c in plan], readers, part, source.identity.size)
-    chunks: list[list[Callable[[], None]]] = []
+    chunks: list[Sequence[Callable[[], object]]] = []
     for share in shares:
-        tasks: list[Callable[[], None]] = [
+        tasks: list[Callable[[], bool | None]] = [
             functools.partial(_check_task, fd, source, list(b)) if t is None
             else functools.partial(_run_task, fd, raw, dest, index, t, source, how, mapped, direct)
             for b, t in share.work]
@@ -287,8 +287,8 @@ def _read_parallel(pool: ReadPool | None, fd: int, source: WeightsSource, index:
     if pool is not None:
         run_in_order(pool, chunks, done, loops=-(-readers // parts))
     else:
-        for k, tasks in enumerate(chunks):
-            for task in tasks:
+        for k, chunk in enumerate(chunks):
+            for task in chunk:
                 task()
             done(k)
     return sum(c.nbytes for c in plan)
@@ -310,15 +310,17 @@ def _sample(fd: int, raw: memoryview, source: WeightsSource, blocks: Sequence[in
         raise changed_block(source, block)
 
 
-def _timed(task: Callable[[], None], marks: list[tuple[str, float]]) -> Callable[[], None]:
+def _timed(task: Callable[[], bool | None], marks: list[tuple[str, float]]) -> Callable[[], None]:
     """``task`` (a partial of ``_check_task`` or ``_run_task``), noting its thread time in ``marks`` as
-    ("busy read" or "busy crc", seconds)."""
+    ("busy read" or "busy crc", seconds), and ("direct refused", when) where the device refused its ``O_DIRECT``
+    runs (``positioned.read_task``): the read then did not go the way it was sent, and is not timed as that way."""
     what = "busy crc" if getattr(task, "func", None) is _check_task else "busy read"
 
     def run() -> None:
         t0 = time.perf_counter()
         try:
-            task()
+            if task():
+                marks.append(("direct refused", time.perf_counter()))
         finally:
             marks.append((what, time.perf_counter() - t0))
 
@@ -326,14 +328,15 @@ def _timed(task: Callable[[], None], marks: list[tuple[str, float]]) -> Callable
 
 
 def _run_task(fd: int, raw: memoryview, dest: torch.Tensor, index: dict[str, FileTensor], task: Task,
-              source: WeightsSource, how: str, mapped: mmap.mmap | None, direct: int | None = None) -> None:
+              source: WeightsSource, how: str, mapped: mmap.mmap | None, direct: int | None = None) -> bool:
     """One reader thread's share of a chunk (``workers.reads.positioned``); ``mapped`` (``how`` mmap): its pieces copied
-    from the mapped file instead; ``direct``: its runs by ``O_DIRECT`` reads of that fd."""
+    from the mapped file instead; ``direct``: its runs by ``O_DIRECT`` reads of that fd. True where the device
+    refused those (``positioned.read_task``)."""
     try:
         if mapped is not None:
             _copy_slices(mapped, index, task.converts, dest)
-        read_task(fd, raw, dest, index, task._replace(converts=()) if mapped is not None else task, how == "rows",
-                  direct)
+        return read_task(fd, raw, dest, index, task._replace(converts=()) if mapped is not None else task,
+                         how == "rows", direct)
     except FileShrank as e:
         raise AdapterChangedError(f"{source.path} shrank while it was read (it ended before byte {e.offset} of "
                                   f"{source.identity.size}) since it was registered as version {source.version}; "

@@ -31,7 +31,7 @@ import torch
 
 AUTO_MAX = 8  # readers of one read, at most, by default: 16 threads read slower than 8 (the GIL; issue 30)
 GPU_DIR = Path("/proc/driver/nvidia/gpus")  # one entry per GPU of the host, whatever this process may see
-Task = Callable[[], None]
+Task = Callable[[], object]  # its value, if any, is the caller's (a reader thread ignores it)
 
 
 def host_cores() -> int:

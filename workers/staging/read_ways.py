@@ -205,15 +205,18 @@ class ColdReads:
 
     def ended(self, entry: HostEntry) -> None:
         """``entry``'s read ended well: one sent with a ticket (it started alone) that no other read was dispatched
-        after is a rate of its way (whether it really went by ``O_DIRECT`` is in its marks). Warm stages count too: a
-        local file's warm read yields to nothing midway (only a store fetch does)."""
+        after is a rate of its way (whether it really went by ``O_DIRECT`` is in its marks: the open, and no run that
+        the device refused). Warm stages count too: a local file's warm read yields to nothing midway (only a store
+        fetch does)."""
         ticket = entry.ticket
         if ticket is None:
             return
         with self._lock:
             if ticket.dispatched != self._dispatched:
                 return
-        self.ways.timed(ticket, entry.bytes_read, entry.read_ms / 1e3, any(p == "direct" for p, _ in entry.marks))
+        phases = {p for p, _ in entry.marks}
+        self.ways.timed(ticket, entry.bytes_read, entry.read_ms / 1e3,
+                        "direct" in phases and "direct refused" not in phases)
 
 
 def _explored(rates: dict[str, deque[float]], ways: tuple[str, ...], explore: int) -> bool:
