@@ -346,6 +346,16 @@ def test_a_loads_record_names_the_way_its_cold_read_went(direct_dir: Path, make_
         stats = cache.stats()  # the tier's cold reads by way (demand and warm alike): the one miss, if it went one
         assert {w: stats[f"cold_{w}"] for w in COLD_WAYS} == {w: int(w == way) for w in COLD_WAYS}
         assert {f"cold_{w}" for w in COLD_WAYS} <= set(metrics_module._COUNTERS)  # exported as lora_cache_cold_reads
+        # what auto measured, per file system and size class (`bench.run` keeps it in each rank's stats): the one
+        # demand read, timed through the page cache while nothing is chosen; the other settings time nothing
+        ways = stats["read_ways"]
+        assert isinstance(ways, dict)
+        if how.get("direct_reads") == "auto":
+            (measured,) = ways.values()
+            assert measured["preadv"]["timed"] == 1 and measured["preadv"]["GBps"] > 0 and measured["chosen"] is None
+            assert measured["direct"] == measured["ahead"] == {"GBps": None, "timed": 0}
+        else:
+            assert ways == {}
         cache.check_integrity()
     finally:
         cache.close()

@@ -147,6 +147,18 @@ def cold_catalog(tmp_path: Path, make_catalog: Callable[..., Any], monkeypatch: 
     return catalog
 
 
+def auto_tier(catalog: AdapterCatalog, explore: int, recheck: int) -> tuple[HostTier, int, int]:
+    """An auto tier over real threads, its core set to ``explore`` / ``recheck``; (tier, the catalog's file system,
+    a shard's bytes: its size class)."""
+    t = HostTier(HostTierConfig(host_bytes=8 * MB, read_threads=2, read_parallel=2, pin=False, reads="thread",
+                                direct_reads="auto"))
+    t.cold.ways = ReadWays(explore=explore, recheck=recheck)
+    first = catalog.get(catalog.names()[0])
+    dev, nbytes = device_of(first), shard_layout(first, SHAPES["tiny"], 1, 0, BF16).nbytes
+    assert dev is not None
+    return t, dev, nbytes
+
+
 def went_direct(entry: Any) -> bool:
     return any(phase == "direct" for phase, _ in entry.marks)
 
@@ -157,12 +169,7 @@ def test_an_auto_tier_tries_each_way_then_follows_what_its_own_reads_measured(co
     what they measured, and the next warm reads go that way but the recheck. Demand reads never try a way: the page
     cache while the class explores, the chosen way after; they are timed too. Every read ran alone and is timed;
     every shard is the one a page-cache read stages."""
-    t = HostTier(HostTierConfig(host_bytes=8 * MB, read_threads=2, read_parallel=2, pin=False, reads="thread",
-                                direct_reads="auto"))
-    t.cold.ways = ReadWays(explore=2, recheck=3)
-    first = cold_catalog.get(cold_catalog.names()[0])
-    dev, nbytes = device_of(first), shard_layout(first, SHAPES["tiny"], 1, 0, BF16).nbytes
-    assert dev is not None
+    t, dev, nbytes = auto_tier(cold_catalog, explore=2, recheck=3)
     # a demand read first, then warm reads until the class chooses, then demand and warm reads in turn
     warm = [False, True, True, True, True, True, False, True, False, True, False, True]
     try:
@@ -212,13 +219,8 @@ def test_a_read_a_request_waits_for_never_tries_a_way(cold_catalog: AdapterCatal
     """Demand reads alone, however many, go through the page cache while nothing is chosen (what ``off`` does: a
     service with no warm stages never leaves it), are timed, and never open ``O_DIRECT`` or ask ahead; once the class
     has chosen (here ``direct``, measured faster), they go that way."""
-    t = HostTier(HostTierConfig(host_bytes=8 * MB, read_threads=2, read_parallel=2, pin=False, reads="thread",
-                                direct_reads="auto"))
-    t.cold.ways = ReadWays(explore=1, recheck=2)
+    t, dev, nbytes = auto_tier(cold_catalog, explore=1, recheck=2)
     names = cold_catalog.names()
-    first = cold_catalog.get(names[0])
-    dev, nbytes = device_of(first), shard_layout(first, SHAPES["tiny"], 1, 0, BF16).nbytes
-    assert dev is not None
     try:
         for name in names[:6]:
             spec = cold_catalog.get(name)
@@ -301,13 +303,8 @@ def test_a_direct_read_whose_runs_the_device_refused_is_not_timed_as_direct(
 
     monkeypatch.setattr(positioned, "read_runs_direct", refusing)
     monkeypatch.setattr(positioned, "_REFUSED", [])
-    t = HostTier(HostTierConfig(host_bytes=8 * MB, read_threads=2, read_parallel=2, pin=False, reads="thread",
-                                direct_reads="auto"))
-    t.cold.ways = ReadWays(explore=1, recheck=100)
+    t, dev, nbytes = auto_tier(cold_catalog, explore=1, recheck=100)
     names = cold_catalog.names()
-    first = cold_catalog.get(names[0])
-    dev, nbytes = device_of(first), shard_layout(first, SHAPES["tiny"], 1, 0, BF16).nbytes
-    assert dev is not None
     try:
         sent: list[str] = []
         for name in names[:5]:

@@ -389,6 +389,7 @@ class WorkerCache:
             snap.update(slots_ready=table.count(SlotPhase.READY), slots_loading=table.count(SlotPhase.LOADING),
                         host_bytes_used=self.host.arena.used_bytes, **resident_prefetches(self.book.loads.values()))
         snap.update(self.disk.stats())
+        snap["read_ways"] = self.host.cold.ways.report()  # per file system and size class: each way's rate, the choice
         return snap
 
     def slot_view(self, slot: int, layout: ShardLayout, layer: int, module: str, ab: str) -> torch.Tensor:
