@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import mmap
 import os
 import re
@@ -95,34 +96,37 @@ def drop_all_pages(root: str | Path) -> Dropped:
     took a median 302 ms against 229-233 in the runs after it, whichever policy ran first)."""
     files = cached = pages = 0
     for path in _files(root):
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            files += 1
-        finally:
-            os.close(fd)
+        _write(path, os.POSIX_FADV_DONTNEED)
         held, total = cached_pages(path)
-        cached, pages = cached + held, pages + total
+        files, cached, pages = files + 1, cached + held, pages + total
     return Dropped(files, cached, pages)
 
 
 def write_back(root: str | Path) -> int:
     """Every file under ``root`` written to the device (``fsync``), so that nothing made before a run is still being
     written during it; how many files."""
-    files = 0
-    for path in _files(root):
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-            files += 1
-        finally:
-            os.close(fd)
-    return files
+    paths = _files(root)
+    for path in paths:
+        _write(path)
+    return len(paths)
 
 
 def _files(root: str | Path) -> list[Path]:
     return [p for p in sorted(Path(root).rglob("*")) if p.is_file()]
+
+
+def _write(path: Path, advice: int | None = None) -> None:
+    """``path``'s dirty pages written to the device, then ``advice`` (``posix_fadvise``) on the whole file."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+        if advice is not None:
+            os.posix_fadvise(fd, 0, 0, advice)
+    finally:
+        os.close(fd)
+
+
+_LOW_BIT = bytes(i & 1 for i in range(256))  # mincore's byte per page: bit 0 is "resident", the others reserved
 
 
 def cached_pages(path: Path) -> tuple[int, int]:
@@ -130,19 +134,23 @@ def cached_pages(path: Path) -> tuple[int, int]:
     size = path.stat().st_size
     if size == 0:
         return 0, 0
-    libc = ctypes.CDLL(None, use_errno=True)
     pages = -(-size // mmap.PAGESIZE)
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
     try:
         base = ctypes.c_char.from_buffer(mapped)
         vec = (ctypes.c_ubyte * pages)()
-        if libc.mincore(ctypes.c_void_p(ctypes.addressof(base)), ctypes.c_size_t(size), vec) != 0:
+        if _libc().mincore(ctypes.c_void_p(ctypes.addressof(base)), ctypes.c_size_t(size), vec) != 0:
             raise OSError(ctypes.get_errno(), f"mincore failed on {path}")
         del base
-        return sum(v & 1 for v in vec), pages
+        return bytes(vec).translate(_LOW_BIT).count(1), pages  # in C: an 8B catalog has ~5 million pages
     finally:
         mapped.close()
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 class Proxy:

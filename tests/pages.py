@@ -1,14 +1,10 @@
-"""Page-cache helpers for the tests of direct reads (``tests/test_direct_reads.py``, the cold-device probe's test):
-whether a file system takes ``O_DIRECT``, and how many of a file's pages the page cache holds."""
+"""A helper for the tests of direct reads (``tests/test_direct_reads.py``, the cold-device probe's test): whether a
+file system takes ``O_DIRECT``. How many of a file's pages the page cache holds is ``bench.store.cached_pages``."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-
-from bench.store import cached_pages
-
-__all__ = ["cached_pages", "direct_refused"]
 
 
 def direct_refused(path: Path) -> str:

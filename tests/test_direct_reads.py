@@ -19,13 +19,14 @@ import pytest
 import torch
 
 import workers.staging.host_tier as host_tier_module
+from bench.store import cached_pages
 from lora_cache.adapters.catalog import AdapterCatalog, CatalogConfig
 from lora_cache.adapters.files import RACY_NS
 from lora_cache.adapters.shapes import SHAPES
 from lora_cache.adapters.shards import ShardLayout, shard_layout
 from lora_cache.adapters.synth import SynthConfig, make_adapters
 from lora_cache.errors import AdapterChangedError, ConfigError
-from tests.pages import cached_pages, direct_refused
+from tests.pages import direct_refused
 from workers.reads import positioned
 from workers.reads import shard as shard_module
 from workers.reads.plan import Run
